@@ -1,0 +1,54 @@
+"""The names meshwork uses for mesh axes and logical axes, in one place.
+
+Mesh axes are the physical axes of a `jax.sharding.Mesh`. Their order in
+`MESH_AXES` is the order of the mesh: the axis whose traffic tolerates the
+slowest links comes first (outermost), `tensor`, which communicates inside
+every matrix product, comes last (innermost, fastest links).
+
+Logical axes name the dimensions of parameters and activations in model code.
+Model code uses only logical names; `sharding.rules` maps them onto mesh axes.
+Activations use their own name where their rule must differ from the
+weights' (``act_embed``: the embedding dimension of an activation stays whole
+while the weights' ``embed`` is split over ``fsdp``).
+"""
+
+# Mesh axes, outermost (slowest links) to innermost (fastest links).
+DATA = "data"
+STAGE = "stage"
+FSDP = "fsdp"
+SEQUENCE = "sequence"
+TENSOR = "tensor"
+EXPERT = "expert"  # reserved for mixture-of-experts; not accepted in a mesh yet
+
+MESH_AXES: tuple[str, ...] = (DATA, STAGE, FSDP, SEQUENCE, TENSOR)
+RESERVED_MESH_AXES: tuple[str, ...] = (EXPERT,)
+
+# Axes that split the batch (data parallelism in the wide sense).
+BATCH_MESH_AXES: tuple[str, ...] = (DATA, FSDP)
+
+# Logical axes of parameters.
+EMBED = "embed"
+MLP = "mlp"
+HEADS = "heads"
+KV_HEADS = "kv_heads"
+HEAD_DIM = "head_dim"
+VOCAB = "vocab"
+LAYERS = "layers"
+
+# Logical axes of activations.
+BATCH = "batch"
+LENGTH = "length"
+ACT_EMBED = "act_embed"
+
+LOGICAL_AXES: tuple[str, ...] = (
+    BATCH,
+    LENGTH,
+    EMBED,
+    MLP,
+    HEADS,
+    KV_HEADS,
+    HEAD_DIM,
+    VOCAB,
+    LAYERS,
+    ACT_EMBED,
+)

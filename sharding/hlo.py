@@ -1,0 +1,149 @@
+"""Reading collectives out of compiled HLO text.
+
+`collectives(compiled.as_text())` lists every collective instruction
+(all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute and
+their asynchronous ``-start`` forms) with the bytes of its per-device result
+and how many times it runs per call of the program: an instruction inside a
+``while`` body (a scanned layer stack, a microbatch loop) runs once per trip,
+read from the loop's ``known_trip_count``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections import defaultdict
+
+COLLECTIVE_OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+_DTYPE_BYTES = {
+    "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
+    "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1, "s4": 1, "u4": 1,
+}
+_ARRAY = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)[\s(].*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([a-z][a-z0-9\-]*)\((.*)$")
+_CALLEE = re.compile(r"\b(body|condition|to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)"?')
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective instruction of a compiled program.
+
+    Attributes:
+      op: the collective kind (``all-gather`` for ``all-gather-start`` too).
+      name: the instruction name.
+      computation: the HLO computation holding it.
+      result_bytes: bytes of its per-device result (for ``-start`` forms,
+        of the output buffer).
+      executions: times it runs per call of the program (loop trips folded in).
+    """
+
+    op: str
+    name: str
+    computation: str
+    result_bytes: int
+    executions: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.result_bytes * self.executions
+
+
+def shape_bytes(type_text: str) -> list[int]:
+    """Bytes of each array in an HLO type string such as ``(f32[8,4]{1,0}, s32[])``."""
+    sizes = []
+    for dtype, dims in _ARRAY.findall(type_text):
+        if dtype not in _DTYPE_BYTES:
+            continue
+        count = 1
+        for d in filter(None, dims.split(",")):
+            count *= int(d)
+        sizes.append(count * _DTYPE_BYTES[dtype])
+    return sizes
+
+
+def _result_bytes(op: str, type_text: str) -> int:
+    sizes = shape_bytes(type_text)
+    if not sizes:
+        return 0
+    if op.endswith("-start") and op != "all-reduce-start" and len(sizes) >= 2:
+        return sizes[1]  # (operand, output, ...) tuples of async starts
+    return sum(sizes)
+
+
+def _parse(hlo_text: str):
+    """Computations -> instructions, call edges with multipliers, and the entry name."""
+    instructions: dict[str, list[tuple[str, str, str, str]]] = defaultdict(list)
+    calls: dict[str, list[tuple[str, int]]] = defaultdict(list)
+    entry = None
+    current = None
+    for line in hlo_text.splitlines():
+        header = _COMPUTATION.match(line)
+        if header and not line[:1].isspace():
+            current = header.group(1)
+            if line.lstrip().startswith("ENTRY"):
+                entry = current
+            continue
+        match = _INSTRUCTION.match(line)
+        if not match or current is None:
+            continue
+        name, type_text, op, rest = match.groups()
+        instructions[current].append((name, type_text, op, rest))
+        trip = _TRIP.search(rest)
+        for kind, callee in _CALLEE.findall(rest):
+            calls[current].append((callee, int(trip.group(1)) if (kind == "body" and trip) else 1))
+        for branches in _BRANCHES.findall(rest):
+            for callee in branches.split(","):
+                calls[current].append((callee.strip().lstrip("%"), 1))
+    return instructions, calls, entry
+
+
+def _multiplicities(calls, entry) -> dict[str, int]:
+    counts: dict[str, int] = defaultdict(int)
+
+    def visit(name: str, factor: int, depth: int) -> None:
+        if depth > 64:
+            return
+        counts[name] += factor
+        for callee, trips in calls.get(name, ()):
+            visit(callee, factor * trips, depth + 1)
+
+    if entry is not None:
+        visit(entry, 1, 0)
+    return counts
+
+
+def collectives(hlo_text: str) -> list[Collective]:
+    """Every collective of a compiled HLO module, with its executions per call.
+
+    Args:
+      hlo_text: ``compiled.as_text()`` of a `jax.stages.Compiled`.
+
+    Returns:
+      One `Collective` per instruction (``-done`` halves are skipped).
+    """
+    instructions, calls, entry = _parse(hlo_text)
+    times = _multiplicities(calls, entry)
+    found = []
+    for computation, items in instructions.items():
+        for name, type_text, op, _ in items:
+            base = op[: -len("-start")] if op.endswith("-start") else op
+            if base not in COLLECTIVE_OPS:
+                continue
+            found.append(
+                Collective(base, name, computation, _result_bytes(op, type_text), max(times.get(computation, 0), 1))
+            )
+    return found
+
+
+def summarize(found: list[Collective]) -> dict[str, tuple[int, int]]:
+    """op -> (executions per call, result bytes per call), over all instructions."""
+    table: dict[str, list[int]] = {}
+    for c in found:
+        row = table.setdefault(c.op, [0, 0])
+        row[0] += c.executions
+        row[1] += c.total_bytes
+    return {op: (row[0], row[1]) for op, row in sorted(table.items())}

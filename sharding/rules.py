@@ -1,0 +1,344 @@
+"""Logical-to-mesh sharding rules.
+
+Model code names each array dimension with a logical axis (`sharding.axes`);
+a `Rules` table maps each logical axis to zero or more mesh axes. The tables
+are data: four presets and ``--rule NAME=AXIS[+AXIS]`` overrides.
+
+=========  ==================================================================
+preset     what it shards
+=========  ==================================================================
+dp         the batch over ``data`` and ``fsdp``; parameters replicated
+fsdp       dp + parameters' ``embed`` dimension over ``fsdp`` (ZeRO-3 style)
+tp         dp + ``heads``, ``kv_heads``, ``mlp``, ``vocab`` over ``tensor``
+           (Megatron-LM style column/row splits)
+fsdp_tp    fsdp and tp together (the default)
+=========  ==================================================================
+
+In every preset the activations' ``length`` goes over ``sequence``.
+
+Rules are checked per array: two logical axes of one array that land on the
+same mesh axis raise an error naming both. A dimension that a mesh axis does
+not divide is left unsplit along that axis (replicated) and reported, rather
+than padded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import math
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+from sharding import axes as ax
+
+AxisNames = tuple[str | None, ...]
+"""Logical names of an array's dimensions, one per dimension (None: unnamed)."""
+
+_BATCH_RULES = {ax.BATCH: (ax.DATA, ax.FSDP), ax.LENGTH: (ax.SEQUENCE,)}
+_FSDP_RULES = {ax.EMBED: (ax.FSDP,)}
+_TP_RULES = {
+    ax.HEADS: (ax.TENSOR,),
+    ax.KV_HEADS: (ax.TENSOR,),
+    ax.MLP: (ax.TENSOR,),
+    ax.VOCAB: (ax.TENSOR,),
+}
+
+PRESETS: dict[str, dict[str, tuple[str, ...]]] = {
+    "dp": dict(_BATCH_RULES),
+    "fsdp": {**_BATCH_RULES, **_FSDP_RULES},
+    "tp": {**_BATCH_RULES, **_TP_RULES},
+    "fsdp_tp": {**_BATCH_RULES, **_FSDP_RULES, **_TP_RULES},
+}
+DEFAULT_PRESET = "fsdp_tp"
+
+
+@dataclasses.dataclass(frozen=True)
+class Rules:
+    """A logical-axis -> mesh-axes table.
+
+    Attributes:
+      name: the preset it came from, with ``+overrides`` when overridden.
+      table: ``(logical_axis, mesh_axes)`` pairs; a logical axis not in the
+        table is replicated.
+    """
+
+    name: str
+    table: tuple[tuple[str, tuple[str, ...]], ...]
+
+    def mesh_axes(self, logical: str | None) -> tuple[str, ...]:
+        """The mesh axes a logical axis maps to (empty: replicated)."""
+        if logical is None:
+            return ()
+        return dict(self.table).get(logical, ())
+
+    def as_dict(self) -> dict[str, list[str]]:
+        """JSON-friendly form, for reports and checkpoint metadata."""
+        return {name: list(mesh_axes) for name, mesh_axes in self.table}
+
+    def with_overrides(self, overrides: Mapping[str, Sequence[str]]) -> Rules:
+        """A copy with some logical axes remapped (an empty sequence replicates)."""
+        if not overrides:
+            return self
+        table = dict(self.table)
+        table.update({name: tuple(mesh_axes) for name, mesh_axes in overrides.items()})
+        suffix = ",".join(f"{n}={'+'.join(m) or 'none'}" for n, m in overrides.items())
+        return Rules(f"{self.name}+{suffix}", tuple(table.items()))
+
+
+def get_rules(preset: str = DEFAULT_PRESET, overrides: Iterable[str] = ()) -> Rules:
+    """Builds rules from a preset name and ``--rule`` overrides.
+
+    Args:
+      preset: one of `PRESETS` (``dp``, ``fsdp``, ``tp``, ``fsdp_tp``).
+      overrides: strings ``NAME=AXIS[+AXIS]``; ``NAME=none`` or ``NAME=``
+        replicates that logical axis.
+
+    Returns:
+      The `Rules`.
+
+    Raises:
+      ValueError: an unknown preset, logical axis or mesh axis, or a malformed
+        override; the message lists what is valid.
+    """
+    if preset not in PRESETS:
+        raise ValueError(f"--rules {preset!r}: unknown preset; choose one of {', '.join(PRESETS)}")
+    rules = Rules(preset, tuple(PRESETS[preset].items()))
+    return rules.with_overrides(parse_rule_overrides(overrides))
+
+
+def parse_rule_overrides(overrides: Iterable[str]) -> dict[str, tuple[str, ...]]:
+    """Parses ``--rule NAME=AXIS[+AXIS]`` strings into logical -> mesh axes.
+
+    Raises:
+      ValueError: naming the bad override and what would work.
+    """
+    parsed: dict[str, tuple[str, ...]] = {}
+    for item in overrides:
+        name, sep, value = item.partition("=")
+        name = name.strip()
+        if not sep:
+            raise ValueError(f"--rule {item!r}: expected NAME=AXIS[+AXIS], e.g. --rule mlp=tensor+fsdp")
+        if name not in ax.LOGICAL_AXES:
+            raise ValueError(
+                f"--rule {item!r}: unknown logical axis {name!r}; known: {', '.join(ax.LOGICAL_AXES)}"
+            )
+        value = value.strip()
+        mesh_axes = () if value.lower() in ("", "none") else tuple(v.strip() for v in value.split("+"))
+        for mesh_axis in mesh_axes:
+            if mesh_axis not in ax.MESH_AXES:
+                raise ValueError(
+                    f"--rule {item!r}: unknown mesh axis {mesh_axis!r}; known: "
+                    f"{', '.join(ax.MESH_AXES)} (or 'none' to replicate)"
+                )
+        if len(set(mesh_axes)) != len(mesh_axes):
+            raise ValueError(f"--rule {item!r}: a mesh axis is repeated")
+        parsed[name] = mesh_axes
+    return parsed
+
+
+@dataclasses.dataclass(frozen=True)
+class Dropped:
+    """A mesh axis left out of an array's sharding because it does not divide the dimension."""
+
+    dim: int
+    logical: str
+    mesh_axis: str
+    dim_size: int
+    axis_size: int
+
+
+def logical_to_spec(
+    names: AxisNames,
+    rules: Rules,
+    shape: Sequence[int] | None = None,
+    mesh_shape: Mapping[str, int] | None = None,
+):
+    """The `PartitionSpec` of an array from its logical axis names.
+
+    Args:
+      names: one logical name (or None) per dimension.
+      rules: the rules table.
+      shape: the array's shape; with ``mesh_shape``, mesh axes that do not
+        divide their dimension are dropped (that dimension is replicated
+        along them).
+      mesh_shape: mesh axis -> size.
+
+    Returns:
+      ``(spec, dropped)``: a `jax.sharding.PartitionSpec` and the list of
+      `Dropped` axes (empty when nothing was dropped or no shape was given).
+
+    Raises:
+      ValueError: when ``shape`` and ``names`` differ in length, or two
+        logical axes of the array map to the same mesh axis (naming both).
+    """
+    from jax.sharding import PartitionSpec
+
+    if shape is not None and len(shape) != len(names):
+        raise ValueError(f"logical names {names} have {len(names)} entries for an array of shape {tuple(shape)}")
+    owner: dict[str, str] = {}
+    for logical in names:
+        for mesh_axis in rules.mesh_axes(logical):
+            if mesh_axis in owner:
+                raise ValueError(
+                    f"logical axes {owner[mesh_axis]!r} and {logical!r} of one array {tuple(names)} both "
+                    f"map to mesh axis {mesh_axis!r} under rules {rules.name!r}; remap one with "
+                    f"--rule {logical}=none (or another axis)"
+                )
+            owner[mesh_axis] = logical
+    entries: list[Any] = []
+    dropped: list[Dropped] = []
+    for dim, logical in enumerate(names):
+        kept: list[str] = []
+        for mesh_axis in rules.mesh_axes(logical):
+            if shape is not None and mesh_shape is not None:
+                axis_size = mesh_shape.get(mesh_axis, 1)
+                if shape[dim] % (math.prod(mesh_shape[a] for a in kept) * axis_size):
+                    dropped.append(Dropped(dim, logical, mesh_axis, shape[dim], axis_size))
+                    continue
+            kept.append(mesh_axis)
+        entries.append(None if not kept else kept[0] if len(kept) == 1 else tuple(kept))
+    while entries and entries[-1] is None:
+        entries.pop()
+    return PartitionSpec(*entries), dropped
+
+
+@dataclasses.dataclass
+class ShardingReport:
+    """What the rules did to a parameter tree.
+
+    Attributes:
+      rows: ``(path, shape, dtype, names, spec, dropped)`` per array.
+      total_bytes: bytes of all arrays (unsharded).
+      reduced_bytes: bytes of arrays with at least one dropped mesh axis.
+    """
+
+    rows: list[tuple[str, tuple[int, ...], Any, AxisNames, Any, list[Dropped]]]
+    total_bytes: int
+    reduced_bytes: int
+
+    @property
+    def reduced(self):
+        return [row for row in self.rows if row[5]]
+
+    def format_replicated(self) -> str:
+        """Lines listing each array left (partly) replicated, and the byte share."""
+        if not self.reduced:
+            return "every parameter is sharded as its rules ask"
+        lines = ["parameters left replicated where a mesh axis does not divide their dimension:"]
+        for path, shape, _, _, _, dropped in self.reduced:
+            why = "; ".join(
+                f"dim {d.dim} ({d.logical}={d.dim_size}) not divisible by {d.mesh_axis}={d.axis_size}" for d in dropped
+            )
+            lines.append(f"  {path} {shape}: {why}")
+        share = self.reduced_bytes / max(self.total_bytes, 1)
+        lines.append(f"  {share:.1%} of parameter bytes are sharded less than the rules ask")
+        return "\n".join(lines)
+
+
+def path_str(path) -> str:
+    """A readable ``a/b/c`` string for a `jax.tree_util` key path."""
+    parts = []
+    for key in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(key, attr):
+                parts.append(str(getattr(key, attr)))
+                break
+        else:
+            parts.append(str(key))
+    return "/".join(parts)
+
+
+def tree_shardings(abstract_tree, names_tree, mesh, rules: Rules):
+    """`NamedSharding`s for a whole tree of arrays from their logical names.
+
+    Args:
+      abstract_tree: tree of arrays or `jax.ShapeDtypeStruct`s.
+      names_tree: the same tree structure with an `AxisNames` tuple per leaf.
+      mesh: the `jax.sharding.Mesh`.
+      rules: the rules table.
+
+    Returns:
+      ``(shardings, report)``: a tree of `jax.sharding.NamedSharding` with the
+      structure of ``abstract_tree``, and a `ShardingReport`.
+
+    Raises:
+      ValueError: as `logical_to_spec`, with the array's path prepended.
+    """
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding
+
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract_tree)
+    names = treedef.flatten_up_to(names_tree)
+    rows, shardings = [], []
+    total = reduced = 0
+    for (path, leaf), leaf_names in zip(leaves, names, strict=True):
+        where = path_str(path)
+        try:
+            spec, dropped = logical_to_spec(tuple(leaf_names), rules, leaf.shape, dict(mesh.shape))
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+        nbytes = math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
+        total += nbytes
+        reduced += nbytes if dropped else 0
+        rows.append((where, tuple(leaf.shape), leaf.dtype, tuple(leaf_names), spec, dropped))
+        shardings.append(NamedSharding(mesh, spec))
+    return treedef.unflatten(shardings), ShardingReport(rows, total, reduced)
+
+
+# Activation constraints ------------------------------------------------------
+
+_CONTEXT: contextvars.ContextVar[tuple[Any, Rules] | None] = contextvars.ContextVar(
+    "meshwork_sharding_context", default=None
+)
+
+
+@contextlib.contextmanager
+def use_rules(mesh, rules: Rules) -> Iterator[None]:
+    """Makes `constrain` annotate activations for this mesh and rules.
+
+    Use it around tracing (inside a jitted function's body, or around its
+    first call). Outside any such context `constrain` does nothing, so models
+    also run unsharded on one device.
+    """
+    token = _CONTEXT.set((mesh, rules))
+    try:
+        yield
+    finally:
+        _CONTEXT.reset(token)
+
+
+def current_rules() -> tuple[Any, Rules] | None:
+    """The ``(mesh, rules)`` set by `use_rules`, or None."""
+    return _CONTEXT.get()
+
+
+def constrain(x, names: AxisNames):
+    """Annotates an activation with the sharding its logical names imply.
+
+    Args:
+      x: an array inside a jitted function, e.g. ``[batch, length, act_embed]``.
+      names: one logical name per dimension of ``x``.
+
+    Returns:
+      ``x`` with a `jax.lax.with_sharding_constraint` for the mesh and rules
+      of the enclosing `use_rules` (mesh axes that do not divide a dimension
+      are left out); ``x`` unchanged outside `use_rules`.
+
+    Raises:
+      ValueError: when ``names`` does not have one entry per dimension, or two
+        names map to one mesh axis.
+    """
+    if len(names) != x.ndim:
+        raise ValueError(f"constrain: names {names} have {len(names)} entries for an array of rank {x.ndim}")
+    context = _CONTEXT.get()
+    if context is None:
+        return x
+    import jax
+    from jax.sharding import NamedSharding
+
+    mesh, rules = context
+    spec, _ = logical_to_spec(names, rules, x.shape, dict(mesh.shape))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
