@@ -1,0 +1,228 @@
+"""Model configuration and named presets.
+
+`ModelConfig` describes a decoder-only LM (Llama-style: RMSNorm, rotary
+positions, SwiGLU MLP, grouped-query attention). Its *architecture* fields fix
+the parameters; its *execution* fields (dtype, remat, attention) only change
+how a step computes, so a checkpoint restores under any of them.
+
+Parameter count (untied embeddings), with V vocab_size, D embed_dim, L
+num_layers, N num_heads, K num_kv_heads, H head_dim, F mlp_dim::
+
+    P = 2*V*D                        # token embedding + output projection
+      + L * (2*D*N*H + 2*D*K*H       # attention: q, o and k, v
+             + 3*D*F                 # SwiGLU: gate, up, down
+             + 2*D)                  # two RMSNorm scales per layer
+      + D                            # final RMSNorm
+
+(with tied embeddings the first term is V*D). `ModelConfig.num_params`
+computes exactly this; start-up checks it against the built model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Any
+
+DTYPES = ("float32", "bfloat16")
+REMAT_POLICIES = ("none", "full", "dots")
+ATTENTION_IMPLS = ("reference",)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """A decoder-only LM.
+
+    Attributes:
+      vocab_size: V, tokens in the vocabulary (embedding rows).
+      num_layers: L, transformer blocks (stacked on the ``layers`` axis).
+      embed_dim: D, model width.
+      mlp_dim: F, SwiGLU hidden width.
+      num_heads: N, query heads.
+      num_kv_heads: K, key/value heads (grouped-query attention; N % K == 0).
+      head_dim: H, width of one head.
+      rope_theta: base of the rotary frequencies (Su et al., RoFormer, 2021).
+      norm_eps: RMSNorm epsilon.
+      tie_embeddings: use the token embedding as the output projection.
+      dtype: compute dtype, ``float32`` or ``bfloat16`` (parameters stay
+        float32; softmax and loss are float32).
+      remat: rematerialisation of each block in the backward pass: ``none``,
+        ``full`` (save only block inputs) or ``dots`` (save matmul outputs
+        without batch dimensions).
+      attention: attention implementation (``reference``: einsum + mask).
+    """
+
+    vocab_size: int
+    num_layers: int
+    embed_dim: int
+    mlp_dim: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    dtype: str = "float32"
+    remat: str = "none"
+    attention: str = "reference"
+
+    ARCHITECTURE_FIELDS = (
+        "vocab_size",
+        "num_layers",
+        "embed_dim",
+        "mlp_dim",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "rope_theta",
+        "norm_eps",
+        "tie_embeddings",
+    )
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        """Raises ValueError naming the field (as ``--set FIELD=...``) that is invalid."""
+        for name in ("vocab_size", "num_layers", "embed_dim", "mlp_dim", "num_heads", "num_kv_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--set {name}={getattr(self, name)}: must be a positive integer")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"--set num_kv_heads={self.num_kv_heads}: num_heads={self.num_heads} must be a multiple of it"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"--set head_dim={self.head_dim}: rotary embeddings need an even head_dim")
+        checks = (("dtype", DTYPES), ("remat", REMAT_POLICIES), ("attention", ATTENTION_IMPLS))
+        for name, allowed in checks:
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} {getattr(self, name)!r}: choose one of {', '.join(allowed)}")
+
+    def architecture(self) -> dict[str, Any]:
+        """The fields that fix the parameters (compared when restoring)."""
+        return {name: getattr(self, name) for name in self.ARCHITECTURE_FIELDS}
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def num_params(self) -> int:
+        """Parameter count by the formula in the module docstring."""
+        v, d, f = self.vocab_size, self.embed_dim, self.mlp_dim
+        n, k, h = self.num_heads, self.num_kv_heads, self.head_dim
+        embeddings = v * d if self.tie_embeddings else 2 * v * d
+        per_layer = 2 * d * n * h + 2 * d * k * h + 3 * d * f + 2 * d
+        return embeddings + self.num_layers * per_layer + d
+
+    @property
+    def num_embedding_params(self) -> int:
+        """Parameters in the token embedding (excluded from the 6N FLOP count)."""
+        return self.vocab_size * self.embed_dim
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: forward plus backward.
+
+        ``6 * (P - V*D) + 12 * L * N * H * T``, the count of Chowdhery et al.,
+        PaLM (2022), Appendix B: 6 FLOPs per parameter per token for the
+        matrix products (2 forward, 4 backward), excluding the embedding
+        lookup, plus the attention score and value products (not halved for
+        the causal mask, as in that count).
+
+        Args:
+          seq_len: T, tokens per sequence.
+
+        Returns:
+          FLOPs per token (float).
+        """
+        dense = self.num_params - self.num_embedding_params
+        if self.tie_embeddings:
+            dense += self.num_embedding_params  # the output projection still costs a matmul
+        attention = 12 * self.num_layers * self.num_heads * self.head_dim * seq_len
+        return 6.0 * dense + attention
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # ~0.9M parameters: tests and the quick start.
+    "test": ModelConfig(
+        vocab_size=512, num_layers=4, embed_dim=128, mlp_dim=384, num_heads=4, num_kv_heads=2, head_dim=32
+    ),
+    # ~6M parameters: the default for `make train`.
+    "small": ModelConfig(
+        vocab_size=512, num_layers=6, embed_dim=256, mlp_dim=768, num_heads=8, num_kv_heads=4, head_dim=32
+    ),
+    # GPT-3 Small width and depth (Brown et al., 2020, Table 2.1) with SwiGLU.
+    "125m": ModelConfig(
+        vocab_size=32000, num_layers=12, embed_dim=768, mlp_dim=2048, num_heads=12, num_kv_heads=12, head_dim=64
+    ),
+    # Llama-3.2-1B shape (Meta, 2024) with a 32k vocabulary.
+    "1b": ModelConfig(
+        vocab_size=32000, num_layers=16, embed_dim=2048, mlp_dim=8192, num_heads=32, num_kv_heads=8, head_dim=64
+    ),
+    # Llama-2-7B shape (Touvron et al., 2023, Table 1; 6.74e9 parameters).
+    "7b": ModelConfig(
+        vocab_size=32000, num_layers=32, embed_dim=4096, mlp_dim=11008, num_heads=32, num_kv_heads=32, head_dim=128
+    ),
+}
+
+
+def _coerce(field: dataclasses.Field, raw: str) -> Any:
+    kind = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", str(field.type))
+    if kind == "bool":
+        lowered = raw.strip().lower()
+        if lowered in ("1", "true", "yes", "on"):
+            return True
+        if lowered in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"--set {field.name}={raw}: expected true or false")
+    if kind == "int":
+        try:
+            return int(raw)
+        except ValueError:
+            raise ValueError(f"--set {field.name}={raw}: expected an integer") from None
+    if kind == "float":
+        try:
+            return float(raw)
+        except ValueError:
+            raise ValueError(f"--set {field.name}={raw}: expected a number") from None
+    return raw.strip()
+
+
+def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
+    """Parses ``--set FIELD=VALUE`` strings into typed field values.
+
+    Raises:
+      ValueError: an item without ``=``, an unknown field (the message lists
+        the fields), or a value of the wrong type.
+    """
+    fields = {f.name: f for f in dataclasses.fields(ModelConfig)}
+    changes: dict[str, Any] = {}
+    for item in items:
+        name, sep, raw = item.partition("=")
+        name = name.strip()
+        if not sep:
+            raise ValueError(f"--set {item!r}: expected FIELD=VALUE, e.g. --set num_layers=8")
+        if name not in fields:
+            raise ValueError(f"--set {item!r}: unknown field {name!r}; fields are {', '.join(fields)}")
+        changes[name] = _coerce(fields[name], raw)
+    return changes
+
+
+def get_config(preset: str, overrides: Iterable[str] = (), **changes) -> ModelConfig:
+    """A preset with ``--set`` overrides and keyword changes applied.
+
+    Raises:
+      ValueError: unknown preset (lists them) or an invalid override.
+    """
+    if preset not in PRESETS:
+        raise ValueError(f"--model {preset!r}: unknown preset; choose one of {', '.join(PRESETS)}")
+    merged = {**changes, **parse_overrides(overrides)}
+    return PRESETS[preset].replace(**merged)
+
+
+def config_differences(saved: dict[str, Any], current: ModelConfig) -> dict[str, tuple[Any, Any]]:
+    """Architecture fields whose values differ: field -> (saved, current)."""
+    now = current.architecture()
+    return {name: (saved.get(name), value) for name, value in now.items() if saved.get(name) != value}

@@ -1,0 +1,119 @@
+"""Building blocks: token embedding, RMSNorm, rotary positions, SwiGLU MLP.
+
+Einsum letters: B batch, T length, D embed, F mlp, V vocab, N heads, H head_dim.
+
+Every parameter is an `nnx.Param` with ``logical_axes`` metadata, one
+logical name per dimension (see `sharding.axes`); activations are annotated
+with `sharding.rules.constrain`. No mesh-axis names appear here.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from sharding import axes as ax
+from sharding.rules import constrain
+
+
+def param(rngs: nnx.Rngs, shape, names, *, fan_in: int | None = None, init: str = "normal") -> nnx.Param:
+    """A float32 parameter with logical axis names.
+
+    Args:
+      rngs: the random streams (uses ``params``).
+      shape: the parameter's shape.
+      names: one logical axis name per dimension.
+      fan_in: for ``init='normal'``, the standard deviation is
+        ``1/sqrt(fan_in)`` (LeCun normal; default: the first dimension).
+      init: ``normal`` or ``ones``.
+
+    Raises:
+      ValueError: when ``names`` does not have one entry per dimension.
+    """
+    if len(names) != len(shape):
+        raise ValueError(f"logical names {names} do not match shape {shape}")
+    if init == "ones":
+        value = jnp.ones(shape, jnp.float32)
+    else:
+        std = (fan_in or shape[0]) ** -0.5
+        value = std * jax.random.truncated_normal(rngs.params(), -2.0, 2.0, shape, jnp.float32)
+    return nnx.Param(value, logical_axes=tuple(names))
+
+
+class Embed(nnx.Module):
+    """Token embedding, table ``[vocab, embed]``.
+
+    Looks up ``[batch, length]`` int32 tokens into ``[batch, length, embed]``
+    activations; `attend` projects activations back onto the vocabulary (used
+    for tied embeddings).
+    """
+
+    def __init__(self, vocab_size: int, embed_dim: int, *, rngs: nnx.Rngs):
+        self.embedding = param(rngs, (vocab_size, embed_dim), (ax.VOCAB, ax.EMBED), fan_in=1)
+
+    def __call__(self, tokens: jax.Array, dtype) -> jax.Array:
+        x = jnp.take(self.embedding[...], tokens, axis=0).astype(dtype)
+        return constrain(x, (ax.BATCH, ax.LENGTH, ax.ACT_EMBED))
+
+    def attend(self, x: jax.Array) -> jax.Array:
+        """``[batch, length, embed]`` -> logits ``[batch, length, vocab]``."""
+        table = self.embedding[...].astype(x.dtype)
+        return jnp.einsum("BTD,VD->BTV", x, table)
+
+
+class RMSNorm(nnx.Module):
+    """Root-mean-square layer norm (Zhang & Sennrich, 2019), scale ``[embed]``.
+
+    Computes in float32 and returns the input dtype.
+    """
+
+    def __init__(self, dim: int, eps: float, *, rngs: nnx.Rngs):
+        self.scale = param(rngs, (dim,), (ax.EMBED,), init="ones")
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (normed * self.scale[...]).astype(x.dtype)
+
+
+def rotary_embedding(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary position embedding (Su et al., RoFormer, 2021), rotate-half form.
+
+    Args:
+      x: ``[batch, length, heads, head_dim]``, any float dtype; head_dim even.
+      positions: ``[batch, length]`` int32 positions (per document when packed).
+      theta: frequency base.
+
+    Returns:
+      ``x`` rotated, same shape and dtype (computed in float32).
+    """
+    half = x.shape[-1] // 2
+    freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angles = positions.astype(jnp.float32)[:, :, None, None] * freqs  # [B, T, 1, H/2]
+    sin, cos = jnp.sin(angles), jnp.cos(angles)
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return rotated.astype(x.dtype)
+
+
+class MLP(nnx.Module):
+    """SwiGLU feed-forward (Shazeer, 2020): ``down(silu(x @ gate) * (x @ up))``.
+
+    Weights ``gate, up: [embed, mlp]``, ``down: [mlp, embed]``.
+    """
+
+    def __init__(self, embed_dim: int, mlp_dim: int, *, rngs: nnx.Rngs):
+        self.gate = param(rngs, (embed_dim, mlp_dim), (ax.EMBED, ax.MLP))
+        self.up = param(rngs, (embed_dim, mlp_dim), (ax.EMBED, ax.MLP))
+        self.down = param(rngs, (mlp_dim, embed_dim), (ax.MLP, ax.EMBED))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """``[batch, length, embed]`` -> ``[batch, length, embed]`` in x's dtype."""
+        dtype = x.dtype
+        gate = jnp.einsum("BTD,DF->BTF", x, self.gate[...].astype(dtype))
+        up = jnp.einsum("BTD,DF->BTF", x, self.up[...].astype(dtype))
+        hidden = constrain(jax.nn.silu(gate) * up, (ax.BATCH, ax.LENGTH, ax.MLP))
+        out = jnp.einsum("BTF,FD->BTD", hidden, self.down[...].astype(dtype))
+        return constrain(out, (ax.BATCH, ax.LENGTH, ax.ACT_EMBED))

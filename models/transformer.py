@@ -1,0 +1,164 @@
+"""Decoder-only language model with its layers stacked and scanned.
+
+Einsum letters: B batch, T length, D embed, V vocab.
+
+The ``num_layers`` blocks are created with `nnx.vmap`, so each block
+parameter carries a leading ``layers`` dimension (its logical names gain
+``layers`` in front), and run with `jax.lax.scan`, so compile time does not
+grow with depth. Rematerialisation wraps the scanned block.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.attention import Attention
+from models.config import ModelConfig
+from models.layers import MLP, Embed, RMSNorm, param
+from sharding import axes as ax
+from sharding.rules import constrain
+
+_REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def _dtype(name: str):
+    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
+
+
+class Block(nnx.Module):
+    """Pre-norm transformer block: ``x + attn(norm(x))``, then ``+ mlp(norm(x))``."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.attention_norm = RMSNorm(config.embed_dim, config.norm_eps, rngs=rngs)
+        self.attention = Attention(config, rngs=rngs)
+        self.mlp_norm = RMSNorm(config.embed_dim, config.norm_eps, rngs=rngs)
+        self.mlp = MLP(config.embed_dim, config.mlp_dim, rngs=rngs)
+
+    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
+        """``[batch, length, embed]`` -> same shape and dtype."""
+        x = x + self.attention(self.attention_norm(x), positions, segment_ids)
+        x = x + self.mlp(self.mlp_norm(x))
+        return constrain(x, (ax.BATCH, ax.LENGTH, ax.ACT_EMBED))
+
+
+def _add_layers_axis(module: nnx.Module) -> None:
+    """Prepends ``layers`` to the logical names of every parameter of a stacked module."""
+    for _, node in nnx.iter_graph(module):
+        if isinstance(node, nnx.Variable):
+            names = node.get_metadata().get("logical_axes")
+            if names is not None:
+                node.set_metadata("logical_axes", (ax.LAYERS,) + tuple(names))
+
+
+class Transformer(nnx.Module):
+    """The LM: embed, ``num_layers`` blocks, final RMSNorm, output projection.
+
+    Parameters: ``embed/embedding [vocab, embed]``, ``layers/...`` with a
+    leading ``[layers]`` dimension, ``final_norm/scale [embed]`` and, unless
+    embeddings are tied, ``unembed [embed, vocab]``.
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        self.embed = Embed(config.vocab_size, config.embed_dim, rngs=rngs)
+        keys = jax.random.split(rngs.params(), config.num_layers)
+
+        @nnx.vmap(in_axes=0, out_axes=0)
+        def make_block(key):
+            return Block(config, rngs=nnx.Rngs(params=key))
+
+        self.layers = make_block(keys)
+        _add_layers_axis(self.layers)
+        self.final_norm = RMSNorm(config.embed_dim, config.norm_eps, rngs=rngs)
+        if not config.tie_embeddings:
+            self.unembed = param(rngs, (config.embed_dim, config.vocab_size), (ax.EMBED, ax.VOCAB))
+
+    def run_layers(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
+        """Scans the stacked blocks over ``x [batch, length, embed]``."""
+        graphdef, stacked = nnx.split(self.layers)
+
+        def body(h, layer_state):
+            return nnx.merge(graphdef, layer_state)(h, positions, segment_ids), None
+
+        if self.config.remat != "none":
+            body = jax.checkpoint(body, policy=_REMAT_POLICIES[self.config.remat], prevent_cse=False)
+        x, _ = jax.lax.scan(body, x, stacked)
+        return x
+
+    def __call__(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+    ) -> jax.Array:
+        """Next-token logits.
+
+        Args:
+          tokens: ``[batch, length]`` int32 token ids.
+          positions: ``[batch, length]`` int32 rotary positions; default
+            ``0..length-1`` in every row.
+          segment_ids: ``[batch, length]`` int32 document ids of packed
+            sequences (tokens attend only within their document), or None.
+
+        Returns:
+          ``[batch, length, vocab]`` float32 logits.
+        """
+        cfg = self.config
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        x = self.embed(tokens, _dtype(cfg.dtype))
+        x = self.run_layers(x, positions, segment_ids)
+        x = self.final_norm(x)
+        if cfg.tie_embeddings:
+            logits = self.embed.attend(x)
+        else:
+            logits = jnp.einsum("BTD,DV->BTV", x, self.unembed[...].astype(x.dtype))
+        return constrain(logits.astype(jnp.float32), (ax.BATCH, ax.LENGTH, ax.VOCAB))
+
+
+# Functional interface ------------------------------------------------------
+
+def to_pure_dict(state) -> dict[str, Any]:
+    """An `nnx.State` as a plain nested dict of arrays (across flax versions)."""
+    if hasattr(nnx, "to_pure_dict"):
+        return nnx.to_pure_dict(state)
+    return state.to_pure_dict()
+
+
+def abstract_model(config: ModelConfig):
+    """``(graphdef, abstract_params, names)`` without allocating parameters.
+
+    Returns:
+      graphdef: the model's `nnx.GraphDef`, for `apply`.
+      abstract_params: nested dict of `jax.ShapeDtypeStruct` (float32).
+      names: the same nested dict with each parameter's logical axis names.
+    """
+    model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(model)
+    names: dict[str, Any] = {}
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.Param):
+            target = names
+            for key in path[:-1]:
+                target = target.setdefault(str(key), {})
+            target[str(path[-1])] = tuple(node.get_metadata()["logical_axes"])
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), to_pure_dict(state))
+    return graphdef, abstract, names
+
+
+def init_params(config: ModelConfig, key: jax.Array) -> dict[str, Any]:
+    """Fresh parameters as a nested dict (call under `jax.jit` with out_shardings)."""
+    model = Transformer(config, rngs=nnx.Rngs(params=key))
+    return to_pure_dict(nnx.state(model, nnx.Param))
+
+
+def apply(graphdef, params: dict[str, Any], tokens, positions=None, segment_ids=None) -> jax.Array:
+    """Runs the model from a graphdef and a params dict; see `Transformer.__call__`."""
+    return nnx.merge(graphdef, params)(tokens, positions, segment_ids)

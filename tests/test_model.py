@@ -1,0 +1,156 @@
+"""The LM: logical names, parameter count, masking, and sharded forward passes equal to one device."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models.attention import reference_attention
+from models.config import PRESETS, get_config, parse_overrides
+from models.transformer import abstract_model, apply, init_params
+from sharding import axes as ax
+from sharding.mesh import make_mesh, parse_mesh
+from sharding.rules import get_rules, tree_shardings, use_rules
+
+CONFIG = get_config("test")
+
+
+@pytest.fixture(scope="module")
+def model():
+    graphdef, abstract, names = abstract_model(CONFIG)
+    params = jax.jit(lambda k: init_params(CONFIG, k))(jax.random.key(0))
+    return graphdef, params, names
+
+
+def make_batch(batch=8, length=32, seed=0):
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, CONFIG.vocab_size, (batch, length)).astype(np.int32)
+    # Two packed documents per row, split at a random point.
+    cut = rng.integers(1, length, batch)
+    index = np.arange(length)
+    segment_ids = np.where(index[None] < cut[:, None], 1, 2).astype(np.int32)
+    positions = np.where(segment_ids == 1, index[None], index[None] - cut[:, None]).astype(np.int32)
+    return tokens, positions, segment_ids
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_every_parameter_has_one_logical_name_per_dimension(preset):
+    _, abstract, names = abstract_model(PRESETS[preset])
+    leaves, treedef = jax.tree_util.tree_flatten(abstract)
+    name_leaves = treedef.flatten_up_to(names)
+    assert len(leaves) == len(name_leaves) > 0
+    for leaf, leaf_names in zip(leaves, name_leaves):
+        assert len(leaf_names) == leaf.ndim
+        assert all(n in ax.LOGICAL_AXES for n in leaf_names)
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+@pytest.mark.parametrize("tied", [False, True])
+def test_parameter_count_matches_the_formula(preset, tied):
+    config = PRESETS[preset].replace(tie_embeddings=tied)
+    _, abstract, _ = abstract_model(config)
+    assert sum(x.size for x in jax.tree.leaves(abstract)) == config.num_params
+
+
+def test_7b_preset_is_llama2_sized():
+    assert abs(PRESETS["7b"].num_params - 6.74e9) / 6.74e9 < 0.005
+
+
+def test_set_overrides_are_typed_and_checked():
+    assert parse_overrides(["num_layers=8", "tie_embeddings=true", "rope_theta=5e5"]) == {
+        "num_layers": 8, "tie_embeddings": True, "rope_theta": 5e5
+    }
+    with pytest.raises(ValueError, match="unknown field 'layers'"):
+        parse_overrides(["layers=8"])
+    with pytest.raises(ValueError, match="num_heads=4 must be a multiple"):
+        get_config("test", ["num_kv_heads=3"])
+
+
+def naive_attention(q, k, v, segment_ids):
+    b, t, n, h = q.shape
+    group = n // k.shape[2]
+    out = np.zeros_like(q)
+    for bi in range(b):
+        for head in range(n):
+            kh = head // group
+            for i in range(t):
+                allowed = [j for j in range(i + 1) if segment_ids[bi, j] == segment_ids[bi, i]]
+                logits = np.array([q[bi, i, head] @ k[bi, j, kh] for j in allowed]) / np.sqrt(h)
+                p = np.exp(logits - logits.max())
+                p /= p.sum()
+                out[bi, i, head] = sum(pj * v[bi, j, kh] for pj, j in zip(p, allowed))
+    return out
+
+
+def test_reference_attention_matches_a_loop_with_gqa_and_segments():
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((2, 9, 4, 8)).astype(np.float32)
+    k = rng.standard_normal((2, 9, 2, 8)).astype(np.float32)
+    v = rng.standard_normal((2, 9, 2, 8)).astype(np.float32)
+    seg = np.array([[1] * 4 + [2] * 5, [1] * 9], np.int32)
+    with jax.default_matmul_precision("highest"):
+        got = reference_attention(q, k, v, causal=True, q_segment_ids=seg, kv_segment_ids=seg)
+    np.testing.assert_allclose(np.asarray(got), naive_attention(q, k, v, seg), rtol=1e-5, atol=1e-6)
+
+
+def test_future_tokens_and_other_documents_do_not_leak(model):
+    graphdef, params, _ = model
+    tokens, positions, segment_ids = make_batch(batch=1, length=24)
+    segment_ids[:] = np.where(np.arange(24) < 10, 1, 2)
+    positions[:] = np.where(np.arange(24) < 10, np.arange(24), np.arange(24) - 10)
+    base = np.asarray(apply(graphdef, params, tokens, positions, segment_ids))
+    changed = tokens.copy()
+    changed[0, 5] = (changed[0, 5] + 1) % CONFIG.vocab_size  # inside document 1
+    out = np.asarray(apply(graphdef, params, changed, positions, segment_ids))
+    np.testing.assert_array_equal(out[0, :5], base[0, :5])  # causal: earlier positions unchanged
+    np.testing.assert_array_equal(out[0, 10:], base[0, 10:])  # document 2 unchanged
+    assert np.abs(out[0, 5:10] - base[0, 5:10]).max() > 1e-3  # and the change does reach doc 1
+
+
+@pytest.mark.parametrize("mesh_spec", ["data=8", "fsdp=8", "fsdp=4,tensor=2", "data=2,fsdp=2,tensor=2"])
+def test_sharded_forward_equals_one_device(model, mesh_spec):
+    graphdef, params, names = model
+    tokens, positions, segment_ids = make_batch()
+    reference = np.asarray(jax.jit(lambda p: apply(graphdef, p, tokens, positions, segment_ids))(params))
+
+    mesh = make_mesh(parse_mesh(mesh_spec, 8))
+    rules = get_rules("fsdp_tp")
+    shardings, _ = tree_shardings(params, names, mesh, rules)
+    sharded_params = jax.device_put(params, shardings)
+
+    @jax.jit
+    def forward(p):
+        with use_rules(mesh, rules):
+            return apply(graphdef, p, tokens, positions, segment_ids)
+
+    logits = forward(sharded_params)
+    assert len(logits.sharding.device_set) == 8
+    scale = np.abs(reference).max()
+    np.testing.assert_allclose(np.asarray(logits), reference, rtol=0, atol=1e-5 * scale)
+
+
+def test_remat_policies_give_the_same_gradients(model):
+    _, params, _ = model
+    tokens, positions, segment_ids = make_batch(batch=2, length=16)
+
+    def grads(remat):
+        graphdef, _, _ = abstract_model(CONFIG.replace(remat=remat))
+        loss = lambda p: jnp.mean(apply(graphdef, p, tokens, positions, segment_ids) ** 2)
+        return jax.jit(jax.grad(loss))(params)
+
+    base = grads("none")
+    for policy in ("full", "dots"):
+        for a, b in zip(jax.tree.leaves(base), jax.tree.leaves(grads(policy))):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-9)
+
+
+def test_bfloat16_compute_keeps_float32_parameters_and_logits(model):
+    _, params, _ = model
+    tokens, positions, segment_ids = make_batch(batch=2, length=16)
+    graphdef32, _, _ = abstract_model(CONFIG)
+    graphdef16, abstract16, _ = abstract_model(CONFIG.replace(dtype="bfloat16"))
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(abstract16))
+    out32 = np.asarray(apply(graphdef32, params, tokens, positions, segment_ids))
+    out16 = apply(graphdef16, params, tokens, positions, segment_ids)
+    assert out16.dtype == jnp.float32
+    assert np.abs(np.asarray(out16) - out32).max() <= 5e-2 * np.abs(out32).max()
