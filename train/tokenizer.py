@@ -1,0 +1,92 @@
+"""Tokenizers: raw UTF-8 bytes by default, or a ``tokenizer.json`` via the `tokenizers` library.
+
+Both expose ``vocab_size``, ``eod_id`` (the end-of-document token that
+separates packed documents), ``encode_batch``, ``decode`` and a
+``fingerprint`` (compared when a run resumes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+# Candidates for the end-of-document token, in order of preference.
+EOD_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "[SEP]")
+
+
+class ByteTokenizer:
+    """Each UTF-8 byte is a token (0..255); token 256 ends a document."""
+
+    name = "bytes"
+    vocab_size = 257
+    eod_id = 256
+    fingerprint = "bytes-v1"
+
+    def encode_batch(self, docs: Sequence[bytes]) -> list[np.ndarray]:
+        """UTF-8 encoded documents -> uint32 token arrays (without the EOD token)."""
+        return [np.frombuffer(doc, dtype=np.uint8).astype(np.uint32) for doc in docs]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        data = bytes(int(i) for i in ids if 0 <= int(i) < 256)
+        return data.decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A ``tokenizer.json`` loaded with the Hugging Face `tokenizers` library.
+
+    Args:
+      path: the ``tokenizer.json`` file.
+      eod_token: the token that ends documents; default: the first of
+        `EOD_CANDIDATES` the vocabulary has.
+
+    Raises:
+      FileNotFoundError: when the file does not exist.
+      ValueError: when the file cannot be parsed, or no end-of-document token
+        is found (the message says to pass ``--eod-token``).
+    """
+
+    def __init__(self, path: str | Path, eod_token: str | None = None):
+        from tokenizers import Tokenizer
+
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"--tokenizer {path}: no such file (give a tokenizer.json)")
+        try:
+            self._tokenizer = Tokenizer.from_file(str(path))
+        except Exception as e:  # the library raises its own exception types
+            raise ValueError(f"--tokenizer {path}: cannot load it as a tokenizer.json ({e})") from None
+        self.name = str(path)
+        self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        candidates = (eod_token,) if eod_token else EOD_CANDIDATES
+        for token in candidates:
+            token_id = self._tokenizer.token_to_id(token)
+            if token_id is not None:
+                self.eod_id = int(token_id)
+                self.eod_token = token
+                break
+        else:
+            raise ValueError(
+                f"--tokenizer {path}: no end-of-document token among {', '.join(candidates)}; "
+                "pass --eod-token with a token of its vocabulary"
+            )
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+        self.fingerprint = f"hf-{digest}-eod{self.eod_id}"
+
+    def encode_batch(self, docs: Sequence[bytes]) -> list[np.ndarray]:
+        """UTF-8 documents -> uint32 token arrays (without the EOD token)."""
+        texts = [doc.decode("utf-8", errors="replace") for doc in docs]
+        encodings = self._tokenizer.encode_batch(texts, add_special_tokens=False)
+        return [np.asarray(e.ids, dtype=np.uint32) for e in encodings]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tokenizer.decode([int(i) for i in ids])
+
+
+def load_tokenizer(path: str | None, eod_token: str | None = None):
+    """`ByteTokenizer` when ``path`` is None or ``bytes``, else `HFTokenizer`."""
+    if path in (None, "", "bytes"):
+        return ByteTokenizer()
+    return HFTokenizer(path, eod_token)
