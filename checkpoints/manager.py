@@ -20,6 +20,9 @@ it), so a crash mid-save leaves the previous checkpoint as the latest.
 
 from __future__ import annotations
 
+import os
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +30,50 @@ import orbax.checkpoint as ocp
 
 STATE = "state"
 META = "meta"
+
+# Test hook: seconds every asynchronous save waits before it may be committed,
+# so that tests can kill a process in the middle of a save. Unset in real runs.
+SAVE_PAUSE_ENV = "MESHWORK_TEST_SAVE_PAUSE"
+
+
+class _PauseFuture:
+    """An Orbax commit future that completes ``seconds`` after it was created."""
+
+    def __init__(self, seconds: float):
+        self._deadline = time.monotonic() + seconds
+
+    def result(self, timeout: float | None = None) -> None:
+        del timeout
+        time.sleep(max(0.0, self._deadline - time.monotonic()))
+
+    def cancel(self) -> None:
+        pass
+
+
+def _finalizing() -> bool:
+    """Whether Orbax's save-finalize thread is still running.
+
+    Orbax (0.11-0.12) runs each asynchronous save's commit in a thread named
+    ``save_finalize``; when it has ended, the save has either committed its step
+    or failed. If a future Orbax renames the thread, this reads as "ended" and
+    a save still writing would be misjudged, so the name is checked in a test.
+    """
+    return any(t.name == "save_finalize" and t.is_alive() for t in threading.enumerate())
+
+
+def _state_handler():
+    """Orbax's standard handler; with `SAVE_PAUSE_ENV` set, its saves commit no sooner than that (tests)."""
+    handler = ocp.StandardCheckpointHandler()
+    pause = float(os.environ.get(SAVE_PAUSE_ENV, "0") or 0)
+    if pause > 0:
+        save = handler.async_save
+
+        async def paused_async_save(*args, **kwargs):
+            futures = await save(*args, **kwargs)
+            return [*(futures or []), _PauseFuture(pause)]
+
+        handler.async_save = paused_async_save
+    return handler
 
 
 class CheckpointManager:
@@ -46,9 +93,11 @@ class CheckpointManager:
             max_to_keep=keep,
             create=True,
             enable_async_checkpointing=async_save,
+            cleanup_tmp_directories=True,  # leftovers of a save killed midway
         )
-        handlers = {STATE: ocp.StandardCheckpointHandler(), META: ocp.JsonCheckpointHandler()}
+        handlers = {STATE: _state_handler(), META: ocp.JsonCheckpointHandler()}
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+        self._pending: int | None = None
 
     def latest_step(self) -> int | None:
         """The newest complete step, or None."""
@@ -64,7 +113,29 @@ class CheckpointManager:
           Whether a save was started.
         """
         args = ocp.args.Composite(**{STATE: ocp.args.StandardSave(state), META: ocp.args.JsonSave(meta)})
-        return self._manager.save(step, args=args, force=force)
+        started = self._manager.save(step, args=args, force=force)
+        if started:
+            self._pending = step
+        return started
+
+    def check_for_errors(self) -> None:
+        """Raises if an asynchronous save has failed (does not block).
+
+        Orbax's own finalizing thread may consume a background error and only
+        log it, so a save that ended without its step becoming visible counts
+        as failed too.
+
+        Raises:
+          RuntimeError: naming the step and folder of the failed save.
+        """
+        self._manager.check_for_errors()
+        if self._pending is not None and not _finalizing():
+            step, self._pending = self._pending, None
+            if not (self.directory / str(step)).is_dir():  # Orbax lists a step before it is committed
+                raise RuntimeError(
+                    f"the asynchronous save of step {step} in {self.directory} did not complete "
+                    "(Orbax's error is logged above)"
+                )
 
     def wait(self) -> None:
         """Blocks until any asynchronous save has finished (raising its error, if any)."""

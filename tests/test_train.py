@@ -2,7 +2,6 @@
 
 import json
 import shutil
-import sysconfig
 from pathlib import Path
 
 import jax
@@ -20,21 +19,6 @@ from train.step import Trainer
 
 SMALL = ["--model", "test", "--seq-len", "64", "--batch-size", "8", "--log-every", "1", "--no-progress",
          "--eval-batches", "1"]
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    """About 1 MB of real text: a slice of the standard library's sources."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    folder = tmp_path_factory.mktemp("corpus")
-    for path in sorted(root.glob("*.py"))[:60]:
-        shutil.copy(path, folder / path.name)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("cache")
 
 
 def run(args, corpus, cache, capsys=None):

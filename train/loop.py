@@ -39,6 +39,8 @@ class LoopOptions:
       flops_per_token: model FLOPs per trained token (for MFU).
       peak_flops: summed peak FLOP/s of all devices, or None when unknown.
       progress: show a progress bar.
+      skip_nonfinite: steps with a non-finite loss that may be skipped before
+        the run stops.
     """
 
     steps: int
@@ -51,6 +53,7 @@ class LoopOptions:
     flops_per_token: float = 0.0
     peak_flops: float | None = None
     progress: bool = True
+    skip_nonfinite: int = 0
 
 
 class MetricsWriter:
@@ -134,6 +137,10 @@ def evaluate(eval_step, params, dataset: Dataset, options: LoopOptions, sharding
     return loss_sum / max(weight, 1.0)
 
 
+class NonFiniteLossError(RuntimeError):
+    """The loss became NaN or infinite more often than ``--skip-nonfinite`` allows."""
+
+
 def train_loop(
     *,
     trainer,
@@ -141,7 +148,7 @@ def train_loop(
     dataset: Dataset,
     options: LoopOptions,
     samples: int,
-    save: Callable[[dict, int, int], None],
+    checkpoints,
     writer: MetricsWriter,
     log: Callable[[str], None],
     stop: StopFlag,
@@ -154,21 +161,29 @@ def train_loop(
       dataset: train and held-out windows.
       options: see `LoopOptions`.
       samples: global sample number of the next batch (the data position).
-      save: ``save(state, step, samples)`` starts a checkpoint.
+      checkpoints: has ``save(state, step, samples)`` (starts an asynchronous
+        save) and ``check()`` (raises the error of a failed save).
       writer: metrics sink.
       log: prints a line (process 0).
-      stop: a `StopFlag`; when set, the loop ends after the current step.
+      stop: a `StopFlag`. A stop request of any process reaches every process
+        through the next step's ``stop`` metric, so all processes stop after
+        the same step and save it.
 
     Returns:
-      ``(state, summary)`` with the final step, samples, the first and last
-      held-out losses and whether a signal stopped the run.
+      ``(state, summary)`` with the final step, samples, the held-out losses,
+      the signal that stopped the run (or None) and the steps skipped as
+      non-finite.
+
+    Raises:
+      NonFiniteLossError: when more than ``options.skip_nonfinite`` steps had
+        a non-finite loss; nothing is saved after the last good checkpoint.
     """
     B, T = options.global_batch, options.seq_len
     sharding = trainer.batch_sharding(B, T)
     step_fn = trainer.train_step(B, T)
     eval_fn = trainer.eval_step(B, T)
     start = int(jax.device_get(state["step"]))
-    summary: dict[str, Any] = {"start_step": start, "eval": []}
+    summary: dict[str, Any] = {"start_step": start, "eval": [], "skipped": [], "stopped_by": None}
 
     def batch_at(first_sample):
         return to_global_arrays(lambda rows: dataset.train_rows(first_sample, rows), B, T, sharding)
@@ -182,11 +197,11 @@ def train_loop(
     if start >= options.steps:
         log(f"the run is at step {start}, which already reaches --steps {options.steps}; nothing to train "
             f"(raise --steps to continue)")
-        summary.update(step=start, samples=samples, stopped_by=None)
+        summary.update(step=start, samples=samples)
         return state, summary
 
     t0 = time.perf_counter()
-    compiled = step_fn.lower(state, batch_at(samples)).compile()
+    compiled = step_fn.lower(state, batch_at(samples), trainer.signals(False)).compile()
     log(f"compiled the train step in {time.perf_counter() - t0:.1f} s")
     if start == 0:
         run_eval(0)
@@ -195,20 +210,23 @@ def train_loop(
     pending: tuple[int, Any] | None = None
     interval_start, interval_steps = time.perf_counter(), 0
     step = start
+    stop_after_this = False
     while step < options.steps:
-        batch = batch_at(samples)
-        state, metrics = compiled(state, batch)
+        state, metrics = compiled(state, batch_at(samples), trainer.signals(bool(stop)))
         step += 1
         samples += B
-        if pending is not None:
-            _record(pending, writer)
-        pending = (step, metrics)
         interval_steps += 1
+        checkpoints.check()
+        if pending is not None:  # the previous step's metrics; this step keeps the device busy
+            stop_after_this |= _handle(pending, writer, options, summary, log)
+        pending = (step, metrics)
         if bar is not None:
             bar.update(1)
-        last = step == options.steps or bool(stop)
-        if step % options.log_every == 0 or last:
-            values = _record(pending, writer)
+        save_now = (options.ckpt_every and step % options.ckpt_every == 0) or step == options.steps
+        if save_now or stop_after_this or step % options.log_every == 0:
+            # Read this step's metrics before saving it: a non-finite step is never checkpointed.
+            values = _read(pending)
+            stop_after_this |= _handle(pending, writer, options, summary, log, values)
             pending = None
             elapsed = time.perf_counter() - interval_start
             tok_s = interval_steps * B * T / elapsed
@@ -216,28 +234,51 @@ def train_loop(
             writer.write(step, {"tokens_per_second": tok_s, "step_time": elapsed / interval_steps}, prefix="perf")
             log(_format_line(step, options.steps, values["loss"], values["lr"], tok_s, elapsed / interval_steps, mfu))
             interval_start, interval_steps = time.perf_counter(), 0
+        last = step == options.steps or stop_after_this
         if options.eval_every and step % options.eval_every == 0 and not last:
             run_eval(step)
-        if (options.ckpt_every and step % options.ckpt_every == 0) or last:
-            save(state, step, samples)
-        if stop:
-            log(f"received {stop.signal_name}: stopping after step {step}")
+        if save_now or stop_after_this:
+            checkpoints.save(state, step, samples)
+        if stop_after_this:
+            summary["stopped_by"] = stop.signal_name or "a stop request from another process"
+            log(f"stopping after step {step} ({summary['stopped_by']})")
             break
     if pending is not None:
-        _record(pending, writer)
+        _handle(pending, writer, options, summary, log)
     if bar is not None:
         bar.close()
-    if not stop and (not summary["eval"] or summary["eval"][-1][0] != step):
+    if summary["stopped_by"] is None and (not summary["eval"] or summary["eval"][-1][0] != step):
         run_eval(step)
-    summary.update(step=step, samples=samples, stopped_by=stop.signal_name)
+    summary.update(step=step, samples=samples)
     return state, summary
 
 
-def _record(pending, writer: MetricsWriter) -> dict[str, float]:
-    step, metrics = pending
-    values = {k: float(np.asarray(v)) for k, v in jax.device_get(metrics).items()}
+def _read(pending) -> dict[str, float]:
+    _, metrics = pending
+    return {k: float(np.asarray(v)) for k, v in jax.device_get(metrics).items()}
+
+
+def _handle(pending, writer: MetricsWriter, options: LoopOptions, summary, log, values=None) -> bool:
+    """Records a step's metrics; returns whether the processes agreed to stop.
+
+    Raises:
+      NonFiniteLossError: past the allowed number of non-finite steps.
+    """
+    step = pending[0]
+    values = values if values is not None else _read(pending)
+    if not values.pop("finite"):
+        summary["skipped"].append(step)
+        log(f"step {step}: loss {values['loss']} / grad norm {values['grad_norm']} is not finite; the update was "
+            f"skipped ({len(summary['skipped'])} of --skip-nonfinite {options.skip_nonfinite})")
+        if len(summary["skipped"]) > options.skip_nonfinite:
+            raise NonFiniteLossError(
+                f"the loss or its gradient became non-finite at step {step} (loss {values['loss']}, gradient norm "
+                f"{values['grad_norm']}); training stopped and the last complete checkpoint is kept "
+                f"(pass --skip-nonfinite N to skip up to N such steps, or lower --lr)"
+            )
+    stop_requested = bool(values.pop("stop"))
     writer.write(step, values)
-    return values
+    return stop_requested
 
 
 def _progress(options: LoopOptions, start: int):

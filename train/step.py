@@ -165,34 +165,61 @@ class Trainer:
         (loss_sum, weight, grads), _ = jax.lax.scan(body, init, jax.tree.map(split, batch))
         return loss_sum, weight, grads
 
-    def _train_step_fn(self, state, batch):
+    def _train_step_fn(self, state, batch, signals):
         with use_rules(self.mesh, self.rules):
             loss_sum, weight, grads = self._gradients(state["params"], batch)
             denom = jnp.maximum(weight, 1.0)
             grads = jax.tree.map(lambda g: g / denom, grads)
+            grad_norm = _global_norm(grads)
             updates, opt_state = self.tx.update(grads, state["opt_state"], state["params"])
             params = optax.apply_updates(state["params"], updates)
+        # A non-finite loss or gradient leaves parameters and optimizer state as they were.
+        finite = jnp.isfinite(loss_sum) & jnp.isfinite(grad_norm)
+        keep = lambda new, old: jnp.where(finite, new, old)
         metrics = {
             "loss": loss_sum / denom,
-            "grad_norm": _global_norm(grads),
+            "grad_norm": grad_norm,
             "lr": self.schedule(state["step"]),
             "tokens": weight,
+            "finite": finite,
+            "stop": jnp.max(signals) > 0,
         }
-        new_state = {"step": state["step"] + 1, "params": params, "opt_state": opt_state, "rng": state["rng"]}
+        new_state = {
+            "step": state["step"] + 1,
+            "params": jax.tree.map(keep, params, state["params"]),
+            "opt_state": jax.tree.map(keep, opt_state, state["opt_state"]),
+            "rng": state["rng"],
+        }
         return new_state, metrics
 
-    def train_step(self, global_batch: int, seq_len: int):
-        """The jitted step ``(state, batch) -> (state, metrics)``; donates ``state``.
+    def signal_sharding(self) -> NamedSharding:
+        """Sharding of the ``[num_devices]`` int32 stop-signal vector: one entry per device."""
+        return NamedSharding(self.mesh, PartitionSpec(tuple(self.mesh.axis_names)))
 
-        Metrics are float32 scalars: ``loss`` (nats per token), ``grad_norm``
-        (before clipping), ``lr`` (of this step), ``tokens`` (counted by the
-        loss mask).
+    def signals(self, stop: bool) -> jax.Array:
+        """This process's stop request as the global ``[num_devices]`` signal vector.
+
+        The train step reduces it with a max, so every process reads the same
+        ``stop`` metric and all stop after the same step.
+        """
+        value = np.int32(1 if stop else 0)
+        return jax.make_array_from_callback(
+            (self.mesh.devices.size,), self.signal_sharding(), lambda index: np.full((1,), value)
+        )
+
+    def train_step(self, global_batch: int, seq_len: int):
+        """The jitted step ``(state, batch, signals) -> (state, metrics)``; donates ``state``.
+
+        Metrics are scalars: ``loss`` (nats per token), ``grad_norm`` (before
+        clipping), ``lr`` (of this step), ``tokens`` (counted by the loss
+        mask), ``finite`` (bool; when False the update was skipped) and
+        ``stop`` (bool; some process asked to stop, see `signals`).
         """
         if self._train_step is None:
             batch_shardings = {f: self.batch_sharding(global_batch, seq_len) for f in FIELDS}
             self._train_step = jax.jit(
                 self._train_step_fn,
-                in_shardings=(self.state_shardings, batch_shardings),
+                in_shardings=(self.state_shardings, batch_shardings, self.signal_sharding()),
                 out_shardings=(self.state_shardings, self.replicated),
                 donate_argnums=0,
             )
@@ -217,7 +244,8 @@ class Trainer:
     def compile_train_step(self, global_batch: int, seq_len: int):
         """Ahead-of-time compiled train step from abstract shapes (no allocation)."""
         step = self.train_step(global_batch, seq_len)
-        return step.lower(self.abstract_state(), self.abstract_batch(global_batch, seq_len)).compile()
+        signals = jax.ShapeDtypeStruct((self.mesh.devices.size,), jnp.int32, sharding=self.signal_sharding())
+        return step.lower(self.abstract_state(), self.abstract_batch(global_batch, seq_len), signals).compile()
 
 
 def _global_norm(tree) -> jax.Array:

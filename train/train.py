@@ -23,6 +23,7 @@ from pathlib import Path
 from models.config import ATTENTION_IMPLS, DTYPES, PRESETS, REMAT_POLICIES, config_differences, get_config
 from sharding.mesh import format_mesh, parse_axis_sizes, parse_mesh
 from sharding.rules import DEFAULT_PRESET, PRESETS as RULE_PRESETS, get_rules
+from train.loop import NonFiniteLossError
 from train.optimizer import OptimizerConfig
 
 DEFAULT_RUN_DIR = "runs/default"
@@ -43,9 +44,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="logical-to-mesh rules preset (see README: Sharding rules)")
     g.add_argument("--rule", action="append", default=[], metavar="NAME=AXIS[+AXIS]",
                    help="override one logical axis, e.g. --rule mlp=tensor+fsdp or --rule vocab=none; repeatable")
+    g.add_argument("--mesh-outer", default=None, metavar="AXIS=N,...",
+                   help="how much of each axis spans processes (slow links), e.g. data=2; the rest stays inside a "
+                   "process; default: tensor, then sequence, then fsdp stay inside a process")
     g.add_argument("--cpu-devices", type=int, default=None, metavar="N",
                    help="simulate N devices on a CPU-only machine (takes effect before JAX starts); "
                    "default: the devices JAX finds (XLA_FLAGS included)")
+    g = p.add_argument_group("several processes (one per host, jax.distributed)")
+    g.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="address of process 0's coordinator; with none of these flags, JAX's own cluster "
+                   "detection (SLURM, Open MPI, Kubernetes) is used where it applies")
+    g.add_argument("--num-processes", type=int, default=None, help="number of processes in the job")
+    g.add_argument("--process-id", type=int, default=None, help="this process's index, 0..N-1")
+    g.add_argument("--dist-timeout", type=int, default=300, help="seconds to wait for all processes to connect")
     g = p.add_argument_group("model")
     g.add_argument("--model", default="small", choices=sorted(PRESETS), help="model preset")
     g.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
@@ -74,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW decoupled weight decay (matrices only)")
     g.add_argument("--grad-clip", type=float, default=1.0, help="clip gradients to this global norm")
     g.add_argument("--seed", type=int, default=0, help="seed for parameters, data order and held-out split")
+    g.add_argument("--skip-nonfinite", type=int, default=0, metavar="N",
+                   help="skip (and log) up to N steps whose loss is NaN or infinite; past that the run stops, "
+                   "keeping its last good checkpoint")
     g = p.add_argument_group("run folder, checkpoints, logging")
     g.add_argument("--run-dir", default=DEFAULT_RUN_DIR, help="folder for checkpoints and metrics")
     g.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --run-dir "
@@ -102,10 +116,74 @@ def validate_args(args) -> None:
     for name in ("ckpt-every", "eval-every"):
         if getattr(args, name.replace("-", "_")) < 0:
             raise ValueError(f"--{name} must be >= 0")
+    if args.skip_nonfinite < 0:
+        raise ValueError(f"--skip-nonfinite {args.skip_nonfinite}: must be >= 0")
     parse_axis_sizes(args.mesh)
+    if args.mesh_outer:
+        parse_axis_sizes(args.mesh_outer, flag="--mesh-outer", allow_fill=False)
+    distributed_config(args).validate()
     get_rules(args.rules, args.rule)
     model_config(args)
     optimizer_config(args).validate()
+
+
+def distributed_config(args):
+    from train.distributed import DistributedConfig
+
+    return DistributedConfig(args.coordinator, args.num_processes, args.process_id, args.dist_timeout)
+
+
+def check_run_dir(args) -> None:
+    """The run folder is writable and holds no other run's checkpoints unless ``--resume``.
+
+    Raises:
+      ValueError: naming ``--run-dir`` and what to do.
+    """
+    run_dir = Path(args.run_dir)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ValueError(f"--run-dir {run_dir}: cannot write there ({e.strerror}); choose a writable folder") from None
+    ckpt_dir = run_dir / "checkpoints"
+    saved = sorted(int(p.name) for p in ckpt_dir.iterdir() if p.name.isdigit()) if ckpt_dir.is_dir() else []
+    if saved and not args.resume:
+        raise ValueError(
+            f"--run-dir {run_dir} already holds checkpoints (latest step {saved[-1]}); pass --resume to continue "
+            f"that run, or choose another --run-dir (nothing was overwritten)"
+        )
+
+
+# Model dimensions the presets split; a mesh axis that cannot split them is a configuration error.
+_SPLIT_DIMS = (("embed_dim", "embed"), ("mlp_dim", "mlp"), ("num_heads", "heads"), ("vocab_size", "vocab"))
+
+
+def check_model_sharding(config, rules, mesh_shape: dict[str, int]) -> None:
+    """Each main model dimension must be divisible by the mesh axes its rule names.
+
+    ``num_kv_heads`` is exempt: with grouped-query attention, fewer KV heads
+    than ``tensor`` devices is common, and those weights are replicated (and
+    reported) instead.
+
+    Raises:
+      ValueError: naming the field, its value, the mesh axes and values that work.
+    """
+    for field, logical in _SPLIT_DIMS:
+        size = getattr(config, field)
+        axes = [a for a in rules.mesh_axes(logical) if mesh_shape.get(a, 1) > 1]
+        parts = 1
+        for axis in axes:
+            parts *= mesh_shape[axis]
+        if parts > 1 and size % parts:
+            divisors = [d for d in range(1, parts * 2 + 1) if size % d == 0 and d > 1][:4]
+            over = "x".join(f"{a}={mesh_shape[a]}" for a in axes)
+            raise ValueError(
+                f"{field}={size} cannot be split over {over} (rule {logical}->{'+'.join(axes)}); use mesh sizes "
+                f"whose product divides {size} (e.g. {', '.join(map(str, divisors))}), "
+                f"--set {field}=<a multiple of {parts}>, or --rule {logical}=none"
+            )
 
 
 def model_config(args):
@@ -169,113 +247,185 @@ def main(argv: list[str] | None = None) -> int:
     try:
         validate_args(args)
         return run(args)
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
+    except NonFiniteLossError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except CheckpointFailure as e:
+        print(f"error: {e}", file=sys.stderr)
+        global _HARD_EXIT
+        _HARD_EXIT = True
+        return 2
+    except (ValueError, FileNotFoundError, RuntimeError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
 
 def run(args) -> int:
+    """Checks the flags against the machine, then trains (or dry-runs); returns the exit code."""
+    if not args.dry_run:
+        check_run_dir(args)
     setup_devices(args.cpu_devices)
+    from train.distributed import initialize
+
+    processes = initialize(distributed_config(args))
     import jax
 
     from checkpoints.manager import CheckpointManager
-    from sharding.devices import peak_flops
     from sharding.mesh import make_mesh
     from train import report
-    from train.data import corpus_files, load_dataset
-    from train.loop import LoopOptions, MetricsWriter, StopFlag, train_loop
-    from train.step import Trainer
+    from train.data import corpus_files
     from train.tokenizer import load_tokenizer
 
-    is_main = jax.process_index() == 0
-    log = _logger(is_main)
+    log = _logger(jax.process_index() == 0)
     config = model_config(args)
     mesh_shape = parse_mesh(args.mesh, jax.device_count())
     check_batch(args, mesh_shape)
     rules = get_rules(args.rules, args.rule)
+    check_model_sharding(config, rules, mesh_shape)
+    outer = parse_axis_sizes(args.mesh_outer, flag="--mesh-outer", allow_fill=False) if args.mesh_outer else None
+    if outer is not None and jax.process_count() == 1:
+        log("note: one process, so --mesh-outer has no effect")
+        outer = None
     tokenizer = load_tokenizer(args.tokenizer, args.eod_token)
     if tokenizer.vocab_size > config.vocab_size:
         raise ValueError(
             f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is {config.vocab_size}; "
             f"pass --set vocab_size={-(-tokenizer.vocab_size // 128) * 128}"
         )
+    ckpt = latest = None
     if not args.dry_run:
         corpus_files(args.data)  # a missing or empty corpus fails before any device work
+        ckpt = CheckpointManager(Path(args.run_dir) / "checkpoints", keep=args.keep)
+        latest = ckpt.latest_step()
+        if latest is not None:
+            check_resumable(ckpt.read_meta(latest), config, tokenizer, latest)
 
-    mesh = make_mesh(mesh_shape)
+    mesh = make_mesh(mesh_shape, outer=outer)
+    log(f"{processes}; {jax.local_device_count()} local devices")
+    from train.step import Trainer
+
     trainer = Trainer(config, optimizer_config(args), mesh, rules, args.microbatches)
     built = sum(x.size for x in jax.tree.leaves(trainer.abstract_params))
     for line in report.startup_lines(config, args.model, mesh, rules, trainer.report, built):
         log(line)
     if args.dry_run:
         return dry_run(args, trainer, log)
-
-    run_dir = Path(args.run_dir)
-    ckpt = CheckpointManager(run_dir / "checkpoints", keep=args.keep)
-    latest = ckpt.latest_step()
-    if latest is not None and not args.resume:
-        raise ValueError(
-            f"--run-dir {run_dir} already holds checkpoints (latest step {latest}); pass --resume to continue "
-            f"that run, or choose another --run-dir (nothing was overwritten)"
-        )
-    dataset = load_dataset(
-        args.data, tokenizer, args.seq_len, args.batch_size, args.seed, args.heldout, args.data_cache, log
-    )
-    if latest is not None:
-        state, samples = restore(ckpt, trainer, config, tokenizer, latest, log)
-    else:
-        if args.resume:
-            log(f"no checkpoint in {run_dir / 'checkpoints'}; starting from step 0")
-        state, samples = trainer.init_state(args.seed), 0
-
-    meta = run_meta(args, config, mesh_shape, rules, tokenizer)
-
-    def save(state, step, samples):
-        ckpt.save(step, state, {**meta, "step": step, "data": {**meta["data"], "samples": int(samples)}})
-
-    peak = _peak_flops(jax.devices(), peak_flops)
-    options = LoopOptions(
-        steps=args.steps, global_batch=args.batch_size, seq_len=args.seq_len, log_every=args.log_every,
-        eval_every=args.eval_every, eval_batches=args.eval_batches, ckpt_every=args.ckpt_every,
-        flops_per_token=config.flops_per_token(args.seq_len), peak_flops=peak, progress=not args.no_progress,
-    )
-    writer = MetricsWriter(run_dir, enabled=is_main)
     try:
-        with StopFlag() as stop:
+        code = train(args, trainer, ckpt, latest, tokenizer, mesh_shape, log)
+    except BaseException:
+        try:
+            ckpt.close()
+        except Exception as e:  # keep the first error; this one is a consequence
+            print(f"note: closing the checkpoints also failed: {e}", file=sys.stderr)
+        raise
+    try:
+        ckpt.close()
+    except Exception as e:
+        raise CheckpointFailure(f"finishing the checkpoints in {ckpt.directory} failed: {e}") from e
+    return code
+
+
+def train(args, trainer, ckpt, latest, tokenizer, mesh_shape, log) -> int:
+    """Restores or initializes the state and runs the loop to ``--steps``."""
+    import jax
+
+    from sharding.devices import peak_flops
+    from train.data import load_dataset
+    from train.loop import LoopOptions, MetricsWriter, StopFlag, train_loop
+
+    config, run_dir = trainer.config, Path(args.run_dir)
+    with StopFlag() as stop:
+        dataset = load_dataset(
+            args.data, tokenizer, args.seq_len, args.batch_size, args.seed, args.heldout, args.data_cache, log
+        )
+        if latest is not None:
+            t0 = time.perf_counter()
+            state, meta = ckpt.restore(trainer.abstract_state(), latest)
+            samples = int(meta["data"]["samples"])
+            log(f"resumed step {latest} (saved on mesh {format_mesh(meta['mesh'])}) onto mesh "
+                f"{format_mesh(mesh_shape)} in {time.perf_counter() - t0:.1f} s")
+        else:
+            if args.resume:
+                log(f"no checkpoint in {ckpt.directory}; starting from step 0")
+            state, samples = trainer.init_state(args.seed), 0
+        options = LoopOptions(
+            steps=args.steps, global_batch=args.batch_size, seq_len=args.seq_len, log_every=args.log_every,
+            eval_every=args.eval_every, eval_batches=args.eval_batches, ckpt_every=args.ckpt_every,
+            flops_per_token=config.flops_per_token(args.seq_len), peak_flops=_peak_flops(jax.devices(), peak_flops),
+            progress=not args.no_progress, skip_nonfinite=args.skip_nonfinite,
+        )
+        writer = MetricsWriter(run_dir, enabled=jax.process_index() == 0)
+        checkpoints = _Checkpoints(ckpt, run_meta(args, config, mesh_shape, trainer.rules, tokenizer))
+        try:
             state, summary = train_loop(
                 trainer=trainer, state=state, dataset=dataset, options=options, samples=samples,
-                save=save, writer=writer, log=log, stop=stop,
+                checkpoints=checkpoints, writer=writer, log=log, stop=stop,
             )
-        t0 = time.perf_counter()
+        finally:
+            writer.close()
+    t0 = time.perf_counter()
+    try:
         ckpt.wait()
-        log(f"checkpoint of step {summary['step']} complete in {ckpt.directory} "
-            f"(waited {time.perf_counter() - t0:.1f} s)")
-    finally:
-        ckpt.close()
-        writer.close()
+        ckpt.check_for_errors()
+    except Exception as e:
+        raise CheckpointFailure(f"the checkpoint of step {summary['step']} could not be written: {e}") from e
+    where = ckpt.directory / str(summary["step"])
+    if summary["stopped_by"]:
+        log(f"stopped by {summary['stopped_by']}: the checkpoint of step {summary['step']} is complete in {where} "
+            f"(saved in {time.perf_counter() - t0:.1f} s); continue with --resume")
+    else:
+        log(f"checkpoint of step {summary['step']} complete in {where} (waited {time.perf_counter() - t0:.1f} s)")
     if summary["eval"]:
         first, last = summary["eval"][0][1], summary["eval"][-1][1]
         log(f"held-out loss {first:.4f} -> {last:.4f} over steps {summary['eval'][0][0]}-{summary['eval'][-1][0]}")
     return 0
 
 
-def restore(ckpt, trainer, config, tokenizer, step: int, log):
-    """Restores ``step`` onto the trainer's mesh after checking it fits this run."""
-    meta = ckpt.read_meta(step)
+class _Checkpoints:
+    """What the loop needs from checkpoints: start a save, surface a failed one."""
+
+    def __init__(self, manager, meta: dict):
+        self.manager, self.meta = manager, meta
+
+    def save(self, state, step: int, samples: int) -> None:
+        data = {**self.meta["data"], "samples": int(samples)}
+        try:
+            self.manager.save(step, state, {**self.meta, "step": step, "data": data})
+        except Exception as e:  # any failure to start a save ends the run with it
+            raise CheckpointFailure(f"saving the checkpoint of step {step} in {self.manager.directory} failed: {e}") from e
+
+    def check(self) -> None:
+        try:
+            self.manager.check_for_errors()
+        except Exception as e:  # the background save's own error, raised here at once
+            raise CheckpointFailure(f"a checkpoint save failed, so training stopped: {e}") from e
+
+
+class CheckpointFailure(RuntimeError):
+    """A checkpoint could not be written; Orbax's background threads may be stuck, so the CLI exits hard."""
+
+
+def check_resumable(meta: dict, config, tokenizer, step: int) -> None:
+    """Refuses a checkpoint saved with another model, tokenizer or vocabulary.
+
+    Raises:
+      ValueError: naming the differing fields, their saved and current values.
+    """
     diff = config_differences(meta.get("model", {}), config)
     if diff:
         fields = ", ".join(f"{k} (saved {a!r}, now {b!r})" for k, (a, b) in diff.items())
-        raise ValueError(f"the checkpoint at step {step} was saved with a different model: {fields}; "
-                         "resume with the same --model/--set, or use another --run-dir")
-    saved_tok = meta.get("tokenizer", {})
-    if saved_tok and saved_tok.get("fingerprint") != tokenizer.fingerprint:
-        raise ValueError(f"the checkpoint at step {step} was trained with tokenizer {saved_tok.get('name')!r} "
-                         f"({saved_tok.get('fingerprint')}); this run uses {tokenizer.name!r} ({tokenizer.fingerprint})")
-    t0 = time.perf_counter()
-    state, meta = ckpt.restore(trainer.abstract_state(), step)
-    log(f"resumed step {step} (saved on mesh {format_mesh(meta['mesh'])}) onto mesh "
-        f"{format_mesh(dict(trainer.mesh.shape))} in {time.perf_counter() - t0:.1f} s")
-    return state, int(meta["data"]["samples"])
+        sets = " ".join(f"--set {k}={a}" for k, (a, _) in diff.items())
+        raise ValueError(f"the checkpoint at step {step} was saved with a different model: {fields}; resume with "
+                         f"--model {meta.get('preset', '?')} {sets}, or use another --run-dir")
+    saved = meta.get("tokenizer", {})
+    if saved.get("vocab_size") not in (None, tokenizer.vocab_size):
+        raise ValueError(f"the checkpoint at step {step} was trained on a vocabulary of {saved['vocab_size']} tokens "
+                         f"({saved.get('name')}); this run's tokenizer has {tokenizer.vocab_size} ({tokenizer.name}); "
+                         f"pass --tokenizer {saved.get('name')}")
+    if saved.get("fingerprint") not in (None, tokenizer.fingerprint):
+        raise ValueError(f"the checkpoint at step {step} was trained with tokenizer {saved.get('name')!r} "
+                         f"({saved.get('fingerprint')}); this run uses {tokenizer.name!r} ({tokenizer.fingerprint}); "
+                         f"pass --tokenizer {saved.get('name')}")
 
 
 def run_meta(args, config, mesh_shape, rules, tokenizer) -> dict:
@@ -331,6 +481,14 @@ def _logger(is_main: bool):
     return log
 
 
+_HARD_EXIT = False  # set after a failed checkpoint save, whose Orbax threads would block a normal exit
+
+
 if __name__ == "__main__":
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    sys.exit(main())
+    code = main()
+    if _HARD_EXIT:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
