@@ -163,7 +163,7 @@ def logical_to_spec(
       shape: the array's shape; with ``mesh_shape``, mesh axes that do not
         divide their dimension are dropped (that dimension is replicated
         along them).
-      mesh_shape: mesh axis -> size.
+      mesh_shape: mesh axis -> size; axes of size 1 are left out of the spec.
 
     Returns:
       ``(spec, dropped)``: a `jax.sharding.PartitionSpec` and the list of
@@ -192,8 +192,10 @@ def logical_to_spec(
     for dim, logical in enumerate(names):
         kept: list[str] = []
         for mesh_axis in rules.mesh_axes(logical):
+            if mesh_shape is not None and mesh_shape.get(mesh_axis, 1) == 1:
+                continue  # a size-1 axis shards nothing; leave it out of the spec
             if shape is not None and mesh_shape is not None:
-                axis_size = mesh_shape.get(mesh_axis, 1)
+                axis_size = mesh_shape[mesh_axis]
                 if shape[dim] % (math.prod(mesh_shape[a] for a in kept) * axis_size):
                     dropped.append(Dropped(dim, logical, mesh_axis, shape[dim], axis_size))
                     continue
