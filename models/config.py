@@ -26,7 +26,7 @@ from typing import Any
 
 DTYPES = ("float32", "bfloat16")
 REMAT_POLICIES = ("none", "full", "dots")
-ATTENTION_IMPLS = ("reference",)
+ATTENTION_IMPLS = ("reference", "flash")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +49,8 @@ class ModelConfig:
       remat: rematerialisation of each block in the backward pass: ``none``,
         ``full`` (save only block inputs) or ``dots`` (save matmul outputs
         without batch dimensions).
-      attention: attention implementation (``reference``: einsum + mask).
+      attention: attention implementation: ``reference`` (einsum + mask) or
+        ``flash`` (Pallas FlashAttention-2 under ``shard_map``; memory linear in length).
     """
 
     vocab_size: int

@@ -154,3 +154,33 @@ def test_bfloat16_compute_keeps_float32_parameters_and_logits(model):
     out16 = apply(graphdef16, params, tokens, positions, segment_ids)
     assert out16.dtype == jnp.float32
     assert np.abs(np.asarray(out16) - out32).max() <= 5e-2 * np.abs(out32).max()
+
+
+@pytest.mark.parametrize(
+    "heads, kv_heads, mesh_spec",
+    [(4, 2, "fsdp=4,tensor=2"), (4, 2, "fsdp=2,tensor=4"), (4, 1, "data=2,fsdp=2,tensor=2"), (4, 4, "data=8")],
+)
+def test_flash_attention_in_the_model_matches_reference_with_gradients(heads, kv_heads, mesh_spec):
+    config = get_config("test", [f"num_heads={heads}", f"num_kv_heads={kv_heads}", "num_layers=2"])
+    graphdef_ref, _, names = abstract_model(config)
+    graphdef_flash, _, _ = abstract_model(config.replace(attention="flash"))
+    params = jax.jit(lambda k: init_params(config, k))(jax.random.key(1))
+    tokens, positions, segment_ids = make_batch(length=40)
+
+    def loss(graphdef, p):
+        return jnp.mean(apply(graphdef, p, tokens, positions, segment_ids) ** 2)
+
+    want_loss, want_grads = jax.jit(jax.value_and_grad(lambda p: loss(graphdef_ref, p)))(params)
+    mesh = make_mesh(parse_mesh(mesh_spec, 8))
+    rules = get_rules("fsdp_tp")
+    shardings, _ = tree_shardings(params, names, mesh, rules)
+
+    @jax.jit
+    def sharded(p):
+        with use_rules(mesh, rules):
+            return jax.value_and_grad(lambda p: loss(graphdef_flash, p))(p)
+
+    got_loss, got_grads = sharded(jax.device_put(params, shardings))
+    np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-5 * np.abs(np.asarray(b)).max())

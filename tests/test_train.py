@@ -165,3 +165,13 @@ def test_bad_input_fails_before_training_with_the_flag_named(tmp_path, args, mes
     err = capsys.readouterr().err
     assert code == 2 and message in err
     assert not (tmp_path / "r" / "checkpoints").exists() or not any((tmp_path / "r" / "checkpoints").iterdir())
+
+
+def test_flash_attention_trains_with_the_losses_of_reference(tmp_path, corpus, cache):
+    common = ["--steps", "20", "--warmup", "2", "--eval-every", "0", "--ckpt-every", "0",
+              "--mesh", "fsdp=4,tensor=2"]
+    assert run([*common, "--attention", "reference", "--run-dir", str(tmp_path / "ref")], corpus, cache) == 0
+    assert run([*common, "--attention", "flash", "--run-dir", str(tmp_path / "flash")], corpus, cache) == 0
+    ref, flash = metrics(tmp_path / "ref"), metrics(tmp_path / "flash")
+    assert sorted(flash) == list(range(1, 21))
+    np.testing.assert_allclose([flash[s] for s in range(1, 21)], [ref[s] for s in range(1, 21)], rtol=1e-4)
