@@ -1,16 +1,39 @@
-"""Grouped-query self-attention.
+"""Grouped-query self-attention, on one device or with the sequence split across devices.
 
 Einsum letters: B batch, T length (queries), S length (keys), D embed,
 N heads, K kv heads, G query heads per kv head (N = K*G), H head_dim.
 
 `Attention` projects to queries ``[B, T, N, H]`` and keys/values
 ``[B, S, K, H]``, applies rotary positions, runs the attention implementation
-chosen by ``ModelConfig.attention`` (``reference``: einsum + mask, below;
-``flash``: our Pallas FlashAttention-2 kernel, `models.kernels.flash_attention`,
-under `jax.shard_map`) and projects back to ``[B, T, D]``.
+chosen by ``ModelConfig.attention`` and projects back to ``[B, T, D]``:
+
+=========  =====================================================================
+reference  einsum + mask + float32 softmax (below); GSPMD partitions it
+flash      our Pallas FlashAttention-2 kernel (`models.kernels.flash_attention`)
+           per device under `jax.shard_map`: batch and heads split, length whole
+ring       ring attention (`models.kernels.ring_attention`; Liu et al., 2023):
+           the length split as the rules split ``length`` (``sequence``), keys
+           and values passed around the ring of those devices
+ulysses    all-to-all attention (`models.kernels.ulysses_attention`; Jacobs et
+           al., 2023): length-split to head-split and back around flash
+=========  =====================================================================
+
+Context layout. With the length split over P devices, ``ring`` and ``ulysses``
+accept tokens in the ``zigzag`` layout (device r holds chunks r and 2P-1-r of
+2P; `models.kernels.ring_attention.zigzag_permutation`), which balances causal
+work for ring attention. The data pipeline permutes every ``[batch, length]``
+field once on the host; `use_context_layout` tells the attention layers which
+layout the tokens are in while a step is traced. ``reference`` and ``flash``
+assume natural order and refuse any other layout.
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import math
+from collections.abc import Iterator, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -19,9 +42,16 @@ from jax.sharding import PartitionSpec
 
 from models.config import ModelConfig
 from models.kernels.flash_attention import flash_attention
+from models.kernels.ring_attention import CONTIGUOUS, LAYOUTS, ZIGZAG, ring_attention
+from models.kernels.ulysses_attention import check_ulysses_heads, ulysses_attention
 from models.layers import param, rotary_embedding
 from sharding import axes as ax
-from sharding.rules import constrain, current_rules, logical_to_spec
+from sharding.rules import Rules, constrain, current_rules, logical_to_spec
+
+CONTEXT_LAYOUTS = ("auto", CONTIGUOUS, ZIGZAG)
+"""Values of ``--context-layout``; ``auto`` is zigzag for ring attention over a split length."""
+LAYOUT_AWARE = ("ring", "ulysses")
+"""Attention implementations that accept tokens in the zigzag layout."""
 
 
 def attention_mask(q_len: int, kv_len: int, causal: bool, q_segment_ids=None, kv_segment_ids=None):
@@ -75,9 +105,201 @@ def reference_attention(q, k, v, *, causal: bool = True, q_segment_ids=None, kv_
     return out.reshape(b, t, n, h).astype(q.dtype)
 
 
-def _head_axes(spec, dim: int) -> tuple[str, ...]:
+# Context layout ---------------------------------------------------------------
+
+_LAYOUT: contextvars.ContextVar[str] = contextvars.ContextVar("meshwork_context_layout", default=CONTIGUOUS)
+
+
+@contextlib.contextmanager
+def use_context_layout(layout: str) -> Iterator[None]:
+    """Tells attention layers traced inside the block how tokens lie along the length.
+
+    Args:
+      layout: ``contiguous`` (natural order) or ``zigzag``.
+
+    Raises:
+      ValueError: an unknown layout.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"context layout {layout!r}: choose one of {', '.join(LAYOUTS)}")
+    token = _LAYOUT.set(layout)
+    try:
+        yield
+    finally:
+        _LAYOUT.reset(token)
+
+
+def current_context_layout() -> str:
+    """The layout set by `use_context_layout` (``contiguous`` outside one)."""
+    return _LAYOUT.get()
+
+
+def length_shards(rules: Rules, mesh_shape: Mapping[str, int]) -> int:
+    """P: devices the activations' ``length`` is split over (product of its mesh axes)."""
+    return math.prod(mesh_shape.get(axis, 1) for axis in rules.mesh_axes(ax.LENGTH))
+
+
+def resolve_context_layout(requested: str, attention: str, shards: int) -> str:
+    """The layout a run uses for ``--context-layout`` (``auto``, ``contiguous``, ``zigzag``).
+
+    ``auto`` is ``zigzag`` for ring attention over a split length (P > 1; the model is
+    causal, and zigzag balances the causal work), else ``contiguous``.
+
+    Raises:
+      ValueError: zigzag asked for an implementation that assumes natural order, or an
+        unknown value; the message names the flags.
+    """
+    if requested not in CONTEXT_LAYOUTS:
+        raise ValueError(f"--context-layout {requested!r}: choose one of {', '.join(CONTEXT_LAYOUTS)}")
+    if requested == "auto":
+        return ZIGZAG if attention == "ring" and shards > 1 else CONTIGUOUS
+    if requested == ZIGZAG and attention not in LAYOUT_AWARE:
+        raise ValueError(
+            f"--context-layout zigzag: --attention {attention} assumes tokens in natural order; "
+            f"use --attention ring (or ulysses), or --context-layout contiguous"
+        )
+    return requested
+
+
+def check_context_parallel(config: ModelConfig, rules: Rules, mesh_shape: Mapping[str, int], seq_len: int,
+                           layout: str) -> None:
+    """Sizes the context-parallel attention needs, checked before anything compiles.
+
+    Args:
+      config: the model (``attention``, ``num_heads``, ``num_kv_heads``).
+      rules: logical-to-mesh rules (where ``length`` and ``heads`` go).
+      mesh_shape: mesh axis -> size.
+      seq_len: tokens per sequence (``--seq-len``).
+      layout: the resolved context layout.
+
+    Raises:
+      ValueError: a ``--seq-len`` the zigzag layout cannot cut into 2P chunks, or (for
+        ``--attention ulysses``) heads or KV heads per device that the P devices of the
+        sequence axis cannot split; each names the flags and a value that works.
+    """
+    shards = length_shards(rules, mesh_shape)
+    if layout == ZIGZAG and seq_len % (2 * shards):
+        good = max(2 * shards, seq_len // (2 * shards) * 2 * shards)
+        raise ValueError(
+            f"--seq-len {seq_len}: --context-layout zigzag cuts each sequence into 2 x {shards} (the "
+            f"sequence-axis size of --mesh) = {2 * shards} equal chunks; use --seq-len {good}, or "
+            f"--context-layout contiguous"
+        )
+    if config.attention == "ulysses" and shards > 1:
+        split = head_split(config.num_heads, config.num_kv_heads, rules, mesh_shape, "ulysses")
+        try:
+            check_ulysses_heads(split.local_heads, split.local_kv_heads, shards)
+        except ValueError as e:
+            raise ValueError(f"--attention ulysses on --mesh with a sequence axis of {shards}: {e}") from None
+
+
+# Sharded attention under shard_map ---------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadSplit:
+    """How each device holds the heads under the rules.
+
+    Attributes:
+      q_axes: mesh axes splitting ``heads`` (empty: whole).
+      kv_axes: mesh axes splitting ``kv_heads``.
+      local_heads: query heads per device.
+      local_kv_heads: KV heads per device as the kernel sees them.
+      slice_kv: KV heads are whole on each device (fewer than the head split) and each
+        device slices the ``local_kv_heads`` its query heads use.
+      group: G, query heads per KV head.
+    """
+
+    q_axes: tuple[str, ...]
+    kv_axes: tuple[str, ...]
+    local_heads: int
+    local_kv_heads: int
+    slice_kv: bool
+    group: int
+
+
+def _entry_axes(spec, dim: int) -> tuple[str, ...]:
     entry = spec[dim] if len(spec) > dim else None
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _entry(spec, dim: int):
+    return spec[dim] if len(spec) > dim else None
+
+
+def head_split(num_heads: int, num_kv_heads: int, rules: Rules, mesh_shape: Mapping[str, int],
+               impl: str = "flash") -> HeadSplit:
+    """Query and KV heads per device for kernels run under `shard_map`.
+
+    When ``heads`` is split but ``kv_heads`` is not (fewer KV heads than ``tensor``
+    devices), each device slices the KV heads its query heads use.
+
+    Raises:
+      ValueError: when the head split cannot be matched to the KV heads (naming
+        ``--attention IMPL`` and the ``--rule`` that fixes it).
+    """
+    q_spec, _ = logical_to_spec((ax.HEADS,), rules, (num_heads,), mesh_shape)
+    kv_spec, _ = logical_to_spec((ax.KV_HEADS,), rules, (num_kv_heads,), mesh_shape)
+    q_axes, kv_axes = _entry_axes(q_spec, 0), _entry_axes(kv_spec, 0)
+    local_heads = num_heads // math.prod(mesh_shape[a] for a in q_axes)
+    group = num_heads // num_kv_heads
+    slice_kv = bool(q_axes) and kv_axes != q_axes
+    if slice_kv and (kv_axes or (local_heads % group and group % local_heads)):
+        raise ValueError(
+            f"--attention {impl}: heads split over {'+'.join(q_axes)} ({num_heads} heads, {num_kv_heads} KV "
+            f"heads) cannot be matched to the KV heads; use --rule kv_heads=none or --rule heads=none"
+        )
+    if slice_kv:
+        local_kv = max(1, local_heads // group)
+    else:
+        local_kv = num_kv_heads // math.prod(mesh_shape[a] for a in kv_axes)
+    return HeadSplit(q_axes, kv_axes, local_heads, local_kv, slice_kv, group)
+
+
+def _local_kv(split: HeadSplit, sizes: Mapping[str, int], k, v):
+    """The KV heads this device's query heads use (inside shard_map, when sliced)."""
+    if not split.slice_kv:
+        return k, v
+    index = jnp.zeros((), jnp.int32)
+    for axis in split.q_axes:
+        index = index * sizes[axis] + jax.lax.axis_index(axis)
+    start = index * split.local_heads // split.group  # KV head of this device's first query head
+    return tuple(jax.lax.dynamic_slice_in_dim(x, start, split.local_kv_heads, axis=2) for x in (k, v))
+
+
+def _sharded(kernel, q, k, v, segment_ids, *, split_length: bool, impl: str):
+    """Runs ``kernel(q, k, v, segment_ids, length_axes)`` per device under `jax.shard_map`.
+
+    Specs come from the rules: batch as ``batch`` is split (``data``/``fsdp``), heads as
+    ``heads``/``kv_heads`` (``tensor``), the length as ``length`` (``sequence``) when
+    ``split_length``, else whole. ``length_axes`` is the tuple of mesh axes the length is
+    split over (empty when whole). Outside `sharding.rules.use_rules` the kernel runs
+    directly with no axes.
+    """
+    context = current_rules()
+    if context is None:
+        return kernel(q, k, v, segment_ids, ())
+    mesh, rules = context
+    sizes = dict(mesh.shape)
+    length = ax.LENGTH if split_length else None
+    q_spec, _ = logical_to_spec((ax.BATCH, length, ax.HEADS, None), rules, q.shape, sizes)
+    kv_spec, _ = logical_to_spec((ax.BATCH, length, ax.KV_HEADS, None), rules, k.shape, sizes)
+    split = head_split(q.shape[2], k.shape[2], rules, sizes, impl)
+    if split.slice_kv:
+        kv_spec = PartitionSpec(_entry(q_spec, 0), _entry(q_spec, 1))
+    seg_spec = PartitionSpec(_entry(q_spec, 0), _entry(q_spec, 1))
+    length_axes = _entry_axes(q_spec, 1)
+
+    def local(q, k, v, segment_ids):
+        k, v = _local_kv(split, sizes, k, v)
+        return kernel(q, k, v, segment_ids, length_axes)
+
+    if segment_ids is None:
+        run = jax.shard_map(lambda q, k, v: local(q, k, v, None), mesh=mesh,
+                            in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec)
+        return run(q, k, v)
+    run = jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, seg_spec), out_specs=q_spec)
+    return run(q, k, v, segment_ids)
 
 
 def sharded_flash_attention(q, k, v, segment_ids, *, causal: bool = True):
@@ -102,47 +324,104 @@ def sharded_flash_attention(q, k, v, segment_ids, *, causal: bool = True):
     Raises:
       ValueError: when the head split cannot be matched to the KV heads.
     """
-    context = current_rules()
-    if context is None:
-        return flash_attention(q, k, v, q_segment_ids=segment_ids, kv_segment_ids=segment_ids, causal=causal)
-    mesh, rules = context
-    sizes = dict(mesh.shape)
-    q_spec, _ = logical_to_spec((ax.BATCH, None, ax.HEADS, None), rules, q.shape, sizes)
-    kv_spec, _ = logical_to_spec((ax.BATCH, None, ax.KV_HEADS, None), rules, k.shape, sizes)
-    q_heads, kv_heads = _head_axes(q_spec, 2), _head_axes(kv_spec, 2)
-    batch_spec = PartitionSpec(q_spec[0] if len(q_spec) else None)
-    split = 1
-    for axis in q_heads:
-        split *= sizes[axis]
-    group = q.shape[2] // k.shape[2]
-    local_heads = q.shape[2] // split
-    slice_kv = bool(q_heads) and kv_heads != q_heads
-    if slice_kv:
-        if kv_heads or (local_heads % group and group % local_heads):
-            raise ValueError(
-                f"--attention flash: heads split over {'+'.join(q_heads)} ({q.shape[2]} heads, {k.shape[2]} KV "
-                f"heads) cannot be matched to the KV heads; use --rule kv_heads=none or --rule heads=none"
-            )
-        kv_spec = PartitionSpec(kv_spec[0] if len(kv_spec) else None)
-    kv_per_device = max(1, local_heads // group)
 
-    def local(q, k, v, segment_ids):
-        if slice_kv:
-            index = jnp.zeros((), jnp.int32)
-            for axis in q_heads:
-                index = index * sizes[axis] + jax.lax.axis_index(axis)
-            start = index * local_heads // group
-            k = jax.lax.dynamic_slice_in_dim(k, start, kv_per_device, axis=2)
-            v = jax.lax.dynamic_slice_in_dim(v, start, kv_per_device, axis=2)
+    def kernel(q, k, v, segment_ids, _):
         return flash_attention(q, k, v, q_segment_ids=segment_ids, kv_segment_ids=segment_ids, causal=causal)
 
-    seg_spec = PartitionSpec(*batch_spec, None)
-    if segment_ids is None:
-        run = jax.shard_map(lambda q, k, v: local(q, k, v, None), mesh=mesh,
-                            in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec)
-        return run(q, k, v)
-    run = jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, seg_spec), out_specs=q_spec)
-    return run(q, k, v, segment_ids)
+    return _sharded(kernel, q, k, v, segment_ids, split_length=False, impl="flash")
+
+
+def sharded_ring_attention(q, k, v, segment_ids, *, causal: bool = True, layout: str = CONTIGUOUS):
+    """Ring attention (Liu et al., 2023) over the mesh axes of ``length``, under `jax.shard_map`.
+
+    Each device keeps its block of queries; key/value blocks (and their segment ids) travel
+    around the ring of the devices that split ``length`` (`models.kernels.ring_attention`).
+    Batch and heads are split as for `sharded_flash_attention`. With the length whole
+    (no ``sequence`` axis) it is flash attention.
+
+    Args:
+      q: ``[batch, length, heads, head_dim]``, tokens in ``layout`` order.
+      k, v: ``[batch, length, kv_heads, head_dim]``.
+      segment_ids: ``[batch, length]`` int32 or None.
+      causal: causal mask in the tokens' natural order.
+      layout: ``contiguous`` or ``zigzag``: how the tokens lie along the length.
+
+    Returns:
+      ``[batch, length, heads, head_dim]`` in q's dtype and layout.
+
+    Raises:
+      ValueError: as `sharded_flash_attention`, or an odd local length under zigzag.
+    """
+
+    def kernel(q, k, v, segment_ids, length_axes):
+        if not length_axes:
+            return flash_attention(q, k, v, q_segment_ids=segment_ids, kv_segment_ids=segment_ids, causal=causal)
+        return ring_attention(q, k, v, axis_name=length_axes, q_segment_ids=segment_ids,
+                              kv_segment_ids=segment_ids, causal=causal, layout=layout)
+
+    return _sharded(kernel, q, k, v, segment_ids, split_length=True, impl="ring")
+
+
+def sharded_ulysses_attention(q, k, v, segment_ids, *, causal: bool = True, layout: str = CONTIGUOUS):
+    """All-to-all attention (Jacobs et al., 2023) over the mesh axes of ``length``.
+
+    Queries, keys and values are traded from length-split to head-split, attended whole
+    with the flash kernel, and the output traded back (`models.kernels.ulysses_attention`).
+
+    Args:
+      q: ``[batch, length, heads, head_dim]``, tokens in ``layout`` order.
+      k, v: ``[batch, length, kv_heads, head_dim]``.
+      segment_ids: ``[batch, length]`` int32 or None.
+      causal: causal mask in the tokens' natural order.
+      layout: ``contiguous`` or ``zigzag``.
+
+    Returns:
+      ``[batch, length, heads, head_dim]`` in q's dtype and layout.
+
+    Raises:
+      ValueError: heads or KV heads per device not divisible by the length split
+        (suggesting ring attention), or as `sharded_flash_attention`.
+    """
+
+    def kernel(q, k, v, segment_ids, length_axes):
+        if not length_axes:
+            return flash_attention(q, k, v, q_segment_ids=segment_ids, kv_segment_ids=segment_ids, causal=causal)
+        return ulysses_attention(q, k, v, axis_name=length_axes, q_segment_ids=segment_ids,
+                                 kv_segment_ids=segment_ids, causal=causal, layout=layout)
+
+    return _sharded(kernel, q, k, v, segment_ids, split_length=True, impl="ulysses")
+
+
+def attend(impl: str, q, k, v, segment_ids, *, causal: bool = True, layout: str = CONTIGUOUS):
+    """Runs attention implementation ``impl`` (one of `models.config.ATTENTION_IMPLS`).
+
+    Args:
+      impl: ``reference``, ``flash``, ``ring`` or ``ulysses``.
+      q: ``[batch, length, heads, head_dim]``.
+      k, v: ``[batch, length, kv_heads, head_dim]``.
+      segment_ids: ``[batch, length]`` int32 or None.
+      causal: causal mask.
+      layout: the tokens' context layout.
+
+    Returns:
+      ``[batch, length, heads, head_dim]`` in q's dtype.
+
+    Raises:
+      ValueError: a layout other than contiguous for an implementation that assumes natural
+        order, or what the implementation raises.
+    """
+    if impl == "ring":
+        return sharded_ring_attention(q, k, v, segment_ids, causal=causal, layout=layout)
+    if impl == "ulysses":
+        return sharded_ulysses_attention(q, k, v, segment_ids, causal=causal, layout=layout)
+    if layout != CONTIGUOUS:
+        raise ValueError(
+            f"--attention {impl} assumes tokens in natural order, but they are in the {layout} layout; "
+            f"use --attention ring or ulysses, or --context-layout contiguous"
+        )
+    if impl == "flash":
+        return sharded_flash_attention(q, k, v, segment_ids, causal=causal)
+    return reference_attention(q, k, v, causal=causal, q_segment_ids=segment_ids, kv_segment_ids=segment_ids)
 
 
 class Attention(nnx.Module):
@@ -167,6 +446,9 @@ class Attention(nnx.Module):
           x: activations ``[batch, length, embed]``.
           positions: ``[batch, length]`` int32 rotary positions.
           segment_ids: ``[batch, length]`` int32 document ids, or None.
+
+        Tokens may be in the zigzag context layout (`use_context_layout`); positions and
+        segment ids come permuted with them, so only the attention needs to know.
         """
         cfg, dtype = self.config, x.dtype
         q = jnp.einsum("BTD,DNH->BTNH", x, self.q[...].astype(dtype))
@@ -175,10 +457,7 @@ class Attention(nnx.Module):
         q = constrain(rotary_embedding(q, positions, cfg.rope_theta), (ax.BATCH, ax.LENGTH, ax.HEADS, ax.HEAD_DIM))
         k = constrain(rotary_embedding(k, positions, cfg.rope_theta), (ax.BATCH, ax.LENGTH, ax.KV_HEADS, ax.HEAD_DIM))
         v = constrain(v, (ax.BATCH, ax.LENGTH, ax.KV_HEADS, ax.HEAD_DIM))
-        if cfg.attention == "flash":
-            out = sharded_flash_attention(q, k, v, segment_ids, causal=True)
-        else:
-            out = reference_attention(q, k, v, causal=True, q_segment_ids=segment_ids, kv_segment_ids=segment_ids)
+        out = attend(cfg.attention, q, k, v, segment_ids, causal=True, layout=current_context_layout())
         out = constrain(out, (ax.BATCH, ax.LENGTH, ax.HEADS, ax.HEAD_DIM))
         y = jnp.einsum("BTNH,NHD->BTD", out, self.o[...].astype(dtype))
         return constrain(y, (ax.BATCH, ax.LENGTH, ax.ACT_EMBED))

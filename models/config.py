@@ -26,7 +26,7 @@ from typing import Any
 
 DTYPES = ("float32", "bfloat16")
 REMAT_POLICIES = ("none", "full", "dots")
-ATTENTION_IMPLS = ("reference", "flash")
+ATTENTION_IMPLS = ("reference", "flash", "ring", "ulysses")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,8 +49,12 @@ class ModelConfig:
       remat: rematerialisation of each block in the backward pass: ``none``,
         ``full`` (save only block inputs) or ``dots`` (save matmul outputs
         without batch dimensions).
-      attention: attention implementation: ``reference`` (einsum + mask) or
-        ``flash`` (Pallas FlashAttention-2 under ``shard_map``; memory linear in length).
+      attention: attention implementation: ``reference`` (einsum + mask),
+        ``flash`` (Pallas FlashAttention-2 under ``shard_map``; memory linear in length),
+        or, with the length split over the ``sequence`` mesh axis (context parallelism),
+        ``ring`` (ring attention, Liu et al. 2023: key/value blocks passed around the
+        devices; zigzag layout for causal balance) or ``ulysses`` (all-to-all attention,
+        Jacobs et al. 2023: heads must divide by the ``sequence`` size).
     """
 
     vocab_size: int

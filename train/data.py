@@ -21,6 +21,13 @@ Pipeline:
    each document, and ``loss_mask`` is 0 where the input is an EOD (its
    target opens another document), so no loss and no attention crosses a
    document boundary.
+6. **Context layout.** With context parallelism (the length split over P
+   devices of the ``sequence`` axis) and the ``zigzag`` layout, every field
+   of a row is permuted the same way along the length
+   (`context_permutation`: device r's slice holds chunks r and 2P-1-r of 2P),
+   so causal ring attention does equal work on every device. Positions and
+   segment ids travel with their tokens and the loss is a masked sum over
+   tokens, so the loss is unchanged.
 
 The only state is the number of samples consumed, saved with checkpoints, so
 a resumed run sees exactly the batches an uninterrupted run would.
@@ -233,6 +240,45 @@ def pack_windows(windows: np.ndarray, eod_id: int) -> dict[str, np.ndarray]:
     }
 
 
+def context_permutation(seq_len: int, num_shards: int, layout: str) -> np.ndarray | None:
+    """The order in which a row's tokens are laid out along the length, for ``--context-layout``.
+
+    Args:
+      seq_len: T, tokens per row (``--seq-len``).
+      num_shards: P, devices the length is split over (the ``sequence`` axis).
+      layout: ``contiguous`` (natural order) or ``zigzag`` (device r holds chunks r and
+        2P-1-r of 2P; `models.kernels.ring_attention.zigzag_permutation`).
+
+    Returns:
+      int64 ``[seq_len]`` indices (``field[:, perm]`` is the laid-out row), or None for the
+      natural order.
+
+    Raises:
+      ValueError: an unknown layout, or a ``--seq-len`` not divisible by 2P for zigzag.
+    """
+    if layout == "contiguous":
+        return None
+    if layout != "zigzag":
+        raise ValueError(f"--context-layout {layout!r}: choose contiguous or zigzag")
+    from models.kernels.ring_attention import zigzag_permutation
+
+    try:
+        permutation = zigzag_permutation(seq_len, num_shards)
+    except ValueError:
+        raise ValueError(
+            f"--seq-len {seq_len}: --context-layout zigzag needs a multiple of 2 x {num_shards} (the sequence "
+            f"axis) = {2 * num_shards}; e.g. --seq-len {max(1, seq_len // (2 * num_shards)) * 2 * num_shards}"
+        ) from None
+    return None if num_shards == 1 else permutation  # over one device zigzag is the natural order
+
+
+def permute_length(fields: dict[str, np.ndarray], permutation: np.ndarray | None) -> dict[str, np.ndarray]:
+    """Every ``[rows, seq_len]`` field with its columns in ``permutation`` order (None: as is)."""
+    if permutation is None:
+        return fields
+    return {name: np.ascontiguousarray(value[:, permutation]) for name, value in fields.items()}
+
+
 class WindowSource:
     """Fixed-length windows of a token stream, visited in seeded per-epoch permutations.
 
@@ -283,34 +329,42 @@ class Dataset:
       train, heldout: `WindowSource`s.
       eod_id: end-of-document token.
       global_batch: B, rows per step.
+      permutation: the context layout's token order along the length
+        (`context_permutation`), applied to every field; None: natural order.
     """
 
     train: WindowSource
     heldout: WindowSource
     eod_id: int
     global_batch: int
+    permutation: np.ndarray | None = None
 
     def train_rows(self, first_sample: int, rows: range) -> dict[str, np.ndarray]:
         """Rows ``rows`` of the global batch that starts at sample ``first_sample``."""
         samples = first_sample + np.arange(rows.start, rows.stop)
-        return pack_windows(self.train.windows(samples), self.eod_id)
+        return permute_length(pack_windows(self.train.windows(samples), self.eod_id), self.permutation)
 
     def eval_rows(self, batch_index: int, rows: range) -> dict[str, np.ndarray]:
         """Rows of held-out batch ``batch_index`` (fixed across the run)."""
         samples = batch_index * self.global_batch + np.arange(rows.start, rows.stop)
-        return pack_windows(self.heldout.windows(samples), self.eod_id)
+        return permute_length(pack_windows(self.heldout.windows(samples), self.eod_id), self.permutation)
 
 
 def load_dataset(
-    spec: str, tokenizer, seq_len: int, global_batch: int, seed: int, heldout: float = 0.01, cache_dir=None, log=print
+    spec: str, tokenizer, seq_len: int, global_batch: int, seed: int, heldout: float = 0.01, cache_dir=None, log=print,
+    permutation: np.ndarray | None = None,
 ) -> Dataset:
-    """Builds the `Dataset` for ``--data``; see the module docstring."""
+    """Builds the `Dataset` for ``--data``; see the module docstring.
+
+    ``permutation`` is the context layout's token order (`context_permutation`), or None.
+    """
     train, held = load_token_streams(spec, tokenizer, seed, heldout, cache_dir, log)
     return Dataset(
         train=WindowSource(train, seq_len, seed, shuffle=True, name="training"),
         heldout=WindowSource(held, seq_len, seed, shuffle=False, name="held-out"),
         eod_id=tokenizer.eod_id,
         global_batch=global_batch,
+        permutation=permutation,
     )
 
 

@@ -3,7 +3,20 @@
 from .flash_attention import (
     BlockSizes,
     flash_attention,
+    flash_attention_backward,
+    flash_attention_forward,
     flash_attention_reference,
 )
+from .ring_attention import ring_attention, zigzag_permutation
+from .ulysses_attention import ulysses_attention
 
-__all__ = ["BlockSizes", "flash_attention", "flash_attention_reference"]
+__all__ = [
+    "BlockSizes",
+    "flash_attention",
+    "flash_attention_backward",
+    "flash_attention_forward",
+    "flash_attention_reference",
+    "ring_attention",
+    "ulysses_attention",
+    "zigzag_permutation",
+]

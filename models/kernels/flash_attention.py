@@ -790,6 +790,157 @@ def flash_attention(
     return out[:, :q_length, :, :head_dim]
 
 
+def flash_attention_forward(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    causal: bool = False,
+    sm_scale: float | None = None,
+    block_sizes: BlockSizes | None = None,
+    interpret: bool | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """The forward kernel alone: the output and its log-sum-exp, for blockwise callers.
+
+    Runs the same kernel as `flash_attention` (Dao 2023, Algorithm 1) and also returns the
+    log-sum-exp of each query row's scores, so a caller that splits the keys into blocks
+    (ring attention, Liu et al. 2023) can merge partial outputs: with `(o_a, lse_a)` and
+    `(o_b, lse_b)` from two disjoint key blocks, the output over both is
+    `(exp(lse_a) o_a + exp(lse_b) o_b) / (exp(lse_a) + exp(lse_b))`. Not differentiable:
+    pair it with `flash_attention_backward`.
+
+    Args:
+      q: queries `[batch, q_length, heads, head_dim]`, float32 or bfloat16.
+      k, v: keys and values `[batch, kv_length, kv_heads, head_dim]`, same dtype.
+      q_segment_ids, kv_segment_ids: int `[batch, q_length]`, `[batch, kv_length]`, or None.
+      causal, sm_scale, block_sizes, interpret: as `flash_attention`.
+
+    Returns:
+      `(out, lse)`: out `[batch, q_length, heads, head_dim]` in q's dtype (0 for rows that
+      attend no key); lse `[batch, heads, q_length]` float32, the natural log of
+      `sum_j exp(sm_scale * q.k_j)` over the keys the row may attend, -inf for rows that
+      attend none.
+
+    Raises:
+      ValueError: as `flash_attention`.
+    """
+    q_length, head_dim = q.shape[1], q.shape[-1]
+    q_p, k_p, v_p, q_seg, kv_seg, cfg = _prepare(
+        q, k, v, q_segment_ids, kv_segment_ids, causal=causal, sm_scale=sm_scale,
+        block_sizes=block_sizes, interpret=interpret,
+    )
+    out, lse = _forward(q_p, k_p, v_p, q_seg, kv_seg, cfg)[:2]
+    lse = lse[:, :, :q_length]
+    # The kernel marks empty rows +inf (so exp(s - lse) = 0 in its backward); log 0 is -inf.
+    lse = jnp.where(lse == jnp.inf, -jnp.inf, lse)
+    return out[:, :q_length, :, :head_dim], lse
+
+
+def flash_attention_backward(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    out: jax.Array,
+    lse: jax.Array,
+    d_out: jax.Array,
+    *,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+    causal: bool = False,
+    sm_scale: float | None = None,
+    block_sizes: BlockSizes | None = None,
+    interpret: bool | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The backward kernels alone: gradients through one key/value block of a softmax row.
+
+    Runs the dq and dk/dv kernels of `flash_attention` (Dao 2023, Algorithm 2) with the
+    probabilities recomputed as `exp(sm_scale * q.k - lse)` and `delta = rowsum(d_out * out)`.
+    When `out` and `lse` belong to the whole row (all key blocks, merged) and `k`, `v` are
+    one block of its keys, the results are that block's exact share of the gradients: dq
+    summed over the blocks is the full dq, and dk, dv are the block's full gradients. With
+    the output and log-sum-exp of `flash_attention_forward` on the same keys it is the
+    ordinary backward pass.
+
+    Args:
+      q: queries `[batch, q_length, heads, head_dim]`, float32 or bfloat16.
+      k, v: one block of keys and values `[batch, kv_length, kv_heads, head_dim]`.
+      out: the row's attention output `[batch, q_length, heads, head_dim]`.
+      lse: the row's log-sum-exp `[batch, heads, q_length]` float32 (-inf or +inf: the row
+        attends no key and gets zero gradients).
+      d_out: cotangent of `out`, `[batch, q_length, heads, head_dim]`.
+      q_segment_ids, kv_segment_ids, causal, sm_scale, block_sizes, interpret: as
+        `flash_attention`, describing this block's mask.
+
+    Returns:
+      `(dq, dk, dv)` shaped and typed like q, k, v.
+
+    Raises:
+      ValueError: as `flash_attention`, or when out, d_out or lse do not fit q.
+    """
+    batch, q_length, heads, head_dim = q.shape
+    kv_length = k.shape[1]
+    for name, x in (("out", out), ("d_out", d_out)):
+        if tuple(x.shape) != tuple(q.shape):
+            raise ValueError(f"{name} must have q's shape {tuple(q.shape)}, got {tuple(x.shape)}.")
+    if tuple(lse.shape) != (batch, heads, q_length):
+        raise ValueError(
+            f"lse must have shape [batch, heads, q_length] = {(batch, heads, q_length)}, "
+            f"got {tuple(lse.shape)}."
+        )
+    q_p, k_p, v_p, q_seg, kv_seg, cfg = _prepare(
+        q, k, v, q_segment_ids, kv_segment_ids, causal=causal, sm_scale=sm_scale,
+        block_sizes=block_sizes, interpret=interpret,
+    )
+    head_padded = q_p.shape[-1]
+    out_p = _pad_axis(_pad_axis(out.astype(q.dtype), 1, cfg.q_padded), 3, head_padded)
+    do_p = _pad_axis(_pad_axis(d_out.astype(q.dtype), 1, cfg.q_padded), 3, head_padded)
+    # +inf makes exp(s - lse) exactly 0: empty rows and padded rows contribute nothing.
+    lse = jnp.where(jnp.isfinite(lse), lse.astype(jnp.float32), jnp.inf)
+    lse_p = _pad_axis(lse, 2, cfg.q_padded, value=jnp.inf)
+    q_p, k_p, v_p, q_seg, kv_seg, out_p, do_p, lse_p = _vary_alike(
+        q_p, k_p, v_p, q_seg, kv_seg, out_p, do_p, lse_p
+    )
+    delta = _row_delta(out_p, do_p)
+    dq = _backward_dq(q_p, k_p, v_p, do_p, lse_p, delta, q_seg, kv_seg, cfg)[0]
+    dk, dv = _backward_dkv(q_p, k_p, v_p, do_p, lse_p, delta, q_seg, kv_seg, cfg)[:2]
+    return (dq[:, :q_length, :, :head_dim], dk[:, :kv_length, :, :head_dim],
+            dv[:, :kv_length, :, :head_dim])
+
+
+def forward_tile_count(q_length: int, kv_length: int, *, causal: bool,
+                       block_sizes: BlockSizes | None = None, dtype=jnp.float32) -> int:
+    """Key/value tiles the forward kernel computes for one (batch, head), without running it.
+
+    Sums, over the (padded) query tiles, the key-tile range each forward program loops over
+    (`_kv_tile_range`, the kernel's own skipping rule: tiles entirely above the causal
+    diagonal are not computed). Equal to `_tile_counts(...)["forward"]` summed over the
+    query tiles of one (batch, head); for work-balance counts without device work.
+
+    Args:
+      q_length, kv_length: T and S, tokens.
+      causal: the kernel's causal flag (last query aligned with the last key).
+      block_sizes: as `flash_attention`; default `BlockSizes.default_for(dtype)`.
+      dtype: the input dtype that picks the default tiles.
+
+    Returns:
+      The number of `block_q x block_kv` tiles, an int.
+    """
+    if block_sizes is None:
+        block_sizes = BlockSizes.default_for(dtype)
+    q = jax.ShapeDtypeStruct((1, q_length, 1, _MIN_BLOCK), dtype)
+    k = jax.ShapeDtypeStruct((1, kv_length, 1, _MIN_BLOCK), dtype)
+    cfg = _make_config(q, k, causal=causal, sm_scale=1.0, block_sizes=block_sizes,
+                       interpret=True, has_segments=False)
+    bq, bk = cfg.block_q, cfg.block_kv
+    total = 0
+    for tile in range(cfg.q_padded // bq):
+        _, end = _kv_tile_range(cfg, tile * bq, bq, bk)
+        total += int(end)
+    return total
+
+
 def _tile_counts(q, k, v, *, causal=False, block_sizes=None, q_segment_ids=None,
                  kv_segment_ids=None, interpret=None) -> dict[str, jax.Array]:
     """Debug: the number of tiles each program of each kernel computed.

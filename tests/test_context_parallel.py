@@ -1,0 +1,201 @@
+"""Context parallelism end to end: rules, the model's sharded attention, data layout, CLI.
+
+The kernels themselves are checked against the reference in `test_ring_attention.py`; here
+they run as the model runs them (under `use_rules` on a mesh with data, sequence and tensor
+axes, specs from the rules), the data pipeline permutes rows for the zigzag layout, and a
+training run over a `sequence` axis reproduces the losses of one without it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import _procs
+from models.attention import (
+    CONTEXT_LAYOUTS,
+    attend,
+    reference_attention,
+    resolve_context_layout,
+    use_context_layout,
+)
+from models.config import PRESETS as MODEL_PRESETS
+from models.kernels.ring_attention import zigzag_permutation
+from models.transformer import abstract_model
+from sharding import axes as ax
+from sharding.mesh import make_mesh, parse_mesh
+from sharding.rules import PRESETS as RULE_PRESETS
+from sharding.rules import get_rules, logical_to_spec, use_rules
+from train import train
+from train.data import context_permutation, pack_windows, permute_length
+
+SMALL = ["--model", "test", "--seq-len", "64", "--batch-size", "4", "--log-every", "1", "--no-progress",
+         "--eval-batches", "1"]
+
+
+# Rules -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("preset", sorted(RULE_PRESETS))
+def test_activation_length_maps_to_sequence_in_every_preset(preset):
+    spec, _ = logical_to_spec((ax.BATCH, ax.LENGTH, ax.HEADS, ax.HEAD_DIM), get_rules(preset))
+    assert spec[1] == ax.SEQUENCE
+
+
+@pytest.mark.parametrize("model", ["test", "7b"])
+def test_no_parameter_carries_the_length_axis(model):
+    """Parameters are never split over `sequence`: no parameter names `length`."""
+    _, abstract, names = abstract_model(MODEL_PRESETS[model])
+    leaves = jax.tree.leaves(names, is_leaf=lambda x: isinstance(x, tuple))
+    assert len(leaves) == len(jax.tree.leaves(abstract))
+    assert all(ax.LENGTH not in leaf for leaf in leaves)
+    rules, sizes = get_rules("fsdp_tp"), {"data": 1, "stage": 1, "fsdp": 1, "sequence": 8, "tensor": 1}
+    for leaf, shape in zip(leaves, (x.shape for x in jax.tree.leaves(abstract))):
+        spec, _ = logical_to_spec(leaf, rules, shape, sizes)
+        assert ax.SEQUENCE not in jax.tree.leaves(tuple(spec))
+
+
+# The model's sharded attention ------------------------------------------------------------
+
+
+def _attention_inputs(heads, kv_heads, length=64, batch=2, head_dim=16):
+    keys = jax.random.split(jax.random.PRNGKey(1), 4)
+    q = jax.random.normal(keys[0], (batch, length, heads, head_dim), jnp.float32)
+    k = jax.random.normal(keys[1], (batch, length, kv_heads, head_dim), jnp.float32)
+    v = jax.random.normal(keys[2], (batch, length, kv_heads, head_dim), jnp.float32)
+    d_out = jax.random.normal(keys[3], q.shape, jnp.float32)
+    segments = jnp.asarray(np.repeat(np.arange(4, dtype=np.int32), length // 4)[None].repeat(batch, 0))
+    segments = segments.at[1].set(0)
+    return q, k, v, d_out, segments
+
+
+@pytest.mark.parametrize("impl, layout, heads, kv_heads", [
+    ("ring", "zigzag", 4, 1),  # heads split over tensor, the one KV head sliced on each device
+    ("ulysses", "contiguous", 8, 4),  # 4 heads and 2 KV heads per tensor shard, over sequence=2
+])
+def test_sharded_attention_under_the_rules_matches_the_reference(impl, layout, heads, kv_heads):
+    """`attend` as the model calls it: mesh data=2,sequence=2,tensor=2, specs from fsdp_tp."""
+    mesh = make_mesh(parse_mesh("data=2,sequence=2,tensor=2", 8))
+    rules = get_rules("fsdp_tp")
+    q, k, v, d_out, segments = _attention_inputs(heads, kv_heads)
+    perm = zigzag_permutation(q.shape[1], 2) if layout == "zigzag" else np.arange(q.shape[1])
+    natural = np.argsort(perm)
+
+    def sharded(q, k, v):
+        with use_rules(mesh, rules), use_context_layout(layout):
+            out = attend(impl, q[:, perm], k[:, perm], v[:, perm], segments[:, perm], causal=True, layout=layout)
+        return jnp.sum(out[:, natural] * d_out), out[:, natural]
+
+    def reference(q, k, v):
+        out = reference_attention(q, k, v, causal=True, q_segment_ids=segments, kv_segment_ids=segments)
+        return jnp.sum(out * d_out), out
+
+    grad = lambda f: jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    (_, got), got_grads = grad(sharded)
+    (_, want), want_grads = grad(reference)
+    for a, b in zip((got, *got_grads), (want, *want_grads)):
+        assert float(jnp.max(jnp.abs(a - b))) <= 1e-5 * float(jnp.max(jnp.abs(b)))
+
+
+@pytest.mark.parametrize("impl", ["reference", "flash"])
+def test_natural_order_attention_refuses_the_zigzag_layout(impl):
+    q, k, v, _, segments = _attention_inputs(4, 2)
+    with pytest.raises(ValueError, match=f"--attention {impl} assumes tokens in natural order"):
+        attend(impl, q, k, v, segments, layout="zigzag")
+
+
+def test_auto_layout_is_zigzag_for_ring_over_a_split_length_only():
+    assert resolve_context_layout("auto", "ring", 4) == "zigzag"
+    assert resolve_context_layout("auto", "ring", 1) == "contiguous"
+    assert resolve_context_layout("auto", "ulysses", 4) == "contiguous"
+    assert resolve_context_layout("auto", "flash", 4) == "contiguous"
+    assert resolve_context_layout("zigzag", "ulysses", 4) == "zigzag"
+    assert resolve_context_layout("contiguous", "ring", 4) == "contiguous"
+    choices = next(a.choices for a in train.build_parser()._actions if a.dest == "context_layout")
+    assert tuple(choices) == CONTEXT_LAYOUTS
+
+
+# Data ----------------------------------------------------------------------------------------
+
+
+def test_the_data_pipeline_permutes_every_field_alike():
+    windows = np.random.default_rng(0).integers(0, 50, size=(3, 33))
+    windows[:, ::7] = 0  # end-of-document tokens: several segments per row
+    natural = pack_windows(windows, eod_id=0)
+    perm = context_permutation(32, 4, "zigzag")
+    np.testing.assert_array_equal(perm, zigzag_permutation(32, 4))
+    laid_out = permute_length(natural, perm)
+    for name, value in natural.items():
+        np.testing.assert_array_equal(laid_out[name], value[:, perm])
+    # the same (token, target, position, segment, mask) tuples, in another order
+    rows = lambda d, r: sorted(zip(*(d[f][r].tolist() for f in sorted(d))))
+    assert all(rows(laid_out, r) == rows(natural, r) for r in range(3))
+    assert context_permutation(32, 4, "contiguous") is None
+    assert context_permutation(32, 1, "zigzag") is None
+    with pytest.raises(ValueError, match="--seq-len 36: --context-layout zigzag needs a multiple of 2 x 4"):
+        context_permutation(36, 4, "zigzag")
+
+
+# CLI: refused before compiling ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--attention", "ring", "--mesh", "data=2,sequence=4", "--seq-len", "36"],
+     "--seq-len 36: --context-layout zigzag cuts each sequence into 2 x 4"),
+    (["--attention", "ulysses", "--mesh", "data=2,sequence=4"],
+     "kv_heads (2) per device is not divisible by 4; use ring attention (--attention ring)"),
+    (["--attention", "flash", "--mesh", "data=2,sequence=4", "--context-layout", "zigzag"],
+     "--context-layout zigzag: --attention flash assumes tokens in natural order"),
+])
+def test_wrong_sizes_are_refused_before_compiling(tmp_path, args, message, corpus, cache, capsys, monkeypatch):
+    from train import step
+
+    def no_trainer(*_, **__):
+        raise AssertionError("a Trainer was built: the check came too late")
+
+    monkeypatch.setattr(step, "Trainer", no_trainer)
+    code = train.main([*SMALL, *args, "--steps", "2", "--run-dir", str(tmp_path / "r"), "--data", str(corpus),
+                       "--data-cache", str(cache)])
+    assert code == 2
+    assert message in capsys.readouterr().err
+
+
+# Training -------------------------------------------------------------------------------------
+
+
+def _losses(run_dir: Path, key: str) -> dict[int, float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r[key] for r in records if key in r}
+
+
+def test_ring_attention_over_a_sequence_axis_trains_with_the_losses_of_data_parallel(tmp_path, corpus, cache):
+    """`--mesh data=2,sequence=4 --attention ring` (zigzag by default) against `--mesh data=2`.
+
+    The baseline runs as a subprocess with `--cpu-devices 2`, so its mesh is exactly
+    `data=2` (this process has 8 devices, which `--mesh data=2` would not cover), with the
+    einsum reference attention on tokens in natural order: a different attention, layout
+    and device count, so equal losses show the ring, the zigzag permutation of tokens,
+    positions, segment ids, targets and loss mask, and the sequence sharding together leave
+    the training unchanged. Both run concurrently to save time.
+    """
+    common = [*SMALL, "--steps", "20", "--warmup", "2", "--eval-every", "0", "--ckpt-every", "0",
+              "--data", str(corpus), "--data-cache", str(cache)]
+    baseline = _procs.start([*common, "--cpu-devices", "2", "--mesh", "data=2", "--attention", "reference",
+                             "--run-dir", str(tmp_path / "dp")], tmp_path / "dp.log")
+    try:
+        assert train.main([*common, "--mesh", "data=2,sequence=4", "--attention", "ring",
+                           "--run-dir", str(tmp_path / "cp")]) == 0
+        assert baseline.wait(timeout=300) == 0, (tmp_path / "dp.log").read_text()
+    finally:
+        if baseline.poll() is None:
+            baseline.kill()
+    for key in ("train/loss", "eval/loss"):
+        cp, dp = _losses(tmp_path / "cp", key), _losses(tmp_path / "dp", key)
+        assert sorted(cp) == sorted(dp) and len(cp) >= 2
+        np.testing.assert_allclose([cp[s] for s in sorted(cp)], [dp[s] for s in sorted(dp)], rtol=1e-4)
+    assert sorted(_losses(tmp_path / "cp", "train/loss")) == list(range(1, 21))

@@ -1,0 +1,271 @@
+"""Ring and all-to-all (Ulysses) attention against one-device reference attention.
+
+Each kernel runs under `jax.shard_map` over a 1-D `sequence` mesh of P of the 8 simulated
+CPU devices (Pallas in interpret mode), on inputs laid out as the data pipeline lays them
+(`zigzag_permutation`), and its output is put back in natural order. Outputs and the
+gradients of `sum(out * d_out)` with respect to q, k and v must match
+`flash_attention_reference` (float32) within 1e-5 of the reference's largest magnitude.
+
+Interpret mode is slow, so each dimension is swept with the others at a base value
+(P = 4, causal, zigzag, no segment ids, 4 heads over 2 KV heads), plus a few combined cases.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+from models.kernels.flash_attention import (
+    BlockSizes,
+    _tile_counts,
+    flash_attention_backward,
+    flash_attention_forward,
+    flash_attention_reference,
+    forward_tile_count,
+)
+from models.kernels.ring_attention import ring_attention, ring_tile_counts, zigzag_permutation
+from models.kernels.ulysses_attention import ulysses_attention
+from sharding.hlo import collectives, summarize
+
+LENGTH, HEAD_DIM = 128, 32
+BASE = dict(shards=4, causal=True, layout="zigzag", segments=False, heads=4, kv_heads=2)
+TILES = BlockSizes(16, 16, 16, 16, 16, 16)  # several tiles per block even at P = 8
+
+
+def _case(**overrides):
+    return {**BASE, **overrides}
+
+
+def _segment_ids(length: int, seed: int) -> np.ndarray:
+    """[2, length] ids: row 0 packs 5 documents at random cuts, row 1 is one document."""
+    rng = np.random.default_rng(seed)
+    cuts = np.sort(rng.choice(np.arange(1, length), size=4, replace=False))
+    row = np.searchsorted(cuts, np.arange(length), side="right").astype(np.int32)
+    return np.stack([row, np.zeros(length, np.int32)])
+
+
+def _inputs(case, seed=0, dtype=jnp.float32):
+    keys = jax.random.split(jax.random.PRNGKey(seed), 4)
+    q = jax.random.normal(keys[0], (2, LENGTH, case["heads"], HEAD_DIM), dtype)
+    k = jax.random.normal(keys[1], (2, LENGTH, case["kv_heads"], HEAD_DIM), dtype)
+    v = jax.random.normal(keys[2], (2, LENGTH, case["kv_heads"], HEAD_DIM), dtype)
+    d_out = jax.random.normal(keys[3], q.shape, jnp.float32)
+    segments = jnp.asarray(_segment_ids(LENGTH, seed)) if case["segments"] else None
+    return q, k, v, d_out, segments
+
+
+def _sequence_mesh(shards: int):
+    return jax.make_mesh((shards,), ("sequence",), axis_types=(AxisType.Auto,),
+                         devices=jax.devices()[:shards])
+
+
+def _context_parallel(kernel, case):
+    """`f(q, k, v, segments)` on natural-order global arrays, run sequence-parallel."""
+    shards, layout = case["shards"], case["layout"]
+    perm = zigzag_permutation(LENGTH, shards) if layout == "zigzag" else np.arange(LENGTH)
+    natural = np.argsort(perm)
+    tokens, ids = P(None, "sequence", None, None), P(None, "sequence")
+
+    def local(q, k, v, segments):
+        return kernel(q, k, v, axis_name="sequence", q_segment_ids=segments,
+                      kv_segment_ids=segments, causal=case["causal"], layout=layout,
+                      block_sizes=TILES)
+
+    mesh = _sequence_mesh(shards)
+
+    def run(q, k, v, segments):
+        if segments is None:
+            sharded = jax.shard_map(lambda q, k, v: local(q, k, v, None), mesh=mesh,
+                                    in_specs=(tokens,) * 3, out_specs=tokens)
+            return sharded(q[:, perm], k[:, perm], v[:, perm])[:, natural]
+        sharded = jax.shard_map(local, mesh=mesh, in_specs=(tokens,) * 3 + (ids,),
+                                out_specs=tokens)
+        return sharded(q[:, perm], k[:, perm], v[:, perm], segments[:, perm])[:, natural]
+
+    return run
+
+
+def _value_and_grads(fn, q, k, v, d_out, segments):
+    def loss(q, k, v):
+        out = fn(q, k, v, segments)
+        return jnp.sum(out * d_out), out
+
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    return (out, *grads)
+
+
+def _reference(causal):
+    def fn(q, k, v, segments):
+        return flash_attention_reference(q, k, v, q_segment_ids=segments, kv_segment_ids=segments,
+                                         causal=causal)
+
+    return fn
+
+
+def _assert_close(got, want, rtol=1e-5):
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+        err, scale = float(jnp.max(jnp.abs(a - b))), float(jnp.max(jnp.abs(b)))
+        assert err <= rtol * scale, f"{name}: max error {err:.3g} > {rtol} x {scale:.3g}"
+
+
+def _check(kernel, case, dtype=jnp.float32, rtol=1e-5):
+    q, k, v, d_out, segments = _inputs(case, dtype=dtype)
+    got = _value_and_grads(_context_parallel(kernel, case), q, k, v, d_out, segments)
+    as_f32 = lambda x: x.astype(jnp.float32)
+    want = _value_and_grads(_reference(case["causal"]), as_f32(q), as_f32(k), as_f32(v), d_out, segments)
+    _assert_close(got, want, rtol)
+
+
+# --------------------------------------------------------------------------------------
+# Ring attention
+# --------------------------------------------------------------------------------------
+
+RING_CASES = [
+    _case(),
+    _case(shards=2),
+    _case(shards=8),
+    _case(causal=False),
+    _case(layout="contiguous"),
+    _case(segments=True),
+    _case(kv_heads=4),
+    # combined
+    _case(shards=8, layout="contiguous", segments=True, heads=2, kv_heads=1),
+    _case(shards=2, causal=False, segments=True, kv_heads=4),
+]
+
+
+@pytest.mark.parametrize("case", RING_CASES, ids=lambda c: "-".join(
+    f"{k}={v}" for k, v in c.items() if BASE[k] != v) or "base")
+def test_ring_attention_matches_the_reference(case):
+    _check(ring_attention, case)
+
+
+def test_ring_attention_in_bfloat16():
+    """bfloat16 inputs (float32 merge and gradient accumulation) against the float32
+    reference on the same rounded inputs, within 2e-2 as the flash kernel's bfloat16 tests."""
+    _check(ring_attention, _case(segments=True), dtype=jnp.bfloat16, rtol=2e-2)
+
+
+def test_ring_transfers_each_key_value_block_p_minus_1_times_per_pass():
+    """Collective-permute bytes of the compiled ring (Liu et al. 2023: one hop per step):
+    forward, (P-1)/P of k and v; forward+backward adds (P-1)/P of k, v and of their float32
+    gradients, less the backward's first k, v transfer where XLA reuses the forward's."""
+    shards = 4
+    case = _case(shards=shards)
+    q, k, v, d_out, _ = _inputs(case)
+    mesh = _sequence_mesh(shards)
+    tokens = jax.sharding.NamedSharding(mesh, P(None, "sequence", None, None))
+    q, k, v, d_out = (jax.device_put(x, tokens) for x in (q, k, v, d_out))
+    ring = jax.shard_map(
+        lambda q, k, v: ring_attention(q, k, v, axis_name="sequence", causal=True, layout="zigzag",
+                                       block_sizes=TILES),
+        mesh=mesh, in_specs=(tokens.spec,) * 3, out_specs=tokens.spec)
+
+    def permute_bytes(fn, *args):
+        found = summarize(collectives(jax.jit(fn).lower(*args).compile().as_text()))
+        return found.get("collective-permute", (0, 0))[1]
+
+    kv_bytes = 2 * k.size * 4 // shards  # one device's k and v, float32
+    assert permute_bytes(ring, q, k, v) == (shards - 1) * kv_bytes
+    grad = jax.grad(lambda q, k, v, d_out: jnp.sum(ring(q, k, v) * d_out), argnums=(0, 1, 2))
+    both = permute_bytes(grad, q, k, v, d_out)
+    analytic = (shards - 1) * (kv_bytes + 2 * kv_bytes)
+    assert analytic - kv_bytes <= both <= analytic
+
+
+# --------------------------------------------------------------------------------------
+# All-to-all (Ulysses) attention
+# --------------------------------------------------------------------------------------
+
+# All-to-all splits heads over P: 8 heads over 4 KV heads at the base P = 4.
+ULYSSES_CASES = [
+    _case(heads=8, kv_heads=4),
+    _case(heads=8, kv_heads=4, shards=2),
+    _case(heads=8, kv_heads=8, shards=8),
+    _case(heads=8, kv_heads=4, causal=False, segments=True),
+    _case(heads=8, kv_heads=4, layout="contiguous", segments=True),
+]
+
+
+@pytest.mark.parametrize("case", ULYSSES_CASES, ids=lambda c: "-".join(
+    f"{k}={v}" for k, v in c.items() if BASE[k] != v) or "base")
+def test_ulysses_attention_matches_the_reference(case):
+    _check(ulysses_attention, case)
+
+
+def test_ulysses_refuses_heads_the_sequence_axis_cannot_split():
+    case = _case(shards=4, heads=4, kv_heads=2)
+    q, k, v, d_out, segments = _inputs(case)
+    with pytest.raises(ValueError, match=r"kv_heads \(2\).*not divisible by 4.*--attention ring"):
+        _context_parallel(ulysses_attention, case)(q, k, v, segments)
+
+
+# --------------------------------------------------------------------------------------
+# Building blocks
+# --------------------------------------------------------------------------------------
+
+
+def test_zigzag_permutation_gives_device_r_chunks_r_and_2p_minus_1_minus_r():
+    perm = zigzag_permutation(16, 4)  # 8 chunks of 2 tokens
+    shards = perm.reshape(4, 4)
+    for r in range(4):
+        chunks = sorted({int(i) // 2 for i in shards[r]})
+        assert chunks == [r, 7 - r]
+    assert sorted(perm.tolist()) == list(range(16))
+    with pytest.raises(ValueError, match="multiple of 2 x"):
+        zigzag_permutation(12, 4)
+
+
+def test_forward_and_backward_merge_over_key_blocks():
+    """Two key blocks' (out, lse) merged by log-sum-exp equal attention over both, and the
+    backward entry point with the merged (out, lse) gives each block's exact gradients."""
+    case = _case(segments=True)
+    q, k, v, d_out, segments = _inputs(case)
+    half = LENGTH // 2
+    blocks = [(k[:, :half], v[:, :half], segments[:, :half]), (k[:, half:], v[:, half:], segments[:, half:])]
+    forward = jax.jit(lambda q, k, v, q_ids, kv_ids: flash_attention_forward(
+        q, k, v, q_segment_ids=q_ids, kv_segment_ids=kv_ids, block_sizes=TILES))
+    backward = jax.jit(lambda q, k, v, out, lse, d_out, q_ids, kv_ids: flash_attention_backward(
+        q, k, v, out, lse, d_out, q_segment_ids=q_ids, kv_segment_ids=kv_ids, block_sizes=TILES))
+    parts = [forward(q, kb, vb, segments, sb) for kb, vb, sb in blocks]
+    (o_a, lse_a), (o_b, lse_b) = parts
+    lse = jnp.logaddexp(lse_a, lse_b)
+    weight = lambda part: jnp.nan_to_num(jnp.exp(part - lse)).transpose(0, 2, 1)[..., None]
+    out = o_a * weight(lse_a) + o_b * weight(lse_b)
+
+    def ref(q, k, v):
+        return flash_attention_reference(q, k, v, q_segment_ids=segments, kv_segment_ids=segments)
+
+    want, vjp = jax.vjp(ref, q, k, v)
+    dq, dk, dv = vjp(d_out)
+    grads = [backward(q, kb, vb, out, lse, d_out, segments, sb) for kb, vb, sb in blocks]
+    got = (out, grads[0][0] + grads[1][0], jnp.concatenate([grads[0][1], grads[1][1]], axis=1),
+           jnp.concatenate([grads[0][2], grads[1][2]], axis=1))
+    _assert_close(got, (want, dq, dk, dv))
+
+
+def test_forward_tile_count_is_what_the_kernel_computes():
+    q = jnp.zeros((1, 80, 1, 16))
+    k = jnp.zeros((1, 48, 1, 16))
+    for causal in (True, False):
+        counts = jax.jit(lambda q, k: _tile_counts(q, k, k, causal=causal, block_sizes=TILES))(q, k)["forward"]
+        assert forward_tile_count(80, 48, causal=causal, block_sizes=TILES) == int(counts.sum())
+
+
+@pytest.mark.parametrize("shards", [2, 4, 8])
+def test_zigzag_balances_causal_work(shards):
+    """Contiguous: the last device does about (2P-1)/P of the mean; zigzag: all equal."""
+    length = 64 * 2 * shards * 4
+    balance = {}
+    for layout in ("contiguous", "zigzag"):
+        counts = ring_tile_counts(length, shards, causal=True, layout=layout)
+        balance[layout] = counts.max() / counts.mean()
+    assert balance["zigzag"] == 1.0
+    assert abs(balance["contiguous"] - (2 * shards - 1) / shards) < 0.05
+    full = ring_tile_counts(length, 1, causal=True, layout="zigzag")[0]
+    assert ring_tile_counts(length, shards, causal=True, layout="zigzag").sum() == pytest.approx(full, rel=0.02)
