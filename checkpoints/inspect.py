@@ -81,6 +81,10 @@ def describe(directory: str | Path, step: int | None = None) -> list[str]:
         lines.append(f"  saved on mesh   {format_mesh(meta['mesh'])}")
     if "rules" in meta:
         lines.append(f"  rules           {meta['rules'].get('name')}")
+    if meta.get("pipeline"):
+        layout = meta["pipeline"]
+        lines.append(f"  stage layout    {','.join(map(str, layout.get('stage_layers', [])))} layers per stage "
+                     f"({layout.get('schedule')}); layer arrays are [stage, slot, ...], re-laid on resume")
     if "preset" in meta:
         lines.append(f"  model           {meta['preset']} {meta.get('model', {})}")
     if "data" in meta:

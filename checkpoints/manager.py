@@ -5,7 +5,15 @@ A checkpoint step holds two items:
 * ``state``: the train state pytree (parameters, optimizer state, step, RNG),
   every process writing its own shards (`orbax.checkpoint.args.StandardSave`);
 * ``meta``: JSON with the model config, the mesh and rules it was saved
-  from, the data position (samples consumed), tokenizer and batch settings.
+  from, the data position (samples consumed), tokenizer and batch settings,
+  and the stage layout (``pipeline``; None for the canonical one).
+
+Stacked layer arrays are stored as the run held them: ``[layers, ...]``
+without a pipeline, ``[stage, slot, ...]`` (padded, see
+`sharding.pipeline.StageLayout`) with one. A run with another layout restores
+them in the saved layout onto its own mesh and re-lays them on device
+(`train.step.Trainer.restore`), so saves never pay for a re-layout and a
+checkpoint resumes across stage counts and splits.
 
 Restoring reads ``state`` onto abstract targets (`jax.ShapeDtypeStruct` with
 the *current* run's shardings), so a checkpoint saved on one mesh restores

@@ -6,6 +6,12 @@ The ``num_layers`` blocks are created with `nnx.vmap`, so each block
 parameter carries a leading ``layers`` dimension (its logical names gain
 ``layers`` in front), and run with `jax.lax.scan`, so compile time does not
 grow with depth. Rematerialisation wraps the scanned block.
+
+Under `sharding.pipeline.use_pipeline` (a ``stage`` mesh axis larger than
+one), the stacked parameters are in the pipeline layout ``[stage, slot, ...]``
+instead (`init_params` with ``layer_table``) and `Transformer.run_layers`
+hands the per-layer function and the stack to `sharding.pipeline.run_pipeline`;
+the model itself never names a mesh axis.
 """
 
 from __future__ import annotations
@@ -14,12 +20,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from models.attention import Attention
 from models.config import ModelConfig
 from models.layers import MLP, Embed, RMSNorm, param
 from sharding import axes as ax
+from sharding.pipeline import current_pipeline, run_pipeline
 from sharding.rules import constrain
 
 _REMAT_POLICIES = {
@@ -65,10 +73,22 @@ class Transformer(nnx.Module):
     embeddings are tied, ``unembed [embed, vocab]``.
     """
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, layer_order=None):
+        """Builds the parameters.
+
+        Args:
+          config: the model.
+          rngs: random streams (``params``).
+          layer_order: optional int array ``[n]`` of layer indices (-1: an
+            empty slot, built from layer 0's key): the stacked blocks are
+            layers ``layer_order`` in that order, with exactly the values
+            those layers have in the canonical ``0..num_layers-1`` stack.
+        """
         self.config = config
         self.embed = Embed(config.vocab_size, config.embed_dim, rngs=rngs)
         keys = jax.random.split(rngs.params(), config.num_layers)
+        if layer_order is not None:
+            keys = keys[jnp.maximum(jnp.asarray(layer_order), 0)]
 
         @nnx.vmap(in_axes=0, out_axes=0)
         def make_block(key):
@@ -81,8 +101,14 @@ class Transformer(nnx.Module):
             self.unembed = param(rngs, (config.embed_dim, config.vocab_size), (ax.EMBED, ax.VOCAB))
 
     def run_layers(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
-        """Scans the stacked blocks over ``x [batch, length, embed]``."""
+        """Runs the stacked blocks over ``x [batch, length, embed]``.
+
+        Scanned in order; under `sharding.pipeline.use_pipeline`, run as a
+        pipeline over the stages instead (parameters in the plan's layout).
+        """
         graphdef, stacked = nnx.split(self.layers)
+        if current_pipeline() is not None:
+            return self._run_pipelined(graphdef, stacked, x, positions, segment_ids)
 
         def body(h, layer_state):
             return nnx.merge(graphdef, layer_state)(h, positions, segment_ids), None
@@ -90,6 +116,16 @@ class Transformer(nnx.Module):
         if self.config.remat != "none":
             body = jax.checkpoint(body, policy=_REMAT_POLICIES[self.config.remat], prevent_cse=False)
         x, _ = jax.lax.scan(body, x, stacked)
+        return x
+
+    def _run_pipelined(self, graphdef, stacked, x, positions, segment_ids) -> jax.Array:
+        """`run_pipeline` with one block as the layer function (it applies the remat policy per block)."""
+
+        def layer(layer_state, h, positions, segment_ids):
+            return nnx.merge(graphdef, layer_state)(h, positions, segment_ids)
+
+        policy = _REMAT_POLICIES.get(self.config.remat)
+        x, _ = run_pipeline(layer, stacked, x, (positions, segment_ids), remat_policy=policy)
         return x
 
     def __call__(
@@ -153,10 +189,36 @@ def abstract_model(config: ModelConfig):
     return graphdef, abstract, names
 
 
-def init_params(config: ModelConfig, key: jax.Array) -> dict[str, Any]:
-    """Fresh parameters as a nested dict (call under `jax.jit` with out_shardings)."""
-    model = Transformer(config, rngs=nnx.Rngs(params=key))
-    return to_pure_dict(nnx.state(model, nnx.Param))
+def init_params(config: ModelConfig, key: jax.Array, layer_table=None) -> dict[str, Any]:
+    """Fresh parameters as a nested dict (call under `jax.jit` with out_shardings).
+
+    Args:
+      config: the model.
+      key: the parameter key.
+      layer_table: optional int array ``[stages, slots]`` of layer indices,
+        -1 for an empty slot (`sharding.pipeline.StageLayout.layer_table`):
+        then every ``layers/...`` parameter is ``[stages, slots, ...]``, each
+        slot holding the values its layer has in the canonical stack and
+        empty slots zero. Only the slots are built, never the canonical stack.
+
+    Returns:
+      Nested dict of float32 arrays; ``layers/...`` stacked ``[num_layers, ...]``
+      or, with ``layer_table``, ``[stages, slots, ...]``.
+    """
+    if layer_table is None:
+        model = Transformer(config, rngs=nnx.Rngs(params=key))
+        return to_pure_dict(nnx.state(model, nnx.Param))
+    table = np.asarray(layer_table)
+    model = Transformer(config, rngs=nnx.Rngs(params=key), layer_order=table.reshape(-1))
+    params = to_pure_dict(nnx.state(model, nnx.Param))
+    filled = jnp.asarray(table >= 0)
+
+    def lay_out(w):
+        w = w.reshape(*table.shape, *w.shape[1:])
+        return jnp.where(filled.reshape(*table.shape, *([1] * (w.ndim - 2))), w, jnp.zeros((), w.dtype))
+
+    params["layers"] = jax.tree.map(lay_out, params["layers"])
+    return params
 
 
 def apply(graphdef, params: dict[str, Any], tokens, positions=None, segment_ids=None) -> jax.Array:

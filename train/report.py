@@ -94,3 +94,104 @@ def collective_lines(compiled) -> list[str]:
 
 def state_bytes(abstract_state) -> int:
     return int(sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(abstract_state)))
+
+
+# Pipeline ---------------------------------------------------------------------------
+
+
+def stage_memory(trainer) -> dict:
+    """Per-device parameter bytes of a pipelined trainer, split by stage.
+
+    Every device holds the same arrays (one SPMD program): the non-layer
+    parameters' shards and ``slots`` layer slots of ``slot_bytes`` each. Of
+    those, stage ``s`` fills ``stage_layers[s]`` (its share) and leaves the
+    rest empty (its padding).
+
+    Returns:
+      ``{"slot_bytes", "other_bytes", "stages": [(layers, share_bytes, padding_bytes), ...],
+      "device_bytes"}``: bytes per device of one slot (all layer parameters
+      of one layer), of the non-layer parameters, per stage, and in all
+      (``other + slots * slot_bytes``, the same on every device). Parameters
+      only: AdamW's two moments add twice as much again, laid out alike.
+    """
+    layout = trainer.layout
+    slot_bytes = other = 0
+    leaves = jax.tree_util.tree_leaves_with_path(trainer.state_params)
+    shardings = jax.tree.leaves(trainer.param_shardings)
+    for (path, leaf), sharding in zip(leaves, shardings, strict=True):
+        local = sharding.shard_shape(leaf.shape)
+        itemsize = np.dtype(leaf.dtype).itemsize
+        if str(getattr(path[0], "key", "")) == "layers":
+            slot_bytes += math.prod(local[2:]) * itemsize  # [1, slots, ...] on each device
+        else:
+            other += math.prod(local) * itemsize
+    stages = [(n, n * slot_bytes, pad * slot_bytes) for n, pad in zip(layout.stage_layers, layout.padding)]
+    return {"slot_bytes": slot_bytes, "other_bytes": other, "stages": stages,
+            "device_bytes": other + layout.slots * slot_bytes}
+
+
+def pipeline_lines(trainer, note: str | None = None) -> list[str]:
+    """The pipeline plan: schedule, bubble fraction, layers, slots and padded bytes per stage."""
+    plan = trainer.pipeline
+    if plan is None:
+        return []
+    layout = plan.layout
+    s, r, m = layout.stages, layout.repeats, plan.microbatches
+    lines = []
+    if note:
+        lines.append(f"note: {note}")
+    schedule = "GPipe" if r == 1 else f"circular, {r} repeats (chunks per stage)"
+    lines.append(
+        f"pipeline: {schedule} over stage={s}, {m} microbatches of {trainer.config.num_layers} layers; bubble "
+        f"(S-1)/(R*M+S-1) = {s - 1}/{r * m + s - 1} = {plan.bubble_fraction:.1%} of {plan.steps} steps"
+    )
+    memory = stage_memory(trainer)
+    rows = [("stage", "layers", "canonical layers", "slots used/held", "layer params/device", "padding/device",
+             "layer applications (fwd)")]
+    applications = plan.layer_applications()
+    for stage, (n, share, pad) in enumerate(memory["stages"]):
+        ranges = " ".join(f"{a}-{b - 1}" if b - a > 1 else str(a) for a, b in layout.stage_ranges(stage))
+        per_chunk = "" if r == 1 else " (" + "+".join(str(row[stage]) for row in layout.chunks) + ")"
+        rows.append((str(stage), f"{n}{per_chunk}", ranges, f"{n}/{layout.slots}", human_bytes(share),
+                     human_bytes(pad), str(applications[stage])))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines += ["  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    padded = sum(layout.padding)
+    lines.append(
+        f"  every device holds {layout.slots} slots of {human_bytes(memory['slot_bytes'])} (one layer's parameters) "
+        f"+ {human_bytes(memory['other_bytes'])} of other parameters = {human_bytes(memory['device_bytes'])}; "
+        f"x3 with the AdamW moments"
+    )
+    if padded:
+        lines.append(
+            f"  {padded} empty slot(s) pad the stages with fewer layers to {layout.slots}: parameters, optimizer "
+            f"state and saved activations are allocated for them; "
+            + ("they are not computed (skipped by a conditional)" if plan.skip_empty else
+               "they ARE computed here (fallback: a collective inside a slot could wait on other stages)")
+        )
+    lines.append("  layer parameters laid out [stage, slot, ...], sharded over stage (rule layers->stage); "
+                 "embedding, final norm and output projection are replicated over stage")
+    return lines
+
+
+def branch_lines(compiled, trainer) -> list[str]:
+    """Collectives inside the pipeline's skipped-slot branches of a compiled step (they must stay in one stage)."""
+    from sharding.pipeline import branch_collectives
+
+    if trainer.pipeline is None:
+        return []
+    found = branch_collectives(compiled.as_text(), trainer.mesh)
+    if not trainer.pipeline.skip_empty:
+        return ["pipeline: every slot is computed (no conditional branches)"]
+    unsafe = [c for c in found if not c.safe]
+    kinds = ", ".join(f"{op} x{n}" for op, n in sorted(_count(c.op for c in found).items())) or "none"
+    status = "all among devices of one stage" if not unsafe else f"{len(unsafe)} COULD WAIT ON OTHER STAGES"
+    return [f"collectives inside skipped-slot branches: {kinds}; {status} (the counts above include them on every "
+            f"trip, also where a stage skips the slot)"]
+
+
+def _count(items) -> dict:
+    counts: dict = {}
+    for item in items:
+        counts[item] = counts.get(item, 0) + 1
+    return counts

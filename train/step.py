@@ -15,11 +15,23 @@ With ``microbatches = M`` it is split into M microbatches of strided rows
 (row ``r`` goes to microbatch ``r % M``), which keeps every device's share of
 each microbatch local; gradients are summed over a `jax.lax.scan` and divided
 once by the batch's token count, so the update equals the one-shot update.
+
+Pipeline parallelism (a ``stage`` mesh axis of size S > 1, `sharding.pipeline`):
+the stacked layer parameters (and their optimizer state) live in the plan's
+``[stage, slot, ...]`` layout, sharded over ``stage``; ``microbatches`` is then
+the pipeline's microbatch count M (the batch flows through the stages as M
+microbatches within one forward and backward pass, whose gradients the
+pipeline's backward pass sums, so the update again equals the one-shot
+update) and there is no separate accumulation loop. Checkpoints store the state as it is laid out,
+with the layout in their metadata; `Trainer.restore` re-lays the stacked layer
+axis on device when the saved layout differs from this run's (another stage
+count or split, or none), so a run resumes across stage layouts.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
 
 import jax
@@ -28,9 +40,19 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from models.attention import use_context_layout
 from models.config import ModelConfig
 from models.transformer import abstract_model, apply, init_params
 from sharding import axes as ax
+from sharding.pipeline import (
+    PipelinePlan,
+    StageLayout,
+    branch_collectives,
+    pipeline_rules,
+    plan_layout,
+    relayout_on_mesh,
+    use_pipeline,
+)
 from sharding.rules import Rules, logical_to_spec, tree_shardings, use_rules
 from train.data import FIELDS
 from train.optimizer import OptimizerConfig, learning_rate_schedule, make_optimizer
@@ -62,7 +84,23 @@ class Trainer:
       optimizer: optimizer hyperparameters.
       mesh: the `jax.sharding.Mesh`.
       rules: logical-to-mesh rules.
-      microbatches: gradient-accumulation steps per global batch.
+      microbatches: gradient-accumulation steps per global batch; with a
+        ``stage`` axis > 1, the pipeline's microbatches (and no accumulation).
+      context_layout: how batches lay tokens along the length, ``contiguous`` or
+        ``zigzag`` (`train.data.context_permutation`; ring/ulysses attention only).
+      pipeline: the stage layout and microbatches when the mesh has a ``stage``
+        axis > 1; default an even GPipe split with ``microbatches``.
+
+    Attributes:
+      abstract_params, param_names: the model's parameters (canonical
+        ``[layers, ...]`` stacks) and their logical names.
+      layout: the run's `StageLayout`, or None (canonical, no pipeline).
+      state_params: the parameters as the state holds them (in ``layout``).
+      param_shardings, report: their shardings and the `ShardingReport`.
+
+    Raises:
+      ValueError: a pipeline whose stage count is not the mesh's, or as
+        `sharding.pipeline.pipeline_rules`.
     """
 
     config: ModelConfig
@@ -70,41 +108,83 @@ class Trainer:
     mesh: Any
     rules: Rules
     microbatches: int = 1
+    context_layout: str = "contiguous"
+    pipeline: PipelinePlan | None = None
 
     def __post_init__(self):
         self.graphdef, self.abstract_params, self.param_names = abstract_model(self.config)
+        self._setup_pipeline()
         self.tx = make_optimizer(self.optimizer, self.param_names)
         self.schedule = learning_rate_schedule(self.optimizer)
-        self.param_shardings, self.report = tree_shardings(
-            self.abstract_params, self.param_names, self.mesh, self.rules
-        )
-        replicated = NamedSharding(self.mesh, PartitionSpec())
-        self.replicated = replicated
-        abstract_opt = jax.eval_shape(self.tx.init, self.abstract_params)
+        self.replicated = NamedSharding(self.mesh, PartitionSpec())
+        self.state_params, self.param_shardings, self.report, self.state_shardings = self._layout_state(self.layout)
+        self._train_step = None
+        self._eval_step = None
+        self.notes: list[str] = []  # what the run should know (e.g. a pipeline fallback)
+
+    def _setup_pipeline(self) -> None:
+        """Sets ``pipeline``, ``layout``, the accumulation steps and, with stages, the pipeline rules."""
+        stages = dict(self.mesh.shape).get(ax.STAGE, 1)
+        if stages > 1 and self.pipeline is None:
+            self.pipeline = PipelinePlan(plan_layout(self.config.num_layers, stages)[0], self.microbatches)
+        if self.pipeline is not None and self.pipeline.layout.stages != stages:
+            raise ValueError(f"the pipeline has {self.pipeline.layout.stages} stages but the mesh's stage axis is "
+                             f"{stages}; pass --mesh stage={self.pipeline.layout.stages},...")
+        if self.pipeline is not None:
+            self.rules = pipeline_rules(self.rules)
+            self.microbatches = self.pipeline.microbatches
+        self.layout = self.pipeline.layout if self.pipeline is not None else None
+        self.accumulation = 1 if self.pipeline is not None else self.microbatches
+
+    def _is_layer_tree(self):
+        """The params tree with True at the stacked layer parameters."""
+        return {key: jax.tree.map(lambda _: key == "layers", value) for key, value in self.abstract_params.items()}
+
+    def _layout_state(self, layout: StageLayout | None):
+        """``(params, param_shardings, report, state_shardings)`` with the layer stacks in ``layout``."""
+        is_layer = self._is_layer_tree()
+
+        def shape(x, layer):
+            return jax.ShapeDtypeStruct(layout.stacked_shape(x.shape), x.dtype) if layer and layout is not None else x
+
+        def names(n, layer):
+            return StageLayout.stacked_names(n) if layer and layout is not None else n
+
+        params = jax.tree.map(shape, self.abstract_params, is_layer)
+        param_names = jax.tree.map(names, self.param_names, is_layer, is_leaf=lambda x: isinstance(x, tuple))
+        param_shardings, report = tree_shardings(params, param_names, self.mesh, self.rules)
         opt_shardings = optax.tree_map_params(
             self.tx,
             lambda _, sharding: sharding,
-            abstract_opt,
-            self.param_shardings,
-            transform_non_params=lambda _: replicated,
+            jax.eval_shape(self.tx.init, params),
+            param_shardings,
+            transform_non_params=lambda _: self.replicated,
         )
-        self.state_shardings = {
-            "step": replicated,
-            "params": self.param_shardings,
+        state_shardings = {
+            "step": self.replicated,
+            "params": param_shardings,
             "opt_state": opt_shardings,
-            "rng": replicated,
+            "rng": self.replicated,
         }
-        self._train_step = None
-        self._eval_step = None
+        return params, param_shardings, report, state_shardings
 
     # Shapes and shardings ------------------------------------------------------
 
-    def abstract_state(self) -> dict:
-        """The state as `jax.ShapeDtypeStruct`s carrying their shardings (restore targets)."""
-        shapes = jax.eval_shape(self._init_fn, jax.ShapeDtypeStruct((), jnp.int32))
-        return jax.tree.map(
-            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, self.state_shardings
-        )
+    def abstract_state(self, layout: StageLayout | None | str = "run") -> dict:
+        """The state as `jax.ShapeDtypeStruct`s carrying their shardings (restore targets).
+
+        Args:
+          layout: the layout of the layer stacks: this run's (default), or
+            another (None: canonical), e.g. a checkpoint's before re-laying;
+            then the stage dimension is split over this mesh's ``stage`` axis
+            where it divides, else left whole along it.
+        """
+        if layout == "run" or layout == self.layout:
+            shardings, layout = self.state_shardings, self.layout
+        else:
+            shardings = self._layout_state(layout)[3]
+        shapes = jax.eval_shape(lambda seed: self._init_fn(seed, layout), jax.ShapeDtypeStruct((), jnp.int32))
+        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
 
     def batch_sharding(self, global_batch: int, seq_len: int) -> NamedSharding:
         """Sharding of one ``[batch, length]`` field of a global batch."""
@@ -121,9 +201,11 @@ class Trainer:
 
     # Init ------------------------------------------------------------------------
 
-    def _init_fn(self, seed):
+    def _init_fn(self, seed, layout: StageLayout | None | str = "run"):
         key = jax.random.key(seed)
-        params = init_params(self.config, jax.random.fold_in(key, 0))
+        layout = self.layout if layout == "run" else layout
+        table = None if layout is None else layout.layer_table()
+        params = init_params(self.config, jax.random.fold_in(key, 0), table)
         return {
             "step": jnp.zeros((), jnp.int32),
             "params": params,
@@ -132,20 +214,82 @@ class Trainer:
         }
 
     def init_state(self, seed: int) -> dict:
-        """Fresh state, created sharded by a jitted init with ``out_shardings``."""
+        """Fresh state, created sharded by a jitted init with ``out_shardings``.
+
+        With a pipeline, each stage builds only its own slots; the values are
+        those of the canonical model for the same seed, whatever the layout.
+        """
         init = jax.jit(self._init_fn, out_shardings=self.state_shardings)
         return init(jnp.asarray(seed, jnp.int32))
+
+    # Stage layouts and checkpoints ------------------------------------------------
+
+    def layout_meta(self) -> dict | None:
+        """This run's layout for checkpoint metadata (None: canonical ``[layers, ...]`` stacks)."""
+        return None if self.layout is None else self.layout.to_meta()
+
+    def relayout_state(self, state: dict, src: StageLayout | None) -> dict:
+        """Re-lays the layer stacks of ``state`` (params and optimizer state) from ``src`` to this run's layout.
+
+        Only the stacked layer arrays move; the rest is returned as it is. They
+        move on device under `jax.jit` with this run's shardings as
+        ``out_shardings``, each device receiving the rows of its stage (with
+        a stage axis); no array is ever gathered on one device.
+        """
+        if src == self.layout:
+            return state
+        leaves, treedef = jax.tree.flatten(state)
+        moving = treedef.flatten_up_to(self._layer_mask(state))
+        targets = jax.tree.leaves(self.state_shardings)
+        num_layers, dst = self.config.num_layers, self.layout
+        picked = [i for i, layer in enumerate(moving) if layer]
+        fn = jax.jit(lambda xs: relayout_on_mesh(xs, src, dst, num_layers, self.mesh),
+                     out_shardings=[targets[i] for i in picked])
+        for i, moved in zip(picked, fn([leaves[i] for i in picked]), strict=True):
+            leaves[i] = moved
+        return treedef.unflatten(leaves)
+
+    def _layer_mask(self, state: dict) -> dict:
+        """``state``'s structure with True at the stacked layer arrays (parameters and their optimizer moments)."""
+        is_layer = self._is_layer_tree()
+        opt = optax.tree_map_params(self.tx, lambda _, layer: layer, state["opt_state"], is_layer,
+                                    transform_non_params=lambda _: False)
+        return {"step": False, "params": is_layer, "opt_state": opt, "rng": False}
+
+    def restore(self, manager, step: int | None = None) -> tuple[dict, dict]:
+        """Restores a checkpoint onto this run's mesh and layout.
+
+        Reads the saved layout from the checkpoint's metadata (``pipeline``;
+        absent or None: canonical), restores onto targets in that layout with
+        this mesh's shardings (every device reads only its slice), then
+        re-lays the stacked layer axis on device (`relayout_state`).
+
+        Args:
+          manager: a `checkpoints.manager.CheckpointManager`.
+          step: the step (default: latest).
+
+        Returns:
+          ``(state, meta)``.
+        """
+        meta = manager.read_meta(step)
+        src = StageLayout.from_meta(meta.get("pipeline"))
+        if src is not None and src.num_layers != self.config.num_layers:
+            raise ValueError(f"the checkpoint's stage layout {src.describe()} has {src.num_layers} layers; the model "
+                             f"has {self.config.num_layers}")
+        state, meta = manager.restore(self.abstract_state(src), step)
+        return self.relayout_state(state, src), meta
 
     # Steps -------------------------------------------------------------------------
 
     def loss_sums(self, params, batch) -> tuple[jax.Array, jax.Array]:
         """``(loss_sum, weight_sum)`` of a batch (inside jit, under the rules)."""
-        logits = apply(self.graphdef, params, batch["tokens"], batch["positions"], batch["segment_ids"])
+        with use_context_layout(self.context_layout), use_pipeline(self.pipeline):
+            logits = apply(self.graphdef, params, batch["tokens"], batch["positions"], batch["segment_ids"])
         return cross_entropy(logits, batch["targets"], batch["loss_mask"])
 
     def _gradients(self, params, batch):
         grad_fn = jax.value_and_grad(self.loss_sums, has_aux=True)
-        m = self.microbatches
+        m = self.accumulation  # 1 with a pipeline: its microbatches flow inside loss_sums
         if m == 1:
             (loss_sum, weight), grads = grad_fn(params, batch)
             return loss_sum, weight, grads
@@ -214,16 +358,51 @@ class Trainer:
         clipping), ``lr`` (of this step), ``tokens`` (counted by the loss
         mask), ``finite`` (bool; when False the update was skipped) and
         ``stop`` (bool; some process asked to stop, see `signals`).
+
+        With a pipeline, the step is compiled here once from abstract shapes
+        (the caller's compile then hits JAX's cache) and checked with
+        `_check_pipeline`.
         """
         if self._train_step is None:
             batch_shardings = {f: self.batch_sharding(global_batch, seq_len) for f in FIELDS}
-            self._train_step = jax.jit(
-                self._train_step_fn,
-                in_shardings=(self.state_shardings, batch_shardings, self.signal_sharding()),
-                out_shardings=(self.state_shardings, self.replicated),
-                donate_argnums=0,
-            )
+
+            def build():
+                return jax.jit(
+                    self._train_step_fn,
+                    in_shardings=(self.state_shardings, batch_shardings, self.signal_sharding()),
+                    out_shardings=(self.state_shardings, self.replicated),
+                    donate_argnums=0,
+                )
+
+            signals = jax.ShapeDtypeStruct((self.mesh.devices.size,), jnp.int32, sharding=self.signal_sharding())
+            args = (self.abstract_state(), self.abstract_batch(global_batch, seq_len), signals)
+            self._train_step = self._check_pipeline(build, args)
         return self._train_step
+
+    def _check_pipeline(self, build, args):
+        """``build()``, after making sure no stage can wait on another inside a skipped slot.
+
+        The pipeline skips empty slots with conditionals that stages take
+        differently. Collectives GSPMD puts inside a layer are normally among
+        devices of one stage, but if it chose one that could involve other
+        stages (a ``collective-permute``), devices would wait forever. Then
+        the plan falls back to computing every slot (`PipelinePlan.skip_empty`
+        False), with a warning, and the step is rebuilt.
+        """
+        fn = build()
+        if self.pipeline is None or not self.pipeline.skip_empty:
+            return fn
+        unsafe = [c for c in branch_collectives(fn.lower(*args).compile().as_text(), self.mesh) if not c.safe]
+        if not unsafe:
+            return fn
+        self.pipeline = dataclasses.replace(self.pipeline, skip_empty=False)
+        self._train_step = self._eval_step = None
+        ops = ", ".join(sorted({f"{c.op} ({c.name})" for c in unsafe}))
+        note = (f"pipeline: the partitioner put {ops} inside a skipped layer slot, where stages that skip it would "
+                f"leave others waiting; this run computes every slot instead (empty slots cost compute too)")
+        self.notes.append(note)
+        warnings.warn(note, RuntimeWarning, stacklevel=3)
+        return build()
 
     def eval_step(self, global_batch: int, seq_len: int):
         """The jitted ``(params, batch) -> (loss_sum, weight_sum)``."""
@@ -234,11 +413,16 @@ class Trainer:
                 with use_rules(self.mesh, self.rules):
                     return self.loss_sums(params, batch)
 
-            self._eval_step = jax.jit(
-                fn,
-                in_shardings=(self.param_shardings, batch_shardings),
-                out_shardings=(self.replicated, self.replicated),
-            )
+            def build():
+                return jax.jit(
+                    fn,
+                    in_shardings=(self.param_shardings, batch_shardings),
+                    out_shardings=(self.replicated, self.replicated),
+                )
+
+            params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                                  self.state_params, self.param_shardings)
+            self._eval_step = self._check_pipeline(build, (params, self.abstract_batch(global_batch, seq_len)))
         return self._eval_step
 
     def compile_train_step(self, global_batch: int, seq_len: int):
