@@ -5,7 +5,8 @@
 their asynchronous ``-start`` forms) with the bytes of its per-device result
 and how many times it runs per call of the program: an instruction inside a
 ``while`` body (a scanned layer stack, a microbatch loop) runs once per trip,
-read from the loop's ``known_trip_count``.
+read from the loop's ``known_trip_count``. `dot_flops` counts the FLOPs of the
+matrix products the same way (``compiled.cost_analysis()`` counts a loop body once).
 """
 
 from __future__ import annotations
@@ -147,3 +148,49 @@ def summarize(found: list[Collective]) -> dict[str, tuple[int, int]]:
         row[0] += c.executions
         row[1] += c.total_bytes
     return {op: (row[0], row[1]) for op, row in sorted(table.items())}
+
+
+_OPERANDS = re.compile(r"%([\w.\-]+)")
+_LHS_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
+
+
+def _dims(type_text: str) -> list[int]:
+    match = _ARRAY.search(type_text)
+    return [int(d) for d in match.group(2).split(",") if d] if match else []
+
+
+def dot_flops(hlo_text: str) -> float:
+    """FLOPs of every ``dot`` of a compiled HLO module, with loop trip counts folded in.
+
+    A dot costs ``2 x (result elements) x (contracted elements)``, the count of XLA's
+    HloCostAnalysis. Unlike ``compiled.cost_analysis()``, which counts the body of a ``while``
+    loop once, each dot here is multiplied by the executions of its computation per call
+    (fusions included, through their ``calls=`` edges).
+
+    Args:
+      hlo_text: ``compiled.as_text()``.
+
+    Returns:
+      FLOPs per call of the program, per device.
+    """
+    instructions, calls, entry = _parse(hlo_text)
+    times = _multiplicities(calls, entry)
+    total = 0.0
+    for computation, items in instructions.items():
+        types = {name: type_text for name, type_text, _, _ in items}
+        for _, type_text, op, rest in items:
+            if op != "dot":
+                continue
+            operands = _OPERANDS.findall(rest.split(")", 1)[0])
+            contracting = _LHS_CONTRACTING.search(rest)
+            if not operands or operands[0] not in types or contracting is None:
+                continue
+            lhs = _dims(types[operands[0]])
+            contracted = 1
+            for d in filter(None, contracting.group(1).split(",")):
+                contracted *= lhs[int(d)]
+            result = 1
+            for d in _dims(type_text):
+                result *= d
+            total += 2.0 * result * contracted * max(times.get(computation, 0), 1)
+    return total

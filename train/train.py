@@ -22,8 +22,10 @@ from pathlib import Path
 
 from models.config import ATTENTION_IMPLS, DTYPES, PRESETS, REMAT_POLICIES, config_differences, get_config
 from sharding.mesh import format_mesh, parse_axis_sizes, parse_mesh
+from sharding.pipeline import parse_stage_layers
 from sharding.rules import DEFAULT_PRESET, PRESETS as RULE_PRESETS, get_rules
 from train.loop import NonFiniteLossError
+from train import hetero
 from train.optimizer import OptimizerConfig
 
 DEFAULT_RUN_DIR = "runs/default"
@@ -64,7 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default=None, choices=DTYPES, help="compute dtype (parameters stay float32); "
                    "default: the preset's (float32)")
     g.add_argument("--remat", default=None, choices=REMAT_POLICIES, help="rematerialisation policy per block")
-    g.add_argument("--attention", default=None, choices=ATTENTION_IMPLS, help="attention implementation")
+    g.add_argument("--attention", default=None, choices=ATTENTION_IMPLS, help="attention implementation; ring or "
+                   "ulysses split the length over the sequence mesh axis (context parallelism)")
+    g.add_argument("--context-layout", default="auto", choices=("auto", "contiguous", "zigzag"),
+                   help="how tokens lie along the sequence axis: zigzag (device r holds chunks r and 2P-1-r of 2P) "
+                   "balances causal ring attention; auto: zigzag for --attention ring with a sequence axis, else "
+                   "contiguous")
     g = p.add_argument_group("data")
     g.add_argument("--data", default="stdlib", help="'stdlib' (this Python's standard library sources), "
                    "a text file, a folder of text files, or a .jsonl file with a 'text' field")
@@ -76,7 +83,18 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: $MESHWORK_CACHE or ~/.cache/meshwork)")
     g.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
     g.add_argument("--batch-size", type=int, default=16, help="global batch size in sequences")
-    g.add_argument("--microbatches", type=int, default=1, help="gradient-accumulation steps per batch")
+    g.add_argument("--microbatches", type=int, default=1, help="gradient-accumulation steps per batch; with "
+                   "--mesh stage=N (N > 1), the pipeline's microbatches instead (at least N; no accumulation loop)")
+    g = p.add_argument_group("pipeline parallelism (with --mesh stage=N, N > 1)")
+    g.add_argument("--pipeline-schedule", default="gpipe", choices=("gpipe", "circular"),
+                   help="gpipe: each stage holds one run of layers; circular: each holds --pipeline-repeats "
+                   "non-adjacent chunks, shrinking the bubble (S-1)/(R*M+S-1)")
+    g.add_argument("--pipeline-repeats", type=int, default=None, metavar="R",
+                   help="chunks per stage for --pipeline-schedule circular (default 2; gpipe: 1)")
+    g.add_argument("--stage-layers", default=None, metavar="N,N,...",
+                   help="layers per stage, e.g. 10,10,6,6 for 32 layers on stage=4 (must sum to the model's layers); "
+                   "circular also takes one count per chunk (S*R); default: even, the first stages taking the rest")
+    hetero.add_flags(p)
     g = p.add_argument_group("optimization")
     g.add_argument("--steps", type=int, default=150, help="train until this step")
     g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
@@ -112,7 +130,10 @@ def _positive(args, *names) -> None:
 
 def validate_args(args) -> None:
     """Checks that need no devices; raises ValueError naming the flag."""
-    _positive(args, "seq-len", "batch-size", "microbatches", "steps", "log-every", "eval-batches", "cpu-devices")
+    _positive(args, "seq-len", "batch-size", "microbatches", "steps", "log-every", "eval-batches", "cpu-devices",
+              "pipeline-repeats")
+    parse_stage_layers(args.stage_layers)
+    hetero.validate_flags(args)
     for name in ("ckpt-every", "eval-every"):
         if getattr(args, name.replace("-", "_")) < 0:
             raise ValueError(f"--{name} must be >= 0")
@@ -219,6 +240,20 @@ def setup_devices(cpu_devices: int | None) -> None:
             ) from None
 
 
+def context_layout(args, config, rules, mesh_shape: dict[str, int]) -> str:
+    """Resolves ``--context-layout`` and checks the sizes context parallelism needs (before device work).
+
+    Raises:
+      ValueError: zigzag with an attention that assumes natural order, a ``--seq-len`` zigzag cannot cut
+        into 2P chunks, or heads ``--attention ulysses`` cannot split; naming the flags.
+    """
+    from models.attention import check_context_parallel, length_shards, resolve_context_layout
+
+    layout = resolve_context_layout(args.context_layout, config.attention, length_shards(rules, mesh_shape))
+    check_context_parallel(config, rules, mesh_shape, args.seq_len, layout)
+    return layout
+
+
 def check_batch(args, mesh_shape: dict[str, int]) -> None:
     """Batch and length divisibility against the mesh (before any device work)."""
     dp = mesh_shape["data"] * mesh_shape["fsdp"]
@@ -239,6 +274,45 @@ def check_batch(args, mesh_shape: dict[str, int]) -> None:
         raise ValueError(
             f"--seq-len {args.seq_len} is not divisible by the sequence axis ({mesh_shape['sequence']}) of --mesh"
         )
+
+
+def check_pipeline(args, config, mesh_shape: dict[str, int]):
+    """The pipeline plan of ``--mesh stage=N`` and the pipeline flags, checked before any compilation.
+
+    Returns:
+      ``(plan, note)``: a `sharding.pipeline.PipelinePlan` (None without a
+      stage axis) and a line saying how the layers were split when
+      ``--stage-layers`` was left out and the split is uneven (else None).
+
+    Raises:
+      ValueError: pipeline flags without a stage axis; ``--pipeline-repeats``
+        that does not fit the schedule; fewer layers than stages (or
+        chunks); a bad ``--stage-layers``; fewer microbatches than stages;
+        an ``--attention`` kernel that runs under its own shard_map. Each
+        names the flag, its value and one that works.
+    """
+    from sharding.pipeline import PipelinePlan, check_microbatches, plan_layout
+
+    stages = mesh_shape["stage"]
+    circular = args.pipeline_schedule == "circular"
+    if stages == 1:
+        given = [flag for flag, on in (("--stage-layers", args.stage_layers), ("--pipeline-schedule circular", circular),
+                                       ("--pipeline-repeats", args.pipeline_repeats)) if on]
+        if given:
+            raise ValueError(f"{given[0]} needs a pipeline: add a stage axis to --mesh, e.g. --mesh stage=2,fsdp=-1")
+        return None, None
+    repeats = args.pipeline_repeats or (2 if circular else 1)
+    if not circular and repeats != 1:
+        raise ValueError(f"--pipeline-repeats {repeats} needs --pipeline-schedule circular (gpipe has 1 repeat)")
+    if circular and repeats < 2:
+        raise ValueError(f"--pipeline-schedule circular needs --pipeline-repeats of 2 or more, e.g. --pipeline-repeats 2 "
+                         f"(1 repeat is --pipeline-schedule gpipe)")
+    layout, note = plan_layout(config.num_layers, stages, repeats, parse_stage_layers(args.stage_layers))
+    check_microbatches(args.microbatches, stages, args.batch_size, mesh_shape["data"] * mesh_shape["fsdp"])
+    if config.attention != "reference":
+        raise ValueError(f"--attention {config.attention} runs its kernel under its own shard_map, which cannot sit "
+                         f"inside the pipeline's yet; with --mesh stage={stages} use --attention reference")
+    return PipelinePlan(layout, args.microbatches), note
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -277,11 +351,14 @@ def run(args) -> int:
     from train.tokenizer import load_tokenizer
 
     log = _logger(jax.process_index() == 0)
-    config = model_config(args)
+    config = hetero.apply_plan(args, model_config(args), jax.devices(), log)
     mesh_shape = parse_mesh(args.mesh, jax.device_count())
     check_batch(args, mesh_shape)
+    hetero.check_flags(args, mesh_shape)
+    pipeline, pipeline_note = check_pipeline(args, config, mesh_shape)
     rules = get_rules(args.rules, args.rule)
     check_model_sharding(config, rules, mesh_shape)
+    layout = context_layout(args, config, rules, mesh_shape)
     outer = parse_axis_sizes(args.mesh_outer, flag="--mesh-outer", allow_fill=False) if args.mesh_outer else None
     if outer is not None and jax.process_count() == 1:
         log("note: one process, so --mesh-outer has no effect")
@@ -304,9 +381,13 @@ def run(args) -> int:
     log(f"{processes}; {jax.local_device_count()} local devices")
     from train.step import Trainer
 
-    trainer = Trainer(config, optimizer_config(args), mesh, rules, args.microbatches)
+    trainer = Trainer(config, optimizer_config(args), mesh, rules, args.microbatches, context_layout=layout,
+                      pipeline=pipeline)
+    trainer = hetero.wrap_trainer(args, trainer, log)
     built = sum(x.size for x in jax.tree.leaves(trainer.abstract_params))
     for line in report.startup_lines(config, args.model, mesh, rules, trainer.report, built):
+        log(line)
+    for line in report.pipeline_lines(trainer, pipeline_note):
         log(line)
     if args.dry_run:
         return dry_run(args, trainer, log)
@@ -336,14 +417,18 @@ def train(args, trainer, ckpt, latest, tokenizer, mesh_shape, log) -> int:
     config, run_dir = trainer.config, Path(args.run_dir)
     with StopFlag() as stop:
         dataset = load_dataset(
-            args.data, tokenizer, args.seq_len, args.batch_size, args.seed, args.heldout, args.data_cache, log
+            args.data, tokenizer, args.seq_len, args.batch_size, args.seed, args.heldout, args.data_cache, log,
+            permutation=_context_permutation(args, trainer, mesh_shape),
         )
         if latest is not None:
             t0 = time.perf_counter()
-            state, meta = ckpt.restore(trainer.abstract_state(), latest)
+            state, meta = trainer.restore(ckpt, latest)  # re-lays the layer stacks if saved in another layout
             samples = int(meta["data"]["samples"])
             log(f"resumed step {latest} (saved on mesh {format_mesh(meta['mesh'])}) onto mesh "
                 f"{format_mesh(mesh_shape)} in {time.perf_counter() - t0:.1f} s")
+            if meta.get("pipeline") != trainer.layout_meta():
+                log(f"re-laid the layer stacks from stage layout {_layout_text(meta.get('pipeline'))} to "
+                    f"{_layout_text(trainer.layout_meta())}")
         else:
             if args.resume:
                 log(f"no checkpoint in {ckpt.directory}; starting from step 0")
@@ -355,7 +440,8 @@ def train(args, trainer, ckpt, latest, tokenizer, mesh_shape, log) -> int:
             progress=not args.no_progress, skip_nonfinite=args.skip_nonfinite,
         )
         writer = MetricsWriter(run_dir, enabled=jax.process_index() == 0)
-        checkpoints = _Checkpoints(ckpt, run_meta(args, config, mesh_shape, trainer.rules, tokenizer))
+        checkpoints = _Checkpoints(ckpt, {**run_meta(args, config, mesh_shape, trainer.rules, tokenizer),
+                                          "pipeline": trainer.layout_meta()})
         try:
             state, summary = train_loop(
                 trainer=trainer, state=state, dataset=dataset, options=options, samples=samples,
@@ -458,7 +544,24 @@ def dry_run(args, trainer, log) -> int:
         log(line)
     for line in report.collective_lines(compiled):
         log(line)
+    for line in report.branch_lines(compiled, trainer):
+        log(line)
     return 0
+
+
+def _context_permutation(args, trainer, mesh_shape):
+    """The token order of ``trainer.context_layout`` along ``--seq-len`` (None: natural)."""
+    from models.attention import length_shards
+    from train.data import context_permutation
+
+    return context_permutation(args.seq_len, length_shards(trainer.rules, mesh_shape), trainer.context_layout)
+
+
+def _layout_text(meta) -> str:
+    from sharding.pipeline import StageLayout
+
+    layout = StageLayout.from_meta(meta)
+    return "[layers, ...] (no pipeline)" if layout is None else layout.describe()
 
 
 def _peak_flops(devices, peak_flops) -> float | None:

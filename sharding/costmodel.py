@@ -1,0 +1,1157 @@
+"""Cost model of one training step: FLOPs, bytes and collectives per device, and step time.
+
+For a decoder-only LM (any object with `models.config.ModelConfig`'s field names: ``vocab_size``,
+``num_layers``, ``embed_dim``, ``mlp_dim``, ``num_heads``, ``num_kv_heads``, ``head_dim``,
+``tie_embeddings``), a global batch, a sequence length and a `Layout` (mesh sizes over
+``data, stage, fsdp, sequence, tensor``, a rules preset, microbatches, remat, stage split), it
+predicts for one device:
+
+* **FLOPs** (`Flops`): the matrix products of the forward pass, ``2 * m * n * k`` per product, and of
+  the backward pass (twice the forward: the input and the weight gradient), as in Chowdhery et al.,
+  PaLM (2022), Appendix B (``6 N`` per token plus ``12 L N H T`` for attention) and Narayanan et al.,
+  "Efficient large-scale language model training on GPU clusters using Megatron-LM" (SC'21), section
+  5.1 (``+2 N`` per token with full recomputation). The attention products are counted over the
+  whole ``T x S`` score matrix for the reference (einsum + mask) implementation, and over half of it
+  for FlashAttention, which skips masked tiles (Dao, FlashAttention-2, 2023, section 3.1), whose
+  backward recomputes the scores (5 products instead of 4). Besides the products: the elementwise
+  work as XLA counts it (1 FLOP per element per arithmetic op; see `ELEMENTWISE`) and the optimizer
+  update (`OPTIMIZER_FLOPS_PER_PARAM`).
+* **Bytes** (`Memory`): parameters (float32), gradients (float32), AdamW's two float32 moments, the
+  batch, the activations saved for the backward pass under the remat policy, the logits, and the
+  gathered weights of one layer (FSDP).
+* **Collectives** (`Comm`): every collective the partitioner emits, with its kind, mesh axes, the
+  bytes of its per-device result (the figure `sharding.hlo` reads from compiled HLO) and how many
+  times it runs per step.
+* **Step time** (`step_time`): compute at ``efficiency x`` the device's peak FLOP/s, the optimizer's
+  memory traffic at the device's memory bandwidth, and each collective by an alpha-beta model of its
+  link class (within a host or across hosts): ring algorithms, Thakur, Rabenseifner and Gropp,
+  "Optimization of collective communication operations in MPICH" (IJHPCA 2005), section 4, as NCCL
+  implements them ("bus bandwidth" in the nccl-tests documentation, PERFORMANCE.md).
+
+What the compiler emits depends on the backend: XLA's CPU backend lowers a reduce-scatter to an
+all-reduce of the whole array followed by a slice, so the FSDP gradient shows up on CPU as an
+all-reduce of the whole (unsharded) gradient; GPU backends keep the reduce-scatter. Pass
+``backend="cpu"`` to predict what a CPU compile shows (the tests check this against the compiler),
+``backend="gpu"`` (the default) for planning. The partitioner's choices for the token embedding
+lookup (a gather from a table split over ``vocab`` and/or ``embed``) differ by layout and are modelled
+case by case from what jax 0.10-0.12 emit (`_embedding_comms`).
+
+Checked against the compiler (``tests/test_costmodel.py``, ``bench/costmodel.py``): on CPU,
+`Cost.counted_flops` against ``compiled.cost_analysis()["flops"]``, which counts the body of each
+``while`` loop once (the scanned layers and the microbatch loop), `Cost.matmul_flops` against the
+products of the compiled HLO with loop trip counts folded in (`sharding.hlo.dot_flops`), the state
+and batch bytes against ``compiled.memory_analysis().argument_size_in_bytes``, and the bytes of
+each collective kind against `sharding.hlo.collectives`.
+
+Units: FLOPs, bytes, seconds, FLOP/s, bytes/s. This module imports jax only (through
+`sharding.rules`), never the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from sharding import axes as ax
+from sharding.rules import Rules, get_rules, logical_to_spec
+
+__all__ = [
+    "BACKENDS",
+    "ELEMENTWISE",
+    "OPTIMIZER_FLOPS_PER_PARAM",
+    "Comm",
+    "Cost",
+    "Flops",
+    "Hardware",
+    "Layout",
+    "Memory",
+    "ParamSpec",
+    "StepTime",
+    "bubble_fraction",
+    "collective_bytes",
+    "device_cost",
+    "estimate",
+    "even_stage_layers",
+    "hardware_for",
+    "link_classes",
+    "model_flops_per_token",
+    "parameter_specs",
+    "step_time",
+]
+
+BACKENDS = ("gpu", "cpu")
+_PARAM_BYTES = 4  # parameters, gradients and AdamW moments are float32
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+_INT_BYTES = 4  # int32 tokens, positions, segment ids
+_BATCH_FIELDS = 5  # tokens, targets, positions, segment_ids (int32), loss_mask (float32)
+
+#: XLA-counted FLOPs per parameter of the update (HloCostAnalysis: 1 FLOP per element per
+#: arithmetic op; square roots are counted as transcendentals, not FLOPs). The step divides the
+#: gradient by the token count (1), takes the gradient norm for the metrics and for clipping
+#: (2 + 2: square, sum), clips (3: divide, multiply, select), updates AdamW's moments (3 + 4),
+#: corrects their bias (2), forms the update (3: add eps twice, divide), adds decoupled weight decay
+#: (2), scales by the learning rate (1), applies it (1) and keeps the old values when the step is
+#: not finite (3 selects: parameter and two moments), about 30; compiling the step of a 1-layer
+#: ``test`` model on ``data=8`` with 8, 16 and 32 tokens per device and subtracting the
+#: per-token part gives 34.9 (bench/costmodel.py prints it). We use 35.
+OPTIMIZER_FLOPS_PER_PARAM = 35.0
+
+#: Elementwise FLOPs (as XLA counts them) per token of the forward pass, by where they occur:
+#: ``layer``: per layer, coefficients of (D, F, (N+2K)H, N*S, S): two RMSNorms (square, mean,
+#: scale, multiply: 4 per element each) and two residual adds (D); SwiGLU's gate * sigmoid(gate) *
+#: up (2 per element of F); rotary positions on queries and keys (3 per element); softmax of the
+#: scores (scale, mask select, max, subtract, sum, divide: 6 per score); the causal and document
+#: mask (3 per key). ``loss``: log-softmax cross-entropy over the vocabulary (max, subtract, sum,
+#: select of the target: 4 per logit). The backward pass does about twice the forward's elementwise
+#: work. These are op counts of models/layers.py and models/attention.py, not measured.
+ELEMENTWISE = {"layer": (10.0, 2.0, 3.0, 6.0, 3.0), "loss": 4.0, "backward_factor": 2.0}
+
+
+# --- Layouts ----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How one step is laid out over the devices.
+
+    Attributes:
+      mesh: Mesh axis -> size over ``data, stage, fsdp, sequence, tensor`` (missing axes are 1).
+      rules: Rules preset name (``dp``, ``fsdp``, ``tp``, ``fsdp_tp``) or a `Rules` table.
+      microbatches: M, gradient-accumulation steps per global batch (pipeline microbatches when
+        ``stage > 1``).
+      remat: ``none``, ``dots`` or ``full`` (`models.config.REMAT_POLICIES`).
+      stage_layers: Layers per pipeline stage, one per ``stage`` index, summing to the model's
+        layers; None splits evenly (`even_stage_layers`).
+      pipeline_repeats: R, stage chunks per device (circular schedule); 1 is GPipe.
+      attention: ``reference`` (full score matrix) or ``flash`` (masked tiles skipped).
+      dtype: Compute dtype of activations, ``float32`` or ``bfloat16``.
+      uneven_batch: The uneven data-parallel step (`train.hetero`): each device loops over its
+        own microbatches with the whole parameters, gathered once before the loop, and the
+        gradients are reduced once after it (``data``/``fsdp`` meshes only).
+
+    Raises:
+      ValueError: On an unknown axis, a size below 1, or an unknown remat/attention/dtype.
+    """
+
+    mesh: Mapping[str, int]
+    rules: str | Rules = "fsdp_tp"
+    microbatches: int = 1
+    remat: str = "none"
+    stage_layers: tuple[int, ...] | None = None
+    pipeline_repeats: int = 1
+    attention: str = "reference"
+    dtype: str = "float32"
+    uneven_batch: bool = False
+
+    def __post_init__(self) -> None:
+        full = {a: 1 for a in ax.MESH_AXES}
+        for name, size in dict(self.mesh).items():
+            if name not in full:
+                raise ValueError(f"mesh axis {name!r} unknown; known: {', '.join(ax.MESH_AXES)}")
+            if int(size) < 1:
+                raise ValueError(f"mesh axis {name}={size}: sizes must be >= 1")
+            full[name] = int(size)
+        object.__setattr__(self, "mesh", full)
+        if self.stage_layers is not None:
+            object.__setattr__(self, "stage_layers", tuple(int(n) for n in self.stage_layers))
+        for field, allowed in (("remat", ("none", "dots", "full")), ("attention", ("reference", "flash")),
+                               ("dtype", tuple(_DTYPE_BYTES))):
+            if getattr(self, field) not in allowed:
+                raise ValueError(f"--{field} {getattr(self, field)!r}: choose one of {', '.join(allowed)}")
+        if self.microbatches < 1 or self.pipeline_repeats < 1:
+            raise ValueError("--microbatches and --pipeline-repeats must be >= 1")
+
+    @property
+    def num_devices(self) -> int:
+        return math.prod(self.mesh.values())
+
+    @property
+    def batch_split(self) -> int:
+        """Devices the batch is split over (``data`` x ``fsdp``)."""
+        return self.mesh[ax.DATA] * self.mesh[ax.FSDP]
+
+    def rules_table(self) -> Rules:
+        return self.rules if isinstance(self.rules, Rules) else _preset(self.rules)
+
+    @property
+    def rules_name(self) -> str:
+        return self.rules.name if isinstance(self.rules, Rules) else self.rules
+
+
+@functools.lru_cache(maxsize=None)
+def _preset(name: str) -> Rules:
+    return get_rules(name)
+
+
+def even_stage_layers(num_layers: int, stages: int) -> tuple[int, ...]:
+    """``num_layers`` split over ``stages`` as evenly as possible, larger stages first.
+
+    Raises:
+      ValueError: When there are fewer layers than stages.
+    """
+    if num_layers < stages:
+        raise ValueError(f"--mesh stage={stages} needs at least {stages} layers; the model has {num_layers}")
+    base, extra = divmod(num_layers, stages)
+    return tuple(base + (1 if s < extra else 0) for s in range(stages))
+
+
+def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
+    """Idle fraction of a pipeline schedule, ``(S-1)/(R*M+S-1)``.
+
+    GPipe (Huang et al., 2019, section 2.2) with ``repeats=1``; the circular (interleaved) schedule
+    of Narayanan et al. (SC'21, section 2.2.2) with ``repeats`` chunks per device.
+    """
+    return (stages - 1) / (repeats * microbatches + stages - 1)
+
+
+# --- Parameters -------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    """One parameter array of the model, mirroring models/transformer.py.
+
+    Attributes:
+      name: Path, e.g. ``layers/mlp/gate``.
+      shape: Shape of one layer's slice for stacked layer parameters, else the whole array.
+      names: Logical axis names of ``shape``.
+      per_layer: True for parameters stacked on the ``layers`` axis.
+      matmul: True when the parameter is the weight of a matrix product.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    names: tuple[str, ...]
+    per_layer: bool
+    matmul: bool
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+
+def parameter_specs(model: Any) -> list[ParamSpec]:
+    """The model's parameters with their logical names (models/transformer.py, layers.py, attention.py).
+
+    Args:
+      model: Anything with ModelConfig's dimension fields (``vocab_size`` V, ``embed_dim`` D,
+        ``mlp_dim`` F, ``num_heads`` N, ``num_kv_heads`` K, ``head_dim`` H, ``tie_embeddings``).
+
+    Returns:
+      One `ParamSpec` per array; per-layer shapes exclude the leading ``layers`` dimension.
+    """
+    v, d, f = model.vocab_size, model.embed_dim, model.mlp_dim
+    n, k, h = model.num_heads, model.num_kv_heads, model.head_dim
+    specs = [
+        ParamSpec("embed/embedding", (v, d), (ax.VOCAB, ax.EMBED), False, False),
+        ParamSpec("layers/attention/q", (d, n, h), (ax.EMBED, ax.HEADS, ax.HEAD_DIM), True, True),
+        ParamSpec("layers/attention/k", (d, k, h), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM), True, True),
+        ParamSpec("layers/attention/v", (d, k, h), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM), True, True),
+        ParamSpec("layers/attention/o", (n, h, d), (ax.HEADS, ax.HEAD_DIM, ax.EMBED), True, True),
+        ParamSpec("layers/attention_norm/scale", (d,), (ax.EMBED,), True, False),
+        ParamSpec("layers/mlp/gate", (d, f), (ax.EMBED, ax.MLP), True, True),
+        ParamSpec("layers/mlp/up", (d, f), (ax.EMBED, ax.MLP), True, True),
+        ParamSpec("layers/mlp/down", (f, d), (ax.MLP, ax.EMBED), True, True),
+        ParamSpec("layers/mlp_norm/scale", (d,), (ax.EMBED,), True, False),
+        ParamSpec("final_norm/scale", (d,), (ax.EMBED,), False, False),
+    ]
+    if not getattr(model, "tie_embeddings", False):
+        specs.append(ParamSpec("unembed", (d, v), (ax.EMBED, ax.VOCAB), False, True))
+    return specs
+
+
+@dataclasses.dataclass(frozen=True)
+class _Placed:
+    """A parameter with its split under a mesh and rules.
+
+    Attributes:
+      spec: The parameter.
+      split: Mesh axis -> size, for the axes that split it.
+      local: Elements per device (one layer's slice for per-layer parameters).
+    """
+
+    spec: ParamSpec
+    split: dict[str, int]
+    local: float
+
+    def factor(self, *axes: str) -> int:
+        out = 1
+        for a in axes:
+            out *= self.split.get(a, 1)
+        return out
+
+
+def _model_key(model: Any) -> tuple:
+    return tuple(getattr(model, f) for f in ("vocab_size", "num_layers", "embed_dim", "mlp_dim", "num_heads",
+                                            "num_kv_heads", "head_dim")) + (bool(getattr(model, "tie_embeddings", False)),)
+
+
+@functools.lru_cache(maxsize=4096)
+def _place_cached(model_key: tuple, rules: Rules, mesh_items: tuple) -> tuple[_Placed, ...]:
+    v, _, d, f, n, k, h, tied = model_key
+    dims = _Dims(v, d, f, n, k, h, tied)
+    return tuple(_place(parameter_specs(dims), rules, dict(mesh_items)))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Dims:
+    vocab_size: int
+    embed_dim: int
+    mlp_dim: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    tie_embeddings: bool
+
+
+def _place(specs: Sequence[ParamSpec], rules: Rules, mesh: Mapping[str, int]) -> list[_Placed]:
+    placed = []
+    for spec in specs:
+        pspec, _ = logical_to_spec(spec.names, rules, spec.shape, mesh)
+        split: dict[str, int] = {}
+        for entry in pspec:
+            for axis in (entry,) if isinstance(entry, str) else (entry or ()):
+                split[axis] = mesh[axis]
+        placed.append(_Placed(spec, split, spec.size / math.prod(split.values())))
+    return placed
+
+
+def _split_of(logical: str, size: int, rules: Rules, mesh: Mapping[str, int]) -> int:
+    """How many ways the rules split a dimension of ``size`` named ``logical``."""
+    return _split_cached(logical, size, rules, tuple(mesh.items()))
+
+
+@functools.lru_cache(maxsize=65536)
+def _split_cached(logical: str, size: int, rules: Rules, mesh_items: tuple) -> int:
+    mesh = dict(mesh_items)
+    pspec, _ = logical_to_spec((logical,), rules, (size,), mesh)
+    entry = pspec[0] if len(pspec) else None
+    return math.prod(mesh[a] for a in ((entry,) if isinstance(entry, str) else (entry or ())))
+
+
+# --- Results ----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Flops:
+    """FLOPs of one device per step, by part.
+
+    Attributes:
+      layers: Matrix products of the transformer blocks' weights (forward and backward).
+      attention: Score and value products (forward and backward).
+      logits: Output projection (forward and backward).
+      recompute: Forward products redone in the backward pass under remat (and always with
+        pipeline stages, whose backward pass recomputes each layer).
+      elementwise: Norms, activations, softmax, rotary, loss (as XLA counts them).
+      optimizer: The update of this device's parameter shard.
+    """
+
+    layers: float
+    attention: float
+    logits: float
+    recompute: float
+    elementwise: float
+    optimizer: float
+
+    @property
+    def matmul(self) -> float:
+        return self.layers + self.attention + self.logits + self.recompute
+
+    @property
+    def total(self) -> float:
+        return self.matmul + self.elementwise + self.optimizer
+
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+    """Bytes on one device.
+
+    Attributes:
+      parameters: float32 parameters (padded stage slots included).
+      gradients: float32 gradients (the accumulator when microbatching).
+      optimizer: AdamW's two float32 moments.
+      activations: Saved for the backward pass under the remat policy (one microbatch's); with
+        pipeline stages, each layer's input for every microbatch (all forwards run before the
+        backward pass, which recomputes each layer).
+      logits: float32 logits and their gradient for one microbatch.
+      gathered: FSDP-gathered weights of one layer in flight (two buffers).
+      batch: The step's input batch on this device.
+    """
+
+    parameters: float
+    gradients: float
+    optimizer: float
+    activations: float
+    logits: float
+    gathered: float
+    batch: float
+
+    @property
+    def state(self) -> float:
+        """Parameters plus optimizer state (the donated train state)."""
+        return self.parameters + self.optimizer
+
+    @property
+    def total(self) -> float:
+        return (self.parameters + self.gradients + self.optimizer + self.activations + self.logits
+                + self.gathered + self.batch)
+
+
+@dataclasses.dataclass(frozen=True)
+class Comm:
+    """One collective, as the compiled step runs it.
+
+    Attributes:
+      kind: ``all-gather``, ``reduce-scatter``, ``all-reduce``, ``all-to-all`` or
+        ``collective-permute``.
+      axes: Mesh axes of its device groups.
+      group: Devices per group.
+      result_bytes: Bytes of each device's result (``sharding.hlo.Collective.result_bytes``).
+      count: Executions per step.
+      what: What it moves (for reports).
+      overlappable: Whether it can overlap compute (weight gathers and gradient reductions), or
+        sits on the critical path (tensor-parallel activations, pipeline sends).
+    """
+
+    kind: str
+    axes: tuple[str, ...]
+    group: int
+    result_bytes: float
+    count: float
+    what: str
+    overlappable: bool = True
+
+    @property
+    def total_bytes(self) -> float:
+        return self.result_bytes * self.count
+
+    def wire_bytes(self) -> float:
+        """Bytes each device sends per execution under ring algorithms (Thakur et al. 2005, section 4)."""
+        n = self.group
+        if n <= 1:
+            return 0.0
+        if self.kind == "all-gather":
+            return self.result_bytes * (n - 1) / n
+        if self.kind == "reduce-scatter":
+            return self.result_bytes * (n - 1)
+        if self.kind == "all-reduce":
+            return 2.0 * self.result_bytes * (n - 1) / n
+        if self.kind == "all-to-all":
+            return self.result_bytes * (n - 1) / n
+        return self.result_bytes  # collective-permute
+
+    def steps(self) -> int:
+        """Latency terms (ring steps) per execution."""
+        n = self.group
+        if n <= 1:
+            return 0
+        if self.kind == "all-reduce":
+            return 2 * (n - 1)
+        if self.kind == "collective-permute":
+            return 1
+        return n - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Cost:
+    """Predicted cost of one device for one step.
+
+    Attributes:
+      flops: Per-step FLOPs by part (`Flops`).
+      counted_flops: FLOPs as ``compiled.cost_analysis()`` counts them: the body of each ``while``
+        loop once (one microbatch through one layer), everything outside the loops once.
+      memory: Bytes by part (`Memory`).
+      comms: The collectives (`Comm`).
+      tokens: Tokens this device computes per step.
+      layers: Layers this device computes per microbatch (its stage's share).
+      argument_bytes: Bytes of the compiled step's arguments on this device (state, batch, signals).
+    """
+
+    flops: Flops
+    counted_flops: float
+    memory: Memory
+    comms: tuple[Comm, ...]
+    tokens: float
+    layers: int
+    argument_bytes: float
+
+    @property
+    def matmul_flops(self) -> float:
+        return self.flops.matmul
+
+
+def collective_bytes(comms: Sequence[Comm] | Sequence[Any]) -> dict[str, float]:
+    """Kind -> per-device result bytes per step (``sum(result_bytes * count)``).
+
+    Accepts `Comm` objects or `sharding.hlo.Collective` objects (``op``, ``total_bytes``).
+    """
+    out: dict[str, float] = {}
+    for c in comms:
+        kind = getattr(c, "kind", None) or c.op
+        out[kind] = out.get(kind, 0.0) + float(c.total_bytes)
+    return out
+
+
+# --- The model --------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shape:
+    """Per-device sizes of one step."""
+
+    rows: float  # sequences per microbatch on this device
+    seq: int  # T, the whole sequence length
+    tok: float  # tokens per microbatch on this device (rows * T / sequence)
+    micro: int  # microbatches this device runs
+    layers: int  # layers computed per microbatch
+    slots: int  # layer slots held (max stage layers, padding included)
+    act_bytes: int
+
+
+def device_cost(
+    model: Any,
+    layout: Layout,
+    *,
+    seq_len: int,
+    rows: float,
+    microbatches: int | None = None,
+    layers: int | None = None,
+    slots: int | None = None,
+    backend: str = "gpu",
+    batch_rows: float | None = None,
+) -> Cost:
+    """The cost of one device that processes ``rows`` sequences per microbatch.
+
+    The general form behind `estimate`, for devices whose work differs: a device of a faster kind
+    runs more microbatches (uneven data parallelism, ``microbatches``), a pipeline stage holds its
+    own number of layers (``layers``) in ``slots`` padded slots.
+
+    Args:
+      model: Model dimensions (ModelConfig field names).
+      layout: The layout.
+      seq_len: T, tokens per sequence.
+      rows: Sequences per microbatch on this device (after the ``data``/``fsdp`` split).
+      microbatches: Microbatches this device runs per step; default ``layout.microbatches``.
+      layers: Layers this device computes; default the model's layers over ``stage``.
+      slots: Layer slots it holds (for memory); default ``layers``.
+      backend: ``gpu`` or ``cpu`` (how reduce-scatter is lowered; see the module docstring).
+      batch_rows: The global batch in sequences, for the uneven step's batch re-layout.
+
+    Returns:
+      The `Cost`.
+
+    Raises:
+      ValueError: On an unknown backend.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend {backend!r}: choose one of {', '.join(BACKENDS)}")
+    mesh = layout.mesh
+    if layers is None:
+        stage_layers = layout.stage_layers or even_stage_layers(model.num_layers, mesh[ax.STAGE])
+        layers = max(stage_layers)
+    shape = _Shape(
+        rows=rows,
+        seq=seq_len,
+        tok=rows * seq_len / mesh[ax.SEQUENCE],
+        micro=layout.microbatches if microbatches is None else microbatches,
+        layers=layers,
+        slots=layers if slots is None else slots,
+        act_bytes=_DTYPE_BYTES[layout.dtype],
+    )
+    rules = layout.rules_table()
+    placed = list(_place_cached(_model_key(model), rules, tuple(mesh.items())))
+    flops, counted = _flops(model, layout, rules, placed, shape)
+    memory = _memory(model, layout, rules, placed, shape)
+    comms = tuple(c for c in _comms(model, layout, rules, placed, shape, backend, batch_rows)
+                  if c.group > 1 and c.count > 0)
+    arguments = memory.state + memory.batch + _INT_BYTES * 4 + _INT_BYTES  # + step, rng, count, signals
+    return Cost(flops, counted, memory, comms, shape.tok * shape.micro, shape.layers, arguments)
+
+
+def estimate(model: Any, global_batch: int, seq_len: int, layout: Layout, *, backend: str = "gpu") -> Cost:
+    """The cost of one device of a uniform layout (every device the same work).
+
+    Args:
+      model: Model dimensions (ModelConfig field names).
+      global_batch: B, sequences per step.
+      seq_len: T, tokens per sequence.
+      layout: The layout.
+      backend: ``gpu`` or ``cpu``.
+
+    Returns:
+      The `Cost` of the device holding the largest stage.
+
+    Raises:
+      ValueError: When ``data x fsdp x microbatches`` does not divide ``global_batch``.
+    """
+    per = layout.batch_split * layout.microbatches
+    if global_batch % per:
+        raise ValueError(
+            f"--batch-size {global_batch} is not divisible by data x fsdp x microbatches = {per}; "
+            f"e.g. --batch-size {per * max(1, global_batch // per)}"
+        )
+    return device_cost(model, layout, seq_len=seq_len, rows=global_batch / per, backend=backend)
+
+
+# --- FLOPs ------------------------------------------------------------------------------------
+
+
+def model_flops_per_token(model: Any, seq_len: int) -> float:
+    """Training FLOPs per token for MFU: ``6 * (P - V*D) + 12 * L * N * H * T``.
+
+    Chowdhery et al., PaLM (2022), Appendix B, as `models.config.ModelConfig.flops_per_token`:
+    6 FLOPs per weight per token (2 forward, 4 backward), the embedding lookup excluded (the output
+    projection kept when embeddings are tied), plus the attention products. Recompute is not
+    counted (model FLOPs, not hardware FLOPs).
+    """
+    specs = parameter_specs(model)
+    dense = sum(p.size * (model.num_layers if p.per_layer else 1) for p in specs if p.name != "embed/embedding")
+    if getattr(model, "tie_embeddings", False):
+        dense += model.vocab_size * model.embed_dim
+    attention = 12 * model.num_layers * model.num_heads * model.head_dim * seq_len
+    return 6.0 * dense + attention
+
+
+def _flops(model, layout: Layout, rules: Rules, placed: list[_Placed], s: _Shape) -> tuple[Flops, float]:
+    """Per-step FLOPs and the loop-bodies-once count of ``cost_analysis``."""
+    mesh = layout.mesh
+    compute_axes = tuple(a for a in mesh if a not in ax.BATCH_MESH_AXES)  # gathered axes do not split work
+    layer_fwd = sum(2.0 * p.spec.size / p.factor(*compute_axes) for p in placed if p.spec.per_layer and p.spec.matmul)
+    heads = _split_of(ax.HEADS, model.num_heads, rules, mesh)
+    vocab = _split_of(ax.VOCAB, model.vocab_size, rules, mesh)
+    scores = s.seq if layout.attention == "reference" else s.seq / 2
+    attn_fwd = 4.0 * model.num_heads * model.head_dim * scores / heads
+    attn_total = attn_fwd * (3.0 if layout.attention == "reference" else 3.5)  # flash bwd: 5 products
+    logits_fwd = 2.0 * model.embed_dim * model.vocab_size / vocab
+    # Full remat recomputes the block's forward except its last product (MLP down), whose output
+    # no gradient needs (XLA drops it as dead code); "dots" saves the weight products and
+    # recomputes the attention products (they have batch dimensions).
+    down = next(2.0 * p.spec.size / p.factor(*compute_axes) for p in placed if p.spec.name == "layers/mlp/down")
+    recompute = {"none": 0.0, "full": layer_fwd - down + attn_fwd, "dots": attn_fwd}[layout.remat]
+    if mesh[ax.STAGE] > 1:
+        # The pipeline's own backward pass (sharding/pipeline.py) recomputes every layer, on top
+        # of the remat policy applied inside it.
+        recompute += layer_fwd - down + attn_fwd
+    elem_layer, elem_loss = _elementwise_per_token(model, layout, heads, vocab, s.seq)
+    per_token_layer = 3.0 * layer_fwd + attn_total + recompute + elem_layer
+    per_token_outside = 3.0 * logits_fwd + elem_loss
+    local_params = sum(p.local * (s.slots if p.spec.per_layer else 1) for p in placed)
+    optimizer = OPTIMIZER_FLOPS_PER_PARAM * local_params
+    tokens = s.tok * s.micro
+    flops = Flops(
+        layers=tokens * s.layers * 3.0 * layer_fwd,
+        attention=tokens * s.layers * attn_total,
+        logits=tokens * 3.0 * logits_fwd,
+        recompute=tokens * s.layers * recompute,
+        elementwise=tokens * (s.layers * elem_layer + elem_loss),
+        optimizer=optimizer,
+    )
+    counted = s.tok * (per_token_layer + per_token_outside) + optimizer
+    return flops, counted
+
+
+def _elementwise_per_token(model, layout: Layout, heads: int, vocab: int, seq: int) -> tuple[float, float]:
+    """Elementwise FLOPs per token per layer (forward, backward, recompute) and of the loss."""
+    d, f, n, k, h = model.embed_dim, model.mlp_dim, model.num_heads, model.num_kv_heads, model.head_dim
+    c_d, c_f, c_qk, c_s, c_mask = ELEMENTWISE["layer"]
+    mlp = _split_of(ax.MLP, f, layout.rules_table(), layout.mesh)
+    scores = seq if layout.attention == "reference" else 0  # flash keeps scores inside the kernel
+    fwd = c_d * d + c_f * f / mlp + c_qk * (n + 2 * k) * h / heads + (c_s * n / heads + c_mask) * scores
+    passes = 1.0 + ELEMENTWISE["backward_factor"] + (1.0 if layout.remat != "none" else 0.0)
+    loss = ELEMENTWISE["loss"] * model.vocab_size / vocab * (1.0 + ELEMENTWISE["backward_factor"])
+    return fwd * passes, loss
+
+
+# --- Memory -----------------------------------------------------------------------------------
+
+
+def _memory(model, layout: Layout, rules: Rules, placed: list[_Placed], s: _Shape) -> Memory:
+    params = sum(p.local * (s.slots if p.spec.per_layer else 1) for p in placed) * _PARAM_BYTES
+    mesh = layout.mesh
+    heads = _split_of(ax.HEADS, model.num_heads, rules, mesh)
+    kv = _split_of(ax.KV_HEADS, model.num_kv_heads, rules, mesh)
+    mlp = _split_of(ax.MLP, model.mlp_dim, rules, mesh)
+    vocab = _split_of(ax.VOCAB, model.vocab_size, rules, mesh)
+    d, f, h = model.embed_dim, model.mlp_dim, model.head_dim
+    qkv = (model.num_heads / heads + 2 * model.num_kv_heads / kv) * h
+    b = s.act_bytes
+    # Saved per token per layer without remat: block input, two norm outputs (D each, plus float32
+    # copies), q/k/v and the attention output, gate/up/hidden (F), and the float32 softmax of the
+    # reference attention (N*S) with its mask.
+    per_layer = b * (6 * d + 2 * qkv + 3 * f / mlp) + 4 * 2 * d
+    if layout.attention == "reference":
+        per_layer += (4 * model.num_heads / heads + 1) * s.seq
+    if layout.remat == "full":
+        saved = s.tok * (s.layers * b * d + per_layer)
+    elif layout.remat == "dots":
+        saved = s.tok * s.layers * b * (2 * d + 2 * qkv + 3 * f / mlp) + s.tok * per_layer
+    else:
+        saved = s.tok * s.layers * per_layer
+    if mesh[ax.STAGE] > 1:
+        # The pipeline (sharding/pipeline.py) runs every microbatch forward before the backward
+        # pass and keeps only each layer slot's input, for all microbatches, recomputing the layer
+        # in its backward pass (one layer's activations live at a time).
+        saved = s.tok * s.micro * s.layers * b * d + s.tok * per_layer
+    logits = 2 * s.tok * model.vocab_size / vocab * 4
+    gathered = 0.0
+    if mesh[ax.FSDP] > 1:
+        gathered = 2 * sum(p.local * p.factor(ax.FSDP) for p in placed if p.spec.per_layer) * _PARAM_BYTES
+    batch = _BATCH_FIELDS * s.rows * s.micro * s.seq / mesh[ax.SEQUENCE] * _INT_BYTES
+    grads = params
+    if layout.uneven_batch:  # whole parameters and a whole gradient accumulator during the loop
+        whole = sum(p.spec.size * (s.slots if p.spec.per_layer else 1) for p in placed) * _PARAM_BYTES
+        gathered = whole if mesh[ax.FSDP] > 1 else 0.0
+        grads = whole
+    return Memory(
+        parameters=params,
+        gradients=grads,
+        optimizer=2 * params,
+        activations=saved,
+        logits=logits,
+        gathered=gathered,
+        batch=batch,
+    )
+
+
+# --- Collectives ------------------------------------------------------------------------------
+
+
+def _axes(mesh: Mapping[str, int], *names: str) -> tuple[tuple[str, ...], int]:
+    """The axes of ``names`` with size > 1, and their product."""
+    kept = tuple(a for a in names if mesh[a] > 1)
+    return kept, math.prod(mesh[a] for a in kept)
+
+
+def _comms(model, layout: Layout, rules: Rules, placed: list[_Placed], s: _Shape, backend: str,
+           batch_rows: float | None = None) -> list[Comm]:
+    if layout.uneven_batch:
+        return _uneven_comms(layout, placed, s, batch_rows)
+    comms: list[Comm] = []
+    comms += _weight_gathers(layout, placed, s)
+    comms += _gradient_reductions(layout, placed, s, backend)
+    comms += _tensor_comms(model, layout, rules, s)
+    comms += _embedding_comms(model, layout, rules, placed, s)
+    comms += _sequence_comms(model, layout, rules, s, backend)
+    comms += _stage_comms(model, layout, s)
+    return comms
+
+
+def _uneven_comms(layout: Layout, placed: list[_Placed], s: _Shape, batch_rows: float | None) -> list[Comm]:
+    """The uneven data-parallel step (`train.hetero`), whose collectives are explicit (`jax.shard_map`),
+    so both backends emit them as written: the global batch gathered for the re-layout into
+    per-device buffers (five [B, T] int32/float32 fields), each parameter gathered whole once before
+    the microbatch loop over the axes that split it, and each gradient reduced once after it: a
+    reduce-scatter to the shard, then an all-reduce of the shard over the other batch axes."""
+    mesh = layout.mesh
+    batch_axes, batch_n = _axes(mesh, ax.DATA, ax.FSDP)
+    comms = []
+    if batch_rows:
+        field = batch_rows * s.seq * _INT_BYTES
+        comms.append(Comm("all-gather", batch_axes, batch_n, field, _BATCH_FIELDS, "batch re-layout"))
+    for p in placed:
+        layers = s.slots if p.spec.per_layer else 1
+        split_axes = tuple(a for a in batch_axes if p.factor(a) > 1)
+        n = p.factor(*split_axes)
+        local, what = p.local * _PARAM_BYTES, p.spec.name
+        if n > 1:
+            comms.append(Comm("all-gather", split_axes, n, local * n, layers, f"gather {what}"))
+            comms.append(Comm("reduce-scatter", split_axes, n, local, layers, f"gradient of {what}"))
+        rest = tuple(a for a in batch_axes if a not in split_axes)
+        if rest:
+            comms.append(Comm("all-reduce", rest, math.prod(mesh[a] for a in rest), local, layers, f"gradient of {what}"))
+    return comms
+
+
+def _weight_gathers(layout: Layout, placed: list[_Placed], s: _Shape) -> list[Comm]:
+    """FSDP: each weight split over ``fsdp`` is gathered before use, again in the backward pass.
+
+    Per-layer weights are gathered inside the layer loop (forward and backward, recompute sharing
+    the backward's gather) for every microbatch; the final norm and output projection outside it,
+    once per step (the partitioner hoists them out of the microbatch loop), the output projection
+    a second time in the backward pass when ``tensor`` is split and so is ``data`` or the batch
+    (microbatches). The
+    embedding table is handled in `_embedding_comms`.
+    """
+    mesh = layout.mesh
+    comms = []
+    for p in placed:
+        n = p.factor(ax.FSDP)
+        if n <= 1 or p.spec.name == "embed/embedding":
+            continue
+        result = p.local * n * _PARAM_BYTES
+        if p.spec.per_layer:
+            count = 2 * s.layers * s.micro
+        elif p.spec.name == "unembed":
+            regather = mesh[ax.TENSOR] > 1 and (mesh[ax.DATA] > 1 or s.micro > 1)
+            count = 2 if regather else 1
+        else:
+            count = 2
+        comms.append(Comm("all-gather", (ax.FSDP,), n, result, count, f"gather {p.spec.name}"))
+    return comms
+
+
+def _gradient_reductions(layout: Layout, placed: list[_Placed], s: _Shape, backend: str) -> list[Comm]:
+    """Gradients summed over the batch axes, per layer and per microbatch.
+
+    GPU: a reduce-scatter over ``fsdp`` for weights split over it (result: the local shard), then
+    an all-reduce of the shard over ``data``. CPU: the reduce-scatter is lowered to an all-reduce
+    of the whole gradient over ``data`` x ``fsdp``, followed, when both are split, by an all-reduce
+    of the shard over ``data`` (what XLA CPU emits). Weights not split over ``fsdp``: one all-reduce
+    over the batch axes.
+    """
+    mesh = layout.mesh
+    batch_axes, batch_n = _axes(mesh, ax.DATA, ax.FSDP, ax.SEQUENCE)  # tokens split over all three
+    if batch_n <= 1:
+        return []
+    comms = []
+    for p in placed:
+        if p.spec.name == "embed/embedding" and _table_split(p) != (1, 1):
+            continue  # see _embedding_comms
+        count = s.micro * (s.layers if p.spec.per_layer else 1)
+        local = p.local * _PARAM_BYTES
+        n_f = p.factor(ax.FSDP)
+        what = f"gradient of {p.spec.name}"
+        if n_f <= 1:
+            comms.append(Comm("all-reduce", batch_axes, batch_n, local, count, what))
+            continue
+        if backend == "gpu":
+            comms.append(Comm("reduce-scatter", (ax.FSDP,), n_f, local, count, what))
+        else:
+            comms.append(Comm("all-reduce", batch_axes, batch_n, local * n_f, count, what))
+        if mesh[ax.DATA] > 1 and (backend == "gpu" or not p.spec.per_layer or p.spec.matmul):
+            comms.append(Comm("all-reduce", (ax.DATA,), mesh[ax.DATA], local, count, what + " (over data)"))
+    return comms
+
+
+def _tensor_comms(model, layout: Layout, rules: Rules, s: _Shape) -> list[Comm]:
+    """Megatron-style tensor parallelism (Shoeybi et al., 2019, section 3).
+
+    Forward: the row-parallel products (attention output ``o``, MLP ``down``) end in partial sums,
+    all-reduced over ``tensor`` ([tokens, D] each), the attention output's again when full remat
+    recomputes it. Backward: the input gradients of the
+    column-parallel products (``q``, ``k``, ``v``, ``gate``, ``up``) are partial sums; the partitioner
+    reduces each separately. The logits: the cross-entropy's max and sum over the split vocabulary
+    ([tokens] float32 each) and the input gradient of the output projection.
+    """
+    mesh = layout.mesh
+    if mesh[ax.TENSOR] <= 1:
+        return []
+    t, act = mesh[ax.TENSOR], s.tok * model.embed_dim * s.act_bytes
+    split = {name: _split_of(name, size, rules, mesh) > 1 for name, size in (
+        (ax.HEADS, model.num_heads), (ax.KV_HEADS, model.num_kv_heads), (ax.MLP, model.mlp_dim),
+        (ax.VOCAB, model.vocab_size))}
+    fwd = split[ax.HEADS] + split[ax.MLP]
+    bwd = split[ax.HEADS] + 2 * split[ax.KV_HEADS] + 2 * split[ax.MLP]
+    if layout.remat == "full":
+        fwd += split[ax.HEADS]  # the recomputed attention output (MLP down is not recomputed)
+    n = s.layers * s.micro
+    comms = [
+        Comm("all-reduce", (ax.TENSOR,), t, act, fwd * n, "row-parallel outputs (forward)", False),
+        Comm("all-reduce", (ax.TENSOR,), t, act, bwd * n, "column-parallel input gradients", False),
+    ]
+    if split[ax.VOCAB] and s.micro > 1 and _partitioner() == "0.12":
+        # jax 0.12 re-gathers the float32 logits' gradient [tokens, V] over tensor at the logits'
+        # sharding constraint inside the microbatch loop.
+        comms.append(Comm("all-gather", (ax.TENSOR,), t, s.tok * model.vocab_size * 4, s.micro,
+                          "logits gradient (jax 0.12, microbatches)", False))
+    if split[ax.VOCAB]:
+        comms.append(Comm("all-reduce", (ax.TENSOR,), t, s.tok * 4, 2 * s.micro, "softmax max and sum", False))
+        comms.append(Comm("all-reduce", (ax.TENSOR,), t, s.tok * model.embed_dim * 4, s.micro,
+                          "output projection input gradient", False))
+    return comms
+
+
+def _table_split(p: _Placed) -> tuple[int, int]:
+    return p.factor(ax.TENSOR), p.factor(ax.FSDP)
+
+
+def _embedding_comms(model, layout: Layout, rules: Rules, placed: list[_Placed], s: _Shape) -> list[Comm]:
+    """The token embedding lookup (a gather from the [V, D] table), as the partitioner lowers it.
+
+    By how the rules split the table (``vocab`` over ``tensor``: t, ``embed`` over ``fsdp``: f):
+
+    * not split: a local lookup; the gradient is all-reduced with the others (`_gradient_reductions`).
+    * f only: whichever moves fewer bytes of (a) the rows: tokens gathered over ``fsdp``, rows
+      gathered over ``data``, looked up locally and sent to the batch layout by an all-to-all (back
+      again in the backward pass when ``data`` = 1, where the gradient lands in the local shard;
+      with ``data`` > 1 the whole table's gradient is all-reduced), or (b) the table: gathered over
+      ``fsdp``, its whole gradient all-reduced over ``data`` x ``fsdp``.
+    * t only: vocabulary-parallel rows all-reduced over ``tensor``; the [V/t, D] gradient reduced
+      over the batch axes.
+    * t and f: the partitioner warns of "involuntary full rematerialization" and replicates pieces;
+      the collectives below are those jax 0.10-0.12 emit, with and without ``data`` and
+      microbatches.
+
+    jax 0.12's partitioner (`_partitioner`) always takes (a) for f only, reducing the [V, D/f]
+    gradient shard over ``data``, and in the t-and-f cases without ``data`` sends row gradients
+    back with a collective-permute instead of a second all-to-all.
+    """
+    mesh = layout.mesh
+    table = next(p for p in placed if p.spec.name == "embed/embedding")
+    t, f = _table_split(table)
+    if f <= 1 and t <= 1:
+        return []
+    if t <= 1:
+        return _embedding_fsdp(model, mesh, s, f)
+    if f <= 1:
+        batch_axes, batch_n = _axes(mesh, ax.DATA, ax.FSDP)
+        rows = s.tok * model.embed_dim * 4
+        return [
+            Comm("all-reduce", (ax.TENSOR,), t, rows, s.micro, "embedding: vocabulary-parallel rows", False),
+            Comm("all-reduce", batch_axes, batch_n, model.vocab_size / t * model.embed_dim * 4, s.micro,
+                 "gradient of embed/embedding"),
+        ]
+    return _embedding_2d(model, mesh, s, t, f)
+
+
+def _partitioner() -> str:
+    """``"0.10"`` or ``"0.12"``: which jax's partitioner lowers the embedding lookup (they differ in
+    its backward pass). jax 0.11 is assumed to behave as 0.12: not checked yet (it is installed only on
+    the GPU machine)."""
+    import jax
+
+    return "0.10" if tuple(jax.__version_info__[:2]) < (0, 11) else "0.12"
+
+
+def _embedding_fsdp(model, mesh: Mapping[str, int], s: _Shape, f: int) -> list[Comm]:
+    """Embedding table split over ``fsdp`` only (see `_embedding_comms`)."""
+    d, v, m, n_d = model.embed_dim, model.vocab_size, s.micro, mesh[ax.DATA]
+    rows = s.tok * d * 4  # float32: the lookup reads the float32 table
+    batch_axes, batch_n = _axes(mesh, ax.DATA, ax.FSDP)
+    table = v * d * 4
+    if _partitioner() == "0.12":
+        comms = [
+            Comm("all-gather", (ax.FSDP,), f, s.tok * f * _INT_BYTES, m, "embedding: tokens"),
+            Comm("all-to-all", (ax.FSDP,), f, rows, 2 * m, "embedding: rows to batch layout and back"),
+        ]
+        if n_d > 1:
+            comms.append(Comm("all-reduce", (ax.DATA,), n_d, table / f, m, "gradient of embed/embedding"))
+        return comms
+    if rows * (n_d + 1) >= table and n_d > 1:
+        return [
+            Comm("all-gather", (ax.FSDP,), f, table, 1, "embedding: table"),
+            Comm("all-reduce", batch_axes, batch_n, table, m, "gradient of embed/embedding"),
+        ]
+    comms = [
+        Comm("all-gather", (ax.FSDP,), f, s.tok * f * _INT_BYTES, m, "embedding: tokens"),
+        Comm("all-to-all", (ax.FSDP,), f, rows, m if n_d > 1 else 2 * m, "embedding: rows to batch layout"),
+    ]
+    if n_d > 1:
+        comms.append(Comm("all-gather", (ax.DATA,), n_d, rows * n_d, m, "embedding: rows"))
+        comms.append(Comm("all-reduce", batch_axes, batch_n, table, m, "gradient of embed/embedding"))
+    return comms
+
+
+def _embedding_2d(model, mesh: Mapping[str, int], s: _Shape, t: int, f: int) -> list[Comm]:
+    """Embedding table split over ``tensor`` (vocab) and ``fsdp`` (embed); see `_embedding_comms`."""
+    d, v, m = model.embed_dim, model.vocab_size, s.micro
+    rows, tokens, shard = s.tok * d * 4, s.tok * _INT_BYTES, v * d / f * 4
+    batch_axes, batch_n = _axes(mesh, ax.DATA, ax.FSDP)
+    grad = "gradient of embed/embedding"
+    if mesh[ax.DATA] <= 1 and _partitioner() == "0.12":
+        comms = [
+            Comm("all-gather", (ax.TENSOR,), t, tokens * t, m, "embedding: tokens"),
+            Comm("collective-permute", (ax.TENSOR,), 2, tokens, m, "embedding: tokens"),
+            Comm("all-reduce", (ax.TENSOR,), t, rows, m, "embedding: vocabulary-parallel rows", False),
+            Comm("all-to-all", (ax.FSDP,), f, rows, m, "embedding: rows to batch layout"),
+        ]
+        if m == 1:
+            return comms + [
+                Comm("all-gather", (ax.FSDP,), f, tokens * f, m, "embedding: tokens"),
+                Comm("collective-permute", (ax.FSDP,), 2, rows / f, m, "embedding: row gradients"),
+                Comm("all-reduce", (ax.TENSOR,), t, rows, m, grad),
+            ]
+        return comms + [
+            Comm("all-gather", (ax.TENSOR,), t, shard, 1, "embedding: table shard"),
+            Comm("all-gather", (ax.TENSOR,), t, rows, m, "embedding: rows"),
+            Comm("all-reduce", (ax.TENSOR,), t, 2 * tokens, m, "embedding: token masks", False),
+        ]
+    if mesh[ax.DATA] <= 1 and m == 1:
+        return [
+            Comm("all-gather", (ax.TENSOR,), t, tokens * t, m, "embedding: tokens"),
+            Comm("all-gather", (ax.FSDP,), f, tokens * f, m, "embedding: tokens"),
+            Comm("collective-permute", (ax.TENSOR,), 2, tokens, m, "embedding: tokens"),
+            Comm("all-reduce", (ax.TENSOR,), t, rows, m, "embedding: vocabulary-parallel rows", False),
+            Comm("all-to-all", (ax.FSDP,), f, rows, 2 * m, "embedding: rows to batch layout"),
+            Comm("all-reduce", (ax.TENSOR,), t, shard, m, grad),
+        ]
+    if mesh[ax.DATA] <= 1:
+        return [
+            Comm("all-gather", (ax.TENSOR,), t, shard, 1, "embedding: table shard"),
+            Comm("all-gather", (ax.TENSOR,), t, rows, m, "embedding: rows"),
+            Comm("all-gather", (ax.TENSOR,), t, tokens * t, m, "embedding: tokens"),
+            Comm("collective-permute", (ax.TENSOR,), 2, tokens, m, "embedding: tokens"),
+            Comm("all-reduce", (ax.TENSOR,), t, 2 * tokens, m, "embedding: token masks", False),
+            Comm("all-reduce", (ax.TENSOR,), t, rows, m, "embedding: vocabulary-parallel rows", False),
+            Comm("all-to-all", (ax.FSDP,), f, rows, 2 * m, "embedding: rows to batch layout"),
+        ]
+    if m == 1:
+        return [
+            Comm("all-gather", batch_axes, batch_n, rows, 2, "embedding: rows"),
+            Comm("collective-permute", (ax.FSDP,), 2, rows / f, 2, "embedding: rows"),
+            Comm("all-reduce", (ax.TENSOR,), t, tokens, 1, "cross-entropy: target logits", False),
+            Comm("all-reduce", batch_axes, batch_n, shard, 1, grad),
+        ]
+    return [
+        Comm("all-gather", (ax.TENSOR,), t, shard, 1, "embedding: table shard"),
+        Comm("all-gather", batch_axes, batch_n, s.tok * batch_n * d / f * 4, m, "embedding: rows"),
+        Comm("all-gather", batch_axes, batch_n, rows * batch_n, 2 * m, "embedding: rows"),
+        Comm("collective-permute", (ax.TENSOR,), 2, tokens, m, "embedding: tokens"),
+        Comm("all-reduce", (ax.TENSOR,), t, 2 * tokens, m, "embedding: token masks", False),
+        Comm("all-reduce", batch_axes, batch_n, shard, m, grad),
+    ]
+
+
+def _sequence_comms(model, layout: Layout, rules: Rules, s: _Shape, backend: str) -> list[Comm]:
+    """Context parallelism over ``sequence`` as the partitioner does it for reference attention:
+    keys and values gathered over ``sequence`` before the score product (forward, and again in the
+    backward pass), their gradients reduce-scattered back (CPU: all-reduced whole)."""
+    mesh = layout.mesh
+    n = mesh[ax.SEQUENCE]
+    if n <= 1:
+        return []
+    kv = _split_of(ax.KV_HEADS, model.num_kv_heads, rules, mesh)
+    one = s.tok * n * model.num_kv_heads / kv * model.head_dim * s.act_bytes  # k or v, gathered
+    count = s.layers * s.micro
+    comms = [Comm("all-gather", (ax.SEQUENCE,), n, one, 4 * count, "keys and values", False)]
+    if backend == "gpu":
+        comms.append(Comm("reduce-scatter", (ax.SEQUENCE,), n, 2 * one / n, count, "key and value gradients", False))
+    else:
+        comms.append(Comm("all-reduce", (ax.SEQUENCE,), n, 2 * one, count, "key and value gradients", False))
+    return comms
+
+
+def _stage_comms(model, layout: Layout, s: _Shape) -> list[Comm]:
+    """Pipeline: each microbatch's activations sent to the next stage (forward) and their gradient
+    back (backward), once per stage chunk; not checked against the compiler yet."""
+    mesh = layout.mesh
+    stages = mesh[ax.STAGE]
+    if stages <= 1:
+        return []
+    act = s.tok * model.embed_dim * s.act_bytes
+    count = 2 * s.micro * layout.pipeline_repeats
+    return [Comm("collective-permute", (ax.STAGE,), stages, act, count, "stage activations", False)]
+
+
+# --- Time -------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """What one device and its links can do.
+
+    Attributes:
+      peak_flops: Dense peak of the compute dtype, FLOP/s.
+      memory_bytes: Device memory, bytes.
+      memory_bandwidth: Bytes/s.
+      intra_bandwidth: Bytes/s one device sends to a peer on its host, one direction.
+      inter_bandwidth: Bytes/s one device gets of its host's network, one direction (the host's
+        bandwidth over its devices).
+      intra_latency: Seconds per ring step inside a host (alpha).
+      inter_latency: Seconds per ring step across hosts (alpha).
+      efficiency: Fraction of peak the matrix products reach (MFU of a well-tuned step).
+    """
+
+    peak_flops: float
+    memory_bytes: float
+    memory_bandwidth: float
+    intra_bandwidth: float
+    inter_bandwidth: float
+    intra_latency: float = 5e-6
+    inter_latency: float = 15e-6
+    efficiency: float = 0.5
+
+
+def hardware_for(kind: Any, devices_per_host: int, inter_host_bandwidth: float, efficiency: float = 0.5) -> Hardware:
+    """`Hardware` from a `sharding.devices.DeviceKind` and its host.
+
+    Alphas: about 5 us per step over NVLink/PCIe and 15 us across hosts, the small-message
+    latencies nccl-tests reports for all-reduce on DGX-class systems (NCCL PERFORMANCE.md).
+
+    Raises:
+      ValueError: When the kind's figures are unknown (e.g. a detected CPU).
+    """
+    if not getattr(kind, "is_known", False):
+        raise ValueError(f"device kind {getattr(kind, 'name', kind)!r} has unknown figures; "
+                         f"give --cluster or --simulate-cluster with a known kind, e.g. h100:8")
+    return Hardware(
+        peak_flops=kind.peak_bf16_flops,
+        memory_bytes=kind.memory_bytes,
+        memory_bandwidth=kind.memory_bandwidth,
+        intra_bandwidth=kind.intra_host_bandwidth,
+        inter_bandwidth=inter_host_bandwidth / max(devices_per_host, 1),
+        efficiency=efficiency,
+    )
+
+
+def link_classes(mesh: Mapping[str, int], devices_per_host: int) -> dict[str, str]:
+    """Mesh axis -> ``intra`` or ``inter``: whether its groups cross hosts.
+
+    Devices are laid out as `sharding.mesh.split_outer_inner` does by default: the innermost axes
+    (``tensor``, ``sequence``, ``fsdp``, ``stage``, ``data``) fill a host first.
+    """
+    classes, remaining = {}, devices_per_host
+    for axis in reversed(ax.MESH_AXES):
+        size = mesh.get(axis, 1)
+        inner = math.gcd(size, remaining)
+        remaining //= inner
+        classes[axis] = "intra" if inner == size else "inter"
+    return classes
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+    """Predicted seconds of one step on one device.
+
+    Attributes:
+      compute: Matrix products and elementwise work at ``efficiency x peak``.
+      optimizer: The update's memory traffic (read gradient, parameter, moments; write them).
+      exposed_comm: Collectives on the critical path (tensor, sequence, stage).
+      overlapped_comm: Collectives that can overlap compute (weight gathers, gradient reductions).
+      total: ``max(compute, overlapped_comm) + exposed_comm + optimizer``.
+      by_kind: Seconds per collective kind.
+    """
+
+    compute: float
+    optimizer: float
+    exposed_comm: float
+    overlapped_comm: float
+    total: float
+    by_kind: dict[str, float]
+
+
+def comm_seconds(comm: Comm, hw: Hardware, links: Mapping[str, str]) -> float:
+    """Alpha-beta time of one collective's executions per step on the slowest link of its axes."""
+    inter = any(links.get(a) == "inter" for a in comm.axes)
+    bandwidth = hw.inter_bandwidth if inter else hw.intra_bandwidth
+    alpha = hw.inter_latency if inter else hw.intra_latency
+    return comm.count * (comm.steps() * alpha + comm.wire_bytes() / bandwidth)
+
+
+def step_time(cost: Cost, hw: Hardware, links: Mapping[str, str]) -> StepTime:
+    """Step time of one device from its `Cost`.
+
+    Args:
+      cost: From `estimate` or `device_cost` (``backend="gpu"``).
+      hw: The device (`Hardware`).
+      links: Mesh axis -> ``intra``/``inter`` (`link_classes`).
+
+    Returns:
+      The `StepTime` (seconds).
+    """
+    compute = cost.flops.total / (hw.peak_flops * hw.efficiency)
+    optimizer = 7 * cost.memory.parameters / hw.memory_bandwidth  # read 4 arrays, write 3
+    exposed = overlapped = 0.0
+    by_kind: dict[str, float] = {}
+    for c in cost.comms:
+        seconds = comm_seconds(c, hw, links)
+        by_kind[c.kind] = by_kind.get(c.kind, 0.0) + seconds
+        if c.overlappable:
+            overlapped += seconds
+        else:
+            exposed += seconds
+    total = max(compute, overlapped) + exposed + optimizer
+    return StepTime(compute, optimizer, exposed, overlapped, total, by_kind)

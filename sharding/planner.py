@@ -1,0 +1,735 @@
+"""The layout planner: the fastest layout of one training step on a (mixed) cluster.
+
+Given the model's dimensions, an inventory (`sharding.devices.Inventory`: hosts, their device
+kinds, the network), the global batch and the sequence length, `plan` searches
+
+* the mesh: ``data``, ``stage``, ``fsdp``, ``sequence``, ``tensor`` sizes whose product is the
+  device count; each ``tensor`` (and ``sequence``) group inside one host, hence one kind;
+* the rules preset (``dp``, ``fsdp``, ``tp``, ``fsdp_tp``), the attention implementation,
+  microbatches and the remat policy;
+* per-kind batch shares (uneven data parallelism, `train.hetero`): each device runs a number of
+  microbatches proportional to its kind's speed, then refined on the cost model;
+* stage splits (pipeline): layers per stage proportional to the speed of the kind that holds the
+  stage, then moved one at a time while that lowers the predicted step time, within each kind's
+  memory;
+
+predicts each layout's step time with `sharding.costmodel` (the slowest device paces the step;
+a pipeline adds its bubble ``(S-1)/(R*M+S-1)``), rejects layouts that do not fit a device's memory
+(`MEMORY_FRACTION` of it), and returns the plans fastest first, each with why it lost to the best.
+
+The search is the systematic part of Metis (Um et al., USENIX ATC'24: enumerate device groups and
+parallelism, prune by memory, price with a cost model) and FlashFlex (Yan et al., 2024), with the
+proportional work split of HAP (Zhang et al., EuroSys'24) and AMP (Li et al., NeurIPS'22) instead of
+their integer programs: shares and splits are derived, not enumerated, which keeps a plan under
+a second; `brute_force` enumerates them all, for tests.
+
+This module imports jax only (through `sharding.costmodel`), never the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from sharding import axes as ax
+from sharding import costmodel as cm
+from sharding.mesh import device_grid, format_mesh
+
+__all__ = [
+    "MEMORY_FRACTION",
+    "Plan",
+    "PlanOptions",
+    "brute_force",
+    "evaluate",
+    "format_table",
+    "plan",
+    "proportional_split",
+    "uniform_baseline",
+]
+
+#: Share of a device's memory a plan may use; the rest is left to the runtime, the allocator's
+#: fragmentation and the activations the cost model misses (it predicts 0.5-0.9x of what the CPU
+#: compiler allocates for temporaries, bench/results/costmodel.md).
+MEMORY_FRACTION = 0.85
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanOptions:
+    """What the search may choose.
+
+    Attributes:
+      rules: Presets to try.
+      remats: Remat policies to try, cheapest first.
+      attentions: Attention implementations to try.
+      dtype: Compute dtype (``bfloat16`` for GPUs).
+      max_microbatches: Largest number of microbatches (per device, uniform) to try.
+      pipeline: Whether to try ``stage > 1`` (the pipeline flags of train.py).
+      max_stages: Largest ``stage`` to try (None: up to the layers).
+      repeats: Circular pipeline repeats to try.
+      sequence: Whether to try ``sequence > 1``.
+      hetero: Whether to try uneven data parallelism.
+      efficiency: Fraction of peak FLOP/s the step reaches (`sharding.costmodel.Hardware`).
+      backend: Collective lowering (`sharding.costmodel.BACKENDS`).
+    """
+
+    rules: tuple[str, ...] = ("dp", "fsdp", "tp", "fsdp_tp")
+    remats: tuple[str, ...] = ("none", "dots", "full")
+    attentions: tuple[str, ...] = ("flash", "reference")
+    dtype: str = "bfloat16"
+    max_microbatches: int = 64
+    pipeline: bool = True
+    max_stages: int | None = None
+    repeats: tuple[int, ...] = (1, 2)
+    sequence: bool = False
+    hetero: bool = True
+    efficiency: float = 0.5
+    backend: str = "gpu"
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """One evaluated layout.
+
+    Attributes:
+      layout: Mesh, rules, microbatches, remat, stage split, attention, dtype.
+      counts: Microbatches per device along ``data`` x ``fsdp`` for uneven data parallelism (data
+        major, as the mesh orders devices), or None for the uniform step.
+      microbatch_rows: Sequences per microbatch.
+      step_time: Predicted seconds per step.
+      tokens_per_second: Global tokens per predicted second.
+      mfu: Model FLOPs (PaLM count) per second over the cluster's peak.
+      memory: Kind name -> predicted bytes per device of that kind (the largest).
+      memory_limit: Kind name -> usable bytes (`MEMORY_FRACTION` of its memory).
+      parts: Seconds of the slowest device: ``compute``, ``exposed_comm``, ``overlapped_comm``,
+        ``optimizer``, ``bubble`` (pipeline idle time).
+      paced_by: The kind (and stage) of the slowest device.
+      fits: Whether every device fits its memory limit.
+    """
+
+    layout: cm.Layout
+    counts: tuple[int, ...] | None
+    microbatch_rows: float
+    step_time: float
+    tokens_per_second: float
+    mfu: float
+    memory: dict[str, float]
+    memory_limit: dict[str, float]
+    parts: dict[str, float]
+    paced_by: str
+    fits: bool
+
+    @property
+    def stage_layers(self) -> tuple[int, ...] | None:
+        return self.layout.stage_layers
+
+    def key(self) -> tuple:
+        """A description that identifies the plan (for tables and de-duplication)."""
+        lay = self.layout
+        return (format_mesh(lay.mesh), lay.rules_name, lay.microbatches, lay.remat, lay.attention,
+                lay.stage_layers, lay.pipeline_repeats, self.counts)
+
+    def flags(self, cluster: str | None = None) -> str:
+        """The ``python -m train.train`` flags that reproduce the plan."""
+        lay = self.layout
+        mesh = format_mesh(lay.mesh) if lay.num_devices > 1 else "data=1"
+        parts = [f"--mesh {mesh}", f"--rules {lay.rules_name}",
+                 f"--microbatches {lay.microbatches}", f"--remat {lay.remat}", f"--attention {lay.attention}",
+                 f"--dtype {lay.dtype}"]
+        if self.counts is not None:
+            parts.append(f"--hetero-batch {','.join(map(str, self.counts))}")
+        if lay.mesh[ax.STAGE] > 1:
+            parts.append(f"--stage-layers {','.join(map(str, lay.stage_layers))}")
+            schedule = "circular" if lay.pipeline_repeats > 1 else "gpipe"
+            parts.append(f"--pipeline-schedule {schedule}")
+            if lay.pipeline_repeats > 1:
+                parts.append(f"--pipeline-repeats {lay.pipeline_repeats}")
+        if cluster:
+            parts.append(f"--cluster {cluster}")
+        return " ".join(parts)
+
+
+# --- The cluster ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Cluster:
+    kinds: tuple[Any, ...]  # kind of each global device
+    hosts: tuple[int, ...]  # host of each global device
+    per_host: int
+    inter_bandwidth: float
+
+    @property
+    def size(self) -> int:
+        return len(self.kinds)
+
+
+class _FakeDevice:
+    def __init__(self, index: int, host: int):
+        self.id, self.process_index = index, host
+
+
+def _cluster(inventory) -> _Cluster:
+    counts = {h.count for h in inventory.hosts}
+    if len(counts) != 1:
+        raise ValueError(
+            f"--cluster: the planner needs hosts of equal size, got {', '.join(str(h.count) for h in inventory.hosts)} "
+            f"devices; describe the cluster as equal hosts, e.g. h100:8,a100:8"
+        )
+    for kind in inventory.kinds_present:
+        if not kind.is_known:
+            raise ValueError(f"--cluster: the figures of device kind {kind.name!r} are unknown; name a known kind "
+                             f"(e.g. h100:8) or give them in a cluster file")
+    return _Cluster(inventory.device_kinds(), inventory.device_hosts(), counts.pop(), inventory.inter_host_bandwidth)
+
+
+# --- Enumeration ------------------------------------------------------------------------------
+
+
+def _factorizations(n: int, parts: int) -> Iterator[tuple[int, ...]]:
+    if parts == 1:
+        yield (n,)
+        return
+    for d in range(1, n + 1):
+        if n % d == 0:
+            for rest in _factorizations(n // d, parts - 1):
+                yield (d,) + rest
+
+
+def _meshes(model, cluster: _Cluster, options: PlanOptions) -> Iterator[dict[str, int]]:
+    """Mesh shapes: tensor and sequence groups inside a host; model dimensions divisible."""
+    for data, stage, fsdp, sequence, tensor in _factorizations(cluster.size, 5):
+        if tensor * sequence > cluster.per_host or cluster.per_host % (tensor * sequence):
+            continue
+        if sequence > 1 and not options.sequence:
+            continue
+        if stage > 1 and (not options.pipeline or stage > model.num_layers
+                          or (options.max_stages is not None and stage > options.max_stages)):
+            continue
+        if tensor > 1 and any(getattr(model, f) % tensor for f in ("num_heads", "mlp_dim", "vocab_size")):
+            continue
+        yield {ax.DATA: data, ax.STAGE: stage, ax.FSDP: fsdp, ax.SEQUENCE: sequence, ax.TENSOR: tensor}
+
+
+def _rules_for(model, mesh: Mapping[str, int], options: PlanOptions) -> list[str]:
+    """Presets that differ on this mesh: ``fsdp*`` only with ``fsdp`` > 1, ``*tp`` only with ``tensor`` > 1."""
+    out = []
+    for name in options.rules:
+        wants_fsdp, wants_tp = name.startswith("fsdp"), name.endswith("tp")
+        if wants_fsdp != (mesh[ax.FSDP] > 1) or wants_tp != (mesh[ax.TENSOR] > 1):
+            continue
+        if wants_fsdp and model.embed_dim % mesh[ax.FSDP]:
+            continue
+        out.append(name)
+    return out
+
+
+def _microbatch_options(per_device_rows: int, limit: int, at_least: int = 1) -> list[int]:
+    out, m = [], 1
+    while m <= min(per_device_rows, limit):
+        if per_device_rows % m == 0 and m >= at_least:
+            out.append(m)
+        m *= 2
+    return out
+
+
+def proportional_split(total: int, speeds: Sequence[float], minimum: int = 0) -> list[int]:
+    """``total`` units split proportionally to ``speeds`` by largest remainder, each >= ``minimum``.
+
+    Raises:
+      ValueError: When ``total < minimum * len(speeds)``.
+    """
+    if total < minimum * len(speeds):
+        raise ValueError(f"cannot give {len(speeds)} parts at least {minimum} of {total}")
+    spare = total - minimum * len(speeds)
+    whole = sum(speeds)
+    exact = [spare * s / whole for s in speeds]
+    out = [math.floor(e) for e in exact]
+    order = sorted(range(len(speeds)), key=lambda i: (-(exact[i] - out[i]), -speeds[i], i))
+    for i in order[: spare - sum(out)]:
+        out[i] += 1
+    return [o + minimum for o in out]
+
+
+# --- Evaluation -------------------------------------------------------------------------------
+
+
+class _Evaluator:
+    """Prices layouts on one cluster (caches hardware, grids and kinds per mesh)."""
+
+    def __init__(self, model, inventory, global_batch: int, seq_len: int, options: PlanOptions):
+        self.model, self.batch, self.seq, self.options = model, global_batch, seq_len, options
+        self.cluster = _cluster(inventory)
+        self.hardware = {k.name: cm.hardware_for(k, self.cluster.per_host, self.cluster.inter_bandwidth,
+                                                 options.efficiency) for k in inventory.kinds_present}
+        self.limit = {k.name: MEMORY_FRACTION * k.memory_bytes for k in inventory.kinds_present}
+        self.peak = sum(k.peak_bf16_flops for k in self.cluster.kinds)
+        self.flops_per_token = cm.model_flops_per_token(model, seq_len)
+        self._grids: dict[tuple, Any] = {}
+        self._stage_costs: dict[tuple, tuple] = {}
+
+    def grid(self, mesh: Mapping[str, int]):
+        key = tuple(mesh.values())
+        if key not in self._grids:
+            self._grids[key] = device_grid(dict(mesh), [_FakeDevice(i, h) for i, h in enumerate(self.cluster.hosts)])
+        return self._grids[key]
+
+    def kind_of(self, device) -> Any:
+        return self.cluster.kinds[device.id]
+
+    def batch_kinds(self, mesh) -> list[Any]:
+        """Slowest kind at each position along ``data`` x ``fsdp`` (data-major)."""
+        grid = self.grid(mesh)
+        out = []
+        for d in range(mesh[ax.DATA]):
+            for f in range(mesh[ax.FSDP]):
+                group = grid[d, :, f, :, :].reshape(-1)
+                out.append(min((self.kind_of(x) for x in group), key=lambda k: k.peak_bf16_flops))
+        return out
+
+    def stage_kinds(self, mesh) -> list[Any]:
+        grid = self.grid(mesh)
+        return [min((self.kind_of(x) for x in grid[:, s].reshape(-1)), key=lambda k: k.peak_bf16_flops)
+                for s in range(mesh[ax.STAGE])]
+
+    def kinds_in(self, mesh) -> list[Any]:
+        seen = {}
+        for x in self.grid(mesh).reshape(-1):
+            seen.setdefault(self.kind_of(x).name, self.kind_of(x))
+        return list(seen.values())
+
+    def links(self, mesh) -> dict[str, str]:
+        return cm.link_classes(mesh, self.cluster.per_host)
+
+    def time(self, cost: cm.Cost, kind, mesh) -> cm.StepTime:
+        return cm.step_time(cost, self.hardware[kind.name], self.links(mesh))
+
+    def finish(self, layout, counts, rows, devices: list[tuple[str, cm.Cost, cm.StepTime]],
+               seconds: float | None = None) -> Plan:
+        """Combines per-device-class results ``(label, cost, time)`` into a `Plan`; the slowest
+        class paces the step (``seconds`` overrides its time, e.g. with a pipeline bubble)."""
+        label, _, st = max(devices, key=lambda d: d[2].total)
+        seconds = st.total if seconds is None else seconds
+        memory: dict[str, float] = {}
+        for name, c, _ in devices:
+            kind = name.split("/")[0]
+            memory[kind] = max(memory.get(kind, 0.0), c.memory.total)
+        fits = all(memory[k] <= self.limit[k] for k in memory)
+        tokens = self.batch * self.seq / seconds
+        parts = {"compute": st.compute, "exposed_comm": st.exposed_comm, "overlapped_comm": st.overlapped_comm,
+                 "optimizer": st.optimizer, "bubble": seconds - st.total}
+        return Plan(layout, counts, rows, seconds, tokens, tokens * self.flops_per_token / self.peak,
+                    memory, {k: self.limit[k] for k in memory}, parts, label, fits)
+
+    def uniform(self, layout: cm.Layout) -> Plan | None:
+        mesh = layout.mesh
+        per = layout.batch_split * layout.microbatches
+        if self.batch % per:
+            return None
+        rows = self.batch / per
+        if mesh[ax.STAGE] > 1:
+            return self._pipeline(layout, rows)
+        devices = []
+        for kind in self.kinds_in(mesh):
+            cost = cm.device_cost(self.model, layout, seq_len=self.seq, rows=rows, backend=self.options.backend)
+            devices.append((kind.name, cost, self.time(cost, kind, mesh)))
+        return self.finish(layout, None, rows, devices)
+
+    def _pipeline(self, layout: cm.Layout, rows: float) -> Plan:
+        """Stages run in lockstep (one SPMD program): each of the ``R*M + S - 1`` ticks lasts as
+        long as the slowest stage's chunk for one microbatch; the optimizer runs once after."""
+        mesh, stages = layout.mesh, layout.stage_layers
+        m, r = layout.microbatches, layout.pipeline_repeats
+        slots = max(stages)
+        devices = []
+        for s, kind in enumerate(self.stage_kinds(mesh)):
+            cost, st = self.stage_cost(layout, kind, rows, stages[s], slots)
+            devices.append((f"{kind.name}/stage{s}", cost, st))
+        tick = max(st.total - st.optimizer for _, _, st in devices) / (m * r)
+        seconds = tick * (m * r + mesh[ax.STAGE] - 1) + max(st.optimizer for _, _, st in devices)
+        return self.finish(layout, None, rows, devices, seconds)
+
+    def stage_cost(self, layout: cm.Layout, kind, rows: float, layers: int, slots: int):
+        """``(cost, time)`` of a stage device holding ``slots`` layers and computing ``layers``
+        (memoized: a split's stages share them)."""
+        key = (tuple(layout.mesh.items()), layout.rules_name, layout.microbatches, layout.remat,
+               layout.pipeline_repeats, layout.attention, layout.dtype, kind.name, rows, layers, slots)
+        if key not in self._stage_costs:
+            cost = cm.device_cost(self.model, layout, seq_len=self.seq, rows=rows, layers=layers, slots=slots,
+                                  backend=self.options.backend)
+            self._stage_costs[key] = (cost, self.time(cost, kind, layout.mesh))
+        return self._stage_costs[key]
+
+    def uneven(self, layout: cm.Layout, counts: Sequence[int], rows: float) -> Plan:
+        """Uneven data parallelism: device ``i`` along data x fsdp runs ``counts[i]`` microbatches."""
+        mesh = layout.mesh
+        kinds = self.batch_kinds(mesh)
+        by_class: dict[tuple[str, int], tuple] = {}
+        for kind, count in zip(kinds, counts):
+            key = (kind.name, count)
+            if key not in by_class:
+                cost = cm.device_cost(self.model, layout, seq_len=self.seq, rows=rows, microbatches=count,
+                                      backend=self.options.backend, batch_rows=self.batch)
+                by_class[key] = (kind.name, cost, self.time(cost, kind, mesh))
+        return self.finish(layout, tuple(counts), rows, list(by_class.values()))
+
+
+# --- Search -----------------------------------------------------------------------------------
+
+
+def _best_fitting(plans: Sequence[Plan | None]) -> Plan | None:
+    fitting = [p for p in plans if p is not None and p.fits]
+    return min(fitting, key=lambda p: p.step_time) if fitting else None
+
+
+def _min_max_assign(total: int, base: Sequence[int], cost, cap: Sequence[int] | None = None) -> list[int] | None:
+    """Gives ``total - sum(base)`` more units one at a time to the part whose cost after taking one
+    is smallest: optimal for min-max when each part's cost grows with its units (Graham's greedy
+    for identical jobs). ``cost(i, n)`` is part ``i``'s cost with ``n`` units."""
+    out = list(base)
+    for _ in range(total - sum(out)):
+        options = [i for i in range(len(out)) if cap is None or out[i] < cap[i]]
+        if not options:
+            return None
+        i = min(options, key=lambda j: (cost(j, out[j] + 1), j))
+        out[i] += 1
+    return out
+
+
+def _affine(seconds_at, near: int) -> tuple[float, float]:
+    """``(a, b)`` of ``seconds(n) ~ a + b n`` around ``n = near``, from ``near`` and ``near + 1``.
+
+    Compute grows linearly with microbatches and layers; the optimizer and traffic that overlaps
+    compute are constant, so the time is piecewise affine and is fitted where the answer lies."""
+    n = max(near, 1)
+    at, after = seconds_at(n), seconds_at(n + 1)
+    return at - (after - at) * n, after - at
+
+
+def _uneven_counts(ev: _Evaluator, layout: cm.Layout, total: int, rows: float) -> Plan:
+    """Counts per device: each kind's step time is affine in its microbatches (two evaluations per
+    kind), so the min-max greedy on the affine times gives the counts; they start from the share
+    proportional to speed (largest remainder) rounded down. One exact evaluation prices them."""
+    kinds = ev.batch_kinds(layout.mesh)
+    share = proportional_split(total, [k.peak_bf16_flops for k in kinds])
+    lines = {}
+    for i, kind in enumerate(kinds):
+        if kind.name in lines:
+            continue
+
+        def seconds(n, kind=kind):
+            cost = cm.device_cost(ev.model, layout, seq_len=ev.seq, rows=rows, microbatches=n,
+                                  backend=ev.options.backend, batch_rows=ev.batch)
+            return ev.time(cost, kind, layout.mesh).total
+        lines[kind.name] = _affine(seconds, share[i])
+    start = [max(c - 1, 0) for c in share]
+    counts = _min_max_assign(total, start, lambda i, n: (lines[kinds[i].name][0] + lines[kinds[i].name][1] * n, n))
+    return ev.uneven(layout, counts, rows)
+
+
+def _stage_split(ev: _Evaluator, layout: cm.Layout) -> Plan | None:
+    """Layers per stage: each stage's time is affine in its layers (two evaluations per stage kind),
+    so the min-max greedy gives the split (at least one layer each), starting from the split
+    proportional to the stage kinds' speed rounded down; then single-layer moves from the slowest
+    stage while the exact predicted time drops."""
+    mesh = layout.mesh
+    kinds = ev.stage_kinds(mesh)
+    per = layout.batch_split * layout.microbatches
+    rows = ev.batch / per
+    layers = ev.model.num_layers
+    share = proportional_split(layers, [k.peak_bf16_flops for k in kinds], minimum=1)
+    lines = {}
+    for i, kind in enumerate(kinds):
+        if kind.name in lines:
+            continue
+
+        def seconds(n, kind=kind):
+            cost = cm.device_cost(ev.model, layout, seq_len=ev.seq, rows=rows, layers=n, slots=n,
+                                  backend=ev.options.backend)
+            return ev.time(cost, kind, mesh).total
+        lines[kind.name] = _affine(seconds, share[i])
+    start = [max(c - 1, 1) for c in share]
+    split = _min_max_assign(layers, start, lambda i, n: (lines[kinds[i].name][0] + lines[kinds[i].name][1] * n, n))
+    best = ev.uniform(dataclasses.replace(layout, stage_layers=tuple(split)))
+    for _ in range(len(split)):
+        slow = max(range(len(split)), key=lambda i: lines[kinds[i].name][0] + lines[kinds[i].name][1] * split[i])
+        improved = False
+        for j in range(len(split)):
+            if j == slow or split[slow] <= 1:
+                continue
+            trial = list(split)
+            trial[slow] -= 1
+            trial[j] += 1
+            candidate = ev.uniform(dataclasses.replace(layout, stage_layers=tuple(trial)))
+            if (candidate.fits, -candidate.step_time) > (best.fits, -best.step_time):
+                split, best, improved = trial, candidate, True
+                break
+        if not improved:
+            break
+    return best
+
+
+def _layouts(ev: _Evaluator, mesh: dict[str, int], rules: str, attention: str) -> Iterator[tuple[cm.Layout, str]]:
+    """Layout skeletons for a mesh (remat and split filled in later), tagged uniform/uneven/pipeline."""
+    opts, model = ev.options, ev.model
+    n_batch = mesh[ax.DATA] * mesh[ax.FSDP]
+    if ev.batch % n_batch:
+        return
+    per_device = ev.batch // n_batch
+    stages = mesh[ax.STAGE]
+    for m in _microbatch_options(per_device, opts.max_microbatches, at_least=stages if stages > 1 else 1):
+        for r in (opts.repeats if stages > 1 else (1,)):
+            if stages > 1 and stages * r > model.num_layers:
+                continue
+            base = cm.Layout(mesh, rules, m, "none", pipeline_repeats=r, attention=attention, dtype=opts.dtype)
+            yield base, "pipeline" if stages > 1 else "uniform"
+            # train/hetero.py runs on meshes that split only data and fsdp
+            uneven_ok = (opts.hetero and rules in ("dp", "fsdp")
+                         and all(mesh[a] == 1 for a in (ax.STAGE, ax.SEQUENCE, ax.TENSOR))
+                         and len({k.name for k in ev.kinds_in(mesh)}) > 1)
+            if uneven_ok:
+                yield dataclasses.replace(base, uneven_batch=True), "uneven"
+
+
+def _price(ev: _Evaluator, layout: cm.Layout, tag: str) -> Plan | None:
+    """The cheapest remat policy that fits (policies are tried cheapest first)."""
+    last = None
+    for remat in ev.options.remats:
+        lay = dataclasses.replace(layout, remat=remat)
+        if tag == "pipeline":
+            plan_ = _stage_split(ev, lay)
+        elif tag == "uneven":
+            n_batch = lay.batch_split
+            total = n_batch * lay.microbatches
+            plan_ = _uneven_counts(ev, lay, total, ev.batch / total)
+        else:
+            plan_ = ev.uniform(lay)
+        if plan_ is None:
+            continue
+        if plan_.fits:
+            return plan_
+        last = plan_
+    return last
+
+
+def plan(model: Any, inventory, global_batch: int, seq_len: int, options: PlanOptions | None = None,
+         top: int = 5) -> list[Plan]:
+    """The best layouts of one training step, fastest first.
+
+    Args:
+      model: Model dimensions (ModelConfig field names).
+      inventory: A `sharding.devices.Inventory` (hosts of equal size).
+      global_batch: B, sequences per step.
+      seq_len: T, tokens per sequence.
+      options: The search space (`PlanOptions`).
+      top: How many plans to return (the best of each mesh and rules, then the rest).
+
+    Returns:
+      Plans that fit memory, fastest first (at most ``top``); when none fits, the closest ones
+      with ``fits=False``.
+
+    Raises:
+      ValueError: On hosts of unequal size or unknown device figures (naming ``--cluster``).
+    """
+    options = options or PlanOptions()
+    ev = _Evaluator(model, inventory, global_batch, seq_len, options)
+    found: dict[tuple, Plan] = {}
+    for mesh in _meshes(model, ev.cluster, options):
+        for rules in _rules_for(model, mesh, options):
+            for attention in options.attentions:
+                for layout, tag in _layouts(ev, mesh, rules, attention):
+                    priced = _price(ev, layout, tag)
+                    if priced is not None:
+                        found[priced.key()] = priced
+    plans = sorted(found.values(), key=lambda p: (not p.fits, p.step_time))
+    return _diverse(plans, top)
+
+
+def _diverse(plans: list[Plan], top: int) -> list[Plan]:
+    """The best plan of each distinct (mesh, rules, uneven or not) first, then the rest."""
+    seen, first, rest = set(), [], []
+    for p in plans:
+        key = (format_mesh(p.layout.mesh), p.layout.rules_name, p.counts is not None)
+        (rest if key in seen else first).append(p)
+        seen.add(key)
+    return (first + rest)[:top]
+
+
+def uniform_baseline(model: Any, inventory, global_batch: int, seq_len: int,
+                     options: PlanOptions | None = None) -> Plan | None:
+    """The best plan where every device does the same work (no uneven shares, even stages)."""
+    options = dataclasses.replace(options or PlanOptions(), hetero=False)
+    ev = _Evaluator(model, inventory, global_batch, seq_len, options)
+    best = []
+    for mesh in _meshes(model, ev.cluster, options):
+        for rules in _rules_for(model, mesh, options):
+            for attention in options.attentions:
+                for layout, tag in _layouts(ev, mesh, rules, attention):
+                    for remat in options.remats:
+                        lay = dataclasses.replace(layout, remat=remat)
+                        if tag == "pipeline":
+                            lay = dataclasses.replace(lay, stage_layers=cm.even_stage_layers(
+                                model.num_layers, mesh[ax.STAGE]))
+                        best.append(ev.uniform(lay))
+    return _best_fitting(best)
+
+
+def evaluate(model: Any, inventory, global_batch: int, seq_len: int, layout: cm.Layout,
+             counts: Sequence[int] | None = None, options: PlanOptions | None = None) -> Plan | None:
+    """Prices one given layout (and uneven counts), as the planner does.
+
+    Returns:
+      The `Plan`, or None when the batch does not split over the layout.
+    """
+    ev = _Evaluator(model, inventory, global_batch, seq_len, options or PlanOptions())
+    if counts is None:
+        return ev.uniform(layout)
+    return ev.uneven(layout, counts, global_batch / sum(counts))
+
+
+def brute_force(model: Any, inventory, global_batch: int, seq_len: int, options: PlanOptions | None = None,
+                max_splits: int = 20000) -> Plan | None:
+    """The best fitting plan by exhaustive search (for tests): every mesh, rules, attention,
+    microbatches and remat, every per-kind count vector for uneven data parallelism, and every
+    stage split (compositions of the layers into ``stage`` parts of at least 1, when there are at
+    most ``max_splits`` of them)."""
+    options = options or PlanOptions()
+    ev = _Evaluator(model, inventory, global_batch, seq_len, options)
+    best: Plan | None = None
+
+    def consider(p):
+        nonlocal best
+        if p is not None and p.fits and (best is None or p.step_time < best.step_time):
+            best = p
+
+    for mesh in _meshes(model, ev.cluster, options):
+        for rules in _rules_for(model, mesh, options):
+            for attention in options.attentions:
+                for layout, tag in _layouts(ev, mesh, rules, attention):
+                    for remat in options.remats:
+                        lay = dataclasses.replace(layout, remat=remat)
+                        if tag == "uniform":
+                            consider(ev.uniform(lay))
+                        elif tag == "uneven":
+                            for counts in _kind_counts(ev, lay):
+                                consider(ev.uneven(lay, counts, global_batch / sum(counts)))
+                        else:
+                            for split in _compositions(model.num_layers, mesh[ax.STAGE], max_splits):
+                                consider(ev.uniform(dataclasses.replace(lay, stage_layers=split)))
+    return best
+
+
+def _kind_counts(ev: _Evaluator, layout: cm.Layout) -> Iterator[list[int]]:
+    """Every assignment of one count per kind whose total is the batch's microbatches."""
+    kinds = [k.name for k in ev.batch_kinds(layout.mesh)]
+    names = sorted(set(kinds))
+    per = {n: kinds.count(n) for n in names}
+    total = layout.batch_split * layout.microbatches
+
+    def rec(i, left):
+        if i == len(names) - 1:
+            if left % per[names[i]] == 0:
+                yield [left // per[names[i]]]
+            return
+        for c in range(0, left // per[names[i]] + 1):
+            for rest in rec(i + 1, left - c * per[names[i]]):
+                yield [c] + rest
+
+    for combo in rec(0, total):
+        if sum(combo) == 0:
+            continue
+        by = dict(zip(names, combo))
+        yield [by[k] for k in kinds]
+
+
+def _compositions(total: int, parts: int, limit: int) -> Iterator[tuple[int, ...]]:
+    if math.comb(total - 1, parts - 1) > limit:
+        return
+    for cuts in itertools.combinations(range(1, total), parts - 1):
+        bounds = (0,) + cuts + (total,)
+        yield tuple(bounds[i + 1] - bounds[i] for i in range(parts))
+
+
+# --- Reports ----------------------------------------------------------------------------------
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:.1f}"
+
+
+_REMAT_COST = {"none": 0, "dots": 1, "full": 2}
+
+
+def _binding(p: Plan) -> dict[str, float]:
+    """The slowest device's time as it adds up: ``max(compute, overlapped traffic)``, then the
+    exposed traffic, the optimizer and the pipeline bubble."""
+    parts = p.parts
+    return {"busy": max(parts["compute"], parts["overlapped_comm"]), "exposed_comm": parts["exposed_comm"],
+            "optimizer": parts["optimizer"], "bubble": parts["bubble"]}
+
+
+def why_lost(p: Plan, best: Plan) -> str:
+    """A short reason a plan is slower than the best one: the term of the slowest device's time
+    that grew most against the best plan's."""
+    if not p.fits:
+        over = max(p.memory, key=lambda k: p.memory[k] / p.memory_limit[k])
+        return f"does not fit: {_gb(p.memory[over])} GB on {over} > {_gb(p.memory_limit[over])} GB usable"
+    if p is best:
+        return "best"
+    mine, theirs = _binding(p), _binding(best)
+    name = max(mine, key=lambda k: mine[k] - theirs[k])
+    heavier = _REMAT_COST[p.layout.remat] > _REMAT_COST[best.layout.remat]
+    even = p.counts is None and p.layout.stage_layers is None
+    if name == "busy" and p.parts["overlapped_comm"] > p.parts["compute"]:
+        reason = "weight gathers and gradient reductions outlast compute"
+    elif name == "busy" and even and (best.counts is not None or best.layout.stage_layers is not None):
+        reason = f"the same work on every device: {p.paced_by} paces the step"
+    elif name == "busy" and heavier:
+        reason = f"remat {p.layout.remat} recomputes the forward pass to fit memory"
+    elif name == "busy":
+        reason = f"{p.paced_by} gets more work than its speed warrants"
+    else:
+        reason = {
+            "exposed_comm": "tensor/pipeline traffic on the critical path",
+            "optimizer": "larger optimizer shard",
+            "bubble": f"pipeline bubble {p.parts['bubble'] / p.step_time:.0%}",
+        }[name]
+    return f"+{(p.step_time / best.step_time - 1):.0%}: {reason}"
+
+
+def format_table(plans: Sequence[Plan]) -> list[str]:
+    """Rows: rank, mesh, rules, microbatches, remat, attention, shares/stages, step time, tokens/s,
+    MFU, memory per kind, why it lost."""
+    if not plans:
+        return ["no layout found"]
+    best = plans[0]
+    kinds = list(dict.fromkeys(k for p in plans for k in p.memory))
+    header = ["#", "mesh", "rules", "M", "remat", "attn", "shares / stages", "step s", "tokens/s", "MFU"]
+    header += [f"GB {k}" for k in kinds] + ["why it lost"]
+    rows = [header]
+    for i, p in enumerate(plans, 1):
+        lay = p.layout
+        if p.counts is not None:
+            split = "uneven " + _compress(p.counts)
+        elif lay.mesh[ax.STAGE] > 1:
+            split = "stages " + ",".join(map(str, lay.stage_layers)) + (f" x{lay.pipeline_repeats}" if lay.pipeline_repeats > 1 else "")
+        else:
+            split = "even"
+        rows.append([str(i), format_mesh(lay.mesh), lay.rules_name, str(lay.microbatches), lay.remat, lay.attention,
+                     split, f"{p.step_time:.3f}", f"{p.tokens_per_second:,.0f}", f"{p.mfu:.1%}"]
+                    + [_gb(p.memory[k]) if k in p.memory else "-" for k in kinds] + [why_lost(p, best)])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = [" | ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, "-|-".join("-" * w for w in widths))
+    return lines
+
+
+def _compress(counts: Sequence[int]) -> str:
+    """``3,3,3,3,1,1,1,1`` -> ``3x4,1x4``."""
+    out = []
+    for value, group in itertools.groupby(counts):
+        n = len(list(group))
+        out.append(f"{value}x{n}" if n > 1 else str(value))
+    return ",".join(out)

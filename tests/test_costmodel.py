@@ -1,0 +1,171 @@
+"""The cost model against the compiler: FLOPs, state bytes and collective bytes within 10%.
+
+Each case compiles one train step (`Trainer.compile_train_step`, abstract shapes, 8 simulated CPU
+devices) and compares the cost model's prediction for the CPU backend with:
+
+* ``compiled.cost_analysis()["flops"]``, which counts each ``while`` body once (one microbatch
+  through one layer, plus what is outside the loops): `Cost.counted_flops`;
+* the matrix-product FLOPs of the compiled HLO with loop trip counts folded in
+  (`sharding.hlo.dot_flops`): `Cost.matmul_flops`, the per-step figure the planner uses;
+* ``compiled.memory_analysis().argument_size_in_bytes`` (parameters, AdamW moments, batch):
+  `Cost.argument_bytes`;
+* the bytes of each collective kind parsed from the HLO (`sharding.hlo.collectives`).
+"""
+
+import functools
+
+import pytest
+
+from models.config import get_config
+from sharding import costmodel as cm
+from sharding import hlo
+from sharding.mesh import make_mesh, parse_mesh
+from sharding.rules import get_rules
+from train.optimizer import OptimizerConfig
+from train.step import Trainer
+
+TOLERANCE = 0.10
+
+# (model, mesh, rules, batch, seq_len, microbatches, remat). The two models at different batch and
+# length shapes; the last four vary microbatches, remat and the embedding lookup's strategy.
+GRID = [
+    ("test", "data=8", "dp", 16, 64, 1, "none"),
+    ("test", "fsdp=8", "fsdp_tp", 16, 64, 1, "none"),
+    ("test", "fsdp=4,tensor=2", "fsdp_tp", 16, 64, 1, "none"),
+    ("test", "data=2,fsdp=2,tensor=2", "fsdp_tp", 16, 64, 1, "none"),
+    ("small", "data=8", "dp", 32, 32, 1, "none"),
+    ("small", "fsdp=8", "fsdp_tp", 32, 32, 1, "none"),
+    ("small", "fsdp=4,tensor=2", "fsdp_tp", 32, 32, 1, "none"),
+    ("small", "data=2,fsdp=2,tensor=2", "fsdp_tp", 32, 32, 1, "none"),
+    ("test", "fsdp=8", "fsdp_tp", 16, 64, 2, "none"),
+    ("test", "fsdp=4,tensor=2", "fsdp_tp", 16, 64, 2, "full"),
+    ("small", "fsdp=8", "fsdp_tp", 32, 32, 1, "dots"),
+    ("test", "data=2,fsdp=4", "fsdp", 16, 64, 1, "none"),
+]
+
+
+def _config(model: str, remat: str):
+    """``"test"`` or ``"test+num_layers=8"`` (a preset with ``--set`` overrides)."""
+    preset, *overrides = model.split("+")
+    return get_config(preset, overrides, remat=remat)
+
+
+def _id(case):
+    model, mesh, rules, batch, seq, micro, remat = case
+    return f"{model}-{mesh}-{rules}-B{batch}-T{seq}-M{micro}-{remat}"
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_figures(case):
+    """The compiler's figures for one case (compiled once per session)."""
+    model, mesh_spec, rules, batch, seq, micro, remat = case
+    config = _config(model, remat)
+    trainer = Trainer(config, OptimizerConfig(), make_mesh(parse_mesh(mesh_spec, 8)), get_rules(rules), micro)
+    compiled = trainer.compile_train_step(batch, seq)
+    analysis = compiled.cost_analysis()
+    analysis = analysis[0] if isinstance(analysis, list) else analysis
+    text = compiled.as_text()
+    return {
+        "flops": float(analysis["flops"]),
+        "dot_flops": hlo.dot_flops(text),
+        "arguments": float(compiled.memory_analysis().argument_size_in_bytes),
+        "collectives": cm.collective_bytes(hlo.collectives(text)),
+    }
+
+
+def predicted(case):
+    model, mesh_spec, rules, batch, seq, micro, remat = case
+    layout = cm.Layout(parse_mesh(mesh_spec, 8), rules, micro, remat)
+    return cm.estimate(_config(model, remat), batch, seq, layout, backend="cpu")
+
+
+def _within(pred, actual):
+    return abs(pred - actual) <= TOLERANCE * abs(actual)
+
+
+@pytest.mark.parametrize("case", GRID, ids=_id)
+def test_flops_match_cost_analysis_and_folded_products(case):
+    figures, cost = compiled_figures(case), predicted(case)
+    assert _within(cost.counted_flops, figures["flops"]), (cost.counted_flops, figures["flops"])
+    assert _within(cost.matmul_flops, figures["dot_flops"]), (cost.matmul_flops, figures["dot_flops"])
+
+
+@pytest.mark.parametrize("case", GRID, ids=_id)
+def test_state_bytes_match_memory_analysis(case):
+    figures, cost = compiled_figures(case), predicted(case)
+    assert _within(cost.argument_bytes, figures["arguments"]), (cost.argument_bytes, figures["arguments"])
+    # parameters + AdamW moments are nearly all of it
+    assert cost.memory.state >= 0.9 * figures["arguments"]
+
+
+@pytest.mark.parametrize("case", GRID, ids=_id)
+def test_collective_bytes_match_hlo_per_kind(case):
+    compiled, pred = compiled_figures(case)["collectives"], cm.collective_bytes(predicted(case).comms)
+    assert set(pred) == set(compiled), (sorted(pred), sorted(compiled))
+    for kind in compiled:
+        assert _within(pred[kind], compiled[kind]), (kind, pred[kind], compiled[kind])
+
+
+def test_cost_analysis_counts_a_loop_body_once():
+    """What the cost model assumes of XLA: doubling the scanned layers doubles the folded products
+    but leaves cost_analysis nearly unchanged (only the optimizer's share grows)."""
+    four, eight = compiled_figures(GRID[1]), compiled_figures(("test+num_layers=8",) + GRID[1][1:])
+    assert eight["dot_flops"] > 1.8 * four["dot_flops"]
+    assert eight["flops"] < 1.1 * four["flops"]
+    cost = predicted(("test+num_layers=8",) + GRID[1][1:])
+    assert _within(cost.counted_flops, eight["flops"]) and _within(cost.matmul_flops, eight["dot_flops"])
+
+
+def test_gpu_backend_reduce_scatters_fsdp_gradients():
+    layout = cm.Layout(parse_mesh("data=2,fsdp=4", 8), "fsdp", 1, "none")
+    config = get_config("small")
+    gpu = cm.collective_bytes(cm.estimate(config, 32, 32, layout, backend="gpu").comms)
+    cpu = cm.collective_bytes(cm.estimate(config, 32, 32, layout, backend="cpu").comms)
+    assert "reduce-scatter" in gpu and "reduce-scatter" not in cpu
+    assert gpu["all-reduce"] < cpu["all-reduce"]
+
+
+def test_remat_and_microbatches_trade_compute_and_traffic_for_memory():
+    config = get_config("1b")
+    base = cm.Layout({"fsdp": 8}, "fsdp", 1, "none", attention="flash", dtype="bfloat16")
+    none = cm.estimate(config, 32, 2048, base)
+    full = cm.estimate(config, 32, 2048, cm.Layout({"fsdp": 8}, "fsdp", 1, "full", attention="flash", dtype="bfloat16"))
+    micro = cm.estimate(config, 32, 2048, cm.Layout({"fsdp": 8}, "fsdp", 4, "none", attention="flash", dtype="bfloat16"))
+    assert full.memory.activations < none.memory.activations / 4 and full.flops.total > none.flops.total
+    assert micro.memory.activations < none.memory.activations / 3
+    assert cm.collective_bytes(micro.comms)["all-gather"] > 3 * cm.collective_bytes(none.comms)["all-gather"]
+
+
+def test_ring_collective_costs_and_links():
+    n = 8
+    assert cm.Comm("all-reduce", ("fsdp",), n, 800.0, 1, "x").wire_bytes() == pytest.approx(2 * 800 * 7 / 8)
+    assert cm.Comm("all-gather", ("fsdp",), n, 800.0, 1, "x").wire_bytes() == pytest.approx(800 * 7 / 8)
+    assert cm.Comm("reduce-scatter", ("fsdp",), n, 100.0, 1, "x").wire_bytes() == pytest.approx(700)
+    links = cm.link_classes({"data": 2, "stage": 1, "fsdp": 8, "sequence": 1, "tensor": 1}, devices_per_host=8)
+    assert links["fsdp"] == "intra" and links["data"] == "inter"
+    hw = cm.Hardware(1e15, 80e9, 3e12, intra_bandwidth=400e9, inter_bandwidth=50e9 / 8)
+    comm = cm.Comm("all-reduce", ("data",), 2, 1e9, 1, "x")
+    assert cm.comm_seconds(comm, hw, links) > 10 * cm.comm_seconds(
+        cm.Comm("all-reduce", ("fsdp",), 2, 1e9, 1, "x"), hw, links)
+
+
+def test_model_flops_per_token_is_palm_count():
+    for name in ("test", "7b"):
+        config = get_config(name)
+        assert cm.model_flops_per_token(config, 4096) == pytest.approx(config.flops_per_token(4096))
+
+
+def test_bubble_fraction_and_even_split():
+    assert cm.bubble_fraction(4, 16, 1) == pytest.approx(3 / 19)
+    assert cm.bubble_fraction(4, 16, 2) == pytest.approx(3 / 35)
+    assert cm.even_stage_layers(10, 4) == (3, 3, 2, 2)
+    with pytest.raises(ValueError, match="stage=4"):
+        cm.even_stage_layers(3, 4)
+
+
+def test_layout_errors_name_the_flag():
+    with pytest.raises(ValueError, match="--remat"):
+        cm.Layout({"fsdp": 8}, remat="some")
+    with pytest.raises(ValueError, match="--batch-size"):
+        cm.estimate(get_config("test"), 12, 64, cm.Layout({"fsdp": 8}))
+

@@ -1,0 +1,190 @@
+"""The layout planner: optimality against brute force, gains on mixed clusters, memory, the CLI.
+
+No devices are needed: the planner prices layouts with the cost model.
+"""
+
+import argparse
+import dataclasses
+import time
+
+import pytest
+
+from sharding import axes as ax
+from sharding import costmodel as cm
+from sharding import devices, planner
+from sharding.plan import ModelDims, main as plan_main
+from train import hetero
+
+
+def _kind(name, tflops, memory_gb, intra_gb_s):
+    return devices.DeviceKind(name, name, tflops * 1e12, memory_gb * 1e9, 2e12, intra_gb_s * 1e9, "test figures")
+
+
+def _inventory(n_fast, n_slow, per_host, ratio, fast_gb=80, slow_gb=48, network=25e9):
+    fast = _kind("fast", 100 * ratio, fast_gb, 300)
+    slow = _kind("slow", 100, slow_gb, 32)
+    hosts = [devices.Host(fast, per_host, f"f{i}") for i in range(n_fast // per_host)]
+    hosts += [devices.Host(slow, per_host, f"s{i}") for i in range(n_slow // per_host)]
+    return devices.Inventory(tuple(hosts), network)
+
+
+# Brute force enumerates every mesh, rules preset, microbatch count, remat policy, per-kind count
+# vector and stage split; these options keep it within seconds on 2 cores.
+SMALL_OPTIONS = planner.PlanOptions(attentions=("flash",), remats=("none", "full"), max_microbatches=8, max_stages=4)
+
+CASES = {
+    "2 devices, 2 kinds, 32 layers": (_inventory(1, 1, 1, 2.0), ModelDims(32000, 32, 2048, 5632, 16, 16, 128), 64, 2048),
+    "4 devices, 2 kinds, 4 layers": (_inventory(2, 2, 2, 3.0), ModelDims(32000, 4, 1024, 4096, 16, 8, 64), 64, 1024),
+    "8 devices, 2 kinds, 12 layers": (_inventory(4, 4, 4, 1.5), ModelDims(32000, 12, 2048, 8192, 16, 8, 128), 128, 2048),
+    "8 devices, 2 kinds, 32 layers": (_inventory(4, 4, 4, 2.0), ModelDims(32000, 32, 4096, 11008, 32, 32, 128), 256, 4096),
+    "8 devices, 1 kind, 8 layers": (_inventory(8, 0, 4, 1.0), ModelDims(32000, 8, 1024, 4096, 16, 16, 64), 64, 1024),
+    # A slow network between hosts: pipelines with uneven stages win (checks the split search).
+    "2 devices, 2 kinds, 32 layers, slow network": (
+        _inventory(1, 1, 1, 2.0, network=1e9), ModelDims(32000, 32, 2048, 5632, 16, 16, 128), 16, 2048),
+    "4 devices, 2 kinds, 24 layers, slow network": (
+        _inventory(2, 2, 2, 3.0, network=2e9), ModelDims(32000, 24, 2048, 5632, 16, 16, 128), 16, 2048),
+    "8 devices, 2 kinds, 32 layers, slow network": (
+        _inventory(4, 4, 4, 2.0, network=2e9), ModelDims(32000, 32, 2048, 5632, 16, 16, 128), 32, 2048),
+    "8 devices, 2 kinds, 8 layers, 8 stages": (
+        _inventory(4, 4, 2, 2.5, slow_gb=16), ModelDims(32000, 8, 2048, 8192, 16, 16, 128), 64, 2048),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_planner_matches_brute_force_within_5_percent_in_under_a_second(case):
+    inventory, model, batch, seq = CASES[case]
+    options = SMALL_OPTIONS if "8 stages" not in case else planner.PlanOptions(
+        attentions=("flash",), remats=("none", "full"), max_microbatches=8)
+    t0 = time.perf_counter()
+    plans = planner.plan(model, inventory, batch, seq, options)
+    seconds = time.perf_counter() - t0
+    best = planner.brute_force(model, inventory, batch, seq, options)
+    assert best is not None and plans and plans[0].fits
+    assert plans[0].step_time <= 1.05 * best.step_time, (plans[0].key(), best.key())
+    assert seconds < 1.0
+    if "slow network" in case:
+        assert plans[0].layout.mesh["stage"] > 1 and len(set(plans[0].stage_layers)) > 1
+
+
+@pytest.mark.parametrize("ratio", [1.5, 2.0, 3.0])
+def test_uneven_plan_beats_uniform_split_by_90_percent_of_ideal(ratio):
+    """4 fast + 4 slow devices: the ideal gain over the uniform split is (r+1)/2."""
+    inventory = _inventory(4, 4, 4, ratio)
+    model = ModelDims(32000, 12, 768, 2048, 12, 12, 64)  # the 125m preset's shape
+    plans = planner.plan(model, inventory, 256, 1024)
+    uniform = planner.uniform_baseline(model, inventory, 256, 1024)
+    gain = uniform.step_time / plans[0].step_time
+    assert gain >= 0.9 * (ratio + 1) / 2, (gain, plans[0].key(), uniform.key())
+
+
+def test_uneven_shares_follow_speed():
+    inventory = _inventory(4, 4, 4, 3.0)
+    model = ModelDims(32000, 12, 768, 2048, 12, 12, 64)
+    options = planner.PlanOptions(pipeline=False, attentions=("flash",))
+    best = planner.plan(model, inventory, 256, 1024, options)[0]
+    assert best.counts is not None
+    fast, slow = best.counts[:4], best.counts[4:]
+    assert 2.5 <= sum(fast) / sum(slow) <= 3.5
+
+
+def test_uneven_shares_only_on_meshes_the_uneven_step_runs():
+    inventory = _inventory(4, 4, 4, 3.0)
+    model = ModelDims(32000, 12, 2048, 8192, 16, 16, 128)
+    options = planner.PlanOptions(attentions=("flash",), sequence=True)
+    for p in planner.plan(model, inventory, 64, 8192, options, top=30):
+        if p.counts is not None:
+            assert all(p.layout.mesh[a] == 1 for a in ("stage", "sequence", "tensor"))
+            assert p.layout.rules_name in ("dp", "fsdp")
+
+
+def test_plans_that_exceed_memory_are_rejected():
+    """A 7B model on 24 GB devices: nothing without sharding fits; the chosen plan fits its limit."""
+    small = _kind("small", 100, 24, 300)
+    inventory = devices.Inventory((devices.Host(small, 8, "h0"),), 25e9)
+    model = ModelDims(32000, 32, 4096, 11008, 32, 32, 128)
+    plans = planner.plan(model, inventory, 64, 2048, planner.PlanOptions(attentions=("flash",)))
+    assert plans[0].fits
+    assert plans[0].memory["small"] <= planner.MEMORY_FRACTION * 24e9
+    dp = planner.evaluate(model, inventory, 64, 2048, cm.Layout({"data": 8}, "dp", 8, "full", attention="flash"))
+    assert not dp.fits  # 7B replicated with AdamW: 108 GB per device
+
+
+def test_tensor_groups_stay_inside_a_host():
+    inventory = _inventory(2, 2, 2, 2.0)  # hosts of 2 devices
+    model = ModelDims(32000, 8, 1024, 4096, 16, 16, 64)
+    options = planner.PlanOptions(attentions=("flash",))
+    ev = planner._Evaluator(model, inventory, 64, 1024, options)
+    meshes = list(planner._meshes(model, ev.cluster, options))
+    assert meshes and all(m[ax.TENSOR] <= 2 for m in meshes)
+    assert any(m[ax.TENSOR] == 2 for m in meshes)
+
+
+@pytest.mark.parametrize("mesh", [{"stage": 4}, {"stage": 2, "fsdp": 2}])
+def test_stage_split_matches_the_best_of_all_splits(mesh):
+    inventory = _inventory(2, 2, 1, 2.5, network=2e9)
+    model = ModelDims(32000, 16, 2048, 5632, 16, 16, 128)
+    ev = planner._Evaluator(model, inventory, 16, 2048, planner.PlanOptions())
+    layout = cm.Layout(mesh, "fsdp" if mesh.get("fsdp", 1) > 1 else "dp", 8, "none", attention="flash",
+                       dtype="bfloat16")
+    chosen = planner._stage_split(ev, layout)
+    every = [ev.uniform(dataclasses.replace(layout, stage_layers=split))
+             for split in planner._compositions(16, mesh["stage"], 10**6)]
+    best = min((p for p in every if p.fits), key=lambda p: p.step_time)
+    assert chosen.fits and chosen.step_time <= 1.05 * best.step_time
+
+
+def test_stage_split_is_proportional_to_speed():
+    inventory = _inventory(1, 1, 1, 3.0)
+    layout = cm.Layout({"stage": 2}, "dp", 8, "full", attention="flash", dtype="bfloat16")
+    model = ModelDims(32000, 32, 2048, 5632, 16, 16, 128)
+    ev = planner._Evaluator(model, inventory, 64, 2048, planner.PlanOptions())
+    plan_ = planner._stage_split(ev, layout)
+    fast, slow = plan_.stage_layers
+    assert fast + slow == 32 and 2.3 <= fast / slow <= 3.7
+
+
+def test_flags_reproduce_the_plan_and_train_accepts_them():
+    inventory = _inventory(4, 4, 4, 2.0)
+    model = ModelDims(32000, 12, 768, 2048, 12, 12, 64)
+    best = planner.plan(model, inventory, 256, 1024, planner.PlanOptions(pipeline=False))[0]
+    flags = best.flags()
+    assert f"--microbatches {best.layout.microbatches}" in flags and f"--remat {best.layout.remat}" in flags
+    if best.counts is not None:
+        counts = [int(x) for x in flags.split("--hetero-batch ")[1].split()[0].split(",")]
+        assert sum(counts) == best.layout.batch_split * best.layout.microbatches
+        args = argparse.Namespace(hetero_batch=",".join(map(str, counts)), batch_size=256, mesh="", plan=None,
+                                  cluster=None, simulate_cluster=None)
+        hetero.validate_flags(args)
+        hetero.check_flags(args, best.layout.mesh)
+
+
+def test_proportional_split_largest_remainder():
+    assert planner.proportional_split(16, [3, 3, 3, 3, 1, 1, 1, 1]) == [3, 3, 3, 3, 1, 1, 1, 1]
+    assert planner.proportional_split(10, [1, 1, 1]) == [4, 3, 3]
+    assert planner.proportional_split(32, [3.17, 1], minimum=1) == [24, 8]
+    with pytest.raises(ValueError):
+        planner.proportional_split(2, [1, 1, 1], minimum=1)
+
+
+def test_unequal_hosts_are_refused_with_the_flag():
+    inventory = devices.parse_cluster("h100:8,a100:4")
+    with pytest.raises(ValueError, match="--cluster"):
+        planner.plan(ModelDims(32000, 8, 1024, 4096, 16, 16, 64), inventory, 64, 1024)
+
+
+def test_cli_prints_table_and_flags(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "plan.png"
+    code = plan_main(["--model", "1b", "--cluster", "h100:4,a100:4", "--batch", "64", "--seq-len", "2048",
+                      "--top", "4", "--plot", str(png)])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "why it lost" in out and "chosen plan:" in out and "python -m train.train --model 1b" in out
+    assert png.stat().st_size > 10_000
+
+
+def test_cli_errors_name_the_flag(capsys):
+    assert plan_main(["--model", "7b", "--cluster", "h999:8", "--batch", "8", "--seq-len", "64"]) == 2
+    assert "h999" in capsys.readouterr().err
+    assert plan_main(["--model", "7b", "--cluster", "h100:8", "--batch", "0", "--seq-len", "64"]) == 2
+    assert "--batch" in capsys.readouterr().err
