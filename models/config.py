@@ -2,7 +2,7 @@
 
 `ModelConfig` describes a decoder-only LM (Llama-style: RMSNorm, rotary
 positions, SwiGLU MLP, grouped-query attention). Its *architecture* fields fix
-the parameters; its *execution* fields (dtype, remat, attention) only change
+the parameters; its *execution* fields (dtype, remat, attention, logits) only change
 how a step computes, so a checkpoint restores under any of them.
 
 Parameter count (untied embeddings), with V vocab_size, D embed_dim, L
@@ -26,7 +26,8 @@ from typing import Any
 
 DTYPES = ("float32", "bfloat16")
 REMAT_POLICIES = ("none", "full", "dots")
-ATTENTION_IMPLS = ("reference", "flash", "ring", "ulysses")
+ATTENTION_IMPLS = ("reference", "flash", "ring", "ulysses", "dot_product")
+LOGITS_IMPLS = ("auto", "gathered", "vocab_parallel")  # sharding.vocab.OUTPUT_IMPLS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +55,13 @@ class ModelConfig:
         or, with the length split over the ``sequence`` mesh axis (context parallelism),
         ``ring`` (ring attention, Liu et al. 2023: key/value blocks passed around the
         devices; zigzag layout for causal balance) or ``ulysses`` (all-to-all attention,
-        Jacobs et al. 2023: heads must divide by the ``sequence`` size).
+        Jacobs et al. 2023: heads must divide by the ``sequence`` size), or ``dot_product``
+        (``jax.nn.dot_product_attention``, JAX's own implementation, for comparison).
+      logits: how the training loss computes the output projection and cross-entropy
+        (`models.output`): ``gathered`` (the weight gathered, logits partitioned by GSPMD),
+        ``vocab_parallel`` (Megatron-LM's vocabulary-parallel cross-entropy over the axes that
+        split the weight, under ``shard_map``) or ``auto`` (vocab_parallel where it moves fewer
+        bytes; `sharding.vocab`).
     """
 
     vocab_size: int
@@ -70,6 +77,7 @@ class ModelConfig:
     dtype: str = "float32"
     remat: str = "none"
     attention: str = "reference"
+    logits: str = "auto"
 
     ARCHITECTURE_FIELDS = (
         "vocab_size",
@@ -98,7 +106,8 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"--set head_dim={self.head_dim}: rotary embeddings need an even head_dim")
-        checks = (("dtype", DTYPES), ("remat", REMAT_POLICIES), ("attention", ATTENTION_IMPLS))
+        checks = (("dtype", DTYPES), ("remat", REMAT_POLICIES), ("attention", ATTENTION_IMPLS),
+                  ("logits", LOGITS_IMPLS))
         for name, allowed in checks:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} {getattr(self, name)!r}: choose one of {', '.join(allowed)}")

@@ -26,6 +26,7 @@ from flax import nnx
 from models.attention import Attention
 from models.config import ModelConfig
 from models.layers import MLP, Embed, RMSNorm, param
+from models.output import output_loss_sums, project_logits
 from sharding import axes as ax
 from sharding.pipeline import current_pipeline, run_pipeline
 from sharding.rules import constrain
@@ -146,17 +147,44 @@ class Transformer(nnx.Module):
         Returns:
           ``[batch, length, vocab]`` float32 logits.
         """
-        cfg = self.config
+        x = self.features(tokens, positions, segment_ids)
+        weight, vocab_last = self.output_weight()
+        return constrain(project_logits(x, weight, vocab_last), (ax.BATCH, ax.LENGTH, ax.VOCAB))
+
+    def features(self, tokens: jax.Array, positions: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None) -> jax.Array:
+        """The final activations ``[batch, length, embed]`` (after the last norm), compute dtype.
+
+        Arguments as `__call__`.
+        """
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-        x = self.embed(tokens, _dtype(cfg.dtype))
+        x = self.embed(tokens, _dtype(self.config.dtype))
         x = self.run_layers(x, positions, segment_ids)
-        x = self.final_norm(x)
-        if cfg.tie_embeddings:
-            logits = self.embed.attend(x)
-        else:
-            logits = jnp.einsum("BTD,DV->BTV", x, self.unembed[...].astype(x.dtype))
-        return constrain(logits.astype(jnp.float32), (ax.BATCH, ax.LENGTH, ax.VOCAB))
+        return self.final_norm(x)
+
+    def output_weight(self) -> tuple[jax.Array, bool]:
+        """``(weight, vocab_last)``: ``unembed [embed, vocab]``, or the embedding table ``[vocab, embed]`` when tied."""
+        if self.config.tie_embeddings:
+            return self.embed.embedding[...], False
+        return self.unembed[...], True
+
+    def loss_sums(self, tokens: jax.Array, targets: jax.Array, weights: jax.Array, positions: jax.Array | None = None,
+                  segment_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """Summed next-token cross-entropy, ``(loss_sum, weight_sum)`` float32 scalars (nats).
+
+        The output projection and the loss are computed together as ``ModelConfig.logits``
+        says (`models.output.output_loss_sums`), without materialising the whole logits when
+        that layout is vocabulary-parallel.
+
+        Args:
+          tokens, positions, segment_ids: as `__call__`.
+          targets: ``[batch, length]`` int32 next tokens.
+          weights: ``[batch, length]`` float32 loss mask.
+        """
+        x = self.features(tokens, positions, segment_ids)
+        weight, vocab_last = self.output_weight()
+        return output_loss_sums(x, weight, targets, weights, impl=self.config.logits, vocab_last=vocab_last)
 
 
 # Functional interface ------------------------------------------------------
@@ -224,3 +252,9 @@ def init_params(config: ModelConfig, key: jax.Array, layer_table=None) -> dict[s
 def apply(graphdef, params: dict[str, Any], tokens, positions=None, segment_ids=None) -> jax.Array:
     """Runs the model from a graphdef and a params dict; see `Transformer.__call__`."""
     return nnx.merge(graphdef, params)(tokens, positions, segment_ids)
+
+
+def loss_sums(graphdef, params: dict[str, Any], tokens, targets, weights, positions=None,
+              segment_ids=None) -> tuple[jax.Array, jax.Array]:
+    """Summed cross-entropy from a graphdef and a params dict; see `Transformer.loss_sums`."""
+    return nnx.merge(graphdef, params).loss_sums(tokens, targets, weights, positions, segment_ids)

@@ -57,6 +57,7 @@ from typing import Any
 
 from sharding import axes as ax
 from sharding.rules import Rules, get_rules, logical_to_spec
+from sharding.vocab import OUTPUT_IMPLS, VocabSplit, choose_output
 
 __all__ = [
     "BACKENDS",
@@ -87,6 +88,7 @@ _PARAM_BYTES = 4  # parameters, gradients and AdamW moments are float32
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 _INT_BYTES = 4  # int32 tokens, positions, segment ids
 _BATCH_FIELDS = 5  # tokens, targets, positions, segment_ids (int32), loss_mask (float32)
+_WHOLE_SCORES = ("reference", "dot_product")  # attentions that materialise the [T, S] scores (XLA's dot_product too)
 
 #: XLA-counted FLOPs per parameter of the update (HloCostAnalysis: 1 FLOP per element per
 #: arithmetic op; square roots are counted as transcendentals, not FLOPs). The step divides the
@@ -126,11 +128,15 @@ class Layout:
       stage_layers: Layers per pipeline stage, one per ``stage`` index, summing to the model's
         layers; None splits evenly (`even_stage_layers`).
       pipeline_repeats: R, stage chunks per device (circular schedule); 1 is GPipe.
-      attention: ``reference`` (full score matrix) or ``flash`` (masked tiles skipped).
+      attention: ``reference`` or ``dot_product`` (full score matrix; ``jax.nn.dot_product_attention``'s
+        XLA implementation is modelled as reference) or ``flash`` (masked tiles skipped).
       dtype: Compute dtype of activations, ``float32`` or ``bfloat16``.
       uneven_batch: The uneven data-parallel step (`train.hetero`): each device loops over its
         own microbatches with the whole parameters, gathered once before the loop, and the
         gradients are reduced once after it (``data``/``fsdp`` meshes only).
+      logits: How the output projection and loss are laid out (`sharding.vocab`): ``gathered``,
+        ``vocab_parallel`` or ``auto`` (what `sharding.vocab.choose_output` picks). Modelled for
+        untied embeddings.
 
     Raises:
       ValueError: On an unknown axis, a size below 1, or an unknown remat/attention/dtype.
@@ -145,6 +151,7 @@ class Layout:
     attention: str = "reference"
     dtype: str = "float32"
     uneven_batch: bool = False
+    logits: str = "auto"
 
     def __post_init__(self) -> None:
         full = {a: 1 for a in ax.MESH_AXES}
@@ -157,8 +164,8 @@ class Layout:
         object.__setattr__(self, "mesh", full)
         if self.stage_layers is not None:
             object.__setattr__(self, "stage_layers", tuple(int(n) for n in self.stage_layers))
-        for field, allowed in (("remat", ("none", "dots", "full")), ("attention", ("reference", "flash")),
-                               ("dtype", tuple(_DTYPE_BYTES))):
+        for field, allowed in (("remat", ("none", "dots", "full")), ("attention", ("reference", "flash", "dot_product")),
+                               ("dtype", tuple(_DTYPE_BYTES)), ("logits", OUTPUT_IMPLS)):
             if getattr(self, field) not in allowed:
                 raise ValueError(f"--{field} {getattr(self, field)!r}: choose one of {', '.join(allowed)}")
         if self.microbatches < 1 or self.pipeline_repeats < 1:
@@ -622,9 +629,10 @@ def _flops(model, layout: Layout, rules: Rules, placed: list[_Placed], s: _Shape
     layer_fwd = sum(2.0 * p.spec.size / p.factor(*compute_axes) for p in placed if p.spec.per_layer and p.spec.matmul)
     heads = _split_of(ax.HEADS, model.num_heads, rules, mesh)
     vocab = _split_of(ax.VOCAB, model.vocab_size, rules, mesh)
-    scores = s.seq if layout.attention == "reference" else s.seq / 2
+    whole = layout.attention in _WHOLE_SCORES
+    scores = s.seq if whole else s.seq / 2
     attn_fwd = 4.0 * model.num_heads * model.head_dim * scores / heads
-    attn_total = attn_fwd * (3.0 if layout.attention == "reference" else 3.5)  # flash bwd: 5 products
+    attn_total = attn_fwd * (3.0 if whole else 3.5)  # flash bwd: 5 products
     logits_fwd = 2.0 * model.embed_dim * model.vocab_size / vocab
     # Full remat recomputes the block's forward except its last product (MLP down), whose output
     # no gradient needs (XLA drops it as dead code); "dots" saves the weight products and
@@ -658,7 +666,7 @@ def _elementwise_per_token(model, layout: Layout, heads: int, vocab: int, seq: i
     d, f, n, k, h = model.embed_dim, model.mlp_dim, model.num_heads, model.num_kv_heads, model.head_dim
     c_d, c_f, c_qk, c_s, c_mask = ELEMENTWISE["layer"]
     mlp = _split_of(ax.MLP, f, layout.rules_table(), layout.mesh)
-    scores = seq if layout.attention == "reference" else 0  # flash keeps scores inside the kernel
+    scores = seq if layout.attention in _WHOLE_SCORES else 0  # flash keeps scores inside the kernel
     fwd = c_d * d + c_f * f / mlp + c_qk * (n + 2 * k) * h / heads + (c_s * n / heads + c_mask) * scores
     passes = 1.0 + ELEMENTWISE["backward_factor"] + (1.0 if layout.remat != "none" else 0.0)
     loss = ELEMENTWISE["loss"] * model.vocab_size / vocab * (1.0 + ELEMENTWISE["backward_factor"])
@@ -682,7 +690,7 @@ def _memory(model, layout: Layout, rules: Rules, placed: list[_Placed], s: _Shap
     # copies), q/k/v and the attention output, gate/up/hidden (F), and the float32 softmax of the
     # reference attention (N*S) with its mask.
     per_layer = b * (6 * d + 2 * qkv + 3 * f / mlp) + 4 * 2 * d
-    if layout.attention == "reference":
+    if layout.attention in _WHOLE_SCORES:
         per_layer += (4 * model.num_heads / heads + 1) * s.seq
     if layout.remat == "full":
         saved = s.tok * (s.layers * b * d + per_layer)
@@ -730,9 +738,11 @@ def _comms(model, layout: Layout, rules: Rules, placed: list[_Placed], s: _Shape
     if layout.uneven_batch:
         return _uneven_comms(layout, placed, s, batch_rows)
     comms: list[Comm] = []
-    comms += _weight_gathers(layout, placed, s)
-    comms += _gradient_reductions(layout, placed, s, backend)
-    comms += _tensor_comms(model, layout, rules, s)
+    split = _output_split(model, layout, rules, s)
+    comms += _weight_gathers(layout, placed, s, split)
+    comms += _gradient_reductions(layout, placed, s, backend, split)
+    comms += _tensor_comms(model, layout, rules, s, split)
+    comms += _vocab_parallel_comms(model, layout, placed, s, split)
     comms += _embedding_comms(model, layout, rules, placed, s)
     comms += _sequence_comms(model, layout, rules, s, backend)
     comms += _stage_comms(model, layout, s)
@@ -765,7 +775,56 @@ def _uneven_comms(layout: Layout, placed: list[_Placed], s: _Shape, batch_rows: 
     return comms
 
 
-def _weight_gathers(layout: Layout, placed: list[_Placed], s: _Shape) -> list[Comm]:
+def _output_split(model, layout: Layout, rules: Rules, s: _Shape) -> VocabSplit | None:
+    """The vocabulary-parallel split of the loss (`sharding.vocab.choose_output`), or None (gathered)."""
+    if getattr(model, "tie_embeddings", False):
+        return None
+    rows = s.rows * layout.batch_split
+    if rows != int(rows):
+        return None
+    return choose_output(layout.logits, rules, layout.mesh, model.vocab_size, model.embed_dim, int(rows), s.tok)
+
+
+def _vocab_parallel_comms(model, layout: Layout, placed: list[_Placed], s: _Shape,
+                          split: VocabSplit | None) -> list[Comm]:
+    """The vocabulary-parallel loss (`models.output`), per microbatch, its collectives explicit.
+
+    Over the group (f, the axes splitting the output weight's ``embed``): the weight shard traded
+    for a vocabulary slice and its gradient traded back (two all-to-alls of the local shard
+    ``[D/f, V/t]``), the group's activations gathered in float32 (``[f x tokens, D]``) with their
+    targets, the activations' gradient reduce-scattered back (a reduce-scatter on both backends: it
+    is written as one). Over the slices (group and ``tensor``): the softmax max, sum, target logit
+    and the loss gradient of each group token (``[f x tokens]`` float32 each). Over ``tensor``: the
+    local rows' input gradient. Over the token axes the weight is whole along (``data``): its
+    gradient, the local shard.
+    """
+    if split is None:
+        return []
+    mesh, m, d = layout.mesh, s.micro, model.embed_dim
+    unembed = next(p for p in placed if p.spec.name == "unembed")
+    f, group = split.group, split.group_axes
+    slices = split.vocab_axes + group
+    shard = unembed.local * _PARAM_BYTES
+    comms = [
+        Comm("all-to-all", group, f, shard, 1 + m, "output weight: shard to vocabulary slice (once: the "
+             "partitioner hoists it out of the microbatch loop) and its gradient back"),
+        Comm("all-gather", group, f, s.tok * f * d * 4, m, "loss: the group's activations", False),
+        Comm("all-gather", group, f, s.tok * f * _INT_BYTES, m, "loss: the group's targets", False),
+        Comm("reduce-scatter", group, f, s.tok * d * 4, m, "loss: activations' gradient", False),
+        Comm("all-reduce", slices, split.shards, s.tok * f * 4, 4 * m, "loss: softmax max, sum, target, gradient",
+             False),
+    ]
+    t = split.shards // f
+    if t > 1:
+        comms.append(Comm("all-reduce", split.vocab_axes, t, s.tok * d * 4, m, "loss: input gradient over tensor",
+                          False))
+    rest, n = _axes(mesh, *(a for a in (ax.DATA, ax.SEQUENCE) if a not in slices))
+    if n > 1:
+        comms.append(Comm("all-reduce", rest, n, shard, m, "gradient of unembed"))
+    return comms
+
+
+def _weight_gathers(layout: Layout, placed: list[_Placed], s: _Shape, split: VocabSplit | None = None) -> list[Comm]:
     """FSDP: each weight split over ``fsdp`` is gathered before use, again in the backward pass.
 
     Per-layer weights are gathered inside the layer loop (forward and backward, recompute sharing
@@ -779,7 +838,7 @@ def _weight_gathers(layout: Layout, placed: list[_Placed], s: _Shape) -> list[Co
     comms = []
     for p in placed:
         n = p.factor(ax.FSDP)
-        if n <= 1 or p.spec.name == "embed/embedding":
+        if n <= 1 or p.spec.name == "embed/embedding" or (split is not None and p.spec.name == "unembed"):
             continue
         result = p.local * n * _PARAM_BYTES
         if p.spec.per_layer:
@@ -793,7 +852,8 @@ def _weight_gathers(layout: Layout, placed: list[_Placed], s: _Shape) -> list[Co
     return comms
 
 
-def _gradient_reductions(layout: Layout, placed: list[_Placed], s: _Shape, backend: str) -> list[Comm]:
+def _gradient_reductions(layout: Layout, placed: list[_Placed], s: _Shape, backend: str,
+                         split: VocabSplit | None = None) -> list[Comm]:
     """Gradients summed over the batch axes, per layer and per microbatch.
 
     GPU: a reduce-scatter over ``fsdp`` for weights split over it (result: the local shard), then
@@ -810,6 +870,8 @@ def _gradient_reductions(layout: Layout, placed: list[_Placed], s: _Shape, backe
     for p in placed:
         if p.spec.name == "embed/embedding" and _table_split(p) != (1, 1):
             continue  # see _embedding_comms
+        if p.spec.name == "unembed" and split is not None:
+            continue  # see _vocab_parallel_comms
         count = s.micro * (s.layers if p.spec.per_layer else 1)
         local = p.local * _PARAM_BYTES
         n_f = p.factor(ax.FSDP)
@@ -826,7 +888,8 @@ def _gradient_reductions(layout: Layout, placed: list[_Placed], s: _Shape, backe
     return comms
 
 
-def _tensor_comms(model, layout: Layout, rules: Rules, s: _Shape) -> list[Comm]:
+def _tensor_comms(model, layout: Layout, rules: Rules, s: _Shape,
+                  output_split: VocabSplit | None = None) -> list[Comm]:
     """Megatron-style tensor parallelism (Shoeybi et al., 2019, section 3).
 
     Forward: the row-parallel products (attention output ``o``, MLP ``down``) end in partial sums,
@@ -834,7 +897,8 @@ def _tensor_comms(model, layout: Layout, rules: Rules, s: _Shape) -> list[Comm]:
     recomputes it. Backward: the input gradients of the
     column-parallel products (``q``, ``k``, ``v``, ``gate``, ``up``) are partial sums; the partitioner
     reduces each separately. The logits: the cross-entropy's max and sum over the split vocabulary
-    ([tokens] float32 each) and the input gradient of the output projection.
+    ([tokens] float32 each) and the input gradient of the output projection (with the
+    vocabulary-parallel loss, `_vocab_parallel_comms` instead).
     """
     mesh = layout.mesh
     if mesh[ax.TENSOR] <= 1:
@@ -852,6 +916,8 @@ def _tensor_comms(model, layout: Layout, rules: Rules, s: _Shape) -> list[Comm]:
         Comm("all-reduce", (ax.TENSOR,), t, act, fwd * n, "row-parallel outputs (forward)", False),
         Comm("all-reduce", (ax.TENSOR,), t, act, bwd * n, "column-parallel input gradients", False),
     ]
+    if output_split is not None:
+        return comms
     if split[ax.VOCAB] and s.micro > 1 and _partitioner() == "0.12":
         # jax 0.12 re-gathers the float32 logits' gradient [tokens, V] over tensor at the logits'
         # sharding constraint inside the microbatch loop.

@@ -27,7 +27,8 @@ from train.step import Trainer
 TOLERANCE = 0.10
 
 # (model, mesh, rules, batch, seq_len, microbatches, remat). The two models at different batch and
-# length shapes; the last four vary microbatches, remat and the embedding lookup's strategy.
+# length shapes; the next four vary microbatches, remat and the embedding lookup's strategy; the
+# last two take the vocabulary-parallel loss.
 GRID = [
     ("test", "data=8", "dp", 16, 64, 1, "none"),
     ("test", "fsdp=8", "fsdp_tp", 16, 64, 1, "none"),
@@ -41,6 +42,9 @@ GRID = [
     ("test", "fsdp=4,tensor=2", "fsdp_tp", 16, 64, 2, "full"),
     ("small", "fsdp=8", "fsdp_tp", 32, 32, 1, "dots"),
     ("test", "data=2,fsdp=4", "fsdp", 16, 64, 1, "none"),
+    # A larger vocabulary: the loss runs vocabulary-parallel (sharding.vocab picks it).
+    ("test+vocab_size=4096", "fsdp=8", "fsdp_tp", 16, 64, 1, "none"),
+    ("test+vocab_size=4096", "fsdp=8", "fsdp_tp", 16, 64, 2, "none"),
 ]
 
 
@@ -169,3 +173,18 @@ def test_layout_errors_name_the_flag():
     with pytest.raises(ValueError, match="--batch-size"):
         cm.estimate(get_config("test"), 12, 64, cm.Layout({"fsdp": 8}))
 
+
+
+def test_vocab_parallel_cases_take_the_vocab_parallel_loss():
+    """The last two grid cases are the vocabulary-parallel layout, the others the gathered one."""
+    from sharding.vocab import choose_output
+
+    def picked(case):
+        model, mesh_spec, rules, batch, seq, micro, remat = case
+        config, mesh = _config(model, remat), parse_mesh(mesh_spec, 8)
+        full = {a: mesh.get(a, 1) for a in ("data", "stage", "fsdp", "sequence", "tensor")}
+        split = full["data"] * full["fsdp"]
+        return choose_output("auto", get_rules(rules), full, config.vocab_size, config.embed_dim,
+                             batch // micro, batch // micro // split * seq) is not None
+
+    assert [picked(case) for case in GRID] == [False] * (len(GRID) - 2) + [True] * 2

@@ -184,3 +184,30 @@ def test_flash_attention_in_the_model_matches_reference_with_gradients(heads, kv
     np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-5)
     for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-5 * np.abs(np.asarray(b)).max())
+
+
+@pytest.mark.parametrize("mesh_spec", ["fsdp=4,tensor=2", "data=8"])
+def test_jax_dot_product_attention_in_the_model_matches_reference_with_gradients(mesh_spec):
+    """``--attention dot_product`` (jax.nn.dot_product_attention, the GPU baseline) computes the same model."""
+    config = get_config("test", ["num_layers=2"])
+    graphdef_ref, _, names = abstract_model(config)
+    graphdef_jax, _, _ = abstract_model(config.replace(attention="dot_product"))
+    params = jax.jit(lambda k: init_params(config, k))(jax.random.key(1))
+    tokens, positions, segment_ids = make_batch(length=40)
+
+    def loss(graphdef, p):
+        return jnp.mean(apply(graphdef, p, tokens, positions, segment_ids) ** 2)
+
+    want_loss, want_grads = jax.jit(jax.value_and_grad(lambda p: loss(graphdef_ref, p)))(params)
+    mesh, rules = make_mesh(parse_mesh(mesh_spec, 8)), get_rules("fsdp_tp")
+    shardings, _ = tree_shardings(params, names, mesh, rules)
+
+    @jax.jit
+    def sharded(p):
+        with use_rules(mesh, rules):
+            return jax.value_and_grad(lambda p: loss(graphdef_jax, p))(p)
+
+    got_loss, got_grads = sharded(jax.device_put(params, shardings))
+    np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-5 * np.abs(np.asarray(b)).max())

@@ -42,7 +42,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from models.attention import use_context_layout
 from models.config import ModelConfig
-from models.transformer import abstract_model, apply, init_params
+from models.transformer import abstract_model, init_params, loss_sums
 from sharding import axes as ax
 from sharding.pipeline import (
     PipelinePlan,
@@ -58,21 +58,6 @@ from train.data import FIELDS
 from train.optimizer import OptimizerConfig, learning_rate_schedule, make_optimizer
 
 BATCH_NAMES = (ax.BATCH, ax.LENGTH)
-
-
-def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Summed token cross-entropy.
-
-    Args:
-      logits: ``[batch, length, vocab]`` float32.
-      targets: ``[batch, length]`` int32.
-      weights: ``[batch, length]`` float32 loss mask.
-
-    Returns:
-      ``(loss_sum, weight_sum)`` float32 scalars (nats).
-    """
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
-    return jnp.sum(losses * weights), jnp.sum(weights)
 
 
 @dataclasses.dataclass
@@ -284,8 +269,8 @@ class Trainer:
     def loss_sums(self, params, batch) -> tuple[jax.Array, jax.Array]:
         """``(loss_sum, weight_sum)`` of a batch (inside jit, under the rules)."""
         with use_context_layout(self.context_layout), use_pipeline(self.pipeline):
-            logits = apply(self.graphdef, params, batch["tokens"], batch["positions"], batch["segment_ids"])
-        return cross_entropy(logits, batch["targets"], batch["loss_mask"])
+            return loss_sums(self.graphdef, params, batch["tokens"], batch["targets"], batch["loss_mask"],
+                             batch["positions"], batch["segment_ids"])
 
     def _gradients(self, params, batch):
         grad_fn = jax.value_and_grad(self.loss_sums, has_aux=True)

@@ -20,7 +20,8 @@ import sys
 import time
 from pathlib import Path
 
-from models.config import ATTENTION_IMPLS, DTYPES, PRESETS, REMAT_POLICIES, config_differences, get_config
+from models.config import (ATTENTION_IMPLS, DTYPES, LOGITS_IMPLS, PRESETS, REMAT_POLICIES, config_differences,
+                           get_config)
 from sharding.mesh import format_mesh, parse_axis_sizes, parse_mesh
 from sharding.pipeline import parse_stage_layers
 from sharding.rules import DEFAULT_PRESET, PRESETS as RULE_PRESETS, get_rules
@@ -68,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--remat", default=None, choices=REMAT_POLICIES, help="rematerialisation policy per block")
     g.add_argument("--attention", default=None, choices=ATTENTION_IMPLS, help="attention implementation; ring or "
                    "ulysses split the length over the sequence mesh axis (context parallelism)")
+    g.add_argument("--logits", default=None, choices=LOGITS_IMPLS,
+                   help="output projection and loss: gathered (weight gathered, GSPMD), vocab_parallel (Megatron-LM's "
+                   "vocabulary-parallel cross-entropy over the axes splitting the weight), auto (vocab_parallel where "
+                   "it moves fewer bytes); default: the preset's (auto)")
     g.add_argument("--context-layout", default="auto", choices=("auto", "contiguous", "zigzag"),
                    help="how tokens lie along the sequence axis: zigzag (device r holds chunks r and 2P-1-r of 2P) "
                    "balances causal ring attention; auto: zigzag for --attention ring with a sequence axis, else "
@@ -208,7 +213,8 @@ def check_model_sharding(config, rules, mesh_shape: dict[str, int]) -> None:
 
 
 def model_config(args):
-    changes = {k: v for k, v in (("dtype", args.dtype), ("remat", args.remat), ("attention", args.attention)) if v}
+    changes = {k: v for k, v in (("dtype", args.dtype), ("remat", args.remat), ("attention", args.attention),
+                                 ("logits", args.logits)) if v}
     return get_config(args.model, args.set, **changes)
 
 
@@ -309,7 +315,7 @@ def check_pipeline(args, config, mesh_shape: dict[str, int]):
                          f"(1 repeat is --pipeline-schedule gpipe)")
     layout, note = plan_layout(config.num_layers, stages, repeats, parse_stage_layers(args.stage_layers))
     check_microbatches(args.microbatches, stages, args.batch_size, mesh_shape["data"] * mesh_shape["fsdp"])
-    if config.attention != "reference":
+    if config.attention not in ("reference", "dot_product"):
         raise ValueError(f"--attention {config.attention} runs its kernel under its own shard_map, which cannot sit "
                          f"inside the pipeline's yet; with --mesh stage={stages} use --attention reference")
     return PipelinePlan(layout, args.microbatches), note
