@@ -42,6 +42,8 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default=None, help="compute dtype (default: the preset's)")
     p.add_argument("--remat", default=None, help="remat policy (default: the preset's)")
     p.add_argument("--attention", default=None, help="attention implementation (default: the preset's)")
+    p.add_argument("--logits", default=None, help="output projection and loss: auto, gathered or vocab_parallel "
+                   "(default: the preset's, auto)")
     p.add_argument("--microbatches", type=int, default=1, help="gradient-accumulation steps")
     p.add_argument("--steps", type=int, default=10, help="steps to run")
     p.add_argument("--skip", type=int, default=2, help="leading steps left out of the median")
@@ -62,14 +64,18 @@ def measure(args) -> dict:
     from sharding.mesh import make_mesh, parse_mesh
     from sharding.rules import get_rules
     from train.optimizer import OptimizerConfig
+    from sharding.vocab import choose_for_batch
     from train.step import Trainer
 
-    changes = {k: v for k, v in (("dtype", args.dtype), ("remat", args.remat), ("attention", args.attention)) if v}
+    changes = {k: v for k, v in (("dtype", args.dtype), ("remat", args.remat), ("attention", args.attention),
+                                 ("logits", args.logits)) if v}
     config = get_config(args.model, args.set, **changes)
     mesh = make_mesh(parse_mesh(args.mesh, jax.device_count()))
     trainer = Trainer(config, OptimizerConfig(decay_steps=max(args.steps, 2), warmup=1), mesh,
                       get_rules(args.rules, args.rule), args.microbatches)
     B, T = args.batch_size, args.seq_len
+    split = choose_for_batch(config.logits, trainer.rules, dict(mesh.shape), config.vocab_size, config.embed_dim,
+                             (B, T))
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, config.vocab_size, (B, T + 1)).astype(np.int32)
     host = {"tokens": tokens[:, :-1], "targets": tokens[:, 1:],
@@ -97,6 +103,7 @@ def measure(args) -> dict:
         "framework": "meshwork",
         "model": args.model, "overrides": args.set, "mesh": args.mesh, "batch": B, "seq_len": T,
         "dtype": config.dtype, "remat": config.remat, "attention": config.attention,
+        "logits": config.logits, "loss_layout": "gathered" if split is None else "vocab_parallel",
         "params": config.num_params, "devices": devices,
         "step_times": times, "median_step_time": step_time,
         "tokens_per_s": tokens_per_s, "tokens_per_s_per_device": tokens_per_s / devices,
@@ -111,12 +118,12 @@ def measure(args) -> dict:
 def table_row(r: dict) -> str:
     mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
     return (f"| {r['model']} {' '.join(r['overrides'])} | {r['mesh']} | {r['batch']}x{r['seq_len']} | {r['dtype']} | "
-            f"{r['remat']} | {r['median_step_time'] * 1000:.0f} | {r['tokens_per_s']:,.0f} | "
+            f"{r['remat']} | {r['loss_layout']} | {r['median_step_time'] * 1000:.0f} | {r['tokens_per_s']:,.0f} | "
             f"{r['tokens_per_s_per_device']:,.0f} | {r['model_tflops_per_device']:.4f} | {mfu} |")
 
 
-HEADER = ("| model | mesh | batch x length | dtype | remat | median step (ms) | tokens/s | tokens/s/device | "
-          "model TFLOP/s/device | MFU |\n|---|---|---|---|---|---:|---:|---:|---:|---:|")
+HEADER = ("| model | mesh | batch x length | dtype | remat | loss | median step (ms) | tokens/s | tokens/s/device | "
+          "model TFLOP/s/device | MFU |\n|---|---|---|---|---|---|---:|---:|---:|---:|---:|")
 
 
 def main(argv=None) -> int:
