@@ -68,7 +68,10 @@ def describe(directory: str | Path, step: int | None = None) -> list[str]:
     try:
         steps = manager.all_steps()
         if not steps:
-            raise FileNotFoundError(f"{root}: no complete checkpoint")
+            hint = ""
+            if root.name.isdigit():
+                hint = f"; for one step of a run give the run folder and --step, e.g. {root.parent} --step {root.name}"
+            raise FileNotFoundError(f"{root}: no complete checkpoint{hint}")
         step = steps[-1] if step is None else step
         if step not in steps:
             raise FileNotFoundError(f"{root}: no step {step}; saved steps are {steps}")

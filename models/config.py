@@ -102,7 +102,9 @@ class ModelConfig:
                 raise ValueError(f"--set {name}={getattr(self, name)}: must be a positive integer")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
-                f"--set num_kv_heads={self.num_kv_heads}: num_heads={self.num_heads} must be a multiple of it"
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads} (grouped-query "
+                f"attention shares each KV head among num_heads / num_kv_heads query heads); --set num_heads or "
+                f"--set num_kv_heads to values where it is, e.g. --set num_kv_heads={self.num_heads}"
             )
         if self.head_dim % 2:
             raise ValueError(f"--set head_dim={self.head_dim}: rotary embeddings need an even head_dim")

@@ -154,8 +154,13 @@ def choose_for_batch(impl: str, rules: Rules, mesh_shape: Mapping[str, int], voc
     Raises:
       ValueError: as `choose_output`.
     """
+    return choose_output(impl, rules, mesh_shape, vocab_size, embed_dim, batch_shape[0],
+                         tokens_per_device(rules, mesh_shape, batch_shape))
+
+
+def tokens_per_device(rules: Rules, mesh_shape: Mapping[str, int], batch_shape: tuple[int, int]) -> float:
+    """Tokens of a ``[batch, length]`` batch on one device, as the rules lay it out."""
     spec, _ = logical_to_spec((ax.BATCH, ax.LENGTH), rules, batch_shape, mesh_shape)
     split = math.prod(mesh_shape[a] for entry in spec if entry is not None
                       for a in ((entry,) if isinstance(entry, str) else entry))
-    rows, length = batch_shape
-    return choose_output(impl, rules, mesh_shape, vocab_size, embed_dim, rows, rows * length / split)
+    return batch_shape[0] * batch_shape[1] / split

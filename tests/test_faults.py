@@ -121,7 +121,10 @@ def test_skip_nonfinite_skips_and_logs_up_to_n_steps(tmp_path, corpus, cache, ca
         (["--mesh", "fsdp=3"], "--mesh 'fsdp=3': the sizes multiply to 3 but JAX sees 8 devices"),
         (["--batch-size", "12"], "--batch-size 12 / --microbatches 1 = 12 sequences per microbatch, not divisible "
                                  "by the data-parallel size data x fsdp = 8"),
-        (["--batch-size", "16", "--microbatches", "3"], "--batch-size 16 is not divisible by --microbatches 3"),
+        (["--batch-size", "16", "--microbatches", "3"],
+         "--batch-size 16 is not divisible by --microbatches 3; e.g. --batch-size 24"),  # 24 = 3 x 8 fits both
+        (["--mesh", "data=8", "--logits", "vocab_parallel"], "--logits vocab_parallel does not apply here"),
+        (["--rules", "dp", "--logits", "vocab_parallel"], "--logits vocab_parallel does not apply here"),
         (["--mesh", "fsdp=4,sequence=2", "--seq-len", "63"], "--seq-len 63 is not divisible by the sequence axis (2)"),
         (["--mesh", "fsdp=2,tensor=4", "--set", "num_heads=6", "--set", "num_kv_heads=2"],
          "num_heads=6 cannot be split over tensor=4"),
@@ -138,6 +141,7 @@ def test_bad_input_names_the_flag_before_any_device_work(tmp_path, corpus, cache
     code = train.main(args_for(corpus, cache, "--steps", "2", "--run-dir", str(tmp_path / "r"), *extra))
     assert code == 2
     assert message in capsys.readouterr().err
+    assert not (tmp_path / "r" / "metrics.jsonl").exists()  # refused before the loop was set up
     assert steps_saved(tmp_path / "r") == []
 
 

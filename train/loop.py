@@ -203,8 +203,7 @@ def train_loop(
     t0 = time.perf_counter()
     compiled = step_fn.lower(state, batch_at(samples), trainer.signals(False)).compile()
     log(f"compiled the train step in {time.perf_counter() - t0:.1f} s")
-    if start == 0:
-        run_eval(0)
+    run_eval(start)  # the starting point of the run's held-out curve (also after a resume)
 
     bar = _progress(options, start)
     pending: tuple[int, Any] | None = None

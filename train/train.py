@@ -32,11 +32,21 @@ from train.optimizer import OptimizerConfig
 DEFAULT_RUN_DIR = "runs/default"
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a flag's default only where it has one and the help does not already say it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default is None or action.default is False or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m train.train",
         description=__doc__.split("\n\n")[1],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
         epilog="Logical axes: batch, length, embed, mlp, heads, kv_heads, head_dim, vocab, layers, act_embed. "
         "Mesh axes: data, stage, fsdp, sequence, tensor.",
     )
@@ -66,9 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override a ModelConfig field, e.g. --set num_layers=8; repeatable")
     g.add_argument("--dtype", default=None, choices=DTYPES, help="compute dtype (parameters stay float32); "
                    "default: the preset's (float32)")
-    g.add_argument("--remat", default=None, choices=REMAT_POLICIES, help="rematerialisation policy per block")
+    g.add_argument("--remat", default=None, choices=REMAT_POLICIES, help="rematerialisation policy per block; "
+                   "default: the preset's (none)")
     g.add_argument("--attention", default=None, choices=ATTENTION_IMPLS, help="attention implementation; ring or "
-                   "ulysses split the length over the sequence mesh axis (context parallelism)")
+                   "ulysses split the length over the sequence mesh axis (context parallelism); default: the preset's (reference)")
     g.add_argument("--logits", default=None, choices=LOGITS_IMPLS,
                    help="output projection and loss: gathered (weight gathered, GSPMD), vocab_parallel (Megatron-LM's "
                    "vocabulary-parallel cross-entropy over the axes splitting the weight), auto (vocab_parallel where "
@@ -205,10 +216,11 @@ def check_model_sharding(config, rules, mesh_shape: dict[str, int]) -> None:
         if parts > 1 and size % parts:
             divisors = [d for d in range(1, parts * 2 + 1) if size % d == 0 and d > 1][:4]
             over = "x".join(f"{a}={mesh_shape[a]}" for a in axes)
+            sizes = (f"use mesh sizes whose product divides {size} (e.g. {', '.join(map(str, divisors))}), "
+                     if divisors else "")
             raise ValueError(
-                f"{field}={size} cannot be split over {over} (rule {logical}->{'+'.join(axes)}); use mesh sizes "
-                f"whose product divides {size} (e.g. {', '.join(map(str, divisors))}), "
-                f"--set {field}=<a multiple of {parts}>, or --rule {logical}=none"
+                f"{field}={size} cannot be split over {over} (rule {logical}->{'+'.join(axes)}); {sizes}"
+                f"--set {field}={-(-size // parts) * parts} (a multiple of {parts}), or --rule {logical}=none"
             )
 
 
@@ -260,17 +272,42 @@ def context_layout(args, config, rules, mesh_shape: dict[str, int]) -> str:
     return layout
 
 
+def check_logits(args, config, rules, mesh_shape: dict[str, int]) -> str:
+    """Resolves ``--logits`` for this mesh (before device work); returns a line for the start-up report.
+
+    Raises:
+      ValueError: ``--logits vocab_parallel`` where it cannot apply, with the reason and what would make it apply.
+    """
+    from sharding.vocab import choose_for_batch, output_traffic, tokens_per_device, vocab_split
+
+    rows = args.batch_size // args.microbatches
+    try:
+        split = choose_for_batch(config.logits, rules, mesh_shape, config.vocab_size, config.embed_dim,
+                                 (rows, args.seq_len))
+    except ValueError as e:
+        raise ValueError(f"{e} (it needs the output weight's embed dimension split over axes that also split the "
+                         f"batch: an fsdp axis > 1 with --rules fsdp or fsdp_tp, e.g. --mesh fsdp=4,tensor=2)") from None
+    candidate, _ = vocab_split(rules, mesh_shape, config.vocab_size, config.embed_dim, rows)
+    if candidate is None or config.tie_embeddings:
+        return f"logits: {'vocab_parallel' if split else 'gathered'} (--logits {config.logits})"
+    tokens = tokens_per_device(rules, mesh_shape, (rows, args.seq_len))
+    gathered, parallel = output_traffic(candidate, config.vocab_size, config.embed_dim, tokens)
+    return (f"logits: {'vocab_parallel' if split else 'gathered'} (--logits {config.logits}; per device and "
+            f"microbatch the loss moves {gathered / 2**20:.1f} MiB gathered, {parallel / 2**20:.1f} MiB "
+            f"vocab_parallel)")
+
+
 def check_batch(args, mesh_shape: dict[str, int]) -> None:
     """Batch and length divisibility against the mesh (before any device work)."""
     dp = mesh_shape["data"] * mesh_shape["fsdp"]
     if args.batch_size % args.microbatches:
         raise ValueError(
             f"--batch-size {args.batch_size} is not divisible by --microbatches {args.microbatches}; "
-            f"e.g. --batch-size {args.microbatches * max(args.batch_size // args.microbatches, 1)}"
+            f"e.g. --batch-size {_good_batch(args.batch_size, args.microbatches * dp)}"
         )
     per_micro = args.batch_size // args.microbatches
     if per_micro % dp:
-        good = dp * args.microbatches * max(1, round(args.batch_size / (dp * args.microbatches)))
+        good = _good_batch(args.batch_size, args.microbatches * dp)
         raise ValueError(
             f"--batch-size {args.batch_size} / --microbatches {args.microbatches} = {per_micro} sequences per "
             f"microbatch, not divisible by the data-parallel size data x fsdp = {dp} of --mesh {args.mesh}; "
@@ -278,8 +315,14 @@ def check_batch(args, mesh_shape: dict[str, int]) -> None:
         )
     if args.seq_len % mesh_shape["sequence"]:
         raise ValueError(
-            f"--seq-len {args.seq_len} is not divisible by the sequence axis ({mesh_shape['sequence']}) of --mesh"
+            f"--seq-len {args.seq_len} is not divisible by the sequence axis ({mesh_shape['sequence']}) of --mesh; "
+            f"e.g. --seq-len {_good_batch(args.seq_len, mesh_shape['sequence'])}"
         )
+
+
+def _good_batch(value: int, multiple: int) -> int:
+    """The multiple of ``multiple`` nearest ``value`` (at least ``multiple``)."""
+    return multiple * max(1, round(value / multiple))
 
 
 def check_pipeline(args, config, mesh_shape: dict[str, int]):
@@ -365,6 +408,13 @@ def run(args) -> int:
     rules = get_rules(args.rules, args.rule)
     check_model_sharding(config, rules, mesh_shape)
     layout = context_layout(args, config, rules, mesh_shape)
+    logits_line = check_logits(args, config, rules, mesh_shape)
+    if config.attention in ("ring", "ulysses"):
+        from models.attention import length_shards
+
+        if length_shards(rules, mesh_shape) == 1:
+            log(f"note: --attention {config.attention} with the length whole on every device (no sequence axis > 1 "
+                f"in --mesh {args.mesh}) is plain flash attention: no context parallelism")
     outer = parse_axis_sizes(args.mesh_outer, flag="--mesh-outer", allow_fill=False) if args.mesh_outer else None
     if outer is not None and jax.process_count() == 1:
         log("note: one process, so --mesh-outer has no effect")
@@ -393,6 +443,7 @@ def run(args) -> int:
     built = sum(x.size for x in jax.tree.leaves(trainer.abstract_params))
     for line in report.startup_lines(config, args.model, mesh, rules, trainer.report, built):
         log(line)
+    log(logits_line)
     for line in report.pipeline_lines(trainer, pipeline_note):
         log(line)
     if args.dry_run:
@@ -462,7 +513,9 @@ def train(args, trainer, ckpt, latest, tokenizer, mesh_shape, log) -> int:
     except Exception as e:
         raise CheckpointFailure(f"the checkpoint of step {summary['step']} could not be written: {e}") from e
     where = ckpt.directory / str(summary["step"])
-    if summary["stopped_by"]:
+    if summary["step"] == summary["start_step"]:
+        log(f"the latest checkpoint is still step {summary['step']} in {where}")
+    elif summary["stopped_by"]:
         log(f"stopped by {summary['stopped_by']}: the checkpoint of step {summary['step']} is complete in {where} "
             f"(saved in {time.perf_counter() - t0:.1f} s); continue with --resume")
     else:
