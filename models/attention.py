@@ -98,7 +98,10 @@ def reference_attention(q, k, v, *, causal: bool = True, q_segment_ids=None, kv_
     logits = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k, preferred_element_type=jnp.float32) * scale
     mask = attention_mask(t, k.shape[1], causal, q_segment_ids, kv_segment_ids)[:, None, None]
     logits = jnp.where(mask, logits, -jnp.inf)
-    peak = jnp.max(logits, axis=-1, keepdims=True)
+    # The shift by the row maximum only guards exp against overflow: the softmax does not depend on
+    # it, so its gradient is zero and is not taken (autodiff through max would add a pass over the
+    # scores in the backward).
+    peak = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
     peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
     weights = jnp.exp(logits - peak)
     denom = jnp.sum(weights, axis=-1)

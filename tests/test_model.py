@@ -62,7 +62,7 @@ def test_set_overrides_are_typed_and_checked():
     }
     with pytest.raises(ValueError, match="unknown field 'layers'"):
         parse_overrides(["layers=8"])
-    with pytest.raises(ValueError, match="num_heads=4 must be a multiple"):
+    with pytest.raises(ValueError, match="num_heads=4 is not a multiple of num_kv_heads=3"):
         get_config("test", ["num_kv_heads=3"])
 
 
