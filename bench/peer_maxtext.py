@@ -111,7 +111,6 @@ def run_meshwork(py: Path, dims: dict, mesh: dict, steps: int, remat: str, atten
 
 
 def run_maxtext(py: Path, dims: dict, mesh: dict, workdir: Path, steps: int) -> dict:
-    import importlib.util  # noqa: F401  (the config file is located through the venv's python)
 
     config = subprocess.run([str(py), "-c", "import maxtext, os; print(os.path.join(os.path.dirname("
                              "maxtext.__file__), 'configs', 'base.yml'))"], capture_output=True, text=True,

@@ -170,7 +170,7 @@ def _vocab_parallel(x, w, targets, weights, split: VocabSplit, vocab_last: bool)
         w = jax.lax.all_to_all(w, group, vocab_dim, embed_dim, tiled=True)
         if unsplit:  # whole along the other token axes: its gradient is summed over them (a psum)
             w = jax.lax.pcast(w, unsplit, to="varying")
-        rows, length = x.shape[:2]
+        rows = x.shape[0]
         # Each slice's product contributes a partial input gradient. Typed varying over every slice
         # axis, the transposes reduce it: a reduce-scatter over the group (float32), then a psum of
         # the local rows over the vocabulary axes.

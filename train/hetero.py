@@ -37,7 +37,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from sharding import axes as ax
@@ -267,30 +266,9 @@ class HeteroTrainer:
         return loss_sum, weight, grads, processed.reshape(1)
 
     def _step_fn(self, state, batch, signals):
-        trainer = self.trainer
         loss_sum, weight, grads, processed = self.gradients(state["params"], batch)
-        denom = jnp.maximum(weight, 1.0)
-        grads = jax.tree.map(lambda g: g / denom, grads)
-        grad_norm = _global_norm(grads)
-        updates, opt_state = trainer.tx.update(grads, state["opt_state"], state["params"])
-        params = optax.apply_updates(state["params"], updates)
-        finite = jnp.isfinite(loss_sum) & jnp.isfinite(grad_norm)
-        keep = lambda new, old: jnp.where(finite, new, old)
-        metrics = {
-            "loss": loss_sum / denom,
-            "grad_norm": grad_norm,
-            "lr": trainer.schedule(state["step"]),
-            "tokens": weight,
-            "finite": finite,
-            "stop": jnp.max(signals) > 0,
-            "microbatches": jnp.sum(processed),
-        }
-        new_state = {
-            "step": state["step"] + 1,
-            "params": jax.tree.map(keep, params, state["params"]),
-            "opt_state": jax.tree.map(keep, opt_state, state["opt_state"]),
-            "rng": state["rng"],
-        }
+        new_state, metrics = self.trainer.apply_gradients(state, loss_sum, weight, grads, signals)
+        metrics["microbatches"] = jnp.sum(processed)
         return new_state, metrics, processed
 
     def _jit(self, global_batch: int, seq_len: int, with_counts: bool):
@@ -346,14 +324,6 @@ class HeteroTrainer:
         parts = [f"{c}" + (f" ({k})" if kinds else "") for c, k in zip(self.counts, kinds or [None] * len(self.counts))]
         return (f"uneven data parallelism: microbatches of {self.microbatch_rows} sequences per device "
                 f"{', '.join(parts)}; padded buffer {self.max_count} microbatches per device")
-
-
-def _global_norm(tree) -> jax.Array:
-    """L2 norm over all leaves, as `train.step` takes it (``optax.tree.norm`` where available)."""
-    tree_utils = getattr(optax, "tree", None)
-    if tree_utils is not None and hasattr(tree_utils, "norm"):
-        return tree_utils.norm(tree)
-    return optax.global_norm(tree)
 
 
 def _check_layout(trainer, counts: tuple[int, ...], devices: int, microbatch_rows: int) -> None:

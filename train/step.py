@@ -297,12 +297,26 @@ class Trainer:
     def _train_step_fn(self, state, batch, signals):
         with use_rules(self.mesh, self.rules):
             loss_sum, weight, grads = self._gradients(state["params"], batch)
-            denom = jnp.maximum(weight, 1.0)
-            grads = jax.tree.map(lambda g: g / denom, grads)
-            grad_norm = _global_norm(grads)
-            updates, opt_state = self.tx.update(grads, state["opt_state"], state["params"])
-            params = optax.apply_updates(state["params"], updates)
-        # A non-finite loss or gradient leaves parameters and optimizer state as they were.
+            return self.apply_gradients(state, loss_sum, weight, grads, signals)
+
+    def apply_gradients(self, state, loss_sum, weight, grads, signals) -> tuple[dict, dict]:
+        """The optimizer update from summed gradients (inside jit); ``(new_state, metrics)``.
+
+        Args:
+          state: ``{"step", "params", "opt_state", "rng"}``.
+          loss_sum: float32 scalar, the summed token loss (nats).
+          weight: float32 scalar, the summed loss mask (tokens).
+          grads: gradients of ``loss_sum``, shaped as the params.
+          signals: the ``[num_devices]`` int32 stop-signal vector (`signals`).
+
+        A non-finite loss or gradient leaves parameters and optimizer state as they were
+        (``metrics["finite"]`` is False); the step counter still advances.
+        """
+        denom = jnp.maximum(weight, 1.0)
+        grads = jax.tree.map(lambda g: g / denom, grads)
+        grad_norm = _global_norm(grads)
+        updates, opt_state = self.tx.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
         finite = jnp.isfinite(loss_sum) & jnp.isfinite(grad_norm)
         keep = lambda new, old: jnp.where(finite, new, old)
         metrics = {

@@ -354,8 +354,8 @@ def check_pipeline(args, config, mesh_shape: dict[str, int]):
     if not circular and repeats != 1:
         raise ValueError(f"--pipeline-repeats {repeats} needs --pipeline-schedule circular (gpipe has 1 repeat)")
     if circular and repeats < 2:
-        raise ValueError(f"--pipeline-schedule circular needs --pipeline-repeats of 2 or more, e.g. --pipeline-repeats 2 "
-                         f"(1 repeat is --pipeline-schedule gpipe)")
+        raise ValueError("--pipeline-schedule circular needs --pipeline-repeats of 2 or more, e.g. --pipeline-repeats 2 "
+                         "(1 repeat is --pipeline-schedule gpipe)")
     layout, note = plan_layout(config.num_layers, stages, repeats, parse_stage_layers(args.stage_layers))
     check_microbatches(args.microbatches, stages, args.batch_size, mesh_shape["data"] * mesh_shape["fsdp"])
     if config.attention not in ("reference", "dot_product"):
