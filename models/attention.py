@@ -24,18 +24,17 @@ Context layout. With the length split over P devices, ``ring`` and ``ulysses``
 accept tokens in the ``zigzag`` layout (device r holds chunks r and 2P-1-r of
 2P; `models.kernels.ring_attention.zigzag_permutation`), which balances causal
 work for ring attention. The data pipeline permutes every ``[batch, length]``
-field once on the host; `use_context_layout` tells the attention layers which
-layout the tokens are in while a step is traced. ``reference`` and ``flash``
-assume natural order and refuse any other layout.
+field once on the host; the run's `sharding.parallel.Parallelism` (its
+``context_layout``), passed to every layer, tells attention which layout the
+tokens are in. ``reference`` and ``flash`` assume natural order and refuse any
+other layout.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -44,14 +43,13 @@ from jax.sharding import PartitionSpec
 
 from models.config import ModelConfig
 from models.kernels.flash_attention import flash_attention
-from models.kernels.ring_attention import CONTIGUOUS, LAYOUTS, ZIGZAG, ring_attention
+from models.kernels.ring_attention import CONTIGUOUS, ZIGZAG, ring_attention
 from models.kernels.ulysses_attention import check_ulysses_heads, ulysses_attention
 from models.layers import param, rotary_embedding
 from sharding import axes as ax
-from sharding.rules import Rules, constrain, current_rules, logical_to_spec
+from sharding.parallel import CONTEXT_LAYOUTS, UNSHARDED, Parallelism
+from sharding.rules import Rules, logical_to_spec
 
-CONTEXT_LAYOUTS = ("auto", CONTIGUOUS, ZIGZAG)
-"""Values of ``--context-layout``; ``auto`` is zigzag for ring attention over a split length."""
 LAYOUT_AWARE = ("ring", "ulysses")
 """Attention implementations that accept tokens in the zigzag layout."""
 
@@ -135,37 +133,6 @@ def jax_dot_product_attention(q, k, v, segment_ids=None, *, causal: bool = True)
 
 # Context layout ---------------------------------------------------------------
 
-_LAYOUT: contextvars.ContextVar[str] = contextvars.ContextVar("meshwork_context_layout", default=CONTIGUOUS)
-
-
-@contextlib.contextmanager
-def use_context_layout(layout: str) -> Iterator[None]:
-    """Tells attention layers traced inside the block how tokens lie along the length.
-
-    Args:
-      layout: ``contiguous`` (natural order) or ``zigzag``.
-
-    Raises:
-      ValueError: an unknown layout.
-    """
-    if layout not in LAYOUTS:
-        raise ValueError(f"context layout {layout!r}: choose one of {', '.join(LAYOUTS)}")
-    token = _LAYOUT.set(layout)
-    try:
-        yield
-    finally:
-        _LAYOUT.reset(token)
-
-
-def current_context_layout() -> str:
-    """The layout set by `use_context_layout` (``contiguous`` outside one)."""
-    return _LAYOUT.get()
-
-
-def length_shards(rules: Rules, mesh_shape: Mapping[str, int]) -> int:
-    """P: devices the activations' ``length`` is split over (product of its mesh axes)."""
-    return math.prod(mesh_shape.get(axis, 1) for axis in rules.mesh_axes(ax.LENGTH))
-
 
 def resolve_context_layout(requested: str, attention: str, shards: int) -> str:
     """The layout a run uses for ``--context-layout`` (``auto``, ``contiguous``, ``zigzag``).
@@ -189,24 +156,21 @@ def resolve_context_layout(requested: str, attention: str, shards: int) -> str:
     return requested
 
 
-def check_context_parallel(config: ModelConfig, rules: Rules, mesh_shape: Mapping[str, int], seq_len: int,
-                           layout: str) -> None:
+def check_context_parallel(config: ModelConfig, par: Parallelism, seq_len: int) -> None:
     """Sizes the context-parallel attention needs, checked before anything compiles.
 
     Args:
       config: the model (``attention``, ``num_heads``, ``num_kv_heads``).
-      rules: logical-to-mesh rules (where ``length`` and ``heads`` go).
-      mesh_shape: mesh axis -> size.
+      par: the run's layout (where ``length`` and ``heads`` go; its ``context_layout``).
       seq_len: tokens per sequence (``--seq-len``).
-      layout: the resolved context layout.
 
     Raises:
       ValueError: a ``--seq-len`` the zigzag layout cannot cut into 2P chunks, or (for
         ``--attention ulysses``) heads or KV heads per device that the P devices of the
         sequence axis cannot split; each names the flags and a value that works.
     """
-    shards = length_shards(rules, mesh_shape)
-    if layout == ZIGZAG and seq_len % (2 * shards):
+    shards = par.length_shards
+    if par.context_layout == ZIGZAG and seq_len % (2 * shards):
         good = max(2 * shards, seq_len // (2 * shards) * 2 * shards)
         raise ValueError(
             f"--seq-len {seq_len}: --context-layout zigzag cuts each sequence into 2 x {shards} (the "
@@ -214,7 +178,7 @@ def check_context_parallel(config: ModelConfig, rules: Rules, mesh_shape: Mappin
             f"--context-layout contiguous"
         )
     if config.attention == "ulysses" and shards > 1:
-        split = head_split(config.num_heads, config.num_kv_heads, rules, mesh_shape, "ulysses")
+        split = head_split(config.num_heads, config.num_kv_heads, par.rules, par.mesh_shape, "ulysses")
         try:
             check_ulysses_heads(split.local_heads, split.local_kv_heads, shards)
         except ValueError as e:
@@ -295,20 +259,19 @@ def _local_kv(split: HeadSplit, sizes: Mapping[str, int], k, v):
     return tuple(jax.lax.dynamic_slice_in_dim(x, start, split.local_kv_heads, axis=2) for x in (k, v))
 
 
-def _sharded(kernel, q, k, v, segment_ids, *, split_length: bool, impl: str):
+def _sharded(kernel, q, k, v, segment_ids, *, split_length: bool, impl: str, par: Parallelism):
     """Runs ``kernel(q, k, v, segment_ids, length_axes)`` per device under `jax.shard_map`.
 
     Specs come from the rules: batch as ``batch`` is split (``data``/``fsdp``), heads as
     ``heads``/``kv_heads`` (``tensor``), the length as ``length`` (``sequence``) when
     ``split_length``, else whole. ``length_axes`` is the tuple of mesh axes the length is
-    split over (empty when whole). Outside `sharding.rules.use_rules` the kernel runs
-    directly with no axes.
+    split over (empty when whole). Where ``par`` shards nothing (one device, or per-device
+    code inside another `jax.shard_map`) the kernel runs directly with no axes.
     """
-    context = current_rules()
-    if context is None:
+    if not par.is_sharded:
         return kernel(q, k, v, segment_ids, ())
-    mesh, rules = context
-    sizes = dict(mesh.shape)
+    mesh, rules = par.mesh, par.rules
+    sizes = par.auto_shape
     length = ax.LENGTH if split_length else None
     q_spec, _ = logical_to_spec((ax.BATCH, length, ax.HEADS, None), rules, q.shape, sizes)
     kv_spec, _ = logical_to_spec((ax.BATCH, length, ax.KV_HEADS, None), rules, k.shape, sizes)
@@ -330,7 +293,7 @@ def _sharded(kernel, q, k, v, segment_ids, *, split_length: bool, impl: str):
     return run(q, k, v, segment_ids)
 
 
-def sharded_flash_attention(q, k, v, segment_ids, *, causal: bool = True):
+def sharded_flash_attention(q, k, v, segment_ids, *, causal: bool = True, par: Parallelism = UNSHARDED):
     """Our Pallas flash attention, run per device under `jax.shard_map`.
 
     GSPMD cannot partition a Pallas call, so the kernel runs on each device's
@@ -338,13 +301,14 @@ def sharded_flash_attention(q, k, v, segment_ids, *, causal: bool = True):
     the rules split ``heads`` (``tensor``), the length whole. When ``heads``
     is split but ``kv_heads`` is not (fewer KV heads than ``tensor``
     devices), each device slices the KV heads its query heads use.
-    Outside `sharding.rules.use_rules` the kernel is called directly.
+    Where ``par`` shards nothing the kernel is called directly.
 
     Args:
       q: ``[batch, length, heads, head_dim]``.
       k, v: ``[batch, length, kv_heads, head_dim]``.
       segment_ids: ``[batch, length]`` int32 or None.
       causal: causal mask.
+      par: the run's layout (`sharding.parallel.Parallelism`).
 
     Returns:
       ``[batch, length, heads, head_dim]`` in q's dtype.
@@ -356,10 +320,11 @@ def sharded_flash_attention(q, k, v, segment_ids, *, causal: bool = True):
     def kernel(q, k, v, segment_ids, _):
         return flash_attention(q, k, v, q_segment_ids=segment_ids, kv_segment_ids=segment_ids, causal=causal)
 
-    return _sharded(kernel, q, k, v, segment_ids, split_length=False, impl="flash")
+    return _sharded(kernel, q, k, v, segment_ids, split_length=False, impl="flash", par=par)
 
 
-def sharded_ring_attention(q, k, v, segment_ids, *, causal: bool = True, layout: str = CONTIGUOUS):
+def sharded_ring_attention(q, k, v, segment_ids, *, causal: bool = True, layout: str = CONTIGUOUS,
+                            par: Parallelism = UNSHARDED):
     """Ring attention (Liu et al., 2023) over the mesh axes of ``length``, under `jax.shard_map`.
 
     Each device keeps its block of queries; key/value blocks (and their segment ids) travel
@@ -373,6 +338,7 @@ def sharded_ring_attention(q, k, v, segment_ids, *, causal: bool = True, layout:
       segment_ids: ``[batch, length]`` int32 or None.
       causal: causal mask in the tokens' natural order.
       layout: ``contiguous`` or ``zigzag``: how the tokens lie along the length.
+      par: the run's layout (`sharding.parallel.Parallelism`).
 
     Returns:
       ``[batch, length, heads, head_dim]`` in q's dtype and layout.
@@ -387,10 +353,11 @@ def sharded_ring_attention(q, k, v, segment_ids, *, causal: bool = True, layout:
         return ring_attention(q, k, v, axis_name=length_axes, q_segment_ids=segment_ids,
                               kv_segment_ids=segment_ids, causal=causal, layout=layout)
 
-    return _sharded(kernel, q, k, v, segment_ids, split_length=True, impl="ring")
+    return _sharded(kernel, q, k, v, segment_ids, split_length=True, impl="ring", par=par)
 
 
-def sharded_ulysses_attention(q, k, v, segment_ids, *, causal: bool = True, layout: str = CONTIGUOUS):
+def sharded_ulysses_attention(q, k, v, segment_ids, *, causal: bool = True, layout: str = CONTIGUOUS,
+                            par: Parallelism = UNSHARDED):
     """All-to-all attention (Jacobs et al., 2023) over the mesh axes of ``length``.
 
     Queries, keys and values are traded from length-split to head-split, attended whole
@@ -402,6 +369,7 @@ def sharded_ulysses_attention(q, k, v, segment_ids, *, causal: bool = True, layo
       segment_ids: ``[batch, length]`` int32 or None.
       causal: causal mask in the tokens' natural order.
       layout: ``contiguous`` or ``zigzag``.
+      par: the run's layout (`sharding.parallel.Parallelism`).
 
     Returns:
       ``[batch, length, heads, head_dim]`` in q's dtype and layout.
@@ -417,10 +385,11 @@ def sharded_ulysses_attention(q, k, v, segment_ids, *, causal: bool = True, layo
         return ulysses_attention(q, k, v, axis_name=length_axes, q_segment_ids=segment_ids,
                                  kv_segment_ids=segment_ids, causal=causal, layout=layout)
 
-    return _sharded(kernel, q, k, v, segment_ids, split_length=True, impl="ulysses")
+    return _sharded(kernel, q, k, v, segment_ids, split_length=True, impl="ulysses", par=par)
 
 
-def attend(impl: str, q, k, v, segment_ids, *, causal: bool = True, layout: str = CONTIGUOUS):
+def attend(impl: str, q, k, v, segment_ids, *, causal: bool = True, layout: str | None = None,
+           par: Parallelism = UNSHARDED):
     """Runs attention implementation ``impl`` (one of `models.config.ATTENTION_IMPLS`).
 
     Args:
@@ -429,7 +398,8 @@ def attend(impl: str, q, k, v, segment_ids, *, causal: bool = True, layout: str 
       k, v: ``[batch, length, kv_heads, head_dim]``.
       segment_ids: ``[batch, length]`` int32 or None.
       causal: causal mask.
-      layout: the tokens' context layout.
+      layout: the tokens' context layout; default ``par.context_layout``.
+      par: the run's layout (`sharding.parallel.Parallelism`): mesh, rules, context layout.
 
     Returns:
       ``[batch, length, heads, head_dim]`` in q's dtype.
@@ -438,17 +408,18 @@ def attend(impl: str, q, k, v, segment_ids, *, causal: bool = True, layout: str 
       ValueError: a layout other than contiguous for an implementation that assumes natural
         order, or what the implementation raises.
     """
+    layout = par.context_layout if layout is None else layout
     if impl == "ring":
-        return sharded_ring_attention(q, k, v, segment_ids, causal=causal, layout=layout)
+        return sharded_ring_attention(q, k, v, segment_ids, causal=causal, layout=layout, par=par)
     if impl == "ulysses":
-        return sharded_ulysses_attention(q, k, v, segment_ids, causal=causal, layout=layout)
+        return sharded_ulysses_attention(q, k, v, segment_ids, causal=causal, layout=layout, par=par)
     if layout != CONTIGUOUS:
         raise ValueError(
             f"--attention {impl} assumes tokens in natural order, but they are in the {layout} layout; "
             f"use --attention ring or ulysses, or --context-layout contiguous"
         )
     if impl == "flash":
-        return sharded_flash_attention(q, k, v, segment_ids, causal=causal)
+        return sharded_flash_attention(q, k, v, segment_ids, causal=causal, par=par)
     if impl == "dot_product":
         return jax_dot_product_attention(q, k, v, segment_ids, causal=causal)
     return reference_attention(q, k, v, causal=causal, q_segment_ids=segment_ids, kv_segment_ids=segment_ids)
@@ -469,25 +440,28 @@ class Attention(nnx.Module):
         self.o = param(rngs, (n, h, d), (ax.HEADS, ax.HEAD_DIM, ax.EMBED), fan_in=n * h)
         self.config = config
 
-    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
+    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
+                 par: Parallelism = UNSHARDED) -> jax.Array:
         """``[batch, length, embed]`` -> ``[batch, length, embed]`` in x's dtype.
 
         Args:
           x: activations ``[batch, length, embed]``.
           positions: ``[batch, length]`` int32 rotary positions.
           segment_ids: ``[batch, length]`` int32 document ids, or None.
+          par: the run's layout (`sharding.parallel.Parallelism`).
 
-        Tokens may be in the zigzag context layout (`use_context_layout`); positions and
+        Tokens may be in the zigzag context layout (``par.context_layout``); positions and
         segment ids come permuted with them, so only the attention needs to know.
         """
         cfg, dtype = self.config, x.dtype
         q = jnp.einsum("BTD,DNH->BTNH", x, self.q[...].astype(dtype))
         k = jnp.einsum("BSD,DKH->BSKH", x, self.k[...].astype(dtype))
         v = jnp.einsum("BSD,DKH->BSKH", x, self.v[...].astype(dtype))
-        q = constrain(rotary_embedding(q, positions, cfg.rope_theta), (ax.BATCH, ax.LENGTH, ax.HEADS, ax.HEAD_DIM))
-        k = constrain(rotary_embedding(k, positions, cfg.rope_theta), (ax.BATCH, ax.LENGTH, ax.KV_HEADS, ax.HEAD_DIM))
-        v = constrain(v, (ax.BATCH, ax.LENGTH, ax.KV_HEADS, ax.HEAD_DIM))
-        out = attend(cfg.attention, q, k, v, segment_ids, causal=True, layout=current_context_layout())
-        out = constrain(out, (ax.BATCH, ax.LENGTH, ax.HEADS, ax.HEAD_DIM))
+        q = par.constrain(rotary_embedding(q, positions, cfg.rope_theta), (ax.BATCH, ax.LENGTH, ax.HEADS, ax.HEAD_DIM))
+        k = par.constrain(rotary_embedding(k, positions, cfg.rope_theta),
+                          (ax.BATCH, ax.LENGTH, ax.KV_HEADS, ax.HEAD_DIM))
+        v = par.constrain(v, (ax.BATCH, ax.LENGTH, ax.KV_HEADS, ax.HEAD_DIM))
+        out = attend(cfg.attention, q, k, v, segment_ids, causal=True, par=par)
+        out = par.constrain(out, (ax.BATCH, ax.LENGTH, ax.HEADS, ax.HEAD_DIM))
         y = jnp.einsum("BTNH,NHD->BTD", out, self.o[...].astype(dtype))
-        return constrain(y, (ax.BATCH, ax.LENGTH, ax.ACT_EMBED))
+        return par.constrain(y, (ax.BATCH, ax.LENGTH, ax.ACT_EMBED))

@@ -4,7 +4,8 @@ Einsum letters: B batch, T length, D embed, F mlp, V vocab, N heads, H head_dim.
 
 Every parameter is an `nnx.Param` with ``logical_axes`` metadata, one
 logical name per dimension (see `sharding.axes`); activations are annotated
-with `sharding.rules.constrain`. No mesh-axis names appear here.
+through the run's `sharding.parallel.Parallelism`, passed to every call
+(``par.constrain``). No mesh-axis names appear here.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sharding import axes as ax
-from sharding.rules import constrain
+from sharding.parallel import UNSHARDED, Parallelism
 
 
 def param(rngs: nnx.Rngs, shape, names, *, fan_in: int | None = None, init: str = "normal") -> nnx.Param:
@@ -52,9 +53,10 @@ class Embed(nnx.Module):
     def __init__(self, vocab_size: int, embed_dim: int, *, rngs: nnx.Rngs):
         self.embedding = param(rngs, (vocab_size, embed_dim), (ax.VOCAB, ax.EMBED), fan_in=1)
 
-    def __call__(self, tokens: jax.Array, dtype) -> jax.Array:
+    def __call__(self, tokens: jax.Array, dtype, par: Parallelism = UNSHARDED) -> jax.Array:
+        """``[batch, length]`` int32 -> ``[batch, length, embed]`` in ``dtype``."""
         x = jnp.take(self.embedding[...], tokens, axis=0).astype(dtype)
-        return constrain(x, (ax.BATCH, ax.LENGTH, ax.ACT_EMBED))
+        return par.constrain(x, (ax.BATCH, ax.LENGTH, ax.ACT_EMBED))
 
     def attend(self, x: jax.Array) -> jax.Array:
         """``[batch, length, embed]`` -> logits ``[batch, length, vocab]``."""
@@ -109,11 +111,11 @@ class MLP(nnx.Module):
         self.up = param(rngs, (embed_dim, mlp_dim), (ax.EMBED, ax.MLP))
         self.down = param(rngs, (mlp_dim, embed_dim), (ax.MLP, ax.EMBED))
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, par: Parallelism = UNSHARDED) -> jax.Array:
         """``[batch, length, embed]`` -> ``[batch, length, embed]`` in x's dtype."""
         dtype = x.dtype
         gate = jnp.einsum("BTD,DF->BTF", x, self.gate[...].astype(dtype))
         up = jnp.einsum("BTD,DF->BTF", x, self.up[...].astype(dtype))
-        hidden = constrain(jax.nn.silu(gate) * up, (ax.BATCH, ax.LENGTH, ax.MLP))
+        hidden = par.constrain(jax.nn.silu(gate) * up, (ax.BATCH, ax.LENGTH, ax.MLP))
         out = jnp.einsum("BTF,FD->BTD", hidden, self.down[...].astype(dtype))
-        return constrain(out, (ax.BATCH, ax.LENGTH, ax.ACT_EMBED))
+        return par.constrain(out, (ax.BATCH, ax.LENGTH, ax.ACT_EMBED))

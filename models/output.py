@@ -16,8 +16,8 @@ vocab_parallel  Megatron-LM's vocabulary-parallel cross-entropy (Shoeybi et al.,
 auto            vocab_parallel where it moves fewer bytes (`sharding.vocab.output_traffic`)
 ==============  ===================================================================================
 
-Outside `sharding.rules.use_rules` (one device, or inside another `shard_map`) the loss is
-computed directly. Both paths compute the same sums; their gradients agree to float32 rounding.
+Where the run's `sharding.parallel.Parallelism` shards nothing (one device, or per-device code
+inside another `shard_map`) the loss is computed directly. Both paths compute the same sums; their gradients agree to float32 rounding.
 No mesh-axis names appear here: they come from the rules.
 """
 
@@ -31,7 +31,8 @@ import optax
 from jax.sharding import PartitionSpec
 
 from sharding import axes as ax
-from sharding.rules import constrain, current_rules, logical_to_spec
+from sharding.parallel import UNSHARDED, Parallelism
+from sharding.rules import logical_to_spec
 from sharding.vocab import VocabSplit, choose_for_batch
 
 
@@ -62,7 +63,7 @@ def cross_entropy_sums(logits: jax.Array, targets: jax.Array, weights: jax.Array
 
 
 def output_loss_sums(x: jax.Array, w: jax.Array, targets: jax.Array, weights: jax.Array, *, impl: str = "auto",
-                     vocab_last: bool = True) -> tuple[jax.Array, jax.Array]:
+                     vocab_last: bool = True, par: Parallelism = UNSHARDED) -> tuple[jax.Array, jax.Array]:
     """Output projection and summed cross-entropy.
 
     Args:
@@ -73,6 +74,7 @@ def output_loss_sums(x: jax.Array, w: jax.Array, targets: jax.Array, weights: ja
       weights: ``[B, T]`` float32 loss mask.
       impl: ``auto``, ``gathered`` or ``vocab_parallel`` (`sharding.vocab.OUTPUT_IMPLS`).
       vocab_last: the weight's layout.
+      par: the run's layout (`sharding.parallel.Parallelism`).
 
     Returns:
       ``(loss_sum, weight_sum)`` float32 scalars.
@@ -81,15 +83,13 @@ def output_loss_sums(x: jax.Array, w: jax.Array, targets: jax.Array, weights: ja
       ValueError: ``vocab_parallel`` where it does not apply (`sharding.vocab.choose_output`).
     """
     vocab, embed = (w.shape[1], w.shape[0]) if vocab_last else w.shape
-    context = current_rules()
     split = None
-    if context is not None:
-        mesh, rules = context
-        split = choose_for_batch(impl, rules, dict(mesh.shape), vocab, embed, targets.shape)
+    if par.is_sharded:
+        split = choose_for_batch(impl, par.rules, par.auto_shape, vocab, embed, targets.shape)
     if split is None:
-        logits = constrain(project_logits(x, w, vocab_last), (ax.BATCH, ax.LENGTH, ax.VOCAB))
+        logits = par.constrain(project_logits(x, w, vocab_last), (ax.BATCH, ax.LENGTH, ax.VOCAB))
         return cross_entropy_sums(logits, targets, weights)
-    return _vocab_parallel(x, w, targets, weights, split, vocab_last)
+    return _vocab_parallel(x, w, targets, weights, split, vocab_last, par)
 
 
 # Vocabulary-parallel path ----------------------------------------------------------------------
@@ -139,7 +139,7 @@ def _linear_index(axes: tuple[str, ...], sizes) -> jax.Array:
     return index
 
 
-def _vocab_parallel(x, w, targets, weights, split: VocabSplit, vocab_last: bool):
+def _vocab_parallel(x, w, targets, weights, split: VocabSplit, vocab_last: bool, par: Parallelism):
     """The vocabulary-parallel loss under `jax.shard_map` (see the module docstring).
 
     Per device, with f the group size and t the vocabulary axes' size: the weight shard
@@ -150,8 +150,8 @@ def _vocab_parallel(x, w, targets, weights, split: VocabSplit, vocab_last: bool)
     over the token axes gives the batch's sums. The backward pass: the reverse all-to-all for the
     weight's gradient, a reduce-scatter for the activations'.
     """
-    mesh, rules = current_rules()
-    sizes = dict(mesh.shape)
+    mesh, rules = par.mesh, par.rules
+    sizes = par.auto_shape
     tok_spec, _ = logical_to_spec((ax.BATCH, ax.LENGTH), rules, targets.shape, sizes)
     x_spec = PartitionSpec(*tok_spec, None) if len(tok_spec) else PartitionSpec()
     names = (ax.EMBED, ax.VOCAB) if vocab_last else (ax.VOCAB, ax.EMBED)

@@ -7,11 +7,13 @@ parameter carries a leading ``layers`` dimension (its logical names gain
 ``layers`` in front), and run with `jax.lax.scan`, so compile time does not
 grow with depth. Rematerialisation wraps the scanned block.
 
-Under `sharding.pipeline.use_pipeline` (a ``stage`` mesh axis larger than
-one), the stacked parameters are in the pipeline layout ``[stage, slot, ...]``
-instead (`init_params` with ``layer_table``) and `Transformer.run_layers`
-hands the per-layer function and the stack to `sharding.pipeline.run_pipeline`;
-the model itself never names a mesh axis.
+Every call takes the run's `sharding.parallel.Parallelism` (``par``; default
+one device) and hands it to each layer. When its strategy is a pipeline (a
+``stage`` mesh axis larger than one), the stacked parameters are in the
+pipeline layout ``[stage, slot, ...]`` instead (`init_params` with
+``layer_table``) and `Transformer.run_layers` hands the per-layer function and
+the stack to `sharding.pipeline.run_pipeline`; the model itself never names a
+mesh axis.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ from models.config import ModelConfig
 from models.layers import MLP, Embed, RMSNorm, param
 from models.output import output_loss_sums, project_logits
 from sharding import axes as ax
-from sharding.pipeline import current_pipeline, run_pipeline
-from sharding.rules import constrain
+from sharding.parallel import UNSHARDED, Parallelism
+from sharding.pipeline import run_pipeline
 
 _REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -50,11 +52,12 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(config.embed_dim, config.norm_eps, rngs=rngs)
         self.mlp = MLP(config.embed_dim, config.mlp_dim, rngs=rngs)
 
-    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
+    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
+                 par: Parallelism = UNSHARDED) -> jax.Array:
         """``[batch, length, embed]`` -> same shape and dtype."""
-        x = x + self.attention(self.attention_norm(x), positions, segment_ids)
-        x = x + self.mlp(self.mlp_norm(x))
-        return constrain(x, (ax.BATCH, ax.LENGTH, ax.ACT_EMBED))
+        x = x + self.attention(self.attention_norm(x), positions, segment_ids, par)
+        x = x + self.mlp(self.mlp_norm(x), par)
+        return par.constrain(x, (ax.BATCH, ax.LENGTH, ax.ACT_EMBED))
 
 
 def _add_layers_axis(module: nnx.Module) -> None:
@@ -101,32 +104,33 @@ class Transformer(nnx.Module):
         if not config.tie_embeddings:
             self.unembed = param(rngs, (config.embed_dim, config.vocab_size), (ax.EMBED, ax.VOCAB))
 
-    def run_layers(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None) -> jax.Array:
+    def run_layers(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
+                   par: Parallelism = UNSHARDED) -> jax.Array:
         """Runs the stacked blocks over ``x [batch, length, embed]``.
 
-        Scanned in order; under `sharding.pipeline.use_pipeline`, run as a
+        Scanned in order; when ``par``'s strategy is a pipeline, run as a
         pipeline over the stages instead (parameters in the plan's layout).
         """
         graphdef, stacked = nnx.split(self.layers)
-        if current_pipeline() is not None:
-            return self._run_pipelined(graphdef, stacked, x, positions, segment_ids)
+        if par.pipeline is not None:
+            return self._run_pipelined(graphdef, stacked, x, positions, segment_ids, par)
 
         def body(h, layer_state):
-            return nnx.merge(graphdef, layer_state)(h, positions, segment_ids), None
+            return nnx.merge(graphdef, layer_state)(h, positions, segment_ids, par), None
 
         if self.config.remat != "none":
             body = jax.checkpoint(body, policy=_REMAT_POLICIES[self.config.remat], prevent_cse=False)
         x, _ = jax.lax.scan(body, x, stacked)
         return x
 
-    def _run_pipelined(self, graphdef, stacked, x, positions, segment_ids) -> jax.Array:
+    def _run_pipelined(self, graphdef, stacked, x, positions, segment_ids, par: Parallelism) -> jax.Array:
         """`run_pipeline` with one block as the layer function (it applies the remat policy per block)."""
 
-        def layer(layer_state, h, positions, segment_ids):
-            return nnx.merge(graphdef, layer_state)(h, positions, segment_ids)
+        def layer(stage_par, layer_state, h, positions, segment_ids):
+            return nnx.merge(graphdef, layer_state)(h, positions, segment_ids, stage_par)
 
         policy = _REMAT_POLICIES.get(self.config.remat)
-        x, _ = run_pipeline(layer, stacked, x, (positions, segment_ids), remat_policy=policy)
+        x, _ = run_pipeline(layer, stacked, x, (positions, segment_ids), par, remat_policy=policy)
         return x
 
     def __call__(
@@ -134,6 +138,7 @@ class Transformer(nnx.Module):
         tokens: jax.Array,
         positions: jax.Array | None = None,
         segment_ids: jax.Array | None = None,
+        par: Parallelism = UNSHARDED,
     ) -> jax.Array:
         """Next-token logits.
 
@@ -143,24 +148,25 @@ class Transformer(nnx.Module):
             ``0..length-1`` in every row.
           segment_ids: ``[batch, length]`` int32 document ids of packed
             sequences (tokens attend only within their document), or None.
+          par: the run's layout (`sharding.parallel.Parallelism`); default one device.
 
         Returns:
           ``[batch, length, vocab]`` float32 logits.
         """
-        x = self.features(tokens, positions, segment_ids)
+        x = self.features(tokens, positions, segment_ids, par)
         weight, vocab_last = self.output_weight()
-        return constrain(project_logits(x, weight, vocab_last), (ax.BATCH, ax.LENGTH, ax.VOCAB))
+        return par.constrain(project_logits(x, weight, vocab_last), (ax.BATCH, ax.LENGTH, ax.VOCAB))
 
     def features(self, tokens: jax.Array, positions: jax.Array | None = None,
-                 segment_ids: jax.Array | None = None) -> jax.Array:
+                 segment_ids: jax.Array | None = None, par: Parallelism = UNSHARDED) -> jax.Array:
         """The final activations ``[batch, length, embed]`` (after the last norm), compute dtype.
 
         Arguments as `__call__`.
         """
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-        x = self.embed(tokens, _dtype(self.config.dtype))
-        x = self.run_layers(x, positions, segment_ids)
+        x = self.embed(tokens, _dtype(self.config.dtype), par)
+        x = self.run_layers(x, positions, segment_ids, par)
         return self.final_norm(x)
 
     def output_weight(self) -> tuple[jax.Array, bool]:
@@ -170,7 +176,7 @@ class Transformer(nnx.Module):
         return self.unembed[...], True
 
     def loss_sums(self, tokens: jax.Array, targets: jax.Array, weights: jax.Array, positions: jax.Array | None = None,
-                  segment_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                  segment_ids: jax.Array | None = None, par: Parallelism = UNSHARDED) -> tuple[jax.Array, jax.Array]:
         """Summed next-token cross-entropy, ``(loss_sum, weight_sum)`` float32 scalars (nats).
 
         The output projection and the loss are computed together as ``ModelConfig.logits``
@@ -178,13 +184,13 @@ class Transformer(nnx.Module):
         that layout is vocabulary-parallel.
 
         Args:
-          tokens, positions, segment_ids: as `__call__`.
+          tokens, positions, segment_ids, par: as `__call__`.
           targets: ``[batch, length]`` int32 next tokens.
           weights: ``[batch, length]`` float32 loss mask.
         """
-        x = self.features(tokens, positions, segment_ids)
+        x = self.features(tokens, positions, segment_ids, par)
         weight, vocab_last = self.output_weight()
-        return output_loss_sums(x, weight, targets, weights, impl=self.config.logits, vocab_last=vocab_last)
+        return output_loss_sums(x, weight, targets, weights, impl=self.config.logits, vocab_last=vocab_last, par=par)
 
 
 # Functional interface ------------------------------------------------------
@@ -249,12 +255,13 @@ def init_params(config: ModelConfig, key: jax.Array, layer_table=None) -> dict[s
     return params
 
 
-def apply(graphdef, params: dict[str, Any], tokens, positions=None, segment_ids=None) -> jax.Array:
+def apply(graphdef, params: dict[str, Any], tokens, positions=None, segment_ids=None,
+          par: Parallelism = UNSHARDED) -> jax.Array:
     """Runs the model from a graphdef and a params dict; see `Transformer.__call__`."""
-    return nnx.merge(graphdef, params)(tokens, positions, segment_ids)
+    return nnx.merge(graphdef, params)(tokens, positions, segment_ids, par)
 
 
 def loss_sums(graphdef, params: dict[str, Any], tokens, targets, weights, positions=None,
-              segment_ids=None) -> tuple[jax.Array, jax.Array]:
+              segment_ids=None, par: Parallelism = UNSHARDED) -> tuple[jax.Array, jax.Array]:
     """Summed cross-entropy from a graphdef and a params dict; see `Transformer.loss_sums`."""
-    return nnx.merge(graphdef, params).loss_sums(tokens, targets, weights, positions, segment_ids)
+    return nnx.merge(graphdef, params).loss_sums(tokens, targets, weights, positions, segment_ids, par)

@@ -1,4 +1,4 @@
-"""Reading collectives out of compiled HLO text.
+"""Reading compiled HLO text: collectives, loop trip counts, matrix products, conditional branches.
 
 `collectives(compiled.as_text())` lists every collective instruction
 (all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute and
@@ -7,15 +7,24 @@ and how many times it runs per call of the program: an instruction inside a
 ``while`` body (a scanned layer stack, a microbatch loop) runs once per trip,
 read from the loop's ``known_trip_count``. `dot_flops` counts the FLOPs of the
 matrix products the same way (``compiled.cost_analysis()`` counts a loop body once).
+`branch_collectives` finds the collectives inside the branches of conditionals, with the
+pipeline stages their device groups span (the pipeline skips empty layer slots with conditionals
+that stages take differently, so a collective there must stay inside one stage).
+
+This is the one reader of compiled HLO in meshwork.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections import defaultdict
 
-COLLECTIVE_OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+import numpy as np
+
+COLLECTIVE_OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
+                  "collective-broadcast", "ragged-all-to-all")
 
 _DTYPE_BYTES = {
     "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
@@ -194,3 +203,94 @@ def dot_flops(hlo_text: str) -> float:
                 result *= d
             total += 2.0 * result * contracted * max(times.get(computation, 0), 1)
     return total
+
+
+# Conditional branches -----------------------------------------------------------------------
+
+_BRANCH_ONLY = re.compile(r"\b(?:true_computation|false_computation)=%?([\w.\-]+)")
+_GROUPS_LIST = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
+_GROUPS_IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
+
+
+@dataclasses.dataclass(frozen=True)
+class BranchCollective:
+    """A collective inside a branch of a conditional (a layer slot some pipeline stages skip).
+
+    Attributes:
+      op: e.g. ``all-gather``.
+      name: the HLO instruction.
+      stages: the stages its device groups span at most (1: among devices of
+        one stage), or None when the groups could not be read.
+      safe: whether devices that skip the branch can never be waited for: a
+        grouped collective whose every group lies inside one stage. A
+        ``collective-permute`` is never safe: XLA's CPU runtime gathers every
+        device of the program for it.
+    """
+
+    op: str
+    name: str
+    stages: int | None
+    safe: bool
+
+
+def device_groups(rest: str) -> list[list[int]] | None:
+    """The device groups of a collective from the text after its opcode (replica groups, listed or as
+    an iota, or the source-target pairs of a permute); None when none can be read."""
+    listed = _GROUPS_LIST.search(rest)
+    if listed:
+        return [[int(d) for d in g.split(",") if d] for g in re.findall(r"\{([\d,]*)\}", listed.group(1))]
+    iota = _GROUPS_IOTA.search(rest)
+    if iota:
+        shape = [int(d) for d in iota.group(1).split(",")]
+        dims = [int(d) for d in iota.group(2).split(",")]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if iota.group(3):
+            ids = ids.transpose([int(d) for d in iota.group(3).split(",")])
+        return ids.reshape(shape).tolist()
+    pairs = _PAIRS.search(rest)
+    if pairs:
+        return [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", pairs.group(1))]
+    return None
+
+
+def branch_collectives(hlo_text: str, mesh, stage_axis: str = "stage") -> list[BranchCollective]:
+    """Collectives that run inside conditional branches of a compiled program.
+
+    Args:
+      hlo_text: ``compiled.as_text()``.
+      mesh: the `jax.sharding.Mesh` it was compiled for (device ids in HLO
+        are positions in ``mesh.devices.flat``).
+      stage_axis: the mesh axis whose indices the branches may differ along.
+
+    Returns:
+      One `BranchCollective` per collective instruction reachable from a
+      conditional branch.
+    """
+    instructions, calls, _ = _parse(hlo_text)
+    roots: set[str] = set()
+    for items in instructions.values():
+        for _, _, op, rest in items:
+            if op == "conditional":
+                roots.update(_BRANCH_ONLY.findall(rest))
+                for group in _BRANCHES.findall(rest):
+                    roots.update(c.strip().lstrip("%") for c in group.split(",") if c.strip())
+    inside, todo = set(), list(roots)
+    while todo:
+        comp = todo.pop()
+        if comp not in inside:
+            inside.add(comp)
+            todo.extend(callee for callee, _ in calls.get(comp, ()))
+    names = list(mesh.axis_names)
+    stage_of = (np.unravel_index(np.arange(mesh.devices.size), mesh.devices.shape)[names.index(stage_axis)]
+                if stage_axis in names else np.zeros(mesh.devices.size, int))
+    result = []
+    for comp in sorted(inside):
+        for name, _, op, rest in instructions.get(comp, ()):
+            base = op[: -len("-start")] if op.endswith("-start") else op
+            if base not in COLLECTIVE_OPS:
+                continue
+            groups = device_groups(rest)
+            spans = None if groups is None else max((len({int(stage_of[d]) for d in g}) for g in groups), default=1)
+            result.append(BranchCollective(base, name, spans, base != "collective-permute" and spans == 1))
+    return result

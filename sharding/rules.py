@@ -24,11 +24,9 @@ than padded.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import math
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from sharding import axes as ax
@@ -288,59 +286,3 @@ def tree_shardings(abstract_tree, names_tree, mesh, rules: Rules):
         rows.append((where, tuple(leaf.shape), leaf.dtype, tuple(leaf_names), spec, dropped))
         shardings.append(NamedSharding(mesh, spec))
     return treedef.unflatten(shardings), ShardingReport(rows, total, reduced)
-
-
-# Activation constraints ------------------------------------------------------
-
-_CONTEXT: contextvars.ContextVar[tuple[Any, Rules] | None] = contextvars.ContextVar(
-    "meshwork_sharding_context", default=None
-)
-
-
-@contextlib.contextmanager
-def use_rules(mesh, rules: Rules) -> Iterator[None]:
-    """Makes `constrain` annotate activations for this mesh and rules.
-
-    Use it around tracing (inside a jitted function's body, or around its
-    first call). Outside any such context `constrain` does nothing, so models
-    also run unsharded on one device.
-    """
-    token = _CONTEXT.set((mesh, rules))
-    try:
-        yield
-    finally:
-        _CONTEXT.reset(token)
-
-
-def current_rules() -> tuple[Any, Rules] | None:
-    """The ``(mesh, rules)`` set by `use_rules`, or None."""
-    return _CONTEXT.get()
-
-
-def constrain(x, names: AxisNames):
-    """Annotates an activation with the sharding its logical names imply.
-
-    Args:
-      x: an array inside a jitted function, e.g. ``[batch, length, act_embed]``.
-      names: one logical name per dimension of ``x``.
-
-    Returns:
-      ``x`` with a `jax.lax.with_sharding_constraint` for the mesh and rules
-      of the enclosing `use_rules` (mesh axes that do not divide a dimension
-      are left out); ``x`` unchanged outside `use_rules`.
-
-    Raises:
-      ValueError: when ``names`` does not have one entry per dimension, or two
-        names map to one mesh axis.
-    """
-    if len(names) != x.ndim:
-        raise ValueError(f"constrain: names {names} have {len(names)} entries for an array of rank {x.ndim}")
-    context = _CONTEXT.get()
-    if context is None:
-        return x
-    import jax
-    from jax.sharding import NamedSharding
-
-    mesh, rules = context
-    spec, _ = logical_to_spec(names, rules, x.shape, dict(mesh.shape))
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))

@@ -1,7 +1,7 @@
 """Context parallelism end to end: rules, the model's sharded attention, data layout, CLI.
 
 The kernels themselves are checked against the reference in `test_ring_attention.py`; here
-they run as the model runs them (under `use_rules` on a mesh with data, sequence and tensor
+they run as the model runs them (with a `Parallelism` on a mesh with data, sequence and tensor
 axes, specs from the rules), the data pipeline permutes rows for the zigzag layout, and a
 training run over a `sequence` axis reproduces the losses of one without it.
 """
@@ -22,7 +22,6 @@ from models.attention import (
     attend,
     reference_attention,
     resolve_context_layout,
-    use_context_layout,
 )
 from models.config import PRESETS as MODEL_PRESETS
 from models.kernels.ring_attention import zigzag_permutation
@@ -30,7 +29,8 @@ from models.transformer import abstract_model
 from sharding import axes as ax
 from sharding.mesh import make_mesh, parse_mesh
 from sharding.rules import PRESETS as RULE_PRESETS
-from sharding.rules import get_rules, logical_to_spec, use_rules
+from sharding.parallel import Parallelism
+from sharding.rules import get_rules, logical_to_spec
 from train import train
 from train.data import context_permutation, pack_windows, permute_length
 
@@ -87,8 +87,8 @@ def test_sharded_attention_under_the_rules_matches_the_reference(impl, layout, h
     natural = np.argsort(perm)
 
     def sharded(q, k, v):
-        with use_rules(mesh, rules), use_context_layout(layout):
-            out = attend(impl, q[:, perm], k[:, perm], v[:, perm], segments[:, perm], causal=True, layout=layout)
+        par = Parallelism.of(mesh, rules, context_layout=layout)
+        out = attend(impl, q[:, perm], k[:, perm], v[:, perm], segments[:, perm], causal=True, par=par)
         return jnp.sum(out[:, natural] * d_out), out[:, natural]
 
     def reference(q, k, v):

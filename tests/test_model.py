@@ -10,7 +10,8 @@ from models.config import PRESETS, get_config, parse_overrides
 from models.transformer import abstract_model, apply, init_params
 from sharding import axes as ax
 from sharding.mesh import make_mesh, parse_mesh
-from sharding.rules import get_rules, tree_shardings, use_rules
+from sharding.parallel import UNSHARDED, Parallelism
+from sharding.rules import get_rules, tree_shardings
 
 CONFIG = get_config("test")
 
@@ -120,8 +121,7 @@ def test_sharded_forward_equals_one_device(model, mesh_spec):
 
     @jax.jit
     def forward(p):
-        with use_rules(mesh, rules):
-            return apply(graphdef, p, tokens, positions, segment_ids)
+        return apply(graphdef, p, tokens, positions, segment_ids, Parallelism.of(mesh, rules))
 
     logits = forward(sharded_params)
     assert len(logits.sharding.device_set) == 8
@@ -167,8 +167,8 @@ def test_flash_attention_in_the_model_matches_reference_with_gradients(heads, kv
     params = jax.jit(lambda k: init_params(config, k))(jax.random.key(1))
     tokens, positions, segment_ids = make_batch(length=40)
 
-    def loss(graphdef, p):
-        return jnp.mean(apply(graphdef, p, tokens, positions, segment_ids) ** 2)
+    def loss(graphdef, p, par=UNSHARDED):
+        return jnp.mean(apply(graphdef, p, tokens, positions, segment_ids, par) ** 2)
 
     want_loss, want_grads = jax.jit(jax.value_and_grad(lambda p: loss(graphdef_ref, p)))(params)
     mesh = make_mesh(parse_mesh(mesh_spec, 8))
@@ -177,8 +177,7 @@ def test_flash_attention_in_the_model_matches_reference_with_gradients(heads, kv
 
     @jax.jit
     def sharded(p):
-        with use_rules(mesh, rules):
-            return jax.value_and_grad(lambda p: loss(graphdef_flash, p))(p)
+        return jax.value_and_grad(lambda p: loss(graphdef_flash, p, Parallelism.of(mesh, rules)))(p)
 
     got_loss, got_grads = sharded(jax.device_put(params, shardings))
     np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-5)
@@ -195,8 +194,8 @@ def test_jax_dot_product_attention_in_the_model_matches_reference_with_gradients
     params = jax.jit(lambda k: init_params(config, k))(jax.random.key(1))
     tokens, positions, segment_ids = make_batch(length=40)
 
-    def loss(graphdef, p):
-        return jnp.mean(apply(graphdef, p, tokens, positions, segment_ids) ** 2)
+    def loss(graphdef, p, par=UNSHARDED):
+        return jnp.mean(apply(graphdef, p, tokens, positions, segment_ids, par) ** 2)
 
     want_loss, want_grads = jax.jit(jax.value_and_grad(lambda p: loss(graphdef_ref, p)))(params)
     mesh, rules = make_mesh(parse_mesh(mesh_spec, 8)), get_rules("fsdp_tp")
@@ -204,8 +203,7 @@ def test_jax_dot_product_attention_in_the_model_matches_reference_with_gradients
 
     @jax.jit
     def sharded(p):
-        with use_rules(mesh, rules):
-            return jax.value_and_grad(lambda p: loss(graphdef_jax, p))(p)
+        return jax.value_and_grad(lambda p: loss(graphdef_jax, p, Parallelism.of(mesh, rules)))(p)
 
     got_loss, got_grads = sharded(jax.device_put(params, shardings))
     np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-5)

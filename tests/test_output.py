@@ -10,7 +10,8 @@ from models.output import cross_entropy_sums, output_loss_sums, project_logits
 from models.transformer import abstract_model, init_params, loss_sums
 from sharding import hlo
 from sharding.mesh import make_mesh, parse_mesh
-from sharding.rules import get_rules, tree_shardings, use_rules
+from sharding.parallel import Parallelism
+from sharding.rules import get_rules, tree_shardings
 from sharding.vocab import choose_output, output_traffic, vocab_split
 from train.optimizer import OptimizerConfig
 from train.step import Trainer
@@ -32,8 +33,8 @@ def _sharded_loss_and_grads(config, params, names, mesh_spec, tokens, targets, m
 
     @jax.jit
     def run(p):
-        with use_rules(mesh, rules):
-            return jax.value_and_grad(lambda p: loss_sums(graphdef, p, tokens, targets, mask), has_aux=True)(p)
+        par = Parallelism.of(mesh, rules)
+        return jax.value_and_grad(lambda p: loss_sums(graphdef, p, tokens, targets, mask, par=par), has_aux=True)(p)
 
     with jax.default_matmul_precision("highest"):
         return run(jax.device_put(params, shardings))

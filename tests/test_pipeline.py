@@ -15,7 +15,9 @@ from models.config import get_config
 from models.transformer import init_params
 from sharding import pipeline as pl
 from sharding.mesh import make_mesh, parse_mesh
-from sharding.rules import constrain, get_rules, use_rules
+from sharding.hlo import branch_collectives
+from sharding.parallel import UNSHARDED, Parallelism
+from sharding.rules import get_rules
 from train import report, train
 from train.optimizer import OptimizerConfig
 from train.step import Trainer
@@ -79,9 +81,9 @@ def test_relayout_round_trips_through_the_canonical_order():
 # The pipeline on a toy layer (sharding only) ----------------------------------------------
 
 
-def _toy_layer(w, h, position):
+def _toy_layer(par, w, h, position):
     h = jnp.tanh(h @ w["a"] + w["b"] + 0.01 * position[:, None])
-    return constrain(h, ("batch", "act_embed"))
+    return par.constrain(h, ("batch", "act_embed"))
 
 
 def _toy(mesh_spec, num_layers, stage_layers, repeats, microbatches, batch=16, dim=16):
@@ -99,12 +101,11 @@ def _toy(mesh_spec, num_layers, stage_layers, repeats, microbatches, batch=16, d
     def reference(w, x):
         h = x
         for layer in range(num_layers):
-            h = _toy_layer(jax.tree.map(lambda a: a[layer], w), h, position)
+            h = _toy_layer(UNSHARDED, jax.tree.map(lambda a: a[layer], w), h, position)
         return jnp.sum(h**2)
 
     def pipelined(w, x):
-        with use_rules(mesh, rules):
-            y, applied = pl.run_pipeline(_toy_layer, w, x, (position,), plan)
+        y, applied = pl.run_pipeline(_toy_layer, w, x, (position,), Parallelism.of(mesh, rules, plan))
         return jnp.sum(y**2), applied
 
     staged = jax.tree.map(lambda a: pl.relayout(jnp.asarray(a), None, layout, num_layers), w)
@@ -168,11 +169,11 @@ def test_a_collective_permute_inside_a_skipped_slot_is_detected():
     w = jax.device_put(w, {"a": NamedSharding(mesh, P("stage", None, "fsdp")), "b": NamedSharding(mesh, P("stage"))})
 
     def loss(w, x):
-        with use_rules(mesh, pl.pipeline_rules(RULES)):
-            return jnp.sum(pl.run_pipeline(_toy_layer, w, x, (jnp.zeros(16, jnp.int32),), plan)[0])
+        par = Parallelism.of(mesh, RULES, plan)
+        return jnp.sum(pl.run_pipeline(_toy_layer, w, x, (jnp.zeros(16, jnp.int32),), par)[0])
 
     text = jax.jit(jax.grad(loss)).lower(w, jnp.zeros((16, 16))).compile().as_text()  # compiled, never run
-    found = pl.branch_collectives(text, mesh)
+    found = branch_collectives(text, mesh)
     assert any(c.op == "collective-permute" and not c.safe for c in found)
     assert all(c.safe for c in found if c.op != "collective-permute")
 
@@ -195,8 +196,7 @@ def _loss_and_grads(trainer, batch):
     state = trainer.init_state(0)
 
     def fn(params, batch):
-        with use_rules(trainer.mesh, trainer.rules):
-            return jax.value_and_grad(trainer.loss_sums, has_aux=True)(params, batch)
+        return jax.value_and_grad(trainer.loss_sums, has_aux=True)(params, batch)
 
     (loss, _), grads = jax.jit(fn)(state["params"], batch)
     layers = jax.tree.map(lambda g: pl.relayout(g, trainer.layout, None, trainer.config.num_layers), grads["layers"])
@@ -257,7 +257,7 @@ def test_per_device_parameter_bytes_are_each_stages_share_plus_its_padding():
     param_bytes = compiled.memory_analysis().argument_size_in_bytes - batch_bytes
     for _, share, pad in memory["stages"]:
         assert param_bytes == memory["other_bytes"] + share + pad
-    assert all(c.safe for c in pl.branch_collectives(compiled.as_text(), trainer.mesh))
+    assert all(c.safe for c in branch_collectives(compiled.as_text(), trainer.mesh))
 
 
 # Through the CLI -------------------------------------------------------------------------------

@@ -8,7 +8,8 @@ from jax.sharding import PartitionSpec as P
 
 from sharding import axes as ax
 from sharding.mesh import make_mesh, parse_mesh
-from sharding.rules import constrain, get_rules, logical_to_spec, tree_shardings, use_rules
+from sharding.parallel import UNSHARDED, Parallelism
+from sharding.rules import get_rules, logical_to_spec, tree_shardings
 
 
 @pytest.mark.parametrize(
@@ -95,13 +96,12 @@ def test_names_must_match_rank():
 
 def test_constrain_is_identity_without_rules_and_shards_with_them():
     x = jnp.arange(8 * 6, dtype=jnp.float32).reshape(8, 6)
-    assert constrain(x, (ax.BATCH, ax.ACT_EMBED)) is x
+    assert UNSHARDED.constrain(x, (ax.BATCH, ax.ACT_EMBED)) is x
     mesh = make_mesh(parse_mesh("data=2,fsdp=4", 8))
 
     @jax.jit
     def f(x):
-        with use_rules(mesh, get_rules("fsdp_tp")):
-            return constrain(x * 2, (ax.BATCH, ax.ACT_EMBED))
+        return Parallelism.of(mesh, get_rules("fsdp_tp")).constrain(x * 2, (ax.BATCH, ax.ACT_EMBED))
 
     y = f(x)
     assert y.sharding.spec == P(("data", "fsdp"))
@@ -110,4 +110,4 @@ def test_constrain_is_identity_without_rules_and_shards_with_them():
 
 def test_constrain_checks_rank():
     with pytest.raises(ValueError, match="rank 2"):
-        constrain(jnp.zeros((2, 2)), (ax.BATCH,))
+        UNSHARDED.constrain(jnp.zeros((2, 2)), (ax.BATCH,))

@@ -246,7 +246,8 @@ class HeteroTrainer:
         # 0.10-0.12); mark it varying over the other batch axes too.
         full = jax.tree.map(lambda p, s: _to_varying(_gather(p, s), _invariant_axes(s, varying)), params, specs)
         mb = self.microbatch_rows
-        grad_fn = jax.value_and_grad(self.trainer.loss_sums, has_aux=True)
+        local = self.trainer.par.local()
+        grad_fn = jax.value_and_grad(lambda p, b: self.trainer.loss_sums(p, b, local), has_aux=True)
 
         def body(carry):
             i, loss_acc, weight_acc, grad_acc = carry

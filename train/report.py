@@ -176,7 +176,7 @@ def pipeline_lines(trainer, note: str | None = None) -> list[str]:
 
 def branch_lines(compiled, trainer) -> list[str]:
     """Collectives inside the pipeline's skipped-slot branches of a compiled step (they must stay in one stage)."""
-    from sharding.pipeline import branch_collectives
+    from sharding.hlo import branch_collectives
 
     if trainer.pipeline is None:
         return []

@@ -40,20 +40,13 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from models.attention import use_context_layout
 from models.config import ModelConfig
 from models.transformer import abstract_model, init_params, loss_sums
 from sharding import axes as ax
-from sharding.pipeline import (
-    PipelinePlan,
-    StageLayout,
-    branch_collectives,
-    pipeline_rules,
-    plan_layout,
-    relayout_on_mesh,
-    use_pipeline,
-)
-from sharding.rules import Rules, logical_to_spec, tree_shardings, use_rules
+from sharding.hlo import branch_collectives
+from sharding.parallel import Accumulation, Parallelism
+from sharding.pipeline import PipelinePlan, StageLayout, pipeline_rules, plan_layout, relayout_on_mesh
+from sharding.rules import Rules, logical_to_spec, tree_shardings
 from train.data import FIELDS
 from train.optimizer import OptimizerConfig, learning_rate_schedule, make_optimizer
 
@@ -120,6 +113,8 @@ class Trainer:
             self.microbatches = self.pipeline.microbatches
         self.layout = self.pipeline.layout if self.pipeline is not None else None
         self.accumulation = 1 if self.pipeline is not None else self.microbatches
+        strategy = self.pipeline if self.pipeline is not None else Accumulation(self.microbatches)
+        self.par = Parallelism(dict(self.mesh.shape), self.rules, strategy, self.context_layout, mesh=self.mesh)
 
     def _is_layer_tree(self):
         """The params tree with True at the stacked layer parameters."""
@@ -266,11 +261,10 @@ class Trainer:
 
     # Steps -------------------------------------------------------------------------
 
-    def loss_sums(self, params, batch) -> tuple[jax.Array, jax.Array]:
-        """``(loss_sum, weight_sum)`` of a batch (inside jit, under the rules)."""
-        with use_context_layout(self.context_layout), use_pipeline(self.pipeline):
-            return loss_sums(self.graphdef, params, batch["tokens"], batch["targets"], batch["loss_mask"],
-                             batch["positions"], batch["segment_ids"])
+    def loss_sums(self, params, batch, par: Parallelism | None = None) -> tuple[jax.Array, jax.Array]:
+        """``(loss_sum, weight_sum)`` of a batch (inside jit) under ``par`` (default the run's)."""
+        return loss_sums(self.graphdef, params, batch["tokens"], batch["targets"], batch["loss_mask"],
+                         batch["positions"], batch["segment_ids"], self.par if par is None else par)
 
     def _gradients(self, params, batch):
         grad_fn = jax.value_and_grad(self.loss_sums, has_aux=True)
@@ -295,9 +289,8 @@ class Trainer:
         return loss_sum, weight, grads
 
     def _train_step_fn(self, state, batch, signals):
-        with use_rules(self.mesh, self.rules):
-            loss_sum, weight, grads = self._gradients(state["params"], batch)
-            return self.apply_gradients(state, loss_sum, weight, grads, signals)
+        loss_sum, weight, grads = self._gradients(state["params"], batch)
+        return self.apply_gradients(state, loss_sum, weight, grads, signals)
 
     def apply_gradients(self, state, loss_sum, weight, grads, signals) -> tuple[dict, dict]:
         """The optimizer update from summed gradients (inside jit); ``(new_state, metrics)``.
@@ -395,6 +388,7 @@ class Trainer:
         if not unsafe:
             return fn
         self.pipeline = dataclasses.replace(self.pipeline, skip_empty=False)
+        self.par = self.par.replace(strategy=self.pipeline)
         self._train_step = self._eval_step = None
         ops = ", ".join(sorted({f"{c.op} ({c.name})" for c in unsafe}))
         note = (f"pipeline: the partitioner put {ops} inside a skipped layer slot, where stages that skip it would "
@@ -409,8 +403,7 @@ class Trainer:
             batch_shardings = {f: self.batch_sharding(global_batch, seq_len) for f in FIELDS}
 
             def fn(params, batch):
-                with use_rules(self.mesh, self.rules):
-                    return self.loss_sums(params, batch)
+                return self.loss_sums(params, batch)
 
             def build():
                 return jax.jit(

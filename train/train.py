@@ -265,10 +265,11 @@ def context_layout(args, config, rules, mesh_shape: dict[str, int]) -> str:
       ValueError: zigzag with an attention that assumes natural order, a ``--seq-len`` zigzag cannot cut
         into 2P chunks, or heads ``--attention ulysses`` cannot split; naming the flags.
     """
-    from models.attention import check_context_parallel, length_shards, resolve_context_layout
+    from models.attention import check_context_parallel, resolve_context_layout
+    from sharding.parallel import Parallelism
 
-    layout = resolve_context_layout(args.context_layout, config.attention, length_shards(rules, mesh_shape))
-    check_context_parallel(config, rules, mesh_shape, args.seq_len, layout)
+    layout = resolve_context_layout(args.context_layout, config.attention, Parallelism(mesh_shape, rules).length_shards)
+    check_context_parallel(config, Parallelism(mesh_shape, rules, context_layout=layout), args.seq_len)
     return layout
 
 
@@ -410,9 +411,9 @@ def run(args) -> int:
     layout = context_layout(args, config, rules, mesh_shape)
     logits_line = check_logits(args, config, rules, mesh_shape)
     if config.attention in ("ring", "ulysses"):
-        from models.attention import length_shards
+        from sharding.parallel import Parallelism
 
-        if length_shards(rules, mesh_shape) == 1:
+        if Parallelism(mesh_shape, rules).length_shards == 1:
             log(f"note: --attention {config.attention} with the length whole on every device (no sequence axis > 1 "
                 f"in --mesh {args.mesh}) is plain flash attention: no context parallelism")
     outer = parse_axis_sizes(args.mesh_outer, flag="--mesh-outer", allow_fill=False) if args.mesh_outer else None
@@ -610,10 +611,9 @@ def dry_run(args, trainer, log) -> int:
 
 def _context_permutation(args, trainer, mesh_shape):
     """The token order of ``trainer.context_layout`` along ``--seq-len`` (None: natural)."""
-    from models.attention import length_shards
     from train.data import context_permutation
 
-    return context_permutation(args.seq_len, length_shards(trainer.rules, mesh_shape), trainer.context_layout)
+    return context_permutation(args.seq_len, trainer.par.length_shards, trainer.context_layout)
 
 
 def _layout_text(meta) -> str:

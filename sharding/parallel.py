@@ -1,0 +1,355 @@
+"""The parallelism of a run: one frozen value, built once and handed down explicitly.
+
+`Parallelism` says how one training step is laid out over the devices:
+
+* ``mesh_shape``: axis -> size over ``data, stage, fsdp, sequence, tensor`` (`sharding.mesh`), and
+  ``outer``, how much of each axis spans processes (``--mesh-outer``);
+* ``rules``: the logical-to-mesh rules (`sharding.rules`);
+* ``strategy``: how the step computes its gradients, one of `Accumulation` (microbatches summed
+  in a loop), `sharding.pipeline.PipelinePlan` (the layer stack split over ``stage``) or
+  `UnevenBatch` (each device along ``data`` x ``fsdp`` runs its own number of microbatches);
+* ``context_layout``: how tokens lie along the length when it is split over ``sequence``
+  (``contiguous`` or ``zigzag``, `models.kernels.ring_attention`).
+
+The command line builds one (``train.cli``), the planner returns one (`sharding.planner`), and
+`Parallelism.flags` renders any of them as the ``python -m train.train`` flags that reproduce it.
+
+At run time the value is bound to a device mesh (`Parallelism.on`) and passed as an argument to
+the model's apply, to attention and to the output layer, which read the mesh and the rules from it
+(`constrain`, `spec`); nothing is read from ambient state. Code that runs inside `jax.shard_map`
+gets its variant: `inside` for a map that is manual over some axes (the pipeline's stage program:
+GSPMD still partitions the other axes), `local` for per-device code (manual over every axis: no
+annotation applies and kernels run on their local blocks). A value without a mesh (`UNSHARDED`)
+runs the model on one device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Union
+
+from sharding import axes as ax
+from sharding.mesh import format_mesh
+from sharding.rules import DEFAULT_PRESET, AxisNames, Rules, get_rules, logical_to_spec
+
+CONTIGUOUS = "contiguous"
+ZIGZAG = "zigzag"
+CONTEXT_LAYOUTS = ("auto", CONTIGUOUS, ZIGZAG)
+"""Values of ``--context-layout``; ``auto`` is resolved once the mesh is known."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Accumulation:
+    """Gradient accumulation: the batch is cut into ``microbatches`` strided microbatches (row ``r`` in
+    microbatch ``r % M``) whose gradients are summed in a loop, so the update equals the one-shot one.
+
+    Attributes:
+      microbatches: M >= 1 (1: no loop).
+    """
+
+    microbatches: int = 1
+
+    name = "accumulation"
+
+
+@dataclasses.dataclass(frozen=True)
+class UnevenBatch:
+    """Uneven data parallelism: device ``i`` along ``data`` x ``fsdp`` runs ``counts[i]`` microbatches.
+
+    Attributes:
+      counts: Microbatches per device (data-major, as the mesh orders devices), or None until they are
+        resolved at start-up from device speeds (``speeds``).
+      speeds: Where the counts come from: ``given`` (``--hetero-batch 3,3,1,1``), ``kinds`` (device
+        kinds' datasheet peaks) or ``measured`` (timed at start-up).
+      microbatches: With ``counts`` None, the microbatches each device runs on average
+        (``--microbatches``): the step runs ``microbatches x data x fsdp`` of them in all.
+    """
+
+    counts: tuple[int, ...] | None = None
+    speeds: str = "given"
+    microbatches: int = 1
+
+    name = "uneven"
+
+    @property
+    def total(self) -> int | None:
+        """Microbatches per step over all devices (None before the counts are resolved)."""
+        return None if self.counts is None else sum(self.counts)
+
+
+if TYPE_CHECKING:
+    from sharding.pipeline.layout import PipelinePlan
+
+Strategy = Union[Accumulation, "PipelinePlan", UnevenBatch]
+
+
+def _is_pipeline(strategy) -> bool:
+    from sharding.pipeline.layout import PipelinePlan
+
+    return isinstance(strategy, PipelinePlan)
+
+
+def _full_shape(shape: Mapping[str, int]) -> dict[str, int]:
+    full = {a: 1 for a in ax.MESH_AXES}
+    for name, size in shape.items():
+        if name not in full:
+            raise ValueError(f"mesh axis {name!r} unknown; known: {', '.join(ax.MESH_AXES)}")
+        full[name] = int(size)
+    return full
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Parallelism:
+    """How a step is laid out over devices; see the module docstring.
+
+    Attributes:
+      mesh_shape: Axis -> size over all of `sharding.axes.MESH_AXES` (missing axes are 1).
+      rules: Logical-to-mesh rules (with ``layers -> stage`` for a pipeline).
+      strategy: `Accumulation`, `sharding.pipeline.PipelinePlan` or `UnevenBatch`.
+      context_layout: ``contiguous`` or ``zigzag`` (``auto`` until the mesh is resolved).
+      outer: Axis -> the part of it that spans processes, or None (the default split).
+      mesh: The `jax.sharding.Mesh` (or, inside `jax.shard_map`, the abstract mesh) once bound; None
+        before (`on`) or for one device.
+      manual: Mesh axes that are manual here (inside `jax.shard_map`).
+    """
+
+    mesh_shape: Mapping[str, int]
+    rules: Rules
+    strategy: Strategy = Accumulation()
+    context_layout: str = CONTIGUOUS
+    outer: Mapping[str, int] | None = None
+    mesh: Any = None
+    manual: frozenset[str] = frozenset()
+
+    def __post_init__(self):
+        object.__setattr__(self, "mesh_shape", _full_shape(self.mesh_shape))
+        if self.context_layout not in CONTEXT_LAYOUTS:
+            raise ValueError(f"--context-layout {self.context_layout!r}: choose one of {', '.join(CONTEXT_LAYOUTS)}")
+
+    # Construction ----------------------------------------------------------------------------
+
+    @classmethod
+    def of(cls, mesh, rules: Rules | str = DEFAULT_PRESET, strategy: Strategy | None = None,
+           context_layout: str = CONTIGUOUS) -> Parallelism:
+        """A value bound to ``mesh`` (tests and scripts): its shape, ``rules`` (a preset name or `Rules`),
+        ``strategy`` (default no accumulation) and ``context_layout``.
+
+        A pipeline strategy adds ``layers -> stage`` to the rules (`sharding.pipeline.pipeline_rules`).
+        """
+        from sharding.pipeline.layout import pipeline_rules
+
+        rules = get_rules(rules) if isinstance(rules, str) else rules
+        strategy = Accumulation() if strategy is None else strategy
+        if _is_pipeline(strategy):
+            rules = pipeline_rules(rules)
+        return cls(dict(mesh.shape), rules, strategy, context_layout, mesh=mesh)
+
+    def on(self, mesh) -> Parallelism:
+        """This layout bound to a device mesh of its shape.
+
+        Raises:
+          ValueError: When the mesh's shape is not ``mesh_shape``.
+        """
+        if dict(mesh.shape) != dict(self.mesh_shape):
+            raise ValueError(f"mesh {format_mesh(dict(mesh.shape))} is not the layout's {format_mesh(self.mesh_shape)}")
+        return dataclasses.replace(self, mesh=mesh)
+
+    def replace(self, **changes) -> Parallelism:
+        return dataclasses.replace(self, **changes)
+
+    def inside(self, axes: Sequence[str]) -> Parallelism:
+        """The variant for code inside `jax.shard_map` manual over ``axes`` (call while tracing it).
+
+        Its mesh is the abstract mesh of the map (`jax.sharding.get_abstract_mesh`), whose other axes
+        GSPMD still partitions from the same rules.
+        """
+        import jax
+
+        manual = self.manual | frozenset(axes)
+        mesh = jax.sharding.get_abstract_mesh() if self.mesh is not None else None
+        return dataclasses.replace(self, mesh=mesh, manual=manual)
+
+    def local(self) -> Parallelism:
+        """The variant for per-device code (inside `jax.shard_map` manual over every axis): annotations
+        do nothing and kernels run on the local blocks."""
+        return dataclasses.replace(self, mesh=None, manual=frozenset(ax.MESH_AXES))
+
+    # Reading it ------------------------------------------------------------------------------
+
+    @property
+    def is_sharded(self) -> bool:
+        """Whether annotations apply: a mesh is bound and some axis of size > 1 is not manual."""
+        return self.mesh is not None and any(size > 1 and a not in self.manual for a, size in self.auto_shape.items())
+
+    @property
+    def auto_shape(self) -> dict[str, int]:
+        """The mesh shape with manual axes counted as size 1 (what annotations may split over)."""
+        return {a: (1 if a in self.manual else size) for a, size in self.mesh_shape.items()}
+
+    @property
+    def num_devices(self) -> int:
+        return math.prod(self.mesh_shape.values())
+
+    @property
+    def data_parallel(self) -> int:
+        """Devices the batch is split over: ``data`` x ``fsdp``."""
+        return math.prod(self.mesh_shape[a] for a in ax.BATCH_MESH_AXES)
+
+    @property
+    def length_shards(self) -> int:
+        """P: devices the activations' ``length`` is split over (its rule's mesh axes)."""
+        return math.prod(self.mesh_shape[a] for a in self.rules.mesh_axes(ax.LENGTH))
+
+    @property
+    def pipeline(self) -> "PipelinePlan | None":
+        """The pipeline plan when the strategy is one, else None."""
+        return self.strategy if _is_pipeline(self.strategy) else None
+
+    @property
+    def microbatches(self) -> int:
+        """The strategy's microbatches: accumulation steps, pipeline microbatches, or uneven microbatches
+        per device on average."""
+        if isinstance(self.strategy, UnevenBatch) and self.strategy.counts is not None:
+            return max(1, self.strategy.total // self.data_parallel)
+        return self.strategy.microbatches
+
+    def spec(self, names: AxisNames, shape: Sequence[int] | None = None):
+        """The `PartitionSpec` of an array with logical ``names`` (and ``shape``: mesh axes that do not
+        divide a dimension are left out) over the axes annotations may use here."""
+        spec, _ = logical_to_spec(tuple(names), self.rules, shape, self.auto_shape)
+        return spec
+
+    def sharding(self, names: AxisNames, shape: Sequence[int] | None = None):
+        """`jax.sharding.NamedSharding` of an array with logical ``names`` on the bound mesh."""
+        from jax.sharding import NamedSharding
+
+        return NamedSharding(self.mesh, self.spec(names, shape))
+
+    def constrain(self, x, names: AxisNames):
+        """Annotates an activation with the sharding its logical names imply.
+
+        Args:
+          x: An array being traced, e.g. ``[batch, length, act_embed]``.
+          names: One logical name per dimension of ``x``.
+
+        Returns:
+          ``x`` with a `jax.lax.with_sharding_constraint` for this mesh and rules (mesh axes that do
+          not divide a dimension are left out); ``x`` itself when nothing is sharded here.
+
+        Raises:
+          ValueError: When ``names`` does not have one entry per dimension, or two names map to one
+            mesh axis.
+        """
+        if len(names) != x.ndim:
+            raise ValueError(f"constrain: names {tuple(names)} have {len(names)} entries for an array of rank {x.ndim}")
+        if not self.is_sharded:
+            return x
+        import jax
+
+        return jax.lax.with_sharding_constraint(x, self.sharding(names, x.shape))
+
+    def describe(self) -> str:
+        """One line: mesh, rules and strategy."""
+        return f"mesh {format_mesh(self.mesh_shape)}, rules {self.rules.name}, {describe_strategy(self.strategy)}"
+
+    # Flags -------------------------------------------------------------------------------------
+
+    def flags(self) -> list[str]:
+        """The ``python -m train.train`` flags that reproduce this layout (mesh, rules, strategy).
+
+        The one encoder of a `Parallelism` as flags: the planner's chosen plan and ``--plan auto``
+        both print it.
+        """
+        mesh = format_mesh(self.mesh_shape) if self.num_devices > 1 else "data=1"
+        out = ["--mesh", mesh]
+        base, overrides = _rules_flags(self.rules, self.pipeline is not None)
+        out += ["--rules", base] + [item for rule in overrides for item in ("--rule", rule)]
+        if self.outer:
+            outer = format_mesh(self.outer)
+            if outer != "single device":
+                out += ["--mesh-outer", outer]
+        strategy = self.strategy
+        if isinstance(strategy, UnevenBatch):
+            if strategy.counts is not None and strategy.speeds == "given":
+                out += ["--hetero-batch", ",".join(map(str, strategy.counts))]
+            else:
+                out += ["--hetero-batch", "auto" if strategy.speeds == "measured" else strategy.speeds,
+                        "--microbatches", str(strategy.microbatches)]
+        else:
+            out += ["--microbatches", str(strategy.microbatches)]
+        if _is_pipeline(strategy):
+            layout = strategy.layout
+            out += ["--stage-layers", ",".join(map(str, layout.stage_layers)),
+                    "--pipeline-schedule", layout.schedule]
+            if layout.repeats > 1:
+                out += ["--pipeline-repeats", str(layout.repeats)]
+        if self.context_layout != CONTIGUOUS:
+            out += ["--context-layout", self.context_layout]
+        return out
+
+
+def _rules_flags(rules: Rules, pipeline: bool) -> tuple[str, list[str]]:
+    """``(preset, overrides)`` that rebuild ``rules`` (the pipeline's own ``layers -> stage`` left out)."""
+    from sharding.rules import PRESETS
+
+    base = rules.name.split("+", 1)[0]
+    if base not in PRESETS:
+        base = DEFAULT_PRESET
+    preset = dict(PRESETS[base])
+    overrides = []
+    table = dict(rules.table)
+    for logical in dict.fromkeys([*preset, *table]):
+        mesh_axes = tuple(table.get(logical, ()))
+        if pipeline and logical == ax.LAYERS and mesh_axes == (ax.STAGE,):
+            continue
+        if mesh_axes != tuple(preset.get(logical, ())):
+            overrides.append(f"{logical}={'+'.join(mesh_axes) or 'none'}")
+    return base, overrides
+
+
+def describe_strategy(strategy: Strategy) -> str:
+    """``'accumulation over 4 microbatches'``, ``'pipeline 10,10,6,6 (gpipe), 16 microbatches'``, ..."""
+    if _is_pipeline(strategy):
+        return f"pipeline {strategy.layout.describe()}, {strategy.microbatches} microbatches"
+    if isinstance(strategy, UnevenBatch):
+        if strategy.counts is None:
+            return f"uneven data parallelism ({strategy.speeds} speeds, {strategy.microbatches} per device on average)"
+        return f"uneven data parallelism, microbatches per device {','.join(map(str, strategy.counts))}"
+    if strategy.microbatches == 1:
+        return "one microbatch"
+    return f"accumulation over {strategy.microbatches} microbatches"
+
+
+def to_varying(tree, axes: str | Sequence[str]):
+    """Marks each leaf device-varying over ``axes`` (inside `jax.shard_map`), where it is not already.
+
+    `jax.grad` with respect to a value that is invariant over a manual axis (replicated, or just
+    gathered) adds a ``psum`` over that axis in the backward pass; inside a loop whose trip count
+    differs per device that collective would deadlock, and inside any loop it runs once per trip.
+    Cast first, the gradient stays per device and is reduced once, after the loop (GUIDE.md, pitfalls).
+    """
+    import jax
+
+    axes = (axes,) if isinstance(axes, str) else tuple(axes)
+
+    def cast(x):
+        aval = jax.typeof(x)
+        vma = getattr(aval, "vma", None)
+        if vma is None:
+            vma = getattr(getattr(aval, "mat", None), "varying", frozenset())
+        missing = tuple(a for a in axes if a not in vma)
+        if not missing:
+            return x
+        return jax.lax.pcast(x, missing, to="varying")
+
+    return jax.tree.map(cast, tree)
+
+
+UNSHARDED = Parallelism({}, Rules("none", ()))
+"""One device: no annotation, kernels run directly (the reference for every parallel layout)."""
+
+
+__all__ = ["Accumulation", "CONTEXT_LAYOUTS", "CONTIGUOUS", "Parallelism", "Strategy", "UNSHARDED", "UnevenBatch", "ZIGZAG",
+           "describe_strategy", "to_varying"]

@@ -1,0 +1,25 @@
+"""Pipeline parallelism over the ``stage`` mesh axis, in one SPMD program, with uneven stages.
+
+* `layout`: stage layouts and the pipeline plan (which layers each stage holds; no JAX);
+* `relayout`: moving stacked layer arrays between layouts (checkpoints across stage counts);
+* `schedule`: the GPipe and circular schedules with their hand-written backward pass.
+"""
+
+from sharding.pipeline.layout import (
+    SCHEDULES,
+    PipelinePlan,
+    StageLayout,
+    bubble_fraction,
+    check_microbatches,
+    parse_stage_layers,
+    pipeline_rules,
+    plan_layout,
+)
+from sharding.pipeline.relayout import layout_rows, relayout, relayout_on_mesh
+from sharding.pipeline.schedule import from_microbatches, run_pipeline, to_microbatches
+
+__all__ = [
+    "SCHEDULES", "StageLayout", "PipelinePlan", "plan_layout", "parse_stage_layers", "check_microbatches",
+    "pipeline_rules", "bubble_fraction", "relayout", "relayout_on_mesh", "layout_rows", "run_pipeline",
+    "to_microbatches", "from_microbatches",
+]

@@ -1,0 +1,340 @@
+"""Pipeline stage layouts: which layers each stage holds, and the plan of a pipelined step (no JAX).
+
+The layer stack ``[layers, ...]`` is split into ``S`` stages, one per index of the ``stage`` mesh
+axis, and each global batch into ``M`` microbatches that flow from stage to stage. Stages may hold
+different numbers of layers (``--stage-layers 10,10,6,6``): on mixed devices, or when ``S`` does not
+divide the layer count.
+
+Every stacked layer parameter is re-laid from the canonical ``[layers, ...]`` to ``[stage, slot,
+...]`` and sharded over ``stage`` (logical axis ``layers`` -> mesh axis ``stage``, `pipeline_rules`).
+All devices of one SPMD program hold arrays of one shape, so each stage has ``slots = R * K`` slots,
+``K`` the most layers any stage runs in one repeat; a stage with fewer layers leaves slots empty.
+
+With ``R`` repeats, stage ``s`` holds chunks ``s, S+s, 2S+s, ...`` of the ``S*R`` chunks the layers
+are cut into, in order (the circular or interleaved placement of Narayanan et al., "Efficient
+Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", SC 2021, section 2.2.2).
+``R = 1`` is GPipe (Huang et al., NeurIPS 2019). A pass takes ``R*M + S - 1`` steps of one chunk
+each, of which ``S - 1`` are the fill and drain bubble: `bubble_fraction`.
+
+`sharding.pipeline.relayout` moves stacked arrays between layouts; `sharding.pipeline.schedule`
+runs the pipeline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from sharding import axes as ax
+from sharding.splits import even_split
+
+SCHEDULES = ("gpipe", "circular")
+
+
+# Layouts ----------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class StageLayout:
+    """Which layers each stage holds, and where they sit in its slots.
+
+    Attributes:
+      chunks: ``chunks[r][s]``, the layers stage ``s`` runs in repeat ``r``
+        (``R`` rows of ``S`` entries). Chunks take consecutive layers in the
+        order ``r*S + s``: stage 0 repeat 0 first, stage ``S-1`` repeat
+        ``R-1`` last.
+    """
+
+    chunks: tuple[tuple[int, ...], ...]
+
+    @property
+    def stages(self) -> int:
+        """S, the size of the ``stage`` mesh axis."""
+        return len(self.chunks[0])
+
+    @property
+    def repeats(self) -> int:
+        """R, the chunks per stage (1: GPipe; more: circular)."""
+        return len(self.chunks)
+
+    @property
+    def schedule(self) -> str:
+        return "gpipe" if self.repeats == 1 else "circular"
+
+    @property
+    def num_layers(self) -> int:
+        return sum(map(sum, self.chunks))
+
+    @property
+    def stage_layers(self) -> tuple[int, ...]:
+        """Layers per stage, over all its repeats."""
+        return tuple(sum(row[s] for row in self.chunks) for s in range(self.stages))
+
+    @property
+    def chunk_slots(self) -> int:
+        """K, slots per chunk: the most layers of any chunk."""
+        return max(map(max, self.chunks))
+
+    @property
+    def slots(self) -> int:
+        """``R * K``, the slots every stage holds."""
+        return self.repeats * self.chunk_slots
+
+    @property
+    def padding(self) -> tuple[int, ...]:
+        """Empty slots per stage: ``slots - stage_layers[s]``."""
+        return tuple(self.slots - n for n in self.stage_layers)
+
+    def layer_table(self) -> np.ndarray:
+        """``[stages, slots]`` int32: the canonical layer in each slot, -1 where empty.
+
+        Slot ``r*K + k`` of stage ``s`` holds the ``k``-th layer of chunk ``(r, s)``.
+        """
+        table = np.full((self.stages, self.slots), -1, np.int32)
+        layer = 0
+        for r, row in enumerate(self.chunks):
+            for s, count in enumerate(row):
+                start = r * self.chunk_slots
+                table[s, start : start + count] = np.arange(layer, layer + count)
+                layer += count
+        return table
+
+    def stage_ranges(self, stage: int) -> list[tuple[int, int]]:
+        """The canonical layer ranges ``[start, stop)`` stage ``stage`` holds, one per repeat."""
+        ranges, layer = [], 0
+        for row in self.chunks:
+            for s, count in enumerate(row):
+                if s == stage:
+                    ranges.append((layer, layer + count))
+                layer += count
+        return ranges
+
+    def stacked_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
+        """``[layers, *rest]`` -> ``[stages, slots, *rest]``."""
+        if shape[0] != self.num_layers:
+            raise ValueError(f"a stacked array of shape {tuple(shape)} does not have {self.num_layers} layers")
+        return (self.stages, self.slots, *shape[1:])
+
+    @staticmethod
+    def stacked_names(names: Sequence[str | None]) -> tuple[str | None, ...]:
+        """Logical names ``(layers, *rest)`` -> ``(layers, None, *rest)``: the stage dim keeps ``layers``."""
+        return (names[0], None, *names[1:])
+
+    def describe(self) -> str:
+        """``'10,10,6,6 (gpipe)'`` or ``'5+5,5+5,3+3,3+3 (circular, 2 repeats)'``."""
+        if self.repeats == 1:
+            return ",".join(map(str, self.stage_layers)) + " (gpipe)"
+        per_stage = ("+".join(str(row[s]) for row in self.chunks) for s in range(self.stages))
+        return ",".join(per_stage) + f" (circular, {self.repeats} repeats)"
+
+    def to_meta(self) -> dict[str, Any]:
+        """JSON-friendly form, stored with checkpoints."""
+        return {"chunks": [list(row) for row in self.chunks], "stage_layers": list(self.stage_layers),
+                "schedule": self.schedule}
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any] | None) -> StageLayout | None:
+        """Inverse of `to_meta`; None (canonical layout) for None."""
+        if not meta:
+            return None
+        return cls(tuple(tuple(int(n) for n in row) for row in meta["chunks"]))
+
+
+def parse_stage_layers(text: str | None) -> tuple[int, ...] | None:
+    """``'10,10,6,6'`` -> ``(10, 10, 6, 6)``.
+
+    Raises:
+      ValueError: an entry that is not an integer, naming ``--stage-layers``.
+    """
+    if text is None or not text.strip():
+        return None
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ValueError(f"--stage-layers {text!r}: expected comma-separated layer counts, e.g. "
+                         "--stage-layers 10,10,6,6") from None
+
+
+def _join(counts: Sequence[int]) -> str:
+    return ",".join(map(str, counts))
+
+
+def plan_layout(
+    num_layers: int,
+    stages: int,
+    repeats: int = 1,
+    stage_layers: Sequence[int] | None = None,
+) -> tuple[StageLayout, str | None]:
+    """Splits ``num_layers`` layers over ``stages`` stages and ``repeats`` repeats.
+
+    Args:
+      num_layers: L, the model's layers.
+      stages: S, the size of the ``stage`` mesh axis.
+      repeats: R, chunks per stage (``--pipeline-repeats``; 1 is GPipe).
+      stage_layers: ``--stage-layers``: S counts (layers per stage; with R > 1
+        each is split over the stage's R chunks, the earlier chunks taking
+        the remainder) or, with R > 1, S*R counts (per chunk, in pipeline
+        order ``r*S + s``). None splits evenly where it can, and otherwise
+        gives the first stages one more.
+
+    Returns:
+      ``(layout, note)``: the `StageLayout` and, when ``stage_layers`` was not
+      given and the split is uneven, a line saying how it split (else None).
+
+    Raises:
+      ValueError: fewer layers than stages (or chunks); a ``--stage-layers``
+        with the wrong number of entries, a zero or negative entry, or a sum
+        other than ``num_layers``. Each message names the flag, the value and
+        one that works.
+    """
+    chunks_total = stages * repeats
+    if repeats < 1:
+        raise ValueError(f"--pipeline-repeats {repeats}: must be at least 1")
+    if num_layers < stages:
+        raise ValueError(
+            f"--mesh stage={stages}: the model has {num_layers} layers, fewer than the {stages} stages; use "
+            f"--mesh stage={_largest_divisor_at_most(num_layers, stages)} (or more layers, --set num_layers={stages})"
+        )
+    if num_layers < chunks_total:
+        raise ValueError(
+            f"--pipeline-repeats {repeats}: {stages} stages x {repeats} repeats = {chunks_total} chunks, more than "
+            f"the {num_layers} layers; use --pipeline-repeats {max(num_layers // stages, 1)}"
+        )
+    even = even_split(num_layers, chunks_total)
+    if stage_layers is None:
+        chunks = tuple(tuple(even[r * stages : (r + 1) * stages]) for r in range(repeats))
+        layout = StageLayout(chunks)
+        note = None
+        if num_layers % chunks_total:
+            note = (f"--stage-layers not given: {num_layers} layers do not split evenly over {chunks_total} "
+                    f"{'stages' if repeats == 1 else 'chunks'}; split as {layout.describe()}")
+        return layout, note
+    counts = tuple(stage_layers)
+    even_stages = _join(even_split(num_layers, stages))
+    if len(counts) not in (stages, chunks_total):
+        wanted = f"{stages}" if repeats == 1 else f"{stages} (per stage) or {chunks_total} (per chunk)"
+        raise ValueError(
+            f"--stage-layers {_join(counts)}: {len(counts)} entries, but --mesh stage={stages} needs {wanted}; "
+            f"e.g. --stage-layers {even_stages}"
+        )
+    if min(counts) <= 0:
+        raise ValueError(
+            f"--stage-layers {_join(counts)}: every stage needs at least one layer; e.g. --stage-layers {even_stages}"
+        )
+    if sum(counts) != num_layers:
+        raise ValueError(
+            f"--stage-layers {_join(counts)} sums to {sum(counts)}, but the model has {num_layers} layers; "
+            f"e.g. --stage-layers {even_stages}"
+        )
+    if len(counts) == chunks_total and repeats > 1:
+        chunks = tuple(tuple(counts[r * stages : (r + 1) * stages]) for r in range(repeats))
+    else:
+        per_stage = [even_split(n, repeats) for n in counts]
+        if any(min(split) == 0 for split in per_stage):
+            raise ValueError(
+                f"--stage-layers {_join(counts)}: with --pipeline-repeats {repeats} every stage needs at least "
+                f"{repeats} layers (one per repeat); e.g. --stage-layers {even_stages}"
+            )
+        chunks = tuple(tuple(split[r] for split in per_stage) for r in range(repeats))
+    return StageLayout(chunks), None
+
+
+def _largest_divisor_at_most(n: int, limit: int) -> int:
+    return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelinePlan:
+    """A layout and the number of microbatches that flow through it.
+
+    Attributes:
+      layout: the `StageLayout`.
+      microbatches: M, microbatches per global batch.
+      skip_empty: skip empty slots and bubble steps with conditionals (the
+        default). False computes every slot of every step and discards what
+        is not needed: the fallback for a program in which the partitioner
+        put a collective that could wait on other stages inside such a
+        conditional (see `branch_collectives`).
+    """
+
+    layout: StageLayout
+    microbatches: int
+    skip_empty: bool = True
+
+    @property
+    def steps(self) -> int:
+        """Pipeline steps per forward pass: ``R*M + S - 1``."""
+        return self.layout.repeats * self.microbatches + self.layout.stages - 1
+
+    @property
+    def bubble_fraction(self) -> float:
+        """``(S-1) / (R*M + S - 1)``: the share of steps a stage idles (fill and drain)."""
+        return bubble_fraction(self.layout.stages, self.microbatches, self.layout.repeats)
+
+    def layer_applications(self) -> tuple[int, ...]:
+        """Forward layer applications per device of each stage.
+
+        ``M * stage_layers[s]`` when empty slots are skipped; otherwise every
+        slot of every step: ``steps * K``.
+        """
+        if not self.skip_empty:
+            return (self.steps * self.layout.chunk_slots,) * self.layout.stages
+        return tuple(self.microbatches * n for n in self.layout.stage_layers)
+
+
+def check_microbatches(microbatches: int, stages: int, batch_size: int, data_parallel: int) -> None:
+    """Pipeline microbatch checks, before any compilation.
+
+    Args:
+      microbatches: M (``--microbatches``).
+      stages: S.
+      batch_size: the global batch (``--batch-size``).
+      data_parallel: the mesh's ``data x fsdp``; each microbatch must split over it.
+
+    Raises:
+      ValueError: M < S (the ring would wait for a microbatch that does not
+        exist), naming ``--microbatches`` and a value that works.
+    """
+    if microbatches >= stages:
+        return
+    good = [m for m in range(stages, batch_size + 1)
+            if batch_size % m == 0 and (batch_size // m) % data_parallel == 0]
+    hint = (f"--microbatches {good[0]}" if good else
+            f"--microbatches {stages} --batch-size {stages * data_parallel * max(1, batch_size // (stages * data_parallel))}")
+    raise ValueError(
+        f"--microbatches {microbatches}: fewer microbatches than the {stages} pipeline stages (--mesh stage={stages}); "
+        f"every stage needs a microbatch in flight; use {hint}"
+    )
+
+
+def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
+    """Idle fraction of a pipeline pass, ``(S-1) / (R*M + S-1)``.
+
+    GPipe (Huang et al., 2019, section 2.2) with ``repeats=1``; the circular (interleaved) schedule of
+    Narayanan et al. (SC'21, section 2.2.2) with ``repeats`` chunks per device.
+    """
+    return (stages - 1) / (repeats * microbatches + stages - 1)
+
+
+# Rules ---------------------------------------------------------------------------
+
+
+def pipeline_rules(rules):
+    """The rules with ``layers -> stage``, so ``[stage, slot, ...]`` arrays shard over ``stage``.
+
+    Raises:
+      ValueError: when another logical axis already maps to ``stage`` (the
+        pipeline owns that axis), naming it.
+    """
+    for logical, mesh_axes in rules.table:
+        if ax.STAGE in mesh_axes and logical != ax.LAYERS:
+            raise ValueError(
+                f"--rule {logical}={'+'.join(mesh_axes)}: the pipeline owns mesh axis {ax.STAGE!r}; remap "
+                f"{logical!r} (e.g. --rule {logical}=none)"
+            )
+    if rules.mesh_axes(ax.LAYERS) == (ax.STAGE,):
+        return rules
+    return rules.with_overrides({ax.LAYERS: (ax.STAGE,)})

@@ -1,0 +1,165 @@
+"""Moving stacked layer arrays between stage layouts (checkpoints saved in one layout, resumed in another).
+
+A layout is a `sharding.pipeline.layout.StageLayout` (``[stage, slot, ...]``) or None, the canonical
+``[layers, ...]`` stack. `relayout` moves one array with a gather (every device holding whole rows);
+`relayout_on_mesh` moves arrays sharded over ``stage`` point to point, so no device ever holds more
+than its own rows, its result and one message.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from sharding import axes as ax
+from sharding.pipeline.layout import StageLayout
+from sharding.parallel import to_varying
+
+def layout_rows(layout: StageLayout | None, num_layers: int) -> np.ndarray:
+    """The canonical layer of each row of a stacked array, flattened (-1: empty slot)."""
+    if layout is None:
+        return np.arange(num_layers, dtype=np.int32)
+    return layout.layer_table().reshape(-1)
+
+
+def relayout(x, src: StageLayout | None, dst: StageLayout | None, num_layers: int):
+    """Re-lays one stacked array between layouts (None: canonical ``[layers, ...]``).
+
+    Args:
+      x: ``[layers, ...]`` (``src`` None) or ``[stages, slots, ...]``.
+      src, dst: the layouts it is in and goes to.
+      num_layers: L.
+
+    Returns:
+      The array in ``dst``'s layout; empty slots are zero. Call it under
+      `jax.jit` with the target shardings as ``out_shardings``.
+    """
+    import jax.numpy as jnp
+
+    if src == dst:
+        return x
+    lead = 1 if src is None else 2
+    rows = x.reshape(-1, *x.shape[lead:])
+    position = np.zeros(num_layers, np.int32)
+    src_rows = layout_rows(src, num_layers)
+    position[src_rows[src_rows >= 0]] = np.nonzero(src_rows >= 0)[0]
+    table = np.arange(num_layers, dtype=np.int32) if dst is None else dst.layer_table()
+    take = np.where(table >= 0, position[np.maximum(table, 0)], 0)
+    y = jnp.take(rows, jnp.asarray(take.reshape(-1)), axis=0).reshape(*table.shape, *x.shape[lead:])
+    if (table < 0).any():
+        mask = jnp.asarray(table >= 0).reshape(*table.shape, *([1] * (x.ndim - lead)))
+        y = jnp.where(mask, y, jnp.zeros((), y.dtype))
+    return y
+
+
+def _transfer_tables(src: StageLayout | None, dst: StageLayout, num_layers: int, stages: int, rows: int):
+    """Static tables to move rows block-sharded over ``stage`` (``rows`` per stage) into ``dst``.
+
+    Returns:
+      For each shift ``d`` (source stage ``s`` sends to ``(s + d) % S``) a pair
+      ``(send, recv)`` of int32 ``[S, cap_d]`` arrays: ``send[s]`` the local
+      rows stage ``s`` sends, ``recv[t]`` the slots stage ``t`` puts them in
+      (``dst.slots`` for padding, dropped), or None when nothing moves by ``d``.
+    """
+    src_rows = layout_rows(src, num_layers)
+    position = np.zeros(num_layers, np.int64)
+    position[src_rows[src_rows >= 0]] = np.nonzero(src_rows >= 0)[0]
+    pairs: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    table = dst.layer_table()
+    for t in range(stages):
+        for k in range(dst.slots):
+            layer = table[t, k]
+            if layer < 0:
+                continue
+            row = position[layer]
+            s = int(row // rows)
+            pairs.setdefault(((t - s) % stages, s), []).append((int(row % rows), k))
+    tables = []
+    for d in range(stages):
+        cap = max((len(pairs.get((d, s), ())) for s in range(stages)), default=0)
+        if cap == 0:
+            tables.append(None)
+            continue
+        send = np.zeros((stages, cap), np.int32)
+        recv = np.full((stages, cap), dst.slots, np.int32)
+        for s in range(stages):
+            for j, (local, slot) in enumerate(pairs.get((d, s), ())):
+                send[s, j] = local
+                recv[(s + d) % stages, j] = slot
+        tables.append((send, recv))
+    return tables
+
+
+def relayout_on_mesh(tree, src: StageLayout | None, dst: StageLayout | None, num_layers: int, mesh):
+    """`relayout` for arrays sharded as `pipeline_rules` shard them, moving rows between stages point to point.
+
+    A plain gather lets the partitioner all-gather the whole stack onto every
+    device first. Here, when an array's first dimension is split over
+    ``stage`` (as restored onto this mesh), each stage sends exactly the rows
+    the other stages need, one ``ppermute`` per stage distance, so no device
+    holds more than its source rows, its result and one message. When it is
+    not split (it does not divide), every device already has all rows and
+    takes its own.
+
+    Args:
+      tree: a pytree of arrays ``[layers, ...]`` (``src`` None) or
+        ``[stages', slots', ...]``, their first dimension split over ``stage``
+        where the size allows, other dimensions as they are.
+      src, dst: the layouts; ``dst`` must have ``mesh``'s stage count (or be
+        None on a mesh without one).
+      num_layers: L.
+      mesh: the `jax.sharding.Mesh`.
+
+    Returns:
+      The tree in ``dst``'s layout (call under `jax.jit` with the target
+      shardings as ``out_shardings``).
+
+    Raises:
+      ValueError: ``dst`` has another stage count than ``mesh``.
+    """
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    stages = dict(mesh.shape).get(ax.STAGE, 1)
+    if src == dst:
+        return tree
+    if stages == 1 or dst is None:
+        return jax.tree.map(lambda x: relayout(x, src, dst, num_layers), tree)  # every device holds whole rows
+    if dst.stages != stages:
+        raise ValueError(f"the layout has {dst.stages} stages but the mesh's stage axis is {stages}")
+    leaves, treedef = jax.tree.flatten(tree)
+    shapes = [x.shape for x in leaves]
+    split = [shape[0] % stages == 0 for shape in shapes]
+
+    def local(*blocks):
+        stage = jax.lax.axis_index(ax.STAGE)
+        return [_move_rows(block, shape, sharded, src, dst, num_layers, stage)
+                for block, shape, sharded in zip(blocks, shapes, split)]
+
+    specs = [P(ax.STAGE) if sharded else P() for sharded in split]
+    moved = jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=[P(ax.STAGE)] * len(leaves),
+                          axis_names={ax.STAGE})(*leaves)
+    return treedef.unflatten(moved)
+
+
+def _move_rows(block, shape, sharded: bool, src, dst: StageLayout, num_layers: int, stage):
+    """One array's part of `relayout_on_mesh`, on one stage: ``block`` -> ``[1, dst.slots, ...]``."""
+    import jax
+    import jax.numpy as jnp
+
+    stages = dst.stages
+    lead = 1 if src is None else 2
+    rest = shape[lead:]
+    rows = block.reshape(-1, *rest)
+    if not sharded:
+        y = relayout(rows.reshape(shape), src, dst, num_layers)  # [S, slots, ...]: all rows are here
+        return jax.lax.dynamic_index_in_dim(to_varying(y, ax.STAGE), stage, keepdims=True)
+    out = to_varying(jnp.zeros((dst.slots, *rest), block.dtype), ax.STAGE)
+    for d, tables in enumerate(_transfer_tables(src, dst, num_layers, stages, rows.shape[0])):
+        if tables is None:
+            continue
+        send, recv = (jnp.asarray(t)[stage] for t in tables)
+        message = jnp.take(rows, send, axis=0)
+        if d:
+            message = jax.lax.ppermute(message, ax.STAGE, [(s, (s + d) % stages) for s in range(stages)])
+        out = out.at[recv].set(message, mode="drop")
+    return out[None]

@@ -1,0 +1,58 @@
+"""Splitting a whole number of items over bins: evenly, or in proportion to weights.
+
+Used for layers over pipeline stages (`sharding.pipeline.layout`), microbatches over devices of
+different speeds (uneven data parallelism) and the planner's shares (`sharding.planner`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+
+def even_split(total: int, parts: int) -> tuple[int, ...]:
+    """``total`` items over ``parts`` bins as evenly as possible, the first ``total % parts`` bins one larger.
+
+    Raises:
+      ValueError: When ``parts`` < 1 or ``total`` < 0.
+    """
+    if parts < 1 or total < 0:
+        raise ValueError(f"cannot split {total} items over {parts} bins")
+    base, extra = divmod(total, parts)
+    return tuple(base + (i < extra) for i in range(parts))
+
+
+def largest_remainder(total: int, weights: Sequence[float], minimum: int = 0) -> list[int]:
+    """``total`` items in proportion to ``weights``, rounded by largest remainder (Hamilton's method).
+
+    Each bin first gets ``minimum``; the rest is shared: bin ``i`` gets ``floor(rest * w_i / sum(w))``
+    and the items left go one each to the bins with the largest fractional parts (ties: the larger
+    weight, then the lower index). The counts sum to ``total``.
+
+    Args:
+      total: Items to share (>= 0).
+      weights: One positive weight per bin (e.g. device speeds).
+      minimum: Items every bin gets at least.
+
+    Returns:
+      One count per bin.
+
+    Raises:
+      ValueError: On no weights, a weight that is not positive, a negative ``total``, or a ``total``
+        below ``minimum * len(weights)``.
+    """
+    if not weights or any(not w > 0 for w in weights):
+        raise ValueError(f"weights must be positive, got {list(weights)}")
+    if total < 0:
+        raise ValueError(f"total must be >= 0, got {total}")
+    if total < minimum * len(weights):
+        raise ValueError(f"{total} items cannot give each of {len(weights)} bins at least {minimum}")
+    rest = total - minimum * len(weights)
+    whole = sum(weights)
+    exact = [rest * w / whole for w in weights]
+    counts = [math.floor(e) for e in exact]
+    left = rest - sum(counts)
+    order = sorted(range(len(weights)), key=lambda i: (-(exact[i] - counts[i]), -weights[i], i))
+    for i in order[:left]:
+        counts[i] += 1
+    return [c + minimum for c in counts]
