@@ -62,6 +62,7 @@ def measure(args) -> dict:
     from models.config import get_config
     from sharding.devices import peak_flops
     from sharding.mesh import make_mesh, parse_mesh
+    from sharding.parallel import Accumulation, Parallelism
     from sharding.rules import get_rules
     from train.optimizer import OptimizerConfig
     from sharding.vocab import choose_for_batch
@@ -71,8 +72,8 @@ def measure(args) -> dict:
                                  ("logits", args.logits)) if v}
     config = get_config(args.model, args.set, **changes)
     mesh = make_mesh(parse_mesh(args.mesh, jax.device_count()))
-    trainer = Trainer(config, OptimizerConfig(decay_steps=max(args.steps, 2), warmup=1), mesh,
-                      get_rules(args.rules, args.rule), args.microbatches)
+    par = Parallelism.of(mesh, get_rules(args.rules, args.rule), Accumulation(args.microbatches))
+    trainer = Trainer(config, OptimizerConfig(decay_steps=max(args.steps, 2), warmup=1), par)
     B, T = args.batch_size, args.seq_len
     split = choose_for_batch(config.logits, trainer.rules, dict(mesh.shape), config.vocab_size, config.embed_dim,
                              (B, T))

@@ -189,9 +189,93 @@ class CheckpointManager:
         """Waits for pending saves and releases the manager."""
         self._manager.close()
 
+    def close_or_fail(self) -> None:
+        """`close`, raising `CheckpointFailure` (the CLI then exits hard) when finishing the saves fails."""
+        try:
+            self.close()
+        except Exception as e:
+            raise CheckpointFailure(f"finishing the checkpoints in {self.directory} failed: {e}") from e
+
     def _resolve(self, step: int | None) -> int:
         if step is None:
             step = self.latest_step()
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {self.directory}")
         return step
+
+
+# What the training loop uses --------------------------------------------------------------------
+
+
+class CheckpointFailure(RuntimeError):
+    """A checkpoint could not be written; Orbax's background threads may be stuck, so the CLI exits hard."""
+
+
+class LoopCheckpoints:
+    """What the training loop needs from checkpoints: start a save, surface a failed one.
+
+    Args:
+      manager: The `CheckpointManager`.
+      meta: The run's `checkpoints.meta.RunMeta`; each save records its step and data position.
+    """
+
+    def __init__(self, manager: CheckpointManager, meta):
+        self.manager, self.meta = manager, meta
+
+    def save(self, state, step: int, samples: int) -> None:
+        """Starts saving ``state`` as ``step`` after ``samples`` sequences.
+
+        Raises:
+          CheckpointFailure: When the save cannot start (its error, with the step and folder).
+        """
+        try:
+            self.manager.save(step, state, self.meta.at(step, samples).to_json())
+        except Exception as e:  # any failure to start a save ends the run with it
+            raise CheckpointFailure(f"saving the checkpoint of step {step} in {self.manager.directory} failed: {e}") from e
+
+    def check(self) -> None:
+        """Raises `CheckpointFailure` at once if a background save has failed."""
+        try:
+            self.manager.check_for_errors()
+        except Exception as e:  # the background save's own error, raised here at once
+            raise CheckpointFailure(f"a checkpoint save failed, so training stopped: {e}") from e
+
+    def finish(self, step: int) -> None:
+        """Waits for the pending save of ``step`` and raises `CheckpointFailure` if it failed."""
+        try:
+            self.manager.wait()
+            self.manager.check_for_errors()
+        except Exception as e:
+            raise CheckpointFailure(f"the checkpoint of step {step} could not be written: {e}") from e
+
+
+def restore_state(manager: CheckpointManager, target, step: int | None = None):
+    """Restores a checkpoint onto a trainer's mesh and layout.
+
+    Reads the saved stage layout from the checkpoint's metadata (``pipeline``; absent or None: canonical),
+    restores onto targets in that layout with the current mesh's shardings (every device reads only its
+    slice), then re-lays the stacked layer axis on device.
+
+    Args:
+      manager: The `CheckpointManager`.
+      target: What to restore onto: has ``config.num_layers``, ``abstract_state(layout)`` and
+        ``relayout_state(state, layout)`` (a `train.step.Trainer`).
+      step: The step (default: latest).
+
+    Returns:
+      ``(state, meta)``: the state in the target's layout and the `checkpoints.meta.RunMeta`.
+
+    Raises:
+      ValueError: A saved layout with another number of layers than the model.
+      FileNotFoundError: No checkpoint.
+    """
+    from checkpoints.meta import RunMeta
+    from sharding.pipeline import StageLayout
+
+    meta = RunMeta.from_json(manager.read_meta(step))
+    src = StageLayout.from_meta(meta.pipeline)
+    if src is not None and src.num_layers != target.config.num_layers:
+        raise ValueError(f"the checkpoint's stage layout {src.describe()} has {src.num_layers} layers; the model "
+                         f"has {target.config.num_layers}")
+    state, _ = manager.restore(target.abstract_state(src), step)
+    return target.relayout_state(state, src), meta

@@ -20,6 +20,7 @@ from models.config import get_config
 from sharding import costmodel as cm
 from sharding import hlo
 from sharding.mesh import make_mesh, parse_mesh
+from sharding.parallel import Accumulation, Parallelism
 from sharding.rules import get_rules
 from train.optimizer import OptimizerConfig
 from train.step import Trainer
@@ -64,7 +65,8 @@ def compiled_figures(case):
     """The compiler's figures for one case (compiled once per session)."""
     model, mesh_spec, rules, batch, seq, micro, remat = case
     config = _config(model, remat)
-    trainer = Trainer(config, OptimizerConfig(), make_mesh(parse_mesh(mesh_spec, 8)), get_rules(rules), micro)
+    par = Parallelism.of(make_mesh(parse_mesh(mesh_spec, 8)), get_rules(rules), Accumulation(micro))
+    trainer = Trainer(config, OptimizerConfig(), par)
     compiled = trainer.compile_train_step(batch, seq)
     analysis = compiled.cost_analysis()
     analysis = analysis[0] if isinstance(analysis, list) else analysis

@@ -6,7 +6,6 @@ a larger eps keeps the update a smooth function of the gradient, so 1e-5 compare
 effect rather than float32 rounding of entries that are zero in exact arithmetic.
 """
 
-import argparse
 import re
 
 import jax
@@ -19,9 +18,12 @@ from sharding import costmodel as cm
 from sharding import hlo
 from sharding.devices import simulate_inventory
 from sharding.mesh import make_mesh, parse_mesh
+from sharding.parallel import Accumulation, Parallelism, UnevenBatch
 from sharding.rules import get_rules
-from train import hetero
+from train import checks, cli, strategies
+from train.config import resolve_mesh
 from train.optimizer import OptimizerConfig
+from train.plan import apply_plan
 from train.step import Trainer
 
 SEQ = 32
@@ -31,7 +33,12 @@ COUNTS = (3, 3, 3, 3, 1, 1, 1, 1)
 def _trainer(mesh_spec, rules):
     config = get_config("test", ["num_layers=1"])
     optimizer = OptimizerConfig(warmup=0, decay_steps=10, eps=1e-3)
-    return Trainer(config, optimizer, make_mesh(parse_mesh(mesh_spec, 8)), get_rules(rules), 1)
+    return Trainer(config, optimizer, Parallelism.of(make_mesh(parse_mesh(mesh_spec, 8)), get_rules(rules), Accumulation(1)))
+
+
+def _uneven(trainer, counts):
+    """The trainer's model and layout with uneven microbatch counts per device."""
+    return Trainer(trainer.config, trainer.optimizer, trainer.par.replace(strategy=UnevenBatch(tuple(counts))))
 
 
 def _batch(trainer, rows, seed=0):
@@ -77,12 +84,13 @@ def _loop_bodies(text):
 ])
 def test_update_equals_uniform_batch_and_counts_match(mesh_spec, rules, counts, rows):
     trainer = _trainer(mesh_spec, rules)
-    step = hetero.HeteroTrainer(trainer, counts, rows)
+    step = _uneven(trainer, counts)
     batch_rows = sum(counts) * rows
     batch = _batch(trainer, batch_rows)
     params = trainer.init_state(0)["params"]
 
-    loss_sum, weight, grads, processed = jax.jit(step.gradients)(params, batch)
+    loss_sum, weight, grads, extra = jax.jit(step.gradients)(params, batch)
+    processed = extra["processed"]
     (u_loss, u_weight), uniform = jax.jit(jax.value_and_grad(trainer.loss_sums, has_aux=True))(params, batch)
     np.testing.assert_allclose(float(loss_sum), float(u_loss), rtol=1e-5)
     assert float(weight) == float(u_weight)
@@ -90,8 +98,9 @@ def test_update_equals_uniform_batch_and_counts_match(mesh_spec, rules, counts, 
     assert np.asarray(processed).tolist() == list(counts)
 
     signals = trainer.signals(False)
-    compiled = step.counted_step(batch_rows, SEQ).lower(trainer.init_state(0), batch, signals).compile()
-    new, metrics, processed = compiled(trainer.init_state(0), batch, signals)
+    compiled = step.train_step(batch_rows, SEQ).lower(trainer.init_state(0), batch, signals).compile()
+    new, metrics = compiled(trainer.init_state(0), batch, signals)
+    processed = metrics["processed"]
     ref, ref_metrics = trainer.train_step(batch_rows, SEQ)(trainer.init_state(0), batch, signals)
     assert np.asarray(processed).tolist() == list(counts)
     assert int(metrics["microbatches"]) == sum(counts)
@@ -123,55 +132,61 @@ def _check_compiled_loop(text, trainer, mesh_spec, rules, counts, rows):
 
 
 def test_speed_counts_largest_remainder():
-    assert hetero.speed_counts([989.5, 989.5, 989.5, 989.5, 312, 312, 312, 312], 16) == [3, 3, 3, 3, 1, 1, 1, 1]
-    assert hetero.speed_counts([1, 1, 1], 10) == [4, 3, 3]
-    assert hetero.speed_counts([2, 1], 0) == [0, 0]
-    counts = hetero.speed_counts([3.0, 1.5, 1.0, 1.0], 37)
+    speed_counts = strategies.counts_from_speeds
+    assert speed_counts([989.5, 989.5, 989.5, 989.5, 312, 312, 312, 312], 16) == [3, 3, 3, 3, 1, 1, 1, 1]
+    assert speed_counts([1, 1, 1], 10) == [4, 3, 3]
+    assert speed_counts([2, 1], 0) == [0, 0]
+    counts = speed_counts([3.0, 1.5, 1.0, 1.0], 37)
     assert sum(counts) == 37 and counts[0] > counts[1] > counts[2] == counts[3]
     with pytest.raises(ValueError):
-        hetero.speed_counts([1, 0], 4)
+        speed_counts([1, 0], 4)
 
 
 def test_auto_counts_from_simulated_kinds():
     trainer = _trainer("data=8", "dp")
     _, simulated = simulate_inventory("h100:4,a100:4", jax.devices())
-    speeds = hetero.device_speeds(trainer.mesh, simulated)
-    assert hetero.parse_hetero_batch("auto", 8, 16, speeds) == list(COUNTS)
+    speeds = strategies.device_speeds(trainer.mesh, simulated)
+    par, _ = strategies.resolve_uneven(trainer.par.replace(strategy=UnevenBatch(None, "kinds", 2)), trainer.mesh, simulated)
+    assert list(par.strategy.counts) == list(COUNTS)
+    assert strategies.counts_from_speeds(speeds, 16) == list(COUNTS)
     with pytest.raises(ValueError, match="--simulate-cluster"):
-        hetero.device_speeds(trainer.mesh, None)  # CPU devices: peak unknown
+        strategies.device_speeds(trainer.mesh, None)  # CPU devices: peak unknown
 
 
 def test_bad_layouts_and_counts_are_refused_naming_the_flag():
     with pytest.raises(ValueError, match="--hetero-batch supports data-parallel meshes"):
-        hetero.HeteroTrainer(_trainer("data=4,tensor=2", "dp"), (1, 1, 1, 1), 1)
+        _uneven(_trainer("data=4,tensor=2", "dp"), (1, 1, 1, 1))
     with pytest.raises(ValueError, match="8 devices"):
-        hetero.HeteroTrainer(_trainer("data=8", "dp"), (1, 1), 1)
+        _uneven(_trainer("data=8", "dp"), (1, 1))
     with pytest.raises(ValueError, match="--batch-size 20"):
-        hetero.HeteroTrainer(_trainer("data=8", "dp"), COUNTS, 1).train_step(20, SEQ)
-    with pytest.raises(ValueError, match="sum to the 16"):
-        hetero.parse_hetero_batch("3,3,3,3,1,1,1,2", 8, 16, None)
-    args = argparse.Namespace(hetero_batch="3,x", plan=None, cluster=None, simulate_cluster=None)
+        _uneven(_trainer("data=8", "dp"), COUNTS).train_step(20, SEQ)
+    with pytest.raises(ValueError, match="--batch-size 16 is not divisible by the 17 microbatches"):
+        run = cli.parse(["--model", "test", "--mesh", "data=8", "--rules", "dp", "--hetero-batch", "3,3,3,3,1,1,1,2",
+                         "--batch-size", "16", "--dry-run"])
+        checks.validate(resolve_mesh(run, 8), 8)
     with pytest.raises(ValueError, match="--hetero-batch"):
-        hetero.validate_flags(args)
-    args = argparse.Namespace(hetero_batch="3,3,3,3,1,1,1,1", batch_size=20, mesh="data=8")
+        cli.parse_hetero_batch("3,x")
+    run = cli.parse(["--model", "test", "--mesh", "data=8", "--rules", "dp", "--hetero-batch", "3,3,3,3,1,1,1,1",
+                     "--batch-size", "20", "--dry-run"])
     with pytest.raises(ValueError, match="--batch-size 20"):
-        hetero.check_flags(args, {"data": 8, "fsdp": 1})
+        checks.check_strategy(resolve_mesh(run, 8))
 
 
 def test_plan_auto_sets_the_flags(monkeypatch):
-    args = argparse.Namespace(plan="auto", cluster=None, simulate_cluster="h100:4,a100:4", batch_size=64, seq_len=256,
-                              mesh="fsdp=-1", rules="fsdp_tp", rule=[], microbatches=1, hetero_batch="off",
-                              stage_layers=None, pipeline_schedule="gpipe", pipeline_repeats=None)
+    run = cli.parse(["--plan", "auto", "--simulate-cluster", "h100:4,a100:4", "--batch-size", "64", "--seq-len", "256",
+                     "--model", "125m", "--attention", "flash", "--dtype", "bfloat16", "--dry-run"])
     lines = []
-    config = hetero.apply_plan(args, get_config("125m", attention="flash", dtype="bfloat16"), jax.devices(), lines.append)
+    run = apply_plan(run, jax.devices(), lines.append)
     assert lines and lines[0].startswith("--plan auto")
-    shape = parse_mesh(args.mesh, 8)
-    assert args.rules in ("dp", "fsdp", "tp", "fsdp_tp") and args.microbatches >= 1
-    assert config.remat in ("none", "dots", "full")
-    if args.hetero_batch != "off":
-        hetero.check_flags(args, shape)
+    par = run.parallelism
+    shape = par.mesh_shape
+    assert par.rules.name.split("+")[0] in ("dp", "fsdp", "tp", "fsdp_tp") and par.strategy.microbatches >= 1
+    assert run.model.remat in ("none", "dots", "full")
+    checks.check_batch(run)
+    if isinstance(par.strategy, UnevenBatch):
+        checks.check_strategy(run)
     if shape["stage"] > 1:
-        assert sum(int(x) for x in args.stage_layers.split(",")) == 12
+        assert sum(par.pipeline.layout.stage_layers) == 12
 
 
 def test_cli_dry_run_with_simulated_cluster_and_auto_counts(capsys):

@@ -11,6 +11,7 @@ from _procs import free_port, losses, run, start
 from checkpoints.manager import CheckpointManager
 from models.config import get_config
 from sharding.mesh import make_mesh, parse_mesh
+from sharding.parallel import Parallelism
 from sharding.rules import get_rules
 from train.data import load_dataset
 from train.optimizer import OptimizerConfig
@@ -68,7 +69,7 @@ def test_the_two_process_checkpoint_restores_in_one_process(runs, corpus, cache)
     """Step 15 restored in one 8-device process reproduces the two-process run's loss at step 16."""
     _, multi, _ = runs
     mesh = make_mesh(parse_mesh("fsdp=8", 8))
-    trainer = Trainer(get_config("test"), OptimizerConfig(warmup=2, decay_steps=20), mesh, get_rules("fsdp_tp"))
+    trainer = Trainer(get_config("test"), OptimizerConfig(warmup=2, decay_steps=20), Parallelism.of(mesh, "fsdp_tp"))
     manager = CheckpointManager(multi / "checkpoints", async_save=False)
     try:
         assert manager.all_steps() == [10, 15, 20]

@@ -10,7 +10,7 @@ from models.output import cross_entropy_sums, output_loss_sums, project_logits
 from models.transformer import abstract_model, init_params, loss_sums
 from sharding import hlo
 from sharding.mesh import make_mesh, parse_mesh
-from sharding.parallel import Parallelism
+from sharding.parallel import Accumulation, Parallelism
 from sharding.rules import get_rules, tree_shardings
 from sharding.vocab import choose_output, output_traffic, vocab_split
 from train.optimizer import OptimizerConfig
@@ -128,12 +128,12 @@ def test_vocab_parallel_refuses_layouts_it_cannot_split(rules, mesh, vocab, why)
 def test_vocab_parallel_step_never_gathers_the_output_weight():
     """The point of it: no device holds the whole [embed, vocab] weight or its whole gradient."""
     config = get_config("test", ["num_layers=1", "vocab_size=4096"], logits="vocab_parallel")
-    trainer = Trainer(config, OptimizerConfig(), make_mesh(parse_mesh("fsdp=8", 8)), get_rules("fsdp_tp"))
+    trainer = Trainer(config, OptimizerConfig(), Parallelism.of(make_mesh(parse_mesh("fsdp=8", 8)), get_rules("fsdp_tp")))
     text = trainer.compile_train_step(8, 32).as_text()
     whole = config.embed_dim * config.vocab_size * 4
     big = [c for c in hlo.collectives(text) if c.result_bytes >= whole]
     assert not big, big
-    gathered = Trainer(config.replace(logits="gathered"), OptimizerConfig(), trainer.mesh, trainer.rules)
+    gathered = Trainer(config.replace(logits="gathered"), OptimizerConfig(), trainer.par)
     assert any(c.result_bytes >= whole for c in hlo.collectives(gathered.compile_train_step(8, 32).as_text()))
 
 
@@ -146,7 +146,7 @@ def test_vocab_parallel_train_step_with_microbatches_matches_gathered():
              "segment_ids": np.ones((8, 16), np.int32)}
     results = []
     for logits in ("gathered", "vocab_parallel"):
-        trainer = Trainer(config.replace(logits=logits), OptimizerConfig(), mesh, rules, microbatches=2)
+        trainer = Trainer(config.replace(logits=logits), OptimizerConfig(), Parallelism.of(mesh, rules, Accumulation(2)))
         sharding = trainer.batch_sharding(8, 16)
         placed = {k: jax.device_put(v, sharding) for k, v in batch.items()}
         with jax.default_matmul_precision("highest"):

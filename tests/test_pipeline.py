@@ -16,7 +16,7 @@ from models.transformer import init_params
 from sharding import pipeline as pl
 from sharding.mesh import make_mesh, parse_mesh
 from sharding.hlo import branch_collectives
-from sharding.parallel import UNSHARDED, Parallelism
+from sharding.parallel import UNSHARDED, Accumulation, Parallelism
 from sharding.rules import get_rules
 from train import report, train
 from train.optimizer import OptimizerConfig
@@ -204,7 +204,8 @@ def _loss_and_grads(trainer, batch):
 
 
 def _trainer(config, mesh_spec, plan=None, microbatches=1):
-    return Trainer(config, OptimizerConfig(), make_mesh(parse_mesh(mesh_spec, 8)), RULES, microbatches, pipeline=plan)
+    return Trainer(config, OptimizerConfig(), Parallelism.of(make_mesh(parse_mesh(mesh_spec, 8)), RULES,
+                                                             plan or Accumulation(microbatches)))
 
 
 @pytest.mark.parametrize(

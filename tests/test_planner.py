@@ -3,7 +3,6 @@
 No devices are needed: the planner prices layouts with the cost model.
 """
 
-import argparse
 import dataclasses
 import time
 
@@ -13,7 +12,7 @@ from sharding import axes as ax
 from sharding import costmodel as cm
 from sharding import devices, planner
 from sharding.plan import ModelDims, main as plan_main
-from train import hetero
+from train import checks, cli
 
 
 def _kind(name, tflops, memory_gb, intra_gb_s):
@@ -152,10 +151,9 @@ def test_flags_reproduce_the_plan_and_train_accepts_them():
     if best.counts is not None:
         counts = [int(x) for x in flags.split("--hetero-batch ")[1].split()[0].split(",")]
         assert sum(counts) == best.layout.batch_split * best.layout.microbatches
-        args = argparse.Namespace(hetero_batch=",".join(map(str, counts)), batch_size=256, mesh="", plan=None,
-                                  cluster=None, simulate_cluster=None)
-        hetero.validate_flags(args)
-        hetero.check_flags(args, best.layout.mesh)
+        run = cli.parse([*flags.split(), "--batch-size", "256", "--seq-len", "1024", "--model", "125m", "--dry-run"])
+        checks.check_batch(run)
+        checks.check_strategy(run)
 
 
 def test_proportional_split_largest_remainder():

@@ -12,6 +12,7 @@ from checkpoints.inspect import describe
 from checkpoints.manager import CheckpointManager
 from models.config import get_config
 from sharding.mesh import make_mesh, parse_mesh
+from sharding.parallel import Parallelism
 from sharding.rules import get_rules
 from train import train
 from train.optimizer import OptimizerConfig
@@ -37,7 +38,7 @@ def metrics(run_dir, key="train/loss"):
 
 def restore_params(run_dir, mesh_spec, step=None):
     trainer = Trainer(get_config("test"), OptimizerConfig(decay_steps=8, warmup=1),
-                      make_mesh(parse_mesh(mesh_spec, 8)), get_rules("fsdp_tp"))
+                      Parallelism.of(make_mesh(parse_mesh(mesh_spec, 8)), get_rules("fsdp_tp")))
     manager = CheckpointManager(Path(run_dir) / "checkpoints", async_save=False)
     try:
         state, meta = manager.restore(trainer.abstract_state(), step)
@@ -138,7 +139,7 @@ def test_dry_run_reports_shardings_memory_and_collectives(capsys):
 
 
 def test_fsdp_state_bytes_per_device_are_an_eighth():
-    trainer = Trainer(get_config("test"), OptimizerConfig(), make_mesh(parse_mesh("fsdp=8", 8)), get_rules("fsdp"))
+    trainer = Trainer(get_config("test"), OptimizerConfig(), Parallelism.of(make_mesh(parse_mesh("fsdp=8", 8)), get_rules("fsdp")))
     compiled = trainer.compile_train_step(8, 64)
     stats = compiled.memory_analysis()
     batch_bytes = 5 * 8 * 64 * 4 // 8

@@ -143,3 +143,23 @@ def _check_loopback_single_host(config: DistributedConfig) -> None:
             f"--coordinator {config.coordinator} is a loopback address but the {config.num_processes} processes "
             f"run on {len(hosts)} hosts; give the coordinator host's network address"
         )
+
+
+def setup_devices(cpu_devices: int | None) -> None:
+    """Applies ``--cpu-devices`` before JAX starts its backend.
+
+    Raises:
+      RuntimeError: When the backend already started with another count.
+    """
+    if cpu_devices is None:
+        return
+    import jax
+
+    try:
+        jax.config.update("jax_num_cpu_devices", cpu_devices)
+    except RuntimeError:
+        have = len(jax.devices("cpu"))
+        if have != cpu_devices:
+            raise RuntimeError(
+                f"--cpu-devices {cpu_devices}: JAX already started with {have} CPU devices in this process"
+            ) from None

@@ -55,6 +55,21 @@ class LoopOptions:
     progress: bool = True
     skip_nonfinite: int = 0
 
+    @classmethod
+    def of(cls, run) -> LoopOptions:
+        """The options of a `train.config.RunConfig` (MFU against the devices' summed peak, when known)."""
+        import jax
+
+        from sharding.devices import peak_flops
+
+        peaks = [peak_flops(d) for d in jax.devices()]
+        loop, data = run.loop, run.data
+        return cls(steps=loop.steps, global_batch=data.batch_size, seq_len=data.seq_len, log_every=loop.log_every,
+                   eval_every=loop.eval_every, eval_batches=loop.eval_batches, ckpt_every=run.checkpoint.every,
+                   flops_per_token=run.model.flops_per_token(data.seq_len),
+                   peak_flops=None if any(p is None for p in peaks) else float(sum(peaks)),
+                   progress=loop.progress, skip_nonfinite=loop.skip_nonfinite)
+
 
 class MetricsWriter:
     """``metrics.jsonl`` plus TensorBoard event files in the run folder (process 0 only)."""
@@ -81,7 +96,8 @@ class MetricsWriter:
         self._jsonl.flush()
         if self._tb is not None:
             for key, value in values.items():
-                self._tb.add_scalar(f"{prefix}/{key}", value, step)
+                for index, item in enumerate(value) if isinstance(value, list) else ((None, value),):
+                    self._tb.add_scalar(f"{prefix}/{key}" + ("" if index is None else f"/{index}"), item, step)
 
     def close(self) -> None:
         if self._jsonl is not None:
@@ -178,83 +194,109 @@ def train_loop(
       NonFiniteLossError: when more than ``options.skip_nonfinite`` steps had
         a non-finite loss; nothing is saved after the last good checkpoint.
     """
-    B, T = options.global_batch, options.seq_len
-    sharding = trainer.batch_sharding(B, T)
-    step_fn = trainer.train_step(B, T)
-    eval_fn = trainer.eval_step(B, T)
     start = int(jax.device_get(state["step"]))
-    summary: dict[str, Any] = {"start_step": start, "eval": [], "skipped": [], "stopped_by": None}
-
-    def batch_at(first_sample):
-        return to_global_arrays(lambda rows: dataset.train_rows(first_sample, rows), B, T, sharding)
-
-    def run_eval(step):
-        loss = evaluate(eval_fn, state["params"], dataset, options, sharding)
-        summary["eval"].append((step, loss))
-        writer.write(step, {"loss": loss}, prefix="eval")
-        log(f"eval   {step:>6}/{options.steps} | held-out loss {loss:.4f}")
-
+    run = _Run(trainer, dataset, options, writer, log, start)
     if start >= options.steps:
         log(f"the run is at step {start}, which already reaches --steps {options.steps}; nothing to train "
             f"(raise --steps to continue)")
-        summary.update(step=start, samples=samples)
-        return state, summary
-
+        run.summary.update(step=start, samples=samples)
+        return state, run.summary
     t0 = time.perf_counter()
-    compiled = step_fn.lower(state, batch_at(samples), trainer.signals(False)).compile()
+    B, T = options.global_batch, options.seq_len
+    compiled = trainer.train_step(B, T).lower(state, run.batch_at(samples), trainer.signals(False)).compile()
     log(f"compiled the train step in {time.perf_counter() - t0:.1f} s")
-    run_eval(start)  # the starting point of the run's held-out curve (also after a resume)
-
+    run.evaluate(state, start)  # the starting point of the run's held-out curve (also after a resume)
     bar = _progress(options, start)
-    pending: tuple[int, Any] | None = None
-    interval_start, interval_steps = time.perf_counter(), 0
-    step = start
-    stop_after_this = False
+    step, stop_after_this = start, False
     while step < options.steps:
-        state, metrics = compiled(state, batch_at(samples), trainer.signals(bool(stop)))
-        step += 1
-        samples += B
-        interval_steps += 1
+        state, metrics = compiled(state, run.batch_at(samples), trainer.signals(bool(stop)))
+        step, samples = step + 1, samples + B
         checkpoints.check()
-        if pending is not None:  # the previous step's metrics; this step keeps the device busy
-            stop_after_this |= _handle(pending, writer, options, summary, log)
-        pending = (step, metrics)
+        stop_after_this |= run.record(step, metrics)
         if bar is not None:
             bar.update(1)
         save_now = (options.ckpt_every and step % options.ckpt_every == 0) or step == options.steps
         if save_now or stop_after_this or step % options.log_every == 0:
-            # Read this step's metrics before saving it: a non-finite step is never checkpointed.
-            values = _read(pending)
-            stop_after_this |= _handle(pending, writer, options, summary, log, values)
-            pending = None
-            elapsed = time.perf_counter() - interval_start
-            tok_s = interval_steps * B * T / elapsed
-            mfu = tok_s * options.flops_per_token / options.peak_flops if options.peak_flops else None
-            writer.write(step, {"tokens_per_second": tok_s, "step_time": elapsed / interval_steps}, prefix="perf")
-            log(_format_line(step, options.steps, values["loss"], values["lr"], tok_s, elapsed / interval_steps, mfu))
-            interval_start, interval_steps = time.perf_counter(), 0
-        last = step == options.steps or stop_after_this
-        if options.eval_every and step % options.eval_every == 0 and not last:
-            run_eval(step)
+            stop_after_this |= run.log_interval(step)  # read before saving: a non-finite step is never saved
+        if options.eval_every and step % options.eval_every == 0 and not (step == options.steps or stop_after_this):
+            run.evaluate(state, step)
         if save_now or stop_after_this:
             checkpoints.save(state, step, samples)
         if stop_after_this:
-            summary["stopped_by"] = stop.signal_name or "a stop request from another process"
-            log(f"stopping after step {step} ({summary['stopped_by']})")
+            run.summary["stopped_by"] = stop.signal_name or "a stop request from another process"
+            log(f"stopping after step {step} ({run.summary['stopped_by']})")
             break
-    if pending is not None:
-        _handle(pending, writer, options, summary, log)
+    run.flush()
     if bar is not None:
         bar.close()
-    if summary["stopped_by"] is None and (not summary["eval"] or summary["eval"][-1][0] != step):
-        run_eval(step)
-    summary.update(step=step, samples=samples)
-    return state, summary
+    if run.summary["stopped_by"] is None and (not run.summary["eval"] or run.summary["eval"][-1][0] != step):
+        run.evaluate(state, step)
+    run.summary.update(step=step, samples=samples)
+    return state, run.summary
 
 
-def _read(pending) -> dict[str, float]:
+class _Run:
+    """The loop's bookkeeping: batches, evaluations, the pending step's metrics, the log interval."""
+
+    def __init__(self, trainer, dataset: Dataset, options: LoopOptions, writer: MetricsWriter, log, start: int):
+        self.dataset, self.options, self.writer, self.log = dataset, options, writer, log
+        self.sharding = trainer.batch_sharding(options.global_batch, options.seq_len)
+        self.eval_fn = trainer.eval_step(options.global_batch, options.seq_len)
+        self.summary: dict[str, Any] = {"start_step": start, "eval": [], "skipped": [], "stopped_by": None}
+        self.pending: tuple[int, Any] | None = None
+        self.interval_start, self.interval_steps = time.perf_counter(), 0
+
+    def batch_at(self, first_sample: int) -> dict:
+        """The global batch starting at sample ``first_sample``, each process loading its own rows."""
+        options = self.options
+        return to_global_arrays(lambda rows: self.dataset.train_rows(first_sample, rows), options.global_batch,
+                                options.seq_len, self.sharding)
+
+    def evaluate(self, state, step: int) -> None:
+        loss = evaluate(self.eval_fn, state["params"], self.dataset, self.options, self.sharding)
+        self.summary["eval"].append((step, loss))
+        self.writer.write(step, {"loss": loss}, prefix="eval")
+        self.log(f"eval   {step:>6}/{self.options.steps} | held-out loss {loss:.4f}")
+
+    def record(self, step: int, metrics) -> bool:
+        """Keeps this step's metrics pending and records the previous step's (this step keeps the device
+        busy meanwhile); returns whether the processes agreed to stop."""
+        self.interval_steps += 1
+        stop = self.flush()
+        self.pending = (step, metrics)
+        return stop
+
+    def flush(self) -> bool:
+        """Records the pending step's metrics, if any; returns whether the processes agreed to stop."""
+        if self.pending is None:
+            return False
+        pending, self.pending = self.pending, None
+        return _handle(pending, self.writer, self.options, self.summary, self.log)
+
+    def log_interval(self, step: int) -> bool:
+        """Records this step's metrics now and logs the interval's speed; returns the stop agreement."""
+        options, pending = self.options, self.pending
+        values = _read(pending)
+        self.pending = None
+        stop = _handle(pending, self.writer, options, self.summary, self.log, values)
+        elapsed = time.perf_counter() - self.interval_start
+        tok_s = self.interval_steps * options.global_batch * options.seq_len / elapsed
+        mfu = tok_s * options.flops_per_token / options.peak_flops if options.peak_flops else None
+        step_time = elapsed / self.interval_steps
+        self.writer.write(step, {"tokens_per_second": tok_s, "step_time": step_time}, prefix="perf")
+        self.log(_format_line(step, options.steps, values["loss"], values["lr"], tok_s, step_time, mfu))
+        self.interval_start, self.interval_steps = time.perf_counter(), 0
+        return stop
+
+
+def _read(pending) -> dict[str, float | list]:
+    """A step's metrics on the host: scalars as floats, per-device vectors (uneven counts) as lists."""
     _, metrics = pending
-    return {k: float(np.asarray(v)) for k, v in jax.device_get(metrics).items()}
+    values = {}
+    for key, value in jax.device_get(metrics).items():
+        array = np.asarray(value)
+        values[key] = float(array) if array.ndim == 0 else array.tolist()
+    return values
 
 
 def _handle(pending, writer: MetricsWriter, options: LoopOptions, summary, log, values=None) -> bool:

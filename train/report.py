@@ -1,8 +1,10 @@
-"""Human-readable reports: the start-up summary and the ``--dry-run`` analysis."""
+"""Human-readable reports: the start-up summary, the ``--dry-run`` analysis and the closing lines."""
 
 from __future__ import annotations
 
 import math
+import sys
+import time
 
 import jax
 import numpy as np
@@ -132,7 +134,7 @@ def stage_memory(trainer) -> dict:
 
 def pipeline_lines(trainer, note: str | None = None) -> list[str]:
     """The pipeline plan: schedule, bubble fraction, layers, slots and padded bytes per stage."""
-    plan = trainer.pipeline
+    plan = trainer.par.pipeline
     if plan is None:
         return []
     layout = plan.layout
@@ -178,10 +180,10 @@ def branch_lines(compiled, trainer) -> list[str]:
     """Collectives inside the pipeline's skipped-slot branches of a compiled step (they must stay in one stage)."""
     from sharding.hlo import branch_collectives
 
-    if trainer.pipeline is None:
+    if trainer.par.pipeline is None:
         return []
     found = branch_collectives(compiled.as_text(), trainer.mesh)
-    if not trainer.pipeline.skip_empty:
+    if not trainer.par.pipeline.skip_empty:
         return ["pipeline: every slot is computed (no conditional branches)"]
     unsafe = [c for c in found if not c.safe]
     kinds = ", ".join(f"{op} x{n}" for op, n in sorted(_count(c.op for c in found).items())) or "none"
@@ -195,3 +197,112 @@ def _count(items) -> dict:
     for item in items:
         counts[item] = counts.get(item, 0) + 1
     return counts
+
+
+# The command line's reports ------------------------------------------------------------------
+
+
+def logger(is_main: bool):
+    """A ``log(line)`` that prints on process 0 only (above the progress bar when there is one)."""
+
+    def log(line: str) -> None:
+        if not is_main:
+            return
+        try:
+            from tqdm import tqdm
+
+            tqdm.write(line, file=sys.stdout)
+        except ImportError:
+            print(line)
+        sys.stdout.flush()
+
+    return log
+
+
+def logits_line(run) -> str:
+    """How the output projection and loss run (``--logits``), with the bytes each layout moves."""
+    from sharding.vocab import choose_for_batch, output_traffic, tokens_per_device, vocab_split
+
+    par, model = run.parallelism, run.model
+    rows, shape = run.microbatch_rows, (run.microbatch_rows, run.data.seq_len)
+    split = choose_for_batch(model.logits, par.rules, par.mesh_shape, model.vocab_size, model.embed_dim, shape)
+    candidate, _ = vocab_split(par.rules, par.mesh_shape, model.vocab_size, model.embed_dim, rows)
+    if candidate is None or model.tie_embeddings:
+        return f"logits: {'vocab_parallel' if split else 'gathered'} (--logits {model.logits})"
+    tokens = tokens_per_device(par.rules, par.mesh_shape, shape)
+    gathered, parallel = output_traffic(candidate, model.vocab_size, model.embed_dim, tokens)
+    return (f"logits: {'vocab_parallel' if split else 'gathered'} (--logits {model.logits}; per device and "
+            f"microbatch the loss moves {gathered / 2**20:.1f} MiB gathered, {parallel / 2**20:.1f} MiB "
+            f"vocab_parallel)")
+
+
+def _split_note(trainer) -> str | None:
+    """How the layers were split when the split is the default one and uneven."""
+    from sharding.pipeline import plan_layout
+
+    plan = trainer.par.pipeline
+    if plan is None:
+        return None
+    layout, note = plan_layout(trainer.config.num_layers, plan.layout.stages, plan.layout.repeats)
+    return note if layout == plan.layout else None
+
+
+def startup(run, trainer, speeds=None, notes=()) -> list[str]:
+    """Every line printed before training or a dry run."""
+    from sharding.mesh import format_mesh
+    from sharding.parallel import UnevenBatch
+    from train.strategies import describe_uneven
+
+    lines = []
+    par, model = trainer.par, run.model
+    if model.attention in ("ring", "ulysses") and par.length_shards == 1:
+        lines.append(f"note: --attention {model.attention} with the length whole on every device (no sequence axis "
+                     f"> 1 in --mesh {format_mesh(par.mesh_shape)}) is plain flash attention: no context parallelism")
+    if isinstance(par.strategy, UnevenBatch):
+        lines.append(describe_uneven(par.strategy.counts, run.data.batch_size // par.strategy.total, speeds))
+    built = sum(x.size for x in jax.tree.leaves(trainer.abstract_params))
+    lines += startup_lines(model, run.preset, trainer.mesh, trainer.rules, trainer.report, built)
+    lines.append(logits_line(run))
+    lines += [f"note: {note}" for note in notes]
+    lines += pipeline_lines(trainer, _split_note(trainer))
+    return lines
+
+
+def dry_run(run, trainer, log) -> int:
+    """Compiles one step from abstract shapes and prints the sharding, memory and collectives; returns 0."""
+    batch, seq_len = run.data.batch_size, run.data.seq_len
+    for line in parameter_table(trainer.report, trainer.mesh):
+        log(line)
+    t0 = time.perf_counter()
+    compiled = trainer.compile_train_step(batch, seq_len)
+    log(f"compiled one train step (batch {batch} x {seq_len}) in {time.perf_counter() - t0:.1f} s")
+    for line in memory_lines(compiled, state_bytes(trainer.abstract_state()), trainer.mesh.devices.size):
+        log(line)
+    for line in collective_lines(compiled) + branch_lines(compiled, trainer):
+        log(line)
+    return 0
+
+
+def layout_text(meta) -> str:
+    """A checkpoint's stage layout in words (``[layers, ...] (no pipeline)`` for the canonical one)."""
+    from sharding.pipeline import StageLayout
+
+    layout = StageLayout.from_meta(meta)
+    return "[layers, ...] (no pipeline)" if layout is None else layout.describe()
+
+
+def summary_lines(summary: dict, directory, waited: float) -> list[str]:
+    """The closing lines: where the last checkpoint is, why the run stopped, the held-out losses."""
+    where = directory / str(summary["step"])
+    if summary["step"] == summary["start_step"]:
+        lines = [f"the latest checkpoint is still step {summary['step']} in {where}"]
+    elif summary["stopped_by"]:
+        lines = [f"stopped by {summary['stopped_by']}: the checkpoint of step {summary['step']} is complete in {where} "
+                 f"(saved in {waited:.1f} s); continue with --resume"]
+    else:
+        lines = [f"checkpoint of step {summary['step']} complete in {where} (waited {waited:.1f} s)"]
+    if summary["eval"]:
+        first, last = summary["eval"][0][1], summary["eval"][-1][1]
+        lines.append(f"held-out loss {first:.4f} -> {last:.4f} over steps {summary['eval'][0][0]}-"
+                     f"{summary['eval'][-1][0]}")
+    return lines

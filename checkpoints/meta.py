@@ -1,0 +1,110 @@
+"""The metadata stored with every checkpoint step (the ``meta`` item), and the check a resume makes.
+
+`RunMeta` is the one schema: the model config and the preset it came from, the mesh and rules it was
+saved from, the data position and settings, the tokenizer, the stage layout of the layer stacks, the
+JAX version and the time. It reads and writes the JSON of earlier checkpoints unchanged
+(`RunMeta.from_json` accepts missing keys). `RunMeta.check_compatible` refuses a checkpoint saved with
+another model, tokenizer or vocabulary, naming what differs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+from models.config import ModelConfig, config_differences
+
+
+@dataclasses.dataclass(frozen=True)
+class RunMeta:
+    """What a checkpoint step records besides the arrays.
+
+    Attributes:
+      model: `ModelConfig.to_dict` of the run.
+      preset: The ``--model`` preset.
+      mesh: Axis -> size of the mesh it was saved from.
+      rules: ``{"name": ..., "table": {logical: [mesh axes]}}``.
+      data: ``spec``, ``seq_len``, ``global_batch``, ``seed``, ``heldout`` and, once saved, ``samples``
+        (sequences consumed: the data position).
+      tokenizer: ``name``, ``fingerprint``, ``vocab_size``, ``eod_id``.
+      pipeline: The stage layout of the layer stacks (`sharding.pipeline.StageLayout.to_meta`), or None
+        for the canonical ``[layers, ...]`` stacks.
+      jax_version: The JAX that saved it.
+      saved_at: Local time of the save, ISO 8601.
+      step: The step, once saved.
+    """
+
+    model: dict[str, Any]
+    preset: str
+    mesh: dict[str, int]
+    rules: dict[str, Any]
+    data: dict[str, Any]
+    tokenizer: dict[str, Any]
+    pipeline: dict[str, Any] | None = None
+    jax_version: str = ""
+    saved_at: str = ""
+    step: int | None = None
+
+    @classmethod
+    def create(cls, config: ModelConfig, preset: str, mesh_shape, rules, data: dict[str, Any], tokenizer,
+               pipeline: dict[str, Any] | None) -> RunMeta:
+        """The metadata of a run about to train (the data position and step are set at each save)."""
+        import jax
+
+        return cls(
+            model=config.to_dict(), preset=preset, mesh=dict(mesh_shape),
+            rules={"name": rules.name, "table": rules.as_dict()}, data=dict(data),
+            tokenizer={"name": tokenizer.name, "fingerprint": tokenizer.fingerprint,
+                       "vocab_size": tokenizer.vocab_size, "eod_id": tokenizer.eod_id},
+            pipeline=pipeline, jax_version=jax.__version__, saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        )
+
+    def at(self, step: int, samples: int) -> RunMeta:
+        """This metadata for a save of ``step`` after ``samples`` sequences."""
+        return dataclasses.replace(self, step=step, data={**self.data, "samples": int(samples)},
+                                   saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON-friendly dict stored as the ``meta`` item (``step`` only once saved)."""
+        out = dataclasses.asdict(self)
+        if out["step"] is None:
+            del out["step"]
+        return out
+
+    @classmethod
+    def from_json(cls, value: dict[str, Any]) -> RunMeta:
+        """Reads a ``meta`` item (earlier checkpoints included: missing keys take their defaults)."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        known = {k: v for k, v in value.items() if k in fields}
+        for name in ("model", "mesh", "rules", "data", "tokenizer"):
+            known.setdefault(name, {})
+        known.setdefault("preset", "?")
+        return cls(**known)
+
+    @property
+    def samples(self) -> int:
+        """Sequences consumed when saved (the data position)."""
+        return int(self.data.get("samples", 0))
+
+    def check_compatible(self, config: ModelConfig, tokenizer, step: int) -> None:
+        """Refuses a checkpoint saved with another model, tokenizer or vocabulary.
+
+        Raises:
+          ValueError: Naming the differing fields, their saved and current values, and the flags to resume.
+        """
+        diff = config_differences(self.model, config)
+        if diff:
+            fields = ", ".join(f"{k} (saved {a!r}, now {b!r})" for k, (a, b) in diff.items())
+            sets = " ".join(f"--set {k}={a}" for k, (a, _) in diff.items())
+            raise ValueError(f"the checkpoint at step {step} was saved with a different model: {fields}; resume with "
+                             f"--model {self.preset} {sets}, or use another --run-dir")
+        saved = self.tokenizer
+        if saved.get("vocab_size") not in (None, tokenizer.vocab_size):
+            raise ValueError(f"the checkpoint at step {step} was trained on a vocabulary of {saved['vocab_size']} "
+                             f"tokens ({saved.get('name')}); this run's tokenizer has {tokenizer.vocab_size} "
+                             f"({tokenizer.name}); pass --tokenizer {saved.get('name')}")
+        if saved.get("fingerprint") not in (None, tokenizer.fingerprint):
+            raise ValueError(f"the checkpoint at step {step} was trained with tokenizer {saved.get('name')!r} "
+                             f"({saved.get('fingerprint')}); this run uses {tokenizer.name!r} ({tokenizer.fingerprint}); "
+                             f"pass --tokenizer {saved.get('name')}")

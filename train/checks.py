@@ -1,0 +1,178 @@
+"""Every check of a run's configuration before any device work, in one place: `validate`.
+
+`train.cli.parse` refuses values that are wrong on their own; `validate` checks the flags against each
+other, the devices, the tokenizer and the run folder. Each check raises a one-line ``ValueError`` that
+names the flag, its value and one that works.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+from models.config import ModelConfig
+from sharding import axes as ax
+from sharding.parallel import Parallelism, UnevenBatch
+from sharding.pipeline import check_microbatches
+from train.config import RunConfig
+
+# Model dimensions the presets split; a mesh axis that cannot split them is a configuration error.
+_SPLIT_DIMS = (("embed_dim", "embed"), ("mlp_dim", "mlp"), ("num_heads", "heads"), ("vocab_size", "vocab"))
+
+
+def validate(run: RunConfig, num_devices: int, tokenizer=None) -> None:
+    """Checks ``run`` (its mesh resolved for ``num_devices``) before any device work.
+
+    Args:
+      run: The resolved `RunConfig` (`train.config.resolve_mesh`).
+      num_devices: The devices JAX sees (all processes).
+      tokenizer: The run's tokenizer, checked against the model's vocabulary (None: skipped).
+
+    Raises:
+      ValueError: The first failed check, naming the flag, its value and one that works.
+    """
+    par, model = run.parallelism, run.model
+    if par.num_devices != num_devices:
+        raise ValueError(f"--mesh needs {par.num_devices} devices, JAX sees {num_devices}")
+    if not run.loop.dry_run:
+        check_run_dir(run.checkpoint.run_dir, run.checkpoint.resume)
+    check_batch(run)
+    check_strategy(run)
+    check_model_sharding(model, par)
+    from models.attention import check_context_parallel
+
+    check_context_parallel(model, par, run.data.seq_len)
+    check_logits(run)
+    if tokenizer is not None and tokenizer.vocab_size > model.vocab_size:
+        raise ValueError(
+            f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is {model.vocab_size}; "
+            f"pass --set vocab_size={-(-tokenizer.vocab_size // 128) * 128}"
+        )
+    if not run.loop.dry_run:
+        from train.data import corpus_files
+
+        corpus_files(run.data.spec)  # a missing or empty corpus fails before any device work
+
+
+def check_run_dir(run_dir: str, resume: bool) -> None:
+    """The run folder is writable and holds no other run's checkpoints unless ``--resume``.
+
+    Raises:
+      ValueError: Naming ``--run-dir`` and what to do.
+    """
+    folder = Path(run_dir)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ValueError(f"--run-dir {folder}: cannot write there ({e.strerror}); choose a writable folder") from None
+    ckpt_dir = folder / "checkpoints"
+    saved = sorted(int(p.name) for p in ckpt_dir.iterdir() if p.name.isdigit()) if ckpt_dir.is_dir() else []
+    if saved and not resume:
+        raise ValueError(
+            f"--run-dir {folder} already holds checkpoints (latest step {saved[-1]}); pass --resume to continue "
+            f"that run, or choose another --run-dir (nothing was overwritten)"
+        )
+
+
+def _mesh_flag(par: Parallelism) -> str:
+    from sharding.mesh import format_mesh
+
+    return format_mesh(par.mesh_shape)
+
+
+def _good_batch(value: int, multiple: int) -> int:
+    """The multiple of ``multiple`` nearest ``value`` (at least ``multiple``)."""
+    return multiple * max(1, round(value / multiple))
+
+
+def check_batch(run: RunConfig) -> None:
+    """Batch and length divisibility against the mesh and the strategy's microbatches.
+
+    Raises:
+      ValueError: A ``--batch-size`` that ``--microbatches`` or data x fsdp does not divide, or a
+        ``--seq-len`` the ``sequence`` axis does not divide.
+    """
+    par, batch, seq_len = run.parallelism, run.data.batch_size, run.data.seq_len
+    dp, m = par.data_parallel, par.strategy.microbatches
+    if not isinstance(par.strategy, UnevenBatch):
+        if batch % m:
+            raise ValueError(f"--batch-size {batch} is not divisible by --microbatches {m}; "
+                             f"e.g. --batch-size {_good_batch(batch, m * dp)}")
+        if (batch // m) % dp:
+            raise ValueError(
+                f"--batch-size {batch} / --microbatches {m} = {batch // m} sequences per microbatch, not divisible "
+                f"by the data-parallel size data x fsdp = {dp} of --mesh {_mesh_flag(par)}; "
+                f"e.g. --batch-size {_good_batch(batch, m * dp)}")
+    sequence = par.mesh_shape[ax.SEQUENCE]
+    if seq_len % sequence:
+        raise ValueError(f"--seq-len {seq_len} is not divisible by the sequence axis ({sequence}) of --mesh; "
+                         f"e.g. --seq-len {_good_batch(seq_len, sequence)}")
+
+
+def check_strategy(run: RunConfig) -> None:
+    """The pipeline's microbatches and attention, and uneven counts against the mesh and rules.
+
+    Raises:
+      ValueError: Fewer pipeline microbatches than stages; an attention kernel inside the pipeline; uneven
+        counts on a mesh or rules they do not support, or that do not divide the batch.
+    """
+    par, model = run.parallelism, run.model
+    plan = par.pipeline
+    if plan is not None:
+        check_microbatches(plan.microbatches, plan.layout.stages, run.data.batch_size, par.data_parallel)
+        if model.attention not in ("reference", "dot_product"):
+            raise ValueError(f"--attention {model.attention} runs its kernel under its own shard_map, which cannot sit "
+                             f"inside the pipeline's yet; with --mesh stage={plan.layout.stages} use --attention "
+                             f"reference")
+    if isinstance(par.strategy, UnevenBatch):
+        from models.transformer import abstract_model
+        from train.strategies import check_uneven
+
+        _, abstract, names = abstract_model(model)
+        check_uneven(par, names, abstract, run.data.batch_size)
+
+
+def check_model_sharding(config: ModelConfig, par: Parallelism) -> None:
+    """Each main model dimension must be divisible by the mesh axes its rule names.
+
+    ``num_kv_heads`` is exempt: with grouped-query attention, fewer KV heads than ``tensor`` devices is
+    common, and those weights are replicated (and reported) instead.
+
+    Raises:
+      ValueError: Naming the field, its value, the mesh axes and values that work.
+    """
+    mesh_shape = par.mesh_shape
+    for field, logical in _SPLIT_DIMS:
+        size = getattr(config, field)
+        axes = [a for a in par.rules.mesh_axes(logical) if mesh_shape.get(a, 1) > 1]
+        parts = math.prod(mesh_shape[a] for a in axes)
+        if parts > 1 and size % parts:
+            divisors = [d for d in range(1, parts * 2 + 1) if size % d == 0 and d > 1][:4]
+            over = "x".join(f"{a}={mesh_shape[a]}" for a in axes)
+            sizes = (f"use mesh sizes whose product divides {size} (e.g. {', '.join(map(str, divisors))}), "
+                     if divisors else "")
+            raise ValueError(
+                f"{field}={size} cannot be split over {over} (rule {logical}->{'+'.join(axes)}); {sizes}"
+                f"--set {field}={-(-size // parts) * parts} (a multiple of {parts}), or --rule {logical}=none"
+            )
+
+
+def check_logits(run: RunConfig) -> None:
+    """``--logits vocab_parallel`` must apply on this mesh.
+
+    Raises:
+      ValueError: With the reason and what would make it apply.
+    """
+    from sharding.vocab import choose_for_batch
+
+    par, model = run.parallelism, run.model
+    try:
+        choose_for_batch(model.logits, par.rules, par.mesh_shape, model.vocab_size, model.embed_dim,
+                         (run.microbatch_rows, run.data.seq_len))
+    except ValueError as e:
+        raise ValueError(f"{e} (it needs the output weight's embed dimension split over axes that also split the "
+                         f"batch: an fsdp axis > 1 with --rules fsdp or fsdp_tp, e.g. --mesh fsdp=4,tensor=2)") from None

@@ -1,0 +1,324 @@
+"""The command line of ``python -m train.train``: argv -> `train.config.RunConfig`, once.
+
+Every flag is parsed here and nowhere else: the mesh, the rules, the model, the optimizer, the pipeline
+and the heterogeneous-cluster flags. Values that are wrong on their own (a malformed ``--mesh``, an
+unknown ``--set`` field, a non-positive count) raise a one-line ``ValueError`` naming the flag; checks
+that relate flags to each other and to the devices live in `train.checks`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+from models.config import ATTENTION_IMPLS, DTYPES, LOGITS_IMPLS, PRESETS, REMAT_POLICIES, get_config
+from sharding import axes as ax
+from sharding.mesh import parse_axis_sizes
+from sharding.parallel import CONTEXT_LAYOUTS, Accumulation, Parallelism, UnevenBatch
+from sharding.pipeline import SCHEDULES, PipelinePlan, parse_stage_layers, pipeline_rules, plan_layout
+from sharding.rules import DEFAULT_PRESET, PRESETS as RULE_PRESETS, get_rules
+from train.config import DEFAULT_RUN_DIR, CheckpointConfig, ClusterConfig, DataConfig, LoopConfig, RunConfig
+from train.optimizer import OptimizerConfig
+
+HETERO_EXAMPLE = "--hetero-batch 3,3,3,3,1,1,1,1"
+
+DESCRIPTION = (
+    "Trains a decoder-only LM on a named device mesh, its parameters and activations partitioned by XLA's "
+    "SPMD partitioner from logical sharding rules, with sharded asynchronous checkpoints that resume onto any "
+    "mesh."
+)
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a flag's default only where it has one and the help does not already say it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default is None or action.default is False or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of every ``python -m train.train`` flag."""
+    p = argparse.ArgumentParser(
+        prog="python -m train.train", description=DESCRIPTION, formatter_class=_HelpFormatter,
+        epilog="Logical axes: batch, length, embed, mlp, heads, kv_heads, head_dim, vocab, layers, act_embed. "
+        "Mesh axes: data, stage, fsdp, sequence, tensor.",
+    )
+    _mesh_flags(p)
+    _process_flags(p)
+    _model_flags(p)
+    _data_flags(p)
+    _pipeline_flags(p)
+    _hetero_flags(p)
+    _optimizer_flags(p)
+    _run_flags(p)
+    return p
+
+
+def _mesh_flags(p) -> None:
+    g = p.add_argument_group("mesh and sharding")
+    g.add_argument("--mesh", default="fsdp=-1", help="mesh axes and sizes, e.g. data=2,fsdp=-1,tensor=2; "
+                   "one -1 takes the remaining devices; axes left out have size 1")
+    g.add_argument("--rules", default=DEFAULT_PRESET, choices=sorted(RULE_PRESETS),
+                   help="logical-to-mesh rules preset (see README: Sharding rules)")
+    g.add_argument("--rule", action="append", default=[], metavar="NAME=AXIS[+AXIS]",
+                   help="override one logical axis, e.g. --rule mlp=tensor+fsdp or --rule vocab=none; repeatable")
+    g.add_argument("--mesh-outer", default=None, metavar="AXIS=N,...",
+                   help="how much of each axis spans processes (slow links), e.g. data=2; the rest stays inside a "
+                   "process; default: tensor, then sequence, then fsdp stay inside a process")
+    g.add_argument("--cpu-devices", type=int, default=None, metavar="N",
+                   help="simulate N devices on a CPU-only machine (takes effect before JAX starts); "
+                   "default: the devices JAX finds (XLA_FLAGS included)")
+
+
+def _process_flags(p) -> None:
+    g = p.add_argument_group("several processes (one per host, jax.distributed)")
+    g.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="address of process 0's coordinator; with none of these flags, JAX's own cluster "
+                   "detection (SLURM, Open MPI, Kubernetes) is used where it applies")
+    g.add_argument("--num-processes", type=int, default=None, help="number of processes in the job")
+    g.add_argument("--process-id", type=int, default=None, help="this process's index, 0..N-1")
+    g.add_argument("--dist-timeout", type=int, default=300, help="seconds to wait for all processes to connect")
+
+
+def _model_flags(p) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default="small", choices=sorted(PRESETS), help="model preset")
+    g.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override a ModelConfig field, e.g. --set num_layers=8; repeatable")
+    g.add_argument("--dtype", default=None, choices=DTYPES, help="compute dtype (parameters stay float32); "
+                   "default: the preset's (float32)")
+    g.add_argument("--remat", default=None, choices=REMAT_POLICIES, help="rematerialisation policy per block; "
+                   "default: the preset's (none)")
+    g.add_argument("--attention", default=None, choices=ATTENTION_IMPLS, help="attention implementation; ring or "
+                   "ulysses split the length over the sequence mesh axis (context parallelism); default: the "
+                   "preset's (reference)")
+    g.add_argument("--logits", default=None, choices=LOGITS_IMPLS,
+                   help="output projection and loss: gathered (weight gathered, GSPMD), vocab_parallel (Megatron-LM's "
+                   "vocabulary-parallel cross-entropy over the axes splitting the weight), auto (vocab_parallel where "
+                   "it moves fewer bytes); default: the preset's (auto)")
+    g.add_argument("--context-layout", default="auto", choices=CONTEXT_LAYOUTS,
+                   help="how tokens lie along the sequence axis: zigzag (device r holds chunks r and 2P-1-r of 2P) "
+                   "balances causal ring attention; auto: zigzag for --attention ring with a sequence axis, else "
+                   "contiguous")
+
+
+def _data_flags(p) -> None:
+    g = p.add_argument_group("data")
+    g.add_argument("--data", default="stdlib", help="'stdlib' (this Python's standard library sources), "
+                   "a text file, a folder of text files, or a .jsonl file with a 'text' field")
+    g.add_argument("--tokenizer", default=None, metavar="FILE", help="a tokenizer.json (Hugging Face tokenizers); "
+                   "default: UTF-8 bytes")
+    g.add_argument("--eod-token", default=None, help="end-of-document token of --tokenizer (default: autodetect)")
+    g.add_argument("--heldout", type=float, default=0.01, help="fraction of documents held out for evaluation")
+    g.add_argument("--data-cache", default=None, help="folder for tokenized corpora "
+                   "(default: $MESHWORK_CACHE or ~/.cache/meshwork)")
+    g.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
+    g.add_argument("--batch-size", type=int, default=16, help="global batch size in sequences")
+    g.add_argument("--microbatches", type=int, default=1, metavar="M",
+                   help="microbatches per step; what they are depends on the gradient strategy: without a stage "
+                   "axis or --hetero-batch, gradient-accumulation steps (the batch in M strided microbatches); with "
+                   "--mesh stage=N (N > 1), the pipeline's microbatches (at least N); with --hetero-batch auto or "
+                   "kinds, the microbatches each device runs on average (M x data x fsdp in all)")
+
+
+def _pipeline_flags(p) -> None:
+    g = p.add_argument_group("pipeline parallelism (with --mesh stage=N, N > 1)")
+    g.add_argument("--pipeline-schedule", default="gpipe", choices=SCHEDULES,
+                   help="gpipe: each stage holds one run of layers; circular: each holds --pipeline-repeats "
+                   "non-adjacent chunks, shrinking the bubble (S-1)/(R*M+S-1)")
+    g.add_argument("--pipeline-repeats", type=int, default=None, metavar="R",
+                   help="chunks per stage for --pipeline-schedule circular (default 2; gpipe: 1)")
+    g.add_argument("--stage-layers", default=None, metavar="N,N,...",
+                   help="layers per stage, e.g. 10,10,6,6 for 32 layers on stage=4 (must sum to the model's layers); "
+                   "circular also takes one count per chunk (S*R); default: even, the first stages taking the rest")
+
+
+def _hetero_flags(p) -> None:
+    g = p.add_argument_group("heterogeneous clusters (README: Heterogeneous clusters)")
+    g.add_argument("--cluster", default=None, metavar="SPEC|FILE",
+                   help="the cluster, for --plan auto: KIND:COUNT per host, e.g. h100:8,a100:8[@400Gbps], or a "
+                   "JSON/YAML inventory file; default: detected from the devices")
+    g.add_argument("--simulate-cluster", default=None, metavar="SPEC",
+                   help="pretend the (CPU) devices are this cluster, e.g. h100:4,a100:4 on 8 devices: their kinds "
+                   "set --hetero-batch auto's shares and --plan auto's cluster")
+    g.add_argument("--hetero-batch", default="off", metavar="auto|kinds|off|COUNTS",
+                   help="uneven data parallelism: microbatches per device along data x fsdp, proportional to "
+                   "device speed (auto, kinds: the device kinds' datasheet peaks) or given (e.g. 3,3,3,3,1,1,1,1; "
+                   "microbatch = --batch-size / their sum); dp/fsdp rules, data/fsdp meshes")
+    g.add_argument("--plan", default=None, choices=("auto",),
+                   help="choose --mesh, --rules, --microbatches, --remat, --hetero-batch and the stage split "
+                   "with the planner (python -m train.plan) for --cluster/--simulate-cluster")
+
+
+def _optimizer_flags(p) -> None:
+    g = p.add_argument_group("optimization")
+    g.add_argument("--steps", type=int, default=150, help="train until this step")
+    g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
+    g.add_argument("--warmup", type=int, default=None, help="linear warmup steps (default: 5%% of the schedule)")
+    g.add_argument("--decay-steps", type=int, default=None, help="length of the cosine schedule (default: --steps)")
+    g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW decoupled weight decay (matrices only)")
+    g.add_argument("--grad-clip", type=float, default=1.0, help="clip gradients to this global norm")
+    g.add_argument("--seed", type=int, default=0, help="seed for parameters, data order and held-out split")
+    g.add_argument("--skip-nonfinite", type=int, default=0, metavar="N",
+                   help="skip (and log) up to N steps whose loss is NaN or infinite; past that the run stops, "
+                   "keeping its last good checkpoint")
+
+
+def _run_flags(p) -> None:
+    g = p.add_argument_group("run folder, checkpoints, logging")
+    g.add_argument("--run-dir", default=DEFAULT_RUN_DIR, help="folder for checkpoints and metrics")
+    g.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --run-dir "
+                   "(onto the current mesh and rules); starts fresh if there is none")
+    g.add_argument("--ckpt-every", type=int, default=50, help="steps between checkpoints (0: only at the end)")
+    g.add_argument("--keep", type=int, default=3, help="checkpoints to keep")
+    g.add_argument("--eval-every", type=int, default=50, help="steps between held-out evaluations (0: first/last)")
+    g.add_argument("--eval-batches", type=int, default=4, help="held-out batches per evaluation")
+    g.add_argument("--log-every", type=int, default=10, help="steps between log lines")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--dry-run", action="store_true", help="compile one step, print the sharding, memory and "
+                   "collectives report, and exit without training")
+
+
+# argv -> RunConfig ---------------------------------------------------------------------------------
+
+
+def parse(argv: Sequence[str] | None = None) -> RunConfig:
+    """Parses ``python -m train.train`` flags into a `RunConfig`.
+
+    Raises:
+      SystemExit: From argparse, for unknown flags or ``--help``.
+      ValueError: A flag whose value is wrong on its own, naming it and a value that works.
+    """
+    return from_args(build_parser().parse_args(argv))
+
+
+def from_args(args: argparse.Namespace) -> RunConfig:
+    """The `RunConfig` of a parsed namespace (see `parse`)."""
+    _check_counts(args)
+    model = get_config(args.model, args.set, **{k: v for k, v in (
+        ("dtype", args.dtype), ("remat", args.remat), ("attention", args.attention), ("logits", args.logits)) if v})
+    decay = args.decay_steps or args.steps
+    optimizer = OptimizerConfig(lr=args.lr, warmup=args.warmup if args.warmup is not None else max(decay // 20, 0),
+                                decay_steps=decay, weight_decay=args.weight_decay, grad_clip=args.grad_clip)
+    optimizer.validate()
+    return RunConfig(
+        model=model,
+        preset=args.model,
+        parallelism=parallelism_from_args(args, model.num_layers),
+        data=DataConfig(args.data, args.tokenizer, args.eod_token, args.heldout, args.data_cache, args.seq_len,
+                        args.batch_size, args.seed),
+        optimizer=optimizer,
+        loop=LoopConfig(args.steps, args.log_every, args.eval_every, args.eval_batches, args.skip_nonfinite,
+                        not args.no_progress, args.dry_run),
+        checkpoint=CheckpointConfig(args.run_dir, args.resume, args.ckpt_every, args.keep),
+        cluster=ClusterConfig(args.cpu_devices, args.coordinator, args.num_processes, args.process_id,
+                              args.dist_timeout, args.cluster, args.simulate_cluster, args.plan),
+    )
+
+
+def _check_counts(args) -> None:
+    for name in ("seq-len", "batch-size", "microbatches", "steps", "log-every", "eval-batches", "cpu-devices",
+                 "pipeline-repeats"):
+        value = getattr(args, name.replace("-", "_"))
+        if value is not None and value <= 0:
+            raise ValueError(f"--{name} {value}: must be a positive integer")
+    for name in ("ckpt-every", "eval-every", "skip-nonfinite"):
+        value = getattr(args, name.replace("-", "_"))
+        if value < 0:
+            raise ValueError(f"--{name} {value}: must be >= 0")
+    if args.keep < 1:
+        raise ValueError(f"--keep {args.keep}: must be at least 1")
+    if args.mesh_outer:
+        parse_axis_sizes(args.mesh_outer, flag="--mesh-outer", allow_fill=False)
+    args_distributed = ClusterConfig(coordinator=args.coordinator, num_processes=args.num_processes,
+                                     process_id=args.process_id, dist_timeout=args.dist_timeout)
+    args_distributed.distributed().validate()
+    if args.cluster:
+        from sharding.devices import inventory_from_flag
+
+        inventory_from_flag(args.cluster)
+    if args.simulate_cluster:
+        from sharding.devices import parse_cluster
+
+        parse_cluster(args.simulate_cluster)
+
+
+def parallelism_from_args(args, num_layers: int) -> Parallelism:
+    """The `Parallelism` of the mesh, rules, pipeline and ``--hetero-batch`` flags (mesh not yet resolved).
+
+    Raises:
+      ValueError: A malformed ``--mesh``/``--mesh-outer``/``--rule``/``--stage-layers``/``--hetero-batch``,
+        pipeline flags without a stage axis, or flags of two strategies at once; naming the flags.
+    """
+    sizes = parse_axis_sizes(args.mesh if args.mesh.strip() else "fsdp=-1")
+    outer = parse_axis_sizes(args.mesh_outer, flag="--mesh-outer", allow_fill=False) if args.mesh_outer else None
+    rules = get_rules(args.rules, args.rule)
+    strategy = _strategy(args, sizes, num_layers)
+    if isinstance(strategy, PipelinePlan):
+        rules = pipeline_rules(rules)
+    return Parallelism(sizes, rules, strategy, args.context_layout, outer)
+
+
+def _strategy(args, sizes: dict[str, int], num_layers: int):
+    stages = sizes[ax.STAGE]
+    if stages == -1:
+        raise ValueError("--mesh stage=-1: give the pipeline's stage count, e.g. --mesh stage=4,fsdp=-1")
+    uneven = parse_hetero_batch(args.hetero_batch, args.microbatches)
+    if args.plan and uneven is not None and uneven.speeds == "given":
+        raise ValueError(f"--plan auto chooses --hetero-batch itself; drop --hetero-batch {args.hetero_batch}")
+    if stages == 1:
+        circular = args.pipeline_schedule == "circular"
+        given = [flag for flag, on in (("--stage-layers", args.stage_layers), ("--pipeline-schedule circular", circular),
+                                       ("--pipeline-repeats", args.pipeline_repeats)) if on]
+        if given:
+            raise ValueError(f"{given[0]} needs a pipeline: add a stage axis to --mesh, e.g. --mesh stage=2,fsdp=-1")
+        return uneven if uneven is not None else Accumulation(args.microbatches)
+    if uneven is not None:
+        raise ValueError(f"--hetero-batch supports data-parallel meshes only (data, fsdp); --mesh splits "
+                         f"stage={stages}. Use e.g. --mesh data={stages} --rules dp, or --hetero-batch off")
+    return pipeline_plan(args, stages, num_layers)
+
+
+def pipeline_plan(args, stages: int, num_layers: int) -> PipelinePlan:
+    """The `PipelinePlan` of ``--pipeline-schedule``, ``--pipeline-repeats`` and ``--stage-layers``.
+
+    Raises:
+      ValueError: ``--pipeline-repeats`` that does not fit the schedule, or as
+        `sharding.pipeline.plan_layout`; naming the flag, its value and one that works.
+    """
+    circular = args.pipeline_schedule == "circular"
+    repeats = args.pipeline_repeats or (2 if circular else 1)
+    if not circular and repeats != 1:
+        raise ValueError(f"--pipeline-repeats {repeats} needs --pipeline-schedule circular (gpipe has 1 repeat)")
+    if circular and repeats < 2:
+        raise ValueError("--pipeline-schedule circular needs --pipeline-repeats of 2 or more, e.g. --pipeline-repeats 2 "
+                         "(1 repeat is --pipeline-schedule gpipe)")
+    layout, _ = plan_layout(num_layers, stages, repeats, parse_stage_layers(args.stage_layers))
+    return PipelinePlan(layout, args.microbatches)
+
+
+def parse_hetero_batch(value: str, microbatches: int = 1) -> UnevenBatch | None:
+    """``--hetero-batch off|auto|kinds|COUNTS`` -> `UnevenBatch` (None for ``off``).
+
+    ``auto`` and ``kinds`` take speeds from the devices' kinds (datasheet peaks; ``--simulate-cluster``
+    on CPU), ``microbatches`` per device on average.
+
+    Raises:
+      ValueError: Counts that are not integers, negative, or all zero; naming the flag.
+    """
+    text = value.strip().lower()
+    if text == "off":
+        return None
+    if text in ("auto", "kinds"):
+        return UnevenBatch(None, "kinds", microbatches)
+    try:
+        counts = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"--hetero-batch {value!r}: expected auto, kinds, off or comma-separated integers "
+                         f"({HETERO_EXAMPLE})") from None
+    if any(c < 0 for c in counts) or sum(counts) == 0:
+        raise ValueError(f"--hetero-batch {value}: counts must be >= 0 and not all 0 ({HETERO_EXAMPLE})")
+    return UnevenBatch(counts, "given", microbatches)

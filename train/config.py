@@ -1,0 +1,147 @@
+"""The configuration of a run: one frozen `RunConfig`, built once from the command line and passed down.
+
+``RunConfig = ModelConfig + Parallelism + DataConfig + OptimizerConfig + LoopConfig + CheckpointConfig +
+ClusterConfig``. `train.cli.parse` builds it from argv before JAX starts; what needs the devices (a ``-1``
+mesh size, ``--context-layout auto``, uneven counts from device speeds, ``--plan auto``) is resolved once
+they are known (`resolve_mesh`, `train.strategies.resolve_uneven`, `train.plan.apply_plan`), each
+returning a new `RunConfig` with its `Parallelism` replaced. `train.checks.validate` checks it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from models.config import ModelConfig
+from sharding.parallel import Parallelism
+from train.optimizer import OptimizerConfig
+
+DEFAULT_RUN_DIR = "runs/default"
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """The corpus and the batches.
+
+    Attributes:
+      spec: ``stdlib``, a text file, a folder of text files or a JSONL file (``--data``).
+      tokenizer: A ``tokenizer.json`` path, or None for UTF-8 bytes.
+      eod_token: The tokenizer's end-of-document token (None: autodetect).
+      heldout: Fraction of documents held out for evaluation.
+      cache_dir: Folder for tokenized corpora (None: ``$MESHWORK_CACHE`` or ``~/.cache/meshwork``).
+      seq_len: T, tokens per sequence.
+      batch_size: B, sequences per step (global).
+      seed: Seed of parameters, data order and the held-out split.
+    """
+
+    spec: str = "stdlib"
+    tokenizer: str | None = None
+    eod_token: str | None = None
+    heldout: float = 0.01
+    cache_dir: str | None = None
+    seq_len: int = 256
+    batch_size: int = 16
+    seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopConfig:
+    """What the training loop does and when (steps are global step numbers)."""
+
+    steps: int = 150
+    log_every: int = 10
+    eval_every: int = 50
+    eval_batches: int = 4
+    skip_nonfinite: int = 0
+    progress: bool = True
+    dry_run: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """Where the run lives and how often it is saved."""
+
+    run_dir: str = DEFAULT_RUN_DIR
+    resume: bool = False
+    every: int = 50
+    keep: int = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterConfig:
+    """The devices and processes of the run, and the flags that describe a heterogeneous cluster.
+
+    Attributes:
+      cpu_devices: Simulated CPU devices (``--cpu-devices``), applied before JAX starts.
+      coordinator, num_processes, process_id, dist_timeout: ``jax.distributed`` (None: JAX's cluster
+        detection); the timeout in seconds.
+      cluster: ``--cluster`` (a spec or an inventory file), for ``--plan auto``.
+      simulate_cluster: ``--simulate-cluster``: kinds to pretend the CPU devices are.
+      plan: ``auto`` to let the planner choose the `Parallelism`, else None.
+    """
+
+    cpu_devices: int | None = None
+    coordinator: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+    dist_timeout: int = 300
+    cluster: str | None = None
+    simulate_cluster: str | None = None
+    plan: str | None = None
+
+    def distributed(self):
+        """The `train.distributed.DistributedConfig` of these flags."""
+        from train.distributed import DistributedConfig
+
+        return DistributedConfig(self.coordinator, self.num_processes, self.process_id, self.dist_timeout)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """Everything a run needs; see the module docstring.
+
+    Attributes:
+      model: The model (architecture and execution fields).
+      preset: The ``--model`` preset it came from (recorded in checkpoints).
+      parallelism: Mesh, rules, gradient strategy and context layout.
+      data, optimizer, loop, checkpoint, cluster: as their classes say.
+    """
+
+    model: ModelConfig
+    preset: str
+    parallelism: Parallelism
+    data: DataConfig
+    optimizer: OptimizerConfig
+    loop: LoopConfig
+    checkpoint: CheckpointConfig
+    cluster: ClusterConfig
+
+    def replace(self, **changes) -> RunConfig:
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def microbatch_rows(self) -> int:
+        """Sequences per microbatch of the strategy (the global batch over all microbatches)."""
+        strategy = self.parallelism.strategy
+        total = getattr(strategy, "total", None)
+        if total:
+            return self.data.batch_size // total
+        return self.data.batch_size // strategy.microbatches
+
+
+def resolve_mesh(run: RunConfig, num_devices: int) -> RunConfig:
+    """Fills the ``-1`` mesh axis from the device count and resolves ``--context-layout auto``.
+
+    Raises:
+      ValueError: As `sharding.mesh.parse_mesh` (naming ``--mesh`` and a shape that fits).
+    """
+    from models.attention import resolve_context_layout
+    from sharding.mesh import parse_mesh
+
+    par = run.parallelism
+    spec = ",".join(f"{a}={n}" for a, n in par.mesh_shape.items() if n != 1) or "data=1"
+    par = par.replace(mesh_shape=parse_mesh(spec, num_devices))
+    layout = resolve_context_layout(par.context_layout, run.model.attention, par.length_shards)
+    return run.replace(parallelism=par.replace(context_layout=layout))
+
+
+__all__ = ["CheckpointConfig", "ClusterConfig", "DataConfig", "LoopConfig", "RunConfig", "resolve_mesh"]

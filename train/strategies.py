@@ -1,0 +1,352 @@
+"""How a train step computes its gradients: one protocol, three strategies.
+
+Every strategy is a `GradientStrategy`: ``gradients(loss_fn, params, batch) -> (loss_sum, weight, grads,
+metrics)``, where ``loss_fn(params, batch, par) -> (loss_sum, weight_sum)`` is the model's summed token
+loss under a `sharding.parallel.Parallelism`. The sums are divided once by the batch's token count in the
+optimizer update (`train.step.Trainer`), so every strategy gives the update of the one-shot batch:
+
+======================  ===================================================================================
+`AccumulatedGradients`  the batch in M strided microbatches (row ``r`` in microbatch ``r % M``, so each
+                        device's share of a microbatch stays on it), gradients summed over a `jax.lax.scan`
+`PipelineGradients`     the model runs its layer stack as a pipeline over ``stage`` (`sharding.pipeline`);
+                        the pipeline's M microbatches flow inside one forward and backward pass
+`UnevenGradients`       each device along ``data`` x ``fsdp`` runs its own number of microbatches (uneven
+                        data parallelism for devices of different speeds; see the class)
+======================  ===================================================================================
+
+`make_strategy` picks the implementation of a `Parallelism`'s strategy. `checked_pipeline` is the
+pipeline's compile-time safety check, a pure function returning the plan to use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from sharding import axes as ax
+from sharding.hlo import branch_collectives
+from sharding.parallel import Parallelism, UnevenBatch, to_varying
+from sharding.splits import largest_remainder
+from train.data import FIELDS
+
+LossFn = Callable[[Any, dict, Parallelism], tuple[jax.Array, jax.Array]]
+"""``loss_fn(params, batch, par) -> (loss_sum, weight_sum)``: float32 scalars (nats, tokens)."""
+
+
+class GradientStrategy(Protocol):
+    """Computes the summed loss, token count and gradients of one global batch (inside jit)."""
+
+    par: Parallelism
+
+    def gradients(self, loss_fn: LossFn, params, batch: dict) -> tuple[jax.Array, jax.Array, Any, dict]:
+        """``(loss_sum, weight_sum, grads, metrics)``: float32 scalars, gradient sums shaped as ``params``,
+        and extra metrics of the strategy (e.g. microbatches processed per device)."""
+        ...
+
+
+class AccumulatedGradients:
+    """Gradient accumulation over ``par.strategy.microbatches`` strided microbatches (1: none)."""
+
+    def __init__(self, par: Parallelism):
+        self.par = par
+        self.microbatches = par.strategy.microbatches
+
+    def gradients(self, loss_fn: LossFn, params, batch: dict):
+        grad_fn = jax.value_and_grad(lambda p, b: loss_fn(p, b, self.par), has_aux=True)
+        m = self.microbatches
+        if m == 1:
+            (loss_sum, weight), grads = grad_fn(params, batch)
+            return loss_sum, weight, grads, {}
+
+        def split(x):
+            return x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1)
+
+        def body(carry, micro):
+            loss_acc, weight_acc, grad_acc = carry
+            (loss_sum, weight), grads = grad_fn(params, micro)
+            return (loss_acc + loss_sum, weight_acc + weight, jax.tree.map(jnp.add, grad_acc, grads)), None
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), zeros)
+        (loss_sum, weight, grads), _ = jax.lax.scan(body, init, jax.tree.map(split, batch))
+        return loss_sum, weight, grads, {}
+
+
+class PipelineGradients:
+    """The pipeline: the model runs its layers through `sharding.pipeline.run_pipeline` under ``par``,
+    whose strategy is the `sharding.pipeline.PipelinePlan`; its microbatches flow inside the pass."""
+
+    def __init__(self, par: Parallelism):
+        self.par = par
+
+    def gradients(self, loss_fn: LossFn, params, batch: dict):
+        (loss_sum, weight), grads = jax.value_and_grad(lambda p: loss_fn(p, batch, self.par), has_aux=True)(params)
+        return loss_sum, weight, grads, {}
+
+
+class UnevenGradients:
+    """Uneven data parallelism: devices of a faster kind run more microbatches per step.
+
+    Each device ``i`` along the batch axes (``data`` x ``fsdp``) runs ``counts[i]`` microbatches of
+    ``microbatch_rows`` sequences per step, inside one SPMD program:
+
+    1. The global batch ``[B, T]`` (``B = sum(counts) * microbatch_rows``, laid out as the uniform step
+       lays it out) is re-laid inside the step into a padded per-device buffer of ``max(counts) *
+       microbatch_rows`` rows: device ``i`` gets ``counts[i]`` consecutive microbatches, then padding it
+       never reads.
+    2. Inside `jax.shard_map` over the mesh, each device gathers the parameters it holds a shard of (FSDP)
+       once, marks them device-varying (`sharding.parallel.to_varying`) so that `jax.grad` inserts no
+       collective, and loops ``counts[i]`` times (a ``while`` loop whose trip count is a per-device input),
+       summing token-level loss and gradients under ``par.local()``. No collective runs inside the loop:
+       with per-device trip counts one would deadlock (GUIDE.md, pitfalls).
+    3. After the loop, one reduction: a ``psum`` over the batch axes (``psum_scatter`` over ``fsdp`` for
+       sharded parameters). Divided by the global token count as the uniform step divides it, the update
+       equals the uniform-batch update.
+
+    Metrics: ``microbatches`` (the total processed) and ``processed``, int32 ``[devices along data x
+    fsdp]`` (each device's loop counter). Layouts: meshes whose only split axes are ``data`` and ``fsdp``,
+    rules that split parameters over them only (``dp``, ``fsdp``); `check_uneven` refuses the rest. Shares
+    proportional to speed follow HAP (EuroSys'24), Metis (USENIX ATC'24) and FlashFlex (2024).
+
+    Args:
+      par: The run's layout, strategy `UnevenBatch` with resolved counts.
+      param_specs: The parameters' `PartitionSpec`s (a tree shaped as the params).
+    """
+
+    def __init__(self, par: Parallelism, param_specs):
+        self.par = par
+        self.counts = tuple(par.strategy.counts)
+        self.param_specs = param_specs
+        self.batch_axes = tuple(a for a in ax.BATCH_MESH_AXES if par.mesh_shape[a] > 1)
+
+    def row_index(self, microbatch_rows: int) -> np.ndarray:
+        """``[devices, max(counts) * microbatch_rows]`` rows of the global batch each device holds.
+
+        Device ``i`` holds microbatches ``sum(counts[:i]) .. sum(counts[:i+1]) - 1`` (rows in order), then
+        row 0 as padding it never reads.
+        """
+        mb, width = microbatch_rows, max(self.counts) * microbatch_rows
+        index = np.zeros((len(self.counts), width), np.int32)
+        start = 0
+        for i, count in enumerate(self.counts):
+            index[i, : count * mb] = np.arange(start, start + count * mb)
+            start += count * mb
+        return index
+
+    def gradients(self, loss_fn: LossFn, params, batch: dict):
+        mesh, spec = self.par.mesh, PartitionSpec(self.batch_axes or None)
+        rows = next(iter(batch.values())).shape[0]
+        microbatch_rows = rows // sum(self.counts)
+        index = self.row_index(microbatch_rows)
+        sharding = NamedSharding(mesh, spec)
+        padded = {f: jax.lax.with_sharding_constraint(jnp.take(batch[f], jnp.asarray(index.reshape(-1)), axis=0),
+                                                      sharding) for f in FIELDS}
+        counts = jax.lax.with_sharding_constraint(jnp.asarray(np.asarray(self.counts, np.int32)), sharding)
+        run = jax.shard_map(
+            lambda p, b, c: self._local(loss_fn, p, b, c, microbatch_rows), mesh=mesh,
+            in_specs=(self.param_specs, {f: spec for f in FIELDS}, spec),
+            out_specs=(PartitionSpec(), PartitionSpec(), self.param_specs, spec),
+        )
+        loss_sum, weight, grads, processed = run(params, padded, counts)
+        return loss_sum, weight, grads, {"microbatches": jnp.sum(processed), "processed": processed}
+
+    def _local(self, loss_fn: LossFn, params, buffer, count, mb: int):
+        """Per-device body: gather, mark varying, loop over this device's microbatches, reduce once."""
+        varying, local = self.batch_axes, self.par.local()
+        full = jax.tree.map(lambda p, s: to_varying(_gather(p, s), varying), params, self.param_specs)
+        grad_fn = jax.value_and_grad(lambda p, b: loss_fn(p, b, local), has_aux=True)
+
+        def body(carry):
+            i, loss_acc, weight_acc, grad_acc = carry
+            micro = {f: jax.lax.dynamic_slice_in_dim(x, i * mb, mb, axis=0) for f, x in buffer.items()}
+            (loss_sum, weight), grads = grad_fn(full, micro)
+            return i + 1, loss_acc + loss_sum, weight_acc + weight, jax.tree.map(jnp.add, grad_acc, grads)
+
+        zero = to_varying(jnp.zeros((), jnp.float32), varying)
+        init = (to_varying(jnp.zeros((), jnp.int32), varying), zero, zero,
+                jax.tree.map(lambda p: to_varying(jnp.zeros(p.shape, p.dtype), varying), full))
+        processed, loss_sum, weight, grads = jax.lax.while_loop(lambda c: c[0] < count[0], body, init)
+        # The one reduction of the step, after every device has left its loop.
+        loss_sum = jax.lax.psum(loss_sum, varying)
+        weight = jax.lax.psum(weight, varying)
+        grads = jax.tree.map(lambda g, s: _reduce(g, s, varying), grads, self.param_specs)
+        return loss_sum, weight, grads, processed.reshape(1)
+
+
+def _axes_of(entry) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _gather(p, spec: PartitionSpec):
+    """The whole parameter from this device's shard (all-gather over the axes of each split dim)."""
+    for dim, entry in enumerate(spec):
+        names = _axes_of(entry)
+        if names:
+            p = jax.lax.all_gather(p, names, axis=dim, tiled=True)
+    return p
+
+
+def _reduce(g, spec: PartitionSpec, axes: tuple[str, ...]):
+    """Sum a gradient over ``axes``: reduce-scattered to the shard along its split dimensions first, then
+    the (smaller) shard summed over the remaining axes."""
+    for dim, entry in enumerate(spec):
+        names = _axes_of(entry)
+        if names:
+            g = jax.lax.psum_scatter(g, names, scatter_dimension=dim, tiled=True)
+    split = {a for entry in spec for a in _axes_of(entry)}
+    rest = tuple(a for a in axes if a not in split)
+    return jax.lax.psum(g, rest) if rest else g
+
+
+def make_strategy(par: Parallelism, param_specs) -> GradientStrategy:
+    """The `GradientStrategy` of ``par.strategy`` (``param_specs``: the parameters' `PartitionSpec`s)."""
+    if par.pipeline is not None:
+        return PipelineGradients(par)
+    if isinstance(par.strategy, UnevenBatch):
+        return UnevenGradients(par, param_specs)
+    return AccumulatedGradients(par)
+
+
+# Checks and resolution ---------------------------------------------------------------------------
+
+
+def checked_pipeline(par: Parallelism, compiled_text: str) -> tuple[Parallelism, str | None]:
+    """The pipeline plan to use, after making sure no stage can wait on another inside a skipped slot.
+
+    The pipeline skips empty slots with conditionals that stages take differently. Collectives GSPMD puts
+    inside a layer are normally among devices of one stage, but if it chose one that could involve other
+    stages (a ``collective-permute``), devices would wait forever. Then the plan falls back to computing
+    every slot (`PipelinePlan.skip_empty` False).
+
+    Args:
+      par: The run's layout (a pipeline strategy).
+      compiled_text: ``compiled.as_text()`` of a step compiled with ``par``.
+
+    Returns:
+      ``(par, note)``: ``par`` itself and None when safe; else the fallback layout and a line saying why.
+    """
+    plan = par.pipeline
+    if plan is None or not plan.skip_empty:
+        return par, None
+    unsafe = [c for c in branch_collectives(compiled_text, par.mesh) if not c.safe]
+    if not unsafe:
+        return par, None
+    ops = ", ".join(sorted({f"{c.op} ({c.name})" for c in unsafe}))
+    note = (f"pipeline: the partitioner put {ops} inside a skipped layer slot, where stages that skip it would "
+            f"leave others waiting; this run computes every slot instead (empty slots cost compute too)")
+    import dataclasses
+
+    return par.replace(strategy=dataclasses.replace(plan, skip_empty=False)), note
+
+
+def batch_grid(mesh) -> list[Any]:
+    """Devices along ``data`` x ``fsdp`` (data-major), the others at index 0: the order of uneven counts."""
+    names = list(mesh.axis_names)
+    index = tuple(slice(None) if n in ax.BATCH_MESH_AXES else 0 for n in names)
+    return list(np.asarray(mesh.devices[index]).reshape(-1))
+
+
+def device_speeds(mesh, simulated: Mapping[int, Any] | None = None) -> list[float]:
+    """Peak FLOP/s of each device along the batch axes, in the order of the uneven counts.
+
+    Args:
+      mesh: The `jax.sharding.Mesh`.
+      simulated: ``device.id -> DeviceKind`` from `sharding.devices.simulate_inventory`.
+
+    Raises:
+      ValueError: When a device's peak is unknown (e.g. CPU without ``--simulate-cluster``).
+    """
+    from sharding.devices import peak_flops
+
+    speeds = []
+    for device in batch_grid(mesh):
+        peak = peak_flops(device, simulated)
+        if peak is None:
+            raise ValueError(
+                f"--hetero-batch auto: the peak speed of device {device.id} ({device.device_kind}) is unknown; "
+                f"give --simulate-cluster (e.g. h100:4,a100:4) or explicit counts (--hetero-batch 3,3,3,3,1,1,1,1)"
+            )
+        speeds.append(peak)
+    return speeds
+
+
+def counts_from_speeds(speeds: Sequence[float], total: int) -> list[int]:
+    """Microbatches per device proportional to speed (largest remainder; `sharding.splits`)."""
+    return largest_remainder(total, speeds)
+
+
+def resolve_uneven(par: Parallelism, mesh, simulated=None) -> tuple[Parallelism, list[float] | None]:
+    """Resolves ``--hetero-batch auto|kinds`` into counts from the devices' speeds.
+
+    Returns:
+      ``(par, speeds)``: ``par`` with `UnevenBatch.counts` set (unchanged when given or not uneven), and
+      the speeds used (None when not resolved here).
+
+    Raises:
+      ValueError: As `device_speeds`.
+    """
+    strategy = par.strategy
+    if not isinstance(strategy, UnevenBatch) or strategy.counts is not None:
+        return par, None
+    speeds = device_speeds(mesh, simulated)
+    total = strategy.microbatches * par.data_parallel
+    counts = tuple(counts_from_speeds(speeds, total))
+    return par.replace(strategy=UnevenBatch(counts, strategy.speeds, strategy.microbatches)), speeds
+
+
+def describe_uneven(counts: Sequence[int], microbatch_rows: int, speeds: Sequence[float] | None = None) -> str:
+    """One line: counts per device (with speeds when known) and the padded buffer size."""
+    parts = [f"{c}" + (f" ({s / 1e12:.0f} TFLOP/s)" if speeds else "")
+             for c, s in zip(counts, speeds or [None] * len(counts))]
+    return (f"uneven data parallelism: microbatches of {microbatch_rows} sequences per device "
+            f"{', '.join(parts)}; padded buffer {max(counts)} microbatches per device")
+
+
+__all__ = ["AccumulatedGradients", "GradientStrategy", "PipelineGradients", "UnevenGradients", "checked_pipeline",
+           "counts_from_speeds", "describe_uneven", "device_speeds", "make_strategy", "resolve_uneven"]
+
+
+def check_uneven(par: Parallelism, param_names, abstract_params, global_batch: int | None = None) -> None:
+    """Uneven counts against the mesh, the rules and the batch, before any device work.
+
+    Args:
+      par: The run's layout (strategy `UnevenBatch`; counts may still be unresolved).
+      param_names, abstract_params: The model's parameters' logical names and shapes.
+      global_batch: ``--batch-size``, checked against resolved counts when given.
+
+    Raises:
+      ValueError: A mesh that splits ``stage``, ``sequence`` or ``tensor``; rules that split a parameter
+        over another axis; a number of counts other than the devices along ``data`` x ``fsdp``; a batch
+        that the counts' microbatches do not divide. Each names the flag and a value that works.
+    """
+    from sharding.rules import logical_to_spec
+
+    strategy = par.strategy
+    others = [f"{a}={n}" for a, n in par.mesh_shape.items() if a not in ax.BATCH_MESH_AXES and n > 1]
+    devices = par.data_parallel
+    if others:
+        raise ValueError(f"--hetero-batch supports data-parallel meshes only (data, fsdp); --mesh splits "
+                         f"{', '.join(others)}. Use e.g. --mesh data={devices} --rules dp, or --hetero-batch off")
+    for names, leaf in zip(jax.tree.leaves(param_names, is_leaf=lambda x: isinstance(x, tuple)),
+                           jax.tree.leaves(abstract_params), strict=True):
+        spec, _ = logical_to_spec(tuple(names), par.rules, leaf.shape, par.mesh_shape)
+        used = {a for entry in spec for a in _axes_of(entry)}
+        if used - set(ax.BATCH_MESH_AXES):
+            raise ValueError(f"--hetero-batch supports the dp and fsdp rules; --rules {par.rules.name} splits "
+                             f"parameters over {', '.join(sorted(used))}. Use --rules dp or --rules fsdp")
+    if strategy.counts is None:
+        return
+    counts = strategy.counts
+    if len(counts) != devices:
+        example = ",".join(map(str, largest_remainder(max(sum(counts), devices), [1.0] * devices)))
+        raise ValueError(f"--hetero-batch {','.join(map(str, counts))}: {len(counts)} counts for the {devices} devices "
+                         f"along data x fsdp; give one per device, e.g. --hetero-batch {example}")
+    if global_batch is not None and global_batch % sum(counts):
+        total = sum(counts)
+        raise ValueError(f"--batch-size {global_batch} is not divisible by the {total} microbatches of --hetero-batch "
+                         f"{','.join(map(str, counts))}; e.g. --batch-size {total * max(1, global_batch // total)}")
