@@ -17,9 +17,11 @@ import functools
 import pytest
 
 from models.config import get_config
+from models.spec import describe
 from sharding import costmodel as cm
 from sharding import hlo
 from sharding.mesh import make_mesh, parse_mesh
+from sharding.pipeline.layout import bubble_fraction, plan_layout
 from sharding.rules import get_rules
 from train.optimizer import OptimizerConfig
 from train.step import Trainer
@@ -154,17 +156,23 @@ def test_ring_collective_costs_and_links():
 
 
 def test_model_flops_per_token_is_palm_count():
-    for name in ("test", "7b"):
-        config = get_config(name)
-        assert cm.model_flops_per_token(config, 4096) == pytest.approx(config.flops_per_token(4096))
+    """PaLM's count (Appendix B), ``6 * (P - V*D) + 12 * L * N * H * T``, from the config's fields by
+    hand; `ModelConfig.flops_per_token` is the description's (one implementation)."""
+    for name, tied in (("test", False), ("7b", False), ("test", True)):
+        c = get_config(name, tie_embeddings=tied)
+        v, d, f, n, k, h = c.vocab_size, c.embed_dim, c.mlp_dim, c.num_heads, c.num_kv_heads, c.head_dim
+        dense = v * d + c.num_layers * (2 * d * n * h + 2 * d * k * h + 3 * d * f + 2 * d) + d  # P - V*D (+ V*D tied)
+        palm = 6.0 * dense + 12 * c.num_layers * n * h * 4096
+        assert describe(c).flops_per_token(4096) == pytest.approx(palm, rel=1e-12)
+        assert c.flops_per_token(4096) == describe(c).flops_per_token(4096)
 
 
 def test_bubble_fraction_and_even_split():
-    assert cm.bubble_fraction(4, 16, 1) == pytest.approx(3 / 19)
-    assert cm.bubble_fraction(4, 16, 2) == pytest.approx(3 / 35)
-    assert cm.even_stage_layers(10, 4) == (3, 3, 2, 2)
+    assert bubble_fraction(4, 16, 1) == pytest.approx(3 / 19)
+    assert bubble_fraction(4, 16, 2) == pytest.approx(3 / 35)
+    assert plan_layout(10, 4)[0].stage_layers == (3, 3, 2, 2)
     with pytest.raises(ValueError, match="stage=4"):
-        cm.even_stage_layers(3, 4)
+        plan_layout(3, 4)
 
 
 def test_layout_errors_name_the_flag():

@@ -1,10 +1,10 @@
-"""Plan a training layout for a cluster: ``python -m sharding.plan``.
+"""Plan a training layout for a cluster: ``python -m train.plan``.
 
 Examples::
 
-    python -m sharding.plan --model 7b --cluster h100:8,a100:8 --batch 1024 --seq-len 4096
-    python -m sharding.plan --model 1b --cluster h100:8x2@3200Gbps --batch 512 --seq-len 2048 --plot plan.png
-    python -m sharding.plan --model small --cluster cluster.json --batch 64 --seq-len 256 --no-pipeline
+    python -m train.plan --model 7b --cluster h100:8,a100:8 --batch 1024 --seq-len 4096
+    python -m train.plan --model 1b --cluster h100:8x2@3200Gbps --batch 512 --seq-len 2048 --plot plan.png
+    python -m train.plan --model small --cluster cluster.json --batch 64 --seq-len 256 --no-pipeline
 
 Prints the cluster, the best plans (predicted step time, tokens/s, MFU, memory per device kind,
 why each lost to the best), the best plan where every device does the same work (for the gain),
@@ -12,41 +12,27 @@ and the ``python -m train.train`` flags of the chosen plan. ``--plot FILE.png`` 
 predicted step time and per-device memory of each plan (needs matplotlib: ``pip install
 'meshwork[plot]'``).
 
-The model is a preset of ``models.config`` (read lazily, in this entry point only: the planner
-itself takes any object with ModelConfig's field names) with ``--set FIELD=VALUE`` overrides.
+The model is a preset of ``models.config`` with ``--set FIELD=VALUE`` overrides; the planner
+(`sharding.planner`) reads its description (`models.spec.describe`), never the model itself.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import time
 from collections.abc import Sequence
 
+from models.config import get_config
+from models.spec import describe
 from sharding import planner
 from sharding.devices import inventory_from_flag
 from sharding.mesh import format_mesh
-
-_MODEL_FIELDS = ("vocab_size", "num_layers", "embed_dim", "mlp_dim", "num_heads", "num_kv_heads", "head_dim")
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelDims:
-    """The dimensions the planner reads (ModelConfig's field names)."""
-
-    vocab_size: int
-    num_layers: int
-    embed_dim: int
-    mlp_dim: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    tie_embeddings: bool = False
+from sharding.modeldesc import ModelDescription
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m sharding.plan", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m train.plan", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default="7b", help="model preset (models.config: test, small, 125m, 1b, 7b)")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override a model field")
@@ -65,16 +51,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def model_dims(preset: str, overrides: Sequence[str]) -> ModelDims:
-    """The preset's dimensions with ``--set`` overrides.
+def model_description(preset: str, overrides: Sequence[str]) -> ModelDescription:
+    """The description of a preset with ``--set`` overrides (`models.spec.describe`).
 
     Raises:
       ValueError: Unknown preset or field (from models.config), naming the flag.
     """
-    from models.config import get_config  # the CLI only; the planner never imports the model
-
-    config = get_config(preset, overrides)
-    return ModelDims(*(getattr(config, f) for f in _MODEL_FIELDS), tie_embeddings=config.tie_embeddings)
+    return describe(get_config(preset, overrides))
 
 
 def options_from(args) -> planner.PlanOptions:
@@ -153,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.batch <= 0 or args.seq_len <= 0:
             raise ValueError(f"--batch {args.batch} --seq-len {args.seq_len}: must be positive, "
                              f"e.g. --batch 1024 --seq-len 4096")
-        model = model_dims(args.model, args.set)
+        model = model_description(args.model, args.set)
         inventory = inventory_from_flag(args.cluster)
         options = options_from(args)
         lines, plans = report(model, inventory, args, options)
