@@ -12,77 +12,19 @@ devices) and compares the cost model's prediction for the CPU backend with:
 * the bytes of each collective kind parsed from the HLO (`sharding.hlo.collectives`).
 """
 
-import functools
-
 import pytest
+from costmodel_grid import GRID, compiled_figures, predicted
+from costmodel_grid import case_id as _id
+from costmodel_grid import config_of as _config
 
 from models.config import get_config
 from models.spec import describe
 from sharding import costmodel as cm
-from sharding import hlo
-from sharding.mesh import make_mesh, parse_mesh
+from sharding.mesh import parse_mesh
 from sharding.pipeline.layout import bubble_fraction, plan_layout
 from sharding.rules import get_rules
-from train.optimizer import OptimizerConfig
-from train.step import Trainer
 
 TOLERANCE = 0.10
-
-# (model, mesh, rules, batch, seq_len, microbatches, remat). The two models at different batch and
-# length shapes; the next four vary microbatches, remat and the embedding lookup's strategy; the
-# last two take the vocabulary-parallel loss.
-GRID = [
-    ("test", "data=8", "dp", 16, 64, 1, "none"),
-    ("test", "fsdp=8", "fsdp_tp", 16, 64, 1, "none"),
-    ("test", "fsdp=4,tensor=2", "fsdp_tp", 16, 64, 1, "none"),
-    ("test", "data=2,fsdp=2,tensor=2", "fsdp_tp", 16, 64, 1, "none"),
-    ("small", "data=8", "dp", 32, 32, 1, "none"),
-    ("small", "fsdp=8", "fsdp_tp", 32, 32, 1, "none"),
-    ("small", "fsdp=4,tensor=2", "fsdp_tp", 32, 32, 1, "none"),
-    ("small", "data=2,fsdp=2,tensor=2", "fsdp_tp", 32, 32, 1, "none"),
-    ("test", "fsdp=8", "fsdp_tp", 16, 64, 2, "none"),
-    ("test", "fsdp=4,tensor=2", "fsdp_tp", 16, 64, 2, "full"),
-    ("small", "fsdp=8", "fsdp_tp", 32, 32, 1, "dots"),
-    ("test", "data=2,fsdp=4", "fsdp", 16, 64, 1, "none"),
-    # A larger vocabulary: the loss runs vocabulary-parallel (sharding.vocab picks it).
-    ("test+vocab_size=4096", "fsdp=8", "fsdp_tp", 16, 64, 1, "none"),
-    ("test+vocab_size=4096", "fsdp=8", "fsdp_tp", 16, 64, 2, "none"),
-]
-
-
-def _config(model: str, remat: str):
-    """``"test"`` or ``"test+num_layers=8"`` (a preset with ``--set`` overrides)."""
-    preset, *overrides = model.split("+")
-    return get_config(preset, overrides, remat=remat)
-
-
-def _id(case):
-    model, mesh, rules, batch, seq, micro, remat = case
-    return f"{model}-{mesh}-{rules}-B{batch}-T{seq}-M{micro}-{remat}"
-
-
-@functools.lru_cache(maxsize=None)
-def compiled_figures(case):
-    """The compiler's figures for one case (compiled once per session)."""
-    model, mesh_spec, rules, batch, seq, micro, remat = case
-    config = _config(model, remat)
-    trainer = Trainer(config, OptimizerConfig(), make_mesh(parse_mesh(mesh_spec, 8)), get_rules(rules), micro)
-    compiled = trainer.compile_train_step(batch, seq)
-    analysis = compiled.cost_analysis()
-    analysis = analysis[0] if isinstance(analysis, list) else analysis
-    text = compiled.as_text()
-    return {
-        "flops": float(analysis["flops"]),
-        "dot_flops": hlo.dot_flops(text),
-        "arguments": float(compiled.memory_analysis().argument_size_in_bytes),
-        "collectives": cm.collective_bytes(hlo.collectives(text)),
-    }
-
-
-def predicted(case):
-    model, mesh_spec, rules, batch, seq, micro, remat = case
-    layout = cm.Layout(parse_mesh(mesh_spec, 8), rules, micro, remat)
-    return cm.estimate(_config(model, remat), batch, seq, layout, backend="cpu")
 
 
 def _within(pred, actual):
