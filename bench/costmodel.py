@@ -8,9 +8,10 @@ Writes a Markdown report (default ``bench/results/costmodel.md``) with:
    ``cost_analysis()["flops"]`` (each loop body counted once: `Cost.counted_flops`), the matrix
    products of the HLO with trip counts folded in (`sharding.hlo.dot_flops`: `Cost.matmul_flops`),
    ``memory_analysis().argument_size_in_bytes`` and the bytes of each collective kind
-   (`sharding.hlo.collectives`). Temporaries (activations) are listed for information: the cost
+   (`sharding.hlo.collectives`), on the grid the tests assert on (`bench/costmodel_grid.py`).
+   Temporaries (activations) are listed for information: the cost
    model predicts a fraction of what XLA's CPU backend allocates.
-2. **The uneven data-parallel step** (`train.hetero`): its compiled collectives against the model.
+2. **The uneven data-parallel step** (`train.strategies.UnevenGradients`): its compiled collectives against the model.
 3. **The optimizer's FLOPs per parameter** as XLA counts them (`OPTIMIZER_FLOPS_PER_PARAM`).
 4. **Simulated gains**: 4 fast + 4 slow devices with speed ratio r = 1.5, 2, 3; the planned step
    time against the best uniform split (ideal gain (r+1)/2), and the planner against brute force.
@@ -32,32 +33,18 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
+from costmodel_grid import BENCH_ONLY, GRID, compiled_figures, predicted  # noqa: E402
 
 from models.config import get_config  # noqa: E402
+from models.spec import describe  # noqa: E402
 from sharding import costmodel as cm  # noqa: E402
 from sharding import devices, hlo, planner  # noqa: E402
 from sharding.mesh import make_mesh, parse_mesh  # noqa: E402
-from sharding.plan import ModelDims  # noqa: E402
 from sharding.rules import get_rules  # noqa: E402
-from train.hetero import HeteroTrainer  # noqa: E402
+from sharding.parallel import Parallelism, UnevenBatch  # noqa: E402
 from train.optimizer import OptimizerConfig  # noqa: E402
 from train.step import Trainer  # noqa: E402
 
-GRID = [
-    ("test", "data=8", "dp", 16, 64, 1, "none"),
-    ("test", "fsdp=8", "fsdp_tp", 16, 64, 1, "none"),
-    ("test", "fsdp=4,tensor=2", "fsdp_tp", 16, 64, 1, "none"),
-    ("test", "data=2,fsdp=2,tensor=2", "fsdp_tp", 16, 64, 1, "none"),
-    ("small", "data=8", "dp", 32, 32, 1, "none"),
-    ("small", "fsdp=8", "fsdp_tp", 32, 32, 1, "none"),
-    ("small", "fsdp=4,tensor=2", "fsdp_tp", 32, 32, 1, "none"),
-    ("small", "data=2,fsdp=2,tensor=2", "fsdp_tp", 32, 32, 1, "none"),
-    ("test", "fsdp=8", "fsdp_tp", 16, 64, 2, "none"),
-    ("test", "fsdp=4,tensor=2", "fsdp_tp", 16, 64, 2, "full"),
-    ("small", "fsdp=8", "fsdp_tp", 32, 32, 1, "dots"),
-    ("test", "data=2,fsdp=4", "fsdp", 16, 64, 1, "none"),
-    ("test", "fsdp=4,sequence=2", "fsdp_tp", 16, 64, 1, "none"),
-]
 KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 
 
@@ -65,12 +52,6 @@ def _err(pred: float, actual: float) -> str:
     if not actual:
         return "0 = 0" if not pred else f"{pred:.3g} vs 0"
     return f"{(pred - actual) / actual:+.1%}"
-
-
-def _compile(model, mesh_spec, rules, batch, seq, micro, remat):
-    config = get_config(model, remat=remat)
-    trainer = Trainer(config, OptimizerConfig(), make_mesh(parse_mesh(mesh_spec, 8)), get_rules(rules), micro)
-    return config, trainer.compile_train_step(batch, seq)
 
 
 def error_table() -> list[str]:
@@ -83,38 +64,33 @@ def error_table() -> list[str]:
              "| model | mesh | rules | B x T | M | remat | cost_analysis FLOPs | folded products | arguments | "
              + " | ".join(KINDS) + " | temp (pred/compiled) |",
              "|" + "---|" * (10 + len(KINDS))]
-    for case in GRID:
+    for case in GRID + BENCH_ONLY:
         model, mesh_spec, rules, batch, seq, micro, remat = case
-        config, compiled = _compile(*case)
-        analysis = compiled.cost_analysis()
-        analysis = analysis[0] if isinstance(analysis, list) else analysis
-        text = compiled.as_text()
-        memory = compiled.memory_analysis()
-        cost = cm.estimate(config, batch, seq, cm.Layout(parse_mesh(mesh_spec, 8), rules, micro, remat), backend="cpu")
-        actual, pred = cm.collective_bytes(hlo.collectives(text)), cm.collective_bytes(cost.comms)
+        figures, cost = compiled_figures(case), predicted(case)
+        actual, pred = figures["collectives"], cm.collective_bytes(cost.comms)
         kinds = [_err(pred.get(k, 0.0), actual.get(k, 0.0)) if (k in actual or k in pred) else "" for k in KINDS]
         m = cost.memory
-        temp = (m.activations + m.logits + m.gathered + m.gradients) / memory.temp_size_in_bytes
+        temp = (m.activations + m.logits + m.gathered + m.gradients) / figures["temp"]
         lines.append(f"| {model} | {mesh_spec} | {rules} | {batch} x {seq} | {micro} | {remat} | "
-                     f"{_err(cost.counted_flops, analysis['flops'])} | {_err(cost.matmul_flops, hlo.dot_flops(text))} | "
-                     f"{_err(cost.argument_bytes, memory.argument_size_in_bytes)} | " + " | ".join(kinds)
+                     f"{_err(cost.counted_flops, figures['flops'])} | {_err(cost.matmul_flops, figures['dot_flops'])} | "
+                     f"{_err(cost.argument_bytes, figures['arguments'])} | " + " | ".join(kinds)
                      + f" | {temp:.2f} |")
         print(lines[-1], flush=True)
     lines += ["", "The last row (`sequence=2`, context parallelism by the partitioner on reference attention) "
-              "is outside the tested grid: its gradient reductions over `sequence` are split differently "
-              "than modelled.", ""]
+              "is outside the tested grid (`costmodel_grid.BENCH_ONLY`): its gradient reductions over "
+              "`sequence` are split differently than modelled.", ""]
     return lines
 
 
 def hetero_table() -> list[str]:
-    lines = ["## 2. Uneven data-parallel step (train/hetero.py), counts 3,3,3,3,1,1,1,1 of 2-row microbatches", "",
+    lines = ["## 2. Uneven data-parallel step (train/strategies.py), counts 3,3,3,3,1,1,1,1 of 2-row microbatches", "",
              "| mesh | rules | cost_analysis FLOPs | arguments | " + " | ".join(KINDS) + " |",
              "|" + "---|" * (4 + len(KINDS))]
     counts, rows, seq = (3, 3, 3, 3, 1, 1, 1, 1), 2, 64
     for mesh_spec, rules in (("data=8", "dp"), ("data=2,fsdp=4", "fsdp")):
         config = get_config("test")
-        trainer = Trainer(config, OptimizerConfig(), make_mesh(parse_mesh(mesh_spec, 8)), get_rules(rules), 1)
-        compiled = HeteroTrainer(trainer, counts, rows).compile_train_step(sum(counts) * rows, seq)
+        par = Parallelism.of(make_mesh(parse_mesh(mesh_spec, 8)), get_rules(rules), UnevenBatch(counts))
+        compiled = Trainer(config, OptimizerConfig(), par).compile_train_step(sum(counts) * rows, seq)
         analysis = compiled.cost_analysis()
         analysis = analysis[0] if isinstance(analysis, list) else analysis
         layout = cm.Layout(parse_mesh(mesh_spec, 8), rules, 1, uneven_batch=True)
@@ -134,7 +110,7 @@ def optimizer_flops() -> list[str]:
     found = {}
     config = get_config("test", ["num_layers=1"])
     for seq in (8, 16, 32):
-        trainer = Trainer(config, OptimizerConfig(), make_mesh(parse_mesh("data=8", 8)), get_rules("dp"), 1)
+        trainer = Trainer(config, OptimizerConfig(), Parallelism.of(make_mesh(parse_mesh("data=8", 8)), get_rules("dp")))
         compiled = trainer.compile_train_step(8, seq)
         analysis = compiled.cost_analysis()
         analysis = analysis[0] if isinstance(analysis, list) else analysis
@@ -154,7 +130,7 @@ def _pair(ratio):
 
 
 def gains() -> list[str]:
-    model = ModelDims(32000, 12, 768, 2048, 12, 12, 64)  # the 125m preset's shape
+    model = describe(get_config("125m"))
     lines = ["## 4. Simulated gains: 4 fast + 4 slow devices, `125m` shape, batch 256 x 1024", "",
              "Devices: fast = r x 100 TFLOP/s, slow = 100 TFLOP/s, 80 GB, 300 GB/s links, hosts of 4, 50 GB/s "
              "between them. Uniform: the best plan where every device does the same work.", "",
@@ -179,7 +155,7 @@ def plan_7b() -> list[str]:
     inventory = devices.parse_cluster("h100:8,a100:8")
     plans = planner.plan(model, inventory, 1024, 4096, top=8)
     base = planner.uniform_baseline(model, inventory, 1024, 4096)
-    return ["## 5. `python -m sharding.plan --model 7b --cluster h100:8,a100:8 --batch 1024 --seq-len 4096`", "",
+    return ["## 5. `python -m train.plan --model 7b --cluster h100:8,a100:8 --batch 1024 --seq-len 4096`", "",
             "```", *planner.format_table(plans), "```", "",
             f"Best plan with the same work on every device: {base.flags()}, {base.step_time:.2f} s/step; "
             f"the chosen plan is {base.step_time / plans[0].step_time:.2f}x faster.", ""]

@@ -45,7 +45,8 @@ from models.config import ModelConfig
 from models.kernels.flash_attention import flash_attention
 from models.kernels.ring_attention import CONTIGUOUS, ZIGZAG, ring_attention
 from models.kernels.ulysses_attention import check_ulysses_heads, ulysses_attention
-from models.layers import param, rotary_embedding
+from models.layers import make_params, rotary_embedding
+from models.spec import attention_params
 from sharding import axes as ax
 from sharding.parallel import CONTEXT_LAYOUTS, UNSHARDED, Parallelism
 from sharding.rules import Rules, logical_to_spec
@@ -433,11 +434,7 @@ class Attention(nnx.Module):
     """
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
-        d, n, k, h = config.embed_dim, config.num_heads, config.num_kv_heads, config.head_dim
-        self.q = param(rngs, (d, n, h), (ax.EMBED, ax.HEADS, ax.HEAD_DIM))
-        self.k = param(rngs, (d, k, h), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM))
-        self.v = param(rngs, (d, k, h), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM))
-        self.o = param(rngs, (n, h, d), (ax.HEADS, ax.HEAD_DIM, ax.EMBED), fan_in=n * h)
+        make_params(self, rngs, attention_params(config))
         self.config = config
 
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,

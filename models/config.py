@@ -15,7 +15,8 @@ num_layers, N num_heads, K num_kv_heads, H head_dim, F mlp_dim::
       + D                            # final RMSNorm
 
 (with tied embeddings the first term is V*D). `ModelConfig.num_params`
-computes exactly this; start-up checks it against the built model.
+computes exactly this (from `models.spec`, the tables that build the
+modules); start-up checks it against the built model.
 """
 
 from __future__ import annotations
@@ -124,28 +125,23 @@ class ModelConfig:
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
+    def describe(self):
+        """The model as the cost model sees it (`models.spec.describe`, a
+        `sharding.modeldesc.ModelDescription`): parameters, products, work and
+        activations per token, from the tables that build the modules."""
+        from models.spec import describe  # models.spec imports this module
+
+        return describe(self)
+
     @property
     def num_params(self) -> int:
-        """Parameter count by the formula in the module docstring."""
-        v, d, f = self.vocab_size, self.embed_dim, self.mlp_dim
-        n, k, h = self.num_heads, self.num_kv_heads, self.head_dim
-        embeddings = v * d if self.tie_embeddings else 2 * v * d
-        per_layer = 2 * d * n * h + 2 * d * k * h + 3 * d * f + 2 * d
-        return embeddings + self.num_layers * per_layer + d
-
-    @property
-    def num_embedding_params(self) -> int:
-        """Parameters in the token embedding (excluded from the 6N FLOP count)."""
-        return self.vocab_size * self.embed_dim
+        """Parameter count (the formula in the module docstring), from `describe`."""
+        return self.describe().num_params
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token: forward plus backward.
-
-        ``6 * (P - V*D) + 12 * L * N * H * T``, the count of Chowdhery et al.,
-        PaLM (2022), Appendix B: 6 FLOPs per parameter per token for the
-        matrix products (2 forward, 4 backward), excluding the embedding
-        lookup, plus the attention score and value products (not halved for
-        the causal mask, as in that count).
+        """Training FLOPs per token, forward plus backward: the PaLM count (Chowdhery et al., 2022,
+        Appendix B), ``6 * (P - V*D) + 12 * L * N * H * T``; one implementation,
+        `sharding.modeldesc.ModelDescription.flops_per_token`.
 
         Args:
           seq_len: T, tokens per sequence.
@@ -153,11 +149,7 @@ class ModelConfig:
         Returns:
           FLOPs per token (float).
         """
-        dense = self.num_params - self.num_embedding_params
-        if self.tie_embeddings:
-            dense += self.num_embedding_params  # the output projection still costs a matmul
-        attention = 12 * self.num_layers * self.num_heads * self.head_dim * seq_len
-        return 6.0 * dense + attention
+        return self.describe().flops_per_token(seq_len)
 
 
 PRESETS: dict[str, ModelConfig] = {

@@ -14,7 +14,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models.spec import embed_params, mlp_params, norm_params
 from sharding import axes as ax
+from sharding.modeldesc import Param
 from sharding.parallel import UNSHARDED, Parallelism
 
 
@@ -42,6 +44,19 @@ def param(rngs: nnx.Rngs, shape, names, *, fan_in: int | None = None, init: str 
     return nnx.Param(value, logical_axes=tuple(names))
 
 
+def make_params(module: nnx.Module, rngs: nnx.Rngs, table: tuple[Param, ...]) -> None:
+    """Creates the parameters of ``table`` (`models.spec`) on ``module``, in order, each as the
+    attribute named by its path's last component.
+
+    Args:
+      module: The module being built.
+      rngs: The random streams (``params``).
+      table: The module's entries, e.g. `models.spec.mlp_params`.
+    """
+    for p in table:
+        setattr(module, p.name, param(rngs, p.shape, p.axes, fan_in=p.fan_in, init=p.init))
+
+
 class Embed(nnx.Module):
     """Token embedding, table ``[vocab, embed]``.
 
@@ -51,7 +66,7 @@ class Embed(nnx.Module):
     """
 
     def __init__(self, vocab_size: int, embed_dim: int, *, rngs: nnx.Rngs):
-        self.embedding = param(rngs, (vocab_size, embed_dim), (ax.VOCAB, ax.EMBED), fan_in=1)
+        make_params(self, rngs, embed_params(vocab_size, embed_dim))
 
     def __call__(self, tokens: jax.Array, dtype, par: Parallelism = UNSHARDED) -> jax.Array:
         """``[batch, length]`` int32 -> ``[batch, length, embed]`` in ``dtype``."""
@@ -71,7 +86,7 @@ class RMSNorm(nnx.Module):
     """
 
     def __init__(self, dim: int, eps: float, *, rngs: nnx.Rngs):
-        self.scale = param(rngs, (dim,), (ax.EMBED,), init="ones")
+        make_params(self, rngs, norm_params(dim))
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -107,9 +122,7 @@ class MLP(nnx.Module):
     """
 
     def __init__(self, embed_dim: int, mlp_dim: int, *, rngs: nnx.Rngs):
-        self.gate = param(rngs, (embed_dim, mlp_dim), (ax.EMBED, ax.MLP))
-        self.up = param(rngs, (embed_dim, mlp_dim), (ax.EMBED, ax.MLP))
-        self.down = param(rngs, (mlp_dim, embed_dim), (ax.MLP, ax.EMBED))
+        make_params(self, rngs, mlp_params(embed_dim, mlp_dim))
 
     def __call__(self, x: jax.Array, par: Parallelism = UNSHARDED) -> jax.Array:
         """``[batch, length, embed]`` -> ``[batch, length, embed]`` in x's dtype."""

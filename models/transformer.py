@@ -27,8 +27,9 @@ from flax import nnx
 
 from models.attention import Attention
 from models.config import ModelConfig
-from models.layers import MLP, Embed, RMSNorm, param
+from models.layers import MLP, Embed, RMSNorm, make_params
 from models.output import output_loss_sums, project_logits
+from models.spec import output_params
 from sharding import axes as ax
 from sharding.parallel import UNSHARDED, Parallelism
 from sharding.pipeline import run_pipeline
@@ -101,8 +102,7 @@ class Transformer(nnx.Module):
         self.layers = make_block(keys)
         _add_layers_axis(self.layers)
         self.final_norm = RMSNorm(config.embed_dim, config.norm_eps, rngs=rngs)
-        if not config.tie_embeddings:
-            self.unembed = param(rngs, (config.embed_dim, config.vocab_size), (ax.EMBED, ax.VOCAB))
+        make_params(self, rngs, output_params(config))  # unembed, unless tied
 
     def run_layers(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
                    par: Parallelism = UNSHARDED) -> jax.Array:

@@ -1,10 +1,10 @@
 """Cost model of one training step: FLOPs, bytes and collectives per device, and step time.
 
-For a decoder-only LM (any object with `models.config.ModelConfig`'s field names: ``vocab_size``,
-``num_layers``, ``embed_dim``, ``mlp_dim``, ``num_heads``, ``num_kv_heads``, ``head_dim``,
-``tie_embeddings``), a global batch, a sequence length and a `Layout` (mesh sizes over
-``data, stage, fsdp, sequence, tensor``, a rules preset, microbatches, remat, stage split), it
-predicts for one device:
+For a model described by a `sharding.modeldesc.ModelDescription` (its parameters with logical axes
+and roles, matrix products, attention geometry, elementwise work and saved activations per token;
+``models.spec.describe`` makes one), a global batch, a sequence length and a `Layout` (mesh sizes
+over ``data, stage, fsdp, sequence, tensor``, a rules preset, microbatches, remat, stage split), it
+predicts for one device; it knows nothing model-specific beyond the description:
 
 * **FLOPs** (`Flops`): the matrix products of the forward pass, ``2 * m * n * k`` per product, and of
   the backward pass (twice the forward: the input and the weight gradient), as in Chowdhery et al.,
@@ -14,8 +14,9 @@ predicts for one device:
   whole ``T x S`` score matrix for the reference (einsum + mask) implementation, and over half of it
   for FlashAttention, which skips masked tiles (Dao, FlashAttention-2, 2023, section 3.1), whose
   backward recomputes the scores (5 products instead of 4). Besides the products: the elementwise
-  work as XLA counts it (1 FLOP per element per arithmetic op; see `ELEMENTWISE`) and the optimizer
-  update (`OPTIMIZER_FLOPS_PER_PARAM`).
+  work as XLA counts it (1 FLOP per element per arithmetic op; the description's terms, times
+  `ELEMENTWISE_BACKWARD_FACTOR` for the backward pass) and the optimizer update
+  (`OPTIMIZER_FLOPS_PER_PARAM`).
 * **Bytes** (`Memory`): parameters (float32), gradients (float32), AdamW's two float32 moments, the
   batch, the activations saved for the backward pass under the remat policy, the logits, and the
   gathered weights of one layer (FSDP).
@@ -56,12 +57,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sharding import axes as ax
+from sharding.modeldesc import ModelDescription, Param, Product
+from sharding.pipeline.layout import plan_layout
 from sharding.rules import Rules, get_rules, logical_to_spec
 from sharding.vocab import OUTPUT_IMPLS, VocabSplit, choose_output
 
 __all__ = [
     "BACKENDS",
-    "ELEMENTWISE",
+    "ELEMENTWISE_BACKWARD_FACTOR",
     "OPTIMIZER_FLOPS_PER_PARAM",
     "Comm",
     "Cost",
@@ -69,17 +72,14 @@ __all__ = [
     "Hardware",
     "Layout",
     "Memory",
-    "ParamSpec",
     "StepTime",
-    "bubble_fraction",
     "collective_bytes",
+    "comm_seconds",
+    "describe_model",
     "device_cost",
     "estimate",
-    "even_stage_layers",
     "hardware_for",
     "link_classes",
-    "model_flops_per_token",
-    "parameter_specs",
     "step_time",
 ]
 
@@ -101,15 +101,9 @@ _WHOLE_SCORES = ("reference", "dot_product")  # attentions that materialise the 
 #: per-token part gives 34.9 (bench/costmodel.py prints it). We use 35.
 OPTIMIZER_FLOPS_PER_PARAM = 35.0
 
-#: Elementwise FLOPs (as XLA counts them) per token of the forward pass, by where they occur:
-#: ``layer``: per layer, coefficients of (D, F, (N+2K)H, N*S, S): two RMSNorms (square, mean,
-#: scale, multiply: 4 per element each) and two residual adds (D); SwiGLU's gate * sigmoid(gate) *
-#: up (2 per element of F); rotary positions on queries and keys (3 per element); softmax of the
-#: scores (scale, mask select, max, subtract, sum, divide: 6 per score); the causal and document
-#: mask (3 per key). ``loss``: log-softmax cross-entropy over the vocabulary (max, subtract, sum,
-#: select of the target: 4 per logit). The backward pass does about twice the forward's elementwise
-#: work. These are op counts of models/layers.py and models/attention.py, not measured.
-ELEMENTWISE = {"layer": (10.0, 2.0, 3.0, 6.0, 3.0), "loss": 4.0, "backward_factor": 2.0}
+#: The backward pass does about twice the forward's elementwise work (the model's elementwise terms,
+#: `sharding.modeldesc.ModelDescription.layer_elementwise`, are of the forward pass).
+ELEMENTWISE_BACKWARD_FACTOR = 2.0
 
 
 # --- Layouts ----------------------------------------------------------------------------------
@@ -126,7 +120,7 @@ class Layout:
         ``stage > 1``).
       remat: ``none``, ``dots`` or ``full`` (`models.config.REMAT_POLICIES`).
       stage_layers: Layers per pipeline stage, one per ``stage`` index, summing to the model's
-        layers; None splits evenly (`even_stage_layers`).
+        layers; None splits evenly (`sharding.pipeline.layout.plan_layout`).
       pipeline_repeats: R, stage chunks per device (circular schedule); 1 is GPipe.
       attention: ``reference`` or ``dot_product`` (full score matrix; ``jax.nn.dot_product_attention``'s
         XLA implementation is modelled as reference) or ``flash`` (masked tiles skipped).
@@ -193,81 +187,22 @@ def _preset(name: str) -> Rules:
     return get_rules(name)
 
 
-def even_stage_layers(num_layers: int, stages: int) -> tuple[int, ...]:
-    """``num_layers`` split over ``stages`` as evenly as possible, larger stages first.
+# --- The model's description -----------------------------------------------------------------
+
+
+def describe_model(model: Any) -> ModelDescription:
+    """``model`` as a `ModelDescription`: itself, or what its ``describe()`` returns
+    (`models.config.ModelConfig.describe`).
 
     Raises:
-      ValueError: When there are fewer layers than stages.
+      TypeError: When it is neither.
     """
-    if num_layers < stages:
-        raise ValueError(f"--mesh stage={stages} needs at least {stages} layers; the model has {num_layers}")
-    base, extra = divmod(num_layers, stages)
-    return tuple(base + (1 if s < extra else 0) for s in range(stages))
-
-
-def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
-    """Idle fraction of a pipeline schedule, ``(S-1)/(R*M+S-1)``.
-
-    GPipe (Huang et al., 2019, section 2.2) with ``repeats=1``; the circular (interleaved) schedule
-    of Narayanan et al. (SC'21, section 2.2.2) with ``repeats`` chunks per device.
-    """
-    return (stages - 1) / (repeats * microbatches + stages - 1)
-
-
-# --- Parameters -------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class ParamSpec:
-    """One parameter array of the model, mirroring models/transformer.py.
-
-    Attributes:
-      name: Path, e.g. ``layers/mlp/gate``.
-      shape: Shape of one layer's slice for stacked layer parameters, else the whole array.
-      names: Logical axis names of ``shape``.
-      per_layer: True for parameters stacked on the ``layers`` axis.
-      matmul: True when the parameter is the weight of a matrix product.
-    """
-
-    name: str
-    shape: tuple[int, ...]
-    names: tuple[str, ...]
-    per_layer: bool
-    matmul: bool
-
-    @property
-    def size(self) -> int:
-        return math.prod(self.shape)
-
-
-def parameter_specs(model: Any) -> list[ParamSpec]:
-    """The model's parameters with their logical names (models/transformer.py, layers.py, attention.py).
-
-    Args:
-      model: Anything with ModelConfig's dimension fields (``vocab_size`` V, ``embed_dim`` D,
-        ``mlp_dim`` F, ``num_heads`` N, ``num_kv_heads`` K, ``head_dim`` H, ``tie_embeddings``).
-
-    Returns:
-      One `ParamSpec` per array; per-layer shapes exclude the leading ``layers`` dimension.
-    """
-    v, d, f = model.vocab_size, model.embed_dim, model.mlp_dim
-    n, k, h = model.num_heads, model.num_kv_heads, model.head_dim
-    specs = [
-        ParamSpec("embed/embedding", (v, d), (ax.VOCAB, ax.EMBED), False, False),
-        ParamSpec("layers/attention/q", (d, n, h), (ax.EMBED, ax.HEADS, ax.HEAD_DIM), True, True),
-        ParamSpec("layers/attention/k", (d, k, h), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM), True, True),
-        ParamSpec("layers/attention/v", (d, k, h), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM), True, True),
-        ParamSpec("layers/attention/o", (n, h, d), (ax.HEADS, ax.HEAD_DIM, ax.EMBED), True, True),
-        ParamSpec("layers/attention_norm/scale", (d,), (ax.EMBED,), True, False),
-        ParamSpec("layers/mlp/gate", (d, f), (ax.EMBED, ax.MLP), True, True),
-        ParamSpec("layers/mlp/up", (d, f), (ax.EMBED, ax.MLP), True, True),
-        ParamSpec("layers/mlp/down", (f, d), (ax.MLP, ax.EMBED), True, True),
-        ParamSpec("layers/mlp_norm/scale", (d,), (ax.EMBED,), True, False),
-        ParamSpec("final_norm/scale", (d,), (ax.EMBED,), False, False),
-    ]
-    if not getattr(model, "tie_embeddings", False):
-        specs.append(ParamSpec("unembed", (d, v), (ax.EMBED, ax.VOCAB), False, True))
-    return specs
+    if isinstance(model, ModelDescription):
+        return model
+    describe = getattr(model, "describe", None)
+    if describe is None:
+        raise TypeError(f"expected a ModelDescription or an object with describe(), got {type(model).__name__}")
+    return describe()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -275,12 +210,12 @@ class _Placed:
     """A parameter with its split under a mesh and rules.
 
     Attributes:
-      spec: The parameter.
+      param: The parameter (`sharding.modeldesc.Param`).
       split: Mesh axis -> size, for the axes that split it.
       local: Elements per device (one layer's slice for per-layer parameters).
     """
 
-    spec: ParamSpec
+    param: Param
     split: dict[str, int]
     local: float
 
@@ -291,52 +226,78 @@ class _Placed:
         return out
 
 
-def _model_key(model: Any) -> tuple:
-    return tuple(getattr(model, f) for f in ("vocab_size", "num_layers", "embed_dim", "mlp_dim", "num_heads",
-                                            "num_kv_heads", "head_dim")) + (bool(getattr(model, "tie_embeddings", False)),)
-
-
 @functools.lru_cache(maxsize=4096)
-def _place_cached(model_key: tuple, rules: Rules, mesh_items: tuple) -> tuple[_Placed, ...]:
-    v, _, d, f, n, k, h, tied = model_key
-    dims = _Dims(v, d, f, n, k, h, tied)
-    return tuple(_place(parameter_specs(dims), rules, dict(mesh_items)))
+def _place_cached(model: ModelDescription, rules: Rules, mesh_items: tuple) -> dict[str, _Placed]:
+    """Path -> the placed parameter (shared between calls: do not modify)."""
+    return {p.param.path: p for p in _place(model.params, rules, dict(mesh_items))}
 
 
-@dataclasses.dataclass(frozen=True)
-class _Dims:
-    vocab_size: int
-    embed_dim: int
-    mlp_dim: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    tie_embeddings: bool
-
-
-def _place(specs: Sequence[ParamSpec], rules: Rules, mesh: Mapping[str, int]) -> list[_Placed]:
+def _place(params: Sequence[Param], rules: Rules, mesh: Mapping[str, int]) -> list[_Placed]:
     placed = []
-    for spec in specs:
-        pspec, _ = logical_to_spec(spec.names, rules, spec.shape, mesh)
+    for p in params:
+        pspec, _ = logical_to_spec(p.axes, rules, p.shape, mesh)
         split: dict[str, int] = {}
         for entry in pspec:
             for axis in (entry,) if isinstance(entry, str) else (entry or ()):
                 split[axis] = mesh[axis]
-        placed.append(_Placed(spec, split, spec.size / math.prod(split.values())))
+        placed.append(_Placed(p, split, p.size / math.prod(split.values())))
     return placed
 
 
 def _split_of(logical: str, size: int, rules: Rules, mesh: Mapping[str, int]) -> int:
     """How many ways the rules split a dimension of ``size`` named ``logical``."""
-    return _split_cached(logical, size, rules, tuple(mesh.items()))
+    return math.prod(mesh[a] for a in _split_axes(logical, size, rules, tuple(mesh.items())))
 
 
 @functools.lru_cache(maxsize=65536)
-def _split_cached(logical: str, size: int, rules: Rules, mesh_items: tuple) -> int:
-    mesh = dict(mesh_items)
-    pspec, _ = logical_to_spec((logical,), rules, (size,), mesh)
+def _split_axes(logical: str, size: int, rules: Rules, mesh_items: tuple) -> tuple[str, ...]:
+    """The mesh axes that split a dimension of ``size`` named ``logical``."""
+    pspec, _ = logical_to_spec((logical,), rules, (size,), dict(mesh_items))
     entry = pspec[0] if len(pspec) else None
-    return math.prod(mesh[a] for a in ((entry,) if isinstance(entry, str) else (entry or ())))
+    return (entry,) if isinstance(entry, str) else tuple(entry or ())
+
+
+@functools.lru_cache(maxsize=4096)
+def _model_splits(model: ModelDescription, rules: Rules, mesh_items: tuple) -> dict[str, tuple[str, ...]]:
+    """Each of the model's logical axes -> the mesh axes that split it (shared: do not modify)."""
+    return {a: _split_axes(a, size, rules, mesh_items) for a, size in model.axis_sizes.items()}
+
+
+def _axis_split(model: ModelDescription, logical: str | None, rules: Rules, mesh: Mapping[str, int]) -> int:
+    """How many ways the rules split the model's logical axis ``logical`` (1 for None)."""
+    if logical is None:
+        return 1
+    return math.prod(mesh[a] for a in _model_splits(model, rules, tuple(mesh.items()))[logical])
+
+
+def _tensor_split(model: ModelDescription, axes: Sequence[str], rules: Rules, mesh: Mapping[str, int]) -> bool:
+    """Whether any of the model's logical ``axes`` is split over ``tensor``."""
+    splits = _model_splits(model, rules, tuple(mesh.items()))
+    return mesh[ax.TENSOR] > 1 and any(ax.TENSOR in splits[a] for a in axes)
+
+
+def _per_token(model: ModelDescription, terms: str, rules: Rules, mesh: Mapping[str, int], keys: float,
+               act_bytes: int | None = None, kept: tuple[str, ...] | None = None) -> float:
+    """The sum of the description's ``terms`` (``layer_elementwise``, ``loss_elementwise`` or
+    ``activations``) per token on one device: each divided by its axis's split, score terms times
+    ``keys`` (0: the scores are not materialised); with ``act_bytes``, in bytes (the term's own bytes
+    per element, else ``act_bytes``); with ``kept``, only terms that carry one of those tags."""
+    return _per_token_cached(model, terms, rules, tuple(mesh.items()), keys, act_bytes, kept)
+
+
+@functools.lru_cache(maxsize=65536)
+def _per_token_cached(model: ModelDescription, terms: str, rules: Rules, mesh_items: tuple, keys: float,
+                      act_bytes: int | None, kept: tuple[str, ...] | None) -> float:
+    mesh = dict(mesh_items)
+    total = 0.0
+    for t in getattr(model, terms):
+        if kept is not None and not set(t.kept) & set(kept):
+            continue
+        amount = t.amount * (keys if t.per_key else 1.0) / _axis_split(model, t.axis, rules, mesh)
+        if act_bytes is not None:
+            amount *= t.bytes or act_bytes
+        total += amount
+    return total
 
 
 # --- Results ----------------------------------------------------------------------------------
@@ -519,7 +480,7 @@ class _Shape:
 
 
 def device_cost(
-    model: Any,
+    model: ModelDescription | Any,
     layout: Layout,
     *,
     seq_len: int,
@@ -537,7 +498,7 @@ def device_cost(
     own number of layers (``layers``) in ``slots`` padded slots.
 
     Args:
-      model: Model dimensions (ModelConfig field names).
+      model: The model's `ModelDescription` (or an object with ``describe()``, `describe_model`).
       layout: The layout.
       seq_len: T, tokens per sequence.
       rows: Sequences per microbatch on this device (after the ``data``/``fsdp`` split).
@@ -555,9 +516,10 @@ def device_cost(
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend {backend!r}: choose one of {', '.join(BACKENDS)}")
+    model = describe_model(model)
     mesh = layout.mesh
     if layers is None:
-        stage_layers = layout.stage_layers or even_stage_layers(model.num_layers, mesh[ax.STAGE])
+        stage_layers = layout.stage_layers or plan_layout(model.num_layers, mesh[ax.STAGE])[0].stage_layers
         layers = max(stage_layers)
     shape = _Shape(
         rows=rows,
@@ -569,7 +531,7 @@ def device_cost(
         act_bytes=_DTYPE_BYTES[layout.dtype],
     )
     rules = layout.rules_table()
-    placed = list(_place_cached(_model_key(model), rules, tuple(mesh.items())))
+    placed = _place_cached(model, rules, tuple(mesh.items()))
     flops, counted = _flops(model, layout, rules, placed, shape)
     memory = _memory(model, layout, rules, placed, shape)
     comms = tuple(c for c in _comms(model, layout, rules, placed, shape, backend, batch_rows)
@@ -578,11 +540,11 @@ def device_cost(
     return Cost(flops, counted, memory, comms, shape.tok * shape.micro, shape.layers, arguments)
 
 
-def estimate(model: Any, global_batch: int, seq_len: int, layout: Layout, *, backend: str = "gpu") -> Cost:
+def estimate(model: ModelDescription | Any, global_batch: int, seq_len: int, layout: Layout, *, backend: str = "gpu") -> Cost:
     """The cost of one device of a uniform layout (every device the same work).
 
     Args:
-      model: Model dimensions (ModelConfig field names).
+      model: The model's `ModelDescription` (or an object with ``describe()``).
       global_batch: B, sequences per step.
       seq_len: T, tokens per sequence.
       layout: The layout.
@@ -606,47 +568,39 @@ def estimate(model: Any, global_batch: int, seq_len: int, layout: Layout, *, bac
 # --- FLOPs ------------------------------------------------------------------------------------
 
 
-def model_flops_per_token(model: Any, seq_len: int) -> float:
-    """Training FLOPs per token for MFU: ``6 * (P - V*D) + 12 * L * N * H * T``.
-
-    Chowdhery et al., PaLM (2022), Appendix B, as `models.config.ModelConfig.flops_per_token`:
-    6 FLOPs per weight per token (2 forward, 4 backward), the embedding lookup excluded (the output
-    projection kept when embeddings are tied), plus the attention products. Recompute is not
-    counted (model FLOPs, not hardware FLOPs).
-    """
-    specs = parameter_specs(model)
-    dense = sum(p.size * (model.num_layers if p.per_layer else 1) for p in specs if p.name != "embed/embedding")
-    if getattr(model, "tie_embeddings", False):
-        dense += model.vocab_size * model.embed_dim
-    attention = 12 * model.num_layers * model.num_heads * model.head_dim * seq_len
-    return 6.0 * dense + attention
-
-
-def _flops(model, layout: Layout, rules: Rules, placed: list[_Placed], s: _Shape) -> tuple[Flops, float]:
+def _flops(model: ModelDescription, layout: Layout, rules: Rules, placed: dict[str, _Placed],
+           s: _Shape) -> tuple[Flops, float]:
     """Per-step FLOPs and the loop-bodies-once count of ``cost_analysis``."""
     mesh = layout.mesh
     compute_axes = tuple(a for a in mesh if a not in ax.BATCH_MESH_AXES)  # gathered axes do not split work
-    layer_fwd = sum(2.0 * p.spec.size / p.factor(*compute_axes) for p in placed if p.spec.per_layer and p.spec.matmul)
-    heads = _split_of(ax.HEADS, model.num_heads, rules, mesh)
-    vocab = _split_of(ax.VOCAB, model.vocab_size, rules, mesh)
+
+    def forward(product: Product) -> float:
+        return 2.0 * product.weight.size / placed[product.weight.path].factor(*compute_axes)
+
+    layer_fwd = sum(forward(p) for p in model.products)
+    # Full remat recomputes the block's forward except the products whose output no gradient
+    # needs (XLA drops them as dead code); "dots" saves the weight products and recomputes the
+    # attention products (they have batch dimensions).
+    kept_fwd = layer_fwd - sum(forward(p) for p in model.products if not p.recomputed)
+    geometry = model.attention
+    heads = _axis_split(model, geometry.heads_axis, rules, mesh)
     whole = layout.attention in _WHOLE_SCORES
-    scores = s.seq if whole else s.seq / 2
-    attn_fwd = 4.0 * model.num_heads * model.head_dim * scores / heads
+    attn_fwd = geometry.forward_flops(s.seq if whole else s.seq / 2) / heads
     attn_total = attn_fwd * (3.0 if whole else 3.5)  # flash bwd: 5 products
-    logits_fwd = 2.0 * model.embed_dim * model.vocab_size / vocab
-    # Full remat recomputes the block's forward except its last product (MLP down), whose output
-    # no gradient needs (XLA drops it as dead code); "dots" saves the weight products and
-    # recomputes the attention products (they have batch dimensions).
-    down = next(2.0 * p.spec.size / p.factor(*compute_axes) for p in placed if p.spec.name == "layers/mlp/down")
-    recompute = {"none": 0.0, "full": layer_fwd - down + attn_fwd, "dots": attn_fwd}[layout.remat]
+    logits = model.logits
+    logits_fwd = 2.0 * logits.in_size * logits.out_size / math.prod(
+        _axis_split(model, a, rules, mesh) for a in logits.out_axes)
+    recompute = {"none": 0.0, "full": kept_fwd + attn_fwd, "dots": attn_fwd}[layout.remat]
     if mesh[ax.STAGE] > 1:
-        # The pipeline's own backward pass (sharding/pipeline.py) recomputes every layer, on top
-        # of the remat policy applied inside it.
-        recompute += layer_fwd - down + attn_fwd
-    elem_layer, elem_loss = _elementwise_per_token(model, layout, heads, vocab, s.seq)
+        # The pipeline's own backward pass (sharding/pipeline/schedule.py) recomputes every layer,
+        # on top of the remat policy applied inside it.
+        recompute += kept_fwd + attn_fwd
+    passes = 1.0 + ELEMENTWISE_BACKWARD_FACTOR + (1.0 if layout.remat != "none" else 0.0)
+    elem_layer = passes * _per_token(model, "layer_elementwise", rules, mesh, s.seq if whole else 0.0)
+    elem_loss = (1.0 + ELEMENTWISE_BACKWARD_FACTOR) * _per_token(model, "loss_elementwise", rules, mesh, 0.0)
     per_token_layer = 3.0 * layer_fwd + attn_total + recompute + elem_layer
     per_token_outside = 3.0 * logits_fwd + elem_loss
-    local_params = sum(p.local * (s.slots if p.spec.per_layer else 1) for p in placed)
+    local_params = sum(p.local * (s.slots if p.param.per_layer else 1) for p in placed.values())
     optimizer = OPTIMIZER_FLOPS_PER_PARAM * local_params
     tokens = s.tok * s.micro
     flops = Flops(
@@ -661,56 +615,38 @@ def _flops(model, layout: Layout, rules: Rules, placed: list[_Placed], s: _Shape
     return flops, counted
 
 
-def _elementwise_per_token(model, layout: Layout, heads: int, vocab: int, seq: int) -> tuple[float, float]:
-    """Elementwise FLOPs per token per layer (forward, backward, recompute) and of the loss."""
-    d, f, n, k, h = model.embed_dim, model.mlp_dim, model.num_heads, model.num_kv_heads, model.head_dim
-    c_d, c_f, c_qk, c_s, c_mask = ELEMENTWISE["layer"]
-    mlp = _split_of(ax.MLP, f, layout.rules_table(), layout.mesh)
-    scores = seq if layout.attention in _WHOLE_SCORES else 0  # flash keeps scores inside the kernel
-    fwd = c_d * d + c_f * f / mlp + c_qk * (n + 2 * k) * h / heads + (c_s * n / heads + c_mask) * scores
-    passes = 1.0 + ELEMENTWISE["backward_factor"] + (1.0 if layout.remat != "none" else 0.0)
-    loss = ELEMENTWISE["loss"] * model.vocab_size / vocab * (1.0 + ELEMENTWISE["backward_factor"])
-    return fwd * passes, loss
-
-
 # --- Memory -----------------------------------------------------------------------------------
 
 
-def _memory(model, layout: Layout, rules: Rules, placed: list[_Placed], s: _Shape) -> Memory:
-    params = sum(p.local * (s.slots if p.spec.per_layer else 1) for p in placed) * _PARAM_BYTES
+def _memory(model: ModelDescription, layout: Layout, rules: Rules, placed: dict[str, _Placed], s: _Shape) -> Memory:
+    params = sum(p.local * (s.slots if p.param.per_layer else 1) for p in placed.values()) * _PARAM_BYTES
     mesh = layout.mesh
-    heads = _split_of(ax.HEADS, model.num_heads, rules, mesh)
-    kv = _split_of(ax.KV_HEADS, model.num_kv_heads, rules, mesh)
-    mlp = _split_of(ax.MLP, model.mlp_dim, rules, mesh)
-    vocab = _split_of(ax.VOCAB, model.vocab_size, rules, mesh)
-    d, f, h = model.embed_dim, model.mlp_dim, model.head_dim
-    qkv = (model.num_heads / heads + 2 * model.num_kv_heads / kv) * h
-    b = s.act_bytes
-    # Saved per token per layer without remat: block input, two norm outputs (D each, plus float32
-    # copies), q/k/v and the attention output, gate/up/hidden (F), and the float32 softmax of the
-    # reference attention (N*S) with its mask.
-    per_layer = b * (6 * d + 2 * qkv + 3 * f / mlp) + 4 * 2 * d
-    if layout.attention in _WHOLE_SCORES:
-        per_layer += (4 * model.num_heads / heads + 1) * s.seq
+    keys = s.seq if layout.attention in _WHOLE_SCORES else 0.0
+
+    def saved_bytes(kept=None) -> float:  # per token of one layer
+        return _per_token(model, "activations", rules, mesh, keys, s.act_bytes, kept)
+
+    per_layer = saved_bytes()
     if layout.remat == "full":
-        saved = s.tok * (s.layers * b * d + per_layer)
+        saved = s.tok * (s.layers * saved_bytes(("input",)) + per_layer)
     elif layout.remat == "dots":
-        saved = s.tok * s.layers * b * (2 * d + 2 * qkv + 3 * f / mlp) + s.tok * per_layer
+        saved = s.tok * s.layers * saved_bytes(("input", "dot")) + s.tok * per_layer
     else:
         saved = s.tok * s.layers * per_layer
     if mesh[ax.STAGE] > 1:
-        # The pipeline (sharding/pipeline.py) runs every microbatch forward before the backward
-        # pass and keeps only each layer slot's input, for all microbatches, recomputing the layer
-        # in its backward pass (one layer's activations live at a time).
-        saved = s.tok * s.micro * s.layers * b * d + s.tok * per_layer
-    logits = 2 * s.tok * model.vocab_size / vocab * 4
+        # The pipeline (sharding/pipeline/schedule.py) runs every microbatch forward before the
+        # backward pass and keeps only each layer slot's input, for all microbatches, recomputing
+        # the layer in its backward pass (one layer's activations live at a time).
+        saved = s.tok * s.micro * s.layers * saved_bytes(("input",)) + s.tok * per_layer
+    out = model.logits
+    logits = 2 * s.tok * out.out_size / math.prod(_axis_split(model, a, rules, mesh) for a in out.out_axes) * 4
     gathered = 0.0
     if mesh[ax.FSDP] > 1:
-        gathered = 2 * sum(p.local * p.factor(ax.FSDP) for p in placed if p.spec.per_layer) * _PARAM_BYTES
+        gathered = 2 * sum(p.local * p.factor(ax.FSDP) for p in placed.values() if p.param.per_layer) * _PARAM_BYTES
     batch = _BATCH_FIELDS * s.rows * s.micro * s.seq / mesh[ax.SEQUENCE] * _INT_BYTES
     grads = params
     if layout.uneven_batch:  # whole parameters and a whole gradient accumulator during the loop
-        whole = sum(p.spec.size * (s.slots if p.spec.per_layer else 1) for p in placed) * _PARAM_BYTES
+        whole = sum(p.param.size * (s.slots if p.param.per_layer else 1) for p in placed.values()) * _PARAM_BYTES
         gathered = whole if mesh[ax.FSDP] > 1 else 0.0
         grads = whole
     return Memory(
@@ -723,7 +659,6 @@ def _memory(model, layout: Layout, rules: Rules, placed: list[_Placed], s: _Shap
         batch=batch,
     )
 
-
 # --- Collectives ------------------------------------------------------------------------------
 
 
@@ -733,7 +668,7 @@ def _axes(mesh: Mapping[str, int], *names: str) -> tuple[tuple[str, ...], int]:
     return kept, math.prod(mesh[a] for a in kept)
 
 
-def _comms(model, layout: Layout, rules: Rules, placed: list[_Placed], s: _Shape, backend: str,
+def _comms(model: ModelDescription, layout: Layout, rules: Rules, placed: dict[str, _Placed], s: _Shape, backend: str,
            batch_rows: float | None = None) -> list[Comm]:
     if layout.uneven_batch:
         return _uneven_comms(layout, placed, s, batch_rows)
@@ -743,13 +678,13 @@ def _comms(model, layout: Layout, rules: Rules, placed: list[_Placed], s: _Shape
     comms += _gradient_reductions(layout, placed, s, backend, split)
     comms += _tensor_comms(model, layout, rules, s, split)
     comms += _vocab_parallel_comms(model, layout, placed, s, split)
-    comms += _embedding_comms(model, layout, rules, placed, s)
+    comms += _embedding_comms(model, layout, placed, s)
     comms += _sequence_comms(model, layout, rules, s, backend)
     comms += _stage_comms(model, layout, s)
     return comms
 
 
-def _uneven_comms(layout: Layout, placed: list[_Placed], s: _Shape, batch_rows: float | None) -> list[Comm]:
+def _uneven_comms(layout: Layout, placed: dict[str, _Placed], s: _Shape, batch_rows: float | None) -> list[Comm]:
     """The uneven data-parallel step (`train.hetero`), whose collectives are explicit (`jax.shard_map`),
     so both backends emit them as written: the global batch gathered for the re-layout into
     per-device buffers (five [B, T] int32/float32 fields), each parameter gathered whole once before
@@ -761,11 +696,11 @@ def _uneven_comms(layout: Layout, placed: list[_Placed], s: _Shape, batch_rows: 
     if batch_rows:
         field = batch_rows * s.seq * _INT_BYTES
         comms.append(Comm("all-gather", batch_axes, batch_n, field, _BATCH_FIELDS, "batch re-layout"))
-    for p in placed:
-        layers = s.slots if p.spec.per_layer else 1
+    for p in placed.values():
+        layers = s.slots if p.param.per_layer else 1
         split_axes = tuple(a for a in batch_axes if p.factor(a) > 1)
         n = p.factor(*split_axes)
-        local, what = p.local * _PARAM_BYTES, p.spec.name
+        local, what = p.local * _PARAM_BYTES, p.param.path
         if n > 1:
             comms.append(Comm("all-gather", split_axes, n, local * n, layers, f"gather {what}"))
             comms.append(Comm("reduce-scatter", split_axes, n, local, layers, f"gradient of {what}"))
@@ -775,17 +710,19 @@ def _uneven_comms(layout: Layout, placed: list[_Placed], s: _Shape, batch_rows: 
     return comms
 
 
-def _output_split(model, layout: Layout, rules: Rules, s: _Shape) -> VocabSplit | None:
-    """The vocabulary-parallel split of the loss (`sharding.vocab.choose_output`), or None (gathered)."""
-    if getattr(model, "tie_embeddings", False):
+def _output_split(model: ModelDescription, layout: Layout, rules: Rules, s: _Shape) -> VocabSplit | None:
+    """The vocabulary-parallel split of the loss (`sharding.vocab.choose_output`), or None (gathered,
+    and always for an output projection that is the embedding table: tied)."""
+    logits = model.logits
+    if logits.weight.role != "output":
         return None
     rows = s.rows * layout.batch_split
     if rows != int(rows):
         return None
-    return choose_output(layout.logits, rules, layout.mesh, model.vocab_size, model.embed_dim, int(rows), s.tok)
+    return choose_output(layout.logits, rules, layout.mesh, logits.out_size, logits.in_size, int(rows), s.tok)
 
 
-def _vocab_parallel_comms(model, layout: Layout, placed: list[_Placed], s: _Shape,
+def _vocab_parallel_comms(model: ModelDescription, layout: Layout, placed: dict[str, _Placed], s: _Shape,
                           split: VocabSplit | None) -> list[Comm]:
     """The vocabulary-parallel loss (`models.output`), per microbatch, its collectives explicit.
 
@@ -800,11 +737,11 @@ def _vocab_parallel_comms(model, layout: Layout, placed: list[_Placed], s: _Shap
     """
     if split is None:
         return []
-    mesh, m, d = layout.mesh, s.micro, model.embed_dim
-    unembed = next(p for p in placed if p.spec.name == "unembed")
+    mesh, m, d = layout.mesh, s.micro, model.logits.in_size
+    weight = placed[model.logits.weight.path]
     f, group = split.group, split.group_axes
     slices = split.vocab_axes + group
-    shard = unembed.local * _PARAM_BYTES
+    shard = weight.local * _PARAM_BYTES
     comms = [
         Comm("all-to-all", group, f, shard, 1 + m, "output weight: shard to vocabulary slice (once: the "
              "partitioner hoists it out of the microbatch loop) and its gradient back"),
@@ -820,11 +757,11 @@ def _vocab_parallel_comms(model, layout: Layout, placed: list[_Placed], s: _Shap
                           False))
     rest, n = _axes(mesh, *(a for a in (ax.DATA, ax.SEQUENCE) if a not in slices))
     if n > 1:
-        comms.append(Comm("all-reduce", rest, n, shard, m, "gradient of unembed"))
+        comms.append(Comm("all-reduce", rest, n, shard, m, f"gradient of {weight.param.path}"))
     return comms
 
 
-def _weight_gathers(layout: Layout, placed: list[_Placed], s: _Shape, split: VocabSplit | None = None) -> list[Comm]:
+def _weight_gathers(layout: Layout, placed: dict[str, _Placed], s: _Shape, split: VocabSplit | None = None) -> list[Comm]:
     """FSDP: each weight split over ``fsdp`` is gathered before use, again in the backward pass.
 
     Per-layer weights are gathered inside the layer loop (forward and backward, recompute sharing
@@ -836,23 +773,23 @@ def _weight_gathers(layout: Layout, placed: list[_Placed], s: _Shape, split: Voc
     """
     mesh = layout.mesh
     comms = []
-    for p in placed:
+    for p in placed.values():
         n = p.factor(ax.FSDP)
-        if n <= 1 or p.spec.name == "embed/embedding" or (split is not None and p.spec.name == "unembed"):
+        if n <= 1 or p.param.role == "embedding" or (split is not None and p.param.role == "output"):
             continue
         result = p.local * n * _PARAM_BYTES
-        if p.spec.per_layer:
+        if p.param.per_layer:
             count = 2 * s.layers * s.micro
-        elif p.spec.name == "unembed":
+        elif p.param.role == "output":
             regather = mesh[ax.TENSOR] > 1 and (mesh[ax.DATA] > 1 or s.micro > 1)
             count = 2 if regather else 1
         else:
             count = 2
-        comms.append(Comm("all-gather", (ax.FSDP,), n, result, count, f"gather {p.spec.name}"))
+        comms.append(Comm("all-gather", (ax.FSDP,), n, result, count, f"gather {p.param.path}"))
     return comms
 
 
-def _gradient_reductions(layout: Layout, placed: list[_Placed], s: _Shape, backend: str,
+def _gradient_reductions(layout: Layout, placed: dict[str, _Placed], s: _Shape, backend: str,
                          split: VocabSplit | None = None) -> list[Comm]:
     """Gradients summed over the batch axes, per layer and per microbatch.
 
@@ -867,15 +804,15 @@ def _gradient_reductions(layout: Layout, placed: list[_Placed], s: _Shape, backe
     if batch_n <= 1:
         return []
     comms = []
-    for p in placed:
-        if p.spec.name == "embed/embedding" and _table_split(p) != (1, 1):
+    for p in placed.values():
+        if p.param.role == "embedding" and _table_split(p) != (1, 1):
             continue  # see _embedding_comms
-        if p.spec.name == "unembed" and split is not None:
+        if p.param.role == "output" and split is not None:
             continue  # see _vocab_parallel_comms
-        count = s.micro * (s.layers if p.spec.per_layer else 1)
+        count = s.micro * (s.layers if p.param.per_layer else 1)
         local = p.local * _PARAM_BYTES
         n_f = p.factor(ax.FSDP)
-        what = f"gradient of {p.spec.name}"
+        what = f"gradient of {p.param.path}"
         if n_f <= 1:
             comms.append(Comm("all-reduce", batch_axes, batch_n, local, count, what))
             continue
@@ -883,50 +820,52 @@ def _gradient_reductions(layout: Layout, placed: list[_Placed], s: _Shape, backe
             comms.append(Comm("reduce-scatter", (ax.FSDP,), n_f, local, count, what))
         else:
             comms.append(Comm("all-reduce", batch_axes, batch_n, local * n_f, count, what))
-        if mesh[ax.DATA] > 1 and (backend == "gpu" or not p.spec.per_layer or p.spec.matmul):
+        if mesh[ax.DATA] > 1 and (backend == "gpu" or not p.param.per_layer or p.param.matmul):
             comms.append(Comm("all-reduce", (ax.DATA,), mesh[ax.DATA], local, count, what + " (over data)"))
     return comms
 
 
-def _tensor_comms(model, layout: Layout, rules: Rules, s: _Shape,
+def _tensor_comms(model: ModelDescription, layout: Layout, rules: Rules, s: _Shape,
                   output_split: VocabSplit | None = None) -> list[Comm]:
     """Megatron-style tensor parallelism (Shoeybi et al., 2019, section 3).
 
-    Forward: the row-parallel products (attention output ``o``, MLP ``down``) end in partial sums,
-    all-reduced over ``tensor`` ([tokens, D] each), the attention output's again when full remat
-    recomputes it. Backward: the input gradients of the
-    column-parallel products (``q``, ``k``, ``v``, ``gate``, ``up``) are partial sums; the partitioner
-    reduces each separately. The logits: the cross-entropy's max and sum over the split vocabulary
+    Forward: the row-parallel products (an input axis split over ``tensor``, e.g. the attention
+    output and the MLP's down projection) end in partial sums, all-reduced over ``tensor`` ([tokens,
+    out] each), again where full remat recomputes the product. Backward: the input gradients of the
+    column-parallel products (an output axis split) are partial sums; the partitioner reduces each
+    separately ([tokens, in]). The logits: the cross-entropy's max and sum over the split vocabulary
     ([tokens] float32 each) and the input gradient of the output projection (with the
     vocabulary-parallel loss, `_vocab_parallel_comms` instead).
     """
     mesh = layout.mesh
     if mesh[ax.TENSOR] <= 1:
         return []
-    t, act = mesh[ax.TENSOR], s.tok * model.embed_dim * s.act_bytes
-    split = {name: _split_of(name, size, rules, mesh) > 1 for name, size in (
-        (ax.HEADS, model.num_heads), (ax.KV_HEADS, model.num_kv_heads), (ax.MLP, model.mlp_dim),
-        (ax.VOCAB, model.vocab_size))}
-    fwd = split[ax.HEADS] + split[ax.MLP]
-    bwd = split[ax.HEADS] + 2 * split[ax.KV_HEADS] + 2 * split[ax.MLP]
-    if layout.remat == "full":
-        fwd += split[ax.HEADS]  # the recomputed attention output (MLP down is not recomputed)
-    n = s.layers * s.micro
-    comms = [
-        Comm("all-reduce", (ax.TENSOR,), t, act, fwd * n, "row-parallel outputs (forward)", False),
-        Comm("all-reduce", (ax.TENSOR,), t, act, bwd * n, "column-parallel input gradients", False),
-    ]
-    if output_split is not None:
+    t, n = mesh[ax.TENSOR], s.layers * s.micro
+    forward: dict[float, int] = {}  # bytes of one all-reduce -> executions per layer and microbatch
+    backward: dict[float, int] = {}
+    for product in model.products:
+        if _tensor_split(model, product.in_axes, rules, mesh):
+            out = s.tok * product.out_size * s.act_bytes
+            recomputed = layout.remat == "full" and product.recomputed
+            forward[out] = forward.get(out, 0) + 1 + recomputed
+        if _tensor_split(model, product.out_axes, rules, mesh):
+            grad = s.tok * product.in_size * s.act_bytes
+            backward[grad] = backward.get(grad, 0) + 1
+    comms = [Comm("all-reduce", (ax.TENSOR,), t, b, c * n, "row-parallel outputs (forward)", False)
+             for b, c in forward.items()]
+    comms += [Comm("all-reduce", (ax.TENSOR,), t, b, c * n, "column-parallel input gradients", False)
+              for b, c in backward.items()]
+    logits = model.logits
+    if output_split is not None or not _tensor_split(model, logits.out_axes, rules, mesh):
         return comms
-    if split[ax.VOCAB] and s.micro > 1 and _partitioner() == "0.12":
+    if s.micro > 1 and _partitioner() == "0.12":
         # jax 0.12 re-gathers the float32 logits' gradient [tokens, V] over tensor at the logits'
         # sharding constraint inside the microbatch loop.
-        comms.append(Comm("all-gather", (ax.TENSOR,), t, s.tok * model.vocab_size * 4, s.micro,
+        comms.append(Comm("all-gather", (ax.TENSOR,), t, s.tok * logits.out_size * 4, s.micro,
                           "logits gradient (jax 0.12, microbatches)", False))
-    if split[ax.VOCAB]:
-        comms.append(Comm("all-reduce", (ax.TENSOR,), t, s.tok * 4, 2 * s.micro, "softmax max and sum", False))
-        comms.append(Comm("all-reduce", (ax.TENSOR,), t, s.tok * model.embed_dim * 4, s.micro,
-                          "output projection input gradient", False))
+    comms.append(Comm("all-reduce", (ax.TENSOR,), t, s.tok * 4, 2 * s.micro, "softmax max and sum", False))
+    comms.append(Comm("all-reduce", (ax.TENSOR,), t, s.tok * logits.in_size * 4, s.micro,
+                      "output projection input gradient", False))
     return comms
 
 
@@ -934,8 +873,9 @@ def _table_split(p: _Placed) -> tuple[int, int]:
     return p.factor(ax.TENSOR), p.factor(ax.FSDP)
 
 
-def _embedding_comms(model, layout: Layout, rules: Rules, placed: list[_Placed], s: _Shape) -> list[Comm]:
-    """The token embedding lookup (a gather from the [V, D] table), as the partitioner lowers it.
+def _embedding_comms(model: ModelDescription, layout: Layout, placed: dict[str, _Placed], s: _Shape) -> list[Comm]:
+    """The token embedding lookup (a gather from the [V, D] table, the ``embedding`` parameter), as the
+    partitioner lowers it.
 
     By how the rules split the table (``vocab`` over ``tensor``: t, ``embed`` over ``fsdp``: f):
 
@@ -956,21 +896,24 @@ def _embedding_comms(model, layout: Layout, rules: Rules, placed: list[_Placed],
     back with a collective-permute instead of a second all-to-all.
     """
     mesh = layout.mesh
-    table = next(p for p in placed if p.spec.name == "embed/embedding")
+    embedding = model.with_role("embedding")
+    if embedding is None:
+        return []
+    table = placed[embedding.path]
     t, f = _table_split(table)
     if f <= 1 and t <= 1:
         return []
     if t <= 1:
-        return _embedding_fsdp(model, mesh, s, f)
+        return _embedding_fsdp(table, mesh, s, f)
     if f <= 1:
         batch_axes, batch_n = _axes(mesh, ax.DATA, ax.FSDP)
-        rows = s.tok * model.embed_dim * 4
+        v, d = table.param.shape
+        rows = s.tok * d * 4
         return [
             Comm("all-reduce", (ax.TENSOR,), t, rows, s.micro, "embedding: vocabulary-parallel rows", False),
-            Comm("all-reduce", batch_axes, batch_n, model.vocab_size / t * model.embed_dim * 4, s.micro,
-                 "gradient of embed/embedding"),
+            Comm("all-reduce", batch_axes, batch_n, v / t * d * 4, s.micro, f"gradient of {embedding.path}"),
         ]
-    return _embedding_2d(model, mesh, s, t, f)
+    return _embedding_2d(table, mesh, s, t, f)
 
 
 def _partitioner() -> str:
@@ -982,24 +925,25 @@ def _partitioner() -> str:
     return "0.10" if tuple(jax.__version_info__[:2]) < (0, 11) else "0.12"
 
 
-def _embedding_fsdp(model, mesh: Mapping[str, int], s: _Shape, f: int) -> list[Comm]:
+def _embedding_fsdp(table: _Placed, mesh: Mapping[str, int], s: _Shape, f: int) -> list[Comm]:
     """Embedding table split over ``fsdp`` only (see `_embedding_comms`)."""
-    d, v, m, n_d = model.embed_dim, model.vocab_size, s.micro, mesh[ax.DATA]
+    (v, d), m, n_d = table.param.shape, s.micro, mesh[ax.DATA]
+    grad = f"gradient of {table.param.path}"
     rows = s.tok * d * 4  # float32: the lookup reads the float32 table
     batch_axes, batch_n = _axes(mesh, ax.DATA, ax.FSDP)
-    table = v * d * 4
+    whole = v * d * 4
     if _partitioner() == "0.12":
         comms = [
             Comm("all-gather", (ax.FSDP,), f, s.tok * f * _INT_BYTES, m, "embedding: tokens"),
             Comm("all-to-all", (ax.FSDP,), f, rows, 2 * m, "embedding: rows to batch layout and back"),
         ]
         if n_d > 1:
-            comms.append(Comm("all-reduce", (ax.DATA,), n_d, table / f, m, "gradient of embed/embedding"))
+            comms.append(Comm("all-reduce", (ax.DATA,), n_d, whole / f, m, grad))
         return comms
-    if rows * (n_d + 1) >= table and n_d > 1:
+    if rows * (n_d + 1) >= whole and n_d > 1:
         return [
-            Comm("all-gather", (ax.FSDP,), f, table, 1, "embedding: table"),
-            Comm("all-reduce", batch_axes, batch_n, table, m, "gradient of embed/embedding"),
+            Comm("all-gather", (ax.FSDP,), f, whole, 1, "embedding: table"),
+            Comm("all-reduce", batch_axes, batch_n, whole, m, grad),
         ]
     comms = [
         Comm("all-gather", (ax.FSDP,), f, s.tok * f * _INT_BYTES, m, "embedding: tokens"),
@@ -1007,16 +951,16 @@ def _embedding_fsdp(model, mesh: Mapping[str, int], s: _Shape, f: int) -> list[C
     ]
     if n_d > 1:
         comms.append(Comm("all-gather", (ax.DATA,), n_d, rows * n_d, m, "embedding: rows"))
-        comms.append(Comm("all-reduce", batch_axes, batch_n, table, m, "gradient of embed/embedding"))
+        comms.append(Comm("all-reduce", batch_axes, batch_n, whole, m, grad))
     return comms
 
 
-def _embedding_2d(model, mesh: Mapping[str, int], s: _Shape, t: int, f: int) -> list[Comm]:
+def _embedding_2d(table: _Placed, mesh: Mapping[str, int], s: _Shape, t: int, f: int) -> list[Comm]:
     """Embedding table split over ``tensor`` (vocab) and ``fsdp`` (embed); see `_embedding_comms`."""
-    d, v, m = model.embed_dim, model.vocab_size, s.micro
+    (v, d), m = table.param.shape, s.micro
     rows, tokens, shard = s.tok * d * 4, s.tok * _INT_BYTES, v * d / f * 4
     batch_axes, batch_n = _axes(mesh, ax.DATA, ax.FSDP)
-    grad = "gradient of embed/embedding"
+    grad = f"gradient of {table.param.path}"
     if mesh[ax.DATA] <= 1 and _partitioner() == "0.12":
         comms = [
             Comm("all-gather", (ax.TENSOR,), t, tokens * t, m, "embedding: tokens"),
@@ -1071,7 +1015,7 @@ def _embedding_2d(model, mesh: Mapping[str, int], s: _Shape, t: int, f: int) -> 
     ]
 
 
-def _sequence_comms(model, layout: Layout, rules: Rules, s: _Shape, backend: str) -> list[Comm]:
+def _sequence_comms(model: ModelDescription, layout: Layout, rules: Rules, s: _Shape, backend: str) -> list[Comm]:
     """Context parallelism over ``sequence`` as the partitioner does it for reference attention:
     keys and values gathered over ``sequence`` before the score product (forward, and again in the
     backward pass), their gradients reduce-scattered back (CPU: all-reduced whole)."""
@@ -1079,8 +1023,9 @@ def _sequence_comms(model, layout: Layout, rules: Rules, s: _Shape, backend: str
     n = mesh[ax.SEQUENCE]
     if n <= 1:
         return []
-    kv = _split_of(ax.KV_HEADS, model.num_kv_heads, rules, mesh)
-    one = s.tok * n * model.num_kv_heads / kv * model.head_dim * s.act_bytes  # k or v, gathered
+    geometry = model.attention
+    kv = _axis_split(model, geometry.kv_axis, rules, mesh)
+    one = s.tok * n * geometry.num_kv_heads / kv * geometry.head_dim * s.act_bytes  # k or v, gathered
     count = s.layers * s.micro
     comms = [Comm("all-gather", (ax.SEQUENCE,), n, one, 4 * count, "keys and values", False)]
     if backend == "gpu":
@@ -1090,14 +1035,14 @@ def _sequence_comms(model, layout: Layout, rules: Rules, s: _Shape, backend: str
     return comms
 
 
-def _stage_comms(model, layout: Layout, s: _Shape) -> list[Comm]:
+def _stage_comms(model: ModelDescription, layout: Layout, s: _Shape) -> list[Comm]:
     """Pipeline: each microbatch's activations sent to the next stage (forward) and their gradient
     back (backward), once per stage chunk; not checked against the compiler yet."""
     mesh = layout.mesh
     stages = mesh[ax.STAGE]
     if stages <= 1:
         return []
-    act = s.tok * model.embed_dim * s.act_bytes
+    act = s.tok * model.hidden * s.act_bytes
     count = 2 * s.micro * layout.pipeline_repeats
     return [Comm("collective-permute", (ax.STAGE,), stages, act, count, "stage activations", False)]
 

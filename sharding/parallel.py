@@ -272,13 +272,10 @@ class Parallelism:
                 out += ["--mesh-outer", outer]
         strategy = self.strategy
         if isinstance(strategy, UnevenBatch):
-            if strategy.counts is not None and strategy.speeds == "given":
-                out += ["--hetero-batch", ",".join(map(str, strategy.counts))]
-            else:
-                out += ["--hetero-batch", "auto" if strategy.speeds == "measured" else strategy.speeds,
-                        "--microbatches", str(strategy.microbatches)]
-        else:
-            out += ["--microbatches", str(strategy.microbatches)]
+            given = strategy.counts is not None and strategy.speeds == "given"
+            out += ["--hetero-batch", ",".join(map(str, strategy.counts)) if given else
+                    "auto" if strategy.speeds == "measured" else strategy.speeds]
+        out += ["--microbatches", str(self.microbatches)]  # with given counts: the average, for information
         if _is_pipeline(strategy):
             layout = strategy.layout
             out += ["--stage-layers", ",".join(map(str, layout.stage_layers)),

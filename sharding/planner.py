@@ -31,12 +31,16 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from sharding import axes as ax
 from sharding import costmodel as cm
 from sharding.mesh import device_grid, format_mesh
+from sharding.modeldesc import ModelDescription
+from sharding.parallel import Accumulation, Parallelism, UnevenBatch
+from sharding.pipeline.layout import PipelinePlan, bubble_fraction, pipeline_rules, plan_layout
+from sharding.splits import largest_remainder
 
 __all__ = [
     "MEMORY_FRACTION",
@@ -46,7 +50,6 @@ __all__ = [
     "evaluate",
     "format_table",
     "plan",
-    "proportional_split",
     "uniform_baseline",
 ]
 
@@ -131,23 +134,29 @@ class Plan:
         return (format_mesh(lay.mesh), lay.rules_name, lay.microbatches, lay.remat, lay.attention,
                 lay.stage_layers, lay.pipeline_repeats, self.counts)
 
-    def flags(self, cluster: str | None = None) -> str:
-        """The ``python -m train.train`` flags that reproduce the plan."""
+    def parallelism(self) -> Parallelism:
+        """The plan as the run's `sharding.parallel.Parallelism` (not bound to a mesh): its mesh, rules
+        and strategy: `UnevenBatch` with the counts, a `PipelinePlan` of the stage split, or
+        `Accumulation` over the microbatches."""
         lay = self.layout
-        mesh = format_mesh(lay.mesh) if lay.num_devices > 1 else "data=1"
-        parts = [f"--mesh {mesh}", f"--rules {lay.rules_name}",
-                 f"--microbatches {lay.microbatches}", f"--remat {lay.remat}", f"--attention {lay.attention}",
-                 f"--dtype {lay.dtype}"]
+        rules = lay.rules_table()
         if self.counts is not None:
-            parts.append(f"--hetero-batch {','.join(map(str, self.counts))}")
-        if lay.mesh[ax.STAGE] > 1:
-            parts.append(f"--stage-layers {','.join(map(str, lay.stage_layers))}")
-            schedule = "circular" if lay.pipeline_repeats > 1 else "gpipe"
-            parts.append(f"--pipeline-schedule {schedule}")
-            if lay.pipeline_repeats > 1:
-                parts.append(f"--pipeline-repeats {lay.pipeline_repeats}")
+            strategy = UnevenBatch(counts=tuple(self.counts), microbatches=lay.microbatches)
+        elif lay.mesh[ax.STAGE] > 1:
+            stages, _ = plan_layout(sum(lay.stage_layers), lay.mesh[ax.STAGE], lay.pipeline_repeats, lay.stage_layers)
+            strategy, rules = PipelinePlan(stages, lay.microbatches), pipeline_rules(rules)
+        else:
+            strategy = Accumulation(lay.microbatches)
+        return Parallelism(lay.mesh, rules, strategy)
+
+    def flags(self, cluster: str | None = None) -> str:
+        """The ``python -m train.train`` flags that reproduce the plan: `Parallelism.flags` of
+        `parallelism`, then the model's execution flags (``--remat``, ``--attention``, ``--dtype``) and
+        ``--cluster`` when given."""
+        lay = self.layout
+        parts = self.parallelism().flags() + ["--remat", lay.remat, "--attention", lay.attention, "--dtype", lay.dtype]
         if cluster:
-            parts.append(f"--cluster {cluster}")
+            parts += ["--cluster", cluster]
         return " ".join(parts)
 
 
@@ -198,8 +207,9 @@ def _factorizations(n: int, parts: int) -> Iterator[tuple[int, ...]]:
                 yield (d,) + rest
 
 
-def _meshes(model, cluster: _Cluster, options: PlanOptions) -> Iterator[dict[str, int]]:
-    """Mesh shapes: tensor and sequence groups inside a host; model dimensions divisible."""
+def _meshes(model: ModelDescription, cluster: _Cluster, options: PlanOptions) -> Iterator[dict[str, int]]:
+    """Mesh shapes: tensor and sequence groups inside a host; the model's ``heads``, ``mlp`` and
+    ``vocab`` divisible by ``tensor``."""
     for data, stage, fsdp, sequence, tensor in _factorizations(cluster.size, 5):
         if tensor * sequence > cluster.per_host or cluster.per_host % (tensor * sequence):
             continue
@@ -208,19 +218,19 @@ def _meshes(model, cluster: _Cluster, options: PlanOptions) -> Iterator[dict[str
         if stage > 1 and (not options.pipeline or stage > model.num_layers
                           or (options.max_stages is not None and stage > options.max_stages)):
             continue
-        if tensor > 1 and any(getattr(model, f) % tensor for f in ("num_heads", "mlp_dim", "vocab_size")):
+        if tensor > 1 and any(model.axis_sizes[a] % tensor for a in (ax.HEADS, ax.MLP, ax.VOCAB)):
             continue
         yield {ax.DATA: data, ax.STAGE: stage, ax.FSDP: fsdp, ax.SEQUENCE: sequence, ax.TENSOR: tensor}
 
 
-def _rules_for(model, mesh: Mapping[str, int], options: PlanOptions) -> list[str]:
+def _rules_for(model: ModelDescription, mesh: Mapping[str, int], options: PlanOptions) -> list[str]:
     """Presets that differ on this mesh: ``fsdp*`` only with ``fsdp`` > 1, ``*tp`` only with ``tensor`` > 1."""
     out = []
     for name in options.rules:
         wants_fsdp, wants_tp = name.startswith("fsdp"), name.endswith("tp")
         if wants_fsdp != (mesh[ax.FSDP] > 1) or wants_tp != (mesh[ax.TENSOR] > 1):
             continue
-        if wants_fsdp and model.embed_dim % mesh[ax.FSDP]:
+        if wants_fsdp and model.axis_sizes[ax.EMBED] % mesh[ax.FSDP]:
             continue
         out.append(name)
     return out
@@ -235,24 +245,6 @@ def _microbatch_options(per_device_rows: int, limit: int, at_least: int = 1) -> 
     return out
 
 
-def proportional_split(total: int, speeds: Sequence[float], minimum: int = 0) -> list[int]:
-    """``total`` units split proportionally to ``speeds`` by largest remainder, each >= ``minimum``.
-
-    Raises:
-      ValueError: When ``total < minimum * len(speeds)``.
-    """
-    if total < minimum * len(speeds):
-        raise ValueError(f"cannot give {len(speeds)} parts at least {minimum} of {total}")
-    spare = total - minimum * len(speeds)
-    whole = sum(speeds)
-    exact = [spare * s / whole for s in speeds]
-    out = [math.floor(e) for e in exact]
-    order = sorted(range(len(speeds)), key=lambda i: (-(exact[i] - out[i]), -speeds[i], i))
-    for i in order[: spare - sum(out)]:
-        out[i] += 1
-    return [o + minimum for o in out]
-
-
 # --- Evaluation -------------------------------------------------------------------------------
 
 
@@ -260,13 +252,13 @@ class _Evaluator:
     """Prices layouts on one cluster (caches hardware, grids and kinds per mesh)."""
 
     def __init__(self, model, inventory, global_batch: int, seq_len: int, options: PlanOptions):
-        self.model, self.batch, self.seq, self.options = model, global_batch, seq_len, options
+        self.model, self.batch, self.seq, self.options = cm.describe_model(model), global_batch, seq_len, options
         self.cluster = _cluster(inventory)
         self.hardware = {k.name: cm.hardware_for(k, self.cluster.per_host, self.cluster.inter_bandwidth,
                                                  options.efficiency) for k in inventory.kinds_present}
         self.limit = {k.name: MEMORY_FRACTION * k.memory_bytes for k in inventory.kinds_present}
         self.peak = sum(k.peak_bf16_flops for k in self.cluster.kinds)
-        self.flops_per_token = cm.model_flops_per_token(model, seq_len)
+        self.flops_per_token = self.model.flops_per_token(seq_len)
         self._grids: dict[tuple, Any] = {}
         self._stage_costs: dict[tuple, tuple] = {}
 
@@ -347,8 +339,8 @@ class _Evaluator:
         for s, kind in enumerate(self.stage_kinds(mesh)):
             cost, st = self.stage_cost(layout, kind, rows, stages[s], slots)
             devices.append((f"{kind.name}/stage{s}", cost, st))
-        tick = max(st.total - st.optimizer for _, _, st in devices) / (m * r)
-        seconds = tick * (m * r + mesh[ax.STAGE] - 1) + max(st.optimizer for _, _, st in devices)
+        busy = max(st.total - st.optimizer for _, _, st in devices)  # the slowest stage's R*M chunks
+        seconds = busy / (1.0 - bubble_fraction(mesh[ax.STAGE], m, r)) + max(st.optimizer for _, _, st in devices)
         return self.finish(layout, None, rows, devices, seconds)
 
     def stage_cost(self, layout: cm.Layout, kind, rows: float, layers: int, slots: int):
@@ -379,9 +371,9 @@ class _Evaluator:
 # --- Search -----------------------------------------------------------------------------------
 
 
-def _best_fitting(plans: Sequence[Plan | None]) -> Plan | None:
-    fitting = [p for p in plans if p is not None and p.fits]
-    return min(fitting, key=lambda p: p.step_time) if fitting else None
+def _best_fitting(plans: Iterable[Plan | None]) -> Plan | None:
+    """The fastest plan that fits (the first of equals), or None."""
+    return min((p for p in plans if p is not None and p.fits), key=lambda p: p.step_time, default=None)
 
 
 def _min_max_assign(total: int, base: Sequence[int], cost, cap: Sequence[int] | None = None) -> list[int] | None:
@@ -413,7 +405,7 @@ def _uneven_counts(ev: _Evaluator, layout: cm.Layout, total: int, rows: float) -
     kind), so the min-max greedy on the affine times gives the counts; they start from the share
     proportional to speed (largest remainder) rounded down. One exact evaluation prices them."""
     kinds = ev.batch_kinds(layout.mesh)
-    share = proportional_split(total, [k.peak_bf16_flops for k in kinds])
+    share = largest_remainder(total, [k.peak_bf16_flops for k in kinds])
     lines = {}
     for i, kind in enumerate(kinds):
         if kind.name in lines:
@@ -439,7 +431,7 @@ def _stage_split(ev: _Evaluator, layout: cm.Layout) -> Plan | None:
     per = layout.batch_split * layout.microbatches
     rows = ev.batch / per
     layers = ev.model.num_layers
-    share = proportional_split(layers, [k.peak_bf16_flops for k in kinds], minimum=1)
+    share = largest_remainder(layers, [k.peak_bf16_flops for k in kinds], minimum=1)
     lines = {}
     for i, kind in enumerate(kinds):
         if kind.name in lines:
@@ -469,6 +461,15 @@ def _stage_split(ev: _Evaluator, layout: cm.Layout) -> Plan | None:
         if not improved:
             break
     return best
+
+
+def _candidates(ev: _Evaluator) -> Iterator[tuple[cm.Layout, str]]:
+    """The search space, the one loop every search walks: each mesh, rules preset, attention and
+    layout skeleton (`_layouts`), tagged ``uniform``, ``uneven`` or ``pipeline``."""
+    for mesh in _meshes(ev.model, ev.cluster, ev.options):
+        for rules in _rules_for(ev.model, mesh, ev.options):
+            for attention in ev.options.attentions:
+                yield from _layouts(ev, mesh, rules, attention)
 
 
 def _layouts(ev: _Evaluator, mesh: dict[str, int], rules: str, attention: str) -> Iterator[tuple[cm.Layout, str]]:
@@ -519,7 +520,7 @@ def plan(model: Any, inventory, global_batch: int, seq_len: int, options: PlanOp
     """The best layouts of one training step, fastest first.
 
     Args:
-      model: Model dimensions (ModelConfig field names).
+      model: The model's `sharding.modeldesc.ModelDescription` (or an object with ``describe()``).
       inventory: A `sharding.devices.Inventory` (hosts of equal size).
       global_batch: B, sequences per step.
       seq_len: T, tokens per sequence.
@@ -533,16 +534,12 @@ def plan(model: Any, inventory, global_batch: int, seq_len: int, options: PlanOp
     Raises:
       ValueError: On hosts of unequal size or unknown device figures (naming ``--cluster``).
     """
-    options = options or PlanOptions()
-    ev = _Evaluator(model, inventory, global_batch, seq_len, options)
+    ev = _Evaluator(model, inventory, global_batch, seq_len, options or PlanOptions())
     found: dict[tuple, Plan] = {}
-    for mesh in _meshes(model, ev.cluster, options):
-        for rules in _rules_for(model, mesh, options):
-            for attention in options.attentions:
-                for layout, tag in _layouts(ev, mesh, rules, attention):
-                    priced = _price(ev, layout, tag)
-                    if priced is not None:
-                        found[priced.key()] = priced
+    for layout, tag in _candidates(ev):
+        priced = _price(ev, layout, tag)
+        if priced is not None:
+            found[priced.key()] = priced
     plans = sorted(found.values(), key=lambda p: (not p.fits, p.step_time))
     return _diverse(plans, top)
 
@@ -562,18 +559,15 @@ def uniform_baseline(model: Any, inventory, global_batch: int, seq_len: int,
     """The best plan where every device does the same work (no uneven shares, even stages)."""
     options = dataclasses.replace(options or PlanOptions(), hetero=False)
     ev = _Evaluator(model, inventory, global_batch, seq_len, options)
-    best = []
-    for mesh in _meshes(model, ev.cluster, options):
-        for rules in _rules_for(model, mesh, options):
-            for attention in options.attentions:
-                for layout, tag in _layouts(ev, mesh, rules, attention):
-                    for remat in options.remats:
-                        lay = dataclasses.replace(layout, remat=remat)
-                        if tag == "pipeline":
-                            lay = dataclasses.replace(lay, stage_layers=cm.even_stage_layers(
-                                model.num_layers, mesh[ax.STAGE]))
-                        best.append(ev.uniform(lay))
-    return _best_fitting(best)
+
+    def even(layout: cm.Layout, tag: str) -> cm.Layout:
+        if tag != "pipeline":
+            return layout
+        stages, _ = plan_layout(ev.model.num_layers, layout.mesh[ax.STAGE])
+        return dataclasses.replace(layout, stage_layers=stages.stage_layers)
+
+    return _best_fitting(ev.uniform(even(dataclasses.replace(layout, remat=remat), tag))
+                         for layout, tag in _candidates(ev) for remat in options.remats)
 
 
 def evaluate(model: Any, inventory, global_batch: int, seq_len: int, layout: cm.Layout,
@@ -595,30 +589,20 @@ def brute_force(model: Any, inventory, global_batch: int, seq_len: int, options:
     microbatches and remat, every per-kind count vector for uneven data parallelism, and every
     stage split (compositions of the layers into ``stage`` parts of at least 1, when there are at
     most ``max_splits`` of them)."""
-    options = options or PlanOptions()
-    ev = _Evaluator(model, inventory, global_batch, seq_len, options)
-    best: Plan | None = None
+    ev = _Evaluator(model, inventory, global_batch, seq_len, options or PlanOptions())
 
-    def consider(p):
-        nonlocal best
-        if p is not None and p.fits and (best is None or p.step_time < best.step_time):
-            best = p
+    def every(layout: cm.Layout, tag: str) -> Iterator[Plan | None]:
+        if tag == "uniform":
+            yield ev.uniform(layout)
+        elif tag == "uneven":
+            for counts in _kind_counts(ev, layout):
+                yield ev.uneven(layout, counts, global_batch / sum(counts))
+        else:
+            for split in _compositions(ev.model.num_layers, layout.mesh[ax.STAGE], max_splits):
+                yield ev.uniform(dataclasses.replace(layout, stage_layers=split))
 
-    for mesh in _meshes(model, ev.cluster, options):
-        for rules in _rules_for(model, mesh, options):
-            for attention in options.attentions:
-                for layout, tag in _layouts(ev, mesh, rules, attention):
-                    for remat in options.remats:
-                        lay = dataclasses.replace(layout, remat=remat)
-                        if tag == "uniform":
-                            consider(ev.uniform(lay))
-                        elif tag == "uneven":
-                            for counts in _kind_counts(ev, lay):
-                                consider(ev.uneven(lay, counts, global_batch / sum(counts)))
-                        else:
-                            for split in _compositions(model.num_layers, mesh[ax.STAGE], max_splits):
-                                consider(ev.uniform(dataclasses.replace(lay, stage_layers=split)))
-    return best
+    return _best_fitting(plan_ for layout, tag in _candidates(ev) for remat in ev.options.remats
+                         for plan_ in every(dataclasses.replace(layout, remat=remat), tag))
 
 
 def _kind_counts(ev: _Evaluator, layout: cm.Layout) -> Iterator[list[int]]:

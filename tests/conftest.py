@@ -8,8 +8,12 @@ os.environ["XLA_FLAGS"] = (
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import shutil  # noqa: E402
+import sys  # noqa: E402
 import sysconfig  # noqa: E402
 from pathlib import Path  # noqa: E402
+
+# bench/costmodel_grid.py: the cost-model grid the tests and the bench share.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 import pytest  # noqa: E402
 

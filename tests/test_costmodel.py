@@ -12,77 +12,19 @@ devices) and compares the cost model's prediction for the CPU backend with:
 * the bytes of each collective kind parsed from the HLO (`sharding.hlo.collectives`).
 """
 
-import functools
-
 import pytest
+from costmodel_grid import GRID, compiled_figures, predicted
+from costmodel_grid import case_id as _id
+from costmodel_grid import config_of as _config
 
 from models.config import get_config
+from models.spec import describe
 from sharding import costmodel as cm
-from sharding import hlo
-from sharding.mesh import make_mesh, parse_mesh
-from sharding.parallel import Accumulation, Parallelism
+from sharding.mesh import parse_mesh
+from sharding.pipeline.layout import bubble_fraction, plan_layout
 from sharding.rules import get_rules
-from train.optimizer import OptimizerConfig
-from train.step import Trainer
 
 TOLERANCE = 0.10
-
-# (model, mesh, rules, batch, seq_len, microbatches, remat). The two models at different batch and
-# length shapes; the next four vary microbatches, remat and the embedding lookup's strategy; the
-# last two take the vocabulary-parallel loss.
-GRID = [
-    ("test", "data=8", "dp", 16, 64, 1, "none"),
-    ("test", "fsdp=8", "fsdp_tp", 16, 64, 1, "none"),
-    ("test", "fsdp=4,tensor=2", "fsdp_tp", 16, 64, 1, "none"),
-    ("test", "data=2,fsdp=2,tensor=2", "fsdp_tp", 16, 64, 1, "none"),
-    ("small", "data=8", "dp", 32, 32, 1, "none"),
-    ("small", "fsdp=8", "fsdp_tp", 32, 32, 1, "none"),
-    ("small", "fsdp=4,tensor=2", "fsdp_tp", 32, 32, 1, "none"),
-    ("small", "data=2,fsdp=2,tensor=2", "fsdp_tp", 32, 32, 1, "none"),
-    ("test", "fsdp=8", "fsdp_tp", 16, 64, 2, "none"),
-    ("test", "fsdp=4,tensor=2", "fsdp_tp", 16, 64, 2, "full"),
-    ("small", "fsdp=8", "fsdp_tp", 32, 32, 1, "dots"),
-    ("test", "data=2,fsdp=4", "fsdp", 16, 64, 1, "none"),
-    # A larger vocabulary: the loss runs vocabulary-parallel (sharding.vocab picks it).
-    ("test+vocab_size=4096", "fsdp=8", "fsdp_tp", 16, 64, 1, "none"),
-    ("test+vocab_size=4096", "fsdp=8", "fsdp_tp", 16, 64, 2, "none"),
-]
-
-
-def _config(model: str, remat: str):
-    """``"test"`` or ``"test+num_layers=8"`` (a preset with ``--set`` overrides)."""
-    preset, *overrides = model.split("+")
-    return get_config(preset, overrides, remat=remat)
-
-
-def _id(case):
-    model, mesh, rules, batch, seq, micro, remat = case
-    return f"{model}-{mesh}-{rules}-B{batch}-T{seq}-M{micro}-{remat}"
-
-
-@functools.lru_cache(maxsize=None)
-def compiled_figures(case):
-    """The compiler's figures for one case (compiled once per session)."""
-    model, mesh_spec, rules, batch, seq, micro, remat = case
-    config = _config(model, remat)
-    par = Parallelism.of(make_mesh(parse_mesh(mesh_spec, 8)), get_rules(rules), Accumulation(micro))
-    trainer = Trainer(config, OptimizerConfig(), par)
-    compiled = trainer.compile_train_step(batch, seq)
-    analysis = compiled.cost_analysis()
-    analysis = analysis[0] if isinstance(analysis, list) else analysis
-    text = compiled.as_text()
-    return {
-        "flops": float(analysis["flops"]),
-        "dot_flops": hlo.dot_flops(text),
-        "arguments": float(compiled.memory_analysis().argument_size_in_bytes),
-        "collectives": cm.collective_bytes(hlo.collectives(text)),
-    }
-
-
-def predicted(case):
-    model, mesh_spec, rules, batch, seq, micro, remat = case
-    layout = cm.Layout(parse_mesh(mesh_spec, 8), rules, micro, remat)
-    return cm.estimate(_config(model, remat), batch, seq, layout, backend="cpu")
 
 
 def _within(pred, actual):
@@ -156,17 +98,23 @@ def test_ring_collective_costs_and_links():
 
 
 def test_model_flops_per_token_is_palm_count():
-    for name in ("test", "7b"):
-        config = get_config(name)
-        assert cm.model_flops_per_token(config, 4096) == pytest.approx(config.flops_per_token(4096))
+    """PaLM's count (Appendix B), ``6 * (P - V*D) + 12 * L * N * H * T``, from the config's fields by
+    hand; `ModelConfig.flops_per_token` is the description's (one implementation)."""
+    for name, tied in (("test", False), ("7b", False), ("test", True)):
+        c = get_config(name, tie_embeddings=tied)
+        v, d, f, n, k, h = c.vocab_size, c.embed_dim, c.mlp_dim, c.num_heads, c.num_kv_heads, c.head_dim
+        dense = v * d + c.num_layers * (2 * d * n * h + 2 * d * k * h + 3 * d * f + 2 * d) + d  # P - V*D (+ V*D tied)
+        palm = 6.0 * dense + 12 * c.num_layers * n * h * 4096
+        assert describe(c).flops_per_token(4096) == pytest.approx(palm, rel=1e-12)
+        assert c.flops_per_token(4096) == describe(c).flops_per_token(4096)
 
 
 def test_bubble_fraction_and_even_split():
-    assert cm.bubble_fraction(4, 16, 1) == pytest.approx(3 / 19)
-    assert cm.bubble_fraction(4, 16, 2) == pytest.approx(3 / 35)
-    assert cm.even_stage_layers(10, 4) == (3, 3, 2, 2)
+    assert bubble_fraction(4, 16, 1) == pytest.approx(3 / 19)
+    assert bubble_fraction(4, 16, 2) == pytest.approx(3 / 35)
+    assert plan_layout(10, 4)[0].stage_layers == (3, 3, 2, 2)
     with pytest.raises(ValueError, match="stage=4"):
-        cm.even_stage_layers(3, 4)
+        plan_layout(3, 4)
 
 
 def test_layout_errors_name_the_flag():

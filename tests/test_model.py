@@ -7,6 +7,7 @@ import pytest
 
 from models.attention import reference_attention
 from models.config import PRESETS, get_config, parse_overrides
+from models.spec import describe
 from models.transformer import abstract_model, apply, init_params
 from sharding import axes as ax
 from sharding.mesh import make_mesh, parse_mesh
@@ -51,6 +52,31 @@ def test_parameter_count_matches_the_formula(preset, tied):
     config = PRESETS[preset].replace(tie_embeddings=tied)
     _, abstract, _ = abstract_model(config)
     assert sum(x.size for x in jax.tree.leaves(abstract)) == config.num_params
+
+
+def _flat(tree, prefix=()):
+    """A nested dict as ``{"a/b/c": leaf}``."""
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, prefix + (key,)))
+        else:
+            out["/".join(prefix + (key,))] = value
+    return out
+
+
+@pytest.mark.parametrize("preset, tied", [("test", False), ("small", True), ("7b", False)])
+def test_description_lists_the_built_parameters(preset, tied):
+    """`models.spec.describe` against the built model: the same paths, shapes and logical names
+    (stacked parameters with their leading ``[layers]``)."""
+    config = PRESETS[preset].replace(tie_embeddings=tied)
+    _, abstract, names = abstract_model(config)
+    shapes, axes = _flat(abstract), _flat(names)
+    built = {path: (leaf.shape, axes[path]) for path, leaf in shapes.items()}
+    layers = config.num_layers
+    described = {p.path: ((layers,) + p.shape, (ax.LAYERS,) + p.axes) if p.per_layer else (p.shape, p.axes)
+                 for p in describe(config).params}
+    assert described == built
 
 
 def test_7b_preset_is_llama2_sized():

@@ -8,11 +8,20 @@ import time
 
 import pytest
 
+from models.config import ModelConfig
+from models.spec import describe
 from sharding import axes as ax
 from sharding import costmodel as cm
 from sharding import devices, planner
-from sharding.plan import ModelDims, main as plan_main
+from sharding.splits import largest_remainder
 from train import checks, cli
+from train.plan import main as plan_main
+
+
+def _described(*fields):
+    """The description of a `ModelConfig` with these positional fields (vocab, layers, embed, mlp,
+    heads, kv heads, head_dim)."""
+    return describe(ModelConfig(*fields))
 
 
 def _kind(name, tflops, memory_gb, intra_gb_s):
@@ -32,20 +41,20 @@ def _inventory(n_fast, n_slow, per_host, ratio, fast_gb=80, slow_gb=48, network=
 SMALL_OPTIONS = planner.PlanOptions(attentions=("flash",), remats=("none", "full"), max_microbatches=8, max_stages=4)
 
 CASES = {
-    "2 devices, 2 kinds, 32 layers": (_inventory(1, 1, 1, 2.0), ModelDims(32000, 32, 2048, 5632, 16, 16, 128), 64, 2048),
-    "4 devices, 2 kinds, 4 layers": (_inventory(2, 2, 2, 3.0), ModelDims(32000, 4, 1024, 4096, 16, 8, 64), 64, 1024),
-    "8 devices, 2 kinds, 12 layers": (_inventory(4, 4, 4, 1.5), ModelDims(32000, 12, 2048, 8192, 16, 8, 128), 128, 2048),
-    "8 devices, 2 kinds, 32 layers": (_inventory(4, 4, 4, 2.0), ModelDims(32000, 32, 4096, 11008, 32, 32, 128), 256, 4096),
-    "8 devices, 1 kind, 8 layers": (_inventory(8, 0, 4, 1.0), ModelDims(32000, 8, 1024, 4096, 16, 16, 64), 64, 1024),
+    "2 devices, 2 kinds, 32 layers": (_inventory(1, 1, 1, 2.0), _described(32000, 32, 2048, 5632, 16, 16, 128), 64, 2048),
+    "4 devices, 2 kinds, 4 layers": (_inventory(2, 2, 2, 3.0), _described(32000, 4, 1024, 4096, 16, 8, 64), 64, 1024),
+    "8 devices, 2 kinds, 12 layers": (_inventory(4, 4, 4, 1.5), _described(32000, 12, 2048, 8192, 16, 8, 128), 128, 2048),
+    "8 devices, 2 kinds, 32 layers": (_inventory(4, 4, 4, 2.0), _described(32000, 32, 4096, 11008, 32, 32, 128), 256, 4096),
+    "8 devices, 1 kind, 8 layers": (_inventory(8, 0, 4, 1.0), _described(32000, 8, 1024, 4096, 16, 16, 64), 64, 1024),
     # A slow network between hosts: pipelines with uneven stages win (checks the split search).
     "2 devices, 2 kinds, 32 layers, slow network": (
-        _inventory(1, 1, 1, 2.0, network=1e9), ModelDims(32000, 32, 2048, 5632, 16, 16, 128), 16, 2048),
+        _inventory(1, 1, 1, 2.0, network=1e9), _described(32000, 32, 2048, 5632, 16, 16, 128), 16, 2048),
     "4 devices, 2 kinds, 24 layers, slow network": (
-        _inventory(2, 2, 2, 3.0, network=2e9), ModelDims(32000, 24, 2048, 5632, 16, 16, 128), 16, 2048),
+        _inventory(2, 2, 2, 3.0, network=2e9), _described(32000, 24, 2048, 5632, 16, 16, 128), 16, 2048),
     "8 devices, 2 kinds, 32 layers, slow network": (
-        _inventory(4, 4, 4, 2.0, network=2e9), ModelDims(32000, 32, 2048, 5632, 16, 16, 128), 32, 2048),
+        _inventory(4, 4, 4, 2.0, network=2e9), _described(32000, 32, 2048, 5632, 16, 16, 128), 32, 2048),
     "8 devices, 2 kinds, 8 layers, 8 stages": (
-        _inventory(4, 4, 2, 2.5, slow_gb=16), ModelDims(32000, 8, 2048, 8192, 16, 16, 128), 64, 2048),
+        _inventory(4, 4, 2, 2.5, slow_gb=16), _described(32000, 8, 2048, 8192, 16, 16, 128), 64, 2048),
 }
 
 
@@ -69,7 +78,7 @@ def test_planner_matches_brute_force_within_5_percent_in_under_a_second(case):
 def test_uneven_plan_beats_uniform_split_by_90_percent_of_ideal(ratio):
     """4 fast + 4 slow devices: the ideal gain over the uniform split is (r+1)/2."""
     inventory = _inventory(4, 4, 4, ratio)
-    model = ModelDims(32000, 12, 768, 2048, 12, 12, 64)  # the 125m preset's shape
+    model = _described(32000, 12, 768, 2048, 12, 12, 64)  # the 125m preset's shape
     plans = planner.plan(model, inventory, 256, 1024)
     uniform = planner.uniform_baseline(model, inventory, 256, 1024)
     gain = uniform.step_time / plans[0].step_time
@@ -78,7 +87,7 @@ def test_uneven_plan_beats_uniform_split_by_90_percent_of_ideal(ratio):
 
 def test_uneven_shares_follow_speed():
     inventory = _inventory(4, 4, 4, 3.0)
-    model = ModelDims(32000, 12, 768, 2048, 12, 12, 64)
+    model = _described(32000, 12, 768, 2048, 12, 12, 64)
     options = planner.PlanOptions(pipeline=False, attentions=("flash",))
     best = planner.plan(model, inventory, 256, 1024, options)[0]
     assert best.counts is not None
@@ -88,7 +97,7 @@ def test_uneven_shares_follow_speed():
 
 def test_uneven_shares_only_on_meshes_the_uneven_step_runs():
     inventory = _inventory(4, 4, 4, 3.0)
-    model = ModelDims(32000, 12, 2048, 8192, 16, 16, 128)
+    model = _described(32000, 12, 2048, 8192, 16, 16, 128)
     options = planner.PlanOptions(attentions=("flash",), sequence=True)
     for p in planner.plan(model, inventory, 64, 8192, options, top=30):
         if p.counts is not None:
@@ -100,7 +109,7 @@ def test_plans_that_exceed_memory_are_rejected():
     """A 7B model on 24 GB devices: nothing without sharding fits; the chosen plan fits its limit."""
     small = _kind("small", 100, 24, 300)
     inventory = devices.Inventory((devices.Host(small, 8, "h0"),), 25e9)
-    model = ModelDims(32000, 32, 4096, 11008, 32, 32, 128)
+    model = _described(32000, 32, 4096, 11008, 32, 32, 128)
     plans = planner.plan(model, inventory, 64, 2048, planner.PlanOptions(attentions=("flash",)))
     assert plans[0].fits
     assert plans[0].memory["small"] <= planner.MEMORY_FRACTION * 24e9
@@ -110,7 +119,7 @@ def test_plans_that_exceed_memory_are_rejected():
 
 def test_tensor_groups_stay_inside_a_host():
     inventory = _inventory(2, 2, 2, 2.0)  # hosts of 2 devices
-    model = ModelDims(32000, 8, 1024, 4096, 16, 16, 64)
+    model = _described(32000, 8, 1024, 4096, 16, 16, 64)
     options = planner.PlanOptions(attentions=("flash",))
     ev = planner._Evaluator(model, inventory, 64, 1024, options)
     meshes = list(planner._meshes(model, ev.cluster, options))
@@ -121,7 +130,7 @@ def test_tensor_groups_stay_inside_a_host():
 @pytest.mark.parametrize("mesh", [{"stage": 4}, {"stage": 2, "fsdp": 2}])
 def test_stage_split_matches_the_best_of_all_splits(mesh):
     inventory = _inventory(2, 2, 1, 2.5, network=2e9)
-    model = ModelDims(32000, 16, 2048, 5632, 16, 16, 128)
+    model = _described(32000, 16, 2048, 5632, 16, 16, 128)
     ev = planner._Evaluator(model, inventory, 16, 2048, planner.PlanOptions())
     layout = cm.Layout(mesh, "fsdp" if mesh.get("fsdp", 1) > 1 else "dp", 8, "none", attention="flash",
                        dtype="bfloat16")
@@ -135,7 +144,7 @@ def test_stage_split_matches_the_best_of_all_splits(mesh):
 def test_stage_split_is_proportional_to_speed():
     inventory = _inventory(1, 1, 1, 3.0)
     layout = cm.Layout({"stage": 2}, "dp", 8, "full", attention="flash", dtype="bfloat16")
-    model = ModelDims(32000, 32, 2048, 5632, 16, 16, 128)
+    model = _described(32000, 32, 2048, 5632, 16, 16, 128)
     ev = planner._Evaluator(model, inventory, 64, 2048, planner.PlanOptions())
     plan_ = planner._stage_split(ev, layout)
     fast, slow = plan_.stage_layers
@@ -144,7 +153,7 @@ def test_stage_split_is_proportional_to_speed():
 
 def test_flags_reproduce_the_plan_and_train_accepts_them():
     inventory = _inventory(4, 4, 4, 2.0)
-    model = ModelDims(32000, 12, 768, 2048, 12, 12, 64)
+    model = _described(32000, 12, 768, 2048, 12, 12, 64)
     best = planner.plan(model, inventory, 256, 1024, planner.PlanOptions(pipeline=False))[0]
     flags = best.flags()
     assert f"--microbatches {best.layout.microbatches}" in flags and f"--remat {best.layout.remat}" in flags
@@ -157,17 +166,17 @@ def test_flags_reproduce_the_plan_and_train_accepts_them():
 
 
 def test_proportional_split_largest_remainder():
-    assert planner.proportional_split(16, [3, 3, 3, 3, 1, 1, 1, 1]) == [3, 3, 3, 3, 1, 1, 1, 1]
-    assert planner.proportional_split(10, [1, 1, 1]) == [4, 3, 3]
-    assert planner.proportional_split(32, [3.17, 1], minimum=1) == [24, 8]
+    assert largest_remainder(16, [3, 3, 3, 3, 1, 1, 1, 1]) == [3, 3, 3, 3, 1, 1, 1, 1]
+    assert largest_remainder(10, [1, 1, 1]) == [4, 3, 3]
+    assert largest_remainder(32, [3.17, 1], minimum=1) == [24, 8]
     with pytest.raises(ValueError):
-        planner.proportional_split(2, [1, 1, 1], minimum=1)
+        largest_remainder(2, [1, 1, 1], minimum=1)
 
 
 def test_unequal_hosts_are_refused_with_the_flag():
     inventory = devices.parse_cluster("h100:8,a100:4")
     with pytest.raises(ValueError, match="--cluster"):
-        planner.plan(ModelDims(32000, 8, 1024, 4096, 16, 16, 64), inventory, 64, 1024)
+        planner.plan(_described(32000, 8, 1024, 4096, 16, 16, 64), inventory, 64, 1024)
 
 
 def test_cli_prints_table_and_flags(capsys, tmp_path):

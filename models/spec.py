@@ -1,0 +1,151 @@
+"""The model describes itself, from the same tables that build it.
+
+Each module's parameters are listed once, here, as `sharding.modeldesc.Param` entries (shape,
+logical axes, role, init); `models.layers`, `models.attention` and `models.transformer` create their
+`nnx.Param`s from these tables (`models.layers.make_params`), so the description cannot drift from
+the modules (``tests/test_model.py`` compares it with `models.transformer.abstract_model`).
+
+`describe` adds what the cost model (`sharding.costmodel`) needs besides the parameters: the
+matrix products, the attention geometry, the elementwise FLOPs per token of a layer and of the loss
+(op counts of `models.layers` and `models.attention`), and the activations a layer saves per token
+for the backward pass, each term with the logical axis that splits it.
+
+Einsum letters as in the modules: D embed, F mlp, N heads, K kv heads, H head_dim, V vocab.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from models.config import ModelConfig
+from sharding import axes as ax
+from sharding.modeldesc import AttentionGeometry, ModelDescription, Param, Product, Term
+
+__all__ = ["attention_params", "block_params", "describe", "embed_params", "mlp_params", "norm_params",
+           "output_params"]
+
+
+# Parameter tables, one per module -------------------------------------------------------------
+
+
+def embed_params(vocab_size: int, embed_dim: int) -> tuple[Param, ...]:
+    """`models.layers.Embed`: the table ``embedding [vocab, embed]`` (standard deviation 1)."""
+    return (Param("embedding", (vocab_size, embed_dim), (ax.VOCAB, ax.EMBED), role="embedding", fan_in=1),)
+
+
+def norm_params(dim: int) -> tuple[Param, ...]:
+    """`models.layers.RMSNorm`: ``scale [embed]``, ones."""
+    return (Param("scale", (dim,), (ax.EMBED,), role="scale", init="ones"),)
+
+
+def mlp_params(embed_dim: int, mlp_dim: int) -> tuple[Param, ...]:
+    """`models.layers.MLP` (SwiGLU): ``gate, up [embed, mlp]``, ``down [mlp, embed]``."""
+    d, f = embed_dim, mlp_dim
+    return (Param("gate", (d, f), (ax.EMBED, ax.MLP)),
+            Param("up", (d, f), (ax.EMBED, ax.MLP)),
+            Param("down", (f, d), (ax.MLP, ax.EMBED)))
+
+
+def attention_params(config: ModelConfig) -> tuple[Param, ...]:
+    """`models.attention.Attention`: ``q [embed, heads, head_dim]``, ``k, v [embed, kv_heads, head_dim]``,
+    ``o [heads, head_dim, embed]`` (fan-in ``heads * head_dim``)."""
+    d, n, k, h = config.embed_dim, config.num_heads, config.num_kv_heads, config.head_dim
+    return (Param("q", (d, n, h), (ax.EMBED, ax.HEADS, ax.HEAD_DIM)),
+            Param("k", (d, k, h), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM)),
+            Param("v", (d, k, h), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM)),
+            Param("o", (n, h, d), (ax.HEADS, ax.HEAD_DIM, ax.EMBED), fan_in=n * h))
+
+
+def block_params(config: ModelConfig) -> tuple[Param, ...]:
+    """`models.transformer.Block`, one layer's slice, in creation order."""
+    d = config.embed_dim
+    parts = (("attention_norm", norm_params(d)), ("attention", attention_params(config)),
+             ("mlp_norm", norm_params(d)), ("mlp", mlp_params(d, config.mlp_dim)))
+    return tuple(p.under(prefix) for prefix, table in parts for p in table)
+
+
+def output_params(config: ModelConfig) -> tuple[Param, ...]:
+    """`models.transformer.Transformer`'s own ``unembed [embed, vocab]`` (none when tied)."""
+    if config.tie_embeddings:
+        return ()
+    return (Param("unembed", (config.embed_dim, config.vocab_size), (ax.EMBED, ax.VOCAB), role="output"),)
+
+
+def _all_params(config: ModelConfig) -> tuple[Param, ...]:
+    """Every parameter of `models.transformer.Transformer` with its path, in creation order."""
+    return (tuple(p.under("embed") for p in embed_params(config.vocab_size, config.embed_dim))
+            + tuple(p.under("layers", per_layer=True) for p in block_params(config))
+            + tuple(p.under("final_norm") for p in norm_params(config.embed_dim))
+            + output_params(config))
+
+
+# Work and memory per token --------------------------------------------------------------------
+
+
+def _layer_elementwise(config: ModelConfig) -> tuple[Term, ...]:
+    """Elementwise FLOPs per token of one block's forward pass, by op count (XLA counts one FLOP per
+    element per arithmetic op; square roots are transcendentals)."""
+    d, f, n, k, h = config.embed_dim, config.mlp_dim, config.num_heads, config.num_kv_heads, config.head_dim
+    return (
+        Term(10.0 * d, what="two RMSNorms (square, mean, scale, multiply: 4 each) and two residual adds"),
+        Term(2.0 * f, ax.MLP, what="SwiGLU: silu(gate) * up"),
+        Term(3.0 * (n + 2 * k) * h, ax.HEADS, what="rotary positions on queries and keys"),
+        Term(6.0 * n, ax.HEADS, per_key=True, what="softmax of the scores (scale, mask, max, subtract, sum, divide)"),
+        Term(3.0, per_key=True, what="causal and document mask"),
+    )
+
+
+def _loss_elementwise(config: ModelConfig) -> tuple[Term, ...]:
+    return (Term(4.0 * config.vocab_size, ax.VOCAB, what="log-softmax cross-entropy (max, subtract, sum, select)"),)
+
+
+def _activations(config: ModelConfig) -> tuple[Term, ...]:
+    """What autodiff saves per token of one block without remat (elements; bytes None: compute dtype)."""
+    d, f, n, k, h = config.embed_dim, config.mlp_dim, config.num_heads, config.num_kv_heads, config.head_dim
+    return (
+        Term(d, kept=("input",), what="block input"),
+        Term(d, kept=("dot",), what="attention output projection"),
+        Term(4 * d, what="norm outputs and residual branches"),
+        Term(2 * n * h, ax.HEADS, kept=("dot",), what="queries and the attention output"),
+        Term(4 * k * h, ax.KV_HEADS, kept=("dot",), what="keys and values (and their rotated copies)"),
+        Term(3 * f, ax.MLP, kept=("dot",), what="gate, up, hidden"),
+        Term(2 * d, bytes=4, what="float32 copies inside the two RMSNorms"),
+        Term(n, ax.HEADS, per_key=True, bytes=4, what="float32 softmax of the scores"),
+        Term(1, per_key=True, bytes=1, what="the boolean mask"),
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def describe(config: ModelConfig) -> ModelDescription:
+    """The model of ``config`` as the cost model sees it.
+
+    Args:
+      config: The model (only its architecture fields matter).
+
+    Returns:
+      The `sharding.modeldesc.ModelDescription`: parameters from the modules' tables, the products
+      ``q, k, v, o, gate, up, down`` of a block (``down`` last: full remat does not redo it) and the
+      output projection, the attention geometry, elementwise FLOPs and saved activations per token.
+    """
+    params = _all_params(config)
+    by_path = {p.path: p for p in params}
+
+    def product(path, contract, recomputed=True):
+        return Product(by_path[path], contract, recomputed)
+
+    layer = [product(f"layers/attention/{n}", (0,)) for n in "qkv"]
+    layer.append(product("layers/attention/o", (0, 1)))
+    layer += [product("layers/mlp/gate", (0,)), product("layers/mlp/up", (0,)),
+              product("layers/mlp/down", (0,), recomputed=False)]
+    logits = product("embed/embedding", (1,)) if config.tie_embeddings else product("unembed", (0,))
+    return ModelDescription(
+        params=params,
+        num_layers=config.num_layers,
+        hidden=config.embed_dim,
+        products=tuple(layer),
+        logits=logits,
+        attention=AttentionGeometry(config.num_heads, config.num_kv_heads, config.head_dim),
+        layer_elementwise=_layer_elementwise(config),
+        loss_elementwise=_loss_elementwise(config),
+        activations=_activations(config),
+    )

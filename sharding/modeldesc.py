@@ -1,0 +1,271 @@
+"""What a model tells the cost model about itself: the type of a model's self-description.
+
+A model (``models.spec.describe``) produces one `ModelDescription`; `sharding.costmodel` and
+`sharding.planner` read only it, so they hold no parameter names and no op counts of their own.
+Everything is expressed in logical axes (`sharding.axes`): the rules (`sharding.rules`) say how each
+axis splits over the mesh, and every per-token term names the logical axis whose split divides it.
+
+The description holds:
+
+* `Param`: every parameter array (path, shape, logical axes, stacked per layer or not, role, init).
+* `Product`: the matrix products (a weight and which of its dimensions the input contracts),
+  per layer and the output projection (the logits).
+* `AttentionGeometry`: the score products' heads, key/value heads and head width.
+* `Term`: per-token work and memory: elementwise FLOPs of a layer and of the loss, and the
+  activations a layer saves for the backward pass, each with the logical axis that splits it,
+  whether it grows with the keys a query sees (score-matrix terms), and which remat policies keep it.
+
+This module imports nothing of the project but `sharding.axes`, and no JAX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+from sharding import axes as ax
+
+__all__ = ["ROLES", "AttentionGeometry", "ModelDescription", "Param", "Product", "Term"]
+
+ROLES = ("weight", "scale", "embedding", "output")
+"""Parameter roles: ``weight`` (of a matrix product inside the layers), ``scale`` (a norm's),
+``embedding`` (a lookup table ``[rows, width]``), ``output`` (the output projection's weight)."""
+
+KEPT = ("input", "dot")
+"""Which remat policies keep an activation term: ``input`` (the layer's input: kept by every policy,
+and the only thing a pipeline stage keeps per microbatch), ``dot`` (a matrix product's output: kept
+by ``dots``); a term with neither is kept only without remat."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Param:
+    """One parameter array.
+
+    Attributes:
+      path: Where it lives in the parameter tree, ``/``-separated, e.g. ``layers/mlp/gate``.
+      shape: Its shape; for a per-layer parameter one layer's slice (without ``layers``).
+      axes: One logical axis name per dimension of ``shape``.
+      per_layer: Whether it is stacked over the layers (a leading ``[layers]`` dimension).
+      role: One of `ROLES`.
+      init: ``normal`` (truncated normal, standard deviation ``fan_in ** -0.5``) or ``ones``.
+      fan_in: For ``normal``: the fan-in; None takes the first dimension.
+
+    Raises:
+      ValueError: When ``axes`` does not have one name per dimension, or on an unknown role or init.
+    """
+
+    path: str
+    shape: tuple[int, ...]
+    axes: tuple[str, ...]
+    per_layer: bool = False
+    role: str = "weight"
+    init: str = "normal"
+    fan_in: int | None = None
+
+    def __post_init__(self):
+        if len(self.axes) != len(self.shape):
+            raise ValueError(f"parameter {self.path}: logical axes {self.axes} do not match shape {self.shape}")
+        if self.role not in ROLES:
+            raise ValueError(f"parameter {self.path}: role {self.role!r}; choose one of {', '.join(ROLES)}")
+        if self.init not in ("normal", "ones"):
+            raise ValueError(f"parameter {self.path}: init {self.init!r}; choose normal or ones")
+
+    @property
+    def name(self) -> str:
+        """The last component of the path (the attribute of its module)."""
+        return self.path.rsplit("/", 1)[-1]
+
+    @property
+    def size(self) -> int:
+        """Elements (of one layer's slice for per-layer parameters)."""
+        return math.prod(self.shape)
+
+    @property
+    def matmul(self) -> bool:
+        """Whether it is the weight of a matrix product."""
+        return self.role in ("weight", "output")
+
+    def under(self, prefix: str, per_layer: bool | None = None) -> Param:
+        """The same parameter at ``prefix/path`` (and stacked over layers when ``per_layer``)."""
+        changes = {"path": f"{prefix}/{self.path}"}
+        if per_layer is not None:
+            changes["per_layer"] = per_layer
+        return dataclasses.replace(self, **changes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Product:
+    """A matrix product of an activation with a weight.
+
+    Attributes:
+      weight: The weight's `Param`.
+      contract: Indices of the weight's dimensions the input contracts (the others are the output's).
+      recomputed: False for a product whose output no gradient needs, so that full remat does not
+        redo it in the backward pass (XLA drops it as dead code): the last product of a block.
+    """
+
+    weight: Param
+    contract: tuple[int, ...]
+    recomputed: bool = True
+
+    @property
+    def in_axes(self) -> tuple[str, ...]:
+        return tuple(self.weight.axes[i] for i in self.contract)
+
+    @property
+    def out_axes(self) -> tuple[str, ...]:
+        return tuple(a for i, a in enumerate(self.weight.axes) if i not in self.contract)
+
+    @property
+    def in_size(self) -> int:
+        """Elements per token of the input."""
+        return math.prod(self.weight.shape[i] for i in self.contract)
+
+    @property
+    def out_size(self) -> int:
+        """Elements per token of the output."""
+        return math.prod(s for i, s in enumerate(self.weight.shape) if i not in self.contract)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionGeometry:
+    """The score and value products of one layer's attention (per token).
+
+    Attributes:
+      num_heads: N, query heads (logical axis ``heads_axis``).
+      num_kv_heads: K, key/value heads (logical axis ``kv_axis``).
+      head_dim: H, width of a head.
+      heads_axis: Logical axis of the query heads.
+      kv_axis: Logical axis of the key/value heads.
+    """
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    heads_axis: str = ax.HEADS
+    kv_axis: str = ax.KV_HEADS
+
+    def forward_flops(self, keys: float) -> float:
+        """FLOPs per query of the two products (scores ``q.k`` and ``weights.v``), ``4 N H keys``."""
+        return 4.0 * self.num_heads * self.head_dim * keys
+
+
+@dataclasses.dataclass(frozen=True)
+class Term:
+    """A per-token amount: elementwise FLOPs, or the elements of an activation.
+
+    Attributes:
+      amount: Per token (per token and key when ``per_key``), before any split.
+      axis: The logical axis whose split divides it (None: not split).
+      per_key: Whether it is per entry of the ``[T, S]`` score matrix, i.e. times the keys a query
+        sees; such terms exist only where the attention materialises the scores.
+      bytes: For activations: bytes per element; None: the compute dtype's.
+      kept: For activations: the `KEPT` tags of the remat policies that keep it.
+      what: What it is (for reports).
+    """
+
+    amount: float
+    axis: str | None = None
+    per_key: bool = False
+    bytes: int | None = None
+    kept: tuple[str, ...] = ()
+    what: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelDescription:
+    """A decoder LM as the cost model sees it: a stack of ``num_layers`` identical layers between an
+    embedding lookup and an output projection with a loss.
+
+    Attributes:
+      params: Every parameter (`Param`), in the order the model creates them.
+      num_layers: L, layers in the stack.
+      hidden: Elements per token of the activation between layers (D).
+      products: The matrix products of one layer (`Product`).
+      logits: The output projection (its weight is the ``output`` parameter, or the ``embedding``
+        table when tied).
+      attention: The score products (`AttentionGeometry`).
+      layer_elementwise: Elementwise FLOPs per token of one layer's forward pass (as XLA counts
+        them: one per element per arithmetic op).
+      loss_elementwise: Elementwise FLOPs per token of the loss's forward pass.
+      activations: Activations one layer saves per token for the backward pass without remat.
+
+    Raises:
+      ValueError: When two parameters give one logical axis different sizes.
+    """
+
+    params: tuple[Param, ...]
+    num_layers: int
+    hidden: int
+    products: tuple[Product, ...]
+    logits: Product
+    attention: AttentionGeometry
+    layer_elementwise: tuple[Term, ...] = ()
+    loss_elementwise: tuple[Term, ...] = ()
+    activations: tuple[Term, ...] = ()
+
+    def __post_init__(self):
+        self.axis_sizes  # noqa: B018 (validates)
+
+    def __hash__(self) -> int:  # hashed on every cached cost-model call: compute once
+        return _hash(self)
+
+    @functools.cached_property
+    def axis_sizes(self) -> dict[str, int]:
+        """Logical axis -> its size, read from the parameters (``layers``: L)."""
+        sizes = {ax.LAYERS: self.num_layers}
+        for p in self.params:
+            for name, size in zip(p.axes, p.shape):
+                if sizes.setdefault(name, size) != size:
+                    raise ValueError(f"logical axis {name!r} has sizes {sizes[name]} and {size} ({p.path})")
+        return sizes
+
+    def param(self, path: str) -> Param:
+        """The parameter at ``path``.
+
+        Raises:
+          KeyError: When there is none.
+        """
+        for p in self.params:
+            if p.path == path:
+                return p
+        raise KeyError(path)
+
+    def with_role(self, role: str) -> Param | None:
+        """The first parameter with ``role`` (None when there is none)."""
+        return next((p for p in self.params if p.role == role), None)
+
+    @property
+    def num_params(self) -> int:
+        """Parameters in all (stacked ones times L)."""
+        return sum(p.size * (self.num_layers if p.per_layer else 1) for p in self.params)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token for MFU: ``6 * (P - V*D) + 12 * L * N * H * T``.
+
+        The count of Chowdhery et al., PaLM (2022), Appendix B: 6 FLOPs per parameter per token
+        (2 forward, 4 backward), the embedding lookup excluded (but the output projection kept when
+        it is the embedding table, tied), plus the attention score and value products over the whole
+        ``T x T`` matrix (not halved for the causal mask, as in that count). Recompute is not
+        counted (model FLOPs, not hardware FLOPs).
+
+        Args:
+          seq_len: T, tokens per sequence.
+
+        Returns:
+          FLOPs per token (float).
+        """
+        dense = sum(p.size * (self.num_layers if p.per_layer else 1) for p in self.params if p.role != "embedding")
+        if self.logits.weight.role == "embedding":
+            dense += self.logits.weight.size
+        attention = 3 * self.num_layers * self.attention.forward_flops(seq_len)
+        return 6.0 * dense + attention
+
+
+def _hash(desc: ModelDescription) -> int:
+    cached = desc.__dict__.get("_hash")
+    if cached is None:
+        cached = hash(tuple(getattr(desc, f.name) for f in dataclasses.fields(desc)))
+        object.__setattr__(desc, "_hash", cached)
+    return cached
