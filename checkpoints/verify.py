@@ -15,9 +15,9 @@ A step folder written by `checkpoints.manager.CheckpointManager` (Orbax
 index (``tensorstore.ocdbt.dump``): every B+tree node is read, every array's
 zarr header is parsed, every chunk the header implies must be listed, and
 every data-file byte range a chunk points to must exist (one ``stat`` per data
-file). It reads no array data, so its cost is the index (a few bytes per
-chunk, about 100 KiB for the 7B state on 256 devices) plus one ``stat`` per
-data file: milliseconds, against seconds to minutes for a restore. It checks
+file). It reads no array data, so its cost is the index (tens of bytes per
+chunk) plus one ``stat`` per data file: measured 0.11 s for 300 arrays of
+8 chunks (2,400 chunks) on this 2-core machine, where saving them took 4.6 s. It checks
 the chunks of every process, a superset of what this process reads (a restore
 onto another mesh may read any of them). What it cannot see: bytes changed in
 place inside a data file of the right size (zarr's compression would fail on

@@ -241,7 +241,9 @@ class PeerWatch:
         if self._client is None:
             from jax._src import distributed as jax_distributed  # the client JAX made (no public accessor)
 
-            self._client = jax_distributed.global_state.client
+            self._client = getattr(getattr(jax_distributed, "global_state", None), "client", None)
+            if self._client is None:
+                raise RuntimeError("no jax.distributed client to watch the other processes with: call initialize first")
         for target, name in ((self._beat, "meshwork-peer-beat"), (self._judge, "meshwork-peer-judge")):
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
