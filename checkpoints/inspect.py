@@ -1,13 +1,16 @@
 """List what a checkpoint folder holds: ``python -m checkpoints.inspect DIR [--step N]``.
 
-Prints the saved steps, then for one step (default: the latest) the mesh and
-rules it was saved from, the data position, and each array's shape, dtype
+Prints the saved steps, marking those that do not read completely (with what
+is missing), then for one step (default: the newest complete one) the mesh
+and rules it was saved from, the data position, and each array's shape, dtype
 and bytes. Reads metadata only: no array is loaded and no device is used.
+Every failure ends in one ``error:`` line and exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 from pathlib import Path
@@ -53,33 +56,50 @@ def array_rows(metadata) -> list[tuple[str, tuple[int, ...], str, int]]:
 
 
 def describe(directory: str | Path, step: int | None = None) -> list[str]:
-    """The report lines for a checkpoint folder.
+    """The report lines for a checkpoint folder; damaged steps are marked, not read.
+
+    Every step is verified first (`checkpoints.verify.verify_step`: metadata
+    parsed, the array index walked, data files present; no array data read),
+    and each damaged one gets a line naming what is missing. Without
+    ``step`` the newest step that verifies is described. Nothing is written
+    or removed (no Orbax manager is opened, so a save in progress is left alone).
 
     Raises:
       FileNotFoundError: when the folder does not exist or holds no checkpoint.
+      checkpoints.verify.CheckpointDamaged: when ``step`` (or, without it,
+        every step) does not read completely.
     """
-    from checkpoints.manager import CheckpointManager
+    import orbax.checkpoint as ocp
+
+    from checkpoints.verify import CheckpointDamaged, saved_steps, verify_step
     from sharding.mesh import format_mesh
 
     root = _resolve_dir(Path(directory))
     if not root.is_dir():
         raise FileNotFoundError(f"{directory}: no such folder")
-    manager = CheckpointManager(root, async_save=False)
-    try:
-        steps = manager.all_steps()
-        if not steps:
-            hint = ""
-            if root.name.isdigit():
-                hint = f"; for one step of a run give the run folder and --step, e.g. {root.parent} --step {root.name}"
-            raise FileNotFoundError(f"{root}: no complete checkpoint{hint}")
-        step = steps[-1] if step is None else step
-        if step not in steps:
-            raise FileNotFoundError(f"{root}: no step {step}; saved steps are {steps}")
-        meta = manager.read_meta(step)
-        rows = array_rows(manager.state_metadata(step))
-    finally:
-        manager.close()
-    lines = [f"checkpoints in {root}: steps {', '.join(map(str, steps))}", f"step {step}:"]
+    steps = saved_steps(root)
+    if not steps:
+        hint = ""
+        if root.name.isdigit():
+            hint = f"; for one step of a run give the run folder and --step, e.g. {root.parent} --step {root.name}"
+        raise FileNotFoundError(f"{root}: no complete checkpoint{hint}")
+    if step is not None and step not in steps:
+        raise FileNotFoundError(f"{root}: no step {step}; saved steps are {steps}")
+    verdicts = {s: verify_step(root, s) for s in steps}
+    damaged = [v for v in verdicts.values() if not v.ok]
+    good = [s for s in steps if verdicts[s].ok]
+    if step is None and not good:
+        raise CheckpointDamaged(f"no step in {root} reads completely; newest: {damaged[-1].line()}")
+    step = good[-1] if step is None else step
+    if not verdicts[step].ok:
+        ok_hint = f"; --step {good[-1]} reads completely" if good else ""
+        raise CheckpointDamaged(f"{verdicts[step].line()}{ok_hint}")
+    marked = [f"{s} (damaged)" if not verdicts[s].ok else str(s) for s in steps]
+    meta = json.loads((root / str(step) / "meta" / "metadata").read_text())
+    rows = array_rows(ocp.StandardCheckpointHandler().metadata(root / str(step) / "state"))
+    lines = [f"checkpoints in {root}: steps {', '.join(marked)}"]
+    lines += [f"  {v.line()}" for v in damaged]
+    lines.append(f"step {step}:")
     if "mesh" in meta:
         lines.append(f"  saved on mesh   {format_mesh(meta['mesh'])}")
     if "rules" in meta:
@@ -108,11 +128,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step", type=int, default=None, help="which step (default: the latest)")
     args = parser.parse_args(argv)
     try:
-        for line in describe(args.directory, args.step):
-            print(line)
-    except FileNotFoundError as e:
-        print(f"error: {e}", file=sys.stderr)
+        lines = describe(args.directory, args.step)
+    except Exception as e:  # every failure is one line, never a traceback
+        text = str(e).strip().splitlines()
+        print(f"error: {text[0] if text else e.__class__.__name__}", file=sys.stderr)
         return 2
+    for line in lines:
+        print(line)
     return 0
 
 

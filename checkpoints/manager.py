@@ -114,6 +114,24 @@ class CheckpointManager:
     def all_steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
 
+    def resume_choice(self, explicit: int | None = None):
+        """The step to resume from: ``explicit`` (``--resume-step``) or the newest that reads completely.
+
+        Checks each candidate with `checkpoints.verify.verify_step` (metadata
+        parsed, array index walked, data files present; no array data read).
+
+        Returns:
+          A `checkpoints.verify.ResumeChoice`: ``step`` (None without
+          checkpoints) and ``notes``, one line per newer damaged step skipped.
+
+        Raises:
+          checkpoints.verify.CheckpointDamaged: (a ValueError) when the
+            explicit step is missing or damaged, or no step reads completely.
+        """
+        from checkpoints.verify import latest_verified_step
+
+        return latest_verified_step(self.directory, explicit)
+
     def save(self, step: int, state: Any, meta: dict[str, Any], force: bool = True) -> bool:
         """Starts saving ``state`` and ``meta`` as ``step`` (returns before the write ends).
 

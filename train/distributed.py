@@ -6,17 +6,55 @@ detection to JAX (SLURM, Open MPI, Kubernetes, or ``JAX_COORDINATOR_ADDRESS``)
 when such an environment is present, and otherwise runs as one process.
 CPU devices exchange data through the gloo collectives, so several processes
 on one machine behave like several hosts.
+
+A lost process (kill -9, a dead host) is reported, not aborted on. JAX's own
+failure path cannot be made clean: its coordination service notices missing
+heartbeats after ``heartbeat_timeout_seconds`` and then terminates every
+survivor with a C++ check failure (exit 134); a ``missed_heartbeat_callback``
+cannot be given through ``jax.distributed.initialize``, and the client's
+binding aborts with ``std::bad_cast`` when one is passed (jax 0.10);
+``jax_enable_recoverability`` with ``get_live_nodes`` aborts on a wrong
+service incarnation. So `PeerWatch` keeps its own heartbeat through the
+coordination service's key-value store, a second failure detector that fires
+at half of ``--dist-timeout``, before JAX's (set to the whole of it). On a
+silent peer, or a coordinator that no longer answers, it prints one
+``error:`` line naming the process and the latest complete checkpoint and
+leaves with `os._exit` (status `LOST_PROCESS_EXIT`), skipping the shutdown
+barrier that would otherwise wait for the lost process. A survivor blocked
+inside a gloo collective is covered too: the watch runs in its own threads.
+
+Limit (jax 0.10): when process 0, which hosts the coordinator, is killed, the
+survivors' JAX clients poll the closed coordinator for errors and abort at
+once (C++ LOG(FATAL), exit 134), before any Python code runs; nothing a
+caller of ``jax.distributed.initialize`` can set prevents it. The watch's
+coordinator branch still covers a coordinator that hangs without closing.
+
+Usage (the entry point, after `initialize` and before the first step)::
+
+    initialize(config)
+    watch = watch_peers(config, run_dir / "checkpoints")   # None with one process
+    ...train...
+    if watch is not None:
+        watch.close()                                      # ended on purpose: not a lost process
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import ipaddress
 import os
 import socket
+import sys
+import threading
+import time
 import zlib
+from collections.abc import Callable
 
 LOOPBACK_NAMES = ("localhost", "ip6-localhost", "ip6-loopback")
+LOST_PROCESS_EXIT = 3  # exit status of a survivor that lost a peer (1: non-finite loss, 2: bad input/failed save)
+_BEAT_KEY = "meshwork/beat/"
+_DONE_KEY = "meshwork/done/"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,19 +151,21 @@ def initialize(config: DistributedConfig) -> str:
 
     config.validate()
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    timeouts = _timeouts(jax.distributed.initialize, config.timeout)
     if config.explicit:
         jax.distributed.initialize(
             coordinator_address=config.coordinator,
             num_processes=config.num_processes,
             process_id=config.process_id,
             initialization_timeout=config.timeout,
+            **timeouts,
         )
         _check_loopback_single_host(config)
         return f"process {config.process_id} of {config.num_processes}, coordinator {config.coordinator}"
     cluster = detected_cluster()
     if cluster is None:
         return "one process"
-    jax.distributed.initialize(initialization_timeout=config.timeout)
+    jax.distributed.initialize(initialization_timeout=config.timeout, **timeouts)
     return f"process {jax.process_index()} of {jax.process_count()} (detected by JAX from {cluster})"
 
 
@@ -163,3 +203,168 @@ def setup_devices(cpu_devices: int | None) -> None:
             raise RuntimeError(
                 f"--cpu-devices {cpu_devices}: JAX already started with {have} CPU devices in this process"
             ) from None
+
+
+def _timeouts(initialize: Callable, seconds: int) -> dict[str, int]:
+    """JAX's heartbeat and shutdown timeouts set to ``--dist-timeout``, where this JAX accepts them.
+
+    JAX's failure detector then fires after `PeerWatch` (half the timeout),
+    and a shutdown barrier waits at most ``seconds`` for a missing process.
+    """
+    accepted = inspect.signature(initialize).parameters
+    wanted = {"heartbeat_timeout_seconds": seconds, "shutdown_timeout_seconds": seconds}
+    return {name: value for name, value in wanted.items() if name in accepted}
+
+
+class PeerWatch:
+    """Notices a process that stopped answering and ends this one with a message instead of an abort.
+
+    Two daemon threads: one writes this process's heartbeat counter into the
+    coordination service's key-value store every ``interval`` seconds and
+    reads everyone's; the other (no I/O, so a hung call cannot silence it)
+    judges: a peer whose counter has not moved for ``grace`` seconds, or a
+    coordinator that has not answered for as long, is lost. Then
+    ``lost(message)`` runs, by default printing ``error: MESSAGE`` and
+    ``os._exit(LOST_PROCESS_EXIT)``. A process that finishes calls `close`,
+    which tells the others it is done, so its silence is not a loss.
+
+    Args:
+      process_id: this process (0 hosts the coordinator).
+      num_processes: how many processes the job has.
+      timeout: ``--dist-timeout`` in seconds; ``grace`` is half of it.
+      client: the key-value client: ``key_value_set(key, value,
+        allow_overwrite)`` and ``key_value_dir_get(prefix)`` (JAX's
+        distributed runtime client by default).
+      checkpoint_note: returns the words for the latest complete checkpoint
+        (e.g. `checkpoint_note`), called once a peer is lost.
+      lost: called with the one-line message (default: print and exit).
+    """
+
+    def __init__(self, process_id: int, num_processes: int, timeout: float, client=None,
+                 checkpoint_note: Callable[[], str] | None = None, lost: Callable[[str], None] | None = None):
+        if timeout <= 0:
+            raise ValueError(f"--dist-timeout {timeout}: must be a positive number of seconds, e.g. 300")
+        self.process_id, self.num_processes = process_id, num_processes
+        self.grace = timeout / 2
+        self.interval = min(1.0, self.grace / 5)
+        self._client = client
+        self._note = checkpoint_note
+        self._lost = lost or _exit_lost
+        self._stop = threading.Event()
+        now = time.monotonic()
+        self._seen = {p: (None, now) for p in range(num_processes) if p != process_id}  # peer -> (beat, when it moved)
+        self._done: set[int] = set()
+        self._contact = now  # the coordinator's last answer
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> "PeerWatch":
+        if self._client is None:
+            from jax._src import distributed as jax_distributed  # the client JAX made (no public accessor)
+
+            self._client = getattr(getattr(jax_distributed, "global_state", None), "client", None)
+            if self._client is None:
+                raise RuntimeError("no jax.distributed client to watch the other processes with: call initialize first")
+        for target, name in ((self._beat, "meshwork-peer-beat"), (self._judge, "meshwork-peer-judge")):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        return self
+
+    def close(self) -> None:
+        """Tells the other processes this one ended on purpose, and stops watching."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        try:
+            self._client.key_value_set(f"{_DONE_KEY}{self.process_id}", "1", allow_overwrite=True)
+        except Exception:  # the coordinator is gone too; nothing left to tell
+            pass
+
+    def __enter__(self) -> "PeerWatch":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _beat(self) -> None:
+        count = 0
+        while not self._stop.is_set():
+            count += 1
+            try:
+                self._client.key_value_set(f"{_BEAT_KEY}{self.process_id}", str(count), allow_overwrite=True)
+                beats = dict(self._client.key_value_dir_get(_BEAT_KEY))
+                done = dict(self._client.key_value_dir_get(_DONE_KEY))
+            except Exception:  # the coordinator did not answer; the judge counts the silence
+                self._stop.wait(self.interval)
+                continue
+            now = time.monotonic()
+            self._contact = now
+            self._done = {int(k.rsplit("/", 1)[-1]) for k in done}
+            for peer, (last, _) in list(self._seen.items()):
+                beat = beats.get(f"{_BEAT_KEY}{peer}")
+                if beat != last:
+                    self._seen[peer] = (beat, now)
+            self._stop.wait(self.interval)
+
+    def _judge(self) -> None:
+        while not self._stop.wait(self.interval):
+            message = self.verdict(time.monotonic())
+            if message is not None:
+                note = self._note() if self._note is not None else ""
+                self._lost(f"{message}{'; ' + note if note else ''}")
+                return
+
+    def verdict(self, now: float) -> str | None:
+        """The lost-process message at time ``now`` (`time.monotonic`), or None while all answer."""
+        if now - self._contact > self.grace and self.process_id != 0:
+            return (f"process 0 of {self.num_processes} (the coordinator) stopped answering: no reply for "
+                    f"{now - self._contact:.0f} s")
+        silent = [p for p, (_, when) in sorted(self._seen.items()) if now - when > self.grace and p not in self._done]
+        if silent:
+            who = ", ".join(map(str, silent))
+            return (f"process{'es' if len(silent) > 1 else ''} {who} of {self.num_processes} stopped answering: "
+                    f"no heartbeat for {now - self._seen[silent[0]][1]:.0f} s")
+        return None
+
+
+def _exit_lost(message: str) -> None:
+    """Prints ``error: MESSAGE`` and leaves at once: no shutdown barrier, no stack trace."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(LOST_PROCESS_EXIT)
+
+
+def checkpoint_note(directory) -> str:
+    """Words for the latest complete checkpoint under ``directory`` and how to continue.
+
+    E.g. ``the latest complete checkpoint is step 15 in runs/a/checkpoints; restart every
+    process with --resume``. Damaged steps are skipped (`checkpoints.verify`).
+    """
+    from checkpoints.verify import latest_verified_step
+
+    try:
+        step = latest_verified_step(directory).step
+    except Exception as e:  # a damaged folder: say so, never raise from the failure path
+        return f"no complete checkpoint in {directory} ({str(e).splitlines()[0] if str(e) else e})"
+    if step is None:
+        return f"no checkpoint in {directory} yet; restarting begins at step 0"
+    return f"the latest complete checkpoint is step {step} in {directory}; restart every process with --resume"
+
+
+def watch_peers(config: DistributedConfig, checkpoint_dir=None) -> PeerWatch | None:
+    """Starts a `PeerWatch` after `initialize` when the job has several processes (None otherwise).
+
+    Args:
+      config: the flags given to `initialize` (``--dist-timeout`` sets the grace).
+      checkpoint_dir: the run's checkpoint folder, named in the message.
+
+    Returns:
+      The started watch; call ``close()`` when the run ends on purpose.
+    """
+    import jax
+
+    if jax.process_count() == 1:
+        return None
+    note = (lambda: checkpoint_note(checkpoint_dir)) if checkpoint_dir is not None else None
+    return PeerWatch(jax.process_index(), jax.process_count(), config.timeout, checkpoint_note=note).start()

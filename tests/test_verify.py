@@ -1,0 +1,182 @@
+"""Damaged checkpoints are found before a resume, the older complete step is chosen, inspect marks them."""
+
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from checkpoints import inspect as inspect_cli
+from checkpoints.manager import CheckpointManager
+from checkpoints.verify import (CheckpointDamaged, ResumeChoice, _expected_chunks, latest_verified_step,
+                                saved_steps, verify_step)
+from sharding.mesh import make_mesh, parse_mesh
+
+W = np.arange(64 * 64, dtype=np.float32).reshape(64, 64)  # 2 KiB chunks on fsdp=8: stored in data files
+
+
+def tiny_state(mesh):
+    sharding = NamedSharding(mesh, P("fsdp"))
+    return {"w": jax.device_put(jnp.asarray(W), sharding),
+            "opt": {"mu": jax.device_put(jnp.asarray(W) * 2, sharding)}, "step": jnp.int32(7)}
+
+
+def abstract(mesh):
+    sharding = NamedSharding(mesh, P("fsdp"))
+    return {"w": jax.ShapeDtypeStruct(W.shape, jnp.float32, sharding=sharding),
+            "opt": {"mu": jax.ShapeDtypeStruct(W.shape, jnp.float32, sharding=sharding)},
+            "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A checkpoint folder with complete steps 1 and 2."""
+    folder = tmp_path_factory.mktemp("verify") / "checkpoints"
+    manager = CheckpointManager(folder, keep=5, async_save=False)
+    try:
+        for step in (1, 2):
+            manager.save(step, tiny_state(make_mesh(parse_mesh("fsdp=8", 8))), {"step": step, "mesh": {"fsdp": 8}})
+    finally:
+        manager.close()
+    return folder
+
+
+@pytest.fixture
+def copy(saved, tmp_path):
+    target = tmp_path / "checkpoints"
+    shutil.copytree(saved, target)
+    return target
+
+
+def data_file_of(state: Path, array: str) -> Path:
+    """The per-process data file holding ``array``'s chunks (read from the OCDBT index)."""
+    from checkpoints.verify import _walk_index
+
+    _, references = _walk_index(state)
+    files = [file for file, uses in references.items() if any(key.startswith(f"{array}/") for key, _ in uses)]
+    assert len(files) == 1, references
+    return state / files[0]
+
+
+def truncate(path: Path, keep: int) -> None:
+    path.write_bytes(path.read_bytes()[:keep])
+
+
+def remove_btree_nodes(state: Path) -> None:
+    for node in (state / "d").iterdir():
+        node.unlink()
+
+
+DAMAGES = {  # name: (how, phrase the verdict must contain)
+    "meta item removed": (lambda s: shutil.rmtree(s / "meta"), "the meta item"),
+    "state item removed": (lambda s: shutil.rmtree(s / "state"), "the state item"),
+    "array data file removed": (lambda s: data_file_of(s / "state", "opt.mu").unlink(), "is missing (chunks of"),
+    "array data file cut short": (lambda s: truncate(data_file_of(s / "state", "w"), 100), "is truncated (100 bytes"),
+    "state metadata truncated": (lambda s: truncate(s / "state" / "_METADATA", 97), "_METADATA is not valid JSON"),
+    "meta truncated": (lambda s: truncate(s / "meta" / "metadata", 9), "metadata is not valid JSON"),
+    "array index node removed": (lambda s: remove_btree_nodes(s / "state"), "the array index in"),
+    "array index manifest removed": (lambda s: (s / "state" / "manifest.ocdbt").unlink(), "manifest.ocdbt"),
+}
+
+
+def test_intact_steps_verify_and_restore_the_saved_values(saved):
+    assert saved_steps(saved) == [1, 2]
+    assert all(verify_step(saved, s).ok for s in (1, 2))
+    assert latest_verified_step(saved) == ResumeChoice(2)
+    assert latest_verified_step(saved, explicit=1) == ResumeChoice(1)
+    manager = CheckpointManager(saved, async_save=False)
+    try:
+        assert manager.resume_choice() == ResumeChoice(2)
+        state, meta = manager.restore(abstract(make_mesh(parse_mesh("data=2,fsdp=4", 8))), step=2)
+    finally:
+        manager.close()
+    assert meta == {"step": 2, "mesh": {"fsdp": 8}}
+    np.testing.assert_array_equal(np.asarray(state["w"]), W)
+    np.testing.assert_array_equal(np.asarray(state["opt"]["mu"]), W * 2)
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES))
+def test_each_damage_is_named_and_the_older_complete_step_is_chosen(copy, damage):
+    how, phrase = DAMAGES[damage]
+    how(copy / "2")
+    verdict = verify_step(copy, 2)
+    assert not verdict.ok and phrase in verdict.line(), verdict
+    assert "\n" not in verdict.line() and "step 2" in verdict.line()
+    assert verify_step(copy, 1).ok
+    choice = latest_verified_step(copy)
+    assert choice.step == 1
+    assert len(choice.notes) == 1 and choice.notes[0].startswith("skipped step 2") and phrase in choice.notes[0]
+    assert choice.notes[0].endswith("resuming from step 1")
+    with pytest.raises(CheckpointDamaged, match=r"^--resume-step 2: step 2 .*; pass --resume-step 1$"):
+        latest_verified_step(copy, explicit=2)
+
+
+def test_a_removed_data_file_really_breaks_orbax_and_the_verdict_names_it(copy):
+    """The damage the verdict reports is one Orbax's restore fails on (so the check is not a false alarm)."""
+    lost = data_file_of(copy / "2" / "state", "w")
+    lost.unlink()
+    verdict = verify_step(copy, 2)
+    assert verdict.problems == (f"data file {lost} is missing (chunks of array 'w')",)
+    manager = CheckpointManager(copy, async_save=False)
+    try:
+        with pytest.raises(Exception):
+            manager.restore(abstract(make_mesh(parse_mesh("fsdp=8", 8))), step=2)
+        state, _ = manager.restore(abstract(make_mesh(parse_mesh("fsdp=8", 8))), step=1)
+    finally:
+        manager.close()
+    np.testing.assert_array_equal(np.asarray(state["w"]), W)
+
+
+def test_explicit_and_exhausted_choices_are_errors(copy, tmp_path):
+    with pytest.raises(CheckpointDamaged, match=r"^--resume-step 5: no such checkpoint in .*; saved steps are 1, 2$"):
+        latest_verified_step(copy, explicit=5)
+    for step in (1, 2):
+        shutil.rmtree(copy / str(step) / "meta")
+    with pytest.raises(CheckpointDamaged, match=r"no checkpoint in .* reads completely \(step 2 .*, and 1 older"):
+        latest_verified_step(copy)
+    with pytest.raises(CheckpointDamaged, match="no other step reads completely either"):
+        latest_verified_step(copy, explicit=2)
+    assert latest_verified_step(tmp_path / "none") == ResumeChoice(None)
+
+
+def test_expected_chunks_of_zarr_v2_and_v3_headers():
+    v2 = {"zarr_format": 2, "shape": [5, 4], "chunks": [2, 4], "dimension_separator": "."}
+    assert _expected_chunks(v2) == {"0.0", "1.0", "2.0"}
+    assert _expected_chunks({"zarr_format": 2, "shape": [], "chunks": []}) == {"0"}
+    v3 = {"zarr_format": 3, "shape": [4, 4], "chunk_grid": {"configuration": {"chunk_shape": [2, 4]}},
+          "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}}}
+    assert _expected_chunks(v3) == {"c/0/0", "c/1/0"}
+    assert _expected_chunks({"zarr_format": 9}) is None
+
+
+def test_inspect_marks_damaged_steps_and_never_tracebacks(copy, capsys):
+    data_file_of(copy / "2" / "state", "w").unlink()
+    leftover = copy / "3.orbax-checkpoint-tmp-1"  # a save in progress: inspect must not remove it
+    leftover.mkdir()
+    assert inspect_cli.main([str(copy)]) == 0
+    out = capsys.readouterr().out
+    assert f"checkpoints in {copy}: steps 1, 2 (damaged)" in out
+    assert "step 2 in" in out and "is missing (chunks of array 'w')" in out
+    assert "\nstep 1:\n" in out and "total 32,772 bytes in 3 arrays" in out
+    assert leftover.is_dir()
+
+    assert inspect_cli.main([str(copy), "--step", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: step 2 in") and err.rstrip().endswith(
+        "--step 1 reads completely")
+
+    truncate(copy / "1" / "meta" / "metadata", 5)
+    assert inspect_cli.main([str(copy)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: no step in") and "Traceback" not in err
+
+
+def test_inspect_turns_an_unexpected_failure_into_one_error_line(copy, capsys):
+    (copy / "2" / "meta" / "metadata").write_text(json.dumps({"mesh": "not a mapping"}))
+    assert inspect_cli.main([str(copy)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ")
