@@ -267,6 +267,28 @@ class LoopCheckpoints:
             raise CheckpointFailure(f"the checkpoint of step {step} could not be written: {e}") from e
 
 
+def open_resumable(directory, keep: int, explicit: int | None, config, tokenizer, log):
+    """The run's `CheckpointManager` and the step to resume from (None: start fresh).
+
+    The step is ``explicit`` (``--resume-step``) or the newest that reads completely
+    (`CheckpointManager.resume_choice`; each newer damaged step is logged with why), and its metadata
+    must match the run (`checkpoints.meta.RunMeta.check_compatible`).
+
+    Raises:
+      ValueError: A damaged or missing explicit step, no step that reads completely, or a checkpoint
+        saved with another model, tokenizer or vocabulary; each naming what to do.
+    """
+    from checkpoints.meta import RunMeta
+
+    manager = CheckpointManager(directory, keep=keep)
+    choice = manager.resume_choice(explicit)
+    for note in choice.notes:
+        log(note)
+    if choice.step is not None:
+        RunMeta.from_json(manager.read_meta(choice.step)).check_compatible(config, tokenizer, choice.step)
+    return manager, choice.step
+
+
 def restore_state(manager: CheckpointManager, target, step: int | None = None):
     """Restores a checkpoint onto a trainer's mesh and layout.
 

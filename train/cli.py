@@ -172,6 +172,8 @@ def _run_flags(p) -> None:
     g.add_argument("--run-dir", default=DEFAULT_RUN_DIR, help="folder for checkpoints and metrics")
     g.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --run-dir "
                    "(onto the current mesh and rules); starts fresh if there is none")
+    g.add_argument("--resume-step", type=int, default=None, metavar="N",
+                   help="with --resume, continue from this step instead of the newest complete one")
     g.add_argument("--ckpt-every", type=int, default=50, help="steps between checkpoints (0: only at the end)")
     g.add_argument("--keep", type=int, default=3, help="checkpoints to keep")
     g.add_argument("--eval-every", type=int, default=50, help="steps between held-out evaluations (0: first/last)")
@@ -213,7 +215,7 @@ def from_args(args: argparse.Namespace) -> RunConfig:
         optimizer=optimizer,
         loop=LoopConfig(args.steps, args.log_every, args.eval_every, args.eval_batches, args.skip_nonfinite,
                         not args.no_progress, args.dry_run),
-        checkpoint=CheckpointConfig(args.run_dir, args.resume, args.ckpt_every, args.keep),
+        checkpoint=CheckpointConfig(args.run_dir, args.resume, args.ckpt_every, args.keep, args.resume_step),
         cluster=ClusterConfig(args.cpu_devices, args.coordinator, args.num_processes, args.process_id,
                               args.dist_timeout, args.cluster, args.simulate_cluster, args.plan),
     )
@@ -231,6 +233,9 @@ def _check_counts(args) -> None:
             raise ValueError(f"--{name} {value}: must be >= 0")
     if args.keep < 1:
         raise ValueError(f"--keep {args.keep}: must be at least 1")
+    if args.resume_step is not None and (args.resume_step < 0 or not args.resume):
+        raise ValueError(f"--resume-step {args.resume_step}: needs --resume and a step >= 0, e.g. --resume "
+                         f"--resume-step {max(args.resume_step, 0)}")
     if args.mesh_outer:
         parse_axis_sizes(args.mesh_outer, flag="--mesh-outer", allow_fill=False)
     args_distributed = ClusterConfig(coordinator=args.coordinator, num_processes=args.num_processes,

@@ -64,6 +64,7 @@ class CheckpointConfig:
     resume: bool = False
     every: int = 50
     keep: int = 3
+    resume_step: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

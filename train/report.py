@@ -268,8 +268,9 @@ def startup(run, trainer, speeds=None, notes=()) -> list[str]:
     return lines
 
 
-def dry_run(run, trainer, log) -> int:
-    """Compiles one step from abstract shapes and prints the sharding, memory and collectives; returns 0."""
+def dry_run(run, trainer, log, watch=None) -> int:
+    """Compiles one step from abstract shapes and prints the sharding, memory and collectives; returns 0
+    (closing the process watch, if any, when done)."""
     batch, seq_len = run.data.batch_size, run.data.seq_len
     for line in parameter_table(trainer.report, trainer.mesh):
         log(line)
@@ -280,6 +281,8 @@ def dry_run(run, trainer, log) -> int:
         log(line)
     for line in collective_lines(compiled) + branch_lines(compiled, trainer):
         log(line)
+    if watch is not None:
+        watch.close()
     return 0
 
 

@@ -52,21 +52,20 @@ def run(config: RunConfig) -> int:
     processes = initialize(config.cluster.distributed())
     import jax
 
+    from checkpoints.manager import open_resumable
+    from train.distributed import watch_peers
+
     log = report.logger(jax.process_index() == 0)
     config, tokenizer = prepare(config, jax.devices(), log)
-    ckpt = latest = None
+    folder, ckpt, latest = Path(config.checkpoint.run_dir) / "checkpoints", None, None
     if not config.loop.dry_run:
-        from checkpoints.manager import CheckpointManager
-        from checkpoints.meta import RunMeta
-
-        ckpt = CheckpointManager(Path(config.checkpoint.run_dir) / "checkpoints", keep=config.checkpoint.keep)
-        latest = ckpt.latest_step()
-        if latest is not None:
-            RunMeta.from_json(ckpt.read_meta(latest)).check_compatible(config.model, tokenizer, latest)
+        ckpt, latest = open_resumable(folder, config.checkpoint.keep, config.checkpoint.resume_step, config.model,
+                                      tokenizer, log)
+    watch = watch_peers(config.cluster.distributed(), folder)  # a lost process ends the others with one line
     log(f"{processes}; {jax.local_device_count()} local devices")
     trainer = build_trainer(config, log)
     if config.loop.dry_run:
-        return report.dry_run(config, trainer, log)
+        return report.dry_run(config, trainer, log, watch)
     try:
         code = train(config, trainer, ckpt, latest, tokenizer, log)
     except BaseException:
@@ -76,6 +75,8 @@ def run(config: RunConfig) -> int:
             print(f"note: closing the checkpoints also failed: {e}", file=sys.stderr)
         raise
     ckpt.close_or_fail()
+    if watch is not None:
+        watch.close()
     return code
 
 
