@@ -22,6 +22,7 @@ modules); start-up checks it against the built model.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -101,6 +102,10 @@ class ModelConfig:
         for name in ("vocab_size", "num_layers", "embed_dim", "mlp_dim", "num_heads", "num_kv_heads", "head_dim"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--set {name}={getattr(self, name)}: must be a positive integer")
+        for name, example in (("rope_theta", 10000.0), ("norm_eps", 1e-5)):  # -1 makes NaN rotations; NaN spreads
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"--set {name}={value}: must be a finite number > 0, e.g. --set {name}={example:g}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads} (grouped-query "

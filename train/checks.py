@@ -49,10 +49,7 @@ def validate(run: RunConfig, num_devices: int, tokenizer=None) -> None:
             f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is {model.vocab_size}; "
             f"pass --set vocab_size={-(-tokenizer.vocab_size // 128) * 128}"
         )
-    if not run.loop.dry_run:
-        from train.data import corpus_files
-
-        corpus_files(run.data.spec)  # a missing or empty corpus fails before any device work
+    check_data(run, tokenizer, read=not run.loop.dry_run)
 
 
 def check_run_dir(run_dir: str, resume: bool) -> None:
@@ -62,13 +59,7 @@ def check_run_dir(run_dir: str, resume: bool) -> None:
       ValueError: Naming ``--run-dir`` and what to do.
     """
     folder = Path(run_dir)
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / f".write-test-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        raise ValueError(f"--run-dir {folder}: cannot write there ({e.strerror}); choose a writable folder") from None
+    check_writable(folder, "--run-dir")
     ckpt_dir = folder / "checkpoints"
     saved = sorted(int(p.name) for p in ckpt_dir.iterdir() if p.name.isdigit()) if ckpt_dir.is_dir() else []
     if saved and not resume:
@@ -76,6 +67,42 @@ def check_run_dir(run_dir: str, resume: bool) -> None:
             f"--run-dir {folder} already holds checkpoints (latest step {saved[-1]}); pass --resume to continue "
             f"that run, or choose another --run-dir (nothing was overwritten)"
         )
+
+
+def check_writable(folder: Path, flag: str) -> None:
+    """Creates ``folder`` if needed and writes (and removes) a probe file in it.
+
+    Raises:
+      ValueError: Naming ``flag``, the folder and the system's reason.
+    """
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ValueError(f"{flag} {folder}: cannot write there ({e.strerror}); choose a writable folder") from None
+
+
+def check_data(run: RunConfig, tokenizer, read: bool = True) -> None:
+    """``--eod-token`` applies; with ``read``, the corpus is there and is text and the token cache is writable.
+
+    Raises:
+      ValueError: Naming ``--data``, ``--data-cache`` or ``--eod-token`` and what to do.
+      FileNotFoundError: A ``--data`` path that does not exist.
+    """
+    from train.data import corpus_files, default_cache_dir
+
+    data = run.data
+    if data.eod_token is not None and getattr(tokenizer, "name", None) == "bytes":
+        raise ValueError(f"--eod-token {data.eod_token}: applies to a --tokenizer FILE only; the bytes tokenizer "
+                         f"ends documents with its own token 256, so drop --eod-token")
+    if not read:
+        return
+    corpus_files(data.spec)  # a missing, empty or binary corpus fails before any device work
+    cache = Path(data.cache_dir).expanduser() if data.cache_dir else default_cache_dir()
+    check_writable(cache, "--data-cache" if data.cache_dir else "--data-cache (default $MESHWORK_CACHE or "
+                   "~/.cache/meshwork)")
 
 
 def _mesh_flag(par: Parallelism) -> str:
@@ -174,5 +201,22 @@ def check_logits(run: RunConfig) -> None:
         choose_for_batch(model.logits, par.rules, par.mesh_shape, model.vocab_size, model.embed_dim,
                          (run.microbatch_rows, run.data.seq_len))
     except ValueError as e:
-        raise ValueError(f"{e} (it needs the output weight's embed dimension split over axes that also split the "
-                         f"batch: an fsdp axis > 1 with --rules fsdp or fsdp_tp, e.g. --mesh fsdp=4,tensor=2)") from None
+        if "does not apply" not in str(e):  # a rule collision or an unknown value: its own message says it all
+            raise
+        raise ValueError(f"{e}{_vocab_parallel_remedy(par)}") from None
+
+
+def _vocab_parallel_remedy(par: Parallelism) -> str:
+    """What would make ``--logits vocab_parallel`` apply, without repeating the flags already in use."""
+    remedies = []
+    if not par.rules.name.split("+")[0] in ("fsdp", "fsdp_tp"):
+        remedies.append("--rules fsdp_tp")
+    n = par.num_devices
+    example = {ax.FSDP: n // 2, ax.TENSOR: 2} if n >= 4 and n % 2 == 0 else {ax.FSDP: n}
+    if par.mesh_shape.get(ax.FSDP, 1) <= 1 and n > 1:
+        from sharding.mesh import format_mesh
+
+        remedies.append(f"--mesh {format_mesh(example)}")
+    needs = ("it needs the output weight's embed dimension split over axes that also split the batch: an fsdp axis "
+             "> 1 with --rules fsdp or fsdp_tp")
+    return f" ({needs}; e.g. {' '.join(remedies)})" if remedies else f" ({needs})"

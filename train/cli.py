@@ -200,9 +200,10 @@ def parse(argv: Sequence[str] | None = None) -> RunConfig:
 def from_args(args: argparse.Namespace) -> RunConfig:
     """The `RunConfig` of a parsed namespace (see `parse`)."""
     _check_counts(args)
+    _check_numbers(args)
     model = get_config(args.model, args.set, **{k: v for k, v in (
         ("dtype", args.dtype), ("remat", args.remat), ("attention", args.attention), ("logits", args.logits)) if v})
-    decay = args.decay_steps or args.steps
+    decay = args.steps if args.decay_steps is None else args.decay_steps
     optimizer = OptimizerConfig(lr=args.lr, warmup=args.warmup if args.warmup is not None else max(decay // 20, 0),
                                 decay_steps=decay, weight_decay=args.weight_decay, grad_clip=args.grad_clip)
     optimizer.validate()
@@ -249,6 +250,23 @@ def _check_counts(args) -> None:
         from sharding.devices import parse_cluster
 
         parse_cluster(args.simulate_cluster)
+
+
+# Largest --seed: the parameters' PRNG key is made from an int32.
+MAX_SEED = 2**31 - 1
+
+def _check_numbers(args) -> None:
+    """``--heldout``, ``--seed``, the schedule's counts and process numbers in range (value by value; the
+    optimizer's reals are `OptimizerConfig.validate`'s, the processes' `DistributedConfig.validate`'s)."""
+    if not 0.0 < args.heldout < 1.0:  # NaN fails too; evaluation needs at least one held-out document
+        raise ValueError(f"--heldout {args.heldout}: must be a fraction > 0 and < 1, e.g. --heldout 0.01")
+    if not 0 <= args.seed <= MAX_SEED:
+        raise ValueError(f"--seed {args.seed}: must be in 0..{MAX_SEED}, e.g. --seed 0")
+    if args.decay_steps is not None and args.decay_steps <= 0:
+        raise ValueError(f"--decay-steps {args.decay_steps}: must be a positive number of steps, e.g. --decay-steps "
+                         f"{args.steps} (or leave it out: the schedule then lasts --steps)")
+    if args.warmup is not None and args.warmup < 0:
+        raise ValueError(f"--warmup {args.warmup}: must be >= 0, e.g. --warmup {max(args.steps // 20, 1)}")
 
 
 def parallelism_from_args(args, num_layers: int) -> Parallelism:

@@ -93,7 +93,36 @@ def corpus_files(spec: str) -> list[Path]:
         files = sorted(p for p in path.rglob("*") if p.is_file() and not any(s.startswith(".") for s in p.relative_to(path).parts))
     if not files or all(f.stat().st_size == 0 for f in files):
         raise ValueError(f"--data {spec}: no non-empty files found (give a text file, a folder or a .jsonl file)")
+    for file in files:
+        check_text(file)
     return files
+
+
+# Share of printable characters (or whitespace) a text sample must reach; binary data falls far below it.
+MIN_PRINTABLE = 0.9
+TEXT_SAMPLE_BYTES = 8192
+
+
+def check_text(path: Path, sample_bytes: int = TEXT_SAMPLE_BYTES) -> None:
+    """Refuses a file that is not text: the first ``sample_bytes`` bytes must decode as UTF-8 and be at least
+    `MIN_PRINTABLE` printable characters or whitespace.
+
+    Raises:
+      ValueError: Naming the path, where it stops being UTF-8 or its printable share.
+    """
+    import codecs
+
+    with path.open("rb") as f:
+        sample = f.read(sample_bytes)
+    try:  # an incremental decoder does not fail on a character cut at the end of the sample
+        text = codecs.getincrementaldecoder("utf-8")().decode(sample, final=False)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--data {path}: not UTF-8 text (byte {e.start} is {sample[e.start]:#04x}); give text files "
+                         f"(UTF-8), a folder of them or a .jsonl file with a 'text' field") from None
+    printable = sum(c.isprintable() or c.isspace() for c in text)
+    if text and printable < MIN_PRINTABLE * len(text):
+        raise ValueError(f"--data {path}: does not look like text ({printable / len(text):.0%} of its first "
+                         f"{len(sample)} bytes are printable characters, below {MIN_PRINTABLE:.0%}); give text files")
 
 
 def read_documents(spec: str) -> list[Document]:

@@ -10,6 +10,7 @@ matrices only, not to norm scales.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import optax
@@ -32,7 +33,11 @@ class OptimizerConfig:
     min_lr_ratio: float = 0.1
 
     def validate(self) -> None:
-        """Raises ValueError naming the flag that is out of range."""
+        """Raises ValueError naming the flag that is out of range (NaN and infinity included)."""
+        for flag, value in (("--lr", self.lr), ("--weight-decay", self.weight_decay), ("--grad-clip", self.grad_clip)):
+            if not math.isfinite(value):
+                raise ValueError(f"{flag} {value}: must be a finite number, e.g. {flag} "
+                                 f"{OptimizerConfig.__dataclass_fields__[flag[2:].replace('-', '_')].default}")
         if self.lr <= 0:
             raise ValueError(f"--lr {self.lr}: must be positive, e.g. --lr 3e-3")
         if self.warmup < 0:

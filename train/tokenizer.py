@@ -68,12 +68,18 @@ class HFTokenizer:
                 self.eod_token = token
                 break
         else:
-            raise ValueError(
-                f"--tokenizer {path}: no end-of-document token among {', '.join(candidates)}; "
-                "pass --eod-token with a token of its vocabulary"
-            )
+            raise ValueError(self._no_eod(path, eod_token))
         digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
         self.fingerprint = f"hf-{digest}-eod{self.eod_id}"
+
+    def _no_eod(self, path: Path, eod_token: str | None) -> str:
+        """The message for a vocabulary without the end-of-document token, with one it has if any."""
+        found = [t for t in EOD_CANDIDATES if self._tokenizer.token_to_id(t) is not None and t != eod_token]
+        if eod_token is None:
+            return (f"--tokenizer {path}: no end-of-document token among {', '.join(EOD_CANDIDATES)}; pass "
+                    f"--eod-token with a token of its vocabulary")
+        hint = f"e.g. --eod-token '{found[0]}'" if found else "give a token of its vocabulary"
+        return f"--eod-token {eod_token}: not in the vocabulary of --tokenizer {path}; {hint}"
 
     def encode_batch(self, docs: Sequence[bytes]) -> list[np.ndarray]:
         """UTF-8 documents -> uint32 token arrays (without the EOD token)."""

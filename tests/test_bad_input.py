@@ -1,0 +1,91 @@
+"""Every refused input of issue 13 (4): exit 2 and a one-line error naming the flag, before any device work."""
+
+import pytest
+
+from test_data import make_hf_tokenizer
+from train import train
+
+BASE = ["--model", "test", "--seq-len", "64", "--batch-size", "8", "--steps", "2", "--no-progress"]
+
+
+def binary_file(folder):
+    path = folder / "weights.bin"
+    path.write_bytes(bytes(range(256)) * 64)
+    return path
+
+
+def latin1_file(folder):
+    path = folder / "latin1.txt"
+    path.write_bytes("caf\xe9 cr\xe8me ".encode("latin-1") * 100)
+    return path
+
+
+def unwritable_cache(folder):
+    (folder / "a-file").write_text("not a folder")
+    return folder / "a-file" / "cache"
+
+
+def hf_tokenizer(folder):
+    return make_hf_tokenizer(folder / "tokenizer.json")
+
+
+# (flags, expected message, text the message must NOT contain); "{tmp}" is the test's folder, "{corpus}" the corpus,
+# and {name} placeholders call the builders above with it.
+CASES = [
+    (["--lr", "nan"], "--lr nan: must be a finite number", None),
+    (["--lr", "inf"], "--lr inf: must be a finite number", None),
+    (["--lr", "-1"], "--lr -1.0: must be positive", None),
+    (["--weight-decay", "nan"], "--weight-decay nan: must be a finite number", None),
+    (["--weight-decay", "-0.5"], "--weight-decay -0.5: must be >= 0", None),
+    (["--grad-clip", "inf"], "--grad-clip inf: must be a finite number", None),
+    (["--grad-clip", "0"], "--grad-clip 0.0: must be positive", None),
+    (["--heldout", "1"], "--heldout 1.0: must be a fraction > 0 and < 1", None),
+    (["--heldout", "nan"], "--heldout nan: must be a fraction", None),
+    (["--heldout", "-0.1"], "--heldout -0.1: must be a fraction", None),
+    (["--set", "rope_theta=-1"], "--set rope_theta=-1.0: must be a finite number > 0", None),
+    (["--set", "rope_theta=inf"], "--set rope_theta=inf: must be a finite number > 0", None),
+    (["--set", "norm_eps=nan"], "--set norm_eps=nan: must be a finite number > 0", None),
+    (["--set", "num_layers=0"], "--set num_layers=0: must be a positive integer", None),
+    (["--seed", "-1"], "--seed -1: must be in 0..2147483647", None),
+    (["--seed", "2147483648"], "--seed 2147483648: must be in 0..", None),
+    (["--decay-steps", "0"], "--decay-steps 0: must be a positive number of steps", None),
+    (["--decay-steps", "-3"], "--decay-steps -3: must be a positive number of steps", "--warmup"),
+    (["--warmup", "-1"], "--warmup -1: must be >= 0", None),
+    (["--dist-timeout", "0"], "--dist-timeout 0: must be a positive number of seconds", None),
+    (["--coordinator", "127.0.0.1:1", "--num-processes", "0", "--process-id", "0"],
+     "--num-processes 0: must be at least 1", None),
+    (["--data-cache", "{unwritable_cache}"], "--data-cache {tmp}/a-file/cache: cannot write there", "Errno"),
+    (["--eod-token", "</s>"], "--eod-token </s>: applies to a --tokenizer FILE only", None),
+    (["--tokenizer", "{hf_tokenizer}", "--eod-token", "<eos>"],
+     "--eod-token <eos>: not in the vocabulary of --tokenizer {tmp}/tokenizer.json; e.g. --eod-token '<|endoftext|>'",
+     None),
+    (["--data", "{binary_file}"], "--data {tmp}/weights.bin: not UTF-8 text (byte 128 is 0x80)", None),
+    (["--data", "{latin1_file}"], "--data {tmp}/latin1.txt: not UTF-8 text", None),
+    (["--mesh", "fsdp=4,tensor=2", "--rules", "dp", "--logits", "vocab_parallel"],
+     "--logits vocab_parallel does not apply here", "--mesh fsdp=4,tensor=2"),
+    (["--mesh", "fsdp=4,tensor=2", "--rule", "embed=none", "--logits", "vocab_parallel"],
+     "--logits vocab_parallel does not apply here", "--mesh fsdp=4,tensor=2"),
+    (["--rule", "embed=tensor"], "both map to mesh axis 'tensor'", "output weight"),
+]
+
+
+@pytest.mark.parametrize("flags, message, absent", CASES, ids=[" ".join(c[0]) for c in CASES])
+def test_refused_input_exits_2_naming_the_flag(tmp_path, corpus, cache, capsys, flags, message, absent):
+    def fill(text):
+        for name, build in (("unwritable_cache", unwritable_cache), ("hf_tokenizer", hf_tokenizer),
+                            ("binary_file", binary_file), ("latin1_file", latin1_file)):
+            if "{" + name + "}" in text:
+                text = text.replace("{" + name + "}", str(build(tmp_path)))
+        return text.replace("{tmp}", str(tmp_path))
+
+    extra = [fill(f) for f in flags]
+    argv = [*BASE, "--data", str(corpus), "--data-cache", str(cache), "--run-dir", str(tmp_path / "r"), *extra]
+    code = train.main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert fill(message) in lines[0]
+    if absent:
+        assert absent not in lines[0]
+    assert not (tmp_path / "r" / "metrics.jsonl").exists()  # refused before the loop was set up
