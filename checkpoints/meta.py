@@ -30,6 +30,8 @@ class RunMeta:
       tokenizer: ``name``, ``fingerprint``, ``vocab_size``, ``eod_id``.
       pipeline: The stage layout of the layer stacks (`sharding.pipeline.StageLayout.to_meta`), or None
         for the canonical ``[layers, ...]`` stacks.
+      schedule: The learning-rate schedule's flags: ``steps``, ``decay_steps``, ``warmup`` (steps) and
+        ``lr``; None in checkpoints saved before it was recorded.
       jax_version: The JAX that saved it.
       saved_at: Local time of the save, ISO 8601.
       step: The step, once saved.
@@ -42,13 +44,14 @@ class RunMeta:
     data: dict[str, Any]
     tokenizer: dict[str, Any]
     pipeline: dict[str, Any] | None = None
+    schedule: dict[str, Any] | None = None
     jax_version: str = ""
     saved_at: str = ""
     step: int | None = None
 
     @classmethod
     def create(cls, config: ModelConfig, preset: str, mesh_shape, rules, data: dict[str, Any], tokenizer,
-               pipeline: dict[str, Any] | None) -> RunMeta:
+               pipeline: dict[str, Any] | None, schedule: dict[str, Any] | None = None) -> RunMeta:
         """The metadata of a run about to train (the data position and step are set at each save)."""
         import jax
 
@@ -57,7 +60,7 @@ class RunMeta:
             rules={"name": rules.name, "table": rules.as_dict()}, data=dict(data),
             tokenizer={"name": tokenizer.name, "fingerprint": tokenizer.fingerprint,
                        "vocab_size": tokenizer.vocab_size, "eod_id": tokenizer.eod_id},
-            pipeline=pipeline, jax_version=jax.__version__, saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            pipeline=pipeline, schedule=None if schedule is None else dict(schedule), jax_version=jax.__version__, saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         )
 
     def at(self, step: int, samples: int) -> RunMeta:
@@ -86,6 +89,18 @@ class RunMeta:
     def samples(self) -> int:
         """Sequences consumed when saved (the data position)."""
         return int(self.data.get("samples", 0))
+
+    def schedule_change(self, current: dict[str, Any], step: int) -> str | None:
+        """One line saying how ``current`` (as `schedule`) changes the learning-rate schedule saved at
+        ``step``, or None when it does not (or when the checkpoint predates the record)."""
+        if not self.schedule:
+            return None
+        changed = [f"--{k.replace('_', '-')} {self.schedule[k]} -> {v}" for k, v in current.items()
+                   if k in self.schedule and self.schedule[k] != v]
+        if not changed:
+            return None
+        return (f"note: the learning-rate schedule changes at step {step}: {', '.join(changed)} (the rate of "
+                f"every later step follows the new schedule)")
 
     def check_compatible(self, config: ModelConfig, tokenizer, step: int) -> None:
         """Refuses a checkpoint saved with another model, tokenizer or vocabulary.

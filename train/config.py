@@ -120,6 +120,12 @@ class RunConfig:
         return dataclasses.replace(self, **changes)
 
     @property
+    def schedule(self) -> dict:
+        """The flags of the learning-rate schedule (recorded in checkpoints: `checkpoints.meta.RunMeta`)."""
+        opt = self.optimizer
+        return {"steps": self.loop.steps, "decay_steps": opt.decay_steps, "warmup": opt.warmup, "lr": opt.lr}
+
+    @property
     def microbatch_rows(self) -> int:
         """Sequences per microbatch of the strategy (the global batch over all microbatches)."""
         strategy = self.parallelism.strategy

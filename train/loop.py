@@ -72,25 +72,37 @@ class LoopOptions:
 
 
 class MetricsWriter:
-    """``metrics.jsonl`` plus TensorBoard event files in the run folder (process 0 only)."""
+    """``metrics.jsonl`` plus TensorBoard event files in the run folder (process 0 only).
 
-    def __init__(self, run_dir: Path, enabled: bool):
+    Records stay true across a crash and a resume: the records of steps after ``restored_step`` (the step
+    the run restored; None for a fresh start, which drops every earlier record) are dropped from ``metrics.jsonl`` by an atomic rewrite, and
+    TensorBoard is told to discard events from step ``restored_step + 1`` on (tensorboardX's ``purge_step``: a
+    ``SessionLog.START`` event at that step, which TensorBoard reads as "drop the earlier sessions' events
+    from here"). Kinds of record already kept at ``restored_step`` (the held-out loss the resumed run
+    evaluates again) are not written twice.
+    """
+
+    def __init__(self, run_dir: Path, enabled: bool, restored_step: int | None = None):
         self.enabled = enabled
         self._jsonl = None
         self._tb = None
         if not enabled:
             return
+        self.start_step = -1 if restored_step is None else restored_step
+        self.dropped, self._present = truncate_metrics(run_dir / "metrics.jsonl", self.start_step)
         self._jsonl = (run_dir / "metrics.jsonl").open("a")
         try:
             from tensorboardX import SummaryWriter
 
-            self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+            self._tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=self.start_step + 1)
         except ImportError:
             print("note: tensorboardX is not installed; TensorBoard logs are off", file=sys.stderr)
 
     def write(self, step: int, values: dict[str, float], prefix: str = "train") -> None:
         if not self.enabled:
             return
+        if step == self.start_step and prefix in self._present:
+            return  # kept from before the resume (see the class docstring)
         record = {"step": step, **{f"{prefix}/{k}": v for k, v in values.items()}, "time": time.time()}
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
@@ -104,6 +116,44 @@ class MetricsWriter:
             self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def truncate_metrics(path: Path, start_step: int) -> tuple[int, set[str]]:
+    """Drops the records of steps after ``start_step`` (see `MetricsWriter`).
+
+    Rewrites ``path`` atomically (a temporary file, then `os.replace`), so a crash meanwhile leaves either
+    the old file or the new one. A line that is not a JSON record (a torn last line) is dropped too.
+
+    Returns:
+      ``(dropped, present)``: how many records were dropped, and the prefixes (``train``, ``eval``, ...)
+      of the records kept at ``start_step``.
+    """
+    import os
+
+    if not path.is_file():
+        return 0, set()
+    kept, dropped, present = [], 0, set()
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+            step = int(record["step"])
+        except (ValueError, KeyError, TypeError):
+            dropped += 1
+            continue
+        if step > start_step:
+            dropped += 1
+            continue
+        kept.append(line)
+        if step == start_step:
+            present |= {key.split("/")[0] for key in record if "/" in key}
+    if dropped:
+        temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        with temporary.open("w") as f:
+            f.write("".join(line + "\n" for line in kept))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    return dropped, present
 
 
 class StopFlag:

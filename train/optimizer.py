@@ -1,7 +1,7 @@
 """The optimizer: optax AdamW with linear warmup, cosine decay and gradient clipping.
 
-AdamW is Loshchilov & Hutter (2019); the schedule warms up linearly from 0 to
-``lr`` over ``warmup`` steps, then follows a cosine to ``lr * min_lr_ratio``
+AdamW is Loshchilov & Hutter (2019); the schedule warms up linearly from
+``lr / warmup`` (step 1) to ``lr`` (step ``warmup``), then follows a cosine to ``lr * min_lr_ratio``
 at ``decay_steps`` (Loshchilov & Hutter, SGDR, 2017). Gradients are clipped
 to a global norm first (Pascanu et al., 2013). Weight decay applies to
 matrices only, not to norm scales.
@@ -54,14 +54,21 @@ class OptimizerConfig:
 
 
 def learning_rate_schedule(config: OptimizerConfig) -> optax.Schedule:
-    """Linear warmup then cosine decay; see the module docstring."""
-    return optax.warmup_cosine_decay_schedule(
+    """Linear warmup then cosine decay (see the module docstring), by optimizer update count.
+
+    Update ``c`` (0-based: it trains step ``c + 1``) takes the rate of ``c + 1`` on optax's curve. optax's
+    `warmup_cosine_decay_schedule` gives ``init_value`` (0) at count 0, so unshifted the first step would
+    train at rate 0 and warm-up would waste a step; shifted, step 1 trains at ``lr / warmup``, step
+    ``warmup`` at ``lr``, and step ``decay_steps`` at ``lr * min_lr_ratio``.
+    """
+    curve = optax.warmup_cosine_decay_schedule(
         init_value=0.0,
         peak_value=config.lr,
         warmup_steps=config.warmup,
         decay_steps=config.decay_steps,
         end_value=config.lr * config.min_lr_ratio,
     )
+    return lambda count: curve(count + 1)
 
 
 def decay_mask(param_names) -> dict:

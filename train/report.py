@@ -59,8 +59,9 @@ def parameter_table(report, mesh) -> list[str]:
     return ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
 
 
-def memory_lines(compiled, state_bytes: int, num_devices: int) -> list[str]:
-    """Per-device bytes from ``compiled.memory_analysis()``."""
+def memory_lines(compiled, abstract_state, num_devices: int) -> list[str]:
+    """Per-device bytes from ``compiled.memory_analysis()``, and the state's bytes on one device as its
+    shardings lay it out (the largest shard of each array) beside the ideal share (all / devices)."""
     stats = compiled.memory_analysis()
     if stats is None:
         return ["memory analysis: not available on this backend"]
@@ -76,9 +77,11 @@ def memory_lines(compiled, state_bytes: int, num_devices: int) -> list[str]:
         lines.append(f"  {label:<28} {human_bytes(getattr(stats, attr, 0) or 0)}")
     peak = stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes + stats.temp_size_in_bytes
     lines.append(f"  {'peak estimate':<28} {human_bytes(peak)}")
+    total, held = state_bytes(abstract_state), device_state_bytes(abstract_state)
     lines.append(
-        f"  state (params + optimizer) in all: {human_bytes(state_bytes)}; /{num_devices} devices = "
-        f"{human_bytes(state_bytes / num_devices)}"
+        f"  state (params + optimizer) in all: {human_bytes(total)}; per device as sharded: {human_bytes(held)} "
+        f"(ideal /{num_devices} devices: {human_bytes(total / num_devices)}"
+        + (f"; {held / (total / num_devices):.1f}x, replicated arrays)" if held > 1.01 * total / num_devices else ")")
     )
     return lines
 
@@ -95,7 +98,15 @@ def collective_lines(compiled) -> list[str]:
 
 
 def state_bytes(abstract_state) -> int:
+    """Bytes of all the arrays of a tree (global shapes)."""
     return int(sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(abstract_state)))
+
+
+def device_state_bytes(abstract_state) -> int:
+    """Bytes one device holds of a tree of `jax.ShapeDtypeStruct` with shardings: each array's shard shape
+    (`jax.sharding.Sharding.shard_shape`, the largest shard where a split is uneven)."""
+    return int(sum(math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+                   for x in jax.tree.leaves(abstract_state)))
 
 
 # Pipeline ---------------------------------------------------------------------------
@@ -277,7 +288,7 @@ def dry_run(run, trainer, log, watch=None) -> int:
     t0 = time.perf_counter()
     compiled = trainer.compile_train_step(batch, seq_len)
     log(f"compiled one train step (batch {batch} x {seq_len}) in {time.perf_counter() - t0:.1f} s")
-    for line in memory_lines(compiled, state_bytes(trainer.abstract_state()), trainer.mesh.devices.size):
+    for line in memory_lines(compiled, trainer.abstract_state(), trainer.mesh.devices.size):
         log(line)
     for line in collective_lines(compiled) + branch_lines(compiled, trainer):
         log(line)
@@ -292,6 +303,19 @@ def layout_text(meta) -> str:
 
     layout = StageLayout.from_meta(meta)
     return "[layers, ...] (no pipeline)" if layout is None else layout.describe()
+
+
+def resume_lines(run, trainer, meta, step: int, seconds: float) -> list[str]:
+    """What a resume restored: the step and meshes, a re-laid stage layout, a changed learning-rate schedule."""
+    lines = [f"resumed step {step} (saved on mesh {format_mesh(meta.mesh)}) onto mesh "
+             f"{format_mesh(trainer.par.mesh_shape)} in {seconds:.1f} s"]
+    if meta.pipeline != trainer.layout_meta():
+        lines.append(f"re-laid the layer stacks from stage layout {layout_text(meta.pipeline)} to "
+                     f"{layout_text(trainer.layout_meta())}")
+    change = meta.schedule_change(run.schedule, step)
+    if change:
+        lines.append(change)
+    return lines
 
 
 def summary_lines(summary: dict, directory, waited: float) -> list[str]:

@@ -149,10 +149,11 @@ def train(config: RunConfig, trainer, ckpt, latest, tokenizer, log) -> int:
         dataset = load_dataset(data.spec, tokenizer, data.seq_len, data.batch_size, data.seed, data.heldout,
                                data.cache_dir, log, permutation=_context_permutation(config))
         state, samples = start_state(config, trainer, ckpt, latest, log)
-        writer = MetricsWriter(Path(config.checkpoint.run_dir), enabled=jax.process_index() == 0)
+        writer = MetricsWriter(Path(config.checkpoint.run_dir), jax.process_index() == 0, latest)
         meta = RunMeta.create(config.model, config.preset, trainer.par.mesh_shape, trainer.rules,
                               {"spec": data.spec, "seq_len": data.seq_len, "global_batch": data.batch_size,
-                               "seed": data.seed, "heldout": data.heldout}, tokenizer, trainer.layout_meta())
+                               "seed": data.seed, "heldout": data.heldout}, tokenizer, trainer.layout_meta(),
+                              config.schedule)
         checkpoints = LoopCheckpoints(ckpt, meta)
         try:
             state, summary = train_loop(trainer=trainer, state=state, dataset=dataset,
@@ -170,7 +171,6 @@ def train(config: RunConfig, trainer, ckpt, latest, tokenizer, log) -> int:
 def start_state(config: RunConfig, trainer, ckpt, latest, log):
     """``(state, samples)``: the latest checkpoint re-laid onto this run's mesh and layout, or a fresh state."""
     from checkpoints.manager import restore_state
-    from sharding.mesh import format_mesh
 
     if latest is None:
         if config.checkpoint.resume:
@@ -178,11 +178,8 @@ def start_state(config: RunConfig, trainer, ckpt, latest, log):
         return trainer.init_state(config.data.seed), 0
     t0 = time.perf_counter()
     state, meta = restore_state(ckpt, trainer, latest)
-    log(f"resumed step {latest} (saved on mesh {format_mesh(meta.mesh)}) onto mesh "
-        f"{format_mesh(trainer.par.mesh_shape)} in {time.perf_counter() - t0:.1f} s")
-    if meta.pipeline != trainer.layout_meta():
-        log(f"re-laid the layer stacks from stage layout {report.layout_text(meta.pipeline)} to "
-            f"{report.layout_text(trainer.layout_meta())}")
+    for line in report.resume_lines(config, trainer, meta, latest, time.perf_counter() - t0):
+        log(line)
     return state, meta.samples
 
 

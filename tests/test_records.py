@@ -1,0 +1,134 @@
+"""Records stay true (issue 13, 5): metrics after a resume, TensorBoard purge, the schedule, state bytes."""
+
+import json
+import math
+import shutil
+import struct
+
+import jax
+import pytest
+
+from checkpoints.meta import RunMeta
+from models.config import get_config
+from sharding.mesh import make_mesh, parse_mesh
+from sharding.parallel import Parallelism
+from sharding.rules import get_rules
+from train import report, train
+from train.loop import MetricsWriter, truncate_metrics
+from train.optimizer import OptimizerConfig, learning_rate_schedule
+from train.step import Trainer
+
+BASE = ["--model", "test", "--seq-len", "64", "--batch-size", "8", "--eval-every", "0", "--log-every", "1",
+        "--no-progress", "--eval-batches", "1", "--warmup", "1"]
+
+
+def reference_rate(step, lr, warmup, decay_steps, ratio=0.1):
+    """The rate of (1-based) ``step``: linear warm-up to ``lr`` at ``warmup``, cosine to ``lr * ratio``."""
+    if step <= warmup:
+        return lr * step / warmup
+    progress = min((step - warmup) / (decay_steps - warmup), 1.0)
+    end = lr * ratio
+    return end + (lr - end) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def test_warmup_starts_above_zero_and_follows_the_reference():
+    config = OptimizerConfig(lr=2e-3, warmup=4, decay_steps=20)
+    schedule = learning_rate_schedule(config)
+    rates = [float(schedule(count)) for count in range(22)]  # update `count` trains step count + 1
+    assert rates[0] == pytest.approx(2e-3 / 4, rel=1e-6)
+    for count, rate in enumerate(rates):
+        assert rate == pytest.approx(reference_rate(count + 1, 2e-3, 4, 20), rel=1e-5, abs=1e-12), count
+
+
+def records(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_metrics_after_the_restored_step_are_dropped_atomically(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    lines = [{"step": 0, "eval/loss": 5.0}] + [{"step": s, "train/loss": 6.0 - s} for s in range(1, 7)]
+    lines += [{"step": 4, "eval/loss": 3.0}, {"step": 6, "eval/loss": 2.5}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"step": 7, "train/lo')  # a torn last line
+    dropped, present = truncate_metrics(path, 4)
+    assert dropped == 4  # steps 5, 6, eval 6 and the torn line
+    assert [r["step"] for r in records(path)] == [0, 1, 2, 3, 4, 4]
+    assert present == {"train", "eval"}
+    assert not list(tmp_path.glob(".metrics.jsonl.tmp*"))
+
+
+def tensorboard_events(folder):
+    """Every event of the event files under ``folder`` (TFRecord framing: length, CRC, data, CRC)."""
+    from tensorboardX.proto.event_pb2 import Event
+
+    events = []
+    for file in sorted(folder.rglob("events.out.tfevents.*")):
+        data, offset = file.read_bytes(), 0
+        while offset < len(data):
+            (length,) = struct.unpack("<Q", data[offset:offset + 8])
+            event = Event()
+            event.ParseFromString(data[offset + 12:offset + 12 + length])
+            events.append(event)
+            offset += 12 + length + 4
+    return events
+
+
+def test_a_resumed_writer_purges_later_tensorboard_events_and_writes_no_duplicates(tmp_path):
+    first = MetricsWriter(tmp_path, enabled=True)
+    for step in range(0, 7):
+        first.write(step, {"loss": 1.0}, prefix="eval" if step in (0, 4) else "train")
+    first.close()
+    resumed = MetricsWriter(tmp_path, enabled=True, restored_step=4)
+    resumed.write(4, {"loss": 9.0}, prefix="eval")  # the resumed run evaluates step 4 again: kept once
+    resumed.write(5, {"loss": 0.5})
+    resumed.close()
+    steps = [(r["step"], next(k for k in r if "/" in k)) for r in records(tmp_path / "metrics.jsonl")]
+    assert steps == [(0, "eval/loss"), (1, "train/loss"), (2, "train/loss"), (3, "train/loss"), (4, "eval/loss"),
+                     (5, "train/loss")]
+    starts = [e.step for e in tensorboard_events(tmp_path / "tensorboard") if e.HasField("session_log")]
+    assert starts == [5]  # TensorBoard drops the first session's events from step 5 on
+
+
+def test_schedule_is_recorded_and_a_change_is_one_line():
+    config = get_config("test")
+    meta = RunMeta(model=config.to_dict(), preset="test", mesh={}, rules={}, data={}, tokenizer={},
+                   schedule={"steps": 10, "decay_steps": 10, "warmup": 1, "lr": 3e-3}, step=6)
+    back = RunMeta.from_json(json.loads(json.dumps(meta.to_json())))
+    assert back.schedule == meta.schedule
+    assert back.schedule_change({"steps": 10, "decay_steps": 10, "warmup": 1, "lr": 3e-3}, 6) is None
+    line = back.schedule_change({"steps": 20, "decay_steps": 20, "warmup": 1, "lr": 3e-3}, 6)
+    assert line == ("note: the learning-rate schedule changes at step 6: --steps 10 -> 20, --decay-steps 10 -> 20 "
+                    "(the rate of every later step follows the new schedule)")
+    old = {k: v for k, v in meta.to_json().items() if k != "schedule"}  # a checkpoint from before the record
+    assert RunMeta.from_json(old).schedule_change({"steps": 20}, 6) is None
+
+
+def test_resume_after_a_lost_checkpoint_keeps_each_step_once_and_says_the_schedule_changed(
+        tmp_path, corpus, cache, capsys):
+    run_dir = tmp_path / "run"
+    common = [*BASE, "--data", str(corpus), "--data-cache", str(cache), "--run-dir", str(run_dir)]
+    assert train.main([*common, "--steps", "4", "--ckpt-every", "2"]) == 0
+    shutil.rmtree(run_dir / "checkpoints" / "4")  # as if the run had died before saving step 4
+    capsys.readouterr()
+    assert train.main([*common, "--steps", "6", "--ckpt-every", "2", "--resume"]) == 0
+    out = capsys.readouterr().out
+    assert "resumed step 2" in out
+    assert "note: the learning-rate schedule changes at step 2: --steps 4 -> 6, --decay-steps 4 -> 6" in out
+    train_steps = [r["step"] for r in records(run_dir / "metrics.jsonl") if "train/loss" in r]
+    assert train_steps == [1, 2, 3, 4, 5, 6]
+    eval_steps = [r["step"] for r in records(run_dir / "metrics.jsonl") if "eval/loss" in r]
+    assert eval_steps == [0, 2, 6]  # step 4's evaluation belonged to the lost steps
+
+
+@pytest.mark.parametrize("rules, share", [("fsdp", 1 / 8), ("dp", 1.0)])
+def test_per_device_state_bytes_come_from_the_shardings(rules, share):
+    trainer = Trainer(get_config("test"), OptimizerConfig(),
+                      Parallelism.of(make_mesh(parse_mesh("fsdp=8" if rules == "fsdp" else "data=8", 8)),
+                                     get_rules(rules)))
+    abstract = trainer.abstract_state()
+    total, held = report.state_bytes(abstract), report.device_state_bytes(abstract)
+    reference = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(trainer.init_state(0)))
+    assert total == reference
+    local = sum(s.data.size * s.data.dtype.itemsize for x in jax.tree.leaves(trainer.init_state(0))
+                for s in x.addressable_shards if s.device == jax.devices()[0])
+    assert held == local
+    assert held == pytest.approx(total * share, rel=0.02)
