@@ -977,6 +977,44 @@ def _bytes_limit(device: Any) -> int | None:
     return int(limit) if isinstance(limit, (int, float)) and limit > 0 else None
 
 
+def host_available_bytes(meminfo: str = "/proc/meminfo") -> int | None:
+    """The host's available memory (``MemAvailable`` of ``/proc/meminfo``), bytes; None where unreadable."""
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # the kernel reports kB (KiB)
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def device_memory(devices: Sequence[Any]) -> tuple[int | None, str]:
+    """The memory one of ``devices`` (this process's) may use, bytes, and where the figure comes from.
+
+    In order: the allocator's ``memory_stats()["bytes_limit"]`` (the smallest over the devices), the
+    datasheet of the device kind (`KINDS`), or, for CPU devices, the host's ``MemAvailable`` shared
+    evenly by the simulated devices of this process (they all live in its memory).
+
+    Returns:
+      ``(bytes, source)``; ``(None, reason)`` when no figure is known.
+    """
+    devices = list(devices)
+    limits = [_bytes_limit(d) for d in devices]
+    if devices and all(limits):
+        return min(limits), "the allocator's bytes_limit (memory_stats)"
+    kinds = [kind_from_device_kind_string(str(getattr(d, "device_kind", ""))) for d in devices]
+    if devices and all(k is not None and k.memory_bytes for k in kinds):
+        small = min(kinds, key=lambda k: k.memory_bytes)
+        return int(small.memory_bytes), f"the {small.label} datasheet"
+    cpu = [d for d in devices if getattr(d, "platform", "") == "cpu"]
+    available = host_available_bytes()
+    if cpu and len(cpu) == len(devices) and available:
+        return available // len(cpu), (f"the host's available memory ({available / 2**30:.1f} GiB, /proc/meminfo) "
+                                        f"shared by {len(cpu)} CPU devices")
+    return None, "device memory unknown"
+
+
 def simulate_inventory(
     spec: str, devices: Sequence[Any]
 ) -> tuple[Inventory, dict[int, DeviceKind]]:

@@ -9,6 +9,7 @@ that relate flags to each other and to the devices live in `train.checks`.
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Sequence
 
 from models.config import ATTENTION_IMPLS, DTYPES, LOGITS_IMPLS, PRESETS, REMAT_POLICIES, get_config
@@ -71,6 +72,10 @@ def _mesh_flags(p) -> None:
     g.add_argument("--cpu-devices", type=int, default=None, metavar="N",
                    help="simulate N devices on a CPU-only machine (takes effect before JAX starts); "
                    "default: the devices JAX finds (XLA_FLAGS included)")
+    g.add_argument("--device-memory", default=None, metavar="BYTES", type=parse_bytes,
+                   help="memory one device may use, e.g. 80GiB or 5e8, checked against the compiled step before "
+                   "the first one; default: the allocator's limit, the datasheet, or on CPU the host's available "
+                   "memory shared by the simulated devices")
 
 
 def _process_flags(p) -> None:
@@ -218,7 +223,8 @@ def from_args(args: argparse.Namespace) -> RunConfig:
                         not args.no_progress, args.dry_run),
         checkpoint=CheckpointConfig(args.run_dir, args.resume, args.ckpt_every, args.keep, args.resume_step),
         cluster=ClusterConfig(args.cpu_devices, args.coordinator, args.num_processes, args.process_id,
-                              args.dist_timeout, args.cluster, args.simulate_cluster, args.plan),
+                              args.dist_timeout, args.cluster, args.simulate_cluster, args.plan,
+                              args.device_memory),
     )
 
 
@@ -267,6 +273,29 @@ def _check_numbers(args) -> None:
                          f"{args.steps} (or leave it out: the schedule then lasts --steps)")
     if args.warmup is not None and args.warmup < 0:
         raise ValueError(f"--warmup {args.warmup}: must be >= 0, e.g. --warmup {max(args.steps // 20, 1)}")
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
+          "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """``--device-memory``: ``80GiB``, ``16GB``, ``5e8`` -> bytes (argparse reports a ValueError as a usage error).
+
+    Raises:
+      ValueError: Not a positive finite number with one of the units B, kB, MB, GB, TB, KiB, MiB, GiB, TiB.
+    """
+    import re
+
+    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else ""
+    try:
+        value = float(match.group(1)) * _UNITS[unit] if match else float("nan")
+    except (ValueError, KeyError):
+        value = float("nan")
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected bytes > 0, e.g. --device-memory 80GiB")
+    return int(value)
 
 
 def parallelism_from_args(args, num_layers: int) -> Parallelism:

@@ -78,6 +78,8 @@ class ClusterConfig:
       cluster: ``--cluster`` (a spec or an inventory file), for ``--plan auto``.
       simulate_cluster: ``--simulate-cluster``: kinds to pretend the CPU devices are.
       plan: ``auto`` to let the planner choose the `Parallelism`, else None.
+      device_memory: Bytes one device may use (``--device-memory``; None: detected, `train.fit`).
+      device_memory_source: Where ``device_memory`` comes from, in words.
     """
 
     cpu_devices: int | None = None
@@ -88,6 +90,8 @@ class ClusterConfig:
     cluster: str | None = None
     simulate_cluster: str | None = None
     plan: str | None = None
+    device_memory: int | None = None
+    device_memory_source: str = "--device-memory"
 
     def distributed(self):
         """The `train.distributed.DistributedConfig` of these flags."""

@@ -218,6 +218,7 @@ def train_loop(
     writer: MetricsWriter,
     log: Callable[[str], None],
     stop: StopFlag,
+    check_compiled: Callable[[Any], str] | None = None,
 ) -> tuple[dict, dict[str, Any]]:
     """Runs training from ``state`` to ``options.steps``.
 
@@ -234,6 +235,8 @@ def train_loop(
       stop: a `StopFlag`. A stop request of any process reaches every process
         through the next step's ``stop`` metric, so all processes stop after
         the same step and save it.
+      check_compiled: Called with the compiled step before the first step runs; returns a line to log
+        (`train.fit.check_compiled`: raises ValueError for a step that cannot fit the device's memory).
 
     Returns:
       ``(state, summary)`` with the final step, samples, the held-out losses,
@@ -251,10 +254,8 @@ def train_loop(
             f"(raise --steps to continue)")
         run.summary.update(step=start, samples=samples)
         return state, run.summary
-    t0 = time.perf_counter()
-    B, T = options.global_batch, options.seq_len
-    compiled = trainer.train_step(B, T).lower(state, run.batch_at(samples), trainer.signals(False)).compile()
-    log(f"compiled the train step in {time.perf_counter() - t0:.1f} s")
+    B = options.global_batch
+    compiled = _compile(trainer, state, run.batch_at(samples), options, log, check_compiled)
     run.evaluate(state, start)  # the starting point of the run's held-out curve (also after a resume)
     bar = _progress(options, start)
     step, stop_after_this = start, False
@@ -283,6 +284,16 @@ def train_loop(
         run.evaluate(state, step)
     run.summary.update(step=step, samples=samples)
     return state, run.summary
+
+
+def _compile(trainer, state, batch, options: LoopOptions, log, check_compiled):
+    """The compiled train step, checked (``check_compiled``) before it runs."""
+    t0 = time.perf_counter()
+    compiled = trainer.train_step(options.global_batch, options.seq_len).lower(state, batch, trainer.signals(False)).compile()
+    log(f"compiled the train step in {time.perf_counter() - t0:.1f} s")
+    if check_compiled is not None:
+        log(check_compiled(compiled))
+    return compiled
 
 
 class _Run:

@@ -280,8 +280,9 @@ def startup(run, trainer, speeds=None, notes=()) -> list[str]:
 
 
 def dry_run(run, trainer, log, watch=None) -> int:
-    """Compiles one step from abstract shapes and prints the sharding, memory and collectives; returns 0
-    (closing the process watch, if any, when done)."""
+    """Compiles one step from abstract shapes and prints the sharding, memory and collectives and whether
+    the step fits the device's memory (`train.fit`); returns 0, or 2 when it does not fit (closing the
+    process watch, if any, when done)."""
     batch, seq_len = run.data.batch_size, run.data.seq_len
     for line in parameter_table(trainer.report, trainer.mesh):
         log(line)
@@ -294,6 +295,13 @@ def dry_run(run, trainer, log, watch=None) -> int:
         log(line)
     if watch is not None:
         watch.close()
+    from train.fit import check_compiled
+
+    try:
+        log(check_compiled(run, compiled))
+    except ValueError as e:
+        log(f"fit: DOES NOT FIT: {e}")
+        return 2
     return 0
 
 

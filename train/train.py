@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from checkpoints.manager import CheckpointFailure
-from train import cli, report
+from train import cli, fit, report
 from train.config import RunConfig
 from train.loop import NonFiniteLossError
 
@@ -95,6 +95,8 @@ def prepare(config: RunConfig, devices, log):
     config = resolve_mesh(apply_plan(config, devices, log), len(devices))
     tokenizer = load_tokenizer(config.data.tokenizer, config.data.eod_token)
     validate(config, len(devices), tokenizer)
+    config = fit.resolve_budget(config, devices)
+    fit.check_estimate(config)  # a state that cannot fit any layout is refused before anything is built
     return config, tokenizer
 
 
@@ -158,7 +160,8 @@ def train(config: RunConfig, trainer, ckpt, latest, tokenizer, log) -> int:
         try:
             state, summary = train_loop(trainer=trainer, state=state, dataset=dataset,
                                         options=LoopOptions.of(config), samples=samples, checkpoints=checkpoints,
-                                        writer=writer, log=log, stop=stop)
+                                        writer=writer, log=log, stop=stop,
+                                        check_compiled=lambda compiled: fit.check_compiled(config, compiled))
         finally:
             writer.close()
     t0 = time.perf_counter()
