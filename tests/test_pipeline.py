@@ -350,6 +350,8 @@ def test_a_checkpoint_resumes_across_stage_layouts_with_the_same_next_loss(tmp_p
          "--microbatches 2: fewer microbatches than the 4 pipeline stages (--mesh stage=4)"),
         (["--mesh", "stage=4,fsdp=2", "--microbatches", "2", "--batch-size", "4"], "use --microbatches 4"),
         (["--mesh", "stage=2,fsdp=4", "--microbatches", "3"], "--batch-size 8 is not divisible by --microbatches 3"),
+        (["--mesh", "stage=2,fsdp=4", "--microbatches", "4"],
+         "--batch-size 8 / --microbatches 4 = 2 sequences per microbatch, not divisible by the data-parallel size"),
         (["--mesh", "stage=4,fsdp=2", "--microbatches", "4", "--pipeline-schedule", "circular",
           "--pipeline-repeats", "1"], "--pipeline-schedule circular needs --pipeline-repeats of 2 or more"),
         (["--mesh", "stage=4,fsdp=2", "--microbatches", "4", "--pipeline-schedule", "circular"],

@@ -296,18 +296,9 @@ def check_microbatches(microbatches: int, stages: int, batch_size: int, data_par
 
     Raises:
       ValueError: M < S (the ring would wait for a microbatch that does not
-        exist); microbatches whose rows ``data x fsdp`` does not divide (each
-        device of a stage runs its own rows of every microbatch). Each names the
-        flag and a value that works.
+        exist), naming ``--microbatches`` and a value that works.
     """
     if microbatches >= stages:
-        rows = batch_size // microbatches
-        if batch_size % microbatches == 0 and rows % data_parallel:
-            good = microbatches * data_parallel * max(1, -(-rows // data_parallel))
-            raise ValueError(
-                f"--batch-size {batch_size}: its {microbatches} pipeline microbatches of {rows} rows do not split over "
-                f"the {data_parallel} devices along data x fsdp; use --batch-size {good}"
-            )
         return
     good = [m for m in range(stages, batch_size + 1)
             if batch_size % m == 0 and (batch_size // m) % data_parallel == 0]
