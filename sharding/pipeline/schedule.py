@@ -371,9 +371,9 @@ def _pipeline_program(layer_fn, plan: PipelinePlan, par, weights: _Weights, rema
     """``f(stacked [1, slots, ...], xs, extras) -> (outputs, applied)`` for one stage, with its own backward pass.
 
     The stage's weights are gathered once per pass, outside the step loop, in the compute dtype
-    (`_Weights.gather`; once for the forward and once again for the backward pass, so the gathered copy
-    is not kept between them: the trade-off MaxText calls ``pipeline_fsdp_ag_once``, all chunks of a
-    circular stage at once). The backward pass accumulates each slot's gradient on this device in float32
+    (`_Weights.gather`; written once for the forward and once for the backward pass, which XLA merges into
+    one gather whose copy lives through the step: the trade-off MaxText calls ``pipeline_fsdp_ag_once``,
+    all chunks of a circular stage at once). The backward pass accumulates each slot's gradient on this device in float32
     (the parameters' dtype) and reduces once, after its loop (`_Weights.reduce`).
 
     The backward pass is written out (`_pipeline_backward`) rather than left
