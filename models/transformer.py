@@ -124,13 +124,16 @@ class Transformer(nnx.Module):
         return x
 
     def _run_pipelined(self, graphdef, stacked, x, positions, segment_ids, par: Parallelism) -> jax.Array:
-        """`run_pipeline` with one block as the layer function (it applies the remat policy per block)."""
+        """`run_pipeline` with one block as the layer function (it applies the remat policy per block); the
+        parameters' logical names tell it how each is split over ``data``/``fsdp``."""
 
         def layer(stage_par, layer_state, h, positions, segment_ids):
             return nnx.merge(graphdef, layer_state)(h, positions, segment_ids, stage_par)
 
         policy = _REMAT_POLICIES.get(self.config.remat)
-        x, _ = run_pipeline(layer, stacked, x, (positions, segment_ids), par, remat_policy=policy)
+        names = jax.tree.map(lambda v: tuple(v.get_metadata()["logical_axes"]), stacked,
+                             is_leaf=lambda v: isinstance(v, nnx.Variable))
+        x, _ = run_pipeline(layer, stacked, x, (positions, segment_ids), par, names=names, remat_policy=policy)
         return x
 
     def __call__(

@@ -344,9 +344,59 @@ def to_varying(tree, axes: str | Sequence[str]):
     return jax.tree.map(cast, tree)
 
 
+def spec_axes(entry) -> tuple[str, ...]:
+    """The mesh axes of one `PartitionSpec` entry: ``None`` -> ``()``, ``'fsdp'`` -> ``('fsdp',)``."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def gather_shards(x, spec):
+    """The whole array from this device's block (inside `jax.shard_map`, manual over ``spec``'s axes).
+
+    Args:
+      x: this device's block of an array laid out as ``spec``.
+      spec: `jax.sharding.PartitionSpec` naming manual mesh axes only.
+
+    Returns:
+      The array with every split dimension all-gathered (tiled) over its axes; same dtype.
+    """
+    import jax
+
+    for dim, entry in enumerate(spec):
+        names = spec_axes(entry)
+        if names:
+            x = jax.lax.all_gather(x, names, axis=dim, tiled=True)
+    return x
+
+
+def reduce_shards(g, spec, axes: Sequence[str]):
+    """Sums a whole-array gradient over ``axes`` and keeps this device's block of ``spec``.
+
+    The inverse of `gather_shards` for gradients: each split dimension is reduce-scattered over its
+    axes (``psum_scatter``, tiled), then the (smaller) block is summed over the axes of ``axes`` the
+    spec does not split over (``psum``).
+
+    Args:
+      g: ``[...]`` the gradient of the whole array on this device (device-varying over ``axes``).
+      spec: the array's `jax.sharding.PartitionSpec` (manual axes only); its split axes must be in ``axes``.
+      axes: the mesh axes the per-device gradients are partial sums over.
+
+    Returns:
+      This device's block of the summed gradient, laid out as ``spec``.
+    """
+    import jax
+
+    for dim, entry in enumerate(spec):
+        names = spec_axes(entry)
+        if names:
+            g = jax.lax.psum_scatter(g, names, scatter_dimension=dim, tiled=True)
+    split = {a for entry in spec for a in spec_axes(entry)}
+    rest = tuple(a for a in axes if a not in split)
+    return jax.lax.psum(g, rest) if rest else g
+
+
 UNSHARDED = Parallelism({}, Rules("none", ()))
 """One device: no annotation, kernels run directly (the reference for every parallel layout)."""
 
 
 __all__ = ["Accumulation", "CONTEXT_LAYOUTS", "CONTIGUOUS", "Parallelism", "Strategy", "UNSHARDED", "UnevenBatch", "ZIGZAG",
-           "describe_strategy", "to_varying"]
+           "describe_strategy", "gather_shards", "reduce_shards", "spec_axes", "to_varying"]

@@ -143,6 +143,18 @@ def stage_memory(trainer) -> dict:
             "device_bytes": other + layout.slots * slot_bytes}
 
 
+def weight_gather_line(trainer) -> str:
+    """Where the pipeline gathers the layer weights and reduces their gradients, with the gathered bytes."""
+    layout = trainer.par.pipeline.layout
+    itemsize = jax.numpy.dtype(trainer.config.dtype).itemsize
+    per_layer = sum(x.size // x.shape[0] * itemsize for x in jax.tree.leaves(trainer.abstract_params["layers"]))
+    return (f"  weights: each device all-gathers its stage's {layout.slots} slots over data/fsdp once per step, "
+            f"before the pipeline loop, in {trainer.config.dtype} ({layout.slots} x {human_bytes(per_layer)} = "
+            f"{human_bytes(layout.slots * per_layer)} per device, / tensor where the rules split over it); "
+            f"layer gradients are summed on each device over the microbatches and reduce-scattered once, after "
+            f"the backward loop")
+
+
 def pipeline_lines(trainer, note: str | None = None) -> list[str]:
     """The pipeline plan: schedule, bubble fraction, layers, slots and padded bytes per stage."""
     plan = trainer.par.pipeline
@@ -182,6 +194,7 @@ def pipeline_lines(trainer, note: str | None = None) -> list[str]:
             + ("they are not computed (skipped by a conditional)" if plan.skip_empty else
                "they ARE computed here (fallback: a collective inside a slot could wait on other stages)")
         )
+    lines.append(weight_gather_line(trainer))
     lines.append("  layer parameters laid out [stage, slot, ...], sharded over stage (rule layers->stage); "
                  "embedding, final norm and output projection are replicated over stage")
     return lines

@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from sharding import axes as ax
 from sharding.hlo import branch_collectives
-from sharding.parallel import Parallelism, UnevenBatch, to_varying
+from sharding.parallel import Parallelism, UnevenBatch, gather_shards, reduce_shards, spec_axes, to_varying
 from sharding.splits import largest_remainder
 from train.data import FIELDS
 
@@ -158,7 +158,7 @@ class UnevenGradients:
     def _local(self, loss_fn: LossFn, params, buffer, count, mb: int):
         """Per-device body: gather, mark varying, loop over this device's microbatches, reduce once."""
         varying, local = self.batch_axes, self.par.local()
-        full = jax.tree.map(lambda p, s: to_varying(_gather(p, s), varying), params, self.param_specs)
+        full = jax.tree.map(lambda p, s: to_varying(gather_shards(p, s), varying), params, self.param_specs)
         grad_fn = jax.value_and_grad(lambda p, b: loss_fn(p, b, local), has_aux=True)
 
         def body(carry):
@@ -174,33 +174,8 @@ class UnevenGradients:
         # The one reduction of the step, after every device has left its loop.
         loss_sum = jax.lax.psum(loss_sum, varying)
         weight = jax.lax.psum(weight, varying)
-        grads = jax.tree.map(lambda g, s: _reduce(g, s, varying), grads, self.param_specs)
+        grads = jax.tree.map(lambda g, s: reduce_shards(g, s, varying), grads, self.param_specs)
         return loss_sum, weight, grads, processed.reshape(1)
-
-
-def _axes_of(entry) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
-def _gather(p, spec: PartitionSpec):
-    """The whole parameter from this device's shard (all-gather over the axes of each split dim)."""
-    for dim, entry in enumerate(spec):
-        names = _axes_of(entry)
-        if names:
-            p = jax.lax.all_gather(p, names, axis=dim, tiled=True)
-    return p
-
-
-def _reduce(g, spec: PartitionSpec, axes: tuple[str, ...]):
-    """Sum a gradient over ``axes``: reduce-scattered to the shard along its split dimensions first, then
-    the (smaller) shard summed over the remaining axes."""
-    for dim, entry in enumerate(spec):
-        names = _axes_of(entry)
-        if names:
-            g = jax.lax.psum_scatter(g, names, scatter_dimension=dim, tiled=True)
-    split = {a for entry in spec for a in _axes_of(entry)}
-    rest = tuple(a for a in axes if a not in split)
-    return jax.lax.psum(g, rest) if rest else g
 
 
 def make_strategy(par: Parallelism, param_specs) -> GradientStrategy:
@@ -335,7 +310,7 @@ def check_uneven(par: Parallelism, param_names, abstract_params, global_batch: i
     for names, leaf in zip(jax.tree.leaves(param_names, is_leaf=lambda x: isinstance(x, tuple)),
                            jax.tree.leaves(abstract_params), strict=True):
         spec, _ = logical_to_spec(tuple(names), par.rules, leaf.shape, par.mesh_shape)
-        used = {a for entry in spec for a in _axes_of(entry)}
+        used = {a for entry in spec for a in spec_axes(entry)}
         if used - set(ax.BATCH_MESH_AXES):
             raise ValueError(f"--hetero-batch supports the dp and fsdp rules; --rules {par.rules.name} splits "
                              f"parameters over {', '.join(sorted(used))}. Use --rules dp or --rules fsdp")

@@ -16,9 +16,20 @@ Left to autodiff, the conditionals would save a slice of the stage's
 parameters per step as residuals, a copy of them per pipeline step.
 
 SPMD mechanics. `run_pipeline` runs the stage program under `jax.shard_map`
-manual over ``stage`` only (``axis_names={'stage'}``); ``data``, ``fsdp``,
-``sequence`` and ``tensor`` stay automatic, so GSPMD still partitions every
-layer as the logical rules say. Activations move to the next stage with one
+manual over ``stage`` and the batch axes ``data`` and ``fsdp``; ``sequence``
+and ``tensor`` stay automatic, so GSPMD still partitions every layer over them
+as the logical rules say. Each device runs its own rows of every microbatch.
+
+Weights once per step. Before the step loop each device all-gathers its
+stage's FSDP-shards of every slot, in the compute dtype (the activations'),
+and after the backward loop it reduce-scatters the layer gradients it summed
+over the microbatches (all-reduce over ``data``): one gather and one
+reduction per step instead of one per microbatch step (MaxText's
+``pipeline_fsdp_ag_once``; all chunks of a circular stage at once, the
+per-repeat variant would hold 1/R of them). The backward pass gathers again
+rather than keeping the copy as a residual; XLA merges the two gathers (same
+operand), so the compiled step gathers once and the gathered copy lives
+through the step: ``slots x`` one layer's bytes per device in temporaries. Activations move to the next stage with one
 `jax.lax.ppermute` per step (a ring: the last stage sends to stage 0, which
 keeps what it receives for the microbatch's next repeat). No collective over
 ``stage`` sits inside a cond: the ppermutes run in step loops whose trip
@@ -26,7 +37,7 @@ count is the same on every device, and one ``psum`` after the loop hands the
 last stage's outputs to every stage. Inputs that are the same on every stage
 are cast to stage-varying (`jax.lax.pcast`) before the loop, so their
 gradients are reduced once, after it. Collectives GSPMD puts inside a layer
-(all-gathers over ``fsdp``, all-reduces over ``tensor``) involve devices of
+(all-reduces over ``tensor``) involve devices of
 one stage, which take the same branch; `sharding.hlo.branch_collectives` checks
 the compiled program, and `train.strategies` falls back to computing every slot
 (`PipelinePlan.skip_empty` False) if the partitioner put anything else there.
@@ -45,8 +56,8 @@ from typing import Any
 import numpy as np
 
 from sharding import axes as ax
-from sharding.parallel import to_varying
-from sharding.pipeline.layout import PipelinePlan
+from sharding.parallel import gather_shards, reduce_shards, spec_axes, to_varying
+from sharding.pipeline.layout import PipelinePlan, StageLayout
 
 def to_microbatches(x, microbatches: int):
     """``[batch, ...]`` -> ``[microbatches, batch / microbatches, ...]``, row ``r`` to microbatch ``r % M``.
@@ -260,7 +271,7 @@ def _pipeline_forward(layer_fn, plan: PipelinePlan, params, xs, extras, save: bo
     return outputs, applied, saved
 
 
-def _pipeline_backward(layer_fn, plan: PipelinePlan, params, extras, saved, g_outputs):
+def _pipeline_backward(layer_fn, plan: PipelinePlan, params, extras, saved, g_outputs, grads):
     """The backward pass of `_pipeline_forward`: steps in reverse, cotangents sent up the ring.
 
     Each step undoes the forward step: the cotangent of what this stage sent
@@ -270,9 +281,12 @@ def _pipeline_backward(layer_fn, plan: PipelinePlan, params, extras, saved, g_ou
     microbatches (stage 0, first repeat), to the ring buffer (stage 0, later
     repeats) or to the previous stage (next step back).
 
+    Args:
+      grads: zero gradient accumulators shaped as ``params`` ``[R, K, ...]`` (in the parameters' dtype).
+
     Returns:
-      ``(grads, g_xs)``: cotangents of the stage's parameters ``[R, K, ...]``
-      and of ``xs``.
+      ``(grads, g_xs)``: this device's cotangents of the stage's parameters
+      ``[R, K, ...]`` (not yet summed over the batch axes) and of ``xs``.
     """
     import jax
     import jax.numpy as jnp
@@ -308,14 +322,59 @@ def _pipeline_backward(layer_fn, plan: PipelinePlan, params, extras, saved, g_ou
         return (jnp.where(stage == 0, jnp.zeros_like(g_in), g_in), g_circ, grads, g_xs), None
 
     zeros = jnp.zeros_like(g_outputs)
-    grads = jax.tree.map(jnp.zeros_like, params)
     init = (zeros[0], zeros if repeats > 1 else None, grads, zeros)
     (_, _, grads, g_xs), _ = jax.lax.scan(step, init, jnp.arange(plan.steps), reverse=True)
     return grads, g_xs
 
 
-def _pipeline_program(layer_fn, plan: PipelinePlan, par, remat_policy=None):
-    """``f(params [R, K, ...], xs, extras) -> (outputs, applied)`` for one stage, with its own backward pass.
+@dataclasses.dataclass(frozen=True)
+class _Weights:
+    """How a stage's layer weights are gathered for a pass and their gradients reduced after it.
+
+    Attributes:
+      specs: per leaf of the stacked parameters ``[1, slots, ...]``, its `PartitionSpec` over the
+        map's manual batch axes (``data``/``fsdp``; the ``stage`` entry left out).
+      summed: the manual axes the batch is split over: per-device gradients are partial sums over them.
+      dtype: the compute dtype the floating weights are gathered in (the activations' dtype).
+    """
+
+    specs: Any
+    summed: tuple[str, ...]
+    dtype: Any
+
+    def gather(self, stacked, repeats: int):
+        """``[1, slots, ...]`` blocks -> whole ``[R, K, ...]`` weights in the compute dtype (one all-gather each)."""
+        import jax
+        import jax.numpy as jnp
+
+        def one(w, spec):
+            if jnp.issubdtype(w.dtype, jnp.floating):
+                w = w.astype(self.dtype)
+            w = gather_shards(w, spec)
+            return w.reshape(repeats, w.shape[1] // repeats, *w.shape[2:])
+
+        return jax.tree.map(one, stacked, self.specs)
+
+    def reduce(self, grads, stacked):
+        """Whole ``[R, K, ...]`` per-device gradient sums -> the ``[1, slots, ...]`` blocks' gradients, summed
+        over ``summed`` (reduce-scatter over the split axes, all-reduce over the rest), in the blocks' dtype."""
+        import jax
+
+        def one(g, w, spec):
+            g = g.reshape(1, g.shape[0] * g.shape[1], *g.shape[2:])
+            return reduce_shards(g, spec, self.summed).astype(w.dtype)
+
+        return jax.tree.map(one, grads, stacked, self.specs)
+
+
+def _pipeline_program(layer_fn, plan: PipelinePlan, par, weights: _Weights, remat_policy=None):
+    """``f(stacked [1, slots, ...], xs, extras) -> (outputs, applied)`` for one stage, with its own backward pass.
+
+    The stage's weights are gathered once per pass, outside the step loop, in the compute dtype
+    (`_Weights.gather`; written once for the forward and once for the backward pass, which XLA merges into
+    one gather whose copy lives through the step: the trade-off MaxText calls ``pipeline_fsdp_ag_once``,
+    all chunks of a circular stage at once). The backward pass accumulates each slot's gradient on this device in float32
+    (the parameters' dtype) and reduces once, after its loop (`_Weights.reduce`).
 
     The backward pass is written out (`_pipeline_backward`) rather than left
     to autodiff of the forward loop: the slots' conditionals would make
@@ -325,75 +384,95 @@ def _pipeline_program(layer_fn, plan: PipelinePlan, par, remat_policy=None):
     Every layer is recomputed once in the backward pass (with
     ``remat_policy`` applied inside it) and differentiated by `jax.vjp`.
 
-    The layers get ``par``'s variant for the stage program (``stage`` manual,
-    `sharding.parallel.Parallelism.inside`), made while tracing the forward
-    and the backward pass alike.
+    The layers get ``par``'s variant for the stage program (``stage`` and the
+    batch axes manual, `sharding.parallel.Parallelism.inside`), made while
+    tracing the forward and the backward pass alike.
     """
     import jax
+    import jax.numpy as jnp
+
+    repeats = plan.layout.repeats
 
     def bound(fn, *args):
-        stage_par = par.inside((ax.STAGE,))
+        stage_par = par.inside(_manual_axes(par))
         layer = lambda w, h, *extras: layer_fn(stage_par, w, h, *extras)  # noqa: E731
         if remat_policy is not None:
             layer = jax.checkpoint(layer, policy=remat_policy, prevent_cse=False)
         return fn(layer, plan, *args)
 
     @jax.custom_vjp
-    def program(params, xs, extras):
-        outputs, applied, _ = bound(_pipeline_forward, params, xs, extras, False)
+    def program(stacked, xs, extras):
+        outputs, applied, _ = bound(_pipeline_forward, weights.gather(stacked, repeats), xs, extras, False)
         return outputs, applied
 
-    def forward(params, xs, extras):
-        outputs, applied, saved = bound(_pipeline_forward, params, xs, extras, True)
-        return (outputs, applied), (params, extras, saved)
+    def forward(stacked, xs, extras):
+        outputs, applied, saved = bound(_pipeline_forward, weights.gather(stacked, repeats), xs, extras, True)
+        return (outputs, applied), (stacked, extras, saved)
 
     def backward(residuals, cotangents):
-        params, extras, saved = residuals
-        grads, g_xs = bound(_pipeline_backward, params, extras, saved, cotangents[0])
-        return grads, g_xs, jax.tree.map(lambda _: None, extras)
+        stacked, extras, saved = residuals
+        # Varying over the batch axes, so that differentiating a layer adds no reduction inside the loop.
+        params = to_varying(weights.gather(stacked, repeats), weights.summed)
+        zeros = jax.tree.map(lambda p, w: jnp.zeros(p.shape, w.dtype), params, stacked)
+        grads, g_xs = bound(_pipeline_backward, params, extras, saved, cotangents[0], to_varying(zeros, (ax.STAGE, *weights.summed)))
+        return weights.reduce(grads, stacked), g_xs, jax.tree.map(lambda _: None, extras)
 
     program.defvjp(forward, backward)
     return program
 
 
-def _stage_program(stacked, xs, extras, *, layer_fn, plan: PipelinePlan, par, remat_policy=None):
-    """One stage's program (inside shard_map, manual over ``stage``).
+def _manual_axes(par) -> tuple[str, ...]:
+    """The axes the stage program is manual over: ``stage`` and the batch axes (``data``, ``fsdp``)."""
+    names = getattr(par.mesh, "axis_names", ())
+    return tuple(a for a in (ax.STAGE, *ax.BATCH_MESH_AXES) if a in names)
+
+
+def _stage_program(stacked, xs, extras, *, layer_fn, plan: PipelinePlan, par, weights: _Weights,
+                   remat_policy=None):
+    """One stage's program (inside shard_map, manual over ``stage`` and the batch axes).
 
     Args:
-      stacked: this stage's parameters, leaves ``[1, slots, ...]``.
-      xs: ``[M, microbatch, ...]`` all microbatches (the same on every stage).
-      extras: per-microbatch side inputs ``[M, microbatch, ...]`` (or None leaves).
+      stacked: this device's block of the stage's parameters, leaves ``[1, slots, ...]``.
+      xs: ``[M, microbatch / batch shards, ...]`` this device's rows of every microbatch.
+      extras: per-microbatch side inputs ``[M, microbatch / batch shards, ...]`` (or None leaves).
 
     Returns:
-      ``(ys, applied)``: ``[M, microbatch, ...]`` outputs of the last stage
+      ``(ys, applied)``: ``[M, microbatch / batch shards, ...]`` outputs of the last stage
       (summed over ``stage`` once, after the loop) and ``[1]`` int32 layer
       applications of this device.
     """
     import jax
 
-    layout = plan.layout
-    params = jax.tree.map(lambda w: w.reshape(layout.repeats, layout.chunk_slots, *w.shape[2:]), stacked)
     xs, extras = to_varying((xs, extras), ax.STAGE)
-    outputs, applied = _pipeline_program(layer_fn, plan, par, remat_policy)(params, xs, extras)
+    outputs, applied = _pipeline_program(layer_fn, plan, par, weights, remat_policy)(stacked, xs, extras)
     return jax.lax.psum(outputs, ax.STAGE), applied[None]
 
 
-def run_pipeline(layer_fn: Callable[..., Any], stacked, x, extras: Sequence[Any], par, *, remat_policy=None):
+def run_pipeline(layer_fn: Callable[..., Any], stacked, x, extras: Sequence[Any], par, *, names=None,
+                 remat_policy=None):
     """Runs a stacked layer function as a pipeline over the ``stage`` mesh axis.
+
+    The stage program runs under `jax.shard_map`, manual over ``stage`` and the batch axes ``data`` and
+    ``fsdp`` (``sequence`` and ``tensor`` stay automatic: GSPMD partitions each layer over them as the
+    rules say). Each device gathers its stage's layer weights once per pass, before the step loop, in the
+    activations' dtype, and reduces their gradients once, after the backward loop (`_pipeline_program`).
 
     Args:
       layer_fn: ``(par, layer_params, h, *extras) -> h`` for one layer; ``h`` keeps
         its shape and dtype. ``par`` is the stage program's variant of the run's
-        `sharding.parallel.Parallelism` (``stage`` manual), for its annotations.
+        `sharding.parallel.Parallelism` (``stage``, ``data``, ``fsdp`` manual), for its annotations.
       stacked: pytree of the stacked layer parameters, every leaf
         ``[stages, slots, ...]`` in the plan's layout (see
         `sharding.pipeline.relayout.relayout`), sharded over ``stage`` on its
         first dimension.
-      x: ``[batch, ...]`` activations entering the first layer (float).
+      x: ``[batch, ...]`` activations entering the first layer (float; its dtype is the compute dtype).
       extras: side inputs ``[batch, ...]`` each layer also gets (positions,
         segment ids; None entries pass through as None).
       par: the run's `sharding.parallel.Parallelism`, bound to a mesh, whose
         strategy is the `PipelinePlan` (layout and microbatch count).
+      names: the canonical logical names ``(layers, ...)`` of each leaf of ``stacked`` (a tree of
+        tuples shaped as ``stacked``), from which the leaves' split over ``data``/``fsdp`` follows;
+        None: every leaf is split over ``stage`` only.
       remat_policy: a `jax.checkpoint` policy for each layer's own backward
         pass (None: none). The pipeline always saves only each layer's input
         and recomputes the layer in the backward pass (`_pipeline_program`).
@@ -407,7 +486,8 @@ def run_pipeline(layer_fn: Callable[..., Any], stacked, x, extras: Sequence[Any]
 
     Raises:
       ValueError: no plan or no mesh; a ``stage`` axis other than the layout's;
-        a batch that the plan's microbatches do not divide.
+        a batch that the plan's microbatches do not divide; ``names`` not shaped as ``stacked``; a
+        parameter split over an axis of ``data``/``fsdp`` that the microbatches are not split over.
     """
     import jax
     from jax.sharding import PartitionSpec as P
@@ -425,13 +505,42 @@ def run_pipeline(layer_fn: Callable[..., Any], stacked, x, extras: Sequence[Any]
         raise ValueError(f"a batch of {x.shape[0]} rows is not divisible by --microbatches {m}")
     xs = to_microbatches(x, m)
     extras = jax.tree.map(lambda e: to_microbatches(e, m), tuple(extras))
+    manual = _manual_axes(par)
+    batch_spec = par.spec((None, ax.BATCH), xs.shape[:2])
+    batch = _only(batch_spec[1] if len(batch_spec) > 1 else None, manual)
+    summed = tuple(a for a in spec_axes(batch) if par.mesh_shape[a] > 1)
+    leaves, tree = jax.tree.flatten(stacked)
+    if names is None:
+        specs = [P(ax.STAGE)] * len(leaves)
+    else:
+        name_leaves = jax.tree.leaves(names, is_leaf=lambda n: isinstance(n, tuple))
+        if len(name_leaves) != len(leaves):
+            raise ValueError(f"run_pipeline: {len(name_leaves)} logical names for {len(leaves)} stacked parameters")
+        specs = [P(*(_only(e, manual) for e in par.spec(StageLayout.stacked_names(n), w.shape)))
+                 for n, w in zip(name_leaves, leaves)]
+    for spec in specs:
+        unsummed = {a for e in spec[1:] for a in spec_axes(e) if par.mesh_shape[a] > 1} - set(summed)
+        if unsummed:
+            axes = "+".join(sorted(unsummed))
+            raise ValueError(f"pipeline: a layer parameter is split over {axes} but microbatches of {xs.shape[1]} rows "
+                             f"are not (the rule batch -> {'+'.join(spec_axes(batch)) or 'none'}); use a batch whose "
+                             f"microbatches split over {axes} too (--batch-size a multiple of --microbatches x "
+                             f"data x fsdp), or --rule batch=data+fsdp")
+    weights = _Weights(jax.tree.unflatten(tree, [P(None, *spec[1:]) for spec in specs]), summed, x.dtype)
+    data = P(None, batch)
     program = jax.shard_map(
-        lambda w, xs, ex: _stage_program(w, xs, ex, layer_fn=layer_fn, plan=plan, par=par,
+        lambda w, xs, ex: _stage_program(w, xs, ex, layer_fn=layer_fn, plan=plan, par=par, weights=weights,
                                          remat_policy=remat_policy),
         mesh=par.mesh,
-        in_specs=(P(ax.STAGE), P(), P()),
-        out_specs=(P(), P(ax.STAGE)),
-        axis_names={ax.STAGE},
+        in_specs=(jax.tree.unflatten(tree, specs), data, jax.tree.map(lambda _: data, extras)),
+        out_specs=(data, P(ax.STAGE)),
+        axis_names=set(manual),
     )
     ys, applied = program(stacked, xs, extras)
     return from_microbatches(ys), applied
+
+
+def _only(entry, axes: Sequence[str]):
+    """A `PartitionSpec` entry with only the mesh axes in ``axes`` (None when none is left)."""
+    kept = tuple(a for a in spec_axes(entry) if a in axes)
+    return None if not kept else kept[0] if len(kept) == 1 else kept
