@@ -207,45 +207,24 @@ class NonFiniteLossError(RuntimeError):
     """The loss became NaN or infinite more often than ``--skip-nonfinite`` allows."""
 
 
-def train_loop(
-    *,
-    trainer,
-    state: dict,
-    dataset: Dataset,
-    options: LoopOptions,
-    samples: int,
-    checkpoints,
-    writer: MetricsWriter,
-    log: Callable[[str], None],
-    stop: StopFlag,
-    check_compiled: Callable[[Any], str] | None = None,
-) -> tuple[dict, dict[str, Any]]:
-    """Runs training from ``state`` to ``options.steps``.
+def train_loop(*, trainer, state: dict, dataset: Dataset, options: LoopOptions, samples: int, checkpoints,
+               writer: MetricsWriter, log: Callable[[str], None], stop: StopFlag,
+               check_compiled: Callable[[Any], str] | None = None) -> tuple[dict, dict[str, Any]]:
+    """Runs training from ``state`` (its ``step`` says where to start) to ``options.steps``.
 
-    Args:
-      trainer: the `train.step.Trainer`.
-      state: the sharded train state (its ``step`` says where to start).
-      dataset: train and held-out windows.
-      options: see `LoopOptions`.
-      samples: global sample number of the next batch (the data position).
-      checkpoints: has ``save(state, step, samples)`` (starts an asynchronous
-        save) and ``check()`` (raises the error of a failed save).
-      writer: metrics sink.
-      log: prints a line (process 0).
-      stop: a `StopFlag`. A stop request of any process reaches every process
-        through the next step's ``stop`` metric, so all processes stop after
-        the same step and save it.
-      check_compiled: Called with the compiled step before the first step runs; returns a line to log
-        (`train.fit.check_compiled`: raises ValueError for a step that cannot fit the device's memory).
+    ``samples`` is the data position (global sample number of the next batch); ``checkpoints`` has
+    ``save(state, step, samples)`` (starts an asynchronous save) and ``check()`` (raises a failed save's
+    error); ``stop`` is a `StopFlag`, whose request reaches every process through the next step's ``stop``
+    metric, so all stop after the same step and save it; ``check_compiled`` gets the compiled step before
+    it runs and returns a line to log (`train.fit.check_compiled` raises for a step that cannot fit).
 
     Returns:
-      ``(state, summary)`` with the final step, samples, the held-out losses,
-      the signal that stopped the run (or None) and the steps skipped as
-      non-finite.
+      ``(state, summary)``: the final step and samples, held-out losses, the signal that stopped the run
+      (or None) and the steps skipped as non-finite.
 
     Raises:
-      NonFiniteLossError: when more than ``options.skip_nonfinite`` steps had
-        a non-finite loss; nothing is saved after the last good checkpoint.
+      NonFiniteLossError: More than ``options.skip_nonfinite`` non-finite steps; nothing is saved after
+        the last good checkpoint.
     """
     start = int(jax.device_get(state["step"]))
     run = _Run(trainer, dataset, options, writer, log, start)
