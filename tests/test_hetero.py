@@ -16,6 +16,7 @@ import pytest
 from models.config import get_config
 from sharding import costmodel as cm
 from sharding import hlo
+from sharding.balance import counts_for_speeds, default_capacity
 from sharding.devices import simulate_inventory
 from sharding.mesh import make_mesh, parse_mesh
 from sharding.parallel import Accumulation, Parallelism, UnevenBatch
@@ -97,11 +98,11 @@ def test_update_equals_uniform_batch_and_counts_match(mesh_spec, rules, counts, 
     _close(jax.tree.map(lambda g: g / weight, grads), jax.tree.map(lambda g: g / u_weight, uniform))
     assert np.asarray(processed).tolist() == list(counts)
 
-    signals = trainer.signals(False)
+    signals = step.signals(False)
     compiled = step.train_step(batch_rows, SEQ).lower(trainer.init_state(0), batch, signals).compile()
     new, metrics = compiled(trainer.init_state(0), batch, signals)
     processed = metrics["processed"]
-    ref, ref_metrics = trainer.train_step(batch_rows, SEQ)(trainer.init_state(0), batch, signals)
+    ref, ref_metrics = trainer.train_step(batch_rows, SEQ)(trainer.init_state(0), batch, trainer.signals(False))
     assert np.asarray(processed).tolist() == list(counts)
     assert int(metrics["microbatches"]) == sum(counts)
     np.testing.assert_allclose(float(metrics["loss"]), float(ref_metrics["loss"]), rtol=1e-5)
@@ -123,12 +124,48 @@ def _check_compiled_loop(text, trainer, mesh_spec, rules, counts, rows):
               if op.replace("-start", "") in hlo.COLLECTIVE_OPS]
     assert inside == []
     layout = cm.Layout(parse_mesh(mesh_spec, 8), rules, 1, uneven_batch=True)
-    cost = cm.device_cost(trainer.config, layout, seq_len=SEQ, rows=rows, microbatches=max(counts), backend="cpu",
+    capacity = default_capacity(sum(counts), len(counts), counts)
+    cost = cm.device_cost(trainer.config, layout, seq_len=SEQ, rows=rows, microbatches=capacity, backend="cpu",
                           batch_rows=sum(counts) * rows)
     compiled, predicted = cm.collective_bytes(hlo.collectives(text)), cm.collective_bytes(cost.comms)
     assert set(compiled) == set(predicted)
     for kind in compiled:
         assert abs(predicted[kind] - compiled[kind]) <= 0.1 * compiled[kind], (kind, predicted, compiled)
+
+
+def test_counts_are_an_input_changing_them_neither_recompiles_nor_changes_the_update():
+    trainer = _trainer("data=8", "dp")
+    step = _uneven(trainer, COUNTS)
+    assert step.strategy.capacity == 4  # twice the mean of 2, above max(COUNTS) = 3
+    batch = _batch(trainer, 16)
+    fn = step.train_step(16, SEQ)
+    ref, _ = trainer.train_step(16, SEQ)(trainer.init_state(0), batch, trainer.signals(False))
+    for counts in (COUNTS, (2,) * 8, (0, 4, 1, 3, 2, 2, 4, 0)):
+        new, metrics = fn(trainer.init_state(0), batch, step.signals(False, counts))
+        assert np.asarray(metrics["processed"]).tolist() == list(counts)
+        _close(new["params"], ref["params"])
+    assert fn._cache_size() == 1  # one compilation for every set of counts
+    for bad in ((5, 3, 3, 3, 1, 1, 0, 0), (2,) * 7, (3,) * 8):  # above capacity, too few, wrong total
+        with pytest.raises(ValueError, match="--hetero-max-share 4"):
+            step.signals(False, bad)
+
+
+def test_row_index_from_counts_on_device():
+    index = np.asarray(strategies.uneven_row_index(np.array([2, 0, 1], np.int32), 2, 3))
+    assert index.tolist() == [[0, 1, 2, 3, 0, 0], [0] * 6, [4, 5, 0, 0, 0, 0]]
+    traced = jax.jit(lambda c: strategies.uneven_row_index(c, 2, 3))(jnp.array([2, 0, 1], jnp.int32))
+    assert np.asarray(traced).tolist() == index.tolist()
+
+
+def test_capacity_and_capped_counts():
+    assert default_capacity(16, 8) == 4 and default_capacity(12, 8, (0, 2, 1, 1, 4, 1, 0, 3)) == 4
+    assert default_capacity(3, 2) == 3  # never above the total
+    assert counts_for_speeds([10.0, 1.0, 1.0, 1.0], 8, capacity=4) == [4, 2, 1, 1]
+    assert counts_for_speeds([3.0, 3.0, 1.0, 1.0], 8, groups=[0, 0, 1, 1]) == [3, 3, 1, 1]
+    with pytest.raises(ValueError):
+        counts_for_speeds([1.0, 1.0], 5, capacity=2)
+    with pytest.raises(ValueError):
+        counts_for_speeds([1.0, 1.0, 1.0, 1.0], 7, groups=[0, 0, 1, 1])
 
 
 def test_speed_counts_largest_remainder():
@@ -166,6 +203,12 @@ def test_bad_layouts_and_counts_are_refused_naming_the_flag():
         checks.validate(resolve_mesh(run, 8), 8)
     with pytest.raises(ValueError, match="--hetero-batch"):
         cli.parse_hetero_batch("3,x")
+    with pytest.raises(ValueError, match="--hetero-max-share 0 needs"):
+        cli.parse(["--mesh", "data=8", "--hetero-batch", "auto", "--hetero-max-share", "0"])
+    with pytest.raises(ValueError, match="--hetero-max-share 2 is below"):
+        run = cli.parse(["--model", "test", "--mesh", "data=8", "--rules", "dp", "--hetero-batch", "3,3,3,3,1,1,1,1",
+                         "--hetero-max-share", "2", "--batch-size", "16"])
+        checks.validate(resolve_mesh(run, 8), 8)
     run = cli.parse(["--model", "test", "--mesh", "data=8", "--rules", "dp", "--hetero-batch", "3,3,3,3,1,1,1,1",
                      "--batch-size", "20", "--dry-run"])
     with pytest.raises(ValueError, match="--batch-size 20"):

@@ -9,6 +9,7 @@ that relate flags to each other and to the devices live in `train.checks`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Sequence
 
 from models.config import ATTENTION_IMPLS, DTYPES, LOGITS_IMPLS, PRESETS, REMAT_POLICIES, get_config
@@ -148,6 +149,9 @@ def _hetero_flags(p) -> None:
                    help="uneven data parallelism: microbatches per device along data x fsdp, proportional to "
                    "device speed (auto, kinds: the device kinds' datasheet peaks) or given (e.g. 3,3,3,3,1,1,1,1; "
                    "microbatch = --batch-size / their sum); dp/fsdp rules, data/fsdp meshes")
+    g.add_argument("--hetero-max-share", type=int, default=None, metavar="N",
+                   help="uneven data parallelism: the most microbatches one device may be given without recompiling "
+                   "the step (its padded buffer); default twice the mean per device, at least the largest count")
     g.add_argument("--plan", default=None, choices=("auto",),
                    help="choose --mesh, --rules, --microbatches, --remat, --hetero-batch and the stage split "
                    "with the planner (python -m train.plan) for --cluster/--simulate-cluster")
@@ -272,6 +276,11 @@ def _strategy(args, sizes: dict[str, int], num_layers: int):
     if stages == -1:
         raise ValueError("--mesh stage=-1: give the pipeline's stage count, e.g. --mesh stage=4,fsdp=-1")
     uneven = parse_hetero_batch(args.hetero_batch, args.microbatches)
+    if args.hetero_max_share is not None:
+        if uneven is None or args.hetero_max_share < 1:
+            raise ValueError(f"--hetero-max-share {args.hetero_max_share} needs --hetero-batch and a value >= 1, "
+                             f"e.g. --hetero-batch auto --hetero-max-share 4")
+        uneven = dataclasses.replace(uneven, capacity=args.hetero_max_share)
     if args.plan and uneven is not None and uneven.speeds == "given":
         raise ValueError(f"--plan auto chooses --hetero-batch itself; drop --hetero-batch {args.hetero_batch}")
     if stages == 1:
