@@ -236,7 +236,7 @@ def test_cli_dry_run_with_simulated_cluster_and_auto_counts(capsys):
     from train.train import main
 
     code = main(["--cpu-devices", "8", "--model", "test", "--set", "num_layers=1", "--mesh", "data=8", "--rules", "dp",
-                 "--simulate-cluster", "h100:4,a100:4", "--hetero-batch", "auto", "--microbatches", "2",
+                 "--simulate-cluster", "h100:4,a100:4", "--hetero-batch", "kinds", "--microbatches", "2",
                  "--batch-size", "16", "--seq-len", "32", "--dry-run"])
     out = capsys.readouterr().out
     assert code == 0
@@ -251,3 +251,44 @@ def test_cli_refuses_uneven_batch_on_a_tensor_mesh(capsys):
                  "--hetero-batch", "1,1,1,1", "--batch-size", "8", "--seq-len", "32", "--dry-run"])
     assert code == 2
     assert "--hetero-batch supports data-parallel meshes" in capsys.readouterr().err
+
+
+def test_calibration_counts_follow_injected_timings_per_process():
+    """Timings map to the batch grid by process and local rank; counts follow the measured speeds."""
+    from types import SimpleNamespace
+
+    from train import calibrate
+
+    devices = [SimpleNamespace(id=i, process_index=i // 4) for i in range(8)]
+    table = np.array([[0.1] * 4, [0.3] * 4])
+    seconds = calibrate.grid_seconds(devices[::-1], table, devices)
+    assert seconds == [0.3] * 4 + [0.1] * 4
+
+    trainer = _trainer("data=8", "dp")
+    par = trainer.par.replace(strategy=UnevenBatch(None, "measured", 2))
+    calls = []
+
+    def timer(fn, args_on, local, together):  # one process on CPU: the devices run together
+        calls.append((len(local), together))
+        return [0.2] * len(local)
+
+    resolved, cal = calibrate.calibrate(par, trainer.loss_sums, trainer.abstract_params, 16, SEQ, timer=timer)
+    assert calls == [(8, True)] and resolved.strategy.counts == (2,) * 8 and resolved.strategy.capacity == 4
+    assert cal.seconds == (0.2,) * 8 and "5.00 microbatches/s" in "".join(cal.lines(1))
+
+    fn, args_on = calibrate.local_work(par, trainer.loss_sums, trainer.abstract_params, 2, SEQ)
+    ticks = iter([0.0, 0.6, 1.0, 1.3])
+    out = calibrate.time_local_devices(fn, args_on, jax.devices()[:2], together=False, repeats=3,
+                                       clock=lambda: next(ticks))
+    np.testing.assert_allclose(out, [0.2, 0.1])
+
+
+def test_cli_auto_measures_and_reports(capsys):
+    from train.train import main
+
+    code = main(["--cpu-devices", "8", "--model", "test", "--set", "num_layers=1", "--mesh", "data=8", "--rules", "dp",
+                 "--hetero-batch", "auto", "--microbatches", "2", "--batch-size", "16", "--seq-len", "32", "--dry-run"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "measured speeds (--hetero-batch auto" in out and "datasheet n/a, 2 microbatches" in out
+    assert "per device 2, 2, 2, 2, 2, 2, 2, 2; padded buffer 4" in out

@@ -147,7 +147,7 @@ def _hetero_flags(p) -> None:
                    "set --hetero-batch auto's shares and --plan auto's cluster")
     g.add_argument("--hetero-batch", default="off", metavar="auto|kinds|off|COUNTS",
                    help="uneven data parallelism: microbatches per device along data x fsdp, proportional to "
-                   "device speed (auto, kinds: the device kinds' datasheet peaks) or given (e.g. 3,3,3,3,1,1,1,1; "
+                   "device speed (auto: measured at start-up; kinds: the device kinds' datasheet peaks) or given (e.g. 3,3,3,3,1,1,1,1; "
                    "microbatch = --batch-size / their sum); dp/fsdp rules, data/fsdp meshes")
     g.add_argument("--hetero-max-share", type=int, default=None, metavar="N",
                    help="uneven data parallelism: the most microbatches one device may be given without recompiling "
@@ -317,8 +317,8 @@ def pipeline_plan(args, stages: int, num_layers: int) -> PipelinePlan:
 def parse_hetero_batch(value: str, microbatches: int = 1) -> UnevenBatch | None:
     """``--hetero-batch off|auto|kinds|COUNTS`` -> `UnevenBatch` (None for ``off``).
 
-    ``auto`` and ``kinds`` take speeds from the devices' kinds (datasheet peaks; ``--simulate-cluster``
-    on CPU), ``microbatches`` per device on average.
+    ``auto`` measures the devices at start-up (`train.calibrate`), ``kinds`` takes speeds from the devices'
+    kinds (datasheet peaks; ``--simulate-cluster`` on CPU); both ``microbatches`` per device on average.
 
     Raises:
       ValueError: Counts that are not integers, negative, or all zero; naming the flag.
@@ -327,7 +327,7 @@ def parse_hetero_batch(value: str, microbatches: int = 1) -> UnevenBatch | None:
     if text == "off":
         return None
     if text in ("auto", "kinds"):
-        return UnevenBatch(None, "kinds", microbatches)
+        return UnevenBatch(None, "measured" if text == "auto" else "kinds", microbatches)
     try:
         counts = tuple(int(x) for x in text.split(","))
     except ValueError:

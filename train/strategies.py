@@ -281,8 +281,9 @@ def device_speeds(mesh, simulated: Mapping[int, Any] | None = None) -> list[floa
         peak = peak_flops(device, simulated)
         if peak is None:
             raise ValueError(
-                f"--hetero-batch auto: the peak speed of device {device.id} ({device.device_kind}) is unknown; "
-                f"give --simulate-cluster (e.g. h100:4,a100:4) or explicit counts (--hetero-batch 3,3,3,3,1,1,1,1)"
+                f"--hetero-batch kinds: the peak speed of device {device.id} ({device.device_kind}) is unknown; "
+                f"give --simulate-cluster (e.g. h100:4,a100:4), measure with --hetero-batch auto, or give counts "
+                f"(--hetero-batch 3,3,3,3,1,1,1,1)"
             )
         speeds.append(peak)
     return speeds
@@ -294,7 +295,8 @@ def counts_from_speeds(speeds: Sequence[float], total: int) -> list[int]:
 
 
 def resolve_uneven(par: Parallelism, mesh, simulated=None) -> tuple[Parallelism, list[float] | None]:
-    """Resolves ``--hetero-batch auto|kinds`` into counts from the devices' speeds.
+    """Resolves ``--hetero-batch kinds`` into counts from the devices' datasheet speeds (``auto`` measures
+    them instead: `train.calibrate`).
 
     Returns:
       ``(par, speeds)``: ``par`` with `UnevenBatch.counts` set (unchanged when given or not uneven), and
