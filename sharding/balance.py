@@ -7,6 +7,9 @@ more than the padded buffer holds (``capacity`` microbatches). This module decid
 * `default_capacity`: the buffer size, fixed at compile time.
 * `counts_for_speeds`: counts proportional to speeds (largest remainder, `sharding.splits`), no device
   above the capacity, equal within a group of devices that must run the same count.
+* `Rebalancer`: while training, smooths each device's measured seconds per microbatch and every
+  ``every`` steps proposes new counts, adopted only when they shorten the predicted step by more than a
+  margin (hysteresis), so counts do not oscillate on noise.
 
 Shares proportional to measured speed follow HAP (EuroSys'24), Metis (USENIX ATC'24) and FlashFlex (2024),
 which profile once; here the same rule is applied again to timings taken while training.
@@ -14,6 +17,7 @@ which profile once; here the same rule is applied again to timings taken while t
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -107,4 +111,76 @@ def _capped_shares(total: int, weights: Sequence[float], cap: int | None) -> lis
             fixed[i] = cap
 
 
-__all__ = ["CAPACITY_FACTOR", "counts_for_speeds", "default_capacity"]
+def predicted_seconds(counts: Sequence[int], seconds: Sequence[float]) -> float:
+    """The local part of a step: the slowest device's ``count x seconds per microbatch``."""
+    return max(c * s for c, s in zip(counts, seconds))
+
+
+@dataclasses.dataclass
+class Rebalancer:
+    """Counts recomputed from smoothed per-microbatch times while training, with hysteresis.
+
+    Each step, `observe` takes every device's count and loop seconds (the uneven step's ``processed`` and
+    ``local_seconds``) and updates an exponential moving average of seconds per microbatch (devices that
+    ran nothing keep their estimate). Every ``every`` observations `propose` shares the microbatches in
+    proportion to the smoothed speeds (`counts_for_speeds`) and adopts them only when the predicted local
+    step (`predicted_seconds`) is shorter than the current counts' by more than ``margin``.
+
+    Attributes:
+      counts: The counts in force, one per device.
+      capacity: The most microbatches one device may run (the step's buffer).
+      every: Observations between proposals (``--rebalance-every``, >= 1).
+      smoothing: Weight of the newest observation in the average (0 < smoothing <= 1).
+      margin: Relative gain below which new counts are not adopted (hysteresis).
+      groups: One group label per device that must run equal counts (None: none).
+      seconds: Smoothed seconds per microbatch per device (None until first observed).
+    """
+
+    counts: tuple[int, ...]
+    capacity: int
+    every: int
+    smoothing: float = 0.5
+    margin: float = 0.05
+    groups: tuple | None = None
+    seconds: list = dataclasses.field(default_factory=list)
+    observed: int = 0
+
+    def __post_init__(self):
+        if self.every < 1:
+            raise ValueError(f"--rebalance-every {self.every}: must be >= 1, e.g. --rebalance-every 10")
+        if not self.seconds:
+            self.seconds = [None] * len(self.counts)
+
+    def observe(self, counts: Sequence[int], local_seconds: Sequence[float]) -> None:
+        """Folds one step's per-device counts and loop seconds into the smoothed seconds per microbatch."""
+        for i, (c, t) in enumerate(zip(counts, local_seconds, strict=True)):
+            if c > 0 and t > 0:
+                now = t / c
+                old = self.seconds[i]
+                self.seconds[i] = now if old is None else (1 - self.smoothing) * old + self.smoothing * now
+        self.observed += 1
+
+    def speeds(self) -> list[float] | None:
+        """Smoothed microbatches per second per device (unobserved devices: the median of the others), or
+        None before any observation."""
+        known = sorted(s for s in self.seconds if s is not None)
+        if not known:
+            return None
+        median = known[len(known) // 2]
+        return [1.0 / (median if s is None else s) for s in self.seconds]
+
+    def propose(self) -> tuple[int, ...] | None:
+        """New counts when due (every ``every`` observations) and better by more than ``margin``, else
+        None; adopted counts become `counts`."""
+        speeds = self.speeds()
+        if speeds is None or self.observed % self.every:
+            return None
+        seconds = [1.0 / s for s in speeds]
+        new = tuple(counts_for_speeds(speeds, sum(self.counts), self.capacity, self.groups))
+        if predicted_seconds(new, seconds) >= (1 - self.margin) * predicted_seconds(self.counts, seconds):
+            return None
+        self.counts = new
+        return new
+
+
+__all__ = ["CAPACITY_FACTOR", "Rebalancer", "counts_for_speeds", "default_capacity", "predicted_seconds"]

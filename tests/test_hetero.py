@@ -292,3 +292,77 @@ def test_cli_auto_measures_and_reports(capsys):
     assert code == 0
     assert "measured speeds (--hetero-batch auto" in out and "datasheet n/a, 2 microbatches" in out
     assert "per device 2, 2, 2, 2, 2, 2, 2, 2; padded buffer 4" in out
+
+
+def test_rebalancer_smooths_with_hysteresis_and_follows_a_straggler():
+    from sharding.balance import Rebalancer
+
+    reb = Rebalancer((2,) * 8, capacity=4, every=3)
+    fast, slow = [0.1] * 4, [0.3] * 4
+    for _ in range(2):
+        reb.observe((2,) * 8, [2 * t for t in fast + slow])
+        assert reb.propose() is None  # not due yet
+    reb.observe((2,) * 8, [2 * t for t in fast + slow])
+    assert reb.propose() == COUNTS and reb.counts == COUNTS
+    for _ in range(3):  # 3% noise: the predicted gain is below the 5% margin, counts stay
+        reb.observe(COUNTS, [c * t for c, t in zip(COUNTS, [0.1] * 4 + [0.29] * 4)])
+    assert reb.propose() is None
+    for _ in range(6):  # device 0 becomes 4x slower: its share falls
+        reb.observe(COUNTS, [c * t for c, t in zip(COUNTS, [0.4] + [0.1] * 3 + [0.3] * 4)])
+        reb.propose()
+    assert reb.counts[0] < 3 and sum(reb.counts) == 16 and max(reb.counts) <= 4
+    reb.observe((0,) + reb.counts[1:], [0.0] + [0.1] * 7)  # a device that ran nothing keeps its estimate
+    assert reb.seconds[0] is not None
+    with pytest.raises(ValueError, match="--rebalance-every 0"):
+        Rebalancer((1, 1), 2, 0)
+
+
+def test_updates_equal_uniform_before_and_after_a_rebalance():
+    from sharding.balance import Rebalancer
+
+    trainer = _trainer("data=2,fsdp=4", "fsdp")
+    step = Trainer(trainer.config, trainer.optimizer, trainer.par.replace(strategy=UnevenBatch((2,) * 8, rebalance_every=1)))
+    batches = [_batch(trainer, 16, seed) for seed in (0, 1)]
+    uniform, hetero = trainer.init_state(0), step.init_state(0)
+    reb = Rebalancer((2,) * 8, step.strategy.capacity, every=1)
+    fn = step.train_step(16, SEQ)
+    counts = None
+    for batch in batches:
+        uniform, _ = trainer.train_step(16, SEQ)(uniform, batch, trainer.signals(False))
+        hetero, metrics = fn(hetero, batch, step.signals(False, counts))
+        seconds = np.asarray(metrics["local_seconds"])
+        assert seconds.shape == (8,) and (seconds >= 0).all()
+        reb.observe(np.asarray(metrics["processed"]).tolist(), [c * t for c, t in zip(reb.counts, [0.1] * 4 + [0.3] * 4)])
+        counts = reb.propose() or counts
+        assert counts == COUNTS  # rebalanced after the first step; the second runs 3,3,3,3,1,1,1,1
+    assert np.asarray(metrics["processed"]).tolist() == list(COUNTS)
+    assert fn._cache_size() == 1
+    _close(hetero["params"], uniform["params"])
+    _close(hetero["opt_state"], uniform["opt_state"])
+
+
+def test_rebalance_flag_values_are_checked():
+    assert cli.parse(["--mesh", "data=8", "--hetero-batch", "auto"]).parallelism.strategy.rebalance_every == 10
+    assert cli.parse(["--mesh", "data=8", "--hetero-batch", "kinds"]).parallelism.strategy.rebalance_every == 0
+    for bad in (["--hetero-batch", "auto", "--rebalance-every", "0"], ["--hetero-batch", "auto", "--rebalance-every", "-2"],
+                ["--rebalance-every", "5"]):
+        with pytest.raises(ValueError, match=f"--rebalance-every {bad[-1]}: needs --hetero-batch"):
+            cli.parse(["--mesh", "data=8", *bad])
+
+
+def test_training_with_auto_rebalancing_writes_counts_and_speeds(tmp_path, capsys):
+    import json
+
+    from train.train import main
+
+    code = main(["--cpu-devices", "8", "--model", "test", "--set", "num_layers=1", "--mesh", "data=8", "--rules", "dp",
+                 "--hetero-batch", "auto", "--rebalance-every", "1", "--microbatches", "2", "--batch-size", "16",
+                 "--seq-len", "32", "--steps", "3", "--eval-every", "0", "--eval-batches", "1", "--log-every", "1",
+                 "--run-dir", str(tmp_path / "run")])
+    assert code == 0, capsys.readouterr().err
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if "train/processed" in r]
+    assert [r["step"] for r in train] == [1, 2, 3]
+    for r in train:
+        assert sum(r["train/processed"]) == 16 and max(r["train/processed"]) <= 4
+        assert len(r["train/local_seconds"]) == 8 and len(r["train/speeds"]) == 8

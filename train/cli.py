@@ -22,6 +22,8 @@ from train.config import DEFAULT_RUN_DIR, CheckpointConfig, ClusterConfig, DataC
 from train.optimizer import OptimizerConfig
 
 HETERO_EXAMPLE = "--hetero-batch 3,3,3,3,1,1,1,1"
+DEFAULT_REBALANCE = 10
+"""``--rebalance-every`` with ``--hetero-batch auto``: steps between recomputing the counts."""
 
 DESCRIPTION = (
     "Trains a decoder-only LM on a named device mesh, its parameters and activations partitioned by XLA's "
@@ -152,6 +154,10 @@ def _hetero_flags(p) -> None:
     g.add_argument("--hetero-max-share", type=int, default=None, metavar="N",
                    help="uneven data parallelism: the most microbatches one device may be given without recompiling "
                    "the step (its padded buffer); default twice the mean per device, at least the largest count")
+    g.add_argument("--rebalance-every", type=int, default=None, metavar="N",
+                   help="uneven data parallelism: every N steps, recompute the counts from each device's timed "
+                   f"microbatch loop (smoothed, with hysteresis); default {DEFAULT_REBALANCE} with --hetero-batch "
+                   "auto, off otherwise")
     g.add_argument("--plan", default=None, choices=("auto",),
                    help="choose --mesh, --rules, --microbatches, --remat, --hetero-batch and the stage split "
                    "with the planner (python -m train.plan) for --cluster/--simulate-cluster")
@@ -275,7 +281,7 @@ def _strategy(args, sizes: dict[str, int], num_layers: int):
     stages = sizes[ax.STAGE]
     if stages == -1:
         raise ValueError("--mesh stage=-1: give the pipeline's stage count, e.g. --mesh stage=4,fsdp=-1")
-    uneven = parse_hetero_batch(args.hetero_batch, args.microbatches)
+    uneven = _rebalance(parse_hetero_batch(args.hetero_batch, args.microbatches), args.rebalance_every)
     if args.hetero_max_share is not None:
         if uneven is None or args.hetero_max_share < 1:
             raise ValueError(f"--hetero-max-share {args.hetero_max_share} needs --hetero-batch and a value >= 1, "
@@ -312,6 +318,17 @@ def pipeline_plan(args, stages: int, num_layers: int) -> PipelinePlan:
                          "(1 repeat is --pipeline-schedule gpipe)")
     layout, _ = plan_layout(num_layers, stages, repeats, parse_stage_layers(args.stage_layers))
     return PipelinePlan(layout, args.microbatches)
+
+
+def _rebalance(uneven: UnevenBatch | None, every: int | None) -> UnevenBatch | None:
+    """``--rebalance-every`` onto the uneven strategy (default on with measured speeds)."""
+    if every is None:
+        on = uneven is not None and uneven.speeds == "measured"
+        return dataclasses.replace(uneven, rebalance_every=DEFAULT_REBALANCE) if on else uneven
+    if every < 1 or uneven is None:
+        raise ValueError(f"--rebalance-every {every}: needs --hetero-batch and N >= 1 steps, e.g. --hetero-batch "
+                         f"auto --rebalance-every {DEFAULT_REBALANCE}")
+    return dataclasses.replace(uneven, rebalance_every=every)
 
 
 def parse_hetero_batch(value: str, microbatches: int = 1) -> UnevenBatch | None:

@@ -21,6 +21,8 @@ pipeline's compile-time safety check, a pure function returning the plan to use.
 from __future__ import annotations
 
 import dataclasses
+import math
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -112,8 +114,10 @@ class UnevenGradients:
        equals the uniform-batch update, whatever the counts: the set of rows is the same, only the
        summation order differs.
 
-    Metrics: ``microbatches`` (the total processed) and ``processed``, int32 ``[devices along data x
-    fsdp]`` (each device's loop counter). Layouts: meshes whose only split axes are ``data`` and ``fsdp``,
+    Metrics: ``microbatches`` (the total processed), ``processed``, int32 ``[devices along data x fsdp]``
+    (each device's loop counter), and when rebalancing (``rebalance_every`` > 0) ``local_seconds``, float32
+    ``[devices]``, each device's loop time in seconds (host clock read by a callback before the loop and
+    after each microbatch); both replicated (gathered once after the loop). Layouts: meshes whose only split axes are ``data`` and ``fsdp``,
     rules that split parameters over them only (``dp``, ``fsdp``); `check_uneven` refuses the rest. Shares
     proportional to speed follow HAP (EuroSys'24), Metis (USENIX ATC'24) and FlashFlex (2024).
 
@@ -131,6 +135,7 @@ class UnevenGradients:
         self.capacity = strategy.capacity or default_capacity(sum(self.counts), len(self.counts), self.counts)
         self.param_specs = param_specs
         self.batch_axes = tuple(a for a in ax.BATCH_MESH_AXES if par.mesh_shape[a] > 1)
+        self.timed = strategy.rebalance_every > 0
 
     def gradients(self, loss_fn: LossFn, params, batch: dict, counts: jax.Array | None = None):
         """As `GradientStrategy.gradients`; ``counts``: int32 ``[devices]`` microbatches per device, each at
@@ -148,32 +153,69 @@ class UnevenGradients:
         run = jax.shard_map(
             lambda p, b, c: self._local(loss_fn, p, b, c, microbatch_rows), mesh=mesh,
             in_specs=(self.param_specs, {f: spec for f in FIELDS}, spec),
-            out_specs=(PartitionSpec(), PartitionSpec(), self.param_specs, spec),
+            out_specs=(PartitionSpec(), PartitionSpec(), self.param_specs, PartitionSpec()),
         )
-        loss_sum, weight, grads, processed = run(params, padded, counts)
-        return loss_sum, weight, grads, {"microbatches": jnp.sum(processed), "processed": processed}
+        loss_sum, weight, grads, per_device = run(params, padded, counts)
+        return loss_sum, weight, grads, {"microbatches": jnp.sum(per_device["processed"]), **per_device}
 
     def _local(self, loss_fn: LossFn, params, buffer, count, mb: int):
-        """Per-device body: gather, mark varying, loop over this device's microbatches, reduce once."""
+        """Per-device body: gather, mark varying, loop over this device's microbatches, reduce once.
+
+        When timed (``rebalance_every`` > 0), a host clock is read before the loop and after each
+        microbatch (`_clock`, a callback with a data dependence on the work, so it cannot move past the
+        reduction); the loop's seconds are returned as ``local_seconds``."""
         varying, local = self.batch_axes, self.par.local()
         full = jax.tree.map(lambda p, s: to_varying(_gather(p, s), varying), params, self.param_specs)
         grad_fn = jax.value_and_grad(lambda p, b: loss_fn(p, b, local), has_aux=True)
+        timed = self.timed
 
         def body(carry):
-            i, loss_acc, weight_acc, grad_acc = carry
+            i, loss_acc, weight_acc, grad_acc, t_last = carry
             micro = {f: jax.lax.dynamic_slice_in_dim(x, i * mb, mb, axis=0) for f, x in buffer.items()}
             (loss_sum, weight), grads = grad_fn(full, micro)
-            return i + 1, loss_acc + loss_sum, weight_acc + weight, jax.tree.map(jnp.add, grad_acc, grads)
+            loss_acc = loss_acc + loss_sum
+            # the clock waits for this microbatch's loss and every gradient leaf (one element of each)
+            t_last = _clock((loss_acc, [jnp.ravel(g)[0] for g in jax.tree.leaves(grads)])) if timed else t_last
+            return i + 1, loss_acc, weight_acc + weight, jax.tree.map(jnp.add, grad_acc, grads), t_last
 
         zero = to_varying(jnp.zeros((), jnp.float32), varying)
+        t_start = _clock(buffer["tokens"][0, 0].astype(jnp.float32)) if timed else zero
         init = (to_varying(jnp.zeros((), jnp.int32), varying), zero, zero,
-                jax.tree.map(lambda p: to_varying(jnp.zeros(p.shape, p.dtype), varying), full))
-        processed, loss_sum, weight, grads = jax.lax.while_loop(lambda c: c[0] < count[0], body, init)
+                jax.tree.map(lambda p: to_varying(jnp.zeros(p.shape, p.dtype), varying), full), t_start)
+        processed, loss_sum, weight, grads, t_end = jax.lax.while_loop(lambda c: c[0] < count[0], body, init)
         # The one reduction of the step, after every device has left its loop.
         loss_sum = jax.lax.psum(loss_sum, varying)
         weight = jax.lax.psum(weight, varying)
         grads = jax.tree.map(lambda g, s: _reduce(g, s, varying), grads, self.param_specs)
-        return loss_sum, weight, grads, processed.reshape(1)
+        per_device = {"processed": processed.reshape(1)}
+        if timed:
+            per_device["local_seconds"] = jnp.mod(t_end - t_start, _CLOCK_WRAP).reshape(1)
+        return loss_sum, weight, grads, {k: _replicate(v, varying) for k, v in per_device.items()}
+
+
+def _replicate(value, axes: tuple[str, ...]):
+    """``[devices along axes]``, each device's one-element ``value`` at its index, the same on every device
+    (a ``psum`` of one-hot rows: its result is known to be replicated, an ``all_gather``'s is not)."""
+    if not axes:
+        return value
+    n = math.prod(jax.lax.axis_size(a) for a in axes)
+    rows = jnp.zeros((n,), value.dtype).at[jax.lax.axis_index(axes)].set(value[0])
+    return jax.lax.psum(rows, axes)
+
+
+_CLOCK_WRAP = 1024.0
+"""The host clock is read modulo this many seconds, so float32 keeps ~6e-5 s resolution; a device's loop
+must take less than this (durations are taken modulo it)."""
+
+
+def _host_seconds(_after):
+    return np.float32(time.perf_counter() % _CLOCK_WRAP)
+
+
+def _clock(after) -> jax.Array:
+    """float32 host seconds (modulo `_CLOCK_WRAP`), read once the arrays ``after`` are computed (a callback,
+    not a collective; on accelerators it waits for the device's stream, microseconds per call)."""
+    return jax.pure_callback(_host_seconds, jax.ShapeDtypeStruct((), jnp.float32), after)
 
 
 def uneven_row_index(counts, microbatch_rows: int, capacity: int):
