@@ -146,7 +146,7 @@ def _hetero_flags(p) -> None:
                    "JSON/YAML inventory file; default: detected from the devices")
     g.add_argument("--simulate-cluster", default=None, metavar="SPEC",
                    help="pretend the (CPU) devices are this cluster, e.g. h100:4,a100:4 on 8 devices: their kinds "
-                   "set --hetero-batch auto's shares and --plan auto's cluster")
+                   "set --hetero-batch kinds' shares and --plan auto's cluster")
     g.add_argument("--hetero-batch", default="off", metavar="auto|kinds|off|COUNTS",
                    help="uneven data parallelism: microbatches per device along data x fsdp, proportional to "
                    "device speed (auto: measured at start-up; kinds: the device kinds' datasheet peaks) or given (e.g. 3,3,3,3,1,1,1,1; "
