@@ -65,11 +65,18 @@ class UnevenBatch:
         kinds' datasheet peaks) or ``measured`` (timed at start-up).
       microbatches: With ``counts`` None, the microbatches each device runs on average
         (``--microbatches``): the step runs ``microbatches x data x fsdp`` of them in all.
+      capacity: The padded buffer per device, in microbatches (``--hetero-max-share``): counts are an
+        input of the compiled step and may change between steps up to this; None:
+        `sharding.balance.default_capacity` (twice the mean, at least ``max(counts)``).
+      rebalance_every: Steps between recomputing the counts from the devices' timed loops
+        (``--rebalance-every``; 0: never, the step is then not timed).
     """
 
     counts: tuple[int, ...] | None = None
     speeds: str = "given"
     microbatches: int = 1
+    capacity: int | None = None
+    rebalance_every: int = 0
 
     name = "uneven"
 
@@ -275,6 +282,10 @@ class Parallelism:
             given = strategy.counts is not None and strategy.speeds == "given"
             out += ["--hetero-batch", ",".join(map(str, strategy.counts)) if given else
                     "auto" if strategy.speeds == "measured" else strategy.speeds]
+            if strategy.capacity is not None:
+                out += ["--hetero-max-share", str(strategy.capacity)]
+            if strategy.rebalance_every:
+                out += ["--rebalance-every", str(strategy.rebalance_every)]
         out += ["--microbatches", str(self.microbatches)]  # with given counts: the average, for information
         if _is_pipeline(strategy):
             layout = strategy.layout

@@ -16,6 +16,7 @@ import pytest
 from models.config import get_config
 from sharding import costmodel as cm
 from sharding import hlo
+from sharding.balance import counts_for_speeds, default_capacity
 from sharding.devices import simulate_inventory
 from sharding.mesh import make_mesh, parse_mesh
 from sharding.parallel import Accumulation, Parallelism, UnevenBatch
@@ -97,11 +98,11 @@ def test_update_equals_uniform_batch_and_counts_match(mesh_spec, rules, counts, 
     _close(jax.tree.map(lambda g: g / weight, grads), jax.tree.map(lambda g: g / u_weight, uniform))
     assert np.asarray(processed).tolist() == list(counts)
 
-    signals = trainer.signals(False)
+    signals = step.signals(False)
     compiled = step.train_step(batch_rows, SEQ).lower(trainer.init_state(0), batch, signals).compile()
     new, metrics = compiled(trainer.init_state(0), batch, signals)
     processed = metrics["processed"]
-    ref, ref_metrics = trainer.train_step(batch_rows, SEQ)(trainer.init_state(0), batch, signals)
+    ref, ref_metrics = trainer.train_step(batch_rows, SEQ)(trainer.init_state(0), batch, trainer.signals(False))
     assert np.asarray(processed).tolist() == list(counts)
     assert int(metrics["microbatches"]) == sum(counts)
     np.testing.assert_allclose(float(metrics["loss"]), float(ref_metrics["loss"]), rtol=1e-5)
@@ -123,12 +124,48 @@ def _check_compiled_loop(text, trainer, mesh_spec, rules, counts, rows):
               if op.replace("-start", "") in hlo.COLLECTIVE_OPS]
     assert inside == []
     layout = cm.Layout(parse_mesh(mesh_spec, 8), rules, 1, uneven_batch=True)
-    cost = cm.device_cost(trainer.config, layout, seq_len=SEQ, rows=rows, microbatches=max(counts), backend="cpu",
+    capacity = default_capacity(sum(counts), len(counts), counts)
+    cost = cm.device_cost(trainer.config, layout, seq_len=SEQ, rows=rows, microbatches=capacity, backend="cpu",
                           batch_rows=sum(counts) * rows)
     compiled, predicted = cm.collective_bytes(hlo.collectives(text)), cm.collective_bytes(cost.comms)
     assert set(compiled) == set(predicted)
     for kind in compiled:
         assert abs(predicted[kind] - compiled[kind]) <= 0.1 * compiled[kind], (kind, predicted, compiled)
+
+
+def test_counts_are_an_input_changing_them_neither_recompiles_nor_changes_the_update():
+    trainer = _trainer("data=8", "dp")
+    step = _uneven(trainer, COUNTS)
+    assert step.strategy.capacity == 4  # twice the mean of 2, above max(COUNTS) = 3
+    batch = _batch(trainer, 16)
+    fn = step.train_step(16, SEQ)
+    ref, _ = trainer.train_step(16, SEQ)(trainer.init_state(0), batch, trainer.signals(False))
+    for counts in (COUNTS, (2,) * 8, (0, 4, 1, 3, 2, 2, 4, 0)):
+        new, metrics = fn(trainer.init_state(0), batch, step.signals(False, counts))
+        assert np.asarray(metrics["processed"]).tolist() == list(counts)
+        _close(new["params"], ref["params"])
+    assert fn._cache_size() == 1  # one compilation for every set of counts
+    for bad in ((5, 3, 3, 3, 1, 1, 0, 0), (2,) * 7, (3,) * 8):  # above capacity, too few, wrong total
+        with pytest.raises(ValueError, match="--hetero-max-share 4"):
+            step.signals(False, bad)
+
+
+def test_row_index_from_counts_on_device():
+    index = np.asarray(strategies.uneven_row_index(np.array([2, 0, 1], np.int32), 2, 3))
+    assert index.tolist() == [[0, 1, 2, 3, 0, 0], [0] * 6, [4, 5, 0, 0, 0, 0]]
+    traced = jax.jit(lambda c: strategies.uneven_row_index(c, 2, 3))(jnp.array([2, 0, 1], jnp.int32))
+    assert np.asarray(traced).tolist() == index.tolist()
+
+
+def test_capacity_and_capped_counts():
+    assert default_capacity(16, 8) == 4 and default_capacity(12, 8, (0, 2, 1, 1, 4, 1, 0, 3)) == 4
+    assert default_capacity(3, 2) == 3  # never above the total
+    assert counts_for_speeds([10.0, 1.0, 1.0, 1.0], 8, capacity=4) == [4, 2, 1, 1]
+    assert counts_for_speeds([3.0, 3.0, 1.0, 1.0], 8, groups=[0, 0, 1, 1]) == [3, 3, 1, 1]
+    with pytest.raises(ValueError):
+        counts_for_speeds([1.0, 1.0], 5, capacity=2)
+    with pytest.raises(ValueError):
+        counts_for_speeds([1.0, 1.0, 1.0, 1.0], 7, groups=[0, 0, 1, 1])
 
 
 def test_speed_counts_largest_remainder():
@@ -166,6 +203,12 @@ def test_bad_layouts_and_counts_are_refused_naming_the_flag():
         checks.validate(resolve_mesh(run, 8), 8)
     with pytest.raises(ValueError, match="--hetero-batch"):
         cli.parse_hetero_batch("3,x")
+    with pytest.raises(ValueError, match="--hetero-max-share 0 needs"):
+        cli.parse(["--mesh", "data=8", "--hetero-batch", "auto", "--hetero-max-share", "0"])
+    with pytest.raises(ValueError, match="--hetero-max-share 2 is below"):
+        run = cli.parse(["--model", "test", "--mesh", "data=8", "--rules", "dp", "--hetero-batch", "3,3,3,3,1,1,1,1",
+                         "--hetero-max-share", "2", "--batch-size", "16"])
+        checks.validate(resolve_mesh(run, 8), 8)
     run = cli.parse(["--model", "test", "--mesh", "data=8", "--rules", "dp", "--hetero-batch", "3,3,3,3,1,1,1,1",
                      "--batch-size", "20", "--dry-run"])
     with pytest.raises(ValueError, match="--batch-size 20"):
@@ -193,7 +236,7 @@ def test_cli_dry_run_with_simulated_cluster_and_auto_counts(capsys):
     from train.train import main
 
     code = main(["--cpu-devices", "8", "--model", "test", "--set", "num_layers=1", "--mesh", "data=8", "--rules", "dp",
-                 "--simulate-cluster", "h100:4,a100:4", "--hetero-batch", "auto", "--microbatches", "2",
+                 "--simulate-cluster", "h100:4,a100:4", "--hetero-batch", "kinds", "--microbatches", "2",
                  "--batch-size", "16", "--seq-len", "32", "--dry-run"])
     out = capsys.readouterr().out
     assert code == 0
@@ -208,3 +251,118 @@ def test_cli_refuses_uneven_batch_on_a_tensor_mesh(capsys):
                  "--hetero-batch", "1,1,1,1", "--batch-size", "8", "--seq-len", "32", "--dry-run"])
     assert code == 2
     assert "--hetero-batch supports data-parallel meshes" in capsys.readouterr().err
+
+
+def test_calibration_counts_follow_injected_timings_per_process():
+    """Timings map to the batch grid by process and local rank; counts follow the measured speeds."""
+    from types import SimpleNamespace
+
+    from train import calibrate
+
+    devices = [SimpleNamespace(id=i, process_index=i // 4) for i in range(8)]
+    table = np.array([[0.1] * 4, [0.3] * 4])
+    seconds = calibrate.grid_seconds(devices[::-1], table, devices)
+    assert seconds == [0.3] * 4 + [0.1] * 4
+
+    trainer = _trainer("data=8", "dp")
+    par = trainer.par.replace(strategy=UnevenBatch(None, "measured", 2))
+    calls = []
+
+    def timer(fn, args_on, local, together):  # one process on CPU: the devices run together
+        calls.append((len(local), together))
+        return [0.2] * len(local)
+
+    resolved, cal = calibrate.calibrate(par, trainer.loss_sums, trainer.abstract_params, 16, SEQ, timer=timer)
+    assert calls == [(8, True)] and resolved.strategy.counts == (2,) * 8 and resolved.strategy.capacity == 4
+    assert cal.seconds == (0.2,) * 8 and "5.00 microbatches/s" in "".join(cal.lines(1))
+
+    fn, args_on = calibrate.local_work(par, trainer.loss_sums, trainer.abstract_params, 2, SEQ)
+    ticks = iter([0.0, 0.6, 1.0, 1.3])
+    out = calibrate.time_local_devices(fn, args_on, jax.devices()[:2], together=False, repeats=3,
+                                       clock=lambda: next(ticks))
+    np.testing.assert_allclose(out, [0.2, 0.1])
+
+
+def test_cli_auto_measures_and_reports(capsys):
+    from train.train import main
+
+    code = main(["--cpu-devices", "8", "--model", "test", "--set", "num_layers=1", "--mesh", "data=8", "--rules", "dp",
+                 "--hetero-batch", "auto", "--microbatches", "2", "--batch-size", "16", "--seq-len", "32", "--dry-run"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "measured speeds (--hetero-batch auto" in out and "datasheet n/a, 2 microbatches" in out
+    assert "per device 2, 2, 2, 2, 2, 2, 2, 2; padded buffer 4" in out
+
+
+def test_rebalancer_smooths_with_hysteresis_and_follows_a_straggler():
+    from sharding.balance import Rebalancer
+
+    reb = Rebalancer((2,) * 8, capacity=4, every=3)
+    fast, slow = [0.1] * 4, [0.3] * 4
+    for _ in range(2):
+        reb.observe((2,) * 8, [2 * t for t in fast + slow])
+        assert reb.propose() is None  # not due yet
+    reb.observe((2,) * 8, [2 * t for t in fast + slow])
+    assert reb.propose() == COUNTS and reb.counts == COUNTS
+    for _ in range(3):  # 3% noise: the predicted gain is below the 5% margin, counts stay
+        reb.observe(COUNTS, [c * t for c, t in zip(COUNTS, [0.1] * 4 + [0.29] * 4)])
+    assert reb.propose() is None
+    for _ in range(6):  # device 0 becomes 4x slower: its share falls
+        reb.observe(COUNTS, [c * t for c, t in zip(COUNTS, [0.4] + [0.1] * 3 + [0.3] * 4)])
+        reb.propose()
+    assert reb.counts[0] < 3 and sum(reb.counts) == 16 and max(reb.counts) <= 4
+    reb.observe((0,) + reb.counts[1:], [0.0] + [0.1] * 7)  # a device that ran nothing keeps its estimate
+    assert reb.seconds[0] is not None
+    with pytest.raises(ValueError, match="--rebalance-every 0"):
+        Rebalancer((1, 1), 2, 0)
+
+
+def test_updates_equal_uniform_before_and_after_a_rebalance():
+    from sharding.balance import Rebalancer
+
+    trainer = _trainer("data=2,fsdp=4", "fsdp")
+    step = Trainer(trainer.config, trainer.optimizer, trainer.par.replace(strategy=UnevenBatch((2,) * 8, rebalance_every=1)))
+    batches = [_batch(trainer, 16, seed) for seed in (0, 1)]
+    uniform, hetero = trainer.init_state(0), step.init_state(0)
+    reb = Rebalancer((2,) * 8, step.strategy.capacity, every=1)
+    fn = step.train_step(16, SEQ)
+    counts = None
+    for batch in batches:
+        uniform, _ = trainer.train_step(16, SEQ)(uniform, batch, trainer.signals(False))
+        hetero, metrics = fn(hetero, batch, step.signals(False, counts))
+        seconds = np.asarray(metrics["local_seconds"])
+        assert seconds.shape == (8,) and (seconds >= 0).all()
+        reb.observe(np.asarray(metrics["processed"]).tolist(), [c * t for c, t in zip(reb.counts, [0.1] * 4 + [0.3] * 4)])
+        counts = reb.propose() or counts
+        assert counts == COUNTS  # rebalanced after the first step; the second runs 3,3,3,3,1,1,1,1
+    assert np.asarray(metrics["processed"]).tolist() == list(COUNTS)
+    assert fn._cache_size() == 1
+    _close(hetero["params"], uniform["params"])
+    _close(hetero["opt_state"], uniform["opt_state"])
+
+
+def test_rebalance_flag_values_are_checked():
+    assert cli.parse(["--mesh", "data=8", "--hetero-batch", "auto"]).parallelism.strategy.rebalance_every == 10
+    assert cli.parse(["--mesh", "data=8", "--hetero-batch", "kinds"]).parallelism.strategy.rebalance_every == 0
+    for bad in (["--hetero-batch", "auto", "--rebalance-every", "0"], ["--hetero-batch", "auto", "--rebalance-every", "-2"],
+                ["--rebalance-every", "5"]):
+        with pytest.raises(ValueError, match=f"--rebalance-every {bad[-1]}: needs --hetero-batch"):
+            cli.parse(["--mesh", "data=8", *bad])
+
+
+def test_training_with_auto_rebalancing_writes_counts_and_speeds(tmp_path, capsys):
+    import json
+
+    from train.train import main
+
+    code = main(["--cpu-devices", "8", "--model", "test", "--set", "num_layers=1", "--mesh", "data=8", "--rules", "dp",
+                 "--hetero-batch", "auto", "--rebalance-every", "1", "--microbatches", "2", "--batch-size", "16",
+                 "--seq-len", "32", "--steps", "3", "--eval-every", "0", "--eval-batches", "1", "--log-every", "1",
+                 "--run-dir", str(tmp_path / "run")])
+    assert code == 0, capsys.readouterr().err
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if "train/processed" in r]
+    assert [r["step"] for r in train] == [1, 2, 3]
+    for r in train:
+        assert sum(r["train/processed"]) == 16 and max(r["train/processed"]) <= 4
+        assert len(r["train/local_seconds"]) == 8 and len(r["train/speeds"]) == 8

@@ -9,6 +9,7 @@ that relate flags to each other and to the devices live in `train.checks`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -22,6 +23,8 @@ from train.config import DEFAULT_RUN_DIR, CheckpointConfig, ClusterConfig, DataC
 from train.optimizer import OptimizerConfig
 
 HETERO_EXAMPLE = "--hetero-batch 3,3,3,3,1,1,1,1"
+DEFAULT_REBALANCE = 10
+"""``--rebalance-every`` with ``--hetero-batch auto``: steps between recomputing the counts."""
 
 DESCRIPTION = (
     "Trains a decoder-only LM on a named device mesh, its parameters and activations partitioned by XLA's "
@@ -148,11 +151,18 @@ def _hetero_flags(p) -> None:
                    "JSON/YAML inventory file; default: detected from the devices")
     g.add_argument("--simulate-cluster", default=None, metavar="SPEC",
                    help="pretend the (CPU) devices are this cluster, e.g. h100:4,a100:4 on 8 devices: their kinds "
-                   "set --hetero-batch auto's shares and --plan auto's cluster")
+                   "set --hetero-batch kinds' shares and --plan auto's cluster")
     g.add_argument("--hetero-batch", default="off", metavar="auto|kinds|off|COUNTS",
                    help="uneven data parallelism: microbatches per device along data x fsdp, proportional to "
-                   "device speed (auto, kinds: the device kinds' datasheet peaks) or given (e.g. 3,3,3,3,1,1,1,1; "
+                   "device speed (auto: measured at start-up; kinds: the device kinds' datasheet peaks) or given (e.g. 3,3,3,3,1,1,1,1; "
                    "microbatch = --batch-size / their sum); dp/fsdp rules, data/fsdp meshes")
+    g.add_argument("--hetero-max-share", type=int, default=None, metavar="N",
+                   help="uneven data parallelism: the most microbatches one device may be given without recompiling "
+                   "the step (its padded buffer); default twice the mean per device, at least the largest count")
+    g.add_argument("--rebalance-every", type=int, default=None, metavar="N",
+                   help="uneven data parallelism: every N steps, recompute the counts from each device's timed "
+                   f"microbatch loop (smoothed, with hysteresis); default {DEFAULT_REBALANCE} with --hetero-batch "
+                   "auto, off otherwise")
     g.add_argument("--plan", default=None, choices=("auto",),
                    help="choose --mesh, --rules, --microbatches, --remat, --hetero-batch and the stage split "
                    "with the planner (python -m train.plan) for --cluster/--simulate-cluster")
@@ -318,7 +328,12 @@ def _strategy(args, sizes: dict[str, int], num_layers: int):
     stages = sizes[ax.STAGE]
     if stages == -1:
         raise ValueError("--mesh stage=-1: give the pipeline's stage count, e.g. --mesh stage=4,fsdp=-1")
-    uneven = parse_hetero_batch(args.hetero_batch, args.microbatches)
+    uneven = _rebalance(parse_hetero_batch(args.hetero_batch, args.microbatches), args.rebalance_every)
+    if args.hetero_max_share is not None:
+        if uneven is None or args.hetero_max_share < 1:
+            raise ValueError(f"--hetero-max-share {args.hetero_max_share} needs --hetero-batch and a value >= 1, "
+                             f"e.g. --hetero-batch auto --hetero-max-share 4")
+        uneven = dataclasses.replace(uneven, capacity=args.hetero_max_share)
     if args.plan and uneven is not None and uneven.speeds == "given":
         raise ValueError(f"--plan auto chooses --hetero-batch itself; drop --hetero-batch {args.hetero_batch}")
     if stages == 1:
@@ -352,11 +367,22 @@ def pipeline_plan(args, stages: int, num_layers: int) -> PipelinePlan:
     return PipelinePlan(layout, args.microbatches)
 
 
+def _rebalance(uneven: UnevenBatch | None, every: int | None) -> UnevenBatch | None:
+    """``--rebalance-every`` onto the uneven strategy (default on with measured speeds)."""
+    if every is None:
+        on = uneven is not None and uneven.speeds == "measured"
+        return dataclasses.replace(uneven, rebalance_every=DEFAULT_REBALANCE) if on else uneven
+    if every < 1 or uneven is None:
+        raise ValueError(f"--rebalance-every {every}: needs --hetero-batch and N >= 1 steps, e.g. --hetero-batch "
+                         f"auto --rebalance-every {DEFAULT_REBALANCE}")
+    return dataclasses.replace(uneven, rebalance_every=every)
+
+
 def parse_hetero_batch(value: str, microbatches: int = 1) -> UnevenBatch | None:
     """``--hetero-batch off|auto|kinds|COUNTS`` -> `UnevenBatch` (None for ``off``).
 
-    ``auto`` and ``kinds`` take speeds from the devices' kinds (datasheet peaks; ``--simulate-cluster``
-    on CPU), ``microbatches`` per device on average.
+    ``auto`` measures the devices at start-up (`train.calibrate`), ``kinds`` takes speeds from the devices'
+    kinds (datasheet peaks; ``--simulate-cluster`` on CPU); both ``microbatches`` per device on average.
 
     Raises:
       ValueError: Counts that are not integers, negative, or all zero; naming the flag.
@@ -365,7 +391,7 @@ def parse_hetero_batch(value: str, microbatches: int = 1) -> UnevenBatch | None:
     if text == "off":
         return None
     if text in ("auto", "kinds"):
-        return UnevenBatch(None, "kinds", microbatches)
+        return UnevenBatch(None, "measured" if text == "auto" else "kinds", microbatches)
     try:
         counts = tuple(int(x) for x in text.split(","))
     except ValueError:

@@ -283,7 +283,8 @@ def startup(run, trainer, speeds=None, notes=()) -> list[str]:
         lines.append(f"note: --attention {model.attention} with the length whole on every device (no sequence axis "
                      f"> 1 in --mesh {format_mesh(par.mesh_shape)}) is plain flash attention: no context parallelism")
     if isinstance(par.strategy, UnevenBatch):
-        lines.append(describe_uneven(par.strategy.counts, run.data.batch_size // par.strategy.total, speeds))
+        lines.append(describe_uneven(par.strategy.counts, run.data.batch_size // par.strategy.total, speeds,
+                                     trainer.strategy.capacity))
     built = sum(x.size for x in jax.tree.leaves(trainer.abstract_params))
     lines += startup_lines(model, run.preset, trainer.mesh, trainer.rules, trainer.report, built)
     lines.append(logits_line(run))

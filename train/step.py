@@ -180,13 +180,16 @@ class Trainer:
         return loss_sums(self.graphdef, params, batch["tokens"], batch["targets"], batch["loss_mask"],
                          batch["positions"], batch["segment_ids"], self.par if par is None else par)
 
-    def gradients(self, params, batch) -> tuple[jax.Array, jax.Array, Any, dict]:
-        """The strategy's ``(loss_sum, weight_sum, grads, metrics)`` of a global batch (inside jit)."""
-        return self.strategy.gradients(self.loss_sums, params, batch)
+    def gradients(self, params, batch, counts=None) -> tuple[jax.Array, jax.Array, Any, dict]:
+        """The strategy's ``(loss_sum, weight_sum, grads, metrics)`` of a global batch (inside jit);
+        ``counts``: the uneven strategy's int32 ``[devices]`` microbatches per device (None: its own)."""
+        if counts is None:
+            return self.strategy.gradients(self.loss_sums, params, batch)
+        return self.strategy.gradients(self.loss_sums, params, batch, counts)
 
     def _step(self, state, batch, signals):
-        loss_sum, weight, grads, extra = self.gradients(state["params"], batch)
-        new_state, metrics = self.apply_gradients(state, loss_sum, weight, grads, signals)
+        loss_sum, weight, grads, extra = self.gradients(state["params"], batch, signals.get("counts"))
+        new_state, metrics = self.apply_gradients(state, loss_sum, weight, grads, signals["stop"])
         return new_state, {**metrics, **extra}
 
     def apply_gradients(self, state, loss_sum, weight, grads, signals) -> tuple[dict, dict]:
@@ -197,7 +200,7 @@ class Trainer:
           loss_sum: float32 scalar, the summed token loss (nats).
           weight: float32 scalar, the summed loss mask (tokens).
           grads: Gradients of ``loss_sum``, shaped as the params.
-          signals: The ``[num_devices]`` int32 stop-signal vector (`signals`).
+          signals: The ``[num_devices]`` int32 stop-signal vector (`signals`'s ``stop``).
 
         A non-finite loss or gradient leaves parameters and optimizer state as they were
         (``metrics["finite"]`` is False); the step counter still advances.
@@ -215,22 +218,43 @@ class Trainer:
                      "opt_state": jax.tree.map(keep, opt_state, state["opt_state"]), "rng": state["rng"]}
         return new_state, metrics
 
-    def signal_sharding(self) -> NamedSharding:
-        """Sharding of the ``[num_devices]`` int32 stop-signal vector: one entry per device."""
-        return NamedSharding(self.mesh, PartitionSpec(tuple(self.mesh.axis_names)))
+    def signal_sharding(self) -> dict[str, NamedSharding]:
+        """Shardings of the step's host inputs (`signals`): ``stop`` one entry per device, ``counts``
+        (uneven strategy only) replicated."""
+        out = {"stop": NamedSharding(self.mesh, PartitionSpec(tuple(self.mesh.axis_names)))}
+        if isinstance(self.strategy, strategies.UnevenGradients):
+            out["counts"] = self.replicated
+        return out
 
-    def signals(self, stop: bool) -> jax.Array:
-        """This process's stop request as the global ``[num_devices]`` signal vector.
+    def signals(self, stop: bool, counts=None) -> dict[str, jax.Array]:
+        """The step's per-step host inputs: ``stop``, this process's stop request as the global
+        ``[num_devices]`` int32 vector, and for the uneven strategy ``counts``, int32 ``[devices along data
+        x fsdp]`` microbatches per device (default the strategy's counts; each at most its capacity,
+        summing to the same total: they change without recompiling the step).
 
-        The train step reduces it with a max, so every process reads the same ``stop`` metric and all stop
-        after the same step.
+        The train step reduces ``stop`` with a max, so every process reads the same ``stop`` metric and all
+        stop after the same step. Every process must pass the same ``counts``.
+
+        Raises:
+          ValueError: Counts of the wrong length or total, or above the buffer's capacity.
         """
         value = np.int32(1 if stop else 0)
-        return jax.make_array_from_callback((self.mesh.devices.size,), self.signal_sharding(),
-                                            lambda index: np.full((1,), value))
+        shardings = self.signal_sharding()
+        out = {"stop": jax.make_array_from_callback((self.mesh.devices.size,), shardings["stop"],
+                                                    lambda index: np.full((1,), value))}
+        if "counts" in shardings:
+            strategy = self.strategy
+            counts = np.asarray(strategy.counts if counts is None else counts, np.int32)
+            if (counts.shape != (len(strategy.counts),) or int(counts.sum()) != sum(strategy.counts)
+                    or counts.min() < 0 or counts.max() > strategy.capacity):
+                raise ValueError(f"uneven counts {counts.tolist()}: need {len(strategy.counts)} counts >= 0 summing "
+                                 f"to {sum(strategy.counts)}, each at most --hetero-max-share {strategy.capacity}")
+            out["counts"] = jax.make_array_from_callback(counts.shape, shardings["counts"], lambda index: counts[index])
+        return out
 
     def _jit(self, kind: str, global_batch: int, seq_len: int):
-        """The one jit builder: ``train`` ``(state, batch, signals) -> (state, metrics)`` (donating the state)
+        """The one jit builder: ``train`` ``(state, batch, signals) -> (state, metrics)`` (donating the state;
+        ``signals`` as `signals` returns)
         or ``eval`` ``(params, batch) -> (loss_sum, weight_sum)``, with explicit shardings, cached."""
         key = (kind, global_batch, seq_len)
         if key not in self._jitted:
@@ -269,7 +293,9 @@ class Trainer:
 
     def compile_train_step(self, global_batch: int, seq_len: int):
         """Ahead-of-time compiled train step from abstract shapes (no allocation)."""
-        signals = jax.ShapeDtypeStruct((self.mesh.devices.size,), jnp.int32, sharding=self.signal_sharding())
+        sizes = {"stop": self.mesh.devices.size, "counts": self.par.data_parallel}
+        signals = {k: jax.ShapeDtypeStruct((sizes[k],), jnp.int32, sharding=sh)
+                   for k, sh in self.signal_sharding().items()}
         return self.train_step(global_batch, seq_len).lower(
             self.abstract_state(), self.abstract_batch(global_batch, seq_len), signals).compile()
 

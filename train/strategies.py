@@ -20,6 +20,9 @@ pipeline's compile-time safety check, a pure function returning the plan to use.
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -93,12 +96,14 @@ class UnevenGradients:
     """Uneven data parallelism: devices of a faster kind run more microbatches per step.
 
     Each device ``i`` along the batch axes (``data`` x ``fsdp``) runs ``counts[i]`` microbatches of
-    ``microbatch_rows`` sequences per step, inside one SPMD program:
+    ``microbatch_rows`` sequences per step, inside one SPMD program. The counts are an input of the
+    compiled step (int32 ``[devices]``, replicated), so they can change between steps without recompiling:
 
     1. The global batch ``[B, T]`` (``B = sum(counts) * microbatch_rows``, laid out as the uniform step
-       lays it out) is re-laid inside the step into a padded per-device buffer of ``max(counts) *
-       microbatch_rows`` rows: device ``i`` gets ``counts[i]`` consecutive microbatches, then padding it
-       never reads.
+       lays it out) is re-laid inside the step into a padded per-device buffer of ``capacity *
+       microbatch_rows`` rows (`uneven_row_index`, computed on device from the counts): device ``i`` gets
+       ``counts[i]`` consecutive microbatches, then padding it never reads. ``capacity`` is static
+       (`sharding.balance.default_capacity` or ``--hetero-max-share``); counts above it are not allowed.
     2. Inside `jax.shard_map` over the mesh, each device gathers the parameters it holds a shard of (FSDP)
        once, marks them device-varying (`sharding.parallel.to_varying`) so that `jax.grad` inserts no
        collective, and loops ``counts[i]`` times (a ``while`` loop whose trip count is a per-device input),
@@ -106,76 +111,128 @@ class UnevenGradients:
        with per-device trip counts one would deadlock (GUIDE.md, pitfalls).
     3. After the loop, one reduction: a ``psum`` over the batch axes (``psum_scatter`` over ``fsdp`` for
        sharded parameters). Divided by the global token count as the uniform step divides it, the update
-       equals the uniform-batch update.
+       equals the uniform-batch update, whatever the counts: the set of rows is the same, only the
+       summation order differs.
 
-    Metrics: ``microbatches`` (the total processed) and ``processed``, int32 ``[devices along data x
-    fsdp]`` (each device's loop counter). Layouts: meshes whose only split axes are ``data`` and ``fsdp``,
+    Metrics: ``microbatches`` (the total processed), ``processed``, int32 ``[devices along data x fsdp]``
+    (each device's loop counter), and when rebalancing (``rebalance_every`` > 0) ``local_seconds``, float32
+    ``[devices]``, each device's loop time in seconds (host clock read by a callback before the loop and
+    after each microbatch); both replicated (gathered once after the loop). Layouts: meshes whose only split axes are ``data`` and ``fsdp``,
     rules that split parameters over them only (``dp``, ``fsdp``); `check_uneven` refuses the rest. Shares
     proportional to speed follow HAP (EuroSys'24), Metis (USENIX ATC'24) and FlashFlex (2024).
 
     Args:
-      par: The run's layout, strategy `UnevenBatch` with resolved counts.
+      par: The run's layout, strategy `UnevenBatch` with resolved counts (the default input).
       param_specs: The parameters' `PartitionSpec`s (a tree shaped as the params).
     """
 
     def __init__(self, par: Parallelism, param_specs):
+        from sharding.balance import default_capacity
+
         self.par = par
-        self.counts = tuple(par.strategy.counts)
+        strategy = par.strategy
+        self.counts = tuple(strategy.counts)
+        self.capacity = strategy.capacity or default_capacity(sum(self.counts), len(self.counts), self.counts)
         self.param_specs = param_specs
         self.batch_axes = tuple(a for a in ax.BATCH_MESH_AXES if par.mesh_shape[a] > 1)
+        self.timed = strategy.rebalance_every > 0
 
-    def row_index(self, microbatch_rows: int) -> np.ndarray:
-        """``[devices, max(counts) * microbatch_rows]`` rows of the global batch each device holds.
-
-        Device ``i`` holds microbatches ``sum(counts[:i]) .. sum(counts[:i+1]) - 1`` (rows in order), then
-        row 0 as padding it never reads.
-        """
-        mb, width = microbatch_rows, max(self.counts) * microbatch_rows
-        index = np.zeros((len(self.counts), width), np.int32)
-        start = 0
-        for i, count in enumerate(self.counts):
-            index[i, : count * mb] = np.arange(start, start + count * mb)
-            start += count * mb
-        return index
-
-    def gradients(self, loss_fn: LossFn, params, batch: dict):
+    def gradients(self, loss_fn: LossFn, params, batch: dict, counts: jax.Array | None = None):
+        """As `GradientStrategy.gradients`; ``counts``: int32 ``[devices]`` microbatches per device, each at
+        most ``capacity``, summing to ``sum(self.counts)`` (default: ``self.counts``)."""
         mesh, spec = self.par.mesh, PartitionSpec(self.batch_axes or None)
         rows = next(iter(batch.values())).shape[0]
         microbatch_rows = rows // sum(self.counts)
-        index = self.row_index(microbatch_rows)
+        if counts is None:
+            counts = jnp.asarray(np.asarray(self.counts, np.int32))
+        index = uneven_row_index(counts, microbatch_rows, self.capacity)
         sharding = NamedSharding(mesh, spec)
-        padded = {f: jax.lax.with_sharding_constraint(jnp.take(batch[f], jnp.asarray(index.reshape(-1)), axis=0),
-                                                      sharding) for f in FIELDS}
-        counts = jax.lax.with_sharding_constraint(jnp.asarray(np.asarray(self.counts, np.int32)), sharding)
+        padded = {f: jax.lax.with_sharding_constraint(jnp.take(batch[f], index.reshape(-1), axis=0), sharding)
+                  for f in FIELDS}
+        counts = jax.lax.with_sharding_constraint(counts, sharding)
         run = jax.shard_map(
             lambda p, b, c: self._local(loss_fn, p, b, c, microbatch_rows), mesh=mesh,
             in_specs=(self.param_specs, {f: spec for f in FIELDS}, spec),
-            out_specs=(PartitionSpec(), PartitionSpec(), self.param_specs, spec),
+            out_specs=(PartitionSpec(), PartitionSpec(), self.param_specs, PartitionSpec()),
         )
-        loss_sum, weight, grads, processed = run(params, padded, counts)
-        return loss_sum, weight, grads, {"microbatches": jnp.sum(processed), "processed": processed}
+        loss_sum, weight, grads, per_device = run(params, padded, counts)
+        return loss_sum, weight, grads, {"microbatches": jnp.sum(per_device["processed"]), **per_device}
 
     def _local(self, loss_fn: LossFn, params, buffer, count, mb: int):
-        """Per-device body: gather, mark varying, loop over this device's microbatches, reduce once."""
+        """Per-device body: gather, mark varying, loop over this device's microbatches, reduce once.
+
+        When timed (``rebalance_every`` > 0), a host clock is read before the loop and after each
+        microbatch (`_clock`, a callback with a data dependence on the work, so it cannot move past the
+        reduction); the loop's seconds are returned as ``local_seconds``."""
         varying, local = self.batch_axes, self.par.local()
         full = jax.tree.map(lambda p, s: to_varying(gather_shards(p, s), varying), params, self.param_specs)
         grad_fn = jax.value_and_grad(lambda p, b: loss_fn(p, b, local), has_aux=True)
+        timed = self.timed
 
         def body(carry):
-            i, loss_acc, weight_acc, grad_acc = carry
+            i, loss_acc, weight_acc, grad_acc, t_last = carry
             micro = {f: jax.lax.dynamic_slice_in_dim(x, i * mb, mb, axis=0) for f, x in buffer.items()}
             (loss_sum, weight), grads = grad_fn(full, micro)
-            return i + 1, loss_acc + loss_sum, weight_acc + weight, jax.tree.map(jnp.add, grad_acc, grads)
+            loss_acc = loss_acc + loss_sum
+            # the clock waits for this microbatch's loss and every gradient leaf (one element of each)
+            t_last = _clock((loss_acc, [jnp.ravel(g)[0] for g in jax.tree.leaves(grads)])) if timed else t_last
+            return i + 1, loss_acc, weight_acc + weight, jax.tree.map(jnp.add, grad_acc, grads), t_last
 
         zero = to_varying(jnp.zeros((), jnp.float32), varying)
+        t_start = _clock(buffer["tokens"][0, 0].astype(jnp.float32)) if timed else zero
         init = (to_varying(jnp.zeros((), jnp.int32), varying), zero, zero,
-                jax.tree.map(lambda p: to_varying(jnp.zeros(p.shape, p.dtype), varying), full))
-        processed, loss_sum, weight, grads = jax.lax.while_loop(lambda c: c[0] < count[0], body, init)
+                jax.tree.map(lambda p: to_varying(jnp.zeros(p.shape, p.dtype), varying), full), t_start)
+        processed, loss_sum, weight, grads, t_end = jax.lax.while_loop(lambda c: c[0] < count[0], body, init)
         # The one reduction of the step, after every device has left its loop.
         loss_sum = jax.lax.psum(loss_sum, varying)
         weight = jax.lax.psum(weight, varying)
         grads = jax.tree.map(lambda g, s: reduce_shards(g, s, varying), grads, self.param_specs)
-        return loss_sum, weight, grads, processed.reshape(1)
+        per_device = {"processed": processed.reshape(1)}
+        if timed:
+            per_device["local_seconds"] = jnp.mod(t_end - t_start, _CLOCK_WRAP).reshape(1)
+        return loss_sum, weight, grads, {k: _replicate(v, varying) for k, v in per_device.items()}
+
+
+def _replicate(value, axes: tuple[str, ...]):
+    """``[devices along axes]``, each device's one-element ``value`` at its index, the same on every device
+    (a ``psum`` of one-hot rows: its result is known to be replicated, an ``all_gather``'s is not)."""
+    if not axes:
+        return value
+    n = math.prod(jax.lax.axis_size(a) for a in axes)
+    rows = jnp.zeros((n,), value.dtype).at[jax.lax.axis_index(axes)].set(value[0])
+    return jax.lax.psum(rows, axes)
+
+
+_CLOCK_WRAP = 1024.0
+"""The host clock is read modulo this many seconds, so float32 keeps ~6e-5 s resolution; a device's loop
+must take less than this (durations are taken modulo it)."""
+
+
+def _host_seconds(_after):
+    return np.float32(time.perf_counter() % _CLOCK_WRAP)
+
+
+def _clock(after) -> jax.Array:
+    """float32 host seconds (modulo `_CLOCK_WRAP`), read once the arrays ``after`` are computed (a callback,
+    not a collective; on accelerators it waits for the device's stream, microseconds per call)."""
+    return jax.pure_callback(_host_seconds, jax.ShapeDtypeStruct((), jnp.float32), after)
+
+
+def uneven_row_index(counts, microbatch_rows: int, capacity: int):
+    """``[devices, capacity * microbatch_rows]`` int32: the rows of the global batch each device holds.
+
+    Device ``i`` holds microbatches ``sum(counts[:i]) .. sum(counts[:i+1]) - 1`` (rows in order), then row
+    0 as padding it never reads. Works on device (inside jit, ``counts`` traced) and on NumPy input.
+
+    Args:
+      counts: int32 ``[devices]``, each at most ``capacity``.
+      microbatch_rows: Sequences per microbatch.
+      capacity: Microbatches the buffer holds per device (static).
+    """
+    counts = jnp.asarray(counts, jnp.int32)
+    starts = (jnp.cumsum(counts) - counts) * microbatch_rows
+    slot = jnp.arange(capacity * microbatch_rows, dtype=jnp.int32)
+    return jnp.where(slot[None, :] < counts[:, None] * microbatch_rows, starts[:, None] + slot[None, :], 0)
 
 
 def make_strategy(par: Parallelism, param_specs) -> GradientStrategy:
@@ -214,8 +271,6 @@ def checked_pipeline(par: Parallelism, compiled_text: str) -> tuple[Parallelism,
     ops = ", ".join(sorted({f"{c.op} ({c.name})" for c in unsafe}))
     note = (f"pipeline: the partitioner put {ops} inside a skipped layer slot, where stages that skip it would "
             f"leave others waiting; this run computes every slot instead (empty slots cost compute too)")
-    import dataclasses
-
     return par.replace(strategy=dataclasses.replace(plan, skip_empty=False)), note
 
 
@@ -243,8 +298,9 @@ def device_speeds(mesh, simulated: Mapping[int, Any] | None = None) -> list[floa
         peak = peak_flops(device, simulated)
         if peak is None:
             raise ValueError(
-                f"--hetero-batch auto: the peak speed of device {device.id} ({device.device_kind}) is unknown; "
-                f"give --simulate-cluster (e.g. h100:4,a100:4) or explicit counts (--hetero-batch 3,3,3,3,1,1,1,1)"
+                f"--hetero-batch kinds: the peak speed of device {device.id} ({device.device_kind}) is unknown; "
+                f"give --simulate-cluster (e.g. h100:4,a100:4), measure with --hetero-batch auto, or give counts "
+                f"(--hetero-batch 3,3,3,3,1,1,1,1)"
             )
         speeds.append(peak)
     return speeds
@@ -256,7 +312,8 @@ def counts_from_speeds(speeds: Sequence[float], total: int) -> list[int]:
 
 
 def resolve_uneven(par: Parallelism, mesh, simulated=None) -> tuple[Parallelism, list[float] | None]:
-    """Resolves ``--hetero-batch auto|kinds`` into counts from the devices' speeds.
+    """Resolves ``--hetero-batch kinds`` into counts from the devices' datasheet speeds (``auto`` measures
+    them instead: `train.calibrate`).
 
     Returns:
       ``(par, speeds)``: ``par`` with `UnevenBatch.counts` set (unchanged when given or not uneven), and
@@ -271,19 +328,24 @@ def resolve_uneven(par: Parallelism, mesh, simulated=None) -> tuple[Parallelism,
     speeds = device_speeds(mesh, simulated)
     total = strategy.microbatches * par.data_parallel
     counts = tuple(counts_from_speeds(speeds, total))
-    return par.replace(strategy=UnevenBatch(counts, strategy.speeds, strategy.microbatches)), speeds
+    return par.replace(strategy=dataclasses.replace(strategy, counts=counts)), speeds
 
 
-def describe_uneven(counts: Sequence[int], microbatch_rows: int, speeds: Sequence[float] | None = None) -> str:
-    """One line: counts per device (with speeds when known) and the padded buffer size."""
+def describe_uneven(counts: Sequence[int], microbatch_rows: int, speeds: Sequence[float] | None = None,
+                    capacity: int | None = None) -> str:
+    """One line: counts per device (with speeds when known) and the padded buffer size (microbatches)."""
+    from sharding.balance import default_capacity
+
     parts = [f"{c}" + (f" ({s / 1e12:.0f} TFLOP/s)" if speeds else "")
              for c, s in zip(counts, speeds or [None] * len(counts))]
+    capacity = capacity or default_capacity(sum(counts), len(counts), counts)
     return (f"uneven data parallelism: microbatches of {microbatch_rows} sequences per device "
-            f"{', '.join(parts)}; padded buffer {max(counts)} microbatches per device")
+            f"{', '.join(parts)}; padded buffer {capacity} microbatches per device")
 
 
 __all__ = ["AccumulatedGradients", "GradientStrategy", "PipelineGradients", "UnevenGradients", "checked_pipeline",
-           "counts_from_speeds", "describe_uneven", "device_speeds", "make_strategy", "resolve_uneven"]
+           "counts_from_speeds", "describe_uneven", "device_speeds", "make_strategy", "resolve_uneven",
+           "uneven_row_index"]
 
 
 def check_uneven(par: Parallelism, param_names, abstract_params, global_batch: int | None = None) -> None:
@@ -321,6 +383,9 @@ def check_uneven(par: Parallelism, param_names, abstract_params, global_batch: i
         example = ",".join(map(str, largest_remainder(max(sum(counts), devices), [1.0] * devices)))
         raise ValueError(f"--hetero-batch {','.join(map(str, counts))}: {len(counts)} counts for the {devices} devices "
                          f"along data x fsdp; give one per device, e.g. --hetero-batch {example}")
+    if strategy.capacity is not None and strategy.capacity < max(counts):
+        raise ValueError(f"--hetero-max-share {strategy.capacity} is below the largest of --hetero-batch "
+                         f"{','.join(map(str, counts))}; e.g. --hetero-max-share {max(counts)}")
     if global_batch is not None and global_batch % sum(counts):
         total = sum(counts)
         raise ValueError(f"--batch-size {global_batch} is not divisible by the {total} microbatches of --hetero-batch "

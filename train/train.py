@@ -103,14 +103,14 @@ def prepare(config: RunConfig, devices, log):
 def build_trainer(config: RunConfig, log):
     """The mesh and the `train.step.Trainer` of ``config``, with the start-up report.
 
-    Resolves uneven counts from device speeds and, for a pipeline, checks the compiled step
+    Resolves uneven counts from device speeds (measured or datasheets) and, for a pipeline, checks the compiled step
     (`train.strategies.checked_pipeline`), rebuilding the trainer with the fallback plan it returns.
     """
     import jax
 
     from sharding.mesh import make_mesh
     from train import strategies
-    from train.plan import cluster_of
+    from train.calibrate import resolve_counts
     from train.step import Trainer
 
     par = config.parallelism
@@ -119,8 +119,7 @@ def build_trainer(config: RunConfig, log):
         log("note: one process, so --mesh-outer has no effect")
         outer = None
     mesh = make_mesh(par.mesh_shape, outer=outer)
-    simulated = cluster_of(config, jax.devices())[1] if config.cluster.simulate_cluster else None
-    par, speeds = strategies.resolve_uneven(par.on(mesh), mesh, simulated)
+    par, speeds = resolve_counts(config, par.on(mesh), log)  # --hetero-batch auto measures, kinds reads datasheets
     trainer = Trainer(config.model, config.optimizer, par)
     notes = []
     if par.pipeline is not None and par.pipeline.skip_empty:

@@ -1,0 +1,186 @@
+"""How many microbatches each device of an uneven data-parallel step runs: the pure policy (no JAX).
+
+The uneven step (`train.strategies.UnevenGradients`) takes its per-device counts as an input of the
+compiled step, so the counts can change between steps without recompiling, as long as no device is given
+more than the padded buffer holds (``capacity`` microbatches). This module decides those counts:
+
+* `default_capacity`: the buffer size, fixed at compile time.
+* `counts_for_speeds`: counts proportional to speeds (largest remainder, `sharding.splits`), no device
+  above the capacity, equal within a group of devices that must run the same count.
+* `Rebalancer`: while training, smooths each device's measured seconds per microbatch and every
+  ``every`` steps proposes new counts, adopted only when they shorten the predicted step by more than a
+  margin (hysteresis), so counts do not oscillate on noise.
+
+Shares proportional to measured speed follow HAP (EuroSys'24), Metis (USENIX ATC'24) and FlashFlex (2024),
+which profile once; here the same rule is applied again to timings taken while training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+from sharding.splits import largest_remainder
+
+CAPACITY_FACTOR = 2
+"""Default padded buffer: this many times the mean count per device (a device may run up to twice its
+uniform share without recompiling). The buffer holds token ids only (5 int32/float32 fields per row), so
+its memory is small next to activations; the loop runs only a device's own count."""
+
+
+def default_capacity(total: int, devices: int, counts: Sequence[int] | None = None) -> int:
+    """Microbatches per device the uneven step's padded buffer holds.
+
+    ``ceil(CAPACITY_FACTOR * total / devices)``, raised to ``max(counts)`` when given counts need more,
+    and never above ``total`` (one device running everything).
+
+    Args:
+      total: Microbatches per step over all devices (>= 1).
+      devices: Devices along ``data`` x ``fsdp`` (>= 1).
+      counts: The first counts, if known.
+
+    Raises:
+      ValueError: On ``total`` or ``devices`` below 1.
+    """
+    if total < 1 or devices < 1:
+        raise ValueError(f"need at least one microbatch and one device, got {total} over {devices}")
+    capacity = math.ceil(CAPACITY_FACTOR * total / devices)
+    if counts:
+        capacity = max(capacity, max(counts))
+    return min(capacity, total)
+
+
+def counts_for_speeds(speeds: Sequence[float], total: int, capacity: int | None = None,
+                      groups: Sequence[int] | None = None) -> list[int]:
+    """Microbatches per device in proportion to ``speeds`` (largest remainder), capped at ``capacity``.
+
+    Devices with the same entry in ``groups`` (e.g. the devices of one tensor-parallel group) must run the
+    same count: the group is treated as one bin of its summed speed whose count is a multiple of its size.
+    Microbatches a capped device cannot take go to the others in proportion to their speeds.
+
+    Args:
+      speeds: One positive speed per device (any unit: microbatches/s, FLOP/s).
+      total: Microbatches to share (>= 0).
+      capacity: The most one device may run (None: no cap).
+      groups: One group label per device (None: each device its own group).
+
+    Returns:
+      One count per device; they sum to ``total``.
+
+    Raises:
+      ValueError: On a speed that is not positive, a ``total`` the capacity cannot hold, or a ``total`` that
+        is not a multiple of the group size.
+    """
+    if not speeds or any(not s > 0 for s in speeds):
+        raise ValueError(f"speeds must be positive, got {list(speeds)}")
+    labels = list(range(len(speeds))) if groups is None else list(groups)
+    if len(labels) != len(speeds):
+        raise ValueError(f"{len(labels)} group labels for {len(speeds)} devices")
+    order = list(dict.fromkeys(labels))
+    members = {g: [i for i, label in enumerate(labels) if label == g] for g in order}
+    sizes = {len(m) for m in members.values()}
+    if len(sizes) != 1:
+        raise ValueError(f"groups must have one size, got sizes {sorted(sizes)}")
+    size = sizes.pop()
+    if total % size:
+        raise ValueError(f"{total} microbatches cannot be shared equally inside groups of {size} devices")
+    cap = None if capacity is None else capacity
+    if cap is not None and cap * len(speeds) < total:
+        raise ValueError(f"{total} microbatches do not fit {len(speeds)} devices of capacity {cap}")
+    group_speed = [sum(speeds[i] for i in members[g]) for g in order]
+    shares = _capped_shares(total // size, group_speed, cap)
+    counts = [0] * len(speeds)
+    for g, share in zip(order, shares):
+        for i in members[g]:
+            counts[i] = share
+    return counts
+
+
+def _capped_shares(total: int, weights: Sequence[float], cap: int | None) -> list[int]:
+    """Largest-remainder shares, bins above ``cap`` fixed at ``cap`` and the rest re-shared."""
+    fixed: dict[int, int] = {}
+    while True:
+        free = [i for i in range(len(weights)) if i not in fixed]
+        rest = total - sum(fixed.values())
+        shares = dict(zip(free, largest_remainder(rest, [weights[i] for i in free]))) if free else {}
+        over = [i for i, n in shares.items() if cap is not None and n > cap]
+        if not over:
+            return [fixed.get(i, shares.get(i, 0)) for i in range(len(weights))]
+        for i in over:
+            fixed[i] = cap
+
+
+def predicted_seconds(counts: Sequence[int], seconds: Sequence[float]) -> float:
+    """The local part of a step: the slowest device's ``count x seconds per microbatch``."""
+    return max(c * s for c, s in zip(counts, seconds))
+
+
+@dataclasses.dataclass
+class Rebalancer:
+    """Counts recomputed from smoothed per-microbatch times while training, with hysteresis.
+
+    Each step, `observe` takes every device's count and loop seconds (the uneven step's ``processed`` and
+    ``local_seconds``) and updates an exponential moving average of seconds per microbatch (devices that
+    ran nothing keep their estimate). Every ``every`` observations `propose` shares the microbatches in
+    proportion to the smoothed speeds (`counts_for_speeds`) and adopts them only when the predicted local
+    step (`predicted_seconds`) is shorter than the current counts' by more than ``margin``.
+
+    Attributes:
+      counts: The counts in force, one per device.
+      capacity: The most microbatches one device may run (the step's buffer).
+      every: Observations between proposals (``--rebalance-every``, >= 1).
+      smoothing: Weight of the newest observation in the average (0 < smoothing <= 1).
+      margin: Relative gain below which new counts are not adopted (hysteresis).
+      groups: One group label per device that must run equal counts (None: none).
+      seconds: Smoothed seconds per microbatch per device (None until first observed).
+    """
+
+    counts: tuple[int, ...]
+    capacity: int
+    every: int
+    smoothing: float = 0.5
+    margin: float = 0.05
+    groups: tuple | None = None
+    seconds: list = dataclasses.field(default_factory=list)
+    observed: int = 0
+
+    def __post_init__(self):
+        if self.every < 1:
+            raise ValueError(f"--rebalance-every {self.every}: must be >= 1, e.g. --rebalance-every 10")
+        if not self.seconds:
+            self.seconds = [None] * len(self.counts)
+
+    def observe(self, counts: Sequence[int], local_seconds: Sequence[float]) -> None:
+        """Folds one step's per-device counts and loop seconds into the smoothed seconds per microbatch."""
+        for i, (c, t) in enumerate(zip(counts, local_seconds, strict=True)):
+            if c > 0 and t > 0:
+                now = t / c
+                old = self.seconds[i]
+                self.seconds[i] = now if old is None else (1 - self.smoothing) * old + self.smoothing * now
+        self.observed += 1
+
+    def speeds(self) -> list[float] | None:
+        """Smoothed microbatches per second per device (unobserved devices: the median of the others), or
+        None before any observation."""
+        known = sorted(s for s in self.seconds if s is not None)
+        if not known:
+            return None
+        median = known[len(known) // 2]
+        return [1.0 / (median if s is None else s) for s in self.seconds]
+
+    def propose(self) -> tuple[int, ...] | None:
+        """New counts when due (every ``every`` observations) and better by more than ``margin``, else
+        None; adopted counts become `counts`."""
+        speeds = self.speeds()
+        if speeds is None or self.observed % self.every:
+            return None
+        seconds = [1.0 / s for s in speeds]
+        new = tuple(counts_for_speeds(speeds, sum(self.counts), self.capacity, self.groups))
+        if predicted_seconds(new, seconds) >= (1 - self.margin) * predicted_seconds(self.counts, seconds):
+            return None
+        self.counts = new
+        return new
+
+
+__all__ = ["CAPACITY_FACTOR", "Rebalancer", "counts_for_speeds", "default_capacity", "predicted_seconds"]
