@@ -45,7 +45,7 @@ from models.config import ModelConfig
 from models.kernels.flash_attention import flash_attention
 from models.kernels.ring_attention import CONTIGUOUS, ZIGZAG, ring_attention
 from models.kernels.ulysses_attention import check_ulysses_heads, ulysses_attention
-from models.layers import param, rotary_embedding
+from models.layers import param, rope_frequencies, rotary_embedding
 from sharding import axes as ax
 from sharding.parallel import CONTEXT_LAYOUTS, UNSHARDED, Parallelism
 from sharding.rules import Rules, logical_to_spec
@@ -70,7 +70,8 @@ def attention_mask(q_len: int, kv_len: int, causal: bool, q_segment_ids=None, kv
     return mask
 
 
-def reference_attention(q, k, v, *, causal: bool = True, q_segment_ids=None, kv_segment_ids=None, sm_scale=None):
+def reference_attention(q, k, v, *, causal: bool = True, q_segment_ids=None, kv_segment_ids=None, sm_scale=None,
+                        mask=None):
     """Plain attention: einsum, mask, float32 softmax, einsum.
 
     Memory is ``O(T*S)`` per head; use it as the ground truth and for short
@@ -83,6 +84,8 @@ def reference_attention(q, k, v, *, causal: bool = True, q_segment_ids=None, kv_
       q_segment_ids, kv_segment_ids: optional ``[batch, length]`` int32; only
         equal ids attend.
       sm_scale: logit scale, default ``1/sqrt(head_dim)``.
+      mask: optional boolean ``[batch, q_length, kv_length]``, True where a query may attend a
+        key, combined (and) with the others (decoding over a key/value cache uses it).
 
     Returns:
       ``[batch, q_length, heads, head_dim]`` in q's dtype. A query with no key
@@ -94,8 +97,10 @@ def reference_attention(q, k, v, *, causal: bool = True, q_segment_ids=None, kv_
     scale = h**-0.5 if sm_scale is None else sm_scale
     qg = q.reshape(b, t, kv_heads, g, h)
     logits = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k, preferred_element_type=jnp.float32) * scale
-    mask = attention_mask(t, k.shape[1], causal, q_segment_ids, kv_segment_ids)[:, None, None]
-    logits = jnp.where(mask, logits, -jnp.inf)
+    allowed = attention_mask(t, k.shape[1], causal, q_segment_ids, kv_segment_ids)
+    if mask is not None:
+        allowed = allowed & mask
+    logits = jnp.where(allowed[:, None, None], logits, -jnp.inf)
     # The shift by the row maximum only guards exp against overflow: the softmax does not depend on
     # it, so its gradient is zero and is not taken (autodiff through max would add a pass over the
     # scores in the backward).
@@ -429,7 +434,8 @@ class Attention(nnx.Module):
     """Causal grouped-query self-attention with rotary positions.
 
     Weights ``q: [embed, heads, head_dim]``, ``k, v: [embed, kv_heads,
-    head_dim]``, ``o: [heads, head_dim, embed]``.
+    head_dim]``, ``o: [heads, head_dim, embed]``; with ``qkv_bias`` also ``q_bias: [heads,
+    head_dim]`` and ``k_bias, v_bias: [kv_heads, head_dim]`` (zero at initialisation).
     """
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
@@ -438,6 +444,10 @@ class Attention(nnx.Module):
         self.k = param(rngs, (d, k, h), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM))
         self.v = param(rngs, (d, k, h), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM))
         self.o = param(rngs, (n, h, d), (ax.HEADS, ax.HEAD_DIM, ax.EMBED), fan_in=n * h)
+        if config.qkv_bias:
+            self.q_bias = nnx.Param(jnp.zeros((n, h), jnp.float32), logical_axes=(ax.HEADS, ax.HEAD_DIM))
+            self.k_bias = nnx.Param(jnp.zeros((k, h), jnp.float32), logical_axes=(ax.KV_HEADS, ax.HEAD_DIM))
+            self.v_bias = nnx.Param(jnp.zeros((k, h), jnp.float32), logical_axes=(ax.KV_HEADS, ax.HEAD_DIM))
         self.config = config
 
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
@@ -453,15 +463,36 @@ class Attention(nnx.Module):
         Tokens may be in the zigzag context layout (``par.context_layout``); positions and
         segment ids come permuted with them, so only the attention needs to know.
         """
+        q, k, v = self.project_qkv(x, positions, par)
+        out = attend(self.config.attention, q, k, v, segment_ids, causal=True, par=par)
+        return self.project_out(out, par)
+
+    def project_qkv(self, x: jax.Array, positions: jax.Array, par: Parallelism = UNSHARDED):
+        """Queries ``[B, T, N, H]`` and keys, values ``[B, T, K, H]`` (rotary positions applied), x's dtype.
+
+        Args:
+          x: activations ``[batch, length, embed]``.
+          positions: ``[batch, length]`` int32 rotary positions.
+          par: the run's layout.
+        """
         cfg, dtype = self.config, x.dtype
         q = jnp.einsum("BTD,DNH->BTNH", x, self.q[...].astype(dtype))
         k = jnp.einsum("BSD,DKH->BSKH", x, self.k[...].astype(dtype))
         v = jnp.einsum("BSD,DKH->BSKH", x, self.v[...].astype(dtype))
-        q = par.constrain(rotary_embedding(q, positions, cfg.rope_theta), (ax.BATCH, ax.LENGTH, ax.HEADS, ax.HEAD_DIM))
-        k = par.constrain(rotary_embedding(k, positions, cfg.rope_theta),
+        if cfg.qkv_bias:
+            q = q + self.q_bias[...].astype(dtype)
+            k = k + self.k_bias[...].astype(dtype)
+            v = v + self.v_bias[...].astype(dtype)
+        freqs = rope_frequencies(cfg)
+        q = par.constrain(rotary_embedding(q, positions, cfg.rope_theta, freqs),
+                          (ax.BATCH, ax.LENGTH, ax.HEADS, ax.HEAD_DIM))
+        k = par.constrain(rotary_embedding(k, positions, cfg.rope_theta, freqs),
                           (ax.BATCH, ax.LENGTH, ax.KV_HEADS, ax.HEAD_DIM))
         v = par.constrain(v, (ax.BATCH, ax.LENGTH, ax.KV_HEADS, ax.HEAD_DIM))
-        out = attend(cfg.attention, q, k, v, segment_ids, causal=True, par=par)
+        return q, k, v
+
+    def project_out(self, out: jax.Array, par: Parallelism = UNSHARDED) -> jax.Array:
+        """Attention output ``[B, T, N, H]`` -> ``[B, T, D]`` (same dtype)."""
         out = par.constrain(out, (ax.BATCH, ax.LENGTH, ax.HEADS, ax.HEAD_DIM))
-        y = jnp.einsum("BTNH,NHD->BTD", out, self.o[...].astype(dtype))
+        y = jnp.einsum("BTNH,NHD->BTD", out, self.o[...].astype(out.dtype))
         return par.constrain(y, (ax.BATCH, ax.LENGTH, ax.ACT_EMBED))

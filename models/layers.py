@@ -10,10 +10,14 @@ through the run's `sharding.parallel.Parallelism`, passed to every call
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
+from models.config import ModelConfig
 from sharding import axes as ax
 from sharding.parallel import UNSHARDED, Parallelism
 
@@ -80,19 +84,51 @@ class RMSNorm(nnx.Module):
         return (normed * self.scale[...]).astype(x.dtype)
 
 
-def rotary_embedding(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+def rope_frequencies(config: ModelConfig) -> np.ndarray:
+    """The rotary frequencies ``[head_dim / 2]`` float32 (radians per position).
+
+    ``default``: ``rope_theta ** (-2i / head_dim)`` (Su et al., RoFormer, 2021, eq. 15).
+    ``llama3``: Llama 3.1's rescaling (Meta, "The Llama 3 Herd of Models", 2024, and the
+    ``apply_scaling`` function of Meta's reference code ``llama_models/llama3/reference_impl/model.py``):
+    with wavelength ``w = 2*pi / f``, ``L = rope_original_max_positions``, frequencies whose ``w``
+    is below ``L / rope_high_freq_factor`` are kept, those whose ``w`` is above
+    ``L / rope_low_freq_factor`` are divided by ``rope_factor``, and between the two
+    ``f' = (1 - s) * f / rope_factor + s * f`` with ``s = (L / w - low) / (high - low)``.
+
+    Computed in float64 on the host, rounded once to float32.
+    """
+    half = config.head_dim // 2
+    freqs = config.rope_theta ** (-np.arange(half, dtype=np.float64) / half)
+    if config.rope_type == "llama3":
+        factor, low, high = config.rope_factor, config.rope_low_freq_factor, config.rope_high_freq_factor
+        context = config.rope_original_max_positions
+        wavelength = 2 * math.pi / freqs
+        smooth = (context / wavelength - low) / (high - low)
+        blended = (1 - smooth) * freqs / factor + smooth * freqs
+        freqs = np.where(wavelength < context / high, freqs,
+                         np.where(wavelength > context / low, freqs / factor, blended))
+    return freqs.astype(np.float32)
+
+
+def rotary_embedding(x: jax.Array, positions: jax.Array, theta: float, freqs=None) -> jax.Array:
     """Rotary position embedding (Su et al., RoFormer, 2021), rotate-half form.
+
+    Dimension ``i`` is rotated with dimension ``i + head_dim/2`` (the pairing of Hugging Face
+    Llama's ``rotate_half``), so its query/key weights map by reshape alone.
 
     Args:
       x: ``[batch, length, heads, head_dim]``, any float dtype; head_dim even.
       positions: ``[batch, length]`` int32 positions (per document when packed).
-      theta: frequency base.
+      theta: frequency base (used when ``freqs`` is None).
+      freqs: optional ``[head_dim / 2]`` frequencies (`rope_frequencies`).
 
     Returns:
       ``x`` rotated, same shape and dtype (computed in float32).
     """
     half = x.shape[-1] // 2
-    freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    if freqs is None:
+        freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    freqs = jnp.asarray(freqs, jnp.float32)
     angles = positions.astype(jnp.float32)[:, :, None, None] * freqs  # [B, T, 1, H/2]
     sin, cos = jnp.sin(angles), jnp.cos(angles)
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
