@@ -91,3 +91,137 @@ def test_wrong_rope_layout_is_caught():
         wrong["layers"]["attention"][name] = params["layers"]["attention"][name][..., interleave]
     logits = apply(graphdef, wrong, ref["tokens"], par=par)
     assert not np.allclose(np.asarray(logits), ref["logits"], rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_export_then_import_is_bit_exact(name, tmp_path):
+    config, graphdef, params, _ = load(FIXTURES / name, "fsdp=4,tensor=2")
+    out = tmp_path / "out"
+    # Small files, so the export is sharded with an index.
+    files = hf.save_params(out, config, params, max_shard_size=20_000, tokenizer=FIXTURES / name / "tokenizer.json",
+                           eos_token_id=256)
+    assert (out / hf.INDEX_FILE) in files and len(list(out.glob("model-*-of-*.safetensors"))) > 1
+    again_config, _, again, _ = load(out, "data=2,tensor=4")
+    assert again_config == config
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(again), strict=True):
+        assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_exported_folder_matches_the_fixture(name, tmp_path):
+    from safetensors import safe_open
+
+    config, _, params, _ = load(FIXTURES / name)
+    out = tmp_path / "out"
+    hf.save_params(out, config, params, dtype="bfloat16", tokenizer=FIXTURES / name / "tokenizer.json",
+                   eos_token_id=256)
+
+    def tensors(folder):
+        with safe_open(str(folder / "model.safetensors"), framework="numpy") as f:
+            return {k: (f.get_slice(k).get_dtype(), f.get_slice(k).get_shape(), f.get_tensor(k)) for k in f.keys()}
+
+    ours, theirs = tensors(out), tensors(FIXTURES / name)
+    assert ours.keys() == theirs.keys()
+    for key, (dtype, shape, value) in theirs.items():
+        assert ours[key][:2] == (dtype, shape)
+        assert np.array_equal(ours[key][2], value), key  # bfloat16 -> float32 -> bfloat16 is exact
+    mine, fixture = (json.loads((f / "config.json").read_text()) for f in (out, FIXTURES / name))
+    fields = ("architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads", "num_key_value_heads", "hidden_act", "max_position_embeddings",
+              "rms_norm_eps", "tie_word_embeddings", "rope_parameters", "eos_token_id", "dtype")
+    assert {k: mine[k] for k in fields} == {k: fixture[k] for k in fields}
+    assert mine["head_dim"] == fixture.get("head_dim", config.embed_dim // config.num_heads)
+    assert (out / "tokenizer.json").read_bytes() == (FIXTURES / name / "tokenizer.json").read_bytes()
+
+
+def copy_fixture(tmp_path, name="llama_gqa"):
+    folder = tmp_path / name
+    shutil.copytree(FIXTURES / name, folder)
+    return folder
+
+
+def rewrite_tensors(folder, change):
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(str(folder / "model.safetensors"))
+    change(tensors)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+def edit_config(folder, **fields):
+    config = json.loads((folder / "config.json").read_text())
+    config.update(fields)
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def one_line(excinfo):
+    return "\n" not in str(excinfo.value)
+
+
+def test_missing_tensor_names_tensor_and_file(tmp_path):
+    folder = copy_fixture(tmp_path)
+    rewrite_tensors(folder, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(ValueError, match=r"model\.safetensors: tensor model\.layers\.1\.mlp\.up_proj\.weight is missing") as e:
+        load(folder)
+    assert one_line(e)
+
+
+def test_misshapen_tensor_names_tensor_file_and_shapes(tmp_path):
+    folder = copy_fixture(tmp_path)
+    rewrite_tensors(folder, lambda t: t.update({"model.layers.0.self_attn.k_proj.weight": np.zeros((20, 32), np.float32)}))
+    with pytest.raises(ValueError, match=r"model\.safetensors: tensor model\.layers\.0\.self_attn\.k_proj\.weight has "
+                                         r"shape \[20, 32\], config\.json implies \[24, 32\]") as e:
+        load(folder)
+    assert one_line(e)
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"architectures": ["GPT2LMHeadModel"]}, r"architectures \['GPT2LMHeadModel'\] not supported; meshwork reads "
+                                              r"LlamaForCausalLM"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, "rope type 'yarn' is not supported"),
+    ({"architectures": ["MistralForCausalLM"], "sliding_window": 16}, "sliding_window=16 is in effect"),
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+    ({"attention_bias": True}, "attention_bias=true is not supported"),
+])
+def test_unsupported_config_is_refused_naming_the_field(tmp_path, fields, message):
+    folder = copy_fixture(tmp_path)
+    edit_config(folder, **fields)
+    with pytest.raises(ValueError, match=message) as e:
+        load(folder)
+    assert one_line(e)
+
+
+def test_qwen2_sliding_window_in_effect_is_refused(tmp_path):
+    folder = copy_fixture(tmp_path, "qwen2")
+    edit_config(folder, use_sliding_window=True, sliding_window=8)
+    with pytest.raises(ValueError, match="sliding-window attention is in effect"):
+        load(folder)
+
+
+def test_mistral_without_sliding_window_loads(tmp_path):
+    folder = copy_fixture(tmp_path)
+    edit_config(folder, architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=None)
+    assert load(folder)[0].rope_type == "llama3"
+
+
+def test_pickled_weights_only_are_refused_with_why_and_how(tmp_path):
+    folder = copy_fixture(tmp_path)
+    (folder / "model.safetensors").rename(folder / "pytorch_model.bin")
+    with pytest.raises(ValueError, match=r"only pickled weights \(pytorch_model\.bin\).*unpickling runs code.*"
+                                         r"save_pretrained\(.*safe_serialization=True\)") as e:
+        load(folder)
+    assert one_line(e)
+
+
+def test_not_a_folder(tmp_path):
+    with pytest.raises(ValueError, match="no such folder"):
+        hf.read_hf_config(tmp_path / "nothing")
+
+
+def test_export_refuses_a_non_empty_folder_and_unknown_dtype(tmp_path):
+    config, _, params, _ = load(FIXTURES / "llama_tied")
+    (tmp_path / "x").write_text("")
+    with pytest.raises(ValueError, match="not empty"):
+        hf.save_params(tmp_path, config, params)
+    with pytest.raises(ValueError, match="--dtype int8: choose one of float32, bfloat16"):
+        hf.save_params(tmp_path / "new", config, params, dtype="int8")
