@@ -491,6 +491,38 @@ class Attention(nnx.Module):
         v = par.constrain(v, (ax.BATCH, ax.LENGTH, ax.KV_HEADS, ax.HEAD_DIM))
         return q, k, v
 
+    def extend(self, x: jax.Array, positions: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+               par: Parallelism = UNSHARDED):
+        """Attention of new tokens over a key/value cache (prefill and decoding), writing theirs into it.
+
+        Row ``b``'s new tokens sit at cache positions ``positions[b, 0] + t`` (contiguous); each
+        attends every cache position up to its own. Later positions may hold stale values (padding
+        of a shorter prompt): they are masked now and overwritten when a token reaches them.
+        Always the reference attention (an explicit mask).
+
+        Args:
+          x: activations ``[batch, new, embed]``.
+          positions: ``[batch, new]`` int32, ``positions[b, 0] + arange(new)``.
+          k_cache, v_cache: ``[batch, max_length, kv_heads, head_dim]``.
+          par: the run's layout.
+
+        Returns:
+          ``(y [batch, new, embed], k_cache, v_cache)``; caches keep their dtype.
+        """
+        q, k, v = self.project_qkv(x, positions, par)
+        new, max_length = x.shape[1], k_cache.shape[1]
+        offset = jnp.arange(max_length)[None] - positions[:, :1]  # [B, S]: which new token lands at s
+        fresh = ((offset >= 0) & (offset < new))[:, :, None, None]
+        pick = jnp.clip(offset, 0, new - 1)[:, :, None, None]
+        names = (ax.BATCH, None, ax.KV_HEADS, ax.HEAD_DIM)
+        k_cache = par.constrain(jnp.where(fresh, jnp.take_along_axis(k, pick, axis=1).astype(k_cache.dtype), k_cache),
+                                names)
+        v_cache = par.constrain(jnp.where(fresh, jnp.take_along_axis(v, pick, axis=1).astype(v_cache.dtype), v_cache),
+                                names)
+        mask = jnp.arange(max_length)[None, None, :] <= positions[:, :, None]  # [B, T, S]
+        out = reference_attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), causal=False, mask=mask)
+        return self.project_out(out, par), k_cache, v_cache
+
     def project_out(self, out: jax.Array, par: Parallelism = UNSHARDED) -> jax.Array:
         """Attention output ``[B, T, N, H]`` -> ``[B, T, D]`` (same dtype)."""
         out = par.constrain(out, (ax.BATCH, ax.LENGTH, ax.HEADS, ax.HEAD_DIM))
