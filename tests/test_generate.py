@@ -103,3 +103,34 @@ def test_bad_sampling_values_are_refused():
         Sampling(top_p=0)
     with pytest.raises(ValueError, match="--temperature -1"):
         Sampling(temperature=-1)
+
+
+def test_cli_prints_the_greedy_continuation(capsys, tmp_path):
+    from tokenizers import Tokenizer
+
+    from train.generate import main
+
+    ref = reference("llama_gqa")
+    tok = Tokenizer.from_file(str(FIXTURES / "llama_gqa" / "tokenizer.json"))
+    prompt = tok.decode(ref["prompt"][0].tolist())
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(f"{prompt}\n\nab\n")
+    assert main(["--hf", str(FIXTURES / "llama_gqa"), "--prompt-file", str(prompts), "--max-new-tokens", "12",
+                 "--mesh", "data=2,tensor=4"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "--- prompt 0" and out[1] == prompt + tok.decode(ref["greedy"][0].tolist())
+    assert out[2] == "--- prompt 1" and out[3].startswith("ab")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--top-k", "-1"], "--top-k -1: must be >= 0"),
+    (["--max-new-tokens", "0"], "--max-new-tokens 0: must be positive"),
+    (["--mesh", "data=3"], "--mesh"),
+    (["--prompt-file", "/nonexistent"], "--prompt-file /nonexistent: no such file"),
+])
+def test_cli_bad_flags_end_in_one_line(capsys, flags, message):
+    from train.generate import main
+
+    assert main(["--hf", str(FIXTURES / "llama_tied"), "--prompt", "x", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1
