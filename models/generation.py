@@ -115,7 +115,12 @@ class Generator:
         self.config, self.graphdef, self.params, self.par = config, graphdef, params, par
         self._compiled: dict[Sampling, tuple[Callable, Callable]] = {}
 
-    def _functions(self, sampling: Sampling):
+    def functions(self, sampling: Sampling):
+        """The jitted ``(prefill, step)`` for ``sampling`` (compiled on first use, then kept).
+
+        ``prefill(params, cache, tokens [B, P], lengths [B]) -> (next [B], cache)``;
+        ``step(params, cache, token [B], position [B], index) -> (next [B], cache)``; the cache is donated.
+        """
         if sampling in self._compiled:
             return self._compiled[sampling]
         graphdef, par = self.graphdef, self.par
@@ -157,7 +162,7 @@ class Generator:
             raise ValueError(f"--max-new-tokens {max_new_tokens}: must be positive, e.g. 64")
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("--prompt: every prompt needs at least one token")
-        prefill, step = self._functions(sampling)
+        prefill, step = self.functions(sampling)
         lengths = np.array([len(p) for p in prompts], np.int32)
         batch, width = len(prompts), int(lengths.max())
         tokens = np.zeros((batch, width), np.int32)
