@@ -72,7 +72,7 @@ def main(argv=None) -> None:
     prefill_s, steps = run()
     step_s = statistics.median(steps)
     print(f"{args.model} on {args.mesh} ({jax.device_count()} {jax.devices()[0].platform} devices), jax {jax.__version__}")
-    print(f"| batch | prompt | new | prefill (s) | prefill tokens/s | decode step (ms, median) | decode tokens/s |")
+    print("| batch | prompt | new | prefill (s) | prefill tokens/s | decode step (ms, median) | decode tokens/s |")
     print(f"| {b} | {t} | {n} | {prefill_s:.3f} | {b * t / prefill_s:,.0f} | {step_s * 1e3:.1f} | {b / step_s:,.0f} |")
 
 

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from checkpoints import hf
-from models.config import get_config
 from models.layers import rope_frequencies
 from models.transformer import abstract_model, apply
 from sharding.mesh import make_mesh, parse_mesh
