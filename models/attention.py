@@ -45,7 +45,7 @@ from models.config import ModelConfig
 from models.kernels.flash_attention import flash_attention
 from models.kernels.ring_attention import CONTIGUOUS, ZIGZAG, ring_attention
 from models.kernels.ulysses_attention import check_ulysses_heads, ulysses_attention
-from models.layers import make_params, rotary_embedding
+from models.layers import make_params, rope_frequencies, rotary_embedding
 from models.spec import attention_params
 from sharding import axes as ax
 from sharding.parallel import CONTEXT_LAYOUTS, UNSHARDED, Parallelism
@@ -71,7 +71,8 @@ def attention_mask(q_len: int, kv_len: int, causal: bool, q_segment_ids=None, kv
     return mask
 
 
-def reference_attention(q, k, v, *, causal: bool = True, q_segment_ids=None, kv_segment_ids=None, sm_scale=None):
+def reference_attention(q, k, v, *, causal: bool = True, q_segment_ids=None, kv_segment_ids=None, sm_scale=None,
+                        mask=None):
     """Plain attention: einsum, mask, float32 softmax, einsum.
 
     Memory is ``O(T*S)`` per head; use it as the ground truth and for short
@@ -84,6 +85,8 @@ def reference_attention(q, k, v, *, causal: bool = True, q_segment_ids=None, kv_
       q_segment_ids, kv_segment_ids: optional ``[batch, length]`` int32; only
         equal ids attend.
       sm_scale: logit scale, default ``1/sqrt(head_dim)``.
+      mask: optional boolean ``[batch, q_length, kv_length]``, True where a query may attend a
+        key, combined (and) with the others (decoding over a key/value cache uses it).
 
     Returns:
       ``[batch, q_length, heads, head_dim]`` in q's dtype. A query with no key
@@ -95,8 +98,10 @@ def reference_attention(q, k, v, *, causal: bool = True, q_segment_ids=None, kv_
     scale = h**-0.5 if sm_scale is None else sm_scale
     qg = q.reshape(b, t, kv_heads, g, h)
     logits = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k, preferred_element_type=jnp.float32) * scale
-    mask = attention_mask(t, k.shape[1], causal, q_segment_ids, kv_segment_ids)[:, None, None]
-    logits = jnp.where(mask, logits, -jnp.inf)
+    allowed = attention_mask(t, k.shape[1], causal, q_segment_ids, kv_segment_ids)
+    if mask is not None:
+        allowed = allowed & mask
+    logits = jnp.where(allowed[:, None, None], logits, -jnp.inf)
     # The shift by the row maximum only guards exp against overflow: the softmax does not depend on
     # it, so its gradient is zero and is not taken (autodiff through max would add a pass over the
     # scores in the backward).
@@ -430,7 +435,8 @@ class Attention(nnx.Module):
     """Causal grouped-query self-attention with rotary positions.
 
     Weights ``q: [embed, heads, head_dim]``, ``k, v: [embed, kv_heads,
-    head_dim]``, ``o: [heads, head_dim, embed]``.
+    head_dim]``, ``o: [heads, head_dim, embed]``; with ``qkv_bias`` also ``q_bias: [heads,
+    head_dim]`` and ``k_bias, v_bias: [kv_heads, head_dim]`` (zero at initialisation).
     """
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
@@ -450,15 +456,68 @@ class Attention(nnx.Module):
         Tokens may be in the zigzag context layout (``par.context_layout``); positions and
         segment ids come permuted with them, so only the attention needs to know.
         """
+        q, k, v = self.project_qkv(x, positions, par)
+        out = attend(self.config.attention, q, k, v, segment_ids, causal=True, par=par)
+        return self.project_out(out, par)
+
+    def project_qkv(self, x: jax.Array, positions: jax.Array, par: Parallelism = UNSHARDED):
+        """Queries ``[B, T, N, H]`` and keys, values ``[B, T, K, H]`` (rotary positions applied), x's dtype.
+
+        Args:
+          x: activations ``[batch, length, embed]``.
+          positions: ``[batch, length]`` int32 rotary positions.
+          par: the run's layout.
+        """
         cfg, dtype = self.config, x.dtype
         q = jnp.einsum("BTD,DNH->BTNH", x, self.q[...].astype(dtype))
         k = jnp.einsum("BSD,DKH->BSKH", x, self.k[...].astype(dtype))
         v = jnp.einsum("BSD,DKH->BSKH", x, self.v[...].astype(dtype))
-        q = par.constrain(rotary_embedding(q, positions, cfg.rope_theta), (ax.BATCH, ax.LENGTH, ax.HEADS, ax.HEAD_DIM))
-        k = par.constrain(rotary_embedding(k, positions, cfg.rope_theta),
+        if cfg.qkv_bias:
+            q = q + self.q_bias[...].astype(dtype)
+            k = k + self.k_bias[...].astype(dtype)
+            v = v + self.v_bias[...].astype(dtype)
+        freqs = rope_frequencies(cfg)
+        q = par.constrain(rotary_embedding(q, positions, cfg.rope_theta, freqs),
+                          (ax.BATCH, ax.LENGTH, ax.HEADS, ax.HEAD_DIM))
+        k = par.constrain(rotary_embedding(k, positions, cfg.rope_theta, freqs),
                           (ax.BATCH, ax.LENGTH, ax.KV_HEADS, ax.HEAD_DIM))
         v = par.constrain(v, (ax.BATCH, ax.LENGTH, ax.KV_HEADS, ax.HEAD_DIM))
-        out = attend(cfg.attention, q, k, v, segment_ids, causal=True, par=par)
+        return q, k, v
+
+    def extend(self, x: jax.Array, positions: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+               par: Parallelism = UNSHARDED):
+        """Attention of new tokens over a key/value cache (prefill and decoding), writing theirs into it.
+
+        Row ``b``'s new tokens sit at cache positions ``positions[b, 0] + t`` (contiguous); each
+        attends every cache position up to its own. Later positions may hold stale values (padding
+        of a shorter prompt): they are masked now and overwritten when a token reaches them.
+        Always the reference attention (an explicit mask).
+
+        Args:
+          x: activations ``[batch, new, embed]``.
+          positions: ``[batch, new]`` int32, ``positions[b, 0] + arange(new)``.
+          k_cache, v_cache: ``[batch, max_length, kv_heads, head_dim]``.
+          par: the run's layout.
+
+        Returns:
+          ``(y [batch, new, embed], k_cache, v_cache)``; caches keep their dtype.
+        """
+        q, k, v = self.project_qkv(x, positions, par)
+        new, max_length = x.shape[1], k_cache.shape[1]
+        offset = jnp.arange(max_length)[None] - positions[:, :1]  # [B, S]: which new token lands at s
+        fresh = ((offset >= 0) & (offset < new))[:, :, None, None]
+        pick = jnp.clip(offset, 0, new - 1)[:, :, None, None]
+        names = (ax.BATCH, None, ax.KV_HEADS, ax.HEAD_DIM)
+        k_cache = par.constrain(jnp.where(fresh, jnp.take_along_axis(k, pick, axis=1).astype(k_cache.dtype), k_cache),
+                                names)
+        v_cache = par.constrain(jnp.where(fresh, jnp.take_along_axis(v, pick, axis=1).astype(v_cache.dtype), v_cache),
+                                names)
+        mask = jnp.arange(max_length)[None, None, :] <= positions[:, :, None]  # [B, T, S]
+        out = reference_attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), causal=False, mask=mask)
+        return self.project_out(out, par), k_cache, v_cache
+
+    def project_out(self, out: jax.Array, par: Parallelism = UNSHARDED) -> jax.Array:
+        """Attention output ``[B, T, N, H]`` -> ``[B, T, D]`` (same dtype)."""
         out = par.constrain(out, (ax.BATCH, ax.LENGTH, ax.HEADS, ax.HEAD_DIM))
-        y = jnp.einsum("BTNH,NHD->BTD", out, self.o[...].astype(dtype))
+        y = jnp.einsum("BTNH,NHD->BTD", out, self.o[...].astype(out.dtype))
         return par.constrain(y, (ax.BATCH, ax.LENGTH, ax.ACT_EMBED))

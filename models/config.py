@@ -14,8 +14,8 @@ num_layers, N num_heads, K num_kv_heads, H head_dim, F mlp_dim::
              + 2*D)                  # two RMSNorm scales per layer
       + D                            # final RMSNorm
 
-(with tied embeddings the first term is V*D). `ModelConfig.num_params`
-computes exactly this (from `models.spec`, the tables that build the
+(with tied embeddings the first term is V*D; with ``qkv_bias`` each layer adds N*H + 2*K*H).
+`ModelConfig.num_params` computes exactly this (from `models.spec`, the tables that build the
 modules); start-up checks it against the built model.
 """
 
@@ -30,6 +30,7 @@ DTYPES = ("float32", "bfloat16")
 REMAT_POLICIES = ("none", "full", "dots")
 ATTENTION_IMPLS = ("reference", "flash", "ring", "ulysses", "dot_product")
 LOGITS_IMPLS = ("auto", "gathered", "vocab_parallel")  # sharding.vocab.OUTPUT_IMPLS
+ROPE_TYPES = ("default", "llama3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,8 +46,19 @@ class ModelConfig:
       num_kv_heads: K, key/value heads (grouped-query attention; N % K == 0).
       head_dim: H, width of one head.
       rope_theta: base of the rotary frequencies (Su et al., RoFormer, 2021).
+      rope_type: ``default`` (the frequencies ``rope_theta ** (-2i / head_dim)``) or ``llama3``
+        (Llama 3.1's rescaling of the low frequencies; `models.layers.rope_frequencies`).
+      rope_factor: ``llama3``: how much the longest wavelengths are stretched.
+      rope_low_freq_factor, rope_high_freq_factor: ``llama3``: wavelengths above
+        ``rope_original_max_positions / rope_low_freq_factor`` are divided by ``rope_factor``,
+        those below ``rope_original_max_positions / rope_high_freq_factor`` are kept, and those
+        between are interpolated.
+      rope_original_max_positions: ``llama3``: the context length the model was pre-trained with.
+      max_positions: the longest sequence the model is meant for (tokens); informational
+        (Hugging Face ``max_position_embeddings``), it changes no computation.
       norm_eps: RMSNorm epsilon.
       tie_embeddings: use the token embedding as the output projection.
+      qkv_bias: add a learned bias to the query, key and value projections (Qwen2).
       dtype: compute dtype, ``float32`` or ``bfloat16`` (parameters stay
         float32; softmax and loss are float32).
       remat: rematerialisation of each block in the backward pass: ``none``,
@@ -74,8 +86,15 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     rope_theta: float = 10000.0
+    rope_type: str = "default"
+    rope_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_positions: int = 8192
+    max_positions: int = 8192
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    qkv_bias: bool = False
     dtype: str = "float32"
     remat: str = "none"
     attention: str = "reference"
@@ -90,8 +109,14 @@ class ModelConfig:
         "num_kv_heads",
         "head_dim",
         "rope_theta",
+        "rope_type",
+        "rope_factor",
+        "rope_low_freq_factor",
+        "rope_high_freq_factor",
+        "rope_original_max_positions",
         "norm_eps",
         "tie_embeddings",
+        "qkv_bias",
     )
 
     def __post_init__(self):
@@ -114,8 +139,16 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"--set head_dim={self.head_dim}: rotary embeddings need an even head_dim")
+        if self.rope_type == "llama3":
+            if not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
+                raise ValueError(
+                    f"--set rope_low_freq_factor={self.rope_low_freq_factor} with rope_high_freq_factor="
+                    f"{self.rope_high_freq_factor}: need 0 < low < high, e.g. 1 and 4 (Llama 3.1)")
+            for name, example in (("rope_factor", 8), ("rope_original_max_positions", 8192)):
+                if getattr(self, name) <= 0:
+                    raise ValueError(f"--set {name}={getattr(self, name)}: must be positive, e.g. {example} (Llama 3.1)")
         checks = (("dtype", DTYPES), ("remat", REMAT_POLICIES), ("attention", ATTENTION_IMPLS),
-                  ("logits", LOGITS_IMPLS))
+                  ("logits", LOGITS_IMPLS), ("rope_type", ROPE_TYPES))
         for name, allowed in checks:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} {getattr(self, name)!r}: choose one of {', '.join(allowed)}")
@@ -238,4 +271,7 @@ def get_config(preset: str, overrides: Iterable[str] = (), **changes) -> ModelCo
 def config_differences(saved: dict[str, Any], current: ModelConfig) -> dict[str, tuple[Any, Any]]:
     """Architecture fields whose values differ: field -> (saved, current)."""
     now = current.architecture()
-    return {name: (saved.get(name), value) for name, value in now.items() if saved.get(name) != value}
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+    # A field newer than the saved metadata has its default in that checkpoint.
+    return {name: (saved.get(name, defaults[name]), value) for name, value in now.items()
+            if saved.get(name, defaults[name]) != value}

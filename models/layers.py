@@ -10,10 +10,14 @@ through the run's `sharding.parallel.Parallelism`, passed to every call
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
+from models.config import ModelConfig
 from models.spec import embed_params, mlp_params, norm_params
 from sharding import axes as ax
 from sharding.modeldesc import Param
@@ -29,15 +33,15 @@ def param(rngs: nnx.Rngs, shape, names, *, fan_in: int | None = None, init: str 
       names: one logical axis name per dimension.
       fan_in: for ``init='normal'``, the standard deviation is
         ``1/sqrt(fan_in)`` (LeCun normal; default: the first dimension).
-      init: ``normal`` or ``ones``.
+      init: ``normal``, ``ones`` or ``zeros``.
 
     Raises:
       ValueError: when ``names`` does not have one entry per dimension.
     """
     if len(names) != len(shape):
         raise ValueError(f"logical names {names} do not match shape {shape}")
-    if init == "ones":
-        value = jnp.ones(shape, jnp.float32)
+    if init in ("ones", "zeros"):
+        value = (jnp.ones if init == "ones" else jnp.zeros)(shape, jnp.float32)
     else:
         std = (fan_in or shape[0]) ** -0.5
         value = std * jax.random.truncated_normal(rngs.params(), -2.0, 2.0, shape, jnp.float32)
@@ -95,19 +99,51 @@ class RMSNorm(nnx.Module):
         return (normed * self.scale[...]).astype(x.dtype)
 
 
-def rotary_embedding(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+def rope_frequencies(config: ModelConfig) -> np.ndarray:
+    """The rotary frequencies ``[head_dim / 2]`` float32 (radians per position).
+
+    ``default``: ``rope_theta ** (-2i / head_dim)`` (Su et al., RoFormer, 2021, eq. 15).
+    ``llama3``: Llama 3.1's rescaling (Meta, "The Llama 3 Herd of Models", 2024, and the
+    ``apply_scaling`` function of Meta's reference code ``llama_models/llama3/reference_impl/model.py``):
+    with wavelength ``w = 2*pi / f``, ``L = rope_original_max_positions``, frequencies whose ``w``
+    is below ``L / rope_high_freq_factor`` are kept, those whose ``w`` is above
+    ``L / rope_low_freq_factor`` are divided by ``rope_factor``, and between the two
+    ``f' = (1 - s) * f / rope_factor + s * f`` with ``s = (L / w - low) / (high - low)``.
+
+    Computed in float64 on the host, rounded once to float32.
+    """
+    half = config.head_dim // 2
+    freqs = config.rope_theta ** (-np.arange(half, dtype=np.float64) / half)
+    if config.rope_type == "llama3":
+        factor, low, high = config.rope_factor, config.rope_low_freq_factor, config.rope_high_freq_factor
+        context = config.rope_original_max_positions
+        wavelength = 2 * math.pi / freqs
+        smooth = (context / wavelength - low) / (high - low)
+        blended = (1 - smooth) * freqs / factor + smooth * freqs
+        freqs = np.where(wavelength < context / high, freqs,
+                         np.where(wavelength > context / low, freqs / factor, blended))
+    return freqs.astype(np.float32)
+
+
+def rotary_embedding(x: jax.Array, positions: jax.Array, theta: float, freqs=None) -> jax.Array:
     """Rotary position embedding (Su et al., RoFormer, 2021), rotate-half form.
+
+    Dimension ``i`` is rotated with dimension ``i + head_dim/2`` (the pairing of Hugging Face
+    Llama's ``rotate_half``), so its query/key weights map by reshape alone.
 
     Args:
       x: ``[batch, length, heads, head_dim]``, any float dtype; head_dim even.
       positions: ``[batch, length]`` int32 positions (per document when packed).
-      theta: frequency base.
+      theta: frequency base (used when ``freqs`` is None).
+      freqs: optional ``[head_dim / 2]`` frequencies (`rope_frequencies`).
 
     Returns:
       ``x`` rotated, same shape and dtype (computed in float32).
     """
     half = x.shape[-1] // 2
-    freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    if freqs is None:
+        freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    freqs = jnp.asarray(freqs, jnp.float32)
     angles = positions.astype(jnp.float32)[:, :, None, None] * freqs  # [B, T, 1, H/2]
     sin, cos = jnp.sin(angles), jnp.cos(angles)
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)

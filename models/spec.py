@@ -48,12 +48,18 @@ def mlp_params(embed_dim: int, mlp_dim: int) -> tuple[Param, ...]:
 
 def attention_params(config: ModelConfig) -> tuple[Param, ...]:
     """`models.attention.Attention`: ``q [embed, heads, head_dim]``, ``k, v [embed, kv_heads, head_dim]``,
-    ``o [heads, head_dim, embed]`` (fan-in ``heads * head_dim``)."""
+    ``o [heads, head_dim, embed]`` (fan-in ``heads * head_dim``) and, with ``qkv_bias`` (Qwen2), zero-initialised
+    ``q_bias [heads, head_dim]``, ``k_bias, v_bias [kv_heads, head_dim]``."""
     d, n, k, h = config.embed_dim, config.num_heads, config.num_kv_heads, config.head_dim
-    return (Param("q", (d, n, h), (ax.EMBED, ax.HEADS, ax.HEAD_DIM)),
-            Param("k", (d, k, h), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM)),
-            Param("v", (d, k, h), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM)),
-            Param("o", (n, h, d), (ax.HEADS, ax.HEAD_DIM, ax.EMBED), fan_in=n * h))
+    weights = (Param("q", (d, n, h), (ax.EMBED, ax.HEADS, ax.HEAD_DIM)),
+               Param("k", (d, k, h), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM)),
+               Param("v", (d, k, h), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM)),
+               Param("o", (n, h, d), (ax.HEADS, ax.HEAD_DIM, ax.EMBED), fan_in=n * h))
+    if not config.qkv_bias:
+        return weights
+    return weights + (Param("q_bias", (n, h), (ax.HEADS, ax.HEAD_DIM), role="bias", init="zeros"),
+                      Param("k_bias", (k, h), (ax.KV_HEADS, ax.HEAD_DIM), role="bias", init="zeros"),
+                      Param("v_bias", (k, h), (ax.KV_HEADS, ax.HEAD_DIM), role="bias", init="zeros"))
 
 
 def block_params(config: ModelConfig) -> tuple[Param, ...]:

@@ -61,6 +61,18 @@ class Block(nnx.Module):
         return par.constrain(x, (ax.BATCH, ax.LENGTH, ax.ACT_EMBED))
 
 
+    def extend(self, x: jax.Array, positions: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+               par: Parallelism = UNSHARDED):
+        """`__call__` for new tokens over a key/value cache (`models.attention.Attention.extend`).
+
+        Returns ``(x, k_cache, v_cache)``.
+        """
+        y, k_cache, v_cache = self.attention.extend(self.attention_norm(x), positions, k_cache, v_cache, par)
+        x = x + y
+        x = x + self.mlp(self.mlp_norm(x), par)
+        return par.constrain(x, (ax.BATCH, ax.LENGTH, ax.ACT_EMBED)), k_cache, v_cache
+
+
 def _add_layers_axis(module: nnx.Module) -> None:
     """Prepends ``layers`` to the logical names of every parameter of a stacked module."""
     for _, node in nnx.iter_graph(module):
@@ -172,6 +184,39 @@ class Transformer(nnx.Module):
         x = self.run_layers(x, positions, segment_ids, par)
         return self.final_norm(x)
 
+    def extend(self, tokens: jax.Array, starts: jax.Array, cache: dict[str, jax.Array],
+               par: Parallelism = UNSHARDED) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """Runs new tokens against a key/value cache: prefill (``starts`` 0) or one decoding step.
+
+        Args:
+          tokens: ``[batch, new]`` int32; row b's sit at positions ``starts[b] + arange(new)``.
+          starts: ``[batch]`` int32 cache position of each row's first new token.
+          cache: ``{"k", "v"}``, each ``[layers, batch, max_length, kv_heads, head_dim]``
+            (`models.generation.init_cache`).
+          par: the run's layout (no pipeline).
+
+        Returns:
+          ``(logits [batch, new, vocab] float32, cache)`` with the new keys and values written.
+
+        Raises:
+          ValueError: ``par`` is a pipeline (decoding runs the layer stack as a scan).
+        """
+        if par.pipeline is not None:
+            raise ValueError("decoding runs without pipeline stages; use a --mesh without stage")
+        positions = starts[:, None].astype(jnp.int32) + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+        x = self.embed(tokens, _dtype(self.config.dtype), par)
+        graphdef, stacked = nnx.split(self.layers)
+
+        def body(h, layer):
+            layer_state, k_cache, v_cache = layer
+            h, k_cache, v_cache = nnx.merge(graphdef, layer_state).extend(h, positions, k_cache, v_cache, par)
+            return h, (k_cache, v_cache)
+
+        x, (k, v) = jax.lax.scan(body, x, (stacked, cache["k"], cache["v"]))
+        weight, vocab_last = self.output_weight()
+        logits = par.constrain(project_logits(self.final_norm(x), weight, vocab_last), (ax.BATCH, ax.LENGTH, ax.VOCAB))
+        return logits, {"k": k, "v": v}
+
     def output_weight(self) -> tuple[jax.Array, bool]:
         """``(weight, vocab_last)``: ``unembed [embed, vocab]``, or the embedding table ``[vocab, embed]`` when tied."""
         if self.config.tie_embeddings:
@@ -268,3 +313,9 @@ def loss_sums(graphdef, params: dict[str, Any], tokens, targets, weights, positi
               segment_ids=None, par: Parallelism = UNSHARDED) -> tuple[jax.Array, jax.Array]:
     """Summed cross-entropy from a graphdef and a params dict; see `Transformer.loss_sums`."""
     return nnx.merge(graphdef, params).loss_sums(tokens, targets, weights, positions, segment_ids, par)
+
+
+def extend(graphdef, params: dict[str, Any], cache: dict[str, jax.Array], tokens, starts,
+           par: Parallelism = UNSHARDED) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """New tokens against a key/value cache from a graphdef and a params dict; see `Transformer.extend`."""
+    return nnx.merge(graphdef, params).extend(tokens, starts, cache, par)

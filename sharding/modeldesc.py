@@ -28,9 +28,10 @@ from sharding import axes as ax
 
 __all__ = ["ROLES", "AttentionGeometry", "ModelDescription", "Param", "Product", "Term"]
 
-ROLES = ("weight", "scale", "embedding", "output")
-"""Parameter roles: ``weight`` (of a matrix product inside the layers), ``scale`` (a norm's),
-``embedding`` (a lookup table ``[rows, width]``), ``output`` (the output projection's weight)."""
+ROLES = ("weight", "scale", "bias", "embedding", "output")
+"""Parameter roles: ``weight`` (of a matrix product inside the layers), ``scale`` (a norm's), ``bias`` (added
+to a product's output), ``embedding`` (a lookup table ``[rows, width]``), ``output`` (the output
+projection's weight)."""
 
 KEPT = ("input", "dot")
 """Which remat policies keep an activation term: ``input`` (the layer's input: kept by every policy,
@@ -48,7 +49,7 @@ class Param:
       axes: One logical axis name per dimension of ``shape``.
       per_layer: Whether it is stacked over the layers (a leading ``[layers]`` dimension).
       role: One of `ROLES`.
-      init: ``normal`` (truncated normal, standard deviation ``fan_in ** -0.5``) or ``ones``.
+      init: ``normal`` (truncated normal, standard deviation ``fan_in ** -0.5``), ``ones`` or ``zeros``.
       fan_in: For ``normal``: the fan-in; None takes the first dimension.
 
     Raises:
@@ -68,8 +69,8 @@ class Param:
             raise ValueError(f"parameter {self.path}: logical axes {self.axes} do not match shape {self.shape}")
         if self.role not in ROLES:
             raise ValueError(f"parameter {self.path}: role {self.role!r}; choose one of {', '.join(ROLES)}")
-        if self.init not in ("normal", "ones"):
-            raise ValueError(f"parameter {self.path}: init {self.init!r}; choose normal or ones")
+        if self.init not in ("normal", "ones", "zeros"):
+            raise ValueError(f"parameter {self.path}: init {self.init!r}; choose normal, ones or zeros")
 
     @property
     def name(self) -> str:

@@ -235,3 +235,21 @@ def test_jax_dot_product_attention_in_the_model_matches_reference_with_gradients
     np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-5)
     for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-5 * np.abs(np.asarray(b)).max())
+
+
+def test_hugging_face_options_are_settable_and_checked():
+    from models.config import config_differences
+
+    config = get_config("test", ["rope_type=llama3", "rope_factor=8", "qkv_bias=true", "head_dim=24"])
+    assert (config.rope_type, config.rope_factor, config.qkv_bias, config.head_dim) == ("llama3", 8.0, True, 24)
+    _, abstract, _ = abstract_model(config)
+    assert sum(x.size for x in jax.tree.leaves(abstract)) == config.num_params
+    with pytest.raises(ValueError, match="rope_type 'yarn': choose one of default, llama3"):
+        get_config("test", ["rope_type=yarn"])
+    with pytest.raises(ValueError, match="rope_low_freq_factor=4.0 with rope_high_freq_factor=1.0"):
+        get_config("test", ["rope_type=llama3", "rope_low_freq_factor=4", "rope_high_freq_factor=1"])
+    # metadata saved before these fields existed: missing fields count as their defaults
+    old = {k: v for k, v in CONFIG.architecture().items() if not k.startswith("rope_") or k == "rope_theta"}
+    old.pop("qkv_bias")
+    assert config_differences(old, CONFIG) == {}
+    assert config_differences(old, CONFIG.replace(qkv_bias=True)) == {"qkv_bias": (False, True)}

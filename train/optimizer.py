@@ -4,7 +4,7 @@ AdamW is Loshchilov & Hutter (2019); the schedule warms up linearly from
 ``lr / warmup`` (step 1) to ``lr`` (step ``warmup``), then follows a cosine to ``lr * min_lr_ratio``
 at ``decay_steps`` (Loshchilov & Hutter, SGDR, 2017). Gradients are clipped
 to a global norm first (Pascanu et al., 2013). Weight decay applies to
-matrices only, not to norm scales.
+matrices only, not to norm scales or biases.
 """
 
 from __future__ import annotations
@@ -72,9 +72,11 @@ def learning_rate_schedule(config: OptimizerConfig) -> optax.Schedule:
 
 
 def decay_mask(param_names) -> dict:
-    """True for parameters with two or more dimensions besides ``layers`` (matrices)."""
+    """True for the matrices: parameters with an ``embed`` dimension and two or more dimensions besides
+    ``layers`` (the products' weights and the embedding); norm scales and the query/key/value biases
+    (``[heads, head_dim]``, no ``embed``) are not decayed."""
     return jax.tree.map(
-        lambda names: sum(n != ax.LAYERS for n in names) >= 2,
+        lambda names: ax.EMBED in names and sum(n != ax.LAYERS for n in names) >= 2,
         param_names,
         is_leaf=lambda x: isinstance(x, tuple),
     )

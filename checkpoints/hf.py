@@ -1,0 +1,549 @@
+"""Hugging Face Llama-family checkpoints in and out: ``config.json`` <-> `ModelConfig`, safetensors <-> parameters.
+
+Reads folders written by ``transformers``' ``save_pretrained`` for ``LlamaForCausalLM``,
+``MistralForCausalLM`` and ``Qwen2ForCausalLM`` (``config.json`` and ``model.safetensors``, or
+sharded ``model-0000i-of-0000N.safetensors`` with ``model.safetensors.index.json``) and writes
+folders in that layout. Only safetensors are read: pickled ``pytorch_model.bin`` files are
+refused, because unpickling runs code stored in the file.
+
+Tensor names and layouts (``transformers``' Llama modules are the contract; einsum letters as in
+`models.attention`: D embed, N heads, K kv heads, H head_dim, F mlp, V vocab, L layers)::
+
+    model.embed_tokens.weight                  [V, D]     embed/embedding            [V, D]
+    lm_head.weight (untied)                    [V, D]     unembed                    [D, V]   (transposed)
+    model.norm.weight                          [D]        final_norm/scale           [D]
+    model.layers.{i}.input_layernorm.weight    [D]        layers/attention_norm/scale [L, D]
+    model.layers.{i}.post_attention_layernorm  [D]        layers/mlp_norm/scale      [L, D]
+    model.layers.{i}.self_attn.q_proj.weight   [N*H, D]   layers/attention/q         [L, D, N, H]
+    model.layers.{i}.self_attn.k_proj.weight   [K*H, D]   layers/attention/k         [L, D, K, H]
+    model.layers.{i}.self_attn.v_proj.weight   [K*H, D]   layers/attention/v         [L, D, K, H]
+    model.layers.{i}.self_attn.o_proj.weight   [D, N*H]   layers/attention/o         [L, N, H, D]
+    model.layers.{i}.self_attn.q_proj.bias     [N*H]      layers/attention/q_bias    [L, N, H]  (Qwen2)
+    model.layers.{i}.self_attn.{k,v}_proj.bias [K*H]      layers/attention/{k,v}_bias [L, K, H] (Qwen2)
+    model.layers.{i}.mlp.gate_proj.weight      [F, D]     layers/mlp/gate            [L, D, F]
+    model.layers.{i}.mlp.up_proj.weight        [F, D]     layers/mlp/up              [L, D, F]
+    model.layers.{i}.mlp.down_proj.weight      [D, F]     layers/mlp/down            [L, F, D]
+
+Every mapping is a reshape and a transpose: ``transformers``' ``rotate_half`` pairs rotary
+dimension ``i`` with ``i + H/2``, as `models.layers.rotary_embedding` does, so no permutation of
+the query/key rows is needed (the Meta-to-Hugging Face conversion's interleave permutation
+applies only to Meta's original checkpoints).
+
+Reading places every array straight onto its sharding: `jax.make_array_from_callback` asks for
+each device's block, and the callback reads only the rows and columns of that block from the
+file (safetensors' ``get_slice``), so no process holds the whole model. Writing gathers one
+tensor (one layer's slice of a stacked parameter) at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import shutil
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, so safetensors' numpy reader returns it)
+import numpy as np
+
+from models.config import ModelConfig
+
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+"""The ``config.json`` ``architectures`` meshwork reads."""
+
+CONFIG_FILE = "config.json"
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+TOKENIZER_FILE = "tokenizer.json"
+DEFAULT_MAX_SHARD_SIZE = 5 * 10**9
+"""Bytes per safetensors file when exporting (``transformers``' default, 5 GB)."""
+
+EXPORT_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16),
+                 "float16": np.dtype(np.float16)}
+
+_CONVERT = (
+    'python -c "from transformers import AutoModelForCausalLM as M; '
+    "M.from_pretrained('{src}').save_pretrained('{src}-safetensors', safe_serialization=True)\""
+)
+
+
+# config.json <-> ModelConfig ---------------------------------------------------------------------
+
+
+def read_hf_config(folder: str | Path) -> dict[str, Any]:
+    """The parsed ``config.json`` of a model folder.
+
+    Raises:
+      ValueError: no such folder, no ``config.json`` or not JSON (one line naming the path).
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ValueError(f"{folder}: no such folder; give a Hugging Face model folder (config.json and *.safetensors)")
+    path = folder / CONFIG_FILE
+    if not path.is_file():
+        raise ValueError(f"{folder}: no {CONFIG_FILE}; give a folder written by save_pretrained")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+
+
+def _rope_fields(hf: dict[str, Any], where: str) -> dict[str, Any]:
+    """``rope_*`` fields of `ModelConfig` from ``rope_parameters`` (transformers 5) or
+    ``rope_theta`` + ``rope_scaling`` (earlier versions)."""
+    rope = dict(hf.get("rope_parameters") or {})
+    if not rope:
+        rope = dict(hf.get("rope_scaling") or {})
+        rope.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    fields = {"rope_theta": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))}
+    if kind == "default":
+        return {**fields, "rope_type": "default"}
+    if kind != "llama3":
+        raise ValueError(f"{where}: rope type {kind!r} is not supported (meshwork has default and llama3 rotary "
+                         "positions)")
+    names = {"factor": "rope_factor", "low_freq_factor": "rope_low_freq_factor",
+             "high_freq_factor": "rope_high_freq_factor",
+             "original_max_position_embeddings": "rope_original_max_positions"}
+    for key, name in names.items():
+        if key not in rope:
+            raise ValueError(f"{where}: llama3 rope scaling without {key!r}")
+        fields[name] = rope[key]
+    fields["rope_original_max_positions"] = int(fields["rope_original_max_positions"])
+    for name in ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor"):
+        fields[name] = float(fields[name])
+    return {**fields, "rope_type": "llama3"}
+
+
+def _refuse_unsupported(hf: dict[str, Any], arch: str, where: str) -> None:
+    """Raises on a ``config.json`` field whose effect meshwork does not implement."""
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{where}: hidden_act {hf['hidden_act']!r} is not supported (meshwork's MLP is SwiGLU: silu)")
+    for key in ("attention_bias", "mlp_bias"):
+        if hf.get(key):
+            raise ValueError(f"{where}: {key}=true is not supported (meshwork has no output/MLP biases)")
+    if hf.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"{where}: partial_rotary_factor={hf['partial_rotary_factor']} is not supported")
+    window = hf.get("sliding_window")
+    longest = hf.get("max_position_embeddings")
+    if arch == "Qwen2ForCausalLM":
+        types = set(hf.get("layer_types") or ["full_attention"])
+        if hf.get("use_sliding_window") or types != {"full_attention"}:
+            raise ValueError(f"{where}: sliding-window attention is in effect (use_sliding_window / layer_types); "
+                             "meshwork attends over the whole context")
+    elif window is not None and (longest is None or window < longest):
+        raise ValueError(f"{where}: sliding_window={window} is in effect (below max_position_embeddings={longest}); "
+                         "meshwork attends over the whole context")
+
+
+def config_from_hf(hf: dict[str, Any], where: str = CONFIG_FILE, **changes) -> ModelConfig:
+    """The `ModelConfig` of a Hugging Face ``config.json``.
+
+    Args:
+      hf: the parsed ``config.json``.
+      where: its path, for messages.
+      **changes: execution fields to set (``dtype``, ``attention``, ...).
+
+    Returns:
+      The architecture of the checkpoint (``qkv_bias`` for Qwen2; ``head_dim`` from the file, or
+      ``hidden_size / num_attention_heads``).
+
+    Raises:
+      ValueError: an architecture other than `ARCHITECTURES`, a missing field, or a field
+        whose effect meshwork does not implement (sliding-window attention in effect, a rope type
+        other than default and llama3, attention or MLP biases, another activation); one line
+        naming the field.
+    """
+    archs = hf.get("architectures") or []
+    if len(archs) != 1 or archs[0] not in ARCHITECTURES:
+        raise ValueError(f"{where}: architectures {archs} not supported; meshwork reads {', '.join(ARCHITECTURES)}")
+    arch = archs[0]
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+        if key not in hf:
+            raise ValueError(f"{where}: no {key!r} field")
+    _refuse_unsupported(hf, arch, where)
+    heads = int(hf["num_attention_heads"])
+    fields = dict(
+        vocab_size=int(hf["vocab_size"]),
+        num_layers=int(hf["num_hidden_layers"]),
+        embed_dim=int(hf["hidden_size"]),
+        mlp_dim=int(hf["intermediate_size"]),
+        num_heads=heads,
+        num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+        head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qkv_bias=arch == "Qwen2ForCausalLM",
+        max_positions=int(hf.get("max_position_embeddings") or ModelConfig.max_positions),
+        **_rope_fields(hf, where),
+    )
+    try:
+        return ModelConfig(**fields, **changes)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+
+
+def config_to_hf(config: ModelConfig, *, dtype: str = "float32", eos_token_id: int | None = None,
+                 bos_token_id: int | None = None) -> dict[str, Any]:
+    """A ``config.json`` for `config`: ``Qwen2ForCausalLM`` with ``qkv_bias``, else ``LlamaForCausalLM``.
+
+    Rotary settings are written both as ``rope_parameters`` (transformers 5) and as
+    ``rope_theta`` + ``rope_scaling`` (earlier versions).
+    """
+    rope: dict[str, Any] = {"rope_type": config.rope_type, "rope_theta": config.rope_theta}
+    scaling = None
+    if config.rope_type == "llama3":
+        scaling = {"rope_type": "llama3", "factor": config.rope_factor,
+                   "low_freq_factor": config.rope_low_freq_factor, "high_freq_factor": config.rope_high_freq_factor,
+                   "original_max_position_embeddings": config.rope_original_max_positions}
+        rope.update(scaling)
+    qwen = config.qkv_bias
+    out = {
+        "architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],
+        "model_type": "qwen2" if qwen else "llama",
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.embed_dim,
+        "intermediate_size": config.mlp_dim,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": config.max_positions,
+        "rms_norm_eps": config.norm_eps,
+        "tie_word_embeddings": config.tie_embeddings,
+        "rope_theta": config.rope_theta,
+        "rope_scaling": scaling,
+        "rope_parameters": rope,
+        "bos_token_id": bos_token_id,
+        "eos_token_id": eos_token_id,
+        "dtype": dtype,
+        "torch_dtype": dtype,
+        "use_cache": True,
+    }
+    if qwen:
+        out.update(use_sliding_window=False, sliding_window=None)
+    else:
+        out.update(attention_bias=False, mlp_bias=False)
+    return out
+
+
+# Tensor mapping ----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorMap:
+    """One meshwork parameter and the Hugging Face tensor(s) it holds.
+
+    Attributes:
+      path: the parameter's keys in meshwork's params tree, e.g. ``("layers", "attention", "q")``.
+      hf_name: the tensor's name; ``{i}`` stands for the layer of a stacked parameter.
+      split: for each dimension of the Hugging Face tensor, the sizes of meshwork's dimensions it
+        holds (``[N*H, D]`` -> ``((N, H), (D,))``).
+      perm: meshwork's (per-layer) array is the Hugging Face tensor reshaped to the flattened
+        ``split`` and transposed by ``perm``.
+      stacked: one tensor per layer, stacked on meshwork's leading ``layers`` dimension.
+    """
+
+    path: tuple[str, ...]
+    hf_name: str
+    split: tuple[tuple[int, ...], ...]
+    perm: tuple[int, ...]
+    stacked: bool = False
+
+    @property
+    def hf_shape(self) -> tuple[int, ...]:
+        return tuple(math.prod(group) for group in self.split)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """meshwork's per-layer shape."""
+        flat = [size for group in self.split for size in group]
+        return tuple(flat[p] for p in self.perm)
+
+    def names(self, num_layers: int) -> list[str]:
+        """The Hugging Face names this parameter holds (one per layer when stacked)."""
+        return [self.hf_name.format(i=i) for i in range(num_layers)] if self.stacked else [self.hf_name]
+
+
+def tensor_maps(config: ModelConfig) -> list[TensorMap]:
+    """Every parameter of `config`'s model with its Hugging Face tensor (module docstring's table)."""
+    d, n, k, h, f, v = (config.embed_dim, config.num_heads, config.num_kv_heads, config.head_dim, config.mlp_dim,
+                        config.vocab_size)
+    layer = "model.layers.{i}."
+    maps = [TensorMap(("embed", "embedding"), "model.embed_tokens.weight", ((v,), (d,)), (0, 1))]
+    for name, hf_name in (("attention_norm", "input_layernorm"), ("mlp_norm", "post_attention_layernorm")):
+        maps.append(TensorMap(("layers", name, "scale"), f"{layer}{hf_name}.weight", ((d,),), (0,), True))
+    for name, heads in (("q", n), ("k", k), ("v", k)):
+        maps.append(TensorMap(("layers", "attention", name), f"{layer}self_attn.{name}_proj.weight",
+                              ((heads, h), (d,)), (2, 0, 1), True))
+        if config.qkv_bias:
+            maps.append(TensorMap(("layers", "attention", f"{name}_bias"), f"{layer}self_attn.{name}_proj.bias",
+                                  ((heads, h),), (0, 1), True))
+    maps.append(TensorMap(("layers", "attention", "o"), f"{layer}self_attn.o_proj.weight", ((d,), (n, h)),
+                          (1, 2, 0), True))
+    for name in ("gate", "up"):
+        maps.append(TensorMap(("layers", "mlp", name), f"{layer}mlp.{name}_proj.weight", ((f,), (d,)), (1, 0), True))
+    maps.append(TensorMap(("layers", "mlp", "down"), f"{layer}mlp.down_proj.weight", ((d,), (f,)), (1, 0), True))
+    maps.append(TensorMap(("final_norm", "scale"), "model.norm.weight", ((d,),), (0,)))
+    if not config.tie_embeddings:
+        maps.append(TensorMap(("unembed",), "lm_head.weight", ((v,), (d,)), (1, 0)))
+    return maps
+
+
+def _read_block(get_slice: Callable, m: TensorMap, index: Sequence[slice]) -> np.ndarray:
+    """meshwork's block ``index`` (per-layer dims) of one Hugging Face tensor, reading only its rows/columns.
+
+    A Hugging Face dimension holding several of meshwork's (``N*H``) is read over the rows of the
+    first one's range with the others whole, then reshaped and sliced.
+    """
+    flat_index: list[slice] = [slice(None)] * len(m.perm)
+    for j, p in enumerate(m.perm):
+        flat_index[p] = index[j]
+    hf_index, shape, after = [], [], []
+    offset = 0
+    for group in m.split:
+        first = flat_index[offset]
+        inner = math.prod(group[1:])
+        hf_index.append(slice(first.start * inner, first.stop * inner))
+        shape.extend([first.stop - first.start, *group[1:]])
+        after.extend([slice(None), *flat_index[offset + 1: offset + len(group)]])
+        offset += len(group)
+    block = np.asarray(get_slice()[tuple(hf_index)])
+    return block.reshape(shape)[tuple(after)].transpose(m.perm)
+
+
+# Reading -----------------------------------------------------------------------------------------
+
+
+def weight_files(folder: str | Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it, from the index or the single file.
+
+    Raises:
+      ValueError: no safetensors in the folder (pickled ``pytorch_model*.bin`` only: refused with
+        why and how to convert), or an index naming a missing file.
+    """
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    index = folder / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ValueError(f"{index}: not a safetensors index ({e})") from None
+        files = {name: folder / file for name, file in weight_map.items()}
+        for path in set(files.values()):
+            if not path.is_file():
+                raise ValueError(f"{index}: names {path.name}, which is missing")
+        return files
+    single = folder / SINGLE_FILE
+    if single.is_file():
+        with safe_open(str(single), framework="numpy") as f:
+            return {name: single for name in f.keys()}
+    pickled = sorted(folder.glob("pytorch_model*.bin")) + sorted(folder.glob("*.pt")) + sorted(folder.glob("*.pth"))
+    if pickled:
+        raise ValueError(f"{folder}: only pickled weights ({pickled[0].name}); meshwork reads only safetensors because "
+                         f"unpickling runs code from the file; convert where you trust it: {_CONVERT.format(src=folder)}")
+    raise ValueError(f"{folder}: no {SINGLE_FILE} or {INDEX_FILE}")
+
+
+class _Files:
+    """Open safetensors files, one handle each, for the callbacks of one import."""
+
+    def __init__(self, files: dict[str, Path]):
+        self.files = files
+        self._open: dict[Path, Any] = {}
+
+    def handle(self, name: str):
+        from safetensors import safe_open
+
+        path = self.files[name]
+        if path not in self._open:
+            self._open[path] = safe_open(str(path), framework="numpy")
+        return self._open[path]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.handle(name).get_slice(name).get_shape())
+
+
+def check_tensors(folder: str | Path, config: ModelConfig, files: dict[str, Path] | None = None) -> None:
+    """Checks that every tensor `config` needs is in the folder with its shape, reading headers only.
+
+    Raises:
+      ValueError: a missing tensor or one of the wrong shape; one line naming tensor and file.
+    """
+    files = weight_files(folder) if files is None else files
+    opened = _Files(files)
+    first = next(iter(sorted(set(files.values()))), Path(folder))
+    for m in tensor_maps(config):
+        for name in m.names(config.num_layers):
+            if name not in files:
+                where = INDEX_FILE if (Path(folder) / INDEX_FILE).is_file() else first.name
+                raise ValueError(f"{Path(folder) / where}: tensor {name} is missing")
+            shape = opened.shape(name)
+            if shape != m.hf_shape:
+                raise ValueError(f"{files[name]}: tensor {name} has shape {list(shape)}, config.json implies "
+                                 f"{list(m.hf_shape)}")
+
+
+def _get(tree: dict, path: tuple[str, ...]):
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def _set(tree: dict, path: tuple[str, ...], value) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+def load_params(folder: str | Path, config: ModelConfig, targets: dict[str, Any]) -> dict[str, Any]:
+    """Reads a Hugging Face folder's tensors straight onto their shardings.
+
+    Each array is built with `jax.make_array_from_callback`; the callback for a device's block
+    reads only that block's rows and columns of the file (``safe_open(...).get_slice(name)[...]``),
+    so a process reads what its devices hold and never the whole model. Stored bfloat16/float16
+    values are converted to each target's dtype.
+
+    Args:
+      folder: the model folder (``config.json`` + safetensors).
+      config: its `ModelConfig` (`config_from_hf`); the layer stack must be canonical ``[L, ...]``.
+      targets: meshwork's params tree of `jax.ShapeDtypeStruct` with ``sharding`` set (e.g. from
+        `models.transformer.abstract_model` and `sharding.rules.tree_shardings`).
+
+    Returns:
+      The params tree of `jax.Array`, each on its target's sharding, in its target's dtype.
+
+    Raises:
+      ValueError: as `weight_files` and `check_tensors` (before any array is built), or a target
+        whose shape differs from the config's.
+    """
+    import jax
+
+    files = weight_files(folder)
+    check_tensors(folder, config, files)
+    opened = _Files(files)
+    params: dict[str, Any] = {}
+    for m in tensor_maps(config):
+        target = _get(targets, m.path)
+        expected = ((config.num_layers,) if m.stacked else ()) + m.shape
+        if tuple(target.shape) != expected:
+            raise ValueError(f"target {'/'.join(m.path)} has shape {tuple(target.shape)}, the config implies {expected}")
+        dtype = np.dtype(target.dtype)
+
+        def callback(index, m=m, dtype=dtype, shape=expected):
+            index = tuple(slice(*s.indices(size)[:2]) for s, size in zip(index, shape))
+            if not m.stacked:
+                return _read_block(lambda: opened.handle(m.hf_name).get_slice(m.hf_name), m, index).astype(dtype)
+            blocks = []
+            for i in range(index[0].start, index[0].stop):
+                name = m.hf_name.format(i=i)
+                blocks.append(_read_block(lambda name=name: opened.handle(name).get_slice(name), m, index[1:]))
+            return np.stack(blocks).astype(dtype)
+
+        _set(params, m.path, jax.make_array_from_callback(expected, target.sharding, callback))
+    return params
+
+
+# Writing -----------------------------------------------------------------------------------------
+
+
+def _host_value(x) -> np.ndarray:
+    """A (possibly sharded, possibly multi-process) array gathered to this host as numpy."""
+    import jax
+
+    if getattr(x, "is_fully_addressable", True):
+        return np.asarray(jax.device_get(x))
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def _hf_tensor(params: dict[str, Any], m: TensorMap, layer: int | None, dtype: np.dtype) -> np.ndarray:
+    """One Hugging Face tensor from meshwork's params, gathered alone, in ``dtype``."""
+    value = _get(params, m.path)
+    value = _host_value(value[layer] if layer is not None else value)
+    flat = value.transpose(np.argsort(m.perm)).reshape(m.hf_shape)
+    return np.ascontiguousarray(flat.astype(dtype))
+
+
+def save_params(folder: str | Path, config: ModelConfig, params: dict[str, Any], *, dtype: str = "float32",
+                max_shard_size: int = DEFAULT_MAX_SHARD_SIZE, tokenizer: str | Path | None = None,
+                eos_token_id: int | None = None, bos_token_id: int | None = None, overwrite: bool = False) -> list[Path]:
+    """Writes a Hugging Face folder ``transformers`` reads: ``config.json``, safetensors, index, tokenizer.
+
+    Tensors are gathered one at a time (one layer of a stacked parameter), converted to
+    ``dtype`` and written in files of at most ``max_shard_size`` bytes (a tensor larger than that
+    gets a file of its own): ``model.safetensors`` when one file holds all, else
+    ``model-0000i-of-0000N.safetensors`` with ``model.safetensors.index.json``. Only process 0
+    writes; every process takes part in the gathers.
+
+    Args:
+      folder: where to write (created; must be empty unless ``overwrite``).
+      config: the model.
+      params: meshwork's params tree (arrays, possibly sharded over a mesh), canonical layer stack.
+      dtype: ``float32``, ``bfloat16`` or ``float16`` (`EXPORT_DTYPES`).
+      max_shard_size: bytes per safetensors file.
+      tokenizer: a ``tokenizer.json`` to copy, or None.
+      eos_token_id, bos_token_id: written to ``config.json`` and ``generation_config.json``.
+      overwrite: allow a non-empty folder.
+
+    Returns:
+      The files written, in order.
+
+    Raises:
+      ValueError: an unknown ``dtype``, a non-positive ``max_shard_size``, or a non-empty folder.
+    """
+    import jax
+    from safetensors.numpy import save_file
+
+    if dtype not in EXPORT_DTYPES:
+        raise ValueError(f"--dtype {dtype}: choose one of {', '.join(EXPORT_DTYPES)}")
+    if max_shard_size <= 0:
+        raise ValueError(f"--max-shard-size {max_shard_size}: must be a positive number of bytes, e.g. 5000000000")
+    folder = Path(folder)
+    if folder.exists() and any(folder.iterdir()) and not overwrite:
+        raise ValueError(f"--out {folder}: not empty; give a new folder")
+    np_dtype = EXPORT_DTYPES[dtype]
+    entries = [(name, m, i if m.stacked else None) for m in tensor_maps(config)
+               for i, name in enumerate(m.names(config.num_layers))]
+    shards: list[list[tuple[str, TensorMap, int | None]]] = [[]]
+    size = 0
+    for entry in entries:
+        nbytes = math.prod(entry[1].hf_shape) * np_dtype.itemsize
+        if shards[-1] and size + nbytes > max_shard_size:
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
+        size += nbytes
+    writer = jax.process_index() == 0
+    if writer:
+        folder.mkdir(parents=True, exist_ok=True)
+    written, weight_map, total = [], {}, 0
+    for k, shard in enumerate(shards):
+        file = SINGLE_FILE if len(shards) == 1 else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {name: _hf_tensor(params, m, layer, np_dtype) for name, m, layer in shard}
+        total += sum(t.nbytes for t in tensors.values())
+        weight_map.update({name: file for name in tensors})
+        if writer:
+            save_file(tensors, str(folder / file), metadata={"format": "pt"})
+            written.append(folder / file)
+    if not writer:
+        return []
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        written.append(folder / INDEX_FILE)
+    hf = config_to_hf(config, dtype=dtype, eos_token_id=eos_token_id, bos_token_id=bos_token_id)
+    (folder / CONFIG_FILE).write_text(json.dumps(hf, indent=2) + "\n")
+    generation = {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id}
+    (folder / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    written += [folder / CONFIG_FILE, folder / "generation_config.json"]
+    if tokenizer is not None:
+        shutil.copyfile(tokenizer, folder / TOKENIZER_FILE)
+        written.append(folder / TOKENIZER_FILE)
+    return written

@@ -1,0 +1,123 @@
+"""Generate text from a model: a key/value cache, a jitted prefill and a jitted one-token step.
+
+Continues each prompt until the end-of-document token or ``--max-new-tokens``, with the
+parameters and the cache sharded by the rules over ``--mesh`` (`models.generation`). With one
+prompt and a terminal, the text streams as tokens arrive; otherwise each prompt's continuation
+is printed after a ``--- prompt i`` line.
+
+Examples:
+    python -m train.generate --hf tests/fixtures/hf/llama_gqa --prompt "def main(" --max-new-tokens 20
+    python -m train.generate --hf MODEL --prompt-file prompts.txt --temperature 0.8 --top-p 0.9 \\
+        --mesh data=2,tensor=4 --cpu-devices 8
+
+``--run-dir RUN [--step N]`` (a meshwork checkpoint) comes with the new run metadata; see
+`train.inference`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from train.inference import add_device_args, add_source_args, load_model, run_main, setup
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m train.generate", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_source_args(p)
+    g = p.add_argument_group("prompts and sampling")
+    g.add_argument("--prompt", action="append", default=[], metavar="TEXT", help="a prompt; repeatable (one batch)")
+    g.add_argument("--prompt-file", action="append", default=[], metavar="FILE",
+                   help="a file with one prompt per line (blank lines skipped); repeatable")
+    g.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="the most new tokens per prompt")
+    g.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 is greedy")
+    g.add_argument("--top-k", type=int, default=0, metavar="K", help="sample among the K most likely (0: all)")
+    g.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (1: all)")
+    g.add_argument("--seed", type=int, default=0, metavar="S", help="random seed of the draws")
+    g.add_argument("--stats", action="store_true", help="print prefill and decoding throughput to stderr")
+    add_device_args(p, default_mesh="data=-1")
+    return p
+
+
+def read_prompts(args) -> list[str]:
+    """``--prompt`` texts, then the lines of each ``--prompt-file``.
+
+    Raises:
+      ValueError: no prompt at all, or an unreadable file.
+    """
+    prompts = list(args.prompt)
+    for name in args.prompt_file:
+        path = Path(name)
+        if not path.is_file():
+            raise ValueError(f"--prompt-file {name}: no such file")
+        prompts += [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not prompts:
+        raise ValueError("give --prompt TEXT or --prompt-file FILE")
+    return prompts
+
+
+class _Stream:
+    """Prints one row's text as its tokens arrive (decoding the whole so far, printing the new suffix)."""
+
+    def __init__(self, tokenizer, out):
+        self.tokenizer, self.out, self.ids, self.shown = tokenizer, out, [], ""
+
+    def __call__(self, tokens, active) -> None:
+        if not active[0]:
+            return
+        self.ids.append(int(tokens[0]))
+        text = self.tokenizer.decode(self.ids)
+        if text.startswith(self.shown) and not text.endswith("\ufffd"):  # wait for a whole character
+            self.out.write(text[len(self.shown):])
+            self.out.flush()
+            self.shown = text
+
+
+def run(args) -> int:
+    from models.generation import Generator, Sampling
+
+    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    if args.max_new_tokens <= 0:
+        raise ValueError(f"--max-new-tokens {args.max_new_tokens}: must be positive, e.g. 64")
+    texts = read_prompts(args)
+    par = setup(args)
+    model = load_model(args, par)
+    prompts = [[int(t) for t in ids] for ids in model.tokenizer.encode_batch([t.encode("utf-8") for t in texts])]
+    if model.bos_id is not None:
+        prompts = [p if p[:1] == [model.bos_id] else [model.bos_id] + p for p in prompts]
+    longest = max(len(p) for p in prompts) + args.max_new_tokens
+    if longest > model.config.max_positions:
+        print(f"note: {longest} positions exceed the model's max_position_embeddings {model.config.max_positions}",
+              file=sys.stderr)
+    generator = Generator(model.config, model.graphdef, model.params, par)
+    stream = _Stream(model.tokenizer, sys.stdout) if len(prompts) == 1 and sys.stdout.isatty() else None
+    if stream is not None:
+        sys.stdout.write(texts[0])
+        sys.stdout.flush()
+    start = time.perf_counter()
+    outputs = generator.generate(prompts, args.max_new_tokens, sampling, eod_id=model.eod_id, on_tokens=stream)
+    seconds = time.perf_counter() - start
+    if stream is not None:
+        sys.stdout.write(model.tokenizer.decode(stream.ids)[len(stream.shown):] + "\n")
+    else:
+        for i, (text, new) in enumerate(zip(texts, outputs)):
+            new = new[:-1] if new and new[-1] == model.eod_id else new
+            print(f"--- prompt {i}" if len(texts) > 1 else "", end="\n" if len(texts) > 1 else "")
+            print(text + model.tokenizer.decode(new))
+    if args.stats:
+        produced = sum(len(o) for o in outputs)
+        print(f"{len(prompts)} prompts, {produced} new tokens in {seconds:.2f} s (compilation included): "
+              f"{produced / seconds:.1f} tokens/s", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the process exit code."""
+    return run_main(run, build_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""Shared command-line bits of the entry points that run a model without training (generate, evaluate).
+
+One place for: the device and mesh flags (``--mesh``, ``--rules``, ``--rule``, ``--cpu-devices``),
+where the model comes from (``--hf PATH`` now; ``--run-dir RUN [--step N]`` once run folders carry
+the new checkpoint metadata: `add_source_args` and `load_model` are where it goes), the tokenizer
+(``--tokenizer``, else the folder's ``tokenizer.json``), and turning errors into one line. Kept
+small so it can be folded into ``train/cli.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from sharding.rules import DEFAULT_PRESET
+from sharding.rules import PRESETS as RULE_PRESETS
+
+
+def add_device_args(parser: argparse.ArgumentParser, default_mesh: str = "fsdp=-1") -> None:
+    """``--mesh``, ``--rules``, ``--rule``, ``--cpu-devices``."""
+    g = parser.add_argument_group("mesh and sharding")
+    g.add_argument("--mesh", default=default_mesh, help="mesh axes and sizes, e.g. data=2,tensor=4; one -1 takes the "
+                   "remaining devices (no stage axis: the layer stack runs as a scan)")
+    g.add_argument("--rules", default=DEFAULT_PRESET, choices=sorted(RULE_PRESETS), help="logical-to-mesh rules preset")
+    g.add_argument("--rule", action="append", default=[], metavar="NAME=AXIS[+AXIS]",
+                   help="override one logical axis, e.g. --rule vocab=none; repeatable")
+    g.add_argument("--cpu-devices", type=int, default=None, metavar="N",
+                   help="simulate N devices on a CPU-only machine (applied before JAX starts)")
+
+
+def add_source_args(parser: argparse.ArgumentParser) -> None:
+    """Where the model comes from: ``--hf PATH`` (``--run-dir`` comes with the new run metadata)."""
+    g = parser.add_argument_group("model")
+    g.add_argument("--hf", required=True, metavar="PATH",
+                   help="a Hugging Face model folder (config.json, *.safetensors; LlamaForCausalLM, "
+                   "MistralForCausalLM or Qwen2ForCausalLM)")
+    g.add_argument("--tokenizer", default=None, metavar="FILE",
+                   help="a tokenizer.json; default: the model folder's tokenizer.json")
+    g.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="compute dtype (parameters stay float32)")
+
+
+def setup(args) -> Any:
+    """Applies ``--cpu-devices``, builds the mesh and rules; returns the run's `Parallelism`.
+
+    Raises:
+      ValueError: a ``--mesh`` that does not fit the devices, a stage axis, or bad rules.
+    """
+    from train.distributed import setup_devices  # the one home of --cpu-devices
+
+    if args.cpu_devices is not None and args.cpu_devices <= 0:
+        raise ValueError(f"--cpu-devices {args.cpu_devices}: must be positive, e.g. 8")
+    setup_devices(args.cpu_devices)
+    import jax
+
+    from sharding.mesh import make_mesh, parse_mesh
+    from sharding.parallel import Parallelism
+    from sharding.rules import get_rules
+
+    shape = parse_mesh(args.mesh, jax.device_count())
+    if shape.get("stage", 1) > 1:
+        raise ValueError(f"--mesh {args.mesh}: generation and evaluation run without pipeline stages; drop stage=")
+    return Parallelism.of(make_mesh(shape), get_rules(args.rules, args.rule))
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    """A model ready to run: config, graphdef, parameters on the mesh, tokenizer and special tokens."""
+
+    config: Any
+    graphdef: Any
+    params: dict[str, Any]
+    tokenizer: Any
+    eod_id: int | None
+    bos_id: int | None
+
+
+def _first(value) -> int | None:
+    if isinstance(value, list):
+        return int(value[0]) if value else None
+    return None if value is None else int(value)
+
+
+def load_model(args, par) -> LoadedModel:
+    """Reads ``--hf`` onto ``par``'s mesh (`checkpoints.hf.load_params`) with its tokenizer.
+
+    The end-of-document token is ``config.json``'s ``eos_token_id`` (else the tokenizer's);
+    ``bos_token_id``, when set, is put in front of prompts.
+
+    Raises:
+      ValueError: as `checkpoints.hf`; a missing tokenizer; a tokenizer larger than the vocabulary.
+    """
+    import jax
+
+    from checkpoints import hf
+    from models.transformer import abstract_model
+    from sharding.rules import tree_shardings
+    from train.tokenizer import HFTokenizer
+
+    folder = Path(args.hf)
+    hf_config = hf.read_hf_config(folder)
+    config = hf.config_from_hf(hf_config, str(folder / hf.CONFIG_FILE), dtype=args.dtype)
+    graphdef, abstract, names = abstract_model(config)
+    shardings, _ = tree_shardings(abstract, names, par.mesh, par.rules)
+    targets = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    tokenizer_file = Path(args.tokenizer) if args.tokenizer else folder / hf.TOKENIZER_FILE
+    if not tokenizer_file.is_file():
+        raise ValueError(f"{folder}: no {hf.TOKENIZER_FILE}; pass --tokenizer FILE")
+    eos, bos = _first(hf_config.get("eos_token_id")), _first(hf_config.get("bos_token_id"))
+    eod_token = None
+    if eos is not None:
+        from tokenizers import Tokenizer
+
+        eod_token = Tokenizer.from_file(str(tokenizer_file)).id_to_token(eos)
+    tokenizer = HFTokenizer(tokenizer_file, eod_token)
+    if tokenizer.vocab_size > config.vocab_size:
+        raise ValueError(f"--tokenizer {tokenizer_file}: {tokenizer.vocab_size} tokens, more than the model's "
+                         f"vocab_size {config.vocab_size}; give the model's own tokenizer.json")
+    params = hf.load_params(folder, config, targets)
+    return LoadedModel(config, graphdef, params, tokenizer, eos if eos is not None else tokenizer.eod_id, bos)
+
+
+def run_main(run: Callable[[Any], int], args) -> int:
+    """Runs ``run(args)``; bad input and missing files end as ``error: ...`` (exit 2), not a traceback."""
+    try:
+        return run(args)
+    except (ValueError, FileNotFoundError, RuntimeError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("", file=sys.stderr)
+        return 130
