@@ -185,6 +185,73 @@ def config_from_hf(hf: dict[str, Any], where: str = CONFIG_FILE, **changes) -> M
         raise ValueError(f"{where}: {e}") from None
 
 
+def init_config(folder: str | Path, preset: str | None = None, overrides: Sequence[str] = (),
+                **changes) -> ModelConfig:
+    """The `ModelConfig` of a run that starts from a Hugging Face folder (``--init-from FOLDER``).
+
+    The architecture comes from the folder's ``config.json``; ``--set`` may change execution fields
+    (``dtype``, ``remat``, ``attention``, ``logits``) and may repeat an architecture field's value, but
+    not change it, and ``--model`` may only name a preset of the same architecture.
+
+    Args:
+      folder: the model folder.
+      preset: ``--model`` when given, else None.
+      overrides: the ``--set FIELD=VALUE`` items.
+      **changes: execution fields from their own flags (``--dtype`` ...).
+
+    Raises:
+      ValueError: as `read_hf_config` and `config_from_hf`; a ``--model`` or ``--set`` whose architecture
+        differs from the folder's, naming the field, both values and the remedy.
+    """
+    from models.config import PRESETS, config_differences, parse_overrides
+
+    where = str(Path(folder) / CONFIG_FILE)
+    base = config_from_hf(read_hf_config(folder), where)
+    sets = parse_overrides(overrides)
+    for name, value in sets.items():
+        if name in ModelConfig.ARCHITECTURE_FIELDS and value != getattr(base, name):
+            raise ValueError(f"--set {name}={value}: conflicts with {where} ({name}={getattr(base, name)}); "
+                             f"--init-from takes the architecture from the folder, drop --set {name}")
+    if preset is not None:
+        if preset not in PRESETS:
+            raise ValueError(f"--model {preset!r}: unknown preset; with --init-from, drop --model")
+        diff = config_differences(PRESETS[preset].architecture(), base)
+        if diff:
+            name, (ours, theirs) = next(iter(diff.items()))
+            raise ValueError(f"--model {preset}: conflicts with {where} ({name} {ours} in the preset, {theirs} in the "
+                             f"folder); --init-from takes the architecture from the folder, drop --model")
+    try:
+        return base.replace(**{**changes, **sets})
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+
+
+def eod_token(folder: str | Path, tokenizer: str | Path | None = None) -> str | None:
+    """The end-of-document token: ``config.json``'s ``eos_token_id`` (the first of a list) in the tokenizer.
+
+    Args:
+      folder: the model folder.
+      tokenizer: the ``tokenizer.json`` to look the id up in (default: the folder's).
+
+    Returns:
+      The token's text, or None when ``config.json`` sets no ``eos_token_id`` or there is no tokenizer.
+    """
+    eos = token_id(read_hf_config(folder).get("eos_token_id"))
+    path = Path(tokenizer) if tokenizer is not None else Path(folder) / TOKENIZER_FILE
+    if eos is None or not path.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(path)).id_to_token(eos)
+
+
+def token_id(value) -> int | None:
+    """A special token id of ``config.json`` (an int, a list: its first, or null) as an int or None."""
+    if isinstance(value, list):
+        return int(value[0]) if value else None
+    return None if value is None else int(value)
+
+
 def config_to_hf(config: ModelConfig, *, dtype: str = "float32", eos_token_id: int | None = None,
                  bos_token_id: int | None = None) -> dict[str, Any]:
     """A ``config.json`` for `config`: ``Qwen2ForCausalLM`` with ``qkv_bias``, else ``LlamaForCausalLM``.

@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import math
 from collections.abc import Sequence
+from pathlib import Path
 
 from models.config import ATTENTION_IMPLS, DTYPES, LOGITS_IMPLS, PRESETS, REMAT_POLICIES, get_config
 from sharding import axes as ax
@@ -22,6 +23,8 @@ from sharding.rules import DEFAULT_PRESET, PRESETS as RULE_PRESETS, get_rules
 from train.config import DEFAULT_RUN_DIR, CheckpointConfig, ClusterConfig, DataConfig, LoopConfig, RunConfig
 from train.optimizer import OptimizerConfig
 
+DEFAULT_MODEL = "small"
+"""``--model`` when neither it nor ``--init-from`` is given."""
 HETERO_EXAMPLE = "--hetero-batch 3,3,3,3,1,1,1,1"
 DEFAULT_REBALANCE = 10
 """``--rebalance-every`` with ``--hetero-batch auto``: steps between recomputing the counts."""
@@ -93,7 +96,11 @@ def _process_flags(p) -> None:
 
 def _model_flags(p) -> None:
     g = p.add_argument_group("model")
-    g.add_argument("--model", default="small", choices=sorted(PRESETS), help="model preset")
+    g.add_argument("--model", default=None, choices=sorted(PRESETS), help=f"model preset (default: {DEFAULT_MODEL})")
+    g.add_argument("--init-from", default=None, metavar="PATH",
+                   help="start from a Hugging Face model folder (config.json, *.safetensors): its architecture, "
+                   "weights and tokenizer.json, a fresh optimizer state; --dtype/--remat/--attention/--logits still "
+                   "apply; with --resume and a checkpoint in --run-dir, the checkpoint wins")
     g.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="override a ModelConfig field, e.g. --set num_layers=8; repeatable")
     g.add_argument("--dtype", default=None, choices=DTYPES, help="compute dtype (parameters stay float32); "
@@ -216,26 +223,47 @@ def from_args(args: argparse.Namespace) -> RunConfig:
     """The `RunConfig` of a parsed namespace (see `parse`)."""
     _check_counts(args)
     _check_numbers(args)
-    model = get_config(args.model, args.set, **{k: v for k, v in (
-        ("dtype", args.dtype), ("remat", args.remat), ("attention", args.attention), ("logits", args.logits)) if v})
+    execution = {k: v for k, v in (("dtype", args.dtype), ("remat", args.remat), ("attention", args.attention),
+                                    ("logits", args.logits)) if v}
+    model, preset, tokenizer, eod = _model_and_tokenizer(args, execution)
     decay = args.steps if args.decay_steps is None else args.decay_steps
     optimizer = OptimizerConfig(lr=args.lr, warmup=args.warmup if args.warmup is not None else max(decay // 20, 0),
                                 decay_steps=decay, weight_decay=args.weight_decay, grad_clip=args.grad_clip)
     optimizer.validate()
     return RunConfig(
         model=model,
-        preset=args.model,
+        preset=preset,
         parallelism=parallelism_from_args(args, model.num_layers),
-        data=DataConfig(args.data, args.tokenizer, args.eod_token, args.heldout, args.data_cache, args.seq_len,
+        data=DataConfig(args.data, tokenizer, eod, args.heldout, args.data_cache, args.seq_len,
                         args.batch_size, args.seed),
         optimizer=optimizer,
         loop=LoopConfig(args.steps, args.log_every, args.eval_every, args.eval_batches, args.skip_nonfinite,
                         not args.no_progress, args.dry_run),
-        checkpoint=CheckpointConfig(args.run_dir, args.resume, args.ckpt_every, args.keep, args.resume_step),
+        checkpoint=CheckpointConfig(args.run_dir, args.resume, args.ckpt_every, args.keep, args.resume_step,
+                                    args.init_from),
         cluster=ClusterConfig(args.cpu_devices, args.coordinator, args.num_processes, args.process_id,
                               args.dist_timeout, args.cluster, args.simulate_cluster, args.plan,
                               args.device_memory),
     )
+
+
+def _model_and_tokenizer(args, execution: dict) -> tuple:
+    """``(model, preset, tokenizer, eod_token)``: from ``--model``/``--set``, or from ``--init-from``'s folder
+    (its ``config.json`` and, unless ``--tokenizer`` says otherwise, its ``tokenizer.json``; the preset
+    recorded as ``hf:PATH``)."""
+    if args.init_from is None:
+        preset = args.model or DEFAULT_MODEL
+        return get_config(preset, args.set, **execution), preset, args.tokenizer, args.eod_token
+    from checkpoints import hf
+
+    model = hf.init_config(args.init_from, args.model, args.set, **execution)
+    tokenizer = args.tokenizer
+    if tokenizer is None and (Path(args.init_from) / hf.TOKENIZER_FILE).is_file():
+        tokenizer = str(Path(args.init_from) / hf.TOKENIZER_FILE)
+    eod = args.eod_token
+    if eod is None and tokenizer is not None:
+        eod = hf.eod_token(args.init_from, tokenizer)
+    return model, f"hf:{args.init_from}", tokenizer, eod
 
 
 def _check_counts(args) -> None:

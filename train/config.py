@@ -58,13 +58,15 @@ class LoopConfig:
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
-    """Where the run lives and how often it is saved."""
+    """Where the run lives, how often it is saved, and where it starts (``init_from``: a Hugging Face
+    folder, read when there is no checkpoint to resume)."""
 
     run_dir: str = DEFAULT_RUN_DIR
     resume: bool = False
     every: int = 50
     keep: int = 3
     resume_step: int | None = None
+    init_from: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -79,12 +79,6 @@ class LoadedModel:
     bos_id: int | None
 
 
-def _first(value) -> int | None:
-    if isinstance(value, list):
-        return int(value[0]) if value else None
-    return None if value is None else int(value)
-
-
 def load_model(args, par) -> LoadedModel:
     """Reads ``--hf`` onto ``par``'s mesh (`checkpoints.hf.load_params`) with its tokenizer.
 
@@ -110,18 +104,48 @@ def load_model(args, par) -> LoadedModel:
     tokenizer_file = Path(args.tokenizer) if args.tokenizer else folder / hf.TOKENIZER_FILE
     if not tokenizer_file.is_file():
         raise ValueError(f"{folder}: no {hf.TOKENIZER_FILE}; pass --tokenizer FILE")
-    eos, bos = _first(hf_config.get("eos_token_id")), _first(hf_config.get("bos_token_id"))
-    eod_token = None
-    if eos is not None:
-        from tokenizers import Tokenizer
-
-        eod_token = Tokenizer.from_file(str(tokenizer_file)).id_to_token(eos)
-    tokenizer = HFTokenizer(tokenizer_file, eod_token)
+    eos, bos = hf.token_id(hf_config.get("eos_token_id")), hf.token_id(hf_config.get("bos_token_id"))
+    tokenizer = HFTokenizer(tokenizer_file, hf.eod_token(folder, tokenizer_file))
     if tokenizer.vocab_size > config.vocab_size:
         raise ValueError(f"--tokenizer {tokenizer_file}: {tokenizer.vocab_size} tokens, more than the model's "
                          f"vocab_size {config.vocab_size}; give the model's own tokenizer.json")
     params = hf.load_params(folder, config, targets)
     return LoadedModel(config, graphdef, params, tokenizer, eos if eos is not None else tokenizer.eod_id, bos)
+
+
+def fresh_state(config, trainer, directory, log) -> dict:
+    """The state of a run with no checkpoint to resume: ``--init-from``'s weights, else a random init.
+
+    ``--init-from PATH``: the folder's tensors are read straight onto the run's mesh and rules in the
+    canonical ``[layers, ...]`` layout (`checkpoints.hf.load_params`), then given a fresh optimizer
+    state and re-laid for a pipeline (`train.step.Trainer.state_from_params`).
+
+    Args:
+      config: The `train.config.RunConfig`; its model came from the folder's ``config.json``.
+      trainer: The run's `train.step.Trainer`.
+      directory: The checkpoint folder (for the log line).
+      log: Prints a line (process 0).
+
+    Raises:
+      ValueError: As `checkpoints.hf.load_params` (a missing or misshapen tensor, no safetensors).
+    """
+    import time
+
+    from checkpoints import hf
+    from sharding.mesh import format_mesh
+
+    folder = config.checkpoint.init_from
+    if folder is None:
+        if config.checkpoint.resume:
+            log(f"no checkpoint in {directory}; starting from step 0")
+        return trainer.init_state(config.data.seed)
+    t0 = time.perf_counter()
+    targets = trainer.abstract_state(None)["params"]
+    state = trainer.state_from_params(hf.load_params(folder, config.model, targets), config.data.seed)
+    note = f" (no checkpoint in {directory})" if config.checkpoint.resume else ""
+    log(f"initialized from {folder}{note}: weights onto mesh {format_mesh(trainer.par.mesh_shape)} in "
+        f"{time.perf_counter() - t0:.1f} s, fresh optimizer state")
+    return state
 
 
 def run_main(run: Callable[[Any], int], args) -> int:

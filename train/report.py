@@ -328,7 +328,8 @@ def layout_text(meta) -> str:
 
 
 def resume_lines(run, trainer, meta, step: int, seconds: float) -> list[str]:
-    """What a resume restored: the step and meshes, a re-laid stage layout, a changed learning-rate schedule."""
+    """What a resume restored: the step and meshes, a re-laid stage layout, a changed learning-rate schedule,
+    an ``--init-from`` left unread."""
     lines = [f"resumed step {step} (saved on mesh {format_mesh(meta.mesh)}) onto mesh "
              f"{format_mesh(trainer.par.mesh_shape)} in {seconds:.1f} s"]
     if meta.pipeline != trainer.layout_meta():
@@ -337,6 +338,9 @@ def resume_lines(run, trainer, meta, step: int, seconds: float) -> list[str]:
     change = meta.schedule_change(run.schedule, step)
     if change:
         lines.append(change)
+    if run.checkpoint.init_from:
+        lines.append(f"note: resuming the checkpoint of step {step}, so --init-from {run.checkpoint.init_from} "
+                     "is not read (the checkpoint wins)")
     return lines
 
 

@@ -137,6 +137,10 @@ class Trainer:
         key = jax.random.key(seed)
         layout = self.layout if layout == "run" else layout
         params = init_params(self.config, jax.random.fold_in(key, 0), None if layout is None else layout.layer_table())
+        return self._fresh(params, key)
+
+    def _fresh(self, params, key) -> dict:
+        """Step 0 of ``params``: a fresh optimizer state and the run's RNG (of ``key``)."""
         return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": self.tx.init(params),
                 "rng": jax.random.key_data(jax.random.fold_in(key, 1))}
 
@@ -147,6 +151,21 @@ class Trainer:
         for the same seed, whatever the layout.
         """
         return jax.jit(self._init_fn, out_shardings=self.state_shardings)(jnp.asarray(seed, jnp.int32))
+
+    def state_from_params(self, params: dict, seed: int) -> dict:
+        """Step 0 of given parameters (e.g. imported): a fresh optimizer state, the RNG of ``seed``, in this run's layout.
+
+        Args:
+          params: Canonical ``[layers, ...]`` stacks, float32, on this mesh (``abstract_state(None)``'s shardings);
+            donated.
+          seed: As `init_state`'s.
+
+        Returns:
+          The state, laid out for this run (`relayout_state` from the canonical layout for a pipeline).
+        """
+        canonical = self.state_shardings if self.layout is None else self._layout_state(None)[3]
+        fn = jax.jit(lambda p, s: self._fresh(p, jax.random.key(s)), out_shardings=canonical, donate_argnums=0)
+        return self.relayout_state(fn(params, jnp.asarray(seed, jnp.int32)), None)
 
     def layout_meta(self) -> dict | None:
         """This run's layout for checkpoint metadata (None: canonical ``[layers, ...]`` stacks)."""

@@ -171,13 +171,13 @@ def train(config: RunConfig, trainer, ckpt, latest, tokenizer, log) -> int:
 
 
 def start_state(config: RunConfig, trainer, ckpt, latest, log):
-    """``(state, samples)``: the latest checkpoint re-laid onto this run's mesh and layout, or a fresh state."""
+    """``(state, samples)``: the latest checkpoint re-laid onto this run's mesh and layout, or a fresh state
+    (`train.inference.fresh_state`: ``--init-from``'s weights or a random init)."""
     from checkpoints.manager import restore_state
+    from train.inference import fresh_state
 
     if latest is None:
-        if config.checkpoint.resume:
-            log(f"no checkpoint in {ckpt.directory}; starting from step 0")
-        return trainer.init_state(config.data.seed), 0
+        return fresh_state(config, trainer, ckpt.directory, log), 0
     t0 = time.perf_counter()
     state, meta = restore_state(ckpt, trainer, latest)
     for line in report.resume_lines(config, trainer, meta, latest, time.perf_counter() - t0):
