@@ -85,6 +85,17 @@ class RunMeta:
         known.setdefault("preset", "?")
         return cls(**known)
 
+    def model_config(self, **changes) -> ModelConfig:
+        """The saved `ModelConfig` (fields newer than the checkpoint take their defaults), with ``changes``.
+
+        Raises:
+          ValueError: Metadata without a model, or an invalid change.
+        """
+        if not self.model:
+            raise ValueError("the checkpoint's metadata records no model config")
+        fields = {f.name for f in dataclasses.fields(ModelConfig)}
+        return ModelConfig(**{k: v for k, v in self.model.items() if k in fields}).replace(**changes)
+
     @property
     def samples(self) -> int:
         """Sequences consumed when saved (the data position)."""

@@ -121,3 +121,64 @@ def test_init_from_a_missing_folder_is_one_line(tmp_path, capsys):
     assert train.main(["--init-from", str(tmp_path / "nope")]) == 2
     err = capsys.readouterr().err.strip()
     assert "no such folder" in err and len(err.splitlines()) == 1
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+    """``train.hf import llama_gqa`` onto fsdp=4,tensor=2."""
+    from train import hf as hf_cli
+
+    run_dir = tmp_path_factory.mktemp("imported") / "run"
+    assert hf_cli.main(["import", str(FIXTURES / "llama_gqa"), "--run-dir", str(run_dir),
+                        "--mesh", "fsdp=4,tensor=2"]) == 0
+    return run_dir
+
+
+def test_import_then_export_of_a_run_folder_is_bit_exact(imported, tmp_path):
+    import ml_dtypes  # noqa: F401  (bfloat16 for numpy)
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    from train import hf as hf_cli
+
+    out = tmp_path / "out"
+    assert hf_cli.main(["export", str(imported), "--out", str(out), "--dtype", "bfloat16", "--mesh",
+                        "data=2,tensor=4", "--max-shard-size", "20kB"]) == 0
+    original = load_file(str(FIXTURES / "llama_gqa" / "model.safetensors"))
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    exported = {}
+    for file in set(index.values()):
+        exported.update(load_file(str(out / file)))
+    assert sorted(exported) == sorted(original)
+    for name, value in original.items():
+        assert exported[name].dtype == value.dtype and np.array_equal(exported[name], value), name
+    assert (out / "tokenizer.json").read_bytes() == (FIXTURES / "llama_gqa" / "tokenizer.json").read_bytes()
+    assert json.loads((out / "config.json").read_text())["eos_token_id"] == 256
+
+
+def test_import_refuses_a_run_folder_with_checkpoints_and_export_a_missing_run(imported, tmp_path, capsys):
+    from train import hf as hf_cli
+
+    assert hf_cli.main(["import", str(FIXTURES / "llama_gqa"), "--run-dir", str(imported)]) == 2
+    assert hf_cli.main(["export", str(tmp_path / "nope"), "--out", str(tmp_path / "o")]) == 2
+    assert hf_cli.main(["export", str(imported), "--step", "7", "--out", str(tmp_path / "o")]) == 2
+    errs = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert len(errs) == 3
+    assert "already holds checkpoints" in errs[0] and "no checkpoints/ folder" in errs[1] and "7" in errs[2]
+
+
+def test_generate_and_evaluate_from_a_run_folder_equal_the_hf_folder(imported, small_corpus, tmp_path, capsys):
+    from train import evaluate, generate
+
+    common = ["--data", str(small_corpus), "--data-cache", str(tmp_path / "cache"), "--seq-len", "16",
+              "--batch-size", "4", "--heldout", "0.34", "--mesh", "data=2,tensor=4"]
+    assert evaluate.main(["--run-dir", str(imported), "--step", "0", *common]) == 0
+    assert evaluate.main(["--hf", str(FIXTURES / "llama_gqa"), *common]) == 0
+    prompt = ["--prompt", "def add(", "--max-new-tokens", "6"]
+    assert generate.main(["--run-dir", str(imported), *prompt]) == 0
+    assert generate.main(["--hf", str(FIXTURES / "llama_gqa"), *prompt]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    held = [line for line in lines if line.startswith("held-out loss")]
+    assert len(held) == 2 and held[0] == held[1]
+    texts = [line for line in lines if not line.startswith("held-out loss")]
+    assert len(texts) == 2 and texts[0] == texts[1] and texts[0].startswith("def add(")

@@ -11,8 +11,8 @@ Examples:
     python -m train.evaluate --hf tests/fixtures/hf/llama_tied --data stdlib --seq-len 128 --batch-size 8
     python -m train.evaluate --hf MODEL --data corpus.jsonl --mesh fsdp=4,tensor=2 --cpu-devices 8
 
-``--run-dir RUN [--step N]`` (a meshwork checkpoint) comes with the new run metadata; see
-`train.inference`.
+``--run-dir RUN [--step N]`` reads a meshwork checkpoint instead (model config and tokenizer from its
+metadata, parameters restored onto ``--mesh``; see `train.inference`).
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ Examples:
     python -m train.generate --hf MODEL --prompt-file prompts.txt --temperature 0.8 --top-p 0.9 \\
         --mesh data=2,tensor=4 --cpu-devices 8
 
-``--run-dir RUN [--step N]`` (a meshwork checkpoint) comes with the new run metadata; see
-`train.inference`.
+``--run-dir RUN [--step N]`` reads a meshwork checkpoint instead (model config and tokenizer from its
+metadata, parameters restored onto ``--mesh``; see `train.inference`).
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """Shared command-line bits of the entry points that run a model without training (generate, evaluate).
 
 One place for: the device and mesh flags (``--mesh``, ``--rules``, ``--rule``, ``--cpu-devices``),
-where the model comes from (``--hf PATH`` now; ``--run-dir RUN [--step N]`` once run folders carry
-the new checkpoint metadata: `add_source_args` and `load_model` are where it goes), the tokenizer
-(``--tokenizer``, else the folder's ``tokenizer.json``), and turning errors into one line. Kept
-small so it can be folded into ``train/cli.py``.
+where the model comes from (``--hf PATH`` or ``--run-dir RUN [--step N]``: `add_source_args`,
+`load_model`, `restore_params`), the tokenizer (``--tokenizer``, else the folder's ``tokenizer.json``
+or the run's), turning errors into one line, and the state a run starts from when it has no
+checkpoint (`fresh_state`: ``--init-from`` or a random init).
 """
 
 from __future__ import annotations
@@ -33,13 +33,17 @@ def add_device_args(parser: argparse.ArgumentParser, default_mesh: str = "fsdp=-
 
 
 def add_source_args(parser: argparse.ArgumentParser) -> None:
-    """Where the model comes from: ``--hf PATH`` (``--run-dir`` comes with the new run metadata)."""
+    """Where the model comes from: ``--hf PATH`` or ``--run-dir RUN [--step N]``."""
     g = parser.add_argument_group("model")
-    g.add_argument("--hf", required=True, metavar="PATH",
-                   help="a Hugging Face model folder (config.json, *.safetensors; LlamaForCausalLM, "
-                   "MistralForCausalLM or Qwen2ForCausalLM)")
+    source = g.add_mutually_exclusive_group(required=True)
+    source.add_argument("--hf", metavar="PATH",
+                        help="a Hugging Face model folder (config.json, *.safetensors; LlamaForCausalLM, "
+                        "MistralForCausalLM or Qwen2ForCausalLM)")
+    source.add_argument("--run-dir", metavar="RUN", help="a meshwork run folder (its checkpoints/)")
+    g.add_argument("--step", type=int, default=None, metavar="N",
+                   help="with --run-dir, this checkpoint step (default: the newest that reads completely)")
     g.add_argument("--tokenizer", default=None, metavar="FILE",
-                   help="a tokenizer.json; default: the model folder's tokenizer.json")
+                   help="a tokenizer.json; default: the model folder's tokenizer.json, or the run's")
     g.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="compute dtype (parameters stay float32)")
 
@@ -79,8 +83,64 @@ class LoadedModel:
     bos_id: int | None
 
 
+def read_run(run_dir: str | Path, step: int | None = None):
+    """``(manager, step, meta)``: a run folder's checkpoint ``step`` (default: the newest that reads completely).
+
+    Raises:
+      ValueError: No ``checkpoints/`` folder or no checkpoint in it; a missing or damaged ``step``.
+    """
+    from checkpoints.manager import CheckpointManager
+    from checkpoints.meta import RunMeta
+
+    folder = Path(run_dir) / "checkpoints"
+    if not folder.is_dir():
+        raise ValueError(f"--run-dir {run_dir}: no checkpoints/ folder; give a folder written by train.train or "
+                         "train.hf import")
+    manager = CheckpointManager(folder, async_save=False)
+    try:
+        chosen = manager.resume_choice(step).step
+        if chosen is None:
+            raise ValueError(f"--run-dir {run_dir}: no checkpoint in {folder}")
+        return manager, chosen, RunMeta.from_json(manager.read_meta(chosen))
+    except BaseException:
+        manager.close()
+        raise
+
+
+def restore_params(run_dir: str | Path, step: int | None, par, **changes):
+    """A run's parameters restored onto ``par``'s mesh in the canonical ``[layers, ...]`` layout.
+
+    Restores through a `train.step.Trainer` without a pipeline (`checkpoints.manager.restore_state`: every
+    device reads only its slice; a pipeline checkpoint is re-laid on device).
+
+    Args:
+      run_dir: The run folder.
+      step: The checkpoint step (None: the newest complete).
+      par: A `Parallelism` bound to a mesh, without a stage axis.
+      **changes: Execution fields of the model (``dtype`` ...).
+
+    Returns:
+      ``(config, params, meta, step)``: the `ModelConfig`, the params tree, the `checkpoints.meta.RunMeta`.
+
+    Raises:
+      ValueError: As `read_run`.
+    """
+    from checkpoints.manager import restore_state
+    from train.optimizer import OptimizerConfig
+    from train.step import Trainer
+
+    manager, step, meta = read_run(run_dir, step)
+    try:
+        config = meta.model_config(**changes)
+        state, _ = restore_state(manager, Trainer(config, OptimizerConfig(), par), step)
+    finally:
+        manager.close()
+    return config, state["params"], meta, step
+
+
 def load_model(args, par) -> LoadedModel:
-    """Reads ``--hf`` onto ``par``'s mesh (`checkpoints.hf.load_params`) with its tokenizer.
+    """Reads ``--hf`` onto ``par``'s mesh (`checkpoints.hf.load_params`) with its tokenizer, or ``--run-dir``
+    (`load_run`).
 
     The end-of-document token is ``config.json``'s ``eos_token_id`` (else the tokenizer's);
     ``bos_token_id``, when set, is put in front of prompts.
@@ -95,6 +155,10 @@ def load_model(args, par) -> LoadedModel:
     from sharding.rules import tree_shardings
     from train.tokenizer import HFTokenizer
 
+    if args.hf is None:
+        return load_run(args, par)
+    if args.step is not None:
+        raise ValueError(f"--step {args.step}: goes with --run-dir, not --hf")
     folder = Path(args.hf)
     hf_config = hf.read_hf_config(folder)
     config = hf.config_from_hf(hf_config, str(folder / hf.CONFIG_FILE), dtype=args.dtype)
@@ -111,6 +175,24 @@ def load_model(args, par) -> LoadedModel:
                          f"vocab_size {config.vocab_size}; give the model's own tokenizer.json")
     params = hf.load_params(folder, config, targets)
     return LoadedModel(config, graphdef, params, tokenizer, eos if eos is not None else tokenizer.eod_id, bos)
+
+
+def load_run(args, par) -> LoadedModel:
+    """A run folder's checkpoint (``--run-dir``, ``--step``) on ``par``'s mesh with the run's tokenizer
+    (``--tokenizer`` to replace it); no beginning-of-sequence token.
+
+    Raises:
+      ValueError: As `restore_params`; a tokenizer larger than the vocabulary.
+    """
+    from models.transformer import abstract_model
+    from train.tokenizer import load_tokenizer, tokenizer_of
+
+    config, params, meta, _ = restore_params(args.run_dir, args.step, par, dtype=args.dtype)
+    tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else tokenizer_of(meta.tokenizer)
+    if tokenizer.vocab_size > config.vocab_size:
+        raise ValueError(f"--tokenizer {tokenizer.name}: {tokenizer.vocab_size} tokens, more than the model's "
+                         f"vocab_size {config.vocab_size}; give the run's own tokenizer")
+    return LoadedModel(config, abstract_model(config)[0], params, tokenizer, tokenizer.eod_id, None)
 
 
 def fresh_state(config, trainer, directory, log) -> dict:

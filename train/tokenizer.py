@@ -96,3 +96,20 @@ def load_tokenizer(path: str | None, eod_token: str | None = None):
     if path in (None, "", "bytes"):
         return ByteTokenizer()
     return HFTokenizer(path, eod_token)
+
+
+def tokenizer_of(saved: dict):
+    """The tokenizer a checkpoint's metadata names (`checkpoints.meta.RunMeta.tokenizer`), with its end-of-document id.
+
+    Raises:
+      FileNotFoundError: The ``tokenizer.json`` it names is gone (pass ``--tokenizer``).
+    """
+    name = saved.get("name")
+    if name in (None, "", "bytes"):
+        return ByteTokenizer()
+    eod = None
+    if saved.get("eod_id") is not None and Path(name).is_file():
+        from tokenizers import Tokenizer
+
+        eod = Tokenizer.from_file(str(name)).id_to_token(int(saved["eod_id"]))
+    return HFTokenizer(name, eod)
