@@ -305,11 +305,6 @@ class Trainer:
         """The jitted ``(params, batch) -> (loss_sum, weight_sum)``."""
         return self._jit("eval", global_batch, seq_len)
 
-    def abstract_params_sharded(self) -> dict:
-        """The parameters as the state holds them, as `jax.ShapeDtypeStruct`s with their shardings."""
-        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                            self.state_params, self.param_shardings)
-
     def compile_train_step(self, global_batch: int, seq_len: int):
         """Ahead-of-time compiled train step from abstract shapes (no allocation)."""
         sizes = {"stop": self.mesh.devices.size, "counts": self.par.data_parallel}
