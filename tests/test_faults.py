@@ -27,6 +27,7 @@ def snapshot(folder):
     return {p: (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*")}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_signal_finishes_the_step_saves_and_exits_zero(tmp_path, corpus, cache, signum):
     run_dir = tmp_path / "run"
@@ -53,6 +54,7 @@ def test_a_signal_finishes_the_step_saves_and_exits_zero(tmp_path, corpus, cache
     assert set(losses(run_dir)) == set(range(1, stopped_at + 3))
 
 
+@pytest.mark.slow
 def test_kill_during_an_asynchronous_save_resumes_from_the_previous_step(tmp_path, corpus, cache):
     run_dir = tmp_path / "run"
     common = ["--cpu-devices", "8", "--run-dir", str(run_dir)]

@@ -18,6 +18,8 @@ from train.optimizer import OptimizerConfig
 from train.step import Trainer
 from train.tokenizer import ByteTokenizer
 
+pytestmark = pytest.mark.slow  # two gloo processes: tens of seconds
+
 COMMON = ["--model", "test", "--seq-len", "64", "--batch-size", "8", "--mesh", "data=2,fsdp=4",
           "--mesh-outer", "data=2", "--warmup", "2", "--decay-steps", "20", "--eval-every", "0",
           "--log-every", "1", "--ckpt-every", "5", "--no-progress", "--eval-batches", "1"]
