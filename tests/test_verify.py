@@ -53,13 +53,15 @@ def copy(saved, tmp_path):
 
 
 def data_file_of(state: Path, array: str) -> Path:
-    """The per-process data file holding ``array``'s chunks (read from the OCDBT index)."""
+    """A per-process data file holding chunks of ``array`` (read from the OCDBT index): the one referenced
+    furthest into it. Orbax may spread one array's chunks over several files (it does under jax 0.12)."""
     from checkpoints.verify import _walk_index
 
     _, references = _walk_index(state)
-    files = [file for file, uses in references.items() if any(key.startswith(f"{array}/") for key, _ in uses)]
-    assert len(files) == 1, references
-    return state / files[0]
+    files = {file: max(end for key, end in uses if key.startswith(f"{array}/"))
+             for file, uses in references.items() if any(key.startswith(f"{array}/") for key, _ in uses)}
+    assert files, references
+    return state / max(files, key=lambda file: (files[file], file))
 
 
 def truncate(path: Path, keep: int) -> None:
@@ -120,7 +122,9 @@ def test_a_removed_data_file_really_breaks_orbax_and_the_verdict_names_it(copy):
     lost = data_file_of(copy / "2" / "state", "w")
     lost.unlink()
     verdict = verify_step(copy, 2)
-    assert verdict.problems == (f"data file {lost} is missing (chunks of array 'w')",)
+    # the file may also hold chunks of other arrays (Orbax packs them as its writers go): all are named
+    (problem,) = verdict.problems
+    assert problem.startswith(f"data file {lost} is missing (chunks of array") and "'w'" in problem, problem
     manager = CheckpointManager(copy, async_save=False)
     try:
         with pytest.raises(Exception):
@@ -160,7 +164,7 @@ def test_inspect_marks_damaged_steps_and_never_tracebacks(copy, capsys):
     assert inspect_cli.main([str(copy)]) == 0
     out = capsys.readouterr().out
     assert f"checkpoints in {copy}: steps 1, 2 (damaged)" in out
-    assert "step 2 in" in out and "is missing (chunks of array 'w')" in out
+    assert "step 2 in" in out and "is missing (chunks of array" in out and "'w'" in out
     assert "\nstep 1:\n" in out and "total 32,772 bytes in 3 arrays" in out
     assert leftover.is_dir()
 
