@@ -169,7 +169,7 @@ def test_capacity_and_capped_counts():
 
 
 def test_speed_counts_largest_remainder():
-    speed_counts = strategies.counts_from_speeds
+    speed_counts = counts_for_speeds
     assert speed_counts([989.5, 989.5, 989.5, 989.5, 312, 312, 312, 312], 16) == [3, 3, 3, 3, 1, 1, 1, 1]
     assert speed_counts([1, 1, 1], 10) == [4, 3, 3]
     assert speed_counts([2, 1], 0) == [0, 0]
@@ -185,7 +185,7 @@ def test_auto_counts_from_simulated_kinds():
     speeds = strategies.device_speeds(trainer.mesh, simulated)
     par, _ = strategies.resolve_uneven(trainer.par.replace(strategy=UnevenBatch(None, "kinds", 2)), trainer.mesh, simulated)
     assert list(par.strategy.counts) == list(COUNTS)
-    assert strategies.counts_from_speeds(speeds, 16) == list(COUNTS)
+    assert counts_for_speeds(speeds, 16) == list(COUNTS)
     with pytest.raises(ValueError, match="--simulate-cluster"):
         strategies.device_speeds(trainer.mesh, None)  # CPU devices: peak unknown
 

@@ -34,6 +34,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from sharding import axes as ax
 from sharding.hlo import branch_collectives
 from sharding.parallel import Parallelism, UnevenBatch, gather_shards, reduce_shards, spec_axes, to_varying
+from sharding.balance import counts_for_speeds
 from sharding.splits import largest_remainder
 from train.data import FIELDS
 
@@ -306,11 +307,6 @@ def device_speeds(mesh, simulated: Mapping[int, Any] | None = None) -> list[floa
     return speeds
 
 
-def counts_from_speeds(speeds: Sequence[float], total: int) -> list[int]:
-    """Microbatches per device proportional to speed (largest remainder; `sharding.splits`)."""
-    return largest_remainder(total, speeds)
-
-
 def resolve_uneven(par: Parallelism, mesh, simulated=None) -> tuple[Parallelism, list[float] | None]:
     """Resolves ``--hetero-batch kinds`` into counts from the devices' datasheet speeds (``auto`` measures
     them instead: `train.calibrate`).
@@ -327,7 +323,7 @@ def resolve_uneven(par: Parallelism, mesh, simulated=None) -> tuple[Parallelism,
         return par, None
     speeds = device_speeds(mesh, simulated)
     total = strategy.microbatches * par.data_parallel
-    counts = tuple(counts_from_speeds(speeds, total))
+    counts = tuple(counts_for_speeds(speeds, total))
     return par.replace(strategy=dataclasses.replace(strategy, counts=counts)), speeds
 
 
@@ -344,7 +340,7 @@ def describe_uneven(counts: Sequence[int], microbatch_rows: int, speeds: Sequenc
 
 
 __all__ = ["AccumulatedGradients", "GradientStrategy", "PipelineGradients", "UnevenGradients", "checked_pipeline",
-           "counts_from_speeds", "describe_uneven", "device_speeds", "make_strategy", "resolve_uneven",
+           "describe_uneven", "device_speeds", "make_strategy", "resolve_uneven",
            "uneven_row_index"]
 
 
