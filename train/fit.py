@@ -29,7 +29,9 @@ def resolve_budget(run, devices):
     cluster = run.cluster
     if cluster.device_memory is not None:
         return run
-    local = [d for d in devices if getattr(d, "process_index", 0) == getattr(devices[0], "process_index", 0)]
+    import jax
+
+    local = [d for d in devices if getattr(d, "process_index", 0) == jax.process_index()]  # this process's
     limit, source = device_memory(local)
     return run.replace(cluster=dataclasses.replace(cluster, device_memory=limit, device_memory_source=source))
 
