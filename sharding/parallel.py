@@ -257,10 +257,6 @@ class Parallelism:
 
         return jax.lax.with_sharding_constraint(x, self.sharding(names, x.shape))
 
-    def describe(self) -> str:
-        """One line: mesh, rules and strategy."""
-        return f"mesh {format_mesh(self.mesh_shape)}, rules {self.rules.name}, {describe_strategy(self.strategy)}"
-
     # Flags -------------------------------------------------------------------------------------
 
     def flags(self) -> list[str]:
@@ -315,19 +311,6 @@ def _rules_flags(rules: Rules, pipeline: bool) -> tuple[str, list[str]]:
         if mesh_axes != tuple(preset.get(logical, ())):
             overrides.append(f"{logical}={'+'.join(mesh_axes) or 'none'}")
     return base, overrides
-
-
-def describe_strategy(strategy: Strategy) -> str:
-    """``'accumulation over 4 microbatches'``, ``'pipeline 10,10,6,6 (gpipe), 16 microbatches'``, ..."""
-    if _is_pipeline(strategy):
-        return f"pipeline {strategy.layout.describe()}, {strategy.microbatches} microbatches"
-    if isinstance(strategy, UnevenBatch):
-        if strategy.counts is None:
-            return f"uneven data parallelism ({strategy.speeds} speeds, {strategy.microbatches} per device on average)"
-        return f"uneven data parallelism, microbatches per device {','.join(map(str, strategy.counts))}"
-    if strategy.microbatches == 1:
-        return "one microbatch"
-    return f"accumulation over {strategy.microbatches} microbatches"
 
 
 def to_varying(tree, axes: str | Sequence[str]):
@@ -410,4 +393,4 @@ UNSHARDED = Parallelism({}, Rules("none", ()))
 
 
 __all__ = ["Accumulation", "CONTEXT_LAYOUTS", "CONTIGUOUS", "Parallelism", "Strategy", "UNSHARDED", "UnevenBatch", "ZIGZAG",
-           "describe_strategy", "gather_shards", "reduce_shards", "spec_axes", "to_varying"]
+           "gather_shards", "reduce_shards", "spec_axes", "to_varying"]
