@@ -10,6 +10,8 @@ more than the padded buffer holds (``capacity`` microbatches). This module decid
 * `Rebalancer`: while training, smooths each device's measured seconds per microbatch and every
   ``every`` steps proposes new counts, adopted only when they shorten the predicted step by more than a
   margin (hysteresis), so counts do not oscillate on noise.
+* `layers_for_speeds`: layers per pipeline stage from the stages' measured seconds per layer
+  (``--stage-layers auto``).
 
 Shares proportional to measured speed follow HAP (EuroSys'24), Metis (USENIX ATC'24) and FlashFlex (2024),
 which profile once; here the same rule is applied again to timings taken while training.
@@ -21,7 +23,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-from sharding.splits import largest_remainder
+from sharding.splits import largest_remainder, min_max_assign
 
 CAPACITY_FACTOR = 2
 """Default padded buffer: this many times the mean count per device (a device may run up to twice its
@@ -109,6 +111,33 @@ def _capped_shares(total: int, weights: Sequence[float], cap: int | None) -> lis
             return [fixed.get(i, shares.get(i, 0)) for i in range(len(weights))]
         for i in over:
             fixed[i] = cap
+
+
+def layers_for_speeds(num_layers: int, layer_seconds: Sequence[float], fixed_layers: float = 0.0) -> tuple[int, ...]:
+    """Layers per pipeline stage minimizing the slowest stage's time, at least one each.
+
+    Stage ``s`` holding ``n`` layers takes ``layer_seconds[s] * (n + fixed_layers)``: the work every stage
+    does besides its layers (embedding, output projection and loss when they are not split over stages)
+    is counted as ``fixed_layers`` layers. The split is the min-max greedy (`sharding.splits.min_max_assign`),
+    which is optimal for costs that grow with the layers; ties go to the lower stage index.
+
+    Args:
+      num_layers: L, the model's layers (>= number of stages).
+      layer_seconds: Seconds per layer of each stage (its slowest device), any common unit.
+      fixed_layers: Per-stage work besides the layers, in layers (>= 0).
+
+    Returns:
+      Layers per stage, summing to ``num_layers``.
+
+    Raises:
+      ValueError: Fewer layers than stages, or a time that is not positive.
+    """
+    stages = len(layer_seconds)
+    if stages < 1 or num_layers < stages:
+        raise ValueError(f"{num_layers} layers cannot give each of {stages} stages at least one")
+    if any(not t > 0 for t in layer_seconds):
+        raise ValueError(f"seconds per layer must be positive, got {list(layer_seconds)}")
+    return tuple(min_max_assign(num_layers, [1] * stages, lambda i, n: layer_seconds[i] * (n + fixed_layers)))
 
 
 def predicted_seconds(counts: Sequence[int], seconds: Sequence[float]) -> float:
