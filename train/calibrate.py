@@ -7,7 +7,8 @@ repetitions after a warm-up. Where one process's devices cannot be timed apart (
 process's cores), they run together and the process's figure applies to each of them; accelerators are
 timed one at a time. The figures are exchanged between processes
 (`jax.experimental.multihost_utils.process_allgather`), and the counts follow the measured speeds
-(`sharding.balance.counts_for_speeds`, largest remainder). ``--hetero-batch kinds`` keeps the device
+(`sharding.balance.counts_for_speeds`, largest remainder; CPU devices of one process share its cores, so
+microbatches are shared between processes by speed and evenly inside one: `compute_pools`). ``--hetero-batch kinds`` keeps the device
 kinds' datasheet peaks (`train.strategies.resolve_uneven`).
 
 For ``--stage-layers auto`` the same local work is timed; a stage's speed is its slowest device's, and the
@@ -112,6 +113,14 @@ def time_local_devices(fn, args_on, devices: Sequence, together: bool, repeats: 
     return out
 
 
+def compute_pools(grid: Sequence) -> list[int] | None:
+    """Which devices share compute, as `sharding.balance.counts_for_speeds` takes ``pools``: CPU devices
+    share their process's cores (one pool per process); accelerators are each their own (None)."""
+    if not grid or grid[0].platform != "cpu":
+        return None
+    return [d.process_index for d in grid]
+
+
 def grid_seconds(grid: Sequence, table: np.ndarray, devices: Sequence | None = None) -> list[float]:
     """Each batch-grid device's seconds from ``table[process_index, local_index]`` (every process's
     figures, as `gather_table` returns them); a device's local index is its rank by id among its process's
@@ -156,11 +165,12 @@ def calibrate(par: Parallelism, loss_fn, abstract_params, batch_size: int, seq_l
     rows = batch_size // total
     fn, args_on = local_work(par, loss_fn, abstract_params, rows, seq_len)
     local = sorted(jax.local_devices(), key=lambda d: d.id)
-    table = gather_table(timer(fn, args_on, local, together=local[0].platform == "cpu"))
+    together = local[0].platform == "cpu"
+    table = gather_table(timer(fn, args_on, local, together=together))
     grid = batch_grid(mesh)
     seconds = grid_seconds(grid, table)
     capacity = strategy.capacity or default_capacity(total, devices)
-    counts = tuple(counts_for_speeds([1 / s for s in seconds], total, capacity))
+    counts = tuple(counts_for_speeds([1 / s for s in seconds], total, capacity, pools=compute_pools(grid)))
     calibration = Calibration(tuple(seconds), tuple(peak_flops(d) for d in grid), counts)
     return par.replace(strategy=dataclasses.replace(strategy, counts=counts, capacity=capacity)), calibration
 
