@@ -270,7 +270,8 @@ def markdown(args, dp_rows, strag, stage_rows, started: str, elapsed: float) -> 
              f"--straggler-steps {args.straggler_steps}` (as root), jax {jax.__version__}, {platform.machine()} "
              f"{os.cpu_count()} cores ({platform.node()}), started {started}, {elapsed / 60:.0f} min. Two processes x 4 "
              f"CPU devices, process 0 pinned to core {args.cores[0]}, process 1 to core {args.cores[1]} and held to 1/r "
-             f"of it by a CPU-quota cgroup. Flags: `{' '.join(COMMON)}` (48 sequences = 24 microbatches of 2). "
+             f"of it by a CPU-quota cgroup; both cgroups at the highest CPU weight, so other work on the machine "
+             f"yields to them. Flags: `{' '.join(COMMON)}` (48 sequences = 24 microbatches of 2). "
              f"Median step time over steps {args.skip + 1}-{args.steps}.", "",
              "| r | counts from | counts (last step) | median step (s) | gain over uniform | ideal (r+1)/2 | % of ideal |",
              "|---:|---|---|---:|---:|---:|---:|"]
