@@ -103,3 +103,27 @@ def test_cli_stage_layers_auto_refuses_circular(capsys):
                  "--pipeline-schedule", "circular", "--microbatches", "4", "--batch-size", "16", "--dry-run"])
     err = capsys.readouterr().err
     assert code == 2 and "--stage-layers auto" in err and "Traceback" not in err
+
+
+def test_plan_auto_on_real_devices_measures_its_shares():
+    """`train.plan.measured`: without --simulate-cluster the planner's datasheet counts and stage split are
+    re-measured at start-up; with it (CPU devices standing in for kinds) they are kept."""
+    from sharding.parallel import UnevenBatch
+    from train import cli
+    from train.plan import measured
+
+    real = cli.parse(["--plan", "auto", "--cluster", "h100:4,a100:4", "--batch-size", "48", "--model", "test"])
+    simulated = cli.parse(["--plan", "auto", "--simulate-cluster", "h100:4,a100:4", "--batch-size", "48",
+                           "--model", "test"])
+    mesh = make_mesh(parse_mesh("data=8", 8))
+    uneven = Parallelism.of(mesh, get_rules("dp"), UnevenBatch((5, 5, 5, 5, 1, 1, 1, 1)))
+    notes = []
+    out = measured(uneven, real, notes.append).strategy
+    assert (out.counts, out.speeds, out.microbatches, out.rebalance_every) == (None, "measured", 3, 10)
+    assert measured(uneven, simulated, notes.append) is uneven
+    _, par, _ = _pipelined(layers=8)
+    uneven_stages = par.replace(strategy=PipelinePlan(plan_layout(8, 2, 1, (6, 2))[0], 4))
+    assert measured(uneven_stages, real, notes.append).pipeline.measure_stages
+    even = par.replace(strategy=PipelinePlan(plan_layout(8, 2)[0], 4))
+    assert not measured(even, real, notes.append).pipeline.measure_stages
+    assert len(notes) == 2 and "--stage-layers auto" in notes[1]
