@@ -180,6 +180,17 @@ def test_a_collective_permute_inside_a_skipped_slot_is_detected():
     assert any(c.op == "collective-permute" and not c.safe for c in found)
 
 
+def test_device_groups_read_every_replica_group_format():
+    """Listed and iota groups (jax 0.10), and the mesh-axes form jax 0.12 prints, give the same groups."""
+    from sharding.hlo import device_groups
+
+    mesh = "mesh['data'=1,'stage'=2,'fsdp'=2,'sequence'=2,'tensor'=1]"
+    assert device_groups(f"x), replica_groups={mesh} {{'sequence'}}, dimensions={{1}}") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert device_groups(f"x), replica_groups={mesh} {{'stage','sequence'}}") == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert device_groups("x), replica_groups=[4,2]<=[2,4]T(1,0), dimensions={0}") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert device_groups("x), replica_groups={{0,2},{1,3}}, dimensions={0}") == [[0, 2], [1, 3]]
+
+
 # The model ---------------------------------------------------------------------------------------
 
 
@@ -285,6 +296,32 @@ def test_layer_weights_are_gathered_once_per_step_and_their_gradients_reduced_on
     scattered = [c for c in found if c.op == "reduce-scatter"]
     assert len(scattered) == len(layer_leaves)  # one per layer parameter, each once per step
     assert sum(c.total_bytes for c in scattered) == layout.slots * per_layer // 4  # each device's fsdp=4 block
+
+
+def test_the_head_runs_on_a_stages_share_of_the_rows_not_on_every_stage(monkeypatch):
+    """Final norm, output projection and loss on 1/S of each device's rows: the compiled step's FLOPs
+    (``cost_analysis``, deterministic; the head sits outside the pipeline's loops, so it is counted whole)
+    drop by (1 - 1/S) of the head's products against the same step with the head replicated over stage."""
+    import models.transformer
+
+    config = get_config("test", ["num_layers=4"])
+    layout, _ = pl.plan_layout(4, 2, 1, (3, 1))
+    batch, length = 8, 32
+
+    def flops():
+        trainer = _trainer(config, "stage=2,fsdp=4", pl.PipelinePlan(layout, 2))
+        params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                              trainer.state_params, trainer.param_shardings)
+        grad_fn = jax.jit(lambda p, b: jax.value_and_grad(trainer.loss_sums, has_aux=True)(p, b))
+        analysis = grad_fn.lower(params, trainer.abstract_batch(batch, length)).compile().cost_analysis()
+        return float((analysis[0] if isinstance(analysis, (list, tuple)) else analysis)["flops"])
+
+    split = flops()
+    monkeypatch.setattr(models.transformer, "head_parallelism", lambda par: par)
+    replicated = flops()
+    rows = batch // 4  # per device over fsdp=4, before the split over stage=2
+    head = 3 * 2 * rows * length * config.embed_dim * config.vocab_size  # logits forward, and both backward products
+    assert replicated - split == pytest.approx(head / 2, rel=0.05), (replicated, split, head)
 
 
 def test_initial_parameters_do_not_depend_on_the_layout():
