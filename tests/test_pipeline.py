@@ -381,6 +381,8 @@ def test_dry_run_reports_bubble_layers_padding_and_branch_collectives(capsys):
     assert "2 empty slot(s) pad the stages with fewer layers to 3" in out
     assert "layers,-,embed,mlp" in out and "('stage', None, 'fsdp')" in out
     assert "collectives inside skipped-slot branches:" in out and "all among devices of one stage" in out
+    assert "final norm, output projection and loss: rows split over fsdp+stage, 1 of the batch's 8 per device" in out
+    assert "compute per device per step:" in out
 
 
 def test_a_checkpoint_resumes_across_stage_layouts_with_the_same_next_loss(tmp_path, corpus, cache):
