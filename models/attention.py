@@ -350,8 +350,7 @@ def _nested(local, q, k, v, segment_ids, in_specs, out_spec, mesh, axes: tuple[s
 
     @jax.custom_vjp
     def run(q, k, v, *segments):
-        return shard(lambda *args: local(*args, *(() if has_segments else (None,))), specs, out_spec)(
-            q, k, v, *segments)
+        return shard(lambda q, k, v, *seg: local(q, k, v, seg[0] if seg else None), specs, out_spec)(q, k, v, *segments)
 
     def run_fwd(q, k, v, *segments):
         out, residuals = shard(forward_local, specs, (out_spec, stacked))(q, k, v, *segments)

@@ -272,6 +272,26 @@ def test_attention_kernels_inside_stages_match_the_flat_reference_attention(atte
     assert_close(grads, ref_grads)
 
 
+def test_flash_inside_a_map_manual_over_the_batch_axes_opens_its_own_over_tensor_only():
+    """The kernel's map nested in one manual over data and fsdp (heads split over tensor, no segment ids):
+    values and gradients equal the one-device reference attention."""
+    from models.attention import reference_attention, sharded_flash_attention
+
+    mesh = make_mesh(parse_mesh("data=2,fsdp=2,tensor=2", 8))
+    par = Parallelism.of(mesh, RULES)
+    keys = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(keys[0], (4, 64, 4, 32))
+    k, v = (jax.random.normal(key, (4, 64, 2, 32)) for key in keys[1:])
+    batch = P(("data", "fsdp"))
+    run = jax.shard_map(lambda q, k, v: sharded_flash_attention(q, k, v, None, par=par.inside(("data", "fsdp"))),
+                        mesh=mesh, in_specs=batch, out_specs=batch, axis_names={"data", "fsdp"})
+    out, grads = jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(run(q, k, v) ** 2), argnums=(0, 1, 2)))(q, k, v)
+    ref, ref_grads = jax.value_and_grad(lambda q, k, v: jnp.sum(reference_attention(q, k, v) ** 2),
+                                        argnums=(0, 1, 2))(q, k, v)
+    np.testing.assert_allclose(float(out), float(ref), rtol=1e-5)
+    assert_close(grads, ref_grads)
+
+
 def test_layer_weights_are_gathered_once_per_step_and_their_gradients_reduced_once():
     """Outside the pipeline's loops: each layer weight all-gathered once (all slots of the stage), each
     layer gradient reduce-scattered once; only the stage-to-stage transfers run per step of the loop."""
