@@ -12,8 +12,9 @@ one device) and hands it to each layer. When its strategy is a pipeline (a
 ``stage`` mesh axis larger than one), the stacked parameters are in the
 pipeline layout ``[stage, slot, ...]`` instead (`init_params` with
 ``layer_table``) and `Transformer.run_layers` hands the per-layer function and
-the stack to `sharding.pipeline.run_pipeline`; the model itself never names a
-mesh axis.
+the stack to `sharding.pipeline.run_pipeline`; the final norm, output projection
+and loss then run on 1/S of the rows per stage (`sharding.pipeline.head_parallelism`).
+The model itself never names a mesh axis.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from models.output import output_loss_sums, project_logits
 from models.spec import output_params
 from sharding import axes as ax
 from sharding.parallel import UNSHARDED, Parallelism
-from sharding.pipeline import run_pipeline
+from sharding.pipeline import head_parallelism, run_pipeline
 
 _REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -170,11 +171,15 @@ class Transformer(nnx.Module):
         """
         x = self.features(tokens, positions, segment_ids, par)
         weight, vocab_last = self.output_weight()
-        return par.constrain(project_logits(x, weight, vocab_last), (ax.BATCH, ax.LENGTH, ax.VOCAB))
+        logits = head_parallelism(par).constrain(project_logits(x, weight, vocab_last), (ax.BATCH, ax.LENGTH, ax.VOCAB))
+        return par.constrain(logits, (ax.BATCH, ax.LENGTH, ax.VOCAB))
 
     def features(self, tokens: jax.Array, positions: jax.Array | None = None,
                  segment_ids: jax.Array | None = None, par: Parallelism = UNSHARDED) -> jax.Array:
         """The final activations ``[batch, length, embed]`` (after the last norm), compute dtype.
+
+        With a pipeline the rows leave the layer stack split over ``stage`` too
+        (`sharding.pipeline.head_parallelism`): each stage normalises, projects and scores 1/S of them.
 
         Arguments as `__call__`.
         """
@@ -182,7 +187,9 @@ class Transformer(nnx.Module):
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
         x = self.embed(tokens, _dtype(self.config.dtype), par)
         x = self.run_layers(x, positions, segment_ids, par)
-        return self.final_norm(x)
+        head = head_parallelism(par)
+        return head.constrain(self.final_norm(head.constrain(x, (ax.BATCH, ax.LENGTH, ax.ACT_EMBED))),
+                              (ax.BATCH, ax.LENGTH, ax.ACT_EMBED))
 
     def extend(self, tokens: jax.Array, starts: jax.Array, cache: dict[str, jax.Array],
                par: Parallelism = UNSHARDED) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -238,7 +245,8 @@ class Transformer(nnx.Module):
         """
         x = self.features(tokens, positions, segment_ids, par)
         weight, vocab_last = self.output_weight()
-        return output_loss_sums(x, weight, targets, weights, impl=self.config.logits, vocab_last=vocab_last, par=par)
+        return output_loss_sums(x, weight, targets, weights, impl=self.config.logits, vocab_last=vocab_last,
+                                par=head_parallelism(par))
 
 
 # Functional interface ------------------------------------------------------

@@ -163,6 +163,20 @@ def test_flags_reproduce_the_plan_and_train_accepts_them():
         checks.check_strategy(run)
 
 
+def test_pipeline_plans_with_flash_attention_are_accepted_by_train():
+    """The planner prices flash attention inside pipeline stages; train runs it there (no refusal)."""
+    inventory = _inventory(1, 1, 1, 2.0, network=1e9)
+    model = _described(32000, 12, 768, 2048, 12, 12, 64)
+    plans = planner.plan(model, inventory, 16, 1024, planner.PlanOptions(attentions=("flash",)))
+    staged = [p for p in plans if p.layout.mesh["stage"] > 1]
+    assert staged, [p.key() for p in plans]
+    flags = staged[0].flags()
+    assert "--attention flash" in flags and "--stage-layers" in flags
+    run = cli.parse([*flags.split(), "--batch-size", "16", "--seq-len", "1024", "--model", "125m", "--dry-run"])
+    checks.check_batch(run)
+    checks.check_strategy(run)
+
+
 def test_proportional_split_largest_remainder():
     assert largest_remainder(16, [3, 3, 3, 3, 1, 1, 1, 1]) == [3, 3, 3, 3, 1, 1, 1, 1]
     assert largest_remainder(10, [1, 1, 1]) == [4, 3, 3]

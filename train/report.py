@@ -9,6 +9,7 @@ import time
 import jax
 import numpy as np
 
+from sharding import axes as ax
 from sharding import hlo
 from sharding.mesh import crossing_axes, format_mesh
 
@@ -95,6 +96,18 @@ def collective_lines(compiled) -> list[str]:
     for op, (count, nbytes) in hlo.summarize(found).items():
         lines.append(f"  {op:<20} {count:>6} per step  {human_bytes(nbytes):>12} per step")
     return lines
+
+
+def compute_lines(compiled) -> list[str]:
+    """FLOPs per device of the compiled step: matrix products with loop trips counted (`sharding.hlo.dot_flops`;
+    skipped-slot branches counted as run), and XLA's ``cost_analysis()`` (each loop body once)."""
+    analysis = compiled.cost_analysis()
+    analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis
+    def flop(n: float) -> str:
+        return f"{n / 1e12:.2f} TFLOP" if n >= 1e11 else f"{n / 1e9:.3f} GFLOP"
+
+    return [f"compute per device per step: {flop(hlo.dot_flops(compiled.as_text()))} in matrix products "
+            f"(loop trips counted); cost_analysis {flop(float(analysis.get('flops', 0.0)))} (loop bodies once)"]
 
 
 def state_bytes(abstract_state) -> int:
@@ -196,8 +209,25 @@ def pipeline_lines(trainer, note: str | None = None) -> list[str]:
         )
     lines.append(weight_gather_line(trainer))
     lines.append("  layer parameters laid out [stage, slot, ...], sharded over stage (rule layers->stage); "
-                 "embedding, final norm and output projection are replicated over stage")
+                 "embedding, final norm and output projection parameters are replicated over stage")
     return lines
+
+
+def head_line(trainer, batch: int) -> str:
+    """Where the pipeline's head (final norm, output projection, loss) runs: on each stage's share of the
+    rows (`sharding.pipeline.head_parallelism`), or on every stage when the rows do not divide."""
+    from sharding.parallel import spec_axes
+    from sharding.pipeline import head_parallelism
+
+    par = trainer.par
+    axes = spec_axes(head_parallelism(par).spec((ax.BATCH,), (batch,))[0])
+    stages = par.mesh_shape[ax.STAGE]
+    if ax.STAGE in axes:
+        rows = batch // math.prod(par.mesh_shape[a] for a in axes)
+        return (f"  final norm, output projection and loss: rows split over {'+'.join(axes)}, {rows} of the batch's "
+                f"{batch} per device (1/{stages} of each stage computing them all)")
+    return (f"  final norm, output projection and loss: computed by every stage (batch {batch} not divisible by "
+            f"data x fsdp x stage = {par.data_parallel * stages})")
 
 
 def branch_lines(compiled, trainer) -> list[str]:
@@ -290,6 +320,8 @@ def startup(run, trainer, speeds=None, notes=()) -> list[str]:
     lines.append(logits_line(run))
     lines += [f"note: {note}" for note in notes]
     lines += pipeline_lines(trainer, _split_note(trainer))
+    if par.pipeline is not None:
+        lines.append(head_line(trainer, run.data.batch_size))
     return lines
 
 
@@ -305,7 +337,7 @@ def dry_run(run, trainer, log, watch=None) -> int:
     log(f"compiled one train step (batch {batch} x {seq_len}) in {time.perf_counter() - t0:.1f} s")
     for line in memory_lines(compiled, trainer.abstract_state(), trainer.mesh.devices.size):
         log(line)
-    for line in collective_lines(compiled) + branch_lines(compiled, trainer):
+    for line in compute_lines(compiled) + collective_lines(compiled) + branch_lines(compiled, trainer):
         log(line)
     if watch is not None:
         watch.close()

@@ -11,6 +11,7 @@ from sharding.pipeline.layout import (
     StageLayout,
     bubble_fraction,
     check_microbatches,
+    head_parallelism,
     parse_stage_layers,
     pipeline_rules,
     plan_layout,
@@ -20,6 +21,6 @@ from sharding.pipeline.schedule import from_microbatches, run_pipeline, to_micro
 
 __all__ = [
     "SCHEDULES", "StageLayout", "PipelinePlan", "plan_layout", "parse_stage_layers", "check_microbatches",
-    "pipeline_rules", "bubble_fraction", "relayout", "relayout_on_mesh", "layout_rows", "run_pipeline",
+    "pipeline_rules", "head_parallelism", "bubble_fraction", "relayout", "relayout_on_mesh", "layout_rows", "run_pipeline",
     "to_microbatches", "from_microbatches",
 ]

@@ -341,3 +341,33 @@ def pipeline_rules(rules):
     if rules.mesh_axes(ax.LAYERS) == (ax.STAGE,):
         return rules
     return rules.with_overrides({ax.LAYERS: (ax.STAGE,)})
+
+
+def head_parallelism(par):
+    """The layout of the work after the pipeline (final norm, output projection, loss): rows over ``stage`` too.
+
+    `sharding.pipeline.run_pipeline` hands every stage the last stage's outputs ``[batch, length, embed]``,
+    the rows split over the batch axes (``data``, ``fsdp``) only. Computed under ``par`` as is, the head
+    would run on every stage for all of those rows: S times the work it needs. Under this variant
+    ``batch`` maps to its axes and then ``stage``, so each stage keeps 1/S of its rows (a slice of what
+    it already holds, no transfer) and computes the norm, the logits and the loss for those only;
+    the loss sums are then summed over ``stage`` with the other axes. Its backward pass all-gathers
+    the activations' cotangent over ``stage`` (one ``[batch / (data x fsdp), length, embed]`` per
+    device) where the pipeline's backward pass starts.
+
+    Why split the rows rather than run the head on the last stage alone: in one SPMD program every
+    stage waits for the head either way, so running it on one stage saves no time, while the split
+    divides its FLOPs and its logits' memory (``[rows, length, vocab]``, the largest activation of a
+    large vocabulary) by S on every device. The embedding (a gather, no matrix product) stays as it
+    is: splitting its rows would add an all-gather of the pipeline's input over ``stage``.
+
+    Args:
+      par: The run's `sharding.parallel.Parallelism`.
+
+    Returns:
+      ``par`` with ``batch -> (its axes..., stage)`` when its strategy is a pipeline over ``stage`` > 1
+      (``constrain`` leaves ``stage`` out where it does not divide the rows), else ``par`` itself.
+    """
+    if par.pipeline is None or par.mesh_shape.get(ax.STAGE, 1) <= 1 or ax.STAGE in par.rules.mesh_axes(ax.BATCH):
+        return par
+    return par.replace(rules=par.rules.with_overrides({ax.BATCH: (*par.rules.mesh_axes(ax.BATCH), ax.STAGE)}))

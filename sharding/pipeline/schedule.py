@@ -42,9 +42,9 @@ one stage, which take the same branch; `sharding.hlo.branch_collectives` checks
 the compiled program, and `train.strategies` falls back to computing every slot
 (`PipelinePlan.skip_empty` False) if the partitioner put anything else there.
 
-What runs outside the pipeline (embedding, final norm, output projection and
-loss) is replicated over ``stage``: every stage computes it for the whole
-batch.
+What runs outside the pipeline: the embedding is replicated over ``stage`` (a
+gather, no matrix product); the final norm, output projection and loss run on
+1/S of the rows per stage (`sharding.pipeline.layout.head_parallelism`).
 """
 
 from __future__ import annotations
