@@ -152,7 +152,7 @@ def layers_for_speeds(num_layers: int, layer_seconds: Sequence[float], fixed_lay
     """Layers per pipeline stage minimizing the slowest stage's time, at least one each.
 
     Stage ``s`` holding ``n`` layers takes ``layer_seconds[s] * (n + fixed_layers)``: the work every stage
-    does besides its layers (embedding, output projection and loss when they are not split over stages)
+    does besides its layers (its share of the output projection and loss)
     is counted as ``fixed_layers`` layers. The split is the min-max greedy (`sharding.splits.min_max_assign`),
     which is optimal for costs that grow with the layers; ties go to the lower stage index.
 

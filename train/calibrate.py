@@ -286,8 +286,9 @@ def _resolve_stages(config, par: Parallelism, log) -> Parallelism:
 
     probe = Trainer(config.model, config.optimizer, par.replace(strategy=Accumulation()))
     rows = config.data.batch_size // (par.pipeline.microbatches * par.data_parallel)
-    par, calibration = calibrate_stages(par, probe.loss_sums, probe.abstract_params, rows, config.data.seq_len,
-                                        head_layers(config.model, config.data.seq_len))
+    # The head runs on 1/S of the rows on every stage (`sharding.pipeline.head_parallelism`): its share per stage.
+    fixed = head_layers(config.model, config.data.seq_len) / par.pipeline.layout.stages
+    par, calibration = calibrate_stages(par, probe.loss_sums, probe.abstract_params, rows, config.data.seq_len, fixed)
     for line in calibration.lines(rows):
         log(line)
     return par
