@@ -2,7 +2,8 @@
 
 A layout is a `sharding.pipeline.storage.StageStorage` (``[rows, ...]``, unpadded, how runs store
 their stacks), a `sharding.pipeline.layout.StageLayout` (``[stage, slot, ...]``, padded: how checkpoints
-saved before the unpadded storage hold them) or None, the canonical ``[layers, ...]`` stack. `relayout` moves one array with a gather (every device holding whole rows);
+saved before the unpadded storage hold them) or None, the canonical ``[layers, ...]`` stack.
+`relayout` moves one array with a gather (every device holding whole rows);
 `relayout_on_mesh` moves arrays sharded over ``stage`` point to point, so no device ever holds more
 than its own rows, its result and one message.
 """
