@@ -150,7 +150,8 @@ def weight_gather_line(trainer) -> str:
     per_layer = sum(x.size // x.shape[0] * itemsize for x in jax.tree.leaves(trainer.abstract_params["layers"]))
     most = max(layout.stage_layers)
     moved = storage.placement.received
-    over = (f"receives {moved} row(s) its stage stores elsewhere over stage (ppermute), then " if moved else "")
+    over = (f"receives {moved} row(s) of its stage stored on another stage's devices (ppermute), then " if moved
+            else "")
     return (f"  weights: each device {over}all-gathers its stage's rows over the storage's batch axes once per "
             f"step, before the pipeline loop, in {trainer.config.dtype}, into a [{layout.repeats}, "
             f"{layout.chunk_slots}, ...] working copy (empty slots only there; at most {most} x "
