@@ -285,15 +285,16 @@ def init_params(config: ModelConfig, key: jax.Array, layer_table=None) -> dict[s
     Args:
       config: the model.
       key: the parameter key.
-      layer_table: optional int array ``[stages, slots]`` of layer indices,
-        -1 for an empty slot (`sharding.pipeline.StageLayout.layer_table`):
-        then every ``layers/...`` parameter is ``[stages, slots, ...]``, each
-        slot holding the values its layer has in the canonical stack and
-        empty slots zero. Only the slots are built, never the canonical stack.
+      layer_table: optional int array of layer indices, -1 for an empty row
+        (``[rows]``, `sharding.pipeline.storage.stack_table` of the unpadded
+        storage, or ``[stages, slots]``, `sharding.pipeline.StageLayout.layer_table`):
+        then every ``layers/...`` parameter has the table's shape in front,
+        each row holding the values its layer has in the canonical stack and
+        empty rows zero. Only those rows are built, never the canonical stack.
 
     Returns:
       Nested dict of float32 arrays; ``layers/...`` stacked ``[num_layers, ...]``
-      or, with ``layer_table``, ``[stages, slots, ...]``.
+      or, with ``layer_table``, ``[*layer_table.shape, ...]``.
     """
     if layer_table is None:
         model = Transformer(config, rngs=nnx.Rngs(params=key))
@@ -305,7 +306,7 @@ def init_params(config: ModelConfig, key: jax.Array, layer_table=None) -> dict[s
 
     def lay_out(w):
         w = w.reshape(*table.shape, *w.shape[1:])
-        return jnp.where(filled.reshape(*table.shape, *([1] * (w.ndim - 2))), w, jnp.zeros((), w.dtype))
+        return jnp.where(filled.reshape(*table.shape, *([1] * (w.ndim - table.ndim))), w, jnp.zeros((), w.dtype))
 
     params["layers"] = jax.tree.map(lay_out, params["layers"])
     return params

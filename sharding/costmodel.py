@@ -59,6 +59,7 @@ from typing import Any
 from sharding import axes as ax
 from sharding.modeldesc import ModelDescription, Param, Product
 from sharding.pipeline.layout import plan_layout
+from sharding.pipeline.storage import spread_over_stage, storage_axes
 from sharding.rules import Rules, get_rules, logical_to_spec
 from sharding.vocab import OUTPUT_IMPLS, VocabSplit, choose_output
 
@@ -338,7 +339,7 @@ class Memory:
     """Bytes on one device.
 
     Attributes:
-      parameters: float32 parameters (padded stage slots included).
+      parameters: float32 parameters (with a pipeline, the unpadded storage's rows: `_held_params`).
       gradients: float32 gradients (the accumulator when microbatching).
       optimizer: AdamW's two float32 moments.
       activations: Saved for the backward pass under the remat policy (one microbatch's); with
@@ -475,7 +476,7 @@ class _Shape:
     tok: float  # tokens per microbatch on this device (rows * T / sequence)
     micro: int  # microbatches this device runs
     layers: int  # layers computed per microbatch
-    slots: int  # layer slots held (max stage layers, padding included)
+    slots: int  # layer slots held without a pipeline (with one: `_held_params`)
     act_bytes: int
 
 
@@ -494,8 +495,8 @@ def device_cost(
     """The cost of one device that processes ``rows`` sequences per microbatch.
 
     The general form behind `estimate`, for devices whose work differs: a device of a faster kind
-    runs more microbatches (uneven data parallelism, ``microbatches``), a pipeline stage holds its
-    own number of layers (``layers``) in ``slots`` padded slots.
+    runs more microbatches (uneven data parallelism, ``microbatches``), a pipeline stage computes its
+    own number of layers (``layers``) while every device stores the same unpadded share of the stack.
 
     Args:
       model: The model's `ModelDescription` (or an object with ``describe()``, `describe_model`).
@@ -504,7 +505,8 @@ def device_cost(
       rows: Sequences per microbatch on this device (after the ``data``/``fsdp`` split).
       microbatches: Microbatches this device runs per step; default ``layout.microbatches``.
       layers: Layers this device computes; default the model's layers over ``stage``.
-      slots: Layer slots it holds (for memory); default ``layers``.
+      slots: Layer slots it holds (for memory) without a pipeline; default ``layers``. With one
+        (``stage`` > 1) every device holds ``ceil(L / (S*G))`` unpadded rows instead (`_held_params`).
       backend: ``gpu`` or ``cpu`` (how reduce-scatter is lowered; see the module docstring).
       batch_rows: The global batch in sequences, for the uneven step's batch re-layout.
 
@@ -600,8 +602,7 @@ def _flops(model: ModelDescription, layout: Layout, rules: Rules, placed: dict[s
     elem_loss = (1.0 + ELEMENTWISE_BACKWARD_FACTOR) * _per_token(model, "loss_elementwise", rules, mesh, 0.0)
     per_token_layer = 3.0 * layer_fwd + attn_total + recompute + elem_layer
     per_token_outside = 3.0 * logits_fwd + elem_loss
-    local_params = sum(p.local * (s.slots if p.param.per_layer else 1) for p in placed.values())
-    optimizer = OPTIMIZER_FLOPS_PER_PARAM * local_params
+    optimizer = OPTIMIZER_FLOPS_PER_PARAM * _held_params(model, layout, rules, placed, s)
     tokens = s.tok * s.micro
     flops = Flops(
         layers=tokens * s.layers * 3.0 * layer_fwd,
@@ -618,8 +619,31 @@ def _flops(model: ModelDescription, layout: Layout, rules: Rules, placed: dict[s
 # --- Memory -----------------------------------------------------------------------------------
 
 
+def _held_params(model: ModelDescription, layout: Layout, rules: Rules, placed: dict[str, _Placed], s: _Shape) -> float:
+    """Parameter elements one device holds between steps (its optimizer state is twice as many).
+
+    Without a pipeline: each parameter's shard, the per-layer ones times ``slots``. With one (``stage``
+    > 1), the unpadded storage (`sharding.pipeline.storage`): every device holds ``ceil(L / (S*G))``
+    whole-layer rows, ``G`` the devices of the batch axes the rules split layer parameters over (a row is
+    split over the other axes only), whatever its stage's layer count; the other parameters are also
+    split over ``stage`` where a dimension allows (`spread_over_stage`).
+    """
+    mesh = layout.mesh
+    if mesh[ax.STAGE] <= 1:
+        return sum(p.local * (s.slots if p.param.per_layer else 1) for p in placed.values())
+    layer = [p for p in placed.values() if p.param.per_layer]
+    axes = storage_axes([(None, *p.param.axes) for p in layer], rules, mesh)
+    rows = -(-model.num_layers // (mesh[ax.STAGE] * math.prod(mesh[a] for a in axes)))
+    held = rows * sum(p.local * p.factor(*axes) for p in layer)
+    for p in placed.values():
+        if not p.param.per_layer:
+            spec = spread_over_stage(logical_to_spec(p.param.axes, rules, p.param.shape, mesh)[0], p.param.shape, mesh)
+            held += p.param.size / math.prod(mesh[a] for e in spec for a in ((e,) if isinstance(e, str) else e or ()))
+    return held
+
+
 def _memory(model: ModelDescription, layout: Layout, rules: Rules, placed: dict[str, _Placed], s: _Shape) -> Memory:
-    params = sum(p.local * (s.slots if p.param.per_layer else 1) for p in placed.values()) * _PARAM_BYTES
+    params = _held_params(model, layout, rules, placed, s) * _PARAM_BYTES
     mesh = layout.mesh
     keys = s.seq if layout.attention in _WHOLE_SCORES else 0.0
 

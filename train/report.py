@@ -126,50 +126,55 @@ def device_state_bytes(abstract_state) -> int:
 
 
 def stage_memory(trainer) -> dict:
-    """Per-device parameter bytes of a pipelined trainer, split by stage.
+    """Per-device parameter bytes of a pipelined trainer (unpadded storage, `sharding.pipeline.storage`).
 
-    Every device holds the same arrays (one SPMD program): the non-layer
-    parameters' shards and ``slots`` layer slots of ``slot_bytes`` each. Of
-    those, stage ``s`` fills ``stage_layers[s]`` (its share) and leaves the
-    rest empty (its padding).
+    Every device holds the same arrays (one SPMD program): the non-layer parameters' shards and
+    ``per_device`` rows of the layer stack (``rows`` in all: the model's layers and fewer than one empty
+    row per device), whatever its stage's layer count. Parameters only: AdamW's two moments add twice as
+    much again, laid out alike.
 
     Returns:
-      ``{"slot_bytes", "other_bytes", "stages": [(layers, share_bytes, padding_bytes), ...],
-      "device_bytes"}``: bytes per device of one slot (all layer parameters
-      of one layer), of the non-layer parameters, per stage, and in all
-      (``other + slots * slot_bytes``, the same on every device). Parameters
-      only: AdamW's two moments add twice as much again, laid out alike.
+      ``{"row_bytes", "per_device", "empty_rows", "other_bytes", "device_bytes", "ideal_bytes"}``: bytes per
+      device of one stored row (all layer parameters of one layer, as split on the device), rows per device,
+      empty rows in all, bytes of the non-layer parameters per device, in all per device (``other +
+      per_device * row_bytes``), and the ideal: all parameters over all devices.
     """
-    layout = trainer.layout
-    slot_bytes = other = 0
+    storage = trainer.storage
+    row_bytes = other = 0
     leaves = jax.tree_util.tree_leaves_with_path(trainer.state_params)
     shardings = jax.tree.leaves(trainer.param_shardings)
     for (path, leaf), sharding in zip(leaves, shardings, strict=True):
         local = sharding.shard_shape(leaf.shape)
         itemsize = np.dtype(leaf.dtype).itemsize
         if str(getattr(path[0], "key", "")) == "layers":
-            slot_bytes += math.prod(local[2:]) * itemsize  # [1, slots, ...] on each device
+            row_bytes += math.prod(local[1:]) * itemsize  # [per_device, ...] on each device
         else:
             other += math.prod(local) * itemsize
-    stages = [(n, n * slot_bytes, pad * slot_bytes) for n, pad in zip(layout.stage_layers, layout.padding)]
-    return {"slot_bytes": slot_bytes, "other_bytes": other, "stages": stages,
-            "device_bytes": other + layout.slots * slot_bytes}
+    ideal = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(trainer.abstract_params))
+    return {"row_bytes": row_bytes, "per_device": storage.per_device, "empty_rows": storage.rows - storage.num_layers,
+            "other_bytes": other, "device_bytes": other + storage.per_device * row_bytes,
+            "ideal_bytes": ideal / trainer.mesh.devices.size}
 
 
 def weight_gather_line(trainer) -> str:
     """Where the pipeline gathers the layer weights and reduces their gradients, with the gathered bytes."""
-    layout = trainer.par.pipeline.layout
+    layout, storage = trainer.par.pipeline.layout, trainer.storage
     itemsize = jax.numpy.dtype(trainer.config.dtype).itemsize
     per_layer = sum(x.size // x.shape[0] * itemsize for x in jax.tree.leaves(trainer.abstract_params["layers"]))
-    return (f"  weights: each device all-gathers its stage's {layout.slots} slots over data/fsdp once per step, "
-            f"before the pipeline loop, in {trainer.config.dtype} ({layout.slots} x {human_bytes(per_layer)} = "
-            f"{human_bytes(layout.slots * per_layer)} per device, / tensor where the rules split over it); "
-            f"layer gradients are summed on each device over the microbatches and reduce-scattered once, after "
-            f"the backward loop")
+    most = max(layout.stage_layers)
+    moved = storage.placement.received
+    over = (f"receives {moved} row(s) of its stage stored on another stage's devices (ppermute), then " if moved
+            else "")
+    return (f"  weights: each device {over}all-gathers its stage's rows over the storage's batch axes once per "
+            f"step, before the pipeline loop, in {trainer.config.dtype}, into a [{layout.repeats}, "
+            f"{layout.chunk_slots}, ...] working copy (empty slots only there; at most {most} x "
+            f"{human_bytes(per_layer)} = {human_bytes(most * per_layer)} per device, / tensor where the rules split "
+            f"over it); layer gradients are summed on each device over the microbatches and reduce-scattered back "
+            f"into the rows once, after the backward loop")
 
 
 def pipeline_lines(trainer, note: str | None = None) -> list[str]:
-    """The pipeline plan: schedule, bubble fraction, layers, slots and padded bytes per stage."""
+    """The pipeline plan: schedule, bubble fraction, layers per stage, the unpadded storage's bytes per device."""
     plan = trainer.par.pipeline
     if plan is None:
         return []
@@ -184,32 +189,31 @@ def pipeline_lines(trainer, note: str | None = None) -> list[str]:
         f"(S-1)/(R*M+S-1) = {s - 1}/{r * m + s - 1} = {plan.bubble_fraction:.1%} of {plan.steps} steps"
     )
     memory = stage_memory(trainer)
-    rows = [("stage", "layers", "canonical layers", "slots used/held", "layer params/device", "padding/device",
-             "layer applications (fwd)")]
+    rows = [("stage", "layers", "canonical layers", "slots in the working copy", "layer applications (fwd)")]
     applications = plan.layer_applications()
-    for stage, (n, share, pad) in enumerate(memory["stages"]):
+    for stage, n in enumerate(layout.stage_layers):
         ranges = " ".join(f"{a}-{b - 1}" if b - a > 1 else str(a) for a, b in layout.stage_ranges(stage))
         per_chunk = "" if r == 1 else " (" + "+".join(str(row[stage]) for row in layout.chunks) + ")"
-        rows.append((str(stage), f"{n}{per_chunk}", ranges, f"{n}/{layout.slots}", human_bytes(share),
-                     human_bytes(pad), str(applications[stage])))
+        rows.append((str(stage), f"{n}{per_chunk}", ranges, f"{n}/{layout.slots}", str(applications[stage])))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines += ["  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
-    padded = sum(layout.padding)
+    storage = trainer.storage
     lines.append(
-        f"  every device holds {layout.slots} slots of {human_bytes(memory['slot_bytes'])} (one layer's parameters) "
-        f"+ {human_bytes(memory['other_bytes'])} of other parameters = {human_bytes(memory['device_bytes'])}; "
-        f"x3 with the AdamW moments"
+        f"  layer parameters stored unpadded: {storage.rows} rows ({memory['empty_rows']} empty) split over "
+        f"stage x {storage.groups} devices; every device holds {memory['per_device']} rows of "
+        f"{human_bytes(memory['row_bytes'])} + {human_bytes(memory['other_bytes'])} of other parameters = "
+        f"{human_bytes(memory['device_bytes'])} ({memory['device_bytes'] / memory['ideal_bytes']:.2f}x the "
+        f"ideal {human_bytes(memory['ideal_bytes'])}, all parameters / devices); x3 with the AdamW moments"
     )
-    if padded:
+    if sum(layout.padding):
         lines.append(
-            f"  {padded} empty slot(s) pad the stages with fewer layers to {layout.slots}: parameters, optimizer "
-            f"state and saved activations are allocated for them; "
-            + ("they are not computed (skipped by a conditional)" if plan.skip_empty else
-               "they ARE computed here (fallback: a collective inside a slot could wait on other stages)")
+            f"  the stages with fewer layers than {layout.slots} hold no padding; their working copies' empty slots are "
+            + ("not computed (skipped by a conditional)" if plan.skip_empty else
+               "computed here (fallback: a collective inside a slot could wait on other stages)")
         )
     lines.append(weight_gather_line(trainer))
-    lines.append("  layer parameters laid out [stage, slot, ...], sharded over stage (rule layers->stage); "
-                 "embedding, final norm and output projection parameters are replicated over stage")
+    lines.append("  embedding, final norm and output projection parameters: stored split over stage as well (where a "
+                 "dimension allows), gathered once per step with fsdp; the embedding lookup runs on every stage")
     return lines
 
 
@@ -353,9 +357,9 @@ def dry_run(run, trainer, log, watch=None) -> int:
 
 def layout_text(meta) -> str:
     """A checkpoint's stage layout in words (``[layers, ...] (no pipeline)`` for the canonical one)."""
-    from sharding.pipeline import StageLayout
+    from sharding.pipeline.storage import layout_from_meta
 
-    layout = StageLayout.from_meta(meta)
+    layout = layout_from_meta(meta)
     return "[layers, ...] (no pipeline)" if layout is None else layout.describe()
 
 

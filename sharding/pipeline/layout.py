@@ -5,10 +5,12 @@ axis, and each global batch into ``M`` microbatches that flow from stage to stag
 different numbers of layers (``--stage-layers 10,10,6,6``): on mixed devices, or when ``S`` does not
 divide the layer count.
 
-Every stacked layer parameter is re-laid from the canonical ``[layers, ...]`` to ``[stage, slot,
-...]`` and sharded over ``stage`` (logical axis ``layers`` -> mesh axis ``stage``, `pipeline_rules`).
-All devices of one SPMD program hold arrays of one shape, so each stage has ``slots = R * K`` slots,
-``K`` the most layers any stage runs in one repeat; a stage with fewer layers leaves slots empty.
+Each stage runs its layers from ``slots = R * K`` slots, ``K`` the most layers any stage runs in one
+repeat (all devices of one SPMD program hold arrays of one shape); a stage with fewer layers leaves slots
+empty. Runs store the stack unpadded between steps (`sharding.pipeline.storage.StageStorage`) and build
+the ``[repeats, slots, ...]`` copy once per step; the padded ``[stage, slot, ...]`` stack sharded over
+``stage`` (logical axis ``layers`` -> mesh axis ``stage``, `pipeline_rules`) is how checkpoints saved
+before that hold it (`StageLayout.layer_table`).
 
 With ``R`` repeats, stage ``s`` holds chunks ``s, S+s, 2S+s, ...`` of the ``S*R`` chunks the layers
 are cut into, in order (the circular or interleaved placement of Narayanan et al., "Efficient
