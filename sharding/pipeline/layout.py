@@ -16,8 +16,12 @@ Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", SC 2021,
 ``R = 1`` is GPipe (Huang et al., NeurIPS 2019). A pass takes ``R*M + S - 1`` steps of one chunk
 each, of which ``S - 1`` are the fill and drain bubble: `bubble_fraction`.
 
+The 1F1B schedule (PipeDream-Flush; Narayanan et al., SC'21, section 2.2) runs the same layouts with
+``R = 1``: after ``S-1-s`` warm-up forwards stage ``s`` alternates one forward and one backward, so it
+keeps at most ``S`` microbatches' stage inputs instead of ``M`` (`one_f_one_b_ticks`, the tick table).
+
 `sharding.pipeline.relayout` moves stacked arrays between layouts; `sharding.pipeline.schedule`
-runs the pipeline.
+runs GPipe and circular, `sharding.pipeline.onef1b` runs 1F1B.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import numpy as np
 from sharding import axes as ax
 from sharding.splits import even_split
 
-SCHEDULES = ("gpipe", "circular")
+SCHEDULES = ("gpipe", "circular", "1f1b")
 
 
 # Layouts ----------------------------------------------------------------------
@@ -263,6 +267,18 @@ class PipelinePlan:
     layout: StageLayout
     microbatches: int
     skip_empty: bool = True
+    one_f_one_b: bool = False
+
+    @property
+    def schedule(self) -> str:
+        """``gpipe``, ``circular`` or ``1f1b`` (`SCHEDULES`; the ``--pipeline-schedule`` value)."""
+        return "1f1b" if self.one_f_one_b else self.layout.schedule
+
+    @property
+    def ticks(self) -> int:
+        """Ticks of the 1F1B loop, ``2 (M + S - 1)``: each stage's M forwards, M backwards and
+        ``2 (S - 1)`` idle ticks (`one_f_one_b_ticks`)."""
+        return 2 * (self.microbatches + self.layout.stages - 1)
 
     @property
     def steps(self) -> int:
@@ -281,8 +297,62 @@ class PipelinePlan:
         slot of every step: ``steps * K``.
         """
         if not self.skip_empty:
-            return (self.steps * self.layout.chunk_slots,) * self.layout.stages
+            steps = self.ticks if self.one_f_one_b else self.steps
+            return (steps * self.layout.chunk_slots,) * self.layout.stages
         return tuple(self.microbatches * n for n in self.layout.stage_layers)
+
+
+FORWARD, BACKWARD = 1, 2
+"""The ops of `one_f_one_b_ticks` (0: idle)."""
+
+
+def one_f_one_b_ticks(stages: int, microbatches: int) -> np.ndarray:
+    """The 1F1B schedule as a table: what each stage does at each tick of one SPMD loop.
+
+    PipeDream-Flush (Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters
+    Using Megatron-LM", SC'21, section 2.2, figure 4 top) in lockstep ticks of one op: stage ``s`` runs
+    the forward of microbatch ``i`` at tick ``s + i`` during warm-up (``i < S - s``) and ``s + 2i``
+    after it, and its backward at tick ``2S - 1 - s + 2i``. So a stage's forward input is ready (it
+    left stage ``s - 1`` at an earlier tick), the last stage runs a microbatch's backward right after
+    its forward (the loss between them), each backward follows the next stage's by one tick (the
+    cotangent arrives just in time), and a stage holds at most ``S`` microbatches between their
+    arrival and their backward (``S - s + 1`` for ``s > 0``; `one_f_one_b_live`), so consecutive
+    microbatches can share a ring buffer of ``S`` slots (microbatch ``i`` in slot ``i % S``).
+
+    Args:
+      stages: S.
+      microbatches: M (at least S).
+
+    Returns:
+      ``[ticks, S, 2]`` int32, ``ticks = 2 (M + S - 1)``: ``[t, s] = (op, microbatch)``, op 0 idle,
+      `FORWARD` or `BACKWARD` (the microbatch 0 when idle).
+    """
+    ticks = 2 * (microbatches + stages - 1)
+    table = np.zeros((ticks, stages, 2), np.int32)
+    for s in range(stages):
+        for i in range(microbatches):
+            forward = s + i if i < stages - s else s + 2 * i
+            table[forward, s] = (FORWARD, i)
+            table[2 * stages - 1 - s + 2 * i, s] = (BACKWARD, i)
+    return table
+
+
+def one_f_one_b_live(table: np.ndarray) -> np.ndarray:
+    """``[S]``: the most microbatches each stage holds at once, from the tick its input arrives (the
+    tick after the previous stage's forward; its own forward for stage 0) to its backward's tick."""
+    ticks, stages, _ = table.shape
+    most = np.zeros(stages, np.int32)
+    for s in range(stages):
+        start, end = {}, {}
+        for t in range(ticks):
+            if s and table[t, s - 1, 0] == FORWARD:
+                start[int(table[t, s - 1, 1])] = t + 1
+            if not s and table[t, s, 0] == FORWARD:
+                start[int(table[t, s, 1])] = t
+            if table[t, s, 0] == BACKWARD:
+                end[int(table[t, s, 1])] = t
+        most[s] = max(sum(start[i] <= t <= end[i] for i in end) for t in range(ticks))
+    return most
 
 
 def check_microbatches(microbatches: int, stages: int, batch_size: int, data_parallel: int) -> None:

@@ -1,0 +1,135 @@
+"""The 1F1B pipeline schedule: its tick table, equality with the unpipelined stack and model, memory
+against GPipe, and no transfer inside a conditional."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from sharding import pipeline as pl
+from sharding.hlo import branch_collectives
+from sharding.mesh import make_mesh, parse_mesh
+from sharding.parallel import UNSHARDED, Parallelism
+from sharding.pipeline.layout import BACKWARD, FORWARD, one_f_one_b_live
+from sharding.rules import get_rules
+
+RULES = get_rules("fsdp_tp")
+
+
+def assert_close(actual, expected, rtol=1e-5):
+    """float32 agreement to ``rtol`` of each array's largest magnitude (entries near zero included)."""
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+        a, e = np.asarray(a), np.asarray(e)
+        np.testing.assert_allclose(a, e, rtol=rtol, atol=rtol * float(np.max(np.abs(e)) or 1.0))
+
+
+# The tick table (no devices) ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stages, microbatches", [(2, 2), (4, 4), (4, 8), (4, 16), (3, 7)])
+def test_the_tick_table_is_a_valid_1f1b_schedule_holding_at_most_s_microbatches(stages, microbatches):
+    table = pl.one_f_one_b_ticks(stages, microbatches)
+    assert table.shape == (2 * (microbatches + stages - 1), stages, 2)
+    when = {}
+    for t, row in enumerate(table):
+        for s, (op, mb) in enumerate(row):
+            if op:
+                assert (op, s, mb) not in when
+                when[op, s, mb] = t
+    assert len(when) == 2 * stages * microbatches  # every microbatch forward and backward on every stage
+    for i in range(microbatches):
+        for s in range(stages):
+            if s:  # the input left the previous stage at an earlier tick
+                assert when[FORWARD, s, i] > when[FORWARD, s - 1, i]
+            if s < stages - 1:  # the cotangent arrives from the next stage exactly one tick before
+                assert when[BACKWARD, s, i] == when[BACKWARD, s + 1, i] + 1
+        assert when[BACKWARD, stages - 1, i] == when[FORWARD, stages - 1, i] + 1
+    live = one_f_one_b_live(table)
+    assert live.max() <= stages and live[0] == stages
+    # after warm-up each stage alternates: no two forwards in a row once its first backward ran
+    for s in range(stages):
+        ops = [op for op in table[:, s, 0] if op]
+        first_backward = ops.index(BACKWARD)
+        assert first_backward == stages - s
+        steady = ops[first_backward:-(stages - s)]
+        assert all(a != b for a, b in zip(steady, steady[1:]))
+
+
+# The toy stack ----------------------------------------------------------------------------------
+
+
+def _toy_layer(par, w, h, position):
+    h = jnp.tanh(h @ w["a"] + w["b"] + 0.01 * position[:, None])
+    return par.constrain(h, ("batch", "act_embed"))
+
+
+def _toy_head(par, hp, h, target, mask):
+    """A small head with parameters: ``sum(mask * ((h @ v) - target)^2)`` and ``sum(mask)``."""
+    y = h @ hp["v"] + hp["c"]
+    return jnp.sum(mask[:, None] * (y - target[:, None]) ** 2), jnp.sum(mask)
+
+
+def _toy(mesh_spec, num_layers, stage_layers, microbatches, batch=16, dim=16, schedule="1f1b", skip_empty=True):
+    mesh = make_mesh(parse_mesh(mesh_spec, 8))
+    rules = pl.pipeline_rules(RULES)
+    layout, _ = pl.plan_layout(num_layers, mesh.shape["stage"], 1, stage_layers)
+    plan = pl.PipelinePlan(layout, microbatches, skip_empty=skip_empty, one_f_one_b=schedule == "1f1b")
+    rng = np.random.default_rng(0)
+    w = {"a": rng.normal(size=(num_layers, dim, dim)).astype(np.float32) / 4,
+         "b": rng.normal(size=(num_layers, dim)).astype(np.float32)}
+    hp = {"v": rng.normal(size=(dim, 3)).astype(np.float32), "c": rng.normal(size=(3,)).astype(np.float32)}
+    x = rng.normal(size=(batch, dim)).astype(np.float32)
+    position = jnp.asarray(rng.integers(0, 9, size=(batch,)), jnp.int32)
+    target = jnp.asarray(rng.normal(size=(batch,)), jnp.float32)
+    mask = jnp.asarray(rng.random(batch) < 0.8, jnp.float32)
+
+    def reference(w, hp, x):
+        h = x
+        for layer in range(num_layers):
+            h = _toy_layer(UNSHARDED, jax.tree.map(lambda a: a[layer], w), h, position)
+        return _toy_head(UNSHARDED, hp, h, target, mask)
+
+    def pipelined(w, hp, x):
+        loss, weight, applied = pl.run_pipeline_loss(
+            _toy_layer, _toy_head, w, hp, x, (position,), (target, mask), Parallelism.of(mesh, rules, plan),
+            names={"a": ("layers", None, "embed"), "b": ("layers", None)},
+            head_names={"v": ("embed", None), "c": (None,)})
+        return loss, (weight, applied)
+
+    staged = jax.tree.map(lambda a: pl.relayout(jnp.asarray(a), None, layout, num_layers), w)
+    staged = jax.device_put(staged, {"a": NamedSharding(mesh, P("stage", None, "fsdp")),
+                                     "b": NamedSharding(mesh, P("stage"))})
+    hp_dev = jax.device_put(hp, {"v": NamedSharding(mesh, P("fsdp")), "c": NamedSharding(mesh, P())})
+    grad_fn = jax.jit(jax.value_and_grad(pipelined, argnums=(0, 1, 2), has_aux=True))
+    (loss, (weight, applied)), grads = grad_fn(staged, hp_dev, x)
+    forward_only = jax.jit(pipelined)(staged, hp_dev, x)
+    (ref_loss, ref_weight), ref_grads = jax.jit(jax.value_and_grad(reference, argnums=(0, 1, 2), has_aux=True))(w, hp, x)
+    grads = (jax.tree.map(lambda g: pl.relayout(g, layout, None, num_layers), grads[0]), *grads[1:])
+    return plan, (loss, weight, grads, applied, forward_only), (ref_loss, ref_weight, ref_grads), grad_fn, (staged, hp_dev, x)
+
+
+@pytest.mark.parametrize(
+    "mesh_spec, num_layers, stage_layers, microbatches",
+    [
+        ("stage=2,fsdp=4", 4, (3, 1), 2),  # uneven, M = S
+        ("stage=4,fsdp=2", 12, (5, 3, 2, 2), 8),  # uneven, 4 stages, M = 2S
+        ("stage=4,data=2", 6, None, 5),  # default split 2,2,1,1 with data parallelism, M not a multiple of S
+    ],
+)
+def test_1f1b_matches_the_sequential_stack(mesh_spec, num_layers, stage_layers, microbatches):
+    plan, (loss, weight, grads, applied, forward_only), (ref_loss, ref_weight, ref_grads), _, _ = _toy(
+        mesh_spec, num_layers, stage_layers, microbatches, batch=2 * microbatches * 2)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    np.testing.assert_allclose(float(weight), float(ref_weight), rtol=1e-6)
+    assert_close(grads, ref_grads)
+    assert tuple(np.asarray(applied)) == plan.layer_applications()
+    np.testing.assert_allclose(float(forward_only[0]), float(ref_loss), rtol=1e-5)  # undifferentiated: forwards only
+
+
+def test_1f1b_computing_every_slot_matches_too():
+    plan, (loss, _, grads, applied, _), (ref_loss, _, ref_grads), _, _ = _toy(
+        "stage=2,fsdp=4", 4, (3, 1), 4, skip_empty=False)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    assert_close(grads, ref_grads)
+    assert tuple(np.asarray(applied)) == plan.layer_applications() == (plan.ticks * 3,) * 2
