@@ -143,7 +143,9 @@ def _pipeline_flags(p) -> None:
     g = p.add_argument_group("pipeline parallelism (with --mesh stage=N, N > 1)")
     g.add_argument("--pipeline-schedule", default="gpipe", choices=SCHEDULES,
                    help="gpipe: each stage holds one run of layers; circular: each holds --pipeline-repeats "
-                   "non-adjacent chunks, shrinking the bubble (S-1)/(R*M+S-1)")
+                   "non-adjacent chunks, shrinking the bubble (S-1)/(R*M+S-1); 1f1b: gpipe's layers, but each stage "
+                   "alternates one forward and one backward after warm-up, keeping S microbatches' activations "
+                   "instead of M (loss on the last stage, inside the pipeline)")
     g.add_argument("--pipeline-repeats", type=int, default=None, metavar="R",
                    help="chunks per stage for --pipeline-schedule circular (default 2; gpipe: 1)")
     g.add_argument("--stage-layers", default=None, metavar="N,N,...",
@@ -365,8 +367,9 @@ def _strategy(args, sizes: dict[str, int], num_layers: int):
     if args.plan and uneven is not None and uneven.speeds == "given":
         raise ValueError(f"--plan auto chooses --hetero-batch itself; drop --hetero-batch {args.hetero_batch}")
     if stages == 1:
-        circular = args.pipeline_schedule == "circular"
-        given = [flag for flag, on in (("--stage-layers", args.stage_layers), ("--pipeline-schedule circular", circular),
+        schedule = args.pipeline_schedule != "gpipe"
+        given = [flag for flag, on in (("--stage-layers", args.stage_layers),
+                                       (f"--pipeline-schedule {args.pipeline_schedule}", schedule),
                                        ("--pipeline-repeats", args.pipeline_repeats)) if on]
         if given:
             raise ValueError(f"{given[0]} needs a pipeline: add a stage axis to --mesh, e.g. --mesh stage=2,fsdp=-1")
@@ -386,13 +389,16 @@ def pipeline_plan(args, stages: int, num_layers: int) -> PipelinePlan:
     """
     circular = args.pipeline_schedule == "circular"
     repeats = args.pipeline_repeats or (2 if circular else 1)
+    if args.pipeline_schedule == "1f1b" and repeats != 1:
+        raise ValueError(f"--pipeline-schedule 1f1b runs one chunk per stage (interleaved 1F1B is not implemented); "
+                         f"drop --pipeline-repeats {repeats}, or use --pipeline-schedule circular")
     if not circular and repeats != 1:
         raise ValueError(f"--pipeline-repeats {repeats} needs --pipeline-schedule circular (gpipe has 1 repeat)")
     if circular and repeats < 2:
         raise ValueError("--pipeline-schedule circular needs --pipeline-repeats of 2 or more, e.g. --pipeline-repeats 2 "
                          "(1 repeat is --pipeline-schedule gpipe)")
     layout, _ = plan_layout(num_layers, stages, repeats, parse_stage_layers(args.stage_layers))
-    return PipelinePlan(layout, args.microbatches)
+    return PipelinePlan(layout, args.microbatches, one_f_one_b=args.pipeline_schedule == "1f1b")
 
 
 def _rebalance(uneven: UnevenBatch | None, every: int | None) -> UnevenBatch | None:
