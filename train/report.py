@@ -155,6 +155,19 @@ def weight_gather_line(trainer) -> str:
             f"the backward loop")
 
 
+def schedule_memory_line(plan) -> str:
+    """How many microbatches' layer inputs each stage keeps for its backward pass, and what 1F1B costs in time."""
+    layout = plan.layout
+    s, m, k = layout.stages, plan.microbatches, layout.chunk_slots
+    if not plan.one_f_one_b:
+        return (f"  saved for the backward pass: every slot's input of all {plan.steps} steps ({plan.steps} x {k} "
+                f"microbatch activations per device; --pipeline-schedule 1f1b keeps {s} x {k})")
+    return (f"  saved for the backward pass: a ring of {s} microbatches x {k} slot inputs per device (GPipe keeps "
+            f"{plan.steps} x {k}); one loop of {plan.ticks} ticks, each a forward, a backward or idle per stage; "
+            f"the loss runs on stage {s - 1} inside it; in lockstep a tick lasts a backward, so the pass takes "
+            f"about {plan.ticks} backward-times against GPipe's {plan.steps} forward+backward-times")
+
+
 def pipeline_lines(trainer, note: str | None = None) -> list[str]:
     """The pipeline plan: schedule, bubble fraction, layers, slots and padded bytes per stage."""
     plan = trainer.par.pipeline
@@ -166,10 +179,13 @@ def pipeline_lines(trainer, note: str | None = None) -> list[str]:
     if note:
         lines.append(f"note: {note}")
     schedule = "GPipe" if r == 1 else f"circular, {r} repeats (chunks per stage)"
+    if plan.one_f_one_b:
+        schedule = "1F1B (PipeDream-Flush)"
     lines.append(
         f"pipeline: {schedule} over stage={s}, {m} microbatches of {trainer.config.num_layers} layers; bubble "
         f"(S-1)/(R*M+S-1) = {s - 1}/{r * m + s - 1} = {plan.bubble_fraction:.1%} of {plan.steps} steps"
     )
+    lines.append(schedule_memory_line(plan))
     memory = stage_memory(trainer)
     rows = [("stage", "layers", "canonical layers", "slots used/held", "layer params/device", "padding/device",
              "layer applications (fwd)")]
@@ -195,8 +211,10 @@ def pipeline_lines(trainer, note: str | None = None) -> list[str]:
                "they ARE computed here (fallback: a collective inside a slot could wait on other stages)")
         )
     lines.append(weight_gather_line(trainer))
-    lines.append("  layer parameters laid out [stage, slot, ...], sharded over stage (rule layers->stage); "
-                 "embedding, final norm and output projection are replicated over stage")
+    head = ("embedding replicated over stage; final norm, output projection and loss run on the last stage "
+            "inside the pipeline, one microbatch at a time" if plan.one_f_one_b else
+            "embedding, final norm and output projection are replicated over stage")
+    lines.append(f"  layer parameters laid out [stage, slot, ...], sharded over stage (rule layers->stage); {head}")
     return lines
 
 
