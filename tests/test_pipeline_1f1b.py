@@ -11,7 +11,7 @@ from sharding import pipeline as pl
 from sharding.hlo import branch_collectives
 from sharding.mesh import make_mesh, parse_mesh
 from sharding.parallel import UNSHARDED, Parallelism
-from sharding.pipeline.layout import BACKWARD, FORWARD, one_f_one_b_live
+from sharding.pipeline.layout import BACKWARD, FORWARD
 from sharding.rules import get_rules
 
 RULES = get_rules("fsdp_tp")
@@ -27,33 +27,61 @@ def assert_close(actual, expected, rtol=1e-5):
 # The tick table (no devices) ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("stages, microbatches", [(2, 2), (4, 4), (4, 8), (4, 16), (3, 7)])
-def test_the_tick_table_is_a_valid_1f1b_schedule_holding_at_most_s_microbatches(stages, microbatches):
-    table = pl.one_f_one_b_ticks(stages, microbatches)
-    assert table.shape == (2 * (microbatches + stages - 1), stages, 2)
+@pytest.mark.parametrize("stages, microbatches, repeats",
+                         [(2, 2, 1), (4, 4, 1), (4, 8, 1), (4, 16, 1), (3, 7, 1), (4, 8, 2), (2, 4, 3)])
+def test_the_tick_table_is_a_valid_1f1b_schedule(stages, microbatches, repeats):
+    ticks = pl.one_f_one_b_ticks(stages, microbatches, repeats)
+    last = stages * repeats - 1
     when = {}
-    for t, row in enumerate(table):
-        for s, (op, mb) in enumerate(row):
-            if op:
-                assert (op, s, mb) not in when
-                when[op, s, mb] = t
-    assert len(when) == 2 * stages * microbatches  # every microbatch forward and backward on every stage
-    for i in range(microbatches):
+    for t in range(ticks.ticks):
         for s in range(stages):
-            if s:  # the input left the previous stage at an earlier tick
-                assert when[FORWARD, s, i] > when[FORWARD, s - 1, i]
-            if s < stages - 1:  # the cotangent arrives from the next stage exactly one tick before
-                assert when[BACKWARD, s, i] == when[BACKWARD, s + 1, i] + 1
-        assert when[BACKWARD, stages - 1, i] == when[FORWARD, stages - 1, i] + 1
-    live = one_f_one_b_live(table)
-    assert live.max() <= stages and live[0] == stages
-    # after warm-up each stage alternates: no two forwards in a row once its first backward ran
+            op, r, i = ticks.op[t, s], ticks.chunk[t, s], ticks.microbatch[t, s]
+            if op:
+                key = (int(op), int(r) * stages + s, int(i))
+                assert key not in when
+                when[key] = t
+    assert len(when) == 2 * stages * repeats * microbatches  # every (virtual stage, microbatch), both ways
+    for i in range(microbatches):
+        for v in range(last + 1):
+            if v:  # the input left the previous virtual stage at an earlier tick
+                assert when[FORWARD, v, i] > when[FORWARD, v - 1, i]
+            if v < last:  # the cotangent left the next virtual stage at an earlier tick
+                assert when[BACKWARD, v, i] > when[BACKWARD, v + 1, i]
+        assert when[BACKWARD, last, i] > when[FORWARD, last, i]
+    # slots: no two chunk inputs (cotangents) held at once by a stage share one
     for s in range(stages):
-        ops = [op for op in table[:, s, 0] if op]
-        first_backward = ops.index(BACKWARD)
-        assert first_backward == stages - s
-        steady = ops[first_backward:-(stages - s)]
-        assert all(a != b for a, b in zip(steady, steady[1:]))
+        held, waiting = {}, {}
+        for t in range(ticks.ticks):
+            for table, slots in ((ticks.arrive, held), (ticks.cotangent_arrive, waiting)):
+                if table[t, s] >= 0:
+                    assert table[t, s] not in slots
+                    slots[int(table[t, s])] = t
+            op, slot, c = ticks.op[t, s], int(ticks.slot[t, s]), int(ticks.cotangent_slot[t, s])
+            v = int(ticks.chunk[t, s]) * stages + s
+            if op == FORWARD:
+                assert (slot in held) == (v > 0)
+                held[slot] = t
+                if v == last:
+                    assert c not in waiting
+                    waiting[c] = t
+            if op == BACKWARD:
+                assert held.pop(slot) < t and waiting.pop(c) <= t  # a cotangent may arrive at the start of its tick
+    if repeats == 1:
+        assert ticks.ticks == 2 * (microbatches + stages - 1)
+        live = ticks.live()
+        assert live.max() == stages == ticks.slots and live.tolist() == [stages] + [stages - s + 1
+                                                                                    for s in range(1, stages)]
+        # stage s runs S - s forwards before its first backward, then alternates until its forwards run out
+        for s in range(stages):
+            ops = [op for op in ticks.op[:, s] if op]
+            assert ops.index(BACKWARD) == stages - s
+            steady = ops[stages - s:-(stages - s)]
+            assert all(a != b for a, b in zip(steady, steady[1:]))
+
+
+def test_interleaved_1f1b_needs_a_multiple_of_the_stages_as_microbatches():
+    with pytest.raises(ValueError, match="--microbatches 6: interleaved 1F1B .* e.g. --microbatches 8"):
+        pl.one_f_one_b_ticks(4, 6, 2)
 
 
 # The toy stack ----------------------------------------------------------------------------------
@@ -70,10 +98,11 @@ def _toy_head(par, hp, h, target, mask):
     return jnp.sum(mask[:, None] * (y - target[:, None]) ** 2), jnp.sum(mask)
 
 
-def _toy(mesh_spec, num_layers, stage_layers, microbatches, batch=16, dim=16, schedule="1f1b", skip_empty=True):
+def _toy(mesh_spec, num_layers, stage_layers, microbatches, batch=16, dim=16, schedule="1f1b", skip_empty=True,
+         repeats=1):
     mesh = make_mesh(parse_mesh(mesh_spec, 8))
     rules = pl.pipeline_rules(RULES)
-    layout, _ = pl.plan_layout(num_layers, mesh.shape["stage"], 1, stage_layers)
+    layout, _ = pl.plan_layout(num_layers, mesh.shape["stage"], repeats, stage_layers)
     plan = pl.PipelinePlan(layout, microbatches, skip_empty=skip_empty, one_f_one_b=schedule == "1f1b")
     rng = np.random.default_rng(0)
     w = {"a": rng.normal(size=(num_layers, dim, dim)).astype(np.float32) / 4,
@@ -110,16 +139,18 @@ def _toy(mesh_spec, num_layers, stage_layers, microbatches, batch=16, dim=16, sc
 
 
 @pytest.mark.parametrize(
-    "mesh_spec, num_layers, stage_layers, microbatches",
+    "mesh_spec, num_layers, stage_layers, microbatches, repeats",
     [
-        ("stage=2,fsdp=4", 4, (3, 1), 2),  # uneven, M = S
-        ("stage=4,fsdp=2", 12, (5, 3, 2, 2), 8),  # uneven, 4 stages, M = 2S
-        ("stage=4,data=2", 6, None, 5),  # default split 2,2,1,1 with data parallelism, M not a multiple of S
+        ("stage=2,fsdp=4", 4, (3, 1), 2, 1),  # uneven, M = S
+        ("stage=4,fsdp=2", 12, (5, 3, 2, 2), 8, 1),  # uneven, 4 stages, M = 2S
+        ("stage=4,data=2", 6, None, 5, 1),  # default split 2,2,1,1 with data parallelism, M not a multiple of S
+        ("stage=4,fsdp=2", 12, (5, 3, 2, 2), 4, 2),  # interleaved, uneven chunks 3+2,2+1,1+1,1+1
+        ("stage=2,data=2,fsdp=2", 12, None, 4, 3),  # interleaved, 3 chunks per stage, data parallelism
     ],
 )
-def test_1f1b_matches_the_sequential_stack(mesh_spec, num_layers, stage_layers, microbatches):
+def test_1f1b_matches_the_sequential_stack(mesh_spec, num_layers, stage_layers, microbatches, repeats):
     plan, (loss, weight, grads, applied, forward_only), (ref_loss, ref_weight, ref_grads), _, _ = _toy(
-        mesh_spec, num_layers, stage_layers, microbatches, batch=2 * microbatches * 2)
+        mesh_spec, num_layers, stage_layers, microbatches, batch=2 * microbatches * 2, repeats=repeats)
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
     np.testing.assert_allclose(float(weight), float(ref_weight), rtol=1e-6)
     assert_close(grads, ref_grads)
@@ -157,9 +188,9 @@ def _trainer(config, mesh_spec, strategy, optimizer=None):
                    Parallelism.of(make_mesh(parse_mesh(mesh_spec, 8)), RULES, strategy))
 
 
-def _plan(num_layers, mesh_spec, stage_layers, microbatches, schedule):
+def _plan(num_layers, mesh_spec, stage_layers, microbatches, schedule, repeats=1):
     stages = parse_mesh(mesh_spec, 8)["stage"]
-    layout, _ = pl.plan_layout(num_layers, stages, 1, stage_layers)
+    layout, _ = pl.plan_layout(num_layers, stages, repeats, stage_layers)
     return pl.PipelinePlan(layout, microbatches, one_f_one_b=schedule == "1f1b")
 
 
@@ -191,22 +222,23 @@ def _loss_and_grads(trainer, batch):
 
 
 CASES = [
-    (4, "stage=2,fsdp=4", (3, 1), 2),  # uneven, fsdp
-    (6, "stage=4,fsdp=2", (2, 2, 1, 1), 4),  # uneven, 4 stages
-    (4, "stage=2,fsdp=2,tensor=2", (3, 1), 2),  # with tensor parallelism inside the stages
+    (4, "stage=2,fsdp=4", (3, 1), 2, 1),  # uneven, fsdp
+    (6, "stage=4,fsdp=2", (2, 2, 1, 1), 4, 1),  # uneven, 4 stages
+    (4, "stage=2,fsdp=2,tensor=2", (3, 1), 2, 1),  # with tensor parallelism inside the stages
+    (6, "stage=2,fsdp=4", (4, 2), 2, 2),  # interleaved: chunks 2+2 and 1+1
 ]
 
 
-@pytest.mark.parametrize("num_layers, mesh_spec, stage_layers, microbatches", CASES)
+@pytest.mark.parametrize("num_layers, mesh_spec, stage_layers, microbatches, repeats", CASES)
 def test_1f1b_model_has_the_loss_and_gradients_of_the_unpipelined_one(num_layers, mesh_spec, stage_layers,
-                                                                       microbatches):
+                                                                       microbatches, repeats):
     from models.config import get_config
     from sharding.parallel import Accumulation
 
     config = get_config("test", [f"num_layers={num_layers}"])
     batch = _batch(8, 32)
     ref_loss, ref_grads = _loss_and_grads(_trainer(config, "fsdp=8", Accumulation(1)), batch)
-    trainer = _trainer(config, mesh_spec, _plan(num_layers, mesh_spec, stage_layers, microbatches, "1f1b"))
+    trainer = _trainer(config, mesh_spec, _plan(num_layers, mesh_spec, stage_layers, microbatches, "1f1b", repeats))
     loss, grads = _loss_and_grads(trainer, batch)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     assert_close(grads, ref_grads)
@@ -223,7 +255,7 @@ def test_1f1b_training_steps_match_the_unpipelined_model():
     from sharding.parallel import Accumulation
     from train.optimizer import OptimizerConfig
 
-    num_layers, mesh_spec, stage_layers, microbatches = CASES[0]
+    num_layers, mesh_spec, stage_layers, microbatches, _ = CASES[0]
     config = get_config("test", [f"num_layers={num_layers}"])
     optimizer = OptimizerConfig(eps=1e-3, warmup=0, decay_steps=10)
     batches = [_batch(8, 32, seed) for seed in range(3)]
@@ -276,16 +308,17 @@ def test_dry_run_reports_the_1f1b_schedule(capsys):
     out = capsys.readouterr().out
     assert code == 0
     assert "pipeline: 1F1B (PipeDream-Flush) over stage=2, 4 microbatches" in out
-    assert "a ring of 2 microbatches x 3 slot inputs per device (GPipe keeps 5 x 3); one loop of 10 ticks" in out
+    assert ("a ring of 2 microbatches x 3 slot inputs per device (the other schedules keep 5 x 3); one loop of "
+            "10 ticks") in out
     assert "loss run on the last stage inside the pipeline" in out
 
 
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--mesh", "stage=2,fsdp=4", "--pipeline-schedule", "1f1b", "--pipeline-repeats", "2"],
-         "--pipeline-schedule 1f1b runs one chunk per stage (interleaved 1F1B is not implemented); drop "
-         "--pipeline-repeats 2"),
+        (["--mesh", "stage=2,fsdp=4", "--pipeline-schedule", "1f1b", "--pipeline-repeats", "2", "--microbatches",
+          "3"], "--microbatches 3: interleaved 1F1B (--pipeline-repeats 2) needs a multiple of the 2 stages, e.g. "
+                "--microbatches 4"),
         (["--mesh", "fsdp=8", "--pipeline-schedule", "1f1b"], "--pipeline-schedule 1f1b needs a pipeline"),
     ],
 )
@@ -295,3 +328,15 @@ def test_bad_1f1b_flags_fail_before_compiling_with_the_flags_named(args, message
     code = train.main(["--model", "test", "--microbatches", "2", "--batch-size", "8", "--dry-run", *args])
     err = capsys.readouterr().err
     assert code == 2 and message in err, err
+
+
+def test_dry_run_reports_interleaved_1f1b(capsys):
+    from train import train
+
+    code = train.main(["--model", "test", "--mesh", "stage=2,fsdp=4", "--microbatches", "4", "--batch-size", "16",
+                       "--seq-len", "32", "--dry-run", "--pipeline-schedule", "1f1b", "--pipeline-repeats", "2"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "pipeline: 1F1B (PipeDream-Flush), interleaved, 2 chunks per stage over stage=2" in out
+    ticks = pl.one_f_one_b_ticks(2, 4, 2)
+    assert f"a ring of {ticks.slots} chunk inputs x 1 slot inputs per device" in out

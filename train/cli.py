@@ -18,7 +18,14 @@ from models.config import ATTENTION_IMPLS, DTYPES, LOGITS_IMPLS, PRESETS, REMAT_
 from sharding import axes as ax
 from sharding.mesh import parse_axis_sizes
 from sharding.parallel import CONTEXT_LAYOUTS, Accumulation, Parallelism, UnevenBatch
-from sharding.pipeline import SCHEDULES, PipelinePlan, parse_stage_layers, pipeline_rules, plan_layout
+from sharding.pipeline import (
+    SCHEDULES,
+    PipelinePlan,
+    one_f_one_b_ticks,
+    parse_stage_layers,
+    pipeline_rules,
+    plan_layout,
+)
 from sharding.rules import DEFAULT_PRESET, PRESETS as RULE_PRESETS, get_rules
 from train.config import DEFAULT_RUN_DIR, CheckpointConfig, ClusterConfig, DataConfig, LoopConfig, RunConfig
 from train.optimizer import OptimizerConfig
@@ -147,7 +154,8 @@ def _pipeline_flags(p) -> None:
                    "alternates one forward and one backward after warm-up, keeping S microbatches' activations "
                    "instead of M (loss on the last stage, inside the pipeline)")
     g.add_argument("--pipeline-repeats", type=int, default=None, metavar="R",
-                   help="chunks per stage for --pipeline-schedule circular (default 2; gpipe: 1)")
+                   help="chunks per stage for --pipeline-schedule circular (default 2; gpipe: 1) or 1f1b (default 1; "
+                   "more is interleaved 1F1B, with --microbatches a multiple of the stages)")
     g.add_argument("--stage-layers", default=None, metavar="N,N,...",
                    help="layers per stage, e.g. 10,10,6,6 for 32 layers on stage=4 (must sum to the model's layers); "
                    "circular also takes one count per chunk (S*R); default: even, the first stages taking the rest")
@@ -388,17 +396,19 @@ def pipeline_plan(args, stages: int, num_layers: int) -> PipelinePlan:
         `sharding.pipeline.plan_layout`; naming the flag, its value and one that works.
     """
     circular = args.pipeline_schedule == "circular"
+    one_f_one_b = args.pipeline_schedule == "1f1b"
     repeats = args.pipeline_repeats or (2 if circular else 1)
-    if args.pipeline_schedule == "1f1b" and repeats != 1:
-        raise ValueError(f"--pipeline-schedule 1f1b runs one chunk per stage (interleaved 1F1B is not implemented); "
-                         f"drop --pipeline-repeats {repeats}, or use --pipeline-schedule circular")
-    if not circular and repeats != 1:
+    if one_f_one_b and repeats < 1:
+        raise ValueError(f"--pipeline-repeats {repeats}: must be at least 1 (1f1b; more is interleaved 1F1B)")
+    if not circular and not one_f_one_b and repeats != 1:
         raise ValueError(f"--pipeline-repeats {repeats} needs --pipeline-schedule circular (gpipe has 1 repeat)")
     if circular and repeats < 2:
         raise ValueError("--pipeline-schedule circular needs --pipeline-repeats of 2 or more, e.g. --pipeline-repeats 2 "
                          "(1 repeat is --pipeline-schedule gpipe)")
     layout, _ = plan_layout(num_layers, stages, repeats, parse_stage_layers(args.stage_layers))
-    return PipelinePlan(layout, args.microbatches, one_f_one_b=args.pipeline_schedule == "1f1b")
+    if one_f_one_b and repeats > 1 and args.microbatches >= stages:
+        one_f_one_b_ticks(stages, args.microbatches, repeats)  # interleaved: M a multiple of S, else a ValueError
+    return PipelinePlan(layout, args.microbatches, one_f_one_b=one_f_one_b)
 
 
 def _rebalance(uneven: UnevenBatch | None, every: int | None) -> UnevenBatch | None:

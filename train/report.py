@@ -157,15 +157,20 @@ def weight_gather_line(trainer) -> str:
 
 def schedule_memory_line(plan) -> str:
     """How many microbatches' layer inputs each stage keeps for its backward pass, and what 1F1B costs in time."""
+    from sharding.pipeline import one_f_one_b_ticks
+
     layout = plan.layout
-    s, m, k = layout.stages, plan.microbatches, layout.chunk_slots
+    s, k = layout.stages, layout.chunk_slots
     if not plan.one_f_one_b:
         return (f"  saved for the backward pass: every slot's input of all {plan.steps} steps ({plan.steps} x {k} "
                 f"microbatch activations per device; --pipeline-schedule 1f1b keeps {s} x {k})")
-    return (f"  saved for the backward pass: a ring of {s} microbatches x {k} slot inputs per device (GPipe keeps "
-            f"{plan.steps} x {k}); one loop of {plan.ticks} ticks, each a forward, a backward or idle per stage; "
-            f"the loss runs on stage {s - 1} inside it; in lockstep a tick lasts a backward, so the pass takes "
-            f"about {plan.ticks} backward-times against GPipe's {plan.steps} forward+backward-times")
+    ticks = one_f_one_b_ticks(s, plan.microbatches, layout.repeats)
+    chunk = "microbatches" if layout.repeats == 1 else "chunk inputs"
+    return (f"  saved for the backward pass: a ring of {ticks.slots} {chunk} x {k} slot inputs per device (the "
+            f"other schedules keep {plan.steps} x {k}); one loop of {ticks.ticks} ticks, each a chunk's forward, "
+            f"backward or idle per stage; the loss runs on stage {s - 1} inside it; in lockstep a tick lasts a "
+            f"backward, so the pass takes about {ticks.ticks} chunk backward-times against {plan.steps} chunk "
+            f"forward+backward-times for GPipe or circular")
 
 
 def pipeline_lines(trainer, note: str | None = None) -> list[str]:
@@ -180,7 +185,7 @@ def pipeline_lines(trainer, note: str | None = None) -> list[str]:
         lines.append(f"note: {note}")
     schedule = "GPipe" if r == 1 else f"circular, {r} repeats (chunks per stage)"
     if plan.one_f_one_b:
-        schedule = "1F1B (PipeDream-Flush)"
+        schedule = "1F1B (PipeDream-Flush)" + ("" if r == 1 else f", interleaved, {r} chunks per stage")
     lines.append(
         f"pipeline: {schedule} over stage={s}, {m} microbatches of {trainer.config.num_layers} layers; bubble "
         f"(S-1)/(R*M+S-1) = {s - 1}/{r * m + s - 1} = {plan.bubble_fraction:.1%} of {plan.steps} steps"

@@ -1,36 +1,39 @@
 """The 1F1B schedule (PipeDream-Flush) in one SPMD program, with the loss and the backward pass inside.
 
 Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM"
-(SC'21), section 2.2: after ``S-1-s`` warm-up forwards stage ``s`` alternates one forward and one
-backward, so it keeps at most ``S`` microbatches' stage inputs where GPipe keeps all ``M``.
+(SC'21), section 2.2: after its warm-up forwards each stage alternates one forward and one backward,
+so with one chunk per stage it keeps at most ``S`` microbatches' stage inputs where GPipe keeps all
+``M``; with ``R`` chunks per stage (``--pipeline-repeats``) it is the interleaved schedule of section
+2.2.2 over the circular layout (`sharding.pipeline.layout`).
 
-One loop for every stage. Every device runs the same `jax.lax.scan` over the ``2 (M + S - 1)``
-ticks of `sharding.pipeline.layout.one_f_one_b_ticks`; at each tick a stage reads its op
-(forward, backward or idle) and microbatch from that table by its stage index. A forward runs the
-chunk's slots (`schedule._chunk_forward`, each slot under a `jax.lax.cond`, none when the op is not
-a forward) and keeps each slot's input in a ring buffer ``[S, K, microbatch, ...]`` (microbatch
-``i`` in slot ``i % S``); a backward differentiates the slots from them
-(`schedule._chunk_backward`). Two ``ppermute`` per tick, outside every conditional (XLA's CPU
-backend deadlocks on a collective-permute inside one): the forward output down the ring, the
-input's cotangent up it; a stage that has nothing to send sends what it holds, which the receiver
-ignores (the table says when what arrives is real).
+One loop for every stage. Every device runs the same `jax.lax.scan` over the ticks of
+`sharding.pipeline.layout.one_f_one_b_ticks`; at each tick a stage reads its op (a chunk's forward,
+backward or idle), chunk, microbatch and buffer slots from that table by its stage index. A forward
+runs the chunk's slots (`schedule._chunk_forward`, each slot under a `jax.lax.cond`, none when the
+op is not a forward) and keeps each slot's input in a ring of chunk inputs ``[slots, K, microbatch,
+...]``; a backward differentiates the slots from them (`schedule._chunk_backward`). Cotangents that
+arrive before their backward wait in a second, smaller ring. Two ``ppermute`` per tick, outside every
+conditional (XLA's CPU backend deadlocks on a collective-permute inside one): the forward output
+down the ring (stage ``S-1`` to 0 for the next chunk), the input's cotangent up it; a stage with
+nothing to send sends what it holds, which the receiver ignores (the table says when what arrives
+is real and which slot it goes to).
 
-The loss inside the loop. The last stage needs a microbatch's output cotangent the tick after its
-forward, so the output head (final norm, projection, loss: ``head_fn``) runs on the last stage inside
-the loop, differentiated at once (`jax.value_and_grad`); its cotangent waits one tick for the
-backward. The whole pass is therefore a `jax.custom_vjp` whose forward rule computes the loss and
-every gradient; its backward rule scales them by the loss's cotangent and reduces them (layer
-weights: `schedule._Weights.reduce`; head weights: reduce-scatter over the batch axes, sum over
-``stage``). Called without differentiation, the loop runs the forwards only.
+The loss inside the loop. The last stage needs a microbatch's output cotangent soon after its
+forward, so the output head (final norm, projection, loss: ``head_fn``) runs on the last virtual
+stage inside the loop, differentiated at once (`jax.value_and_grad`); its cotangent waits in the
+cotangent ring for the backward. The whole pass is therefore a `jax.custom_vjp` whose forward rule
+computes the loss and every gradient; its backward rule scales them by the loss's cotangent and
+reduces them (layer weights: `schedule._Weights.reduce`; head weights: reduce-scatter over the batch
+axes, sum over ``stage``). Called without differentiation, the loop runs the forwards only.
 
 Weights are gathered once per step (`schedule._Weights.gather`, compute dtype) and the head's weights
 once (their own dtype), both outside the loop; parameters, stage inputs and extras are cast
 device-varying first so no reduction lands inside it.
 
 Lockstep cost: a tick lasts as long as its slowest op, and after warm-up neighbouring stages run a
-forward and a backward in the same tick, so a step takes ``2 (M + S - 1)`` ticks of a backward's
-time, against GPipe's ``M + S - 1`` steps of a forward plus a backward: the memory of ``S`` stage
-inputs instead of ``M`` is bought with time.
+forward and a backward in the same tick, so with one chunk a step takes ``2 (M + S - 1)`` ticks of a
+backward's time, against GPipe's ``M + S - 1`` steps of a forward plus a backward: the memory of ``S``
+stage inputs instead of ``M`` is bought with time.
 """
 
 from __future__ import annotations
@@ -60,16 +63,6 @@ from sharding.pipeline.schedule import (
 )
 
 
-def _arrivals(table: np.ndarray) -> np.ndarray:
-    """``[ticks, S]`` int32: the microbatch whose stage input reaches stage ``s`` at the start of tick ``t``
-    (sent by stage ``s - 1``'s forward at ``t - 1``), -1 when what arrives is a dummy."""
-    ticks, stages, _ = table.shape
-    out = np.full((ticks, stages), -1, np.int32)
-    sent = table[:-1, :-1]
-    out[1:, 1:] = np.where(sent[..., 0] == FORWARD, sent[..., 1], -1)
-    return out
-
-
 def _ticks(layer, head, plan: PipelinePlan, params, head_params, xs, extras, head_inputs, grads, head_grads,
            train: bool, vary: tuple[str, ...]):
     """All ticks of one stage (inside the stage program).
@@ -77,9 +70,9 @@ def _ticks(layer, head, plan: PipelinePlan, params, head_params, xs, extras, hea
     Args:
       layer: ``(layer_params, h, *extras) -> h``.
       head: ``(head_params, h, *head_inputs) -> (loss_sum, weight_sum)``.
-      params: the stage's gathered weights, leaves ``[1, K, ...]``.
+      params: the stage's gathered weights, leaves ``[R, K, ...]``.
       head_params: the head's gathered weights.
-      xs: ``[M, microbatch, ...]`` stage inputs of stage 0 (stage-varying).
+      xs: ``[M, microbatch, ...]`` inputs of the first virtual stage (stage-varying).
       extras, head_inputs: ``[M, microbatch, ...]`` side inputs of the layers and of the head.
       grads, head_grads: zero accumulators shaped as ``params`` and ``head_params`` (None when not ``train``).
       train: run the backward ticks too.
@@ -94,12 +87,12 @@ def _ticks(layer, head, plan: PipelinePlan, params, head_params, xs, extras, hea
     import jax.numpy as jnp
 
     layout = plan.layout
-    stages = layout.stages
-    table_np = one_f_one_b_ticks(stages, plan.microbatches)
-    table, arrivals = jnp.asarray(table_np), jnp.asarray(_arrivals(table_np))
+    stages, repeats = layout.stages, layout.repeats
+    ticks = one_f_one_b_ticks(stages, plan.microbatches, repeats)
     stage = jax.lax.axis_index(ax.STAGE)
-    count = jnp.asarray(np.asarray(layout.chunks[0], np.int32))[stage]
-    last = stage == stages - 1
+    table = {name: jnp.asarray(getattr(ticks, name))[:, stage] for name in (
+        "op", "chunk", "microbatch", "slot", "arrive", "cotangent_arrive", "cotangent_slot")}
+    counts = jnp.asarray(np.asarray(layout.chunks, np.int32))[:, stage]  # [R] this stage's chunk sizes
     ring = [(s, (s + 1) % stages) for s in range(stages)]
     back_ring = [((s + 1) % stages, s) for s in range(stages)]
 
@@ -122,38 +115,44 @@ def _ticks(layer, head, plan: PipelinePlan, params, head_params, xs, extras, hea
         return jax.tree.map(lambda a: jnp.where(on, a, jnp.zeros((), a.dtype)), run(h, inputs))
 
     def tick(carry, t):
-        received, g_received, g_last, buffer, grads, head_grads, g_xs, loss, weight, applied = carry
-        op, mb = table[t, stage, 0], table[t, stage, 1]
-        arrived, slot = arrivals[t, stage], mb % stages
-        first = _index_leaf(buffer, arrived % stages)
-        buffer = _write(buffer, arrived % stages, first.at[0].set(received), arrived >= 0)
+        received, g_received, buffer, waiting, grads, head_grads, g_xs, loss, weight, applied = carry
+        op, r, mb, slot = (table[name][t] for name in ("op", "chunk", "microbatch", "slot"))
+        arrive = table["arrive"][t]
+        first = _index_leaf(buffer, jnp.maximum(arrive, 0))
+        buffer = _write(buffer, jnp.maximum(arrive, 0), first.at[0].set(received), arrive >= 0)
         forward = op == FORWARD
-        h_in = jnp.where(stage == 0, _index_leaf(xs, mb), _index_leaf(buffer, slot)[0])
+        entry = (stage == 0) & (r == 0)  # the first virtual stage reads the microbatch itself
+        h_in = jnp.where(entry, _index_leaf(xs, mb), _index_leaf(buffer, slot)[0])
         ex = _index(extras, mb)
-        h, done, inputs = _chunk_forward(layer, params, 0, h_in, ex, jnp.where(forward, count, 0),
+        h, done, inputs = _chunk_forward(layer, params, r, h_in, ex, jnp.where(forward, counts[r], 0),
                                          plan.skip_empty, train)
-        loss_i, weight_i, g_h, g_hp = head_step(forward & last, h, _index(head_inputs, mb))
+        exit_ = (stage == stages - 1) & (r == repeats - 1)  # the last virtual stage runs the head
+        loss_i, weight_i, g_h, g_hp = head_step(forward & exit_, h, _index(head_inputs, mb))
         loss, weight, applied = loss + loss_i, weight + weight_i, applied + done
         if train:
             buffer = _write(buffer, slot, inputs, forward)
             head_grads = jax.tree.map(jnp.add, head_grads, g_hp)
-            g_last = jnp.where(forward & last, g_h, g_last)
+            arrive = table["cotangent_arrive"][t]
+            waiting = _write(waiting, jnp.maximum(arrive, 0), g_received, arrive >= 0)
+            c = table["cotangent_slot"][t]
+            waiting = _write(waiting, c, g_h, forward & exit_)
             backward = op == BACKWARD
-            g_out = jnp.where(last, g_last, g_received)
-            g_in, grads = _chunk_backward(layer, params, 0, _index_leaf(buffer, slot), ex,
-                                          jnp.where(backward, count, 0), g_out, grads, plan.skip_empty)
-            g_xs = _write(g_xs, mb, g_in, backward & (stage == 0))
+            g_in, grads = _chunk_backward(layer, params, r, _index_leaf(buffer, slot), ex,
+                                          jnp.where(backward, counts[r], 0), _index_leaf(waiting, c), grads,
+                                          plan.skip_empty)
+            g_xs = _write(g_xs, mb, g_in, backward & entry)
             g_received = jax.lax.ppermute(g_in, ax.STAGE, back_ring)
         received = jax.lax.ppermute(h, ax.STAGE, ring)
-        return (received, g_received, g_last, buffer, grads, head_grads, g_xs, loss, weight, applied), None
+        return (received, g_received, buffer, waiting, grads, head_grads, g_xs, loss, weight, applied), None
 
     zero_h = jnp.zeros_like(xs[0])
-    buffer = jnp.zeros((stages, layout.chunk_slots if train else 1, *xs.shape[1:]), xs.dtype)
+    buffer = jnp.zeros((ticks.slots, layout.chunk_slots if train else 1, *xs.shape[1:]), xs.dtype)
+    waiting = jnp.zeros((ticks.cotangent_slots, *xs.shape[1:]), xs.dtype) if train else None
     zero = to_varying(jnp.zeros((), jnp.float32), vary)
-    init = to_varying((zero_h, zero_h if train else None, zero_h if train else None, buffer, grads, head_grads,
+    init = to_varying((zero_h, zero_h if train else None, buffer, waiting, grads, head_grads,
                        jnp.zeros_like(xs) if train else None), vary)
     init = (*init, zero, zero, to_varying(jnp.zeros((), jnp.int32), ax.STAGE))
-    carry, _ = jax.lax.scan(tick, init, jnp.arange(plan.ticks))
+    carry, _ = jax.lax.scan(tick, init, jnp.arange(ticks.ticks))
     _, _, _, _, grads, head_grads, g_xs, loss, weight, applied = carry
     return loss, weight, applied, grads, head_grads, g_xs
 
@@ -175,7 +174,7 @@ def _loss_program(layer_fn, head_fn, plan: PipelinePlan, par, weights: _Weights,
         head = lambda hp, h, *inputs: head_fn(stage_par, hp, h, *inputs)  # noqa: E731
         vary = (ax.STAGE, *summed)
         # Varying over the batch axes (and stage), so that differentiating adds no reduction inside the loop.
-        params = to_varying(weights.gather(stacked, 1), vary)
+        params = to_varying(weights.gather(stacked, plan.layout.repeats), vary)
         hp = to_varying(jax.tree.map(gather_shards, head_params, head_specs), vary)
         grads = head_grads = None
         if train:
@@ -247,9 +246,7 @@ def run_pipeline_loss(layer_fn: Callable[..., Any], head_fn: Callable[..., Any],
         y, applied = run_pipeline(layer_fn, stacked, x, extras, par, names=names, remat_policy=remat_policy)
         loss, weight = head_fn(par, head_params, y, *head_inputs)
         return loss, weight, applied
-    if plan.layout.repeats != 1:
-        raise ValueError(f"--pipeline-schedule 1f1b runs one chunk per stage; --pipeline-repeats "
-                         f"{plan.layout.repeats} needs --pipeline-schedule circular")
+    one_f_one_b_ticks(plan.layout.stages, plan.microbatches, plan.layout.repeats)  # raises on a bad M
     setup = _Setup.of(stacked, x, extras, par, names)
     head_leaves, head_tree = jax.tree.flatten(head_params)
     if head_names is None:
