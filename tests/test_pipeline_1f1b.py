@@ -340,3 +340,15 @@ def test_dry_run_reports_interleaved_1f1b(capsys):
     assert "pipeline: 1F1B (PipeDream-Flush), interleaved, 2 chunks per stage over stage=2" in out
     ticks = pl.one_f_one_b_ticks(2, 4, 2)
     assert f"a ring of {ticks.slots} chunk inputs x 1 slot inputs per device" in out
+
+
+@pytest.mark.parametrize("repeats", [1, 2])
+def test_the_1f1b_plan_round_trips_through_its_flags(repeats):
+    from train.cli import parse
+
+    argv = ["--model", "test", "--mesh", "stage=2,fsdp=4", "--microbatches", "4", "--pipeline-schedule", "1f1b"]
+    run = parse(argv + (["--pipeline-repeats", str(repeats)] if repeats > 1 else []))
+    plan = run.parallelism.strategy
+    assert plan.one_f_one_b and plan.schedule == "1f1b" and plan.layout.repeats == repeats
+    again = parse(["--model", "test", *run.parallelism.flags()])
+    assert again.parallelism.strategy == plan
