@@ -211,10 +211,10 @@ def run_pipeline_loss(layer_fn: Callable[..., Any], head_fn: Callable[..., Any],
                       remat_policy=None):
     """The summed loss of a stacked layer function run as a pipeline, followed by an output head.
 
-    With ``par``'s plan's schedule ``1f1b`` the head runs inside the pipeline on the last stage, one
-    microbatch at a time, and the backward pass of each microbatch follows its forward through the
-    stages (module docstring); otherwise `run_pipeline` runs GPipe or circular and ``head_fn`` takes the
-    whole batch after it, under ``par``.
+    With ``par``'s plan's schedule ``1f1b`` (interleaved with ``R > 1`` chunks per stage) the head runs
+    inside the pipeline on the last stage, one microbatch at a time, and the backward pass of each
+    microbatch follows its forward through the stages (module docstring); otherwise `run_pipeline` runs
+    GPipe or circular and ``head_fn`` takes the whole batch after it, under ``par``.
 
     Args:
       layer_fn: as `run_pipeline`: ``(par, layer_params, h, *extras) -> h``.
@@ -235,8 +235,9 @@ def run_pipeline_loss(layer_fn: Callable[..., Any], head_fn: Callable[..., Any],
       applications per device of each stage (`PipelinePlan.layer_applications`).
 
     Raises:
-      ValueError: as `run_pipeline`; a 1F1B plan with more than one repeat; ``head_names`` not shaped as
-        ``head_params``; a head parameter split over a batch axis the microbatches are not split over.
+      ValueError: as `run_pipeline`; an interleaved 1F1B plan (``R > 1``) whose microbatches are not a
+        multiple of the stages; ``head_names`` not shaped as ``head_params``; a head parameter split over a
+        batch axis the microbatches are not split over.
     """
     import jax
     from jax.sharding import PartitionSpec as P
