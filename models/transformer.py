@@ -12,9 +12,10 @@ one device) and hands it to each layer. When its strategy is a pipeline (a
 ``stage`` mesh axis larger than one), the stacked parameters are in the
 pipeline layout ``[stage, slot, ...]`` instead (`init_params` with
 ``layer_table``) and `Transformer.run_layers` hands the per-layer function and
-the stack to `sharding.pipeline.run_pipeline`; the final norm, output projection
-and loss then run on 1/S of the rows per stage (`sharding.pipeline.head_parallelism`).
-The model itself never names a mesh axis.
+the stack to `sharding.pipeline.run_pipeline`, and `Transformer.loss_sums` hands it with the final norm,
+output projection and loss as the head to `sharding.pipeline.run_pipeline_loss` (which the 1F1B
+schedule runs inside the pipeline; after a gpipe or circular pipeline the head runs on 1/S of the rows
+per stage, `sharding.pipeline.head_parallelism`); the model itself never names a mesh axis.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from models.output import output_loss_sums, project_logits
 from models.spec import output_params
 from sharding import axes as ax
 from sharding.parallel import UNSHARDED, Parallelism
-from sharding.pipeline import head_parallelism, run_pipeline
+from sharding.pipeline import head_parallelism, run_pipeline, run_pipeline_loss
 
 _REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -139,15 +140,34 @@ class Transformer(nnx.Module):
     def _run_pipelined(self, graphdef, stacked, x, positions, segment_ids, par: Parallelism) -> jax.Array:
         """`run_pipeline` with one block as the layer function (it applies the remat policy per block); the
         parameters' logical names tell it how each is split over ``data``/``fsdp``."""
-
-        def layer(stage_par, layer_state, h, positions, segment_ids):
-            return nnx.merge(graphdef, layer_state)(h, positions, segment_ids, stage_par)
-
         policy = _REMAT_POLICIES.get(self.config.remat)
-        names = jax.tree.map(lambda v: tuple(v.get_metadata()["logical_axes"]), stacked,
-                             is_leaf=lambda v: isinstance(v, nnx.Variable))
-        x, _ = run_pipeline(layer, stacked, x, (positions, segment_ids), par, names=names, remat_policy=policy)
+        x, _ = run_pipeline(_pipeline_layer(graphdef), stacked, x, (positions, segment_ids), par,
+                            names=_logical_names(stacked), remat_policy=policy)
         return x
+
+    def _pipelined_loss_sums(self, tokens, targets, weights, positions, segment_ids,
+                             par: Parallelism) -> tuple[jax.Array, jax.Array]:
+        """`loss_sums` through `sharding.pipeline.run_pipeline_loss`: the final norm, output projection and
+        loss are its head, which the 1F1B schedule runs on the last stage inside the pipeline."""
+        x = self.embed(tokens, _dtype(self.config.dtype), par)
+        graphdef, stacked = nnx.split(self.layers)
+        norm_def, norm_state = nnx.split(self.final_norm)
+        weight, vocab_last = self.output_weight()
+        weight_var = self.embed.embedding if self.config.tie_embeddings else self.unembed
+        impl = self.config.logits
+
+        def head(head_par, head_params, h, targets, weights):
+            names = (ax.BATCH, ax.LENGTH, ax.ACT_EMBED)
+            x = head_par.constrain(nnx.merge(norm_def, head_params["norm"])(head_par.constrain(h, names)), names)
+            return output_loss_sums(x, head_params["weight"], targets, weights, impl=impl, vocab_last=vocab_last,
+                                    par=head_par)
+
+        head_names = {"norm": _logical_names(norm_state), "weight": tuple(weight_var.get_metadata()["logical_axes"])}
+        loss_sum, weight_sum, _ = run_pipeline_loss(
+            _pipeline_layer(graphdef), head, stacked, {"norm": norm_state, "weight": weight}, x,
+            (positions, segment_ids), (targets, weights), par, names=_logical_names(stacked), head_names=head_names,
+            remat_policy=_REMAT_POLICIES.get(self.config.remat))
+        return loss_sum, weight_sum
 
     def __call__(
         self,
@@ -243,10 +263,30 @@ class Transformer(nnx.Module):
           targets: ``[batch, length]`` int32 next tokens.
           weights: ``[batch, length]`` float32 loss mask.
         """
+        if par.pipeline is not None:
+            if positions is None:
+                positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+            return self._pipelined_loss_sums(tokens, targets, weights, positions, segment_ids, par)
         x = self.features(tokens, positions, segment_ids, par)
         weight, vocab_last = self.output_weight()
         return output_loss_sums(x, weight, targets, weights, impl=self.config.logits, vocab_last=vocab_last,
                                 par=head_parallelism(par))
+
+
+def _pipeline_layer(graphdef):
+    """One block as `sharding.pipeline.run_pipeline`'s layer function ``(par, layer_state, h, positions,
+    segment_ids) -> h``."""
+
+    def layer(stage_par, layer_state, h, positions, segment_ids):
+        return nnx.merge(graphdef, layer_state)(h, positions, segment_ids, stage_par)
+
+    return layer
+
+
+def _logical_names(state):
+    """The logical axis names of each parameter of an `nnx.State` (a tree of tuples shaped as it)."""
+    return jax.tree.map(lambda v: tuple(v.get_metadata()["logical_axes"]), state,
+                        is_leaf=lambda v: isinstance(v, nnx.Variable))
 
 
 # Functional interface ------------------------------------------------------

@@ -286,7 +286,7 @@ class Parallelism:
         if _is_pipeline(strategy):
             layout = strategy.layout
             out += ["--stage-layers", ",".join(map(str, layout.stage_layers)),
-                    "--pipeline-schedule", layout.schedule]
+                    "--pipeline-schedule", strategy.schedule]
             if layout.repeats > 1:
                 out += ["--pipeline-repeats", str(layout.repeats)]
         if self.context_layout != CONTIGUOUS:

@@ -173,6 +173,24 @@ def weight_gather_line(trainer) -> str:
             f"into the rows once, after the backward loop")
 
 
+def schedule_memory_line(plan) -> str:
+    """How many microbatches' layer inputs each stage keeps for its backward pass, and what 1F1B costs in time."""
+    from sharding.pipeline import one_f_one_b_ticks
+
+    layout = plan.layout
+    s, k = layout.stages, layout.chunk_slots
+    if not plan.one_f_one_b:
+        return (f"  saved for the backward pass: every slot's input of all {plan.steps} steps ({plan.steps} x {k} "
+                f"microbatch activations per device; --pipeline-schedule 1f1b keeps {s} x {k})")
+    ticks = one_f_one_b_ticks(s, plan.microbatches, layout.repeats)
+    chunk = "microbatches" if layout.repeats == 1 else "chunk inputs"
+    return (f"  saved for the backward pass: a ring of {ticks.slots} {chunk} x {k} slot inputs per device (the "
+            f"other schedules keep {plan.steps} x {k}); one loop of {ticks.ticks} ticks, each a chunk's forward, "
+            f"backward or idle per stage; the loss runs on stage {s - 1} inside it; in lockstep a tick lasts a "
+            f"backward, so the pass takes about {ticks.ticks} chunk backward-times against {plan.steps} chunk "
+            f"forward+backward-times for GPipe or circular")
+
+
 def pipeline_lines(trainer, note: str | None = None) -> list[str]:
     """The pipeline plan: schedule, bubble fraction, layers per stage, the unpadded storage's bytes per device."""
     plan = trainer.par.pipeline
@@ -184,10 +202,13 @@ def pipeline_lines(trainer, note: str | None = None) -> list[str]:
     if note:
         lines.append(f"note: {note}")
     schedule = "GPipe" if r == 1 else f"circular, {r} repeats (chunks per stage)"
+    if plan.one_f_one_b:
+        schedule = "1F1B (PipeDream-Flush)" + ("" if r == 1 else f", interleaved, {r} chunks per stage")
     lines.append(
         f"pipeline: {schedule} over stage={s}, {m} microbatches of {trainer.config.num_layers} layers; bubble "
         f"(S-1)/(R*M+S-1) = {s - 1}/{r * m + s - 1} = {plan.bubble_fraction:.1%} of {plan.steps} steps"
     )
+    lines.append(schedule_memory_line(plan))
     memory = stage_memory(trainer)
     rows = [("stage", "layers", "canonical layers", "slots in the working copy", "layer applications (fwd)")]
     applications = plan.layer_applications()
@@ -224,6 +245,9 @@ def head_line(trainer, batch: int) -> str:
     from sharding.pipeline import head_parallelism
 
     par = trainer.par
+    if par.pipeline.one_f_one_b:
+        return ("  final norm, output projection and loss: on the last stage inside the pipeline, one microbatch at "
+                "a time (1f1b: the whole batch's logits are never built)")
     axes = spec_axes(head_parallelism(par).spec((ax.BATCH,), (batch,))[0])
     stages = par.mesh_shape[ax.STAGE]
     if ax.STAGE in axes:

@@ -576,63 +576,17 @@ def run_pipeline(layer_fn: Callable[..., Any], stacked, x, extras: Sequence[Any]
     import jax
     from jax.sharding import PartitionSpec as P
 
-    plan = par.pipeline
-    if plan is None:
-        raise ValueError("run_pipeline needs a Parallelism whose strategy is a PipelinePlan")
-    if par.mesh is None:
-        raise ValueError("run_pipeline needs a Parallelism bound to a mesh (Parallelism.on(mesh))")
-    layout, m = plan.layout, plan.microbatches
-    stages = par.mesh_shape[ax.STAGE]
-    if stages != layout.stages:
-        raise ValueError(f"the layout has {layout.stages} stages but the mesh's stage axis is {stages}")
-    if x.shape[0] % m:
-        raise ValueError(f"a batch of {x.shape[0]} rows is not divisible by --microbatches {m}")
-    xs = to_microbatches(x, m)
-    extras = jax.tree.map(lambda e: to_microbatches(e, m), tuple(extras))
-    manual = _manual_axes(par)
-    batch_spec = par.spec((None, ax.BATCH), xs.shape[:2])
-    batch = _only(batch_spec[1] if len(batch_spec) > 1 else None, manual)
-    summed = tuple(a for a in spec_axes(batch) if par.mesh_shape[a] > 1)
-    leaves, tree = jax.tree.flatten(stacked)
-    name_leaves = jax.tree.leaves(names, is_leaf=lambda n: isinstance(n, tuple)) if names is not None else None
-    if name_leaves is not None and len(name_leaves) != len(leaves):
-        raise ValueError(f"run_pipeline: {len(name_leaves)} logical names for {len(leaves)} stacked parameters")
-    storage = _storage_of(layout, leaves, name_leaves, par)
-    if storage is not None:
-        groups = storage_axes(name_leaves or [], par.rules, par.mesh_shape)
-        if set(groups) - set(summed):
-            missing = "+".join(a for a in groups if a not in summed)
-            raise ValueError(f"pipeline: layer parameters are split over {missing} but microbatches of {xs.shape[1]} "
-                             f"rows are not; use --batch-size a multiple of --microbatches x data x fsdp, or "
-                             f"--rule batch=data+fsdp")
-        specs = [P(*(_only(e, manual) for e in storage_spec(par.spec(n, w.shape) if name_leaves else P(ax.STAGE),
-                                                              storage.rows, par.mesh_shape, groups)))
-                 for n, w in zip(name_leaves or [None] * len(leaves), leaves)]
-    elif name_leaves is None:
-        groups, specs = (), [P(ax.STAGE)] * len(leaves)
-    else:
-        groups = ()
-        specs = [P(*(_only(e, manual) for e in par.spec(StageLayout.stacked_names(n), w.shape)))
-                 for n, w in zip(name_leaves, leaves)]
-    for spec in specs:
-        unsummed = {a for e in spec[1:] for a in spec_axes(e) if par.mesh_shape[a] > 1} - set(summed)
-        if unsummed:
-            axes = "+".join(sorted(unsummed))
-            raise ValueError(f"pipeline: a layer parameter is split over {axes} but microbatches of {xs.shape[1]} rows "
-                             f"are not (the rule batch -> {'+'.join(spec_axes(batch)) or 'none'}); use a batch whose "
-                             f"microbatches split over {axes} too (--batch-size a multiple of --microbatches x "
-                             f"data x fsdp), or --rule batch=data+fsdp")
-    weights = _Weights(jax.tree.unflatten(tree, [P(None, *spec[1:]) for spec in specs]), summed, x.dtype, storage,
-                       groups)
-    data = P(None, batch)
+    setup = _Setup.of(stacked, x, extras, par, names)
+    plan, weights = setup.plan, setup.weights
     program = jax.shard_map(
         lambda w, xs, ex: _stage_program(w, xs, ex, layer_fn=layer_fn, plan=plan, par=par, weights=weights,
                                          remat_policy=remat_policy),
         mesh=par.mesh,
-        in_specs=(jax.tree.unflatten(tree, specs), data, jax.tree.map(lambda _: data, extras)),
-        out_specs=(data, P(ax.STAGE)),
-        axis_names=set(manual),
+        in_specs=(setup.stacked_specs, setup.data, jax.tree.map(lambda _: setup.data, setup.extras)),
+        out_specs=(setup.data, P(ax.STAGE)),
+        axis_names=set(setup.manual),
     )
+    xs, extras = setup.xs, setup.extras
     ys, applied = program(stacked, xs, extras)
     return from_microbatches(ys), applied
 
@@ -654,6 +608,105 @@ def _storage_of(layout: StageLayout, leaves, name_leaves, par) -> StageStorage |
         raise ValueError(f"run_pipeline: stacked leaves of shapes {[tuple(w.shape) for w in leaves]}; expected "
                          f"[{storage.rows}, ...] ({storage.describe()}) or [{layout.stages}, {layout.slots}, ...]")
     return storage
+
+
+@dataclasses.dataclass(frozen=True)
+class _Setup:
+    """What every schedule's shard_map needs: microbatched inputs, manual axes and the weights' specs.
+
+    Attributes:
+      plan: the run's `PipelinePlan`.
+      xs: ``[M, microbatch, ...]`` the activations in microbatches; extras likewise (a tuple).
+      manual: the axes the stage program is manual over (`_manual_axes`).
+      data: the `PartitionSpec` of ``[M, microbatch, ...]`` arrays over the manual axes.
+      stacked_specs: per leaf of the stacked parameters, its `PartitionSpec` over the manual axes
+        (``stage`` first).
+      weights: the `_Weights` that gather them per pass and reduce their gradients.
+    """
+
+    plan: PipelinePlan
+    xs: Any
+    extras: Any
+    manual: tuple[str, ...]
+    data: Any
+    stacked_specs: Any
+    weights: _Weights
+
+    @classmethod
+    def of(cls, stacked, x, extras, par, names) -> _Setup:
+        """Checks the inputs and builds the specs (arguments as `run_pipeline`; raises its ValueErrors)."""
+        import jax
+        from jax.sharding import PartitionSpec as P
+
+        plan = par.pipeline
+        if plan is None:
+            raise ValueError("run_pipeline needs a Parallelism whose strategy is a PipelinePlan")
+        if par.mesh is None:
+            raise ValueError("run_pipeline needs a Parallelism bound to a mesh (Parallelism.on(mesh))")
+        layout, m = plan.layout, plan.microbatches
+        stages = par.mesh_shape[ax.STAGE]
+        if stages != layout.stages:
+            raise ValueError(f"the layout has {layout.stages} stages but the mesh's stage axis is {stages}")
+        if x.shape[0] % m:
+            raise ValueError(f"a batch of {x.shape[0]} rows is not divisible by --microbatches {m}")
+        xs = to_microbatches(x, m)
+        extras = jax.tree.map(lambda e: to_microbatches(e, m), tuple(extras))
+        manual = _manual_axes(par)
+        batch_spec = par.spec((None, ax.BATCH), xs.shape[:2])
+        batch = _only(batch_spec[1] if len(batch_spec) > 1 else None, manual)
+        summed = tuple(a for a in spec_axes(batch) if par.mesh_shape[a] > 1)
+        leaves, tree = jax.tree.flatten(stacked)
+        name_leaves = None if names is None else _name_leaves(names)
+        if name_leaves is not None and len(name_leaves) != len(leaves):
+            raise ValueError(f"run_pipeline: {len(name_leaves)} logical names for {len(leaves)} stacked parameters")
+        storage = _storage_of(layout, leaves, name_leaves, par)
+        if storage is not None:
+            groups = storage_axes(name_leaves or [], par.rules, par.mesh_shape)
+            if set(groups) - set(summed):
+                missing = "+".join(a for a in groups if a not in summed)
+                raise ValueError(f"pipeline: layer parameters are split over {missing} but microbatches of "
+                                 f"{xs.shape[1]} rows are not; use --batch-size a multiple of --microbatches x data x "
+                                 f"fsdp, or --rule batch=data+fsdp")
+            specs = [P(*(_only(e, manual) for e in storage_spec(par.spec(n, w.shape) if name_leaves else P(ax.STAGE),
+                                                                  storage.rows, par.mesh_shape, groups)))
+                     for n, w in zip(name_leaves or [None] * len(leaves), leaves)]
+        elif name_leaves is None:
+            groups, specs = (), [P(ax.STAGE)] * len(leaves)
+        else:
+            groups = ()
+            specs = [_manual_spec(par, StageLayout.stacked_names(n), w.shape, manual)
+                     for n, w in zip(name_leaves, leaves)]
+        _check_split(specs, summed, par, xs.shape[1], batch)
+        weights = _Weights(jax.tree.unflatten(tree, [P(None, *spec[1:]) for spec in specs]), summed, x.dtype,
+                           storage, groups)
+        return cls(plan, xs, extras, manual, P(None, batch), jax.tree.unflatten(tree, specs), weights)
+
+
+def _name_leaves(names) -> list[tuple]:
+    """The logical-name tuples of a tree of them, in leaf order."""
+    import jax
+
+    return jax.tree.leaves(names, is_leaf=lambda n: isinstance(n, tuple))
+
+
+def _manual_spec(par, names, shape, manual):
+    """The `PartitionSpec` of an array with logical ``names``, restricted to the ``manual`` axes."""
+    from jax.sharding import PartitionSpec as P
+
+    return P(*(_only(e, manual) for e in par.spec(tuple(names), shape)))
+
+
+def _check_split(specs, summed, par, rows: int, batch, skip_first: bool = True) -> None:
+    """Refuses a parameter split over a manual axis that the microbatches are not split over."""
+    for spec in specs:
+        unsummed = {a for e in spec[1 if skip_first else 0:] for a in spec_axes(e) if par.mesh_shape[a] > 1}
+        unsummed -= set(summed)
+        if unsummed:
+            axes = "+".join(sorted(unsummed))
+            raise ValueError(f"pipeline: a parameter is split over {axes} but microbatches of {rows} rows "
+                             f"are not (the rule batch -> {'+'.join(spec_axes(batch)) or 'none'}); use a batch whose "
+                             f"microbatches split over {axes} too (--batch-size a multiple of --microbatches x "
+                             f"data x fsdp), or --rule batch=data+fsdp")
 
 
 def _only(entry, axes: Sequence[str]):
