@@ -343,6 +343,26 @@ def spec_axes(entry) -> tuple[str, ...]:
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
+def only_axes(spec, axes: Sequence[str]):
+    """``spec`` with every entry cut to the mesh axes in ``axes`` (the block a `jax.shard_map` manual over
+    ``axes`` sees; the other axes stay automatic inside it).
+
+    Args:
+      spec: A `jax.sharding.PartitionSpec`.
+      axes: The manual mesh axes.
+
+    Returns:
+      A `jax.sharding.PartitionSpec` of the same length naming only axes of ``axes``.
+    """
+    from jax.sharding import PartitionSpec
+
+    def cut(entry):
+        kept = tuple(a for a in spec_axes(entry) if a in axes)
+        return None if not kept else kept[0] if len(kept) == 1 else kept
+
+    return PartitionSpec(*(cut(e) for e in spec))
+
+
 def gather_shards(x, spec):
     """The whole array from this device's block (inside `jax.shard_map`, manual over ``spec``'s axes).
 
@@ -393,4 +413,4 @@ UNSHARDED = Parallelism({}, Rules("none", ()))
 
 
 __all__ = ["Accumulation", "CONTEXT_LAYOUTS", "CONTIGUOUS", "Parallelism", "Strategy", "UNSHARDED", "UnevenBatch", "ZIGZAG",
-           "gather_shards", "reduce_shards", "spec_axes", "to_varying"]
+           "gather_shards", "only_axes", "reduce_shards", "spec_axes", "to_varying"]

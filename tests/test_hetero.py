@@ -82,6 +82,9 @@ def _loop_bodies(text):
 @pytest.mark.parametrize("mesh_spec,rules,counts,rows", [
     ("data=8", "dp", COUNTS, 1),
     ("data=2,fsdp=4", "fsdp", (0, 2, 1, 1, 4, 1, 0, 3), 2),
+    # tensor inside each data-parallel group: one count per group, shared by its two tensor devices
+    ("data=4,tensor=2", "tp", (3, 1, 2, 0), 1),
+    ("data=2,fsdp=2,tensor=2", "fsdp_tp", (0, 3, 1, 2), 2),
 ])
 def test_update_equals_uniform_batch_and_counts_match(mesh_spec, rules, counts, rows):
     trainer = _trainer(mesh_spec, rules)
@@ -114,15 +117,30 @@ def test_update_equals_uniform_batch_and_counts_match(mesh_spec, rules, counts, 
     _check_compiled_loop(compiled.as_text(), trainer, mesh_spec, rules, counts, rows)
 
 
+def _data_parallel_group(mesh):
+    """Each device's data-parallel group (its ``data`` x ``fsdp`` index), by position in the mesh (HLO ids)."""
+    names = list(mesh.axis_names)
+    index = np.unravel_index(np.arange(mesh.devices.size), mesh.devices.shape)
+    return [(int(index[names.index("data")][i]), int(index[names.index("fsdp")][i])) for i in range(mesh.devices.size)]
+
+
 def _check_compiled_loop(text, trainer, mesh_spec, rules, counts, rows):
-    """A collective inside a loop whose trip count differs per device would deadlock: the step's
-    microbatch loop must exist with every collective outside it; and the collectives must be the
-    cost model's for the uneven step."""
+    """A collective inside a loop whose trip count differs per group would deadlock: the step's
+    microbatch loop must exist, and every collective in it must stay inside one data-parallel group (the
+    tensor collectives of a group whose devices all run one count; none without tensor); and without
+    tensor the collectives must be the cost model's for the uneven step."""
     bodies, instructions = _loop_bodies(text)
     assert bodies, "the per-device microbatch loop is missing"
-    inside = [(c, op) for c in bodies for _, _, op, _ in instructions.get(c, ())
+    inside = [(op, hlo.device_groups(rest)) for c in bodies for _, _, op, rest in instructions.get(c, ())
               if op.replace("-start", "") in hlo.COLLECTIVE_OPS]
-    assert inside == []
+    if trainer.par.mesh_shape["tensor"] == 1:
+        assert inside == []
+    else:
+        group = _data_parallel_group(trainer.mesh)
+        assert inside, "tensor collectives were expected inside the loop"
+        for op, groups in inside:
+            assert groups and all(len({group[d] for d in g}) == 1 for g in groups), (op, groups)
+        return  # the cost model does not yet price the uneven step's tensor collectives
     layout = cm.Layout(parse_mesh(mesh_spec, 8), rules, 1, uneven_batch=True)
     capacity = default_capacity(sum(counts), len(counts), counts)
     cost = cm.device_cost(trainer.config, layout, seq_len=SEQ, rows=rows, microbatches=capacity, backend="cpu",
@@ -191,8 +209,15 @@ def test_auto_counts_from_simulated_kinds():
 
 
 def test_bad_layouts_and_counts_are_refused_naming_the_flag():
-    with pytest.raises(ValueError, match="--hetero-batch supports data-parallel meshes"):
-        _uneven(_trainer("data=4,tensor=2", "dp"), (1, 1, 1, 1))
+    with pytest.raises(ValueError, match="--hetero-batch supports meshes over data, fsdp and tensor only; --mesh "
+                                         "splits sequence=2"):
+        _uneven(_trainer("data=4,sequence=2", "dp"), (1, 1, 1, 1))
+    with pytest.raises(ValueError, match=r"--hetero-batch 3,1,1,1,2,2,1,1: counts 3,1 split a tensor group of 2 "
+                                         r"devices.*one count per data-parallel group.*--hetero-batch 2,1,2,1"):
+        _uneven(_trainer("data=4,tensor=2", "tp"), (3, 1, 1, 1, 2, 2, 1, 1))
+    with pytest.raises(ValueError, match=r"8 counts are one per device; give one count per data-parallel group "
+                                         r"\(the 4 along data x fsdp.*--hetero-batch 3,1,2,1"):
+        _uneven(_trainer("data=4,tensor=2", "tp"), (3, 3, 1, 1, 2, 2, 1, 1))
     with pytest.raises(ValueError, match="8 devices"):
         _uneven(_trainer("data=8", "dp"), (1, 1))
     with pytest.raises(ValueError, match="--batch-size 20"):
@@ -244,13 +269,14 @@ def test_cli_dry_run_with_simulated_cluster_and_auto_counts(capsys):
     assert "collectives in the compiled step" in out
 
 
-def test_cli_refuses_uneven_batch_on_a_tensor_mesh(capsys):
+def test_cli_refuses_counts_that_split_a_tensor_group(capsys):
     from train.train import main
 
-    code = main(["--cpu-devices", "8", "--model", "test", "--mesh", "data=4,tensor=2", "--rules", "tp",
-                 "--hetero-batch", "1,1,1,1", "--batch-size", "8", "--seq-len", "32", "--dry-run"])
+    code = main(["--cpu-devices", "8", "--model", "test", "--mesh", "data=4,tensor=2", "--rules", "fsdp_tp",
+                 "--hetero-batch", "2,1,1,1,1,1,1,1", "--batch-size", "9", "--seq-len", "32", "--dry-run"])
     assert code == 2
-    assert "--hetero-batch supports data-parallel meshes" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--hetero-batch 2,1,1,1,1,1,1,1: counts 2,1 split a tensor group" in err and "Traceback" not in err
 
 
 def test_calibration_counts_follow_injected_timings_per_process():
