@@ -392,3 +392,52 @@ def test_training_with_auto_rebalancing_writes_counts_and_speeds(tmp_path, capsy
     for r in train:
         assert sum(r["train/processed"]) == 16 and max(r["train/processed"]) <= 4
         assert len(r["train/local_seconds"]) == 8 and len(r["train/speeds"]) == 8
+
+
+def test_speeds_on_a_tensor_mesh_are_one_per_group_paced_by_its_slowest_device():
+    """Calibration (injected timings) and datasheets give one count per data-parallel group; a group runs as
+    fast as its slowest tensor device."""
+    from train import calibrate
+
+    trainer = _trainer("data=4,tensor=2", "fsdp_tp")
+    flat = list(trainer.mesh.devices.flat)
+    assert strategies.batch_groups(trainer.mesh) == [flat[0:2], flat[2:4], flat[4:6], flat[6:8]]
+
+    slow = flat[3].id  # the second device of group 1 takes twice as long
+    par = trainer.par.replace(strategy=UnevenBatch(None, "measured", 2))
+    timer = lambda fn, args_on, local, together: [0.2 if d.id == slow else 0.1 for d in local]  # noqa: E731
+    resolved, cal = calibrate.calibrate(par, trainer.loss_sums, trainer.abstract_params, 16, SEQ, timer=timer)
+    assert cal.seconds == (0.1, 0.2, 0.1, 0.1)
+    assert resolved.strategy.counts == tuple(counts_for_speeds([10.0, 5.0, 10.0, 10.0], 8, 4)) == cal.counts
+    assert resolved.strategy.counts[1] == 1 and sum(resolved.strategy.counts) == 8
+
+    _, simulated = simulate_inventory("h100:3,a100:5", jax.devices())  # group 1 mixes an H100 and an A100
+    speeds = strategies.device_speeds(trainer.mesh, simulated)
+    assert [round(s / 1e12) for s in speeds] == [990, 312, 312, 312]
+    kinds, _ = strategies.resolve_uneven(trainer.par.replace(strategy=UnevenBatch(None, "kinds", 2)), trainer.mesh,
+                                         simulated)
+    assert len(kinds.strategy.counts) == 4 and kinds.strategy.counts[0] > kinds.strategy.counts[1]
+
+
+def test_updates_equal_uniform_before_and_after_a_rebalance_with_tensor_groups():
+    from sharding.balance import Rebalancer
+
+    trainer = _trainer("data=2,fsdp=2,tensor=2", "fsdp_tp")
+    step = Trainer(trainer.config, trainer.optimizer, trainer.par.replace(strategy=UnevenBatch((2,) * 4, rebalance_every=1)))
+    batches = [_batch(trainer, 8, seed) for seed in (0, 1)]
+    uniform, hetero = trainer.init_state(0), step.init_state(0)
+    reb = Rebalancer((2,) * 4, step.strategy.capacity, every=1)
+    fn = step.train_step(8, SEQ)
+    counts = None
+    for batch in batches:
+        uniform, _ = trainer.train_step(8, SEQ)(uniform, batch, trainer.signals(False))
+        hetero, metrics = fn(hetero, batch, step.signals(False, counts))
+        seconds = np.asarray(metrics["local_seconds"])
+        assert seconds.shape == (4,) and (seconds >= 0).all()  # one loop time per group
+        reb.observe(np.asarray(metrics["processed"]).tolist(), [c * t for c, t in zip(reb.counts, [0.1, 0.1, 0.3, 0.3])])
+        counts = reb.propose() or counts
+        assert counts == (3, 3, 1, 1)  # rebalanced after the first step; the second runs it
+    assert np.asarray(metrics["processed"]).tolist() == [3, 3, 1, 1]
+    assert fn._cache_size() == 1
+    _close(hetero["params"], uniform["params"])
+    _close(hetero["opt_state"], uniform["opt_state"])

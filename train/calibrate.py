@@ -33,12 +33,13 @@ REPEATS = 3
 
 @dataclasses.dataclass(frozen=True)
 class Calibration:
-    """Measured seconds per microbatch of each device along ``data`` x ``fsdp`` (the counts' order).
+    """Measured seconds per microbatch of each data-parallel group along ``data`` x ``fsdp`` (the counts'
+    order; a group is one device, or with ``tensor`` the devices of one tensor group, paced by its slowest).
 
     Attributes:
-      seconds: Seconds per microbatch (forward and backward), one per device.
-      peaks: Datasheet peak FLOP/s per device, None where the kind is unknown (e.g. CPU).
-      counts: The microbatches per device these speeds give.
+      seconds: Seconds per microbatch (forward and backward), one per group: its slowest device's.
+      peaks: Datasheet peak FLOP/s per group (its slowest device's), None where a kind is unknown (e.g. CPU).
+      counts: The microbatches per group these speeds give.
     """
 
     seconds: tuple[float, ...]
@@ -142,7 +143,7 @@ def calibrate(par: Parallelism, loss_fn, abstract_params, batch_size: int, seq_l
       ``(par, calibration)``: ``par`` with the counts set, and what was measured.
     """
     from sharding.devices import peak_flops
-    from train.strategies import batch_grid
+    from train.strategies import batch_groups, slowest_of_groups
 
     strategy, mesh = par.strategy, par.mesh
     devices = par.data_parallel
@@ -151,11 +152,14 @@ def calibrate(par: Parallelism, loss_fn, abstract_params, batch_size: int, seq_l
     fn, args_on = local_work(par, loss_fn, abstract_params, rows, seq_len)
     local = sorted(jax.local_devices(), key=lambda d: d.id)
     table = gather_table(timer(fn, args_on, local, together=local[0].platform == "cpu"))
-    grid = batch_grid(mesh)
-    seconds = grid_seconds(grid, table)
+    groups = batch_groups(mesh)
+    members = [d for group in groups for d in group]
+    seconds = slowest_of_groups(grid_seconds(members, table), groups, larger_is_slower=True)
+    peaks = [peak_flops(d) for d in members]
+    peaks = ([None] * len(groups) if None in peaks else slowest_of_groups(peaks, groups, larger_is_slower=False))
     capacity = strategy.capacity or default_capacity(total, devices)
     counts = tuple(counts_for_speeds([1 / s for s in seconds], total, capacity))
-    calibration = Calibration(tuple(seconds), tuple(peak_flops(d) for d in grid), counts)
+    calibration = Calibration(tuple(seconds), tuple(peaks), counts)
     return par.replace(strategy=dataclasses.replace(strategy, counts=counts, capacity=capacity)), calibration
 
 

@@ -188,11 +188,12 @@ class UnevenGradients:
             (loss_sum, weight), grads = grad_fn(full, micro)
             loss_acc = loss_acc + loss_sum
             # the clock waits for this microbatch's loss and every gradient leaf (one element of each)
-            t_last = _clock((loss_acc, [jnp.ravel(g)[0] for g in jax.tree.leaves(grads)])) if timed else t_last
+            after = (loss_acc, [jnp.ravel(g)[0] for g in jax.tree.leaves(grads)])
+            t_last = self._clock(after) if timed else t_last
             return i + 1, loss_acc, weight_acc + weight, jax.tree.map(jnp.add, grad_acc, grads), t_last
 
         zero = to_varying(jnp.zeros((), jnp.float32), varying)
-        t_start = _clock(buffer["tokens"][0, 0].astype(jnp.float32)) if timed else zero
+        t_start = self._clock(buffer["tokens"][0, 0].astype(jnp.float32)) if timed else zero
         init = (to_varying(jnp.zeros((), jnp.int32), varying), zero, zero,
                 jax.tree.map(lambda p: to_varying(jnp.zeros(p.shape, p.dtype), varying), full), t_start)
         processed, loss_sum, weight, grads, t_end = jax.lax.while_loop(lambda c: c[0] < count[0], body, init)
@@ -204,6 +205,25 @@ class UnevenGradients:
         if timed:
             per_device["local_seconds"] = jnp.mod(t_end - t_start, _CLOCK_WRAP).reshape(1)
         return loss_sum, weight, grads, {k: _replicate(v, varying) for k, v in per_device.items()}
+
+
+    def _clock(self, after) -> jax.Array:
+        """`_clock` from inside the map (manual over the batch axes only). JAX runs a callback only where
+        every mesh axis is manual, so it is read under a nested `jax.shard_map` over the other axes; with
+        ``tensor`` split, the group's latest reading (a ``pmax`` among the devices of one tensor group,
+        which all run the group's count: no deadlock)."""
+        mesh = jax.sharding.get_abstract_mesh()
+        rest = tuple(a for a in mesh.axis_names if a not in self.manual)
+        if not rest:
+            return _clock(after)
+        split = tuple(a for a in rest if self.par.mesh_shape[a] > 1)
+
+        def read(x):
+            t = _clock(x)
+            return jax.lax.pmax(t, split) if split else t
+
+        specs = jax.tree.map(lambda _: PartitionSpec(), after)
+        return jax.shard_map(read, mesh=mesh, in_specs=(specs,), out_specs=PartitionSpec(), axis_names=set(rest))(after)
 
 
 def _replicate(value, axes: tuple[str, ...]):
@@ -287,15 +307,39 @@ def checked_pipeline(par: Parallelism, compiled_text: str) -> tuple[Parallelism,
     return par.replace(strategy=dataclasses.replace(plan, skip_empty=False)), note
 
 
-def batch_grid(mesh) -> list[Any]:
-    """Devices along ``data`` x ``fsdp`` (data-major), the others at index 0: the order of uneven counts."""
+def batch_groups(mesh) -> list[list[Any]]:
+    """The data-parallel groups along ``data`` x ``fsdp`` (data-major: the order of uneven counts), each the
+    devices that share its batch rows and run its one count (its ``tensor`` peers, in mesh order; one device
+    on a mesh over ``data`` and ``fsdp`` only)."""
     names = list(mesh.axis_names)
-    index = tuple(slice(None) if n in ax.BATCH_MESH_AXES else 0 for n in names)
-    return list(np.asarray(mesh.devices[index]).reshape(-1))
+    batch = [names.index(a) for a in ax.BATCH_MESH_AXES if a in names]
+    order = batch + [i for i in range(len(names)) if i not in batch]
+    devices = np.asarray(mesh.devices).transpose(order)
+    groups = math.prod(devices.shape[:len(batch)])
+    return [list(row) for row in devices.reshape(groups, -1)]
+
+
+def slowest_of_groups(values: Sequence[float], groups: Sequence[Sequence[Any]], larger_is_slower: bool) -> list[float]:
+    """One figure per data-parallel group from one per device (``values`` in the order of
+    ``[d for g in groups for d in g]``): the slowest member's, since a group's devices meet in its tensor
+    collectives after every layer and run one count.
+
+    Args:
+      values: A speed (larger_is_slower False, e.g. FLOP/s) or a time (True, e.g. seconds per microbatch).
+      groups: `batch_groups`.
+      larger_is_slower: Whether a larger value is slower.
+    """
+    out, start = [], 0
+    for group in groups:
+        members = values[start:start + len(group)]
+        out.append(max(members) if larger_is_slower else min(members))
+        start += len(group)
+    return out
 
 
 def device_speeds(mesh, simulated: Mapping[int, Any] | None = None) -> list[float]:
-    """Peak FLOP/s of each device along the batch axes, in the order of the uneven counts.
+    """Peak FLOP/s of each data-parallel group along the batch axes (its slowest device's: the group runs
+    one count), in the order of the uneven counts.
 
     Args:
       mesh: The `jax.sharding.Mesh`.
@@ -306,8 +350,8 @@ def device_speeds(mesh, simulated: Mapping[int, Any] | None = None) -> list[floa
     """
     from sharding.devices import peak_flops
 
-    speeds = []
-    for device in batch_grid(mesh):
+    speeds, groups = [], batch_groups(mesh)
+    for device in (d for group in groups for d in group):
         peak = peak_flops(device, simulated)
         if peak is None:
             raise ValueError(
@@ -316,7 +360,7 @@ def device_speeds(mesh, simulated: Mapping[int, Any] | None = None) -> list[floa
                 f"(--hetero-batch 3,3,3,3,1,1,1,1)"
             )
         speeds.append(peak)
-    return speeds
+    return slowest_of_groups(speeds, groups, larger_is_slower=False)
 
 
 def resolve_uneven(par: Parallelism, mesh, simulated=None) -> tuple[Parallelism, list[float] | None]:
@@ -351,9 +395,9 @@ def describe_uneven(counts: Sequence[int], microbatch_rows: int, speeds: Sequenc
             f"{', '.join(parts)}; padded buffer {capacity} microbatches per device")
 
 
-__all__ = ["AccumulatedGradients", "GradientStrategy", "PipelineGradients", "UnevenGradients", "checked_pipeline",
-           "describe_uneven", "device_speeds", "make_strategy", "resolve_uneven",
-           "uneven_row_index"]
+__all__ = ["AccumulatedGradients", "GradientStrategy", "PipelineGradients", "UnevenGradients", "batch_groups",
+           "check_uneven", "checked_pipeline", "describe_uneven", "device_speeds", "make_strategy", "resolve_uneven",
+           "slowest_of_groups", "uneven_row_index"]
 
 
 def check_uneven(par: Parallelism, param_names, abstract_params, global_batch: int | None = None) -> None:
