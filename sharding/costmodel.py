@@ -125,9 +125,10 @@ class Layout:
       attention: ``reference`` or ``dot_product`` (full score matrix; ``jax.nn.dot_product_attention``'s
         XLA implementation is modelled as reference) or ``flash`` (masked tiles skipped).
       dtype: Compute dtype of activations, ``float32`` or ``bfloat16``.
-      uneven_batch: The uneven data-parallel step (`train.hetero`): each device loops over its
-        own microbatches with the whole parameters, gathered once before the loop, and the
-        gradients are reduced once after it (``data``/``fsdp`` meshes only).
+      uneven_batch: The uneven data-parallel step (`train.strategies.UnevenGradients`): each
+        data-parallel group loops over its own microbatches with the parameters gathered over the
+        batch axes once before the loop (still split over ``tensor``), and the gradients are reduced
+        once after it (``data``/``fsdp``/``tensor`` meshes; tensor collectives run per microbatch).
       logits: How the output projection and loss are laid out (`sharding.vocab`): ``gathered``,
         ``vocab_parallel`` or ``auto`` (what `sharding.vocab.choose_output` picks). Modelled for
         untied embeddings.
@@ -701,7 +702,8 @@ def _uneven_comms(model: ModelDescription, layout: Layout, rules: Rules, placed:
         inner = dataclasses.replace(layout, mesh={**mesh, ax.DATA: 1, ax.FSDP: 1}, uneven_batch=False)
         inner_placed = _place_cached(model, rules, tuple(inner.mesh.items()))
         split = _output_split(model, inner, rules, s)
-        in_loop = (_tensor_comms(model, inner, rules, s, split) + _vocab_parallel_comms(model, inner, inner_placed, s, split)
+        in_loop = (_tensor_comms(model, inner, rules, s, split)
+                   + _vocab_parallel_comms(model, inner, inner_placed, s, split)
                    + _embedding_comms(model, inner, inner_placed, s))
     else:
         in_loop = []

@@ -7,7 +7,7 @@
 * ``rules``: the logical-to-mesh rules (`sharding.rules`);
 * ``strategy``: how the step computes its gradients, one of `Accumulation` (microbatches summed
   in a loop), `sharding.pipeline.PipelinePlan` (the layer stack split over ``stage``) or
-  `UnevenBatch` (each device along ``data`` x ``fsdp`` runs its own number of microbatches);
+  `UnevenBatch` (each data-parallel group along ``data`` x ``fsdp`` runs its own number of microbatches);
 * ``context_layout``: how tokens lie along the length when it is split over ``sequence``
   (``contiguous`` or ``zigzag``, `models.kernels.ring_attention`).
 
@@ -56,11 +56,13 @@ class Accumulation:
 
 @dataclasses.dataclass(frozen=True)
 class UnevenBatch:
-    """Uneven data parallelism: device ``i`` along ``data`` x ``fsdp`` runs ``counts[i]`` microbatches.
+    """Uneven data parallelism: data-parallel group ``i`` along ``data`` x ``fsdp`` runs ``counts[i]``
+    microbatches (a group is one device, or with ``tensor`` in the mesh the devices of one tensor group,
+    which all run its count).
 
     Attributes:
-      counts: Microbatches per device (data-major, as the mesh orders devices), or None until they are
-        resolved at start-up from device speeds (``speeds``).
+      counts: Microbatches per data-parallel group (data-major, as the mesh orders devices), or None until
+        they are resolved at start-up from device speeds (``speeds``).
       speeds: Where the counts come from: ``given`` (``--hetero-batch 3,3,1,1``), ``kinds`` (device
         kinds' datasheet peaks) or ``measured`` (timed at start-up).
       microbatches: With ``counts`` None, the microbatches each device runs on average

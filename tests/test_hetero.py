@@ -430,7 +430,8 @@ def test_updates_equal_uniform_before_and_after_a_rebalance_with_tensor_groups()
     from sharding.balance import Rebalancer
 
     trainer = _trainer("data=2,fsdp=2,tensor=2", "fsdp_tp")
-    step = Trainer(trainer.config, trainer.optimizer, trainer.par.replace(strategy=UnevenBatch((2,) * 4, rebalance_every=1)))
+    strategy = UnevenBatch((2,) * 4, rebalance_every=1)
+    step = Trainer(trainer.config, trainer.optimizer, trainer.par.replace(strategy=strategy))
     batches = [_batch(trainer, 8, seed) for seed in (0, 1)]
     uniform, hetero = trainer.init_state(0), step.init_state(0)
     reb = Rebalancer((2,) * 4, step.strategy.capacity, every=1)
@@ -441,7 +442,8 @@ def test_updates_equal_uniform_before_and_after_a_rebalance_with_tensor_groups()
         hetero, metrics = fn(hetero, batch, step.signals(False, counts))
         seconds = np.asarray(metrics["local_seconds"])
         assert seconds.shape == (4,) and (seconds >= 0).all()  # one loop time per group
-        reb.observe(np.asarray(metrics["processed"]).tolist(), [c * t for c, t in zip(reb.counts, [0.1, 0.1, 0.3, 0.3])])
+        seconds_per_microbatch = [0.1, 0.1, 0.3, 0.3]
+        reb.observe(np.asarray(metrics["processed"]).tolist(), [c * t for c, t in zip(reb.counts, seconds_per_microbatch)])
         counts = reb.propose() or counts
         assert counts == (3, 3, 1, 1)  # rebalanced after the first step; the second runs it
     assert np.asarray(metrics["processed"]).tolist() == [3, 3, 1, 1]

@@ -162,9 +162,9 @@ def check_strategy(run: RunConfig) -> None:
 
         tensor = par.mesh_shape[ax.TENSOR]
         if tensor > 1 and model.attention not in ("reference", "dot_product"):
-            raise ValueError(f"--attention {model.attention} runs its kernel under its own shard_map, which cannot sit "
-                             f"inside the uneven step's with tensor={tensor} yet; with --hetero-batch and a tensor axis "
-                             f"use --attention reference or dot_product")
+            raise ValueError(f"--attention {model.attention} runs its kernel under its own shard_map, which cannot "
+                             f"sit inside the uneven step's with tensor={tensor} yet; with --hetero-batch and a "
+                             f"tensor axis use --attention reference or dot_product")
 
         _, abstract, names = abstract_model(model)
         check_uneven(par, names, abstract, run.data.batch_size)
