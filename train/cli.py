@@ -146,9 +146,10 @@ def _pipeline_flags(p) -> None:
                    "non-adjacent chunks, shrinking the bubble (S-1)/(R*M+S-1)")
     g.add_argument("--pipeline-repeats", type=int, default=None, metavar="R",
                    help="chunks per stage for --pipeline-schedule circular (default 2; gpipe: 1)")
-    g.add_argument("--stage-layers", default=None, metavar="N,N,...",
+    g.add_argument("--stage-layers", default=None, metavar="auto|N,N,...",
                    help="layers per stage, e.g. 10,10,6,6 for 32 layers on stage=4 (must sum to the model's layers); "
-                   "circular also takes one count per chunk (S*R); default: even, the first stages taking the rest")
+                   "circular also takes one count per chunk (S*R); auto: time each stage's devices at start-up and give "
+                   "faster stages more layers (gpipe); default: even, the first stages taking the rest")
 
 
 def _hetero_flags(p) -> None:
@@ -392,8 +393,12 @@ def pipeline_plan(args, stages: int, num_layers: int) -> PipelinePlan:
     if circular and repeats < 2:
         raise ValueError("--pipeline-schedule circular needs --pipeline-repeats of 2 or more, e.g. --pipeline-repeats 2 "
                          "(1 repeat is --pipeline-schedule gpipe)")
-    layout, _ = plan_layout(num_layers, stages, repeats, parse_stage_layers(args.stage_layers))
-    return PipelinePlan(layout, args.microbatches)
+    measure = args.stage_layers is not None and args.stage_layers.strip() == "auto"
+    if measure and circular:
+        raise ValueError("--stage-layers auto times the stages for --pipeline-schedule gpipe; give circular's "
+                         "chunks by hand, e.g. --stage-layers 4,4,2,2, or use --pipeline-schedule gpipe")
+    layout, _ = plan_layout(num_layers, stages, repeats, None if measure else parse_stage_layers(args.stage_layers))
+    return PipelinePlan(layout, args.microbatches, measure_stages=measure)
 
 
 def _rebalance(uneven: UnevenBatch | None, every: int | None) -> UnevenBatch | None:

@@ -319,6 +319,11 @@ def batch_groups(mesh) -> list[list[Any]]:
     return [list(row) for row in devices.reshape(groups, -1)]
 
 
+def batch_grid(mesh) -> list[Any]:
+    """The first device of each data-parallel group (`batch_groups`), in the order of uneven counts."""
+    return [group[0] for group in batch_groups(mesh)]
+
+
 def slowest_of_groups(values: Sequence[float], groups: Sequence[Sequence[Any]], larger_is_slower: bool) -> list[float]:
     """One figure per data-parallel group from one per device (``values`` in the order of
     ``[d for g in groups for d in g]``): the slowest member's, since a group's devices meet in its tensor
@@ -395,7 +400,7 @@ def describe_uneven(counts: Sequence[int], microbatch_rows: int, speeds: Sequenc
             f"{', '.join(parts)}; padded buffer {capacity} microbatches per device")
 
 
-__all__ = ["AccumulatedGradients", "GradientStrategy", "PipelineGradients", "UnevenGradients", "batch_groups",
+__all__ = ["AccumulatedGradients", "GradientStrategy", "PipelineGradients", "UnevenGradients", "batch_grid", "batch_groups",
            "check_uneven", "checked_pipeline", "describe_uneven", "device_speeds", "make_strategy", "resolve_uneven",
            "slowest_of_groups", "uneven_row_index"]
 

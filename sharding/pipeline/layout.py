@@ -258,11 +258,14 @@ class PipelinePlan:
         is not needed: the fallback for a program in which the partitioner
         put a collective that could wait on other stages inside such a
         conditional (see `branch_collectives`).
+      measure_stages: ``--stage-layers auto``: the layout's split is a placeholder (even) until the
+        stages are timed at start-up (`train.calibrate.calibrate_stages`), which replaces it.
     """
 
     layout: StageLayout
     microbatches: int
     skip_empty: bool = True
+    measure_stages: bool = False
 
     @property
     def steps(self) -> int:
