@@ -126,9 +126,10 @@ class Layout:
       attention: ``reference`` or ``dot_product`` (full score matrix; ``jax.nn.dot_product_attention``'s
         XLA implementation is modelled as reference) or ``flash`` (masked tiles skipped).
       dtype: Compute dtype of activations, ``float32`` or ``bfloat16``.
-      uneven_batch: The uneven data-parallel step (`train.hetero`): each device loops over its
-        own microbatches with the whole parameters, gathered once before the loop, and the
-        gradients are reduced once after it (``data``/``fsdp`` meshes only).
+      uneven_batch: The uneven data-parallel step (`train.strategies.UnevenGradients`): each
+        data-parallel group loops over its own microbatches with the parameters gathered over the
+        batch axes once before the loop (still split over ``tensor``), and the gradients are reduced
+        once after it (``data``/``fsdp``/``tensor`` meshes; tensor collectives run per microbatch).
       logits: How the output projection and loss are laid out (`sharding.vocab`): ``gathered``,
         ``vocab_parallel`` or ``auto`` (what `sharding.vocab.choose_output` picks). Modelled for
         untied embeddings.
@@ -670,7 +671,8 @@ def _memory(model: ModelDescription, layout: Layout, rules: Rules, placed: dict[
     batch = _BATCH_FIELDS * s.rows * s.micro * s.seq / mesh[ax.SEQUENCE] * _INT_BYTES
     grads = params
     if layout.uneven_batch:  # whole parameters and a whole gradient accumulator during the loop
-        whole = sum(p.param.size * (s.slots if p.param.per_layer else 1) for p in placed.values()) * _PARAM_BYTES
+        whole = sum(p.param.size / p.factor(ax.TENSOR) * (s.slots if p.param.per_layer else 1)
+                    for p in placed.values()) * _PARAM_BYTES  # whole over the batch axes, still split over tensor
         gathered = whole if mesh[ax.FSDP] > 1 else 0.0
         grads = whole
     return Memory(
@@ -695,7 +697,7 @@ def _axes(mesh: Mapping[str, int], *names: str) -> tuple[tuple[str, ...], int]:
 def _comms(model: ModelDescription, layout: Layout, rules: Rules, placed: dict[str, _Placed], s: _Shape, backend: str,
            batch_rows: float | None = None) -> list[Comm]:
     if layout.uneven_batch:
-        return _uneven_comms(layout, placed, s, batch_rows)
+        return _uneven_comms(model, layout, rules, placed, s, batch_rows)
     comms: list[Comm] = []
     split = _output_split(model, layout, rules, s)
     comms += _weight_gathers(layout, placed, s, split)
@@ -708,13 +710,27 @@ def _comms(model: ModelDescription, layout: Layout, rules: Rules, placed: dict[s
     return comms
 
 
-def _uneven_comms(layout: Layout, placed: dict[str, _Placed], s: _Shape, batch_rows: float | None) -> list[Comm]:
-    """The uneven data-parallel step (`train.hetero`), whose collectives are explicit (`jax.shard_map`),
-    so both backends emit them as written: the global batch gathered for the re-layout into
-    per-device buffers (five [B, T] int32/float32 fields), each parameter gathered whole once before
-    the microbatch loop over the axes that split it, and each gradient reduced once after it: a
-    reduce-scatter to the shard, then an all-reduce of the shard over the other batch axes."""
+def _uneven_comms(model: ModelDescription, layout: Layout, rules: Rules, placed: dict[str, _Placed], s: _Shape,
+                  batch_rows: float | None) -> list[Comm]:
+    """The uneven data-parallel step (`train.strategies.UnevenGradients`), whose batch-axis collectives
+    are explicit (`jax.shard_map` manual over ``data`` and ``fsdp``), so both backends emit them as
+    written: the global batch gathered for the re-layout into per-group buffers (five [B, T]
+    int32/float32 fields), each parameter gathered over the batch axes that split it once before the
+    microbatch loop, and each gradient reduced once after it: a reduce-scatter to the shard, then an
+    all-reduce of the shard over the other batch axes. With ``tensor`` (automatic inside the map), each
+    of the group's microbatches adds the tensor-parallel collectives of the layers and the loss, as in
+    the uniform step on the mesh without its batch axes (`_tensor_comms`, `_vocab_parallel_comms`,
+    `_embedding_comms`)."""
     mesh = layout.mesh
+    if mesh[ax.TENSOR] > 1:
+        inner = dataclasses.replace(layout, mesh={**mesh, ax.DATA: 1, ax.FSDP: 1}, uneven_batch=False)
+        inner_placed = _place_cached(model, rules, tuple(inner.mesh.items()))
+        split = _output_split(model, inner, rules, s)
+        in_loop = (_tensor_comms(model, inner, rules, s, split)
+                   + _vocab_parallel_comms(model, inner, inner_placed, s, split)
+                   + _embedding_comms(model, inner, inner_placed, s))
+    else:
+        in_loop = []
     batch_axes, batch_n = _axes(mesh, ax.DATA, ax.FSDP)
     comms = []
     if batch_rows:
@@ -731,7 +747,7 @@ def _uneven_comms(layout: Layout, placed: dict[str, _Placed], s: _Shape, batch_r
         rest = tuple(a for a in batch_axes if a not in split_axes)
         if rest:
             comms.append(Comm("all-reduce", rest, math.prod(mesh[a] for a in rest), local, layers, f"gradient of {what}"))
-    return comms
+    return comms + in_loop
 
 
 def _output_split(model: ModelDescription, layout: Layout, rules: Rules, s: _Shape) -> VocabSplit | None:

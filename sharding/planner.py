@@ -472,12 +472,25 @@ def _layouts(ev: _Evaluator, mesh: dict[str, int], rules: str, attention: str) -
                 continue
             base = cm.Layout(mesh, rules, m, "none", pipeline_repeats=r, attention=attention, dtype=opts.dtype)
             yield base, "pipeline" if stages > 1 else "uniform"
-            # train/hetero.py runs on meshes that split only data and fsdp
-            uneven_ok = (opts.hetero and rules in ("dp", "fsdp")
-                         and all(mesh[a] == 1 for a in (ax.STAGE, ax.SEQUENCE, ax.TENSOR))
+            uneven_ok = (opts.hetero and _uneven_fits(mesh, rules, attention)
                          and len({k.name for k in ev.kinds_in(mesh)}) > 1)
             if uneven_ok:
                 yield dataclasses.replace(base, uneven_batch=True), "uneven"
+
+
+def _uneven_fits(mesh: Mapping[str, int], rules: str, attention: str) -> bool:
+    """Whether the uneven step (`train.strategies.UnevenGradients`) runs this layout as the cost model
+    prices it: meshes over ``data``, ``fsdp`` and ``tensor`` (tensor inside each data-parallel group, one
+    count per group). With ``tensor``, the attention must be one GSPMD partitions (``reference``,
+    ``dot_product``: a kernel's own `jax.shard_map` cannot sit inside the step's, `train.checks`). Left
+    out: parameters split over ``fsdp`` and ``tensor`` at once (``fsdp``/``fsdp_tp`` rules with both axes
+    > 1), which the step runs exactly but whose parameter gathers the partitioner lays out with extra
+    traffic the model does not count (tests/test_hetero.py)."""
+    if any(mesh[a] > 1 for a in (ax.STAGE, ax.SEQUENCE)):
+        return False
+    if mesh[ax.TENSOR] > 1 and attention not in ("reference", "dot_product"):
+        return False
+    return not (mesh[ax.TENSOR] > 1 and mesh[ax.FSDP] > 1 and rules in ("fsdp", "fsdp_tp"))
 
 
 def _price(ev: _Evaluator, layout: cm.Layout, tag: str) -> Plan | None:

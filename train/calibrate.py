@@ -40,12 +40,13 @@ REPEATS = 3
 
 @dataclasses.dataclass(frozen=True)
 class Calibration:
-    """Measured seconds per microbatch of each device along ``data`` x ``fsdp`` (the counts' order).
+    """Measured seconds per microbatch of each data-parallel group along ``data`` x ``fsdp`` (the counts'
+    order; a group is one device, or with ``tensor`` the devices of one tensor group, paced by its slowest).
 
     Attributes:
-      seconds: Seconds per microbatch (forward and backward), one per device.
-      peaks: Datasheet peak FLOP/s per device, None where the kind is unknown (e.g. CPU).
-      counts: The microbatches per device these speeds give.
+      seconds: Seconds per microbatch (forward and backward), one per group: its slowest device's.
+      peaks: Datasheet peak FLOP/s per group (its slowest device's), None where a kind is unknown (e.g. CPU).
+      counts: The microbatches per group these speeds give.
     """
 
     seconds: tuple[float, ...]
@@ -157,7 +158,7 @@ def calibrate(par: Parallelism, loss_fn, abstract_params, batch_size: int, seq_l
       ``(par, calibration)``: ``par`` with the counts set, and what was measured.
     """
     from sharding.devices import peak_flops
-    from train.strategies import batch_grid
+    from train.strategies import batch_grid, batch_groups, slowest_of_groups
 
     strategy, mesh = par.strategy, par.mesh
     devices = par.data_parallel
@@ -167,11 +168,15 @@ def calibrate(par: Parallelism, loss_fn, abstract_params, batch_size: int, seq_l
     local = sorted(jax.local_devices(), key=lambda d: d.id)
     together = local[0].platform == "cpu"
     table = gather_table(timer(fn, args_on, local, together=together))
-    grid = batch_grid(mesh)
-    seconds = grid_seconds(grid, table)
+    groups = batch_groups(mesh)
+    members = [d for group in groups for d in group]
+    seconds = slowest_of_groups(grid_seconds(members, table), groups, larger_is_slower=True)
+    peaks = [peak_flops(d) for d in members]
+    peaks = ([None] * len(groups) if None in peaks else slowest_of_groups(peaks, groups, larger_is_slower=False))
     capacity = strategy.capacity or default_capacity(total, devices)
-    counts = tuple(counts_for_speeds([1 / s for s in seconds], total, capacity, pools=compute_pools(grid)))
-    calibration = Calibration(tuple(seconds), tuple(peak_flops(d) for d in grid), counts)
+    pools = compute_pools(batch_grid(mesh))  # a group's devices live in one process: its first device's pool
+    counts = tuple(counts_for_speeds([1 / s for s in seconds], total, capacity, pools=pools))
+    calibration = Calibration(tuple(seconds), tuple(peaks), counts)
     return par.replace(strategy=dataclasses.replace(strategy, counts=counts, capacity=capacity)), calibration
 
 

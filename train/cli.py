@@ -171,9 +171,10 @@ def _hetero_flags(p) -> None:
                    help="pretend the (CPU) devices are this cluster, e.g. h100:4,a100:4 on 8 devices: their kinds "
                    "set --hetero-batch kinds' shares and --plan auto's cluster")
     g.add_argument("--hetero-batch", default="off", metavar="auto|kinds|off|COUNTS",
-                   help="uneven data parallelism: microbatches per device along data x fsdp, proportional to "
+                   help="uneven data parallelism: microbatches per data-parallel group along data x fsdp (each "
+                   "shared by the group's tensor devices), proportional to "
                    "device speed (auto: measured at start-up; kinds: the device kinds' datasheet peaks) or given (e.g. 3,3,3,3,1,1,1,1; "
-                   "microbatch = --batch-size / their sum); dp/fsdp rules, data/fsdp meshes")
+                   "microbatch = --batch-size / their sum); data/fsdp/tensor meshes")
     g.add_argument("--hetero-max-share", type=int, default=None, metavar="N",
                    help="uneven data parallelism: the most microbatches one device may be given without recompiling "
                    "the step (its padded buffer); default twice the mean per device, at least the largest count")
@@ -384,7 +385,7 @@ def _strategy(args, sizes: dict[str, int], num_layers: int):
             raise ValueError(f"{given[0]} needs a pipeline: add a stage axis to --mesh, e.g. --mesh stage=2,fsdp=-1")
         return uneven if uneven is not None else Accumulation(args.microbatches)
     if uneven is not None:
-        raise ValueError(f"--hetero-batch supports data-parallel meshes only (data, fsdp); --mesh splits "
+        raise ValueError(f"--hetero-batch supports meshes over data, fsdp and tensor only; --mesh splits "
                          f"stage={stages}. Use e.g. --mesh data={stages} --rules dp, or --hetero-batch off")
     return pipeline_plan(args, stages, num_layers)
 

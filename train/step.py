@@ -234,7 +234,8 @@ class Trainer:
 
     def gradients(self, params, batch, counts=None) -> tuple[jax.Array, jax.Array, Any, dict]:
         """The strategy's ``(loss_sum, weight_sum, grads, metrics)`` of a global batch (inside jit);
-        ``counts``: the uneven strategy's int32 ``[devices]`` microbatches per device (None: its own)."""
+        ``counts``: the uneven strategy's int32 ``[groups]`` microbatches per data-parallel group (None: its
+        own)."""
         if counts is None:
             return self.strategy.gradients(self.loss_sums, params, batch)
         return self.strategy.gradients(self.loss_sums, params, batch, counts)
@@ -280,8 +281,8 @@ class Trainer:
 
     def signals(self, stop: bool, counts=None) -> dict[str, jax.Array]:
         """The step's per-step host inputs: ``stop``, this process's stop request as the global
-        ``[num_devices]`` int32 vector, and for the uneven strategy ``counts``, int32 ``[devices along data
-        x fsdp]`` microbatches per device (default the strategy's counts; each at most its capacity,
+        ``[num_devices]`` int32 vector, and for the uneven strategy ``counts``, int32 ``[groups along data
+        x fsdp]`` microbatches per data-parallel group (default the strategy's counts; each at most its capacity,
         summing to the same total: they change without recompiling the step).
 
         The train step reduces ``stop`` with a max, so every process reads the same ``stop`` metric and all
@@ -327,7 +328,7 @@ class Trainer:
         Metrics are replicated: ``loss`` (nats per token), ``grad_norm`` (before clipping), ``lr`` (of this
         step), ``tokens`` (counted by the loss mask), ``finite`` (bool; when False the update was skipped),
         ``stop`` (bool; some process asked to stop, see `signals`), and the strategy's own (uneven counts:
-        ``microbatches``, the total processed, and ``processed``, int32 ``[devices along data x fsdp]``).
+        ``microbatches``, the total processed, and ``processed``, int32 ``[groups along data x fsdp]``).
 
         Raises:
           ValueError: A batch the strategy cannot split (uneven counts), naming ``--batch-size``.
