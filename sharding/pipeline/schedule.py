@@ -56,7 +56,7 @@ from typing import Any
 import numpy as np
 
 from sharding import axes as ax
-from sharding.parallel import gather_shards, reduce_shards, spec_axes, to_varying
+from sharding.parallel import gather_shards, only_axes, reduce_shards, spec_axes, to_varying
 from sharding.pipeline.layout import PipelinePlan, StageLayout
 from sharding.pipeline.storage import StageStorage, storage_for, storage_spec, storage_axes
 
@@ -653,7 +653,7 @@ class _Setup:
         extras = jax.tree.map(lambda e: to_microbatches(e, m), tuple(extras))
         manual = _manual_axes(par)
         batch_spec = par.spec((None, ax.BATCH), xs.shape[:2])
-        batch = _only(batch_spec[1] if len(batch_spec) > 1 else None, manual)
+        batch = only_axes(P(batch_spec[1] if len(batch_spec) > 1 else None), manual)[0]
         summed = tuple(a for a in spec_axes(batch) if par.mesh_shape[a] > 1)
         leaves, tree = jax.tree.flatten(stacked)
         name_leaves = None if names is None else _name_leaves(names)
@@ -667,8 +667,8 @@ class _Setup:
                 raise ValueError(f"pipeline: layer parameters are split over {missing} but microbatches of "
                                  f"{xs.shape[1]} rows are not; use --batch-size a multiple of --microbatches x data x "
                                  f"fsdp, or --rule batch=data+fsdp")
-            specs = [P(*(_only(e, manual) for e in storage_spec(par.spec(n, w.shape) if name_leaves else P(ax.STAGE),
-                                                                  storage.rows, par.mesh_shape, groups)))
+            specs = [only_axes(storage_spec(par.spec(n, w.shape) if name_leaves else P(ax.STAGE), storage.rows,
+                                           par.mesh_shape, groups), manual)
                      for n, w in zip(name_leaves or [None] * len(leaves), leaves)]
         elif name_leaves is None:
             groups, specs = (), [P(ax.STAGE)] * len(leaves)
@@ -691,9 +691,7 @@ def _name_leaves(names) -> list[tuple]:
 
 def _manual_spec(par, names, shape, manual):
     """The `PartitionSpec` of an array with logical ``names``, restricted to the ``manual`` axes."""
-    from jax.sharding import PartitionSpec as P
-
-    return P(*(_only(e, manual) for e in par.spec(tuple(names), shape)))
+    return only_axes(par.spec(tuple(names), shape), manual)
 
 
 def _check_split(specs, summed, par, rows: int, batch, skip_first: bool = True) -> None:
@@ -707,9 +705,3 @@ def _check_split(specs, summed, par, rows: int, batch, skip_first: bool = True) 
                              f"are not (the rule batch -> {'+'.join(spec_axes(batch)) or 'none'}); use a batch whose "
                              f"microbatches split over {axes} too (--batch-size a multiple of --microbatches x "
                              f"data x fsdp), or --rule batch=data+fsdp")
-
-
-def _only(entry, axes: Sequence[str]):
-    """A `PartitionSpec` entry with only the mesh axes in ``axes`` (None when none is left)."""
-    kept = tuple(a for a in spec_axes(entry) if a in axes)
-    return None if not kept else kept[0] if len(kept) == 1 else kept
