@@ -54,12 +54,13 @@ class Calibration:
     counts: tuple[int, ...]
 
     def lines(self, microbatch_rows: int) -> list[str]:
-        """The start-up report: one line per device, measured speed, datasheet speed where known, count."""
+        """The start-up report: one line per data-parallel group, measured speed, datasheet speed where known,
+        count."""
         out = [f"measured speeds (--hetero-batch auto; forward+backward of one microbatch of {microbatch_rows} "
-               f"sequences per device):"]
+               f"sequences per device; one line per data-parallel group, a device or a tensor group):"]
         for i, (s, peak, count) in enumerate(zip(self.seconds, self.peaks, self.counts)):
             sheet = f"datasheet {peak / 1e12:.0f} TFLOP/s" if peak else "datasheet n/a"
-            out.append(f"  device {i}: {s * 1e3:.1f} ms per microbatch ({1 / s:.2f} microbatches/s), {sheet}, "
+            out.append(f"  group {i}: {s * 1e3:.1f} ms per microbatch ({1 / s:.2f} microbatches/s), {sheet}, "
                        f"{count} microbatches")
         return out
 
