@@ -265,7 +265,8 @@ def test_device_groups_read_every_replica_group_format():
 # The model ---------------------------------------------------------------------------------------
 
 
-def _batch(batch, length, seed=0):
+def _batch(batch, length, seed=0, unmasked=1.0):
+    """A packed batch (documents of ~20 tokens); ``unmasked``: the share of positions the loss counts."""
     rng = np.random.default_rng(seed)
     tokens = rng.integers(0, 512, (batch, length)).astype(np.int32)
     segments = np.cumsum(rng.random((batch, length)) < 0.05, axis=1).astype(np.int32)
@@ -273,7 +274,7 @@ def _batch(batch, length, seed=0):
     index = np.arange(length)[None].repeat(batch, 0)
     positions = (index - np.maximum.accumulate(np.where(starts, index, 0), axis=1)).astype(np.int32)
     return {"tokens": tokens, "targets": np.roll(tokens, -1, 1), "positions": positions, "segment_ids": segments,
-            "loss_mask": np.ones((batch, length), np.float32)}
+            "loss_mask": (rng.random((batch, length)) < unmasked).astype(np.float32)}
 
 
 def _loss_and_grads(trainer, batch):

@@ -13,6 +13,7 @@ from sharding.mesh import make_mesh, parse_mesh
 from sharding.parallel import UNSHARDED, Parallelism
 from sharding.pipeline.layout import BACKWARD, FORWARD
 from sharding.rules import get_rules
+from test_pipeline import _batch as pipeline_batch
 
 RULES = get_rules("fsdp_tp")
 
@@ -170,14 +171,7 @@ def test_1f1b_computing_every_slot_matches_too():
 
 
 def _batch(batch, length, seed=0):
-    rng = np.random.default_rng(seed)
-    tokens = rng.integers(0, 512, (batch, length)).astype(np.int32)
-    segments = np.cumsum(rng.random((batch, length)) < 0.05, axis=1).astype(np.int32)
-    starts = np.concatenate([np.ones((batch, 1), bool), segments[:, 1:] != segments[:, :-1]], axis=1)
-    index = np.arange(length)[None].repeat(batch, 0)
-    positions = (index - np.maximum.accumulate(np.where(starts, index, 0), axis=1)).astype(np.int32)
-    return {"tokens": tokens, "targets": np.roll(tokens, -1, 1), "positions": positions, "segment_ids": segments,
-            "loss_mask": (rng.random((batch, length)) < 0.9).astype(np.float32)}
+    return pipeline_batch(batch, length, seed, unmasked=0.9)
 
 
 def _trainer(config, mesh_spec, strategy, optimizer=None):
@@ -204,9 +198,9 @@ def _steps(trainer, batches):
         losses.append(float(metrics["loss"]))
         if first is None:
             first = jax.tree.map(np.asarray, state["params"])
-    if trainer.layout is not None:
+    if trainer.storage is not None:
         first = {**first, "layers": jax.tree.map(
-            lambda g: np.asarray(pl.relayout(jnp.asarray(g), trainer.layout, None, trainer.config.num_layers)),
+            lambda g: np.asarray(pl.relayout(jnp.asarray(g), trainer.storage, None, trainer.config.num_layers)),
             first["layers"])}
     return losses, first
 
@@ -215,9 +209,9 @@ def _loss_and_grads(trainer, batch):
     state = trainer.init_state(0)
     fn = jax.jit(lambda params, batch: jax.value_and_grad(trainer.loss_sums, has_aux=True)(params, batch))
     (loss, _), grads = fn(state["params"], batch)
-    if trainer.layout is not None:
+    if trainer.storage is not None:
         grads = {**grads, "layers": jax.tree.map(
-            lambda g: pl.relayout(g, trainer.layout, None, trainer.config.num_layers), grads["layers"])}
+            lambda g: pl.relayout(g, trainer.storage, None, trainer.config.num_layers), grads["layers"])}
     return float(loss), grads
 
 
@@ -291,7 +285,12 @@ def test_1f1b_needs_fewer_temporaries_than_gpipe_and_no_transfer_sits_in_a_condi
     gpipe_temp = gpipe.memory_analysis().temp_size_in_bytes
     temp = one_f_one_b.memory_analysis().temp_size_in_bytes
     print(f"temporaries per device at M=16: gpipe {gpipe_temp:,} B, 1f1b {temp:,} B ({temp / gpipe_temp:.2f}x)")
-    assert temp < 0.6 * gpipe_temp
+    # GPipe keeps the slot inputs of all M+S-1 = 17 steps, 1F1B a ring of S = 2 microbatches: at least the 3
+    # slots of stage 0 times one microbatch's rows on a device (64 / 16 over fsdp=4: 1 x 256 x 128 float32) for
+    # each of the other 15 must be saved. (The head split over stages already took GPipe's whole-batch logits
+    # away, so the ratio is no longer the 0.46x it was before that; here 0.60x.)
+    saved = (16 + 2 - 1 - 2) * 3 * (64 // 16 // 4) * 256 * 128 * 4
+    assert gpipe_temp - temp >= saved, (gpipe_temp, temp, saved)
     found = branch_collectives(one_f_one_b.as_text(), trainer.mesh)
     assert not [c for c in found if c.op == "collective-permute"]
     assert all(c.safe for c in found)
@@ -310,7 +309,7 @@ def test_dry_run_reports_the_1f1b_schedule(capsys):
     assert "pipeline: 1F1B (PipeDream-Flush) over stage=2, 4 microbatches" in out
     assert ("a ring of 2 microbatches x 3 slot inputs per device (the other schedules keep 5 x 3); one loop of "
             "10 ticks") in out
-    assert "loss run on the last stage inside the pipeline" in out
+    assert "final norm, output projection and loss: on the last stage inside the pipeline" in out
 
 
 @pytest.mark.parametrize(

@@ -146,7 +146,10 @@ def _ticks(layer, head, plan: PipelinePlan, params, head_params, xs, extras, hea
         return (received, g_received, buffer, waiting, grads, head_grads, g_xs, loss, weight, applied), None
 
     zero_h = jnp.zeros_like(xs[0])
-    buffer = jnp.zeros((ticks.slots, layout.chunk_slots if train else 1, *xs.shape[1:]), xs.dtype)
+    # K from the working copy, not the layout: the unpadded storage rounds a chunk's slots up to its gather
+    # (`sharding.pipeline.storage`), and the extra slots are empty (skipped, or computed as padding).
+    slots = jax.tree.leaves(params)[0].shape[1]
+    buffer = jnp.zeros((ticks.slots, slots if train else 1, *xs.shape[1:]), xs.dtype)
     waiting = jnp.zeros((ticks.cotangent_slots, *xs.shape[1:]), xs.dtype) if train else None
     zero = to_varying(jnp.zeros((), jnp.float32), vary)
     init = to_varying((zero_h, zero_h if train else None, buffer, waiting, grads, head_grads,
