@@ -401,6 +401,7 @@ def test_the_head_runs_on_a_stages_share_of_the_rows_not_on_every_stage(monkeypa
     (``cost_analysis``, deterministic; the head sits outside the pipeline's loops, so it is counted whole)
     drop by (1 - 1/S) of the head's products against the same step with the head replicated over stage."""
     import models.transformer
+    import sharding.pipeline.onef1b
 
     config = get_config("test", ["num_layers=4"])
     layout, _ = pl.plan_layout(4, 2, 1, (3, 1))
@@ -416,6 +417,7 @@ def test_the_head_runs_on_a_stages_share_of_the_rows_not_on_every_stage(monkeypa
 
     split = flops()
     monkeypatch.setattr(models.transformer, "head_parallelism", lambda par: par)
+    monkeypatch.setattr(sharding.pipeline.onef1b, "head_parallelism", lambda par: par)  # the loss's head
     replicated = flops()
     rows = batch // 4  # per device over fsdp=4, before the split over stage=2
     head = 3 * 2 * rows * length * config.embed_dim * config.vocab_size  # logits forward, and both backward products
