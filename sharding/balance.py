@@ -6,8 +6,7 @@ more than the padded buffer holds (``capacity`` microbatches). This module decid
 
 * `default_capacity`: the buffer size, fixed at compile time.
 * `counts_for_speeds`: counts proportional to speeds (largest remainder, `sharding.splits`), no device
-  above the capacity, equal within a group of devices that must run the same count, and shared by pool
-  where devices share one compute resource (the CPU devices of one process share its cores).
+  above the capacity, and shared by pool where devices share one compute resource (the CPU devices of one process share its cores).
 * `Rebalancer`: while training, smooths each device's measured seconds per microbatch and every
   ``every`` steps proposes new counts, adopted only when they shorten the predicted step by more than a
   margin (hysteresis), so counts do not oscillate on noise.
@@ -55,79 +54,42 @@ def default_capacity(total: int, devices: int, counts: Sequence[int] | None = No
 
 
 def counts_for_speeds(speeds: Sequence[float], total: int, capacity: int | None = None,
-                      groups: Sequence[int] | None = None, pools: Sequence[int] | None = None) -> list[int]:
+                      pools: Sequence[int] | None = None) -> list[int]:
     """Microbatches per device in proportion to ``speeds`` (largest remainder), capped at ``capacity``.
 
-    Devices with the same entry in ``groups`` (e.g. the devices of one tensor-parallel group) must run the
-    same count: the group is treated as one bin of its summed speed whose count is a multiple of its size.
-    Microbatches a capped device cannot take go to the others in proportion to their speeds.
+    Microbatches a capped device cannot take go to the others in proportion to their speeds. (With
+    ``tensor`` in the mesh the "devices" here are data-parallel groups: `train.strategies.batch_groups`.)
 
     Args:
       speeds: One positive speed per device (any unit: microbatches/s, FLOP/s).
       total: Microbatches to share (>= 0).
       capacity: The most one device may run (None: no cap).
-      groups: One group label per device (None: each device its own group).
       pools: One pool label per device (None: each device its own pool). Devices of one pool share a
         compute resource, so the pool's time is the sum of its counts times its seconds per microbatch:
-        the microbatches are shared between pools in proportion to their summed speeds, then as evenly
-        as the groups allow inside each pool. (A pool's devices each carry the pool's figure for running
-        one microbatch on every device at once, as `train.calibrate` measures CPU devices.)
+        the microbatches are shared between pools in proportion to their summed speeds, then evenly
+        inside each pool. (A pool's devices each carry the pool's figure for running one microbatch on
+        every device at once, as `train.calibrate` measures CPU devices.)
 
     Returns:
       One count per device; they sum to ``total``.
 
     Raises:
-      ValueError: On a speed that is not positive, a ``total`` the capacity cannot hold, or a ``total`` that
-        is not a multiple of the group size.
+      ValueError: On a speed that is not positive, or a ``total`` the capacity cannot hold.
     """
     if not speeds or any(not s > 0 for s in speeds):
         raise ValueError(f"speeds must be positive, got {list(speeds)}")
-    if pools is not None and len(set(pools)) < len(speeds):
-        return _pooled_counts(speeds, total, capacity, groups, pools)
-    labels = list(range(len(speeds))) if groups is None else list(groups)
-    if len(labels) != len(speeds):
-        raise ValueError(f"{len(labels)} group labels for {len(speeds)} devices")
-    order = list(dict.fromkeys(labels))
-    members = {g: [i for i, label in enumerate(labels) if label == g] for g in order}
-    sizes = {len(m) for m in members.values()}
-    if len(sizes) != 1:
-        raise ValueError(f"groups must have one size, got sizes {sorted(sizes)}")
-    size = sizes.pop()
-    if total % size:
-        raise ValueError(f"{total} microbatches cannot be shared equally inside groups of {size} devices")
-    cap = None if capacity is None else capacity
-    if cap is not None and cap * len(speeds) < total:
-        raise ValueError(f"{total} microbatches do not fit {len(speeds)} devices of capacity {cap}")
-    group_speed = [sum(speeds[i] for i in members[g]) for g in order]
-    shares = _capped_shares(total // size, group_speed, cap)
-    counts = [0] * len(speeds)
-    for g, share in zip(order, shares):
-        for i in members[g]:
-            counts[i] = share
-    return counts
-
-
-def _pooled_counts(speeds, total, capacity, groups, pools) -> list[int]:
-    """`counts_for_speeds` with pools: pool totals by summed speed (in units of the group size, each pool
-    capped at its devices' capacity), then each pool's total spread evenly over its devices."""
-    if len(pools) != len(speeds):
+    if pools is not None and len(pools) != len(speeds):
         raise ValueError(f"{len(pools)} pool labels for {len(speeds)} devices")
-    labels = list(range(len(speeds))) if groups is None else list(groups)
-    unit = max(labels.count(g) for g in labels)
-    if total % unit:
-        raise ValueError(f"{total} microbatches cannot be shared equally inside groups of {unit} devices")
-    order = list(dict.fromkeys(pools))
-    members = {p: [i for i, q in enumerate(pools) if q == p] for p in order}
-    caps = None if capacity is None else [capacity * len(members[p]) // unit for p in order]
-    if caps is not None and sum(caps) * unit < total:
+    labels = list(range(len(speeds))) if pools is None else list(pools)
+    order = list(dict.fromkeys(labels))
+    members = {p: [i for i, q in enumerate(labels) if q == p] for p in order}
+    if capacity is not None and capacity * len(speeds) < total:
         raise ValueError(f"{total} microbatches do not fit {len(speeds)} devices of capacity {capacity}")
-    shares = _capped_shares(total // unit, [sum(speeds[i] for i in members[p]) for p in order], caps)
+    caps = None if capacity is None else [capacity * len(members[p]) for p in order]
+    shares = _capped_shares(total, [sum(speeds[i] for i in members[p]) for p in order], caps)
     counts = [0] * len(speeds)
     for p, share in zip(order, shares):
-        inside = members[p]
-        counts_in = counts_for_speeds([1.0] * len(inside), share * unit, capacity,
-                                      None if groups is None else [labels[i] for i in inside])
-        for i, c in zip(inside, counts_in):
+        for i, c in zip(members[p], largest_remainder(share, [1.0] * len(members[p]))):
             counts[i] = c
     return counts
 
@@ -204,7 +166,6 @@ class Rebalancer:
       every: Observations between proposals (``--rebalance-every``, >= 1).
       smoothing: Weight of the newest observation in the average (0 < smoothing <= 1).
       margin: Relative gain below which new counts are not adopted (hysteresis).
-      groups: One group label per device that must run equal counts (None: none).
       pools: One pool label per device sharing a compute resource, as `counts_for_speeds` takes them
         (None: none). A pool's observation is its slowest device's loop seconds over its summed counts,
         times its size (the figure for one microbatch on every device at once), given to each member.
@@ -216,7 +177,6 @@ class Rebalancer:
     every: int
     smoothing: float = 0.5
     margin: float = 0.05
-    groups: tuple | None = None
     pools: tuple | None = None
     seconds: list = dataclasses.field(default_factory=list)
     observed: int = 0
@@ -254,7 +214,7 @@ class Rebalancer:
         if speeds is None or self.observed % self.every:
             return None
         seconds = [1.0 / s for s in speeds]
-        new = tuple(counts_for_speeds(speeds, sum(self.counts), self.capacity, self.groups, self.pools))
+        new = tuple(counts_for_speeds(speeds, sum(self.counts), self.capacity, self.pools))
         if (predicted_seconds(new, seconds, self.pools)
                 >= (1 - self.margin) * predicted_seconds(self.counts, seconds, self.pools)):
             return None

@@ -186,11 +186,8 @@ def test_capacity_and_capped_counts():
     assert default_capacity(16, 8) == 4 and default_capacity(12, 8, (0, 2, 1, 1, 4, 1, 0, 3)) == 4
     assert default_capacity(3, 2) == 3  # never above the total
     assert counts_for_speeds([10.0, 1.0, 1.0, 1.0], 8, capacity=4) == [4, 2, 1, 1]
-    assert counts_for_speeds([3.0, 3.0, 1.0, 1.0], 8, groups=[0, 0, 1, 1]) == [3, 3, 1, 1]
     with pytest.raises(ValueError):
         counts_for_speeds([1.0, 1.0], 5, capacity=2)
-    with pytest.raises(ValueError):
-        counts_for_speeds([1.0, 1.0, 1.0, 1.0], 7, groups=[0, 0, 1, 1])
 
 
 def test_speed_counts_largest_remainder():

@@ -39,11 +39,7 @@ def test_pools_beat_per_device_shares_on_shared_cores():
     assert predicted_seconds(pooled, seconds, POOLS) == pytest.approx(18 / 4)
 
 
-def test_pooled_counts_keep_groups_and_capacity():
-    groups = (0, 0, 1, 1, 2, 2, 3, 3)  # tensor pairs inside each process
-    counts = counts_for_speeds([1.0] * 4 + [1 / 3] * 4, 24, 6, groups=groups, pools=POOLS)
-    assert counts == [5, 5, 4, 4, 2, 2, 1, 1]
-    assert all(counts[i] == counts[i + 1] for i in range(0, 8, 2))
+def test_pooled_counts_keep_the_capacity():
     capped = counts_for_speeds([1.0] * 4 + [1 / 9] * 4, 24, 5, pools=POOLS)  # 21.6 wanted, capacity 4 x 5
     assert capped == [5, 5, 5, 5, 1, 1, 1, 1]
     with pytest.raises(ValueError, match="do not fit"):
