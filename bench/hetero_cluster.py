@@ -130,25 +130,19 @@ def _env() -> dict:
     return dict(env, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
 
 
+def metric(run_dir: Path, key: str) -> dict:
+    """``{step: value}`` of ``key`` in process 0's ``metrics.jsonl`` (``perf/step_time``: seconds;
+    ``train/processed``: microbatches per device)."""
+    rows = (json.loads(line) for line in _read(run_dir / "metrics.jsonl").splitlines())
+    return {row["step"]: row[key] for row in rows if key in row}
+
+
 def step_times(run_dir: Path) -> dict[int, float]:
-    """``{step: seconds}`` from process 0's ``metrics.jsonl`` (``perf/step_time``, one per step)."""
-    path = run_dir / "metrics.jsonl"
-    out = {}
-    for line in _read(path).splitlines():
-        row = json.loads(line)
-        if "perf/step_time" in row:
-            out[row["step"]] = row["perf/step_time"]
-    return out
+    return metric(run_dir, "perf/step_time")
 
 
 def counts_seen(run_dir: Path) -> dict[int, list[int]]:
-    """``{step: per-device microbatches}`` of an uneven run."""
-    out = {}
-    for line in _read(run_dir / "metrics.jsonl").splitlines():
-        row = json.loads(line)
-        if "train/processed" in row:
-            out[row["step"]] = row["train/processed"]
-    return out
+    return metric(run_dir, "train/processed")
 
 
 def run(quota: CpuQuota, flags: list[str], run_dir: Path, log_dir: Path, cores: tuple[int, int],
