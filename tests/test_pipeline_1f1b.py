@@ -1,6 +1,8 @@
 """The 1F1B pipeline schedule: its tick table, equality with the unpipelined stack and model, memory
 against GPipe, and no transfer inside a conditional."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -238,30 +240,47 @@ def test_1f1b_model_has_the_loss_and_gradients_of_the_unpipelined_one(num_layers
     assert_close(grads, ref_grads)
 
 
-def test_1f1b_training_steps_match_the_unpipelined_model():
-    """Losses over 3 steps (1e-4) and the parameters after the first (1e-5) equal the flat model's.
+STEPS_LAYERS, STEPS_MESH, STEPS_SPLIT, STEPS_MICROBATCHES = 6, "stage=2,fsdp=4", (4, 2), 2
+
+
+def _steps_config():
+    from models.config import get_config
+    from train.optimizer import OptimizerConfig
+
+    return get_config("test", [f"num_layers={STEPS_LAYERS}"]), OptimizerConfig(eps=1e-3, warmup=0, decay_steps=10)
+
+
+@functools.lru_cache(maxsize=1)
+def _flat_steps():
+    """The flat model's initial parameters, losses over 6 steps and parameters after the first (computed once)."""
+    from sharding.parallel import Accumulation
+
+    config, optimizer = _steps_config()
+    flat = _trainer(config, "fsdp=8", Accumulation(1), optimizer)
+    init = jax.tree.map(np.asarray, flat.init_state(0)["params"])
+    return init, *_steps(flat, [_batch(8, 32, seed) for seed in range(6)])
+
+
+@pytest.mark.parametrize("schedule, repeats", [("gpipe", 1), ("gpipe", 2), ("1f1b", 1)])
+def test_training_steps_match_the_unpipelined_model(schedule, repeats):
+    """Losses over 6 steps (1e-4) and the parameters after the first (1e-5) equal the flat model's, for GPipe,
+    circular (GPipe with 2 repeats) and 1F1B on the uneven split 4,2 with fsdp.
 
     AdamW's first update is ``lr * g / (|g| + eps)``: with the default ``eps`` 1e-8 it is about
     ``lr * sign(g)``, which turns float32 rounding of a near-zero gradient entry into an update of up
     to ``lr`` (an ill-conditioned comparison, not a tolerance question); ``eps`` 1e-3 bounds that gain
     by ``lr / eps`` = 3 while entries with ``|g|`` near 1e-3 still move by about ``lr / 2``."""
-    from models.config import get_config
-    from sharding.parallel import Accumulation
-    from train.optimizer import OptimizerConfig
-
-    num_layers, mesh_spec, stage_layers, microbatches, _ = CASES[0]
-    config = get_config("test", [f"num_layers={num_layers}"])
-    optimizer = OptimizerConfig(eps=1e-3, warmup=0, decay_steps=10)
-    batches = [_batch(8, 32, seed) for seed in range(3)]
-    flat = _trainer(config, "fsdp=8", Accumulation(1), optimizer)
-    init = jax.tree.map(np.asarray, flat.init_state(0)["params"])
-    ref_losses, ref_params = _steps(flat, batches)
-    plan = _plan(num_layers, mesh_spec, stage_layers, microbatches, "1f1b")
-    losses, params = _steps(_trainer(config, mesh_spec, plan, optimizer), batches)
+    init, ref_losses, ref_params = _flat_steps()
+    config, optimizer = _steps_config()
+    plan = _plan(STEPS_LAYERS, STEPS_MESH, STEPS_SPLIT, STEPS_MICROBATCHES, schedule, repeats)
+    assert plan.layout.repeats == repeats and plan.one_f_one_b == (schedule == "1f1b")
+    batches = [_batch(8, 32, seed) for seed in range(6)]
+    losses, params = _steps(_trainer(config, STEPS_MESH, plan, optimizer), batches)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-4)
     assert_close(params, ref_params)
     moved = max(float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(ref_params), jax.tree.leaves(init)))
     assert moved > 1e-3  # the step moved the parameters far beyond the tolerance
+    assert ref_losses[-1] < ref_losses[0]  # six steps of training, not six evaluations of one state
 
 
 def _compiled_gradients(schedule, num_layers=4, mesh_spec="stage=2,fsdp=4", stage_layers=(3, 1), microbatches=16,
