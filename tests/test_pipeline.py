@@ -1,6 +1,7 @@
 """Pipeline parallelism over the ``stage`` axis: layouts, equality with the unpipelined model, work, memory,
 checkpoints across stage layouts, and refused flags."""
 
+import functools
 import json
 import math
 import shutil
@@ -313,24 +314,33 @@ def test_the_pipelined_model_has_the_loss_and_gradients_of_the_unpipelined_one(
     assert_close(grads, ref_grads)
 
 
+@functools.lru_cache(maxsize=1)
+def _flat_loss_and_grads():
+    """The unpipelined test model's loss and gradients on ``_batch(8, 32)`` (computed once per module)."""
+    return _loss_and_grads(_trainer(get_config("test"), "fsdp=8"), _batch(8, 32))
+
+
 @pytest.mark.parametrize(
-    "attention, mesh_spec",
+    "attention, mesh_spec, schedule",
     [
-        ("flash", "stage=2,fsdp=2,tensor=2"),  # heads split over tensor inside the stage program
-        ("ring", "stage=2,fsdp=2,sequence=2"),  # keys and values around the sequence ring inside a stage
-        ("ulysses", "stage=2,fsdp=2,sequence=2"),  # all-to-all over sequence inside a stage
+        ("flash", "stage=2,fsdp=2,tensor=2", "gpipe"),  # heads split over tensor inside the stage program
+        ("ring", "stage=2,fsdp=2,sequence=2", "gpipe"),  # keys and values around the sequence ring inside a stage
+        ("ulysses", "stage=2,fsdp=2,sequence=2", "gpipe"),  # all-to-all over sequence inside a stage
+        ("flash", "stage=2,fsdp=2,tensor=2", "1f1b"),  # the kernels inside 1F1B's forward and backward ticks
+        ("ring", "stage=2,fsdp=2,sequence=2", "1f1b"),
     ],
 )
-def test_attention_kernels_inside_stages_match_the_flat_reference_attention(attention, mesh_spec):
+def test_attention_kernels_inside_stages_match_the_flat_reference_attention(attention, mesh_spec, schedule):
     """Each kernel's map opens over the axes the stage program leaves automatic; loss and gradients equal
-    the unpipelined model's with plain attention. As at start-up (`train.strategies.checked_pipeline`), a
-    transfer inside a skipped slot (ring's) makes the pipeline compute every slot instead."""
+    the unpipelined model's with plain attention, for GPipe and 1F1B. As at start-up
+    (`train.strategies.checked_pipeline`), a transfer inside a skipped slot (ring's) makes the pipeline
+    compute every slot instead."""
     from train.strategies import checked_pipeline
 
     batch = _batch(8, 32)
-    ref_loss, ref_grads = _loss_and_grads(_trainer(get_config("test"), "fsdp=8"), batch)
+    ref_loss, ref_grads = _flat_loss_and_grads()
     layout, _ = pl.plan_layout(4, 2, 1, (3, 1))
-    trainer = _trainer(get_config("test", [f"attention={attention}"]), mesh_spec, pl.PipelinePlan(layout, 2))
+    trainer = _trainer(get_config("test", [f"attention={attention}"]), mesh_spec, pl.PipelinePlan(layout, 2, one_f_one_b=schedule == "1f1b"))
     params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                           trainer.state_params, trainer.param_shardings)
     grad_fn = jax.jit(lambda p, b: jax.value_and_grad(trainer.loss_sums, has_aux=True)(p, b))
