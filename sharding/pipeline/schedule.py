@@ -551,9 +551,32 @@ def _stage_program(stacked, xs, extras, *, layer_fn, plan: PipelinePlan, par, we
     """
     import jax
 
-    xs, extras = to_varying((xs, extras), ax.STAGE)
+    xs, extras = _stage_varying(xs), to_varying(extras, ax.STAGE)
     outputs, applied = _pipeline_program(layer_fn, plan, par, weights, remat_policy)(stacked, xs, extras)
-    return jax.lax.psum(outputs, ax.STAGE), applied[None]
+    return _sum_over_stages(outputs), applied[None]
+
+
+def _wide(dtype):
+    """At least float32: the dtype the activations cross ``stage`` in (`_stage_varying`, `_sum_over_stages`)."""
+    import jax.numpy as jnp
+
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def _stage_varying(xs):
+    """``xs`` cast stage-varying (`to_varying`) through float32, so that its cotangent is summed over ``stage``
+    (the transpose of the cast) in float32: XLA's CPU compiler aborts on a bfloat16 all-reduce there
+    (``AllReducePromotion``: "Invalid binary instruction opcode copy"). Exact: only stage 0's cotangent is
+    nonzero, and a bfloat16 value is exact in float32."""
+    return to_varying(xs.astype(_wide(xs.dtype)), ax.STAGE).astype(xs.dtype)
+
+
+def _sum_over_stages(outputs):
+    """``psum`` over ``stage`` in float32 (see `_stage_varying`), cast back: exact, as only the last stage's
+    outputs are nonzero."""
+    import jax
+
+    return jax.lax.psum(outputs.astype(_wide(outputs.dtype)), ax.STAGE).astype(outputs.dtype)
 
 
 def run_pipeline(layer_fn: Callable[..., Any], stacked, x, extras: Sequence[Any], par, *, names=None,
