@@ -6,7 +6,8 @@ their asynchronous ``-start`` forms) with the bytes of its per-device result
 and how many times it runs per call of the program: an instruction inside a
 ``while`` body (a scanned layer stack, a microbatch loop) runs once per trip,
 read from the loop's ``known_trip_count``. `dot_flops` counts the FLOPs of the
-matrix products the same way (``compiled.cost_analysis()`` counts a loop body once).
+matrix products the same way (``compiled.cost_analysis()`` counts a loop body once), every branch of a
+conditional included; `dot_flops_split` tells the branches' part apart.
 `branch_collectives` finds the collectives inside the branches of conditionals, with the
 pipeline stages their device groups span (the pipeline skips empty layer slots with conditionals
 that stages take differently, so a collective there must stay inside one stage).
@@ -174,7 +175,9 @@ def dot_flops(hlo_text: str) -> float:
     A dot costs ``2 x (result elements) x (contracted elements)``, the count of XLA's
     HloCostAnalysis. Unlike ``compiled.cost_analysis()``, which counts the body of a ``while``
     loop once, each dot here is multiplied by the executions of its computation per call
-    (fusions included, through their ``calls=`` edges).
+    (fusions included, through their ``calls=`` edges). Every branch of a conditional is counted on
+    every execution of the conditional, as if all ran: an upper bound where branches are skipped
+    (`dot_flops_split` gives the part inside branches).
 
     Args:
       hlo_text: ``compiled.as_text()``.
@@ -182,9 +185,25 @@ def dot_flops(hlo_text: str) -> float:
     Returns:
       FLOPs per call of the program, per device.
     """
+    outside, inside = dot_flops_split(hlo_text)
+    return outside + inside
+
+
+def dot_flops_split(hlo_text: str) -> tuple[float, float]:
+    """`dot_flops` in two parts: ``(outside, inside)`` conditional branches, FLOPs per call per device.
+
+    ``outside`` runs on every call. ``inside`` counts each branch's dots on every execution of its
+    conditional, every branch alike: what runs lies between 0 and it, as the branches taken decide (a
+    pipeline stage's skipped slots and bubble steps, or 1F1B's ticks, which run a forward or a backward
+    branch, not both). The compiled program does not say which branch a device takes.
+
+    Args:
+      hlo_text: ``compiled.as_text()``.
+    """
     instructions, calls, entry = _parse(hlo_text)
     times = _multiplicities(calls, entry)
-    total = 0.0
+    branches = _inside_branches(instructions, calls)
+    split = [0.0, 0.0]
     for computation, items in instructions.items():
         types = {name: type_text for name, type_text, _, _ in items}
         for _, type_text, op, rest in items:
@@ -201,8 +220,26 @@ def dot_flops(hlo_text: str) -> float:
             result = 1
             for d in _dims(type_text):
                 result *= d
-            total += 2.0 * result * contracted * max(times.get(computation, 0), 1)
-    return total
+            split[computation in branches] += 2.0 * result * contracted * max(times.get(computation, 0), 1)
+    return split[0], split[1]
+
+
+def _inside_branches(instructions, calls) -> set[str]:
+    """The computations reachable from a branch of a conditional (the branches themselves included)."""
+    roots: set[str] = set()
+    for items in instructions.values():
+        for _, _, op, rest in items:
+            if op == "conditional":
+                roots.update(_BRANCH_ONLY.findall(rest))
+                for group in _BRANCHES.findall(rest):
+                    roots.update(c.strip().lstrip("%") for c in group.split(",") if c.strip())
+    inside, todo = set(), list(roots)
+    while todo:
+        comp = todo.pop()
+        if comp not in inside:
+            inside.add(comp)
+            todo.extend(callee for callee, _ in calls.get(comp, ()))
+    return inside
 
 
 # Conditional branches -----------------------------------------------------------------------
@@ -280,19 +317,7 @@ def branch_collectives(hlo_text: str, mesh, stage_axis: str = "stage") -> list[B
       conditional branch.
     """
     instructions, calls, _ = _parse(hlo_text)
-    roots: set[str] = set()
-    for items in instructions.values():
-        for _, _, op, rest in items:
-            if op == "conditional":
-                roots.update(_BRANCH_ONLY.findall(rest))
-                for group in _BRANCHES.findall(rest):
-                    roots.update(c.strip().lstrip("%") for c in group.split(",") if c.strip())
-    inside, todo = set(), list(roots)
-    while todo:
-        comp = todo.pop()
-        if comp not in inside:
-            inside.add(comp)
-            todo.extend(callee for callee, _ in calls.get(comp, ()))
+    inside = _inside_branches(instructions, calls)
     names = list(mesh.axis_names)
     stage_of = (np.unravel_index(np.arange(mesh.devices.size), mesh.devices.shape)[names.index(stage_axis)]
                 if stage_axis in names else np.zeros(mesh.devices.size, int))

@@ -601,3 +601,19 @@ def test_bad_pipeline_input_fails_before_compiling_with_the_flag_named(tmp_path,
     code = _run([*args, "--steps", "2", "--run-dir", str(tmp_path / "r")], corpus, cache)
     err = capsys.readouterr().err
     assert code == 2 and message in err, err
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_bfloat16_pipeline_compiles(schedule):
+    """XLA's CPU compiler aborted on the bfloat16 sum over ``stage`` of the pipeline's outputs and of its
+    inputs' cotangents (``AllReducePromotion``: "Invalid binary instruction opcode copy"); the pipeline sums
+    them in float32 (exact: one stage's are nonzero). In a subprocess: the abort would end the test session."""
+    import subprocess
+    import sys
+
+    args = ["--cpu-devices", "8", "--model", "test", "--mesh", "stage=2,fsdp=4", "--stage-layers", "3,1",
+            "--microbatches", "4", "--batch-size", "16", "--seq-len", "32", "--dry-run", "--pipeline-schedule",
+            schedule, "--set", "dtype=bfloat16"]
+    done = subprocess.run([sys.executable, "-m", "train.train", *args], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "temporaries" in done.stdout and "empty slots are not computed (skipped by a conditional)" in done.stdout

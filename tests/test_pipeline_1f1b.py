@@ -2,6 +2,7 @@
 against GPipe, and no transfer inside a conditional."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -329,6 +330,11 @@ def test_dry_run_reports_the_1f1b_schedule(capsys):
     assert ("a ring of 2 microbatches x 3 slot inputs per device (the other schedules keep 5 x 3); one loop of "
             "10 ticks") in out
     assert "final norm, output projection and loss: on the last stage inside the pipeline" in out
+    # A tick runs a forward or a backward branch, not both: the products inside conditionals are an upper bound,
+    # reported apart from those that always run (the layers and the head are all inside branches here).
+    outside = re.search(r"compute per device per step: ([\d.]+) (\w)FLOP in matrix products outside conditionals", out)
+    inside = re.search(r"conditional branches: at most ([\d.]+) (\w)FLOP more \(every branch counted", out)
+    assert outside and inside, out
 
 
 @pytest.mark.parametrize(

@@ -99,15 +99,23 @@ def collective_lines(compiled) -> list[str]:
 
 
 def compute_lines(compiled) -> list[str]:
-    """FLOPs per device of the compiled step: matrix products with loop trips counted (`sharding.hlo.dot_flops`;
-    skipped-slot branches counted as run), and XLA's ``cost_analysis()`` (each loop body once)."""
+    """FLOPs per device of the compiled step: matrix products with loop trips counted, those outside
+    conditional branches apart from those inside (`sharding.hlo.dot_flops_split`; the branches' figure
+    counts every branch on every trip, an upper bound: a pipeline stage skips its empty slots and bubble
+    steps, and a 1F1B tick runs a forward or a backward, not both), and XLA's ``cost_analysis()`` (each
+    loop body once)."""
     analysis = compiled.cost_analysis()
     analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis
     def flop(n: float) -> str:
         return f"{n / 1e12:.2f} TFLOP" if n >= 1e11 else f"{n / 1e9:.3f} GFLOP"
 
-    return [f"compute per device per step: {flop(hlo.dot_flops(compiled.as_text()))} in matrix products "
-            f"(loop trips counted); cost_analysis {flop(float(analysis.get('flops', 0.0)))} (loop bodies once)"]
+    outside, inside = hlo.dot_flops_split(compiled.as_text())
+    lines = [f"compute per device per step: {flop(outside)} in matrix products outside conditionals (loop trips "
+             f"counted); cost_analysis {flop(float(analysis.get('flops', 0.0)))} (loop bodies once)"]
+    if inside:
+        lines.append(f"  conditional branches: at most {flop(inside)} more (every branch counted on every trip; "
+                     f"which run is decided at run time)")
+    return lines
 
 
 def state_bytes(abstract_state) -> int:

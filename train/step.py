@@ -256,19 +256,26 @@ class Trainer:
           signals: The ``[num_devices]`` int32 stop-signal vector (`signals`'s ``stop``).
 
         A non-finite loss or gradient leaves parameters and optimizer state as they were
-        (``metrics["finite"]`` is False); the step counter still advances.
+        (``metrics["finite"]`` is False); the step counter still advances. The guard is a `jax.lax.cond`
+        around the update, not a `jnp.where` of new and old state: with the select, XLA keeps copies of the
+        old moments (a third of the state per device), scheduled at the start of the step, through the peak.
         """
         denom = jnp.maximum(weight, 1.0)
         grads = jax.tree.map(lambda g: g / denom, grads)
         grad_norm = optax.tree.norm(grads) if hasattr(getattr(optax, "tree", None), "norm") else optax.global_norm(grads)
-        updates, opt_state = self.tx.update(grads, state["opt_state"], state["params"])
-        params = optax.apply_updates(state["params"], updates)
         finite = jnp.isfinite(loss_sum) & jnp.isfinite(grad_norm)
-        keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+        updates, opt_state = self.tx.update(grads, state["opt_state"], state["params"])
+
+        def commit(updates, new, params, old):
+            return optax.apply_updates(params, updates), new
+
+        # Outside the cond: every collective (the clipping norm); inside: elementwise work only, which a
+        # pipeline's check of collectives in conditionals (`sharding.hlo.branch_collectives`) must not see.
+        params, opt_state = jax.lax.cond(finite, commit, lambda updates, new, params, old: (params, old),
+                                         updates, opt_state, state["params"], state["opt_state"])
         metrics = {"loss": loss_sum / denom, "grad_norm": grad_norm, "lr": self.schedule(state["step"]),
                    "tokens": weight, "finite": finite, "stop": jnp.max(signals) > 0}
-        new_state = {"step": state["step"] + 1, "params": jax.tree.map(keep, params, state["params"]),
-                     "opt_state": jax.tree.map(keep, opt_state, state["opt_state"]), "rng": state["rng"]}
+        new_state = {"step": state["step"] + 1, "params": params, "opt_state": opt_state, "rng": state["rng"]}
         return new_state, metrics
 
     def signal_sharding(self) -> dict[str, NamedSharding]:

@@ -56,6 +56,7 @@ from sharding.pipeline.schedule import (
     _manual_spec,
     _name_leaves,
     _Setup,
+    _stage_varying,
     _Weights,
     _write,
     run_pipeline,
@@ -269,7 +270,7 @@ def run_pipeline_loss(layer_fn: Callable[..., Any], head_fn: Callable[..., Any],
     vary = (ax.STAGE, *setup.weights.summed)
 
     def stage_program(stacked, head_params, xs, extras, head_inputs):
-        xs, extras, head_inputs = to_varying((xs, extras, head_inputs), ax.STAGE)
+        xs, (extras, head_inputs) = _stage_varying(xs), to_varying((extras, head_inputs), ax.STAGE)
         loss, weight, applied = program(stacked, head_params, xs, extras, head_inputs)
         return jax.lax.psum(loss, vary), jax.lax.psum(weight, vary), applied[None]
 

@@ -328,6 +328,27 @@ def _pipeline_backward(layer_fn, plan: PipelinePlan, params, extras, saved, g_ou
     return grads, g_xs
 
 
+def _inverse_rows(local_index: np.ndarray, size: int, width: int) -> np.ndarray:
+    """``[S, G, size]`` int32: for each device's local row, the slot of ``local_index`` ``[S, G, W]`` that takes
+    it, or ``width`` (a zero row) where none does.
+
+    Raises:
+      ValueError: a local row taken by two slots (a placement `_Weights` cannot invert).
+    """
+    stages, groups, _ = local_index.shape
+    inverse = np.full((stages, groups, size), width, np.int32)
+    for s in range(stages):
+        for g in range(groups):
+            for w, row in enumerate(local_index[s, g]):
+                if row < 0:
+                    continue
+                if inverse[s, g, row] != width:
+                    raise ValueError(f"pipeline storage: local row {row} of device ({s}, {g}) feeds slots "
+                                     f"{inverse[s, g, row]} and {w}")
+                inverse[s, g, row] = w
+    return inverse
+
+
 @dataclasses.dataclass(frozen=True)
 class _Weights:
     """How a stage's layer weights are gathered for a pass and their gradients reduced after it.
@@ -399,10 +420,13 @@ class _Weights:
             if send is not None:
                 message = jnp.take(w, jnp.asarray(send)[stage, g], axis=0)
                 parts.append(self._send(message, d))
-        local = jnp.concatenate(parts, axis=0) if len(parts) > 1 else w  # [q + C, ...]
-        index = jnp.asarray(placement.local_index)[stage, g]  # [W]
-        mine = jnp.take(local, jnp.maximum(index, 0), axis=0)
-        mine = jnp.where((index >= 0).reshape(-1, *([1] * (w.ndim - 1))), mine, jnp.zeros((), mine.dtype))
+        # A zero row last, which the empty slots take: no select against a slot-sized zero array (XLA
+        # shares such a broadcast with the backward pass's and materialises it before the step loop).
+        parts.append(jnp.zeros((1, *w.shape[1:]), w.dtype))
+        local = jnp.concatenate(parts, axis=0)  # [q + C + 1, ...]
+        size = local.shape[0] - 1
+        index = np.where(placement.local_index >= 0, placement.local_index, size)
+        mine = jnp.take(local, jnp.asarray(index)[stage, g], axis=0)  # [W, ...]
         if not self.groups:
             return mine[None]
         full = jax.lax.all_gather(mine, self.groups, axis=1, tiled=False)  # [W, G, ...]: slot w*G + g
@@ -420,10 +444,12 @@ class _Weights:
         if self.groups:
             g_slots = g_slots.reshape(-1, groups, *g_slots.shape[1:])
             g_slots = jax.lax.psum_scatter(g_slots, self.groups, scatter_dimension=1, tiled=False)  # [W, ...]
-        size = q + placement.received
-        index = jnp.asarray(placement.local_index)[stage, g]
-        local = jnp.zeros((size, *g_slots.shape[1:]), g_slots.dtype)
-        local = local.at[jnp.where(index >= 0, index, size)].add(g_slots, mode="drop")
+        # A gather by the inverse of the slots' rows (each local row feeds at most one slot), not a scatter into
+        # zeros: XLA materialises a scatter's zero operand before the step loop, through the peak.
+        width = g_slots.shape[0]
+        inverse = _inverse_rows(placement.local_index, q + placement.received, width)
+        padded = jnp.concatenate([g_slots, jnp.zeros((1, *g_slots.shape[1:]), g_slots.dtype)], axis=0)
+        local = jnp.take(padded, jnp.asarray(inverse)[stage, g], axis=0)  # [q + C, ...]
         rows, offset = local[:q], q
         for d, send in enumerate(placement.sends):
             if send is not None:
@@ -525,9 +551,32 @@ def _stage_program(stacked, xs, extras, *, layer_fn, plan: PipelinePlan, par, we
     """
     import jax
 
-    xs, extras = to_varying((xs, extras), ax.STAGE)
+    xs, extras = _stage_varying(xs), to_varying(extras, ax.STAGE)
     outputs, applied = _pipeline_program(layer_fn, plan, par, weights, remat_policy)(stacked, xs, extras)
-    return jax.lax.psum(outputs, ax.STAGE), applied[None]
+    return _sum_over_stages(outputs), applied[None]
+
+
+def _wide(dtype):
+    """At least float32: the dtype the activations cross ``stage`` in (`_stage_varying`, `_sum_over_stages`)."""
+    import jax.numpy as jnp
+
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def _stage_varying(xs):
+    """``xs`` cast stage-varying (`to_varying`) through float32, so that its cotangent is summed over ``stage``
+    (the transpose of the cast) in float32: XLA's CPU compiler aborts on a bfloat16 all-reduce there
+    (``AllReducePromotion``: "Invalid binary instruction opcode copy"). Exact: only stage 0's cotangent is
+    nonzero, and a bfloat16 value is exact in float32."""
+    return to_varying(xs.astype(_wide(xs.dtype)), ax.STAGE).astype(xs.dtype)
+
+
+def _sum_over_stages(outputs):
+    """``psum`` over ``stage`` in float32 (see `_stage_varying`), cast back: exact, as only the last stage's
+    outputs are nonzero."""
+    import jax
+
+    return jax.lax.psum(outputs.astype(_wide(outputs.dtype)), ax.STAGE).astype(outputs.dtype)
 
 
 def run_pipeline(layer_fn: Callable[..., Any], stacked, x, extras: Sequence[Any], par, *, names=None,
