@@ -42,7 +42,8 @@ Checked against the compiler (``tests/test_costmodel.py``, ``bench/costmodel.py`
 ``while`` loop once (the scanned layers and the microbatch loop), `Cost.matmul_flops` against the
 products of the compiled HLO with loop trip counts folded in (`sharding.hlo.dot_flops`), the state
 and batch bytes against ``compiled.memory_analysis().argument_size_in_bytes``, and the bytes of
-each collective kind against `sharding.hlo.collectives`.
+each collective kind against `sharding.hlo.collectives`. Pipelines (section "Pipeline" below) on the
+same figures (``PIPELINE_GRID`` in ``bench/costmodel_grid.py``).
 
 Units: FLOPs, bytes, seconds, FLOP/s, bytes/s. This module imports jax only (through
 `sharding.rules`), never the model.
@@ -131,6 +132,9 @@ class Layout:
       logits: How the output projection and loss are laid out (`sharding.vocab`): ``gathered``,
         ``vocab_parallel`` or ``auto`` (what `sharding.vocab.choose_output` picks). Modelled for
         untied embeddings.
+      skip_empty: Pipeline only: empty slots and bubble steps are skipped by conditionals
+        (`sharding.pipeline.PipelinePlan.skip_empty`); False prices every slot of every step, which
+        is also what a compiled program's loop trip counts say (a branch counted on every trip).
 
     Raises:
       ValueError: On an unknown axis, a size below 1, or an unknown remat/attention/dtype.
@@ -146,6 +150,7 @@ class Layout:
     dtype: str = "float32"
     uneven_batch: bool = False
     logits: str = "auto"
+    skip_empty: bool = True
 
     def __post_init__(self) -> None:
         full = {a: 1 for a in ax.MESH_AXES}
@@ -342,10 +347,11 @@ class Memory:
       gradients: float32 gradients (the accumulator when microbatching).
       optimizer: AdamW's two float32 moments.
       activations: Saved for the backward pass under the remat policy (one microbatch's); with
-        pipeline stages, each layer's input for every microbatch (all forwards run before the
-        backward pass, which recomputes each layer).
+        pipeline stages, each slot's input at every pipeline step (all forwards run before the
+        backward pass, which recomputes each layer) and one layer's activations.
       logits: float32 logits and their gradient for one microbatch.
-      gathered: FSDP-gathered weights of one layer in flight (two buffers).
+      gathered: FSDP-gathered weights of one layer in flight (two buffers); with pipeline stages,
+        the stage's slots gathered once per step, in the compute dtype, alive through the step.
       batch: The step's input batch on this device.
     """
 
@@ -519,8 +525,9 @@ def device_cost(
     model = describe_model(model)
     mesh = layout.mesh
     if layers is None:
-        stage_layers = layout.stage_layers or plan_layout(model.num_layers, mesh[ax.STAGE])[0].stage_layers
-        layers = max(stage_layers)
+        stages = plan_layout(model.num_layers, mesh[ax.STAGE], layout.pipeline_repeats, layout.stage_layers)[0]
+        layers = max(stages.stage_layers)
+        slots = stages.slots if slots is None else slots
     shape = _Shape(
         rows=rows,
         seq=seq_len,
@@ -532,6 +539,9 @@ def device_cost(
     )
     rules = layout.rules_table()
     placed = _place_cached(model, rules, tuple(mesh.items()))
+    if mesh[ax.STAGE] > 1:
+        pipe = _pipeline_of(layout, shape)
+        return _pipeline_cost(model, layout, rules, placed, shape, pipe, backend, batch_rows)
     flops, counted = _flops(model, layout, rules, placed, shape)
     memory = _memory(model, layout, rules, placed, shape)
     comms = tuple(c for c in _comms(model, layout, rules, placed, shape, backend, batch_rows)
@@ -568,9 +578,12 @@ def estimate(model: ModelDescription | Any, global_batch: int, seq_len: int, lay
 # --- FLOPs ------------------------------------------------------------------------------------
 
 
-def _flops(model: ModelDescription, layout: Layout, rules: Rules, placed: dict[str, _Placed],
-           s: _Shape) -> tuple[Flops, float]:
-    """Per-step FLOPs and the loop-bodies-once count of ``cost_analysis``."""
+def _per_token_flops(model: ModelDescription, layout: Layout, rules: Rules, placed: dict[str, _Placed], s: _Shape,
+                     recomputes: int = 0) -> dict[str, float]:
+    """FLOPs per token, forward and backward: of one layer (``layers``: weight products, ``attention``,
+    ``recompute``, ``elem_layer``) and of what runs once (``logits``, ``elem_loss``). ``recomputes``:
+    extra forward passes of each layer in the backward pass beyond the remat policy's (the
+    pipeline's backward pass recomputes every layer: 1)."""
     mesh = layout.mesh
     compute_axes = tuple(a for a in mesh if a not in ax.BATCH_MESH_AXES)  # gathered axes do not split work
 
@@ -591,24 +604,33 @@ def _flops(model: ModelDescription, layout: Layout, rules: Rules, placed: dict[s
     logits_fwd = 2.0 * logits.in_size * logits.out_size / math.prod(
         _axis_split(model, a, rules, mesh) for a in logits.out_axes)
     recompute = {"none": 0.0, "full": kept_fwd + attn_fwd, "dots": attn_fwd}[layout.remat]
-    if mesh[ax.STAGE] > 1:
-        # The pipeline's own backward pass (sharding/pipeline/schedule.py) recomputes every layer,
-        # on top of the remat policy applied inside it.
-        recompute += kept_fwd + attn_fwd
+    recompute += recomputes * (kept_fwd + attn_fwd)
     passes = 1.0 + ELEMENTWISE_BACKWARD_FACTOR + (1.0 if layout.remat != "none" else 0.0)
-    elem_layer = passes * _per_token(model, "layer_elementwise", rules, mesh, s.seq if whole else 0.0)
-    elem_loss = (1.0 + ELEMENTWISE_BACKWARD_FACTOR) * _per_token(model, "loss_elementwise", rules, mesh, 0.0)
-    per_token_layer = 3.0 * layer_fwd + attn_total + recompute + elem_layer
-    per_token_outside = 3.0 * logits_fwd + elem_loss
+    return {
+        "layers": 3.0 * layer_fwd,
+        "attention": attn_total,
+        "recompute": recompute,
+        "elem_layer": passes * _per_token(model, "layer_elementwise", rules, mesh, s.seq if whole else 0.0),
+        "logits": 3.0 * logits_fwd,
+        "elem_loss": (1.0 + ELEMENTWISE_BACKWARD_FACTOR) * _per_token(model, "loss_elementwise", rules, mesh, 0.0),
+    }
+
+
+def _flops(model: ModelDescription, layout: Layout, rules: Rules, placed: dict[str, _Placed],
+           s: _Shape) -> tuple[Flops, float]:
+    """Per-step FLOPs and the loop-bodies-once count of ``cost_analysis`` (no pipeline)."""
+    unit = _per_token_flops(model, layout, rules, placed, s)
+    per_token_layer = unit["layers"] + unit["attention"] + unit["recompute"] + unit["elem_layer"]
+    per_token_outside = unit["logits"] + unit["elem_loss"]
     local_params = sum(p.local * (s.slots if p.param.per_layer else 1) for p in placed.values())
     optimizer = OPTIMIZER_FLOPS_PER_PARAM * local_params
     tokens = s.tok * s.micro
     flops = Flops(
-        layers=tokens * s.layers * 3.0 * layer_fwd,
-        attention=tokens * s.layers * attn_total,
-        logits=tokens * 3.0 * logits_fwd,
-        recompute=tokens * s.layers * recompute,
-        elementwise=tokens * (s.layers * elem_layer + elem_loss),
+        layers=tokens * s.layers * unit["layers"],
+        attention=tokens * s.layers * unit["attention"],
+        logits=tokens * unit["logits"],
+        recompute=tokens * s.layers * unit["recompute"],
+        elementwise=tokens * (s.layers * unit["elem_layer"] + unit["elem_loss"]),
         optimizer=optimizer,
     )
     counted = s.tok * (per_token_layer + per_token_outside) + optimizer
@@ -633,11 +655,6 @@ def _memory(model: ModelDescription, layout: Layout, rules: Rules, placed: dict[
         saved = s.tok * s.layers * saved_bytes(("input", "dot")) + s.tok * per_layer
     else:
         saved = s.tok * s.layers * per_layer
-    if mesh[ax.STAGE] > 1:
-        # The pipeline (sharding/pipeline/schedule.py) runs every microbatch forward before the
-        # backward pass and keeps only each layer slot's input, for all microbatches, recomputing
-        # the layer in its backward pass (one layer's activations live at a time).
-        saved = s.tok * s.micro * s.layers * saved_bytes(("input",)) + s.tok * per_layer
     out = model.logits
     logits = 2 * s.tok * out.out_size / math.prod(_axis_split(model, a, rules, mesh) for a in out.out_axes) * 4
     gathered = 0.0
@@ -669,7 +686,7 @@ def _axes(mesh: Mapping[str, int], *names: str) -> tuple[tuple[str, ...], int]:
 
 
 def _comms(model: ModelDescription, layout: Layout, rules: Rules, placed: dict[str, _Placed], s: _Shape, backend: str,
-           batch_rows: float | None = None) -> list[Comm]:
+           batch_rows: float | None = None, embedding: bool = True) -> list[Comm]:
     if layout.uneven_batch:
         return _uneven_comms(layout, placed, s, batch_rows)
     comms: list[Comm] = []
@@ -678,9 +695,9 @@ def _comms(model: ModelDescription, layout: Layout, rules: Rules, placed: dict[s
     comms += _gradient_reductions(layout, placed, s, backend, split)
     comms += _tensor_comms(model, layout, rules, s, split)
     comms += _vocab_parallel_comms(model, layout, placed, s, split)
-    comms += _embedding_comms(model, layout, placed, s)
+    if embedding:
+        comms += _embedding_comms(model, layout, placed, s)
     comms += _sequence_comms(model, layout, rules, s, backend)
-    comms += _stage_comms(model, layout, s)
     return comms
 
 
@@ -826,16 +843,17 @@ def _gradient_reductions(layout: Layout, placed: dict[str, _Placed], s: _Shape, 
 
 
 def _tensor_comms(model: ModelDescription, layout: Layout, rules: Rules, s: _Shape,
-                  output_split: VocabSplit | None = None) -> list[Comm]:
+                  output_split: VocabSplit | None = None, recomputes: int = 0, with_logits: bool = True) -> list[Comm]:
     """Megatron-style tensor parallelism (Shoeybi et al., 2019, section 3).
 
     Forward: the row-parallel products (an input axis split over ``tensor``, e.g. the attention
     output and the MLP's down projection) end in partial sums, all-reduced over ``tensor`` ([tokens,
-    out] each), again where full remat recomputes the product. Backward: the input gradients of the
+    out] each), again where full remat (or ``recomputes`` more times, the pipeline's backward pass)
+    recomputes the product. Backward: the input gradients of the
     column-parallel products (an output axis split) are partial sums; the partitioner reduces each
     separately ([tokens, in]). The logits: the cross-entropy's max and sum over the split vocabulary
     ([tokens] float32 each) and the input gradient of the output projection (with the
-    vocabulary-parallel loss, `_vocab_parallel_comms` instead).
+    vocabulary-parallel loss, `_vocab_parallel_comms` instead), unless ``with_logits`` is False.
     """
     mesh = layout.mesh
     if mesh[ax.TENSOR] <= 1:
@@ -846,7 +864,7 @@ def _tensor_comms(model: ModelDescription, layout: Layout, rules: Rules, s: _Sha
     for product in model.products:
         if _tensor_split(model, product.in_axes, rules, mesh):
             out = s.tok * product.out_size * s.act_bytes
-            recomputed = layout.remat == "full" and product.recomputed
+            recomputed = ((layout.remat == "full") + recomputes) * product.recomputed
             forward[out] = forward.get(out, 0) + 1 + recomputed
         if _tensor_split(model, product.out_axes, rules, mesh):
             grad = s.tok * product.in_size * s.act_bytes
@@ -856,7 +874,7 @@ def _tensor_comms(model: ModelDescription, layout: Layout, rules: Rules, s: _Sha
     comms += [Comm("all-reduce", (ax.TENSOR,), t, b, c * n, "column-parallel input gradients", False)
               for b, c in backward.items()]
     logits = model.logits
-    if output_split is not None or not _tensor_split(model, logits.out_axes, rules, mesh):
+    if not with_logits or output_split is not None or not _tensor_split(model, logits.out_axes, rules, mesh):
         return comms
     if s.micro > 1 and _partitioner() == "0.12":
         # jax 0.12 re-gathers the float32 logits' gradient [tokens, V] over tensor at the logits'
@@ -1035,16 +1053,238 @@ def _sequence_comms(model: ModelDescription, layout: Layout, rules: Rules, s: _S
     return comms
 
 
-def _stage_comms(model: ModelDescription, layout: Layout, s: _Shape) -> list[Comm]:
-    """Pipeline: each microbatch's activations sent to the next stage (forward) and their gradient
-    back (backward), once per stage chunk; not checked against the compiler yet."""
+# --- Pipeline ---------------------------------------------------------------------------------
+#
+# Prices the compiled pipeline of `sharding.pipeline.schedule` (GPipe and circular) as it is on main:
+# the embedding, final norm, output projection and loss run outside the pipeline on the device's
+# whole batch, replicated over ``stage`` (`_pipeline_outside`); the layers run inside it, applied
+# `_Pipe.applications` times per pass to one microbatch's rows; the stage's layer weights are
+# gathered once per step and their gradients reduced once (`_pipeline_weight_comms`); activations
+# move by one ppermute per pipeline step each way and one psum over ``stage`` each way hands the
+# outputs to every stage (`_stage_comms`). The pieces a schedule change touches:
+#
+# * a 1F1B schedule: `_Pipe.steps` (ticks and their ppermutes) and `_Pipe.saved_inputs` (slot
+#   inputs alive at once);
+# * unpadded storage of uneven stages: `_Pipe.stored_slots` (persistent layer slots per device)
+#   and the gather in `_pipeline_weight_comms` (what each device gathers per pass);
+# * the head's work split over stages: `_pipeline_outside` (its share of the whole batch).
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pipe:
+    """One stage device's pipeline (`sharding.pipeline.PipelinePlan` for this device).
+
+    Attributes:
+      stages: S.
+      repeats: R (1: GPipe; more: circular).
+      micro: M, microbatches per step.
+      layers: Layers this stage runs per microbatch (over its repeats).
+      slots: Layer slots every stage holds, ``R * K`` (K: the most layers of any chunk).
+      skip_empty: Empty slots and bubble steps are skipped (`PipelinePlan.skip_empty`).
+    """
+
+    stages: int
+    repeats: int
+    micro: int
+    layers: int
+    slots: int
+    skip_empty: bool
+
+    @property
+    def steps(self) -> int:
+        """Pipeline steps per pass, ``R*M + S - 1`` (`PipelinePlan.steps`)."""
+        return self.repeats * self.micro + self.stages - 1
+
+    @property
+    def chunk_slots(self) -> int:
+        """K, slots run per step."""
+        return -(-self.slots // self.repeats)
+
+    @property
+    def applications(self) -> int:
+        """Forward layer applications of this device per step (`PipelinePlan.layer_applications`):
+        ``M * layers`` when empty slots and bubbles are skipped, else every slot of every step."""
+        return self.micro * self.layers if self.skip_empty else self.steps * self.chunk_slots
+
+    @property
+    def stored_slots(self) -> int:
+        """Layer slots whose parameters and AdamW moments the device stores (padded: ``slots``)."""
+        return self.slots
+
+    @property
+    def saved_inputs(self) -> int:
+        """Slot inputs kept for the backward pass (GPipe/circular: every slot of every step)."""
+        return self.steps * self.chunk_slots
+
+
+def _pipeline_of(layout: Layout, s: _Shape) -> _Pipe:
+    """The `_Pipe` of a device computing ``s.layers`` layers in ``s.slots`` slots (rounded up to R chunks)."""
+    repeats = layout.pipeline_repeats
+    slots = repeats * -(-s.slots // repeats)
+    return _Pipe(layout.mesh[ax.STAGE], repeats, s.micro, s.layers, slots, layout.skip_empty)
+
+
+def _pipeline_cost(model: ModelDescription, layout: Layout, rules: Rules, placed: dict[str, _Placed], s: _Shape,
+                   pipe: _Pipe, backend: str, batch_rows: float | None) -> Cost:
+    """The `Cost` of one stage device (see the section comment above)."""
     mesh = layout.mesh
-    stages = mesh[ax.STAGE]
-    if stages <= 1:
-        return []
+    stored = dataclasses.replace(s, slots=pipe.stored_slots)
+    layer = dataclasses.replace(s, micro=1, layers=pipe.applications)  # one microbatch's rows per application
+    outside = _pipeline_outside(s)
+    unit = _per_token_flops(model, layout, rules, placed, s, recomputes=1)
+    local_params = sum(p.local * (pipe.stored_slots if p.param.per_layer else 1) for p in placed.values())
+    optimizer = OPTIMIZER_FLOPS_PER_PARAM * local_params
+    inside, whole = layer.tok * pipe.applications, outside.tok
+    flops = Flops(
+        layers=inside * unit["layers"],
+        attention=inside * unit["attention"],
+        logits=whole * unit["logits"],
+        recompute=inside * unit["recompute"],
+        elementwise=inside * unit["elem_layer"] + whole * unit["elem_loss"],
+        optimizer=optimizer,
+    )
+    # cost_analysis: the step loops' bodies once (one application forward, one backward).
+    counted = (s.tok * (unit["layers"] + unit["attention"] + unit["recompute"] + unit["elem_layer"])
+               + whole * (unit["logits"] + unit["elem_loss"]) + optimizer)
+    memory = _pipeline_memory(model, layout, rules, placed, stored, pipe)
+    staged = _embedding_stage_comms(model, layout, placed, outside)
+    comms = _comms(model, layout, rules, placed, dataclasses.replace(outside, slots=pipe.stored_slots), backend,
+                   batch_rows, embedding=staged is None)
+    comms = _head_stage_comms(model, layout, placed, comms) + (staged or [])
+    comms += _pipeline_weight_comms(layout, placed, pipe, s.act_bytes)
+    comms += _stage_comms(model, layout, s, pipe)
+    comms += _tensor_comms(model, layout, rules, layer, recomputes=1, with_logits=False)
+    comms += _sequence_comms(model, layout, rules, layer, backend)
+    comms = tuple(c for c in comms if c.group > 1 and c.count > 0)
+    arguments = memory.state + memory.batch + _INT_BYTES * 4 + _INT_BYTES
+    return Cost(flops, counted, memory, comms, s.tok * s.micro, s.layers, arguments)
+
+
+def _pipeline_outside(s: _Shape) -> _Shape:
+    """What runs outside the pipeline (embedding, final norm, output projection, loss): the device's
+    whole batch at once, no layers (replicated over ``stage``: every stage computes it)."""
+    return dataclasses.replace(s, rows=s.rows * s.micro, tok=s.tok * s.micro, micro=1, layers=0)
+
+
+def _pipeline_memory(model: ModelDescription, layout: Layout, rules: Rules, placed: dict[str, _Placed],
+                     s: _Shape, pipe: _Pipe) -> Memory:
+    """Bytes of a stage device: the stored slots' state; in flight, the gathered copy of the stage's
+    slots (compute dtype) and their float32 gradient sums, each slot input of every step, one layer's
+    activations, and the head's logits for the whole batch."""
+    base = _memory(model, layout, rules, placed, s)
+    keys = s.seq if layout.attention in _WHOLE_SCORES else 0.0
+    saved_input = _per_token(model, "activations", rules, layout.mesh, keys, s.act_bytes, ("input",))
+    per_layer = _per_token(model, "activations", rules, layout.mesh, keys, s.act_bytes)
+    whole_layer = sum(p.local * _batch_factor(p, layout.mesh) for p in placed.values() if p.param.per_layer)
+    return dataclasses.replace(
+        base,
+        gradients=base.gradients + pipe.slots * whole_layer * _PARAM_BYTES,
+        activations=s.tok * (pipe.saved_inputs * saved_input + per_layer),
+        logits=base.logits * s.micro,
+        gathered=pipe.slots * whole_layer * s.act_bytes,
+    )
+
+
+def _embedding_stage_comms(model: ModelDescription, layout: Layout, placed: dict[str, _Placed],
+                           outside: _Shape) -> list[Comm] | None:
+    """The embedding lookup when it runs replicated over ``stage`` with a table split over ``fsdp``
+    only (jax 0.10; seen on ``stage=2,fsdp=4`` and ``stage=4,fsdp=2``, on the ``test`` and ``7b``
+    shapes); None: as without stages (`_embedding_comms`).
+
+    The partitioner splits the lookup over pairs of stage devices too: the rows of the whole batch
+    ``[tokens, D/f]`` are gathered over the pair and the table's gradient shard ``[V, D/f]``
+    all-reduced over it. Between the lookup's layout and the batch layout it moves whichever is
+    smaller: the rows (an all-to-all over ``fsdp`` each way, after gathering the tokens) or the
+    table's shard (a collective-permute each way).
+    """
+    embedding = model.with_role("embedding")
+    mesh = layout.mesh
+    if embedding is None or mesh[ax.FSDP] <= 1 or mesh[ax.DATA] > 1:
+        return None
+    table = placed[embedding.path]
+    if _table_split(table) != (1, mesh[ax.FSDP]):
+        return None
+    (v, d), f = table.param.shape, mesh[ax.FSDP]
+    rows, shard = outside.tok * d * 4, v * d / f * 4
+    comms = [
+        Comm("all-gather", (ax.STAGE,), 2, rows, 1, "embedding: rows over a stage pair"),
+        Comm("all-reduce", (ax.STAGE,), 2, shard, 1, f"gradient of {embedding.path} over a stage pair"),
+    ]
+    if shard < rows:
+        return comms + [Comm("collective-permute", (ax.FSDP,), 2, shard, 2, "embedding: table shard and its gradient")]
+    return comms + [
+        Comm("all-gather", (ax.FSDP,), f, outside.tok * f * _INT_BYTES, 1, "embedding: tokens"),
+        Comm("all-to-all", (ax.FSDP,), f, rows, 2, "embedding: rows to batch layout and back"),
+    ]
+
+
+def _head_stage_comms(model: ModelDescription, layout: Layout, placed: dict[str, _Placed],
+                      comms: list[Comm]) -> list[Comm]:
+    """The output projection replicated over 4 or more stages with its weight split over ``fsdp``
+    (gathered, not vocabulary-parallel; jax 0.10, seen on ``stage=4,fsdp=2``, ``test`` and ``7b``):
+    the partitioner splits its products over stage pairs, moving a quarter of the whole weight by a
+    collective-permute in the forward pass and half of its gradient by one in the backward pass, and
+    all-reduces the other half (instead of all of it)."""
+    out = model.logits.weight
+    if layout.mesh[ax.STAGE] < 4 or out.role != "output" or layout.mesh[ax.DATA] > 1:
+        return comms
+    grad = f"gradient of {out.path}"
+    whole = placed[out.path].local * placed[out.path].factor(ax.FSDP) * _PARAM_BYTES
+    found = [c for c in comms if c.what == grad and c.kind == "all-reduce" and c.result_bytes == whole]
+    if len(found) != 1:
+        return comms
+    return [c for c in comms if c is not found[0]] + [
+        dataclasses.replace(found[0], result_bytes=whole / 2, what=grad + " (half)"),
+        Comm("collective-permute", (ax.STAGE,), 2, whole / 2, 1, grad + " (half, over a stage pair)"),
+        Comm("collective-permute", (ax.STAGE,), 2, whole / 4, 1, f"{out.path} (a quarter, over a stage pair)"),
+    ]
+
+
+def _batch_factor(p: _Placed, mesh: Mapping[str, int]) -> int:
+    """How many ways the batch axes (``data``, ``fsdp``) split a parameter."""
+    return p.factor(*(a for a in ax.BATCH_MESH_AXES if mesh[a] > 1))
+
+
+def _pipeline_weight_comms(layout: Layout, placed: dict[str, _Placed], pipe: _Pipe, act_bytes: int) -> list[Comm]:
+    """The stage's layer weights, gathered once per step and their gradients reduced once.
+
+    Explicit collectives of the stage program (`jax.shard_map`, so both backends emit them as
+    written): each layer parameter's ``[slots, ...]`` block gathered in the compute dtype over the
+    batch axes that split it (the backward pass's gather of the same operand merged into it by XLA);
+    after the backward loop its float32 gradient sums reduce-scattered over those axes and
+    all-reduced over the batch axes that do not split it.
+    """
+    mesh = layout.mesh
+    summed = tuple(a for a in ax.BATCH_MESH_AXES if mesh[a] > 1)
+    comms = []
+    for p in placed.values():
+        if not p.param.per_layer:
+            continue
+        split = tuple(a for a in summed if p.factor(a) > 1)
+        n, local = p.factor(*split), p.local * pipe.slots
+        what = p.param.path
+        if n > 1:
+            comms.append(Comm("all-gather", split, n, local * n * act_bytes, 1, f"gather {what} (stage slots)"))
+            comms.append(Comm("reduce-scatter", split, n, local * _PARAM_BYTES, 1, f"gradient of {what}"))
+        rest = tuple(a for a in summed if a not in split)
+        if rest:
+            comms.append(Comm("all-reduce", rest, math.prod(mesh[a] for a in rest), local * _PARAM_BYTES, 1,
+                              f"gradient of {what}"))
+    return comms
+
+
+def _stage_comms(model: ModelDescription, layout: Layout, s: _Shape, pipe: _Pipe) -> list[Comm]:
+    """Activations between stages: one ppermute of one microbatch's rows ``[rows, T, D]`` per
+    pipeline step, forward and backward (bubble steps included: the transfers sit outside the
+    conditionals); one psum over ``stage`` of all microbatches' outputs after the forward loop (the
+    last stage's outputs to every stage) and its transpose for their cotangents (the inputs were
+    made stage-varying)."""
+    stages = layout.mesh[ax.STAGE]
     act = s.tok * model.hidden * s.act_bytes
-    count = 2 * s.micro * layout.pipeline_repeats
-    return [Comm("collective-permute", (ax.STAGE,), stages, act, count, "stage activations", False)]
+    return [
+        Comm("collective-permute", (ax.STAGE,), stages, act, 2 * pipe.steps, "stage activations", False),
+        Comm("all-reduce", (ax.STAGE,), stages, act * s.micro, 2, "pipeline outputs to every stage", False),
+    ]
 
 
 # --- Time -------------------------------------------------------------------------------------
