@@ -510,7 +510,8 @@ def device_cost(
       rows: Sequences per microbatch on this device (after the ``data``/``fsdp`` split).
       microbatches: Microbatches this device runs per step; default ``layout.microbatches``.
       layers: Layers this device computes; default the model's layers over ``stage``.
-      slots: Layer slots it holds (for memory); default ``layers``.
+      slots: Layer slots it holds (for memory); default the layout's (`StageLayout.slots`, R x K with
+        pipeline repeats) when ``layers`` is not given, else ``layers``.
       backend: ``gpu`` or ``cpu`` (how reduce-scatter is lowered; see the module docstring).
       batch_rows: The global batch in sequences, for the uneven step's batch re-layout.
 
@@ -843,7 +844,8 @@ def _gradient_reductions(layout: Layout, placed: dict[str, _Placed], s: _Shape, 
 
 
 def _tensor_comms(model: ModelDescription, layout: Layout, rules: Rules, s: _Shape,
-                  output_split: VocabSplit | None = None, recomputes: int = 0, with_logits: bool = True) -> list[Comm]:
+                  output_split: VocabSplit | None = None, recomputes: int = 0,
+                  with_logits: bool = True) -> list[Comm]:
     """Megatron-style tensor parallelism (Shoeybi et al., 2019, section 3).
 
     Forward: the row-parallel products (an input axis split over ``tensor``, e.g. the attention
@@ -1195,7 +1197,9 @@ def _embedding_stage_comms(model: ModelDescription, layout: Layout, placed: dict
     ``[tokens, D/f]`` are gathered over the pair and the table's gradient shard ``[V, D/f]``
     all-reduced over it. Between the lookup's layout and the batch layout it moves whichever is
     smaller: the rows (an all-to-all over ``fsdp`` each way, after gathering the tokens) or the
-    table's shard (a collective-permute each way).
+    table's shard (a collective-permute each way). jax 0.12 (`_partitioner`, seen on the ``test``
+    shape) sends the rows' gradient back by gathering them over ``fsdp`` instead of a second
+    all-to-all; the table-shard case is seen on jax 0.10 only.
     """
     embedding = model.with_role("embedding")
     mesh = layout.mesh
@@ -1211,11 +1215,13 @@ def _embedding_stage_comms(model: ModelDescription, layout: Layout, placed: dict
         Comm("all-reduce", (ax.STAGE,), 2, shard, 1, f"gradient of {embedding.path} over a stage pair"),
     ]
     if shard < rows:
-        return comms + [Comm("collective-permute", (ax.FSDP,), 2, shard, 2, "embedding: table shard and its gradient")]
-    return comms + [
-        Comm("all-gather", (ax.FSDP,), f, outside.tok * f * _INT_BYTES, 1, "embedding: tokens"),
-        Comm("all-to-all", (ax.FSDP,), f, rows, 2, "embedding: rows to batch layout and back"),
-    ]
+        return comms + [Comm("collective-permute", (ax.FSDP,), 2, shard, 2,
+                             "embedding: table shard and its gradient")]
+    comms.append(Comm("all-gather", (ax.FSDP,), f, outside.tok * f * _INT_BYTES, 1, "embedding: tokens"))
+    if _partitioner() == "0.12":  # the rows' gradient comes back gathered over fsdp [f x tokens, D]
+        return comms + [Comm("all-to-all", (ax.FSDP,), f, rows, 1, "embedding: rows to batch layout"),
+                        Comm("all-gather", (ax.FSDP,), f, rows * f, 1, "embedding: row gradients")]
+    return comms + [Comm("all-to-all", (ax.FSDP,), f, rows, 2, "embedding: rows to batch layout and back")]
 
 
 def _head_stage_comms(model: ModelDescription, layout: Layout, placed: dict[str, _Placed],
