@@ -51,9 +51,9 @@ BENCH_ONLY = [
 ]
 
 
-# Pipelines (sharding/pipeline/schedule.py): (model, mesh, rules, batch, seq_len, microbatches, remat,
-# stage_layers, repeats). Stage 2 and 4, GPipe and circular (2 repeats), uneven (3,1 and 3,3,1,1, the
-# shape of the 7B's 10,10,6,6) and even splits, over fsdp and data. The compiled program counts a
+# Pipelines (sharding/pipeline/schedule.py, onef1b.py): (model, mesh, rules, batch, seq_len, microbatches,
+# remat, stage_layers, repeats[, "1f1b"]). Stage 2 and 4, GPipe, circular (2 repeats) and 1F1B, uneven (3,1
+# and 3,3,1,1, the shape of the 7B's 10,10,6,6) and even splits, over fsdp and data. The compiled program counts a
 # conditional's branch on every loop trip, so these are predicted with ``skip_empty=False`` (every
 # slot of every step); `PipelinePlan.layer_applications` gives what the skipping program runs.
 PIPELINE_GRID = [
@@ -62,6 +62,8 @@ PIPELINE_GRID = [
     ("test", "stage=2,data=4", "dp", 16, 32, 4, "none", (3, 1), 1),
     ("test+num_layers=8", "stage=4,fsdp=2", "fsdp", 16, 32, 4, "none", (3, 3, 1, 1), 1),
     ("test+num_layers=8", "stage=4,fsdp=2", "fsdp", 16, 32, 4, "none", None, 2),
+    ("test", "stage=2,fsdp=4", "fsdp", 16, 32, 4, "none", (3, 1), 1, "1f1b"),
+    ("test+num_layers=8", "stage=4,fsdp=2", "fsdp", 16, 32, 4, "none", (3, 3, 1, 1), 1, "1f1b"),
 ]
 
 #: Collective kinds not asserted for a case, and why (the bench still reports them).
@@ -84,9 +86,15 @@ def case_id(case) -> str:
     model, mesh, rules, batch, seq, micro, remat = case[:7]
     out = f"{model}-{mesh}-{rules}-B{batch}-T{seq}-M{micro}-{remat}"
     if len(case) > 7:
-        stages, repeats = case[7:]
+        stages, repeats = case[7:9]
         out += f"-{','.join(map(str, stages)) if stages else 'even'}-R{repeats}"
+        out += f"-{_schedule(case)}" if _schedule(case) == "1f1b" else ""
     return out
+
+
+def _schedule(case) -> str:
+    """A pipeline case's ``--pipeline-schedule``: ``1f1b`` when it says so, else gpipe/circular by repeats."""
+    return case[9] if len(case) > 9 else ("circular" if case[8] > 1 else "gpipe")
 
 
 def _strategy(case, config, mesh):
@@ -94,7 +102,7 @@ def _strategy(case, config, mesh):
     if len(case) == 7:
         return Accumulation(case[5])
     stages, _ = plan_layout(config.num_layers, mesh["stage"], case[8], case[7])
-    return PipelinePlan(stages, case[5])
+    return PipelinePlan(stages, case[5], one_f_one_b=_schedule(case) == "1f1b")
 
 
 @functools.lru_cache(maxsize=None)
@@ -134,5 +142,5 @@ def predicted(case) -> cm.Cost:
     else:
         stages = _strategy(case, config, mesh).layout
         layout = cm.Layout(mesh, rules, micro, remat, stage_layers=stages.stage_layers, pipeline_repeats=case[8],
-                           skip_empty=False)
+                           skip_empty=False, one_f_one_b=_schedule(case) == "1f1b")
     return cm.estimate(config, batch, seq, layout, backend="cpu")

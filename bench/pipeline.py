@@ -7,7 +7,12 @@ writes the dry-run reports (bubble fraction, layers and padding per stage,
 per-device bytes from ``compiled.memory_analysis()``, collectives) to a
 Markdown file with the command, JAX version, machine and date.
 
-Each run is a separate process, so ``--cpu-devices`` applies before JAX starts.
+With the 1F1B schedule too, and a second table: the temporaries of the gradient computation alone
+(``jax.value_and_grad`` of the model's loss, no optimizer update) per schedule
+(``python -m bench.pipeline --gradients SCHEDULE`` prints one of its rows).
+
+Each run is a separate process, so ``--cpu-devices`` applies before JAX starts. ``--device-memory 80GiB``
+states the target device's memory, which the fit check otherwise takes from this host's RAM.
 """
 
 from __future__ import annotations
@@ -21,8 +26,33 @@ import time
 from pathlib import Path
 
 BASE = ["--cpu-devices", "8", "--model", "7b", "--mesh", "stage=4,fsdp=2", "--stage-layers", "10,10,6,6",
-        "--microbatches", "16", "--batch-size", "32", "--seq-len", "2048", "--dry-run"]
-RUNS = (("GPipe", []), ("circular, 2 repeats", ["--pipeline-schedule", "circular", "--pipeline-repeats", "2"]))
+        "--microbatches", "16", "--batch-size", "32", "--seq-len", "2048", "--dry-run", "--device-memory", "80GiB"]
+RUNS = (("GPipe", []), ("circular, 2 repeats", ["--pipeline-schedule", "circular", "--pipeline-repeats", "2"]),
+        ("1F1B", ["--pipeline-schedule", "1f1b"]))
+
+
+def gradient_temporaries(schedule: str) -> str:
+    """One table row: bytes per device of the compiled gradient computation alone, for ``schedule`` (gpipe or
+    1f1b) on the `BASE` shapes (call in a process whose JAX has 8 CPU devices)."""
+    import jax
+
+    from models.config import get_config
+    from sharding import pipeline as pl
+    from sharding.mesh import make_mesh, parse_mesh
+    from sharding.parallel import Parallelism
+    from sharding.rules import get_rules
+    from train.optimizer import OptimizerConfig
+    from train.step import Trainer
+
+    layout, _ = pl.plan_layout(32, 4, 1, (10, 10, 6, 6))
+    plan = pl.PipelinePlan(layout, 16, one_f_one_b=schedule == "1f1b")
+    par = Parallelism.of(make_mesh(parse_mesh("stage=4,fsdp=2", 8)), get_rules("fsdp_tp"), plan)
+    trainer = Trainer(get_config("7b"), OptimizerConfig(), par)
+    params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                          trainer.state_params, trainer.param_shardings)
+    fn = jax.jit(lambda p, b: jax.value_and_grad(trainer.loss_sums, has_aux=True)(p, b))
+    memory = fn.lower(params, trainer.abstract_batch(32, 2048)).compile().memory_analysis()
+    return f"| {schedule} | {memory.temp_size_in_bytes / 2**30:.2f} GiB | {memory.argument_size_in_bytes / 2**30:.2f} GiB |"
 
 
 def dry_run(extra: list[str]) -> tuple[str, list[str]]:
@@ -44,7 +74,14 @@ def _machine() -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench/results/pipeline.md")
+    parser.add_argument("--gradients", choices=("gpipe", "1f1b"), default=None,
+                        help="print one row of the gradients-only table (in this process) and exit")
     args = parser.parse_args(argv)
+    if args.gradients:
+        os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        print(gradient_temporaries(args.gradients))
+        return 0
     import jax
 
     sections = [
@@ -59,6 +96,13 @@ def main(argv: list[str] | None = None) -> int:
         table = [line for line in lines if not line.startswith(("embed/", "final_norm/", "layers/", "unembed",
                                                                 "parameter "))]
         sections += ["", f"## {name}", "", "```", command, *table, "```"]
+    rows = []
+    for schedule in ("gpipe", "1f1b"):
+        argv = [sys.executable, "-m", "bench.pipeline", "--gradients", schedule]
+        done = subprocess.run(argv, capture_output=True, text=True, check=True)
+        rows.append(done.stdout.strip().splitlines()[-1])
+    sections += ["", "## Gradient computation alone (no optimizer update)", "", "| schedule | temporaries | arguments |",
+                 "|---|---|---|", *rows]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("\n".join(sections) + "\n")
     print(f"wrote {args.out}")

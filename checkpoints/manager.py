@@ -310,10 +310,10 @@ def restore_state(manager: CheckpointManager, target, step: int | None = None):
       FileNotFoundError: No checkpoint.
     """
     from checkpoints.meta import RunMeta
-    from sharding.pipeline import StageLayout
+    from sharding.pipeline.storage import layout_from_meta
 
     meta = RunMeta.from_json(manager.read_meta(step))
-    src = StageLayout.from_meta(meta.pipeline)
+    src = layout_from_meta(meta.pipeline)
     if src is not None and src.num_layers != target.config.num_layers:
         raise ValueError(f"the checkpoint's stage layout {src.describe()} has {src.num_layers} layers; the model "
                          f"has {target.config.num_layers}")

@@ -273,6 +273,11 @@ def _sharded(kernel, q, k, v, segment_ids, *, split_length: bool, impl: str, par
     ``split_length``, else whole. ``length_axes`` is the tuple of mesh axes the length is
     split over (empty when whole). Where ``par`` shards nothing (one device, or per-device
     code inside another `jax.shard_map`) the kernel runs directly with no axes.
+
+    Inside a `jax.shard_map` manual over some axes (``par.manual``: the pipeline's stage program,
+    manual over ``stage``, ``data`` and ``fsdp``) the arrays are already this device's rows over
+    those axes; the map opens only over the axes still automatic there (``sequence``, ``tensor``),
+    through `_nested`, and where none of size > 1 is left the kernel runs directly on the block.
     """
     if not par.is_sharded:
         return kernel(q, k, v, segment_ids, ())
@@ -291,12 +296,73 @@ def _sharded(kernel, q, k, v, segment_ids, *, split_length: bool, impl: str, par
         k, v = _local_kv(split, sizes, k, v)
         return kernel(q, k, v, segment_ids, length_axes)
 
+    if par.manual:
+        axes = tuple(a for a in mesh.axis_names if a not in par.manual and sizes[a] > 1)
+        return _nested(local, q, k, v, segment_ids, (q_spec, kv_spec, kv_spec, seg_spec), q_spec, mesh, axes)
     if segment_ids is None:
         run = jax.shard_map(lambda q, k, v: local(q, k, v, None), mesh=mesh,
                             in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec)
         return run(q, k, v)
     run = jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, seg_spec), out_specs=q_spec)
     return run(q, k, v, segment_ids)
+
+
+def _nested(local, q, k, v, segment_ids, in_specs, out_spec, mesh, axes: tuple[str, ...]):
+    """``local(q, k, v, segment_ids)`` under `jax.shard_map` manual over ``axes``, inside another map.
+
+    Used where the caller is already inside a `jax.shard_map` manual over other axes (the pipeline's
+    stage program, manual over ``stage`` and the batch axes): the kernel's map opens only over the
+    axes still automatic there (``sequence``, ``tensor``). Such a nested map lowers, but JAX's
+    partial evaluation of it (what `jax.vjp` and `jax.checkpoint` do) gives its residual outputs
+    specs over every mesh axis, the outer map's manual ones included, and the program then fails
+    MLIR verification. So the map is differentiated by hand (`jax.custom_vjp`): the forward map runs
+    ``jax.vjp`` of the kernel and returns, besides the output, the leaves of its pullback (the
+    kernel's own residuals) stacked along a new leading dimension over ``axes``, one per device; the
+    backward map takes each device's residuals back and applies the pullback. No work is repeated:
+    the residuals are those the kernel keeps unnested.
+
+    Args:
+      local: the per-device kernel ``(q, k, v, segment_ids) -> out`` (``segment_ids`` may be None).
+      q, k, v, segment_ids: as `_sharded` (this device's rows over the outer map's manual axes).
+      in_specs: `PartitionSpec` of ``q, k, v, segment_ids`` over ``axes``; out_spec: the output's.
+      mesh: the abstract mesh of the enclosing map; axes: the mesh axes not manual there.
+
+    Returns:
+      ``[batch, length, heads, head_dim]`` as ``local`` computes it, laid out as ``out_spec``.
+    """
+    stacked = PartitionSpec(axes)
+    has_segments = segment_ids is not None
+    specs = in_specs if has_segments else in_specs[:3]
+    pullback_tree = {}
+
+    def shard(fn, in_specs, out_specs):
+        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=set(axes))
+
+    def forward_local(q, k, v, *segments):
+        seg = segments[0] if segments else None
+        out, pullback = jax.vjp(lambda q, k, v: local(q, k, v, seg), q, k, v)
+        leaves, pullback_tree["tree"] = jax.tree.flatten(pullback)
+        return out, [leaf[None] for leaf in leaves]
+
+    def backward_local(residuals, g):
+        pullback = jax.tree.unflatten(pullback_tree["tree"], [leaf[0] for leaf in residuals])
+        return pullback(g)
+
+    @jax.custom_vjp
+    def run(q, k, v, *segments):
+        return shard(lambda q, k, v, *seg: local(q, k, v, seg[0] if seg else None), specs, out_spec)(q, k, v, *segments)
+
+    def run_fwd(q, k, v, *segments):
+        out, residuals = shard(forward_local, specs, (out_spec, stacked))(q, k, v, *segments)
+        return out, (residuals, segments)
+
+    def run_bwd(saved, g):
+        residuals, segments = saved
+        dq, dk, dv = shard(backward_local, (stacked, out_spec), tuple(specs[:3]))(residuals, g)
+        return (dq, dk, dv, *(None for _ in segments))
+
+    run.defvjp(run_fwd, run_bwd)
+    return run(q, k, v, *((segment_ids,) if has_segments else ()))
 
 
 def sharded_flash_attention(q, k, v, segment_ids, *, causal: bool = True, par: Parallelism = UNSHARDED):

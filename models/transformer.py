@@ -12,8 +12,10 @@ one device) and hands it to each layer. When its strategy is a pipeline (a
 ``stage`` mesh axis larger than one), the stacked parameters are in the
 pipeline layout ``[stage, slot, ...]`` instead (`init_params` with
 ``layer_table``) and `Transformer.run_layers` hands the per-layer function and
-the stack to `sharding.pipeline.run_pipeline`; the model itself never names a
-mesh axis.
+the stack to `sharding.pipeline.run_pipeline`, and `Transformer.loss_sums` hands it with the final norm,
+output projection and loss as the head to `sharding.pipeline.run_pipeline_loss` (which the 1F1B
+schedule runs inside the pipeline; after a gpipe or circular pipeline the head runs on 1/S of the rows
+per stage, `sharding.pipeline.head_parallelism`); the model itself never names a mesh axis.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from models.output import output_loss_sums, project_logits
 from models.spec import output_params
 from sharding import axes as ax
 from sharding.parallel import UNSHARDED, Parallelism
-from sharding.pipeline import run_pipeline
+from sharding.pipeline import head_parallelism, run_pipeline, run_pipeline_loss
 
 _REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -138,15 +140,34 @@ class Transformer(nnx.Module):
     def _run_pipelined(self, graphdef, stacked, x, positions, segment_ids, par: Parallelism) -> jax.Array:
         """`run_pipeline` with one block as the layer function (it applies the remat policy per block); the
         parameters' logical names tell it how each is split over ``data``/``fsdp``."""
-
-        def layer(stage_par, layer_state, h, positions, segment_ids):
-            return nnx.merge(graphdef, layer_state)(h, positions, segment_ids, stage_par)
-
         policy = _REMAT_POLICIES.get(self.config.remat)
-        names = jax.tree.map(lambda v: tuple(v.get_metadata()["logical_axes"]), stacked,
-                             is_leaf=lambda v: isinstance(v, nnx.Variable))
-        x, _ = run_pipeline(layer, stacked, x, (positions, segment_ids), par, names=names, remat_policy=policy)
+        x, _ = run_pipeline(_pipeline_layer(graphdef), stacked, x, (positions, segment_ids), par,
+                            names=_logical_names(stacked), remat_policy=policy)
         return x
+
+    def _pipelined_loss_sums(self, tokens, targets, weights, positions, segment_ids,
+                             par: Parallelism) -> tuple[jax.Array, jax.Array]:
+        """`loss_sums` through `sharding.pipeline.run_pipeline_loss`: the final norm, output projection and
+        loss are its head, which the 1F1B schedule runs on the last stage inside the pipeline."""
+        x = self.embed(tokens, _dtype(self.config.dtype), par)
+        graphdef, stacked = nnx.split(self.layers)
+        norm_def, norm_state = nnx.split(self.final_norm)
+        weight, vocab_last = self.output_weight()
+        weight_var = self.embed.embedding if self.config.tie_embeddings else self.unembed
+        impl = self.config.logits
+
+        def head(head_par, head_params, h, targets, weights):
+            names = (ax.BATCH, ax.LENGTH, ax.ACT_EMBED)
+            x = head_par.constrain(nnx.merge(norm_def, head_params["norm"])(head_par.constrain(h, names)), names)
+            return output_loss_sums(x, head_params["weight"], targets, weights, impl=impl, vocab_last=vocab_last,
+                                    par=head_par)
+
+        head_names = {"norm": _logical_names(norm_state), "weight": tuple(weight_var.get_metadata()["logical_axes"])}
+        loss_sum, weight_sum, _ = run_pipeline_loss(
+            _pipeline_layer(graphdef), head, stacked, {"norm": norm_state, "weight": weight}, x,
+            (positions, segment_ids), (targets, weights), par, names=_logical_names(stacked), head_names=head_names,
+            remat_policy=_REMAT_POLICIES.get(self.config.remat))
+        return loss_sum, weight_sum
 
     def __call__(
         self,
@@ -170,11 +191,15 @@ class Transformer(nnx.Module):
         """
         x = self.features(tokens, positions, segment_ids, par)
         weight, vocab_last = self.output_weight()
-        return par.constrain(project_logits(x, weight, vocab_last), (ax.BATCH, ax.LENGTH, ax.VOCAB))
+        logits = head_parallelism(par).constrain(project_logits(x, weight, vocab_last), (ax.BATCH, ax.LENGTH, ax.VOCAB))
+        return par.constrain(logits, (ax.BATCH, ax.LENGTH, ax.VOCAB))
 
     def features(self, tokens: jax.Array, positions: jax.Array | None = None,
                  segment_ids: jax.Array | None = None, par: Parallelism = UNSHARDED) -> jax.Array:
         """The final activations ``[batch, length, embed]`` (after the last norm), compute dtype.
+
+        With a pipeline the rows leave the layer stack split over ``stage`` too
+        (`sharding.pipeline.head_parallelism`): each stage normalises, projects and scores 1/S of them.
 
         Arguments as `__call__`.
         """
@@ -182,7 +207,9 @@ class Transformer(nnx.Module):
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
         x = self.embed(tokens, _dtype(self.config.dtype), par)
         x = self.run_layers(x, positions, segment_ids, par)
-        return self.final_norm(x)
+        head = head_parallelism(par)
+        return head.constrain(self.final_norm(head.constrain(x, (ax.BATCH, ax.LENGTH, ax.ACT_EMBED))),
+                              (ax.BATCH, ax.LENGTH, ax.ACT_EMBED))
 
     def extend(self, tokens: jax.Array, starts: jax.Array, cache: dict[str, jax.Array],
                par: Parallelism = UNSHARDED) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -236,9 +263,30 @@ class Transformer(nnx.Module):
           targets: ``[batch, length]`` int32 next tokens.
           weights: ``[batch, length]`` float32 loss mask.
         """
+        if par.pipeline is not None:
+            if positions is None:
+                positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+            return self._pipelined_loss_sums(tokens, targets, weights, positions, segment_ids, par)
         x = self.features(tokens, positions, segment_ids, par)
         weight, vocab_last = self.output_weight()
-        return output_loss_sums(x, weight, targets, weights, impl=self.config.logits, vocab_last=vocab_last, par=par)
+        return output_loss_sums(x, weight, targets, weights, impl=self.config.logits, vocab_last=vocab_last,
+                                par=head_parallelism(par))
+
+
+def _pipeline_layer(graphdef):
+    """One block as `sharding.pipeline.run_pipeline`'s layer function ``(par, layer_state, h, positions,
+    segment_ids) -> h``."""
+
+    def layer(stage_par, layer_state, h, positions, segment_ids):
+        return nnx.merge(graphdef, layer_state)(h, positions, segment_ids, stage_par)
+
+    return layer
+
+
+def _logical_names(state):
+    """The logical axis names of each parameter of an `nnx.State` (a tree of tuples shaped as it)."""
+    return jax.tree.map(lambda v: tuple(v.get_metadata()["logical_axes"]), state,
+                        is_leaf=lambda v: isinstance(v, nnx.Variable))
 
 
 # Functional interface ------------------------------------------------------
@@ -277,15 +325,16 @@ def init_params(config: ModelConfig, key: jax.Array, layer_table=None) -> dict[s
     Args:
       config: the model.
       key: the parameter key.
-      layer_table: optional int array ``[stages, slots]`` of layer indices,
-        -1 for an empty slot (`sharding.pipeline.StageLayout.layer_table`):
-        then every ``layers/...`` parameter is ``[stages, slots, ...]``, each
-        slot holding the values its layer has in the canonical stack and
-        empty slots zero. Only the slots are built, never the canonical stack.
+      layer_table: optional int array of layer indices, -1 for an empty row
+        (``[rows]``, `sharding.pipeline.storage.stack_table` of the unpadded
+        storage, or ``[stages, slots]``, `sharding.pipeline.StageLayout.layer_table`):
+        then every ``layers/...`` parameter has the table's shape in front,
+        each row holding the values its layer has in the canonical stack and
+        empty rows zero. Only those rows are built, never the canonical stack.
 
     Returns:
       Nested dict of float32 arrays; ``layers/...`` stacked ``[num_layers, ...]``
-      or, with ``layer_table``, ``[stages, slots, ...]``.
+      or, with ``layer_table``, ``[*layer_table.shape, ...]``.
     """
     if layer_table is None:
         model = Transformer(config, rngs=nnx.Rngs(params=key))
@@ -297,7 +346,7 @@ def init_params(config: ModelConfig, key: jax.Array, layer_table=None) -> dict[s
 
     def lay_out(w):
         w = w.reshape(*table.shape, *w.shape[1:])
-        return jnp.where(filled.reshape(*table.shape, *([1] * (w.ndim - 2))), w, jnp.zeros((), w.dtype))
+        return jnp.where(filled.reshape(*table.shape, *([1] * (w.ndim - table.ndim))), w, jnp.zeros((), w.dtype))
 
     params["layers"] = jax.tree.map(lay_out, params["layers"])
     return params

@@ -6,10 +6,12 @@ more than the padded buffer holds (``capacity`` microbatches). This module decid
 
 * `default_capacity`: the buffer size, fixed at compile time.
 * `counts_for_speeds`: counts proportional to speeds (largest remainder, `sharding.splits`), no device
-  above the capacity, equal within a group of devices that must run the same count.
+  above the capacity, and shared by pool where devices share one compute resource (the CPU devices of one process share its cores).
 * `Rebalancer`: while training, smooths each device's measured seconds per microbatch and every
   ``every`` steps proposes new counts, adopted only when they shorten the predicted step by more than a
   margin (hysteresis), so counts do not oscillate on noise.
+* `layers_for_speeds`: layers per pipeline stage from the stages' measured seconds per layer
+  (``--stage-layers auto``).
 
 Shares proportional to measured speed follow HAP (EuroSys'24), Metis (USENIX ATC'24) and FlashFlex (2024),
 which profile once; here the same rule is applied again to timings taken while training.
@@ -21,7 +23,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-from sharding.splits import largest_remainder
+from sharding.splits import largest_remainder, min_max_assign
 
 CAPACITY_FACTOR = 2
 """Default padded buffer: this many times the mean count per device (a device may run up to twice its
@@ -52,68 +54,100 @@ def default_capacity(total: int, devices: int, counts: Sequence[int] | None = No
 
 
 def counts_for_speeds(speeds: Sequence[float], total: int, capacity: int | None = None,
-                      groups: Sequence[int] | None = None) -> list[int]:
+                      pools: Sequence[int] | None = None) -> list[int]:
     """Microbatches per device in proportion to ``speeds`` (largest remainder), capped at ``capacity``.
 
-    Devices with the same entry in ``groups`` (e.g. the devices of one tensor-parallel group) must run the
-    same count: the group is treated as one bin of its summed speed whose count is a multiple of its size.
-    Microbatches a capped device cannot take go to the others in proportion to their speeds.
+    Microbatches a capped device cannot take go to the others in proportion to their speeds. (With
+    ``tensor`` in the mesh the "devices" here are data-parallel groups: `train.strategies.batch_groups`.)
 
     Args:
       speeds: One positive speed per device (any unit: microbatches/s, FLOP/s).
       total: Microbatches to share (>= 0).
       capacity: The most one device may run (None: no cap).
-      groups: One group label per device (None: each device its own group).
+      pools: One pool label per device (None: each device its own pool). Devices of one pool share a
+        compute resource, so the pool's time is the sum of its counts times its seconds per microbatch:
+        the microbatches are shared between pools in proportion to their summed speeds, then evenly
+        inside each pool. (A pool's devices each carry the pool's figure for running one microbatch on
+        every device at once, as `train.calibrate` measures CPU devices.)
 
     Returns:
       One count per device; they sum to ``total``.
 
     Raises:
-      ValueError: On a speed that is not positive, a ``total`` the capacity cannot hold, or a ``total`` that
-        is not a multiple of the group size.
+      ValueError: On a speed that is not positive, or a ``total`` the capacity cannot hold.
     """
     if not speeds or any(not s > 0 for s in speeds):
         raise ValueError(f"speeds must be positive, got {list(speeds)}")
-    labels = list(range(len(speeds))) if groups is None else list(groups)
-    if len(labels) != len(speeds):
-        raise ValueError(f"{len(labels)} group labels for {len(speeds)} devices")
+    if pools is not None and len(pools) != len(speeds):
+        raise ValueError(f"{len(pools)} pool labels for {len(speeds)} devices")
+    labels = list(range(len(speeds))) if pools is None else list(pools)
     order = list(dict.fromkeys(labels))
-    members = {g: [i for i, label in enumerate(labels) if label == g] for g in order}
-    sizes = {len(m) for m in members.values()}
-    if len(sizes) != 1:
-        raise ValueError(f"groups must have one size, got sizes {sorted(sizes)}")
-    size = sizes.pop()
-    if total % size:
-        raise ValueError(f"{total} microbatches cannot be shared equally inside groups of {size} devices")
-    cap = None if capacity is None else capacity
-    if cap is not None and cap * len(speeds) < total:
-        raise ValueError(f"{total} microbatches do not fit {len(speeds)} devices of capacity {cap}")
-    group_speed = [sum(speeds[i] for i in members[g]) for g in order]
-    shares = _capped_shares(total // size, group_speed, cap)
+    members = {p: [i for i, q in enumerate(labels) if q == p] for p in order}
+    if capacity is not None and capacity * len(speeds) < total:
+        raise ValueError(f"{total} microbatches do not fit {len(speeds)} devices of capacity {capacity}")
+    caps = None if capacity is None else [capacity * len(members[p]) for p in order]
+    shares = _capped_shares(total, [sum(speeds[i] for i in members[p]) for p in order], caps)
     counts = [0] * len(speeds)
-    for g, share in zip(order, shares):
-        for i in members[g]:
-            counts[i] = share
+    for p, share in zip(order, shares):
+        for i, c in zip(members[p], largest_remainder(share, [1.0] * len(members[p]))):
+            counts[i] = c
     return counts
 
 
-def _capped_shares(total: int, weights: Sequence[float], cap: int | None) -> list[int]:
-    """Largest-remainder shares, bins above ``cap`` fixed at ``cap`` and the rest re-shared."""
+def _capped_shares(total: int, weights: Sequence[float], cap) -> list[int]:
+    """Largest-remainder shares, bins above their cap (one int for all, a list per bin, or None) fixed
+    at it and the rest re-shared."""
+    caps = cap if isinstance(cap, (list, tuple)) else [cap] * len(weights)
     fixed: dict[int, int] = {}
     while True:
         free = [i for i in range(len(weights)) if i not in fixed]
         rest = total - sum(fixed.values())
         shares = dict(zip(free, largest_remainder(rest, [weights[i] for i in free]))) if free else {}
-        over = [i for i, n in shares.items() if cap is not None and n > cap]
+        over = [i for i, n in shares.items() if caps[i] is not None and n > caps[i]]
         if not over:
             return [fixed.get(i, shares.get(i, 0)) for i in range(len(weights))]
         for i in over:
-            fixed[i] = cap
+            fixed[i] = caps[i]
 
 
-def predicted_seconds(counts: Sequence[int], seconds: Sequence[float]) -> float:
-    """The local part of a step: the slowest device's ``count x seconds per microbatch``."""
-    return max(c * s for c, s in zip(counts, seconds))
+def layers_for_speeds(num_layers: int, layer_seconds: Sequence[float], fixed_layers: float = 0.0) -> tuple[int, ...]:
+    """Layers per pipeline stage minimizing the slowest stage's time, at least one each.
+
+    Stage ``s`` holding ``n`` layers takes ``layer_seconds[s] * (n + fixed_layers)``: the work every stage
+    does besides its layers (its share of the output projection and loss)
+    is counted as ``fixed_layers`` layers. The split is the min-max greedy (`sharding.splits.min_max_assign`),
+    which is optimal for costs that grow with the layers; ties go to the lower stage index.
+
+    Args:
+      num_layers: L, the model's layers (>= number of stages).
+      layer_seconds: Seconds per layer of each stage (its slowest device), any common unit.
+      fixed_layers: Per-stage work besides the layers, in layers (>= 0).
+
+    Returns:
+      Layers per stage, summing to ``num_layers``.
+
+    Raises:
+      ValueError: Fewer layers than stages, or a time that is not positive.
+    """
+    stages = len(layer_seconds)
+    if stages < 1 or num_layers < stages:
+        raise ValueError(f"{num_layers} layers cannot give each of {stages} stages at least one")
+    if any(not t > 0 for t in layer_seconds):
+        raise ValueError(f"seconds per layer must be positive, got {list(layer_seconds)}")
+    return tuple(min_max_assign(num_layers, [1] * stages, lambda i, n: layer_seconds[i] * (n + fixed_layers)))
+
+
+def predicted_seconds(counts: Sequence[int], seconds: Sequence[float], pools: Sequence[int] | None = None) -> float:
+    """The local part of a step: the slowest device's ``count x seconds per microbatch``; with ``pools``
+    (as `counts_for_speeds` takes them) the slowest pool's summed counts times its seconds per microbatch
+    (a device's figure over the pool's size)."""
+    if pools is None:
+        return max(c * s for c, s in zip(counts, seconds))
+    size = {p: list(pools).count(p) for p in pools}
+    total = {p: 0.0 for p in pools}
+    for c, s, p in zip(counts, seconds, pools):
+        total[p] += c * s / size[p]
+    return max(total.values())
 
 
 @dataclasses.dataclass
@@ -132,7 +166,9 @@ class Rebalancer:
       every: Observations between proposals (``--rebalance-every``, >= 1).
       smoothing: Weight of the newest observation in the average (0 < smoothing <= 1).
       margin: Relative gain below which new counts are not adopted (hysteresis).
-      groups: One group label per device that must run equal counts (None: none).
+      pools: One pool label per device sharing a compute resource, as `counts_for_speeds` takes them
+        (None: none). A pool's observation is its slowest device's loop seconds over its summed counts,
+        times its size (the figure for one microbatch on every device at once), given to each member.
       seconds: Smoothed seconds per microbatch per device (None until first observed).
     """
 
@@ -141,7 +177,7 @@ class Rebalancer:
     every: int
     smoothing: float = 0.5
     margin: float = 0.05
-    groups: tuple | None = None
+    pools: tuple | None = None
     seconds: list = dataclasses.field(default_factory=list)
     observed: int = 0
 
@@ -153,6 +189,8 @@ class Rebalancer:
 
     def observe(self, counts: Sequence[int], local_seconds: Sequence[float]) -> None:
         """Folds one step's per-device counts and loop seconds into the smoothed seconds per microbatch."""
+        if self.pools is not None:
+            counts, local_seconds = _pool_observation(counts, local_seconds, self.pools)
         for i, (c, t) in enumerate(zip(counts, local_seconds, strict=True)):
             if c > 0 and t > 0:
                 now = t / c
@@ -176,11 +214,26 @@ class Rebalancer:
         if speeds is None or self.observed % self.every:
             return None
         seconds = [1.0 / s for s in speeds]
-        new = tuple(counts_for_speeds(speeds, sum(self.counts), self.capacity, self.groups))
-        if predicted_seconds(new, seconds) >= (1 - self.margin) * predicted_seconds(self.counts, seconds):
+        new = tuple(counts_for_speeds(speeds, sum(self.counts), self.capacity, self.pools))
+        if (predicted_seconds(new, seconds, self.pools)
+                >= (1 - self.margin) * predicted_seconds(self.counts, seconds, self.pools)):
             return None
         self.counts = new
         return new
+
+
+def _pool_observation(counts, local_seconds, pools) -> tuple[list[int], list[float]]:
+    """Per device ``(1, pool figure)``: a pool's slowest loop over its summed counts, times its size."""
+    counts, local_seconds = list(counts), list(local_seconds)
+    if len(counts) != len(pools) or len(local_seconds) != len(pools):
+        raise ValueError(f"{len(counts)} counts and {len(local_seconds)} timings for {len(pools)} pooled devices")
+    figure = {}
+    for p in dict.fromkeys(pools):
+        inside = [i for i, q in enumerate(pools) if q == p]
+        done = sum(counts[i] for i in inside)
+        slowest = max(local_seconds[i] for i in inside)
+        figure[p] = len(inside) * slowest / done if done > 0 and slowest > 0 else None
+    return ([0 if figure[p] is None else 1 for p in pools], [figure[p] or 0.0 for p in pools])
 
 
 __all__ = ["CAPACITY_FACTOR", "Rebalancer", "counts_for_speeds", "default_capacity", "predicted_seconds"]

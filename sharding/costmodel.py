@@ -60,6 +60,7 @@ from typing import Any
 from sharding import axes as ax
 from sharding.modeldesc import ModelDescription, Param, Product
 from sharding.pipeline.layout import plan_layout
+from sharding.pipeline.storage import spread_over_stage, storage_axes
 from sharding.rules import Rules, get_rules, logical_to_spec
 from sharding.vocab import OUTPUT_IMPLS, VocabSplit, choose_output
 
@@ -126,15 +127,18 @@ class Layout:
       attention: ``reference`` or ``dot_product`` (full score matrix; ``jax.nn.dot_product_attention``'s
         XLA implementation is modelled as reference) or ``flash`` (masked tiles skipped).
       dtype: Compute dtype of activations, ``float32`` or ``bfloat16``.
-      uneven_batch: The uneven data-parallel step (`train.hetero`): each device loops over its
-        own microbatches with the whole parameters, gathered once before the loop, and the
-        gradients are reduced once after it (``data``/``fsdp`` meshes only).
+      uneven_batch: The uneven data-parallel step (`train.strategies.UnevenGradients`): each
+        data-parallel group loops over its own microbatches with the parameters gathered over the
+        batch axes once before the loop (still split over ``tensor``), and the gradients are reduced
+        once after it (``data``/``fsdp``/``tensor`` meshes; tensor collectives run per microbatch).
       logits: How the output projection and loss are laid out (`sharding.vocab`): ``gathered``,
         ``vocab_parallel`` or ``auto`` (what `sharding.vocab.choose_output` picks). Modelled for
         untied embeddings.
       skip_empty: Pipeline only: empty slots and bubble steps are skipped by conditionals
         (`sharding.pipeline.PipelinePlan.skip_empty`); False prices every slot of every step, which
         is also what a compiled program's loop trip counts say (a branch counted on every trip).
+      one_f_one_b: Pipeline only: the 1F1B schedule (``--pipeline-schedule 1f1b``,
+        `sharding.pipeline.onef1b`; interleaved with ``pipeline_repeats`` > 1) instead of GPipe/circular.
 
     Raises:
       ValueError: On an unknown axis, a size below 1, or an unknown remat/attention/dtype.
@@ -151,6 +155,7 @@ class Layout:
     uneven_batch: bool = False
     logits: str = "auto"
     skip_empty: bool = True
+    one_f_one_b: bool = False
 
     def __post_init__(self) -> None:
         full = {a: 1 for a in ax.MESH_AXES}
@@ -343,7 +348,7 @@ class Memory:
     """Bytes on one device.
 
     Attributes:
-      parameters: float32 parameters (padded stage slots included).
+      parameters: float32 parameters (with a pipeline, the unpadded storage's rows: `_held_params`).
       gradients: float32 gradients (the accumulator when microbatching).
       optimizer: AdamW's two float32 moments.
       activations: Saved for the backward pass under the remat policy (one microbatch's); with
@@ -481,7 +486,7 @@ class _Shape:
     tok: float  # tokens per microbatch on this device (rows * T / sequence)
     micro: int  # microbatches this device runs
     layers: int  # layers computed per microbatch
-    slots: int  # layer slots held (max stage layers, padding included)
+    slots: int  # layer slots held without a pipeline (with one: `_held_params`)
     act_bytes: int
 
 
@@ -500,8 +505,8 @@ def device_cost(
     """The cost of one device that processes ``rows`` sequences per microbatch.
 
     The general form behind `estimate`, for devices whose work differs: a device of a faster kind
-    runs more microbatches (uneven data parallelism, ``microbatches``), a pipeline stage holds its
-    own number of layers (``layers``) in ``slots`` padded slots.
+    runs more microbatches (uneven data parallelism, ``microbatches``), a pipeline stage computes its
+    own number of layers (``layers``) while every device stores the same unpadded share of the stack.
 
     Args:
       model: The model's `ModelDescription` (or an object with ``describe()``, `describe_model`).
@@ -510,8 +515,8 @@ def device_cost(
       rows: Sequences per microbatch on this device (after the ``data``/``fsdp`` split).
       microbatches: Microbatches this device runs per step; default ``layout.microbatches``.
       layers: Layers this device computes; default the model's layers over ``stage``.
-      slots: Layer slots it holds (for memory); default the layout's (`StageLayout.slots`, R x K with
-        pipeline repeats) when ``layers`` is not given, else ``layers``.
+      slots: Layer slots it holds (for memory) without a pipeline; default ``layers``. With one
+        (``stage`` > 1) every device holds ``ceil(L / (S*G))`` unpadded rows instead (`_held_params`).
       backend: ``gpu`` or ``cpu`` (how reduce-scatter is lowered; see the module docstring).
       batch_rows: The global batch in sequences, for the uneven step's batch re-layout.
 
@@ -623,8 +628,7 @@ def _flops(model: ModelDescription, layout: Layout, rules: Rules, placed: dict[s
     unit = _per_token_flops(model, layout, rules, placed, s)
     per_token_layer = unit["layers"] + unit["attention"] + unit["recompute"] + unit["elem_layer"]
     per_token_outside = unit["logits"] + unit["elem_loss"]
-    local_params = sum(p.local * (s.slots if p.param.per_layer else 1) for p in placed.values())
-    optimizer = OPTIMIZER_FLOPS_PER_PARAM * local_params
+    optimizer = OPTIMIZER_FLOPS_PER_PARAM * _held_params(model, layout, rules, placed, s)
     tokens = s.tok * s.micro
     flops = Flops(
         layers=tokens * s.layers * unit["layers"],
@@ -641,8 +645,31 @@ def _flops(model: ModelDescription, layout: Layout, rules: Rules, placed: dict[s
 # --- Memory -----------------------------------------------------------------------------------
 
 
+def _held_params(model: ModelDescription, layout: Layout, rules: Rules, placed: dict[str, _Placed], s: _Shape) -> float:
+    """Parameter elements one device holds between steps (its optimizer state is twice as many).
+
+    Without a pipeline: each parameter's shard, the per-layer ones times ``slots``. With one (``stage``
+    > 1), the unpadded storage (`sharding.pipeline.storage`): every device holds ``ceil(L / (S*G))``
+    whole-layer rows, ``G`` the devices of the batch axes the rules split layer parameters over (a row is
+    split over the other axes only), whatever its stage's layer count; the other parameters are also
+    split over ``stage`` where a dimension allows (`spread_over_stage`).
+    """
+    mesh = layout.mesh
+    if mesh[ax.STAGE] <= 1:
+        return sum(p.local * (s.slots if p.param.per_layer else 1) for p in placed.values())
+    layer = [p for p in placed.values() if p.param.per_layer]
+    axes = storage_axes([(None, *p.param.axes) for p in layer], rules, mesh)
+    rows = -(-model.num_layers // (mesh[ax.STAGE] * math.prod(mesh[a] for a in axes)))
+    held = rows * sum(p.local * p.factor(*axes) for p in layer)
+    for p in placed.values():
+        if not p.param.per_layer:
+            spec = spread_over_stage(logical_to_spec(p.param.axes, rules, p.param.shape, mesh)[0], p.param.shape, mesh)
+            held += p.param.size / math.prod(mesh[a] for e in spec for a in ((e,) if isinstance(e, str) else e or ()))
+    return held
+
+
 def _memory(model: ModelDescription, layout: Layout, rules: Rules, placed: dict[str, _Placed], s: _Shape) -> Memory:
-    params = sum(p.local * (s.slots if p.param.per_layer else 1) for p in placed.values()) * _PARAM_BYTES
+    params = _held_params(model, layout, rules, placed, s) * _PARAM_BYTES
     mesh = layout.mesh
     keys = s.seq if layout.attention in _WHOLE_SCORES else 0.0
 
@@ -664,7 +691,8 @@ def _memory(model: ModelDescription, layout: Layout, rules: Rules, placed: dict[
     batch = _BATCH_FIELDS * s.rows * s.micro * s.seq / mesh[ax.SEQUENCE] * _INT_BYTES
     grads = params
     if layout.uneven_batch:  # whole parameters and a whole gradient accumulator during the loop
-        whole = sum(p.param.size * (s.slots if p.param.per_layer else 1) for p in placed.values()) * _PARAM_BYTES
+        whole = sum(p.param.size / p.factor(ax.TENSOR) * (s.slots if p.param.per_layer else 1)
+                    for p in placed.values()) * _PARAM_BYTES  # whole over the batch axes, still split over tensor
         gathered = whole if mesh[ax.FSDP] > 1 else 0.0
         grads = whole
     return Memory(
@@ -689,7 +717,7 @@ def _axes(mesh: Mapping[str, int], *names: str) -> tuple[tuple[str, ...], int]:
 def _comms(model: ModelDescription, layout: Layout, rules: Rules, placed: dict[str, _Placed], s: _Shape, backend: str,
            batch_rows: float | None = None, embedding: bool = True) -> list[Comm]:
     if layout.uneven_batch:
-        return _uneven_comms(layout, placed, s, batch_rows)
+        return _uneven_comms(model, layout, rules, placed, s, batch_rows)
     comms: list[Comm] = []
     split = _output_split(model, layout, rules, s)
     comms += _weight_gathers(layout, placed, s, split)
@@ -702,13 +730,27 @@ def _comms(model: ModelDescription, layout: Layout, rules: Rules, placed: dict[s
     return comms
 
 
-def _uneven_comms(layout: Layout, placed: dict[str, _Placed], s: _Shape, batch_rows: float | None) -> list[Comm]:
-    """The uneven data-parallel step (`train.hetero`), whose collectives are explicit (`jax.shard_map`),
-    so both backends emit them as written: the global batch gathered for the re-layout into
-    per-device buffers (five [B, T] int32/float32 fields), each parameter gathered whole once before
-    the microbatch loop over the axes that split it, and each gradient reduced once after it: a
-    reduce-scatter to the shard, then an all-reduce of the shard over the other batch axes."""
+def _uneven_comms(model: ModelDescription, layout: Layout, rules: Rules, placed: dict[str, _Placed], s: _Shape,
+                  batch_rows: float | None) -> list[Comm]:
+    """The uneven data-parallel step (`train.strategies.UnevenGradients`), whose batch-axis collectives
+    are explicit (`jax.shard_map` manual over ``data`` and ``fsdp``), so both backends emit them as
+    written: the global batch gathered for the re-layout into per-group buffers (five [B, T]
+    int32/float32 fields), each parameter gathered over the batch axes that split it once before the
+    microbatch loop, and each gradient reduced once after it: a reduce-scatter to the shard, then an
+    all-reduce of the shard over the other batch axes. With ``tensor`` (automatic inside the map), each
+    of the group's microbatches adds the tensor-parallel collectives of the layers and the loss, as in
+    the uniform step on the mesh without its batch axes (`_tensor_comms`, `_vocab_parallel_comms`,
+    `_embedding_comms`)."""
     mesh = layout.mesh
+    if mesh[ax.TENSOR] > 1:
+        inner = dataclasses.replace(layout, mesh={**mesh, ax.DATA: 1, ax.FSDP: 1}, uneven_batch=False)
+        inner_placed = _place_cached(model, rules, tuple(inner.mesh.items()))
+        split = _output_split(model, inner, rules, s)
+        in_loop = (_tensor_comms(model, inner, rules, s, split)
+                   + _vocab_parallel_comms(model, inner, inner_placed, s, split)
+                   + _embedding_comms(model, inner, inner_placed, s))
+    else:
+        in_loop = []
     batch_axes, batch_n = _axes(mesh, ax.DATA, ax.FSDP)
     comms = []
     if batch_rows:
@@ -725,7 +767,7 @@ def _uneven_comms(layout: Layout, placed: dict[str, _Placed], s: _Shape, batch_r
         rest = tuple(a for a in batch_axes if a not in split_axes)
         if rest:
             comms.append(Comm("all-reduce", rest, math.prod(mesh[a] for a in rest), local, layers, f"gradient of {what}"))
-    return comms
+    return comms + in_loop
 
 
 def _output_split(model: ModelDescription, layout: Layout, rules: Rules, s: _Shape) -> VocabSplit | None:

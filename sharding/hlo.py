@@ -211,6 +211,9 @@ _BRANCH_ONLY = re.compile(r"\b(?:true_computation|false_computation)=%?([\w.\-]+
 _GROUPS_LIST = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
+# jax >= 0.12: ``replica_groups=mesh['data'=1,'stage'=2,...] {'sequence'}``: one group per index of the
+# other axes, the devices along the named ones (device ids in the mesh's row-major order).
+_GROUPS_NAMED = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,8 +238,8 @@ class BranchCollective:
 
 
 def device_groups(rest: str) -> list[list[int]] | None:
-    """The device groups of a collective from the text after its opcode (replica groups, listed or as
-    an iota, or the source-target pairs of a permute); None when none can be read."""
+    """The device groups of a collective from the text after its opcode (replica groups, listed, as
+    an iota or as mesh axes, or the source-target pairs of a permute); None when none can be read."""
     listed = _GROUPS_LIST.search(rest)
     if listed:
         return [[int(d) for d in g.split(",") if d] for g in re.findall(r"\{([\d,]*)\}", listed.group(1))]
@@ -248,6 +251,15 @@ def device_groups(rest: str) -> list[list[int]] | None:
         if iota.group(3):
             ids = ids.transpose([int(d) for d in iota.group(3).split(",")])
         return ids.reshape(shape).tolist()
+    named = _GROUPS_NAMED.search(rest)
+    if named:
+        axes = re.findall(r"'(\w+)'=(\d+)", named.group(1))
+        over = re.findall(r"'(\w+)'", named.group(2))
+        names, sizes = [a for a, _ in axes], [int(n) for _, n in axes]
+        ids = np.arange(math.prod(sizes)).reshape(sizes)
+        inner = [names.index(a) for a in over]
+        ids = ids.transpose([d for d in range(len(names)) if d not in inner] + inner)
+        return ids.reshape(-1, math.prod(sizes[d] for d in inner)).tolist()
     pairs = _PAIRS.search(rest)
     if pairs:
         return [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", pairs.group(1))]

@@ -7,7 +7,7 @@
 * ``rules``: the logical-to-mesh rules (`sharding.rules`);
 * ``strategy``: how the step computes its gradients, one of `Accumulation` (microbatches summed
   in a loop), `sharding.pipeline.PipelinePlan` (the layer stack split over ``stage``) or
-  `UnevenBatch` (each device along ``data`` x ``fsdp`` runs its own number of microbatches);
+  `UnevenBatch` (each data-parallel group along ``data`` x ``fsdp`` runs its own number of microbatches);
 * ``context_layout``: how tokens lie along the length when it is split over ``sequence``
   (``contiguous`` or ``zigzag``, `models.kernels.ring_attention`).
 
@@ -56,11 +56,13 @@ class Accumulation:
 
 @dataclasses.dataclass(frozen=True)
 class UnevenBatch:
-    """Uneven data parallelism: device ``i`` along ``data`` x ``fsdp`` runs ``counts[i]`` microbatches.
+    """Uneven data parallelism: data-parallel group ``i`` along ``data`` x ``fsdp`` runs ``counts[i]``
+    microbatches (a group is one device, or with ``tensor`` in the mesh the devices of one tensor group,
+    which all run its count).
 
     Attributes:
-      counts: Microbatches per device (data-major, as the mesh orders devices), or None until they are
-        resolved at start-up from device speeds (``speeds``).
+      counts: Microbatches per data-parallel group (data-major, as the mesh orders devices), or None until
+        they are resolved at start-up from device speeds (``speeds``).
       speeds: Where the counts come from: ``given`` (``--hetero-batch 3,3,1,1``), ``kinds`` (device
         kinds' datasheet peaks) or ``measured`` (timed at start-up).
       microbatches: With ``counts`` None, the microbatches each device runs on average
@@ -286,7 +288,7 @@ class Parallelism:
         if _is_pipeline(strategy):
             layout = strategy.layout
             out += ["--stage-layers", ",".join(map(str, layout.stage_layers)),
-                    "--pipeline-schedule", layout.schedule]
+                    "--pipeline-schedule", strategy.schedule]
             if layout.repeats > 1:
                 out += ["--pipeline-repeats", str(layout.repeats)]
         if self.context_layout != CONTIGUOUS:
@@ -343,6 +345,26 @@ def spec_axes(entry) -> tuple[str, ...]:
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
+def only_axes(spec, axes: Sequence[str]):
+    """``spec`` with every entry cut to the mesh axes in ``axes`` (the block a `jax.shard_map` manual over
+    ``axes`` sees; the other axes stay automatic inside it).
+
+    Args:
+      spec: A `jax.sharding.PartitionSpec`.
+      axes: The manual mesh axes.
+
+    Returns:
+      A `jax.sharding.PartitionSpec` of the same length naming only axes of ``axes``.
+    """
+    from jax.sharding import PartitionSpec
+
+    def cut(entry):
+        kept = tuple(a for a in spec_axes(entry) if a in axes)
+        return None if not kept else kept[0] if len(kept) == 1 else kept
+
+    return PartitionSpec(*(cut(e) for e in spec))
+
+
 def gather_shards(x, spec):
     """The whole array from this device's block (inside `jax.shard_map`, manual over ``spec``'s axes).
 
@@ -393,4 +415,4 @@ UNSHARDED = Parallelism({}, Rules("none", ()))
 
 
 __all__ = ["Accumulation", "CONTEXT_LAYOUTS", "CONTIGUOUS", "Parallelism", "Strategy", "UNSHARDED", "UnevenBatch", "ZIGZAG",
-           "gather_shards", "reduce_shards", "spec_axes", "to_varying"]
+           "gather_shards", "only_axes", "reduce_shards", "spec_axes", "to_varying"]

@@ -40,7 +40,7 @@ from sharding.mesh import device_grid, format_mesh
 from sharding.modeldesc import ModelDescription
 from sharding.parallel import Accumulation, Parallelism, UnevenBatch
 from sharding.pipeline.layout import PipelinePlan, bubble_fraction, pipeline_rules, plan_layout
-from sharding.splits import largest_remainder
+from sharding.splits import largest_remainder, min_max_assign
 
 __all__ = [
     "MEMORY_FRACTION",
@@ -376,20 +376,6 @@ def _best_fitting(plans: Iterable[Plan | None]) -> Plan | None:
     return min((p for p in plans if p is not None and p.fits), key=lambda p: p.step_time, default=None)
 
 
-def _min_max_assign(total: int, base: Sequence[int], cost, cap: Sequence[int] | None = None) -> list[int] | None:
-    """Gives ``total - sum(base)`` more units one at a time to the part whose cost after taking one
-    is smallest: optimal for min-max when each part's cost grows with its units (Graham's greedy
-    for identical jobs). ``cost(i, n)`` is part ``i``'s cost with ``n`` units."""
-    out = list(base)
-    for _ in range(total - sum(out)):
-        options = [i for i in range(len(out)) if cap is None or out[i] < cap[i]]
-        if not options:
-            return None
-        i = min(options, key=lambda j: (cost(j, out[j] + 1), j))
-        out[i] += 1
-    return out
-
-
 def _affine(seconds_at, near: int) -> tuple[float, float]:
     """``(a, b)`` of ``seconds(n) ~ a + b n`` around ``n = near``, from ``near`` and ``near + 1``.
 
@@ -417,7 +403,7 @@ def _uneven_counts(ev: _Evaluator, layout: cm.Layout, total: int, rows: float) -
             return ev.time(cost, kind, layout.mesh).total
         lines[kind.name] = _affine(seconds, share[i])
     start = [max(c - 1, 0) for c in share]
-    counts = _min_max_assign(total, start, lambda i, n: (lines[kinds[i].name][0] + lines[kinds[i].name][1] * n, n))
+    counts = min_max_assign(total, start, lambda i, n: (lines[kinds[i].name][0] + lines[kinds[i].name][1] * n, n))
     return ev.uneven(layout, counts, rows)
 
 
@@ -443,7 +429,7 @@ def _stage_split(ev: _Evaluator, layout: cm.Layout) -> Plan | None:
             return ev.time(cost, kind, mesh).total
         lines[kind.name] = _affine(seconds, share[i])
     start = [max(c - 1, 1) for c in share]
-    split = _min_max_assign(layers, start, lambda i, n: (lines[kinds[i].name][0] + lines[kinds[i].name][1] * n, n))
+    split = min_max_assign(layers, start, lambda i, n: (lines[kinds[i].name][0] + lines[kinds[i].name][1] * n, n))
     best = ev.uniform(dataclasses.replace(layout, stage_layers=tuple(split)))
     for _ in range(len(split)):
         slow = max(range(len(split)), key=lambda i: lines[kinds[i].name][0] + lines[kinds[i].name][1] * split[i])
@@ -486,12 +472,25 @@ def _layouts(ev: _Evaluator, mesh: dict[str, int], rules: str, attention: str) -
                 continue
             base = cm.Layout(mesh, rules, m, "none", pipeline_repeats=r, attention=attention, dtype=opts.dtype)
             yield base, "pipeline" if stages > 1 else "uniform"
-            # train/hetero.py runs on meshes that split only data and fsdp
-            uneven_ok = (opts.hetero and rules in ("dp", "fsdp")
-                         and all(mesh[a] == 1 for a in (ax.STAGE, ax.SEQUENCE, ax.TENSOR))
+            uneven_ok = (opts.hetero and _uneven_fits(mesh, rules, attention)
                          and len({k.name for k in ev.kinds_in(mesh)}) > 1)
             if uneven_ok:
                 yield dataclasses.replace(base, uneven_batch=True), "uneven"
+
+
+def _uneven_fits(mesh: Mapping[str, int], rules: str, attention: str) -> bool:
+    """Whether the uneven step (`train.strategies.UnevenGradients`) runs this layout as the cost model
+    prices it: meshes over ``data``, ``fsdp`` and ``tensor`` (tensor inside each data-parallel group, one
+    count per group). With ``tensor``, the attention must be one GSPMD partitions (``reference``,
+    ``dot_product``: a kernel's own `jax.shard_map` cannot sit inside the step's, `train.checks`). Left
+    out: parameters split over ``fsdp`` and ``tensor`` at once (``fsdp``/``fsdp_tp`` rules with both axes
+    > 1), which the step runs exactly but whose parameter gathers the partitioner lays out with extra
+    traffic the model does not count (tests/test_hetero.py)."""
+    if any(mesh[a] > 1 for a in (ax.STAGE, ax.SEQUENCE)):
+        return False
+    if mesh[ax.TENSOR] > 1 and attention not in ("reference", "dot_product"):
+        return False
+    return not (mesh[ax.TENSOR] > 1 and mesh[ax.FSDP] > 1 and rules in ("fsdp", "fsdp_tp"))
 
 
 def _price(ev: _Evaluator, layout: cm.Layout, tag: str) -> Plan | None:

@@ -7,7 +7,7 @@ different speeds (uneven data parallelism) and the planner's shares (`sharding.p
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 
 def even_split(total: int, parts: int) -> tuple[int, ...]:
@@ -56,3 +56,31 @@ def largest_remainder(total: int, weights: Sequence[float], minimum: int = 0) ->
     for i in order[:left]:
         counts[i] += 1
     return [c + minimum for c in counts]
+
+
+def min_max_assign(total: int, base: Sequence[int], cost: Callable[[int, int], object],
+                   cap: Sequence[int] | None = None) -> list[int] | None:
+    """Gives ``total - sum(base)`` more units, one at a time, to the bin whose cost after taking one is smallest.
+
+    Optimal for minimizing the largest cost when each bin's cost grows with its units (Graham's greedy
+    list scheduling of identical jobs). Used for layers over pipeline stages and microbatches over
+    devices of different speeds.
+
+    Args:
+      total: Units in all (at least ``sum(base)``).
+      base: Units each bin starts with.
+      cost: ``cost(i, n)``: bin ``i``'s cost holding ``n`` units (any comparable value, e.g. seconds or
+        a tuple to break ties).
+      cap: Most units each bin may hold (None: no cap).
+
+    Returns:
+      Units per bin, or None when the caps leave units without a bin.
+    """
+    out = list(base)
+    for _ in range(total - sum(out)):
+        options = [i for i in range(len(out)) if cap is None or out[i] < cap[i]]
+        if not options:
+            return None
+        i = min(options, key=lambda j: (cost(j, out[j] + 1), j))
+        out[i] += 1
+    return out

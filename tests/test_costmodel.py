@@ -186,3 +186,26 @@ def test_pipeline_gathers_stage_weights_once_per_step():
         sends = [x for x in c.comms if x.what == "stage activations"]
         act = 32 / 2 / micro * 2048 * config.embed_dim * 4  # one microbatch's rows on a device, float32
         assert [(x.result_bytes, x.count) for x in sends] == [(act, 2 * (micro + 3))]
+
+
+@pytest.mark.parametrize("stage_layers, mesh_spec", [((7, 5, 2, 2), "stage=4,fsdp=2"), ((5, 3), "stage=2,fsdp=4")])
+def test_pipeline_state_bytes_are_the_unpadded_storage(stage_layers, mesh_spec):
+    """A pipeline's persistent bytes per device: the unpadded storage (no stage holds the largest stage's
+    slots), against the compiled step's arguments and the state's shards."""
+    from sharding import pipeline as pl
+    from sharding.mesh import make_mesh
+    from sharding.parallel import Parallelism
+    from train import report
+    from train.optimizer import OptimizerConfig
+    from train.step import Trainer
+
+    config = get_config("test", [f"num_layers={sum(stage_layers)}"])
+    mesh = parse_mesh(mesh_spec, 8)
+    layout, _ = plan_layout(sum(stage_layers), mesh["stage"], 1, stage_layers)
+    trainer = Trainer(config, OptimizerConfig(), Parallelism.of(make_mesh(mesh), get_rules("fsdp_tp"),
+                                                                pl.PipelinePlan(layout, 4)))
+    cost = cm.estimate(config, 16, 32, cm.Layout(mesh, "fsdp_tp", 4, "none", stage_layers=stage_layers), backend="cpu")
+    state = report.device_state_bytes(trainer.abstract_state())
+    assert 0 <= state - cost.memory.state <= 32  # parameters and AdamW moments; the rest: step, RNG key, counters
+    arguments = trainer.compile_train_step(16, 32).memory_analysis().argument_size_in_bytes
+    assert _within(cost.argument_bytes, arguments), (cost.argument_bytes, arguments)

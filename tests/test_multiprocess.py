@@ -86,3 +86,40 @@ def test_the_two_process_checkpoint_restores_in_one_process(runs, corpus, cache)
     batch = dataset.train_rows(meta["data"]["samples"], range(0, 8))
     loss_sum, weight = jax.jit(trainer.loss_sums)(state["params"], batch)
     np.testing.assert_allclose(float(loss_sum / weight), losses(multi)[16], rtol=1e-5)
+
+
+@pytest.mark.parametrize("layout", [
+    ["--mesh", "data=8", "--rules", "dp", "--mesh-outer", "data=2", "--hetero-batch", "3,3,3,3,1,1,1,1"],
+    # a tensor group inside each process, one count per data-parallel group
+    ["--mesh", "data=4,tensor=2", "--rules", "fsdp_tp", "--mesh-outer", "data=2", "--hetero-batch", "6,2,5,3"],
+])
+def test_two_processes_with_uneven_counts_match_one_process(layout, tmp_path, corpus, cache):
+    """Uneven counts across two gloo processes: the same losses, counts and final parameters as one process
+    of 8 devices (float32, 1e-5)."""
+    args = ["--model", "test", "--set", "num_layers=1", "--seq-len", "32", "--batch-size", "16", "--steps", "3",
+            "--warmup", "0", "--decay-steps", "10", "--eval-every", "0", "--eval-batches", "1", "--log-every", "1",
+            "--ckpt-every", "3", "--no-progress", "--data", str(corpus), "--data-cache", str(cache), *layout]
+    multi, single = tmp_path / "multi", tmp_path / "single"
+    two_processes([*args, "--run-dir", str(multi)], tmp_path, timeout=400)
+    code = run([*args, "--cpu-devices", "8", "--run-dir", str(single)], tmp_path / "single.log", timeout=400)
+    assert code == 0, (tmp_path / "single.log").read_text()
+
+    multi_losses, single_losses = losses(multi), losses(single)
+    assert sorted(multi_losses) == sorted(single_losses) == [1, 2, 3]
+    np.testing.assert_allclose([multi_losses[s] for s in (1, 2, 3)], [single_losses[s] for s in (1, 2, 3)], rtol=1e-5)
+    counts = [int(c) for c in layout[-1].split(",")]
+    assert losses(multi, "train/processed") == losses(single, "train/processed") == {s: counts for s in (1, 2, 3)}
+
+    mesh = make_mesh(parse_mesh("data=8", 8))
+    trainer = Trainer(get_config("test", ["num_layers=1"]), OptimizerConfig(warmup=0, decay_steps=10),
+                      Parallelism.of(mesh, "dp"))
+    params = []
+    for run_dir in (multi, single):
+        manager = CheckpointManager(run_dir / "checkpoints", async_save=False)
+        try:
+            state, _ = manager.restore(trainer.abstract_state(), step=3)
+        finally:
+            manager.close()
+        params.append(state["params"])
+    for a, b in zip(jax.tree.leaves(params[0]), jax.tree.leaves(params[1]), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)

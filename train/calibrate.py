@@ -1,4 +1,5 @@
-"""Measured device speeds for uneven data parallelism (``--hetero-batch auto``).
+"""Measured device speeds for uneven data parallelism (``--hetero-batch auto``) and uneven pipeline stages
+(``--stage-layers auto``).
 
 At start-up each process times its own devices on the uneven step's local work: the forward and backward
 pass of one microbatch (``[microbatch_rows, seq_len]``) on whole parameters, with no collective, a few
@@ -6,8 +7,13 @@ repetitions after a warm-up. Where one process's devices cannot be timed apart (
 process's cores), they run together and the process's figure applies to each of them; accelerators are
 timed one at a time. The figures are exchanged between processes
 (`jax.experimental.multihost_utils.process_allgather`), and the counts follow the measured speeds
-(`sharding.balance.counts_for_speeds`, largest remainder). ``--hetero-batch kinds`` keeps the device
+(`sharding.balance.counts_for_speeds`, largest remainder; CPU devices of one process share its cores, so
+microbatches are shared between processes by speed and evenly inside one: `compute_pools`). ``--hetero-batch kinds`` keeps the device
 kinds' datasheet peaks (`train.strategies.resolve_uneven`).
+
+For ``--stage-layers auto`` the same local work is timed; a stage's speed is its slowest device's, and the
+layers go to the stages by `sharding.balance.layers_for_speeds` (min-max over the stages' predicted times,
+the work each stage does besides its layers counted in layers from the model's FLOPs).
 
 Achieved speed ratios are not peak ratios: an H100 SXM has 3.2x an A100's dense bf16 peak but 1.7x its
 memory bandwidth, and hosts throttle; hence measuring (issue 14).
@@ -23,7 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sharding.balance import counts_for_speeds, default_capacity
+from sharding import axes as ax
+from sharding.balance import counts_for_speeds, default_capacity, layers_for_speeds
 from sharding.parallel import Parallelism, UnevenBatch
 from train.data import FIELDS
 
@@ -33,12 +40,13 @@ REPEATS = 3
 
 @dataclasses.dataclass(frozen=True)
 class Calibration:
-    """Measured seconds per microbatch of each device along ``data`` x ``fsdp`` (the counts' order).
+    """Measured seconds per microbatch of each data-parallel group along ``data`` x ``fsdp`` (the counts'
+    order; a group is one device, or with ``tensor`` the devices of one tensor group, paced by its slowest).
 
     Attributes:
-      seconds: Seconds per microbatch (forward and backward), one per device.
-      peaks: Datasheet peak FLOP/s per device, None where the kind is unknown (e.g. CPU).
-      counts: The microbatches per device these speeds give.
+      seconds: Seconds per microbatch (forward and backward), one per group: its slowest device's.
+      peaks: Datasheet peak FLOP/s per group (its slowest device's), None where a kind is unknown (e.g. CPU).
+      counts: The microbatches per group these speeds give.
     """
 
     seconds: tuple[float, ...]
@@ -46,12 +54,13 @@ class Calibration:
     counts: tuple[int, ...]
 
     def lines(self, microbatch_rows: int) -> list[str]:
-        """The start-up report: one line per device, measured speed, datasheet speed where known, count."""
+        """The start-up report: one line per data-parallel group, measured speed, datasheet speed where known,
+        count."""
         out = [f"measured speeds (--hetero-batch auto; forward+backward of one microbatch of {microbatch_rows} "
-               f"sequences per device):"]
+               f"sequences per device; one line per data-parallel group, a device or a tensor group):"]
         for i, (s, peak, count) in enumerate(zip(self.seconds, self.peaks, self.counts)):
             sheet = f"datasheet {peak / 1e12:.0f} TFLOP/s" if peak else "datasheet n/a"
-            out.append(f"  device {i}: {s * 1e3:.1f} ms per microbatch ({1 / s:.2f} microbatches/s), {sheet}, "
+            out.append(f"  group {i}: {s * 1e3:.1f} ms per microbatch ({1 / s:.2f} microbatches/s), {sheet}, "
                        f"{count} microbatches")
         return out
 
@@ -106,6 +115,14 @@ def time_local_devices(fn, args_on, devices: Sequence, together: bool, repeats: 
     return out
 
 
+def compute_pools(grid: Sequence) -> list[int] | None:
+    """Which devices share compute, as `sharding.balance.counts_for_speeds` takes ``pools``: CPU devices
+    share their process's cores (one pool per process); accelerators are each their own (None)."""
+    if not grid or grid[0].platform != "cpu":
+        return None
+    return [d.process_index for d in grid]
+
+
 def grid_seconds(grid: Sequence, table: np.ndarray, devices: Sequence | None = None) -> list[float]:
     """Each batch-grid device's seconds from ``table[process_index, local_index]`` (every process's
     figures, as `gather_table` returns them); a device's local index is its rank by id among its process's
@@ -142,7 +159,7 @@ def calibrate(par: Parallelism, loss_fn, abstract_params, batch_size: int, seq_l
       ``(par, calibration)``: ``par`` with the counts set, and what was measured.
     """
     from sharding.devices import peak_flops
-    from train.strategies import batch_grid
+    from train.strategies import batch_grid, batch_groups, slowest_of_groups
 
     strategy, mesh = par.strategy, par.mesh
     devices = par.data_parallel
@@ -150,18 +167,98 @@ def calibrate(par: Parallelism, loss_fn, abstract_params, batch_size: int, seq_l
     rows = batch_size // total
     fn, args_on = local_work(par, loss_fn, abstract_params, rows, seq_len)
     local = sorted(jax.local_devices(), key=lambda d: d.id)
-    table = gather_table(timer(fn, args_on, local, together=local[0].platform == "cpu"))
-    grid = batch_grid(mesh)
-    seconds = grid_seconds(grid, table)
+    together = local[0].platform == "cpu"
+    table = gather_table(timer(fn, args_on, local, together=together))
+    groups = batch_groups(mesh)
+    members = [d for group in groups for d in group]
+    seconds = slowest_of_groups(grid_seconds(members, table), groups, larger_is_slower=True)
+    peaks = [peak_flops(d) for d in members]
+    peaks = ([None] * len(groups) if None in peaks else slowest_of_groups(peaks, groups, larger_is_slower=False))
     capacity = strategy.capacity or default_capacity(total, devices)
-    counts = tuple(counts_for_speeds([1 / s for s in seconds], total, capacity))
-    calibration = Calibration(tuple(seconds), tuple(peak_flops(d) for d in grid), counts)
+    pools = compute_pools(batch_grid(mesh))  # a group's devices live in one process: its first device's pool
+    counts = tuple(counts_for_speeds([1 / s for s in seconds], total, capacity, pools=pools))
+    calibration = Calibration(tuple(seconds), tuple(peaks), counts)
     return par.replace(strategy=dataclasses.replace(strategy, counts=counts, capacity=capacity)), calibration
+
+
+@dataclasses.dataclass(frozen=True)
+class StageCalibration:
+    """Measured seconds per microbatch (whole model, forward and backward) of each pipeline stage's slowest
+    device, and the layers per stage they give.
+
+    Attributes:
+      seconds: One per stage.
+      fixed_layers: Work each stage does besides its layers, in layers (`head_layers`).
+      stage_layers: The split.
+    """
+
+    seconds: tuple[float, ...]
+    fixed_layers: float
+    stage_layers: tuple[int, ...]
+
+    def lines(self, microbatch_rows: int) -> list[str]:
+        """The start-up report: one line per stage."""
+        out = [f"measured stage speeds (--stage-layers auto; forward+backward of one microbatch of {microbatch_rows} "
+               f"sequences through the whole model, slowest device of each stage; besides its layers each stage "
+               f"does the work of {self.fixed_layers:.2f} layers):"]
+        for s, (t, n) in enumerate(zip(self.seconds, self.stage_layers)):
+            out.append(f"  stage {s}: {t * 1e3:.1f} ms per microbatch ({self.seconds[0] / t:.2f}x stage 0), {n} layers")
+        return out
+
+
+def head_layers(model_config, seq_len: int) -> float:
+    """Training FLOPs outside the layer stack (output projection and loss) in layers' worth, per token.
+
+    From `models.spec.describe`: a layer's share of `ModelDescription.flops_per_token` is 6 FLOPs per
+    per-layer parameter plus its attention products; the rest is the head.
+    """
+    from models.spec import describe
+
+    desc = describe(model_config)
+    layer = 6.0 * sum(p.size for p in desc.params if p.per_layer) + 3 * desc.attention.forward_flops(seq_len)
+    return max(desc.flops_per_token(seq_len) - desc.num_layers * layer, 0.0) / layer
+
+
+def stage_devices(mesh) -> list[list]:
+    """Each pipeline stage's devices (the mesh's slices along ``stage``)."""
+    devices = np.moveaxis(np.asarray(mesh.devices), list(mesh.axis_names).index(ax.STAGE), 0)
+    return [list(devices[s].reshape(-1)) for s in range(devices.shape[0])]
+
+
+def calibrate_stages(par: Parallelism, loss_fn, abstract_params, microbatch_rows: int, seq_len: int,
+                     fixed_layers: float, timer: Callable[..., list[float]] = time_local_devices
+                     ) -> tuple[Parallelism, StageCalibration]:
+    """Times every device on one microbatch of the whole model and splits the layers over the stages.
+
+    Args:
+      par: The run's layout bound to a mesh, strategy a gpipe `PipelinePlan` with ``measure_stages``.
+      loss_fn, abstract_params: A flat (unpipelined) model's, as `local_work` takes them.
+      microbatch_rows, seq_len: One pipeline microbatch's rows per device and ``--seq-len``.
+      fixed_layers: `head_layers` of the model.
+      timer: `time_local_devices` or a stand-in with its signature (tests inject timings).
+
+    Returns:
+      ``(par, calibration)``: ``par`` with the measured split (``measure_stages`` off), and the timings.
+    """
+    from sharding.parallel import Accumulation
+    from sharding.pipeline import plan_layout
+
+    plan = par.pipeline
+    fn, args_on = local_work(par.replace(strategy=Accumulation()), loss_fn, abstract_params, microbatch_rows, seq_len)
+    local = sorted(jax.local_devices(), key=lambda d: d.id)
+    table = gather_table(timer(fn, args_on, local, together=local[0].platform == "cpu"))
+    seconds = tuple(max(grid_seconds(devices, table)) for devices in stage_devices(par.mesh))
+    layers = sum(plan.layout.stage_layers)
+    split = layers_for_speeds(layers, [t / (layers + fixed_layers) for t in seconds], fixed_layers)
+    layout, _ = plan_layout(layers, len(seconds), 1, split)
+    new = dataclasses.replace(plan, layout=layout, measure_stages=False)
+    return par.replace(strategy=new), StageCalibration(seconds, fixed_layers, split)
 
 
 def resolve_counts(config, par: Parallelism, log) -> tuple[Parallelism, list[float] | None]:
     """Resolves ``--hetero-batch auto`` (measured, logging what was measured) or ``kinds`` (datasheets)
-    into counts; ``(par, datasheet speeds or None)``, ``par`` unchanged for any other strategy.
+    into counts, and ``--stage-layers auto`` into a measured stage split; ``(par, datasheet speeds or
+    None)``, ``par`` unchanged for any other strategy.
 
     Raises:
       ValueError: ``kinds`` with a device whose peak is unknown (`train.strategies.device_speeds`).
@@ -171,6 +268,8 @@ def resolve_counts(config, par: Parallelism, log) -> tuple[Parallelism, list[flo
     from train.strategies import resolve_uneven
 
     strategy = par.strategy
+    if par.pipeline is not None and par.pipeline.measure_stages:
+        return _resolve_stages(config, par, log), None
     if not isinstance(strategy, UnevenBatch) or strategy.counts is not None:
         return par, None
     if strategy.speeds != "measured":
@@ -184,3 +283,18 @@ def resolve_counts(config, par: Parallelism, log) -> tuple[Parallelism, list[flo
     for line in calibration.lines(config.data.batch_size // sum(calibration.counts)):
         log(line)
     return par, None
+
+
+def _resolve_stages(config, par: Parallelism, log) -> Parallelism:
+    """``--stage-layers auto``: a flat probe trainer's local work timed per device, then the split."""
+    from sharding.parallel import Accumulation
+    from train.step import Trainer
+
+    probe = Trainer(config.model, config.optimizer, par.replace(strategy=Accumulation()))
+    rows = config.data.batch_size // (par.pipeline.microbatches * par.data_parallel)
+    # The head runs on 1/S of the rows on every stage (`sharding.pipeline.head_parallelism`): its share per stage.
+    fixed = head_layers(config.model, config.data.seq_len) / par.pipeline.layout.stages
+    par, calibration = calibrate_stages(par, probe.loss_sums, probe.abstract_params, rows, config.data.seq_len, fixed)
+    for line in calibration.lines(rows):
+        log(line)
+    return par

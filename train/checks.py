@@ -141,23 +141,25 @@ def check_batch(run: RunConfig) -> None:
 
 
 def check_strategy(run: RunConfig) -> None:
-    """The pipeline's microbatches and attention, and uneven counts against the mesh and rules.
+    """The pipeline's microbatches, and uneven counts against the mesh and rules.
 
     Raises:
-      ValueError: Fewer pipeline microbatches than stages; an attention kernel inside the pipeline; uneven
-        counts on a mesh or rules they do not support, or that do not divide the batch.
+      ValueError: Fewer pipeline microbatches than stages; an attention kernel inside the uneven step with
+        tensor; uneven counts on a mesh or rules they do not support, or that do not divide the batch.
     """
     par, model = run.parallelism, run.model
     plan = par.pipeline
     if plan is not None:
         check_microbatches(plan.microbatches, plan.layout.stages, run.data.batch_size, par.data_parallel)
-        if model.attention not in ("reference", "dot_product"):
-            raise ValueError(f"--attention {model.attention} runs its kernel under its own shard_map, which cannot sit "
-                             f"inside the pipeline's yet; with --mesh stage={plan.layout.stages} use --attention "
-                             f"reference")
     if isinstance(par.strategy, UnevenBatch):
         from models.transformer import abstract_model
         from train.strategies import check_uneven
+
+        tensor = par.mesh_shape[ax.TENSOR]
+        if tensor > 1 and model.attention not in ("reference", "dot_product"):
+            raise ValueError(f"--attention {model.attention} runs its kernel under its own shard_map, which cannot "
+                             f"sit inside the uneven step's with tensor={tensor} yet; with --hetero-batch and a "
+                             f"tensor axis use --attention reference or dot_product")
 
         _, abstract, names = abstract_model(model)
         check_uneven(par, names, abstract, run.data.batch_size)

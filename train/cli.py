@@ -18,7 +18,14 @@ from models.config import ATTENTION_IMPLS, DTYPES, LOGITS_IMPLS, PRESETS, REMAT_
 from sharding import axes as ax
 from sharding.mesh import parse_axis_sizes
 from sharding.parallel import CONTEXT_LAYOUTS, Accumulation, Parallelism, UnevenBatch
-from sharding.pipeline import SCHEDULES, PipelinePlan, parse_stage_layers, pipeline_rules, plan_layout
+from sharding.pipeline import (
+    SCHEDULES,
+    PipelinePlan,
+    one_f_one_b_ticks,
+    parse_stage_layers,
+    pipeline_rules,
+    plan_layout,
+)
 from sharding.rules import DEFAULT_PRESET, PRESETS as RULE_PRESETS, get_rules
 from train.config import DEFAULT_RUN_DIR, CheckpointConfig, ClusterConfig, DataConfig, LoopConfig, RunConfig
 from train.optimizer import OptimizerConfig
@@ -143,12 +150,16 @@ def _pipeline_flags(p) -> None:
     g = p.add_argument_group("pipeline parallelism (with --mesh stage=N, N > 1)")
     g.add_argument("--pipeline-schedule", default="gpipe", choices=SCHEDULES,
                    help="gpipe: each stage holds one run of layers; circular: each holds --pipeline-repeats "
-                   "non-adjacent chunks, shrinking the bubble (S-1)/(R*M+S-1)")
+                   "non-adjacent chunks, shrinking the bubble (S-1)/(R*M+S-1); 1f1b: gpipe's layers, but each stage "
+                   "alternates one forward and one backward after warm-up, keeping S microbatches' activations "
+                   "instead of M (loss on the last stage, inside the pipeline)")
     g.add_argument("--pipeline-repeats", type=int, default=None, metavar="R",
-                   help="chunks per stage for --pipeline-schedule circular (default 2; gpipe: 1)")
-    g.add_argument("--stage-layers", default=None, metavar="N,N,...",
+                   help="chunks per stage for --pipeline-schedule circular (default 2; gpipe: 1) or 1f1b (default 1; "
+                   "more is interleaved 1F1B, with --microbatches a multiple of the stages)")
+    g.add_argument("--stage-layers", default=None, metavar="auto|N,N,...",
                    help="layers per stage, e.g. 10,10,6,6 for 32 layers on stage=4 (must sum to the model's layers); "
-                   "circular also takes one count per chunk (S*R); default: even, the first stages taking the rest")
+                   "circular also takes one count per chunk (S*R); auto: time each stage's devices at start-up and give "
+                   "faster stages more layers (gpipe); default: even, the first stages taking the rest")
 
 
 def _hetero_flags(p) -> None:
@@ -160,9 +171,10 @@ def _hetero_flags(p) -> None:
                    help="pretend the (CPU) devices are this cluster, e.g. h100:4,a100:4 on 8 devices: their kinds "
                    "set --hetero-batch kinds' shares and --plan auto's cluster")
     g.add_argument("--hetero-batch", default="off", metavar="auto|kinds|off|COUNTS",
-                   help="uneven data parallelism: microbatches per device along data x fsdp, proportional to "
+                   help="uneven data parallelism: microbatches per data-parallel group along data x fsdp (each "
+                   "shared by the group's tensor devices), proportional to "
                    "device speed (auto: measured at start-up; kinds: the device kinds' datasheet peaks) or given (e.g. 3,3,3,3,1,1,1,1; "
-                   "microbatch = --batch-size / their sum); dp/fsdp rules, data/fsdp meshes")
+                   "microbatch = --batch-size / their sum); data/fsdp/tensor meshes")
     g.add_argument("--hetero-max-share", type=int, default=None, metavar="N",
                    help="uneven data parallelism: the most microbatches one device may be given without recompiling "
                    "the step (its padded buffer); default twice the mean per device, at least the largest count")
@@ -365,14 +377,15 @@ def _strategy(args, sizes: dict[str, int], num_layers: int):
     if args.plan and uneven is not None and uneven.speeds == "given":
         raise ValueError(f"--plan auto chooses --hetero-batch itself; drop --hetero-batch {args.hetero_batch}")
     if stages == 1:
-        circular = args.pipeline_schedule == "circular"
-        given = [flag for flag, on in (("--stage-layers", args.stage_layers), ("--pipeline-schedule circular", circular),
+        schedule = args.pipeline_schedule != "gpipe"
+        given = [flag for flag, on in (("--stage-layers", args.stage_layers),
+                                       (f"--pipeline-schedule {args.pipeline_schedule}", schedule),
                                        ("--pipeline-repeats", args.pipeline_repeats)) if on]
         if given:
             raise ValueError(f"{given[0]} needs a pipeline: add a stage axis to --mesh, e.g. --mesh stage=2,fsdp=-1")
         return uneven if uneven is not None else Accumulation(args.microbatches)
     if uneven is not None:
-        raise ValueError(f"--hetero-batch supports data-parallel meshes only (data, fsdp); --mesh splits "
+        raise ValueError(f"--hetero-batch supports meshes over data, fsdp and tensor only; --mesh splits "
                          f"stage={stages}. Use e.g. --mesh data={stages} --rules dp, or --hetero-batch off")
     return pipeline_plan(args, stages, num_layers)
 
@@ -385,14 +398,26 @@ def pipeline_plan(args, stages: int, num_layers: int) -> PipelinePlan:
         `sharding.pipeline.plan_layout`; naming the flag, its value and one that works.
     """
     circular = args.pipeline_schedule == "circular"
+    one_f_one_b = args.pipeline_schedule == "1f1b"
     repeats = args.pipeline_repeats or (2 if circular else 1)
-    if not circular and repeats != 1:
+    if one_f_one_b and repeats < 1:
+        raise ValueError(f"--pipeline-repeats {repeats}: must be at least 1 (1f1b; more is interleaved 1F1B)")
+    if not circular and not one_f_one_b and repeats != 1:
         raise ValueError(f"--pipeline-repeats {repeats} needs --pipeline-schedule circular (gpipe has 1 repeat)")
     if circular and repeats < 2:
         raise ValueError("--pipeline-schedule circular needs --pipeline-repeats of 2 or more, e.g. --pipeline-repeats 2 "
                          "(1 repeat is --pipeline-schedule gpipe)")
-    layout, _ = plan_layout(num_layers, stages, repeats, parse_stage_layers(args.stage_layers))
-    return PipelinePlan(layout, args.microbatches)
+    measure = args.stage_layers is not None and args.stage_layers.strip() == "auto"
+    if measure and circular:
+        raise ValueError("--stage-layers auto times the stages for --pipeline-schedule gpipe; give circular's "
+                         "chunks by hand, e.g. --stage-layers 4,4,2,2, or use --pipeline-schedule gpipe")
+    if measure and repeats > 1:
+        raise ValueError(f"--stage-layers auto times the stages of one chunk each; with --pipeline-schedule 1f1b "
+                         f"--pipeline-repeats {repeats} give the chunks by hand, e.g. --stage-layers 4,4,2,2")
+    layout, _ = plan_layout(num_layers, stages, repeats, None if measure else parse_stage_layers(args.stage_layers))
+    if one_f_one_b and repeats > 1 and args.microbatches >= stages:
+        one_f_one_b_ticks(stages, args.microbatches, repeats)  # interleaved: M a multiple of S, else a ValueError
+    return PipelinePlan(layout, args.microbatches, one_f_one_b=one_f_one_b, measure_stages=measure)
 
 
 def _rebalance(uneven: UnevenBatch | None, every: int | None) -> UnevenBatch | None:

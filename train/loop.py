@@ -357,7 +357,11 @@ def rebalancer_of(trainer):
     strategy = trainer.par.strategy
     if not isinstance(strategy, UnevenBatch) or not strategy.rebalance_every:
         return None
-    return Rebalancer(tuple(strategy.counts), trainer.strategy.capacity, strategy.rebalance_every)
+    from train.calibrate import compute_pools
+    from train.strategies import batch_grid
+
+    return Rebalancer(tuple(strategy.counts), trainer.strategy.capacity, strategy.rebalance_every,
+                      pools=compute_pools(batch_grid(trainer.par.mesh)))
 
 
 def _read(pending) -> dict[str, float | list]:

@@ -178,12 +178,37 @@ def apply_plan(run: RunConfig, devices, log: Callable[[str], None]) -> RunConfig
     if "+" in run.parallelism.rules.name:
         log(f"--plan auto: dropping the --rule overrides of {run.parallelism.rules.name} (the plan uses --rules "
             f"{best.layout.rules_name} as is)")
-    par = best.parallelism().replace(context_layout=run.parallelism.context_layout)
+    par = measured(best.parallelism().replace(context_layout=run.parallelism.context_layout), run, log)
     fit = "" if best.fits else " (no plan fits the memory; this is the closest)"
     log(f"--plan auto{fit}: {' '.join(par.flags())} --remat {best.layout.remat}; predicted {best.step_time:.3g} "
         f"s/step, {best.tokens_per_second:,.0f} tokens/s, MFU {best.mfu:.1%} on {inventory.num_devices} devices "
         f"({', '.join(k.name for k in inventory.kinds_present)})")
     return run.replace(parallelism=par, model=run.model.replace(remat=best.layout.remat))
+
+
+def measured(par, run: RunConfig, log: Callable[[str], None]):
+    """On real devices (no ``--simulate-cluster``), the plan's datasheet shares become measured ones: uneven
+    counts as ``--hetero-batch auto`` (rebalanced every `train.cli.DEFAULT_REBALANCE` steps), a gpipe stage
+    split as ``--stage-layers auto``; the planner's choice of layout stands. Simulated kinds keep the
+    datasheet shares (the CPU devices behind them are all alike)."""
+    import dataclasses
+
+    from sharding.parallel import UnevenBatch
+    from train.cli import DEFAULT_REBALANCE
+
+    if run.cluster.simulate_cluster:
+        return par
+    strategy = par.strategy
+    if isinstance(strategy, UnevenBatch) and strategy.counts and sum(strategy.counts) % len(strategy.counts) == 0:
+        log("--plan auto: uneven counts from speeds measured at start-up (as --hetero-batch auto)")
+        return par.replace(strategy=dataclasses.replace(
+            strategy, counts=None, speeds="measured", microbatches=sum(strategy.counts) // len(strategy.counts),
+            rebalance_every=strategy.rebalance_every or DEFAULT_REBALANCE))
+    plan = par.pipeline
+    if plan is not None and plan.layout.repeats == 1 and len(set(plan.layout.stage_layers)) > 1:
+        log("--plan auto: the stage split from speeds measured at start-up (as --stage-layers auto)")
+        return par.replace(strategy=dataclasses.replace(plan, measure_stages=True))
+    return par
 
 
 def main(argv: Sequence[str] | None = None) -> int:

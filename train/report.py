@@ -9,6 +9,7 @@ import time
 import jax
 import numpy as np
 
+from sharding import axes as ax
 from sharding import hlo
 from sharding.mesh import crossing_axes, format_mesh
 
@@ -97,6 +98,18 @@ def collective_lines(compiled) -> list[str]:
     return lines
 
 
+def compute_lines(compiled) -> list[str]:
+    """FLOPs per device of the compiled step: matrix products with loop trips counted (`sharding.hlo.dot_flops`;
+    skipped-slot branches counted as run), and XLA's ``cost_analysis()`` (each loop body once)."""
+    analysis = compiled.cost_analysis()
+    analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis
+    def flop(n: float) -> str:
+        return f"{n / 1e12:.2f} TFLOP" if n >= 1e11 else f"{n / 1e9:.3f} GFLOP"
+
+    return [f"compute per device per step: {flop(hlo.dot_flops(compiled.as_text()))} in matrix products "
+            f"(loop trips counted); cost_analysis {flop(float(analysis.get('flops', 0.0)))} (loop bodies once)"]
+
+
 def state_bytes(abstract_state) -> int:
     """Bytes of all the arrays of a tree (global shapes)."""
     return int(sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(abstract_state)))
@@ -113,50 +126,73 @@ def device_state_bytes(abstract_state) -> int:
 
 
 def stage_memory(trainer) -> dict:
-    """Per-device parameter bytes of a pipelined trainer, split by stage.
+    """Per-device parameter bytes of a pipelined trainer (unpadded storage, `sharding.pipeline.storage`).
 
-    Every device holds the same arrays (one SPMD program): the non-layer
-    parameters' shards and ``slots`` layer slots of ``slot_bytes`` each. Of
-    those, stage ``s`` fills ``stage_layers[s]`` (its share) and leaves the
-    rest empty (its padding).
+    Every device holds the same arrays (one SPMD program): the non-layer parameters' shards and
+    ``per_device`` rows of the layer stack (``rows`` in all: the model's layers and fewer than one empty
+    row per device), whatever its stage's layer count. Parameters only: AdamW's two moments add twice as
+    much again, laid out alike.
 
     Returns:
-      ``{"slot_bytes", "other_bytes", "stages": [(layers, share_bytes, padding_bytes), ...],
-      "device_bytes"}``: bytes per device of one slot (all layer parameters
-      of one layer), of the non-layer parameters, per stage, and in all
-      (``other + slots * slot_bytes``, the same on every device). Parameters
-      only: AdamW's two moments add twice as much again, laid out alike.
+      ``{"row_bytes", "per_device", "empty_rows", "other_bytes", "device_bytes", "ideal_bytes"}``: bytes per
+      device of one stored row (all layer parameters of one layer, as split on the device), rows per device,
+      empty rows in all, bytes of the non-layer parameters per device, in all per device (``other +
+      per_device * row_bytes``), and the ideal: all parameters over all devices.
     """
-    layout = trainer.layout
-    slot_bytes = other = 0
+    storage = trainer.storage
+    row_bytes = other = 0
     leaves = jax.tree_util.tree_leaves_with_path(trainer.state_params)
     shardings = jax.tree.leaves(trainer.param_shardings)
     for (path, leaf), sharding in zip(leaves, shardings, strict=True):
         local = sharding.shard_shape(leaf.shape)
         itemsize = np.dtype(leaf.dtype).itemsize
         if str(getattr(path[0], "key", "")) == "layers":
-            slot_bytes += math.prod(local[2:]) * itemsize  # [1, slots, ...] on each device
+            row_bytes += math.prod(local[1:]) * itemsize  # [per_device, ...] on each device
         else:
             other += math.prod(local) * itemsize
-    stages = [(n, n * slot_bytes, pad * slot_bytes) for n, pad in zip(layout.stage_layers, layout.padding)]
-    return {"slot_bytes": slot_bytes, "other_bytes": other, "stages": stages,
-            "device_bytes": other + layout.slots * slot_bytes}
+    ideal = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(trainer.abstract_params))
+    return {"row_bytes": row_bytes, "per_device": storage.per_device, "empty_rows": storage.rows - storage.num_layers,
+            "other_bytes": other, "device_bytes": other + storage.per_device * row_bytes,
+            "ideal_bytes": ideal / trainer.mesh.devices.size}
 
 
 def weight_gather_line(trainer) -> str:
     """Where the pipeline gathers the layer weights and reduces their gradients, with the gathered bytes."""
-    layout = trainer.par.pipeline.layout
+    layout, storage = trainer.par.pipeline.layout, trainer.storage
     itemsize = jax.numpy.dtype(trainer.config.dtype).itemsize
     per_layer = sum(x.size // x.shape[0] * itemsize for x in jax.tree.leaves(trainer.abstract_params["layers"]))
-    return (f"  weights: each device all-gathers its stage's {layout.slots} slots over data/fsdp once per step, "
-            f"before the pipeline loop, in {trainer.config.dtype} ({layout.slots} x {human_bytes(per_layer)} = "
-            f"{human_bytes(layout.slots * per_layer)} per device, / tensor where the rules split over it); "
-            f"layer gradients are summed on each device over the microbatches and reduce-scattered once, after "
-            f"the backward loop")
+    most = max(layout.stage_layers)
+    moved = storage.placement.received
+    over = (f"receives {moved} row(s) of its stage stored on another stage's devices (ppermute), then " if moved
+            else "")
+    return (f"  weights: each device {over}all-gathers its stage's rows over the storage's batch axes once per "
+            f"step, before the pipeline loop, in {trainer.config.dtype}, into a [{layout.repeats}, "
+            f"{layout.chunk_slots}, ...] working copy (empty slots only there; at most {most} x "
+            f"{human_bytes(per_layer)} = {human_bytes(most * per_layer)} per device, / tensor where the rules split "
+            f"over it); layer gradients are summed on each device over the microbatches and reduce-scattered back "
+            f"into the rows once, after the backward loop")
+
+
+def schedule_memory_line(plan) -> str:
+    """How many microbatches' layer inputs each stage keeps for its backward pass, and what 1F1B costs in time."""
+    from sharding.pipeline import one_f_one_b_ticks
+
+    layout = plan.layout
+    s, k = layout.stages, layout.chunk_slots
+    if not plan.one_f_one_b:
+        return (f"  saved for the backward pass: every slot's input of all {plan.steps} steps ({plan.steps} x {k} "
+                f"microbatch activations per device; --pipeline-schedule 1f1b keeps {s} x {k})")
+    ticks = one_f_one_b_ticks(s, plan.microbatches, layout.repeats)
+    chunk = "microbatches" if layout.repeats == 1 else "chunk inputs"
+    return (f"  saved for the backward pass: a ring of {ticks.slots} {chunk} x {k} slot inputs per device (the "
+            f"other schedules keep {plan.steps} x {k}); one loop of {ticks.ticks} ticks, each a chunk's forward, "
+            f"backward or idle per stage; the loss runs on stage {s - 1} inside it; in lockstep a tick lasts a "
+            f"backward, so the pass takes about {ticks.ticks} chunk backward-times against {plan.steps} chunk "
+            f"forward+backward-times for GPipe or circular")
 
 
 def pipeline_lines(trainer, note: str | None = None) -> list[str]:
-    """The pipeline plan: schedule, bubble fraction, layers, slots and padded bytes per stage."""
+    """The pipeline plan: schedule, bubble fraction, layers per stage, the unpadded storage's bytes per device."""
     plan = trainer.par.pipeline
     if plan is None:
         return []
@@ -166,38 +202,60 @@ def pipeline_lines(trainer, note: str | None = None) -> list[str]:
     if note:
         lines.append(f"note: {note}")
     schedule = "GPipe" if r == 1 else f"circular, {r} repeats (chunks per stage)"
+    if plan.one_f_one_b:
+        schedule = "1F1B (PipeDream-Flush)" + ("" if r == 1 else f", interleaved, {r} chunks per stage")
     lines.append(
         f"pipeline: {schedule} over stage={s}, {m} microbatches of {trainer.config.num_layers} layers; bubble "
         f"(S-1)/(R*M+S-1) = {s - 1}/{r * m + s - 1} = {plan.bubble_fraction:.1%} of {plan.steps} steps"
     )
+    lines.append(schedule_memory_line(plan))
     memory = stage_memory(trainer)
-    rows = [("stage", "layers", "canonical layers", "slots used/held", "layer params/device", "padding/device",
-             "layer applications (fwd)")]
+    rows = [("stage", "layers", "canonical layers", "slots in the working copy", "layer applications (fwd)")]
     applications = plan.layer_applications()
-    for stage, (n, share, pad) in enumerate(memory["stages"]):
+    for stage, n in enumerate(layout.stage_layers):
         ranges = " ".join(f"{a}-{b - 1}" if b - a > 1 else str(a) for a, b in layout.stage_ranges(stage))
         per_chunk = "" if r == 1 else " (" + "+".join(str(row[stage]) for row in layout.chunks) + ")"
-        rows.append((str(stage), f"{n}{per_chunk}", ranges, f"{n}/{layout.slots}", human_bytes(share),
-                     human_bytes(pad), str(applications[stage])))
+        rows.append((str(stage), f"{n}{per_chunk}", ranges, f"{n}/{layout.slots}", str(applications[stage])))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines += ["  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
-    padded = sum(layout.padding)
+    storage = trainer.storage
     lines.append(
-        f"  every device holds {layout.slots} slots of {human_bytes(memory['slot_bytes'])} (one layer's parameters) "
-        f"+ {human_bytes(memory['other_bytes'])} of other parameters = {human_bytes(memory['device_bytes'])}; "
-        f"x3 with the AdamW moments"
+        f"  layer parameters stored unpadded: {storage.rows} rows ({memory['empty_rows']} empty) split over "
+        f"stage x {storage.groups} devices; every device holds {memory['per_device']} rows of "
+        f"{human_bytes(memory['row_bytes'])} + {human_bytes(memory['other_bytes'])} of other parameters = "
+        f"{human_bytes(memory['device_bytes'])} ({memory['device_bytes'] / memory['ideal_bytes']:.2f}x the "
+        f"ideal {human_bytes(memory['ideal_bytes'])}, all parameters / devices); x3 with the AdamW moments"
     )
-    if padded:
+    if sum(layout.padding):
         lines.append(
-            f"  {padded} empty slot(s) pad the stages with fewer layers to {layout.slots}: parameters, optimizer "
-            f"state and saved activations are allocated for them; "
-            + ("they are not computed (skipped by a conditional)" if plan.skip_empty else
-               "they ARE computed here (fallback: a collective inside a slot could wait on other stages)")
+            f"  the stages with fewer layers than {layout.slots} hold no padding; their working copies' empty slots are "
+            + ("not computed (skipped by a conditional)" if plan.skip_empty else
+               "computed here (fallback: a collective inside a slot could wait on other stages)")
         )
     lines.append(weight_gather_line(trainer))
-    lines.append("  layer parameters laid out [stage, slot, ...], sharded over stage (rule layers->stage); "
-                 "embedding, final norm and output projection are replicated over stage")
+    lines.append("  embedding, final norm and output projection parameters: stored split over stage as well (where a "
+                 "dimension allows), gathered once per step with fsdp; the embedding lookup runs on every stage")
     return lines
+
+
+def head_line(trainer, batch: int) -> str:
+    """Where the pipeline's head (final norm, output projection, loss) runs: on each stage's share of the
+    rows (`sharding.pipeline.head_parallelism`), or on every stage when the rows do not divide."""
+    from sharding.parallel import spec_axes
+    from sharding.pipeline import head_parallelism
+
+    par = trainer.par
+    if par.pipeline.one_f_one_b:
+        return ("  final norm, output projection and loss: on the last stage inside the pipeline, one microbatch at "
+                "a time (1f1b: the whole batch's logits are never built)")
+    axes = spec_axes(head_parallelism(par).spec((ax.BATCH,), (batch,))[0])
+    stages = par.mesh_shape[ax.STAGE]
+    if ax.STAGE in axes:
+        rows = batch // math.prod(par.mesh_shape[a] for a in axes)
+        return (f"  final norm, output projection and loss: rows split over {'+'.join(axes)}, {rows} of the batch's "
+                f"{batch} per device (1/{stages} of each stage computing them all)")
+    return (f"  final norm, output projection and loss: computed by every stage (batch {batch} not divisible by "
+            f"data x fsdp x stage = {par.data_parallel * stages})")
 
 
 def branch_lines(compiled, trainer) -> list[str]:
@@ -290,6 +348,8 @@ def startup(run, trainer, speeds=None, notes=()) -> list[str]:
     lines.append(logits_line(run))
     lines += [f"note: {note}" for note in notes]
     lines += pipeline_lines(trainer, _split_note(trainer))
+    if par.pipeline is not None:
+        lines.append(head_line(trainer, run.data.batch_size))
     return lines
 
 
@@ -305,7 +365,7 @@ def dry_run(run, trainer, log, watch=None) -> int:
     log(f"compiled one train step (batch {batch} x {seq_len}) in {time.perf_counter() - t0:.1f} s")
     for line in memory_lines(compiled, trainer.abstract_state(), trainer.mesh.devices.size):
         log(line)
-    for line in collective_lines(compiled) + branch_lines(compiled, trainer):
+    for line in compute_lines(compiled) + collective_lines(compiled) + branch_lines(compiled, trainer):
         log(line)
     if watch is not None:
         watch.close()
@@ -321,9 +381,9 @@ def dry_run(run, trainer, log, watch=None) -> int:
 
 def layout_text(meta) -> str:
     """A checkpoint's stage layout in words (``[layers, ...] (no pipeline)`` for the canonical one)."""
-    from sharding.pipeline import StageLayout
+    from sharding.pipeline.storage import layout_from_meta
 
-    layout = StageLayout.from_meta(meta)
+    layout = layout_from_meta(meta)
     return "[layers, ...] (no pipeline)" if layout is None else layout.describe()
 
 

@@ -14,10 +14,13 @@ then `Trainer.apply_gradients` divides once by the token count and applies the o
 update equals the one-shot update whatever the strategy. One jit builder (`Trainer._jit`) compiles it with
 explicit in/out shardings, donating the state.
 
-With a pipeline the stacked layer parameters (and their optimizer state) live in the plan's ``[stage,
-slot, ...]`` layout, sharded over ``stage``. Checkpoints store the state as it is laid out, with the layout
-in their metadata; `relayout_state` re-lays the stacked layer axis on device when a checkpoint's layout
-differs (`checkpoints.manager.restore_state`), so a run resumes across stage layouts.
+With a pipeline the stacked layer parameters (and their optimizer state) live unpadded as ``[rows, ...]``
+(`sharding.pipeline.storage.StageStorage`): rows split evenly over ``stage`` and the batch axes the rules
+shard layer parameters over, so a stage with fewer layers holds no padding; the stage program gathers its
+own layers once per step. Checkpoints store the state as it is laid out, with the layout in their
+metadata; `relayout_state` re-lays the stacked layer axis on device when a checkpoint's layout differs
+(`checkpoints.manager.restore_state`: another storage, the canonical stack, or the padded ``[stage, slot,
+...]`` layout of checkpoints saved before), so a run resumes across stage layouts.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ from models.transformer import abstract_model, init_params, loss_sums
 from sharding import axes as ax
 from sharding.parallel import Parallelism, UnevenBatch
 from sharding.pipeline import StageLayout, relayout_on_mesh
+from sharding.pipeline.storage import (StageStorage, spread_over_stage, stack_table, storage_axes, storage_for,
+                                      storage_spec)
 from sharding.rules import tree_shardings
 from train import strategies
 from train.data import FIELDS
@@ -55,9 +60,11 @@ class Trainer:
     Attributes:
       abstract_params, param_names: The model's parameters (canonical ``[layers, ...]`` stacks) and their
         logical names.
-      layout: The run's `StageLayout`, or None (canonical, no pipeline).
+      layout: The run's `StageLayout` (which layers each stage computes), or None (no pipeline).
+      storage: How the state stores the layer stacks: the `StageStorage` of ``layout`` on this mesh
+        (unpadded rows), or None (canonical ``[layers, ...]``, no pipeline).
       state_params, param_shardings, report, state_shardings: The parameters as the state holds them (in
-        ``layout``), their shardings, the `ShardingReport`, and the whole state's shardings.
+        ``storage``), their shardings, the `ShardingReport`, and the whole state's shardings.
       strategy: The `train.strategies.GradientStrategy`.
 
     Raises:
@@ -77,17 +84,20 @@ class Trainer:
                              f"{par.mesh_shape[ax.STAGE]}; pass --mesh stage={self.layout.stages},...")
         if isinstance(par.strategy, UnevenBatch):
             strategies.check_uneven(par, self.param_names, self.abstract_params)
+        self.storage = None if self.layout is None else storage_for(
+            self.layout, jax.tree.leaves(self.param_names["layers"], is_leaf=lambda x: isinstance(x, tuple)),
+            self.rules, par.mesh_shape)
         self.tx = make_optimizer(optimizer, self.param_names)
         self.schedule = learning_rate_schedule(optimizer)
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
-        self.state_params, self.param_shardings, self.report, self.state_shardings = self._layout_state(self.layout)
+        self.state_params, self.param_shardings, self.report, self.state_shardings = self._layout_state(self.storage)
         specs = jax.tree.map(lambda s: s.spec, self.param_shardings)
         self.strategy = strategies.make_strategy(par, specs)
         self._jitted: dict[tuple, Any] = {}
 
     # Shapes and shardings ------------------------------------------------------------------------
 
-    def _layout_state(self, layout: StageLayout | None):
+    def _layout_state(self, layout: StageLayout | StageStorage | None):
         """``(params, param_shardings, report, state_shardings)`` with the layer stacks in ``layout``."""
         is_layer = {key: jax.tree.map(lambda _: key == "layers", value) for key, value in self.abstract_params.items()}
 
@@ -95,18 +105,40 @@ class Trainer:
             return jax.ShapeDtypeStruct(layout.stacked_shape(x.shape), x.dtype) if layer and layout is not None else x
 
         def names(n, layer):
-            return StageLayout.stacked_names(n) if layer and layout is not None else n
+            return StageLayout.stacked_names(n) if layer and isinstance(layout, StageLayout) else n
 
         params = jax.tree.map(shape, self.abstract_params, is_layer)
         param_names = jax.tree.map(names, self.param_names, is_layer, is_leaf=lambda x: isinstance(x, tuple))
         param_shardings, report = tree_shardings(params, param_names, self.mesh, self.rules)
+        if isinstance(layout, StageStorage) or self.storage is not None:
+            param_shardings, report = self._storage_shardings(layout, param_shardings, report)
         opt_shardings = optax.tree_map_params(self.tx, lambda _, sharding: sharding, jax.eval_shape(self.tx.init, params),
                                               param_shardings, transform_non_params=lambda _: self.replicated)
         state_shardings = {"step": self.replicated, "params": param_shardings, "opt_state": opt_shardings,
                            "rng": self.replicated}
         return params, param_shardings, report, state_shardings
 
-    def abstract_state(self, layout: StageLayout | None | str = "run") -> dict:
+    def _storage_shardings(self, layout, shardings, report):
+        """Shardings (and report rows) re-made for a pipelined run or a `StageStorage` ``layout``: the layer
+        stacks' rows (in a `StageStorage`) over ``stage`` and the storage axes, their other dimensions
+        without them (`sharding.pipeline.storage.storage_spec`); in a pipelined run, the other parameters
+        also split over ``stage`` where a dimension allows, whatever ``layout`` (`spread_over_stage`: every
+        stage uses them whole, so GSPMD gathers them once per step, in the same all-gather as over ``fsdp``)."""
+        names = jax.tree.leaves(self.param_names["layers"], is_leaf=lambda x: isinstance(x, tuple))
+        axes = storage_axes(names, self.rules, self.par.mesh_shape)
+        shape = self.par.mesh_shape
+
+        def spec(row):
+            if row[0].startswith("layers/"):
+                return storage_spec(row[4], layout.rows, shape, axes) if isinstance(layout, StageStorage) else row[4]
+            return spread_over_stage(row[4], row[1], shape) if self.storage is not None else row[4]
+
+        specs = [spec(row) for row in report.rows]
+        report.rows = [(*row[:4], spec, row[5]) for row, spec in zip(report.rows, specs)]
+        treedef = jax.tree.structure(shardings)
+        return treedef.unflatten([NamedSharding(self.mesh, spec) for spec in specs]), report
+
+    def abstract_state(self, layout: StageLayout | StageStorage | None | str = "run") -> dict:
         """The state as `jax.ShapeDtypeStruct`s carrying their shardings (restore targets).
 
         Args:
@@ -114,8 +146,8 @@ class Trainer:
             e.g. a checkpoint's before re-laying; its stage dimension is split over this mesh's ``stage``
             axis where it divides, else left whole along it.
         """
-        if layout == "run" or layout == self.layout:
-            shardings, layout = self.state_shardings, self.layout
+        if layout == "run" or layout == self.storage:
+            shardings, layout = self.state_shardings, self.storage
         else:
             shardings = self._layout_state(layout)[3]
         shapes = jax.eval_shape(lambda seed: self._init_fn(seed, layout), jax.ShapeDtypeStruct((), jnp.int32))
@@ -133,10 +165,11 @@ class Trainer:
 
     # Init and layouts ----------------------------------------------------------------------------
 
-    def _init_fn(self, seed, layout: StageLayout | None | str = "run"):
+    def _init_fn(self, seed, layout: StageLayout | StageStorage | None | str = "run"):
         key = jax.random.key(seed)
-        layout = self.layout if layout == "run" else layout
-        params = init_params(self.config, jax.random.fold_in(key, 0), None if layout is None else layout.layer_table())
+        layout = self.storage if layout == "run" else layout
+        table = None if layout is None else stack_table(layout, self.config.num_layers)
+        params = init_params(self.config, jax.random.fold_in(key, 0), table)
         return self._fresh(params, key)
 
     def _fresh(self, params, key) -> dict:
@@ -147,7 +180,7 @@ class Trainer:
     def init_state(self, seed: int) -> dict:
         """Fresh state, created sharded by a jitted init with ``out_shardings``.
 
-        With a pipeline, each stage builds only its own slots; the values are those of the canonical model
+        With a pipeline, each device builds only its own rows; the values are those of the canonical model
         for the same seed, whatever the layout.
         """
         return jax.jit(self._init_fn, out_shardings=self.state_shardings)(jnp.asarray(seed, jnp.int32))
@@ -163,21 +196,21 @@ class Trainer:
         Returns:
           The state, laid out for this run (`relayout_state` from the canonical layout for a pipeline).
         """
-        canonical = self.state_shardings if self.layout is None else self._layout_state(None)[3]
+        canonical = self.state_shardings if self.storage is None else self._layout_state(None)[3]
         fn = jax.jit(lambda p, s: self._fresh(p, jax.random.key(s)), out_shardings=canonical, donate_argnums=0)
         return self.relayout_state(fn(params, jnp.asarray(seed, jnp.int32)), None)
 
     def layout_meta(self) -> dict | None:
-        """This run's layout for checkpoint metadata (None: canonical ``[layers, ...]`` stacks)."""
-        return None if self.layout is None else self.layout.to_meta()
+        """This run's storage for checkpoint metadata (None: canonical ``[layers, ...]`` stacks)."""
+        return None if self.storage is None else self.storage.to_meta()
 
-    def relayout_state(self, state: dict, src: StageLayout | None) -> dict:
-        """Re-lays the layer stacks of ``state`` (params and optimizer state) from ``src`` to this run's layout.
+    def relayout_state(self, state: dict, src: StageLayout | StageStorage | None) -> dict:
+        """Re-lays the layer stacks of ``state`` (params and optimizer state) from ``src`` to this run's storage.
 
         Only the stacked layer arrays move, on device under `jax.jit` with this run's shardings as
         ``out_shardings``, each device receiving the rows of its stage; no array is gathered on one device.
         """
-        if src == self.layout:
+        if src == self.storage:
             return state
         is_layer = {key: jax.tree.map(lambda _: key == "layers", value) for key, value in self.abstract_params.items()}
         opt = optax.tree_map_params(self.tx, lambda _, layer: layer, state["opt_state"], is_layer,
@@ -186,7 +219,7 @@ class Trainer:
         moving = treedef.flatten_up_to({"step": False, "params": is_layer, "opt_state": opt, "rng": False})
         targets = jax.tree.leaves(self.state_shardings)
         picked = [i for i, layer in enumerate(moving) if layer]
-        fn = jax.jit(lambda xs: relayout_on_mesh(xs, src, self.layout, self.config.num_layers, self.mesh),
+        fn = jax.jit(lambda xs: relayout_on_mesh(xs, src, self.storage, self.config.num_layers, self.mesh),
                      out_shardings=[targets[i] for i in picked])
         for i, moved in zip(picked, fn([leaves[i] for i in picked]), strict=True):
             leaves[i] = moved
@@ -201,7 +234,8 @@ class Trainer:
 
     def gradients(self, params, batch, counts=None) -> tuple[jax.Array, jax.Array, Any, dict]:
         """The strategy's ``(loss_sum, weight_sum, grads, metrics)`` of a global batch (inside jit);
-        ``counts``: the uneven strategy's int32 ``[devices]`` microbatches per device (None: its own)."""
+        ``counts``: the uneven strategy's int32 ``[groups]`` microbatches per data-parallel group (None: its
+        own)."""
         if counts is None:
             return self.strategy.gradients(self.loss_sums, params, batch)
         return self.strategy.gradients(self.loss_sums, params, batch, counts)
@@ -247,8 +281,8 @@ class Trainer:
 
     def signals(self, stop: bool, counts=None) -> dict[str, jax.Array]:
         """The step's per-step host inputs: ``stop``, this process's stop request as the global
-        ``[num_devices]`` int32 vector, and for the uneven strategy ``counts``, int32 ``[devices along data
-        x fsdp]`` microbatches per device (default the strategy's counts; each at most its capacity,
+        ``[num_devices]`` int32 vector, and for the uneven strategy ``counts``, int32 ``[groups along data
+        x fsdp]`` microbatches per data-parallel group (default the strategy's counts; each at most its capacity,
         summing to the same total: they change without recompiling the step).
 
         The train step reduces ``stop`` with a max, so every process reads the same ``stop`` metric and all
@@ -294,7 +328,7 @@ class Trainer:
         Metrics are replicated: ``loss`` (nats per token), ``grad_norm`` (before clipping), ``lr`` (of this
         step), ``tokens`` (counted by the loss mask), ``finite`` (bool; when False the update was skipped),
         ``stop`` (bool; some process asked to stop, see `signals`), and the strategy's own (uneven counts:
-        ``microbatches``, the total processed, and ``processed``, int32 ``[devices along data x fsdp]``).
+        ``microbatches``, the total processed, and ``processed``, int32 ``[groups along data x fsdp]``).
 
         Raises:
           ValueError: A batch the strategy cannot split (uneven counts), naming ``--batch-size``.

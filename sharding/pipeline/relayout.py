@@ -1,7 +1,9 @@
 """Moving stacked layer arrays between stage layouts (checkpoints saved in one layout, resumed in another).
 
-A layout is a `sharding.pipeline.layout.StageLayout` (``[stage, slot, ...]``) or None, the canonical
-``[layers, ...]`` stack. `relayout` moves one array with a gather (every device holding whole rows);
+A layout is a `sharding.pipeline.storage.StageStorage` (``[rows, ...]``, unpadded, how runs store
+their stacks), a `sharding.pipeline.layout.StageLayout` (``[stage, slot, ...]``, padded: how checkpoints
+saved before the unpadded storage hold them) or None, the canonical ``[layers, ...]`` stack.
+`relayout` moves one array with a gather (every device holding whole rows);
 `relayout_on_mesh` moves arrays sharded over ``stage`` point to point, so no device ever holds more
 than its own rows, its result and one message.
 """
@@ -12,37 +14,39 @@ import numpy as np
 
 from sharding import axes as ax
 from sharding.pipeline.layout import StageLayout
+from sharding.pipeline.storage import StageStorage, stack_table
 from sharding.parallel import to_varying
 
-def layout_rows(layout: StageLayout | None, num_layers: int) -> np.ndarray:
-    """The canonical layer of each row of a stacked array, flattened (-1: empty slot)."""
-    if layout is None:
-        return np.arange(num_layers, dtype=np.int32)
-    return layout.layer_table().reshape(-1)
+Layout = StageLayout | StageStorage | None
+
+def layout_rows(layout: Layout, num_layers: int) -> np.ndarray:
+    """The canonical layer of each row of a stacked array, flattened (-1: empty slot or row)."""
+    return stack_table(layout, num_layers).reshape(-1)
 
 
-def relayout(x, src: StageLayout | None, dst: StageLayout | None, num_layers: int):
+def relayout(x, src: Layout, dst: Layout, num_layers: int):
     """Re-lays one stacked array between layouts (None: canonical ``[layers, ...]``).
 
     Args:
-      x: ``[layers, ...]`` (``src`` None) or ``[stages, slots, ...]``.
+      x: ``[layers, ...]`` (``src`` None), ``[stages, slots, ...]`` (a `StageLayout`) or ``[rows, ...]``
+        (a `StageStorage`).
       src, dst: the layouts it is in and goes to.
       num_layers: L.
 
     Returns:
-      The array in ``dst``'s layout; empty slots are zero. Call it under
+      The array in ``dst``'s layout; empty slots and rows are zero. Call it under
       `jax.jit` with the target shardings as ``out_shardings``.
     """
     import jax.numpy as jnp
 
     if src == dst:
         return x
-    lead = 1 if src is None else 2
+    lead = stack_table(src, num_layers).ndim
     rows = x.reshape(-1, *x.shape[lead:])
     position = np.zeros(num_layers, np.int32)
     src_rows = layout_rows(src, num_layers)
     position[src_rows[src_rows >= 0]] = np.nonzero(src_rows >= 0)[0]
-    table = np.arange(num_layers, dtype=np.int32) if dst is None else dst.layer_table()
+    table = stack_table(dst, num_layers)
     take = np.where(table >= 0, position[np.maximum(table, 0)], 0)
     y = jnp.take(rows, jnp.asarray(take.reshape(-1)), axis=0).reshape(*table.shape, *x.shape[lead:])
     if (table < 0).any():
@@ -51,22 +55,28 @@ def relayout(x, src: StageLayout | None, dst: StageLayout | None, num_layers: in
     return y
 
 
-def _transfer_tables(src: StageLayout | None, dst: StageLayout, num_layers: int, stages: int, rows: int):
+def _stage_table(dst, num_layers: int, stages: int) -> np.ndarray:
+    """``[S, per_stage]``: the canonical layer of each of a stage's rows in ``dst`` (-1: empty)."""
+    return stack_table(dst, num_layers).reshape(stages, -1)
+
+
+def _transfer_tables(src: Layout, dst: StageLayout | StageStorage, num_layers: int, stages: int, rows: int):
     """Static tables to move rows block-sharded over ``stage`` (``rows`` per stage) into ``dst``.
 
     Returns:
       For each shift ``d`` (source stage ``s`` sends to ``(s + d) % S``) a pair
       ``(send, recv)`` of int32 ``[S, cap_d]`` arrays: ``send[s]`` the local
-      rows stage ``s`` sends, ``recv[t]`` the slots stage ``t`` puts them in
-      (``dst.slots`` for padding, dropped), or None when nothing moves by ``d``.
+      rows stage ``s`` sends, ``recv[t]`` the rows stage ``t`` puts them in
+      (its row count for padding, dropped), or None when nothing moves by ``d``.
     """
     src_rows = layout_rows(src, num_layers)
     position = np.zeros(num_layers, np.int64)
     position[src_rows[src_rows >= 0]] = np.nonzero(src_rows >= 0)[0]
     pairs: dict[tuple[int, int], list[tuple[int, int]]] = {}
-    table = dst.layer_table()
+    table = _stage_table(dst, num_layers, stages)
+    width = table.shape[1]
     for t in range(stages):
-        for k in range(dst.slots):
+        for k in range(width):
             layer = table[t, k]
             if layer < 0:
                 continue
@@ -80,7 +90,7 @@ def _transfer_tables(src: StageLayout | None, dst: StageLayout, num_layers: int,
             tables.append(None)
             continue
         send = np.zeros((stages, cap), np.int32)
-        recv = np.full((stages, cap), dst.slots, np.int32)
+        recv = np.full((stages, cap), width, np.int32)
         for s in range(stages):
             for j, (local, slot) in enumerate(pairs.get((d, s), ())):
                 send[s, j] = local
@@ -89,7 +99,7 @@ def _transfer_tables(src: StageLayout | None, dst: StageLayout, num_layers: int,
     return tables
 
 
-def relayout_on_mesh(tree, src: StageLayout | None, dst: StageLayout | None, num_layers: int, mesh):
+def relayout_on_mesh(tree, src: Layout, dst: Layout, num_layers: int, mesh):
     """`relayout` for arrays sharded as `pipeline_rules` shard them, moving rows between stages point to point.
 
     A plain gather lets the partitioner all-gather the whole stack onto every
@@ -101,9 +111,9 @@ def relayout_on_mesh(tree, src: StageLayout | None, dst: StageLayout | None, num
     takes its own.
 
     Args:
-      tree: a pytree of arrays ``[layers, ...]`` (``src`` None) or
-        ``[stages', slots', ...]``, their first dimension split over ``stage``
-        where the size allows, other dimensions as they are.
+      tree: a pytree of arrays ``[layers, ...]`` (``src`` None), ``[stages', slots', ...]`` or
+        ``[rows', ...]``, their first dimension split over ``stage`` where the size allows, other
+        dimensions as they are.
       src, dst: the layouts; ``dst`` must have ``mesh``'s stage count (or be
         None on a mesh without one).
       num_layers: L.
@@ -138,22 +148,25 @@ def relayout_on_mesh(tree, src: StageLayout | None, dst: StageLayout | None, num
     specs = [P(ax.STAGE) if sharded else P() for sharded in split]
     moved = jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=[P(ax.STAGE)] * len(leaves),
                           axis_names={ax.STAGE})(*leaves)
-    return treedef.unflatten(moved)
+    lead = stack_table(dst, num_layers).shape
+    lead_in = stack_table(src, num_layers).ndim
+    return treedef.unflatten([y.reshape(*lead, *shape[lead_in:]) for y, shape in zip(moved, shapes)])
 
 
-def _move_rows(block, shape, sharded: bool, src, dst: StageLayout, num_layers: int, stage):
-    """One array's part of `relayout_on_mesh`, on one stage: ``block`` -> ``[1, dst.slots, ...]``."""
+def _move_rows(block, shape, sharded: bool, src, dst, num_layers: int, stage):
+    """One array's part of `relayout_on_mesh`, on one stage: ``block`` -> ``[1, per_stage, ...]`` (its rows in ``dst``)."""
     import jax
     import jax.numpy as jnp
 
     stages = dst.stages
-    lead = 1 if src is None else 2
+    lead = stack_table(src, num_layers).ndim
+    width = _stage_table(dst, num_layers, stages).shape[1]
     rest = shape[lead:]
     rows = block.reshape(-1, *rest)
     if not sharded:
-        y = relayout(rows.reshape(shape), src, dst, num_layers)  # [S, slots, ...]: all rows are here
+        y = relayout(rows.reshape(shape), src, dst, num_layers).reshape(stages, width, *rest)  # all rows are here
         return jax.lax.dynamic_index_in_dim(to_varying(y, ax.STAGE), stage, keepdims=True)
-    out = to_varying(jnp.zeros((dst.slots, *rest), block.dtype), ax.STAGE)
+    out = to_varying(jnp.zeros((width, *rest), block.dtype), ax.STAGE)
     for d, tables in enumerate(_transfer_tables(src, dst, num_layers, stages, rows.shape[0])):
         if tables is None:
             continue

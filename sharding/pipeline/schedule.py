@@ -26,10 +26,10 @@ and after the backward loop it reduce-scatters the layer gradients it summed
 over the microbatches (all-reduce over ``data``): one gather and one
 reduction per step instead of one per microbatch step (MaxText's
 ``pipeline_fsdp_ag_once``; all chunks of a circular stage at once, the
-per-repeat variant would hold 1/R of them). The backward pass gathers again
-rather than keeping the copy as a residual; XLA merges the two gathers (same
-operand), so the compiled step gathers once and the gathered copy lives
-through the step: ``slots x`` one layer's bytes per device in temporaries. Activations move to the next stage with one
+per-repeat variant would hold 1/R of them). The backward pass reuses the
+forward pass's gathered copy (a residual), so the compiled step gathers once
+and the gathered copy lives through the step: ``slots x`` one layer's bytes
+per device in temporaries. Activations move to the next stage with one
 `jax.lax.ppermute` per step (a ring: the last stage sends to stage 0, which
 keeps what it receives for the microbatch's next repeat). No collective over
 ``stage`` sits inside a cond: the ppermutes run in step loops whose trip
@@ -42,9 +42,9 @@ one stage, which take the same branch; `sharding.hlo.branch_collectives` checks
 the compiled program, and `train.strategies` falls back to computing every slot
 (`PipelinePlan.skip_empty` False) if the partitioner put anything else there.
 
-What runs outside the pipeline (embedding, final norm, output projection and
-loss) is replicated over ``stage``: every stage computes it for the whole
-batch.
+What runs outside the pipeline: the embedding is replicated over ``stage`` (a
+gather, no matrix product); the final norm, output projection and loss run on
+1/S of the rows per stage (`sharding.pipeline.layout.head_parallelism`).
 """
 
 from __future__ import annotations
@@ -56,8 +56,9 @@ from typing import Any
 import numpy as np
 
 from sharding import axes as ax
-from sharding.parallel import gather_shards, reduce_shards, spec_axes, to_varying
+from sharding.parallel import gather_shards, only_axes, reduce_shards, spec_axes, to_varying
 from sharding.pipeline.layout import PipelinePlan, StageLayout
+from sharding.pipeline.storage import StageStorage, storage_for, storage_spec, storage_axes
 
 def to_microbatches(x, microbatches: int):
     """``[batch, ...]`` -> ``[microbatches, batch / microbatches, ...]``, row ``r`` to microbatch ``r % M``.
@@ -331,38 +332,119 @@ def _pipeline_backward(layer_fn, plan: PipelinePlan, params, extras, saved, g_ou
 class _Weights:
     """How a stage's layer weights are gathered for a pass and their gradients reduced after it.
 
+    Two storages (`run_pipeline` tells them apart by shape): the unpadded `StageStorage` ``[rows, ...]``
+    (``storage`` set: each device holds ``q`` whole rows; see `sharding.pipeline.storage`) and the padded
+    ``[stages, slots, ...]`` of a `StageLayout` (``storage`` None: each device holds its stage's slots,
+    split over the batch axes ``specs`` names).
+
     Attributes:
-      specs: per leaf of the stacked parameters ``[1, slots, ...]``, its `PartitionSpec` over the
-        map's manual batch axes (``data``/``fsdp``; the ``stage`` entry left out).
+      specs: per leaf of the stacked parameters (``[q, ...]`` or ``[1, slots, ...]`` blocks), its
+        `PartitionSpec` over the map's manual batch axes (``data``/``fsdp``; the ``stage`` entry and, for
+        the storage, the rows entry left out).
       summed: the manual axes the batch is split over: per-device gradients are partial sums over them.
       dtype: the compute dtype the floating weights are gathered in (the activations' dtype).
+      storage: the `StageStorage`, or None (padded slots).
+      groups: the storage's batch axes besides ``stage`` (`sharding.pipeline.storage.storage_axes`).
     """
 
     specs: Any
     summed: tuple[str, ...]
     dtype: Any
+    storage: StageStorage | None = None
+    groups: tuple[str, ...] = ()
 
     def gather(self, stacked, repeats: int):
-        """``[1, slots, ...]`` blocks -> whole ``[R, K, ...]`` weights in the compute dtype (one all-gather each)."""
+        """This device's blocks -> its stage's whole ``[R, K, ...]`` weights in the compute dtype.
+
+        Padded: one all-gather per leaf over its split batch axes. Unpadded: the rows stored for other
+        devices move (one ``ppermute`` per distance that moves any), each device picks its slots' rows
+        (empty slots zero) and one all-gather over the storage's group axes assembles the working copy.
+        """
         import jax
         import jax.numpy as jnp
 
         def one(w, spec):
             if jnp.issubdtype(w.dtype, jnp.floating):
                 w = w.astype(self.dtype)
-            w = gather_shards(w, spec)
+            w = self._take_slots(w) if self.storage is not None else gather_shards(w, spec)
             return w.reshape(repeats, w.shape[1] // repeats, *w.shape[2:])
 
         return jax.tree.map(one, stacked, self.specs)
 
+    def _where(self):
+        """``(stage, g)``: this device's stage and index along the group axes (traced int32)."""
+        import jax
+        import jax.numpy as jnp
+
+        stage = jax.lax.axis_index(ax.STAGE)
+        return stage, (jax.lax.axis_index(self.groups) if self.groups else jnp.zeros((), jnp.int32))
+
+    def _send(self, x, d: int, back: bool = False):
+        """``ppermute`` of ``x`` by ``d`` devices along the ``(stage, *groups)`` ring (``back``: the other way)."""
+        import jax
+
+        devices = self.storage.stages * self.storage.groups
+        pairs = [(p, (p + d) % devices) for p in range(devices)]
+        return jax.lax.ppermute(x, (ax.STAGE, *self.groups), [(b, a) for a, b in pairs] if back else pairs)
+
+    def _take_slots(self, w):
+        """``[q, ...]`` rows -> ``[1, R*K', ...]`` this stage's working copy (storage only)."""
+        import jax
+        import jax.numpy as jnp
+
+        placement = self.storage.placement
+        stage, g = self._where()
+        parts = [w]
+        for d, send in enumerate(placement.sends):
+            if send is not None:
+                message = jnp.take(w, jnp.asarray(send)[stage, g], axis=0)
+                parts.append(self._send(message, d))
+        local = jnp.concatenate(parts, axis=0) if len(parts) > 1 else w  # [q + C, ...]
+        index = jnp.asarray(placement.local_index)[stage, g]  # [W]
+        mine = jnp.take(local, jnp.maximum(index, 0), axis=0)
+        mine = jnp.where((index >= 0).reshape(-1, *([1] * (w.ndim - 1))), mine, jnp.zeros((), mine.dtype))
+        if not self.groups:
+            return mine[None]
+        full = jax.lax.all_gather(mine, self.groups, axis=1, tiled=False)  # [W, G, ...]: slot w*G + g
+        return full.reshape(1, -1, *w.shape[1:])
+
+    def _return_rows(self, g_slots):
+        """The transpose of `_take_slots` for gradients: ``[R*K', ...]`` -> ``[q, ...]``, summed over the group
+        axes (reduce-scatter) and sent back to the devices storing the received rows."""
+        import jax
+        import jax.numpy as jnp
+
+        placement = self.storage.placement
+        stage, g = self._where()
+        q, groups = placement.per_device, self.storage.groups
+        if self.groups:
+            g_slots = g_slots.reshape(-1, groups, *g_slots.shape[1:])
+            g_slots = jax.lax.psum_scatter(g_slots, self.groups, scatter_dimension=1, tiled=False)  # [W, ...]
+        size = q + placement.received
+        index = jnp.asarray(placement.local_index)[stage, g]
+        local = jnp.zeros((size, *g_slots.shape[1:]), g_slots.dtype)
+        local = local.at[jnp.where(index >= 0, index, size)].add(g_slots, mode="drop")
+        rows, offset = local[:q], q
+        for d, send in enumerate(placement.sends):
+            if send is not None:
+                count = send.shape[-1]
+                back = self._send(local[offset : offset + count], d, back=True)
+                rows = rows.at[jnp.asarray(send)[stage, g]].add(back)
+                offset += count
+        return rows
+
     def reduce(self, grads, stacked):
-        """Whole ``[R, K, ...]`` per-device gradient sums -> the ``[1, slots, ...]`` blocks' gradients, summed
-        over ``summed`` (reduce-scatter over the split axes, all-reduce over the rest), in the blocks' dtype."""
+        """Whole ``[R, K, ...]`` per-device gradient sums -> the blocks' gradients, summed over ``summed``
+        (reduce-scatter over the split axes, all-reduce over the rest), in the blocks' dtype."""
         import jax
 
         def one(g, w, spec):
             g = g.reshape(1, g.shape[0] * g.shape[1], *g.shape[2:])
-            return reduce_shards(g, spec, self.summed).astype(w.dtype)
+            if self.storage is None:
+                return reduce_shards(g, spec, self.summed).astype(w.dtype)
+            rows = self._return_rows(g[0])
+            rest = tuple(a for a in self.summed if a not in self.groups)
+            return (jax.lax.psum(rows, rest) if rest else rows).astype(w.dtype)
 
         return jax.tree.map(one, grads, stacked, self.specs)
 
@@ -370,10 +452,9 @@ class _Weights:
 def _pipeline_program(layer_fn, plan: PipelinePlan, par, weights: _Weights, remat_policy=None):
     """``f(stacked [1, slots, ...], xs, extras) -> (outputs, applied)`` for one stage, with its own backward pass.
 
-    The stage's weights are gathered once per pass, outside the step loop, in the compute dtype
-    (`_Weights.gather`; written once for the forward and once for the backward pass, which XLA merges into
-    one gather whose copy lives through the step: the trade-off MaxText calls ``pipeline_fsdp_ag_once``,
-    all chunks of a circular stage at once). The backward pass accumulates each slot's gradient on this device in float32
+    The stage's weights are gathered once per step, outside the step loop, in the compute dtype
+    (`_Weights.gather`; the forward pass's copy is the backward pass's residual and lives through the
+    step: the trade-off MaxText calls ``pipeline_fsdp_ag_once``, all chunks of a circular stage at once). The backward pass accumulates each slot's gradient on this device in float32
     (the parameters' dtype) and reduces once, after its loop (`_Weights.reduce`).
 
     The backward pass is written out (`_pipeline_backward`) rather than left
@@ -406,13 +487,14 @@ def _pipeline_program(layer_fn, plan: PipelinePlan, par, weights: _Weights, rema
         return outputs, applied
 
     def forward(stacked, xs, extras):
-        outputs, applied, saved = bound(_pipeline_forward, weights.gather(stacked, repeats), xs, extras, True)
-        return (outputs, applied), (stacked, extras, saved)
+        params = weights.gather(stacked, repeats)
+        outputs, applied, saved = bound(_pipeline_forward, params, xs, extras, True)
+        return (outputs, applied), (stacked, params, extras, saved)
 
     def backward(residuals, cotangents):
-        stacked, extras, saved = residuals
+        stacked, params, extras, saved = residuals  # the forward pass's gathered copy: gathered once per step
         # Varying over the batch axes, so that differentiating a layer adds no reduction inside the loop.
-        params = to_varying(weights.gather(stacked, repeats), weights.summed)
+        params = to_varying(params, weights.summed)
         zeros = jax.tree.map(lambda p, w: jnp.zeros(p.shape, w.dtype), params, stacked)
         grads, g_xs = bound(_pipeline_backward, params, extras, saved, cotangents[0], to_varying(zeros, (ax.STAGE, *weights.summed)))
         return weights.reduce(grads, stacked), g_xs, jax.tree.map(lambda _: None, extras)
@@ -461,10 +543,12 @@ def run_pipeline(layer_fn: Callable[..., Any], stacked, x, extras: Sequence[Any]
       layer_fn: ``(par, layer_params, h, *extras) -> h`` for one layer; ``h`` keeps
         its shape and dtype. ``par`` is the stage program's variant of the run's
         `sharding.parallel.Parallelism` (``stage``, ``data``, ``fsdp`` manual), for its annotations.
-      stacked: pytree of the stacked layer parameters, every leaf
-        ``[stages, slots, ...]`` in the plan's layout (see
-        `sharding.pipeline.relayout.relayout`), sharded over ``stage`` on its
-        first dimension.
+      stacked: pytree of the stacked layer parameters, every leaf either ``[rows, ...]`` in the plan
+        layout's unpadded `sharding.pipeline.storage.StageStorage` (`storage_for` of ``names``; rows
+        split over ``stage`` and the storage's batch axes, as `storage_spec` says), or ``[stages, slots,
+        ...]`` in the padded `StageLayout` (sharded over ``stage`` on its first dimension). Leaves with one
+        dimension more than their ``names`` (or, without ``names``, a first dimension of ``stages`` and a
+        second of ``slots``) are padded; see `sharding.pipeline.relayout.relayout`.
       x: ``[batch, ...]`` activations entering the first layer (float; its dtype is the compute dtype).
       extras: side inputs ``[batch, ...]`` each layer also gets (positions,
         segment ids; None entries pass through as None).
@@ -492,55 +576,132 @@ def run_pipeline(layer_fn: Callable[..., Any], stacked, x, extras: Sequence[Any]
     import jax
     from jax.sharding import PartitionSpec as P
 
-    plan = par.pipeline
-    if plan is None:
-        raise ValueError("run_pipeline needs a Parallelism whose strategy is a PipelinePlan")
-    if par.mesh is None:
-        raise ValueError("run_pipeline needs a Parallelism bound to a mesh (Parallelism.on(mesh))")
-    layout, m = plan.layout, plan.microbatches
-    stages = par.mesh_shape[ax.STAGE]
-    if stages != layout.stages:
-        raise ValueError(f"the layout has {layout.stages} stages but the mesh's stage axis is {stages}")
-    if x.shape[0] % m:
-        raise ValueError(f"a batch of {x.shape[0]} rows is not divisible by --microbatches {m}")
-    xs = to_microbatches(x, m)
-    extras = jax.tree.map(lambda e: to_microbatches(e, m), tuple(extras))
-    manual = _manual_axes(par)
-    batch_spec = par.spec((None, ax.BATCH), xs.shape[:2])
-    batch = _only(batch_spec[1] if len(batch_spec) > 1 else None, manual)
-    summed = tuple(a for a in spec_axes(batch) if par.mesh_shape[a] > 1)
-    leaves, tree = jax.tree.flatten(stacked)
-    if names is None:
-        specs = [P(ax.STAGE)] * len(leaves)
-    else:
-        name_leaves = jax.tree.leaves(names, is_leaf=lambda n: isinstance(n, tuple))
-        if len(name_leaves) != len(leaves):
-            raise ValueError(f"run_pipeline: {len(name_leaves)} logical names for {len(leaves)} stacked parameters")
-        specs = [P(*(_only(e, manual) for e in par.spec(StageLayout.stacked_names(n), w.shape)))
-                 for n, w in zip(name_leaves, leaves)]
-    for spec in specs:
-        unsummed = {a for e in spec[1:] for a in spec_axes(e) if par.mesh_shape[a] > 1} - set(summed)
-        if unsummed:
-            axes = "+".join(sorted(unsummed))
-            raise ValueError(f"pipeline: a layer parameter is split over {axes} but microbatches of {xs.shape[1]} rows "
-                             f"are not (the rule batch -> {'+'.join(spec_axes(batch)) or 'none'}); use a batch whose "
-                             f"microbatches split over {axes} too (--batch-size a multiple of --microbatches x "
-                             f"data x fsdp), or --rule batch=data+fsdp")
-    weights = _Weights(jax.tree.unflatten(tree, [P(None, *spec[1:]) for spec in specs]), summed, x.dtype)
-    data = P(None, batch)
+    setup = _Setup.of(stacked, x, extras, par, names)
+    plan, weights = setup.plan, setup.weights
     program = jax.shard_map(
         lambda w, xs, ex: _stage_program(w, xs, ex, layer_fn=layer_fn, plan=plan, par=par, weights=weights,
                                          remat_policy=remat_policy),
         mesh=par.mesh,
-        in_specs=(jax.tree.unflatten(tree, specs), data, jax.tree.map(lambda _: data, extras)),
-        out_specs=(data, P(ax.STAGE)),
-        axis_names=set(manual),
+        in_specs=(setup.stacked_specs, setup.data, jax.tree.map(lambda _: setup.data, setup.extras)),
+        out_specs=(setup.data, P(ax.STAGE)),
+        axis_names=set(setup.manual),
     )
+    xs, extras = setup.xs, setup.extras
     ys, applied = program(stacked, xs, extras)
     return from_microbatches(ys), applied
 
 
-def _only(entry, axes: Sequence[str]):
-    """A `PartitionSpec` entry with only the mesh axes in ``axes`` (None when none is left)."""
-    kept = tuple(a for a in spec_axes(entry) if a in axes)
-    return None if not kept else kept[0] if len(kept) == 1 else kept
+def _storage_of(layout: StageLayout, leaves, name_leaves, par) -> StageStorage | None:
+    """The unpadded storage the stacked leaves are in, or None when they are in the padded layout.
+
+    Raises:
+      ValueError: leaves in neither (naming the shapes expected).
+    """
+    if name_leaves is not None:
+        padded = [w.ndim == len(n) + 1 for w, n in zip(leaves, name_leaves)]
+    else:
+        padded = [w.shape[:2] == (layout.stages, layout.slots) for w in leaves]
+    if all(padded):
+        return None
+    storage = storage_for(layout, name_leaves or [], par.rules, par.mesh_shape)
+    if any(padded) or any(w.shape[0] != storage.rows for w in leaves):
+        raise ValueError(f"run_pipeline: stacked leaves of shapes {[tuple(w.shape) for w in leaves]}; expected "
+                         f"[{storage.rows}, ...] ({storage.describe()}) or [{layout.stages}, {layout.slots}, ...]")
+    return storage
+
+
+@dataclasses.dataclass(frozen=True)
+class _Setup:
+    """What every schedule's shard_map needs: microbatched inputs, manual axes and the weights' specs.
+
+    Attributes:
+      plan: the run's `PipelinePlan`.
+      xs: ``[M, microbatch, ...]`` the activations in microbatches; extras likewise (a tuple).
+      manual: the axes the stage program is manual over (`_manual_axes`).
+      data: the `PartitionSpec` of ``[M, microbatch, ...]`` arrays over the manual axes.
+      stacked_specs: per leaf of the stacked parameters, its `PartitionSpec` over the manual axes
+        (``stage`` first).
+      weights: the `_Weights` that gather them per pass and reduce their gradients.
+    """
+
+    plan: PipelinePlan
+    xs: Any
+    extras: Any
+    manual: tuple[str, ...]
+    data: Any
+    stacked_specs: Any
+    weights: _Weights
+
+    @classmethod
+    def of(cls, stacked, x, extras, par, names) -> _Setup:
+        """Checks the inputs and builds the specs (arguments as `run_pipeline`; raises its ValueErrors)."""
+        import jax
+        from jax.sharding import PartitionSpec as P
+
+        plan = par.pipeline
+        if plan is None:
+            raise ValueError("run_pipeline needs a Parallelism whose strategy is a PipelinePlan")
+        if par.mesh is None:
+            raise ValueError("run_pipeline needs a Parallelism bound to a mesh (Parallelism.on(mesh))")
+        layout, m = plan.layout, plan.microbatches
+        stages = par.mesh_shape[ax.STAGE]
+        if stages != layout.stages:
+            raise ValueError(f"the layout has {layout.stages} stages but the mesh's stage axis is {stages}")
+        if x.shape[0] % m:
+            raise ValueError(f"a batch of {x.shape[0]} rows is not divisible by --microbatches {m}")
+        xs = to_microbatches(x, m)
+        extras = jax.tree.map(lambda e: to_microbatches(e, m), tuple(extras))
+        manual = _manual_axes(par)
+        batch_spec = par.spec((None, ax.BATCH), xs.shape[:2])
+        batch = only_axes(P(batch_spec[1] if len(batch_spec) > 1 else None), manual)[0]
+        summed = tuple(a for a in spec_axes(batch) if par.mesh_shape[a] > 1)
+        leaves, tree = jax.tree.flatten(stacked)
+        name_leaves = None if names is None else _name_leaves(names)
+        if name_leaves is not None and len(name_leaves) != len(leaves):
+            raise ValueError(f"run_pipeline: {len(name_leaves)} logical names for {len(leaves)} stacked parameters")
+        storage = _storage_of(layout, leaves, name_leaves, par)
+        if storage is not None:
+            groups = storage_axes(name_leaves or [], par.rules, par.mesh_shape)
+            if set(groups) - set(summed):
+                missing = "+".join(a for a in groups if a not in summed)
+                raise ValueError(f"pipeline: layer parameters are split over {missing} but microbatches of "
+                                 f"{xs.shape[1]} rows are not; use --batch-size a multiple of --microbatches x data x "
+                                 f"fsdp, or --rule batch=data+fsdp")
+            specs = [only_axes(storage_spec(par.spec(n, w.shape) if name_leaves else P(ax.STAGE), storage.rows,
+                                           par.mesh_shape, groups), manual)
+                     for n, w in zip(name_leaves or [None] * len(leaves), leaves)]
+        elif name_leaves is None:
+            groups, specs = (), [P(ax.STAGE)] * len(leaves)
+        else:
+            groups = ()
+            specs = [_manual_spec(par, StageLayout.stacked_names(n), w.shape, manual)
+                     for n, w in zip(name_leaves, leaves)]
+        _check_split(specs, summed, par, xs.shape[1], batch)
+        weights = _Weights(jax.tree.unflatten(tree, [P(None, *spec[1:]) for spec in specs]), summed, x.dtype,
+                           storage, groups)
+        return cls(plan, xs, extras, manual, P(None, batch), jax.tree.unflatten(tree, specs), weights)
+
+
+def _name_leaves(names) -> list[tuple]:
+    """The logical-name tuples of a tree of them, in leaf order."""
+    import jax
+
+    return jax.tree.leaves(names, is_leaf=lambda n: isinstance(n, tuple))
+
+
+def _manual_spec(par, names, shape, manual):
+    """The `PartitionSpec` of an array with logical ``names``, restricted to the ``manual`` axes."""
+    return only_axes(par.spec(tuple(names), shape), manual)
+
+
+def _check_split(specs, summed, par, rows: int, batch, skip_first: bool = True) -> None:
+    """Refuses a parameter split over a manual axis that the microbatches are not split over."""
+    for spec in specs:
+        unsummed = {a for e in spec[1 if skip_first else 0:] for a in spec_axes(e) if par.mesh_shape[a] > 1}
+        unsummed -= set(summed)
+        if unsummed:
+            axes = "+".join(sorted(unsummed))
+            raise ValueError(f"pipeline: a parameter is split over {axes} but microbatches of {rows} rows "
+                             f"are not (the rule batch -> {'+'.join(spec_axes(batch)) or 'none'}); use a batch whose "
+                             f"microbatches split over {axes} too (--batch-size a multiple of --microbatches x "
+                             f"data x fsdp), or --rule batch=data+fsdp")

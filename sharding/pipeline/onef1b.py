@@ -1,0 +1,285 @@
+"""The 1F1B schedule (PipeDream-Flush) in one SPMD program, with the loss and the backward pass inside.
+
+Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM"
+(SC'21), section 2.2: after its warm-up forwards each stage alternates one forward and one backward,
+so with one chunk per stage it keeps at most ``S`` microbatches' stage inputs where GPipe keeps all
+``M``; with ``R`` chunks per stage (``--pipeline-repeats``) it is the interleaved schedule of section
+2.2.2 over the circular layout (`sharding.pipeline.layout`).
+
+One loop for every stage. Every device runs the same `jax.lax.scan` over the ticks of
+`sharding.pipeline.layout.one_f_one_b_ticks`; at each tick a stage reads its op (a chunk's forward,
+backward or idle), chunk, microbatch and buffer slots from that table by its stage index. A forward
+runs the chunk's slots (`schedule._chunk_forward`, each slot under a `jax.lax.cond`, none when the
+op is not a forward) and keeps each slot's input in a ring of chunk inputs ``[slots, K, microbatch,
+...]``; a backward differentiates the slots from them (`schedule._chunk_backward`). Cotangents that
+arrive before their backward wait in a second, smaller ring. Two ``ppermute`` per tick, outside every
+conditional (XLA's CPU backend deadlocks on a collective-permute inside one): the forward output
+down the ring (stage ``S-1`` to 0 for the next chunk), the input's cotangent up it; a stage with
+nothing to send sends what it holds, which the receiver ignores (the table says when what arrives
+is real and which slot it goes to).
+
+The loss inside the loop. The last stage needs a microbatch's output cotangent soon after its
+forward, so the output head (final norm, projection, loss: ``head_fn``) runs on the last virtual
+stage inside the loop, differentiated at once (`jax.value_and_grad`); its cotangent waits in the
+cotangent ring for the backward. The whole pass is therefore a `jax.custom_vjp` whose forward rule
+computes the loss and every gradient; its backward rule scales them by the loss's cotangent and
+reduces them (layer weights: `schedule._Weights.reduce`; head weights: reduce-scatter over the batch
+axes, sum over ``stage``). Called without differentiation, the loop runs the forwards only.
+
+Weights are gathered once per step (`schedule._Weights.gather`, compute dtype) and the head's weights
+once (their own dtype), both outside the loop; parameters, stage inputs and extras are cast
+device-varying first so no reduction lands inside it.
+
+Lockstep cost: a tick lasts as long as its slowest op, and after warm-up neighbouring stages run a
+forward and a backward in the same tick, so with one chunk a step takes ``2 (M + S - 1)`` ticks of a
+backward's time, against GPipe's ``M + S - 1`` steps of a forward plus a backward: the memory of ``S``
+stage inputs instead of ``M`` is bought with time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from sharding import axes as ax
+from sharding.parallel import gather_shards, reduce_shards, to_varying
+from sharding.pipeline.layout import BACKWARD, FORWARD, PipelinePlan, head_parallelism, one_f_one_b_ticks
+from sharding.pipeline.schedule import (
+    _check_split,
+    _chunk_backward,
+    _chunk_forward,
+    _index,
+    _index_leaf,
+    _manual_axes,
+    _manual_spec,
+    _name_leaves,
+    _Setup,
+    _Weights,
+    _write,
+    run_pipeline,
+    to_microbatches,
+)
+
+
+def _ticks(layer, head, plan: PipelinePlan, params, head_params, xs, extras, head_inputs, grads, head_grads,
+           train: bool, vary: tuple[str, ...]):
+    """All ticks of one stage (inside the stage program).
+
+    Args:
+      layer: ``(layer_params, h, *extras) -> h``.
+      head: ``(head_params, h, *head_inputs) -> (loss_sum, weight_sum)``.
+      params: the stage's gathered weights, leaves ``[R, K, ...]``.
+      head_params: the head's gathered weights.
+      xs: ``[M, microbatch, ...]`` inputs of the first virtual stage (stage-varying).
+      extras, head_inputs: ``[M, microbatch, ...]`` side inputs of the layers and of the head.
+      grads, head_grads: zero accumulators shaped as ``params`` and ``head_params`` (None when not ``train``).
+      train: run the backward ticks too.
+      vary: the manual axes the per-device sums vary over (``stage`` and the batch axes).
+
+    Returns:
+      ``(loss_sum, weight_sum, applied, grads, head_grads, g_xs)``: this device's float32 sums (nonzero on the
+      last stage), its forward layer applications (int32) and, when ``train``, its gradient sums and the
+      cotangent of ``xs`` ``[M, microbatch, ...]`` (nonzero on stage 0); else None for those.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    layout = plan.layout
+    stages, repeats = layout.stages, layout.repeats
+    ticks = one_f_one_b_ticks(stages, plan.microbatches, repeats)
+    stage = jax.lax.axis_index(ax.STAGE)
+    table = {name: jnp.asarray(getattr(ticks, name))[:, stage] for name in (
+        "op", "chunk", "microbatch", "slot", "arrive", "cotangent_arrive", "cotangent_slot")}
+    counts = jnp.asarray(np.asarray(layout.chunks, np.int32))[:, stage]  # [R] this stage's chunk sizes
+    ring = [(s, (s + 1) % stages) for s in range(stages)]
+    back_ring = [((s + 1) % stages, s) for s in range(stages)]
+
+    def head_step(on, h, inputs):
+        def run(h, inputs):
+            if train:
+                value = jax.value_and_grad(lambda hp, h: head(hp, h, *inputs), argnums=(0, 1), has_aux=True)
+                (loss, weight), (g_hp, g_h) = value(head_params, h)
+            else:
+                (loss, weight), g_hp, g_h = head(head_params, h, *inputs), None, None
+            return to_varying((loss.astype(jnp.float32), weight.astype(jnp.float32), g_h, g_hp), vary)
+
+        def idle(h, inputs):
+            zero = jnp.zeros((), jnp.float32)
+            grads = (jnp.zeros_like(h), jax.tree.map(jnp.zeros_like, head_params)) if train else (None, None)
+            return to_varying((zero, zero, *grads), vary)
+
+        if plan.skip_empty:
+            return jax.lax.cond(on, run, idle, h, inputs)
+        return jax.tree.map(lambda a: jnp.where(on, a, jnp.zeros((), a.dtype)), run(h, inputs))
+
+    def tick(carry, t):
+        received, g_received, buffer, waiting, grads, head_grads, g_xs, loss, weight, applied = carry
+        op, r, mb, slot = (table[name][t] for name in ("op", "chunk", "microbatch", "slot"))
+        arrive = table["arrive"][t]
+        first = _index_leaf(buffer, jnp.maximum(arrive, 0))
+        buffer = _write(buffer, jnp.maximum(arrive, 0), first.at[0].set(received), arrive >= 0)
+        forward = op == FORWARD
+        entry = (stage == 0) & (r == 0)  # the first virtual stage reads the microbatch itself
+        h_in = jnp.where(entry, _index_leaf(xs, mb), _index_leaf(buffer, slot)[0])
+        ex = _index(extras, mb)
+        h, done, inputs = _chunk_forward(layer, params, r, h_in, ex, jnp.where(forward, counts[r], 0),
+                                         plan.skip_empty, train)
+        exit_ = (stage == stages - 1) & (r == repeats - 1)  # the last virtual stage runs the head
+        loss_i, weight_i, g_h, g_hp = head_step(forward & exit_, h, _index(head_inputs, mb))
+        loss, weight, applied = loss + loss_i, weight + weight_i, applied + done
+        if train:
+            buffer = _write(buffer, slot, inputs, forward)
+            head_grads = jax.tree.map(jnp.add, head_grads, g_hp)
+            arrive = table["cotangent_arrive"][t]
+            waiting = _write(waiting, jnp.maximum(arrive, 0), g_received, arrive >= 0)
+            c = table["cotangent_slot"][t]
+            waiting = _write(waiting, c, g_h, forward & exit_)
+            backward = op == BACKWARD
+            g_in, grads = _chunk_backward(layer, params, r, _index_leaf(buffer, slot), ex,
+                                          jnp.where(backward, counts[r], 0), _index_leaf(waiting, c), grads,
+                                          plan.skip_empty)
+            g_xs = _write(g_xs, mb, g_in, backward & entry)
+            g_received = jax.lax.ppermute(g_in, ax.STAGE, back_ring)
+        received = jax.lax.ppermute(h, ax.STAGE, ring)
+        return (received, g_received, buffer, waiting, grads, head_grads, g_xs, loss, weight, applied), None
+
+    zero_h = jnp.zeros_like(xs[0])
+    # K from the working copy, not the layout: the unpadded storage rounds a chunk's slots up to its gather
+    # (`sharding.pipeline.storage`), and the extra slots are empty (skipped, or computed as padding).
+    slots = jax.tree.leaves(params)[0].shape[1]
+    buffer = jnp.zeros((ticks.slots, slots if train else 1, *xs.shape[1:]), xs.dtype)
+    waiting = jnp.zeros((ticks.cotangent_slots, *xs.shape[1:]), xs.dtype) if train else None
+    zero = to_varying(jnp.zeros((), jnp.float32), vary)
+    init = to_varying((zero_h, zero_h if train else None, buffer, waiting, grads, head_grads,
+                       jnp.zeros_like(xs) if train else None), vary)
+    init = (*init, zero, zero, to_varying(jnp.zeros((), jnp.int32), ax.STAGE))
+    carry, _ = jax.lax.scan(tick, init, jnp.arange(ticks.ticks))
+    _, _, _, _, grads, head_grads, g_xs, loss, weight, applied = carry
+    return loss, weight, applied, grads, head_grads, g_xs
+
+
+def _loss_program(layer_fn, head_fn, plan: PipelinePlan, par, weights: _Weights, head_specs, remat_policy=None):
+    """``f(stacked [1, slots, ...], head_params, xs, extras, head_inputs) -> (loss_sum, weight_sum, applied)``
+    for one stage (this device's partial sums), a `jax.custom_vjp` whose forward rule runs the whole 1F1B
+    step (module docstring)."""
+    import jax
+    import jax.numpy as jnp
+
+    summed = weights.summed
+
+    def run(stacked, head_params, xs, extras, head_inputs, train: bool):
+        stage_par = par.inside(_manual_axes(par))
+        layer = lambda w, h, *e: layer_fn(stage_par, w, h, *e)  # noqa: E731
+        if remat_policy is not None:
+            layer = jax.checkpoint(layer, policy=remat_policy, prevent_cse=False)
+        head = lambda hp, h, *inputs: head_fn(stage_par, hp, h, *inputs)  # noqa: E731
+        vary = (ax.STAGE, *summed)
+        # Varying over the batch axes (and stage), so that differentiating adds no reduction inside the loop.
+        params = to_varying(weights.gather(stacked, plan.layout.repeats), vary)
+        hp = to_varying(jax.tree.map(gather_shards, head_params, head_specs), vary)
+        grads = head_grads = None
+        if train:
+            grads = to_varying(jax.tree.map(lambda p, w: jnp.zeros(p.shape, w.dtype), params, stacked), vary)
+            head_grads = to_varying(jax.tree.map(jnp.zeros_like, hp), vary)
+        return _ticks(layer, head, plan, params, hp, xs, extras, head_inputs, grads, head_grads, train, vary)
+
+    @jax.custom_vjp
+    def program(stacked, head_params, xs, extras, head_inputs):
+        loss, weight, applied, *_ = run(stacked, head_params, xs, extras, head_inputs, False)
+        return loss, weight, applied
+
+    def forward(stacked, head_params, xs, extras, head_inputs):
+        loss, weight, applied, grads, head_grads, g_xs = run(stacked, head_params, xs, extras, head_inputs, True)
+        return (loss, weight, applied), (stacked, grads, head_grads, g_xs)
+
+    def backward(residuals, cotangents):
+        stacked, grads, head_grads, g_xs = residuals
+        ct = cotangents[0]
+
+        def scale(tree):
+            return jax.tree.map(lambda g: (g * ct).astype(g.dtype), tree)
+
+        d_head = jax.tree.map(lambda g, spec: jax.lax.psum(reduce_shards(g, spec, summed), ax.STAGE),
+                              scale(head_grads), head_specs)
+        return weights.reduce(scale(grads), stacked), d_head, scale(g_xs), None, None
+
+    program.defvjp(forward, backward)
+    return program
+
+
+def run_pipeline_loss(layer_fn: Callable[..., Any], head_fn: Callable[..., Any], stacked, head_params, x,
+                      extras: Sequence[Any], head_inputs: Sequence[Any], par, *, names=None, head_names=None,
+                      remat_policy=None):
+    """The summed loss of a stacked layer function run as a pipeline, followed by an output head.
+
+    With ``par``'s plan's schedule ``1f1b`` (interleaved with ``R > 1`` chunks per stage) the head runs
+    inside the pipeline on the last stage, one microbatch at a time, and the backward pass of each
+    microbatch follows its forward through the stages (module docstring); otherwise `run_pipeline` runs
+    GPipe or circular and ``head_fn`` takes the whole batch after it, under `head_parallelism` of ``par``
+    (each stage computes the head for 1/S of the rows; ``head_fn`` constrains its input to that layout).
+
+    Args:
+      layer_fn: as `run_pipeline`: ``(par, layer_params, h, *extras) -> h``.
+      head_fn: ``(par, head_params, h, *head_inputs) -> (loss_sum, weight_sum)``, float32 scalars summed
+        over the rows of ``h`` ``[rows, ...]`` (its rows: a microbatch, or the whole batch).
+      stacked: the stacked layer parameters, as `run_pipeline`.
+      head_params: pytree of the head's parameters (the same on every stage; their gradients too).
+      x: ``[batch, ...]`` activations entering the first layer (float; its dtype is the compute dtype).
+      extras: side inputs ``[batch, ...]`` of every layer (None entries pass through).
+      head_inputs: side inputs ``[batch, ...]`` of the head (targets int32, loss weights float32).
+      par: the run's `sharding.parallel.Parallelism` (strategy a `PipelinePlan`), bound to a mesh.
+      names: logical names of ``stacked``'s leaves, as `run_pipeline`.
+      head_names: logical names of ``head_params``' leaves (a tree of tuples shaped as them); None: replicated.
+      remat_policy: as `run_pipeline`.
+
+    Returns:
+      ``(loss_sum, weight_sum, applied)``: float32 scalars, and ``[stages]`` int32 forward layer
+      applications per device of each stage (`PipelinePlan.layer_applications`).
+
+    Raises:
+      ValueError: as `run_pipeline`; an interleaved 1F1B plan (``R > 1``) whose microbatches are not a
+        multiple of the stages; ``head_names`` not shaped as ``head_params``; a head parameter split over a
+        batch axis the microbatches are not split over.
+    """
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    plan = par.pipeline
+    if plan is None or not plan.one_f_one_b:
+        y, applied = run_pipeline(layer_fn, stacked, x, extras, par, names=names, remat_policy=remat_policy)
+        loss, weight = head_fn(head_parallelism(par), head_params, y, *head_inputs)
+        return loss, weight, applied
+    one_f_one_b_ticks(plan.layout.stages, plan.microbatches, plan.layout.repeats)  # raises on a bad M
+    setup = _Setup.of(stacked, x, extras, par, names)
+    head_leaves, head_tree = jax.tree.flatten(head_params)
+    if head_names is None:
+        head_specs = [P()] * len(head_leaves)
+    else:
+        name_leaves = _name_leaves(head_names)
+        if len(name_leaves) != len(head_leaves):
+            raise ValueError(f"run_pipeline_loss: {len(name_leaves)} logical names for {len(head_leaves)} head "
+                             f"parameters")
+        head_specs = [_manual_spec(par, n, w.shape, setup.manual) for n, w in zip(name_leaves, head_leaves)]
+    _check_split(head_specs, setup.weights.summed, par, setup.xs.shape[1], setup.data[1], skip_first=False)
+    head_specs = jax.tree.unflatten(head_tree, head_specs)
+    head_inputs = jax.tree.map(lambda e: to_microbatches(e, plan.microbatches), tuple(head_inputs))
+    program = _loss_program(layer_fn, head_fn, plan, par, setup.weights, head_specs, remat_policy)
+    vary = (ax.STAGE, *setup.weights.summed)
+
+    def stage_program(stacked, head_params, xs, extras, head_inputs):
+        xs, extras, head_inputs = to_varying((xs, extras, head_inputs), ax.STAGE)
+        loss, weight, applied = program(stacked, head_params, xs, extras, head_inputs)
+        return jax.lax.psum(loss, vary), jax.lax.psum(weight, vary), applied[None]
+
+    data = setup.data
+    mapped = jax.shard_map(
+        stage_program,
+        mesh=par.mesh,
+        in_specs=(setup.stacked_specs, head_specs, data, jax.tree.map(lambda _: data, setup.extras),
+                  jax.tree.map(lambda _: data, head_inputs)),
+        out_specs=(P(), P(), P(ax.STAGE)),
+        axis_names=set(setup.manual),
+    )
+    return mapped(stacked, head_params, setup.xs, setup.extras, head_inputs)

@@ -1,0 +1,353 @@
+"""The 1F1B pipeline schedule: its tick table, equality with the unpipelined stack and model, memory
+against GPipe, and no transfer inside a conditional."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from sharding import pipeline as pl
+from sharding.hlo import branch_collectives
+from sharding.mesh import make_mesh, parse_mesh
+from sharding.parallel import UNSHARDED, Parallelism
+from sharding.pipeline.layout import BACKWARD, FORWARD
+from sharding.rules import get_rules
+from test_pipeline import _batch as pipeline_batch
+
+RULES = get_rules("fsdp_tp")
+
+
+def assert_close(actual, expected, rtol=1e-5):
+    """float32 agreement to ``rtol`` of each array's largest magnitude (entries near zero included)."""
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+        a, e = np.asarray(a), np.asarray(e)
+        np.testing.assert_allclose(a, e, rtol=rtol, atol=rtol * float(np.max(np.abs(e)) or 1.0))
+
+
+# The tick table (no devices) ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stages, microbatches, repeats",
+                         [(2, 2, 1), (4, 4, 1), (4, 8, 1), (4, 16, 1), (3, 7, 1), (4, 8, 2), (2, 4, 3)])
+def test_the_tick_table_is_a_valid_1f1b_schedule(stages, microbatches, repeats):
+    ticks = pl.one_f_one_b_ticks(stages, microbatches, repeats)
+    last = stages * repeats - 1
+    when = {}
+    for t in range(ticks.ticks):
+        for s in range(stages):
+            op, r, i = ticks.op[t, s], ticks.chunk[t, s], ticks.microbatch[t, s]
+            if op:
+                key = (int(op), int(r) * stages + s, int(i))
+                assert key not in when
+                when[key] = t
+    assert len(when) == 2 * stages * repeats * microbatches  # every (virtual stage, microbatch), both ways
+    for i in range(microbatches):
+        for v in range(last + 1):
+            if v:  # the input left the previous virtual stage at an earlier tick
+                assert when[FORWARD, v, i] > when[FORWARD, v - 1, i]
+            if v < last:  # the cotangent left the next virtual stage at an earlier tick
+                assert when[BACKWARD, v, i] > when[BACKWARD, v + 1, i]
+        assert when[BACKWARD, last, i] > when[FORWARD, last, i]
+    # slots: no two chunk inputs (cotangents) held at once by a stage share one
+    for s in range(stages):
+        held, waiting = {}, {}
+        for t in range(ticks.ticks):
+            for table, slots in ((ticks.arrive, held), (ticks.cotangent_arrive, waiting)):
+                if table[t, s] >= 0:
+                    assert table[t, s] not in slots
+                    slots[int(table[t, s])] = t
+            op, slot, c = ticks.op[t, s], int(ticks.slot[t, s]), int(ticks.cotangent_slot[t, s])
+            v = int(ticks.chunk[t, s]) * stages + s
+            if op == FORWARD:
+                assert (slot in held) == (v > 0)
+                held[slot] = t
+                if v == last:
+                    assert c not in waiting
+                    waiting[c] = t
+            if op == BACKWARD:
+                assert held.pop(slot) < t and waiting.pop(c) <= t  # a cotangent may arrive at the start of its tick
+    if repeats == 1:
+        assert ticks.ticks == 2 * (microbatches + stages - 1)
+        live = ticks.live()
+        assert live.max() == stages == ticks.slots and live.tolist() == [stages] + [stages - s + 1
+                                                                                    for s in range(1, stages)]
+        # stage s runs S - s forwards before its first backward, then alternates until its forwards run out
+        for s in range(stages):
+            ops = [op for op in ticks.op[:, s] if op]
+            assert ops.index(BACKWARD) == stages - s
+            steady = ops[stages - s:-(stages - s)]
+            assert all(a != b for a, b in zip(steady, steady[1:]))
+
+
+def test_interleaved_1f1b_needs_a_multiple_of_the_stages_as_microbatches():
+    with pytest.raises(ValueError, match="--microbatches 6: interleaved 1F1B .* e.g. --microbatches 8"):
+        pl.one_f_one_b_ticks(4, 6, 2)
+
+
+# The toy stack ----------------------------------------------------------------------------------
+
+
+def _toy_layer(par, w, h, position):
+    h = jnp.tanh(h @ w["a"] + w["b"] + 0.01 * position[:, None])
+    return par.constrain(h, ("batch", "act_embed"))
+
+
+def _toy_head(par, hp, h, target, mask):
+    """A small head with parameters: ``sum(mask * ((h @ v) - target)^2)`` and ``sum(mask)``."""
+    y = h @ hp["v"] + hp["c"]
+    return jnp.sum(mask[:, None] * (y - target[:, None]) ** 2), jnp.sum(mask)
+
+
+def _toy(mesh_spec, num_layers, stage_layers, microbatches, batch=16, dim=16, schedule="1f1b", skip_empty=True,
+         repeats=1):
+    mesh = make_mesh(parse_mesh(mesh_spec, 8))
+    rules = pl.pipeline_rules(RULES)
+    layout, _ = pl.plan_layout(num_layers, mesh.shape["stage"], repeats, stage_layers)
+    plan = pl.PipelinePlan(layout, microbatches, skip_empty=skip_empty, one_f_one_b=schedule == "1f1b")
+    rng = np.random.default_rng(0)
+    w = {"a": rng.normal(size=(num_layers, dim, dim)).astype(np.float32) / 4,
+         "b": rng.normal(size=(num_layers, dim)).astype(np.float32)}
+    hp = {"v": rng.normal(size=(dim, 3)).astype(np.float32), "c": rng.normal(size=(3,)).astype(np.float32)}
+    x = rng.normal(size=(batch, dim)).astype(np.float32)
+    position = jnp.asarray(rng.integers(0, 9, size=(batch,)), jnp.int32)
+    target = jnp.asarray(rng.normal(size=(batch,)), jnp.float32)
+    mask = jnp.asarray(rng.random(batch) < 0.8, jnp.float32)
+
+    def reference(w, hp, x):
+        h = x
+        for layer in range(num_layers):
+            h = _toy_layer(UNSHARDED, jax.tree.map(lambda a: a[layer], w), h, position)
+        return _toy_head(UNSHARDED, hp, h, target, mask)
+
+    def pipelined(w, hp, x):
+        loss, weight, applied = pl.run_pipeline_loss(
+            _toy_layer, _toy_head, w, hp, x, (position,), (target, mask), Parallelism.of(mesh, rules, plan),
+            names={"a": ("layers", None, "embed"), "b": ("layers", None)},
+            head_names={"v": ("embed", None), "c": (None,)})
+        return loss, (weight, applied)
+
+    staged = jax.tree.map(lambda a: pl.relayout(jnp.asarray(a), None, layout, num_layers), w)
+    staged = jax.device_put(staged, {"a": NamedSharding(mesh, P("stage", None, "fsdp")),
+                                     "b": NamedSharding(mesh, P("stage"))})
+    hp_dev = jax.device_put(hp, {"v": NamedSharding(mesh, P("fsdp")), "c": NamedSharding(mesh, P())})
+    grad_fn = jax.jit(jax.value_and_grad(pipelined, argnums=(0, 1, 2), has_aux=True))
+    (loss, (weight, applied)), grads = grad_fn(staged, hp_dev, x)
+    forward_only = jax.jit(pipelined)(staged, hp_dev, x)
+    (ref_loss, ref_weight), ref_grads = jax.jit(jax.value_and_grad(reference, argnums=(0, 1, 2), has_aux=True))(w, hp, x)
+    grads = (jax.tree.map(lambda g: pl.relayout(g, layout, None, num_layers), grads[0]), *grads[1:])
+    return plan, (loss, weight, grads, applied, forward_only), (ref_loss, ref_weight, ref_grads), grad_fn, (staged, hp_dev, x)
+
+
+@pytest.mark.parametrize(
+    "mesh_spec, num_layers, stage_layers, microbatches, repeats",
+    [
+        ("stage=2,fsdp=4", 4, (3, 1), 2, 1),  # uneven, M = S
+        ("stage=4,fsdp=2", 12, (5, 3, 2, 2), 8, 1),  # uneven, 4 stages, M = 2S
+        ("stage=4,data=2", 6, None, 5, 1),  # default split 2,2,1,1 with data parallelism, M not a multiple of S
+        ("stage=4,fsdp=2", 12, (5, 3, 2, 2), 4, 2),  # interleaved, uneven chunks 3+2,2+1,1+1,1+1
+        ("stage=2,data=2,fsdp=2", 12, None, 4, 3),  # interleaved, 3 chunks per stage, data parallelism
+    ],
+)
+def test_1f1b_matches_the_sequential_stack(mesh_spec, num_layers, stage_layers, microbatches, repeats):
+    plan, (loss, weight, grads, applied, forward_only), (ref_loss, ref_weight, ref_grads), _, _ = _toy(
+        mesh_spec, num_layers, stage_layers, microbatches, batch=2 * microbatches * 2, repeats=repeats)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    np.testing.assert_allclose(float(weight), float(ref_weight), rtol=1e-6)
+    assert_close(grads, ref_grads)
+    assert tuple(np.asarray(applied)) == plan.layer_applications()
+    np.testing.assert_allclose(float(forward_only[0]), float(ref_loss), rtol=1e-5)  # undifferentiated: forwards only
+
+
+def test_1f1b_computing_every_slot_matches_too():
+    plan, (loss, _, grads, applied, _), (ref_loss, _, ref_grads), _, _ = _toy(
+        "stage=2,fsdp=4", 4, (3, 1), 4, skip_empty=False)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    assert_close(grads, ref_grads)
+    assert tuple(np.asarray(applied)) == plan.layer_applications() == (plan.ticks * 3,) * 2
+
+
+# The model ---------------------------------------------------------------------------------------
+
+
+def _batch(batch, length, seed=0):
+    return pipeline_batch(batch, length, seed, unmasked=0.9)
+
+
+def _trainer(config, mesh_spec, strategy, optimizer=None):
+    from train.optimizer import OptimizerConfig
+    from train.step import Trainer
+
+    return Trainer(config, optimizer or OptimizerConfig(),
+                   Parallelism.of(make_mesh(parse_mesh(mesh_spec, 8)), RULES, strategy))
+
+
+def _plan(num_layers, mesh_spec, stage_layers, microbatches, schedule, repeats=1):
+    stages = parse_mesh(mesh_spec, 8)["stage"]
+    layout, _ = pl.plan_layout(num_layers, stages, repeats, stage_layers)
+    return pl.PipelinePlan(layout, microbatches, one_f_one_b=schedule == "1f1b")
+
+
+def _steps(trainer, batches):
+    """Losses of ``len(batches)`` optimizer steps and the parameters after the first, canonical layer order."""
+    state = trainer.init_state(0)
+    step = trainer.train_step(*batches[0]["tokens"].shape)
+    losses, first = [], None
+    for batch in batches:
+        state, metrics = step(state, batch, trainer.signals(False))
+        losses.append(float(metrics["loss"]))
+        if first is None:
+            first = jax.tree.map(np.asarray, state["params"])
+    if trainer.storage is not None:
+        first = {**first, "layers": jax.tree.map(
+            lambda g: np.asarray(pl.relayout(jnp.asarray(g), trainer.storage, None, trainer.config.num_layers)),
+            first["layers"])}
+    return losses, first
+
+
+def _loss_and_grads(trainer, batch):
+    state = trainer.init_state(0)
+    fn = jax.jit(lambda params, batch: jax.value_and_grad(trainer.loss_sums, has_aux=True)(params, batch))
+    (loss, _), grads = fn(state["params"], batch)
+    if trainer.storage is not None:
+        grads = {**grads, "layers": jax.tree.map(
+            lambda g: pl.relayout(g, trainer.storage, None, trainer.config.num_layers), grads["layers"])}
+    return float(loss), grads
+
+
+CASES = [
+    (4, "stage=2,fsdp=4", (3, 1), 2, 1),  # uneven, fsdp
+    (6, "stage=4,fsdp=2", (2, 2, 1, 1), 4, 1),  # uneven, 4 stages
+    (4, "stage=2,fsdp=2,tensor=2", (3, 1), 2, 1),  # with tensor parallelism inside the stages
+    (6, "stage=2,fsdp=4", (4, 2), 2, 2),  # interleaved: chunks 2+2 and 1+1
+]
+
+
+@pytest.mark.parametrize("num_layers, mesh_spec, stage_layers, microbatches, repeats", CASES)
+def test_1f1b_model_has_the_loss_and_gradients_of_the_unpipelined_one(num_layers, mesh_spec, stage_layers,
+                                                                       microbatches, repeats):
+    from models.config import get_config
+    from sharding.parallel import Accumulation
+
+    config = get_config("test", [f"num_layers={num_layers}"])
+    batch = _batch(8, 32)
+    ref_loss, ref_grads = _loss_and_grads(_trainer(config, "fsdp=8", Accumulation(1)), batch)
+    trainer = _trainer(config, mesh_spec, _plan(num_layers, mesh_spec, stage_layers, microbatches, "1f1b", repeats))
+    loss, grads = _loss_and_grads(trainer, batch)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    assert_close(grads, ref_grads)
+
+
+def test_1f1b_training_steps_match_the_unpipelined_model():
+    """Losses over 3 steps (1e-4) and the parameters after the first (1e-5) equal the flat model's.
+
+    AdamW's first update is ``lr * g / (|g| + eps)``: with the default ``eps`` 1e-8 it is about
+    ``lr * sign(g)``, which turns float32 rounding of a near-zero gradient entry into an update of up
+    to ``lr`` (an ill-conditioned comparison, not a tolerance question); ``eps`` 1e-3 bounds that gain
+    by ``lr / eps`` = 3 while entries with ``|g|`` near 1e-3 still move by about ``lr / 2``."""
+    from models.config import get_config
+    from sharding.parallel import Accumulation
+    from train.optimizer import OptimizerConfig
+
+    num_layers, mesh_spec, stage_layers, microbatches, _ = CASES[0]
+    config = get_config("test", [f"num_layers={num_layers}"])
+    optimizer = OptimizerConfig(eps=1e-3, warmup=0, decay_steps=10)
+    batches = [_batch(8, 32, seed) for seed in range(3)]
+    flat = _trainer(config, "fsdp=8", Accumulation(1), optimizer)
+    init = jax.tree.map(np.asarray, flat.init_state(0)["params"])
+    ref_losses, ref_params = _steps(flat, batches)
+    plan = _plan(num_layers, mesh_spec, stage_layers, microbatches, "1f1b")
+    losses, params = _steps(_trainer(config, mesh_spec, plan, optimizer), batches)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-4)
+    assert_close(params, ref_params)
+    moved = max(float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(ref_params), jax.tree.leaves(init)))
+    assert moved > 1e-3  # the step moved the parameters far beyond the tolerance
+
+
+def _compiled_gradients(schedule, num_layers=4, mesh_spec="stage=2,fsdp=4", stage_layers=(3, 1), microbatches=16,
+                        batch=64, length=256):
+    from models.config import get_config
+
+    config = get_config("test", [f"num_layers={num_layers}"])
+    trainer = _trainer(config, mesh_spec, _plan(num_layers, mesh_spec, stage_layers, microbatches, schedule))
+    params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                          trainer.state_params, trainer.param_shardings)
+    fn = jax.jit(lambda p, b: jax.value_and_grad(trainer.loss_sums, has_aux=True)(p, b))
+    return trainer, fn.lower(params, trainer.abstract_batch(batch, length)).compile()
+
+
+def test_1f1b_needs_fewer_temporaries_than_gpipe_and_no_transfer_sits_in_a_conditional():
+    """At M = 16 on 2 stages GPipe keeps 16 microbatches' slot inputs, 1F1B a ring of 2 (memory analysis of the
+    compiled gradient step: deterministic); the compiled 1F1B program has no collective-permute inside a
+    conditional, and every collective inside one is among the devices of one stage."""
+    _, gpipe = _compiled_gradients("gpipe")
+    trainer, one_f_one_b = _compiled_gradients("1f1b")
+    gpipe_temp = gpipe.memory_analysis().temp_size_in_bytes
+    temp = one_f_one_b.memory_analysis().temp_size_in_bytes
+    print(f"temporaries per device at M=16: gpipe {gpipe_temp:,} B, 1f1b {temp:,} B ({temp / gpipe_temp:.2f}x)")
+    # GPipe keeps the slot inputs of all M+S-1 = 17 steps, 1F1B a ring of S = 2 microbatches: at least the 3
+    # slots of stage 0 times one microbatch's rows on a device (64 / 16 over fsdp=4: 1 x 256 x 128 float32) for
+    # each of the other 15 must be saved. (The head split over stages already took GPipe's whole-batch logits
+    # away, so the ratio is no longer the 0.46x it was before that; here 0.60x.)
+    saved = (16 + 2 - 1 - 2) * 3 * (64 // 16 // 4) * 256 * 128 * 4
+    assert gpipe_temp - temp >= saved, (gpipe_temp, temp, saved)
+    found = branch_collectives(one_f_one_b.as_text(), trainer.mesh)
+    assert not [c for c in found if c.op == "collective-permute"]
+    assert all(c.safe for c in found)
+
+
+# Through the CLI -------------------------------------------------------------------------------
+
+
+def test_dry_run_reports_the_1f1b_schedule(capsys):
+    from train import train
+
+    code = train.main(["--model", "test", "--mesh", "stage=2,fsdp=4", "--stage-layers", "3,1", "--microbatches", "4",
+                       "--batch-size", "16", "--seq-len", "32", "--dry-run", "--pipeline-schedule", "1f1b"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "pipeline: 1F1B (PipeDream-Flush) over stage=2, 4 microbatches" in out
+    assert ("a ring of 2 microbatches x 3 slot inputs per device (the other schedules keep 5 x 3); one loop of "
+            "10 ticks") in out
+    assert "final norm, output projection and loss: on the last stage inside the pipeline" in out
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--mesh", "stage=2,fsdp=4", "--pipeline-schedule", "1f1b", "--pipeline-repeats", "2", "--microbatches",
+          "3"], "--microbatches 3: interleaved 1F1B (--pipeline-repeats 2) needs a multiple of the 2 stages, e.g. "
+                "--microbatches 4"),
+        (["--mesh", "fsdp=8", "--pipeline-schedule", "1f1b"], "--pipeline-schedule 1f1b needs a pipeline"),
+    ],
+)
+def test_bad_1f1b_flags_fail_before_compiling_with_the_flags_named(args, message, capsys):
+    from train import train
+
+    code = train.main(["--model", "test", "--microbatches", "2", "--batch-size", "8", "--dry-run", *args])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err, err
+
+
+def test_dry_run_reports_interleaved_1f1b(capsys):
+    from train import train
+
+    code = train.main(["--model", "test", "--mesh", "stage=2,fsdp=4", "--microbatches", "4", "--batch-size", "16",
+                       "--seq-len", "32", "--dry-run", "--pipeline-schedule", "1f1b", "--pipeline-repeats", "2"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "pipeline: 1F1B (PipeDream-Flush), interleaved, 2 chunks per stage over stage=2" in out
+    ticks = pl.one_f_one_b_ticks(2, 4, 2)
+    assert f"a ring of {ticks.slots} chunk inputs x 1 slot inputs per device" in out
+
+
+@pytest.mark.parametrize("repeats", [1, 2])
+def test_the_1f1b_plan_round_trips_through_its_flags(repeats):
+    from train.cli import parse
+
+    argv = ["--model", "test", "--mesh", "stage=2,fsdp=4", "--microbatches", "4", "--pipeline-schedule", "1f1b"]
+    run = parse(argv + (["--pipeline-repeats", str(repeats)] if repeats > 1 else []))
+    plan = run.parallelism.strategy
+    assert plan.one_f_one_b and plan.schedule == "1f1b" and plan.layout.repeats == repeats
+    again = parse(["--model", "test", *run.parallelism.flags()])
+    assert again.parallelism.strategy == plan
