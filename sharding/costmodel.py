@@ -42,8 +42,9 @@ Checked against the compiler (``tests/test_costmodel.py``, ``bench/costmodel.py`
 ``while`` loop once (the scanned layers and the microbatch loop), `Cost.matmul_flops` against the
 products of the compiled HLO with loop trip counts folded in (`sharding.hlo.dot_flops`), the state
 and batch bytes against ``compiled.memory_analysis().argument_size_in_bytes``, and the bytes of
-each collective kind against `sharding.hlo.collectives`. Pipelines (section "Pipeline" below) on the
-same figures (``PIPELINE_GRID`` in ``bench/costmodel_grid.py``).
+each collective kind against `sharding.hlo.collectives`. Pipelines (section "Pipeline" below: GPipe,
+circular and 1F1B over the unpadded stage storage, the head on 1/S of the rows) on the same figures
+(``PIPELINE_GRID`` in ``bench/costmodel_grid.py``).
 
 Units: FLOPs, bytes, seconds, FLOP/s, bytes/s. This module imports jax only (through
 `sharding.rules`), never the model.
@@ -352,11 +353,13 @@ class Memory:
       gradients: float32 gradients (the accumulator when microbatching).
       optimizer: AdamW's two float32 moments.
       activations: Saved for the backward pass under the remat policy (one microbatch's); with
-        pipeline stages, each slot's input at every pipeline step (all forwards run before the
-        backward pass, which recomputes each layer) and one layer's activations.
-      logits: float32 logits and their gradient for one microbatch.
+        pipeline stages, the saved slot inputs (GPipe/circular: every slot of every step; 1F1B: its
+        ring of at most about S microbatches' chunk inputs) and one layer's activations (the backward
+        pass recomputes each layer).
+      logits: float32 logits and their gradient for one microbatch (with pipeline stages: one run of
+        the head's rows).
       gathered: FSDP-gathered weights of one layer in flight (two buffers); with pipeline stages,
-        the stage's slots gathered once per step, in the compute dtype, alive through the step.
+        the stage's working copy gathered once per step, in the compute dtype, alive through the step.
       batch: The step's input batch on this device.
     """
 
@@ -516,7 +519,9 @@ def device_cost(
       microbatches: Microbatches this device runs per step; default ``layout.microbatches``.
       layers: Layers this device computes; default the model's layers over ``stage``.
       slots: Layer slots it holds (for memory) without a pipeline; default ``layers``. With one
-        (``stage`` > 1) every device holds ``ceil(L / (S*G))`` unpadded rows instead (`_held_params`).
+        (``stage`` > 1) every device holds ``ceil(L / (S*G))`` unpadded rows instead (`_held_params`) and
+        ``slots`` is the largest stage's (`StageLayout.slots`; the default when ``layers`` is not given),
+        the size of the working copy each stage gathers per step.
       backend: ``gpu`` or ``cpu`` (how reduce-scatter is lowered; see the module docstring).
       batch_rows: The global batch in sequences, for the uneven step's batch re-layout.
 
@@ -546,7 +551,7 @@ def device_cost(
     rules = layout.rules_table()
     placed = _place_cached(model, rules, tuple(mesh.items()))
     if mesh[ax.STAGE] > 1:
-        pipe = _pipeline_of(layout, shape)
+        pipe = _pipeline_of(model, layout, rules, shape)
         return _pipeline_cost(model, layout, rules, placed, shape, pipe, backend, batch_rows)
     flops, counted = _flops(model, layout, rules, placed, shape)
     memory = _memory(model, layout, rules, placed, shape)
@@ -1099,104 +1104,144 @@ def _sequence_comms(model: ModelDescription, layout: Layout, rules: Rules, s: _S
 
 # --- Pipeline ---------------------------------------------------------------------------------
 #
-# Prices the compiled pipeline of `sharding.pipeline.schedule` (GPipe and circular) as it is on main:
-# the embedding, final norm, output projection and loss run outside the pipeline on the device's
-# whole batch, replicated over ``stage`` (`_pipeline_outside`); the layers run inside it, applied
-# `_Pipe.applications` times per pass to one microbatch's rows; the stage's layer weights are
-# gathered once per step and their gradients reduced once (`_pipeline_weight_comms`); activations
-# move by one ppermute per pipeline step each way and one psum over ``stage`` each way hands the
-# outputs to every stage (`_stage_comms`). The pieces a schedule change touches:
+# Prices the compiled pipeline of `sharding.pipeline` (GPipe, circular and 1F1B) as main builds it:
 #
-# * a 1F1B schedule: `_Pipe.steps` (ticks and their ppermutes) and `_Pipe.saved_inputs` (slot
-#   inputs alive at once);
-# * unpadded storage of uneven stages: `_Pipe.stored_slots` (persistent layer slots per device)
-#   and the gather in `_pipeline_weight_comms` (what each device gathers per pass);
-# * the head's work split over stages: `_pipeline_outside` (its share of the whole batch).
+# * the layer stack stored unpadded (`sharding.pipeline.storage`): every device holds ``q`` whole-layer rows
+#   (`_held_params`); per step each stage's working copy of ``R*K'`` slots is assembled in the compute dtype
+#   (`_gather_bytes`) from the rows other devices store for it (one ppermute per distance that moves any), a
+#   pick of this device's ``R*K'/G`` slots and one all-gather over the storage's group axes; the gradients go
+#   back the same way (`_pipeline_weight_comms`);
+# * the layers applied `_Pipe.applications` times per step to one microbatch's rows; activations moved by two
+#   ppermutes per pipeline step (GPipe/circular: ``R*M + S - 1`` steps, one each way; 1F1B: `_Pipe.steps`
+#   ticks, two per tick) and, for GPipe/circular, one psum over ``stage`` of the outputs (`_stage_comms`);
+# * the embedding on the device's whole batch, replicated over ``stage``; the final norm, output projection
+#   and loss (the head) on 1/S of those rows per stage (`sharding.pipeline.head_parallelism`) after
+#   GPipe/circular, on one microbatch per tick inside the loop for 1F1B (`_pipeline_outside`); the
+#   non-layer parameters stored split over ``stage`` too (`spread_over_stage`).
+#
+# Where a schedule keeps its saved inputs: `_Pipe.saved_inputs` (GPipe: every slot of every step; 1F1B: the
+# ring of `one_f_one_b_ticks(...).slots` chunk inputs).
+
+
+def _gather_bytes(layout: Layout) -> int:
+    """Bytes per element of the pipeline's gathered working copy of the stage's layers: the compute dtype
+    (`sharding.pipeline.schedule._Weights.dtype`, the activations' dtype). The one place to change when
+    the gather's dtype changes."""
+    return _DTYPE_BYTES[layout.dtype]
 
 
 @dataclasses.dataclass(frozen=True)
 class _Pipe:
-    """One stage device's pipeline (`sharding.pipeline.PipelinePlan` for this device).
+    """One stage device's pipeline (`sharding.pipeline.PipelinePlan` with its `StageStorage`).
 
     Attributes:
       stages: S.
-      repeats: R (1: GPipe; more: circular).
+      repeats: R (1: GPipe or 1F1B; more: circular or interleaved 1F1B).
       micro: M, microbatches per step.
       layers: Layers this stage runs per microbatch (over its repeats).
-      slots: Layer slots every stage holds, ``R * K`` (K: the most layers of any chunk).
+      working: Slots of the stage's gathered working copy, ``R * K'`` (`Placement.chunk_slots`: the
+        layout's K rounded up so that the storage's G devices divide ``R * K'``).
+      groups: G, the devices of a stage the stored rows are spread over (`storage_axes`).
+      moved: Rows each device sends per ppermute of the storage, one entry per distance that moves any.
       skip_empty: Empty slots and bubble steps are skipped (`PipelinePlan.skip_empty`).
+      ticks: 1F1B: the loop's ticks (`one_f_one_b_ticks`); 0 for GPipe/circular.
+      ring: 1F1B: the chunk inputs a stage keeps at once (`Ticks.slots`); 0 for GPipe/circular.
     """
 
     stages: int
     repeats: int
     micro: int
     layers: int
-    slots: int
+    working: int
+    groups: int
+    moved: tuple[int, ...]
     skip_empty: bool
+    ticks: int = 0
+    ring: int = 0
+
+    @property
+    def one_f_one_b(self) -> bool:
+        return self.ticks > 0
 
     @property
     def steps(self) -> int:
-        """Pipeline steps per pass, ``R*M + S - 1`` (`PipelinePlan.steps`)."""
-        return self.repeats * self.micro + self.stages - 1
+        """Loop trips per step: GPipe/circular ``R*M + S - 1`` per pass (`PipelinePlan.steps`), 1F1B its ticks."""
+        return self.ticks or self.repeats * self.micro + self.stages - 1
 
     @property
     def chunk_slots(self) -> int:
-        """K, slots run per step."""
-        return -(-self.slots // self.repeats)
+        """K', slots run per step."""
+        return self.working // self.repeats
 
     @property
     def applications(self) -> int:
         """Forward layer applications of this device per step (`PipelinePlan.layer_applications`):
-        ``M * layers`` when empty slots and bubbles are skipped, else every slot of every step."""
+        ``M * layers`` when empty slots and bubbles are skipped, else every slot of every step (1F1B:
+        every tick, as the compiled program's trip counts say: its forward and backward branches are
+        each counted on every tick)."""
         return self.micro * self.layers if self.skip_empty else self.steps * self.chunk_slots
 
     @property
-    def stored_slots(self) -> int:
-        """Layer slots whose parameters and AdamW moments the device stores (padded: ``slots``)."""
-        return self.slots
-
-    @property
     def saved_inputs(self) -> int:
-        """Slot inputs kept for the backward pass (GPipe/circular: every slot of every step)."""
-        return self.steps * self.chunk_slots
+        """Slot inputs kept for the backward pass: GPipe/circular every slot of every step, 1F1B the ring's."""
+        return (self.ring or self.steps) * self.chunk_slots
 
 
-def _pipeline_of(layout: Layout, s: _Shape) -> _Pipe:
-    """The `_Pipe` of a device computing ``s.layers`` layers in ``s.slots`` slots (rounded up to R chunks)."""
-    repeats = layout.pipeline_repeats
-    slots = repeats * -(-s.slots // repeats)
-    return _Pipe(layout.mesh[ax.STAGE], repeats, s.micro, s.layers, slots, layout.skip_empty)
+def _pipeline_of(model: ModelDescription, layout: Layout, rules: Rules, s: _Shape) -> _Pipe:
+    """The `_Pipe` of a device computing ``s.layers`` layers with a working copy of ``s.slots`` slots (the
+    layout's largest stage, `StageLayout.slots`), the stored rows it receives from the layout's split."""
+    from sharding.pipeline.layout import one_f_one_b_ticks
+    from sharding.pipeline.storage import StageStorage
+
+    mesh = layout.mesh
+    stages, repeats = mesh[ax.STAGE], layout.pipeline_repeats
+    groups = math.prod(mesh[a] for a in _storage_axes(model, rules, mesh))
+    chunk = -(-s.slots // repeats)  # K' (`Placement.chunk_slots`): K rounded up so that G divides R*K'
+    while (repeats * chunk) % groups:
+        chunk += 1
+    try:
+        stage_layout = plan_layout(model.num_layers, stages, repeats, layout.stage_layers)[0]
+    except ValueError:  # a split the run would refuse (a planner's trial): no stored rows moved
+        moved = ()
+    else:
+        placement = StageStorage(stage_layout, groups).placement
+        moved = tuple(int(send.shape[-1]) for send in placement.sends if send is not None)
+    ticks = ring = 0
+    if layout.one_f_one_b:
+        table = one_f_one_b_ticks(stages, s.micro, repeats)
+        ticks, ring = table.ticks, table.slots
+    return _Pipe(stages, repeats, s.micro, s.layers, repeats * chunk, groups, moved, layout.skip_empty, ticks, ring)
+
+
+def _storage_axes(model: ModelDescription, rules: Rules, mesh: Mapping[str, int]) -> tuple[str, ...]:
+    """The batch axes the stored layer rows are spread over besides ``stage`` (`storage_axes`)."""
+    return storage_axes([(None, *p.axes) for p in model.params if p.per_layer], rules, mesh)
 
 
 def _pipeline_cost(model: ModelDescription, layout: Layout, rules: Rules, placed: dict[str, _Placed], s: _Shape,
                    pipe: _Pipe, backend: str, batch_rows: float | None) -> Cost:
     """The `Cost` of one stage device (see the section comment above)."""
-    mesh = layout.mesh
-    stored = dataclasses.replace(s, slots=pipe.stored_slots)
     layer = dataclasses.replace(s, micro=1, layers=pipe.applications)  # one microbatch's rows per application
-    outside = _pipeline_outside(s)
+    embed, head, head_runs = _pipeline_outside(s, pipe)
     unit = _per_token_flops(model, layout, rules, placed, s, recomputes=1)
-    local_params = sum(p.local * (pipe.stored_slots if p.param.per_layer else 1) for p in placed.values())
-    optimizer = OPTIMIZER_FLOPS_PER_PARAM * local_params
-    inside, whole = layer.tok * pipe.applications, outside.tok
+    optimizer = OPTIMIZER_FLOPS_PER_PARAM * _held_params(model, layout, rules, placed, s)
+    inside = layer.tok * pipe.applications
     flops = Flops(
         layers=inside * unit["layers"],
         attention=inside * unit["attention"],
-        logits=whole * unit["logits"],
+        logits=head.tok * head_runs * unit["logits"],
         recompute=inside * unit["recompute"],
-        elementwise=inside * unit["elem_layer"] + whole * unit["elem_loss"],
+        elementwise=inside * unit["elem_layer"] + head.tok * head_runs * unit["elem_loss"],
         optimizer=optimizer,
     )
-    # cost_analysis: the step loops' bodies once (one application forward, one backward).
+    # cost_analysis: the loops' bodies once (one application forward, one backward; 1F1B: the head once).
     counted = (s.tok * (unit["layers"] + unit["attention"] + unit["recompute"] + unit["elem_layer"])
-               + whole * (unit["logits"] + unit["elem_loss"]) + optimizer)
-    memory = _pipeline_memory(model, layout, rules, placed, stored, pipe)
-    staged = _embedding_stage_comms(model, layout, placed, outside)
-    comms = _comms(model, layout, rules, placed, dataclasses.replace(outside, slots=pipe.stored_slots), backend,
-                   batch_rows, embedding=staged is None)
-    comms = _head_stage_comms(model, layout, placed, comms) + (staged or [])
-    comms += _pipeline_weight_comms(layout, placed, pipe, s.act_bytes)
-    comms += _stage_comms(model, layout, s, pipe)
+               + head.tok * (unit["logits"] + unit["elem_loss"]) + optimizer)
+    memory = _pipeline_memory(model, layout, rules, placed, s, pipe, head)
+    comms = _pipeline_head_comms(model, layout, rules, head, pipe, backend, batch_rows)
+    comms += _pipeline_embedding_comms(model, layout, placed, embed)
+    comms += _pipeline_weight_comms(layout, rules, placed, pipe, model)
+    comms += _stage_comms(model, layout, s, pipe, head)
     comms += _tensor_comms(model, layout, rules, layer, recomputes=1, with_logits=False)
     comms += _sequence_comms(model, layout, rules, layer, backend)
     comms = tuple(c for c in comms if c.group > 1 and c.count > 0)
@@ -1204,17 +1249,33 @@ def _pipeline_cost(model: ModelDescription, layout: Layout, rules: Rules, placed
     return Cost(flops, counted, memory, comms, s.tok * s.micro, s.layers, arguments)
 
 
-def _pipeline_outside(s: _Shape) -> _Shape:
-    """What runs outside the pipeline (embedding, final norm, output projection, loss): the device's
-    whole batch at once, no layers (replicated over ``stage``: every stage computes it)."""
-    return dataclasses.replace(s, rows=s.rows * s.micro, tok=s.tok * s.micro, micro=1, layers=0)
+def _stage_folded(model: ModelDescription, layout: Layout, rules: Rules) -> tuple[Layout, dict[str, _Placed]]:
+    """The head's layout: the mesh with ``stage`` folded into ``fsdp`` (the head's rows are split over both,
+    `head_parallelism`, and the non-layer parameters stored over both, `spread_over_stage`), one microbatch."""
+    mesh = layout.mesh
+    flat = dataclasses.replace(layout, mesh={**mesh, ax.STAGE: 1, ax.FSDP: mesh[ax.FSDP] * mesh[ax.STAGE]},
+                               microbatches=1, stage_layers=None, pipeline_repeats=1, one_f_one_b=False)
+    return flat, _place_cached(model, rules, tuple(flat.mesh.items()))
+
+
+def _pipeline_outside(s: _Shape, pipe: _Pipe) -> tuple[_Shape, _Shape, int]:
+    """``(embedding, head, runs)``: the embedding's shape (the device's whole batch, replicated over
+    ``stage``), the head's per run and how many runs: after GPipe/circular once on 1/S of the whole
+    batch's rows (`head_parallelism`; all of them when S does not divide them), in 1F1B once per tick on
+    one microbatch's rows (under a conditional counted on every tick; with ``skip_empty`` M times)."""
+    whole = dataclasses.replace(s, rows=s.rows * s.micro, tok=s.tok * s.micro, micro=1, layers=0)
+    if pipe.one_f_one_b:
+        one = dataclasses.replace(s, micro=1, layers=0)
+        return whole, one, (pipe.micro if pipe.skip_empty else pipe.ticks)
+    split = pipe.stages if whole.rows % pipe.stages == 0 else 1
+    return whole, dataclasses.replace(whole, rows=whole.rows / split, tok=whole.tok / split), 1
 
 
 def _pipeline_memory(model: ModelDescription, layout: Layout, rules: Rules, placed: dict[str, _Placed],
-                     s: _Shape, pipe: _Pipe) -> Memory:
-    """Bytes of a stage device: the stored slots' state; in flight, the gathered copy of the stage's
-    slots (compute dtype) and their float32 gradient sums, each slot input of every step, one layer's
-    activations, and the head's logits for the whole batch."""
+                     s: _Shape, pipe: _Pipe, head: _Shape) -> Memory:
+    """Bytes of a stage device: the stored rows' state; in flight, the gathered working copy of the stage's
+    slots (`_gather_bytes`) and their float32 gradient sums, the saved slot inputs (`_Pipe.saved_inputs`),
+    one layer's activations, and the head's logits (one run's rows)."""
     base = _memory(model, layout, rules, placed, s)
     keys = s.seq if layout.attention in _WHOLE_SCORES else 0.0
     saved_input = _per_token(model, "activations", rules, layout.mesh, keys, s.act_bytes, ("input",))
@@ -1222,70 +1283,80 @@ def _pipeline_memory(model: ModelDescription, layout: Layout, rules: Rules, plac
     whole_layer = sum(p.local * _batch_factor(p, layout.mesh) for p in placed.values() if p.param.per_layer)
     return dataclasses.replace(
         base,
-        gradients=base.gradients + pipe.slots * whole_layer * _PARAM_BYTES,
+        gradients=base.gradients + pipe.working * whole_layer * _PARAM_BYTES,
         activations=s.tok * (pipe.saved_inputs * saved_input + per_layer),
-        logits=base.logits * s.micro,
-        gathered=pipe.slots * whole_layer * s.act_bytes,
+        logits=base.logits * head.tok / s.tok,
+        gathered=pipe.working * whole_layer * _gather_bytes(layout),
     )
 
 
-def _embedding_stage_comms(model: ModelDescription, layout: Layout, placed: dict[str, _Placed],
-                           outside: _Shape) -> list[Comm] | None:
-    """The embedding lookup when it runs replicated over ``stage`` with a table split over ``fsdp``
-    only (jax 0.10; seen on ``stage=2,fsdp=4`` and ``stage=4,fsdp=2``, on the ``test`` and ``7b``
-    shapes); None: as without stages (`_embedding_comms`).
+def _pipeline_embedding_comms(model: ModelDescription, layout: Layout, placed: dict[str, _Placed],
+                              embed: _Shape) -> list[Comm]:
+    """The embedding lookup on the device's whole batch (replicated over ``stage``) from a table stored
+    split over ``stage`` too (`spread_over_stage`).
 
-    The partitioner splits the lookup over pairs of stage devices too: the rows of the whole batch
-    ``[tokens, D/f]`` are gathered over the pair and the table's gradient shard ``[V, D/f]``
-    all-reduced over it. Between the lookup's layout and the batch layout it moves whichever is
-    smaller: the rows (an all-to-all over ``fsdp`` each way, after gathering the tokens) or the
-    table's shard (a collective-permute each way). jax 0.12 (`_partitioner`, seen on the ``test``
-    shape) sends the rows' gradient back by gathering them over ``fsdp`` instead of a second
-    all-to-all; the table-shard case is seen on jax 0.10 only.
+    A table split over ``fsdp`` only by the rules (``embed``; stored over ``fsdp`` x ``stage``), no
+    ``data``, as jax 0.10 emits it (seen on ``stage=2,fsdp=4`` and ``stage=4,fsdp=2``): the tokens
+    gathered over ``fsdp``, the table gathered whole, its stored shard ``[V, D/(f S)]`` moved by a
+    collective-permute and 1/S of the looked-up rows ``[rows, T, D]`` (float32) by an all-to-all.
+    Other splits: priced as without stages on the mesh with ``stage`` folded into ``fsdp``
+    (`_embedding_comms`), not checked against the compiler.
     """
     embedding = model.with_role("embedding")
+    if embedding is None:
+        return []
     mesh = layout.mesh
-    if embedding is None or mesh[ax.FSDP] <= 1 or mesh[ax.DATA] > 1:
-        return None
     table = placed[embedding.path]
-    if _table_split(table) != (1, mesh[ax.FSDP]):
-        return None
-    (v, d), f = table.param.shape, mesh[ax.FSDP]
-    rows, shard = outside.tok * d * 4, v * d / f * 4
-    comms = [
-        Comm("all-gather", (ax.STAGE,), 2, rows, 1, "embedding: rows over a stage pair"),
-        Comm("all-reduce", (ax.STAGE,), 2, shard, 1, f"gradient of {embedding.path} over a stage pair"),
+    if mesh[ax.DATA] > 1 or mesh[ax.FSDP] <= 1 or _table_split(table) != (1, mesh[ax.FSDP]):
+        flat, flat_placed = _stage_folded(model, layout, layout.rules_table())
+        return _embedding_comms(model, flat, flat_placed, embed)
+    (v, d), f, stages = table.param.shape, mesh[ax.FSDP], mesh[ax.STAGE]
+    whole = v * d * _PARAM_BYTES
+    return [
+        Comm("all-gather", (ax.FSDP,), f, embed.tok * f * _INT_BYTES, 1, "embedding: tokens"),
+        Comm("all-gather", (ax.FSDP, ax.STAGE), f * stages, whole, 1, "embedding: table"),
+        Comm("all-to-all", (ax.FSDP,), f, embed.tok * d * _PARAM_BYTES / stages, 1, "embedding: 1/S of the rows"),
+        Comm("collective-permute", (ax.STAGE,), 2, whole / (f * stages), 1, "embedding: stored table shard"),
     ]
-    if shard < rows:
-        return comms + [Comm("collective-permute", (ax.FSDP,), 2, shard, 2,
-                             "embedding: table shard and its gradient")]
-    comms.append(Comm("all-gather", (ax.FSDP,), f, outside.tok * f * _INT_BYTES, 1, "embedding: tokens"))
-    if _partitioner() == "0.12":  # the rows' gradient comes back gathered over fsdp [f x tokens, D]
-        return comms + [Comm("all-to-all", (ax.FSDP,), f, rows, 1, "embedding: rows to batch layout"),
-                        Comm("all-gather", (ax.FSDP,), f, rows * f, 1, "embedding: row gradients")]
-    return comms + [Comm("all-to-all", (ax.FSDP,), f, rows, 2, "embedding: rows to batch layout and back")]
 
 
-def _head_stage_comms(model: ModelDescription, layout: Layout, placed: dict[str, _Placed],
-                      comms: list[Comm]) -> list[Comm]:
-    """The output projection replicated over 4 or more stages with its weight split over ``fsdp``
-    (gathered, not vocabulary-parallel; jax 0.10, seen on ``stage=4,fsdp=2``, ``test`` and ``7b``):
-    the partitioner splits its products over stage pairs, moving a quarter of the whole weight by a
-    collective-permute in the forward pass and half of its gradient by one in the backward pass, and
-    all-reduces the other half (instead of all of it)."""
-    out = model.logits.weight
-    if layout.mesh[ax.STAGE] < 4 or out.role != "output" or layout.mesh[ax.DATA] > 1:
+def _pipeline_head_comms(model: ModelDescription, layout: Layout, rules: Rules, head: _Shape, pipe: _Pipe,
+                         backend: str, batch_rows: float | None) -> list[Comm]:
+    """The head's weights (final norm, output projection) and collectives.
+
+    GPipe/circular: the head runs under `head_parallelism` outside the pipeline, as the step without
+    stages on the mesh with ``stage`` folded into ``fsdp`` prices it (`_comms`, the head's rows). 1F1B:
+    its weights are gathered explicitly once per step (`sharding.pipeline.onef1b`), each over ``stage``
+    (to ``1/f`` of it) and over ``fsdp`` (whole), its gradients reduce-scattered over ``fsdp`` and
+    summed over ``stage``.
+    """
+    flat, flat_placed = _stage_folded(model, layout, rules)
+    if not pipe.one_f_one_b:
+        comms = _comms(model, flat, rules, flat_placed, dataclasses.replace(head, slots=0), backend, batch_rows,
+                       embedding=False)
+        # (its layer terms count 0: no layers on that shape)
+        for p in flat_placed.values():  # stored over ``stage`` alone (rules without fsdp): gathered over it
+            if p.param.per_layer or p.param.role == "embedding" or p.factor(ax.FSDP) > 1:
+                continue
+            spec = spread_over_stage(logical_to_spec(p.param.axes, rules, p.param.shape, layout.mesh)[0],
+                                     p.param.shape, layout.mesh)
+            if any(ax.STAGE in ((e,) if isinstance(e, str) else e or ()) for e in spec):
+                comms.append(Comm("all-gather", (ax.STAGE,), layout.mesh[ax.STAGE], p.local * _PARAM_BYTES,
+                                  1 if p.param.role == "output" else 2, f"gather {p.param.path} over stage"))
         return comms
-    grad = f"gradient of {out.path}"
-    whole = placed[out.path].local * placed[out.path].factor(ax.FSDP) * _PARAM_BYTES
-    found = [c for c in comms if c.what == grad and c.kind == "all-reduce" and c.result_bytes == whole]
-    if len(found) != 1:
-        return comms
-    return [c for c in comms if c is not found[0]] + [
-        dataclasses.replace(found[0], result_bytes=whole / 2, what=grad + " (half)"),
-        Comm("collective-permute", (ax.STAGE,), 2, whole / 2, 1, grad + " (half, over a stage pair)"),
-        Comm("collective-permute", (ax.STAGE,), 2, whole / 4, 1, f"{out.path} (a quarter, over a stage pair)"),
-    ]
+    mesh, comms = layout.mesh, []
+    f, stages = mesh[ax.FSDP], mesh[ax.STAGE]
+    for p in flat_placed.values():
+        if p.param.per_layer or p.param.role == "embedding":
+            continue
+        whole, what = p.param.size * _PARAM_BYTES, p.param.path
+        comms += [
+            Comm("all-gather", (ax.STAGE,), stages, whole / f, 1, f"gather {what} over stage"),
+            Comm("all-gather", (ax.FSDP,), f, whole, 1, f"gather {what}"),
+            Comm("reduce-scatter", (ax.FSDP,), f, whole / f, 1, f"gradient of {what}"),
+            Comm("all-reduce", (ax.STAGE,), stages, whole / f, 1, f"gradient of {what} over stage"),
+        ]
+    return comms
 
 
 def _batch_factor(p: _Placed, mesh: Mapping[str, int]) -> int:
@@ -1293,45 +1364,61 @@ def _batch_factor(p: _Placed, mesh: Mapping[str, int]) -> int:
     return p.factor(*(a for a in ax.BATCH_MESH_AXES if mesh[a] > 1))
 
 
-def _pipeline_weight_comms(layout: Layout, placed: dict[str, _Placed], pipe: _Pipe, act_bytes: int) -> list[Comm]:
-    """The stage's layer weights, gathered once per step and their gradients reduced once.
+def _pipeline_weight_comms(layout: Layout, rules: Rules, placed: dict[str, _Placed], pipe: _Pipe,
+                           model: ModelDescription) -> list[Comm]:
+    """The stage's layer weights: the working copy assembled once per step, the gradients returned once.
 
-    Explicit collectives of the stage program (`jax.shard_map`, so both backends emit them as
-    written): each layer parameter's ``[slots, ...]`` block gathered in the compute dtype over the
-    batch axes that split it (the backward pass's gather of the same operand merged into it by XLA);
-    after the backward loop its float32 gradient sums reduce-scattered over those axes and
-    all-reduced over the batch axes that do not split it.
+    Explicit collectives of the stage program (`jax.shard_map`, so both backends emit them as written;
+    `sharding.pipeline.schedule._Weights`), per layer parameter: the rows stored for other devices sent
+    by one ppermute per distance (compute dtype) and their gradients sent back (float32); this device's
+    ``R*K'/G`` slots all-gathered over the storage's group axes into the ``R*K'`` slots (compute dtype)
+    and their float32 gradient sums reduce-scattered back; the ``q`` stored rows' gradients all-reduced
+    over the batch axes that do not store rows.
     """
     mesh = layout.mesh
     summed = tuple(a for a in ax.BATCH_MESH_AXES if mesh[a] > 1)
+    groups = _storage_axes(model, rules, mesh)
+    rest = tuple(a for a in summed if a not in groups)
+    q = -(-model.num_layers // (pipe.stages * pipe.groups))
+    devices = (ax.STAGE, *groups)
     comms = []
     for p in placed.values():
         if not p.param.per_layer:
             continue
-        split = tuple(a for a in summed if p.factor(a) > 1)
-        n, local = p.factor(*split), p.local * pipe.slots
-        what = p.param.path
-        if n > 1:
-            comms.append(Comm("all-gather", split, n, local * n * act_bytes, 1, f"gather {what} (stage slots)"))
-            comms.append(Comm("reduce-scatter", split, n, local * _PARAM_BYTES, 1, f"gradient of {what}"))
-        rest = tuple(a for a in summed if a not in split)
+        row, what = p.local * p.factor(*groups), p.param.path  # one stored row's elements on a device
+        for rows in pipe.moved:
+            comms.append(Comm("collective-permute", devices, 2, rows * row * _gather_bytes(layout), 1,
+                              f"stored rows of {what} to their stage"))
+            comms.append(Comm("collective-permute", devices, 2, rows * row * _PARAM_BYTES, 1,
+                              f"gradient of {what} back to its row"))
+        if pipe.groups > 1:
+            comms.append(Comm("all-gather", groups, pipe.groups, pipe.working * row * _gather_bytes(layout), 1,
+                              f"gather {what} (working copy)"))
+            comms.append(Comm("reduce-scatter", groups, pipe.groups, pipe.working // pipe.groups * row * _PARAM_BYTES,
+                              1, f"gradient of {what}"))
         if rest:
-            comms.append(Comm("all-reduce", rest, math.prod(mesh[a] for a in rest), local * _PARAM_BYTES, 1,
-                              f"gradient of {what}"))
+            comms.append(Comm("all-reduce", rest, math.prod(mesh[a] for a in rest), q * row * _PARAM_BYTES, 1,
+                              f"gradient of {what} (stored rows)"))
     return comms
 
 
-def _stage_comms(model: ModelDescription, layout: Layout, s: _Shape, pipe: _Pipe) -> list[Comm]:
-    """Activations between stages: one ppermute of one microbatch's rows ``[rows, T, D]`` per
-    pipeline step, forward and backward (bubble steps included: the transfers sit outside the
-    conditionals); one psum over ``stage`` of all microbatches' outputs after the forward loop (the
-    last stage's outputs to every stage) and its transpose for their cotangents (the inputs were
-    made stage-varying)."""
+def _stage_comms(model: ModelDescription, layout: Layout, s: _Shape, pipe: _Pipe, head: _Shape) -> list[Comm]:
+    """Activations between stages: two ppermutes of one microbatch's rows ``[rows, T, D]`` per loop trip
+    (GPipe/circular: one forward, one backward per step; 1F1B: the forward output and the input's
+    cotangent per tick), bubble steps included: the transfers sit outside the conditionals; the inputs'
+    cotangent ``[M, rows, T, D]`` summed over ``stage`` (the inputs were made stage-varying). GPipe/circular
+    also: one psum over ``stage`` of all microbatches' outputs after the forward loop (the last stage's
+    outputs to every stage) and its transpose, and the head's input cotangent all-gathered over ``stage``
+    (`head_parallelism`)."""
     stages = layout.mesh[ax.STAGE]
     act = s.tok * model.hidden * s.act_bytes
-    return [
-        Comm("collective-permute", (ax.STAGE,), stages, act, 2 * pipe.steps, "stage activations", False),
+    comms = [Comm("collective-permute", (ax.STAGE,), stages, act, 2 * pipe.steps, "stage activations", False)]
+    if pipe.one_f_one_b:  # the inputs' cotangent, summed over stage (they were made stage-varying)
+        return comms + [Comm("all-reduce", (ax.STAGE,), stages, act * s.micro, 1, "pipeline input cotangent", False)]
+    return comms + [
         Comm("all-reduce", (ax.STAGE,), stages, act * s.micro, 2, "pipeline outputs to every stage", False),
+        Comm("all-gather", (ax.STAGE,), stages, head.tok * stages * model.hidden * s.act_bytes, 1,
+             "head input cotangent over stage", False),
     ]
 
 

@@ -145,12 +145,17 @@ def test_vocab_parallel_cases_take_the_vocab_parallel_loss():
 
 def test_pipeline_prices_the_layer_applications_the_schedule_runs():
     """Skipping empty slots and bubble steps: the layers' FLOPs scale with
-    `PipelinePlan.layer_applications` (M x the stage's layers) against every slot of every step;
+    `PipelinePlan.layer_applications` (M x the stage's layers) against every slot of every step of the
+    unpadded storage's working copy (K' = 4 slots: the layout's 3 rounded up to a multiple of fsdp = 2);
     what runs outside the pipeline and the collectives do not change."""
+    from sharding.pipeline.storage import StageStorage
+
     config = get_config("test", ["num_layers=8"])
     stages, _ = plan_layout(8, 4, 1, (3, 3, 1, 1))
-    every = PipelinePlan(stages, 4, skip_empty=False).layer_applications()
-    skipped = PipelinePlan(stages, 4).layer_applications()
+    plan = PipelinePlan(stages, 4)
+    assert StageStorage(stages, 2).placement.chunk_slots == 4
+    every = (plan.steps * 4,) * 4
+    skipped = plan.layer_applications()
     kw = dict(stage_layers=(3, 3, 1, 1))
     for stage, layers in ((0, 3), (2, 1)):
         cost = {skip: cm.device_cost(config, cm.Layout({"stage": 4, "fsdp": 2}, "fsdp", 4, skip_empty=skip, **kw),
@@ -165,27 +170,40 @@ def test_pipeline_prices_the_layer_applications_the_schedule_runs():
 
 
 def test_pipeline_gathers_stage_weights_once_per_step():
-    """The 7B dry run of issue 16 (stage=4,fsdp=2, 10,10,6,6, 32 x 2048, float32): one gather of the
-    stage's 10 slots and one reduce-scatter of their gradients per step, whatever M; one ppermute of a
-    microbatch's rows per pipeline step (R*M + S - 1) each way."""
+    """The 7B dry run of issue 16 (stage=4,fsdp=2, 10,10,6,6, 32 x 2048, float32), unpadded storage of 4
+    rows per device: per step, whatever M and the schedule, one all-gather of the stage's 10-slot working
+    copy, one reduce-scatter of its gradients (each device's 5 slots), one row received by ppermute and its
+    gradient sent back; the activations' ppermutes twice per GPipe step (M + S - 1) or 1F1B tick."""
+    from sharding.pipeline.layout import one_f_one_b_ticks
+
     config = get_config("7b")
 
-    def cost(micro):
-        layout = cm.Layout({"stage": 4, "fsdp": 2}, "fsdp", micro, stage_layers=(10, 10, 6, 6))
+    def cost(micro, one_f_one_b=False):
+        layout = cm.Layout({"stage": 4, "fsdp": 2}, "fsdp", micro, stage_layers=(10, 10, 6, 6), one_f_one_b=one_f_one_b)
         return cm.estimate(config, 32, 2048, layout, backend="cpu")
 
-    m16, m8 = cost(16), cost(8)
-    kinds16, kinds8 = cm.collective_bytes(m16.comms), cm.collective_bytes(m8.comms)
     layer = sum(p.size for p in describe(config).params if p.per_layer) * 4  # one layer, float32, whole
-    head = config.vocab_size * config.embed_dim * 4
-    rows = 32 / 2 * 2048 * config.embed_dim * 4  # the embedding's rows of the device's batch, over a stage pair
-    assert kinds16["all-gather"] == pytest.approx(10 * layer + head + rows + 2 * config.embed_dim * 4, rel=1e-9)
-    assert kinds16["reduce-scatter"] == pytest.approx(10 * layer / 2, rel=1e-9)
-    assert kinds8["all-gather"] == kinds16["all-gather"] and kinds8["reduce-scatter"] == kinds16["reduce-scatter"]
-    for micro, c in ((16, m16), (8, m8)):
+
+    def layer_bytes(c, kind):
+        return sum(x.total_bytes for x in c.comms if x.kind == kind and x.what.split()[-1] != "activations"
+                   and ("layers/" in x.what))
+
+    costs = {(m, f): cost(m, f) for m in (8, 16) for f in (False, True)}
+    for (micro, one_f_one_b), c in costs.items():
+        assert layer_bytes(c, "all-gather") == pytest.approx(10 * layer, rel=1e-9)
+        assert layer_bytes(c, "reduce-scatter") == pytest.approx(5 * layer, rel=1e-9)
+        assert layer_bytes(c, "collective-permute") == pytest.approx(2 * layer, rel=1e-9)
         sends = [x for x in c.comms if x.what == "stage activations"]
         act = 32 / 2 / micro * 2048 * config.embed_dim * 4  # one microbatch's rows on a device, float32
-        assert [(x.result_bytes, x.count) for x in sends] == [(act, 2 * (micro + 3))]
+        trips = one_f_one_b_ticks(4, micro).ticks if one_f_one_b else micro + 3
+        assert [(x.result_bytes, x.count) for x in sends] == [(act, 2 * trips)]
+    # At the same microbatch size, GPipe's saved inputs grow with M (every slot of every step), 1F1B's do
+    # not (at most S microbatches' stage inputs per stage).
+    def saved(micro, one_f_one_b):
+        layout = cm.Layout({"stage": 4, "fsdp": 2}, "fsdp", micro, stage_layers=(10, 10, 6, 6), one_f_one_b=one_f_one_b)
+        return cm.device_cost(config, layout, seq_len=2048, rows=1, backend="cpu").memory.activations
+
+    assert saved(16, True) == saved(8, True) < saved(8, False) < saved(16, False)
 
 
 @pytest.mark.parametrize("stage_layers, mesh_spec", [((7, 5, 2, 2), "stage=4,fsdp=2"), ((5, 3), "stage=2,fsdp=4")])
