@@ -33,7 +33,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
-from costmodel_grid import (BENCH_ONLY, GRID, PIPELINE_BENCH_ONLY, PIPELINE_GRID, UNMODELLED,  # noqa: E402
+from costmodel_grid import (BENCH_ONLY, GRID, PIPELINE_BENCH_ONLY, PIPELINE_GRID, UNMODELLED, schedule_of,  # noqa: E402
                             compiled_figures, predicted)
 
 from models.config import get_config  # noqa: E402
@@ -89,12 +89,12 @@ def pipeline_table() -> list[str]:
     lines = ["## 1b. Pipelines: predicted vs compiled, per device per step (CPU backend)", "",
              "Predicted with every slot of every step priced (`skip_empty=False`): the compiled program counts a "
              "conditional's branch on every loop trip. Asterisk: not asserted (`UNMODELLED`); last rows: bench only.", "",
-             "| model | mesh | rules | B x T | M | stages | R | cost_analysis FLOPs | folded products | arguments | "
+             "| model | mesh | rules | B x T | M | stages | R | schedule | cost_analysis FLOPs | folded products | arguments | "
              + " | ".join(KINDS) + " | temp (pred/compiled) |",
-             "|" + "---|" * (11 + len(KINDS))]
+             "|" + "---|" * (12 + len(KINDS))]
     worst: dict[str, float] = {}
     for case in PIPELINE_GRID + PIPELINE_BENCH_ONLY:
-        model, mesh_spec, rules, batch, seq, micro, remat, stages, repeats = case
+        model, mesh_spec, rules, batch, seq, micro, remat, stages, repeats = case[:9]
         figures, cost = compiled_figures(case), predicted(case)
         actual, pred = figures["collectives"], cm.collective_bytes(cost.comms)
         errors = {"cost_analysis FLOPs": (cost.counted_flops, figures["flops"]),
@@ -111,6 +111,7 @@ def pipeline_table() -> list[str]:
         temp = (m.activations + m.logits + m.gathered + m.gradients) / figures["temp"]
         split = ",".join(map(str, stages)) if stages else "even"
         lines.append(f"| {model} | {mesh_spec} | {rules} | {batch} x {seq} | {micro} | {split} | {repeats} | "
+                     f"{schedule_of(case)} | "
                      + " | ".join(cells) + f" | {temp:.2f} |")
         print(lines[-1], flush=True)
     lines += ["", "Worst error over the asserted pipeline cases: "

@@ -88,11 +88,11 @@ def case_id(case) -> str:
     if len(case) > 7:
         stages, repeats = case[7:9]
         out += f"-{','.join(map(str, stages)) if stages else 'even'}-R{repeats}"
-        out += f"-{_schedule(case)}" if _schedule(case) == "1f1b" else ""
+        out += f"-{schedule_of(case)}" if schedule_of(case) == "1f1b" else ""
     return out
 
 
-def _schedule(case) -> str:
+def schedule_of(case) -> str:
     """A pipeline case's ``--pipeline-schedule``: ``1f1b`` when it says so, else gpipe/circular by repeats."""
     return case[9] if len(case) > 9 else ("circular" if case[8] > 1 else "gpipe")
 
@@ -102,7 +102,7 @@ def _strategy(case, config, mesh):
     if len(case) == 7:
         return Accumulation(case[5])
     stages, _ = plan_layout(config.num_layers, mesh["stage"], case[8], case[7])
-    return PipelinePlan(stages, case[5], one_f_one_b=_schedule(case) == "1f1b")
+    return PipelinePlan(stages, case[5], one_f_one_b=schedule_of(case) == "1f1b")
 
 
 @functools.lru_cache(maxsize=None)
@@ -142,5 +142,5 @@ def predicted(case) -> cm.Cost:
     else:
         stages = _strategy(case, config, mesh).layout
         layout = cm.Layout(mesh, rules, micro, remat, stage_layers=stages.stage_layers, pipeline_repeats=case[8],
-                           skip_empty=False, one_f_one_b=_schedule(case) == "1f1b")
+                           skip_empty=False, one_f_one_b=schedule_of(case) == "1f1b")
     return cm.estimate(config, batch, seq, layout, backend="cpu")
