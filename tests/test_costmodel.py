@@ -209,7 +209,8 @@ def test_pipeline_gathers_stage_weights_once_per_step():
 @pytest.mark.parametrize("stage_layers, mesh_spec", [((7, 5, 2, 2), "stage=4,fsdp=2"), ((5, 3), "stage=2,fsdp=4")])
 def test_pipeline_state_bytes_are_the_unpadded_storage(stage_layers, mesh_spec):
     """A pipeline's persistent bytes per device: the unpadded storage (no stage holds the largest stage's
-    slots), against the compiled step's arguments and the state's shards."""
+    slots), against the state's shards (abstract, nothing compiled); the compiled arguments of uneven
+    pipelines are checked on `PIPELINE_GRID` (`test_state_bytes_match_memory_analysis`)."""
     from sharding import pipeline as pl
     from sharding.mesh import make_mesh
     from sharding.parallel import Parallelism
@@ -225,5 +226,3 @@ def test_pipeline_state_bytes_are_the_unpadded_storage(stage_layers, mesh_spec):
     cost = cm.estimate(config, 16, 32, cm.Layout(mesh, "fsdp_tp", 4, "none", stage_layers=stage_layers), backend="cpu")
     state = report.device_state_bytes(trainer.abstract_state())
     assert 0 <= state - cost.memory.state <= 32  # parameters and AdamW moments; the rest: step, RNG key, counters
-    arguments = trainer.compile_train_step(16, 32).memory_analysis().argument_size_in_bytes
-    assert _within(cost.argument_bytes, arguments), (cost.argument_bytes, arguments)
