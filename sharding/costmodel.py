@@ -662,6 +662,14 @@ def _held_params(model: ModelDescription, layout: Layout, rules: Rules, placed: 
     mesh = layout.mesh
     if mesh[ax.STAGE] <= 1:
         return sum(p.local * (s.slots if p.param.per_layer else 1) for p in placed.values())
+    return _held_pipeline_params(model, rules, tuple(mesh.items()))
+
+
+@functools.lru_cache(maxsize=4096)
+def _held_pipeline_params(model: ModelDescription, rules: Rules, mesh_items: tuple) -> float:
+    """`_held_params` with a pipeline (cached: the same for every stage device of a mesh)."""
+    mesh = dict(mesh_items)
+    placed = _place_cached(model, rules, mesh_items)
     layer = [p for p in placed.values() if p.param.per_layer]
     axes = storage_axes([(None, *p.param.axes) for p in layer], rules, mesh)
     rows = -(-model.num_layers // (mesh[ax.STAGE] * math.prod(mesh[a] for a in axes)))
@@ -1190,32 +1198,51 @@ class _Pipe:
 def _pipeline_of(model: ModelDescription, layout: Layout, rules: Rules, s: _Shape) -> _Pipe:
     """The `_Pipe` of a device computing ``s.layers`` layers with a working copy of ``s.slots`` slots (the
     layout's largest stage, `StageLayout.slots`), the stored rows it receives from the layout's split."""
-    from sharding.pipeline.layout import one_f_one_b_ticks
-    from sharding.pipeline.storage import StageStorage
-
     mesh = layout.mesh
     stages, repeats = mesh[ax.STAGE], layout.pipeline_repeats
     groups = math.prod(mesh[a] for a in _storage_axes(model, rules, mesh))
     chunk = -(-s.slots // repeats)  # K' (`Placement.chunk_slots`): K rounded up so that G divides R*K'
     while (repeats * chunk) % groups:
         chunk += 1
-    try:
-        stage_layout = plan_layout(model.num_layers, stages, repeats, layout.stage_layers)[0]
-    except ValueError:  # a split the run would refuse (a planner's trial): no stored rows moved
-        moved = ()
-    else:
-        placement = StageStorage(stage_layout, groups).placement
-        moved = tuple(int(send.shape[-1]) for send in placement.sends if send is not None)
-    ticks = ring = 0
-    if layout.one_f_one_b:
-        table = one_f_one_b_ticks(stages, s.micro, repeats)
-        ticks, ring = table.ticks, table.slots
+    moved, ticks, ring = _pipeline_tables(model.num_layers, stages, repeats, layout.stage_layers, groups, s.micro,
+                                          layout.one_f_one_b)
     return _Pipe(stages, repeats, s.micro, s.layers, repeats * chunk, groups, moved, layout.skip_empty, ticks, ring)
+
+
+@functools.lru_cache(maxsize=4096)
+def _pipeline_tables(num_layers: int, stages: int, repeats: int, stage_layers: tuple[int, ...] | None, groups: int,
+                     micro: int, one_f_one_b: bool) -> tuple[tuple[int, ...], int, int]:
+    """``(moved, ticks, ring)`` of `_Pipe` from the static tables (`Placement.sends`, `one_f_one_b_ticks`);
+    cached: the planner prices many devices of one split. A split the run refuses (a planner's trial)
+    moves no stored rows."""
+    from sharding.pipeline.storage import StageStorage
+
+    try:
+        placement = StageStorage(plan_layout(num_layers, stages, repeats, stage_layers)[0], groups).placement
+        moved = tuple(int(send.shape[-1]) for send in placement.sends if send is not None)
+    except ValueError:
+        moved = ()
+    return (moved, *(_ticks_and_ring(stages, micro, repeats) if one_f_one_b else (0, 0)))
+
+
+@functools.lru_cache(maxsize=1024)
+def _ticks_and_ring(stages: int, micro: int, repeats: int) -> tuple[int, int]:
+    """1F1B's ticks and ring slots (`one_f_one_b_ticks`; raises the run's ValueError for an interleaved
+    1F1B it refuses)."""
+    from sharding.pipeline.layout import one_f_one_b_ticks
+
+    table = one_f_one_b_ticks(stages, micro, repeats)
+    return table.ticks, table.slots
 
 
 def _storage_axes(model: ModelDescription, rules: Rules, mesh: Mapping[str, int]) -> tuple[str, ...]:
     """The batch axes the stored layer rows are spread over besides ``stage`` (`storage_axes`)."""
-    return storage_axes([(None, *p.axes) for p in model.params if p.per_layer], rules, mesh)
+    return _storage_axes_cached(model, rules, tuple(mesh.items()))
+
+
+@functools.lru_cache(maxsize=4096)
+def _storage_axes_cached(model: ModelDescription, rules: Rules, mesh_items: tuple) -> tuple[str, ...]:
+    return storage_axes([(None, *p.axes) for p in model.params if p.per_layer], rules, dict(mesh_items))
 
 
 def _pipeline_cost(model: ModelDescription, layout: Layout, rules: Rules, placed: dict[str, _Placed], s: _Shape,
@@ -1322,6 +1349,15 @@ def _pipeline_embedding_comms(model: ModelDescription, layout: Layout, placed: d
 
 def _pipeline_head_comms(model: ModelDescription, layout: Layout, rules: Rules, head: _Shape, pipe: _Pipe,
                          backend: str, batch_rows: float | None) -> list[Comm]:
+    """See `_pipeline_head_comms_cached` (the same for every stage device of a layout: cached)."""
+    return list(_pipeline_head_comms_cached(model, rules, tuple(layout.mesh.items()), layout.remat, layout.attention,
+                                            layout.dtype, layout.logits, head, pipe.one_f_one_b, backend, batch_rows))
+
+
+@functools.lru_cache(maxsize=16384)
+def _pipeline_head_comms_cached(model: ModelDescription, rules: Rules, mesh_items: tuple, remat: str, attention: str,
+                                dtype: str, logits: str, head: _Shape, one_f_one_b: bool, backend: str,
+                                batch_rows: float | None) -> tuple[Comm, ...]:
     """The head's weights (final norm, output projection) and collectives.
 
     GPipe/circular: the head runs under `head_parallelism` outside the pipeline, as the step without
@@ -1330,8 +1366,9 @@ def _pipeline_head_comms(model: ModelDescription, layout: Layout, rules: Rules, 
     (to ``1/f`` of it) and over ``fsdp`` (whole), its gradients reduce-scattered over ``fsdp`` and
     summed over ``stage``.
     """
+    layout = Layout(dict(mesh_items), rules, remat=remat, attention=attention, dtype=dtype, logits=logits)
     flat, flat_placed = _stage_folded(model, layout, rules)
-    if not pipe.one_f_one_b:
+    if not one_f_one_b:
         comms = _comms(model, flat, rules, flat_placed, dataclasses.replace(head, slots=0), backend, batch_rows,
                        embedding=False)
         # (its layer terms count 0: no layers on that shape)
@@ -1343,7 +1380,7 @@ def _pipeline_head_comms(model: ModelDescription, layout: Layout, rules: Rules, 
             if any(ax.STAGE in ((e,) if isinstance(e, str) else e or ()) for e in spec):
                 comms.append(Comm("all-gather", (ax.STAGE,), layout.mesh[ax.STAGE], p.local * _PARAM_BYTES,
                                   1 if p.param.role == "output" else 2, f"gather {p.param.path} over stage"))
-        return comms
+        return tuple(comms)
     mesh, comms = layout.mesh, []
     f, stages = mesh[ax.FSDP], mesh[ax.STAGE]
     for p in flat_placed.values():
@@ -1356,7 +1393,7 @@ def _pipeline_head_comms(model: ModelDescription, layout: Layout, rules: Rules, 
             Comm("reduce-scatter", (ax.FSDP,), f, whole / f, 1, f"gradient of {what}"),
             Comm("all-reduce", (ax.STAGE,), stages, whole / f, 1, f"gradient of {what} over stage"),
         ]
-    return comms
+    return tuple(comms)
 
 
 def _batch_factor(p: _Placed, mesh: Mapping[str, int]) -> int:
@@ -1366,6 +1403,14 @@ def _batch_factor(p: _Placed, mesh: Mapping[str, int]) -> int:
 
 def _pipeline_weight_comms(layout: Layout, rules: Rules, placed: dict[str, _Placed], pipe: _Pipe,
                            model: ModelDescription) -> list[Comm]:
+    """See `_pipeline_weight_comms_cached` (the same for every device of a split: cached)."""
+    return list(_pipeline_weight_comms_cached(model, rules, tuple(layout.mesh.items()), _gather_bytes(layout),
+                                              pipe.stages, pipe.working, pipe.groups, pipe.moved))
+
+
+@functools.lru_cache(maxsize=16384)
+def _pipeline_weight_comms_cached(model: ModelDescription, rules: Rules, mesh_items: tuple, gather_bytes: int,
+                                  stages: int, working: int, groups_n: int, moved: tuple[int, ...]) -> tuple[Comm, ...]:
     """The stage's layer weights: the working copy assembled once per step, the gradients returned once.
 
     Explicit collectives of the stage program (`jax.shard_map`, so both backends emit them as written;
@@ -1375,31 +1420,32 @@ def _pipeline_weight_comms(layout: Layout, rules: Rules, placed: dict[str, _Plac
     and their float32 gradient sums reduce-scattered back; the ``q`` stored rows' gradients all-reduced
     over the batch axes that do not store rows.
     """
-    mesh = layout.mesh
+    mesh = dict(mesh_items)
+    placed = _place_cached(model, rules, mesh_items)
     summed = tuple(a for a in ax.BATCH_MESH_AXES if mesh[a] > 1)
     groups = _storage_axes(model, rules, mesh)
     rest = tuple(a for a in summed if a not in groups)
-    q = -(-model.num_layers // (pipe.stages * pipe.groups))
+    q = -(-model.num_layers // (stages * groups_n))
     devices = (ax.STAGE, *groups)
     comms = []
     for p in placed.values():
         if not p.param.per_layer:
             continue
         row, what = p.local * p.factor(*groups), p.param.path  # one stored row's elements on a device
-        for rows in pipe.moved:
-            comms.append(Comm("collective-permute", devices, 2, rows * row * _gather_bytes(layout), 1,
+        for rows in moved:
+            comms.append(Comm("collective-permute", devices, 2, rows * row * gather_bytes, 1,
                               f"stored rows of {what} to their stage"))
             comms.append(Comm("collective-permute", devices, 2, rows * row * _PARAM_BYTES, 1,
                               f"gradient of {what} back to its row"))
-        if pipe.groups > 1:
-            comms.append(Comm("all-gather", groups, pipe.groups, pipe.working * row * _gather_bytes(layout), 1,
+        if groups_n > 1:
+            comms.append(Comm("all-gather", groups, groups_n, working * row * gather_bytes, 1,
                               f"gather {what} (working copy)"))
-            comms.append(Comm("reduce-scatter", groups, pipe.groups, pipe.working // pipe.groups * row * _PARAM_BYTES,
+            comms.append(Comm("reduce-scatter", groups, groups_n, working // groups_n * row * _PARAM_BYTES,
                               1, f"gradient of {what}"))
         if rest:
             comms.append(Comm("all-reduce", rest, math.prod(mesh[a] for a in rest), q * row * _PARAM_BYTES, 1,
                               f"gradient of {what} (stored rows)"))
-    return comms
+    return tuple(comms)
 
 
 def _stage_comms(model: ModelDescription, layout: Layout, s: _Shape, pipe: _Pipe, head: _Shape) -> list[Comm]:

@@ -369,6 +369,9 @@ class _Evaluator:
     def stage_cost(self, layout: cm.Layout, kind, rows: float, layers: int, slots: int):
         """``(cost, time)`` of a stage device holding ``slots`` layers and computing ``layers``
         (memoized: a split's stages share them)."""
+        # Not keyed by the whole split: the stored rows a stage receives by ppermute (`cm.device_cost`) are
+        # those of the first split priced with these layers and slots (keying by the split made the search
+        # ~6x slower; the rows moved are one ppermute per step, small beside the working copy's gather).
         key = (tuple(layout.mesh.items()), layout.rules_name, layout.microbatches, layout.remat,
                layout.pipeline_repeats, layout.one_f_one_b, layout.attention, layout.dtype, kind.name, rows, layers,
                slots)
@@ -434,8 +437,8 @@ def _uneven_counts(ev: _Evaluator, layout: cm.Layout, total: int, rows: float) -
 def _stage_split(ev: _Evaluator, layout: cm.Layout) -> Plan | None:
     """Layers per stage: each stage's time is affine in its layers (two evaluations per stage kind),
     so the min-max greedy gives the split (at least one layer each), starting from the split
-    proportional to the stage kinds' speed rounded down; then moves of 1, 2 or 4 layers between stages,
-    the slowest first, while the exact predicted time drops."""
+    proportional to the stage kinds' speed rounded down; then moves of 1 or 2 layers from the slowest
+    and from the largest stage, while the exact predicted time drops."""
     mesh = layout.mesh
     kinds = ev.stage_kinds(mesh)
     per = layout.batch_split * layout.microbatches
@@ -459,14 +462,14 @@ def _stage_split(ev: _Evaluator, layout: cm.Layout) -> Plan | None:
     def line(i):
         return lines[kinds[i].name][0] + lines[kinds[i].name][1] * split[i]
 
-    # Moves of 1, 2 or 4 layers while the exact time drops, from the slowest stage (by the lines) first, to
-    # any stage: what the lines miss (the stored rows each stage receives for its working copy, whose slots
-    # are rounded up to a multiple of the storage's devices per stage) can favour a move towards an even
-    # split that a single layer does not show.
+    # Moves of 1 or 2 layers while the exact time drops, from the slowest stage (by the lines) and from
+    # the largest, to any stage: what the lines miss (every stage's working copy has the largest stage's
+    # slots, rounded up to a multiple of the storage's devices per stage, and the stored rows a stage
+    # receives) can favour a move towards an even split that a single layer does not show.
     for _ in range(layers):
         improved = False
-        moves = [(i, j, n) for i in sorted(range(len(split)), key=line, reverse=True) for n in (1, 2, 4)
-                 for j in range(len(split)) if j != i and split[i] > n]
+        sources = dict.fromkeys((max(range(len(split)), key=line), max(range(len(split)), key=lambda i: split[i])))
+        moves = [(i, j, n) for i in sources for n in (1, 2) for j in range(len(split)) if j != i and split[i] > n]
         for i, j, n in moves:
             trial = list(split)
             trial[i] -= n
