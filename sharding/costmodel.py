@@ -42,7 +42,9 @@ Checked against the compiler (``tests/test_costmodel.py``, ``bench/costmodel.py`
 ``while`` loop once (the scanned layers and the microbatch loop), `Cost.matmul_flops` against the
 products of the compiled HLO with loop trip counts folded in (`sharding.hlo.dot_flops`), the state
 and batch bytes against ``compiled.memory_analysis().argument_size_in_bytes``, and the bytes of
-each collective kind against `sharding.hlo.collectives`.
+each collective kind against `sharding.hlo.collectives`. Pipelines (section "Pipeline" below: GPipe,
+circular and 1F1B over the unpadded stage storage, the head on 1/S of the rows) on the same figures
+(``PIPELINE_GRID`` in ``bench/costmodel_grid.py``).
 
 Units: FLOPs, bytes, seconds, FLOP/s, bytes/s. This module imports jax only (through
 `sharding.rules`), never the model.
@@ -133,6 +135,11 @@ class Layout:
       logits: How the output projection and loss are laid out (`sharding.vocab`): ``gathered``,
         ``vocab_parallel`` or ``auto`` (what `sharding.vocab.choose_output` picks). Modelled for
         untied embeddings.
+      skip_empty: Pipeline only: empty slots and bubble steps are skipped by conditionals
+        (`sharding.pipeline.PipelinePlan.skip_empty`); False prices every slot of every step, which
+        is also what a compiled program's loop trip counts say (a branch counted on every trip).
+      one_f_one_b: Pipeline only: the 1F1B schedule (``--pipeline-schedule 1f1b``,
+        `sharding.pipeline.onef1b`; interleaved with ``pipeline_repeats`` > 1) instead of GPipe/circular.
 
     Raises:
       ValueError: On an unknown axis, a size below 1, or an unknown remat/attention/dtype.
@@ -148,6 +155,8 @@ class Layout:
     dtype: str = "float32"
     uneven_batch: bool = False
     logits: str = "auto"
+    skip_empty: bool = True
+    one_f_one_b: bool = False
 
     def __post_init__(self) -> None:
         full = {a: 1 for a in ax.MESH_AXES}
@@ -344,10 +353,13 @@ class Memory:
       gradients: float32 gradients (the accumulator when microbatching).
       optimizer: AdamW's two float32 moments.
       activations: Saved for the backward pass under the remat policy (one microbatch's); with
-        pipeline stages, each layer's input for every microbatch (all forwards run before the
-        backward pass, which recomputes each layer).
-      logits: float32 logits and their gradient for one microbatch.
-      gathered: FSDP-gathered weights of one layer in flight (two buffers).
+        pipeline stages, the saved slot inputs (GPipe/circular: every slot of every step; 1F1B: its
+        ring of at most about S microbatches' chunk inputs) and one layer's activations (the backward
+        pass recomputes each layer).
+      logits: float32 logits and their gradient for one microbatch (with pipeline stages: one run of
+        the head's rows).
+      gathered: FSDP-gathered weights of one layer in flight (two buffers); with pipeline stages,
+        the stage's working copy gathered once per step, in the compute dtype, alive through the step.
       batch: The step's input batch on this device.
     """
 
@@ -507,7 +519,9 @@ def device_cost(
       microbatches: Microbatches this device runs per step; default ``layout.microbatches``.
       layers: Layers this device computes; default the model's layers over ``stage``.
       slots: Layer slots it holds (for memory) without a pipeline; default ``layers``. With one
-        (``stage`` > 1) every device holds ``ceil(L / (S*G))`` unpadded rows instead (`_held_params`).
+        (``stage`` > 1) every device holds ``ceil(L / (S*G))`` unpadded rows instead (`_held_params`) and
+        ``slots`` is the largest stage's (`StageLayout.slots`; the default when ``layers`` is not given),
+        the size of the working copy each stage gathers per step.
       backend: ``gpu`` or ``cpu`` (how reduce-scatter is lowered; see the module docstring).
       batch_rows: The global batch in sequences, for the uneven step's batch re-layout.
 
@@ -522,8 +536,9 @@ def device_cost(
     model = describe_model(model)
     mesh = layout.mesh
     if layers is None:
-        stage_layers = layout.stage_layers or plan_layout(model.num_layers, mesh[ax.STAGE])[0].stage_layers
-        layers = max(stage_layers)
+        stages = plan_layout(model.num_layers, mesh[ax.STAGE], layout.pipeline_repeats, layout.stage_layers)[0]
+        layers = max(stages.stage_layers)
+        slots = stages.slots if slots is None else slots
     shape = _Shape(
         rows=rows,
         seq=seq_len,
@@ -535,6 +550,9 @@ def device_cost(
     )
     rules = layout.rules_table()
     placed = _place_cached(model, rules, tuple(mesh.items()))
+    if mesh[ax.STAGE] > 1:
+        pipe = _pipeline_of(model, layout, rules, shape)
+        return _pipeline_cost(model, layout, rules, placed, shape, pipe, backend, batch_rows)
     flops, counted = _flops(model, layout, rules, placed, shape)
     memory = _memory(model, layout, rules, placed, shape)
     comms = tuple(c for c in _comms(model, layout, rules, placed, shape, backend, batch_rows)
@@ -571,9 +589,12 @@ def estimate(model: ModelDescription | Any, global_batch: int, seq_len: int, lay
 # --- FLOPs ------------------------------------------------------------------------------------
 
 
-def _flops(model: ModelDescription, layout: Layout, rules: Rules, placed: dict[str, _Placed],
-           s: _Shape) -> tuple[Flops, float]:
-    """Per-step FLOPs and the loop-bodies-once count of ``cost_analysis``."""
+def _per_token_flops(model: ModelDescription, layout: Layout, rules: Rules, placed: dict[str, _Placed], s: _Shape,
+                     recomputes: int = 0) -> dict[str, float]:
+    """FLOPs per token, forward and backward: of one layer (``layers``: weight products, ``attention``,
+    ``recompute``, ``elem_layer``) and of what runs once (``logits``, ``elem_loss``). ``recomputes``:
+    extra forward passes of each layer in the backward pass beyond the remat policy's (the
+    pipeline's backward pass recomputes every layer: 1)."""
     mesh = layout.mesh
     compute_axes = tuple(a for a in mesh if a not in ax.BATCH_MESH_AXES)  # gathered axes do not split work
 
@@ -594,23 +615,32 @@ def _flops(model: ModelDescription, layout: Layout, rules: Rules, placed: dict[s
     logits_fwd = 2.0 * logits.in_size * logits.out_size / math.prod(
         _axis_split(model, a, rules, mesh) for a in logits.out_axes)
     recompute = {"none": 0.0, "full": kept_fwd + attn_fwd, "dots": attn_fwd}[layout.remat]
-    if mesh[ax.STAGE] > 1:
-        # The pipeline's own backward pass (sharding/pipeline/schedule.py) recomputes every layer,
-        # on top of the remat policy applied inside it.
-        recompute += kept_fwd + attn_fwd
+    recompute += recomputes * (kept_fwd + attn_fwd)
     passes = 1.0 + ELEMENTWISE_BACKWARD_FACTOR + (1.0 if layout.remat != "none" else 0.0)
-    elem_layer = passes * _per_token(model, "layer_elementwise", rules, mesh, s.seq if whole else 0.0)
-    elem_loss = (1.0 + ELEMENTWISE_BACKWARD_FACTOR) * _per_token(model, "loss_elementwise", rules, mesh, 0.0)
-    per_token_layer = 3.0 * layer_fwd + attn_total + recompute + elem_layer
-    per_token_outside = 3.0 * logits_fwd + elem_loss
+    return {
+        "layers": 3.0 * layer_fwd,
+        "attention": attn_total,
+        "recompute": recompute,
+        "elem_layer": passes * _per_token(model, "layer_elementwise", rules, mesh, s.seq if whole else 0.0),
+        "logits": 3.0 * logits_fwd,
+        "elem_loss": (1.0 + ELEMENTWISE_BACKWARD_FACTOR) * _per_token(model, "loss_elementwise", rules, mesh, 0.0),
+    }
+
+
+def _flops(model: ModelDescription, layout: Layout, rules: Rules, placed: dict[str, _Placed],
+           s: _Shape) -> tuple[Flops, float]:
+    """Per-step FLOPs and the loop-bodies-once count of ``cost_analysis`` (no pipeline)."""
+    unit = _per_token_flops(model, layout, rules, placed, s)
+    per_token_layer = unit["layers"] + unit["attention"] + unit["recompute"] + unit["elem_layer"]
+    per_token_outside = unit["logits"] + unit["elem_loss"]
     optimizer = OPTIMIZER_FLOPS_PER_PARAM * _held_params(model, layout, rules, placed, s)
     tokens = s.tok * s.micro
     flops = Flops(
-        layers=tokens * s.layers * 3.0 * layer_fwd,
-        attention=tokens * s.layers * attn_total,
-        logits=tokens * 3.0 * logits_fwd,
-        recompute=tokens * s.layers * recompute,
-        elementwise=tokens * (s.layers * elem_layer + elem_loss),
+        layers=tokens * s.layers * unit["layers"],
+        attention=tokens * s.layers * unit["attention"],
+        logits=tokens * unit["logits"],
+        recompute=tokens * s.layers * unit["recompute"],
+        elementwise=tokens * (s.layers * unit["elem_layer"] + unit["elem_loss"]),
         optimizer=optimizer,
     )
     counted = s.tok * (per_token_layer + per_token_outside) + optimizer
@@ -632,6 +662,14 @@ def _held_params(model: ModelDescription, layout: Layout, rules: Rules, placed: 
     mesh = layout.mesh
     if mesh[ax.STAGE] <= 1:
         return sum(p.local * (s.slots if p.param.per_layer else 1) for p in placed.values())
+    return _held_pipeline_params(model, rules, tuple(mesh.items()))
+
+
+@functools.lru_cache(maxsize=4096)
+def _held_pipeline_params(model: ModelDescription, rules: Rules, mesh_items: tuple) -> float:
+    """`_held_params` with a pipeline (cached: the same for every stage device of a mesh)."""
+    mesh = dict(mesh_items)
+    placed = _place_cached(model, rules, mesh_items)
     layer = [p for p in placed.values() if p.param.per_layer]
     axes = storage_axes([(None, *p.param.axes) for p in layer], rules, mesh)
     rows = -(-model.num_layers // (mesh[ax.STAGE] * math.prod(mesh[a] for a in axes)))
@@ -658,11 +696,6 @@ def _memory(model: ModelDescription, layout: Layout, rules: Rules, placed: dict[
         saved = s.tok * s.layers * saved_bytes(("input", "dot")) + s.tok * per_layer
     else:
         saved = s.tok * s.layers * per_layer
-    if mesh[ax.STAGE] > 1:
-        # The pipeline (sharding/pipeline/schedule.py) runs every microbatch forward before the
-        # backward pass and keeps only each layer slot's input, for all microbatches, recomputing
-        # the layer in its backward pass (one layer's activations live at a time).
-        saved = s.tok * s.micro * s.layers * saved_bytes(("input",)) + s.tok * per_layer
     out = model.logits
     logits = 2 * s.tok * out.out_size / math.prod(_axis_split(model, a, rules, mesh) for a in out.out_axes) * 4
     gathered = 0.0
@@ -695,7 +728,7 @@ def _axes(mesh: Mapping[str, int], *names: str) -> tuple[tuple[str, ...], int]:
 
 
 def _comms(model: ModelDescription, layout: Layout, rules: Rules, placed: dict[str, _Placed], s: _Shape, backend: str,
-           batch_rows: float | None = None) -> list[Comm]:
+           batch_rows: float | None = None, embedding: bool = True) -> list[Comm]:
     if layout.uneven_batch:
         return _uneven_comms(model, layout, rules, placed, s, batch_rows)
     comms: list[Comm] = []
@@ -704,9 +737,9 @@ def _comms(model: ModelDescription, layout: Layout, rules: Rules, placed: dict[s
     comms += _gradient_reductions(layout, placed, s, backend, split)
     comms += _tensor_comms(model, layout, rules, s, split)
     comms += _vocab_parallel_comms(model, layout, placed, s, split)
-    comms += _embedding_comms(model, layout, placed, s)
+    if embedding:
+        comms += _embedding_comms(model, layout, placed, s)
     comms += _sequence_comms(model, layout, rules, s, backend)
-    comms += _stage_comms(model, layout, s)
     return comms
 
 
@@ -866,16 +899,18 @@ def _gradient_reductions(layout: Layout, placed: dict[str, _Placed], s: _Shape, 
 
 
 def _tensor_comms(model: ModelDescription, layout: Layout, rules: Rules, s: _Shape,
-                  output_split: VocabSplit | None = None) -> list[Comm]:
+                  output_split: VocabSplit | None = None, recomputes: int = 0,
+                  with_logits: bool = True) -> list[Comm]:
     """Megatron-style tensor parallelism (Shoeybi et al., 2019, section 3).
 
     Forward: the row-parallel products (an input axis split over ``tensor``, e.g. the attention
     output and the MLP's down projection) end in partial sums, all-reduced over ``tensor`` ([tokens,
-    out] each), again where full remat recomputes the product. Backward: the input gradients of the
+    out] each), again where full remat (or ``recomputes`` more times, the pipeline's backward pass)
+    recomputes the product. Backward: the input gradients of the
     column-parallel products (an output axis split) are partial sums; the partitioner reduces each
     separately ([tokens, in]). The logits: the cross-entropy's max and sum over the split vocabulary
     ([tokens] float32 each) and the input gradient of the output projection (with the
-    vocabulary-parallel loss, `_vocab_parallel_comms` instead).
+    vocabulary-parallel loss, `_vocab_parallel_comms` instead), unless ``with_logits`` is False.
     """
     mesh = layout.mesh
     if mesh[ax.TENSOR] <= 1:
@@ -886,7 +921,7 @@ def _tensor_comms(model: ModelDescription, layout: Layout, rules: Rules, s: _Sha
     for product in model.products:
         if _tensor_split(model, product.in_axes, rules, mesh):
             out = s.tok * product.out_size * s.act_bytes
-            recomputed = layout.remat == "full" and product.recomputed
+            recomputed = ((layout.remat == "full") + recomputes) * product.recomputed
             forward[out] = forward.get(out, 0) + 1 + recomputed
         if _tensor_split(model, product.out_axes, rules, mesh):
             grad = s.tok * product.in_size * s.act_bytes
@@ -896,7 +931,7 @@ def _tensor_comms(model: ModelDescription, layout: Layout, rules: Rules, s: _Sha
     comms += [Comm("all-reduce", (ax.TENSOR,), t, b, c * n, "column-parallel input gradients", False)
               for b, c in backward.items()]
     logits = model.logits
-    if output_split is not None or not _tensor_split(model, logits.out_axes, rules, mesh):
+    if not with_logits or output_split is not None or not _tensor_split(model, logits.out_axes, rules, mesh):
         return comms
     if s.micro > 1 and _partitioner() == "0.12":
         # jax 0.12 re-gathers the float32 logits' gradient [tokens, V] over tensor at the logits'
@@ -1075,16 +1110,362 @@ def _sequence_comms(model: ModelDescription, layout: Layout, rules: Rules, s: _S
     return comms
 
 
-def _stage_comms(model: ModelDescription, layout: Layout, s: _Shape) -> list[Comm]:
-    """Pipeline: each microbatch's activations sent to the next stage (forward) and their gradient
-    back (backward), once per stage chunk; not checked against the compiler yet."""
+# --- Pipeline ---------------------------------------------------------------------------------
+#
+# Prices the compiled pipeline of `sharding.pipeline` (GPipe, circular and 1F1B) as main builds it:
+#
+# * the layer stack stored unpadded (`sharding.pipeline.storage`): every device holds ``q`` whole-layer rows
+#   (`_held_params`); per step each stage's working copy of ``R*K'`` slots is assembled in the compute dtype
+#   (`_gather_bytes`) from the rows other devices store for it (one ppermute per distance that moves any), a
+#   pick of this device's ``R*K'/G`` slots and one all-gather over the storage's group axes; the gradients go
+#   back the same way (`_pipeline_weight_comms`);
+# * the layers applied `_Pipe.applications` times per step to one microbatch's rows; activations moved by two
+#   ppermutes per pipeline step (GPipe/circular: ``R*M + S - 1`` steps, one each way; 1F1B: `_Pipe.steps`
+#   ticks, two per tick) and, for GPipe/circular, one psum over ``stage`` of the outputs (`_stage_comms`);
+# * the embedding on the device's whole batch, replicated over ``stage``; the final norm, output projection
+#   and loss (the head) on 1/S of those rows per stage (`sharding.pipeline.head_parallelism`) after
+#   GPipe/circular, on one microbatch per tick inside the loop for 1F1B (`_pipeline_outside`); the
+#   non-layer parameters stored split over ``stage`` too (`spread_over_stage`).
+#
+# Where a schedule keeps its saved inputs: `_Pipe.saved_inputs` (GPipe: every slot of every step; 1F1B: the
+# ring of `one_f_one_b_ticks(...).slots` chunk inputs).
+
+
+def _gather_bytes(layout: Layout) -> int:
+    """Bytes per element of the pipeline's gathered working copy of the stage's layers: the compute dtype
+    (`sharding.pipeline.schedule._Weights.dtype`, the activations' dtype). The one place to change when
+    the gather's dtype changes."""
+    return _DTYPE_BYTES[layout.dtype]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pipe:
+    """One stage device's pipeline (`sharding.pipeline.PipelinePlan` with its `StageStorage`).
+
+    Attributes:
+      stages: S.
+      repeats: R (1: GPipe or 1F1B; more: circular or interleaved 1F1B).
+      micro: M, microbatches per step.
+      layers: Layers this stage runs per microbatch (over its repeats).
+      working: Slots of the stage's gathered working copy, ``R * K'`` (`Placement.chunk_slots`: the
+        layout's K rounded up so that the storage's G devices divide ``R * K'``).
+      groups: G, the devices of a stage the stored rows are spread over (`storage_axes`).
+      moved: Rows each device sends per ppermute of the storage, one entry per distance that moves any.
+      skip_empty: Empty slots and bubble steps are skipped (`PipelinePlan.skip_empty`).
+      ticks: 1F1B: the loop's ticks (`one_f_one_b_ticks`); 0 for GPipe/circular.
+      ring: 1F1B: the chunk inputs a stage keeps at once (`Ticks.slots`); 0 for GPipe/circular.
+    """
+
+    stages: int
+    repeats: int
+    micro: int
+    layers: int
+    working: int
+    groups: int
+    moved: tuple[int, ...]
+    skip_empty: bool
+    ticks: int = 0
+    ring: int = 0
+
+    @property
+    def one_f_one_b(self) -> bool:
+        return self.ticks > 0
+
+    @property
+    def steps(self) -> int:
+        """Loop trips per step: GPipe/circular ``R*M + S - 1`` per pass (`PipelinePlan.steps`), 1F1B its ticks."""
+        return self.ticks or self.repeats * self.micro + self.stages - 1
+
+    @property
+    def chunk_slots(self) -> int:
+        """K', slots run per step."""
+        return self.working // self.repeats
+
+    @property
+    def applications(self) -> int:
+        """Forward layer applications of this device per step (`PipelinePlan.layer_applications`):
+        ``M * layers`` when empty slots and bubbles are skipped, else every slot of every step (1F1B:
+        every tick, as the compiled program's trip counts say: its forward and backward branches are
+        each counted on every tick)."""
+        return self.micro * self.layers if self.skip_empty else self.steps * self.chunk_slots
+
+    @property
+    def saved_inputs(self) -> int:
+        """Slot inputs kept for the backward pass: GPipe/circular every slot of every step, 1F1B the ring's."""
+        return (self.ring or self.steps) * self.chunk_slots
+
+
+def _pipeline_of(model: ModelDescription, layout: Layout, rules: Rules, s: _Shape) -> _Pipe:
+    """The `_Pipe` of a device computing ``s.layers`` layers with a working copy of ``s.slots`` slots (the
+    layout's largest stage, `StageLayout.slots`), the stored rows it receives from the layout's split."""
     mesh = layout.mesh
-    stages = mesh[ax.STAGE]
-    if stages <= 1:
+    stages, repeats = mesh[ax.STAGE], layout.pipeline_repeats
+    groups = math.prod(mesh[a] for a in _storage_axes(model, rules, mesh))
+    chunk = -(-s.slots // repeats)  # K' (`Placement.chunk_slots`): K rounded up so that G divides R*K'
+    while (repeats * chunk) % groups:
+        chunk += 1
+    moved, ticks, ring = _pipeline_tables(model.num_layers, stages, repeats, layout.stage_layers, groups, s.micro,
+                                          layout.one_f_one_b)
+    return _Pipe(stages, repeats, s.micro, s.layers, repeats * chunk, groups, moved, layout.skip_empty, ticks, ring)
+
+
+@functools.lru_cache(maxsize=4096)
+def _pipeline_tables(num_layers: int, stages: int, repeats: int, stage_layers: tuple[int, ...] | None, groups: int,
+                     micro: int, one_f_one_b: bool) -> tuple[tuple[int, ...], int, int]:
+    """``(moved, ticks, ring)`` of `_Pipe` from the static tables (`Placement.sends`, `one_f_one_b_ticks`);
+    cached: the planner prices many devices of one split. A split the run refuses (a planner's trial)
+    moves no stored rows."""
+    from sharding.pipeline.storage import StageStorage
+
+    try:
+        placement = StageStorage(plan_layout(num_layers, stages, repeats, stage_layers)[0], groups).placement
+        moved = tuple(int(send.shape[-1]) for send in placement.sends if send is not None)
+    except ValueError:
+        moved = ()
+    return (moved, *(_ticks_and_ring(stages, micro, repeats) if one_f_one_b else (0, 0)))
+
+
+@functools.lru_cache(maxsize=1024)
+def _ticks_and_ring(stages: int, micro: int, repeats: int) -> tuple[int, int]:
+    """1F1B's ticks and ring slots (`one_f_one_b_ticks`; raises the run's ValueError for an interleaved
+    1F1B it refuses)."""
+    from sharding.pipeline.layout import one_f_one_b_ticks
+
+    table = one_f_one_b_ticks(stages, micro, repeats)
+    return table.ticks, table.slots
+
+
+def _storage_axes(model: ModelDescription, rules: Rules, mesh: Mapping[str, int]) -> tuple[str, ...]:
+    """The batch axes the stored layer rows are spread over besides ``stage`` (`storage_axes`)."""
+    return _storage_axes_cached(model, rules, tuple(mesh.items()))
+
+
+@functools.lru_cache(maxsize=4096)
+def _storage_axes_cached(model: ModelDescription, rules: Rules, mesh_items: tuple) -> tuple[str, ...]:
+    return storage_axes([(None, *p.axes) for p in model.params if p.per_layer], rules, dict(mesh_items))
+
+
+def _pipeline_cost(model: ModelDescription, layout: Layout, rules: Rules, placed: dict[str, _Placed], s: _Shape,
+                   pipe: _Pipe, backend: str, batch_rows: float | None) -> Cost:
+    """The `Cost` of one stage device (see the section comment above)."""
+    layer = dataclasses.replace(s, micro=1, layers=pipe.applications)  # one microbatch's rows per application
+    embed, head, head_runs = _pipeline_outside(s, pipe)
+    unit = _per_token_flops(model, layout, rules, placed, s, recomputes=1)
+    optimizer = OPTIMIZER_FLOPS_PER_PARAM * _held_params(model, layout, rules, placed, s)
+    inside = layer.tok * pipe.applications
+    flops = Flops(
+        layers=inside * unit["layers"],
+        attention=inside * unit["attention"],
+        logits=head.tok * head_runs * unit["logits"],
+        recompute=inside * unit["recompute"],
+        elementwise=inside * unit["elem_layer"] + head.tok * head_runs * unit["elem_loss"],
+        optimizer=optimizer,
+    )
+    # cost_analysis: the loops' bodies once (one application forward, one backward; 1F1B: the head once).
+    counted = (s.tok * (unit["layers"] + unit["attention"] + unit["recompute"] + unit["elem_layer"])
+               + head.tok * (unit["logits"] + unit["elem_loss"]) + optimizer)
+    memory = _pipeline_memory(model, layout, rules, placed, s, pipe, head)
+    comms = _pipeline_head_comms(model, layout, rules, head, pipe, backend, batch_rows)
+    comms += _pipeline_embedding_comms(model, layout, placed, embed)
+    comms += _pipeline_weight_comms(layout, rules, placed, pipe, model)
+    comms += _stage_comms(model, layout, s, pipe, head)
+    comms += _tensor_comms(model, layout, rules, layer, recomputes=1, with_logits=False)
+    comms += _sequence_comms(model, layout, rules, layer, backend)
+    comms = tuple(c for c in comms if c.group > 1 and c.count > 0)
+    arguments = memory.state + memory.batch + _INT_BYTES * 4 + _INT_BYTES
+    return Cost(flops, counted, memory, comms, s.tok * s.micro, s.layers, arguments)
+
+
+def _stage_folded(model: ModelDescription, layout: Layout, rules: Rules) -> tuple[Layout, dict[str, _Placed]]:
+    """The head's layout: the mesh with ``stage`` folded into ``fsdp`` (the head's rows are split over both,
+    `head_parallelism`, and the non-layer parameters stored over both, `spread_over_stage`), one microbatch."""
+    mesh = layout.mesh
+    flat = dataclasses.replace(layout, mesh={**mesh, ax.STAGE: 1, ax.FSDP: mesh[ax.FSDP] * mesh[ax.STAGE]},
+                               microbatches=1, stage_layers=None, pipeline_repeats=1, one_f_one_b=False)
+    return flat, _place_cached(model, rules, tuple(flat.mesh.items()))
+
+
+def _pipeline_outside(s: _Shape, pipe: _Pipe) -> tuple[_Shape, _Shape, int]:
+    """``(embedding, head, runs)``: the embedding's shape (the device's whole batch, replicated over
+    ``stage``), the head's per run and how many runs: after GPipe/circular once on 1/S of the whole
+    batch's rows (`head_parallelism`; all of them when S does not divide them), in 1F1B once per tick on
+    one microbatch's rows (under a conditional counted on every tick; with ``skip_empty`` M times)."""
+    whole = dataclasses.replace(s, rows=s.rows * s.micro, tok=s.tok * s.micro, micro=1, layers=0)
+    if pipe.one_f_one_b:
+        one = dataclasses.replace(s, micro=1, layers=0)
+        return whole, one, (pipe.micro if pipe.skip_empty else pipe.ticks)
+    split = pipe.stages if whole.rows % pipe.stages == 0 else 1
+    return whole, dataclasses.replace(whole, rows=whole.rows / split, tok=whole.tok / split), 1
+
+
+def _pipeline_memory(model: ModelDescription, layout: Layout, rules: Rules, placed: dict[str, _Placed],
+                     s: _Shape, pipe: _Pipe, head: _Shape) -> Memory:
+    """Bytes of a stage device: the stored rows' state; in flight, the gathered working copy of the stage's
+    slots (`_gather_bytes`) and their float32 gradient sums, the saved slot inputs (`_Pipe.saved_inputs`),
+    one layer's activations, and the head's logits (one run's rows)."""
+    base = _memory(model, layout, rules, placed, s)
+    keys = s.seq if layout.attention in _WHOLE_SCORES else 0.0
+    saved_input = _per_token(model, "activations", rules, layout.mesh, keys, s.act_bytes, ("input",))
+    per_layer = _per_token(model, "activations", rules, layout.mesh, keys, s.act_bytes)
+    whole_layer = sum(p.local * _batch_factor(p, layout.mesh) for p in placed.values() if p.param.per_layer)
+    return dataclasses.replace(
+        base,
+        gradients=base.gradients + pipe.working * whole_layer * _PARAM_BYTES,
+        activations=s.tok * (pipe.saved_inputs * saved_input + per_layer),
+        logits=base.logits * head.tok / s.tok,
+        gathered=pipe.working * whole_layer * _gather_bytes(layout),
+    )
+
+
+def _pipeline_embedding_comms(model: ModelDescription, layout: Layout, placed: dict[str, _Placed],
+                              embed: _Shape) -> list[Comm]:
+    """The embedding lookup on the device's whole batch (replicated over ``stage``) from a table stored
+    split over ``stage`` too (`spread_over_stage`).
+
+    A table split over ``fsdp`` only by the rules (``embed``; stored over ``fsdp`` x ``stage``), no
+    ``data``, as jax 0.10 emits it (seen on ``stage=2,fsdp=4`` and ``stage=4,fsdp=2``): the tokens
+    gathered over ``fsdp``, the table gathered whole, its stored shard ``[V, D/(f S)]`` moved by a
+    collective-permute and 1/S of the looked-up rows ``[rows, T, D]`` (float32) by an all-to-all.
+    Other splits: priced as without stages on the mesh with ``stage`` folded into ``fsdp``
+    (`_embedding_comms`), not checked against the compiler.
+    """
+    embedding = model.with_role("embedding")
+    if embedding is None:
         return []
+    mesh = layout.mesh
+    table = placed[embedding.path]
+    if mesh[ax.DATA] > 1 or mesh[ax.FSDP] <= 1 or _table_split(table) != (1, mesh[ax.FSDP]):
+        flat, flat_placed = _stage_folded(model, layout, layout.rules_table())
+        return _embedding_comms(model, flat, flat_placed, embed)
+    (v, d), f, stages = table.param.shape, mesh[ax.FSDP], mesh[ax.STAGE]
+    whole = v * d * _PARAM_BYTES
+    return [
+        Comm("all-gather", (ax.FSDP,), f, embed.tok * f * _INT_BYTES, 1, "embedding: tokens"),
+        Comm("all-gather", (ax.FSDP, ax.STAGE), f * stages, whole, 1, "embedding: table"),
+        Comm("all-to-all", (ax.FSDP,), f, embed.tok * d * _PARAM_BYTES / stages, 1, "embedding: 1/S of the rows"),
+        Comm("collective-permute", (ax.STAGE,), 2, whole / (f * stages), 1, "embedding: stored table shard"),
+    ]
+
+
+def _pipeline_head_comms(model: ModelDescription, layout: Layout, rules: Rules, head: _Shape, pipe: _Pipe,
+                         backend: str, batch_rows: float | None) -> list[Comm]:
+    """See `_pipeline_head_comms_cached` (the same for every stage device of a layout: cached)."""
+    return list(_pipeline_head_comms_cached(model, rules, tuple(layout.mesh.items()), layout.remat, layout.attention,
+                                            layout.dtype, layout.logits, head, pipe.one_f_one_b, backend, batch_rows))
+
+
+@functools.lru_cache(maxsize=16384)
+def _pipeline_head_comms_cached(model: ModelDescription, rules: Rules, mesh_items: tuple, remat: str, attention: str,
+                                dtype: str, logits: str, head: _Shape, one_f_one_b: bool, backend: str,
+                                batch_rows: float | None) -> tuple[Comm, ...]:
+    """The head's weights (final norm, output projection) and collectives.
+
+    GPipe/circular: the head runs under `head_parallelism` outside the pipeline, as the step without
+    stages on the mesh with ``stage`` folded into ``fsdp`` prices it (`_comms`, the head's rows). 1F1B:
+    its weights are gathered explicitly once per step (`sharding.pipeline.onef1b`), each over ``stage``
+    (to ``1/f`` of it) and over ``fsdp`` (whole), its gradients reduce-scattered over ``fsdp`` and
+    summed over ``stage``.
+    """
+    layout = Layout(dict(mesh_items), rules, remat=remat, attention=attention, dtype=dtype, logits=logits)
+    flat, flat_placed = _stage_folded(model, layout, rules)
+    if not one_f_one_b:
+        comms = _comms(model, flat, rules, flat_placed, dataclasses.replace(head, slots=0), backend, batch_rows,
+                       embedding=False)
+        # (its layer terms count 0: no layers on that shape)
+        for p in flat_placed.values():  # stored over ``stage`` alone (rules without fsdp): gathered over it
+            if p.param.per_layer or p.param.role == "embedding" or p.factor(ax.FSDP) > 1:
+                continue
+            spec = spread_over_stage(logical_to_spec(p.param.axes, rules, p.param.shape, layout.mesh)[0],
+                                     p.param.shape, layout.mesh)
+            if any(ax.STAGE in ((e,) if isinstance(e, str) else e or ()) for e in spec):
+                comms.append(Comm("all-gather", (ax.STAGE,), layout.mesh[ax.STAGE], p.local * _PARAM_BYTES,
+                                  1 if p.param.role == "output" else 2, f"gather {p.param.path} over stage"))
+        return tuple(comms)
+    mesh, comms = layout.mesh, []
+    f, stages = mesh[ax.FSDP], mesh[ax.STAGE]
+    for p in flat_placed.values():
+        if p.param.per_layer or p.param.role == "embedding":
+            continue
+        whole, what = p.param.size * _PARAM_BYTES, p.param.path
+        comms += [
+            Comm("all-gather", (ax.STAGE,), stages, whole / f, 1, f"gather {what} over stage"),
+            Comm("all-gather", (ax.FSDP,), f, whole, 1, f"gather {what}"),
+            Comm("reduce-scatter", (ax.FSDP,), f, whole / f, 1, f"gradient of {what}"),
+            Comm("all-reduce", (ax.STAGE,), stages, whole / f, 1, f"gradient of {what} over stage"),
+        ]
+    return tuple(comms)
+
+
+def _batch_factor(p: _Placed, mesh: Mapping[str, int]) -> int:
+    """How many ways the batch axes (``data``, ``fsdp``) split a parameter."""
+    return p.factor(*(a for a in ax.BATCH_MESH_AXES if mesh[a] > 1))
+
+
+def _pipeline_weight_comms(layout: Layout, rules: Rules, placed: dict[str, _Placed], pipe: _Pipe,
+                           model: ModelDescription) -> list[Comm]:
+    """See `_pipeline_weight_comms_cached` (the same for every device of a split: cached)."""
+    return list(_pipeline_weight_comms_cached(model, rules, tuple(layout.mesh.items()), _gather_bytes(layout),
+                                              pipe.stages, pipe.working, pipe.groups, pipe.moved))
+
+
+@functools.lru_cache(maxsize=16384)
+def _pipeline_weight_comms_cached(model: ModelDescription, rules: Rules, mesh_items: tuple, gather_bytes: int,
+                                  stages: int, working: int, groups_n: int, moved: tuple[int, ...]) -> tuple[Comm, ...]:
+    """The stage's layer weights: the working copy assembled once per step, the gradients returned once.
+
+    Explicit collectives of the stage program (`jax.shard_map`, so both backends emit them as written;
+    `sharding.pipeline.schedule._Weights`), per layer parameter: the rows stored for other devices sent
+    by one ppermute per distance (compute dtype) and their gradients sent back (float32); this device's
+    ``R*K'/G`` slots all-gathered over the storage's group axes into the ``R*K'`` slots (compute dtype)
+    and their float32 gradient sums reduce-scattered back; the ``q`` stored rows' gradients all-reduced
+    over the batch axes that do not store rows.
+    """
+    mesh = dict(mesh_items)
+    placed = _place_cached(model, rules, mesh_items)
+    summed = tuple(a for a in ax.BATCH_MESH_AXES if mesh[a] > 1)
+    groups = _storage_axes(model, rules, mesh)
+    rest = tuple(a for a in summed if a not in groups)
+    q = -(-model.num_layers // (stages * groups_n))
+    devices = (ax.STAGE, *groups)
+    comms = []
+    for p in placed.values():
+        if not p.param.per_layer:
+            continue
+        row, what = p.local * p.factor(*groups), p.param.path  # one stored row's elements on a device
+        for rows in moved:
+            comms.append(Comm("collective-permute", devices, 2, rows * row * gather_bytes, 1,
+                              f"stored rows of {what} to their stage"))
+            comms.append(Comm("collective-permute", devices, 2, rows * row * _PARAM_BYTES, 1,
+                              f"gradient of {what} back to its row"))
+        if groups_n > 1:
+            comms.append(Comm("all-gather", groups, groups_n, working * row * gather_bytes, 1,
+                              f"gather {what} (working copy)"))
+            comms.append(Comm("reduce-scatter", groups, groups_n, working // groups_n * row * _PARAM_BYTES,
+                              1, f"gradient of {what}"))
+        if rest:
+            comms.append(Comm("all-reduce", rest, math.prod(mesh[a] for a in rest), q * row * _PARAM_BYTES, 1,
+                              f"gradient of {what} (stored rows)"))
+    return tuple(comms)
+
+
+def _stage_comms(model: ModelDescription, layout: Layout, s: _Shape, pipe: _Pipe, head: _Shape) -> list[Comm]:
+    """Activations between stages: two ppermutes of one microbatch's rows ``[rows, T, D]`` per loop trip
+    (GPipe/circular: one forward, one backward per step; 1F1B: the forward output and the input's
+    cotangent per tick), bubble steps included: the transfers sit outside the conditionals; the inputs'
+    cotangent ``[M, rows, T, D]`` summed over ``stage`` (the inputs were made stage-varying). GPipe/circular
+    also: one psum over ``stage`` of all microbatches' outputs after the forward loop (the last stage's
+    outputs to every stage) and its transpose, and the head's input cotangent all-gathered over ``stage``
+    (`head_parallelism`)."""
+    stages = layout.mesh[ax.STAGE]
     act = s.tok * model.hidden * s.act_bytes
-    count = 2 * s.micro * layout.pipeline_repeats
-    return [Comm("collective-permute", (ax.STAGE,), stages, act, count, "stage activations", False)]
+    comms = [Comm("collective-permute", (ax.STAGE,), stages, act, 2 * pipe.steps, "stage activations", False)]
+    if pipe.one_f_one_b:  # the inputs' cotangent, summed over stage (they were made stage-varying)
+        return comms + [Comm("all-reduce", (ax.STAGE,), stages, act * s.micro, 1, "pipeline input cotangent", False)]
+    return comms + [
+        Comm("all-reduce", (ax.STAGE,), stages, act * s.micro, 2, "pipeline outputs to every stage", False),
+        Comm("all-gather", (ax.STAGE,), stages, head.tok * stages * model.hidden * s.act_bytes, 1,
+             "head input cotangent over stage", False),
+    ]
 
 
 # --- Time -------------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ from sharding import costmodel as cm
 from sharding.mesh import device_grid, format_mesh
 from sharding.modeldesc import ModelDescription
 from sharding.parallel import Accumulation, Parallelism, UnevenBatch
-from sharding.pipeline.layout import PipelinePlan, bubble_fraction, pipeline_rules, plan_layout
+from sharding.pipeline.layout import PipelinePlan, bubble_fraction, one_f_one_b_ticks, pipeline_rules, plan_layout
 from sharding.splits import largest_remainder, min_max_assign
 
 __all__ = [
@@ -58,6 +58,11 @@ __all__ = [
 #: compiler allocates for temporaries, bench/results/costmodel.md).
 MEMORY_FRACTION = 0.85
 
+#: A 1F1B tick's share of a chunk's forward and backward time: the tick lasts as long as the slowest op,
+#: a backward, which recomputes the chunk's forward and then runs the backward's two products per forward
+#: product (3 of the 4 forward-equivalents; `sharding.pipeline.onef1b`, "Lockstep cost").
+ONE_F_ONE_B_TICK = 0.75
+
 
 @dataclasses.dataclass(frozen=True)
 class PlanOptions:
@@ -72,6 +77,9 @@ class PlanOptions:
       pipeline: Whether to try ``stage > 1`` (the pipeline flags of train.py).
       max_stages: Largest ``stage`` to try (None: up to the layers).
       repeats: Circular pipeline repeats to try.
+      schedules: Pipeline schedules to use: ``gpipe`` (circular with repeats) and ``1f1b`` (interleaved with
+        repeats), priced where GPipe does not fit (slower in lockstep, at most about S microbatches'
+        stage inputs kept).
       sequence: Whether to try ``sequence > 1``.
       hetero: Whether to try uneven data parallelism.
       efficiency: Fraction of peak FLOP/s the step reaches (`sharding.costmodel.Hardware`).
@@ -86,6 +94,7 @@ class PlanOptions:
     pipeline: bool = True
     max_stages: int | None = None
     repeats: tuple[int, ...] = (1, 2)
+    schedules: tuple[str, ...] = ("gpipe", "1f1b")
     sequence: bool = False
     hetero: bool = True
     efficiency: float = 0.5
@@ -132,7 +141,7 @@ class Plan:
         """A description that identifies the plan (for tables and de-duplication)."""
         lay = self.layout
         return (format_mesh(lay.mesh), lay.rules_name, lay.microbatches, lay.remat, lay.attention,
-                lay.stage_layers, lay.pipeline_repeats, self.counts)
+                lay.stage_layers, lay.pipeline_repeats, lay.one_f_one_b, self.counts)
 
     def parallelism(self) -> Parallelism:
         """The plan as the run's `sharding.parallel.Parallelism` (not bound to a mesh): its mesh, rules
@@ -144,7 +153,8 @@ class Plan:
             strategy = UnevenBatch(counts=tuple(self.counts), microbatches=lay.microbatches)
         elif lay.mesh[ax.STAGE] > 1:
             stages, _ = plan_layout(sum(lay.stage_layers), lay.mesh[ax.STAGE], lay.pipeline_repeats, lay.stage_layers)
-            strategy, rules = PipelinePlan(stages, lay.microbatches), pipeline_rules(rules)
+            strategy = PipelinePlan(stages, lay.microbatches, one_f_one_b=lay.one_f_one_b)
+            rules = pipeline_rules(rules)
         else:
             strategy = Accumulation(lay.microbatches)
         return Parallelism(lay.mesh, rules, strategy)
@@ -329,25 +339,42 @@ class _Evaluator:
             devices.append((kind.name, cost, self.time(cost, kind, mesh)))
         return self.finish(layout, None, rows, devices)
 
-    def _pipeline(self, layout: cm.Layout, rows: float) -> Plan:
-        """Stages run in lockstep (one SPMD program): each of the ``R*M + S - 1`` ticks lasts as
-        long as the slowest stage's chunk for one microbatch; the optimizer runs once after."""
+    def _pipeline(self, layout: cm.Layout, rows: float) -> Plan | None:
+        """Stages run in lockstep (one SPMD program). GPipe/circular: each of the ``R*M + S - 1`` steps
+        lasts as long as the slowest stage's chunk (forward and backward) for one microbatch. 1F1B: each of
+        its ticks (`one_f_one_b_ticks`, ``2 (M + S - 1)`` with one chunk) lasts as long as the slowest
+        stage's backward of a chunk, `ONE_F_ONE_B_TICK` of its forward and backward. The optimizer runs
+        once after. None for a split or schedule the run refuses (`plan_layout`: fewer layers than
+        repeats on a stage; interleaved 1F1B: M not a multiple of S)."""
         mesh, stages = layout.mesh, layout.stage_layers
         m, r = layout.microbatches, layout.pipeline_repeats
+        try:
+            plan_layout(sum(stages), mesh[ax.STAGE], r, stages)
+            ticks = one_f_one_b_ticks(mesh[ax.STAGE], m, r).ticks if layout.one_f_one_b else 0
+        except ValueError:
+            return None
         slots = max(stages)
         devices = []
         for s, kind in enumerate(self.stage_kinds(mesh)):
             cost, st = self.stage_cost(layout, kind, rows, stages[s], slots)
             devices.append((f"{kind.name}/stage{s}", cost, st))
         busy = max(st.total - st.optimizer for _, _, st in devices)  # the slowest stage's R*M chunks
-        seconds = busy / (1.0 - bubble_fraction(mesh[ax.STAGE], m, r)) + max(st.optimizer for _, _, st in devices)
+        if layout.one_f_one_b:
+            busy = ticks * ONE_F_ONE_B_TICK * busy / (r * m)
+        else:
+            busy /= 1.0 - bubble_fraction(mesh[ax.STAGE], m, r)
+        seconds = busy + max(st.optimizer for _, _, st in devices)
         return self.finish(layout, None, rows, devices, seconds)
 
     def stage_cost(self, layout: cm.Layout, kind, rows: float, layers: int, slots: int):
         """``(cost, time)`` of a stage device holding ``slots`` layers and computing ``layers``
         (memoized: a split's stages share them)."""
+        # Not keyed by the whole split: the stored rows a stage receives by ppermute (`cm.device_cost`) are
+        # those of the first split priced with these layers and slots (keying by the split made the search
+        # ~6x slower; the rows moved are one ppermute per step, small beside the working copy's gather).
         key = (tuple(layout.mesh.items()), layout.rules_name, layout.microbatches, layout.remat,
-               layout.pipeline_repeats, layout.attention, layout.dtype, kind.name, rows, layers, slots)
+               layout.pipeline_repeats, layout.one_f_one_b, layout.attention, layout.dtype, kind.name, rows, layers,
+               slots)
         if key not in self._stage_costs:
             cost = cm.device_cost(self.model, layout, seq_len=self.seq, rows=rows, layers=layers, slots=slots,
                                   backend=self.options.backend)
@@ -410,8 +437,8 @@ def _uneven_counts(ev: _Evaluator, layout: cm.Layout, total: int, rows: float) -
 def _stage_split(ev: _Evaluator, layout: cm.Layout) -> Plan | None:
     """Layers per stage: each stage's time is affine in its layers (two evaluations per stage kind),
     so the min-max greedy gives the split (at least one layer each), starting from the split
-    proportional to the stage kinds' speed rounded down; then single-layer moves from the slowest
-    stage while the exact predicted time drops."""
+    proportional to the stage kinds' speed rounded down; then moves of 1 or 2 layers from the slowest
+    and from the largest stage, while the exact predicted time drops."""
     mesh = layout.mesh
     kinds = ev.stage_kinds(mesh)
     per = layout.batch_split * layout.microbatches
@@ -431,17 +458,25 @@ def _stage_split(ev: _Evaluator, layout: cm.Layout) -> Plan | None:
     start = [max(c - 1, 1) for c in share]
     split = min_max_assign(layers, start, lambda i, n: (lines[kinds[i].name][0] + lines[kinds[i].name][1] * n, n))
     best = ev.uniform(dataclasses.replace(layout, stage_layers=tuple(split)))
-    for _ in range(len(split)):
-        slow = max(range(len(split)), key=lambda i: lines[kinds[i].name][0] + lines[kinds[i].name][1] * split[i])
+
+    def line(i):
+        return lines[kinds[i].name][0] + lines[kinds[i].name][1] * split[i]
+
+    # Moves of 1 or 2 layers while the exact time drops, from the slowest stage (by the lines) and from
+    # the largest, to any stage: what the lines miss (every stage's working copy has the largest stage's
+    # slots, rounded up to a multiple of the storage's devices per stage, and the stored rows a stage
+    # receives) can favour a move towards an even split that a single layer does not show.
+    for _ in range(layers):
         improved = False
-        for j in range(len(split)):
-            if j == slow or split[slow] <= 1:
-                continue
+        sources = dict.fromkeys((max(range(len(split)), key=line), max(range(len(split)), key=lambda i: split[i])))
+        moves = [(i, j, n) for i in sources for n in (1, 2) for j in range(len(split)) if j != i and split[i] > n]
+        for i, j, n in moves:
             trial = list(split)
-            trial[slow] -= 1
-            trial[j] += 1
+            trial[i] -= n
+            trial[j] += n
             candidate = ev.uniform(dataclasses.replace(layout, stage_layers=tuple(trial)))
-            if (candidate.fits, -candidate.step_time) > (best.fits, -best.step_time):
+            if candidate is not None and (best is None or (candidate.fits, -candidate.step_time)
+                                          > (best.fits, -best.step_time)):
                 split, best, improved = trial, candidate, True
                 break
         if not improved:
@@ -494,8 +529,10 @@ def _uneven_fits(mesh: Mapping[str, int], rules: str, attention: str) -> bool:
 
 
 def _price(ev: _Evaluator, layout: cm.Layout, tag: str) -> Plan | None:
-    """The cheapest remat policy that fits (policies are tried cheapest first)."""
-    last = None
+    """The cheapest remat policy that fits (policies are tried cheapest first). A pipeline whose GPipe
+    plan does not fit is also priced with 1F1B at the same split (`_one_f_one_b`); the fastest fitting of
+    those and of the first fitting GPipe plan wins."""
+    last, fitting = None, []
     for remat in ev.options.remats:
         lay = dataclasses.replace(layout, remat=remat)
         if tag == "pipeline":
@@ -509,9 +546,21 @@ def _price(ev: _Evaluator, layout: cm.Layout, tag: str) -> Plan | None:
         if plan_ is None:
             continue
         if plan_.fits:
-            return plan_
+            fitting.append(plan_)
+            break
         last = plan_
-    return last
+        one = _one_f_one_b(ev, plan_) if tag == "pipeline" else None
+        if one is not None and one.fits:
+            fitting.append(one)
+    return min(fitting, key=lambda p: p.step_time) if fitting else last
+
+
+def _one_f_one_b(ev: _Evaluator, gpipe: Plan) -> Plan | None:
+    """``gpipe``'s layout under the 1F1B schedule when `PlanOptions.schedules` allows it and GPipe does not
+    fit (1F1B's lockstep ticks make it slower, `_Evaluator._pipeline`: it is chosen for its memory only)."""
+    if "1f1b" not in ev.options.schedules or gpipe.fits:
+        return None
+    return ev.uniform(dataclasses.replace(gpipe.layout, one_f_one_b=True))
 
 
 def plan(model: Any, inventory, global_batch: int, seq_len: int, options: PlanOptions | None = None,
@@ -587,7 +636,7 @@ def brute_force(model: Any, inventory, global_batch: int, seq_len: int, options:
     """The best fitting plan by exhaustive search (for tests): every mesh, rules, attention,
     microbatches and remat, every per-kind count vector for uneven data parallelism, and every
     stage split (compositions of the layers into ``stage`` parts of at least 1, when there are at
-    most ``max_splits`` of them)."""
+    most ``max_splits`` of them; each also under 1F1B where GPipe does not fit, `_one_f_one_b`)."""
     ev = _Evaluator(model, inventory, global_batch, seq_len, options or PlanOptions())
 
     def every(layout: cm.Layout, tag: str) -> Iterator[Plan | None]:
@@ -598,7 +647,10 @@ def brute_force(model: Any, inventory, global_batch: int, seq_len: int, options:
                 yield ev.uneven(layout, counts, global_batch / sum(counts))
         else:
             for split in _compositions(ev.model.num_layers, layout.mesh[ax.STAGE], max_splits):
-                yield ev.uniform(dataclasses.replace(layout, stage_layers=split))
+                gpipe = ev.uniform(dataclasses.replace(layout, stage_layers=split))
+                yield gpipe
+                if gpipe is not None:
+                    yield _one_f_one_b(ev, gpipe)
 
     return _best_fitting(plan_ for layout, tag in _candidates(ev) for remat in ev.options.remats
                          for plan_ in every(dataclasses.replace(layout, remat=remat), tag))
@@ -698,6 +750,7 @@ def format_table(plans: Sequence[Plan]) -> list[str]:
             split = "uneven " + _compress(p.counts)
         elif lay.mesh[ax.STAGE] > 1:
             split = "stages " + ",".join(map(str, lay.stage_layers)) + (f" x{lay.pipeline_repeats}" if lay.pipeline_repeats > 1 else "")
+            split += " 1f1b" if lay.one_f_one_b else ""
         else:
             split = "even"
         rows.append([str(i), format_mesh(lay.mesh), lay.rules_name, str(lay.microbatches), lay.remat, lay.attention,

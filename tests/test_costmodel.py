@@ -10,10 +10,13 @@ devices) and compares the cost model's prediction for the CPU backend with:
 * ``compiled.memory_analysis().argument_size_in_bytes`` (parameters, AdamW moments, batch):
   `Cost.argument_bytes`;
 * the bytes of each collective kind parsed from the HLO (`sharding.hlo.collectives`).
+
+Pipelines (`PIPELINE_GRID`: stage 2 and 4, GPipe and circular, uneven splits, fsdp and data) are
+checked on the same figures; kinds the model does not price for a case are listed in `UNMODELLED`.
 """
 
 import pytest
-from costmodel_grid import GRID, compiled_figures, predicted
+from costmodel_grid import GRID, PIPELINE_GRID, UNMODELLED, compiled_figures, predicted
 from costmodel_grid import case_id as _id
 from costmodel_grid import config_of as _config
 
@@ -21,7 +24,7 @@ from models.config import get_config
 from models.spec import describe
 from sharding import costmodel as cm
 from sharding.mesh import parse_mesh
-from sharding.pipeline.layout import bubble_fraction, plan_layout
+from sharding.pipeline.layout import PipelinePlan, bubble_fraction, plan_layout
 from sharding.rules import get_rules
 
 TOLERANCE = 0.10
@@ -31,14 +34,14 @@ def _within(pred, actual):
     return abs(pred - actual) <= TOLERANCE * abs(actual)
 
 
-@pytest.mark.parametrize("case", GRID, ids=_id)
+@pytest.mark.parametrize("case", GRID + PIPELINE_GRID, ids=_id)
 def test_flops_match_cost_analysis_and_folded_products(case):
     figures, cost = compiled_figures(case), predicted(case)
     assert _within(cost.counted_flops, figures["flops"]), (cost.counted_flops, figures["flops"])
     assert _within(cost.matmul_flops, figures["dot_flops"]), (cost.matmul_flops, figures["dot_flops"])
 
 
-@pytest.mark.parametrize("case", GRID, ids=_id)
+@pytest.mark.parametrize("case", GRID + PIPELINE_GRID, ids=_id)
 def test_state_bytes_match_memory_analysis(case):
     figures, cost = compiled_figures(case), predicted(case)
     assert _within(cost.argument_bytes, figures["arguments"]), (cost.argument_bytes, figures["arguments"])
@@ -46,11 +49,11 @@ def test_state_bytes_match_memory_analysis(case):
     assert cost.memory.state >= 0.9 * figures["arguments"]
 
 
-@pytest.mark.parametrize("case", GRID, ids=_id)
+@pytest.mark.parametrize("case", GRID + PIPELINE_GRID, ids=_id)
 def test_collective_bytes_match_hlo_per_kind(case):
     compiled, pred = compiled_figures(case)["collectives"], cm.collective_bytes(predicted(case).comms)
     assert set(pred) == set(compiled), (sorted(pred), sorted(compiled))
-    for kind in compiled:
+    for kind in set(compiled) - set(UNMODELLED.get(case, ())):
         assert _within(pred[kind], compiled[kind]), (kind, pred[kind], compiled[kind])
 
 
@@ -140,10 +143,74 @@ def test_vocab_parallel_cases_take_the_vocab_parallel_loss():
     assert [picked(case) for case in GRID] == [False] * (len(GRID) - 2) + [True] * 2
 
 
+def test_pipeline_prices_the_layer_applications_the_schedule_runs():
+    """Skipping empty slots and bubble steps: the layers' FLOPs scale with
+    `PipelinePlan.layer_applications` (M x the stage's layers) against every slot of every step of the
+    unpadded storage's working copy (K' = 4 slots: the layout's 3 rounded up to a multiple of fsdp = 2);
+    what runs outside the pipeline and the collectives do not change."""
+    from sharding.pipeline.storage import StageStorage
+
+    config = get_config("test", ["num_layers=8"])
+    stages, _ = plan_layout(8, 4, 1, (3, 3, 1, 1))
+    plan = PipelinePlan(stages, 4)
+    assert StageStorage(stages, 2).placement.chunk_slots == 4
+    every = (plan.steps * 4,) * 4
+    skipped = plan.layer_applications()
+    kw = dict(stage_layers=(3, 3, 1, 1))
+    for stage, layers in ((0, 3), (2, 1)):
+        cost = {skip: cm.device_cost(config, cm.Layout({"stage": 4, "fsdp": 2}, "fsdp", 4, skip_empty=skip, **kw),
+                                     seq_len=32, rows=2, layers=layers, slots=3, backend="cpu")
+                for skip in (True, False)}
+        ratio = skipped[stage] / every[stage]
+        for part in ("layers", "attention", "recompute"):
+            assert getattr(cost[True].flops, part) == pytest.approx(ratio * getattr(cost[False].flops, part), rel=1e-12)
+        assert cost[True].flops.logits == cost[False].flops.logits
+        assert cost[True].comms == cost[False].comms
+        assert cost[True].argument_bytes == cost[False].argument_bytes
+
+
+def test_pipeline_gathers_stage_weights_once_per_step():
+    """The 7B dry run of issue 16 (stage=4,fsdp=2, 10,10,6,6, 32 x 2048, float32), unpadded storage of 4
+    rows per device: per step, whatever M and the schedule, one all-gather of the stage's 10-slot working
+    copy, one reduce-scatter of its gradients (each device's 5 slots), one row received by ppermute and its
+    gradient sent back; the activations' ppermutes twice per GPipe step (M + S - 1) or 1F1B tick."""
+    from sharding.pipeline.layout import one_f_one_b_ticks
+
+    config = get_config("7b")
+
+    def cost(micro, one_f_one_b=False):
+        layout = cm.Layout({"stage": 4, "fsdp": 2}, "fsdp", micro, stage_layers=(10, 10, 6, 6), one_f_one_b=one_f_one_b)
+        return cm.estimate(config, 32, 2048, layout, backend="cpu")
+
+    layer = sum(p.size for p in describe(config).params if p.per_layer) * 4  # one layer, float32, whole
+
+    def layer_bytes(c, kind):
+        return sum(x.total_bytes for x in c.comms if x.kind == kind and x.what.split()[-1] != "activations"
+                   and ("layers/" in x.what))
+
+    costs = {(m, f): cost(m, f) for m in (8, 16) for f in (False, True)}
+    for (micro, one_f_one_b), c in costs.items():
+        assert layer_bytes(c, "all-gather") == pytest.approx(10 * layer, rel=1e-9)
+        assert layer_bytes(c, "reduce-scatter") == pytest.approx(5 * layer, rel=1e-9)
+        assert layer_bytes(c, "collective-permute") == pytest.approx(2 * layer, rel=1e-9)
+        sends = [x for x in c.comms if x.what == "stage activations"]
+        act = 32 / 2 / micro * 2048 * config.embed_dim * 4  # one microbatch's rows on a device, float32
+        trips = one_f_one_b_ticks(4, micro).ticks if one_f_one_b else micro + 3
+        assert [(x.result_bytes, x.count) for x in sends] == [(act, 2 * trips)]
+    # At the same microbatch size, GPipe's saved inputs grow with M (every slot of every step), 1F1B's do
+    # not (at most S microbatches' stage inputs per stage).
+    def saved(micro, one_f_one_b):
+        layout = cm.Layout({"stage": 4, "fsdp": 2}, "fsdp", micro, stage_layers=(10, 10, 6, 6), one_f_one_b=one_f_one_b)
+        return cm.device_cost(config, layout, seq_len=2048, rows=1, backend="cpu").memory.activations
+
+    assert saved(16, True) == saved(8, True) < saved(8, False) < saved(16, False)
+
+
 @pytest.mark.parametrize("stage_layers, mesh_spec", [((7, 5, 2, 2), "stage=4,fsdp=2"), ((5, 3), "stage=2,fsdp=4")])
 def test_pipeline_state_bytes_are_the_unpadded_storage(stage_layers, mesh_spec):
     """A pipeline's persistent bytes per device: the unpadded storage (no stage holds the largest stage's
-    slots), against the compiled step's arguments and the state's shards."""
+    slots), against the state's shards (abstract, nothing compiled); the compiled arguments of uneven
+    pipelines are checked on `PIPELINE_GRID` (`test_state_bytes_match_memory_analysis`)."""
     from sharding import pipeline as pl
     from sharding.mesh import make_mesh
     from sharding.parallel import Parallelism
@@ -159,5 +226,3 @@ def test_pipeline_state_bytes_are_the_unpadded_storage(stage_layers, mesh_spec):
     cost = cm.estimate(config, 16, 32, cm.Layout(mesh, "fsdp_tp", 4, "none", stage_layers=stage_layers), backend="cpu")
     state = report.device_state_bytes(trainer.abstract_state())
     assert 0 <= state - cost.memory.state <= 32  # parameters and AdamW moments; the rest: step, RNG key, counters
-    arguments = trainer.compile_train_step(16, 32).memory_analysis().argument_size_in_bytes
-    assert _within(cost.argument_bytes, arguments), (cost.argument_bytes, arguments)

@@ -37,7 +37,9 @@ def _inventory(n_fast, n_slow, per_host, ratio, fast_gb=80, slow_gb=48, network=
 
 # Brute force enumerates every mesh, rules preset, microbatch count, remat policy, per-kind count
 # vector and stage split; these options keep it within seconds on 2 cores.
-SMALL_OPTIONS = planner.PlanOptions(attentions=("flash",), remats=("none", "full"), max_microbatches=8, max_stages=4)
+# 1F1B (priced where GPipe does not fit) is checked by its own test, not by brute force here.
+SMALL_OPTIONS = planner.PlanOptions(attentions=("flash",), remats=("none", "full"), max_microbatches=8, max_stages=4,
+                                    schedules=("gpipe",))
 
 CASES = {
     "2 devices, 2 kinds, 32 layers": (_inventory(1, 1, 1, 2.0), _described(32000, 32, 2048, 5632, 16, 16, 128), 64, 2048),
@@ -201,6 +203,27 @@ def test_pipeline_plans_with_flash_attention_are_accepted_by_train():
     assert "--attention flash" in flags and "--stage-layers" in flags
     run = cli.parse([*flags.split(), "--batch-size", "16", "--seq-len", "1024", "--model", "125m", "--dry-run"])
     checks.check_batch(run)
+    checks.check_strategy(run)
+
+
+def test_one_f_one_b_is_priced_for_its_memory_and_its_lockstep_ticks():
+    """The planner's 1F1B (`PlanOptions.schedules`): at the same layout it keeps fewer stage inputs than GPipe
+    (less memory) and takes ``2 (M + S - 1)`` ticks of a backward (3/4 of a chunk's forward and backward)
+    against GPipe's ``M + S - 1`` steps; its flags name the schedule and train accepts them."""
+    model = _described(32000, 12, 768, 2048, 12, 12, 64)  # the 125m preset's shape
+    ev = planner._Evaluator(model, _inventory(2, 2, 2, 2.0), 64, 1024, planner.PlanOptions())
+    base = cm.Layout({"stage": 2, "fsdp": 2}, "fsdp", 16, "none", stage_layers=(7, 5), attention="flash", dtype="bfloat16")
+    layout = dataclasses.replace(base, one_f_one_b=True)
+    gpipe, one = ev.uniform(base), ev.uniform(layout)
+    assert max(one.memory.values()) < max(gpipe.memory.values())
+    times = [ev.stage_cost(layout, kind, 64 / 2 / 16, n, 7)[1] for kind, n in zip(ev.stage_kinds(layout.mesh), (7, 5))]
+    busy = max(st.total - st.optimizer for st in times)  # the slowest stage's 16 chunks, forward and backward
+    optimizer = max(st.optimizer for st in times)
+    assert one.step_time == pytest.approx(2 * (16 + 2 - 1) * 0.75 * busy / 16 + optimizer, rel=1e-9)
+    assert one.step_time > gpipe.step_time
+    flags = one.flags()
+    assert "--pipeline-schedule 1f1b" in flags
+    run = cli.parse([*flags.split(), "--batch-size", "64", "--seq-len", "1024", "--model", "125m", "--dry-run"])
     checks.check_strategy(run)
 
 
