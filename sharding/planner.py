@@ -729,7 +729,8 @@ def why_lost(p: Plan, best: Plan) -> str:
         reason = {
             "exposed_comm": "tensor/pipeline traffic on the critical path",
             "optimizer": "larger optimizer shard",
-            "bubble": f"pipeline bubble {p.parts['bubble'] / p.step_time:.0%}",
+            "bubble": (f"1F1B lockstep ticks and bubble {p.parts['bubble'] / p.step_time:.0%}"
+                       if p.layout.one_f_one_b else f"pipeline bubble {p.parts['bubble'] / p.step_time:.0%}"),
         }[name]
     return f"+{(p.step_time / best.step_time - 1):.0%}: {reason}"
 

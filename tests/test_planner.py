@@ -221,6 +221,9 @@ def test_one_f_one_b_is_priced_for_its_memory_and_its_lockstep_ticks():
     optimizer = max(st.optimizer for st in times)
     assert one.step_time == pytest.approx(2 * (16 + 2 - 1) * 0.75 * busy / 16 + optimizer, rel=1e-9)
     assert one.step_time > gpipe.step_time
+    assert planner.why_lost(one, gpipe).endswith("1F1B lockstep ticks and bubble " + f"{one.parts['bubble'] / one.step_time:.0%}")
+    assert "pipeline bubble" in planner.why_lost(dataclasses.replace(gpipe, step_time=2 * gpipe.step_time,
+                                                                     parts={**gpipe.parts, "bubble": 9e9}), gpipe)
     flags = one.flags()
     assert "--pipeline-schedule 1f1b" in flags
     run = cli.parse([*flags.split(), "--batch-size", "64", "--seq-len", "1024", "--model", "125m", "--dry-run"])
