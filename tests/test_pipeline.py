@@ -583,7 +583,12 @@ def test_a_checkpoint_resumes_across_stage_layouts_with_the_same_next_loss(tmp_p
          "every stage needs at least one layer"),
         (["--mesh", "stage=2,fsdp=4", "--stage-layers", "2,1,1", "--microbatches", "2"],
          "--stage-layers 2,1,1: 3 entries, but --mesh stage=2 needs 2"),
-        (["--mesh", "stage=2,fsdp=4", "--stage-layers", "two,two"], "--stage-layers 'two,two': expected"),
+        # the example is a split of this model (4 layers) over its stages, not the 7B's 10,10,6,6
+        (["--mesh", "stage=2,fsdp=4", "--stage-layers", "two,two"],
+         "--stage-layers 'two,two': expected comma-separated layer counts, e.g. --stage-layers 2,2"),
+        (["--mesh", "stage=2,fsdp=4", "--stage-layers", ""], "--stage-layers '': expected"),
+        (["--mesh", "stage=2,fsdp=4", "--microbatches", "2", "--pipeline-repeats", "2"],
+         "--pipeline-repeats 2 needs --pipeline-schedule circular or 1f1b (interleaved)"),
         (["--mesh", "stage=4,fsdp=2", "--microbatches", "2"],
          "--microbatches 2: fewer microbatches than the 4 pipeline stages (--mesh stage=4)"),
         (["--mesh", "stage=4,fsdp=2", "--microbatches", "2", "--batch-size", "4"], "use --microbatches 4"),

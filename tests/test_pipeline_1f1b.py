@@ -344,6 +344,10 @@ def test_dry_run_reports_the_1f1b_schedule(capsys):
           "3"], "--microbatches 3: interleaved 1F1B (--pipeline-repeats 2) needs a multiple of the 2 stages, e.g. "
                 "--microbatches 4"),
         (["--mesh", "fsdp=8", "--pipeline-schedule", "1f1b"], "--pipeline-schedule 1f1b needs a pipeline"),
+        # auto prices GPipe's stages (each with a share of the head); its example fits this 4-layer model
+        (["--mesh", "stage=2,fsdp=4", "--pipeline-schedule", "1f1b", "--stage-layers", "auto", "--microbatches", "2"],
+         "--stage-layers auto times the stages for --pipeline-schedule gpipe; with 1f1b give the layers by hand, "
+         "e.g. --stage-layers 2,2"),
     ],
 )
 def test_bad_1f1b_flags_fail_before_compiling_with_the_flags_named(args, message, capsys):

@@ -103,6 +103,7 @@ def test_cli_stage_layers_auto_refuses_circular(capsys):
                  "--pipeline-schedule", "circular", "--microbatches", "4", "--batch-size", "16", "--dry-run"])
     err = capsys.readouterr().err
     assert code == 2 and "--stage-layers auto" in err and "Traceback" not in err
+    assert "e.g. --stage-layers 2,2" in err  # a split of the 4-layer test model, not another model's
 
 
 def test_plan_auto_on_real_devices_measures_its_shares():

@@ -21,6 +21,7 @@ from sharding.parallel import CONTEXT_LAYOUTS, Accumulation, Parallelism, Uneven
 from sharding.pipeline import (
     SCHEDULES,
     PipelinePlan,
+    example_split,
     one_f_one_b_ticks,
     parse_stage_layers,
     pipeline_rules,
@@ -403,18 +404,20 @@ def pipeline_plan(args, stages: int, num_layers: int) -> PipelinePlan:
     if one_f_one_b and repeats < 1:
         raise ValueError(f"--pipeline-repeats {repeats}: must be at least 1 (1f1b; more is interleaved 1F1B)")
     if not circular and not one_f_one_b and repeats != 1:
-        raise ValueError(f"--pipeline-repeats {repeats} needs --pipeline-schedule circular (gpipe has 1 repeat)")
+        raise ValueError(f"--pipeline-repeats {repeats} needs --pipeline-schedule circular or 1f1b (interleaved); "
+                         f"gpipe has 1 repeat")
     if circular and repeats < 2:
         raise ValueError("--pipeline-schedule circular needs --pipeline-repeats of 2 or more, e.g. --pipeline-repeats 2 "
                          "(1 repeat is --pipeline-schedule gpipe)")
     measure = args.stage_layers is not None and args.stage_layers.strip() == "auto"
-    if measure and circular:
-        raise ValueError("--stage-layers auto times the stages for --pipeline-schedule gpipe; give circular's "
-                         "chunks by hand, e.g. --stage-layers 4,4,2,2, or use --pipeline-schedule gpipe")
-    if measure and repeats > 1:
-        raise ValueError(f"--stage-layers auto times the stages of one chunk each; with --pipeline-schedule 1f1b "
-                         f"--pipeline-repeats {repeats} give the chunks by hand, e.g. --stage-layers 4,4,2,2")
-    layout, _ = plan_layout(num_layers, stages, repeats, None if measure else parse_stage_layers(args.stage_layers))
+    if measure and args.pipeline_schedule != "gpipe":
+        # auto prices GPipe's step: every stage's layers plus its 1/S share of the head (1F1B runs the head on
+        # the last stage, circular splits chunks), so another schedule would get a split made for GPipe.
+        raise ValueError(f"--stage-layers auto times the stages for --pipeline-schedule gpipe; with "
+                         f"{args.pipeline_schedule} give the layers by hand, e.g. --stage-layers "
+                         f"{example_split(num_layers, stages)}, or use --pipeline-schedule gpipe")
+    layout, _ = plan_layout(num_layers, stages, repeats,
+                            None if measure else parse_stage_layers(args.stage_layers, num_layers, stages))
     if one_f_one_b and repeats > 1 and args.microbatches >= stages:
         one_f_one_b_ticks(stages, args.microbatches, repeats)  # interleaved: M a multiple of S, else a ValueError
     return PipelinePlan(layout, args.microbatches, one_f_one_b=one_f_one_b, measure_stages=measure)

@@ -123,7 +123,10 @@ def build_trainer(config: RunConfig, log):
     trainer = Trainer(config.model, config.optimizer, par)
     notes = []
     if par.pipeline is not None and par.pipeline.skip_empty:
+        log("compiling the train step (a pipeline is checked for collectives inside its skipped slots) ...")
+        t0 = time.perf_counter()
         compiled = trainer.compile_train_step(config.data.batch_size, config.data.seq_len)
+        log(f"compiled the train step in {time.perf_counter() - t0:.1f} s (later compilations of it are cached)")
         checked, note = strategies.checked_pipeline(par, compiled.as_text())
         if note:
             import warnings

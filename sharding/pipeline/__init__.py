@@ -13,6 +13,7 @@ from sharding.pipeline.layout import (
     StageLayout,
     bubble_fraction,
     check_microbatches,
+    example_split,
     head_parallelism,
     one_f_one_b_ticks,
     parse_stage_layers,
@@ -25,7 +26,7 @@ from sharding.pipeline.schedule import from_microbatches, run_pipeline, to_micro
 from sharding.pipeline.onef1b import run_pipeline_loss
 
 __all__ = [
-    "SCHEDULES", "StageLayout", "PipelinePlan", "plan_layout", "parse_stage_layers", "check_microbatches",
+    "SCHEDULES", "StageLayout", "PipelinePlan", "plan_layout", "parse_stage_layers", "example_split", "check_microbatches",
     "pipeline_rules", "head_parallelism", "bubble_fraction", "one_f_one_b_ticks", "run_pipeline_loss", "relayout",
     "relayout_on_mesh", "layout_rows", "run_pipeline", "to_microbatches", "from_microbatches", "StageStorage",
     "layout_from_meta",

@@ -150,19 +150,35 @@ class StageLayout:
         return cls(tuple(tuple(int(n) for n in row) for row in meta["chunks"]))
 
 
-def parse_stage_layers(text: str | None) -> tuple[int, ...] | None:
-    """``'10,10,6,6'`` -> ``(10, 10, 6, 6)``.
+def parse_stage_layers(text: str | None, num_layers: int | None = None, stages: int | None = None
+                       ) -> tuple[int, ...] | None:
+    """``'10,10,6,6'`` -> ``(10, 10, 6, 6)``; None (the default split) for None.
+
+    Args:
+      text: The flag's value.
+      num_layers, stages: When given, the error's example is a split of this model over these stages.
 
     Raises:
-      ValueError: an entry that is not an integer, naming ``--stage-layers``.
+      ValueError: an empty value or an entry that is not an integer, naming ``--stage-layers`` and a value
+        that works.
     """
-    if text is None or not text.strip():
+    if text is None:
         return None
     try:
+        if not text.strip():
+            raise ValueError
         return tuple(int(part) for part in text.split(","))
     except ValueError:
         raise ValueError(f"--stage-layers {text!r}: expected comma-separated layer counts, e.g. "
-                         "--stage-layers 10,10,6,6") from None
+                         f"--stage-layers {example_split(num_layers, stages)}") from None
+
+
+def example_split(num_layers: int | None, stages: int | None) -> str:
+    """A ``--stage-layers`` value that works for ``num_layers`` over ``stages`` (the even split), for error
+    messages; the 7B example ``10,10,6,6`` when either is unknown."""
+    if not num_layers or not stages or num_layers < stages:
+        return "10,10,6,6"
+    return _join(even_split(num_layers, stages))
 
 
 def _join(counts: Sequence[int]) -> str:
