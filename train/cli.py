@@ -387,7 +387,7 @@ def _strategy(args, sizes: dict[str, int], num_layers: int):
         return uneven if uneven is not None else Accumulation(args.microbatches)
     if uneven is not None:
         raise ValueError(f"--hetero-batch supports meshes over data, fsdp and tensor only; --mesh splits "
-                         f"stage={stages}. Use e.g. --mesh data={stages} --rules dp, or --hetero-batch off")
+                         f"stage={stages}. Use e.g. --mesh data=-1 --rules dp, or --hetero-batch off")
     return pipeline_plan(args, stages, num_layers)
 
 
