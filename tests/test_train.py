@@ -176,3 +176,16 @@ def test_flash_attention_trains_with_the_losses_of_reference(tmp_path, corpus, c
     ref, flash = metrics(tmp_path / "ref"), metrics(tmp_path / "flash")
     assert sorted(flash) == list(range(1, 21))
     np.testing.assert_allclose([flash[s] for s in range(1, 21)], [ref[s] for s in range(1, 21)], rtol=1e-4)
+
+
+def test_the_closing_lines_give_one_evaluation_as_one_value():
+    """A run stopped before its second evaluation says the one held-out loss it has, not "a -> a over steps
+    0-0"; two or more give the first and last."""
+    from train.report import summary_lines
+
+    base = {"step": 40, "start_step": 30, "stopped_by": "SIGINT"}
+    once = summary_lines({**base, "eval": [(0, 6.61684)]}, Path("ckpt"), 0.5)
+    assert once[-1] == "held-out loss 6.6168 at step 0 (evaluated once; --eval-every sets how often)"
+    twice = summary_lines({**base, "eval": [(0, 6.61684), (20, 5.5), (40, 4.25)]}, Path("ckpt"), 0.5)
+    assert twice[-1] == "held-out loss 6.6168 -> 4.2500 over steps 0-40"
+    assert summary_lines({**base, "eval": []}, Path("ckpt"), 0.5)[-1].startswith("stopped by SIGINT")

@@ -422,8 +422,10 @@ def summary_lines(summary: dict, directory, waited: float) -> list[str]:
                  f"(saved in {waited:.1f} s); continue with --resume"]
     else:
         lines = [f"checkpoint of step {summary['step']} complete in {where} (waited {waited:.1f} s)"]
-    if summary["eval"]:
-        first, last = summary["eval"][0][1], summary["eval"][-1][1]
-        lines.append(f"held-out loss {first:.4f} -> {last:.4f} over steps {summary['eval'][0][0]}-"
-                     f"{summary['eval'][-1][0]}")
+    evals = summary["eval"]
+    if len(evals) == 1:  # one evaluation (e.g. stopped before the next --eval-every): no "a -> a over steps 0-0"
+        lines.append(f"held-out loss {evals[0][1]:.4f} at step {evals[0][0]} (evaluated once; --eval-every sets how "
+                     f"often)")
+    elif evals:
+        lines.append(f"held-out loss {evals[0][1]:.4f} -> {evals[-1][1]:.4f} over steps {evals[0][0]}-{evals[-1][0]}")
     return lines
