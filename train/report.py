@@ -213,7 +213,7 @@ def pipeline_lines(trainer, note: str | None = None) -> list[str]:
     if plan.one_f_one_b:
         schedule = "1F1B (PipeDream-Flush)" + ("" if r == 1 else f", interleaved, {r} chunks per stage")
     lines.append(
-        f"pipeline: {schedule} over stage={s}, {m} microbatches of {trainer.config.num_layers} layers; bubble "
+        f"pipeline: {schedule} over stage={s}, {m} microbatches through {trainer.config.num_layers} layers; bubble "
         f"(S-1)/(R*M+S-1) = {s - 1}/{r * m + s - 1} = {plan.bubble_fraction:.1%} of {plan.steps} steps"
     )
     lines.append(schedule_memory_line(plan))

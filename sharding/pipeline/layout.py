@@ -131,11 +131,12 @@ class StageLayout:
         return (names[0], None, *names[1:])
 
     def describe(self) -> str:
-        """``'10,10,6,6 (gpipe)'`` or ``'5+5,5+5,3+3,3+3 (circular, 2 repeats)'``."""
+        """``'10,10,6,6 (1 chunk per stage)'`` or ``'5+5,5+5,3+3,3+3 (2 chunks per stage)'``: the layout alone,
+        which gpipe and 1f1b (one chunk) or circular and interleaved 1f1b (several) run."""
         if self.repeats == 1:
-            return ",".join(map(str, self.stage_layers)) + " (gpipe)"
+            return ",".join(map(str, self.stage_layers)) + " (1 chunk per stage)"
         per_stage = ("+".join(str(row[s]) for row in self.chunks) for s in range(self.stages))
-        return ",".join(per_stage) + f" (circular, {self.repeats} repeats)"
+        return ",".join(per_stage) + f" ({self.repeats} chunks per stage)"
 
     def to_meta(self) -> dict[str, Any]:
         """JSON-friendly form, stored with checkpoints."""
