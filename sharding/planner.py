@@ -291,10 +291,21 @@ class _Evaluator:
                 out.append(min((self.kind_of(x) for x in group), key=lambda k: k.peak_bf16_flops))
         return out
 
-    def stage_kinds(self, mesh) -> list[Any]:
+    def stage_kind_sets(self, mesh) -> list[tuple[Any, ...]]:
+        """The distinct device kinds of each stage's devices (sorted by name, so not by host order): a
+        stage spans ``data``, ``fsdp``, ``sequence`` and ``tensor``, which may cross hosts of different kinds."""
         grid = self.grid(mesh)
-        return [min((self.kind_of(x) for x in grid[:, s].reshape(-1)), key=lambda k: k.peak_bf16_flops)
-                for s in range(mesh[ax.STAGE])]
+        out = []
+        for s in range(mesh[ax.STAGE]):
+            kinds = {}
+            for x in grid[:, s].reshape(-1):
+                kinds.setdefault(self.kind_of(x).name, self.kind_of(x))
+            out.append(tuple(kinds[n] for n in sorted(kinds)))
+        return out
+
+    def stage_kinds(self, mesh) -> list[Any]:
+        """The slowest kind (by peak FLOP/s, then name) of each stage."""
+        return [min(kinds, key=lambda k: (k.peak_bf16_flops, k.name)) for kinds in self.stage_kind_sets(mesh)]
 
     def kinds_in(self, mesh) -> list[Any]:
         seen = {}
@@ -355,9 +366,10 @@ class _Evaluator:
             return None
         slots = max(stages)
         devices = []
-        for s, kind in enumerate(self.stage_kinds(mesh)):
-            cost, st = self.stage_cost(layout, kind, rows, stages[s], slots)
-            devices.append((f"{kind.name}/stage{s}", cost, st))
+        for s, kinds in enumerate(self.stage_kind_sets(mesh)):
+            for kind in kinds:  # every kind a stage holds: its memory limit and its speed
+                cost, st = self.stage_cost(layout, kind, rows, stages[s], slots)
+                devices.append((f"{kind.name}/stage{s}", cost, st))
         busy = max(st.total - st.optimizer for _, _, st in devices)  # the slowest stage's R*M chunks
         if layout.one_f_one_b:
             busy = ticks * ONE_F_ONE_B_TICK * busy / (r * m)
@@ -372,14 +384,16 @@ class _Evaluator:
         # Not keyed by the whole split: the stored rows a stage receives by ppermute (`cm.device_cost`) are
         # those of the first split priced with these layers and slots (keying by the split made the search
         # ~6x slower; the rows moved are one ppermute per step, small beside the working copy's gather).
+        # The cost does not depend on the kind (only its time does): one cost serves every kind of a stage.
         key = (tuple(layout.mesh.items()), layout.rules_name, layout.microbatches, layout.remat,
-               layout.pipeline_repeats, layout.one_f_one_b, layout.attention, layout.dtype, kind.name, rows, layers,
-               slots)
+               layout.pipeline_repeats, layout.one_f_one_b, layout.attention, layout.dtype, rows, layers, slots)
         if key not in self._stage_costs:
-            cost = cm.device_cost(self.model, layout, seq_len=self.seq, rows=rows, layers=layers, slots=slots,
-                                  backend=self.options.backend)
-            self._stage_costs[key] = (cost, self.time(cost, kind, layout.mesh))
-        return self._stage_costs[key]
+            self._stage_costs[key] = (cm.device_cost(self.model, layout, seq_len=self.seq, rows=rows, layers=layers,
+                                                     slots=slots, backend=self.options.backend), {})
+        cost, times = self._stage_costs[key]
+        if kind.name not in times:
+            times[kind.name] = self.time(cost, kind, layout.mesh)
+        return cost, times[kind.name]
 
     def uneven(self, layout: cm.Layout, counts: Sequence[int], rows: float) -> Plan:
         """Uneven data parallelism: device ``i`` along data x fsdp runs ``counts[i]`` microbatches."""
@@ -440,27 +454,28 @@ def _stage_split(ev: _Evaluator, layout: cm.Layout) -> Plan | None:
     proportional to the stage kinds' speed rounded down; then moves of 1 or 2 layers from the slowest
     and from the largest stage, while the exact predicted time drops."""
     mesh = layout.mesh
-    kinds = ev.stage_kinds(mesh)
+    sets = [tuple(k.name for k in kinds) for kinds in ev.stage_kind_sets(mesh)]
+    by_name = {k.name: k for kinds in ev.stage_kind_sets(mesh) for k in kinds}
     per = layout.batch_split * layout.microbatches
     rows = ev.batch / per
     layers = ev.model.num_layers
-    share = largest_remainder(layers, [k.peak_bf16_flops for k in kinds], minimum=1)
+    share = largest_remainder(layers, [k.peak_bf16_flops for k in ev.stage_kinds(mesh)], minimum=1)
     lines = {}
-    for i, kind in enumerate(kinds):
-        if kind.name in lines:
+    for i, names in enumerate(sets):
+        if names in lines:
             continue
 
-        def seconds(n, kind=kind):
+        def seconds(n, names=names):  # a stage is as fast as its slowest kind
             cost = cm.device_cost(ev.model, layout, seq_len=ev.seq, rows=rows, layers=n, slots=n,
                                   backend=ev.options.backend)
-            return ev.time(cost, kind, mesh).total
-        lines[kind.name] = _affine(seconds, share[i])
+            return max(ev.time(cost, by_name[name], mesh).total for name in names)
+        lines[names] = _affine(seconds, share[i])
     start = [max(c - 1, 1) for c in share]
-    split = min_max_assign(layers, start, lambda i, n: (lines[kinds[i].name][0] + lines[kinds[i].name][1] * n, n))
+    split = min_max_assign(layers, start, lambda i, n: (lines[sets[i]][0] + lines[sets[i]][1] * n, n))
     best = ev.uniform(dataclasses.replace(layout, stage_layers=tuple(split)))
 
     def line(i):
-        return lines[kinds[i].name][0] + lines[kinds[i].name][1] * split[i]
+        return lines[sets[i]][0] + lines[sets[i]][1] * split[i]
 
     # Moves of 1 or 2 layers while the exact time drops, from the slowest stage (by the lines) and from
     # the largest, to any stage: what the lines miss (every stage's working copy has the largest stage's
@@ -580,8 +595,10 @@ def plan(model: Any, inventory, global_batch: int, seq_len: int, options: PlanOp
       with ``fits=False``.
 
     Raises:
-      ValueError: On hosts of unequal size or unknown device figures (naming ``--cluster``).
+      ValueError: On hosts of unequal size or unknown device figures (naming ``--cluster``), or ``top`` < 1.
     """
+    if top < 1:
+        raise ValueError(f"--top must be at least 1 (got {top}), e.g. --top 8")
     ev = _Evaluator(model, inventory, global_batch, seq_len, options or PlanOptions())
     found: dict[tuple, Plan] = {}
     for layout, tag in _candidates(ev):
@@ -770,3 +787,30 @@ def _compress(counts: Sequence[int]) -> str:
         n = len(list(group))
         out.append(f"{value}x{n}" if n > 1 else str(value))
     return ",".join(out)
+
+
+def no_plan_reason(model: Any, inventory, global_batch: int, seq_len: int,
+                   options: PlanOptions | None = None) -> str:
+    """Why `plan` returned no plan, in one line that names a value that works where one is knowable.
+
+    Args:
+      model, inventory, global_batch, seq_len, options: As for `plan`.
+
+    Returns:
+      The reason: the batch does not divide over the data-parallel devices (``data`` x ``fsdp``) of any
+      mesh the search allows (naming the smallest larger ``--batch`` that does), or a generic hint.
+
+    Raises:
+      ValueError: As `plan` (hosts of unequal size, unknown device figures).
+    """
+    options = options or PlanOptions()
+    ev = _Evaluator(model, inventory, global_batch, seq_len, options)
+    splits = sorted({m[ax.DATA] * m[ax.FSDP] for m in _meshes(ev.model, ev.cluster, options)})
+    if splits and not any(True for _ in _candidates(ev)):
+        for batch in range(global_batch + 1, global_batch + 2 * max(splits) * max(options.max_microbatches, 1) + 1):
+            if any(True for _ in _candidates(_Evaluator(model, inventory, batch, seq_len, options))):
+                shown = ", ".join(str(n) for n in splits)
+                return (f"--batch {global_batch} does not divide over the data-parallel devices of any layout "
+                        f"(data x fsdp is {shown} on this cluster, with enough rows per device for each pipeline's "
+                        f"microbatches); try --batch {batch}")
+    return f"no layout fits --batch {global_batch} --seq-len {seq_len}; try a smaller --batch or --seq-len"

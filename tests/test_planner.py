@@ -260,3 +260,48 @@ def test_cli_errors_name_the_flag(capsys):
     assert "h999" in capsys.readouterr().err
     assert plan_main(["--model", "7b", "--cluster", "h100:8", "--batch", "0", "--seq-len", "64"]) == 2
     assert "--batch" in capsys.readouterr().err
+
+
+def test_every_kind_in_a_pipeline_stage_is_priced_whatever_the_host_order():
+    """A stage spans ``data``; across hosts of two kinds (equal peak FLOP/s, different memory and memory
+    bandwidth) each kind's memory is checked against its own limit and the stage runs at its slowest kind's
+    pace, so the plan does not depend on which host is listed first."""
+    small = devices.DeviceKind("small", "small", 100e12, 2e9, 4e12, 300e9, "test figures")
+    large = devices.DeviceKind("large", "large", 100e12, 160e9, 0.5e12, 300e9, "test figures")
+    model = _described(32000, 8, 1024, 4096, 16, 16, 64)
+    layout = cm.Layout({"data": 2, "stage": 2}, "dp", 2, "none", stage_layers=(4, 4), attention="flash",
+                       dtype="bfloat16")
+
+    def inventory(*kinds):
+        return devices.Inventory(tuple(devices.Host(k, 2, f"h{i}") for i, k in enumerate(kinds)), 25e9)
+
+    mixed = [planner._Evaluator(model, inventory(*kinds), 16, 512, planner.PlanOptions()).uniform(layout)
+             for kinds in ((small, large), (large, small))]
+    alone = {k.name: planner._Evaluator(model, inventory(k, k), 16, 512, planner.PlanOptions()).uniform(layout)
+             for k in (small, large)}
+    assert alone["large"].fits and not alone["small"].fits
+    assert alone["large"].step_time > alone["small"].step_time * 1.01  # the large kind's memory is slower
+    for p in mixed:
+        assert set(p.memory) == {"small", "large"}
+        assert p.memory["small"] == pytest.approx(alone["small"].memory["small"], rel=1e-12)
+        assert not p.fits  # the small kind's 2 GB holds no stage
+        assert p.step_time == pytest.approx(alone["large"].step_time, rel=1e-12)
+    found = [[(p.key(), p.step_time, p.fits, p.memory) for p in planner.plan(model, inventory(*kinds), 16, 512, top=4)
+              if p.layout.mesh[ax.STAGE] > 1] for kinds in ((small, large), (large, small))]
+    assert found[0] and found[0] == found[1]
+
+
+def test_no_plan_names_a_batch_that_divides_and_exits_2(capsys):
+    """Batch 3 divides over no mesh's data-parallel devices: the CLI says so, names --batch 4, exits 2."""
+    model, inventory = _described(256, 4, 64, 128, 4, 4, 16), devices.parse_cluster("h100:4,a100:4")
+    assert planner.plan(model, inventory, 3, 64) == []
+    assert planner.no_plan_reason(model, inventory, 3, 64).endswith("try --batch 4")
+    assert planner.plan(model, inventory, 4, 64)
+    assert plan_main(["--model", "test", "--cluster", "h100:4,a100:4", "--batch", "3", "--seq-len", "64"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "does not divide over the data-parallel devices" in err and err.endswith("try --batch 4")
+    assert "\n" not in err
+    assert plan_main(["--model", "test", "--cluster", "h100:4,a100:4", "--batch", "8", "--seq-len", "64",
+                      "--top", "0"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.startswith("error: --top must be at least 1")

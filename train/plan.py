@@ -73,17 +73,22 @@ def options_from(args) -> planner.PlanOptions:
 
 
 def report(model, inventory, args, options) -> tuple[list[str], list[planner.Plan]]:
-    """The printed lines and the plans."""
+    """The printed lines and the plans.
+
+    Raises:
+      ValueError: When no plan is found, with the reason (`planner.no_plan_reason`), e.g. a batch that
+        divides over no mesh's data-parallel devices and a ``--batch`` that does.
+    """
     t0 = time.perf_counter()
     plans = planner.plan(model, inventory, args.batch, args.seq_len, options, top=args.top)
     seconds = time.perf_counter() - t0
+    if not plans:  # nothing to print: bad input (exit 2 in `main`), with the reason when it is knowable
+        raise ValueError(planner.no_plan_reason(model, inventory, args.batch, args.seq_len, options))
     base = planner.uniform_baseline(model, inventory, args.batch, args.seq_len, options)
     lines = [inventory.describe(), "",
              f"model {args.model}: {args.batch} x {args.seq_len} tokens per step, {options.dtype}, "
              f"efficiency {options.efficiency:.0%} of peak; planned in {seconds:.1f} s", ""]
     lines += planner.format_table(plans)
-    if not plans:
-        return lines + ["no layout fits; try a smaller --batch or --seq-len"], plans
     best = plans[0]
     if base is not None:
         lines += ["", f"same work on every device (best such plan: {format_mesh(base.layout.mesh)}, rules "
@@ -217,6 +222,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.batch <= 0 or args.seq_len <= 0:
             raise ValueError(f"--batch {args.batch} --seq-len {args.seq_len}: must be positive, "
                              f"e.g. --batch 1024 --seq-len 4096")
+        if args.top < 1:
+            raise ValueError(f"--top must be at least 1 (got {args.top}), e.g. --top 8")
         model = model_description(args.model, args.set)
         inventory = inventory_from_flag(args.cluster)
         options = options_from(args)
