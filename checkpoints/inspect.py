@@ -74,7 +74,7 @@ def describe(directory: str | Path, step: int | None = None) -> list[str]:
     from checkpoints.verify import CheckpointDamaged, saved_steps, verify_step
     from sharding.mesh import format_mesh
 
-    root = _resolve_dir(Path(directory))
+    root = _resolve_dir(Path(directory).absolute())  # Orbax refuses relative paths
     if not root.is_dir():
         raise FileNotFoundError(f"{directory}: no such folder")
     steps = saved_steps(root)

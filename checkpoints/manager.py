@@ -271,22 +271,67 @@ def open_resumable(directory, keep: int, explicit: int | None, config, tokenizer
     """The run's `CheckpointManager` and the step to resume from (None: start fresh).
 
     The step is ``explicit`` (``--resume-step``) or the newest that reads completely
-    (`CheckpointManager.resume_choice`; each newer damaged step is logged with why), and its metadata
-    must match the run (`checkpoints.meta.RunMeta.check_compatible`).
+    (`checkpoints.verify.latest_verified_step`; each newer damaged step is logged with why), and its metadata
+    must match the run (`checkpoints.meta.RunMeta.check_compatible`). Every damaged step is then set aside
+    (`set_aside_damaged`) before the manager opens, so that ``keep`` counts only steps that read completely
+    and retention never deletes a good step while a damaged one stays.
 
     Raises:
       ValueError: A damaged or missing explicit step, no step that reads completely, or a checkpoint
         saved with another model, tokenizer or vocabulary; each naming what to do.
     """
     from checkpoints.meta import RunMeta
+    from checkpoints.verify import latest_verified_step
 
-    manager = CheckpointManager(directory, keep=keep)
-    choice = manager.resume_choice(explicit)
+    # Chosen, and damaged steps set aside, before Orbax lists the steps: its retention counts every step it lists.
+    choice = latest_verified_step(directory, explicit)
     for note in choice.notes:
         log(note)
+    set_aside_damaged(directory, choice, log)
+    manager = CheckpointManager(directory, keep=keep)
     if choice.step is not None:
         RunMeta.from_json(manager.read_meta(choice.step)).check_compatible(config, tokenizer, choice.step)
     return manager, choice.step
+
+
+def set_aside_damaged(directory, choice, log) -> list[Path]:
+    """Renames every damaged step folder but the chosen one to ``STEP.damaged-YYYYmmddTHHMMSSZ``, one line each.
+
+    Orbax lists only folders named by an integer (or ``PREFIX_INTEGER``; the new name is neither, nor one of
+    its temporary names), so a step set aside is no longer resumed from, counted by ``--keep`` or deleted by
+    retention; its files stay untouched for inspection or repair. Checked with
+    `checkpoints.verify.verify_step` (no array data read). Every process may call this at once: a
+    folder another process has already moved is skipped.
+
+    Args:
+      directory: the checkpoint folder (``RUN_DIR/checkpoints``).
+      choice: the `checkpoints.verify.ResumeChoice` of the run: its step is never moved, and the
+        damage of the steps it skipped (already logged in its notes) is not repeated.
+      log: called with each line.
+
+    Returns:
+      The new folders.
+    """
+    from checkpoints.verify import saved_steps, verify_step
+
+    root, moved = Path(directory), []
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    for step in saved_steps(root):
+        verdict = verify_step(root, step)
+        if step == choice.step or verdict.ok:
+            continue
+        target, n = root / f"{step}.damaged-{stamp}", 1
+        while target.exists():
+            target, n = root / f"{step}.damaged-{stamp}-{n}", n + 1
+        try:
+            os.rename(root / str(step), target)
+        except FileNotFoundError:  # another process of this run moved it first
+            continue
+        moved.append(target)
+        why = "" if step in choice.skipped else f"{verdict.line()}; "
+        log(f"{why}set damaged step {step} aside as {target} (not resumed from, not counted by --keep; "
+            "delete it once it is no longer needed)")
+    return moved
 
 
 def restore_state(manager: CheckpointManager, target, step: int | None = None):

@@ -78,10 +78,12 @@ class ResumeChoice:
       step: the newest step that verifies (or the explicit one); None when
         the folder holds no checkpoint.
       notes: one line per newer step skipped, naming it and its first problem.
+      skipped: those steps, newest first.
     """
 
     step: int | None
     notes: tuple[str, ...] = ()
+    skipped: tuple[int, ...] = ()
 
 
 def saved_steps(directory: str | Path) -> list[int]:
@@ -158,7 +160,7 @@ def latest_verified_step(directory: str | Path, explicit: int | None = None) -> 
         verdict = verify_step(directory, step)
         if verdict.ok:
             notes = tuple(f"skipped {v.line()}; resuming from step {step}" for v in skipped)
-            return ResumeChoice(step, notes)
+            return ResumeChoice(step, notes, tuple(v.step for v in skipped))
         skipped.append(verdict)
     if not skipped:
         return ResumeChoice(None)

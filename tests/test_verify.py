@@ -1,7 +1,9 @@
 """Damaged checkpoints are found before a resume, the older complete step is chosen, inspect marks them."""
 
 import json
+import os
 import shutil
+import types
 from pathlib import Path
 
 import jax
@@ -11,9 +13,10 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from checkpoints import inspect as inspect_cli
-from checkpoints.manager import CheckpointManager
+from checkpoints.manager import CheckpointManager, open_resumable
 from checkpoints.verify import (CheckpointDamaged, ResumeChoice, _expected_chunks, latest_verified_step,
                                 saved_steps, verify_step)
+from models.config import ModelConfig
 from sharding.mesh import make_mesh, parse_mesh
 
 W = np.arange(64 * 64, dtype=np.float32).reshape(64, 64)  # 2 KiB chunks on fsdp=8: stored in data files
@@ -184,3 +187,79 @@ def test_inspect_turns_an_unexpected_failure_into_one_error_line(copy, capsys):
     assert inspect_cli.main([str(copy)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: ")
+
+
+CONFIG = ModelConfig(vocab_size=256, num_layers=1, embed_dim=8, mlp_dim=16, num_heads=2, num_kv_heads=2, head_dim=4)
+TOKENIZER = types.SimpleNamespace(name="t", fingerprint="f", vocab_size=256)  # the saved meta names none
+
+
+def save_steps(folder, steps, keep=3):
+    manager = CheckpointManager(folder, keep=keep, async_save=False)
+    try:
+        for step in steps:
+            manager.save(step, tiny_state(make_mesh(parse_mesh("fsdp=8", 8))), {"step": step, "model": CONFIG.to_dict()})
+    finally:
+        manager.close()
+
+
+def resume_and_save(folder, steps, keep=3):
+    """`open_resumable` as the training CLI calls it, then saves ``steps``; returns (resumed step, log lines)."""
+    lines = []
+    manager, step = open_resumable(folder, keep, None, CONFIG, TOKENIZER, lines.append)
+    try:
+        for new in steps:
+            manager.save(new, tiny_state(make_mesh(parse_mesh("fsdp=8", 8))), {"step": new, "model": CONFIG.to_dict()})
+    finally:
+        manager.close()
+    return step, lines
+
+
+def test_a_damaged_step_is_set_aside_on_resume_and_retention_keeps_the_good_ones(tmp_path):
+    """The user's report: steps 6, 8, 10 with --keep 3, step 10's data file cut short, resumed twice.
+    Retention used to keep 10 (damaged), 11, 12 and delete the good step 8."""
+    folder = tmp_path / "checkpoints"
+    save_steps(folder, (6, 8, 10))
+    damaged_file = data_file_of(folder / "10" / "state", "w")
+    truncate(damaged_file, 100)
+    step, lines = resume_and_save(folder, (11,))
+    assert step == 8
+    assert lines[0].startswith("skipped step 10 in") and lines[0].endswith("resuming from step 8")
+    (aside,) = [p for p in folder.iterdir() if p.name.startswith("10.damaged-")]
+    assert lines[1] == (f"set damaged step 10 aside as {aside} (not resumed from, not counted by --keep; "
+                        "delete it once it is no longer needed)") and len(lines) == 2
+    # its files are untouched (nothing already saved is lost), the damaged file included
+    assert (aside / damaged_file.relative_to(folder / "10")).stat().st_size == 100
+    assert saved_steps(folder) == [6, 8, 11]
+
+    step, lines = resume_and_save(folder, (12,))
+    assert step == 11 and lines == []
+    assert saved_steps(folder) == [8, 11, 12]  # --keep 3 counts the good steps only: 8 stays
+    assert aside.is_dir() and verify_step(folder, 8).ok
+    manager = CheckpointManager(folder, async_save=False)
+    try:
+        state, _ = manager.restore(abstract(make_mesh(parse_mesh("fsdp=8", 8))), step=8)
+    finally:
+        manager.close()
+    np.testing.assert_array_equal(np.asarray(state["w"]), W)
+
+
+def test_an_older_damaged_step_is_set_aside_with_its_reason_and_good_steps_stay(tmp_path):
+    folder = tmp_path / "checkpoints"
+    save_steps(folder, (6, 8, 10))
+    shutil.rmtree(folder / "6" / "meta")
+    step, lines = resume_and_save(folder, (11,))
+    assert step == 10 and len(lines) == 1
+    assert lines[0].startswith("step 6 in") and "the meta item" in lines[0] and "set damaged step 6 aside as" in lines[0]
+    assert saved_steps(folder) == [8, 10, 11]
+    assert [p.name.split("-")[0] for p in folder.iterdir() if "damaged" in p.name] == ["6.damaged"]
+
+
+def test_inspect_accepts_a_relative_run_folder(copy, capsys, monkeypatch):
+    """README's `python -m checkpoints.inspect runs/a`: Orbax refuses relative paths, so inspect resolves them."""
+    monkeypatch.chdir(copy.parent.parent)
+    relative = copy.parent.name  # the run folder holding checkpoints/
+    assert inspect_cli.main([relative]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert f"checkpoints in {copy}: steps 1, 2" in out and "total 32,772 bytes in 3 arrays" in out
+    assert inspect_cli.main([os.path.join(relative, "checkpoints"), "--step", "1"]) == 0
+    assert "\nstep 1:\n" in capsys.readouterr().out
