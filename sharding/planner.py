@@ -297,9 +297,7 @@ class _Evaluator:
         grid = self.grid(mesh)
         out = []
         for s in range(mesh[ax.STAGE]):
-            kinds = {}
-            for x in grid[:, s].reshape(-1):
-                kinds.setdefault(self.kind_of(x).name, self.kind_of(x))
+            kinds = {k.name: k for k in map(self.kind_of, grid[:, s].reshape(-1))}
             out.append(tuple(kinds[n] for n in sorted(kinds)))
         return out
 

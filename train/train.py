@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 
 from checkpoints.manager import CheckpointFailure
@@ -129,8 +130,6 @@ def build_trainer(config: RunConfig, log):
         log(f"compiled the train step in {time.perf_counter() - t0:.1f} s (later compilations of it are cached)")
         checked, note = strategies.checked_pipeline(par, compiled.as_text())
         if note:
-            import warnings
-
             warnings.warn(note, RuntimeWarning, stacklevel=2)
             notes.append(note)
             trainer = Trainer(config.model, config.optimizer, checked)
