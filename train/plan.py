@@ -5,10 +5,14 @@ Examples::
     python -m train.plan --model 7b --cluster h100:8,a100:8 --batch 1024 --seq-len 4096
     python -m train.plan --model 1b --cluster h100:8x2@3200Gbps --batch 512 --seq-len 2048 --plot plan.png
     python -m train.plan --model small --cluster cluster.json --batch 64 --seq-len 256 --no-pipeline
+    python -m train.plan --model 7b --cluster a100:8x4 --batch 512 --seq-len 2048 \
+        --layout "--mesh data=8,tensor=4 --rules tp --microbatches 4 --remat full"
 
 Prints the cluster, the best plans (predicted step time, tokens/s, MFU, memory per device kind,
 why each lost to the best), the best plan where every device does the same work (for the gain),
-and the ``python -m train.train`` flags of the chosen plan. ``--plot FILE.png`` draws the
+and the ``python -m train.train`` flags of the chosen plan. ``--layout "FLAGS"`` prices one given
+layout instead of searching (``python -m train.train``'s own layout flags, read by its parser) and
+prints the cost model's breakdown; ``--json`` prints either as one JSON object. ``--plot FILE.png`` draws the
 predicted step time and per-device memory of each plan (needs matplotlib: ``pip install
 'meshwork[plot]'``).
 
@@ -22,12 +26,15 @@ run's (`sharding.planner.Plan.parallelism`).
 from __future__ import annotations
 
 import argparse
+import json
+import shlex
 import sys
 import time
 from collections.abc import Callable, Sequence
 
 from models.config import get_config
 from models.spec import describe
+from sharding import costmodel as cm
 from sharding import planner
 from sharding.devices import inventory_from_flag
 from sharding.mesh import format_mesh
@@ -52,6 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sequence", action="store_true", help="also try a sequence (context-parallel) axis; its "
                    "traffic is modelled but not yet checked against the compiler")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="draw step time and memory per plan")
+    p.add_argument("--layout", default=None, metavar='"FLAGS"',
+                   help="price this layout instead of searching: python -m train.train's layout flags in one string, "
+                   'e.g. --layout "--mesh data=2,stage=4,tensor=8 --rules tp --microbatches 16 --pipeline-schedule '
+                   '1f1b --remat full"; --remat, --attention and --dtype default to none, flash and --dtype')
+    p.add_argument("--json", action="store_true", help="print one JSON object (step_seconds, tokens_per_second, "
+                   "mfu, memory_gb per kind, fits, flags; with a search also every plan) instead of the tables")
     return p
 
 
@@ -100,6 +113,152 @@ def report(model, inventory, args, options) -> tuple[list[str], list[planner.Pla
               + "".join(f"--set {s} " for s in args.set)
               + f"--batch-size {args.batch} --seq-len {args.seq_len} {best.flags(args.cluster)}"]
     return lines, plans
+
+
+#: The ``python -m train.train`` flags ``--layout`` takes (argparse destinations): the layout and its execution.
+LAYOUT_FLAGS = frozenset({
+    "mesh", "rules", "rule", "mesh_outer", "microbatches", "stage_layers", "pipeline_schedule", "pipeline_repeats",
+    "hetero_batch", "hetero_max_share", "rebalance_every", "remat", "attention", "dtype", "logits", "context_layout",
+})
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """``python -m train.train``'s parser (`train.cli.build_parser`) whose errors raise a one-line
+    ``ValueError`` naming ``--layout`` instead of printing the usage and exiting."""
+
+    def error(self, message):
+        raise ValueError(f"--layout: {message}")
+
+
+def given_layout(text: str, num_layers: int, num_devices: int, defaults: argparse.Namespace):
+    """``(layout, counts)``: the `sharding.costmodel.Layout` that ``--layout "FLAGS"`` describes.
+
+    The flags are ``python -m train.train``'s (`LAYOUT_FLAGS`), read by its own parser and turned into
+    its `sharding.parallel.Parallelism` (`train.cli.parallelism_from_args`), so a layout printed by the
+    planner or run by ``train.train`` is priced as given.
+
+    Args:
+      text: The flags in one string, e.g. ``"--mesh data=8,tensor=4 --rules tp --microbatches 4"``.
+      num_layers: The model's layers (for the stage split).
+      num_devices: The cluster's devices (``--mesh`` may hold one ``-1``).
+      defaults: ``python -m train.plan``'s namespace: ``--dtype`` and ``--attention`` where the layout gives none
+        (``any`` attention: ``flash``); remat defaults to ``none``.
+
+    Returns:
+      The layout, and the per-device microbatch counts of ``--hetero-batch COUNTS`` (data x fsdp, data major)
+      or None.
+
+    Raises:
+      ValueError: One line naming ``--layout``: an unknown or malformed flag, a flag that is not a layout's,
+        a mesh that does not cover the devices, ``--hetero-batch auto``/``kinds`` or ``--stage-layers auto``
+        (give the counts), or a value the cost model does not price.
+    """
+    from sharding.mesh import parse_mesh
+    from sharding.parallel import UnevenBatch
+    from sharding.rules import get_rules
+    from train import cli
+
+    try:
+        tokens = shlex.split(text)
+    except ValueError as e:
+        raise ValueError(f"--layout {text!r}: {e}") from None
+    parser = cli.build_parser()
+    parser.__class__ = _OneLineParser
+    args = parser.parse_args(tokens)
+    foreign = sorted(f"--{k.replace('_', '-')}" for k, v in vars(args).items()
+                     if k not in LAYOUT_FLAGS and v != parser.get_default(k))
+    if foreign:
+        raise ValueError(f"--layout: {', '.join(foreign)} is not a layout flag; give it to train.plan itself, or "
+                         f"leave it out (layout flags: --mesh, --rules, --rule, --microbatches, --stage-layers, "
+                         f"--pipeline-schedule, --pipeline-repeats, --hetero-batch, --remat, --attention, --dtype)")
+    try:
+        par = cli.parallelism_from_args(args, num_layers)
+        mesh = parse_mesh(args.mesh, num_devices)
+    except ValueError as e:
+        raise ValueError(f"--layout: {e}") from None
+    strategy, counts, extra = par.strategy, None, {}
+    if isinstance(strategy, UnevenBatch):
+        if strategy.counts is None:
+            raise ValueError(f"--layout: --hetero-batch {args.hetero_batch} is decided at run time; give the counts, "
+                             f"e.g. --hetero-batch 3,3,3,3,1,1,1,1 (one per data x fsdp device)")
+        counts, extra = tuple(strategy.counts), {"uneven_batch": True}
+    elif par.pipeline is not None:
+        if par.pipeline.measure_stages:
+            raise ValueError("--layout: --stage-layers auto is measured at run time; give the layers per stage, "
+                             "e.g. --stage-layers 10,10,6,6")
+        stages = par.pipeline.layout
+        extra = {"stage_layers": stages.stage_layers, "pipeline_repeats": stages.repeats,
+                 "one_f_one_b": par.pipeline.one_f_one_b}
+    rules = get_rules(args.rules, args.rule) if args.rule else args.rules
+    attention = args.attention or ("flash" if defaults.attention == "any" else defaults.attention)
+    try:
+        layout = cm.Layout(mesh, rules, par.microbatches, args.remat or "none", attention=attention,
+                           dtype=args.dtype or defaults.dtype, logits=args.logits or "auto", **extra)
+    except ValueError as e:
+        raise ValueError(f"--layout: {e}") from None
+    return layout, counts
+
+
+def price_report(model, inventory, args, options) -> tuple[list[str], planner.Plan]:
+    """The printed lines and the `planner.Plan` of ``--layout``: the layout priced as the search prices it
+    (`sharding.planner.evaluate`), with its `breakdown`.
+
+    Raises:
+      ValueError: As `given_layout`, or when the batch does not split over the layout (naming ``--batch``).
+    """
+    layout, counts = given_layout(args.layout, model.num_layers, inventory.num_devices, args)
+    t0 = time.perf_counter()
+    plan_ = planner.evaluate(model, inventory, args.batch, args.seq_len, layout, counts, options)
+    seconds = time.perf_counter() - t0
+    if plan_ is None:
+        per = layout.batch_split * layout.microbatches
+        raise ValueError(f"--batch {args.batch} does not split over the layout's {layout.batch_split} data-parallel "
+                         f"devices x {layout.microbatches} microbatches ({per} rows per step at least); give a "
+                         f"--batch divisible by {per}")
+    lines = [inventory.describe(), "",
+             f"model {args.model}: {args.batch} x {args.seq_len} tokens per step, {layout.dtype}, efficiency "
+             f"{options.efficiency:.0%} of peak; priced in {seconds:.2f} s", ""]
+    lines += planner.format_table([plan_]) + [""] + breakdown(plan_)
+    lines += ["", "as flags:", f"  python -m train.train --model {args.model} "
+              + "".join(f"--set {s} " for s in args.set)
+              + f"--batch-size {args.batch} --seq-len {args.seq_len} {plan_.flags(args.cluster)}"]
+    return lines, plan_
+
+
+def breakdown(p: planner.Plan) -> list[str]:
+    """Lines of where a plan's step time and memory go: the slowest device's seconds as they add up
+    (``max(compute, overlapped traffic)`` + exposed traffic + optimizer + pipeline bubble), and each
+    kind's memory against its usable limit, with whether it fits and, if not, why."""
+    parts, total = p.parts, p.step_time
+    busy = max(parts["compute"], parts["overlapped_comm"])
+    lines = [f"step {total:.3f} s, paced by {p.paced_by}:"]
+    rows = [("compute (matrix products, elementwise)", parts["compute"]),
+            ("overlapped traffic (weight gathers, gradient reductions)", parts["overlapped_comm"]),
+            ("  of which exposed (outlasts compute)", busy - parts["compute"]),
+            ("exposed traffic (tensor, sequence, stage)", parts["exposed_comm"]),
+            ("optimizer update", parts["optimizer"]),
+            ("pipeline bubble and schedule", parts["bubble"])]
+    lines += [f"  {name:<58} {sec:9.4f} s  {sec / total:6.1%}" for name, sec in rows]
+    lines.append("memory per device:")
+    for kind, used in p.memory.items():
+        limit = p.memory_limit[kind]
+        lines.append(f"  {kind:<20} {used / 1e9:8.1f} GB of {limit / 1e9:.1f} GB usable"
+                     + ("" if used <= limit else f"  over by {(used - limit) / 1e9:.1f} GB"))
+    lines.append("fits" if p.fits else f"does not fit: {planner.why_lost(p, p).removeprefix('does not fit: ')}")
+    return lines
+
+
+def plan_json(p: planner.Plan, cluster: str | None = None) -> dict:
+    """One plan for scripts: ``step_seconds``, ``tokens_per_second``, ``mfu`` (fraction), ``memory_gb`` (kind ->
+    GB per device, 1e9 bytes), ``memory_limit_gb``, ``fits``, ``why`` (empty when it fits), ``parts`` (seconds
+    of the slowest device), ``paced_by``, ``counts`` (uneven microbatches or null) and ``flags`` (the
+    ``python -m train.train`` layout flags, `planner.Plan.flags`)."""
+    return {"step_seconds": p.step_time, "tokens_per_second": p.tokens_per_second, "mfu": p.mfu,
+            "memory_gb": {k: v / 1e9 for k, v in p.memory.items()},
+            "memory_limit_gb": {k: v / 1e9 for k, v in p.memory_limit.items()},
+            "fits": p.fits, "why": "" if p.fits else planner.why_lost(p, p), "parts": dict(p.parts),
+            "paced_by": p.paced_by, "counts": list(p.counts) if p.counts is not None else None,
+            "flags": p.flags(cluster)}
 
 
 def plot(plans: Sequence[planner.Plan], path: str, title: str) -> None:
@@ -227,11 +386,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         model = model_description(args.model, args.set)
         inventory = inventory_from_flag(args.cluster)
         options = options_from(args)
-        lines, plans = report(model, inventory, args, options)
-        print("\n".join(lines))
+        if args.layout is not None:
+            lines, priced = price_report(model, inventory, args, options)
+            plans = [priced]
+            out = plan_json(priced, args.cluster)
+        else:
+            lines, plans = report(model, inventory, args, options)
+            out = dict(plan_json(plans[0], args.cluster), plans=[plan_json(p, args.cluster) for p in plans])
+        print(json.dumps(out, indent=1) if args.json else "\n".join(lines))
         if args.plot and plans:
             plot(plans, args.plot, f"{args.model} on {args.cluster}, batch {args.batch} x {args.seq_len}")
-            print(f"\nplot written to {args.plot}")
+            print(f"\nplot written to {args.plot}", file=sys.stderr if args.json else sys.stdout)
     except (ValueError, RuntimeError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
