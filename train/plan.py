@@ -248,7 +248,7 @@ def breakdown(p: planner.Plan) -> list[str]:
     return lines
 
 
-def plan_json(p: planner.Plan, cluster: str | None = None) -> dict:
+def plan_json(p: planner.Plan) -> dict:
     """One plan for scripts: ``step_seconds``, ``tokens_per_second``, ``mfu`` (fraction), ``memory_gb`` (kind ->
     GB per device, 1e9 bytes), ``memory_limit_gb``, ``fits``, ``why`` (empty when it fits), ``parts`` (seconds
     of the slowest device), ``paced_by``, ``counts`` (uneven microbatches or null) and ``flags`` (the
@@ -258,7 +258,7 @@ def plan_json(p: planner.Plan, cluster: str | None = None) -> dict:
             "memory_limit_gb": {k: v / 1e9 for k, v in p.memory_limit.items()},
             "fits": p.fits, "why": "" if p.fits else planner.why_lost(p, p), "parts": dict(p.parts),
             "paced_by": p.paced_by, "counts": list(p.counts) if p.counts is not None else None,
-            "flags": p.flags(cluster)}
+            "flags": p.flags()}
 
 
 def plot(plans: Sequence[planner.Plan], path: str, title: str) -> None:
@@ -389,10 +389,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.layout is not None:
             lines, priced = price_report(model, inventory, args, options)
             plans = [priced]
-            out = plan_json(priced, args.cluster)
+            out = plan_json(priced)
         else:
             lines, plans = report(model, inventory, args, options)
-            out = dict(plan_json(plans[0], args.cluster), plans=[plan_json(p, args.cluster) for p in plans])
+            out = dict(plan_json(plans[0]), plans=[plan_json(p) for p in plans])
         print(json.dumps(out, indent=1) if args.json else "\n".join(lines))
         if args.plot and plans:
             plot(plans, args.plot, f"{args.model} on {args.cluster}, batch {args.batch} x {args.seq_len}")

@@ -1,0 +1,71 @@
+"""``python -m train.plan --layout`` and ``--json``: a given layout priced as the search prices it.
+
+No devices are needed: the planner prices layouts with the cost model.
+"""
+
+import json
+
+import pytest
+
+from train.plan import main as plan_main
+
+# Small enough to search in about a second: the test preset on 8 devices of two kinds.
+SEARCH = ["--model", "test", "--batch", "32", "--seq-len", "128", "--top", "8"]
+
+
+def _json(capsys, argv):
+    assert plan_main(argv + ["--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("cluster, extra", [("h100:4,a100:4", []), ("a100:4x2", []),
+                                            ("h100:2x2,a100:2x2", ["--no-pipeline"])])
+def test_a_given_layout_is_priced_as_the_search_priced_it(capsys, cluster, extra):
+    """Every plan the search lists, given back as ``--layout`` (its own flags), gets the same step time,
+    memory and fit (uneven counts and pipelines included)."""
+    found = _json(capsys, SEARCH + ["--cluster", cluster] + extra)
+    assert found["plans"] and found["step_seconds"] == found["plans"][0]["step_seconds"]
+    assert extra == [] or any(p["counts"] for p in found["plans"])  # uneven counts are given back too
+    for plan in found["plans"]:
+        again = _json(capsys, SEARCH + ["--cluster", cluster, "--layout", plan["flags"]])
+        assert again["step_seconds"] == pytest.approx(plan["step_seconds"], rel=1e-12), plan["flags"]
+        assert again["memory_gb"] == pytest.approx(plan["memory_gb"], rel=1e-12)
+        assert again["fits"] == plan["fits"] and again["flags"] == plan["flags"]
+
+
+def test_pipeline_layout_prints_its_breakdown(capsys):
+    argv = SEARCH + ["--cluster", "a100:4x2", "--layout",
+                     "--mesh data=2,stage=2,tensor=2 --rules tp --microbatches 4 --pipeline-schedule 1f1b --remat full"]
+    assert plan_main(argv) == 0
+    out = capsys.readouterr().out
+    for part in ("compute", "exposed traffic", "pipeline bubble", "memory per device", "a100_80gb", "fits",
+                 "--stage-layers 2,2 --pipeline-schedule 1f1b"):
+        assert part in out
+
+
+def test_json_fields_are_present_and_typed(capsys):
+    for extra in ([], ["--layout", "--mesh fsdp=8 --rules fsdp --microbatches 2"]):
+        out = _json(capsys, SEARCH + ["--cluster", "h100:4,a100:4"] + extra)
+        assert isinstance(out["step_seconds"], float) and out["step_seconds"] > 0
+        assert isinstance(out["tokens_per_second"], float) and out["tokens_per_second"] > 0
+        assert isinstance(out["mfu"], float) and 0 < out["mfu"] < 1
+        assert set(out["memory_gb"]) == {"h100_sxm", "a100_80gb"}
+        assert all(isinstance(v, float) for v in out["memory_gb"].values())
+        assert isinstance(out["fits"], bool) and isinstance(out["flags"], str) and out["flags"].startswith("--mesh")
+        assert ("plans" in out) == (not extra)
+    assert out["flags"].startswith("--mesh fsdp=8 --rules fsdp --microbatches 2")
+
+
+@pytest.mark.parametrize("layout, names", [
+    ("--mesh data=3", "--mesh"),
+    ("--mesh fsdp=8 --rulez tp", "--rulez"),
+    ("--mesh fsdp=8 --steps 3", "--steps"),
+    ("--mesh fsdp=8 --hetero-batch auto", "--hetero-batch"),
+    ("--mesh fsdp=8 --microbatches 'unclosed", "--layout"),
+])
+def test_a_bad_layout_is_one_line_naming_it_and_exits_2(capsys, layout, names):
+    assert plan_main(SEARCH + ["--cluster", "h100:4,a100:4", "--layout", layout]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --layout") and names in lines[0], captured.err
