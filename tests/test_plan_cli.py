@@ -69,3 +69,16 @@ def test_a_bad_layout_is_one_line_naming_it_and_exits_2(capsys, layout, names):
     assert captured.out == ""
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: --layout") and names in lines[0], captured.err
+
+
+def test_a_homogeneous_cluster_is_searched_once(capsys, monkeypatch):
+    """One kind: no second search for the "same work on every device" baseline (it would print 1.00x)."""
+    from sharding import planner
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("uniform_baseline searched a homogeneous cluster again")
+
+    monkeypatch.setattr(planner, "uniform_baseline", refuse)
+    assert plan_main(SEARCH + ["--cluster", "a100:4x2"]) == 0
+    out = capsys.readouterr().out
+    assert "chosen plan:" in out and "same work on every device" not in out and "1.00x" not in out

@@ -97,7 +97,9 @@ def report(model, inventory, args, options) -> tuple[list[str], list[planner.Pla
     seconds = time.perf_counter() - t0
     if not plans:  # nothing to print: bad input (exit 2 in `main`), with the reason when it is knowable
         raise ValueError(planner.no_plan_reason(model, inventory, args.batch, args.seq_len, options))
-    base = planner.uniform_baseline(model, inventory, args.batch, args.seq_len, options)
+    # One kind: every device already does the same work, so the search would only run again to say "1.00x".
+    mixed = len(inventory.kinds_present) > 1
+    base = planner.uniform_baseline(model, inventory, args.batch, args.seq_len, options) if mixed else None
     lines = [inventory.describe(), "",
              f"model {args.model}: {args.batch} x {args.seq_len} tokens per step, {options.dtype}, "
              f"efficiency {options.efficiency:.0%} of peak; planned in {seconds:.1f} s", ""]
