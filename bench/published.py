@@ -14,10 +14,13 @@ Rows (facts from the papers; the README beside the figures gives the sources):
   vocabulary 51,200. The published step time is the paper's FLOP count (their eq. 3, recomputation included),
   ``F = 96 B s l h^2 (1 + s/(6h) + V/(16 l h))``, over the GPUs' measured FLOP/s. meshwork's SwiGLU MLP of
   ``8h/3`` (rounded to a multiple of 8) does the FLOPs of their ``4h`` GELU MLP. Layout: ``tensor`` = TP,
-  ``stage`` = PP, ``data`` the rest, rules ``tp``; pipelined rows run 1F1B with microbatches of one sequence
-  (M = batch / data). Table 1 gives no microbatch size for the rows without a pipeline: they are priced at the
-  fewest microbatches that fit. Attention ``reference`` (2021's fused softmax keeps the scores, and eq. 3
-  counts the whole score matrix).
+  ``stage`` = PP, ``data`` the rest, rules ``tp`` (``dp`` without TP); pipelined rows run 1F1B with microbatches
+  of one sequence (M = batch / data) and ``--remat none``: meshwork's pipeline already recomputes each layer in
+  its backward pass, which is Megatron's activation recomputation (``--remat full`` would recompute twice).
+  Table 1 gives neither the interleaving's chunk count nor the microbatch size of the rows without a pipeline:
+  pipelines are priced without interleaving (2 chunks price within 1% of it: the bubble halves, the stage
+  sends double), the others at the fewest microbatches that fit, with ``--remat full``. Attention
+  ``reference`` (2021's fused softmax keeps the scores, and eq. 3 counts the whole score matrix).
 * torchtitan ``docs/performance.md`` (2024-12): Llama 3.1 8B, sequence 8,192, local batch 2, FSDP over 8 and
   128 H100 SXM 96 GB (Grand Teton: 8 x 400 Gb/s RoCE per host), selective activation checkpointing (remat
   ``dots``), flash attention, without ``torch.compile``. Step time = local batch x sequence / tokens/s per GPU.
@@ -112,11 +115,11 @@ def megatron_rows() -> list[Row]:
         data = gpus // (tp * pp)
         mesh = f"data={data}" + (f",stage={pp}" if pp > 1 else "") + (f",tensor={tp}" if tp > 1 else "")
         rules = "tp" if tp > 1 else "dp"
-        common = f"--mesh {mesh} --rules {rules} --remat full --attention reference --dtype bfloat16"
-        if pp > 1:
-            layouts = (f"{common} --microbatches {batch // data} --pipeline-schedule 1f1b",)
+        common = f"--mesh {mesh} --rules {rules} --attention reference --dtype bfloat16"
+        if pp > 1:  # the pipeline recomputes each layer in its backward pass: that is Megatron's recomputation
+            layouts = (f"{common} --remat none --microbatches {batch // data} --pipeline-schedule 1f1b",)
         else:
-            layouts = tuple(f"{common} --microbatches {m}" for m in _divisors(batch // data))
+            layouts = tuple(f"{common} --remat full --microbatches {m}" for m in _divisors(batch // data))
         seconds = megatron_flops(batch, MEGATRON_SEQ, layers, hidden, MEGATRON_VOCAB) / (gpus * tflops * 1e12)
         name = f"megatron-{params:g}b"
         rows.append(Row(name, model, inventory, batch, MEGATRON_SEQ, layouts, seconds,
