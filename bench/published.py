@@ -181,8 +181,7 @@ def table(rows: Sequence[Row], options: planner.PlanOptions, log=print) -> list[
             lines.append(f"| {row.name} | {row.layouts[0]} | {row.published_seconds:.2f} | - | - | - | batch does "
                          f"not split | {seconds:.1f} |")
             continue
-        short = text.replace(" --remat full", "").replace(" --remat dots", "").replace(" --dtype bfloat16", "")
-        short = short.replace(" --attention reference", "").replace(" --attention flash", "")
+        short = text.replace(" --dtype bfloat16", "")  # every row's
         gb = max(p.memory.values()) / 1e9
         line = (f"| {row.name} | `{short}` | {row.published_seconds:.2f} | {p.step_time:.2f} | "
                 f"{p.step_time / row.published_seconds:.2f} | {'yes' if p.fits else 'no'} ({gb:.0f}) | {_parts(p)} | "
