@@ -145,4 +145,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(OUTPUT.parents[1]))  # the repository root, for a checkout that is not installed
     sys.exit(main())
