@@ -33,7 +33,7 @@ HEADER = f"""# Flags
 
 Every flag of every command, generated from the commands' parsers by `{COMMAND}` (do not edit by
 hand; `tests/test_docs.py` fails when this page is out of date). `--help` on any command prints the
-same text. The pages beside this one explain what the flags do together: [training](training.md),
+same text. An empty default means none (the meaning says what happens then). The pages beside this one explain what the flags do together: [training](training.md),
 [sharding](sharding.md), [pipelines](pipelines.md), [heterogeneous clusters](heterogeneous.md),
 [several processes](multiprocess.md), [Hugging Face](huggingface.md).
 """
