@@ -94,14 +94,15 @@ def _tables(parser: argparse.ArgumentParser) -> list[str]:
     """One table per argument group that holds documented actions (``--help`` itself left out)."""
     lines: list[str] = []
     for group in parser._action_groups:
-        actions = [a for a in group._group_actions
-                   if not isinstance(a, (argparse._HelpAction, argparse._SubParsersAction))
-                   and a.help is not argparse.SUPPRESS]
+        actions = [
+            a
+            for a in group._group_actions
+            if not isinstance(a, (argparse._HelpAction, argparse._SubParsersAction)) and a.help is not argparse.SUPPRESS
+        ]
         if not actions:
             continue
         lines += ["", f"**{group.title}**", "", "| flag | default | meaning |", "|---|---|---|"]
-        lines += [f"| {_cell(_flag(a))} | {_cell(_default(a))} | {_cell(_help(a, parser.prog))} |"
-                  for a in actions]
+        lines += [f"| {_cell(_flag(a))} | {_cell(_default(a))} | {_cell(_help(a, parser.prog))} |" for a in actions]
     for group in parser._mutually_exclusive_groups:
         if group.required:
             names = ", ".join(f"`{a.option_strings[0]}`" for a in group._group_actions)

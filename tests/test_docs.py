@@ -64,12 +64,26 @@ def test_flags_reference_is_up_to_date():
 def test_flags_reference_covers_every_flag():
     """Spot check of the generator itself: flags of each command appear in the page."""
     text = _generator().render()
-    for flag in ("`--mesh MESH`", r"`--hetero-batch auto\|kinds\|off\|COUNTS`", "`--plan`",
-                 "`--cluster CLUSTER`", "`--max-new-tokens N`", "`--batches BATCHES`", "`--max-shard-size SIZE`",
-                 "`--step STEP`"):
+    for flag in (
+        "`--mesh MESH`",
+        r"`--hetero-batch auto\|kinds\|off\|COUNTS`",
+        "`--plan`",
+        "`--cluster CLUSTER`",
+        "`--max-new-tokens N`",
+        "`--batches BATCHES`",
+        "`--max-shard-size SIZE`",
+        "`--step STEP`",
+    ):
         assert flag in text, flag
-    for prog in ("train.train", "train.plan", "train.generate", "train.evaluate", "train.hf import",
-                 "train.hf export", "checkpoints.inspect"):
+    for prog in (
+        "train.train",
+        "train.plan",
+        "train.generate",
+        "train.evaluate",
+        "train.hf import",
+        "train.hf export",
+        "checkpoints.inspect",
+    ):
         assert f"`python -m {prog}`" in text, prog
 
 
