@@ -6,7 +6,8 @@ and roles, matrix products, attention geometry, elementwise work and saved activ
 over ``data, stage, fsdp, sequence, tensor``, a rules preset, microbatches, remat, stage split), it
 predicts for one device; it knows nothing model-specific beyond the description:
 
-* `sharding.costmodel.layout`: the `Layout`, and where its rules put each parameter.
+* `sharding.costmodel.layout`: the `Layout` (`layout_of` derives it from a run's `Parallelism`), and
+  where its rules put each parameter.
 * `sharding.costmodel.flops`: **FLOPs** (`Flops`): the matrix products forward and backward
   (PaLM, Appendix B; Megatron-LM, SC'21, section 5.1), attention by implementation, the elementwise
   work and the optimizer update as XLA counts them.
@@ -37,11 +38,12 @@ Units: FLOPs, bytes, seconds, FLOP/s, bytes/s. The package imports nothing of th
 from sharding.costmodel.collectives import BACKENDS, Comm, collective_bytes, link_classes
 from sharding.costmodel.cost import Cost, device_cost, estimate
 from sharding.costmodel.flops import ELEMENTWISE_BACKWARD_FACTOR, OPTIMIZER_FLOPS_PER_PARAM, Flops
-from sharding.costmodel.layout import Layout, describe_model
+from sharding.costmodel.layout import ATTENTIONS, Layout, describe_model, layout_of, unpriced_attention
 from sharding.costmodel.memory import Memory
 from sharding.costmodel.time import Hardware, StepTime, comm_seconds, hardware_for, step_time
 
 __all__ = [
+    "ATTENTIONS",
     "BACKENDS",
     "ELEMENTWISE_BACKWARD_FACTOR",
     "OPTIMIZER_FLOPS_PER_PARAM",
@@ -58,6 +60,8 @@ __all__ = [
     "device_cost",
     "estimate",
     "hardware_for",
+    "layout_of",
     "link_classes",
     "step_time",
+    "unpriced_attention",
 ]

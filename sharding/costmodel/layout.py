@@ -1,7 +1,8 @@
 """The layout of one step as the cost model reads it, and where it puts the model's parameters.
 
 `Layout` (mesh sizes over ``data, stage, fsdp, sequence, tensor``, a rules preset, microbatches,
-remat, stage split, attention, dtype, the uneven and pipeline switches); `describe_model`; how a
+remat, stage split, attention, dtype, the uneven and pipeline switches) and `layout_of`, which derives
+it from a run's `sharding.parallel.Parallelism`; `describe_model`; how a
 layout's rules split each parameter (`_Placed`, `_place_cached`) and each logical axis
 (`_axis_split`, `_tensor_split`); the per-token terms of the model's description on one device
 (`_per_token`); the per-device sizes of one step (`_Shape`); the byte sizes every part shares.
@@ -19,6 +20,7 @@ from typing import Any
 
 from sharding import axes as ax
 from sharding.modeldesc import ModelDescription, Param
+from sharding.parallel import Parallelism, UnevenBatch
 from sharding.rules import Rules, get_rules, logical_to_spec
 from sharding.vocab import OUTPUT_IMPLS
 
@@ -28,6 +30,14 @@ _DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 _INT_BYTES = 4  # int32 tokens, positions, segment ids
 _BATCH_FIELDS = 5  # tokens, targets, positions, segment_ids (int32), loss_mask (float32)
 _WHOLE_SCORES = ("reference", "dot_product")  # attentions that materialise the [T, S] scores (XLA's dot_product too)
+
+#: Attentions the cost model prices (`models.config.ATTENTION_IMPLS`): ``reference`` and ``dot_product``
+#: materialise the whole ``[T, S]`` scores, ``flash`` skips the masked tiles; ``ring`` and ``ulysses`` run
+#: the flash kernel and are priced as it where the length is whole on every device (``sequence`` = 1:
+#: they are then plain flash attention, `models.attention`). Their own traffic over ``sequence`` is not
+#: modelled (`unpriced_attention`).
+ATTENTIONS = ("reference", "flash", "dot_product", "ring", "ulysses")
+_CONTEXT_PARALLEL = ("ring", "ulysses")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +54,8 @@ class Layout:
         layers; None splits evenly (`sharding.pipeline.layout.plan_layout`).
       pipeline_repeats: R, stage chunks per device (circular schedule); 1 is GPipe.
       attention: ``reference`` or ``dot_product`` (full score matrix; ``jax.nn.dot_product_attention``'s
-        XLA implementation is modelled as reference) or ``flash`` (masked tiles skipped).
+        XLA implementation is modelled as reference) or ``flash`` (masked tiles skipped); ``ring`` and
+        ``ulysses`` as ``flash``, without a ``sequence`` axis only (`ATTENTIONS`).
       dtype: Compute dtype of activations, ``float32`` or ``bfloat16``.
       uneven_batch: The uneven data-parallel step (`train.strategies.UnevenGradients`): each
         data-parallel group loops over its own microbatches with the parameters gathered over the
@@ -60,7 +71,8 @@ class Layout:
         `sharding.pipeline.onef1b`; interleaved with ``pipeline_repeats`` > 1) instead of GPipe/circular.
 
     Raises:
-      ValueError: On an unknown axis, a size below 1, or an unknown remat/attention/dtype.
+      ValueError: On an unknown axis, a size below 1, an unknown remat/attention/dtype, or an attention
+        the cost model cannot price on this mesh (`unpriced_attention`), naming it.
     """
 
     mesh: Mapping[str, int]
@@ -87,12 +99,15 @@ class Layout:
         object.__setattr__(self, "mesh", full)
         if self.stage_layers is not None:
             object.__setattr__(self, "stage_layers", tuple(int(n) for n in self.stage_layers))
-        for field, allowed in (("remat", ("none", "dots", "full")), ("attention", ("reference", "flash", "dot_product")),
+        for field, allowed in (("remat", ("none", "dots", "full")), ("attention", ATTENTIONS),
                                ("dtype", tuple(_DTYPE_BYTES)), ("logits", OUTPUT_IMPLS)):
             if getattr(self, field) not in allowed:
                 raise ValueError(f"--{field} {getattr(self, field)!r}: choose one of {', '.join(allowed)}")
         if self.microbatches < 1 or self.pipeline_repeats < 1:
             raise ValueError("--microbatches and --pipeline-repeats must be >= 1")
+        reason = unpriced_attention(self.attention, full)
+        if reason:
+            raise ValueError(reason)
 
     @property
     def num_devices(self) -> int:
@@ -114,6 +129,56 @@ class Layout:
 @functools.lru_cache(maxsize=None)
 def _preset(name: str) -> Rules:
     return get_rules(name)
+
+
+def unpriced_attention(attention: str, mesh: Mapping[str, int]) -> str | None:
+    """Why the cost model cannot price ``attention`` on ``mesh``, or None when it can.
+
+    ``ring`` and ``ulysses`` over a ``sequence`` axis > 1 move keys and values in their own way
+    (a ring of ppermutes, all-to-alls of heads) that the model does not count; without one they are
+    plain flash attention and priced as ``flash``.
+
+    Args:
+      attention: An attention implementation (`ATTENTIONS`).
+      mesh: Mesh axis -> size (missing axes are 1).
+    """
+    sequence = mesh.get(ax.SEQUENCE, 1)
+    if attention in _CONTEXT_PARALLEL and sequence > 1:
+        return (f"attention {attention!r} over sequence={sequence}: the cost model does not model its "
+                f"context-parallel traffic; it prices {attention} with the length whole on every device (sequence=1)")
+    return None
+
+
+def layout_of(par: Parallelism, config: Any = None, **fields: Any) -> Layout:
+    """The `Layout` the cost model prices for a run's `sharding.parallel.Parallelism`: the one way from a
+    run's layout to the cost model's (the planner's plans, the benches and ``--dry-run`` use it).
+
+    The mesh and rules are the run's; the strategy gives the rest: `Accumulation` its microbatches,
+    `UnevenBatch` the uneven step (``uneven_batch``, microbatches the per-device average), a
+    `sharding.pipeline.PipelinePlan` its stage split, repeats, microbatches, schedule (``one_f_one_b``)
+    and ``skip_empty``.
+
+    Args:
+      par: The run's parallelism (bound to a mesh or not).
+      config: Optional: an object with the model's execution settings as attributes ``remat``,
+        ``attention``, ``dtype`` and ``logits`` (`models.config.ModelConfig`); each one present is used.
+      **fields: `Layout` fields that override the above (e.g. ``remat="full"``).
+
+    Returns:
+      The `Layout`.
+
+    Raises:
+      ValueError: As `Layout` (an attention the cost model cannot price on this mesh, naming it).
+    """
+    values = {f: getattr(config, f) for f in ("remat", "attention", "dtype", "logits") if hasattr(config, f)}
+    plan = par.pipeline
+    if plan is not None:
+        values.update(microbatches=plan.microbatches, stage_layers=plan.layout.stage_layers,
+                      pipeline_repeats=plan.layout.repeats, skip_empty=plan.skip_empty, one_f_one_b=plan.one_f_one_b)
+    else:
+        values.update(microbatches=par.microbatches, uneven_batch=isinstance(par.strategy, UnevenBatch))
+    values.update(fields)
+    return Layout(dict(par.mesh_shape), par.rules, **values)
 
 
 def describe_model(model: Any) -> ModelDescription:

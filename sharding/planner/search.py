@@ -170,7 +170,8 @@ def _candidates(ev: _Evaluator) -> Iterator[tuple[cm.Layout, str]]:
     for mesh in _meshes(ev.model, ev.cluster, ev.options):
         for rules in _rules_for(ev.model, mesh, ev.options):
             for attention in ev.options.attentions:
-                yield from _layouts(ev, mesh, rules, attention)
+                if cm.unpriced_attention(attention, mesh) is None:  # ring/ulysses: only without a sequence axis
+                    yield from _layouts(ev, mesh, rules, attention)
 
 
 def _layouts(ev: _Evaluator, mesh: dict[str, int], rules: str, attention: str) -> Iterator[tuple[cm.Layout, str]]:
