@@ -25,6 +25,7 @@ from sharding.costmodel.collectives import Comm, _axes, _partitioner
 from sharding.costmodel.embedding import _embedding_comms, _table_split
 from sharding.costmodel.layout import (
     _BATCH_FIELDS,
+    _DTYPE_BYTES,
     _INT_BYTES,
     _PARAM_BYTES,
     Layout,
@@ -45,7 +46,7 @@ def _comms(model: ModelDescription, layout: Layout, rules: Rules, placed: dict[s
         return _uneven_comms(model, layout, rules, placed, s, batch_rows)
     comms: list[Comm] = []
     split = _output_split(model, layout, rules, s)
-    comms += _weight_gathers(layout, placed, s, split)
+    comms += _weight_gathers(layout, placed, s, split, backend)
     comms += _gradient_reductions(layout, placed, s, backend, split)
     comms += _tensor_comms(model, layout, rules, s, split)
     comms += _vocab_parallel_comms(model, layout, placed, s, split)
@@ -146,8 +147,20 @@ def _vocab_parallel_comms(model: ModelDescription, layout: Layout, placed: dict[
     return comms
 
 
-def _weight_gathers(layout: Layout, placed: dict[str, _Placed], s: _Shape, split: VocabSplit | None = None) -> list[Comm]:
+def _fsdp_gather_bytes(layout: Layout, backend: str) -> int:
+    """Bytes per element of an FSDP weight gather of the (GSPMD) step: on GPU the compute dtype. The model
+    casts each float32 weight to the compute dtype where it is used; the cast is elementwise, so it runs on
+    the shard, and the partitioner gathers at the use, the product's operand, which is the cast's result
+    (torchtitan's FSDP2 gathers in ``param_dtype`` bfloat16 the same way). XLA's CPU backend upcasts
+    bfloat16 collectives, so on CPU float32."""
+    return _DTYPE_BYTES[layout.dtype] if backend == "gpu" else _PARAM_BYTES
+
+
+def _weight_gathers(layout: Layout, placed: dict[str, _Placed], s: _Shape, split: VocabSplit | None = None,
+                    backend: str = "gpu") -> list[Comm]:
     """FSDP: each weight split over ``fsdp`` is gathered before use, again in the backward pass.
+
+    The gather moves the weight in the compute dtype on GPU (`_fsdp_gather_bytes`).
 
     Per-layer weights are gathered inside the layer loop (forward and backward, recompute sharing
     the backward's gather) for every microbatch; the final norm and output projection outside it,
@@ -162,7 +175,7 @@ def _weight_gathers(layout: Layout, placed: dict[str, _Placed], s: _Shape, split
         n = p.factor(ax.FSDP)
         if n <= 1 or p.param.role == "embedding" or (split is not None and p.param.role == "output"):
             continue
-        result = p.local * n * _PARAM_BYTES
+        result = p.local * n * _fsdp_gather_bytes(layout, backend)
         if p.param.per_layer:
             count = 2 * s.layers * s.micro
         elif p.param.role == "output":
