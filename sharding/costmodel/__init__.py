@@ -35,17 +35,29 @@ Units: FLOPs, bytes, seconds, FLOP/s, bytes/s. The package imports nothing of th
 `sharding`, never the model.
 """
 
-from sharding.costmodel.collectives import BACKENDS, Comm, collective_bytes, link_classes
+from sharding.costmodel.collectives import BACKENDS, Comm, collective_bytes, host_shares, link_classes
 from sharding.costmodel.cost import Cost, device_cost, estimate
 from sharding.costmodel.flops import ELEMENTWISE_BACKWARD_FACTOR, OPTIMIZER_FLOPS_PER_PARAM, Flops
 from sharding.costmodel.layout import ATTENTIONS, Layout, describe_model, layout_of, unpriced_attention
 from sharding.costmodel.memory import Memory
-from sharding.costmodel.time import Hardware, StepTime, comm_seconds, hardware_for, step_time
+from sharding.costmodel.time import (
+    DEFAULT_EFFICIENCY,
+    ELEMENTWISE_BYTES_PER_FLOP,
+    NCCL_LATENCY,
+    Hardware,
+    StepTime,
+    comm_seconds,
+    hardware_for,
+    step_time,
+)
 
 __all__ = [
     "ATTENTIONS",
     "BACKENDS",
+    "DEFAULT_EFFICIENCY",
     "ELEMENTWISE_BACKWARD_FACTOR",
+    "ELEMENTWISE_BYTES_PER_FLOP",
+    "NCCL_LATENCY",
     "OPTIMIZER_FLOPS_PER_PARAM",
     "Comm",
     "Cost",
@@ -60,6 +72,7 @@ __all__ = [
     "device_cost",
     "estimate",
     "hardware_for",
+    "host_shares",
     "layout_of",
     "link_classes",
     "step_time",

@@ -115,10 +115,15 @@ def link_classes(mesh: Mapping[str, int], devices_per_host: int) -> dict[str, st
     Devices are laid out as `sharding.mesh.split_outer_inner` does by default: the innermost axes
     (``tensor``, ``sequence``, ``fsdp``, ``stage``, ``data``) fill a host first.
     """
-    classes, remaining = {}, devices_per_host
+    inner = host_shares(mesh, devices_per_host)
+    return {axis: "intra" if inner[axis] == mesh.get(axis, 1) else "inter" for axis in ax.MESH_AXES}
+
+
+def host_shares(mesh: Mapping[str, int], devices_per_host: int) -> dict[str, int]:
+    """Mesh axis -> how many of its positions lie inside one host (the rest span hosts), laid out as
+    `link_classes` says."""
+    shares, remaining = {}, devices_per_host
     for axis in reversed(ax.MESH_AXES):
-        size = mesh.get(axis, 1)
-        inner = math.gcd(size, remaining)
-        remaining //= inner
-        classes[axis] = "intra" if inner == size else "inter"
-    return classes
+        shares[axis] = math.gcd(mesh.get(axis, 1), remaining)
+        remaining //= shares[axis]
+    return {axis: shares[axis] for axis in ax.MESH_AXES}

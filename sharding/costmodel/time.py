@@ -1,11 +1,15 @@
 """The clock: predicted seconds of one step on one device (`step_time`).
 
-Compute at ``efficiency x`` the device's peak FLOP/s, the optimizer's memory traffic at the device's
-memory bandwidth, and each collective by an alpha-beta model of its link class (within a host or
-across hosts, `sharding.costmodel.collectives.link_classes`): ring algorithms (`Comm.wire_bytes`,
-`Comm.steps`), Thakur, Rabenseifner and Gropp (IJHPCA 2005), section 4, as NCCL implements them.
-`Hardware` holds what one device and its links can do; `hardware_for` reads it from a
-`sharding.devices.DeviceKind`.
+Compute: the matrix products at ``efficiency x`` the device's peak FLOP/s, and the elementwise work either
+at the same rate (one efficiency for all the step's work: ``--efficiency``, or a kind without a fitted
+figure) or, for a kind with a figure fitted on published runs (`sharding.devices.FITTED_EFFICIENCY`), at
+the device's memory bandwidth (`ELEMENTWISE_BYTES_PER_FLOP`), a roofline. The optimizer's memory traffic at
+the memory bandwidth. Each collective by an alpha-beta model of its link class (within a host or across
+hosts, `sharding.costmodel.collectives.link_classes`): ring algorithms (`Comm.wire_bytes`, `Comm.steps`),
+Thakur, Rabenseifner and Gropp (IJHPCA 2005), section 4, with the latencies and the ring/tree choice of
+NCCL's own model (`NCCL_LATENCY`, `comm_seconds`). `Hardware` holds what one device and its links can do;
+`hardware_for` reads it from a `sharding.devices.DeviceKind`. The whole clock is held against published
+training runs by ``bench/published.py`` (``bench/RESULTS.md``).
 
 Units: seconds, FLOP/s, bytes/s.
 """
@@ -13,11 +17,19 @@ Units: seconds, FLOP/s, bytes/s.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
 from sharding.costmodel.collectives import Comm
 from sharding.costmodel.cost import Cost
+
+#: Bytes of device memory an elementwise FLOP (as XLA counts them: 1 per element per op) moves: one
+#: bfloat16 element read or written. Elementwise work is memory-bound (norms, activations, softmax, rotary,
+#: the loss: about one FLOP per element loaded), so the clock prices it at the memory bandwidth, not at the
+#: matrix units' peak; with it one matmul efficiency per kind fits runs from 1.7B to 1T parameters, whose
+#: elementwise share falls as the hidden size grows (bench/published.py: 1.5 to 3 bytes fit about as well).
+ELEMENTWISE_BYTES_PER_FLOP = 2.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +46,15 @@ class Hardware:
       intra_latency: Seconds per ring step inside a host (alpha).
       inter_latency: Seconds per ring step across hosts (alpha).
       efficiency: Fraction of peak the matrix products reach (MFU of a well-tuned step).
+      base_latency: Seconds every collective call pays once (launch and synchronisation).
+      tree_intra_latency: Seconds per tree level inside a host (all-reduce by tree).
+      tree_inter_latency: Seconds per tree level across hosts.
+      elementwise_bytes: Bytes of memory traffic per elementwise FLOP, priced at ``memory_bandwidth``
+        (`ELEMENTWISE_BYTES_PER_FLOP`, with an efficiency fitted for it); None: elementwise FLOPs run at
+        ``efficiency x peak`` like the products (one efficiency for all the step's work).
+
+    The latencies are NCCL's own model of its Simple protocol (the one it runs for the megabyte messages
+    of a training step), `NCCL_LATENCY`.
     """
 
     peak_flops: float
@@ -44,13 +65,36 @@ class Hardware:
     intra_latency: float = 5e-6
     inter_latency: float = 15e-6
     efficiency: float = 0.5
+    base_latency: float = 0.0
+    tree_intra_latency: float | None = None
+    tree_inter_latency: float | None = None
+    elementwise_bytes: float | None = None
 
 
-def hardware_for(kind: Any, devices_per_host: int, inter_host_bandwidth: float, efficiency: float = 0.5) -> Hardware:
+#: NCCL's latency model (seconds), Simple protocol: ``src/graph/tuning.cc``, ``ncclTopoTuneModel`` (NVIDIA/nccl,
+#: its 2020 version, ``baseLat`` and ``hwLat``; Simple is what NCCL runs for megabyte messages): every call pays the ring's base latency; each ring step costs ``ring_nvlink``
+#: inside a host over NVLink (``ring_pcie`` over PCIe) and ``ring_net`` across hosts; a tree all-reduce pays
+#: ``tree_nvlink`` per step inside a host and ``tree_net`` per level across hosts (``log2`` of the hosts).
+#: NCCL times both algorithms and runs the faster (``ncclTopoGetAlgoTime``), which is what `comm_seconds` does.
+NCCL_LATENCY = {"base": 8.4e-6, "ring_nvlink": 3.4e-6, "ring_pcie": 5.7e-6, "ring_net": 9.6e-6,
+                "tree_nvlink": 28e-6, "tree_pcie": 28e-6, "tree_net": 50e-6}
+
+#: Intra-host links at or above this one-way bandwidth are NVLink (bytes/s): PCIe Gen5 x16 is 64e9.
+_NVLINK_FROM = 100e9
+
+#: Fraction of peak FLOP/s assumed for a kind without a fitted figure (`sharding.devices.FITTED_EFFICIENCY`).
+DEFAULT_EFFICIENCY = 0.5
+
+
+def hardware_for(kind: Any, devices_per_host: int, inter_host_bandwidth: float,
+                 efficiency: float | None = None) -> Hardware:
     """`Hardware` from a `sharding.devices.DeviceKind` and its host.
 
-    Alphas: about 5 us per step over NVLink/PCIe and 15 us across hosts, the small-message
-    latencies nccl-tests reports for all-reduce on DGX-class systems (NCCL PERFORMANCE.md).
+    Efficiency: ``efficiency`` when given (``--efficiency``: that fraction of peak for all the step's work),
+    else the kind's fitted ``matmul_efficiency`` for the products with the elementwise work at the memory
+    bandwidth (`ELEMENTWISE_BYTES_PER_FLOP`; the two were fitted together), else `DEFAULT_EFFICIENCY` for all.
+
+    Latencies: NCCL's model (`NCCL_LATENCY`), NVLink or PCIe by the kind's intra-host bandwidth.
 
     Raises:
       ValueError: When the kind's figures are unknown (e.g. a detected CPU).
@@ -58,13 +102,21 @@ def hardware_for(kind: Any, devices_per_host: int, inter_host_bandwidth: float, 
     if not getattr(kind, "is_known", False):
         raise ValueError(f"device kind {getattr(kind, 'name', kind)!r} has unknown figures; "
                          f"give --cluster or --simulate-cluster with a known kind, e.g. h100:8")
+    link = "nvlink" if kind.intra_host_bandwidth >= _NVLINK_FROM else "pcie"
+    fitted = getattr(kind, "matmul_efficiency", None)
     return Hardware(
         peak_flops=kind.peak_bf16_flops,
         memory_bytes=kind.memory_bytes,
         memory_bandwidth=kind.memory_bandwidth,
         intra_bandwidth=kind.intra_host_bandwidth,
         inter_bandwidth=inter_host_bandwidth / max(devices_per_host, 1),
-        efficiency=efficiency,
+        intra_latency=NCCL_LATENCY[f"ring_{link}"],
+        inter_latency=NCCL_LATENCY["ring_net"],
+        efficiency=efficiency or fitted or DEFAULT_EFFICIENCY,
+        elementwise_bytes=ELEMENTWISE_BYTES_PER_FLOP if efficiency is None and fitted else None,
+        base_latency=NCCL_LATENCY["base"],
+        tree_intra_latency=NCCL_LATENCY[f"tree_{link}"],
+        tree_inter_latency=NCCL_LATENCY["tree_net"],
     )
 
 
@@ -73,7 +125,8 @@ class StepTime:
     """Predicted seconds of one step on one device.
 
     Attributes:
-      compute: Matrix products and elementwise work at ``efficiency x peak``.
+      compute: Matrix products at ``efficiency x peak``, and elementwise work there too or at the memory
+        bandwidth (`Hardware.elementwise_bytes`).
       optimizer: The update's memory traffic (read gradient, parameter, moments; write them).
       exposed_comm: Collectives on the critical path (tensor, sequence, stage).
       overlapped_comm: Collectives that can overlap compute (weight gathers, gradient reductions).
@@ -89,31 +142,74 @@ class StepTime:
     by_kind: dict[str, float]
 
 
-def comm_seconds(comm: Comm, hw: Hardware, links: Mapping[str, str]) -> float:
-    """Alpha-beta time of one collective's executions per step on the slowest link of its axes."""
+def comm_seconds(comm: Comm, hw: Hardware, links: Mapping[str, str], shares: Mapping[str, int] | None = None) -> float:
+    """Time of one collective's executions per step, as NCCL runs it (alpha-beta per algorithm).
+
+    Bytes: every rank sends the ring's wire bytes (`Comm.wire_bytes`, the bus bandwidth's bytes) over the
+    intra-host link, or, when the group crosses hosts, at its share of the host's network
+    (`Hardware.inter_bandwidth`). Latency, as NCCL's model counts it (`NCCL_LATENCY`): a group with ``g`` of
+    its ``n`` ranks on each host runs its ring through all of them, so ``n/g - 1`` of the ring's ``n - 1``
+    steps (twice both for an all-reduce) cross the network and the rest stay inside hosts. An all-reduce may
+    instead run as a tree (NCCL's double binary tree: ``2 ((g-1) alpha_intra + log2(hosts) alpha_inter)``,
+    twice the result's bytes), whichever is faster, as NCCL chooses: the tree's latency grows with the
+    logarithm of the hosts, not with the ranks.
+
+    Args:
+      comm: The collective.
+      hw: The device (`Hardware`; NCCL's latencies, `NCCL_LATENCY`).
+      links: Mesh axis -> ``intra``/``inter`` (`link_classes`).
+      shares: Mesh axis -> positions inside one host (`host_shares`); None: groups that cross hosts hold one
+        device per host (every ring step crosses the network).
+
+    Returns:
+      Seconds per step (``comm.count`` executions).
+    """
+    n = comm.group
+    if n <= 1:
+        return 0.0
     inter = any(links.get(a) == "inter" for a in comm.axes)
-    bandwidth = hw.inter_bandwidth if inter else hw.intra_bandwidth
-    alpha = hw.inter_latency if inter else hw.intra_latency
-    return comm.count * (comm.steps() * alpha + comm.wire_bytes() / bandwidth)
+    if not inter:
+        alpha = hw.base_latency + comm.steps() * hw.intra_latency
+        return comm.count * (alpha + comm.wire_bytes() / hw.intra_bandwidth)
+    local = math.prod(shares.get(a, 1) for a in comm.axes) if shares else 1
+    local = max(1, min(local, n))
+    hosts = max(n // local, 1)
+    bandwidth = hw.inter_bandwidth
+    if comm.kind == "collective-permute":
+        return comm.count * (hw.base_latency + hw.inter_latency + comm.wire_bytes() / bandwidth)
+    crossing = (2 if comm.kind == "all-reduce" else 1) * (hosts - 1)
+    ring = hw.base_latency + (comm.steps() - crossing) * hw.intra_latency + crossing * hw.inter_latency
+    seconds = ring + comm.wire_bytes() / bandwidth
+    if comm.kind == "all-reduce" and hw.tree_inter_latency is not None:
+        tree = 2 * ((local - 1) * hw.tree_intra_latency + math.log2(hosts) * hw.tree_inter_latency)
+        seconds = min(seconds, tree + 2 * comm.result_bytes / bandwidth)
+    return comm.count * seconds
 
 
-def step_time(cost: Cost, hw: Hardware, links: Mapping[str, str]) -> StepTime:
+def step_time(cost: Cost, hw: Hardware, links: Mapping[str, str], shares: Mapping[str, int] | None = None) -> StepTime:
     """Step time of one device from its `Cost`.
 
     Args:
       cost: From `estimate` or `device_cost` (``backend="gpu"``).
       hw: The device (`Hardware`).
       links: Mesh axis -> ``intra``/``inter`` (`link_classes`).
+      shares: Mesh axis -> positions inside one host (`host_shares`), for collectives across hosts
+        (`comm_seconds`); None: one device per host.
 
     Returns:
       The `StepTime` (seconds).
     """
-    compute = cost.flops.total / (hw.peak_flops * hw.efficiency)
+    flops = cost.flops
+    if hw.elementwise_bytes is None:
+        compute = flops.total / (hw.peak_flops * hw.efficiency)
+    else:  # a roofline: products at the fitted efficiency, elementwise work at the memory bandwidth
+        compute = ((flops.matmul + flops.optimizer) / (hw.peak_flops * hw.efficiency)
+                   + flops.elementwise * hw.elementwise_bytes / hw.memory_bandwidth)
     optimizer = 7 * cost.memory.parameters / hw.memory_bandwidth  # read 4 arrays, write 3
     exposed = overlapped = 0.0
     by_kind: dict[str, float] = {}
     for c in cost.comms:
-        seconds = comm_seconds(c, hw, links)
+        seconds = comm_seconds(c, hw, links, shares)
         by_kind[c.kind] = by_kind.get(c.kind, 0.0) + seconds
         if c.overlappable:
             overlapped += seconds

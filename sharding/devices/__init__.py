@@ -28,6 +28,7 @@ from sharding.devices.inventory import Host, Inventory
 from sharding.devices.kinds import (
     ALIASES,
     DEFAULT_INTER_HOST_BANDWIDTH,
+    FITTED_EFFICIENCY,
     KINDS,
     DeviceKind,
     get_kind,
@@ -46,6 +47,7 @@ from sharding.devices.spec import (
 
 __all__ = [
     "DEFAULT_INTER_HOST_BANDWIDTH",
+    "FITTED_EFFICIENCY",
     "KINDS",
     "ALIASES",
     "DeviceKind",

@@ -71,6 +71,10 @@ class DeviceKind:
         intra_host_bandwidth: Bytes/s this device can send to peers on its host, one
             direction (NVLink or PCIe, see ``source``); ``None`` when unknown.
         source: Where the figures come from (document title and URL).
+        matmul_efficiency: Fraction of ``peak_bf16_flops`` a training step's matrix products reach,
+            fitted on published runs of this kind (`FITTED_EFFICIENCY`); ``None`` where no run was fitted
+            (the cost model then assumes `sharding.costmodel.DEFAULT_EFFICIENCY`).
+        efficiency_source: The runs ``matmul_efficiency`` was fitted on.
 
     Raises:
         ValueError: On an empty name or a figure that is not positive.
@@ -83,6 +87,8 @@ class DeviceKind:
     memory_bandwidth: float | None
     intra_host_bandwidth: float | None
     source: str
+    matmul_efficiency: float | None = None
+    efficiency_source: str = ""
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -94,6 +100,9 @@ class DeviceKind:
                     f"DeviceKind {self.name!r}: {field} must be a positive number or None, "
                     f"got {value!r}"
                 )
+        if self.matmul_efficiency is not None and not 0 < self.matmul_efficiency <= 1:
+            raise ValueError(f"DeviceKind {self.name!r}: matmul_efficiency must be in (0, 1], got "
+                             f"{self.matmul_efficiency!r}")
 
     @property
     def is_known(self) -> bool:
@@ -209,8 +218,36 @@ _TABLE = (
     ),
 )
 
+_MEGATRON_TABLE_1 = (
+    "Narayanan et al., Efficient large-scale language model training on GPU clusters using Megatron-LM "
+    "(SC'21, arXiv 2104.04473), Table 1: ten GPT runs of 1.7B-1T parameters on 32-3,072 A100 80GB, priced at "
+    "their layouts by bench/published.py (bench/RESULTS.md)"
+)
+_TORCHTITAN_8B = (
+    "torchtitan docs/performance.md (pytorch/torchtitan, 2024-12): Llama 3.1 8B, FSDP over 8 and 128 H100 SXM "
+    "96GB at a 500 W power limit, without torch.compile, priced at their layouts by bench/published.py "
+    "(bench/RESULTS.md)"
+)
+
+#: Kind name -> (matmul efficiency, the runs it was fitted on): the one constant per kind that holds the cost
+#: model's clock against published step times (bench/published.py), every other term being a datasheet or
+#: NCCL figure, with the elementwise work at the memory bandwidth (`sharding.costmodel.ELEMENTWISE_BYTES_PER_FLOP`).
+#: A100 variants share the SXM4 80GB fit (one chip; Megatron-LM's runs, fused kernels, no FlashAttention). The
+#: H100 figure is of a part held to 500 W running PyTorch eager (torchtitan's rows without torch.compile):
+#: a lower bound for a 700 W H100 SXM, whose compiled runs torchtitan reports 16% faster. To add a kind's
+#: figure: price its published runs in bench/published.py and pick the value that centres their ratios.
+FITTED_EFFICIENCY: Mapping[str, tuple[float, str]] = {
+    "a100_80gb": (0.70, _MEGATRON_TABLE_1),
+    "a100_40gb": (0.70, _MEGATRON_TABLE_1),
+    "h100_sxm": (0.33, _TORCHTITAN_8B),
+}
+
 #: Canonical name -> DeviceKind.
-KINDS: Mapping[str, DeviceKind] = {k.name: k for k in _TABLE}
+KINDS: Mapping[str, DeviceKind] = {
+    k.name: dataclasses.replace(k, matmul_efficiency=FITTED_EFFICIENCY[k.name][0],
+                                efficiency_source=FITTED_EFFICIENCY[k.name][1]) if k.name in FITTED_EFFICIENCY else k
+    for k in _TABLE
+}
 
 #: Extra names -> canonical name (already normalised: lower case, ``_`` for ``-``).
 ALIASES: Mapping[str, str] = {
