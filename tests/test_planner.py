@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from models.config import ModelConfig
+from models.config import ModelConfig, get_config
 from models.spec import describe
 from sharding import axes as ax
 from sharding import costmodel as cm
@@ -294,10 +294,13 @@ def test_every_kind_in_a_pipeline_stage_is_priced_whatever_the_host_order():
 def test_no_plan_names_a_batch_that_divides_and_exits_2(capsys):
     """Batch 3 divides over no mesh's data-parallel devices: the CLI says so, names --batch 4, exits 2."""
     model, inventory = _described(256, 4, 64, 128, 4, 4, 16), devices.parse_cluster("h100:4,a100:4")
-    assert planner.plan(model, inventory, 3, 64) == []
-    assert planner.no_plan_reason(model, inventory, 3, 64).endswith("try --batch 4")
-    assert planner.plan(model, inventory, 4, 64)
-    assert plan_main(["--model", "test", "--cluster", "h100:4,a100:4", "--batch", "3", "--seq-len", "64"]) == 2
+    # Without pipelines: a stage=2,tensor=4 pipeline runs batch 3 as 3 microbatches (any divisor is searched).
+    options = planner.PlanOptions(pipeline=False)
+    assert planner.plan(model, inventory, 3, 64, options) == []
+    assert planner.no_plan_reason(model, inventory, 3, 64, options).endswith("try --batch 4")
+    assert planner.plan(model, inventory, 4, 64, options)
+    assert plan_main(["--model", "test", "--cluster", "h100:4,a100:4", "--batch", "3", "--seq-len", "64",
+                      "--no-pipeline"]) == 2
     err = capsys.readouterr().err.strip()
     assert "does not divide over the data-parallel devices" in err and err.endswith("try --batch 4")
     assert "\n" not in err
@@ -305,6 +308,76 @@ def test_no_plan_names_a_batch_that_divides_and_exits_2(capsys):
                       "--top", "0"]) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err.startswith("error: --top must be at least 1")
+
+
+def test_the_search_reaches_microbatch_counts_that_are_not_powers_of_two():
+    """Any divisor of a data-parallel device's rows is a microbatch count (Megatron's 144, 280 and 512 pipeline
+    microbatches are not powers of two): batch 24 on 8 devices gives 3 rows per device on data=8 and 12 on
+    data=2,stage=4."""
+    model = _described(512, 4, 128, 384, 4, 2, 32)
+    assert planner._microbatch_options(12, None) == [1, 2, 3, 4, 6, 12]
+    assert planner._microbatch_options(12, None, at_least=4) == [4, 6, 12]
+    assert planner._microbatch_options(12, 5) == [1, 2, 3, 4]
+    plans = planner.plan(model, devices.parse_cluster("a100:4x2"), 24, 128, top=500)
+    counts = {p.layout.microbatches for p in plans}
+    assert {3, 6, 12} <= counts, sorted(counts)
+    assert any(p.layout.mesh["stage"] > 1 and p.layout.microbatches in (6, 12) for p in plans)
+
+
+def test_no_plan_fits_lists_the_closest_least_over_memory_first():
+    """7B on 8 devices of 12 GB: nothing fits, the plans come least over memory first, each over."""
+    tiny = _kind("tiny", 100, 12, 300)
+    inventory = devices.Inventory(tuple(devices.Host(tiny, 4, f"h{i}") for i in range(2)), 25e9)
+    model = _described(32000, 32, 4096, 11008, 32, 32, 128)
+    plans = planner.plan(model, inventory, 64, 2048, SMALL_OPTIONS, top=6)
+    assert plans and not any(p.fits for p in plans)
+    over = [planner.over_memory(p) for p in plans]
+    assert over == sorted(over) and over[0] > 1
+    fitting = planner.plan(model, devices.parse_cluster("a100:4x2"), 64, 2048, SMALL_OPTIONS, top=6)
+    assert fitting[0].fits and [p.step_time for p in fitting if p.fits] == sorted(p.step_time for p in fitting if p.fits)
+
+
+def test_evaluate_splits_the_layers_evenly_when_no_split_is_given():
+    model = _described(32000, 10, 1024, 4096, 16, 16, 64)
+    inventory = devices.parse_cluster("a100:4x2")
+    layout = cm.Layout({"data": 2, "stage": 4}, "dp", 8, "none", attention="flash", dtype="bfloat16")
+    even = planner.evaluate(model, inventory, 64, 1024, layout)
+    assert even.stage_layers == (3, 3, 2, 2)
+    given = planner.evaluate(model, inventory, 64, 1024, dataclasses.replace(layout, stage_layers=(3, 3, 2, 2)))
+    assert even.step_time == given.step_time and even.memory == given.memory
+
+
+def test_one_f_one_b_priced_lockstep_or_as_megatron_runs_it():
+    """meshwork's 1f1b runs in lockstep (`ONE_F_ONE_B_TICK` of a chunk's time per tick, ``2 (M + S - 1)``
+    ticks); the fused clock is Megatron-LM's ``1 + (S - 1) / (R M)`` of the slowest stage's busy time."""
+    model = _described(32000, 8, 1024, 4096, 16, 16, 64)
+    inventory = devices.parse_cluster("a100:4x2")
+    layout = cm.Layout({"data": 2, "stage": 4}, "dp", 8, "none", stage_layers=(2, 2, 2, 2), attention="flash",
+                       dtype="bfloat16", one_f_one_b=True)
+    lockstep = planner.evaluate(model, inventory, 64, 1024, layout)
+    fused = planner.evaluate(model, inventory, 64, 1024, layout, options=planner.PlanOptions(one_f_one_b_clock="fused"))
+    busy = fused.parts["compute"] + fused.parts["exposed_comm"]  # compute outlasts the overlapped traffic here
+    assert fused.parts["compute"] >= fused.parts["overlapped_comm"]
+    assert fused.step_time == pytest.approx(busy * (1 + 3 / 8) + fused.parts["optimizer"], rel=1e-9)
+    ticks = 2 * (8 + 4 - 1)
+    assert lockstep.step_time == pytest.approx(busy * ticks * planner.ONE_F_ONE_B_TICK / 8
+                                               + lockstep.parts["optimizer"], rel=1e-9)
+    with pytest.raises(ValueError, match="one_f_one_b_clock"):
+        planner.PlanOptions(one_f_one_b_clock="async")
+
+
+def test_a_kind_given_no_work_is_said_so_with_the_memory_it_holds(capsys):
+    """32 H100 + 32 A100, batch 128 x 2048, no pipeline, at one efficiency for both kinds (the clock before the
+    fit): the best plan gives every A100 0 microbatches; the report says so, with what they still hold."""
+    argv = ["--model", "7b", "--cluster", "h100:8x4,a100:8x4", "--batch", "128", "--seq-len", "2048",
+            "--no-pipeline", "--efficiency", "0.5", "--top", "4"]
+    assert plan_main(argv) == 0
+    out = capsys.readouterr().out
+    assert "warning: the a100_80gb devices get no microbatches" in out and "66.9 GB each" in out
+    assert "the best listed plan that gives every kind work is #" in out
+    best = planner.plan(describe(get_config("7b")), devices.parse_cluster("h100:8x4,a100:8x4"), 128, 2048,
+                        planner.PlanOptions(pipeline=False, efficiency=0.5), top=1)[0]
+    assert best.idle_kinds == ("a100_80gb",) and set(best.counts[len(best.counts) // 2:]) == {0}
 
 
 def test_plans_round_trip_through_layout_of():

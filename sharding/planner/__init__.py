@@ -31,27 +31,39 @@ The package imports jax only (through `sharding.costmodel`), never the model.
 """
 
 # The underscored names are internals the planner's tests reach through the package.
-from sharding.planner.evaluator import MEMORY_FRACTION, Plan, PlanOptions, _Evaluator  # noqa: F401
+from sharding.planner.evaluator import (  # noqa: F401
+    MEMORY_FRACTION,
+    ONE_F_ONE_B_TICK,
+    PIPELINE_CLOCKS,
+    Plan,
+    PlanOptions,
+    _Evaluator,
+)
 from sharding.planner.report import format_table, why_lost
 from sharding.planner.search import (  # noqa: F401
     _compositions,
     _meshes,
+    _microbatch_options,
     _stage_split,
     brute_force,
     evaluate,
     no_plan_reason,
+    over_memory,
     plan,
     uniform_baseline,
 )
 
 __all__ = [
     "MEMORY_FRACTION",
+    "ONE_F_ONE_B_TICK",
+    "PIPELINE_CLOCKS",
     "Plan",
     "PlanOptions",
     "brute_force",
     "evaluate",
     "format_table",
     "no_plan_reason",
+    "over_memory",
     "plan",
     "uniform_baseline",
     "why_lost",

@@ -33,6 +33,14 @@ MEMORY_FRACTION = 0.85
 #: product (3 of the 4 forward-equivalents; `sharding.pipeline.onef1b`, "Lockstep cost").
 ONE_F_ONE_B_TICK = 0.75
 
+#: How a 1F1B pipeline is priced. ``lockstep``: meshwork's ``1f1b`` schedule, one SPMD program whose
+#: ``2 (R M + S - 1)`` ticks each last as long as the slowest stage's backward of a chunk (`ONE_F_ONE_B_TICK`).
+#: ``fused``: 1F1B as Megatron-LM executes it, each stage running its own forward and backward passes as
+#: their inputs arrive, ``(1 + (S - 1) / (R M))`` of the slowest stage's busy time (Narayanan et al., SC'21,
+#: section 2.2: the bubble is ``(S - 1) / (R M)`` of the ideal time, R the interleaved chunks per stage). The
+#: hook for a fused 1F1B schedule: price it with ``fused`` (`_Evaluator._pipeline`).
+PIPELINE_CLOCKS = ("lockstep", "fused")
+
 
 @dataclasses.dataclass(frozen=True)
 class PlanOptions:
@@ -43,7 +51,8 @@ class PlanOptions:
       remats: Remat policies to try, cheapest first.
       attentions: Attention implementations to try.
       dtype: Compute dtype (``bfloat16`` for GPUs).
-      max_microbatches: Largest number of microbatches (per device, uniform) to try.
+      max_microbatches: Largest number of microbatches (per device, uniform) to try; None: every divisor of
+        the rows a data-parallel device holds (a pipeline's at least its stages).
       pipeline: Whether to try ``stage > 1`` (the pipeline flags of train.py).
       max_stages: Largest ``stage`` to try (None: up to the layers).
       repeats: Circular pipeline repeats to try.
@@ -52,23 +61,35 @@ class PlanOptions:
         stage inputs kept).
       sequence: Whether to try ``sequence > 1``.
       hetero: Whether to try uneven data parallelism.
-      efficiency: Fraction of peak FLOP/s the step reaches (`sharding.costmodel.Hardware`).
+      efficiency: Fraction of peak FLOP/s the step reaches (`sharding.costmodel.Hardware`); None: each
+        kind's fitted figure (`sharding.devices.DeviceKind.matmul_efficiency`, else
+        `sharding.costmodel.DEFAULT_EFFICIENCY`).
       backend: Collective lowering (`sharding.costmodel.BACKENDS`).
+      one_f_one_b_clock: How a 1F1B pipeline's time is priced (`PIPELINE_CLOCKS`): ``lockstep``, what
+        meshwork's ``--pipeline-schedule 1f1b`` runs today, or ``fused``, 1F1B as Megatron-LM executes it.
+
+    Raises:
+      ValueError: On an unknown ``one_f_one_b_clock``.
     """
 
     rules: tuple[str, ...] = ("dp", "fsdp", "tp", "fsdp_tp")
     remats: tuple[str, ...] = ("none", "dots", "full")
     attentions: tuple[str, ...] = ("flash", "reference")
     dtype: str = "bfloat16"
-    max_microbatches: int = 64
+    max_microbatches: int | None = None
     pipeline: bool = True
     max_stages: int | None = None
     repeats: tuple[int, ...] = (1, 2)
     schedules: tuple[str, ...] = ("gpipe", "1f1b")
     sequence: bool = False
     hetero: bool = True
-    efficiency: float = 0.5
+    efficiency: float | None = None
     backend: str = "gpu"
+    one_f_one_b_clock: str = "lockstep"
+
+    def __post_init__(self) -> None:
+        if self.one_f_one_b_clock not in PIPELINE_CLOCKS:
+            raise ValueError(f"one_f_one_b_clock {self.one_f_one_b_clock!r}: choose one of {', '.join(PIPELINE_CLOCKS)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +110,10 @@ class Plan:
         ``optimizer``, ``bubble`` (pipeline idle time).
       paced_by: The kind (and stage) of the slowest device.
       fits: Whether every device fits its memory limit.
+      comm: Collective kind -> seconds per step of the slowest device (overlapped and exposed together).
+      memory_parts: Kind name -> bytes by part (`sharding.costmodel.Memory` fields) of its largest device.
+      idle_kinds: Kinds whose every device gets no microbatch (uneven counts of 0): they hold their
+        parameter and optimizer shards but compute nothing.
     """
 
     layout: cm.Layout
@@ -102,6 +127,9 @@ class Plan:
     parts: dict[str, float]
     paced_by: str
     fits: bool
+    comm: dict[str, float] = dataclasses.field(default_factory=dict)
+    memory_parts: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
+    idle_kinds: tuple[str, ...] = ()
 
     @property
     def stage_layers(self) -> tuple[int, ...] | None:
@@ -179,6 +207,7 @@ class _Evaluator:
         self.cluster = _cluster(inventory)
         self.hardware = {k.name: cm.hardware_for(k, self.cluster.per_host, self.cluster.inter_bandwidth,
                                                  options.efficiency) for k in inventory.kinds_present}
+        self._shares: dict[tuple, dict[str, int]] = {}
         self.limit = {k.name: MEMORY_FRACTION * k.memory_bytes for k in inventory.kinds_present}
         self.peak = sum(k.peak_bf16_flops for k in self.cluster.kinds)
         self.flops_per_token = self.model.flops_per_token(seq_len)
@@ -227,25 +256,35 @@ class _Evaluator:
     def links(self, mesh) -> dict[str, str]:
         return cm.link_classes(mesh, self.cluster.per_host)
 
+    def shares(self, mesh) -> dict[str, int]:
+        key = tuple(mesh.values())
+        if key not in self._shares:
+            self._shares[key] = cm.host_shares(mesh, self.cluster.per_host)
+        return self._shares[key]
+
     def time(self, cost: cm.Cost, kind, mesh) -> cm.StepTime:
-        return cm.step_time(cost, self.hardware[kind.name], self.links(mesh))
+        return cm.step_time(cost, self.hardware[kind.name], self.links(mesh), self.shares(mesh))
 
     def finish(self, layout, counts, rows, devices: list[tuple[str, cm.Cost, cm.StepTime]],
-               seconds: float | None = None) -> Plan:
+               seconds: float | None = None, idle: Sequence[str] = ()) -> Plan:
         """Combines per-device-class results ``(label, cost, time)`` into a `Plan`; the slowest
         class paces the step (``seconds`` overrides its time, e.g. with a pipeline bubble)."""
         label, _, st = max(devices, key=lambda d: d[2].total)
         seconds = st.total if seconds is None else seconds
         memory: dict[str, float] = {}
+        parts_of: dict[str, dict[str, float]] = {}
         for name, c, _ in devices:
             kind = name.split("/")[0]
+            if c.memory.total >= memory.get(kind, 0.0):
+                parts_of[kind] = {f.name: getattr(c.memory, f.name) for f in dataclasses.fields(c.memory)}
             memory[kind] = max(memory.get(kind, 0.0), c.memory.total)
         fits = all(memory[k] <= self.limit[k] for k in memory)
         tokens = self.batch * self.seq / seconds
         parts = {"compute": st.compute, "exposed_comm": st.exposed_comm, "overlapped_comm": st.overlapped_comm,
                  "optimizer": st.optimizer, "bubble": seconds - st.total}
         return Plan(layout, counts, rows, seconds, tokens, tokens * self.flops_per_token / self.peak,
-                    memory, {k: self.limit[k] for k in memory}, parts, label, fits)
+                    memory, {k: self.limit[k] for k in memory}, parts, label, fits, dict(st.by_kind), parts_of,
+                    tuple(idle))
 
     def uniform(self, layout: cm.Layout) -> Plan | None:
         mesh = layout.mesh
@@ -282,7 +321,9 @@ class _Evaluator:
                 cost, st = self.stage_cost(layout, kind, rows, stages[s], slots)
                 devices.append((f"{kind.name}/stage{s}", cost, st))
         busy = max(st.total - st.optimizer for _, _, st in devices)  # the slowest stage's R*M chunks
-        if layout.one_f_one_b:
+        if layout.one_f_one_b and self.options.one_f_one_b_clock == "fused":
+            busy *= 1 + (mesh[ax.STAGE] - 1) / (r * m)
+        elif layout.one_f_one_b:
             busy = ticks * ONE_F_ONE_B_TICK * busy / (r * m)
         else:
             busy /= 1.0 - bubble_fraction(mesh[ax.STAGE], m, r)
@@ -317,4 +358,15 @@ class _Evaluator:
                 cost = cm.device_cost(self.model, layout, seq_len=self.seq, rows=rows, microbatches=count,
                                       backend=self.options.backend, batch_rows=self.batch)
                 by_class[key] = (kind.name, cost, self.time(cost, kind, mesh))
-        return self.finish(layout, tuple(counts), rows, list(by_class.values()))
+        return self.finish(layout, tuple(counts), rows, list(by_class.values()), idle=self.idle_kinds(mesh, counts))
+
+    def idle_kinds(self, mesh, counts: Sequence[int]) -> list[str]:
+        """The kinds none of whose data-parallel groups (data x fsdp positions, data major) gets a microbatch."""
+        grid, busy, present = self.grid(mesh), set(), {}
+        for i, count in enumerate(counts):
+            group = grid[i // mesh[ax.FSDP], :, i % mesh[ax.FSDP], :, :].reshape(-1)
+            names = {self.kind_of(x).name for x in group}
+            present.update(dict.fromkeys(names))
+            if count > 0:
+                busy |= names
+        return [n for n in present if n not in busy]

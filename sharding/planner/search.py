@@ -68,13 +68,10 @@ def _rules_for(model: ModelDescription, mesh: Mapping[str, int], options: PlanOp
     return out
 
 
-def _microbatch_options(per_device_rows: int, limit: int, at_least: int = 1) -> list[int]:
-    out, m = [], 1
-    while m <= min(per_device_rows, limit):
-        if per_device_rows % m == 0 and m >= at_least:
-            out.append(m)
-        m *= 2
-    return out
+def _microbatch_options(per_device_rows: int, limit: int | None, at_least: int = 1) -> list[int]:
+    """Every divisor of a data-parallel device's rows from ``at_least`` up to ``limit`` (None: all)."""
+    top = per_device_rows if limit is None else min(per_device_rows, limit)
+    return [m for m in range(max(at_least, 1), top + 1) if per_device_rows % m == 0]
 
 
 def _best_fitting(plans: Iterable[Plan | None]) -> Plan | None:
@@ -257,8 +254,8 @@ def plan(model: Any, inventory, global_batch: int, seq_len: int, options: PlanOp
       top: How many plans to return (the best of each mesh and rules, then the rest).
 
     Returns:
-      Plans that fit memory, fastest first (at most ``top``); when none fits, the closest ones
-      with ``fits=False``.
+      Plans that fit memory, fastest first, then (where fewer than ``top`` fit) those that do not, least
+      over memory first (`over_memory`), with ``fits=False``; at most ``top``.
 
     Raises:
       ValueError: On hosts of unequal size or unknown device figures (naming ``--cluster``), or ``top`` < 1.
@@ -271,8 +268,15 @@ def plan(model: Any, inventory, global_batch: int, seq_len: int, options: PlanOp
         priced = _price(ev, layout, tag)
         if priced is not None:
             found[priced.key()] = priced
-    plans = sorted(found.values(), key=lambda p: (not p.fits, p.step_time))
-    return _diverse(plans, top)
+    fitting = sorted((p for p in found.values() if p.fits), key=lambda p: p.step_time)
+    closest = sorted((p for p in found.values() if not p.fits), key=lambda p: (over_memory(p), p.step_time))
+    return (_diverse(fitting, top) + _diverse(closest, top))[:top]
+
+
+def over_memory(p: Plan) -> float:
+    """How far a plan is over memory: the largest of its kinds' predicted bytes over their usable bytes
+    (1.0 or less fits)."""
+    return max(p.memory[k] / p.memory_limit[k] for k in p.memory)
 
 
 def _diverse(plans: list[Plan], top: int) -> list[Plan]:
@@ -305,10 +309,23 @@ def evaluate(model: Any, inventory, global_batch: int, seq_len: int, layout: cm.
              counts: Sequence[int] | None = None, options: PlanOptions | None = None) -> Plan | None:
     """Prices one given layout (and uneven counts), as the planner does.
 
+    Args:
+      model, inventory, global_batch, seq_len: As for `plan`.
+      layout: The layout; with ``stage > 1`` and no ``stage_layers``, the layers split evenly
+        (`sharding.pipeline.layout.plan_layout`: the first stages take the rest).
+      counts: Microbatches per data-parallel device (uneven data parallelism), or None.
+      options: As for `plan` (its clock: efficiency, backend, 1F1B clock).
+
     Returns:
       The `Plan`, or None when the batch does not split over the layout.
+
+    Raises:
+      ValueError: As `plan`, or from `plan_layout` for fewer layers than stages.
     """
     ev = _Evaluator(model, inventory, global_batch, seq_len, options or PlanOptions())
+    if layout.mesh[ax.STAGE] > 1 and layout.stage_layers is None:
+        stages, _ = plan_layout(ev.model.num_layers, layout.mesh[ax.STAGE], layout.pipeline_repeats)
+        layout = dataclasses.replace(layout, stage_layers=stages.stage_layers)
     if counts is None:
         return ev.uniform(layout)
     return ev.uneven(layout, counts, global_batch / sum(counts))
@@ -388,7 +405,7 @@ def no_plan_reason(model: Any, inventory, global_batch: int, seq_len: int,
     ev = _Evaluator(model, inventory, global_batch, seq_len, options)
     splits = sorted({m[ax.DATA] * m[ax.FSDP] for m in _meshes(ev.model, ev.cluster, options)})
     if splits and not any(True for _ in _candidates(ev)):
-        for batch in range(global_batch + 1, global_batch + 2 * max(splits) * max(options.max_microbatches, 1) + 1):
+        for batch in range(global_batch + 1, global_batch + 2 * max(splits) * max(options.max_microbatches or 64, 1) + 1):
             if any(True for _ in _candidates(_Evaluator(model, inventory, batch, seq_len, options))):
                 shown = ", ".join(str(n) for n in splits)
                 return (f"--batch {global_batch} does not divide over the data-parallel devices of any layout "
