@@ -83,6 +83,8 @@ class Row:
       layouts: ``--layout`` strings to try, first that fits wins (one for most rows).
       published_seconds: The measured step time, seconds.
       source: Where the figures come from.
+      one_f_one_b_clock: How its 1F1B pipeline ran (`sharding.planner.PIPELINE_CLOCKS`): Megatron-LM's
+        ``fused`` (each stage on its own), not meshwork's ``lockstep``.
     """
 
     name: str
@@ -93,6 +95,7 @@ class Row:
     layouts: tuple[str, ...]
     published_seconds: float
     source: str
+    one_f_one_b_clock: str = "lockstep"
 
 
 def megatron_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:
@@ -123,7 +126,7 @@ def megatron_rows() -> list[Row]:
         seconds = megatron_flops(batch, MEGATRON_SEQ, layers, hidden, MEGATRON_VOCAB) / (gpus * tflops * 1e12)
         name = f"megatron-{params:g}b"
         rows.append(Row(name, model, inventory, batch, MEGATRON_SEQ, layouts, seconds,
-                        f"Narayanan et al. SC'21 Table 1: {tflops} TFLOP/s per GPU"))
+                        f"Narayanan et al. SC'21 Table 1: {tflops} TFLOP/s per GPU", "fused"))
     return rows
 
 
@@ -150,6 +153,7 @@ def price(row: Row, options: planner.PlanOptions) -> tuple[planner.Plan | None, 
     """``(plan, layout)``: the first of the row's layouts that fits (else the last priced), as
     ``python -m train.plan --layout`` prices it."""
     defaults = argparse.Namespace(dtype=options.dtype, attention="flash")
+    options = dataclasses.replace(options, one_f_one_b_clock=row.one_f_one_b_clock)
     best, used = None, ""
     for text in row.layouts:
         layout, counts = given_layout(text, row.model.num_layers, row.inventory.num_devices, defaults)

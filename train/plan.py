@@ -26,6 +26,7 @@ run's (`sharding.planner.Plan.parallelism`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shlex
 import sys
@@ -53,7 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top", type=int, default=8, help="plans to list")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="compute dtype")
     p.add_argument("--attention", default="any", choices=("any", "flash", "reference"), help="attention to plan for")
-    p.add_argument("--efficiency", type=float, default=0.5, help="fraction of peak FLOP/s a step reaches")
+    p.add_argument("--efficiency", type=float, default=None,
+                   help="fraction of peak FLOP/s the step's work reaches, for every kind; default: each kind's "
+                   "matrix-product figure fitted on published runs (sharding.devices.FITTED_EFFICIENCY, elementwise "
+                   "work at the memory bandwidth), else 0.5")
     p.add_argument("--no-pipeline", action="store_true", help="leave stage=1 (no pipeline parallelism)")
     p.add_argument("--no-hetero", action="store_true", help="no uneven data-parallel shares")
     p.add_argument("--sequence", action="store_true", help="also try a sequence (context-parallel) axis; its "
@@ -79,10 +83,35 @@ def model_description(preset: str, overrides: Sequence[str]) -> ModelDescription
 
 def options_from(args) -> planner.PlanOptions:
     attentions = ("flash", "reference") if args.attention == "any" else (args.attention,)
-    if not 0 < args.efficiency <= 1:
+    if args.efficiency is not None and not 0 < args.efficiency <= 1:
         raise ValueError(f"--efficiency {args.efficiency}: must be in (0, 1], e.g. --efficiency 0.5")
     return planner.PlanOptions(attentions=attentions, dtype=args.dtype, pipeline=not args.no_pipeline,
                                hetero=not args.no_hetero, sequence=args.sequence, efficiency=args.efficiency)
+
+
+def efficiency_note(inventory, options) -> str:
+    """``efficiency 50% of peak`` (``--efficiency``), or each kind's: ``efficiency a100_80gb 70%, ...``."""
+    if options.efficiency is not None:
+        return f"efficiency {options.efficiency:.0%} of peak"
+    return "efficiency " + ", ".join(f"{k.name} {k.matmul_efficiency or cm.DEFAULT_EFFICIENCY:.0%}"
+                                     for k in inventory.kinds_present) + " of peak"
+
+
+def idle_warnings(plans: Sequence[planner.Plan]) -> list[str]:
+    """Lines for a best plan that gives a kind no work: the memory it still holds, and the best listed plan
+    that gives every kind work (how much slower)."""
+    best = plans[0]
+    if not best.idle_kinds:
+        return []
+    lines = [f"warning: the {kind} devices get no microbatches in the chosen plan (counts of 0) but still hold "
+             f"{best.memory[kind] / 1e9:.1f} GB each (their parameter and optimizer shards), as FSDP memory "
+             f"holders only" for kind in best.idle_kinds]
+    working = next(((i, p) for i, p in enumerate(plans, 1) if not p.idle_kinds and p.fits), None)
+    if working is not None:
+        i, p = working
+        lines.append(f"  the best listed plan that gives every kind work is #{i} ({format_mesh(p.layout.mesh)}, "
+                     f"{p.step_time / best.step_time - 1:+.0%} step time): {p.flags()}")
+    return lines
 
 
 def report(model, inventory, args, options) -> tuple[list[str], list[planner.Plan]]:
@@ -102,15 +131,18 @@ def report(model, inventory, args, options) -> tuple[list[str], list[planner.Pla
     base = planner.uniform_baseline(model, inventory, args.batch, args.seq_len, options) if mixed else None
     lines = [inventory.describe(), "",
              f"model {args.model}: {args.batch} x {args.seq_len} tokens per step, {options.dtype}, "
-             f"efficiency {options.efficiency:.0%} of peak; planned in {seconds:.1f} s", ""]
+             f"{efficiency_note(inventory, options)}; planned in {seconds:.1f} s", ""]
     lines += planner.format_table(plans)
+    idle = idle_warnings(plans)
+    if idle:
+        lines += [""] + idle
     best = plans[0]
     if base is not None:
         lines += ["", f"same work on every device (best such plan: {format_mesh(base.layout.mesh)}, rules "
                       f"{base.layout.rules_name}, {base.layout.microbatches} microbatches, remat {base.layout.remat}): "
                       f"{base.step_time:.3f} s/step; the chosen plan is {base.step_time / best.step_time:.2f}x faster"]
     if not best.fits:
-        lines += ["", "warning: no plan fits the devices' memory; the closest is shown"]
+        lines += ["", "warning: no plan fits the devices' memory; the closest are shown, least over memory first"]
     lines += ["", "chosen plan:", f"  python -m train.train --model {args.model} "
               + "".join(f"--set {s} " for s in args.set)
               + f"--batch-size {args.batch} --seq-len {args.seq_len} {best.flags(args.cluster)}"]
@@ -136,8 +168,9 @@ def given_layout(text: str, num_layers: int, num_devices: int, defaults: argpars
     """``(layout, counts)``: the `sharding.costmodel.Layout` that ``--layout "FLAGS"`` describes.
 
     The flags are ``python -m train.train``'s (`LAYOUT_FLAGS`), read by its own parser and turned into
-    its `sharding.parallel.Parallelism` (`train.cli.parallelism_from_args`), so a layout printed by the
-    planner or run by ``train.train`` is priced as given.
+    its `sharding.parallel.Parallelism` (`train.cli.parallelism_from_args`), then into the cost model's
+    layout (`sharding.costmodel.layout_of`), so a layout printed by the planner or run by ``train.train``
+    is priced as given.
 
     Args:
       text: The flags in one string, e.g. ``"--mesh data=8,tensor=4 --rules tp --microbatches 4"``.
@@ -157,7 +190,6 @@ def given_layout(text: str, num_layers: int, num_devices: int, defaults: argpars
     """
     from sharding.mesh import parse_mesh
     from sharding.parallel import UnevenBatch
-    from sharding.rules import get_rules
     from train import cli
 
     try:
@@ -178,26 +210,23 @@ def given_layout(text: str, num_layers: int, num_devices: int, defaults: argpars
         mesh = parse_mesh(args.mesh, num_devices)
     except ValueError as e:
         raise ValueError(f"--layout: {e}") from None
-    strategy, counts, extra = par.strategy, None, {}
+    strategy, counts = par.strategy, None
     if isinstance(strategy, UnevenBatch):
         if strategy.counts is None:
             raise ValueError(f"--layout: --hetero-batch {args.hetero_batch} is decided at run time; give the counts, "
                              f"e.g. --hetero-batch 3,3,3,3,1,1,1,1 (one per data x fsdp device)")
-        counts, extra = tuple(strategy.counts), {"uneven_batch": True}
-    elif par.pipeline is not None:
-        if par.pipeline.measure_stages:
-            raise ValueError("--layout: --stage-layers auto is measured at run time; give the layers per stage, "
-                             "e.g. --stage-layers 10,10,6,6")
-        stages = par.pipeline.layout
-        extra = {"stage_layers": stages.stage_layers, "pipeline_repeats": stages.repeats,
-                 "one_f_one_b": par.pipeline.one_f_one_b}
-    rules = get_rules(args.rules, args.rule) if args.rule else args.rules
+        counts = tuple(strategy.counts)
+    elif par.pipeline is not None and par.pipeline.measure_stages:
+        raise ValueError("--layout: --stage-layers auto is measured at run time; give the layers per stage, "
+                         "e.g. --stage-layers 10,10,6,6")
     attention = args.attention or ("flash" if defaults.attention == "any" else defaults.attention)
     try:
-        layout = cm.Layout(mesh, rules, par.microbatches, args.remat or "none", attention=attention,
-                           dtype=args.dtype or defaults.dtype, logits=args.logits or "auto", **extra)
+        layout = cm.layout_of(par.replace(mesh_shape=mesh), remat=args.remat or "none", attention=attention,
+                              dtype=args.dtype or defaults.dtype, logits=args.logits or "auto")
     except ValueError as e:
         raise ValueError(f"--layout: {e}") from None
+    if not args.rule:  # a preset by name, as the search names it (the pipeline's layers -> stage is implied)
+        layout = dataclasses.replace(layout, rules=args.rules)
     return layout, counts
 
 
@@ -218,8 +247,8 @@ def price_report(model, inventory, args, options) -> tuple[list[str], planner.Pl
                          f"devices x {layout.microbatches} microbatches ({per} rows per step at least); give a "
                          f"--batch divisible by {per}")
     lines = [inventory.describe(), "",
-             f"model {args.model}: {args.batch} x {args.seq_len} tokens per step, {layout.dtype}, efficiency "
-             f"{options.efficiency:.0%} of peak; priced in {seconds:.2f} s", ""]
+             f"model {args.model}: {args.batch} x {args.seq_len} tokens per step, {layout.dtype}, "
+             f"{efficiency_note(inventory, options)}; priced in {seconds:.2f} s", ""]
     lines += planner.format_table([plan_]) + [""] + breakdown(plan_)
     lines += ["", "as flags:", f"  python -m train.train --model {args.model} "
               + "".join(f"--set {s} " for s in args.set)
@@ -241,11 +270,16 @@ def breakdown(p: planner.Plan) -> list[str]:
             ("optimizer update", parts["optimizer"]),
             ("pipeline bubble and schedule", parts["bubble"])]
     lines += [f"  {name:<58} {sec:9.4f} s  {sec / total:6.1%}" for name, sec in rows]
+    if p.comm:
+        lines.append("traffic by collective (slowest device, overlapped or not): "
+                     + ", ".join(f"{kind} {sec:.4f} s" for kind, sec in sorted(p.comm.items(), key=lambda kv: -kv[1])))
     lines.append("memory per device:")
     for kind, used in p.memory.items():
         limit = p.memory_limit[kind]
+        parts = p.memory_parts.get(kind, {})
         lines.append(f"  {kind:<20} {used / 1e9:8.1f} GB of {limit / 1e9:.1f} GB usable"
-                     + ("" if used <= limit else f"  over by {(used - limit) / 1e9:.1f} GB"))
+                     + ("" if used <= limit else f"  over by {(used - limit) / 1e9:.1f} GB")
+                     + (": " + ", ".join(f"{name} {b / 1e9:.1f}" for name, b in parts.items() if b) if parts else ""))
     lines.append("fits" if p.fits else f"does not fit: {planner.why_lost(p, p).removeprefix('does not fit: ')}")
     return lines
 
@@ -253,13 +287,15 @@ def breakdown(p: planner.Plan) -> list[str]:
 def plan_json(p: planner.Plan) -> dict:
     """One plan for scripts: ``step_seconds``, ``tokens_per_second``, ``mfu`` (fraction), ``memory_gb`` (kind ->
     GB per device, 1e9 bytes), ``memory_limit_gb``, ``fits``, ``why`` (empty when it fits), ``parts`` (seconds
-    of the slowest device), ``paced_by``, ``counts`` (uneven microbatches or null) and ``flags`` (the
+    of the slowest device), ``paced_by``, ``counts`` (uneven microbatches or null), ``comm_seconds`` (seconds
+    per collective kind), ``idle_kinds`` (kinds given no microbatch) and ``flags`` (the
     ``python -m train.train`` layout flags, `planner.Plan.flags`)."""
     return {"step_seconds": p.step_time, "tokens_per_second": p.tokens_per_second, "mfu": p.mfu,
             "memory_gb": {k: v / 1e9 for k, v in p.memory.items()},
             "memory_limit_gb": {k: v / 1e9 for k, v in p.memory_limit.items()},
             "fits": p.fits, "why": "" if p.fits else planner.why_lost(p, p), "parts": dict(p.parts),
             "paced_by": p.paced_by, "counts": list(p.counts) if p.counts is not None else None,
+            "comm_seconds": dict(p.comm), "idle_kinds": list(p.idle_kinds),
             "flags": p.flags()}
 
 
