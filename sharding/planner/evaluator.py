@@ -52,7 +52,8 @@ class PlanOptions:
       attentions: Attention implementations to try.
       dtype: Compute dtype (``bfloat16`` for GPUs).
       max_microbatches: Largest number of microbatches (per device, uniform) to try; None: every divisor of
-        the rows a data-parallel device holds (a pipeline's at least its stages).
+        the rows a data-parallel device holds (a pipeline's from its stages up to
+        `sharding.planner.search.PIPELINE_MICROBATCHES_PER_STAGE` per stage, at least 64).
       pipeline: Whether to try ``stage > 1`` (the pipeline flags of train.py).
       max_stages: Largest ``stage`` to try (None: up to the layers).
       repeats: Circular pipeline repeats to try.

@@ -68,6 +68,15 @@ def _rules_for(model: ModelDescription, mesh: Mapping[str, int], options: PlanOp
     return out
 
 
+#: Pipelines: microbatches searched up to this many per stage (or `PIPELINE_MICROBATCHES_FLOOR`), where
+#: ``max_microbatches`` is None. Past 12 per stage the bubble is under 1/13 of the step and each further
+#: microbatch adds its own traffic; Megatron-LM's published layouts (SC'21, Table 1) run 8 to 24 per stage
+#: (48 on 2 stages, 512 on 64), all within the bound. Without it the search priced thousands of long
+#: pipelines no faster (3x the time of a 16-device plan).
+PIPELINE_MICROBATCHES_PER_STAGE = 12
+PIPELINE_MICROBATCHES_FLOOR = 64
+
+
 def _microbatch_options(per_device_rows: int, limit: int | None, at_least: int = 1) -> list[int]:
     """Every divisor of a data-parallel device's rows from ``at_least`` up to ``limit`` (None: all)."""
     top = per_device_rows if limit is None else min(per_device_rows, limit)
@@ -179,7 +188,10 @@ def _layouts(ev: _Evaluator, mesh: dict[str, int], rules: str, attention: str) -
         return
     per_device = ev.batch // n_batch
     stages = mesh[ax.STAGE]
-    for m in _microbatch_options(per_device, opts.max_microbatches, at_least=stages if stages > 1 else 1):
+    limit = opts.max_microbatches
+    if limit is None and stages > 1:
+        limit = max(PIPELINE_MICROBATCHES_FLOOR, PIPELINE_MICROBATCHES_PER_STAGE * stages)
+    for m in _microbatch_options(per_device, limit, at_least=stages if stages > 1 else 1):
         for r in (opts.repeats if stages > 1 else (1,)):
             if stages > 1 and stages * r > model.num_layers:
                 continue
