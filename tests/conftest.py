@@ -2,18 +2,19 @@
 
 The cache folder is made fresh under the system's temp dir for each pytest session (and removed at its
 end), so runs stay independent while the many tests that compile the same step (the CLI runs, the
-multi-process jobs, which inherit the environment) compile it once.
+multi-process jobs, which inherit the environment) compile it once. Under pytest-xdist the workers inherit
+the controller's environment and share its folder; only the process that made it removes it.
 """
 
 import os
 import tempfile
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
+if "--xla_force_host_platform_device_count=8" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-_CACHE_DIR = tempfile.mkdtemp(prefix="meshwork-jax-cache-")
-os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE_DIR
+_OWN_CACHE = "PYTEST_XDIST_WORKER" not in os.environ or "JAX_COMPILATION_CACHE_DIR" not in os.environ
+if _OWN_CACHE:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="meshwork-jax-cache-")
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.2"
 os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
@@ -45,4 +46,5 @@ def cache(tmp_path_factory):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    shutil.rmtree(_CACHE_DIR, ignore_errors=True)
+    if _OWN_CACHE:
+        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
