@@ -368,3 +368,15 @@ def watch_peers(config: DistributedConfig, checkpoint_dir=None) -> PeerWatch | N
         return None
     note = (lambda: checkpoint_note(checkpoint_dir)) if checkpoint_dir is not None else None
     return PeerWatch(jax.process_index(), jax.process_count(), config.timeout, checkpoint_note=note).start()
+
+
+def any_process(flag: bool) -> bool:
+    """Whether ``flag`` is true on any process (every process must call it; one process: ``flag`` itself)."""
+    import jax
+
+    if jax.process_count() == 1:
+        return bool(flag)
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    return bool(np.asarray(multihost_utils.process_allgather(np.int32(bool(flag)))).any())

@@ -61,7 +61,7 @@ def run(config: RunConfig) -> int:
     folder, ckpt, latest = Path(config.checkpoint.run_dir) / "checkpoints", None, None
     if not config.loop.dry_run:
         ckpt, latest = open_resumable(folder, config.checkpoint.keep, config.checkpoint.resume_step, config.model,
-                                      tokenizer, log)
+                                      tokenizer, log, config.checkpoint.discard_later)
     watch = watch_peers(config.cluster.distributed(), folder)  # a lost process ends the others with one line
     log(f"{processes}; {jax.local_device_count()} local devices")
     trainer = build_trainer(config, log)
@@ -151,7 +151,7 @@ def train(config: RunConfig, trainer, ckpt, latest, tokenizer, log) -> int:
     with StopFlag() as stop:
         dataset = load_dataset(data.spec, tokenizer, data.seq_len, data.batch_size, data.seed, data.heldout,
                                data.cache_dir, log, permutation=_context_permutation(config))
-        state, samples = start_state(config, trainer, ckpt, latest, log)
+        state, samples, latest = start_state(config, trainer, ckpt, latest, log)
         writer = MetricsWriter(Path(config.checkpoint.run_dir), jax.process_index() == 0, latest)
         meta = RunMeta.create(config.model, config.preset, trainer.par.mesh_shape, trainer.rules,
                               {"spec": data.spec, "seq_len": data.seq_len, "global_batch": data.batch_size,
@@ -173,18 +173,23 @@ def train(config: RunConfig, trainer, ckpt, latest, tokenizer, log) -> int:
 
 
 def start_state(config: RunConfig, trainer, ckpt, latest, log):
-    """``(state, samples)``: the latest checkpoint re-laid onto this run's mesh and layout, or a fresh state
-    (`train.inference.fresh_state`: ``--init-from``'s weights or a random init)."""
+    """``(state, samples, step)``: the latest checkpoint re-laid onto this run's mesh and layout, or a fresh
+    state (`train.inference.fresh_state`: ``--init-from``'s weights or a random init; step None). A step whose
+    arrays do not read is set aside and the next older one restored (`checkpoints.verify.restore_falling_back`)."""
     from checkpoints.manager import restore_state
+    from checkpoints.verify import restore_falling_back
+    from train.distributed import any_process
     from train.inference import fresh_state
 
     if latest is None:
-        return fresh_state(config, trainer, ckpt.directory, log), 0
+        return fresh_state(config, trainer, ckpt.directory, log), 0, None
     t0 = time.perf_counter()
-    state, meta = restore_state(ckpt, trainer, latest)
+    (state, meta), latest = restore_falling_back(
+        ckpt.directory, latest, lambda step: restore_state(ckpt, trainer, step), log,
+        explicit=config.checkpoint.resume_step is not None, any_failed=any_process, reload=ckpt.reload)
     for line in report.resume_lines(config, trainer, meta, latest, time.perf_counter() - t0):
         log(line)
-    return state, meta.samples
+    return state, meta.samples, latest
 
 
 def _context_permutation(config: RunConfig):
