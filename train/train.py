@@ -53,11 +53,36 @@ def run(config: RunConfig) -> int:
     processes = initialize(config.cluster.distributed())
     import jax
 
+    log = report.logger(jax.process_index() == 0)
+    config, tokenizer = prepare(config, jax.devices(), log)
+    lock = hold_run_folder(config, jax.process_index(), log)  # refuses a folder another run holds
+    try:
+        return _run_prepared(config, tokenizer, processes, log)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def hold_run_folder(config: RunConfig, process_index: int, log):
+    """The `checkpoints.lock.RunLock` of ``--run-dir``, taken by process 0 before anything in it is touched
+    (None for a dry run and the other processes, which share the folder by design).
+
+    Raises:
+      checkpoints.lock.RunFolderLocked: (a ValueError) another run holds the folder.
+    """
+    from checkpoints.lock import RunLock
+
+    if config.loop.dry_run or process_index != 0:
+        return None
+    return RunLock.acquire(config.checkpoint.run_dir, log, config.checkpoint.break_lock)
+
+
+def _run_prepared(config: RunConfig, tokenizer, processes: str, log) -> int:
+    import jax
+
     from checkpoints.manager import open_resumable
     from train.distributed import watch_peers
 
-    log = report.logger(jax.process_index() == 0)
-    config, tokenizer = prepare(config, jax.devices(), log)
     folder, ckpt, latest = Path(config.checkpoint.run_dir) / "checkpoints", None, None
     if not config.loop.dry_run:
         ckpt, latest = open_resumable(folder, config.checkpoint.keep, config.checkpoint.resume_step, config.model,
