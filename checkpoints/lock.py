@@ -66,7 +66,7 @@ class RunLock:
         atexit.register(self.release)
 
     @classmethod
-    def acquire(cls, run_dir: str | Path, log: Callable[[str], None], break_lock: bool = False) -> "RunLock":
+    def acquire(cls, run_dir: str | Path, log: Callable[[str], None], break_lock: bool = False) -> RunLock:
         """Takes ``RUN_DIR/run.lock`` (creating the folder), reclaiming a stale lock with one line.
 
         Args:
@@ -131,7 +131,7 @@ class RunLock:
             except FileNotFoundError:
                 pass
 
-    def __enter__(self) -> "RunLock":
+    def __enter__(self) -> RunLock:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -3,19 +3,21 @@
 One trainer run (steps 1, 2, 3, each saved) is shared by the module; each test works on a copy of it.
 """
 
+import io
 import json
 import re
 import shutil
 import socket
 import subprocess
 import sys
+from contextlib import redirect_stderr
 
 import pytest
-
 from _procs import start, wait_for_line
-from checkpoints.lock import LOCK_FILE, _start_time
-from checkpoints.verify import _walk_index
 from test_faults import args_for, snapshot, steps_saved
+
+from checkpoints.lock import LOCK_FILE
+from checkpoints.verify import _walk_index
 from train import train
 
 
@@ -35,9 +37,6 @@ def three_steps(tmp_path_factory, corpus, cache):
         wait_for_line(log, r"^step\s+3/3", first)
         owner = json.loads((run_dir / LOCK_FILE).read_text())
         before = snapshot(run_dir / "checkpoints")
-        import io
-        from contextlib import redirect_stderr
-
         err = io.StringIO()
         with redirect_stderr(err):
             second = train.main(args_for(corpus, cache, "--steps", "5", "--resume", "--run-dir", str(run_dir)))

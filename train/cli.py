@@ -338,8 +338,9 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "k
           "gib": 2**30, "tib": 2**40}
 
 
-def parse_bytes(text: str) -> int:
-    """``--device-memory``: ``80GiB``, ``16GB``, ``5e8`` -> bytes (argparse reports a ValueError as a usage error).
+def parse_bytes(text: str, flag: str = "--device-memory", example: str = "80GiB") -> int:
+    """``--device-memory`` (or ``flag``): ``80GiB``, ``16GB``, ``5e8`` -> bytes (argparse reports a ValueError as a
+    usage error).
 
     Raises:
       ValueError: Not a positive finite number with one of the units B, kB, MB, GB, TB, KiB, MiB, GiB, TiB.
@@ -353,7 +354,7 @@ def parse_bytes(text: str) -> int:
     except (ValueError, KeyError):
         value = float("nan")
     if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected bytes > 0, e.g. --device-memory 80GiB")
+        raise argparse.ArgumentTypeError(f"{text!r}: expected bytes > 0, e.g. {flag} {example}")
     return int(value)
 
 
