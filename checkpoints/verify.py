@@ -553,7 +553,7 @@ def set_aside_later(directory: str | Path, step: int | None, discard: bool, log:
 
 def restore_falling_back(directory: str | Path, step: int, restore: Callable[[int], Any], log: Callable[[str], None],
                          explicit: bool = False, any_failed: Callable[[bool], bool] = bool,
-                         reload: Callable[[], None] = lambda: None) -> tuple[Any, int]:
+                         reload: Callable[[], None] = lambda: None, flag: str = "--resume-step") -> tuple[Any, int]:
     """``(restore(step), step)``; when the restore fails on damaged array data, falls back to an older step.
 
     The restore itself is the deep check: when it raises, `read_problems` reads every array of the step.
@@ -566,11 +566,12 @@ def restore_falling_back(directory: str | Path, step: int, restore: Callable[[in
       step: the step chosen (`latest_verified_step`).
       restore: restores one step (an Orbax restore onto the run's shardings); its result is returned.
       log: called with each line.
-      explicit: the step was chosen with ``--resume-step``: a damaged one is refused (naming a step that
-        verifies) instead of replaced.
+      explicit: the step was chosen with ``flag``, or the caller only reads (``generate``, ``export``): a
+        damaged step is refused (naming a step that verifies), never set aside or replaced.
       any_failed: with several processes, whether any process's restore failed, given this one's (each
         process reads only its slices; all must fall back together). The default serves one process.
       reload: called after a step is set aside (the Orbax manager re-lists its steps).
+      flag: the flag that chooses a step, named in the refusal of an explicit one.
 
     Returns:
       ``(result of restore, the step restored)``.
@@ -597,8 +598,8 @@ def restore_falling_back(directory: str | Path, step: int, restore: Callable[[in
         older = [s for s in saved_steps(directory) if s < step]
         good = next((s for s in reversed(older) if verify_step(directory, s).ok), None)
         if explicit:
-            hint = f"pass --resume-step {good}" if good is not None else "no older step reads completely either"
-            raise CheckpointDamaged(f"--resume-step {step}: {verdict.line()}; {hint}")
+            hint = f"pass {flag} {good}" if good is not None else "no older step reads completely either"
+            raise CheckpointDamaged(f"{flag} {step}: {verdict.line()}; {hint}")
         target = set_aside(directory, step, "damaged")
         reload()
         if good is None:

@@ -17,7 +17,7 @@ from _procs import start, wait_for_line
 from test_faults import args_for, snapshot, steps_saved
 
 from checkpoints.lock import LOCK_FILE
-from checkpoints.verify import _walk_index
+from checkpoints.verify import _walk_index, verify_step
 from train import train
 
 
@@ -32,21 +32,19 @@ def three_steps(tmp_path_factory, corpus, cache):
     run_dir = root / "run"
     log = root / "first.log"
     first = start(args_for(corpus, cache, "--steps", "3", "--ckpt-every", "1", "--keep", "5", "--cpu-devices", "8",
-                           "--run-dir", str(run_dir)), log, MESHWORK_TEST_SAVE_PAUSE=6)
+                           "--run-dir", str(run_dir)), log, MESHWORK_TEST_SAVE_PAUSE=8)
     try:
         wait_for_line(log, r"^step\s+3/3", first)
         owner = json.loads((run_dir / LOCK_FILE).read_text())
-        before = snapshot(run_dir / "checkpoints")
         err = io.StringIO()
         with redirect_stderr(err):
             second = train.main(args_for(corpus, cache, "--steps", "5", "--resume", "--run-dir", str(run_dir)))
-        untouched = snapshot(run_dir / "checkpoints") == before
         assert first.wait(timeout=180) == 0, log.read_text()
     finally:
         if first.poll() is None:
             first.kill()
     assert steps_saved(run_dir) == [1, 2, 3] and not (run_dir / LOCK_FILE).exists()
-    return run_dir, {"pid": first.pid, "owner": owner, "code": second, "err": err.getvalue(), "untouched": untouched}
+    return run_dir, {"pid": first.pid, "owner": owner, "code": second, "err": err.getvalue()}
 
 
 @pytest.fixture
@@ -64,7 +62,11 @@ def test_a_second_run_on_a_folder_in_use_is_refused_before_anything_is_touched(t
     assert line == (f"error: --run-dir {run_dir} is in use by another run, pid {second['pid']} on host "
                     f"{socket.gethostname()} (since {second['owner']['since']}); wait for it to end (or stop it), "
                     "or choose another --run-dir (nothing was touched)")
-    assert second["untouched"]  # the first run's checkpoints were not opened, cleaned or set aside
+    # Nothing was touched: opening the checkpoints would have cleaned up the first run's save in progress
+    # (it then fails) and a resume would have cut its records back; it ended well, with every step and record.
+    assert steps_saved(run_dir) == [1, 2, 3] and all(verify_step(run_dir / "checkpoints", s, deep=True).ok
+                                                     for s in (1, 2, 3))
+    assert records(run_dir)[-1] == 3 and {1, 2, 3} <= set(records(run_dir))
 
 
 def test_a_stale_lock_is_reclaimed_with_a_line(copy, corpus, cache, capsys):
@@ -126,15 +128,22 @@ def test_discard_later_sets_the_later_steps_aside_then_truncates_the_records(cop
     assert "resumed step 1" in out and max(records(copy)) == 2 and 3 not in records(copy)
 
 
+def damage_a_data_file(state):
+    """Inverts the first 32 bytes (the zstd frame header of the chunk stored first) of the process-0 data
+    file holding most chunks; returns the file and its new bytes."""
+    _, references = _walk_index(state)
+    damaged = state / max(references, key=lambda f: (f.startswith("ocdbt.process_0/d/"), len(references[f])))
+    data = bytearray(damaged.read_bytes())
+    data[:32] = bytes(b ^ 0xFF for b in data[:32])
+    damaged.write_bytes(bytes(data))
+    return damaged, bytes(data)
+
+
 def test_flipped_bytes_in_an_array_data_file_fall_back_to_the_older_step(copy, corpus, cache, capsys):
     """The user's report: flipped bytes in state/ocdbt.process_0/d/ ended a resume in hundreds of lines of
     Orbax tracebacks; now the step is set aside with one line naming the file, and step 2 resumes."""
     state = copy / "checkpoints" / "3" / "state"
-    _, references = _walk_index(state)
-    damaged = state / max(references, key=lambda f: (f.startswith("ocdbt.process_0/d/"), len(references[f])))
-    data = bytearray(damaged.read_bytes())
-    data[:32] = bytes(b ^ 0xFF for b in data[:32])  # the zstd frame header of the first chunk stored there
-    damaged.write_bytes(bytes(data))
+    damaged, data = damage_a_data_file(state)
     code = train.main(args_for(corpus, cache, "--steps", "4", "--resume", "--run-dir", str(copy)))
     captured = capsys.readouterr()
     assert code == 0, captured.err
@@ -145,4 +154,17 @@ def test_flipped_bytes_in_an_array_data_file_fall_back_to_the_older_step(copy, c
                     rf"file {re.escape(str(damaged))} does not decode \(", line), line
     assert line.endswith(f"set it aside as {aside} (not resumed from, not counted by --keep); resuming from step 2")
     assert "resumed step 2" in captured.out and steps_saved(copy) == [1, 2, 4]
-    assert (aside / damaged.relative_to(state.parent)).read_bytes() == bytes(data)  # kept as it was
+    assert (aside / damaged.relative_to(state.parent)).read_bytes() == data  # kept as it was
+
+
+def test_export_of_a_step_with_damaged_data_is_one_line_naming_the_file_and_renames_nothing(copy, capsys, tmp_path):
+    from train import hf as hf_cli
+
+    damaged, _ = damage_a_data_file(copy / "checkpoints" / "3" / "state")
+    before = snapshot(copy)
+    assert hf_cli.main(["export", str(copy), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    (line,) = err.strip().splitlines()
+    assert line.startswith(f"error: --step 3: step 3 in {copy / 'checkpoints'} is damaged: array '"), line
+    assert f"in data file {damaged} does not decode" in line and line.endswith("; pass --step 2")
+    assert snapshot(copy) == before

@@ -65,16 +65,29 @@ def run(config: RunConfig) -> int:
 
 def hold_run_folder(config: RunConfig, process_index: int, log):
     """The `checkpoints.lock.RunLock` of ``--run-dir``, taken by process 0 before anything in it is touched
-    (None for a dry run and the other processes, which share the folder by design).
+    (None for a dry run and the other processes, which share the folder by design); every process learns
+    whether it was refused.
 
     Raises:
       checkpoints.lock.RunFolderLocked: (a ValueError) another run holds the folder.
     """
-    from checkpoints.lock import RunLock
+    from checkpoints.lock import RunFolderLocked, RunLock
+    from train.distributed import any_process
 
-    if config.loop.dry_run or process_index != 0:
+    if config.loop.dry_run:
         return None
-    return RunLock.acquire(config.checkpoint.run_dir, log, config.checkpoint.break_lock)
+    lock, error = None, None
+    if process_index == 0:
+        try:
+            lock = RunLock.acquire(config.checkpoint.run_dir, log, config.checkpoint.break_lock)
+        except ValueError as e:
+            error = e
+    if any_process(error is not None):  # the other processes stop with process 0, not at its first collective
+        if error is not None:
+            raise error
+        raise RunFolderLocked(f"--run-dir {config.checkpoint.run_dir}: process 0 could not take the folder's lock "
+                              "(its error is in its log)")
+    return lock
 
 
 def _run_prepared(config: RunConfig, tokenizer, processes: str, log) -> int:
