@@ -102,7 +102,7 @@ class RunLock:
                 continue
             who = (f"pid {held.get('pid')} on host {held.get('host')} (since {held.get('since')})")
             if held.get("host") == host:
-                if held.get("pid") != pid and not _alive(int(held.get("pid", -1)), held.get("started")):
+                if held["pid"] != pid and not _alive(held["pid"], held.get("started")):
                     _remove_if_same(path, held)
                     log(f"note: --run-dir {folder}: reclaimed the stale lock of {who}, which has ended")
                     continue
@@ -163,7 +163,9 @@ def _read(path: Path) -> dict | None:
         held = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    return held if isinstance(held, dict) else None
+    if not isinstance(held, dict) or not isinstance(held.get("pid"), int) or held["pid"] <= 0:
+        return None  # not a lock this module wrote
+    return held
 
 
 def _remove_if_same(path: Path, held: dict | None) -> None:

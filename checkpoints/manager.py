@@ -91,17 +91,21 @@ class CheckpointManager:
       directory: the checkpoint folder (created if missing).
       keep: how many most recent checkpoints to keep (older ones are deleted).
       async_save: write in a background thread.
+      read_only: only read (``generate``, ``evaluate``, ``export``): nothing is created, cleaned up or
+        deleted, so a run training in the folder keeps its save in progress.
     """
 
-    def __init__(self, directory: str | Path, keep: int = 3, async_save: bool = True):
+    def __init__(self, directory: str | Path, keep: int = 3, async_save: bool = True, read_only: bool = False):
         if keep < 1:
             raise ValueError(f"--keep {keep}: must be at least 1")
         self.directory = Path(directory).absolute()
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep,
-            create=True,
+            max_to_keep=None if read_only else keep,
+            create=not read_only,
             enable_async_checkpointing=async_save,
-            cleanup_tmp_directories=True,  # leftovers of a save killed midway
+            # leftovers of a save killed midway; a reader leaves them: they may be a live run's save in progress
+            cleanup_tmp_directories=not read_only,
+            read_only=read_only,
         )
         handlers = {STATE: _state_handler(), META: ocp.JsonCheckpointHandler()}
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)

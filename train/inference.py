@@ -96,7 +96,7 @@ def read_run(run_dir: str | Path, step: int | None = None):
     if not folder.is_dir():
         raise ValueError(f"--run-dir {run_dir}: no checkpoints/ folder; give a folder written by train.train or "
                          "train.hf import")
-    manager = CheckpointManager(folder, async_save=False)
+    manager = CheckpointManager(folder, async_save=False, read_only=True)  # a live run's save in progress stays
     try:
         chosen = manager.resume_choice(step).step
         if chosen is None:
