@@ -375,6 +375,10 @@ def dry_run(run, trainer, log, watch=None) -> int:
         log(line)
     for line in compute_lines(compiled) + collective_lines(compiled) + branch_lines(compiled, trainer):
         log(line)
+    from train.predicted import cost_model_lines
+
+    for line in cost_model_lines(trainer, compiled, batch, seq_len):
+        log(line)
     if watch is not None:
         watch.close()
     from train.fit import check_compiled
