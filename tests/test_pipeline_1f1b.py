@@ -15,6 +15,7 @@ from sharding.hlo import branch_collectives
 from sharding.mesh import make_mesh, parse_mesh
 from sharding.parallel import UNSHARDED, Parallelism
 from sharding.pipeline.layout import BACKWARD, FORWARD
+from sharding.pipeline.onef1b import run_pipeline_loss
 from sharding.rules import get_rules
 from test_pipeline import _batch as pipeline_batch
 
@@ -124,7 +125,7 @@ def _toy(mesh_spec, num_layers, stage_layers, microbatches, batch=16, dim=16, sc
         return _toy_head(UNSHARDED, hp, h, target, mask)
 
     def pipelined(w, hp, x):
-        loss, weight, applied = pl.run_pipeline_loss(
+        loss, weight, applied = run_pipeline_loss(
             _toy_layer, _toy_head, w, hp, x, (position,), (target, mask), Parallelism.of(mesh, rules, plan),
             names={"a": ("layers", None, "embed"), "b": ("layers", None)},
             head_names={"v": ("embed", None), "c": (None,)})

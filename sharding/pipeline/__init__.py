@@ -1,9 +1,17 @@
 """Pipeline parallelism over the ``stage`` mesh axis, in one SPMD program, with uneven stages.
 
-* `layout`: stage layouts and the pipeline plan (which layers each stage holds; no JAX);
-* `storage`: how a run stores the layer stack between steps: unpadded rows over every device;
-* `relayout`: moving stacked layer arrays between layouts (checkpoints across stage counts);
-* `schedule`: the GPipe and circular schedules with their hand-written backward pass;
+The package itself imports no JAX: it names the pure pieces, and the schedules are imported from their
+own modules.
+
+* `layout`: stage layouts, the pipeline plan and the 1F1B tick tables (which layers each stage holds and
+  what it runs when; no JAX);
+* `storage`: how a run stores the layer stack between steps: unpadded rows over every device (no JAX at
+  import);
+* `relayout`: moving stacked layer arrays between layouts (checkpoints across stage counts; no JAX at
+  import);
+* `program`: the pieces every schedule's stage program is built from (setup, weight gather and gradient
+  reduction, a chunk's forward and hand-written backward, buffer reads and writes);
+* `schedule`: the GPipe and circular schedules with their hand-written backward pass (`run_pipeline`);
 * `onef1b`: the 1F1B schedule, loss and backward pass in one loop (`run_pipeline_loss`).
 """
 
@@ -22,12 +30,9 @@ from sharding.pipeline.layout import (
 )
 from sharding.pipeline.relayout import layout_rows, relayout, relayout_on_mesh
 from sharding.pipeline.storage import StageStorage, layout_from_meta
-from sharding.pipeline.schedule import from_microbatches, run_pipeline, to_microbatches
-from sharding.pipeline.onef1b import run_pipeline_loss
 
 __all__ = [
     "SCHEDULES", "StageLayout", "PipelinePlan", "plan_layout", "parse_stage_layers", "example_split", "check_microbatches",
-    "pipeline_rules", "head_parallelism", "bubble_fraction", "one_f_one_b_ticks", "run_pipeline_loss", "relayout",
-    "relayout_on_mesh", "layout_rows", "run_pipeline", "to_microbatches", "from_microbatches", "StageStorage",
-    "layout_from_meta",
+    "pipeline_rules", "head_parallelism", "bubble_fraction", "one_f_one_b_ticks", "relayout", "relayout_on_mesh",
+    "layout_rows", "StageStorage", "layout_from_meta",
 ]
