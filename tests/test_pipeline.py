@@ -42,10 +42,11 @@ def assert_close(actual, expected, rtol=1e-5):
 
 
 def test_the_pure_pipeline_modules_import_without_jax():
-    """The package, its layouts, the storage and the relayout import with JAX blocked (a planner or a
+    """The package, its layouts, tick tables, storage and relayout import with JAX blocked (a planner or a
     checkpoint reader needs no accelerator stack); the schedule modules, which run JAX, do not."""
     block = "import sys; sys.modules['jax'] = None; "
-    pure = "import sharding.pipeline, sharding.pipeline.layout, sharding.pipeline.storage, sharding.pipeline.relayout"
+    pure = ("import sharding.pipeline, sharding.pipeline.layout, sharding.pipeline.ticks, sharding.pipeline.storage, "
+            "sharding.pipeline.relayout")
     subprocess.run([sys.executable, "-c", block + pure], check=True, cwd=Path(__file__).parents[1])
     for schedule in ("program", "schedule", "onef1b"):
         run = subprocess.run([sys.executable, "-c", f"{block}import sharding.pipeline.{schedule}"],

@@ -3,8 +3,8 @@
 The package itself imports no JAX: it names the pure pieces, and the schedules are imported from their
 own modules.
 
-* `layout`: stage layouts, the pipeline plan and the 1F1B tick tables (which layers each stage holds and
-  what it runs when; no JAX);
+* `layout`: stage layouts and the pipeline plan (which layers each stage holds; no JAX);
+* `ticks`: the 1F1B schedules' tick tables, lockstep and fused (what each stage runs at each tick; no JAX);
 * `storage`: how a run stores the layer stack between steps: unpadded rows over every device (no JAX at
   import);
 * `relayout`: moving stacked layer arrays between layouts (checkpoints across stage counts; no JAX at
@@ -23,16 +23,16 @@ from sharding.pipeline.layout import (
     check_microbatches,
     example_split,
     head_parallelism,
-    one_f_one_b_ticks,
     parse_stage_layers,
     pipeline_rules,
     plan_layout,
 )
 from sharding.pipeline.relayout import layout_rows, relayout, relayout_on_mesh
 from sharding.pipeline.storage import StageStorage, layout_from_meta
+from sharding.pipeline.ticks import fused_ticks, one_f_one_b_ticks
 
 __all__ = [
     "SCHEDULES", "StageLayout", "PipelinePlan", "plan_layout", "parse_stage_layers", "example_split", "check_microbatches",
-    "pipeline_rules", "head_parallelism", "bubble_fraction", "one_f_one_b_ticks", "relayout", "relayout_on_mesh",
-    "layout_rows", "StageStorage", "layout_from_meta",
+    "pipeline_rules", "head_parallelism", "bubble_fraction", "one_f_one_b_ticks", "fused_ticks", "relayout",
+    "relayout_on_mesh", "layout_rows", "StageStorage", "layout_from_meta",
 ]
