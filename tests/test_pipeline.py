@@ -50,7 +50,7 @@ def test_the_pure_pipeline_modules_import_without_jax():
     subprocess.run([sys.executable, "-c", block + pure], check=True, cwd=Path(__file__).parents[1])
     for schedule in ("program", "schedule", "onef1b"):
         run = subprocess.run([sys.executable, "-c", f"{block}import sharding.pipeline.{schedule}"],
-                             capture_output=True, text=True, cwd=Path(__file__).parents[1])
+                             capture_output=True, text=True, cwd=Path(__file__).parents[1], check=False)
         assert run.returncode != 0 and "jax" in run.stderr, (schedule, run.stderr)
 
 

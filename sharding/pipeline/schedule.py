@@ -49,8 +49,6 @@ gather, no matrix product); the final norm, output projection and loss run on
 
 from __future__ import annotations
 
-from __future__ import annotations
-
 import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any

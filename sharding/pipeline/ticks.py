@@ -82,10 +82,10 @@ class Ticks:
 
     def columns(self) -> dict[str, np.ndarray]:
         """The table as the loop reads it (`FusedTicks.columns`): a tick's forward and backward columns are
-        the same arrays, and at most one of the two runs."""
-        forward, backward = (self.op == FORWARD).astype(np.int32), (self.op == BACKWARD).astype(np.int32)
-        return {"forward": forward, "forward_chunk": self.chunk, "forward_microbatch": self.microbatch,
-                "forward_slot": self.slot, "backward": backward, "backward_chunk": self.chunk,
+        the same arrays (``op`` for both: a forward runs where it is `FORWARD`, a backward where it is
+        `BACKWARD`), so at most one of the two runs."""
+        return {"forward": self.op, "forward_chunk": self.chunk, "forward_microbatch": self.microbatch,
+                "forward_slot": self.slot, "backward": self.op, "backward_chunk": self.chunk,
                 "backward_microbatch": self.microbatch, "backward_slot": self.slot, "arrive": self.arrive,
                 "cotangent_arrive": self.cotangent_arrive, "cotangent_slot": self.cotangent_slot,
                 "loss_slot": self.cotangent_slot}
@@ -100,11 +100,12 @@ class FusedTicks:
     microbatch may share the tick of its forward.
 
     Attributes:
-      forward: 1 where the stage runs a chunk's forward at the tick, else 0.
+      forward: `FORWARD` where the stage runs a chunk's forward at the tick, else 0.
       forward_chunk, forward_microbatch: the forward's chunk ``r`` and microbatch (0 when idle).
       forward_slot: the ring slot the forward's chunk input sits in (its slot inputs, written by the
         forward, read by the backward).
-      backward: 1 where the stage runs a chunk's backward at the tick, else 0.
+      backward: `BACKWARD` where the stage runs a chunk's backward at the tick, else 0 (the op codes of
+        `Ticks`, so that the loop reads both tables alike).
       backward_chunk, backward_microbatch, backward_slot: likewise for the backward.
       arrive: the ring slot for the activation arriving at the start of the tick (sent by the previous
         virtual stage's forward at the tick before), -1 when what arrives is a dummy.
@@ -137,7 +138,8 @@ class FusedTicks:
 
     def live(self) -> np.ndarray:
         """``[S]``: the most chunk inputs each stage holds at once (from arrival to backward)."""
-        return _held(self.arrive, self.forward == 1, self.forward_slot, self.backward == 1, self.backward_slot)
+        return _held(self.arrive, self.forward == FORWARD, self.forward_slot, self.backward == BACKWARD,
+                     self.backward_slot)
 
     def columns(self) -> dict[str, np.ndarray]:
         """The columns the loop reads, by field name (the int32 ``[ticks, S]`` tables)."""
@@ -330,7 +332,7 @@ def fused_ticks(stages: int, microbatches: int, repeats: int = 1) -> FusedTicks:
             if forward:
                 r, i = forward
                 v = r * stages + s
-                for name, value in (("", 1), ("_chunk", r), ("_microbatch", i), ("_slot", slot_of[v, i])):
+                for name, value in (("", FORWARD), ("_chunk", r), ("_microbatch", i), ("_slot", slot_of[v, i])):
                     tables["forward" + name][t, s] = value
                 if v == last:
                     tables["loss_slot"][t, s] = cot_of[v, i]
@@ -339,7 +341,7 @@ def fused_ticks(stages: int, microbatches: int, repeats: int = 1) -> FusedTicks:
             if backward:
                 r, i = backward
                 v = r * stages + s
-                for name, value in (("", 1), ("_chunk", r), ("_microbatch", i), ("_slot", slot_of[v, i])):
+                for name, value in (("", BACKWARD), ("_chunk", r), ("_microbatch", i), ("_slot", slot_of[v, i])):
                     tables["backward" + name][t, s] = value
                 tables["cotangent_slot"][t, s] = cot_of[v, i]
                 if v > 0 and t + 1 < len(rows):
