@@ -153,7 +153,9 @@ def _pipeline_flags(p) -> None:
                    help="gpipe: each stage holds one run of layers; circular: each holds --pipeline-repeats "
                    "non-adjacent chunks, shrinking the bubble (S-1)/(R*M+S-1); 1f1b: gpipe's layers, but each stage "
                    "alternates one forward and one backward after warm-up, keeping S microbatches' activations "
-                   "instead of M (loss on the last stage, inside the pipeline)")
+                   "instead of M (loss on the last stage, inside the pipeline); 1f1b-fused: 1f1b with a forward and a "
+                   "backward in every tick, about M+2(S-1) ticks of a forward+backward instead of 2(M+S-1) of a "
+                   "backward, keeping up to 2S-1 microbatches' activations on the first stage")
     g.add_argument("--pipeline-repeats", type=int, default=None, metavar="R",
                    help="chunks per stage for --pipeline-schedule circular (default 2; gpipe: 1) or 1f1b (default 1; "
                    "more is interleaved 1F1B, with --microbatches a multiple of the stages)")
@@ -408,7 +410,7 @@ def pipeline_plan(args, stages: int, num_layers: int) -> PipelinePlan:
         `sharding.pipeline.plan_layout`; naming the flag, its value and one that works.
     """
     circular = args.pipeline_schedule == "circular"
-    one_f_one_b = args.pipeline_schedule == "1f1b"
+    one_f_one_b = args.pipeline_schedule in ("1f1b", "1f1b-fused")
     repeats = args.pipeline_repeats or (2 if circular else 1)
     if one_f_one_b and repeats < 1:
         raise ValueError(f"--pipeline-repeats {repeats}: must be at least 1 (1f1b; more is interleaved 1F1B)")
@@ -429,7 +431,8 @@ def pipeline_plan(args, stages: int, num_layers: int) -> PipelinePlan:
                             None if measure else parse_stage_layers(args.stage_layers, num_layers, stages))
     if one_f_one_b and repeats > 1 and args.microbatches >= stages:
         one_f_one_b_ticks(stages, args.microbatches, repeats)  # interleaved: M a multiple of S, else a ValueError
-    return PipelinePlan(layout, args.microbatches, one_f_one_b=one_f_one_b, measure_stages=measure)
+    return PipelinePlan(layout, args.microbatches, one_f_one_b=one_f_one_b, measure_stages=measure,
+                        fused=args.pipeline_schedule == "1f1b-fused")
 
 
 def _rebalance(uneven: UnevenBatch | None, every: int | None) -> UnevenBatch | None:
