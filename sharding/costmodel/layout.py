@@ -104,7 +104,8 @@ class Layout:
             if getattr(self, field) not in allowed:
                 raise ValueError(f"--{field} {getattr(self, field)!r}: choose one of {', '.join(allowed)}")
         if self.microbatches < 1 or self.pipeline_repeats < 1:
-            raise ValueError("--microbatches and --pipeline-repeats must be >= 1")
+            raise ValueError(f"microbatches and pipeline_repeats must be >= 1, got {self.microbatches} and "
+                             f"{self.pipeline_repeats}")
         reason = unpriced_attention(self.attention, full)
         if reason:
             raise ValueError(reason)

@@ -101,7 +101,7 @@ def hardware_for(kind: Any, devices_per_host: int, inter_host_bandwidth: float,
     """
     if not getattr(kind, "is_known", False):
         raise ValueError(f"device kind {getattr(kind, 'name', kind)!r} has unknown figures; "
-                         f"give --cluster or --simulate-cluster with a known kind, e.g. h100:8")
+                         f"describe the cluster (the run's cluster or simulate_cluster) with a known kind, e.g. h100:8")
     link = "nvlink" if kind.intra_host_bandwidth >= _NVLINK_FROM else "pcie"
     fitted = getattr(kind, "matmul_efficiency", None)
     return Hardware(

@@ -273,7 +273,7 @@ def plan(model: Any, inventory, global_batch: int, seq_len: int, options: PlanOp
       ValueError: On hosts of unequal size or unknown device figures (naming ``--cluster``), or ``top`` < 1.
     """
     if top < 1:
-        raise ValueError(f"--top must be at least 1 (got {top}), e.g. --top 8")
+        raise ValueError(f"top must be at least 1 (got {top}), e.g. top=8")
     ev = _Evaluator(model, inventory, global_batch, seq_len, options or PlanOptions())
     found: dict[tuple, Plan] = {}
     for layout, tag in _candidates(ev):
