@@ -38,7 +38,9 @@ ONE_F_ONE_B_TICK = 0.75
 #: ``fused``: 1F1B as Megatron-LM executes it, each stage running its own forward and backward passes as
 #: their inputs arrive, ``(1 + (S - 1) / (R M))`` of the slowest stage's busy time (Narayanan et al., SC'21,
 #: section 2.2: the bubble is ``(S - 1) / (R M)`` of the ideal time, R the interleaved chunks per stage). The
-#: hook for a fused 1F1B schedule: price it with ``fused`` (`_Evaluator._pipeline`).
+#: hook for meshwork's ``1f1b-fused`` schedule (`sharding.pipeline.ticks.fused_ticks`: ``R M + (R+1) S - 2``
+#: ticks of a chunk's forward and backward), which the cost model does not tell apart from ``1f1b`` yet
+#: (`sharding.costmodel.Layout` has no field for it): its ticks belong in `_Evaluator._pipeline` beside these.
 PIPELINE_CLOCKS = ("lockstep", "fused")
 
 
