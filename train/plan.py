@@ -26,6 +26,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
+from models import attention_registry
 from models.config import get_config
 from models.spec import describe
 from sharding import planner
@@ -45,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
     p.add_argument("--top", type=int, default=8, help="plans to list")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="compute dtype")
-    p.add_argument("--attention", default="any", choices=("any", "flash", "reference"), help="attention to plan for")
+    p.add_argument("--attention", default="any", choices=("any", *searched_attentions()),
+                   help="attention to plan for; any: each of the others")
     p.add_argument("--efficiency", type=float, default=0.5, help="fraction of peak FLOP/s a step reaches")
     p.add_argument("--no-pipeline", action="store_true", help="leave stage=1 (no pipeline parallelism)")
     p.add_argument("--no-hetero", action="store_true", help="no uneven data-parallel shares")
@@ -53,6 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "traffic is modelled but not yet checked against the compiler")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="draw step time and memory per plan")
     return p
+
+
+def searched_attentions() -> tuple[str, ...]:
+    """The attentions the planner tries: those whose record the cost model prices and the search includes
+    (`models.attention_registry`; ``dot_product`` is priced as ``reference``, so it is left out)."""
+    return tuple(k.name for k in attention_registry.KERNELS if k.traits.priced and k.traits.searched)
 
 
 def model_description(preset: str, overrides: Sequence[str]) -> ModelDescription:
@@ -65,7 +73,7 @@ def model_description(preset: str, overrides: Sequence[str]) -> ModelDescription
 
 
 def options_from(args) -> planner.PlanOptions:
-    attentions = ("flash", "reference") if args.attention == "any" else (args.attention,)
+    attentions = searched_attentions() if args.attention == "any" else (args.attention,)
     if not 0 < args.efficiency <= 1:
         raise ValueError(f"--efficiency {args.efficiency}: must be in (0, 1], e.g. --efficiency 0.5")
     return planner.PlanOptions(attentions=attentions, dtype=args.dtype, pipeline=not args.no_pipeline,
