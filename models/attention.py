@@ -46,7 +46,7 @@ from models.kernels.ulysses_attention import check_ulysses_heads, ulysses_attent
 from models.layers import make_params, rope_frequencies, rotary_embedding
 from models.spec import attention_params
 from sharding import axes as ax
-from sharding.parallel import CONTEXT_LAYOUTS, CONTIGUOUS, UNSHARDED, ZIGZAG, Parallelism
+from sharding.parallel import CONTEXT_LAYOUTS, CONTIGUOUS, ZIGZAG, Parallelism
 from sharding.rules import Rules, logical_to_spec
 
 
@@ -365,7 +365,7 @@ def _nested(local, q, k, v, segment_ids, in_specs, out_spec, mesh, axes: tuple[s
     return run(q, k, v, *((segment_ids,) if has_segments else ()))
 
 
-def sharded_flash_attention(q, k, v, segment_ids, *, causal: bool = True, par: Parallelism = UNSHARDED):
+def sharded_flash_attention(q, k, v, segment_ids, *, causal: bool = True, par: Parallelism):
     """Our Pallas flash attention, run per device under `jax.shard_map`.
 
     GSPMD cannot partition a Pallas call, so the kernel runs on each device's
@@ -396,7 +396,7 @@ def sharded_flash_attention(q, k, v, segment_ids, *, causal: bool = True, par: P
 
 
 def sharded_ring_attention(q, k, v, segment_ids, *, causal: bool = True, layout: str = CONTIGUOUS,
-                            par: Parallelism = UNSHARDED):
+                            par: Parallelism):
     """Ring attention (Liu et al., 2023) over the mesh axes of ``length``, under `jax.shard_map`.
 
     Each device keeps its block of queries; key/value blocks (and their segment ids) travel
@@ -429,7 +429,7 @@ def sharded_ring_attention(q, k, v, segment_ids, *, causal: bool = True, layout:
 
 
 def sharded_ulysses_attention(q, k, v, segment_ids, *, causal: bool = True, layout: str = CONTIGUOUS,
-                              par: Parallelism = UNSHARDED):
+                              par: Parallelism):
     """All-to-all attention (Jacobs et al., 2023) over the mesh axes of ``length``.
 
     Queries, keys and values are traded from length-split to head-split, attended whole
@@ -501,7 +501,7 @@ for _record in registry.KERNELS:  # a record naming a missing wrapper fails here
 
 
 def attend(impl: str, q, k, v, segment_ids, *, causal: bool = True, layout: str | None = None,
-           par: Parallelism = UNSHARDED):
+           par: Parallelism):
     """Runs attention implementation ``impl`` (a record of `models.attention_registry.KERNELS`).
 
     Args:
@@ -543,7 +543,7 @@ class Attention(nnx.Module):
         self.config = config
 
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
-                 par: Parallelism = UNSHARDED) -> jax.Array:
+                 par: Parallelism) -> jax.Array:
         """``[batch, length, embed]`` -> ``[batch, length, embed]`` in x's dtype.
 
         Args:
@@ -559,7 +559,7 @@ class Attention(nnx.Module):
         out = attend(self.config.attention, q, k, v, segment_ids, causal=True, par=par)
         return self.project_out(out, par)
 
-    def project_qkv(self, x: jax.Array, positions: jax.Array, par: Parallelism = UNSHARDED):
+    def project_qkv(self, x: jax.Array, positions: jax.Array, par: Parallelism):
         """Queries ``[B, T, N, H]`` and keys, values ``[B, T, K, H]`` (rotary positions applied), x's dtype.
 
         Args:
@@ -584,7 +584,7 @@ class Attention(nnx.Module):
         return q, k, v
 
     def extend(self, x: jax.Array, positions: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
-               par: Parallelism = UNSHARDED):
+               par: Parallelism):
         """Attention of new tokens over a key/value cache (prefill and decoding), writing theirs into it.
 
         Row ``b``'s new tokens sit at cache positions ``positions[b, 0] + t`` (contiguous); each
@@ -615,7 +615,7 @@ class Attention(nnx.Module):
         out = reference_attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), causal=False, mask=mask)
         return self.project_out(out, par), k_cache, v_cache
 
-    def project_out(self, out: jax.Array, par: Parallelism = UNSHARDED) -> jax.Array:
+    def project_out(self, out: jax.Array, par: Parallelism) -> jax.Array:
         """Attention output ``[B, T, N, H]`` -> ``[B, T, D]`` (same dtype), laid out by ``par``."""
         out = par.constrain(out, (ax.BATCH, ax.LENGTH, ax.HEADS, ax.HEAD_DIM))
         y = jnp.einsum("BTNH,NHD->BTD", out, self.o[...].astype(out.dtype))
