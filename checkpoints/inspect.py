@@ -122,11 +122,16 @@ def describe(directory: str | Path, step: int | None = None) -> list[str]:
     return lines
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``python -m checkpoints.inspect`` (also read by the flags reference generator)."""
     parser = argparse.ArgumentParser(prog="python -m checkpoints.inspect", description=__doc__.splitlines()[0])
     parser.add_argument("directory", help="a run folder or its checkpoints/ folder")
     parser.add_argument("--step", type=int, default=None, help="which step (default: the latest)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         lines = describe(args.directory, args.step)
     except Exception as e:  # every failure is one line, never a traceback
