@@ -498,6 +498,7 @@ def wrapper(record: registry.AttentionKernel):
 
 for _record in registry.KERNELS:  # a record naming a missing wrapper fails here, not at a run's first step
     wrapper(_record)
+del _record
 
 
 def attend(impl: str, q, k, v, segment_ids, *, causal: bool = True, layout: str | None = None,

@@ -87,7 +87,8 @@ def test_cost_model_charges_the_records_traits(record):
     batch, seq = 16, 64
     cost = cm.estimate(config, batch, seq, layout)
     tokens = batch * seq / 8
-    want = tokens * config.num_layers * geometry.forward_flops(seq * record.traits.key_fraction) * record.traits.training_factor
+    traits = record.traits
+    want = tokens * config.num_layers * geometry.forward_flops(seq * traits.key_fraction) * traits.training_factor
     assert cost.flops.attention == pytest.approx(want, rel=1e-12)
     longer = cm.estimate(config, batch // 2, 2 * seq, layout)  # the same tokens, twice the keys per query
     if record.traits.materialises_scores:
