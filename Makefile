@@ -7,6 +7,9 @@ RUN_DIR ?= runs/make-train
 STEPS ?= 150
 ARGS ?=
 PYTEST_ARGS ?=
+# Two pytest workers, each a module at a time (module fixtures stay shared): compiling is mostly one thread.
+WORKERS ?= 2
+XDIST := $(if $(filter-out 0 1,$(WORKERS)),-n $(WORKERS) --dist loadfile)
 
 .PHONY: train test test-fast lint dry-run clean-venv
 
@@ -21,11 +24,11 @@ train: $(VENV)/.installed
 
 ## test: the whole test suite (8 simulated CPU devices)
 test: $(VENV)/.installed
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS)
 
 ## test-fast: the suite without the multi-process and kill/signal tests (marked slow)
 test-fast: $(VENV)/.installed
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(XDIST) -m "not slow" $(PYTEST_ARGS)
 
 ## lint: ruff's checks and formatting (as CI runs them)
 lint: $(VENV)/.installed
