@@ -81,7 +81,7 @@ KERNELS: tuple[AttentionKernel, ...] = (
         wrapper="run_flash",
     ),
     AttentionKernel(
-        AttentionTraits("ring", **_TILED, splits_length=True, under_shard_map=True, priced=False, searched=False),
+        AttentionTraits("ring", **_TILED, splits_length=True, under_shard_map=True, searched=False),
         "ring attention (Liu et al., 2023): the length split over the sequence axis, key/value blocks "
         "passed around the ring of those devices",
         wrapper="sharded_ring_attention",
@@ -89,7 +89,7 @@ KERNELS: tuple[AttentionKernel, ...] = (
         auto_layout=ZIGZAG,
     ),
     AttentionKernel(
-        AttentionTraits("ulysses", **_TILED, splits_length=True, under_shard_map=True, priced=False, searched=False),
+        AttentionTraits("ulysses", **_TILED, splits_length=True, under_shard_map=True, searched=False),
         "all-to-all attention (Jacobs et al., 2023): length-split to head-split and back around flash",
         wrapper="sharded_ulysses_attention",
         layouts=(CONTIGUOUS, ZIGZAG),

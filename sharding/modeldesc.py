@@ -177,10 +177,10 @@ class AttentionTraits:
         recomputes the scores: seven products for the forward's two).
       splits_length: Whether it runs with the length split over the ``sequence`` mesh axis (context
         parallelism: ring or all-to-all attention); False: it needs the length whole on each device.
+        The cost model prices such a kernel only with the length whole (``sequence`` = 1, where it is
+        its per-device kernel): its own traffic over ``sequence`` is not modelled.
       under_shard_map: Whether it runs per device under its own ``shard_map`` (a Pallas kernel or a
         collective schedule, which GSPMD cannot partition); False: GSPMD partitions it like any op.
-      priced: Whether the cost model models it (its collectives included); a layout naming one it does
-        not is refused, naming it.
       searched: Whether the planner tries it when given no attentions (False for one priced exactly
         as another that it already tries).
 
@@ -194,7 +194,6 @@ class AttentionTraits:
     training_factor: float = 3.0
     splits_length: bool = False
     under_shard_map: bool = False
-    priced: bool = True
     searched: bool = True
 
     def __post_init__(self):
@@ -292,16 +291,13 @@ class ModelDescription:
         """The traits of the attention kernel called ``name``.
 
         Raises:
-          ValueError: When the model has none of that name, or the cost model does not price it; the
-            message names the attention and those it prices.
+          ValueError: When the model has none of that name, naming it and those it has.
         """
-        priced = [k.name for k in self.attention_kernels if k.priced]
         for kernel in self.attention_kernels:
-            if kernel.name == name and kernel.priced:
+            if kernel.name == name:
                 return kernel
-        known = any(k.name == name for k in self.attention_kernels)
-        why = "is not modelled by the cost model" if known else "is not an attention of this model"
-        raise ValueError(f"attention {name!r} {why}; the cost model prices {', '.join(priced) or 'none'}")
+        known = ", ".join(k.name for k in self.attention_kernels) or "none"
+        raise ValueError(f"attention {name!r} is not an attention of this model; it has {known}")
 
     def with_role(self, role: str) -> Param | None:
         """The first parameter with ``role`` (None when there is none)."""

@@ -74,10 +74,7 @@ def test_wrapper_under_a_split_length_matches_the_reference_with_gradients(recor
         _close(a, b)
 
 
-PRICED = [record for record in registry.KERNELS if record.traits.priced]
-
-
-@pytest.mark.parametrize("record", PRICED, ids=lambda r: r.name)
+@pytest.mark.parametrize("record", registry.KERNELS, ids=lambda r: r.name)
 def test_cost_model_charges_the_records_traits(record):
     """Score-product FLOPs are ``training_factor`` x the forward's over ``key_fraction`` of the keys, and the
     saved activations grow with the keys a query sees exactly when the kernel materialises the scores."""
@@ -97,17 +94,22 @@ def test_cost_model_charges_the_records_traits(record):
         assert longer.memory.activations == pytest.approx(cost.memory.activations, rel=1e-12)
 
 
-@pytest.mark.parametrize("record", [r for r in registry.KERNELS if not r.traits.priced], ids=lambda r: r.name)
-def test_cost_model_refuses_an_unpriced_kernel_naming_it(record):
+@pytest.mark.parametrize("record", [r for r in registry.KERNELS if r.traits.splits_length], ids=lambda r: r.name)
+def test_cost_model_refuses_a_length_splitting_kernel_over_a_sequence_axis_naming_it(record):
     config = get_config("test")
-    with pytest.raises(ValueError, match=record.name):
-        cm.estimate(config, 16, 64, cm.Layout({"fsdp": 8}, "fsdp", 1, "none", attention=record.name))
+    with pytest.raises(ValueError, match=f"attention '{record.name}' over sequence=2"):
+        cm.estimate(config, 16, 64, cm.Layout({"fsdp": 4, "sequence": 2}, "fsdp", 1, "none", attention=record.name))
+
+
+def test_cost_model_refuses_an_attention_the_model_lacks_naming_it():
+    with pytest.raises(ValueError, match="attention 'bogus' is not an attention of this model"):
+        cm.estimate(get_config("test"), 16, 64, cm.Layout({"fsdp": 8}, attention="bogus"))
 
 
 def test_description_carries_every_records_traits():
     desc = get_config("test").describe()
     assert desc.attention_kernels == tuple(record.traits for record in registry.KERNELS)
-    for record in PRICED:
+    for record in registry.KERNELS:
         assert desc.attention_kernel(record.name) is record.traits
 
 

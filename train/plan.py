@@ -58,9 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def searched_attentions() -> tuple[str, ...]:
-    """The attentions the planner tries: those whose record the cost model prices and the search includes
-    (`models.attention_registry`; ``dot_product`` is priced as ``reference``, so it is left out)."""
-    return tuple(k.name for k in attention_registry.KERNELS if k.traits.priced and k.traits.searched)
+    """The attentions the planner tries by default (`sharding.modeldesc.AttentionTraits.searched`; ``dot_product``
+    is priced as ``reference`` and ``ring``/``ulysses`` as ``flash`` without a sequence axis, so they are left
+    out); the one the ``--attention`` choices of ``python -m train.plan`` offer."""
+    return tuple(k.name for k in attention_registry.KERNELS if k.traits.searched)
 
 
 def model_description(preset: str, overrides: Sequence[str]) -> ModelDescription:

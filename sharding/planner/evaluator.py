@@ -41,7 +41,8 @@ class PlanOptions:
     Attributes:
       rules: Presets to try.
       remats: Remat policies to try, cheapest first.
-      attentions: Attention implementations to try.
+      attentions: Attention implementations to try, by name; None: those the model's description says the
+        search includes (`sharding.modeldesc.AttentionTraits.searched`: reference and flash).
       dtype: Compute dtype (``bfloat16`` for GPUs).
       max_microbatches: Largest number of microbatches (per device, uniform) to try.
       pipeline: Whether to try ``stage > 1`` (the pipeline flags of train.py).
@@ -58,7 +59,7 @@ class PlanOptions:
 
     rules: tuple[str, ...] = ("dp", "fsdp", "tp", "fsdp_tp")
     remats: tuple[str, ...] = ("none", "dots", "full")
-    attentions: tuple[str, ...] = ("flash", "reference")
+    attentions: tuple[str, ...] | None = None
     dtype: str = "bfloat16"
     max_microbatches: int = 64
     pipeline: bool = True
@@ -184,6 +185,10 @@ class _Evaluator:
         self.flops_per_token = self.model.flops_per_token(seq_len)
         self._grids: dict[tuple, Any] = {}
         self._stage_costs: dict[tuple, tuple] = {}
+        searched = tuple(k.name for k in self.model.attention_kernels if k.searched)
+        self.attentions = searched if options.attentions is None else options.attentions
+        for name in self.attentions:  # an unknown name is refused before the search, naming it
+            self.model.attention_kernel(name)
 
     def grid(self, mesh: Mapping[str, int]):
         key = tuple(mesh.values())
