@@ -70,15 +70,15 @@ _TILED = {"materialises_scores": False, "key_fraction": 0.5, "training_factor": 
 
 KERNELS: tuple[AttentionKernel, ...] = (
     AttentionKernel(
-        AttentionTraits("reference", materialises_scores=True),
-        "einsum + mask + float32 softmax; GSPMD partitions it; memory O(T*S) per head",
-        wrapper="run_reference",
-    ),
-    AttentionKernel(
         AttentionTraits("flash", **_TILED, under_shard_map=True),
         "our Pallas FlashAttention-2 kernel per device under shard_map: batch and heads split, length "
         "whole; memory linear in length",
         wrapper="run_flash",
+    ),
+    AttentionKernel(
+        AttentionTraits("reference", materialises_scores=True),
+        "einsum + mask + float32 softmax; GSPMD partitions it; memory O(T*S) per head",
+        wrapper="run_reference",
     ),
     AttentionKernel(
         AttentionTraits("ring", **_TILED, splits_length=True, under_shard_map=True, searched=False),
@@ -102,7 +102,8 @@ KERNELS: tuple[AttentionKernel, ...] = (
         wrapper="run_dot_product",
     ),
 )
-"""Every kernel, in the order ``--attention`` lists them."""
+"""Every kernel, in the order ``--attention`` lists them and the planner tries them (flash before
+reference: of two plans with the same predicted step time the first found is kept)."""
 
 
 def names() -> tuple[str, ...]:

@@ -46,8 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
     p.add_argument("--top", type=int, default=8, help="plans to list")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="compute dtype")
-    p.add_argument("--attention", default="any", choices=("any", *searched_attentions()),
-                   help="attention to plan for; any: each of the others")
+    p.add_argument("--attention", default="any", choices=("any", *searched_attentions()), help="attention to plan for")
     p.add_argument("--efficiency", type=float, default=0.5, help="fraction of peak FLOP/s a step reaches")
     p.add_argument("--no-pipeline", action="store_true", help="leave stage=1 (no pipeline parallelism)")
     p.add_argument("--no-hetero", action="store_true", help="no uneven data-parallel shares")
