@@ -5,20 +5,17 @@ N heads, K kv heads, G query heads per kv head (N = K*G), H head_dim.
 
 `Attention` projects to queries ``[B, T, N, H]`` and keys/values
 ``[B, S, K, H]``, applies rotary positions, runs the attention implementation
-chosen by ``ModelConfig.attention`` and projects back to ``[B, T, D]``:
+chosen by ``ModelConfig.attention`` and projects back to ``[B, T, D]``.
 
-===========  =====================================================================
-reference    einsum + mask + float32 softmax (below); GSPMD partitions it
-flash        our Pallas FlashAttention-2 kernel (`models.kernels.flash_attention`)
-             per device under `jax.shard_map`: batch and heads split, length whole
-ring         ring attention (`models.kernels.ring_attention`; Liu et al., 2023):
-             the length split as the rules split ``length`` (``sequence``), keys
-             and values passed around the ring of those devices
-ulysses      all-to-all attention (`models.kernels.ulysses_attention`; Jacobs et
-             al., 2023): length-split to head-split and back around flash
-dot_product  ``jax.nn.dot_product_attention`` (JAX's implementation; a baseline
-             for flash); GSPMD partitions it
-===========  =====================================================================
+The implementations are the records of `models.attention_registry.KERNELS` (``reference``: einsum +
+mask + float32 softmax, below; ``flash``: our Pallas FlashAttention-2 kernel,
+`models.kernels.flash_attention`, per device under `jax.shard_map`; ``ring``: ring attention,
+`models.kernels.ring_attention`, Liu et al. 2023; ``ulysses``: all-to-all attention,
+`models.kernels.ulysses_attention`, Jacobs et al. 2023; ``dot_product``:
+``jax.nn.dot_product_attention``). `attend` runs the record's wrapper, defined here with one
+signature, ``(q, k, v, segment_ids, *, causal, layout, par)``; the kernels that GSPMD cannot
+partition run per device under `jax.shard_map` through ``_sharded``, with specs from the rules (the
+length split over ``sequence`` for those whose record says they split it).
 
 Context layout. With the length split over P devices, ``ring`` and ``ulysses``
 accept tokens in the ``zigzag`` layout (device r holds chunks r and 2P-1-r of
@@ -26,8 +23,8 @@ accept tokens in the ``zigzag`` layout (device r holds chunks r and 2P-1-r of
 work for ring attention. The data pipeline permutes every ``[batch, length]``
 field once on the host; the run's `sharding.parallel.Parallelism` (its
 ``context_layout``), passed to every layer, tells attention which layout the
-tokens are in. ``reference`` and ``flash`` assume natural order and refuse any
-other layout.
+tokens are in. An implementation whose record does not list the layout
+(``reference``, ``flash``, ``dot_product`` assume natural order) refuses it.
 """
 
 from __future__ import annotations
@@ -41,18 +38,16 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from models import attention_registry as registry
 from models.config import ModelConfig
 from models.kernels.flash_attention import flash_attention
-from models.kernels.ring_attention import CONTIGUOUS, ZIGZAG, ring_attention
+from models.kernels.ring_attention import ring_attention
 from models.kernels.ulysses_attention import check_ulysses_heads, ulysses_attention
 from models.layers import make_params, rope_frequencies, rotary_embedding
 from models.spec import attention_params
 from sharding import axes as ax
-from sharding.parallel import CONTEXT_LAYOUTS, UNSHARDED, Parallelism
+from sharding.parallel import CONTEXT_LAYOUTS, CONTIGUOUS, ZIGZAG, Parallelism
 from sharding.rules import Rules, logical_to_spec
-
-LAYOUT_AWARE = ("ring", "ulysses")
-"""Attention implementations that accept tokens in the zigzag layout."""
 
 
 def attention_mask(q_len: int, kv_len: int, causal: bool, q_segment_ids=None, kv_segment_ids=None):
@@ -143,21 +138,25 @@ def jax_dot_product_attention(q, k, v, segment_ids=None, *, causal: bool = True)
 def resolve_context_layout(requested: str, attention: str, shards: int) -> str:
     """The layout a run uses for ``--context-layout`` (``auto``, ``contiguous``, ``zigzag``).
 
-    ``auto`` is ``zigzag`` for ring attention over a split length (P > 1; the model is
-    causal, and zigzag balances the causal work), else ``contiguous``.
+    ``auto`` is the kernel's record's ``auto_layout`` over a split length (P > 1: ``zigzag``
+    for ring attention, since the model is causal and zigzag balances the causal work), else
+    ``contiguous``.
 
     Raises:
-      ValueError: zigzag asked for an implementation that assumes natural order, or an
-        unknown value; the message names the flags.
+      ValueError: a layout the implementation's record does not accept (naming those that
+        do), an unknown value, or an unknown attention; the message names the flags.
     """
     if requested not in CONTEXT_LAYOUTS:
         raise ValueError(f"--context-layout {requested!r}: choose one of {', '.join(CONTEXT_LAYOUTS)}")
+    record = registry.kernel(attention)
     if requested == "auto":
-        return ZIGZAG if attention == "ring" and shards > 1 else CONTIGUOUS
-    if requested == ZIGZAG and attention not in LAYOUT_AWARE:
+        return record.auto_layout if shards > 1 else CONTIGUOUS
+    if requested not in record.layouts:
+        first, *others = registry.accepting(requested)
+        also = f" (or {', '.join(others)})" if others else ""
         raise ValueError(
-            f"--context-layout zigzag: --attention {attention} assumes tokens in natural order; "
-            f"use --attention ring (or ulysses), or --context-layout contiguous"
+            f"--context-layout {requested}: --attention {attention} assumes tokens in natural order; "
+            f"use --attention {first}{also}, or --context-layout contiguous"
         )
     return requested
 
@@ -171,9 +170,10 @@ def check_context_parallel(config: ModelConfig, par: Parallelism, seq_len: int) 
       seq_len: tokens per sequence (``--seq-len``).
 
     Raises:
-      ValueError: a ``--seq-len`` the zigzag layout cannot cut into 2P chunks, or (for
-        ``--attention ulysses``) heads or KV heads per device that the P devices of the
-        sequence axis cannot split; each names the flags and a value that works.
+      ValueError: a ``--seq-len`` the zigzag layout cannot cut into 2P chunks, or (for an
+        attention whose record splits the heads, ``--attention ulysses``) heads or KV heads per
+        device that the P devices of the sequence axis cannot split; each names the flags and a
+        value that works.
     """
     shards = par.length_shards
     if par.context_layout == ZIGZAG and seq_len % (2 * shards):
@@ -183,12 +183,12 @@ def check_context_parallel(config: ModelConfig, par: Parallelism, seq_len: int) 
             f"sequence-axis size of --mesh) = {2 * shards} equal chunks; use --seq-len {good}, or "
             f"--context-layout contiguous"
         )
-    if config.attention == "ulysses" and shards > 1:
-        split = head_split(config.num_heads, config.num_kv_heads, par.rules, par.mesh_shape, "ulysses")
+    if registry.kernel(config.attention).splits_heads and shards > 1:
+        split = head_split(config.num_heads, config.num_kv_heads, par.rules, par.mesh_shape, config.attention)
         try:
             check_ulysses_heads(split.local_heads, split.local_kv_heads, shards)
         except ValueError as e:
-            raise ValueError(f"--attention ulysses on --mesh with a sequence axis of {shards}: {e}") from None
+            raise ValueError(f"--attention {config.attention} on --mesh with a sequence axis of {shards}: {e}") from None
 
 
 # Sharded attention under shard_map ---------------------------------------------
@@ -265,12 +265,12 @@ def _local_kv(split: HeadSplit, sizes: Mapping[str, int], k, v):
     return tuple(jax.lax.dynamic_slice_in_dim(x, start, split.local_kv_heads, axis=2) for x in (k, v))
 
 
-def _sharded(kernel, q, k, v, segment_ids, *, split_length: bool, impl: str, par: Parallelism):
-    """Runs ``kernel(q, k, v, segment_ids, length_axes)`` per device under `jax.shard_map`.
+def _sharded(local_kernel, q, k, v, segment_ids, *, impl: str, par: Parallelism):
+    """Runs ``local_kernel(q, k, v, segment_ids, length_axes)`` per device under `jax.shard_map`.
 
     Specs come from the rules: batch as ``batch`` is split (``data``/``fsdp``), heads as
-    ``heads``/``kv_heads`` (``tensor``), the length as ``length`` (``sequence``) when
-    ``split_length``, else whole. ``length_axes`` is the tuple of mesh axes the length is
+    ``heads``/``kv_heads`` (``tensor``), the length as ``length`` (``sequence``) when the record
+    of ``impl`` (`models.attention_registry`) says it splits the length, else whole. ``length_axes`` is the tuple of mesh axes the length is
     split over (empty when whole). Where ``par`` shards nothing (one device, or per-device
     code inside another `jax.shard_map`) the kernel runs directly with no axes.
 
@@ -280,10 +280,10 @@ def _sharded(kernel, q, k, v, segment_ids, *, split_length: bool, impl: str, par
     through `_nested`, and where none of size > 1 is left the kernel runs directly on the block.
     """
     if not par.is_sharded:
-        return kernel(q, k, v, segment_ids, ())
+        return local_kernel(q, k, v, segment_ids, ())
     mesh, rules = par.mesh, par.rules
     sizes = par.auto_shape
-    length = ax.LENGTH if split_length else None
+    length = ax.LENGTH if registry.kernel(impl).traits.splits_length else None
     q_spec, _ = logical_to_spec((ax.BATCH, length, ax.HEADS, None), rules, q.shape, sizes)
     kv_spec, _ = logical_to_spec((ax.BATCH, length, ax.KV_HEADS, None), rules, k.shape, sizes)
     split = head_split(q.shape[2], k.shape[2], rules, sizes, impl)
@@ -294,7 +294,7 @@ def _sharded(kernel, q, k, v, segment_ids, *, split_length: bool, impl: str, par
 
     def local(q, k, v, segment_ids):
         k, v = _local_kv(split, sizes, k, v)
-        return kernel(q, k, v, segment_ids, length_axes)
+        return local_kernel(q, k, v, segment_ids, length_axes)
 
     if par.manual:
         axes = tuple(a for a in mesh.axis_names if a not in par.manual and sizes[a] > 1)
@@ -365,7 +365,7 @@ def _nested(local, q, k, v, segment_ids, in_specs, out_spec, mesh, axes: tuple[s
     return run(q, k, v, *((segment_ids,) if has_segments else ()))
 
 
-def sharded_flash_attention(q, k, v, segment_ids, *, causal: bool = True, par: Parallelism = UNSHARDED):
+def sharded_flash_attention(q, k, v, segment_ids, *, causal: bool = True, par: Parallelism):
     """Our Pallas flash attention, run per device under `jax.shard_map`.
 
     GSPMD cannot partition a Pallas call, so the kernel runs on each device's
@@ -389,14 +389,14 @@ def sharded_flash_attention(q, k, v, segment_ids, *, causal: bool = True, par: P
       ValueError: when the head split cannot be matched to the KV heads.
     """
 
-    def kernel(q, k, v, segment_ids, _):
+    def per_device(q, k, v, segment_ids, _):
         return flash_attention(q, k, v, q_segment_ids=segment_ids, kv_segment_ids=segment_ids, causal=causal)
 
-    return _sharded(kernel, q, k, v, segment_ids, split_length=False, impl="flash", par=par)
+    return _sharded(per_device, q, k, v, segment_ids, impl="flash", par=par)
 
 
 def sharded_ring_attention(q, k, v, segment_ids, *, causal: bool = True, layout: str = CONTIGUOUS,
-                            par: Parallelism = UNSHARDED):
+                            par: Parallelism):
     """Ring attention (Liu et al., 2023) over the mesh axes of ``length``, under `jax.shard_map`.
 
     Each device keeps its block of queries; key/value blocks (and their segment ids) travel
@@ -419,17 +419,17 @@ def sharded_ring_attention(q, k, v, segment_ids, *, causal: bool = True, layout:
       ValueError: as `sharded_flash_attention`, or an odd local length under zigzag.
     """
 
-    def kernel(q, k, v, segment_ids, length_axes):
+    def per_device(q, k, v, segment_ids, length_axes):
         if not length_axes:
             return flash_attention(q, k, v, q_segment_ids=segment_ids, kv_segment_ids=segment_ids, causal=causal)
         return ring_attention(q, k, v, axis_name=length_axes, q_segment_ids=segment_ids,
                               kv_segment_ids=segment_ids, causal=causal, layout=layout)
 
-    return _sharded(kernel, q, k, v, segment_ids, split_length=True, impl="ring", par=par)
+    return _sharded(per_device, q, k, v, segment_ids, impl="ring", par=par)
 
 
 def sharded_ulysses_attention(q, k, v, segment_ids, *, causal: bool = True, layout: str = CONTIGUOUS,
-                            par: Parallelism = UNSHARDED):
+                              par: Parallelism):
     """All-to-all attention (Jacobs et al., 2023) over the mesh axes of ``length``.
 
     Queries, keys and values are traded from length-split to head-split, attended whole
@@ -451,21 +451,62 @@ def sharded_ulysses_attention(q, k, v, segment_ids, *, causal: bool = True, layo
         (suggesting ring attention), or as `sharded_flash_attention`.
     """
 
-    def kernel(q, k, v, segment_ids, length_axes):
+    def per_device(q, k, v, segment_ids, length_axes):
         if not length_axes:
             return flash_attention(q, k, v, q_segment_ids=segment_ids, kv_segment_ids=segment_ids, causal=causal)
         return ulysses_attention(q, k, v, axis_name=length_axes, q_segment_ids=segment_ids,
                                  kv_segment_ids=segment_ids, causal=causal, layout=layout)
 
-    return _sharded(kernel, q, k, v, segment_ids, split_length=True, impl="ulysses", par=par)
+    return _sharded(per_device, q, k, v, segment_ids, impl="ulysses", par=par)
+
+
+# The records' wrappers: (q, k, v, segment_ids, *, causal, layout, par) -> out --------
+
+
+def run_reference(q, k, v, segment_ids, *, causal: bool, layout: str, par: Parallelism):
+    """`reference_attention` with one segment-id array; GSPMD partitions it, so ``layout`` (natural
+    order, checked by `attend`) and ``par`` are not needed. Shapes as `attend`."""
+    del layout, par
+    return reference_attention(q, k, v, causal=causal, q_segment_ids=segment_ids, kv_segment_ids=segment_ids)
+
+
+def run_flash(q, k, v, segment_ids, *, causal: bool, layout: str, par: Parallelism):
+    """`sharded_flash_attention` (natural order, checked by `attend`). Shapes as `attend`."""
+    del layout
+    return sharded_flash_attention(q, k, v, segment_ids, causal=causal, par=par)
+
+
+def run_dot_product(q, k, v, segment_ids, *, causal: bool, layout: str, par: Parallelism):
+    """`jax_dot_product_attention`; GSPMD partitions it (natural order, checked by `attend`). Shapes
+    as `attend`."""
+    del layout, par
+    return jax_dot_product_attention(q, k, v, segment_ids, causal=causal)
+
+
+def wrapper(record: registry.AttentionKernel):
+    """The function that runs ``record``'s kernel: the one of this module its ``wrapper`` names.
+
+    Raises:
+      LookupError: When this module has no function of that name (checked for every record at import).
+    """
+    run = globals().get(record.wrapper)
+    if not callable(run):
+        raise LookupError(f"attention {record.name}: its wrapper {record.wrapper!r} is not a function of "
+                          f"models.attention")
+    return run
+
+
+for _record in registry.KERNELS:  # a record naming a missing wrapper fails here, not at a run's first step
+    wrapper(_record)
+del _record
 
 
 def attend(impl: str, q, k, v, segment_ids, *, causal: bool = True, layout: str | None = None,
-           par: Parallelism = UNSHARDED):
-    """Runs attention implementation ``impl`` (one of `models.config.ATTENTION_IMPLS`).
+           par: Parallelism):
+    """Runs attention implementation ``impl`` (a record of `models.attention_registry.KERNELS`).
 
     Args:
-      impl: ``reference``, ``flash``, ``ring`` or ``ulysses``.
+      impl: the kernel's name, e.g. ``reference``, ``flash``, ``ring`` or ``ulysses``.
       q: ``[batch, length, heads, head_dim]``.
       k, v: ``[batch, length, kv_heads, head_dim]``.
       segment_ids: ``[batch, length]`` int32 or None.
@@ -477,24 +518,17 @@ def attend(impl: str, q, k, v, segment_ids, *, causal: bool = True, layout: str 
       ``[batch, length, heads, head_dim]`` in q's dtype.
 
     Raises:
-      ValueError: a layout other than contiguous for an implementation that assumes natural
-        order, or what the implementation raises.
+      ValueError: an unknown implementation, a layout its record does not accept (natural order
+        only, for most), or what the implementation raises.
     """
     layout = par.context_layout if layout is None else layout
-    if impl == "ring":
-        return sharded_ring_attention(q, k, v, segment_ids, causal=causal, layout=layout, par=par)
-    if impl == "ulysses":
-        return sharded_ulysses_attention(q, k, v, segment_ids, causal=causal, layout=layout, par=par)
-    if layout != CONTIGUOUS:
+    record = registry.kernel(impl)
+    if layout not in record.layouts:
         raise ValueError(
             f"--attention {impl} assumes tokens in natural order, but they are in the {layout} layout; "
-            f"use --attention ring or ulysses, or --context-layout contiguous"
+            f"use --attention {' or '.join(registry.accepting(layout))}, or --context-layout contiguous"
         )
-    if impl == "flash":
-        return sharded_flash_attention(q, k, v, segment_ids, causal=causal, par=par)
-    if impl == "dot_product":
-        return jax_dot_product_attention(q, k, v, segment_ids, causal=causal)
-    return reference_attention(q, k, v, causal=causal, q_segment_ids=segment_ids, kv_segment_ids=segment_ids)
+    return wrapper(record)(q, k, v, segment_ids, causal=causal, layout=layout, par=par)
 
 
 class Attention(nnx.Module):
@@ -510,7 +544,7 @@ class Attention(nnx.Module):
         self.config = config
 
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
-                 par: Parallelism = UNSHARDED) -> jax.Array:
+                 par: Parallelism) -> jax.Array:
         """``[batch, length, embed]`` -> ``[batch, length, embed]`` in x's dtype.
 
         Args:
@@ -526,7 +560,7 @@ class Attention(nnx.Module):
         out = attend(self.config.attention, q, k, v, segment_ids, causal=True, par=par)
         return self.project_out(out, par)
 
-    def project_qkv(self, x: jax.Array, positions: jax.Array, par: Parallelism = UNSHARDED):
+    def project_qkv(self, x: jax.Array, positions: jax.Array, par: Parallelism):
         """Queries ``[B, T, N, H]`` and keys, values ``[B, T, K, H]`` (rotary positions applied), x's dtype.
 
         Args:
@@ -551,7 +585,7 @@ class Attention(nnx.Module):
         return q, k, v
 
     def extend(self, x: jax.Array, positions: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
-               par: Parallelism = UNSHARDED):
+               par: Parallelism):
         """Attention of new tokens over a key/value cache (prefill and decoding), writing theirs into it.
 
         Row ``b``'s new tokens sit at cache positions ``positions[b, 0] + t`` (contiguous); each
@@ -582,8 +616,8 @@ class Attention(nnx.Module):
         out = reference_attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), causal=False, mask=mask)
         return self.project_out(out, par), k_cache, v_cache
 
-    def project_out(self, out: jax.Array, par: Parallelism = UNSHARDED) -> jax.Array:
-        """Attention output ``[B, T, N, H]`` -> ``[B, T, D]`` (same dtype)."""
+    def project_out(self, out: jax.Array, par: Parallelism) -> jax.Array:
+        """Attention output ``[B, T, N, H]`` -> ``[B, T, D]`` (same dtype), laid out by ``par``."""
         out = par.constrain(out, (ax.BATCH, ax.LENGTH, ax.HEADS, ax.HEAD_DIM))
         y = jnp.einsum("BTNH,NHD->BTD", out, self.o[...].astype(out.dtype))
         return par.constrain(y, (ax.BATCH, ax.LENGTH, ax.ACT_EMBED))

@@ -26,9 +26,10 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
+from models import attention_registry
+
 DTYPES = ("float32", "bfloat16")
 REMAT_POLICIES = ("none", "full", "dots")
-ATTENTION_IMPLS = ("reference", "flash", "ring", "ulysses", "dot_product")
 LOGITS_IMPLS = ("auto", "gathered", "vocab_parallel")  # sharding.vocab.OUTPUT_IMPLS
 ROPE_TYPES = ("default", "llama3")
 
@@ -64,13 +65,13 @@ class ModelConfig:
       remat: rematerialisation of each block in the backward pass: ``none``,
         ``full`` (save only block inputs) or ``dots`` (save matmul outputs
         without batch dimensions).
-      attention: attention implementation: ``reference`` (einsum + mask),
-        ``flash`` (Pallas FlashAttention-2 under ``shard_map``; memory linear in length),
-        or, with the length split over the ``sequence`` mesh axis (context parallelism),
-        ``ring`` (ring attention, Liu et al. 2023: key/value blocks passed around the
-        devices; zigzag layout for causal balance) or ``ulysses`` (all-to-all attention,
-        Jacobs et al. 2023: heads must divide by the ``sequence`` size), or ``dot_product``
-        (``jax.nn.dot_product_attention``, JAX's own implementation, for comparison).
+      attention: attention implementation, one of `models.attention_registry.KERNELS` (each record
+        says what it is): ``reference`` (einsum + mask), ``flash`` (Pallas FlashAttention-2 under
+        ``shard_map``; memory linear in length), or, with the length split over the ``sequence``
+        mesh axis (context parallelism), ``ring`` (ring attention, Liu et al. 2023: key/value
+        blocks passed around the devices; zigzag layout for causal balance) or ``ulysses``
+        (all-to-all attention, Jacobs et al. 2023: heads must divide by the ``sequence`` size), or
+        ``dot_product`` (``jax.nn.dot_product_attention``, JAX's own implementation, for comparison).
       logits: how the training loss computes the output projection and cross-entropy
         (`models.output`): ``gathered`` (the weight gathered, logits partitioned by GSPMD),
         ``vocab_parallel`` (Megatron-LM's vocabulary-parallel cross-entropy over the axes that
@@ -147,7 +148,7 @@ class ModelConfig:
             for name, example in (("rope_factor", 8), ("rope_original_max_positions", 8192)):
                 if getattr(self, name) <= 0:
                     raise ValueError(f"--set {name}={getattr(self, name)}: must be positive, e.g. {example} (Llama 3.1)")
-        checks = (("dtype", DTYPES), ("remat", REMAT_POLICIES), ("attention", ATTENTION_IMPLS),
+        checks = (("dtype", DTYPES), ("remat", REMAT_POLICIES), ("attention", attention_registry.names()),
                   ("logits", LOGITS_IMPLS), ("rope_type", ROPE_TYPES))
         for name, allowed in checks:
             if getattr(self, name) not in allowed:

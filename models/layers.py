@@ -21,7 +21,7 @@ from models.config import ModelConfig
 from models.spec import embed_params, mlp_params, norm_params
 from sharding import axes as ax
 from sharding.modeldesc import Param
-from sharding.parallel import UNSHARDED, Parallelism
+from sharding.parallel import Parallelism
 
 
 def param(rngs: nnx.Rngs, shape, names, *, fan_in: int | None = None, init: str = "normal") -> nnx.Param:
@@ -72,7 +72,7 @@ class Embed(nnx.Module):
     def __init__(self, vocab_size: int, embed_dim: int, *, rngs: nnx.Rngs):
         make_params(self, rngs, embed_params(vocab_size, embed_dim))
 
-    def __call__(self, tokens: jax.Array, dtype, par: Parallelism = UNSHARDED) -> jax.Array:
+    def __call__(self, tokens: jax.Array, dtype, par: Parallelism) -> jax.Array:
         """``[batch, length]`` int32 -> ``[batch, length, embed]`` in ``dtype``."""
         x = jnp.take(self.embedding[...], tokens, axis=0).astype(dtype)
         return par.constrain(x, (ax.BATCH, ax.LENGTH, ax.ACT_EMBED))
@@ -160,7 +160,7 @@ class MLP(nnx.Module):
     def __init__(self, embed_dim: int, mlp_dim: int, *, rngs: nnx.Rngs):
         make_params(self, rngs, mlp_params(embed_dim, mlp_dim))
 
-    def __call__(self, x: jax.Array, par: Parallelism = UNSHARDED) -> jax.Array:
+    def __call__(self, x: jax.Array, par: Parallelism) -> jax.Array:
         """``[batch, length, embed]`` -> ``[batch, length, embed]`` in x's dtype."""
         dtype = x.dtype
         gate = jnp.einsum("BTD,DF->BTF", x, self.gate[...].astype(dtype))

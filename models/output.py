@@ -31,7 +31,7 @@ import optax
 from jax.sharding import PartitionSpec
 
 from sharding import axes as ax
-from sharding.parallel import UNSHARDED, Parallelism
+from sharding.parallel import Parallelism
 from sharding.rules import logical_to_spec
 from sharding.vocab import VocabSplit, choose_for_batch
 
@@ -63,7 +63,7 @@ def cross_entropy_sums(logits: jax.Array, targets: jax.Array, weights: jax.Array
 
 
 def output_loss_sums(x: jax.Array, w: jax.Array, targets: jax.Array, weights: jax.Array, *, impl: str = "auto",
-                     vocab_last: bool = True, par: Parallelism = UNSHARDED) -> tuple[jax.Array, jax.Array]:
+                     vocab_last: bool = True, par: Parallelism) -> tuple[jax.Array, jax.Array]:
     """Output projection and summed cross-entropy.
 
     Args:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 
+from models.attention_registry import KERNELS
 from models.config import ModelConfig
 from sharding import axes as ax
 from sharding.modeldesc import AttentionGeometry, ModelDescription, Param, Product, Term
@@ -131,7 +132,9 @@ def describe(config: ModelConfig) -> ModelDescription:
     Returns:
       The `sharding.modeldesc.ModelDescription`: parameters from the modules' tables, the products
       ``q, k, v, o, gate, up, down`` of a block (``down`` last: full remat does not redo it) and the
-      output projection, the attention geometry, elementwise FLOPs and saved activations per token.
+      output projection, the attention geometry, elementwise FLOPs and saved activations per token,
+      and what each attention kernel of `models.attention_registry.KERNELS` costs (its traits: the
+      cost model prices the one a layout names).
     """
     params = _all_params(config)
     by_path = {p.path: p for p in params}
@@ -154,4 +157,5 @@ def describe(config: ModelConfig) -> ModelDescription:
         layer_elementwise=_layer_elementwise(config),
         loss_elementwise=_loss_elementwise(config),
         activations=_activations(config),
+        attention_kernels=tuple(k.traits for k in KERNELS),
     )

@@ -33,7 +33,7 @@ from models.layers import MLP, Embed, RMSNorm, make_params
 from models.output import output_loss_sums, project_logits
 from models.spec import output_params
 from sharding import axes as ax
-from sharding.parallel import UNSHARDED, Parallelism
+from sharding.parallel import Parallelism
 from sharding.pipeline import head_parallelism
 from sharding.pipeline.onef1b import run_pipeline_loss
 from sharding.pipeline.schedule import run_pipeline
@@ -58,7 +58,7 @@ class Block(nnx.Module):
         self.mlp = MLP(config.embed_dim, config.mlp_dim, rngs=rngs)
 
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
-                 par: Parallelism = UNSHARDED) -> jax.Array:
+                 par: Parallelism) -> jax.Array:
         """``[batch, length, embed]`` -> same shape and dtype."""
         x = x + self.attention(self.attention_norm(x), positions, segment_ids, par)
         x = x + self.mlp(self.mlp_norm(x), par)
@@ -66,7 +66,7 @@ class Block(nnx.Module):
 
 
     def extend(self, x: jax.Array, positions: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
-               par: Parallelism = UNSHARDED):
+               par: Parallelism):
         """`__call__` for new tokens over a key/value cache (`models.attention.Attention.extend`).
 
         Returns ``(x, k_cache, v_cache)``.
@@ -121,7 +121,7 @@ class Transformer(nnx.Module):
         make_params(self, rngs, output_params(config))  # unembed, unless tied
 
     def run_layers(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
-                   par: Parallelism = UNSHARDED) -> jax.Array:
+                   par: Parallelism) -> jax.Array:
         """Runs the stacked blocks over ``x [batch, length, embed]``.
 
         Scanned in order; when ``par``'s strategy is a pipeline, run as a
@@ -176,7 +176,8 @@ class Transformer(nnx.Module):
         tokens: jax.Array,
         positions: jax.Array | None = None,
         segment_ids: jax.Array | None = None,
-        par: Parallelism = UNSHARDED,
+        *,
+        par: Parallelism,
     ) -> jax.Array:
         """Next-token logits.
 
@@ -191,13 +192,13 @@ class Transformer(nnx.Module):
         Returns:
           ``[batch, length, vocab]`` float32 logits.
         """
-        x = self.features(tokens, positions, segment_ids, par)
+        x = self.features(tokens, positions, segment_ids, par=par)
         weight, vocab_last = self.output_weight()
         logits = head_parallelism(par).constrain(project_logits(x, weight, vocab_last), (ax.BATCH, ax.LENGTH, ax.VOCAB))
         return par.constrain(logits, (ax.BATCH, ax.LENGTH, ax.VOCAB))
 
     def features(self, tokens: jax.Array, positions: jax.Array | None = None,
-                 segment_ids: jax.Array | None = None, par: Parallelism = UNSHARDED) -> jax.Array:
+                 segment_ids: jax.Array | None = None, *, par: Parallelism) -> jax.Array:
         """The final activations ``[batch, length, embed]`` (after the last norm), compute dtype.
 
         With a pipeline the rows leave the layer stack split over ``stage`` too
@@ -214,7 +215,7 @@ class Transformer(nnx.Module):
                               (ax.BATCH, ax.LENGTH, ax.ACT_EMBED))
 
     def extend(self, tokens: jax.Array, starts: jax.Array, cache: dict[str, jax.Array],
-               par: Parallelism = UNSHARDED) -> tuple[jax.Array, dict[str, jax.Array]]:
+               par: Parallelism) -> tuple[jax.Array, dict[str, jax.Array]]:
         """Runs new tokens against a key/value cache: prefill (``starts`` 0) or one decoding step.
 
         Args:
@@ -253,7 +254,7 @@ class Transformer(nnx.Module):
         return self.unembed[...], True
 
     def loss_sums(self, tokens: jax.Array, targets: jax.Array, weights: jax.Array, positions: jax.Array | None = None,
-                  segment_ids: jax.Array | None = None, par: Parallelism = UNSHARDED) -> tuple[jax.Array, jax.Array]:
+                  segment_ids: jax.Array | None = None, *, par: Parallelism) -> tuple[jax.Array, jax.Array]:
         """Summed next-token cross-entropy, ``(loss_sum, weight_sum)`` float32 scalars (nats).
 
         The output projection and the loss are computed together as ``ModelConfig.logits``
@@ -269,7 +270,7 @@ class Transformer(nnx.Module):
             if positions is None:
                 positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
             return self._pipelined_loss_sums(tokens, targets, weights, positions, segment_ids, par)
-        x = self.features(tokens, positions, segment_ids, par)
+        x = self.features(tokens, positions, segment_ids, par=par)
         weight, vocab_last = self.output_weight()
         return output_loss_sums(x, weight, targets, weights, impl=self.config.logits, vocab_last=vocab_last,
                                 par=head_parallelism(par))
@@ -354,19 +355,19 @@ def init_params(config: ModelConfig, key: jax.Array, layer_table=None) -> dict[s
     return params
 
 
-def apply(graphdef, params: dict[str, Any], tokens, positions=None, segment_ids=None,
-          par: Parallelism = UNSHARDED) -> jax.Array:
+def apply(graphdef, params: dict[str, Any], tokens, positions=None, segment_ids=None, *,
+          par: Parallelism) -> jax.Array:
     """Runs the model from a graphdef and a params dict; see `Transformer.__call__`."""
-    return nnx.merge(graphdef, params)(tokens, positions, segment_ids, par)
+    return nnx.merge(graphdef, params)(tokens, positions, segment_ids, par=par)
 
 
 def loss_sums(graphdef, params: dict[str, Any], tokens, targets, weights, positions=None,
-              segment_ids=None, par: Parallelism = UNSHARDED) -> tuple[jax.Array, jax.Array]:
+              segment_ids=None, *, par: Parallelism) -> tuple[jax.Array, jax.Array]:
     """Summed cross-entropy from a graphdef and a params dict; see `Transformer.loss_sums`."""
-    return nnx.merge(graphdef, params).loss_sums(tokens, targets, weights, positions, segment_ids, par)
+    return nnx.merge(graphdef, params).loss_sums(tokens, targets, weights, positions, segment_ids, par=par)
 
 
 def extend(graphdef, params: dict[str, Any], cache: dict[str, jax.Array], tokens, starts,
-           par: Parallelism = UNSHARDED) -> tuple[jax.Array, dict[str, jax.Array]]:
+           par: Parallelism) -> tuple[jax.Array, dict[str, jax.Array]]:
     """New tokens against a key/value cache from a graphdef and a params dict; see `Transformer.extend`."""
     return nnx.merge(graphdef, params).extend(tokens, starts, cache, par)

@@ -11,6 +11,10 @@ The description holds:
 * `Product`: the matrix products (a weight and which of its dimensions the input contracts),
   per layer and the output projection (the logits).
 * `AttentionGeometry`: the score products' heads, key/value heads and head width.
+* `AttentionTraits`: what each attention kernel the model can run costs (whether it holds the score
+  matrix, how much of it it computes, its backward's work, whether it splits the length or runs
+  under its own ``shard_map``), one per kernel, named as ``ModelConfig.attention`` names them; the
+  cost model and the planner ask these, never a kernel's name.
 * `Term`: per-token work and memory: elementwise FLOPs of a layer and of the loss, and the
   activations a layer saves for the backward pass, each with the logical axis that splits it,
   whether it grows with the keys a query sees (score-matrix terms), and which remat policies keep it.
@@ -26,7 +30,7 @@ import math
 
 from sharding import axes as ax
 
-__all__ = ["ROLES", "AttentionGeometry", "ModelDescription", "Param", "Product", "Term"]
+__all__ = ["ROLES", "AttentionGeometry", "AttentionTraits", "ModelDescription", "Param", "Product", "Term"]
 
 ROLES = ("weight", "scale", "bias", "embedding", "output")
 """Parameter roles: ``weight`` (of a matrix product inside the layers), ``scale`` (a norm's), ``bias`` (added
@@ -153,6 +157,53 @@ class AttentionGeometry:
 
 
 @dataclasses.dataclass(frozen=True)
+class AttentionTraits:
+    """What one attention kernel costs, as the cost model and the planner read it.
+
+    The score products themselves are `AttentionGeometry`'s; these say how a kernel computes them.
+    FlashAttention (Dao et al., 2022; FlashAttention-2, Dao 2023) never holds the ``[T, S]`` scores,
+    skips the tiles the causal mask empties (about half of them) and recomputes the scores in the
+    backward pass (Dao 2023, Algorithm 2: five products against the forward's two).
+
+    Attributes:
+      name: The kernel's name (``ModelConfig.attention``), for messages and reports.
+      materialises_scores: Whether it holds the ``[T, S]`` score matrix (einsum attention, XLA's
+        ``dot_product_attention``): the description's ``per_key`` terms (the float32 softmax, the mask,
+        their elementwise work) count the keys a query sees; False: they count none.
+      key_fraction: Fraction of the ``T x S`` score products it computes: 1.0 for every entry, 0.5 when
+        the tiles the causal mask empties are skipped.
+      training_factor: FLOPs of the score products forward and backward, as a multiple of the forward's:
+        3.0 (the backward does two products per forward one), 3.5 (FlashAttention-2's backward, which
+        recomputes the scores: seven products for the forward's two).
+      splits_length: Whether it runs with the length split over the ``sequence`` mesh axis (context
+        parallelism: ring or all-to-all attention); False: it needs the length whole on each device.
+        The cost model prices such a kernel only with the length whole (``sequence`` = 1, where it is
+        its per-device kernel): its own traffic over ``sequence`` is not modelled.
+      under_shard_map: Whether it runs per device under its own ``shard_map`` (a Pallas kernel or a
+        collective schedule, which GSPMD cannot partition); False: GSPMD partitions it like any op.
+      searched: Whether the planner tries it when given no attentions (False for one priced exactly
+        as another that it already tries).
+
+    Raises:
+      ValueError: On a key fraction outside (0, 1] or a training factor below 1.
+    """
+
+    name: str
+    materialises_scores: bool
+    key_fraction: float = 1.0
+    training_factor: float = 3.0
+    splits_length: bool = False
+    under_shard_map: bool = False
+    searched: bool = True
+
+    def __post_init__(self):
+        if not 0 < self.key_fraction <= 1:
+            raise ValueError(f"attention {self.name}: key_fraction {self.key_fraction} must be in (0, 1]")
+        if self.training_factor < 1:
+            raise ValueError(f"attention {self.name}: training_factor {self.training_factor} must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
 class Term:
     """A per-token amount: elementwise FLOPs, or the elements of an activation.
 
@@ -187,6 +238,8 @@ class ModelDescription:
       logits: The output projection (its weight is the ``output`` parameter, or the ``embedding``
         table when tied).
       attention: The score products (`AttentionGeometry`).
+      attention_kernels: What each attention kernel the model can run costs (`AttentionTraits`),
+        whichever ``ModelConfig.attention`` names: a layout names the one it prices.
       layer_elementwise: Elementwise FLOPs per token of one layer's forward pass (as XLA counts
         them: one per element per arithmetic op).
       loss_elementwise: Elementwise FLOPs per token of the loss's forward pass.
@@ -205,6 +258,7 @@ class ModelDescription:
     layer_elementwise: tuple[Term, ...] = ()
     loss_elementwise: tuple[Term, ...] = ()
     activations: tuple[Term, ...] = ()
+    attention_kernels: tuple[AttentionTraits, ...] = ()
 
     def __post_init__(self):
         self.axis_sizes  # noqa: B018 (validates)
@@ -232,6 +286,18 @@ class ModelDescription:
             if p.path == path:
                 return p
         raise KeyError(path)
+
+    def attention_kernel(self, name: str) -> AttentionTraits:
+        """The traits of the attention kernel called ``name``.
+
+        Raises:
+          ValueError: When the model has none of that name, naming it and those it has.
+        """
+        for kernel in self.attention_kernels:
+            if kernel.name == name:
+                return kernel
+        known = ", ".join(k.name for k in self.attention_kernels) or "none"
+        raise ValueError(f"attention {name!r} is not an attention of this model; it has {known}")
 
     def with_role(self, role: str) -> Param | None:
         """The first parameter with ``role`` (None when there is none)."""

@@ -2,6 +2,7 @@
 
 import pytest
 
+from models import attention_registry
 from test_data import make_hf_tokenizer
 from train import train
 
@@ -46,6 +47,7 @@ CASES = [
     (["--set", "rope_theta=inf"], "--set rope_theta=inf: must be a finite number > 0", None),
     (["--set", "norm_eps=nan"], "--set norm_eps=nan: must be a finite number > 0", None),
     (["--set", "num_layers=0"], "--set num_layers=0: must be a positive integer", None),
+    (["--set", "attention=bogus"], "attention 'bogus': choose one of " + ", ".join(attention_registry.names()), None),
     (["--seed", "-1"], "--seed -1: must be in 0..2147483647", None),
     (["--seed", "2147483648"], "--seed 2147483648: must be in 0..", None),
     (["--decay-steps", "0"], "--decay-steps 0: must be a positive number of steps", None),

@@ -29,7 +29,7 @@ from models.transformer import abstract_model
 from sharding import axes as ax
 from sharding.mesh import make_mesh, parse_mesh
 from sharding.rules import PRESETS as RULE_PRESETS
-from sharding.parallel import Parallelism
+from sharding.parallel import UNSHARDED, Parallelism
 from sharding.rules import get_rules, logical_to_spec
 from train import train
 from train.data import context_permutation, pack_windows, permute_length
@@ -106,7 +106,7 @@ def test_sharded_attention_under_the_rules_matches_the_reference(impl, layout, h
 def test_natural_order_attention_refuses_the_zigzag_layout(impl):
     q, k, v, _, segments = _attention_inputs(4, 2)
     with pytest.raises(ValueError, match=f"--attention {impl} assumes tokens in natural order"):
-        attend(impl, q, k, v, segments, layout="zigzag")
+        attend(impl, q, k, v, segments, layout="zigzag", par=UNSHARDED)
 
 
 def test_auto_layout_is_zigzag_for_ring_over_a_split_length_only():

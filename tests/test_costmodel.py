@@ -256,4 +256,4 @@ def test_ring_and_ulysses_are_priced_as_flash_without_a_sequence_axis_and_refuse
     for attention in ("ring", "ulysses"):
         assert cm.estimate(model, 16, 64, cm.Layout({"fsdp": 8}, "fsdp", attention=attention)) == flash
         with pytest.raises(ValueError, match=f"attention '{attention}' over sequence=2"):
-            cm.Layout({"fsdp": 4, "sequence": 2}, "fsdp", attention=attention)
+            cm.estimate(model, 16, 64, cm.Layout({"fsdp": 4, "sequence": 2}, "fsdp", attention=attention))

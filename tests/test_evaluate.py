@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from models.transformer import apply
+from sharding.parallel import UNSHARDED
 from test_hf import FIXTURES, load
 
 TEXT = ["def add(a, b):\n    return a + b\n" * 6, "class Point:\n    x: int = 0\n    y: int = 0\n" * 5,
@@ -39,8 +40,8 @@ def test_heldout_loss_equals_a_plain_computation(corpus, tmp_path):
     total = count = 0.0
     for b in range(2):
         batch = dataset.eval_rows(b, range(4))
-        logits = np.asarray(apply(graphdef, plain, batch["tokens"], batch["positions"], batch["segment_ids"]),
-                             np.float64)
+        logits = np.asarray(apply(graphdef, plain, batch["tokens"], batch["positions"], batch["segment_ids"],
+                                  par=UNSHARDED), np.float64)
         logp = logits - logits.max(-1, keepdims=True)
         logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
         picked = np.take_along_axis(logp, batch["targets"][..., None], -1)[..., 0]

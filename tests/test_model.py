@@ -125,10 +125,10 @@ def test_future_tokens_and_other_documents_do_not_leak(model):
     tokens, positions, segment_ids = make_batch(batch=1, length=24)
     segment_ids[:] = np.where(np.arange(24) < 10, 1, 2)
     positions[:] = np.where(np.arange(24) < 10, np.arange(24), np.arange(24) - 10)
-    base = np.asarray(apply(graphdef, params, tokens, positions, segment_ids))
+    base = np.asarray(apply(graphdef, params, tokens, positions, segment_ids, par=UNSHARDED))
     changed = tokens.copy()
     changed[0, 5] = (changed[0, 5] + 1) % CONFIG.vocab_size  # inside document 1
-    out = np.asarray(apply(graphdef, params, changed, positions, segment_ids))
+    out = np.asarray(apply(graphdef, params, changed, positions, segment_ids, par=UNSHARDED))
     np.testing.assert_array_equal(out[0, :5], base[0, :5])  # causal: earlier positions unchanged
     np.testing.assert_array_equal(out[0, 10:], base[0, 10:])  # document 2 unchanged
     assert np.abs(out[0, 5:10] - base[0, 5:10]).max() > 1e-3  # and the change does reach doc 1
@@ -138,7 +138,7 @@ def test_future_tokens_and_other_documents_do_not_leak(model):
 def test_sharded_forward_equals_one_device(model, mesh_spec):
     graphdef, params, names = model
     tokens, positions, segment_ids = make_batch()
-    reference = np.asarray(jax.jit(lambda p: apply(graphdef, p, tokens, positions, segment_ids))(params))
+    reference = np.asarray(jax.jit(lambda p: apply(graphdef, p, tokens, positions, segment_ids, par=UNSHARDED))(params))
 
     mesh = make_mesh(parse_mesh(mesh_spec, 8))
     rules = get_rules("fsdp_tp")
@@ -147,7 +147,7 @@ def test_sharded_forward_equals_one_device(model, mesh_spec):
 
     @jax.jit
     def forward(p):
-        return apply(graphdef, p, tokens, positions, segment_ids, Parallelism.of(mesh, rules))
+        return apply(graphdef, p, tokens, positions, segment_ids, par=Parallelism.of(mesh, rules))
 
     logits = forward(sharded_params)
     assert len(logits.sharding.device_set) == 8
@@ -161,7 +161,7 @@ def test_remat_policies_give_the_same_gradients(model):
 
     def grads(remat):
         graphdef, _, _ = abstract_model(CONFIG.replace(remat=remat))
-        loss = lambda p: jnp.mean(apply(graphdef, p, tokens, positions, segment_ids) ** 2)
+        loss = lambda p: jnp.mean(apply(graphdef, p, tokens, positions, segment_ids, par=UNSHARDED) ** 2)
         return jax.jit(jax.grad(loss))(params)
 
     base = grads("none")
@@ -176,8 +176,8 @@ def test_bfloat16_compute_keeps_float32_parameters_and_logits(model):
     graphdef32, _, _ = abstract_model(CONFIG)
     graphdef16, abstract16, _ = abstract_model(CONFIG.replace(dtype="bfloat16"))
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(abstract16))
-    out32 = np.asarray(apply(graphdef32, params, tokens, positions, segment_ids))
-    out16 = apply(graphdef16, params, tokens, positions, segment_ids)
+    out32 = np.asarray(apply(graphdef32, params, tokens, positions, segment_ids, par=UNSHARDED))
+    out16 = apply(graphdef16, params, tokens, positions, segment_ids, par=UNSHARDED)
     assert out16.dtype == jnp.float32
     assert np.abs(np.asarray(out16) - out32).max() <= 5e-2 * np.abs(out32).max()
 
@@ -194,7 +194,7 @@ def test_flash_attention_in_the_model_matches_reference_with_gradients(heads, kv
     tokens, positions, segment_ids = make_batch(length=40)
 
     def loss(graphdef, p, par=UNSHARDED):
-        return jnp.mean(apply(graphdef, p, tokens, positions, segment_ids, par) ** 2)
+        return jnp.mean(apply(graphdef, p, tokens, positions, segment_ids, par=par) ** 2)
 
     want_loss, want_grads = jax.jit(jax.value_and_grad(lambda p: loss(graphdef_ref, p)))(params)
     mesh = make_mesh(parse_mesh(mesh_spec, 8))
@@ -221,7 +221,7 @@ def test_jax_dot_product_attention_in_the_model_matches_reference_with_gradients
     tokens, positions, segment_ids = make_batch(length=40)
 
     def loss(graphdef, p, par=UNSHARDED):
-        return jnp.mean(apply(graphdef, p, tokens, positions, segment_ids, par) ** 2)
+        return jnp.mean(apply(graphdef, p, tokens, positions, segment_ids, par=par) ** 2)
 
     want_loss, want_grads = jax.jit(jax.value_and_grad(lambda p: loss(graphdef_ref, p)))(params)
     mesh, rules = make_mesh(parse_mesh(mesh_spec, 8)), get_rules("fsdp_tp")

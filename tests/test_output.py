@@ -10,7 +10,7 @@ from models.output import cross_entropy_sums, output_loss_sums, project_logits
 from models.transformer import abstract_model, init_params, loss_sums
 from sharding import hlo
 from sharding.mesh import make_mesh, parse_mesh
-from sharding.parallel import Accumulation, Parallelism
+from sharding.parallel import UNSHARDED, Accumulation, Parallelism
 from sharding.rules import get_rules, tree_shardings
 from sharding.vocab import choose_output, output_traffic, vocab_split
 from train.optimizer import OptimizerConfig
@@ -66,10 +66,10 @@ def test_gathered_loss_is_the_cross_entropy_of_the_logits():
     tokens, targets, mask = _batch(config, batch=2, length=8)
     from models.transformer import apply
 
-    logits = np.asarray(apply(graphdef, params, tokens), np.float64)
+    logits = np.asarray(apply(graphdef, params, tokens, par=UNSHARDED), np.float64)
     logits -= logits.max(-1, keepdims=True)
     nll = np.log(np.exp(logits).sum(-1)) - np.take_along_axis(logits, targets[..., None], -1)[..., 0]
-    loss, weight = loss_sums(graphdef, params, tokens, targets, mask)
+    loss, weight = loss_sums(graphdef, params, tokens, targets, mask, par=UNSHARDED)
     np.testing.assert_allclose(float(loss), (nll * mask).sum(), rtol=1e-5)
     assert float(weight) == mask.sum()
 
@@ -94,7 +94,7 @@ def test_outside_the_rules_the_loss_is_computed_directly():
     targets = jnp.arange(10, dtype=jnp.int32).reshape(2, 5)
     mask = jnp.ones((2, 5))
     want = cross_entropy_sums(project_logits(x, w), targets, mask)
-    got = output_loss_sums(x, w, targets, mask, impl="vocab_parallel")
+    got = output_loss_sums(x, w, targets, mask, impl="vocab_parallel", par=UNSHARDED)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6)
 
 

@@ -11,6 +11,7 @@ import math
 import os
 from pathlib import Path
 
+from models import attention_registry
 from models.config import ModelConfig
 from sharding import axes as ax
 from sharding.parallel import Parallelism, UnevenBatch
@@ -156,10 +157,11 @@ def check_strategy(run: RunConfig) -> None:
         from train.strategies import check_uneven
 
         tensor = par.mesh_shape[ax.TENSOR]
-        if tensor > 1 and model.attention not in ("reference", "dot_product"):
+        if tensor > 1 and attention_registry.kernel(model.attention).traits.under_shard_map:
+            partitioned = " or ".join(k.name for k in attention_registry.KERNELS if not k.traits.under_shard_map)
             raise ValueError(f"--attention {model.attention} runs its kernel under its own shard_map, which cannot "
                              f"sit inside the uneven step's with tensor={tensor} yet; with --hetero-batch and a "
-                             f"tensor axis use --attention reference or dot_product")
+                             f"tensor axis use --attention {partitioned}")
 
         _, abstract, names = abstract_model(model)
         check_uneven(par, names, abstract, run.data.batch_size)

@@ -14,7 +14,8 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
-from models.config import ATTENTION_IMPLS, DTYPES, LOGITS_IMPLS, PRESETS, REMAT_POLICIES, get_config
+from models import attention_registry
+from models.config import DTYPES, LOGITS_IMPLS, PRESETS, REMAT_POLICIES, get_config
 from sharding import axes as ax
 from sharding.mesh import parse_axis_sizes
 from sharding.parallel import CONTEXT_LAYOUTS, Accumulation, Parallelism, UnevenBatch
@@ -115,8 +116,9 @@ def _model_flags(p) -> None:
                    "default: the preset's (float32)")
     g.add_argument("--remat", default=None, choices=REMAT_POLICIES, help="rematerialisation policy per block; "
                    "default: the preset's (none)")
-    g.add_argument("--attention", default=None, choices=ATTENTION_IMPLS, help="attention implementation; ring or "
-                   "ulysses split the length over the sequence mesh axis (context parallelism); default: the "
+    splitting = " or ".join(k.name for k in attention_registry.KERNELS if k.traits.splits_length)
+    g.add_argument("--attention", default=None, choices=attention_registry.names(), help=f"attention implementation; "
+                   f"{splitting} split the length over the sequence mesh axis (context parallelism); default: the "
                    "preset's (reference)")
     g.add_argument("--logits", default=None, choices=LOGITS_IMPLS,
                    help="output projection and loss: gathered (weight gathered, GSPMD), vocab_parallel (Megatron-LM's "

@@ -69,7 +69,7 @@ def evaluate(model, par, dataset, batch_size: int, seq_len: int, batches: int) -
     @jax.jit
     def sums(params, batch):
         return loss_sums(model.graphdef, params, batch["tokens"], batch["targets"], batch["loss_mask"],
-                         batch["positions"], batch["segment_ids"], par)
+                         batch["positions"], batch["segment_ids"], par=par)
 
     total = count = 0.0
     for b in range(batches):

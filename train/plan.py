@@ -33,6 +33,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
+from models import attention_registry
 from models.config import get_config
 from models.spec import describe
 from sharding import costmodel as cm
@@ -53,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
     p.add_argument("--top", type=int, default=8, help="plans to list")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="compute dtype")
-    p.add_argument("--attention", default="any", choices=("any", "flash", "reference"), help="attention to plan for")
+    p.add_argument("--attention", default="any", choices=("any", *searched_attentions()), help="attention to plan for")
     p.add_argument("--efficiency", type=float, default=None,
                    help="fraction of peak FLOP/s the step's work reaches, for every kind; default: each kind's "
                    "matrix-product figure fitted on published runs (sharding.devices.FITTED_EFFICIENCY, elementwise "
@@ -72,6 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def searched_attentions() -> tuple[str, ...]:
+    """The attentions the planner tries by default (`sharding.modeldesc.AttentionTraits.searched`; ``dot_product``
+    is priced as ``reference`` and ``ring``/``ulysses`` as ``flash`` without a sequence axis, so they are left
+    out); the one the ``--attention`` choices of ``python -m train.plan`` offer."""
+    return tuple(k.name for k in attention_registry.KERNELS if k.traits.searched)
+
+
 def model_description(preset: str, overrides: Sequence[str]) -> ModelDescription:
     """The description of a preset with ``--set`` overrides (`models.spec.describe`).
 
@@ -82,7 +90,7 @@ def model_description(preset: str, overrides: Sequence[str]) -> ModelDescription
 
 
 def options_from(args) -> planner.PlanOptions:
-    attentions = ("flash", "reference") if args.attention == "any" else (args.attention,)
+    attentions = searched_attentions() if args.attention == "any" else (args.attention,)
     if args.efficiency is not None and not 0 < args.efficiency <= 1:
         raise ValueError(f"--efficiency {args.efficiency}: must be in (0, 1], e.g. --efficiency 0.5")
     return planner.PlanOptions(attentions=attentions, dtype=args.dtype, pipeline=not args.no_pipeline,

@@ -9,6 +9,7 @@ import time
 import jax
 import numpy as np
 
+from models import attention_registry
 from sharding import axes as ax
 from sharding import hlo
 from sharding.mesh import crossing_axes, format_mesh
@@ -350,7 +351,7 @@ def startup(run, trainer, speeds=None, notes=()) -> list[str]:
 
     lines = []
     par, model = trainer.par, run.model
-    if model.attention in ("ring", "ulysses") and par.length_shards == 1:
+    if attention_registry.kernel(model.attention).traits.splits_length and par.length_shards == 1:
         lines.append(f"note: --attention {model.attention} with the length whole on every device (no sequence axis "
                      f"> 1 in --mesh {format_mesh(par.mesh_shape)}) is plain flash attention: no context parallelism")
     if isinstance(par.strategy, UnevenBatch):

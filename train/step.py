@@ -230,7 +230,7 @@ class Trainer:
     def loss_sums(self, params, batch, par: Parallelism | None = None) -> tuple[jax.Array, jax.Array]:
         """``(loss_sum, weight_sum)`` of a batch (inside jit) under ``par`` (default the run's)."""
         return loss_sums(self.graphdef, params, batch["tokens"], batch["targets"], batch["loss_mask"],
-                         batch["positions"], batch["segment_ids"], self.par if par is None else par)
+                         batch["positions"], batch["segment_ids"], par=self.par if par is None else par)
 
     def gradients(self, params, batch, counts=None) -> tuple[jax.Array, jax.Array, Any, dict]:
         """The strategy's ``(loss_sum, weight_sum, grads, metrics)`` of a global batch (inside jit);

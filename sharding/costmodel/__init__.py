@@ -38,7 +38,7 @@ Units: FLOPs, bytes, seconds, FLOP/s, bytes/s. The package imports nothing of th
 from sharding.costmodel.collectives import BACKENDS, Comm, collective_bytes, host_shares, link_classes
 from sharding.costmodel.cost import Cost, device_cost, estimate
 from sharding.costmodel.flops import ELEMENTWISE_BACKWARD_FACTOR, OPTIMIZER_FLOPS_PER_PARAM, Flops
-from sharding.costmodel.layout import ATTENTIONS, Layout, describe_model, layout_of, unpriced_attention
+from sharding.costmodel.layout import Layout, attention_of, describe_model, layout_of, unpriced_attention
 from sharding.costmodel.memory import Memory
 from sharding.costmodel.time import (
     DEFAULT_EFFICIENCY,
@@ -52,7 +52,6 @@ from sharding.costmodel.time import (
 )
 
 __all__ = [
-    "ATTENTIONS",
     "BACKENDS",
     "DEFAULT_EFFICIENCY",
     "ELEMENTWISE_BACKWARD_FACTOR",
@@ -66,6 +65,7 @@ __all__ = [
     "Layout",
     "Memory",
     "StepTime",
+    "attention_of",
     "collective_bytes",
     "comm_seconds",
     "describe_model",

@@ -25,7 +25,7 @@ import dataclasses
 import math
 
 from sharding import axes as ax
-from sharding.costmodel.layout import _WHOLE_SCORES, Layout, _axis_split, _per_token, _Placed, _Shape
+from sharding.costmodel.layout import Layout, _axis_split, _per_token, _Placed, _Shape, attention_of
 from sharding.costmodel.memory import _held_params
 from sharding.modeldesc import ModelDescription, Product
 from sharding.rules import Rules
@@ -96,9 +96,10 @@ def _per_token_flops(model: ModelDescription, layout: Layout, rules: Rules, plac
     kept_fwd = layer_fwd - sum(forward(p) for p in model.products if not p.recomputed)
     geometry = model.attention
     heads = _axis_split(model, geometry.heads_axis, rules, mesh)
-    whole = layout.attention in _WHOLE_SCORES
-    attn_fwd = geometry.forward_flops(s.seq if whole else s.seq / 2) / heads
-    attn_total = attn_fwd * (3.0 if whole else 3.5)  # flash bwd: 5 products
+    kernel = attention_of(model, layout)
+    whole = kernel.materialises_scores
+    attn_fwd = geometry.forward_flops(s.seq * kernel.key_fraction) / heads  # flash: masked tiles skipped
+    attn_total = attn_fwd * kernel.training_factor  # flash bwd: 5 products
     logits = model.logits
     logits_fwd = 2.0 * logits.in_size * logits.out_size / math.prod(
         _axis_split(model, a, rules, mesh) for a in logits.out_axes)

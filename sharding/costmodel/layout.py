@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sharding import axes as ax
-from sharding.modeldesc import ModelDescription, Param
+from sharding.modeldesc import AttentionTraits, ModelDescription, Param
 from sharding.parallel import Parallelism, UnevenBatch
 from sharding.rules import Rules, get_rules, logical_to_spec
 from sharding.vocab import OUTPUT_IMPLS
@@ -29,15 +29,6 @@ _PARAM_BYTES = 4  # parameters, gradients and AdamW moments are float32
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 _INT_BYTES = 4  # int32 tokens, positions, segment ids
 _BATCH_FIELDS = 5  # tokens, targets, positions, segment_ids (int32), loss_mask (float32)
-_WHOLE_SCORES = ("reference", "dot_product")  # attentions that materialise the [T, S] scores (XLA's dot_product too)
-
-#: Attentions the cost model prices (`models.config.ATTENTION_IMPLS`): ``reference`` and ``dot_product``
-#: materialise the whole ``[T, S]`` scores, ``flash`` skips the masked tiles; ``ring`` and ``ulysses`` run
-#: the flash kernel and are priced as it where the length is whole on every device (``sequence`` = 1:
-#: they are then plain flash attention, `models.attention`). Their own traffic over ``sequence`` is not
-#: modelled (`unpriced_attention`).
-ATTENTIONS = ("reference", "flash", "dot_product", "ring", "ulysses")
-_CONTEXT_PARALLEL = ("ring", "ulysses")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,9 +44,10 @@ class Layout:
       stage_layers: Layers per pipeline stage, one per ``stage`` index, summing to the model's
         layers; None splits evenly (`sharding.pipeline.layout.plan_layout`).
       pipeline_repeats: R, stage chunks per device (circular schedule); 1 is GPipe.
-      attention: ``reference`` or ``dot_product`` (full score matrix; ``jax.nn.dot_product_attention``'s
-        XLA implementation is modelled as reference) or ``flash`` (masked tiles skipped); ``ring`` and
-        ``ulysses`` as ``flash``, without a ``sequence`` axis only (`ATTENTIONS`).
+      attention: The name of an attention kernel of the model (``ModelConfig.attention``); what it costs
+        is the model's to say (`sharding.modeldesc.ModelDescription.attention_kernel`, its
+        `sharding.modeldesc.AttentionTraits`), so it is checked when the layout is priced: a kernel that
+        splits the length is priced without a ``sequence`` axis only (`unpriced_attention`).
       dtype: Compute dtype of activations, ``float32`` or ``bfloat16``.
       uneven_batch: The uneven data-parallel step (`train.strategies.UnevenGradients`): each
         data-parallel group loops over its own microbatches with the parameters gathered over the
@@ -71,8 +63,7 @@ class Layout:
         `sharding.pipeline.onef1b`; interleaved with ``pipeline_repeats`` > 1) instead of GPipe/circular.
 
     Raises:
-      ValueError: On an unknown axis, a size below 1, an unknown remat/attention/dtype, or an attention
-        the cost model cannot price on this mesh (`unpriced_attention`), naming it.
+      ValueError: On an unknown axis, a size below 1, or an unknown remat/dtype/logits.
     """
 
     mesh: Mapping[str, int]
@@ -99,16 +90,13 @@ class Layout:
         object.__setattr__(self, "mesh", full)
         if self.stage_layers is not None:
             object.__setattr__(self, "stage_layers", tuple(int(n) for n in self.stage_layers))
-        for field, allowed in (("remat", ("none", "dots", "full")), ("attention", ATTENTIONS),
-                               ("dtype", tuple(_DTYPE_BYTES)), ("logits", OUTPUT_IMPLS)):
+        for field, allowed in (("remat", ("none", "dots", "full")), ("dtype", tuple(_DTYPE_BYTES)),
+                               ("logits", OUTPUT_IMPLS)):
             if getattr(self, field) not in allowed:
                 raise ValueError(f"--{field} {getattr(self, field)!r}: choose one of {', '.join(allowed)}")
         if self.microbatches < 1 or self.pipeline_repeats < 1:
             raise ValueError(f"microbatches and pipeline_repeats must be >= 1, got {self.microbatches} and "
                              f"{self.pipeline_repeats}")
-        reason = unpriced_attention(self.attention, full)
-        if reason:
-            raise ValueError(reason)
 
     @property
     def num_devices(self) -> int:
@@ -132,22 +120,37 @@ def _preset(name: str) -> Rules:
     return get_rules(name)
 
 
-def unpriced_attention(attention: str, mesh: Mapping[str, int]) -> str | None:
-    """Why the cost model cannot price ``attention`` on ``mesh``, or None when it can.
+def unpriced_attention(kernel: AttentionTraits, mesh: Mapping[str, int]) -> str | None:
+    """Why the cost model cannot price attention ``kernel`` on ``mesh``, or None when it can.
 
-    ``ring`` and ``ulysses`` over a ``sequence`` axis > 1 move keys and values in their own way
-    (a ring of ppermutes, all-to-alls of heads) that the model does not count; without one they are
-    plain flash attention and priced as ``flash``.
+    A kernel that splits the length (ring or all-to-all attention) moves keys and values over a
+    ``sequence`` axis > 1 in its own way (a ring of ppermutes, all-to-alls of heads) that the model does
+    not count; without one it is its per-device kernel on the whole length and priced by its traits.
 
     Args:
-      attention: An attention implementation (`ATTENTIONS`).
+      kernel: The attention's traits (`sharding.modeldesc.ModelDescription.attention_kernel`).
       mesh: Mesh axis -> size (missing axes are 1).
     """
     sequence = mesh.get(ax.SEQUENCE, 1)
-    if attention in _CONTEXT_PARALLEL and sequence > 1:
-        return (f"attention {attention!r} over sequence={sequence}: the cost model does not model its "
-                f"context-parallel traffic; it prices {attention} with the length whole on every device (sequence=1)")
+    if kernel.splits_length and sequence > 1:
+        return (f"attention {kernel.name!r} over sequence={sequence}: the cost model does not model its "
+                f"context-parallel traffic; it prices {kernel.name} with the length whole on every device "
+                f"(sequence=1)")
     return None
+
+
+def attention_of(model: ModelDescription, layout: Layout) -> AttentionTraits:
+    """The traits of ``layout``'s attention, as the model describes it.
+
+    Raises:
+      ValueError: When the model has no attention of that name, or the cost model cannot price it on the
+        layout's mesh (`unpriced_attention`); each names the attention.
+    """
+    kernel = model.attention_kernel(layout.attention)
+    reason = unpriced_attention(kernel, layout.mesh)
+    if reason:
+        raise ValueError(reason)
+    return kernel
 
 
 def layout_of(par: Parallelism, config: Any = None, **fields: Any) -> Layout:
@@ -169,7 +172,7 @@ def layout_of(par: Parallelism, config: Any = None, **fields: Any) -> Layout:
       The `Layout`.
 
     Raises:
-      ValueError: As `Layout` (an attention the cost model cannot price on this mesh, naming it).
+      ValueError: As `Layout`.
     """
     values = {f: getattr(config, f) for f in ("remat", "attention", "dtype", "logits") if hasattr(config, f)}
     plan = par.pipeline

@@ -20,13 +20,13 @@ from sharding.costmodel.layout import (
     _BATCH_FIELDS,
     _INT_BYTES,
     _PARAM_BYTES,
-    _WHOLE_SCORES,
     Layout,
     _axis_split,
     _per_token,
     _place_cached,
     _Placed,
     _Shape,
+    attention_of,
 )
 from sharding.modeldesc import ModelDescription
 from sharding.pipeline.storage import spread_over_stage, storage_axes
@@ -105,7 +105,7 @@ def _held_pipeline_params(model: ModelDescription, rules: Rules, mesh_items: tup
 def _memory(model: ModelDescription, layout: Layout, rules: Rules, placed: dict[str, _Placed], s: _Shape) -> Memory:
     params = _held_params(model, layout, rules, placed, s) * _PARAM_BYTES
     mesh = layout.mesh
-    keys = s.seq if layout.attention in _WHOLE_SCORES else 0.0
+    keys = s.seq if attention_of(model, layout).materialises_scores else 0.0
 
     def saved_bytes(kept=None) -> float:  # per token of one layer
         return _per_token(model, "activations", rules, mesh, keys, s.act_bytes, kept)

@@ -37,12 +37,12 @@ from sharding.costmodel.layout import (
     _DTYPE_BYTES,
     _INT_BYTES,
     _PARAM_BYTES,
-    _WHOLE_SCORES,
     Layout,
     _per_token,
     _place_cached,
     _Placed,
     _Shape,
+    attention_of,
 )
 from sharding.costmodel.memory import Memory, _memory
 from sharding.costmodel.partitioner import _comms
@@ -194,7 +194,7 @@ def _pipeline_memory(model: ModelDescription, layout: Layout, rules: Rules, plac
     slots (`_gather_bytes`) and their float32 gradient sums, the saved slot inputs (`_Pipe.saved_inputs`),
     one layer's activations, and the head's logits (one run's rows)."""
     base = _memory(model, layout, rules, placed, s)
-    keys = s.seq if layout.attention in _WHOLE_SCORES else 0.0
+    keys = s.seq if attention_of(model, layout).materialises_scores else 0.0
     saved_input = _per_token(model, "activations", rules, layout.mesh, keys, s.act_bytes, ("input",))
     per_layer = _per_token(model, "activations", rules, layout.mesh, keys, s.act_bytes)
     whole_layer = sum(p.local * _batch_factor(p, layout.mesh) for p in placed.values() if p.param.per_layer)

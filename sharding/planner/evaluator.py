@@ -51,7 +51,8 @@ class PlanOptions:
     Attributes:
       rules: Presets to try.
       remats: Remat policies to try, cheapest first.
-      attentions: Attention implementations to try.
+      attentions: Attention implementations to try, by name; None: those the model's description says the
+        search includes (`sharding.modeldesc.AttentionTraits.searched`: reference and flash).
       dtype: Compute dtype (``bfloat16`` for GPUs).
       max_microbatches: Largest number of microbatches (per device, uniform) to try; None: every divisor of
         the rows a data-parallel device holds (a pipeline's from its stages up to
@@ -77,7 +78,7 @@ class PlanOptions:
 
     rules: tuple[str, ...] = ("dp", "fsdp", "tp", "fsdp_tp")
     remats: tuple[str, ...] = ("none", "dots", "full")
-    attentions: tuple[str, ...] = ("flash", "reference")
+    attentions: tuple[str, ...] | None = None
     dtype: str = "bfloat16"
     max_microbatches: int | None = None
     pipeline: bool = True
@@ -216,6 +217,10 @@ class _Evaluator:
         self.flops_per_token = self.model.flops_per_token(seq_len)
         self._grids: dict[tuple, Any] = {}
         self._stage_costs: dict[tuple, tuple] = {}
+        searched = tuple(k.name for k in self.model.attention_kernels if k.searched)
+        self.attentions = searched if options.attentions is None else options.attentions
+        for name in self.attentions:  # an unknown name is refused before the search, naming it
+            self.model.attention_kernel(name)
 
     def grid(self, mesh: Mapping[str, int]):
         key = tuple(mesh.values())

@@ -23,7 +23,7 @@ from typing import Any
 from sharding import axes as ax
 from sharding import costmodel as cm
 from sharding.mesh import format_mesh
-from sharding.modeldesc import ModelDescription
+from sharding.modeldesc import AttentionTraits, ModelDescription
 from sharding.pipeline.layout import plan_layout
 from sharding.planner.evaluator import Plan, PlanOptions, _Cluster, _Evaluator
 from sharding.splits import largest_remainder, min_max_assign
@@ -175,8 +175,9 @@ def _candidates(ev: _Evaluator) -> Iterator[tuple[cm.Layout, str]]:
     layout skeleton (`_layouts`), tagged ``uniform``, ``uneven`` or ``pipeline``."""
     for mesh in _meshes(ev.model, ev.cluster, ev.options):
         for rules in _rules_for(ev.model, mesh, ev.options):
-            for attention in ev.options.attentions:
-                if cm.unpriced_attention(attention, mesh) is None:  # ring/ulysses: only without a sequence axis
+            for attention in ev.attentions:
+                # a kernel that splits the length (ring, ulysses): only without a sequence axis
+                if cm.unpriced_attention(ev.model.attention_kernel(attention), mesh) is None:
                     yield from _layouts(ev, mesh, rules, attention)
 
 
@@ -197,23 +198,24 @@ def _layouts(ev: _Evaluator, mesh: dict[str, int], rules: str, attention: str) -
                 continue
             base = cm.Layout(mesh, rules, m, "none", pipeline_repeats=r, attention=attention, dtype=opts.dtype)
             yield base, "pipeline" if stages > 1 else "uniform"
-            uneven_ok = (opts.hetero and _uneven_fits(mesh, rules, attention)
+            uneven_ok = (opts.hetero and _uneven_fits(mesh, rules, model.attention_kernel(attention))
                          and len({k.name for k in ev.kinds_in(mesh)}) > 1)
             if uneven_ok:
                 yield dataclasses.replace(base, uneven_batch=True), "uneven"
 
 
-def _uneven_fits(mesh: Mapping[str, int], rules: str, attention: str) -> bool:
+def _uneven_fits(mesh: Mapping[str, int], rules: str, attention: AttentionTraits) -> bool:
     """Whether the uneven step (`train.strategies.UnevenGradients`) runs this layout as the cost model
     prices it: meshes over ``data``, ``fsdp`` and ``tensor`` (tensor inside each data-parallel group, one
-    count per group). With ``tensor``, the attention must be one GSPMD partitions (``reference``,
-    ``dot_product``: a kernel's own `jax.shard_map` cannot sit inside the step's, `train.checks`). Left
+    count per group). With ``tensor``, the attention must be one GSPMD partitions (not ``under_shard_map``,
+    as ``reference`` and ``dot_product``: a kernel's own `jax.shard_map` cannot sit inside the step's,
+    `train.checks`). Left
     out: parameters split over ``fsdp`` and ``tensor`` at once (``fsdp``/``fsdp_tp`` rules with both axes
     > 1), which the step runs exactly but whose parameter gathers the partitioner lays out with extra
     traffic the model does not count (tests/test_hetero.py)."""
     if any(mesh[a] > 1 for a in (ax.STAGE, ax.SEQUENCE)):
         return False
-    if mesh[ax.TENSOR] > 1 and attention not in ("reference", "dot_product"):
+    if mesh[ax.TENSOR] > 1 and attention.under_shard_map:
         return False
     return not (mesh[ax.TENSOR] > 1 and mesh[ax.FSDP] > 1 and rules in ("fsdp", "fsdp_tp"))
 

@@ -1,0 +1,129 @@
+"""The attention kernels ``ModelConfig.attention`` can name: one `AttentionKernel` record each.
+
+Every module that needs to know about a kernel asks its record: config validation and the
+``--attention`` choices (its name), the model (`models.attention.attend` runs the record's
+wrapper and checks the context layout against it), the cost model and the planner (its
+`sharding.modeldesc.AttentionTraits`, which `models.spec.describe` hands them) and the run report.
+No module chooses by a kernel's name.
+
+Adding a kernel: its file under ``models/kernels/`` (importing nothing of ours), a wrapper in
+`models.attention` with the signature ``(q, k, v, segment_ids, *, causal, layout, par) -> out``
+(most are a few lines around `models.attention`'s ``_sharded``, which runs a per-device kernel
+under ``shard_map`` with specs from the rules), and one record in `KERNELS`.
+
+This module holds data only and imports no JAX, so that `models.config` and `models.spec` (which
+read it) stay free of JAX; a record names its wrapper, which `models.attention` resolves (and checks
+for every record when it is imported).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from sharding.modeldesc import AttentionTraits
+from sharding.parallel import CONTIGUOUS, ZIGZAG
+
+__all__ = ["KERNELS", "AttentionKernel", "accepting", "kernel", "names"]
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionKernel:
+    """One attention implementation.
+
+    Attributes:
+      traits: What it costs and how it splits (`sharding.modeldesc.AttentionTraits`); its ``name`` is
+        the kernel's.
+      summary: One line saying what it is (for documentation and messages).
+      wrapper: The name of the function in `models.attention` that runs it on the run's layout,
+        ``(q [B, T, N, H], k [B, S, K, H], v, segment_ids [B, T] | None, *, causal, layout, par)
+        -> [B, T, N, H]`` in q's dtype.
+      layouts: The context layouts it accepts (`sharding.parallel.CONTIGUOUS` is natural order;
+        `sharding.parallel.ZIGZAG` the balanced causal layout of ring attention).
+      auto_layout: The layout ``--context-layout auto`` picks for it when the length is split (P > 1).
+      splits_heads: It trades the length split for a head split over the length's devices
+        (all-to-all attention), so heads and KV heads per device must divide by P.
+
+    Raises:
+      ValueError: On an ``auto_layout`` it does not accept.
+    """
+
+    traits: AttentionTraits
+    summary: str
+    wrapper: str
+    layouts: tuple[str, ...] = (CONTIGUOUS,)
+    auto_layout: str = CONTIGUOUS
+    splits_heads: bool = False
+
+    def __post_init__(self):
+        if self.auto_layout not in self.layouts:
+            raise ValueError(f"attention {self.name}: auto_layout {self.auto_layout!r} is not one of its layouts")
+
+    @property
+    def name(self) -> str:
+        """What ``ModelConfig.attention`` (``--attention``) calls it."""
+        return self.traits.name
+
+
+# FlashAttention-2's costs (Dao 2023): no score matrix, the causally empty tiles skipped, a backward
+# of five products (scores recomputed) against the forward's two.
+_TILED = {"materialises_scores": False, "key_fraction": 0.5, "training_factor": 3.5}
+
+KERNELS: tuple[AttentionKernel, ...] = (
+    AttentionKernel(
+        AttentionTraits("flash", **_TILED, under_shard_map=True),
+        "our Pallas FlashAttention-2 kernel per device under shard_map: batch and heads split, length "
+        "whole; memory linear in length",
+        wrapper="run_flash",
+    ),
+    AttentionKernel(
+        AttentionTraits("reference", materialises_scores=True),
+        "einsum + mask + float32 softmax; GSPMD partitions it; memory O(T*S) per head",
+        wrapper="run_reference",
+    ),
+    AttentionKernel(
+        AttentionTraits("ring", **_TILED, splits_length=True, under_shard_map=True, searched=False),
+        "ring attention (Liu et al., 2023): the length split over the sequence axis, key/value blocks "
+        "passed around the ring of those devices",
+        wrapper="sharded_ring_attention",
+        layouts=(CONTIGUOUS, ZIGZAG),
+        auto_layout=ZIGZAG,
+    ),
+    AttentionKernel(
+        AttentionTraits("ulysses", **_TILED, splits_length=True, under_shard_map=True, searched=False),
+        "all-to-all attention (Jacobs et al., 2023): length-split to head-split and back around flash",
+        wrapper="sharded_ulysses_attention",
+        layouts=(CONTIGUOUS, ZIGZAG),
+        splits_heads=True,
+    ),
+    AttentionKernel(
+        # Priced as reference (XLA's implementation holds the scores too), so the planner need not try both.
+        AttentionTraits("dot_product", materialises_scores=True, searched=False),
+        "jax.nn.dot_product_attention (JAX's own implementation, a baseline for flash); GSPMD partitions it",
+        wrapper="run_dot_product",
+    ),
+)
+"""Every kernel, in the order ``--attention`` lists them and the planner tries them (flash before
+reference: of two plans with the same predicted step time the first found is kept)."""
+
+
+def names() -> tuple[str, ...]:
+    """The kernels' names, in `KERNELS` order."""
+    return tuple(k.name for k in KERNELS)
+
+
+def kernel(name: str) -> AttentionKernel:
+    """The record of the kernel called ``name``.
+
+    Raises:
+      ValueError: When there is none, naming the field and every kernel (``attention 'x': choose one
+        of reference, flash, ...``).
+    """
+    for record in KERNELS:
+        if record.name == name:
+            return record
+    raise ValueError(f"attention {name!r}: choose one of {', '.join(names())}")
+
+
+def accepting(layout: str) -> tuple[str, ...]:
+    """The names of the kernels that accept tokens in ``layout``."""
+    return tuple(k.name for k in KERNELS if layout in k.layouts)

@@ -1,0 +1,125 @@
+"""Every record of the attention registry is consistent: its wrapper computes attention, its traits are
+what the cost model charges, and config validation and the flags name every kernel."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models import attention_registry as registry
+from models.attention import reference_attention, wrapper
+from models.config import ModelConfig, get_config
+from models.kernels.ring_attention import zigzag_permutation
+from sharding import costmodel as cm
+from sharding.mesh import make_mesh, parse_mesh
+from sharding.parallel import CONTIGUOUS, UNSHARDED, ZIGZAG, Parallelism
+from sharding.rules import get_rules
+
+CASES = [(record, layout) for record in registry.KERNELS for layout in record.layouts]
+
+
+def _inputs(length=32, batch=2, heads=8, kv_heads=4, head_dim=16):
+    keys = jax.random.split(jax.random.PRNGKey(3), 4)
+    q = jax.random.normal(keys[0], (batch, length, heads, head_dim), jnp.float32)
+    k = jax.random.normal(keys[1], (batch, length, kv_heads, head_dim), jnp.float32)
+    v = jax.random.normal(keys[2], (batch, length, kv_heads, head_dim), jnp.float32)
+    d_out = jax.random.normal(keys[3], q.shape, jnp.float32)
+    segments = jnp.asarray(np.repeat(np.arange(2, dtype=np.int32), length // 2)[None].repeat(batch, 0))
+    return q, k, v, d_out, segments.at[1].set(0)
+
+
+def _close(got, want):
+    assert float(jnp.max(jnp.abs(got - want))) <= 1e-5 * float(jnp.max(jnp.abs(want)))
+
+
+def test_names_are_unique_and_the_defaults_name_a_record():
+    assert len(set(registry.names())) == len(registry.KERNELS)
+    assert registry.kernel(ModelConfig.attention).name == "reference"
+    assert all(CONTIGUOUS in record.layouts for record in registry.KERNELS)  # natural order: every kernel
+
+
+@pytest.mark.parametrize("record", registry.KERNELS, ids=lambda r: r.name)
+def test_wrapper_on_one_device_matches_the_reference(record):
+    q, k, v, _, segments = _inputs()
+    got = wrapper(record)(q, k, v, segments, causal=True, layout=CONTIGUOUS, par=UNSHARDED)
+    want = reference_attention(q, k, v, causal=True, q_segment_ids=segments, kv_segment_ids=segments)
+    assert got.shape == want.shape and got.dtype == q.dtype
+    _close(got, want)
+
+
+@pytest.mark.parametrize("record, layout", CASES, ids=lambda c: getattr(c, "name", c))
+def test_wrapper_under_a_split_length_matches_the_reference_with_gradients(record, layout):
+    """On data=2,sequence=2,tensor=2 with the fsdp_tp rules (``length`` over ``sequence``; 4 heads and 2 KV
+    heads per tensor shard, which all-to-all attention can split over sequence=2), in every
+    layout the record accepts; tokens permuted into the layout and the output back."""
+    mesh = make_mesh(parse_mesh("data=2,sequence=2,tensor=2", 8))
+    par = Parallelism.of(mesh, get_rules("fsdp_tp"), context_layout=layout)
+    q, k, v, d_out, segments = _inputs()
+    perm = zigzag_permutation(q.shape[1], 2) if layout == ZIGZAG else np.arange(q.shape[1])
+    natural = np.argsort(perm)
+    run = wrapper(record)
+
+    def sharded(q, k, v):
+        out = run(q[:, perm], k[:, perm], v[:, perm], segments[:, perm], causal=True, layout=layout, par=par)
+        return jnp.sum(out[:, natural] * d_out), out[:, natural]
+
+    def reference(q, k, v):
+        out = reference_attention(q, k, v, causal=True, q_segment_ids=segments, kv_segment_ids=segments)
+        return jnp.sum(out * d_out), out
+
+    grad = lambda f: jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    (_, got), got_grads = grad(sharded)
+    (_, want), want_grads = grad(reference)
+    for a, b in zip((got, *got_grads), (want, *want_grads)):
+        _close(a, b)
+
+
+@pytest.mark.parametrize("record", registry.KERNELS, ids=lambda r: r.name)
+def test_cost_model_charges_the_records_traits(record):
+    """Score-product FLOPs are ``training_factor`` x the forward's over ``key_fraction`` of the keys, and the
+    saved activations grow with the keys a query sees exactly when the kernel materialises the scores."""
+    config = get_config("test")
+    geometry = config.describe().attention
+    layout = cm.Layout({"fsdp": 8}, "fsdp", 1, "none", attention=record.name)
+    batch, seq = 16, 64
+    cost = cm.estimate(config, batch, seq, layout)
+    tokens = batch * seq / 8
+    traits = record.traits
+    want = tokens * config.num_layers * geometry.forward_flops(seq * traits.key_fraction) * traits.training_factor
+    assert cost.flops.attention == pytest.approx(want, rel=1e-12)
+    longer = cm.estimate(config, batch // 2, 2 * seq, layout)  # the same tokens, twice the keys per query
+    if record.traits.materialises_scores:
+        assert longer.memory.activations > cost.memory.activations
+    else:
+        assert longer.memory.activations == pytest.approx(cost.memory.activations, rel=1e-12)
+
+
+@pytest.mark.parametrize("record", [r for r in registry.KERNELS if r.traits.splits_length], ids=lambda r: r.name)
+def test_cost_model_refuses_a_length_splitting_kernel_over_a_sequence_axis_naming_it(record):
+    config = get_config("test")
+    with pytest.raises(ValueError, match=f"attention '{record.name}' over sequence=2"):
+        cm.estimate(config, 16, 64, cm.Layout({"fsdp": 4, "sequence": 2}, "fsdp", 1, "none", attention=record.name))
+
+
+def test_cost_model_refuses_an_attention_the_model_lacks_naming_it():
+    with pytest.raises(ValueError, match="attention 'bogus' is not an attention of this model"):
+        cm.estimate(get_config("test"), 16, 64, cm.Layout({"fsdp": 8}, attention="bogus"))
+
+
+def test_description_carries_every_records_traits():
+    desc = get_config("test").describe()
+    assert desc.attention_kernels == tuple(record.traits for record in registry.KERNELS)
+    for record in registry.KERNELS:
+        assert desc.attention_kernel(record.name) is record.traits
+
+
+def test_config_validation_names_every_kernel():
+    with pytest.raises(ValueError, match="attention 'bogus': choose one of " + ", ".join(registry.names())):
+        get_config("test").replace(attention="bogus")
+
+
+def test_the_flags_offer_every_kernel():
+    from train.cli import build_parser
+
+    action = next(a for a in build_parser()._actions if "--attention" in a.option_strings)
+    assert tuple(action.choices) == registry.names()
