@@ -278,7 +278,7 @@ def resolve_counts(config, par: Parallelism, log) -> tuple[Parallelism, list[flo
     # A trainer of even counts to read the model's loss from; the counts themselves come from the timings.
     even = dataclasses.replace(strategy, counts=(strategy.microbatches,) * par.data_parallel)
     probe = Trainer(config.model, config.optimizer, par.replace(strategy=even))
-    par, calibration = calibrate(par, probe.loss_sums, probe.abstract_params, config.data.batch_size,
+    par, calibration = calibrate(par, probe.loss_sums, probe.state_layout.abstract_params, config.data.batch_size,
                                  config.data.seq_len)
     for line in calibration.lines(config.data.batch_size // sum(calibration.counts)):
         log(line)
@@ -294,7 +294,8 @@ def _resolve_stages(config, par: Parallelism, log) -> Parallelism:
     rows = config.data.batch_size // (par.pipeline.microbatches * par.data_parallel)
     # The head runs on 1/S of the rows on every stage (`sharding.pipeline.head_parallelism`): its share per stage.
     fixed = head_layers(config.model, config.data.seq_len) / par.pipeline.layout.stages
-    par, calibration = calibrate_stages(par, probe.loss_sums, probe.abstract_params, rows, config.data.seq_len, fixed)
+    par, calibration = calibrate_stages(par, probe.loss_sums, probe.state_layout.abstract_params, rows,
+                                        config.data.seq_len, fixed)
     for line in calibration.lines(rows):
         log(line)
     return par

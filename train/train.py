@@ -155,7 +155,8 @@ def train(config: RunConfig, trainer, ckpt, latest, tokenizer, log) -> int:
         writer = MetricsWriter(Path(config.checkpoint.run_dir), jax.process_index() == 0, latest)
         meta = RunMeta.create(config.model, config.preset, trainer.par.mesh_shape, trainer.rules,
                               {"spec": data.spec, "seq_len": data.seq_len, "global_batch": data.batch_size,
-                               "seed": data.seed, "heldout": data.heldout}, tokenizer, trainer.layout_meta(),
+                               "seed": data.seed, "heldout": data.heldout}, tokenizer,
+                              trainer.state_layout.layout_meta(),
                               config.schedule)
         checkpoints = LoopCheckpoints(ckpt, meta)
         try:
@@ -179,9 +180,9 @@ def start_state(config: RunConfig, trainer, ckpt, latest, log):
     from train.inference import fresh_state
 
     if latest is None:
-        return fresh_state(config, trainer, ckpt.directory, log), 0
+        return fresh_state(config, trainer.state_layout, ckpt.directory, log), 0
     t0 = time.perf_counter()
-    state, meta = restore_state(ckpt, trainer, latest)
+    state, meta = restore_state(ckpt, trainer.state_layout, latest)
     for line in report.resume_lines(config, trainer, meta, latest, time.perf_counter() - t0):
         log(line)
     return state, meta.samples
