@@ -196,24 +196,11 @@ def measured(par, run: RunConfig, log: Callable[[str], None]):
     counts as ``--hetero-batch auto`` (rebalanced every `train.cli.DEFAULT_REBALANCE` steps), a gpipe stage
     split as ``--stage-layers auto``; the planner's choice of layout stands. Simulated kinds keep the
     datasheet shares (the CPU devices behind them are all alike)."""
-    import dataclasses
-
-    from sharding.parallel import UnevenBatch
-    from train.cli import DEFAULT_REBALANCE
+    from train.strategies import kind_of
 
     if run.cluster.simulate_cluster:
         return par
-    strategy = par.strategy
-    if isinstance(strategy, UnevenBatch) and strategy.counts and sum(strategy.counts) % len(strategy.counts) == 0:
-        log("--plan auto: uneven counts from speeds measured at start-up (as --hetero-batch auto)")
-        return par.replace(strategy=dataclasses.replace(
-            strategy, counts=None, speeds="measured", microbatches=sum(strategy.counts) // len(strategy.counts),
-            rebalance_every=strategy.rebalance_every or DEFAULT_REBALANCE))
-    plan = par.pipeline
-    if plan is not None and plan.layout.repeats == 1 and len(set(plan.layout.stage_layers)) > 1:
-        log("--plan auto: the stage split from speeds measured at start-up (as --stage-layers auto)")
-        return par.replace(strategy=dataclasses.replace(plan, measure_stages=True))
-    return par
+    return kind_of(par.strategy).measured(run, par, log)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

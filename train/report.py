@@ -328,7 +328,7 @@ def logits_line(run) -> str:
             f"vocab_parallel)")
 
 
-def _split_note(trainer) -> str | None:
+def split_note(trainer) -> str | None:
     """How the layers were split when the split is the default one and uneven."""
     from sharding.pipeline import plan_layout
 
@@ -342,24 +342,18 @@ def _split_note(trainer) -> str | None:
 def startup(run, trainer, speeds=None, notes=()) -> list[str]:
     """Every line printed before training or a dry run."""
     from sharding.mesh import format_mesh
-    from sharding.parallel import UnevenBatch
-    from train.strategies import describe_uneven
 
     lines = []
     par, model = trainer.par, run.model
     if model.attention in ("ring", "ulysses") and par.length_shards == 1:
         lines.append(f"note: --attention {model.attention} with the length whole on every device (no sequence axis "
                      f"> 1 in --mesh {format_mesh(par.mesh_shape)}) is plain flash attention: no context parallelism")
-    if isinstance(par.strategy, UnevenBatch):
-        lines.append(describe_uneven(par.strategy.counts, run.data.batch_size // par.strategy.total, speeds,
-                                     trainer.strategy.capacity))
+    lines += trainer.strategy.summary_lines(run, speeds)
     built = sum(x.size for x in jax.tree.leaves(trainer.state_layout.abstract_params))
     lines += startup_lines(model, run.preset, trainer.mesh, trainer.rules, trainer.state_layout.report, built)
     lines.append(logits_line(run))
     lines += [f"note: {note}" for note in notes]
-    lines += pipeline_lines(trainer, _split_note(trainer))
-    if par.pipeline is not None:
-        lines.append(head_line(trainer, run.data.batch_size))
+    lines += trainer.strategy.detail_lines(run, trainer)
     return lines
 
 

@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from models.config import ModelConfig
 from models.transformer import loss_sums
 from sharding import axes as ax
-from sharding.parallel import Parallelism, UnevenBatch
+from sharding.parallel import Parallelism
 from train import strategies
 from train.data import FIELDS
 from train.optimizer import OptimizerConfig, learning_rate_schedule
@@ -48,11 +48,12 @@ class Trainer:
       state_layout: The `train.state.StateLayout` of the state the step updates. Its attributes and methods
         (``abstract_params``, ``storage``, ``state_shardings``, ``init_state``, ``abstract_state``, ...) read
         through the trainer too: ``trainer.init_state`` is ``trainer.state_layout.init_state``.
-      strategy: The `train.strategies.GradientStrategy`.
+      strategy: The `train.strategies.GradientStrategy`; its step inputs (`GradientStrategy.step_inputs`)
+        are inputs of the step beside ``stop`` (`signals`).
       schedule: The learning rate by update count (`train.optimizer.learning_rate_schedule`).
 
     Raises:
-      ValueError: A strategy that does not fit the mesh (`train.strategies.check_uneven`), or as
+      ValueError: A strategy that does not fit the mesh (`train.strategies.make_strategy`), or as
         `train.state.StateLayout`.
     """
 
@@ -60,11 +61,10 @@ class Trainer:
         self.state_layout = StateLayout(config, par, optimizer)
         self.config, self.optimizer, self.par = config, optimizer, par
         self.mesh, self.rules = par.mesh, par.rules
-        if isinstance(par.strategy, UnevenBatch):
-            strategies.check_uneven(par, self.state_layout.param_names, self.state_layout.abstract_params)
         self.schedule = learning_rate_schedule(optimizer)
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
-        self.strategy = strategies.make_strategy(par, self.state_layout.param_specs())
+        self.strategy = strategies.make_strategy(par, self.state_layout)
+        self.step_inputs = self.strategy.step_inputs()
         self._jitted: dict[tuple, Any] = {}
 
     def __getattr__(self, name: str):
@@ -89,16 +89,14 @@ class Trainer:
         return loss_sums(self.state_layout.graphdef, params, batch["tokens"], batch["targets"], batch["loss_mask"],
                          batch["positions"], batch["segment_ids"], self.par if par is None else par)
 
-    def gradients(self, params, batch, counts=None) -> tuple[jax.Array, jax.Array, Any, dict]:
+    def gradients(self, params, batch, inputs=None) -> tuple[jax.Array, jax.Array, Any, dict]:
         """The strategy's ``(loss_sum, weight_sum, grads, metrics)`` of a global batch (inside jit);
-        ``counts``: the uneven strategy's int32 ``[groups]`` microbatches per data-parallel group (None: its
-        own)."""
-        if counts is None:
-            return self.strategy.gradients(self.loss_sums, params, batch)
-        return self.strategy.gradients(self.loss_sums, params, batch, counts)
+        ``inputs``: values of the strategy's step inputs by name (absent: their defaults)."""
+        return self.strategy.gradients(self.loss_sums, params, batch, inputs or {})
 
     def _step(self, state, batch, signals):
-        loss_sum, weight, grads, extra = self.gradients(state["params"], batch, signals.get("counts"))
+        inputs = {i.name: signals[i.name] for i in self.step_inputs}
+        loss_sum, weight, grads, extra = self.gradients(state["params"], batch, inputs)
         new_state, metrics = self.apply_gradients(state, loss_sum, weight, grads, signals["stop"])
         return new_state, {**metrics, **extra}
 
@@ -136,37 +134,34 @@ class Trainer:
         return new_state, metrics
 
     def signal_sharding(self) -> dict[str, NamedSharding]:
-        """Shardings of the step's host inputs (`signals`): ``stop`` one entry per device, ``counts``
-        (uneven strategy only) replicated."""
+        """Shardings of the step's host inputs (`signals`): ``stop`` one entry per device, then the strategy's
+        step inputs (e.g. the uneven ``counts``, replicated)."""
         out = {"stop": NamedSharding(self.mesh, PartitionSpec(tuple(self.mesh.axis_names)))}
-        if isinstance(self.strategy, strategies.UnevenGradients):
-            out["counts"] = self.replicated
+        out.update((i.name, i.sharding) for i in self.step_inputs)
         return out
 
-    def signals(self, stop: bool, counts=None) -> dict[str, jax.Array]:
+    def signals(self, stop: bool, *values) -> dict[str, jax.Array]:
         """The step's per-step host inputs: ``stop``, this process's stop request as the global
-        ``[num_devices]`` int32 vector, and for the uneven strategy ``counts``, int32 ``[groups along data
-        x fsdp]`` microbatches per data-parallel group (default the strategy's counts; each at most its capacity,
-        summing to the same total: they change without recompiling the step).
+        ``[num_devices]`` int32 vector, and the strategy's step inputs (`GradientStrategy.step_inputs`), of
+        ``values`` in their order (None or absent: the input's default). The uneven strategy's is ``counts``,
+        int32 ``[groups along data x fsdp]`` microbatches per data-parallel group (default the strategy's
+        counts; each at most its capacity, summing to the same total: they change without recompiling the step).
 
         The train step reduces ``stop`` with a max, so every process reads the same ``stop`` metric and all
-        stop after the same step. Every process must pass the same ``counts``.
+        stop after the same step. Every process must pass the same values.
 
         Raises:
-          ValueError: Counts of the wrong length or total, or above the buffer's capacity.
+          ValueError: A value the input refuses (uneven counts of the wrong length or total, or above the
+            buffer's capacity), or more values than inputs.
         """
+        if len(values) > len(self.step_inputs):
+            raise ValueError(f"{len(values)} step input values for the strategy's {len(self.step_inputs)}")
         value = np.int32(1 if stop else 0)
-        shardings = self.signal_sharding()
-        out = {"stop": jax.make_array_from_callback((self.mesh.devices.size,), shardings["stop"],
+        stop_sharding = NamedSharding(self.mesh, PartitionSpec(tuple(self.mesh.axis_names)))
+        out = {"stop": jax.make_array_from_callback((self.mesh.devices.size,), stop_sharding,
                                                     lambda index: np.full((1,), value))}
-        if "counts" in shardings:
-            strategy = self.strategy
-            counts = np.asarray(strategy.counts if counts is None else counts, np.int32)
-            if (counts.shape != (len(strategy.counts),) or int(counts.sum()) != sum(strategy.counts)
-                    or counts.min() < 0 or counts.max() > strategy.capacity):
-                raise ValueError(f"uneven counts {counts.tolist()}: need {len(strategy.counts)} counts >= 0 summing "
-                                 f"to {sum(strategy.counts)}, each at most --hetero-max-share {strategy.capacity}")
-            out["counts"] = jax.make_array_from_callback(counts.shape, shardings["counts"], lambda index: counts[index])
+        given = values + (None,) * (len(self.step_inputs) - len(values))
+        out.update((i.name, i.array(v)) for i, v in zip(self.step_inputs, given, strict=True))
         return out
 
     def _jit(self, kind: str, global_batch: int, seq_len: int):
@@ -175,9 +170,7 @@ class Trainer:
         or ``eval`` ``(params, batch) -> (loss_sum, weight_sum)``, with explicit shardings, cached."""
         key = (kind, global_batch, seq_len)
         if key not in self._jitted:
-            if isinstance(self.par.strategy, UnevenBatch):
-                strategies.check_uneven(self.par, self.state_layout.param_names, self.state_layout.abstract_params,
-                                        global_batch)
+            self.strategy.check_batch(global_batch)
             batch = {f: self.batch_sharding(global_batch, seq_len) for f in FIELDS}
             if kind == "train":
                 state = self.state_layout.state_shardings
@@ -207,9 +200,9 @@ class Trainer:
 
     def compile_train_step(self, global_batch: int, seq_len: int):
         """Ahead-of-time compiled train step from abstract shapes (no allocation)."""
-        sizes = {"stop": self.mesh.devices.size, "counts": self.par.data_parallel}
-        signals = {k: jax.ShapeDtypeStruct((sizes[k],), jnp.int32, sharding=sh)
-                   for k, sh in self.signal_sharding().items()}
+        signals = {"stop": jax.ShapeDtypeStruct((self.mesh.devices.size,), jnp.int32,
+                                                sharding=self.signal_sharding()["stop"])}
+        signals.update((i.name, i.abstract()) for i in self.step_inputs)
         return self.train_step(global_batch, seq_len).lower(
             self.state_layout.abstract_state(), self.abstract_batch(global_batch, seq_len), signals).compile()
 

@@ -104,13 +104,12 @@ def prepare(config: RunConfig, devices, log):
 def build_trainer(config: RunConfig, log):
     """The mesh and the `train.step.Trainer` of ``config``, with the start-up report.
 
-    Resolves uneven counts from device speeds (measured or datasheets) and, for a pipeline, checks the compiled step
-    (`train.strategies.checked_pipeline`), rebuilding the trainer with the fallback plan it returns.
+    Resolves what the strategy left to measure (e.g. uneven counts) and, where it asks, checks the compiled step
+    (`GradientStrategy.check_compiled`: a pipeline's skipped slots), rebuilding the trainer with its fallback.
     """
     import jax
 
     from sharding.mesh import make_mesh
-    from train import strategies
     from train.calibrate import resolve_counts
     from train.step import Trainer
 
@@ -123,12 +122,12 @@ def build_trainer(config: RunConfig, log):
     par, speeds = resolve_counts(config, par.on(mesh), log)  # --hetero-batch auto measures, kinds reads datasheets
     trainer = Trainer(config.model, config.optimizer, par)
     notes = []
-    if par.pipeline is not None and par.pipeline.skip_empty:
-        log("compiling the train step (a pipeline is checked for collectives inside its skipped slots) ...")
+    if (checked_for := trainer.strategy.compiled_check()) is not None:
+        log(f"compiling the train step ({checked_for}) ...")
         t0 = time.perf_counter()
         compiled = trainer.compile_train_step(config.data.batch_size, config.data.seq_len)
         log(f"compiled the train step in {time.perf_counter() - t0:.1f} s (later compilations of it are cached)")
-        checked, note = strategies.checked_pipeline(par, compiled.as_text())
+        checked, note = trainer.strategy.check_compiled(compiled.as_text())
         if note:
             warnings.warn(note, RuntimeWarning, stacklevel=2)
             notes.append(note)

@@ -293,6 +293,15 @@ class PipelinePlan:
     measure_stages: bool = False
 
     @property
+    def pipeline(self) -> PipelinePlan:
+        """This plan: the strategy is a pipeline (`sharding.parallel.Parallelism.pipeline`; None for the others)."""
+        return self
+
+    def mean_microbatches(self, groups: int) -> int:
+        """M: every data-parallel group runs all of them (`sharding.parallel.Parallelism.microbatches`)."""
+        return self.microbatches
+
+    @property
     def schedule(self) -> str:
         """``gpipe``, ``circular`` or ``1f1b`` (`SCHEDULES`; the ``--pipeline-schedule`` value)."""
         return "1f1b" if self.one_f_one_b else self.layout.schedule
