@@ -12,7 +12,7 @@
   (``contiguous`` or ``zigzag``, `models.kernels.ring_attention`).
 
 The command line builds one (``train.cli``), the planner returns one (`sharding.planner`), and
-`Parallelism.flags` renders any of them as the ``python -m train.train`` flags that reproduce it.
+`train.flags.parallelism_flags` renders any of them as the ``python -m train.train`` flags that reproduce it.
 
 At run time the value is bound to a device mesh (`Parallelism.on`) and passed as an argument to
 the model's apply, to attention and to the output layer, which read the mesh and the rules from it
@@ -271,8 +271,10 @@ class Parallelism:
     def flags(self) -> list[str]:
         """The ``python -m train.train`` flags that reproduce this layout (mesh, rules, strategy).
 
-        The one encoder of a `Parallelism` as flags: the planner's chosen plan and ``--plan auto``
-        both print it.
+        The encoder of a layout as flags is `train.flags.parallelism_flags` (the command line's, with each
+        strategy's part in `train.strategies`). This copy stays only while `sharding.planner.Plan.flags`
+        calls it (sharding cannot import train); once the planner's flags are rendered in `train.plan`, it
+        goes. A test keeps the two outputs equal meanwhile.
         """
         mesh = format_mesh(self.mesh_shape) if self.num_devices > 1 else "data=1"
         out = ["--mesh", mesh]

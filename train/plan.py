@@ -172,6 +172,7 @@ def apply_plan(run: RunConfig, devices, log: Callable[[str], None]) -> RunConfig
     if run.cluster.plan != "auto":
         return run
     from sharding import planner
+    from train.flags import parallelism_flags
 
     inventory, _ = cluster_of(run, devices)
     options = planner.PlanOptions(attentions=(run.model.attention,), dtype=run.model.dtype)
@@ -185,7 +186,7 @@ def apply_plan(run: RunConfig, devices, log: Callable[[str], None]) -> RunConfig
             f"{best.layout.rules_name} as is)")
     par = measured(best.parallelism().replace(context_layout=run.parallelism.context_layout), run, log)
     fit = "" if best.fits else " (no plan fits the memory; this is the closest)"
-    log(f"--plan auto{fit}: {' '.join(par.flags())} --remat {best.layout.remat}; predicted {best.step_time:.3g} "
+    log(f"--plan auto{fit}: {' '.join(parallelism_flags(par))} --remat {best.layout.remat}; predicted {best.step_time:.3g} "
         f"s/step, {best.tokens_per_second:,.0f} tokens/s, MFU {best.mfu:.1%} on {inventory.num_devices} devices "
         f"({', '.join(k.name for k in inventory.kinds_present)})")
     return run.replace(parallelism=par, model=run.model.replace(remat=best.layout.remat))
