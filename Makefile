@@ -1,4 +1,5 @@
-# meshwork: `make train` and `make test` each create .venv when missing, install the project, then run.
+# meshwork: `make train`, `make test` and `make test-fast` each create .venv when missing, install the
+# project, then run.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -6,8 +7,11 @@ RUN_DIR ?= runs/make-train
 STEPS ?= 150
 ARGS ?=
 PYTEST_ARGS ?=
+# Two pytest workers, each a module at a time (module fixtures stay shared): compiling is mostly one thread.
+WORKERS ?= 2
+XDIST := $(if $(filter-out 0 1,$(WORKERS)),-n $(WORKERS) --dist loadfile)
 
-.PHONY: train test dry-run clean-venv
+.PHONY: train test test-fast lint dry-run clean-venv
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,7 +24,16 @@ train: $(VENV)/.installed
 
 ## test: the whole test suite (8 simulated CPU devices)
 test: $(VENV)/.installed
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS)
+
+## test-fast: the suite without the multi-process and kill/signal tests (marked slow)
+test-fast: $(VENV)/.installed
+	$(PY) -m pytest -q $(XDIST) -m "not slow" $(PYTEST_ARGS)
+
+## lint: ruff's checks and formatting (as CI runs them)
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 ## dry-run: the sharding, memory and collectives report of the 7B model on fsdp=8
 dry-run: $(VENV)/.installed

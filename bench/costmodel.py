@@ -130,7 +130,7 @@ def hetero_table() -> list[str]:
         compiled = Trainer(config, OptimizerConfig(), par).compile_train_step(sum(counts) * rows, seq)
         analysis = compiled.cost_analysis()
         analysis = analysis[0] if isinstance(analysis, list) else analysis
-        layout = cm.Layout(parse_mesh(mesh_spec, 8), rules, 1, uneven_batch=True)
+        layout = cm.layout_of(par, config)
         cost = cm.device_cost(config, layout, seq_len=seq, rows=rows, microbatches=3, backend="cpu",
                               batch_rows=sum(counts) * rows)
         actual, pred = cm.collective_bytes(hlo.collectives(compiled.as_text())), cm.collective_bytes(cost.comms)

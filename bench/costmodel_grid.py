@@ -11,6 +11,7 @@ which `predicted` (`sharding.costmodel.estimate`, ``backend="cpu"``) is compared
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 from models.config import get_config
@@ -20,7 +21,7 @@ from sharding.mesh import make_mesh, parse_mesh
 from sharding.rules import get_rules
 from train.optimizer import OptimizerConfig
 from sharding.parallel import Accumulation, Parallelism
-from sharding.pipeline.layout import PipelinePlan, plan_layout
+from sharding.pipeline.layout import PipelinePlan, pipeline_rules, plan_layout
 from train.step import Trainer
 
 # (model, mesh, rules, batch, seq_len, microbatches, remat). The two models at different batch and
@@ -137,10 +138,8 @@ def predicted(case) -> cm.Cost:
     step priced (``skip_empty=False``), as the compiled program's loop trip counts say."""
     model, mesh_spec, rules, batch, seq, micro, remat = case[:7]
     config, mesh = config_of(model, remat), parse_mesh(mesh_spec, 8)
-    if len(case) == 7:
-        layout = cm.Layout(mesh, rules, micro, remat)
-    else:
-        stages = _strategy(case, config, mesh).layout
-        layout = cm.Layout(mesh, rules, micro, remat, stage_layers=stages.stage_layers, pipeline_repeats=case[8],
-                           skip_empty=False, one_f_one_b=schedule_of(case) == "1f1b")
+    strategy, table = _strategy(case, config, mesh), get_rules(rules)
+    if isinstance(strategy, PipelinePlan):
+        strategy, table = dataclasses.replace(strategy, skip_empty=False), pipeline_rules(table)
+    layout = cm.layout_of(Parallelism(mesh, table, strategy), config)  # the run's layout, as the cost model sees it
     return cm.estimate(config, batch, seq, layout, backend="cpu")

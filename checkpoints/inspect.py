@@ -1,10 +1,12 @@
-"""List what a checkpoint folder holds: ``python -m checkpoints.inspect DIR [--step N]``.
+"""List what a checkpoint folder holds: ``python -m checkpoints.inspect DIR [--step N] [--deep]``.
 
 Prints the saved steps, marking those that do not read completely (with what
 is missing), then for one step (default: the newest complete one) the mesh
 and rules it was saved from, the data position, and each array's shape, dtype
-and bytes. Reads metadata only: no array is loaded and no device is used.
-Every failure ends in one ``error:`` line and exit status 2.
+and bytes. Reads metadata only unless ``--deep``, which also reads every
+chunk of every array of every step (`checkpoints.verify.read_problems`) and
+names each array, chunk and data file that does not decode; no device is
+used either way. Every failure ends in one ``error:`` line and exit status 2.
 """
 
 from __future__ import annotations
@@ -55,12 +57,13 @@ def array_rows(metadata) -> list[tuple[str, tuple[int, ...], str, int]]:
     return rows
 
 
-def describe(directory: str | Path, step: int | None = None) -> list[str]:
+def describe(directory: str | Path, step: int | None = None, deep: bool = False) -> list[str]:
     """The report lines for a checkpoint folder; damaged steps are marked, not read.
 
     Every step is verified first (`checkpoints.verify.verify_step`: metadata
-    parsed, the array index walked, data files present; no array data read),
-    and each damaged one gets a line naming what is missing. Without
+    parsed, the array index walked, data files present; with ``deep`` every
+    array read too, else no array data read), and each damaged one gets a
+    line naming what is missing or does not decode. Without
     ``step`` the newest step that verifies is described. Nothing is written
     or removed (no Orbax manager is opened, so a save in progress is left alone).
 
@@ -85,7 +88,7 @@ def describe(directory: str | Path, step: int | None = None) -> list[str]:
         raise FileNotFoundError(f"{root}: no complete checkpoint{hint}")
     if step is not None and step not in steps:
         raise FileNotFoundError(f"{root}: no step {step}; saved steps are {steps}")
-    verdicts = {s: verify_step(root, s) for s in steps}
+    verdicts = {s: verify_step(root, s, deep=deep) for s in steps}
     damaged = [v for v in verdicts.values() if not v.ok]
     good = [s for s in steps if verdicts[s].ok]
     if step is None and not good:
@@ -97,7 +100,8 @@ def describe(directory: str | Path, step: int | None = None) -> list[str]:
     marked = [f"{s} (damaged)" if not verdicts[s].ok else str(s) for s in steps]
     meta = json.loads((root / str(step) / "meta" / "metadata").read_text())
     rows = array_rows(ocp.StandardCheckpointHandler().metadata(root / str(step) / "state"))
-    lines = [f"checkpoints in {root}: steps {', '.join(marked)}"]
+    checked = "every array read" if deep else "array data not read (--deep reads it)"
+    lines = [f"checkpoints in {root}: steps {', '.join(marked)}; {checked}"]
     lines += [f"  {v.line()}" for v in damaged]
     lines.append(f"step {step}:")
     if "mesh" in meta:
@@ -122,13 +126,21 @@ def describe(directory: str | Path, step: int | None = None) -> list[str]:
     return lines
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``python -m checkpoints.inspect`` (also read by the flags reference generator)."""
     parser = argparse.ArgumentParser(prog="python -m checkpoints.inspect", description=__doc__.splitlines()[0])
     parser.add_argument("directory", help="a run folder or its checkpoints/ folder")
     parser.add_argument("--step", type=int, default=None, help="which step (default: the latest)")
-    args = parser.parse_args(argv)
+    parser.add_argument("--deep", action="store_true",
+                        help="also read every array of every step (costs a read of the whole folder) and report "
+                        "those whose data does not decode")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
-        lines = describe(args.directory, args.step)
+        lines = describe(args.directory, args.step, args.deep)
     except Exception as e:  # every failure is one line, never a traceback
         text = str(e).strip().splitlines()
         print(f"error: {text[0] if text else e.__class__.__name__}", file=sys.stderr)

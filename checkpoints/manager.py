@@ -91,17 +91,21 @@ class CheckpointManager:
       directory: the checkpoint folder (created if missing).
       keep: how many most recent checkpoints to keep (older ones are deleted).
       async_save: write in a background thread.
+      read_only: only read (``generate``, ``evaluate``, ``export``): nothing is created, cleaned up or
+        deleted, so a run training in the folder keeps its save in progress.
     """
 
-    def __init__(self, directory: str | Path, keep: int = 3, async_save: bool = True):
+    def __init__(self, directory: str | Path, keep: int = 3, async_save: bool = True, read_only: bool = False):
         if keep < 1:
             raise ValueError(f"--keep {keep}: must be at least 1")
         self.directory = Path(directory).absolute()
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep,
-            create=True,
+            max_to_keep=None if read_only else keep,
+            create=not read_only,
             enable_async_checkpointing=async_save,
-            cleanup_tmp_directories=True,  # leftovers of a save killed midway
+            # leftovers of a save killed midway; a reader leaves them: they may be a live run's save in progress
+            cleanup_tmp_directories=not read_only,
+            read_only=read_only,
         )
         handlers = {STATE: _state_handler(), META: ocp.JsonCheckpointHandler()}
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
@@ -198,6 +202,10 @@ class CheckpointManager:
         restored = self._manager.restore(step, args=args)
         return restored[STATE], dict(restored[META])
 
+    def reload(self) -> None:
+        """Re-lists the steps on disk (after a step folder was renamed aside)."""
+        self._manager.reload()
+
     def state_metadata(self, step: int | None = None) -> Any:
         """Orbax's metadata tree (shapes, dtypes) of the saved state."""
         step = self._resolve(step)
@@ -267,7 +275,7 @@ class LoopCheckpoints:
             raise CheckpointFailure(f"the checkpoint of step {step} could not be written: {e}") from e
 
 
-def open_resumable(directory, keep: int, explicit: int | None, config, tokenizer, log):
+def open_resumable(directory, keep: int, explicit: int | None, config, tokenizer, log, discard_later: bool = False):
     """The run's `CheckpointManager` and the step to resume from (None: start fresh).
 
     The step is ``explicit`` (``--resume-step``) or the newest that reads completely
@@ -276,17 +284,22 @@ def open_resumable(directory, keep: int, explicit: int | None, config, tokenizer
     (`set_aside_damaged`) before the manager opens, so that ``keep`` counts only steps that read completely
     and retention never deletes a good step while a damaged one stays.
 
+    With an explicit step below later steps, the later ones are set aside when ``discard_later``
+    (``--discard-later``), else the run is refused (`checkpoints.verify.set_aside_later`).
+
     Raises:
-      ValueError: A damaged or missing explicit step, no step that reads completely, or a checkpoint
-        saved with another model, tokenizer or vocabulary; each naming what to do.
+      ValueError: A damaged or missing explicit step, later steps without ``discard_later``, no step that
+        reads completely, or a checkpoint saved with another model, tokenizer or vocabulary; each naming
+        what to do.
     """
     from checkpoints.meta import RunMeta
-    from checkpoints.verify import latest_verified_step
+    from checkpoints.verify import latest_verified_step, set_aside_later
 
     # Chosen, and damaged steps set aside, before Orbax lists the steps: its retention counts every step it lists.
     choice = latest_verified_step(directory, explicit)
     for note in choice.notes:
         log(note)
+    set_aside_later(directory, explicit, discard_later, log)  # refused (ValueError) unless --discard-later
     set_aside_damaged(directory, choice, log)
     manager = CheckpointManager(directory, keep=keep)
     if choice.step is not None:
@@ -312,20 +325,15 @@ def set_aside_damaged(directory, choice, log) -> list[Path]:
     Returns:
       The new folders.
     """
-    from checkpoints.verify import saved_steps, verify_step
+    from checkpoints.verify import saved_steps, set_aside, verify_step
 
     root, moved = Path(directory), []
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     for step in saved_steps(root):
         verdict = verify_step(root, step)
         if step == choice.step or verdict.ok:
             continue
-        target, n = root / f"{step}.damaged-{stamp}", 1
-        while target.exists():
-            target, n = root / f"{step}.damaged-{stamp}-{n}", n + 1
-        try:
-            os.rename(root / str(step), target)
-        except FileNotFoundError:  # another process of this run moved it first
+        target = set_aside(root, step, "damaged")
+        if target is None:  # another process of this run moved it first
             continue
         moved.append(target)
         why = "" if step in choice.skipped else f"{verdict.line()}; "

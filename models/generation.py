@@ -25,6 +25,7 @@ the smallest set whose probability reaches ``top_p`` (nucleus sampling; Holtzman
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -58,8 +59,8 @@ class Sampling:
     seed: int = 0
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"--temperature {self.temperature}: must be >= 0 (0 is greedy), e.g. 0.8")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):  # nan compares false: refused here
+            raise ValueError(f"--temperature {self.temperature}: must be a finite number >= 0 (0 is greedy), e.g. 0.8")
         if self.top_k < 0:
             raise ValueError(f"--top-k {self.top_k}: must be >= 0 (0 keeps every token), e.g. 50")
         if not 0 < self.top_p <= 1:

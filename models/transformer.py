@@ -34,7 +34,9 @@ from models.output import output_loss_sums, project_logits
 from models.spec import output_params
 from sharding import axes as ax
 from sharding.parallel import UNSHARDED, Parallelism
-from sharding.pipeline import head_parallelism, run_pipeline, run_pipeline_loss
+from sharding.pipeline import head_parallelism
+from sharding.pipeline.onef1b import run_pipeline_loss
+from sharding.pipeline.schedule import run_pipeline
 
 _REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,

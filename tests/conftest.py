@@ -1,11 +1,22 @@
-"""Test setup: eight simulated CPU devices, configured before JAX starts its backend."""
+"""Test setup: eight simulated CPU devices and a persistent compilation cache, configured before JAX starts.
+
+The cache folder is made fresh under the system's temp dir for each pytest session (and removed at its
+end), so runs stay independent while the many tests that compile the same step (the CLI runs, the
+multi-process jobs, which inherit the environment) compile it once. Under pytest-xdist the workers inherit
+the controller's environment and share its folder; only the process that made it removes it.
+"""
 
 import os
+import tempfile
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
+if "--xla_force_host_platform_device_count=8" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+_OWN_CACHE = "PYTEST_XDIST_WORKER" not in os.environ or "JAX_COMPILATION_CACHE_DIR" not in os.environ
+if _OWN_CACHE:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="meshwork-jax-cache-")
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.2"
+os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 import shutil  # noqa: E402
 import sys  # noqa: E402
@@ -32,3 +43,8 @@ def corpus(tmp_path_factory):
 def cache(tmp_path_factory):
     """A tokenized-corpus cache shared by the session's runs."""
     return tmp_path_factory.mktemp("cache")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _OWN_CACHE:
+        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)

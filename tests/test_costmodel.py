@@ -15,6 +15,8 @@ Pipelines (`PIPELINE_GRID`: stage 2 and 4, GPipe and circular, uneven splits, fs
 checked on the same figures; kinds the model does not price for a case are listed in `UNMODELLED`.
 """
 
+import dataclasses
+
 import pytest
 from costmodel_grid import GRID, PIPELINE_GRID, UNMODELLED, compiled_figures, predicted
 from costmodel_grid import case_id as _id
@@ -226,3 +228,32 @@ def test_pipeline_state_bytes_are_the_unpadded_storage(stage_layers, mesh_spec):
     cost = cm.estimate(config, 16, 32, cm.Layout(mesh, "fsdp_tp", 4, "none", stage_layers=stage_layers), backend="cpu")
     state = report.device_state_bytes(trainer.abstract_state())
     assert 0 <= state - cost.memory.state <= 32  # parameters and AdamW moments; the rest: step, RNG key, counters
+
+
+def test_layout_of_reads_a_parallelism_strategy_by_strategy():
+    from sharding.parallel import Accumulation, Parallelism, UnevenBatch
+
+    config = get_config("test", remat="full")
+    accumulate = cm.layout_of(Parallelism({"fsdp": 8}, get_rules("fsdp"), Accumulation(4)), config)
+    assert (accumulate.microbatches, accumulate.remat, accumulate.attention, accumulate.uneven_batch) == (
+        4, "full", config.attention, False)
+    uneven = cm.layout_of(Parallelism({"data": 8}, get_rules("dp"), UnevenBatch((3, 3, 1, 1, 2, 2, 2, 2))))
+    assert uneven.uneven_batch and uneven.microbatches == 2 and uneven.remat == "none"
+    stages, _ = plan_layout(8, 2, 2, (5, 3))
+    plan = dataclasses.replace(PipelinePlan(stages, 4, one_f_one_b=True), skip_empty=False)
+    piped = cm.layout_of(Parallelism({"stage": 2, "fsdp": 4}, get_rules("fsdp"), plan), config, dtype="bfloat16")
+    assert (piped.stage_layers, piped.pipeline_repeats, piped.microbatches, piped.one_f_one_b, piped.skip_empty,
+            piped.dtype) == ((5, 3), 2, 4, True, False, "bfloat16")
+    hand = cm.Layout({"stage": 2, "fsdp": 4}, "fsdp", 4, "full", stage_layers=(5, 3), pipeline_repeats=2,
+                     dtype="bfloat16", attention=config.attention, skip_empty=False, one_f_one_b=True)
+    model = describe(get_config("test", ["num_layers=8"]))
+    assert cm.estimate(model, 32, 64, piped) == cm.estimate(model, 32, 64, hand)
+
+
+def test_ring_and_ulysses_are_priced_as_flash_without_a_sequence_axis_and_refused_over_one():
+    model = describe(get_config("test"))
+    flash = cm.estimate(model, 16, 64, cm.Layout({"fsdp": 8}, "fsdp", attention="flash"))
+    for attention in ("ring", "ulysses"):
+        assert cm.estimate(model, 16, 64, cm.Layout({"fsdp": 8}, "fsdp", attention=attention)) == flash
+        with pytest.raises(ValueError, match=f"attention '{attention}' over sequence=2"):
+            cm.Layout({"fsdp": 4, "sequence": 2}, "fsdp", attention=attention)

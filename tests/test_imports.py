@@ -5,6 +5,7 @@
 """
 
 import ast
+import subprocess
 import sys
 from pathlib import Path
 
@@ -90,3 +91,27 @@ def test_the_check_catches_a_wrong_import(tmp_path, monkeypatch):
     assert wrong_way(kernel) == ["models/kernels/k.py:1 imports sharding.axes"]
     assert wrong_way(fine) == []
     assert len(FILES) > 30
+
+
+# Modules that must import without JAX (GUIDE.md, section 1): the device table, cluster specs and
+# files, and the detection module (which imports JAX only when asked for the live devices). Add
+# `sharding.pipeline.layout` once `sharding/pipeline/__init__.py` imports no schedule.
+JAX_FREE = ("sharding.devices", "sharding.devices.kinds", "sharding.devices.inventory", "sharding.devices.spec",
+            "sharding.devices.detect")
+
+
+def _import_without_jax(module: str, path: Path = ROOT) -> subprocess.CompletedProcess:
+    code = f"import sys; sys.modules['jax'] = None; import {module}"  # None makes `import jax` raise
+    return subprocess.run([sys.executable, "-c", code], cwd=path, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("module", JAX_FREE)
+def test_pure_modules_import_without_jax(module):
+    result = _import_without_jax(module)
+    assert result.returncode == 0, result.stderr
+
+
+def test_the_jax_free_check_catches_a_jax_import(tmp_path):
+    (tmp_path / "uses_jax.py").write_text("import json\n\nimport jax\n")
+    result = _import_without_jax("uses_jax", tmp_path)
+    assert result.returncode != 0 and "import of jax halted" in result.stderr

@@ -5,6 +5,8 @@ import functools
 import json
 import math
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -16,6 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from models.config import get_config
 from models.transformer import init_params
 from sharding import pipeline as pl
+from sharding.pipeline.schedule import run_pipeline
 from sharding.pipeline.storage import StageStorage, layout_from_meta, stack_table, storage_for, storage_spec
 from sharding.mesh import make_mesh, parse_mesh
 from sharding.hlo import branch_collectives
@@ -36,6 +39,19 @@ def assert_close(actual, expected, rtol=1e-5):
 
 
 # Layouts (no devices) ---------------------------------------------------------------
+
+
+def test_the_pure_pipeline_modules_import_without_jax():
+    """The package, its layouts, tick tables, storage and relayout import with JAX blocked (a planner or a
+    checkpoint reader needs no accelerator stack); the schedule modules, which run JAX, do not."""
+    block = "import sys; sys.modules['jax'] = None; "
+    pure = ("import sharding.pipeline, sharding.pipeline.layout, sharding.pipeline.ticks, sharding.pipeline.storage, "
+            "sharding.pipeline.relayout")
+    subprocess.run([sys.executable, "-c", block + pure], check=True, cwd=Path(__file__).parents[1])
+    for schedule in ("program", "schedule", "onef1b"):
+        run = subprocess.run([sys.executable, "-c", f"{block}import sharding.pipeline.{schedule}"],
+                             capture_output=True, text=True, cwd=Path(__file__).parents[1], check=False)
+        assert run.returncode != 0 and "jax" in run.stderr, (schedule, run.stderr)
 
 
 def test_uneven_layout_places_layers_in_order_and_pads_the_smaller_stages():
@@ -167,7 +183,7 @@ def _toy(mesh_spec, num_layers, stage_layers, repeats, microbatches, batch=16, d
     par = Parallelism.of(mesh, rules, plan)
 
     def pipelined(w, x):
-        y, applied = pl.run_pipeline(_toy_layer, w, x, (position,), par, names=names)
+        y, applied = run_pipeline(_toy_layer, w, x, (position,), par, names=names)
         return jnp.sum(y**2), applied
 
     if unpadded:

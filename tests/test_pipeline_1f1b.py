@@ -1,5 +1,5 @@
-"""The 1F1B pipeline schedule: its tick table, equality with the unpipelined stack and model, memory
-against GPipe, and no transfer inside a conditional."""
+"""The 1F1B pipeline schedules, lockstep and fused: their tick tables, equality with the unpipelined stack and
+model, memory against GPipe, and no transfer inside a conditional."""
 
 import functools
 import re
@@ -15,6 +15,7 @@ from sharding.hlo import branch_collectives
 from sharding.mesh import make_mesh, parse_mesh
 from sharding.parallel import UNSHARDED, Parallelism
 from sharding.pipeline.layout import BACKWARD, FORWARD
+from sharding.pipeline.onef1b import run_pipeline_loss
 from sharding.rules import get_rules
 from test_pipeline import _batch as pipeline_batch
 
@@ -88,6 +89,67 @@ def test_interleaved_1f1b_needs_a_multiple_of_the_stages_as_microbatches():
         pl.one_f_one_b_ticks(4, 6, 2)
 
 
+@pytest.mark.parametrize("stages, microbatches, repeats",
+                         [(2, 2, 1), (2, 8, 1), (4, 4, 1), (4, 16, 1), (3, 7, 1), (4, 8, 2), (2, 4, 3)])
+def test_the_fused_tick_table_runs_a_forward_and_a_backward_per_tick_in_dependency_order(stages, microbatches,
+                                                                                          repeats):
+    """Every (virtual stage, microbatch) once each way, after what it needs; ``R*M + (R+1) S - 2`` ticks
+    (``M + 2 (S - 1)`` with one chunk, against lockstep's ``2 (M + S - 1)``); stage ``s`` holds at most
+    ``(R+1) S - 1 - 2s`` chunk inputs, and the ring slots the table assigns are never shared."""
+    from sharding.pipeline.ticks import fused_held_bound, fused_tick_count, fused_ticks
+
+    ticks = fused_ticks(stages, microbatches, repeats)
+    last = stages * repeats - 1
+    assert ticks.ticks == fused_tick_count(stages, microbatches, repeats) == \
+        repeats * microbatches + (repeats + 1) * stages - 2
+    if repeats == 1:
+        assert ticks.ticks == microbatches + 2 * (stages - 1) < pl.one_f_one_b_ticks(stages, microbatches).ticks
+    when = {}
+    for t in range(ticks.ticks):
+        for s in range(stages):
+            for op, on, chunk, mb in ((FORWARD, ticks.forward, ticks.forward_chunk, ticks.forward_microbatch),
+                                      (BACKWARD, ticks.backward, ticks.backward_chunk, ticks.backward_microbatch)):
+                if on[t, s]:
+                    key = (op, int(chunk[t, s]) * stages + s, int(mb[t, s]))
+                    assert key not in when
+                    when[key] = t
+    assert len(when) == 2 * stages * repeats * microbatches
+    for i in range(microbatches):
+        for v in range(last + 1):
+            if v:
+                assert when[FORWARD, v, i] > when[FORWARD, v - 1, i]
+            if v < last:
+                assert when[BACKWARD, v, i] > when[BACKWARD, v + 1, i]
+        assert when[BACKWARD, last, i] >= when[FORWARD, last, i]  # the head's cotangent within the tick
+    # steady state: some tick runs a forward and a backward on every stage
+    assert any(ticks.forward[t].all() and ticks.backward[t].all() for t in range(ticks.ticks)) == \
+        (repeats * microbatches >= 2 * stages - 1)
+    bounds = [fused_held_bound(stages, microbatches, repeats, s) for s in range(stages)]
+    assert ticks.live().tolist() == bounds
+    assert bounds == [min(repeats * microbatches, (repeats + 1) * stages - 1 - 2 * s) for s in range(stages)]
+    assert ticks.slots == max(bounds)
+    for s in range(stages):
+        held, waiting = {}, {}
+        for t in range(ticks.ticks):
+            for table, slots in ((ticks.arrive, held), (ticks.cotangent_arrive, waiting)):
+                if table[t, s] >= 0:
+                    assert table[t, s] not in slots
+                    slots[int(table[t, s])] = t
+            if ticks.forward[t, s]:
+                v = int(ticks.forward_chunk[t, s]) * stages + s
+                slot = int(ticks.forward_slot[t, s])
+                assert (slot in held) == (v > 0)
+                held[slot] = t
+                if v == last:
+                    c = int(ticks.loss_slot[t, s])
+                    assert c not in waiting
+                    waiting[c] = t
+            if ticks.backward[t, s]:
+                slot, c = int(ticks.backward_slot[t, s]), int(ticks.cotangent_slot[t, s])
+                assert held.pop(slot) <= t and waiting.pop(c) <= t
+        assert not held and not waiting
+
+
 # The toy stack ----------------------------------------------------------------------------------
 
 
@@ -107,7 +169,8 @@ def _toy(mesh_spec, num_layers, stage_layers, microbatches, batch=16, dim=16, sc
     mesh = make_mesh(parse_mesh(mesh_spec, 8))
     rules = pl.pipeline_rules(RULES)
     layout, _ = pl.plan_layout(num_layers, mesh.shape["stage"], repeats, stage_layers)
-    plan = pl.PipelinePlan(layout, microbatches, skip_empty=skip_empty, one_f_one_b=schedule == "1f1b")
+    plan = pl.PipelinePlan(layout, microbatches, skip_empty=skip_empty, one_f_one_b=schedule.startswith("1f1b"),
+                           fused=schedule == "1f1b-fused")
     rng = np.random.default_rng(0)
     w = {"a": rng.normal(size=(num_layers, dim, dim)).astype(np.float32) / 4,
          "b": rng.normal(size=(num_layers, dim)).astype(np.float32)}
@@ -124,7 +187,7 @@ def _toy(mesh_spec, num_layers, stage_layers, microbatches, batch=16, dim=16, sc
         return _toy_head(UNSHARDED, hp, h, target, mask)
 
     def pipelined(w, hp, x):
-        loss, weight, applied = pl.run_pipeline_loss(
+        loss, weight, applied = run_pipeline_loss(
             _toy_layer, _toy_head, w, hp, x, (position,), (target, mask), Parallelism.of(mesh, rules, plan),
             names={"a": ("layers", None, "embed"), "b": ("layers", None)},
             head_names={"v": ("embed", None), "c": (None,)})
@@ -170,6 +233,25 @@ def test_1f1b_computing_every_slot_matches_too():
     assert tuple(np.asarray(applied)) == plan.layer_applications() == (plan.ticks * 3,) * 2
 
 
+@pytest.mark.parametrize(
+    "mesh_spec, num_layers, stage_layers, microbatches, repeats",
+    [
+        ("stage=4,fsdp=2", 12, (5, 3, 2, 2), 8, 1),  # uneven, 4 stages, M = 2S: steady ticks run both ops
+        ("stage=4,fsdp=2", 12, (5, 3, 2, 2), 4, 2),  # interleaved, uneven chunks 3+2,2+1,1+1,1+1
+    ],
+)
+def test_fused_1f1b_matches_the_sequential_stack(mesh_spec, num_layers, stage_layers, microbatches, repeats):
+    plan, (loss, weight, grads, applied, forward_only), (ref_loss, ref_weight, ref_grads), _, _ = _toy(
+        mesh_spec, num_layers, stage_layers, microbatches, batch=2 * microbatches * 2, repeats=repeats,
+        schedule="1f1b-fused")
+    assert plan.schedule == "1f1b-fused" and plan.ticks == repeats * microbatches + (repeats + 1) * 4 - 2
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    np.testing.assert_allclose(float(weight), float(ref_weight), rtol=1e-6)
+    assert_close(grads, ref_grads)
+    assert tuple(np.asarray(applied)) == plan.layer_applications()
+    np.testing.assert_allclose(float(forward_only[0]), float(ref_loss), rtol=1e-5)
+
+
 # The model ---------------------------------------------------------------------------------------
 
 
@@ -188,7 +270,7 @@ def _trainer(config, mesh_spec, strategy, optimizer=None):
 def _plan(num_layers, mesh_spec, stage_layers, microbatches, schedule, repeats=1):
     stages = parse_mesh(mesh_spec, 8)["stage"]
     layout, _ = pl.plan_layout(num_layers, stages, repeats, stage_layers)
-    return pl.PipelinePlan(layout, microbatches, one_f_one_b=schedule == "1f1b")
+    return pl.PipelinePlan(layout, microbatches, one_f_one_b=schedule.startswith("1f1b"), fused=schedule == "1f1b-fused")
 
 
 def _steps(trainer, batches):
@@ -271,10 +353,24 @@ def test_training_steps_match_the_unpipelined_model(schedule, repeats):
     ``lr * sign(g)``, which turns float32 rounding of a near-zero gradient entry into an update of up
     to ``lr`` (an ill-conditioned comparison, not a tolerance question); ``eps`` 1e-3 bounds that gain
     by ``lr / eps`` = 3 while entries with ``|g|`` near 1e-3 still move by about ``lr / 2``."""
-    init, ref_losses, ref_params = _flat_steps()
-    config, optimizer = _steps_config()
     plan = _plan(STEPS_LAYERS, STEPS_MESH, STEPS_SPLIT, STEPS_MICROBATCHES, schedule, repeats)
     assert plan.layout.repeats == repeats and plan.one_f_one_b == (schedule == "1f1b")
+    _assert_steps_match_the_flat_model(plan)
+
+
+@pytest.mark.parametrize("repeats", [1, 2])
+def test_fused_1f1b_training_steps_match_the_unpipelined_model(repeats):
+    """As `test_training_steps_match_the_unpipelined_model`, for fused 1F1B and interleaved fused 1F1B (2
+    chunks per stage: 2+2 and 1+1) on the uneven split 4,2 with fsdp."""
+    plan = _plan(STEPS_LAYERS, STEPS_MESH, STEPS_SPLIT, STEPS_MICROBATCHES, "1f1b-fused", repeats)
+    assert plan.layout.repeats == repeats and plan.one_f_one_b and plan.fused
+    _assert_steps_match_the_flat_model(plan)
+
+
+def _assert_steps_match_the_flat_model(plan):
+    """Losses over 6 steps within 1e-4 and the parameters after the first within 1e-5 of `_flat_steps`."""
+    init, ref_losses, ref_params = _flat_steps()
+    config, optimizer = _steps_config()
     batches = [_batch(8, 32, seed) for seed in range(6)]
     losses, params = _steps(_trainer(config, STEPS_MESH, plan, optimizer), batches)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-4)
@@ -284,6 +380,7 @@ def test_training_steps_match_the_unpipelined_model(schedule, repeats):
     assert ref_losses[-1] < ref_losses[0]  # six steps of training, not six evaluations of one state
 
 
+@functools.cache
 def _compiled_gradients(schedule, num_layers=4, mesh_spec="stage=2,fsdp=4", stage_layers=(3, 1), microbatches=16,
                         batch=64, length=256):
     from models.config import get_config
@@ -312,6 +409,24 @@ def test_1f1b_needs_fewer_temporaries_than_gpipe_and_no_transfer_sits_in_a_condi
     saved = (16 + 2 - 1 - 2) * 3 * (64 // 16 // 4) * 256 * 128 * 4
     assert gpipe_temp - temp >= saved, (gpipe_temp, temp, saved)
     found = branch_collectives(one_f_one_b.as_text(), trainer.mesh)
+    assert not [c for c in found if c.op == "collective-permute"]
+    assert all(c.safe for c in found)
+
+
+def test_fused_1f1b_temporaries_lie_between_lockstep_and_gpipe_and_no_transfer_sits_in_a_conditional():
+    """The compiled gradient step of the case above (M = 16 on 2 stages, memory analysis: deterministic): fused
+    1F1B keeps a ring of 3 microbatches (2S - 1) where lockstep keeps 2 and GPipe the slot inputs of all 17
+    steps, so its temporaries lie between theirs; no collective-permute sits inside a conditional, and every
+    collective inside one is among the devices of one stage."""
+    _, gpipe = _compiled_gradients("gpipe")
+    _, lockstep = _compiled_gradients("1f1b")
+    trainer, fused = _compiled_gradients("1f1b-fused")
+    assert trainer.par.pipeline.tick_table().slots == 3
+    temps = {name: c.memory_analysis().temp_size_in_bytes for name, c in
+             (("gpipe", gpipe), ("1f1b", lockstep), ("1f1b-fused", fused))}
+    print("temporaries per device at M=16:", temps)
+    assert temps["1f1b"] < temps["1f1b-fused"] < temps["gpipe"], temps
+    found = branch_collectives(fused.as_text(), trainer.mesh)
     assert not [c for c in found if c.op == "collective-permute"]
     assert all(c.safe for c in found)
 
@@ -368,6 +483,23 @@ def test_dry_run_reports_interleaved_1f1b(capsys):
     assert "pipeline: 1F1B (PipeDream-Flush), interleaved, 2 chunks per stage over stage=2" in out
     ticks = pl.one_f_one_b_ticks(2, 4, 2)
     assert f"a ring of {ticks.slots} chunk inputs x 1 slot inputs per device" in out
+
+
+@pytest.mark.parametrize("repeats", [1, 2])
+def test_the_fused_1f1b_plan_round_trips_through_its_flags_and_is_reported(repeats):
+    from train.cli import parse
+    from train.report import schedule_memory_line
+
+    argv = ["--model", "test", "--mesh", "stage=2,fsdp=4", "--microbatches", "4", "--pipeline-schedule",
+            "1f1b-fused"]
+    run = parse(argv + (["--pipeline-repeats", str(repeats)] if repeats > 1 else []))
+    plan = run.parallelism.strategy
+    assert plan.one_f_one_b and plan.fused and plan.schedule == "1f1b-fused" and plan.layout.repeats == repeats
+    again = parse(["--model", "test", *run.parallelism.flags()])
+    assert again.parallelism.strategy == plan
+    ticks = 4 * repeats + (repeats + 1) * 2 - 2
+    assert (f"one loop of {ticks} ticks, each a chunk's forward and a chunk's backward per stage"
+            in schedule_memory_line(plan))
 
 
 @pytest.mark.parametrize("repeats", [1, 2])

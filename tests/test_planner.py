@@ -305,3 +305,24 @@ def test_no_plan_names_a_batch_that_divides_and_exits_2(capsys):
                       "--top", "0"]) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err.startswith("error: --top must be at least 1")
+
+
+def test_plans_round_trip_through_layout_of():
+    """A plan's `Parallelism` (what --plan auto runs) gives back, through `cm.layout_of`, the layout it was priced as."""
+    model = _described(32000, 12, 768, 2048, 12, 12, 64)
+    plans = planner.plan(model, _inventory(4, 4, 4, 2.0), 256, 1024, planner.PlanOptions(), top=20)
+    assert {p.counts is not None for p in plans} == {True, False} and any(p.layout.mesh[ax.STAGE] > 1 for p in plans)
+    for p in plans:
+        lay = p.layout
+        back = cm.layout_of(p.parallelism(), remat=lay.remat, attention=lay.attention, dtype=lay.dtype)
+        assert dataclasses.replace(back, rules=lay.rules) == lay
+        assert dict(back.rules_table().table, layers=()) == dict(lay.rules_table().table, layers=())
+
+
+def test_plan_auto_with_ring_attention_prices_it_as_flash():
+    model = _described(32000, 12, 768, 2048, 12, 12, 64)
+    inventory = _inventory(4, 4, 4, 2.0)
+    ring = planner.plan(model, inventory, 256, 1024, planner.PlanOptions(attentions=("ring",), sequence=True))
+    flash = planner.plan(model, inventory, 256, 1024, planner.PlanOptions(attentions=("flash",)))
+    assert ring and all(p.layout.attention == "ring" and p.layout.mesh[ax.SEQUENCE] == 1 for p in ring)
+    assert [p.step_time for p in ring] == [p.step_time for p in flash]

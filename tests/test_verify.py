@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from checkpoints import inspect as inspect_cli
 from checkpoints.manager import CheckpointManager, open_resumable
 from checkpoints.verify import (CheckpointDamaged, ResumeChoice, _expected_chunks, latest_verified_step,
-                                saved_steps, verify_step)
+                                restore_falling_back, saved_steps, verify_step)
 from models.config import ModelConfig
 from sharding.mesh import make_mesh, parse_mesh
 
@@ -85,6 +85,9 @@ DAMAGES = {  # name: (how, phrase the verdict must contain)
     "meta truncated": (lambda s: truncate(s / "meta" / "metadata", 9), "metadata is not valid JSON"),
     "array index node removed": (lambda s: remove_btree_nodes(s / "state"), "the array index in"),
     "array index manifest removed": (lambda s: (s / "state" / "manifest.ocdbt").unlink(), "manifest.ocdbt"),
+    "array records not UTF-8": (lambda s: (s / "state" / "array_metadatas" / "process_0").write_bytes(b"\xff\xfe{"),
+                                "array_metadatas/process_0 is not valid JSON (not UTF-8 text: byte 0 is 0xff)"),
+    "sharding record truncated": (lambda s: truncate(s / "state" / "_sharding", 20), "_sharding is not valid JSON"),
 }
 
 
@@ -263,3 +266,104 @@ def test_inspect_accepts_a_relative_run_folder(copy, capsys, monkeypatch):
     assert f"checkpoints in {copy}: steps 1, 2" in out and "total 32,772 bytes in 3 arrays" in out
     assert inspect_cli.main([os.path.join(relative, "checkpoints"), "--step", "1"]) == 0
     assert "\nstep 1:\n" in capsys.readouterr().out
+
+
+# Damaged array contents: what the index walk cannot see, the deep read and the restore do ----------
+
+
+def flip_bytes(path: Path, count: int = 32, start: int = 0) -> None:
+    """Inverts ``count`` bytes of ``path`` from ``start`` (at 0: the zstd frame header of the chunk stored first)."""
+    data = bytearray(path.read_bytes())
+    for i in range(start, start + count):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def random_bytes(path: Path) -> None:
+    path.write_bytes(np.random.default_rng(0).integers(128, 256, 300, dtype=np.uint8).tobytes())
+
+
+def test_flipped_bytes_in_a_data_file_pass_the_index_walk_and_fail_the_deep_read(copy):
+    damaged = data_file_of(copy / "2" / "state", "w")
+    flip_bytes(damaged)
+    assert verify_step(copy, 2).ok  # sizes and index intact: only reading the data tells
+    verdict = verify_step(copy, 2, deep=True)
+    (problem,) = verdict.problems
+    assert f"in data file {damaged} does not decode (ZSTD_decompressStream() failed" in problem, problem
+    assert problem.startswith("array '") and " chunk " in problem
+    assert verify_step(copy, 1, deep=True).ok
+
+
+def test_a_restore_that_fails_on_damaged_data_sets_the_step_aside_and_restores_the_older_one(copy):
+    damaged = data_file_of(copy / "2" / "state", "w")
+    flip_bytes(damaged)
+    lines, reloads = [], []
+    manager = CheckpointManager(copy, async_save=False)
+    target = abstract(make_mesh(parse_mesh("fsdp=8", 8)))
+    try:
+        with pytest.raises(Exception, match="error while reading array"):  # Orbax's own failure, without the fallback
+            manager.restore(target, step=2)
+        (state, _), step = restore_falling_back(copy, 2, lambda s: manager.restore(target, step=s), lines.append,
+                                                reload=lambda: reloads.append(manager.reload()))
+    finally:
+        manager.close()
+    assert step == 1 and len(reloads) == 1
+    np.testing.assert_array_equal(np.asarray(state["w"]), W)
+    (aside,) = [p for p in copy.iterdir() if p.name.startswith("2.damaged-")]
+    (line,) = lines
+    assert line.startswith(f"step 2 in {copy} is damaged: array '") and f"in data file {damaged} does not decode" in line
+    assert line.endswith(f"set it aside as {aside} (not resumed from, not counted by --keep); resuming from step 1")
+    assert saved_steps(copy) == [1]
+    assert (aside / damaged.relative_to(copy / "2")).read_bytes() != b""  # nothing deleted
+
+
+def test_an_explicit_damaged_step_is_refused_and_a_failure_that_is_not_damage_is_raised(copy):
+    flip_bytes(data_file_of(copy / "2" / "state", "w"))
+    manager = CheckpointManager(copy, async_save=False)
+    target = abstract(make_mesh(parse_mesh("fsdp=8", 8)))
+    try:
+        with pytest.raises(CheckpointDamaged, match=r"^--resume-step 2: step 2 in .* does not decode .*; pass --resume-step 1$"):
+            restore_falling_back(copy, 2, lambda s: manager.restore(target, step=s), print, explicit=True)
+        assert saved_steps(copy) == [1, 2]  # an explicit step is refused, never moved
+
+        def out_of_memory(step):
+            raise MemoryError("no room")
+
+        with pytest.raises(MemoryError):  # step 1 reads completely: its restore's own error, nothing moved
+            restore_falling_back(copy, 1, out_of_memory, print)
+    finally:
+        manager.close()
+    assert saved_steps(copy) == [1, 2]
+
+
+def test_random_bytes_in_the_array_records_are_named_and_the_older_step_resumed(tmp_path):
+    """The user's report: random bytes in state/array_metadatas/process_0 ended a resume in a UTF-8
+    error naming no file; now the check names it and the run resumes from the older step."""
+    folder = tmp_path / "checkpoints"
+    save_steps(folder, (6, 8))
+    record = folder / "8" / "state" / "array_metadatas" / "process_0"
+    assert record.is_file()
+    random_bytes(record)
+    verdict = verify_step(folder, 8)
+    assert verdict.problems == (f"{record} is not valid JSON (not UTF-8 text: byte 0 is 0x{record.read_bytes()[0]:02x})",)
+    step, lines = resume_and_save(folder, (9,))
+    assert step == 6 and lines[0].startswith("skipped step 8 in") and str(record) in lines[0]
+    assert any(p.name.startswith("8.damaged-") for p in folder.iterdir())
+
+
+def test_inspect_deep_reports_damaged_data_that_the_plain_listing_cannot_see(copy, capsys):
+    damaged = data_file_of(copy / "2" / "state", "w")
+    flip_bytes(damaged)
+    assert inspect_cli.main([str(copy)]) == 0
+    out = capsys.readouterr().out
+    assert f"checkpoints in {copy}: steps 1, 2; array data not read (--deep reads it)" in out
+    assert inspect_cli.main([str(copy), "--deep"]) == 0
+    out = capsys.readouterr().out
+    assert f"checkpoints in {copy}: steps 1, 2 (damaged); every array read" in out
+    assert f"in data file {damaged} does not decode" in out and "\nstep 1:\n" in out
+    random_bytes(copy / "1" / "state" / "array_metadatas" / "process_0")
+    assert inspect_cli.main([str(copy), "--deep"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: no step in") and "Traceback" not in err
+    assert inspect_cli.main([str(copy), "--deep", "--step", "1"]) == 2
+    assert "array_metadatas/process_0 is not valid JSON" in capsys.readouterr().err

@@ -153,7 +153,9 @@ def _pipeline_flags(p) -> None:
                    help="gpipe: each stage holds one run of layers; circular: each holds --pipeline-repeats "
                    "non-adjacent chunks, shrinking the bubble (S-1)/(R*M+S-1); 1f1b: gpipe's layers, but each stage "
                    "alternates one forward and one backward after warm-up, keeping S microbatches' activations "
-                   "instead of M (loss on the last stage, inside the pipeline)")
+                   "instead of M (loss on the last stage, inside the pipeline); 1f1b-fused: 1f1b with a forward and a "
+                   "backward in every tick, about M+2(S-1) ticks of a forward+backward instead of 2(M+S-1) of a "
+                   "backward, keeping up to 2S-1 microbatches' activations on the first stage")
     g.add_argument("--pipeline-repeats", type=int, default=None, metavar="R",
                    help="chunks per stage for --pipeline-schedule circular (default 2; gpipe: 1) or 1f1b (default 1; "
                    "more is interleaved 1F1B, with --microbatches a multiple of the stages)")
@@ -209,6 +211,12 @@ def _run_flags(p) -> None:
                    "(onto the current mesh and rules); starts fresh if there is none")
     g.add_argument("--resume-step", type=int, default=None, metavar="N",
                    help="with --resume, continue from this step instead of the newest complete one")
+    g.add_argument("--discard-later", action="store_true",
+                   help="with --resume-step N, set the steps after N aside (renamed STEP.discarded-TIME, nothing "
+                   "deleted) instead of refusing to resume below them")
+    g.add_argument("--break-lock", action="store_true",
+                   help="take over --run-dir's lock when its owner runs on another host (which cannot be checked "
+                   "from here); only once that run has ended")
     g.add_argument("--ckpt-every", type=int, default=50, help="steps between checkpoints (0: only at the end)")
     g.add_argument("--keep", type=int, default=3, help="checkpoints to keep")
     g.add_argument("--eval-every", type=int, default=50, help="steps between held-out evaluations (0: first/last)")
@@ -253,7 +261,7 @@ def from_args(args: argparse.Namespace) -> RunConfig:
         loop=LoopConfig(args.steps, args.log_every, args.eval_every, args.eval_batches, args.skip_nonfinite,
                         not args.no_progress, args.dry_run),
         checkpoint=CheckpointConfig(args.run_dir, args.resume, args.ckpt_every, args.keep, args.resume_step,
-                                    args.init_from),
+                                    args.init_from, args.discard_later, args.break_lock),
         cluster=ClusterConfig(args.cpu_devices, args.coordinator, args.num_processes, args.process_id,
                               args.dist_timeout, args.cluster, args.simulate_cluster, args.plan,
                               args.device_memory),
@@ -294,6 +302,8 @@ def _check_counts(args) -> None:
     if args.resume_step is not None and (args.resume_step < 0 or not args.resume):
         raise ValueError(f"--resume-step {args.resume_step}: needs --resume and a step >= 0, e.g. --resume "
                          f"--resume-step {max(args.resume_step, 0)}")
+    if args.discard_later and args.resume_step is None:
+        raise ValueError("--discard-later: applies with --resume --resume-step N (the steps after N are set aside)")
     if args.mesh_outer:
         parse_axis_sizes(args.mesh_outer, flag="--mesh-outer", allow_fill=False)
     args_distributed = ClusterConfig(coordinator=args.coordinator, num_processes=args.num_processes,
@@ -330,8 +340,9 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "k
           "gib": 2**30, "tib": 2**40}
 
 
-def parse_bytes(text: str) -> int:
-    """``--device-memory``: ``80GiB``, ``16GB``, ``5e8`` -> bytes (argparse reports a ValueError as a usage error).
+def parse_bytes(text: str, flag: str = "--device-memory", example: str = "80GiB") -> int:
+    """``--device-memory`` (or ``flag``): ``80GiB``, ``16GB``, ``5e8`` -> bytes (argparse reports a ValueError as a
+    usage error).
 
     Raises:
       ValueError: Not a positive finite number with one of the units B, kB, MB, GB, TB, KiB, MiB, GiB, TiB.
@@ -345,7 +356,7 @@ def parse_bytes(text: str) -> int:
     except (ValueError, KeyError):
         value = float("nan")
     if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected bytes > 0, e.g. --device-memory 80GiB")
+        raise argparse.ArgumentTypeError(f"{text!r}: expected bytes > 0, e.g. {flag} {example}")
     return int(value)
 
 
@@ -399,7 +410,7 @@ def pipeline_plan(args, stages: int, num_layers: int) -> PipelinePlan:
         `sharding.pipeline.plan_layout`; naming the flag, its value and one that works.
     """
     circular = args.pipeline_schedule == "circular"
-    one_f_one_b = args.pipeline_schedule == "1f1b"
+    one_f_one_b = args.pipeline_schedule in ("1f1b", "1f1b-fused")
     repeats = args.pipeline_repeats or (2 if circular else 1)
     if one_f_one_b and repeats < 1:
         raise ValueError(f"--pipeline-repeats {repeats}: must be at least 1 (1f1b; more is interleaved 1F1B)")
@@ -420,7 +431,8 @@ def pipeline_plan(args, stages: int, num_layers: int) -> PipelinePlan:
                             None if measure else parse_stage_layers(args.stage_layers, num_layers, stages))
     if one_f_one_b and repeats > 1 and args.microbatches >= stages:
         one_f_one_b_ticks(stages, args.microbatches, repeats)  # interleaved: M a multiple of S, else a ValueError
-    return PipelinePlan(layout, args.microbatches, one_f_one_b=one_f_one_b, measure_stages=measure)
+    return PipelinePlan(layout, args.microbatches, one_f_one_b=one_f_one_b, measure_stages=measure,
+                        fused=args.pipeline_schedule == "1f1b-fused")
 
 
 def _rebalance(uneven: UnevenBatch | None, every: int | None) -> UnevenBatch | None:

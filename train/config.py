@@ -67,6 +67,8 @@ class CheckpointConfig:
     keep: int = 3
     resume_step: int | None = None
     init_from: str | None = None
+    discard_later: bool = False  # --discard-later: set steps after resume_step aside
+    break_lock: bool = False  # --break-lock: take over a lock held on another host
 
 
 @dataclasses.dataclass(frozen=True)

@@ -84,7 +84,10 @@ def export_run(args) -> int:
     from train.cli import parse_bytes
     from train.inference import restore_params
 
-    max_bytes = parse_bytes(args.max_shard_size)
+    try:
+        max_bytes = parse_bytes(args.max_shard_size, "--max-shard-size", "2GB")
+    except argparse.ArgumentTypeError as e:  # one error line naming the flag, as every bad input gets
+        raise ValueError(f"--max-shard-size {e}") from None
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"--out {out}: not an empty folder; give a new folder")

@@ -96,7 +96,7 @@ def read_run(run_dir: str | Path, step: int | None = None):
     if not folder.is_dir():
         raise ValueError(f"--run-dir {run_dir}: no checkpoints/ folder; give a folder written by train.train or "
                          "train.hf import")
-    manager = CheckpointManager(folder, async_save=False)
+    manager = CheckpointManager(folder, async_save=False, read_only=True)  # a live run's save in progress stays
     try:
         chosen = manager.resume_choice(step).step
         if chosen is None:
@@ -124,15 +124,20 @@ def restore_params(run_dir: str | Path, step: int | None, par, **changes):
       ``(config, params, meta, step)``: the `ModelConfig`, the params tree, the `checkpoints.meta.RunMeta`.
 
     Raises:
-      ValueError: As `read_run`.
+      ValueError: As `read_run`; a step whose array data does not read
+        (`checkpoints.verify.CheckpointDamaged`, naming the array, its data file and a step that reads).
     """
     from checkpoints.manager import restore_state
+    from checkpoints.verify import restore_falling_back
     from train.state import StateLayout
 
     manager, step, meta = read_run(run_dir, step)
     try:
         config = meta.model_config(**changes)
-        state, _ = restore_state(manager, StateLayout(config, par), step)
+        layout = StateLayout(config, par)
+        # damaged array data: one line naming the array and file, and a step that reads (nothing renamed)
+        (state, _), _ = restore_falling_back(manager.directory, step, lambda s: restore_state(manager, layout, s),
+                                             print, explicit=True, flag="--step")
     finally:
         manager.close()
     return config, state["params"], meta, step

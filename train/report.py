@@ -185,15 +185,19 @@ def weight_gather_line(trainer) -> str:
 
 def schedule_memory_line(plan) -> str:
     """How many microbatches' layer inputs each stage keeps for its backward pass, and what 1F1B costs in time."""
-    from sharding.pipeline import one_f_one_b_ticks
-
     layout = plan.layout
     s, k = layout.stages, layout.chunk_slots
     if not plan.one_f_one_b:
         return (f"  saved for the backward pass: every slot's input of all {plan.steps} steps ({plan.steps} x {k} "
                 f"microbatch activations per device; --pipeline-schedule 1f1b keeps {s} x {k})")
-    ticks = one_f_one_b_ticks(s, plan.microbatches, layout.repeats)
+    ticks = plan.tick_table()
     chunk = "microbatches" if layout.repeats == 1 else "chunk inputs"
+    if plan.fused:
+        return (f"  saved for the backward pass: a ring of {ticks.slots} {chunk} x {k} slot inputs per device (the "
+                f"other schedules keep {plan.steps} x {k}); one loop of {ticks.ticks} ticks, each a chunk's forward "
+                f"and a chunk's backward per stage (either may idle); the loss runs on stage {s - 1} inside it; a "
+                f"tick lasts a forward plus a backward, so the pass takes about {ticks.ticks} chunk "
+                f"forward+backward-times against {plan.steps} for GPipe or circular")
     return (f"  saved for the backward pass: a ring of {ticks.slots} {chunk} x {k} slot inputs per device (the "
             f"other schedules keep {plan.steps} x {k}); one loop of {ticks.ticks} ticks, each a chunk's forward, "
             f"backward or idle per stage; the loss runs on stage {s - 1} inside it; in lockstep a tick lasts a "
@@ -214,6 +218,7 @@ def pipeline_lines(trainer, note: str | None = None) -> list[str]:
     schedule = "GPipe" if r == 1 else f"circular, {r} repeats (chunks per stage)"
     if plan.one_f_one_b:
         schedule = "1F1B (PipeDream-Flush)" + ("" if r == 1 else f", interleaved, {r} chunks per stage")
+        schedule += ", fused ticks (a forward and a backward per tick)" if plan.fused else ""
     lines.append(
         f"pipeline: {schedule} over stage={s}, {m} microbatches through {trainer.config.num_layers} layers; bubble "
         f"(S-1)/(R*M+S-1) = {s - 1}/{r * m + s - 1} = {plan.bubble_fraction:.1%} of {plan.steps} steps"
@@ -370,6 +375,10 @@ def dry_run(run, trainer, log, watch=None) -> int:
     for line in memory_lines(compiled, trainer.state_layout.abstract_state(), trainer.mesh.devices.size):
         log(line)
     for line in compute_lines(compiled) + collective_lines(compiled) + branch_lines(compiled, trainer):
+        log(line)
+    from train.predicted import cost_model_lines
+
+    for line in cost_model_lines(trainer, compiled, batch, seq_len):
         log(line)
     if watch is not None:
         watch.close()

@@ -53,15 +53,53 @@ def run(config: RunConfig) -> int:
     processes = initialize(config.cluster.distributed())
     import jax
 
+    log = report.logger(jax.process_index() == 0)
+    config, tokenizer = prepare(config, jax.devices(), log)
+    lock = hold_run_folder(config, jax.process_index(), log)  # refuses a folder another run holds
+    try:
+        return _run_prepared(config, tokenizer, processes, log)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def hold_run_folder(config: RunConfig, process_index: int, log):
+    """The `checkpoints.lock.RunLock` of ``--run-dir``, taken by process 0 before anything in it is touched
+    (None for a dry run and the other processes, which share the folder by design); every process learns
+    whether it was refused.
+
+    Raises:
+      checkpoints.lock.RunFolderLocked: (a ValueError) another run holds the folder.
+    """
+    from checkpoints.lock import RunFolderLocked, RunLock
+    from train.distributed import any_process
+
+    if config.loop.dry_run:
+        return None
+    lock, error = None, None
+    if process_index == 0:
+        try:
+            lock = RunLock.acquire(config.checkpoint.run_dir, log, config.checkpoint.break_lock)
+        except ValueError as e:
+            error = e
+    if any_process(error is not None):  # the other processes stop with process 0, not at its first collective
+        if error is not None:
+            raise error
+        raise RunFolderLocked(f"--run-dir {config.checkpoint.run_dir}: process 0 could not take the folder's lock "
+                              "(its error is in its log)")
+    return lock
+
+
+def _run_prepared(config: RunConfig, tokenizer, processes: str, log) -> int:
+    import jax
+
     from checkpoints.manager import open_resumable
     from train.distributed import watch_peers
 
-    log = report.logger(jax.process_index() == 0)
-    config, tokenizer = prepare(config, jax.devices(), log)
     folder, ckpt, latest = Path(config.checkpoint.run_dir) / "checkpoints", None, None
     if not config.loop.dry_run:
         ckpt, latest = open_resumable(folder, config.checkpoint.keep, config.checkpoint.resume_step, config.model,
-                                      tokenizer, log)
+                                      tokenizer, log, config.checkpoint.discard_later)
     watch = watch_peers(config.cluster.distributed(), folder)  # a lost process ends the others with one line
     log(f"{processes}; {jax.local_device_count()} local devices")
     trainer = build_trainer(config, log)
@@ -150,7 +188,7 @@ def train(config: RunConfig, trainer, ckpt, latest, tokenizer, log) -> int:
     with StopFlag() as stop:
         dataset = load_dataset(data.spec, tokenizer, data.seq_len, data.batch_size, data.seed, data.heldout,
                                data.cache_dir, log, permutation=_context_permutation(config))
-        state, samples = start_state(config, trainer, ckpt, latest, log)
+        state, samples, latest = start_state(config, trainer, ckpt, latest, log)
         writer = MetricsWriter(Path(config.checkpoint.run_dir), jax.process_index() == 0, latest)
         meta = RunMeta.create(config.model, config.preset, trainer.par.mesh_shape, trainer.rules,
                               {"spec": data.spec, "seq_len": data.seq_len, "global_batch": data.batch_size,
@@ -173,18 +211,23 @@ def train(config: RunConfig, trainer, ckpt, latest, tokenizer, log) -> int:
 
 
 def start_state(config: RunConfig, trainer, ckpt, latest, log):
-    """``(state, samples)``: the latest checkpoint re-laid onto this run's mesh and layout, or a fresh state
-    (`train.inference.fresh_state`: ``--init-from``'s weights or a random init)."""
+    """``(state, samples, step)``: the latest checkpoint re-laid onto this run's mesh and layout, or a fresh
+    state (`train.inference.fresh_state`: ``--init-from``'s weights or a random init; step None). A step whose
+    arrays do not read is set aside and the next older one restored (`checkpoints.verify.restore_falling_back`)."""
     from checkpoints.manager import restore_state
+    from checkpoints.verify import restore_falling_back
+    from train.distributed import any_process
     from train.inference import fresh_state
 
     if latest is None:
-        return fresh_state(config, trainer.state_layout, ckpt.directory, log), 0
+        return fresh_state(config, trainer.state_layout, ckpt.directory, log), 0, None
     t0 = time.perf_counter()
-    state, meta = restore_state(ckpt, trainer.state_layout, latest)
+    (state, meta), latest = restore_falling_back(
+        ckpt.directory, latest, lambda step: restore_state(ckpt, trainer.state_layout, step), log,
+        explicit=config.checkpoint.resume_step is not None, any_failed=any_process, reload=ckpt.reload)
     for line in report.resume_lines(config, trainer, meta, latest, time.perf_counter() - t0):
         log(line)
-    return state, meta.samples
+    return state, meta.samples, latest
 
 
 def _context_permutation(config: RunConfig):

@@ -1,9 +1,17 @@
 """Pipeline parallelism over the ``stage`` mesh axis, in one SPMD program, with uneven stages.
 
+The package itself imports no JAX: it names the pure pieces, and the schedules are imported from their
+own modules.
+
 * `layout`: stage layouts and the pipeline plan (which layers each stage holds; no JAX);
-* `storage`: how a run stores the layer stack between steps: unpadded rows over every device;
-* `relayout`: moving stacked layer arrays between layouts (checkpoints across stage counts);
-* `schedule`: the GPipe and circular schedules with their hand-written backward pass;
+* `ticks`: the 1F1B schedules' tick tables, lockstep and fused (what each stage runs at each tick; no JAX);
+* `storage`: how a run stores the layer stack between steps: unpadded rows over every device (no JAX at
+  import);
+* `relayout`: moving stacked layer arrays between layouts (checkpoints across stage counts; no JAX at
+  import);
+* `program`: the pieces every schedule's stage program is built from (setup, weight gather and gradient
+  reduction, a chunk's forward and hand-written backward, buffer reads and writes);
+* `schedule`: the GPipe and circular schedules with their hand-written backward pass (`run_pipeline`);
 * `onef1b`: the 1F1B schedule, loss and backward pass in one loop (`run_pipeline_loss`).
 """
 
@@ -15,19 +23,16 @@ from sharding.pipeline.layout import (
     check_microbatches,
     example_split,
     head_parallelism,
-    one_f_one_b_ticks,
     parse_stage_layers,
     pipeline_rules,
     plan_layout,
 )
 from sharding.pipeline.relayout import layout_rows, relayout, relayout_on_mesh
 from sharding.pipeline.storage import StageStorage, layout_from_meta
-from sharding.pipeline.schedule import from_microbatches, run_pipeline, to_microbatches
-from sharding.pipeline.onef1b import run_pipeline_loss
+from sharding.pipeline.ticks import fused_ticks, one_f_one_b_ticks
 
 __all__ = [
     "SCHEDULES", "StageLayout", "PipelinePlan", "plan_layout", "parse_stage_layers", "example_split", "check_microbatches",
-    "pipeline_rules", "head_parallelism", "bubble_fraction", "one_f_one_b_ticks", "run_pipeline_loss", "relayout",
-    "relayout_on_mesh", "layout_rows", "run_pipeline", "to_microbatches", "from_microbatches", "StageStorage",
-    "layout_from_meta",
+    "pipeline_rules", "head_parallelism", "bubble_fraction", "one_f_one_b_ticks", "fused_ticks", "relayout",
+    "relayout_on_mesh", "layout_rows", "StageStorage", "layout_from_meta",
 ]

@@ -21,7 +21,8 @@ each, of which ``S - 1`` are the fill and drain bubble: `bubble_fraction`.
 The 1F1B schedule (PipeDream-Flush; Narayanan et al., SC'21, section 2.2) runs the same layouts: after
 ``S-1-s`` warm-up forwards stage ``s`` alternates one forward and one backward, so with ``R = 1`` it
 keeps at most ``S`` microbatches' stage inputs instead of ``M``; ``R > 1`` is interleaved 1F1B (section
-2.2.2). `one_f_one_b_ticks` is its table of ticks.
+2.2.2). Its ticks run in lockstep (``1f1b``: one op per stage per tick) or fused (``1f1b-fused``: a
+forward and a backward per stage per tick); `sharding.pipeline.ticks` has both tables.
 
 `sharding.pipeline.relayout` moves stacked arrays between layouts; `sharding.pipeline.schedule`
 runs GPipe and circular, `sharding.pipeline.onef1b` runs 1F1B.
@@ -36,9 +37,12 @@ from typing import Any
 import numpy as np
 
 from sharding import axes as ax
+# The tick tables live in `sharding.pipeline.ticks`; they are named here too, for the modules that read them
+# beside the plan (the cost model, the planner).
+from sharding.pipeline.ticks import BACKWARD, FORWARD, FusedTicks, Ticks, fused_ticks, one_f_one_b_ticks  # noqa: F401
 from sharding.splits import even_split
 
-SCHEDULES = ("gpipe", "circular", "1f1b")
+SCHEDULES = ("gpipe", "circular", "1f1b", "1f1b-fused")
 
 
 # Layouts ----------------------------------------------------------------------
@@ -282,8 +286,16 @@ class PipelinePlan:
         is not needed: the fallback for a program in which the partitioner
         put a collective that could wait on other stages inside such a
         conditional (see `branch_collectives`).
+      one_f_one_b: the 1F1B schedule (``--pipeline-schedule 1f1b``; interleaved with ``R > 1``): the loss
+        and the backward pass inside the pipeline's loop (`sharding.pipeline.onef1b`).
       measure_stages: ``--stage-layers auto``: the layout's split is a placeholder (even) until the
         stages are timed at start-up (`train.calibrate.calibrate_stages`), which replaces it.
+      fused: with ``one_f_one_b``, the fused ticks (``--pipeline-schedule 1f1b-fused``, `fused_ticks`): a
+        forward and a backward per stage per tick, ``R*M + (R+1) S - 2`` ticks of a chunk's forward plus
+        backward, against lockstep's ``2 (M + S - 1)`` ticks of one op each (with one chunk).
+
+    Raises:
+      ValueError: ``fused`` without ``one_f_one_b``.
     """
 
     layout: StageLayout
@@ -291,6 +303,11 @@ class PipelinePlan:
     skip_empty: bool = True
     one_f_one_b: bool = False
     measure_stages: bool = False
+    fused: bool = False
+
+    def __post_init__(self):
+        if self.fused and not self.one_f_one_b:
+            raise ValueError("PipelinePlan: fused ticks are a 1F1B schedule (one_f_one_b=True)")
 
     @property
     def pipeline(self) -> PipelinePlan:
@@ -303,14 +320,26 @@ class PipelinePlan:
 
     @property
     def schedule(self) -> str:
-        """``gpipe``, ``circular`` or ``1f1b`` (`SCHEDULES`; the ``--pipeline-schedule`` value)."""
-        return "1f1b" if self.one_f_one_b else self.layout.schedule
+        """``gpipe``, ``circular``, ``1f1b`` or ``1f1b-fused`` (`SCHEDULES`; the ``--pipeline-schedule``
+        value)."""
+        if self.one_f_one_b:
+            return "1f1b-fused" if self.fused else "1f1b"
+        return self.layout.schedule
+
+    def tick_table(self) -> Ticks | FusedTicks:
+        """The 1F1B loop's table: `fused_ticks` when ``fused``, else `one_f_one_b_ticks`.
+
+        Raises:
+          ValueError: as `one_f_one_b_ticks` (too few microbatches for the order).
+        """
+        make = fused_ticks if self.fused else one_f_one_b_ticks
+        return make(self.layout.stages, self.microbatches, self.layout.repeats)
 
     @property
     def ticks(self) -> int:
-        """Ticks of the 1F1B loop (`one_f_one_b_ticks`): ``2 (M + S - 1)`` with one chunk per stage, each
-        stage's M forwards, M backwards and ``2 (S - 1)`` idle ticks."""
-        return one_f_one_b_ticks(self.layout.stages, self.microbatches, self.layout.repeats).ticks
+        """Ticks of the 1F1B loop (`tick_table`): lockstep ``2 (M + S - 1)`` with one chunk per stage (each
+        stage's M forwards, M backwards and ``2 (S - 1)`` idle ticks), fused ``R*M + (R+1) S - 2``."""
+        return self.tick_table().ticks
 
     @property
     def steps(self) -> int:
@@ -332,181 +361,6 @@ class PipelinePlan:
             steps = self.ticks if self.one_f_one_b else self.steps
             return (steps * self.layout.chunk_slots,) * self.layout.stages
         return tuple(self.microbatches * n for n in self.layout.stage_layers)
-
-
-FORWARD, BACKWARD = 1, 2
-"""The ops of a `Ticks` table (0: idle)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Ticks:
-    """The 1F1B schedule as tables ``[ticks, S]`` int32: what each stage does at each tick of one SPMD loop.
-
-    PipeDream-Flush (Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters
-    Using Megatron-LM", SC'21, section 2.2, figure 4) with ``R`` chunks per stage (virtual stages
-    ``v = r*S + s``; interleaved, section 2.2.2, for ``R > 1``), in lockstep ticks of one op
-    (`one_f_one_b_ticks`). Saved chunk inputs live in a ring of `slots` entries, cotangents waiting for
-    their backward in one of `cotangent_slots`; the slot of each is fixed here, so the program only indexes.
-
-    Attributes:
-      op: 0 idle, `FORWARD` or `BACKWARD`.
-      chunk: the op's chunk ``r`` (0 when idle).
-      microbatch: the op's microbatch (0 when idle).
-      slot: the ring slot of the op's saved chunk input (its slot inputs, written by the forward, read by
-        the backward).
-      arrive: the ring slot for the activation arriving at the start of the tick (sent by the previous
-        virtual stage's forward at the tick before), -1 when what arrives is a dummy.
-      cotangent_arrive: the cotangent slot for the cotangent arriving at the start of the tick (sent by the
-        next virtual stage's backward at the tick before), -1 when it is a dummy.
-      cotangent_slot: a backward's cotangent slot; for the last virtual stage's forward, the slot the loss's
-        cotangent goes to.
-      slots: ring slots per stage.
-      cotangent_slots: cotangent slots per stage.
-    """
-
-    op: np.ndarray
-    chunk: np.ndarray
-    microbatch: np.ndarray
-    slot: np.ndarray
-    arrive: np.ndarray
-    cotangent_arrive: np.ndarray
-    cotangent_slot: np.ndarray
-    slots: int
-    cotangent_slots: int
-
-    @property
-    def ticks(self) -> int:
-        return self.op.shape[0]
-
-    def live(self) -> np.ndarray:
-        """``[S]``: the most chunk inputs each stage holds at once (from arrival to backward)."""
-        return np.asarray([self._live[s] for s in range(self.op.shape[1])], np.int32)
-
-    @property
-    def _live(self) -> dict[int, int]:
-        ticks, stages = self.op.shape
-        most = {}
-        for s in range(stages):
-            held: set[int] = set()
-            peak = 0
-            for t in range(ticks):
-                if self.arrive[t, s] >= 0:
-                    held.add(int(self.arrive[t, s]))
-                if self.op[t, s] == FORWARD:
-                    held.add(int(self.slot[t, s]))
-                peak = max(peak, len(held))
-                if self.op[t, s] == BACKWARD:
-                    held.discard(int(self.slot[t, s]))
-            most[s] = peak
-        return most
-
-
-def _stage_orders(stages: int, repeats: int, microbatches: int) -> list[list[tuple[int, int, int]]]:
-    """Each stage's ops ``(op, chunk, microbatch)`` in order: warm-up forwards, then one forward and one
-    backward alternately, then the remaining backwards (Megatron-LM's order; with ``R > 1`` microbatches go
-    in groups of ``S``, chunk by chunk, forwards in chunk order and backwards in reverse)."""
-    n = repeats * microbatches
-
-    def forward(k):
-        group, within = divmod(k, stages * repeats)
-        return within // stages, group * stages + within % stages
-
-    def backward(k):
-        r, i = forward(k)
-        return repeats - 1 - r, i
-
-    orders = []
-    for s in range(stages):
-        warm = stages - s - 1 if repeats == 1 else 2 * (stages - s - 1) + (repeats - 1) * stages
-        warm = min(warm, n)
-        order = [(FORWARD, *forward(k)) for k in range(warm)]
-        for k in range(n - warm):
-            order += [(FORWARD, *forward(warm + k)), (BACKWARD, *backward(k))]
-        order += [(BACKWARD, *backward(k)) for k in range(n - warm, n)]
-        orders.append(order)
-    return orders
-
-
-def _colour(intervals: dict) -> tuple[dict, int]:
-    """Slots for inclusive tick intervals ``key -> (start, end)``: no two overlapping intervals share one."""
-    slots, free_at = {}, []
-    for key, (start, end) in sorted(intervals.items(), key=lambda kv: kv[1]):
-        slot = next((k for k, t in enumerate(free_at) if t < start), len(free_at))
-        if slot == len(free_at):
-            free_at.append(end)
-        free_at[slot] = end
-        slots[key] = slot
-    return slots, max(len(free_at), 1)
-
-
-def one_f_one_b_ticks(stages: int, microbatches: int, repeats: int = 1) -> Ticks:
-    """The 1F1B schedule of ``S`` stages, ``M`` microbatches and ``R`` chunks per stage, as a `Ticks` table.
-
-    Each stage takes its next op (`_stage_orders`) as soon as its input is there: a forward's activation
-    left the previous virtual stage at an earlier tick, a backward's cotangent left the next virtual stage
-    at an earlier tick (the last virtual stage's: its own forward, the loss between them). With ``R = 1``
-    stage ``s`` runs ``S - s`` forwards before its first backward and then alternates, holding at most ``S``
-    microbatches' inputs (stage 0), and the pass takes ``2 (M + S - 1)`` ticks.
-
-    Raises:
-      ValueError: ``M < S``, or ``R > 1`` with ``M`` not a multiple of ``S`` (the interleaved order moves
-        microbatches in groups of ``S``), naming ``--microbatches``.
-    """
-    if microbatches < stages:
-        raise ValueError(f"--microbatches {microbatches}: 1F1B needs at least the {stages} stages")
-    if repeats > 1 and microbatches % stages:
-        raise ValueError(f"--microbatches {microbatches}: interleaved 1F1B (--pipeline-repeats {repeats}) needs a "
-                         f"multiple of the {stages} stages, e.g. --microbatches {stages * -(-microbatches // stages)}")
-    last = stages * repeats - 1
-    orders, done, ptr, rows = _stage_orders(stages, repeats, microbatches), {}, [0] * stages, []
-    while any(p < len(o) for p, o in zip(ptr, orders)):
-        row = []
-        for s in range(stages):
-            if ptr[s] == len(orders[s]):
-                row.append(None)
-                continue
-            op, r, i = orders[s][ptr[s]]
-            v = r * stages + s
-            need = ((FORWARD, v - 1, i) if v else None) if op == FORWARD else \
-                ((FORWARD, v, i) if v == last else (BACKWARD, v + 1, i))
-            ready = need is None or done.get(need, len(rows)) < len(rows)
-            row.append((op, r, i) if ready else None)
-            ptr[s] += ready
-        for s, entry in enumerate(row):
-            if entry:
-                done[entry[0], entry[1] * stages + s, entry[2]] = len(rows)
-        rows.append(row)
-        if len(rows) > 4 * (repeats * microbatches + stages) * 2:
-            raise AssertionError("1F1B order deadlocked")  # unreachable for the orders above
-    saved = {(v, i): (done[FORWARD, v - 1, i] + 1 if v else done[FORWARD, v, i], done[BACKWARD, v, i])
-             for v in range(last + 1) for i in range(microbatches)}
-    waiting = {(v, i): (done[FORWARD, v, i] if v == last else done[BACKWARD, v + 1, i] + 1, done[BACKWARD, v, i])
-               for v in range(last + 1) for i in range(microbatches)}
-    by_stage = [{k: w for k, w in saved.items() if k[0] % stages == s} for s in range(stages)]
-    cot_by_stage = [{k: w for k, w in waiting.items() if k[0] % stages == s} for s in range(stages)]
-    colours = [_colour(x) for x in by_stage]
-    cot_colours = [_colour(x) for x in cot_by_stage]
-    slot_of = {k: c for cs, _ in colours for k, c in cs.items()}
-    cot_of = {k: c for cs, _ in cot_colours for k, c in cs.items()}
-    shape = (len(rows), stages)
-    tables = {name: np.zeros(shape, np.int32) for name in ("op", "chunk", "microbatch", "slot", "cotangent_slot")}
-    tables["arrive"] = np.full(shape, -1, np.int32)
-    tables["cotangent_arrive"] = np.full(shape, -1, np.int32)
-    for t, row in enumerate(rows):
-        for s, entry in enumerate(row):
-            if not entry:
-                continue
-            op, r, i = entry
-            v = r * stages + s
-            for name, value in (("op", op), ("chunk", r), ("microbatch", i), ("slot", slot_of[v, i])):
-                tables[name][t, s] = value
-            if op == BACKWARD or v == last:
-                tables["cotangent_slot"][t, s] = cot_of[v, i]
-            if op == FORWARD and v < last and t + 1 < len(rows):
-                tables["arrive"][t + 1, (s + 1) % stages] = slot_of[v + 1, i]
-            if op == BACKWARD and v > 0 and t + 1 < len(rows):
-                tables["cotangent_arrive"][t + 1, (s - 1) % stages] = cot_of[v - 1, i]
-    return Ticks(**tables, slots=max(n for _, n in colours), cotangent_slots=max(n for _, n in cot_colours))
 
 
 def check_microbatches(microbatches: int, stages: int, batch_size: int, data_parallel: int) -> None:

@@ -6,34 +6,40 @@ so with one chunk per stage it keeps at most ``S`` microbatches' stage inputs wh
 ``M``; with ``R`` chunks per stage (``--pipeline-repeats``) it is the interleaved schedule of section
 2.2.2 over the circular layout (`sharding.pipeline.layout`).
 
-One loop for every stage. Every device runs the same `jax.lax.scan` over the ticks of
-`sharding.pipeline.layout.one_f_one_b_ticks`; at each tick a stage reads its op (a chunk's forward,
-backward or idle), chunk, microbatch and buffer slots from that table by its stage index. A forward
-runs the chunk's slots (`schedule._chunk_forward`, each slot under a `jax.lax.cond`, none when the
-op is not a forward) and keeps each slot's input in a ring of chunk inputs ``[slots, K, microbatch,
-...]``; a backward differentiates the slots from them (`schedule._chunk_backward`). Cotangents that
-arrive before their backward wait in a second, smaller ring. Two ``ppermute`` per tick, outside every
-conditional (XLA's CPU backend deadlocks on a collective-permute inside one): the forward output
-down the ring (stage ``S-1`` to 0 for the next chunk), the input's cotangent up it; a stage with
-nothing to send sends what it holds, which the receiver ignores (the table says when what arrives
-is real and which slot it goes to).
+One loop for every stage. Every device runs the same `jax.lax.scan` over the ticks of the plan's table
+(`PipelinePlan.tick_table`: `sharding.pipeline.ticks.one_f_one_b_ticks` in lockstep, ``1f1b``, or
+`sharding.pipeline.ticks.fused_ticks`, ``1f1b-fused``); at each tick a stage reads its forward and its
+backward (each a chunk, a microbatch and buffer slots, or idle) from that table by its stage index. In
+lockstep at most one of the two runs; fused, both do in steady state. A tick runs the forward first: the
+chunk's slots (`program.chunk_forward`, each slot under a `jax.lax.cond`, none when the forward is idle),
+keeping each slot's input in a ring of chunk inputs ``[slots, K, microbatch, ...]``; then the head, on
+the last virtual stage; then the backward, which differentiates the slots from their saved inputs
+(`program.chunk_backward`), so on the last virtual stage a microbatch's backward may share the tick of
+its forward. Cotangents that arrive before their backward wait in a second, smaller ring. Two
+``ppermute`` per tick, outside every conditional (XLA's CPU backend deadlocks on a collective-permute
+inside one): the forward output down the ring (stage ``S-1`` to 0 for the next chunk), the input's
+cotangent up it; a stage with nothing to send sends what it holds, which the receiver ignores (the table
+says when what arrives is real and which slot it goes to).
 
 The loss inside the loop. The last stage needs a microbatch's output cotangent soon after its
 forward, so the output head (final norm, projection, loss: ``head_fn``) runs on the last virtual
 stage inside the loop, differentiated at once (`jax.value_and_grad`); its cotangent waits in the
 cotangent ring for the backward. The whole pass is therefore a `jax.custom_vjp` whose forward rule
 computes the loss and every gradient; its backward rule scales them by the loss's cotangent and
-reduces them (layer weights: `schedule._Weights.reduce`; head weights: reduce-scatter over the batch
+reduces them (layer weights: `program.Weights.reduce`; head weights: reduce-scatter over the batch
 axes, sum over ``stage``). Called without differentiation, the loop runs the forwards only.
 
-Weights are gathered once per step (`schedule._Weights.gather`, compute dtype) and the head's weights
+Weights are gathered once per step (`program.Weights.gather`, compute dtype) and the head's weights
 once (their own dtype), both outside the loop; parameters, stage inputs and extras are cast
 device-varying first so no reduction lands inside it.
 
-Lockstep cost: a tick lasts as long as its slowest op, and after warm-up neighbouring stages run a
-forward and a backward in the same tick, so with one chunk a step takes ``2 (M + S - 1)`` ticks of a
+Cost. A tick lasts as long as what runs in it. In lockstep neighbouring stages run a forward and a
+backward in the same tick after warm-up, so with one chunk a step takes ``2 (M + S - 1)`` ticks of a
 backward's time, against GPipe's ``M + S - 1`` steps of a forward plus a backward: the memory of ``S``
-stage inputs instead of ``M`` is bought with time.
+stage inputs instead of ``M`` is bought with time. Fused, a tick runs a forward and a backward, and a step
+takes ``M + 2 (S - 1)`` such ticks (``R*M + (R+1) S - 2`` interleaved), near GPipe's time, holding up to
+``2 (S - s) - 1`` stage inputs on stage ``s`` (`sharding.pipeline.ticks`: one hop per tick each way makes
+a microbatch's round trip from stage 0 ``2 (S - 1)`` ticks long).
 """
 
 from __future__ import annotations
@@ -41,27 +47,31 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from sharding import axes as ax
 from sharding.parallel import gather_shards, reduce_shards, to_varying
-from sharding.pipeline.layout import BACKWARD, FORWARD, PipelinePlan, head_parallelism, one_f_one_b_ticks
-from sharding.pipeline.schedule import (
-    _check_split,
-    _chunk_backward,
-    _chunk_forward,
-    _index,
-    _index_leaf,
-    _manual_axes,
-    _manual_spec,
-    _name_leaves,
-    _Setup,
-    _stage_varying,
-    _Weights,
-    _write,
-    run_pipeline,
+from sharding.pipeline.layout import PipelinePlan, head_parallelism
+from sharding.pipeline.program import (
+    Setup,
+    Weights,
+    check_split,
+    chunk_backward,
+    chunk_forward,
+    index_leaf,
+    index_tree,
+    logical_leaves,
+    manual_axes,
+    manual_spec,
+    stage_varying,
     to_microbatches,
+    write,
 )
+from sharding.pipeline.schedule import run_pipeline
+from sharding.pipeline.ticks import BACKWARD, FORWARD
 
 
 def _ticks(layer, head, plan: PipelinePlan, params, head_params, xs, extras, head_inputs, grads, head_grads,
@@ -84,15 +94,15 @@ def _ticks(layer, head, plan: PipelinePlan, params, head_params, xs, extras, hea
       last stage), its forward layer applications (int32) and, when ``train``, its gradient sums and the
       cotangent of ``xs`` ``[M, microbatch, ...]`` (nonzero on stage 0); else None for those.
     """
-    import jax
-    import jax.numpy as jnp
-
     layout = plan.layout
     stages, repeats = layout.stages, layout.repeats
-    ticks = one_f_one_b_ticks(stages, plan.microbatches, repeats)
+    ticks = plan.tick_table()
     stage = jax.lax.axis_index(ax.STAGE)
-    table = {name: jnp.asarray(getattr(ticks, name))[:, stage] for name in (
-        "op", "chunk", "microbatch", "slot", "arrive", "cotangent_arrive", "cotangent_slot")}
+    # This stage's column of each table; lockstep's forward and backward columns are one array, read once.
+    columns = ticks.columns()
+    tables = {}
+    for column in columns.values():
+        tables.setdefault(id(column), jnp.asarray(column)[:, stage])
     counts = jnp.asarray(np.asarray(layout.chunks, np.int32))[:, stage]  # [R] this stage's chunk sizes
     ring = [(s, (s + 1) % stages) for s in range(stages)]
     back_ring = [((s + 1) % stages, s) for s in range(stages)]
@@ -117,31 +127,35 @@ def _ticks(layer, head, plan: PipelinePlan, params, head_params, xs, extras, hea
 
     def tick(carry, t):
         received, g_received, buffer, waiting, grads, head_grads, g_xs, loss, weight, applied = carry
-        op, r, mb, slot = (table[name][t] for name in ("op", "chunk", "microbatch", "slot"))
-        arrive = table["arrive"][t]
-        first = _index_leaf(buffer, jnp.maximum(arrive, 0))
-        buffer = _write(buffer, jnp.maximum(arrive, 0), first.at[0].set(received), arrive >= 0)
-        forward = op == FORWARD
+        read = {}
+        row = {name: read.setdefault(id(column), tables[id(column)][t]) for name, column in columns.items()}
+        forward, r, mb, slot = (row["forward" + part] for part in ("", "_chunk", "_microbatch", "_slot"))
+        forward = forward == FORWARD
+        arrive = row["arrive"]
+        first = index_leaf(buffer, jnp.maximum(arrive, 0))
+        buffer = write(buffer, jnp.maximum(arrive, 0), first.at[0].set(received), arrive >= 0)
         entry = (stage == 0) & (r == 0)  # the first virtual stage reads the microbatch itself
-        h_in = jnp.where(entry, _index_leaf(xs, mb), _index_leaf(buffer, slot)[0])
-        ex = _index(extras, mb)
-        h, done, inputs = _chunk_forward(layer, params, r, h_in, ex, jnp.where(forward, counts[r], 0),
-                                         plan.skip_empty, train)
+        h_in = jnp.where(entry, index_leaf(xs, mb), index_leaf(buffer, slot)[0])
+        h, done, inputs = chunk_forward(layer, params, r, h_in, index_tree(extras, mb),
+                                        jnp.where(forward, counts[r], 0), plan.skip_empty, train)
         exit_ = (stage == stages - 1) & (r == repeats - 1)  # the last virtual stage runs the head
-        loss_i, weight_i, g_h, g_hp = head_step(forward & exit_, h, _index(head_inputs, mb))
+        loss_i, weight_i, g_h, g_hp = head_step(forward & exit_, h, index_tree(head_inputs, mb))
         loss, weight, applied = loss + loss_i, weight + weight_i, applied + done
         if train:
-            buffer = _write(buffer, slot, inputs, forward)
+            buffer = write(buffer, slot, inputs, forward)
             head_grads = jax.tree.map(jnp.add, head_grads, g_hp)
-            arrive = table["cotangent_arrive"][t]
-            waiting = _write(waiting, jnp.maximum(arrive, 0), g_received, arrive >= 0)
-            c = table["cotangent_slot"][t]
-            waiting = _write(waiting, c, g_h, forward & exit_)
-            backward = op == BACKWARD
-            g_in, grads = _chunk_backward(layer, params, r, _index_leaf(buffer, slot), ex,
-                                          jnp.where(backward, counts[r], 0), _index_leaf(waiting, c), grads,
-                                          plan.skip_empty)
-            g_xs = _write(g_xs, mb, g_in, backward & entry)
+            arrive = row["cotangent_arrive"]
+            waiting = write(waiting, jnp.maximum(arrive, 0), g_received, arrive >= 0)
+            waiting = write(waiting, row["loss_slot"], g_h, forward & exit_)
+            # The backward runs after the forward and the head: on the last virtual stage it may be the
+            # backward of the microbatch whose forward and loss this tick just ran (fused ticks).
+            backward, r, mb, slot = (row["backward" + part] for part in ("", "_chunk", "_microbatch", "_slot"))
+            backward = backward == BACKWARD
+            c = row["cotangent_slot"]
+            g_in, grads = chunk_backward(layer, params, r, index_leaf(buffer, slot), index_tree(extras, mb),
+                                         jnp.where(backward, counts[r], 0), index_leaf(waiting, c), grads,
+                                         plan.skip_empty)
+            g_xs = write(g_xs, mb, g_in, backward & (stage == 0) & (r == 0))
             g_received = jax.lax.ppermute(g_in, ax.STAGE, back_ring)
         received = jax.lax.ppermute(h, ax.STAGE, ring)
         return (received, g_received, buffer, waiting, grads, head_grads, g_xs, loss, weight, applied), None
@@ -161,17 +175,14 @@ def _ticks(layer, head, plan: PipelinePlan, params, head_params, xs, extras, hea
     return loss, weight, applied, grads, head_grads, g_xs
 
 
-def _loss_program(layer_fn, head_fn, plan: PipelinePlan, par, weights: _Weights, head_specs, remat_policy=None):
+def _loss_program(layer_fn, head_fn, plan: PipelinePlan, par, weights: Weights, head_specs, remat_policy=None):
     """``f(stacked [1, slots, ...], head_params, xs, extras, head_inputs) -> (loss_sum, weight_sum, applied)``
     for one stage (this device's partial sums), a `jax.custom_vjp` whose forward rule runs the whole 1F1B
     step (module docstring)."""
-    import jax
-    import jax.numpy as jnp
-
     summed = weights.summed
 
     def run(stacked, head_params, xs, extras, head_inputs, train: bool):
-        stage_par = par.inside(_manual_axes(par))
+        stage_par = par.inside(manual_axes(par))
         layer = lambda w, h, *e: layer_fn(stage_par, w, h, *e)  # noqa: E731
         if remat_policy is not None:
             layer = jax.checkpoint(layer, policy=remat_policy, prevent_cse=False)
@@ -215,8 +226,8 @@ def run_pipeline_loss(layer_fn: Callable[..., Any], head_fn: Callable[..., Any],
                       remat_policy=None):
     """The summed loss of a stacked layer function run as a pipeline, followed by an output head.
 
-    With ``par``'s plan's schedule ``1f1b`` (interleaved with ``R > 1`` chunks per stage) the head runs
-    inside the pipeline on the last stage, one microbatch at a time, and the backward pass of each
+    With ``par``'s plan's schedule ``1f1b`` or ``1f1b-fused`` (interleaved with ``R > 1`` chunks per stage) the
+    head runs inside the pipeline on the last stage, one microbatch at a time, and the backward pass of each
     microbatch follows its forward through the stages (module docstring); otherwise `run_pipeline` runs
     GPipe or circular and ``head_fn`` takes the whole batch after it, under `head_parallelism` of ``par``
     (each stage computes the head for 1/S of the rows; ``head_fn`` constrains its input to that layout).
@@ -244,33 +255,30 @@ def run_pipeline_loss(layer_fn: Callable[..., Any], head_fn: Callable[..., Any],
         multiple of the stages; ``head_names`` not shaped as ``head_params``; a head parameter split over a
         batch axis the microbatches are not split over.
     """
-    import jax
-    from jax.sharding import PartitionSpec as P
-
     plan = par.pipeline
     if plan is None or not plan.one_f_one_b:
         y, applied = run_pipeline(layer_fn, stacked, x, extras, par, names=names, remat_policy=remat_policy)
         loss, weight = head_fn(head_parallelism(par), head_params, y, *head_inputs)
         return loss, weight, applied
-    one_f_one_b_ticks(plan.layout.stages, plan.microbatches, plan.layout.repeats)  # raises on a bad M
-    setup = _Setup.of(stacked, x, extras, par, names)
+    plan.tick_table()  # raises on a bad M
+    setup = Setup.of(stacked, x, extras, par, names)
     head_leaves, head_tree = jax.tree.flatten(head_params)
     if head_names is None:
         head_specs = [P()] * len(head_leaves)
     else:
-        name_leaves = _name_leaves(head_names)
+        name_leaves = logical_leaves(head_names)
         if len(name_leaves) != len(head_leaves):
             raise ValueError(f"run_pipeline_loss: {len(name_leaves)} logical names for {len(head_leaves)} head "
                              f"parameters")
-        head_specs = [_manual_spec(par, n, w.shape, setup.manual) for n, w in zip(name_leaves, head_leaves)]
-    _check_split(head_specs, setup.weights.summed, par, setup.xs.shape[1], setup.data[1], skip_first=False)
+        head_specs = [manual_spec(par, n, w.shape, setup.manual) for n, w in zip(name_leaves, head_leaves)]
+    check_split(head_specs, setup.weights.summed, par, setup.xs.shape[1], setup.data[1], skip_first=False)
     head_specs = jax.tree.unflatten(head_tree, head_specs)
     head_inputs = jax.tree.map(lambda e: to_microbatches(e, plan.microbatches), tuple(head_inputs))
     program = _loss_program(layer_fn, head_fn, plan, par, setup.weights, head_specs, remat_policy)
     vary = (ax.STAGE, *setup.weights.summed)
 
     def stage_program(stacked, head_params, xs, extras, head_inputs):
-        xs, (extras, head_inputs) = _stage_varying(xs), to_varying((extras, head_inputs), ax.STAGE)
+        xs, (extras, head_inputs) = stage_varying(xs), to_varying((extras, head_inputs), ax.STAGE)
         loss, weight, applied = program(stacked, head_params, xs, extras, head_inputs)
         return jax.lax.psum(loss, vary), jax.lax.psum(weight, vary), applied[None]
 

@@ -16,7 +16,7 @@ up to ``q`` of the layers in those slots itself; the rest (a stage with more lay
 are stored in spare rows of devices ``(s', g)`` of stages with fewer (or, when none has a spare row at that
 ``g``, of any device).
 
-Gathering once per step (`sharding.pipeline.schedule._Weights`): each device sends the rows it stores for
+Gathering once per step (`sharding.pipeline.program.Weights`): each device sends the rows it stores for
 others with one `jax.lax.ppermute` over ``(stage, *groups)`` per distance that moves any, appends what it receives to its
 own rows, picks its slots from them (a gather of at most ``R*K'/G`` rows, in the compute dtype) and
 all-gathers the pieces over the group axes into the ``[repeats, slots, ...]`` working copy (the empty slots
@@ -38,7 +38,6 @@ import numpy as np
 
 from sharding import axes as ax
 from sharding.pipeline.layout import StageLayout
-from sharding.splits import even_split
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,67 @@
+"""Cost model of one training step: FLOPs, bytes and collectives per device, and step time.
+
+For a model described by a `sharding.modeldesc.ModelDescription` (its parameters with logical axes
+and roles, matrix products, attention geometry, elementwise work and saved activations per token;
+``models.spec.describe`` makes one), a global batch, a sequence length and a `Layout` (mesh sizes
+over ``data, stage, fsdp, sequence, tensor``, a rules preset, microbatches, remat, stage split), it
+predicts for one device; it knows nothing model-specific beyond the description:
+
+* `sharding.costmodel.layout`: the `Layout` (`layout_of` derives it from a run's `Parallelism`), and
+  where its rules put each parameter.
+* `sharding.costmodel.flops`: **FLOPs** (`Flops`): the matrix products forward and backward
+  (PaLM, Appendix B; Megatron-LM, SC'21, section 5.1), attention by implementation, the elementwise
+  work and the optimizer update as XLA counts them.
+* `sharding.costmodel.memory`: **Bytes** (`Memory`): parameters, gradients, AdamW's moments, the
+  batch, the saved activations under the remat policy, the logits, the gathered weights.
+* `sharding.costmodel.collectives`: one **collective** (`Comm`), its ring algorithm's bytes and
+  steps, and the link hierarchy (`link_classes`).
+* `sharding.costmodel.partitioner` and `sharding.costmodel.embedding`: every collective the
+  partitioner emits for a step without stages (the embedding lookup case by case, per jax version).
+* `sharding.costmodel.pipeline`: the same for GPipe, circular and 1F1B pipelines over the unpadded
+  stage storage, the head on 1/S of the rows.
+* `sharding.costmodel.cost`: `Cost`, `device_cost` and `estimate`, which add the parts up.
+* `sharding.costmodel.time`: **step time** (`step_time`): compute at ``efficiency x`` peak, the
+  optimizer's memory traffic, each collective by an alpha-beta model of its link class.
+
+Checked against the compiler (``tests/test_costmodel.py``, ``bench/costmodel.py``): on CPU,
+`Cost.counted_flops` against ``compiled.cost_analysis()["flops"]``, which counts the body of each
+``while`` loop once (the scanned layers and the microbatch loop), `Cost.matmul_flops` against the
+products of the compiled HLO with loop trip counts folded in (`sharding.hlo.dot_flops`), the state
+and batch bytes against ``compiled.memory_analysis().argument_size_in_bytes``, and the bytes of
+each collective kind against `sharding.hlo.collectives`; pipelines on the same figures
+(``PIPELINE_GRID`` in ``bench/costmodel_grid.py``).
+
+Units: FLOPs, bytes, seconds, FLOP/s, bytes/s. The package imports nothing of the project outside
+`sharding`, never the model.
+"""
+
+from sharding.costmodel.collectives import BACKENDS, Comm, collective_bytes, link_classes
+from sharding.costmodel.cost import Cost, device_cost, estimate
+from sharding.costmodel.flops import ELEMENTWISE_BACKWARD_FACTOR, OPTIMIZER_FLOPS_PER_PARAM, Flops
+from sharding.costmodel.layout import ATTENTIONS, Layout, describe_model, layout_of, unpriced_attention
+from sharding.costmodel.memory import Memory
+from sharding.costmodel.time import Hardware, StepTime, comm_seconds, hardware_for, step_time
+
+__all__ = [
+    "ATTENTIONS",
+    "BACKENDS",
+    "ELEMENTWISE_BACKWARD_FACTOR",
+    "OPTIMIZER_FLOPS_PER_PARAM",
+    "Comm",
+    "Cost",
+    "Flops",
+    "Hardware",
+    "Layout",
+    "Memory",
+    "StepTime",
+    "collective_bytes",
+    "comm_seconds",
+    "describe_model",
+    "device_cost",
+    "estimate",
+    "hardware_for",
+    "layout_of",
+    "link_classes",
+    "step_time",
+    "unpriced_attention",
+]

@@ -1,0 +1,187 @@
+"""The cost of one device for one step: `Cost`, and the entry points that add it up.
+
+`device_cost` prices a device that processes a given number of rows per microbatch (the general
+form: a faster kind may run more microbatches, a pipeline stage its own number of layers);
+`estimate` prices the device of a uniform layout. Without stages the parts come from
+`sharding.costmodel.flops`, `sharding.costmodel.memory` and `sharding.costmodel.partitioner`; with
+stages from `sharding.costmodel.pipeline` (`_pipeline_cost`).
+
+Units: FLOPs, bytes, tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from sharding import axes as ax
+from sharding.costmodel.collectives import BACKENDS, Comm
+from sharding.costmodel.flops import OPTIMIZER_FLOPS_PER_PARAM, Flops, _flops, _per_token_flops
+from sharding.costmodel.layout import _DTYPE_BYTES, _INT_BYTES, Layout, _place_cached, _Placed, _Shape, describe_model
+from sharding.costmodel.memory import Memory, _held_params, _memory
+from sharding.costmodel.partitioner import _comms, _sequence_comms, _tensor_comms
+from sharding.costmodel.pipeline import (
+    _Pipe,
+    _pipeline_embedding_comms,
+    _pipeline_head_comms,
+    _pipeline_memory,
+    _pipeline_of,
+    _pipeline_outside,
+    _pipeline_weight_comms,
+    _stage_comms,
+)
+from sharding.modeldesc import ModelDescription
+from sharding.pipeline.layout import plan_layout
+from sharding.rules import Rules
+
+
+@dataclasses.dataclass(frozen=True)
+class Cost:
+    """Predicted cost of one device for one step.
+
+    Attributes:
+      flops: Per-step FLOPs by part (`Flops`).
+      counted_flops: FLOPs as ``compiled.cost_analysis()`` counts them: the body of each ``while``
+        loop once (one microbatch through one layer), everything outside the loops once.
+      memory: Bytes by part (`Memory`).
+      comms: The collectives (`Comm`).
+      tokens: Tokens this device computes per step.
+      layers: Layers this device computes per microbatch (its stage's share).
+      argument_bytes: Bytes of the compiled step's arguments on this device (state, batch, signals).
+    """
+
+    flops: Flops
+    counted_flops: float
+    memory: Memory
+    comms: tuple[Comm, ...]
+    tokens: float
+    layers: int
+    argument_bytes: float
+
+    @property
+    def matmul_flops(self) -> float:
+        return self.flops.matmul
+
+
+def device_cost(
+    model: ModelDescription | Any,
+    layout: Layout,
+    *,
+    seq_len: int,
+    rows: float,
+    microbatches: int | None = None,
+    layers: int | None = None,
+    slots: int | None = None,
+    backend: str = "gpu",
+    batch_rows: float | None = None,
+) -> Cost:
+    """The cost of one device that processes ``rows`` sequences per microbatch.
+
+    The general form behind `estimate`, for devices whose work differs: a device of a faster kind
+    runs more microbatches (uneven data parallelism, ``microbatches``), a pipeline stage computes its
+    own number of layers (``layers``) while every device stores the same unpadded share of the stack.
+
+    Args:
+      model: The model's `ModelDescription` (or an object with ``describe()``, `describe_model`).
+      layout: The layout.
+      seq_len: T, tokens per sequence.
+      rows: Sequences per microbatch on this device (after the ``data``/``fsdp`` split).
+      microbatches: Microbatches this device runs per step; default ``layout.microbatches``.
+      layers: Layers this device computes; default the model's layers over ``stage``.
+      slots: Layer slots it holds (for memory) without a pipeline; default ``layers``. With one
+        (``stage`` > 1) every device holds ``ceil(L / (S*G))`` unpadded rows instead (`_held_params`) and
+        ``slots`` is the largest stage's (`StageLayout.slots`; the default when ``layers`` is not given),
+        the size of the working copy each stage gathers per step.
+      backend: ``gpu`` or ``cpu`` (how reduce-scatter is lowered; see the module docstring).
+      batch_rows: The global batch in sequences, for the uneven step's batch re-layout.
+
+    Returns:
+      The `Cost`.
+
+    Raises:
+      ValueError: On an unknown backend.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend {backend!r}: choose one of {', '.join(BACKENDS)}")
+    model = describe_model(model)
+    mesh = layout.mesh
+    if layers is None:
+        stages = plan_layout(model.num_layers, mesh[ax.STAGE], layout.pipeline_repeats, layout.stage_layers)[0]
+        layers = max(stages.stage_layers)
+        slots = stages.slots if slots is None else slots
+    shape = _Shape(
+        rows=rows,
+        seq=seq_len,
+        tok=rows * seq_len / mesh[ax.SEQUENCE],
+        micro=layout.microbatches if microbatches is None else microbatches,
+        layers=layers,
+        slots=layers if slots is None else slots,
+        act_bytes=_DTYPE_BYTES[layout.dtype],
+    )
+    rules = layout.rules_table()
+    placed = _place_cached(model, rules, tuple(mesh.items()))
+    if mesh[ax.STAGE] > 1:
+        pipe = _pipeline_of(model, layout, rules, shape)
+        return _pipeline_cost(model, layout, rules, placed, shape, pipe, backend, batch_rows)
+    flops, counted = _flops(model, layout, rules, placed, shape)
+    memory = _memory(model, layout, rules, placed, shape)
+    comms = tuple(c for c in _comms(model, layout, rules, placed, shape, backend, batch_rows)
+                  if c.group > 1 and c.count > 0)
+    arguments = memory.state + memory.batch + _INT_BYTES * 4 + _INT_BYTES  # + step, rng, count, signals
+    return Cost(flops, counted, memory, comms, shape.tok * shape.micro, shape.layers, arguments)
+
+
+def estimate(model: ModelDescription | Any, global_batch: int, seq_len: int, layout: Layout, *, backend: str = "gpu") -> Cost:
+    """The cost of one device of a uniform layout (every device the same work).
+
+    Args:
+      model: The model's `ModelDescription` (or an object with ``describe()``).
+      global_batch: B, sequences per step.
+      seq_len: T, tokens per sequence.
+      layout: The layout.
+      backend: ``gpu`` or ``cpu``.
+
+    Returns:
+      The `Cost` of the device holding the largest stage.
+
+    Raises:
+      ValueError: When ``data x fsdp x microbatches`` does not divide ``global_batch``.
+    """
+    per = layout.batch_split * layout.microbatches
+    if global_batch % per:
+        raise ValueError(
+            f"--batch-size {global_batch} is not divisible by data x fsdp x microbatches = {per}; "
+            f"e.g. --batch-size {per * max(1, global_batch // per)}"
+        )
+    return device_cost(model, layout, seq_len=seq_len, rows=global_batch / per, backend=backend)
+
+
+def _pipeline_cost(model: ModelDescription, layout: Layout, rules: Rules, placed: dict[str, _Placed], s: _Shape,
+                   pipe: _Pipe, backend: str, batch_rows: float | None) -> Cost:
+    """The `Cost` of one stage device (the terms of `sharding.costmodel.pipeline`)."""
+    layer = dataclasses.replace(s, micro=1, layers=pipe.applications)  # one microbatch's rows per application
+    embed, head, head_runs = _pipeline_outside(s, pipe)
+    unit = _per_token_flops(model, layout, rules, placed, s, recomputes=1)
+    optimizer = OPTIMIZER_FLOPS_PER_PARAM * _held_params(model, layout, rules, placed, s)
+    inside = layer.tok * pipe.applications
+    flops = Flops(
+        layers=inside * unit["layers"],
+        attention=inside * unit["attention"],
+        logits=head.tok * head_runs * unit["logits"],
+        recompute=inside * unit["recompute"],
+        elementwise=inside * unit["elem_layer"] + head.tok * head_runs * unit["elem_loss"],
+        optimizer=optimizer,
+    )
+    # cost_analysis: the loops' bodies once (one application forward, one backward; 1F1B: the head once).
+    counted = (s.tok * (unit["layers"] + unit["attention"] + unit["recompute"] + unit["elem_layer"])
+               + head.tok * (unit["logits"] + unit["elem_loss"]) + optimizer)
+    memory = _pipeline_memory(model, layout, rules, placed, s, pipe, head)
+    comms = _pipeline_head_comms(model, layout, rules, head, pipe, backend, batch_rows)
+    comms += _pipeline_embedding_comms(model, layout, placed, embed)
+    comms += _pipeline_weight_comms(layout, rules, placed, pipe, model)
+    comms += _stage_comms(model, layout, s, pipe, head)
+    comms += _tensor_comms(model, layout, rules, layer, recomputes=1, with_logits=False)
+    comms += _sequence_comms(model, layout, rules, layer, backend)
+    comms = tuple(c for c in comms if c.group > 1 and c.count > 0)
+    arguments = memory.state + memory.batch + _INT_BYTES * 4 + _INT_BYTES
+    return Cost(flops, counted, memory, comms, s.tok * s.micro, s.layers, arguments)

@@ -1,0 +1,155 @@
+"""The token embedding lookup's collectives, as the partitioner of each jax version lowers it.
+
+The partitioner's choices for the lookup (a gather from a table split over ``vocab`` and/or
+``embed``) differ by layout and by jax version; they are modelled case by case from what jax 0.10-0.12
+emit (`_embedding_comms`, `_embedding_fsdp`, `_embedding_2d`), checked against the compiler on CPU
+(``tests/test_costmodel.py``).
+
+Units: bytes, executions per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from sharding import axes as ax
+from sharding.costmodel.collectives import Comm, _axes, _partitioner
+from sharding.costmodel.layout import _INT_BYTES, Layout, _Placed, _Shape
+from sharding.modeldesc import ModelDescription
+
+
+def _table_split(p: _Placed) -> tuple[int, int]:
+    return p.factor(ax.TENSOR), p.factor(ax.FSDP)
+
+
+def _embedding_comms(model: ModelDescription, layout: Layout, placed: dict[str, _Placed], s: _Shape) -> list[Comm]:
+    """The token embedding lookup (a gather from the [V, D] table, the ``embedding`` parameter), as the
+    partitioner lowers it.
+
+    By how the rules split the table (``vocab`` over ``tensor``: t, ``embed`` over ``fsdp``: f):
+
+    * not split: a local lookup; the gradient is all-reduced with the others (`_gradient_reductions`).
+    * f only: whichever moves fewer bytes of (a) the rows: tokens gathered over ``fsdp``, rows
+      gathered over ``data``, looked up locally and sent to the batch layout by an all-to-all (back
+      again in the backward pass when ``data`` = 1, where the gradient lands in the local shard;
+      with ``data`` > 1 the whole table's gradient is all-reduced), or (b) the table: gathered over
+      ``fsdp``, its whole gradient all-reduced over ``data`` x ``fsdp``.
+    * t only: vocabulary-parallel rows all-reduced over ``tensor``; the [V/t, D] gradient reduced
+      over the batch axes.
+    * t and f: the partitioner warns of "involuntary full rematerialization" and replicates pieces;
+      the collectives below are those jax 0.10-0.12 emit, with and without ``data`` and
+      microbatches.
+
+    jax 0.12's partitioner (`_partitioner`) always takes (a) for f only, reducing the [V, D/f]
+    gradient shard over ``data``, and in the t-and-f cases without ``data`` sends row gradients
+    back with a collective-permute instead of a second all-to-all.
+    """
+    mesh = layout.mesh
+    embedding = model.with_role("embedding")
+    if embedding is None:
+        return []
+    table = placed[embedding.path]
+    t, f = _table_split(table)
+    if f <= 1 and t <= 1:
+        return []
+    if t <= 1:
+        return _embedding_fsdp(table, mesh, s, f)
+    if f <= 1:
+        batch_axes, batch_n = _axes(mesh, ax.DATA, ax.FSDP)
+        v, d = table.param.shape
+        rows = s.tok * d * 4
+        return [
+            Comm("all-reduce", (ax.TENSOR,), t, rows, s.micro, "embedding: vocabulary-parallel rows", False),
+            Comm("all-reduce", batch_axes, batch_n, v / t * d * 4, s.micro, f"gradient of {embedding.path}"),
+        ]
+    return _embedding_2d(table, mesh, s, t, f)
+
+
+def _embedding_fsdp(table: _Placed, mesh: Mapping[str, int], s: _Shape, f: int) -> list[Comm]:
+    """Embedding table split over ``fsdp`` only (see `_embedding_comms`)."""
+    (v, d), m, n_d = table.param.shape, s.micro, mesh[ax.DATA]
+    grad = f"gradient of {table.param.path}"
+    rows = s.tok * d * 4  # float32: the lookup reads the float32 table
+    batch_axes, batch_n = _axes(mesh, ax.DATA, ax.FSDP)
+    whole = v * d * 4
+    if _partitioner() == "0.12":
+        comms = [
+            Comm("all-gather", (ax.FSDP,), f, s.tok * f * _INT_BYTES, m, "embedding: tokens"),
+            Comm("all-to-all", (ax.FSDP,), f, rows, 2 * m, "embedding: rows to batch layout and back"),
+        ]
+        if n_d > 1:
+            comms.append(Comm("all-reduce", (ax.DATA,), n_d, whole / f, m, grad))
+        return comms
+    if rows * (n_d + 1) >= whole and n_d > 1:
+        return [
+            Comm("all-gather", (ax.FSDP,), f, whole, 1, "embedding: table"),
+            Comm("all-reduce", batch_axes, batch_n, whole, m, grad),
+        ]
+    comms = [
+        Comm("all-gather", (ax.FSDP,), f, s.tok * f * _INT_BYTES, m, "embedding: tokens"),
+        Comm("all-to-all", (ax.FSDP,), f, rows, m if n_d > 1 else 2 * m, "embedding: rows to batch layout"),
+    ]
+    if n_d > 1:
+        comms.append(Comm("all-gather", (ax.DATA,), n_d, rows * n_d, m, "embedding: rows"))
+        comms.append(Comm("all-reduce", batch_axes, batch_n, whole, m, grad))
+    return comms
+
+
+def _embedding_2d(table: _Placed, mesh: Mapping[str, int], s: _Shape, t: int, f: int) -> list[Comm]:
+    """Embedding table split over ``tensor`` (vocab) and ``fsdp`` (embed); see `_embedding_comms`."""
+    (v, d), m = table.param.shape, s.micro
+    rows, tokens, shard = s.tok * d * 4, s.tok * _INT_BYTES, v * d / f * 4
+    batch_axes, batch_n = _axes(mesh, ax.DATA, ax.FSDP)
+    grad = f"gradient of {table.param.path}"
+    if mesh[ax.DATA] <= 1 and _partitioner() == "0.12":
+        comms = [
+            Comm("all-gather", (ax.TENSOR,), t, tokens * t, m, "embedding: tokens"),
+            Comm("collective-permute", (ax.TENSOR,), 2, tokens, m, "embedding: tokens"),
+            Comm("all-reduce", (ax.TENSOR,), t, rows, m, "embedding: vocabulary-parallel rows", False),
+            Comm("all-to-all", (ax.FSDP,), f, rows, m, "embedding: rows to batch layout"),
+        ]
+        if m == 1:
+            return comms + [
+                Comm("all-gather", (ax.FSDP,), f, tokens * f, m, "embedding: tokens"),
+                Comm("collective-permute", (ax.FSDP,), 2, rows / f, m, "embedding: row gradients"),
+                Comm("all-reduce", (ax.TENSOR,), t, rows, m, grad),
+            ]
+        return comms + [
+            Comm("all-gather", (ax.TENSOR,), t, shard, 1, "embedding: table shard"),
+            Comm("all-gather", (ax.TENSOR,), t, rows, m, "embedding: rows"),
+            Comm("all-reduce", (ax.TENSOR,), t, 2 * tokens, m, "embedding: token masks", False),
+        ]
+    if mesh[ax.DATA] <= 1 and m == 1:
+        return [
+            Comm("all-gather", (ax.TENSOR,), t, tokens * t, m, "embedding: tokens"),
+            Comm("all-gather", (ax.FSDP,), f, tokens * f, m, "embedding: tokens"),
+            Comm("collective-permute", (ax.TENSOR,), 2, tokens, m, "embedding: tokens"),
+            Comm("all-reduce", (ax.TENSOR,), t, rows, m, "embedding: vocabulary-parallel rows", False),
+            Comm("all-to-all", (ax.FSDP,), f, rows, 2 * m, "embedding: rows to batch layout"),
+            Comm("all-reduce", (ax.TENSOR,), t, shard, m, grad),
+        ]
+    if mesh[ax.DATA] <= 1:
+        return [
+            Comm("all-gather", (ax.TENSOR,), t, shard, 1, "embedding: table shard"),
+            Comm("all-gather", (ax.TENSOR,), t, rows, m, "embedding: rows"),
+            Comm("all-gather", (ax.TENSOR,), t, tokens * t, m, "embedding: tokens"),
+            Comm("collective-permute", (ax.TENSOR,), 2, tokens, m, "embedding: tokens"),
+            Comm("all-reduce", (ax.TENSOR,), t, 2 * tokens, m, "embedding: token masks", False),
+            Comm("all-reduce", (ax.TENSOR,), t, rows, m, "embedding: vocabulary-parallel rows", False),
+            Comm("all-to-all", (ax.FSDP,), f, rows, 2 * m, "embedding: rows to batch layout"),
+        ]
+    if m == 1:
+        return [
+            Comm("all-gather", batch_axes, batch_n, rows, 2, "embedding: rows"),
+            Comm("collective-permute", (ax.FSDP,), 2, rows / f, 2, "embedding: rows"),
+            Comm("all-reduce", (ax.TENSOR,), t, tokens, 1, "cross-entropy: target logits", False),
+            Comm("all-reduce", batch_axes, batch_n, shard, 1, grad),
+        ]
+    return [
+        Comm("all-gather", (ax.TENSOR,), t, shard, 1, "embedding: table shard"),
+        Comm("all-gather", batch_axes, batch_n, s.tok * batch_n * d / f * 4, m, "embedding: rows"),
+        Comm("all-gather", batch_axes, batch_n, rows * batch_n, 2 * m, "embedding: rows"),
+        Comm("collective-permute", (ax.TENSOR,), 2, tokens, m, "embedding: tokens"),
+        Comm("all-reduce", (ax.TENSOR,), t, 2 * tokens, m, "embedding: token masks", False),
+        Comm("all-reduce", batch_axes, batch_n, shard, m, grad),
+    ]

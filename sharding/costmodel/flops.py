@@ -1,0 +1,135 @@
+"""FLOPs of one device for one step (`Flops`).
+
+The matrix products of the forward pass, ``2 * m * n * k`` per product, and of the backward pass
+(twice the forward: the input and the weight gradient), as in Chowdhery et al., PaLM (2022),
+Appendix B (``6 N`` per token plus ``12 L N H T`` for attention) and Narayanan et al., "Efficient
+large-scale language model training on GPU clusters using Megatron-LM" (SC'21), section 5.1 (``+2 N``
+per token with full recomputation). The attention products are counted over the whole ``T x S`` score
+matrix for the reference (einsum + mask) implementation, and over half of it for FlashAttention, which
+skips masked tiles (Dao, FlashAttention-2, 2023, section 3.1), whose backward recomputes the scores (5
+products instead of 4). Besides the products: the elementwise work as XLA counts it (1 FLOP per element
+per arithmetic op; the description's terms, times `ELEMENTWISE_BACKWARD_FACTOR` for the backward pass)
+and the optimizer update (`OPTIMIZER_FLOPS_PER_PARAM`).
+
+Checked on CPU (``tests/test_costmodel.py``): `Cost.counted_flops` against
+``compiled.cost_analysis()["flops"]``, which counts the body of each ``while`` loop once, and
+`Cost.matmul_flops` against the compiled HLO's products with loop trip counts folded in
+(`sharding.hlo.dot_flops`).
+
+Units: FLOPs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from sharding import axes as ax
+from sharding.costmodel.layout import _WHOLE_SCORES, Layout, _axis_split, _per_token, _Placed, _Shape
+from sharding.costmodel.memory import _held_params
+from sharding.modeldesc import ModelDescription, Product
+from sharding.rules import Rules
+
+
+#: XLA-counted FLOPs per parameter of the update (HloCostAnalysis: 1 FLOP per element per
+#: arithmetic op; square roots are counted as transcendentals, not FLOPs). The step divides the
+#: gradient by the token count (1), takes the gradient norm for the metrics and for clipping
+#: (2 + 2: square, sum), clips (3: divide, multiply, select), updates AdamW's moments (3 + 4),
+#: corrects their bias (2), forms the update (3: add eps twice, divide), adds decoupled weight decay
+#: (2), scales by the learning rate (1), applies it (1) and keeps the old values when the step is
+#: not finite (3 selects: parameter and two moments), about 30; compiling the step of a 1-layer
+#: ``test`` model on ``data=8`` with 8, 16 and 32 tokens per device and subtracting the
+#: per-token part gives 34.9 (bench/costmodel.py prints it). We use 35.
+OPTIMIZER_FLOPS_PER_PARAM = 35.0
+
+#: The backward pass does about twice the forward's elementwise work (the model's elementwise terms,
+#: `sharding.modeldesc.ModelDescription.layer_elementwise`, are of the forward pass).
+ELEMENTWISE_BACKWARD_FACTOR = 2.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Flops:
+    """FLOPs of one device per step, by part.
+
+    Attributes:
+      layers: Matrix products of the transformer blocks' weights (forward and backward).
+      attention: Score and value products (forward and backward).
+      logits: Output projection (forward and backward).
+      recompute: Forward products redone in the backward pass under remat (and always with
+        pipeline stages, whose backward pass recomputes each layer).
+      elementwise: Norms, activations, softmax, rotary, loss (as XLA counts them).
+      optimizer: The update of this device's parameter shard.
+    """
+
+    layers: float
+    attention: float
+    logits: float
+    recompute: float
+    elementwise: float
+    optimizer: float
+
+    @property
+    def matmul(self) -> float:
+        return self.layers + self.attention + self.logits + self.recompute
+
+    @property
+    def total(self) -> float:
+        return self.matmul + self.elementwise + self.optimizer
+
+
+def _per_token_flops(model: ModelDescription, layout: Layout, rules: Rules, placed: dict[str, _Placed], s: _Shape,
+                     recomputes: int = 0) -> dict[str, float]:
+    """FLOPs per token, forward and backward: of one layer (``layers``: weight products, ``attention``,
+    ``recompute``, ``elem_layer``) and of what runs once (``logits``, ``elem_loss``). ``recomputes``:
+    extra forward passes of each layer in the backward pass beyond the remat policy's (the
+    pipeline's backward pass recomputes every layer: 1)."""
+    mesh = layout.mesh
+    compute_axes = tuple(a for a in mesh if a not in ax.BATCH_MESH_AXES)  # gathered axes do not split work
+
+    def forward(product: Product) -> float:
+        return 2.0 * product.weight.size / placed[product.weight.path].factor(*compute_axes)
+
+    layer_fwd = sum(forward(p) for p in model.products)
+    # Full remat recomputes the block's forward except the products whose output no gradient
+    # needs (XLA drops them as dead code); "dots" saves the weight products and recomputes the
+    # attention products (they have batch dimensions).
+    kept_fwd = layer_fwd - sum(forward(p) for p in model.products if not p.recomputed)
+    geometry = model.attention
+    heads = _axis_split(model, geometry.heads_axis, rules, mesh)
+    whole = layout.attention in _WHOLE_SCORES
+    attn_fwd = geometry.forward_flops(s.seq if whole else s.seq / 2) / heads
+    attn_total = attn_fwd * (3.0 if whole else 3.5)  # flash bwd: 5 products
+    logits = model.logits
+    logits_fwd = 2.0 * logits.in_size * logits.out_size / math.prod(
+        _axis_split(model, a, rules, mesh) for a in logits.out_axes)
+    recompute = {"none": 0.0, "full": kept_fwd + attn_fwd, "dots": attn_fwd}[layout.remat]
+    recompute += recomputes * (kept_fwd + attn_fwd)
+    passes = 1.0 + ELEMENTWISE_BACKWARD_FACTOR + (1.0 if layout.remat != "none" else 0.0)
+    return {
+        "layers": 3.0 * layer_fwd,
+        "attention": attn_total,
+        "recompute": recompute,
+        "elem_layer": passes * _per_token(model, "layer_elementwise", rules, mesh, s.seq if whole else 0.0),
+        "logits": 3.0 * logits_fwd,
+        "elem_loss": (1.0 + ELEMENTWISE_BACKWARD_FACTOR) * _per_token(model, "loss_elementwise", rules, mesh, 0.0),
+    }
+
+
+def _flops(model: ModelDescription, layout: Layout, rules: Rules, placed: dict[str, _Placed],
+           s: _Shape) -> tuple[Flops, float]:
+    """Per-step FLOPs and the loop-bodies-once count of ``cost_analysis`` (no pipeline)."""
+    unit = _per_token_flops(model, layout, rules, placed, s)
+    per_token_layer = unit["layers"] + unit["attention"] + unit["recompute"] + unit["elem_layer"]
+    per_token_outside = unit["logits"] + unit["elem_loss"]
+    optimizer = OPTIMIZER_FLOPS_PER_PARAM * _held_params(model, layout, rules, placed, s)
+    tokens = s.tok * s.micro
+    flops = Flops(
+        layers=tokens * s.layers * unit["layers"],
+        attention=tokens * s.layers * unit["attention"],
+        logits=tokens * unit["logits"],
+        recompute=tokens * s.layers * unit["recompute"],
+        elementwise=tokens * (s.layers * unit["elem_layer"] + unit["elem_loss"]),
+        optimizer=optimizer,
+    )
+    counted = s.tok * (per_token_layer + per_token_outside) + optimizer
+    return flops, counted

@@ -1,0 +1,305 @@
+"""The layout of one step as the cost model reads it, and where it puts the model's parameters.
+
+`Layout` (mesh sizes over ``data, stage, fsdp, sequence, tensor``, a rules preset, microbatches,
+remat, stage split, attention, dtype, the uneven and pipeline switches) and `layout_of`, which derives
+it from a run's `sharding.parallel.Parallelism`; `describe_model`; how a
+layout's rules split each parameter (`_Placed`, `_place_cached`) and each logical axis
+(`_axis_split`, `_tensor_split`); the per-token terms of the model's description on one device
+(`_per_token`); the per-device sizes of one step (`_Shape`); the byte sizes every part shares.
+
+Units: elements, bytes. Imports nothing of the project outside `sharding`, never the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from sharding import axes as ax
+from sharding.modeldesc import ModelDescription, Param
+from sharding.parallel import Parallelism, UnevenBatch
+from sharding.rules import Rules, get_rules, logical_to_spec
+from sharding.vocab import OUTPUT_IMPLS
+
+
+_PARAM_BYTES = 4  # parameters, gradients and AdamW moments are float32
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+_INT_BYTES = 4  # int32 tokens, positions, segment ids
+_BATCH_FIELDS = 5  # tokens, targets, positions, segment_ids (int32), loss_mask (float32)
+_WHOLE_SCORES = ("reference", "dot_product")  # attentions that materialise the [T, S] scores (XLA's dot_product too)
+
+#: Attentions the cost model prices (`models.config.ATTENTION_IMPLS`): ``reference`` and ``dot_product``
+#: materialise the whole ``[T, S]`` scores, ``flash`` skips the masked tiles; ``ring`` and ``ulysses`` run
+#: the flash kernel and are priced as it where the length is whole on every device (``sequence`` = 1:
+#: they are then plain flash attention, `models.attention`). Their own traffic over ``sequence`` is not
+#: modelled (`unpriced_attention`).
+ATTENTIONS = ("reference", "flash", "dot_product", "ring", "ulysses")
+_CONTEXT_PARALLEL = ("ring", "ulysses")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How one step is laid out over the devices.
+
+    Attributes:
+      mesh: Mesh axis -> size over ``data, stage, fsdp, sequence, tensor`` (missing axes are 1).
+      rules: Rules preset name (``dp``, ``fsdp``, ``tp``, ``fsdp_tp``) or a `Rules` table.
+      microbatches: M, gradient-accumulation steps per global batch (pipeline microbatches when
+        ``stage > 1``).
+      remat: ``none``, ``dots`` or ``full`` (`models.config.REMAT_POLICIES`).
+      stage_layers: Layers per pipeline stage, one per ``stage`` index, summing to the model's
+        layers; None splits evenly (`sharding.pipeline.layout.plan_layout`).
+      pipeline_repeats: R, stage chunks per device (circular schedule); 1 is GPipe.
+      attention: ``reference`` or ``dot_product`` (full score matrix; ``jax.nn.dot_product_attention``'s
+        XLA implementation is modelled as reference) or ``flash`` (masked tiles skipped); ``ring`` and
+        ``ulysses`` as ``flash``, without a ``sequence`` axis only (`ATTENTIONS`).
+      dtype: Compute dtype of activations, ``float32`` or ``bfloat16``.
+      uneven_batch: The uneven data-parallel step (`train.strategies.UnevenGradients`): each
+        data-parallel group loops over its own microbatches with the parameters gathered over the
+        batch axes once before the loop (still split over ``tensor``), and the gradients are reduced
+        once after it (``data``/``fsdp``/``tensor`` meshes; tensor collectives run per microbatch).
+      logits: How the output projection and loss are laid out (`sharding.vocab`): ``gathered``,
+        ``vocab_parallel`` or ``auto`` (what `sharding.vocab.choose_output` picks). Modelled for
+        untied embeddings.
+      skip_empty: Pipeline only: empty slots and bubble steps are skipped by conditionals
+        (`sharding.pipeline.PipelinePlan.skip_empty`); False prices every slot of every step, which
+        is also what a compiled program's loop trip counts say (a branch counted on every trip).
+      one_f_one_b: Pipeline only: the 1F1B schedule (``--pipeline-schedule 1f1b``,
+        `sharding.pipeline.onef1b`; interleaved with ``pipeline_repeats`` > 1) instead of GPipe/circular.
+
+    Raises:
+      ValueError: On an unknown axis, a size below 1, an unknown remat/attention/dtype, or an attention
+        the cost model cannot price on this mesh (`unpriced_attention`), naming it.
+    """
+
+    mesh: Mapping[str, int]
+    rules: str | Rules = "fsdp_tp"
+    microbatches: int = 1
+    remat: str = "none"
+    stage_layers: tuple[int, ...] | None = None
+    pipeline_repeats: int = 1
+    attention: str = "reference"
+    dtype: str = "float32"
+    uneven_batch: bool = False
+    logits: str = "auto"
+    skip_empty: bool = True
+    one_f_one_b: bool = False
+
+    def __post_init__(self) -> None:
+        full = {a: 1 for a in ax.MESH_AXES}
+        for name, size in dict(self.mesh).items():
+            if name not in full:
+                raise ValueError(f"mesh axis {name!r} unknown; known: {', '.join(ax.MESH_AXES)}")
+            if int(size) < 1:
+                raise ValueError(f"mesh axis {name}={size}: sizes must be >= 1")
+            full[name] = int(size)
+        object.__setattr__(self, "mesh", full)
+        if self.stage_layers is not None:
+            object.__setattr__(self, "stage_layers", tuple(int(n) for n in self.stage_layers))
+        for field, allowed in (("remat", ("none", "dots", "full")), ("attention", ATTENTIONS),
+                               ("dtype", tuple(_DTYPE_BYTES)), ("logits", OUTPUT_IMPLS)):
+            if getattr(self, field) not in allowed:
+                raise ValueError(f"--{field} {getattr(self, field)!r}: choose one of {', '.join(allowed)}")
+        if self.microbatches < 1 or self.pipeline_repeats < 1:
+            raise ValueError(f"microbatches and pipeline_repeats must be >= 1, got {self.microbatches} and "
+                             f"{self.pipeline_repeats}")
+        reason = unpriced_attention(self.attention, full)
+        if reason:
+            raise ValueError(reason)
+
+    @property
+    def num_devices(self) -> int:
+        return math.prod(self.mesh.values())
+
+    @property
+    def batch_split(self) -> int:
+        """Devices the batch is split over (``data`` x ``fsdp``)."""
+        return self.mesh[ax.DATA] * self.mesh[ax.FSDP]
+
+    def rules_table(self) -> Rules:
+        return self.rules if isinstance(self.rules, Rules) else _preset(self.rules)
+
+    @property
+    def rules_name(self) -> str:
+        return self.rules.name if isinstance(self.rules, Rules) else self.rules
+
+
+@functools.lru_cache(maxsize=None)
+def _preset(name: str) -> Rules:
+    return get_rules(name)
+
+
+def unpriced_attention(attention: str, mesh: Mapping[str, int]) -> str | None:
+    """Why the cost model cannot price ``attention`` on ``mesh``, or None when it can.
+
+    ``ring`` and ``ulysses`` over a ``sequence`` axis > 1 move keys and values in their own way
+    (a ring of ppermutes, all-to-alls of heads) that the model does not count; without one they are
+    plain flash attention and priced as ``flash``.
+
+    Args:
+      attention: An attention implementation (`ATTENTIONS`).
+      mesh: Mesh axis -> size (missing axes are 1).
+    """
+    sequence = mesh.get(ax.SEQUENCE, 1)
+    if attention in _CONTEXT_PARALLEL and sequence > 1:
+        return (f"attention {attention!r} over sequence={sequence}: the cost model does not model its "
+                f"context-parallel traffic; it prices {attention} with the length whole on every device (sequence=1)")
+    return None
+
+
+def layout_of(par: Parallelism, config: Any = None, **fields: Any) -> Layout:
+    """The `Layout` the cost model prices for a run's `sharding.parallel.Parallelism`: the one way from a
+    run's layout to the cost model's (the planner's plans, the benches and ``--dry-run`` use it).
+
+    The mesh and rules are the run's; the strategy gives the rest: `Accumulation` its microbatches,
+    `UnevenBatch` the uneven step (``uneven_batch``, microbatches the per-device average), a
+    `sharding.pipeline.PipelinePlan` its stage split, repeats, microbatches, schedule (``one_f_one_b``)
+    and ``skip_empty``.
+
+    Args:
+      par: The run's parallelism (bound to a mesh or not).
+      config: Optional: an object with the model's execution settings as attributes ``remat``,
+        ``attention``, ``dtype`` and ``logits`` (`models.config.ModelConfig`); each one present is used.
+      **fields: `Layout` fields that override the above (e.g. ``remat="full"``).
+
+    Returns:
+      The `Layout`.
+
+    Raises:
+      ValueError: As `Layout` (an attention the cost model cannot price on this mesh, naming it).
+    """
+    values = {f: getattr(config, f) for f in ("remat", "attention", "dtype", "logits") if hasattr(config, f)}
+    plan = par.pipeline
+    if plan is not None:
+        values.update(microbatches=plan.microbatches, stage_layers=plan.layout.stage_layers,
+                      pipeline_repeats=plan.layout.repeats, skip_empty=plan.skip_empty, one_f_one_b=plan.one_f_one_b)
+    else:
+        values.update(microbatches=par.microbatches, uneven_batch=isinstance(par.strategy, UnevenBatch))
+    values.update(fields)
+    return Layout(dict(par.mesh_shape), par.rules, **values)
+
+
+def describe_model(model: Any) -> ModelDescription:
+    """``model`` as a `ModelDescription`: itself, or what its ``describe()`` returns
+    (`models.config.ModelConfig.describe`).
+
+    Raises:
+      TypeError: When it is neither.
+    """
+    if isinstance(model, ModelDescription):
+        return model
+    describe = getattr(model, "describe", None)
+    if describe is None:
+        raise TypeError(f"expected a ModelDescription or an object with describe(), got {type(model).__name__}")
+    return describe()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Placed:
+    """A parameter with its split under a mesh and rules.
+
+    Attributes:
+      param: The parameter (`sharding.modeldesc.Param`).
+      split: Mesh axis -> size, for the axes that split it.
+      local: Elements per device (one layer's slice for per-layer parameters).
+    """
+
+    param: Param
+    split: dict[str, int]
+    local: float
+
+    def factor(self, *axes: str) -> int:
+        out = 1
+        for a in axes:
+            out *= self.split.get(a, 1)
+        return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _place_cached(model: ModelDescription, rules: Rules, mesh_items: tuple) -> dict[str, _Placed]:
+    """Path -> the placed parameter (shared between calls: do not modify)."""
+    return {p.param.path: p for p in _place(model.params, rules, dict(mesh_items))}
+
+
+def _place(params: Sequence[Param], rules: Rules, mesh: Mapping[str, int]) -> list[_Placed]:
+    placed = []
+    for p in params:
+        pspec, _ = logical_to_spec(p.axes, rules, p.shape, mesh)
+        split: dict[str, int] = {}
+        for entry in pspec:
+            for axis in (entry,) if isinstance(entry, str) else (entry or ()):
+                split[axis] = mesh[axis]
+        placed.append(_Placed(p, split, p.size / math.prod(split.values())))
+    return placed
+
+
+def _split_of(logical: str, size: int, rules: Rules, mesh: Mapping[str, int]) -> int:
+    """How many ways the rules split a dimension of ``size`` named ``logical``."""
+    return math.prod(mesh[a] for a in _split_axes(logical, size, rules, tuple(mesh.items())))
+
+
+@functools.lru_cache(maxsize=65536)
+def _split_axes(logical: str, size: int, rules: Rules, mesh_items: tuple) -> tuple[str, ...]:
+    """The mesh axes that split a dimension of ``size`` named ``logical``."""
+    pspec, _ = logical_to_spec((logical,), rules, (size,), dict(mesh_items))
+    entry = pspec[0] if len(pspec) else None
+    return (entry,) if isinstance(entry, str) else tuple(entry or ())
+
+
+@functools.lru_cache(maxsize=4096)
+def _model_splits(model: ModelDescription, rules: Rules, mesh_items: tuple) -> dict[str, tuple[str, ...]]:
+    """Each of the model's logical axes -> the mesh axes that split it (shared: do not modify)."""
+    return {a: _split_axes(a, size, rules, mesh_items) for a, size in model.axis_sizes.items()}
+
+
+def _axis_split(model: ModelDescription, logical: str | None, rules: Rules, mesh: Mapping[str, int]) -> int:
+    """How many ways the rules split the model's logical axis ``logical`` (1 for None)."""
+    if logical is None:
+        return 1
+    return math.prod(mesh[a] for a in _model_splits(model, rules, tuple(mesh.items()))[logical])
+
+
+def _tensor_split(model: ModelDescription, axes: Sequence[str], rules: Rules, mesh: Mapping[str, int]) -> bool:
+    """Whether any of the model's logical ``axes`` is split over ``tensor``."""
+    splits = _model_splits(model, rules, tuple(mesh.items()))
+    return mesh[ax.TENSOR] > 1 and any(ax.TENSOR in splits[a] for a in axes)
+
+
+def _per_token(model: ModelDescription, terms: str, rules: Rules, mesh: Mapping[str, int], keys: float,
+               act_bytes: int | None = None, kept: tuple[str, ...] | None = None) -> float:
+    """The sum of the description's ``terms`` (``layer_elementwise``, ``loss_elementwise`` or
+    ``activations``) per token on one device: each divided by its axis's split, score terms times
+    ``keys`` (0: the scores are not materialised); with ``act_bytes``, in bytes (the term's own bytes
+    per element, else ``act_bytes``); with ``kept``, only terms that carry one of those tags."""
+    return _per_token_cached(model, terms, rules, tuple(mesh.items()), keys, act_bytes, kept)
+
+
+@functools.lru_cache(maxsize=65536)
+def _per_token_cached(model: ModelDescription, terms: str, rules: Rules, mesh_items: tuple, keys: float,
+                      act_bytes: int | None, kept: tuple[str, ...] | None) -> float:
+    mesh = dict(mesh_items)
+    total = 0.0
+    for t in getattr(model, terms):
+        if kept is not None and not set(t.kept) & set(kept):
+            continue
+        amount = t.amount * (keys if t.per_key else 1.0) / _axis_split(model, t.axis, rules, mesh)
+        if act_bytes is not None:
+            amount *= t.bytes or act_bytes
+        total += amount
+    return total
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shape:
+    """Per-device sizes of one step."""
+
+    rows: float  # sequences per microbatch on this device
+    seq: int  # T, the whole sequence length
+    tok: float  # tokens per microbatch on this device (rows * T / sequence)
+    micro: int  # microbatches this device runs
+    layers: int  # layers computed per microbatch
+    slots: int  # layer slots held without a pipeline (with one: `_held_params`)
+    act_bytes: int

@@ -1,0 +1,140 @@
+"""Bytes on one device for one step (`Memory`): parameters (float32), gradients (float32), AdamW's two
+float32 moments, the batch, the activations saved for the backward pass under the remat policy, the
+logits, and the gathered weights of one layer (FSDP).
+
+Checked against ``compiled.memory_analysis().argument_size_in_bytes`` for the state and batch
+(``tests/test_costmodel.py``). With a pipeline, the stored rows follow `sharding.pipeline.storage`
+(`_held_params`); the in-flight terms are `sharding.costmodel.pipeline`'s.
+
+Units: bytes (elements for `_held_params`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+from sharding import axes as ax
+from sharding.costmodel.layout import (
+    _BATCH_FIELDS,
+    _INT_BYTES,
+    _PARAM_BYTES,
+    _WHOLE_SCORES,
+    Layout,
+    _axis_split,
+    _per_token,
+    _place_cached,
+    _Placed,
+    _Shape,
+)
+from sharding.modeldesc import ModelDescription
+from sharding.pipeline.storage import spread_over_stage, storage_axes
+from sharding.rules import Rules, logical_to_spec
+
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+    """Bytes on one device.
+
+    Attributes:
+      parameters: float32 parameters (with a pipeline, the unpadded storage's rows: `_held_params`).
+      gradients: float32 gradients (the accumulator when microbatching).
+      optimizer: AdamW's two float32 moments.
+      activations: Saved for the backward pass under the remat policy (one microbatch's); with
+        pipeline stages, the saved slot inputs (GPipe/circular: every slot of every step; 1F1B: its
+        ring of at most about S microbatches' chunk inputs) and one layer's activations (the backward
+        pass recomputes each layer).
+      logits: float32 logits and their gradient for one microbatch (with pipeline stages: one run of
+        the head's rows).
+      gathered: FSDP-gathered weights of one layer in flight (two buffers); with pipeline stages,
+        the stage's working copy gathered once per step, in the compute dtype, alive through the step.
+      batch: The step's input batch on this device.
+    """
+
+    parameters: float
+    gradients: float
+    optimizer: float
+    activations: float
+    logits: float
+    gathered: float
+    batch: float
+
+    @property
+    def state(self) -> float:
+        """Parameters plus optimizer state (the donated train state)."""
+        return self.parameters + self.optimizer
+
+    @property
+    def total(self) -> float:
+        return (self.parameters + self.gradients + self.optimizer + self.activations + self.logits
+                + self.gathered + self.batch)
+
+
+def _held_params(model: ModelDescription, layout: Layout, rules: Rules, placed: dict[str, _Placed], s: _Shape) -> float:
+    """Parameter elements one device holds between steps (its optimizer state is twice as many).
+
+    Without a pipeline: each parameter's shard, the per-layer ones times ``slots``. With one (``stage``
+    > 1), the unpadded storage (`sharding.pipeline.storage`): every device holds ``ceil(L / (S*G))``
+    whole-layer rows, ``G`` the devices of the batch axes the rules split layer parameters over (a row is
+    split over the other axes only), whatever its stage's layer count; the other parameters are also
+    split over ``stage`` where a dimension allows (`spread_over_stage`).
+    """
+    mesh = layout.mesh
+    if mesh[ax.STAGE] <= 1:
+        return sum(p.local * (s.slots if p.param.per_layer else 1) for p in placed.values())
+    return _held_pipeline_params(model, rules, tuple(mesh.items()))
+
+
+@functools.lru_cache(maxsize=4096)
+def _held_pipeline_params(model: ModelDescription, rules: Rules, mesh_items: tuple) -> float:
+    """`_held_params` with a pipeline (cached: the same for every stage device of a mesh)."""
+    mesh = dict(mesh_items)
+    placed = _place_cached(model, rules, mesh_items)
+    layer = [p for p in placed.values() if p.param.per_layer]
+    axes = storage_axes([(None, *p.param.axes) for p in layer], rules, mesh)
+    rows = -(-model.num_layers // (mesh[ax.STAGE] * math.prod(mesh[a] for a in axes)))
+    held = rows * sum(p.local * p.factor(*axes) for p in layer)
+    for p in placed.values():
+        if not p.param.per_layer:
+            spec = spread_over_stage(logical_to_spec(p.param.axes, rules, p.param.shape, mesh)[0], p.param.shape, mesh)
+            held += p.param.size / math.prod(mesh[a] for e in spec for a in ((e,) if isinstance(e, str) else e or ()))
+    return held
+
+
+def _memory(model: ModelDescription, layout: Layout, rules: Rules, placed: dict[str, _Placed], s: _Shape) -> Memory:
+    params = _held_params(model, layout, rules, placed, s) * _PARAM_BYTES
+    mesh = layout.mesh
+    keys = s.seq if layout.attention in _WHOLE_SCORES else 0.0
+
+    def saved_bytes(kept=None) -> float:  # per token of one layer
+        return _per_token(model, "activations", rules, mesh, keys, s.act_bytes, kept)
+
+    per_layer = saved_bytes()
+    if layout.remat == "full":
+        saved = s.tok * (s.layers * saved_bytes(("input",)) + per_layer)
+    elif layout.remat == "dots":
+        saved = s.tok * s.layers * saved_bytes(("input", "dot")) + s.tok * per_layer
+    else:
+        saved = s.tok * s.layers * per_layer
+    out = model.logits
+    logits = 2 * s.tok * out.out_size / math.prod(_axis_split(model, a, rules, mesh) for a in out.out_axes) * 4
+    gathered = 0.0
+    if mesh[ax.FSDP] > 1:
+        gathered = 2 * sum(p.local * p.factor(ax.FSDP) for p in placed.values() if p.param.per_layer) * _PARAM_BYTES
+    batch = _BATCH_FIELDS * s.rows * s.micro * s.seq / mesh[ax.SEQUENCE] * _INT_BYTES
+    grads = params
+    if layout.uneven_batch:  # whole parameters and a whole gradient accumulator during the loop
+        whole = sum(p.param.size / p.factor(ax.TENSOR) * (s.slots if p.param.per_layer else 1)
+                    for p in placed.values()) * _PARAM_BYTES  # whole over the batch axes, still split over tensor
+        gathered = whole if mesh[ax.FSDP] > 1 else 0.0
+        grads = whole
+    return Memory(
+        parameters=params,
+        gradients=grads,
+        optimizer=2 * params,
+        activations=saved,
+        logits=logits,
+        gathered=gathered,
+        batch=batch,
+    )

@@ -1,0 +1,276 @@
+"""The collectives of a step without pipeline stages, as XLA's SPMD partitioner emits them.
+
+Every collective the compiled step runs (`Comm`: kind, mesh axes, bytes of its per-device result,
+the figure `sharding.hlo` reads from compiled HLO, and executions per step): FSDP's weight gathers
+and gradient reductions, Megatron-style tensor parallelism, the vocabulary-parallel loss, the
+uneven data-parallel step's explicit collectives, context parallelism over ``sequence``, and the
+embedding lookup (`sharding.costmodel.embedding`).
+
+What the compiler emits depends on the backend: XLA's CPU backend lowers a reduce-scatter to an
+all-reduce of the whole array followed by a slice, so the FSDP gradient shows up on CPU as an
+all-reduce of the whole (unsharded) gradient; GPU backends keep the reduce-scatter. Pass
+``backend="cpu"`` to predict what a CPU compile shows (the tests check this against the compiler,
+`sharding.hlo.collectives`), ``backend="gpu"`` (the default) for planning.
+
+Units: bytes, executions per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from sharding import axes as ax
+from sharding.costmodel.collectives import Comm, _axes, _partitioner
+from sharding.costmodel.embedding import _embedding_comms, _table_split
+from sharding.costmodel.layout import (
+    _BATCH_FIELDS,
+    _INT_BYTES,
+    _PARAM_BYTES,
+    Layout,
+    _axis_split,
+    _place_cached,
+    _Placed,
+    _Shape,
+    _tensor_split,
+)
+from sharding.modeldesc import ModelDescription
+from sharding.rules import Rules
+from sharding.vocab import VocabSplit, choose_output
+
+
+def _comms(model: ModelDescription, layout: Layout, rules: Rules, placed: dict[str, _Placed], s: _Shape, backend: str,
+           batch_rows: float | None = None, embedding: bool = True) -> list[Comm]:
+    if layout.uneven_batch:
+        return _uneven_comms(model, layout, rules, placed, s, batch_rows)
+    comms: list[Comm] = []
+    split = _output_split(model, layout, rules, s)
+    comms += _weight_gathers(layout, placed, s, split)
+    comms += _gradient_reductions(layout, placed, s, backend, split)
+    comms += _tensor_comms(model, layout, rules, s, split)
+    comms += _vocab_parallel_comms(model, layout, placed, s, split)
+    if embedding:
+        comms += _embedding_comms(model, layout, placed, s)
+    comms += _sequence_comms(model, layout, rules, s, backend)
+    return comms
+
+
+def _uneven_comms(model: ModelDescription, layout: Layout, rules: Rules, placed: dict[str, _Placed], s: _Shape,
+                  batch_rows: float | None) -> list[Comm]:
+    """The uneven data-parallel step (`train.strategies.UnevenGradients`), whose batch-axis collectives
+    are explicit (`jax.shard_map` manual over ``data`` and ``fsdp``), so both backends emit them as
+    written: the global batch gathered for the re-layout into per-group buffers (five [B, T]
+    int32/float32 fields), each parameter gathered over the batch axes that split it once before the
+    microbatch loop, and each gradient reduced once after it: a reduce-scatter to the shard, then an
+    all-reduce of the shard over the other batch axes. With ``tensor`` (automatic inside the map), each
+    of the group's microbatches adds the tensor-parallel collectives of the layers and the loss, as in
+    the uniform step on the mesh without its batch axes (`_tensor_comms`, `_vocab_parallel_comms`,
+    `_embedding_comms`)."""
+    mesh = layout.mesh
+    if mesh[ax.TENSOR] > 1:
+        inner = dataclasses.replace(layout, mesh={**mesh, ax.DATA: 1, ax.FSDP: 1}, uneven_batch=False)
+        inner_placed = _place_cached(model, rules, tuple(inner.mesh.items()))
+        split = _output_split(model, inner, rules, s)
+        in_loop = (_tensor_comms(model, inner, rules, s, split)
+                   + _vocab_parallel_comms(model, inner, inner_placed, s, split)
+                   + _embedding_comms(model, inner, inner_placed, s))
+    else:
+        in_loop = []
+    batch_axes, batch_n = _axes(mesh, ax.DATA, ax.FSDP)
+    comms = []
+    if batch_rows:
+        field = batch_rows * s.seq * _INT_BYTES
+        comms.append(Comm("all-gather", batch_axes, batch_n, field, _BATCH_FIELDS, "batch re-layout"))
+    for p in placed.values():
+        layers = s.slots if p.param.per_layer else 1
+        split_axes = tuple(a for a in batch_axes if p.factor(a) > 1)
+        n = p.factor(*split_axes)
+        local, what = p.local * _PARAM_BYTES, p.param.path
+        if n > 1:
+            comms.append(Comm("all-gather", split_axes, n, local * n, layers, f"gather {what}"))
+            comms.append(Comm("reduce-scatter", split_axes, n, local, layers, f"gradient of {what}"))
+        rest = tuple(a for a in batch_axes if a not in split_axes)
+        if rest:
+            comms.append(Comm("all-reduce", rest, math.prod(mesh[a] for a in rest), local, layers, f"gradient of {what}"))
+    return comms + in_loop
+
+
+def _output_split(model: ModelDescription, layout: Layout, rules: Rules, s: _Shape) -> VocabSplit | None:
+    """The vocabulary-parallel split of the loss (`sharding.vocab.choose_output`), or None (gathered,
+    and always for an output projection that is the embedding table: tied)."""
+    logits = model.logits
+    if logits.weight.role != "output":
+        return None
+    rows = s.rows * layout.batch_split
+    if rows != int(rows):
+        return None
+    return choose_output(layout.logits, rules, layout.mesh, logits.out_size, logits.in_size, int(rows), s.tok)
+
+
+def _vocab_parallel_comms(model: ModelDescription, layout: Layout, placed: dict[str, _Placed], s: _Shape,
+                          split: VocabSplit | None) -> list[Comm]:
+    """The vocabulary-parallel loss (`models.output`), per microbatch, its collectives explicit.
+
+    Over the group (f, the axes splitting the output weight's ``embed``): the weight shard traded
+    for a vocabulary slice and its gradient traded back (two all-to-alls of the local shard
+    ``[D/f, V/t]``), the group's activations gathered in float32 (``[f x tokens, D]``) with their
+    targets, the activations' gradient reduce-scattered back (a reduce-scatter on both backends: it
+    is written as one). Over the slices (group and ``tensor``): the softmax max, sum, target logit
+    and the loss gradient of each group token (``[f x tokens]`` float32 each). Over ``tensor``: the
+    local rows' input gradient. Over the token axes the weight is whole along (``data``): its
+    gradient, the local shard.
+    """
+    if split is None:
+        return []
+    mesh, m, d = layout.mesh, s.micro, model.logits.in_size
+    weight = placed[model.logits.weight.path]
+    f, group = split.group, split.group_axes
+    slices = split.vocab_axes + group
+    shard = weight.local * _PARAM_BYTES
+    comms = [
+        Comm("all-to-all", group, f, shard, 1 + m, "output weight: shard to vocabulary slice (once: the "
+             "partitioner hoists it out of the microbatch loop) and its gradient back"),
+        Comm("all-gather", group, f, s.tok * f * d * 4, m, "loss: the group's activations", False),
+        Comm("all-gather", group, f, s.tok * f * _INT_BYTES, m, "loss: the group's targets", False),
+        Comm("reduce-scatter", group, f, s.tok * d * 4, m, "loss: activations' gradient", False),
+        Comm("all-reduce", slices, split.shards, s.tok * f * 4, 4 * m, "loss: softmax max, sum, target, gradient",
+             False),
+    ]
+    t = split.shards // f
+    if t > 1:
+        comms.append(Comm("all-reduce", split.vocab_axes, t, s.tok * d * 4, m, "loss: input gradient over tensor",
+                          False))
+    rest, n = _axes(mesh, *(a for a in (ax.DATA, ax.SEQUENCE) if a not in slices))
+    if n > 1:
+        comms.append(Comm("all-reduce", rest, n, shard, m, f"gradient of {weight.param.path}"))
+    return comms
+
+
+def _weight_gathers(layout: Layout, placed: dict[str, _Placed], s: _Shape, split: VocabSplit | None = None) -> list[Comm]:
+    """FSDP: each weight split over ``fsdp`` is gathered before use, again in the backward pass.
+
+    Per-layer weights are gathered inside the layer loop (forward and backward, recompute sharing
+    the backward's gather) for every microbatch; the final norm and output projection outside it,
+    once per step (the partitioner hoists them out of the microbatch loop), the output projection
+    a second time in the backward pass when ``tensor`` is split and so is ``data`` or the batch
+    (microbatches). The
+    embedding table is handled in `_embedding_comms`.
+    """
+    mesh = layout.mesh
+    comms = []
+    for p in placed.values():
+        n = p.factor(ax.FSDP)
+        if n <= 1 or p.param.role == "embedding" or (split is not None and p.param.role == "output"):
+            continue
+        result = p.local * n * _PARAM_BYTES
+        if p.param.per_layer:
+            count = 2 * s.layers * s.micro
+        elif p.param.role == "output":
+            regather = mesh[ax.TENSOR] > 1 and (mesh[ax.DATA] > 1 or s.micro > 1)
+            count = 2 if regather else 1
+        else:
+            count = 2
+        comms.append(Comm("all-gather", (ax.FSDP,), n, result, count, f"gather {p.param.path}"))
+    return comms
+
+
+def _gradient_reductions(layout: Layout, placed: dict[str, _Placed], s: _Shape, backend: str,
+                         split: VocabSplit | None = None) -> list[Comm]:
+    """Gradients summed over the batch axes, per layer and per microbatch.
+
+    GPU: a reduce-scatter over ``fsdp`` for weights split over it (result: the local shard), then
+    an all-reduce of the shard over ``data``. CPU: the reduce-scatter is lowered to an all-reduce
+    of the whole gradient over ``data`` x ``fsdp``, followed, when both are split, by an all-reduce
+    of the shard over ``data`` (what XLA CPU emits). Weights not split over ``fsdp``: one all-reduce
+    over the batch axes.
+    """
+    mesh = layout.mesh
+    batch_axes, batch_n = _axes(mesh, ax.DATA, ax.FSDP, ax.SEQUENCE)  # tokens split over all three
+    if batch_n <= 1:
+        return []
+    comms = []
+    for p in placed.values():
+        if p.param.role == "embedding" and _table_split(p) != (1, 1):
+            continue  # see _embedding_comms
+        if p.param.role == "output" and split is not None:
+            continue  # see _vocab_parallel_comms
+        count = s.micro * (s.layers if p.param.per_layer else 1)
+        local = p.local * _PARAM_BYTES
+        n_f = p.factor(ax.FSDP)
+        what = f"gradient of {p.param.path}"
+        if n_f <= 1:
+            comms.append(Comm("all-reduce", batch_axes, batch_n, local, count, what))
+            continue
+        if backend == "gpu":
+            comms.append(Comm("reduce-scatter", (ax.FSDP,), n_f, local, count, what))
+        else:
+            comms.append(Comm("all-reduce", batch_axes, batch_n, local * n_f, count, what))
+        if mesh[ax.DATA] > 1 and (backend == "gpu" or not p.param.per_layer or p.param.matmul):
+            comms.append(Comm("all-reduce", (ax.DATA,), mesh[ax.DATA], local, count, what + " (over data)"))
+    return comms
+
+
+def _tensor_comms(model: ModelDescription, layout: Layout, rules: Rules, s: _Shape,
+                  output_split: VocabSplit | None = None, recomputes: int = 0,
+                  with_logits: bool = True) -> list[Comm]:
+    """Megatron-style tensor parallelism (Shoeybi et al., 2019, section 3).
+
+    Forward: the row-parallel products (an input axis split over ``tensor``, e.g. the attention
+    output and the MLP's down projection) end in partial sums, all-reduced over ``tensor`` ([tokens,
+    out] each), again where full remat (or ``recomputes`` more times, the pipeline's backward pass)
+    recomputes the product. Backward: the input gradients of the
+    column-parallel products (an output axis split) are partial sums; the partitioner reduces each
+    separately ([tokens, in]). The logits: the cross-entropy's max and sum over the split vocabulary
+    ([tokens] float32 each) and the input gradient of the output projection (with the
+    vocabulary-parallel loss, `_vocab_parallel_comms` instead), unless ``with_logits`` is False.
+    """
+    mesh = layout.mesh
+    if mesh[ax.TENSOR] <= 1:
+        return []
+    t, n = mesh[ax.TENSOR], s.layers * s.micro
+    forward: dict[float, int] = {}  # bytes of one all-reduce -> executions per layer and microbatch
+    backward: dict[float, int] = {}
+    for product in model.products:
+        if _tensor_split(model, product.in_axes, rules, mesh):
+            out = s.tok * product.out_size * s.act_bytes
+            recomputed = ((layout.remat == "full") + recomputes) * product.recomputed
+            forward[out] = forward.get(out, 0) + 1 + recomputed
+        if _tensor_split(model, product.out_axes, rules, mesh):
+            grad = s.tok * product.in_size * s.act_bytes
+            backward[grad] = backward.get(grad, 0) + 1
+    comms = [Comm("all-reduce", (ax.TENSOR,), t, b, c * n, "row-parallel outputs (forward)", False)
+             for b, c in forward.items()]
+    comms += [Comm("all-reduce", (ax.TENSOR,), t, b, c * n, "column-parallel input gradients", False)
+              for b, c in backward.items()]
+    logits = model.logits
+    if not with_logits or output_split is not None or not _tensor_split(model, logits.out_axes, rules, mesh):
+        return comms
+    if s.micro > 1 and _partitioner() == "0.12":
+        # jax 0.12 re-gathers the float32 logits' gradient [tokens, V] over tensor at the logits'
+        # sharding constraint inside the microbatch loop.
+        comms.append(Comm("all-gather", (ax.TENSOR,), t, s.tok * logits.out_size * 4, s.micro,
+                          "logits gradient (jax 0.12, microbatches)", False))
+    comms.append(Comm("all-reduce", (ax.TENSOR,), t, s.tok * 4, 2 * s.micro, "softmax max and sum", False))
+    comms.append(Comm("all-reduce", (ax.TENSOR,), t, s.tok * logits.in_size * 4, s.micro,
+                      "output projection input gradient", False))
+    return comms
+
+
+def _sequence_comms(model: ModelDescription, layout: Layout, rules: Rules, s: _Shape, backend: str) -> list[Comm]:
+    """Context parallelism over ``sequence`` as the partitioner does it for reference attention:
+    keys and values gathered over ``sequence`` before the score product (forward, and again in the
+    backward pass), their gradients reduce-scattered back (CPU: all-reduced whole)."""
+    mesh = layout.mesh
+    n = mesh[ax.SEQUENCE]
+    if n <= 1:
+        return []
+    geometry = model.attention
+    kv = _axis_split(model, geometry.kv_axis, rules, mesh)
+    one = s.tok * n * geometry.num_kv_heads / kv * geometry.head_dim * s.act_bytes  # k or v, gathered
+    count = s.layers * s.micro
+    comms = [Comm("all-gather", (ax.SEQUENCE,), n, one, 4 * count, "keys and values", False)]
+    if backend == "gpu":
+        comms.append(Comm("reduce-scatter", (ax.SEQUENCE,), n, 2 * one / n, count, "key and value gradients", False))
+    else:
+        comms.append(Comm("all-reduce", (ax.SEQUENCE,), n, 2 * one, count, "key and value gradients", False))
+    return comms

@@ -1,0 +1,358 @@
+"""The pipeline's terms: the compiled pipeline of `sharding.pipeline` (GPipe, circular and 1F1B) as
+main builds it.
+
+* the layer stack stored unpadded (`sharding.pipeline.storage`): every device holds ``q`` whole-layer
+  rows (`sharding.costmodel.memory._held_params`); per step each stage's working copy of ``R*K'`` slots
+  is assembled in the compute dtype (`_gather_bytes`) from the rows other devices store for it (one
+  ppermute per distance that moves any), a pick of this device's ``R*K'/G`` slots and one all-gather
+  over the storage's group axes; the gradients go back the same way (`_pipeline_weight_comms`);
+* the layers applied `_Pipe.applications` times per step to one microbatch's rows; activations moved by
+  two ppermutes per pipeline step (GPipe/circular: ``R*M + S - 1`` steps, one each way; 1F1B:
+  `_Pipe.steps` ticks, two per tick) and, for GPipe/circular, one psum over ``stage`` of the outputs
+  (`_stage_comms`);
+* the embedding on the device's whole batch, replicated over ``stage``; the final norm, output
+  projection and loss (the head) on 1/S of those rows per stage (`sharding.pipeline.head_parallelism`)
+  after GPipe/circular, on one microbatch per tick inside the loop for 1F1B (`_pipeline_outside`); the
+  non-layer parameters stored split over ``stage`` too (`spread_over_stage`).
+
+Where a schedule keeps its saved inputs: `_Pipe.saved_inputs` (GPipe: every slot of every step; 1F1B:
+the ring of `one_f_one_b_ticks(...).slots` chunk inputs). `sharding.costmodel.cost._pipeline_cost`
+adds these terms up into one stage device's `Cost`; checked against the compiler on the
+``PIPELINE_GRID`` of ``bench/costmodel_grid.py``.
+
+Units: bytes, executions per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Mapping
+
+from sharding import axes as ax
+from sharding.costmodel.collectives import Comm
+from sharding.costmodel.embedding import _embedding_comms, _table_split
+from sharding.costmodel.layout import (
+    _DTYPE_BYTES,
+    _INT_BYTES,
+    _PARAM_BYTES,
+    _WHOLE_SCORES,
+    Layout,
+    _per_token,
+    _place_cached,
+    _Placed,
+    _Shape,
+)
+from sharding.costmodel.memory import Memory, _memory
+from sharding.costmodel.partitioner import _comms
+from sharding.modeldesc import ModelDescription
+from sharding.pipeline.layout import plan_layout
+from sharding.pipeline.storage import spread_over_stage, storage_axes
+from sharding.rules import Rules, logical_to_spec
+
+
+def _gather_bytes(layout: Layout) -> int:
+    """Bytes per element of the pipeline's gathered working copy of the stage's layers: the compute dtype
+    (`sharding.pipeline.schedule._Weights.dtype`, the activations' dtype). The one place to change when
+    the gather's dtype changes."""
+    return _DTYPE_BYTES[layout.dtype]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pipe:
+    """One stage device's pipeline (`sharding.pipeline.PipelinePlan` with its `StageStorage`).
+
+    Attributes:
+      stages: S.
+      repeats: R (1: GPipe or 1F1B; more: circular or interleaved 1F1B).
+      micro: M, microbatches per step.
+      layers: Layers this stage runs per microbatch (over its repeats).
+      working: Slots of the stage's gathered working copy, ``R * K'`` (`Placement.chunk_slots`: the
+        layout's K rounded up so that the storage's G devices divide ``R * K'``).
+      groups: G, the devices of a stage the stored rows are spread over (`storage_axes`).
+      moved: Rows each device sends per ppermute of the storage, one entry per distance that moves any.
+      skip_empty: Empty slots and bubble steps are skipped (`PipelinePlan.skip_empty`).
+      ticks: 1F1B: the loop's ticks (`one_f_one_b_ticks`); 0 for GPipe/circular.
+      ring: 1F1B: the chunk inputs a stage keeps at once (`Ticks.slots`); 0 for GPipe/circular.
+    """
+
+    stages: int
+    repeats: int
+    micro: int
+    layers: int
+    working: int
+    groups: int
+    moved: tuple[int, ...]
+    skip_empty: bool
+    ticks: int = 0
+    ring: int = 0
+
+    @property
+    def one_f_one_b(self) -> bool:
+        return self.ticks > 0
+
+    @property
+    def steps(self) -> int:
+        """Loop trips per step: GPipe/circular ``R*M + S - 1`` per pass (`PipelinePlan.steps`), 1F1B its ticks."""
+        return self.ticks or self.repeats * self.micro + self.stages - 1
+
+    @property
+    def chunk_slots(self) -> int:
+        """K', slots run per step."""
+        return self.working // self.repeats
+
+    @property
+    def applications(self) -> int:
+        """Forward layer applications of this device per step (`PipelinePlan.layer_applications`):
+        ``M * layers`` when empty slots and bubbles are skipped, else every slot of every step (1F1B:
+        every tick, as the compiled program's trip counts say: its forward and backward branches are
+        each counted on every tick)."""
+        return self.micro * self.layers if self.skip_empty else self.steps * self.chunk_slots
+
+    @property
+    def saved_inputs(self) -> int:
+        """Slot inputs kept for the backward pass: GPipe/circular every slot of every step, 1F1B the ring's."""
+        return (self.ring or self.steps) * self.chunk_slots
+
+
+def _pipeline_of(model: ModelDescription, layout: Layout, rules: Rules, s: _Shape) -> _Pipe:
+    """The `_Pipe` of a device computing ``s.layers`` layers with a working copy of ``s.slots`` slots (the
+    layout's largest stage, `StageLayout.slots`), the stored rows it receives from the layout's split."""
+    mesh = layout.mesh
+    stages, repeats = mesh[ax.STAGE], layout.pipeline_repeats
+    groups = math.prod(mesh[a] for a in _storage_axes(model, rules, mesh))
+    chunk = -(-s.slots // repeats)  # K' (`Placement.chunk_slots`): K rounded up so that G divides R*K'
+    while (repeats * chunk) % groups:
+        chunk += 1
+    moved, ticks, ring = _pipeline_tables(model.num_layers, stages, repeats, layout.stage_layers, groups, s.micro,
+                                          layout.one_f_one_b)
+    return _Pipe(stages, repeats, s.micro, s.layers, repeats * chunk, groups, moved, layout.skip_empty, ticks, ring)
+
+
+@functools.lru_cache(maxsize=4096)
+def _pipeline_tables(num_layers: int, stages: int, repeats: int, stage_layers: tuple[int, ...] | None, groups: int,
+                     micro: int, one_f_one_b: bool) -> tuple[tuple[int, ...], int, int]:
+    """``(moved, ticks, ring)`` of `_Pipe` from the static tables (`Placement.sends`, `one_f_one_b_ticks`);
+    cached: the planner prices many devices of one split. A split the run refuses (a planner's trial)
+    moves no stored rows."""
+    from sharding.pipeline.storage import StageStorage
+
+    try:
+        placement = StageStorage(plan_layout(num_layers, stages, repeats, stage_layers)[0], groups).placement
+        moved = tuple(int(send.shape[-1]) for send in placement.sends if send is not None)
+    except ValueError:
+        moved = ()
+    return (moved, *(_ticks_and_ring(stages, micro, repeats) if one_f_one_b else (0, 0)))
+
+
+@functools.lru_cache(maxsize=1024)
+def _ticks_and_ring(stages: int, micro: int, repeats: int) -> tuple[int, int]:
+    """1F1B's ticks and ring slots (`one_f_one_b_ticks`; raises the run's ValueError for an interleaved
+    1F1B it refuses)."""
+    from sharding.pipeline.layout import one_f_one_b_ticks
+
+    table = one_f_one_b_ticks(stages, micro, repeats)
+    return table.ticks, table.slots
+
+
+def _storage_axes(model: ModelDescription, rules: Rules, mesh: Mapping[str, int]) -> tuple[str, ...]:
+    """The batch axes the stored layer rows are spread over besides ``stage`` (`storage_axes`)."""
+    return _storage_axes_cached(model, rules, tuple(mesh.items()))
+
+
+@functools.lru_cache(maxsize=4096)
+def _storage_axes_cached(model: ModelDescription, rules: Rules, mesh_items: tuple) -> tuple[str, ...]:
+    return storage_axes([(None, *p.axes) for p in model.params if p.per_layer], rules, dict(mesh_items))
+
+
+def _stage_folded(model: ModelDescription, layout: Layout, rules: Rules) -> tuple[Layout, dict[str, _Placed]]:
+    """The head's layout: the mesh with ``stage`` folded into ``fsdp`` (the head's rows are split over both,
+    `head_parallelism`, and the non-layer parameters stored over both, `spread_over_stage`), one microbatch."""
+    mesh = layout.mesh
+    flat = dataclasses.replace(layout, mesh={**mesh, ax.STAGE: 1, ax.FSDP: mesh[ax.FSDP] * mesh[ax.STAGE]},
+                               microbatches=1, stage_layers=None, pipeline_repeats=1, one_f_one_b=False)
+    return flat, _place_cached(model, rules, tuple(flat.mesh.items()))
+
+
+def _pipeline_outside(s: _Shape, pipe: _Pipe) -> tuple[_Shape, _Shape, int]:
+    """``(embedding, head, runs)``: the embedding's shape (the device's whole batch, replicated over
+    ``stage``), the head's per run and how many runs: after GPipe/circular once on 1/S of the whole
+    batch's rows (`head_parallelism`; all of them when S does not divide them), in 1F1B once per tick on
+    one microbatch's rows (under a conditional counted on every tick; with ``skip_empty`` M times)."""
+    whole = dataclasses.replace(s, rows=s.rows * s.micro, tok=s.tok * s.micro, micro=1, layers=0)
+    if pipe.one_f_one_b:
+        one = dataclasses.replace(s, micro=1, layers=0)
+        return whole, one, (pipe.micro if pipe.skip_empty else pipe.ticks)
+    split = pipe.stages if whole.rows % pipe.stages == 0 else 1
+    return whole, dataclasses.replace(whole, rows=whole.rows / split, tok=whole.tok / split), 1
+
+
+def _pipeline_memory(model: ModelDescription, layout: Layout, rules: Rules, placed: dict[str, _Placed],
+                     s: _Shape, pipe: _Pipe, head: _Shape) -> Memory:
+    """Bytes of a stage device: the stored rows' state; in flight, the gathered working copy of the stage's
+    slots (`_gather_bytes`) and their float32 gradient sums, the saved slot inputs (`_Pipe.saved_inputs`),
+    one layer's activations, and the head's logits (one run's rows)."""
+    base = _memory(model, layout, rules, placed, s)
+    keys = s.seq if layout.attention in _WHOLE_SCORES else 0.0
+    saved_input = _per_token(model, "activations", rules, layout.mesh, keys, s.act_bytes, ("input",))
+    per_layer = _per_token(model, "activations", rules, layout.mesh, keys, s.act_bytes)
+    whole_layer = sum(p.local * _batch_factor(p, layout.mesh) for p in placed.values() if p.param.per_layer)
+    return dataclasses.replace(
+        base,
+        gradients=base.gradients + pipe.working * whole_layer * _PARAM_BYTES,
+        activations=s.tok * (pipe.saved_inputs * saved_input + per_layer),
+        logits=base.logits * head.tok / s.tok,
+        gathered=pipe.working * whole_layer * _gather_bytes(layout),
+    )
+
+
+def _pipeline_embedding_comms(model: ModelDescription, layout: Layout, placed: dict[str, _Placed],
+                              embed: _Shape) -> list[Comm]:
+    """The embedding lookup on the device's whole batch (replicated over ``stage``) from a table stored
+    split over ``stage`` too (`spread_over_stage`).
+
+    A table split over ``fsdp`` only by the rules (``embed``; stored over ``fsdp`` x ``stage``), no
+    ``data``, as jax 0.10 emits it (seen on ``stage=2,fsdp=4`` and ``stage=4,fsdp=2``): the tokens
+    gathered over ``fsdp``, the table gathered whole, its stored shard ``[V, D/(f S)]`` moved by a
+    collective-permute and 1/S of the looked-up rows ``[rows, T, D]`` (float32) by an all-to-all.
+    Other splits: priced as without stages on the mesh with ``stage`` folded into ``fsdp``
+    (`_embedding_comms`), not checked against the compiler.
+    """
+    embedding = model.with_role("embedding")
+    if embedding is None:
+        return []
+    mesh = layout.mesh
+    table = placed[embedding.path]
+    if mesh[ax.DATA] > 1 or mesh[ax.FSDP] <= 1 or _table_split(table) != (1, mesh[ax.FSDP]):
+        flat, flat_placed = _stage_folded(model, layout, layout.rules_table())
+        return _embedding_comms(model, flat, flat_placed, embed)
+    (v, d), f, stages = table.param.shape, mesh[ax.FSDP], mesh[ax.STAGE]
+    whole = v * d * _PARAM_BYTES
+    return [
+        Comm("all-gather", (ax.FSDP,), f, embed.tok * f * _INT_BYTES, 1, "embedding: tokens"),
+        Comm("all-gather", (ax.FSDP, ax.STAGE), f * stages, whole, 1, "embedding: table"),
+        Comm("all-to-all", (ax.FSDP,), f, embed.tok * d * _PARAM_BYTES / stages, 1, "embedding: 1/S of the rows"),
+        Comm("collective-permute", (ax.STAGE,), 2, whole / (f * stages), 1, "embedding: stored table shard"),
+    ]
+
+
+def _pipeline_head_comms(model: ModelDescription, layout: Layout, rules: Rules, head: _Shape, pipe: _Pipe,
+                         backend: str, batch_rows: float | None) -> list[Comm]:
+    """See `_pipeline_head_comms_cached` (the same for every stage device of a layout: cached)."""
+    return list(_pipeline_head_comms_cached(model, rules, tuple(layout.mesh.items()), layout.remat, layout.attention,
+                                            layout.dtype, layout.logits, head, pipe.one_f_one_b, backend, batch_rows))
+
+
+@functools.lru_cache(maxsize=16384)
+def _pipeline_head_comms_cached(model: ModelDescription, rules: Rules, mesh_items: tuple, remat: str, attention: str,
+                                dtype: str, logits: str, head: _Shape, one_f_one_b: bool, backend: str,
+                                batch_rows: float | None) -> tuple[Comm, ...]:
+    """The head's weights (final norm, output projection) and collectives.
+
+    GPipe/circular: the head runs under `head_parallelism` outside the pipeline, as the step without
+    stages on the mesh with ``stage`` folded into ``fsdp`` prices it (`_comms`, the head's rows). 1F1B:
+    its weights are gathered explicitly once per step (`sharding.pipeline.onef1b`), each over ``stage``
+    (to ``1/f`` of it) and over ``fsdp`` (whole), its gradients reduce-scattered over ``fsdp`` and
+    summed over ``stage``.
+    """
+    layout = Layout(dict(mesh_items), rules, remat=remat, attention=attention, dtype=dtype, logits=logits)
+    flat, flat_placed = _stage_folded(model, layout, rules)
+    if not one_f_one_b:
+        comms = _comms(model, flat, rules, flat_placed, dataclasses.replace(head, slots=0), backend, batch_rows,
+                       embedding=False)
+        # (its layer terms count 0: no layers on that shape)
+        for p in flat_placed.values():  # stored over ``stage`` alone (rules without fsdp): gathered over it
+            if p.param.per_layer or p.param.role == "embedding" or p.factor(ax.FSDP) > 1:
+                continue
+            spec = spread_over_stage(logical_to_spec(p.param.axes, rules, p.param.shape, layout.mesh)[0],
+                                     p.param.shape, layout.mesh)
+            if any(ax.STAGE in ((e,) if isinstance(e, str) else e or ()) for e in spec):
+                comms.append(Comm("all-gather", (ax.STAGE,), layout.mesh[ax.STAGE], p.local * _PARAM_BYTES,
+                                  1 if p.param.role == "output" else 2, f"gather {p.param.path} over stage"))
+        return tuple(comms)
+    mesh, comms = layout.mesh, []
+    f, stages = mesh[ax.FSDP], mesh[ax.STAGE]
+    for p in flat_placed.values():
+        if p.param.per_layer or p.param.role == "embedding":
+            continue
+        whole, what = p.param.size * _PARAM_BYTES, p.param.path
+        comms += [
+            Comm("all-gather", (ax.STAGE,), stages, whole / f, 1, f"gather {what} over stage"),
+            Comm("all-gather", (ax.FSDP,), f, whole, 1, f"gather {what}"),
+            Comm("reduce-scatter", (ax.FSDP,), f, whole / f, 1, f"gradient of {what}"),
+            Comm("all-reduce", (ax.STAGE,), stages, whole / f, 1, f"gradient of {what} over stage"),
+        ]
+    return tuple(comms)
+
+
+def _batch_factor(p: _Placed, mesh: Mapping[str, int]) -> int:
+    """How many ways the batch axes (``data``, ``fsdp``) split a parameter."""
+    return p.factor(*(a for a in ax.BATCH_MESH_AXES if mesh[a] > 1))
+
+
+def _pipeline_weight_comms(layout: Layout, rules: Rules, placed: dict[str, _Placed], pipe: _Pipe,
+                           model: ModelDescription) -> list[Comm]:
+    """See `_pipeline_weight_comms_cached` (the same for every device of a split: cached)."""
+    return list(_pipeline_weight_comms_cached(model, rules, tuple(layout.mesh.items()), _gather_bytes(layout),
+                                              pipe.stages, pipe.working, pipe.groups, pipe.moved))
+
+
+@functools.lru_cache(maxsize=16384)
+def _pipeline_weight_comms_cached(model: ModelDescription, rules: Rules, mesh_items: tuple, gather_bytes: int,
+                                  stages: int, working: int, groups_n: int, moved: tuple[int, ...]) -> tuple[Comm, ...]:
+    """The stage's layer weights: the working copy assembled once per step, the gradients returned once.
+
+    Explicit collectives of the stage program (`jax.shard_map`, so both backends emit them as written;
+    `sharding.pipeline.schedule._Weights`), per layer parameter: the rows stored for other devices sent
+    by one ppermute per distance (compute dtype) and their gradients sent back (float32); this device's
+    ``R*K'/G`` slots all-gathered over the storage's group axes into the ``R*K'`` slots (compute dtype)
+    and their float32 gradient sums reduce-scattered back; the ``q`` stored rows' gradients all-reduced
+    over the batch axes that do not store rows.
+    """
+    mesh = dict(mesh_items)
+    placed = _place_cached(model, rules, mesh_items)
+    summed = tuple(a for a in ax.BATCH_MESH_AXES if mesh[a] > 1)
+    groups = _storage_axes(model, rules, mesh)
+    rest = tuple(a for a in summed if a not in groups)
+    q = -(-model.num_layers // (stages * groups_n))
+    devices = (ax.STAGE, *groups)
+    comms = []
+    for p in placed.values():
+        if not p.param.per_layer:
+            continue
+        row, what = p.local * p.factor(*groups), p.param.path  # one stored row's elements on a device
+        for rows in moved:
+            comms.append(Comm("collective-permute", devices, 2, rows * row * gather_bytes, 1,
+                              f"stored rows of {what} to their stage"))
+            comms.append(Comm("collective-permute", devices, 2, rows * row * _PARAM_BYTES, 1,
+                              f"gradient of {what} back to its row"))
+        if groups_n > 1:
+            comms.append(Comm("all-gather", groups, groups_n, working * row * gather_bytes, 1,
+                              f"gather {what} (working copy)"))
+            comms.append(Comm("reduce-scatter", groups, groups_n, working // groups_n * row * _PARAM_BYTES,
+                              1, f"gradient of {what}"))
+        if rest:
+            comms.append(Comm("all-reduce", rest, math.prod(mesh[a] for a in rest), q * row * _PARAM_BYTES, 1,
+                              f"gradient of {what} (stored rows)"))
+    return tuple(comms)
+
+
+def _stage_comms(model: ModelDescription, layout: Layout, s: _Shape, pipe: _Pipe, head: _Shape) -> list[Comm]:
+    """Activations between stages: two ppermutes of one microbatch's rows ``[rows, T, D]`` per loop trip
+    (GPipe/circular: one forward, one backward per step; 1F1B: the forward output and the input's
+    cotangent per tick), bubble steps included: the transfers sit outside the conditionals; the inputs'
+    cotangent ``[M, rows, T, D]`` summed over ``stage`` (the inputs were made stage-varying). GPipe/circular
+    also: one psum over ``stage`` of all microbatches' outputs after the forward loop (the last stage's
+    outputs to every stage) and its transpose, and the head's input cotangent all-gathered over ``stage``
+    (`head_parallelism`)."""
+    stages = layout.mesh[ax.STAGE]
+    act = s.tok * model.hidden * s.act_bytes
+    comms = [Comm("collective-permute", (ax.STAGE,), stages, act, 2 * pipe.steps, "stage activations", False)]
+    if pipe.one_f_one_b:  # the inputs' cotangent, summed over stage (they were made stage-varying)
+        return comms + [Comm("all-reduce", (ax.STAGE,), stages, act * s.micro, 1, "pipeline input cotangent", False)]
+    return comms + [
+        Comm("all-reduce", (ax.STAGE,), stages, act * s.micro, 2, "pipeline outputs to every stage", False),
+        Comm("all-gather", (ax.STAGE,), stages, head.tok * stages * model.hidden * s.act_bytes, 1,
+             "head input cotangent over stage", False),
+    ]

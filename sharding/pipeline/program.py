@@ -1,0 +1,437 @@
+"""The pieces every pipeline schedule's stage program is built from (GPipe, circular and 1F1B alike).
+
+A schedule (`sharding.pipeline.schedule`, `sharding.pipeline.onef1b`) is one `jax.shard_map` over the
+mesh, manual over ``stage`` and the batch axes ``data`` and ``fsdp`` (`manual_axes`), whose body runs a
+`jax.lax.scan` of ticks that is the same on every device. What they share lives here:
+
+* `Setup`: the inputs checked and cut into microbatches (`to_microbatches`), the manual axes, the
+  `PartitionSpec` of the microbatched data and of every stacked parameter, and the `Weights`;
+* `Weights`: the stage's layer weights gathered once per step into its ``[R, K, ...]`` working copy in the
+  compute dtype, and the gradients summed over the step reduced back into the stored blocks once, after
+  the loop (MaxText's ``pipeline_fsdp_ag_once`` trade-off: one gather and one reduction per step instead of
+  one per microbatch, the gathered copy held through the step);
+* `chunk_forward` / `chunk_backward`: one chunk of a stage's layers for one microbatch, each slot under
+  a `jax.lax.cond` (empty slots and idle ticks compute nothing), and its hand-written backward pass that
+  recomputes each layer from its saved input and differentiates it with `jax.vjp`;
+* `index_tree`, `index_leaf`, `write`, `slot_params`, `add_slot`: slice-sized reads and predicated
+  writes of the loop's buffers (a `jnp.where` on one slice, never on a whole buffer);
+* `stage_varying`, `sum_over_stages`: the casts at the edge of the map (inputs made stage-varying so
+  their cotangents are reduced once, after the loop; the last stage's outputs summed over ``stage``),
+  both in at least float32 (`wide_dtype`).
+
+Every transfer between stages (``ppermute``) is issued by the schedule in its tick loop, outside these
+conditionals: XLA's CPU backend deadlocks on a collective-permute inside one, and in general a collective
+inside a branch that devices take differently waits forever (`sharding.hlo.branch_collectives` checks the
+compiled program).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from sharding import axes as ax
+from sharding.parallel import gather_shards, only_axes, reduce_shards, spec_axes, to_varying
+from sharding.pipeline.layout import PipelinePlan, StageLayout
+from sharding.pipeline.storage import StageStorage, storage_axes, storage_for, storage_spec
+
+
+def to_microbatches(x, microbatches: int):
+    """``[batch, ...]`` -> ``[microbatches, batch / microbatches, ...]``, row ``r`` to microbatch ``r % M``.
+
+    Strided rows keep each device's share of every microbatch on that device
+    when the batch is split over ``data``/``fsdp`` (as `train.step` does for
+    gradient accumulation).
+    """
+    return x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:]).swapaxes(0, 1)
+
+
+def from_microbatches(x):
+    """Inverse of `to_microbatches`: ``[microbatches, rows, ...]`` -> ``[microbatches * rows, ...]``."""
+    return x.swapaxes(0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
+def index_tree(tree, i):
+    """Entry ``i`` (a traced int32 scalar) of every leaf's first dimension: ``[n, ...]`` -> ``[...]``."""
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
+
+
+def index_leaf(w, i):
+    """Entry ``i`` (a traced int32 scalar) of one array's first dimension: ``[n, ...]`` -> ``[...]``."""
+    return jax.lax.dynamic_index_in_dim(w, i, keepdims=False)
+
+
+def write(buffer, i, value, predicate):
+    """``buffer[i] = value`` where ``predicate``, else unchanged (a slice-sized select).
+
+    Args:
+      buffer: ``[n, ...]``.
+      i: traced int32 scalar in ``[0, n)``.
+      value: ``[...]``, one entry of ``buffer`` (same dtype).
+      predicate: traced bool scalar.
+    """
+    old = jax.lax.dynamic_index_in_dim(buffer, i, keepdims=False)
+    return jax.lax.dynamic_update_index_in_dim(buffer, jnp.where(predicate, value, old), i, 0)
+
+
+def slot_params(params, r, k):
+    """Slot ``k`` of chunk ``r`` from leaves ``[R, K, ...]`` (traced int32 indices): leaves ``[...]``."""
+    return jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(index_leaf(w, r), k, keepdims=False), params)
+
+
+def add_slot(grads, r, k, update):
+    """``grads[r, k] += update`` for leaves ``[R, K, ...]`` (a slot-sized update, in ``grads``' dtype)."""
+
+    def add(acc, d):
+        zero = jnp.zeros((), jnp.int32)
+        index = (r, k) + (zero,) * (acc.ndim - 2)
+        old = jax.lax.dynamic_slice(acc, index, (1, 1, *acc.shape[2:]))
+        return jax.lax.dynamic_update_slice(acc, old + d[None, None].astype(acc.dtype), index)
+
+    return jax.tree.map(add, grads, update)
+
+
+def chunk_forward(layer_fn, params, r, h, extras, count, skip_empty: bool, save: bool):
+    """Applies the first ``count`` of chunk ``r``'s ``K`` layers to ``h``; the other slots do nothing.
+
+    Args:
+      layer_fn: ``(layer_params, h, *extras) -> h``.
+      params: the stage's parameters, leaves ``[R, K, ...]``.
+      r: int32 scalar, the repeat (chunk) to run.
+      h: ``[microbatch, ...]`` activations.
+      extras: this microbatch's side inputs (positions, segment ids).
+      count: int32 scalar, the stage's layer count for the chunk (0 in a bubble step).
+      skip_empty: run each slot under a `jax.lax.cond` (slots past ``count``
+        are not computed); False computes every slot and selects.
+      save: also return each slot's input (for the backward pass).
+
+    Returns:
+      ``(h, applied, inputs)``: the activations, the layers computed (int32)
+      and, when ``save``, ``[K, microbatch, ...]`` slot inputs (else None).
+    """
+    slots = jax.tree.leaves(params)[0].shape[1]
+
+    def body(carry, k):
+        h, applied = carry
+
+        def apply(h, applied):
+            return layer_fn(slot_params(params, r, k), h, *extras), applied + 1
+
+        if skip_empty:
+            out = jax.lax.cond(k < count, apply, lambda h, applied: (h, applied), h, applied)
+        else:
+            new, applied = apply(h, applied)
+            out = (jnp.where(k < count, new, h), applied)
+        return out, (h if save else None)
+
+    applied = to_varying(jnp.zeros((), jnp.int32), ax.STAGE)
+    (h, applied), inputs = jax.lax.scan(body, (h, applied), jnp.arange(slots))
+    return h, applied, inputs
+
+
+def chunk_backward(layer_fn, params, r, inputs, extras, count, g, grads, skip_empty: bool):
+    """The backward pass of `chunk_forward`: slots in reverse, each layer recomputed from its saved input.
+
+    Args:
+      inputs: ``[K, microbatch, ...]`` slot inputs saved by the forward pass.
+      g: cotangent of the chunk's output.
+      grads: accumulated parameter cotangents, leaves ``[R, K, ...]``.
+      (others as `chunk_forward`)
+
+    Returns:
+      ``(g, grads)``: the cotangent of the chunk's input, and ``grads`` with
+      this chunk's slots added. Skipped slots pass ``g`` through and add nothing.
+    """
+    slots = jax.tree.leaves(params)[0].shape[1]
+
+    def body(carry, k):
+        g, grads = carry
+
+        def back(g, grads):
+            _, vjp = jax.vjp(lambda w, h: layer_fn(w, h, *extras), slot_params(params, r, k), inputs[k])
+            dw, dh = vjp(g)
+            return dh, add_slot(grads, r, k, dw)
+
+        if skip_empty:
+            return jax.lax.cond(k < count, back, lambda g, grads: (g, grads), g, grads), None
+        _, vjp = jax.vjp(lambda w, h: layer_fn(w, h, *extras), slot_params(params, r, k), inputs[k])
+        dw, dh = vjp(g)
+        keep = k < count
+        dw = jax.tree.map(lambda d: jnp.where(keep, d, jnp.zeros((), d.dtype)), dw)
+        return (jnp.where(keep, dh, g), add_slot(grads, r, k, dw)), None
+
+    (g, grads), _ = jax.lax.scan(body, (g, grads), jnp.arange(slots), reverse=True)
+    return g, grads
+
+
+def _inverse_rows(local_index: np.ndarray, size: int, width: int) -> np.ndarray:
+    """``[S, G, size]`` int32: for each device's local row, the slot of ``local_index`` ``[S, G, W]`` that takes
+    it, or ``width`` (a zero row) where none does.
+
+    Raises:
+      ValueError: a local row taken by two slots (a placement `Weights` cannot invert).
+    """
+    stages, groups, _ = local_index.shape
+    inverse = np.full((stages, groups, size), width, np.int32)
+    for s in range(stages):
+        for g in range(groups):
+            for w, row in enumerate(local_index[s, g]):
+                if row < 0:
+                    continue
+                if inverse[s, g, row] != width:
+                    raise ValueError(f"pipeline storage: local row {row} of device ({s}, {g}) feeds slots "
+                                     f"{inverse[s, g, row]} and {w}")
+                inverse[s, g, row] = w
+    return inverse
+
+
+@dataclasses.dataclass(frozen=True)
+class Weights:
+    """How a stage's layer weights are gathered for a pass and their gradients reduced after it.
+
+    Two storages (`run_pipeline` tells them apart by shape): the unpadded `StageStorage` ``[rows, ...]``
+    (``storage`` set: each device holds ``q`` whole rows; see `sharding.pipeline.storage`) and the padded
+    ``[stages, slots, ...]`` of a `StageLayout` (``storage`` None: each device holds its stage's slots,
+    split over the batch axes ``specs`` names).
+
+    Attributes:
+      specs: per leaf of the stacked parameters (``[q, ...]`` or ``[1, slots, ...]`` blocks), its
+        `PartitionSpec` over the map's manual batch axes (``data``/``fsdp``; the ``stage`` entry and, for
+        the storage, the rows entry left out).
+      summed: the manual axes the batch is split over: per-device gradients are partial sums over them.
+      dtype: the compute dtype the floating weights are gathered in (the activations' dtype).
+      storage: the `StageStorage`, or None (padded slots).
+      groups: the storage's batch axes besides ``stage`` (`sharding.pipeline.storage.storage_axes`).
+    """
+
+    specs: Any
+    summed: tuple[str, ...]
+    dtype: Any
+    storage: StageStorage | None = None
+    groups: tuple[str, ...] = ()
+
+    def gather(self, stacked, repeats: int):
+        """This device's blocks -> its stage's whole ``[R, K, ...]`` weights in the compute dtype.
+
+        Padded: one all-gather per leaf over its split batch axes. Unpadded: the rows stored for other
+        devices move (one ``ppermute`` per distance that moves any), each device picks its slots' rows
+        (empty slots zero) and one all-gather over the storage's group axes assembles the working copy.
+        """
+        def one(w, spec):
+            if jnp.issubdtype(w.dtype, jnp.floating):
+                w = w.astype(self.dtype)
+            w = self._take_slots(w) if self.storage is not None else gather_shards(w, spec)
+            return w.reshape(repeats, w.shape[1] // repeats, *w.shape[2:])
+
+        return jax.tree.map(one, stacked, self.specs)
+
+    def _where(self):
+        """``(stage, g)``: this device's stage and index along the group axes (traced int32)."""
+        stage = jax.lax.axis_index(ax.STAGE)
+        return stage, (jax.lax.axis_index(self.groups) if self.groups else jnp.zeros((), jnp.int32))
+
+    def _send(self, x, d: int, back: bool = False):
+        """``ppermute`` of ``x`` by ``d`` devices along the ``(stage, *groups)`` ring (``back``: the other way)."""
+        devices = self.storage.stages * self.storage.groups
+        pairs = [(p, (p + d) % devices) for p in range(devices)]
+        return jax.lax.ppermute(x, (ax.STAGE, *self.groups), [(b, a) for a, b in pairs] if back else pairs)
+
+    def _take_slots(self, w):
+        """``[q, ...]`` rows -> ``[1, R*K', ...]`` this stage's working copy (storage only)."""
+        placement = self.storage.placement
+        stage, g = self._where()
+        parts = [w]
+        for d, send in enumerate(placement.sends):
+            if send is not None:
+                message = jnp.take(w, jnp.asarray(send)[stage, g], axis=0)
+                parts.append(self._send(message, d))
+        # A zero row last, which the empty slots take: no select against a slot-sized zero array (XLA
+        # shares such a broadcast with the backward pass's and materialises it before the step loop).
+        parts.append(jnp.zeros((1, *w.shape[1:]), w.dtype))
+        local = jnp.concatenate(parts, axis=0)  # [q + C + 1, ...]
+        size = local.shape[0] - 1
+        index = np.where(placement.local_index >= 0, placement.local_index, size)
+        mine = jnp.take(local, jnp.asarray(index)[stage, g], axis=0)  # [W, ...]
+        if not self.groups:
+            return mine[None]
+        full = jax.lax.all_gather(mine, self.groups, axis=1, tiled=False)  # [W, G, ...]: slot w*G + g
+        return full.reshape(1, -1, *w.shape[1:])
+
+    def _return_rows(self, g_slots):
+        """The transpose of `_take_slots` for gradients: ``[R*K', ...]`` -> ``[q, ...]``, summed over the group
+        axes (reduce-scatter) and sent back to the devices storing the received rows."""
+        placement = self.storage.placement
+        stage, g = self._where()
+        q, groups = placement.per_device, self.storage.groups
+        if self.groups:
+            g_slots = g_slots.reshape(-1, groups, *g_slots.shape[1:])
+            g_slots = jax.lax.psum_scatter(g_slots, self.groups, scatter_dimension=1, tiled=False)  # [W, ...]
+        # A gather by the inverse of the slots' rows (each local row feeds at most one slot), not a scatter into
+        # zeros: XLA materialises a scatter's zero operand before the step loop, through the peak.
+        width = g_slots.shape[0]
+        inverse = _inverse_rows(placement.local_index, q + placement.received, width)
+        padded = jnp.concatenate([g_slots, jnp.zeros((1, *g_slots.shape[1:]), g_slots.dtype)], axis=0)
+        local = jnp.take(padded, jnp.asarray(inverse)[stage, g], axis=0)  # [q + C, ...]
+        rows, offset = local[:q], q
+        for d, send in enumerate(placement.sends):
+            if send is not None:
+                count = send.shape[-1]
+                back = self._send(local[offset : offset + count], d, back=True)
+                rows = rows.at[jnp.asarray(send)[stage, g]].add(back)
+                offset += count
+        return rows
+
+    def reduce(self, grads, stacked):
+        """Whole ``[R, K, ...]`` per-device gradient sums -> the blocks' gradients, summed over ``summed``
+        (reduce-scatter over the split axes, all-reduce over the rest), in the blocks' dtype."""
+        def one(g, w, spec):
+            g = g.reshape(1, g.shape[0] * g.shape[1], *g.shape[2:])
+            if self.storage is None:
+                return reduce_shards(g, spec, self.summed).astype(w.dtype)
+            rows = self._return_rows(g[0])
+            rest = tuple(a for a in self.summed if a not in self.groups)
+            return (jax.lax.psum(rows, rest) if rest else rows).astype(w.dtype)
+
+        return jax.tree.map(one, grads, stacked, self.specs)
+
+
+def manual_axes(par) -> tuple[str, ...]:
+    """The axes the stage program is manual over: ``stage`` and the batch axes (``data``, ``fsdp``)."""
+    names = getattr(par.mesh, "axis_names", ())
+    return tuple(a for a in (ax.STAGE, *ax.BATCH_MESH_AXES) if a in names)
+
+
+def wide_dtype(dtype):
+    """At least float32: the dtype the activations cross ``stage`` in (`stage_varying`, `sum_over_stages`)."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def stage_varying(xs):
+    """``xs`` cast stage-varying (`to_varying`) through float32, so that its cotangent is summed over ``stage``
+    (the transpose of the cast) in float32: XLA's CPU compiler aborts on a bfloat16 all-reduce there
+    (``AllReducePromotion``: "Invalid binary instruction opcode copy"). Exact: only stage 0's cotangent is
+    nonzero, and a bfloat16 value is exact in float32."""
+    return to_varying(xs.astype(wide_dtype(xs.dtype)), ax.STAGE).astype(xs.dtype)
+
+
+def sum_over_stages(outputs):
+    """``psum`` over ``stage`` in float32 (see `stage_varying`), cast back: exact, as only the last stage's
+    outputs are nonzero."""
+    return jax.lax.psum(outputs.astype(wide_dtype(outputs.dtype)), ax.STAGE).astype(outputs.dtype)
+
+
+def _storage_of(layout: StageLayout, leaves, name_leaves, par) -> StageStorage | None:
+    """The unpadded storage the stacked leaves are in, or None when they are in the padded layout.
+
+    Raises:
+      ValueError: leaves in neither (naming the shapes expected).
+    """
+    if name_leaves is not None:
+        padded = [w.ndim == len(n) + 1 for w, n in zip(leaves, name_leaves)]
+    else:
+        padded = [w.shape[:2] == (layout.stages, layout.slots) for w in leaves]
+    if all(padded):
+        return None
+    storage = storage_for(layout, name_leaves or [], par.rules, par.mesh_shape)
+    if any(padded) or any(w.shape[0] != storage.rows for w in leaves):
+        raise ValueError(f"run_pipeline: stacked leaves of shapes {[tuple(w.shape) for w in leaves]}; expected "
+                         f"[{storage.rows}, ...] ({storage.describe()}) or [{layout.stages}, {layout.slots}, ...]")
+    return storage
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """What every schedule's shard_map needs: microbatched inputs, manual axes and the weights' specs.
+
+    Attributes:
+      plan: the run's `PipelinePlan`.
+      xs: ``[M, microbatch, ...]`` the activations in microbatches; extras likewise (a tuple).
+      manual: the axes the stage program is manual over (`manual_axes`).
+      data: the `PartitionSpec` of ``[M, microbatch, ...]`` arrays over the manual axes.
+      stacked_specs: per leaf of the stacked parameters, its `PartitionSpec` over the manual axes
+        (``stage`` first).
+      weights: the `Weights` that gather them per pass and reduce their gradients.
+    """
+
+    plan: PipelinePlan
+    xs: Any
+    extras: Any
+    manual: tuple[str, ...]
+    data: Any
+    stacked_specs: Any
+    weights: Weights
+
+    @classmethod
+    def of(cls, stacked, x, extras, par, names) -> Setup:
+        """Checks the inputs and builds the specs (arguments as `run_pipeline`; raises its ValueErrors)."""
+        plan = par.pipeline
+        if plan is None:
+            raise ValueError("run_pipeline needs a Parallelism whose strategy is a PipelinePlan")
+        if par.mesh is None:
+            raise ValueError("run_pipeline needs a Parallelism bound to a mesh (Parallelism.on(mesh))")
+        layout, m = plan.layout, plan.microbatches
+        stages = par.mesh_shape[ax.STAGE]
+        if stages != layout.stages:
+            raise ValueError(f"the layout has {layout.stages} stages but the mesh's stage axis is {stages}")
+        if x.shape[0] % m:
+            raise ValueError(f"a batch of {x.shape[0]} rows is not divisible by --microbatches {m}")
+        xs = to_microbatches(x, m)
+        extras = jax.tree.map(lambda e: to_microbatches(e, m), tuple(extras))
+        manual = manual_axes(par)
+        batch_spec = par.spec((None, ax.BATCH), xs.shape[:2])
+        batch = only_axes(P(batch_spec[1] if len(batch_spec) > 1 else None), manual)[0]
+        summed = tuple(a for a in spec_axes(batch) if par.mesh_shape[a] > 1)
+        leaves, tree = jax.tree.flatten(stacked)
+        name_leaves = None if names is None else logical_leaves(names)
+        if name_leaves is not None and len(name_leaves) != len(leaves):
+            raise ValueError(f"run_pipeline: {len(name_leaves)} logical names for {len(leaves)} stacked parameters")
+        storage = _storage_of(layout, leaves, name_leaves, par)
+        if storage is not None:
+            groups = storage_axes(name_leaves or [], par.rules, par.mesh_shape)
+            if set(groups) - set(summed):
+                missing = "+".join(a for a in groups if a not in summed)
+                raise ValueError(f"pipeline: layer parameters are split over {missing} but microbatches of "
+                                 f"{xs.shape[1]} rows are not; use --batch-size a multiple of --microbatches x data x "
+                                 f"fsdp, or --rule batch=data+fsdp")
+            specs = [only_axes(storage_spec(par.spec(n, w.shape) if name_leaves else P(ax.STAGE), storage.rows,
+                                           par.mesh_shape, groups), manual)
+                     for n, w in zip(name_leaves or [None] * len(leaves), leaves)]
+        elif name_leaves is None:
+            groups, specs = (), [P(ax.STAGE)] * len(leaves)
+        else:
+            groups = ()
+            specs = [manual_spec(par, StageLayout.stacked_names(n), w.shape, manual)
+                     for n, w in zip(name_leaves, leaves)]
+        check_split(specs, summed, par, xs.shape[1], batch)
+        weights = Weights(jax.tree.unflatten(tree, [P(None, *spec[1:]) for spec in specs]), summed, x.dtype,
+                           storage, groups)
+        return cls(plan, xs, extras, manual, P(None, batch), jax.tree.unflatten(tree, specs), weights)
+
+
+def logical_leaves(names) -> list[tuple]:
+    """The logical-name tuples of a tree of them, in leaf order."""
+    return jax.tree.leaves(names, is_leaf=lambda n: isinstance(n, tuple))
+
+
+def manual_spec(par, names, shape, manual):
+    """The `PartitionSpec` of an array with logical ``names``, restricted to the ``manual`` axes."""
+    return only_axes(par.spec(tuple(names), shape), manual)
+
+
+def check_split(specs, summed, par, rows: int, batch, skip_first: bool = True) -> None:
+    """Refuses a parameter split over a manual axis that the microbatches are not split over."""
+    for spec in specs:
+        unsummed = {a for e in spec[1 if skip_first else 0:] for a in spec_axes(e) if par.mesh_shape[a] > 1}
+        unsummed -= set(summed)
+        if unsummed:
+            axes = "+".join(sorted(unsummed))
+            raise ValueError(f"pipeline: a parameter is split over {axes} but microbatches of {rows} rows "
+                             f"are not (the rule batch -> {'+'.join(spec_axes(batch)) or 'none'}); use a batch whose "
+                             f"microbatches split over {axes} too (--batch-size a multiple of --microbatches x "
+                             f"data x fsdp), or --rule batch=data+fsdp")
+

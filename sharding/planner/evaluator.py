@@ -1,0 +1,320 @@
+"""Pricing one layout on a (mixed) cluster: what the search may choose (`PlanOptions`), one priced
+layout (`Plan`) and the evaluator that prices layouts (`_Evaluator`).
+
+The evaluator prices a layout per device kind with `sharding.costmodel` (one cost per class of
+devices that do the same work, the slowest device pacing the step; a pipeline adds its bubble
+``(S-1)/(R*M+S-1)``, or 1F1B's lockstep ticks), memoised per mesh (device grids, kinds, links) and per
+stage (costs shared by a split's stages), and rejects layouts that do not fit a device's memory
+(`MEMORY_FRACTION` of it).
+
+Imports nothing of the project outside `sharding`, never the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from sharding import axes as ax
+from sharding import costmodel as cm
+from sharding.mesh import device_grid, format_mesh
+from sharding.parallel import Accumulation, Parallelism, UnevenBatch
+from sharding.pipeline.layout import PipelinePlan, bubble_fraction, one_f_one_b_ticks, pipeline_rules, plan_layout
+
+
+#: Share of a device's memory a plan may use; the rest is left to the runtime, the allocator's
+#: fragmentation and the activations the cost model misses (it predicts 0.5-0.9x of what the CPU
+#: compiler allocates for temporaries, bench/results/costmodel.md).
+MEMORY_FRACTION = 0.85
+
+#: A 1F1B tick's share of a chunk's forward and backward time: the tick lasts as long as the slowest op,
+#: a backward, which recomputes the chunk's forward and then runs the backward's two products per forward
+#: product (3 of the 4 forward-equivalents; `sharding.pipeline.onef1b`, "Lockstep cost").
+ONE_F_ONE_B_TICK = 0.75
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanOptions:
+    """What the search may choose.
+
+    Attributes:
+      rules: Presets to try.
+      remats: Remat policies to try, cheapest first.
+      attentions: Attention implementations to try.
+      dtype: Compute dtype (``bfloat16`` for GPUs).
+      max_microbatches: Largest number of microbatches (per device, uniform) to try.
+      pipeline: Whether to try ``stage > 1`` (the pipeline flags of train.py).
+      max_stages: Largest ``stage`` to try (None: up to the layers).
+      repeats: Circular pipeline repeats to try.
+      schedules: Pipeline schedules to use: ``gpipe`` (circular with repeats) and ``1f1b`` (interleaved with
+        repeats), priced where GPipe does not fit (slower in lockstep, at most about S microbatches'
+        stage inputs kept).
+      sequence: Whether to try ``sequence > 1``.
+      hetero: Whether to try uneven data parallelism.
+      efficiency: Fraction of peak FLOP/s the step reaches (`sharding.costmodel.Hardware`).
+      backend: Collective lowering (`sharding.costmodel.BACKENDS`).
+    """
+
+    rules: tuple[str, ...] = ("dp", "fsdp", "tp", "fsdp_tp")
+    remats: tuple[str, ...] = ("none", "dots", "full")
+    attentions: tuple[str, ...] = ("flash", "reference")
+    dtype: str = "bfloat16"
+    max_microbatches: int = 64
+    pipeline: bool = True
+    max_stages: int | None = None
+    repeats: tuple[int, ...] = (1, 2)
+    schedules: tuple[str, ...] = ("gpipe", "1f1b")
+    sequence: bool = False
+    hetero: bool = True
+    efficiency: float = 0.5
+    backend: str = "gpu"
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """One evaluated layout.
+
+    Attributes:
+      layout: Mesh, rules, microbatches, remat, stage split, attention, dtype.
+      counts: Microbatches per device along ``data`` x ``fsdp`` for uneven data parallelism (data
+        major, as the mesh orders devices), or None for the uniform step.
+      microbatch_rows: Sequences per microbatch.
+      step_time: Predicted seconds per step.
+      tokens_per_second: Global tokens per predicted second.
+      mfu: Model FLOPs (PaLM count) per second over the cluster's peak.
+      memory: Kind name -> predicted bytes per device of that kind (the largest).
+      memory_limit: Kind name -> usable bytes (`MEMORY_FRACTION` of its memory).
+      parts: Seconds of the slowest device: ``compute``, ``exposed_comm``, ``overlapped_comm``,
+        ``optimizer``, ``bubble`` (pipeline idle time).
+      paced_by: The kind (and stage) of the slowest device.
+      fits: Whether every device fits its memory limit.
+    """
+
+    layout: cm.Layout
+    counts: tuple[int, ...] | None
+    microbatch_rows: float
+    step_time: float
+    tokens_per_second: float
+    mfu: float
+    memory: dict[str, float]
+    memory_limit: dict[str, float]
+    parts: dict[str, float]
+    paced_by: str
+    fits: bool
+
+    @property
+    def stage_layers(self) -> tuple[int, ...] | None:
+        return self.layout.stage_layers
+
+    def key(self) -> tuple:
+        """A description that identifies the plan (for tables and de-duplication)."""
+        lay = self.layout
+        return (format_mesh(lay.mesh), lay.rules_name, lay.microbatches, lay.remat, lay.attention,
+                lay.stage_layers, lay.pipeline_repeats, lay.one_f_one_b, self.counts)
+
+    def parallelism(self) -> Parallelism:
+        """The plan as the run's `sharding.parallel.Parallelism` (not bound to a mesh): its mesh, rules
+        and strategy: `UnevenBatch` with the counts, a `PipelinePlan` of the stage split, or
+        `Accumulation` over the microbatches."""
+        lay = self.layout
+        rules = lay.rules_table()
+        if self.counts is not None:
+            strategy = UnevenBatch(counts=tuple(self.counts), microbatches=lay.microbatches)
+        elif lay.mesh[ax.STAGE] > 1:
+            stages, _ = plan_layout(sum(lay.stage_layers), lay.mesh[ax.STAGE], lay.pipeline_repeats, lay.stage_layers)
+            strategy = PipelinePlan(stages, lay.microbatches, one_f_one_b=lay.one_f_one_b)
+            rules = pipeline_rules(rules)
+        else:
+            strategy = Accumulation(lay.microbatches)
+        return Parallelism(lay.mesh, rules, strategy)
+
+    def flags(self, cluster: str | None = None) -> str:
+        """The ``python -m train.train`` flags that reproduce the plan: `Parallelism.flags` of
+        `parallelism`, then the model's execution flags (``--remat``, ``--attention``, ``--dtype``) and
+        ``--cluster`` when given."""
+        lay = self.layout
+        parts = self.parallelism().flags() + ["--remat", lay.remat, "--attention", lay.attention, "--dtype", lay.dtype]
+        if cluster:
+            parts += ["--cluster", cluster]
+        return " ".join(parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Cluster:
+    kinds: tuple[Any, ...]  # kind of each global device
+    hosts: tuple[int, ...]  # host of each global device
+    per_host: int
+    inter_bandwidth: float
+
+    @property
+    def size(self) -> int:
+        return len(self.kinds)
+
+
+class _FakeDevice:
+    def __init__(self, index: int, host: int):
+        self.id, self.process_index = index, host
+
+
+def _cluster(inventory) -> _Cluster:
+    counts = {h.count for h in inventory.hosts}
+    if len(counts) != 1:
+        raise ValueError(
+            f"--cluster: the planner needs hosts of equal size, got {', '.join(str(h.count) for h in inventory.hosts)} "
+            f"devices; describe the cluster as equal hosts, e.g. h100:8,a100:8"
+        )
+    for kind in inventory.kinds_present:
+        if not kind.is_known:
+            raise ValueError(f"--cluster: the figures of device kind {kind.name!r} are unknown; name a known kind "
+                             f"(e.g. h100:8) or give them in a cluster file")
+    return _Cluster(inventory.device_kinds(), inventory.device_hosts(), counts.pop(), inventory.inter_host_bandwidth)
+
+
+class _Evaluator:
+    """Prices layouts on one cluster (caches hardware, grids and kinds per mesh)."""
+
+    def __init__(self, model, inventory, global_batch: int, seq_len: int, options: PlanOptions):
+        self.model, self.batch, self.seq, self.options = cm.describe_model(model), global_batch, seq_len, options
+        self.cluster = _cluster(inventory)
+        self.hardware = {k.name: cm.hardware_for(k, self.cluster.per_host, self.cluster.inter_bandwidth,
+                                                 options.efficiency) for k in inventory.kinds_present}
+        self.limit = {k.name: MEMORY_FRACTION * k.memory_bytes for k in inventory.kinds_present}
+        self.peak = sum(k.peak_bf16_flops for k in self.cluster.kinds)
+        self.flops_per_token = self.model.flops_per_token(seq_len)
+        self._grids: dict[tuple, Any] = {}
+        self._stage_costs: dict[tuple, tuple] = {}
+
+    def grid(self, mesh: Mapping[str, int]):
+        key = tuple(mesh.values())
+        if key not in self._grids:
+            self._grids[key] = device_grid(dict(mesh), [_FakeDevice(i, h) for i, h in enumerate(self.cluster.hosts)])
+        return self._grids[key]
+
+    def kind_of(self, device) -> Any:
+        return self.cluster.kinds[device.id]
+
+    def batch_kinds(self, mesh) -> list[Any]:
+        """Slowest kind at each position along ``data`` x ``fsdp`` (data-major)."""
+        grid = self.grid(mesh)
+        out = []
+        for d in range(mesh[ax.DATA]):
+            for f in range(mesh[ax.FSDP]):
+                group = grid[d, :, f, :, :].reshape(-1)
+                out.append(min((self.kind_of(x) for x in group), key=lambda k: k.peak_bf16_flops))
+        return out
+
+    def stage_kind_sets(self, mesh) -> list[tuple[Any, ...]]:
+        """The distinct device kinds of each stage's devices (sorted by name, so not by host order): a
+        stage spans ``data``, ``fsdp``, ``sequence`` and ``tensor``, which may cross hosts of different kinds."""
+        grid = self.grid(mesh)
+        out = []
+        for s in range(mesh[ax.STAGE]):
+            kinds = {k.name: k for k in map(self.kind_of, grid[:, s].reshape(-1))}
+            out.append(tuple(kinds[n] for n in sorted(kinds)))
+        return out
+
+    def stage_kinds(self, mesh) -> list[Any]:
+        """The slowest kind (by peak FLOP/s, then name) of each stage."""
+        return [min(kinds, key=lambda k: (k.peak_bf16_flops, k.name)) for kinds in self.stage_kind_sets(mesh)]
+
+    def kinds_in(self, mesh) -> list[Any]:
+        seen = {}
+        for x in self.grid(mesh).reshape(-1):
+            seen.setdefault(self.kind_of(x).name, self.kind_of(x))
+        return list(seen.values())
+
+    def links(self, mesh) -> dict[str, str]:
+        return cm.link_classes(mesh, self.cluster.per_host)
+
+    def time(self, cost: cm.Cost, kind, mesh) -> cm.StepTime:
+        return cm.step_time(cost, self.hardware[kind.name], self.links(mesh))
+
+    def finish(self, layout, counts, rows, devices: list[tuple[str, cm.Cost, cm.StepTime]],
+               seconds: float | None = None) -> Plan:
+        """Combines per-device-class results ``(label, cost, time)`` into a `Plan`; the slowest
+        class paces the step (``seconds`` overrides its time, e.g. with a pipeline bubble)."""
+        label, _, st = max(devices, key=lambda d: d[2].total)
+        seconds = st.total if seconds is None else seconds
+        memory: dict[str, float] = {}
+        for name, c, _ in devices:
+            kind = name.split("/")[0]
+            memory[kind] = max(memory.get(kind, 0.0), c.memory.total)
+        fits = all(memory[k] <= self.limit[k] for k in memory)
+        tokens = self.batch * self.seq / seconds
+        parts = {"compute": st.compute, "exposed_comm": st.exposed_comm, "overlapped_comm": st.overlapped_comm,
+                 "optimizer": st.optimizer, "bubble": seconds - st.total}
+        return Plan(layout, counts, rows, seconds, tokens, tokens * self.flops_per_token / self.peak,
+                    memory, {k: self.limit[k] for k in memory}, parts, label, fits)
+
+    def uniform(self, layout: cm.Layout) -> Plan | None:
+        mesh = layout.mesh
+        per = layout.batch_split * layout.microbatches
+        if self.batch % per:
+            return None
+        rows = self.batch / per
+        if mesh[ax.STAGE] > 1:
+            return self._pipeline(layout, rows)
+        devices = []
+        for kind in self.kinds_in(mesh):
+            cost = cm.device_cost(self.model, layout, seq_len=self.seq, rows=rows, backend=self.options.backend)
+            devices.append((kind.name, cost, self.time(cost, kind, mesh)))
+        return self.finish(layout, None, rows, devices)
+
+    def _pipeline(self, layout: cm.Layout, rows: float) -> Plan | None:
+        """Stages run in lockstep (one SPMD program). GPipe/circular: each of the ``R*M + S - 1`` steps
+        lasts as long as the slowest stage's chunk (forward and backward) for one microbatch. 1F1B: each of
+        its ticks (`one_f_one_b_ticks`, ``2 (M + S - 1)`` with one chunk) lasts as long as the slowest
+        stage's backward of a chunk, `ONE_F_ONE_B_TICK` of its forward and backward. The optimizer runs
+        once after. None for a split or schedule the run refuses (`plan_layout`: fewer layers than
+        repeats on a stage; interleaved 1F1B: M not a multiple of S)."""
+        mesh, stages = layout.mesh, layout.stage_layers
+        m, r = layout.microbatches, layout.pipeline_repeats
+        try:
+            plan_layout(sum(stages), mesh[ax.STAGE], r, stages)
+            ticks = one_f_one_b_ticks(mesh[ax.STAGE], m, r).ticks if layout.one_f_one_b else 0
+        except ValueError:
+            return None
+        slots = max(stages)
+        devices = []
+        for s, kinds in enumerate(self.stage_kind_sets(mesh)):
+            for kind in kinds:  # every kind a stage holds: its memory limit and its speed
+                cost, st = self.stage_cost(layout, kind, rows, stages[s], slots)
+                devices.append((f"{kind.name}/stage{s}", cost, st))
+        busy = max(st.total - st.optimizer for _, _, st in devices)  # the slowest stage's R*M chunks
+        if layout.one_f_one_b:
+            busy = ticks * ONE_F_ONE_B_TICK * busy / (r * m)
+        else:
+            busy /= 1.0 - bubble_fraction(mesh[ax.STAGE], m, r)
+        seconds = busy + max(st.optimizer for _, _, st in devices)
+        return self.finish(layout, None, rows, devices, seconds)
+
+    def stage_cost(self, layout: cm.Layout, kind, rows: float, layers: int, slots: int):
+        """``(cost, time)`` of a stage device holding ``slots`` layers and computing ``layers``
+        (memoized: a split's stages share them)."""
+        # Not keyed by the whole split: the stored rows a stage receives by ppermute (`cm.device_cost`) are
+        # those of the first split priced with these layers and slots (keying by the split made the search
+        # ~6x slower; the rows moved are one ppermute per step, small beside the working copy's gather).
+        # The cost does not depend on the kind (only its time does): one cost serves every kind of a stage.
+        key = (tuple(layout.mesh.items()), layout.rules_name, layout.microbatches, layout.remat,
+               layout.pipeline_repeats, layout.one_f_one_b, layout.attention, layout.dtype, rows, layers, slots)
+        if key not in self._stage_costs:
+            self._stage_costs[key] = (cm.device_cost(self.model, layout, seq_len=self.seq, rows=rows, layers=layers,
+                                                     slots=slots, backend=self.options.backend), {})
+        cost, times = self._stage_costs[key]
+        if kind.name not in times:
+            times[kind.name] = self.time(cost, kind, layout.mesh)
+        return cost, times[kind.name]
+
+    def uneven(self, layout: cm.Layout, counts: Sequence[int], rows: float) -> Plan:
+        """Uneven data parallelism: device ``i`` along data x fsdp runs ``counts[i]`` microbatches."""
+        mesh = layout.mesh
+        kinds = self.batch_kinds(mesh)
+        by_class: dict[tuple[str, int], tuple] = {}
+        for kind, count in zip(kinds, counts):
+            key = (kind.name, count)
+            if key not in by_class:
+                cost = cm.device_cost(self.model, layout, seq_len=self.seq, rows=rows, microbatches=count,
+                                      backend=self.options.backend, batch_rows=self.batch)
+                by_class[key] = (kind.name, cost, self.time(cost, kind, mesh))
+        return self.finish(layout, tuple(counts), rows, list(by_class.values()))

@@ -1,0 +1,397 @@
+"""The search: the fastest layouts of one training step on a (mixed) cluster.
+
+`plan` walks the search space (`_candidates`: meshes whose ``tensor`` and ``sequence`` groups stay
+inside a host, rules presets, attentions, microbatches, pipeline repeats and schedules), fills in
+the remat policy (cheapest that fits first), the per-kind batch shares (uneven data parallelism,
+`_uneven_counts`) and the stage splits (`_stage_split`), and prices each on an `_Evaluator`
+(`sharding.planner.evaluator`). Shares and splits are derived from affine fits of each kind's time,
+grouped by kind (two evaluations per kind, not per device), not enumerated; `brute_force`
+enumerates them all, for tests. `uniform_baseline` is the best plan with the same work on every
+device, `evaluate` prices one given layout, `no_plan_reason` says why no plan came back.
+
+Imports nothing of the project outside `sharding`, never the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+from sharding import axes as ax
+from sharding import costmodel as cm
+from sharding.mesh import format_mesh
+from sharding.modeldesc import ModelDescription
+from sharding.pipeline.layout import plan_layout
+from sharding.planner.evaluator import Plan, PlanOptions, _Cluster, _Evaluator
+from sharding.splits import largest_remainder, min_max_assign
+
+
+def _factorizations(n: int, parts: int) -> Iterator[tuple[int, ...]]:
+    if parts == 1:
+        yield (n,)
+        return
+    for d in range(1, n + 1):
+        if n % d == 0:
+            for rest in _factorizations(n // d, parts - 1):
+                yield (d,) + rest
+
+
+def _meshes(model: ModelDescription, cluster: _Cluster, options: PlanOptions) -> Iterator[dict[str, int]]:
+    """Mesh shapes: tensor and sequence groups inside a host; the model's ``heads``, ``mlp`` and
+    ``vocab`` divisible by ``tensor``."""
+    for data, stage, fsdp, sequence, tensor in _factorizations(cluster.size, 5):
+        if tensor * sequence > cluster.per_host or cluster.per_host % (tensor * sequence):
+            continue
+        if sequence > 1 and not options.sequence:
+            continue
+        if stage > 1 and (not options.pipeline or stage > model.num_layers
+                          or (options.max_stages is not None and stage > options.max_stages)):
+            continue
+        if tensor > 1 and any(model.axis_sizes[a] % tensor for a in (ax.HEADS, ax.MLP, ax.VOCAB)):
+            continue
+        yield {ax.DATA: data, ax.STAGE: stage, ax.FSDP: fsdp, ax.SEQUENCE: sequence, ax.TENSOR: tensor}
+
+
+def _rules_for(model: ModelDescription, mesh: Mapping[str, int], options: PlanOptions) -> list[str]:
+    """Presets that differ on this mesh: ``fsdp*`` only with ``fsdp`` > 1, ``*tp`` only with ``tensor`` > 1."""
+    out = []
+    for name in options.rules:
+        wants_fsdp, wants_tp = name.startswith("fsdp"), name.endswith("tp")
+        if wants_fsdp != (mesh[ax.FSDP] > 1) or wants_tp != (mesh[ax.TENSOR] > 1):
+            continue
+        if wants_fsdp and model.axis_sizes[ax.EMBED] % mesh[ax.FSDP]:
+            continue
+        out.append(name)
+    return out
+
+
+def _microbatch_options(per_device_rows: int, limit: int, at_least: int = 1) -> list[int]:
+    out, m = [], 1
+    while m <= min(per_device_rows, limit):
+        if per_device_rows % m == 0 and m >= at_least:
+            out.append(m)
+        m *= 2
+    return out
+
+
+def _best_fitting(plans: Iterable[Plan | None]) -> Plan | None:
+    """The fastest plan that fits (the first of equals), or None."""
+    return min((p for p in plans if p is not None and p.fits), key=lambda p: p.step_time, default=None)
+
+
+def _affine(seconds_at, near: int) -> tuple[float, float]:
+    """``(a, b)`` of ``seconds(n) ~ a + b n`` around ``n = near``, from ``near`` and ``near + 1``.
+
+    Compute grows linearly with microbatches and layers; the optimizer and traffic that overlaps
+    compute are constant, so the time is piecewise affine and is fitted where the answer lies."""
+    n = max(near, 1)
+    at, after = seconds_at(n), seconds_at(n + 1)
+    return at - (after - at) * n, after - at
+
+
+def _uneven_counts(ev: _Evaluator, layout: cm.Layout, total: int, rows: float) -> Plan:
+    """Counts per device: each kind's step time is affine in its microbatches (two evaluations per
+    kind), so the min-max greedy on the affine times gives the counts; they start from the share
+    proportional to speed (largest remainder) rounded down. One exact evaluation prices them."""
+    kinds = ev.batch_kinds(layout.mesh)
+    share = largest_remainder(total, [k.peak_bf16_flops for k in kinds])
+    lines = {}
+    for i, kind in enumerate(kinds):
+        if kind.name in lines:
+            continue
+
+        def seconds(n, kind=kind):
+            cost = cm.device_cost(ev.model, layout, seq_len=ev.seq, rows=rows, microbatches=n,
+                                  backend=ev.options.backend, batch_rows=ev.batch)
+            return ev.time(cost, kind, layout.mesh).total
+        lines[kind.name] = _affine(seconds, share[i])
+    start = [max(c - 1, 0) for c in share]
+    counts = min_max_assign(total, start, lambda i, n: (lines[kinds[i].name][0] + lines[kinds[i].name][1] * n, n))
+    return ev.uneven(layout, counts, rows)
+
+
+def _stage_split(ev: _Evaluator, layout: cm.Layout) -> Plan | None:
+    """Layers per stage: each stage's time is affine in its layers (two evaluations per stage kind),
+    so the min-max greedy gives the split (at least one layer each), starting from the split
+    proportional to the stage kinds' speed rounded down; then moves of 1 or 2 layers from the slowest
+    and from the largest stage, while the exact predicted time drops."""
+    mesh = layout.mesh
+    sets = [tuple(k.name for k in kinds) for kinds in ev.stage_kind_sets(mesh)]
+    by_name = {k.name: k for kinds in ev.stage_kind_sets(mesh) for k in kinds}
+    per = layout.batch_split * layout.microbatches
+    rows = ev.batch / per
+    layers = ev.model.num_layers
+    share = largest_remainder(layers, [k.peak_bf16_flops for k in ev.stage_kinds(mesh)], minimum=1)
+    lines = {}
+    for i, names in enumerate(sets):
+        if names in lines:
+            continue
+
+        def seconds(n, names=names):  # a stage is as fast as its slowest kind
+            cost = cm.device_cost(ev.model, layout, seq_len=ev.seq, rows=rows, layers=n, slots=n,
+                                  backend=ev.options.backend)
+            return max(ev.time(cost, by_name[name], mesh).total for name in names)
+        lines[names] = _affine(seconds, share[i])
+    start = [max(c - 1, 1) for c in share]
+    split = min_max_assign(layers, start, lambda i, n: (lines[sets[i]][0] + lines[sets[i]][1] * n, n))
+    best = ev.uniform(dataclasses.replace(layout, stage_layers=tuple(split)))
+
+    def line(i):
+        return lines[sets[i]][0] + lines[sets[i]][1] * split[i]
+
+    # Moves of 1 or 2 layers while the exact time drops, from the slowest stage (by the lines) and from
+    # the largest, to any stage: what the lines miss (every stage's working copy has the largest stage's
+    # slots, rounded up to a multiple of the storage's devices per stage, and the stored rows a stage
+    # receives) can favour a move towards an even split that a single layer does not show.
+    for _ in range(layers):
+        improved = False
+        sources = dict.fromkeys((max(range(len(split)), key=line), max(range(len(split)), key=lambda i: split[i])))
+        moves = [(i, j, n) for i in sources for n in (1, 2) for j in range(len(split)) if j != i and split[i] > n]
+        for i, j, n in moves:
+            trial = list(split)
+            trial[i] -= n
+            trial[j] += n
+            candidate = ev.uniform(dataclasses.replace(layout, stage_layers=tuple(trial)))
+            if candidate is not None and (best is None or (candidate.fits, -candidate.step_time)
+                                          > (best.fits, -best.step_time)):
+                split, best, improved = trial, candidate, True
+                break
+        if not improved:
+            break
+    return best
+
+
+def _candidates(ev: _Evaluator) -> Iterator[tuple[cm.Layout, str]]:
+    """The search space, the one loop every search walks: each mesh, rules preset, attention and
+    layout skeleton (`_layouts`), tagged ``uniform``, ``uneven`` or ``pipeline``."""
+    for mesh in _meshes(ev.model, ev.cluster, ev.options):
+        for rules in _rules_for(ev.model, mesh, ev.options):
+            for attention in ev.options.attentions:
+                if cm.unpriced_attention(attention, mesh) is None:  # ring/ulysses: only without a sequence axis
+                    yield from _layouts(ev, mesh, rules, attention)
+
+
+def _layouts(ev: _Evaluator, mesh: dict[str, int], rules: str, attention: str) -> Iterator[tuple[cm.Layout, str]]:
+    """Layout skeletons for a mesh (remat and split filled in later), tagged uniform/uneven/pipeline."""
+    opts, model = ev.options, ev.model
+    n_batch = mesh[ax.DATA] * mesh[ax.FSDP]
+    if ev.batch % n_batch:
+        return
+    per_device = ev.batch // n_batch
+    stages = mesh[ax.STAGE]
+    for m in _microbatch_options(per_device, opts.max_microbatches, at_least=stages if stages > 1 else 1):
+        for r in (opts.repeats if stages > 1 else (1,)):
+            if stages > 1 and stages * r > model.num_layers:
+                continue
+            base = cm.Layout(mesh, rules, m, "none", pipeline_repeats=r, attention=attention, dtype=opts.dtype)
+            yield base, "pipeline" if stages > 1 else "uniform"
+            uneven_ok = (opts.hetero and _uneven_fits(mesh, rules, attention)
+                         and len({k.name for k in ev.kinds_in(mesh)}) > 1)
+            if uneven_ok:
+                yield dataclasses.replace(base, uneven_batch=True), "uneven"
+
+
+def _uneven_fits(mesh: Mapping[str, int], rules: str, attention: str) -> bool:
+    """Whether the uneven step (`train.strategies.UnevenGradients`) runs this layout as the cost model
+    prices it: meshes over ``data``, ``fsdp`` and ``tensor`` (tensor inside each data-parallel group, one
+    count per group). With ``tensor``, the attention must be one GSPMD partitions (``reference``,
+    ``dot_product``: a kernel's own `jax.shard_map` cannot sit inside the step's, `train.checks`). Left
+    out: parameters split over ``fsdp`` and ``tensor`` at once (``fsdp``/``fsdp_tp`` rules with both axes
+    > 1), which the step runs exactly but whose parameter gathers the partitioner lays out with extra
+    traffic the model does not count (tests/test_hetero.py)."""
+    if any(mesh[a] > 1 for a in (ax.STAGE, ax.SEQUENCE)):
+        return False
+    if mesh[ax.TENSOR] > 1 and attention not in ("reference", "dot_product"):
+        return False
+    return not (mesh[ax.TENSOR] > 1 and mesh[ax.FSDP] > 1 and rules in ("fsdp", "fsdp_tp"))
+
+
+def _price(ev: _Evaluator, layout: cm.Layout, tag: str) -> Plan | None:
+    """The cheapest remat policy that fits (policies are tried cheapest first). A pipeline whose GPipe
+    plan does not fit is also priced with 1F1B at the same split (`_one_f_one_b`); the fastest fitting of
+    those and of the first fitting GPipe plan wins."""
+    last, fitting = None, []
+    for remat in ev.options.remats:
+        lay = dataclasses.replace(layout, remat=remat)
+        if tag == "pipeline":
+            plan_ = _stage_split(ev, lay)
+        elif tag == "uneven":
+            n_batch = lay.batch_split
+            total = n_batch * lay.microbatches
+            plan_ = _uneven_counts(ev, lay, total, ev.batch / total)
+        else:
+            plan_ = ev.uniform(lay)
+        if plan_ is None:
+            continue
+        if plan_.fits:
+            fitting.append(plan_)
+            break
+        last = plan_
+        one = _one_f_one_b(ev, plan_) if tag == "pipeline" else None
+        if one is not None and one.fits:
+            fitting.append(one)
+    return min(fitting, key=lambda p: p.step_time) if fitting else last
+
+
+def _one_f_one_b(ev: _Evaluator, gpipe: Plan) -> Plan | None:
+    """``gpipe``'s layout under the 1F1B schedule when `PlanOptions.schedules` allows it and GPipe does not
+    fit (1F1B's lockstep ticks make it slower, `_Evaluator._pipeline`: it is chosen for its memory only)."""
+    if "1f1b" not in ev.options.schedules or gpipe.fits:
+        return None
+    return ev.uniform(dataclasses.replace(gpipe.layout, one_f_one_b=True))
+
+
+def plan(model: Any, inventory, global_batch: int, seq_len: int, options: PlanOptions | None = None,
+         top: int = 5) -> list[Plan]:
+    """The best layouts of one training step, fastest first.
+
+    Args:
+      model: The model's `sharding.modeldesc.ModelDescription` (or an object with ``describe()``).
+      inventory: A `sharding.devices.Inventory` (hosts of equal size).
+      global_batch: B, sequences per step.
+      seq_len: T, tokens per sequence.
+      options: The search space (`PlanOptions`).
+      top: How many plans to return (the best of each mesh and rules, then the rest).
+
+    Returns:
+      Plans that fit memory, fastest first (at most ``top``); when none fits, the closest ones
+      with ``fits=False``.
+
+    Raises:
+      ValueError: On hosts of unequal size or unknown device figures (naming ``--cluster``), or ``top`` < 1.
+    """
+    if top < 1:
+        raise ValueError(f"top must be at least 1 (got {top}), e.g. top=8")
+    ev = _Evaluator(model, inventory, global_batch, seq_len, options or PlanOptions())
+    found: dict[tuple, Plan] = {}
+    for layout, tag in _candidates(ev):
+        priced = _price(ev, layout, tag)
+        if priced is not None:
+            found[priced.key()] = priced
+    plans = sorted(found.values(), key=lambda p: (not p.fits, p.step_time))
+    return _diverse(plans, top)
+
+
+def _diverse(plans: list[Plan], top: int) -> list[Plan]:
+    """The best plan of each distinct (mesh, rules, uneven or not) first, then the rest."""
+    seen, first, rest = set(), [], []
+    for p in plans:
+        key = (format_mesh(p.layout.mesh), p.layout.rules_name, p.counts is not None)
+        (rest if key in seen else first).append(p)
+        seen.add(key)
+    return (first + rest)[:top]
+
+
+def uniform_baseline(model: Any, inventory, global_batch: int, seq_len: int,
+                     options: PlanOptions | None = None) -> Plan | None:
+    """The best plan where every device does the same work (no uneven shares, even stages)."""
+    options = dataclasses.replace(options or PlanOptions(), hetero=False)
+    ev = _Evaluator(model, inventory, global_batch, seq_len, options)
+
+    def even(layout: cm.Layout, tag: str) -> cm.Layout:
+        if tag != "pipeline":
+            return layout
+        stages, _ = plan_layout(ev.model.num_layers, layout.mesh[ax.STAGE])
+        return dataclasses.replace(layout, stage_layers=stages.stage_layers)
+
+    return _best_fitting(ev.uniform(even(dataclasses.replace(layout, remat=remat), tag))
+                         for layout, tag in _candidates(ev) for remat in options.remats)
+
+
+def evaluate(model: Any, inventory, global_batch: int, seq_len: int, layout: cm.Layout,
+             counts: Sequence[int] | None = None, options: PlanOptions | None = None) -> Plan | None:
+    """Prices one given layout (and uneven counts), as the planner does.
+
+    Returns:
+      The `Plan`, or None when the batch does not split over the layout.
+    """
+    ev = _Evaluator(model, inventory, global_batch, seq_len, options or PlanOptions())
+    if counts is None:
+        return ev.uniform(layout)
+    return ev.uneven(layout, counts, global_batch / sum(counts))
+
+
+def brute_force(model: Any, inventory, global_batch: int, seq_len: int, options: PlanOptions | None = None,
+                max_splits: int = 20000) -> Plan | None:
+    """The best fitting plan by exhaustive search (for tests): every mesh, rules, attention,
+    microbatches and remat, every per-kind count vector for uneven data parallelism, and every
+    stage split (compositions of the layers into ``stage`` parts of at least 1, when there are at
+    most ``max_splits`` of them; each also under 1F1B where GPipe does not fit, `_one_f_one_b`)."""
+    ev = _Evaluator(model, inventory, global_batch, seq_len, options or PlanOptions())
+
+    def every(layout: cm.Layout, tag: str) -> Iterator[Plan | None]:
+        if tag == "uniform":
+            yield ev.uniform(layout)
+        elif tag == "uneven":
+            for counts in _kind_counts(ev, layout):
+                yield ev.uneven(layout, counts, global_batch / sum(counts))
+        else:
+            for split in _compositions(ev.model.num_layers, layout.mesh[ax.STAGE], max_splits):
+                gpipe = ev.uniform(dataclasses.replace(layout, stage_layers=split))
+                yield gpipe
+                if gpipe is not None:
+                    yield _one_f_one_b(ev, gpipe)
+
+    return _best_fitting(plan_ for layout, tag in _candidates(ev) for remat in ev.options.remats
+                         for plan_ in every(dataclasses.replace(layout, remat=remat), tag))
+
+
+def _kind_counts(ev: _Evaluator, layout: cm.Layout) -> Iterator[list[int]]:
+    """Every assignment of one count per kind whose total is the batch's microbatches."""
+    kinds = [k.name for k in ev.batch_kinds(layout.mesh)]
+    names = sorted(set(kinds))
+    per = {n: kinds.count(n) for n in names}
+    total = layout.batch_split * layout.microbatches
+
+    def rec(i, left):
+        if i == len(names) - 1:
+            if left % per[names[i]] == 0:
+                yield [left // per[names[i]]]
+            return
+        for c in range(0, left // per[names[i]] + 1):
+            for rest in rec(i + 1, left - c * per[names[i]]):
+                yield [c] + rest
+
+    for combo in rec(0, total):
+        if sum(combo) == 0:
+            continue
+        by = dict(zip(names, combo))
+        yield [by[k] for k in kinds]
+
+
+def _compositions(total: int, parts: int, limit: int) -> Iterator[tuple[int, ...]]:
+    if math.comb(total - 1, parts - 1) > limit:
+        return
+    for cuts in itertools.combinations(range(1, total), parts - 1):
+        bounds = (0,) + cuts + (total,)
+        yield tuple(bounds[i + 1] - bounds[i] for i in range(parts))
+
+
+def no_plan_reason(model: Any, inventory, global_batch: int, seq_len: int,
+                   options: PlanOptions | None = None) -> str:
+    """Why `plan` returned no plan, in one line that names a value that works where one is knowable.
+
+    Args:
+      model, inventory, global_batch, seq_len, options: As for `plan`.
+
+    Returns:
+      The reason: the batch does not divide over the data-parallel devices (``data`` x ``fsdp``) of any
+      mesh the search allows (naming the smallest larger ``--batch`` that does), or a generic hint.
+
+    Raises:
+      ValueError: As `plan` (hosts of unequal size, unknown device figures).
+    """
+    options = options or PlanOptions()
+    ev = _Evaluator(model, inventory, global_batch, seq_len, options)
+    splits = sorted({m[ax.DATA] * m[ax.FSDP] for m in _meshes(ev.model, ev.cluster, options)})
+    if splits and not any(True for _ in _candidates(ev)):
+        for batch in range(global_batch + 1, global_batch + 2 * max(splits) * max(options.max_microbatches, 1) + 1):
+            if any(True for _ in _candidates(_Evaluator(model, inventory, batch, seq_len, options))):
+                shown = ", ".join(str(n) for n in splits)
+                return (f"--batch {global_batch} does not divide over the data-parallel devices of any layout "
+                        f"(data x fsdp is {shown} on this cluster, with enough rows per device for each pipeline's "
+                        f"microbatches); try --batch {batch}")
+    return f"no layout fits --batch {global_batch} --seq-len {seq_len}; try a smaller --batch or --seq-len"

@@ -1,0 +1,81 @@
+"""The cost model's figures for the run's own layout, beside the compiler's (``--dry-run``).
+
+`cost_model_lines` prices the run's `sharding.parallel.Parallelism` and execution settings with
+`sharding.costmodel` (through `sharding.costmodel.layout_of`, the one way from a run's layout to the
+cost model's) and prints, per device per step, each figure next to what the compiled step says:
+matrix-product FLOPs (loop trips counted, `sharding.hlo.dot_flops`), FLOPs as
+``compiled.cost_analysis()`` counts them (each loop body once), the step's argument bytes (state and
+batch, ``compiled.memory_analysis()``) and the bytes of each collective kind
+(`sharding.hlo.collectives`). The same comparison `bench/costmodel.py` makes on its grid.
+"""
+
+from __future__ import annotations
+
+from sharding import costmodel as cm
+from sharding import hlo
+from sharding.parallel import UnevenBatch
+
+
+def _flop(n: float) -> str:
+    return f"{n / 1e12:.2f} TFLOP" if n >= 1e11 else f"{n / 1e9:.3f} GFLOP"
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def _predicted(trainer, batch: int, seq_len: int, backend: str) -> tuple[cm.Cost, str]:
+    """The cost of the run's busiest device and which one it is."""
+    par, config = trainer.par, trainer.config
+    layout = cm.layout_of(par, config)
+    strategy = par.strategy
+    if isinstance(strategy, UnevenBatch) and strategy.counts:
+        most = max(strategy.counts)
+        cost = cm.device_cost(config, layout, seq_len=seq_len, rows=batch / strategy.total, microbatches=most,
+                              backend=backend, batch_rows=batch)
+        return cost, f"the device with the most microbatches ({most})"
+    cost = cm.estimate(config, batch, seq_len, layout, backend=backend)
+    return cost, "the device with the largest stage" if par.pipeline is not None else "every device"
+
+
+def cost_model_lines(trainer, compiled, batch: int, seq_len: int) -> list[str]:
+    """Lines comparing the cost model's prediction for the run's layout with the compiled step.
+
+    Args:
+      trainer: The `train.step.Trainer` (its `Parallelism` ``par``, bound to the mesh, and model ``config``).
+      compiled: Its compiled train step (`Trainer.compile_train_step`).
+      batch: Global batch, sequences.
+      seq_len: Tokens per sequence.
+
+    Returns:
+      The lines; one saying why when the cost model cannot price the layout (e.g. an attention it does
+      not model on this mesh), so a dry run never fails on it.
+    """
+    platform = trainer.mesh.devices.flat[0].platform
+    backend = "cpu" if platform == "cpu" else "gpu"
+    try:
+        cost, who = _predicted(trainer, batch, seq_len, backend)
+    except ValueError as e:
+        return [f"cost model: this layout is not priced: {e}"]
+    text = compiled.as_text()
+    analysis = compiled.cost_analysis()
+    analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis
+    memory = compiled.memory_analysis()
+    rows = [("matrix-product FLOPs", _flop(cost.matmul_flops), _flop(hlo.dot_flops(text))),
+            ("FLOPs as cost_analysis", _flop(cost.counted_flops), _flop(float(analysis.get("flops", 0.0)))),
+            ("arguments (state + batch)", _mib(cost.argument_bytes),
+             _mib(memory.argument_size_in_bytes) if memory is not None else "n/a")]
+    predicted, actual = cm.collective_bytes(cost.comms), cm.collective_bytes(hlo.collectives(text))
+    for kind in sorted(set(predicted) | set(actual)):
+        rows.append((kind, _mib(predicted.get(kind, 0.0)), _mib(actual.get(kind, 0.0))))
+    lines = [f"cost model (sharding.costmodel, {backend} lowering) for this run's layout, {who}, per step:",
+             f"  {'':<28} {'predicted':>14} {'compiled':>14}"]
+    lines += [f"  {label:<28} {pred:>14} {got:>14}" for label, pred, got in rows]
+    if isinstance(trainer.par.strategy, UnevenBatch):
+        lines.append("  (the uneven step's microbatch loop runs a number of trips set at run time: the compiled "
+                     "products count its body once)")
+    plan = trainer.par.pipeline
+    if plan is not None and plan.skip_empty:
+        lines.append("  (the compiled figures count every slot of every pipeline step; the prediction only the slots "
+                     "that run)")
+    return lines
