@@ -35,6 +35,16 @@ class PipelineExecution(GradientStrategy):
     def check_compiled(self, compiled_text: str) -> tuple[Parallelism, str | None]:
         return checked_pipeline(self.par, compiled_text)
 
+    def priced(self, config, layout, batch: int, seq_len: int, backend: str):
+        cost, _ = super().priced(config, layout, batch, seq_len, backend)
+        return cost, "the device with the largest stage"
+
+    def cost_notes(self) -> list[str]:
+        if not self.par.pipeline.skip_empty:
+            return []
+        return ["  (the compiled figures count every slot of every pipeline step; the prediction only the slots "
+                "that run)"]
+
     def detail_lines(self, run, trainer) -> list[str]:
         from train import report
 

@@ -112,6 +112,27 @@ class GradientStrategy:
         else a fallback and the line saying why)."""
         return self.par, None
 
+    def priced(self, config, layout, batch: int, seq_len: int, backend: str):
+        """``(cost, who)``: the cost model's `sharding.costmodel.Cost` of the run's busiest device per step and
+        which device that is (every device alike by default: `sharding.costmodel.estimate`).
+
+        Args:
+          config: The `models.config.ModelConfig`.
+          layout: The cost model's layout of the run (`sharding.costmodel.layout_of`).
+          batch, seq_len: Global batch (sequences) and tokens per sequence.
+          backend: ``cpu`` or ``gpu`` (what the compiler lowers collectives to).
+
+        Raises:
+          ValueError: A layout the cost model does not price.
+        """
+        from sharding import costmodel as cm
+
+        return cm.estimate(config, batch, seq_len, layout, backend=backend), "every device"
+
+    def cost_notes(self) -> list[str]:
+        """Lines on where the cost model's figures and the compiled step's count differently (none by default)."""
+        return []
+
     def summary_lines(self, run, speeds=None) -> list[str]:
         """Start-up lines before the parameter table (``run``: the `train.config.RunConfig`; ``speeds``:
         the datasheet speeds the start-up resolved, or None)."""

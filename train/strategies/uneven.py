@@ -193,6 +193,22 @@ class UnevenGradients(GradientStrategy):
         return RebalanceController(self.counts, self.capacity, strategy.rebalance_every,
                                    pools=compute_pools(batch_grid(self.par.mesh)))
 
+    def priced(self, config, layout, batch: int, seq_len: int, backend: str):
+        """The device with the most microbatches (`sharding.costmodel.device_cost`)."""
+        from sharding import costmodel as cm
+
+        strategy = self.par.strategy
+        if not strategy.counts:
+            return super().priced(config, layout, batch, seq_len, backend)
+        most = max(strategy.counts)
+        cost = cm.device_cost(config, layout, seq_len=seq_len, rows=batch / strategy.total, microbatches=most,
+                              backend=backend, batch_rows=batch)
+        return cost, f"the device with the most microbatches ({most})"
+
+    def cost_notes(self) -> list[str]:
+        return ["  (the uneven step's microbatch loop runs a number of trips set at run time: the compiled "
+                "products count its body once)"]
+
     def summary_lines(self, run, speeds=None) -> list[str]:
         strategy = self.par.strategy
         return [describe_uneven(strategy.counts, run.data.batch_size // strategy.total, speeds, self.capacity)]
