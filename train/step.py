@@ -32,7 +32,7 @@ BATCH_NAMES = (ax.BATCH, ax.LENGTH)
 _LAYOUT_ATTRIBUTES = frozenset({
     "graphdef", "abstract_params", "param_names", "layout", "storage", "tx", "state_params", "param_shardings",
     "report", "state_shardings", "abstract_state", "param_targets", "init_state", "state_from_params",
-    "layout_meta", "relayout_state"})
+    "layout_meta", "relayout_state", "_layout_state", "_init_fn"})
 
 
 class Trainer:
