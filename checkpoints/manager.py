@@ -12,7 +12,7 @@ Stacked layer arrays are stored as the run held them: ``[layers, ...]``
 without a pipeline, ``[stage, slot, ...]`` (padded, see
 `sharding.pipeline.StageLayout`) with one. A run with another layout restores
 them in the saved layout onto its own mesh and re-lays them on device
-(`train.step.Trainer.restore`), so saves never pay for a re-layout and a
+(`restore_state` onto a `train.state.StateLayout`), so saves never pay for a re-layout and a
 checkpoint resumes across stage counts and splits.
 
 Restoring reads ``state`` onto abstract targets (`jax.ShapeDtypeStruct` with
@@ -343,7 +343,7 @@ def set_aside_damaged(directory, choice, log) -> list[Path]:
 
 
 def restore_state(manager: CheckpointManager, target, step: int | None = None):
-    """Restores a checkpoint onto a trainer's mesh and layout.
+    """Restores a checkpoint onto a state layout's mesh and storage.
 
     Reads the saved stage layout from the checkpoint's metadata (``pipeline``; absent or None: canonical),
     restores onto targets in that layout with the current mesh's shardings (every device reads only its
@@ -351,8 +351,9 @@ def restore_state(manager: CheckpointManager, target, step: int | None = None):
 
     Args:
       manager: The `CheckpointManager`.
-      target: What to restore onto: has ``config.num_layers``, ``abstract_state(layout)`` and
-        ``relayout_state(state, layout)`` (a `train.step.Trainer`).
+      target: What to restore onto: a `train.state.StateLayout` (``config.num_layers``,
+        ``abstract_state(layout)`` and ``relayout_state(state, layout)``; not imported here, since
+        checkpoints import nothing of train).
       step: The step (default: latest).
 
     Returns:

@@ -12,7 +12,7 @@
   (``contiguous`` or ``zigzag``, `models.kernels.ring_attention`).
 
 The command line builds one (``train.cli``), the planner returns one (`sharding.planner`), and
-`Parallelism.flags` renders any of them as the ``python -m train.train`` flags that reproduce it.
+`train.flags.parallelism_flags` renders any of them as the ``python -m train.train`` flags that reproduce it.
 
 At run time the value is bound to a device mesh (`Parallelism.on`) and passed as an argument to
 the model's apply, to attention and to the output layer, which read the mesh and the rules from it
@@ -52,6 +52,12 @@ class Accumulation:
     microbatches: int = 1
 
     name = "accumulation"
+    pipeline = None
+    """Not a pipeline (`Parallelism.pipeline`)."""
+
+    def mean_microbatches(self, groups: int) -> int:
+        """M: every data-parallel group runs all of them (`Parallelism.microbatches`)."""
+        return self.microbatches
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,23 +87,26 @@ class UnevenBatch:
     rebalance_every: int = 0
 
     name = "uneven"
+    pipeline = None
+    """Not a pipeline (`Parallelism.pipeline`)."""
 
     @property
     def total(self) -> int | None:
         """Microbatches per step over all devices (None before the counts are resolved)."""
         return None if self.counts is None else sum(self.counts)
 
+    def mean_microbatches(self, groups: int) -> int:
+        """Microbatches per data-parallel group on average over ``groups`` (at least 1), or ``microbatches``
+        before the counts are resolved (`Parallelism.microbatches`)."""
+        return self.microbatches if self.counts is None else max(1, self.total // groups)
+
 
 if TYPE_CHECKING:
     from sharding.pipeline.layout import PipelinePlan
 
 Strategy = Union[Accumulation, "PipelinePlan", UnevenBatch]
-
-
-def _is_pipeline(strategy) -> bool:
-    from sharding.pipeline.layout import PipelinePlan
-
-    return isinstance(strategy, PipelinePlan)
+"""A strategy value: ``pipeline`` (the plan itself for a pipeline, else None), ``microbatches`` and
+``mean_microbatches(groups)``; what the step does with it is `train.strategies`'."""
 
 
 def _full_shape(shape: Mapping[str, int]) -> dict[str, int]:
@@ -151,7 +160,7 @@ class Parallelism:
 
         rules = get_rules(rules) if isinstance(rules, str) else rules
         strategy = Accumulation() if strategy is None else strategy
-        if _is_pipeline(strategy):
+        if strategy.pipeline is not None:
             rules = pipeline_rules(rules)
         return cls(dict(mesh.shape), rules, strategy, context_layout, mesh=mesh)
 
@@ -214,15 +223,13 @@ class Parallelism:
     @property
     def pipeline(self) -> "PipelinePlan | None":
         """The pipeline plan when the strategy is one, else None."""
-        return self.strategy if _is_pipeline(self.strategy) else None
+        return self.strategy.pipeline
 
     @property
     def microbatches(self) -> int:
         """The strategy's microbatches: accumulation steps, pipeline microbatches, or uneven microbatches
         per device on average."""
-        if isinstance(self.strategy, UnevenBatch) and self.strategy.counts is not None:
-            return max(1, self.strategy.total // self.data_parallel)
-        return self.strategy.microbatches
+        return self.strategy.mean_microbatches(self.data_parallel)
 
     def spec(self, names: AxisNames, shape: Sequence[int] | None = None):
         """The `PartitionSpec` of an array with logical ``names`` (and ``shape``: mesh axes that do not
@@ -264,8 +271,10 @@ class Parallelism:
     def flags(self) -> list[str]:
         """The ``python -m train.train`` flags that reproduce this layout (mesh, rules, strategy).
 
-        The one encoder of a `Parallelism` as flags: the planner's chosen plan and ``--plan auto``
-        both print it.
+        The encoder of a layout as flags is `train.flags.parallelism_flags` (the command line's, with each
+        strategy's part in `train.strategies`). This copy stays only while `sharding.planner.Plan.flags`
+        calls it (sharding cannot import train); once the planner's flags are rendered in `train.plan`, it
+        goes. A test keeps the two outputs equal meanwhile.
         """
         mesh = format_mesh(self.mesh_shape) if self.num_devices > 1 else "data=1"
         out = ["--mesh", mesh]
@@ -285,7 +294,7 @@ class Parallelism:
             if strategy.rebalance_every:
                 out += ["--rebalance-every", str(strategy.rebalance_every)]
         out += ["--microbatches", str(self.microbatches)]  # with given counts: the average, for information
-        if _is_pipeline(strategy):
+        if strategy.pipeline is not None:
             layout = strategy.layout
             out += ["--stage-layers", ",".join(map(str, layout.stage_layers)),
                     "--pipeline-schedule", strategy.schedule]

@@ -31,7 +31,7 @@ import numpy as np
 
 from sharding import axes as ax
 from sharding.balance import counts_for_speeds, default_capacity, layers_for_speeds
-from sharding.parallel import Parallelism, UnevenBatch
+from sharding.parallel import Parallelism
 from train.data import FIELDS
 
 REPEATS = 3
@@ -256,36 +256,35 @@ def calibrate_stages(par: Parallelism, loss_fn, abstract_params, microbatch_rows
 
 
 def resolve_counts(config, par: Parallelism, log) -> tuple[Parallelism, list[float] | None]:
-    """Resolves ``--hetero-batch auto`` (measured, logging what was measured) or ``kinds`` (datasheets)
-    into counts, and ``--stage-layers auto`` into a measured stage split; ``(par, datasheet speeds or
-    None)``, ``par`` unchanged for any other strategy.
+    """Resolves what the strategy left to measure or look up at start-up (`GradientStrategy.resolve`):
+    ``--hetero-batch auto`` (measured, logging what was measured, `resolve_measured`) or ``kinds``
+    (datasheets) into counts, and ``--stage-layers auto`` into a measured stage split (`resolve_stages`);
+    ``(par, datasheet speeds or None)``, ``par`` unchanged for any other strategy.
 
     Raises:
       ValueError: ``kinds`` with a device whose peak is unknown (`train.strategies.device_speeds`).
     """
-    from train.plan import cluster_of
+    from train.strategies import kind_of
+
+    return kind_of(par.strategy).resolve(config, par, log)
+
+
+def resolve_measured(config, par: Parallelism, log) -> Parallelism:
+    """``--hetero-batch auto``: a probe trainer of even counts timed per device, then the counts."""
     from train.step import Trainer
-    from train.strategies import resolve_uneven
 
     strategy = par.strategy
-    if par.pipeline is not None and par.pipeline.measure_stages:
-        return _resolve_stages(config, par, log), None
-    if not isinstance(strategy, UnevenBatch) or strategy.counts is not None:
-        return par, None
-    if strategy.speeds != "measured":
-        simulated = cluster_of(config, jax.devices())[1] if config.cluster.simulate_cluster else None
-        return resolve_uneven(par, par.mesh, simulated)
     # A trainer of even counts to read the model's loss from; the counts themselves come from the timings.
     even = dataclasses.replace(strategy, counts=(strategy.microbatches,) * par.data_parallel)
     probe = Trainer(config.model, config.optimizer, par.replace(strategy=even))
-    par, calibration = calibrate(par, probe.loss_sums, probe.abstract_params, config.data.batch_size,
+    par, calibration = calibrate(par, probe.loss_sums, probe.state_layout.abstract_params, config.data.batch_size,
                                  config.data.seq_len)
     for line in calibration.lines(config.data.batch_size // sum(calibration.counts)):
         log(line)
-    return par, None
+    return par
 
 
-def _resolve_stages(config, par: Parallelism, log) -> Parallelism:
+def resolve_stages(config, par: Parallelism, log) -> Parallelism:
     """``--stage-layers auto``: a flat probe trainer's local work timed per device, then the split."""
     from sharding.parallel import Accumulation
     from train.step import Trainer
@@ -294,7 +293,8 @@ def _resolve_stages(config, par: Parallelism, log) -> Parallelism:
     rows = config.data.batch_size // (par.pipeline.microbatches * par.data_parallel)
     # The head runs on 1/S of the rows on every stage (`sharding.pipeline.head_parallelism`): its share per stage.
     fixed = head_layers(config.model, config.data.seq_len) / par.pipeline.layout.stages
-    par, calibration = calibrate_stages(par, probe.loss_sums, probe.abstract_params, rows, config.data.seq_len, fixed)
+    par, calibration = calibrate_stages(par, probe.loss_sums, probe.state_layout.abstract_params, rows,
+                                        config.data.seq_len, fixed)
     for line in calibration.lines(rows):
         log(line)
     return par

@@ -11,11 +11,9 @@ import math
 import os
 from pathlib import Path
 
-from models import attention_registry
 from models.config import ModelConfig
 from sharding import axes as ax
-from sharding.parallel import Parallelism, UnevenBatch
-from sharding.pipeline import check_microbatches
+from sharding.parallel import Parallelism
 from train.config import RunConfig
 
 # Model dimensions the presets split; a mesh axis that cannot split them is a configuration error.
@@ -121,50 +119,49 @@ def check_batch(run: RunConfig) -> None:
     """Batch and length divisibility against the mesh and the strategy's microbatches.
 
     Raises:
-      ValueError: A ``--batch-size`` that ``--microbatches`` or data x fsdp does not divide, or a
-        ``--seq-len`` the ``sequence`` axis does not divide.
+      ValueError: A ``--batch-size`` the strategy cannot split (`GradientStrategy.check_run_batch`: e.g. one
+        that ``--microbatches`` or data x fsdp does not divide), or a ``--seq-len`` the ``sequence`` axis
+        does not divide.
     """
-    par, batch, seq_len = run.parallelism, run.data.batch_size, run.data.seq_len
-    dp, m = par.data_parallel, par.strategy.microbatches
-    if not isinstance(par.strategy, UnevenBatch):
-        if batch % m:
-            raise ValueError(f"--batch-size {batch} is not divisible by --microbatches {m}; "
-                             f"e.g. --batch-size {_good_batch(batch, m * dp)}")
-        if (batch // m) % dp:
-            raise ValueError(
-                f"--batch-size {batch} / --microbatches {m} = {batch // m} sequences per microbatch, not divisible "
-                f"by the data-parallel size data x fsdp = {dp} of --mesh {_mesh_flag(par)}; "
-                f"e.g. --batch-size {_good_batch(batch, m * dp)}")
+    from train.strategies import kind_of
+
+    par, seq_len = run.parallelism, run.data.seq_len
+    kind_of(par.strategy).check_run_batch(run)
     sequence = par.mesh_shape[ax.SEQUENCE]
     if seq_len % sequence:
         raise ValueError(f"--seq-len {seq_len} is not divisible by the sequence axis ({sequence}) of --mesh; "
                          f"e.g. --seq-len {_good_batch(seq_len, sequence)}")
 
 
+def check_even_batch(run: RunConfig) -> None:
+    """The batch cut into the strategy's M microbatches, each split over data x fsdp.
+
+    Raises:
+      ValueError: A ``--batch-size`` that ``--microbatches`` or data x fsdp does not divide.
+    """
+    par, batch = run.parallelism, run.data.batch_size
+    dp, m = par.data_parallel, par.strategy.microbatches
+    if batch % m:
+        raise ValueError(f"--batch-size {batch} is not divisible by --microbatches {m}; "
+                         f"e.g. --batch-size {_good_batch(batch, m * dp)}")
+    if (batch // m) % dp:
+        raise ValueError(
+            f"--batch-size {batch} / --microbatches {m} = {batch // m} sequences per microbatch, not divisible "
+            f"by the data-parallel size data x fsdp = {dp} of --mesh {_mesh_flag(par)}; "
+            f"e.g. --batch-size {_good_batch(batch, m * dp)}")
+
+
 def check_strategy(run: RunConfig) -> None:
-    """The pipeline's microbatches, and uneven counts against the mesh and rules.
+    """The strategy against the model, mesh and rules (`GradientStrategy.check_run`): the pipeline's
+    microbatches, uneven counts against the mesh and rules.
 
     Raises:
       ValueError: Fewer pipeline microbatches than stages; an attention kernel inside the uneven step with
         tensor; uneven counts on a mesh or rules they do not support, or that do not divide the batch.
     """
-    par, model = run.parallelism, run.model
-    plan = par.pipeline
-    if plan is not None:
-        check_microbatches(plan.microbatches, plan.layout.stages, run.data.batch_size, par.data_parallel)
-    if isinstance(par.strategy, UnevenBatch):
-        from models.transformer import abstract_model
-        from train.strategies import check_uneven
+    from train.strategies import kind_of
 
-        tensor = par.mesh_shape[ax.TENSOR]
-        if tensor > 1 and attention_registry.kernel(model.attention).traits.under_shard_map:
-            partitioned = " or ".join(k.name for k in attention_registry.KERNELS if not k.traits.under_shard_map)
-            raise ValueError(f"--attention {model.attention} runs its kernel under its own shard_map, which cannot "
-                             f"sit inside the uneven step's with tensor={tensor} yet; with --hetero-batch and a "
-                             f"tensor axis use --attention {partitioned}")
-
-        _, abstract, names = abstract_model(model)
-        check_uneven(par, names, abstract, run.data.batch_size)
+    kind_of(run.parallelism.strategy).check_run(run)
 
 
 def check_model_sharding(config: ModelConfig, par: Parallelism) -> None:

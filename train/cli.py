@@ -373,7 +373,7 @@ def parallelism_from_args(args, num_layers: int) -> Parallelism:
     outer = parse_axis_sizes(args.mesh_outer, flag="--mesh-outer", allow_fill=False) if args.mesh_outer else None
     rules = get_rules(args.rules, args.rule)
     strategy = _strategy(args, sizes, num_layers)
-    if isinstance(strategy, PipelinePlan):
+    if strategy.pipeline is not None:
         rules = pipeline_rules(rules)
     return Parallelism(sizes, rules, strategy, args.context_layout, outer)
 

@@ -51,8 +51,7 @@ def import_folder(args) -> int:
     from checkpoints.manager import CheckpointManager
     from checkpoints.meta import RunMeta
     from train.checks import check_run_dir
-    from train.optimizer import OptimizerConfig
-    from train.step import Trainer
+    from train.state import StateLayout
     from train.tokenizer import HFTokenizer
 
     config = hf.init_config(args.path)
@@ -63,10 +62,10 @@ def import_folder(args) -> int:
     check_run_dir(args.run_dir, resume=False)
     par = setup(args)
     t0 = time.perf_counter()
-    trainer = Trainer(config, OptimizerConfig(), par)
-    params = hf.load_params(args.path, config, trainer.abstract_state(None)["params"])
-    state = trainer.state_from_params(params, args.seed)
-    meta = RunMeta.create(config, f"hf:{args.path}", par.mesh_shape, trainer.rules, {"seed": args.seed}, tokenizer,
+    layout = StateLayout(config, par)
+    params = hf.load_params(args.path, config, layout.param_targets())
+    state = layout.state_from_params(params, args.seed)
+    meta = RunMeta.create(config, f"hf:{args.path}", par.mesh_shape, layout.rules, {"seed": args.seed}, tokenizer,
                           None)
     manager = CheckpointManager(Path(args.run_dir) / "checkpoints", async_save=False)
     try:

@@ -110,8 +110,9 @@ def read_run(run_dir: str | Path, step: int | None = None):
 def restore_params(run_dir: str | Path, step: int | None, par, **changes):
     """A run's parameters restored onto ``par``'s mesh in the canonical ``[layers, ...]`` layout.
 
-    Restores through a `train.step.Trainer` without a pipeline (`checkpoints.manager.restore_state`: every
-    device reads only its slice; a pipeline checkpoint is re-laid on device).
+    Restores onto the `train.state.StateLayout` of ``par`` without a pipeline
+    (`checkpoints.manager.restore_state`: every device reads only its slice; a pipeline checkpoint is re-laid
+    on device).
 
     Args:
       run_dir: The run folder.
@@ -128,15 +129,14 @@ def restore_params(run_dir: str | Path, step: int | None, par, **changes):
     """
     from checkpoints.manager import restore_state
     from checkpoints.verify import restore_falling_back
-    from train.optimizer import OptimizerConfig
-    from train.step import Trainer
+    from train.state import StateLayout
 
     manager, step, meta = read_run(run_dir, step)
     try:
         config = meta.model_config(**changes)
-        trainer = Trainer(config, OptimizerConfig(), par)
+        layout = StateLayout(config, par)
         # damaged array data: one line naming the array and file, and a step that reads (nothing renamed)
-        (state, _), _ = restore_falling_back(manager.directory, step, lambda s: restore_state(manager, trainer, s),
+        (state, _), _ = restore_falling_back(manager.directory, step, lambda s: restore_state(manager, layout, s),
                                              print, explicit=True, flag="--step")
     finally:
         manager.close()
@@ -153,11 +153,8 @@ def load_model(args, par) -> LoadedModel:
     Raises:
       ValueError: as `checkpoints.hf`; a missing tokenizer; a tokenizer larger than the vocabulary.
     """
-    import jax
-
     from checkpoints import hf
-    from models.transformer import abstract_model
-    from sharding.rules import tree_shardings
+    from train.state import StateLayout
     from train.tokenizer import HFTokenizer
 
     if args.hf is None:
@@ -167,9 +164,7 @@ def load_model(args, par) -> LoadedModel:
     folder = Path(args.hf)
     hf_config = hf.read_hf_config(folder)
     config = hf.config_from_hf(hf_config, str(folder / hf.CONFIG_FILE), dtype=args.dtype)
-    graphdef, abstract, names = abstract_model(config)
-    shardings, _ = tree_shardings(abstract, names, par.mesh, par.rules)
-    targets = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    layout = StateLayout(config, par)
     tokenizer_file = Path(args.tokenizer) if args.tokenizer else folder / hf.TOKENIZER_FILE
     if not tokenizer_file.is_file():
         raise ValueError(f"{folder}: no {hf.TOKENIZER_FILE}; pass --tokenizer FILE")
@@ -178,8 +173,8 @@ def load_model(args, par) -> LoadedModel:
     if tokenizer.vocab_size > config.vocab_size:
         raise ValueError(f"--tokenizer {tokenizer_file}: {tokenizer.vocab_size} tokens, more than the model's "
                          f"vocab_size {config.vocab_size}; give the model's own tokenizer.json")
-    params = hf.load_params(folder, config, targets)
-    return LoadedModel(config, graphdef, params, tokenizer, eos if eos is not None else tokenizer.eod_id, bos)
+    params = hf.load_params(folder, config, layout.param_targets())
+    return LoadedModel(config, layout.graphdef, params, tokenizer, eos if eos is not None else tokenizer.eod_id, bos)
 
 
 def load_run(args, par) -> LoadedModel:
@@ -200,16 +195,16 @@ def load_run(args, par) -> LoadedModel:
     return LoadedModel(config, abstract_model(config)[0], params, tokenizer, tokenizer.eod_id, None)
 
 
-def fresh_state(config, trainer, directory, log) -> dict:
+def fresh_state(config, layout, directory, log) -> dict:
     """The state of a run with no checkpoint to resume: ``--init-from``'s weights, else a random init.
 
     ``--init-from PATH``: the folder's tensors are read straight onto the run's mesh and rules in the
     canonical ``[layers, ...]`` layout (`checkpoints.hf.load_params`), then given a fresh optimizer
-    state and re-laid for a pipeline (`train.step.Trainer.state_from_params`).
+    state and re-laid for a pipeline (`train.state.StateLayout.state_from_params`).
 
     Args:
       config: The `train.config.RunConfig`; its model came from the folder's ``config.json``.
-      trainer: The run's `train.step.Trainer`.
+      layout: The run's `train.state.StateLayout`.
       directory: The checkpoint folder (for the log line).
       log: Prints a line (process 0).
 
@@ -225,12 +220,11 @@ def fresh_state(config, trainer, directory, log) -> dict:
     if folder is None:
         if config.checkpoint.resume:
             log(f"no checkpoint in {directory}; starting from step 0")
-        return trainer.init_state(config.data.seed)
+        return layout.init_state(config.data.seed)
     t0 = time.perf_counter()
-    targets = trainer.abstract_state(None)["params"]
-    state = trainer.state_from_params(hf.load_params(folder, config.model, targets), config.data.seed)
+    state = layout.state_from_params(hf.load_params(folder, config.model, layout.param_targets()), config.data.seed)
     note = f" (no checkpoint in {directory})" if config.checkpoint.resume else ""
-    log(f"initialized from {folder}{note}: weights onto mesh {format_mesh(trainer.par.mesh_shape)} in "
+    log(f"initialized from {folder}{note}: weights onto mesh {format_mesh(layout.par.mesh_shape)} in "
         f"{time.perf_counter() - t0:.1f} s, fresh optimizer state")
     return state
 

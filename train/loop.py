@@ -239,7 +239,7 @@ def train_loop(*, trainer, state: dict, dataset: Dataset, options: LoopOptions, 
     bar = _progress(options, start)
     step, stop_after_this = start, False
     while step < options.steps:
-        state, metrics = compiled(state, run.batch_at(samples), trainer.signals(bool(stop), run.counts))
+        state, metrics = compiled(state, run.batch_at(samples), trainer.signals(bool(stop), *run.inputs))
         step, samples = step + 1, samples + B
         checkpoints.check()
         stop_after_this |= run.record(step, metrics)
@@ -285,9 +285,8 @@ class _Run:
         self.summary: dict[str, Any] = {"start_step": start, "eval": [], "skipped": [], "stopped_by": None}
         self.pending: tuple[int, Any] | None = None
         self.interval_start, self.interval_steps = time.perf_counter(), 0
-        self.rebalancer = rebalancer_of(trainer)
-        self.counts = None if self.rebalancer is None else self.rebalancer.counts
-        """The uneven counts the next step runs (None: the strategy's own or not uneven)."""
+        self.controller = trainer.strategy.controller()
+        """The strategy's host-side controller of its step inputs (`GradientStrategy.controller`), or None."""
 
     def batch_at(self, first_sample: int) -> dict:
         """The global batch starting at sample ``first_sample``, each process loading its own rows."""
@@ -315,29 +314,26 @@ class _Run:
             return False
         pending, self.pending = self.pending, None
         values = _read(pending)
-        self.rebalance(pending[0], values)
+        self.observe(pending[0], values)
         return _handle(pending, self.writer, self.options, self.summary, self.log, values)
 
-    def rebalance(self, step: int, values: dict) -> None:
-        """Feeds a step's per-device counts and loop seconds to the `sharding.balance.Rebalancer` and takes
-        new counts when it proposes them (the step after next runs them: metrics are read one step late);
-        adds the smoothed speeds (microbatches/s) to ``values``."""
-        if self.rebalancer is None or "local_seconds" not in values:
-            return
-        self.rebalancer.observe(values["processed"], values["local_seconds"])
-        values["speeds"] = self.rebalancer.speeds()
-        new = self.rebalancer.propose()
-        if new is not None:
-            self.counts = new
-            self.log(f"step {step}: rebalanced uneven counts to {','.join(map(str, new))} (measured microbatches/s "
-                     f"{', '.join(f'{v:.2f}' for v in values['speeds'])})")
+    @property
+    def inputs(self) -> tuple:
+        """The values of the strategy's step inputs the next step runs (empty: their defaults)."""
+        return () if self.controller is None else tuple(self.controller.inputs)
+
+    def observe(self, step: int, values: dict) -> None:
+        """Shows a step's metrics on the host (``values``) to the strategy's controller, which may change the
+        step inputs (the step after next runs them: metrics are read one step late) and add metrics."""
+        if self.controller is not None:
+            self.controller.observe(step, values, self.log)
 
     def log_interval(self, step: int) -> bool:
         """Records this step's metrics now and logs the interval's speed; returns the stop agreement."""
         options, pending = self.options, self.pending
         values = _read(pending)
         self.pending = None
-        self.rebalance(step, values)
+        self.observe(step, values)
         stop = _handle(pending, self.writer, options, self.summary, self.log, values)
         elapsed = time.perf_counter() - self.interval_start
         tok_s = self.interval_steps * options.global_batch * options.seq_len / elapsed
@@ -347,21 +343,6 @@ class _Run:
         self.log(_format_line(step, options.steps, values["loss"], values["lr"], tok_s, step_time, mfu))
         self.interval_start, self.interval_steps = time.perf_counter(), 0
         return stop
-
-
-def rebalancer_of(trainer):
-    """The run's `sharding.balance.Rebalancer` (uneven counts with ``--rebalance-every``), or None."""
-    from sharding.balance import Rebalancer
-    from sharding.parallel import UnevenBatch
-
-    strategy = trainer.par.strategy
-    if not isinstance(strategy, UnevenBatch) or not strategy.rebalance_every:
-        return None
-    from train.calibrate import compute_pools
-    from train.strategies import batch_grid
-
-    return Rebalancer(tuple(strategy.counts), trainer.strategy.capacity, strategy.rebalance_every,
-                      pools=compute_pools(batch_grid(trainer.par.mesh)))
 
 
 def _read(pending) -> dict[str, float | list]:

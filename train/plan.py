@@ -377,6 +377,7 @@ def apply_plan(run: RunConfig, devices, log: Callable[[str], None]) -> RunConfig
     if run.cluster.plan != "auto":
         return run
     from sharding import planner
+    from train.flags import parallelism_flags
 
     inventory, _ = cluster_of(run, devices)
     options = planner.PlanOptions(attentions=(run.model.attention,), dtype=run.model.dtype)
@@ -390,7 +391,7 @@ def apply_plan(run: RunConfig, devices, log: Callable[[str], None]) -> RunConfig
             f"{best.layout.rules_name} as is)")
     par = measured(best.parallelism().replace(context_layout=run.parallelism.context_layout), run, log)
     fit = "" if best.fits else " (no plan fits the memory; this is the closest)"
-    log(f"--plan auto{fit}: {' '.join(par.flags())} --remat {best.layout.remat}; predicted {best.step_time:.3g} "
+    log(f"--plan auto{fit}: {' '.join(parallelism_flags(par))} --remat {best.layout.remat}; predicted {best.step_time:.3g} "
         f"s/step, {best.tokens_per_second:,.0f} tokens/s, MFU {best.mfu:.1%} on {inventory.num_devices} devices "
         f"({', '.join(k.name for k in inventory.kinds_present)})")
     return run.replace(parallelism=par, model=run.model.replace(remat=best.layout.remat))
@@ -401,24 +402,11 @@ def measured(par, run: RunConfig, log: Callable[[str], None]):
     counts as ``--hetero-batch auto`` (rebalanced every `train.cli.DEFAULT_REBALANCE` steps), a gpipe stage
     split as ``--stage-layers auto``; the planner's choice of layout stands. Simulated kinds keep the
     datasheet shares (the CPU devices behind them are all alike)."""
-    import dataclasses
-
-    from sharding.parallel import UnevenBatch
-    from train.cli import DEFAULT_REBALANCE
+    from train.strategies import kind_of
 
     if run.cluster.simulate_cluster:
         return par
-    strategy = par.strategy
-    if isinstance(strategy, UnevenBatch) and strategy.counts and sum(strategy.counts) % len(strategy.counts) == 0:
-        log("--plan auto: uneven counts from speeds measured at start-up (as --hetero-batch auto)")
-        return par.replace(strategy=dataclasses.replace(
-            strategy, counts=None, speeds="measured", microbatches=sum(strategy.counts) // len(strategy.counts),
-            rebalance_every=strategy.rebalance_every or DEFAULT_REBALANCE))
-    plan = par.pipeline
-    if plan is not None and plan.layout.repeats == 1 and len(set(plan.layout.stage_layers)) > 1:
-        log("--plan auto: the stage split from speeds measured at start-up (as --stage-layers auto)")
-        return par.replace(strategy=dataclasses.replace(plan, measure_stages=True))
-    return par
+    return kind_of(par.strategy).measured(run, par, log)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from sharding import costmodel as cm
 from sharding import hlo
-from sharding.parallel import UnevenBatch
 
 
 def _flop(n: float) -> str:
@@ -25,17 +24,9 @@ def _mib(n: float) -> str:
 
 
 def _predicted(trainer, batch: int, seq_len: int, backend: str) -> tuple[cm.Cost, str]:
-    """The cost of the run's busiest device and which one it is."""
+    """The cost of the run's busiest device and which one it is (the strategy's: `GradientStrategy.priced`)."""
     par, config = trainer.par, trainer.config
-    layout = cm.layout_of(par, config)
-    strategy = par.strategy
-    if isinstance(strategy, UnevenBatch) and strategy.counts:
-        most = max(strategy.counts)
-        cost = cm.device_cost(config, layout, seq_len=seq_len, rows=batch / strategy.total, microbatches=most,
-                              backend=backend, batch_rows=batch)
-        return cost, f"the device with the most microbatches ({most})"
-    cost = cm.estimate(config, batch, seq_len, layout, backend=backend)
-    return cost, "the device with the largest stage" if par.pipeline is not None else "every device"
+    return trainer.strategy.priced(config, cm.layout_of(par, config), batch, seq_len, backend)
 
 
 def cost_model_lines(trainer, compiled, batch: int, seq_len: int) -> list[str]:
@@ -71,11 +62,4 @@ def cost_model_lines(trainer, compiled, batch: int, seq_len: int) -> list[str]:
     lines = [f"cost model (sharding.costmodel, {backend} lowering) for this run's layout, {who}, per step:",
              f"  {'':<28} {'predicted':>14} {'compiled':>14}"]
     lines += [f"  {label:<28} {pred:>14} {got:>14}" for label, pred, got in rows]
-    if isinstance(trainer.par.strategy, UnevenBatch):
-        lines.append("  (the uneven step's microbatch loop runs a number of trips set at run time: the compiled "
-                     "products count its body once)")
-    plan = trainer.par.pipeline
-    if plan is not None and plan.skip_empty:
-        lines.append("  (the compiled figures count every slot of every pipeline step; the prediction only the slots "
-                     "that run)")
-    return lines
+    return lines + trainer.strategy.cost_notes()

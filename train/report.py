@@ -148,10 +148,11 @@ def stage_memory(trainer) -> dict:
       empty rows in all, bytes of the non-layer parameters per device, in all per device (``other +
       per_device * row_bytes``), and the ideal: all parameters over all devices.
     """
-    storage = trainer.storage
+    state = trainer.state_layout
+    storage = state.storage
     row_bytes = other = 0
-    leaves = jax.tree_util.tree_leaves_with_path(trainer.state_params)
-    shardings = jax.tree.leaves(trainer.param_shardings)
+    leaves = jax.tree_util.tree_leaves_with_path(state.state_params)
+    shardings = jax.tree.leaves(state.param_shardings)
     for (path, leaf), sharding in zip(leaves, shardings, strict=True):
         local = sharding.shard_shape(leaf.shape)
         itemsize = np.dtype(leaf.dtype).itemsize
@@ -159,7 +160,7 @@ def stage_memory(trainer) -> dict:
             row_bytes += math.prod(local[1:]) * itemsize  # [per_device, ...] on each device
         else:
             other += math.prod(local) * itemsize
-    ideal = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(trainer.abstract_params))
+    ideal = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(state.abstract_params))
     return {"row_bytes": row_bytes, "per_device": storage.per_device, "empty_rows": storage.rows - storage.num_layers,
             "other_bytes": other, "device_bytes": other + storage.per_device * row_bytes,
             "ideal_bytes": ideal / trainer.mesh.devices.size}
@@ -167,9 +168,10 @@ def stage_memory(trainer) -> dict:
 
 def weight_gather_line(trainer) -> str:
     """Where the pipeline gathers the layer weights and reduces their gradients, with the gathered bytes."""
-    layout, storage = trainer.par.pipeline.layout, trainer.storage
+    layout, storage = trainer.par.pipeline.layout, trainer.state_layout.storage
     itemsize = jax.numpy.dtype(trainer.config.dtype).itemsize
-    per_layer = sum(x.size // x.shape[0] * itemsize for x in jax.tree.leaves(trainer.abstract_params["layers"]))
+    layers = jax.tree.leaves(trainer.state_layout.abstract_params["layers"])
+    per_layer = sum(x.size // x.shape[0] * itemsize for x in layers)
     most = max(layout.stage_layers)
     moved = storage.placement.received
     over = (f"receives {moved} row(s) of its stage stored on another stage's devices (ppermute), then " if moved
@@ -232,7 +234,7 @@ def pipeline_lines(trainer, note: str | None = None) -> list[str]:
         rows.append((str(stage), f"{n}{per_chunk}", ranges, f"{n}/{layout.slots}", str(applications[stage])))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines += ["  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
-    storage = trainer.storage
+    storage = trainer.state_layout.storage
     lines.append(
         f"  layer parameters stored unpadded: {storage.rows} rows ({memory['empty_rows']} empty) split over "
         f"stage x {storage.groups} devices; every device holds {memory['per_device']} rows of "
@@ -332,7 +334,7 @@ def logits_line(run) -> str:
             f"vocab_parallel)")
 
 
-def _split_note(trainer) -> str | None:
+def split_note(trainer) -> str | None:
     """How the layers were split when the split is the default one and uneven."""
     from sharding.pipeline import plan_layout
 
@@ -346,24 +348,18 @@ def _split_note(trainer) -> str | None:
 def startup(run, trainer, speeds=None, notes=()) -> list[str]:
     """Every line printed before training or a dry run."""
     from sharding.mesh import format_mesh
-    from sharding.parallel import UnevenBatch
-    from train.strategies import describe_uneven
 
     lines = []
     par, model = trainer.par, run.model
     if attention_registry.kernel(model.attention).traits.splits_length and par.length_shards == 1:
         lines.append(f"note: --attention {model.attention} with the length whole on every device (no sequence axis "
                      f"> 1 in --mesh {format_mesh(par.mesh_shape)}) is plain flash attention: no context parallelism")
-    if isinstance(par.strategy, UnevenBatch):
-        lines.append(describe_uneven(par.strategy.counts, run.data.batch_size // par.strategy.total, speeds,
-                                     trainer.strategy.capacity))
-    built = sum(x.size for x in jax.tree.leaves(trainer.abstract_params))
-    lines += startup_lines(model, run.preset, trainer.mesh, trainer.rules, trainer.report, built)
+    lines += trainer.strategy.summary_lines(run, speeds)
+    built = sum(x.size for x in jax.tree.leaves(trainer.state_layout.abstract_params))
+    lines += startup_lines(model, run.preset, trainer.mesh, trainer.rules, trainer.state_layout.report, built)
     lines.append(logits_line(run))
     lines += [f"note: {note}" for note in notes]
-    lines += pipeline_lines(trainer, _split_note(trainer))
-    if par.pipeline is not None:
-        lines.append(head_line(trainer, run.data.batch_size))
+    lines += trainer.strategy.detail_lines(run, trainer)
     return lines
 
 
@@ -372,12 +368,12 @@ def dry_run(run, trainer, log, watch=None) -> int:
     the step fits the device's memory (`train.fit`); returns 0, or 2 when it does not fit (closing the
     process watch, if any, when done)."""
     batch, seq_len = run.data.batch_size, run.data.seq_len
-    for line in parameter_table(trainer.report, trainer.mesh):
+    for line in parameter_table(trainer.state_layout.report, trainer.mesh):
         log(line)
     t0 = time.perf_counter()
     compiled = trainer.compile_train_step(batch, seq_len)
     log(f"compiled one train step (batch {batch} x {seq_len}) in {time.perf_counter() - t0:.1f} s")
-    for line in memory_lines(compiled, trainer.abstract_state(), trainer.mesh.devices.size):
+    for line in memory_lines(compiled, trainer.state_layout.abstract_state(), trainer.mesh.devices.size):
         log(line)
     for line in compute_lines(compiled) + collective_lines(compiled) + branch_lines(compiled, trainer):
         log(line)
@@ -410,9 +406,9 @@ def resume_lines(run, trainer, meta, step: int, seconds: float) -> list[str]:
     an ``--init-from`` left unread."""
     lines = [f"resumed step {step} (saved on mesh {format_mesh(meta.mesh)}) onto mesh "
              f"{format_mesh(trainer.par.mesh_shape)} in {seconds:.1f} s"]
-    if meta.pipeline != trainer.layout_meta():
+    if meta.pipeline != trainer.state_layout.layout_meta():
         lines.append(f"re-laid the layer stacks from stage layout {layout_text(meta.pipeline)} to "
-                     f"{layout_text(trainer.layout_meta())}")
+                     f"{layout_text(trainer.state_layout.layout_meta())}")
     change = meta.schedule_change(run.schedule, step)
     if change:
         lines.append(change)

@@ -142,13 +142,12 @@ def prepare(config: RunConfig, devices, log):
 def build_trainer(config: RunConfig, log):
     """The mesh and the `train.step.Trainer` of ``config``, with the start-up report.
 
-    Resolves uneven counts from device speeds (measured or datasheets) and, for a pipeline, checks the compiled step
-    (`train.strategies.checked_pipeline`), rebuilding the trainer with the fallback plan it returns.
+    Resolves what the strategy left to measure (e.g. uneven counts) and, where it asks, checks the compiled step
+    (`GradientStrategy.check_compiled`: a pipeline's skipped slots), rebuilding the trainer with its fallback.
     """
     import jax
 
     from sharding.mesh import make_mesh
-    from train import strategies
     from train.calibrate import resolve_counts
     from train.step import Trainer
 
@@ -161,12 +160,12 @@ def build_trainer(config: RunConfig, log):
     par, speeds = resolve_counts(config, par.on(mesh), log)  # --hetero-batch auto measures, kinds reads datasheets
     trainer = Trainer(config.model, config.optimizer, par)
     notes = []
-    if par.pipeline is not None and par.pipeline.skip_empty:
-        log("compiling the train step (a pipeline is checked for collectives inside its skipped slots) ...")
+    if (checked_for := trainer.strategy.compiled_check()) is not None:
+        log(f"compiling the train step ({checked_for}) ...")
         t0 = time.perf_counter()
         compiled = trainer.compile_train_step(config.data.batch_size, config.data.seq_len)
         log(f"compiled the train step in {time.perf_counter() - t0:.1f} s (later compilations of it are cached)")
-        checked, note = strategies.checked_pipeline(par, compiled.as_text())
+        checked, note = trainer.strategy.check_compiled(compiled.as_text())
         if note:
             warnings.warn(note, RuntimeWarning, stacklevel=2)
             notes.append(note)
@@ -193,7 +192,8 @@ def train(config: RunConfig, trainer, ckpt, latest, tokenizer, log) -> int:
         writer = MetricsWriter(Path(config.checkpoint.run_dir), jax.process_index() == 0, latest)
         meta = RunMeta.create(config.model, config.preset, trainer.par.mesh_shape, trainer.rules,
                               {"spec": data.spec, "seq_len": data.seq_len, "global_batch": data.batch_size,
-                               "seed": data.seed, "heldout": data.heldout}, tokenizer, trainer.layout_meta(),
+                               "seed": data.seed, "heldout": data.heldout}, tokenizer,
+                              trainer.state_layout.layout_meta(),
                               config.schedule)
         checkpoints = LoopCheckpoints(ckpt, meta)
         try:
@@ -220,10 +220,10 @@ def start_state(config: RunConfig, trainer, ckpt, latest, log):
     from train.inference import fresh_state
 
     if latest is None:
-        return fresh_state(config, trainer, ckpt.directory, log), 0, None
+        return fresh_state(config, trainer.state_layout, ckpt.directory, log), 0, None
     t0 = time.perf_counter()
     (state, meta), latest = restore_falling_back(
-        ckpt.directory, latest, lambda step: restore_state(ckpt, trainer, step), log,
+        ckpt.directory, latest, lambda step: restore_state(ckpt, trainer.state_layout, step), log,
         explicit=config.checkpoint.resume_step is not None, any_failed=any_process, reload=ckpt.reload)
     for line in report.resume_lines(config, trainer, meta, latest, time.perf_counter() - t0):
         log(line)

@@ -310,6 +310,15 @@ class PipelinePlan:
             raise ValueError("PipelinePlan: fused ticks are a 1F1B schedule (one_f_one_b=True)")
 
     @property
+    def pipeline(self) -> PipelinePlan:
+        """This plan: the strategy is a pipeline (`sharding.parallel.Parallelism.pipeline`; None for the others)."""
+        return self
+
+    def mean_microbatches(self, groups: int) -> int:
+        """M: every data-parallel group runs all of them (`sharding.parallel.Parallelism.microbatches`)."""
+        return self.microbatches
+
+    @property
     def schedule(self) -> str:
         """``gpipe``, ``circular``, ``1f1b`` or ``1f1b-fused`` (`SCHEDULES`; the ``--pipeline-schedule``
         value)."""

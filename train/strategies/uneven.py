@@ -1,22 +1,9 @@
-"""How a train step computes its gradients: one protocol, three strategies.
+"""Uneven data parallelism: each data-parallel group runs its own number of microbatches per step.
 
-Every strategy is a `GradientStrategy`: ``gradients(loss_fn, params, batch) -> (loss_sum, weight, grads,
-metrics)``, where ``loss_fn(params, batch, par) -> (loss_sum, weight_sum)`` is the model's summed token
-loss under a `sharding.parallel.Parallelism`. The sums are divided once by the batch's token count in the
-optimizer update (`train.step.Trainer`), so every strategy gives the update of the one-shot batch:
-
-======================  ===================================================================================
-`AccumulatedGradients`  the batch in M strided microbatches (row ``r`` in microbatch ``r % M``, so each
-                        device's share of a microbatch stays on it), gradients summed over a `jax.lax.scan`
-`PipelineGradients`     the model runs its layer stack as a pipeline over ``stage`` (`sharding.pipeline`);
-                        the pipeline's M microbatches flow inside one forward and backward pass
-`UnevenGradients`       each data-parallel group (a device along ``data`` x ``fsdp`` with its ``tensor``
-                        peers) runs its own number of microbatches (uneven data parallelism for devices of
-                        different speeds; see the class)
-======================  ===================================================================================
-
-`make_strategy` picks the implementation of a `Parallelism`'s strategy. `checked_pipeline` is the
-pipeline's compile-time safety check, a pure function returning the plan to use.
+For devices of different speeds (a heterogeneous cluster, `train.strategies.hetero`): the counts are an
+input of the compiled step (a `train.strategies.protocol.StepInput`), resolved at start-up from given
+counts, datasheet speeds or measured ones, and optionally rebalanced between steps from the devices' timed
+loops (`UnevenGradients.controller`).
 """
 
 from __future__ import annotations
@@ -24,78 +11,24 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from models import attention_registry
 from sharding import axes as ax
-from sharding.hlo import branch_collectives
-from sharding.parallel import (Parallelism, UnevenBatch, gather_shards, only_axes, reduce_shards, spec_axes,
-                               to_varying)
 from sharding.balance import counts_for_speeds
+from sharding.parallel import Parallelism, gather_shards, only_axes, reduce_shards, spec_axes, to_varying
 from sharding.splits import largest_remainder
 from train.data import FIELDS
-
-LossFn = Callable[[Any, dict, Parallelism], tuple[jax.Array, jax.Array]]
-"""``loss_fn(params, batch, par) -> (loss_sum, weight_sum)``: float32 scalars (nats, tokens)."""
-
-
-class GradientStrategy(Protocol):
-    """Computes the summed loss, token count and gradients of one global batch (inside jit)."""
-
-    par: Parallelism
-
-    def gradients(self, loss_fn: LossFn, params, batch: dict) -> tuple[jax.Array, jax.Array, Any, dict]:
-        """``(loss_sum, weight_sum, grads, metrics)``: float32 scalars, gradient sums shaped as ``params``,
-        and extra metrics of the strategy (e.g. microbatches processed per device)."""
-        ...
+from train.strategies.hetero import device_speeds
+from train.strategies.protocol import GradientStrategy, LossFn, StepInput
 
 
-class AccumulatedGradients:
-    """Gradient accumulation over ``par.strategy.microbatches`` strided microbatches (1: none)."""
-
-    def __init__(self, par: Parallelism):
-        self.par = par
-        self.microbatches = par.strategy.microbatches
-
-    def gradients(self, loss_fn: LossFn, params, batch: dict):
-        grad_fn = jax.value_and_grad(lambda p, b: loss_fn(p, b, self.par), has_aux=True)
-        m = self.microbatches
-        if m == 1:
-            (loss_sum, weight), grads = grad_fn(params, batch)
-            return loss_sum, weight, grads, {}
-
-        def split(x):
-            return x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1)
-
-        def body(carry, micro):
-            loss_acc, weight_acc, grad_acc = carry
-            (loss_sum, weight), grads = grad_fn(params, micro)
-            return (loss_acc + loss_sum, weight_acc + weight, jax.tree.map(jnp.add, grad_acc, grads)), None
-
-        zeros = jax.tree.map(jnp.zeros_like, params)
-        init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), zeros)
-        (loss_sum, weight, grads), _ = jax.lax.scan(body, init, jax.tree.map(split, batch))
-        return loss_sum, weight, grads, {}
-
-
-class PipelineGradients:
-    """The pipeline: the model runs its layers through `sharding.pipeline.run_pipeline` under ``par``,
-    whose strategy is the `sharding.pipeline.PipelinePlan`; its microbatches flow inside the pass."""
-
-    def __init__(self, par: Parallelism):
-        self.par = par
-
-    def gradients(self, loss_fn: LossFn, params, batch: dict):
-        (loss_sum, weight), grads = jax.value_and_grad(lambda p: loss_fn(p, batch, self.par), has_aux=True)(params)
-        return loss_sum, weight, grads, {}
-
-
-class UnevenGradients:
+class UnevenGradients(GradientStrategy):
     """Uneven data parallelism: devices of a faster kind run more microbatches per step.
 
     Each data-parallel group ``i`` along the batch axes (``data`` x ``fsdp``: one device, or with ``tensor`` in
@@ -131,13 +64,18 @@ class UnevenGradients:
 
     Args:
       par: The run's layout, strategy `UnevenBatch` with resolved counts (the default input).
-      param_specs: The parameters' `PartitionSpec`s (a tree shaped as the params).
+      layout: The run's `train.state.StateLayout` (the parameters' names, shapes and `PartitionSpec`s).
+
+    Raises:
+      ValueError: As `check_uneven` (without the batch).
     """
 
-    def __init__(self, par: Parallelism, param_specs):
+    def __init__(self, par: Parallelism, layout):
         from sharding.balance import default_capacity
 
-        self.par = par
+        check_uneven(par, layout.param_names, layout.abstract_params)
+        param_specs = layout.param_specs()
+        super().__init__(par, layout)
         strategy = par.strategy
         self.counts = tuple(strategy.counts)
         self.capacity = strategy.capacity or default_capacity(sum(self.counts), len(self.counts), self.counts)
@@ -149,12 +87,14 @@ class UnevenGradients:
                                          is_leaf=lambda x: isinstance(x, PartitionSpec))
         self.timed = strategy.rebalance_every > 0
 
-    def gradients(self, loss_fn: LossFn, params, batch: dict, counts: jax.Array | None = None):
-        """As `GradientStrategy.gradients`; ``counts``: int32 ``[groups]`` microbatches per data-parallel
-        group, each at most ``capacity``, summing to ``sum(self.counts)`` (default: ``self.counts``)."""
+    def gradients(self, loss_fn: LossFn, params, batch: dict, inputs=None):
+        """As `GradientStrategy.gradients`; ``inputs["counts"]``: int32 ``[groups]`` microbatches per
+        data-parallel group, each at most ``capacity``, summing to ``sum(self.counts)`` (absent:
+        ``self.counts``)."""
         mesh, spec = self.par.mesh, PartitionSpec(self.batch_axes or None)
         rows = next(iter(batch.values())).shape[0]
         microbatch_rows = rows // sum(self.counts)
+        counts = (inputs or {}).get("counts")
         if counts is None:
             counts = jnp.asarray(np.asarray(self.counts, np.int32))
         index = uneven_row_index(counts, microbatch_rows, self.capacity)
@@ -206,7 +146,6 @@ class UnevenGradients:
             per_device["local_seconds"] = jnp.mod(t_end - t_start, _CLOCK_WRAP).reshape(1)
         return loss_sum, weight, grads, {k: _replicate(v, varying) for k, v in per_device.items()}
 
-
     def _clock(self, after) -> jax.Array:
         """`_clock` from inside the map (manual over the batch axes only). JAX runs a callback only where
         every mesh axis is manual, so it is read under a nested `jax.shard_map` over the other axes; with
@@ -224,6 +163,152 @@ class UnevenGradients:
 
         specs = jax.tree.map(lambda _: PartitionSpec(), after)
         return jax.shard_map(read, mesh=mesh, in_specs=(specs,), out_specs=PartitionSpec(), axis_names=set(rest))(after)
+
+    # The step's inputs, checks and host side ---------------------------------------------------
+
+    def step_inputs(self) -> tuple[StepInput, ...]:
+        """``counts``: int32 ``[groups along data x fsdp]``, replicated; each at most ``capacity``, summing to
+        ``sum(self.counts)`` (they change without recompiling the step)."""
+        counts, capacity = self.counts, self.capacity
+
+        def check(value):
+            if (value.shape != (len(counts),) or int(value.sum()) != sum(counts) or value.min() < 0
+                    or value.max() > capacity):
+                raise ValueError(f"uneven counts {value.tolist()}: need {len(counts)} counts >= 0 summing "
+                                 f"to {sum(counts)}, each at most --hetero-max-share {capacity}")
+
+        replicated = NamedSharding(self.par.mesh, PartitionSpec())
+        return (StepInput("counts", (self.par.data_parallel,), replicated, np.asarray(counts, np.int32), check),)
+
+    def check_batch(self, global_batch: int) -> None:
+        check_uneven(self.par, self.layout.param_names, self.layout.abstract_params, global_batch)
+
+    def controller(self):
+        """The `RebalanceController` of ``--rebalance-every`` (None without it)."""
+        strategy = self.par.strategy
+        if not strategy.rebalance_every:
+            return None
+        from train.calibrate import compute_pools
+        from train.strategies.hetero import batch_grid
+
+        return RebalanceController(self.counts, self.capacity, strategy.rebalance_every,
+                                   pools=compute_pools(batch_grid(self.par.mesh)))
+
+    def priced(self, config, layout, batch: int, seq_len: int, backend: str):
+        """The device with the most microbatches (`sharding.costmodel.device_cost`)."""
+        from sharding import costmodel as cm
+
+        strategy = self.par.strategy
+        if not strategy.counts:
+            return super().priced(config, layout, batch, seq_len, backend)
+        most = max(strategy.counts)
+        cost = cm.device_cost(config, layout, seq_len=seq_len, rows=batch / strategy.total, microbatches=most,
+                              backend=backend, batch_rows=batch)
+        return cost, f"the device with the most microbatches ({most})"
+
+    def cost_notes(self) -> list[str]:
+        return ["  (the uneven step's microbatch loop runs a number of trips set at run time: the compiled "
+                "products count its body once)"]
+
+    def summary_lines(self, run, speeds=None) -> list[str]:
+        strategy = self.par.strategy
+        return [describe_uneven(strategy.counts, run.data.batch_size // strategy.total, speeds, self.capacity)]
+
+    # Before any mesh ---------------------------------------------------------------------------
+
+    @classmethod
+    def check_run_batch(cls, run) -> None:
+        """None here: the counts' microbatches are checked against the batch in `check_run`."""
+
+    @classmethod
+    def check_run(cls, run) -> None:
+        """Uneven counts against the model's attention, the mesh, the rules and the batch (`check_uneven`).
+
+        Raises:
+          ValueError: An attention kernel inside the uneven step with tensor; as `check_uneven`.
+        """
+        from models.transformer import abstract_model
+
+        par, model = run.parallelism, run.model
+        tensor = par.mesh_shape[ax.TENSOR]
+        if tensor > 1 and attention_registry.kernel(model.attention).traits.under_shard_map:
+            partitioned = " or ".join(k.name for k in attention_registry.KERNELS if not k.traits.under_shard_map)
+            raise ValueError(f"--attention {model.attention} runs its kernel under its own shard_map, which cannot "
+                             f"sit inside the uneven step's with tensor={tensor} yet; with --hetero-batch and a "
+                             f"tensor axis use --attention {partitioned}")
+
+        _, abstract, names = abstract_model(model)
+        check_uneven(par, names, abstract, run.data.batch_size)
+
+    @classmethod
+    def resolve(cls, config, par: Parallelism, log):
+        """``--hetero-batch auto`` (measured at start-up, `train.calibrate.resolve_measured`) or ``kinds``
+        (datasheets, `resolve_uneven`) into counts; given counts stay."""
+        strategy = par.strategy
+        if strategy.counts is not None:
+            return par, None
+        if strategy.speeds != "measured":
+            from train.plan import cluster_of
+
+            simulated = cluster_of(config, jax.devices())[1] if config.cluster.simulate_cluster else None
+            return resolve_uneven(par, par.mesh, simulated)
+        from train.calibrate import resolve_measured
+
+        return resolve_measured(config, par, log), None
+
+    @classmethod
+    def measured(cls, run, par: Parallelism, log) -> Parallelism:
+        """Planned counts that split evenly on average become ``--hetero-batch auto`` (rebalanced every
+        `train.cli.DEFAULT_REBALANCE` steps unless the plan says otherwise)."""
+        from train.cli import DEFAULT_REBALANCE
+
+        strategy = par.strategy
+        if strategy.counts and sum(strategy.counts) % len(strategy.counts) == 0:
+            log("--plan auto: uneven counts from speeds measured at start-up (as --hetero-batch auto)")
+            return par.replace(strategy=dataclasses.replace(
+                strategy, counts=None, speeds="measured", microbatches=sum(strategy.counts) // len(strategy.counts),
+                rebalance_every=strategy.rebalance_every or DEFAULT_REBALANCE))
+        return par
+
+    @classmethod
+    def flags_before_microbatches(cls, par: Parallelism) -> list[str]:
+        strategy = par.strategy
+        given = strategy.counts is not None and strategy.speeds == "given"
+        out = ["--hetero-batch", ",".join(map(str, strategy.counts)) if given else
+               "auto" if strategy.speeds == "measured" else strategy.speeds]
+        if strategy.capacity is not None:
+            out += ["--hetero-max-share", str(strategy.capacity)]
+        if strategy.rebalance_every:
+            out += ["--rebalance-every", str(strategy.rebalance_every)]
+        return out
+
+
+class RebalanceController:
+    """The uneven counts between steps: each step's processed microbatches and loop seconds go to a
+    `sharding.balance.Rebalancer`, whose proposals the step after next runs (metrics are read one step late).
+
+    Attributes:
+      inputs: The values of the step inputs (``(counts,)``) the next step runs.
+    """
+
+    def __init__(self, counts: Sequence[int], capacity: int, every: int, pools=None):
+        from sharding.balance import Rebalancer as Balance
+
+        self.balance = Balance(tuple(counts), capacity, every, pools=pools)
+        self.inputs = (self.balance.counts,)
+
+    def observe(self, step: int, values: dict, log) -> None:
+        """Feeds a step's per-device counts and loop seconds (``values``: its metrics on the host) and takes
+        new counts when proposed, logging them; adds the smoothed speeds (microbatches/s) to ``values``."""
+        if "local_seconds" not in values:
+            return
+        self.balance.observe(values["processed"], values["local_seconds"])
+        values["speeds"] = self.balance.speeds()
+        new = self.balance.propose()
+        if new is not None:
+            self.inputs = (new,)
+            log(f"step {step}: rebalanced uneven counts to {','.join(map(str, new))} (measured microbatches/s "
+                f"{', '.join(f'{v:.2f}' for v in values['speeds'])})")
 
 
 def _replicate(value, axes: tuple[str, ...]):
@@ -268,119 +353,19 @@ def uneven_row_index(counts, microbatch_rows: int, capacity: int):
     return jnp.where(slot[None, :] < counts[:, None] * microbatch_rows, starts[:, None] + slot[None, :], 0)
 
 
-def make_strategy(par: Parallelism, param_specs) -> GradientStrategy:
-    """The `GradientStrategy` of ``par.strategy`` (``param_specs``: the parameters' `PartitionSpec`s)."""
-    if par.pipeline is not None:
-        return PipelineGradients(par)
-    if isinstance(par.strategy, UnevenBatch):
-        return UnevenGradients(par, param_specs)
-    return AccumulatedGradients(par)
-
-
-# Checks and resolution ---------------------------------------------------------------------------
-
-
-def checked_pipeline(par: Parallelism, compiled_text: str) -> tuple[Parallelism, str | None]:
-    """The pipeline plan to use, after making sure no stage can wait on another inside a skipped slot.
-
-    The pipeline skips empty slots with conditionals that stages take differently. Collectives GSPMD puts
-    inside a layer are normally among devices of one stage, but if it chose one that could involve other
-    stages (a ``collective-permute``), devices would wait forever. Then the plan falls back to computing
-    every slot (`PipelinePlan.skip_empty` False).
-
-    Args:
-      par: The run's layout (a pipeline strategy).
-      compiled_text: ``compiled.as_text()`` of a step compiled with ``par``.
-
-    Returns:
-      ``(par, note)``: ``par`` itself and None when safe; else the fallback layout and a line saying why.
-    """
-    plan = par.pipeline
-    if plan is None or not plan.skip_empty:
-        return par, None
-    unsafe = [c for c in branch_collectives(compiled_text, par.mesh) if not c.safe]
-    if not unsafe:
-        return par, None
-    ops = ", ".join(sorted({f"{c.op} ({c.name})" for c in unsafe}))
-    note = (f"pipeline: the partitioner put {ops} inside a skipped layer slot, where stages that skip it would "
-            f"leave others waiting; this run computes every slot instead (empty slots cost compute too)")
-    return par.replace(strategy=dataclasses.replace(plan, skip_empty=False)), note
-
-
-def batch_groups(mesh) -> list[list[Any]]:
-    """The data-parallel groups along ``data`` x ``fsdp`` (data-major: the order of uneven counts), each the
-    devices that share its batch rows and run its one count (its ``tensor`` peers, in mesh order; one device
-    on a mesh over ``data`` and ``fsdp`` only)."""
-    names = list(mesh.axis_names)
-    batch = [names.index(a) for a in ax.BATCH_MESH_AXES if a in names]
-    order = batch + [i for i in range(len(names)) if i not in batch]
-    devices = np.asarray(mesh.devices).transpose(order)
-    groups = math.prod(devices.shape[:len(batch)])
-    return [list(row) for row in devices.reshape(groups, -1)]
-
-
-def batch_grid(mesh) -> list[Any]:
-    """The first device of each data-parallel group (`batch_groups`), in the order of uneven counts."""
-    return [group[0] for group in batch_groups(mesh)]
-
-
-def slowest_of_groups(values: Sequence[float], groups: Sequence[Sequence[Any]], larger_is_slower: bool) -> list[float]:
-    """One figure per data-parallel group from one per device (``values`` in the order of
-    ``[d for g in groups for d in g]``): the slowest member's, since a group's devices meet in its tensor
-    collectives after every layer and run one count.
-
-    Args:
-      values: A speed (larger_is_slower False, e.g. FLOP/s) or a time (True, e.g. seconds per microbatch).
-      groups: `batch_groups`.
-      larger_is_slower: Whether a larger value is slower.
-    """
-    out, start = [], 0
-    for group in groups:
-        members = values[start:start + len(group)]
-        out.append(max(members) if larger_is_slower else min(members))
-        start += len(group)
-    return out
-
-
-def device_speeds(mesh, simulated: Mapping[int, Any] | None = None) -> list[float]:
-    """Peak FLOP/s of each data-parallel group along the batch axes (its slowest device's: the group runs
-    one count), in the order of the uneven counts.
-
-    Args:
-      mesh: The `jax.sharding.Mesh`.
-      simulated: ``device.id -> DeviceKind`` from `sharding.devices.simulate_inventory`.
-
-    Raises:
-      ValueError: When a device's peak is unknown (e.g. CPU without ``--simulate-cluster``).
-    """
-    from sharding.devices import peak_flops
-
-    speeds, groups = [], batch_groups(mesh)
-    for device in (d for group in groups for d in group):
-        peak = peak_flops(device, simulated)
-        if peak is None:
-            raise ValueError(
-                f"--hetero-batch kinds: the peak speed of device {device.id} ({device.device_kind}) is unknown; "
-                f"give --simulate-cluster (e.g. h100:4,a100:4), measure with --hetero-batch auto, or give counts "
-                f"(--hetero-batch 3,3,3,3,1,1,1,1)"
-            )
-        speeds.append(peak)
-    return slowest_of_groups(speeds, groups, larger_is_slower=False)
-
-
 def resolve_uneven(par: Parallelism, mesh, simulated=None) -> tuple[Parallelism, list[float] | None]:
     """Resolves ``--hetero-batch kinds`` into counts from the devices' datasheet speeds (``auto`` measures
     them instead: `train.calibrate`).
 
     Returns:
-      ``(par, speeds)``: ``par`` with `UnevenBatch.counts` set (unchanged when given or not uneven), and
+      ``(par, speeds)``: ``par`` with `UnevenBatch.counts` set (unchanged when given), and
       the speeds used (None when not resolved here).
 
     Raises:
       ValueError: As `device_speeds`.
     """
     strategy = par.strategy
-    if not isinstance(strategy, UnevenBatch) or strategy.counts is not None:
+    if strategy.counts is not None:
         return par, None
     speeds = device_speeds(mesh, simulated)
     total = strategy.microbatches * par.data_parallel
@@ -398,11 +383,6 @@ def describe_uneven(counts: Sequence[int], microbatch_rows: int, speeds: Sequenc
     capacity = capacity or default_capacity(sum(counts), len(counts), counts)
     return (f"uneven data parallelism: microbatches of {microbatch_rows} sequences per device "
             f"{', '.join(parts)}; padded buffer {capacity} microbatches per device")
-
-
-__all__ = ["AccumulatedGradients", "GradientStrategy", "PipelineGradients", "UnevenGradients", "batch_grid", "batch_groups",
-           "check_uneven", "checked_pipeline", "describe_uneven", "device_speeds", "make_strategy", "resolve_uneven",
-           "slowest_of_groups", "uneven_row_index"]
 
 
 def check_uneven(par: Parallelism, param_names, abstract_params, global_batch: int | None = None) -> None:
@@ -464,3 +444,7 @@ def check_uneven(par: Parallelism, param_names, abstract_params, global_batch: i
         total = sum(counts)
         raise ValueError(f"--batch-size {global_batch} is not divisible by the {total} microbatches of --hetero-batch "
                          f"{given}; e.g. --batch-size {total * max(1, global_batch // total)}")
+
+
+__all__ = ["RebalanceController", "UnevenGradients", "check_uneven", "describe_uneven", "resolve_uneven",
+           "uneven_row_index"]

@@ -1,0 +1,212 @@
+"""The train state's layout: its parameters, their storage and shardings, init, restore targets, relayout.
+
+The train state is a dict::
+
+    {"step": int32 [], "params": {...}, "opt_state": optax state, "rng": uint32 [2]}
+
+Parameters are sharded by the logical rules (`sharding.rules.tree_shardings`), the optimizer state like
+the parameters it belongs to (`optax.tree_map_params`), scalars replicated. The state is created by one
+jitted init with ``out_shardings``, so it is never whole on one device.
+
+With a pipeline the stacked layer parameters (and their optimizer state) live unpadded as ``[rows, ...]``
+(`sharding.pipeline.storage.StageStorage`): rows split evenly over ``stage`` and the batch axes the rules
+shard layer parameters over, so a stage with fewer layers holds no padding; the stage program gathers its
+own layers once per step. Checkpoints store the state as it is laid out, with the layout in their
+metadata; `StateLayout.relayout_state` re-lays the stacked layer axis on device when a checkpoint's layout
+differs (`checkpoints.manager.restore_state`: another storage, the canonical stack, or the padded
+``[stage, slot, ...]`` layout of checkpoints saved before), so a run resumes across stage layouts.
+
+`StateLayout` is the one owner of this: the train step (`train.step.Trainer`), checkpoint restore,
+inference, generation and Hugging Face import and export all read it; none of them needs a train step.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from models.config import ModelConfig
+from models.transformer import abstract_model, init_params
+from sharding import axes as ax
+from sharding.parallel import Parallelism
+from sharding.pipeline import StageLayout, relayout_on_mesh
+from sharding.pipeline.storage import (StageStorage, spread_over_stage, stack_table, storage_axes, storage_for,
+                                      storage_spec)
+from sharding.rules import tree_shardings
+from train.optimizer import OptimizerConfig, make_optimizer
+
+
+class StateLayout:
+    """How one model's train state is laid out on one mesh: shapes, names, storage and shardings.
+
+    Args:
+      config: The model.
+      par: The run's `sharding.parallel.Parallelism`, bound to a mesh (`Parallelism.on`); with a pipeline,
+        its stage layout decides the layer stacks' storage.
+      optimizer: The run's optimizer hyperparameters (the optimizer state the train state holds is theirs).
+        None where a state is only read or written, never stepped (restoring parameters for inference or
+        export, an imported step 0): the optimizer state's tree and shapes depend on the parameters' names
+        alone (the weight-decay mask), not on the hyperparameters, so the defaults give the same targets and
+        the same fresh state.
+
+    Attributes:
+      graphdef, abstract_params, param_names: The model's graph, its parameters (canonical ``[layers, ...]``
+        stacks, `jax.ShapeDtypeStruct`) and their logical names.
+      layout: The run's `StageLayout` (which layers each stage computes), or None (no pipeline).
+      storage: How the state stores the layer stacks: the `StageStorage` of ``layout`` on this mesh
+        (unpadded rows), or None (canonical ``[layers, ...]``, no pipeline).
+      tx: The `optax.GradientTransformation` whose state ``opt_state`` is.
+      state_params, param_shardings, report, state_shardings: The parameters as the state holds them (in
+        ``storage``), their shardings, the `sharding.rules.ShardingReport`, and the whole state's shardings.
+
+    Raises:
+      ValueError: A ``par`` not bound to a mesh, or a pipeline whose stage count is not the mesh's.
+    """
+
+    def __init__(self, config: ModelConfig, par: Parallelism, optimizer: OptimizerConfig | None = None):
+        if par.mesh is None:
+            raise ValueError("a state layout needs a Parallelism bound to a mesh (Parallelism.on(mesh))")
+        self.config, self.par = config, par
+        self.mesh, self.rules = par.mesh, par.rules
+        self.graphdef, self.abstract_params, self.param_names = abstract_model(config)
+        self.layout = par.pipeline.layout if par.pipeline is not None else None
+        if self.layout is not None and self.layout.stages != par.mesh_shape[ax.STAGE]:
+            raise ValueError(f"the pipeline has {self.layout.stages} stages but the mesh's stage axis is "
+                             f"{par.mesh_shape[ax.STAGE]}; pass --mesh stage={self.layout.stages},...")
+        self.storage = None if self.layout is None else storage_for(
+            self.layout, jax.tree.leaves(self.param_names["layers"], is_leaf=lambda x: isinstance(x, tuple)),
+            self.rules, par.mesh_shape)
+        self.tx = make_optimizer(OptimizerConfig() if optimizer is None else optimizer, self.param_names)
+        self.replicated = NamedSharding(self.mesh, PartitionSpec())
+        self.state_params, self.param_shardings, self.report, self.state_shardings = self._layout_state(self.storage)
+
+    # Shapes and shardings ------------------------------------------------------------------------
+
+    def _layout_state(self, layout: StageLayout | StageStorage | None):
+        """``(params, param_shardings, report, state_shardings)`` with the layer stacks in ``layout``."""
+        is_layer = {key: jax.tree.map(lambda _: key == "layers", value) for key, value in self.abstract_params.items()}
+
+        def shape(x, layer):
+            return jax.ShapeDtypeStruct(layout.stacked_shape(x.shape), x.dtype) if layer and layout is not None else x
+
+        def names(n, layer):
+            return StageLayout.stacked_names(n) if layer and isinstance(layout, StageLayout) else n
+
+        params = jax.tree.map(shape, self.abstract_params, is_layer)
+        param_names = jax.tree.map(names, self.param_names, is_layer, is_leaf=lambda x: isinstance(x, tuple))
+        param_shardings, report = tree_shardings(params, param_names, self.mesh, self.rules)
+        if isinstance(layout, StageStorage) or self.storage is not None:
+            param_shardings, report = self._storage_shardings(layout, param_shardings, report)
+        opt_shardings = optax.tree_map_params(self.tx, lambda _, sharding: sharding, jax.eval_shape(self.tx.init, params),
+                                              param_shardings, transform_non_params=lambda _: self.replicated)
+        state_shardings = {"step": self.replicated, "params": param_shardings, "opt_state": opt_shardings,
+                           "rng": self.replicated}
+        return params, param_shardings, report, state_shardings
+
+    def _storage_shardings(self, layout, shardings, report):
+        """Shardings (and report rows) re-made for a pipelined run or a `StageStorage` ``layout``: the layer
+        stacks' rows (in a `StageStorage`) over ``stage`` and the storage axes, their other dimensions
+        without them (`sharding.pipeline.storage.storage_spec`); in a pipelined run, the other parameters
+        also split over ``stage`` where a dimension allows, whatever ``layout`` (`spread_over_stage`: every
+        stage uses them whole, so GSPMD gathers them once per step, in the same all-gather as over ``fsdp``)."""
+        names = jax.tree.leaves(self.param_names["layers"], is_leaf=lambda x: isinstance(x, tuple))
+        axes = storage_axes(names, self.rules, self.par.mesh_shape)
+        shape = self.par.mesh_shape
+
+        def spec(row):
+            if row[0].startswith("layers/"):
+                return storage_spec(row[4], layout.rows, shape, axes) if isinstance(layout, StageStorage) else row[4]
+            return spread_over_stage(row[4], row[1], shape) if self.storage is not None else row[4]
+
+        specs = [spec(row) for row in report.rows]
+        report.rows = [(*row[:4], spec, row[5]) for row, spec in zip(report.rows, specs)]
+        treedef = jax.tree.structure(shardings)
+        return treedef.unflatten([NamedSharding(self.mesh, spec) for spec in specs]), report
+
+    def param_specs(self):
+        """The state's parameters' `PartitionSpec`s (a tree shaped as the params)."""
+        return jax.tree.map(lambda s: s.spec, self.param_shardings)
+
+    def abstract_state(self, layout: StageLayout | StageStorage | None | str = "run") -> dict:
+        """The state as `jax.ShapeDtypeStruct`s carrying their shardings (restore targets).
+
+        Args:
+          layout: The layout of the layer stacks: this run's (default), or another (None: canonical),
+            e.g. a checkpoint's before re-laying; its stage dimension is split over this mesh's ``stage``
+            axis where it divides, else left whole along it.
+        """
+        if layout == "run" or layout == self.storage:
+            shardings, layout = self.state_shardings, self.storage
+        else:
+            shardings = self._layout_state(layout)[3]
+        shapes = jax.eval_shape(lambda seed: self._init_fn(seed, layout), jax.ShapeDtypeStruct((), jnp.int32))
+        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
+
+    def param_targets(self) -> dict:
+        """The parameters in the canonical ``[layers, ...]`` layout as `jax.ShapeDtypeStruct`s carrying this
+        mesh's shardings: where imported weights are read onto (`checkpoints.hf.load_params`)."""
+        return self.abstract_state(None)["params"]
+
+    # Init and layouts ----------------------------------------------------------------------------
+
+    def _init_fn(self, seed, layout: StageLayout | StageStorage | None | str = "run"):
+        key = jax.random.key(seed)
+        layout = self.storage if layout == "run" else layout
+        table = None if layout is None else stack_table(layout, self.config.num_layers)
+        params = init_params(self.config, jax.random.fold_in(key, 0), table)
+        return self._fresh(params, key)
+
+    def _fresh(self, params, key) -> dict:
+        """Step 0 of ``params``: a fresh optimizer state and the run's RNG (of ``key``)."""
+        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": self.tx.init(params),
+                "rng": jax.random.key_data(jax.random.fold_in(key, 1))}
+
+    def init_state(self, seed: int) -> dict:
+        """Fresh state, created sharded by a jitted init with ``out_shardings``.
+
+        With a pipeline, each device builds only its own rows; the values are those of the canonical model
+        for the same seed, whatever the layout.
+        """
+        return jax.jit(self._init_fn, out_shardings=self.state_shardings)(jnp.asarray(seed, jnp.int32))
+
+    def state_from_params(self, params: dict, seed: int) -> dict:
+        """Step 0 of given parameters (e.g. imported): a fresh optimizer state, the RNG of ``seed``, in this run's layout.
+
+        Args:
+          params: Canonical ``[layers, ...]`` stacks, float32, on this mesh (`param_targets`' shardings);
+            donated.
+          seed: As `init_state`'s.
+
+        Returns:
+          The state, laid out for this run (`relayout_state` from the canonical layout for a pipeline).
+        """
+        canonical = self.state_shardings if self.storage is None else self._layout_state(None)[3]
+        fn = jax.jit(lambda p, s: self._fresh(p, jax.random.key(s)), out_shardings=canonical, donate_argnums=0)
+        return self.relayout_state(fn(params, jnp.asarray(seed, jnp.int32)), None)
+
+    def layout_meta(self) -> dict | None:
+        """This run's storage for checkpoint metadata (None: canonical ``[layers, ...]`` stacks)."""
+        return None if self.storage is None else self.storage.to_meta()
+
+    def relayout_state(self, state: dict, src: StageLayout | StageStorage | None) -> dict:
+        """Re-lays the layer stacks of ``state`` (params and optimizer state) from ``src`` to this run's storage.
+
+        Only the stacked layer arrays move, on device under `jax.jit` with this run's shardings as
+        ``out_shardings``, each device receiving the rows of its stage; no array is gathered on one device.
+        """
+        if src == self.storage:
+            return state
+        is_layer = {key: jax.tree.map(lambda _: key == "layers", value) for key, value in self.abstract_params.items()}
+        opt = optax.tree_map_params(self.tx, lambda _, layer: layer, state["opt_state"], is_layer,
+                                    transform_non_params=lambda _: False)
+        leaves, treedef = jax.tree.flatten(state)
+        moving = treedef.flatten_up_to({"step": False, "params": is_layer, "opt_state": opt, "rng": False})
+        targets = jax.tree.leaves(self.state_shardings)
+        picked = [i for i, layer in enumerate(moving) if layer]
+        fn = jax.jit(lambda xs: relayout_on_mesh(xs, src, self.storage, self.config.num_layers, self.mesh),
+                     out_shardings=[targets[i] for i in picked])
+        for i, moved in zip(picked, fn([leaves[i] for i in picked]), strict=True):
+            leaves[i] = moved
+        return treedef.unflatten(leaves)

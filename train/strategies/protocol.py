@@ -1,0 +1,183 @@
+"""The protocol of a gradient strategy: everything the step, the loop, the report and the checks ask of one.
+
+A strategy is two things: a value in the run's `sharding.parallel.Parallelism` (`Accumulation`,
+`sharding.pipeline.PipelinePlan`, `UnevenBatch`: what the command line and the planner build) and the
+`GradientStrategy` subclass that implements it here (`train.strategies.kind_of` maps one to the other).
+The subclass's class methods read the value before any mesh exists (checks, start-up resolution, flags);
+an instance, bound to the mesh (`train.strategies.make_strategy`), computes the step's gradients and owns
+the step's extra inputs. Nothing outside `train.strategies` asks which strategy a run has.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+from sharding.parallel import Parallelism
+
+LossFn = Callable[[Any, dict, Parallelism], tuple[jax.Array, jax.Array]]
+"""``loss_fn(params, batch, par) -> (loss_sum, weight_sum)``: float32 scalars (nats, tokens)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StepInput:
+    """One per-step host input of the train step besides the state and the batch (e.g. the uneven counts).
+
+    Its value is an input of the compiled step, so it may change between steps without recompiling.
+
+    Attributes:
+      name: The key in the step's ``signals`` dict.
+      shape: Its shape (int32).
+      sharding: Its `jax.sharding.NamedSharding` on the run's mesh.
+      default: The value a step gets when the host gives none, int32 ``shape``.
+      check: Raises ValueError for a value the step cannot take (e.g. counts above their capacity).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    sharding: NamedSharding
+    default: np.ndarray
+    check: Callable[[np.ndarray], None] = lambda value: None
+
+    def array(self, value=None) -> jax.Array:
+        """``value`` (default `default`) as the global int32 array the step takes, after `check`.
+
+        Raises:
+          ValueError: As `check`.
+        """
+        value = np.asarray(self.default if value is None else value, np.int32)
+        self.check(value)
+        return jax.make_array_from_callback(value.shape, self.sharding, lambda index: value[index])
+
+    def abstract(self) -> jax.ShapeDtypeStruct:
+        """The input as a `jax.ShapeDtypeStruct` carrying its sharding (ahead-of-time compilation)."""
+        return jax.ShapeDtypeStruct(self.shape, np.int32, sharding=self.sharding)
+
+
+class GradientStrategy:
+    """Computes the summed loss, token count and gradients of one global batch (inside jit), and says what
+    else the run needs for it. Subclasses override what applies to them; the defaults do nothing.
+
+    Args:
+      par: The run's `Parallelism`, bound to a mesh.
+      layout: The run's `train.state.StateLayout` (the parameters' names, shapes and shardings), or None.
+    """
+
+    def __init__(self, par: Parallelism, layout=None):
+        self.par = par
+        self.layout = layout
+
+    # Bound to the mesh: the step --------------------------------------------------------------
+
+    def gradients(self, loss_fn: LossFn, params, batch: dict, inputs: Mapping[str, jax.Array]):
+        """``(loss_sum, weight_sum, grads, metrics)``: float32 scalars, gradient sums shaped as ``params``,
+        and extra metrics of the strategy (e.g. microbatches processed per device).
+
+        Args:
+          loss_fn: The model's summed loss.
+          params: The parameters as the state stores them.
+          batch: The global batch, ``[batch, length]`` fields.
+          inputs: The step's values of `step_inputs`, by name.
+        """
+        raise NotImplementedError
+
+    def step_inputs(self) -> tuple[StepInput, ...]:
+        """The strategy's extra per-step host inputs, in the order `train.step.Trainer.signals` takes their
+        values (none by default)."""
+        return ()
+
+    def check_batch(self, global_batch: int) -> None:
+        """Raises ValueError for a global batch this strategy cannot split, naming the flag (before compiling)."""
+
+    def controller(self):
+        """The host-side controller of the step inputs between steps, or None.
+
+        A controller has ``inputs`` (the values of `step_inputs` the next step runs, or None for the
+        defaults) and ``observe(step, values, log)``, called with each step's metrics on the host (read one
+        step late), which may change ``inputs`` and add metrics to ``values``.
+        """
+        return None
+
+    def compiled_check(self) -> str | None:
+        """What `check_compiled` looks for in a compiled step (a phrase for the log), or None: no check."""
+        return None
+
+    def check_compiled(self, compiled_text: str) -> tuple[Parallelism, str | None]:
+        """``(par, note)``: the layout to run after reading ``compiled.as_text()`` (itself and None by default;
+        else a fallback and the line saying why)."""
+        return self.par, None
+
+    def priced(self, config, layout, batch: int, seq_len: int, backend: str):
+        """``(cost, who)``: the cost model's `sharding.costmodel.Cost` of the run's busiest device per step and
+        which device that is (every device alike by default: `sharding.costmodel.estimate`).
+
+        Args:
+          config: The `models.config.ModelConfig`.
+          layout: The cost model's layout of the run (`sharding.costmodel.layout_of`).
+          batch, seq_len: Global batch (sequences) and tokens per sequence.
+          backend: ``cpu`` or ``gpu`` (what the compiler lowers collectives to).
+
+        Raises:
+          ValueError: A layout the cost model does not price.
+        """
+        from sharding import costmodel as cm
+
+        return cm.estimate(config, batch, seq_len, layout, backend=backend), "every device"
+
+    def cost_notes(self) -> list[str]:
+        """Lines on where the cost model's figures and the compiled step's count differently (none by default)."""
+        return []
+
+    def summary_lines(self, run, speeds=None) -> list[str]:
+        """Start-up lines before the parameter table (``run``: the `train.config.RunConfig`; ``speeds``:
+        the datasheet speeds the start-up resolved, or None)."""
+        return []
+
+    def detail_lines(self, run, trainer) -> list[str]:
+        """Start-up lines after the parameter table and notes (``trainer``: the run's `train.step.Trainer`)."""
+        return []
+
+    # Before any mesh: the value in the run's configuration ------------------------------------
+
+    @classmethod
+    def check_run_batch(cls, run) -> None:
+        """The batch against the strategy's microbatches and the mesh's data-parallel size.
+
+        Raises:
+          ValueError: A ``--batch-size`` that ``--microbatches`` or data x fsdp does not divide.
+        """
+        from train.checks import check_even_batch
+
+        check_even_batch(run)
+
+    @classmethod
+    def check_run(cls, run) -> None:
+        """The strategy against the model, mesh and rules (none by default). Raises ValueError naming the flag."""
+
+    @classmethod
+    def resolve(cls, config, par: Parallelism, log) -> tuple[Parallelism, list[float] | None]:
+        """At start-up, on the bound mesh: ``(par, datasheet speeds or None)`` with what the strategy left to
+        measure or look up resolved (unchanged by default)."""
+        return par, None
+
+    @classmethod
+    def measured(cls, run, par: Parallelism, log) -> Parallelism:
+        """A planned layout on real devices: its datasheet shares turned into shares measured at start-up
+        (unchanged by default)."""
+        return par
+
+    @classmethod
+    def flags(cls, par: Parallelism) -> list[str]:
+        """The strategy's own ``python -m train.train`` flags after ``--microbatches`` (none by default)."""
+        return []
+
+    @classmethod
+    def flags_before_microbatches(cls, par: Parallelism) -> list[str]:
+        """The strategy's own flags before ``--microbatches`` (none by default)."""
+        return []
+
