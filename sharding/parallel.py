@@ -54,6 +54,8 @@ class Accumulation:
     name = "accumulation"
     pipeline = None
     """Not a pipeline (`Parallelism.pipeline`)."""
+    uneven = False
+    """Every data-parallel group runs the same microbatches."""
 
     def mean_microbatches(self, groups: int) -> int:
         """M: every data-parallel group runs all of them (`Parallelism.microbatches`)."""
@@ -87,6 +89,8 @@ class UnevenBatch:
     rebalance_every: int = 0
 
     name = "uneven"
+    uneven = True
+    """Each data-parallel group runs its own count of microbatches (the uneven step)."""
     pipeline = None
     """Not a pipeline (`Parallelism.pipeline`)."""
 
@@ -285,7 +289,7 @@ class Parallelism:
             if outer != "single device":
                 out += ["--mesh-outer", outer]
         strategy = self.strategy
-        if isinstance(strategy, UnevenBatch):
+        if strategy.uneven:
             given = strategy.counts is not None and strategy.speeds == "given"
             out += ["--hetero-batch", ",".join(map(str, strategy.counts)) if given else
                     "auto" if strategy.speeds == "measured" else strategy.speeds]

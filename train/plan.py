@@ -197,7 +197,6 @@ def given_layout(text: str, num_layers: int, num_devices: int, defaults: argpars
         (give the counts), or a value the cost model does not price.
     """
     from sharding.mesh import parse_mesh
-    from sharding.parallel import UnevenBatch
     from train import cli
 
     try:
@@ -219,7 +218,7 @@ def given_layout(text: str, num_layers: int, num_devices: int, defaults: argpars
     except ValueError as e:
         raise ValueError(f"--layout: {e}") from None
     strategy, counts = par.strategy, None
-    if isinstance(strategy, UnevenBatch):
+    if strategy.uneven:
         if strategy.counts is None:
             raise ValueError(f"--layout: --hetero-batch {args.hetero_batch} is decided at run time; give the counts, "
                              f"e.g. --hetero-batch 3,3,3,3,1,1,1,1 (one per data x fsdp device)")

@@ -20,7 +20,7 @@ from typing import Any
 
 from sharding import axes as ax
 from sharding.modeldesc import AttentionTraits, ModelDescription, Param
-from sharding.parallel import Parallelism, UnevenBatch
+from sharding.parallel import Parallelism
 from sharding.rules import Rules, get_rules, logical_to_spec
 from sharding.vocab import OUTPUT_IMPLS
 
@@ -180,7 +180,7 @@ def layout_of(par: Parallelism, config: Any = None, **fields: Any) -> Layout:
         values.update(microbatches=plan.microbatches, stage_layers=plan.layout.stage_layers,
                       pipeline_repeats=plan.layout.repeats, skip_empty=plan.skip_empty, one_f_one_b=plan.one_f_one_b)
     else:
-        values.update(microbatches=par.microbatches, uneven_batch=isinstance(par.strategy, UnevenBatch))
+        values.update(microbatches=par.microbatches, uneven_batch=par.strategy.uneven)
     values.update(fields)
     return Layout(dict(par.mesh_shape), par.rules, **values)
 

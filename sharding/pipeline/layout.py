@@ -305,6 +305,9 @@ class PipelinePlan:
     measure_stages: bool = False
     fused: bool = False
 
+    uneven = False
+    """Every data-parallel group runs all M microbatches (`sharding.parallel.UnevenBatch` is the uneven step)."""
+
     def __post_init__(self):
         if self.fused and not self.one_f_one_b:
             raise ValueError("PipelinePlan: fused ticks are a 1F1B schedule (one_f_one_b=True)")
