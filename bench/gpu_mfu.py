@@ -1,6 +1,6 @@
 """MFU on one GPU at length 4096: our flash kernel against ``jax.nn.dot_product_attention``.
 
-The one prepared GPU check of issue 8. For the largest preset that fits one device (tried in
+The one prepared GPU check of model FLOPs utilisation. For the largest preset that fits one device (tried in
 the order of ``--models``, largest first; a run that fails with out-of-memory moves on to the
 next preset), runs `bench/throughput.py` (meshwork's real train step, synthetic tokens) twice:
 ``--attention flash`` (our Pallas FlashAttention-2 kernel) and ``--attention dot_product``

@@ -259,7 +259,7 @@ def stage_ideal(r: float, layers: int = 12) -> float:
 def markdown(args, dp_rows, strag, stage_rows, started: str, elapsed: float) -> str:
     import jax
 
-    lines = [BEGIN, f"## Mixed-speed cluster on one machine (issue 14) — {started[:10]}", "",
+    lines = [BEGIN, f"## Mixed-speed cluster on one machine — {started[:10]}", "",
              f"`python bench/hetero_cluster.py --ratios {','.join(map(str, args.ratios))} --steps {args.steps} "
              f"--straggler-steps {args.straggler_steps}` (as root), jax {jax.__version__}, {platform.machine()} "
              f"{os.cpu_count()} cores ({platform.node()}), started {started}, {elapsed / 60:.0f} min. Two processes x 4 "

@@ -53,7 +53,7 @@ CONFIGS = {
     "base-fsdp8": (BASE, {"fsdp": 8}, 10, "full", "reference"),
     "base-fsdp4-tensor2": (BASE, {"fsdp": 4, "tensor": 2}, 10, "full", "reference"),
     # At length 1024 on CPU, jax.nn.dot_product_attention's XLA path is 19% faster than our reference
-    # (bench/RESULTS.md, issue 8); MaxText also runs its own dot-product attention here.
+    # (bench/RESULTS.md); MaxText also runs its own dot-product attention here.
     "large-fsdp8": (LARGE, {"fsdp": 8}, 7, "full", "dot_product"),
 }
 DEVICES = 8

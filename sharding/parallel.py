@@ -334,7 +334,7 @@ def to_varying(tree, axes: str | Sequence[str]):
     `jax.grad` with respect to a value that is invariant over a manual axis (replicated, or just
     gathered) adds a ``psum`` over that axis in the backward pass; inside a loop whose trip count
     differs per device that collective would deadlock, and inside any loop it runs once per trip.
-    Cast first, the gradient stays per device and is reduced once, after the loop (GUIDE.md, pitfalls).
+    Cast first, the gradient stays per device and is reduced once, after the loop (docs/conventions.md, JAX pitfalls).
     """
     import jax
 

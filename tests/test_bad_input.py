@@ -1,4 +1,4 @@
-"""Every refused input of issue 13 (4): exit 2 and a one-line error naming the flag, before any device work."""
+"""Every refused input: exit 2 and a one-line error naming the flag, before any device work."""
 
 import pytest
 

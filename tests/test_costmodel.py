@@ -172,7 +172,7 @@ def test_pipeline_prices_the_layer_applications_the_schedule_runs():
 
 
 def test_pipeline_gathers_stage_weights_once_per_step():
-    """The 7B dry run of issue 16 (stage=4,fsdp=2, 10,10,6,6, 32 x 2048, float32), unpadded storage of 4
+    """The pipelined 7B dry run (stage=4,fsdp=2, 10,10,6,6, 32 x 2048, float32), unpadded storage of 4
     rows per device: per step, whatever M and the schedule, one all-gather of the stage's 10-slot working
     copy, one reduce-scatter of its gradients (each device's 5 slots), one row received by ppermute and its
     gradient sent back; the activations' ppermutes twice per GPipe step (M + S - 1) or 1F1B tick."""

@@ -1,4 +1,4 @@
-"""Fit checked before the first step (issue 13, 3), with injected small memory budgets."""
+"""Fit checked before the first step, with injected small memory budgets."""
 
 import time
 import types

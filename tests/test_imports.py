@@ -1,4 +1,4 @@
-"""Imports run one way (GUIDE.md, section 1): every module's imports, function-level ones included.
+"""Imports run one way (docs/conventions.md): every module's imports, function-level ones included.
 
 ``train -> {checkpoints, models, sharding}``, ``checkpoints -> {models.config, sharding}``,
 ``models -> sharding``; ``sharding`` and ``models/kernels`` import nothing of ours (but themselves).
@@ -93,7 +93,7 @@ def test_the_check_catches_a_wrong_import(tmp_path, monkeypatch):
     assert len(FILES) > 30
 
 
-# Modules that must import without JAX (GUIDE.md, section 1): the device table, cluster specs and
+# Modules that must import without JAX (docs/conventions.md): the device table, cluster specs and
 # files, and the detection module (which imports JAX only when asked for the live devices). Add
 # `sharding.pipeline.layout` once `sharding/pipeline/__init__.py` imports no schedule.
 JAX_FREE = ("sharding.devices", "sharding.devices.kinds", "sharding.devices.inventory", "sharding.devices.spec",

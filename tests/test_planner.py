@@ -61,7 +61,7 @@ CASES = {
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_planner_matches_brute_force_within_5_percent(case):
-    """The planner's speed (under a second per case) is a benchmark figure (bench/RESULTS.md, issue 7), not
+    """The planner's speed (under a second per case) is a benchmark figure (bench/RESULTS.md), not
     asserted here: a wall-clock bound failed CI on a loaded 2-core machine (1.24 s)."""
     inventory, model, batch, seq = CASES[case]
     options = SMALL_OPTIONS if "8 stages" not in case else planner.PlanOptions(

@@ -1,4 +1,4 @@
-"""Records stay true (issue 13, 5): metrics after a resume, TensorBoard purge, the schedule, state bytes."""
+"""Records stay true: metrics after a resume, TensorBoard purge, the schedule, state bytes."""
 
 import json
 import math

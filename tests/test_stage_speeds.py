@@ -1,4 +1,4 @@
-"""``--stage-layers auto``: layers per pipeline stage from measured stage speeds (issue 14, item 6).
+"""``--stage-layers auto``: layers per pipeline stage from measured stage speeds.
 
 Timings are injected (no wall clock in any assertion); the split is checked against brute force.
 """

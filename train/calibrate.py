@@ -16,7 +16,7 @@ layers go to the stages by `sharding.balance.layers_for_speeds` (min-max over th
 the work each stage does besides its layers counted in layers from the model's FLOPs).
 
 Achieved speed ratios are not peak ratios: an H100 SXM has 3.2x an A100's dense bf16 peak but 1.7x its
-memory bandwidth, and hosts throttle; hence measuring (issue 14).
+memory bandwidth, and hosts throttle; hence measuring.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Does the run fit? Checked twice before the first step (issue 13, 3).
+"""Does the run fit? Checked twice before the first step.
 
 1. `check_estimate`, before anything is built: the state (float32 parameters and AdamW's two float32
    moments, from the model's description, `models.spec.describe`) split evenly over every device, plus

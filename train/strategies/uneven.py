@@ -47,7 +47,7 @@ class UnevenGradients(GradientStrategy):
        no collective over them, and loops ``counts[i]`` times (a ``while`` loop whose trip count is a
        per-group input), summing token-level loss and gradients under ``par.inside((data, fsdp))``. No
        collective over the batch axes runs inside the loop: with per-group trip counts one would deadlock
-       (GUIDE.md, pitfalls). GSPMD's ``tensor`` collectives do run inside it, among the devices of one
+       (docs/conventions.md, JAX pitfalls). GSPMD's ``tensor`` collectives do run inside it, among the devices of one
        tensor group, which all run the group's one count, so they stay matched.
     3. After the loop, one reduction: a ``psum`` over the batch axes (``psum_scatter`` over ``fsdp`` for
        sharded parameters). Divided by the global token count as the uniform step divides it, the update
