@@ -14,6 +14,7 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
+from checkpoints.argparser import Parser
 from models.config import ATTENTION_IMPLS, DTYPES, LOGITS_IMPLS, PRESETS, REMAT_POLICIES, get_config
 from sharding import axes as ax
 from sharding.mesh import parse_axis_sizes
@@ -56,7 +57,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of every ``python -m train.train`` flag."""
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="python -m train.train", description=DESCRIPTION, formatter_class=_HelpFormatter,
         epilog="Logical axes: batch, length, embed, mlp, heads, kv_heads, head_dim, vocab, layers, act_embed. "
         "Mesh axes: data, stage, fsdp, sequence, tensor.",
