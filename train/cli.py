@@ -30,6 +30,7 @@ from sharding.pipeline import (
 )
 from sharding.rules import DEFAULT_PRESET, PRESETS as RULE_PRESETS, get_rules
 from train.config import DEFAULT_RUN_DIR, CheckpointConfig, ClusterConfig, DataConfig, LoopConfig, RunConfig
+from train.divergence import parse_max_loss
 from train.optimizer import OptimizerConfig
 
 DEFAULT_MODEL = "small"
@@ -201,6 +202,12 @@ def _optimizer_flags(p) -> None:
     g.add_argument("--skip-nonfinite", type=int, default=0, metavar="N",
                    help="skip (and log) up to N steps whose loss is NaN or infinite; past that the run stops, "
                    "keeping its last good checkpoint")
+    g.add_argument("--max-loss", default="auto", metavar="auto|off|X",
+                   help="stop the run, as a non-finite loss does, when a step's training loss exceeds X (nats per "
+                   "token); the checkpoint saved from the parameters that produced it is set aside (renamed "
+                   "STEP.diverged-TIME), so the last one kept is from before the divergence; auto: the larger of 2x "
+                   "this run's first recorded loss and 1.5 x ln(vocabulary size), the loss of a uniform guess; off: "
+                   "never (default: auto)")
 
 
 def _run_flags(p) -> None:
@@ -258,7 +265,7 @@ def from_args(args: argparse.Namespace) -> RunConfig:
                         args.batch_size, args.seed),
         optimizer=optimizer,
         loop=LoopConfig(args.steps, args.log_every, args.eval_every, args.eval_batches, args.skip_nonfinite,
-                        not args.no_progress, args.dry_run),
+                        not args.no_progress, args.dry_run, parse_max_loss(args.max_loss)),
         checkpoint=CheckpointConfig(args.run_dir, args.resume, args.ckpt_every, args.keep, args.resume_step,
                                     args.init_from, args.discard_later, args.break_lock),
         cluster=ClusterConfig(args.cpu_devices, args.coordinator, args.num_processes, args.process_id,

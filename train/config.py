@@ -54,6 +54,7 @@ class LoopConfig:
     skip_nonfinite: int = 0
     progress: bool = True
     dry_run: bool = False
+    max_loss: float | None = None  # --max-loss: None auto (train.divergence), inf off
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,6 +22,7 @@ import jax
 import numpy as np
 
 from train.data import Dataset, to_global_arrays
+from train.divergence import DivergenceGuard
 
 
 @dataclasses.dataclass
@@ -41,6 +42,9 @@ class LoopOptions:
       progress: show a progress bar.
       skip_nonfinite: steps with a non-finite loss that may be skipped before
         the run stops.
+      max_loss: ``--max-loss``: a finite loss above it stops the run as a non-finite one does (None: auto,
+        `train.divergence.auto_max_loss`; ``inf``: off).
+      vocab_size: the model's vocabulary (for the auto ``max_loss``).
     """
 
     steps: int
@@ -54,6 +58,8 @@ class LoopOptions:
     peak_flops: float | None = None
     progress: bool = True
     skip_nonfinite: int = 0
+    max_loss: float | None = None
+    vocab_size: int = 0
 
     @classmethod
     def of(cls, run) -> LoopOptions:
@@ -68,7 +74,8 @@ class LoopOptions:
                    eval_every=loop.eval_every, eval_batches=loop.eval_batches, ckpt_every=run.checkpoint.every,
                    flops_per_token=run.model.flops_per_token(data.seq_len),
                    peak_flops=None if any(p is None for p in peaks) else float(sum(peaks)),
-                   progress=loop.progress, skip_nonfinite=loop.skip_nonfinite)
+                   progress=loop.progress, skip_nonfinite=loop.skip_nonfinite,
+                   max_loss=loop.max_loss, vocab_size=run.model.vocab_size)
 
 
 class MetricsWriter:
@@ -204,7 +211,19 @@ def evaluate(eval_step, params, dataset: Dataset, options: LoopOptions, sharding
 
 
 class NonFiniteLossError(RuntimeError):
-    """The loss became NaN or infinite more often than ``--skip-nonfinite`` allows."""
+    """The loss became NaN or infinite more often than ``--skip-nonfinite`` allows.
+
+    Attributes:
+      step: the step whose loss stopped the run (its loss was computed from the parameters of ``step - 1``).
+    """
+
+    def __init__(self, message: str, step: int | None = None):
+        super().__init__(message)
+        self.step = step
+
+
+class DivergedLossError(NonFiniteLossError):
+    """A finite loss grew past ``--max-loss`` (`train.divergence`); stops the run as a non-finite loss does."""
 
 
 def train_loop(*, trainer, state: dict, dataset: Dataset, options: LoopOptions, samples: int, checkpoints,
@@ -223,8 +242,8 @@ def train_loop(*, trainer, state: dict, dataset: Dataset, options: LoopOptions, 
       (or None) and the steps skipped as non-finite.
 
     Raises:
-      NonFiniteLossError: More than ``options.skip_nonfinite`` non-finite steps; nothing is saved after
-        the last good checkpoint.
+      NonFiniteLossError: More than ``options.skip_nonfinite`` non-finite steps, or (`DivergedLossError`) a
+        loss past ``options.max_loss``; nothing is saved after the last good checkpoint.
     """
     start = int(jax.device_get(state["step"]))
     run = _Run(trainer, dataset, options, writer, log, start)
@@ -286,6 +305,7 @@ class _Run:
         self.pending: tuple[int, Any] | None = None
         self.interval_start, self.interval_steps = time.perf_counter(), 0
         self.rebalancer = rebalancer_of(trainer)
+        self.guard = DivergenceGuard(options.max_loss, options.vocab_size)
         self.counts = None if self.rebalancer is None else self.rebalancer.counts
         """The uneven counts the next step runs (None: the strategy's own or not uneven)."""
 
@@ -316,7 +336,7 @@ class _Run:
         pending, self.pending = self.pending, None
         values = _read(pending)
         self.rebalance(pending[0], values)
-        return _handle(pending, self.writer, self.options, self.summary, self.log, values)
+        return _handle(pending, self.writer, self.options, self.summary, self.log, values, self.guard)
 
     def rebalance(self, step: int, values: dict) -> None:
         """Feeds a step's per-device counts and loop seconds to the `sharding.balance.Rebalancer` and takes
@@ -338,7 +358,7 @@ class _Run:
         values = _read(pending)
         self.pending = None
         self.rebalance(step, values)
-        stop = _handle(pending, self.writer, options, self.summary, self.log, values)
+        stop = _handle(pending, self.writer, options, self.summary, self.log, values, self.guard)
         elapsed = time.perf_counter() - self.interval_start
         tok_s = self.interval_steps * options.global_batch * options.seq_len / elapsed
         mfu = tok_s * options.flops_per_token / options.peak_flops if options.peak_flops else None
@@ -374,11 +394,12 @@ def _read(pending) -> dict[str, float | list]:
     return values
 
 
-def _handle(pending, writer: MetricsWriter, options: LoopOptions, summary, log, values=None) -> bool:
+def _handle(pending, writer: MetricsWriter, options: LoopOptions, summary, log, values=None, guard=None) -> bool:
     """Records a step's metrics; returns whether the processes agreed to stop.
 
     Raises:
       NonFiniteLossError: past the allowed number of non-finite steps.
+      DivergedLossError: a finite loss past ``guard``'s limit.
     """
     step = pending[0]
     values = values if values is not None else _read(pending)
@@ -390,8 +411,10 @@ def _handle(pending, writer: MetricsWriter, options: LoopOptions, summary, log, 
             raise NonFiniteLossError(
                 f"the loss or its gradient became non-finite at step {step} (loss {values['loss']}, gradient norm "
                 f"{values['grad_norm']}); training stopped and the last complete checkpoint is kept "
-                f"(pass --skip-nonfinite N to skip up to N such steps, or lower --lr)"
+                f"(pass --skip-nonfinite N to skip up to N such steps, or lower --lr)", step
             )
+    elif guard is not None and (diverged := guard.check(step, values["loss"])):
+        raise DivergedLossError(diverged, step)
     stop_requested = bool(values.pop("stop"))
     writer.write(step, values)
     return stop_requested

@@ -15,7 +15,7 @@ from pathlib import Path
 from checkpoints.manager import CheckpointFailure
 from train import cli, fit, report
 from train.config import RunConfig
-from train.loop import NonFiniteLossError
+from train.loop import DivergedLossError, NonFiniteLossError
 
 build_parser = cli.build_parser
 
@@ -201,6 +201,10 @@ def train(config: RunConfig, trainer, ckpt, latest, tokenizer, log) -> int:
                                         options=LoopOptions.of(config), samples=samples, checkpoints=checkpoints,
                                         writer=writer, log=log, stop=stop,
                                         check_compiled=lambda compiled: fit.check_compiled(config, compiled))
+        except DivergedLossError as e:  # the parameters of step N-1 gave step N's loss: not a state to keep
+            if e.step - 1 > (latest or 0):
+                checkpoints.set_aside(e.step - 1, "diverged", log)
+            raise
         finally:
             writer.close()
     t0 = time.perf_counter()
