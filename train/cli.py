@@ -31,7 +31,7 @@ from sharding.pipeline import (
 from sharding.rules import DEFAULT_PRESET, PRESETS as RULE_PRESETS, get_rules
 from train.config import DEFAULT_RUN_DIR, CheckpointConfig, ClusterConfig, DataConfig, LoopConfig, RunConfig
 from train.divergence import parse_max_loss
-from train.optimizer import OptimizerConfig
+from train.optimizer import OPTIMIZERS, SCHEDULES, WSD_DECAY_FRACTION, OptimizerConfig, optimizer_hyper
 
 DEFAULT_MODEL = "small"
 """``--model`` when neither it nor ``--init-from`` is given."""
@@ -193,10 +193,21 @@ def _hetero_flags(p) -> None:
 def _optimizer_flags(p) -> None:
     g = p.add_argument_group("optimization")
     g.add_argument("--steps", type=int, default=150, help="train until this step")
-    g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
+    g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    g.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS,
+                   help="adamw; lion (its --lr is usually 3-10x smaller than AdamW's); sgd "
+                   "(momentum --beta1); all optax's, after clipping to --grad-clip, with --weight-decay on matrices")
+    g.add_argument("--schedule", default="cosine", choices=SCHEDULES,
+                   help="after the linear warmup: cosine or linear decay to 10%% of --lr at --decay-steps, or wsd "
+                   f"(warmup-stable-decay: --lr until the last {WSD_DECAY_FRACTION * 100:.0f}%% of the steps, then linear)")
+    g.add_argument("--beta1", type=float, default=None, help="first-moment decay of adamw and lion, momentum of sgd, "
+                   "in [0, 1) (default: 0.9)")
+    g.add_argument("--beta2", type=float, default=None, help="second-moment decay of adamw (default 0.95) and lion "
+                   "(default 0.99), in [0, 1)")
+    g.add_argument("--eps", type=float, default=None, help="adamw's epsilon, > 0 (default: 1e-8)")
     g.add_argument("--warmup", type=int, default=None, help="linear warmup steps (default: 5%% of the schedule)")
     g.add_argument("--decay-steps", type=int, default=None, help="length of the cosine schedule (default: --steps)")
-    g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW decoupled weight decay (matrices only)")
+    g.add_argument("--weight-decay", type=float, default=0.1, help="decoupled weight decay (matrices only)")
     g.add_argument("--grad-clip", type=float, default=1.0, help="clip gradients to this global norm")
     g.add_argument("--seed", type=int, default=0, help="seed for parameters, data order and held-out split")
     g.add_argument("--skip-nonfinite", type=int, default=0, metavar="N",
@@ -255,7 +266,9 @@ def from_args(args: argparse.Namespace) -> RunConfig:
     model, preset, tokenizer, eod = _model_and_tokenizer(args, execution)
     decay = args.steps if args.decay_steps is None else args.decay_steps
     optimizer = OptimizerConfig(lr=args.lr, warmup=args.warmup if args.warmup is not None else max(decay // 20, 0),
-                                decay_steps=decay, weight_decay=args.weight_decay, grad_clip=args.grad_clip)
+                                decay_steps=decay, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
+                                name=args.optimizer, schedule=args.schedule,
+                                **optimizer_hyper(args.optimizer, args.beta1, args.beta2, args.eps))
     optimizer.validate()
     return RunConfig(
         model=model,

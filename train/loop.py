@@ -189,10 +189,11 @@ class StopFlag:
         return self.signal_name is not None
 
 
-def _format_line(step: int, steps: int, loss: float, lr: float, tok_s: float, step_s: float, mfu: float | None) -> str:
+def _format_line(step: int, steps: int, loss: float, lr: float, tok_s: float, step_s: float, mfu: float | None,
+                 grad_norm: float) -> str:
     mfu_text = f"MFU {mfu:.1%}" if mfu is not None else "MFU n/a (device peak unknown, e.g. CPU)"
     return (
-        f"step {step:>6}/{steps} | loss {loss:.4f} | lr {lr:.2e} | {tok_s:,.0f} tok/s | "
+        f"step {step:>6}/{steps} | loss {loss:.4f} | lr {lr:.2e} | grad norm {grad_norm:.3g} | {tok_s:,.0f} tok/s | "
         f"{step_s * 1000:.0f} ms/step | {mfu_text}"
     )
 
@@ -364,7 +365,8 @@ class _Run:
         mfu = tok_s * options.flops_per_token / options.peak_flops if options.peak_flops else None
         step_time = elapsed / self.interval_steps
         self.writer.write(step, {"tokens_per_second": tok_s, "step_time": step_time}, prefix="perf")
-        self.log(_format_line(step, options.steps, values["loss"], values["lr"], tok_s, step_time, mfu))
+        self.log(_format_line(step, options.steps, values["loss"], values["lr"], tok_s, step_time, mfu,
+                              values["grad_norm"]))
         self.interval_start, self.interval_steps = time.perf_counter(), 0
         return stop
 

@@ -225,6 +225,7 @@ def start_state(config: RunConfig, trainer, ckpt, latest, log):
 
     if latest is None:
         return fresh_state(config, trainer, ckpt.directory, log), 0, None
+    _check_optimizer(config, ckpt, latest)
     t0 = time.perf_counter()
     (state, meta), latest = restore_falling_back(
         ckpt.directory, latest, lambda step: restore_state(ckpt, trainer, step), log,
@@ -232,6 +233,22 @@ def start_state(config: RunConfig, trainer, ckpt, latest, log):
     for line in report.resume_lines(config, trainer, meta, latest, time.perf_counter() - t0):
         log(line)
     return state, meta.samples, latest
+
+
+def _check_optimizer(config: RunConfig, ckpt, step: int) -> None:
+    """Refuses to resume with another ``--optimizer``: its state has another structure (a checkpoint saved before
+    the optimizer was recorded holds AdamW's).
+
+    Raises:
+      ValueError: Naming the saved optimizer and the flag that resumes it.
+    """
+    try:
+        saved = (ckpt.read_meta(step).get("schedule") or {}).get("optimizer", "adamw")
+    except Exception:  # an unreadable step is the restore's to report (and fall back from)
+        return
+    if saved != config.optimizer.name:
+        raise ValueError(f"--optimizer {config.optimizer.name}: the checkpoint of step {step} in {ckpt.directory} "
+                         f"holds {saved}'s optimizer state; resume with --optimizer {saved}, or use another --run-dir")
 
 
 def _context_permutation(config: RunConfig):
