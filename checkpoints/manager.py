@@ -118,8 +118,8 @@ class CheckpointManager:
     def all_steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
 
-    def resume_choice(self, explicit: int | None = None):
-        """The step to resume from: ``explicit`` (``--resume-step``) or the newest that reads completely.
+    def resume_choice(self, explicit: int | None = None, flag: str = "--resume-step"):
+        """The step to resume from: ``explicit`` (given by ``flag``) or the newest that reads completely.
 
         Checks each candidate with `checkpoints.verify.verify_step` (metadata
         parsed, array index walked, data files present; no array data read).
@@ -134,7 +134,7 @@ class CheckpointManager:
         """
         from checkpoints.verify import latest_verified_step
 
-        return latest_verified_step(self.directory, explicit)
+        return latest_verified_step(self.directory, explicit, flag)
 
     def save(self, step: int, state: Any, meta: dict[str, Any], force: bool = True) -> bool:
         """Starts saving ``state`` and ``meta`` as ``step`` (returns before the write ends).
