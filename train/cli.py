@@ -32,6 +32,7 @@ from sharding.rules import DEFAULT_PRESET, PRESETS as RULE_PRESETS, get_rules
 from train.config import DEFAULT_RUN_DIR, CheckpointConfig, ClusterConfig, DataConfig, LoopConfig, RunConfig
 from train.divergence import parse_max_loss
 from train.optimizer import OPTIMIZERS, SCHEDULES, WSD_DECAY_FRACTION, OptimizerConfig, optimizer_hyper
+from train.profile import parse_profile_steps
 
 DEFAULT_MODEL = "small"
 """``--model`` when neither it nor ``--init-from`` is given."""
@@ -240,6 +241,9 @@ def _run_flags(p) -> None:
     g.add_argument("--eval-batches", type=int, default=4, help="held-out batches per evaluation")
     g.add_argument("--log-every", type=int, default=10, help="steps between log lines")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--profile-steps", default=None, metavar="A:B",
+                   help="write a jax.profiler trace of steps A to B (or A alone) to RUN_DIR/profile, for TensorBoard "
+                   "(tensorboard --logdir RUN_DIR/profile) or Perfetto (its .trace.json.gz); default: no trace")
     g.add_argument("--dry-run", action="store_true", help="compile one step, print the sharding, memory and "
                    "collectives report, and exit without training")
 
@@ -278,7 +282,8 @@ def from_args(args: argparse.Namespace) -> RunConfig:
                         args.batch_size, args.seed),
         optimizer=optimizer,
         loop=LoopConfig(args.steps, args.log_every, args.eval_every, args.eval_batches, args.skip_nonfinite,
-                        not args.no_progress, args.dry_run, parse_max_loss(args.max_loss)),
+                        not args.no_progress, args.dry_run, parse_max_loss(args.max_loss),
+                        parse_profile_steps(args.profile_steps, args.steps)),
         checkpoint=CheckpointConfig(args.run_dir, args.resume, args.ckpt_every, args.keep, args.resume_step,
                                     args.init_from, args.discard_later, args.break_lock),
         cluster=ClusterConfig(args.cpu_devices, args.coordinator, args.num_processes, args.process_id,

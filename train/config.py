@@ -55,6 +55,7 @@ class LoopConfig:
     progress: bool = True
     dry_run: bool = False
     max_loss: float | None = None  # --max-loss: None auto (train.divergence), inf off
+    profile_steps: tuple[int, int] | None = None  # --profile-steps A:B (train.profile)
 
 
 @dataclasses.dataclass(frozen=True)

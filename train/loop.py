@@ -23,6 +23,7 @@ import numpy as np
 
 from train.data import Dataset, to_global_arrays
 from train.divergence import DivergenceGuard
+from train.profile import StepProfiler
 
 
 @dataclasses.dataclass
@@ -45,6 +46,8 @@ class LoopOptions:
       max_loss: ``--max-loss``: a finite loss above it stops the run as a non-finite one does (None: auto,
         `train.divergence.auto_max_loss`; ``inf``: off).
       vocab_size: the model's vocabulary (for the auto ``max_loss``).
+      profile_steps: ``--profile-steps``: the first and last step traced (`train.profile`), or None.
+      run_dir: the run folder (where the trace goes).
     """
 
     steps: int
@@ -60,6 +63,8 @@ class LoopOptions:
     skip_nonfinite: int = 0
     max_loss: float | None = None
     vocab_size: int = 0
+    profile_steps: tuple[int, int] | None = None
+    run_dir: str = "."
 
     @classmethod
     def of(cls, run) -> LoopOptions:
@@ -75,7 +80,8 @@ class LoopOptions:
                    flops_per_token=run.model.flops_per_token(data.seq_len),
                    peak_flops=None if any(p is None for p in peaks) else float(sum(peaks)),
                    progress=loop.progress, skip_nonfinite=loop.skip_nonfinite,
-                   max_loss=loop.max_loss, vocab_size=run.model.vocab_size)
+                   max_loss=loop.max_loss, vocab_size=run.model.vocab_size, profile_steps=loop.profile_steps,
+                   run_dir=run.checkpoint.run_dir)
 
 
 class MetricsWriter:
@@ -258,9 +264,12 @@ def train_loop(*, trainer, state: dict, dataset: Dataset, options: LoopOptions, 
     run.evaluate(state, start)  # the starting point of the run's held-out curve (also after a resume)
     bar = _progress(options, start)
     step, stop_after_this = start, False
+    profiler = StepProfiler(options.profile_steps, options.run_dir, log)
     while step < options.steps:
+        profiler.before(step + 1)
         state, metrics = compiled(state, run.batch_at(samples), trainer.signals(bool(stop), run.counts))
         step, samples = step + 1, samples + B
+        profiler.after(step, state)
         checkpoints.check()
         stop_after_this |= run.record(step, metrics)
         if bar is not None:
@@ -276,6 +285,7 @@ def train_loop(*, trainer, state: dict, dataset: Dataset, options: LoopOptions, 
             run.summary["stopped_by"] = stop.signal_name or "a stop request from another process"
             log(f"stopping after step {step} ({run.summary['stopped_by']})")
             break
+    profiler.close()
     run.flush()
     if bar is not None:
         bar.close()
