@@ -71,3 +71,14 @@ def test_a_resume_with_another_optimizer_is_refused(tmp_path, corpus, cache, cap
     err = capsys.readouterr().err
     assert code == 2 and "--optimizer lion: the checkpoint of step 2 in " in err and "resume with --optimizer adamw" \
         in err, err
+
+
+def test_the_learning_rate_schedule_flag_leaves_the_pipeline_schedules_alone():
+    from sharding.pipeline import SCHEDULES
+    from train import cli
+
+    run = cli.parse(["--mesh", "stage=2,fsdp=-1", "--pipeline-schedule", "1f1b", "--microbatches", "2",
+                     "--schedule", "wsd", "--model", "test"])
+    assert run.parallelism.pipeline.one_f_one_b and run.optimizer.schedule == "wsd"
+    actions = {a.dest: a for a in cli.build_parser()._actions}
+    assert tuple(actions["pipeline_schedule"].choices) == tuple(SCHEDULES)

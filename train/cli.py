@@ -31,7 +31,7 @@ from sharding.pipeline import (
 from sharding.rules import DEFAULT_PRESET, PRESETS as RULE_PRESETS, get_rules
 from train.config import DEFAULT_RUN_DIR, CheckpointConfig, ClusterConfig, DataConfig, LoopConfig, RunConfig
 from train.divergence import parse_max_loss
-from train.optimizer import OPTIMIZERS, SCHEDULES, WSD_DECAY_FRACTION, OptimizerConfig, optimizer_hyper
+from train.optimizer import OPTIMIZERS, SCHEDULES as LR_SCHEDULES, WSD_DECAY_FRACTION, OptimizerConfig, optimizer_hyper
 from train.profile import parse_profile_steps
 
 DEFAULT_MODEL = "small"
@@ -198,7 +198,7 @@ def _optimizer_flags(p) -> None:
     g.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS,
                    help="adamw; lion (its --lr is usually 3-10x smaller than AdamW's); sgd "
                    "(momentum --beta1); all optax's, after clipping to --grad-clip, with --weight-decay on matrices")
-    g.add_argument("--schedule", default="cosine", choices=SCHEDULES,
+    g.add_argument("--schedule", default="cosine", choices=LR_SCHEDULES,
                    help="after the linear warmup: cosine or linear decay to 10%% of --lr at --decay-steps, or wsd "
                    f"(warmup-stable-decay: --lr until the last {WSD_DECAY_FRACTION * 100:.0f}%% of the steps, then linear)")
     g.add_argument("--beta1", type=float, default=None, help="first-moment decay of adamw and lion, momentum of sgd, "
@@ -224,7 +224,12 @@ def _optimizer_flags(p) -> None:
 
 def _run_flags(p) -> None:
     g = p.add_argument_group("run folder, checkpoints, logging")
-    g.add_argument("--run-dir", default=DEFAULT_RUN_DIR, help="folder for checkpoints and metrics")
+    g.add_argument("--config", default=None, metavar="FILE.toml",
+                   help="read flags from a TOML file (keys: flag names without the dashes, e.g. seq-len = 128; true "
+                   "for a switch; a list for a repeatable flag); flags on the command line override it; without it, "
+                   "--resume reads the run folder's config.json (docs/training.md: Config files)")
+    g.add_argument("--run-dir", default=DEFAULT_RUN_DIR, help="folder for checkpoints and metrics (and config.json, "
+                   "the command line and every flag's value)")
     g.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --run-dir "
                    "(onto the current mesh and rules); starts fresh if there is none")
     g.add_argument("--resume-step", type=int, default=None, metavar="N",
@@ -255,10 +260,17 @@ def parse(argv: Sequence[str] | None = None) -> RunConfig:
     """Parses ``python -m train.train`` flags into a `RunConfig`.
 
     Raises:
-      SystemExit: From argparse, for unknown flags or ``--help``.
+      SystemExit: From argparse, for unknown flags (also in a ``--config`` file) or ``--help``.
       ValueError: A flag whose value is wrong on its own, naming it and a value that works.
     """
-    return from_args(build_parser().parse_args(argv))
+    import sys
+
+    from train import configfile
+
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parser.parse_args(configfile.expand(argv, parser))
+    return from_args(args).replace(record=configfile.record_of(argv, args))
 
 
 def from_args(args: argparse.Namespace) -> RunConfig:
