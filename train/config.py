@@ -115,6 +115,8 @@ class RunConfig:
       preset: The ``--model`` preset it came from (recorded in checkpoints).
       parallelism: Mesh, rules, gradient strategy and context layout.
       data, optimizer, loop, checkpoint, cluster: as their classes say.
+      record: What ``RUN_DIR/config.json`` records (`train.configfile`): ``command`` (the command line) and
+        ``flags`` (every flag's value); None when the config was not made from a command line.
     """
 
     model: ModelConfig
@@ -125,6 +127,7 @@ class RunConfig:
     loop: LoopConfig
     checkpoint: CheckpointConfig
     cluster: ClusterConfig
+    record: dict | None = dataclasses.field(default=None, compare=False)
 
     def replace(self, **changes) -> RunConfig:
         return dataclasses.replace(self, **changes)

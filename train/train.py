@@ -56,6 +56,10 @@ def run(config: RunConfig) -> int:
     log = report.logger(jax.process_index() == 0)
     config, tokenizer = prepare(config, jax.devices(), log)
     lock = hold_run_folder(config, jax.process_index(), log)  # refuses a folder another run holds
+    if lock is not None and config.record is not None:
+        from train.configfile import write_record
+
+        write_record(config.checkpoint.run_dir, config.record)
     try:
         return _run_prepared(config, tokenizer, processes, log)
     finally:
