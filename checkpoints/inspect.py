@@ -19,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
+from checkpoints.argparser import Parser
+
 
 def _resolve_dir(path: Path) -> Path:
     """Accepts a run folder (with ``checkpoints/`` inside) or the checkpoint folder itself."""
@@ -128,7 +130,7 @@ def describe(directory: str | Path, step: int | None = None, deep: bool = False)
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of ``python -m checkpoints.inspect`` (also read by the flags reference generator)."""
-    parser = argparse.ArgumentParser(prog="python -m checkpoints.inspect", description=__doc__.splitlines()[0])
+    parser = Parser(prog="python -m checkpoints.inspect", description=__doc__.splitlines()[0])
     parser.add_argument("directory", help="a run folder or its checkpoints/ folder")
     parser.add_argument("--step", type=int, default=None, help="which step (default: the latest)")
     parser.add_argument("--deep", action="store_true",

@@ -118,8 +118,8 @@ class CheckpointManager:
     def all_steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
 
-    def resume_choice(self, explicit: int | None = None):
-        """The step to resume from: ``explicit`` (``--resume-step``) or the newest that reads completely.
+    def resume_choice(self, explicit: int | None = None, flag: str = "--resume-step"):
+        """The step to resume from: ``explicit`` (given by ``flag``) or the newest that reads completely.
 
         Checks each candidate with `checkpoints.verify.verify_step` (metadata
         parsed, array index walked, data files present; no array data read).
@@ -134,7 +134,7 @@ class CheckpointManager:
         """
         from checkpoints.verify import latest_verified_step
 
-        return latest_verified_step(self.directory, explicit)
+        return latest_verified_step(self.directory, explicit, flag)
 
     def save(self, step: int, state: Any, meta: dict[str, Any], force: bool = True) -> bool:
         """Starts saving ``state`` and ``meta`` as ``step`` (returns before the write ends).
@@ -265,6 +265,25 @@ class LoopCheckpoints:
             self.manager.check_for_errors()
         except Exception as e:  # the background save's own error, raised here at once
             raise CheckpointFailure(f"a checkpoint save failed, so training stopped: {e}") from e
+
+    def set_aside(self, step: int, why: str, log) -> None:
+        """Waits for the pending saves, then renames ``step``'s folder, if this run saved one, to
+        ``STEP.WHY-TIME`` (`checkpoints.verify.set_aside`: nothing deleted, never resumed from); one line.
+
+        For a run stopped by its loss: the loss of step N is computed from the parameters saved as step N-1.
+        """
+        try:
+            self.manager.wait()
+        except Exception:  # a failed save is reported when the manager closes; there is nothing to rename
+            return
+        if step not in self.manager.all_steps():
+            return
+        from checkpoints.verify import set_aside
+
+        moved = set_aside(self.manager.directory, step, why)
+        if moved is not None:
+            log(f"the checkpoint of step {step} holds the parameters whose loss stopped the run; set aside as "
+                f"{moved}")
 
     def finish(self, step: int) -> None:
         """Waits for the pending save of ``step`` and raises `CheckpointFailure` if it failed."""

@@ -31,7 +31,8 @@ class RunMeta:
       pipeline: The stage layout of the layer stacks (`sharding.pipeline.StageLayout.to_meta`), or None
         for the canonical ``[layers, ...]`` stacks.
       schedule: The learning-rate schedule's flags: ``steps``, ``decay_steps``, ``warmup`` (steps) and
-        ``lr``; None in checkpoints saved before it was recorded.
+        ``lr``, and the optimizer's: ``optimizer``, ``schedule``, ``beta1``, ``beta2``, ``eps`` (absent in
+        checkpoints saved before they were recorded: AdamW, cosine); None in checkpoints saved before any was.
       jax_version: The JAX that saved it.
       saved_at: Local time of the save, ISO 8601.
       step: The step, once saved.

@@ -150,12 +150,13 @@ def verify_step(directory: str | Path, step: int, deep: bool = False) -> Verdict
     return Verdict(step, path, tuple(problems))
 
 
-def latest_verified_step(directory: str | Path, explicit: int | None = None) -> ResumeChoice:
+def latest_verified_step(directory: str | Path, explicit: int | None = None, flag: str = "--resume-step") -> ResumeChoice:
     """The step a run should resume from: ``explicit`` if given, else the newest step that verifies.
 
     Args:
       directory: the checkpoint folder (``RUN_DIR/checkpoints``).
       explicit: a step the user chose (``--resume-step N``).
+      flag: the flag that chose it, as errors name it (``--step`` for the readers: generate, evaluate, export).
 
     Returns:
       A `ResumeChoice`: the step (None for a folder without checkpoints) and
@@ -170,14 +171,14 @@ def latest_verified_step(directory: str | Path, explicit: int | None = None) -> 
     if explicit is not None:
         if explicit not in steps:
             raise CheckpointDamaged(
-                f"--resume-step {explicit}: no such checkpoint in {directory}; saved steps are "
+                f"{flag} {explicit}: no such checkpoint in {directory}; saved steps are "
                 f"{', '.join(map(str, steps)) or 'none'}"
             )
         verdict = verify_step(directory, explicit)
         if not verdict.ok:
             good = _newest_good(directory, steps)
-            hint = f"pass --resume-step {good}" if good is not None else "no other step reads completely either"
-            raise CheckpointDamaged(f"--resume-step {explicit}: {verdict.line()}; {hint}")
+            hint = f"pass {flag} {good}" if good is not None else "no other step reads completely either"
+            raise CheckpointDamaged(f"{flag} {explicit}: {verdict.line()}; {hint}")
         return ResumeChoice(explicit)
     skipped: list[Verdict] = []
     for step in reversed(steps):

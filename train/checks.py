@@ -74,6 +74,12 @@ def check_writable(folder: Path, flag: str) -> None:
     Raises:
       ValueError: Naming ``flag``, the folder and the system's reason.
     """
+    for part in (folder, *folder.parents):  # a file in the way: mkdir would only say "File exists"
+        if part.exists():
+            if not part.is_dir():
+                raise ValueError(f"{flag} {folder}: cannot write there ({part} is a file, not a folder); choose a "
+                                 "folder")
+            break
     try:
         folder.mkdir(parents=True, exist_ok=True)
         probe = folder / f".write-test-{os.getpid()}"

@@ -14,6 +14,7 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
+from checkpoints.argparser import Parser
 from models import attention_registry
 from models.config import DTYPES, LOGITS_IMPLS, PRESETS, REMAT_POLICIES, get_config
 from sharding import axes as ax
@@ -30,7 +31,9 @@ from sharding.pipeline import (
 )
 from sharding.rules import DEFAULT_PRESET, PRESETS as RULE_PRESETS, get_rules
 from train.config import DEFAULT_RUN_DIR, CheckpointConfig, ClusterConfig, DataConfig, LoopConfig, RunConfig
-from train.optimizer import OptimizerConfig
+from train.divergence import parse_max_loss
+from train.optimizer import OPTIMIZERS, SCHEDULES as LR_SCHEDULES, WSD_DECAY_FRACTION, OptimizerConfig, optimizer_hyper
+from train.profile import parse_profile_steps
 
 DEFAULT_MODEL = "small"
 """``--model`` when neither it nor ``--init-from`` is given."""
@@ -57,7 +60,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of every ``python -m train.train`` flag."""
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="python -m train.train", description=DESCRIPTION, formatter_class=_HelpFormatter,
         epilog="Logical axes: batch, length, embed, mlp, heads, kv_heads, head_dim, vocab, layers, act_embed. "
         "Mesh axes: data, stage, fsdp, sequence, tensor.",
@@ -195,20 +198,42 @@ def _hetero_flags(p) -> None:
 def _optimizer_flags(p) -> None:
     g = p.add_argument_group("optimization")
     g.add_argument("--steps", type=int, default=150, help="train until this step")
-    g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
+    g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    g.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS,
+                   help="adamw; lion (its --lr is usually 3-10x smaller than AdamW's); sgd "
+                   "(momentum --beta1); all optax's, after clipping to --grad-clip, with --weight-decay on matrices")
+    g.add_argument("--schedule", default="cosine", choices=LR_SCHEDULES,
+                   help="after the linear warmup: cosine or linear decay to 10%% of --lr at --decay-steps, or wsd "
+                   f"(warmup-stable-decay: --lr until the last {WSD_DECAY_FRACTION * 100:.0f}%% of the steps, then linear)")
+    g.add_argument("--beta1", type=float, default=None, help="first-moment decay of adamw and lion, momentum of sgd, "
+                   "in [0, 1) (default: 0.9)")
+    g.add_argument("--beta2", type=float, default=None, help="second-moment decay of adamw (default 0.95) and lion "
+                   "(default 0.99), in [0, 1)")
+    g.add_argument("--eps", type=float, default=None, help="adamw's epsilon, > 0 (default: 1e-8)")
     g.add_argument("--warmup", type=int, default=None, help="linear warmup steps (default: 5%% of the schedule)")
     g.add_argument("--decay-steps", type=int, default=None, help="length of the cosine schedule (default: --steps)")
-    g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW decoupled weight decay (matrices only)")
+    g.add_argument("--weight-decay", type=float, default=0.1, help="decoupled weight decay (matrices only)")
     g.add_argument("--grad-clip", type=float, default=1.0, help="clip gradients to this global norm")
     g.add_argument("--seed", type=int, default=0, help="seed for parameters, data order and held-out split")
     g.add_argument("--skip-nonfinite", type=int, default=0, metavar="N",
                    help="skip (and log) up to N steps whose loss is NaN or infinite; past that the run stops, "
                    "keeping its last good checkpoint")
+    g.add_argument("--max-loss", default="auto", metavar="auto|off|X",
+                   help="stop the run, as a non-finite loss does, when a step's training loss exceeds X (nats per "
+                   "token); the checkpoint saved from the parameters that produced it is set aside (renamed "
+                   "STEP.diverged-TIME), so the last one kept is from before the divergence; auto: the larger of 2x "
+                   "this run's first recorded loss and 1.5 x ln(vocabulary size), the loss of a uniform guess; off: "
+                   "never (default: auto)")
 
 
 def _run_flags(p) -> None:
     g = p.add_argument_group("run folder, checkpoints, logging")
-    g.add_argument("--run-dir", default=DEFAULT_RUN_DIR, help="folder for checkpoints and metrics")
+    g.add_argument("--config", default=None, metavar="FILE.toml",
+                   help="read flags from a TOML file (keys: flag names without the dashes, e.g. seq-len = 128; true "
+                   "for a switch; a list for a repeatable flag); flags on the command line override it; without it, "
+                   "--resume reads the run folder's config.json (docs/training.md: Config files)")
+    g.add_argument("--run-dir", default=DEFAULT_RUN_DIR, help="folder for checkpoints and metrics (and config.json, "
+                   "the command line and every flag's value)")
     g.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --run-dir "
                    "(onto the current mesh and rules); starts fresh if there is none")
     g.add_argument("--resume-step", type=int, default=None, metavar="N",
@@ -225,6 +250,9 @@ def _run_flags(p) -> None:
     g.add_argument("--eval-batches", type=int, default=4, help="held-out batches per evaluation")
     g.add_argument("--log-every", type=int, default=10, help="steps between log lines")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--profile-steps", default=None, metavar="A:B",
+                   help="write a jax.profiler trace of steps A to B (or A alone) to RUN_DIR/profile, for TensorBoard "
+                   "(tensorboard --logdir RUN_DIR/profile) or Perfetto (its .trace.json.gz); default: no trace")
     g.add_argument("--dry-run", action="store_true", help="compile one step, print the sharding, memory and "
                    "collectives report, and exit without training")
 
@@ -236,10 +264,17 @@ def parse(argv: Sequence[str] | None = None) -> RunConfig:
     """Parses ``python -m train.train`` flags into a `RunConfig`.
 
     Raises:
-      SystemExit: From argparse, for unknown flags or ``--help``.
+      SystemExit: From argparse, for unknown flags (also in a ``--config`` file) or ``--help``.
       ValueError: A flag whose value is wrong on its own, naming it and a value that works.
     """
-    return from_args(build_parser().parse_args(argv))
+    import sys
+
+    from train import configfile
+
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parser.parse_args(configfile.expand(argv, parser))
+    return from_args(args).replace(record=configfile.record_of(argv, args))
 
 
 def from_args(args: argparse.Namespace) -> RunConfig:
@@ -251,7 +286,9 @@ def from_args(args: argparse.Namespace) -> RunConfig:
     model, preset, tokenizer, eod = _model_and_tokenizer(args, execution)
     decay = args.steps if args.decay_steps is None else args.decay_steps
     optimizer = OptimizerConfig(lr=args.lr, warmup=args.warmup if args.warmup is not None else max(decay // 20, 0),
-                                decay_steps=decay, weight_decay=args.weight_decay, grad_clip=args.grad_clip)
+                                decay_steps=decay, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
+                                name=args.optimizer, schedule=args.schedule,
+                                **optimizer_hyper(args.optimizer, args.beta1, args.beta2, args.eps))
     optimizer.validate()
     return RunConfig(
         model=model,
@@ -261,7 +298,8 @@ def from_args(args: argparse.Namespace) -> RunConfig:
                         args.batch_size, args.seed),
         optimizer=optimizer,
         loop=LoopConfig(args.steps, args.log_every, args.eval_every, args.eval_batches, args.skip_nonfinite,
-                        not args.no_progress, args.dry_run),
+                        not args.no_progress, args.dry_run, parse_max_loss(args.max_loss),
+                        parse_profile_steps(args.profile_steps, args.steps)),
         checkpoint=CheckpointConfig(args.run_dir, args.resume, args.ckpt_every, args.keep, args.resume_step,
                                     args.init_from, args.discard_later, args.break_lock),
         cluster=ClusterConfig(args.cpu_devices, args.coordinator, args.num_processes, args.process_id,

@@ -54,6 +54,8 @@ class LoopConfig:
     skip_nonfinite: int = 0
     progress: bool = True
     dry_run: bool = False
+    max_loss: float | None = None  # --max-loss: None auto (train.divergence), inf off
+    profile_steps: tuple[int, int] | None = None  # --profile-steps A:B (train.profile)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +115,8 @@ class RunConfig:
       preset: The ``--model`` preset it came from (recorded in checkpoints).
       parallelism: Mesh, rules, gradient strategy and context layout.
       data, optimizer, loop, checkpoint, cluster: as their classes say.
+      record: What ``RUN_DIR/config.json`` records (`train.configfile`): ``command`` (the command line) and
+        ``flags`` (every flag's value); None when the config was not made from a command line.
     """
 
     model: ModelConfig
@@ -123,6 +127,7 @@ class RunConfig:
     loop: LoopConfig
     checkpoint: CheckpointConfig
     cluster: ClusterConfig
+    record: dict | None = dataclasses.field(default=None, compare=False)
 
     def replace(self, **changes) -> RunConfig:
         return dataclasses.replace(self, **changes)
@@ -131,7 +136,8 @@ class RunConfig:
     def schedule(self) -> dict:
         """The flags of the learning-rate schedule (recorded in checkpoints: `checkpoints.meta.RunMeta`)."""
         opt = self.optimizer
-        return {"steps": self.loop.steps, "decay_steps": opt.decay_steps, "warmup": opt.warmup, "lr": opt.lr}
+        return {"steps": self.loop.steps, "decay_steps": opt.decay_steps, "warmup": opt.warmup, "lr": opt.lr,
+                "optimizer": opt.name, "schedule": opt.schedule, "beta1": opt.b1, "beta2": opt.b2, "eps": opt.eps}
 
     @property
     def microbatch_rows(self) -> int:

@@ -21,11 +21,12 @@ import argparse
 import math
 import sys
 
+from checkpoints.argparser import Parser
 from train.inference import add_device_args, add_source_args, load_model, run_main, setup
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m train.evaluate", description=__doc__.split("\n\n")[0],
+    p = Parser(prog="python -m train.evaluate", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_source_args(p)
     g = p.add_argument_group("data")

@@ -21,11 +21,12 @@ import sys
 import time
 from pathlib import Path
 
+from checkpoints.argparser import Parser
 from train.inference import add_device_args, run_main, setup
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m train.hf", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m train.hf", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     imp = sub.add_parser("import", help="a Hugging Face folder -> step 0 of a run folder",
                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)

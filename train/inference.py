@@ -98,7 +98,7 @@ def read_run(run_dir: str | Path, step: int | None = None):
                          "train.hf import")
     manager = CheckpointManager(folder, async_save=False, read_only=True)  # a live run's save in progress stays
     try:
-        chosen = manager.resume_choice(step).step
+        chosen = manager.resume_choice(step, "--step").step
         if chosen is None:
             raise ValueError(f"--run-dir {run_dir}: no checkpoint in {folder}")
         return manager, chosen, RunMeta.from_json(manager.read_meta(chosen))

@@ -22,6 +22,8 @@ import jax
 import numpy as np
 
 from train.data import Dataset, to_global_arrays
+from train.divergence import DivergenceGuard
+from train.profile import StepProfiler
 
 
 @dataclasses.dataclass
@@ -41,6 +43,11 @@ class LoopOptions:
       progress: show a progress bar.
       skip_nonfinite: steps with a non-finite loss that may be skipped before
         the run stops.
+      max_loss: ``--max-loss``: a finite loss above it stops the run as a non-finite one does (None: auto,
+        `train.divergence.auto_max_loss`; ``inf``: off).
+      vocab_size: the model's vocabulary (for the auto ``max_loss``).
+      profile_steps: ``--profile-steps``: the first and last step traced (`train.profile`), or None.
+      run_dir: the run folder (where the trace goes).
     """
 
     steps: int
@@ -54,6 +61,10 @@ class LoopOptions:
     peak_flops: float | None = None
     progress: bool = True
     skip_nonfinite: int = 0
+    max_loss: float | None = None
+    vocab_size: int = 0
+    profile_steps: tuple[int, int] | None = None
+    run_dir: str = "."
 
     @classmethod
     def of(cls, run) -> LoopOptions:
@@ -68,7 +79,9 @@ class LoopOptions:
                    eval_every=loop.eval_every, eval_batches=loop.eval_batches, ckpt_every=run.checkpoint.every,
                    flops_per_token=run.model.flops_per_token(data.seq_len),
                    peak_flops=None if any(p is None for p in peaks) else float(sum(peaks)),
-                   progress=loop.progress, skip_nonfinite=loop.skip_nonfinite)
+                   progress=loop.progress, skip_nonfinite=loop.skip_nonfinite,
+                   max_loss=loop.max_loss, vocab_size=run.model.vocab_size, profile_steps=loop.profile_steps,
+                   run_dir=run.checkpoint.run_dir)
 
 
 class MetricsWriter:
@@ -182,10 +195,11 @@ class StopFlag:
         return self.signal_name is not None
 
 
-def _format_line(step: int, steps: int, loss: float, lr: float, tok_s: float, step_s: float, mfu: float | None) -> str:
+def _format_line(step: int, steps: int, loss: float, lr: float, tok_s: float, step_s: float, mfu: float | None,
+                 grad_norm: float) -> str:
     mfu_text = f"MFU {mfu:.1%}" if mfu is not None else "MFU n/a (device peak unknown, e.g. CPU)"
     return (
-        f"step {step:>6}/{steps} | loss {loss:.4f} | lr {lr:.2e} | {tok_s:,.0f} tok/s | "
+        f"step {step:>6}/{steps} | loss {loss:.4f} | lr {lr:.2e} | grad norm {grad_norm:.3g} | {tok_s:,.0f} tok/s | "
         f"{step_s * 1000:.0f} ms/step | {mfu_text}"
     )
 
@@ -204,7 +218,19 @@ def evaluate(eval_step, params, dataset: Dataset, options: LoopOptions, sharding
 
 
 class NonFiniteLossError(RuntimeError):
-    """The loss became NaN or infinite more often than ``--skip-nonfinite`` allows."""
+    """The loss became NaN or infinite more often than ``--skip-nonfinite`` allows.
+
+    Attributes:
+      step: the step whose loss stopped the run (its loss was computed from the parameters of ``step - 1``).
+    """
+
+    def __init__(self, message: str, step: int | None = None):
+        super().__init__(message)
+        self.step = step
+
+
+class DivergedLossError(NonFiniteLossError):
+    """A finite loss grew past ``--max-loss`` (`train.divergence`); stops the run as a non-finite loss does."""
 
 
 def train_loop(*, trainer, state: dict, dataset: Dataset, options: LoopOptions, samples: int, checkpoints,
@@ -223,8 +249,8 @@ def train_loop(*, trainer, state: dict, dataset: Dataset, options: LoopOptions, 
       (or None) and the steps skipped as non-finite.
 
     Raises:
-      NonFiniteLossError: More than ``options.skip_nonfinite`` non-finite steps; nothing is saved after
-        the last good checkpoint.
+      NonFiniteLossError: More than ``options.skip_nonfinite`` non-finite steps, or (`DivergedLossError`) a
+        loss past ``options.max_loss``; nothing is saved after the last good checkpoint.
     """
     start = int(jax.device_get(state["step"]))
     run = _Run(trainer, dataset, options, writer, log, start)
@@ -238,9 +264,12 @@ def train_loop(*, trainer, state: dict, dataset: Dataset, options: LoopOptions, 
     run.evaluate(state, start)  # the starting point of the run's held-out curve (also after a resume)
     bar = _progress(options, start)
     step, stop_after_this = start, False
+    profiler = StepProfiler(options.profile_steps, options.run_dir, log)
     while step < options.steps:
+        profiler.before(step + 1)
         state, metrics = compiled(state, run.batch_at(samples), trainer.signals(bool(stop), *run.inputs))
         step, samples = step + 1, samples + B
+        profiler.after(step, state)
         checkpoints.check()
         stop_after_this |= run.record(step, metrics)
         if bar is not None:
@@ -256,6 +285,7 @@ def train_loop(*, trainer, state: dict, dataset: Dataset, options: LoopOptions, 
             run.summary["stopped_by"] = stop.signal_name or "a stop request from another process"
             log(f"stopping after step {step} ({run.summary['stopped_by']})")
             break
+    profiler.close()
     run.flush()
     if bar is not None:
         bar.close()
@@ -287,6 +317,7 @@ class _Run:
         self.interval_start, self.interval_steps = time.perf_counter(), 0
         self.controller = trainer.strategy.controller()
         """The strategy's host-side controller of its step inputs (`GradientStrategy.controller`), or None."""
+        self.guard = DivergenceGuard(options.max_loss, options.vocab_size)
 
     def batch_at(self, first_sample: int) -> dict:
         """The global batch starting at sample ``first_sample``, each process loading its own rows."""
@@ -315,7 +346,7 @@ class _Run:
         pending, self.pending = self.pending, None
         values = _read(pending)
         self.observe(pending[0], values)
-        return _handle(pending, self.writer, self.options, self.summary, self.log, values)
+        return _handle(pending, self.writer, self.options, self.summary, self.log, values, self.guard)
 
     @property
     def inputs(self) -> tuple:
@@ -334,13 +365,14 @@ class _Run:
         values = _read(pending)
         self.pending = None
         self.observe(step, values)
-        stop = _handle(pending, self.writer, options, self.summary, self.log, values)
+        stop = _handle(pending, self.writer, options, self.summary, self.log, values, self.guard)
         elapsed = time.perf_counter() - self.interval_start
         tok_s = self.interval_steps * options.global_batch * options.seq_len / elapsed
         mfu = tok_s * options.flops_per_token / options.peak_flops if options.peak_flops else None
         step_time = elapsed / self.interval_steps
         self.writer.write(step, {"tokens_per_second": tok_s, "step_time": step_time}, prefix="perf")
-        self.log(_format_line(step, options.steps, values["loss"], values["lr"], tok_s, step_time, mfu))
+        self.log(_format_line(step, options.steps, values["loss"], values["lr"], tok_s, step_time, mfu,
+                              values["grad_norm"]))
         self.interval_start, self.interval_steps = time.perf_counter(), 0
         return stop
 
@@ -355,11 +387,12 @@ def _read(pending) -> dict[str, float | list]:
     return values
 
 
-def _handle(pending, writer: MetricsWriter, options: LoopOptions, summary, log, values=None) -> bool:
+def _handle(pending, writer: MetricsWriter, options: LoopOptions, summary, log, values=None, guard=None) -> bool:
     """Records a step's metrics; returns whether the processes agreed to stop.
 
     Raises:
       NonFiniteLossError: past the allowed number of non-finite steps.
+      DivergedLossError: a finite loss past ``guard``'s limit.
     """
     step = pending[0]
     values = values if values is not None else _read(pending)
@@ -371,8 +404,10 @@ def _handle(pending, writer: MetricsWriter, options: LoopOptions, summary, log, 
             raise NonFiniteLossError(
                 f"the loss or its gradient became non-finite at step {step} (loss {values['loss']}, gradient norm "
                 f"{values['grad_norm']}); training stopped and the last complete checkpoint is kept "
-                f"(pass --skip-nonfinite N to skip up to N such steps, or lower --lr)"
+                f"(pass --skip-nonfinite N to skip up to N such steps, or lower --lr)", step
             )
+    elif guard is not None and (diverged := guard.check(step, values["loss"])):
+        raise DivergedLossError(diverged, step)
     stop_requested = bool(values.pop("stop"))
     writer.write(step, values)
     return stop_requested

@@ -1,10 +1,16 @@
-"""The optimizer: optax AdamW with linear warmup, cosine decay and gradient clipping.
+"""The optimizer: optax AdamW (or Lion, SGD) with linear warmup, a decay and gradient clipping.
 
 AdamW is Loshchilov & Hutter (2019); the schedule warms up linearly from
 ``lr / warmup`` (step 1) to ``lr`` (step ``warmup``), then follows a cosine to ``lr * min_lr_ratio``
 at ``decay_steps`` (Loshchilov & Hutter, SGDR, 2017). Gradients are clipped
 to a global norm first (Pascanu et al., 2013). Weight decay applies to
 matrices only, not to norm scales or biases.
+
+``--optimizer``: ``adamw`` (the default), ``lion`` (Chen et al., "Symbolic Discovery of
+Optimization Algorithms", 2023) and ``sgd`` (with momentum ``--beta1``). ``--schedule``: ``cosine`` (above),
+``linear`` (warmup, then a straight line to ``lr * min_lr_ratio``) or ``wsd``, warmup-stable-decay (Hu et
+al., "MiniCPM", 2024): the peak rate until the last `WSD_DECAY_FRACTION` of the schedule, then a straight
+line down (the fraction is our choice).
 """
 
 from __future__ import annotations
@@ -18,9 +24,43 @@ import optax
 from sharding import axes as ax
 
 
+OPTIMIZERS = ("adamw", "lion", "sgd")
+"""``--optimizer`` choices (optax's implementations)."""
+SCHEDULES = ("cosine", "linear", "wsd")
+"""``--schedule`` choices."""
+WSD_DECAY_FRACTION = 0.2
+"""``--schedule wsd``: the share of the schedule's steps spent decaying at its end."""
+
+# Which of --beta1/--beta2/--eps each optimizer reads, and their defaults (AdamW's are this project's
+# long-standing ones; Lion's are optax's; SGD's --beta1 is its momentum).
+_HYPER = {
+    "adamw": {"b1": 0.9, "b2": 0.95, "eps": 1e-8},
+    "lion": {"b1": 0.9, "b2": 0.99},
+    "sgd": {"b1": 0.9},
+}
+_FLAGS = {"b1": "--beta1", "b2": "--beta2", "eps": "--eps"}
+
+
+def optimizer_hyper(name: str, b1: float | None, b2: float | None, eps: float | None) -> dict[str, float]:
+    """``{"b1", "b2", "eps"}`` of ``--optimizer name``: the given values or the optimizer's defaults.
+
+    Raises:
+      ValueError: A flag given to an optimizer that does not read it, naming it and those that do.
+    """
+    given = {"b1": b1, "b2": b2, "eps": eps}
+    defaults = _HYPER[name]
+    for key, value in given.items():
+        if value is not None and key not in defaults:
+            users = ", ".join(n for n, d in _HYPER.items() if key in d)
+            raise ValueError(f"{_FLAGS[key]} {value}: --optimizer {name} has no such parameter (it applies to {users})")
+    fields = OptimizerConfig.__dataclass_fields__
+    return {key: value if value is not None else defaults.get(key, fields[key].default) for key, value in given.items()}
+
+
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
-    """Hyperparameters; ``decay_steps`` is the length of the schedule in steps."""
+    """Hyperparameters; ``decay_steps`` is the length of the schedule in steps; ``name`` one of `OPTIMIZERS`,
+    ``schedule`` one of `SCHEDULES`; ``b1``/``b2``/``eps`` as each optimizer reads them (`optimizer_hyper`)."""
 
     lr: float = 3e-3
     warmup: int = 20
@@ -31,6 +71,8 @@ class OptimizerConfig:
     b2: float = 0.95
     eps: float = 1e-8
     min_lr_ratio: float = 0.1
+    name: str = "adamw"
+    schedule: str = "cosine"
 
     def validate(self) -> None:
         """Raises ValueError naming the flag that is out of range (NaN and infinity included)."""
@@ -51,6 +93,14 @@ class OptimizerConfig:
             raise ValueError(f"--weight-decay {self.weight_decay}: must be >= 0")
         if self.grad_clip <= 0:
             raise ValueError(f"--grad-clip {self.grad_clip}: must be positive, e.g. --grad-clip 1.0")
+        for flag, value in (("--beta1", self.b1), ("--beta2", self.b2)):
+            if not 0.0 <= value < 1.0:  # NaN fails too
+                raise ValueError(f"{flag} {value}: must be >= 0 and < 1, e.g. {flag} 0.9")
+        if not (math.isfinite(self.eps) and self.eps > 0):
+            raise ValueError(f"--eps {self.eps}: must be a finite number > 0, e.g. --eps 1e-8")
+        if self.name not in OPTIMIZERS or self.schedule not in SCHEDULES:
+            raise ValueError(f"--optimizer {self.name} --schedule {self.schedule}: expected one of "
+                             f"{', '.join(OPTIMIZERS)} and one of {', '.join(SCHEDULES)}")
 
 
 def learning_rate_schedule(config: OptimizerConfig) -> optax.Schedule:
@@ -61,13 +111,17 @@ def learning_rate_schedule(config: OptimizerConfig) -> optax.Schedule:
     train at rate 0 and warm-up would waste a step; shifted, step 1 trains at ``lr / warmup``, step
     ``warmup`` at ``lr``, and step ``decay_steps`` at ``lr * min_lr_ratio``.
     """
-    curve = optax.warmup_cosine_decay_schedule(
-        init_value=0.0,
-        peak_value=config.lr,
-        warmup_steps=config.warmup,
-        decay_steps=config.decay_steps,
-        end_value=config.lr * config.min_lr_ratio,
-    )
+    lr, end, warmup, total = config.lr, config.lr * config.min_lr_ratio, config.warmup, config.decay_steps
+    if config.schedule == "cosine":
+        curve = optax.warmup_cosine_decay_schedule(init_value=0.0, peak_value=lr, warmup_steps=warmup,
+                                                   decay_steps=total, end_value=end)
+    elif config.schedule == "linear":
+        curve = optax.join_schedules([optax.linear_schedule(0.0, lr, warmup),
+                                      optax.linear_schedule(lr, end, total - warmup)], [warmup])
+    else:  # wsd: warmup, the peak, then the last WSD_DECAY_FRACTION of the steps straight down
+        decay_start = max(warmup, total - math.ceil(WSD_DECAY_FRACTION * total))
+        curve = optax.join_schedules([optax.linear_schedule(0.0, lr, warmup), optax.constant_schedule(lr),
+                                      optax.linear_schedule(lr, end, total - decay_start)], [warmup, decay_start])
     return lambda count: curve(count + 1)
 
 
@@ -83,7 +137,7 @@ def decay_mask(param_names) -> dict:
 
 
 def make_optimizer(config: OptimizerConfig, param_names) -> optax.GradientTransformation:
-    """The optax chain: clip by global norm, then AdamW on the schedule.
+    """The optax chain: clip by global norm, then ``config.name``'s optimizer on the schedule.
 
     Args:
       config: hyperparameters (validated here).
@@ -93,14 +147,15 @@ def make_optimizer(config: OptimizerConfig, param_names) -> optax.GradientTransf
       ValueError: as `OptimizerConfig.validate`.
     """
     config.validate()
-    return optax.chain(
-        optax.clip_by_global_norm(config.grad_clip),
-        optax.adamw(
-            learning_rate_schedule(config),
-            b1=config.b1,
-            b2=config.b2,
-            eps=config.eps,
-            weight_decay=config.weight_decay,
-            mask=decay_mask(param_names),
-        ),
-    )
+    return optax.chain(optax.clip_by_global_norm(config.grad_clip), _optimizer(config, decay_mask(param_names)))
+
+
+def _optimizer(config: OptimizerConfig, mask) -> optax.GradientTransformation:
+    """``config.name``'s optax transformation on the schedule, weight decay on ``mask``'s parameters."""
+    schedule = learning_rate_schedule(config)
+    if config.name == "adamw":
+        return optax.adamw(schedule, b1=config.b1, b2=config.b2, eps=config.eps, weight_decay=config.weight_decay,
+                           mask=mask)
+    if config.name == "lion":
+        return optax.lion(schedule, b1=config.b1, b2=config.b2, weight_decay=config.weight_decay, mask=mask)
+    return optax.chain(optax.add_decayed_weights(config.weight_decay, mask), optax.sgd(schedule, momentum=config.b1))

@@ -33,6 +33,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
+from checkpoints.argparser import Parser
 from models import attention_registry
 from models.config import get_config
 from models.spec import describe
@@ -45,7 +46,7 @@ from train.config import RunConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m train.plan", description=__doc__.split("\n\n")[0],
+    p = Parser(prog="python -m train.plan", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default="7b", help="model preset (models.config: test, small, 125m, 1b, 7b)")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override a model field")

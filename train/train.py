@@ -15,7 +15,7 @@ from pathlib import Path
 from checkpoints.manager import CheckpointFailure
 from train import cli, fit, report
 from train.config import RunConfig
-from train.loop import NonFiniteLossError
+from train.loop import DivergedLossError, NonFiniteLossError
 
 build_parser = cli.build_parser
 
@@ -56,6 +56,10 @@ def run(config: RunConfig) -> int:
     log = report.logger(jax.process_index() == 0)
     config, tokenizer = prepare(config, jax.devices(), log)
     lock = hold_run_folder(config, jax.process_index(), log)  # refuses a folder another run holds
+    if lock is not None and config.record is not None:
+        from train.configfile import write_record
+
+        write_record(config.checkpoint.run_dir, config.record)
     try:
         return _run_prepared(config, tokenizer, processes, log)
     finally:
@@ -201,6 +205,10 @@ def train(config: RunConfig, trainer, ckpt, latest, tokenizer, log) -> int:
                                         options=LoopOptions.of(config), samples=samples, checkpoints=checkpoints,
                                         writer=writer, log=log, stop=stop,
                                         check_compiled=lambda compiled: fit.check_compiled(config, compiled))
+        except DivergedLossError as e:  # the parameters of step N-1 gave step N's loss: not a state to keep
+            if e.step - 1 > (latest or 0):
+                checkpoints.set_aside(e.step - 1, "diverged", log)
+            raise
         finally:
             writer.close()
     t0 = time.perf_counter()
@@ -221,6 +229,7 @@ def start_state(config: RunConfig, trainer, ckpt, latest, log):
 
     if latest is None:
         return fresh_state(config, trainer.state_layout, ckpt.directory, log), 0, None
+    _check_optimizer(config, ckpt, latest)
     t0 = time.perf_counter()
     (state, meta), latest = restore_falling_back(
         ckpt.directory, latest, lambda step: restore_state(ckpt, trainer.state_layout, step), log,
@@ -228,6 +237,22 @@ def start_state(config: RunConfig, trainer, ckpt, latest, log):
     for line in report.resume_lines(config, trainer, meta, latest, time.perf_counter() - t0):
         log(line)
     return state, meta.samples, latest
+
+
+def _check_optimizer(config: RunConfig, ckpt, step: int) -> None:
+    """Refuses to resume with another ``--optimizer``: its state has another structure (a checkpoint saved before
+    the optimizer was recorded holds AdamW's).
+
+    Raises:
+      ValueError: Naming the saved optimizer and the flag that resumes it.
+    """
+    try:
+        saved = (ckpt.read_meta(step).get("schedule") or {}).get("optimizer", "adamw")
+    except Exception:  # an unreadable step is the restore's to report (and fall back from)
+        return
+    if saved != config.optimizer.name:
+        raise ValueError(f"--optimizer {config.optimizer.name}: the checkpoint of step {step} in {ckpt.directory} "
+                         f"holds {saved}'s optimizer state; resume with --optimizer {saved}, or use another --run-dir")
 
 
 def _context_permutation(config: RunConfig):

@@ -1,0 +1,63 @@
+"""--config FILE.toml: every flag by name, the command line overriding it, unknown keys refused naming them; the
+run record RUN_DIR/config.json; --resume --run-dir R alone reads the model and layout from the record."""
+
+import json
+
+import pytest
+
+from test_faults import args_for
+from train import cli, train
+
+
+def write(path, text):
+    path.write_text(text)
+    return str(path)
+
+
+def test_the_command_line_overrides_the_file_and_both_spellings_work(tmp_path):
+    config = write(tmp_path / "run.toml", 'model = "test"\nseq-len = 64\nbatch_size = 8\nsteps = 5\n'
+                   'set = ["num_layers=3"]\nno-progress = true\nmesh = "data=2,fsdp=-1"\n')
+    run = cli.parse(["--config", config, "--steps", "7", "--set", "embed_dim=64"])
+    assert (run.preset, run.data.seq_len, run.data.batch_size, run.loop.steps) == ("test", 64, 8, 7)
+    assert run.model.num_layers == 3 and run.model.embed_dim == 64 and run.loop.progress is False
+    assert run.parallelism.mesh_shape["data"] == 2
+    assert run.record["command"] == ["--config", config, "--steps", "7", "--set", "embed_dim=64"]
+    assert run.record["flags"]["steps"] == 7 and "config" not in run.record["flags"]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("sequence_length = 64\n", "unknown key 'sequence_length'"),
+    ("resume = 1\n", "resume = 1: expected true or false"),
+    ("lr = [1, 2]\n", "lr = [1, 2]: expected one value for --lr"),
+    ("lr = \n", "not a TOML file"),
+])
+def test_a_bad_file_is_refused_in_one_line_naming_the_key(tmp_path, capsys, text, message):
+    config = write(tmp_path / "run.toml", text)
+    code = train.main(["--config", config, "--run-dir", str(tmp_path / "r")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.strip().startswith(f"error: --config {config}: ") and message in err, err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "r").exists()
+
+
+def test_a_value_in_the_file_is_checked_as_the_flag(tmp_path, capsys):
+    config = write(tmp_path / "run.toml", 'rules = "bogus"\n')
+    with pytest.raises(SystemExit) as exit_:
+        cli.parse(["--config", config])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "argument --rules: invalid choice: 'bogus'" in err and "usage:" not in err
+
+
+def test_a_resume_from_the_run_folder_alone_reads_model_and_layout(tmp_path, corpus, cache, capsys):
+    run_dir = tmp_path / "run"
+    first = args_for(corpus, cache, "--steps", "2", "--set", "num_layers=3", "--mesh", "data=2,fsdp=-1",
+                     "--run-dir", str(run_dir))
+    assert train.main(first) == 0
+    record = json.loads((run_dir / "config.json").read_text())
+    assert record["command"] == first and record["flags"]["set"] == ["num_layers=3"]
+    capsys.readouterr()
+    assert train.main(["--resume", "--run-dir", str(run_dir), "--steps", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "resumed" in out.lower() or "restored" in out.lower(), out
+    assert json.loads((run_dir / "config.json").read_text())["flags"]["steps"] == 3
+    resumed = cli.parse(["--resume", "--run-dir", str(run_dir)])
+    assert resumed.model.num_layers == 3 and resumed.parallelism.mesh_shape["data"] == 2 and resumed.preset == "test"
