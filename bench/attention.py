@@ -41,7 +41,7 @@ GPU_LENGTHS = (4096, 8192, 16384, 32768)
 
 def _header(title: str) -> list[str]:
     device = jax.devices()[0]
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     return [
         f"# {title}",
         "",
@@ -87,8 +87,7 @@ def memory_table(lengths, heads: int, head_dim: int) -> list[str]:
             except Exception as e:  # noqa: BLE001 - report and continue with the table.
                 print(f"{name} at {length}: {type(e).__name__}: {e}", file=sys.stderr)
                 results[name].append(None)
-            print(f"  compiled {name} at {length} in {time.perf_counter() - start:.1f}s",
-                  file=sys.stderr)
+            print(f"  compiled {name} at {length} in {time.perf_counter() - start:.1f}s", file=sys.stderr)
     lines = _header("Attention forward+backward temporary memory (compiled, not run)") + [
         f"`jax.jit(jax.grad(loss)).lower(...).compile().memory_analysis().temp_size_in_bytes`, "
         f"batch 1, {heads} heads, head_dim {head_dim}, causal, float32. Ratio: temp bytes over "
@@ -99,9 +98,7 @@ def memory_table(lengths, heads: int, head_dim: int) -> list[str]:
     ]
     for i, length in enumerate(lengths):
         f, r = results["flash"], results["reference"]
-        lines.append(
-            f"| {length} | {_mib(f[i])} | {_ratio(f, i)} | {_mib(r[i])} | {_ratio(r, i)} |"
-        )
+        lines.append(f"| {length} | {_mib(f[i])} | {_ratio(f, i)} | {_mib(r[i])} | {_ratio(r, i)} |")
     return lines
 
 
@@ -117,12 +114,10 @@ def _gpu_variants(sm_scale: float):
         return flash_attention(q, k, v, causal=True, sm_scale=sm_scale)
 
     def xla(q, k, v):
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=sm_scale,
-                                            implementation="xla")
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=sm_scale, implementation="xla")
 
     def cudnn(q, k, v):
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=sm_scale,
-                                            implementation="cudnn")
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=sm_scale, implementation="cudnn")
 
     def pallas_mha(q, k, v):
         from jax.experimental.pallas.ops.gpu import attention as pallas_attention
@@ -148,8 +143,7 @@ def causal_forward_flops(batch: int, heads: int, length: int, head_dim: int) -> 
     return 4.0 * batch * heads * length * length * head_dim / 2
 
 
-def speed_table(lengths, heads: int, head_dim: int, tokens: int, warmup: int, iters: int,
-                budget_s: float) -> list[str]:
+def speed_table(lengths, heads: int, head_dim: int, tokens: int, warmup: int, iters: int, budget_s: float) -> list[str]:
     """Markdown table of TFLOP/s (forward, forward+backward) for each variant and length."""
     deadline = time.perf_counter() + budget_s
     sm_scale = head_dim**-0.5
@@ -157,8 +151,9 @@ def speed_table(lengths, heads: int, head_dim: int, tokens: int, warmup: int, it
     for length in lengths:
         batch = max(1, tokens // length)
         key = jax.random.PRNGKey(length)
-        q, k, v = (jax.random.normal(kk, (batch, length, heads, head_dim), jnp.bfloat16)
-                   for kk in jax.random.split(key, 3))
+        q, k, v = (
+            jax.random.normal(kk, (batch, length, heads, head_dim), jnp.bfloat16) for kk in jax.random.split(key, 3)
+        )
         flops = causal_forward_flops(batch, heads, length, head_dim)
         for name, attn in _gpu_variants(sm_scale).items():
             cells = []
@@ -171,9 +166,9 @@ def speed_table(lengths, heads: int, head_dim: int, tokens: int, warmup: int, it
                         fn = jax.jit(attn)
                         count = flops
                     else:
-                        fn = jax.jit(jax.grad(
-                            lambda q, k, v, a=attn: jnp.sum(a(q, k, v).astype(jnp.float32)),
-                            argnums=(0, 1, 2)))
+                        fn = jax.jit(
+                            jax.grad(lambda q, k, v, a=attn: jnp.sum(a(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2))
+                        )
                         count = 3.5 * flops
                     seconds = _median_seconds(fn, (q, k, v), warmup, iters)
                     cells.append(f"{count / seconds / 1e12:.1f} ({seconds * 1e3:.2f} ms)")
@@ -183,18 +178,22 @@ def speed_table(lengths, heads: int, head_dim: int, tokens: int, warmup: int, it
                 print(f"  {name} {mode} at {length}: {cells[-1]}", file=sys.stderr)
             rows.append(f"| {length} | {batch} | {name} | {cells[0]} | {cells[1]} |")
         del q, k, v
-    return _header("Causal attention speed on GPU") + [
-        f"bfloat16, causal, {heads} heads, head_dim {head_dim}, batch = {tokens} tokens / "
-        f"length. Median of {iters} timed calls after {warmup} warm-ups "
-        "(`jax.block_until_ready`), including dispatch.",
-        "",
-        "FLOPs (FlashAttention-2, Dao 2023, Section 4.1): forward = 4 * batch * heads * "
-        "length^2 * head_dim / 2 (causal); forward+backward = 3.5 x forward (the backward "
-        "counted as 2.5 x forward).",
-        "",
-        "| length | batch | variant | forward TFLOP/s (time) | forward+backward TFLOP/s (time) |",
-        "| ---: | ---: | --- | ---: | ---: |",
-    ] + rows
+    return (
+        _header("Causal attention speed on GPU")
+        + [
+            f"bfloat16, causal, {heads} heads, head_dim {head_dim}, batch = {tokens} tokens / "
+            f"length. Median of {iters} timed calls after {warmup} warm-ups "
+            "(`jax.block_until_ready`), including dispatch.",
+            "",
+            "FLOPs (FlashAttention-2, Dao 2023, Section 4.1): forward = 4 * batch * heads * "
+            "length^2 * head_dim / 2 (causal); forward+backward = 3.5 x forward (the backward "
+            "counted as 2.5 x forward).",
+            "",
+            "| length | batch | variant | forward TFLOP/s (time) | forward+backward TFLOP/s (time) |",
+            "| ---: | ---: | --- | ---: | ---: |",
+        ]
+        + rows
+    )
 
 
 def main(argv=None) -> None:
@@ -205,27 +204,36 @@ def main(argv=None) -> None:
             "against jax.nn.dot_product_attention (xla, cudnn) and Pallas's own mha."
         )
     )
-    parser.add_argument("--gpu", action="store_true",
-                        help="measure speed on the GPU instead of compiled memory")
-    parser.add_argument("--out", default=None,
-                        help="markdown output file (default bench/results/attention_cpu.md, "
-                             "or bench/results/attention_gpu.md with --gpu)")
-    parser.add_argument("--lengths", type=int, nargs="+", default=None,
-                        help="sequence lengths (default 1k..32k, or 4k..32k with --gpu)")
-    parser.add_argument("--heads", type=int, default=None,
-                        help="heads (default 8; 16 with --gpu)")
+    parser.add_argument("--gpu", action="store_true", help="measure speed on the GPU instead of compiled memory")
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="markdown output file (default bench/results/attention_cpu.md, "
+        "or bench/results/attention_gpu.md with --gpu)",
+    )
+    parser.add_argument(
+        "--lengths", type=int, nargs="+", default=None, help="sequence lengths (default 1k..32k, or 4k..32k with --gpu)"
+    )
+    parser.add_argument("--heads", type=int, default=None, help="heads (default 8; 16 with --gpu)")
     parser.add_argument("--head-dim", type=int, default=128, help="head_dim (default 128)")
-    parser.add_argument("--tokens", type=int, default=32768,
-                        help="--gpu: batch * length (default 32768)")
+    parser.add_argument("--tokens", type=int, default=32768, help="--gpu: batch * length (default 32768)")
     parser.add_argument("--warmup", type=int, default=2, help="--gpu: warm-up calls")
     parser.add_argument("--iters", type=int, default=5, help="--gpu: timed calls (median)")
-    parser.add_argument("--budget", type=float, default=420.0,
-                        help="--gpu: seconds after which remaining cells are skipped")
+    parser.add_argument(
+        "--budget", type=float, default=420.0, help="--gpu: seconds after which remaining cells are skipped"
+    )
     args = parser.parse_args(argv)
 
     if args.gpu:
-        lines = speed_table(args.lengths or GPU_LENGTHS, args.heads or 16, args.head_dim,
-                            args.tokens, args.warmup, args.iters, args.budget)
+        lines = speed_table(
+            args.lengths or GPU_LENGTHS,
+            args.heads or 16,
+            args.head_dim,
+            args.tokens,
+            args.warmup,
+            args.iters,
+            args.budget,
+        )
         out = args.out or "bench/results/attention_gpu.md"
     else:
         lines = memory_table(args.lengths or CPU_LENGTHS, args.heads or 8, args.head_dim)

@@ -69,7 +69,7 @@ def _header(args, argv) -> list[str]:
     import jax
 
     device = jax.devices()[0]
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     command = " ".join(["python bench/context_parallel.py", *argv])
     return [
         "# Context-parallel attention: memory, communication, work balance (compiled, not run)",
@@ -116,8 +116,7 @@ def measure(method: str, shards: int, args) -> dict:
     from jax.sharding import AxisType, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    mesh = jax.make_mesh((shards,), ("sequence",), axis_types=(AxisType.Auto,),
-                         devices=jax.devices()[:shards])
+    mesh = jax.make_mesh((shards,), ("sequence",), axis_types=(AxisType.Auto,), devices=jax.devices()[:shards])
     layout = "zigzag" if method == "ring" else "contiguous"
     sharding = NamedSharding(mesh, P(None, "sequence", None, None))
     shape = jax.ShapeDtypeStruct((1, args.length, args.heads, args.head_dim), jnp.float32, sharding=sharding)
@@ -261,8 +260,11 @@ def main(argv=None) -> None:
         for shards in shard_list:
             r = measure(method, shards, args)
             results[method].append((shards, r))
-            print(f"{method} P={shards}: temp {_mib(r['temp'])} MiB, collectives fwd {_mib(r['forward'])} MiB, "
-                  f"fwd+bwd {_mib(r['both'])} MiB (compiled in {r['seconds']:.0f} s)", file=sys.stderr)
+            print(
+                f"{method} P={shards}: temp {_mib(r['temp'])} MiB, collectives fwd {_mib(r['forward'])} MiB, "
+                f"fwd+bwd {_mib(r['both'])} MiB (compiled in {r['seconds']:.0f} s)",
+                file=sys.stderr,
+            )
     flash_temps = {shards: flash_temp_bytes(args.length // shards, args) for shards in shard_list}
     lines = _header(args, argv) + table(args, results, flash_temps) + notes(args)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

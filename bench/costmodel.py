@@ -33,16 +33,24 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
-from costmodel_grid import (BENCH_ONLY, GRID, PIPELINE_BENCH_ONLY, PIPELINE_GRID, UNMODELLED, schedule_of,  # noqa: E402
-                            compiled_figures, predicted)
+from costmodel_grid import (  # noqa: E402
+    BENCH_ONLY,
+    GRID,
+    PIPELINE_BENCH_ONLY,
+    PIPELINE_GRID,
+    UNMODELLED,
+    compiled_figures,
+    predicted,
+    schedule_of,
+)
 
 from models.config import get_config  # noqa: E402
 from models.spec import describe  # noqa: E402
 from sharding import costmodel as cm  # noqa: E402
 from sharding import devices, hlo, planner  # noqa: E402
 from sharding.mesh import make_mesh, parse_mesh  # noqa: E402
-from sharding.rules import get_rules  # noqa: E402
 from sharding.parallel import Parallelism, UnevenBatch  # noqa: E402
+from sharding.rules import get_rules  # noqa: E402
 from train.optimizer import OptimizerConfig  # noqa: E402
 from train.step import Trainer  # noqa: E402
 
@@ -56,15 +64,20 @@ def _err(pred: float, actual: float) -> str:
 
 
 def error_table() -> list[str]:
-    lines = ["## 1. Predicted vs compiled, per device per step (CPU backend)", "",
-             "Relative error of the prediction. `cost_analysis` counts each loop body once; `folded "
-             "products` are the HLO's dot FLOPs with loop trip counts multiplied in (per step); `arguments` "
-             "is parameters + AdamW moments + batch. Collective columns: per-device result bytes per step "
-             "of each kind (blank: the kind is absent from both). `temp` is `temp_size_in_bytes` against "
-             "the predicted activations + logits + gathered weights + gradients (information only).", "",
-             "| model | mesh | rules | B x T | M | remat | cost_analysis FLOPs | folded products | arguments | "
-             + " | ".join(KINDS) + " | temp (pred/compiled) |",
-             "|" + "---|" * (10 + len(KINDS))]
+    lines = [
+        "## 1. Predicted vs compiled, per device per step (CPU backend)",
+        "",
+        "Relative error of the prediction. `cost_analysis` counts each loop body once; `folded "
+        "products` are the HLO's dot FLOPs with loop trip counts multiplied in (per step); `arguments` "
+        "is parameters + AdamW moments + batch. Collective columns: per-device result bytes per step "
+        "of each kind (blank: the kind is absent from both). `temp` is `temp_size_in_bytes` against "
+        "the predicted activations + logits + gathered weights + gradients (information only).",
+        "",
+        "| model | mesh | rules | B x T | M | remat | cost_analysis FLOPs | folded products | arguments | "
+        + " | ".join(KINDS)
+        + " | temp (pred/compiled) |",
+        "|" + "---|" * (10 + len(KINDS)),
+    ]
     for case in GRID + BENCH_ONLY:
         model, mesh_spec, rules, batch, seq, micro, remat = case
         figures, cost = compiled_figures(case), predicted(case)
@@ -72,57 +85,78 @@ def error_table() -> list[str]:
         kinds = [_err(pred.get(k, 0.0), actual.get(k, 0.0)) if (k in actual or k in pred) else "" for k in KINDS]
         m = cost.memory
         temp = (m.activations + m.logits + m.gathered + m.gradients) / figures["temp"]
-        lines.append(f"| {model} | {mesh_spec} | {rules} | {batch} x {seq} | {micro} | {remat} | "
-                     f"{_err(cost.counted_flops, figures['flops'])} | {_err(cost.matmul_flops, figures['dot_flops'])} | "
-                     f"{_err(cost.argument_bytes, figures['arguments'])} | " + " | ".join(kinds)
-                     + f" | {temp:.2f} |")
+        lines.append(
+            f"| {model} | {mesh_spec} | {rules} | {batch} x {seq} | {micro} | {remat} | "
+            f"{_err(cost.counted_flops, figures['flops'])} | {_err(cost.matmul_flops, figures['dot_flops'])} | "
+            f"{_err(cost.argument_bytes, figures['arguments'])} | " + " | ".join(kinds) + f" | {temp:.2f} |"
+        )
         print(lines[-1], flush=True)
-    lines += ["", "The last row (`sequence=2`, context parallelism by the partitioner on reference attention) "
-              "is outside the tested grid (`costmodel_grid.BENCH_ONLY`): its gradient reductions over "
-              "`sequence` are split differently than modelled.", ""]
+    lines += [
+        "",
+        "The last row (`sequence=2`, context parallelism by the partitioner on reference attention) "
+        "is outside the tested grid (`costmodel_grid.BENCH_ONLY`): its gradient reductions over "
+        "`sequence` are split differently than modelled.",
+        "",
+    ]
     return lines
 
 
 def pipeline_table() -> list[str]:
     """Section 1b: the pipelined cases (`costmodel_grid.PIPELINE_GRID`, then `PIPELINE_BENCH_ONLY`), and
     the worst error of each figure over the asserted cases."""
-    lines = ["## 1b. Pipelines: predicted vs compiled, per device per step (CPU backend)", "",
-             "Predicted with every slot of every step priced (`skip_empty=False`): the compiled program counts a "
-             "conditional's branch on every loop trip. Asterisk: not asserted (`UNMODELLED`); last rows: bench only.", "",
-             "| model | mesh | rules | B x T | M | stages | R | schedule | cost_analysis FLOPs | folded products | arguments | "
-             + " | ".join(KINDS) + " | temp (pred/compiled) |",
-             "|" + "---|" * (12 + len(KINDS))]
+    lines = [
+        "## 1b. Pipelines: predicted vs compiled, per device per step (CPU backend)",
+        "",
+        "Predicted with every slot of every step priced (`skip_empty=False`): the compiled program counts a "
+        "conditional's branch on every loop trip. Asterisk: not asserted (`UNMODELLED`); last rows: bench only.",
+        "",
+        "| model | mesh | rules | B x T | M | stages | R | schedule | cost_analysis FLOPs | folded products | arguments | "
+        + " | ".join(KINDS)
+        + " | temp (pred/compiled) |",
+        "|" + "---|" * (12 + len(KINDS)),
+    ]
     worst: dict[str, float] = {}
     for case in PIPELINE_GRID + PIPELINE_BENCH_ONLY:
         model, mesh_spec, rules, batch, seq, micro, remat, stages, repeats = case[:9]
         figures, cost = compiled_figures(case), predicted(case)
         actual, pred = figures["collectives"], cm.collective_bytes(cost.comms)
-        errors = {"cost_analysis FLOPs": (cost.counted_flops, figures["flops"]),
-                  "folded products": (cost.matmul_flops, figures["dot_flops"]),
-                  "arguments": (cost.argument_bytes, figures["arguments"])}
+        errors = {
+            "cost_analysis FLOPs": (cost.counted_flops, figures["flops"]),
+            "folded products": (cost.matmul_flops, figures["dot_flops"]),
+            "arguments": (cost.argument_bytes, figures["arguments"]),
+        }
         errors.update({k: (pred.get(k, 0.0), actual.get(k, 0.0)) for k in KINDS if k in actual or k in pred})
         if case in PIPELINE_GRID:
             for name, (p, a) in errors.items():
                 if a and name not in UNMODELLED.get(case, ()):
                     worst[name] = max(worst.get(name, 0.0), abs(p - a) / a)
-        cells = [_err(*errors[k]) + ("*" if k in UNMODELLED.get(case, ()) else "") if k in errors else ""
-                 for k in ("cost_analysis FLOPs", "folded products", "arguments", *KINDS)]
+        cells = [
+            _err(*errors[k]) + ("*" if k in UNMODELLED.get(case, ()) else "") if k in errors else ""
+            for k in ("cost_analysis FLOPs", "folded products", "arguments", *KINDS)
+        ]
         m = cost.memory
         temp = (m.activations + m.logits + m.gathered + m.gradients) / figures["temp"]
         split = ",".join(map(str, stages)) if stages else "even"
-        lines.append(f"| {model} | {mesh_spec} | {rules} | {batch} x {seq} | {micro} | {split} | {repeats} | "
-                     f"{schedule_of(case)} | "
-                     + " | ".join(cells) + f" | {temp:.2f} |")
+        lines.append(
+            f"| {model} | {mesh_spec} | {rules} | {batch} x {seq} | {micro} | {split} | {repeats} | "
+            f"{schedule_of(case)} | " + " | ".join(cells) + f" | {temp:.2f} |"
+        )
         print(lines[-1], flush=True)
-    lines += ["", "Worst error over the asserted pipeline cases: "
-              + ", ".join(f"{k} {v:.1%}" for k, v in worst.items()) + ".", ""]
+    lines += [
+        "",
+        "Worst error over the asserted pipeline cases: " + ", ".join(f"{k} {v:.1%}" for k, v in worst.items()) + ".",
+        "",
+    ]
     return lines
 
 
 def hetero_table() -> list[str]:
-    lines = ["## 2. Uneven data-parallel step (train/strategies.py), counts 3,3,3,3,1,1,1,1 of 2-row microbatches", "",
-             "| mesh | rules | cost_analysis FLOPs | arguments | " + " | ".join(KINDS) + " |",
-             "|" + "---|" * (4 + len(KINDS))]
+    lines = [
+        "## 2. Uneven data-parallel step (train/strategies.py), counts 3,3,3,3,1,1,1,1 of 2-row microbatches",
+        "",
+        "| mesh | rules | cost_analysis FLOPs | arguments | " + " | ".join(KINDS) + " |",
+        "|" + "---|" * (4 + len(KINDS)),
+    ]
     counts, rows, seq = (3, 3, 3, 3, 1, 1, 1, 1), 2, 64
     for mesh_spec, rules in (("data=8", "dp"), ("data=2,fsdp=4", "fsdp")):
         config = get_config("test")
@@ -131,13 +165,17 @@ def hetero_table() -> list[str]:
         analysis = compiled.cost_analysis()
         analysis = analysis[0] if isinstance(analysis, list) else analysis
         layout = cm.layout_of(par, config)
-        cost = cm.device_cost(config, layout, seq_len=seq, rows=rows, microbatches=3, backend="cpu",
-                              batch_rows=sum(counts) * rows)
+        cost = cm.device_cost(
+            config, layout, seq_len=seq, rows=rows, microbatches=3, backend="cpu", batch_rows=sum(counts) * rows
+        )
         actual, pred = cm.collective_bytes(hlo.collectives(compiled.as_text())), cm.collective_bytes(cost.comms)
         kinds = [_err(pred.get(k, 0.0), actual.get(k, 0.0)) if (k in actual or k in pred) else "" for k in KINDS]
-        lines.append(f"| {mesh_spec} | {rules} | {_err(cost.counted_flops, analysis['flops'])} | "
-                     f"{_err(cost.argument_bytes, compiled.memory_analysis().argument_size_in_bytes)} | "
-                     + " | ".join(kinds) + " |")
+        lines.append(
+            f"| {mesh_spec} | {rules} | {_err(cost.counted_flops, analysis['flops'])} | "
+            f"{_err(cost.argument_bytes, compiled.memory_analysis().argument_size_in_bytes)} | "
+            + " | ".join(kinds)
+            + " |"
+        )
     return lines + [""]
 
 
@@ -147,17 +185,23 @@ def optimizer_flops() -> list[str]:
     found = {}
     config = get_config("test", ["num_layers=1"])
     for seq in (8, 16, 32):
-        trainer = Trainer(config, OptimizerConfig(), Parallelism.of(make_mesh(parse_mesh("data=8", 8)), get_rules("dp")))
+        trainer = Trainer(
+            config, OptimizerConfig(), Parallelism.of(make_mesh(parse_mesh("data=8", 8)), get_rules("dp"))
+        )
         compiled = trainer.compile_train_step(8, seq)
         analysis = compiled.cost_analysis()
         analysis = analysis[0] if isinstance(analysis, list) else analysis
         found[seq] = analysis["flops"] - hlo.dot_flops(compiled.as_text())
     per_token = (found[16] - found[8]) / 8
     update = (found[8] - 8 * per_token) / config.num_params
-    return ["## 3. Optimizer FLOPs per parameter (XLA's count)", "",
-            f"Elementwise FLOPs (cost_analysis minus products) of a 1-layer `test` step on `data=8` at 8, 16, 32 "
-            f"tokens per device: {found[8]:,.0f}, {found[16]:,.0f}, {found[32]:,.0f}; the update is "
-            f"{update:.1f} FLOPs per parameter (`OPTIMIZER_FLOPS_PER_PARAM` = {cm.OPTIMIZER_FLOPS_PER_PARAM:g}).", ""]
+    return [
+        "## 3. Optimizer FLOPs per parameter (XLA's count)",
+        "",
+        f"Elementwise FLOPs (cost_analysis minus products) of a 1-layer `test` step on `data=8` at 8, 16, 32 "
+        f"tokens per device: {found[8]:,.0f}, {found[16]:,.0f}, {found[32]:,.0f}; the update is "
+        f"{update:.1f} FLOPs per parameter (`OPTIMIZER_FLOPS_PER_PARAM` = {cm.OPTIMIZER_FLOPS_PER_PARAM:g}).",
+        "",
+    ]
 
 
 def _pair(ratio):
@@ -168,11 +212,16 @@ def _pair(ratio):
 
 def gains() -> list[str]:
     model = describe(get_config("125m"))
-    lines = ["## 4. Simulated gains: 4 fast + 4 slow devices, `125m` shape, batch 256 x 1024", "",
-             "Devices: fast = r x 100 TFLOP/s, slow = 100 TFLOP/s, 80 GB, 300 GB/s links, hosts of 4, 50 GB/s "
-             "between them. Uniform: the best plan where every device does the same work.", "",
-             "| r | chosen plan | step (s) | uniform plan | uniform (s) | gain | ideal (r+1)/2 | gain / ideal | "
-             "brute-force best (s) | planner time |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "## 4. Simulated gains: 4 fast + 4 slow devices, `125m` shape, batch 256 x 1024",
+        "",
+        "Devices: fast = r x 100 TFLOP/s, slow = 100 TFLOP/s, 80 GB, 300 GB/s links, hosts of 4, 50 GB/s "
+        "between them. Uniform: the best plan where every device does the same work.",
+        "",
+        "| r | chosen plan | step (s) | uniform plan | uniform (s) | gain | ideal (r+1)/2 | gain / ideal | "
+        "brute-force best (s) | planner time |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for ratio in (1.5, 2.0, 3.0):
         inventory = _pair(ratio)
         t0 = time.perf_counter()
@@ -181,9 +230,11 @@ def gains() -> list[str]:
         uniform = planner.uniform_baseline(model, inventory, 256, 1024)
         brute = planner.brute_force(model, inventory, 256, 1024)
         gain, ideal = uniform.step_time / best.step_time, (ratio + 1) / 2
-        lines.append(f"| {ratio:g} | {best.flags()} | {best.step_time:.4f} | {uniform.flags()} | "
-                     f"{uniform.step_time:.4f} | {gain:.3f} | {ideal:.2f} | {gain / ideal:.1%} | "
-                     f"{brute.step_time:.4f} | {seconds:.2f} s |")
+        lines.append(
+            f"| {ratio:g} | {best.flags()} | {best.step_time:.4f} | {uniform.flags()} | "
+            f"{uniform.step_time:.4f} | {gain:.3f} | {ideal:.2f} | {gain / ideal:.1%} | "
+            f"{brute.step_time:.4f} | {seconds:.2f} s |"
+        )
     return lines + [""]
 
 
@@ -192,10 +243,17 @@ def plan_7b() -> list[str]:
     inventory = devices.parse_cluster("h100:8,a100:8")
     plans = planner.plan(model, inventory, 1024, 4096, top=8)
     base = planner.uniform_baseline(model, inventory, 1024, 4096)
-    return ["## 5. `python -m train.plan --model 7b --cluster h100:8,a100:8 --batch 1024 --seq-len 4096`", "",
-            "```", *planner.format_table(plans), "```", "",
-            f"Best plan with the same work on every device: {base.flags()}, {base.step_time:.2f} s/step; "
-            f"the chosen plan is {base.step_time / plans[0].step_time:.2f}x faster.", ""]
+    return [
+        "## 5. `python -m train.plan --model 7b --cluster h100:8,a100:8 --batch 1024 --seq-len 4096`",
+        "",
+        "```",
+        *planner.format_table(plans),
+        "```",
+        "",
+        f"Best plan with the same work on every device: {base.flags()}, {base.step_time:.2f} s/step; "
+        f"the chosen plan is {base.step_time / plans[0].step_time:.2f}x faster.",
+        "",
+    ]
 
 
 def main() -> int:
@@ -203,11 +261,15 @@ def main() -> int:
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "costmodel.md"))
     parser.add_argument("--pipeline-only", action="store_true", help="only section 1b (the pipelined cases)")
     args = parser.parse_args()
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     t0 = time.perf_counter()
-    lines = ["# Cost model against the compiler; planner gains", "",
-             f"JAX {jax.__version__}, {jax.device_count()} simulated {jax.devices()[0].platform} devices, {now}. "
-             f"Command: `python bench/costmodel.py`.", ""]
+    lines = [
+        "# Cost model against the compiler; planner gains",
+        "",
+        f"JAX {jax.__version__}, {jax.device_count()} simulated {jax.devices()[0].platform} devices, {now}. "
+        f"Command: `python bench/costmodel.py`.",
+        "",
+    ]
     if args.pipeline_only:
         lines += pipeline_table()
     else:

@@ -18,10 +18,10 @@ from models.config import get_config
 from sharding import costmodel as cm
 from sharding import hlo
 from sharding.mesh import make_mesh, parse_mesh
-from sharding.rules import get_rules
-from train.optimizer import OptimizerConfig
 from sharding.parallel import Accumulation, Parallelism
 from sharding.pipeline.layout import PipelinePlan, pipeline_rules, plan_layout
+from sharding.rules import get_rules
+from train.optimizer import OptimizerConfig
 from train.step import Trainer
 
 # (model, mesh, rules, batch, seq_len, microbatches, remat). The two models at different batch and
@@ -106,7 +106,7 @@ def _strategy(case, config, mesh):
     return PipelinePlan(stages, case[5], one_f_one_b=schedule_of(case) == "1f1b")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def compiled_figures(case) -> dict:
     """The compiler's figures for one case (compiled once per process).
 

@@ -20,8 +20,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--model", default="small")
     p.add_argument("--mesh", default="data=2,tensor=4")
     p.add_argument("--rules", default="fsdp_tp")
@@ -71,7 +72,9 @@ def main(argv=None) -> None:
     run()  # compile
     prefill_s, steps = run()
     step_s = statistics.median(steps)
-    print(f"{args.model} on {args.mesh} ({jax.device_count()} {jax.devices()[0].platform} devices), jax {jax.__version__}")
+    print(
+        f"{args.model} on {args.mesh} ({jax.device_count()} {jax.devices()[0].platform} devices), jax {jax.__version__}"
+    )
     print("| batch | prompt | new | prefill (s) | prefill tokens/s | decode step (ms, median) | decode tokens/s |")
     print(f"| {b} | {t} | {n} | {prefill_s:.3f} | {b * t / prefill_s:,.0f} | {step_s * 1e3:.1f} | {b / step_s:,.0f} |")
 

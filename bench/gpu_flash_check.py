@@ -62,8 +62,7 @@ def _relative_error(a, b) -> float:
     return float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-30))
 
 
-def run_case(batch, q_len, kv_len, heads, kv_heads, head_dim, causal, segments, dtype, blocks,
-             interpret=False):
+def run_case(batch, q_len, kv_len, heads, kv_heads, head_dim, causal, segments, dtype, blocks, interpret=False):
     """Returns relative errors of (out, dq, dk, dv)."""
     keys = jax.random.split(jax.random.PRNGKey(q_len * 7 + kv_len), 6)
     q = jax.random.normal(keys[0], (batch, q_len, heads, head_dim), dtype)
@@ -97,8 +96,7 @@ def main() -> int:
     print(f"JAX {jax.__version__}, backend {jax.default_backend()}, device {device.device_kind}")
     if jax.default_backend() == "cpu" and not interpret:
         print("warning: no GPU backend; the kernels will be compiled for CPU and fail.")
-    print("| case | shape (B,T,S,N,K,H) | causal | segments | dtype | out | dq | dk | dv "
-          "| result | time |")
+    print("| case | shape (B,T,S,N,K,H) | causal | segments | dtype | out | dq | dk | dv | result | time |")
     print("| --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: | --- | ---: |")
     failures = skipped = 0
     deadline = time.perf_counter() + BUDGET_S
@@ -107,12 +105,14 @@ def main() -> int:
         shape = f"{b},{t},{s},{n},{kh},{h}"
         if start > deadline:
             skipped += 1
-            print(f"| {name} | {shape} | {causal} | {segs} | {dtype} | - | - | - | - "
-                  f"| SKIPPED (over {BUDGET_S:.0f}s) | - |", flush=True)
+            print(
+                f"| {name} | {shape} | {causal} | {segs} | {dtype} | - | - | - | - "
+                f"| SKIPPED (over {BUDGET_S:.0f}s) | - |",
+                flush=True,
+            )
             continue
         try:
-            errors = run_case(b, t, s, n, kh, h, causal, segs, jnp.dtype(dtype), blocks,
-                              interpret)
+            errors = run_case(b, t, s, n, kh, h, causal, segs, jnp.dtype(dtype), blocks, interpret)
             ok = all(e <= TOLERANCE[dtype] for e in errors)  # NaN compares False.
             cells = [f"{e:.1e}" for e in errors]
             result = "PASS" if ok else f"FAIL (tol {TOLERANCE[dtype]:g})"
@@ -123,10 +123,11 @@ def main() -> int:
             traceback.print_exc(file=sys.stderr)
         failures += not ok
         elapsed = time.perf_counter() - start
-        print(f"| {name} | {shape} | {causal} | {segs} | {dtype} | {' | '.join(cells)} "
-              f"| {result} | {elapsed:.1f}s |", flush=True)
-    print(f"{len(CASES) - failures - skipped}/{len(CASES)} passed, {failures} failed, "
-          f"{skipped} skipped")
+        print(
+            f"| {name} | {shape} | {causal} | {segs} | {dtype} | {' | '.join(cells)} | {result} | {elapsed:.1f}s |",
+            flush=True,
+        )
+    print(f"{len(CASES) - failures - skipped}/{len(CASES)} passed, {failures} failed, {skipped} skipped")
     return 1 if failures or skipped else 0
 
 

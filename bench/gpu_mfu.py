@@ -31,10 +31,30 @@ OOM_MARKERS = ("RESOURCE_EXHAUSTED", "out of memory", "Out of memory", "OOM")
 
 def run_one(model: str, attention: str, args, limit_s: float) -> tuple[dict | None, str]:
     """One throughput run in its own process: ``(result, "")`` or ``(None, why it failed)``."""
-    command = [sys.executable, str(ROOT / "bench" / "throughput.py"), "--json", "--model", model,
-               "--mesh", "fsdp=-1", "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
-               "--dtype", "bfloat16", "--remat", args.remat, "--attention", attention,
-               "--steps", str(args.steps), "--skip", "3", *sum((["--set", s] for s in args.set), [])]
+    command = [
+        sys.executable,
+        str(ROOT / "bench" / "throughput.py"),
+        "--json",
+        "--model",
+        model,
+        "--mesh",
+        "fsdp=-1",
+        "--batch-size",
+        str(args.batch_size),
+        "--seq-len",
+        str(args.seq_len),
+        "--dtype",
+        "bfloat16",
+        "--remat",
+        args.remat,
+        "--attention",
+        attention,
+        "--steps",
+        str(args.steps),
+        "--skip",
+        "3",
+        *sum((["--set", s] for s in args.set), []),
+    ]
     if args.cpu_smoke:
         command += ["--cpu-devices", "1"]
     start = time.time()
@@ -52,14 +72,17 @@ def run_one(model: str, attention: str, args, limit_s: float) -> tuple[dict | No
 
 def row(r: dict) -> str:
     mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a (peak unknown)"
-    return (f"| {r['model']} | {r['attention']} | {r['batch']}x{r['seq_len']} | {r['remat']} | "
-            f"{r['median_step_time'] * 1000:.0f} | {r['tokens_per_s']:,.0f} | {r['model_tflops_per_device']:.1f} | "
-            f"{mfu} |")
+    return (
+        f"| {r['model']} | {r['attention']} | {r['batch']}x{r['seq_len']} | {r['remat']} | "
+        f"{r['median_step_time'] * 1000:.0f} | {r['tokens_per_s']:,.0f} | {r['model_tflops_per_device']:.1f} | "
+        f"{mfu} |"
+    )
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--models", default="7b,1b,125m", help="presets to try, largest first")
     p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence")
     p.add_argument("--batch-size", type=int, default=1, help="sequences per step")
@@ -68,8 +91,9 @@ def main(argv=None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="ModelConfig overrides")
     p.add_argument("--budget", type=float, default=450.0, help="seconds for the whole script")
     p.add_argument("--out", type=Path, default=None, help="also write the markdown table here")
-    p.add_argument("--cpu-smoke", action="store_true",
-                   help="check the script on CPU: the test preset at length 256, 5 steps")
+    p.add_argument(
+        "--cpu-smoke", action="store_true", help="check the script on CPU: the test preset at length 256, 5 steps"
+    )
     args = p.parse_args(argv)
     if args.cpu_smoke:
         args.models, args.seq_len, args.steps = "test", 256, 5
@@ -96,11 +120,16 @@ def main(argv=None) -> int:
         else:
             results.append(baseline)
         break  # the largest preset that fits is measured
-    header = "" if not results else (
-        f"JAX {results[0]['jax']} on {results[0]['backend']} ({results[0]['machine']}), {results[0]['date']}; "
-        f"`python bench/gpu_mfu.py`; median step over steps 4-{args.steps}\n\n"
-        "| model | attention | batch x length | remat | median step (ms) | tokens/s | model TFLOP/s | MFU |\n"
-        "|---|---|---|---|---:|---:|---:|---:|\n")
+    header = (
+        ""
+        if not results
+        else (
+            f"JAX {results[0]['jax']} on {results[0]['backend']} ({results[0]['machine']}), {results[0]['date']}; "
+            f"`python bench/gpu_mfu.py`; median step over steps 4-{args.steps}\n\n"
+            "| model | attention | batch x length | remat | median step (ms) | tokens/s | model TFLOP/s | MFU |\n"
+            "|---|---|---|---|---:|---:|---:|---:|\n"
+        )
+    )
     table = header + "\n".join(row(r) for r in results) + "".join(f"\n\n{n}" for n in notes)
     print("\n" + table)
     if args.out:

@@ -38,7 +38,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -47,16 +46,62 @@ RESULTS = ROOT / "bench" / "RESULTS.md"
 PLOT = ROOT / "bench" / "results" / "hetero_straggler.png"
 BEGIN, END = "<!-- hetero_cluster:begin -->", "<!-- hetero_cluster:end -->"
 PERIOD_US = 100_000
-COMMON = ["--model", "small", "--seq-len", "256", "--batch-size", "48", "--mesh", "data=8", "--rules", "dp",
-          "--mesh-outer", "data=2", "--warmup", "2", "--eval-every", "0", "--ckpt-every", "0", "--log-every", "1",
-          "--no-progress", "--dist-timeout", "600"]
+COMMON = [
+    "--model",
+    "small",
+    "--seq-len",
+    "256",
+    "--batch-size",
+    "48",
+    "--mesh",
+    "data=8",
+    "--rules",
+    "dp",
+    "--mesh-outer",
+    "data=2",
+    "--warmup",
+    "2",
+    "--eval-every",
+    "0",
+    "--ckpt-every",
+    "0",
+    "--log-every",
+    "1",
+    "--no-progress",
+    "--dist-timeout",
+    "600",
+]
 UNIFORM = "3,3,3,3,3,3,3,3"
 WRONG_KINDS = {1.5: "h100_sxm:4,a100_80gb:4", 2.0: "h100_sxm:4,a100_80gb:4", 3.0: "a100_80gb:4,rtx4090:4"}
 """Datasheet pairs whose peak ratio is not r: 3.17 for r = 1.5 and 2 (too many on the fast process), 1.89 for
 r = 3 (too few)."""
-STAGE_FLAGS = ["--model", "small", "--set", "num_layers=12", "--seq-len", "256", "--batch-size", "48",
-               "--mesh", "stage=2,data=4", "--mesh-outer", "stage=2", "--microbatches", "12", "--warmup", "2",
-               "--eval-every", "0", "--ckpt-every", "0", "--log-every", "1", "--no-progress", "--dist-timeout", "600"]
+STAGE_FLAGS = [
+    "--model",
+    "small",
+    "--set",
+    "num_layers=12",
+    "--seq-len",
+    "256",
+    "--batch-size",
+    "48",
+    "--mesh",
+    "stage=2,data=4",
+    "--mesh-outer",
+    "stage=2",
+    "--microbatches",
+    "12",
+    "--warmup",
+    "2",
+    "--eval-every",
+    "0",
+    "--ckpt-every",
+    "0",
+    "--log-every",
+    "1",
+    "--no-progress",
+    "--dist-timeout",
+    "600",
+]
 
 
 class CpuQuota:
@@ -87,8 +132,10 @@ class CpuQuota:
                 (path / "cpu.weight").write_text("10000")
                 self.paths[name] = path
         else:
-            raise SystemExit("bench/hetero_cluster.py needs a writable CPU cgroup: cgroup v1 /sys/fs/cgroup/cpu/"
-                             "cpu.cfs_quota_us or v2 /sys/fs/cgroup/cpu.max (run as root, e.g. sudo)")
+            raise SystemExit(
+                "bench/hetero_cluster.py needs a writable CPU cgroup: cgroup v1 /sys/fs/cgroup/cpu/"
+                "cpu.cfs_quota_us or v2 /sys/fs/cgroup/cpu.max (run as root, e.g. sudo)"
+            )
         self.set_ratio(1.0)
 
     def set_ratio(self, r: float) -> None:
@@ -145,21 +192,34 @@ def counts_seen(run_dir: Path) -> dict[int, list[int]]:
     return metric(run_dir, "train/processed")
 
 
-def run(quota: CpuQuota, flags: list[str], run_dir: Path, log_dir: Path, cores: tuple[int, int],
-        on_step=None) -> None:
+def run(quota: CpuQuota, flags: list[str], run_dir: Path, log_dir: Path, cores: tuple[int, int], on_step=None) -> None:
     """Two processes of 4 CPU devices: process 0 on ``cores[0]`` in the fast cgroup, process 1 on ``cores[1]``
     in the slow one; ``on_step(step)`` is called (from a thread) as process 0 logs steps."""
     port = _port()
     procs = []
     try:
         for i in range(2):
-            cmd = [sys.executable, "-m", "train.train", *flags, "--run-dir", str(run_dir), "--cpu-devices", "4",
-                   "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)]
-            shell = (f'echo $$ > {quota.procs("slow" if i else "fast")} && exec taskset -c {cores[i]} '
-                     + " ".join(cmd))
+            cmd = [
+                sys.executable,
+                "-m",
+                "train.train",
+                *flags,
+                "--run-dir",
+                str(run_dir),
+                "--cpu-devices",
+                "4",
+                "--coordinator",
+                f"127.0.0.1:{port}",
+                "--num-processes",
+                "2",
+                "--process-id",
+                str(i),
+            ]
+            shell = f"echo $$ > {quota.procs('slow' if i else 'fast')} && exec taskset -c {cores[i]} " + " ".join(cmd)
             log = (log_dir / f"p{i}.log").open("w")
-            procs.append(subprocess.Popen(["sh", "-c", shell], cwd=ROOT, env=_env(), stdout=log,
-                                          stderr=subprocess.STDOUT))
+            procs.append(
+                subprocess.Popen(["sh", "-c", shell], cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT)
+            )
         seen = 0
         while any(p.poll() is None for p in procs):
             time.sleep(0.5)
@@ -169,8 +229,10 @@ def run(quota: CpuQuota, flags: list[str], run_dir: Path, log_dir: Path, cores: 
                     seen = max(steps)
                     on_step(seen)
         if any(p.returncode for p in procs):
-            raise SystemExit(f"a training process failed; its log:\n{_read(log_dir / 'p0.log')[-3000:]}\n"
-                             f"{_read(log_dir / 'p1.log')[-3000:]}")
+            raise SystemExit(
+                f"a training process failed; its log:\n{_read(log_dir / 'p0.log')[-3000:]}\n"
+                f"{_read(log_dir / 'p1.log')[-3000:]}"
+            )
     finally:
         for p in procs:
             if p.poll() is None:
@@ -191,16 +253,25 @@ def data_parallel(args, quota, tmp: Path) -> list[dict]:
     for k, r in enumerate(args.ratios):
         quota.set_ratio(r)
         kinds = WRONG_KINDS.get(r, "h100_sxm:4,a100_80gb:4")
-        extra = {"uniform": ["--hetero-batch", UNIFORM],
-                 "kinds": ["--hetero-batch", "kinds", "--microbatches", "3", "--simulate-cluster", kinds],
-                 "auto": ["--hetero-batch", "auto", "--microbatches", "3"]}
-        for name in (order if k % 2 == 0 else order[::-1]):
+        extra = {
+            "uniform": ["--hetero-batch", UNIFORM],
+            "kinds": ["--hetero-batch", "kinds", "--microbatches", "3", "--simulate-cluster", kinds],
+            "auto": ["--hetero-batch", "auto", "--microbatches", "3"],
+        }
+        for name in order if k % 2 == 0 else order[::-1]:
             run_dir = tmp / f"{name}_{r}"
             print(f"r = {r}: {name} ...", flush=True)
             run(quota, [*COMMON, *extra[name], "--steps", str(args.steps)], run_dir, tmp, args.cores)
             times, counts = step_times(run_dir), counts_seen(run_dir)
-            rows.append({"r": r, "scenario": name, "median": median_after(times, args.skip),
-                         "counts": counts[max(counts)] if counts else None, "kinds": kinds if name == "kinds" else ""})
+            rows.append(
+                {
+                    "r": r,
+                    "scenario": name,
+                    "median": median_after(times, args.skip),
+                    "counts": counts[max(counts)] if counts else None,
+                    "kinds": kinds if name == "kinds" else "",
+                }
+            )
             print(f"  median step {rows[-1]['median']:.3f} s, counts {rows[-1]['counts']}", flush=True)
     return rows
 
@@ -223,11 +294,31 @@ def straggler(args, quota, tmp: Path) -> dict:
 
     run_dir = tmp / "straggler"
     print(f"straggler: {n} steps, --rebalance-every {args.rebalance_every} ...", flush=True)
-    run(quota, [*COMMON, "--hetero-batch", "auto", "--microbatches", "3", "--rebalance-every", str(args.rebalance_every),
-                "--steps", str(n)], run_dir, tmp, args.cores, on_step)
+    run(
+        quota,
+        [
+            *COMMON,
+            "--hetero-batch",
+            "auto",
+            "--microbatches",
+            "3",
+            "--rebalance-every",
+            str(args.rebalance_every),
+            "--steps",
+            str(n),
+        ],
+        run_dir,
+        tmp,
+        args.cores,
+        on_step,
+    )
     quota.set_ratio(1.0)
-    return {"times": step_times(run_dir), "counts": counts_seen(run_dir), "events": events,
-            "log": _read(tmp / "p0.log")}
+    return {
+        "times": step_times(run_dir),
+        "counts": counts_seen(run_dir),
+        "events": events,
+        "log": _read(tmp / "p0.log"),
+    }
 
 
 def stages(args, quota, tmp: Path) -> list[dict]:
@@ -240,10 +331,19 @@ def stages(args, quota, tmp: Path) -> list[dict]:
         run(quota, [*STAGE_FLAGS, *extra, "--steps", str(args.steps)], run_dir, tmp, args.cores)
         log = _read(tmp / "p0.log")
         split = next((line.split()[1] for line in log.splitlines() if line.startswith("pipeline: ")), "")
-        layers = [line.split()[-2] for line in log.splitlines() if line.strip().startswith("stage ") and "layers" in line
-                  and "ms per microbatch" in line]
-        rows.append({"scenario": name, "median": median_after(step_times(run_dir), args.skip),
-                     "layers": ",".join(layers) if layers else "6,6", "note": split})
+        layers = [
+            line.split()[-2]
+            for line in log.splitlines()
+            if line.strip().startswith("stage ") and "layers" in line and "ms per microbatch" in line
+        ]
+        rows.append(
+            {
+                "scenario": name,
+                "median": median_after(step_times(run_dir), args.skip),
+                "layers": ",".join(layers) if layers else "6,6",
+                "note": split,
+            }
+        )
         print(f"  median step {rows[-1]['median']:.3f} s, layers {rows[-1]['layers']}", flush=True)
     quota.set_ratio(1.0)
     return rows
@@ -259,37 +359,54 @@ def stage_ideal(r: float, layers: int = 12) -> float:
 def markdown(args, dp_rows, strag, stage_rows, started: str, elapsed: float) -> str:
     import jax
 
-    lines = [BEGIN, f"## Mixed-speed cluster on one machine — {started[:10]}", "",
-             f"`python bench/hetero_cluster.py --ratios {','.join(map(str, args.ratios))} --steps {args.steps} "
-             f"--straggler-steps {args.straggler_steps}` (as root), jax {jax.__version__}, {platform.machine()} "
-             f"{os.cpu_count()} cores ({platform.node()}), started {started}, {elapsed / 60:.0f} min. Two processes x 4 "
-             f"CPU devices, process 0 pinned to core {args.cores[0]}, process 1 to core {args.cores[1]} and held to 1/r "
-             f"of it by a CPU-quota cgroup; both cgroups at the highest CPU weight, so other work on the machine "
-             f"yields to them. Flags: `{' '.join(COMMON)}` (48 sequences = 24 microbatches of 2). "
-             f"Median step time over steps {args.skip + 1}-{args.steps}.", "",
-             "| r | counts from | counts (last step) | median step (s) | gain over uniform | ideal (r+1)/2 | % of ideal |",
-             "|---:|---|---|---:|---:|---:|---:|"]
+    lines = [
+        BEGIN,
+        f"## Mixed-speed cluster on one machine — {started[:10]}",
+        "",
+        f"`python bench/hetero_cluster.py --ratios {','.join(map(str, args.ratios))} --steps {args.steps} "
+        f"--straggler-steps {args.straggler_steps}` (as root), jax {jax.__version__}, {platform.machine()} "
+        f"{os.cpu_count()} cores ({platform.node()}), started {started}, {elapsed / 60:.0f} min. Two processes x 4 "
+        f"CPU devices, process 0 pinned to core {args.cores[0]}, process 1 to core {args.cores[1]} and held to 1/r "
+        f"of it by a CPU-quota cgroup; both cgroups at the highest CPU weight, so other work on the machine "
+        f"yields to them. Flags: `{' '.join(COMMON)}` (48 sequences = 24 microbatches of 2). "
+        f"Median step time over steps {args.skip + 1}-{args.steps}.",
+        "",
+        "| r | counts from | counts (last step) | median step (s) | gain over uniform | ideal (r+1)/2 | % of ideal |",
+        "|---:|---|---|---:|---:|---:|---:|",
+    ]
     for r in args.ratios:
         uniform = next(row["median"] for row in dp_rows if row["r"] == r and row["scenario"] == "uniform")
         for row in (x for x in dp_rows if x["r"] == r):
             gain, ideal = uniform / row["median"], (r + 1) / 2
-            source = {"uniform": "uniform (3 each)", "kinds": f"datasheet `{row['kinds']}` (wrong on purpose)",
-                      "auto": "measured (`--hetero-batch auto`)"}[row["scenario"]]
+            source = {
+                "uniform": "uniform (3 each)",
+                "kinds": f"datasheet `{row['kinds']}` (wrong on purpose)",
+                "auto": "measured (`--hetero-batch auto`)",
+            }[row["scenario"]]
             counts = ",".join(map(str, row["counts"])) if row["counts"] else UNIFORM
-            lines.append(f"| {r} | {source} | {counts} | {row['median']:.3f} | {gain:.2f}x | {ideal:.2f}x | "
-                         f"{100 * gain / ideal:.0f}% |")
+            lines.append(
+                f"| {r} | {source} | {counts} | {row['median']:.3f} | {gain:.2f}x | {ideal:.2f}x | "
+                f"{100 * gain / ideal:.0f}% |"
+            )
     if strag:
         lines += ["", *straggler_summary(args, strag)]
     if stage_rows:
         even = stage_rows[0]["median"]
-        lines += ["", f"`stage=2` across the two processes, process 1 at 1/{args.stage_ratio} of its core, "
-                      f"`{' '.join(STAGE_FLAGS)}`; ideal gain of the best integer split of 12 layers "
-                      f"{stage_ideal(args.stage_ratio):.2f}x:", "",
-                  "| split | layers | median step (s) | gain over even | % of ideal |", "|---|---|---:|---:|---:|"]
+        lines += [
+            "",
+            f"`stage=2` across the two processes, process 1 at 1/{args.stage_ratio} of its core, "
+            f"`{' '.join(STAGE_FLAGS)}`; ideal gain of the best integer split of 12 layers "
+            f"{stage_ideal(args.stage_ratio):.2f}x:",
+            "",
+            "| split | layers | median step (s) | gain over even | % of ideal |",
+            "|---|---|---:|---:|---:|",
+        ]
         for row in stage_rows:
             gain = even / row["median"]
-            lines.append(f"| {row['scenario']} | {row['layers']} | {row['median']:.3f} | {gain:.2f}x | "
-                         f"{100 * gain / stage_ideal(args.stage_ratio):.0f}% |")
+            lines.append(
+                f"| {row['scenario']} | {row['layers']} | {row['median']:.3f} | {gain:.2f}x | "
+                f"{100 * gain / stage_ideal(args.stage_ratio):.0f}% |"
+            )
     lines.append(END)
     return "\n".join(lines) + "\n"
 
@@ -298,29 +415,46 @@ def straggler_summary(args, strag) -> list[str]:
     times, events = strag["times"], strag["events"]
     slow, fast = events.get("slow"), events.get("fast")
     before = median_after(times, args.skip, (slow or args.straggler_steps) - 1)
-    out = [f"Straggler (`--hetero-batch auto --rebalance-every {args.rebalance_every}`, {args.straggler_steps} steps): "
-           f"process 1 held to half its core from step {slow}, given it back from step {fast}; plot "
-           f"`bench/results/{PLOT.name}`.", ""]
+    out = [
+        f"Straggler (`--hetero-batch auto --rebalance-every {args.rebalance_every}`, {args.straggler_steps} steps): "
+        f"process 1 held to half its core from step {slow}, given it back from step {fast}; plot "
+        f"`bench/results/{PLOT.name}`.",
+        "",
+    ]
     if slow:
         ideal = before * 2 / 1.5  # speeds 1 and 1/2 instead of 1 and 1: (1 + 1) / (1 + 1/2)
         window = args.rebalance_every + 5
-        after = [(s, t) for s, t in sorted(times.items()) if slow <= s < (fast or 10 ** 9)]
-        back = next((s for s, t in after if t <= 1.1 * ideal and all(u <= 1.1 * ideal for v, u in after if v >= s)), None)
-        out += ["| phase | median step (s) | ideal (s) |", "|---|---:|---:|",
-                f"| both at full speed (steps {args.skip + 1}-{slow - 1}) | {before:.3f} | {before:.3f} |",
-                f"| process 1 at half speed, settled (last half of steps {slow}-{(fast or args.straggler_steps + 1) - 1})"
-                f" | {statistics.median([t for _, t in after[len(after) // 2:]]):.3f} | {ideal:.3f} |"]
+        after = [(s, t) for s, t in sorted(times.items()) if slow <= s < (fast or 10**9)]
+        back = next(
+            (s for s, t in after if t <= 1.1 * ideal and all(u <= 1.1 * ideal for v, u in after if v >= s)), None
+        )
+        out += [
+            "| phase | median step (s) | ideal (s) |",
+            "|---|---:|---:|",
+            f"| both at full speed (steps {args.skip + 1}-{slow - 1}) | {before:.3f} | {before:.3f} |",
+            f"| process 1 at half speed, settled (last half of steps {slow}-{(fast or args.straggler_steps + 1) - 1})"
+            f" | {statistics.median([t for _, t in after[len(after) // 2 :]]):.3f} | {ideal:.3f} |",
+        ]
         if fast:
             restored = [t for s, t in sorted(times.items()) if s >= fast]
-            out.append(f"| process 1 back at full speed (last half of steps {fast}-{args.straggler_steps}) | "
-                       f"{statistics.median(restored[len(restored) // 2:]):.3f} | {before:.3f} |")
-        out += ["", f"Step time back within 10% of the new ideal from step {back} on "
-                    f"({'' if back is None else back - slow} steps after the slowdown; target at most "
-                    f"--rebalance-every + 5 = {window})." if back else
-                f"Step time did not settle within 10% of the new ideal ({ideal:.3f} s)."]
+            out.append(
+                f"| process 1 back at full speed (last half of steps {fast}-{args.straggler_steps}) | "
+                f"{statistics.median(restored[len(restored) // 2 :]):.3f} | {before:.3f} |"
+            )
+        out += [
+            "",
+            f"Step time back within 10% of the new ideal from step {back} on "
+            f"({'' if back is None else back - slow} steps after the slowdown; target at most "
+            f"--rebalance-every + 5 = {window})."
+            if back
+            else f"Step time did not settle within 10% of the new ideal ({ideal:.3f} s).",
+        ]
     counts = strag["counts"]
     changes = [(s, c) for s, c in sorted(counts.items()) if s == min(counts) or c != counts.get(s - 1)]
-    out += ["", "Counts per device over the run: " + "; ".join(f"step {s}: {','.join(map(str, c))}" for s, c in changes)]
+    out += [
+        "",
+        "Counts per device over the run: " + "; ".join(f"step {s}: {','.join(map(str, c))}" for s, c in changes),
+    ]
     return out
 
 
@@ -334,11 +468,15 @@ def plot(strag, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 3.2))
     ax.plot([s for s, _ in times], [t for _, t in times], marker=".", label="step time")
     for name, step in strag["events"].items():
-        ax.axvline(step, color="red" if name == "slow" else "green", linestyle="--",
-                   label="process 1 at 1/2 core" if name == "slow" else "process 1 at full core")
+        ax.axvline(
+            step,
+            color="red" if name == "slow" else "green",
+            linestyle="--",
+            label="process 1 at 1/2 core" if name == "slow" else "process 1 at full core",
+        )
     ax.set_xlabel("step")
     ax.set_ylabel("seconds")
-    ax.set_title("uneven counts rebalanced while training (--rebalance-every %s)" % strag.get("every", ""))
+    ax.set_title(f"uneven counts rebalanced while training (--rebalance-every {strag.get('every', '')})")
     ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -348,15 +486,18 @@ def plot(strag, path: Path) -> None:
 def write_results(section: str) -> None:
     text = _read(RESULTS)
     if BEGIN in text and END in text:
-        text = text[:text.index(BEGIN)] + section + text[text.index(END) + len(END) + 1:]
+        text = text[: text.index(BEGIN)] + section + text[text.index(END) + len(END) + 1 :]
     else:
         text = text.rstrip("\n") + "\n\n" + section
     RESULTS.write_text(text)
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
     parser.add_argument("--ratios", default="1.5,2,3", help="slow process's slowdowns r (default 1.5,2,3)")
     parser.add_argument("--steps", type=int, default=14, help="steps per data-parallel and stage run (default 14)")
     parser.add_argument("--skip", type=int, default=3, help="first steps left out of the medians (default 3)")
@@ -376,7 +517,7 @@ def main(argv=None) -> int:
     available = os.sched_getaffinity(0)
     if not set(args.cores) <= available:
         parser.error(f"--cores {args.cores} are not all available here (cores {sorted(available)})")
-    started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    started = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     t0 = time.perf_counter()
     quota = CpuQuota()
     try:

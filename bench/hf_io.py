@@ -63,8 +63,10 @@ def phase(args) -> None:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     files = sorted(os.listdir(args.out))
     size = sum(os.path.getsize(os.path.join(args.out, f)) for f in files) / 2**20
-    print(f"| {args.phase} | {config.num_params / 1e6:.0f}M params, {args.dtype} | {seconds:.2f} | {before:,.0f} | "
-          f"{peak:,.0f} | {len([f for f in files if f.endswith('.safetensors')])} files, {size:,.0f} MiB |")
+    print(
+        f"| {args.phase} | {config.num_params / 1e6:.0f}M params, {args.dtype} | {seconds:.2f} | {before:,.0f} | "
+        f"{peak:,.0f} | {len([f for f in files if f.endswith('.safetensors')])} files, {size:,.0f} MiB |"
+    )
 
 
 def main(argv=None) -> None:

@@ -20,9 +20,27 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-FLAGS = ["--model", "test", "--seq-len", "64", "--batch-size", "8", "--mesh", "data=2,fsdp=4",
-         "--mesh-outer", "data=2", "--warmup", "2", "--eval-every", "0", "--log-every", "1", "--ckpt-every", "5",
-         "--no-progress"]
+FLAGS = [
+    "--model",
+    "test",
+    "--seq-len",
+    "64",
+    "--batch-size",
+    "8",
+    "--mesh",
+    "data=2,fsdp=4",
+    "--mesh-outer",
+    "data=2",
+    "--warmup",
+    "2",
+    "--eval-every",
+    "0",
+    "--log-every",
+    "1",
+    "--ckpt-every",
+    "5",
+    "--no-progress",
+]
 
 
 def _env():
@@ -41,10 +59,28 @@ def _two_processes(flags, log_dir: Path) -> None:
     procs = []
     for i in range(2):
         log = (log_dir / f"p{i}.log").open("w")
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "train.train", *flags, "--cpu-devices", "4", "--coordinator", f"127.0.0.1:{port}",
-             "--num-processes", "2", "--process-id", str(i)], cwd=ROOT, env=_env(), stdout=log,
-            stderr=subprocess.STDOUT))
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "train.train",
+                    *flags,
+                    "--cpu-devices",
+                    "4",
+                    "--coordinator",
+                    f"127.0.0.1:{port}",
+                    "--num-processes",
+                    "2",
+                    "--process-id",
+                    str(i),
+                ],
+                cwd=ROOT,
+                env=_env(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        )
     if any(p.wait() != 0 for p in procs):
         raise SystemExit((log_dir / "p0.log").read_text())
 
@@ -64,8 +100,23 @@ def main() -> int:
         common = [*FLAGS, "--decay-steps", str(total)]
         _two_processes([*common, "--steps", str(args.steps), "--run-dir", str(tmp / "multi")], tmp)
         _two_processes([*common, "--steps", str(total), "--resume", "--run-dir", str(tmp / "multi")], tmp)
-        single = subprocess.run([sys.executable, "-m", "train.train", *common, "--steps", str(total), "--cpu-devices",
-                                 "8", "--run-dir", str(tmp / "single")], cwd=ROOT, env=_env(), capture_output=True)
+        single = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "train.train",
+                *common,
+                "--steps",
+                str(total),
+                "--cpu-devices",
+                "8",
+                "--run-dir",
+                str(tmp / "single"),
+            ],
+            cwd=ROOT,
+            env=_env(),
+            capture_output=True,
+        )
         if single.returncode:
             raise SystemExit(single.stdout.decode() + single.stderr.decode())
         multi, one = _losses(tmp / "multi"), _losses(tmp / "single")

@@ -25,10 +25,30 @@ import sys
 import time
 from pathlib import Path
 
-BASE = ["--cpu-devices", "8", "--model", "7b", "--mesh", "stage=4,fsdp=2", "--stage-layers", "10,10,6,6",
-        "--microbatches", "16", "--batch-size", "32", "--seq-len", "2048", "--dry-run", "--device-memory", "80GiB"]
-RUNS = (("GPipe", []), ("circular, 2 repeats", ["--pipeline-schedule", "circular", "--pipeline-repeats", "2"]),
-        ("1F1B", ["--pipeline-schedule", "1f1b"]))
+BASE = [
+    "--cpu-devices",
+    "8",
+    "--model",
+    "7b",
+    "--mesh",
+    "stage=4,fsdp=2",
+    "--stage-layers",
+    "10,10,6,6",
+    "--microbatches",
+    "16",
+    "--batch-size",
+    "32",
+    "--seq-len",
+    "2048",
+    "--dry-run",
+    "--device-memory",
+    "80GiB",
+]
+RUNS = (
+    ("GPipe", []),
+    ("circular, 2 repeats", ["--pipeline-schedule", "circular", "--pipeline-repeats", "2"]),
+    ("1F1B", ["--pipeline-schedule", "1f1b"]),
+)
 
 
 def gradient_temporaries(schedule: str) -> str:
@@ -48,8 +68,9 @@ def gradient_temporaries(schedule: str) -> str:
     plan = pl.PipelinePlan(layout, 16, one_f_one_b=schedule == "1f1b")
     par = Parallelism.of(make_mesh(parse_mesh("stage=4,fsdp=2", 8)), get_rules("fsdp_tp"), plan)
     trainer = Trainer(get_config("7b"), OptimizerConfig(), par)
-    params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                          trainer.state_params, trainer.param_shardings)
+    params = jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), trainer.state_params, trainer.param_shardings
+    )
     fn = jax.jit(lambda p, b: jax.value_and_grad(trainer.loss_sums, has_aux=True)(p, b))
     memory = fn.lower(params, trainer.abstract_batch(32, 2048)).compile().memory_analysis()
     return f"| {schedule} | {memory.temp_size_in_bytes / 2**30:.2f} GiB | {memory.argument_size_in_bytes / 2**30:.2f} GiB |"
@@ -74,8 +95,12 @@ def _machine() -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench/results/pipeline.md")
-    parser.add_argument("--gradients", choices=("gpipe", "1f1b"), default=None,
-                        help="print one row of the gradients-only table (in this process) and exit")
+    parser.add_argument(
+        "--gradients",
+        choices=("gpipe", "1f1b"),
+        default=None,
+        help="print one row of the gradients-only table (in this process) and exit",
+    )
     args = parser.parse_args(argv)
     if args.gradients:
         os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -93,16 +118,23 @@ def main(argv: list[str] | None = None) -> int:
     ]
     for name, extra in RUNS:
         command, lines = dry_run(extra)
-        table = [line for line in lines if not line.startswith(("embed/", "final_norm/", "layers/", "unembed",
-                                                                "parameter "))]
+        table = [
+            line for line in lines if not line.startswith(("embed/", "final_norm/", "layers/", "unembed", "parameter "))
+        ]
         sections += ["", f"## {name}", "", "```", command, *table, "```"]
     rows = []
     for schedule in ("gpipe", "1f1b"):
         argv = [sys.executable, "-m", "bench.pipeline", "--gradients", schedule]
         done = subprocess.run(argv, capture_output=True, text=True, check=True)
         rows.append(done.stdout.strip().splitlines()[-1])
-    sections += ["", "## Gradient computation alone (no optimizer update)", "", "| schedule | temporaries | arguments |",
-                 "|---|---|---|", *rows]
+    sections += [
+        "",
+        "## Gradient computation alone (no optimizer update)",
+        "",
+        "| schedule | temporaries | arguments |",
+        "|---|---|---|",
+        *rows,
+    ]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("\n".join(sections) + "\n")
     print(f"wrote {args.out}")

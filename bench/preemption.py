@@ -29,8 +29,23 @@ def main() -> int:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         log_path = Path(tmp) / "train.log"
-        command = [sys.executable, "-m", "train.train", *args.train_args, "--steps", "100000", "--log-every", "1",
-                   "--ckpt-every", "0", "--eval-every", "0", "--no-progress", "--run-dir", str(Path(tmp) / "run")]
+        command = [
+            sys.executable,
+            "-m",
+            "train.train",
+            *args.train_args,
+            "--steps",
+            "100000",
+            "--log-every",
+            "1",
+            "--ckpt-every",
+            "0",
+            "--eval-every",
+            "0",
+            "--no-progress",
+            "--run-dir",
+            str(Path(tmp) / "run"),
+        ]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         with log_path.open("w") as log:
             process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -49,8 +64,10 @@ def main() -> int:
         step_ms = re.findall(r"\| (\d+) ms/step", text)
     print("| flags | exit code | saved step | SIGTERM to exit (s) | last step time (ms) |")
     print("|---|---|---|---|---|")
-    print(f"| `{' '.join(args.train_args)}` | {code} | {saved.group(1) if saved else 'none'} | {seconds:.2f} | "
-          f"{step_ms[-1] if step_ms else '?'} |")
+    print(
+        f"| `{' '.join(args.train_args)}` | {code} | {saved.group(1) if saved else 'none'} | {seconds:.2f} | "
+        f"{step_ms[-1] if step_ms else '?'} |"
+    )
     return 0 if code == 0 and saved else 1
 
 

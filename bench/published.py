@@ -65,8 +65,16 @@ MEGATRON_TABLE_1 = [
 
 # (GPUs, local batch, tokens/s per GPU without torch.compile): torchtitan docs/performance.md, Llama 3.1 8B.
 TORCHTITAN_8B = [(8, 2, 5762), (128, 2, 5605)]
-LLAMA_31_8B = ("vocab_size=128256", "num_layers=32", "embed_dim=4096", "mlp_dim=14336", "num_heads=32",
-               "num_kv_heads=8", "head_dim=128", "rope_theta=500000")
+LLAMA_31_8B = (
+    "vocab_size=128256",
+    "num_layers=32",
+    "embed_dim=4096",
+    "mlp_dim=14336",
+    "num_heads=32",
+    "num_kv_heads=8",
+    "head_dim=128",
+    "rope_theta=500000",
+)
 TITAN_SEQ = 8192
 
 
@@ -111,9 +119,20 @@ def megatron_rows() -> list[Row]:
     rows = []
     for params, heads, hidden, layers, tp, pp, gpus, batch, tflops in MEGATRON_TABLE_1:
         mlp = round(8 * hidden / 3 / 8) * 8
-        model = describe(get_config("7b", [f"vocab_size={MEGATRON_VOCAB}", f"num_layers={layers}",
-                                           f"embed_dim={hidden}", f"mlp_dim={mlp}", f"num_heads={heads}",
-                                           f"num_kv_heads={heads}", f"head_dim={hidden // heads}"]))
+        model = describe(
+            get_config(
+                "7b",
+                [
+                    f"vocab_size={MEGATRON_VOCAB}",
+                    f"num_layers={layers}",
+                    f"embed_dim={hidden}",
+                    f"mlp_dim={mlp}",
+                    f"num_heads={heads}",
+                    f"num_kv_heads={heads}",
+                    f"head_dim={hidden // heads}",
+                ],
+            )
+        )
         inventory = devices.parse_cluster(f"a100:8x{gpus // 8}@{DGX_A100_NETWORK}")
         data = gpus // (tp * pp)
         mesh = f"data={data}" + (f",stage={pp}" if pp > 1 else "") + (f",tensor={tp}" if tp > 1 else "")
@@ -125,22 +144,44 @@ def megatron_rows() -> list[Row]:
             layouts = tuple(f"{common} --remat full --microbatches {m}" for m in _divisors(batch // data))
         seconds = megatron_flops(batch, MEGATRON_SEQ, layers, hidden, MEGATRON_VOCAB) / (gpus * tflops * 1e12)
         name = f"megatron-{params:g}b"
-        rows.append(Row(name, model, inventory, batch, MEGATRON_SEQ, layouts, seconds,
-                        f"Narayanan et al. SC'21 Table 1: {tflops} TFLOP/s per GPU", "fused"))
+        rows.append(
+            Row(
+                name,
+                model,
+                inventory,
+                batch,
+                MEGATRON_SEQ,
+                layouts,
+                seconds,
+                f"Narayanan et al. SC'21 Table 1: {tflops} TFLOP/s per GPU",
+                "fused",
+            )
+        )
     return rows
 
 
 def torchtitan_rows() -> list[Row]:
-    h100_96 = dataclasses.replace(devices.get_kind("h100"), name="h100_96gb", label="NVIDIA H100 SXM 96GB HBM2e",
-                                  memory_bytes=96e9)
+    h100_96 = dataclasses.replace(
+        devices.get_kind("h100"), name="h100_96gb", label="NVIDIA H100 SXM 96GB HBM2e", memory_bytes=96e9
+    )
     model = describe(get_config("7b", LLAMA_31_8B))
     rows = []
     for gpus, local, tps in TORCHTITAN_8B:
         hosts = tuple(devices.Host(h100_96, 8, f"host{i}") for i in range(gpus // 8))
         inventory = devices.Inventory(hosts, GRAND_TETON_NETWORK)
         layout = f"--mesh fsdp={gpus} --rules fsdp --remat dots --attention flash --dtype bfloat16 --microbatches 1"
-        rows.append(Row(f"titan-8b-{gpus}", model, inventory, gpus * local, TITAN_SEQ, (layout,),
-                        local * TITAN_SEQ / tps, f"torchtitan docs/performance.md: {tps:,} tokens/s per GPU"))
+        rows.append(
+            Row(
+                f"titan-8b-{gpus}",
+                model,
+                inventory,
+                gpus * local,
+                TITAN_SEQ,
+                (layout,),
+                local * TITAN_SEQ / tps,
+                f"torchtitan docs/performance.md: {tps:,} tokens/s per GPU",
+            )
+        )
     return rows
 
 
@@ -168,28 +209,37 @@ def price(row: Row, options: planner.PlanOptions) -> tuple[planner.Plan | None, 
 
 def _parts(p: planner.Plan) -> str:
     parts = p.parts
-    return (f"compute {parts['compute']:.2f}, overlapped {parts['overlapped_comm']:.2f}, exposed "
-            f"{parts['exposed_comm']:.2f}, optimizer {parts['optimizer']:.3f}, bubble {parts['bubble']:.2f}")
+    return (
+        f"compute {parts['compute']:.2f}, overlapped {parts['overlapped_comm']:.2f}, exposed "
+        f"{parts['exposed_comm']:.2f}, optimizer {parts['optimizer']:.3f}, bubble {parts['bubble']:.2f}"
+    )
 
 
 def table(rows: Sequence[Row], options: planner.PlanOptions, log=print) -> list[str]:
     """Markdown lines: row, published step time, predicted, ratio, fits (memory of the largest kind), the
     predicted breakdown (seconds) and the seconds the pricing took."""
-    lines = ["| row | layout (`--layout`) | published s | predicted s | predicted / published | fits (GB) | "
-             "predicted breakdown (s) | priced in s |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| row | layout (`--layout`) | published s | predicted s | predicted / published | fits (GB) | "
+        "predicted breakdown (s) | priced in s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for row in rows:
         t0 = time.perf_counter()
         p, text = price(row, options)
         seconds = time.perf_counter() - t0
         if p is None:
-            lines.append(f"| {row.name} | {row.layouts[0]} | {row.published_seconds:.2f} | - | - | - | batch does "
-                         f"not split | {seconds:.1f} |")
+            lines.append(
+                f"| {row.name} | {row.layouts[0]} | {row.published_seconds:.2f} | - | - | - | batch does "
+                f"not split | {seconds:.1f} |"
+            )
             continue
         short = text.replace(" --dtype bfloat16", "")  # every row's
         gb = max(p.memory.values()) / 1e9
-        line = (f"| {row.name} | `{short}` | {row.published_seconds:.2f} | {p.step_time:.2f} | "
-                f"{p.step_time / row.published_seconds:.2f} | {'yes' if p.fits else 'no'} ({gb:.0f}) | {_parts(p)} | "
-                f"{seconds:.1f} |")
+        line = (
+            f"| {row.name} | `{short}` | {row.published_seconds:.2f} | {p.step_time:.2f} | "
+            f"{p.step_time / row.published_seconds:.2f} | {'yes' if p.fits else 'no'} ({gb:.0f}) | {_parts(p)} | "
+            f"{seconds:.1f} |"
+        )
         lines.append(line)
         log(line)
     return lines
@@ -198,8 +248,9 @@ def table(rows: Sequence[Row], options: planner.PlanOptions, log=print) -> list[
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", default=None, help="comma-separated row names (default: all)")
-    parser.add_argument("--efficiency", type=float, default=None,
-                        help="override the fraction of peak FLOP/s (default: the planner's)")
+    parser.add_argument(
+        "--efficiency", type=float, default=None, help="override the fraction of peak FLOP/s (default: the planner's)"
+    )
     parser.add_argument("--out", default=None, help="also write the markdown table to this file")
     args = parser.parse_args(argv)
     rows = published_rows()

@@ -30,8 +30,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--model", default="test", help="model preset")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="ModelConfig overrides")
     p.add_argument("--mesh", default="fsdp=-1", help="mesh, as for train.train")
@@ -42,8 +43,11 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default=None, help="compute dtype (default: the preset's)")
     p.add_argument("--remat", default=None, help="remat policy (default: the preset's)")
     p.add_argument("--attention", default=None, help="attention implementation (default: the preset's)")
-    p.add_argument("--logits", default=None, help="output projection and loss: auto, gathered or vocab_parallel "
-                   "(default: the preset's, auto)")
+    p.add_argument(
+        "--logits",
+        default=None,
+        help="output projection and loss: auto, gathered or vocab_parallel (default: the preset's, auto)",
+    )
     p.add_argument("--microbatches", type=int, default=1, help="gradient-accumulation steps")
     p.add_argument("--steps", type=int, default=10, help="steps to run")
     p.add_argument("--skip", type=int, default=2, help="leading steps left out of the median")
@@ -64,24 +68,37 @@ def measure(args) -> dict:
     from sharding.mesh import make_mesh, parse_mesh
     from sharding.parallel import Accumulation, Parallelism
     from sharding.rules import get_rules
-    from train.optimizer import OptimizerConfig
     from sharding.vocab import choose_for_batch
+    from train.optimizer import OptimizerConfig
     from train.step import Trainer
 
-    changes = {k: v for k, v in (("dtype", args.dtype), ("remat", args.remat), ("attention", args.attention),
-                                 ("logits", args.logits)) if v}
+    changes = {
+        k: v
+        for k, v in (
+            ("dtype", args.dtype),
+            ("remat", args.remat),
+            ("attention", args.attention),
+            ("logits", args.logits),
+        )
+        if v
+    }
     config = get_config(args.model, args.set, **changes)
     mesh = make_mesh(parse_mesh(args.mesh, jax.device_count()))
     par = Parallelism.of(mesh, get_rules(args.rules, args.rule), Accumulation(args.microbatches))
     trainer = Trainer(config, OptimizerConfig(decay_steps=max(args.steps, 2), warmup=1), par)
     B, T = args.batch_size, args.seq_len
-    split = choose_for_batch(config.logits, trainer.rules, dict(mesh.shape), config.vocab_size, config.embed_dim,
-                             (B, T))
+    split = choose_for_batch(
+        config.logits, trainer.rules, dict(mesh.shape), config.vocab_size, config.embed_dim, (B, T)
+    )
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, config.vocab_size, (B, T + 1)).astype(np.int32)
-    host = {"tokens": tokens[:, :-1], "targets": tokens[:, 1:],
-            "positions": np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)).copy(),
-            "segment_ids": np.ones((B, T), np.int32), "loss_mask": np.ones((B, T), np.float32)}
+    host = {
+        "tokens": tokens[:, :-1],
+        "targets": tokens[:, 1:],
+        "positions": np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)).copy(),
+        "segment_ids": np.ones((B, T), np.int32),
+        "loss_mask": np.ones((B, T), np.float32),
+    }
     sharding = trainer.batch_sharding(B, T)
     batch = {k: jax.device_put(v, sharding) for k, v in host.items()}
     signals = trainer.signals(False)
@@ -93,7 +110,7 @@ def measure(args) -> dict:
         state, metrics = step(state, batch, signals)
         jax.block_until_ready(metrics["loss"])
         times.append(time.perf_counter() - t0)
-    kept = times[args.skip:]
+    kept = times[args.skip :]
     step_time = statistics.median(kept)
     devices = mesh.devices.size
     tokens_per_s = B * T / step_time
@@ -102,29 +119,45 @@ def measure(args) -> dict:
     peak = None if any(p is None for p in peaks) else sum(peaks)
     return {
         "framework": "meshwork",
-        "model": args.model, "overrides": args.set, "mesh": args.mesh, "batch": B, "seq_len": T,
-        "dtype": config.dtype, "remat": config.remat, "attention": config.attention,
-        "logits": config.logits, "loss_layout": "gathered" if split is None else "vocab_parallel",
-        "params": config.num_params, "devices": devices,
-        "step_times": times, "median_step_time": step_time,
-        "tokens_per_s": tokens_per_s, "tokens_per_s_per_device": tokens_per_s / devices,
+        "model": args.model,
+        "overrides": args.set,
+        "mesh": args.mesh,
+        "batch": B,
+        "seq_len": T,
+        "dtype": config.dtype,
+        "remat": config.remat,
+        "attention": config.attention,
+        "logits": config.logits,
+        "loss_layout": "gathered" if split is None else "vocab_parallel",
+        "params": config.num_params,
+        "devices": devices,
+        "step_times": times,
+        "median_step_time": step_time,
+        "tokens_per_s": tokens_per_s,
+        "tokens_per_s_per_device": tokens_per_s / devices,
         "model_tflops_per_device": tokens_per_s * flops_per_token / devices / 1e12,
         "mfu": tokens_per_s * flops_per_token / peak if peak else None,
         "loss_last": float(metrics["loss"]),
-        "jax": jax.__version__, "backend": jax.default_backend(), "machine": platform.processor() or platform.machine(),
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "machine": platform.processor() or platform.machine(),
         "date": datetime.date.today().isoformat(),
     }
 
 
 def table_row(r: dict) -> str:
     mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
-    return (f"| {r['model']} {' '.join(r['overrides'])} | {r['mesh']} | {r['batch']}x{r['seq_len']} | {r['dtype']} | "
-            f"{r['remat']} | {r['loss_layout']} | {r['median_step_time'] * 1000:.0f} | {r['tokens_per_s']:,.0f} | "
-            f"{r['tokens_per_s_per_device']:,.0f} | {r['model_tflops_per_device']:.4f} | {mfu} |")
+    return (
+        f"| {r['model']} {' '.join(r['overrides'])} | {r['mesh']} | {r['batch']}x{r['seq_len']} | {r['dtype']} | "
+        f"{r['remat']} | {r['loss_layout']} | {r['median_step_time'] * 1000:.0f} | {r['tokens_per_s']:,.0f} | "
+        f"{r['tokens_per_s_per_device']:,.0f} | {r['model_tflops_per_device']:.4f} | {mfu} |"
+    )
 
 
-HEADER = ("| model | mesh | batch x length | dtype | remat | loss | median step (ms) | tokens/s | tokens/s/device | "
-          "model TFLOP/s/device | MFU |\n|---|---|---|---|---|---|---:|---:|---:|---:|---:|")
+HEADER = (
+    "| model | mesh | batch x length | dtype | remat | loss | median step (ms) | tokens/s | tokens/s/device | "
+    "model TFLOP/s/device | MFU |\n|---|---|---|---|---|---|---:|---:|---:|---:|---:|"
+)
 
 
 def main(argv=None) -> int:
@@ -133,8 +166,10 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"JAX {result['jax']} on {result['backend']} ({result['machine']}), {result['date']}; "
-              f"median over steps {args.skip + 1}-{args.steps}\n")
+        print(
+            f"JAX {result['jax']} on {result['backend']} ({result['machine']}), {result['date']}; "
+            f"median over steps {args.skip + 1}-{args.steps}\n"
+        )
         print(HEADER)
         print(table_row(result))
     return 0

@@ -60,8 +60,11 @@ TOKENIZER_FILE = "tokenizer.json"
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9
 """Bytes per safetensors file when exporting (``transformers``' default, 5 GB)."""
 
-EXPORT_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16),
-                 "float16": np.dtype(np.float16)}
+EXPORT_DTYPES = {
+    "float32": np.dtype(np.float32),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "float16": np.dtype(np.float16),
+}
 
 _CONVERT = (
     'python -c "from transformers import AutoModelForCausalLM as M; '
@@ -102,11 +105,15 @@ def _rope_fields(hf: dict[str, Any], where: str) -> dict[str, Any]:
     if kind == "default":
         return {**fields, "rope_type": "default"}
     if kind != "llama3":
-        raise ValueError(f"{where}: rope type {kind!r} is not supported (meshwork has default and llama3 rotary "
-                         "positions)")
-    names = {"factor": "rope_factor", "low_freq_factor": "rope_low_freq_factor",
-             "high_freq_factor": "rope_high_freq_factor",
-             "original_max_position_embeddings": "rope_original_max_positions"}
+        raise ValueError(
+            f"{where}: rope type {kind!r} is not supported (meshwork has default and llama3 rotary positions)"
+        )
+    names = {
+        "factor": "rope_factor",
+        "low_freq_factor": "rope_low_freq_factor",
+        "high_freq_factor": "rope_high_freq_factor",
+        "original_max_position_embeddings": "rope_original_max_positions",
+    }
     for key, name in names.items():
         if key not in rope:
             raise ValueError(f"{where}: llama3 rope scaling without {key!r}")
@@ -131,11 +138,15 @@ def _refuse_unsupported(hf: dict[str, Any], arch: str, where: str) -> None:
     if arch == "Qwen2ForCausalLM":
         types = set(hf.get("layer_types") or ["full_attention"])
         if hf.get("use_sliding_window") or types != {"full_attention"}:
-            raise ValueError(f"{where}: sliding-window attention is in effect (use_sliding_window / layer_types); "
-                             "meshwork attends over the whole context")
+            raise ValueError(
+                f"{where}: sliding-window attention is in effect (use_sliding_window / layer_types); "
+                "meshwork attends over the whole context"
+            )
     elif window is not None and (longest is None or window < longest):
-        raise ValueError(f"{where}: sliding_window={window} is in effect (below max_position_embeddings={longest}); "
-                         "meshwork attends over the whole context")
+        raise ValueError(
+            f"{where}: sliding_window={window} is in effect (below max_position_embeddings={longest}); "
+            "meshwork attends over the whole context"
+        )
 
 
 def config_from_hf(hf: dict[str, Any], where: str = CONFIG_FILE, **changes) -> ModelConfig:
@@ -185,8 +196,7 @@ def config_from_hf(hf: dict[str, Any], where: str = CONFIG_FILE, **changes) -> M
         raise ValueError(f"{where}: {e}") from None
 
 
-def init_config(folder: str | Path, preset: str | None = None, overrides: Sequence[str] = (),
-                **changes) -> ModelConfig:
+def init_config(folder: str | Path, preset: str | None = None, overrides: Sequence[str] = (), **changes) -> ModelConfig:
     """The `ModelConfig` of a run that starts from a Hugging Face folder (``--init-from FOLDER``).
 
     The architecture comes from the folder's ``config.json``; ``--set`` may change execution fields
@@ -210,16 +220,20 @@ def init_config(folder: str | Path, preset: str | None = None, overrides: Sequen
     sets = parse_overrides(overrides)
     for name, value in sets.items():
         if name in ModelConfig.ARCHITECTURE_FIELDS and value != getattr(base, name):
-            raise ValueError(f"--set {name}={value}: conflicts with {where} ({name}={getattr(base, name)}); "
-                             f"--init-from takes the architecture from the folder, drop --set {name}")
+            raise ValueError(
+                f"--set {name}={value}: conflicts with {where} ({name}={getattr(base, name)}); "
+                f"--init-from takes the architecture from the folder, drop --set {name}"
+            )
     if preset is not None:
         if preset not in PRESETS:
             raise ValueError(f"--model {preset!r}: unknown preset; with --init-from, drop --model")
         diff = config_differences(PRESETS[preset].architecture(), base)
         if diff:
             name, (ours, theirs) = next(iter(diff.items()))
-            raise ValueError(f"--model {preset}: conflicts with {where} ({name} {ours} in the preset, {theirs} in the "
-                             f"folder); --init-from takes the architecture from the folder, drop --model")
+            raise ValueError(
+                f"--model {preset}: conflicts with {where} ({name} {ours} in the preset, {theirs} in the "
+                f"folder); --init-from takes the architecture from the folder, drop --model"
+            )
     try:
         return base.replace(**{**changes, **sets})
     except ValueError as e:
@@ -252,8 +266,9 @@ def token_id(value) -> int | None:
     return None if value is None else int(value)
 
 
-def config_to_hf(config: ModelConfig, *, dtype: str = "float32", eos_token_id: int | None = None,
-                 bos_token_id: int | None = None) -> dict[str, Any]:
+def config_to_hf(
+    config: ModelConfig, *, dtype: str = "float32", eos_token_id: int | None = None, bos_token_id: int | None = None
+) -> dict[str, Any]:
     """A ``config.json`` for `config`: ``Qwen2ForCausalLM`` with ``qkv_bias``, else ``LlamaForCausalLM``.
 
     Rotary settings are written both as ``rope_parameters`` (transformers 5) and as
@@ -262,9 +277,13 @@ def config_to_hf(config: ModelConfig, *, dtype: str = "float32", eos_token_id: i
     rope: dict[str, Any] = {"rope_type": config.rope_type, "rope_theta": config.rope_theta}
     scaling = None
     if config.rope_type == "llama3":
-        scaling = {"rope_type": "llama3", "factor": config.rope_factor,
-                   "low_freq_factor": config.rope_low_freq_factor, "high_freq_factor": config.rope_high_freq_factor,
-                   "original_max_position_embeddings": config.rope_original_max_positions}
+        scaling = {
+            "rope_type": "llama3",
+            "factor": config.rope_factor,
+            "low_freq_factor": config.rope_low_freq_factor,
+            "high_freq_factor": config.rope_high_freq_factor,
+            "original_max_position_embeddings": config.rope_original_max_positions,
+        }
         rope.update(scaling)
     qwen = config.qkv_bias
     out = {
@@ -337,20 +356,41 @@ class TensorMap:
 
 def tensor_maps(config: ModelConfig) -> list[TensorMap]:
     """Every parameter of `config`'s model with its Hugging Face tensor (module docstring's table)."""
-    d, n, k, h, f, v = (config.embed_dim, config.num_heads, config.num_kv_heads, config.head_dim, config.mlp_dim,
-                        config.vocab_size)
+    d, n, k, h, f, v = (
+        config.embed_dim,
+        config.num_heads,
+        config.num_kv_heads,
+        config.head_dim,
+        config.mlp_dim,
+        config.vocab_size,
+    )
     layer = "model.layers.{i}."
     maps = [TensorMap(("embed", "embedding"), "model.embed_tokens.weight", ((v,), (d,)), (0, 1))]
     for name, hf_name in (("attention_norm", "input_layernorm"), ("mlp_norm", "post_attention_layernorm")):
         maps.append(TensorMap(("layers", name, "scale"), f"{layer}{hf_name}.weight", ((d,),), (0,), True))
     for name, heads in (("q", n), ("k", k), ("v", k)):
-        maps.append(TensorMap(("layers", "attention", name), f"{layer}self_attn.{name}_proj.weight",
-                              ((heads, h), (d,)), (2, 0, 1), True))
+        maps.append(
+            TensorMap(
+                ("layers", "attention", name),
+                f"{layer}self_attn.{name}_proj.weight",
+                ((heads, h), (d,)),
+                (2, 0, 1),
+                True,
+            )
+        )
         if config.qkv_bias:
-            maps.append(TensorMap(("layers", "attention", f"{name}_bias"), f"{layer}self_attn.{name}_proj.bias",
-                                  ((heads, h),), (0, 1), True))
-    maps.append(TensorMap(("layers", "attention", "o"), f"{layer}self_attn.o_proj.weight", ((d,), (n, h)),
-                          (1, 2, 0), True))
+            maps.append(
+                TensorMap(
+                    ("layers", "attention", f"{name}_bias"),
+                    f"{layer}self_attn.{name}_proj.bias",
+                    ((heads, h),),
+                    (0, 1),
+                    True,
+                )
+            )
+    maps.append(
+        TensorMap(("layers", "attention", "o"), f"{layer}self_attn.o_proj.weight", ((d,), (n, h)), (1, 2, 0), True)
+    )
     for name in ("gate", "up"):
         maps.append(TensorMap(("layers", "mlp", name), f"{layer}mlp.{name}_proj.weight", ((f,), (d,)), (1, 0), True))
     maps.append(TensorMap(("layers", "mlp", "down"), f"{layer}mlp.down_proj.weight", ((d,), (f,)), (1, 0), True))
@@ -376,7 +416,7 @@ def _read_block(get_slice: Callable, m: TensorMap, index: Sequence[slice]) -> np
         inner = math.prod(group[1:])
         hf_index.append(slice(first.start * inner, first.stop * inner))
         shape.extend([first.stop - first.start, *group[1:]])
-        after.extend([slice(None), *flat_index[offset + 1: offset + len(group)]])
+        after.extend([slice(None), *flat_index[offset + 1 : offset + len(group)]])
         offset += len(group)
     block = np.asarray(get_slice()[tuple(hf_index)])
     return block.reshape(shape)[tuple(after)].transpose(m.perm)
@@ -412,8 +452,10 @@ def weight_files(folder: str | Path) -> dict[str, Path]:
             return {name: single for name in f.keys()}
     pickled = sorted(folder.glob("pytorch_model*.bin")) + sorted(folder.glob("*.pt")) + sorted(folder.glob("*.pth"))
     if pickled:
-        raise ValueError(f"{folder}: only pickled weights ({pickled[0].name}); meshwork reads only safetensors because "
-                         f"unpickling runs code from the file; convert where you trust it: {_CONVERT.format(src=folder)}")
+        raise ValueError(
+            f"{folder}: only pickled weights ({pickled[0].name}); meshwork reads only safetensors because "
+            f"unpickling runs code from the file; convert where you trust it: {_CONVERT.format(src=folder)}"
+        )
     raise ValueError(f"{folder}: no {SINGLE_FILE} or {INDEX_FILE}")
 
 
@@ -452,8 +494,9 @@ def check_tensors(folder: str | Path, config: ModelConfig, files: dict[str, Path
                 raise ValueError(f"{Path(folder) / where}: tensor {name} is missing")
             shape = opened.shape(name)
             if shape != m.hf_shape:
-                raise ValueError(f"{files[name]}: tensor {name} has shape {list(shape)}, config.json implies "
-                                 f"{list(m.hf_shape)}")
+                raise ValueError(
+                    f"{files[name]}: tensor {name} has shape {list(shape)}, config.json implies {list(m.hf_shape)}"
+                )
 
 
 def _get(tree: dict, path: tuple[str, ...]):
@@ -499,7 +542,9 @@ def load_params(folder: str | Path, config: ModelConfig, targets: dict[str, Any]
         target = _get(targets, m.path)
         expected = ((config.num_layers,) if m.stacked else ()) + m.shape
         if tuple(target.shape) != expected:
-            raise ValueError(f"target {'/'.join(m.path)} has shape {tuple(target.shape)}, the config implies {expected}")
+            raise ValueError(
+                f"target {'/'.join(m.path)} has shape {tuple(target.shape)}, the config implies {expected}"
+            )
         dtype = np.dtype(target.dtype)
 
         def callback(index, m=m, dtype=dtype, shape=expected):
@@ -538,9 +583,18 @@ def _hf_tensor(params: dict[str, Any], m: TensorMap, layer: int | None, dtype: n
     return np.ascontiguousarray(flat.astype(dtype))
 
 
-def save_params(folder: str | Path, config: ModelConfig, params: dict[str, Any], *, dtype: str = "float32",
-                max_shard_size: int = DEFAULT_MAX_SHARD_SIZE, tokenizer: str | Path | None = None,
-                eos_token_id: int | None = None, bos_token_id: int | None = None, overwrite: bool = False) -> list[Path]:
+def save_params(
+    folder: str | Path,
+    config: ModelConfig,
+    params: dict[str, Any],
+    *,
+    dtype: str = "float32",
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+    tokenizer: str | Path | None = None,
+    eos_token_id: int | None = None,
+    bos_token_id: int | None = None,
+    overwrite: bool = False,
+) -> list[Path]:
     """Writes a Hugging Face folder ``transformers`` reads: ``config.json``, safetensors, index, tokenizer.
 
     Tensors are gathered one at a time (one layer of a stacked parameter), converted to
@@ -576,8 +630,11 @@ def save_params(folder: str | Path, config: ModelConfig, params: dict[str, Any],
     if folder.exists() and any(folder.iterdir()) and not overwrite:
         raise ValueError(f"--out {folder}: not empty; give a new folder")
     np_dtype = EXPORT_DTYPES[dtype]
-    entries = [(name, m, i if m.stacked else None) for m in tensor_maps(config)
-               for i, name in enumerate(m.names(config.num_layers))]
+    entries = [
+        (name, m, i if m.stacked else None)
+        for m in tensor_maps(config)
+        for i, name in enumerate(m.names(config.num_layers))
+    ]
     shards: list[list[tuple[str, TensorMap, int | None]]] = [[]]
     size = 0
     for entry in entries:

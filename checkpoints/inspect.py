@@ -112,14 +112,18 @@ def describe(directory: str | Path, step: int | None = None, deep: bool = False)
         lines.append(f"  rules           {meta['rules'].get('name')}")
     if meta.get("pipeline"):
         layout = meta["pipeline"]
-        lines.append(f"  stage layout    {','.join(map(str, layout.get('stage_layers', [])))} layers per stage "
-                     f"({layout.get('schedule')}); layer arrays are [stage, slot, ...], re-laid on resume")
+        lines.append(
+            f"  stage layout    {','.join(map(str, layout.get('stage_layers', [])))} layers per stage "
+            f"({layout.get('schedule')}); layer arrays are [stage, slot, ...], re-laid on resume"
+        )
     if "preset" in meta:
         lines.append(f"  model           {meta['preset']} {meta.get('model', {})}")
     if "data" in meta:
         lines.append(f"  data position   {meta['data'].get('samples')} samples of {meta['data'].get('spec')}")
     if "tokenizer" in meta:
-        lines.append(f"  tokenizer       {meta['tokenizer'].get('name')} ({meta['tokenizer'].get('vocab_size')} tokens)")
+        lines.append(
+            f"  tokenizer       {meta['tokenizer'].get('name')} ({meta['tokenizer'].get('vocab_size')} tokens)"
+        )
     width = max((len(r[0]) for r in rows), default=10)
     lines.append(f"  {'array'.ljust(width)}  {'shape':<20} {'dtype':<8} bytes")
     for path, shape, dtype, nbytes in rows:
@@ -133,9 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="python -m checkpoints.inspect", description=__doc__.splitlines()[0])
     parser.add_argument("directory", help="a run folder or its checkpoints/ folder")
     parser.add_argument("--step", type=int, default=None, help="which step (default: the latest)")
-    parser.add_argument("--deep", action="store_true",
-                        help="also read every array of every step (costs a read of the whole folder) and report "
-                        "those whose data does not decode")
+    parser.add_argument(
+        "--deep",
+        action="store_true",
+        help="also read every array of every step (costs a read of the whole folder) and report "
+        "those whose data does not decode",
+    )
     return parser
 
 

@@ -85,12 +85,18 @@ class RunLock:
         folder = Path(run_dir)
         path = folder / LOCK_FILE
         host, pid = socket.gethostname(), os.getpid()
-        owner = {"host": host, "pid": pid, "started": _start_time(pid),
-                 "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        owner = {
+            "host": host,
+            "pid": pid,
+            "started": _start_time(pid),
+            "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
         try:
             folder.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise ValueError(f"--run-dir {folder}: cannot write there ({e.strerror}); choose a writable folder") from None
+            raise ValueError(
+                f"--run-dir {folder}: cannot write there ({e.strerror}); choose a writable folder"
+            ) from None
         for _ in range(3):  # another run may reclaim the same stale lock meanwhile: then judge its lock
             if _create(path, owner):
                 return cls(path, owner)
@@ -100,7 +106,7 @@ class RunLock:
                     _remove_if_same(path, None)
                     log(f"note: --run-dir {folder}: replaced {path}, which did not parse as a lock")
                 continue
-            who = (f"pid {held.get('pid')} on host {held.get('host')} (since {held.get('since')})")
+            who = f"pid {held.get('pid')} on host {held.get('host')} (since {held.get('since')})"
             if held.get("host") == host:
                 if held["pid"] != pid and not _alive(held["pid"], held.get("started")):
                     _remove_if_same(path, held)
@@ -108,11 +114,13 @@ class RunLock:
                     continue
                 raise RunFolderLocked(
                     f"--run-dir {folder} is in use by another run, {who}; wait for it to end (or stop it), "
-                    "or choose another --run-dir (nothing was touched)")
+                    "or choose another --run-dir (nothing was touched)"
+                )
             if not break_lock:
                 raise RunFolderLocked(
                     f"--run-dir {folder} is locked by {who}, another host, which cannot be checked from here; "
-                    "if that run has ended pass --break-lock, or choose another --run-dir (nothing was touched)")
+                    "if that run has ended pass --break-lock, or choose another --run-dir (nothing was touched)"
+                )
             _remove_if_same(path, held)
             log(f"note: --run-dir {folder}: --break-lock took over the lock of {who}")
             break_lock = False  # break one lock, not a new owner's
@@ -151,7 +159,9 @@ def _create(path: Path, owner: dict) -> bool:
     except FileExistsError:
         return False
     except OSError as e:
-        raise ValueError(f"--run-dir {path.parent}: cannot write there ({e.strerror}); choose a writable folder") from None
+        raise ValueError(
+            f"--run-dir {path.parent}: cannot write there ({e.strerror}); choose a writable folder"
+        ) from None
     finally:
         temp.unlink(missing_ok=True)
     return True

@@ -196,9 +196,7 @@ class CheckpointManager:
           FileNotFoundError: when there is no checkpoint.
         """
         step = self._resolve(step)
-        args = ocp.args.Composite(
-            **{STATE: ocp.args.StandardRestore(abstract_state), META: ocp.args.JsonRestore()}
-        )
+        args = ocp.args.Composite(**{STATE: ocp.args.StandardRestore(abstract_state), META: ocp.args.JsonRestore()})
         restored = self._manager.restore(step, args=args)
         return restored[STATE], dict(restored[META])
 
@@ -257,7 +255,9 @@ class LoopCheckpoints:
         try:
             self.manager.save(step, state, self.meta.at(step, samples).to_json())
         except Exception as e:  # any failure to start a save ends the run with it
-            raise CheckpointFailure(f"saving the checkpoint of step {step} in {self.manager.directory} failed: {e}") from e
+            raise CheckpointFailure(
+                f"saving the checkpoint of step {step} in {self.manager.directory} failed: {e}"
+            ) from e
 
     def check(self) -> None:
         """Raises `CheckpointFailure` at once if a background save has failed."""
@@ -282,8 +282,7 @@ class LoopCheckpoints:
 
         moved = set_aside(self.manager.directory, step, why)
         if moved is not None:
-            log(f"the checkpoint of step {step} holds the parameters whose loss stopped the run; set aside as "
-                f"{moved}")
+            log(f"the checkpoint of step {step} holds the parameters whose loss stopped the run; set aside as {moved}")
 
     def finish(self, step: int) -> None:
         """Waits for the pending save of ``step`` and raises `CheckpointFailure` if it failed."""
@@ -356,8 +355,10 @@ def set_aside_damaged(directory, choice, log) -> list[Path]:
             continue
         moved.append(target)
         why = "" if step in choice.skipped else f"{verdict.line()}; "
-        log(f"{why}set damaged step {step} aside as {target} (not resumed from, not counted by --keep; "
-            "delete it once it is no longer needed)")
+        log(
+            f"{why}set damaged step {step} aside as {target} (not resumed from, not counted by --keep; "
+            "delete it once it is no longer needed)"
+        )
     return moved
 
 
@@ -388,7 +389,9 @@ def restore_state(manager: CheckpointManager, target, step: int | None = None):
     meta = RunMeta.from_json(manager.read_meta(step))
     src = layout_from_meta(meta.pipeline)
     if src is not None and src.num_layers != target.config.num_layers:
-        raise ValueError(f"the checkpoint's stage layout {src.describe()} has {src.num_layers} layers; the model "
-                         f"has {target.config.num_layers}")
+        raise ValueError(
+            f"the checkpoint's stage layout {src.describe()} has {src.num_layers} layers; the model "
+            f"has {target.config.num_layers}"
+        )
     state, _ = manager.restore(target.abstract_state(src), step)
     return target.relayout_state(state, src), meta

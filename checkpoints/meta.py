@@ -51,23 +51,43 @@ class RunMeta:
     step: int | None = None
 
     @classmethod
-    def create(cls, config: ModelConfig, preset: str, mesh_shape, rules, data: dict[str, Any], tokenizer,
-               pipeline: dict[str, Any] | None, schedule: dict[str, Any] | None = None) -> RunMeta:
+    def create(
+        cls,
+        config: ModelConfig,
+        preset: str,
+        mesh_shape,
+        rules,
+        data: dict[str, Any],
+        tokenizer,
+        pipeline: dict[str, Any] | None,
+        schedule: dict[str, Any] | None = None,
+    ) -> RunMeta:
         """The metadata of a run about to train (the data position and step are set at each save)."""
         import jax
 
         return cls(
-            model=config.to_dict(), preset=preset, mesh=dict(mesh_shape),
-            rules={"name": rules.name, "table": rules.as_dict()}, data=dict(data),
-            tokenizer={"name": tokenizer.name, "fingerprint": tokenizer.fingerprint,
-                       "vocab_size": tokenizer.vocab_size, "eod_id": tokenizer.eod_id},
-            pipeline=pipeline, schedule=None if schedule is None else dict(schedule), jax_version=jax.__version__, saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            model=config.to_dict(),
+            preset=preset,
+            mesh=dict(mesh_shape),
+            rules={"name": rules.name, "table": rules.as_dict()},
+            data=dict(data),
+            tokenizer={
+                "name": tokenizer.name,
+                "fingerprint": tokenizer.fingerprint,
+                "vocab_size": tokenizer.vocab_size,
+                "eod_id": tokenizer.eod_id,
+            },
+            pipeline=pipeline,
+            schedule=None if schedule is None else dict(schedule),
+            jax_version=jax.__version__,
+            saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         )
 
     def at(self, step: int, samples: int) -> RunMeta:
         """This metadata for a save of ``step`` after ``samples`` sequences."""
-        return dataclasses.replace(self, step=step, data={**self.data, "samples": int(samples)},
-                                   saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+        return dataclasses.replace(
+            self, step=step, data={**self.data, "samples": int(samples)}, saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        )
 
     def to_json(self) -> dict[str, Any]:
         """The JSON-friendly dict stored as the ``meta`` item (``step`` only once saved)."""
@@ -107,12 +127,17 @@ class RunMeta:
         ``step``, or None when it does not (or when the checkpoint predates the record)."""
         if not self.schedule:
             return None
-        changed = [f"--{k.replace('_', '-')} {self.schedule[k]} -> {v}" for k, v in current.items()
-                   if k in self.schedule and self.schedule[k] != v]
+        changed = [
+            f"--{k.replace('_', '-')} {self.schedule[k]} -> {v}"
+            for k, v in current.items()
+            if k in self.schedule and self.schedule[k] != v
+        ]
         if not changed:
             return None
-        return (f"note: the learning-rate schedule changes at step {step}: {', '.join(changed)} (the rate of "
-                f"every later step follows the new schedule)")
+        return (
+            f"note: the learning-rate schedule changes at step {step}: {', '.join(changed)} (the rate of "
+            f"every later step follows the new schedule)"
+        )
 
     def check_compatible(self, config: ModelConfig, tokenizer, step: int) -> None:
         """Refuses a checkpoint saved with another model, tokenizer or vocabulary.
@@ -124,14 +149,20 @@ class RunMeta:
         if diff:
             fields = ", ".join(f"{k} (saved {a!r}, now {b!r})" for k, (a, b) in diff.items())
             sets = " ".join(f"--set {k}={a}" for k, (a, _) in diff.items())
-            raise ValueError(f"the checkpoint at step {step} was saved with a different model: {fields}; resume with "
-                             f"--model {self.preset} {sets}, or use another --run-dir")
+            raise ValueError(
+                f"the checkpoint at step {step} was saved with a different model: {fields}; resume with "
+                f"--model {self.preset} {sets}, or use another --run-dir"
+            )
         saved = self.tokenizer
         if saved.get("vocab_size") not in (None, tokenizer.vocab_size):
-            raise ValueError(f"the checkpoint at step {step} was trained on a vocabulary of {saved['vocab_size']} "
-                             f"tokens ({saved.get('name')}); this run's tokenizer has {tokenizer.vocab_size} "
-                             f"({tokenizer.name}); pass --tokenizer {saved.get('name')}")
+            raise ValueError(
+                f"the checkpoint at step {step} was trained on a vocabulary of {saved['vocab_size']} "
+                f"tokens ({saved.get('name')}); this run's tokenizer has {tokenizer.vocab_size} "
+                f"({tokenizer.name}); pass --tokenizer {saved.get('name')}"
+            )
         if saved.get("fingerprint") not in (None, tokenizer.fingerprint):
-            raise ValueError(f"the checkpoint at step {step} was trained with tokenizer {saved.get('name')!r} "
-                             f"({saved.get('fingerprint')}); this run uses {tokenizer.name!r} ({tokenizer.fingerprint}); "
-                             f"pass --tokenizer {saved.get('name')}")
+            raise ValueError(
+                f"the checkpoint at step {step} was trained with tokenizer {saved.get('name')!r} "
+                f"({saved.get('fingerprint')}); this run uses {tokenizer.name!r} ({tokenizer.fingerprint}); "
+                f"pass --tokenizer {saved.get('name')}"
+            )

@@ -150,7 +150,9 @@ def verify_step(directory: str | Path, step: int, deep: bool = False) -> Verdict
     return Verdict(step, path, tuple(problems))
 
 
-def latest_verified_step(directory: str | Path, explicit: int | None = None, flag: str = "--resume-step") -> ResumeChoice:
+def latest_verified_step(
+    directory: str | Path, explicit: int | None = None, flag: str = "--resume-step"
+) -> ResumeChoice:
     """The step a run should resume from: ``explicit`` if given, else the newest step that verifies.
 
     Args:
@@ -238,7 +240,7 @@ def _state_problems(state: Path) -> list[str]:
         name, _, chunk = key.rpartition("/")
         if name:
             by_array.setdefault(name, []).append(chunk)
-    for name in (names if names is not None else sorted(by_array)):
+    for name in names if names is not None else sorted(by_array):
         problems.extend(_array_problems(state, name, keys, by_array.get(name, [])))
     problems.extend(_reference_problems(state, references))
     return problems
@@ -389,8 +391,10 @@ def _reference_problems(state: Path, references: dict[str, list[tuple[str, int]]
             size = os.stat(path).st_size
         except OSError:
             arrays = sorted({key.rpartition("/")[0] for key, _ in uses})
-            problems.append(f"data file {path} is missing (chunks of array{'s' if len(arrays) > 1 else ''} "
-                            f"{', '.join(map(repr, arrays))})")
+            problems.append(
+                f"data file {path} is missing (chunks of array{'s' if len(arrays) > 1 else ''} "
+                f"{', '.join(map(repr, arrays))})"
+            )
             continue
         short = [(key, end) for key, end in uses if end > size]
         if short:
@@ -544,17 +548,26 @@ def set_aside_later(directory: str | Path, step: int | None, discard: bool, log:
         target = set_aside(directory, later_step, "discarded")
         if target is not None:
             moved.append(target)
-            log(f"--discard-later: set step {later_step} aside as {target} (not resumed from, not counted by "
-                "--keep; delete it once it is no longer needed)")
+            log(
+                f"--discard-later: set step {later_step} aside as {target} (not resumed from, not counted by "
+                "--keep; delete it once it is no longer needed)"
+            )
     return moved
 
 
 # A restore that falls back -----------------------------------------------------------------------
 
 
-def restore_falling_back(directory: str | Path, step: int, restore: Callable[[int], Any], log: Callable[[str], None],
-                         explicit: bool = False, any_failed: Callable[[bool], bool] = bool,
-                         reload: Callable[[], None] = lambda: None, flag: str = "--resume-step") -> tuple[Any, int]:
+def restore_falling_back(
+    directory: str | Path,
+    step: int,
+    restore: Callable[[int], Any],
+    log: Callable[[str], None],
+    explicit: bool = False,
+    any_failed: Callable[[bool], bool] = bool,
+    reload: Callable[[], None] = lambda: None,
+    flag: str = "--resume-step",
+) -> tuple[Any, int]:
     """``(restore(step), step)``; when the restore fails on damaged array data, falls back to an older step.
 
     The restore itself is the deep check: when it raises, `read_problems` reads every array of the step.
@@ -593,8 +606,9 @@ def restore_falling_back(directory: str | Path, step: int, restore: Callable[[in
         if not problems:
             if error is not None:
                 raise error
-            raise CheckpointDamaged(f"restoring step {step} in {directory} failed on another process "
-                                    "(its error is in that process's log)")
+            raise CheckpointDamaged(
+                f"restoring step {step} in {directory} failed on another process (its error is in that process's log)"
+            )
         verdict = Verdict(step, Path(directory) / str(step), tuple(problems))
         older = [s for s in saved_steps(directory) if s < step]
         good = next((s for s in reversed(older) if verify_step(directory, s).ok), None)
@@ -604,8 +618,12 @@ def restore_falling_back(directory: str | Path, step: int, restore: Callable[[in
         target = set_aside(directory, step, "damaged")
         reload()
         if good is None:
-            raise CheckpointDamaged(f"{verdict.line()}; set it aside as {target}; no older step reads completely: "
-                                    "start afresh in another --run-dir, or restore the damaged files")
-        log(f"{verdict.line()}; set it aside as {target} (not resumed from, not counted by --keep); "
-            f"resuming from step {good}")
+            raise CheckpointDamaged(
+                f"{verdict.line()}; set it aside as {target}; no older step reads completely: "
+                "start afresh in another --run-dir, or restore the damaged files"
+            )
+        log(
+            f"{verdict.line()}; set it aside as {target} (not resumed from, not counted by --keep); "
+            f"resuming from step {good}"
+        )
         step = good

@@ -66,8 +66,9 @@ def attention_mask(q_len: int, kv_len: int, causal: bool, q_segment_ids=None, kv
     return mask
 
 
-def reference_attention(q, k, v, *, causal: bool = True, q_segment_ids=None, kv_segment_ids=None, sm_scale=None,
-                        mask=None):
+def reference_attention(
+    q, k, v, *, causal: bool = True, q_segment_ids=None, kv_segment_ids=None, sm_scale=None, mask=None
+):
     """Plain attention: einsum, mask, float32 softmax, einsum.
 
     Memory is ``O(T*S)`` per head; use it as the ground truth and for short
@@ -188,7 +189,9 @@ def check_context_parallel(config: ModelConfig, par: Parallelism, seq_len: int) 
         try:
             check_ulysses_heads(split.local_heads, split.local_kv_heads, shards)
         except ValueError as e:
-            raise ValueError(f"--attention {config.attention} on --mesh with a sequence axis of {shards}: {e}") from None
+            raise ValueError(
+                f"--attention {config.attention} on --mesh with a sequence axis of {shards}: {e}"
+            ) from None
 
 
 # Sharded attention under shard_map ---------------------------------------------
@@ -225,8 +228,9 @@ def _entry(spec, dim: int):
     return spec[dim] if len(spec) > dim else None
 
 
-def head_split(num_heads: int, num_kv_heads: int, rules: Rules, mesh_shape: Mapping[str, int],
-               impl: str = "flash") -> HeadSplit:
+def head_split(
+    num_heads: int, num_kv_heads: int, rules: Rules, mesh_shape: Mapping[str, int], impl: str = "flash"
+) -> HeadSplit:
     """Query and KV heads per device for kernels run under `shard_map`.
 
     When ``heads`` is split but ``kv_heads`` is not (fewer KV heads than ``tensor``
@@ -300,8 +304,9 @@ def _sharded(local_kernel, q, k, v, segment_ids, *, impl: str, par: Parallelism)
         axes = tuple(a for a in mesh.axis_names if a not in par.manual and sizes[a] > 1)
         return _nested(local, q, k, v, segment_ids, (q_spec, kv_spec, kv_spec, seg_spec), q_spec, mesh, axes)
     if segment_ids is None:
-        run = jax.shard_map(lambda q, k, v: local(q, k, v, None), mesh=mesh,
-                            in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec)
+        run = jax.shard_map(
+            lambda q, k, v: local(q, k, v, None), mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec
+        )
         return run(q, k, v)
     run = jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, seg_spec), out_specs=q_spec)
     return run(q, k, v, segment_ids)
@@ -395,8 +400,7 @@ def sharded_flash_attention(q, k, v, segment_ids, *, causal: bool = True, par: P
     return _sharded(per_device, q, k, v, segment_ids, impl="flash", par=par)
 
 
-def sharded_ring_attention(q, k, v, segment_ids, *, causal: bool = True, layout: str = CONTIGUOUS,
-                            par: Parallelism):
+def sharded_ring_attention(q, k, v, segment_ids, *, causal: bool = True, layout: str = CONTIGUOUS, par: Parallelism):
     """Ring attention (Liu et al., 2023) over the mesh axes of ``length``, under `jax.shard_map`.
 
     Each device keeps its block of queries; key/value blocks (and their segment ids) travel
@@ -422,14 +426,21 @@ def sharded_ring_attention(q, k, v, segment_ids, *, causal: bool = True, layout:
     def per_device(q, k, v, segment_ids, length_axes):
         if not length_axes:
             return flash_attention(q, k, v, q_segment_ids=segment_ids, kv_segment_ids=segment_ids, causal=causal)
-        return ring_attention(q, k, v, axis_name=length_axes, q_segment_ids=segment_ids,
-                              kv_segment_ids=segment_ids, causal=causal, layout=layout)
+        return ring_attention(
+            q,
+            k,
+            v,
+            axis_name=length_axes,
+            q_segment_ids=segment_ids,
+            kv_segment_ids=segment_ids,
+            causal=causal,
+            layout=layout,
+        )
 
     return _sharded(per_device, q, k, v, segment_ids, impl="ring", par=par)
 
 
-def sharded_ulysses_attention(q, k, v, segment_ids, *, causal: bool = True, layout: str = CONTIGUOUS,
-                              par: Parallelism):
+def sharded_ulysses_attention(q, k, v, segment_ids, *, causal: bool = True, layout: str = CONTIGUOUS, par: Parallelism):
     """All-to-all attention (Jacobs et al., 2023) over the mesh axes of ``length``.
 
     Queries, keys and values are traded from length-split to head-split, attended whole
@@ -454,8 +465,16 @@ def sharded_ulysses_attention(q, k, v, segment_ids, *, causal: bool = True, layo
     def per_device(q, k, v, segment_ids, length_axes):
         if not length_axes:
             return flash_attention(q, k, v, q_segment_ids=segment_ids, kv_segment_ids=segment_ids, causal=causal)
-        return ulysses_attention(q, k, v, axis_name=length_axes, q_segment_ids=segment_ids,
-                                 kv_segment_ids=segment_ids, causal=causal, layout=layout)
+        return ulysses_attention(
+            q,
+            k,
+            v,
+            axis_name=length_axes,
+            q_segment_ids=segment_ids,
+            kv_segment_ids=segment_ids,
+            causal=causal,
+            layout=layout,
+        )
 
     return _sharded(per_device, q, k, v, segment_ids, impl="ulysses", par=par)
 
@@ -491,8 +510,9 @@ def wrapper(record: registry.AttentionKernel):
     """
     run = globals().get(record.wrapper)
     if not callable(run):
-        raise LookupError(f"attention {record.name}: its wrapper {record.wrapper!r} is not a function of "
-                          f"models.attention")
+        raise LookupError(
+            f"attention {record.name}: its wrapper {record.wrapper!r} is not a function of models.attention"
+        )
     return run
 
 
@@ -501,8 +521,7 @@ for _record in registry.KERNELS:  # a record naming a missing wrapper fails here
 del _record
 
 
-def attend(impl: str, q, k, v, segment_ids, *, causal: bool = True, layout: str | None = None,
-           par: Parallelism):
+def attend(impl: str, q, k, v, segment_ids, *, causal: bool = True, layout: str | None = None, par: Parallelism):
     """Runs attention implementation ``impl`` (a record of `models.attention_registry.KERNELS`).
 
     Args:
@@ -543,8 +562,9 @@ class Attention(nnx.Module):
         make_params(self, rngs, attention_params(config))
         self.config = config
 
-    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
-                 par: Parallelism) -> jax.Array:
+    def __call__(
+        self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, par: Parallelism
+    ) -> jax.Array:
         """``[batch, length, embed]`` -> ``[batch, length, embed]`` in x's dtype.
 
         Args:
@@ -577,15 +597,16 @@ class Attention(nnx.Module):
             k = k + self.k_bias[...].astype(dtype)
             v = v + self.v_bias[...].astype(dtype)
         freqs = rope_frequencies(cfg)
-        q = par.constrain(rotary_embedding(q, positions, cfg.rope_theta, freqs),
-                          (ax.BATCH, ax.LENGTH, ax.HEADS, ax.HEAD_DIM))
-        k = par.constrain(rotary_embedding(k, positions, cfg.rope_theta, freqs),
-                          (ax.BATCH, ax.LENGTH, ax.KV_HEADS, ax.HEAD_DIM))
+        q = par.constrain(
+            rotary_embedding(q, positions, cfg.rope_theta, freqs), (ax.BATCH, ax.LENGTH, ax.HEADS, ax.HEAD_DIM)
+        )
+        k = par.constrain(
+            rotary_embedding(k, positions, cfg.rope_theta, freqs), (ax.BATCH, ax.LENGTH, ax.KV_HEADS, ax.HEAD_DIM)
+        )
         v = par.constrain(v, (ax.BATCH, ax.LENGTH, ax.KV_HEADS, ax.HEAD_DIM))
         return q, k, v
 
-    def extend(self, x: jax.Array, positions: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
-               par: Parallelism):
+    def extend(self, x: jax.Array, positions: jax.Array, k_cache: jax.Array, v_cache: jax.Array, par: Parallelism):
         """Attention of new tokens over a key/value cache (prefill and decoding), writing theirs into it.
 
         Row ``b``'s new tokens sit at cache positions ``positions[b, 0] + t`` (contiguous); each
@@ -608,10 +629,12 @@ class Attention(nnx.Module):
         fresh = ((offset >= 0) & (offset < new))[:, :, None, None]
         pick = jnp.clip(offset, 0, new - 1)[:, :, None, None]
         names = (ax.BATCH, None, ax.KV_HEADS, ax.HEAD_DIM)
-        k_cache = par.constrain(jnp.where(fresh, jnp.take_along_axis(k, pick, axis=1).astype(k_cache.dtype), k_cache),
-                                names)
-        v_cache = par.constrain(jnp.where(fresh, jnp.take_along_axis(v, pick, axis=1).astype(v_cache.dtype), v_cache),
-                                names)
+        k_cache = par.constrain(
+            jnp.where(fresh, jnp.take_along_axis(k, pick, axis=1).astype(k_cache.dtype), k_cache), names
+        )
+        v_cache = par.constrain(
+            jnp.where(fresh, jnp.take_along_axis(v, pick, axis=1).astype(v_cache.dtype), v_cache), names
+        )
         mask = jnp.arange(max_length)[None, None, :] <= positions[:, :, None]  # [B, T, S]
         out = reference_attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), causal=False, mask=mask)
         return self.project_out(out, par), k_cache, v_cache

@@ -144,12 +144,20 @@ class ModelConfig:
             if not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
                 raise ValueError(
                     f"--set rope_low_freq_factor={self.rope_low_freq_factor} with rope_high_freq_factor="
-                    f"{self.rope_high_freq_factor}: need 0 < low < high, e.g. 1 and 4 (Llama 3.1)")
+                    f"{self.rope_high_freq_factor}: need 0 < low < high, e.g. 1 and 4 (Llama 3.1)"
+                )
             for name, example in (("rope_factor", 8), ("rope_original_max_positions", 8192)):
                 if getattr(self, name) <= 0:
-                    raise ValueError(f"--set {name}={getattr(self, name)}: must be positive, e.g. {example} (Llama 3.1)")
-        checks = (("dtype", DTYPES), ("remat", REMAT_POLICIES), ("attention", attention_registry.names()),
-                  ("logits", LOGITS_IMPLS), ("rope_type", ROPE_TYPES))
+                    raise ValueError(
+                        f"--set {name}={getattr(self, name)}: must be positive, e.g. {example} (Llama 3.1)"
+                    )
+        checks = (
+            ("dtype", DTYPES),
+            ("remat", REMAT_POLICIES),
+            ("attention", attention_registry.names()),
+            ("logits", LOGITS_IMPLS),
+            ("rope_type", ROPE_TYPES),
+        )
         for name, allowed in checks:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} {getattr(self, name)!r}: choose one of {', '.join(allowed)}")
@@ -274,5 +282,8 @@ def config_differences(saved: dict[str, Any], current: ModelConfig) -> dict[str,
     now = current.architecture()
     defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
     # A field newer than the saved metadata has its default in that checkpoint.
-    return {name: (saved.get(name, defaults[name]), value) for name, value in now.items()
-            if saved.get(name, defaults[name]) != value}
+    return {
+        name: (saved.get(name, defaults[name]), value)
+        for name, value in now.items()
+        if saved.get(name, defaults[name]) != value
+    }

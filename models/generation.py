@@ -97,8 +97,10 @@ def init_cache(config: ModelConfig, batch: int, max_length: int, par: Parallelis
     shape = cache_shape(config, batch, max_length)
     sharding = par.sharding(CACHE_NAMES, shape) if par.is_sharded else None
     dtype = jnp.dtype(config.dtype)
-    make = jax.jit(lambda: {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)},
-                   out_shardings={"k": sharding, "v": sharding} if sharding is not None else None)
+    make = jax.jit(
+        lambda: {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)},
+        out_shardings={"k": sharding, "v": sharding} if sharding is not None else None,
+    )
     return make()
 
 
@@ -140,9 +142,14 @@ class Generator:
         self._compiled[sampling] = functions
         return functions
 
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, sampling: Sampling = Sampling(),
-                 eod_id: int | None = None, on_tokens: Callable[[np.ndarray, np.ndarray], None] | None = None,
-                 ) -> list[list[int]]:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        sampling: Sampling = Sampling(),
+        eod_id: int | None = None,
+        on_tokens: Callable[[np.ndarray, np.ndarray], None] | None = None,
+    ) -> list[list[int]]:
         """Continues each prompt.
 
         Args:
@@ -168,7 +175,7 @@ class Generator:
         batch, width = len(prompts), int(lengths.max())
         tokens = np.zeros((batch, width), np.int32)
         for row, prompt in enumerate(prompts):
-            tokens[row, :len(prompt)] = prompt
+            tokens[row, : len(prompt)] = prompt
         cache = init_cache(self.config, batch, width + max_new_tokens, self.par)
         shard = self._batch_sharding
         token, cache = prefill(self.params, cache, shard(tokens), shard(lengths))

@@ -120,8 +120,9 @@ def rope_frequencies(config: ModelConfig) -> np.ndarray:
         wavelength = 2 * math.pi / freqs
         smooth = (context / wavelength - low) / (high - low)
         blended = (1 - smooth) * freqs / factor + smooth * freqs
-        freqs = np.where(wavelength < context / high, freqs,
-                         np.where(wavelength > context / low, freqs / factor, blended))
+        freqs = np.where(
+            wavelength < context / high, freqs, np.where(wavelength > context / low, freqs / factor, blended)
+        )
     return freqs.astype(np.float32)
 
 

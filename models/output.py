@@ -62,8 +62,16 @@ def cross_entropy_sums(logits: jax.Array, targets: jax.Array, weights: jax.Array
     return jnp.sum(losses * weights), jnp.sum(weights)
 
 
-def output_loss_sums(x: jax.Array, w: jax.Array, targets: jax.Array, weights: jax.Array, *, impl: str = "auto",
-                     vocab_last: bool = True, par: Parallelism) -> tuple[jax.Array, jax.Array]:
+def output_loss_sums(
+    x: jax.Array,
+    w: jax.Array,
+    targets: jax.Array,
+    weights: jax.Array,
+    *,
+    impl: str = "auto",
+    vocab_last: bool = True,
+    par: Parallelism,
+) -> tuple[jax.Array, jax.Array]:
     """Output projection and summed cross-entropy.
 
     Args:
@@ -156,8 +164,9 @@ def _vocab_parallel(x, w, targets, weights, split: VocabSplit, vocab_last: bool,
     x_spec = PartitionSpec(*tok_spec, None) if len(tok_spec) else PartitionSpec()
     names = (ax.EMBED, ax.VOCAB) if vocab_last else (ax.VOCAB, ax.EMBED)
     w_spec, _ = logical_to_spec(names, rules, w.shape, sizes)
-    token_axes = tuple(a for entry in tok_spec if entry is not None
-                       for a in ((entry,) if isinstance(entry, str) else entry))
+    token_axes = tuple(
+        a for entry in tok_spec if entry is not None for a in ((entry,) if isinstance(entry, str) else entry)
+    )
     group, slices = split.group_axes, split.vocab_axes + split.group_axes
     replicated = tuple(a for a in slices if a not in token_axes)  # the activations are whole along these
     unsplit = tuple(a for a in token_axes if a not in slices)  # the weight is whole along these
@@ -190,6 +199,7 @@ def _vocab_parallel(x, w, targets, weights, split: VocabSplit, vocab_last: bool,
         loss_sum = jax.lax.psum(jnp.sum(mine * weights), token_axes)
         return loss_sum, jax.lax.psum(jnp.sum(weights), token_axes)
 
-    run = jax.shard_map(local, mesh=mesh, in_specs=(x_spec, w_spec, tok_spec, tok_spec),
-                        out_specs=(PartitionSpec(), PartitionSpec()))
+    run = jax.shard_map(
+        local, mesh=mesh, in_specs=(x_spec, w_spec, tok_spec, tok_spec), out_specs=(PartitionSpec(), PartitionSpec())
+    )
     return run(x, w, targets, weights)

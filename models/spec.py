@@ -22,8 +22,7 @@ from models.config import ModelConfig
 from sharding import axes as ax
 from sharding.modeldesc import AttentionGeometry, ModelDescription, Param, Product, Term
 
-__all__ = ["attention_params", "block_params", "describe", "embed_params", "mlp_params", "norm_params",
-           "output_params"]
+__all__ = ["attention_params", "block_params", "describe", "embed_params", "mlp_params", "norm_params", "output_params"]
 
 
 # Parameter tables, one per module -------------------------------------------------------------
@@ -42,9 +41,11 @@ def norm_params(dim: int) -> tuple[Param, ...]:
 def mlp_params(embed_dim: int, mlp_dim: int) -> tuple[Param, ...]:
     """`models.layers.MLP` (SwiGLU): ``gate, up [embed, mlp]``, ``down [mlp, embed]``."""
     d, f = embed_dim, mlp_dim
-    return (Param("gate", (d, f), (ax.EMBED, ax.MLP)),
-            Param("up", (d, f), (ax.EMBED, ax.MLP)),
-            Param("down", (f, d), (ax.MLP, ax.EMBED)))
+    return (
+        Param("gate", (d, f), (ax.EMBED, ax.MLP)),
+        Param("up", (d, f), (ax.EMBED, ax.MLP)),
+        Param("down", (f, d), (ax.MLP, ax.EMBED)),
+    )
 
 
 def attention_params(config: ModelConfig) -> tuple[Param, ...]:
@@ -52,22 +53,30 @@ def attention_params(config: ModelConfig) -> tuple[Param, ...]:
     ``o [heads, head_dim, embed]`` (fan-in ``heads * head_dim``) and, with ``qkv_bias`` (Qwen2), zero-initialised
     ``q_bias [heads, head_dim]``, ``k_bias, v_bias [kv_heads, head_dim]``."""
     d, n, k, h = config.embed_dim, config.num_heads, config.num_kv_heads, config.head_dim
-    weights = (Param("q", (d, n, h), (ax.EMBED, ax.HEADS, ax.HEAD_DIM)),
-               Param("k", (d, k, h), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM)),
-               Param("v", (d, k, h), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM)),
-               Param("o", (n, h, d), (ax.HEADS, ax.HEAD_DIM, ax.EMBED), fan_in=n * h))
+    weights = (
+        Param("q", (d, n, h), (ax.EMBED, ax.HEADS, ax.HEAD_DIM)),
+        Param("k", (d, k, h), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM)),
+        Param("v", (d, k, h), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM)),
+        Param("o", (n, h, d), (ax.HEADS, ax.HEAD_DIM, ax.EMBED), fan_in=n * h),
+    )
     if not config.qkv_bias:
         return weights
-    return weights + (Param("q_bias", (n, h), (ax.HEADS, ax.HEAD_DIM), role="bias", init="zeros"),
-                      Param("k_bias", (k, h), (ax.KV_HEADS, ax.HEAD_DIM), role="bias", init="zeros"),
-                      Param("v_bias", (k, h), (ax.KV_HEADS, ax.HEAD_DIM), role="bias", init="zeros"))
+    return weights + (
+        Param("q_bias", (n, h), (ax.HEADS, ax.HEAD_DIM), role="bias", init="zeros"),
+        Param("k_bias", (k, h), (ax.KV_HEADS, ax.HEAD_DIM), role="bias", init="zeros"),
+        Param("v_bias", (k, h), (ax.KV_HEADS, ax.HEAD_DIM), role="bias", init="zeros"),
+    )
 
 
 def block_params(config: ModelConfig) -> tuple[Param, ...]:
     """`models.transformer.Block`, one layer's slice, in creation order."""
     d = config.embed_dim
-    parts = (("attention_norm", norm_params(d)), ("attention", attention_params(config)),
-             ("mlp_norm", norm_params(d)), ("mlp", mlp_params(d, config.mlp_dim)))
+    parts = (
+        ("attention_norm", norm_params(d)),
+        ("attention", attention_params(config)),
+        ("mlp_norm", norm_params(d)),
+        ("mlp", mlp_params(d, config.mlp_dim)),
+    )
     return tuple(p.under(prefix) for prefix, table in parts for p in table)
 
 
@@ -80,10 +89,12 @@ def output_params(config: ModelConfig) -> tuple[Param, ...]:
 
 def _all_params(config: ModelConfig) -> tuple[Param, ...]:
     """Every parameter of `models.transformer.Transformer` with its path, in creation order."""
-    return (tuple(p.under("embed") for p in embed_params(config.vocab_size, config.embed_dim))
-            + tuple(p.under("layers", per_layer=True) for p in block_params(config))
-            + tuple(p.under("final_norm") for p in norm_params(config.embed_dim))
-            + output_params(config))
+    return (
+        tuple(p.under("embed") for p in embed_params(config.vocab_size, config.embed_dim))
+        + tuple(p.under("layers", per_layer=True) for p in block_params(config))
+        + tuple(p.under("final_norm") for p in norm_params(config.embed_dim))
+        + output_params(config)
+    )
 
 
 # Work and memory per token --------------------------------------------------------------------
@@ -144,8 +155,11 @@ def describe(config: ModelConfig) -> ModelDescription:
 
     layer = [product(f"layers/attention/{n}", (0,)) for n in "qkv"]
     layer.append(product("layers/attention/o", (0, 1)))
-    layer += [product("layers/mlp/gate", (0,)), product("layers/mlp/up", (0,)),
-              product("layers/mlp/down", (0,), recomputed=False)]
+    layer += [
+        product("layers/mlp/gate", (0,)),
+        product("layers/mlp/up", (0,)),
+        product("layers/mlp/down", (0,), recomputed=False),
+    ]
     logits = product("embed/embedding", (1,)) if config.tie_embeddings else product("unembed", (0,))
     return ModelDescription(
         params=params,

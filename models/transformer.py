@@ -57,16 +57,15 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(config.embed_dim, config.norm_eps, rngs=rngs)
         self.mlp = MLP(config.embed_dim, config.mlp_dim, rngs=rngs)
 
-    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
-                 par: Parallelism) -> jax.Array:
+    def __call__(
+        self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, par: Parallelism
+    ) -> jax.Array:
         """``[batch, length, embed]`` -> same shape and dtype."""
         x = x + self.attention(self.attention_norm(x), positions, segment_ids, par)
         x = x + self.mlp(self.mlp_norm(x), par)
         return par.constrain(x, (ax.BATCH, ax.LENGTH, ax.ACT_EMBED))
 
-
-    def extend(self, x: jax.Array, positions: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
-               par: Parallelism):
+    def extend(self, x: jax.Array, positions: jax.Array, k_cache: jax.Array, v_cache: jax.Array, par: Parallelism):
         """`__call__` for new tokens over a key/value cache (`models.attention.Attention.extend`).
 
         Returns ``(x, k_cache, v_cache)``.
@@ -120,8 +119,9 @@ class Transformer(nnx.Module):
         self.final_norm = RMSNorm(config.embed_dim, config.norm_eps, rngs=rngs)
         make_params(self, rngs, output_params(config))  # unembed, unless tied
 
-    def run_layers(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None,
-                   par: Parallelism) -> jax.Array:
+    def run_layers(
+        self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, par: Parallelism
+    ) -> jax.Array:
         """Runs the stacked blocks over ``x [batch, length, embed]``.
 
         Scanned in order; when ``par``'s strategy is a pipeline, run as a
@@ -143,12 +143,20 @@ class Transformer(nnx.Module):
         """`run_pipeline` with one block as the layer function (it applies the remat policy per block); the
         parameters' logical names tell it how each is split over ``data``/``fsdp``."""
         policy = _REMAT_POLICIES.get(self.config.remat)
-        x, _ = run_pipeline(_pipeline_layer(graphdef), stacked, x, (positions, segment_ids), par,
-                            names=_logical_names(stacked), remat_policy=policy)
+        x, _ = run_pipeline(
+            _pipeline_layer(graphdef),
+            stacked,
+            x,
+            (positions, segment_ids),
+            par,
+            names=_logical_names(stacked),
+            remat_policy=policy,
+        )
         return x
 
-    def _pipelined_loss_sums(self, tokens, targets, weights, positions, segment_ids,
-                             par: Parallelism) -> tuple[jax.Array, jax.Array]:
+    def _pipelined_loss_sums(
+        self, tokens, targets, weights, positions, segment_ids, par: Parallelism
+    ) -> tuple[jax.Array, jax.Array]:
         """`loss_sums` through `sharding.pipeline.run_pipeline_loss`: the final norm, output projection and
         loss are its head, which the 1F1B schedule runs on the last stage inside the pipeline."""
         x = self.embed(tokens, _dtype(self.config.dtype), par)
@@ -161,14 +169,24 @@ class Transformer(nnx.Module):
         def head(head_par, head_params, h, targets, weights):
             names = (ax.BATCH, ax.LENGTH, ax.ACT_EMBED)
             x = head_par.constrain(nnx.merge(norm_def, head_params["norm"])(head_par.constrain(h, names)), names)
-            return output_loss_sums(x, head_params["weight"], targets, weights, impl=impl, vocab_last=vocab_last,
-                                    par=head_par)
+            return output_loss_sums(
+                x, head_params["weight"], targets, weights, impl=impl, vocab_last=vocab_last, par=head_par
+            )
 
         head_names = {"norm": _logical_names(norm_state), "weight": tuple(weight_var.get_metadata()["logical_axes"])}
         loss_sum, weight_sum, _ = run_pipeline_loss(
-            _pipeline_layer(graphdef), head, stacked, {"norm": norm_state, "weight": weight}, x,
-            (positions, segment_ids), (targets, weights), par, names=_logical_names(stacked), head_names=head_names,
-            remat_policy=_REMAT_POLICIES.get(self.config.remat))
+            _pipeline_layer(graphdef),
+            head,
+            stacked,
+            {"norm": norm_state, "weight": weight},
+            x,
+            (positions, segment_ids),
+            (targets, weights),
+            par,
+            names=_logical_names(stacked),
+            head_names=head_names,
+            remat_policy=_REMAT_POLICIES.get(self.config.remat),
+        )
         return loss_sum, weight_sum
 
     def __call__(
@@ -197,8 +215,14 @@ class Transformer(nnx.Module):
         logits = head_parallelism(par).constrain(project_logits(x, weight, vocab_last), (ax.BATCH, ax.LENGTH, ax.VOCAB))
         return par.constrain(logits, (ax.BATCH, ax.LENGTH, ax.VOCAB))
 
-    def features(self, tokens: jax.Array, positions: jax.Array | None = None,
-                 segment_ids: jax.Array | None = None, *, par: Parallelism) -> jax.Array:
+    def features(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+        *,
+        par: Parallelism,
+    ) -> jax.Array:
         """The final activations ``[batch, length, embed]`` (after the last norm), compute dtype.
 
         With a pipeline the rows leave the layer stack split over ``stage`` too
@@ -211,11 +235,13 @@ class Transformer(nnx.Module):
         x = self.embed(tokens, _dtype(self.config.dtype), par)
         x = self.run_layers(x, positions, segment_ids, par)
         head = head_parallelism(par)
-        return head.constrain(self.final_norm(head.constrain(x, (ax.BATCH, ax.LENGTH, ax.ACT_EMBED))),
-                              (ax.BATCH, ax.LENGTH, ax.ACT_EMBED))
+        return head.constrain(
+            self.final_norm(head.constrain(x, (ax.BATCH, ax.LENGTH, ax.ACT_EMBED))), (ax.BATCH, ax.LENGTH, ax.ACT_EMBED)
+        )
 
-    def extend(self, tokens: jax.Array, starts: jax.Array, cache: dict[str, jax.Array],
-               par: Parallelism) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def extend(
+        self, tokens: jax.Array, starts: jax.Array, cache: dict[str, jax.Array], par: Parallelism
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """Runs new tokens against a key/value cache: prefill (``starts`` 0) or one decoding step.
 
         Args:
@@ -253,8 +279,16 @@ class Transformer(nnx.Module):
             return self.embed.embedding[...], False
         return self.unembed[...], True
 
-    def loss_sums(self, tokens: jax.Array, targets: jax.Array, weights: jax.Array, positions: jax.Array | None = None,
-                  segment_ids: jax.Array | None = None, *, par: Parallelism) -> tuple[jax.Array, jax.Array]:
+    def loss_sums(
+        self,
+        tokens: jax.Array,
+        targets: jax.Array,
+        weights: jax.Array,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+        *,
+        par: Parallelism,
+    ) -> tuple[jax.Array, jax.Array]:
         """Summed next-token cross-entropy, ``(loss_sum, weight_sum)`` float32 scalars (nats).
 
         The output projection and the loss are computed together as ``ModelConfig.logits``
@@ -272,8 +306,9 @@ class Transformer(nnx.Module):
             return self._pipelined_loss_sums(tokens, targets, weights, positions, segment_ids, par)
         x = self.features(tokens, positions, segment_ids, par=par)
         weight, vocab_last = self.output_weight()
-        return output_loss_sums(x, weight, targets, weights, impl=self.config.logits, vocab_last=vocab_last,
-                                par=head_parallelism(par))
+        return output_loss_sums(
+            x, weight, targets, weights, impl=self.config.logits, vocab_last=vocab_last, par=head_parallelism(par)
+        )
 
 
 def _pipeline_layer(graphdef):
@@ -288,11 +323,13 @@ def _pipeline_layer(graphdef):
 
 def _logical_names(state):
     """The logical axis names of each parameter of an `nnx.State` (a tree of tuples shaped as it)."""
-    return jax.tree.map(lambda v: tuple(v.get_metadata()["logical_axes"]), state,
-                        is_leaf=lambda v: isinstance(v, nnx.Variable))
+    return jax.tree.map(
+        lambda v: tuple(v.get_metadata()["logical_axes"]), state, is_leaf=lambda v: isinstance(v, nnx.Variable)
+    )
 
 
 # Functional interface ------------------------------------------------------
+
 
 def to_pure_dict(state) -> dict[str, Any]:
     """An `nnx.State` as a plain nested dict of arrays (across flax versions)."""
@@ -355,19 +392,20 @@ def init_params(config: ModelConfig, key: jax.Array, layer_table=None) -> dict[s
     return params
 
 
-def apply(graphdef, params: dict[str, Any], tokens, positions=None, segment_ids=None, *,
-          par: Parallelism) -> jax.Array:
+def apply(graphdef, params: dict[str, Any], tokens, positions=None, segment_ids=None, *, par: Parallelism) -> jax.Array:
     """Runs the model from a graphdef and a params dict; see `Transformer.__call__`."""
     return nnx.merge(graphdef, params)(tokens, positions, segment_ids, par=par)
 
 
-def loss_sums(graphdef, params: dict[str, Any], tokens, targets, weights, positions=None,
-              segment_ids=None, *, par: Parallelism) -> tuple[jax.Array, jax.Array]:
+def loss_sums(
+    graphdef, params: dict[str, Any], tokens, targets, weights, positions=None, segment_ids=None, *, par: Parallelism
+) -> tuple[jax.Array, jax.Array]:
     """Summed cross-entropy from a graphdef and a params dict; see `Transformer.loss_sums`."""
     return nnx.merge(graphdef, params).loss_sums(tokens, targets, weights, positions, segment_ids, par=par)
 
 
-def extend(graphdef, params: dict[str, Any], cache: dict[str, jax.Array], tokens, starts,
-           par: Parallelism) -> tuple[jax.Array, dict[str, jax.Array]]:
+def extend(
+    graphdef, params: dict[str, Any], cache: dict[str, jax.Array], tokens, starts, par: Parallelism
+) -> tuple[jax.Array, dict[str, jax.Array]]:
     """New tokens against a key/value cache from a graphdef and a params dict; see `Transformer.extend`."""
     return nnx.merge(graphdef, params).extend(tokens, starts, cache, par)

@@ -53,8 +53,9 @@ def default_capacity(total: int, devices: int, counts: Sequence[int] | None = No
     return min(capacity, total)
 
 
-def counts_for_speeds(speeds: Sequence[float], total: int, capacity: int | None = None,
-                      pools: Sequence[int] | None = None) -> list[int]:
+def counts_for_speeds(
+    speeds: Sequence[float], total: int, capacity: int | None = None, pools: Sequence[int] | None = None
+) -> list[int]:
     """Microbatches per device in proportion to ``speeds`` (largest remainder), capped at ``capacity``.
 
     Microbatches a capped device cannot take go to the others in proportion to their speeds. (With
@@ -215,8 +216,9 @@ class Rebalancer:
             return None
         seconds = [1.0 / s for s in speeds]
         new = tuple(counts_for_speeds(speeds, sum(self.counts), self.capacity, self.pools))
-        if (predicted_seconds(new, seconds, self.pools)
-                >= (1 - self.margin) * predicted_seconds(self.counts, seconds, self.pools)):
+        if predicted_seconds(new, seconds, self.pools) >= (1 - self.margin) * predicted_seconds(
+            self.counts, seconds, self.pools
+        ):
             return None
         self.counts = new
         return new

@@ -24,12 +24,36 @@ from collections import defaultdict
 
 import numpy as np
 
-COLLECTIVE_OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
-                  "collective-broadcast", "ragged-all-to-all")
+COLLECTIVE_OPS = (
+    "all-reduce",
+    "all-gather",
+    "reduce-scatter",
+    "all-to-all",
+    "collective-permute",
+    "collective-broadcast",
+    "ragged-all-to-all",
+)
 
 _DTYPE_BYTES = {
-    "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
-    "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1, "s4": 1, "u4": 1,
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
+    "s4": 1,
+    "u4": 1,
 }
 _ARRAY = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)[\s(].*\{\s*$")
@@ -319,8 +343,11 @@ def branch_collectives(hlo_text: str, mesh, stage_axis: str = "stage") -> list[B
     instructions, calls, _ = _parse(hlo_text)
     inside = _inside_branches(instructions, calls)
     names = list(mesh.axis_names)
-    stage_of = (np.unravel_index(np.arange(mesh.devices.size), mesh.devices.shape)[names.index(stage_axis)]
-                if stage_axis in names else np.zeros(mesh.devices.size, int))
+    stage_of = (
+        np.unravel_index(np.arange(mesh.devices.size), mesh.devices.shape)[names.index(stage_axis)]
+        if stage_axis in names
+        else np.zeros(mesh.devices.size, int)
+    )
     result = []
     for comp in sorted(inside):
         for name, _, op, rest in instructions.get(comp, ()):

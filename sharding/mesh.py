@@ -64,9 +64,7 @@ def parse_axis_sizes(spec: str, *, flag: str = "--mesh", allow_fill: bool = True
         if name in RESERVED_MESH_AXES:
             raise _flag_error(flag, spec, f"mesh axis {name!r} is reserved and not supported yet")
         if name not in MESH_AXES:
-            raise _flag_error(
-                flag, spec, f"unknown mesh axis {name!r}; known axes are {', '.join(MESH_AXES)}"
-            )
+            raise _flag_error(flag, spec, f"unknown mesh axis {name!r}; known axes are {', '.join(MESH_AXES)}")
         if name in seen:
             raise _flag_error(flag, spec, f"axis {name!r} is given twice")
         seen.add(name)
@@ -76,9 +74,7 @@ def parse_axis_sizes(spec: str, *, flag: str = "--mesh", allow_fill: bool = True
             raise _flag_error(flag, spec, f"size {value.strip()!r} of axis {name!r} is not an integer") from None
         if size == -1 and allow_fill:
             if fill_axis is not None:
-                raise _flag_error(
-                    flag, spec, f"both {fill_axis!r} and {name!r} are -1; at most one axis may be -1"
-                )
+                raise _flag_error(flag, spec, f"both {fill_axis!r} and {name!r} are -1; at most one axis may be -1")
             fill_axis = name
         elif size <= 0:
             allowed = "a positive integer, or -1 for the remaining devices" if allow_fill else "a positive integer"
@@ -115,8 +111,7 @@ def parse_mesh(spec: str, num_devices: int) -> MeshShape:
             raise _flag_error(
                 "--mesh",
                 spec,
-                f"the other axes use {known} devices, which does not divide the "
-                f"{num_devices} devices JAX sees",
+                f"the other axes use {known} devices, which does not divide the {num_devices} devices JAX sees",
                 _suggest(num_devices),
             )
         sizes[fill[0]] = num_devices // known

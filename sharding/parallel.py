@@ -153,8 +153,13 @@ class Parallelism:
     # Construction ----------------------------------------------------------------------------
 
     @classmethod
-    def of(cls, mesh, rules: Rules | str = DEFAULT_PRESET, strategy: Strategy | None = None,
-           context_layout: str = CONTIGUOUS) -> Parallelism:
+    def of(
+        cls,
+        mesh,
+        rules: Rules | str = DEFAULT_PRESET,
+        strategy: Strategy | None = None,
+        context_layout: str = CONTIGUOUS,
+    ) -> Parallelism:
         """A value bound to ``mesh`` (tests and scripts): its shape, ``rules`` (a preset name or `Rules`),
         ``strategy`` (default no accumulation) and ``context_layout``.
 
@@ -225,7 +230,7 @@ class Parallelism:
         return math.prod(self.mesh_shape[a] for a in self.rules.mesh_axes(ax.LENGTH))
 
     @property
-    def pipeline(self) -> "PipelinePlan | None":
+    def pipeline(self) -> PipelinePlan | None:
         """The pipeline plan when the strategy is one, else None."""
         return self.strategy.pipeline
 
@@ -291,8 +296,14 @@ class Parallelism:
         strategy = self.strategy
         if strategy.uneven:
             given = strategy.counts is not None and strategy.speeds == "given"
-            out += ["--hetero-batch", ",".join(map(str, strategy.counts)) if given else
-                    "auto" if strategy.speeds == "measured" else strategy.speeds]
+            out += [
+                "--hetero-batch",
+                ",".join(map(str, strategy.counts))
+                if given
+                else "auto"
+                if strategy.speeds == "measured"
+                else strategy.speeds,
+            ]
             if strategy.capacity is not None:
                 out += ["--hetero-max-share", str(strategy.capacity)]
             if strategy.rebalance_every:
@@ -300,8 +311,7 @@ class Parallelism:
         out += ["--microbatches", str(self.microbatches)]  # with given counts: the average, for information
         if strategy.pipeline is not None:
             layout = strategy.layout
-            out += ["--stage-layers", ",".join(map(str, layout.stage_layers)),
-                    "--pipeline-schedule", strategy.schedule]
+            out += ["--stage-layers", ",".join(map(str, layout.stage_layers)), "--pipeline-schedule", strategy.schedule]
             if layout.repeats > 1:
                 out += ["--pipeline-repeats", str(layout.repeats)]
         if self.context_layout != CONTIGUOUS:
@@ -427,5 +437,18 @@ UNSHARDED = Parallelism({}, Rules("none", ()))
 """One device: no annotation, kernels run directly (the reference for every parallel layout)."""
 
 
-__all__ = ["Accumulation", "CONTEXT_LAYOUTS", "CONTIGUOUS", "Parallelism", "Strategy", "UNSHARDED", "UnevenBatch", "ZIGZAG",
-           "gather_shards", "only_axes", "reduce_shards", "spec_axes", "to_varying"]
+__all__ = [
+    "Accumulation",
+    "CONTEXT_LAYOUTS",
+    "CONTIGUOUS",
+    "Parallelism",
+    "Strategy",
+    "UNSHARDED",
+    "UnevenBatch",
+    "ZIGZAG",
+    "gather_shards",
+    "only_axes",
+    "reduce_shards",
+    "spec_axes",
+    "to_varying",
+]

@@ -119,9 +119,7 @@ def parse_rule_overrides(overrides: Iterable[str]) -> dict[str, tuple[str, ...]]
         if not sep:
             raise ValueError(f"--rule {item!r}: expected NAME=AXIS[+AXIS], e.g. --rule mlp=tensor+fsdp")
         if name not in ax.LOGICAL_AXES:
-            raise ValueError(
-                f"--rule {item!r}: unknown logical axis {name!r}; known: {', '.join(ax.LOGICAL_AXES)}"
-            )
+            raise ValueError(f"--rule {item!r}: unknown logical axis {name!r}; known: {', '.join(ax.LOGICAL_AXES)}")
         value = value.strip()
         mesh_axes = () if value.lower() in ("", "none") else tuple(v.strip() for v in value.split("+"))
         for mesh_axis in mesh_axes:

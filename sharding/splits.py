@@ -58,8 +58,9 @@ def largest_remainder(total: int, weights: Sequence[float], minimum: int = 0) ->
     return [c + minimum for c in counts]
 
 
-def min_max_assign(total: int, base: Sequence[int], cost: Callable[[int, int], object],
-                   cap: Sequence[int] | None = None) -> list[int] | None:
+def min_max_assign(
+    total: int, base: Sequence[int], cost: Callable[[int, int], object], cap: Sequence[int] | None = None
+) -> list[int] | None:
     """Gives ``total - sum(base)`` more units, one at a time, to the bin whose cost after taking one is smallest.
 
     Optimal for minimizing the largest cost when each bin's cost grows with its units (Graham's greedy

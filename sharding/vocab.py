@@ -68,8 +68,9 @@ def _axes_of(spec, dim: int) -> tuple[str, ...]:
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def vocab_split(rules: Rules, mesh_shape: Mapping[str, int], vocab_size: int, embed_dim: int,
-                rows: int) -> tuple[VocabSplit | None, str]:
+def vocab_split(
+    rules: Rules, mesh_shape: Mapping[str, int], vocab_size: int, embed_dim: int, rows: int
+) -> tuple[VocabSplit | None, str]:
     """The vocabulary-parallel split for these rules and mesh, or why there is none.
 
     Args:
@@ -91,8 +92,10 @@ def vocab_split(rules: Rules, mesh_shape: Mapping[str, int], vocab_size: int, em
     batch_spec, _ = logical_to_spec((ax.BATCH,), rules, (rows,), mesh_shape)
     batch_axes = _axes_of(batch_spec, 0)
     if not set(group_axes) <= set(batch_axes):
-        return None, (f"the output weight's embed dimension is split over {'+'.join(group_axes)}, which does not "
-                      f"split the batch ({'+'.join(batch_axes) or 'whole'})")
+        return None, (
+            f"the output weight's embed dimension is split over {'+'.join(group_axes)}, which does not "
+            f"split the batch ({'+'.join(batch_axes) or 'whole'})"
+        )
     group = math.prod(mesh_shape[a] for a in group_axes)
     shards = group * math.prod(mesh_shape[a] for a in vocab_axes)
     if vocab_size % shards:
@@ -120,8 +123,9 @@ def output_traffic(split: VocabSplit, vocab_size: int, embed_dim: int, tokens: f
     return gathered, activations + exchange
 
 
-def choose_output(impl: str, rules: Rules, mesh_shape: Mapping[str, int], vocab_size: int, embed_dim: int,
-                  rows: int, tokens: float) -> VocabSplit | None:
+def choose_output(
+    impl: str, rules: Rules, mesh_shape: Mapping[str, int], vocab_size: int, embed_dim: int, rows: int, tokens: float
+) -> VocabSplit | None:
     """The split the loss uses, or None for ``gathered``.
 
     Args:
@@ -147,20 +151,34 @@ def choose_output(impl: str, rules: Rules, mesh_shape: Mapping[str, int], vocab_
     return split
 
 
-def choose_for_batch(impl: str, rules: Rules, mesh_shape: Mapping[str, int], vocab_size: int, embed_dim: int,
-                     batch_shape: tuple[int, int]) -> VocabSplit | None:
+def choose_for_batch(
+    impl: str,
+    rules: Rules,
+    mesh_shape: Mapping[str, int],
+    vocab_size: int,
+    embed_dim: int,
+    batch_shape: tuple[int, int],
+) -> VocabSplit | None:
     """`choose_output` for a ``[batch, length]`` batch laid out by the rules (tokens per device from its spec).
 
     Raises:
       ValueError: as `choose_output`.
     """
-    return choose_output(impl, rules, mesh_shape, vocab_size, embed_dim, batch_shape[0],
-                         tokens_per_device(rules, mesh_shape, batch_shape))
+    return choose_output(
+        impl,
+        rules,
+        mesh_shape,
+        vocab_size,
+        embed_dim,
+        batch_shape[0],
+        tokens_per_device(rules, mesh_shape, batch_shape),
+    )
 
 
 def tokens_per_device(rules: Rules, mesh_shape: Mapping[str, int], batch_shape: tuple[int, int]) -> float:
     """Tokens of a ``[batch, length]`` batch on one device, as the rules lay it out."""
     spec, _ = logical_to_spec((ax.BATCH, ax.LENGTH), rules, batch_shape, mesh_shape)
-    split = math.prod(mesh_shape[a] for entry in spec if entry is not None
-                      for a in ((entry,) if isinstance(entry, str) else entry))
+    split = math.prod(
+        mesh_shape[a] for entry in spec if entry is not None for a in ((entry,) if isinstance(entry, str) else entry)
+    )
     return batch_shape[0] * batch_shape[1] / split

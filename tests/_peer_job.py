@@ -28,7 +28,8 @@ def main() -> int:
     watch = watch_peers(config, checkpoint_dir)  # after initialize, before the first collective
     import jax
     import numpy as np
-    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     mesh = jax.make_mesh((4,), ("data",), axis_types=(AxisType.Auto,))
     x = jax.make_array_from_callback((4,), NamedSharding(mesh, P("data")), lambda index: np.ones((1,), np.float32))

@@ -35,7 +35,10 @@ def start(args: list[str], log: Path, **env) -> subprocess.Popen:
     handle = open(log, "w")
     return subprocess.Popen(
         [sys.executable, "-m", "train.train", *args],
-        cwd=ROOT, env=clean_env(**env), stdout=handle, stderr=subprocess.STDOUT,
+        cwd=ROOT,
+        env=clean_env(**env),
+        stdout=handle,
+        stderr=subprocess.STDOUT,
     )
 
 

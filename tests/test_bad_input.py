@@ -1,9 +1,9 @@
 """Every refused input: exit 2 and a one-line error naming the flag, before any device work."""
 
 import pytest
+from test_data import make_hf_tokenizer
 
 from models import attention_registry
-from test_data import make_hf_tokenizer
 from train import train
 
 BASE = ["--model", "test", "--seq-len", "64", "--batch-size", "8", "--steps", "2", "--no-progress"]
@@ -54,19 +54,30 @@ CASES = [
     (["--decay-steps", "-3"], "--decay-steps -3: must be a positive number of steps", "--warmup"),
     (["--warmup", "-1"], "--warmup -1: must be >= 0", None),
     (["--dist-timeout", "0"], "--dist-timeout 0: must be a positive number of seconds", None),
-    (["--coordinator", "127.0.0.1:1", "--num-processes", "0", "--process-id", "0"],
-     "--num-processes 0: must be at least 1", None),
+    (
+        ["--coordinator", "127.0.0.1:1", "--num-processes", "0", "--process-id", "0"],
+        "--num-processes 0: must be at least 1",
+        None,
+    ),
     (["--data-cache", "{unwritable_cache}"], "--data-cache {tmp}/a-file/cache: cannot write there", "Errno"),
     (["--eod-token", "</s>"], "--eod-token </s>: applies to a --tokenizer FILE only", None),
-    (["--tokenizer", "{hf_tokenizer}", "--eod-token", "<eos>"],
-     "--eod-token <eos>: not in the vocabulary of --tokenizer {tmp}/tokenizer.json; e.g. --eod-token '<|endoftext|>'",
-     None),
+    (
+        ["--tokenizer", "{hf_tokenizer}", "--eod-token", "<eos>"],
+        "--eod-token <eos>: not in the vocabulary of --tokenizer {tmp}/tokenizer.json; e.g. --eod-token '<|endoftext|>'",
+        None,
+    ),
     (["--data", "{binary_file}"], "--data {tmp}/weights.bin: not UTF-8 text (byte 128 is 0x80)", None),
     (["--data", "{latin1_file}"], "--data {tmp}/latin1.txt: not UTF-8 text", None),
-    (["--mesh", "fsdp=4,tensor=2", "--rules", "dp", "--logits", "vocab_parallel"],
-     "--logits vocab_parallel does not apply here", "--mesh fsdp=4,tensor=2"),
-    (["--mesh", "fsdp=4,tensor=2", "--rule", "embed=none", "--logits", "vocab_parallel"],
-     "--logits vocab_parallel does not apply here", "--mesh fsdp=4,tensor=2"),
+    (
+        ["--mesh", "fsdp=4,tensor=2", "--rules", "dp", "--logits", "vocab_parallel"],
+        "--logits vocab_parallel does not apply here",
+        "--mesh fsdp=4,tensor=2",
+    ),
+    (
+        ["--mesh", "fsdp=4,tensor=2", "--rule", "embed=none", "--logits", "vocab_parallel"],
+        "--logits vocab_parallel does not apply here",
+        "--mesh fsdp=4,tensor=2",
+    ),
     (["--rule", "embed=tensor"], "both map to mesh axis 'tensor'", "output weight"),
 ]
 
@@ -74,8 +85,12 @@ CASES = [
 @pytest.mark.parametrize("flags, message, absent", CASES, ids=[" ".join(c[0]) for c in CASES])
 def test_refused_input_exits_2_naming_the_flag(tmp_path, corpus, cache, capsys, flags, message, absent):
     def fill(text):
-        for name, build in (("unwritable_cache", unwritable_cache), ("hf_tokenizer", hf_tokenizer),
-                            ("binary_file", binary_file), ("latin1_file", latin1_file)):
+        for name, build in (
+            ("unwritable_cache", unwritable_cache),
+            ("hf_tokenizer", hf_tokenizer),
+            ("binary_file", binary_file),
+            ("latin1_file", latin1_file),
+        ):
             if "{" + name + "}" in text:
                 text = text.replace("{" + name + "}", str(build(tmp_path)))
         return text.replace("{tmp}", str(tmp_path))

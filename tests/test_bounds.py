@@ -19,12 +19,18 @@ def one_error_line(capsys) -> str:
 def test_cpu_devices_is_bounded_by_a_count_and_by_host_memory():
     check_cpu_devices(8, available=16 * 2**30)
     check_cpu_devices(MAX_CPU_DEVICES, available=2**40)  # plenty of memory: the count bounds
-    with pytest.raises(ValueError, match=rf"^--cpu-devices 100000: at most {MAX_CPU_DEVICES} simulated CPU devices; "
-                                         r"this host has 64\.0 GiB available, at least 4 MiB per device, "
-                                         r"e\.g\. --cpu-devices 8$"):
+    with pytest.raises(
+        ValueError,
+        match=rf"^--cpu-devices 100000: at most {MAX_CPU_DEVICES} simulated CPU devices; "
+        r"this host has 64\.0 GiB available, at least 4 MiB per device, "
+        r"e\.g\. --cpu-devices 8$",
+    ):
         check_cpu_devices(100_000, available=64 * 2**30)
-    with pytest.raises(ValueError, match=r"^--cpu-devices 32: at most 16 simulated CPU devices; this host has "
-                                         r"0\.1 GiB available"):
+    with pytest.raises(
+        ValueError,
+        match=r"^--cpu-devices 32: at most 16 simulated CPU devices; this host has "
+        r"0\.1 GiB available",
+    ):
         check_cpu_devices(32, available=64 * 2**20)  # 64 MiB / 4 MiB per device
     with pytest.raises(ValueError, match=r"^--cpu-devices 0: must be positive"):
         check_cpu_devices(0)

@@ -33,7 +33,8 @@ def test_ring_inside_a_host_and_tree_across_hosts():
     assert tree < ring / 10
     gather = cm.Comm("all-gather", ("data",), 3072, 0.0, 1, "x")
     assert cm.comm_seconds(gather, hw, links, shares) == pytest.approx(
-        lat["base"] + (3071 - 383) * lat["ring_nvlink"] + 383 * lat["ring_net"])
+        lat["base"] + (3071 - 383) * lat["ring_nvlink"] + 383 * lat["ring_net"]
+    )
     one_per_host = lat["base"] + 3071 * lat["ring_net"]
     assert cm.comm_seconds(gather, hw, links) == pytest.approx(one_per_host)
 
@@ -44,7 +45,12 @@ def test_large_messages_pay_the_bus_bandwidth():
     seconds = cm.comm_seconds(big, hw, {"data": "inter"}, {"data": 1})
     assert seconds == pytest.approx(big.wire_bytes() / hw.inter_bandwidth, rel=1e-3)
     assert cm.host_shares({"data": 4, "fsdp": 4, "tensor": 4}, 8) == {
-        "data": 1, "stage": 1, "fsdp": 2, "sequence": 1, "tensor": 4}
+        "data": 1,
+        "stage": 1,
+        "fsdp": 2,
+        "sequence": 1,
+        "tensor": 4,
+    }
 
 
 def test_fsdp_gathers_move_the_compute_dtype_on_gpu():
@@ -81,7 +87,8 @@ def test_fitted_efficiency_is_data_with_its_source():
     f = cost.flops
     assert cm.step_time(cost, fitted, links).compute == pytest.approx(
         (f.matmul + f.optimizer) / (A100.peak_bf16_flops * fitted.efficiency)
-        + f.elementwise * cm.ELEMENTWISE_BYTES_PER_FLOP / A100.memory_bandwidth)
+        + f.elementwise * cm.ELEMENTWISE_BYTES_PER_FLOP / A100.memory_bandwidth
+    )
     assert cm.step_time(cost, given, links).compute == pytest.approx(f.total / (A100.peak_bf16_flops * 0.5))
     with pytest.raises(ValueError, match="matmul_efficiency"):
         devices.DeviceKind("x", "x", 1e12, 1e9, 1e9, 1e9, "test", matmul_efficiency=1.5)

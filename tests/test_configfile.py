@@ -4,8 +4,8 @@ run record RUN_DIR/config.json; --resume --run-dir R alone reads the model and l
 import json
 
 import pytest
-
 from test_faults import args_for
+
 from train import cli, train
 
 
@@ -15,8 +15,11 @@ def write(path, text):
 
 
 def test_the_command_line_overrides_the_file_and_both_spellings_work(tmp_path):
-    config = write(tmp_path / "run.toml", 'model = "test"\nseq-len = 64\nbatch_size = 8\nsteps = 5\n'
-                   'set = ["num_layers=3"]\nno-progress = true\nmesh = "data=2,fsdp=-1"\n')
+    config = write(
+        tmp_path / "run.toml",
+        'model = "test"\nseq-len = 64\nbatch_size = 8\nsteps = 5\n'
+        'set = ["num_layers=3"]\nno-progress = true\nmesh = "data=2,fsdp=-1"\n',
+    )
     run = cli.parse(["--config", config, "--steps", "7", "--set", "embed_dim=64"])
     assert (run.preset, run.data.seq_len, run.data.batch_size, run.loop.steps) == ("test", 64, 8, 7)
     assert run.model.num_layers == 3 and run.model.embed_dim == 64 and run.loop.progress is False
@@ -25,12 +28,15 @@ def test_the_command_line_overrides_the_file_and_both_spellings_work(tmp_path):
     assert run.record["flags"]["steps"] == 7 and "config" not in run.record["flags"]
 
 
-@pytest.mark.parametrize("text, message", [
-    ("sequence_length = 64\n", "unknown key 'sequence_length'"),
-    ("resume = 1\n", "resume = 1: expected true or false"),
-    ("lr = [1, 2]\n", "lr = [1, 2]: expected one value for --lr"),
-    ("lr = \n", "not a TOML file"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("sequence_length = 64\n", "unknown key 'sequence_length'"),
+        ("resume = 1\n", "resume = 1: expected true or false"),
+        ("lr = [1, 2]\n", "lr = [1, 2]: expected one value for --lr"),
+        ("lr = \n", "not a TOML file"),
+    ],
+)
 def test_a_bad_file_is_refused_in_one_line_naming_the_key(tmp_path, capsys, text, message):
     config = write(tmp_path / "run.toml", text)
     code = train.main(["--config", config, "--run-dir", str(tmp_path / "r")])
@@ -49,8 +55,9 @@ def test_a_value_in_the_file_is_checked_as_the_flag(tmp_path, capsys):
 
 def test_a_resume_from_the_run_folder_alone_reads_model_and_layout(tmp_path, corpus, cache, capsys):
     run_dir = tmp_path / "run"
-    first = args_for(corpus, cache, "--steps", "2", "--set", "num_layers=3", "--mesh", "data=2,fsdp=-1",
-                     "--run-dir", str(run_dir))
+    first = args_for(
+        corpus, cache, "--steps", "2", "--set", "num_layers=3", "--mesh", "data=2,fsdp=-1", "--run-dir", str(run_dir)
+    )
     assert train.main(first) == 0
     record = json.loads((run_dir / "config.json").read_text())
     assert record["command"] == first and record["flags"]["set"] == ["num_layers=3"]

@@ -11,12 +11,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import _procs
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import _procs
 from models.attention import (
     CONTEXT_LAYOUTS,
     attend,
@@ -28,14 +28,25 @@ from models.kernels.ring_attention import zigzag_permutation
 from models.transformer import abstract_model
 from sharding import axes as ax
 from sharding.mesh import make_mesh, parse_mesh
-from sharding.rules import PRESETS as RULE_PRESETS
 from sharding.parallel import UNSHARDED, Parallelism
+from sharding.rules import PRESETS as RULE_PRESETS
 from sharding.rules import get_rules, logical_to_spec
 from train import train
 from train.data import context_permutation, pack_windows, permute_length
 
-SMALL = ["--model", "test", "--seq-len", "64", "--batch-size", "4", "--log-every", "1", "--no-progress",
-         "--eval-batches", "1"]
+SMALL = [
+    "--model",
+    "test",
+    "--seq-len",
+    "64",
+    "--batch-size",
+    "4",
+    "--log-every",
+    "1",
+    "--no-progress",
+    "--eval-batches",
+    "1",
+]
 
 
 # Rules -------------------------------------------------------------------------------
@@ -74,10 +85,13 @@ def _attention_inputs(heads, kv_heads, length=64, batch=2, head_dim=16):
     return q, k, v, d_out, segments
 
 
-@pytest.mark.parametrize("impl, layout, heads, kv_heads", [
-    ("ring", "zigzag", 4, 1),  # heads split over tensor, the one KV head sliced on each device
-    ("ulysses", "contiguous", 8, 4),  # 4 heads and 2 KV heads per tensor shard, over sequence=2
-])
+@pytest.mark.parametrize(
+    "impl, layout, heads, kv_heads",
+    [
+        ("ring", "zigzag", 4, 1),  # heads split over tensor, the one KV head sliced on each device
+        ("ulysses", "contiguous", 8, 4),  # 4 heads and 2 KV heads per tensor shard, over sequence=2
+    ],
+)
 def test_sharded_attention_under_the_rules_matches_the_reference(impl, layout, heads, kv_heads):
     """`attend` as the model calls it: mesh data=2,sequence=2,tensor=2, specs from fsdp_tp."""
     mesh = make_mesh(parse_mesh("data=2,sequence=2,tensor=2", 8))
@@ -144,14 +158,23 @@ def test_the_data_pipeline_permutes_every_field_alike():
 # CLI: refused before compiling ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--attention", "ring", "--mesh", "data=2,sequence=4", "--seq-len", "36"],
-     "--seq-len 36: --context-layout zigzag cuts each sequence into 2 x 4"),
-    (["--attention", "ulysses", "--mesh", "data=2,sequence=4"],
-     "kv_heads (2) per device is not divisible by 4; use ring attention (--attention ring)"),
-    (["--attention", "flash", "--mesh", "data=2,sequence=4", "--context-layout", "zigzag"],
-     "--context-layout zigzag: --attention flash assumes tokens in natural order"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--attention", "ring", "--mesh", "data=2,sequence=4", "--seq-len", "36"],
+            "--seq-len 36: --context-layout zigzag cuts each sequence into 2 x 4",
+        ),
+        (
+            ["--attention", "ulysses", "--mesh", "data=2,sequence=4"],
+            "kv_heads (2) per device is not divisible by 4; use ring attention (--attention ring)",
+        ),
+        (
+            ["--attention", "flash", "--mesh", "data=2,sequence=4", "--context-layout", "zigzag"],
+            "--context-layout zigzag: --attention flash assumes tokens in natural order",
+        ),
+    ],
+)
 def test_wrong_sizes_are_refused_before_compiling(tmp_path, args, message, corpus, cache, capsys, monkeypatch):
     from train import step
 
@@ -159,8 +182,20 @@ def test_wrong_sizes_are_refused_before_compiling(tmp_path, args, message, corpu
         raise AssertionError("a Trainer was built: the check came too late")
 
     monkeypatch.setattr(step, "Trainer", no_trainer)
-    code = train.main([*SMALL, *args, "--steps", "2", "--run-dir", str(tmp_path / "r"), "--data", str(corpus),
-                       "--data-cache", str(cache)])
+    code = train.main(
+        [
+            *SMALL,
+            *args,
+            "--steps",
+            "2",
+            "--run-dir",
+            str(tmp_path / "r"),
+            "--data",
+            str(corpus),
+            "--data-cache",
+            str(cache),
+        ]
+    )
     assert code == 2
     assert message in capsys.readouterr().err
 
@@ -183,13 +218,42 @@ def test_ring_attention_over_a_sequence_axis_trains_with_the_losses_of_data_para
     positions, segment ids, targets and loss mask, and the sequence sharding together leave
     the training unchanged. Both run concurrently to save time.
     """
-    common = [*SMALL, "--steps", "20", "--warmup", "2", "--eval-every", "0", "--ckpt-every", "0",
-              "--data", str(corpus), "--data-cache", str(cache)]
-    baseline = _procs.start([*common, "--cpu-devices", "2", "--mesh", "data=2", "--attention", "reference",
-                             "--run-dir", str(tmp_path / "dp")], tmp_path / "dp.log")
+    common = [
+        *SMALL,
+        "--steps",
+        "20",
+        "--warmup",
+        "2",
+        "--eval-every",
+        "0",
+        "--ckpt-every",
+        "0",
+        "--data",
+        str(corpus),
+        "--data-cache",
+        str(cache),
+    ]
+    baseline = _procs.start(
+        [
+            *common,
+            "--cpu-devices",
+            "2",
+            "--mesh",
+            "data=2",
+            "--attention",
+            "reference",
+            "--run-dir",
+            str(tmp_path / "dp"),
+        ],
+        tmp_path / "dp.log",
+    )
     try:
-        assert train.main([*common, "--mesh", "data=2,sequence=4", "--attention", "ring",
-                           "--run-dir", str(tmp_path / "cp")]) == 0
+        assert (
+            train.main(
+                [*common, "--mesh", "data=2,sequence=4", "--attention", "ring", "--run-dir", str(tmp_path / "cp")]
+            )
+            == 0
+        )
         assert baseline.wait(timeout=300) == 0, (tmp_path / "dp.log").read_text()
     finally:
         if baseline.poll() is None:

@@ -83,7 +83,9 @@ def test_remat_and_microbatches_trade_compute_and_traffic_for_memory():
     base = cm.Layout({"fsdp": 8}, "fsdp", 1, "none", attention="flash", dtype="bfloat16")
     none = cm.estimate(config, 32, 2048, base)
     full = cm.estimate(config, 32, 2048, cm.Layout({"fsdp": 8}, "fsdp", 1, "full", attention="flash", dtype="bfloat16"))
-    micro = cm.estimate(config, 32, 2048, cm.Layout({"fsdp": 8}, "fsdp", 4, "none", attention="flash", dtype="bfloat16"))
+    micro = cm.estimate(
+        config, 32, 2048, cm.Layout({"fsdp": 8}, "fsdp", 4, "none", attention="flash", dtype="bfloat16")
+    )
     assert full.memory.activations < none.memory.activations / 4 and full.flops.total > none.flops.total
     assert micro.memory.activations < none.memory.activations / 3
     assert cm.collective_bytes(micro.comms)["all-gather"] > 3 * cm.collective_bytes(none.comms)["all-gather"]
@@ -99,7 +101,8 @@ def test_ring_collective_costs_and_links():
     hw = cm.Hardware(1e15, 80e9, 3e12, intra_bandwidth=400e9, inter_bandwidth=50e9 / 8)
     comm = cm.Comm("all-reduce", ("data",), 2, 1e9, 1, "x")
     assert cm.comm_seconds(comm, hw, links) > 10 * cm.comm_seconds(
-        cm.Comm("all-reduce", ("fsdp",), 2, 1e9, 1, "x"), hw, links)
+        cm.Comm("all-reduce", ("fsdp",), 2, 1e9, 1, "x"), hw, links
+    )
 
 
 def test_model_flops_per_token_is_palm_count():
@@ -129,7 +132,6 @@ def test_layout_errors_name_the_flag():
         cm.estimate(get_config("test"), 12, 64, cm.Layout({"fsdp": 8}))
 
 
-
 def test_vocab_parallel_cases_take_the_vocab_parallel_loss():
     """The last two grid cases are the vocabulary-parallel layout, the others the gathered one."""
     from sharding.vocab import choose_output
@@ -139,8 +141,18 @@ def test_vocab_parallel_cases_take_the_vocab_parallel_loss():
         config, mesh = _config(model, remat), parse_mesh(mesh_spec, 8)
         full = {a: mesh.get(a, 1) for a in ("data", "stage", "fsdp", "sequence", "tensor")}
         split = full["data"] * full["fsdp"]
-        return choose_output("auto", get_rules(rules), full, config.vocab_size, config.embed_dim,
-                             batch // micro, batch // micro // split * seq) is not None
+        return (
+            choose_output(
+                "auto",
+                get_rules(rules),
+                full,
+                config.vocab_size,
+                config.embed_dim,
+                batch // micro,
+                batch // micro // split * seq,
+            )
+            is not None
+        )
 
     assert [picked(case) for case in GRID] == [False] * (len(GRID) - 2) + [True] * 2
 
@@ -160,9 +172,18 @@ def test_pipeline_prices_the_layer_applications_the_schedule_runs():
     skipped = plan.layer_applications()
     kw = dict(stage_layers=(3, 3, 1, 1))
     for stage, layers in ((0, 3), (2, 1)):
-        cost = {skip: cm.device_cost(config, cm.Layout({"stage": 4, "fsdp": 2}, "fsdp", 4, skip_empty=skip, **kw),
-                                     seq_len=32, rows=2, layers=layers, slots=3, backend="cpu")
-                for skip in (True, False)}
+        cost = {
+            skip: cm.device_cost(
+                config,
+                cm.Layout({"stage": 4, "fsdp": 2}, "fsdp", 4, skip_empty=skip, **kw),
+                seq_len=32,
+                rows=2,
+                layers=layers,
+                slots=3,
+                backend="cpu",
+            )
+            for skip in (True, False)
+        }
         ratio = skipped[stage] / every[stage]
         for part in ("layers", "attention", "recompute"):
             assert getattr(cost[True].flops, part) == pytest.approx(ratio * getattr(cost[False].flops, part), rel=1e-12)
@@ -187,8 +208,11 @@ def test_pipeline_gathers_stage_weights_once_per_step():
     layer = sum(p.size for p in describe(config).params if p.per_layer) * 4  # one layer, float32, whole
 
     def layer_bytes(c, kind):
-        return sum(x.total_bytes for x in c.comms if x.kind == kind and x.what.split()[-1] != "activations"
-                   and ("layers/" in x.what))
+        return sum(
+            x.total_bytes
+            for x in c.comms
+            if x.kind == kind and x.what.split()[-1] != "activations" and ("layers/" in x.what)
+        )
 
     costs = {(m, f): cost(m, f) for m in (8, 16) for f in (False, True)}
     for (micro, one_f_one_b), c in costs.items():
@@ -199,6 +223,7 @@ def test_pipeline_gathers_stage_weights_once_per_step():
         act = 32 / 2 / micro * 2048 * config.embed_dim * 4  # one microbatch's rows on a device, float32
         trips = one_f_one_b_ticks(4, micro).ticks if one_f_one_b else micro + 3
         assert [(x.result_bytes, x.count) for x in sends] == [(act, 2 * trips)]
+
     # At the same microbatch size, GPipe's saved inputs grow with M (every slot of every step), 1F1B's do
     # not (at most S microbatches' stage inputs per stage).
     def saved(micro, one_f_one_b):
@@ -223,8 +248,9 @@ def test_pipeline_state_bytes_are_the_unpadded_storage(stage_layers, mesh_spec):
     config = get_config("test", [f"num_layers={sum(stage_layers)}"])
     mesh = parse_mesh(mesh_spec, 8)
     layout, _ = plan_layout(sum(stage_layers), mesh["stage"], 1, stage_layers)
-    trainer = Trainer(config, OptimizerConfig(), Parallelism.of(make_mesh(mesh), get_rules("fsdp_tp"),
-                                                                pl.PipelinePlan(layout, 4)))
+    trainer = Trainer(
+        config, OptimizerConfig(), Parallelism.of(make_mesh(mesh), get_rules("fsdp_tp"), pl.PipelinePlan(layout, 4))
+    )
     cost = cm.estimate(config, 16, 32, cm.Layout(mesh, "fsdp_tp", 4, "none", stage_layers=stage_layers), backend="cpu")
     state = report.device_state_bytes(trainer.abstract_state())
     assert 0 <= state - cost.memory.state <= 32  # parameters and AdamW moments; the rest: step, RNG key, counters
@@ -236,16 +262,36 @@ def test_layout_of_reads_a_parallelism_strategy_by_strategy():
     config = get_config("test", remat="full")
     accumulate = cm.layout_of(Parallelism({"fsdp": 8}, get_rules("fsdp"), Accumulation(4)), config)
     assert (accumulate.microbatches, accumulate.remat, accumulate.attention, accumulate.uneven_batch) == (
-        4, "full", config.attention, False)
+        4,
+        "full",
+        config.attention,
+        False,
+    )
     uneven = cm.layout_of(Parallelism({"data": 8}, get_rules("dp"), UnevenBatch((3, 3, 1, 1, 2, 2, 2, 2))))
     assert uneven.uneven_batch and uneven.microbatches == 2 and uneven.remat == "none"
     stages, _ = plan_layout(8, 2, 2, (5, 3))
     plan = dataclasses.replace(PipelinePlan(stages, 4, one_f_one_b=True), skip_empty=False)
     piped = cm.layout_of(Parallelism({"stage": 2, "fsdp": 4}, get_rules("fsdp"), plan), config, dtype="bfloat16")
-    assert (piped.stage_layers, piped.pipeline_repeats, piped.microbatches, piped.one_f_one_b, piped.skip_empty,
-            piped.dtype) == ((5, 3), 2, 4, True, False, "bfloat16")
-    hand = cm.Layout({"stage": 2, "fsdp": 4}, "fsdp", 4, "full", stage_layers=(5, 3), pipeline_repeats=2,
-                     dtype="bfloat16", attention=config.attention, skip_empty=False, one_f_one_b=True)
+    assert (
+        piped.stage_layers,
+        piped.pipeline_repeats,
+        piped.microbatches,
+        piped.one_f_one_b,
+        piped.skip_empty,
+        piped.dtype,
+    ) == ((5, 3), 2, 4, True, False, "bfloat16")
+    hand = cm.Layout(
+        {"stage": 2, "fsdp": 4},
+        "fsdp",
+        4,
+        "full",
+        stage_layers=(5, 3),
+        pipeline_repeats=2,
+        dtype="bfloat16",
+        attention=config.attention,
+        skip_empty=False,
+        one_f_one_b=True,
+    )
     model = describe(get_config("test", ["num_layers=8"]))
     assert cm.estimate(model, 32, 64, piped) == cm.estimate(model, 32, 64, hand)
 

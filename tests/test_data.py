@@ -5,7 +5,8 @@ import json
 import jax
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from sharding.mesh import make_mesh, parse_mesh
 from train.data import (

@@ -14,8 +14,15 @@ from sharding import devices as dv
 # --- The table ---------------------------------------------------------------------
 
 REQUIRED_KINDS = (
-    "h200_sxm", "h100_sxm", "h100_pcie", "a100_80gb", "a100_40gb",
-    "l40s", "a10g", "v100_sxm2_32gb", "rtx4090",
+    "h200_sxm",
+    "h100_sxm",
+    "h100_pcie",
+    "a100_80gb",
+    "a100_40gb",
+    "l40s",
+    "a10g",
+    "v100_sxm2_32gb",
+    "rtx4090",
 )
 
 
@@ -47,9 +54,17 @@ def test_figures_are_in_plausible_ranges(kind):
 def test_memory_sizes_match_the_names_in_decimal_gigabytes():
     # GB here is the datasheet's decimal gigabyte: 1 GB = 1e9 bytes (not GiB).
     expected_gb = {
-        "h200_sxm": 141, "h100_sxm": 80, "h100_pcie": 80, "a100_80gb": 80, "a100_40gb": 40,
-        "a100_80gb_pcie": 80, "a100_40gb_pcie": 40, "l40s": 48, "a10g": 24,
-        "v100_sxm2_32gb": 32, "rtx4090": 24,
+        "h200_sxm": 141,
+        "h100_sxm": 80,
+        "h100_pcie": 80,
+        "a100_80gb": 80,
+        "a100_40gb": 40,
+        "a100_80gb_pcie": 80,
+        "a100_40gb_pcie": 40,
+        "l40s": 48,
+        "a10g": 24,
+        "v100_sxm2_32gb": 32,
+        "rtx4090": 24,
     }
     assert set(expected_gb) == set(dv.KINDS)
     for name, gb in expected_gb.items():
@@ -94,11 +109,20 @@ def test_device_kind_rejects_bad_figures():
 @pytest.mark.parametrize(
     "alias, canonical",
     [
-        ("h200", "h200_sxm"), ("H100", "h100_sxm"), ("h100-sxm", "h100_sxm"),
-        ("h100_pcie", "h100_pcie"), ("a100", "a100_80gb"), ("A100-40GB", "a100_40gb"),
-        ("a100_40gb", "a100_40gb"), ("v100", "v100_sxm2_32gb"), ("L40S", "l40s"),
-        ("a10g", "a10g"), ("4090", "rtx4090"), ("rtx4090", "rtx4090"),
-        ("RTX-4090", "rtx4090"), (" a100-80GB-pcie ", "a100_80gb_pcie"),
+        ("h200", "h200_sxm"),
+        ("H100", "h100_sxm"),
+        ("h100-sxm", "h100_sxm"),
+        ("h100_pcie", "h100_pcie"),
+        ("a100", "a100_80gb"),
+        ("A100-40GB", "a100_40gb"),
+        ("a100_40gb", "a100_40gb"),
+        ("v100", "v100_sxm2_32gb"),
+        ("L40S", "l40s"),
+        ("a10g", "a10g"),
+        ("4090", "rtx4090"),
+        ("rtx4090", "rtx4090"),
+        ("RTX-4090", "rtx4090"),
+        (" a100-80GB-pcie ", "a100_80gb_pcie"),
     ],
 )
 def test_aliases(alias, canonical):
@@ -144,9 +168,17 @@ def test_device_kind_strings(device_kind, expected):
 @pytest.mark.parametrize(
     "device_kind",
     [
-        "cpu", "", "TPU v5 lite", "NVIDIA H100 NVL", "NVIDIA H200 NVL", "NVIDIA A10",
-        "NVIDIA L40", "Tesla V100-SXM2-16GB", "Tesla V100-PCIE-32GB",
-        "NVIDIA GeForce RTX 4090 D", "NVIDIA GeForce RTX 3090",
+        "cpu",
+        "",
+        "TPU v5 lite",
+        "NVIDIA H100 NVL",
+        "NVIDIA H200 NVL",
+        "NVIDIA A10",
+        "NVIDIA L40",
+        "Tesla V100-SXM2-16GB",
+        "Tesla V100-PCIE-32GB",
+        "NVIDIA GeForce RTX 4090 D",
+        "NVIDIA GeForce RTX 3090",
     ],
 )
 def test_unknown_or_different_device_kind_strings_give_none(device_kind):
@@ -168,7 +200,8 @@ def test_peak_flops_of_devices():
 def test_parse_cluster_one_host_per_item():
     inv = dv.parse_cluster("h100:8,a100:8")
     assert [(h.kind.name, h.count, h.name) for h in inv.hosts] == [
-        ("h100_sxm", 8, "host0"), ("a100_80gb", 8, "host1"),
+        ("h100_sxm", 8, "host0"),
+        ("a100_80gb", 8, "host1"),
     ]
     assert inv.num_devices == 16 and inv.num_hosts == 2
     assert inv.inter_host_bandwidth == dv.DEFAULT_INTER_HOST_BANDWIDTH == 50e9
@@ -188,8 +221,15 @@ def test_parse_cluster_repeat_and_bandwidth():
 
 @pytest.mark.parametrize(
     "text, bytes_per_s",
-    [("400Gbps", 50e9), ("400Gb/s", 50e9), ("50GB/s", 50e9), ("50GBps", 50e9),
-     ("3.2Tb/s", 400e9), ("100 Mbps", 12.5e6), ("1e2Gbps", 12.5e9)],
+    [
+        ("400Gbps", 50e9),
+        ("400Gb/s", 50e9),
+        ("50GB/s", 50e9),
+        ("50GBps", 50e9),
+        ("3.2Tb/s", 400e9),
+        ("100 Mbps", 12.5e6),
+        ("1e2Gbps", 12.5e9),
+    ],
 )
 def test_parse_bandwidth(text, bytes_per_s):
     assert dv.parse_bandwidth(text) == pytest.approx(bytes_per_s)
@@ -262,29 +302,38 @@ def _write(tmp_path, name, data):
 
 
 def test_load_inventory_json(tmp_path):
-    path = _write(tmp_path, "c.json", {
-        "inter_host_bandwidth_gbps": 400,
-        "hosts": [{"kind": "h100", "count": 8}, {"kind": "a100", "count": 8, "name": "node-b"}],
-    })
+    path = _write(
+        tmp_path,
+        "c.json",
+        {
+            "inter_host_bandwidth_gbps": 400,
+            "hosts": [{"kind": "h100", "count": 8}, {"kind": "a100", "count": 8, "name": "node-b"}],
+        },
+    )
     inv = dv.load_inventory(path)
     assert [(h.kind, h.count, h.name) for h in inv.hosts] == [
-        (dv.KINDS["h100_sxm"], 8, "host0"), (dv.KINDS["a100_80gb"], 8, "node-b"),
+        (dv.KINDS["h100_sxm"], 8, "host0"),
+        (dv.KINDS["a100_80gb"], 8, "node-b"),
     ]
     assert inv.inter_host_bandwidth == 50e9
 
 
 def test_load_inventory_overrides_new_kinds_and_repeat(tmp_path):
-    path = _write(tmp_path, "c.json", {
-        "inter_host_bandwidth": "1.6Tbps",
-        "kinds": {
-            "A100": {"memory_bandwidth": 1.9e12},
-            "mi300x": {"label": "AMD MI300X", "peak_bf16_flops": 1.3e15, "memory_bytes": 192e9},
+    path = _write(
+        tmp_path,
+        "c.json",
+        {
+            "inter_host_bandwidth": "1.6Tbps",
+            "kinds": {
+                "A100": {"memory_bandwidth": 1.9e12},
+                "mi300x": {"label": "AMD MI300X", "peak_bf16_flops": 1.3e15, "memory_bytes": 192e9},
+            },
+            "hosts": [
+                {"kind": "a100", "count": 8},
+                {"kind": "mi300x", "count": 8, "name": "amd", "repeat": 2},
+            ],
         },
-        "hosts": [
-            {"kind": "a100", "count": 8},
-            {"kind": "mi300x", "count": 8, "name": "amd", "repeat": 2},
-        ],
-    })
+    )
     inv = dv.load_inventory(path)
     a100, mi300x = inv.kinds_present
     assert a100 == dataclasses.replace(dv.KINDS["a100_80gb"], memory_bandwidth=1.9e12)
@@ -302,23 +351,28 @@ def test_load_inventory_overrides_new_kinds_and_repeat(tmp_path):
         ([1, 2], ["expected an object at the top"]),
         ({"hosts": []}, ["hosts: expected a non-empty list"]),
         ({"hosts": [{"kind": "h100", "count": 8}], "host": 1}, ["unknown field(s) 'host'"]),
-        ({"hosts": [{"kind": "h1000", "count": 8}]},
-         ["hosts[0].kind", "unknown device kind 'h1000'", "h100_sxm"]),
+        ({"hosts": [{"kind": "h1000", "count": 8}]}, ["hosts[0].kind", "unknown device kind 'h1000'", "h100_sxm"]),
         ({"hosts": [{"kind": "h100", "count": 0}]}, ["hosts[0].count", "positive integer", "0"]),
         ({"hosts": [{"kind": "h100", "count": "8"}]}, ["hosts[0].count", "'8'"]),
         ({"hosts": [{"kind": "h100"}]}, ["hosts[0].count", "None"]),
         ({"hosts": [{"kind": "h100", "count": 8, "cnt": 2}]}, ["hosts[0]", "'cnt'"]),
-        ({"hosts": [{"kind": "h100", "count": 8, "name": "a"}, {"kind": "h100", "count": 8,
-                                                                "name": "a"}]},
-         ["duplicate host names: a"]),
-        ({"hosts": [{"kind": "h100", "count": 8}], "inter_host_bandwidth_gbps": -1},
-         ["inter_host_bandwidth_gbps", "-1"]),
-        ({"hosts": [{"kind": "h100", "count": 8}], "inter_host_bandwidth": "400"},
-         ["inter_host_bandwidth", "bad bandwidth '400'"]),
-        ({"hosts": [{"kind": "h100", "count": 8}], "kinds": {"h100": {"memory_bytes": -1}}},
-         ["kinds.h100.memory_bytes", "positive number"]),
-        ({"hosts": [{"kind": "h100", "count": 8}], "kinds": {"h100": {"flops": 1}}},
-         ["kinds.h100", "'flops'"]),
+        (
+            {"hosts": [{"kind": "h100", "count": 8, "name": "a"}, {"kind": "h100", "count": 8, "name": "a"}]},
+            ["duplicate host names: a"],
+        ),
+        (
+            {"hosts": [{"kind": "h100", "count": 8}], "inter_host_bandwidth_gbps": -1},
+            ["inter_host_bandwidth_gbps", "-1"],
+        ),
+        (
+            {"hosts": [{"kind": "h100", "count": 8}], "inter_host_bandwidth": "400"},
+            ["inter_host_bandwidth", "bad bandwidth '400'"],
+        ),
+        (
+            {"hosts": [{"kind": "h100", "count": 8}], "kinds": {"h100": {"memory_bytes": -1}}},
+            ["kinds.h100.memory_bytes", "positive number"],
+        ),
+        ({"hosts": [{"kind": "h100", "count": 8}], "kinds": {"h100": {"flops": 1}}}, ["kinds.h100", "'flops'"]),
     ],
 )
 def test_load_inventory_errors_name_file_and_field(tmp_path, content, fragments):
@@ -353,27 +407,34 @@ def test_json_round_trip(tmp_path):
 
 
 def test_to_dict_rejects_two_kinds_with_one_name():
-    inv = dv.Inventory(hosts=(
-        dv.Host(dv.KINDS["a10g"], 1, "a"),
-        dv.Host(dataclasses.replace(dv.KINDS["a10g"], memory_bytes=20e9), 1, "b"),
-    ))
+    inv = dv.Inventory(
+        hosts=(
+            dv.Host(dv.KINDS["a10g"], 1, "a"),
+            dv.Host(dataclasses.replace(dv.KINDS["a10g"], memory_bytes=20e9), 1, "b"),
+        )
+    )
     with pytest.raises(ValueError, match="two different kinds named 'a10g'"):
         dv.inventory_to_dict(inv)
 
 
 def test_load_inventory_yaml(tmp_path):
     pytest.importorskip("yaml")
-    path = _write(tmp_path, "c.yaml", (
-        "inter_host_bandwidth_gbps: 200\n"
-        "hosts:\n"
-        "  - {kind: l40s, count: 4}\n"
-        "  - kind: 4090\n"
-        "    count: 2\n"
-        "    name: desk\n"
-    ))
+    path = _write(
+        tmp_path,
+        "c.yaml",
+        (
+            "inter_host_bandwidth_gbps: 200\n"
+            "hosts:\n"
+            "  - {kind: l40s, count: 4}\n"
+            "  - kind: 4090\n"
+            "    count: 2\n"
+            "    name: desk\n"
+        ),
+    )
     inv = dv.load_inventory(path)
     assert [(h.kind.name, h.count, h.name) for h in inv.hosts] == [
-        ("l40s", 4, "host0"), ("rtx4090", 2, "desk"),
+        ("l40s", 4, "host0"),
+        ("rtx4090", 2, "desk"),
     ]
     assert inv.inter_host_bandwidth == 25e9
 
@@ -410,8 +471,7 @@ def test_detect_on_cpu_gives_one_host_of_eight_unknown_devices():
 
 def _fake(i, kind, process=0, limit=None):
     stats = None if limit is None else {"bytes_limit": limit, "bytes_in_use": 0}
-    return SimpleNamespace(id=i, device_kind=kind, process_index=process,
-                           memory_stats=lambda: stats)
+    return SimpleNamespace(id=i, device_kind=kind, process_index=process, memory_stats=lambda: stats)
 
 
 def test_detect_groups_by_process_and_uses_bytes_limit():
@@ -435,6 +495,7 @@ def test_detect_splits_a_process_with_two_kinds():
 def test_detect_tolerates_memory_stats_errors():
     def broken():
         raise RuntimeError("no stats")
+
     device = SimpleNamespace(id=0, device_kind="NVIDIA L40S", process_index=0, memory_stats=broken)
     assert dv.detect_inventory([device]).hosts[0].kind is dv.KINDS["l40s"]
     with pytest.raises(ValueError, match="no devices"):

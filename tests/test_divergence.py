@@ -4,8 +4,8 @@ the parameters that produced it is set aside, so the last one kept is from befor
 import math
 
 import pytest
-
 from test_faults import args_for, steps_saved
+
 from train import train
 from train.divergence import DivergenceGuard, auto_max_loss, parse_max_loss
 
@@ -34,8 +34,11 @@ def test_a_huge_learning_rate_stops_and_keeps_the_checkpoint_from_before(tmp_pat
     run_dir = tmp_path / "run"
     assert train.main(args_for(corpus, cache, "--steps", "3", "--ckpt-every", "1", "--run-dir", str(run_dir))) == 0
     capsys.readouterr()
-    code = train.main(args_for(corpus, cache, "--steps", "8", "--ckpt-every", "1", "--lr", "30", "--resume",
-                               "--run-dir", str(run_dir)))
+    code = train.main(
+        args_for(
+            corpus, cache, "--steps", "8", "--ckpt-every", "1", "--lr", "30", "--resume", "--run-dir", str(run_dir)
+        )
+    )
     err = capsys.readouterr()
     assert code == 1, err.err
     lines = [line for line in err.err.splitlines() if line.startswith("error:")]
@@ -51,5 +54,7 @@ def test_a_huge_learning_rate_stops_and_keeps_the_checkpoint_from_before(tmp_pat
 def test_bad_max_loss_is_refused_in_one_line(tmp_path, corpus, cache, capsys):
     code = train.main(args_for(corpus, cache, "--max-loss", "nan", "--run-dir", str(tmp_path / "r")))
     err = capsys.readouterr().err
-    assert code == 2 and err.strip() == "error: --max-loss nan: must be auto, off or a finite number > 0, e.g. " \
-        "--max-loss 20", err
+    assert (
+        code == 2
+        and err.strip() == "error: --max-loss nan: must be auto, off or a finite number > 0, e.g. --max-loss 20"
+    ), err

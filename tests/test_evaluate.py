@@ -5,13 +5,17 @@ import math
 import jax
 import numpy as np
 import pytest
+from test_hf import FIXTURES, load
 
 from models.transformer import apply
 from sharding.parallel import UNSHARDED
-from test_hf import FIXTURES, load
 
-TEXT = ["def add(a, b):\n    return a + b\n" * 6, "class Point:\n    x: int = 0\n    y: int = 0\n" * 5,
-        "import os\nprint(os.getcwd())\n" * 8, "for i in range(10):\n    print(i * i)\n" * 7]
+TEXT = [
+    "def add(a, b):\n    return a + b\n" * 6,
+    "class Point:\n    x: int = 0\n    y: int = 0\n" * 5,
+    "import os\nprint(os.getcwd())\n" * 8,
+    "for i in range(10):\n    print(i * i)\n" * 7,
+]
 
 
 @pytest.fixture()
@@ -32,16 +36,18 @@ def test_heldout_loss_equals_a_plain_computation(corpus, tmp_path):
     config, graphdef, params, par = load(FIXTURES / "llama_tied", "fsdp=4,tensor=2")
     tokenizer = HFTokenizer(FIXTURES / "llama_tied" / "tokenizer.json")
     model = LoadedModel(config, graphdef, params, tokenizer, tokenizer.eod_id, None)
-    dataset = load_dataset(str(corpus), tokenizer, 16, 4, seed=0, heldout=0.5, cache_dir=tmp_path / "cache",
-                           log=lambda _: None)
+    dataset = load_dataset(
+        str(corpus), tokenizer, 16, 4, seed=0, heldout=0.5, cache_dir=tmp_path / "cache", log=lambda _: None
+    )
     loss, tokens = evaluate(model, par, dataset, 4, 16, 2)
 
     plain = jax.tree.map(np.asarray, params)  # one device, float32
     total = count = 0.0
     for b in range(2):
         batch = dataset.eval_rows(b, range(4))
-        logits = np.asarray(apply(graphdef, plain, batch["tokens"], batch["positions"], batch["segment_ids"],
-                                  par=UNSHARDED), np.float64)
+        logits = np.asarray(
+            apply(graphdef, plain, batch["tokens"], batch["positions"], batch["segment_ids"], par=UNSHARDED), np.float64
+        )
         logp = logits - logits.max(-1, keepdims=True)
         logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
         picked = np.take_along_axis(logp, batch["targets"][..., None], -1)[..., 0]
@@ -54,8 +60,27 @@ def test_heldout_loss_equals_a_plain_computation(corpus, tmp_path):
 def test_cli_prints_loss_and_perplexity(corpus, tmp_path, capsys):
     from train.evaluate import main
 
-    assert main(["--hf", str(FIXTURES / "qwen2"), "--data", str(corpus), "--seq-len", "16", "--batch-size", "4",
-                 "--heldout", "0.5", "--data-cache", str(tmp_path / "cache"), "--mesh", "data=2,tensor=4"]) == 0
+    assert (
+        main(
+            [
+                "--hf",
+                str(FIXTURES / "qwen2"),
+                "--data",
+                str(corpus),
+                "--seq-len",
+                "16",
+                "--batch-size",
+                "4",
+                "--heldout",
+                "0.5",
+                "--data-cache",
+                str(tmp_path / "cache"),
+                "--mesh",
+                "data=2,tensor=4",
+            ]
+        )
+        == 0
+    )
     line = capsys.readouterr().out.strip()
     loss = float(line.split("held-out loss ")[1].split()[0])
     ppl = float(line.split("perplexity ")[1].split()[0])

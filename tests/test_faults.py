@@ -6,12 +6,27 @@ import signal
 import time
 
 import pytest
-
 from _procs import losses, run, start, wait_for_line
+
 from train import train
 
-BASE = ["--model", "test", "--seq-len", "64", "--batch-size", "8", "--eval-every", "0", "--log-every", "1",
-        "--no-progress", "--eval-batches", "1", "--warmup", "1"]
+BASE = [
+    "--model",
+    "test",
+    "--seq-len",
+    "64",
+    "--batch-size",
+    "8",
+    "--eval-every",
+    "0",
+    "--log-every",
+    "1",
+    "--no-progress",
+    "--eval-batches",
+    "1",
+    "--warmup",
+    "1",
+]
 
 
 def args_for(corpus, cache, *extra):
@@ -32,8 +47,12 @@ def snapshot(folder):
 def test_a_signal_finishes_the_step_saves_and_exits_zero(tmp_path, corpus, cache, signum):
     run_dir = tmp_path / "run"
     log = tmp_path / "first.log"
-    process = start(args_for(corpus, cache, "--steps", "1000", "--ckpt-every", "0", "--cpu-devices", "8",
-                             "--run-dir", str(run_dir)), log)
+    process = start(
+        args_for(
+            corpus, cache, "--steps", "1000", "--ckpt-every", "0", "--cpu-devices", "8", "--run-dir", str(run_dir)
+        ),
+        log,
+    )
     wait_for_line(log, r"^step\s+3/1000", process)
     sent = time.monotonic()
     process.send_signal(signum)
@@ -47,8 +66,12 @@ def test_a_signal_finishes_the_step_saves_and_exits_zero(tmp_path, corpus, cache
     assert seconds < 60
 
     resumed = tmp_path / "resumed.log"
-    code = run(args_for(corpus, cache, "--steps", str(stopped_at + 2), "--resume", "--cpu-devices", "8",
-                        "--run-dir", str(run_dir)), resumed)
+    code = run(
+        args_for(
+            corpus, cache, "--steps", str(stopped_at + 2), "--resume", "--cpu-devices", "8", "--run-dir", str(run_dir)
+        ),
+        resumed,
+    )
     assert code == 0, resumed.read_text()
     assert f"resumed step {stopped_at}" in resumed.read_text()
     assert set(losses(run_dir)) == set(range(1, stopped_at + 3))
@@ -82,8 +105,12 @@ def test_kill_during_an_asynchronous_save_resumes_from_the_previous_step(tmp_pat
 def test_a_failed_asynchronous_save_stops_training_at_once(tmp_path, corpus, cache):
     run_dir = tmp_path / "run"
     log = tmp_path / "run.log"
-    process = start(args_for(corpus, cache, "--steps", "1000", "--ckpt-every", "2", "--cpu-devices", "8",
-                             "--run-dir", str(run_dir)), log)
+    process = start(
+        args_for(
+            corpus, cache, "--steps", "1000", "--ckpt-every", "2", "--cpu-devices", "8", "--run-dir", str(run_dir)
+        ),
+        log,
+    )
     wait_for_line(log, r"^step\s+3/1000", process)
     # The checkpoint folder becomes unusable (as a full or read-only disk would make it).
     (run_dir / "checkpoints").rename(run_dir / "moved-away")
@@ -97,8 +124,9 @@ def test_a_failed_asynchronous_save_stops_training_at_once(tmp_path, corpus, cac
 
 def test_nonfinite_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(tmp_path, corpus, cache, capsys):
     run_dir = tmp_path / "run"
-    code = train.main(args_for(corpus, cache, "--steps", "6", "--ckpt-every", "1", "--lr", "1e30",
-                               "--run-dir", str(run_dir)))
+    code = train.main(
+        args_for(corpus, cache, "--steps", "6", "--ckpt-every", "1", "--lr", "1e30", "--run-dir", str(run_dir))
+    )
     err = capsys.readouterr().err
     assert code == 1
     match = re.search(r"the loss or its gradient became non-finite at step (\d+)", err)
@@ -109,8 +137,9 @@ def test_nonfinite_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(t
 
 def test_skip_nonfinite_skips_and_logs_up_to_n_steps(tmp_path, corpus, cache, capsys):
     run_dir = tmp_path / "run"
-    code = train.main(args_for(corpus, cache, "--steps", "5", "--lr", "1e30", "--skip-nonfinite", "10",
-                               "--run-dir", str(run_dir)))
+    code = train.main(
+        args_for(corpus, cache, "--steps", "5", "--lr", "1e30", "--skip-nonfinite", "10", "--run-dir", str(run_dir))
+    )
     out = capsys.readouterr().out
     assert code == 0
     skipped = re.findall(r"step (\d+): loss \S+ / grad norm \S+ is not finite; the update was skipped", out)
@@ -121,21 +150,30 @@ def test_skip_nonfinite_skips_and_logs_up_to_n_steps(tmp_path, corpus, cache, ca
     "extra, message",
     [
         (["--mesh", "fsdp=3"], "--mesh 'fsdp=3': the sizes multiply to 3 but JAX sees 8 devices"),
-        (["--batch-size", "12"], "--batch-size 12 / --microbatches 1 = 12 sequences per microbatch, not divisible "
-                                 "by the data-parallel size data x fsdp = 8"),
-        (["--batch-size", "16", "--microbatches", "3"],
-         "--batch-size 16 is not divisible by --microbatches 3; e.g. --batch-size 24"),  # 24 = 3 x 8 fits both
+        (
+            ["--batch-size", "12"],
+            "--batch-size 12 / --microbatches 1 = 12 sequences per microbatch, not divisible "
+            "by the data-parallel size data x fsdp = 8",
+        ),
+        (
+            ["--batch-size", "16", "--microbatches", "3"],
+            "--batch-size 16 is not divisible by --microbatches 3; e.g. --batch-size 24",
+        ),  # 24 = 3 x 8 fits both
         (["--mesh", "data=8", "--logits", "vocab_parallel"], "--logits vocab_parallel does not apply here"),
         (["--rules", "dp", "--logits", "vocab_parallel"], "--logits vocab_parallel does not apply here"),
         (["--mesh", "fsdp=4,sequence=2", "--seq-len", "63"], "--seq-len 63 is not divisible by the sequence axis (2)"),
-        (["--mesh", "fsdp=2,tensor=4", "--set", "num_heads=6", "--set", "num_kv_heads=2"],
-         "num_heads=6 cannot be split over tensor=4"),
+        (
+            ["--mesh", "fsdp=2,tensor=4", "--set", "num_heads=6", "--set", "num_kv_heads=2"],
+            "num_heads=6 cannot be split over tensor=4",
+        ),
         (["--mesh", "fsdp=8", "--set", "embed_dim=100"], "embed_dim=100 cannot be split over fsdp=8"),
         (["--data", "/nonexistent/corpus"], "--data /nonexistent/corpus: no such file or folder"),
         (["--mesh-outer", "dta=2"], "unknown mesh axis 'dta'"),
         (["--coordinator", "127.0.0.1:1234"], "--num-processes, --process-id missing"),
-        (["--coordinator", "127.0.0.1:1234", "--num-processes", "2", "--process-id", "2"],
-         "--process-id 2: must be in 0..1"),
+        (
+            ["--coordinator", "127.0.0.1:1234", "--num-processes", "2", "--process-id", "2"],
+            "--process-id 2: must be in 0..1",
+        ),
         (["--skip-nonfinite", "-1"], "--skip-nonfinite -1"),
     ],
 )
@@ -193,8 +231,9 @@ def test_resuming_with_another_tokenizer_is_refused(saved_run, corpus, cache, ca
 
     tokenizer = make_hf_tokenizer(tmp_path / "tokenizer.json")
     before = snapshot(saved_run)
-    code = train.main(args_for(corpus, cache, "--steps", "4", "--resume", "--run-dir", str(saved_run),
-                               "--tokenizer", str(tokenizer)))
+    code = train.main(
+        args_for(corpus, cache, "--steps", "4", "--resume", "--run-dir", str(saved_run), "--tokenizer", str(tokenizer))
+    )
     err = capsys.readouterr().err
     assert code == 2 and "vocabulary of 257 tokens" in err and "--tokenizer bytes" in err
     assert snapshot(saved_run) == before

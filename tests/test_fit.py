@@ -9,20 +9,38 @@ from sharding.devices import device_memory, host_available_bytes
 from train import fit, train
 from train.cli import parse
 
-BASE = ["--model", "test", "--seq-len", "64", "--batch-size", "8", "--steps", "2", "--no-progress",
-        "--eval-batches", "1"]
+BASE = [
+    "--model",
+    "test",
+    "--seq-len",
+    "64",
+    "--batch-size",
+    "8",
+    "--steps",
+    "2",
+    "--no-progress",
+    "--eval-batches",
+    "1",
+]
 
 
 def fake_compiled(arguments, outputs, aliased, temporaries):
-    stats = types.SimpleNamespace(argument_size_in_bytes=arguments, output_size_in_bytes=outputs,
-                                  alias_size_in_bytes=aliased, temp_size_in_bytes=temporaries)
+    stats = types.SimpleNamespace(
+        argument_size_in_bytes=arguments,
+        output_size_in_bytes=outputs,
+        alias_size_in_bytes=aliased,
+        temp_size_in_bytes=temporaries,
+    )
     return types.SimpleNamespace(memory_analysis=lambda: stats)
 
 
 def with_budget(argv, budget):
     run = parse(argv)
-    return run.replace(cluster=run.cluster.__class__(**{**vars(run.cluster), "device_memory": budget,
-                                                         "device_memory_source": "a test budget"}))
+    return run.replace(
+        cluster=run.cluster.__class__(
+            **{**vars(run.cluster), "device_memory": budget, "device_memory_source": "a test budget"}
+        )
+    )
 
 
 def test_the_compiled_peak_is_arguments_plus_outputs_minus_aliased_plus_temporaries():
@@ -47,8 +65,19 @@ def test_remedies_never_repeat_the_values_in_use():
 
 def test_a_huge_vocabulary_is_refused_before_anything_is_built(tmp_path, corpus, cache, capsys):
     t0 = time.monotonic()
-    code = train.main([*BASE, "--data", str(corpus), "--data-cache", str(cache), "--run-dir", str(tmp_path / "r"),
-                       "--set", "vocab_size=1000000000"])
+    code = train.main(
+        [
+            *BASE,
+            "--data",
+            str(corpus),
+            "--data-cache",
+            str(cache),
+            "--run-dir",
+            str(tmp_path / "r"),
+            "--set",
+            "vocab_size=1000000000",
+        ]
+    )
     seconds = time.monotonic() - t0
     err = capsys.readouterr().err
     assert code == 2 and "the model cannot fit: 256,000," in err and "--set vocab_size" in err
@@ -58,8 +87,21 @@ def test_a_huge_vocabulary_is_refused_before_anything_is_built(tmp_path, corpus,
 
 def test_a_step_that_cannot_fit_is_refused_before_the_first_step(tmp_path, corpus, cache, capsys):
     run_dir = tmp_path / "r"
-    code = train.main([*BASE, "--data", str(corpus), "--data-cache", str(cache), "--run-dir", str(run_dir),
-                       "--batch-size", "64", "--device-memory", "2MiB"])
+    code = train.main(
+        [
+            *BASE,
+            "--data",
+            str(corpus),
+            "--data-cache",
+            str(cache),
+            "--run-dir",
+            str(run_dir),
+            "--batch-size",
+            "64",
+            "--device-memory",
+            "2MiB",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2, err
     assert "error: the train step cannot fit: its peak is" in err and "more than the 0.00 GiB of --device-memory" in err

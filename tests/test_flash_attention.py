@@ -26,11 +26,9 @@ from models.kernels.flash_attention import (
     flash_attention_reference,
 )
 
-BASE = dict(batch=1, q_len=128, kv_len=128, heads=8, kv_heads=2, head_dim=64, causal=True,
-            segments=0, blocks=None)
+BASE = dict(batch=1, q_len=128, kv_len=128, heads=8, kv_heads=2, head_dim=64, causal=True, segments=0, blocks=None)
 SMALL = BlockSizes(16, 16, 16, 16, 16, 16)
-MIXED = BlockSizes(block_q=64, block_kv=32, block_q_dq=32, block_kv_dq=128, block_q_dkv=128,
-                   block_kv_dkv=16)
+MIXED = BlockSizes(block_q=64, block_kv=32, block_q_dq=32, block_kv_dq=128, block_q_dkv=128, block_kv_dkv=16)
 
 
 def _case(**overrides):
@@ -205,8 +203,7 @@ def test_fully_masked_rows_are_zero_with_zero_gradients():
         return flash_attention(q, k, v, q_segment_ids=q_ids, kv_segment_ids=kv_ids, causal=True)
 
     def reference(q, k, v):
-        return flash_attention_reference(q, k, v, q_segment_ids=q_ids, kv_segment_ids=kv_ids,
-                                         causal=True)
+        return flash_attention_reference(q, k, v, q_segment_ids=q_ids, kv_segment_ids=kv_ids, causal=True)
 
     got = _value_and_grads(_Static(flash), q, k, v, d_out)
     want = _value_and_grads(_Static(reference), q, k, v, d_out)
@@ -224,8 +221,9 @@ def test_fully_masked_rows_are_zero_with_zero_gradients():
 # ---------------------------------------------------------------------------------------
 
 
-def _visible_tiles(rows: int, cols: int, block_rows: int, block_cols: int, offset: int,
-                   transpose: bool = False) -> np.ndarray:
+def _visible_tiles(
+    rows: int, cols: int, block_rows: int, block_cols: int, offset: int, transpose: bool = False
+) -> np.ndarray:
     """Brute force: for each (row tile, col tile), whether any query i sees any key j,
     j <= i + offset, over the padded rows and columns the kernel works on."""
     i = np.arange(rows)[:, None]
@@ -294,40 +292,83 @@ def _zeros(*shape, dtype=np.float32):
 @pytest.mark.parametrize(
     "q, k, v, kwargs, message",
     [
-        (_zeros(1, 8, 6, 16), _zeros(1, 8, 4, 16), _zeros(1, 8, 4, 16), {},
-         r"heads \(6\) must be a multiple of kv_heads \(4\)"),
+        (
+            _zeros(1, 8, 6, 16),
+            _zeros(1, 8, 4, 16),
+            _zeros(1, 8, 4, 16),
+            {},
+            r"heads \(6\) must be a multiple of kv_heads \(4\)",
+        ),
         (_zeros(8, 6, 16), _zeros(1, 8, 2, 16), _zeros(1, 8, 2, 16), {}, "q must have rank 4"),
-        (_zeros(1, 8, 4, 16), _zeros(1, 8, 2, 16, 1), _zeros(1, 8, 2, 16), {},
-         "k must have rank 4"),
-        (_zeros(1, 8, 4, 16), _zeros(1, 8, 2, 16), _zeros(1, 9, 2, 16), {},
-         "k and v must have the same shape"),
-        (_zeros(2, 8, 4, 16), _zeros(1, 8, 2, 16), _zeros(1, 8, 2, 16), {},
-         "same batch size, got 2 and 1"),
-        (_zeros(1, 8, 4, 32), _zeros(1, 8, 2, 16), _zeros(1, 8, 2, 16), {},
-         "same head_dim, got 32 and 16"),
-        (_zeros(1, 8, 4, 16), _zeros(1, 8, 2, 16, dtype=jnp.bfloat16),
-         _zeros(1, 8, 2, 16, dtype=jnp.bfloat16), {}, "must have one dtype"),
-        (_zeros(1, 8, 4, 16, dtype=np.float16), _zeros(1, 8, 2, 16, dtype=np.float16),
-         _zeros(1, 8, 2, 16, dtype=np.float16), {}, "q must be float32 or bfloat16"),
-        (_zeros(1, 8, 4, 16), _zeros(1, 8, 2, 16), _zeros(1, 8, 2, 16),
-         dict(q_segment_ids=_zeros(1, 8, dtype=np.int32)),
-         "q_segment_ids was given without kv_segment_ids"),
-        (_zeros(1, 8, 4, 16), _zeros(1, 8, 2, 16), _zeros(1, 8, 2, 16),
-         dict(kv_segment_ids=_zeros(1, 8, dtype=np.int32)),
-         "kv_segment_ids was given without q_segment_ids"),
-        (_zeros(1, 8, 4, 16), _zeros(1, 5, 2, 16), _zeros(1, 5, 2, 16),
-         dict(q_segment_ids=_zeros(1, 8, dtype=np.int32),
-              kv_segment_ids=_zeros(1, 8, dtype=np.int32)),
-         r"kv_segment_ids must have shape \[batch, length\] = \(1, 5\), got \(1, 8\)"),
-        (_zeros(1, 8, 4, 16), _zeros(1, 8, 2, 16), _zeros(1, 8, 2, 16),
-         dict(q_segment_ids=_zeros(1, 8), kv_segment_ids=_zeros(1, 8)),
-         "q_segment_ids must be an integer array"),
-        (_zeros(1, 8, 4, 16), _zeros(1, 8, 2, 16), _zeros(1, 8, 2, 16),
-         dict(block_sizes=(64, 64)), "block_sizes must be a BlockSizes"),
+        (_zeros(1, 8, 4, 16), _zeros(1, 8, 2, 16, 1), _zeros(1, 8, 2, 16), {}, "k must have rank 4"),
+        (_zeros(1, 8, 4, 16), _zeros(1, 8, 2, 16), _zeros(1, 9, 2, 16), {}, "k and v must have the same shape"),
+        (_zeros(2, 8, 4, 16), _zeros(1, 8, 2, 16), _zeros(1, 8, 2, 16), {}, "same batch size, got 2 and 1"),
+        (_zeros(1, 8, 4, 32), _zeros(1, 8, 2, 16), _zeros(1, 8, 2, 16), {}, "same head_dim, got 32 and 16"),
+        (
+            _zeros(1, 8, 4, 16),
+            _zeros(1, 8, 2, 16, dtype=jnp.bfloat16),
+            _zeros(1, 8, 2, 16, dtype=jnp.bfloat16),
+            {},
+            "must have one dtype",
+        ),
+        (
+            _zeros(1, 8, 4, 16, dtype=np.float16),
+            _zeros(1, 8, 2, 16, dtype=np.float16),
+            _zeros(1, 8, 2, 16, dtype=np.float16),
+            {},
+            "q must be float32 or bfloat16",
+        ),
+        (
+            _zeros(1, 8, 4, 16),
+            _zeros(1, 8, 2, 16),
+            _zeros(1, 8, 2, 16),
+            dict(q_segment_ids=_zeros(1, 8, dtype=np.int32)),
+            "q_segment_ids was given without kv_segment_ids",
+        ),
+        (
+            _zeros(1, 8, 4, 16),
+            _zeros(1, 8, 2, 16),
+            _zeros(1, 8, 2, 16),
+            dict(kv_segment_ids=_zeros(1, 8, dtype=np.int32)),
+            "kv_segment_ids was given without q_segment_ids",
+        ),
+        (
+            _zeros(1, 8, 4, 16),
+            _zeros(1, 5, 2, 16),
+            _zeros(1, 5, 2, 16),
+            dict(q_segment_ids=_zeros(1, 8, dtype=np.int32), kv_segment_ids=_zeros(1, 8, dtype=np.int32)),
+            r"kv_segment_ids must have shape \[batch, length\] = \(1, 5\), got \(1, 8\)",
+        ),
+        (
+            _zeros(1, 8, 4, 16),
+            _zeros(1, 8, 2, 16),
+            _zeros(1, 8, 2, 16),
+            dict(q_segment_ids=_zeros(1, 8), kv_segment_ids=_zeros(1, 8)),
+            "q_segment_ids must be an integer array",
+        ),
+        (
+            _zeros(1, 8, 4, 16),
+            _zeros(1, 8, 2, 16),
+            _zeros(1, 8, 2, 16),
+            dict(block_sizes=(64, 64)),
+            "block_sizes must be a BlockSizes",
+        ),
     ],
-    ids=["gqa-heads", "q-rank", "k-rank", "kv-shape", "batch", "head-dim", "dtype-mix",
-         "dtype-f16", "kv-ids-missing", "q-ids-missing", "ids-shape", "ids-dtype",
-         "block-sizes-type"],
+    ids=[
+        "gqa-heads",
+        "q-rank",
+        "k-rank",
+        "kv-shape",
+        "batch",
+        "head-dim",
+        "dtype-mix",
+        "dtype-f16",
+        "kv-ids-missing",
+        "q-ids-missing",
+        "ids-shape",
+        "ids-dtype",
+        "block-sizes-type",
+    ],
 )
 def test_validation_errors(q, k, v, kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -350,22 +391,26 @@ def test_inside_shard_map(causal):
 
     devices = jax.devices()
     mesh = jax.make_mesh((len(devices),), ("data",), axis_types=(AxisType.Auto,))
-    case = _case(batch=len(devices), q_len=40, kv_len=40, heads=2, kv_heads=1, head_dim=16,
-                 segments=2)
+    case = _case(batch=len(devices), q_len=40, kv_len=40, heads=2, kv_heads=1, head_dim=16, segments=2)
     q, k, v, d_out, kwargs = _inputs(case)
     seg = P("data", None)
     qkv = P("data", None, None, None)
 
     def local(q, k, v, q_ids, kv_ids):
-        return flash_attention(q, k, v, q_segment_ids=q_ids, kv_segment_ids=kv_ids,
-                               causal=causal)
+        return flash_attention(q, k, v, q_segment_ids=q_ids, kv_segment_ids=kv_ids, causal=causal)
 
-    sharded = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(qkv, qkv, qkv, seg, seg),
-                                    out_specs=qkv))
+    sharded = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(qkv, qkv, qkv, seg, seg), out_specs=qkv))
     ids = (kwargs["q_segment_ids"], kwargs["kv_segment_ids"])
     got = _value_and_grads(_Static(lambda q, k, v: sharded(q, k, v, *ids)), q, k, v, d_out)
     want = _value_and_grads(
-        _Static(lambda q, k, v: flash_attention_reference(
-            q, k, v, q_segment_ids=ids[0], kv_segment_ids=ids[1], causal=causal)),
-        q, k, v, d_out)
+        _Static(
+            lambda q, k, v: flash_attention_reference(
+                q, k, v, q_segment_ids=ids[0], kv_segment_ids=ids[1], causal=causal
+            )
+        ),
+        q,
+        k,
+        v,
+        d_out,
+    )
     _assert_close(got, want, 1e-5)

@@ -3,10 +3,10 @@
 import jax
 import numpy as np
 import pytest
+from test_hf import FIXTURES, load, reference
 
 from models.generation import Generator, Sampling, sample
 from models.transformer import apply
-from test_hf import FIXTURES, load, reference
 
 
 @pytest.fixture(scope="module")
@@ -15,8 +15,9 @@ def gqa():
     return config, graphdef, params, par, Generator(config, graphdef, params, par)
 
 
-@pytest.mark.parametrize("name, mesh", [("llama_gqa", "data=2,tensor=4"), ("llama_tied", "fsdp=4,tensor=2"),
-                                        ("qwen2", "fsdp=8")])
+@pytest.mark.parametrize(
+    "name, mesh", [("llama_gqa", "data=2,tensor=4"), ("llama_tied", "fsdp=4,tensor=2"), ("qwen2", "fsdp=8")]
+)
 def test_greedy_reproduces_the_transformers_continuation(name, mesh):
     config, graphdef, params, par = load(FIXTURES / name, mesh)
     ref = reference(name)
@@ -48,7 +49,7 @@ def test_cached_logits_equal_the_full_forward_pass(gqa):
     logits, cache = extend(graphdef, params, cache, tokens[:, :8], np.zeros(2, np.int32), par)
     np.testing.assert_allclose(np.asarray(logits), full[:, :8], rtol=1e-5, atol=1e-5)
     for t in range(8, 12):
-        logits, cache = extend(graphdef, params, cache, tokens[:, t:t + 1], np.full(2, t, np.int32), par)
+        logits, cache = extend(graphdef, params, cache, tokens[:, t : t + 1], np.full(2, t, np.int32), par)
         np.testing.assert_allclose(np.asarray(logits)[:, 0], full[:, t], rtol=1e-5, atol=1e-5)
 
 
@@ -75,7 +76,8 @@ def test_streaming_callback_sees_each_step():
     seen = []
     config, graphdef, params, par = load(FIXTURES / "llama_tied", "fsdp=8")
     out = Generator(config, graphdef, params, par).generate(
-        [[1, 2], [3]], 4, on_tokens=lambda tokens, active: seen.append(tokens[active].tolist()))
+        [[1, 2], [3]], 4, on_tokens=lambda tokens, active: seen.append(tokens[active].tolist())
+    )
     assert [step[0] for step in seen] == out[0] and [step[1] for step in seen] == out[1]
 
 
@@ -115,19 +117,35 @@ def test_cli_prints_the_greedy_continuation(capsys, tmp_path):
     prompt = tok.decode(ref["prompt"][0].tolist())
     prompts = tmp_path / "prompts.txt"
     prompts.write_text(f"{prompt}\n\nab\n")
-    assert main(["--hf", str(FIXTURES / "llama_gqa"), "--prompt-file", str(prompts), "--max-new-tokens", "12",
-                 "--mesh", "data=2,tensor=4"]) == 0
+    assert (
+        main(
+            [
+                "--hf",
+                str(FIXTURES / "llama_gqa"),
+                "--prompt-file",
+                str(prompts),
+                "--max-new-tokens",
+                "12",
+                "--mesh",
+                "data=2,tensor=4",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "--- prompt 0" and out[1] == prompt + tok.decode(ref["greedy"][0].tolist())
     assert out[2] == "--- prompt 1" and out[3].startswith("ab")
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--top-k", "-1"], "--top-k -1: must be >= 0"),
-    (["--max-new-tokens", "0"], "--max-new-tokens 0: must be positive"),
-    (["--mesh", "data=3"], "--mesh"),
-    (["--prompt-file", "/nonexistent"], "--prompt-file /nonexistent: no such file"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--top-k", "-1"], "--top-k -1: must be >= 0"),
+        (["--max-new-tokens", "0"], "--max-new-tokens 0: must be positive"),
+        (["--mesh", "data=3"], "--mesh"),
+        (["--prompt-file", "/nonexistent"], "--prompt-file /nonexistent: no such file"),
+    ],
+)
 def test_cli_bad_flags_end_in_one_line(capsys, flags, message):
     from train.generate import main
 

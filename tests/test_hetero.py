@@ -34,7 +34,9 @@ COUNTS = (3, 3, 3, 3, 1, 1, 1, 1)
 def _trainer(mesh_spec, rules):
     config = get_config("test", ["num_layers=1"])
     optimizer = OptimizerConfig(warmup=0, decay_steps=10, eps=1e-3)
-    return Trainer(config, optimizer, Parallelism.of(make_mesh(parse_mesh(mesh_spec, 8)), get_rules(rules), Accumulation(1)))
+    return Trainer(
+        config, optimizer, Parallelism.of(make_mesh(parse_mesh(mesh_spec, 8)), get_rules(rules), Accumulation(1))
+    )
 
 
 def _uneven(trainer, counts):
@@ -81,12 +83,15 @@ def _loop_bodies(text):
 
 # data=8 with "dp" alone: test_counts_are_an_input_... compares its update with the uniform one (and the
 # fsdp case below checks the loop's collectives without tensor); it was dropped here to keep `make test` short.
-@pytest.mark.parametrize("mesh_spec,rules,counts,rows", [
-    ("data=2,fsdp=4", "fsdp", (0, 2, 1, 1, 4, 1, 0, 3), 2),
-    # tensor inside each data-parallel group: one count per group, shared by its two tensor devices
-    ("data=4,tensor=2", "tp", (3, 1, 2, 0), 1),
-    ("data=2,fsdp=2,tensor=2", "fsdp_tp", (0, 3, 1, 2), 2),
-])
+@pytest.mark.parametrize(
+    "mesh_spec,rules,counts,rows",
+    [
+        ("data=2,fsdp=4", "fsdp", (0, 2, 1, 1, 4, 1, 0, 3), 2),
+        # tensor inside each data-parallel group: one count per group, shared by its two tensor devices
+        ("data=4,tensor=2", "tp", (3, 1, 2, 0), 1),
+        ("data=2,fsdp=2,tensor=2", "fsdp_tp", (0, 3, 1, 2), 2),
+    ],
+)
 def test_update_equals_uniform_batch_and_counts_match(mesh_spec, rules, counts, rows):
     trainer = _trainer(mesh_spec, rules)
     step = _uneven(trainer, counts)
@@ -113,8 +118,10 @@ def test_update_equals_uniform_batch_and_counts_match(mesh_spec, rules, counts, 
     _close(new["params"], ref["params"])
     _close(new["opt_state"], ref["opt_state"])
     # the parameters moved: the comparison is not of two unchanged states
-    assert max(float(jnp.max(jnp.abs(a - b))) for a, b in
-               zip(jax.tree.leaves(new["params"]), jax.tree.leaves(params))) > 1e-4
+    assert (
+        max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(new["params"]), jax.tree.leaves(params)))
+        > 1e-4
+    )
     _check_compiled_loop(compiled.as_text(), trainer, mesh_spec, rules, counts, rows)
 
 
@@ -132,8 +139,12 @@ def _check_compiled_loop(text, trainer, mesh_spec, rules, counts, rows):
     tensor the collectives must be the cost model's for the uneven step."""
     bodies, instructions = _loop_bodies(text)
     assert bodies, "the per-device microbatch loop is missing"
-    inside = [(op, hlo.device_groups(rest)) for c in bodies for _, _, op, rest in instructions.get(c, ())
-              if op.replace("-start", "") in hlo.COLLECTIVE_OPS]
+    inside = [
+        (op, hlo.device_groups(rest))
+        for c in bodies
+        for _, _, op, rest in instructions.get(c, ())
+        if op.replace("-start", "") in hlo.COLLECTIVE_OPS
+    ]
     layout = cm.Layout(parse_mesh(mesh_spec, 8), rules, 1, uneven_batch=True)
     if trainer.par.mesh_shape["tensor"] > 1:
         group = _data_parallel_group(trainer.mesh)
@@ -151,8 +162,15 @@ def _check_compiled_loop(text, trainer, mesh_spec, rules, counts, rows):
         return
     assert inside == []
     capacity = default_capacity(sum(counts), len(counts), counts)
-    cost = cm.device_cost(trainer.config, layout, seq_len=SEQ, rows=rows, microbatches=capacity, backend="cpu",
-                          batch_rows=sum(counts) * rows)
+    cost = cm.device_cost(
+        trainer.config,
+        layout,
+        seq_len=SEQ,
+        rows=rows,
+        microbatches=capacity,
+        backend="cpu",
+        batch_rows=sum(counts) * rows,
+    )
     compiled, predicted = cm.collective_bytes(hlo.collectives(text)), cm.collective_bytes(cost.comms)
     assert set(compiled) == set(predicted)
     for kind in compiled:
@@ -206,7 +224,9 @@ def test_auto_counts_from_simulated_kinds():
     trainer = _trainer("data=8", "dp")
     _, simulated = simulate_inventory("h100:4,a100:4", jax.devices())
     speeds = strategies.device_speeds(trainer.mesh, simulated)
-    par, _ = strategies.resolve_uneven(trainer.par.replace(strategy=UnevenBatch(None, "kinds", 2)), trainer.mesh, simulated)
+    par, _ = strategies.resolve_uneven(
+        trainer.par.replace(strategy=UnevenBatch(None, "kinds", 2)), trainer.mesh, simulated
+    )
     assert list(par.strategy.counts) == list(COUNTS)
     assert counts_for_speeds(speeds, 16) == list(COUNTS)
     with pytest.raises(ValueError, match="--simulate-cluster"):
@@ -214,40 +234,104 @@ def test_auto_counts_from_simulated_kinds():
 
 
 def test_bad_layouts_and_counts_are_refused_naming_the_flag():
-    with pytest.raises(ValueError, match="--hetero-batch supports meshes over data, fsdp and tensor only; --mesh "
-                                         "splits sequence=2"):
+    with pytest.raises(
+        ValueError, match="--hetero-batch supports meshes over data, fsdp and tensor only; --mesh splits sequence=2"
+    ):
         _uneven(_trainer("data=4,sequence=2", "dp"), (1, 1, 1, 1))
-    with pytest.raises(ValueError, match=r"--hetero-batch 3,1,1,1,2,2,1,1: counts 3,1 split a tensor group of 2 "
-                                         r"devices.*one count per data-parallel group.*--hetero-batch 2,1,2,1"):
+    with pytest.raises(
+        ValueError,
+        match=r"--hetero-batch 3,1,1,1,2,2,1,1: counts 3,1 split a tensor group of 2 "
+        r"devices.*one count per data-parallel group.*--hetero-batch 2,1,2,1",
+    ):
         _uneven(_trainer("data=4,tensor=2", "tp"), (3, 1, 1, 1, 2, 2, 1, 1))
-    with pytest.raises(ValueError, match=r"8 counts are one per device; give one count per data-parallel group "
-                                         r"\(the 4 along data x fsdp.*--hetero-batch 3,1,2,1"):
+    with pytest.raises(
+        ValueError,
+        match=r"8 counts are one per device; give one count per data-parallel group "
+        r"\(the 4 along data x fsdp.*--hetero-batch 3,1,2,1",
+    ):
         _uneven(_trainer("data=4,tensor=2", "tp"), (3, 3, 1, 1, 2, 2, 1, 1))
     with pytest.raises(ValueError, match="8 devices"):
         _uneven(_trainer("data=8", "dp"), (1, 1))
     with pytest.raises(ValueError, match="--batch-size 20"):
         _uneven(_trainer("data=8", "dp"), COUNTS).train_step(20, SEQ)
     with pytest.raises(ValueError, match="--batch-size 16 is not divisible by the 17 microbatches"):
-        run = cli.parse(["--model", "test", "--mesh", "data=8", "--rules", "dp", "--hetero-batch", "3,3,3,3,1,1,1,2",
-                         "--batch-size", "16", "--dry-run"])
+        run = cli.parse(
+            [
+                "--model",
+                "test",
+                "--mesh",
+                "data=8",
+                "--rules",
+                "dp",
+                "--hetero-batch",
+                "3,3,3,3,1,1,1,2",
+                "--batch-size",
+                "16",
+                "--dry-run",
+            ]
+        )
         checks.validate(resolve_mesh(run, 8), 8)
     with pytest.raises(ValueError, match="--hetero-batch"):
         cli.parse_hetero_batch("3,x")
     with pytest.raises(ValueError, match="--hetero-max-share 0 needs"):
         cli.parse(["--mesh", "data=8", "--hetero-batch", "auto", "--hetero-max-share", "0"])
     with pytest.raises(ValueError, match="--hetero-max-share 2 is below"):
-        run = cli.parse(["--model", "test", "--mesh", "data=8", "--rules", "dp", "--hetero-batch", "3,3,3,3,1,1,1,1",
-                         "--hetero-max-share", "2", "--batch-size", "16"])
+        run = cli.parse(
+            [
+                "--model",
+                "test",
+                "--mesh",
+                "data=8",
+                "--rules",
+                "dp",
+                "--hetero-batch",
+                "3,3,3,3,1,1,1,1",
+                "--hetero-max-share",
+                "2",
+                "--batch-size",
+                "16",
+            ]
+        )
         checks.validate(resolve_mesh(run, 8), 8)
-    run = cli.parse(["--model", "test", "--mesh", "data=8", "--rules", "dp", "--hetero-batch", "3,3,3,3,1,1,1,1",
-                     "--batch-size", "20", "--dry-run"])
+    run = cli.parse(
+        [
+            "--model",
+            "test",
+            "--mesh",
+            "data=8",
+            "--rules",
+            "dp",
+            "--hetero-batch",
+            "3,3,3,3,1,1,1,1",
+            "--batch-size",
+            "20",
+            "--dry-run",
+        ]
+    )
     with pytest.raises(ValueError, match="--batch-size 20"):
         checks.check_strategy(resolve_mesh(run, 8))
 
 
 def test_plan_auto_sets_the_flags(monkeypatch):
-    run = cli.parse(["--plan", "auto", "--simulate-cluster", "h100:4,a100:4", "--batch-size", "64", "--seq-len", "256",
-                     "--model", "125m", "--attention", "flash", "--dtype", "bfloat16", "--dry-run"])
+    run = cli.parse(
+        [
+            "--plan",
+            "auto",
+            "--simulate-cluster",
+            "h100:4,a100:4",
+            "--batch-size",
+            "64",
+            "--seq-len",
+            "256",
+            "--model",
+            "125m",
+            "--attention",
+            "flash",
+            "--dtype",
+            "bfloat16",
+            "--dry-run",
+        ]
+    )
     lines = []
     run = apply_plan(run, jax.devices(), lines.append)
     assert lines and lines[0].startswith("--plan auto")
@@ -264,9 +348,31 @@ def test_plan_auto_sets_the_flags(monkeypatch):
 def test_cli_dry_run_with_simulated_cluster_and_auto_counts(capsys):
     from train.train import main
 
-    code = main(["--cpu-devices", "8", "--model", "test", "--set", "num_layers=1", "--mesh", "data=8", "--rules", "dp",
-                 "--simulate-cluster", "h100:4,a100:4", "--hetero-batch", "kinds", "--microbatches", "2",
-                 "--batch-size", "16", "--seq-len", "32", "--dry-run"])
+    code = main(
+        [
+            "--cpu-devices",
+            "8",
+            "--model",
+            "test",
+            "--set",
+            "num_layers=1",
+            "--mesh",
+            "data=8",
+            "--rules",
+            "dp",
+            "--simulate-cluster",
+            "h100:4,a100:4",
+            "--hetero-batch",
+            "kinds",
+            "--microbatches",
+            "2",
+            "--batch-size",
+            "16",
+            "--seq-len",
+            "32",
+            "--dry-run",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0
     assert "per device 3 (990 TFLOP/s), 3 (990 TFLOP/s), 3 (990 TFLOP/s), 3 (990 TFLOP/s), 1 (312 TFLOP/s)" in out
@@ -276,8 +382,25 @@ def test_cli_dry_run_with_simulated_cluster_and_auto_counts(capsys):
 def test_cli_refuses_counts_that_split_a_tensor_group(capsys):
     from train.train import main
 
-    code = main(["--cpu-devices", "8", "--model", "test", "--mesh", "data=4,tensor=2", "--rules", "fsdp_tp",
-                 "--hetero-batch", "2,1,1,1,1,1,1,1", "--batch-size", "9", "--seq-len", "32", "--dry-run"])
+    code = main(
+        [
+            "--cpu-devices",
+            "8",
+            "--model",
+            "test",
+            "--mesh",
+            "data=4,tensor=2",
+            "--rules",
+            "fsdp_tp",
+            "--hetero-batch",
+            "2,1,1,1,1,1,1,1",
+            "--batch-size",
+            "9",
+            "--seq-len",
+            "32",
+            "--dry-run",
+        ]
+    )
     assert code == 2
     err = capsys.readouterr().err
     assert "--hetero-batch 2,1,1,1,1,1,1,1: counts 2,1 split a tensor group" in err and "Traceback" not in err
@@ -308,16 +431,38 @@ def test_calibration_counts_follow_injected_timings_per_process():
 
     fn, args_on = calibrate.local_work(par, trainer.loss_sums, trainer.abstract_params, 2, SEQ)
     ticks = iter([0.0, 0.6, 1.0, 1.3])
-    out = calibrate.time_local_devices(fn, args_on, jax.devices()[:2], together=False, repeats=3,
-                                       clock=lambda: next(ticks))
+    out = calibrate.time_local_devices(
+        fn, args_on, jax.devices()[:2], together=False, repeats=3, clock=lambda: next(ticks)
+    )
     np.testing.assert_allclose(out, [0.2, 0.1])
 
 
 def test_cli_auto_measures_and_reports(capsys):
     from train.train import main
 
-    code = main(["--cpu-devices", "8", "--model", "test", "--set", "num_layers=1", "--mesh", "data=8", "--rules", "dp",
-                 "--hetero-batch", "auto", "--microbatches", "2", "--batch-size", "16", "--seq-len", "32", "--dry-run"])
+    code = main(
+        [
+            "--cpu-devices",
+            "8",
+            "--model",
+            "test",
+            "--set",
+            "num_layers=1",
+            "--mesh",
+            "data=8",
+            "--rules",
+            "dp",
+            "--hetero-batch",
+            "auto",
+            "--microbatches",
+            "2",
+            "--batch-size",
+            "16",
+            "--seq-len",
+            "32",
+            "--dry-run",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0
     assert "measured speeds (--hetero-batch auto" in out and "datasheet n/a, 2 microbatches" in out
@@ -351,7 +496,9 @@ def test_updates_equal_uniform_before_and_after_a_rebalance():
     from sharding.balance import Rebalancer
 
     trainer = _trainer("data=2,fsdp=4", "fsdp")
-    step = Trainer(trainer.config, trainer.optimizer, trainer.par.replace(strategy=UnevenBatch((2,) * 8, rebalance_every=1)))
+    step = Trainer(
+        trainer.config, trainer.optimizer, trainer.par.replace(strategy=UnevenBatch((2,) * 8, rebalance_every=1))
+    )
     batches = [_batch(trainer, 16, seed) for seed in (0, 1)]
     uniform, hetero = trainer.init_state(0), step.init_state(0)
     reb = Rebalancer((2,) * 8, step.strategy.capacity, every=1)
@@ -362,7 +509,9 @@ def test_updates_equal_uniform_before_and_after_a_rebalance():
         hetero, metrics = fn(hetero, batch, step.signals(False, counts))
         seconds = np.asarray(metrics["local_seconds"])
         assert seconds.shape == (8,) and (seconds >= 0).all()
-        reb.observe(np.asarray(metrics["processed"]).tolist(), [c * t for c, t in zip(reb.counts, [0.1] * 4 + [0.3] * 4)])
+        reb.observe(
+            np.asarray(metrics["processed"]).tolist(), [c * t for c, t in zip(reb.counts, [0.1] * 4 + [0.3] * 4)]
+        )
         counts = reb.propose() or counts
         assert counts == COUNTS  # rebalanced after the first step; the second runs 3,3,3,3,1,1,1,1
     assert np.asarray(metrics["processed"]).tolist() == list(COUNTS)
@@ -374,8 +523,11 @@ def test_updates_equal_uniform_before_and_after_a_rebalance():
 def test_rebalance_flag_values_are_checked():
     assert cli.parse(["--mesh", "data=8", "--hetero-batch", "auto"]).parallelism.strategy.rebalance_every == 10
     assert cli.parse(["--mesh", "data=8", "--hetero-batch", "kinds"]).parallelism.strategy.rebalance_every == 0
-    for bad in (["--hetero-batch", "auto", "--rebalance-every", "0"], ["--hetero-batch", "auto", "--rebalance-every", "-2"],
-                ["--rebalance-every", "5"]):
+    for bad in (
+        ["--hetero-batch", "auto", "--rebalance-every", "0"],
+        ["--hetero-batch", "auto", "--rebalance-every", "-2"],
+        ["--rebalance-every", "5"],
+    ):
         with pytest.raises(ValueError, match=f"--rebalance-every {bad[-1]}: needs --hetero-batch"):
             cli.parse(["--mesh", "data=8", *bad])
 
@@ -385,10 +537,40 @@ def test_training_with_auto_rebalancing_writes_counts_and_speeds(tmp_path, capsy
 
     from train.train import main
 
-    code = main(["--cpu-devices", "8", "--model", "test", "--set", "num_layers=1", "--mesh", "data=8", "--rules", "dp",
-                 "--hetero-batch", "auto", "--rebalance-every", "1", "--microbatches", "2", "--batch-size", "16",
-                 "--seq-len", "32", "--steps", "3", "--eval-every", "0", "--eval-batches", "1", "--log-every", "1",
-                 "--run-dir", str(tmp_path / "run")])
+    code = main(
+        [
+            "--cpu-devices",
+            "8",
+            "--model",
+            "test",
+            "--set",
+            "num_layers=1",
+            "--mesh",
+            "data=8",
+            "--rules",
+            "dp",
+            "--hetero-batch",
+            "auto",
+            "--rebalance-every",
+            "1",
+            "--microbatches",
+            "2",
+            "--batch-size",
+            "16",
+            "--seq-len",
+            "32",
+            "--steps",
+            "3",
+            "--eval-every",
+            "0",
+            "--eval-batches",
+            "1",
+            "--log-every",
+            "1",
+            "--run-dir",
+            str(tmp_path / "run"),
+        ]
+    )
     assert code == 0, capsys.readouterr().err
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "train/processed" in r]
@@ -422,8 +604,9 @@ def test_speeds_on_a_tensor_mesh_are_one_per_group_paced_by_its_slowest_device(m
     _, simulated = simulate_inventory("h100:3,a100:5", jax.devices())  # group 1 mixes an H100 and an A100
     speeds = strategies.device_speeds(trainer.mesh, simulated)
     assert [round(s / 1e12) for s in speeds] == [990, 312, 312, 312]
-    kinds, _ = strategies.resolve_uneven(trainer.par.replace(strategy=UnevenBatch(None, "kinds", 2)), trainer.mesh,
-                                         simulated)
+    kinds, _ = strategies.resolve_uneven(
+        trainer.par.replace(strategy=UnevenBatch(None, "kinds", 2)), trainer.mesh, simulated
+    )
     assert len(kinds.strategy.counts) == 4 and kinds.strategy.counts[0] > kinds.strategy.counts[1]
 
 
@@ -444,7 +627,9 @@ def test_updates_equal_uniform_before_and_after_a_rebalance_with_tensor_groups()
         seconds = np.asarray(metrics["local_seconds"])
         assert seconds.shape == (4,) and (seconds >= 0).all()  # one loop time per group
         seconds_per_microbatch = [0.1, 0.1, 0.3, 0.3]
-        reb.observe(np.asarray(metrics["processed"]).tolist(), [c * t for c, t in zip(reb.counts, seconds_per_microbatch)])
+        reb.observe(
+            np.asarray(metrics["processed"]).tolist(), [c * t for c, t in zip(reb.counts, seconds_per_microbatch)]
+        )
         counts = reb.propose() or counts
         assert counts == (3, 3, 1, 1)  # rebalanced after the first step; the second runs it
     assert np.asarray(metrics["processed"]).tolist() == [3, 3, 1, 1]

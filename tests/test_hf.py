@@ -39,7 +39,11 @@ def test_config_mapping_reads_every_option():
     config = hf.config_from_hf(hf.read_hf_config(FIXTURES / "llama_gqa"))
     assert (config.num_heads, config.num_kv_heads, config.head_dim, config.embed_dim) == (4, 2, 12, 32)
     assert (config.rope_type, config.rope_theta, config.rope_factor, config.rope_original_max_positions) == (
-        "llama3", 500000.0, 4.0, 64)
+        "llama3",
+        500000.0,
+        4.0,
+        64,
+    )
     assert not config.tie_embeddings and not config.qkv_bias and config.vocab_size == 264
     assert hf.config_from_hf(hf.read_hf_config(FIXTURES / "llama_tied")).tie_embeddings
     assert hf.config_from_hf(hf.read_hf_config(FIXTURES / "qwen2")).qkv_bias
@@ -97,8 +101,9 @@ def test_export_then_import_is_bit_exact(name, tmp_path):
     config, graphdef, params, _ = load(FIXTURES / name, "fsdp=4,tensor=2")
     out = tmp_path / "out"
     # Small files, so the export is sharded with an index.
-    files = hf.save_params(out, config, params, max_shard_size=20_000, tokenizer=FIXTURES / name / "tokenizer.json",
-                           eos_token_id=256)
+    files = hf.save_params(
+        out, config, params, max_shard_size=20_000, tokenizer=FIXTURES / name / "tokenizer.json", eos_token_id=256
+    )
     assert (out / hf.INDEX_FILE) in files and len(list(out.glob("model-*-of-*.safetensors"))) > 1
     again_config, _, again, _ = load(out, "data=2,tensor=4")
     assert again_config == config
@@ -112,8 +117,9 @@ def test_exported_folder_matches_the_fixture(name, tmp_path):
 
     config, _, params, _ = load(FIXTURES / name)
     out = tmp_path / "out"
-    hf.save_params(out, config, params, dtype="bfloat16", tokenizer=FIXTURES / name / "tokenizer.json",
-                   eos_token_id=256)
+    hf.save_params(
+        out, config, params, dtype="bfloat16", tokenizer=FIXTURES / name / "tokenizer.json", eos_token_id=256
+    )
 
     def tensors(folder):
         with safe_open(str(folder / "model.safetensors"), framework="numpy") as f:
@@ -125,9 +131,23 @@ def test_exported_folder_matches_the_fixture(name, tmp_path):
         assert ours[key][:2] == (dtype, shape)
         assert np.array_equal(ours[key][2], value), key  # bfloat16 -> float32 -> bfloat16 is exact
     mine, fixture = (json.loads((f / "config.json").read_text()) for f in (out, FIXTURES / name))
-    fields = ("architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-              "num_attention_heads", "num_key_value_heads", "hidden_act", "max_position_embeddings",
-              "rms_norm_eps", "tie_word_embeddings", "rope_parameters", "eos_token_id", "dtype")
+    fields = (
+        "architectures",
+        "model_type",
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "hidden_act",
+        "max_position_embeddings",
+        "rms_norm_eps",
+        "tie_word_embeddings",
+        "rope_parameters",
+        "eos_token_id",
+        "dtype",
+    )
     assert {k: mine[k] for k in fields} == {k: fixture[k] for k in fields}
     assert mine["head_dim"] == fixture.get("head_dim", config.embed_dim // config.num_heads)
     assert (out / "tokenizer.json").read_bytes() == (FIXTURES / name / "tokenizer.json").read_bytes()
@@ -160,28 +180,44 @@ def one_line(excinfo):
 def test_missing_tensor_names_tensor_and_file(tmp_path):
     folder = copy_fixture(tmp_path)
     rewrite_tensors(folder, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
-    with pytest.raises(ValueError, match=r"model\.safetensors: tensor model\.layers\.1\.mlp\.up_proj\.weight is missing") as e:
+    with pytest.raises(
+        ValueError, match=r"model\.safetensors: tensor model\.layers\.1\.mlp\.up_proj\.weight is missing"
+    ) as e:
         load(folder)
     assert one_line(e)
 
 
 def test_misshapen_tensor_names_tensor_file_and_shapes(tmp_path):
     folder = copy_fixture(tmp_path)
-    rewrite_tensors(folder, lambda t: t.update({"model.layers.0.self_attn.k_proj.weight": np.zeros((20, 32), np.float32)}))
-    with pytest.raises(ValueError, match=r"model\.safetensors: tensor model\.layers\.0\.self_attn\.k_proj\.weight has "
-                                         r"shape \[20, 32\], config\.json implies \[24, 32\]") as e:
+    rewrite_tensors(
+        folder, lambda t: t.update({"model.layers.0.self_attn.k_proj.weight": np.zeros((20, 32), np.float32)})
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"model\.safetensors: tensor model\.layers\.0\.self_attn\.k_proj\.weight has "
+        r"shape \[20, 32\], config\.json implies \[24, 32\]",
+    ) as e:
         load(folder)
     assert one_line(e)
 
 
-@pytest.mark.parametrize("fields, message", [
-    ({"architectures": ["GPT2LMHeadModel"]}, r"architectures \['GPT2LMHeadModel'\] not supported; meshwork reads "
-                                              r"LlamaForCausalLM"),
-    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, "rope type 'yarn' is not supported"),
-    ({"architectures": ["MistralForCausalLM"], "sliding_window": 16}, "sliding_window=16 is in effect"),
-    ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
-    ({"attention_bias": True}, "attention_bias=true is not supported"),
-])
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (
+            {"architectures": ["GPT2LMHeadModel"]},
+            r"architectures \['GPT2LMHeadModel'\] not supported; meshwork reads "
+            r"LlamaForCausalLM",
+        ),
+        (
+            {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}},
+            "rope type 'yarn' is not supported",
+        ),
+        ({"architectures": ["MistralForCausalLM"], "sliding_window": 16}, "sliding_window=16 is in effect"),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+        ({"attention_bias": True}, "attention_bias=true is not supported"),
+    ],
+)
 def test_unsupported_config_is_refused_naming_the_field(tmp_path, fields, message):
     folder = copy_fixture(tmp_path)
     edit_config(folder, **fields)
@@ -206,8 +242,11 @@ def test_mistral_without_sliding_window_loads(tmp_path):
 def test_pickled_weights_only_are_refused_with_why_and_how(tmp_path):
     folder = copy_fixture(tmp_path)
     (folder / "model.safetensors").rename(folder / "pytorch_model.bin")
-    with pytest.raises(ValueError, match=r"only pickled weights \(pytorch_model\.bin\).*unpickling runs code.*"
-                                         r"save_pretrained\(.*safe_serialization=True\)") as e:
+    with pytest.raises(
+        ValueError,
+        match=r"only pickled weights \(pytorch_model\.bin\).*unpickling runs code.*"
+        r"save_pretrained\(.*safe_serialization=True\)",
+    ) as e:
         load(folder)
     assert one_line(e)
 

@@ -5,13 +5,18 @@ import json
 from pathlib import Path
 
 import pytest
-
 from test_hf import FIXTURES, load
+
 from train import cli, train
 
-TEXT = ["def add(a, b):\n    return a + b\n" * 12, "class Point:\n    x: int = 0\n    y: int = 0\n" * 10,
-        "import os\nprint(os.getcwd())\n" * 16, "for i in range(10):\n    print(i * i)\n" * 14,
-        "while True:\n    break\n" * 20, "x = [i for i in range(3)]\n" * 18]
+TEXT = [
+    "def add(a, b):\n    return a + b\n" * 12,
+    "class Point:\n    x: int = 0\n    y: int = 0\n" * 10,
+    "import os\nprint(os.getcwd())\n" * 16,
+    "for i in range(10):\n    print(i * i)\n" * 14,
+    "while True:\n    break\n" * 20,
+    "x = [i for i in range(3)]\n" * 18,
+]
 B, T = 8, 32
 
 
@@ -24,9 +29,29 @@ def small_corpus(tmp_path_factory):
 
 
 def common(corpus, cache):
-    return ["--data", str(corpus), "--data-cache", str(cache), "--seq-len", str(T), "--batch-size", str(B),
-            "--heldout", "0.34", "--eval-batches", "1", "--eval-every", "0", "--log-every", "1", "--no-progress",
-            "--lr", "1e-2", "--warmup", "0"]
+    return [
+        "--data",
+        str(corpus),
+        "--data-cache",
+        str(cache),
+        "--seq-len",
+        str(T),
+        "--batch-size",
+        str(B),
+        "--heldout",
+        "0.34",
+        "--eval-batches",
+        "1",
+        "--eval-every",
+        "0",
+        "--log-every",
+        "1",
+        "--no-progress",
+        "--lr",
+        "1e-2",
+        "--warmup",
+        "0",
+    ]
 
 
 def metrics(run_dir, key):
@@ -55,8 +80,19 @@ def fine_tuned(tmp_path_factory, small_corpus):
     """``--init-from llama_gqa`` then 5 steps on fsdp=4,tensor=2 (checkpoint every 5)."""
     base = tmp_path_factory.mktemp("runs")
     run_dir, cache = base / "ft", base / "cache"
-    args = [*common(small_corpus, cache), "--init-from", str(FIXTURES / "llama_gqa"), "--mesh", "fsdp=4,tensor=2",
-            "--steps", "5", "--ckpt-every", "5", "--run-dir", str(run_dir)]
+    args = [
+        *common(small_corpus, cache),
+        "--init-from",
+        str(FIXTURES / "llama_gqa"),
+        "--mesh",
+        "fsdp=4,tensor=2",
+        "--steps",
+        "5",
+        "--ckpt-every",
+        "5",
+        "--run-dir",
+        str(run_dir),
+    ]
     assert train.main(args) == 0
     return run_dir, cache
 
@@ -73,8 +109,19 @@ def test_init_from_starts_at_the_imported_model_and_five_steps_lower_the_loss(fi
 
 def test_init_from_onto_a_pipeline_gives_the_same_first_step(fine_tuned, small_corpus, tmp_path):
     run_dir, cache = fine_tuned
-    args = [*common(small_corpus, cache), "--init-from", str(FIXTURES / "llama_gqa"), "--mesh", "stage=2,fsdp=4",
-            "--microbatches", "2", "--steps", "1", "--run-dir", str(tmp_path / "pp")]
+    args = [
+        *common(small_corpus, cache),
+        "--init-from",
+        str(FIXTURES / "llama_gqa"),
+        "--mesh",
+        "stage=2,fsdp=4",
+        "--microbatches",
+        "2",
+        "--steps",
+        "1",
+        "--run-dir",
+        str(tmp_path / "pp"),
+    ]
     assert train.main(args) == 0
     assert metrics(tmp_path / "pp", "eval/loss")[0] == pytest.approx(metrics(run_dir, "eval/loss")[0], rel=1e-5)
     assert metrics(tmp_path / "pp", "train/loss")[1] == pytest.approx(metrics(run_dir, "train/loss")[1], rel=1e-4)
@@ -87,8 +134,20 @@ def test_resume_wins_over_init_from_and_says_so(fine_tuned, small_corpus, tmp_pa
     copy = tmp_path / "ft"
     shutil.copytree(run_dir, copy)
     capsys.readouterr()
-    args = [*common(small_corpus, cache), "--init-from", str(FIXTURES / "llama_gqa"), "--mesh", "fsdp=8",
-            "--steps", "6", "--decay-steps", "5", "--resume", "--run-dir", str(copy)]
+    args = [
+        *common(small_corpus, cache),
+        "--init-from",
+        str(FIXTURES / "llama_gqa"),
+        "--mesh",
+        "fsdp=8",
+        "--steps",
+        "6",
+        "--decay-steps",
+        "5",
+        "--resume",
+        "--run-dir",
+        str(copy),
+    ]
     assert train.main(args) == 0
     out = capsys.readouterr().out
     assert "resumed step 5" in out and "is not read (the checkpoint wins)" in out
@@ -96,8 +155,18 @@ def test_resume_wins_over_init_from_and_says_so(fine_tuned, small_corpus, tmp_pa
 
 
 def test_init_from_takes_the_tokenizer_and_execution_flags():
-    config = cli.parse(["--init-from", str(FIXTURES / "llama_tied"), "--dtype", "bfloat16", "--set", "remat=full",
-                        "--set", "num_layers=2"])
+    config = cli.parse(
+        [
+            "--init-from",
+            str(FIXTURES / "llama_tied"),
+            "--dtype",
+            "bfloat16",
+            "--set",
+            "remat=full",
+            "--set",
+            "num_layers=2",
+        ]
+    )
     assert (config.model.dtype, config.model.remat, config.model.tie_embeddings) == ("bfloat16", "full", True)
     assert config.data.tokenizer == str(FIXTURES / "llama_tied" / "tokenizer.json")
     assert config.data.eod_token is not None
@@ -106,11 +175,14 @@ def test_init_from_takes_the_tokenizer_and_execution_flags():
     assert other.data.tokenizer == "x.json"
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--set", "num_layers=4"], "--set num_layers=4: conflicts with"),
-    (["--model", "test"], "--model test: conflicts with"),
-    (["--set", "vocab_size=300"], "vocab_size=264"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--set", "num_layers=4"], "--set num_layers=4: conflicts with"),
+        (["--model", "test"], "--model test: conflicts with"),
+        (["--set", "vocab_size=300"], "vocab_size=264"),
+    ],
+)
 def test_init_from_refuses_a_conflicting_architecture(flags, message, capsys):
     assert train.main(["--init-from", str(FIXTURES / "llama_gqa"), *flags]) == 2
     err = capsys.readouterr().err.strip()
@@ -129,8 +201,10 @@ def imported(tmp_path_factory):
     from train import hf as hf_cli
 
     run_dir = tmp_path_factory.mktemp("imported") / "run"
-    assert hf_cli.main(["import", str(FIXTURES / "llama_gqa"), "--run-dir", str(run_dir),
-                        "--mesh", "fsdp=4,tensor=2"]) == 0
+    assert (
+        hf_cli.main(["import", str(FIXTURES / "llama_gqa"), "--run-dir", str(run_dir), "--mesh", "fsdp=4,tensor=2"])
+        == 0
+    )
     return run_dir
 
 
@@ -142,8 +216,23 @@ def test_import_then_export_of_a_run_folder_is_bit_exact(imported, tmp_path):
     from train import hf as hf_cli
 
     out = tmp_path / "out"
-    assert hf_cli.main(["export", str(imported), "--out", str(out), "--dtype", "bfloat16", "--mesh",
-                        "data=2,tensor=4", "--max-shard-size", "20kB"]) == 0
+    assert (
+        hf_cli.main(
+            [
+                "export",
+                str(imported),
+                "--out",
+                str(out),
+                "--dtype",
+                "bfloat16",
+                "--mesh",
+                "data=2,tensor=4",
+                "--max-shard-size",
+                "20kB",
+            ]
+        )
+        == 0
+    )
     original = load_file(str(FIXTURES / "llama_gqa" / "model.safetensors"))
     index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
     exported = {}
@@ -170,8 +259,20 @@ def test_import_refuses_a_run_folder_with_checkpoints_and_export_a_missing_run(i
 def test_generate_and_evaluate_from_a_run_folder_equal_the_hf_folder(imported, small_corpus, tmp_path, capsys):
     from train import evaluate, generate
 
-    common = ["--data", str(small_corpus), "--data-cache", str(tmp_path / "cache"), "--seq-len", "16",
-              "--batch-size", "4", "--heldout", "0.34", "--mesh", "data=2,tensor=4"]
+    common = [
+        "--data",
+        str(small_corpus),
+        "--data-cache",
+        str(tmp_path / "cache"),
+        "--seq-len",
+        "16",
+        "--batch-size",
+        "4",
+        "--heldout",
+        "0.34",
+        "--mesh",
+        "data=2,tensor=4",
+    ]
     assert evaluate.main(["--run-dir", str(imported), "--step", "0", *common]) == 0
     assert evaluate.main(["--hf", str(FIXTURES / "llama_gqa"), *common]) == 0
     prompt = ["--prompt", "def add(", "--max-new-tokens", "6"]

@@ -19,6 +19,7 @@ def test_a_dot_in_a_skipped_branch_is_counted_apart_from_the_one_that_always_run
             always = h @ w  # [M, N]: 2*M*K*N FLOPs per trip
             branch = jax.lax.cond(i % 2 == 0, lambda a: a @ v, lambda a: jnp.zeros((M, N), a.dtype), h)
             return h * 0.5, always + branch  # h changes: no product is loop-invariant
+
         return jax.lax.scan(body, x, jnp.arange(TRIPS))[1]
 
     x, w, v = jnp.ones((M, K)), jnp.ones((K, N)), jnp.ones((K, N))

@@ -64,8 +64,11 @@ def wrong_way(path: Path) -> list[str]:
     """``file:line imports X`` for each import of ours that the rules forbid."""
     module = _module_name(path)
     allowed = _rule(module)
-    return [f"{path.relative_to(ROOT)}:{line} imports {name}" for line, name in _imports(path)
-            if _ours(name) and not any(_within(name, p) for p in allowed)]
+    return [
+        f"{path.relative_to(ROOT)}:{line} imports {name}"
+        for line, name in _imports(path)
+        if _ours(name) and not any(_within(name, p) for p in allowed)
+    ]
 
 
 FILES = sorted(p for package in PACKAGES for p in (ROOT / package).rglob("*.py"))
@@ -96,8 +99,13 @@ def test_the_check_catches_a_wrong_import(tmp_path, monkeypatch):
 # Modules that must import without JAX (docs/conventions.md): the device table, cluster specs and
 # files, and the detection module (which imports JAX only when asked for the live devices). Add
 # `sharding.pipeline.layout` once `sharding/pipeline/__init__.py` imports no schedule.
-JAX_FREE = ("sharding.devices", "sharding.devices.kinds", "sharding.devices.inventory", "sharding.devices.spec",
-            "sharding.devices.detect")
+JAX_FREE = (
+    "sharding.devices",
+    "sharding.devices.kinds",
+    "sharding.devices.inventory",
+    "sharding.devices.spec",
+    "sharding.devices.detect",
+)
 
 
 def _import_without_jax(module: str, path: Path = ROOT) -> subprocess.CompletedProcess:

@@ -42,15 +42,19 @@ def test_a_live_owner_refuses_and_an_ended_one_is_reclaimed(tmp_path, live):
     plant(folder, host=HOST, pid=live.pid, started=_start_time(live.pid))
     with pytest.raises(RunFolderLocked) as refused:
         RunLock.acquire(folder, print)
-    assert str(refused.value) == (f"--run-dir {folder} is in use by another run, pid {live.pid} on host {HOST} "
-                                  "(since 2026-01-01T00:00:00Z); wait for it to end (or stop it), or choose another "
-                                  "--run-dir (nothing was touched)")
+    assert str(refused.value) == (
+        f"--run-dir {folder} is in use by another run, pid {live.pid} on host {HOST} "
+        "(since 2026-01-01T00:00:00Z); wait for it to end (or stop it), or choose another "
+        "--run-dir (nothing was touched)"
+    )
     live.kill()
     live.wait()
     lines = []
     RunLock.acquire(folder, lines.append).release()
-    assert lines == [f"note: --run-dir {folder}: reclaimed the stale lock of pid {live.pid} on host {HOST} "
-                     "(since 2026-01-01T00:00:00Z), which has ended"]
+    assert lines == [
+        f"note: --run-dir {folder}: reclaimed the stale lock of pid {live.pid} on host {HOST} "
+        "(since 2026-01-01T00:00:00Z), which has ended"
+    ]
 
 
 def test_a_reused_pid_is_not_the_owner(tmp_path, live):
@@ -67,8 +71,10 @@ def test_another_hosts_lock_needs_break_lock(tmp_path):
         RunLock.acquire(tmp_path, print)
     lines = []
     lock = RunLock.acquire(tmp_path, lines.append, break_lock=True)
-    assert lines == [f"note: --run-dir {tmp_path}: --break-lock took over the lock of pid 4242 on host elsewhere "
-                     "(since 2026-01-01T00:00:00Z)"]
+    assert lines == [
+        f"note: --run-dir {tmp_path}: --break-lock took over the lock of pid 4242 on host elsewhere "
+        "(since 2026-01-01T00:00:00Z)"
+    ]
     assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == os.getpid()
     lock.release()
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import jax.numpy as jnp
 import pytest
-
 from _procs import ROOT, clean_env, free_port, wait_for_line
+
 from checkpoints.manager import CheckpointManager
 from train.distributed import LOST_PROCESS_EXIT, PeerWatch, _timeouts, checkpoint_note
 
@@ -71,8 +71,9 @@ def _one_beat(watch):
 
 def test_the_judge_calls_lost_once_with_the_checkpoint_note():
     messages = []
-    watch = PeerWatch(0, 2, timeout=0.4, client=FakeStore(), checkpoint_note=lambda: "NOTE",
-                      lost=messages.append).start()
+    watch = PeerWatch(
+        0, 2, timeout=0.4, client=FakeStore(), checkpoint_note=lambda: "NOTE", lost=messages.append
+    ).start()
     time.sleep(1.0)
     watch.close()
     assert messages == [messages[0]] and messages[0].startswith("process 1 of 2 stopped answering: no heartbeat")
@@ -103,17 +104,31 @@ def checkpoints(tmp_path_factory):
 
 
 def test_checkpoint_note_names_the_newest_complete_step(checkpoints, tmp_path):
-    assert checkpoint_note(checkpoints) == (f"the latest complete checkpoint is step 10 in {checkpoints}; "
-                                            "restart every process with --resume")
-    assert checkpoint_note(tmp_path / "none") == f"no checkpoint in {tmp_path / 'none'} yet; restarting begins at step 0"
+    assert checkpoint_note(checkpoints) == (
+        f"the latest complete checkpoint is step 10 in {checkpoints}; restart every process with --resume"
+    )
+    assert (
+        checkpoint_note(tmp_path / "none") == f"no checkpoint in {tmp_path / 'none'} yet; restarting begins at step 0"
+    )
 
 
 def start_job(process_id, port, checkpoints, log: Path, steps=100000, tail=0.0):
     handle = open(log, "w")
     return subprocess.Popen(
-        [sys.executable, str(ROOT / "tests" / "_peer_job.py"), str(process_id), str(port), str(checkpoints),
-         str(DIST_TIMEOUT), str(steps), str(tail)],
-        cwd=ROOT, env=clean_env(), stdout=handle, stderr=subprocess.STDOUT,
+        [
+            sys.executable,
+            str(ROOT / "tests" / "_peer_job.py"),
+            str(process_id),
+            str(port),
+            str(checkpoints),
+            str(DIST_TIMEOUT),
+            str(steps),
+            str(tail),
+        ],
+        cwd=ROOT,
+        env=clean_env(),
+        stdout=handle,
+        stderr=subprocess.STDOUT,
     )
 
 
@@ -146,8 +161,9 @@ def test_kill_9_of_one_process_ends_the_other_with_a_message_within_dist_timeout
     who = "process 1 of 2 stopped answering: no heartbeat for"
     errors = [line for line in text.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and who in errors[0], text
-    assert errors[0].endswith(f"the latest complete checkpoint is step 10 in {checkpoints}; "
-                              "restart every process with --resume")
+    assert errors[0].endswith(
+        f"the latest complete checkpoint is step 10 in {checkpoints}; restart every process with --resume"
+    )
     assert "Traceback" not in text and "Check failure" not in text and "stack trace" not in text
 
 
@@ -156,8 +172,10 @@ def test_a_process_that_finished_is_not_reported_lost(checkpoints, tmp_path):
     """Process 0 ends first; process 1 stays on for longer than the grace; both exit 0 without an error."""
     port = free_port()
     logs = [tmp_path / f"p{i}.log" for i in range(2)]
-    procs = [start_job(0, port, checkpoints, logs[0], steps=5),
-             start_job(1, port, checkpoints, logs[1], steps=5, tail=DIST_TIMEOUT / 2 + 2)]
+    procs = [
+        start_job(0, port, checkpoints, logs[0], steps=5),
+        start_job(1, port, checkpoints, logs[1], steps=5, tail=DIST_TIMEOUT / 2 + 2),
+    ]
     try:
         codes = [p.wait(timeout=90) for p in procs]
     finally:

@@ -74,8 +74,10 @@ def test_description_lists_the_built_parameters(preset, tied):
     shapes, axes = _flat(abstract), _flat(names)
     built = {path: (leaf.shape, axes[path]) for path, leaf in shapes.items()}
     layers = config.num_layers
-    described = {p.path: ((layers,) + p.shape, (ax.LAYERS,) + p.axes) if p.per_layer else (p.shape, p.axes)
-                 for p in describe(config).params}
+    described = {
+        p.path: ((layers,) + p.shape, (ax.LAYERS,) + p.axes) if p.per_layer else (p.shape, p.axes)
+        for p in describe(config).params
+    }
     assert described == built
 
 
@@ -85,7 +87,9 @@ def test_7b_preset_is_llama2_sized():
 
 def test_set_overrides_are_typed_and_checked():
     assert parse_overrides(["num_layers=8", "tie_embeddings=true", "rope_theta=5e5"]) == {
-        "num_layers": 8, "tie_embeddings": True, "rope_theta": 5e5
+        "num_layers": 8,
+        "tie_embeddings": True,
+        "rope_theta": 5e5,
     }
     with pytest.raises(ValueError, match="unknown field 'layers'"):
         parse_overrides(["layers=8"])

@@ -6,13 +6,12 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-
 from _procs import free_port, losses, run, start
+
 from checkpoints.manager import CheckpointManager
 from models.config import get_config
 from sharding.mesh import make_mesh, parse_mesh
 from sharding.parallel import Parallelism
-from sharding.rules import get_rules
 from train.data import load_dataset
 from train.optimizer import OptimizerConfig
 from train.step import Trainer
@@ -20,16 +19,52 @@ from train.tokenizer import ByteTokenizer
 
 pytestmark = pytest.mark.slow  # two gloo processes: tens of seconds
 
-COMMON = ["--model", "test", "--seq-len", "64", "--batch-size", "8", "--mesh", "data=2,fsdp=4",
-          "--mesh-outer", "data=2", "--warmup", "2", "--decay-steps", "20", "--eval-every", "0",
-          "--log-every", "1", "--ckpt-every", "5", "--no-progress", "--eval-batches", "1"]
+COMMON = [
+    "--model",
+    "test",
+    "--seq-len",
+    "64",
+    "--batch-size",
+    "8",
+    "--mesh",
+    "data=2,fsdp=4",
+    "--mesh-outer",
+    "data=2",
+    "--warmup",
+    "2",
+    "--decay-steps",
+    "20",
+    "--eval-every",
+    "0",
+    "--log-every",
+    "1",
+    "--ckpt-every",
+    "5",
+    "--no-progress",
+    "--eval-batches",
+    "1",
+]
 
 
 def two_processes(args, logs: Path, timeout=300):
     port = free_port()
     procs = [
-        start([*args, "--cpu-devices", "4", "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
-               "--process-id", str(i), "--dist-timeout", "120"], logs / f"p{i}.log")
+        start(
+            [
+                *args,
+                "--cpu-devices",
+                "4",
+                "--coordinator",
+                f"127.0.0.1:{port}",
+                "--num-processes",
+                "2",
+                "--process-id",
+                str(i),
+                "--dist-timeout",
+                "120",
+            ],
+            logs / f"p{i}.log",
+        )
         for i in range(2)
     ]
     try:
@@ -58,8 +93,9 @@ def test_two_processes_train_and_resume_with_the_losses_of_one(runs):
     base, multi, single = runs
     multi_losses, single_losses = losses(multi), losses(single)
     assert sorted(multi_losses) == sorted(single_losses) == list(range(1, 21))
-    np.testing.assert_allclose([multi_losses[s] for s in range(1, 21)], [single_losses[s] for s in range(1, 21)],
-                               rtol=1e-5)
+    np.testing.assert_allclose(
+        [multi_losses[s] for s in range(1, 21)], [single_losses[s] for s in range(1, 21)], rtol=1e-5
+    )
     p0, p1 = (base / "p0.log").read_text(), (base / "p1.log").read_text()
     assert "process 0 of 2" in p0 and "resumed step 10" in p0
     assert "step     20/20" in p0
@@ -88,17 +124,47 @@ def test_the_two_process_checkpoint_restores_in_one_process(runs, corpus, cache)
     np.testing.assert_allclose(float(loss_sum / weight), losses(multi)[16], rtol=1e-5)
 
 
-@pytest.mark.parametrize("layout", [
-    ["--mesh", "data=8", "--rules", "dp", "--mesh-outer", "data=2", "--hetero-batch", "3,3,3,3,1,1,1,1"],
-    # a tensor group inside each process, one count per data-parallel group
-    ["--mesh", "data=4,tensor=2", "--rules", "fsdp_tp", "--mesh-outer", "data=2", "--hetero-batch", "6,2,5,3"],
-])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["--mesh", "data=8", "--rules", "dp", "--mesh-outer", "data=2", "--hetero-batch", "3,3,3,3,1,1,1,1"],
+        # a tensor group inside each process, one count per data-parallel group
+        ["--mesh", "data=4,tensor=2", "--rules", "fsdp_tp", "--mesh-outer", "data=2", "--hetero-batch", "6,2,5,3"],
+    ],
+)
 def test_two_processes_with_uneven_counts_match_one_process(layout, tmp_path, corpus, cache):
     """Uneven counts across two gloo processes: the same losses, counts and final parameters as one process
     of 8 devices (float32, 1e-5)."""
-    args = ["--model", "test", "--set", "num_layers=1", "--seq-len", "32", "--batch-size", "16", "--steps", "3",
-            "--warmup", "0", "--decay-steps", "10", "--eval-every", "0", "--eval-batches", "1", "--log-every", "1",
-            "--ckpt-every", "3", "--no-progress", "--data", str(corpus), "--data-cache", str(cache), *layout]
+    args = [
+        "--model",
+        "test",
+        "--set",
+        "num_layers=1",
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "16",
+        "--steps",
+        "3",
+        "--warmup",
+        "0",
+        "--decay-steps",
+        "10",
+        "--eval-every",
+        "0",
+        "--eval-batches",
+        "1",
+        "--log-every",
+        "1",
+        "--ckpt-every",
+        "3",
+        "--no-progress",
+        "--data",
+        str(corpus),
+        "--data-cache",
+        str(cache),
+        *layout,
+    ]
     multi, single = tmp_path / "multi", tmp_path / "single"
     two_processes([*args, "--run-dir", str(multi)], tmp_path, timeout=400)
     code = run([*args, "--cpu-devices", "8", "--run-dir", str(single)], tmp_path / "single.log", timeout=400)
@@ -111,8 +177,9 @@ def test_two_processes_with_uneven_counts_match_one_process(layout, tmp_path, co
     assert losses(multi, "train/processed") == losses(single, "train/processed") == {s: counts for s in (1, 2, 3)}
 
     mesh = make_mesh(parse_mesh("data=8", 8))
-    trainer = Trainer(get_config("test", ["num_layers=1"]), OptimizerConfig(warmup=0, decay_steps=10),
-                      Parallelism.of(mesh, "dp"))
+    trainer = Trainer(
+        get_config("test", ["num_layers=1"]), OptimizerConfig(warmup=0, decay_steps=10), Parallelism.of(mesh, "dp")
+    )
     params = []
     for run_dir in (multi, single):
         manager = CheckpointManager(run_dir / "checkpoints", async_save=False)

@@ -5,16 +5,19 @@ import math
 import re
 
 import pytest
-
 from test_faults import args_for
+
 from train import train
 from train.optimizer import OptimizerConfig, learning_rate_schedule
 
 
 @pytest.mark.parametrize("name", ["adamw", "lion", "sgd"])
 def test_each_optimizer_trains_two_steps(tmp_path, corpus, cache, capsys, name):
-    code = train.main(args_for(corpus, cache, "--steps", "2", "--ckpt-every", "0", "--optimizer", name,
-                               "--run-dir", str(tmp_path / "r")))
+    code = train.main(
+        args_for(
+            corpus, cache, "--steps", "2", "--ckpt-every", "0", "--optimizer", name, "--run-dir", str(tmp_path / "r")
+        )
+    )
     out = capsys.readouterr()
     assert code == 0, out.err
     losses = re.findall(r"^step\s+\d+/2 \| loss (\S+) \| lr \S+ \| grad norm (\S+) \|", out.out, re.M)
@@ -42,8 +45,10 @@ BAD = [
     (["--beta1", "nan"], "--beta1 nan: must be >= 0 and < 1"),
     (["--eps", "0"], "--eps 0.0: must be a finite number > 0"),
     (["--eps", "inf"], "--eps inf: must be a finite number > 0"),
-    (["--optimizer", "sgd", "--beta2", "0.9"], "--beta2 0.9: --optimizer sgd has no such parameter (it applies to "
-                                                "adamw, lion)"),
+    (
+        ["--optimizer", "sgd", "--beta2", "0.9"],
+        "--beta2 0.9: --optimizer sgd has no such parameter (it applies to adamw, lion)",
+    ),
     (["--optimizer", "lion", "--eps", "1e-6"], "--eps 1e-06: --optimizer lion has no such parameter"),
     (["--optimizer", "adafactor"], "argument --optimizer: invalid choice: 'adafactor'"),
     (["--optimizer", "rmsprop"], "argument --optimizer: invalid choice: 'rmsprop'"),
@@ -69,16 +74,29 @@ def test_a_resume_with_another_optimizer_is_refused(tmp_path, corpus, cache, cap
     capsys.readouterr()
     code = train.main(args_for(corpus, cache, "--steps", "3", "--resume", "--optimizer", "lion", "--run-dir", run_dir))
     err = capsys.readouterr().err
-    assert code == 2 and "--optimizer lion: the checkpoint of step 2 in " in err and "resume with --optimizer adamw" \
-        in err, err
+    assert (
+        code == 2 and "--optimizer lion: the checkpoint of step 2 in " in err and "resume with --optimizer adamw" in err
+    ), err
 
 
 def test_the_learning_rate_schedule_flag_leaves_the_pipeline_schedules_alone():
     from sharding.pipeline import SCHEDULES
     from train import cli
 
-    run = cli.parse(["--mesh", "stage=2,fsdp=-1", "--pipeline-schedule", "1f1b", "--microbatches", "2",
-                     "--schedule", "wsd", "--model", "test"])
+    run = cli.parse(
+        [
+            "--mesh",
+            "stage=2,fsdp=-1",
+            "--pipeline-schedule",
+            "1f1b",
+            "--microbatches",
+            "2",
+            "--schedule",
+            "wsd",
+            "--model",
+            "test",
+        ]
+    )
     assert run.parallelism.pipeline.one_f_one_b and run.optimizer.schedule == "wsd"
     actions = {a.dest: a for a in cli.build_parser()._actions}
     assert tuple(actions["pipeline_schedule"].choices) == tuple(SCHEDULES)

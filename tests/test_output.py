@@ -48,9 +48,11 @@ def test_vocab_parallel_loss_and_gradients_equal_gathered(mesh_spec, tied):
     params = jax.jit(lambda k: init_params(config, k))(jax.random.key(0))
     tokens, targets, mask = _batch(config)
     (want, want_weight), want_grads = _sharded_loss_and_grads(
-        config.replace(logits="gathered"), params, names, mesh_spec, tokens, targets, mask)
+        config.replace(logits="gathered"), params, names, mesh_spec, tokens, targets, mask
+    )
     (got, got_weight), got_grads = _sharded_loss_and_grads(
-        config.replace(logits="vocab_parallel"), params, names, mesh_spec, tokens, targets, mask)
+        config.replace(logits="vocab_parallel"), params, names, mesh_spec, tokens, targets, mask
+    )
     assert float(got_weight) == float(want_weight) == mask.sum()
     np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
     for path, a in jax.tree_util.tree_leaves_with_path(want_grads):
@@ -80,9 +82,11 @@ def test_vocab_parallel_in_bfloat16_follows_the_gathered_loss():
     params = jax.jit(lambda k: init_params(config, k))(jax.random.key(3))
     tokens, targets, mask = _batch(config)
     (want, _), want_grads = _sharded_loss_and_grads(
-        config.replace(logits="gathered"), params, names, "fsdp=8", tokens, targets, mask)
+        config.replace(logits="gathered"), params, names, "fsdp=8", tokens, targets, mask
+    )
     (got, _), got_grads = _sharded_loss_and_grads(
-        config.replace(logits="vocab_parallel"), params, names, "fsdp=8", tokens, targets, mask)
+        config.replace(logits="vocab_parallel"), params, names, "fsdp=8", tokens, targets, mask
+    )
     np.testing.assert_allclose(float(got), float(want), rtol=1e-2)
     a, b = want_grads["unembed"], got_grads["unembed"]
     assert float(jnp.max(jnp.abs(a - b))) <= 2e-2 * float(jnp.max(jnp.abs(a)))
@@ -111,11 +115,14 @@ def test_auto_picks_vocab_parallel_for_large_vocabularies_and_few_tokens():
     assert choose_output("gathered", rules, mesh, 32000, 256, 8, 512) is None
 
 
-@pytest.mark.parametrize("rules, mesh, vocab, why", [
-    ("dp", {"data": 8}, 32000, "not split"),
-    ("fsdp_tp", {"stage": 2, "fsdp": 4}, 32000, "pipeline"),
-    ("fsdp_tp", {"fsdp": 8}, 32004, "not divisible"),
-])
+@pytest.mark.parametrize(
+    "rules, mesh, vocab, why",
+    [
+        ("dp", {"data": 8}, 32000, "not split"),
+        ("fsdp_tp", {"stage": 2, "fsdp": 4}, 32000, "pipeline"),
+        ("fsdp_tp", {"fsdp": 8}, 32004, "not divisible"),
+    ],
+)
 def test_vocab_parallel_refuses_layouts_it_cannot_split(rules, mesh, vocab, why):
     full = {"data": 1, "stage": 1, "fsdp": 1, "sequence": 1, "tensor": 1, **mesh}
     with pytest.raises(ValueError, match=why):
@@ -128,7 +135,9 @@ def test_vocab_parallel_refuses_layouts_it_cannot_split(rules, mesh, vocab, why)
 def test_vocab_parallel_step_never_gathers_the_output_weight():
     """The point of it: no device holds the whole [embed, vocab] weight or its whole gradient."""
     config = get_config("test", ["num_layers=1", "vocab_size=4096"], logits="vocab_parallel")
-    trainer = Trainer(config, OptimizerConfig(), Parallelism.of(make_mesh(parse_mesh("fsdp=8", 8)), get_rules("fsdp_tp")))
+    trainer = Trainer(
+        config, OptimizerConfig(), Parallelism.of(make_mesh(parse_mesh("fsdp=8", 8)), get_rules("fsdp_tp"))
+    )
     text = trainer.compile_train_step(8, 32).as_text()
     whole = config.embed_dim * config.vocab_size * 4
     big = [c for c in hlo.collectives(text) if c.result_bytes >= whole]
@@ -141,12 +150,18 @@ def test_vocab_parallel_train_step_with_microbatches_matches_gathered():
     config = get_config("test", ["num_layers=2", "vocab_size=1024"])
     mesh, rules = make_mesh(parse_mesh("fsdp=4,tensor=2", 8)), get_rules("fsdp_tp")
     tokens, targets, mask = _batch(config, batch=8, length=16, seed=4)
-    batch = {"tokens": tokens, "targets": targets, "loss_mask": mask,
-             "positions": np.broadcast_to(np.arange(16, dtype=np.int32), (8, 16)).copy(),
-             "segment_ids": np.ones((8, 16), np.int32)}
+    batch = {
+        "tokens": tokens,
+        "targets": targets,
+        "loss_mask": mask,
+        "positions": np.broadcast_to(np.arange(16, dtype=np.int32), (8, 16)).copy(),
+        "segment_ids": np.ones((8, 16), np.int32),
+    }
     results = []
     for logits in ("gathered", "vocab_parallel"):
-        trainer = Trainer(config.replace(logits=logits), OptimizerConfig(), Parallelism.of(mesh, rules, Accumulation(2)))
+        trainer = Trainer(
+            config.replace(logits=logits), OptimizerConfig(), Parallelism.of(mesh, rules, Accumulation(2))
+        )
         sharding = trainer.batch_sharding(8, 16)
         placed = {k: jax.device_put(v, sharding) for k, v in batch.items()}
         with jax.default_matmul_precision("highest"):

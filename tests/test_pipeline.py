@@ -13,16 +13,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from models.config import get_config
 from models.transformer import init_params
 from sharding import pipeline as pl
+from sharding.hlo import branch_collectives
+from sharding.mesh import make_mesh, parse_mesh
+from sharding.parallel import UNSHARDED, Accumulation, Parallelism
 from sharding.pipeline.schedule import run_pipeline
 from sharding.pipeline.storage import StageStorage, layout_from_meta, stack_table, storage_for, storage_spec
-from sharding.mesh import make_mesh, parse_mesh
-from sharding.hlo import branch_collectives
-from sharding.parallel import UNSHARDED, Accumulation, Parallelism
 from sharding.rules import get_rules
 from train import report, train
 from train.optimizer import OptimizerConfig
@@ -45,12 +46,19 @@ def test_the_pure_pipeline_modules_import_without_jax():
     """The package, its layouts, tick tables, storage and relayout import with JAX blocked (a planner or a
     checkpoint reader needs no accelerator stack); the schedule modules, which run JAX, do not."""
     block = "import sys; sys.modules['jax'] = None; "
-    pure = ("import sharding.pipeline, sharding.pipeline.layout, sharding.pipeline.ticks, sharding.pipeline.storage, "
-            "sharding.pipeline.relayout")
+    pure = (
+        "import sharding.pipeline, sharding.pipeline.layout, sharding.pipeline.ticks, sharding.pipeline.storage, "
+        "sharding.pipeline.relayout"
+    )
     subprocess.run([sys.executable, "-c", block + pure], check=True, cwd=Path(__file__).parents[1])
     for schedule in ("program", "schedule", "onef1b"):
-        run = subprocess.run([sys.executable, "-c", f"{block}import sharding.pipeline.{schedule}"],
-                             capture_output=True, text=True, cwd=Path(__file__).parents[1], check=False)
+        run = subprocess.run(
+            [sys.executable, "-c", f"{block}import sharding.pipeline.{schedule}"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).parents[1],
+            check=False,
+        )
         assert run.returncode != 0 and "jax" in run.stderr, (schedule, run.stderr)
 
 
@@ -115,11 +123,18 @@ def _simulated_working_copy(storage):
 
 @pytest.mark.parametrize(
     "num_layers, stages, repeats, split, groups",
-    [(32, 4, 1, (10, 10, 6, 6), 2), (12, 4, 2, (5, 3, 2, 2), 2), (4, 2, 1, (3, 1), 4), (12, 4, 1, (9, 1, 1, 1), 2),
-     (7, 2, 1, (5, 2), 4), (8, 2, 2, None, 4)],
+    [
+        (32, 4, 1, (10, 10, 6, 6), 2),
+        (12, 4, 2, (5, 3, 2, 2), 2),
+        (4, 2, 1, (3, 1), 4),
+        (12, 4, 1, (9, 1, 1, 1), 2),
+        (7, 2, 1, (5, 2), 4),
+        (8, 2, 2, None, 4),
+    ],
 )
-def test_unpadded_storage_holds_each_layer_once_and_gathers_every_stages_slots(num_layers, stages, repeats, split,
-                                                                              groups):
+def test_unpadded_storage_holds_each_layer_once_and_gathers_every_stages_slots(
+    num_layers, stages, repeats, split, groups
+):
     layout, _ = pl.plan_layout(num_layers, stages, repeats, split)
     storage = StageStorage(layout, groups)
     p = storage.placement
@@ -168,8 +183,10 @@ def _toy(mesh_spec, num_layers, stage_layers, repeats, microbatches, batch=16, d
     layout, _ = pl.plan_layout(num_layers, mesh.shape["stage"], repeats, stage_layers)
     plan = pl.PipelinePlan(layout, microbatches)
     rng = np.random.default_rng(0)
-    w = {"a": rng.normal(size=(num_layers, dim, dim)).astype(np.float32) / 4,
-         "b": rng.normal(size=(num_layers, dim)).astype(np.float32)}
+    w = {
+        "a": rng.normal(size=(num_layers, dim, dim)).astype(np.float32) / 4,
+        "b": rng.normal(size=(num_layers, dim)).astype(np.float32),
+    }
     x = rng.normal(size=(batch, dim)).astype(np.float32)
     position = jnp.asarray(rng.integers(0, 9, size=(batch,)), jnp.int32)
 
@@ -189,8 +206,10 @@ def _toy(mesh_spec, num_layers, stage_layers, repeats, microbatches, batch=16, d
     if unpadded:
         store = storage_for(layout, list(names.values()), rules, dict(mesh.shape))
         axes = ("fsdp",) if mesh.shape["fsdp"] > 1 else ()
-        specs = {k: storage_spec(par.spec(n, (store.rows, *w[k].shape[1:])), store.rows, dict(mesh.shape), axes)
-                 for k, n in names.items()}
+        specs = {
+            k: storage_spec(par.spec(n, (store.rows, *w[k].shape[1:])), store.rows, dict(mesh.shape), axes)
+            for k, n in names.items()
+        }
     else:
         store = layout
         specs = {"a": P("stage", None, "fsdp"), "b": P("stage")}
@@ -235,9 +254,11 @@ def test_a_stage_with_fewer_layers_applies_fewer_layers():
 def test_restore_relayout_moves_rows_between_stages_without_gathering():
     mesh = make_mesh(parse_mesh("stage=4,fsdp=2", 8))
     dst, _ = pl.plan_layout(8, 4, 1, (3, 3, 1, 1))
-    cases = [(None, (8, 6, 4), P("stage", None, "fsdp")),  # canonical, rows split over stage
-             (pl.plan_layout(8, 2)[0], (2, 4, 6, 4), P(None, None, None, "fsdp")),  # stage=2 layout: not split
-             (pl.plan_layout(8, 4, 2)[0], (4, 2, 6, 4), P("stage"))]  # circular layout, split
+    cases = [
+        (None, (8, 6, 4), P("stage", None, "fsdp")),  # canonical, rows split over stage
+        (pl.plan_layout(8, 2)[0], (2, 4, 6, 4), P(None, None, None, "fsdp")),  # stage=2 layout: not split
+        (pl.plan_layout(8, 4, 2)[0], (4, 2, 6, 4), P("stage")),
+    ]  # circular layout, split
     for src, shape, spec in cases:
         x = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
         target = NamedSharding(mesh, P("stage", None, None, "fsdp"))
@@ -261,8 +282,7 @@ def test_a_collective_permute_inside_a_skipped_slot_is_detected():
         send = lambda x: jax.lax.ppermute(x, "stage", [(0, 1), (1, 0)])  # noqa: E731
         return jax.lax.cond(stage == 0, send, lambda x: x, x)
 
-    program = jax.shard_map(stage_program, mesh=mesh, in_specs=P("stage"), out_specs=P("stage"),
-                            axis_names={"stage"})
+    program = jax.shard_map(stage_program, mesh=mesh, in_specs=P("stage"), out_specs=P("stage"), axis_names={"stage"})
     text = jax.jit(program).lower(jnp.zeros((2, 16))).compile().as_text()
     found = branch_collectives(text, mesh)
     assert any(c.op == "collective-permute" and not c.safe for c in found)
@@ -273,7 +293,12 @@ def test_device_groups_read_every_replica_group_format():
     from sharding.hlo import device_groups
 
     mesh = "mesh['data'=1,'stage'=2,'fsdp'=2,'sequence'=2,'tensor'=1]"
-    assert device_groups(f"x), replica_groups={mesh} {{'sequence'}}, dimensions={{1}}") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert device_groups(f"x), replica_groups={mesh} {{'sequence'}}, dimensions={{1}}") == [
+        [0, 1],
+        [2, 3],
+        [4, 5],
+        [6, 7],
+    ]
     assert device_groups(f"x), replica_groups={mesh} {{'stage','sequence'}}") == [[0, 1, 4, 5], [2, 3, 6, 7]]
     assert device_groups("x), replica_groups=[4,2]<=[2,4]T(1,0), dimensions={0}") == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert device_groups("x), replica_groups={{0,2},{1,3}}, dimensions={0}") == [[0, 2], [1, 3]]
@@ -290,8 +315,13 @@ def _batch(batch, length, seed=0, unmasked=1.0):
     starts = np.concatenate([np.ones((batch, 1), bool), segments[:, 1:] != segments[:, :-1]], axis=1)
     index = np.arange(length)[None].repeat(batch, 0)
     positions = (index - np.maximum.accumulate(np.where(starts, index, 0), axis=1)).astype(np.int32)
-    return {"tokens": tokens, "targets": np.roll(tokens, -1, 1), "positions": positions, "segment_ids": segments,
-            "loss_mask": (rng.random((batch, length)) < unmasked).astype(np.float32)}
+    return {
+        "tokens": tokens,
+        "targets": np.roll(tokens, -1, 1),
+        "positions": positions,
+        "segment_ids": segments,
+        "loss_mask": (rng.random((batch, length)) < unmasked).astype(np.float32),
+    }
 
 
 def _loss_and_grads(trainer, batch):
@@ -306,8 +336,11 @@ def _loss_and_grads(trainer, batch):
 
 
 def _trainer(config, mesh_spec, plan=None, microbatches=1):
-    return Trainer(config, OptimizerConfig(), Parallelism.of(make_mesh(parse_mesh(mesh_spec, 8)), RULES,
-                                                             plan or Accumulation(microbatches)))
+    return Trainer(
+        config,
+        OptimizerConfig(),
+        Parallelism.of(make_mesh(parse_mesh(mesh_spec, 8)), RULES, plan or Accumulation(microbatches)),
+    )
 
 
 @pytest.mark.parametrize(
@@ -356,11 +389,18 @@ def test_attention_kernels_inside_stages_match_the_flat_reference_attention(atte
     batch = _batch(8, 32)
     ref_loss, ref_grads = _flat_loss_and_grads()
     layout, _ = pl.plan_layout(4, 2, 1, (3, 1))
-    trainer = _trainer(get_config("test", [f"attention={attention}"]), mesh_spec, pl.PipelinePlan(layout, 2, one_f_one_b=schedule == "1f1b"))
-    params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                          trainer.state_params, trainer.param_shardings)
+    trainer = _trainer(
+        get_config("test", [f"attention={attention}"]),
+        mesh_spec,
+        pl.PipelinePlan(layout, 2, one_f_one_b=schedule == "1f1b"),
+    )
+    params = jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), trainer.state_params, trainer.param_shardings
+    )
     grad_fn = jax.jit(lambda p, b: jax.value_and_grad(trainer.loss_sums, has_aux=True)(p, b))
-    checked, note = checked_pipeline(trainer.par, grad_fn.lower(params, trainer.abstract_batch(8, 32)).compile().as_text())
+    checked, note = checked_pipeline(
+        trainer.par, grad_fn.lower(params, trainer.abstract_batch(8, 32)).compile().as_text()
+    )
     assert (note is not None) == (attention == "ring"), note
     if note:
         assert "collective-permute" in note and not checked.pipeline.skip_empty
@@ -381,11 +421,17 @@ def test_flash_inside_a_map_manual_over_the_batch_axes_opens_its_own_over_tensor
     q = jax.random.normal(keys[0], (4, 64, 4, 32))
     k, v = (jax.random.normal(key, (4, 64, 2, 32)) for key in keys[1:])
     batch = P(("data", "fsdp"))
-    run = jax.shard_map(lambda q, k, v: sharded_flash_attention(q, k, v, None, par=par.inside(("data", "fsdp"))),
-                        mesh=mesh, in_specs=batch, out_specs=batch, axis_names={"data", "fsdp"})
+    run = jax.shard_map(
+        lambda q, k, v: sharded_flash_attention(q, k, v, None, par=par.inside(("data", "fsdp"))),
+        mesh=mesh,
+        in_specs=batch,
+        out_specs=batch,
+        axis_names={"data", "fsdp"},
+    )
     out, grads = jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(run(q, k, v) ** 2), argnums=(0, 1, 2)))(q, k, v)
-    ref, ref_grads = jax.value_and_grad(lambda q, k, v: jnp.sum(reference_attention(q, k, v) ** 2),
-                                        argnums=(0, 1, 2))(q, k, v)
+    ref, ref_grads = jax.value_and_grad(lambda q, k, v: jnp.sum(reference_attention(q, k, v) ** 2), argnums=(0, 1, 2))(
+        q, k, v
+    )
     np.testing.assert_allclose(float(out), float(ref), rtol=1e-5)
     assert_close(grads, ref_grads)
 
@@ -401,8 +447,9 @@ def test_layer_weights_are_gathered_once_per_step_and_their_gradients_reduced_on
     trainer = _trainer(config, "stage=4,fsdp=2", pl.PipelinePlan(layout, 4))
     placement = trainer.storage.placement
     assert placement.received == 1  # stage 0 keeps 4 of its 5 layers; the fifth arrives from another stage
-    params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                          trainer.state_params, trainer.param_shardings)
+    params = jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), trainer.state_params, trainer.param_shardings
+    )
     grad_fn = jax.jit(lambda p, b: jax.value_and_grad(trainer.loss_sums, has_aux=True)(p, b))
     found = collectives(grad_fn.lower(params, trainer.abstract_batch(16, 32)).compile().as_text())
     in_loops = sorted({c.op for c in found if c.executions > 1})
@@ -410,8 +457,12 @@ def test_layer_weights_are_gathered_once_per_step_and_their_gradients_reduced_on
 
     layer_leaves = jax.tree.leaves(trainer.abstract_params["layers"])
     per_layer = sum(x.size // x.shape[0] * x.dtype.itemsize for x in layer_leaves)
-    other = sum(x.size * x.dtype.itemsize for k, v in trainer.abstract_params.items() if k != "layers"
-                for x in jax.tree.leaves(v))
+    other = sum(
+        x.size * x.dtype.itemsize
+        for k, v in trainer.abstract_params.items()
+        if k != "layers"
+        for x in jax.tree.leaves(v)
+    )
     working = layout.repeats * placement.chunk_slots  # slots of the working copy (6: 5 rounded up to fsdp=2)
     gathered = sum(c.total_bytes for c in found if c.op == "all-gather")
     assert working * per_layer <= gathered <= 1.2 * (working * per_layer + other)
@@ -435,8 +486,11 @@ def test_the_head_runs_on_a_stages_share_of_the_rows_not_on_every_stage(monkeypa
 
     def flops():
         trainer = _trainer(config, "stage=2,fsdp=4", pl.PipelinePlan(layout, 2))
-        params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                              trainer.state_params, trainer.param_shardings)
+        params = jax.tree.map(
+            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+            trainer.state_params,
+            trainer.param_shardings,
+        )
         grad_fn = jax.jit(lambda p, b: jax.value_and_grad(trainer.loss_sums, has_aux=True)(p, b))
         analysis = grad_fn.lower(params, trainer.abstract_batch(batch, length)).compile().cost_analysis()
         return float((analysis[0] if isinstance(analysis, (list, tuple)) else analysis)["flops"])
@@ -493,17 +547,21 @@ def _layer_leaf(path) -> bool:
 
 def _canonical(state, layout, num_layers):
     """The state's leaves in canonical order (layer stacks re-laid from ``layout``), as NumPy arrays."""
-    return [np.asarray(pl.relayout(x, layout, None, num_layers) if _layer_leaf(path) else x)
-            for path, x in jax.tree_util.tree_leaves_with_path(state)]
+    return [
+        np.asarray(pl.relayout(x, layout, None, num_layers) if _layer_leaf(path) else x)
+        for path, x in jax.tree_util.tree_leaves_with_path(state)
+    ]
 
 
 def _distinct(state, shardings):
     """``state`` with every float leaf moved off its initial values (the AdamW moments are zero at step 0)."""
+
     def move(path, x):
         if not jnp.issubdtype(x.dtype, jnp.floating):
             return x
         key = jax.random.fold_in(jax.random.key(7), len(jax.tree_util.keystr(path)))
         return x + jax.random.normal(key, x.shape, x.dtype)
+
     return jax.jit(lambda s: jax.tree_util.tree_map_with_path(move, s), out_shardings=shardings)(state)
 
 
@@ -521,14 +579,23 @@ def test_a_pipelined_checkpoint_restores_onto_other_meshes_and_layouts(tmp_path,
     stored = layout if saved == "padded" else source.storage
     shardings = source._layout_state(stored)[3]
     state = _distinct(jax.jit(lambda: source._init_fn(0, stored), out_shardings=shardings)(), shardings)
-    meta = RunMeta(model=config.to_dict(), preset="test", mesh={"stage": 4, "fsdp": 2}, rules={}, data={},
-                   tokenizer={}, pipeline=stored.to_meta())
+    meta = RunMeta(
+        model=config.to_dict(),
+        preset="test",
+        mesh={"stage": 4, "fsdp": 2},
+        rules={},
+        data={},
+        tokenizer={},
+        pipeline=stored.to_meta(),
+    )
     manager = CheckpointManager(tmp_path / "ckpt", async_save=False)
     manager.save(1, state, meta.to_json())
     expected = _canonical(state, stored, 6)
-    targets = [_trainer(config, "stage=2,fsdp=4", pl.PipelinePlan(pl.plan_layout(6, 2, 1, (4, 2))[0], 4)),
-               _trainer(config, "stage=2,data=2,fsdp=2", pl.PipelinePlan(pl.plan_layout(6, 2, 2)[0], 4)),
-               _trainer(config, "fsdp=8")]
+    targets = [
+        _trainer(config, "stage=2,fsdp=4", pl.PipelinePlan(pl.plan_layout(6, 2, 1, (4, 2))[0], 4)),
+        _trainer(config, "stage=2,data=2,fsdp=2", pl.PipelinePlan(pl.plan_layout(6, 2, 2)[0], 4)),
+        _trainer(config, "fsdp=8"),
+    ]
     try:
         for target in targets:
             restored, restored_meta = restore_state(manager, target, 1)
@@ -542,8 +609,25 @@ def test_a_pipelined_checkpoint_restores_onto_other_meshes_and_layouts(tmp_path,
 
 # Through the CLI -------------------------------------------------------------------------------
 
-SMALL = ["--model", "test", "--seq-len", "64", "--batch-size", "8", "--no-progress", "--eval-batches", "1",
-         "--log-every", "1", "--warmup", "1", "--eval-every", "0", "--decay-steps", "8"]
+SMALL = [
+    "--model",
+    "test",
+    "--seq-len",
+    "64",
+    "--batch-size",
+    "8",
+    "--no-progress",
+    "--eval-batches",
+    "1",
+    "--log-every",
+    "1",
+    "--warmup",
+    "1",
+    "--eval-every",
+    "0",
+    "--decay-steps",
+    "8",
+]
 
 
 def _run(args, corpus, cache):
@@ -556,8 +640,23 @@ def _losses(run_dir):
 
 
 def test_dry_run_reports_bubble_layers_padding_and_branch_collectives(capsys):
-    code = train.main(["--model", "test", "--mesh", "stage=2,fsdp=4", "--stage-layers", "3,1", "--microbatches", "2",
-                       "--batch-size", "8", "--seq-len", "32", "--dry-run"])
+    code = train.main(
+        [
+            "--model",
+            "test",
+            "--mesh",
+            "stage=2,fsdp=4",
+            "--stage-layers",
+            "3,1",
+            "--microbatches",
+            "2",
+            "--batch-size",
+            "8",
+            "--seq-len",
+            "32",
+            "--dry-run",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0
     assert "bubble (S-1)/(R*M+S-1) = 1/3 = 33.3% of 3 steps" in out
@@ -592,29 +691,59 @@ def test_a_checkpoint_resumes_across_stage_layouts_with_the_same_next_loss(tmp_p
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--mesh", "stage=8", "--microbatches", "8"], "--mesh stage=8: the model has 4 layers, fewer than the 8 stages"),
-        (["--mesh", "stage=2,fsdp=4", "--stage-layers", "3,2", "--microbatches", "2"],
-         "--stage-layers 3,2 sums to 5, but the model has 4 layers; e.g. --stage-layers 2,2"),
-        (["--mesh", "stage=2,fsdp=4", "--stage-layers", "4,0", "--microbatches", "2"],
-         "every stage needs at least one layer"),
-        (["--mesh", "stage=2,fsdp=4", "--stage-layers", "2,1,1", "--microbatches", "2"],
-         "--stage-layers 2,1,1: 3 entries, but --mesh stage=2 needs 2"),
+        (
+            ["--mesh", "stage=8", "--microbatches", "8"],
+            "--mesh stage=8: the model has 4 layers, fewer than the 8 stages",
+        ),
+        (
+            ["--mesh", "stage=2,fsdp=4", "--stage-layers", "3,2", "--microbatches", "2"],
+            "--stage-layers 3,2 sums to 5, but the model has 4 layers; e.g. --stage-layers 2,2",
+        ),
+        (
+            ["--mesh", "stage=2,fsdp=4", "--stage-layers", "4,0", "--microbatches", "2"],
+            "every stage needs at least one layer",
+        ),
+        (
+            ["--mesh", "stage=2,fsdp=4", "--stage-layers", "2,1,1", "--microbatches", "2"],
+            "--stage-layers 2,1,1: 3 entries, but --mesh stage=2 needs 2",
+        ),
         # the example is a split of this model (4 layers) over its stages, not the 7B's 10,10,6,6
-        (["--mesh", "stage=2,fsdp=4", "--stage-layers", "two,two"],
-         "--stage-layers 'two,two': expected comma-separated layer counts, e.g. --stage-layers 2,2"),
+        (
+            ["--mesh", "stage=2,fsdp=4", "--stage-layers", "two,two"],
+            "--stage-layers 'two,two': expected comma-separated layer counts, e.g. --stage-layers 2,2",
+        ),
         (["--mesh", "stage=2,fsdp=4", "--stage-layers", ""], "--stage-layers '': expected"),
-        (["--mesh", "stage=2,fsdp=4", "--microbatches", "2", "--pipeline-repeats", "2"],
-         "--pipeline-repeats 2 needs --pipeline-schedule circular or 1f1b (interleaved)"),
-        (["--mesh", "stage=4,fsdp=2", "--microbatches", "2"],
-         "--microbatches 2: fewer microbatches than the 4 pipeline stages (--mesh stage=4)"),
+        (
+            ["--mesh", "stage=2,fsdp=4", "--microbatches", "2", "--pipeline-repeats", "2"],
+            "--pipeline-repeats 2 needs --pipeline-schedule circular or 1f1b (interleaved)",
+        ),
+        (
+            ["--mesh", "stage=4,fsdp=2", "--microbatches", "2"],
+            "--microbatches 2: fewer microbatches than the 4 pipeline stages (--mesh stage=4)",
+        ),
         (["--mesh", "stage=4,fsdp=2", "--microbatches", "2", "--batch-size", "4"], "use --microbatches 4"),
         (["--mesh", "stage=2,fsdp=4", "--microbatches", "3"], "--batch-size 8 is not divisible by --microbatches 3"),
-        (["--mesh", "stage=2,fsdp=4", "--microbatches", "4"],
-         "--batch-size 8 / --microbatches 4 = 2 sequences per microbatch, not divisible by the data-parallel size"),
-        (["--mesh", "stage=4,fsdp=2", "--microbatches", "4", "--pipeline-schedule", "circular",
-          "--pipeline-repeats", "1"], "--pipeline-schedule circular needs --pipeline-repeats of 2 or more"),
-        (["--mesh", "stage=4,fsdp=2", "--microbatches", "4", "--pipeline-schedule", "circular"],
-         "--pipeline-repeats 2: 4 stages x 2 repeats = 8 chunks, more than the 4 layers; use --pipeline-repeats 1"),
+        (
+            ["--mesh", "stage=2,fsdp=4", "--microbatches", "4"],
+            "--batch-size 8 / --microbatches 4 = 2 sequences per microbatch, not divisible by the data-parallel size",
+        ),
+        (
+            [
+                "--mesh",
+                "stage=4,fsdp=2",
+                "--microbatches",
+                "4",
+                "--pipeline-schedule",
+                "circular",
+                "--pipeline-repeats",
+                "1",
+            ],
+            "--pipeline-schedule circular needs --pipeline-repeats of 2 or more",
+        ),
+        (
+            ["--mesh", "stage=4,fsdp=2", "--microbatches", "4", "--pipeline-schedule", "circular"],
+            "--pipeline-repeats 2: 4 stages x 2 repeats = 8 chunks, more than the 4 layers; use --pipeline-repeats 1",
+        ),
         (["--mesh", "fsdp=8", "--stage-layers", "4"], "--stage-layers needs a pipeline: add a stage axis"),
     ],
 )
@@ -632,9 +761,27 @@ def test_a_bfloat16_pipeline_compiles(schedule):
     import subprocess
     import sys
 
-    args = ["--cpu-devices", "8", "--model", "test", "--mesh", "stage=2,fsdp=4", "--stage-layers", "3,1",
-            "--microbatches", "4", "--batch-size", "16", "--seq-len", "32", "--dry-run", "--pipeline-schedule",
-            schedule, "--set", "dtype=bfloat16"]
+    args = [
+        "--cpu-devices",
+        "8",
+        "--model",
+        "test",
+        "--mesh",
+        "stage=2,fsdp=4",
+        "--stage-layers",
+        "3,1",
+        "--microbatches",
+        "4",
+        "--batch-size",
+        "16",
+        "--seq-len",
+        "32",
+        "--dry-run",
+        "--pipeline-schedule",
+        schedule,
+        "--set",
+        "dtype=bfloat16",
+    ]
     done = subprocess.run([sys.executable, "-m", "train.train", *args], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "temporaries" in done.stdout and "empty slots are not computed (skipped by a conditional)" in done.stdout

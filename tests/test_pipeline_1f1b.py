@@ -8,7 +8,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from test_pipeline import _batch as pipeline_batch
 
 from sharding import pipeline as pl
 from sharding.hlo import branch_collectives
@@ -17,7 +19,6 @@ from sharding.parallel import UNSHARDED, Parallelism
 from sharding.pipeline.layout import BACKWARD, FORWARD
 from sharding.pipeline.onef1b import run_pipeline_loss
 from sharding.rules import get_rules
-from test_pipeline import _batch as pipeline_batch
 
 RULES = get_rules("fsdp_tp")
 
@@ -32,8 +33,9 @@ def assert_close(actual, expected, rtol=1e-5):
 # The tick table (no devices) ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("stages, microbatches, repeats",
-                         [(2, 2, 1), (4, 4, 1), (4, 8, 1), (4, 16, 1), (3, 7, 1), (4, 8, 2), (2, 4, 3)])
+@pytest.mark.parametrize(
+    "stages, microbatches, repeats", [(2, 2, 1), (4, 4, 1), (4, 8, 1), (4, 16, 1), (3, 7, 1), (4, 8, 2), (2, 4, 3)]
+)
 def test_the_tick_table_is_a_valid_1f1b_schedule(stages, microbatches, repeats):
     ticks = pl.one_f_one_b_ticks(stages, microbatches, repeats)
     last = stages * repeats - 1
@@ -74,13 +76,14 @@ def test_the_tick_table_is_a_valid_1f1b_schedule(stages, microbatches, repeats):
     if repeats == 1:
         assert ticks.ticks == 2 * (microbatches + stages - 1)
         live = ticks.live()
-        assert live.max() == stages == ticks.slots and live.tolist() == [stages] + [stages - s + 1
-                                                                                    for s in range(1, stages)]
+        assert live.max() == stages == ticks.slots and live.tolist() == [stages] + [
+            stages - s + 1 for s in range(1, stages)
+        ]
         # stage s runs S - s forwards before its first backward, then alternates until its forwards run out
         for s in range(stages):
             ops = [op for op in ticks.op[:, s] if op]
             assert ops.index(BACKWARD) == stages - s
-            steady = ops[stages - s:-(stages - s)]
+            steady = ops[stages - s : -(stages - s)]
             assert all(a != b for a, b in zip(steady, steady[1:]))
 
 
@@ -89,10 +92,10 @@ def test_interleaved_1f1b_needs_a_multiple_of_the_stages_as_microbatches():
         pl.one_f_one_b_ticks(4, 6, 2)
 
 
-@pytest.mark.parametrize("stages, microbatches, repeats",
-                         [(2, 2, 1), (2, 8, 1), (4, 4, 1), (4, 16, 1), (3, 7, 1), (4, 8, 2), (2, 4, 3)])
-def test_the_fused_tick_table_runs_a_forward_and_a_backward_per_tick_in_dependency_order(stages, microbatches,
-                                                                                          repeats):
+@pytest.mark.parametrize(
+    "stages, microbatches, repeats", [(2, 2, 1), (2, 8, 1), (4, 4, 1), (4, 16, 1), (3, 7, 1), (4, 8, 2), (2, 4, 3)]
+)
+def test_the_fused_tick_table_runs_a_forward_and_a_backward_per_tick_in_dependency_order(stages, microbatches, repeats):
     """Every (virtual stage, microbatch) once each way, after what it needs; ``R*M + (R+1) S - 2`` ticks
     (``M + 2 (S - 1)`` with one chunk, against lockstep's ``2 (M + S - 1)``); stage ``s`` holds at most
     ``(R+1) S - 1 - 2s`` chunk inputs, and the ring slots the table assigns are never shared."""
@@ -100,15 +103,20 @@ def test_the_fused_tick_table_runs_a_forward_and_a_backward_per_tick_in_dependen
 
     ticks = fused_ticks(stages, microbatches, repeats)
     last = stages * repeats - 1
-    assert ticks.ticks == fused_tick_count(stages, microbatches, repeats) == \
-        repeats * microbatches + (repeats + 1) * stages - 2
+    assert (
+        ticks.ticks
+        == fused_tick_count(stages, microbatches, repeats)
+        == repeats * microbatches + (repeats + 1) * stages - 2
+    )
     if repeats == 1:
         assert ticks.ticks == microbatches + 2 * (stages - 1) < pl.one_f_one_b_ticks(stages, microbatches).ticks
     when = {}
     for t in range(ticks.ticks):
         for s in range(stages):
-            for op, on, chunk, mb in ((FORWARD, ticks.forward, ticks.forward_chunk, ticks.forward_microbatch),
-                                      (BACKWARD, ticks.backward, ticks.backward_chunk, ticks.backward_microbatch)):
+            for op, on, chunk, mb in (
+                (FORWARD, ticks.forward, ticks.forward_chunk, ticks.forward_microbatch),
+                (BACKWARD, ticks.backward, ticks.backward_chunk, ticks.backward_microbatch),
+            ):
                 if on[t, s]:
                     key = (op, int(chunk[t, s]) * stages + s, int(mb[t, s]))
                     assert key not in when
@@ -122,8 +130,9 @@ def test_the_fused_tick_table_runs_a_forward_and_a_backward_per_tick_in_dependen
                 assert when[BACKWARD, v, i] > when[BACKWARD, v + 1, i]
         assert when[BACKWARD, last, i] >= when[FORWARD, last, i]  # the head's cotangent within the tick
     # steady state: some tick runs a forward and a backward on every stage
-    assert any(ticks.forward[t].all() and ticks.backward[t].all() for t in range(ticks.ticks)) == \
-        (repeats * microbatches >= 2 * stages - 1)
+    assert any(ticks.forward[t].all() and ticks.backward[t].all() for t in range(ticks.ticks)) == (
+        repeats * microbatches >= 2 * stages - 1
+    )
     bounds = [fused_held_bound(stages, microbatches, repeats, s) for s in range(stages)]
     assert ticks.live().tolist() == bounds
     assert bounds == [min(repeats * microbatches, (repeats + 1) * stages - 1 - 2 * s) for s in range(stages)]
@@ -164,16 +173,24 @@ def _toy_head(par, hp, h, target, mask):
     return jnp.sum(mask[:, None] * (y - target[:, None]) ** 2), jnp.sum(mask)
 
 
-def _toy(mesh_spec, num_layers, stage_layers, microbatches, batch=16, dim=16, schedule="1f1b", skip_empty=True,
-         repeats=1):
+def _toy(
+    mesh_spec, num_layers, stage_layers, microbatches, batch=16, dim=16, schedule="1f1b", skip_empty=True, repeats=1
+):
     mesh = make_mesh(parse_mesh(mesh_spec, 8))
     rules = pl.pipeline_rules(RULES)
     layout, _ = pl.plan_layout(num_layers, mesh.shape["stage"], repeats, stage_layers)
-    plan = pl.PipelinePlan(layout, microbatches, skip_empty=skip_empty, one_f_one_b=schedule.startswith("1f1b"),
-                           fused=schedule == "1f1b-fused")
+    plan = pl.PipelinePlan(
+        layout,
+        microbatches,
+        skip_empty=skip_empty,
+        one_f_one_b=schedule.startswith("1f1b"),
+        fused=schedule == "1f1b-fused",
+    )
     rng = np.random.default_rng(0)
-    w = {"a": rng.normal(size=(num_layers, dim, dim)).astype(np.float32) / 4,
-         "b": rng.normal(size=(num_layers, dim)).astype(np.float32)}
+    w = {
+        "a": rng.normal(size=(num_layers, dim, dim)).astype(np.float32) / 4,
+        "b": rng.normal(size=(num_layers, dim)).astype(np.float32),
+    }
     hp = {"v": rng.normal(size=(dim, 3)).astype(np.float32), "c": rng.normal(size=(3,)).astype(np.float32)}
     x = rng.normal(size=(batch, dim)).astype(np.float32)
     position = jnp.asarray(rng.integers(0, 9, size=(batch,)), jnp.int32)
@@ -188,21 +205,38 @@ def _toy(mesh_spec, num_layers, stage_layers, microbatches, batch=16, dim=16, sc
 
     def pipelined(w, hp, x):
         loss, weight, applied = run_pipeline_loss(
-            _toy_layer, _toy_head, w, hp, x, (position,), (target, mask), Parallelism.of(mesh, rules, plan),
+            _toy_layer,
+            _toy_head,
+            w,
+            hp,
+            x,
+            (position,),
+            (target, mask),
+            Parallelism.of(mesh, rules, plan),
             names={"a": ("layers", None, "embed"), "b": ("layers", None)},
-            head_names={"v": ("embed", None), "c": (None,)})
+            head_names={"v": ("embed", None), "c": (None,)},
+        )
         return loss, (weight, applied)
 
     staged = jax.tree.map(lambda a: pl.relayout(jnp.asarray(a), None, layout, num_layers), w)
-    staged = jax.device_put(staged, {"a": NamedSharding(mesh, P("stage", None, "fsdp")),
-                                     "b": NamedSharding(mesh, P("stage"))})
+    staged = jax.device_put(
+        staged, {"a": NamedSharding(mesh, P("stage", None, "fsdp")), "b": NamedSharding(mesh, P("stage"))}
+    )
     hp_dev = jax.device_put(hp, {"v": NamedSharding(mesh, P("fsdp")), "c": NamedSharding(mesh, P())})
     grad_fn = jax.jit(jax.value_and_grad(pipelined, argnums=(0, 1, 2), has_aux=True))
     (loss, (weight, applied)), grads = grad_fn(staged, hp_dev, x)
     forward_only = jax.jit(pipelined)(staged, hp_dev, x)
-    (ref_loss, ref_weight), ref_grads = jax.jit(jax.value_and_grad(reference, argnums=(0, 1, 2), has_aux=True))(w, hp, x)
+    (ref_loss, ref_weight), ref_grads = jax.jit(jax.value_and_grad(reference, argnums=(0, 1, 2), has_aux=True))(
+        w, hp, x
+    )
     grads = (jax.tree.map(lambda g: pl.relayout(g, layout, None, num_layers), grads[0]), *grads[1:])
-    return plan, (loss, weight, grads, applied, forward_only), (ref_loss, ref_weight, ref_grads), grad_fn, (staged, hp_dev, x)
+    return (
+        plan,
+        (loss, weight, grads, applied, forward_only),
+        (ref_loss, ref_weight, ref_grads),
+        grad_fn,
+        (staged, hp_dev, x),
+    )
 
 
 @pytest.mark.parametrize(
@@ -217,7 +251,8 @@ def _toy(mesh_spec, num_layers, stage_layers, microbatches, batch=16, dim=16, sc
 )
 def test_1f1b_matches_the_sequential_stack(mesh_spec, num_layers, stage_layers, microbatches, repeats):
     plan, (loss, weight, grads, applied, forward_only), (ref_loss, ref_weight, ref_grads), _, _ = _toy(
-        mesh_spec, num_layers, stage_layers, microbatches, batch=2 * microbatches * 2, repeats=repeats)
+        mesh_spec, num_layers, stage_layers, microbatches, batch=2 * microbatches * 2, repeats=repeats
+    )
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
     np.testing.assert_allclose(float(weight), float(ref_weight), rtol=1e-6)
     assert_close(grads, ref_grads)
@@ -227,7 +262,8 @@ def test_1f1b_matches_the_sequential_stack(mesh_spec, num_layers, stage_layers, 
 
 def test_1f1b_computing_every_slot_matches_too():
     plan, (loss, _, grads, applied, _), (ref_loss, _, ref_grads), _, _ = _toy(
-        "stage=2,fsdp=4", 4, (3, 1), 4, skip_empty=False)
+        "stage=2,fsdp=4", 4, (3, 1), 4, skip_empty=False
+    )
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
     assert_close(grads, ref_grads)
     assert tuple(np.asarray(applied)) == plan.layer_applications() == (plan.ticks * 3,) * 2
@@ -242,8 +278,14 @@ def test_1f1b_computing_every_slot_matches_too():
 )
 def test_fused_1f1b_matches_the_sequential_stack(mesh_spec, num_layers, stage_layers, microbatches, repeats):
     plan, (loss, weight, grads, applied, forward_only), (ref_loss, ref_weight, ref_grads), _, _ = _toy(
-        mesh_spec, num_layers, stage_layers, microbatches, batch=2 * microbatches * 2, repeats=repeats,
-        schedule="1f1b-fused")
+        mesh_spec,
+        num_layers,
+        stage_layers,
+        microbatches,
+        batch=2 * microbatches * 2,
+        repeats=repeats,
+        schedule="1f1b-fused",
+    )
     assert plan.schedule == "1f1b-fused" and plan.ticks == repeats * microbatches + (repeats + 1) * 4 - 2
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
     np.testing.assert_allclose(float(weight), float(ref_weight), rtol=1e-6)
@@ -263,14 +305,17 @@ def _trainer(config, mesh_spec, strategy, optimizer=None):
     from train.optimizer import OptimizerConfig
     from train.step import Trainer
 
-    return Trainer(config, optimizer or OptimizerConfig(),
-                   Parallelism.of(make_mesh(parse_mesh(mesh_spec, 8)), RULES, strategy))
+    return Trainer(
+        config, optimizer or OptimizerConfig(), Parallelism.of(make_mesh(parse_mesh(mesh_spec, 8)), RULES, strategy)
+    )
 
 
 def _plan(num_layers, mesh_spec, stage_layers, microbatches, schedule, repeats=1):
     stages = parse_mesh(mesh_spec, 8)["stage"]
     layout, _ = pl.plan_layout(num_layers, stages, repeats, stage_layers)
-    return pl.PipelinePlan(layout, microbatches, one_f_one_b=schedule.startswith("1f1b"), fused=schedule == "1f1b-fused")
+    return pl.PipelinePlan(
+        layout, microbatches, one_f_one_b=schedule.startswith("1f1b"), fused=schedule == "1f1b-fused"
+    )
 
 
 def _steps(trainer, batches):
@@ -284,9 +329,13 @@ def _steps(trainer, batches):
         if first is None:
             first = jax.tree.map(np.asarray, state["params"])
     if trainer.storage is not None:
-        first = {**first, "layers": jax.tree.map(
-            lambda g: np.asarray(pl.relayout(jnp.asarray(g), trainer.storage, None, trainer.config.num_layers)),
-            first["layers"])}
+        first = {
+            **first,
+            "layers": jax.tree.map(
+                lambda g: np.asarray(pl.relayout(jnp.asarray(g), trainer.storage, None, trainer.config.num_layers)),
+                first["layers"],
+            ),
+        }
     return losses, first
 
 
@@ -295,8 +344,12 @@ def _loss_and_grads(trainer, batch):
     fn = jax.jit(lambda params, batch: jax.value_and_grad(trainer.loss_sums, has_aux=True)(params, batch))
     (loss, _), grads = fn(state["params"], batch)
     if trainer.storage is not None:
-        grads = {**grads, "layers": jax.tree.map(
-            lambda g: pl.relayout(g, trainer.storage, None, trainer.config.num_layers), grads["layers"])}
+        grads = {
+            **grads,
+            "layers": jax.tree.map(
+                lambda g: pl.relayout(g, trainer.storage, None, trainer.config.num_layers), grads["layers"]
+            ),
+        }
     return float(loss), grads
 
 
@@ -309,8 +362,9 @@ CASES = [
 
 
 @pytest.mark.parametrize("num_layers, mesh_spec, stage_layers, microbatches, repeats", CASES)
-def test_1f1b_model_has_the_loss_and_gradients_of_the_unpipelined_one(num_layers, mesh_spec, stage_layers,
-                                                                       microbatches, repeats):
+def test_1f1b_model_has_the_loss_and_gradients_of_the_unpipelined_one(
+    num_layers, mesh_spec, stage_layers, microbatches, repeats
+):
     from models.config import get_config
     from sharding.parallel import Accumulation
 
@@ -381,14 +435,16 @@ def _assert_steps_match_the_flat_model(plan):
 
 
 @functools.cache
-def _compiled_gradients(schedule, num_layers=4, mesh_spec="stage=2,fsdp=4", stage_layers=(3, 1), microbatches=16,
-                        batch=64, length=256):
+def _compiled_gradients(
+    schedule, num_layers=4, mesh_spec="stage=2,fsdp=4", stage_layers=(3, 1), microbatches=16, batch=64, length=256
+):
     from models.config import get_config
 
     config = get_config("test", [f"num_layers={num_layers}"])
     trainer = _trainer(config, mesh_spec, _plan(num_layers, mesh_spec, stage_layers, microbatches, schedule))
-    params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                          trainer.state_params, trainer.param_shardings)
+    params = jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), trainer.state_params, trainer.param_shardings
+    )
     fn = jax.jit(lambda p, b: jax.value_and_grad(trainer.loss_sums, has_aux=True)(p, b))
     return trainer, fn.lower(params, trainer.abstract_batch(batch, length)).compile()
 
@@ -422,8 +478,10 @@ def test_fused_1f1b_temporaries_lie_between_lockstep_and_gpipe_and_no_transfer_s
     _, lockstep = _compiled_gradients("1f1b")
     trainer, fused = _compiled_gradients("1f1b-fused")
     assert trainer.par.pipeline.tick_table().slots == 3
-    temps = {name: c.memory_analysis().temp_size_in_bytes for name, c in
-             (("gpipe", gpipe), ("1f1b", lockstep), ("1f1b-fused", fused))}
+    temps = {
+        name: c.memory_analysis().temp_size_in_bytes
+        for name, c in (("gpipe", gpipe), ("1f1b", lockstep), ("1f1b-fused", fused))
+    }
     print("temporaries per device at M=16:", temps)
     assert temps["1f1b"] < temps["1f1b-fused"] < temps["gpipe"], temps
     found = branch_collectives(fused.as_text(), trainer.mesh)
@@ -437,13 +495,31 @@ def test_fused_1f1b_temporaries_lie_between_lockstep_and_gpipe_and_no_transfer_s
 def test_dry_run_reports_the_1f1b_schedule(capsys):
     from train import train
 
-    code = train.main(["--model", "test", "--mesh", "stage=2,fsdp=4", "--stage-layers", "3,1", "--microbatches", "4",
-                       "--batch-size", "16", "--seq-len", "32", "--dry-run", "--pipeline-schedule", "1f1b"])
+    code = train.main(
+        [
+            "--model",
+            "test",
+            "--mesh",
+            "stage=2,fsdp=4",
+            "--stage-layers",
+            "3,1",
+            "--microbatches",
+            "4",
+            "--batch-size",
+            "16",
+            "--seq-len",
+            "32",
+            "--dry-run",
+            "--pipeline-schedule",
+            "1f1b",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0
     assert "pipeline: 1F1B (PipeDream-Flush) over stage=2, 4 microbatches" in out
-    assert ("a ring of 2 microbatches x 3 slot inputs per device (the other schedules keep 5 x 3); one loop of "
-            "10 ticks") in out
+    assert (
+        "a ring of 2 microbatches x 3 slot inputs per device (the other schedules keep 5 x 3); one loop of 10 ticks"
+    ) in out
     assert "final norm, output projection and loss: on the last stage inside the pipeline" in out
     # A tick runs a forward or a backward branch, not both: the products inside conditionals are an upper bound,
     # reported apart from those that always run (the layers and the head are all inside branches here).
@@ -455,14 +531,36 @@ def test_dry_run_reports_the_1f1b_schedule(capsys):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--mesh", "stage=2,fsdp=4", "--pipeline-schedule", "1f1b", "--pipeline-repeats", "2", "--microbatches",
-          "3"], "--microbatches 3: interleaved 1F1B (--pipeline-repeats 2) needs a multiple of the 2 stages, e.g. "
-                "--microbatches 4"),
+        (
+            [
+                "--mesh",
+                "stage=2,fsdp=4",
+                "--pipeline-schedule",
+                "1f1b",
+                "--pipeline-repeats",
+                "2",
+                "--microbatches",
+                "3",
+            ],
+            "--microbatches 3: interleaved 1F1B (--pipeline-repeats 2) needs a multiple of the 2 stages, e.g. "
+            "--microbatches 4",
+        ),
         (["--mesh", "fsdp=8", "--pipeline-schedule", "1f1b"], "--pipeline-schedule 1f1b needs a pipeline"),
         # auto prices GPipe's stages (each with a share of the head); its example fits this 4-layer model
-        (["--mesh", "stage=2,fsdp=4", "--pipeline-schedule", "1f1b", "--stage-layers", "auto", "--microbatches", "2"],
-         "--stage-layers auto times the stages for --pipeline-schedule gpipe; with 1f1b give the layers by hand, "
-         "e.g. --stage-layers 2,2"),
+        (
+            [
+                "--mesh",
+                "stage=2,fsdp=4",
+                "--pipeline-schedule",
+                "1f1b",
+                "--stage-layers",
+                "auto",
+                "--microbatches",
+                "2",
+            ],
+            "--stage-layers auto times the stages for --pipeline-schedule gpipe; with 1f1b give the layers by hand, "
+            "e.g. --stage-layers 2,2",
+        ),
     ],
 )
 def test_bad_1f1b_flags_fail_before_compiling_with_the_flags_named(args, message, capsys):
@@ -476,8 +574,25 @@ def test_bad_1f1b_flags_fail_before_compiling_with_the_flags_named(args, message
 def test_dry_run_reports_interleaved_1f1b(capsys):
     from train import train
 
-    code = train.main(["--model", "test", "--mesh", "stage=2,fsdp=4", "--microbatches", "4", "--batch-size", "16",
-                       "--seq-len", "32", "--dry-run", "--pipeline-schedule", "1f1b", "--pipeline-repeats", "2"])
+    code = train.main(
+        [
+            "--model",
+            "test",
+            "--mesh",
+            "stage=2,fsdp=4",
+            "--microbatches",
+            "4",
+            "--batch-size",
+            "16",
+            "--seq-len",
+            "32",
+            "--dry-run",
+            "--pipeline-schedule",
+            "1f1b",
+            "--pipeline-repeats",
+            "2",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0
     assert "pipeline: 1F1B (PipeDream-Flush), interleaved, 2 chunks per stage over stage=2" in out
@@ -490,16 +605,17 @@ def test_the_fused_1f1b_plan_round_trips_through_its_flags_and_is_reported(repea
     from train.cli import parse
     from train.report import schedule_memory_line
 
-    argv = ["--model", "test", "--mesh", "stage=2,fsdp=4", "--microbatches", "4", "--pipeline-schedule",
-            "1f1b-fused"]
+    argv = ["--model", "test", "--mesh", "stage=2,fsdp=4", "--microbatches", "4", "--pipeline-schedule", "1f1b-fused"]
     run = parse(argv + (["--pipeline-repeats", str(repeats)] if repeats > 1 else []))
     plan = run.parallelism.strategy
     assert plan.one_f_one_b and plan.fused and plan.schedule == "1f1b-fused" and plan.layout.repeats == repeats
     again = parse(["--model", "test", *run.parallelism.flags()])
     assert again.parallelism.strategy == plan
     ticks = 4 * repeats + (repeats + 1) * 2 - 2
-    assert (f"one loop of {ticks} ticks, each a chunk's forward and a chunk's backward per stage"
-            in schedule_memory_line(plan))
+    assert (
+        f"one loop of {ticks} ticks, each a chunk's forward and a chunk's backward per stage"
+        in schedule_memory_line(plan)
+    )
 
 
 @pytest.mark.parametrize("repeats", [1, 2])

@@ -18,8 +18,9 @@ def _json(capsys, argv):
     return json.loads(capsys.readouterr().out)
 
 
-@pytest.mark.parametrize("cluster, extra", [("h100:4,a100:4", []), ("a100:4x2", []),
-                                            ("h100:2x2,a100:2x2", ["--no-pipeline"])])
+@pytest.mark.parametrize(
+    "cluster, extra", [("h100:4,a100:4", []), ("a100:4x2", []), ("h100:2x2,a100:2x2", ["--no-pipeline"])]
+)
 def test_a_given_layout_is_priced_as_the_search_priced_it(capsys, cluster, extra):
     """Every plan the search lists, given back as ``--layout`` (its own flags), gets the same step time,
     memory and fit (uneven counts and pipelines included)."""
@@ -34,12 +35,23 @@ def test_a_given_layout_is_priced_as_the_search_priced_it(capsys, cluster, extra
 
 
 def test_pipeline_layout_prints_its_breakdown(capsys):
-    argv = SEARCH + ["--cluster", "a100:4x2", "--layout",
-                     "--mesh data=2,stage=2,tensor=2 --rules tp --microbatches 4 --pipeline-schedule 1f1b --remat full"]
+    argv = SEARCH + [
+        "--cluster",
+        "a100:4x2",
+        "--layout",
+        "--mesh data=2,stage=2,tensor=2 --rules tp --microbatches 4 --pipeline-schedule 1f1b --remat full",
+    ]
     assert plan_main(argv) == 0
     out = capsys.readouterr().out
-    for part in ("compute", "exposed traffic", "pipeline bubble", "memory per device", "a100_80gb", "fits",
-                 "--stage-layers 2,2 --pipeline-schedule 1f1b"):
+    for part in (
+        "compute",
+        "exposed traffic",
+        "pipeline bubble",
+        "memory per device",
+        "a100_80gb",
+        "fits",
+        "--stage-layers 2,2 --pipeline-schedule 1f1b",
+    ):
         assert part in out
 
 
@@ -56,13 +68,16 @@ def test_json_fields_are_present_and_typed(capsys):
     assert out["flags"].startswith("--mesh fsdp=8 --rules fsdp --microbatches 2")
 
 
-@pytest.mark.parametrize("layout, names", [
-    ("--mesh data=3", "--mesh"),
-    ("--mesh fsdp=8 --rulez tp", "--rulez"),
-    ("--mesh fsdp=8 --steps 3", "--steps"),
-    ("--mesh fsdp=8 --hetero-batch auto", "--hetero-batch"),
-    ("--mesh fsdp=8 --microbatches 'unclosed", "--layout"),
-])
+@pytest.mark.parametrize(
+    "layout, names",
+    [
+        ("--mesh data=3", "--mesh"),
+        ("--mesh fsdp=8 --rulez tp", "--rulez"),
+        ("--mesh fsdp=8 --steps 3", "--steps"),
+        ("--mesh fsdp=8 --hetero-batch auto", "--hetero-batch"),
+        ("--mesh fsdp=8 --microbatches 'unclosed", "--layout"),
+    ],
+)
 def test_a_bad_layout_is_one_line_naming_it_and_exits_2(capsys, layout, names):
     assert plan_main(SEARCH + ["--cluster", "h100:4,a100:4", "--layout", layout]) == 2
     captured = capsys.readouterr()

@@ -15,13 +15,16 @@ from train.calibrate import compute_pools
 POOLS = (0,) * 4 + (1,) * 4
 
 
-@pytest.mark.parametrize("r,expected", [
-    # 24 microbatches, process 1 r times slower: process totals 24 r/(r+1) and 24/(r+1), spread evenly.
-    (2.0, (4, 4, 4, 4, 2, 2, 2, 2)),  # 16 / 8
-    (3.0, (5, 5, 4, 4, 2, 2, 1, 1)),  # 18 / 6
-    (2.9, (5, 5, 4, 4, 2, 2, 1, 1)),  # 17.85 -> 18 / 6
-    (1.5, (4, 4, 3, 3, 3, 3, 2, 2)),  # 14.4 -> 14 / 10
-])
+@pytest.mark.parametrize(
+    "r,expected",
+    [
+        # 24 microbatches, process 1 r times slower: process totals 24 r/(r+1) and 24/(r+1), spread evenly.
+        (2.0, (4, 4, 4, 4, 2, 2, 2, 2)),  # 16 / 8
+        (3.0, (5, 5, 4, 4, 2, 2, 1, 1)),  # 18 / 6
+        (2.9, (5, 5, 4, 4, 2, 2, 1, 1)),  # 17.85 -> 18 / 6
+        (1.5, (4, 4, 3, 3, 3, 3, 2, 2)),  # 14.4 -> 14 / 10
+    ],
+)
 def test_pooled_counts_share_by_process_then_evenly(r, expected):
     speeds = [1.0] * 4 + [1 / r] * 4
     assert tuple(counts_for_speeds(speeds, 24, 6, pools=POOLS)) == expected

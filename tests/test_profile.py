@@ -2,8 +2,8 @@
 RUN_DIR/profile; bad ranges are refused naming the flag."""
 
 import pytest
-
 from test_faults import args_for
+
 from train import train
 from train.profile import parse_profile_steps
 

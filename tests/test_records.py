@@ -18,8 +18,23 @@ from train.loop import MetricsWriter, truncate_metrics
 from train.optimizer import OptimizerConfig, learning_rate_schedule
 from train.step import Trainer
 
-BASE = ["--model", "test", "--seq-len", "64", "--batch-size", "8", "--eval-every", "0", "--log-every", "1",
-        "--no-progress", "--eval-batches", "1", "--warmup", "1"]
+BASE = [
+    "--model",
+    "test",
+    "--seq-len",
+    "64",
+    "--batch-size",
+    "8",
+    "--eval-every",
+    "0",
+    "--log-every",
+    "1",
+    "--no-progress",
+    "--eval-batches",
+    "1",
+    "--warmup",
+    "1",
+]
 
 
 def reference_rate(step, lr, warmup, decay_steps, ratio=0.1):
@@ -64,9 +79,9 @@ def tensorboard_events(folder):
     for file in sorted(folder.rglob("events.out.tfevents.*")):
         data, offset = file.read_bytes(), 0
         while offset < len(data):
-            (length,) = struct.unpack("<Q", data[offset:offset + 8])
+            (length,) = struct.unpack("<Q", data[offset : offset + 8])
             event = Event()
-            event.ParseFromString(data[offset + 12:offset + 12 + length])
+            event.ParseFromString(data[offset + 12 : offset + 12 + length])
             events.append(event)
             offset += 12 + length + 4
     return events
@@ -82,28 +97,45 @@ def test_a_resumed_writer_purges_later_tensorboard_events_and_writes_no_duplicat
     resumed.write(5, {"loss": 0.5})
     resumed.close()
     steps = [(r["step"], next(k for k in r if "/" in k)) for r in records(tmp_path / "metrics.jsonl")]
-    assert steps == [(0, "eval/loss"), (1, "train/loss"), (2, "train/loss"), (3, "train/loss"), (4, "eval/loss"),
-                     (5, "train/loss")]
+    assert steps == [
+        (0, "eval/loss"),
+        (1, "train/loss"),
+        (2, "train/loss"),
+        (3, "train/loss"),
+        (4, "eval/loss"),
+        (5, "train/loss"),
+    ]
     starts = [e.step for e in tensorboard_events(tmp_path / "tensorboard") if e.HasField("session_log")]
     assert starts == [5]  # TensorBoard drops the first session's events from step 5 on
 
 
 def test_schedule_is_recorded_and_a_change_is_one_line():
     config = get_config("test")
-    meta = RunMeta(model=config.to_dict(), preset="test", mesh={}, rules={}, data={}, tokenizer={},
-                   schedule={"steps": 10, "decay_steps": 10, "warmup": 1, "lr": 3e-3}, step=6)
+    meta = RunMeta(
+        model=config.to_dict(),
+        preset="test",
+        mesh={},
+        rules={},
+        data={},
+        tokenizer={},
+        schedule={"steps": 10, "decay_steps": 10, "warmup": 1, "lr": 3e-3},
+        step=6,
+    )
     back = RunMeta.from_json(json.loads(json.dumps(meta.to_json())))
     assert back.schedule == meta.schedule
     assert back.schedule_change({"steps": 10, "decay_steps": 10, "warmup": 1, "lr": 3e-3}, 6) is None
     line = back.schedule_change({"steps": 20, "decay_steps": 20, "warmup": 1, "lr": 3e-3}, 6)
-    assert line == ("note: the learning-rate schedule changes at step 6: --steps 10 -> 20, --decay-steps 10 -> 20 "
-                    "(the rate of every later step follows the new schedule)")
+    assert line == (
+        "note: the learning-rate schedule changes at step 6: --steps 10 -> 20, --decay-steps 10 -> 20 "
+        "(the rate of every later step follows the new schedule)"
+    )
     old = {k: v for k, v in meta.to_json().items() if k != "schedule"}  # a checkpoint from before the record
     assert RunMeta.from_json(old).schedule_change({"steps": 20}, 6) is None
 
 
 def test_resume_after_a_lost_checkpoint_keeps_each_step_once_and_says_the_schedule_changed(
-        tmp_path, corpus, cache, capsys):
+    tmp_path, corpus, cache, capsys
+):
     run_dir = tmp_path / "run"
     common = [*BASE, "--data", str(corpus), "--data-cache", str(cache), "--run-dir", str(run_dir)]
     assert train.main([*common, "--steps", "4", "--ckpt-every", "2"]) == 0
@@ -121,14 +153,20 @@ def test_resume_after_a_lost_checkpoint_keeps_each_step_once_and_says_the_schedu
 
 @pytest.mark.parametrize("rules, share", [("fsdp", 1 / 8), ("dp", 1.0)])
 def test_per_device_state_bytes_come_from_the_shardings(rules, share):
-    trainer = Trainer(get_config("test"), OptimizerConfig(),
-                      Parallelism.of(make_mesh(parse_mesh("fsdp=8" if rules == "fsdp" else "data=8", 8)),
-                                     get_rules(rules)))
+    trainer = Trainer(
+        get_config("test"),
+        OptimizerConfig(),
+        Parallelism.of(make_mesh(parse_mesh("fsdp=8" if rules == "fsdp" else "data=8", 8)), get_rules(rules)),
+    )
     abstract = trainer.abstract_state()
     total, held = report.state_bytes(abstract), report.device_state_bytes(abstract)
     reference = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(trainer.init_state(0)))
     assert total == reference
-    local = sum(s.data.size * s.data.dtype.itemsize for x in jax.tree.leaves(trainer.init_state(0))
-                for s in x.addressable_shards if s.device == jax.devices()[0])
+    local = sum(
+        s.data.size * s.data.dtype.itemsize
+        for x in jax.tree.leaves(trainer.init_state(0))
+        for s in x.addressable_shards
+        if s.device == jax.devices()[0]
+    )
     assert held == local
     assert held == pytest.approx(total * share, rel=0.02)

@@ -59,8 +59,7 @@ def _inputs(case, seed=0, dtype=jnp.float32):
 
 
 def _sequence_mesh(shards: int):
-    return jax.make_mesh((shards,), ("sequence",), axis_types=(AxisType.Auto,),
-                         devices=jax.devices()[:shards])
+    return jax.make_mesh((shards,), ("sequence",), axis_types=(AxisType.Auto,), devices=jax.devices()[:shards])
 
 
 def _context_parallel(kernel, case):
@@ -71,19 +70,27 @@ def _context_parallel(kernel, case):
     tokens, ids = P(None, "sequence", None, None), P(None, "sequence")
 
     def local(q, k, v, segments):
-        return kernel(q, k, v, axis_name="sequence", q_segment_ids=segments,
-                      kv_segment_ids=segments, causal=case["causal"], layout=layout,
-                      block_sizes=TILES)
+        return kernel(
+            q,
+            k,
+            v,
+            axis_name="sequence",
+            q_segment_ids=segments,
+            kv_segment_ids=segments,
+            causal=case["causal"],
+            layout=layout,
+            block_sizes=TILES,
+        )
 
     mesh = _sequence_mesh(shards)
 
     def run(q, k, v, segments):
         if segments is None:
-            sharded = jax.shard_map(lambda q, k, v: local(q, k, v, None), mesh=mesh,
-                                    in_specs=(tokens,) * 3, out_specs=tokens)
+            sharded = jax.shard_map(
+                lambda q, k, v: local(q, k, v, None), mesh=mesh, in_specs=(tokens,) * 3, out_specs=tokens
+            )
             return sharded(q[:, perm], k[:, perm], v[:, perm])[:, natural]
-        sharded = jax.shard_map(local, mesh=mesh, in_specs=(tokens,) * 3 + (ids,),
-                                out_specs=tokens)
+        sharded = jax.shard_map(local, mesh=mesh, in_specs=(tokens,) * 3 + (ids,), out_specs=tokens)
         return sharded(q[:, perm], k[:, perm], v[:, perm], segments[:, perm])[:, natural]
 
     return run
@@ -100,8 +107,7 @@ def _value_and_grads(fn, q, k, v, d_out, segments):
 
 def _reference(causal):
     def fn(q, k, v, segments):
-        return flash_attention_reference(q, k, v, q_segment_ids=segments, kv_segment_ids=segments,
-                                         causal=causal)
+        return flash_attention_reference(q, k, v, q_segment_ids=segments, kv_segment_ids=segments, causal=causal)
 
     return fn
 
@@ -139,8 +145,9 @@ RING_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", RING_CASES, ids=lambda c: "-".join(
-    f"{k}={v}" for k, v in c.items() if BASE[k] != v) or "base")
+@pytest.mark.parametrize(
+    "case", RING_CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items() if BASE[k] != v) or "base"
+)
 def test_ring_attention_matches_the_reference(case):
     _check(ring_attention, case)
 
@@ -162,9 +169,11 @@ def test_ring_transfers_each_key_value_block_p_minus_1_times_per_pass():
     tokens = jax.sharding.NamedSharding(mesh, P(None, "sequence", None, None))
     q, k, v, d_out = (jax.device_put(x, tokens) for x in (q, k, v, d_out))
     ring = jax.shard_map(
-        lambda q, k, v: ring_attention(q, k, v, axis_name="sequence", causal=True, layout="zigzag",
-                                       block_sizes=TILES),
-        mesh=mesh, in_specs=(tokens.spec,) * 3, out_specs=tokens.spec)
+        lambda q, k, v: ring_attention(q, k, v, axis_name="sequence", causal=True, layout="zigzag", block_sizes=TILES),
+        mesh=mesh,
+        in_specs=(tokens.spec,) * 3,
+        out_specs=tokens.spec,
+    )
 
     def permute_bytes(fn, *args):
         found = summarize(collectives(jax.jit(fn).lower(*args).compile().as_text()))
@@ -192,8 +201,9 @@ ULYSSES_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", ULYSSES_CASES, ids=lambda c: "-".join(
-    f"{k}={v}" for k, v in c.items() if BASE[k] != v) or "base")
+@pytest.mark.parametrize(
+    "case", ULYSSES_CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items() if BASE[k] != v) or "base"
+)
 def test_ulysses_attention_matches_the_reference(case):
     _check(ulysses_attention, case)
 
@@ -228,10 +238,16 @@ def test_forward_and_backward_merge_over_key_blocks():
     q, k, v, d_out, segments = _inputs(case)
     half = LENGTH // 2
     blocks = [(k[:, :half], v[:, :half], segments[:, :half]), (k[:, half:], v[:, half:], segments[:, half:])]
-    forward = jax.jit(lambda q, k, v, q_ids, kv_ids: flash_attention_forward(
-        q, k, v, q_segment_ids=q_ids, kv_segment_ids=kv_ids, block_sizes=TILES))
-    backward = jax.jit(lambda q, k, v, out, lse, d_out, q_ids, kv_ids: flash_attention_backward(
-        q, k, v, out, lse, d_out, q_segment_ids=q_ids, kv_segment_ids=kv_ids, block_sizes=TILES))
+    forward = jax.jit(
+        lambda q, k, v, q_ids, kv_ids: flash_attention_forward(
+            q, k, v, q_segment_ids=q_ids, kv_segment_ids=kv_ids, block_sizes=TILES
+        )
+    )
+    backward = jax.jit(
+        lambda q, k, v, out, lse, d_out, q_ids, kv_ids: flash_attention_backward(
+            q, k, v, out, lse, d_out, q_segment_ids=q_ids, kv_segment_ids=kv_ids, block_sizes=TILES
+        )
+    )
     parts = [forward(q, kb, vb, segments, sb) for kb, vb, sb in blocks]
     (o_a, lse_a), (o_b, lse_b) = parts
     lse = jnp.logaddexp(lse_a, lse_b)
@@ -244,8 +260,12 @@ def test_forward_and_backward_merge_over_key_blocks():
     want, vjp = jax.vjp(ref, q, k, v)
     dq, dk, dv = vjp(d_out)
     grads = [backward(q, kb, vb, out, lse, d_out, segments, sb) for kb, vb, sb in blocks]
-    got = (out, grads[0][0] + grads[1][0], jnp.concatenate([grads[0][1], grads[1][1]], axis=1),
-           jnp.concatenate([grads[0][2], grads[1][2]], axis=1))
+    got = (
+        out,
+        grads[0][0] + grads[1][0],
+        jnp.concatenate([grads[0][1], grads[1][1]], axis=1),
+        jnp.concatenate([grads[0][2], grads[1][2]], axis=1),
+    )
     _assert_close(got, (want, dq, dk, dv))
 
 

@@ -31,8 +31,24 @@ def three_steps(tmp_path_factory, corpus, cache):
     root = tmp_path_factory.mktemp("owned")
     run_dir = root / "run"
     log = root / "first.log"
-    first = start(args_for(corpus, cache, "--steps", "3", "--ckpt-every", "1", "--keep", "5", "--cpu-devices", "8",
-                           "--run-dir", str(run_dir)), log, MESHWORK_TEST_SAVE_PAUSE=8)
+    first = start(
+        args_for(
+            corpus,
+            cache,
+            "--steps",
+            "3",
+            "--ckpt-every",
+            "1",
+            "--keep",
+            "5",
+            "--cpu-devices",
+            "8",
+            "--run-dir",
+            str(run_dir),
+        ),
+        log,
+        MESHWORK_TEST_SAVE_PAUSE=8,
+    )
     try:
         wait_for_line(log, r"^step\s+3/3", first)
         owner = json.loads((run_dir / LOCK_FILE).read_text())
@@ -59,25 +75,31 @@ def test_a_second_run_on_a_folder_in_use_is_refused_before_anything_is_touched(t
     assert second["owner"]["pid"] == second["pid"] and second["owner"]["host"] == socket.gethostname()
     assert second["code"] == 2
     (line,) = second["err"].strip().splitlines()
-    assert line == (f"error: --run-dir {run_dir} is in use by another run, pid {second['pid']} on host "
-                    f"{socket.gethostname()} (since {second['owner']['since']}); wait for it to end (or stop it), "
-                    "or choose another --run-dir (nothing was touched)")
+    assert line == (
+        f"error: --run-dir {run_dir} is in use by another run, pid {second['pid']} on host "
+        f"{socket.gethostname()} (since {second['owner']['since']}); wait for it to end (or stop it), "
+        "or choose another --run-dir (nothing was touched)"
+    )
     # Nothing was touched: opening the checkpoints would have cleaned up the first run's save in progress
     # (it then fails) and a resume would have cut its records back; it ended well, with every step and record.
-    assert steps_saved(run_dir) == [1, 2, 3] and all(verify_step(run_dir / "checkpoints", s, deep=True).ok
-                                                     for s in (1, 2, 3))
+    assert steps_saved(run_dir) == [1, 2, 3] and all(
+        verify_step(run_dir / "checkpoints", s, deep=True).ok for s in (1, 2, 3)
+    )
     assert records(run_dir)[-1] == 3 and {1, 2, 3} <= set(records(run_dir))
 
 
 def test_a_stale_lock_is_reclaimed_with_a_line(copy, corpus, cache, capsys):
     ended = subprocess.Popen([sys.executable, "-c", "pass"])
     ended.wait()
-    (copy / LOCK_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": ended.pid,
-                                              "started": 1, "since": "2026-01-01T00:00:00Z"}))
+    (copy / LOCK_FILE).write_text(
+        json.dumps({"host": socket.gethostname(), "pid": ended.pid, "started": 1, "since": "2026-01-01T00:00:00Z"})
+    )
     assert train.main(args_for(corpus, cache, "--steps", "3", "--resume", "--run-dir", str(copy))) == 0
     out = capsys.readouterr().out
-    assert (f"note: --run-dir {copy}: reclaimed the stale lock of pid {ended.pid} on host {socket.gethostname()} "
-            "(since 2026-01-01T00:00:00Z), which has ended") in out
+    assert (
+        f"note: --run-dir {copy}: reclaimed the stale lock of pid {ended.pid} on host {socket.gethostname()} "
+        "(since 2026-01-01T00:00:00Z), which has ended"
+    ) in out
     assert "resumed step 3" in out and not (copy / LOCK_FILE).exists()  # released at the end
 
 
@@ -102,8 +124,10 @@ def test_resume_step_below_later_steps_is_refused_without_discard_later(copy, co
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1
     assert err.startswith(f"error: --resume-step 1: {copy / 'checkpoints'} holds later steps (2, 3)")
-    assert err.rstrip().endswith("pass --discard-later to set them aside (renamed, nothing deleted), or "
-                                 "--resume-step 3 to continue from the newest")
+    assert err.rstrip().endswith(
+        "pass --discard-later to set them aside (renamed, nothing deleted), or "
+        "--resume-step 3 to continue from the newest"
+    )
     assert snapshot(copy) == before  # records not truncated, nothing renamed
     assert train.main(args_for(corpus, cache, "--steps", "3", "--discard-later", "--run-dir", str(copy))) == 2
     assert "--discard-later: applies with --resume --resume-step N" in capsys.readouterr().err
@@ -112,8 +136,22 @@ def test_resume_step_below_later_steps_is_refused_without_discard_later(copy, co
 def test_discard_later_sets_the_later_steps_aside_then_truncates_the_records(copy, corpus, cache, capsys):
     kept = (copy / "metrics.jsonl").read_bytes()
     assert max(records(copy)) == 3
-    code = train.main(args_for(corpus, cache, "--steps", "2", "--ckpt-every", "1", "--resume", "--resume-step", "1",
-                               "--discard-later", "--run-dir", str(copy)))
+    code = train.main(
+        args_for(
+            corpus,
+            cache,
+            "--steps",
+            "2",
+            "--ckpt-every",
+            "1",
+            "--resume",
+            "--resume-step",
+            "1",
+            "--discard-later",
+            "--run-dir",
+            str(copy),
+        )
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     folder = copy / "checkpoints"
@@ -150,8 +188,11 @@ def test_flipped_bytes_in_an_array_data_file_fall_back_to_the_older_step(copy, c
     assert "Traceback" not in captured.err
     (line,) = [line for line in captured.out.splitlines() if "is damaged" in line]
     (aside,) = [p for p in (copy / "checkpoints").iterdir() if p.name.startswith("3.damaged-")]
-    assert re.match(rf"step 3 in {re.escape(str(copy / 'checkpoints'))} is damaged: array '[^']+' chunk \S+ in data "
-                    rf"file {re.escape(str(damaged))} does not decode \(", line), line
+    assert re.match(
+        rf"step 3 in {re.escape(str(copy / 'checkpoints'))} is damaged: array '[^']+' chunk \S+ in data "
+        rf"file {re.escape(str(damaged))} does not decode \(",
+        line,
+    ), line
     assert line.endswith(f"set it aside as {aside} (not resumed from, not counted by --keep); resuming from step 2")
     assert "resumed step 2" in captured.out and steps_saved(copy) == [1, 2, 4]
     assert (aside / damaged.relative_to(state.parent)).read_bytes() == data  # kept as it was

@@ -29,10 +29,17 @@ def _brute_force(layers, seconds, fixed):
     return best
 
 
-@pytest.mark.parametrize("layers,seconds,fixed", [
-    (12, [1.0, 2.0], 0.0), (12, [1.0, 3.0], 0.0), (6, [1.0, 1.5], 0.3), (32, [1.0, 1.0, 3.2, 3.2], 0.4),
-    (10, [2.0, 1.0, 1.0], 1.0), (5, [1.0, 9.0], 0.0),
-])
+@pytest.mark.parametrize(
+    "layers,seconds,fixed",
+    [
+        (12, [1.0, 2.0], 0.0),
+        (12, [1.0, 3.0], 0.0),
+        (6, [1.0, 1.5], 0.3),
+        (32, [1.0, 1.0, 3.2, 3.2], 0.4),
+        (10, [2.0, 1.0, 1.0], 1.0),
+        (5, [1.0, 9.0], 0.0),
+    ],
+)
 def test_layers_for_speeds_is_min_max_optimal(layers, seconds, fixed):
     split = layers_for_speeds(layers, seconds, fixed)
     assert sum(split) == layers and min(split) >= 1
@@ -89,8 +96,25 @@ def test_calibrate_stages_follows_injected_timings():
 def test_cli_stage_layers_auto_measures_and_reports(capsys):
     from train.train import main
 
-    code = main(["--cpu-devices", "8", "--model", "test", "--mesh", "stage=2,data=4", "--stage-layers", "auto",
-                 "--microbatches", "4", "--batch-size", "16", "--seq-len", "32", "--dry-run"])
+    code = main(
+        [
+            "--cpu-devices",
+            "8",
+            "--model",
+            "test",
+            "--mesh",
+            "stage=2,data=4",
+            "--stage-layers",
+            "auto",
+            "--microbatches",
+            "4",
+            "--batch-size",
+            "16",
+            "--seq-len",
+            "32",
+            "--dry-run",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0
     assert "measured stage speeds (--stage-layers auto" in out and "pipeline: GPipe over stage=2" in out
@@ -99,8 +123,25 @@ def test_cli_stage_layers_auto_measures_and_reports(capsys):
 def test_cli_stage_layers_auto_refuses_circular(capsys):
     from train.train import main
 
-    code = main(["--cpu-devices", "8", "--model", "test", "--mesh", "stage=2,data=4", "--stage-layers", "auto",
-                 "--pipeline-schedule", "circular", "--microbatches", "4", "--batch-size", "16", "--dry-run"])
+    code = main(
+        [
+            "--cpu-devices",
+            "8",
+            "--model",
+            "test",
+            "--mesh",
+            "stage=2,data=4",
+            "--stage-layers",
+            "auto",
+            "--pipeline-schedule",
+            "circular",
+            "--microbatches",
+            "4",
+            "--batch-size",
+            "16",
+            "--dry-run",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and "--stage-layers auto" in err and "Traceback" not in err
     assert "e.g. --stage-layers 2,2" in err  # a split of the 4-layer test model, not another model's
@@ -114,8 +155,9 @@ def test_plan_auto_on_real_devices_measures_its_shares():
     from train.plan import measured
 
     real = cli.parse(["--plan", "auto", "--cluster", "h100:4,a100:4", "--batch-size", "48", "--model", "test"])
-    simulated = cli.parse(["--plan", "auto", "--simulate-cluster", "h100:4,a100:4", "--batch-size", "48",
-                           "--model", "test"])
+    simulated = cli.parse(
+        ["--plan", "auto", "--simulate-cluster", "h100:4,a100:4", "--batch-size", "48", "--model", "test"]
+    )
     mesh = make_mesh(parse_mesh("data=8", 8))
     uneven = Parallelism.of(mesh, get_rules("dp"), UnevenBatch((5, 5, 5, 5, 1, 1, 1, 1)))
     notes = []

@@ -18,8 +18,11 @@ from train.step import Trainer
 
 @pytest.fixture(scope="module")
 def trainer():
-    return Trainer(get_config("test"), OptimizerConfig(decay_steps=8, warmup=1),
-                   Parallelism.of(make_mesh(parse_mesh("fsdp=8", 8)), get_rules("fsdp")))
+    return Trainer(
+        get_config("test"),
+        OptimizerConfig(decay_steps=8, warmup=1),
+        Parallelism.of(make_mesh(parse_mesh("fsdp=8", 8)), get_rules("fsdp")),
+    )
 
 
 def _grads(state, seed=0):
@@ -57,8 +60,9 @@ def test_a_non_finite_step_leaves_parameters_and_optimizer_state_unchanged(train
     new, metrics = _apply(trainer, state, np.nan if bad == "loss" else 2.0, 4.0, grads)
     assert not bool(metrics["finite"])
     assert int(new["step"]) == int(before["step"]) + 1
-    for got, want in zip(jax.tree.leaves((new["params"], new["opt_state"])),
-                         jax.tree.leaves((before["params"], before["opt_state"]))):
+    for got, want in zip(
+        jax.tree.leaves((new["params"], new["opt_state"])), jax.tree.leaves((before["params"], before["opt_state"]))
+    ):
         np.testing.assert_array_equal(np.asarray(got), want)
 
 
@@ -69,17 +73,18 @@ def test_the_compiled_update_copies_no_state_and_puts_no_collective_in_a_conditi
     checks the compiled step for those (`sharding.hlo.branch_collectives`) and would fall back to computing
     every slot."""
     abstract = trainer.abstract_state()
-    grads = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                         abstract["params"])
+    grads = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), abstract["params"])
     scalar = jax.ShapeDtypeStruct((), jnp.float32)
     stop = jax.ShapeDtypeStruct((8,), jnp.int32, sharding=trainer.signal_sharding()["stop"])
-    compiled = jax.jit(trainer.apply_gradients, donate_argnums=0).lower(
-        abstract, scalar, scalar, grads, stop).compile()
+    compiled = jax.jit(trainer.apply_gradients, donate_argnums=0).lower(abstract, scalar, scalar, grads, stop).compile()
     text = compiled.as_text()
-    entry = text[text.index("\nENTRY"):]
+    entry = text[text.index("\nENTRY") :]
     params = {line.split("=")[0].strip().lstrip("%") for line in entry.splitlines() if " parameter(" in line}
-    copied = [line.strip()[:120] for line in entry.splitlines()
-              if " copy(" in line and line.split("copy(", 1)[1].split(")")[0].lstrip("%") in params]
+    copied = [
+        line.strip()[:120]
+        for line in entry.splitlines()
+        if " copy(" in line and line.split("copy(", 1)[1].split(")")[0].lstrip("%") in params
+    ]
     big = [line for line in copied if "[]" not in line.split("=", 1)[1].split(" copy(")[0]]
     assert not big, big
     assert branch_collectives(text, trainer.mesh) == []

@@ -18,8 +18,19 @@ from train import train
 from train.optimizer import OptimizerConfig
 from train.step import Trainer
 
-SMALL = ["--model", "test", "--seq-len", "64", "--batch-size", "8", "--log-every", "1", "--no-progress",
-         "--eval-batches", "1"]
+SMALL = [
+    "--model",
+    "test",
+    "--seq-len",
+    "64",
+    "--batch-size",
+    "8",
+    "--log-every",
+    "1",
+    "--no-progress",
+    "--eval-batches",
+    "1",
+]
 
 
 def run(args, corpus, cache, capsys=None):
@@ -37,8 +48,11 @@ def metrics(run_dir, key="train/loss"):
 
 
 def restore_params(run_dir, mesh_spec, step=None):
-    trainer = Trainer(get_config("test"), OptimizerConfig(decay_steps=8, warmup=1),
-                      Parallelism.of(make_mesh(parse_mesh(mesh_spec, 8)), get_rules("fsdp_tp")))
+    trainer = Trainer(
+        get_config("test"),
+        OptimizerConfig(decay_steps=8, warmup=1),
+        Parallelism.of(make_mesh(parse_mesh(mesh_spec, 8)), get_rules("fsdp_tp")),
+    )
     manager = CheckpointManager(Path(run_dir) / "checkpoints", async_save=False)
     try:
         state, meta = manager.restore(trainer.abstract_state(), step)
@@ -96,8 +110,21 @@ def test_resume_onto_another_mesh_keeps_values_and_next_loss(tmp_path, straight_
 
     run_dir = tmp_path / "moved"
     shutil.copytree(snapshot, run_dir)
-    args = ["--warmup", "1", "--eval-every", "0", "--steps", "5", "--decay-steps", "8", "--resume",
-            "--mesh", "data=2,tensor=4", "--run-dir", str(run_dir)]
+    args = [
+        "--warmup",
+        "1",
+        "--eval-every",
+        "0",
+        "--steps",
+        "5",
+        "--decay-steps",
+        "8",
+        "--resume",
+        "--mesh",
+        "data=2,tensor=4",
+        "--run-dir",
+        str(run_dir),
+    ]
     assert run(args, corpus, cache) == 0
     np.testing.assert_allclose(metrics(run_dir)[5], metrics(a)[5], rtol=1e-5)
 
@@ -129,8 +156,9 @@ def test_inspect_lists_steps_mesh_and_arrays(straight_and_resumed):
 
 
 def test_dry_run_reports_shardings_memory_and_collectives(capsys):
-    code = train.main(["--model", "test", "--mesh", "fsdp=4,tensor=2", "--batch-size", "8", "--seq-len", "32",
-                       "--dry-run"])
+    code = train.main(
+        ["--model", "test", "--mesh", "fsdp=4,tensor=2", "--batch-size", "8", "--seq-len", "32", "--dry-run"]
+    )
     assert code == 0
     out = capsys.readouterr().out
     assert "918,656 parameters" in out
@@ -139,7 +167,9 @@ def test_dry_run_reports_shardings_memory_and_collectives(capsys):
 
 
 def test_fsdp_state_bytes_per_device_are_an_eighth():
-    trainer = Trainer(get_config("test"), OptimizerConfig(), Parallelism.of(make_mesh(parse_mesh("fsdp=8", 8)), get_rules("fsdp")))
+    trainer = Trainer(
+        get_config("test"), OptimizerConfig(), Parallelism.of(make_mesh(parse_mesh("fsdp=8", 8)), get_rules("fsdp"))
+    )
     compiled = trainer.compile_train_step(8, 64)
     stats = compiled.memory_analysis()
     batch_bytes = 5 * 8 * 64 * 4 // 8
@@ -156,7 +186,10 @@ def test_fsdp_state_bytes_per_device_are_an_eighth():
         (["--batch-size", "12"], "not divisible by the data-parallel size"),
         (["--batch-size", "16", "--microbatches", "3"], "not divisible by --microbatches 3"),
         (["--data", "/nonexistent/corpus"], "--data /nonexistent/corpus: no such file"),
-        (["--rule", "mlp=fsdp"], "'mlp' and 'embed' of one array ('layers', 'mlp', 'embed') both map to mesh axis 'fsdp'"),
+        (
+            ["--rule", "mlp=fsdp"],
+            "'mlp' and 'embed' of one array ('layers', 'mlp', 'embed') both map to mesh axis 'fsdp'",
+        ),
         (["--warmup", "500"], "--warmup 500 must be smaller"),
         (["--set", "vocab_size=100"], "--set vocab_size=384"),
     ],
@@ -169,8 +202,7 @@ def test_bad_input_fails_before_training_with_the_flag_named(tmp_path, args, mes
 
 
 def test_flash_attention_trains_with_the_losses_of_reference(tmp_path, corpus, cache):
-    common = ["--steps", "20", "--warmup", "2", "--eval-every", "0", "--ckpt-every", "0",
-              "--mesh", "fsdp=4,tensor=2"]
+    common = ["--steps", "20", "--warmup", "2", "--eval-every", "0", "--ckpt-every", "0", "--mesh", "fsdp=4,tensor=2"]
     assert run([*common, "--attention", "reference", "--run-dir", str(tmp_path / "ref")], corpus, cache) == 0
     assert run([*common, "--attention", "flash", "--run-dir", str(tmp_path / "flash")], corpus, cache) == 0
     ref, flash = metrics(tmp_path / "ref"), metrics(tmp_path / "flash")

@@ -39,7 +39,9 @@ def test_a_usage_error_is_one_line_without_the_usage_block(main, argv, message, 
     assert "usage:" not in err
 
 
-@pytest.mark.parametrize("main, prog", [(hf.main, "python -m train.hf"), (inspect.main, "python -m checkpoints.inspect")])
+@pytest.mark.parametrize(
+    "main, prog", [(hf.main, "python -m train.hf"), (inspect.main, "python -m checkpoints.inspect")]
+)
 def test_a_bare_invocation_keeps_the_usage(main, prog, capsys):
     code, err = run(main, [], capsys)
     assert code == 2 and err.startswith(f"usage: {prog}") and err.strip().splitlines()[-1].startswith("error:"), err

@@ -10,12 +10,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from checkpoints import inspect as inspect_cli
 from checkpoints.manager import CheckpointManager, open_resumable
-from checkpoints.verify import (CheckpointDamaged, ResumeChoice, _expected_chunks, latest_verified_step,
-                                restore_falling_back, saved_steps, verify_step)
+from checkpoints.verify import (
+    CheckpointDamaged,
+    ResumeChoice,
+    _expected_chunks,
+    latest_verified_step,
+    restore_falling_back,
+    saved_steps,
+    verify_step,
+)
 from models.config import ModelConfig
 from sharding.mesh import make_mesh, parse_mesh
 
@@ -24,15 +32,20 @@ W = np.arange(64 * 64, dtype=np.float32).reshape(64, 64)  # 2 KiB chunks on fsdp
 
 def tiny_state(mesh):
     sharding = NamedSharding(mesh, P("fsdp"))
-    return {"w": jax.device_put(jnp.asarray(W), sharding),
-            "opt": {"mu": jax.device_put(jnp.asarray(W) * 2, sharding)}, "step": jnp.int32(7)}
+    return {
+        "w": jax.device_put(jnp.asarray(W), sharding),
+        "opt": {"mu": jax.device_put(jnp.asarray(W) * 2, sharding)},
+        "step": jnp.int32(7),
+    }
 
 
 def abstract(mesh):
     sharding = NamedSharding(mesh, P("fsdp"))
-    return {"w": jax.ShapeDtypeStruct(W.shape, jnp.float32, sharding=sharding),
-            "opt": {"mu": jax.ShapeDtypeStruct(W.shape, jnp.float32, sharding=sharding)},
-            "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))}
+    return {
+        "w": jax.ShapeDtypeStruct(W.shape, jnp.float32, sharding=sharding),
+        "opt": {"mu": jax.ShapeDtypeStruct(W.shape, jnp.float32, sharding=sharding)},
+        "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P())),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +74,11 @@ def data_file_of(state: Path, array: str) -> Path:
     from checkpoints.verify import _walk_index
 
     _, references = _walk_index(state)
-    files = {file: max(end for key, end in uses if key.startswith(f"{array}/"))
-             for file, uses in references.items() if any(key.startswith(f"{array}/") for key, _ in uses)}
+    files = {
+        file: max(end for key, end in uses if key.startswith(f"{array}/"))
+        for file, uses in references.items()
+        if any(key.startswith(f"{array}/") for key, _ in uses)
+    }
     assert files, references
     return state / max(files, key=lambda file: (files[file], file))
 
@@ -85,8 +101,10 @@ DAMAGES = {  # name: (how, phrase the verdict must contain)
     "meta truncated": (lambda s: truncate(s / "meta" / "metadata", 9), "metadata is not valid JSON"),
     "array index node removed": (lambda s: remove_btree_nodes(s / "state"), "the array index in"),
     "array index manifest removed": (lambda s: (s / "state" / "manifest.ocdbt").unlink(), "manifest.ocdbt"),
-    "array records not UTF-8": (lambda s: (s / "state" / "array_metadatas" / "process_0").write_bytes(b"\xff\xfe{"),
-                                "array_metadatas/process_0 is not valid JSON (not UTF-8 text: byte 0 is 0xff)"),
+    "array records not UTF-8": (
+        lambda s: (s / "state" / "array_metadatas" / "process_0").write_bytes(b"\xff\xfe{"),
+        "array_metadatas/process_0 is not valid JSON (not UTF-8 text: byte 0 is 0xff)",
+    ),
     "sharding record truncated": (lambda s: truncate(s / "state" / "_sharding", 20), "_sharding is not valid JSON"),
 }
 
@@ -133,7 +151,7 @@ def test_a_removed_data_file_really_breaks_orbax_and_the_verdict_names_it(copy):
     assert problem.startswith(f"data file {lost} is missing (chunks of array") and "'w'" in problem, problem
     manager = CheckpointManager(copy, async_save=False)
     try:
-        with pytest.raises(Exception):
+        with pytest.raises(Exception):  # noqa: B017 (whatever Orbax raises on the damaged step)
             manager.restore(abstract(make_mesh(parse_mesh("fsdp=8", 8))), step=2)
         state, _ = manager.restore(abstract(make_mesh(parse_mesh("fsdp=8", 8))), step=1)
     finally:
@@ -157,8 +175,12 @@ def test_expected_chunks_of_zarr_v2_and_v3_headers():
     v2 = {"zarr_format": 2, "shape": [5, 4], "chunks": [2, 4], "dimension_separator": "."}
     assert _expected_chunks(v2) == {"0.0", "1.0", "2.0"}
     assert _expected_chunks({"zarr_format": 2, "shape": [], "chunks": []}) == {"0"}
-    v3 = {"zarr_format": 3, "shape": [4, 4], "chunk_grid": {"configuration": {"chunk_shape": [2, 4]}},
-          "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}}}
+    v3 = {
+        "zarr_format": 3,
+        "shape": [4, 4],
+        "chunk_grid": {"configuration": {"chunk_shape": [2, 4]}},
+        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+    }
     assert _expected_chunks(v3) == {"c/0/0", "c/1/0"}
     assert _expected_chunks({"zarr_format": 9}) is None
 
@@ -176,8 +198,11 @@ def test_inspect_marks_damaged_steps_and_never_tracebacks(copy, capsys):
 
     assert inspect_cli.main([str(copy), "--step", "2"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("error: step 2 in") and err.rstrip().endswith(
-        "--step 1 reads completely")
+    assert (
+        err.count("\n") == 1
+        and err.startswith("error: step 2 in")
+        and err.rstrip().endswith("--step 1 reads completely")
+    )
 
     truncate(copy / "1" / "meta" / "metadata", 5)
     assert inspect_cli.main([str(copy)]) == 2
@@ -200,7 +225,9 @@ def save_steps(folder, steps, keep=3):
     manager = CheckpointManager(folder, keep=keep, async_save=False)
     try:
         for step in steps:
-            manager.save(step, tiny_state(make_mesh(parse_mesh("fsdp=8", 8))), {"step": step, "model": CONFIG.to_dict()})
+            manager.save(
+                step, tiny_state(make_mesh(parse_mesh("fsdp=8", 8))), {"step": step, "model": CONFIG.to_dict()}
+            )
     finally:
         manager.close()
 
@@ -228,8 +255,14 @@ def test_a_damaged_step_is_set_aside_on_resume_and_retention_keeps_the_good_ones
     assert step == 8
     assert lines[0].startswith("skipped step 10 in") and lines[0].endswith("resuming from step 8")
     (aside,) = [p for p in folder.iterdir() if p.name.startswith("10.damaged-")]
-    assert lines[1] == (f"set damaged step 10 aside as {aside} (not resumed from, not counted by --keep; "
-                        "delete it once it is no longer needed)") and len(lines) == 2
+    assert (
+        lines[1]
+        == (
+            f"set damaged step 10 aside as {aside} (not resumed from, not counted by --keep; "
+            "delete it once it is no longer needed)"
+        )
+        and len(lines) == 2
+    )
     # its files are untouched (nothing already saved is lost), the damaged file included
     assert (aside / damaged_file.relative_to(folder / "10")).stat().st_size == 100
     assert saved_steps(folder) == [6, 8, 11]
@@ -252,7 +285,9 @@ def test_an_older_damaged_step_is_set_aside_with_its_reason_and_good_steps_stay(
     shutil.rmtree(folder / "6" / "meta")
     step, lines = resume_and_save(folder, (11,))
     assert step == 10 and len(lines) == 1
-    assert lines[0].startswith("step 6 in") and "the meta item" in lines[0] and "set damaged step 6 aside as" in lines[0]
+    assert (
+        lines[0].startswith("step 6 in") and "the meta item" in lines[0] and "set damaged step 6 aside as" in lines[0]
+    )
     assert saved_steps(folder) == [8, 10, 11]
     assert [p.name.split("-")[0] for p in folder.iterdir() if "damaged" in p.name] == ["6.damaged"]
 
@@ -303,15 +338,22 @@ def test_a_restore_that_fails_on_damaged_data_sets_the_step_aside_and_restores_t
     try:
         with pytest.raises(Exception, match="error while reading array"):  # Orbax's own failure, without the fallback
             manager.restore(target, step=2)
-        (state, _), step = restore_falling_back(copy, 2, lambda s: manager.restore(target, step=s), lines.append,
-                                                reload=lambda: reloads.append(manager.reload()))
+        (state, _), step = restore_falling_back(
+            copy,
+            2,
+            lambda s: manager.restore(target, step=s),
+            lines.append,
+            reload=lambda: reloads.append(manager.reload()),
+        )
     finally:
         manager.close()
     assert step == 1 and len(reloads) == 1
     np.testing.assert_array_equal(np.asarray(state["w"]), W)
     (aside,) = [p for p in copy.iterdir() if p.name.startswith("2.damaged-")]
     (line,) = lines
-    assert line.startswith(f"step 2 in {copy} is damaged: array '") and f"in data file {damaged} does not decode" in line
+    assert (
+        line.startswith(f"step 2 in {copy} is damaged: array '") and f"in data file {damaged} does not decode" in line
+    )
     assert line.endswith(f"set it aside as {aside} (not resumed from, not counted by --keep); resuming from step 1")
     assert saved_steps(copy) == [1]
     assert (aside / damaged.relative_to(copy / "2")).read_bytes() != b""  # nothing deleted
@@ -322,7 +364,9 @@ def test_an_explicit_damaged_step_is_refused_and_a_failure_that_is_not_damage_is
     manager = CheckpointManager(copy, async_save=False)
     target = abstract(make_mesh(parse_mesh("fsdp=8", 8)))
     try:
-        with pytest.raises(CheckpointDamaged, match=r"^--resume-step 2: step 2 in .* does not decode .*; pass --resume-step 1$"):
+        with pytest.raises(
+            CheckpointDamaged, match=r"^--resume-step 2: step 2 in .* does not decode .*; pass --resume-step 1$"
+        ):
             restore_falling_back(copy, 2, lambda s: manager.restore(target, step=s), print, explicit=True)
         assert saved_steps(copy) == [1, 2]  # an explicit step is refused, never moved
 
@@ -345,7 +389,9 @@ def test_random_bytes_in_the_array_records_are_named_and_the_older_step_resumed(
     assert record.is_file()
     random_bytes(record)
     verdict = verify_step(folder, 8)
-    assert verdict.problems == (f"{record} is not valid JSON (not UTF-8 text: byte 0 is 0x{record.read_bytes()[0]:02x})",)
+    assert verdict.problems == (
+        f"{record} is not valid JSON (not UTF-8 text: byte 0 is 0x{record.read_bytes()[0]:02x})",
+    )
     step, lines = resume_and_save(folder, (9,))
     assert step == 6 and lines[0].startswith("skipped step 8 in") and str(record) in lines[0]
     assert any(p.name.startswith("8.damaged-") for p in folder.iterdir())

@@ -1,8 +1,8 @@
 """Errors that name what the user typed: --step (not --resume-step) on the readers, a run folder that is a file."""
 
 import pytest
-
 from test_faults import args_for
+
 from train import generate, hf, train
 
 
@@ -30,5 +30,7 @@ def test_a_run_folder_that_is_a_file_says_so(tmp_path, corpus, cache, capsys):
     for run in (tmp_path / "afile", tmp_path / "afile" / "run"):
         code = train.main(args_for(corpus, cache, "--steps", "2", "--run-dir", str(run)))
         err = capsys.readouterr().err
-        assert code == 2 and err.strip() == (f"error: --run-dir {run}: cannot write there ({tmp_path / 'afile'} is a "
-                                             "file, not a folder); choose a folder"), err
+        assert code == 2 and err.strip() == (
+            f"error: --run-dir {run}: cannot write there ({tmp_path / 'afile'} is a "
+            "file, not a folder); choose a folder"
+        ), err

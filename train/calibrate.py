@@ -56,12 +56,16 @@ class Calibration:
     def lines(self, microbatch_rows: int) -> list[str]:
         """The start-up report: one line per data-parallel group, measured speed, datasheet speed where known,
         count."""
-        out = [f"measured speeds (--hetero-batch auto; forward+backward of one microbatch of {microbatch_rows} "
-               f"sequences per device; one line per data-parallel group, a device or a tensor group):"]
+        out = [
+            f"measured speeds (--hetero-batch auto; forward+backward of one microbatch of {microbatch_rows} "
+            f"sequences per device; one line per data-parallel group, a device or a tensor group):"
+        ]
         for i, (s, peak, count) in enumerate(zip(self.seconds, self.peaks, self.counts)):
             sheet = f"datasheet {peak / 1e12:.0f} TFLOP/s" if peak else "datasheet n/a"
-            out.append(f"  group {i}: {s * 1e3:.1f} ms per microbatch ({1 / s:.2f} microbatches/s), {sheet}, "
-                       f"{count} microbatches")
+            out.append(
+                f"  group {i}: {s * 1e3:.1f} ms per microbatch ({1 / s:.2f} microbatches/s), {sheet}, "
+                f"{count} microbatches"
+            )
         return out
 
 
@@ -87,8 +91,14 @@ def local_work(par: Parallelism, loss_fn, abstract_params, microbatch_rows: int,
     return fn, args_on
 
 
-def time_local_devices(fn, args_on, devices: Sequence, together: bool, repeats: int = REPEATS,
-                       clock: Callable[[], float] = time.perf_counter) -> list[float]:
+def time_local_devices(
+    fn,
+    args_on,
+    devices: Sequence,
+    together: bool,
+    repeats: int = REPEATS,
+    clock: Callable[[], float] = time.perf_counter,
+) -> list[float]:
     """Seconds per microbatch of each of this process's ``devices``.
 
     Args:
@@ -144,8 +154,14 @@ def gather_table(local: Sequence[float]) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(mine)).reshape(jax.process_count(), -1)
 
 
-def calibrate(par: Parallelism, loss_fn, abstract_params, batch_size: int, seq_len: int,
-              timer: Callable[..., list[float]] = time_local_devices) -> tuple[Parallelism, Calibration]:
+def calibrate(
+    par: Parallelism,
+    loss_fn,
+    abstract_params,
+    batch_size: int,
+    seq_len: int,
+    timer: Callable[..., list[float]] = time_local_devices,
+) -> tuple[Parallelism, Calibration]:
     """Measures the devices and sets ``par``'s uneven counts from the measured speeds.
 
     Args:
@@ -173,7 +189,7 @@ def calibrate(par: Parallelism, loss_fn, abstract_params, batch_size: int, seq_l
     members = [d for group in groups for d in group]
     seconds = slowest_of_groups(grid_seconds(members, table), groups, larger_is_slower=True)
     peaks = [peak_flops(d) for d in members]
-    peaks = ([None] * len(groups) if None in peaks else slowest_of_groups(peaks, groups, larger_is_slower=False))
+    peaks = [None] * len(groups) if None in peaks else slowest_of_groups(peaks, groups, larger_is_slower=False)
     capacity = strategy.capacity or default_capacity(total, devices)
     pools = compute_pools(batch_grid(mesh))  # a group's devices live in one process: its first device's pool
     counts = tuple(counts_for_speeds([1 / s for s in seconds], total, capacity, pools=pools))
@@ -198,9 +214,11 @@ class StageCalibration:
 
     def lines(self, microbatch_rows: int) -> list[str]:
         """The start-up report: one line per stage."""
-        out = [f"measured stage speeds (--stage-layers auto; forward+backward of one microbatch of {microbatch_rows} "
-               f"sequences through the whole model, slowest device of each stage; besides its layers each stage "
-               f"does the work of {self.fixed_layers:.2f} layers):"]
+        out = [
+            f"measured stage speeds (--stage-layers auto; forward+backward of one microbatch of {microbatch_rows} "
+            f"sequences through the whole model, slowest device of each stage; besides its layers each stage "
+            f"does the work of {self.fixed_layers:.2f} layers):"
+        ]
         for s, (t, n) in enumerate(zip(self.seconds, self.stage_layers)):
             out.append(f"  stage {s}: {t * 1e3:.1f} ms per microbatch ({self.seconds[0] / t:.2f}x stage 0), {n} layers")
         return out
@@ -225,9 +243,15 @@ def stage_devices(mesh) -> list[list]:
     return [list(devices[s].reshape(-1)) for s in range(devices.shape[0])]
 
 
-def calibrate_stages(par: Parallelism, loss_fn, abstract_params, microbatch_rows: int, seq_len: int,
-                     fixed_layers: float, timer: Callable[..., list[float]] = time_local_devices
-                     ) -> tuple[Parallelism, StageCalibration]:
+def calibrate_stages(
+    par: Parallelism,
+    loss_fn,
+    abstract_params,
+    microbatch_rows: int,
+    seq_len: int,
+    fixed_layers: float,
+    timer: Callable[..., list[float]] = time_local_devices,
+) -> tuple[Parallelism, StageCalibration]:
     """Times every device on one microbatch of the whole model and splits the layers over the stages.
 
     Args:
@@ -277,8 +301,9 @@ def resolve_measured(config, par: Parallelism, log) -> Parallelism:
     # A trainer of even counts to read the model's loss from; the counts themselves come from the timings.
     even = dataclasses.replace(strategy, counts=(strategy.microbatches,) * par.data_parallel)
     probe = Trainer(config.model, config.optimizer, par.replace(strategy=even))
-    par, calibration = calibrate(par, probe.loss_sums, probe.state_layout.abstract_params, config.data.batch_size,
-                                 config.data.seq_len)
+    par, calibration = calibrate(
+        par, probe.loss_sums, probe.state_layout.abstract_params, config.data.batch_size, config.data.seq_len
+    )
     for line in calibration.lines(config.data.batch_size // sum(calibration.counts)):
         log(line)
     return par
@@ -293,8 +318,9 @@ def resolve_stages(config, par: Parallelism, log) -> Parallelism:
     rows = config.data.batch_size // (par.pipeline.microbatches * par.data_parallel)
     # The head runs on 1/S of the rows on every stage (`sharding.pipeline.head_parallelism`): its share per stage.
     fixed = head_layers(config.model, config.data.seq_len) / par.pipeline.layout.stages
-    par, calibration = calibrate_stages(par, probe.loss_sums, probe.state_layout.abstract_params, rows,
-                                        config.data.seq_len, fixed)
+    par, calibration = calibrate_stages(
+        par, probe.loss_sums, probe.state_layout.abstract_params, rows, config.data.seq_len, fixed
+    )
     for line in calibration.lines(rows):
         log(line)
     return par

@@ -77,8 +77,9 @@ def check_writable(folder: Path, flag: str) -> None:
     for part in (folder, *folder.parents):  # a file in the way: mkdir would only say "File exists"
         if part.exists():
             if not part.is_dir():
-                raise ValueError(f"{flag} {folder}: cannot write there ({part} is a file, not a folder); choose a "
-                                 "folder")
+                raise ValueError(
+                    f"{flag} {folder}: cannot write there ({part} is a file, not a folder); choose a folder"
+                )
             break
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -100,14 +101,17 @@ def check_data(run: RunConfig, tokenizer, read: bool = True) -> None:
 
     data = run.data
     if data.eod_token is not None and getattr(tokenizer, "name", None) == "bytes":
-        raise ValueError(f"--eod-token {data.eod_token}: applies to a --tokenizer FILE only; the bytes tokenizer "
-                         f"ends documents with its own token 256, so drop --eod-token")
+        raise ValueError(
+            f"--eod-token {data.eod_token}: applies to a --tokenizer FILE only; the bytes tokenizer "
+            f"ends documents with its own token 256, so drop --eod-token"
+        )
     if not read:
         return
     corpus_files(data.spec)  # a missing, empty or binary corpus fails before any device work
     cache = Path(data.cache_dir).expanduser() if data.cache_dir else default_cache_dir()
-    check_writable(cache, "--data-cache" if data.cache_dir else "--data-cache (default $MESHWORK_CACHE or "
-                   "~/.cache/meshwork)")
+    check_writable(
+        cache, "--data-cache" if data.cache_dir else "--data-cache (default $MESHWORK_CACHE or ~/.cache/meshwork)"
+    )
 
 
 def _mesh_flag(par: Parallelism) -> str:
@@ -135,8 +139,10 @@ def check_batch(run: RunConfig) -> None:
     kind_of(par.strategy).check_run_batch(run)
     sequence = par.mesh_shape[ax.SEQUENCE]
     if seq_len % sequence:
-        raise ValueError(f"--seq-len {seq_len} is not divisible by the sequence axis ({sequence}) of --mesh; "
-                         f"e.g. --seq-len {_good_batch(seq_len, sequence)}")
+        raise ValueError(
+            f"--seq-len {seq_len} is not divisible by the sequence axis ({sequence}) of --mesh; "
+            f"e.g. --seq-len {_good_batch(seq_len, sequence)}"
+        )
 
 
 def check_even_batch(run: RunConfig) -> None:
@@ -148,13 +154,16 @@ def check_even_batch(run: RunConfig) -> None:
     par, batch = run.parallelism, run.data.batch_size
     dp, m = par.data_parallel, par.strategy.microbatches
     if batch % m:
-        raise ValueError(f"--batch-size {batch} is not divisible by --microbatches {m}; "
-                         f"e.g. --batch-size {_good_batch(batch, m * dp)}")
+        raise ValueError(
+            f"--batch-size {batch} is not divisible by --microbatches {m}; "
+            f"e.g. --batch-size {_good_batch(batch, m * dp)}"
+        )
     if (batch // m) % dp:
         raise ValueError(
             f"--batch-size {batch} / --microbatches {m} = {batch // m} sequences per microbatch, not divisible "
             f"by the data-parallel size data x fsdp = {dp} of --mesh {_mesh_flag(par)}; "
-            f"e.g. --batch-size {_good_batch(batch, m * dp)}")
+            f"e.g. --batch-size {_good_batch(batch, m * dp)}"
+        )
 
 
 def check_strategy(run: RunConfig) -> None:
@@ -187,8 +196,11 @@ def check_model_sharding(config: ModelConfig, par: Parallelism) -> None:
         if parts > 1 and size % parts:
             divisors = [d for d in range(1, parts * 2 + 1) if size % d == 0 and d > 1][:4]
             over = "x".join(f"{a}={mesh_shape[a]}" for a in axes)
-            sizes = (f"use mesh sizes whose product divides {size} (e.g. {', '.join(map(str, divisors))}), "
-                     if divisors else "")
+            sizes = (
+                f"use mesh sizes whose product divides {size} (e.g. {', '.join(map(str, divisors))}), "
+                if divisors
+                else ""
+            )
             raise ValueError(
                 f"{field}={size} cannot be split over {over} (rule {logical}->{'+'.join(axes)}); {sizes}"
                 f"--set {field}={-(-size // parts) * parts} (a multiple of {parts}), or --rule {logical}=none"
@@ -205,8 +217,14 @@ def check_logits(run: RunConfig) -> None:
 
     par, model = run.parallelism, run.model
     try:
-        choose_for_batch(model.logits, par.rules, par.mesh_shape, model.vocab_size, model.embed_dim,
-                         (run.microbatch_rows, run.data.seq_len))
+        choose_for_batch(
+            model.logits,
+            par.rules,
+            par.mesh_shape,
+            model.vocab_size,
+            model.embed_dim,
+            (run.microbatch_rows, run.data.seq_len),
+        )
     except ValueError as e:
         if "does not apply" not in str(e):  # a rule collision or an unknown value: its own message says it all
             raise
@@ -216,7 +234,7 @@ def check_logits(run: RunConfig) -> None:
 def _vocab_parallel_remedy(par: Parallelism) -> str:
     """What would make ``--logits vocab_parallel`` apply, without repeating the flags already in use."""
     remedies = []
-    if not par.rules.name.split("+")[0] in ("fsdp", "fsdp_tp"):
+    if par.rules.name.split("+")[0] not in ("fsdp", "fsdp_tp"):
         remedies.append("--rules fsdp_tp")
     n = par.num_devices
     example = {ax.FSDP: n // 2, ax.TENSOR: 2} if n >= 4 and n % 2 == 0 else {ax.FSDP: n}
@@ -224,6 +242,8 @@ def _vocab_parallel_remedy(par: Parallelism) -> str:
         from sharding.mesh import format_mesh
 
         remedies.append(f"--mesh {format_mesh(example)}")
-    needs = ("it needs the output weight's embed dimension split over axes that also split the batch: an fsdp axis "
-             "> 1 with --rules fsdp or fsdp_tp")
+    needs = (
+        "it needs the output weight's embed dimension split over axes that also split the batch: an fsdp axis "
+        "> 1 with --rules fsdp or fsdp_tp"
+    )
     return f" ({needs}; e.g. {' '.join(remedies)})" if remedies else f" ({needs})"

@@ -29,10 +29,12 @@ from sharding.pipeline import (
     pipeline_rules,
     plan_layout,
 )
-from sharding.rules import DEFAULT_PRESET, PRESETS as RULE_PRESETS, get_rules
+from sharding.rules import DEFAULT_PRESET, get_rules
+from sharding.rules import PRESETS as RULE_PRESETS
 from train.config import DEFAULT_RUN_DIR, CheckpointConfig, ClusterConfig, DataConfig, LoopConfig, RunConfig
 from train.divergence import parse_max_loss
-from train.optimizer import OPTIMIZERS, SCHEDULES as LR_SCHEDULES, WSD_DECAY_FRACTION, OptimizerConfig, optimizer_hyper
+from train.optimizer import OPTIMIZERS, WSD_DECAY_FRACTION, OptimizerConfig, optimizer_hyper
+from train.optimizer import SCHEDULES as LR_SCHEDULES
 from train.profile import parse_profile_steps
 
 DEFAULT_MODEL = "small"
@@ -61,7 +63,9 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 def build_parser() -> argparse.ArgumentParser:
     """The parser of every ``python -m train.train`` flag."""
     p = Parser(
-        prog="python -m train.train", description=DESCRIPTION, formatter_class=_HelpFormatter,
+        prog="python -m train.train",
+        description=DESCRIPTION,
+        formatter_class=_HelpFormatter,
         epilog="Logical axes: batch, length, embed, mlp, heads, kv_heads, head_dim, vocab, layers, act_embed. "
         "Mesh axes: data, stage, fsdp, sequence, tensor.",
     )
@@ -78,29 +82,60 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _mesh_flags(p) -> None:
     g = p.add_argument_group("mesh and sharding")
-    g.add_argument("--mesh", default="fsdp=-1", help="mesh axes and sizes, e.g. data=2,fsdp=-1,tensor=2; "
-                   "one -1 takes the remaining devices; axes left out have size 1")
-    g.add_argument("--rules", default=DEFAULT_PRESET, choices=sorted(RULE_PRESETS),
-                   help="logical-to-mesh rules preset (see README: Sharding rules)")
-    g.add_argument("--rule", action="append", default=[], metavar="NAME=AXIS[+AXIS]",
-                   help="override one logical axis, e.g. --rule mlp=tensor+fsdp or --rule vocab=none; repeatable")
-    g.add_argument("--mesh-outer", default=None, metavar="AXIS=N,...",
-                   help="how much of each axis spans processes (slow links), e.g. data=2; the rest stays inside a "
-                   "process; default: tensor, then sequence, then fsdp stay inside a process")
-    g.add_argument("--cpu-devices", type=int, default=None, metavar="N",
-                   help="simulate N devices on a CPU-only machine (takes effect before JAX starts); "
-                   "default: the devices JAX finds (XLA_FLAGS included)")
-    g.add_argument("--device-memory", default=None, metavar="BYTES", type=parse_bytes,
-                   help="memory one device may use, e.g. 80GiB or 5e8, checked against the compiled step before "
-                   "the first one; default: the allocator's limit, the datasheet, or on CPU the host's available "
-                   "memory shared by the simulated devices")
+    g.add_argument(
+        "--mesh",
+        default="fsdp=-1",
+        help="mesh axes and sizes, e.g. data=2,fsdp=-1,tensor=2; "
+        "one -1 takes the remaining devices; axes left out have size 1",
+    )
+    g.add_argument(
+        "--rules",
+        default=DEFAULT_PRESET,
+        choices=sorted(RULE_PRESETS),
+        help="logical-to-mesh rules preset (see README: Sharding rules)",
+    )
+    g.add_argument(
+        "--rule",
+        action="append",
+        default=[],
+        metavar="NAME=AXIS[+AXIS]",
+        help="override one logical axis, e.g. --rule mlp=tensor+fsdp or --rule vocab=none; repeatable",
+    )
+    g.add_argument(
+        "--mesh-outer",
+        default=None,
+        metavar="AXIS=N,...",
+        help="how much of each axis spans processes (slow links), e.g. data=2; the rest stays inside a "
+        "process; default: tensor, then sequence, then fsdp stay inside a process",
+    )
+    g.add_argument(
+        "--cpu-devices",
+        type=int,
+        default=None,
+        metavar="N",
+        help="simulate N devices on a CPU-only machine (takes effect before JAX starts); "
+        "default: the devices JAX finds (XLA_FLAGS included)",
+    )
+    g.add_argument(
+        "--device-memory",
+        default=None,
+        metavar="BYTES",
+        type=parse_bytes,
+        help="memory one device may use, e.g. 80GiB or 5e8, checked against the compiled step before "
+        "the first one; default: the allocator's limit, the datasheet, or on CPU the host's available "
+        "memory shared by the simulated devices",
+    )
 
 
 def _process_flags(p) -> None:
     g = p.add_argument_group("several processes (one per host, jax.distributed)")
-    g.add_argument("--coordinator", default=None, metavar="HOST:PORT",
-                   help="address of process 0's coordinator; with none of these flags, JAX's own cluster "
-                   "detection (SLURM, Open MPI, Kubernetes) is used where it applies")
+    g.add_argument(
+        "--coordinator",
+        default=None,
+        metavar="HOST:PORT",
+        help="address of process 0's coordinator; with none of these flags, JAX's own cluster "
+        "detection (SLURM, Open MPI, Kubernetes) is used where it applies",
+    )
     g.add_argument("--num-processes", type=int, default=None, help="number of processes in the job")
     g.add_argument("--process-id", type=int, default=None, help="this process's index, 0..N-1")
     g.add_argument("--dist-timeout", type=int, default=300, help="seconds to wait for all processes to connect")
@@ -109,152 +144,291 @@ def _process_flags(p) -> None:
 def _model_flags(p) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", default=None, choices=sorted(PRESETS), help=f"model preset (default: {DEFAULT_MODEL})")
-    g.add_argument("--init-from", default=None, metavar="PATH",
-                   help="start from a Hugging Face model folder (config.json, *.safetensors): its architecture, "
-                   "weights and tokenizer.json, a fresh optimizer state; --dtype/--remat/--attention/--logits still "
-                   "apply; with --resume and a checkpoint in --run-dir, the checkpoint wins")
-    g.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                   help="override a ModelConfig field, e.g. --set num_layers=8; repeatable")
-    g.add_argument("--dtype", default=None, choices=DTYPES, help="compute dtype (parameters stay float32); "
-                   "default: the preset's (float32)")
-    g.add_argument("--remat", default=None, choices=REMAT_POLICIES, help="rematerialisation policy per block; "
-                   "default: the preset's (none)")
+    g.add_argument(
+        "--init-from",
+        default=None,
+        metavar="PATH",
+        help="start from a Hugging Face model folder (config.json, *.safetensors): its architecture, "
+        "weights and tokenizer.json, a fresh optimizer state; --dtype/--remat/--attention/--logits still "
+        "apply; with --resume and a checkpoint in --run-dir, the checkpoint wins",
+    )
+    g.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="override a ModelConfig field, e.g. --set num_layers=8; repeatable",
+    )
+    g.add_argument(
+        "--dtype",
+        default=None,
+        choices=DTYPES,
+        help="compute dtype (parameters stay float32); default: the preset's (float32)",
+    )
+    g.add_argument(
+        "--remat",
+        default=None,
+        choices=REMAT_POLICIES,
+        help="rematerialisation policy per block; default: the preset's (none)",
+    )
     splitting = " or ".join(k.name for k in attention_registry.KERNELS if k.traits.splits_length)
-    g.add_argument("--attention", default=None, choices=attention_registry.names(), help=f"attention implementation; "
-                   f"{splitting} split the length over the sequence mesh axis (context parallelism); default: the "
-                   "preset's (reference)")
-    g.add_argument("--logits", default=None, choices=LOGITS_IMPLS,
-                   help="output projection and loss: gathered (weight gathered, GSPMD), vocab_parallel (Megatron-LM's "
-                   "vocabulary-parallel cross-entropy over the axes splitting the weight), auto (vocab_parallel where "
-                   "it moves fewer bytes); default: the preset's (auto)")
-    g.add_argument("--context-layout", default="auto", choices=CONTEXT_LAYOUTS,
-                   help="how tokens lie along the sequence axis: zigzag (device r holds chunks r and 2P-1-r of 2P) "
-                   "balances causal ring attention; auto: zigzag for --attention ring with a sequence axis, else "
-                   "contiguous")
+    g.add_argument(
+        "--attention",
+        default=None,
+        choices=attention_registry.names(),
+        help=f"attention implementation; "
+        f"{splitting} split the length over the sequence mesh axis (context parallelism); default: the "
+        "preset's (reference)",
+    )
+    g.add_argument(
+        "--logits",
+        default=None,
+        choices=LOGITS_IMPLS,
+        help="output projection and loss: gathered (weight gathered, GSPMD), vocab_parallel (Megatron-LM's "
+        "vocabulary-parallel cross-entropy over the axes splitting the weight), auto (vocab_parallel where "
+        "it moves fewer bytes); default: the preset's (auto)",
+    )
+    g.add_argument(
+        "--context-layout",
+        default="auto",
+        choices=CONTEXT_LAYOUTS,
+        help="how tokens lie along the sequence axis: zigzag (device r holds chunks r and 2P-1-r of 2P) "
+        "balances causal ring attention; auto: zigzag for --attention ring with a sequence axis, else "
+        "contiguous",
+    )
 
 
 def _data_flags(p) -> None:
     g = p.add_argument_group("data")
-    g.add_argument("--data", default="stdlib", help="'stdlib' (this Python's standard library sources), "
-                   "a text file, a folder of text files, or a .jsonl file with a 'text' field")
-    g.add_argument("--tokenizer", default=None, metavar="FILE", help="a tokenizer.json (Hugging Face tokenizers); "
-                   "default: UTF-8 bytes")
+    g.add_argument(
+        "--data",
+        default="stdlib",
+        help="'stdlib' (this Python's standard library sources), "
+        "a text file, a folder of text files, or a .jsonl file with a 'text' field",
+    )
+    g.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="FILE",
+        help="a tokenizer.json (Hugging Face tokenizers); default: UTF-8 bytes",
+    )
     g.add_argument("--eod-token", default=None, help="end-of-document token of --tokenizer (default: autodetect)")
     g.add_argument("--heldout", type=float, default=0.01, help="fraction of documents held out for evaluation")
-    g.add_argument("--data-cache", default=None, help="folder for tokenized corpora "
-                   "(default: $MESHWORK_CACHE or ~/.cache/meshwork)")
+    g.add_argument(
+        "--data-cache",
+        default=None,
+        help="folder for tokenized corpora (default: $MESHWORK_CACHE or ~/.cache/meshwork)",
+    )
     g.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
     g.add_argument("--batch-size", type=int, default=16, help="global batch size in sequences")
-    g.add_argument("--microbatches", type=int, default=1, metavar="M",
-                   help="microbatches per step; what they are depends on the gradient strategy: without a stage "
-                   "axis or --hetero-batch, gradient-accumulation steps (the batch in M strided microbatches); with "
-                   "--mesh stage=N (N > 1), the pipeline's microbatches (at least N); with --hetero-batch auto or "
-                   "kinds, the microbatches each device runs on average (M x data x fsdp in all)")
+    g.add_argument(
+        "--microbatches",
+        type=int,
+        default=1,
+        metavar="M",
+        help="microbatches per step; what they are depends on the gradient strategy: without a stage "
+        "axis or --hetero-batch, gradient-accumulation steps (the batch in M strided microbatches); with "
+        "--mesh stage=N (N > 1), the pipeline's microbatches (at least N); with --hetero-batch auto or "
+        "kinds, the microbatches each device runs on average (M x data x fsdp in all)",
+    )
 
 
 def _pipeline_flags(p) -> None:
     g = p.add_argument_group("pipeline parallelism (with --mesh stage=N, N > 1)")
-    g.add_argument("--pipeline-schedule", default="gpipe", choices=SCHEDULES,
-                   help="gpipe: each stage holds one run of layers; circular: each holds --pipeline-repeats "
-                   "non-adjacent chunks, shrinking the bubble (S-1)/(R*M+S-1); 1f1b: gpipe's layers, but each stage "
-                   "alternates one forward and one backward after warm-up, keeping S microbatches' activations "
-                   "instead of M (loss on the last stage, inside the pipeline); 1f1b-fused: 1f1b with a forward and a "
-                   "backward in every tick, about M+2(S-1) ticks of a forward+backward instead of 2(M+S-1) of a "
-                   "backward, keeping up to 2S-1 microbatches' activations on the first stage")
-    g.add_argument("--pipeline-repeats", type=int, default=None, metavar="R",
-                   help="chunks per stage for --pipeline-schedule circular (default 2; gpipe: 1) or 1f1b (default 1; "
-                   "more is interleaved 1F1B, with --microbatches a multiple of the stages)")
-    g.add_argument("--stage-layers", default=None, metavar="auto|N,N,...",
-                   help="layers per stage, e.g. 10,10,6,6 for 32 layers on stage=4 (must sum to the model's layers); "
-                   "circular also takes one count per chunk (S*R); auto: time each stage's devices at start-up and give "
-                   "faster stages more layers (gpipe); default: even, the first stages taking the rest")
+    g.add_argument(
+        "--pipeline-schedule",
+        default="gpipe",
+        choices=SCHEDULES,
+        help="gpipe: each stage holds one run of layers; circular: each holds --pipeline-repeats "
+        "non-adjacent chunks, shrinking the bubble (S-1)/(R*M+S-1); 1f1b: gpipe's layers, but each stage "
+        "alternates one forward and one backward after warm-up, keeping S microbatches' activations "
+        "instead of M (loss on the last stage, inside the pipeline); 1f1b-fused: 1f1b with a forward and a "
+        "backward in every tick, about M+2(S-1) ticks of a forward+backward instead of 2(M+S-1) of a "
+        "backward, keeping up to 2S-1 microbatches' activations on the first stage",
+    )
+    g.add_argument(
+        "--pipeline-repeats",
+        type=int,
+        default=None,
+        metavar="R",
+        help="chunks per stage for --pipeline-schedule circular (default 2; gpipe: 1) or 1f1b (default 1; "
+        "more is interleaved 1F1B, with --microbatches a multiple of the stages)",
+    )
+    g.add_argument(
+        "--stage-layers",
+        default=None,
+        metavar="auto|N,N,...",
+        help="layers per stage, e.g. 10,10,6,6 for 32 layers on stage=4 (must sum to the model's layers); "
+        "circular also takes one count per chunk (S*R); auto: time each stage's devices at start-up and give "
+        "faster stages more layers (gpipe); default: even, the first stages taking the rest",
+    )
 
 
 def _hetero_flags(p) -> None:
     g = p.add_argument_group("heterogeneous clusters (README: Heterogeneous clusters)")
-    g.add_argument("--cluster", default=None, metavar="SPEC|FILE",
-                   help="the cluster, for --plan auto: KIND:COUNT per host, e.g. h100:8,a100:8[@400Gbps], or a "
-                   "JSON/YAML inventory file; default: detected from the devices")
-    g.add_argument("--simulate-cluster", default=None, metavar="SPEC",
-                   help="pretend the (CPU) devices are this cluster, e.g. h100:4,a100:4 on 8 devices: their kinds "
-                   "set --hetero-batch kinds' shares and --plan auto's cluster")
-    g.add_argument("--hetero-batch", default="off", metavar="auto|kinds|off|COUNTS",
-                   help="uneven data parallelism: microbatches per data-parallel group along data x fsdp (each "
-                   "shared by the group's tensor devices), proportional to "
-                   "device speed (auto: measured at start-up; kinds: the device kinds' datasheet peaks) or given (e.g. 3,3,3,3,1,1,1,1; "
-                   "microbatch = --batch-size / their sum); data/fsdp/tensor meshes")
-    g.add_argument("--hetero-max-share", type=int, default=None, metavar="N",
-                   help="uneven data parallelism: the most microbatches one device may be given without recompiling "
-                   "the step (its padded buffer); default twice the mean per device, at least the largest count")
-    g.add_argument("--rebalance-every", type=int, default=None, metavar="N",
-                   help="uneven data parallelism: every N steps, recompute the counts from each device's timed "
-                   f"microbatch loop (smoothed, with hysteresis); default {DEFAULT_REBALANCE} with --hetero-batch "
-                   "auto, off otherwise")
-    g.add_argument("--plan", default=None, choices=("auto",),
-                   help="choose --mesh, --rules, --microbatches, --remat, --hetero-batch and the stage split "
-                   "with the planner (python -m train.plan) for --cluster/--simulate-cluster")
+    g.add_argument(
+        "--cluster",
+        default=None,
+        metavar="SPEC|FILE",
+        help="the cluster, for --plan auto: KIND:COUNT per host, e.g. h100:8,a100:8[@400Gbps], or a "
+        "JSON/YAML inventory file; default: detected from the devices",
+    )
+    g.add_argument(
+        "--simulate-cluster",
+        default=None,
+        metavar="SPEC",
+        help="pretend the (CPU) devices are this cluster, e.g. h100:4,a100:4 on 8 devices: their kinds "
+        "set --hetero-batch kinds' shares and --plan auto's cluster",
+    )
+    g.add_argument(
+        "--hetero-batch",
+        default="off",
+        metavar="auto|kinds|off|COUNTS",
+        help="uneven data parallelism: microbatches per data-parallel group along data x fsdp (each "
+        "shared by the group's tensor devices), proportional to "
+        "device speed (auto: measured at start-up; kinds: the device kinds' datasheet peaks) or given (e.g. 3,3,3,3,1,1,1,1; "
+        "microbatch = --batch-size / their sum); data/fsdp/tensor meshes",
+    )
+    g.add_argument(
+        "--hetero-max-share",
+        type=int,
+        default=None,
+        metavar="N",
+        help="uneven data parallelism: the most microbatches one device may be given without recompiling "
+        "the step (its padded buffer); default twice the mean per device, at least the largest count",
+    )
+    g.add_argument(
+        "--rebalance-every",
+        type=int,
+        default=None,
+        metavar="N",
+        help="uneven data parallelism: every N steps, recompute the counts from each device's timed "
+        f"microbatch loop (smoothed, with hysteresis); default {DEFAULT_REBALANCE} with --hetero-batch "
+        "auto, off otherwise",
+    )
+    g.add_argument(
+        "--plan",
+        default=None,
+        choices=("auto",),
+        help="choose --mesh, --rules, --microbatches, --remat, --hetero-batch and the stage split "
+        "with the planner (python -m train.plan) for --cluster/--simulate-cluster",
+    )
 
 
 def _optimizer_flags(p) -> None:
     g = p.add_argument_group("optimization")
     g.add_argument("--steps", type=int, default=150, help="train until this step")
     g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
-    g.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS,
-                   help="adamw; lion (its --lr is usually 3-10x smaller than AdamW's); sgd "
-                   "(momentum --beta1); all optax's, after clipping to --grad-clip, with --weight-decay on matrices")
-    g.add_argument("--schedule", default="cosine", choices=LR_SCHEDULES,
-                   help="after the linear warmup: cosine or linear decay to 10%% of --lr at --decay-steps, or wsd "
-                   f"(warmup-stable-decay: --lr until the last {WSD_DECAY_FRACTION * 100:.0f}%% of the steps, then linear)")
-    g.add_argument("--beta1", type=float, default=None, help="first-moment decay of adamw and lion, momentum of sgd, "
-                   "in [0, 1) (default: 0.9)")
-    g.add_argument("--beta2", type=float, default=None, help="second-moment decay of adamw (default 0.95) and lion "
-                   "(default 0.99), in [0, 1)")
+    g.add_argument(
+        "--optimizer",
+        default="adamw",
+        choices=OPTIMIZERS,
+        help="adamw; lion (its --lr is usually 3-10x smaller than AdamW's); sgd "
+        "(momentum --beta1); all optax's, after clipping to --grad-clip, with --weight-decay on matrices",
+    )
+    g.add_argument(
+        "--schedule",
+        default="cosine",
+        choices=LR_SCHEDULES,
+        help="after the linear warmup: cosine or linear decay to 10%% of --lr at --decay-steps, or wsd "
+        f"(warmup-stable-decay: --lr until the last {WSD_DECAY_FRACTION * 100:.0f}%% of the steps, then linear)",
+    )
+    g.add_argument(
+        "--beta1",
+        type=float,
+        default=None,
+        help="first-moment decay of adamw and lion, momentum of sgd, in [0, 1) (default: 0.9)",
+    )
+    g.add_argument(
+        "--beta2",
+        type=float,
+        default=None,
+        help="second-moment decay of adamw (default 0.95) and lion (default 0.99), in [0, 1)",
+    )
     g.add_argument("--eps", type=float, default=None, help="adamw's epsilon, > 0 (default: 1e-8)")
     g.add_argument("--warmup", type=int, default=None, help="linear warmup steps (default: 5%% of the schedule)")
     g.add_argument("--decay-steps", type=int, default=None, help="length of the cosine schedule (default: --steps)")
     g.add_argument("--weight-decay", type=float, default=0.1, help="decoupled weight decay (matrices only)")
     g.add_argument("--grad-clip", type=float, default=1.0, help="clip gradients to this global norm")
     g.add_argument("--seed", type=int, default=0, help="seed for parameters, data order and held-out split")
-    g.add_argument("--skip-nonfinite", type=int, default=0, metavar="N",
-                   help="skip (and log) up to N steps whose loss is NaN or infinite; past that the run stops, "
-                   "keeping its last good checkpoint")
-    g.add_argument("--max-loss", default="auto", metavar="auto|off|X",
-                   help="stop the run, as a non-finite loss does, when a step's training loss exceeds X (nats per "
-                   "token); the checkpoint saved from the parameters that produced it is set aside (renamed "
-                   "STEP.diverged-TIME), so the last one kept is from before the divergence; auto: the larger of 2x "
-                   "this run's first recorded loss and 1.5 x ln(vocabulary size), the loss of a uniform guess; off: "
-                   "never (default: auto)")
+    g.add_argument(
+        "--skip-nonfinite",
+        type=int,
+        default=0,
+        metavar="N",
+        help="skip (and log) up to N steps whose loss is NaN or infinite; past that the run stops, "
+        "keeping its last good checkpoint",
+    )
+    g.add_argument(
+        "--max-loss",
+        default="auto",
+        metavar="auto|off|X",
+        help="stop the run, as a non-finite loss does, when a step's training loss exceeds X (nats per "
+        "token); the checkpoint saved from the parameters that produced it is set aside (renamed "
+        "STEP.diverged-TIME), so the last one kept is from before the divergence; auto: the larger of 2x "
+        "this run's first recorded loss and 1.5 x ln(vocabulary size), the loss of a uniform guess; off: "
+        "never (default: auto)",
+    )
 
 
 def _run_flags(p) -> None:
     g = p.add_argument_group("run folder, checkpoints, logging")
-    g.add_argument("--config", default=None, metavar="FILE.toml",
-                   help="read flags from a TOML file (keys: flag names without the dashes, e.g. seq-len = 128; true "
-                   "for a switch; a list for a repeatable flag); flags on the command line override it; without it, "
-                   "--resume reads the run folder's config.json (docs/training.md: Config files)")
-    g.add_argument("--run-dir", default=DEFAULT_RUN_DIR, help="folder for checkpoints and metrics (and config.json, "
-                   "the command line and every flag's value)")
-    g.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --run-dir "
-                   "(onto the current mesh and rules); starts fresh if there is none")
-    g.add_argument("--resume-step", type=int, default=None, metavar="N",
-                   help="with --resume, continue from this step instead of the newest complete one")
-    g.add_argument("--discard-later", action="store_true",
-                   help="with --resume-step N, set the steps after N aside (renamed STEP.discarded-TIME, nothing "
-                   "deleted) instead of refusing to resume below them")
-    g.add_argument("--break-lock", action="store_true",
-                   help="take over --run-dir's lock when its owner runs on another host (which cannot be checked "
-                   "from here); only once that run has ended")
+    g.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE.toml",
+        help="read flags from a TOML file (keys: flag names without the dashes, e.g. seq-len = 128; true "
+        "for a switch; a list for a repeatable flag); flags on the command line override it; without it, "
+        "--resume reads the run folder's config.json (docs/training.md: Config files)",
+    )
+    g.add_argument(
+        "--run-dir",
+        default=DEFAULT_RUN_DIR,
+        help="folder for checkpoints and metrics (and config.json, the command line and every flag's value)",
+    )
+    g.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the latest checkpoint in --run-dir "
+        "(onto the current mesh and rules); starts fresh if there is none",
+    )
+    g.add_argument(
+        "--resume-step",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --resume, continue from this step instead of the newest complete one",
+    )
+    g.add_argument(
+        "--discard-later",
+        action="store_true",
+        help="with --resume-step N, set the steps after N aside (renamed STEP.discarded-TIME, nothing "
+        "deleted) instead of refusing to resume below them",
+    )
+    g.add_argument(
+        "--break-lock",
+        action="store_true",
+        help="take over --run-dir's lock when its owner runs on another host (which cannot be checked "
+        "from here); only once that run has ended",
+    )
     g.add_argument("--ckpt-every", type=int, default=50, help="steps between checkpoints (0: only at the end)")
     g.add_argument("--keep", type=int, default=3, help="checkpoints to keep")
     g.add_argument("--eval-every", type=int, default=50, help="steps between held-out evaluations (0: first/last)")
     g.add_argument("--eval-batches", type=int, default=4, help="held-out batches per evaluation")
     g.add_argument("--log-every", type=int, default=10, help="steps between log lines")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
-    g.add_argument("--profile-steps", default=None, metavar="A:B",
-                   help="write a jax.profiler trace of steps A to B (or A alone) to RUN_DIR/profile, for TensorBoard "
-                   "(tensorboard --logdir RUN_DIR/profile) or Perfetto (its .trace.json.gz); default: no trace")
-    g.add_argument("--dry-run", action="store_true", help="compile one step, print the sharding, memory and "
-                   "collectives report, and exit without training")
+    g.add_argument(
+        "--profile-steps",
+        default=None,
+        metavar="A:B",
+        help="write a jax.profiler trace of steps A to B (or A alone) to RUN_DIR/profile, for TensorBoard "
+        "(tensorboard --logdir RUN_DIR/profile) or Perfetto (its .trace.json.gz); default: no trace",
+    )
+    g.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="compile one step, print the sharding, memory and collectives report, and exit without training",
+    )
 
 
 # argv -> RunConfig ---------------------------------------------------------------------------------
@@ -281,30 +455,69 @@ def from_args(args: argparse.Namespace) -> RunConfig:
     """The `RunConfig` of a parsed namespace (see `parse`)."""
     _check_counts(args)
     _check_numbers(args)
-    execution = {k: v for k, v in (("dtype", args.dtype), ("remat", args.remat), ("attention", args.attention),
-                                    ("logits", args.logits)) if v}
+    execution = {
+        k: v
+        for k, v in (
+            ("dtype", args.dtype),
+            ("remat", args.remat),
+            ("attention", args.attention),
+            ("logits", args.logits),
+        )
+        if v
+    }
     model, preset, tokenizer, eod = _model_and_tokenizer(args, execution)
     decay = args.steps if args.decay_steps is None else args.decay_steps
-    optimizer = OptimizerConfig(lr=args.lr, warmup=args.warmup if args.warmup is not None else max(decay // 20, 0),
-                                decay_steps=decay, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
-                                name=args.optimizer, schedule=args.schedule,
-                                **optimizer_hyper(args.optimizer, args.beta1, args.beta2, args.eps))
+    optimizer = OptimizerConfig(
+        lr=args.lr,
+        warmup=args.warmup if args.warmup is not None else max(decay // 20, 0),
+        decay_steps=decay,
+        weight_decay=args.weight_decay,
+        grad_clip=args.grad_clip,
+        name=args.optimizer,
+        schedule=args.schedule,
+        **optimizer_hyper(args.optimizer, args.beta1, args.beta2, args.eps),
+    )
     optimizer.validate()
     return RunConfig(
         model=model,
         preset=preset,
         parallelism=parallelism_from_args(args, model.num_layers),
-        data=DataConfig(args.data, tokenizer, eod, args.heldout, args.data_cache, args.seq_len,
-                        args.batch_size, args.seed),
+        data=DataConfig(
+            args.data, tokenizer, eod, args.heldout, args.data_cache, args.seq_len, args.batch_size, args.seed
+        ),
         optimizer=optimizer,
-        loop=LoopConfig(args.steps, args.log_every, args.eval_every, args.eval_batches, args.skip_nonfinite,
-                        not args.no_progress, args.dry_run, parse_max_loss(args.max_loss),
-                        parse_profile_steps(args.profile_steps, args.steps)),
-        checkpoint=CheckpointConfig(args.run_dir, args.resume, args.ckpt_every, args.keep, args.resume_step,
-                                    args.init_from, args.discard_later, args.break_lock),
-        cluster=ClusterConfig(args.cpu_devices, args.coordinator, args.num_processes, args.process_id,
-                              args.dist_timeout, args.cluster, args.simulate_cluster, args.plan,
-                              args.device_memory),
+        loop=LoopConfig(
+            args.steps,
+            args.log_every,
+            args.eval_every,
+            args.eval_batches,
+            args.skip_nonfinite,
+            not args.no_progress,
+            args.dry_run,
+            parse_max_loss(args.max_loss),
+            parse_profile_steps(args.profile_steps, args.steps),
+        ),
+        checkpoint=CheckpointConfig(
+            args.run_dir,
+            args.resume,
+            args.ckpt_every,
+            args.keep,
+            args.resume_step,
+            args.init_from,
+            args.discard_later,
+            args.break_lock,
+        ),
+        cluster=ClusterConfig(
+            args.cpu_devices,
+            args.coordinator,
+            args.num_processes,
+            args.process_id,
+            args.dist_timeout,
+            args.cluster,
+            args.simulate_cluster,
+            args.plan,
+            args.device_memory,
+        ),
     )
 
 
@@ -328,8 +541,16 @@ def _model_and_tokenizer(args, execution: dict) -> tuple:
 
 
 def _check_counts(args) -> None:
-    for name in ("seq-len", "batch-size", "microbatches", "steps", "log-every", "eval-batches", "cpu-devices",
-                 "pipeline-repeats"):
+    for name in (
+        "seq-len",
+        "batch-size",
+        "microbatches",
+        "steps",
+        "log-every",
+        "eval-batches",
+        "cpu-devices",
+        "pipeline-repeats",
+    ):
         value = getattr(args, name.replace("-", "_"))
         if value is not None and value <= 0:
             raise ValueError(f"--{name} {value}: must be a positive integer")
@@ -340,14 +561,20 @@ def _check_counts(args) -> None:
     if args.keep < 1:
         raise ValueError(f"--keep {args.keep}: must be at least 1")
     if args.resume_step is not None and (args.resume_step < 0 or not args.resume):
-        raise ValueError(f"--resume-step {args.resume_step}: needs --resume and a step >= 0, e.g. --resume "
-                         f"--resume-step {max(args.resume_step, 0)}")
+        raise ValueError(
+            f"--resume-step {args.resume_step}: needs --resume and a step >= 0, e.g. --resume "
+            f"--resume-step {max(args.resume_step, 0)}"
+        )
     if args.discard_later and args.resume_step is None:
         raise ValueError("--discard-later: applies with --resume --resume-step N (the steps after N are set aside)")
     if args.mesh_outer:
         parse_axis_sizes(args.mesh_outer, flag="--mesh-outer", allow_fill=False)
-    args_distributed = ClusterConfig(coordinator=args.coordinator, num_processes=args.num_processes,
-                                     process_id=args.process_id, dist_timeout=args.dist_timeout)
+    args_distributed = ClusterConfig(
+        coordinator=args.coordinator,
+        num_processes=args.num_processes,
+        process_id=args.process_id,
+        dist_timeout=args.dist_timeout,
+    )
     args_distributed.distributed().validate()
     if args.cluster:
         from sharding.devices import inventory_from_flag
@@ -362,6 +589,7 @@ def _check_counts(args) -> None:
 # Largest --seed: the parameters' PRNG key is made from an int32.
 MAX_SEED = 2**31 - 1
 
+
 def _check_numbers(args) -> None:
     """``--heldout``, ``--seed``, the schedule's counts and process numbers in range (value by value; the
     optimizer's reals are `OptimizerConfig.validate`'s, the processes' `DistributedConfig.validate`'s)."""
@@ -370,14 +598,26 @@ def _check_numbers(args) -> None:
     if not 0 <= args.seed <= MAX_SEED:
         raise ValueError(f"--seed {args.seed}: must be in 0..{MAX_SEED}, e.g. --seed 0")
     if args.decay_steps is not None and args.decay_steps <= 0:
-        raise ValueError(f"--decay-steps {args.decay_steps}: must be a positive number of steps, e.g. --decay-steps "
-                         f"{args.steps} (or leave it out: the schedule then lasts --steps)")
+        raise ValueError(
+            f"--decay-steps {args.decay_steps}: must be a positive number of steps, e.g. --decay-steps "
+            f"{args.steps} (or leave it out: the schedule then lasts --steps)"
+        )
     if args.warmup is not None and args.warmup < 0:
         raise ValueError(f"--warmup {args.warmup}: must be >= 0, e.g. --warmup {max(args.steps // 20, 1)}")
 
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
-          "gib": 2**30, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 def parse_bytes(text: str, flag: str = "--device-memory", example: str = "80GiB") -> int:
@@ -423,22 +663,32 @@ def _strategy(args, sizes: dict[str, int], num_layers: int):
     uneven = _rebalance(parse_hetero_batch(args.hetero_batch, args.microbatches), args.rebalance_every)
     if args.hetero_max_share is not None:
         if uneven is None or args.hetero_max_share < 1:
-            raise ValueError(f"--hetero-max-share {args.hetero_max_share} needs --hetero-batch and a value >= 1, "
-                             f"e.g. --hetero-batch auto --hetero-max-share 4")
+            raise ValueError(
+                f"--hetero-max-share {args.hetero_max_share} needs --hetero-batch and a value >= 1, "
+                f"e.g. --hetero-batch auto --hetero-max-share 4"
+            )
         uneven = dataclasses.replace(uneven, capacity=args.hetero_max_share)
     if args.plan and uneven is not None and uneven.speeds == "given":
         raise ValueError(f"--plan auto chooses --hetero-batch itself; drop --hetero-batch {args.hetero_batch}")
     if stages == 1:
         schedule = args.pipeline_schedule != "gpipe"
-        given = [flag for flag, on in (("--stage-layers", args.stage_layers),
-                                       (f"--pipeline-schedule {args.pipeline_schedule}", schedule),
-                                       ("--pipeline-repeats", args.pipeline_repeats)) if on]
+        given = [
+            flag
+            for flag, on in (
+                ("--stage-layers", args.stage_layers),
+                (f"--pipeline-schedule {args.pipeline_schedule}", schedule),
+                ("--pipeline-repeats", args.pipeline_repeats),
+            )
+            if on
+        ]
         if given:
             raise ValueError(f"{given[0]} needs a pipeline: add a stage axis to --mesh, e.g. --mesh stage=2,fsdp=-1")
         return uneven if uneven is not None else Accumulation(args.microbatches)
     if uneven is not None:
-        raise ValueError(f"--hetero-batch supports meshes over data, fsdp and tensor only; --mesh splits "
-                         f"stage={stages}. Use e.g. --mesh data=-1 --rules dp, or --hetero-batch off")
+        raise ValueError(
+            f"--hetero-batch supports meshes over data, fsdp and tensor only; --mesh splits "
+            f"stage={stages}. Use e.g. --mesh data=-1 --rules dp, or --hetero-batch off"
+        )
     return pipeline_plan(args, stages, num_layers)
 
 
@@ -455,24 +705,35 @@ def pipeline_plan(args, stages: int, num_layers: int) -> PipelinePlan:
     if one_f_one_b and repeats < 1:
         raise ValueError(f"--pipeline-repeats {repeats}: must be at least 1 (1f1b; more is interleaved 1F1B)")
     if not circular and not one_f_one_b and repeats != 1:
-        raise ValueError(f"--pipeline-repeats {repeats} needs --pipeline-schedule circular or 1f1b (interleaved); "
-                         f"gpipe has 1 repeat")
+        raise ValueError(
+            f"--pipeline-repeats {repeats} needs --pipeline-schedule circular or 1f1b (interleaved); gpipe has 1 repeat"
+        )
     if circular and repeats < 2:
-        raise ValueError("--pipeline-schedule circular needs --pipeline-repeats of 2 or more, e.g. --pipeline-repeats 2 "
-                         "(1 repeat is --pipeline-schedule gpipe)")
+        raise ValueError(
+            "--pipeline-schedule circular needs --pipeline-repeats of 2 or more, e.g. --pipeline-repeats 2 "
+            "(1 repeat is --pipeline-schedule gpipe)"
+        )
     measure = args.stage_layers is not None and args.stage_layers.strip() == "auto"
     if measure and args.pipeline_schedule != "gpipe":
         # auto prices GPipe's step: every stage's layers plus its 1/S share of the head (1F1B runs the head on
         # the last stage, circular splits chunks), so another schedule would get a split made for GPipe.
-        raise ValueError(f"--stage-layers auto times the stages for --pipeline-schedule gpipe; with "
-                         f"{args.pipeline_schedule} give the layers by hand, e.g. --stage-layers "
-                         f"{example_split(num_layers, stages)}, or use --pipeline-schedule gpipe")
-    layout, _ = plan_layout(num_layers, stages, repeats,
-                            None if measure else parse_stage_layers(args.stage_layers, num_layers, stages))
+        raise ValueError(
+            f"--stage-layers auto times the stages for --pipeline-schedule gpipe; with "
+            f"{args.pipeline_schedule} give the layers by hand, e.g. --stage-layers "
+            f"{example_split(num_layers, stages)}, or use --pipeline-schedule gpipe"
+        )
+    layout, _ = plan_layout(
+        num_layers, stages, repeats, None if measure else parse_stage_layers(args.stage_layers, num_layers, stages)
+    )
     if one_f_one_b and repeats > 1 and args.microbatches >= stages:
         one_f_one_b_ticks(stages, args.microbatches, repeats)  # interleaved: M a multiple of S, else a ValueError
-    return PipelinePlan(layout, args.microbatches, one_f_one_b=one_f_one_b, measure_stages=measure,
-                        fused=args.pipeline_schedule == "1f1b-fused")
+    return PipelinePlan(
+        layout,
+        args.microbatches,
+        one_f_one_b=one_f_one_b,
+        measure_stages=measure,
+        fused=args.pipeline_schedule == "1f1b-fused",
+    )
 
 
 def _rebalance(uneven: UnevenBatch | None, every: int | None) -> UnevenBatch | None:
@@ -481,8 +742,10 @@ def _rebalance(uneven: UnevenBatch | None, every: int | None) -> UnevenBatch | N
         on = uneven is not None and uneven.speeds == "measured"
         return dataclasses.replace(uneven, rebalance_every=DEFAULT_REBALANCE) if on else uneven
     if every < 1 or uneven is None:
-        raise ValueError(f"--rebalance-every {every}: needs --hetero-batch and N >= 1 steps, e.g. --hetero-batch "
-                         f"auto --rebalance-every {DEFAULT_REBALANCE}")
+        raise ValueError(
+            f"--rebalance-every {every}: needs --hetero-batch and N >= 1 steps, e.g. --hetero-batch "
+            f"auto --rebalance-every {DEFAULT_REBALANCE}"
+        )
     return dataclasses.replace(uneven, rebalance_every=every)
 
 
@@ -503,8 +766,9 @@ def parse_hetero_batch(value: str, microbatches: int = 1) -> UnevenBatch | None:
     try:
         counts = tuple(int(x) for x in text.split(","))
     except ValueError:
-        raise ValueError(f"--hetero-batch {value!r}: expected auto, kinds, off or comma-separated integers "
-                         f"({HETERO_EXAMPLE})") from None
+        raise ValueError(
+            f"--hetero-batch {value!r}: expected auto, kinds, off or comma-separated integers ({HETERO_EXAMPLE})"
+        ) from None
     if any(c < 0 for c in counts) or sum(counts) == 0:
         raise ValueError(f"--hetero-batch {value}: counts must be >= 0 and not all 0 ({HETERO_EXAMPLE})")
     return UnevenBatch(counts, "given", microbatches)

@@ -136,8 +136,17 @@ class RunConfig:
     def schedule(self) -> dict:
         """The flags of the learning-rate schedule (recorded in checkpoints: `checkpoints.meta.RunMeta`)."""
         opt = self.optimizer
-        return {"steps": self.loop.steps, "decay_steps": opt.decay_steps, "warmup": opt.warmup, "lr": opt.lr,
-                "optimizer": opt.name, "schedule": opt.schedule, "beta1": opt.b1, "beta2": opt.b2, "eps": opt.eps}
+        return {
+            "steps": self.loop.steps,
+            "decay_steps": opt.decay_steps,
+            "warmup": opt.warmup,
+            "lr": opt.lr,
+            "optimizer": opt.name,
+            "schedule": opt.schedule,
+            "beta1": opt.b1,
+            "beta2": opt.b2,
+            "eps": opt.eps,
+        }
 
     @property
     def microbatch_rows(self) -> int:

@@ -45,8 +45,10 @@ def to_argv(values: dict, parser: argparse.ArgumentParser, source: str) -> list[
         dest = key.replace("-", "_")
         action = actions.get(dest)
         if action is None or dest == "help":
-            raise ValueError(f"--config {source}: unknown key {key!r} (keys are flag names without the dashes, "
-                             f"e.g. seq-len; python -m train.train --help lists them)")
+            raise ValueError(
+                f"--config {source}: unknown key {key!r} (keys are flag names without the dashes, "
+                f"e.g. seq-len; python -m train.train --help lists them)"
+            )
         flag = max(action.option_strings, key=len)
         if isinstance(action, argparse._StoreTrueAction):
             if not isinstance(value, bool):

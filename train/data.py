@@ -57,6 +57,7 @@ def default_cache_dir() -> Path:
 
 # Corpus ---------------------------------------------------------------------
 
+
 @dataclasses.dataclass(frozen=True)
 class Document:
     name: str
@@ -90,7 +91,9 @@ def corpus_files(spec: str) -> list[Path]:
     if path.is_file():
         files = [path]
     else:
-        files = sorted(p for p in path.rglob("*") if p.is_file() and not any(s.startswith(".") for s in p.relative_to(path).parts))
+        files = sorted(
+            p for p in path.rglob("*") if p.is_file() and not any(s.startswith(".") for s in p.relative_to(path).parts)
+        )
     if not files or all(f.stat().st_size == 0 for f in files):
         raise ValueError(f"--data {spec}: no non-empty files found (give a text file, a folder or a .jsonl file)")
     for file in files:
@@ -117,12 +120,16 @@ def check_text(path: Path, sample_bytes: int = TEXT_SAMPLE_BYTES) -> None:
     try:  # an incremental decoder does not fail on a character cut at the end of the sample
         text = codecs.getincrementaldecoder("utf-8")().decode(sample, final=False)
     except UnicodeDecodeError as e:
-        raise ValueError(f"--data {path}: not UTF-8 text (byte {e.start} is {sample[e.start]:#04x}); give text files "
-                         f"(UTF-8), a folder of them or a .jsonl file with a 'text' field") from None
+        raise ValueError(
+            f"--data {path}: not UTF-8 text (byte {e.start} is {sample[e.start]:#04x}); give text files "
+            f"(UTF-8), a folder of them or a .jsonl file with a 'text' field"
+        ) from None
     printable = sum(c.isprintable() or c.isspace() for c in text)
     if text and printable < MIN_PRINTABLE * len(text):
-        raise ValueError(f"--data {path}: does not look like text ({printable / len(text):.0%} of its first "
-                         f"{len(sample)} bytes are printable characters, below {MIN_PRINTABLE:.0%}); give text files")
+        raise ValueError(
+            f"--data {path}: does not look like text ({printable / len(text):.0%} of its first "
+            f"{len(sample)} bytes are printable characters, below {MIN_PRINTABLE:.0%}); give text files"
+        )
 
 
 def read_documents(spec: str) -> list[Document]:
@@ -185,6 +192,7 @@ def split_documents(docs: list[Document], heldout: float, seed: int) -> tuple[li
 
 # Token streams ----------------------------------------------------------------
 
+
 def _stream(tokenizer, docs: list[Document], seed: int) -> np.ndarray:
     order = np.random.default_rng(seed).permutation(len(docs))
     docs = [docs[i] for i in order]
@@ -243,6 +251,7 @@ def load_token_streams(spec: str, tokenizer, seed: int, heldout: float, cache_di
 
 
 # Packed windows -----------------------------------------------------------------
+
 
 def pack_windows(windows: np.ndarray, eod_id: int) -> dict[str, np.ndarray]:
     """Turns ``[rows, seq_len + 1]`` token windows into model inputs.
@@ -380,7 +389,14 @@ class Dataset:
 
 
 def load_dataset(
-    spec: str, tokenizer, seq_len: int, global_batch: int, seed: int, heldout: float = 0.01, cache_dir=None, log=print,
+    spec: str,
+    tokenizer,
+    seq_len: int,
+    global_batch: int,
+    seed: int,
+    heldout: float = 0.01,
+    cache_dir=None,
+    log=print,
     permutation: np.ndarray | None = None,
 ) -> Dataset:
     """Builds the `Dataset` for ``--data``; see the module docstring.
@@ -398,6 +414,7 @@ def load_dataset(
 
 
 # Process-local global arrays ----------------------------------------------------
+
 
 def local_rows(sharding, global_shape: tuple[int, ...]) -> range:
     """The contiguous range of batch rows this process's devices hold.

@@ -77,9 +77,15 @@ class DistributedConfig:
             raise ValueError(f"--dist-timeout {self.timeout}: must be a positive number of seconds, e.g. 300")
         if not self.explicit:
             return
-        missing = [flag for flag, value in (("--coordinator", self.coordinator),
-                                            ("--num-processes", self.num_processes),
-                                            ("--process-id", self.process_id)) if value is None]
+        missing = [
+            flag
+            for flag, value in (
+                ("--coordinator", self.coordinator),
+                ("--num-processes", self.num_processes),
+                ("--process-id", self.process_id),
+            )
+            if value is None
+        ]
         if missing:
             raise ValueError(
                 f"{', '.join(missing)} missing: give all of --coordinator HOST:PORT --num-processes N "
@@ -233,10 +239,18 @@ def check_cpu_devices(count: int, available: int | None = None) -> None:
         available = _available_memory()
     limit = MAX_CPU_DEVICES if available is None else min(MAX_CPU_DEVICES, available // MIN_CPU_DEVICE_SHARE)
     if count > limit:
-        memory = "" if available is None else (f"; this host has {available / 2**30:.1f} GiB available, at least "
-                                                f"{MIN_CPU_DEVICE_SHARE // 2**20} MiB per device")
-        raise ValueError(f"--cpu-devices {count}: at most {limit} simulated CPU devices{memory}, e.g. "
-                         f"--cpu-devices {min(8, max(limit, 1))}")
+        memory = (
+            ""
+            if available is None
+            else (
+                f"; this host has {available / 2**30:.1f} GiB available, at least "
+                f"{MIN_CPU_DEVICE_SHARE // 2**20} MiB per device"
+            )
+        )
+        raise ValueError(
+            f"--cpu-devices {count}: at most {limit} simulated CPU devices{memory}, e.g. "
+            f"--cpu-devices {min(8, max(limit, 1))}"
+        )
 
 
 def _available_memory() -> int | None:
@@ -285,8 +299,15 @@ class PeerWatch:
       lost: called with the one-line message (default: print and exit).
     """
 
-    def __init__(self, process_id: int, num_processes: int, timeout: float, client=None,
-                 checkpoint_note: Callable[[], str] | None = None, lost: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        process_id: int,
+        num_processes: int,
+        timeout: float,
+        client=None,
+        checkpoint_note: Callable[[], str] | None = None,
+        lost: Callable[[str], None] | None = None,
+    ):
         if timeout <= 0:
             raise ValueError(f"--dist-timeout {timeout}: must be a positive number of seconds, e.g. 300")
         self.process_id, self.num_processes = process_id, num_processes
@@ -302,7 +323,7 @@ class PeerWatch:
         self._contact = now  # the coordinator's last answer
         self._threads: list[threading.Thread] = []
 
-    def start(self) -> "PeerWatch":
+    def start(self) -> PeerWatch:
         if self._client is None:
             from jax._src import distributed as jax_distributed  # the client JAX made (no public accessor)
 
@@ -325,7 +346,7 @@ class PeerWatch:
         except Exception:  # the coordinator is gone too; nothing left to tell
             pass
 
-    def __enter__(self) -> "PeerWatch":
+    def __enter__(self) -> PeerWatch:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -362,13 +383,17 @@ class PeerWatch:
     def verdict(self, now: float) -> str | None:
         """The lost-process message at time ``now`` (`time.monotonic`), or None while all answer."""
         if now - self._contact > self.grace and self.process_id != 0:
-            return (f"process 0 of {self.num_processes} (the coordinator) stopped answering: no reply for "
-                    f"{now - self._contact:.0f} s")
+            return (
+                f"process 0 of {self.num_processes} (the coordinator) stopped answering: no reply for "
+                f"{now - self._contact:.0f} s"
+            )
         silent = [p for p, (_, when) in sorted(self._seen.items()) if now - when > self.grace and p not in self._done]
         if silent:
             who = ", ".join(map(str, silent))
-            return (f"process{'es' if len(silent) > 1 else ''} {who} of {self.num_processes} stopped answering: "
-                    f"no heartbeat for {now - self._seen[silent[0]][1]:.0f} s")
+            return (
+                f"process{'es' if len(silent) > 1 else ''} {who} of {self.num_processes} stopped answering: "
+                f"no heartbeat for {now - self._seen[silent[0]][1]:.0f} s"
+            )
         return None
 
 

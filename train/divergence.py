@@ -67,9 +67,16 @@ class DivergenceGuard:
             return None
         if loss <= self.threshold:
             return None
-        how = "given" if self.limit is not None else (
-            f"auto: max({AUTO_FACTOR:g} x step {self.first[0]}'s loss {self.first[1]:.4g}, "
-            f"{UNIFORM_FACTOR:g} x ln {self.vocab_size})")
-        return (f"the loss diverged at step {step}: {loss:.6g} > --max-loss {self.threshold:.6g} ({how}); training "
-                f"stopped and the last checkpoint from before the divergence is kept (lower --lr, or pass a larger "
-                f"--max-loss, or --max-loss off)")
+        how = (
+            "given"
+            if self.limit is not None
+            else (
+                f"auto: max({AUTO_FACTOR:g} x step {self.first[0]}'s loss {self.first[1]:.4g}, "
+                f"{UNIFORM_FACTOR:g} x ln {self.vocab_size})"
+            )
+        )
+        return (
+            f"the loss diverged at step {step}: {loss:.6g} > --max-loss {self.threshold:.6g} ({how}); training "
+            f"stopped and the last checkpoint from before the divergence is kept (lower --lr, or pass a larger "
+            f"--max-loss, or --max-loss off)"
+        )

@@ -26,8 +26,11 @@ from train.inference import add_device_args, add_source_args, load_model, run_ma
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="python -m train.evaluate", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = Parser(
+        prog="python -m train.evaluate",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     add_source_args(p)
     g = p.add_argument_group("data")
     g.add_argument("--data", default="stdlib", help="corpus: stdlib, a text file, a folder, or JSONL with 'text'")
@@ -69,8 +72,16 @@ def evaluate(model, par, dataset, batch_size: int, seq_len: int, batches: int) -
 
     @jax.jit
     def sums(params, batch):
-        return loss_sums(model.graphdef, params, batch["tokens"], batch["targets"], batch["loss_mask"],
-                         batch["positions"], batch["segment_ids"], par=par)
+        return loss_sums(
+            model.graphdef,
+            params,
+            batch["tokens"],
+            batch["targets"],
+            batch["loss_mask"],
+            batch["positions"],
+            batch["segment_ids"],
+            par=par,
+        )
 
     total = count = 0.0
     for b in range(batches):
@@ -87,17 +98,29 @@ def run(args) -> int:
     _check(args)
     par = setup(args)
     model = load_model(args, par)
-    dataset = load_dataset(args.data, model.tokenizer, args.seq_len, args.batch_size, args.seed, args.heldout,
-                           args.data_cache, log=lambda line: print(line, file=sys.stderr))
+    dataset = load_dataset(
+        args.data,
+        model.tokenizer,
+        args.seq_len,
+        args.batch_size,
+        args.seed,
+        args.heldout,
+        args.data_cache,
+        log=lambda line: print(line, file=sys.stderr),
+    )
     whole = dataset.heldout.num_windows // args.batch_size
     if whole == 0 and args.batches == 0:
-        raise ValueError(f"the held-out split has {dataset.heldout.num_windows} windows of --seq-len {args.seq_len}, "
-                         f"fewer than one --batch-size {args.batch_size}; use --batch-size "
-                         f"{max(dataset.heldout.num_windows, 1)} or more --heldout")
+        raise ValueError(
+            f"the held-out split has {dataset.heldout.num_windows} windows of --seq-len {args.seq_len}, "
+            f"fewer than one --batch-size {args.batch_size}; use --batch-size "
+            f"{max(dataset.heldout.num_windows, 1)} or more --heldout"
+        )
     batches = args.batches or whole
     loss, tokens = evaluate(model, par, dataset, args.batch_size, args.seq_len, batches)
-    print(f"held-out loss {loss:.4f} nats/token, perplexity {math.exp(loss):.3f} over {tokens} tokens "
-          f"({batches} batches of {args.batch_size} x {args.seq_len}; --data {args.data})")
+    print(
+        f"held-out loss {loss:.4f} nats/token, perplexity {math.exp(loss):.3f} over {tokens} tokens "
+        f"({batches} batches of {args.batch_size} x {args.seq_len}; --data {args.data})"
+    )
     return 0
 
 

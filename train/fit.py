@@ -59,10 +59,13 @@ def check_estimate(run) -> None:
             f"the model cannot fit: {params:,} parameters need {_gib(state)} of state (float32 parameters + AdamW "
             f"moments) per device even split over all {par.num_devices} devices, more than the {_gib(budget)} of "
             f"{run.cluster.device_memory_source}; use a smaller model (--model, --set vocab_size/embed_dim/"
-            f"num_layers) or more devices")
-    raise ValueError(f"--batch-size {run.data.batch_size} x --seq-len {run.data.seq_len} needs {_gib(batch)} of "
-                     f"batch per device, more than the {_gib(budget)} of {run.cluster.device_memory_source}; "
-                     f"use a smaller --batch-size")
+            f"num_layers) or more devices"
+        )
+    raise ValueError(
+        f"--batch-size {run.data.batch_size} x --seq-len {run.data.seq_len} needs {_gib(batch)} of "
+        f"batch per device, more than the {_gib(budget)} of {run.cluster.device_memory_source}; "
+        f"use a smaller --batch-size"
+    )
 
 
 def step_peak(compiled) -> int | None:
@@ -70,8 +73,9 @@ def step_peak(compiled) -> int | None:
     stats = compiled.memory_analysis()
     if stats is None:
         return None
-    return int(stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
-               + stats.temp_size_in_bytes)
+    return int(
+        stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes + stats.temp_size_in_bytes
+    )
 
 
 def check_compiled(run, compiled) -> str:
@@ -86,9 +90,11 @@ def check_compiled(run, compiled) -> str:
         return f"fit: not checked ({'no memory analysis on this backend' if peak is None else source})"
     if peak <= budget:
         return f"fit: the step's peak {_gib(peak)} per device fits the {_gib(budget)} of {source} ({peak / budget:.0%})"
-    raise ValueError(f"the train step cannot fit: its peak is {_gib(peak)} per device (compiled memory_analysis: "
-                     f"arguments + outputs - aliased + temporaries), more than the {_gib(budget)} of {source}; "
-                     f"try {remedies(run)}")
+    raise ValueError(
+        f"the train step cannot fit: its peak is {_gib(peak)} per device (compiled memory_analysis: "
+        f"arguments + outputs - aliased + temporaries), more than the {_gib(budget)} of {source}; "
+        f"try {remedies(run)}"
+    )
 
 
 def remedies(run) -> str:

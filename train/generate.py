@@ -26,13 +26,21 @@ from train.inference import add_device_args, add_source_args, load_model, run_ma
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="python -m train.generate", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = Parser(
+        prog="python -m train.generate",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     add_source_args(p)
     g = p.add_argument_group("prompts and sampling")
     g.add_argument("--prompt", action="append", default=[], metavar="TEXT", help="a prompt; repeatable (one batch)")
-    g.add_argument("--prompt-file", action="append", default=[], metavar="FILE",
-                   help="a file with one prompt per line (blank lines skipped); repeatable")
+    g.add_argument(
+        "--prompt-file",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="a file with one prompt per line (blank lines skipped); repeatable",
+    )
     g.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="the most new tokens per prompt")
     g.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 is greedy")
     g.add_argument("--top-k", type=int, default=0, metavar="K", help="sample among the K most likely (0: all)")
@@ -72,7 +80,7 @@ class _Stream:
         self.ids.append(int(tokens[0]))
         text = self.tokenizer.decode(self.ids)
         if text.startswith(self.shown) and not text.endswith("\ufffd"):  # wait for a whole character
-            self.out.write(text[len(self.shown):])
+            self.out.write(text[len(self.shown) :])
             self.out.flush()
             self.shown = text
 
@@ -91,8 +99,10 @@ def run(args) -> int:
         prompts = [p if p[:1] == [model.bos_id] else [model.bos_id] + p for p in prompts]
     longest = max(len(p) for p in prompts) + args.max_new_tokens
     if longest > model.config.max_positions:
-        print(f"note: {longest} positions exceed the model's max_position_embeddings {model.config.max_positions}",
-              file=sys.stderr)
+        print(
+            f"note: {longest} positions exceed the model's max_position_embeddings {model.config.max_positions}",
+            file=sys.stderr,
+        )
     generator = Generator(model.config, model.graphdef, model.params, par)
     stream = _Stream(model.tokenizer, sys.stdout) if len(prompts) == 1 and sys.stdout.isatty() else None
     if stream is not None:
@@ -102,7 +112,7 @@ def run(args) -> int:
     outputs = generator.generate(prompts, args.max_new_tokens, sampling, eod_id=model.eod_id, on_tokens=stream)
     seconds = time.perf_counter() - start
     if stream is not None:
-        sys.stdout.write(model.tokenizer.decode(stream.ids)[len(stream.shown):] + "\n")
+        sys.stdout.write(model.tokenizer.decode(stream.ids)[len(stream.shown) :] + "\n")
     else:
         for i, (text, new) in enumerate(zip(texts, outputs)):
             new = new[:-1] if new and new[-1] == model.eod_id else new
@@ -110,8 +120,11 @@ def run(args) -> int:
             print(text + model.tokenizer.decode(new))
     if args.stats:
         produced = sum(len(o) for o in outputs)
-        print(f"{len(prompts)} prompts, {produced} new tokens in {seconds:.2f} s (compilation included): "
-              f"{produced / seconds:.1f} tokens/s", file=sys.stderr)
+        print(
+            f"{len(prompts)} prompts, {produced} new tokens in {seconds:.2f} s (compilation included): "
+            f"{produced / seconds:.1f} tokens/s",
+            file=sys.stderr,
+        )
     return 0
 
 

@@ -28,15 +28,21 @@ from train.inference import add_device_args, run_main, setup
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="python -m train.hf", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
-    imp = sub.add_parser("import", help="a Hugging Face folder -> step 0 of a run folder",
-                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    imp = sub.add_parser(
+        "import",
+        help="a Hugging Face folder -> step 0 of a run folder",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     imp.add_argument("path", metavar="PATH", help="the Hugging Face model folder")
     imp.add_argument("--run-dir", required=True, metavar="RUN", help="the run folder to write (no checkpoints yet)")
     imp.add_argument("--tokenizer", default=None, metavar="FILE", help="default: the folder's tokenizer.json")
     imp.add_argument("--seed", type=int, default=0, help="the run's seed (its RNG state)")
     add_device_args(imp)
-    exp = sub.add_parser("export", help="a run folder's checkpoint -> a Hugging Face folder",
-                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    exp = sub.add_parser(
+        "export",
+        help="a run folder's checkpoint -> a Hugging Face folder",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     exp.add_argument("run_dir", metavar="RUN", help="the run folder")
     exp.add_argument("--step", type=int, default=None, metavar="N", help="default: the newest complete step")
     exp.add_argument("--out", required=True, metavar="DIR", help="the folder to write (new or empty)")
@@ -66,16 +72,17 @@ def import_folder(args) -> int:
     layout = StateLayout(config, par)
     params = hf.load_params(args.path, config, layout.param_targets())
     state = layout.state_from_params(params, args.seed)
-    meta = RunMeta.create(config, f"hf:{args.path}", par.mesh_shape, layout.rules, {"seed": args.seed}, tokenizer,
-                          None)
+    meta = RunMeta.create(config, f"hf:{args.path}", par.mesh_shape, layout.rules, {"seed": args.seed}, tokenizer, None)
     manager = CheckpointManager(Path(args.run_dir) / "checkpoints", async_save=False)
     try:
         manager.save(0, state, meta.at(0, 0).to_json())
         manager.wait()
     finally:
         manager.close()
-    print(f"imported {args.path} onto mesh {args.mesh} as step 0 of {args.run_dir} in {time.perf_counter() - t0:.1f} s; "
-          f"continue with: python -m train.train --init-from {args.path} --resume --run-dir {args.run_dir} ...")
+    print(
+        f"imported {args.path} onto mesh {args.mesh} as step 0 of {args.run_dir} in {time.perf_counter() - t0:.1f} s; "
+        f"continue with: python -m train.train --init-from {args.path} --resume --run-dir {args.run_dir} ..."
+    )
     return 0
 
 
@@ -99,10 +106,19 @@ def export_run(args) -> int:
     tokenizer = name if name and name != "bytes" and Path(name).is_file() else None
     if tokenizer is None:
         print(f"note: the run's tokenizer {name!r} is not a tokenizer.json here; none is written", file=sys.stderr)
-    files = hf.save_params(out, config, params, dtype=args.dtype, max_shard_size=max_bytes, tokenizer=tokenizer,
-                           eos_token_id=meta.tokenizer.get("eod_id"))
-    print(f"exported step {step} of {args.run_dir} to {out} ({len(files)} files, {args.dtype}) in "
-          f"{time.perf_counter() - t0:.1f} s")
+    files = hf.save_params(
+        out,
+        config,
+        params,
+        dtype=args.dtype,
+        max_shard_size=max_bytes,
+        tokenizer=tokenizer,
+        eos_token_id=meta.tokenizer.get("eod_id"),
+    )
+    print(
+        f"exported step {step} of {args.run_dir} to {out} ({len(files)} files, {args.dtype}) in "
+        f"{time.perf_counter() - t0:.1f} s"
+    )
     return 0
 
 

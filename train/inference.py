@@ -23,29 +23,56 @@ from sharding.rules import PRESETS as RULE_PRESETS
 def add_device_args(parser: argparse.ArgumentParser, default_mesh: str = "fsdp=-1") -> None:
     """``--mesh``, ``--rules``, ``--rule``, ``--cpu-devices``."""
     g = parser.add_argument_group("mesh and sharding")
-    g.add_argument("--mesh", default=default_mesh, help="mesh axes and sizes, e.g. data=2,tensor=4; one -1 takes the "
-                   "remaining devices (no stage axis: the layer stack runs as a scan)")
+    g.add_argument(
+        "--mesh",
+        default=default_mesh,
+        help="mesh axes and sizes, e.g. data=2,tensor=4; one -1 takes the "
+        "remaining devices (no stage axis: the layer stack runs as a scan)",
+    )
     g.add_argument("--rules", default=DEFAULT_PRESET, choices=sorted(RULE_PRESETS), help="logical-to-mesh rules preset")
-    g.add_argument("--rule", action="append", default=[], metavar="NAME=AXIS[+AXIS]",
-                   help="override one logical axis, e.g. --rule vocab=none; repeatable")
-    g.add_argument("--cpu-devices", type=int, default=None, metavar="N",
-                   help="simulate N devices on a CPU-only machine (applied before JAX starts)")
+    g.add_argument(
+        "--rule",
+        action="append",
+        default=[],
+        metavar="NAME=AXIS[+AXIS]",
+        help="override one logical axis, e.g. --rule vocab=none; repeatable",
+    )
+    g.add_argument(
+        "--cpu-devices",
+        type=int,
+        default=None,
+        metavar="N",
+        help="simulate N devices on a CPU-only machine (applied before JAX starts)",
+    )
 
 
 def add_source_args(parser: argparse.ArgumentParser) -> None:
     """Where the model comes from: ``--hf PATH`` or ``--run-dir RUN [--step N]``."""
     g = parser.add_argument_group("model")
     source = g.add_mutually_exclusive_group(required=True)
-    source.add_argument("--hf", metavar="PATH",
-                        help="a Hugging Face model folder (config.json, *.safetensors; LlamaForCausalLM, "
-                        "MistralForCausalLM or Qwen2ForCausalLM)")
+    source.add_argument(
+        "--hf",
+        metavar="PATH",
+        help="a Hugging Face model folder (config.json, *.safetensors; LlamaForCausalLM, "
+        "MistralForCausalLM or Qwen2ForCausalLM)",
+    )
     source.add_argument("--run-dir", metavar="RUN", help="a meshwork run folder (its checkpoints/)")
-    g.add_argument("--step", type=int, default=None, metavar="N",
-                   help="with --run-dir, this checkpoint step (default: the newest that reads completely)")
-    g.add_argument("--tokenizer", default=None, metavar="FILE",
-                   help="a tokenizer.json; default: the model folder's tokenizer.json, or the run's")
-    g.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                   help="compute dtype (parameters stay float32)")
+    g.add_argument(
+        "--step",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --run-dir, this checkpoint step (default: the newest that reads completely)",
+    )
+    g.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="FILE",
+        help="a tokenizer.json; default: the model folder's tokenizer.json, or the run's",
+    )
+    g.add_argument(
+        "--dtype", default="float32", choices=("float32", "bfloat16"), help="compute dtype (parameters stay float32)"
+    )
 
 
 def setup(args) -> Any:
@@ -94,8 +121,9 @@ def read_run(run_dir: str | Path, step: int | None = None):
 
     folder = Path(run_dir) / "checkpoints"
     if not folder.is_dir():
-        raise ValueError(f"--run-dir {run_dir}: no checkpoints/ folder; give a folder written by train.train or "
-                         "train.hf import")
+        raise ValueError(
+            f"--run-dir {run_dir}: no checkpoints/ folder; give a folder written by train.train or train.hf import"
+        )
     manager = CheckpointManager(folder, async_save=False, read_only=True)  # a live run's save in progress stays
     try:
         chosen = manager.resume_choice(step, "--step").step
@@ -136,8 +164,9 @@ def restore_params(run_dir: str | Path, step: int | None, par, **changes):
         config = meta.model_config(**changes)
         layout = StateLayout(config, par)
         # damaged array data: one line naming the array and file, and a step that reads (nothing renamed)
-        (state, _), _ = restore_falling_back(manager.directory, step, lambda s: restore_state(manager, layout, s),
-                                             print, explicit=True, flag="--step")
+        (state, _), _ = restore_falling_back(
+            manager.directory, step, lambda s: restore_state(manager, layout, s), print, explicit=True, flag="--step"
+        )
     finally:
         manager.close()
     return config, state["params"], meta, step
@@ -171,8 +200,10 @@ def load_model(args, par) -> LoadedModel:
     eos, bos = hf.token_id(hf_config.get("eos_token_id")), hf.token_id(hf_config.get("bos_token_id"))
     tokenizer = HFTokenizer(tokenizer_file, hf.eod_token(folder, tokenizer_file))
     if tokenizer.vocab_size > config.vocab_size:
-        raise ValueError(f"--tokenizer {tokenizer_file}: {tokenizer.vocab_size} tokens, more than the model's "
-                         f"vocab_size {config.vocab_size}; give the model's own tokenizer.json")
+        raise ValueError(
+            f"--tokenizer {tokenizer_file}: {tokenizer.vocab_size} tokens, more than the model's "
+            f"vocab_size {config.vocab_size}; give the model's own tokenizer.json"
+        )
     params = hf.load_params(folder, config, layout.param_targets())
     return LoadedModel(config, layout.graphdef, params, tokenizer, eos if eos is not None else tokenizer.eod_id, bos)
 
@@ -190,8 +221,10 @@ def load_run(args, par) -> LoadedModel:
     config, params, meta, _ = restore_params(args.run_dir, args.step, par, dtype=args.dtype)
     tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else tokenizer_of(meta.tokenizer)
     if tokenizer.vocab_size > config.vocab_size:
-        raise ValueError(f"--tokenizer {tokenizer.name}: {tokenizer.vocab_size} tokens, more than the model's "
-                         f"vocab_size {config.vocab_size}; give the run's own tokenizer")
+        raise ValueError(
+            f"--tokenizer {tokenizer.name}: {tokenizer.vocab_size} tokens, more than the model's "
+            f"vocab_size {config.vocab_size}; give the run's own tokenizer"
+        )
     return LoadedModel(config, abstract_model(config)[0], params, tokenizer, tokenizer.eod_id, None)
 
 
@@ -224,8 +257,10 @@ def fresh_state(config, layout, directory, log) -> dict:
     t0 = time.perf_counter()
     state = layout.state_from_params(hf.load_params(folder, config.model, layout.param_targets()), config.data.seed)
     note = f" (no checkpoint in {directory})" if config.checkpoint.resume else ""
-    log(f"initialized from {folder}{note}: weights onto mesh {format_mesh(layout.par.mesh_shape)} in "
-        f"{time.perf_counter() - t0:.1f} s, fresh optimizer state")
+    log(
+        f"initialized from {folder}{note}: weights onto mesh {format_mesh(layout.par.mesh_shape)} in "
+        f"{time.perf_counter() - t0:.1f} s, fresh optimizer state"
+    )
     return state
 
 

@@ -75,13 +75,23 @@ class LoopOptions:
 
         peaks = [peak_flops(d) for d in jax.devices()]
         loop, data = run.loop, run.data
-        return cls(steps=loop.steps, global_batch=data.batch_size, seq_len=data.seq_len, log_every=loop.log_every,
-                   eval_every=loop.eval_every, eval_batches=loop.eval_batches, ckpt_every=run.checkpoint.every,
-                   flops_per_token=run.model.flops_per_token(data.seq_len),
-                   peak_flops=None if any(p is None for p in peaks) else float(sum(peaks)),
-                   progress=loop.progress, skip_nonfinite=loop.skip_nonfinite,
-                   max_loss=loop.max_loss, vocab_size=run.model.vocab_size, profile_steps=loop.profile_steps,
-                   run_dir=run.checkpoint.run_dir)
+        return cls(
+            steps=loop.steps,
+            global_batch=data.batch_size,
+            seq_len=data.seq_len,
+            log_every=loop.log_every,
+            eval_every=loop.eval_every,
+            eval_batches=loop.eval_batches,
+            ckpt_every=run.checkpoint.every,
+            flops_per_token=run.model.flops_per_token(data.seq_len),
+            peak_flops=None if any(p is None for p in peaks) else float(sum(peaks)),
+            progress=loop.progress,
+            skip_nonfinite=loop.skip_nonfinite,
+            max_loss=loop.max_loss,
+            vocab_size=run.model.vocab_size,
+            profile_steps=loop.profile_steps,
+            run_dir=run.checkpoint.run_dir,
+        )
 
 
 class MetricsWriter:
@@ -195,8 +205,9 @@ class StopFlag:
         return self.signal_name is not None
 
 
-def _format_line(step: int, steps: int, loss: float, lr: float, tok_s: float, step_s: float, mfu: float | None,
-                 grad_norm: float) -> str:
+def _format_line(
+    step: int, steps: int, loss: float, lr: float, tok_s: float, step_s: float, mfu: float | None, grad_norm: float
+) -> str:
     mfu_text = f"MFU {mfu:.1%}" if mfu is not None else "MFU n/a (device peak unknown, e.g. CPU)"
     return (
         f"step {step:>6}/{steps} | loss {loss:.4f} | lr {lr:.2e} | grad norm {grad_norm:.3g} | {tok_s:,.0f} tok/s | "
@@ -233,9 +244,19 @@ class DivergedLossError(NonFiniteLossError):
     """A finite loss grew past ``--max-loss`` (`train.divergence`); stops the run as a non-finite loss does."""
 
 
-def train_loop(*, trainer, state: dict, dataset: Dataset, options: LoopOptions, samples: int, checkpoints,
-               writer: MetricsWriter, log: Callable[[str], None], stop: StopFlag,
-               check_compiled: Callable[[Any], str] | None = None) -> tuple[dict, dict[str, Any]]:
+def train_loop(
+    *,
+    trainer,
+    state: dict,
+    dataset: Dataset,
+    options: LoopOptions,
+    samples: int,
+    checkpoints,
+    writer: MetricsWriter,
+    log: Callable[[str], None],
+    stop: StopFlag,
+    check_compiled: Callable[[Any], str] | None = None,
+) -> tuple[dict, dict[str, Any]]:
     """Runs training from ``state`` (its ``step`` says where to start) to ``options.steps``.
 
     ``samples`` is the data position (global sample number of the next batch); ``checkpoints`` has
@@ -255,8 +276,10 @@ def train_loop(*, trainer, state: dict, dataset: Dataset, options: LoopOptions, 
     start = int(jax.device_get(state["step"]))
     run = _Run(trainer, dataset, options, writer, log, start)
     if start >= options.steps:
-        log(f"the run is at step {start}, which already reaches --steps {options.steps}; nothing to train "
-            f"(raise --steps to continue)")
+        log(
+            f"the run is at step {start}, which already reaches --steps {options.steps}; nothing to train "
+            f"(raise --steps to continue)"
+        )
         run.summary.update(step=start, samples=samples)
         return state, run.summary
     B = options.global_batch
@@ -298,7 +321,9 @@ def train_loop(*, trainer, state: dict, dataset: Dataset, options: LoopOptions, 
 def _compile(trainer, state, batch, options: LoopOptions, log, check_compiled):
     """The compiled train step, checked (``check_compiled``) before it runs."""
     t0 = time.perf_counter()
-    compiled = trainer.train_step(options.global_batch, options.seq_len).lower(state, batch, trainer.signals(False)).compile()
+    compiled = (
+        trainer.train_step(options.global_batch, options.seq_len).lower(state, batch, trainer.signals(False)).compile()
+    )
     log(f"compiled the train step in {time.perf_counter() - t0:.1f} s")
     if check_compiled is not None:
         log(check_compiled(compiled))
@@ -322,8 +347,12 @@ class _Run:
     def batch_at(self, first_sample: int) -> dict:
         """The global batch starting at sample ``first_sample``, each process loading its own rows."""
         options = self.options
-        return to_global_arrays(lambda rows: self.dataset.train_rows(first_sample, rows), options.global_batch,
-                                options.seq_len, self.sharding)
+        return to_global_arrays(
+            lambda rows: self.dataset.train_rows(first_sample, rows),
+            options.global_batch,
+            options.seq_len,
+            self.sharding,
+        )
 
     def evaluate(self, state, step: int) -> None:
         loss = evaluate(self.eval_fn, state["params"], self.dataset, self.options, self.sharding)
@@ -371,8 +400,9 @@ class _Run:
         mfu = tok_s * options.flops_per_token / options.peak_flops if options.peak_flops else None
         step_time = elapsed / self.interval_steps
         self.writer.write(step, {"tokens_per_second": tok_s, "step_time": step_time}, prefix="perf")
-        self.log(_format_line(step, options.steps, values["loss"], values["lr"], tok_s, step_time, mfu,
-                              values["grad_norm"]))
+        self.log(
+            _format_line(step, options.steps, values["loss"], values["lr"], tok_s, step_time, mfu, values["grad_norm"])
+        )
         self.interval_start, self.interval_steps = time.perf_counter(), 0
         return stop
 
@@ -398,13 +428,16 @@ def _handle(pending, writer: MetricsWriter, options: LoopOptions, summary, log, 
     values = values if values is not None else _read(pending)
     if not values.pop("finite"):
         summary["skipped"].append(step)
-        log(f"step {step}: loss {values['loss']} / grad norm {values['grad_norm']} is not finite; the update was "
-            f"skipped ({len(summary['skipped'])} of --skip-nonfinite {options.skip_nonfinite})")
+        log(
+            f"step {step}: loss {values['loss']} / grad norm {values['grad_norm']} is not finite; the update was "
+            f"skipped ({len(summary['skipped'])} of --skip-nonfinite {options.skip_nonfinite})"
+        )
         if len(summary["skipped"]) > options.skip_nonfinite:
             raise NonFiniteLossError(
                 f"the loss or its gradient became non-finite at step {step} (loss {values['loss']}, gradient norm "
                 f"{values['grad_norm']}); training stopped and the last complete checkpoint is kept "
-                f"(pass --skip-nonfinite N to skip up to N such steps, or lower --lr)", step
+                f"(pass --skip-nonfinite N to skip up to N such steps, or lower --lr)",
+                step,
             )
     elif guard is not None and (diverged := guard.check(step, values["loss"])):
         raise DivergedLossError(diverged, step)

@@ -23,7 +23,6 @@ import optax
 
 from sharding import axes as ax
 
-
 OPTIMIZERS = ("adamw", "lion", "sgd")
 """``--optimizer`` choices (optax's implementations)."""
 SCHEDULES = ("cosine", "linear", "wsd")
@@ -78,8 +77,10 @@ class OptimizerConfig:
         """Raises ValueError naming the flag that is out of range (NaN and infinity included)."""
         for flag, value in (("--lr", self.lr), ("--weight-decay", self.weight_decay), ("--grad-clip", self.grad_clip)):
             if not math.isfinite(value):
-                raise ValueError(f"{flag} {value}: must be a finite number, e.g. {flag} "
-                                 f"{OptimizerConfig.__dataclass_fields__[flag[2:].replace('-', '_')].default}")
+                raise ValueError(
+                    f"{flag} {value}: must be a finite number, e.g. {flag} "
+                    f"{OptimizerConfig.__dataclass_fields__[flag[2:].replace('-', '_')].default}"
+                )
         if self.lr <= 0:
             raise ValueError(f"--lr {self.lr}: must be positive, e.g. --lr 3e-3")
         if self.warmup < 0:
@@ -99,8 +100,10 @@ class OptimizerConfig:
         if not (math.isfinite(self.eps) and self.eps > 0):
             raise ValueError(f"--eps {self.eps}: must be a finite number > 0, e.g. --eps 1e-8")
         if self.name not in OPTIMIZERS or self.schedule not in SCHEDULES:
-            raise ValueError(f"--optimizer {self.name} --schedule {self.schedule}: expected one of "
-                             f"{', '.join(OPTIMIZERS)} and one of {', '.join(SCHEDULES)}")
+            raise ValueError(
+                f"--optimizer {self.name} --schedule {self.schedule}: expected one of "
+                f"{', '.join(OPTIMIZERS)} and one of {', '.join(SCHEDULES)}"
+            )
 
 
 def learning_rate_schedule(config: OptimizerConfig) -> optax.Schedule:
@@ -113,15 +116,23 @@ def learning_rate_schedule(config: OptimizerConfig) -> optax.Schedule:
     """
     lr, end, warmup, total = config.lr, config.lr * config.min_lr_ratio, config.warmup, config.decay_steps
     if config.schedule == "cosine":
-        curve = optax.warmup_cosine_decay_schedule(init_value=0.0, peak_value=lr, warmup_steps=warmup,
-                                                   decay_steps=total, end_value=end)
+        curve = optax.warmup_cosine_decay_schedule(
+            init_value=0.0, peak_value=lr, warmup_steps=warmup, decay_steps=total, end_value=end
+        )
     elif config.schedule == "linear":
-        curve = optax.join_schedules([optax.linear_schedule(0.0, lr, warmup),
-                                      optax.linear_schedule(lr, end, total - warmup)], [warmup])
+        curve = optax.join_schedules(
+            [optax.linear_schedule(0.0, lr, warmup), optax.linear_schedule(lr, end, total - warmup)], [warmup]
+        )
     else:  # wsd: warmup, the peak, then the last WSD_DECAY_FRACTION of the steps straight down
         decay_start = max(warmup, total - math.ceil(WSD_DECAY_FRACTION * total))
-        curve = optax.join_schedules([optax.linear_schedule(0.0, lr, warmup), optax.constant_schedule(lr),
-                                      optax.linear_schedule(lr, end, total - decay_start)], [warmup, decay_start])
+        curve = optax.join_schedules(
+            [
+                optax.linear_schedule(0.0, lr, warmup),
+                optax.constant_schedule(lr),
+                optax.linear_schedule(lr, end, total - decay_start),
+            ],
+            [warmup, decay_start],
+        )
     return lambda count: curve(count + 1)
 
 
@@ -154,8 +165,9 @@ def _optimizer(config: OptimizerConfig, mask) -> optax.GradientTransformation:
     """``config.name``'s optax transformation on the schedule, weight decay on ``mask``'s parameters."""
     schedule = learning_rate_schedule(config)
     if config.name == "adamw":
-        return optax.adamw(schedule, b1=config.b1, b2=config.b2, eps=config.eps, weight_decay=config.weight_decay,
-                           mask=mask)
+        return optax.adamw(
+            schedule, b1=config.b1, b2=config.b2, eps=config.eps, weight_decay=config.weight_decay, mask=mask
+        )
     if config.name == "lion":
         return optax.lion(schedule, b1=config.b1, b2=config.b2, weight_decay=config.weight_decay, mask=mask)
     return optax.chain(optax.add_decayed_weights(config.weight_decay, mask), optax.sgd(schedule, momentum=config.b1))

@@ -46,8 +46,11 @@ from train.config import RunConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="python -m train.plan", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = Parser(
+        prog="python -m train.plan",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("--model", default="7b", help="model preset (models.config: test, small, 125m, 1b, 7b)")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override a model field")
     p.add_argument("--cluster", required=True, help="cluster spec (h100:8,a100:8[@400Gbps]) or a JSON/YAML file")
@@ -56,21 +59,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top", type=int, default=8, help="plans to list")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="compute dtype")
     p.add_argument("--attention", default="any", choices=("any", *searched_attentions()), help="attention to plan for")
-    p.add_argument("--efficiency", type=float, default=None,
-                   help="fraction of peak FLOP/s the step's work reaches, for every kind; default: each kind's "
-                   "matrix-product figure fitted on published runs (sharding.devices.FITTED_EFFICIENCY, elementwise "
-                   "work at the memory bandwidth), else 0.5")
+    p.add_argument(
+        "--efficiency",
+        type=float,
+        default=None,
+        help="fraction of peak FLOP/s the step's work reaches, for every kind; default: each kind's "
+        "matrix-product figure fitted on published runs (sharding.devices.FITTED_EFFICIENCY, elementwise "
+        "work at the memory bandwidth), else 0.5",
+    )
     p.add_argument("--no-pipeline", action="store_true", help="leave stage=1 (no pipeline parallelism)")
     p.add_argument("--no-hetero", action="store_true", help="no uneven data-parallel shares")
-    p.add_argument("--sequence", action="store_true", help="also try a sequence (context-parallel) axis; its "
-                   "traffic is modelled but not yet checked against the compiler")
+    p.add_argument(
+        "--sequence",
+        action="store_true",
+        help="also try a sequence (context-parallel) axis; its "
+        "traffic is modelled but not yet checked against the compiler",
+    )
     p.add_argument("--plot", default=None, metavar="FILE.png", help="draw step time and memory per plan")
-    p.add_argument("--layout", default=None, metavar='"FLAGS"',
-                   help="price this layout instead of searching: python -m train.train's layout flags in one string, "
-                   'e.g. --layout "--mesh data=2,stage=4,tensor=8 --rules tp --microbatches 16 --pipeline-schedule '
-                   '1f1b --remat full"; --remat, --attention and --dtype default to none, flash and --dtype')
-    p.add_argument("--json", action="store_true", help="print one JSON object (step_seconds, tokens_per_second, "
-                   "mfu, memory_gb per kind, fits, flags; with a search also every plan) instead of the tables")
+    p.add_argument(
+        "--layout",
+        default=None,
+        metavar='"FLAGS"',
+        help="price this layout instead of searching: python -m train.train's layout flags in one string, "
+        'e.g. --layout "--mesh data=2,stage=4,tensor=8 --rules tp --microbatches 16 --pipeline-schedule '
+        '1f1b --remat full"; --remat, --attention and --dtype default to none, flash and --dtype',
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object (step_seconds, tokens_per_second, "
+        "mfu, memory_gb per kind, fits, flags; with a search also every plan) instead of the tables",
+    )
     return p
 
 
@@ -94,16 +113,25 @@ def options_from(args) -> planner.PlanOptions:
     attentions = searched_attentions() if args.attention == "any" else (args.attention,)
     if args.efficiency is not None and not 0 < args.efficiency <= 1:
         raise ValueError(f"--efficiency {args.efficiency}: must be in (0, 1], e.g. --efficiency 0.5")
-    return planner.PlanOptions(attentions=attentions, dtype=args.dtype, pipeline=not args.no_pipeline,
-                               hetero=not args.no_hetero, sequence=args.sequence, efficiency=args.efficiency)
+    return planner.PlanOptions(
+        attentions=attentions,
+        dtype=args.dtype,
+        pipeline=not args.no_pipeline,
+        hetero=not args.no_hetero,
+        sequence=args.sequence,
+        efficiency=args.efficiency,
+    )
 
 
 def efficiency_note(inventory, options) -> str:
     """``efficiency 50% of peak`` (``--efficiency``), or each kind's: ``efficiency a100_80gb 70%, ...``."""
     if options.efficiency is not None:
         return f"efficiency {options.efficiency:.0%} of peak"
-    return "efficiency " + ", ".join(f"{k.name} {k.matmul_efficiency or cm.DEFAULT_EFFICIENCY:.0%}"
-                                     for k in inventory.kinds_present) + " of peak"
+    return (
+        "efficiency "
+        + ", ".join(f"{k.name} {k.matmul_efficiency or cm.DEFAULT_EFFICIENCY:.0%}" for k in inventory.kinds_present)
+        + " of peak"
+    )
 
 
 def idle_warnings(plans: Sequence[planner.Plan]) -> list[str]:
@@ -112,14 +140,19 @@ def idle_warnings(plans: Sequence[planner.Plan]) -> list[str]:
     best = plans[0]
     if not best.idle_kinds:
         return []
-    lines = [f"warning: the {kind} devices get no microbatches in the chosen plan (counts of 0) but still hold "
-             f"{best.memory[kind] / 1e9:.1f} GB each (their parameter and optimizer shards), as FSDP memory "
-             f"holders only" for kind in best.idle_kinds]
+    lines = [
+        f"warning: the {kind} devices get no microbatches in the chosen plan (counts of 0) but still hold "
+        f"{best.memory[kind] / 1e9:.1f} GB each (their parameter and optimizer shards), as FSDP memory "
+        f"holders only"
+        for kind in best.idle_kinds
+    ]
     working = next(((i, p) for i, p in enumerate(plans, 1) if not p.idle_kinds and p.fits), None)
     if working is not None:
         i, p = working
-        lines.append(f"  the best listed plan that gives every kind work is #{i} ({format_mesh(p.layout.mesh)}, "
-                     f"{p.step_time / best.step_time - 1:+.0%} step time): {p.flags()}")
+        lines.append(
+            f"  the best listed plan that gives every kind work is #{i} ({format_mesh(p.layout.mesh)}, "
+            f"{p.step_time / best.step_time - 1:+.0%} step time): {p.flags()}"
+        )
     return lines
 
 
@@ -138,31 +171,58 @@ def report(model, inventory, args, options) -> tuple[list[str], list[planner.Pla
     # One kind: every device already does the same work, so the search would only run again to say "1.00x".
     mixed = len(inventory.kinds_present) > 1
     base = planner.uniform_baseline(model, inventory, args.batch, args.seq_len, options) if mixed else None
-    lines = [inventory.describe(), "",
-             f"model {args.model}: {args.batch} x {args.seq_len} tokens per step, {options.dtype}, "
-             f"{efficiency_note(inventory, options)}; planned in {seconds:.1f} s", ""]
+    lines = [
+        inventory.describe(),
+        "",
+        f"model {args.model}: {args.batch} x {args.seq_len} tokens per step, {options.dtype}, "
+        f"{efficiency_note(inventory, options)}; planned in {seconds:.1f} s",
+        "",
+    ]
     lines += planner.format_table(plans)
     idle = idle_warnings(plans)
     if idle:
         lines += [""] + idle
     best = plans[0]
     if base is not None:
-        lines += ["", f"same work on every device (best such plan: {format_mesh(base.layout.mesh)}, rules "
-                      f"{base.layout.rules_name}, {base.layout.microbatches} microbatches, remat {base.layout.remat}): "
-                      f"{base.step_time:.3f} s/step; the chosen plan is {base.step_time / best.step_time:.2f}x faster"]
+        lines += [
+            "",
+            f"same work on every device (best such plan: {format_mesh(base.layout.mesh)}, rules "
+            f"{base.layout.rules_name}, {base.layout.microbatches} microbatches, remat {base.layout.remat}): "
+            f"{base.step_time:.3f} s/step; the chosen plan is {base.step_time / best.step_time:.2f}x faster",
+        ]
     if not best.fits:
         lines += ["", "warning: no plan fits the devices' memory; the closest are shown, least over memory first"]
-    lines += ["", "chosen plan:", f"  python -m train.train --model {args.model} "
-              + "".join(f"--set {s} " for s in args.set)
-              + f"--batch-size {args.batch} --seq-len {args.seq_len} {best.flags(args.cluster)}"]
+    lines += [
+        "",
+        "chosen plan:",
+        f"  python -m train.train --model {args.model} "
+        + "".join(f"--set {s} " for s in args.set)
+        + f"--batch-size {args.batch} --seq-len {args.seq_len} {best.flags(args.cluster)}",
+    ]
     return lines, plans
 
 
 #: The ``python -m train.train`` flags ``--layout`` takes (argparse destinations): the layout and its execution.
-LAYOUT_FLAGS = frozenset({
-    "mesh", "rules", "rule", "mesh_outer", "microbatches", "stage_layers", "pipeline_schedule", "pipeline_repeats",
-    "hetero_batch", "hetero_max_share", "rebalance_every", "remat", "attention", "dtype", "logits", "context_layout",
-})
+LAYOUT_FLAGS = frozenset(
+    {
+        "mesh",
+        "rules",
+        "rule",
+        "mesh_outer",
+        "microbatches",
+        "stage_layers",
+        "pipeline_schedule",
+        "pipeline_repeats",
+        "hetero_batch",
+        "hetero_max_share",
+        "rebalance_every",
+        "remat",
+        "attention",
+        "dtype",
+        "logits",
+        "context_layout",
+    }
+)
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -207,12 +267,17 @@ def given_layout(text: str, num_layers: int, num_devices: int, defaults: argpars
     parser = cli.build_parser()
     parser.__class__ = _OneLineParser
     args = parser.parse_args(tokens)
-    foreign = sorted(f"--{k.replace('_', '-')}" for k, v in vars(args).items()
-                     if k not in LAYOUT_FLAGS and v != parser.get_default(k))
+    foreign = sorted(
+        f"--{k.replace('_', '-')}"
+        for k, v in vars(args).items()
+        if k not in LAYOUT_FLAGS and v != parser.get_default(k)
+    )
     if foreign:
-        raise ValueError(f"--layout: {', '.join(foreign)} is not a layout flag; give it to train.plan itself, or "
-                         f"leave it out (layout flags: --mesh, --rules, --rule, --microbatches, --stage-layers, "
-                         f"--pipeline-schedule, --pipeline-repeats, --hetero-batch, --remat, --attention, --dtype)")
+        raise ValueError(
+            f"--layout: {', '.join(foreign)} is not a layout flag; give it to train.plan itself, or "
+            f"leave it out (layout flags: --mesh, --rules, --rule, --microbatches, --stage-layers, "
+            f"--pipeline-schedule, --pipeline-repeats, --hetero-batch, --remat, --attention, --dtype)"
+        )
     try:
         par = cli.parallelism_from_args(args, num_layers)
         mesh = parse_mesh(args.mesh, num_devices)
@@ -221,16 +286,25 @@ def given_layout(text: str, num_layers: int, num_devices: int, defaults: argpars
     strategy, counts = par.strategy, None
     if strategy.uneven:
         if strategy.counts is None:
-            raise ValueError(f"--layout: --hetero-batch {args.hetero_batch} is decided at run time; give the counts, "
-                             f"e.g. --hetero-batch 3,3,3,3,1,1,1,1 (one per data x fsdp device)")
+            raise ValueError(
+                f"--layout: --hetero-batch {args.hetero_batch} is decided at run time; give the counts, "
+                f"e.g. --hetero-batch 3,3,3,3,1,1,1,1 (one per data x fsdp device)"
+            )
         counts = tuple(strategy.counts)
     elif par.pipeline is not None and par.pipeline.measure_stages:
-        raise ValueError("--layout: --stage-layers auto is measured at run time; give the layers per stage, "
-                         "e.g. --stage-layers 10,10,6,6")
+        raise ValueError(
+            "--layout: --stage-layers auto is measured at run time; give the layers per stage, "
+            "e.g. --stage-layers 10,10,6,6"
+        )
     attention = args.attention or ("flash" if defaults.attention == "any" else defaults.attention)
     try:
-        layout = cm.layout_of(par.replace(mesh_shape=mesh), remat=args.remat or "none", attention=attention,
-                              dtype=args.dtype or defaults.dtype, logits=args.logits or "auto")
+        layout = cm.layout_of(
+            par.replace(mesh_shape=mesh),
+            remat=args.remat or "none",
+            attention=attention,
+            dtype=args.dtype or defaults.dtype,
+            logits=args.logits or "auto",
+        )
     except ValueError as e:
         raise ValueError(f"--layout: {e}") from None
     if not args.rule:  # a preset by name, as the search names it (the pipeline's layers -> stage is implied)
@@ -251,16 +325,26 @@ def price_report(model, inventory, args, options) -> tuple[list[str], planner.Pl
     seconds = time.perf_counter() - t0
     if plan_ is None:
         per = layout.batch_split * layout.microbatches
-        raise ValueError(f"--batch {args.batch} does not split over the layout's {layout.batch_split} data-parallel "
-                         f"devices x {layout.microbatches} microbatches ({per} rows per step at least); give a "
-                         f"--batch divisible by {per}")
-    lines = [inventory.describe(), "",
-             f"model {args.model}: {args.batch} x {args.seq_len} tokens per step, {layout.dtype}, "
-             f"{efficiency_note(inventory, options)}; priced in {seconds:.2f} s", ""]
+        raise ValueError(
+            f"--batch {args.batch} does not split over the layout's {layout.batch_split} data-parallel "
+            f"devices x {layout.microbatches} microbatches ({per} rows per step at least); give a "
+            f"--batch divisible by {per}"
+        )
+    lines = [
+        inventory.describe(),
+        "",
+        f"model {args.model}: {args.batch} x {args.seq_len} tokens per step, {layout.dtype}, "
+        f"{efficiency_note(inventory, options)}; priced in {seconds:.2f} s",
+        "",
+    ]
     lines += planner.format_table([plan_]) + [""] + breakdown(plan_)
-    lines += ["", "as flags:", f"  python -m train.train --model {args.model} "
-              + "".join(f"--set {s} " for s in args.set)
-              + f"--batch-size {args.batch} --seq-len {args.seq_len} {plan_.flags(args.cluster)}"]
+    lines += [
+        "",
+        "as flags:",
+        f"  python -m train.train --model {args.model} "
+        + "".join(f"--set {s} " for s in args.set)
+        + f"--batch-size {args.batch} --seq-len {args.seq_len} {plan_.flags(args.cluster)}",
+    ]
     return lines, plan_
 
 
@@ -271,23 +355,29 @@ def breakdown(p: planner.Plan) -> list[str]:
     parts, total = p.parts, p.step_time
     busy = max(parts["compute"], parts["overlapped_comm"])
     lines = [f"step {total:.3f} s, paced by {p.paced_by}:"]
-    rows = [("compute (matrix products, elementwise)", parts["compute"]),
-            ("overlapped traffic (weight gathers, gradient reductions)", parts["overlapped_comm"]),
-            ("  of which exposed (outlasts compute)", busy - parts["compute"]),
-            ("exposed traffic (tensor, sequence, stage)", parts["exposed_comm"]),
-            ("optimizer update", parts["optimizer"]),
-            ("pipeline bubble and schedule", parts["bubble"])]
+    rows = [
+        ("compute (matrix products, elementwise)", parts["compute"]),
+        ("overlapped traffic (weight gathers, gradient reductions)", parts["overlapped_comm"]),
+        ("  of which exposed (outlasts compute)", busy - parts["compute"]),
+        ("exposed traffic (tensor, sequence, stage)", parts["exposed_comm"]),
+        ("optimizer update", parts["optimizer"]),
+        ("pipeline bubble and schedule", parts["bubble"]),
+    ]
     lines += [f"  {name:<58} {sec:9.4f} s  {sec / total:6.1%}" for name, sec in rows]
     if p.comm:
-        lines.append("traffic by collective (slowest device, overlapped or not): "
-                     + ", ".join(f"{kind} {sec:.4f} s" for kind, sec in sorted(p.comm.items(), key=lambda kv: -kv[1])))
+        lines.append(
+            "traffic by collective (slowest device, overlapped or not): "
+            + ", ".join(f"{kind} {sec:.4f} s" for kind, sec in sorted(p.comm.items(), key=lambda kv: -kv[1]))
+        )
     lines.append("memory per device:")
     for kind, used in p.memory.items():
         limit = p.memory_limit[kind]
         parts = p.memory_parts.get(kind, {})
-        lines.append(f"  {kind:<20} {used / 1e9:8.1f} GB of {limit / 1e9:.1f} GB usable"
-                     + ("" if used <= limit else f"  over by {(used - limit) / 1e9:.1f} GB")
-                     + (": " + ", ".join(f"{name} {b / 1e9:.1f}" for name, b in parts.items() if b) if parts else ""))
+        lines.append(
+            f"  {kind:<20} {used / 1e9:8.1f} GB of {limit / 1e9:.1f} GB usable"
+            + ("" if used <= limit else f"  over by {(used - limit) / 1e9:.1f} GB")
+            + (": " + ", ".join(f"{name} {b / 1e9:.1f}" for name, b in parts.items() if b) if parts else "")
+        )
     lines.append("fits" if p.fits else f"does not fit: {planner.why_lost(p, p).removeprefix('does not fit: ')}")
     return lines
 
@@ -298,13 +388,21 @@ def plan_json(p: planner.Plan) -> dict:
     of the slowest device), ``paced_by``, ``counts`` (uneven microbatches or null), ``comm_seconds`` (seconds
     per collective kind), ``idle_kinds`` (kinds given no microbatch) and ``flags`` (the
     ``python -m train.train`` layout flags, `planner.Plan.flags`)."""
-    return {"step_seconds": p.step_time, "tokens_per_second": p.tokens_per_second, "mfu": p.mfu,
-            "memory_gb": {k: v / 1e9 for k, v in p.memory.items()},
-            "memory_limit_gb": {k: v / 1e9 for k, v in p.memory_limit.items()},
-            "fits": p.fits, "why": "" if p.fits else planner.why_lost(p, p), "parts": dict(p.parts),
-            "paced_by": p.paced_by, "counts": list(p.counts) if p.counts is not None else None,
-            "comm_seconds": dict(p.comm), "idle_kinds": list(p.idle_kinds),
-            "flags": p.flags()}
+    return {
+        "step_seconds": p.step_time,
+        "tokens_per_second": p.tokens_per_second,
+        "mfu": p.mfu,
+        "memory_gb": {k: v / 1e9 for k, v in p.memory.items()},
+        "memory_limit_gb": {k: v / 1e9 for k, v in p.memory_limit.items()},
+        "fits": p.fits,
+        "why": "" if p.fits else planner.why_lost(p, p),
+        "parts": dict(p.parts),
+        "paced_by": p.paced_by,
+        "counts": list(p.counts) if p.counts is not None else None,
+        "comm_seconds": dict(p.comm),
+        "idle_kinds": list(p.idle_kinds),
+        "flags": p.flags(),
+    }
 
 
 def plot(plans: Sequence[planner.Plan], path: str, title: str) -> None:
@@ -319,10 +417,14 @@ def plot(plans: Sequence[planner.Plan], path: str, title: str) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise RuntimeError("--plot needs matplotlib: pip install 'meshwork[plot]' (or pip install matplotlib)") from None
-    labels = [f"{i}. {format_mesh(p.layout.mesh)}\n{p.layout.rules_name}, M={p.layout.microbatches}, {p.layout.remat}"
-              + ("\nuneven" if p.counts else f"\nstages {','.join(map(str, p.stage_layers))}" if p.stage_layers else "")
-              for i, p in enumerate(plans, 1)]
+        raise RuntimeError(
+            "--plot needs matplotlib: pip install 'meshwork[plot]' (or pip install matplotlib)"
+        ) from None
+    labels = [
+        f"{i}. {format_mesh(p.layout.mesh)}\n{p.layout.rules_name}, M={p.layout.microbatches}, {p.layout.remat}"
+        + ("\nuneven" if p.counts else f"\nstages {','.join(map(str, p.stage_layers))}" if p.stage_layers else "")
+        for i, p in enumerate(plans, 1)
+    ]
     kinds = list(dict.fromkeys(k for p in plans for k in p.memory))
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(8, 1.6 * len(plans)), 8), sharex=True)
     x = range(len(plans))
@@ -362,8 +464,10 @@ def cluster_of(run: RunConfig, devices):
     if cluster.cluster:
         inventory = inventory_from_flag(cluster.cluster)
         if inventory.num_devices != len(devices):
-            raise ValueError(f"--cluster {cluster.cluster} has {inventory.num_devices} devices but JAX sees "
-                             f"{len(devices)}; describe every device, or use --simulate-cluster on CPU")
+            raise ValueError(
+                f"--cluster {cluster.cluster} has {inventory.num_devices} devices but JAX sees "
+                f"{len(devices)}; describe every device, or use --simulate-cluster on CPU"
+            )
         return inventory, None
     return detect_inventory(devices), None
 
@@ -383,17 +487,23 @@ def apply_plan(run: RunConfig, devices, log: Callable[[str], None]) -> RunConfig
     options = planner.PlanOptions(attentions=(run.model.attention,), dtype=run.model.dtype)
     plans = planner.plan(describe(run.model), inventory, run.data.batch_size, run.data.seq_len, options, top=1)
     if not plans:
-        raise ValueError(f"--plan auto found no layout for --batch-size {run.data.batch_size} on {len(devices)} "
-                         f"devices; try a --batch-size divisible by {len(devices)}")
+        raise ValueError(
+            f"--plan auto found no layout for --batch-size {run.data.batch_size} on {len(devices)} "
+            f"devices; try a --batch-size divisible by {len(devices)}"
+        )
     best = plans[0]
     if "+" in run.parallelism.rules.name:
-        log(f"--plan auto: dropping the --rule overrides of {run.parallelism.rules.name} (the plan uses --rules "
-            f"{best.layout.rules_name} as is)")
+        log(
+            f"--plan auto: dropping the --rule overrides of {run.parallelism.rules.name} (the plan uses --rules "
+            f"{best.layout.rules_name} as is)"
+        )
     par = measured(best.parallelism().replace(context_layout=run.parallelism.context_layout), run, log)
     fit = "" if best.fits else " (no plan fits the memory; this is the closest)"
-    log(f"--plan auto{fit}: {' '.join(parallelism_flags(par))} --remat {best.layout.remat}; predicted {best.step_time:.3g} "
+    log(
+        f"--plan auto{fit}: {' '.join(parallelism_flags(par))} --remat {best.layout.remat}; predicted {best.step_time:.3g} "
         f"s/step, {best.tokens_per_second:,.0f} tokens/s, MFU {best.mfu:.1%} on {inventory.num_devices} devices "
-        f"({', '.join(k.name for k in inventory.kinds_present)})")
+        f"({', '.join(k.name for k in inventory.kinds_present)})"
+    )
     return run.replace(parallelism=par, model=run.model.replace(remat=best.layout.remat))
 
 
@@ -413,8 +523,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.batch <= 0 or args.seq_len <= 0:
-            raise ValueError(f"--batch {args.batch} --seq-len {args.seq_len}: must be positive, "
-                             f"e.g. --batch 1024 --seq-len 4096")
+            raise ValueError(
+                f"--batch {args.batch} --seq-len {args.seq_len}: must be positive, e.g. --batch 1024 --seq-len 4096"
+            )
         if args.top < 1:
             raise ValueError(f"--top must be at least 1 (got {args.top}), e.g. --top 8")
         model = model_description(args.model, args.set)

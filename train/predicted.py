@@ -52,14 +52,21 @@ def cost_model_lines(trainer, compiled, batch: int, seq_len: int) -> list[str]:
     analysis = compiled.cost_analysis()
     analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis
     memory = compiled.memory_analysis()
-    rows = [("matrix-product FLOPs", _flop(cost.matmul_flops), _flop(hlo.dot_flops(text))),
-            ("FLOPs as cost_analysis", _flop(cost.counted_flops), _flop(float(analysis.get("flops", 0.0)))),
-            ("arguments (state + batch)", _mib(cost.argument_bytes),
-             _mib(memory.argument_size_in_bytes) if memory is not None else "n/a")]
+    rows = [
+        ("matrix-product FLOPs", _flop(cost.matmul_flops), _flop(hlo.dot_flops(text))),
+        ("FLOPs as cost_analysis", _flop(cost.counted_flops), _flop(float(analysis.get("flops", 0.0)))),
+        (
+            "arguments (state + batch)",
+            _mib(cost.argument_bytes),
+            _mib(memory.argument_size_in_bytes) if memory is not None else "n/a",
+        ),
+    ]
     predicted, actual = cm.collective_bytes(cost.comms), cm.collective_bytes(hlo.collectives(text))
     for kind in sorted(set(predicted) | set(actual)):
         rows.append((kind, _mib(predicted.get(kind, 0.0)), _mib(actual.get(kind, 0.0))))
-    lines = [f"cost model (sharding.costmodel, {backend} lowering) for this run's layout, {who}, per step:",
-             f"  {'':<28} {'predicted':>14} {'compiled':>14}"]
+    lines = [
+        f"cost model (sharding.costmodel, {backend} lowering) for this run's layout, {who}, per step:",
+        f"  {'':<28} {'predicted':>14} {'compiled':>14}",
+    ]
     lines += [f"  {label:<28} {pred:>14} {got:>14}" for label, pred, got in rows]
     return lines + trainer.strategy.cost_notes()

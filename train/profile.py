@@ -31,8 +31,9 @@ def parse_profile_steps(text: str | None, steps: int) -> tuple[int, int] | None:
     if not 1 <= a <= b:
         raise ValueError(f"--profile-steps {text}: expected A:B with 1 <= A <= B (steps), e.g. --profile-steps 5:8")
     if a > steps:
-        raise ValueError(f"--profile-steps {text}: starts after --steps {steps}; e.g. --profile-steps "
-                         f"{max(steps - 1, 1)}:{steps}")
+        raise ValueError(
+            f"--profile-steps {text}: starts after --steps {steps}; e.g. --profile-steps {max(steps - 1, 1)}:{steps}"
+        )
     return a, b
 
 
@@ -77,5 +78,7 @@ class StepProfiler:
 
         jax.profiler.stop_trace()
         self.active = False
-        self.log(f"wrote the profile to {self.folder} (tensorboard --logdir {self.folder}, or its .trace.json.gz in "
-                 "Perfetto)")
+        self.log(
+            f"wrote the profile to {self.folder} (tensorboard --logdir {self.folder}, or its .trace.json.gz in "
+            "Perfetto)"
+        )

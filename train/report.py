@@ -77,7 +77,9 @@ def memory_lines(compiled, abstract_state, num_devices: int) -> list[str]:
     lines = ["per-device memory (compiled.memory_analysis()):"]
     for label, attr in fields:
         lines.append(f"  {label:<28} {human_bytes(getattr(stats, attr, 0) or 0)}")
-    peak = stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes + stats.temp_size_in_bytes
+    peak = (
+        stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes + stats.temp_size_in_bytes
+    )
     lines.append(f"  {'peak estimate':<28} {human_bytes(peak)}")
     total, held = state_bytes(abstract_state), device_state_bytes(abstract_state)
     lines.append(
@@ -107,15 +109,20 @@ def compute_lines(compiled) -> list[str]:
     loop body once)."""
     analysis = compiled.cost_analysis()
     analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis
+
     def flop(n: float) -> str:
         return f"{n / 1e12:.2f} TFLOP" if n >= 1e11 else f"{n / 1e9:.3f} GFLOP"
 
     outside, inside = hlo.dot_flops_split(compiled.as_text())
-    lines = [f"compute per device per step: {flop(outside)} in matrix products outside conditionals (loop trips "
-             f"counted); cost_analysis {flop(float(analysis.get('flops', 0.0)))} (loop bodies once)"]
+    lines = [
+        f"compute per device per step: {flop(outside)} in matrix products outside conditionals (loop trips "
+        f"counted); cost_analysis {flop(float(analysis.get('flops', 0.0)))} (loop bodies once)"
+    ]
     if inside:
-        lines.append(f"  conditional branches: at most {flop(inside)} more (every branch counted on every trip; "
-                     f"which run is decided at run time)")
+        lines.append(
+            f"  conditional branches: at most {flop(inside)} more (every branch counted on every trip; "
+            f"which run is decided at run time)"
+        )
     return lines
 
 
@@ -127,8 +134,12 @@ def state_bytes(abstract_state) -> int:
 def device_state_bytes(abstract_state) -> int:
     """Bytes one device holds of a tree of `jax.ShapeDtypeStruct` with shardings: each array's shard shape
     (`jax.sharding.Sharding.shard_shape`, the largest shard where a split is uneven)."""
-    return int(sum(math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
-                   for x in jax.tree.leaves(abstract_state)))
+    return int(
+        sum(
+            math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+            for x in jax.tree.leaves(abstract_state)
+        )
+    )
 
 
 # Pipeline ---------------------------------------------------------------------------
@@ -161,9 +172,14 @@ def stage_memory(trainer) -> dict:
         else:
             other += math.prod(local) * itemsize
     ideal = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(state.abstract_params))
-    return {"row_bytes": row_bytes, "per_device": storage.per_device, "empty_rows": storage.rows - storage.num_layers,
-            "other_bytes": other, "device_bytes": other + storage.per_device * row_bytes,
-            "ideal_bytes": ideal / trainer.mesh.devices.size}
+    return {
+        "row_bytes": row_bytes,
+        "per_device": storage.per_device,
+        "empty_rows": storage.rows - storage.num_layers,
+        "other_bytes": other,
+        "device_bytes": other + storage.per_device * row_bytes,
+        "ideal_bytes": ideal / trainer.mesh.devices.size,
+    }
 
 
 def weight_gather_line(trainer) -> str:
@@ -174,14 +190,15 @@ def weight_gather_line(trainer) -> str:
     per_layer = sum(x.size // x.shape[0] * itemsize for x in layers)
     most = max(layout.stage_layers)
     moved = storage.placement.received
-    over = (f"receives {moved} row(s) of its stage stored on another stage's devices (ppermute), then " if moved
-            else "")
-    return (f"  weights: each device {over}all-gathers its stage's rows over the storage's batch axes once per "
-            f"step, before the pipeline loop, in {trainer.config.dtype}, into a [{layout.repeats}, "
-            f"{layout.chunk_slots}, ...] working copy (empty slots only there; at most {most} x "
-            f"{human_bytes(per_layer)} = {human_bytes(most * per_layer)} per device, / tensor where the rules split "
-            f"over it); layer gradients are summed on each device over the microbatches and reduce-scattered back "
-            f"into the rows once, after the backward loop")
+    over = f"receives {moved} row(s) of its stage stored on another stage's devices (ppermute), then " if moved else ""
+    return (
+        f"  weights: each device {over}all-gathers its stage's rows over the storage's batch axes once per "
+        f"step, before the pipeline loop, in {trainer.config.dtype}, into a [{layout.repeats}, "
+        f"{layout.chunk_slots}, ...] working copy (empty slots only there; at most {most} x "
+        f"{human_bytes(per_layer)} = {human_bytes(most * per_layer)} per device, / tensor where the rules split "
+        f"over it); layer gradients are summed on each device over the microbatches and reduce-scattered back "
+        f"into the rows once, after the backward loop"
+    )
 
 
 def schedule_memory_line(plan) -> str:
@@ -189,21 +206,27 @@ def schedule_memory_line(plan) -> str:
     layout = plan.layout
     s, k = layout.stages, layout.chunk_slots
     if not plan.one_f_one_b:
-        return (f"  saved for the backward pass: every slot's input of all {plan.steps} steps ({plan.steps} x {k} "
-                f"microbatch activations per device; --pipeline-schedule 1f1b keeps {s} x {k})")
+        return (
+            f"  saved for the backward pass: every slot's input of all {plan.steps} steps ({plan.steps} x {k} "
+            f"microbatch activations per device; --pipeline-schedule 1f1b keeps {s} x {k})"
+        )
     ticks = plan.tick_table()
     chunk = "microbatches" if layout.repeats == 1 else "chunk inputs"
     if plan.fused:
-        return (f"  saved for the backward pass: a ring of {ticks.slots} {chunk} x {k} slot inputs per device (the "
-                f"other schedules keep {plan.steps} x {k}); one loop of {ticks.ticks} ticks, each a chunk's forward "
-                f"and a chunk's backward per stage (either may idle); the loss runs on stage {s - 1} inside it; a "
-                f"tick lasts a forward plus a backward, so the pass takes about {ticks.ticks} chunk "
-                f"forward+backward-times against {plan.steps} for GPipe or circular")
-    return (f"  saved for the backward pass: a ring of {ticks.slots} {chunk} x {k} slot inputs per device (the "
-            f"other schedules keep {plan.steps} x {k}); one loop of {ticks.ticks} ticks, each a chunk's forward, "
-            f"backward or idle per stage; the loss runs on stage {s - 1} inside it; in lockstep a tick lasts a "
-            f"backward, so the pass takes about {ticks.ticks} chunk backward-times against {plan.steps} chunk "
-            f"forward+backward-times for GPipe or circular")
+        return (
+            f"  saved for the backward pass: a ring of {ticks.slots} {chunk} x {k} slot inputs per device (the "
+            f"other schedules keep {plan.steps} x {k}); one loop of {ticks.ticks} ticks, each a chunk's forward "
+            f"and a chunk's backward per stage (either may idle); the loss runs on stage {s - 1} inside it; a "
+            f"tick lasts a forward plus a backward, so the pass takes about {ticks.ticks} chunk "
+            f"forward+backward-times against {plan.steps} for GPipe or circular"
+        )
+    return (
+        f"  saved for the backward pass: a ring of {ticks.slots} {chunk} x {k} slot inputs per device (the "
+        f"other schedules keep {plan.steps} x {k}); one loop of {ticks.ticks} ticks, each a chunk's forward, "
+        f"backward or idle per stage; the loss runs on stage {s - 1} inside it; in lockstep a tick lasts a "
+        f"backward, so the pass takes about {ticks.ticks} chunk backward-times against {plan.steps} chunk "
+        f"forward+backward-times for GPipe or circular"
+    )
 
 
 def pipeline_lines(trainer, note: str | None = None) -> list[str]:
@@ -245,12 +268,17 @@ def pipeline_lines(trainer, note: str | None = None) -> list[str]:
     if sum(layout.padding):
         lines.append(
             f"  the stages with fewer layers than {layout.slots} hold no padding; their working copies' empty slots are "
-            + ("not computed (skipped by a conditional)" if plan.skip_empty else
-               "computed here (fallback: a collective inside a slot could wait on other stages)")
+            + (
+                "not computed (skipped by a conditional)"
+                if plan.skip_empty
+                else "computed here (fallback: a collective inside a slot could wait on other stages)"
+            )
         )
     lines.append(weight_gather_line(trainer))
-    lines.append("  embedding, final norm and output projection parameters: stored split over stage as well (where a "
-                 "dimension allows), gathered once per step with fsdp; the embedding lookup runs on every stage")
+    lines.append(
+        "  embedding, final norm and output projection parameters: stored split over stage as well (where a "
+        "dimension allows), gathered once per step with fsdp; the embedding lookup runs on every stage"
+    )
     return lines
 
 
@@ -262,16 +290,22 @@ def head_line(trainer, batch: int) -> str:
 
     par = trainer.par
     if par.pipeline.one_f_one_b:
-        return ("  final norm, output projection and loss: on the last stage inside the pipeline, one microbatch at "
-                "a time (1f1b: the whole batch's logits are never built)")
+        return (
+            "  final norm, output projection and loss: on the last stage inside the pipeline, one microbatch at "
+            "a time (1f1b: the whole batch's logits are never built)"
+        )
     axes = spec_axes(head_parallelism(par).spec((ax.BATCH,), (batch,))[0])
     stages = par.mesh_shape[ax.STAGE]
     if ax.STAGE in axes:
         rows = batch // math.prod(par.mesh_shape[a] for a in axes)
-        return (f"  final norm, output projection and loss: rows split over {'+'.join(axes)}, {rows} of the batch's "
-                f"{batch} per device (1/{stages} of each stage computing them all)")
-    return (f"  final norm, output projection and loss: computed by every stage (batch {batch} not divisible by "
-            f"data x fsdp x stage = {par.data_parallel * stages})")
+        return (
+            f"  final norm, output projection and loss: rows split over {'+'.join(axes)}, {rows} of the batch's "
+            f"{batch} per device (1/{stages} of each stage computing them all)"
+        )
+    return (
+        f"  final norm, output projection and loss: computed by every stage (batch {batch} not divisible by "
+        f"data x fsdp x stage = {par.data_parallel * stages})"
+    )
 
 
 def branch_lines(compiled, trainer) -> list[str]:
@@ -286,8 +320,10 @@ def branch_lines(compiled, trainer) -> list[str]:
     unsafe = [c for c in found if not c.safe]
     kinds = ", ".join(f"{op} x{n}" for op, n in sorted(_count(c.op for c in found).items())) or "none"
     status = "all among devices of one stage" if not unsafe else f"{len(unsafe)} COULD WAIT ON OTHER STAGES"
-    return [f"collectives inside skipped-slot branches: {kinds}; {status} (the counts above include them on every "
-            f"trip, also where a stage skips the slot)"]
+    return [
+        f"collectives inside skipped-slot branches: {kinds}; {status} (the counts above include them on every "
+        f"trip, also where a stage skips the slot)"
+    ]
 
 
 def _count(items) -> dict:
@@ -329,9 +365,11 @@ def logits_line(run) -> str:
         return f"logits: {'vocab_parallel' if split else 'gathered'} (--logits {model.logits})"
     tokens = tokens_per_device(par.rules, par.mesh_shape, shape)
     gathered, parallel = output_traffic(candidate, model.vocab_size, model.embed_dim, tokens)
-    return (f"logits: {'vocab_parallel' if split else 'gathered'} (--logits {model.logits}; per device and "
-            f"microbatch the loss moves {gathered / 2**20:.1f} MiB gathered, {parallel / 2**20:.1f} MiB "
-            f"vocab_parallel)")
+    return (
+        f"logits: {'vocab_parallel' if split else 'gathered'} (--logits {model.logits}; per device and "
+        f"microbatch the loss moves {gathered / 2**20:.1f} MiB gathered, {parallel / 2**20:.1f} MiB "
+        f"vocab_parallel)"
+    )
 
 
 def split_note(trainer) -> str | None:
@@ -352,8 +390,10 @@ def startup(run, trainer, speeds=None, notes=()) -> list[str]:
     lines = []
     par, model = trainer.par, run.model
     if attention_registry.kernel(model.attention).traits.splits_length and par.length_shards == 1:
-        lines.append(f"note: --attention {model.attention} with the length whole on every device (no sequence axis "
-                     f"> 1 in --mesh {format_mesh(par.mesh_shape)}) is plain flash attention: no context parallelism")
+        lines.append(
+            f"note: --attention {model.attention} with the length whole on every device (no sequence axis "
+            f"> 1 in --mesh {format_mesh(par.mesh_shape)}) is plain flash attention: no context parallelism"
+        )
     lines += trainer.strategy.summary_lines(run, speeds)
     built = sum(x.size for x in jax.tree.leaves(trainer.state_layout.abstract_params))
     lines += startup_lines(model, run.preset, trainer.mesh, trainer.rules, trainer.state_layout.report, built)
@@ -404,17 +444,23 @@ def layout_text(meta) -> str:
 def resume_lines(run, trainer, meta, step: int, seconds: float) -> list[str]:
     """What a resume restored: the step and meshes, a re-laid stage layout, a changed learning-rate schedule,
     an ``--init-from`` left unread."""
-    lines = [f"resumed step {step} (saved on mesh {format_mesh(meta.mesh)}) onto mesh "
-             f"{format_mesh(trainer.par.mesh_shape)} in {seconds:.1f} s"]
+    lines = [
+        f"resumed step {step} (saved on mesh {format_mesh(meta.mesh)}) onto mesh "
+        f"{format_mesh(trainer.par.mesh_shape)} in {seconds:.1f} s"
+    ]
     if meta.pipeline != trainer.state_layout.layout_meta():
-        lines.append(f"re-laid the layer stacks from stage layout {layout_text(meta.pipeline)} to "
-                     f"{layout_text(trainer.state_layout.layout_meta())}")
+        lines.append(
+            f"re-laid the layer stacks from stage layout {layout_text(meta.pipeline)} to "
+            f"{layout_text(trainer.state_layout.layout_meta())}"
+        )
     change = meta.schedule_change(run.schedule, step)
     if change:
         lines.append(change)
     if run.checkpoint.init_from:
-        lines.append(f"note: resuming the checkpoint of step {step}, so --init-from {run.checkpoint.init_from} "
-                     "is not read (the checkpoint wins)")
+        lines.append(
+            f"note: resuming the checkpoint of step {step}, so --init-from {run.checkpoint.init_from} "
+            "is not read (the checkpoint wins)"
+        )
     return lines
 
 
@@ -424,14 +470,17 @@ def summary_lines(summary: dict, directory, waited: float) -> list[str]:
     if summary["step"] == summary["start_step"]:
         lines = [f"the latest checkpoint is still step {summary['step']} in {where}"]
     elif summary["stopped_by"]:
-        lines = [f"stopped by {summary['stopped_by']}: the checkpoint of step {summary['step']} is complete in {where} "
-                 f"(saved in {waited:.1f} s); continue with --resume"]
+        lines = [
+            f"stopped by {summary['stopped_by']}: the checkpoint of step {summary['step']} is complete in {where} "
+            f"(saved in {waited:.1f} s); continue with --resume"
+        ]
     else:
         lines = [f"checkpoint of step {summary['step']} complete in {where} (waited {waited:.1f} s)"]
     evals = summary["eval"]
     if len(evals) == 1:  # one evaluation (e.g. stopped before the next --eval-every): no "a -> a over steps 0-0"
-        lines.append(f"held-out loss {evals[0][1]:.4f} at step {evals[0][0]} (evaluated once; --eval-every sets how "
-                     f"often)")
+        lines.append(
+            f"held-out loss {evals[0][1]:.4f} at step {evals[0][0]} (evaluated once; --eval-every sets how often)"
+        )
     elif evals:
         lines.append(f"held-out loss {evals[0][1]:.4f} -> {evals[-1][1]:.4f} over steps {evals[0][0]}-{evals[-1][0]}")
     return lines

@@ -32,8 +32,14 @@ from models.transformer import abstract_model, init_params
 from sharding import axes as ax
 from sharding.parallel import Parallelism
 from sharding.pipeline import StageLayout, relayout_on_mesh
-from sharding.pipeline.storage import (StageStorage, spread_over_stage, stack_table, storage_axes, storage_for,
-                                      storage_spec)
+from sharding.pipeline.storage import (
+    StageStorage,
+    spread_over_stage,
+    stack_table,
+    storage_axes,
+    storage_for,
+    storage_spec,
+)
 from sharding.rules import tree_shardings
 from train.optimizer import OptimizerConfig, make_optimizer
 
@@ -73,11 +79,20 @@ class StateLayout:
         self.graphdef, self.abstract_params, self.param_names = abstract_model(config)
         self.layout = par.pipeline.layout if par.pipeline is not None else None
         if self.layout is not None and self.layout.stages != par.mesh_shape[ax.STAGE]:
-            raise ValueError(f"the pipeline has {self.layout.stages} stages but the mesh's stage axis is "
-                             f"{par.mesh_shape[ax.STAGE]}; pass --mesh stage={self.layout.stages},...")
-        self.storage = None if self.layout is None else storage_for(
-            self.layout, jax.tree.leaves(self.param_names["layers"], is_leaf=lambda x: isinstance(x, tuple)),
-            self.rules, par.mesh_shape)
+            raise ValueError(
+                f"the pipeline has {self.layout.stages} stages but the mesh's stage axis is "
+                f"{par.mesh_shape[ax.STAGE]}; pass --mesh stage={self.layout.stages},..."
+            )
+        self.storage = (
+            None
+            if self.layout is None
+            else storage_for(
+                self.layout,
+                jax.tree.leaves(self.param_names["layers"], is_leaf=lambda x: isinstance(x, tuple)),
+                self.rules,
+                par.mesh_shape,
+            )
+        )
         self.tx = make_optimizer(OptimizerConfig() if optimizer is None else optimizer, self.param_names)
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
         self.state_params, self.param_shardings, self.report, self.state_shardings = self._layout_state(self.storage)
@@ -99,10 +114,19 @@ class StateLayout:
         param_shardings, report = tree_shardings(params, param_names, self.mesh, self.rules)
         if isinstance(layout, StageStorage) or self.storage is not None:
             param_shardings, report = self._storage_shardings(layout, param_shardings, report)
-        opt_shardings = optax.tree_map_params(self.tx, lambda _, sharding: sharding, jax.eval_shape(self.tx.init, params),
-                                              param_shardings, transform_non_params=lambda _: self.replicated)
-        state_shardings = {"step": self.replicated, "params": param_shardings, "opt_state": opt_shardings,
-                           "rng": self.replicated}
+        opt_shardings = optax.tree_map_params(
+            self.tx,
+            lambda _, sharding: sharding,
+            jax.eval_shape(self.tx.init, params),
+            param_shardings,
+            transform_non_params=lambda _: self.replicated,
+        )
+        state_shardings = {
+            "step": self.replicated,
+            "params": param_shardings,
+            "opt_state": opt_shardings,
+            "rng": self.replicated,
+        }
         return params, param_shardings, report, state_shardings
 
     def _storage_shardings(self, layout, shardings, report):
@@ -160,8 +184,12 @@ class StateLayout:
 
     def _fresh(self, params, key) -> dict:
         """Step 0 of ``params``: a fresh optimizer state and the run's RNG (of ``key``)."""
-        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": self.tx.init(params),
-                "rng": jax.random.key_data(jax.random.fold_in(key, 1))}
+        return {
+            "step": jnp.zeros((), jnp.int32),
+            "params": params,
+            "opt_state": self.tx.init(params),
+            "rng": jax.random.key_data(jax.random.fold_in(key, 1)),
+        }
 
     def init_state(self, seed: int) -> dict:
         """Fresh state, created sharded by a jitted init with ``out_shardings``.
@@ -199,14 +227,17 @@ class StateLayout:
         if src == self.storage:
             return state
         is_layer = {key: jax.tree.map(lambda _: key == "layers", value) for key, value in self.abstract_params.items()}
-        opt = optax.tree_map_params(self.tx, lambda _, layer: layer, state["opt_state"], is_layer,
-                                    transform_non_params=lambda _: False)
+        opt = optax.tree_map_params(
+            self.tx, lambda _, layer: layer, state["opt_state"], is_layer, transform_non_params=lambda _: False
+        )
         leaves, treedef = jax.tree.flatten(state)
         moving = treedef.flatten_up_to({"step": False, "params": is_layer, "opt_state": opt, "rng": False})
         targets = jax.tree.leaves(self.state_shardings)
         picked = [i for i, layer in enumerate(moving) if layer]
-        fn = jax.jit(lambda xs: relayout_on_mesh(xs, src, self.storage, self.config.num_layers, self.mesh),
-                     out_shardings=[targets[i] for i in picked])
+        fn = jax.jit(
+            lambda xs: relayout_on_mesh(xs, src, self.storage, self.config.num_layers, self.mesh),
+            out_shardings=[targets[i] for i in picked],
+        )
         for i, moved in zip(picked, fn([leaves[i] for i in picked]), strict=True):
             leaves[i] = moved
         return treedef.unflatten(leaves)

@@ -29,10 +29,28 @@ from train.state import StateLayout
 
 BATCH_NAMES = (ax.BATCH, ax.LENGTH)
 
-_LAYOUT_ATTRIBUTES = frozenset({
-    "graphdef", "abstract_params", "param_names", "layout", "storage", "tx", "state_params", "param_shardings",
-    "report", "state_shardings", "abstract_state", "param_targets", "init_state", "state_from_params",
-    "layout_meta", "relayout_state", "_layout_state", "_init_fn"})
+_LAYOUT_ATTRIBUTES = frozenset(
+    {
+        "graphdef",
+        "abstract_params",
+        "param_names",
+        "layout",
+        "storage",
+        "tx",
+        "state_params",
+        "param_shardings",
+        "report",
+        "state_shardings",
+        "abstract_state",
+        "param_targets",
+        "init_state",
+        "state_from_params",
+        "layout_meta",
+        "relayout_state",
+        "_layout_state",
+        "_init_fn",
+    }
+)
 
 
 class Trainer:
@@ -79,15 +97,27 @@ class Trainer:
     def abstract_batch(self, global_batch: int, seq_len: int) -> dict:
         """A global batch as `jax.ShapeDtypeStruct`s with their shardings."""
         sharding = self.batch_sharding(global_batch, seq_len)
-        return {f: jax.ShapeDtypeStruct((global_batch, seq_len), jnp.float32 if f == "loss_mask" else jnp.int32,
-                                        sharding=sharding) for f in FIELDS}
+        return {
+            f: jax.ShapeDtypeStruct(
+                (global_batch, seq_len), jnp.float32 if f == "loss_mask" else jnp.int32, sharding=sharding
+            )
+            for f in FIELDS
+        }
 
     # The step ------------------------------------------------------------------------------------
 
     def loss_sums(self, params, batch, par: Parallelism | None = None) -> tuple[jax.Array, jax.Array]:
         """``(loss_sum, weight_sum)`` of a batch (inside jit) under ``par`` (default the run's)."""
-        return loss_sums(self.state_layout.graphdef, params, batch["tokens"], batch["targets"], batch["loss_mask"],
-                         batch["positions"], batch["segment_ids"], par=self.par if par is None else par)
+        return loss_sums(
+            self.state_layout.graphdef,
+            params,
+            batch["tokens"],
+            batch["targets"],
+            batch["loss_mask"],
+            batch["positions"],
+            batch["segment_ids"],
+            par=self.par if par is None else par,
+        )
 
     def gradients(self, params, batch, inputs=None) -> tuple[jax.Array, jax.Array, Any, dict]:
         """The strategy's ``(loss_sum, weight_sum, grads, metrics)`` of a global batch (inside jit);
@@ -117,7 +147,9 @@ class Trainer:
         """
         denom = jnp.maximum(weight, 1.0)
         grads = jax.tree.map(lambda g: g / denom, grads)
-        grad_norm = optax.tree.norm(grads) if hasattr(getattr(optax, "tree", None), "norm") else optax.global_norm(grads)
+        grad_norm = (
+            optax.tree.norm(grads) if hasattr(getattr(optax, "tree", None), "norm") else optax.global_norm(grads)
+        )
         finite = jnp.isfinite(loss_sum) & jnp.isfinite(grad_norm)
         updates, opt_state = self.state_layout.tx.update(grads, state["opt_state"], state["params"])
 
@@ -126,10 +158,23 @@ class Trainer:
 
         # Outside the cond: every collective (the clipping norm); inside: elementwise work only, which a
         # pipeline's check of collectives in conditionals (`sharding.hlo.branch_collectives`) must not see.
-        params, opt_state = jax.lax.cond(finite, commit, lambda updates, new, params, old: (params, old),
-                                         updates, opt_state, state["params"], state["opt_state"])
-        metrics = {"loss": loss_sum / denom, "grad_norm": grad_norm, "lr": self.schedule(state["step"]),
-                   "tokens": weight, "finite": finite, "stop": jnp.max(signals) > 0}
+        params, opt_state = jax.lax.cond(
+            finite,
+            commit,
+            lambda updates, new, params, old: (params, old),
+            updates,
+            opt_state,
+            state["params"],
+            state["opt_state"],
+        )
+        metrics = {
+            "loss": loss_sum / denom,
+            "grad_norm": grad_norm,
+            "lr": self.schedule(state["step"]),
+            "tokens": weight,
+            "finite": finite,
+            "stop": jnp.max(signals) > 0,
+        }
         new_state = {"step": state["step"] + 1, "params": params, "opt_state": opt_state, "rng": state["rng"]}
         return new_state, metrics
 
@@ -158,8 +203,11 @@ class Trainer:
             raise ValueError(f"{len(values)} step input values for the strategy's {len(self.step_inputs)}")
         value = np.int32(1 if stop else 0)
         stop_sharding = NamedSharding(self.mesh, PartitionSpec(tuple(self.mesh.axis_names)))
-        out = {"stop": jax.make_array_from_callback((self.mesh.devices.size,), stop_sharding,
-                                                    lambda index: np.full((1,), value))}
+        out = {
+            "stop": jax.make_array_from_callback(
+                (self.mesh.devices.size,), stop_sharding, lambda index: np.full((1,), value)
+            )
+        }
         given = values + (None,) * (len(self.step_inputs) - len(values))
         out.update((i.name, i.array(v)) for i, v in zip(self.step_inputs, given, strict=True))
         return out
@@ -174,11 +222,18 @@ class Trainer:
             batch = {f: self.batch_sharding(global_batch, seq_len) for f in FIELDS}
             if kind == "train":
                 state = self.state_layout.state_shardings
-                self._jitted[key] = jax.jit(self._step, in_shardings=(state, batch, self.signal_sharding()),
-                                            out_shardings=(state, self.replicated), donate_argnums=0)
+                self._jitted[key] = jax.jit(
+                    self._step,
+                    in_shardings=(state, batch, self.signal_sharding()),
+                    out_shardings=(state, self.replicated),
+                    donate_argnums=0,
+                )
             else:
-                self._jitted[key] = jax.jit(self.loss_sums, in_shardings=(self.state_layout.param_shardings, batch),
-                                            out_shardings=(self.replicated, self.replicated))
+                self._jitted[key] = jax.jit(
+                    self.loss_sums,
+                    in_shardings=(self.state_layout.param_shardings, batch),
+                    out_shardings=(self.replicated, self.replicated),
+                )
         return self._jitted[key]
 
     def train_step(self, global_batch: int, seq_len: int):
@@ -200,11 +255,15 @@ class Trainer:
 
     def compile_train_step(self, global_batch: int, seq_len: int):
         """Ahead-of-time compiled train step from abstract shapes (no allocation)."""
-        signals = {"stop": jax.ShapeDtypeStruct((self.mesh.devices.size,), jnp.int32,
-                                                sharding=self.signal_sharding()["stop"])}
+        signals = {
+            "stop": jax.ShapeDtypeStruct((self.mesh.devices.size,), jnp.int32, sharding=self.signal_sharding()["stop"])
+        }
         signals.update((i.name, i.abstract()) for i in self.step_inputs)
-        return self.train_step(global_batch, seq_len).lower(
-            self.state_layout.abstract_state(), self.abstract_batch(global_batch, seq_len), signals).compile()
+        return (
+            self.train_step(global_batch, seq_len)
+            .lower(self.state_layout.abstract_state(), self.abstract_batch(global_batch, seq_len), signals)
+            .compile()
+        )
 
 
 def param_bytes(tree) -> int:

@@ -76,8 +76,10 @@ class HFTokenizer:
         """The message for a vocabulary without the end-of-document token, with one it has if any."""
         found = [t for t in EOD_CANDIDATES if self._tokenizer.token_to_id(t) is not None and t != eod_token]
         if eod_token is None:
-            return (f"--tokenizer {path}: no end-of-document token among {', '.join(EOD_CANDIDATES)}; pass "
-                    f"--eod-token with a token of its vocabulary")
+            return (
+                f"--tokenizer {path}: no end-of-document token among {', '.join(EOD_CANDIDATES)}; pass "
+                f"--eod-token with a token of its vocabulary"
+            )
         hint = f"e.g. --eod-token '{found[0]}'" if found else "give a token of its vocabulary"
         return f"--eod-token {eod_token}: not in the vocabulary of --tokenizer {path}; {hint}"
 

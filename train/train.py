@@ -89,8 +89,10 @@ def hold_run_folder(config: RunConfig, process_index: int, log):
     if any_process(error is not None):  # the other processes stop with process 0, not at its first collective
         if error is not None:
             raise error
-        raise RunFolderLocked(f"--run-dir {config.checkpoint.run_dir}: process 0 could not take the folder's lock "
-                              "(its error is in its log)")
+        raise RunFolderLocked(
+            f"--run-dir {config.checkpoint.run_dir}: process 0 could not take the folder's lock "
+            "(its error is in its log)"
+        )
     return lock
 
 
@@ -102,8 +104,15 @@ def _run_prepared(config: RunConfig, tokenizer, processes: str, log) -> int:
 
     folder, ckpt, latest = Path(config.checkpoint.run_dir) / "checkpoints", None, None
     if not config.loop.dry_run:
-        ckpt, latest = open_resumable(folder, config.checkpoint.keep, config.checkpoint.resume_step, config.model,
-                                      tokenizer, log, config.checkpoint.discard_later)
+        ckpt, latest = open_resumable(
+            folder,
+            config.checkpoint.keep,
+            config.checkpoint.resume_step,
+            config.model,
+            tokenizer,
+            log,
+            config.checkpoint.discard_later,
+        )
     watch = watch_peers(config.cluster.distributed(), folder)  # a lost process ends the others with one line
     log(f"{processes}; {jax.local_device_count()} local devices")
     trainer = build_trainer(config, log)
@@ -190,21 +199,49 @@ def train(config: RunConfig, trainer, ckpt, latest, tokenizer, log) -> int:
 
     data = config.data
     with StopFlag() as stop:
-        dataset = load_dataset(data.spec, tokenizer, data.seq_len, data.batch_size, data.seed, data.heldout,
-                               data.cache_dir, log, permutation=_context_permutation(config))
+        dataset = load_dataset(
+            data.spec,
+            tokenizer,
+            data.seq_len,
+            data.batch_size,
+            data.seed,
+            data.heldout,
+            data.cache_dir,
+            log,
+            permutation=_context_permutation(config),
+        )
         state, samples, latest = start_state(config, trainer, ckpt, latest, log)
         writer = MetricsWriter(Path(config.checkpoint.run_dir), jax.process_index() == 0, latest)
-        meta = RunMeta.create(config.model, config.preset, trainer.par.mesh_shape, trainer.rules,
-                              {"spec": data.spec, "seq_len": data.seq_len, "global_batch": data.batch_size,
-                               "seed": data.seed, "heldout": data.heldout}, tokenizer,
-                              trainer.state_layout.layout_meta(),
-                              config.schedule)
+        meta = RunMeta.create(
+            config.model,
+            config.preset,
+            trainer.par.mesh_shape,
+            trainer.rules,
+            {
+                "spec": data.spec,
+                "seq_len": data.seq_len,
+                "global_batch": data.batch_size,
+                "seed": data.seed,
+                "heldout": data.heldout,
+            },
+            tokenizer,
+            trainer.state_layout.layout_meta(),
+            config.schedule,
+        )
         checkpoints = LoopCheckpoints(ckpt, meta)
         try:
-            state, summary = train_loop(trainer=trainer, state=state, dataset=dataset,
-                                        options=LoopOptions.of(config), samples=samples, checkpoints=checkpoints,
-                                        writer=writer, log=log, stop=stop,
-                                        check_compiled=lambda compiled: fit.check_compiled(config, compiled))
+            state, summary = train_loop(
+                trainer=trainer,
+                state=state,
+                dataset=dataset,
+                options=LoopOptions.of(config),
+                samples=samples,
+                checkpoints=checkpoints,
+                writer=writer,
+                log=log,
+                stop=stop,
+                check_compiled=lambda compiled: fit.check_compiled(config, compiled),
+            )
         except DivergedLossError as e:  # the parameters of step N-1 gave step N's loss: not a state to keep
             if e.step - 1 > (latest or 0):
                 checkpoints.set_aside(e.step - 1, "diverged", log)
@@ -232,8 +269,14 @@ def start_state(config: RunConfig, trainer, ckpt, latest, log):
     _check_optimizer(config, ckpt, latest)
     t0 = time.perf_counter()
     (state, meta), latest = restore_falling_back(
-        ckpt.directory, latest, lambda step: restore_state(ckpt, trainer.state_layout, step), log,
-        explicit=config.checkpoint.resume_step is not None, any_failed=any_process, reload=ckpt.reload)
+        ckpt.directory,
+        latest,
+        lambda step: restore_state(ckpt, trainer.state_layout, step),
+        log,
+        explicit=config.checkpoint.resume_step is not None,
+        any_failed=any_process,
+        reload=ckpt.reload,
+    )
     for line in report.resume_lines(config, trainer, meta, latest, time.perf_counter() - t0):
         log(line)
     return state, meta.samples, latest
@@ -251,8 +294,10 @@ def _check_optimizer(config: RunConfig, ckpt, step: int) -> None:
     except Exception:  # an unreadable step is the restore's to report (and fall back from)
         return
     if saved != config.optimizer.name:
-        raise ValueError(f"--optimizer {config.optimizer.name}: the checkpoint of step {step} in {ckpt.directory} "
-                         f"holds {saved}'s optimizer state; resume with --optimizer {saved}, or use another --run-dir")
+        raise ValueError(
+            f"--optimizer {config.optimizer.name}: the checkpoint of step {step} in {ckpt.directory} "
+            f"holds {saved}'s optimizer state; resume with --optimizer {saved}, or use another --run-dir"
+        )
 
 
 def _context_permutation(config: RunConfig):

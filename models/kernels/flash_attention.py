@@ -92,10 +92,7 @@ class BlockSizes:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
             if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(
-                    f"BlockSizes.{field.name} must be an int, got {value!r} "
-                    f"({type(value).__name__})."
-                )
+                raise ValueError(f"BlockSizes.{field.name} must be an int, got {value!r} ({type(value).__name__}).")
             if value < _MIN_BLOCK or not _is_power_of_two(value):
                 raise ValueError(
                     f"BlockSizes.{field.name} must be a power of two >= {_MIN_BLOCK} "
@@ -103,7 +100,7 @@ class BlockSizes:
                 )
 
     @classmethod
-    def default_for(cls, dtype) -> "BlockSizes":
+    def default_for(cls, dtype) -> BlockSizes:
         """Default tiles for an input dtype `dtype`.
 
         bfloat16: the field defaults. float32: 64 x 64 forward tiles too, since float32 tiles
@@ -164,34 +161,23 @@ def _check_arrays(q, k, v) -> None:
     """Raises ValueError unless q, k, v have fitting ranks, shapes and dtypes."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim != 4:
-            raise ValueError(
-                f"{name} must have rank 4 {_EXPECTED_LAYOUT[name]}, got shape {tuple(x.shape)}."
-            )
+            raise ValueError(f"{name} must have rank 4 {_EXPECTED_LAYOUT[name]}, got shape {tuple(x.shape)}.")
         if jnp.dtype(x.dtype) not in _SUPPORTED_DTYPES:
             raise ValueError(f"{name} must be float32 or bfloat16, got {x.dtype}.")
     if k.shape != v.shape:
-        raise ValueError(
-            f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}."
-        )
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}.")
     if not q.dtype == k.dtype == v.dtype:
-        raise ValueError(
-            f"q, k and v must have one dtype, got {q.dtype}, {k.dtype} and {v.dtype}."
-        )
+        raise ValueError(f"q, k and v must have one dtype, got {q.dtype}, {k.dtype} and {v.dtype}.")
     batch, q_length, heads, head_dim = q.shape
     kv_batch, kv_length, kv_heads, kv_head_dim = k.shape
     if kv_batch != batch:
         raise ValueError(f"q and k must have the same batch size, got {batch} and {kv_batch}.")
     if kv_head_dim != head_dim:
-        raise ValueError(
-            f"q and k must have the same head_dim, got {head_dim} and {kv_head_dim}."
-        )
+        raise ValueError(f"q and k must have the same head_dim, got {head_dim} and {kv_head_dim}.")
     if min(q_length, kv_length, heads, kv_heads, head_dim) < 1:
         raise ValueError(f"Empty dimension: q shape {tuple(q.shape)}, k shape {tuple(k.shape)}.")
     if heads % kv_heads:
-        raise ValueError(
-            f"heads ({heads}) must be a multiple of kv_heads ({kv_heads}) for grouped-query "
-            "attention."
-        )
+        raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads}) for grouped-query attention.")
 
 
 def _check_segment_ids(q_segment_ids, kv_segment_ids, batch, q_length, kv_length) -> None:
@@ -208,10 +194,7 @@ def _check_segment_ids(q_segment_ids, kv_segment_ids, batch, q_length, kv_length
         ("kv_segment_ids", kv_segment_ids, kv_length),
     ):
         if tuple(ids.shape) != (batch, length):
-            raise ValueError(
-                f"{name} must have shape [batch, length] = {(batch, length)}, "
-                f"got {tuple(ids.shape)}."
-            )
+            raise ValueError(f"{name} must have shape [batch, length] = {(batch, length)}, got {tuple(ids.shape)}.")
         if not jnp.issubdtype(ids.dtype, jnp.integer):
             raise ValueError(f"{name} must be an integer array, got {ids.dtype}.")
 
@@ -227,13 +210,10 @@ def _clamp_block(block: int, length: int) -> int:
     return min(block, max(_MIN_BLOCK, _next_power_of_two(length)))
 
 
-def _make_config(q, k, *, causal, sm_scale, block_sizes, interpret, has_segments,
-                 count_tiles=False) -> _Config:
+def _make_config(q, k, *, causal, sm_scale, block_sizes, interpret, has_segments, count_tiles=False) -> _Config:
     q_length, kv_length = q.shape[1], k.shape[1]
-    qb = {f: _clamp_block(getattr(block_sizes, f), q_length)
-          for f in ("block_q", "block_q_dq", "block_q_dkv")}
-    kb = {f: _clamp_block(getattr(block_sizes, f), kv_length)
-          for f in ("block_kv", "block_kv_dq", "block_kv_dkv")}
+    qb = {f: _clamp_block(getattr(block_sizes, f), q_length) for f in ("block_q", "block_q_dq", "block_q_dkv")}
+    kb = {f: _clamp_block(getattr(block_sizes, f), kv_length) for f in ("block_kv", "block_kv_dq", "block_kv_dkv")}
     return _Config(
         causal=bool(causal),
         sm_scale=float(sm_scale),
@@ -518,9 +498,7 @@ def _pallas_call(kernel, cfg: _Config, *, grid, in_specs, out_specs, out_shape, 
     if not cfg.interpret:
         from jax.experimental.pallas import triton as pallas_triton  # GPU only.
 
-        kwargs["compiler_params"] = pallas_triton.CompilerParams(
-            num_warps=4 if tile <= 64 * 64 else 8, num_stages=2
-        )
+        kwargs["compiler_params"] = pallas_triton.CompilerParams(num_warps=4 if tile <= 64 * 64 else 8, num_stages=2)
     return pl.pallas_call(
         functools.partial(kernel, cfg=cfg),
         grid=grid,
@@ -606,8 +584,7 @@ def _backward_dq(q, k, v, do, lse, delta, q_seg, kv_seg, cfg: _Config):
         _dq_kernel,
         cfg,
         grid=grid,
-        in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
-        + _segment_specs(cfg, bq, None, block),
+        in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec] + _segment_specs(cfg, bq, None, block),
         out_specs=[q_spec] + count_specs,
         out_shape=[_struct(q.shape, q.dtype, like=q)] + count_shapes,
         name="flash_attention_dq",
@@ -629,11 +606,9 @@ def _backward_dkv(q, k, v, do, lse, delta, q_seg, kv_seg, cfg: _Config):
         _dkv_kernel,
         cfg,
         grid=grid,
-        in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
-        + _segment_specs(cfg, None, bk, lambda j: j),
+        in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec] + _segment_specs(cfg, None, bk, lambda j: j),
         out_specs=[kv_spec, kv_spec] + count_specs,
-        out_shape=[_struct(k.shape, k.dtype, like=k), _struct(v.shape, v.dtype, like=v)]
-        + count_shapes,
+        out_shape=[_struct(k.shape, k.dtype, like=k), _struct(v.shape, v.dtype, like=v)] + count_shapes,
         name="flash_attention_dkv",
         tile=bk * cfg.block_q_dkv,
     )(q, k, v, do, lse, delta, *_segments(q_seg, kv_seg))
@@ -694,7 +669,8 @@ def _vary_alike(*arrays):
         return arrays
     union = frozenset().union(*(t.varying for t in types))
     return tuple(
-        x if x is None or _mesh_axis_type(x).varying == union
+        x
+        if x is None or _mesh_axis_type(x).varying == union
         else lax.pcast(x, tuple(sorted(union - _mesh_axis_type(x).varying)), to="varying")
         for x in arrays
     )
@@ -709,8 +685,7 @@ def _struct(shape, dtype, like) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=axis_type)
 
 
-def _prepare(q, k, v, q_segment_ids, kv_segment_ids, *, causal, sm_scale, block_sizes,
-             interpret, count_tiles=False):
+def _prepare(q, k, v, q_segment_ids, kv_segment_ids, *, causal, sm_scale, block_sizes, interpret, count_tiles=False):
     """Validates, builds the static config, and pads lengths and head_dim."""
     _check_inputs(q, k, v, q_segment_ids, kv_segment_ids)
     if block_sizes is None:
@@ -723,8 +698,16 @@ def _prepare(q, k, v, q_segment_ids, kv_segment_ids, *, causal, sm_scale, block_
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     has_segments = q_segment_ids is not None
-    cfg = _make_config(q, k, causal=causal, sm_scale=sm_scale, block_sizes=block_sizes,
-                       interpret=interpret, has_segments=has_segments, count_tiles=count_tiles)
+    cfg = _make_config(
+        q,
+        k,
+        causal=causal,
+        sm_scale=sm_scale,
+        block_sizes=block_sizes,
+        interpret=interpret,
+        has_segments=has_segments,
+        count_tiles=count_tiles,
+    )
     # Triton loads need a power-of-two head_dim; zero columns change neither q.k nor p.v.
     head_padded = max(_MIN_BLOCK, _next_power_of_two(head_dim))
     q = _pad_axis(_pad_axis(q, 1, cfg.q_padded), 3, head_padded)
@@ -783,8 +766,15 @@ def flash_attention(
     """
     q_length, head_dim = q.shape[1], q.shape[-1]
     q_p, k_p, v_p, q_seg, kv_seg, cfg = _prepare(
-        q, k, v, q_segment_ids, kv_segment_ids, causal=causal, sm_scale=sm_scale,
-        block_sizes=block_sizes, interpret=interpret,
+        q,
+        k,
+        v,
+        q_segment_ids,
+        kv_segment_ids,
+        causal=causal,
+        sm_scale=sm_scale,
+        block_sizes=block_sizes,
+        interpret=interpret,
     )
     out = _flash_padded(q_p, k_p, v_p, q_seg, kv_seg, cfg)
     return out[:, :q_length, :, :head_dim]
@@ -828,8 +818,15 @@ def flash_attention_forward(
     """
     q_length, head_dim = q.shape[1], q.shape[-1]
     q_p, k_p, v_p, q_seg, kv_seg, cfg = _prepare(
-        q, k, v, q_segment_ids, kv_segment_ids, causal=causal, sm_scale=sm_scale,
-        block_sizes=block_sizes, interpret=interpret,
+        q,
+        k,
+        v,
+        q_segment_ids,
+        kv_segment_ids,
+        causal=causal,
+        sm_scale=sm_scale,
+        block_sizes=block_sizes,
+        interpret=interpret,
     )
     out, lse = _forward(q_p, k_p, v_p, q_seg, kv_seg, cfg)[:2]
     lse = lse[:, :, :q_length]
@@ -886,12 +883,18 @@ def flash_attention_backward(
             raise ValueError(f"{name} must have q's shape {tuple(q.shape)}, got {tuple(x.shape)}.")
     if tuple(lse.shape) != (batch, heads, q_length):
         raise ValueError(
-            f"lse must have shape [batch, heads, q_length] = {(batch, heads, q_length)}, "
-            f"got {tuple(lse.shape)}."
+            f"lse must have shape [batch, heads, q_length] = {(batch, heads, q_length)}, got {tuple(lse.shape)}."
         )
     q_p, k_p, v_p, q_seg, kv_seg, cfg = _prepare(
-        q, k, v, q_segment_ids, kv_segment_ids, causal=causal, sm_scale=sm_scale,
-        block_sizes=block_sizes, interpret=interpret,
+        q,
+        k,
+        v,
+        q_segment_ids,
+        kv_segment_ids,
+        causal=causal,
+        sm_scale=sm_scale,
+        block_sizes=block_sizes,
+        interpret=interpret,
     )
     head_padded = q_p.shape[-1]
     out_p = _pad_axis(_pad_axis(out.astype(q.dtype), 1, cfg.q_padded), 3, head_padded)
@@ -899,18 +902,16 @@ def flash_attention_backward(
     # +inf makes exp(s - lse) exactly 0: empty rows and padded rows contribute nothing.
     lse = jnp.where(jnp.isfinite(lse), lse.astype(jnp.float32), jnp.inf)
     lse_p = _pad_axis(lse, 2, cfg.q_padded, value=jnp.inf)
-    q_p, k_p, v_p, q_seg, kv_seg, out_p, do_p, lse_p = _vary_alike(
-        q_p, k_p, v_p, q_seg, kv_seg, out_p, do_p, lse_p
-    )
+    q_p, k_p, v_p, q_seg, kv_seg, out_p, do_p, lse_p = _vary_alike(q_p, k_p, v_p, q_seg, kv_seg, out_p, do_p, lse_p)
     delta = _row_delta(out_p, do_p)
     dq = _backward_dq(q_p, k_p, v_p, do_p, lse_p, delta, q_seg, kv_seg, cfg)[0]
     dk, dv = _backward_dkv(q_p, k_p, v_p, do_p, lse_p, delta, q_seg, kv_seg, cfg)[:2]
-    return (dq[:, :q_length, :, :head_dim], dk[:, :kv_length, :, :head_dim],
-            dv[:, :kv_length, :, :head_dim])
+    return (dq[:, :q_length, :, :head_dim], dk[:, :kv_length, :, :head_dim], dv[:, :kv_length, :, :head_dim])
 
 
-def forward_tile_count(q_length: int, kv_length: int, *, causal: bool,
-                       block_sizes: BlockSizes | None = None, dtype=jnp.float32) -> int:
+def forward_tile_count(
+    q_length: int, kv_length: int, *, causal: bool, block_sizes: BlockSizes | None = None, dtype=jnp.float32
+) -> int:
     """Key/value tiles the forward kernel computes for one (batch, head), without running it.
 
     Sums, over the (padded) query tiles, the key-tile range each forward program loops over
@@ -931,8 +932,7 @@ def forward_tile_count(q_length: int, kv_length: int, *, causal: bool,
         block_sizes = BlockSizes.default_for(dtype)
     q = jax.ShapeDtypeStruct((1, q_length, 1, _MIN_BLOCK), dtype)
     k = jax.ShapeDtypeStruct((1, kv_length, 1, _MIN_BLOCK), dtype)
-    cfg = _make_config(q, k, causal=causal, sm_scale=1.0, block_sizes=block_sizes,
-                       interpret=True, has_segments=False)
+    cfg = _make_config(q, k, causal=causal, sm_scale=1.0, block_sizes=block_sizes, interpret=True, has_segments=False)
     bq, bk = cfg.block_q, cfg.block_kv
     total = 0
     for tile in range(cfg.q_padded // bq):
@@ -941,8 +941,9 @@ def forward_tile_count(q_length: int, kv_length: int, *, causal: bool,
     return total
 
 
-def _tile_counts(q, k, v, *, causal=False, block_sizes=None, q_segment_ids=None,
-                 kv_segment_ids=None, interpret=None) -> dict[str, jax.Array]:
+def _tile_counts(
+    q, k, v, *, causal=False, block_sizes=None, q_segment_ids=None, kv_segment_ids=None, interpret=None
+) -> dict[str, jax.Array]:
     """Debug: the number of tiles each program of each kernel computed.
 
     Runs the same kernels with a counter in their loop carry. Returns a dict with "forward"
@@ -950,8 +951,16 @@ def _tile_counts(q, k, v, *, causal=False, block_sizes=None, q_segment_ids=None,
     `[B, K, Sp // block_kv_dkv]` (summed over the G query heads) int32 counts.
     """
     q_p, k_p, v_p, q_seg, kv_seg, cfg = _prepare(
-        q, k, v, q_segment_ids, kv_segment_ids, causal=causal, sm_scale=None,
-        block_sizes=block_sizes, interpret=interpret, count_tiles=True,
+        q,
+        k,
+        v,
+        q_segment_ids,
+        kv_segment_ids,
+        causal=causal,
+        sm_scale=None,
+        block_sizes=block_sizes,
+        interpret=interpret,
+        count_tiles=True,
     )
     out, lse, forward = _forward(q_p, k_p, v_p, q_seg, kv_seg, cfg)
     delta = _row_delta(out, out)

@@ -116,8 +116,9 @@ def step_kind_index(step, shard):
     return step > shard
 
 
-def ring_tile_counts(length: int, num_shards: int, *, causal: bool, layout: str,
-                     block_sizes: BlockSizes | None = None, dtype=jnp.float32) -> np.ndarray:
+def ring_tile_counts(
+    length: int, num_shards: int, *, causal: bool, layout: str, block_sizes: BlockSizes | None = None, dtype=jnp.float32
+) -> np.ndarray:
     """Forward attention tiles each device computes, per (batch, head), over a whole ring.
 
     Uses the ring's own step schedule (`step_kinds`, `step_kind_index`) and the flash
@@ -174,8 +175,7 @@ def _check_ring_inputs(q, k, q_segment_ids, kv_segment_ids, layout: str) -> None
         )
     if q.shape[1] != k.shape[1]:
         raise ValueError(
-            f"ring attention is self-attention: local query ({q.shape[1]}) and key "
-            f"({k.shape[1]}) lengths must be equal"
+            f"ring attention is self-attention: local query ({q.shape[1]}) and key ({k.shape[1]}) lengths must be equal"
         )
     if layout == ZIGZAG and q.shape[1] % 2:
         raise ValueError(
@@ -213,8 +213,7 @@ class _Ring:
         return DIAGONAL if self.causal else FULL
 
     def kernel_kwargs(self) -> dict:
-        return {"sm_scale": self.sm_scale, "block_sizes": self.block_sizes,
-                "interpret": self.interpret}
+        return {"sm_scale": self.sm_scale, "block_sizes": self.block_sizes, "interpret": self.interpret}
 
 
 def _varying(x):
@@ -231,8 +230,7 @@ def _vary_union(*arrays):
     loop carries and `lax.switch` branches have one type inside `shard_map` (check_vma)."""
     union = frozenset().union(*(_varying(x) for x in arrays if x is not None))
     return tuple(
-        x if x is None or _varying(x) == union
-        else lax.pcast(x, tuple(sorted(union - _varying(x))), to="varying")
+        x if x is None or _varying(x) == union else lax.pcast(x, tuple(sorted(union - _varying(x))), to="varying")
         for x in arrays
     )
 
@@ -290,8 +288,9 @@ def _forward_block(ring: _Ring, kind: str, q, q_seg, kv):
     t, s = q.shape[1], k.shape[1]
 
     def attend(q, k, v, q_seg, kv_seg, causal):
-        o, lse = flash_attention_forward(q, k, v, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
-                                         causal=causal, **ring.kernel_kwargs())
+        o, lse = flash_attention_forward(
+            q, k, v, q_segment_ids=q_seg, kv_segment_ids=kv_seg, causal=causal, **ring.kernel_kwargs()
+        )
         return _vary_union(o.astype(jnp.float32), lse, q, k)[:2]
 
     if kind in (DIAGONAL, FULL):
@@ -299,7 +298,7 @@ def _forward_block(ring: _Ring, kind: str, q, q_seg, kv):
     if kind == LOWER:  # the visiting second chunk lies after both query chunks
         return attend(q, k[:, : s // 2], v[:, : s // 2], q_seg, _slice(kv_seg, 1, 0, s // 2), False)
     if kind == UPPER:  # the first query chunk precedes both visiting chunks
-        o, lse = attend(q[:, t // 2:], k, v, _slice(q_seg, 1, t // 2, t), kv_seg, False)
+        o, lse = attend(q[:, t // 2 :], k, v, _slice(q_seg, 1, t // 2, t), kv_seg, False)
         return _pad_front(o, 1, t // 2, 0.0), _pad_front(lse, 2, t // 2, -jnp.inf)
     assert kind == SKIP, kind
     o = jnp.zeros(q.shape, jnp.float32)
@@ -351,25 +350,25 @@ def _backward_block(ring: _Ring, kind: str, q, q_seg, out, lse, d_out, kv):
 
     def grads(q, k, v, out, lse, d_out, q_seg, kv_seg, causal):
         dq, dk, dv = flash_attention_backward(
-            q, k, v, out, lse, d_out, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
-            causal=causal, **ring.kernel_kwargs())
-        return _vary_union(dq.astype(jnp.float32), dk.astype(jnp.float32),
-                           dv.astype(jnp.float32), q, k)[:3]
+            q, k, v, out, lse, d_out, q_segment_ids=q_seg, kv_segment_ids=kv_seg, causal=causal, **ring.kernel_kwargs()
+        )
+        return _vary_union(dq.astype(jnp.float32), dk.astype(jnp.float32), dv.astype(jnp.float32), q, k)[:3]
 
     if kind in (DIAGONAL, FULL):
         return grads(q, k, v, out, lse, d_out, q_seg, kv_seg, kind == DIAGONAL)
     if kind == LOWER:
-        dq, dk, dv = grads(q, k[:, : s // 2], v[:, : s // 2], out, lse, d_out, q_seg,
-                           _slice(kv_seg, 1, 0, s // 2), False)
+        dq, dk, dv = grads(
+            q, k[:, : s // 2], v[:, : s // 2], out, lse, d_out, q_seg, _slice(kv_seg, 1, 0, s // 2), False
+        )
         return dq, _pad_back(dk, 1, s - s // 2, 0.0), _pad_back(dv, 1, s - s // 2, 0.0)
     if kind == UPPER:
         half = slice(t // 2, t)
-        dq, dk, dv = grads(q[:, half], k, v, out[:, half], lse[:, :, half], d_out[:, half],
-                           _slice(q_seg, 1, t // 2, t), kv_seg, False)
+        dq, dk, dv = grads(
+            q[:, half], k, v, out[:, half], lse[:, :, half], d_out[:, half], _slice(q_seg, 1, t // 2, t), kv_seg, False
+        )
         return _pad_front(dq, 1, t // 2, 0.0), dk, dv
     assert kind == SKIP, kind
-    zeros = (jnp.zeros(q.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32),
-             jnp.zeros(v.shape, jnp.float32))
+    zeros = (jnp.zeros(q.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
     return _vary_union(*zeros, q, k)[:3]
 
 
@@ -400,8 +399,7 @@ def _ring_backward(ring: _Ring, q, k, v, q_seg, kv_seg, out, lse, d_out):
     if ring.axis_size > 2:
         carry = lax.fori_loop(1, ring.axis_size - 1, step, carry)
     _, dq, (dk_acc, dv_acc) = step(ring.axis_size - 1, carry, last=True)
-    return (dq.astype(q.dtype), (dk_home + dk_acc).astype(k.dtype),
-            (dv_home + dv_acc).astype(v.dtype))
+    return (dq.astype(q.dtype), (dk_home + dk_acc).astype(k.dtype), (dv_home + dv_acc).astype(v.dtype))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -482,15 +480,29 @@ def ring_attention(
         sm_scale = 1.0 / math.sqrt(q.shape[-1])
     size = _axis_size(axis_name)
     if size == 1:
-        return flash_attention(q, k, v, q_segment_ids=q_segment_ids,
-                               kv_segment_ids=kv_segment_ids, causal=causal, sm_scale=sm_scale,
-                               block_sizes=block_sizes, interpret=interpret)
+        return flash_attention(
+            q,
+            k,
+            v,
+            q_segment_ids=q_segment_ids,
+            kv_segment_ids=kv_segment_ids,
+            causal=causal,
+            sm_scale=sm_scale,
+            block_sizes=block_sizes,
+            interpret=interpret,
+        )
     if q_segment_ids is not None:
         q_segment_ids = q_segment_ids.astype(jnp.int32)
         kv_segment_ids = kv_segment_ids.astype(jnp.int32)
-    ring = _Ring(axis_name=axis_name, axis_size=size, causal=bool(causal),
-                 layout=layout if causal else CONTIGUOUS, sm_scale=float(sm_scale),
-                 block_sizes=block_sizes, interpret=interpret)
+    ring = _Ring(
+        axis_name=axis_name,
+        axis_size=size,
+        causal=bool(causal),
+        layout=layout if causal else CONTIGUOUS,
+        sm_scale=float(sm_scale),
+        block_sizes=block_sizes,
+        interpret=interpret,
+    )
     # One varying type for all inputs (pcast is differentiable: its transpose sums over the
     # axes an input did not vary on), so carries, branches and cotangents agree.
     q, k, v, q_seg, kv_seg = _vary_union(q, k, v, q_segment_ids, kv_segment_ids)

@@ -53,8 +53,7 @@ def check_ulysses_heads(heads: int, kv_heads: int, num_shards: int) -> None:
     Raises:
       ValueError: naming the counts and suggesting ring attention.
     """
-    bad = [f"{name} ({count})" for name, count in (("heads", heads), ("kv_heads", kv_heads))
-           if count % num_shards]
+    bad = [f"{name} ({count})" for name, count in (("heads", heads), ("kv_heads", kv_heads)) if count % num_shards]
     if bad:
         raise ValueError(
             f"all-to-all (ulysses) attention splits heads over the {num_shards} devices of the "
@@ -131,14 +130,12 @@ def ulysses_attention(
     size = _axis_size(axis_name)
     kernel = dict(causal=causal, sm_scale=sm_scale, block_sizes=block_sizes, interpret=interpret)
     if size == 1:
-        return flash_attention(q, k, v, q_segment_ids=q_segment_ids,
-                               kv_segment_ids=kv_segment_ids, **kernel)
+        return flash_attention(q, k, v, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, **kernel)
     check_ulysses_heads(q.shape[2], k.shape[2], size)
     q, k, v = (_to_heads(x, axis_name) for x in (q, k, v))
     if q_segment_ids is not None:
         q_segment_ids, kv_segment_ids = (
-            lax.all_gather(ids, axis_name, axis=1, tiled=True)
-            for ids in (q_segment_ids, kv_segment_ids)
+            lax.all_gather(ids, axis_name, axis=1, tiled=True) for ids in (q_segment_ids, kv_segment_ids)
         )
     permuted = causal and layout == ZIGZAG  # without a causal mask the order does not matter
     if permuted:
@@ -146,11 +143,8 @@ def ulysses_attention(
         natural = np.argsort(perm)
         q, k, v = (jnp.take(x, natural, axis=1) for x in (q, k, v))
         if q_segment_ids is not None:
-            q_segment_ids, kv_segment_ids = (
-                jnp.take(ids, natural, axis=1) for ids in (q_segment_ids, kv_segment_ids)
-            )
-    out = flash_attention(q, k, v, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-                          **kernel)
+            q_segment_ids, kv_segment_ids = (jnp.take(ids, natural, axis=1) for ids in (q_segment_ids, kv_segment_ids))
+    out = flash_attention(q, k, v, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, **kernel)
     if permuted:
         out = jnp.take(out, perm, axis=1)
     return _to_sequence(out, axis_name)

@@ -23,7 +23,6 @@ from typing import Any
 
 from sharding import axes as ax
 
-
 BACKENDS = ("gpu", "cpu")
 
 

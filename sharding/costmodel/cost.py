@@ -125,13 +125,16 @@ def device_cost(
         return _pipeline_cost(model, layout, rules, placed, shape, pipe, backend, batch_rows)
     flops, counted = _flops(model, layout, rules, placed, shape)
     memory = _memory(model, layout, rules, placed, shape)
-    comms = tuple(c for c in _comms(model, layout, rules, placed, shape, backend, batch_rows)
-                  if c.group > 1 and c.count > 0)
+    comms = tuple(
+        c for c in _comms(model, layout, rules, placed, shape, backend, batch_rows) if c.group > 1 and c.count > 0
+    )
     arguments = memory.state + memory.batch + _INT_BYTES * 4 + _INT_BYTES  # + step, rng, count, signals
     return Cost(flops, counted, memory, comms, shape.tok * shape.micro, shape.layers, arguments)
 
 
-def estimate(model: ModelDescription | Any, global_batch: int, seq_len: int, layout: Layout, *, backend: str = "gpu") -> Cost:
+def estimate(
+    model: ModelDescription | Any, global_batch: int, seq_len: int, layout: Layout, *, backend: str = "gpu"
+) -> Cost:
     """The cost of one device of a uniform layout (every device the same work).
 
     Args:
@@ -156,8 +159,16 @@ def estimate(model: ModelDescription | Any, global_batch: int, seq_len: int, lay
     return device_cost(model, layout, seq_len=seq_len, rows=global_batch / per, backend=backend)
 
 
-def _pipeline_cost(model: ModelDescription, layout: Layout, rules: Rules, placed: dict[str, _Placed], s: _Shape,
-                   pipe: _Pipe, backend: str, batch_rows: float | None) -> Cost:
+def _pipeline_cost(
+    model: ModelDescription,
+    layout: Layout,
+    rules: Rules,
+    placed: dict[str, _Placed],
+    s: _Shape,
+    pipe: _Pipe,
+    backend: str,
+    batch_rows: float | None,
+) -> Cost:
     """The `Cost` of one stage device (the terms of `sharding.costmodel.pipeline`)."""
     layer = dataclasses.replace(s, micro=1, layers=pipe.applications)  # one microbatch's rows per application
     embed, head, head_runs = _pipeline_outside(s, pipe)
@@ -173,8 +184,11 @@ def _pipeline_cost(model: ModelDescription, layout: Layout, rules: Rules, placed
         optimizer=optimizer,
     )
     # cost_analysis: the loops' bodies once (one application forward, one backward; 1F1B: the head once).
-    counted = (s.tok * (unit["layers"] + unit["attention"] + unit["recompute"] + unit["elem_layer"])
-               + head.tok * (unit["logits"] + unit["elem_loss"]) + optimizer)
+    counted = (
+        s.tok * (unit["layers"] + unit["attention"] + unit["recompute"] + unit["elem_layer"])
+        + head.tok * (unit["logits"] + unit["elem_loss"])
+        + optimizer
+    )
     memory = _pipeline_memory(model, layout, rules, placed, s, pipe, head)
     comms = _pipeline_head_comms(model, layout, rules, head, pipe, backend, batch_rows)
     comms += _pipeline_embedding_comms(model, layout, placed, embed)

@@ -30,7 +30,6 @@ from sharding.costmodel.memory import _held_params
 from sharding.modeldesc import ModelDescription, Product
 from sharding.rules import Rules
 
-
 #: XLA-counted FLOPs per parameter of the update (HloCostAnalysis: 1 FLOP per element per
 #: arithmetic op; square roots are counted as transcendentals, not FLOPs). The step divides the
 #: gradient by the token count (1), takes the gradient norm for the metrics and for clipping
@@ -77,8 +76,9 @@ class Flops:
         return self.matmul + self.elementwise + self.optimizer
 
 
-def _per_token_flops(model: ModelDescription, layout: Layout, rules: Rules, placed: dict[str, _Placed], s: _Shape,
-                     recomputes: int = 0) -> dict[str, float]:
+def _per_token_flops(
+    model: ModelDescription, layout: Layout, rules: Rules, placed: dict[str, _Placed], s: _Shape, recomputes: int = 0
+) -> dict[str, float]:
     """FLOPs per token, forward and backward: of one layer (``layers``: weight products, ``attention``,
     ``recompute``, ``elem_layer``) and of what runs once (``logits``, ``elem_loss``). ``recomputes``:
     extra forward passes of each layer in the backward pass beyond the remat policy's (the
@@ -101,8 +101,9 @@ def _per_token_flops(model: ModelDescription, layout: Layout, rules: Rules, plac
     attn_fwd = geometry.forward_flops(s.seq * kernel.key_fraction) / heads  # flash: masked tiles skipped
     attn_total = attn_fwd * kernel.training_factor  # flash bwd: 5 products
     logits = model.logits
-    logits_fwd = 2.0 * logits.in_size * logits.out_size / math.prod(
-        _axis_split(model, a, rules, mesh) for a in logits.out_axes)
+    logits_fwd = (
+        2.0 * logits.in_size * logits.out_size / math.prod(_axis_split(model, a, rules, mesh) for a in logits.out_axes)
+    )
     recompute = {"none": 0.0, "full": kept_fwd + attn_fwd, "dots": attn_fwd}[layout.remat]
     recompute += recomputes * (kept_fwd + attn_fwd)
     passes = 1.0 + ELEMENTWISE_BACKWARD_FACTOR + (1.0 if layout.remat != "none" else 0.0)
@@ -116,8 +117,9 @@ def _per_token_flops(model: ModelDescription, layout: Layout, rules: Rules, plac
     }
 
 
-def _flops(model: ModelDescription, layout: Layout, rules: Rules, placed: dict[str, _Placed],
-           s: _Shape) -> tuple[Flops, float]:
+def _flops(
+    model: ModelDescription, layout: Layout, rules: Rules, placed: dict[str, _Placed], s: _Shape
+) -> tuple[Flops, float]:
     """Per-step FLOPs and the loop-bodies-once count of ``cost_analysis`` (no pipeline)."""
     unit = _per_token_flops(model, layout, rules, placed, s)
     per_token_layer = unit["layers"] + unit["attention"] + unit["recompute"] + unit["elem_layer"]

@@ -24,7 +24,6 @@ from sharding.parallel import Parallelism
 from sharding.rules import Rules, get_rules, logical_to_spec
 from sharding.vocab import OUTPUT_IMPLS
 
-
 _PARAM_BYTES = 4  # parameters, gradients and AdamW moments are float32
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 _INT_BYTES = 4  # int32 tokens, positions, segment ids
@@ -90,13 +89,17 @@ class Layout:
         object.__setattr__(self, "mesh", full)
         if self.stage_layers is not None:
             object.__setattr__(self, "stage_layers", tuple(int(n) for n in self.stage_layers))
-        for field, allowed in (("remat", ("none", "dots", "full")), ("dtype", tuple(_DTYPE_BYTES)),
-                               ("logits", OUTPUT_IMPLS)):
+        for field, allowed in (
+            ("remat", ("none", "dots", "full")),
+            ("dtype", tuple(_DTYPE_BYTES)),
+            ("logits", OUTPUT_IMPLS),
+        ):
             if getattr(self, field) not in allowed:
                 raise ValueError(f"--{field} {getattr(self, field)!r}: choose one of {', '.join(allowed)}")
         if self.microbatches < 1 or self.pipeline_repeats < 1:
-            raise ValueError(f"microbatches and pipeline_repeats must be >= 1, got {self.microbatches} and "
-                             f"{self.pipeline_repeats}")
+            raise ValueError(
+                f"microbatches and pipeline_repeats must be >= 1, got {self.microbatches} and {self.pipeline_repeats}"
+            )
 
     @property
     def num_devices(self) -> int:
@@ -115,7 +118,7 @@ class Layout:
         return self.rules.name if isinstance(self.rules, Rules) else self.rules
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _preset(name: str) -> Rules:
     return get_rules(name)
 
@@ -133,9 +136,11 @@ def unpriced_attention(kernel: AttentionTraits, mesh: Mapping[str, int]) -> str 
     """
     sequence = mesh.get(ax.SEQUENCE, 1)
     if kernel.splits_length and sequence > 1:
-        return (f"attention {kernel.name!r} over sequence={sequence}: the cost model does not model its "
-                f"context-parallel traffic; it prices {kernel.name} with the length whole on every device "
-                f"(sequence=1)")
+        return (
+            f"attention {kernel.name!r} over sequence={sequence}: the cost model does not model its "
+            f"context-parallel traffic; it prices {kernel.name} with the length whole on every device "
+            f"(sequence=1)"
+        )
     return None
 
 
@@ -177,8 +182,13 @@ def layout_of(par: Parallelism, config: Any = None, **fields: Any) -> Layout:
     values = {f: getattr(config, f) for f in ("remat", "attention", "dtype", "logits") if hasattr(config, f)}
     plan = par.pipeline
     if plan is not None:
-        values.update(microbatches=plan.microbatches, stage_layers=plan.layout.stage_layers,
-                      pipeline_repeats=plan.layout.repeats, skip_empty=plan.skip_empty, one_f_one_b=plan.one_f_one_b)
+        values.update(
+            microbatches=plan.microbatches,
+            stage_layers=plan.layout.stage_layers,
+            pipeline_repeats=plan.layout.repeats,
+            skip_empty=plan.skip_empty,
+            one_f_one_b=plan.one_f_one_b,
+        )
     else:
         values.update(microbatches=par.microbatches, uneven_batch=par.strategy.uneven)
     values.update(fields)
@@ -271,8 +281,15 @@ def _tensor_split(model: ModelDescription, axes: Sequence[str], rules: Rules, me
     return mesh[ax.TENSOR] > 1 and any(ax.TENSOR in splits[a] for a in axes)
 
 
-def _per_token(model: ModelDescription, terms: str, rules: Rules, mesh: Mapping[str, int], keys: float,
-               act_bytes: int | None = None, kept: tuple[str, ...] | None = None) -> float:
+def _per_token(
+    model: ModelDescription,
+    terms: str,
+    rules: Rules,
+    mesh: Mapping[str, int],
+    keys: float,
+    act_bytes: int | None = None,
+    kept: tuple[str, ...] | None = None,
+) -> float:
     """The sum of the description's ``terms`` (``layer_elementwise``, ``loss_elementwise`` or
     ``activations``) per token on one device: each divided by its axis's split, score terms times
     ``keys`` (0: the scores are not materialised); with ``act_bytes``, in bytes (the term's own bytes
@@ -281,8 +298,15 @@ def _per_token(model: ModelDescription, terms: str, rules: Rules, mesh: Mapping[
 
 
 @functools.lru_cache(maxsize=65536)
-def _per_token_cached(model: ModelDescription, terms: str, rules: Rules, mesh_items: tuple, keys: float,
-                      act_bytes: int | None, kept: tuple[str, ...] | None) -> float:
+def _per_token_cached(
+    model: ModelDescription,
+    terms: str,
+    rules: Rules,
+    mesh_items: tuple,
+    keys: float,
+    act_bytes: int | None,
+    kept: tuple[str, ...] | None,
+) -> float:
     mesh = dict(mesh_items)
     total = 0.0
     for t in getattr(model, terms):

@@ -67,8 +67,15 @@ class Memory:
 
     @property
     def total(self) -> float:
-        return (self.parameters + self.gradients + self.optimizer + self.activations + self.logits
-                + self.gathered + self.batch)
+        return (
+            self.parameters
+            + self.gradients
+            + self.optimizer
+            + self.activations
+            + self.logits
+            + self.gathered
+            + self.batch
+        )
 
 
 def _held_params(model: ModelDescription, layout: Layout, rules: Rules, placed: dict[str, _Placed], s: _Shape) -> float:
@@ -125,8 +132,10 @@ def _memory(model: ModelDescription, layout: Layout, rules: Rules, placed: dict[
     batch = _BATCH_FIELDS * s.rows * s.micro * s.seq / mesh[ax.SEQUENCE] * _INT_BYTES
     grads = params
     if layout.uneven_batch:  # whole parameters and a whole gradient accumulator during the loop
-        whole = sum(p.param.size / p.factor(ax.TENSOR) * (s.slots if p.param.per_layer else 1)
-                    for p in placed.values()) * _PARAM_BYTES  # whole over the batch axes, still split over tensor
+        whole = (
+            sum(p.param.size / p.factor(ax.TENSOR) * (s.slots if p.param.per_layer else 1) for p in placed.values())
+            * _PARAM_BYTES
+        )  # whole over the batch axes, still split over tensor
         gathered = whole if mesh[ax.FSDP] > 1 else 0.0
         grads = whole
     return Memory(

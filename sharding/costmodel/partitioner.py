@@ -40,8 +40,16 @@ from sharding.rules import Rules
 from sharding.vocab import VocabSplit, choose_output
 
 
-def _comms(model: ModelDescription, layout: Layout, rules: Rules, placed: dict[str, _Placed], s: _Shape, backend: str,
-           batch_rows: float | None = None, embedding: bool = True) -> list[Comm]:
+def _comms(
+    model: ModelDescription,
+    layout: Layout,
+    rules: Rules,
+    placed: dict[str, _Placed],
+    s: _Shape,
+    backend: str,
+    batch_rows: float | None = None,
+    embedding: bool = True,
+) -> list[Comm]:
     if layout.uneven_batch:
         return _uneven_comms(model, layout, rules, placed, s, batch_rows)
     comms: list[Comm] = []
@@ -56,8 +64,14 @@ def _comms(model: ModelDescription, layout: Layout, rules: Rules, placed: dict[s
     return comms
 
 
-def _uneven_comms(model: ModelDescription, layout: Layout, rules: Rules, placed: dict[str, _Placed], s: _Shape,
-                  batch_rows: float | None) -> list[Comm]:
+def _uneven_comms(
+    model: ModelDescription,
+    layout: Layout,
+    rules: Rules,
+    placed: dict[str, _Placed],
+    s: _Shape,
+    batch_rows: float | None,
+) -> list[Comm]:
     """The uneven data-parallel step (`train.strategies.UnevenGradients`), whose batch-axis collectives
     are explicit (`jax.shard_map` manual over ``data`` and ``fsdp``), so both backends emit them as
     written: the global batch gathered for the re-layout into per-group buffers (five [B, T]
@@ -72,9 +86,11 @@ def _uneven_comms(model: ModelDescription, layout: Layout, rules: Rules, placed:
         inner = dataclasses.replace(layout, mesh={**mesh, ax.DATA: 1, ax.FSDP: 1}, uneven_batch=False)
         inner_placed = _place_cached(model, rules, tuple(inner.mesh.items()))
         split = _output_split(model, inner, rules, s)
-        in_loop = (_tensor_comms(model, inner, rules, s, split)
-                   + _vocab_parallel_comms(model, inner, inner_placed, s, split)
-                   + _embedding_comms(model, inner, inner_placed, s))
+        in_loop = (
+            _tensor_comms(model, inner, rules, s, split)
+            + _vocab_parallel_comms(model, inner, inner_placed, s, split)
+            + _embedding_comms(model, inner, inner_placed, s)
+        )
     else:
         in_loop = []
     batch_axes, batch_n = _axes(mesh, ax.DATA, ax.FSDP)
@@ -92,7 +108,9 @@ def _uneven_comms(model: ModelDescription, layout: Layout, rules: Rules, placed:
             comms.append(Comm("reduce-scatter", split_axes, n, local, layers, f"gradient of {what}"))
         rest = tuple(a for a in batch_axes if a not in split_axes)
         if rest:
-            comms.append(Comm("all-reduce", rest, math.prod(mesh[a] for a in rest), local, layers, f"gradient of {what}"))
+            comms.append(
+                Comm("all-reduce", rest, math.prod(mesh[a] for a in rest), local, layers, f"gradient of {what}")
+            )
     return comms + in_loop
 
 
@@ -108,8 +126,9 @@ def _output_split(model: ModelDescription, layout: Layout, rules: Rules, s: _Sha
     return choose_output(layout.logits, rules, layout.mesh, logits.out_size, logits.in_size, int(rows), s.tok)
 
 
-def _vocab_parallel_comms(model: ModelDescription, layout: Layout, placed: dict[str, _Placed], s: _Shape,
-                          split: VocabSplit | None) -> list[Comm]:
+def _vocab_parallel_comms(
+    model: ModelDescription, layout: Layout, placed: dict[str, _Placed], s: _Shape, split: VocabSplit | None
+) -> list[Comm]:
     """The vocabulary-parallel loss (`models.output`), per microbatch, its collectives explicit.
 
     Over the group (f, the axes splitting the output weight's ``embed``): the weight shard traded
@@ -129,18 +148,27 @@ def _vocab_parallel_comms(model: ModelDescription, layout: Layout, placed: dict[
     slices = split.vocab_axes + group
     shard = weight.local * _PARAM_BYTES
     comms = [
-        Comm("all-to-all", group, f, shard, 1 + m, "output weight: shard to vocabulary slice (once: the "
-             "partitioner hoists it out of the microbatch loop) and its gradient back"),
+        Comm(
+            "all-to-all",
+            group,
+            f,
+            shard,
+            1 + m,
+            "output weight: shard to vocabulary slice (once: the "
+            "partitioner hoists it out of the microbatch loop) and its gradient back",
+        ),
         Comm("all-gather", group, f, s.tok * f * d * 4, m, "loss: the group's activations", False),
         Comm("all-gather", group, f, s.tok * f * _INT_BYTES, m, "loss: the group's targets", False),
         Comm("reduce-scatter", group, f, s.tok * d * 4, m, "loss: activations' gradient", False),
-        Comm("all-reduce", slices, split.shards, s.tok * f * 4, 4 * m, "loss: softmax max, sum, target, gradient",
-             False),
+        Comm(
+            "all-reduce", slices, split.shards, s.tok * f * 4, 4 * m, "loss: softmax max, sum, target, gradient", False
+        ),
     ]
     t = split.shards // f
     if t > 1:
-        comms.append(Comm("all-reduce", split.vocab_axes, t, s.tok * d * 4, m, "loss: input gradient over tensor",
-                          False))
+        comms.append(
+            Comm("all-reduce", split.vocab_axes, t, s.tok * d * 4, m, "loss: input gradient over tensor", False)
+        )
     rest, n = _axes(mesh, *(a for a in (ax.DATA, ax.SEQUENCE) if a not in slices))
     if n > 1:
         comms.append(Comm("all-reduce", rest, n, shard, m, f"gradient of {weight.param.path}"))
@@ -156,8 +184,9 @@ def _fsdp_gather_bytes(layout: Layout, backend: str) -> int:
     return _DTYPE_BYTES[layout.dtype] if backend == "gpu" else _PARAM_BYTES
 
 
-def _weight_gathers(layout: Layout, placed: dict[str, _Placed], s: _Shape, split: VocabSplit | None = None,
-                    backend: str = "gpu") -> list[Comm]:
+def _weight_gathers(
+    layout: Layout, placed: dict[str, _Placed], s: _Shape, split: VocabSplit | None = None, backend: str = "gpu"
+) -> list[Comm]:
     """FSDP: each weight split over ``fsdp`` is gathered before use, again in the backward pass.
 
     The gather moves the weight in the compute dtype on GPU (`_fsdp_gather_bytes`).
@@ -187,8 +216,9 @@ def _weight_gathers(layout: Layout, placed: dict[str, _Placed], s: _Shape, split
     return comms
 
 
-def _gradient_reductions(layout: Layout, placed: dict[str, _Placed], s: _Shape, backend: str,
-                         split: VocabSplit | None = None) -> list[Comm]:
+def _gradient_reductions(
+    layout: Layout, placed: dict[str, _Placed], s: _Shape, backend: str, split: VocabSplit | None = None
+) -> list[Comm]:
     """Gradients summed over the batch axes, per layer and per microbatch.
 
     GPU: a reduce-scatter over ``fsdp`` for weights split over it (result: the local shard), then
@@ -223,9 +253,15 @@ def _gradient_reductions(layout: Layout, placed: dict[str, _Placed], s: _Shape, 
     return comms
 
 
-def _tensor_comms(model: ModelDescription, layout: Layout, rules: Rules, s: _Shape,
-                  output_split: VocabSplit | None = None, recomputes: int = 0,
-                  with_logits: bool = True) -> list[Comm]:
+def _tensor_comms(
+    model: ModelDescription,
+    layout: Layout,
+    rules: Rules,
+    s: _Shape,
+    output_split: VocabSplit | None = None,
+    recomputes: int = 0,
+    with_logits: bool = True,
+) -> list[Comm]:
     """Megatron-style tensor parallelism (Shoeybi et al., 2019, section 3).
 
     Forward: the row-parallel products (an input axis split over ``tensor``, e.g. the attention
@@ -251,21 +287,43 @@ def _tensor_comms(model: ModelDescription, layout: Layout, rules: Rules, s: _Sha
         if _tensor_split(model, product.out_axes, rules, mesh):
             grad = s.tok * product.in_size * s.act_bytes
             backward[grad] = backward.get(grad, 0) + 1
-    comms = [Comm("all-reduce", (ax.TENSOR,), t, b, c * n, "row-parallel outputs (forward)", False)
-             for b, c in forward.items()]
-    comms += [Comm("all-reduce", (ax.TENSOR,), t, b, c * n, "column-parallel input gradients", False)
-              for b, c in backward.items()]
+    comms = [
+        Comm("all-reduce", (ax.TENSOR,), t, b, c * n, "row-parallel outputs (forward)", False)
+        for b, c in forward.items()
+    ]
+    comms += [
+        Comm("all-reduce", (ax.TENSOR,), t, b, c * n, "column-parallel input gradients", False)
+        for b, c in backward.items()
+    ]
     logits = model.logits
     if not with_logits or output_split is not None or not _tensor_split(model, logits.out_axes, rules, mesh):
         return comms
     if s.micro > 1 and _partitioner() == "0.12":
         # jax 0.12 re-gathers the float32 logits' gradient [tokens, V] over tensor at the logits'
         # sharding constraint inside the microbatch loop.
-        comms.append(Comm("all-gather", (ax.TENSOR,), t, s.tok * logits.out_size * 4, s.micro,
-                          "logits gradient (jax 0.12, microbatches)", False))
+        comms.append(
+            Comm(
+                "all-gather",
+                (ax.TENSOR,),
+                t,
+                s.tok * logits.out_size * 4,
+                s.micro,
+                "logits gradient (jax 0.12, microbatches)",
+                False,
+            )
+        )
     comms.append(Comm("all-reduce", (ax.TENSOR,), t, s.tok * 4, 2 * s.micro, "softmax max and sum", False))
-    comms.append(Comm("all-reduce", (ax.TENSOR,), t, s.tok * logits.in_size * 4, s.micro,
-                      "output projection input gradient", False))
+    comms.append(
+        Comm(
+            "all-reduce",
+            (ax.TENSOR,),
+            t,
+            s.tok * logits.in_size * 4,
+            s.micro,
+            "output projection input gradient",
+            False,
+        )
+    )
     return comms
 
 

@@ -125,14 +125,22 @@ def _pipeline_of(model: ModelDescription, layout: Layout, rules: Rules, s: _Shap
     chunk = -(-s.slots // repeats)  # K' (`Placement.chunk_slots`): K rounded up so that G divides R*K'
     while (repeats * chunk) % groups:
         chunk += 1
-    moved, ticks, ring = _pipeline_tables(model.num_layers, stages, repeats, layout.stage_layers, groups, s.micro,
-                                          layout.one_f_one_b)
+    moved, ticks, ring = _pipeline_tables(
+        model.num_layers, stages, repeats, layout.stage_layers, groups, s.micro, layout.one_f_one_b
+    )
     return _Pipe(stages, repeats, s.micro, s.layers, repeats * chunk, groups, moved, layout.skip_empty, ticks, ring)
 
 
 @functools.lru_cache(maxsize=4096)
-def _pipeline_tables(num_layers: int, stages: int, repeats: int, stage_layers: tuple[int, ...] | None, groups: int,
-                     micro: int, one_f_one_b: bool) -> tuple[tuple[int, ...], int, int]:
+def _pipeline_tables(
+    num_layers: int,
+    stages: int,
+    repeats: int,
+    stage_layers: tuple[int, ...] | None,
+    groups: int,
+    micro: int,
+    one_f_one_b: bool,
+) -> tuple[tuple[int, ...], int, int]:
     """``(moved, ticks, ring)`` of `_Pipe` from the static tables (`Placement.sends`, `one_f_one_b_ticks`);
     cached: the planner prices many devices of one split. A split the run refuses (a planner's trial)
     moves no stored rows."""
@@ -170,8 +178,14 @@ def _stage_folded(model: ModelDescription, layout: Layout, rules: Rules) -> tupl
     """The head's layout: the mesh with ``stage`` folded into ``fsdp`` (the head's rows are split over both,
     `head_parallelism`, and the non-layer parameters stored over both, `spread_over_stage`), one microbatch."""
     mesh = layout.mesh
-    flat = dataclasses.replace(layout, mesh={**mesh, ax.STAGE: 1, ax.FSDP: mesh[ax.FSDP] * mesh[ax.STAGE]},
-                               microbatches=1, stage_layers=None, pipeline_repeats=1, one_f_one_b=False)
+    flat = dataclasses.replace(
+        layout,
+        mesh={**mesh, ax.STAGE: 1, ax.FSDP: mesh[ax.FSDP] * mesh[ax.STAGE]},
+        microbatches=1,
+        stage_layers=None,
+        pipeline_repeats=1,
+        one_f_one_b=False,
+    )
     return flat, _place_cached(model, rules, tuple(flat.mesh.items()))
 
 
@@ -188,8 +202,15 @@ def _pipeline_outside(s: _Shape, pipe: _Pipe) -> tuple[_Shape, _Shape, int]:
     return whole, dataclasses.replace(whole, rows=whole.rows / split, tok=whole.tok / split), 1
 
 
-def _pipeline_memory(model: ModelDescription, layout: Layout, rules: Rules, placed: dict[str, _Placed],
-                     s: _Shape, pipe: _Pipe, head: _Shape) -> Memory:
+def _pipeline_memory(
+    model: ModelDescription,
+    layout: Layout,
+    rules: Rules,
+    placed: dict[str, _Placed],
+    s: _Shape,
+    pipe: _Pipe,
+    head: _Shape,
+) -> Memory:
     """Bytes of a stage device: the stored rows' state; in flight, the gathered working copy of the stage's
     slots (`_gather_bytes`) and their float32 gradient sums, the saved slot inputs (`_Pipe.saved_inputs`),
     one layer's activations, and the head's logits (one run's rows)."""
@@ -207,8 +228,9 @@ def _pipeline_memory(model: ModelDescription, layout: Layout, rules: Rules, plac
     )
 
 
-def _pipeline_embedding_comms(model: ModelDescription, layout: Layout, placed: dict[str, _Placed],
-                              embed: _Shape) -> list[Comm]:
+def _pipeline_embedding_comms(
+    model: ModelDescription, layout: Layout, placed: dict[str, _Placed], embed: _Shape
+) -> list[Comm]:
     """The embedding lookup on the device's whole batch (replicated over ``stage``) from a table stored
     split over ``stage`` too (`spread_over_stage`).
 
@@ -237,17 +259,47 @@ def _pipeline_embedding_comms(model: ModelDescription, layout: Layout, placed: d
     ]
 
 
-def _pipeline_head_comms(model: ModelDescription, layout: Layout, rules: Rules, head: _Shape, pipe: _Pipe,
-                         backend: str, batch_rows: float | None) -> list[Comm]:
+def _pipeline_head_comms(
+    model: ModelDescription,
+    layout: Layout,
+    rules: Rules,
+    head: _Shape,
+    pipe: _Pipe,
+    backend: str,
+    batch_rows: float | None,
+) -> list[Comm]:
     """See `_pipeline_head_comms_cached` (the same for every stage device of a layout: cached)."""
-    return list(_pipeline_head_comms_cached(model, rules, tuple(layout.mesh.items()), layout.remat, layout.attention,
-                                            layout.dtype, layout.logits, head, pipe.one_f_one_b, backend, batch_rows))
+    return list(
+        _pipeline_head_comms_cached(
+            model,
+            rules,
+            tuple(layout.mesh.items()),
+            layout.remat,
+            layout.attention,
+            layout.dtype,
+            layout.logits,
+            head,
+            pipe.one_f_one_b,
+            backend,
+            batch_rows,
+        )
+    )
 
 
 @functools.lru_cache(maxsize=16384)
-def _pipeline_head_comms_cached(model: ModelDescription, rules: Rules, mesh_items: tuple, remat: str, attention: str,
-                                dtype: str, logits: str, head: _Shape, one_f_one_b: bool, backend: str,
-                                batch_rows: float | None) -> tuple[Comm, ...]:
+def _pipeline_head_comms_cached(
+    model: ModelDescription,
+    rules: Rules,
+    mesh_items: tuple,
+    remat: str,
+    attention: str,
+    dtype: str,
+    logits: str,
+    head: _Shape,
+    one_f_one_b: bool,
+    backend: str,
+    batch_rows: float | None,
+) -> tuple[Comm, ...]:
     """The head's weights (final norm, output projection) and collectives.
 
     GPipe/circular: the head runs under `head_parallelism` outside the pipeline, as the step without
@@ -259,17 +311,27 @@ def _pipeline_head_comms_cached(model: ModelDescription, rules: Rules, mesh_item
     layout = Layout(dict(mesh_items), rules, remat=remat, attention=attention, dtype=dtype, logits=logits)
     flat, flat_placed = _stage_folded(model, layout, rules)
     if not one_f_one_b:
-        comms = _comms(model, flat, rules, flat_placed, dataclasses.replace(head, slots=0), backend, batch_rows,
-                       embedding=False)
+        comms = _comms(
+            model, flat, rules, flat_placed, dataclasses.replace(head, slots=0), backend, batch_rows, embedding=False
+        )
         # (its layer terms count 0: no layers on that shape)
         for p in flat_placed.values():  # stored over ``stage`` alone (rules without fsdp): gathered over it
             if p.param.per_layer or p.param.role == "embedding" or p.factor(ax.FSDP) > 1:
                 continue
-            spec = spread_over_stage(logical_to_spec(p.param.axes, rules, p.param.shape, layout.mesh)[0],
-                                     p.param.shape, layout.mesh)
+            spec = spread_over_stage(
+                logical_to_spec(p.param.axes, rules, p.param.shape, layout.mesh)[0], p.param.shape, layout.mesh
+            )
             if any(ax.STAGE in ((e,) if isinstance(e, str) else e or ()) for e in spec):
-                comms.append(Comm("all-gather", (ax.STAGE,), layout.mesh[ax.STAGE], p.local * _PARAM_BYTES,
-                                  1 if p.param.role == "output" else 2, f"gather {p.param.path} over stage"))
+                comms.append(
+                    Comm(
+                        "all-gather",
+                        (ax.STAGE,),
+                        layout.mesh[ax.STAGE],
+                        p.local * _PARAM_BYTES,
+                        1 if p.param.role == "output" else 2,
+                        f"gather {p.param.path} over stage",
+                    )
+                )
         return tuple(comms)
     mesh, comms = layout.mesh, []
     f, stages = mesh[ax.FSDP], mesh[ax.STAGE]
@@ -291,16 +353,35 @@ def _batch_factor(p: _Placed, mesh: Mapping[str, int]) -> int:
     return p.factor(*(a for a in ax.BATCH_MESH_AXES if mesh[a] > 1))
 
 
-def _pipeline_weight_comms(layout: Layout, rules: Rules, placed: dict[str, _Placed], pipe: _Pipe,
-                           model: ModelDescription) -> list[Comm]:
+def _pipeline_weight_comms(
+    layout: Layout, rules: Rules, placed: dict[str, _Placed], pipe: _Pipe, model: ModelDescription
+) -> list[Comm]:
     """See `_pipeline_weight_comms_cached` (the same for every device of a split: cached)."""
-    return list(_pipeline_weight_comms_cached(model, rules, tuple(layout.mesh.items()), _gather_bytes(layout),
-                                              pipe.stages, pipe.working, pipe.groups, pipe.moved))
+    return list(
+        _pipeline_weight_comms_cached(
+            model,
+            rules,
+            tuple(layout.mesh.items()),
+            _gather_bytes(layout),
+            pipe.stages,
+            pipe.working,
+            pipe.groups,
+            pipe.moved,
+        )
+    )
 
 
 @functools.lru_cache(maxsize=16384)
-def _pipeline_weight_comms_cached(model: ModelDescription, rules: Rules, mesh_items: tuple, gather_bytes: int,
-                                  stages: int, working: int, groups_n: int, moved: tuple[int, ...]) -> tuple[Comm, ...]:
+def _pipeline_weight_comms_cached(
+    model: ModelDescription,
+    rules: Rules,
+    mesh_items: tuple,
+    gather_bytes: int,
+    stages: int,
+    working: int,
+    groups_n: int,
+    moved: tuple[int, ...],
+) -> tuple[Comm, ...]:
     """The stage's layer weights: the working copy assembled once per step, the gradients returned once.
 
     Explicit collectives of the stage program (`jax.shard_map`, so both backends emit them as written;
@@ -323,18 +404,51 @@ def _pipeline_weight_comms_cached(model: ModelDescription, rules: Rules, mesh_it
             continue
         row, what = p.local * p.factor(*groups), p.param.path  # one stored row's elements on a device
         for rows in moved:
-            comms.append(Comm("collective-permute", devices, 2, rows * row * gather_bytes, 1,
-                              f"stored rows of {what} to their stage"))
-            comms.append(Comm("collective-permute", devices, 2, rows * row * _PARAM_BYTES, 1,
-                              f"gradient of {what} back to its row"))
+            comms.append(
+                Comm(
+                    "collective-permute",
+                    devices,
+                    2,
+                    rows * row * gather_bytes,
+                    1,
+                    f"stored rows of {what} to their stage",
+                )
+            )
+            comms.append(
+                Comm(
+                    "collective-permute",
+                    devices,
+                    2,
+                    rows * row * _PARAM_BYTES,
+                    1,
+                    f"gradient of {what} back to its row",
+                )
+            )
         if groups_n > 1:
-            comms.append(Comm("all-gather", groups, groups_n, working * row * gather_bytes, 1,
-                              f"gather {what} (working copy)"))
-            comms.append(Comm("reduce-scatter", groups, groups_n, working // groups_n * row * _PARAM_BYTES,
-                              1, f"gradient of {what}"))
+            comms.append(
+                Comm("all-gather", groups, groups_n, working * row * gather_bytes, 1, f"gather {what} (working copy)")
+            )
+            comms.append(
+                Comm(
+                    "reduce-scatter",
+                    groups,
+                    groups_n,
+                    working // groups_n * row * _PARAM_BYTES,
+                    1,
+                    f"gradient of {what}",
+                )
+            )
         if rest:
-            comms.append(Comm("all-reduce", rest, math.prod(mesh[a] for a in rest), q * row * _PARAM_BYTES, 1,
-                              f"gradient of {what} (stored rows)"))
+            comms.append(
+                Comm(
+                    "all-reduce",
+                    rest,
+                    math.prod(mesh[a] for a in rest),
+                    q * row * _PARAM_BYTES,
+                    1,
+                    f"gradient of {what} (stored rows)",
+                )
+            )
     return tuple(comms)
 
 
@@ -353,6 +467,13 @@ def _stage_comms(model: ModelDescription, layout: Layout, s: _Shape, pipe: _Pipe
         return comms + [Comm("all-reduce", (ax.STAGE,), stages, act * s.micro, 1, "pipeline input cotangent", False)]
     return comms + [
         Comm("all-reduce", (ax.STAGE,), stages, act * s.micro, 2, "pipeline outputs to every stage", False),
-        Comm("all-gather", (ax.STAGE,), stages, head.tok * stages * model.hidden * s.act_bytes, 1,
-             "head input cotangent over stage", False),
+        Comm(
+            "all-gather",
+            (ax.STAGE,),
+            stages,
+            head.tok * stages * model.hidden * s.act_bytes,
+            1,
+            "head input cotangent over stage",
+            False,
+        ),
     ]

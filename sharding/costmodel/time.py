@@ -76,8 +76,15 @@ class Hardware:
 #: inside a host over NVLink (``ring_pcie`` over PCIe) and ``ring_net`` across hosts; a tree all-reduce pays
 #: ``tree_nvlink`` per step inside a host and ``tree_net`` per level across hosts (``log2`` of the hosts).
 #: NCCL times both algorithms and runs the faster (``ncclTopoGetAlgoTime``), which is what `comm_seconds` does.
-NCCL_LATENCY = {"base": 8.4e-6, "ring_nvlink": 3.4e-6, "ring_pcie": 5.7e-6, "ring_net": 9.6e-6,
-                "tree_nvlink": 28e-6, "tree_pcie": 28e-6, "tree_net": 50e-6}
+NCCL_LATENCY = {
+    "base": 8.4e-6,
+    "ring_nvlink": 3.4e-6,
+    "ring_pcie": 5.7e-6,
+    "ring_net": 9.6e-6,
+    "tree_nvlink": 28e-6,
+    "tree_pcie": 28e-6,
+    "tree_net": 50e-6,
+}
 
 #: Intra-host links at or above this one-way bandwidth are NVLink (bytes/s): PCIe Gen5 x16 is 64e9.
 _NVLINK_FROM = 100e9
@@ -86,8 +93,9 @@ _NVLINK_FROM = 100e9
 DEFAULT_EFFICIENCY = 0.5
 
 
-def hardware_for(kind: Any, devices_per_host: int, inter_host_bandwidth: float,
-                 efficiency: float | None = None) -> Hardware:
+def hardware_for(
+    kind: Any, devices_per_host: int, inter_host_bandwidth: float, efficiency: float | None = None
+) -> Hardware:
     """`Hardware` from a `sharding.devices.DeviceKind` and its host.
 
     Efficiency: ``efficiency`` when given (``--efficiency``: that fraction of peak for all the step's work),
@@ -100,8 +108,10 @@ def hardware_for(kind: Any, devices_per_host: int, inter_host_bandwidth: float,
       ValueError: When the kind's figures are unknown (e.g. a detected CPU).
     """
     if not getattr(kind, "is_known", False):
-        raise ValueError(f"device kind {getattr(kind, 'name', kind)!r} has unknown figures; "
-                         f"describe the cluster (the run's cluster or simulate_cluster) with a known kind, e.g. h100:8")
+        raise ValueError(
+            f"device kind {getattr(kind, 'name', kind)!r} has unknown figures; "
+            f"describe the cluster (the run's cluster or simulate_cluster) with a known kind, e.g. h100:8"
+        )
     link = "nvlink" if kind.intra_host_bandwidth >= _NVLINK_FROM else "pcie"
     fitted = getattr(kind, "matmul_efficiency", None)
     return Hardware(
@@ -203,8 +213,9 @@ def step_time(cost: Cost, hw: Hardware, links: Mapping[str, str], shares: Mappin
     if hw.elementwise_bytes is None:
         compute = flops.total / (hw.peak_flops * hw.efficiency)
     else:  # a roofline: products at the fitted efficiency, elementwise work at the memory bandwidth
-        compute = ((flops.matmul + flops.optimizer) / (hw.peak_flops * hw.efficiency)
-                   + flops.elementwise * hw.elementwise_bytes / hw.memory_bandwidth)
+        compute = (flops.matmul + flops.optimizer) / (
+            hw.peak_flops * hw.efficiency
+        ) + flops.elementwise * hw.elementwise_bytes / hw.memory_bandwidth
     optimizer = 7 * cost.memory.parameters / hw.memory_bandwidth  # read 4 arrays, write 3
     exposed = overlapped = 0.0
     by_kind: dict[str, float] = {}

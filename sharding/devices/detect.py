@@ -148,14 +148,13 @@ def device_memory(devices: Sequence[Any]) -> tuple[int | None, str]:
     cpu = [d for d in devices if getattr(d, "platform", "") == "cpu"]
     available = host_available_bytes()
     if cpu and len(cpu) == len(devices) and available:
-        return available // len(cpu), (f"the host's available memory ({available / 2**30:.1f} GiB, /proc/meminfo) "
-                                        f"shared by {len(cpu)} CPU devices")
+        return available // len(cpu), (
+            f"the host's available memory ({available / 2**30:.1f} GiB, /proc/meminfo) shared by {len(cpu)} CPU devices"
+        )
     return None, "device memory unknown"
 
 
-def simulate_inventory(
-    spec: str, devices: Sequence[Any]
-) -> tuple[Inventory, dict[int, DeviceKind]]:
+def simulate_inventory(spec: str, devices: Sequence[Any]) -> tuple[Inventory, dict[int, DeviceKind]]:
     """Pretends the given (simulated CPU) devices form the cluster in ``spec``.
 
     Each spec item is one simulated host; devices are assigned in order, device ``i``

@@ -34,9 +34,7 @@ class Host:
 
     def __post_init__(self) -> None:
         if not _is_positive_int(self.count):
-            raise ValueError(
-                f"host {self.name!r}: count must be a positive integer, got {self.count!r}"
-            )
+            raise ValueError(f"host {self.name!r}: count must be a positive integer, got {self.count!r}")
         if not self.name:
             raise ValueError("host name must not be empty")
 
@@ -70,9 +68,7 @@ class Inventory:
             raise ValueError(f"duplicate host names: {', '.join(duplicates)}")
         bw = self.inter_host_bandwidth
         if not _is_positive_number(bw):
-            raise ValueError(
-                f"inter_host_bandwidth must be a positive number of bytes/s, got {bw!r}"
-            )
+            raise ValueError(f"inter_host_bandwidth must be a positive number of bytes/s, got {bw!r}")
 
     @property
     def num_devices(self) -> int:
@@ -107,9 +103,7 @@ class Inventory:
 
     def describe(self) -> str:
         """A fixed-width table of the hosts, their figures and the totals."""
-        header = (
-            "host", "kind", "devices", "bf16 TFLOP/s", "memory GB", "mem GB/s", "intra GB/s"
-        )
+        header = ("host", "kind", "devices", "bf16 TFLOP/s", "memory GB", "mem GB/s", "intra GB/s")
         rows = [header] + [
             (
                 h.name,

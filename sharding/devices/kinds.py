@@ -30,7 +30,6 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-
 GB = 1e9  # bytes; datasheets use decimal gigabytes
 TB = 1e12
 TFLOPS = 1e12
@@ -45,12 +44,7 @@ _FIGURES = ("peak_bf16_flops", "memory_bytes", "memory_bandwidth", "intra_host_b
 
 def _is_positive_number(value: Any) -> bool:
     """A finite number > 0 (bools excluded)."""
-    return (
-        isinstance(value, numbers.Real)
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-        and value > 0
-    )
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
 def _is_positive_int(value: Any) -> bool:
@@ -96,13 +90,11 @@ class DeviceKind:
         for field in _FIGURES:
             value = getattr(self, field)
             if value is not None and not _is_positive_number(value):
-                raise ValueError(
-                    f"DeviceKind {self.name!r}: {field} must be a positive number or None, "
-                    f"got {value!r}"
-                )
+                raise ValueError(f"DeviceKind {self.name!r}: {field} must be a positive number or None, got {value!r}")
         if self.matmul_efficiency is not None and not 0 < self.matmul_efficiency <= 1:
-            raise ValueError(f"DeviceKind {self.name!r}: matmul_efficiency must be in (0, 1], got "
-                             f"{self.matmul_efficiency!r}")
+            raise ValueError(
+                f"DeviceKind {self.name!r}: matmul_efficiency must be in (0, 1], got {self.matmul_efficiency!r}"
+            )
 
     @property
     def is_known(self) -> bool:
@@ -139,51 +131,75 @@ _A100_DATASHEET = (
 # bidirectional totals; _kind halves them.
 _TABLE = (
     _kind(
-        "h200_sxm", "NVIDIA H200 SXM 141GB",
-        1979 / 2, 141, 4.8,
+        "h200_sxm",
+        "NVIDIA H200 SXM 141GB",
+        1979 / 2,
+        141,
+        4.8,
         900,  # NVLink 4: 900 GB/s total both directions -> 450e9 B/s each way
         "NVIDIA H200 Tensor Core GPU product page and datasheet (H200 SXM column), "
         "https://www.nvidia.com/en-us/data-center/h200/",
     ),
     _kind(
-        "h100_sxm", "NVIDIA H100 SXM5 80GB",
-        1979 / 2, 80, 3.35,
+        "h100_sxm",
+        "NVIDIA H100 SXM5 80GB",
+        1979 / 2,
+        80,
+        3.35,
         900,  # NVLink 4: 900 GB/s total both directions -> 450e9 B/s each way
         _H100_DATASHEET,
     ),
     _kind(
-        "h100_pcie", "NVIDIA H100 PCIe 80GB",
-        1513 / 2, 80, 2.0,
+        "h100_pcie",
+        "NVIDIA H100 PCIe 80GB",
+        1513 / 2,
+        80,
+        2.0,
         128,  # PCIe Gen5 x16: 128 GB/s both directions (the NVLink bridge joins pairs only)
         _H100_DATASHEET,
     ),
     _kind(
-        "a100_80gb", "NVIDIA A100 SXM4 80GB",
-        312, 80, 2.039,
+        "a100_80gb",
+        "NVIDIA A100 SXM4 80GB",
+        312,
+        80,
+        2.039,
         600,  # NVLink 3: 600 GB/s total both directions -> 300e9 B/s each way
         _A100_DATASHEET,
     ),
     _kind(
-        "a100_40gb", "NVIDIA A100 SXM4 40GB",
-        312, 40, 1.555,
+        "a100_40gb",
+        "NVIDIA A100 SXM4 40GB",
+        312,
+        40,
+        1.555,
         600,  # NVLink 3
         _A100_DATASHEET,
     ),
     _kind(
-        "a100_80gb_pcie", "NVIDIA A100 PCIe 80GB",
-        312, 80, 1.935,
+        "a100_80gb_pcie",
+        "NVIDIA A100 PCIe 80GB",
+        312,
+        80,
+        1.935,
         64,  # PCIe Gen4 x16: 64 GB/s both directions
         _A100_DATASHEET,
     ),
     _kind(
-        "a100_40gb_pcie", "NVIDIA A100 PCIe 40GB",
-        312, 40, 1.555,
+        "a100_40gb_pcie",
+        "NVIDIA A100 PCIe 40GB",
+        312,
+        40,
+        1.555,
         64,  # PCIe Gen4 x16
         _A100_DATASHEET,
     ),
     _kind(
-        "l40s", "NVIDIA L40S 48GB",
-        362.05, 48, 0.864,
+        "l40s",
+        "NVIDIA L40S 48GB",
+        362.05,
+        48,
+        0.864,
         64,  # "PCIe Gen4 x16: 64GB/s bidirectional"; no NVLink
         "NVIDIA L40S GPU datasheet, https://www.nvidia.com/en-us/data-center/l40s/",
     ),
@@ -191,8 +207,11 @@ _TABLE = (
         # NVIDIA publishes no A10G datasheet (an AWS-only part). Peak from Baseten's
         # A10 vs A10G comparison (the A10's 125 TFLOP/s does not apply); memory from
         # AWS. The A10G is a PCIe Gen4 x16 card: 64 GB/s both directions.
-        "a10g", "NVIDIA A10G 24GB",
-        70, 24, 0.6,
+        "a10g",
+        "NVIDIA A10G 24GB",
+        70,
+        24,
+        0.6,
         64,
         "Baseten, NVIDIA A10 vs A10G for ML model inference, "
         "https://www.baseten.co/blog/nvidia-a10-vs-a10g-for-ml-model-inference/; "
@@ -201,8 +220,11 @@ _TABLE = (
     _kind(
         # V100 has no bf16 tensor cores: this is the fp16 tensor-core peak (fp32
         # accumulate), the closest figure. bf16 itself runs far slower on V100.
-        "v100_sxm2_32gb", "NVIDIA Tesla V100 SXM2 32GB",
-        125, 32, 0.9,
+        "v100_sxm2_32gb",
+        "NVIDIA Tesla V100 SXM2 32GB",
+        125,
+        32,
+        0.9,
         300,  # NVLink 2: 300 GB/s total both directions -> 150e9 B/s each way
         "NVIDIA Tesla V100 product page and datasheet (V100 for NVLink column), "
         "https://www.nvidia.com/en-us/data-center/v100/",
@@ -210,8 +232,11 @@ _TABLE = (
     _kind(
         # GeForce: no NVLink, and peer-to-peer over PCIe is disabled by the driver, so
         # real peer traffic is slower than this PCIe 4.0 x16 line rate (~32 GB/s each way).
-        "rtx4090", "NVIDIA GeForce RTX 4090 24GB",
-        165.2, 24, 1.008,  # "Peak BF16 Tensor TFLOPS with FP32 Accumulate": 165.2
+        "rtx4090",
+        "NVIDIA GeForce RTX 4090 24GB",
+        165.2,
+        24,
+        1.008,  # "Peak BF16 Tensor TFLOPS with FP32 Accumulate": 165.2
         64,
         "NVIDIA Ada GPU Architecture whitepaper, appendix A (GeForce RTX 4090), "
         "https://images.nvidia.com/aem-dam/Solutions/geforce/ada/nvidia-ada-gpu-architecture.pdf",
@@ -244,8 +269,11 @@ FITTED_EFFICIENCY: Mapping[str, tuple[float, str]] = {
 
 #: Canonical name -> DeviceKind.
 KINDS: Mapping[str, DeviceKind] = {
-    k.name: dataclasses.replace(k, matmul_efficiency=FITTED_EFFICIENCY[k.name][0],
-                                efficiency_source=FITTED_EFFICIENCY[k.name][1]) if k.name in FITTED_EFFICIENCY else k
+    k.name: dataclasses.replace(
+        k, matmul_efficiency=FITTED_EFFICIENCY[k.name][0], efficiency_source=FITTED_EFFICIENCY[k.name][1]
+    )
+    if k.name in FITTED_EFFICIENCY
+    else k
     for k in _TABLE
 }
 
@@ -292,9 +320,7 @@ def get_kind(name: str) -> DeviceKind:
     key = ALIASES.get(key, key)
     if key in KINDS:
         return KINDS[key]
-    raise ValueError(
-        f"unknown device kind {name!r}; known kinds: {', '.join(known_kind_names())}"
-    )
+    raise ValueError(f"unknown device kind {name!r}; known kinds: {', '.join(known_kind_names())}")
 
 
 # --- JAX device_kind strings -------------------------------------------------------

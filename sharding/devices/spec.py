@@ -33,13 +33,10 @@ from sharding.devices.kinds import (
     get_kind,
 )
 
-
 # --- Parsing -----------------------------------------------------------------------
 
 _CLUSTER_EXAMPLE = "h100:8,a100:8@400Gbps"
-_BANDWIDTH_RE = re.compile(
-    r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKMGT])(b|B)(?:ps|/s)\s*$"
-)
+_BANDWIDTH_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKMGT])(b|B)(?:ps|/s)\s*$")
 _PREFIX = {"k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
 
 
@@ -143,9 +140,7 @@ def _positive_int(text: str, what: str, example: str) -> int:
     except ValueError:
         value = None
     if value is None or value <= 0:
-        raise ValueError(
-            f"{what} must be a positive integer, got {text.strip()!r}; e.g. {example!r}"
-        )
+        raise ValueError(f"{what} must be a positive integer, got {text.strip()!r}; e.g. {example!r}")
     return value
 
 
@@ -215,8 +210,7 @@ def _read_document(path: str) -> Any:
             import yaml  # lazy: pyyaml is optional
         except ImportError:
             raise ImportError(
-                f"{path}: reading YAML needs pyyaml; write the inventory as JSON "
-                "or `pip install pyyaml`"
+                f"{path}: reading YAML needs pyyaml; write the inventory as JSON or `pip install pyyaml`"
             ) from None
         try:
             return yaml.safe_load(text)
@@ -232,8 +226,7 @@ def _check_keys(obj: Mapping, allowed: set[str], where: str) -> None:
     unknown = sorted(set(obj) - allowed)
     if unknown:
         raise ValueError(
-            f"{where}: unknown field(s) {', '.join(map(repr, unknown))}; "
-            f"allowed: {', '.join(sorted(allowed))}"
+            f"{where}: unknown field(s) {', '.join(map(repr, unknown))}; allowed: {', '.join(sorted(allowed))}"
         )
 
 
@@ -309,7 +302,7 @@ def _host_kind(name: Any, kinds: Mapping[str, DeviceKind], where: str) -> Device
     try:
         return get_kind(name)
     except ValueError as err:
-        raise ValueError(f"{where}.kind: {err} (or define it under \"kinds\")") from None
+        raise ValueError(f'{where}.kind: {err} (or define it under "kinds")') from None
 
 
 def _file_positive_int(value: Any, where: str) -> int:
@@ -321,15 +314,12 @@ def _file_positive_int(value: Any, where: str) -> int:
 def _file_bandwidth(data: Mapping, where: str) -> float:
     """Bytes/s per host from ``inter_host_bandwidth_gbps`` or ``inter_host_bandwidth``."""
     if "inter_host_bandwidth" in data and "inter_host_bandwidth_gbps" in data:
-        raise ValueError(
-            f"{where}: give inter_host_bandwidth or inter_host_bandwidth_gbps, not both"
-        )
+        raise ValueError(f"{where}: give inter_host_bandwidth or inter_host_bandwidth_gbps, not both")
     if "inter_host_bandwidth_gbps" in data:
         gbps = data["inter_host_bandwidth_gbps"]
         if not _is_positive_number(gbps):
             raise ValueError(
-                f"{where}: inter_host_bandwidth_gbps: must be a positive number of "
-                f"gigabits/s, got {gbps!r}"
+                f"{where}: inter_host_bandwidth_gbps: must be a positive number of gigabits/s, got {gbps!r}"
             )
         return gbps * 1e9 / 8
     value = data.get("inter_host_bandwidth", DEFAULT_INTER_HOST_BANDWIDTH)
@@ -365,9 +355,7 @@ def inventory_to_dict(inventory: Inventory) -> dict[str, Any]:
     by_name: dict[str, DeviceKind] = {}
     for kind in inventory.kinds_present:
         if by_name.setdefault(kind.name, kind) != kind:
-            raise ValueError(
-                f"cannot write an inventory with two different kinds named {kind.name!r}"
-            )
+            raise ValueError(f"cannot write an inventory with two different kinds named {kind.name!r}")
         if KINDS.get(kind.name) == kind:
             continue
         base = KINDS.get(kind.name)
@@ -377,9 +365,7 @@ def inventory_to_dict(inventory: Inventory) -> dict[str, Any]:
         kinds[kind.name] = fields
     data: dict[str, Any] = {
         "inter_host_bandwidth": inventory.inter_host_bandwidth,
-        "hosts": [
-            {"kind": h.kind.name, "count": h.count, "name": h.name} for h in inventory.hosts
-        ],
+        "hosts": [{"kind": h.kind.name, "count": h.count, "name": h.name} for h in inventory.hosts],
     }
     if kinds:
         data["kinds"] = kinds

@@ -32,7 +32,21 @@ from sharding.pipeline.storage import StageStorage, layout_from_meta
 from sharding.pipeline.ticks import fused_ticks, one_f_one_b_ticks
 
 __all__ = [
-    "SCHEDULES", "StageLayout", "PipelinePlan", "plan_layout", "parse_stage_layers", "example_split", "check_microbatches",
-    "pipeline_rules", "head_parallelism", "bubble_fraction", "one_f_one_b_ticks", "fused_ticks", "relayout",
-    "relayout_on_mesh", "layout_rows", "StageStorage", "layout_from_meta",
+    "SCHEDULES",
+    "StageLayout",
+    "PipelinePlan",
+    "plan_layout",
+    "parse_stage_layers",
+    "example_split",
+    "check_microbatches",
+    "pipeline_rules",
+    "head_parallelism",
+    "bubble_fraction",
+    "one_f_one_b_ticks",
+    "fused_ticks",
+    "relayout",
+    "relayout_on_mesh",
+    "layout_rows",
+    "StageStorage",
+    "layout_from_meta",
 ]

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from sharding import axes as ax
+
 # The tick tables live in `sharding.pipeline.ticks`; they are named here too, for the modules that read them
 # beside the plan (the cost model, the planner).
 from sharding.pipeline.ticks import BACKWARD, FORWARD, FusedTicks, Ticks, fused_ticks, one_f_one_b_ticks  # noqa: F401
@@ -144,8 +145,11 @@ class StageLayout:
 
     def to_meta(self) -> dict[str, Any]:
         """JSON-friendly form, stored with checkpoints."""
-        return {"chunks": [list(row) for row in self.chunks], "stage_layers": list(self.stage_layers),
-                "schedule": self.schedule}
+        return {
+            "chunks": [list(row) for row in self.chunks],
+            "stage_layers": list(self.stage_layers),
+            "schedule": self.schedule,
+        }
 
     @classmethod
     def from_meta(cls, meta: dict[str, Any] | None) -> StageLayout | None:
@@ -155,8 +159,9 @@ class StageLayout:
         return cls(tuple(tuple(int(n) for n in row) for row in meta["chunks"]))
 
 
-def parse_stage_layers(text: str | None, num_layers: int | None = None, stages: int | None = None
-                       ) -> tuple[int, ...] | None:
+def parse_stage_layers(
+    text: str | None, num_layers: int | None = None, stages: int | None = None
+) -> tuple[int, ...] | None:
     """``'10,10,6,6'`` -> ``(10, 10, 6, 6)``; None (the default split) for None.
 
     Args:
@@ -174,8 +179,10 @@ def parse_stage_layers(text: str | None, num_layers: int | None = None, stages: 
             raise ValueError
         return tuple(int(part) for part in text.split(","))
     except ValueError:
-        raise ValueError(f"--stage-layers {text!r}: expected comma-separated layer counts, e.g. "
-                         f"--stage-layers {example_split(num_layers, stages)}") from None
+        raise ValueError(
+            f"--stage-layers {text!r}: expected comma-separated layer counts, e.g. "
+            f"--stage-layers {example_split(num_layers, stages)}"
+        ) from None
 
 
 def example_split(num_layers: int | None, stages: int | None) -> str:
@@ -237,8 +244,10 @@ def plan_layout(
         layout = StageLayout(chunks)
         note = None
         if num_layers % chunks_total:
-            note = (f"--stage-layers not given: {num_layers} layers do not split evenly over {chunks_total} "
-                    f"{'stages' if repeats == 1 else 'chunks'}; split as {layout.describe()}")
+            note = (
+                f"--stage-layers not given: {num_layers} layers do not split evenly over {chunks_total} "
+                f"{'stages' if repeats == 1 else 'chunks'}; split as {layout.describe()}"
+            )
         return layout, note
     counts = tuple(stage_layers)
     even_stages = _join(even_split(num_layers, stages))
@@ -381,10 +390,12 @@ def check_microbatches(microbatches: int, stages: int, batch_size: int, data_par
     """
     if microbatches >= stages:
         return
-    good = [m for m in range(stages, batch_size + 1)
-            if batch_size % m == 0 and (batch_size // m) % data_parallel == 0]
-    hint = (f"--microbatches {good[0]}" if good else
-            f"--microbatches {stages} --batch-size {stages * data_parallel * max(1, batch_size // (stages * data_parallel))}")
+    good = [m for m in range(stages, batch_size + 1) if batch_size % m == 0 and (batch_size // m) % data_parallel == 0]
+    hint = (
+        f"--microbatches {good[0]}"
+        if good
+        else f"--microbatches {stages} --batch-size {stages * data_parallel * max(1, batch_size // (stages * data_parallel))}"
+    )
     raise ValueError(
         f"--microbatches {microbatches}: fewer microbatches than the {stages} pipeline stages (--mesh stage={stages}); "
         f"every stage needs a microbatch in flight; use {hint}"

@@ -74,8 +74,20 @@ from sharding.pipeline.schedule import run_pipeline
 from sharding.pipeline.ticks import BACKWARD, FORWARD
 
 
-def _ticks(layer, head, plan: PipelinePlan, params, head_params, xs, extras, head_inputs, grads, head_grads,
-           train: bool, vary: tuple[str, ...]):
+def _ticks(
+    layer,
+    head,
+    plan: PipelinePlan,
+    params,
+    head_params,
+    xs,
+    extras,
+    head_inputs,
+    grads,
+    head_grads,
+    train: bool,
+    vary: tuple[str, ...],
+):
     """All ticks of one stage (inside the stage program).
 
     Args:
@@ -136,8 +148,9 @@ def _ticks(layer, head, plan: PipelinePlan, params, head_params, xs, extras, hea
         buffer = write(buffer, jnp.maximum(arrive, 0), first.at[0].set(received), arrive >= 0)
         entry = (stage == 0) & (r == 0)  # the first virtual stage reads the microbatch itself
         h_in = jnp.where(entry, index_leaf(xs, mb), index_leaf(buffer, slot)[0])
-        h, done, inputs = chunk_forward(layer, params, r, h_in, index_tree(extras, mb),
-                                        jnp.where(forward, counts[r], 0), plan.skip_empty, train)
+        h, done, inputs = chunk_forward(
+            layer, params, r, h_in, index_tree(extras, mb), jnp.where(forward, counts[r], 0), plan.skip_empty, train
+        )
         exit_ = (stage == stages - 1) & (r == repeats - 1)  # the last virtual stage runs the head
         loss_i, weight_i, g_h, g_hp = head_step(forward & exit_, h, index_tree(head_inputs, mb))
         loss, weight, applied = loss + loss_i, weight + weight_i, applied + done
@@ -152,9 +165,17 @@ def _ticks(layer, head, plan: PipelinePlan, params, head_params, xs, extras, hea
             backward, r, mb, slot = (row["backward" + part] for part in ("", "_chunk", "_microbatch", "_slot"))
             backward = backward == BACKWARD
             c = row["cotangent_slot"]
-            g_in, grads = chunk_backward(layer, params, r, index_leaf(buffer, slot), index_tree(extras, mb),
-                                         jnp.where(backward, counts[r], 0), index_leaf(waiting, c), grads,
-                                         plan.skip_empty)
+            g_in, grads = chunk_backward(
+                layer,
+                params,
+                r,
+                index_leaf(buffer, slot),
+                index_tree(extras, mb),
+                jnp.where(backward, counts[r], 0),
+                index_leaf(waiting, c),
+                grads,
+                plan.skip_empty,
+            )
             g_xs = write(g_xs, mb, g_in, backward & (stage == 0) & (r == 0))
             g_received = jax.lax.ppermute(g_in, ax.STAGE, back_ring)
         received = jax.lax.ppermute(h, ax.STAGE, ring)
@@ -167,8 +188,10 @@ def _ticks(layer, head, plan: PipelinePlan, params, head_params, xs, extras, hea
     buffer = jnp.zeros((ticks.slots, slots if train else 1, *xs.shape[1:]), xs.dtype)
     waiting = jnp.zeros((ticks.cotangent_slots, *xs.shape[1:]), xs.dtype) if train else None
     zero = to_varying(jnp.zeros((), jnp.float32), vary)
-    init = to_varying((zero_h, zero_h if train else None, buffer, waiting, grads, head_grads,
-                       jnp.zeros_like(xs) if train else None), vary)
+    init = to_varying(
+        (zero_h, zero_h if train else None, buffer, waiting, grads, head_grads, jnp.zeros_like(xs) if train else None),
+        vary,
+    )
     init = (*init, zero, zero, to_varying(jnp.zeros((), jnp.int32), ax.STAGE))
     carry, _ = jax.lax.scan(tick, init, jnp.arange(ticks.ticks))
     _, _, _, _, grads, head_grads, g_xs, loss, weight, applied = carry
@@ -213,17 +236,29 @@ def _loss_program(layer_fn, head_fn, plan: PipelinePlan, par, weights: Weights, 
         def scale(tree):
             return jax.tree.map(lambda g: (g * ct).astype(g.dtype), tree)
 
-        d_head = jax.tree.map(lambda g, spec: jax.lax.psum(reduce_shards(g, spec, summed), ax.STAGE),
-                              scale(head_grads), head_specs)
+        d_head = jax.tree.map(
+            lambda g, spec: jax.lax.psum(reduce_shards(g, spec, summed), ax.STAGE), scale(head_grads), head_specs
+        )
         return weights.reduce(scale(grads), stacked), d_head, scale(g_xs), None, None
 
     program.defvjp(forward, backward)
     return program
 
 
-def run_pipeline_loss(layer_fn: Callable[..., Any], head_fn: Callable[..., Any], stacked, head_params, x,
-                      extras: Sequence[Any], head_inputs: Sequence[Any], par, *, names=None, head_names=None,
-                      remat_policy=None):
+def run_pipeline_loss(
+    layer_fn: Callable[..., Any],
+    head_fn: Callable[..., Any],
+    stacked,
+    head_params,
+    x,
+    extras: Sequence[Any],
+    head_inputs: Sequence[Any],
+    par,
+    *,
+    names=None,
+    head_names=None,
+    remat_policy=None,
+):
     """The summed loss of a stacked layer function run as a pipeline, followed by an output head.
 
     With ``par``'s plan's schedule ``1f1b`` or ``1f1b-fused`` (interleaved with ``R > 1`` chunks per stage) the
@@ -268,8 +303,9 @@ def run_pipeline_loss(layer_fn: Callable[..., Any], head_fn: Callable[..., Any],
     else:
         name_leaves = logical_leaves(head_names)
         if len(name_leaves) != len(head_leaves):
-            raise ValueError(f"run_pipeline_loss: {len(name_leaves)} logical names for {len(head_leaves)} head "
-                             f"parameters")
+            raise ValueError(
+                f"run_pipeline_loss: {len(name_leaves)} logical names for {len(head_leaves)} head parameters"
+            )
         head_specs = [manual_spec(par, n, w.shape, setup.manual) for n, w in zip(name_leaves, head_leaves)]
     check_split(head_specs, setup.weights.summed, par, setup.xs.shape[1], setup.data[1], skip_first=False)
     head_specs = jax.tree.unflatten(head_tree, head_specs)
@@ -286,8 +322,13 @@ def run_pipeline_loss(layer_fn: Callable[..., Any], head_fn: Callable[..., Any],
     mapped = jax.shard_map(
         stage_program,
         mesh=par.mesh,
-        in_specs=(setup.stacked_specs, head_specs, data, jax.tree.map(lambda _: data, setup.extras),
-                  jax.tree.map(lambda _: data, head_inputs)),
+        in_specs=(
+            setup.stacked_specs,
+            head_specs,
+            data,
+            jax.tree.map(lambda _: data, setup.extras),
+            jax.tree.map(lambda _: data, head_inputs),
+        ),
         out_specs=(P(), P(), P(ax.STAGE)),
         axis_names=set(setup.manual),
     )

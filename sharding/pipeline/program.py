@@ -184,8 +184,10 @@ def _inverse_rows(local_index: np.ndarray, size: int, width: int) -> np.ndarray:
                 if row < 0:
                     continue
                 if inverse[s, g, row] != width:
-                    raise ValueError(f"pipeline storage: local row {row} of device ({s}, {g}) feeds slots "
-                                     f"{inverse[s, g, row]} and {w}")
+                    raise ValueError(
+                        f"pipeline storage: local row {row} of device ({s}, {g}) feeds slots "
+                        f"{inverse[s, g, row]} and {w}"
+                    )
                 inverse[s, g, row] = w
     return inverse
 
@@ -222,6 +224,7 @@ class Weights:
         devices move (one ``ppermute`` per distance that moves any), each device picks its slots' rows
         (empty slots zero) and one all-gather over the storage's group axes assembles the working copy.
         """
+
         def one(w, spec):
             if jnp.issubdtype(w.dtype, jnp.floating):
                 w = w.astype(self.dtype)
@@ -289,6 +292,7 @@ class Weights:
     def reduce(self, grads, stacked):
         """Whole ``[R, K, ...]`` per-device gradient sums -> the blocks' gradients, summed over ``summed``
         (reduce-scatter over the split axes, all-reduce over the rest), in the blocks' dtype."""
+
         def one(g, w, spec):
             g = g.reshape(1, g.shape[0] * g.shape[1], *g.shape[2:])
             if self.storage is None:
@@ -339,8 +343,10 @@ def _storage_of(layout: StageLayout, leaves, name_leaves, par) -> StageStorage |
         return None
     storage = storage_for(layout, name_leaves or [], par.rules, par.mesh_shape)
     if any(padded) or any(w.shape[0] != storage.rows for w in leaves):
-        raise ValueError(f"run_pipeline: stacked leaves of shapes {[tuple(w.shape) for w in leaves]}; expected "
-                         f"[{storage.rows}, ...] ({storage.describe()}) or [{layout.stages}, {layout.slots}, ...]")
+        raise ValueError(
+            f"run_pipeline: stacked leaves of shapes {[tuple(w.shape) for w in leaves]}; expected "
+            f"[{storage.rows}, ...] ({storage.describe()}) or [{layout.stages}, {layout.slots}, ...]"
+        )
     return storage
 
 
@@ -395,21 +401,31 @@ class Setup:
             groups = storage_axes(name_leaves or [], par.rules, par.mesh_shape)
             if set(groups) - set(summed):
                 missing = "+".join(a for a in groups if a not in summed)
-                raise ValueError(f"pipeline: layer parameters are split over {missing} but microbatches of "
-                                 f"{xs.shape[1]} rows are not; use --batch-size a multiple of --microbatches x data x "
-                                 f"fsdp, or --rule batch=data+fsdp")
-            specs = [only_axes(storage_spec(par.spec(n, w.shape) if name_leaves else P(ax.STAGE), storage.rows,
-                                           par.mesh_shape, groups), manual)
-                     for n, w in zip(name_leaves or [None] * len(leaves), leaves)]
+                raise ValueError(
+                    f"pipeline: layer parameters are split over {missing} but microbatches of "
+                    f"{xs.shape[1]} rows are not; use --batch-size a multiple of --microbatches x data x "
+                    f"fsdp, or --rule batch=data+fsdp"
+                )
+            specs = [
+                only_axes(
+                    storage_spec(
+                        par.spec(n, w.shape) if name_leaves else P(ax.STAGE), storage.rows, par.mesh_shape, groups
+                    ),
+                    manual,
+                )
+                for n, w in zip(name_leaves or [None] * len(leaves), leaves)
+            ]
         elif name_leaves is None:
             groups, specs = (), [P(ax.STAGE)] * len(leaves)
         else:
             groups = ()
-            specs = [manual_spec(par, StageLayout.stacked_names(n), w.shape, manual)
-                     for n, w in zip(name_leaves, leaves)]
+            specs = [
+                manual_spec(par, StageLayout.stacked_names(n), w.shape, manual) for n, w in zip(name_leaves, leaves)
+            ]
         check_split(specs, summed, par, xs.shape[1], batch)
-        weights = Weights(jax.tree.unflatten(tree, [P(None, *spec[1:]) for spec in specs]), summed, x.dtype,
-                           storage, groups)
+        weights = Weights(
+            jax.tree.unflatten(tree, [P(None, *spec[1:]) for spec in specs]), summed, x.dtype, storage, groups
+        )
         return cls(plan, xs, extras, manual, P(None, batch), jax.tree.unflatten(tree, specs), weights)
 
 
@@ -426,12 +442,13 @@ def manual_spec(par, names, shape, manual):
 def check_split(specs, summed, par, rows: int, batch, skip_first: bool = True) -> None:
     """Refuses a parameter split over a manual axis that the microbatches are not split over."""
     for spec in specs:
-        unsummed = {a for e in spec[1 if skip_first else 0:] for a in spec_axes(e) if par.mesh_shape[a] > 1}
+        unsummed = {a for e in spec[1 if skip_first else 0 :] for a in spec_axes(e) if par.mesh_shape[a] > 1}
         unsummed -= set(summed)
         if unsummed:
             axes = "+".join(sorted(unsummed))
-            raise ValueError(f"pipeline: a parameter is split over {axes} but microbatches of {rows} rows "
-                             f"are not (the rule batch -> {'+'.join(spec_axes(batch)) or 'none'}); use a batch whose "
-                             f"microbatches split over {axes} too (--batch-size a multiple of --microbatches x "
-                             f"data x fsdp), or --rule batch=data+fsdp")
-
+            raise ValueError(
+                f"pipeline: a parameter is split over {axes} but microbatches of {rows} rows "
+                f"are not (the rule batch -> {'+'.join(spec_axes(batch)) or 'none'}); use a batch whose "
+                f"microbatches split over {axes} too (--batch-size a multiple of --microbatches x "
+                f"data x fsdp), or --rule batch=data+fsdp"
+            )

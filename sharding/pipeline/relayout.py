@@ -13,11 +13,12 @@ from __future__ import annotations
 import numpy as np
 
 from sharding import axes as ax
+from sharding.parallel import to_varying
 from sharding.pipeline.layout import StageLayout
 from sharding.pipeline.storage import StageStorage, stack_table
-from sharding.parallel import to_varying
 
 Layout = StageLayout | StageStorage | None
+
 
 def layout_rows(layout: Layout, num_layers: int) -> np.ndarray:
     """The canonical layer of each row of a stacked array, flattened (-1: empty slot or row)."""
@@ -142,12 +143,15 @@ def relayout_on_mesh(tree, src: Layout, dst: Layout, num_layers: int, mesh):
 
     def local(*blocks):
         stage = jax.lax.axis_index(ax.STAGE)
-        return [_move_rows(block, shape, sharded, src, dst, num_layers, stage)
-                for block, shape, sharded in zip(blocks, shapes, split)]
+        return [
+            _move_rows(block, shape, sharded, src, dst, num_layers, stage)
+            for block, shape, sharded in zip(blocks, shapes, split)
+        ]
 
     specs = [P(ax.STAGE) if sharded else P() for sharded in split]
-    moved = jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=[P(ax.STAGE)] * len(leaves),
-                          axis_names={ax.STAGE})(*leaves)
+    moved = jax.shard_map(
+        local, mesh=mesh, in_specs=tuple(specs), out_specs=[P(ax.STAGE)] * len(leaves), axis_names={ax.STAGE}
+    )(*leaves)
     lead = stack_table(dst, num_layers).shape
     lead_in = stack_table(src, num_layers).ndim
     return treedef.unflatten([y.reshape(*lead, *shape[lead_in:]) for y, shape in zip(moved, shapes)])

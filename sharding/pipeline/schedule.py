@@ -131,7 +131,9 @@ def _pipeline_forward(layer_fn, plan: PipelinePlan, params, xs, extras, save: bo
             first = jnp.where(r == 0, first, index_leaf(circ, mb))
         inputs = jnp.where(stage == 0, first, state)
         count = jnp.where(valid, counts[r], 0)
-        h, done, saved = chunk_forward(layer_fn, params, r, inputs, index_tree(extras, mb), count, plan.skip_empty, save)
+        h, done, saved = chunk_forward(
+            layer_fn, params, r, inputs, index_tree(extras, mb), count, plan.skip_empty, save
+        )
         outputs = write(outputs, mb, h, valid & (stage == stages - 1) & (r == repeats - 1))
         received = jax.lax.ppermute(h, ax.STAGE, ring)
         if repeats > 1:
@@ -182,8 +184,9 @@ def _pipeline_backward(layer_fn, plan: PipelinePlan, params, extras, saved, g_ou
         wrote = valid & (stage == stages - 1) & (r == repeats - 1)
         g_out = g_out + jnp.where(wrote, index_leaf(g_outputs, mb), 0).astype(g_out.dtype)
         count = jnp.where(valid, counts[r], 0)
-        g_in, grads = chunk_backward(layer_fn, params, r, index_leaf(saved, t), index_tree(extras, mb), count, g_out,
-                                      grads, plan.skip_empty)
+        g_in, grads = chunk_backward(
+            layer_fn, params, r, index_leaf(saved, t), index_tree(extras, mb), count, g_out, grads, plan.skip_empty
+        )
         first = valid & (stage == 0)
         if repeats > 1:
             g_xs = write(g_xs, mb, index_leaf(g_xs, mb) + g_in, first & (r == 0))
@@ -242,15 +245,16 @@ def _pipeline_program(layer_fn, plan: PipelinePlan, par, weights: Weights, remat
         # Varying over the batch axes, so that differentiating a layer adds no reduction inside the loop.
         params = to_varying(params, weights.summed)
         zeros = jax.tree.map(lambda p, w: jnp.zeros(p.shape, w.dtype), params, stacked)
-        grads, g_xs = bound(_pipeline_backward, params, extras, saved, cotangents[0], to_varying(zeros, (ax.STAGE, *weights.summed)))
+        grads, g_xs = bound(
+            _pipeline_backward, params, extras, saved, cotangents[0], to_varying(zeros, (ax.STAGE, *weights.summed))
+        )
         return weights.reduce(grads, stacked), g_xs, jax.tree.map(lambda _: None, extras)
 
     program.defvjp(forward, backward)
     return program
 
 
-def _stage_program(stacked, xs, extras, *, layer_fn, plan: PipelinePlan, par, weights: Weights,
-                   remat_policy=None):
+def _stage_program(stacked, xs, extras, *, layer_fn, plan: PipelinePlan, par, weights: Weights, remat_policy=None):
     """One stage's program (inside shard_map, manual over ``stage`` and the batch axes).
 
     Args:
@@ -268,8 +272,9 @@ def _stage_program(stacked, xs, extras, *, layer_fn, plan: PipelinePlan, par, we
     return sum_over_stages(outputs), applied[None]
 
 
-def run_pipeline(layer_fn: Callable[..., Any], stacked, x, extras: Sequence[Any], par, *, names=None,
-                 remat_policy=None):
+def run_pipeline(
+    layer_fn: Callable[..., Any], stacked, x, extras: Sequence[Any], par, *, names=None, remat_policy=None
+):
     """Runs a stacked layer function as a pipeline over the ``stage`` mesh axis.
 
     The stage program runs under `jax.shard_map`, manual over ``stage`` and the batch axes ``data`` and
@@ -314,8 +319,9 @@ def run_pipeline(layer_fn: Callable[..., Any], stacked, x, extras: Sequence[Any]
     setup = Setup.of(stacked, x, extras, par, names)
     plan, weights = setup.plan, setup.weights
     program = jax.shard_map(
-        lambda w, xs, ex: _stage_program(w, xs, ex, layer_fn=layer_fn, plan=plan, par=par, weights=weights,
-                                         remat_policy=remat_policy),
+        lambda w, xs, ex: _stage_program(
+            w, xs, ex, layer_fn=layer_fn, plan=plan, par=par, weights=weights, remat_policy=remat_policy
+        ),
         mesh=par.mesh,
         in_specs=(setup.stacked_specs, setup.data, jax.tree.map(lambda _: setup.data, setup.extras)),
         out_specs=(setup.data, P(ax.STAGE)),

@@ -138,8 +138,7 @@ def _place(layout: StageLayout, groups: int) -> Placement:
     index ``g`` for the moved rows, the one that receives the fewest rows per device (one ``ppermute`` of
     ``c_d`` rows per distance that moves any)."""
     devices = layout.stages * groups
-    return min((_place_preferring(layout, groups, d) for d in range(groups, devices, groups)),
-               key=lambda p: p.received)
+    return min((_place_preferring(layout, groups, d) for d in range(groups, devices, groups)), key=lambda p: p.received)
 
 
 def _place_preferring(layout: StageLayout, groups: int, prefer: int) -> Placement:
@@ -165,9 +164,14 @@ def _place_preferring(layout: StageLayout, groups: int, prefer: int) -> Placemen
             for layer in column[s][g][q:]:
                 spare = [(o, h) for o in range(stages) for h in range(groups) if len(held[o][h]) < q]
                 same = [(o, h) for o, h in spare if h == g and o != s]
-                o, h = max(same or spare, key=lambda c: ((here - c[0] * groups - c[1]) % devices == prefer,
-                                                          q - len(held[c[0]][c[1]]),
-                                                          -((here - c[0] * groups - c[1]) % devices)))
+                o, h = max(
+                    same or spare,
+                    key=lambda c: (
+                        (here - c[0] * groups - c[1]) % devices == prefer,
+                        q - len(held[c[0]][c[1]]),
+                        -((here - c[0] * groups - c[1]) % devices),
+                    ),
+                )
                 received[s][g].append((o, h, len(held[o][h]), layer))
                 held[o][h].append(layer)
     row_table = np.full((stages, groups, q), -1, np.int32)
@@ -250,8 +254,9 @@ def storage_spec(spec, rows: int, mesh_shape: Mapping[str, int], axes: Sequence[
         lead.pop()
     rest = []
     for entry in tuple(spec)[1:]:
-        kept = tuple(a for a in (() if entry is None else (entry,) if isinstance(entry, str) else entry)
-                     if a not in lead)
+        kept = tuple(
+            a for a in (() if entry is None else (entry,) if isinstance(entry, str) else entry) if a not in lead
+        )
         rest.append(None if not kept else kept[0] if len(kept) == 1 else kept)
     first = None if not lead else lead[0] if len(lead) == 1 else tuple(lead)
     return PartitionSpec(first, *rest)

@@ -84,11 +84,20 @@ class Ticks:
         """The table as the loop reads it (`FusedTicks.columns`): a tick's forward and backward columns are
         the same arrays (``op`` for both: a forward runs where it is `FORWARD`, a backward where it is
         `BACKWARD`), so at most one of the two runs."""
-        return {"forward": self.op, "forward_chunk": self.chunk, "forward_microbatch": self.microbatch,
-                "forward_slot": self.slot, "backward": self.op, "backward_chunk": self.chunk,
-                "backward_microbatch": self.microbatch, "backward_slot": self.slot, "arrive": self.arrive,
-                "cotangent_arrive": self.cotangent_arrive, "cotangent_slot": self.cotangent_slot,
-                "loss_slot": self.cotangent_slot}
+        return {
+            "forward": self.op,
+            "forward_chunk": self.chunk,
+            "forward_microbatch": self.microbatch,
+            "forward_slot": self.slot,
+            "backward": self.op,
+            "backward_chunk": self.chunk,
+            "backward_microbatch": self.microbatch,
+            "backward_slot": self.slot,
+            "arrive": self.arrive,
+            "cotangent_arrive": self.cotangent_arrive,
+            "cotangent_slot": self.cotangent_slot,
+            "loss_slot": self.cotangent_slot,
+        }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,13 +147,17 @@ class FusedTicks:
 
     def live(self) -> np.ndarray:
         """``[S]``: the most chunk inputs each stage holds at once (from arrival to backward)."""
-        return _held(self.arrive, self.forward == FORWARD, self.forward_slot, self.backward == BACKWARD,
-                     self.backward_slot)
+        return _held(
+            self.arrive, self.forward == FORWARD, self.forward_slot, self.backward == BACKWARD, self.backward_slot
+        )
 
     def columns(self) -> dict[str, np.ndarray]:
         """The columns the loop reads, by field name (the int32 ``[ticks, S]`` tables)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in
-                ("slots", "cotangent_slots")}
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name not in ("slots", "cotangent_slots")
+        }
 
 
 def _held(arrive, forward, forward_slot, backward, backward_slot) -> np.ndarray:
@@ -233,8 +246,11 @@ def one_f_one_b_ticks(stages: int, microbatches: int, repeats: int = 1) -> Ticks
                 continue
             op, r, i = orders[s][ptr[s]]
             v = r * stages + s
-            need = ((FORWARD, v - 1, i) if v else None) if op == FORWARD else \
-                ((FORWARD, v, i) if v == last else (BACKWARD, v + 1, i))
+            need = (
+                ((FORWARD, v - 1, i) if v else None)
+                if op == FORWARD
+                else ((FORWARD, v, i) if v == last else (BACKWARD, v + 1, i))
+            )
             ready = need is None or done.get(need, len(rows)) < len(rows)
             row.append((op, r, i) if ready else None)
             ptr[s] += ready
@@ -272,8 +288,6 @@ def one_f_one_b_ticks(stages: int, microbatches: int, repeats: int = 1) -> Ticks
     return Ticks(**tables, slots=max(n for _, n in colours), cotangent_slots=max(n for _, n in cot_colours))
 
 
-
-
 def fused_ticks(stages: int, microbatches: int, repeats: int = 1) -> FusedTicks:
     """The fused 1F1B schedule of ``S`` stages, ``M`` microbatches and ``R`` chunks per stage (module docstring).
 
@@ -304,8 +318,11 @@ def fused_ticks(stages: int, microbatches: int, repeats: int = 1) -> FusedTicks:
             if ptr[s][1] < n:
                 r, i = backwards[ptr[s][1]]
                 v = r * stages + s
-                ready = ((FORWARD, v, i) in done or forward == (r, i)) if v == last else \
-                    done.get((BACKWARD, v + 1, i), t) < t
+                ready = (
+                    ((FORWARD, v, i) in done or forward == (r, i))
+                    if v == last
+                    else done.get((BACKWARD, v + 1, i), t) < t
+                )
                 if ready:
                     backward, ptr[s][1] = (r, i), ptr[s][1] + 1
             row.append((forward, backward))
@@ -322,8 +339,18 @@ def fused_ticks(stages: int, microbatches: int, repeats: int = 1) -> FusedTicks:
     slot_of = {k: c for cs, _ in colours for k, c in cs.items()}
     cot_of = {k: c for cs, _ in cot_colours for k, c in cs.items()}
     shape = (len(rows), stages)
-    names = ("forward", "forward_chunk", "forward_microbatch", "forward_slot", "backward", "backward_chunk",
-             "backward_microbatch", "backward_slot", "cotangent_slot", "loss_slot")
+    names = (
+        "forward",
+        "forward_chunk",
+        "forward_microbatch",
+        "forward_slot",
+        "backward",
+        "backward_chunk",
+        "backward_microbatch",
+        "backward_slot",
+        "cotangent_slot",
+        "loss_slot",
+    )
     tables = {name: np.zeros(shape, np.int32) for name in names}
     tables["arrive"] = np.full(shape, -1, np.int32)
     tables["cotangent_arrive"] = np.full(shape, -1, np.int32)
@@ -364,10 +391,16 @@ def fused_held_bound(stages: int, microbatches: int, repeats: int, stage: int) -
 def _intervals(done: dict, stages: int, microbatches: int, last: int) -> tuple[dict, dict]:
     """``(saved, waiting)``: per ``(v, i)`` the inclusive ticks its chunk input is held (arrival to backward)
     and its cotangent waits (arrival, or the loss at the last virtual stage's forward, to backward)."""
-    saved = {(v, i): (done[FORWARD, v - 1, i] + 1 if v else done[FORWARD, v, i], done[BACKWARD, v, i])
-             for v in range(last + 1) for i in range(microbatches)}
-    waiting = {(v, i): (done[FORWARD, v, i] if v == last else done[BACKWARD, v + 1, i] + 1, done[BACKWARD, v, i])
-               for v in range(last + 1) for i in range(microbatches)}
+    saved = {
+        (v, i): (done[FORWARD, v - 1, i] + 1 if v else done[FORWARD, v, i], done[BACKWARD, v, i])
+        for v in range(last + 1)
+        for i in range(microbatches)
+    }
+    waiting = {
+        (v, i): (done[FORWARD, v, i] if v == last else done[BACKWARD, v + 1, i] + 1, done[BACKWARD, v, i])
+        for v in range(last + 1)
+        for i in range(microbatches)
+    }
     return saved, waiting
 
 
@@ -381,5 +414,7 @@ def _check(stages: int, microbatches: int, repeats: int) -> None:
     if microbatches < stages:
         raise ValueError(f"--microbatches {microbatches}: 1F1B needs at least the {stages} stages")
     if repeats > 1 and microbatches % stages:
-        raise ValueError(f"--microbatches {microbatches}: interleaved 1F1B (--pipeline-repeats {repeats}) needs a "
-                         f"multiple of the {stages} stages, e.g. --microbatches {stages * -(-microbatches // stages)}")
+        raise ValueError(
+            f"--microbatches {microbatches}: interleaved 1F1B (--pipeline-repeats {repeats}) needs a "
+            f"multiple of the {stages} stages, e.g. --microbatches {stages * -(-microbatches // stages)}"
+        )

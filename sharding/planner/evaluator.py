@@ -22,7 +22,6 @@ from sharding.mesh import device_grid, format_mesh
 from sharding.parallel import Accumulation, Parallelism, UnevenBatch
 from sharding.pipeline.layout import PipelinePlan, bubble_fraction, one_f_one_b_ticks, pipeline_rules, plan_layout
 
-
 #: Share of a device's memory a plan may use; the rest is left to the runtime, the allocator's
 #: fragmentation and the activations the cost model misses (it predicts 0.5-0.9x of what the CPU
 #: compiler allocates for temporaries, bench/results/costmodel.md).
@@ -93,7 +92,9 @@ class PlanOptions:
 
     def __post_init__(self) -> None:
         if self.one_f_one_b_clock not in PIPELINE_CLOCKS:
-            raise ValueError(f"one_f_one_b_clock {self.one_f_one_b_clock!r}: choose one of {', '.join(PIPELINE_CLOCKS)}")
+            raise ValueError(
+                f"one_f_one_b_clock {self.one_f_one_b_clock!r}: choose one of {', '.join(PIPELINE_CLOCKS)}"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,8 +143,17 @@ class Plan:
     def key(self) -> tuple:
         """A description that identifies the plan (for tables and de-duplication)."""
         lay = self.layout
-        return (format_mesh(lay.mesh), lay.rules_name, lay.microbatches, lay.remat, lay.attention,
-                lay.stage_layers, lay.pipeline_repeats, lay.one_f_one_b, self.counts)
+        return (
+            format_mesh(lay.mesh),
+            lay.rules_name,
+            lay.microbatches,
+            lay.remat,
+            lay.attention,
+            lay.stage_layers,
+            lay.pipeline_repeats,
+            lay.one_f_one_b,
+            self.counts,
+        )
 
     def parallelism(self) -> Parallelism:
         """The plan as the run's `sharding.parallel.Parallelism` (not bound to a mesh): its mesh, rules
@@ -198,8 +208,10 @@ def _cluster(inventory) -> _Cluster:
         )
     for kind in inventory.kinds_present:
         if not kind.is_known:
-            raise ValueError(f"--cluster: the figures of device kind {kind.name!r} are unknown; name a known kind "
-                             f"(e.g. h100:8) or give them in a cluster file")
+            raise ValueError(
+                f"--cluster: the figures of device kind {kind.name!r} are unknown; name a known kind "
+                f"(e.g. h100:8) or give them in a cluster file"
+            )
     return _Cluster(inventory.device_kinds(), inventory.device_hosts(), counts.pop(), inventory.inter_host_bandwidth)
 
 
@@ -209,8 +221,10 @@ class _Evaluator:
     def __init__(self, model, inventory, global_batch: int, seq_len: int, options: PlanOptions):
         self.model, self.batch, self.seq, self.options = cm.describe_model(model), global_batch, seq_len, options
         self.cluster = _cluster(inventory)
-        self.hardware = {k.name: cm.hardware_for(k, self.cluster.per_host, self.cluster.inter_bandwidth,
-                                                 options.efficiency) for k in inventory.kinds_present}
+        self.hardware = {
+            k.name: cm.hardware_for(k, self.cluster.per_host, self.cluster.inter_bandwidth, options.efficiency)
+            for k in inventory.kinds_present
+        }
         self._shares: dict[tuple, dict[str, int]] = {}
         self.limit = {k.name: MEMORY_FRACTION * k.memory_bytes for k in inventory.kinds_present}
         self.peak = sum(k.peak_bf16_flops for k in self.cluster.kinds)
@@ -273,8 +287,15 @@ class _Evaluator:
     def time(self, cost: cm.Cost, kind, mesh) -> cm.StepTime:
         return cm.step_time(cost, self.hardware[kind.name], self.links(mesh), self.shares(mesh))
 
-    def finish(self, layout, counts, rows, devices: list[tuple[str, cm.Cost, cm.StepTime]],
-               seconds: float | None = None, idle: Sequence[str] = ()) -> Plan:
+    def finish(
+        self,
+        layout,
+        counts,
+        rows,
+        devices: list[tuple[str, cm.Cost, cm.StepTime]],
+        seconds: float | None = None,
+        idle: Sequence[str] = (),
+    ) -> Plan:
         """Combines per-device-class results ``(label, cost, time)`` into a `Plan`; the slowest
         class paces the step (``seconds`` overrides its time, e.g. with a pipeline bubble)."""
         label, _, st = max(devices, key=lambda d: d[2].total)
@@ -288,11 +309,29 @@ class _Evaluator:
             memory[kind] = max(memory.get(kind, 0.0), c.memory.total)
         fits = all(memory[k] <= self.limit[k] for k in memory)
         tokens = self.batch * self.seq / seconds
-        parts = {"compute": st.compute, "exposed_comm": st.exposed_comm, "overlapped_comm": st.overlapped_comm,
-                 "optimizer": st.optimizer, "bubble": seconds - st.total}
-        return Plan(layout, counts, rows, seconds, tokens, tokens * self.flops_per_token / self.peak,
-                    memory, {k: self.limit[k] for k in memory}, parts, label, fits, dict(st.by_kind), parts_of,
-                    tuple(idle))
+        parts = {
+            "compute": st.compute,
+            "exposed_comm": st.exposed_comm,
+            "overlapped_comm": st.overlapped_comm,
+            "optimizer": st.optimizer,
+            "bubble": seconds - st.total,
+        }
+        return Plan(
+            layout,
+            counts,
+            rows,
+            seconds,
+            tokens,
+            tokens * self.flops_per_token / self.peak,
+            memory,
+            {k: self.limit[k] for k in memory},
+            parts,
+            label,
+            fits,
+            dict(st.by_kind),
+            parts_of,
+            tuple(idle),
+        )
 
     def uniform(self, layout: cm.Layout) -> Plan | None:
         mesh = layout.mesh
@@ -345,11 +384,32 @@ class _Evaluator:
         # those of the first split priced with these layers and slots (keying by the split made the search
         # ~6x slower; the rows moved are one ppermute per step, small beside the working copy's gather).
         # The cost does not depend on the kind (only its time does): one cost serves every kind of a stage.
-        key = (tuple(layout.mesh.items()), layout.rules_name, layout.microbatches, layout.remat,
-               layout.pipeline_repeats, layout.one_f_one_b, layout.attention, layout.dtype, rows, layers, slots)
+        key = (
+            tuple(layout.mesh.items()),
+            layout.rules_name,
+            layout.microbatches,
+            layout.remat,
+            layout.pipeline_repeats,
+            layout.one_f_one_b,
+            layout.attention,
+            layout.dtype,
+            rows,
+            layers,
+            slots,
+        )
         if key not in self._stage_costs:
-            self._stage_costs[key] = (cm.device_cost(self.model, layout, seq_len=self.seq, rows=rows, layers=layers,
-                                                     slots=slots, backend=self.options.backend), {})
+            self._stage_costs[key] = (
+                cm.device_cost(
+                    self.model,
+                    layout,
+                    seq_len=self.seq,
+                    rows=rows,
+                    layers=layers,
+                    slots=slots,
+                    backend=self.options.backend,
+                ),
+                {},
+            )
         cost, times = self._stage_costs[key]
         if kind.name not in times:
             times[kind.name] = self.time(cost, kind, layout.mesh)
@@ -363,8 +423,15 @@ class _Evaluator:
         for kind, count in zip(kinds, counts):
             key = (kind.name, count)
             if key not in by_class:
-                cost = cm.device_cost(self.model, layout, seq_len=self.seq, rows=rows, microbatches=count,
-                                      backend=self.options.backend, batch_rows=self.batch)
+                cost = cm.device_cost(
+                    self.model,
+                    layout,
+                    seq_len=self.seq,
+                    rows=rows,
+                    microbatches=count,
+                    backend=self.options.backend,
+                    batch_rows=self.batch,
+                )
                 by_class[key] = (kind.name, cost, self.time(cost, kind, mesh))
         return self.finish(layout, tuple(counts), rows, list(by_class.values()), idle=self.idle_kinds(mesh, counts))
 

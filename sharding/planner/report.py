@@ -25,8 +25,12 @@ def _binding(p: Plan) -> dict[str, float]:
     """The slowest device's time as it adds up: ``max(compute, overlapped traffic)``, then the
     exposed traffic, the optimizer and the pipeline bubble."""
     parts = p.parts
-    return {"busy": max(parts["compute"], parts["overlapped_comm"]), "exposed_comm": parts["exposed_comm"],
-            "optimizer": parts["optimizer"], "bubble": parts["bubble"]}
+    return {
+        "busy": max(parts["compute"], parts["overlapped_comm"]),
+        "exposed_comm": parts["exposed_comm"],
+        "optimizer": parts["optimizer"],
+        "bubble": parts["bubble"],
+    }
 
 
 def why_lost(p: Plan, best: Plan) -> str:
@@ -53,8 +57,11 @@ def why_lost(p: Plan, best: Plan) -> str:
         reason = {
             "exposed_comm": "tensor/pipeline traffic on the critical path",
             "optimizer": "larger optimizer shard",
-            "bubble": (f"1F1B lockstep ticks and bubble {p.parts['bubble'] / p.step_time:.0%}"
-                       if p.layout.one_f_one_b else f"pipeline bubble {p.parts['bubble'] / p.step_time:.0%}"),
+            "bubble": (
+                f"1F1B lockstep ticks and bubble {p.parts['bubble'] / p.step_time:.0%}"
+                if p.layout.one_f_one_b
+                else f"pipeline bubble {p.parts['bubble'] / p.step_time:.0%}"
+            ),
         }[name]
     return f"+{(p.step_time / best.step_time - 1):.0%}: {reason}"
 
@@ -74,13 +81,30 @@ def format_table(plans: Sequence[Plan]) -> list[str]:
         if p.counts is not None:
             split = "uneven " + _compress(p.counts)
         elif lay.mesh[ax.STAGE] > 1:
-            split = "stages " + ",".join(map(str, lay.stage_layers)) + (f" x{lay.pipeline_repeats}" if lay.pipeline_repeats > 1 else "")
+            split = (
+                "stages "
+                + ",".join(map(str, lay.stage_layers))
+                + (f" x{lay.pipeline_repeats}" if lay.pipeline_repeats > 1 else "")
+            )
             split += " 1f1b" if lay.one_f_one_b else ""
         else:
             split = "even"
-        rows.append([str(i), format_mesh(lay.mesh), lay.rules_name, str(lay.microbatches), lay.remat, lay.attention,
-                     split, f"{p.step_time:.3f}", f"{p.tokens_per_second:,.0f}", f"{p.mfu:.1%}"]
-                    + [_gb(p.memory[k]) if k in p.memory else "-" for k in kinds] + [why_lost(p, best)])
+        rows.append(
+            [
+                str(i),
+                format_mesh(lay.mesh),
+                lay.rules_name,
+                str(lay.microbatches),
+                lay.remat,
+                lay.attention,
+                split,
+                f"{p.step_time:.3f}",
+                f"{p.tokens_per_second:,.0f}",
+                f"{p.mfu:.1%}",
+            ]
+            + [_gb(p.memory[k]) if k in p.memory else "-" for k in kinds]
+            + [why_lost(p, best)]
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = [" | ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, "-|-".join("-" * w for w in widths))

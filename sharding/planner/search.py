@@ -47,8 +47,11 @@ def _meshes(model: ModelDescription, cluster: _Cluster, options: PlanOptions) ->
             continue
         if sequence > 1 and not options.sequence:
             continue
-        if stage > 1 and (not options.pipeline or stage > model.num_layers
-                          or (options.max_stages is not None and stage > options.max_stages)):
+        if stage > 1 and (
+            not options.pipeline
+            or stage > model.num_layers
+            or (options.max_stages is not None and stage > options.max_stages)
+        ):
             continue
         if tensor > 1 and any(model.axis_sizes[a] % tensor for a in (ax.HEADS, ax.MLP, ax.VOCAB)):
             continue
@@ -110,9 +113,17 @@ def _uneven_counts(ev: _Evaluator, layout: cm.Layout, total: int, rows: float) -
             continue
 
         def seconds(n, kind=kind):
-            cost = cm.device_cost(ev.model, layout, seq_len=ev.seq, rows=rows, microbatches=n,
-                                  backend=ev.options.backend, batch_rows=ev.batch)
+            cost = cm.device_cost(
+                ev.model,
+                layout,
+                seq_len=ev.seq,
+                rows=rows,
+                microbatches=n,
+                backend=ev.options.backend,
+                batch_rows=ev.batch,
+            )
             return ev.time(cost, kind, layout.mesh).total
+
         lines[kind.name] = _affine(seconds, share[i])
     start = [max(c - 1, 0) for c in share]
     counts = min_max_assign(total, start, lambda i, n: (lines[kinds[i].name][0] + lines[kinds[i].name][1] * n, n))
@@ -137,9 +148,11 @@ def _stage_split(ev: _Evaluator, layout: cm.Layout) -> Plan | None:
             continue
 
         def seconds(n, names=names):  # a stage is as fast as its slowest kind
-            cost = cm.device_cost(ev.model, layout, seq_len=ev.seq, rows=rows, layers=n, slots=n,
-                                  backend=ev.options.backend)
+            cost = cm.device_cost(
+                ev.model, layout, seq_len=ev.seq, rows=rows, layers=n, slots=n, backend=ev.options.backend
+            )
             return max(ev.time(cost, by_name[name], mesh).total for name in names)
+
         lines[names] = _affine(seconds, share[i])
     start = [max(c - 1, 1) for c in share]
     split = min_max_assign(layers, start, lambda i, n: (lines[sets[i]][0] + lines[sets[i]][1] * n, n))
@@ -161,8 +174,9 @@ def _stage_split(ev: _Evaluator, layout: cm.Layout) -> Plan | None:
             trial[i] -= n
             trial[j] += n
             candidate = ev.uniform(dataclasses.replace(layout, stage_layers=tuple(trial)))
-            if candidate is not None and (best is None or (candidate.fits, -candidate.step_time)
-                                          > (best.fits, -best.step_time)):
+            if candidate is not None and (
+                best is None or (candidate.fits, -candidate.step_time) > (best.fits, -best.step_time)
+            ):
                 split, best, improved = trial, candidate, True
                 break
         if not improved:
@@ -193,13 +207,16 @@ def _layouts(ev: _Evaluator, mesh: dict[str, int], rules: str, attention: str) -
     if limit is None and stages > 1:
         limit = max(PIPELINE_MICROBATCHES_FLOOR, PIPELINE_MICROBATCHES_PER_STAGE * stages)
     for m in _microbatch_options(per_device, limit, at_least=stages if stages > 1 else 1):
-        for r in (opts.repeats if stages > 1 else (1,)):
+        for r in opts.repeats if stages > 1 else (1,):
             if stages > 1 and stages * r > model.num_layers:
                 continue
             base = cm.Layout(mesh, rules, m, "none", pipeline_repeats=r, attention=attention, dtype=opts.dtype)
             yield base, "pipeline" if stages > 1 else "uniform"
-            uneven_ok = (opts.hetero and _uneven_fits(mesh, rules, model.attention_kernel(attention))
-                         and len({k.name for k in ev.kinds_in(mesh)}) > 1)
+            uneven_ok = (
+                opts.hetero
+                and _uneven_fits(mesh, rules, model.attention_kernel(attention))
+                and len({k.name for k in ev.kinds_in(mesh)}) > 1
+            )
             if uneven_ok:
                 yield dataclasses.replace(base, uneven_batch=True), "uneven"
 
@@ -255,8 +272,9 @@ def _one_f_one_b(ev: _Evaluator, gpipe: Plan) -> Plan | None:
     return ev.uniform(dataclasses.replace(gpipe.layout, one_f_one_b=True))
 
 
-def plan(model: Any, inventory, global_batch: int, seq_len: int, options: PlanOptions | None = None,
-         top: int = 5) -> list[Plan]:
+def plan(
+    model: Any, inventory, global_batch: int, seq_len: int, options: PlanOptions | None = None, top: int = 5
+) -> list[Plan]:
     """The best layouts of one training step, fastest first.
 
     Args:
@@ -303,8 +321,9 @@ def _diverse(plans: list[Plan], top: int) -> list[Plan]:
     return (first + rest)[:top]
 
 
-def uniform_baseline(model: Any, inventory, global_batch: int, seq_len: int,
-                     options: PlanOptions | None = None) -> Plan | None:
+def uniform_baseline(
+    model: Any, inventory, global_batch: int, seq_len: int, options: PlanOptions | None = None
+) -> Plan | None:
     """The best plan where every device does the same work (no uneven shares, even stages)."""
     options = dataclasses.replace(options or PlanOptions(), hetero=False)
     ev = _Evaluator(model, inventory, global_batch, seq_len, options)
@@ -315,12 +334,22 @@ def uniform_baseline(model: Any, inventory, global_batch: int, seq_len: int,
         stages, _ = plan_layout(ev.model.num_layers, layout.mesh[ax.STAGE])
         return dataclasses.replace(layout, stage_layers=stages.stage_layers)
 
-    return _best_fitting(ev.uniform(even(dataclasses.replace(layout, remat=remat), tag))
-                         for layout, tag in _candidates(ev) for remat in options.remats)
+    return _best_fitting(
+        ev.uniform(even(dataclasses.replace(layout, remat=remat), tag))
+        for layout, tag in _candidates(ev)
+        for remat in options.remats
+    )
 
 
-def evaluate(model: Any, inventory, global_batch: int, seq_len: int, layout: cm.Layout,
-             counts: Sequence[int] | None = None, options: PlanOptions | None = None) -> Plan | None:
+def evaluate(
+    model: Any,
+    inventory,
+    global_batch: int,
+    seq_len: int,
+    layout: cm.Layout,
+    counts: Sequence[int] | None = None,
+    options: PlanOptions | None = None,
+) -> Plan | None:
     """Prices one given layout (and uneven counts), as the planner does.
 
     Args:
@@ -345,8 +374,9 @@ def evaluate(model: Any, inventory, global_batch: int, seq_len: int, layout: cm.
     return ev.uneven(layout, counts, global_batch / sum(counts))
 
 
-def brute_force(model: Any, inventory, global_batch: int, seq_len: int, options: PlanOptions | None = None,
-                max_splits: int = 20000) -> Plan | None:
+def brute_force(
+    model: Any, inventory, global_batch: int, seq_len: int, options: PlanOptions | None = None, max_splits: int = 20000
+) -> Plan | None:
     """The best fitting plan by exhaustive search (for tests): every mesh, rules, attention,
     microbatches and remat, every per-kind count vector for uneven data parallelism, and every
     stage split (compositions of the layers into ``stage`` parts of at least 1, when there are at
@@ -366,8 +396,12 @@ def brute_force(model: Any, inventory, global_batch: int, seq_len: int, options:
                 if gpipe is not None:
                     yield _one_f_one_b(ev, gpipe)
 
-    return _best_fitting(plan_ for layout, tag in _candidates(ev) for remat in ev.options.remats
-                         for plan_ in every(dataclasses.replace(layout, remat=remat), tag))
+    return _best_fitting(
+        plan_
+        for layout, tag in _candidates(ev)
+        for remat in ev.options.remats
+        for plan_ in every(dataclasses.replace(layout, remat=remat), tag)
+    )
 
 
 def _kind_counts(ev: _Evaluator, layout: cm.Layout) -> Iterator[list[int]]:
@@ -401,8 +435,7 @@ def _compositions(total: int, parts: int, limit: int) -> Iterator[tuple[int, ...
         yield tuple(bounds[i + 1] - bounds[i] for i in range(parts))
 
 
-def no_plan_reason(model: Any, inventory, global_batch: int, seq_len: int,
-                   options: PlanOptions | None = None) -> str:
+def no_plan_reason(model: Any, inventory, global_batch: int, seq_len: int, options: PlanOptions | None = None) -> str:
     """Why `plan` returned no plan, in one line that names a value that works where one is knowable.
 
     Args:
@@ -419,10 +452,14 @@ def no_plan_reason(model: Any, inventory, global_batch: int, seq_len: int,
     ev = _Evaluator(model, inventory, global_batch, seq_len, options)
     splits = sorted({m[ax.DATA] * m[ax.FSDP] for m in _meshes(ev.model, ev.cluster, options)})
     if splits and not any(True for _ in _candidates(ev)):
-        for batch in range(global_batch + 1, global_batch + 2 * max(splits) * max(options.max_microbatches or 64, 1) + 1):
+        for batch in range(
+            global_batch + 1, global_batch + 2 * max(splits) * max(options.max_microbatches or 64, 1) + 1
+        ):
             if any(True for _ in _candidates(_Evaluator(model, inventory, batch, seq_len, options))):
                 shown = ", ".join(str(n) for n in splits)
-                return (f"--batch {global_batch} does not divide over the data-parallel devices of any layout "
-                        f"(data x fsdp is {shown} on this cluster, with enough rows per device for each pipeline's "
-                        f"microbatches); try --batch {batch}")
+                return (
+                    f"--batch {global_batch} does not divide over the data-parallel devices of any layout "
+                    f"(data x fsdp is {shown} on this cluster, with enough rows per device for each pipeline's "
+                    f"microbatches); try --batch {batch}"
+                )
     return f"no layout fits --batch {global_batch} --seq-len {seq_len}; try a smaller --batch or --seq-len"

@@ -32,8 +32,7 @@ from train.strategies.accumulate import AccumulatedGradients
 from train.strategies.hetero import batch_grid, batch_groups, device_speeds, slowest_of_groups
 from train.strategies.pipeline import PipelineExecution, checked_pipeline
 from train.strategies.protocol import GradientStrategy, LossFn, StepInput
-from train.strategies.uneven import (UnevenGradients, check_uneven, describe_uneven, resolve_uneven,
-                                     uneven_row_index)
+from train.strategies.uneven import UnevenGradients, check_uneven, describe_uneven, resolve_uneven, uneven_row_index
 
 
 def kind_of(strategy) -> type[GradientStrategy]:
@@ -67,6 +66,22 @@ def make_strategy(par: Parallelism, layout) -> GradientStrategy:
     return kind_of(par.strategy)(par, layout)
 
 
-__all__ = ["AccumulatedGradients", "GradientStrategy", "LossFn", "PipelineExecution", "StepInput", "UnevenGradients",
-           "batch_grid", "batch_groups", "check_uneven", "checked_pipeline", "describe_uneven", "device_speeds",
-           "kind_of", "make_strategy", "resolve_uneven", "slowest_of_groups", "uneven_row_index"]
+__all__ = [
+    "AccumulatedGradients",
+    "GradientStrategy",
+    "LossFn",
+    "PipelineExecution",
+    "StepInput",
+    "UnevenGradients",
+    "batch_grid",
+    "batch_groups",
+    "check_uneven",
+    "checked_pipeline",
+    "describe_uneven",
+    "device_speeds",
+    "kind_of",
+    "make_strategy",
+    "resolve_uneven",
+    "slowest_of_groups",
+    "uneven_row_index",
+]

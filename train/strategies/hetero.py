@@ -25,7 +25,7 @@ def batch_groups(mesh) -> list[list[Any]]:
     batch = [names.index(a) for a in ax.BATCH_MESH_AXES if a in names]
     order = batch + [i for i in range(len(names)) if i not in batch]
     devices = np.asarray(mesh.devices).transpose(order)
-    groups = math.prod(devices.shape[:len(batch)])
+    groups = math.prod(devices.shape[: len(batch)])
     return [list(row) for row in devices.reshape(groups, -1)]
 
 
@@ -46,7 +46,7 @@ def slowest_of_groups(values: Sequence[float], groups: Sequence[Sequence[Any]], 
     """
     out, start = [], 0
     for group in groups:
-        members = values[start:start + len(group)]
+        members = values[start : start + len(group)]
         out.append(max(members) if larger_is_slower else min(members))
         start += len(group)
     return out

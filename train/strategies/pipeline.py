@@ -42,8 +42,9 @@ class PipelineExecution(GradientStrategy):
     def cost_notes(self) -> list[str]:
         if not self.par.pipeline.skip_empty:
             return []
-        return ["  (the compiled figures count every slot of every pipeline step; the prediction only the slots "
-                "that run)"]
+        return [
+            "  (the compiled figures count every slot of every pipeline step; the prediction only the slots that run)"
+        ]
 
     def detail_lines(self, run, trainer) -> list[str]:
         from train import report
@@ -110,6 +111,8 @@ def checked_pipeline(par: Parallelism, compiled_text: str) -> tuple[Parallelism,
     if not unsafe:
         return par, None
     ops = ", ".join(sorted({f"{c.op} ({c.name})" for c in unsafe}))
-    note = (f"pipeline: the partitioner put {ops} inside a skipped layer slot, where stages that skip it would "
-            f"leave others waiting; this run computes every slot instead (empty slots cost compute too)")
+    note = (
+        f"pipeline: the partitioner put {ops} inside a skipped layer slot, where stages that skip it would "
+        f"leave others waiting; this run computes every slot instead (empty slots cost compute too)"
+    )
     return par.replace(strategy=dataclasses.replace(plan, skip_empty=False)), note

@@ -180,4 +180,3 @@ class GradientStrategy:
     def flags_before_microbatches(cls, par: Parallelism) -> list[str]:
         """The strategy's own flags before ``--microbatches`` (none by default)."""
         return []
-

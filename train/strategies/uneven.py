@@ -83,8 +83,9 @@ class UnevenGradients(GradientStrategy):
         self.batch_axes = tuple(a for a in ax.BATCH_MESH_AXES if par.mesh_shape[a] > 1)
         # The map is manual over the batch axes only; tensor stays automatic (GSPMD partitions each layer).
         self.manual = tuple(a for a in ax.BATCH_MESH_AXES if a in par.mesh.axis_names)
-        self.manual_specs = jax.tree.map(lambda s: only_axes(s, self.manual), param_specs,
-                                         is_leaf=lambda x: isinstance(x, PartitionSpec))
+        self.manual_specs = jax.tree.map(
+            lambda s: only_axes(s, self.manual), param_specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
+        )
         self.timed = strategy.rebalance_every > 0
 
     def gradients(self, loss_fn: LossFn, params, batch: dict, inputs=None):
@@ -99,11 +100,13 @@ class UnevenGradients(GradientStrategy):
             counts = jnp.asarray(np.asarray(self.counts, np.int32))
         index = uneven_row_index(counts, microbatch_rows, self.capacity)
         sharding = NamedSharding(mesh, spec)
-        padded = {f: jax.lax.with_sharding_constraint(jnp.take(batch[f], index.reshape(-1), axis=0), sharding)
-                  for f in FIELDS}
+        padded = {
+            f: jax.lax.with_sharding_constraint(jnp.take(batch[f], index.reshape(-1), axis=0), sharding) for f in FIELDS
+        }
         counts = jax.lax.with_sharding_constraint(counts, sharding)
         run = jax.shard_map(
-            lambda p, b, c: self._local(loss_fn, p, b, c, microbatch_rows), mesh=mesh,
+            lambda p, b, c: self._local(loss_fn, p, b, c, microbatch_rows),
+            mesh=mesh,
             in_specs=(self.manual_specs, {f: spec for f in FIELDS}, spec),
             out_specs=(PartitionSpec(), PartitionSpec(), self.manual_specs, PartitionSpec()),
             axis_names=set(self.manual),
@@ -134,8 +137,13 @@ class UnevenGradients(GradientStrategy):
 
         zero = to_varying(jnp.zeros((), jnp.float32), varying)
         t_start = self._clock(buffer["tokens"][0, 0].astype(jnp.float32)) if timed else zero
-        init = (to_varying(jnp.zeros((), jnp.int32), varying), zero, zero,
-                jax.tree.map(lambda p: to_varying(jnp.zeros(p.shape, p.dtype), varying), full), t_start)
+        init = (
+            to_varying(jnp.zeros((), jnp.int32), varying),
+            zero,
+            zero,
+            jax.tree.map(lambda p: to_varying(jnp.zeros(p.shape, p.dtype), varying), full),
+            t_start,
+        )
         processed, loss_sum, weight, grads, t_end = jax.lax.while_loop(lambda c: c[0] < count[0], body, init)
         # The one reduction of the step, after every device has left its loop.
         loss_sum = jax.lax.psum(loss_sum, varying)
@@ -172,10 +180,16 @@ class UnevenGradients(GradientStrategy):
         counts, capacity = self.counts, self.capacity
 
         def check(value):
-            if (value.shape != (len(counts),) or int(value.sum()) != sum(counts) or value.min() < 0
-                    or value.max() > capacity):
-                raise ValueError(f"uneven counts {value.tolist()}: need {len(counts)} counts >= 0 summing "
-                                 f"to {sum(counts)}, each at most --hetero-max-share {capacity}")
+            if (
+                value.shape != (len(counts),)
+                or int(value.sum()) != sum(counts)
+                or value.min() < 0
+                or value.max() > capacity
+            ):
+                raise ValueError(
+                    f"uneven counts {value.tolist()}: need {len(counts)} counts >= 0 summing "
+                    f"to {sum(counts)}, each at most --hetero-max-share {capacity}"
+                )
 
         replicated = NamedSharding(self.par.mesh, PartitionSpec())
         return (StepInput("counts", (self.par.data_parallel,), replicated, np.asarray(counts, np.int32), check),)
@@ -191,8 +205,9 @@ class UnevenGradients(GradientStrategy):
         from train.calibrate import compute_pools
         from train.strategies.hetero import batch_grid
 
-        return RebalanceController(self.counts, self.capacity, strategy.rebalance_every,
-                                   pools=compute_pools(batch_grid(self.par.mesh)))
+        return RebalanceController(
+            self.counts, self.capacity, strategy.rebalance_every, pools=compute_pools(batch_grid(self.par.mesh))
+        )
 
     def priced(self, config, layout, batch: int, seq_len: int, backend: str):
         """The device with the most microbatches (`sharding.costmodel.device_cost`)."""
@@ -202,13 +217,22 @@ class UnevenGradients(GradientStrategy):
         if not strategy.counts:
             return super().priced(config, layout, batch, seq_len, backend)
         most = max(strategy.counts)
-        cost = cm.device_cost(config, layout, seq_len=seq_len, rows=batch / strategy.total, microbatches=most,
-                              backend=backend, batch_rows=batch)
+        cost = cm.device_cost(
+            config,
+            layout,
+            seq_len=seq_len,
+            rows=batch / strategy.total,
+            microbatches=most,
+            backend=backend,
+            batch_rows=batch,
+        )
         return cost, f"the device with the most microbatches ({most})"
 
     def cost_notes(self) -> list[str]:
-        return ["  (the uneven step's microbatch loop runs a number of trips set at run time: the compiled "
-                "products count its body once)"]
+        return [
+            "  (the uneven step's microbatch loop runs a number of trips set at run time: the compiled "
+            "products count its body once)"
+        ]
 
     def summary_lines(self, run, speeds=None) -> list[str]:
         strategy = self.par.strategy
@@ -233,9 +257,11 @@ class UnevenGradients(GradientStrategy):
         tensor = par.mesh_shape[ax.TENSOR]
         if tensor > 1 and attention_registry.kernel(model.attention).traits.under_shard_map:
             partitioned = " or ".join(k.name for k in attention_registry.KERNELS if not k.traits.under_shard_map)
-            raise ValueError(f"--attention {model.attention} runs its kernel under its own shard_map, which cannot "
-                             f"sit inside the uneven step's with tensor={tensor} yet; with --hetero-batch and a "
-                             f"tensor axis use --attention {partitioned}")
+            raise ValueError(
+                f"--attention {model.attention} runs its kernel under its own shard_map, which cannot "
+                f"sit inside the uneven step's with tensor={tensor} yet; with --hetero-batch and a "
+                f"tensor axis use --attention {partitioned}"
+            )
 
         _, abstract, names = abstract_model(model)
         check_uneven(par, names, abstract, run.data.batch_size)
@@ -265,17 +291,29 @@ class UnevenGradients(GradientStrategy):
         strategy = par.strategy
         if strategy.counts and sum(strategy.counts) % len(strategy.counts) == 0:
             log("--plan auto: uneven counts from speeds measured at start-up (as --hetero-batch auto)")
-            return par.replace(strategy=dataclasses.replace(
-                strategy, counts=None, speeds="measured", microbatches=sum(strategy.counts) // len(strategy.counts),
-                rebalance_every=strategy.rebalance_every or DEFAULT_REBALANCE))
+            return par.replace(
+                strategy=dataclasses.replace(
+                    strategy,
+                    counts=None,
+                    speeds="measured",
+                    microbatches=sum(strategy.counts) // len(strategy.counts),
+                    rebalance_every=strategy.rebalance_every or DEFAULT_REBALANCE,
+                )
+            )
         return par
 
     @classmethod
     def flags_before_microbatches(cls, par: Parallelism) -> list[str]:
         strategy = par.strategy
         given = strategy.counts is not None and strategy.speeds == "given"
-        out = ["--hetero-batch", ",".join(map(str, strategy.counts)) if given else
-               "auto" if strategy.speeds == "measured" else strategy.speeds]
+        out = [
+            "--hetero-batch",
+            ",".join(map(str, strategy.counts))
+            if given
+            else "auto"
+            if strategy.speeds == "measured"
+            else strategy.speeds,
+        ]
         if strategy.capacity is not None:
             out += ["--hetero-max-share", str(strategy.capacity)]
         if strategy.rebalance_every:
@@ -307,8 +345,10 @@ class RebalanceController:
         new = self.balance.propose()
         if new is not None:
             self.inputs = (new,)
-            log(f"step {step}: rebalanced uneven counts to {','.join(map(str, new))} (measured microbatches/s "
-                f"{', '.join(f'{v:.2f}' for v in values['speeds'])})")
+            log(
+                f"step {step}: rebalanced uneven counts to {','.join(map(str, new))} (measured microbatches/s "
+                f"{', '.join(f'{v:.2f}' for v in values['speeds'])})"
+            )
 
 
 def _replicate(value, axes: tuple[str, ...]):
@@ -373,16 +413,21 @@ def resolve_uneven(par: Parallelism, mesh, simulated=None) -> tuple[Parallelism,
     return par.replace(strategy=dataclasses.replace(strategy, counts=counts)), speeds
 
 
-def describe_uneven(counts: Sequence[int], microbatch_rows: int, speeds: Sequence[float] | None = None,
-                    capacity: int | None = None) -> str:
+def describe_uneven(
+    counts: Sequence[int], microbatch_rows: int, speeds: Sequence[float] | None = None, capacity: int | None = None
+) -> str:
     """One line: counts per device (with speeds when known) and the padded buffer size (microbatches)."""
     from sharding.balance import default_capacity
 
-    parts = [f"{c}" + (f" ({s / 1e12:.0f} TFLOP/s)" if speeds else "")
-             for c, s in zip(counts, speeds or [None] * len(counts))]
+    parts = [
+        f"{c}" + (f" ({s / 1e12:.0f} TFLOP/s)" if speeds else "")
+        for c, s in zip(counts, speeds or [None] * len(counts))
+    ]
     capacity = capacity or default_capacity(sum(counts), len(counts), counts)
-    return (f"uneven data parallelism: microbatches of {microbatch_rows} sequences per device "
-            f"{', '.join(parts)}; padded buffer {capacity} microbatches per device")
+    return (
+        f"uneven data parallelism: microbatches of {microbatch_rows} sequences per device "
+        f"{', '.join(parts)}; padded buffer {capacity} microbatches per device"
+    )
 
 
 def check_uneven(par: Parallelism, param_names, abstract_params, global_batch: int | None = None) -> None:
@@ -410,41 +455,65 @@ def check_uneven(par: Parallelism, param_names, abstract_params, global_batch: i
     others = [f"{a}={n}" for a, n in par.mesh_shape.items() if a not in allowed and n > 1]
     groups = par.data_parallel
     if others:
-        raise ValueError(f"--hetero-batch supports meshes over data, fsdp and tensor only; --mesh splits "
-                         f"{', '.join(others)}. Use e.g. --mesh data={groups} --rules dp, or --hetero-batch off")
-    for names, leaf in zip(jax.tree.leaves(param_names, is_leaf=lambda x: isinstance(x, tuple)),
-                           jax.tree.leaves(abstract_params), strict=True):
+        raise ValueError(
+            f"--hetero-batch supports meshes over data, fsdp and tensor only; --mesh splits "
+            f"{', '.join(others)}. Use e.g. --mesh data={groups} --rules dp, or --hetero-batch off"
+        )
+    for names, leaf in zip(
+        jax.tree.leaves(param_names, is_leaf=lambda x: isinstance(x, tuple)),
+        jax.tree.leaves(abstract_params),
+        strict=True,
+    ):
         spec, _ = logical_to_spec(tuple(names), par.rules, leaf.shape, par.mesh_shape)
         used = {a for entry in spec for a in spec_axes(entry)}
         if used - set(allowed):
-            raise ValueError(f"--hetero-batch supports the dp, fsdp, tp and fsdp_tp rules; --rules {par.rules.name} "
-                             f"splits parameters over {', '.join(sorted(used))}. Use --rules fsdp_tp")
+            raise ValueError(
+                f"--hetero-batch supports the dp, fsdp, tp and fsdp_tp rules; --rules {par.rules.name} "
+                f"splits parameters over {', '.join(sorted(used))}. Use --rules fsdp_tp"
+            )
     if strategy.counts is None:
         return
     counts = strategy.counts
     given = ",".join(map(str, counts))
     tensor = par.mesh_shape[ax.TENSOR]
     if tensor > 1 and len(counts) == groups * tensor:
-        per_group = [counts[i:i + tensor] for i in range(0, len(counts), tensor)]
+        per_group = [counts[i : i + tensor] for i in range(0, len(counts), tensor)]
         split = next((g for g in per_group if len(set(g)) > 1), None)
         example = ",".join(str(g[0] if split is None else max(1, round(sum(g) / tensor))) for g in per_group)
-        what = (f"counts {','.join(map(str, split))} split a tensor group of {tensor} devices, which must run one "
-                f"count" if split is not None else f"{len(counts)} counts are one per device")
-        raise ValueError(f"--hetero-batch {given}: {what}; give one count per data-parallel group (the {groups} "
-                         f"along data x fsdp, each shared by its {tensor} tensor devices), e.g. --hetero-batch "
-                         f"{example}")
+        what = (
+            f"counts {','.join(map(str, split))} split a tensor group of {tensor} devices, which must run one count"
+            if split is not None
+            else f"{len(counts)} counts are one per device"
+        )
+        raise ValueError(
+            f"--hetero-batch {given}: {what}; give one count per data-parallel group (the {groups} "
+            f"along data x fsdp, each shared by its {tensor} tensor devices), e.g. --hetero-batch "
+            f"{example}"
+        )
     if len(counts) != groups:
         example = ",".join(map(str, largest_remainder(max(sum(counts), groups), [1.0] * groups)))
-        raise ValueError(f"--hetero-batch {given}: {len(counts)} counts for the {groups} devices "
-                         f"along data x fsdp; give one per device, e.g. --hetero-batch {example}")
+        raise ValueError(
+            f"--hetero-batch {given}: {len(counts)} counts for the {groups} devices "
+            f"along data x fsdp; give one per device, e.g. --hetero-batch {example}"
+        )
     if strategy.capacity is not None and strategy.capacity < max(counts):
-        raise ValueError(f"--hetero-max-share {strategy.capacity} is below the largest of --hetero-batch "
-                         f"{given}; e.g. --hetero-max-share {max(counts)}")
+        raise ValueError(
+            f"--hetero-max-share {strategy.capacity} is below the largest of --hetero-batch "
+            f"{given}; e.g. --hetero-max-share {max(counts)}"
+        )
     if global_batch is not None and global_batch % sum(counts):
         total = sum(counts)
-        raise ValueError(f"--batch-size {global_batch} is not divisible by the {total} microbatches of --hetero-batch "
-                         f"{given}; e.g. --batch-size {total * max(1, global_batch // total)}")
+        raise ValueError(
+            f"--batch-size {global_batch} is not divisible by the {total} microbatches of --hetero-batch "
+            f"{given}; e.g. --batch-size {total * max(1, global_batch // total)}"
+        )
 
 
-__all__ = ["RebalanceController", "UnevenGradients", "check_uneven", "describe_uneven", "resolve_uneven",
-           "uneven_row_index"]
+__all__ = [
+    "RebalanceController",
+    "UnevenGradients",
+    "check_uneven",
+    "describe_uneven",
+    "resolve_uneven",
+    "uneven_row_index",
+]
