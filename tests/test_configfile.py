@@ -68,3 +68,28 @@ def test_a_resume_from_the_run_folder_alone_reads_model_and_layout(tmp_path, cor
     assert json.loads((run_dir / "config.json").read_text())["flags"]["steps"] == 3
     resumed = cli.parse(["--resume", "--run-dir", str(run_dir)])
     assert resumed.model.num_layers == 3 and resumed.parallelism.mesh_shape["data"] == 2 and resumed.preset == "test"
+
+
+def test_a_resume_takes_the_model_and_layout_from_the_record_each_group_whole(tmp_path):
+    """How this invocation runs (checkpoint interval, steps) is never taken from the record; a command line
+    that names a layout flag re-lays the run, so none of the record's layout flags (a stage split that would
+    not fit the new mesh) are taken; the model's flags likewise."""
+    from train import configfile
+
+    run = tmp_path / "run"
+    run.mkdir()
+    recorded = {"model": "test", "set": ["num_layers=6"], "mesh": "stage=2,fsdp=4", "stage_layers": "4,2",
+                "ckpt_every": 1, "seq_len": 64}  # fmt: skip
+    (run / configfile.RECORD).write_text(json.dumps({"command": [], "flags": recorded}))
+    parser = cli.build_parser()
+
+    def parsed(*argv):
+        return parser.parse_args(configfile.expand(["--resume", "--run-dir", str(run), *argv], parser))
+
+    alone = parsed()
+    assert (alone.model, alone.mesh, alone.stage_layers, alone.seq_len) == ("test", "stage=2,fsdp=4", "4,2", 64)
+    assert alone.set == ["num_layers=6"] and alone.ckpt_every == parser.get_default("ckpt_every")
+    moved = parsed("--mesh", "fsdp=8")
+    assert (moved.mesh, moved.stage_layers, moved.model, moved.seq_len) == ("fsdp=8", None, "test", 64)
+    restated = parsed("--model", "small")
+    assert restated.set in (None, []) and restated.mesh == "stage=2,fsdp=4"

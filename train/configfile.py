@@ -8,8 +8,10 @@ flags placed before the command line's, so argparse checks them exactly as typed
 command line overrides the file (a repeatable one adds to its list).
 
 Every run (process 0) writes ``RUN_DIR/config.json`` atomically: the command line as typed and every flag's
-resolved value. ``--resume --run-dir R`` reads that record as its config file when no ``--config`` is given,
-so a resume needs no model or layout flag repeated.
+resolved value. ``--resume --run-dir R`` reads from that record, when no ``--config`` is given, the flags that say what
+the checkpoints hold and how they are laid out and fed (`RESUMED`: the model, tokenizer, data, layout and
+optimizer), so a resume needs none of them repeated; how this invocation runs (steps, checkpoint and
+evaluation intervals, processes, devices) comes from its own command line and the defaults.
 """
 
 from __future__ import annotations
@@ -27,6 +29,32 @@ RECORD = "config.json"
 """The run record's name inside the run folder."""
 NOT_RECORDED = ("config", "resume", "resume_step", "discard_later", "break_lock", "dry_run")
 """Flags a resume from the record does not take from it: they say what this invocation does."""
+MODEL_FLAGS = ("model", "set", "init_from")
+"""The model as a whole: a command line that names one of them restates the model, and the record's are not taken."""
+LAYOUT_FLAGS = (
+    "mesh",
+    "rules",
+    "rule",
+    "mesh_outer",
+    "plan",
+    "microbatches",
+    "stage_layers",
+    "pipeline_schedule",
+    "pipeline_repeats",
+    "hetero_batch",
+    "hetero_max_share",
+    "rebalance_every",
+    "context_layout",
+)
+"""The layout as a whole: a command line that names one of them re-lays the run (resume onto another mesh), and
+the record's are not taken (its stage split or counts would not fit the new mesh)."""
+RESUMED = (
+    *MODEL_FLAGS, *LAYOUT_FLAGS, "dtype", "remat", "attention", "logits", "tokenizer", "eod_token", "data",
+    "heldout", "seq_len", "batch_size", "seed", "optimizer", "beta1", "beta2", "eps", "lr", "schedule", "warmup",
+    "decay_steps", "weight_decay", "grad_clip", "skip_nonfinite", "max_loss",
+)  # fmt: skip
+"""What a resume takes from the run record (flag destinations): the model, its data, its layout and optimizer,
+each group whole (`MODEL_FLAGS`, `LAYOUT_FLAGS`) unless the command line names one of its flags."""
 
 
 def _actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
@@ -82,6 +110,12 @@ def read_file(path: str) -> dict:
         raise ValueError(f"--config {path}: not a TOML file ({e})") from None
 
 
+def _named_dests(argv: Sequence[str], parser: argparse.ArgumentParser) -> set[str]:
+    """The destinations of the flags ``argv`` names (``--mesh x`` and ``--mesh=x`` alike)."""
+    by_option = {o: a.dest for a in parser._actions for o in a.option_strings}
+    return {by_option[t.split("=", 1)[0]] for t in argv if t.split("=", 1)[0] in by_option}
+
+
 def expand(argv: Sequence[str], parser: argparse.ArgumentParser) -> list[str]:
     """``argv`` with ``--config FILE`` (or, for ``--resume --run-dir R`` without it, R's record) expanded into
     flags before the command line's.
@@ -98,7 +132,12 @@ def expand(argv: Sequence[str], parser: argparse.ArgumentParser) -> list[str]:
         return to_argv(read_file(known.config), parser, known.config) + list(argv)
     record = Path(known.run_dir) / RECORD if known.run_dir else None
     if known.resume and record is not None and record.is_file():
-        flags = {k: v for k, v in read_file(str(record)).items() if k not in NOT_RECORDED}
+        named = _named_dests(argv, parser)
+        taken = [
+            d for d in RESUMED
+            if d not in named and not any(named & set(group) and d in group for group in (MODEL_FLAGS, LAYOUT_FLAGS))
+        ]  # fmt: skip
+        flags = {k: v for k, v in read_file(str(record)).items() if k.replace("-", "_") in taken}
         return to_argv(flags, parser, str(record)) + list(argv)
     return list(argv)
 

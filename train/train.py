@@ -56,10 +56,6 @@ def run(config: RunConfig) -> int:
     log = report.logger(jax.process_index() == 0)
     config, tokenizer = prepare(config, jax.devices(), log)
     lock = hold_run_folder(config, jax.process_index(), log)  # refuses a folder another run holds
-    if lock is not None and config.record is not None:
-        from train.configfile import write_record
-
-        write_record(config.checkpoint.run_dir, config.record)
     try:
         return _run_prepared(config, tokenizer, processes, log)
     finally:
@@ -211,6 +207,11 @@ def train(config: RunConfig, trainer, ckpt, latest, tokenizer, log) -> int:
             permutation=_context_permutation(config),
         )
         state, samples, latest = start_state(config, trainer, ckpt, latest, log)
+        if jax.process_index() == 0 and config.record is not None:
+            from train.configfile import write_record
+
+            # Only once the run is accepted (resume checks passed): a refused command leaves the folder as it was.
+            write_record(config.checkpoint.run_dir, config.record)
         writer = MetricsWriter(Path(config.checkpoint.run_dir), jax.process_index() == 0, latest)
         meta = RunMeta.create(
             config.model,
