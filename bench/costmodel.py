@@ -52,6 +52,7 @@ from sharding.mesh import make_mesh, parse_mesh  # noqa: E402
 from sharding.parallel import Parallelism, UnevenBatch  # noqa: E402
 from sharding.rules import get_rules  # noqa: E402
 from train.optimizer import OptimizerConfig  # noqa: E402
+from train.plan import plan_flags  # noqa: E402
 from train.step import Trainer  # noqa: E402
 
 KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
@@ -231,7 +232,7 @@ def gains() -> list[str]:
         brute = planner.brute_force(model, inventory, 256, 1024)
         gain, ideal = uniform.step_time / best.step_time, (ratio + 1) / 2
         lines.append(
-            f"| {ratio:g} | {best.flags()} | {best.step_time:.4f} | {uniform.flags()} | "
+            f"| {ratio:g} | {plan_flags(best)} | {best.step_time:.4f} | {plan_flags(uniform)} | "
             f"{uniform.step_time:.4f} | {gain:.3f} | {ideal:.2f} | {gain / ideal:.1%} | "
             f"{brute.step_time:.4f} | {seconds:.2f} s |"
         )
@@ -250,7 +251,7 @@ def plan_7b() -> list[str]:
         *planner.format_table(plans),
         "```",
         "",
-        f"Best plan with the same work on every device: {base.flags()}, {base.step_time:.2f} s/step; "
+        f"Best plan with the same work on every device: {plan_flags(base)}, {base.step_time:.2f} s/step; "
         f"the chosen plan is {base.step_time / plans[0].step_time:.2f}x faster.",
         "",
     ]

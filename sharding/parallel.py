@@ -277,66 +277,6 @@ class Parallelism:
 
     # Flags -------------------------------------------------------------------------------------
 
-    def flags(self) -> list[str]:
-        """The ``python -m train.train`` flags that reproduce this layout (mesh, rules, strategy).
-
-        The encoder of a layout as flags is `train.flags.parallelism_flags` (the command line's, with each
-        strategy's part in `train.strategies`). This copy stays only while `sharding.planner.Plan.flags`
-        calls it (sharding cannot import train); once the planner's flags are rendered in `train.plan`, it
-        goes. A test keeps the two outputs equal meanwhile.
-        """
-        mesh = format_mesh(self.mesh_shape) if self.num_devices > 1 else "data=1"
-        out = ["--mesh", mesh]
-        base, overrides = _rules_flags(self.rules, self.pipeline is not None)
-        out += ["--rules", base] + [item for rule in overrides for item in ("--rule", rule)]
-        if self.outer:
-            outer = format_mesh(self.outer)
-            if outer != "single device":
-                out += ["--mesh-outer", outer]
-        strategy = self.strategy
-        if strategy.uneven:
-            given = strategy.counts is not None and strategy.speeds == "given"
-            out += [
-                "--hetero-batch",
-                ",".join(map(str, strategy.counts))
-                if given
-                else "auto"
-                if strategy.speeds == "measured"
-                else strategy.speeds,
-            ]
-            if strategy.capacity is not None:
-                out += ["--hetero-max-share", str(strategy.capacity)]
-            if strategy.rebalance_every:
-                out += ["--rebalance-every", str(strategy.rebalance_every)]
-        out += ["--microbatches", str(self.microbatches)]  # with given counts: the average, for information
-        if strategy.pipeline is not None:
-            layout = strategy.layout
-            out += ["--stage-layers", ",".join(map(str, layout.stage_layers)), "--pipeline-schedule", strategy.schedule]
-            if layout.repeats > 1:
-                out += ["--pipeline-repeats", str(layout.repeats)]
-        if self.context_layout != CONTIGUOUS:
-            out += ["--context-layout", self.context_layout]
-        return out
-
-
-def _rules_flags(rules: Rules, pipeline: bool) -> tuple[str, list[str]]:
-    """``(preset, overrides)`` that rebuild ``rules`` (the pipeline's own ``layers -> stage`` left out)."""
-    from sharding.rules import PRESETS
-
-    base = rules.name.split("+", 1)[0]
-    if base not in PRESETS:
-        base = DEFAULT_PRESET
-    preset = dict(PRESETS[base])
-    overrides = []
-    table = dict(rules.table)
-    for logical in dict.fromkeys([*preset, *table]):
-        mesh_axes = tuple(table.get(logical, ()))
-        if pipeline and logical == ax.LAYERS and mesh_axes == (ax.STAGE,):
-            continue
-        if mesh_axes != tuple(preset.get(logical, ())):
-            overrides.append(f"{logical}={'+'.join(mesh_axes) or 'none'}")
-    return base, overrides
-
 
 def to_varying(tree, axes: str | Sequence[str]):
     """Marks each leaf device-varying over ``axes`` (inside `jax.shard_map`), where it is not already.

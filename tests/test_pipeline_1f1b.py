@@ -603,13 +603,14 @@ def test_dry_run_reports_interleaved_1f1b(capsys):
 @pytest.mark.parametrize("repeats", [1, 2])
 def test_the_fused_1f1b_plan_round_trips_through_its_flags_and_is_reported(repeats):
     from train.cli import parse
+    from train.flags import parallelism_flags
     from train.report import schedule_memory_line
 
     argv = ["--model", "test", "--mesh", "stage=2,fsdp=4", "--microbatches", "4", "--pipeline-schedule", "1f1b-fused"]
     run = parse(argv + (["--pipeline-repeats", str(repeats)] if repeats > 1 else []))
     plan = run.parallelism.strategy
     assert plan.one_f_one_b and plan.fused and plan.schedule == "1f1b-fused" and plan.layout.repeats == repeats
-    again = parse(["--model", "test", *run.parallelism.flags()])
+    again = parse(["--model", "test", *parallelism_flags(run.parallelism)])
     assert again.parallelism.strategy == plan
     ticks = 4 * repeats + (repeats + 1) * 2 - 2
     assert (
@@ -621,10 +622,11 @@ def test_the_fused_1f1b_plan_round_trips_through_its_flags_and_is_reported(repea
 @pytest.mark.parametrize("repeats", [1, 2])
 def test_the_1f1b_plan_round_trips_through_its_flags(repeats):
     from train.cli import parse
+    from train.flags import parallelism_flags
 
     argv = ["--model", "test", "--mesh", "stage=2,fsdp=4", "--microbatches", "4", "--pipeline-schedule", "1f1b"]
     run = parse(argv + (["--pipeline-repeats", str(repeats)] if repeats > 1 else []))
     plan = run.parallelism.strategy
     assert plan.one_f_one_b and plan.schedule == "1f1b" and plan.layout.repeats == repeats
-    again = parse(["--model", "test", *run.parallelism.flags()])
+    again = parse(["--model", "test", *parallelism_flags(run.parallelism)])
     assert again.parallelism.strategy == plan

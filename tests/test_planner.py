@@ -15,6 +15,7 @@ from sharding import devices, planner
 from sharding.splits import largest_remainder
 from train import checks, cli
 from train.plan import main as plan_main
+from train.plan import plan_flags
 
 
 def _described(*fields):
@@ -158,11 +159,13 @@ def test_uneven_shares_with_tensor_inside_each_group_for_a_7b_model():
     assert min(fast) > max(slow)  # the fast host's groups run more microbatches
     uniform = planner.uniform_baseline(model, inventory, 64, 2048, options)
     assert best.step_time < 0.8 * uniform.step_time, (best.key(), uniform.key())
-    run = cli.parse([*best.flags().split(), "--batch-size", "64", "--seq-len", "2048", "--model", "7b", "--dry-run"])
+    run = cli.parse(
+        [*plan_flags(best).split(), "--batch-size", "64", "--seq-len", "2048", "--model", "7b", "--dry-run"]
+    )
     checks.check_batch(run)
     checks.check_strategy(run)
     flash = cli.parse(
-        [*best.flags().split(), "--batch-size", "64", "--seq-len", "2048", "--model", "7b", "--attention", "flash"]
+        [*plan_flags(best).split(), "--batch-size", "64", "--seq-len", "2048", "--model", "7b", "--attention", "flash"]
     )
     with pytest.raises(ValueError, match="--attention flash runs its kernel under its own shard_map"):
         checks.check_strategy(flash)
@@ -221,7 +224,7 @@ def test_flags_reproduce_the_plan_and_train_accepts_them():
     inventory = _inventory(4, 4, 4, 2.0)
     model = _described(32000, 12, 768, 2048, 12, 12, 64)
     best = planner.plan(model, inventory, 256, 1024, planner.PlanOptions(pipeline=False))[0]
-    flags = best.flags()
+    flags = plan_flags(best)
     assert f"--microbatches {best.layout.microbatches}" in flags and f"--remat {best.layout.remat}" in flags
     if best.counts is not None:
         counts = [int(x) for x in flags.split("--hetero-batch ")[1].split()[0].split(",")]
@@ -238,7 +241,7 @@ def test_pipeline_plans_with_flash_attention_are_accepted_by_train():
     plans = planner.plan(model, inventory, 16, 1024, planner.PlanOptions(attentions=("flash",)))
     staged = [p for p in plans if p.layout.mesh["stage"] > 1]
     assert staged, [p.key() for p in plans]
-    flags = staged[0].flags()
+    flags = plan_flags(staged[0])
     assert "--attention flash" in flags and "--stage-layers" in flags
     run = cli.parse([*flags.split(), "--batch-size", "16", "--seq-len", "1024", "--model", "125m", "--dry-run"])
     checks.check_batch(run)
@@ -268,7 +271,7 @@ def test_one_f_one_b_is_priced_for_its_memory_and_its_lockstep_ticks():
     assert "pipeline bubble" in planner.why_lost(
         dataclasses.replace(gpipe, step_time=2 * gpipe.step_time, parts={**gpipe.parts, "bubble": 9e9}), gpipe
     )
-    flags = one.flags()
+    flags = plan_flags(one)
     assert "--pipeline-schedule 1f1b" in flags
     run = cli.parse([*flags.split(), "--batch-size", "64", "--seq-len", "1024", "--model", "125m", "--dry-run"])
     checks.check_strategy(run)

@@ -43,6 +43,7 @@ from sharding.devices import inventory_from_flag
 from sharding.mesh import format_mesh
 from sharding.modeldesc import ModelDescription
 from train.config import RunConfig
+from train.flags import parallelism_flags
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -91,6 +92,16 @@ def build_parser() -> argparse.ArgumentParser:
         "mfu, memory_gb per kind, fits, flags; with a search also every plan) instead of the tables",
     )
     return p
+
+
+def plan_flags(plan: planner.Plan, cluster: str | None = None) -> str:
+    """The ``python -m train.train`` flags that reproduce ``plan``: its layout's (`train.flags.parallelism_flags`
+    of `Plan.parallelism`), then the model's execution flags (``--remat``, ``--attention``, ``--dtype``) and
+    ``--cluster`` when given, as one string."""
+    lay = plan.layout
+    parts = parallelism_flags(plan.parallelism()) + ["--remat", lay.remat, "--attention", lay.attention]
+    parts += ["--dtype", lay.dtype] + (["--cluster", cluster] if cluster else [])
+    return " ".join(parts)
 
 
 def searched_attentions() -> tuple[str, ...]:
@@ -151,7 +162,7 @@ def idle_warnings(plans: Sequence[planner.Plan]) -> list[str]:
         i, p = working
         lines.append(
             f"  the best listed plan that gives every kind work is #{i} ({format_mesh(p.layout.mesh)}, "
-            f"{p.step_time / best.step_time - 1:+.0%} step time): {p.flags()}"
+            f"{p.step_time / best.step_time - 1:+.0%} step time): {plan_flags(p)}"
         )
     return lines
 
@@ -197,7 +208,7 @@ def report(model, inventory, args, options) -> tuple[list[str], list[planner.Pla
         "chosen plan:",
         f"  python -m train.train --model {args.model} "
         + "".join(f"--set {s} " for s in args.set)
-        + f"--batch-size {args.batch} --seq-len {args.seq_len} {best.flags(args.cluster)}",
+        + f"--batch-size {args.batch} --seq-len {args.seq_len} {plan_flags(best, args.cluster)}",
     ]
     return lines, plans
 
@@ -343,7 +354,7 @@ def price_report(model, inventory, args, options) -> tuple[list[str], planner.Pl
         "as flags:",
         f"  python -m train.train --model {args.model} "
         + "".join(f"--set {s} " for s in args.set)
-        + f"--batch-size {args.batch} --seq-len {args.seq_len} {plan_.flags(args.cluster)}",
+        + f"--batch-size {args.batch} --seq-len {args.seq_len} {plan_flags(plan_, args.cluster)}",
     ]
     return lines, plan_
 
@@ -387,7 +398,7 @@ def plan_json(p: planner.Plan) -> dict:
     GB per device, 1e9 bytes), ``memory_limit_gb``, ``fits``, ``why`` (empty when it fits), ``parts`` (seconds
     of the slowest device), ``paced_by``, ``counts`` (uneven microbatches or null), ``comm_seconds`` (seconds
     per collective kind), ``idle_kinds`` (kinds given no microbatch) and ``flags`` (the
-    ``python -m train.train`` layout flags, `planner.Plan.flags`)."""
+    ``python -m train.train`` layout flags, `plan_flags`)."""
     return {
         "step_seconds": p.step_time,
         "tokens_per_second": p.tokens_per_second,
@@ -401,7 +412,7 @@ def plan_json(p: planner.Plan) -> dict:
         "counts": list(p.counts) if p.counts is not None else None,
         "comm_seconds": dict(p.comm),
         "idle_kinds": list(p.idle_kinds),
-        "flags": p.flags(),
+        "flags": plan_flags(p),
     }
 
 

@@ -171,16 +171,6 @@ class Plan:
             strategy = Accumulation(lay.microbatches)
         return Parallelism(lay.mesh, rules, strategy)
 
-    def flags(self, cluster: str | None = None) -> str:
-        """The ``python -m train.train`` flags that reproduce the plan: `Parallelism.flags` of
-        `parallelism`, then the model's execution flags (``--remat``, ``--attention``, ``--dtype``) and
-        ``--cluster`` when given."""
-        lay = self.layout
-        parts = self.parallelism().flags() + ["--remat", lay.remat, "--attention", lay.attention, "--dtype", lay.dtype]
-        if cluster:
-            parts += ["--cluster", cluster]
-        return " ".join(parts)
-
 
 @dataclasses.dataclass(frozen=True)
 class _Cluster:
