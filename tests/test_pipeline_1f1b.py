@@ -310,11 +310,15 @@ def _trainer(config, mesh_spec, strategy, optimizer=None):
     )
 
 
-def _plan(num_layers, mesh_spec, stage_layers, microbatches, schedule, repeats=1):
+def _plan(num_layers, mesh_spec, stage_layers, microbatches, schedule, repeats=1, gather="once"):
     stages = parse_mesh(mesh_spec, 8)["stage"]
     layout, _ = pl.plan_layout(num_layers, stages, repeats, stage_layers)
     return pl.PipelinePlan(
-        layout, microbatches, one_f_one_b=schedule.startswith("1f1b"), fused=schedule == "1f1b-fused"
+        layout,
+        microbatches,
+        one_f_one_b=schedule.startswith("1f1b"),
+        fused=schedule == "1f1b-fused",
+        gather=gather,
     )
 
 
@@ -434,14 +438,32 @@ def _assert_steps_match_the_flat_model(plan):
     assert ref_losses[-1] < ref_losses[0]  # six steps of training, not six evaluations of one state
 
 
+@pytest.mark.parametrize("schedule, repeats", [("gpipe", 1), ("gpipe", 2), ("1f1b", 1), ("1f1b-fused", 2)])
+def test_training_steps_with_the_weights_gathered_per_microbatch_match_the_unpipelined_model(schedule, repeats):
+    """As `test_training_steps_match_the_unpipelined_model` (uneven 4,2 with fsdp: the unpadded storage, its
+    rows gathered four at a time over fsdp), with ``--pipeline-gather microbatch``: every chunk pass gathers
+    its blocks and reduce-scatters their gradients, for GPipe, circular, 1F1B, fused and interleaved fused."""
+    plan = _plan(STEPS_LAYERS, STEPS_MESH, STEPS_SPLIT, STEPS_MICROBATCHES, schedule, repeats, gather="microbatch")
+    assert plan.gather == "microbatch" and plan.layout.repeats == repeats
+    _assert_steps_match_the_flat_model(plan)
+
+
 @functools.cache
 def _compiled_gradients(
-    schedule, num_layers=4, mesh_spec="stage=2,fsdp=4", stage_layers=(3, 1), microbatches=16, batch=64, length=256
+    schedule,
+    num_layers=4,
+    mesh_spec="stage=2,fsdp=4",
+    stage_layers=(3, 1),
+    microbatches=16,
+    batch=64,
+    length=256,
+    gather="once",
 ):
     from models.config import get_config
 
     config = get_config("test", [f"num_layers={num_layers}"])
-    trainer = _trainer(config, mesh_spec, _plan(num_layers, mesh_spec, stage_layers, microbatches, schedule))
+    plan = _plan(num_layers, mesh_spec, stage_layers, microbatches, schedule, gather=gather)
+    trainer = _trainer(config, mesh_spec, plan)
     params = jax.tree.map(
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), trainer.state_params, trainer.param_shardings
     )

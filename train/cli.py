@@ -21,6 +21,7 @@ from sharding import axes as ax
 from sharding.mesh import parse_axis_sizes
 from sharding.parallel import CONTEXT_LAYOUTS, Accumulation, Parallelism, UnevenBatch
 from sharding.pipeline import (
+    GATHERS,
     SCHEDULES,
     PipelinePlan,
     example_split,
@@ -245,6 +246,15 @@ def _pipeline_flags(p) -> None:
         "instead of M (loss on the last stage, inside the pipeline); 1f1b-fused: 1f1b with a forward and a "
         "backward in every tick, about M+2(S-1) ticks of a forward+backward instead of 2(M+S-1) of a "
         "backward, keeping up to 2S-1 microbatches' activations on the first stage",
+    )
+    g.add_argument(
+        "--pipeline-gather",
+        default="once",
+        choices=GATHERS,
+        help="once: each stage all-gathers its layers (in the compute dtype) before the step's loop and sums "
+        "their gradients whole, holding both through the step; microbatch: a few layers at a time, gathered "
+        "where a microbatch runs them and their gradients reduce-scattered there, so the step holds one block "
+        "of layers instead of the stage's, for a gather per microbatch pass (fsdp; any schedule)",
     )
     g.add_argument(
         "--pipeline-repeats",
@@ -678,6 +688,7 @@ def _strategy(args, sizes: dict[str, int], num_layers: int):
                 ("--stage-layers", args.stage_layers),
                 (f"--pipeline-schedule {args.pipeline_schedule}", schedule),
                 ("--pipeline-repeats", args.pipeline_repeats),
+                (f"--pipeline-gather {args.pipeline_gather}", args.pipeline_gather != "once"),
             )
             if on
         ]
@@ -733,6 +744,7 @@ def pipeline_plan(args, stages: int, num_layers: int) -> PipelinePlan:
         one_f_one_b=one_f_one_b,
         measure_stages=measure,
         fused=args.pipeline_schedule == "1f1b-fused",
+        gather=args.pipeline_gather,
     )
 
 

@@ -41,6 +41,7 @@ LAYOUT_FLAGS = (
     "stage_layers",
     "pipeline_schedule",
     "pipeline_repeats",
+    "pipeline_gather",
     "hetero_batch",
     "hetero_max_share",
     "rebalance_every",

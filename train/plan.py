@@ -224,6 +224,7 @@ LAYOUT_FLAGS = frozenset(
         "stage_layers",
         "pipeline_schedule",
         "pipeline_repeats",
+        "pipeline_gather",
         "hetero_batch",
         "hetero_max_share",
         "rebalance_every",
@@ -287,7 +288,7 @@ def given_layout(text: str, num_layers: int, num_devices: int, defaults: argpars
         raise ValueError(
             f"--layout: {', '.join(foreign)} is not a layout flag; give it to train.plan itself, or "
             f"leave it out (layout flags: --mesh, --rules, --rule, --microbatches, --stage-layers, "
-            f"--pipeline-schedule, --pipeline-repeats, --hetero-batch, --remat, --attention, --dtype)"
+            f"--pipeline-schedule, --pipeline-repeats, --pipeline-gather, --hetero-batch, --remat, --attention, --dtype)"
         )
     try:
         par = cli.parallelism_from_args(args, num_layers)

@@ -191,8 +191,19 @@ def weight_gather_line(trainer) -> str:
     most = max(layout.stage_layers)
     moved = storage.placement.received
     over = f"receives {moved} row(s) of its stage stored on another stage's devices (ppermute), then " if moved else ""
+    if trainer.par.pipeline.gather == "microbatch":
+        block = storage.groups
+        return (
+            f"  weights (--pipeline-gather microbatch): each device {over}all-gathers {block} row(s) at a time "
+            f"over the storage's batch axes, in {trainer.config.dtype}, where a chunk pass runs them, forward and "
+            f"again backward ({block} x {human_bytes(per_layer)} = {human_bytes(block * per_layer)} per device at "
+            f"a time, / tensor where the rules split over it); each block's gradient is reduce-scattered into "
+            f"float32 sums of the device's rows as the block finishes (--pipeline-gather once holds {most} x "
+            f"{human_bytes(per_layer)} and their float32 gradient sums through the step instead)"
+        )
     return (
-        f"  weights: each device {over}all-gathers its stage's rows over the storage's batch axes once per "
+        f"  weights (--pipeline-gather once): each device {over}all-gathers its stage's rows over the storage's "
+        f"batch axes once per "
         f"step, before the pipeline loop, in {trainer.config.dtype}, into a [{layout.repeats}, "
         f"{layout.chunk_slots}, ...] working copy (empty slots only there; at most {most} x "
         f"{human_bytes(per_layer)} = {human_bytes(most * per_layer)} per device, / tensor where the rules split "

@@ -16,6 +16,7 @@ own modules.
 """
 
 from sharding.pipeline.layout import (
+    GATHERS,
     SCHEDULES,
     PipelinePlan,
     StageLayout,
@@ -33,6 +34,7 @@ from sharding.pipeline.ticks import fused_ticks, one_f_one_b_ticks
 
 __all__ = [
     "SCHEDULES",
+    "GATHERS",
     "StageLayout",
     "PipelinePlan",
     "plan_layout",

@@ -44,6 +44,9 @@ from sharding.pipeline.ticks import BACKWARD, FORWARD, FusedTicks, Ticks, fused_
 from sharding.splits import even_split
 
 SCHEDULES = ("gpipe", "circular", "1f1b", "1f1b-fused")
+GATHERS = ("once", "microbatch")
+"""``--pipeline-gather``: a stage's layer weights gathered once per step (the working copy and the gradient
+sums held through it) or per microbatch, one block of layers at a time (`sharding.pipeline.program.Weights`)."""
 
 
 # Layouts ----------------------------------------------------------------------
@@ -302,9 +305,13 @@ class PipelinePlan:
       fused: with ``one_f_one_b``, the fused ticks (``--pipeline-schedule 1f1b-fused``, `fused_ticks`): a
         forward and a backward per stage per tick, ``R*M + (R+1) S - 2`` ticks of a chunk's forward plus
         backward, against lockstep's ``2 (M + S - 1)`` ticks of one op each (with one chunk).
+      gather: ``once`` (MaxText's ``pipeline_fsdp_ag_once``: the stage's layers gathered before the loop in the
+        compute dtype and their gradients summed whole, both held through the step) or ``microbatch`` (each
+        block of layers gathered where a chunk runs it, its gradient reduce-scattered there: the step holds one
+        block's working set, and pays a gather per chunk pass); `GATHERS`, ``--pipeline-gather``.
 
     Raises:
-      ValueError: ``fused`` without ``one_f_one_b``.
+      ValueError: ``fused`` without ``one_f_one_b``; ``gather`` not in `GATHERS`.
     """
 
     layout: StageLayout
@@ -313,6 +320,7 @@ class PipelinePlan:
     one_f_one_b: bool = False
     measure_stages: bool = False
     fused: bool = False
+    gather: str = "once"
 
     uneven = False
     """Every data-parallel group runs all M microbatches (`sharding.parallel.UnevenBatch` is the uneven step)."""
@@ -320,6 +328,8 @@ class PipelinePlan:
     def __post_init__(self):
         if self.fused and not self.one_f_one_b:
             raise ValueError("PipelinePlan: fused ticks are a 1F1B schedule (one_f_one_b=True)")
+        if self.gather not in GATHERS:
+            raise ValueError(f"PipelinePlan: gather {self.gather!r}; expected one of {', '.join(GATHERS)}")
 
     @property
     def pipeline(self) -> PipelinePlan:

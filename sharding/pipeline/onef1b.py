@@ -66,6 +66,7 @@ from sharding.pipeline.program import (
     logical_leaves,
     manual_axes,
     manual_spec,
+    slot_positions,
     stage_varying,
     to_microbatches,
     write,
@@ -93,11 +94,12 @@ def _ticks(
     Args:
       layer: ``(layer_params, h, *extras) -> h``.
       head: ``(head_params, h, *head_inputs) -> (loss_sum, weight_sum)``.
-      params: the stage's gathered weights, leaves ``[R, K, ...]``.
+      params: the stage's gathered weights, leaves ``[R, K, ...]``, or a `Streamed` (gathered per chunk pass).
       head_params: the head's gathered weights.
       xs: ``[M, microbatch, ...]`` inputs of the first virtual stage (stage-varying).
       extras, head_inputs: ``[M, microbatch, ...]`` side inputs of the layers and of the head.
-      grads, head_grads: zero accumulators shaped as ``params`` and ``head_params`` (None when not ``train``).
+      grads, head_grads: zero accumulators shaped as ``params`` (or `Streamed.zeros`) and ``head_params`` (None
+        when not ``train``).
       train: run the backward ticks too.
       vary: the manual axes the per-device sums vary over (``stage`` and the batch axes).
 
@@ -184,7 +186,7 @@ def _ticks(
     zero_h = jnp.zeros_like(xs[0])
     # K from the working copy, not the layout: the unpadded storage rounds a chunk's slots up to its gather
     # (`sharding.pipeline.storage`), and the extra slots are empty (skipped, or computed as padding).
-    slots = jax.tree.leaves(params)[0].shape[1]
+    slots = slot_positions(params)
     buffer = jnp.zeros((ticks.slots, slots if train else 1, *xs.shape[1:]), xs.dtype)
     waiting = jnp.zeros((ticks.cotangent_slots, *xs.shape[1:]), xs.dtype) if train else None
     zero = to_varying(jnp.zeros((), jnp.float32), vary)
@@ -203,6 +205,7 @@ def _loss_program(layer_fn, head_fn, plan: PipelinePlan, par, weights: Weights, 
     for one stage (this device's partial sums), a `jax.custom_vjp` whose forward rule runs the whole 1F1B
     step (module docstring)."""
     summed = weights.summed
+    streamed = plan.gather == "microbatch"
 
     def run(stacked, head_params, xs, extras, head_inputs, train: bool):
         stage_par = par.inside(manual_axes(par))
@@ -211,12 +214,17 @@ def _loss_program(layer_fn, head_fn, plan: PipelinePlan, par, weights: Weights, 
             layer = jax.checkpoint(layer, policy=remat_policy, prevent_cse=False)
         head = lambda hp, h, *inputs: head_fn(stage_par, hp, h, *inputs)  # noqa: E731
         vary = (ax.STAGE, *summed)
-        # Varying over the batch axes (and stage), so that differentiating adds no reduction inside the loop.
-        params = to_varying(weights.gather(stacked, plan.layout.repeats), vary)
         hp = to_varying(jax.tree.map(gather_shards, head_params, head_specs), vary)
         grads = head_grads = None
+        if streamed:  # each block gathered where a chunk runs it, its gradient reduce-scattered there
+            params = weights.stream(stacked, plan.layout.repeats)
+            grads = params.zeros() if train else None
+        else:
+            # Varying over the batch axes (and stage), so that differentiating adds no reduction inside the loop.
+            params = to_varying(weights.gather(stacked, plan.layout.repeats), vary)
+            if train:
+                grads = to_varying(jax.tree.map(lambda p, w: jnp.zeros(p.shape, w.dtype), params, stacked), vary)
         if train:
-            grads = to_varying(jax.tree.map(lambda p, w: jnp.zeros(p.shape, w.dtype), params, stacked), vary)
             head_grads = to_varying(jax.tree.map(jnp.zeros_like, hp), vary)
         return _ticks(layer, head, plan, params, hp, xs, extras, head_inputs, grads, head_grads, train, vary)
 
@@ -239,7 +247,8 @@ def _loss_program(layer_fn, head_fn, plan: PipelinePlan, par, weights: Weights, 
         d_head = jax.tree.map(
             lambda g, spec: jax.lax.psum(reduce_shards(g, spec, summed), ax.STAGE), scale(head_grads), head_specs
         )
-        return weights.reduce(scale(grads), stacked), d_head, scale(g_xs), None, None
+        finish = weights.finish if streamed else weights.reduce
+        return finish(scale(grads), stacked), d_head, scale(g_xs), None, None
 
     program.defvjp(forward, backward)
     return program

@@ -96,12 +96,49 @@ def add_slot(grads, r, k, update):
     return jax.tree.map(add, grads, update)
 
 
+def _forward_slot(layer_fn, slot, h, applied, extras, on, skip_empty: bool):
+    """One slot of a chunk's forward pass: ``(h, applied)`` after the layer when ``on`` (else ``h`` unchanged).
+
+    ``slot`` returns the slot's parameters; with ``skip_empty`` it is read inside the `jax.lax.cond`'s branch.
+    Computing every slot (``skip_empty`` False) counts the layer as applied whether or not it is kept.
+    """
+
+    def apply(h, applied):
+        return layer_fn(slot(), h, *extras), applied + 1
+
+    if skip_empty:
+        return jax.lax.cond(on, apply, lambda h, applied: (h, applied), h, applied)
+    new, applied = apply(h, applied)
+    return jnp.where(on, new, h), applied
+
+
+def _backward_slot(layer_fn, slot, x, extras, on, g, acc, add, skip_empty: bool):
+    """One slot of a chunk's backward pass: the layer recomputed from its input ``x`` and differentiated.
+
+    Returns ``(g, acc)``: the cotangent of the slot's input and ``add(acc, dw)``; a slot not ``on`` passes ``g``
+    through and adds nothing (zeros, when every slot is computed).
+    """
+
+    def back(g, acc):
+        _, vjp = jax.vjp(lambda w, h: layer_fn(w, h, *extras), slot(), x)
+        dw, dh = vjp(g)
+        return dh, add(acc, dw)
+
+    if skip_empty:
+        return jax.lax.cond(on, back, lambda g, acc: (g, acc), g, acc)
+    _, vjp = jax.vjp(lambda w, h: layer_fn(w, h, *extras), slot(), x)
+    dw, dh = vjp(g)
+    dw = jax.tree.map(lambda d: jnp.where(on, d, jnp.zeros((), d.dtype)), dw)
+    return jnp.where(on, dh, g), add(acc, dw)
+
+
 def chunk_forward(layer_fn, params, r, h, extras, count, skip_empty: bool, save: bool):
     """Applies the first ``count`` of chunk ``r``'s ``K`` layers to ``h``; the other slots do nothing.
 
     Args:
       layer_fn: ``(layer_params, h, *extras) -> h``.
-      params: the stage's parameters, leaves ``[R, K, ...]``.
+      params: the stage's parameters, leaves ``[R, K, ...]`` (gathered once per step), or a `Streamed`
+        (each block of layers gathered here, per call).
       r: int32 scalar, the repeat (chunk) to run.
       h: ``[microbatch, ...]`` activations.
       extras: this microbatch's side inputs (positions, segment ids).
@@ -112,24 +149,18 @@ def chunk_forward(layer_fn, params, r, h, extras, count, skip_empty: bool, save:
 
     Returns:
       ``(h, applied, inputs)``: the activations, the layers computed (int32)
-      and, when ``save``, ``[K, microbatch, ...]`` slot inputs (else None).
+      and, when ``save``, ``[P, microbatch, ...]`` slot inputs (else None), ``P`` = `slot_positions`.
     """
+    applied = to_varying(jnp.zeros((), jnp.int32), ax.STAGE)
+    if isinstance(params, Streamed):
+        return params.forward(layer_fn, r, h, applied, extras, count, skip_empty, save)
     slots = jax.tree.leaves(params)[0].shape[1]
 
     def body(carry, k):
         h, applied = carry
-
-        def apply(h, applied):
-            return layer_fn(slot_params(params, r, k), h, *extras), applied + 1
-
-        if skip_empty:
-            out = jax.lax.cond(k < count, apply, lambda h, applied: (h, applied), h, applied)
-        else:
-            new, applied = apply(h, applied)
-            out = (jnp.where(k < count, new, h), applied)
+        out = _forward_slot(layer_fn, lambda: slot_params(params, r, k), h, applied, extras, k < count, skip_empty)
         return out, (h if save else None)
 
-    applied = to_varying(jnp.zeros((), jnp.int32), ax.STAGE)
     (h, applied), inputs = jax.lax.scan(body, (h, applied), jnp.arange(slots))
     return h, applied, inputs
 
@@ -138,35 +169,36 @@ def chunk_backward(layer_fn, params, r, inputs, extras, count, g, grads, skip_em
     """The backward pass of `chunk_forward`: slots in reverse, each layer recomputed from its saved input.
 
     Args:
-      inputs: ``[K, microbatch, ...]`` slot inputs saved by the forward pass.
+      inputs: ``[P, microbatch, ...]`` slot inputs saved by the forward pass.
       g: cotangent of the chunk's output.
-      grads: accumulated parameter cotangents, leaves ``[R, K, ...]``.
+      grads: accumulated parameter cotangents, leaves ``[R, K, ...]`` (or, with a `Streamed` ``params``,
+        its reduce-scattered accumulators, `Streamed.zeros`).
       (others as `chunk_forward`)
 
     Returns:
       ``(g, grads)``: the cotangent of the chunk's input, and ``grads`` with
       this chunk's slots added. Skipped slots pass ``g`` through and add nothing.
     """
+    if isinstance(params, Streamed):
+        return params.backward(layer_fn, r, inputs, extras, count, g, grads, skip_empty)
     slots = jax.tree.leaves(params)[0].shape[1]
 
     def body(carry, k):
         g, grads = carry
-
-        def back(g, grads):
-            _, vjp = jax.vjp(lambda w, h: layer_fn(w, h, *extras), slot_params(params, r, k), inputs[k])
-            dw, dh = vjp(g)
-            return dh, add_slot(grads, r, k, dw)
-
-        if skip_empty:
-            return jax.lax.cond(k < count, back, lambda g, grads: (g, grads), g, grads), None
-        _, vjp = jax.vjp(lambda w, h: layer_fn(w, h, *extras), slot_params(params, r, k), inputs[k])
-        dw, dh = vjp(g)
-        keep = k < count
-        dw = jax.tree.map(lambda d: jnp.where(keep, d, jnp.zeros((), d.dtype)), dw)
-        return (jnp.where(keep, dh, g), add_slot(grads, r, k, dw)), None
+        add = lambda grads, dw: add_slot(grads, r, k, dw)  # noqa: E731
+        slot = lambda: slot_params(params, r, k)  # noqa: E731
+        return _backward_slot(layer_fn, slot, inputs[k], extras, k < count, g, grads, add, skip_empty), None
 
     (g, grads), _ = jax.lax.scan(body, (g, grads), jnp.arange(slots), reverse=True)
     return g, grads
+
+
+def slot_positions(params) -> int:
+    """``P``: the slot inputs one chunk's forward pass saves (`chunk_forward`): ``K`` for a working copy
+    ``[R, K, ...]``, `Streamed.positions` for a `Streamed` one."""
+    if isinstance(params, Streamed):
+        return params.positions
+    return jax.tree.leaves(params)[0].shape[1]
 
 
 def _inverse_rows(local_index: np.ndarray, size: int, width: int) -> np.ndarray:
@@ -244,22 +276,33 @@ class Weights:
         pairs = [(p, (p + d) % devices) for p in range(devices)]
         return jax.lax.ppermute(x, (ax.STAGE, *self.groups), [(b, a) for a, b in pairs] if back else pairs)
 
-    def _take_slots(self, w):
-        """``[q, ...]`` rows -> ``[1, R*K', ...]`` this stage's working copy (storage only)."""
-        placement = self.storage.placement
+    def _local_rows(self, w):
+        """``[q, ...]`` rows -> ``[q + C + 1, ...]``: this device's rows, the rows other devices store for it
+        (one ``ppermute`` per distance that moves any) and a zero row last, which the empty slots take
+        (storage only)."""
         stage, g = self._where()
         parts = [w]
-        for d, send in enumerate(placement.sends):
+        for d, send in enumerate(self.storage.placement.sends):
             if send is not None:
                 message = jnp.take(w, jnp.asarray(send)[stage, g], axis=0)
                 parts.append(self._send(message, d))
-        # A zero row last, which the empty slots take: no select against a slot-sized zero array (XLA
-        # shares such a broadcast with the backward pass's and materialises it before the step loop).
+        # A zero row, not a select against a slot-sized zero array (XLA shares such a broadcast with the
+        # backward pass's and materialises it before the step loop).
         parts.append(jnp.zeros((1, *w.shape[1:]), w.dtype))
-        local = jnp.concatenate(parts, axis=0)  # [q + C + 1, ...]
-        size = local.shape[0] - 1
-        index = np.where(placement.local_index >= 0, placement.local_index, size)
-        mine = jnp.take(local, jnp.asarray(index)[stage, g], axis=0)  # [W, ...]
+        return jnp.concatenate(parts, axis=0)
+
+    def _slot_rows(self):
+        """``[S, G, W]`` int32 numpy: the local row (`_local_rows`) each device gives working-copy slot
+        ``w*G + g`` (the zero row for an empty slot)."""
+        placement = self.storage.placement
+        size = placement.per_device + placement.received
+        return np.where(placement.local_index >= 0, placement.local_index, size)
+
+    def _take_slots(self, w):
+        """``[q, ...]`` rows -> ``[1, R*K', ...]`` this stage's working copy (storage only)."""
+        stage, g = self._where()
+        local = self._local_rows(w)  # [q + C + 1, ...]
+        mine = jnp.take(local, jnp.asarray(self._slot_rows())[stage, g], axis=0)  # [W, ...]
         if not self.groups:
             return mine[None]
         full = jax.lax.all_gather(mine, self.groups, axis=1, tiled=False)  # [W, G, ...]: slot w*G + g
@@ -268,12 +311,17 @@ class Weights:
     def _return_rows(self, g_slots):
         """The transpose of `_take_slots` for gradients: ``[R*K', ...]`` -> ``[q, ...]``, summed over the group
         axes (reduce-scatter) and sent back to the devices storing the received rows."""
+        if self.groups:
+            g_slots = g_slots.reshape(-1, self.storage.groups, *g_slots.shape[1:])
+            g_slots = jax.lax.psum_scatter(g_slots, self.groups, scatter_dimension=1, tiled=False)  # [W, ...]
+        return self._rows_of(g_slots)
+
+    def _rows_of(self, g_slots):
+        """This device's slots' gradients ``[W, ...]`` (already summed over the group axes) -> its rows'
+        ``[q, ...]``, the received rows' sent back to the devices storing them."""
         placement = self.storage.placement
         stage, g = self._where()
-        q, groups = placement.per_device, self.storage.groups
-        if self.groups:
-            g_slots = g_slots.reshape(-1, groups, *g_slots.shape[1:])
-            g_slots = jax.lax.psum_scatter(g_slots, self.groups, scatter_dimension=1, tiled=False)  # [W, ...]
+        q = placement.per_device
         # A gather by the inverse of the slots' rows (each local row feeds at most one slot), not a scatter into
         # zeros: XLA materialises a scatter's zero operand before the step loop, through the peak.
         width = g_slots.shape[0]
@@ -302,6 +350,197 @@ class Weights:
             return (jax.lax.psum(rows, rest) if rest else rows).astype(w.dtype)
 
         return jax.tree.map(one, grads, stacked, self.specs)
+
+    def stream(self, stacked, repeats: int, local=None) -> Streamed:
+        """The per-microbatch gather (``--pipeline-gather microbatch``): what stays local for the step.
+
+        Unpadded storage: the rows other devices store for this one arrive once (`_local_rows`, in the
+        stored dtype; no gather over the group axes yet). Padded: the blocks as they are, ``[R*K, ...]``.
+        ``local``: those rows already made (a backward pass reusing its forward pass's), else made here.
+        """
+        if self.storage is not None:
+            local = jax.tree.map(self._local_rows, stacked) if local is None else local
+            return Streamed(self, local, repeats, self.storage.placement.chunk_slots, self.storage.groups)
+        local = jax.tree.map(lambda w: w[0], stacked) if local is None else local
+        return Streamed(self, local, repeats, jax.tree.leaves(stacked)[0].shape[1] // repeats, 1)
+
+    def finish(self, sums, stacked):
+        """`Streamed` gradient sums (reduce-scattered per pass, `Streamed.zeros`) -> the blocks' gradients:
+        summed over the batch axes not yet reduced, in the blocks' dtype."""
+
+        def one(g, w, spec):
+            if self.storage is None:
+                split = {a for entry in spec for a in spec_axes(entry)}
+                rest = tuple(a for a in self.summed if a not in split)
+                g = jax.lax.psum(g, rest) if rest else g
+                return g[None].astype(w.dtype)
+            rows = self._rows_of(g)
+            rest = tuple(a for a in self.summed if a not in self.groups)
+            return (jax.lax.psum(rows, rest) if rest else rows).astype(w.dtype)
+
+        return jax.tree.map(one, sums, stacked, self.specs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Streamed:
+    """A stage's layer weights gathered per pass of a chunk, one block of ``B`` slots at a time
+    (``--pipeline-gather microbatch``; MaxText's alternative to ``pipeline_fsdp_ag_once``).
+
+    The working copy's slots ``[R*K', ...]`` fall into ``W = R*K'/B`` blocks of ``B`` consecutive slots:
+    with the unpadded storage ``B = G`` (device ``g`` of the stage provides slot ``w*B + g`` of block ``w``:
+    one all-gather over the group axes assembles a block), with padded blocks ``B = 1`` (each slot's
+    FSDP-shards all-gathered). A chunk pass (`chunk_forward`, `chunk_backward`) gathers the ``n`` blocks that
+    cover chunk ``r`` (slots ``r*K' ... r*K' + K' - 1``) in the compute dtype, one at a time, outside the
+    slots' conditionals, and its backward pass reduce-scatters each block's gradient into float32 sums of
+    this device's share (`zeros`) as soon as the block is done. So a step holds one block's gathered
+    weights and gradients instead of the stage's, at the price of a gather per chunk pass forward and
+    backward (the backward recomputes from a second gather) and a reduce-scatter per backward pass.
+
+    Attributes:
+      weights: the `Weights` whose storage and specs these are.
+      local: per leaf, this device's rows for the step: ``[q + C + 1, ...]`` (storage; `Weights._local_rows`)
+        or ``[R*K, ...]`` (padded block).
+      repeats: R, chunks per stage.
+      chunk_slots: K', slots per chunk of the working copy.
+      block: B, slots per gathered block.
+    """
+
+    weights: Weights
+    local: Any
+    repeats: int
+    chunk_slots: int
+    block: int
+
+    @property
+    def windows(self) -> int:
+        """W, blocks in the working copy."""
+        return self.repeats * self.chunk_slots // self.block
+
+    @property
+    def blocks(self) -> int:
+        """n, blocks one chunk pass gathers: enough to cover any chunk (one more where ``B`` does not divide
+        ``K'`` and a chunk straddles two blocks)."""
+        k, b = self.chunk_slots, self.block
+        return max(-(-(r + 1) * k // b) - (r * k) // b for r in range(self.repeats))
+
+    @property
+    def positions(self) -> int:
+        """P = ``n * B``: the slot inputs a chunk pass saves (some of them empty positions)."""
+        return self.blocks * self.block
+
+    def _vary(self):
+        return (ax.STAGE, *self.weights.summed)
+
+    def fetch(self, w):
+        """Block ``w`` (traced int32 in ``[0, W)``): leaves ``[B, ...]`` in the compute dtype, device-varying
+        over ``stage`` and the batch axes (so differentiating a layer adds no reduction inside the loop)."""
+        weights = self.weights
+
+        def one(local, spec):
+            if weights.storage is not None:
+                stage, g = weights._where()
+                row = jnp.asarray(weights._slot_rows())[stage, g, w]
+                x = index_leaf(local, row)
+            else:
+                x = index_leaf(local, w)
+            if jnp.issubdtype(x.dtype, jnp.floating):
+                x = x.astype(weights.dtype)
+            if weights.storage is None:
+                return gather_shards(x, P(*tuple(spec)[2:]))[None]
+            if not weights.groups:
+                return x[None]
+            return jax.lax.all_gather(x, weights.groups, axis=0, tiled=False)  # [G, ...]: slot w*G + g
+
+        return to_varying(jax.tree.map(one, self.local, self.weights.specs), self._vary())
+
+    def zeros(self):
+        """The float32 gradient sums of this device's share: leaves ``[W, ...]`` (storage: one slot per block,
+        after the reduce-scatter over the group axes) or ``[R*K, ...]`` of the blocks' local shape (padded)."""
+        weights = self.weights
+
+        def one(local, spec):
+            dtype = jnp.promote_types(local.dtype, jnp.float32)
+            if weights.storage is not None:
+                return jnp.zeros((self.windows, *local.shape[1:]), dtype)
+            return jnp.zeros(local.shape, dtype)
+
+        return to_varying(jax.tree.map(one, self.local, weights.specs), self._vary())
+
+    def _add(self, sums, w, block_grads):
+        """``sums[w] +=`` block ``w``'s gradients ``[B, ...]``, reduce-scattered over the axes the block was
+        gathered over."""
+        weights = self.weights
+
+        def one(acc, d, spec):
+            if weights.storage is None:
+                d = reduce_shards(d[0], P(*tuple(spec)[2:]), ())
+            elif weights.groups:
+                d = jax.lax.psum_scatter(d, weights.groups, scatter_dimension=0, tiled=False)
+            else:
+                d = d[0]
+            return jax.lax.dynamic_update_index_in_dim(acc, index_leaf(acc, w) + d.astype(acc.dtype), w, 0)
+
+        return jax.tree.map(one, sums, block_grads, weights.specs)
+
+    def _start(self, r):
+        """The first block chunk ``r`` touches (traced int32)."""
+        return (r * self.chunk_slots) // self.block
+
+    def forward(self, layer_fn, r, h, applied, extras, count, skip_empty: bool, save: bool):
+        """`chunk_forward` with the weights gathered block by block (arguments as there)."""
+        start, b, k0 = self._start(r), self.block, r * self.chunk_slots
+
+        def outer(carry, i):
+            w = start + i
+            block = self.fetch(jnp.minimum(w, self.windows - 1))
+
+            def inner(carry, j):
+                h, applied = carry
+                k = w * b + j - k0
+                on = (k >= 0) & (k < count)
+                out = _forward_slot(layer_fn, lambda: index_tree(block, j), h, applied, extras, on, skip_empty)
+                return out, (h if save else None)
+
+            return jax.lax.scan(inner, carry, jnp.arange(b))
+
+        (h, applied), inputs = jax.lax.scan(outer, (h, applied), jnp.arange(self.blocks))
+        if save:
+            inputs = inputs.reshape(self.positions, *inputs.shape[2:])
+        return h, applied, inputs
+
+    def backward(self, layer_fn, r, inputs, extras, count, g, sums, skip_empty: bool):
+        """`chunk_backward` with the weights gathered again block by block and each block's gradient
+        reduce-scattered into ``sums`` (`zeros`) once the block is done (arguments as there)."""
+        start, b, k0 = self._start(r), self.block, r * self.chunk_slots
+
+        def outer(carry, i):
+            g, sums = carry
+            w = start + i
+            clamped = jnp.minimum(w, self.windows - 1)
+            block = self.fetch(clamped)
+            zero = to_varying(jax.tree.map(lambda p, a: jnp.zeros(p.shape, a.dtype), block, sums), self._vary())
+
+            def inner(carry, j):
+                g, acc = carry
+                k = w * b + j - k0
+                add = lambda acc, dw: add_block(acc, j, dw)  # noqa: E731
+                x = index_leaf(inputs, i * b + j)
+                slot = lambda: index_tree(block, j)  # noqa: E731
+                on = (k >= 0) & (k < count)
+                return _backward_slot(layer_fn, slot, x, extras, on, g, acc, add, skip_empty), None
+
+            (g, acc), _ = jax.lax.scan(inner, (g, zero), jnp.arange(b), reverse=True)
+            return (g, self._add(sums, clamped, acc)), None
+
+        (g, sums), _ = jax.lax.scan(outer, (g, sums), jnp.arange(self.blocks), reverse=True)
+        return g, sums
+
+
+def add_block(acc, j, update):
+    """``acc[j] += update`` for leaves ``[B, ...]`` (a slot-sized update, in ``acc``'s dtype)."""
+    return jax.tree.map(
+        lambda a, d: jax.lax.dynamic_update_index_in_dim(a, index_leaf(a, j) + d.astype(a.dtype), j, 0), acc, update
+    )
 
 
 def manual_axes(par) -> tuple[str, ...]:

@@ -230,20 +230,32 @@ def _pipeline_program(layer_fn, plan: PipelinePlan, par, weights: Weights, remat
             layer = jax.checkpoint(layer, policy=remat_policy, prevent_cse=False)
         return fn(layer, plan, *args)
 
+    streamed = plan.gather == "microbatch"
+
+    def params_of(stacked):
+        return weights.stream(stacked, repeats) if streamed else weights.gather(stacked, repeats)
+
     @jax.custom_vjp
     def program(stacked, xs, extras):
-        outputs, applied, _ = bound(_pipeline_forward, weights.gather(stacked, repeats), xs, extras, False)
+        outputs, applied, _ = bound(_pipeline_forward, params_of(stacked), xs, extras, False)
         return outputs, applied
 
     def forward(stacked, xs, extras):
-        params = weights.gather(stacked, repeats)
+        params = params_of(stacked)
         outputs, applied, saved = bound(_pipeline_forward, params, xs, extras, True)
-        return (outputs, applied), (stacked, params, extras, saved)
+        # Once: the forward pass's gathered copy is the backward pass's (gathered once per step); per
+        # microbatch, only this device's local rows are kept and each pass gathers again.
+        kept = params.local if streamed else params
+        return (outputs, applied), (stacked, kept, extras, saved)
 
     def backward(residuals, cotangents):
-        stacked, params, extras, saved = residuals  # the forward pass's gathered copy: gathered once per step
+        stacked, kept, extras, saved = residuals
+        if streamed:
+            params = weights.stream(stacked, repeats, local=kept)
+            grads, g_xs = bound(_pipeline_backward, params, extras, saved, cotangents[0], params.zeros())
+            return weights.finish(grads, stacked), g_xs, jax.tree.map(lambda _: None, extras)
         # Varying over the batch axes, so that differentiating a layer adds no reduction inside the loop.
-        params = to_varying(params, weights.summed)
+        params = to_varying(kept, weights.summed)
         zeros = jax.tree.map(lambda p, w: jnp.zeros(p.shape, w.dtype), params, stacked)
         grads, g_xs = bound(
             _pipeline_backward, params, extras, saved, cotangents[0], to_varying(zeros, (ax.STAGE, *weights.summed))

@@ -86,6 +86,8 @@ class PipelineExecution(GradientStrategy):
         out = ["--stage-layers", ",".join(map(str, layout.stage_layers)), "--pipeline-schedule", plan.schedule]
         if layout.repeats > 1:
             out += ["--pipeline-repeats", str(layout.repeats)]
+        if plan.gather != "once":
+            out += ["--pipeline-gather", plan.gather]
         return out
 
 
