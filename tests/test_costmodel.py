@@ -233,6 +233,38 @@ def test_pipeline_gathers_stage_weights_once_per_step():
     assert saved(16, True) == saved(8, True) < saved(8, False) < saved(16, False)
 
 
+@pytest.mark.parametrize("one_f_one_b", [False, True])
+def test_pipeline_weights_gathered_per_microbatch_cost_a_block_per_chunk_pass(one_f_one_b):
+    """The 7B on stage=4,fsdp=2 (10,10,6,6; G = 2, so blocks of 2 layers, 5 per pass on a 10-layer stage),
+    ``pipeline_gather`` ``microbatch``: each of the M microbatches' forward and backward passes all-gathers
+    the 5 blocks (2 layers each) and reduce-scatters one layer per block; the stored row still moves once
+    per step. In flight: one block and the received row, against the 10-slot working copy gathered once."""
+    config = get_config("7b")
+    layer = sum(p.size for p in describe(config).params if p.per_layer) * 4  # one layer, float32, whole
+
+    def cost(gather):
+        layout = cm.Layout(
+            {"stage": 4, "fsdp": 2},
+            "fsdp",
+            16,
+            stage_layers=(10, 10, 6, 6),
+            one_f_one_b=one_f_one_b,
+            pipeline_gather=gather,
+        )
+        return cm.estimate(config, 32, 2048, layout, backend="cpu")
+
+    def layer_bytes(c, kind):
+        return sum(x.total_bytes for x in c.comms if x.kind == kind and "layers/" in x.what)
+
+    once, streamed = cost("once"), cost("microbatch")
+    assert layer_bytes(streamed, "all-gather") == pytest.approx(2 * 16 * 5 * 2 * layer, rel=1e-9)
+    assert layer_bytes(streamed, "reduce-scatter") == pytest.approx(16 * 5 * layer, rel=1e-9)
+    assert layer_bytes(streamed, "collective-permute") == layer_bytes(once, "collective-permute")
+    assert once.memory.gathered == pytest.approx(10 * layer, rel=1e-9)
+    assert streamed.memory.gathered == pytest.approx(3 * layer, rel=1e-9)
+    assert streamed.memory.total == pytest.approx(once.memory.total - 14 * layer, rel=1e-9)  # 7 slots, 7 sums
+
+
 @pytest.mark.parametrize("stage_layers, mesh_spec", [((7, 5, 2, 2), "stage=4,fsdp=2"), ((5, 3), "stage=2,fsdp=4")])
 def test_pipeline_state_bytes_are_the_unpadded_storage(stage_layers, mesh_spec):
     """A pipeline's persistent bytes per device: the unpadded storage (no stage holds the largest stage's

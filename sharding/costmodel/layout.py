@@ -21,6 +21,7 @@ from typing import Any
 from sharding import axes as ax
 from sharding.modeldesc import AttentionTraits, ModelDescription, Param
 from sharding.parallel import Parallelism
+from sharding.pipeline.layout import GATHERS
 from sharding.rules import Rules, get_rules, logical_to_spec
 from sharding.vocab import OUTPUT_IMPLS
 
@@ -60,6 +61,8 @@ class Layout:
         is also what a compiled program's loop trip counts say (a branch counted on every trip).
       one_f_one_b: Pipeline only: the 1F1B schedule (``--pipeline-schedule 1f1b``,
         `sharding.pipeline.onef1b`; interleaved with ``pipeline_repeats`` > 1) instead of GPipe/circular.
+      pipeline_gather: Pipeline only: when the stage's layer weights are gathered (``--pipeline-gather``,
+        `sharding.pipeline.layout.GATHERS`): ``once`` per step, or per ``microbatch`` one block at a time.
 
     Raises:
       ValueError: On an unknown axis, a size below 1, or an unknown remat/dtype/logits.
@@ -77,6 +80,7 @@ class Layout:
     logits: str = "auto"
     skip_empty: bool = True
     one_f_one_b: bool = False
+    pipeline_gather: str = "once"
 
     def __post_init__(self) -> None:
         full = {a: 1 for a in ax.MESH_AXES}
@@ -93,6 +97,7 @@ class Layout:
             ("remat", ("none", "dots", "full")),
             ("dtype", tuple(_DTYPE_BYTES)),
             ("logits", OUTPUT_IMPLS),
+            ("pipeline_gather", GATHERS),
         ):
             if getattr(self, field) not in allowed:
                 raise ValueError(f"--{field} {getattr(self, field)!r}: choose one of {', '.join(allowed)}")
@@ -164,8 +169,8 @@ def layout_of(par: Parallelism, config: Any = None, **fields: Any) -> Layout:
 
     The mesh and rules are the run's; the strategy gives the rest: `Accumulation` its microbatches,
     `UnevenBatch` the uneven step (``uneven_batch``, microbatches the per-device average), a
-    `sharding.pipeline.PipelinePlan` its stage split, repeats, microbatches, schedule (``one_f_one_b``)
-    and ``skip_empty``.
+    `sharding.pipeline.PipelinePlan` its stage split, repeats, microbatches, schedule (``one_f_one_b``),
+    gather mode (``pipeline_gather``) and ``skip_empty``.
 
     Args:
       par: The run's parallelism (bound to a mesh or not).
@@ -188,6 +193,7 @@ def layout_of(par: Parallelism, config: Any = None, **fields: Any) -> Layout:
             pipeline_repeats=plan.layout.repeats,
             skip_empty=plan.skip_empty,
             one_f_one_b=plan.one_f_one_b,
+            pipeline_gather=plan.gather,
         )
     else:
         values.update(microbatches=par.microbatches, uneven_batch=par.strategy.uneven)

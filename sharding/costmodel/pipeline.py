@@ -75,6 +75,7 @@ class _Pipe:
       skip_empty: Empty slots and bubble steps are skipped (`PipelinePlan.skip_empty`).
       ticks: 1F1B: the loop's ticks (`one_f_one_b_ticks`); 0 for GPipe/circular.
       ring: 1F1B: the chunk inputs a stage keeps at once (`Ticks.slots`); 0 for GPipe/circular.
+      gather: ``once`` or ``microbatch`` (`Layout.pipeline_gather`, `sharding.pipeline.program.Streamed`).
     """
 
     stages: int
@@ -87,10 +88,25 @@ class _Pipe:
     skip_empty: bool
     ticks: int = 0
     ring: int = 0
+    gather: str = "once"
 
     @property
     def one_f_one_b(self) -> bool:
         return self.ticks > 0
+
+    @property
+    def blocks(self) -> int:
+        """n, blocks of ``G`` slots one chunk pass gathers with ``gather`` ``microbatch``
+        (`sharding.pipeline.program.Streamed.blocks`)."""
+        k, g = self.chunk_slots, self.groups
+        return max(-(-(r + 1) * k // g) - (r * k) // g for r in range(self.repeats))
+
+    @property
+    def passes(self) -> int:
+        """Chunk passes per step that gather their blocks (``gather`` ``microbatch``), forward and backward
+        each: ``R*M`` each way when idle passes are skipped, else every loop trip's (1F1B: every tick runs
+        both branches; GPipe/circular: every step of each pass)."""
+        return self.repeats * self.micro if self.skip_empty else self.steps
 
     @property
     def steps(self) -> int:
@@ -128,7 +144,19 @@ def _pipeline_of(model: ModelDescription, layout: Layout, rules: Rules, s: _Shap
     moved, ticks, ring = _pipeline_tables(
         model.num_layers, stages, repeats, layout.stage_layers, groups, s.micro, layout.one_f_one_b
     )
-    return _Pipe(stages, repeats, s.micro, s.layers, repeats * chunk, groups, moved, layout.skip_empty, ticks, ring)
+    return _Pipe(
+        stages,
+        repeats,
+        s.micro,
+        s.layers,
+        repeats * chunk,
+        groups,
+        moved,
+        layout.skip_empty,
+        ticks,
+        ring,
+        layout.pipeline_gather,
+    )
 
 
 @functools.lru_cache(maxsize=4096)
@@ -212,19 +240,24 @@ def _pipeline_memory(
     head: _Shape,
 ) -> Memory:
     """Bytes of a stage device: the stored rows' state; in flight, the gathered working copy of the stage's
-    slots (`_gather_bytes`) and their float32 gradient sums, the saved slot inputs (`_Pipe.saved_inputs`),
-    one layer's activations, and the head's logits (one run's rows)."""
+    slots (`_gather_bytes`) and their float32 gradient sums (``gather`` ``microbatch``: one block of ``G``
+    slots and its gradient, the rows received from other devices and their float32 sums), the saved slot
+    inputs (`_Pipe.saved_inputs`), one layer's activations, and the head's logits (one run's rows)."""
     base = _memory(model, layout, rules, placed, s)
     keys = s.seq if attention_of(model, layout).materialises_scores else 0.0
     saved_input = _per_token(model, "activations", rules, layout.mesh, keys, s.act_bytes, ("input",))
     per_layer = _per_token(model, "activations", rules, layout.mesh, keys, s.act_bytes)
     whole_layer = sum(p.local * _batch_factor(p, layout.mesh) for p in placed.values() if p.param.per_layer)
+    held = pipe.working  # gathered slots (and their gradient sums) held at once
+    received = 0
+    if pipe.gather == "microbatch":
+        held, received = pipe.groups, sum(pipe.moved)
     return dataclasses.replace(
         base,
-        gradients=base.gradients + pipe.working * whole_layer * _PARAM_BYTES,
+        gradients=base.gradients + (held + received) * whole_layer * _PARAM_BYTES,
         activations=s.tok * (pipe.saved_inputs * saved_input + per_layer),
         logits=base.logits * head.tok / s.tok,
-        gathered=pipe.working * whole_layer * _gather_bytes(layout),
+        gathered=(held + received) * whole_layer * _gather_bytes(layout),
     )
 
 
@@ -367,6 +400,8 @@ def _pipeline_weight_comms(
             pipe.working,
             pipe.groups,
             pipe.moved,
+            pipe.gather,
+            pipe.passes * pipe.blocks,
         )
     )
 
@@ -381,8 +416,13 @@ def _pipeline_weight_comms_cached(
     working: int,
     groups_n: int,
     moved: tuple[int, ...],
+    gather: str = "once",
+    block_passes: int = 0,
 ) -> tuple[Comm, ...]:
-    """The stage's layer weights: the working copy assembled once per step, the gradients returned once.
+    """The stage's layer weights: the working copy assembled once per step, the gradients returned once;
+    or, with ``gather`` ``microbatch``, one block of ``G`` slots all-gathered per chunk pass each way and
+    its gradient reduce-scattered per backward pass (``block_passes``: blocks gathered per step each way,
+    `_Pipe.passes` x `_Pipe.blocks`), the stored rows still moved once per step.
 
     Explicit collectives of the stage program (`jax.shard_map`, so both backends emit them as written;
     `sharding.pipeline.schedule._Weights`), per layer parameter: the rows stored for other devices sent
@@ -424,7 +464,28 @@ def _pipeline_weight_comms_cached(
                     f"gradient of {what} back to its row",
                 )
             )
-        if groups_n > 1:
+        if groups_n > 1 and gather == "microbatch":
+            comms.append(
+                Comm(
+                    "all-gather",
+                    groups,
+                    groups_n,
+                    groups_n * row * gather_bytes,
+                    2 * block_passes,
+                    f"gather {what} (a block)",
+                )
+            )
+            comms.append(
+                Comm(
+                    "reduce-scatter",
+                    groups,
+                    groups_n,
+                    row * _PARAM_BYTES,
+                    block_passes,
+                    f"gradient of {what} (a block)",
+                )
+            )
+        elif groups_n > 1:
             comms.append(
                 Comm("all-gather", groups, groups_n, working * row * gather_bytes, 1, f"gather {what} (working copy)")
             )

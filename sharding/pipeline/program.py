@@ -9,7 +9,9 @@ mesh, manual over ``stage`` and the batch axes ``data`` and ``fsdp`` (`manual_ax
 * `Weights`: the stage's layer weights gathered once per step into its ``[R, K, ...]`` working copy in the
   compute dtype, and the gradients summed over the step reduced back into the stored blocks once, after
   the loop (MaxText's ``pipeline_fsdp_ag_once`` trade-off: one gather and one reduction per step instead of
-  one per microbatch, the gathered copy held through the step);
+  one per microbatch, the gathered copy held through the step); or, with ``--pipeline-gather
+  microbatch``, `Streamed`: one block of layers gathered at a time inside each chunk pass and its gradient
+  reduce-scattered there, so the step holds one block instead of the stage;
 * `chunk_forward` / `chunk_backward`: one chunk of a stage's layers for one microbatch, each slot under
   a `jax.lax.cond` (empty slots and idle ticks compute nothing), and its hand-written backward pass that
   recomputes each layer from its saved input and differentiates it with `jax.vjp`;
@@ -265,6 +267,10 @@ class Weights:
 
         return jax.tree.map(one, stacked, self.specs)
 
+    def _compute(self, w):
+        """``w`` in the compute dtype where it is floating point."""
+        return w.astype(self.dtype) if jnp.issubdtype(w.dtype, jnp.floating) else w
+
     def _where(self):
         """``(stage, g)``: this device's stage and index along the group axes (traced int32)."""
         stage = jax.lax.axis_index(ax.STAGE)
@@ -276,19 +282,24 @@ class Weights:
         pairs = [(p, (p + d) % devices) for p in range(devices)]
         return jax.lax.ppermute(x, (ax.STAGE, *self.groups), [(b, a) for a, b in pairs] if back else pairs)
 
-    def _local_rows(self, w):
-        """``[q, ...]`` rows -> ``[q + C + 1, ...]``: this device's rows, the rows other devices store for it
-        (one ``ppermute`` per distance that moves any) and a zero row last, which the empty slots take
-        (storage only)."""
+    def _received_rows(self, w):
+        """``[q, ...]`` rows -> ``[C, ...]`` the rows other devices store for this one (one ``ppermute`` per
+        distance that moves any), or None when none moves (storage only)."""
         stage, g = self._where()
-        parts = [w]
+        parts = []
         for d, send in enumerate(self.storage.placement.sends):
             if send is not None:
                 message = jnp.take(w, jnp.asarray(send)[stage, g], axis=0)
                 parts.append(self._send(message, d))
+        return jnp.concatenate(parts, axis=0) if parts else None
+
+    def _local_rows(self, w):
+        """``[q, ...]`` rows -> ``[q + C + 1, ...]``: this device's rows, the rows other devices store for it
+        (`_received_rows`) and a zero row last, which the empty slots take (storage only)."""
+        received = self._received_rows(w)
         # A zero row, not a select against a slot-sized zero array (XLA shares such a broadcast with the
         # backward pass's and materialises it before the step loop).
-        parts.append(jnp.zeros((1, *w.shape[1:]), w.dtype))
+        parts = [w] + ([] if received is None else [received]) + [jnp.zeros((1, *w.shape[1:]), w.dtype)]
         return jnp.concatenate(parts, axis=0)
 
     def _slot_rows(self):
@@ -321,13 +332,19 @@ class Weights:
         ``[q, ...]``, the received rows' sent back to the devices storing them."""
         placement = self.storage.placement
         stage, g = self._where()
-        q = placement.per_device
         # A gather by the inverse of the slots' rows (each local row feeds at most one slot), not a scatter into
         # zeros: XLA materialises a scatter's zero operand before the step loop, through the peak.
         width = g_slots.shape[0]
-        inverse = _inverse_rows(placement.local_index, q + placement.received, width)
+        inverse = _inverse_rows(placement.local_index, placement.per_device + placement.received, width)
         padded = jnp.concatenate([g_slots, jnp.zeros((1, *g_slots.shape[1:]), g_slots.dtype)], axis=0)
-        local = jnp.take(padded, jnp.asarray(inverse)[stage, g], axis=0)  # [q + C, ...]
+        return self._send_back(jnp.take(padded, jnp.asarray(inverse)[stage, g], axis=0))
+
+    def _send_back(self, local):
+        """Gradients of the local rows ``[q + C, ...]`` -> of the stored rows ``[q, ...]``: the received rows'
+        sent back to the devices storing them (the transpose of `_received_rows`) and added there."""
+        placement = self.storage.placement
+        stage, g = self._where()
+        q = placement.per_device
         rows, offset = local[:q], q
         for d, send in enumerate(placement.sends):
             if send is not None:
@@ -351,18 +368,18 @@ class Weights:
 
         return jax.tree.map(one, grads, stacked, self.specs)
 
-    def stream(self, stacked, repeats: int, local=None) -> Streamed:
+    def stream(self, stacked, repeats: int, received=None) -> Streamed:
         """The per-microbatch gather (``--pipeline-gather microbatch``): what stays local for the step.
 
-        Unpadded storage: the rows other devices store for this one arrive once (`_local_rows`, in the
-        stored dtype; no gather over the group axes yet). Padded: the blocks as they are, ``[R*K, ...]``.
-        ``local``: those rows already made (a backward pass reusing its forward pass's), else made here.
+        Unpadded storage: the rows other devices store for this one arrive once (`_received_rows`, in the
+        compute dtype; no gather over the group axes yet); ``received``: those rows already made (a backward
+        pass reusing its forward pass's), else made here. Padded: the blocks as they are.
         """
         if self.storage is not None:
-            local = jax.tree.map(self._local_rows, stacked) if local is None else local
-            return Streamed(self, local, repeats, self.storage.placement.chunk_slots, self.storage.groups)
-        local = jax.tree.map(lambda w: w[0], stacked) if local is None else local
-        return Streamed(self, local, repeats, jax.tree.leaves(stacked)[0].shape[1] // repeats, 1)
+            if received is None and any(send is not None for send in self.storage.placement.sends):
+                received = jax.tree.map(lambda w: self._received_rows(self._compute(w)), stacked)
+            return Streamed(self, stacked, received, repeats, self.storage.placement.chunk_slots, self.storage.groups)
+        return Streamed(self, stacked, None, repeats, jax.tree.leaves(stacked)[0].shape[1] // repeats, 1)
 
     def finish(self, sums, stacked):
         """`Streamed` gradient sums (reduce-scattered per pass, `Streamed.zeros`) -> the blocks' gradients:
@@ -372,9 +389,8 @@ class Weights:
             if self.storage is None:
                 split = {a for entry in spec for a in spec_axes(entry)}
                 rest = tuple(a for a in self.summed if a not in split)
-                g = jax.lax.psum(g, rest) if rest else g
-                return g[None].astype(w.dtype)
-            rows = self._rows_of(g)
+                return (jax.lax.psum(g, rest) if rest else g).astype(w.dtype)
+            rows = self._send_back(g)
             rest = tuple(a for a in self.summed if a not in self.groups)
             return (jax.lax.psum(rows, rest) if rest else rows).astype(w.dtype)
 
@@ -392,21 +408,25 @@ class Streamed:
     FSDP-shards all-gathered). A chunk pass (`chunk_forward`, `chunk_backward`) gathers the ``n`` blocks that
     cover chunk ``r`` (slots ``r*K' ... r*K' + K' - 1``) in the compute dtype, one at a time, outside the
     slots' conditionals, and its backward pass reduce-scatters each block's gradient into float32 sums of
-    this device's share (`zeros`) as soon as the block is done. So a step holds one block's gathered
-    weights and gradients instead of the stage's, at the price of a gather per chunk pass forward and
-    backward (the backward recomputes from a second gather) and a reduce-scatter per backward pass.
+    this device's rows (`zeros`) as soon as the block is done. A pass that runs no layer (a bubble tick, or
+    the idle half of a lockstep tick) is skipped whole, its gathers with it: they are among the devices of
+    one stage, which all skip it alike. So a step holds one block's gathered weights and gradients instead
+    of the stage's, at the price of a gather per chunk pass forward and backward (the backward recomputes
+    from a second gather) and a reduce-scatter per backward pass.
 
     Attributes:
       weights: the `Weights` whose storage and specs these are.
-      local: per leaf, this device's rows for the step: ``[q + C + 1, ...]`` (storage; `Weights._local_rows`)
-        or ``[R*K, ...]`` (padded block).
+      stacked: per leaf, this device's block as stored: ``[q, ...]`` rows (storage) or ``[1, R*K, ...]``.
+      received: per leaf, ``[C, ...]`` rows other devices store for this one (`Weights._received_rows`), or
+        None when none moves.
       repeats: R, chunks per stage.
       chunk_slots: K', slots per chunk of the working copy.
       block: B, slots per gathered block.
     """
 
     weights: Weights
-    local: Any
+    stacked: Any
+    received: Any
     repeats: int
     chunk_slots: int
     block: int
@@ -431,54 +451,67 @@ class Streamed:
     def _vary(self):
         return (ax.STAGE, *self.weights.summed)
 
+    def _row(self, w):
+        """``(row, q, C)``: the local row (own rows first, then received; ``q + C``: none) of block ``w``'s
+        slot on this device (storage only)."""
+        weights = self.weights
+        stage, g = weights._where()
+        placement = weights.storage.placement
+        return jnp.asarray(weights._slot_rows())[stage, g, w], placement.per_device, placement.received
+
     def fetch(self, w):
         """Block ``w`` (traced int32 in ``[0, W)``): leaves ``[B, ...]`` in the compute dtype, device-varying
         over ``stage`` and the batch axes (so differentiating a layer adds no reduction inside the loop)."""
         weights = self.weights
+        received = self.received if self.received is not None else jax.tree.map(lambda _: None, self.stacked)
 
-        def one(local, spec):
-            if weights.storage is not None:
-                stage, g = weights._where()
-                row = jnp.asarray(weights._slot_rows())[stage, g, w]
-                x = index_leaf(local, row)
+        def one(own, extra, spec):
+            if weights.storage is None:
+                x = index_leaf(own[0], w)
             else:
-                x = index_leaf(local, w)
-            if jnp.issubdtype(x.dtype, jnp.floating):
-                x = x.astype(weights.dtype)
+                row, q, c = self._row(w)
+                # Row-sized reads and selects: no copy of the stored rows.
+                x = weights._compute(index_leaf(own, jnp.minimum(row, q - 1)))
+                if extra is not None:
+                    x = jnp.where(row < q, x, index_leaf(extra, jnp.clip(row - q, 0, c - 1)))
+                x = jnp.where(row < q + c, x, jnp.zeros((), x.dtype))
+            x = weights._compute(x)
             if weights.storage is None:
                 return gather_shards(x, P(*tuple(spec)[2:]))[None]
             if not weights.groups:
                 return x[None]
             return jax.lax.all_gather(x, weights.groups, axis=0, tiled=False)  # [G, ...]: slot w*G + g
 
-        return to_varying(jax.tree.map(one, self.local, self.weights.specs), self._vary())
+        return to_varying(jax.tree.map(one, self.stacked, received, weights.specs), self._vary())
 
     def zeros(self):
-        """The float32 gradient sums of this device's share: leaves ``[W, ...]`` (storage: one slot per block,
-        after the reduce-scatter over the group axes) or ``[R*K, ...]`` of the blocks' local shape (padded)."""
+        """The float32 gradient sums of this device's rows: leaves ``[q + C, ...]`` (storage: own rows, then
+        received) or ``[1, R*K, ...]`` of the blocks' local shape (padded)."""
         weights = self.weights
+        received = self.received if self.received is not None else jax.tree.map(lambda _: None, self.stacked)
 
-        def one(local, spec):
-            dtype = jnp.promote_types(local.dtype, jnp.float32)
-            if weights.storage is not None:
-                return jnp.zeros((self.windows, *local.shape[1:]), dtype)
-            return jnp.zeros(local.shape, dtype)
+        def one(own, extra):
+            dtype = jnp.promote_types(own.dtype, jnp.float32)
+            rows = own.shape[0] + (0 if extra is None else extra.shape[0])
+            return jnp.zeros((rows, *own.shape[1:]) if weights.storage is not None else own.shape, dtype)
 
-        return to_varying(jax.tree.map(one, self.local, weights.specs), self._vary())
+        return to_varying(jax.tree.map(one, self.stacked, received), self._vary())
 
     def _add(self, sums, w, block_grads):
-        """``sums[w] +=`` block ``w``'s gradients ``[B, ...]``, reduce-scattered over the axes the block was
-        gathered over."""
+        """Block ``w``'s gradients ``[B, ...]`` reduce-scattered over the axes the block was gathered over and
+        added to this device's row of ``sums`` (`zeros`)."""
         weights = self.weights
 
         def one(acc, d, spec):
             if weights.storage is None:
                 d = reduce_shards(d[0], P(*tuple(spec)[2:]), ())
-            elif weights.groups:
-                d = jax.lax.psum_scatter(d, weights.groups, scatter_dimension=0, tiled=False)
-            else:
-                d = d[0]
-            return jax.lax.dynamic_update_index_in_dim(acc, index_leaf(acc, w) + d.astype(acc.dtype), w, 0)
+                old = jax.lax.dynamic_index_in_dim(acc, w, axis=1, keepdims=False)
+                return jax.lax.dynamic_update_index_in_dim(acc, (old + d.astype(acc.dtype))[None], w, 1)
+            d = jax.lax.psum_scatter(d, weights.groups, scatter_dimension=0, tiled=False) if weights.groups else d[0]
+            row, q, c = self._row(w)
+            at = jnp.minimum(row, q + c - 1)
+            d = jnp.where(row < q + c, d.astype(acc.dtype), jnp.zeros((), acc.dtype))  # an empty slot adds nothing
+            return jax.lax.dynamic_update_index_in_dim(acc, index_leaf(acc, at) + d, at, 0)
 
         return jax.tree.map(one, sums, block_grads, weights.specs)
 
@@ -503,10 +536,18 @@ class Streamed:
 
             return jax.lax.scan(inner, carry, jnp.arange(b))
 
-        (h, applied), inputs = jax.lax.scan(outer, (h, applied), jnp.arange(self.blocks))
-        if save:
-            inputs = inputs.reshape(self.positions, *inputs.shape[2:])
-        return h, applied, inputs
+        def run(h, applied):
+            (h, applied), inputs = jax.lax.scan(outer, (h, applied), jnp.arange(self.blocks))
+            return h, applied, (inputs.reshape(self.positions, *inputs.shape[2:]) if save else None)
+
+        if not skip_empty:
+            return run(h, applied)
+
+        def idle(h, applied):
+            zeros = jnp.zeros((self.positions, *h.shape), h.dtype) if save else None
+            return h, applied, to_varying(zeros, self._vary())
+
+        return jax.lax.cond(count > 0, run, idle, to_varying(h, self._vary()), applied)
 
     def backward(self, layer_fn, r, inputs, extras, count, g, sums, skip_empty: bool):
         """`chunk_backward` with the weights gathered again block by block and each block's gradient
@@ -532,8 +573,13 @@ class Streamed:
             (g, acc), _ = jax.lax.scan(inner, (g, zero), jnp.arange(b), reverse=True)
             return (g, self._add(sums, clamped, acc)), None
 
-        (g, sums), _ = jax.lax.scan(outer, (g, sums), jnp.arange(self.blocks), reverse=True)
-        return g, sums
+        def run(g, sums):
+            (g, sums), _ = jax.lax.scan(outer, (g, sums), jnp.arange(self.blocks), reverse=True)
+            return g, sums
+
+        if not skip_empty:
+            return run(g, sums)
+        return jax.lax.cond(count > 0, run, lambda g, sums: (g, sums), to_varying(g, self._vary()), sums)
 
 
 def add_block(acc, j, update):

@@ -20,7 +20,9 @@ manual over ``stage`` and the batch axes ``data`` and ``fsdp``; ``sequence``
 and ``tensor`` stay automatic, so GSPMD still partitions every layer over them
 as the logical rules say. Each device runs its own rows of every microbatch.
 
-Weights once per step. Before the step loop each device all-gathers its
+Weights once per step (``--pipeline-gather once``; ``microbatch`` gathers one block of layers at a time
+inside each step's chunk pass instead, `sharding.pipeline.program.Streamed`). Before the step loop each
+device all-gathers its
 stage's FSDP-shards of every slot, in the compute dtype (the activations'),
 and after the backward loop it reduce-scatters the layer gradients it summed
 over the microbatches (all-reduce over ``data``): one gather and one
@@ -244,14 +246,14 @@ def _pipeline_program(layer_fn, plan: PipelinePlan, par, weights: Weights, remat
         params = params_of(stacked)
         outputs, applied, saved = bound(_pipeline_forward, params, xs, extras, True)
         # Once: the forward pass's gathered copy is the backward pass's (gathered once per step); per
-        # microbatch, only this device's local rows are kept and each pass gathers again.
-        kept = params.local if streamed else params
+        # microbatch, only the rows received from other devices are kept and each pass gathers again.
+        kept = params.received if streamed else params
         return (outputs, applied), (stacked, kept, extras, saved)
 
     def backward(residuals, cotangents):
         stacked, kept, extras, saved = residuals
         if streamed:
-            params = weights.stream(stacked, repeats, local=kept)
+            params = weights.stream(stacked, repeats, received=kept)
             grads, g_xs = bound(_pipeline_backward, params, extras, saved, cotangents[0], params.zeros())
             return weights.finish(grads, stacked), g_xs, jax.tree.map(lambda _: None, extras)
         # Varying over the batch axes, so that differentiating a layer adds no reduction inside the loop.

@@ -152,6 +152,7 @@ class Plan:
             lay.stage_layers,
             lay.pipeline_repeats,
             lay.one_f_one_b,
+            lay.pipeline_gather,
             self.counts,
         )
 
@@ -165,7 +166,7 @@ class Plan:
             strategy = UnevenBatch(counts=tuple(self.counts), microbatches=lay.microbatches)
         elif lay.mesh[ax.STAGE] > 1:
             stages, _ = plan_layout(sum(lay.stage_layers), lay.mesh[ax.STAGE], lay.pipeline_repeats, lay.stage_layers)
-            strategy = PipelinePlan(stages, lay.microbatches, one_f_one_b=lay.one_f_one_b)
+            strategy = PipelinePlan(stages, lay.microbatches, one_f_one_b=lay.one_f_one_b, gather=lay.pipeline_gather)
             rules = pipeline_rules(rules)
         else:
             strategy = Accumulation(lay.microbatches)

@@ -87,6 +87,7 @@ def format_table(plans: Sequence[Plan]) -> list[str]:
                 + (f" x{lay.pipeline_repeats}" if lay.pipeline_repeats > 1 else "")
             )
             split += " 1f1b" if lay.one_f_one_b else ""
+            split += " gather/mb" if lay.pipeline_gather == "microbatch" else ""
         else:
             split = "even"
         rows.append(

@@ -239,8 +239,8 @@ def _uneven_fits(mesh: Mapping[str, int], rules: str, attention: AttentionTraits
 
 def _price(ev: _Evaluator, layout: cm.Layout, tag: str) -> Plan | None:
     """The cheapest remat policy that fits (policies are tried cheapest first). A pipeline whose GPipe
-    plan does not fit is also priced with 1F1B at the same split (`_one_f_one_b`); the fastest fitting of
-    those and of the first fitting GPipe plan wins."""
+    plan does not fit is also priced with 1F1B and with the weights gathered per microbatch at the same
+    split (`_memory_savers`); the fastest fitting of those and of the first fitting GPipe plan wins."""
     last, fitting = None, []
     for remat in ev.options.remats:
         lay = dataclasses.replace(layout, remat=remat)
@@ -258,18 +258,25 @@ def _price(ev: _Evaluator, layout: cm.Layout, tag: str) -> Plan | None:
             fitting.append(plan_)
             break
         last = plan_
-        one = _one_f_one_b(ev, plan_) if tag == "pipeline" else None
-        if one is not None and one.fits:
-            fitting.append(one)
+        if tag == "pipeline":
+            fitting += [p for p in _memory_savers(ev, plan_) if p.fits]
     return min(fitting, key=lambda p: p.step_time) if fitting else last
 
 
-def _one_f_one_b(ev: _Evaluator, gpipe: Plan) -> Plan | None:
-    """``gpipe``'s layout under the 1F1B schedule when `PlanOptions.schedules` allows it and GPipe does not
-    fit (1F1B's lockstep ticks make it slower, `_Evaluator._pipeline`: it is chosen for its memory only)."""
-    if "1f1b" not in ev.options.schedules or gpipe.fits:
-        return None
-    return ev.uniform(dataclasses.replace(gpipe.layout, one_f_one_b=True))
+def _memory_savers(ev: _Evaluator, gpipe: Plan) -> list[Plan]:
+    """``gpipe``'s layout under what trades time for memory, when GPipe does not fit: the 1F1B schedule (where
+    `PlanOptions.schedules` allows it; its lockstep ticks make it slower, `_Evaluator._pipeline`) and the
+    stage's weights gathered per microbatch (``pipeline_gather``: a gather per chunk pass, priced in
+    `sharding.costmodel.pipeline`), each alone and together."""
+    if gpipe.fits:
+        return []
+    schedules = [False] + ([True] if "1f1b" in ev.options.schedules else [])
+    variants = [(one, gather) for one in schedules for gather in ("once", "microbatch")][1:]
+    plans = [
+        ev.uniform(dataclasses.replace(gpipe.layout, one_f_one_b=one, pipeline_gather=gather))
+        for one, gather in variants
+    ]
+    return [p for p in plans if p is not None]
 
 
 def plan(
@@ -380,7 +387,8 @@ def brute_force(
     """The best fitting plan by exhaustive search (for tests): every mesh, rules, attention,
     microbatches and remat, every per-kind count vector for uneven data parallelism, and every
     stage split (compositions of the layers into ``stage`` parts of at least 1, when there are at
-    most ``max_splits`` of them; each also under 1F1B where GPipe does not fit, `_one_f_one_b`)."""
+    most ``max_splits`` of them; each also under 1F1B and the per-microbatch gather where GPipe does not
+    fit, `_memory_savers`)."""
     ev = _Evaluator(model, inventory, global_batch, seq_len, options or PlanOptions())
 
     def every(layout: cm.Layout, tag: str) -> Iterator[Plan | None]:
@@ -394,7 +402,7 @@ def brute_force(
                 gpipe = ev.uniform(dataclasses.replace(layout, stage_layers=split))
                 yield gpipe
                 if gpipe is not None:
-                    yield _one_f_one_b(ev, gpipe)
+                    yield from _memory_savers(ev, gpipe)
 
     return _best_fitting(
         plan_
