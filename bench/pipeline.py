@@ -9,7 +9,7 @@ Markdown file with the command, JAX version, machine and date.
 
 With the 1F1B schedule too, and a second table: the temporaries of the gradient computation alone
 (``jax.value_and_grad`` of the model's loss, no optimizer update) per schedule
-(``python -m bench.pipeline --gradients SCHEDULE`` prints one of its rows).
+(``python -m bench.pipeline --gradients SCHEDULE [--gather once|microbatch]`` prints one of its rows).
 
 Each run is a separate process, so ``--cpu-devices`` applies before JAX starts. ``--device-memory 80GiB``
 states the target device's memory, which the fit check otherwise takes from this host's RAM.
@@ -51,9 +51,10 @@ RUNS = (
 )
 
 
-def gradient_temporaries(schedule: str) -> str:
-    """One table row: bytes per device of the compiled gradient computation alone, for ``schedule`` (gpipe or
-    1f1b) on the `BASE` shapes (call in a process whose JAX has 8 CPU devices)."""
+def gradient_temporaries(schedule: str, gather: str = "once") -> str:
+    """One table row: bytes per device of the compiled gradient computation alone, for ``schedule`` (gpipe,
+    1f1b or 1f1b-fused) with the weights gathered ``gather`` (``--pipeline-gather``) on the `BASE` shapes (call
+    in a process whose JAX has 8 CPU devices)."""
     import jax
 
     from models.config import get_config
@@ -65,7 +66,9 @@ def gradient_temporaries(schedule: str) -> str:
     from train.step import Trainer
 
     layout, _ = pl.plan_layout(32, 4, 1, (10, 10, 6, 6))
-    plan = pl.PipelinePlan(layout, 16, one_f_one_b=schedule == "1f1b")
+    plan = pl.PipelinePlan(
+        layout, 16, one_f_one_b=schedule.startswith("1f1b"), fused=schedule == "1f1b-fused", gather=gather
+    )
     par = Parallelism.of(make_mesh(parse_mesh("stage=4,fsdp=2", 8)), get_rules("fsdp_tp"), plan)
     trainer = Trainer(get_config("7b"), OptimizerConfig(), par)
     params = jax.tree.map(
@@ -73,7 +76,7 @@ def gradient_temporaries(schedule: str) -> str:
     )
     fn = jax.jit(lambda p, b: jax.value_and_grad(trainer.loss_sums, has_aux=True)(p, b))
     memory = fn.lower(params, trainer.abstract_batch(32, 2048)).compile().memory_analysis()
-    return f"| {schedule} | {memory.temp_size_in_bytes / 2**30:.2f} GiB | {memory.argument_size_in_bytes / 2**30:.2f} GiB |"
+    return f"| {schedule}, gather {gather} | {memory.temp_size_in_bytes / 2**30:.2f} GiB | {memory.argument_size_in_bytes / 2**30:.2f} GiB |"
 
 
 def dry_run(extra: list[str]) -> tuple[str, list[str]]:
@@ -97,15 +100,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="bench/results/pipeline.md")
     parser.add_argument(
         "--gradients",
-        choices=("gpipe", "1f1b"),
+        choices=("gpipe", "1f1b", "1f1b-fused"),
         default=None,
         help="print one row of the gradients-only table (in this process) and exit",
     )
+    parser.add_argument("--gather", choices=("once", "microbatch"), default="once", help="with --gradients")
     args = parser.parse_args(argv)
     if args.gradients:
         os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
-        print(gradient_temporaries(args.gradients))
+        print(gradient_temporaries(args.gradients, args.gather))
         return 0
     import jax
 

@@ -174,7 +174,16 @@ def _toy_head(par, hp, h, target, mask):
 
 
 def _toy(
-    mesh_spec, num_layers, stage_layers, microbatches, batch=16, dim=16, schedule="1f1b", skip_empty=True, repeats=1
+    mesh_spec,
+    num_layers,
+    stage_layers,
+    microbatches,
+    batch=16,
+    dim=16,
+    schedule="1f1b",
+    skip_empty=True,
+    repeats=1,
+    gather="once",
 ):
     mesh = make_mesh(parse_mesh(mesh_spec, 8))
     rules = pl.pipeline_rules(RULES)
@@ -185,6 +194,7 @@ def _toy(
         skip_empty=skip_empty,
         one_f_one_b=schedule.startswith("1f1b"),
         fused=schedule == "1f1b-fused",
+        gather=gather,
     )
     rng = np.random.default_rng(0)
     w = {
@@ -267,6 +277,38 @@ def test_1f1b_computing_every_slot_matches_too():
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
     assert_close(grads, ref_grads)
     assert tuple(np.asarray(applied)) == plan.layer_applications() == (plan.ticks * 3,) * 2
+
+
+@pytest.mark.parametrize(
+    "mesh_spec, num_layers, stage_layers, microbatches, repeats, schedule, skip_empty",
+    [
+        ("stage=2,fsdp=4", 4, (3, 1), 2, 1, "1f1b", True),  # uneven, fsdp
+        ("stage=4,fsdp=2", 12, (5, 3, 2, 2), 4, 2, "1f1b-fused", True),  # interleaved, uneven chunks
+        ("stage=2,data=2,fsdp=2", 12, None, 4, 3, "1f1b", False),  # 3 chunks, data parallelism, every slot
+    ],
+)
+def test_padded_weights_gathered_per_microbatch_match_the_sequential_stack(
+    mesh_spec, num_layers, stage_layers, microbatches, repeats, schedule, skip_empty
+):
+    """The padded ``[stages, slots, ...]`` layout with ``--pipeline-gather microbatch``: each slot's fsdp shards
+    gathered where a chunk pass runs it (blocks of one slot), its gradient reduce-scattered there."""
+    plan, (loss, weight, grads, applied, forward_only), (ref_loss, ref_weight, ref_grads), _, _ = _toy(
+        mesh_spec,
+        num_layers,
+        stage_layers,
+        microbatches,
+        batch=4 * microbatches,
+        repeats=repeats,
+        schedule=schedule,
+        skip_empty=skip_empty,
+        gather="microbatch",
+    )
+    assert plan.gather == "microbatch"
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    np.testing.assert_allclose(float(weight), float(ref_weight), rtol=1e-6)
+    assert_close(grads, ref_grads)
+    assert tuple(np.asarray(applied)) == plan.layer_applications()
+    np.testing.assert_allclose(float(forward_only[0]), float(ref_loss), rtol=1e-5)
 
 
 @pytest.mark.parametrize(
