@@ -716,6 +716,18 @@ def test_the_gather_mode_round_trips_through_its_flags_and_is_reported(schedule)
     assert again.parallelism.strategy == plan
 
 
+def test_dry_run_reports_the_gather_mode(capsys):
+    from train import train
+
+    argv = ["--model", "test", "--mesh", "stage=2,fsdp=4", "--stage-layers", "3,1", "--microbatches", "4"]
+    argv += ["--batch-size", "16", "--seq-len", "32", "--dry-run", "--pipeline-gather", "microbatch"]
+    code = train.main(argv)
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "weights (--pipeline-gather microbatch): each device" in out
+    assert "all-gathers 4 row(s) at a time" in out  # a block: one row from each of the fsdp=4 devices
+
+
 def test_the_gather_mode_needs_a_pipeline(capsys):
     from train import train
 
