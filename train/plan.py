@@ -32,6 +32,7 @@ import shlex
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from checkpoints.argparser import Parser
 from models import attention_registry
@@ -416,12 +417,18 @@ def plan_json(p: planner.Plan) -> dict:
     }
 
 
-def plot(plans: Sequence[planner.Plan], path: str, title: str) -> None:
-    """Bar charts of predicted step time and per-device memory (per kind, against its limit).
+def _pyplot(path: str):
+    """``matplotlib.pyplot`` on the Agg backend, once ``path``'s folder is known to exist.
+
+    Called before planning too, so a plot that cannot be written is refused before the search runs.
 
     Raises:
-      RuntimeError: When matplotlib is not installed (naming the install command).
+      RuntimeError: matplotlib is not installed (naming the install command).
+      ValueError: the folder of ``path`` does not exist, naming ``--plot``.
     """
+    folder = Path(path).resolve().parent
+    if not folder.is_dir():
+        raise ValueError(f"--plot {path}: no folder {folder}; create it or give a path in an existing folder")
     try:
         import matplotlib
 
@@ -431,6 +438,16 @@ def plot(plans: Sequence[planner.Plan], path: str, title: str) -> None:
         raise RuntimeError(
             "--plot needs matplotlib: pip install 'meshwork[plot]' (or pip install matplotlib)"
         ) from None
+    return plt
+
+
+def plot(plans: Sequence[planner.Plan], path: str, title: str) -> None:
+    """Bar charts of predicted step time and per-device memory (per kind, against its limit).
+
+    Raises:
+      RuntimeError: When matplotlib is not installed (naming the install command).
+    """
+    plt = _pyplot(path)
     labels = [
         f"{i}. {format_mesh(p.layout.mesh)}\n{p.layout.rules_name}, M={p.layout.microbatches}, {p.layout.remat}"
         + ("\nuneven" if p.counts else f"\nstages {','.join(map(str, p.stage_layers))}" if p.stage_layers else "")
@@ -539,6 +556,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         if args.top < 1:
             raise ValueError(f"--top must be at least 1 (got {args.top}), e.g. --top 8")
+        if args.plot:
+            _pyplot(args.plot)
         model = model_description(args.model, args.set)
         inventory = inventory_from_flag(args.cluster)
         options = options_from(args)

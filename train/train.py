@@ -55,7 +55,9 @@ def run(config: RunConfig) -> int:
 
     log = report.logger(jax.process_index() == 0)
     config, tokenizer = prepare(config, jax.devices(), log)
-    lock = hold_run_folder(config, jax.process_index(), log)  # refuses a folder another run holds
+    lock = None
+    if not config.loop.dry_run:  # refuses a folder another run holds
+        lock = hold_run_folder(config.checkpoint.run_dir, config.checkpoint.break_lock, jax.process_index(), log)
     try:
         return _run_prepared(config, tokenizer, processes, log)
     finally:
@@ -63,10 +65,10 @@ def run(config: RunConfig) -> int:
             lock.release()
 
 
-def hold_run_folder(config: RunConfig, process_index: int, log):
+def hold_run_folder(run_dir: str, break_lock: bool, process_index: int, log):
     """The `checkpoints.lock.RunLock` of ``--run-dir``, taken by process 0 before anything in it is touched
-    (None for a dry run and the other processes, which share the folder by design); every process learns
-    whether it was refused.
+    (None for the other processes, which share the folder by design); every process learns whether it was
+    refused. ``break_lock`` is ``--break-lock``.
 
     Raises:
       checkpoints.lock.RunFolderLocked: (a ValueError) another run holds the folder.
@@ -74,20 +76,17 @@ def hold_run_folder(config: RunConfig, process_index: int, log):
     from checkpoints.lock import RunFolderLocked, RunLock
     from train.distributed import any_process
 
-    if config.loop.dry_run:
-        return None
     lock, error = None, None
     if process_index == 0:
         try:
-            lock = RunLock.acquire(config.checkpoint.run_dir, log, config.checkpoint.break_lock)
+            lock = RunLock.acquire(run_dir, log, break_lock)
         except ValueError as e:
             error = e
     if any_process(error is not None):  # the other processes stop with process 0, not at its first collective
         if error is not None:
             raise error
         raise RunFolderLocked(
-            f"--run-dir {config.checkpoint.run_dir}: process 0 could not take the folder's lock "
-            "(its error is in its log)"
+            f"--run-dir {run_dir}: process 0 could not take the folder's lock (its error is in its log)"
         )
     return lock
 
