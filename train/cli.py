@@ -659,7 +659,8 @@ def parallelism_from_args(args, num_layers: int) -> Parallelism:
 def _strategy(args, sizes: dict[str, int], num_layers: int):
     stages = sizes[ax.STAGE]
     if stages == -1:
-        raise ValueError("--mesh stage=-1: give the pipeline's stage count, e.g. --mesh stage=4,fsdp=-1")
+        more = "" if args.microbatches >= 2 else " --microbatches 2"  # a pipeline needs a microbatch per stage
+        raise ValueError(f"--mesh stage=-1: give the pipeline's stage count, e.g. --mesh stage=2,fsdp=-1{more}")
     uneven = _rebalance(parse_hetero_batch(args.hetero_batch, args.microbatches), args.rebalance_every)
     if args.hetero_max_share is not None:
         if uneven is None or args.hetero_max_share < 1:
@@ -706,7 +707,8 @@ def pipeline_plan(args, stages: int, num_layers: int) -> PipelinePlan:
         raise ValueError(f"--pipeline-repeats {repeats}: must be at least 1 (1f1b; more is interleaved 1F1B)")
     if not circular and not one_f_one_b and repeats != 1:
         raise ValueError(
-            f"--pipeline-repeats {repeats} needs --pipeline-schedule circular or 1f1b (interleaved); gpipe has 1 repeat"
+            f"--pipeline-repeats {repeats} needs --pipeline-schedule circular or 1f1b (interleaved); gpipe has 1 "
+            "repeat; e.g. --pipeline-schedule 1f1b"
         )
     if circular and repeats < 2:
         raise ValueError(
