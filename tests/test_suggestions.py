@@ -68,6 +68,7 @@ CASES = [
     ["--hetero-batch", "1,2,3", "--mesh", "data=8"],
     ["--batch-size", "16", "--hetero-batch", "3,3,2,2,2,2,1,1", "--mesh", "data=8", "--hetero-max-share", "2"],
     ["--mesh", "stage=2,fsdp=4", "--microbatches", "2", "--hetero-batch", "auto"],
+    ["--model", "7b", "--set", "num_layers=256", "--mesh", "fsdp=8", "--dry-run"],  # over any host's memory
 ]
 
 
