@@ -196,6 +196,28 @@ def test_init_from_a_missing_folder_is_one_line(tmp_path, capsys):
     assert "no such folder" in err and len(err.splitlines()) == 1
 
 
+def test_init_from_pickled_weights_is_refused_before_the_data_is_read(tmp_path, capsys):
+    from test_hf import copy_fixture
+
+    folder = copy_fixture(tmp_path)
+    (folder / "model.safetensors").rename(folder / "pytorch_model.bin")
+    cache = tmp_path / "cache"
+    argv = [
+        "--init-from",
+        str(folder),
+        "--data",
+        "stdlib",
+        "--data-cache",
+        str(cache),
+        "--run-dir",
+        str(tmp_path / "r"),
+    ]
+    assert train.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {folder}: only pickled weights (pytorch_model.bin)") and len(err.splitlines()) == 1
+    assert not cache.exists() and not (tmp_path / "r").exists()  # nothing tokenized, nothing written
+
+
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
     """``train.hf import llama_gqa`` onto fsdp=4,tensor=2."""

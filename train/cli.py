@@ -531,6 +531,7 @@ def _model_and_tokenizer(args, execution: dict) -> tuple:
     from checkpoints import hf
 
     model = hf.init_config(args.init_from, args.model, args.set, **execution)
+    hf.weight_files(args.init_from)  # a folder of pickled weights only is refused here, before the data is read
     tokenizer = args.tokenizer
     if tokenizer is None and (Path(args.init_from) / hf.TOKENIZER_FILE).is_file():
         tokenizer = str(Path(args.init_from) / hf.TOKENIZER_FILE)
