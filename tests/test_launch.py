@@ -1,0 +1,162 @@
+"""The elastic launcher: losing process 0 and then another process, training finishes on the survivors.
+
+The losses after each restart are compared with an uninterrupted one-process run of the same flags at
+rtol 1e-5: the restarted job resumes from a checkpoint with the same global batch and data position, but
+on another mesh (data=3,fsdp=2, then data=2,fsdp=2, then fsdp=2), so only the order of the float32
+reductions differs, as in tests/test_multiprocess.py.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from _procs import ROOT, clean_env, losses, run, wait_for_line
+
+from train import cli
+from train.launch import RESTARTS_EXHAUSTED, choose, parse, strip_flags
+
+STEPS = 10
+CKPT_EVERY = 2
+
+
+def common(corpus, cache) -> list[str]:
+    return [
+        "--model",
+        "test",
+        "--set",
+        "num_layers=1",
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "12",
+        "--mesh",
+        "data=-1,fsdp=2",
+        "--cpu-devices",
+        "2",
+        "--steps",
+        str(STEPS),
+        "--warmup",
+        "2",
+        "--decay-steps",
+        str(STEPS),
+        "--eval-every",
+        "0",
+        "--eval-batches",
+        "1",
+        "--log-every",
+        "1",
+        "--ckpt-every",
+        str(CKPT_EVERY),
+        "--no-progress",
+        "--dist-timeout",
+        "60",
+        "--data",
+        str(corpus),
+        "--data-cache",
+        str(cache),
+    ]
+
+
+def start_launcher(args, log):
+    handle = open(log, "w")
+    return subprocess.Popen(
+        [sys.executable, "-m", "train.launch", *args],
+        cwd=ROOT,
+        env=clean_env(),
+        stdout=handle,
+        stderr=subprocess.STDOUT,
+    )
+
+
+def pid_of(log, process: int, count: int) -> int:
+    """The pid the launcher's newest start of ``process`` of ``count`` has."""
+    pids = re.findall(rf"^launch: process {process} of {count} \(slot \d+\) started, pid (\d+)$", log.read_text(), re.M)
+    return int(pids[-1])
+
+
+def step_after(log, marker: str, step: int, launcher, timeout=400):
+    """Waits for the line of ``step`` printed after the line containing ``marker``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = log.read_text()
+        if marker in text and re.search(rf"^step\s+{step}/", text.split(marker, 1)[1], re.M):
+            return
+        if launcher.poll() is not None:
+            raise AssertionError(f"launcher ended ({launcher.returncode}) before step {step}:\n{text}")
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for step {step} after {marker!r}:\n{log.read_text()}")
+
+
+@pytest.mark.slow
+def test_losing_process_0_then_another_finishes_on_the_survivors(tmp_path, corpus, cache):
+    run_dir, log = tmp_path / "elastic", tmp_path / "launch.log"
+    args = [*common(corpus, cache), "--run-dir", str(run_dir)]
+    launcher = start_launcher(["--local-processes", "3", "--max-restarts", "2", *args], log)
+    try:
+        wait_for_line(log, r"^step\s+3/", launcher, timeout=400)
+        os.kill(pid_of(log, 0, 3), signal.SIGKILL)  # the process that would host JAX's service without the launcher
+        step_after(log, "launch: restart 1/2", 7, launcher)
+        os.kill(pid_of(log, 1, 2), signal.SIGKILL)
+        code = launcher.wait(timeout=400)
+    finally:
+        if launcher.poll() is None:
+            launcher.send_signal(signal.SIGTERM)
+            launcher.wait(timeout=30)
+    text = log.read_text()
+    assert code == 0, text
+    restarts = [line for line in text.splitlines() if line.startswith("launch: restart")]
+    assert len(restarts) == 2, text
+    assert "lost process 0 (slot 0, killed by SIGKILL)" in restarts[0], restarts
+    assert "on 2 process(es); mesh data=3,fsdp=2 -> data=2,fsdp=2;" in restarts[0], restarts
+    assert "lost process 1 (slot 2, killed by SIGKILL)" in restarts[1], restarts
+    assert "on 1 process(es); mesh data=2,fsdp=2 -> fsdp=2;" in restarts[1], restarts
+    for line in restarts:
+        resumed, recomputed = re.search(r"resuming from step (\d+) .*; (\d+) step\(s\) recomputed", line).groups()
+        assert int(resumed) > 0 and int(resumed) % CKPT_EVERY == 0 and int(recomputed) <= CKPT_EVERY, line
+    assert "Traceback" not in text.split(restarts[-1], 1)[1], text
+
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in records if "train/loss" in r]
+    assert steps == list(range(1, STEPS + 1)), steps  # one record per step: recomputed steps replaced the lost
+    reference = tmp_path / "reference"
+    assert run([*args[:-1], str(reference)], tmp_path / "reference.log", timeout=400) == 0, (
+        tmp_path / "reference.log"
+    ).read_text()
+    got, want = losses(run_dir), losses(reference)
+    np.testing.assert_allclose([got[s] for s in steps], [want[s] for s in steps], rtol=1e-5)
+    assert str(STEPS) in os.listdir(run_dir / "checkpoints")
+
+
+def test_the_layout_is_chosen_for_the_processes_left(corpus):
+    """Batch 8 over data=-1,fsdp=2 on 2-device processes: 3 processes (data=3) cannot split it, 2 can."""
+    flags = ["--model", "test", "--cpu-devices", "2", "--mesh", "data=-1,fsdp=2", "--batch-size", "8"]
+    config = cli.parse([*flags, "--data", str(corpus), "--dry-run"])
+    count, mesh, refusals = choose(config, 3, 1)
+    assert (count, mesh) == (2, "data=2,fsdp=2")
+    assert len(refusals) == 1 and refusals[0].startswith("3 processes: --batch-size 8"), refusals
+    fixed = cli.parse([*flags[:-4], "--mesh", "data=2,fsdp=2", "--data", str(corpus), "--dry-run"])
+    count, mesh, refusals = choose(fixed, 1, 1)
+    assert (count, mesh) == (0, "") and len(refusals) == 1, refusals
+    assert refusals[0].startswith("1 process: --mesh 'data=2,fsdp=2': the sizes multiply to 4 but JAX sees 2"), refusals
+
+
+def test_launcher_flags_are_checked_and_kept_from_the_processes(corpus):
+    base = ["--model", "test", "--data", str(corpus)]
+    launch, train_argv, _ = parse(["--local-processes", "2", "--rejoin", *base, "--max-restarts=5"])
+    assert (launch.local_processes, launch.max_restarts, launch.rejoin, train_argv) == (2, 5, True, base)
+    assert strip_flags(["--a", "--min-processes", "2", "--b"], {"--min-processes": True}) == ["--a", "--b"]
+    for argv, message in (
+        (base, r"^--local-processes: required"),
+        (["--local-processes", "0", *base], r"^--local-processes 0: must be at least 1"),
+        (["--local-processes", "2", "--min-processes", "3", *base], r"^--min-processes 3: must be in 1..2"),
+        (["--local-processes", "2", "--process-id", "0", *base], r"^--process-id: the launcher gives it"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            parse(argv)
+    assert RESTARTS_EXHAUSTED not in (0, 1, 2, 3)
