@@ -2,8 +2,9 @@
 
 The losses after each restart are compared with an uninterrupted one-process run of the same flags at
 rtol 1e-5: the restarted job resumes from a checkpoint with the same global batch and data position, but
-on another mesh (data=3,fsdp=2, then data=2,fsdp=2, then fsdp=2), so only the order of the float32
-reductions differs, as in tests/test_multiprocess.py.
+on another mesh (data=3, then data=2, then data=1), so only the order of the float32 reductions differs,
+as in tests/test_multiprocess.py. Each process has one CPU device and the model one layer, to keep the
+compilations (one per restart and process) short.
 """
 
 import json
@@ -16,16 +17,18 @@ import time
 
 import numpy as np
 import pytest
-from _procs import ROOT, clean_env, losses, run, wait_for_line
+from _procs import ROOT, clean_env, losses, run
 
+from checkpoints.verify import saved_steps
 from train import cli
 from train.launch import RESTARTS_EXHAUSTED, choose, parse, strip_flags
 
 STEPS = 10
+REJOIN_STEPS = 30  # the one-process job must still be running when the checkpoint it waits for is complete
 CKPT_EVERY = 2
 
 
-def common(corpus, cache) -> list[str]:
+def common(corpus, cache, steps=STEPS) -> list[str]:
     return [
         "--model",
         "test",
@@ -34,13 +37,13 @@ def common(corpus, cache) -> list[str]:
         "--seq-len",
         "32",
         "--batch-size",
-        "12",
+        "6",
         "--mesh",
-        "data=-1,fsdp=2",
+        "data=-1",
         "--cpu-devices",
-        "2",
+        "1",
         "--steps",
-        str(STEPS),
+        str(steps),
         "--warmup",
         "2",
         "--decay-steps",
@@ -80,12 +83,18 @@ def pid_of(log, process: int, count: int) -> int:
     return int(pids[-1])
 
 
-def step_after(log, marker: str, step: int, launcher, timeout=400):
-    """Waits for the line of ``step`` printed after the line containing ``marker``."""
+def step_after(log, marker: str, step: int, launcher, run_dir, checkpoint: int, timeout=400):
+    """Waits for the line of ``step`` printed after the line containing ``marker`` and for the checkpoint of
+    step ``checkpoint`` to be complete (a kill before it would recompute more than ``--ckpt-every`` steps)."""
     deadline = time.monotonic() + timeout
+    folder = run_dir / "checkpoints"
     while time.monotonic() < deadline:
         text = log.read_text()
-        if marker in text and re.search(rf"^step\s+{step}/", text.split(marker, 1)[1], re.M):
+        if (
+            marker in text
+            and re.search(rf"^step\s+{step}/", text.split(marker, 1)[1], re.M)
+            and checkpoint in saved_steps(folder)
+        ):
             return
         if launcher.poll() is not None:
             raise AssertionError(f"launcher ended ({launcher.returncode}) before step {step}:\n{text}")
@@ -93,15 +102,25 @@ def step_after(log, marker: str, step: int, launcher, timeout=400):
     raise AssertionError(f"timed out waiting for step {step} after {marker!r}:\n{log.read_text()}")
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, corpus, cache):
+    """The run folder of the same flags in one uninterrupted process (--steps does not change the schedule:
+    --decay-steps and --warmup are given)."""
+    folder = tmp_path_factory.mktemp("reference")
+    args = [*common(corpus, cache, REJOIN_STEPS), "--run-dir", str(folder / "run")]
+    assert run(args, folder / "run.log", timeout=400) == 0, (folder / "run.log").read_text()
+    return folder / "run"
+
+
 @pytest.mark.slow
-def test_losing_process_0_then_another_finishes_on_the_survivors(tmp_path, corpus, cache):
+def test_losing_process_0_then_another_finishes_on_the_survivors(tmp_path, corpus, cache, reference):
     run_dir, log = tmp_path / "elastic", tmp_path / "launch.log"
     args = [*common(corpus, cache), "--run-dir", str(run_dir)]
     launcher = start_launcher(["--local-processes", "3", "--max-restarts", "2", *args], log)
     try:
-        wait_for_line(log, r"^step\s+3/", launcher, timeout=400)
+        step_after(log, "launch: process 0 of 3", 3, launcher, run_dir, checkpoint=2)
         os.kill(pid_of(log, 0, 3), signal.SIGKILL)  # the process that would host JAX's service without the launcher
-        step_after(log, "launch: restart 1/2", 7, launcher)
+        step_after(log, "launch: restart 1/2", 7, launcher, run_dir, checkpoint=6)
         os.kill(pid_of(log, 1, 2), signal.SIGKILL)
         code = launcher.wait(timeout=400)
     finally:
@@ -113,24 +132,50 @@ def test_losing_process_0_then_another_finishes_on_the_survivors(tmp_path, corpu
     restarts = [line for line in text.splitlines() if line.startswith("launch: restart")]
     assert len(restarts) == 2, text
     assert "lost process 0 (slot 0, killed by SIGKILL)" in restarts[0], restarts
-    assert "on 2 process(es); mesh data=3,fsdp=2 -> data=2,fsdp=2;" in restarts[0], restarts
+    assert "on 2 process(es); mesh data=3 -> data=2;" in restarts[0], restarts
     assert "lost process 1 (slot 2, killed by SIGKILL)" in restarts[1], restarts
-    assert "on 1 process(es); mesh data=2,fsdp=2 -> fsdp=2;" in restarts[1], restarts
+    assert "on 1 process(es); mesh data=2 -> data=1;" in restarts[1], restarts
     for line in restarts:
         resumed, recomputed = re.search(r"resuming from step (\d+) .*; (\d+) step\(s\) recomputed", line).groups()
         assert int(resumed) > 0 and int(resumed) % CKPT_EVERY == 0 and int(recomputed) <= CKPT_EVERY, line
     assert "Traceback" not in text.split(restarts[-1], 1)[1], text
 
+    assert_one_record_per_step_with_the_reference_losses(run_dir, reference)
+
+
+def assert_one_record_per_step_with_the_reference_losses(run_dir, reference, last=STEPS):
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r["step"] for r in records if "train/loss" in r]
-    assert steps == list(range(1, STEPS + 1)), steps  # one record per step: recomputed steps replaced the lost
-    reference = tmp_path / "reference"
-    assert run([*args[:-1], str(reference)], tmp_path / "reference.log", timeout=400) == 0, (
-        tmp_path / "reference.log"
-    ).read_text()
+    assert steps == list(range(1, last + 1)), steps  # one record per step: recomputed steps replaced the lost
     got, want = losses(run_dir), losses(reference)
     np.testing.assert_allclose([got[s] for s in steps], [want[s] for s in steps], rtol=1e-5)
-    assert str(STEPS) in os.listdir(run_dir / "checkpoints")
+    assert str(last) in os.listdir(run_dir / "checkpoints")
+
+
+@pytest.mark.slow
+def test_a_lost_process_rejoins_at_the_next_checkpoint(tmp_path, corpus, cache, reference):
+    """Process 1 of 2 is killed: training continues on one process, and grows back to two once a checkpoint
+    newer than the restart's is complete (--rejoin)."""
+    run_dir, log = tmp_path / "rejoin", tmp_path / "launch.log"
+    args = [*common(corpus, cache, REJOIN_STEPS), "--run-dir", str(run_dir)]
+    launcher = start_launcher(["--local-processes", "2", "--rejoin", *args], log)
+    try:
+        step_after(log, "launch: process 0 of 2", 3, launcher, run_dir, checkpoint=2)
+        os.kill(pid_of(log, 1, 2), signal.SIGKILL)
+        code = launcher.wait(timeout=600)
+    finally:
+        if launcher.poll() is None:
+            launcher.send_signal(signal.SIGTERM)
+            launcher.wait(timeout=30)
+    text = log.read_text()
+    assert code == 0, text
+    restart = [line for line in text.splitlines() if line.startswith("launch: restart")]
+    assert len(restart) == 1 and "on 1 process(es); mesh data=2 -> data=1;" in restart[0], text
+    grow = re.findall(r"^launch: growing back to 2 processes at step (\d+)$", text, re.M)
+    resumed = int(re.search(r"resuming from step (\d+)", restart[0]).group(1))
+    assert len(grow) == 1 and resumed < int(grow[0]) < REJOIN_STEPS, text
+    assert re.search(r"^launch: process 1 of 2 \(slot 1\) started", text.split("growing back", 1)[1], re.M), text
+    assert_one_record_per_step_with_the_reference_losses(run_dir, reference, REJOIN_STEPS)
 
 
 def test_the_layout_is_chosen_for_the_processes_left(corpus):

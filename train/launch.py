@@ -40,6 +40,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from checkpoints.verify import saved_steps
 from train import cli
 
 STOP_GRACE = 5.0
@@ -51,6 +52,9 @@ RESTARTS_EXHAUSTED = 4
 LAUNCHER_FLAGS = {"--local-processes": True, "--max-restarts": True, "--min-processes": True, "--rejoin": False}
 """The launcher's own flags (True: takes a value); every other flag goes to the training processes."""
 GIVEN_BY_LAUNCHER = ("--coordinator", "--num-processes", "--process-id", "--external-coordinator")
+GROUP = "elastic launcher (python -m train.launch)"
+DOCUMENTED_GROUPS = (GROUP,)
+"""The flags docs/flags.md lists under this command (the others are python -m train.train's)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,9 +80,11 @@ def build_parser():
     p.prog = "python -m train.launch"
     p.description = (
         "Starts the training processes of train.train on this machine, hosts their coordination service, and "
-        "restarts training on the survivors from the newest verified checkpoint when a process is lost."
+        "restarts training on the survivors from the newest verified checkpoint when a process is lost. Takes "
+        "every flag of python -m train.train (but --coordinator, --num-processes, --process-id, which it gives), "
+        "plus these."
     )
-    g = p.add_argument_group("elastic launcher (python -m train.launch)")
+    g = p.add_argument_group(GROUP)
     g.add_argument(
         "--local-processes",
         type=int,
@@ -86,8 +92,10 @@ def build_parser():
         metavar="N",
         help="training processes to start on this machine, each with --cpu-devices devices (required)",
     )
-    g.add_argument("--max-restarts", type=int, default=3, help="restarts after lost processes before giving up")
-    g.add_argument("--min-processes", type=int, default=1, help="fewest processes to continue training on")
+    g.add_argument(
+        "--max-restarts", type=int, default=3, metavar="N", help="restarts after lost processes before giving up"
+    )
+    g.add_argument("--min-processes", type=int, default=1, metavar="N", help="fewest processes to continue training on")
     g.add_argument(
         "--rejoin",
         action="store_true",
@@ -389,7 +397,7 @@ class Launcher:
             if len(ended) == len(gen.children):
                 return "done", None
             if self.launch.rejoin and len(gen.slots) < self.launch.local_processes:
-                if self.newest() > (gen.resumed or 0):
+                if max(saved_steps(self.folder), default=0) > (gen.resumed or 0) and self.newest() > (gen.resumed or 0):
                     self.log("launch: a checkpoint newer than the restart is complete; stopping to grow back")
                     self.stopping = True
                     for child in gen.children:
@@ -399,6 +407,8 @@ class Launcher:
                         child.wait()
                     self.stopping = False
                     if all(c.returncode == 0 for c in gen.children):
+                        if self.newest() >= self.config.loop.steps:  # the stop came with the last step
+                            return "done", None
                         return "grow", list(range(self.launch.local_processes))
                     codes = [describe_exit(c.returncode) for c in gen.children]
                     return "lost", ([], f"processes ended with {', '.join(codes)} while stopping to grow back")
