@@ -21,7 +21,8 @@ from _procs import ROOT, clean_env, losses, run
 
 from checkpoints.verify import saved_steps
 from train import cli
-from train.launch import RESTARTS_EXHAUSTED, choose, parse, strip_flags
+from train import launch as launch_module
+from train.launch import RESTARTS_EXHAUSTED, Generation, LaunchConfig, Launcher, choose, parse, strip_flags
 
 STEPS = 10
 REJOIN_STEPS = 30  # the one-process job must still be running when the checkpoint it waits for is complete
@@ -205,3 +206,84 @@ def test_launcher_flags_are_checked_and_kept_from_the_processes(corpus):
         with pytest.raises(ValueError, match=message):
             parse(argv)
     assert RESTARTS_EXHAUSTED not in (0, 1, 2, 3)
+
+
+class FakeChild:
+    """A training process that ends with ``code`` (None: runs until stopped) at its first look."""
+
+    def __init__(self, code):
+        self.returncode, self.pid = code, 0
+
+    def poll(self):
+        return self.returncode
+
+    def send_signal(self, signum):
+        self.returncode = 0
+
+
+class ScriptedLauncher(Launcher):
+    """The launcher's decisions on scripted exits: each start takes the next list of exit codes."""
+
+    def __init__(self, script, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.script, self.starts = list(script), []
+
+    def start(self, slots, mesh, resume):
+        self.starts.append((list(slots), mesh, resume))
+        children = [FakeChild(code) for code in self.script.pop(0)]
+        self.current = Generation(list(slots), mesh, None, children, 4 if resume else None, 0.0)
+        return self.current
+
+    def stop(self, gen):
+        self.current = None
+
+    def newest(self):
+        return 4
+
+
+def scripted(script, corpus, tmp_path, *flags, **launch):
+    config = cli.parse(
+        ["--model", "test", "--cpu-devices", "1", "--mesh", "data=-1", "--batch-size", "6", "--data", str(corpus)]
+        + ["--run-dir", str(tmp_path / "run"), *flags]
+    )
+    lines = []
+    launcher = ScriptedLauncher(script, LaunchConfig(**launch), [], config, log=lines.append)
+    return launcher, launcher.run(), lines
+
+
+def test_restarts_until_max_restarts_are_used_up_naming_each_failure(corpus, tmp_path, monkeypatch):
+    monkeypatch.setattr(launch_module, "POLL", 0.0)
+    launcher, code, lines = scripted(
+        [[-9, None, None], [None, 134]], corpus, tmp_path, local_processes=3, max_restarts=1
+    )
+    assert code == RESTARTS_EXHAUSTED
+    assert [(s, m) for s, m, _ in launcher.starts] == [([0, 1, 2], "data=3"), ([1, 2], "data=2")]
+    assert lines[0].startswith("launch: restart 1/1: lost process 0 (slot 0, killed by SIGKILL); resuming from step 4")
+    assert lines[-1] == (
+        "error: --max-restarts 1 used up after 2 failures: lost process 0 (slot 0, killed by SIGKILL); "
+        "lost process 1 (slot 2, exit 134); the newest verified checkpoint is step 4"
+    )
+
+
+def test_a_failed_process_is_not_restarted_and_a_layout_that_no_longer_fits_says_so(corpus, tmp_path, monkeypatch):
+    monkeypatch.setattr(launch_module, "POLL", 0.0)
+    launcher, code, lines = scripted([[None, 1]], corpus, tmp_path, local_processes=2)
+    assert code == 1 and len(launcher.starts) == 1
+    assert lines == ["error: process 1 ended with exit 1; not a lost process, not restarted"]
+
+    # batch 4 over data=-1: 4 processes fit; of 3 left only 2 (data=3 cannot split it), the third waits idle and
+    # replaces the next lost one; then 1 is left, below --min-processes
+    launcher, code, lines = scripted(
+        [[None, None, None, -9], [-9, None], [None, -9]],
+        corpus,
+        tmp_path,
+        "--batch-size",
+        "4",
+        local_processes=4,
+        min_processes=2,
+        max_restarts=5,
+    )
+    assert code == RESTARTS_EXHAUSTED
+    assert [s for s, _, _ in launcher.starts] == [[0, 1, 2, 3], [0, 1], [1, 2]]
+    assert "mesh data=4 -> data=2;" in lines[0], lines
+    assert lines[-1].startswith("error: nothing fits the 1 process(es) left (fewer than --min-processes 2)"), lines
