@@ -22,7 +22,17 @@ from _procs import ROOT, clean_env, losses, run
 from checkpoints.verify import saved_steps
 from train import cli
 from train import launch as launch_module
-from train.launch import RESTARTS_EXHAUSTED, Generation, LaunchConfig, Launcher, choose, parse, strip_flags
+from train.distributed import DistributedConfig, start_service
+from train.launch import (
+    RESTARTS_EXHAUSTED,
+    Generation,
+    LaunchConfig,
+    Launcher,
+    choose,
+    free_port,
+    parse,
+    strip_flags,
+)
 
 STEPS = 10
 REJOIN_STEPS = 30  # the one-process job must still be running when the checkpoint it waits for is complete
@@ -287,3 +297,13 @@ def test_a_failed_process_is_not_restarted_and_a_layout_that_no_longer_fits_says
     assert [s for s, _, _ in launcher.starts] == [[0, 1, 2, 3], [0, 1], [1, 2]]
     assert "mesh data=4 -> data=2;" in lines[0], lines
     assert lines[-1].startswith("error: nothing fits the 1 process(es) left (fewer than --min-processes 2)"), lines
+
+
+def test_joining_a_service_hosted_elsewhere_needs_the_flags_and_the_binding(monkeypatch):
+    with pytest.raises(ValueError, match=r"^--external-coordinator: needs --coordinator HOST:PORT"):
+        DistributedConfig(external=True).validate()
+    from jax._src import distributed as jax_distributed
+
+    monkeypatch.setattr(jax_distributed, "_jax", object())  # a JAX without the private binding
+    with pytest.raises(RuntimeError, match=r"^train.launch: this JAX \(.*\) has no jax._src.distributed._jax"):
+        start_service(free_port(), 2, 10)
