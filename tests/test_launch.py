@@ -238,10 +238,10 @@ class ScriptedLauncher(Launcher):
         super().__init__(*args, **kwargs)
         self.script, self.starts = list(script), []
 
-    def start(self, slots, mesh, resume):
-        self.starts.append((list(slots), mesh, resume))
+    def start(self, slots, mesh, resumed, restart):
+        self.starts.append((list(slots), mesh, resumed))
         children = [FakeChild(code) for code in self.script.pop(0)]
-        self.current = Generation(list(slots), mesh, None, children, 4 if resume else None, 0.0)
+        self.current = Generation(list(slots), mesh, None, children, resumed)
         return self.current
 
     def stop(self, gen):

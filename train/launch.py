@@ -240,7 +240,6 @@ class Generation:
     service: object
     children: list[subprocess.Popen]
     resumed: int | None
-    started: float
 
 
 class Launcher:
@@ -266,11 +265,12 @@ class Launcher:
         count, mesh, _ = choose(self.config, len(slots), len(slots))
         if count == 0:  # the first layout is the user's: refuse it as train.train would
             layout_for(self.config, len(slots))
-        previous = None
+        previous, restart = None, False
         while True:
-            gen = self.start(slots[:count], mesh, resume)
+            resumed = self.newest() if resume else None
             if previous is not None:
-                self.log(self.restart_line(previous, gen))
+                self.log(self.restart_line(previous, count, mesh, resumed or 0))
+            gen = self.start(slots[:count], mesh, resumed, restart=restart)
             outcome, detail = self.watch(gen)
             self.stop(gen)
             if outcome == "done":
@@ -279,7 +279,7 @@ class Launcher:
                 return detail
             if outcome == "grow":
                 self.log(f"launch: growing back to {len(detail)} processes at step {self.newest()}")
-                slots, lost_slots, resume, previous = detail, [], True, None
+                slots, lost_slots, resume, restart, previous = detail, [], True, True, None
                 self.config = resumed_config(self.config)
                 count, mesh, refusals = choose(self.config, len(slots), self.launch.min_processes)
                 if count == 0:
@@ -306,7 +306,7 @@ class Launcher:
                 count, mesh, refusals = choose(self.config, len(slots), self.launch.min_processes)
             if count == 0:
                 return self.no_fit(len(slots), refusals)
-            resume, previous = True, (gen, words)
+            resume, restart, previous = True, True, (gen, words)
 
     def no_fit(self, processes: int, refusals: list[str]) -> int:
         reasons = "; ".join(refusals) or f"fewer than --min-processes {self.launch.min_processes}"
@@ -316,14 +316,14 @@ class Launcher:
         )
         return RESTARTS_EXHAUSTED
 
-    def restart_line(self, previous: tuple[Generation, str], gen: Generation) -> str:
+    def restart_line(self, previous: tuple[Generation, str], processes: int, mesh: str, resumed: int) -> str:
+        """The one line of a restart: what was lost, the step resumed, the old and new mesh, the steps recomputed."""
         old, words = previous
         reached = last_recorded_step(Path(self.config.checkpoint.run_dir))
-        resumed = gen.resumed or 0
         recomputed = max(reached - resumed, 0) if reached is not None else 0
         return (
             f"launch: restart {len(self.failures)}/{self.launch.max_restarts}: {words}; resuming from step "
-            f"{resumed} on {len(gen.slots)} process(es); mesh {old.mesh} -> {gen.mesh}; "
+            f"{resumed} on {processes} process(es); mesh {old.mesh} -> {mesh}; "
             f"{recomputed} step(s) recomputed (last recorded step {reached if reached is not None else 0})"
         )
 
@@ -336,17 +336,17 @@ class Launcher:
         except Exception:  # a damaged folder: the training processes will say which step and why
             return 0
 
-    def start(self, slots: list[int], mesh: str, resume: bool) -> Generation:
-        """Starts the service and one training process per slot (process ids 0..len(slots)-1)."""
+    def start(self, slots: list[int], mesh: str, resumed: int | None, restart: bool) -> Generation:
+        """Starts the service and one training process per slot (process ids 0..len(slots)-1): the first time
+        with the user's flags, on a ``restart`` with ``--resume`` from the newest verified step (resumed)."""
         from train.distributed import start_service
 
         port = free_port()
         service = start_service(port, len(slots), self.config.cluster.dist_timeout)
         argv = self.argv
-        if resume:
+        if restart:
             argv = strip_flags(argv, {"--resume-step": True, "--discard-later": False})
             argv += [] if "--resume" in argv else ["--resume"]
-        resumed = self.newest() if resume else None
         children = []
         for index, slot in enumerate(slots):
             command = [
@@ -364,7 +364,7 @@ class Launcher:
             ]
             children.append(subprocess.Popen(command, preexec_fn=_die_with_parent))
             self.log(f"launch: process {index} of {len(slots)} (slot {slot}) started, pid {children[-1].pid}")
-        self.current = Generation(slots, mesh, service, children, resumed, time.monotonic())
+        self.current = Generation(slots, mesh, service, children, resumed)
         return self.current
 
     def watch(self, gen: Generation):
