@@ -222,9 +222,11 @@ class FakeChild:
     """A training process that ends with ``code`` (None: runs until stopped) at its first look."""
 
     def __init__(self, code):
-        self.returncode, self.pid = code, 0
+        self.returncode, self.pid, self.looks = code, 0, 0
 
     def poll(self):
+        self.looks += 1  # bounds a scripted test: a launcher that would wait forever fails instead
+        assert self.looks < 1000, "the launcher kept waiting for a process that will not end"
         return self.returncode
 
     def send_signal(self, signum):
@@ -307,3 +309,19 @@ def test_joining_a_service_hosted_elsewhere_needs_the_flags_and_the_binding(monk
     monkeypatch.setattr(jax_distributed, "_jax", object())  # a JAX without the private binding
     with pytest.raises(RuntimeError, match=r"^train.launch: this JAX \(.*\) has no jax._src.distributed._jax"):
         start_service(free_port(), 2, 10)
+
+
+def test_a_signal_to_the_launcher_is_passed_on_and_is_not_a_lost_process(corpus, tmp_path, monkeypatch):
+    """SIGTERM to the launcher: the processes are told (they save and end with 0), nothing is restarted."""
+    monkeypatch.setattr(launch_module, "POLL", 0.0)
+    config = cli.parse(["--model", "test", "--cpu-devices", "1", "--mesh", "data=-1", "--data", str(corpus)])
+    launcher = ScriptedLauncher([[None, None]], LaunchConfig(2), [], config, log=print)
+    original = FakeChild.poll
+
+    def poll_once_then_signal(child):
+        if not launcher.stopping:
+            launcher.terminate(signal.SIGTERM, None)  # arrives while the processes run
+        return original(child)
+
+    monkeypatch.setattr(FakeChild, "poll", poll_once_then_signal)
+    assert launcher.run() == 0 and len(launcher.starts) == 1 and launcher.failures == []

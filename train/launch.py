@@ -266,7 +266,7 @@ class Launcher:
         if count == 0:  # the first layout is the user's: refuse it as train.train would
             layout_for(self.config, len(slots))
         previous, restart = None, False
-        while True:
+        while not self.stopping:
             resumed = self.newest() if resume else None
             if previous is not None:
                 self.log(self.restart_line(previous, count, mesh, resumed or 0))
@@ -307,6 +307,8 @@ class Launcher:
             if count == 0:
                 return self.no_fit(len(slots), refusals)
             resume, restart, previous = True, True, (gen, words)
+        self.log("launch: stopped by a signal before the restart")
+        return 0
 
     def no_fit(self, processes: int, refusals: list[str]) -> int:
         reasons = "; ".join(refusals) or f"fewer than --min-processes {self.launch.min_processes}"
