@@ -399,21 +399,29 @@ class Launcher:
             if len(ended) == len(gen.children):
                 return "done", None
             if self.launch.rejoin and len(gen.slots) < self.launch.local_processes:
-                if max(saved_steps(self.folder), default=0) > (gen.resumed or 0) and self.newest() > (gen.resumed or 0):
-                    self.log("launch: a checkpoint newer than the restart is complete; stopping to grow back")
-                    self.stopping = True
-                    for child in gen.children:
-                        if child.poll() is None:
-                            child.send_signal(signal.SIGTERM)
-                    for child in gen.children:
-                        child.wait()
-                    self.stopping = False
-                    if all(c.returncode == 0 for c in gen.children):
-                        if self.newest() >= self.config.loop.steps:  # the stop came with the last step
-                            return "done", None
-                        return "grow", list(range(self.launch.local_processes))
-                    codes = [describe_exit(c.returncode) for c in gen.children]
-                    return "lost", ([], f"processes ended with {', '.join(codes)} while stopping to grow back")
+                after = gen.resumed or 0
+                if max(saved_steps(self.folder), default=0) > after and self.newest() > after:
+                    return self.grow_back(gen)
+
+    def grow_back(self, gen: Generation):
+        """Stops a shrunk generation at the checkpoint boundary it just passed (SIGTERM: the processes finish the
+        step in flight, save and end with 0) so that every slot can start again (`watch`'s outcomes)."""
+        self.log("launch: a checkpoint newer than the restart is complete; stopping to grow back")
+        for child in gen.children:
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.config.cluster.dist_timeout
+        for child in gen.children:
+            try:
+                child.wait(timeout=max(deadline - time.monotonic(), 0.01))
+            except subprocess.TimeoutExpired:
+                return "lost", ([], "the processes did not stop within --dist-timeout while growing back")
+        if any(c.returncode != 0 for c in gen.children):
+            codes = ", ".join(describe_exit(c.returncode) for c in gen.children)
+            return "lost", ([], f"processes ended with {codes} while stopping to grow back")
+        if self.newest() >= self.config.loop.steps:  # the stop came with the last step
+            return "done", None
+        return "grow", list(range(self.launch.local_processes))
 
     def stop(self, gen: Generation) -> None:
         """Ends every process of ``gen`` still running (SIGTERM, SIGKILL after `STOP_GRACE`) and the service."""
