@@ -139,6 +139,12 @@ def _process_flags(p) -> None:
     g.add_argument("--num-processes", type=int, default=None, help="number of processes in the job")
     g.add_argument("--process-id", type=int, default=None, help="this process's index, 0..N-1")
     g.add_argument("--dist-timeout", type=int, default=300, help="seconds to wait for all processes to connect")
+    g.add_argument(
+        "--external-coordinator",
+        action="store_true",
+        help="the coordination service at --coordinator runs outside the training processes (python -m "
+        "train.launch starts it and gives this flag), so process 0 does not start one and losing it is survivable",
+    )
 
 
 def _model_flags(p) -> None:
@@ -517,6 +523,7 @@ def from_args(args: argparse.Namespace) -> RunConfig:
             args.simulate_cluster,
             args.plan,
             args.device_memory,
+            external_coordinator=args.external_coordinator,
         ),
     )
 
@@ -575,6 +582,7 @@ def _check_counts(args) -> None:
         num_processes=args.num_processes,
         process_id=args.process_id,
         dist_timeout=args.dist_timeout,
+        external_coordinator=args.external_coordinator,
     )
     args_distributed.distributed().validate()
     if args.cluster:
