@@ -60,6 +60,8 @@ from sharding.pipeline.program import (
     Weights,
     check_split,
     chunk_backward,
+    chunk_backward_input,
+    chunk_backward_weight,
     chunk_forward,
     index_leaf,
     index_tree,
@@ -71,7 +73,7 @@ from sharding.pipeline.program import (
     write,
 )
 from sharding.pipeline.schedule import run_pipeline
-from sharding.pipeline.ticks import BACKWARD, FORWARD
+from sharding.pipeline.ticks import BACKWARD, FORWARD, WEIGHT
 
 
 def _ticks(
@@ -112,6 +114,7 @@ def _ticks(
     stage = jax.lax.axis_index(ax.STAGE)
     # This stage's column of each table; lockstep's forward and backward columns are one array, read once.
     columns = ticks.columns()
+    split = "weight" in columns  # zero bubble: the backward split into B and W passes
     tables = {}
     for column in columns.values():
         tables.setdefault(id(column), jnp.asarray(column)[:, stage])
@@ -164,19 +167,31 @@ def _ticks(
             # backward of the microbatch whose forward and loss this tick just ran (fused ticks).
             backward, r, mb, slot = (row["backward" + part] for part in ("", "_chunk", "_microbatch", "_slot"))
             backward = backward == BACKWARD
+            b_r, b_mb = r, mb
             c = row["cotangent_slot"]
-            g_in, grads = chunk_backward(
-                layer,
-                params,
-                r,
-                index_leaf(buffer, slot),
-                index_tree(extras, mb),
-                jnp.where(backward, counts[r], 0),
-                index_leaf(waiting, c),
-                grads,
-                plan.skip_empty,
-            )
-            g_xs = write(g_xs, mb, g_in, backward & (stage == 0) & (r == 0))
+            backward_args = (index_leaf(buffer, slot), index_tree(extras, mb), jnp.where(backward, counts[r], 0))
+            if split:  # zero bubble: B now, W from the ring at the tick the table gives
+                g_in, outputs = chunk_backward_input(
+                    layer, params, r, *backward_args, index_leaf(waiting, c), plan.skip_empty
+                )
+                buffer = write(buffer, row["backward_saved"], outputs, backward)
+                r, mb = row["weight_chunk"], row["weight_microbatch"]
+                grads = chunk_backward_weight(
+                    layer,
+                    params,
+                    r,
+                    index_leaf(buffer, row["weight_slot"]),
+                    index_tree(extras, mb),
+                    jnp.where(row["weight"] == WEIGHT, counts[r], 0),
+                    index_leaf(buffer, row["weight_saved"]),
+                    grads,
+                    plan.skip_empty,
+                )
+            else:
+                g_in, grads = chunk_backward(
+                    layer, params, r, *backward_args, index_leaf(waiting, c), grads, plan.skip_empty
+                )
+            g_xs = write(g_xs, b_mb, g_in, backward & (stage == 0) & (b_r == 0))
             g_received = jax.lax.ppermute(g_in, ax.STAGE, back_ring)
         received = jax.lax.ppermute(h, ax.STAGE, ring)
         return (received, g_received, buffer, waiting, grads, head_grads, g_xs, loss, weight, applied), None
