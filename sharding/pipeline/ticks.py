@@ -503,6 +503,34 @@ def zero_bubble_ticks(stages: int, microbatches: int, repeats: int = 1) -> ZeroB
     return ZeroBubbleTicks(**tables, slots=max(n for _, n in colours), cotangent_slots=max(n for _, n in cot_colours))
 
 
+def tick_ops(table: Ticks | FusedTicks) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(forward, backward, weight)``: bool ``[ticks, S]``, where each stage runs a chunk's forward, its
+    backward (zero bubble: the input-gradient pass) and a weight-gradient pass (zero bubble only)."""
+    if isinstance(table, Ticks):
+        return table.op == FORWARD, table.op == BACKWARD, np.zeros(table.op.shape, bool)
+    weight = table.weight == WEIGHT if isinstance(table, ZeroBubbleTicks) else np.zeros(table.forward.shape, bool)
+    return table.forward == FORWARD, table.backward == BACKWARD, weight
+
+
+def tick_time(table: Ticks | FusedTicks, forward, backward, weight=None) -> float:
+    """The step's time when every tick lasts as long as its busiest stage: ``sum_t max_s`` of what stage ``s``
+    runs at tick ``t`` (one SPMD program: the ``ppermute`` closing each tick waits for every stage).
+
+    Args:
+      table: a tick table.
+      forward, backward, weight: ``[S]`` seconds (or any unit) of a chunk's forward, backward (zero bubble:
+        input gradient) and weight gradient on each stage; ``weight`` None for the tables without one.
+
+    Returns:
+      The sum over ticks of the slowest stage's work, in the unit of the arguments.
+    """
+    f, b, w = tick_ops(table)
+    load = f * np.asarray(forward, float) + b * np.asarray(backward, float)
+    if weight is not None:
+        load = load + w * np.asarray(weight, float)
+    return float(load.max(axis=1).sum())
+
+
 def _intervals(done: dict, stages: int, microbatches: int, last: int) -> tuple[dict, dict]:
     """``(saved, waiting)``: per ``(v, i)`` the inclusive ticks its chunk input is held (arrival to backward)
     and its cotangent waits (arrival, or the loss at the last virtual stage's forward, to backward)."""
