@@ -131,3 +131,23 @@ def test_zero_bubble_temporaries_lie_between_fused_1f1b_and_gpipe_and_no_transfe
     found = branch_collectives(zb.as_text(), trainer.mesh)
     assert not [c for c in found if c.op == "collective-permute"]
     assert all(c.safe for c in found)
+
+
+# Through the CLI -------------------------------------------------------------------------------
+
+
+def test_the_zero_bubble_plan_round_trips_through_its_flags_and_is_reported(capsys):
+    from train import train
+    from train.cli import parse
+    from train.flags import parallelism_flags
+    from train.report import schedule_memory_line
+
+    run = parse(["--model", "test", "--mesh", "stage=2,fsdp=4", "--microbatches", "4", "--pipeline-schedule", "zb"])
+    plan = run.parallelism.strategy
+    assert plan.one_f_one_b and plan.zero_bubble and not plan.fused and plan.schedule == "zb"
+    assert parse(["--model", "test", *parallelism_flags(run.parallelism)]).parallelism.strategy == plan
+    assert "one loop of 6 ticks, each a forward, an input gradient and a weight gradient" in schedule_memory_line(plan)
+    argv = ["--model", "test", "--mesh", "stage=2,fsdp=4", "--microbatches", "4", "--batch-size", "8", "--dry-run"]
+    code = train.main([*argv, "--pipeline-schedule", "zb", "--pipeline-repeats", "2"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--pipeline-repeats 2: --pipeline-schedule zb runs one chunk per stage" in err, err
