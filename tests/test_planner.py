@@ -472,8 +472,8 @@ def test_one_f_one_b_priced_lockstep_or_as_megatron_runs_it():
 def test_each_1f1b_schedule_is_priced_from_its_tick_table_and_the_fastest_fitting_wins():
     """At one 4-stage layout the three 1F1B-family schedules are priced from their tables (`_clock`): fused
     1F1B (``M + 2 (S - 1)`` ticks of a forward and a backward) beats lockstep; zero bubble's stage cost counts
-    its second recomputation (more compute than fused 1F1B's), and its ticks price its forward, input gradient and weight gradient at 1/5, 2/5
-    and 2/5 of that chunk time. The search prices every one beside each GPipe plan (`_one_f_one_b`)."""
+    its second recomputation (more compute than fused 1F1B's), and its ticks price its forward, input gradient and weight gradient at 1/6, 1/3
+    and 1/2 of that chunk time. The search prices every one beside each GPipe plan (`_one_f_one_b`)."""
     from sharding.planner import search
 
     model = _described(32000, 8, 1024, 4096, 16, 16, 64)
@@ -486,7 +486,7 @@ def test_each_1f1b_schedule_is_priced_from_its_tick_table_and_the_fastest_fittin
     for name, ticks, shares in (
         ("1f1b", "lockstep", (0.25, 0.75, 0.0)),
         ("1f1b-fused", "fused", (0.25, 0.75, 0.0)),
-        ("zb", "zb", (0.2, 0.4, 0.4)),
+        ("zb", "zb", (1 / 6, 1 / 3, 1 / 2)),
     ):
         layout = dataclasses.replace(base, one_f_one_b=True, tick_schedule=ticks)
         plan = ev.uniform(layout)

@@ -79,7 +79,9 @@ class _Pipe:
         with zero bubble the output cotangents its input gradients leave for the weight gradients); 0 for
         GPipe/circular.
       split: zero bubble: the backward runs as two passes (input gradient, weight gradient), each recomputing
-        the layer's forward from its saved input, so every layer is recomputed twice per microbatch.
+        the layer's forward from its saved input, so every layer is recomputed twice per microbatch, and the
+        weight gradient's pass redoes the input gradients inside the layer (`_per_token_flops`'s
+        ``split_backward``).
     """
 
     stages: int

@@ -36,9 +36,11 @@ ONE_F_ONE_B_TICK = 0.75
 #: What each op of a tick table costs, as shares of a chunk's forward and backward time on its stage (the
 #: stage's `Cost`, which already counts the schedule's recomputation): ``(forward, backward, weight)`` in
 #: forward-equivalents over their sum. 1F1B's backward recomputes the chunk's forward and runs the two
-#: backward products per forward product (1 + 3); zero bubble's input gradient and weight gradient each
-#: recompute the forward and run one backward product (1 + 2 + 2).
-TICK_SHARES = {"lockstep": (0.25, 0.75, 0.0), "fused": (0.25, 0.75, 0.0), "zb": (0.2, 0.4, 0.4)}
+#: backward products per forward product (1 + 3). Zero bubble's input gradient recomputes the forward and
+#: runs the input-gradient products (2); its weight gradient recomputes the forward, runs the input-gradient
+#: products inside the layer again (the weights' cotangents need them) and the weight-gradient products (3):
+#: 1 + 2 + 3.
+TICK_SHARES = {"lockstep": (0.25, 0.75, 0.0), "fused": (0.25, 0.75, 0.0), "zb": (1 / 6, 1 / 3, 1 / 2)}
 
 #: How a 1F1B pipeline is priced. ``lockstep``: meshwork's schedules as they run, one SPMD program whose
 #: ticks each last as long as the busiest stage's work in the tick, read from the schedule's tick table
