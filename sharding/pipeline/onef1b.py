@@ -1,4 +1,5 @@
-"""The 1F1B schedule (PipeDream-Flush) in one SPMD program, with the loss and the backward pass inside.
+"""The 1F1B schedules (PipeDream-Flush, and zero bubble) in one SPMD program, with the loss and the backward
+pass inside.
 
 Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM"
 (SC'21), section 2.2: after its warm-up forwards each stage alternates one forward and one backward,
@@ -15,7 +16,10 @@ chunk's slots (`program.chunk_forward`, each slot under a `jax.lax.cond`, none w
 keeping each slot's input in a ring of chunk inputs ``[slots, K, microbatch, ...]``; then the head, on
 the last virtual stage; then the backward, which differentiates the slots from their saved inputs
 (`program.chunk_backward`), so on the last virtual stage a microbatch's backward may share the tick of
-its forward. Cotangents that arrive before their backward wait in a second, smaller ring. Two
+its forward. Zero bubble (``zb``, `sharding.pipeline.ticks.zero_bubble_ticks`) splits that backward: the
+input gradient (`program.chunk_backward_input`) at the backward's tick, leaving each slot's output cotangent
+in the ring, and the weight gradient (`program.chunk_backward_weight`) at the tick its table gives, last in
+the tick. Cotangents that arrive before their backward wait in a second, smaller ring. Two
 ``ppermute`` per tick, outside every conditional (XLA's CPU backend deadlocks on a collective-permute
 inside one): the forward output down the ring (stage ``S-1`` to 0 for the next chunk), the input's
 cotangent up it; a stage with nothing to send sends what it holds, which the receiver ignores (the table

@@ -1,4 +1,4 @@
-"""The tick tables of the 1F1B schedules: what each stage runs at each tick of one SPMD loop (no JAX).
+"""The tick tables of the 1F1B-family schedules: what each stage runs at each tick of one SPMD loop (no JAX).
 
 Both tables run the order of PipeDream-Flush (Narayanan et al., "Efficient Large-Scale Language Model
 Training on GPU Clusters Using Megatron-LM", SC'21, section 2.2, figure 4; interleaved over ``R`` chunks per
@@ -23,7 +23,13 @@ virtual stage at an earlier tick, or, on the last virtual stage, comes from the 
   ticks forces a forward on stage 0 at every one of its first ``M`` ticks, ``2S - 1`` of them before its
   first backward; holding only ``S`` would bring back lockstep's ``~2M`` ticks.
 
-A table fixes the slot of every saved chunk input and of every waiting cotangent, so the loop only indexes.
+* `zero_bubble_ticks` (`ZeroBubbleTicks`), zero bubble (ZB-H1, Qi et al., ICLR 2024): fused ticks whose
+  backward is split into the input gradient (B, at fused 1F1B's backward ticks) and the weight gradient
+  (W), which stage ``s`` runs ``s`` ticks after its B; ``M + 2 (S - 1)`` ticks, ``2S`` ring entries per stage
+  (chunk inputs until their W, and the slot cotangents B leaves for W).
+
+A table fixes the slot of every saved chunk input and of every waiting cotangent, so the loop only indexes;
+`tick_time` prices a table with every tick as long as its busiest stage (the cost model's clock).
 """
 
 from __future__ import annotations
