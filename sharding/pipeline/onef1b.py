@@ -171,7 +171,6 @@ def _ticks(
             # backward of the microbatch whose forward and loss this tick just ran (fused ticks).
             backward, r, mb, slot = (row["backward" + part] for part in ("", "_chunk", "_microbatch", "_slot"))
             backward = backward == BACKWARD
-            b_r, b_mb = r, mb
             c = row["cotangent_slot"]
             backward_args = (index_leaf(buffer, slot), index_tree(extras, mb), jnp.where(backward, counts[r], 0))
             if split:  # zero bubble: B now, W from the ring at the tick the table gives
@@ -179,14 +178,14 @@ def _ticks(
                     layer, params, r, *backward_args, index_leaf(waiting, c), plan.skip_empty
                 )
                 buffer = write(buffer, row["backward_saved"], outputs, backward)
-                r, mb = row["weight_chunk"], row["weight_microbatch"]
+                w_r, w_mb = row["weight_chunk"], row["weight_microbatch"]
                 grads = chunk_backward_weight(
                     layer,
                     params,
-                    r,
+                    w_r,
                     index_leaf(buffer, row["weight_slot"]),
-                    index_tree(extras, mb),
-                    jnp.where(row["weight"] == WEIGHT, counts[r], 0),
+                    index_tree(extras, w_mb),
+                    jnp.where(row["weight"] == WEIGHT, counts[w_r], 0),
                     index_leaf(buffer, row["weight_saved"]),
                     grads,
                     plan.skip_empty,
@@ -195,7 +194,7 @@ def _ticks(
                 g_in, grads = chunk_backward(
                     layer, params, r, *backward_args, index_leaf(waiting, c), grads, plan.skip_empty
                 )
-            g_xs = write(g_xs, b_mb, g_in, backward & (stage == 0) & (b_r == 0))
+            g_xs = write(g_xs, mb, g_in, backward & (stage == 0) & (r == 0))
             g_received = jax.lax.ppermute(g_in, ax.STAGE, back_ring)
         received = jax.lax.ppermute(h, ax.STAGE, ring)
         return (received, g_received, buffer, waiting, grads, head_grads, g_xs, loss, weight, applied), None
