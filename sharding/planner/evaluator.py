@@ -28,11 +28,6 @@ from sharding.pipeline.ticks import tick_time
 #: compiler allocates for temporaries, bench/results/costmodel.md).
 MEMORY_FRACTION = 0.85
 
-#: A 1F1B tick's share of a chunk's forward and backward time: the tick lasts as long as the slowest op,
-#: a backward, which recomputes the chunk's forward and then runs the backward's two products per forward
-#: product (3 of the 4 forward-equivalents; `sharding.pipeline.onef1b`, "Lockstep cost").
-ONE_F_ONE_B_TICK = 0.75
-
 #: What each op of a tick table costs, as shares of a chunk's forward and backward time on its stage (the
 #: stage's `Cost`, which already counts the schedule's recomputation): ``(forward, backward, weight)`` in
 #: forward-equivalents over their sum. 1F1B's backward recomputes the chunk's forward and runs the two
