@@ -250,7 +250,9 @@ def _pipeline_flags(p) -> None:
         "alternates one forward and one backward after warm-up, keeping S microbatches' activations "
         "instead of M (loss on the last stage, inside the pipeline); 1f1b-fused: 1f1b with a forward and a "
         "backward in every tick, about M+2(S-1) ticks of a forward+backward instead of 2(M+S-1) of a "
-        "backward, keeping up to 2S-1 microbatches' activations on the first stage",
+        "backward, keeping up to 2S-1 microbatches' activations on the first stage; zb: zero bubble "
+        "(ZB-H1), 1f1b-fused's ticks with the backward split into the input gradient and a weight "
+        "gradient deferred into the idle ticks (each recomputes the layer), 2S chunk buffers per stage",
     )
     g.add_argument(
         "--pipeline-repeats",
@@ -710,7 +712,7 @@ def pipeline_plan(args, stages: int, num_layers: int) -> PipelinePlan:
         `sharding.pipeline.plan_layout`; naming the flag, its value and one that works.
     """
     circular = args.pipeline_schedule == "circular"
-    one_f_one_b = args.pipeline_schedule in ("1f1b", "1f1b-fused")
+    one_f_one_b = args.pipeline_schedule in ("1f1b", "1f1b-fused", "zb")
     repeats = args.pipeline_repeats or (2 if circular else 1)
     if one_f_one_b and repeats < 1:
         raise ValueError(f"--pipeline-repeats {repeats}: must be at least 1 (1f1b; more is interleaved 1F1B)")
@@ -718,6 +720,11 @@ def pipeline_plan(args, stages: int, num_layers: int) -> PipelinePlan:
         raise ValueError(
             f"--pipeline-repeats {repeats} needs --pipeline-schedule circular or 1f1b (interleaved); gpipe has 1 "
             "repeat; e.g. --pipeline-schedule 1f1b"
+        )
+    if args.pipeline_schedule == "zb" and repeats != 1:
+        raise ValueError(
+            f"--pipeline-repeats {repeats}: --pipeline-schedule zb runs one chunk per stage (ZB-H1); use "
+            "--pipeline-repeats 1, or --pipeline-schedule 1f1b-fused for interleaved chunks"
         )
     if circular and repeats < 2:
         raise ValueError(
@@ -744,6 +751,7 @@ def pipeline_plan(args, stages: int, num_layers: int) -> PipelinePlan:
         one_f_one_b=one_f_one_b,
         measure_stages=measure,
         fused=args.pipeline_schedule == "1f1b-fused",
+        zero_bubble=args.pipeline_schedule == "zb",
     )
 
 

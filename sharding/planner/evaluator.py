@@ -3,7 +3,7 @@ layout (`Plan`) and the evaluator that prices layouts (`_Evaluator`).
 
 The evaluator prices a layout per device kind with `sharding.costmodel` (one cost per class of
 devices that do the same work, the slowest device pacing the step; a pipeline adds its bubble
-``(S-1)/(R*M+S-1)``, or 1F1B's lockstep ticks), memoised per mesh (device grids, kinds, links) and per
+``(S-1)/(R*M+S-1)``, or the 1F1B family's tick tables), memoised per mesh (device grids, kinds, links) and per
 stage (costs shared by a split's stages), and rejects layouts that do not fit a device's memory
 (`MEMORY_FRACTION` of it).
 
@@ -20,26 +20,29 @@ from sharding import axes as ax
 from sharding import costmodel as cm
 from sharding.mesh import device_grid, format_mesh
 from sharding.parallel import Accumulation, Parallelism, UnevenBatch
-from sharding.pipeline.layout import PipelinePlan, bubble_fraction, one_f_one_b_ticks, pipeline_rules, plan_layout
+from sharding.pipeline.layout import PipelinePlan, bubble_fraction, pipeline_rules, plan_layout
+from sharding.pipeline.ticks import tick_time
 
 #: Share of a device's memory a plan may use; the rest is left to the runtime, the allocator's
 #: fragmentation and the activations the cost model misses (it predicts 0.5-0.9x of what the CPU
 #: compiler allocates for temporaries, bench/results/costmodel.md).
 MEMORY_FRACTION = 0.85
 
-#: A 1F1B tick's share of a chunk's forward and backward time: the tick lasts as long as the slowest op,
-#: a backward, which recomputes the chunk's forward and then runs the backward's two products per forward
-#: product (3 of the 4 forward-equivalents; `sharding.pipeline.onef1b`, "Lockstep cost").
-ONE_F_ONE_B_TICK = 0.75
+#: What each op of a tick table costs, as shares of a chunk's forward and backward time on its stage (the
+#: stage's `Cost`, which already counts the schedule's recomputation): ``(forward, backward, weight)`` in
+#: forward-equivalents over their sum. 1F1B's backward recomputes the chunk's forward and runs the two
+#: backward products per forward product (1 + 3). Zero bubble's input gradient recomputes the forward and
+#: runs the input-gradient products (2); its weight gradient recomputes the forward, runs the input-gradient
+#: products inside the layer again (the weights' cotangents need them) and the weight-gradient products (3):
+#: 1 + 2 + 3.
+TICK_SHARES = {"lockstep": (0.25, 0.75, 0.0), "fused": (0.25, 0.75, 0.0), "zb": (1 / 6, 1 / 3, 1 / 2)}
 
-#: How a 1F1B pipeline is priced. ``lockstep``: meshwork's ``1f1b`` schedule, one SPMD program whose
-#: ``2 (R M + S - 1)`` ticks each last as long as the slowest stage's backward of a chunk (`ONE_F_ONE_B_TICK`).
+#: How a 1F1B pipeline is priced. ``lockstep``: meshwork's schedules as they run, one SPMD program whose
+#: ticks each last as long as the busiest stage's work in the tick, read from the schedule's tick table
+#: (`sharding.pipeline.ticks.tick_time` with `TICK_SHARES`: ``1f1b``, ``1f1b-fused`` and ``zb`` alike).
 #: ``fused``: 1F1B as Megatron-LM executes it, each stage running its own forward and backward passes as
 #: their inputs arrive, ``(1 + (S - 1) / (R M))`` of the slowest stage's busy time (Narayanan et al., SC'21,
-#: section 2.2: the bubble is ``(S - 1) / (R M)`` of the ideal time, R the interleaved chunks per stage). The
-#: hook for meshwork's ``1f1b-fused`` schedule (`sharding.pipeline.ticks.fused_ticks`: ``R M + (R+1) S - 2``
-#: ticks of a chunk's forward and backward), which the cost model does not tell apart from ``1f1b`` yet
-#: (`sharding.costmodel.Layout` has no field for it): its ticks belong in `_Evaluator._pipeline` beside these.
+#: section 2.2: the bubble is ``(S - 1) / (R M)`` of the ideal time, R the interleaved chunks per stage).
 PIPELINE_CLOCKS = ("lockstep", "fused")
 
 
@@ -59,9 +62,9 @@ class PlanOptions:
       pipeline: Whether to try ``stage > 1`` (the pipeline flags of train.py).
       max_stages: Largest ``stage`` to try (None: up to the layers).
       repeats: Circular pipeline repeats to try.
-      schedules: Pipeline schedules to use: ``gpipe`` (circular with repeats) and ``1f1b`` (interleaved with
-        repeats), priced where GPipe does not fit (slower in lockstep, at most about S microbatches'
-        stage inputs kept).
+      schedules: Pipeline schedules to use (``--pipeline-schedule`` values): ``gpipe`` (circular with
+        repeats), ``1f1b`` (lockstep; interleaved with repeats), ``1f1b-fused`` and ``zb``; each 1F1B-family
+        one is priced at every pipeline layout beside GPipe's, and the fastest that fits wins.
       sequence: Whether to try ``sequence > 1``.
       hetero: Whether to try uneven data parallelism.
       efficiency: Fraction of peak FLOP/s the step reaches (`sharding.costmodel.Hardware`); None: each
@@ -69,7 +72,7 @@ class PlanOptions:
         `sharding.costmodel.DEFAULT_EFFICIENCY`).
       backend: Collective lowering (`sharding.costmodel.BACKENDS`).
       one_f_one_b_clock: How a 1F1B pipeline's time is priced (`PIPELINE_CLOCKS`): ``lockstep``, what
-        meshwork's ``--pipeline-schedule 1f1b`` runs today, or ``fused``, 1F1B as Megatron-LM executes it.
+        meshwork's tick tables run, or ``fused``, 1F1B as Megatron-LM executes it.
 
     Raises:
       ValueError: On an unknown ``one_f_one_b_clock``.
@@ -83,7 +86,7 @@ class PlanOptions:
     pipeline: bool = True
     max_stages: int | None = None
     repeats: tuple[int, ...] = (1, 2)
-    schedules: tuple[str, ...] = ("gpipe", "1f1b")
+    schedules: tuple[str, ...] = ("gpipe", "1f1b", "1f1b-fused", "zb")
     sequence: bool = False
     hetero: bool = True
     efficiency: float | None = None
@@ -152,6 +155,7 @@ class Plan:
             lay.stage_layers,
             lay.pipeline_repeats,
             lay.one_f_one_b,
+            lay.tick_schedule,
             self.counts,
         )
 
@@ -165,7 +169,13 @@ class Plan:
             strategy = UnevenBatch(counts=tuple(self.counts), microbatches=lay.microbatches)
         elif lay.mesh[ax.STAGE] > 1:
             stages, _ = plan_layout(sum(lay.stage_layers), lay.mesh[ax.STAGE], lay.pipeline_repeats, lay.stage_layers)
-            strategy = PipelinePlan(stages, lay.microbatches, one_f_one_b=lay.one_f_one_b)
+            strategy = PipelinePlan(
+                stages,
+                lay.microbatches,
+                one_f_one_b=lay.one_f_one_b,
+                fused=lay.one_f_one_b and lay.tick_schedule == "fused",
+                zero_bubble=lay.one_f_one_b and lay.tick_schedule == "zb",
+            )
             rules = pipeline_rules(rules)
         else:
             strategy = Accumulation(lay.microbatches)
@@ -339,29 +349,32 @@ class _Evaluator:
 
     def _pipeline(self, layout: cm.Layout, rows: float) -> Plan | None:
         """Stages run in lockstep (one SPMD program). GPipe/circular: each of the ``R*M + S - 1`` steps
-        lasts as long as the slowest stage's chunk (forward and backward) for one microbatch. 1F1B: each of
-        its ticks (`one_f_one_b_ticks`, ``2 (M + S - 1)`` with one chunk) lasts as long as the slowest
-        stage's backward of a chunk, `ONE_F_ONE_B_TICK` of its forward and backward. The optimizer runs
-        once after. None for a split or schedule the run refuses (`plan_layout`: fewer layers than
-        repeats on a stage; interleaved 1F1B: M not a multiple of S)."""
+        lasts as long as the slowest stage's chunk (forward and backward) for one microbatch. The 1F1B family
+        (``1f1b``, ``1f1b-fused``, ``zb``): each tick of its table (`sharding.costmodel.tick_table`) lasts as
+        long as the busiest stage's work in it, each op priced at its `TICK_SHARES` share of that stage's
+        chunk time (`sharding.pipeline.ticks.tick_time`). The optimizer runs once after. None for a split or
+        schedule the run refuses (`plan_layout`: fewer layers than repeats on a stage; interleaved 1F1B: M
+        not a multiple of S; zero bubble with repeats)."""
         mesh, stages = layout.mesh, layout.stage_layers
         m, r = layout.microbatches, layout.pipeline_repeats
         try:
             plan_layout(sum(stages), mesh[ax.STAGE], r, stages)
-            ticks = one_f_one_b_ticks(mesh[ax.STAGE], m, r).ticks if layout.one_f_one_b else 0
+            table = cm.tick_table(layout.tick_schedule, mesh[ax.STAGE], m, r) if layout.one_f_one_b else None
         except ValueError:
             return None
         slots = max(stages)
-        devices = []
+        devices, chunk = [], [0.0] * mesh[ax.STAGE]
         for s, kinds in enumerate(self.stage_kind_sets(mesh)):
             for kind in kinds:  # every kind a stage holds: its memory limit and its speed
                 cost, st = self.stage_cost(layout, kind, rows, stages[s], slots)
                 devices.append((f"{kind.name}/stage{s}", cost, st))
+                chunk[s] = max(chunk[s], (st.total - st.optimizer) / (r * m))  # one chunk's forward + backward
         busy = max(st.total - st.optimizer for _, _, st in devices)  # the slowest stage's R*M chunks
         if layout.one_f_one_b and self.options.one_f_one_b_clock == "fused":
             busy *= 1 + (mesh[ax.STAGE] - 1) / (r * m)
         elif layout.one_f_one_b:
-            busy = ticks * ONE_F_ONE_B_TICK * busy / (r * m)
+            shares = TICK_SHARES[layout.tick_schedule]
+            busy = tick_time(table, *([share * c for c in chunk] for share in shares))
         else:
             busy /= 1.0 - bubble_fraction(mesh[ax.STAGE], m, r)
         seconds = busy + max(st.optimizer for _, _, st in devices)
@@ -381,6 +394,7 @@ class _Evaluator:
             layout.remat,
             layout.pipeline_repeats,
             layout.one_f_one_b,
+            layout.tick_schedule,
             layout.attention,
             layout.dtype,
             rows,

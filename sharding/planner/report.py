@@ -58,7 +58,7 @@ def why_lost(p: Plan, best: Plan) -> str:
             "exposed_comm": "tensor/pipeline traffic on the critical path",
             "optimizer": "larger optimizer shard",
             "bubble": (
-                f"1F1B lockstep ticks and bubble {p.parts['bubble'] / p.step_time:.0%}"
+                f"{p.layout.pipeline_schedule} ticks and bubble {p.parts['bubble'] / p.step_time:.0%}"
                 if p.layout.one_f_one_b
                 else f"pipeline bubble {p.parts['bubble'] / p.step_time:.0%}"
             ),
@@ -86,7 +86,7 @@ def format_table(plans: Sequence[Plan]) -> list[str]:
                 + ",".join(map(str, lay.stage_layers))
                 + (f" x{lay.pipeline_repeats}" if lay.pipeline_repeats > 1 else "")
             )
-            split += " 1f1b" if lay.one_f_one_b else ""
+            split += f" {lay.pipeline_schedule}" if lay.one_f_one_b else ""
         else:
             split = "even"
         rows.append(

@@ -239,8 +239,8 @@ def _uneven_fits(mesh: Mapping[str, int], rules: str, attention: AttentionTraits
 
 def _price(ev: _Evaluator, layout: cm.Layout, tag: str) -> Plan | None:
     """The cheapest remat policy that fits (policies are tried cheapest first). A pipeline whose GPipe
-    plan does not fit is also priced with 1F1B at the same split (`_one_f_one_b`); the fastest fitting of
-    those and of the first fitting GPipe plan wins."""
+    plan is also priced under each 1F1B-family schedule at the same split (`_one_f_one_b`); the fastest
+    fitting of those and of the first fitting GPipe plan wins."""
     last, fitting = None, []
     for remat in ev.options.remats:
         lay = dataclasses.replace(layout, remat=remat)
@@ -254,22 +254,25 @@ def _price(ev: _Evaluator, layout: cm.Layout, tag: str) -> Plan | None:
             plan_ = ev.uniform(lay)
         if plan_ is None:
             continue
+        if tag == "pipeline":
+            fitting += [one for one in _one_f_one_b(ev, plan_) if one is not None and one.fits]
         if plan_.fits:
             fitting.append(plan_)
             break
         last = plan_
-        one = _one_f_one_b(ev, plan_) if tag == "pipeline" else None
-        if one is not None and one.fits:
-            fitting.append(one)
     return min(fitting, key=lambda p: p.step_time) if fitting else last
 
 
-def _one_f_one_b(ev: _Evaluator, gpipe: Plan) -> Plan | None:
-    """``gpipe``'s layout under the 1F1B schedule when `PlanOptions.schedules` allows it and GPipe does not
-    fit (1F1B's lockstep ticks make it slower, `_Evaluator._pipeline`: it is chosen for its memory only)."""
-    if "1f1b" not in ev.options.schedules or gpipe.fits:
-        return None
-    return ev.uniform(dataclasses.replace(gpipe.layout, one_f_one_b=True))
+def _one_f_one_b(ev: _Evaluator, gpipe: Plan) -> list[Plan | None]:
+    """``gpipe``'s layout under each 1F1B-family schedule `PlanOptions.schedules` allows (``1f1b``,
+    ``1f1b-fused``, ``zb``), priced from their tick tables (`_Evaluator._pipeline`); None where the run
+    refuses the schedule (zero bubble with repeats, interleaved 1F1B with M not a multiple of S)."""
+    ticks = {"1f1b": "lockstep", "1f1b-fused": "fused", "zb": "zb"}
+    return [
+        ev.uniform(dataclasses.replace(gpipe.layout, one_f_one_b=True, tick_schedule=ticks[name]))
+        for name in ev.options.schedules
+        if name in ticks
+    ]
 
 
 def plan(
@@ -380,7 +383,7 @@ def brute_force(
     """The best fitting plan by exhaustive search (for tests): every mesh, rules, attention,
     microbatches and remat, every per-kind count vector for uneven data parallelism, and every
     stage split (compositions of the layers into ``stage`` parts of at least 1, when there are at
-    most ``max_splits`` of them; each also under 1F1B where GPipe does not fit, `_one_f_one_b`)."""
+    most ``max_splits`` of them; each also under the 1F1B-family schedules, `_one_f_one_b`)."""
     ev = _Evaluator(model, inventory, global_batch, seq_len, options or PlanOptions())
 
     def every(layout: cm.Layout, tag: str) -> Iterator[Plan | None]:
@@ -394,7 +397,7 @@ def brute_force(
                 gpipe = ev.uniform(dataclasses.replace(layout, stage_layers=split))
                 yield gpipe
                 if gpipe is not None:
-                    yield _one_f_one_b(ev, gpipe)
+                    yield from _one_f_one_b(ev, gpipe)
 
     return _best_fitting(
         plan_
