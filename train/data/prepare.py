@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from train.data.corpus import Unit, corpus_files, is_heldout, plan_units, unit_documents
+from train.data.corpus import SOURCE_HINT, Unit, corpus_files, is_heldout, plan_units, unit_documents
 
 FORMAT_VERSION = 1
 RECORD_TOKENS = 4096
@@ -229,7 +229,10 @@ def prepare(
     shards = [done[i] for i in range(len(units))]
     totals = {f"{s}_{k}": sum(c[f"{s}_{k}"] for c in shards) for s in SPLITS for k in ("docs", "tokens")}
     if totals["train_docs"] + totals["heldout_docs"] == 0:
-        raise ValueError(f"{flag} {' '.join(specs)}: the sources hold no text ({len(sources)} files)")
+        raise ValueError(
+            f"{flag} {' '.join(specs)}: no document with text in {len(sources)} file(s) (field '{text_field}'); "
+            f"{SOURCE_HINT}"
+        )
     manifest = {
         "format": FORMAT_VERSION,
         "key": key,
