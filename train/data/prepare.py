@@ -99,7 +99,11 @@ class _ShardWriter:
 
     def close(self) -> None:
         self.writer.close()
-        np.save(self.path.with_suffix(".lengths.npy"), np.asarray(self.lengths, np.uint32))
+        lengths = self.path.with_suffix(".lengths.npy")
+        tmp = lengths.with_name(f".{lengths.name}.tmp{os.getpid()}")
+        with tmp.open("wb") as f:
+            np.save(f, np.asarray(self.lengths, np.uint32))
+        os.replace(tmp, lengths)
         os.replace(self.tmp, self.path)
 
 
@@ -167,15 +171,31 @@ def prepare(
       progress: show a progress bar (on a terminal).
       flag: the flag the sources came from, for messages.
 
+    Several processes preparing the same ``out`` at once (the processes of one run on a shared file system)
+    take turns on a lock file beside it (``fcntl.flock``): the first prepares, the others then reuse.
+
     Raises:
       ValueError: a non-empty ``out`` holding something else, a source without text, or bad settings.
       FileNotFoundError, ImportError: as `train.data.corpus.plan_units`.
     """
+    import fcntl
+
+    out = Path(out).expanduser()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            return _prepare(specs, out, tokenizer, workers, seed, heldout, text_field, shard_mb, log, progress, flag)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _prepare(specs, out, tokenizer, workers, seed, heldout, text_field, shard_mb, log, progress, flag) -> dict:
+    """`prepare`, holding its lock."""
     if not 0.0 < heldout < 1.0:
         raise ValueError(f"--heldout {heldout}: must be between 0 and 1, e.g. 0.01")
     if shard_mb <= 0:
         raise ValueError(f"--shard-mb {shard_mb}: must be positive, e.g. {DEFAULT_SHARD_MB}")
-    out = Path(out).expanduser()
     key, sources = preparation_key(specs, tokenizer, seed, heldout, shard_mb, text_field, flag)
     manifest_path, plan_path = out / "manifest.json", out / "plan.json"
     if manifest_path.is_file():
