@@ -7,6 +7,12 @@ prints a table: wall seconds, documents/s, tokens/s, input MB/s and the peak RSS
 (the parent, or one worker: ``time -v`` reports the largest of the process and its waited-for children).
 
     python bench/prepare.py --mb 200 --format jsonl --workers 1 2
+
+``--loader DIR`` instead measures the input pipeline alone on a prepared folder (no model): tokens/s of
+`train.data.TrainBatches` at ``--seq-len`` and ``--batch-size`` over ``--steps`` steps, one process reading
+every row, after a warm-up of 5 steps.
+
+    python bench/prepare.py --loader ~/.cache/meshwork/prepared/KEY --seq-len 256 --batch-size 16
 """
 
 from __future__ import annotations
@@ -66,13 +72,38 @@ def run(path: Path, out: Path, workers: int, tokenizer: str | None) -> dict:
     return {"workers": workers, "wall": wall, "docs": docs, "tokens": tokens, "rss_mb": rss_kb / 1024}
 
 
+def loader(args) -> int:
+    from train.data import load_dataset
+    from train.tokenizer import load_tokenizer
+
+    dataset = load_dataset(args.loader, load_tokenizer(args.tokenizer), args.seq_len, args.batch_size, seed=0)
+    batches = dataset.train_batches(range(args.batch_size), 0)
+    for _ in range(5):
+        next(batches)
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        next(batches)
+    elapsed = time.perf_counter() - t0
+    tokens = args.steps * args.batch_size * args.seq_len
+    print(
+        f"loader: {args.steps} steps of {args.batch_size} x {args.seq_len} in {elapsed:.2f} s: {tokens / elapsed:,.0f} tok/s"
+    )
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mb", type=float, default=200)
     parser.add_argument("--format", choices=("jsonl", "parquet"), default="jsonl")
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--tokenizer", default=None, help="tokenizer.json (default: bytes)")
+    parser.add_argument("--loader", default=None, help="a prepared folder: measure the input pipeline alone")
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=300)
     args = parser.parse_args()
+    if args.loader:
+        return loader(args)
     with tempfile.TemporaryDirectory() as tmp:
         path = make_corpus(Path(tmp), args.mb, args.format)
         mb = path.stat().st_size / 2**20
