@@ -111,30 +111,36 @@ class TokenStream:
             self._source = ArrayRecordDataSource(self.paths)
         return self._source
 
-    def read(self, start: int, count: int) -> np.ndarray:
-        """Tokens ``[start, start + count)`` of this stream (``dtype``).
+    def read(self, starts, count: int) -> np.ndarray:
+        """``[len(starts), count]`` tokens: rows ``[start, start + count)`` of this stream (``dtype``), every
+        record they span read in one call.
 
         Raises:
           ValueError: a record that does not read, or reads with another length (names its shard).
         """
-        begin = self.start + start
-        first = int(np.searchsorted(self.ends, begin, side="right"))
-        last = int(np.searchsorted(self.ends, begin + count - 1, side="right"))
-        indices = list(range(first, last + 1))
+        begins = self.start + np.asarray(starts, np.int64)
+        firsts = np.searchsorted(self.ends, begins, side="right")
+        lasts = np.searchsorted(self.ends, begins + count - 1, side="right")
+        indices = sorted({i for f, l in zip(firsts, lasts) for i in range(int(f), int(l) + 1)})
         try:
             records = self._records().__getitems__(indices)
         except Exception as e:  # ArrayRecord raises its own errors for a damaged file
-            raise ValueError(f"{self._shard_names(indices)}: cannot read records {first}-{last} ({e})") from None
-        pieces = [np.frombuffer(r, self.dtype) for r in records]
-        for index, piece in zip(indices, pieces):
+            raise ValueError(f"{self._shard_names(indices)}: cannot read records ({e})") from None
+        pieces = {}
+        for index, record in zip(indices, records):
+            piece = np.frombuffer(record, self.dtype)
             expected = self.ends[index] - (self.ends[index - 1] if index else 0)
             if len(piece) != expected:
                 raise ValueError(
                     f"{self._shard_names([index])}: record {index} holds {len(piece)} tokens, not {expected}"
                 )
-        joined = np.concatenate(pieces)
-        offset = begin - (int(self.ends[first - 1]) if first else 0)
-        return joined[offset : offset + count]
+            pieces[index] = piece
+        out = np.empty((len(begins), count), self.dtype)
+        for row, (begin, first, last) in enumerate(zip(begins, firsts, lasts)):
+            joined = np.concatenate([pieces[i] for i in range(int(first), int(last) + 1)])
+            offset = int(begin) - (int(self.ends[first - 1]) if first else 0)
+            out[row] = joined[offset : offset + count]
+        return out
 
     def _shard_names(self, indices) -> str:
         return ", ".join(sorted({self.paths[self.shard_of_record[i]] for i in indices}))
@@ -158,7 +164,7 @@ class Windows:
 
     def read(self, windows) -> np.ndarray:
         """``[len(windows), seq_len + 1]`` token windows."""
-        return np.stack([self.stream.read(int(w) * self.seq_len, self.seq_len + 1) for w in windows])
+        return self.stream.read(np.asarray(windows, np.int64) * self.seq_len, self.seq_len + 1)
 
 
 def shuffled_order(num_windows: int, seed: int, repeat: bool):
