@@ -34,6 +34,10 @@ from train.data.corpus import SOURCE_HINT, Unit, corpus_files, is_heldout, plan_
 FORMAT_VERSION = 1
 RECORD_TOKENS = 4096
 DEFAULT_SHARD_MB = 16
+# Documents tokenized per call: a batch lets the Hugging Face tokenizer use its own threads; a bound on bytes keeps
+# its per-token encodings (ids, offsets, strings: tens of bytes a token) from holding a worker's memory high.
+ENCODE_BATCH_DOCS = 256
+ENCODE_BATCH_BYTES = 1 << 20
 SPLITS = ("train", "heldout")
 
 
@@ -127,10 +131,13 @@ def _prepare_unit(job) -> dict:
             writers[split].add(np.concatenate([ids.astype(dtype), eod]))
         pending.clear()
 
+    pending_bytes = 0
     for doc in unit_documents(unit, text_field, flag):
         pending.append(doc)
-        if len(pending) >= 256:
+        pending_bytes += len(doc.text)
+        if len(pending) >= ENCODE_BATCH_DOCS or pending_bytes >= ENCODE_BATCH_BYTES:
             flush()
+            pending_bytes = 0
     flush()
     counts = {"index": index, "bytes": unit.nbytes}
     for split, writer in writers.items():
