@@ -241,7 +241,9 @@ def test_parquet_is_read_by_row_group(tmp_path, monkeypatch):
 def test_parquet_without_the_column_or_pyarrow_is_refused(tmp_path, monkeypatch):
     path = tmp_path / "c.parquet"
     write_parquet(path, ["a", "b"], row_group_size=1)
-    with pytest.raises(ValueError, match=r"c.parquet: no column 'text' \(it has id, content\); pass --text-field id"):
+    with pytest.raises(
+        ValueError, match=r"c.parquet: no column 'text' \(it has id, content\); prepare it with .* --text-field content"
+    ):
         plan_units(str(path), 1 << 20)
     with pytest.raises(ValueError, match="column 'id' holds int64, not strings"):
         list(unit_documents(plan_units(str(path), 1 << 20, "id")[0], "id"))

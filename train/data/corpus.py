@@ -184,7 +184,7 @@ def plan_units(spec: str, unit_bytes: int, text_field: str = "text", flag: str =
             if text_field not in columns:
                 raise ValueError(
                     f"{flag} {path}: no column '{text_field}' (it has {', '.join(columns)}); "
-                    f"pass --text-field {columns[0]} or another string column"
+                    f"{field_hint(flag, path, columns[-1])}"
                 )
             first, nbytes = 0, 0
             for group in range(meta.num_row_groups):
@@ -239,7 +239,8 @@ def _jsonl_documents(unit: Unit, text_field: str, flag: str) -> Iterator[Documen
                 raise ValueError(f"{flag} {path}: the line at byte {here} is not JSON ({e.msg})") from None
             if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
                 raise ValueError(
-                    f"{flag} {path}: the line at byte {here} has no string field '{text_field}' (pass --text-field)"
+                    f"{flag} {path}: the line at byte {here} has no string field '{text_field}'; "
+                    f"{field_hint(flag, path, 'FIELD')}"
                 )
             if record[text_field]:
                 yield Document(f"{name}@{here}", record[text_field].encode("utf-8"))
@@ -254,12 +255,21 @@ def _parquet_documents(unit: Unit, text_field: str, flag: str) -> Iterator[Docum
         column = batch.column(0)
         if str(column.type) not in ("string", "large_string", "string_view"):
             raise ValueError(
-                f"{flag} {path}: column '{text_field}' holds {column.type}, not strings; pass --text-field"
+                f"{flag} {path}: column '{text_field}' holds {column.type}, not strings; "
+                f"{field_hint(flag, path, 'COLUMN')}"
             )
         for text in column.to_pylist():
             if text:
                 yield Document(f"{name}:{row}", text.encode("utf-8"))
             row += 1
+
+
+def field_hint(flag: str, path, field: str) -> str:
+    """How to name another text field: ``--text-field`` of ``prepare``; training reads only ``text``, so a
+    source with another field is prepared first."""
+    if flag == "--data":
+        return f"prepare it with python -m train.data prepare {path} --out DIR --text-field {field}, then --data DIR"
+    return f"pass --text-field {field}"
 
 
 def is_heldout(name: str, seed: int, heldout: float) -> bool:

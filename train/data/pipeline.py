@@ -403,17 +403,17 @@ def load_dataset(
 
 def check_source(spec: str, tokenizer) -> None:
     """Before device work: a prepared folder's manifest and shards agree with the run's tokenizer, or a raw
-    source is there and is text.
+    source is there, is text, and its Parquet files have the text column (footers only: nothing tokenized).
 
     Raises:
-      ValueError, FileNotFoundError, ImportError: as `read_manifest` and `train.data.corpus.corpus_files`.
+      ValueError, FileNotFoundError, ImportError: as `read_manifest` and `train.data.corpus.plan_units`.
     """
-    from train.data.corpus import corpus_files
+    from train.data.corpus import plan_units
 
     if is_prepared(spec):
         read_manifest(Path(spec).expanduser(), tokenizer)
     else:
-        corpus_files(spec)
+        plan_units(spec, 1 << 62)
 
 
 # Process-local global arrays ----------------------------------------------------------------------------------
