@@ -24,6 +24,7 @@ COMMANDS = (
     "train.generate",
     "train.evaluate",
     "train.hf",
+    "train.data.prepare",
     "checkpoints.inspect",
 )
 """Modules whose ``build_parser()`` is documented, in the order of the page."""

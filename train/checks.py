@@ -97,7 +97,7 @@ def check_data(run: RunConfig, tokenizer, read: bool = True) -> None:
       ValueError: Naming ``--data``, ``--data-cache`` or ``--eod-token`` and what to do.
       FileNotFoundError: A ``--data`` path that does not exist.
     """
-    from train.data import corpus_files, default_cache_dir
+    from train.data import check_source, default_cache_dir
 
     data = run.data
     if data.eod_token is not None and getattr(tokenizer, "name", None) == "bytes":
@@ -107,7 +107,7 @@ def check_data(run: RunConfig, tokenizer, read: bool = True) -> None:
         )
     if not read:
         return
-    corpus_files(data.spec)  # a missing, empty or binary corpus fails before any device work
+    check_source(data.spec, tokenizer)  # a missing, empty, binary or mismatched corpus fails before device work
     cache = Path(data.cache_dir).expanduser() if data.cache_dir else default_cache_dir()
     check_writable(
         cache, "--data-cache" if data.cache_dir else "--data-cache (default $MESHWORK_CACHE or ~/.cache/meshwork)"

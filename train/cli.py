@@ -209,8 +209,9 @@ def _data_flags(p) -> None:
     g.add_argument(
         "--data",
         default="stdlib",
-        help="'stdlib' (this Python's standard library sources), "
-        "a text file, a folder of text files, or a .jsonl file with a 'text' field",
+        help="a folder made by 'python -m train.data prepare', or a raw source prepared on first use into "
+        "--data-cache: 'stdlib' (this Python's standard library sources), a text file, a folder, a .jsonl file "
+        "with a 'text' field or a .parquet file with a 'text' column",
     )
     g.add_argument(
         "--tokenizer",
@@ -223,7 +224,8 @@ def _data_flags(p) -> None:
     g.add_argument(
         "--data-cache",
         default=None,
-        help="folder for tokenized corpora (default: $MESHWORK_CACHE or ~/.cache/meshwork)",
+        help="folder where a raw --data is prepared into shards on first use (default: $MESHWORK_CACHE or "
+        "~/.cache/meshwork)",
     )
     g.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
     g.add_argument("--batch-size", type=int, default=16, help="global batch size in sequences")

@@ -205,7 +205,7 @@ def train(config: RunConfig, trainer, ckpt, latest, tokenizer, log) -> int:
             log,
             permutation=_context_permutation(config),
         )
-        state, samples, latest = start_state(config, trainer, ckpt, latest, log)
+        state, (samples, iterator), latest = start_state(config, trainer, ckpt, latest, log)
         if jax.process_index() == 0 and config.record is not None:
             from train.configfile import write_record
 
@@ -236,6 +236,7 @@ def train(config: RunConfig, trainer, ckpt, latest, tokenizer, log) -> int:
                 dataset=dataset,
                 options=LoopOptions.of(config),
                 samples=samples,
+                iterator=iterator,
                 checkpoints=checkpoints,
                 writer=writer,
                 log=log,
@@ -256,8 +257,9 @@ def train(config: RunConfig, trainer, ckpt, latest, tokenizer, log) -> int:
 
 
 def start_state(config: RunConfig, trainer, ckpt, latest, log):
-    """``(state, samples, step)``: the latest checkpoint re-laid onto this run's mesh and layout, or a fresh
-    state (`train.inference.fresh_state`: ``--init-from``'s weights or a random init; step None). A step whose
+    """``(state, (samples, iterator), step)``: the latest checkpoint re-laid onto this run's mesh and layout, or a fresh
+    state (`train.inference.fresh_state`: ``--init-from``'s weights or a random init; step None); ``samples`` and
+    ``iterator`` are the saved data position and input pipeline state (`train.data.TrainBatches.state`). A step whose
     arrays do not read is set aside and the next older one restored (`checkpoints.verify.restore_falling_back`)."""
     from checkpoints.manager import restore_state
     from checkpoints.verify import restore_falling_back
@@ -265,7 +267,7 @@ def start_state(config: RunConfig, trainer, ckpt, latest, log):
     from train.inference import fresh_state
 
     if latest is None:
-        return fresh_state(config, trainer.state_layout, ckpt.directory, log), 0, None
+        return fresh_state(config, trainer.state_layout, ckpt.directory, log), (0, None), None
     _check_optimizer(config, ckpt, latest)
     t0 = time.perf_counter()
     (state, meta), latest = restore_falling_back(
@@ -279,7 +281,7 @@ def start_state(config: RunConfig, trainer, ckpt, latest, log):
     )
     for line in report.resume_lines(config, trainer, meta, latest, time.perf_counter() - t0):
         log(line)
-    return state, meta.samples, latest
+    return state, (meta.samples, meta.data.get("iterator")), latest
 
 
 def _check_optimizer(config: RunConfig, ckpt, step: int) -> None:
