@@ -46,6 +46,7 @@ from models.kernels.ulysses_attention import check_ulysses_heads, ulysses_attent
 from models.layers import make_params, rope_frequencies, rotary_embedding
 from models.spec import attention_params
 from sharding import axes as ax
+from sharding.mesh import format_mesh
 from sharding.parallel import CONTEXT_LAYOUTS, CONTIGUOUS, ZIGZAG, Parallelism
 from sharding.rules import Rules, logical_to_spec
 
@@ -172,9 +173,9 @@ def check_context_parallel(config: ModelConfig, par: Parallelism, seq_len: int) 
 
     Raises:
       ValueError: a ``--seq-len`` the zigzag layout cannot cut into 2P chunks, or (for an
-        attention whose record splits the heads, ``--attention ulysses``) heads or KV heads per
-        device that the P devices of the sequence axis cannot split; each names the flags and a
-        value that works.
+        attention whose record splits the heads, ``--attention ulysses``) query heads per device
+        that the P devices of the sequence axis cannot split (KV heads are repeated,
+        `models.kernels.ulysses_attention.kv_repeat`); each names the flags and a value that works.
     """
     shards = par.length_shards
     if par.context_layout == ZIGZAG and seq_len % (2 * shards):
@@ -190,8 +191,19 @@ def check_context_parallel(config: ModelConfig, par: Parallelism, seq_len: int) 
             check_ulysses_heads(split.local_heads, split.local_kv_heads, shards)
         except ValueError as e:
             raise ValueError(
-                f"--attention {config.attention} on --mesh with a sequence axis of {shards}: {e}"
+                f"--attention {config.attention} on --mesh {format_mesh(par.mesh_shape)}: {e}; e.g. --mesh "
+                f"{format_mesh(ulysses_mesh(par.mesh_shape, split.local_heads))}"
             ) from None
+
+
+def ulysses_mesh(mesh_shape: Mapping[str, int], local_heads: int) -> dict[str, int]:
+    """The mesh closest to ``mesh_shape`` on which all-to-all attention splits ``local_heads`` query heads
+    per device: ``sequence`` cut to gcd(heads, sequence), the devices it frees moved to ``data``."""
+    shape = dict(mesh_shape)
+    sequence = shape[ax.SEQUENCE]
+    good = math.gcd(local_heads, sequence)
+    shape[ax.SEQUENCE], shape[ax.DATA] = good, shape[ax.DATA] * sequence // good
+    return shape
 
 
 # Sharded attention under shard_map ---------------------------------------------

@@ -20,8 +20,10 @@ import pytest
 from models.attention import (
     CONTEXT_LAYOUTS,
     attend,
+    check_context_parallel,
     reference_attention,
     resolve_context_layout,
+    ulysses_mesh,
 )
 from models.config import PRESETS as MODEL_PRESETS
 from models.kernels.ring_attention import zigzag_permutation
@@ -90,6 +92,7 @@ def _attention_inputs(heads, kv_heads, length=64, batch=2, head_dim=16):
     [
         ("ring", "zigzag", 4, 1),  # heads split over tensor, the one KV head sliced on each device
         ("ulysses", "contiguous", 8, 4),  # 4 heads and 2 KV heads per tensor shard, over sequence=2
+        ("ulysses", "zigzag", 8, 2),  # 1 KV head per tensor shard, repeated to 2 for sequence=2
     ],
 )
 def test_sharded_attention_under_the_rules_matches_the_reference(impl, layout, heads, kv_heads):
@@ -166,8 +169,9 @@ def test_the_data_pipeline_permutes_every_field_alike():
             "--seq-len 36: --context-layout zigzag cuts each sequence into 2 x 4",
         ),
         (
-            ["--attention", "ulysses", "--mesh", "data=2,sequence=4"],
-            "kv_heads (2) per device is not divisible by 4; use ring attention (--attention ring)",
+            ["--attention", "ulysses", "--mesh", "sequence=8"],
+            "heads (4) per device is not divisible by 8; use a sequence axis of 4, or ring attention "
+            "(--attention ring); e.g. --mesh data=2,sequence=4",
         ),
         (
             ["--attention", "flash", "--mesh", "data=2,sequence=4", "--context-layout", "zigzag"],
@@ -198,6 +202,18 @@ def test_wrong_sizes_are_refused_before_compiling(tmp_path, args, message, corpu
     )
     assert code == 2
     assert message in capsys.readouterr().err
+
+
+def test_ulysses_takes_any_kv_head_count_and_the_mesh_it_suggests():
+    """The test model (4 heads, 2 KV heads): sequence=4 repeats the KV heads; sequence=8 is refused
+    and the mesh the message names passes the same check."""
+    config = MODEL_PRESETS["test"].replace(attention="ulysses")
+    rules = get_rules("fsdp_tp")
+    check_context_parallel(config, Parallelism(parse_mesh("data=2,sequence=4", 8), rules), 64)
+    bad = Parallelism(parse_mesh("sequence=8", 8), rules)
+    with pytest.raises(ValueError, match="e.g. --mesh data=2,sequence=4$"):
+        check_context_parallel(config, bad, 64)
+    check_context_parallel(config, Parallelism(ulysses_mesh(bad.mesh_shape, 4), rules), 64)
 
 
 # Training -------------------------------------------------------------------------------------
