@@ -21,6 +21,7 @@ from models.attention import (
     CONTEXT_LAYOUTS,
     attend,
     check_context_parallel,
+    layout_shards,
     reference_attention,
     resolve_context_layout,
     ulysses_mesh,
@@ -55,9 +56,9 @@ SMALL = [
 
 
 @pytest.mark.parametrize("preset", sorted(RULE_PRESETS))
-def test_activation_length_maps_to_sequence_in_every_preset(preset):
+def test_activation_length_maps_to_context_and_sequence_in_every_preset(preset):
     spec, _ = logical_to_spec((ax.BATCH, ax.LENGTH, ax.HEADS, ax.HEAD_DIM), get_rules(preset))
-    assert spec[1] == ax.SEQUENCE
+    assert spec[1] == (ax.CONTEXT, ax.SEQUENCE)
 
 
 @pytest.mark.parametrize("model", ["test", "7b"])
@@ -88,23 +89,33 @@ def _attention_inputs(heads, kv_heads, length=64, batch=2, head_dim=16):
 
 
 @pytest.mark.parametrize(
-    "impl, layout, heads, kv_heads",
+    "impl, layout, heads, kv_heads, mesh, ring",
     [
-        ("ring", "zigzag", 4, 1),  # heads split over tensor, the one KV head sliced on each device
-        ("ulysses", "contiguous", 8, 4),  # 4 heads and 2 KV heads per tensor shard, over sequence=2
-        ("ulysses", "zigzag", 8, 2),  # 1 KV head per tensor shard, repeated to 2 for sequence=2
+        # heads split over tensor, the one KV head sliced on each device
+        ("ring", "zigzag", 4, 1, "data=2,sequence=2,tensor=2", 2),
+        # 4 heads and 2 KV heads per tensor shard, over sequence=2
+        ("ulysses", "contiguous", 8, 4, "data=2,sequence=2,tensor=2", 2),
+        # 1 KV head per tensor shard, repeated to 2 for sequence=2
+        ("ulysses", "zigzag", 8, 2, "data=2,sequence=2,tensor=2", 2),
+        # USP: all-to-all over sequence (KV heads repeated), ring over context (zigzag over the ring)
+        ("usp", "zigzag", 8, 2, "context=2,sequence=2,tensor=2", 2),
+        ("usp", "zigzag", 4, 2, "context=2,sequence=4", 2),
+        ("usp", "zigzag", 4, 1, "context=4,sequence=2", 4),
+        ("usp", "contiguous", 4, 2, "data=2,context=2,sequence=2", 2),
     ],
 )
-def test_sharded_attention_under_the_rules_matches_the_reference(impl, layout, heads, kv_heads):
-    """`attend` as the model calls it: mesh data=2,sequence=2,tensor=2, specs from fsdp_tp."""
-    mesh = make_mesh(parse_mesh("data=2,sequence=2,tensor=2", 8))
+def test_sharded_attention_under_the_rules_matches_the_reference(impl, layout, heads, kv_heads, mesh, ring):
+    """`attend` as the model calls it, specs from fsdp_tp; ``ring``: the devices the zigzag layout deals
+    chunks over (the length's devices, or for USP those of the context axis)."""
+    mesh = make_mesh(parse_mesh(mesh, 8))
     rules = get_rules("fsdp_tp")
     q, k, v, d_out, segments = _attention_inputs(heads, kv_heads)
-    perm = zigzag_permutation(q.shape[1], 2) if layout == "zigzag" else np.arange(q.shape[1])
+    par = Parallelism.of(mesh, rules, context_layout=layout)
+    assert layout_shards(impl, par) == ring
+    perm = zigzag_permutation(q.shape[1], ring) if layout == "zigzag" else np.arange(q.shape[1])
     natural = np.argsort(perm)
 
     def sharded(q, k, v):
-        par = Parallelism.of(mesh, rules, context_layout=layout)
         out = attend(impl, q[:, perm], k[:, perm], v[:, perm], segments[:, perm], causal=True, par=par)
         return jnp.sum(out[:, natural] * d_out), out[:, natural]
 

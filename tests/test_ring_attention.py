@@ -31,6 +31,7 @@ from models.kernels.flash_attention import (
 )
 from models.kernels.ring_attention import ring_attention, ring_tile_counts, zigzag_permutation
 from models.kernels.ulysses_attention import kv_repeat, ulysses_attention
+from models.kernels.usp_attention import usp_attention
 from sharding.hlo import collectives, summarize
 
 LENGTH, HEAD_DIM = 128, 32
@@ -250,6 +251,77 @@ def test_ulysses_refuses_query_heads_the_sequence_axis_cannot_split():
     ):
         _context_parallel(ulysses_attention, case)(q, k, v, segments)
     _check(ulysses_attention, _case(shards=4, heads=12, kv_heads=4))  # the size it names works
+
+
+# --------------------------------------------------------------------------------------
+# USP: all-to-all over the inner axis, ring over the outer
+# --------------------------------------------------------------------------------------
+
+
+def _usp(case, ring: int, inner: int):
+    """`f(q, k, v, segments)` on natural-order global arrays, run over a context=R x sequence=U mesh."""
+    layout = case["layout"]
+    perm = zigzag_permutation(LENGTH, ring) if layout == "zigzag" else np.arange(LENGTH)  # zigzag over the ring
+    natural = np.argsort(perm)
+    mesh = jax.make_mesh((ring, inner), ("context", "sequence"), axis_types=(AxisType.Auto,) * 2)
+    tokens, ids = P(None, ("context", "sequence"), None, None), P(None, ("context", "sequence"))
+
+    def local(q, k, v, segments=None):
+        return usp_attention(
+            q,
+            k,
+            v,
+            ring_axis="context",
+            all_to_all_axis="sequence",
+            q_segment_ids=segments,
+            kv_segment_ids=segments,
+            causal=case["causal"],
+            layout=layout,
+            block_sizes=TILES,
+        )
+
+    def run(q, k, v, segments):
+        args = (q[:, perm], k[:, perm], v[:, perm])
+        if segments is None:
+            return jax.shard_map(local, mesh=mesh, in_specs=(tokens,) * 3, out_specs=tokens)(*args)[:, natural]
+        sharded = jax.shard_map(local, mesh=mesh, in_specs=(tokens,) * 3 + (ids,), out_specs=tokens)
+        return sharded(*args, segments[:, perm])[:, natural]
+
+    return run
+
+
+USP_CASES = [  # (ring R, all-to-all U, case)
+    (2, 4, _case(heads=8, kv_heads=2, segments=True)),  # KV heads repeated to 4 for U = 4
+    (4, 2, _case(heads=4, kv_heads=1, segments=True)),  # one KV head repeated to 2
+    (4, 2, _case(heads=4, kv_heads=2, segments=True, layout="contiguous")),
+    (2, 4, _case(heads=4, kv_heads=4, causal=False)),
+]
+
+
+@pytest.mark.parametrize(
+    "ring, inner, case",
+    USP_CASES,
+    ids=lambda c: f"{c}" if isinstance(c, int) else "-".join(f"{k}={v}" for k, v in c.items() if BASE[k] != v),
+)
+def test_usp_attention_matches_the_reference(ring, inner, case):
+    q, k, v, d_out, segments = _inputs(case)
+    got = _value_and_grads(_usp(case, ring, inner), q, k, v, d_out, segments)
+    want = _value_and_grads(_reference(case["causal"]), q, k, v, d_out, segments)
+    _assert_close(got, want)
+
+
+def test_usp_moves_all_to_all_inside_the_group_and_permutes_across_it():
+    """The compiled forward over context=2 x sequence=4: all-to-alls of q, k, v and the output within
+    a group of 4 (q's local size each, KV heads repeated from 2 to 4); one ring hop (R - 1 = 1) of the
+    group's k and v blocks, L/2 tokens of one KV head each."""
+    case = _case(heads=8, kv_heads=2)
+    q, k, v, _, _ = _inputs(case)
+    run = jax.jit(_usp(case, 2, 4))
+    found = summarize(collectives(run.lower(q, k, v, None).compile().as_text()))
+    local_q = q.size * 4 // 8
+    assert found["all-to-all"][1] == 3 * local_q  # q, out, and k, v repeated to 4 heads: half of q's 8 each
+    kv_block = 2 * (2 * LENGTH // 2 * 1 * HEAD_DIM * 4)  # k and v: batch 2, L/R tokens, 1 head, float32
+    assert found["collective-permute"][1] == kv_block
 
 
 # --------------------------------------------------------------------------------------

@@ -100,12 +100,12 @@ def _axis_size(axis_name) -> int:
     return math.prod(lax.axis_size(name) for name in names)
 
 
-def _to_heads(x, axis_name):
+def to_heads(x, axis_name):
     """Sequence-sharded `[B, L/P, n, H]` -> head-sharded `[B, L, n/P, H]`."""
     return lax.all_to_all(x, axis_name, split_axis=2, concat_axis=1, tiled=True)
 
 
-def _to_sequence(x, axis_name):
+def to_sequence(x, axis_name):
     """Head-sharded `[B, L, n/P, H]` -> sequence-sharded `[B, L/P, n, H]`."""
     return lax.all_to_all(x, axis_name, split_axis=1, concat_axis=2, tiled=True)
 
@@ -168,7 +168,7 @@ def ulysses_attention(
     repeat = kv_repeat(k.shape[2], size)
     if repeat > 1:  # KV head j becomes heads j r .. j r + r - 1; autodiff sums their gradients
         k, v = (jnp.repeat(x, repeat, axis=2) for x in (k, v))
-    q, k, v = (_to_heads(x, axis_name) for x in (q, k, v))
+    q, k, v = (to_heads(x, axis_name) for x in (q, k, v))
     if q_segment_ids is not None:
         q_segment_ids, kv_segment_ids = (
             lax.all_gather(ids, axis_name, axis=1, tiled=True) for ids in (q_segment_ids, kv_segment_ids)
@@ -183,4 +183,4 @@ def ulysses_attention(
     out = flash_attention(q, k, v, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, **kernel)
     if permuted:
         out = jnp.take(out, perm, axis=1)
-    return _to_sequence(out, axis_name)
+    return to_sequence(out, axis_name)
