@@ -185,6 +185,15 @@ def test_the_data_pipeline_permutes_every_field_alike():
             "(--attention ring); e.g. --mesh data=2,sequence=4",
         ),
         (
+            ["--attention", "usp", "--mesh", "context=2,sequence=4", "--set", "num_heads=6", "--set", "num_kv_heads=2"],
+            "heads (6) per device is not divisible by 4; use a sequence axis of 2, or ring attention "
+            "(--attention ring); e.g. --mesh context=4,sequence=2",
+        ),
+        (
+            ["--attention", "usp", "--mesh", "data=2,context=4", "--seq-len", "36"],
+            "--seq-len 36: --context-layout zigzag cuts each sequence into 2 x 4",
+        ),
+        (
             ["--attention", "flash", "--mesh", "data=2,sequence=4", "--context-layout", "zigzag"],
             "--context-layout zigzag: --attention flash assumes tokens in natural order",
         ),
@@ -225,6 +234,11 @@ def test_ulysses_takes_any_kv_head_count_and_the_mesh_it_suggests():
     with pytest.raises(ValueError, match="e.g. --mesh data=2,sequence=4$"):
         check_context_parallel(config, bad, 64)
     check_context_parallel(config, Parallelism(ulysses_mesh(bad.mesh_shape, 4), rules), 64)
+    six = config.replace(attention="usp", num_heads=6, num_kv_heads=2)
+    bad = Parallelism(parse_mesh("context=2,sequence=4", 8), rules)
+    with pytest.raises(ValueError, match="e.g. --mesh context=4,sequence=2$"):
+        check_context_parallel(six, bad, 64)
+    check_context_parallel(six, Parallelism(ulysses_mesh(bad.mesh_shape, 6, inner_only=True), rules), 64)
 
 
 # Training -------------------------------------------------------------------------------------
@@ -290,3 +304,54 @@ def test_ring_attention_over_a_sequence_axis_trains_with_the_losses_of_data_para
         assert sorted(cp) == sorted(dp) and len(cp) >= 2
         np.testing.assert_allclose([cp[s] for s in sorted(cp)], [dp[s] for s in sorted(dp)], rtol=1e-4)
     assert sorted(_losses(tmp_path / "cp", "train/loss")) == list(range(1, 21))
+
+
+def test_ulysses_and_usp_with_grouped_query_heads_train_with_the_losses_of_data_parallel(tmp_path, corpus, cache):
+    """Six steps of the test model (4 heads, 2 KV heads) with ``--attention ulysses`` on data=2,sequence=4
+    (KV heads repeated to 4) and ``--attention usp`` on data=2,context=2,sequence=2 (zigzag over the
+    context ring), each against one data=2 run of the reference attention in natural order (a
+    subprocess with two devices, run concurrently), within 1e-4."""
+    common = [
+        *SMALL,
+        "--steps",
+        "6",
+        "--warmup",
+        "2",
+        "--eval-every",
+        "0",
+        "--ckpt-every",
+        "0",
+        "--data",
+        str(corpus),
+        "--data-cache",
+        str(cache),
+    ]
+    baseline = _procs.start(
+        [
+            *common,
+            "--cpu-devices",
+            "2",
+            "--mesh",
+            "data=2",
+            "--attention",
+            "reference",
+            "--run-dir",
+            str(tmp_path / "dp"),
+        ],
+        tmp_path / "dp.log",
+    )
+    runs = {"ulysses": "data=2,sequence=4", "usp": "data=2,context=2,sequence=2"}
+    try:
+        for attention, mesh in runs.items():
+            args = [*common, "--mesh", mesh, "--attention", attention, "--run-dir", str(tmp_path / attention)]
+            assert train.main(args) == 0
+        assert baseline.wait(timeout=300) == 0, (tmp_path / "dp.log").read_text()
+    finally:
+        if baseline.poll() is None:
+            baseline.kill()
+    dp = _losses(tmp_path / "dp", "train/loss")
+    assert sorted(dp) == list(range(1, 7))
+    for attention in runs:
+        cp = _losses(tmp_path / attention, "train/loss")
+        assert sorted(cp) == sorted(dp), attention
+        np.testing.assert_allclose([cp[s] for s in sorted(cp)], [dp[s] for s in sorted(dp)], rtol=1e-4)
