@@ -86,7 +86,9 @@ KERNELS: tuple[AttentionKernel, ...] = (
         wrapper="run_reference",
     ),
     AttentionKernel(
-        AttentionTraits("ring", **_TILED, splits_length=True, under_shard_map=True, searched=False),
+        AttentionTraits(
+            "ring", **_TILED, splits_length=True, under_shard_map=True, searched=False, context_exchange="ring"
+        ),
         "ring attention (Liu et al., 2023): the length split over the sequence axis, key/value blocks "
         "passed around the ring of those devices",
         wrapper="sharded_ring_attention",
@@ -94,14 +96,18 @@ KERNELS: tuple[AttentionKernel, ...] = (
         auto_layout=ZIGZAG,
     ),
     AttentionKernel(
-        AttentionTraits("ulysses", **_TILED, splits_length=True, under_shard_map=True, searched=False),
+        AttentionTraits(
+            "ulysses", **_TILED, splits_length=True, under_shard_map=True, searched=False, context_exchange="all_to_all"
+        ),
         "all-to-all attention (Jacobs et al., 2023): length-split to head-split and back around flash",
         wrapper="sharded_ulysses_attention",
         layouts=(CONTIGUOUS, ZIGZAG),
         splits_heads=True,
     ),
     AttentionKernel(
-        AttentionTraits("usp", **_TILED, splits_length=True, under_shard_map=True, searched=False),
+        AttentionTraits(
+            "usp", **_TILED, splits_length=True, under_shard_map=True, searched=False, context_exchange="usp"
+        ),
         "USP (Fang & Zhao, 2024): all-to-all over sequence (inside a host), ring attention over context "
         "(across hosts), flash per block",
         wrapper="sharded_usp_attention",

@@ -355,3 +355,62 @@ def test_ulysses_and_usp_with_grouped_query_heads_train_with_the_losses_of_data_
         cp = _losses(tmp_path / attention, "train/loss")
         assert sorted(cp) == sorted(dp), attention
         np.testing.assert_allclose([cp[s] for s in sorted(cp)], [dp[s] for s in sorted(dp)], rtol=1e-4)
+
+
+# The cost model's context traffic against the compiled program --------------------------------------
+
+TRAFFIC_GRID = [  # (kernel, ring R, all-to-all U, heads, kv_heads, length)
+    (kernel, ring, inner, heads, kv_heads, length)
+    for kernel, ring, inner in (("ring", 4, 1), ("ulysses", 1, 4), ("usp", 2, 4))
+    for heads, kv_heads in ((4, 4), (4, 1))
+    for length in (64, 128)
+]
+
+
+@pytest.mark.parametrize("kernel, ring, inner, heads, kv_heads, length", TRAFFIC_GRID)
+def test_context_traffic_is_what_the_compiled_step_moves(kernel, ring, inner, heads, kv_heads, length):
+    """All-to-all and collective-permute bytes per device of one attention forward and backward (float32,
+    causal, zigzag, segment ids), compiled on a context=R x sequence=U mesh, against
+    `sharding.costmodel.context.context_traffic` on the kernel's traits: within 10% (here exact)."""
+    from jax.sharding import AxisType
+    from jax.sharding import PartitionSpec as P
+
+    from models import attention_registry as registry
+    from models.kernels import ring_attention, ulysses_attention, usp_attention
+    from sharding.costmodel.context import context_traffic
+    from sharding.hlo import collectives, summarize
+
+    batch, head_dim = 2, 16
+    run = {
+        "ring": lambda q, k, v, s: ring_attention(q, k, v, axis_name="context", **kw(s)),
+        "ulysses": lambda q, k, v, s: ulysses_attention(q, k, v, axis_name="sequence", **kw(s)),
+        "usp": lambda q, k, v, s: usp_attention(q, k, v, ring_axis="context", all_to_all_axis="sequence", **kw(s)),
+    }[kernel]
+
+    def kw(segments):
+        return dict(q_segment_ids=segments, kv_segment_ids=segments, causal=True, layout="zigzag")
+
+    mesh = jax.make_mesh((ring, inner), ("context", "sequence"), axis_types=(AxisType.Auto,) * 2)
+    tokens, ids = P(None, ("context", "sequence"), None, None), P(None, ("context", "sequence"))
+    attention = jax.shard_map(run, mesh=mesh, in_specs=(tokens,) * 3 + (ids,), out_specs=tokens)
+    q = jax.ShapeDtypeStruct((batch, length, heads, head_dim), jnp.float32)
+    kv = jax.ShapeDtypeStruct((batch, length, kv_heads, head_dim), jnp.float32)
+    segments = jax.ShapeDtypeStruct((batch, length), jnp.int32)
+    step = jax.value_and_grad(lambda q, k, v, s, d_out: jnp.sum(attention(q, k, v, s) * d_out), argnums=(0, 1, 2))
+    found = summarize(collectives(jax.jit(step).lower(q, kv, kv, segments, q).compile().as_text()))
+    want = context_traffic(
+        registry.kernel(kernel).traits,
+        batch=batch,
+        length=length,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        ring=ring,
+        all_to_all=inner,
+        act_bytes=4,
+        segment_ids=True,
+        training=True,
+    )
+    for op in ("all-to-all", "collective-permute"):
+        got = found.get(op, (0, 0))[1]
+        assert abs(got - want.get(op, 0)) <= 0.1 * max(want.get(op, 0), 1), (op, got, want)
