@@ -89,8 +89,8 @@ KERNELS: tuple[AttentionKernel, ...] = (
         AttentionTraits(
             "ring", **_TILED, splits_length=True, under_shard_map=True, searched=False, context_exchange="ring"
         ),
-        "ring attention (Liu et al., 2023): the length split over the sequence axis, key/value blocks "
-        "passed around the ring of those devices",
+        "ring attention (Liu et al., 2023): the length split over the context and sequence axes, key/value "
+        "blocks passed around the ring of those devices",
         wrapper="sharded_ring_attention",
         layouts=(CONTIGUOUS, ZIGZAG),
         auto_layout=ZIGZAG,

@@ -102,6 +102,12 @@ def test_cost_model_refuses_a_length_splitting_kernel_over_a_sequence_axis_namin
         cm.estimate(config, 16, 64, cm.Layout({"fsdp": 4, "sequence": 2}, "fsdp", 1, "none", attention=record.name))
 
 
+@pytest.mark.parametrize("attention", ["usp", "flash"])
+def test_cost_model_refuses_a_context_axis_naming_it(attention):
+    with pytest.raises(ValueError, match=f"attention '{attention}' over context=2: the cost model does not model"):
+        cm.estimate(get_config("test"), 16, 64, cm.Layout({"fsdp": 4, "context": 2}, "fsdp", attention=attention))
+
+
 def test_cost_model_refuses_an_attention_the_model_lacks_naming_it():
     with pytest.raises(ValueError, match="attention 'bogus' is not an attention of this model"):
         cm.estimate(get_config("test"), 16, 64, cm.Layout({"fsdp": 8}, attention="bogus"))
