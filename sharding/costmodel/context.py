@@ -10,8 +10,8 @@ K KV heads (per ``tensor`` shard), H head_dim, b bytes an element, B sequences:
   the backward's transposes move the same again.
 * ring over R (Liu et al., 2023): R - 1 hops of the key and value block (``B L/R K'/U H`` elements each,
   K'/U = K when U = 1) and its segment ids (4 bytes a token) forward; backward, the key/value block
-  again (its first hop is the forward's, reused when both are in one program) and R - 1 hops of their
-  float32 gradients.
+  again (its first hop is the forward's, reused when both are in one program, not across the
+  forward and backward bodies of a scanned layer stack) and R - 1 hops of their float32 gradients.
 * USP (Fang & Zhao, 2024): both, the ring on the all-to-all's output.
 
 Bytes are per-device results of the collectives (`sharding.hlo.collectives`: an all-to-all's operand
@@ -43,6 +43,7 @@ def context_traffic(
     act_bytes: int,
     segment_ids: bool = False,
     training: bool = False,
+    first_hop_reused: bool = True,
 ) -> dict[str, float]:
     """Bytes per device of the collectives one context-parallel attention call issues, by HLO op.
 
@@ -57,6 +58,9 @@ def context_traffic(
       act_bytes: Bytes of an element of q, k, v (2 for bfloat16, 4 for float32).
       segment_ids: Whether packed-document ids travel with the keys.
       training: Forward and backward (True) or the forward alone.
+      first_hop_reused: Whether the backward's first key/value hop is the forward's (one attention
+        differentiated in one program: XLA merges the two); False inside a scanned layer stack, whose
+        backward loop body sends it again.
 
     Returns:
       ``{"all-to-all": bytes, "collective-permute": bytes}`` (absent ops omitted).
@@ -85,7 +89,8 @@ def context_traffic(
         hops = ring - 1
         permute = hops * (kv_block * act_bytes + ids)
         if training:
-            permute += (hops - 1) * (kv_block * act_bytes + ids) + hops * kv_block * 4
+            resent = hops - 1 if first_hop_reused else hops
+            permute += resent * (kv_block * act_bytes + ids) + hops * kv_block * 4
         found["collective-permute"] = permute
     return found
 
