@@ -3,7 +3,7 @@
 A mesh is written as in ``--mesh data=2,fsdp=-1,tensor=2``: named axes from
 `sharding.axes.MESH_AXES` with their sizes, at most one ``-1`` that takes the
 remaining devices. Axes left out have size 1, so every meshwork mesh has all
-five axes, in the order of `MESH_AXES` (slowest links outermost, ``tensor``
+six axes, in the order of `MESH_AXES` (slowest links outermost, ``tensor``
 innermost).
 
 With several processes (one per host), each axis is split into an *outer* part
@@ -11,7 +11,7 @@ that spans processes (slow network links) and an *inner* part inside one
 process (fast links such as NVLink), in the manner of
 `jax.experimental.mesh_utils.create_hybrid_device_mesh`. By default the inner
 part is filled from the innermost axis outwards, so ``tensor`` (then
-``sequence``, then ``fsdp``) stays inside a process.
+``sequence``, ``context``, then ``fsdp``) stays inside a process.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def parse_mesh(spec: str, num_devices: int) -> MeshShape:
     """Parses a ``--mesh`` flag and resolves it against the device count.
 
     Args:
-      spec: ``AXIS=SIZE,...`` over the axes ``data, stage, fsdp, sequence,
+      spec: ``AXIS=SIZE,...`` over the axes ``data, stage, fsdp, context, sequence,
         tensor``; at most one size may be ``-1``, meaning all devices the
         other axes leave. Empty means ``fsdp=-1``.
       num_devices: the number of devices the mesh must cover.
@@ -152,7 +152,7 @@ def split_outer_inner(
       devices_per_process: devices in each process; the inner parts multiply to it.
       outer: axis -> how much of it spans processes (``--mesh-outer``). When
         None, the inner parts are filled from the innermost axis outwards
-        (``tensor``, ``sequence``, ``fsdp``, ``stage``, ``data``).
+        (``tensor``, ``sequence``, ``context``, ``fsdp``, ``stage``, ``data``).
 
     Returns:
       ``(outer, inner)``: axis -> size dicts in mesh order, with

@@ -2,7 +2,7 @@
 
 `Parallelism` says how one training step is laid out over the devices:
 
-* ``mesh_shape``: axis -> size over ``data, stage, fsdp, sequence, tensor`` (`sharding.mesh`), and
+* ``mesh_shape``: axis -> size over ``data, stage, fsdp, context, sequence, tensor`` (`sharding.mesh`), and
   ``outer``, how much of each axis spans processes (``--mesh-outer``);
 * ``rules``: the logical-to-mesh rules (`sharding.rules`);
 * ``strategy``: how the step computes its gradients, one of `Accumulation` (microbatches summed

@@ -57,6 +57,8 @@ CASES = [
     ["--decay-steps", "0"],
     ["--warmup", "-1"],
     ["--mesh", "data=2,sequence=4", "--attention", "ring", "--seq-len", "66"],
+    ["--mesh", "sequence=8", "--attention", "ulysses"],  # 4 query heads: sequence=4, data=2
+    ["--mesh", "context=2,sequence=4", "--attention", "usp", "--set", "num_heads=6", "--set", "num_kv_heads=2"],
     ["--mesh", "stage=-1"],
     ["--pipeline-schedule", "circular", "--mesh", "stage=2,fsdp=4"],
     ["--microbatches", "3", "--mesh", "stage=2,fsdp=4"],

@@ -130,18 +130,18 @@ def check_batch(run: RunConfig) -> None:
 
     Raises:
       ValueError: A ``--batch-size`` the strategy cannot split (`GradientStrategy.check_run_batch`: e.g. one
-        that ``--microbatches`` or data x fsdp does not divide), or a ``--seq-len`` the ``sequence`` axis
-        does not divide.
+        that ``--microbatches`` or data x fsdp does not divide), or a ``--seq-len`` the ``context`` x
+        ``sequence`` axes do not divide.
     """
     from train.strategies import kind_of
 
     par, seq_len = run.parallelism, run.data.seq_len
     kind_of(par.strategy).check_run_batch(run)
-    sequence = par.mesh_shape[ax.SEQUENCE]
-    if seq_len % sequence:
+    shards = par.length_shards
+    if seq_len % shards:
         raise ValueError(
-            f"--seq-len {seq_len} is not divisible by the sequence axis ({sequence}) of --mesh; "
-            f"e.g. --seq-len {_good_batch(seq_len, sequence)}"
+            f"--seq-len {seq_len} is not divisible by the context x sequence axes ({shards}) of --mesh; "
+            f"e.g. --seq-len {_good_batch(seq_len, shards)}"
         )
 
 

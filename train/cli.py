@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
         description=DESCRIPTION,
         formatter_class=_HelpFormatter,
         epilog="Logical axes: batch, length, embed, mlp, heads, kv_heads, head_dim, vocab, layers, act_embed. "
-        "Mesh axes: data, stage, fsdp, sequence, tensor.",
+        "Mesh axes: data, stage, fsdp, context, sequence, tensor.",
     )
     _mesh_flags(p)
     _process_flags(p)
@@ -183,8 +183,8 @@ def _model_flags(p) -> None:
         default=None,
         choices=attention_registry.names(),
         help=f"attention implementation; "
-        f"{splitting} split the length over the sequence mesh axis (context parallelism); default: the "
-        "preset's (reference)",
+        f"{splitting} split the length over the context and sequence mesh axes (context parallelism; usp: "
+        "all-to-all over sequence, ring over context); default: the preset's (reference)",
     )
     g.add_argument(
         "--logits",
@@ -198,9 +198,9 @@ def _model_flags(p) -> None:
         "--context-layout",
         default="auto",
         choices=CONTEXT_LAYOUTS,
-        help="how tokens lie along the sequence axis: zigzag (device r holds chunks r and 2P-1-r of 2P) "
-        "balances causal ring attention; auto: zigzag for --attention ring with a sequence axis, else "
-        "contiguous",
+        help="how tokens lie along the context and sequence axes: zigzag (device r of the ring holds chunks r "
+        "and 2P-1-r of 2P) balances causal ring attention; auto: zigzag for --attention ring or usp with the "
+        "length split, else contiguous",
     )
 
 

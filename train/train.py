@@ -304,10 +304,11 @@ def _check_optimizer(config: RunConfig, ckpt, step: int) -> None:
 
 def _context_permutation(config: RunConfig):
     """The token order of the context layout along ``--seq-len`` (None: natural)."""
+    from models.attention import layout_shards
     from train.data import context_permutation
 
     par = config.parallelism
-    return context_permutation(config.data.seq_len, par.length_shards, par.context_layout)
+    return context_permutation(config.data.seq_len, layout_shards(config.model.attention, par), par.context_layout)
 
 
 if __name__ == "__main__":

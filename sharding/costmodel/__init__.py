@@ -3,7 +3,7 @@
 For a model described by a `sharding.modeldesc.ModelDescription` (its parameters with logical axes
 and roles, matrix products, attention geometry, elementwise work and saved activations per token;
 ``models.spec.describe`` makes one), a global batch, a sequence length and a `Layout` (mesh sizes
-over ``data, stage, fsdp, sequence, tensor``, a rules preset, microbatches, remat, stage split), it
+over ``data, stage, fsdp, context, sequence, tensor``, a rules preset, microbatches, remat, stage split), it
 predicts for one device; it knows nothing model-specific beyond the description:
 
 * `sharding.costmodel.layout`: the `Layout` (`layout_of` derives it from a run's `Parallelism`), and

@@ -1,6 +1,6 @@
 """The layout of one step as the cost model reads it, and where it puts the model's parameters.
 
-`Layout` (mesh sizes over ``data, stage, fsdp, sequence, tensor``, a rules preset, microbatches,
+`Layout` (mesh sizes over ``data, stage, fsdp, context, sequence, tensor``, a rules preset, microbatches,
 remat, stage split, attention, dtype, the uneven and pipeline switches) and `layout_of`, which derives
 it from a run's `sharding.parallel.Parallelism`; `describe_model`; how a
 layout's rules split each parameter (`_Placed`, `_place_cached`) and each logical axis
@@ -37,7 +37,7 @@ class Layout:
     """How one step is laid out over the devices.
 
     Attributes:
-      mesh: Mesh axis -> size over ``data, stage, fsdp, sequence, tensor`` (missing axes are 1).
+      mesh: Mesh axis -> size over ``data, stage, fsdp, context, sequence, tensor`` (missing axes are 1).
       rules: Rules preset name (``dp``, ``fsdp``, ``tp``, ``fsdp_tp``) or a `Rules` table.
       microbatches: M, gradient-accumulation steps per global batch (pipeline microbatches when
         ``stage > 1``).
@@ -143,13 +143,20 @@ def unpriced_attention(kernel: AttentionTraits, mesh: Mapping[str, int]) -> str 
 
     A kernel that splits the length (ring or all-to-all attention) moves keys and values over a
     ``sequence`` axis > 1 in its own way (a ring of ppermutes, all-to-alls of heads) that the model does
-    not count; without one it is its per-device kernel on the whole length and priced by its traits.
+    not count; without one it is its per-device kernel on the whole length and priced by its traits. A
+    ``context`` axis > 1 (the outer context split, `sharding.axes.CONTEXT`) is not priced for any kernel.
 
     Args:
       kernel: The attention's traits (`sharding.modeldesc.ModelDescription.attention_kernel`).
       mesh: Mesh axis -> size (missing axes are 1).
     """
     sequence = mesh.get(ax.SEQUENCE, 1)
+    context = mesh.get(ax.CONTEXT, 1)
+    if context > 1:
+        return (
+            f"attention {kernel.name!r} over context={context}: the cost model does not model the context "
+            f"axis; it prices layouts with context=1"
+        )
     if kernel.splits_length and sequence > 1:
         return (
             f"attention {kernel.name!r} over sequence={sequence}: the cost model does not model its "
