@@ -181,14 +181,16 @@ def _place_preferring(layout: StageLayout, groups: int, prefer: int) -> Placemen
     sends: list[np.ndarray | None] = []
     offsets: dict[tuple[int, int, int], int] = {}  # (dst stage, dst g, layer) -> row of its receive buffer
     total = 0
+    # the moved rows by distance, then by source, in (destination, receive order): one pass over them
+    by_distance: dict[int, dict[tuple[int, int], list]] = {}
+    for s in range(stages):
+        for g in range(groups):
+            for o, h, local, layer in received[s][g]:
+                d = (s * groups + g - o * groups - h) % devices
+                by_distance.setdefault(d, {}).setdefault((o, h), []).append((local, layer, s, g))
     for d in range(devices):
-        moves: dict[tuple[int, int], list] = {(o, h): [] for o in range(stages) for h in range(groups)}
-        for s in range(stages):
-            for g in range(groups):
-                for o, h, local, layer in received[s][g]:
-                    if (s * groups + g - o * groups - h) % devices == d:
-                        moves[(o, h)].append((local, layer, s, g))
-        cap = max(len(v) for v in moves.values())
+        moves = by_distance.get(d, {})
+        cap = max((len(v) for v in moves.values()), default=0)
         if d == 0 or cap == 0:
             sends.append(None)
             continue
