@@ -13,6 +13,7 @@ Imports nothing of the project outside `sharding`, never the model.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -43,6 +44,16 @@ ONE_F_ONE_B_TICK = 0.75
 #: ticks of a chunk's forward and backward), which the cost model does not tell apart from ``1f1b`` yet
 #: (`sharding.costmodel.Layout` has no field for it): its ticks belong in `_Evaluator._pipeline` beside these.
 PIPELINE_CLOCKS = ("lockstep", "fused")
+
+
+@functools.lru_cache(maxsize=4096)
+def _lockstep_ticks(stages: int, micro: int, repeats: int) -> int:
+    """`one_f_one_b_ticks`' tick count, memoised: the search prices one schedule at many splits.
+
+    Raises:
+      ValueError: As `one_f_one_b_ticks` (an interleaved 1F1B the run refuses; not cached).
+    """
+    return one_f_one_b_ticks(stages, micro, repeats).ticks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +132,9 @@ class Plan:
       memory_parts: Kind name -> bytes by part (`sharding.costmodel.Memory` fields) of its largest device.
       idle_kinds: Kinds whose every device gets no microbatch (uneven counts of 0): they hold their
         parameter and optimizer shards but compute nothing.
+      kind_counts: The uneven counts by kind, ``((kind name, count), ...)``, when every data-parallel group
+        of a kind (its slowest device's) has one count (``--hetero-batch h100_sxm=25,a100_80gb=7``); else None.
+      stage_kinds: A pipeline's kinds per stage (names joined by ``+`` where a stage spans kinds); else None.
     """
 
     layout: cm.Layout
@@ -137,6 +151,8 @@ class Plan:
     comm: dict[str, float] = dataclasses.field(default_factory=dict)
     memory_parts: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
     idle_kinds: tuple[str, ...] = ()
+    kind_counts: tuple[tuple[str, int], ...] | None = None
+    stage_kinds: tuple[str, ...] | None = None
 
     @property
     def stage_layers(self) -> tuple[int, ...] | None:
@@ -164,7 +180,9 @@ class Plan:
         lay = self.layout
         rules = lay.rules_table()
         if self.counts is not None:
-            strategy = UnevenBatch(counts=tuple(self.counts), microbatches=lay.microbatches)
+            strategy = UnevenBatch(
+                counts=tuple(self.counts), microbatches=lay.microbatches, kind_counts=self.kind_counts
+            )
         elif lay.mesh[ax.STAGE] > 1:
             stages, _ = plan_layout(sum(lay.stage_layers), lay.mesh[ax.STAGE], lay.pipeline_repeats, lay.stage_layers)
             strategy = PipelinePlan(stages, lay.microbatches, one_f_one_b=lay.one_f_one_b)
@@ -225,10 +243,16 @@ class _Evaluator:
     """Prices layouts on one cluster (caches hardware, grids and kinds per mesh)."""
 
     def __init__(self, model, inventory, global_batch: int, seq_len: int, options: PlanOptions):
+        # a kind without bfloat16 (V100) is planned in a dtype it has: the whole step in float32
+        self.no_bfloat16 = tuple(k.name for k in inventory.kinds_present if not getattr(k, "bfloat16", True))
+        if options.dtype == "bfloat16" and self.no_bfloat16:
+            options = dataclasses.replace(options, dtype="float32")
         self.model, self.batch, self.seq, self.options = cm.describe_model(model), global_batch, seq_len, options
         self.cluster = _cluster(inventory)
         self.hardware = {
-            k.name: cm.hardware_for(k, self.cluster.per_host, self.cluster.inter_bandwidth, options.efficiency)
+            k.name: cm.hardware_for(
+                k, self.cluster.per_host, self.cluster.inter_bandwidth, options.efficiency, options.dtype
+            )
             for k in inventory.kinds_present
         }
         self._shares: dict[tuple, dict[str, int]] = {}
@@ -387,7 +411,7 @@ class _Evaluator:
         m, r = layout.microbatches, layout.pipeline_repeats
         try:
             plan_layout(sum(stages), mesh[ax.STAGE], r, stages)
-            ticks = one_f_one_b_ticks(mesh[ax.STAGE], m, r).ticks if layout.one_f_one_b else 0
+            ticks = _lockstep_ticks(mesh[ax.STAGE], m, r) if layout.one_f_one_b else 0
         except ValueError:
             return None
         slots = max(stages)
@@ -404,7 +428,8 @@ class _Evaluator:
         else:
             busy /= 1.0 - bubble_fraction(mesh[ax.STAGE], m, r)
         seconds = busy + max(st.optimizer for _, _, st in devices)
-        return self.finish(layout, None, rows, devices, seconds)
+        holders = tuple("+".join(k.name for k in kinds) for kinds in self.stage_kind_sets(mesh))
+        return dataclasses.replace(self.finish(layout, None, rows, devices, seconds), stage_kinds=holders)
 
     def stage_cost(self, layout: cm.Layout, kind, rows: float, layers: int, slots: int):
         """``(cost, time)`` of a stage device holding ``slots`` layers and computing ``layers``
@@ -462,7 +487,13 @@ class _Evaluator:
                     batch_rows=self.batch,
                 )
                 by_class[key] = (kind.name, cost, self.time(cost, kind, mesh))
-        return self.finish(layout, tuple(counts), rows, list(by_class.values()), idle=self.idle_kinds(mesh, counts))
+        plan_ = self.finish(layout, tuple(counts), rows, list(by_class.values()), idle=self.idle_kinds(mesh, counts))
+        per_kind: dict[str, set[int]] = {}
+        for kind, count in zip(kinds, counts):
+            per_kind.setdefault(kind.name, set()).add(count)
+        if all(len(v) == 1 for v in per_kind.values()):
+            plan_ = dataclasses.replace(plan_, kind_counts=tuple((k, v.pop()) for k, v in per_kind.items()))
+        return plan_
 
     def idle_kinds(self, mesh, counts: Sequence[int]) -> list[str]:
         """The kinds none of whose data-parallel groups (data x fsdp positions, data major) gets a microbatch."""
