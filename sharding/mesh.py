@@ -227,11 +227,30 @@ def device_grid(
     counts = {p: sum(d.process_index == p for d in ordered) for p in processes}
     if any(count != per_process for count in counts.values()):
         raise ValueError(f"processes hold different numbers of devices: {counts}")
-    outer_sizes, inner = split_outer_inner(shape, len(processes), per_process, outer)
     grid = np.empty(len(ordered), dtype=object)
     grid[:] = ordered
+    return grid[grid_positions(shape, len(processes), per_process, outer)]
+
+
+def grid_positions(
+    shape: Mapping[str, int], num_processes: int, per_process: int, outer: Mapping[str, int] | None = None
+) -> np.ndarray:
+    """`device_grid` as positions: the index, in ``(process_index, id)`` order, of the device at each mesh
+    position (int array of the mesh's shape). Needs no device objects, so a planner can lay out thousands of
+    simulated devices without making them.
+
+    Args:
+      shape: resolved mesh shape; its product must be ``num_processes * per_process``.
+      num_processes: processes (hosts), each holding ``per_process`` devices.
+      per_process: devices per process.
+      outer: optional across-process split, as in `split_outer_inner`.
+
+    Raises:
+      ValueError: as `split_outer_inner`.
+    """
+    outer_sizes, inner = split_outer_inner(shape, num_processes, per_process, outer)
     n = len(shape)
-    grid = grid.reshape(tuple(outer_sizes.values()) + tuple(inner.values()))
+    grid = np.arange(num_processes * per_process).reshape(tuple(outer_sizes.values()) + tuple(inner.values()))
     interleave = [i for axis in range(n) for i in (axis, n + axis)]
     return grid.transpose(interleave).reshape(tuple(shape.values()))
 

@@ -227,8 +227,11 @@ def test_flags_reproduce_the_plan_and_train_accepts_them():
     best = planner.plan(model, inventory, 256, 1024, planner.PlanOptions(pipeline=False))[0]
     flags = plan_flags(best)
     assert f"--microbatches {best.layout.microbatches}" in flags and f"--remat {best.layout.remat}" in flags
-    if best.counts is not None:
-        counts = [int(x) for x in flags.split("--hetero-batch ")[1].split()[0].split(",")]
+    if best.counts is not None:  # printed per kind: every data-parallel group of a kind has one count
+        given = dict(item.split("=") for item in flags.split("--hetero-batch ")[1].split()[0].split(","))
+        ev = planner._Evaluator(model, inventory, 256, 1024, planner.PlanOptions(pipeline=False))
+        counts = [int(given[k.name]) for k in ev.batch_kinds(best.layout.mesh)]
+        assert tuple(counts) == best.counts
         assert sum(counts) == best.layout.batch_split * best.layout.microbatches
         run = cli.parse([*flags.split(), "--batch-size", "256", "--seq-len", "1024", "--model", "125m", "--dry-run"])
         checks.check_batch(run)

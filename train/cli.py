@@ -293,11 +293,12 @@ def _hetero_flags(p) -> None:
     g.add_argument(
         "--hetero-batch",
         default="off",
-        metavar="auto|kinds|off|COUNTS",
+        metavar="auto|kinds|off|KIND=N,...|COUNTS",
         help="uneven data parallelism: microbatches per data-parallel group along data x fsdp (each "
         "shared by the group's tensor devices), proportional to "
-        "device speed (auto: measured at start-up; kinds: the device kinds' datasheet peaks) or given (e.g. 3,3,3,3,1,1,1,1; "
-        "microbatch = --batch-size / their sum); data/fsdp/tensor meshes",
+        "device speed (auto: measured at start-up; kinds: the device kinds' datasheet peaks), given per "
+        "device kind (e.g. h100=25,a100=7: each group the count of its slowest device's kind) or per group "
+        "(e.g. 3,3,3,3,1,1,1,1; microbatch = --batch-size / their sum); data/fsdp/tensor meshes",
     )
     g.add_argument(
         "--hetero-max-share",
@@ -770,11 +771,50 @@ def _rebalance(uneven: UnevenBatch | None, every: int | None) -> UnevenBatch | N
     return dataclasses.replace(uneven, rebalance_every=every)
 
 
+KIND_COUNTS_EXAMPLE = "--hetero-batch h100=25,a100=7"
+
+
+def parse_kind_counts(value: str) -> tuple[tuple[str, int], ...]:
+    """``KIND=COUNT,...`` (``--hetero-batch h100=25,a100=7``) -> ``((kind name, count), ...)``, a known kind by
+    its table name (`sharding.devices.get_kind`: ``h100`` -> ``h100_sxm``), another (a cluster file's) as
+    written; kinds missing from the mesh are named at start-up.
+
+    Raises:
+      ValueError: An empty kind, a kind named twice, a count that is not an integer >= 0, or all 0; naming
+        the flag.
+    """
+    from sharding.devices import get_kind
+
+    out: dict[str, int] = {}
+    for item in value.split(","):
+        name, _, count = item.partition("=")
+        try:
+            kind = get_kind(name.strip()).name
+        except ValueError:  # a kind of a cluster file's own: checked against the mesh's kinds at start-up
+            kind = name.strip()
+        if not kind:
+            raise ValueError(f"--hetero-batch {value}: a kind name before each '=' ({KIND_COUNTS_EXAMPLE})")
+        try:
+            n = int(count)
+        except ValueError:
+            n = -1
+        if n < 0 or kind in out:
+            raise ValueError(
+                f"--hetero-batch {value}: each kind once with a count >= 0, KIND=COUNT ({KIND_COUNTS_EXAMPLE})"
+            )
+        out[kind] = n
+    if not any(out.values()):
+        raise ValueError(f"--hetero-batch {value}: counts must not all be 0 ({KIND_COUNTS_EXAMPLE})")
+    return tuple(out.items())
+
+
 def parse_hetero_batch(value: str, microbatches: int = 1) -> UnevenBatch | None:
-    """``--hetero-batch off|auto|kinds|COUNTS`` -> `UnevenBatch` (None for ``off``).
+    """``--hetero-batch off|auto|kinds|KIND=COUNT,...|COUNTS`` -> `UnevenBatch` (None for ``off``).
 
     ``auto`` measures the devices at start-up (`train.calibrate`), ``kinds`` takes speeds from the devices'
     kinds (datasheet peaks; ``--simulate-cluster`` on CPU); both ``microbatches`` per device on average.
+    ``KIND=COUNT,...`` gives each data-parallel group the count of its slowest device's kind
+    (`parse_kind_counts`, resolved at start-up).
 
     Raises:
       ValueError: Counts that are not integers, negative, or all zero; naming the flag.
@@ -784,6 +824,8 @@ def parse_hetero_batch(value: str, microbatches: int = 1) -> UnevenBatch | None:
         return None
     if text in ("auto", "kinds"):
         return UnevenBatch(None, "measured" if text == "auto" else "kinds", microbatches)
+    if "=" in text:
+        return UnevenBatch(None, "given", microbatches, kind_counts=parse_kind_counts(value))
     try:
         counts = tuple(int(x) for x in text.split(","))
     except ValueError:

@@ -186,8 +186,13 @@ def report(model, inventory, args, options) -> tuple[list[str], list[planner.Pla
     lines = [
         inventory.describe(),
         "",
-        f"model {args.model}: {args.batch} x {args.seq_len} tokens per step, {options.dtype}, "
-        f"{efficiency_note(inventory, options)}; planned in {seconds:.1f} s",
+        f"model {args.model}: {args.batch} x {args.seq_len} tokens per step, {plans[0].layout.dtype}"
+        + (
+            f" ({', '.join(sorted({k.name for k in inventory.kinds_present if not k.bfloat16}))} has no bfloat16)"
+            if plans[0].layout.dtype != options.dtype
+            else ""
+        )
+        + f", {efficiency_note(inventory, options)}; planned in {seconds:.1f} s",
         "",
     ]
     lines += planner.format_table(plans)
@@ -297,12 +302,15 @@ def given_layout(text: str, num_layers: int, num_devices: int, defaults: argpars
         raise ValueError(f"--layout: {e}") from None
     strategy, counts = par.strategy, None
     if strategy.uneven:
-        if strategy.counts is None:
+        if strategy.kind_counts is not None:
+            counts = dict(strategy.kind_counts)
+        elif strategy.counts is None:
             raise ValueError(
                 f"--layout: --hetero-batch {args.hetero_batch} is decided at run time; give the counts, "
-                f"e.g. --hetero-batch 3,3,3,3,1,1,1,1 (one per data x fsdp device)"
+                f"e.g. --hetero-batch h100=3,a100=1 (per kind) or 3,3,3,3,1,1,1,1 (one per data x fsdp device)"
             )
-        counts = tuple(strategy.counts)
+        else:
+            counts = tuple(strategy.counts)
     elif par.pipeline is not None and par.pipeline.measure_stages:
         raise ValueError(
             "--layout: --stage-layers auto is measured at run time; give the layers per stage, "
@@ -397,7 +405,9 @@ def breakdown(p: planner.Plan) -> list[str]:
 def plan_json(p: planner.Plan) -> dict:
     """One plan for scripts: ``step_seconds``, ``tokens_per_second``, ``mfu`` (fraction), ``memory_gb`` (kind ->
     GB per device, 1e9 bytes), ``memory_limit_gb``, ``fits``, ``why`` (empty when it fits), ``parts`` (seconds
-    of the slowest device), ``paced_by``, ``counts`` (uneven microbatches or null), ``comm_seconds`` (seconds
+    of the slowest device), ``paced_by``, ``counts`` (uneven microbatches or null), ``kind_counts`` (kind ->
+    count when each kind's groups share one, or null), ``stage_kinds`` (a pipeline's kinds per stage, or
+    null), ``comm_seconds`` (seconds
     per collective kind), ``idle_kinds`` (kinds given no microbatch) and ``flags`` (the
     ``python -m train.train`` layout flags, `plan_flags`)."""
     return {
@@ -411,6 +421,8 @@ def plan_json(p: planner.Plan) -> dict:
         "parts": dict(p.parts),
         "paced_by": p.paced_by,
         "counts": list(p.counts) if p.counts is not None else None,
+        "kind_counts": dict(p.kind_counts) if p.kind_counts is not None else None,
+        "stage_kinds": list(p.stage_kinds) if p.stage_kinds is not None else None,
         "comm_seconds": dict(p.comm),
         "idle_kinds": list(p.idle_kinds),
         "flags": plan_flags(p),

@@ -161,16 +161,24 @@ def _pipeline_tables(
 ) -> tuple[tuple[int, ...], int, int]:
     """``(moved, ticks, ring)`` of `_Pipe` from the static tables (`Placement.sends`, and for a 1F1B-family
     ``schedule``, a `sharding.costmodel.layout.TICK_SCHEDULES` name, its tick table; None for GPipe/circular);
-    cached: the planner prices many devices of one split. A split the run refuses (a planner's trial)
-    moves no stored rows."""
+    cached: the planner prices many devices of one split."""
+    moved = _moved_rows(num_layers, stages, repeats, stage_layers, groups)
+    return (moved, *(_ticks_and_ring(stages, micro, repeats, schedule) if schedule else (0, 0)))
+
+
+@functools.lru_cache(maxsize=4096)
+def _moved_rows(
+    num_layers: int, stages: int, repeats: int, stage_layers: tuple[int, ...] | None, groups: int
+) -> tuple[int, ...]:
+    """`_Pipe.moved` from the storage's placement (`Placement.sends`), cached apart from the microbatches and
+    schedule it does not depend on. A split the run refuses (a planner's trial) moves no stored rows."""
     from sharding.pipeline.storage import StageStorage
 
     try:
         placement = StageStorage(plan_layout(num_layers, stages, repeats, stage_layers)[0], groups).placement
-        moved = tuple(int(send.shape[-1]) for send in placement.sends if send is not None)
     except ValueError:
-        moved = ()
-    return (moved, *(_ticks_and_ring(stages, micro, repeats, schedule) if schedule else (0, 0)))
+        return ()
+    return tuple(int(send.shape[-1]) for send in placement.sends if send is not None)
 
 
 @functools.lru_cache(maxsize=1024)
