@@ -233,12 +233,17 @@ def test_pipeline_gathers_stage_weights_once_per_step():
     assert saved(16, True) == saved(8, True) < saved(8, False) < saved(16, False)
 
 
-@pytest.mark.parametrize("one_f_one_b", [False, True])
-def test_pipeline_weights_gathered_per_microbatch_cost_a_block_per_chunk_pass(one_f_one_b):
+@pytest.mark.parametrize(
+    "one_f_one_b, tick_schedule, passes",
+    [(False, "lockstep", 2), (True, "lockstep", 2), (True, "fused", 2), (True, "zb", 3)],
+)
+def test_pipeline_weights_gathered_per_microbatch_cost_a_block_per_chunk_pass(one_f_one_b, tick_schedule, passes):
     """The 7B on stage=4,fsdp=2 (10,10,6,6; G = 2, so blocks of 2 layers, 5 per pass on a 10-layer stage),
-    ``pipeline_gather`` ``microbatch``: each of the M microbatches' forward and backward passes all-gathers
-    the 5 blocks (2 layers each) and reduce-scatters one layer per block; the stored row still moves once
-    per step. In flight: one block and the received row, against the 10-slot working copy gathered once."""
+    ``pipeline_gather`` ``microbatch``: each of the M microbatches' forward and backward passes (zero bubble:
+    forward, input-gradient and weight-gradient passes) all-gathers the 5 blocks (2 layers each) and its
+    (weight-)gradient pass reduce-scatters one layer per block; the stored row still moves once per step. In
+    flight: one block and the received row, against the 10-slot working copy gathered once, whatever the
+    schedule."""
     config = get_config("7b")
     layer = sum(p.size for p in describe(config).params if p.per_layer) * 4  # one layer, float32, whole
 
@@ -250,6 +255,7 @@ def test_pipeline_weights_gathered_per_microbatch_cost_a_block_per_chunk_pass(on
             stage_layers=(10, 10, 6, 6),
             one_f_one_b=one_f_one_b,
             pipeline_gather=gather,
+            tick_schedule=tick_schedule,
         )
         return cm.estimate(config, 32, 2048, layout, backend="cpu")
 
@@ -257,7 +263,7 @@ def test_pipeline_weights_gathered_per_microbatch_cost_a_block_per_chunk_pass(on
         return sum(x.total_bytes for x in c.comms if x.kind == kind and "layers/" in x.what)
 
     once, streamed = cost("once"), cost("microbatch")
-    assert layer_bytes(streamed, "all-gather") == pytest.approx(2 * 16 * 5 * 2 * layer, rel=1e-9)
+    assert layer_bytes(streamed, "all-gather") == pytest.approx(passes * 16 * 5 * 2 * layer, rel=1e-9)
     assert layer_bytes(streamed, "reduce-scatter") == pytest.approx(16 * 5 * layer, rel=1e-9)
     assert layer_bytes(streamed, "collective-permute") == layer_bytes(once, "collective-permute")
     assert once.memory.gathered == pytest.approx(10 * layer, rel=1e-9)

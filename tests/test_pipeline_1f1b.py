@@ -21,6 +21,8 @@ from sharding.pipeline.onef1b import run_pipeline_loss
 from sharding.rules import get_rules
 
 RULES = get_rules("fsdp_tp")
+ONE_F_ONE_B = ("1f1b", "1f1b-fused", "zb")
+"""The schedules run by `run_pipeline_loss`'s tick loop (the loss inside the pipeline)."""
 
 
 def assert_close(actual, expected, rtol=1e-5):
@@ -192,9 +194,10 @@ def _toy(
         layout,
         microbatches,
         skip_empty=skip_empty,
-        one_f_one_b=schedule.startswith("1f1b"),
+        one_f_one_b=schedule in ONE_F_ONE_B,
         fused=schedule == "1f1b-fused",
         gather=gather,
+        zero_bubble=schedule == "zb",
     )
     rng = np.random.default_rng(0)
     w = {
@@ -285,6 +288,8 @@ def test_1f1b_computing_every_slot_matches_too():
         ("stage=2,fsdp=4", 4, (3, 1), 2, 1, "1f1b", True),  # uneven, fsdp
         ("stage=4,fsdp=2", 12, (5, 3, 2, 2), 4, 2, "1f1b-fused", True),  # interleaved, uneven chunks
         ("stage=2,data=2,fsdp=2", 12, None, 4, 3, "1f1b", False),  # 3 chunks, data parallelism, every slot
+        ("stage=4,fsdp=2", 12, (5, 3, 2, 2), 8, 1, "zb", True),  # zero bubble: B and W passes gather apart
+        ("stage=2,fsdp=4", 4, (3, 1), 4, 1, "zb", False),  # zero bubble, every slot computed and selected
     ],
 )
 def test_padded_weights_gathered_per_microbatch_match_the_sequential_stack(
@@ -358,8 +363,9 @@ def _plan(num_layers, mesh_spec, stage_layers, microbatches, schedule, repeats=1
     return pl.PipelinePlan(
         layout,
         microbatches,
-        one_f_one_b=schedule.startswith("1f1b"),
+        one_f_one_b=schedule in ONE_F_ONE_B,
         fused=schedule == "1f1b-fused",
+        zero_bubble=schedule == "zb",
         gather=gather,
     )
 
@@ -480,11 +486,12 @@ def _assert_steps_match_the_flat_model(plan):
     assert ref_losses[-1] < ref_losses[0]  # six steps of training, not six evaluations of one state
 
 
-@pytest.mark.parametrize("schedule, repeats", [("gpipe", 1), ("gpipe", 2), ("1f1b", 1), ("1f1b-fused", 2)])
+@pytest.mark.parametrize("schedule, repeats", [("gpipe", 1), ("gpipe", 2), ("1f1b", 1), ("1f1b-fused", 2), ("zb", 1)])
 def test_training_steps_with_the_weights_gathered_per_microbatch_match_the_unpipelined_model(schedule, repeats):
     """As `test_training_steps_match_the_unpipelined_model` (uneven 4,2 with fsdp: the unpadded storage, its
     rows gathered four at a time over fsdp), with ``--pipeline-gather microbatch``: every chunk pass gathers
-    its blocks and reduce-scatters their gradients, for GPipe, circular, 1F1B, fused and interleaved fused."""
+    its blocks and reduce-scatters their gradients, for GPipe, circular, 1F1B, interleaved fused and zero
+    bubble (whose input- and weight-gradient passes each gather the block, the latter reduce-scattering it)."""
     plan = _plan(STEPS_LAYERS, STEPS_MESH, STEPS_SPLIT, STEPS_MICROBATCHES, schedule, repeats, gather="microbatch")
     assert plan.gather == "microbatch" and plan.layout.repeats == repeats
     _assert_steps_match_the_flat_model(plan)

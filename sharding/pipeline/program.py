@@ -14,7 +14,8 @@ mesh, manual over ``stage`` and the batch axes ``data`` and ``fsdp`` (`manual_ax
   reduce-scattered there, so the step holds one block instead of the stage;
 * `chunk_forward` / `chunk_backward`: one chunk of a stage's layers for one microbatch, each slot under
   a `jax.lax.cond` (empty slots and idle ticks compute nothing), and its hand-written backward pass that
-  recomputes each layer from its saved input and differentiates it with `jax.vjp`;
+  recomputes each layer from its saved input and differentiates it with `jax.vjp`; zero bubble splits the
+  latter into `chunk_backward_input` and `chunk_backward_weight`, each recomputing the layer;
 * `index_tree`, `index_leaf`, `write`, `slot_params`, `add_slot`: slice-sized reads and predicated
   writes of the loop's buffers (a `jnp.where` on one slice, never on a whole buffer);
 * `stage_varying`, `sum_over_stages`: the casts at the edge of the map (inputs made stage-varying so
@@ -201,6 +202,74 @@ def slot_positions(params) -> int:
     if isinstance(params, Streamed):
         return params.positions
     return jax.tree.leaves(params)[0].shape[1]
+
+
+def chunk_backward_input(layer_fn, params, r, inputs, extras, count, g, skip_empty: bool):
+    """The input-gradient half of `chunk_backward` (zero bubble's B pass): slots in reverse, each layer
+    recomputed from its saved input and differentiated with respect to its input only.
+
+    Qi et al., "Zero Bubble Pipeline Parallelism" (ICLR 2024), section 2: the backward of a layer splits into
+    the input's cotangent (B), which the previous stage waits for, and the weights' cotangent (W,
+    `chunk_backward_weight`), which can wait. Each slot's output cotangent is returned for W.
+
+    Args:
+      inputs: ``[K, microbatch, ...]`` slot inputs saved by the forward pass.
+      g: ``[microbatch, ...]`` cotangent of the chunk's output.
+      (others as `chunk_forward`)
+
+    Returns:
+      ``(g, outputs)``: the cotangent of the chunk's input ``[microbatch, ...]`` and ``[K, microbatch, ...]``
+      the cotangent of each slot's output (skipped slots pass ``g`` through; their entry is unused); ``[P,
+      microbatch, ...]`` by position with a `Streamed` ``params`` (`Streamed.backward_input`).
+    """
+    if isinstance(params, Streamed):
+        return params.backward_input(layer_fn, r, inputs, extras, count, g, skip_empty)
+    slots = jax.tree.leaves(params)[0].shape[1]
+
+    def body(g, k):
+        def back(g):
+            _, vjp = jax.vjp(lambda h: layer_fn(slot_params(params, r, k), h, *extras), inputs[k])
+            return vjp(g)[0]
+
+        if skip_empty:
+            return jax.lax.cond(k < count, back, lambda g: g, g), g
+        return jnp.where(k < count, back(g), g), g
+
+    return jax.lax.scan(body, g, jnp.arange(slots), reverse=True)
+
+
+def chunk_backward_weight(layer_fn, params, r, inputs, extras, count, outputs, grads, skip_empty: bool):
+    """The weight-gradient half of `chunk_backward` (zero bubble's W pass): each layer recomputed from its
+    saved input and differentiated with respect to its weights, at the output cotangent its B pass left.
+
+    Args:
+      inputs: ``[K, microbatch, ...]`` slot inputs saved by the forward pass.
+      outputs: ``[K, microbatch, ...]`` each slot's output cotangent (`chunk_backward_input`).
+      grads: accumulated parameter cotangents, leaves ``[R, K, ...]`` (or, with a `Streamed` ``params``, its
+        reduce-scattered accumulators, `Streamed.zeros`; the block's gradient reduce-scattered here,
+        `Streamed.backward_weight`).
+      (others as `chunk_forward`)
+
+    Returns:
+      ``grads`` with this chunk's slots added (skipped slots add nothing).
+    """
+    if isinstance(params, Streamed):
+        return params.backward_weight(layer_fn, r, inputs, extras, count, outputs, grads, skip_empty)
+    slots = jax.tree.leaves(params)[0].shape[1]
+
+    def body(grads, k):
+        def back(grads):
+            _, vjp = jax.vjp(lambda w: layer_fn(w, inputs[k], *extras), slot_params(params, r, k))
+            return add_slot(grads, r, k, vjp(outputs[k])[0])
+
+        if skip_empty:
+            return jax.lax.cond(k < count, back, lambda grads: grads, grads), None
+        _, vjp = jax.vjp(lambda w: layer_fn(w, inputs[k], *extras), slot_params(params, r, k))
+        keep = k < count
+        dw = jax.tree.map(lambda d: jnp.where(keep, d, jnp.zeros((), d.dtype)), vjp(outputs[k])[0])
+        return add_slot(grads, r, k, dw), None
+
+    return jax.lax.scan(body, grads, jnp.arange(slots))[0]
 
 
 def _inverse_rows(local_index: np.ndarray, size: int, width: int) -> np.ndarray:
@@ -580,6 +649,87 @@ class Streamed:
         if not skip_empty:
             return run(g, sums)
         return jax.lax.cond(count > 0, run, lambda g, sums: (g, sums), to_varying(g, self._vary()), sums)
+
+    def backward_input(self, layer_fn, r, inputs, extras, count, g, skip_empty: bool):
+        """`chunk_backward_input` (zero bubble's B pass) with the weights gathered again block by block:
+        each slot's output cotangent kept for `backward_weight`, no gradient of the weights.
+
+        Returns:
+          ``(g, outputs)``: the cotangent of the chunk's input and ``[P, microbatch, ...]`` each position's
+          output cotangent (positions outside the chunk pass ``g`` through; their entry is unused).
+        """
+        start, b, k0 = self._start(r), self.block, r * self.chunk_slots
+
+        def outer(g, i):
+            w = start + i
+            block = self.fetch(jnp.minimum(w, self.windows - 1))
+
+            def inner(g, j):
+                k = w * b + j - k0
+                x = index_leaf(inputs, i * b + j)
+
+                def back(g):
+                    _, vjp = jax.vjp(lambda h: layer_fn(index_tree(block, j), h, *extras), x)
+                    return vjp(g)[0]
+
+                on = (k >= 0) & (k < count)
+                if skip_empty:
+                    return jax.lax.cond(on, back, lambda g: g, g), g
+                return jnp.where(on, back(g), g), g
+
+            return jax.lax.scan(inner, g, jnp.arange(b), reverse=True)
+
+        def run(g):
+            g, outputs = jax.lax.scan(outer, g, jnp.arange(self.blocks), reverse=True)
+            return g, outputs.reshape(self.positions, *outputs.shape[2:])
+
+        if not skip_empty:
+            return run(g)
+
+        def idle(g):
+            return g, to_varying(jnp.zeros((self.positions, *g.shape), g.dtype), self._vary())
+
+        return jax.lax.cond(count > 0, run, idle, to_varying(g, self._vary()))
+
+    def backward_weight(self, layer_fn, r, inputs, extras, count, outputs, sums, skip_empty: bool):
+        """`chunk_backward_weight` (zero bubble's W pass) with the weights gathered again block by block, at
+        the output cotangents `backward_input` left (``[P, microbatch, ...]``), and each block's gradient
+        reduce-scattered into ``sums`` (`zeros`) once the block is done.
+
+        Returns:
+          ``sums`` with this chunk's slots added.
+        """
+        start, b, k0 = self._start(r), self.block, r * self.chunk_slots
+
+        def outer(sums, i):
+            w = start + i
+            clamped = jnp.minimum(w, self.windows - 1)
+            block = self.fetch(clamped)
+            zero = to_varying(jax.tree.map(lambda p, a: jnp.zeros(p.shape, a.dtype), block, sums), self._vary())
+
+            def inner(acc, j):
+                k = w * b + j - k0
+                x, ct = index_leaf(inputs, i * b + j), index_leaf(outputs, i * b + j)
+
+                def dw():
+                    _, vjp = jax.vjp(lambda p: layer_fn(p, x, *extras), index_tree(block, j))
+                    return vjp(ct)[0]
+
+                on = (k >= 0) & (k < count)
+                if skip_empty:
+                    return jax.lax.cond(on, lambda acc: add_block(acc, j, dw()), lambda acc: acc, acc), None
+                kept = jax.tree.map(lambda d: jnp.where(on, d, jnp.zeros((), d.dtype)), dw())
+                return add_block(acc, j, kept), None
+
+            acc, _ = jax.lax.scan(inner, zero, jnp.arange(b))
+            return self._add(sums, clamped, acc), None
+
+        def run(sums):
+            return jax.lax.scan(outer, sums, jnp.arange(self.blocks))[0]
+
+        if not skip_empty:
+            return run(sums)
+        return jax.lax.cond(count > 0, run, lambda sums: sums, sums)
 
 
 def add_block(acc, j, update):
