@@ -509,6 +509,36 @@ def test_each_1f1b_schedule_is_priced_from_its_tick_table_and_the_fastest_fittin
     assert [p.step_time for p in family] == [priced[n].step_time for n in ("1f1b", "1f1b-fused", "zb")]
 
 
+def test_the_per_microbatch_gather_is_priced_under_gpipe_and_each_1f1b_schedule_where_gpipe_does_not_fit():
+    """16 layers on ``stage=4,fsdp=2`` (4 per stage, blocks of G = 2): where GPipe does not fit, the search
+    prices ``pipeline_gather`` ``microbatch`` under GPipe, 1F1B, fused 1F1B and zero bubble (`_memory_savers`).
+    Each holds less than its gather-once twin (one block, not the 4-slot working copy and its sums) and
+    all-gathers more; zero bubble's input- and weight-gradient passes gather apart, so it all-gathers more
+    than fused 1F1B with the same ticks, where gathering once they gather alike. A plan that fits adds none."""
+    from sharding.planner import search
+
+    model = _described(32000, 16, 1024, 4096, 16, 16, 64)
+    ev = planner._Evaluator(model, devices.parse_cluster("a100:4x2"), 64, 1024, planner.PlanOptions())
+    base = cm.Layout(
+        {"fsdp": 2, "stage": 4}, "fsdp", 8, "none", stage_layers=(4, 4, 4, 4), attention="flash", dtype="bfloat16"
+    )
+    gpipe = ev.uniform(base)
+    assert search._memory_savers(ev, dataclasses.replace(gpipe, fits=True)) == []
+    once = {p.layout.pipeline_schedule: p for p in [gpipe, *search._one_f_one_b(ev, gpipe)]}
+    streamed = search._memory_savers(ev, dataclasses.replace(gpipe, fits=False))
+    assert [(p.layout.pipeline_schedule, p.layout.pipeline_gather) for p in streamed] == [
+        (name, "microbatch") for name in ("gpipe", "1f1b", "1f1b-fused", "zb")
+    ]
+    for p in streamed:
+        twin = once[p.layout.pipeline_schedule]
+        held = sum(p.memory_parts["a100_80gb"].values())
+        assert held < sum(twin.memory_parts["a100_80gb"].values()), p.layout.pipeline_schedule
+        assert p.comm["all-gather"] > twin.comm["all-gather"], p.layout.pipeline_schedule
+    by = {p.layout.pipeline_schedule: p for p in streamed}
+    assert once["zb"].comm["all-gather"] == once["1f1b-fused"].comm["all-gather"]
+    assert by["zb"].comm["all-gather"] > by["1f1b-fused"].comm["all-gather"]
+
+
 def test_a_kind_given_no_work_is_said_so_with_the_memory_it_holds(capsys):
     """32 H100 + 32 A100, batch 128 x 2048, no pipeline, at one efficiency for both kinds (the clock before the
     fit): the best plan gives every A100 0 microbatches; the report says so, with what they still hold."""

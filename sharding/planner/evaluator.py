@@ -450,6 +450,7 @@ class _Evaluator:
             layout.pipeline_repeats,
             layout.one_f_one_b,
             layout.tick_schedule,
+            layout.pipeline_gather,
             layout.attention,
             layout.dtype,
             rows,
