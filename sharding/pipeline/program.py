@@ -10,8 +10,9 @@ mesh, manual over ``stage`` and the batch axes ``data`` and ``fsdp`` (`manual_ax
   compute dtype, and the gradients summed over the step reduced back into the stored blocks once, after
   the loop (MaxText's ``pipeline_fsdp_ag_once`` trade-off: one gather and one reduction per step instead of
   one per microbatch, the gathered copy held through the step); or, with ``--pipeline-gather
-  microbatch``, `Streamed`: one block of layers gathered at a time inside each chunk pass and its gradient
-  reduce-scattered there, so the step holds one block instead of the stage;
+  microbatch``, `Streamed`: one block of layers gathered at a time inside each chunk pass (zero bubble's
+  input- and weight-gradient passes each gather it) and its gradient reduce-scattered there, so the step
+  holds one block instead of the stage;
 * `chunk_forward` / `chunk_backward`: one chunk of a stage's layers for one microbatch, each slot under
   a `jax.lax.cond` (empty slots and idle ticks compute nothing), and its hand-written backward pass that
   recomputes each layer from its saved input and differentiates it with `jax.vjp`; zero bubble splits the
@@ -474,14 +475,16 @@ class Streamed:
     The working copy's slots ``[R*K', ...]`` fall into ``W = R*K'/B`` blocks of ``B`` consecutive slots:
     with the unpadded storage ``B = G`` (device ``g`` of the stage provides slot ``w*B + g`` of block ``w``:
     one all-gather over the group axes assembles a block), with padded blocks ``B = 1`` (each slot's
-    FSDP-shards all-gathered). A chunk pass (`chunk_forward`, `chunk_backward`) gathers the ``n`` blocks that
+    FSDP-shards all-gathered). A chunk pass (`chunk_forward`, `chunk_backward`, or zero bubble's
+    `chunk_backward_input` and `chunk_backward_weight`) gathers the ``n`` blocks that
     cover chunk ``r`` (slots ``r*K' ... r*K' + K' - 1``) in the compute dtype, one at a time, outside the
-    slots' conditionals, and its backward pass reduce-scatters each block's gradient into float32 sums of
-    this device's rows (`zeros`) as soon as the block is done. A pass that runs no layer (a bubble tick, or
+    slots' conditionals, and its backward pass (zero bubble: its weight-gradient pass) reduce-scatters each
+    block's gradient into float32 sums of this device's rows (`zeros`) as soon as the block is done. A pass that runs no layer (a bubble tick, or
     the idle half of a lockstep tick) is skipped whole, its gathers with it: they are among the devices of
     one stage, which all skip it alike. So a step holds one block's gathered weights and gradients instead
     of the stage's, at the price of a gather per chunk pass forward and backward (the backward recomputes
-    from a second gather) and a reduce-scatter per backward pass.
+    from a second gather; zero bubble's two halves from a second and a third) and a reduce-scatter per
+    backward pass.
 
     Attributes:
       weights: the `Weights` whose storage and specs these are.
