@@ -192,3 +192,51 @@ def test_bad_moe_fields_are_refused_naming_the_field(changes, message):
     with pytest.raises(ValueError, match=None) as info:
         CONFIG.replace(**changes)
     assert message in str(info.value)
+
+
+RUN = ["--seq-len", "16", "--batch-size", "8", "--log-every", "1", "--no-progress", "--eval-batches", "1"]
+
+
+def test_a_moe_model_trains_with_expert_parallelism(tmp_path, corpus, cache):
+    from train import train
+
+    run_dir = tmp_path / "run"
+    args = ["--model", "moe-test", "--mesh", "expert=4,fsdp=2", "--steps", "2", "--eval-every", "0", *RUN]
+    code = train.main([*args, "--data", str(corpus), "--data-cache", str(cache), "--run-dir", str(run_dir)])
+    assert code == 0
+    lines = (run_dir / "metrics.jsonl").read_text()
+    assert '"train/loss"' in lines
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", "test", "--mesh", "expert=2,fsdp=4"], "expert=2 needs a mixture-of-experts model"),
+        (
+            ["--model", "moe-test", "--set", "num_experts=6", "--mesh", "expert=4,fsdp=2"],
+            "expert=4 does not divide num_experts=6; e.g. expert=2",
+        ),
+        (["--model", "moe-test", "--set", "experts_per_token=9"], "--set experts_per_token=9"),
+        (["--model", "moe-test", "--mesh", "stage=2,fsdp=4", "--microbatches", "2"], "a mixture of experts runs without pipeline stages"),
+    ],
+)
+def test_bad_expert_input_is_refused_before_device_work(tmp_path, args, message, corpus, cache, capsys):
+    from train import train
+
+    code = train.main(
+        [
+            *args,
+            *RUN,
+            "--steps",
+            "2",
+            "--data",
+            str(corpus),
+            "--data-cache",
+            str(cache),
+            "--run-dir",
+            str(tmp_path / "r"),
+        ]
+    )
+    err = capsys.readouterr().err
+    assert code == 2 and message in err
+    assert "Traceback" not in err
