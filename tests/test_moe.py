@@ -217,7 +217,10 @@ def test_a_moe_model_trains_with_expert_parallelism(tmp_path, corpus, cache):
             "expert=4 does not divide num_experts=6; e.g. expert=2",
         ),
         (["--model", "moe-test", "--set", "experts_per_token=9"], "--set experts_per_token=9"),
-        (["--model", "moe-test", "--mesh", "stage=2,fsdp=4", "--microbatches", "2"], "a mixture of experts runs without pipeline stages"),
+        (
+            ["--model", "moe-test", "--mesh", "stage=2,fsdp=4", "--microbatches", "2"],
+            "a mixture of experts runs without pipeline stages",
+        ),
     ],
 )
 def test_bad_expert_input_is_refused_before_device_work(tmp_path, args, message, corpus, cache, capsys):
@@ -240,3 +243,42 @@ def test_bad_expert_input_is_refused_before_device_work(tmp_path, args, message,
     err = capsys.readouterr().err
     assert code == 2 and message in err
     assert "Traceback" not in err
+
+
+MIXTRAL = CONFIG.replace(first_dense_layers=0, shared_experts=0, num_layers=2, mlp_dim=32, moe_mlp_dim=0)
+
+
+def test_mixtral_export_then_import_is_bit_exact_on_an_expert_mesh(tmp_path):
+    """Random parameters written with transformers' MixtralForCausalLM names, read back onto expert=4,fsdp=2."""
+    import json
+
+    from checkpoints import hf
+    from models.transformer import init_params
+    from sharding.rules import tree_shardings
+
+    params = init_params(MIXTRAL, jax.random.key(5))
+    files = hf.save_params(tmp_path / "out", MIXTRAL, params, max_shard_size=200_000)
+    assert any(f.name == hf.INDEX_FILE for f in files)
+    written = json.loads((tmp_path / "out" / hf.CONFIG_FILE).read_text())
+    assert written["architectures"] == ["MixtralForCausalLM"] and written["num_local_experts"] == 8
+    names = set(json.loads((tmp_path / "out" / hf.INDEX_FILE).read_text())["weight_map"])
+    assert "model.layers.1.block_sparse_moe.gate.weight" in names
+    assert "model.layers.0.block_sparse_moe.experts.7.w2.weight" in names
+    assert len(names) == 3 + 2 * (2 + 4 + 1 + 3 * 8)  # embed, norm, head; per layer: norms, attention, router, experts
+    config = hf.config_from_hf(written)
+    assert config.architecture() == MIXTRAL.replace(router_aux_coef=written["router_aux_loss_coef"]).architecture()
+    mesh = make_mesh(parse_mesh("expert=4,fsdp=2", 8))
+    _, abstract, logical = abstract_model(config)
+    shardings, _ = tree_shardings(abstract, logical, mesh, Parallelism.of(mesh).rules)
+    targets = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    again = hf.load_params(tmp_path / "out", config, targets)
+    assert again["layers"]["moe"]["gate"].sharding.spec[1] == "expert"
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(again), strict=True):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_moe_without_a_hugging_face_family_is_refused():
+    from checkpoints import hf
+
+    with pytest.raises(ValueError, match="shared_experts=1: a mixture of experts is exported as MixtralForCausalLM"):
+        hf.config_to_hf(CONFIG.replace(first_dense_layers=0))
