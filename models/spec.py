@@ -20,7 +20,7 @@ import functools
 from models.attention_registry import KERNELS
 from models.config import ModelConfig
 from sharding import axes as ax
-from sharding.modeldesc import AttentionGeometry, ModelDescription, Param, Product, Term
+from sharding.modeldesc import AttentionGeometry, ExpertGeometry, ModelDescription, Param, Product, Term
 
 __all__ = [
     "attention_params",
@@ -211,6 +211,9 @@ def describe(config: ModelConfig) -> ModelDescription:
         activations=_activations(config),
         attention_kernels=tuple(k.traits for k in KERNELS),
         inactive_params=_inactive_params(config),
+        experts=ExpertGeometry(config.num_moe_layers, config.num_experts, config.experts_per_token)
+        if config.is_moe
+        else None,
     )
 
 

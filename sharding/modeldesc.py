@@ -30,7 +30,16 @@ import math
 
 from sharding import axes as ax
 
-__all__ = ["ROLES", "AttentionGeometry", "AttentionTraits", "ModelDescription", "Param", "Product", "Term"]
+__all__ = [
+    "ROLES",
+    "AttentionGeometry",
+    "AttentionTraits",
+    "ExpertGeometry",
+    "ModelDescription",
+    "Param",
+    "Product",
+    "Term",
+]
 
 ROLES = ("weight", "scale", "bias", "embedding", "output")
 """Parameter roles: ``weight`` (of a matrix product inside the layers), ``scale`` (a norm's), ``bias`` (added
@@ -150,6 +159,21 @@ class Product:
 
 
 @dataclasses.dataclass(frozen=True)
+class ExpertGeometry:
+    """A mixture of experts' routing, for the dispatch collectives (`models.moe`).
+
+    Attributes:
+      layers: Mixture-of-experts layers.
+      num_experts: E, routed experts per layer (logical axis ``expert``).
+      experts_per_token: k.
+    """
+
+    layers: int
+    num_experts: int
+    experts_per_token: int
+
+
+@dataclasses.dataclass(frozen=True)
 class AttentionGeometry:
     """The score and value products of one layer's attention (per token).
 
@@ -260,6 +284,7 @@ class ModelDescription:
         them: one per element per arithmetic op).
       loss_elementwise: Elementwise FLOPs per token of the loss's forward pass.
       activations: Activations one layer saves per token for the backward pass without remat.
+      experts: The mixture of experts' routing (None: a dense model).
       inactive_params: Parameters a token does not use (a mixture of experts' routed experts it is not
         sent to: ``(E - k) / E`` of them); 0 for a dense model.
 
@@ -278,6 +303,7 @@ class ModelDescription:
     activations: tuple[Term, ...] = ()
     attention_kernels: tuple[AttentionTraits, ...] = ()
     inactive_params: int = 0
+    experts: ExpertGeometry | None = None
 
     def __post_init__(self):
         self.axis_sizes  # noqa: B018 (validates)
