@@ -282,3 +282,22 @@ def test_a_moe_without_a_hugging_face_family_is_refused():
 
     with pytest.raises(ValueError, match="shared_experts=1: a mixture of experts is exported as MixtralForCausalLM"):
         hf.config_to_hf(CONFIG.replace(first_dense_layers=0))
+
+
+def test_dry_run_prices_the_expert_dispatch_as_compiled(capsys):
+    """The cost model's arguments and collectives (the ring's all-gathers and reduce-scatters, gradients
+    summed over the batch axes but not over ``expert`` for expert weights) against the compiled step."""
+    import re
+
+    from train import train
+
+    args = ["--model", "moe-test", "--mesh", "expert=8", "--batch-size", "8", "--seq-len", "32", "--dry-run"]
+    assert train.main(args) == 0
+    out = capsys.readouterr().out
+    block = out[out.index("cost model (sharding.costmodel, cpu lowering) for this run's layout, every device") :]
+    rows = {
+        m[1]: (m[2], m[3]) for m in re.finditer(r"^  (\S[\w ()+-]*?)\s{2,}([\d.]+ \w+)\s+([\d.]+ \w+)$", block, re.M)
+    }
+    for label in ("arguments (state + batch)", "all-gather", "all-reduce", "reduce-scatter"):
+        predicted, compiled = (float(cell.split()[0]) for cell in rows[label])
+        assert abs(predicted - compiled) <= 0.10 * compiled, (label, predicted, compiled)

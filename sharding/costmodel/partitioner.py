@@ -237,7 +237,7 @@ def _weight_gathers(
             continue
         result = p.local * n * _fsdp_gather_bytes(layout, backend)
         if p.param.per_layer:
-            count = 2 * s.layers * s.micro
+            count = 2 * p.param.copies(s.layers) * s.micro
         elif p.param.role == "output":
             regather = mesh[ax.TENSOR] > 1 and (mesh[ax.DATA] > 1 or s.micro > 1)
             count = 2 if regather else 1
