@@ -294,6 +294,7 @@ def test_dry_run_prices_the_expert_dispatch_as_compiled(capsys):
     args = ["--model", "moe-test", "--mesh", "expert=8", "--batch-size", "8", "--seq-len", "32", "--dry-run"]
     assert train.main(args) == 0
     out = capsys.readouterr().out
+    assert "8 experts (top-2), 1 per device over expert=8; 165,312 active parameters" in out
     block = out[out.index("cost model (sharding.costmodel, cpu lowering) for this run's layout, every device") :]
     rows = {
         m[1]: (m[2], m[3]) for m in re.finditer(r"^  (\S[\w ()+-]*?)\s{2,}([\d.]+ \w+)\s+([\d.]+ \w+)$", block, re.M)

@@ -41,6 +41,15 @@ def startup_lines(config, preset: str, mesh, rules, report, num_params_built: in
         f" in {jax.process_count()} process(es)",
         f"rules {rules.name}: " + ", ".join(f"{k}->{'+'.join(v) or 'none'}" for k, v in rules.table),
     ]
+    if config.is_moe:
+        split = dict(mesh.shape).get(ax.EXPERT, 1)
+        active = config.describe().num_active_params
+        lines.append(
+            f"mixture of experts: {config.num_moe_layers} of {config.num_layers} layers, {config.num_experts} experts "
+            f"(top-{config.experts_per_token}), {config.num_experts // split} per device over expert={split}; "
+            f"{active:,} active parameters per token ({human_count(active)}); dispatch: "
+            + ("all-gather / reduce-scatter over expert" if split > 1 else "local (no expert parallelism)")
+        )
     crossing = crossing_axes(mesh)
     if crossing:
         lines.append("axes crossing processes: " + ", ".join(f"{a} (over {n})" for a, n in crossing.items()))
