@@ -57,7 +57,7 @@ from models.spec import moe_params
 from sharding import axes as ax
 from sharding.parallel import Parallelism, gather_shards, spec_axes
 
-__all__ = ["MoE", "expert_outputs", "route", "router_losses"]
+__all__ = ["MoE", "capacity_keep", "expert_outputs", "route", "router_losses", "router_objective"]
 
 
 def route(logits: jax.Array, config: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -102,6 +102,12 @@ def router_losses(logits: jax.Array, probs: jax.Array, experts: jax.Array, num_e
     aux = num_experts * jnp.sum(jax.lax.stop_gradient(fraction) * mean_prob)
     z = jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
     return {"aux": aux, "z": z}
+
+
+def router_objective(config: ModelConfig, stats: dict[str, jax.Array], weight_sum: jax.Array) -> jax.Array:
+    """What the router losses add to a summed training loss: ``weight_sum * (router_aux_coef * aux +
+    router_z_coef * z)`` (float32 scalar), so that dividing by the tokens gives the weighted mean losses."""
+    return weight_sum * (config.router_aux_coef * stats["aux"] + config.router_z_coef * stats["z"])
 
 
 def capacity_keep(experts: jax.Array, num_experts: int, capacity_factor: float) -> jax.Array:

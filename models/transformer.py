@@ -30,7 +30,7 @@ from flax import nnx
 from models.attention import Attention
 from models.config import ModelConfig
 from models.layers import MLP, Embed, RMSNorm, make_params
-from models.moe import MoE
+from models.moe import MoE, router_objective
 from models.output import output_loss_sums, project_logits
 from models.spec import layer_stacks, output_params
 from sharding import axes as ax
@@ -384,10 +384,7 @@ class Transformer(nnx.Module):
             return self._pipelined_loss_sums(tokens, targets, weights, positions, segment_ids, par)
         loss_sum, weight_sum, stats = self.loss_terms(tokens, targets, weights, positions, segment_ids, par=par)
         if stats:
-            config = self.config
-            loss_sum = loss_sum + weight_sum * (
-                config.router_aux_coef * stats["aux"] + config.router_z_coef * stats["z"]
-            )
+            loss_sum = loss_sum + router_objective(self.config, stats, weight_sum)
         return loss_sum, weight_sum
 
     def loss_terms(
@@ -505,6 +502,14 @@ def loss_sums(
 ) -> tuple[jax.Array, jax.Array]:
     """Summed cross-entropy from a graphdef and a params dict; see `Transformer.loss_sums`."""
     return nnx.merge(graphdef, params).loss_sums(tokens, targets, weights, positions, segment_ids, par=par)
+
+
+def loss_terms(
+    graphdef, params: dict[str, Any], tokens, targets, weights, positions=None, segment_ids=None, *, par: Parallelism
+) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+    """Cross-entropy sum, weight sum and MoE statistics from a graphdef and a params dict; see
+    `Transformer.loss_terms`."""
+    return nnx.merge(graphdef, params).loss_terms(tokens, targets, weights, positions, segment_ids, par=par)
 
 
 def extend(

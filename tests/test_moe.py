@@ -1,6 +1,7 @@
 """Mixture of experts: the router, dropless grouped products against a dense loop over experts, capacity
 drops, expert parallelism against one device, placement of MoE layers, training end to end."""
 
+import json
 import math
 
 import jax
@@ -204,8 +205,11 @@ def test_a_moe_model_trains_with_expert_parallelism(tmp_path, corpus, cache):
     args = ["--model", "moe-test", "--mesh", "expert=4,fsdp=2", "--steps", "2", "--eval-every", "0", *RUN]
     code = train.main([*args, "--data", str(corpus), "--data-cache", str(cache), "--run-dir", str(run_dir)])
     assert code == 0
-    lines = (run_dir / "metrics.jsonl").read_text()
-    assert '"train/loss"' in lines
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train_records = [r for r in records if "train/loss" in r]
+    assert [r["step"] for r in train_records] == [1, 2]
+    for r in train_records:  # the router statistics: balancing loss near 1 (uniform), nothing dropped
+        assert 0.5 < r["train/moe_aux"] < 4.0 and r["train/moe_z"] > 0 and r["train/moe_dropped"] == 0
 
 
 @pytest.mark.parametrize(
