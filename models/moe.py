@@ -164,7 +164,7 @@ def expert_outputs(
     h_up = jax.lax.ragged_dot(rows, up.astype(dtype), sizes)
     out = jax.lax.ragged_dot(jax.nn.silu(h_gate) * h_up, down.astype(dtype), sizes)  # [R, D]
     combine = jnp.where(held, weights.reshape(-1), 0.0)[order]
-    out = jnp.where(combine[:, None] != 0, out, 0) * combine[:, None].astype(dtype)
+    out = jnp.where(held[order][:, None], out, 0) * combine[:, None].astype(dtype)
     inverse = jnp.argsort(order)
     return jnp.sum(out[inverse].reshape(n, k, -1), axis=1)
 
