@@ -78,8 +78,10 @@ def test_router_losses_match_a_hand_computation():
 
 def test_dropless_layer_equals_a_dense_loop_over_experts(layer_and_input):
     layer, x = layer_and_input
-    out, stats = layer(x, UNSHARDED)
-    np.testing.assert_allclose(out, dense_reference(layer, x), rtol=1e-5, atol=1e-5)
+    graphdef, state = nnx.split(layer)
+    out, stats = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x, UNSHARDED))(state, x)
+    want = jax.jit(lambda state, x: dense_reference(nnx.merge(graphdef, state), x))(state, x)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
     assert float(stats["dropped"]) == 0.0
 
 
@@ -91,8 +93,8 @@ def test_dropless_gradients_equal_the_dense_loop(layer_and_input):
     def loss(state, x, fn):
         return jnp.sum(fn(nnx.merge(graphdef, state), x) * probe)
 
-    got = jax.grad(loss, argnums=(0, 1))(state, x, lambda m, x: m(x, UNSHARDED)[0])
-    want = jax.grad(loss, argnums=(0, 1))(state, x, dense_reference)
+    got = jax.jit(jax.grad(lambda s, x: loss(s, x, lambda m, x: m(x, UNSHARDED)[0]), argnums=(0, 1)))(state, x)
+    want = jax.jit(jax.grad(lambda s, x: loss(s, x, dense_reference), argnums=(0, 1)))(state, x)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
 
@@ -103,7 +105,8 @@ def test_capacity_drops_the_overflow_and_counts_it():
     np.testing.assert_array_equal(keep, [[1, 1], [1, 1], [0, 1], [0, 1]])
     layer = MoE(CONFIG.replace(capacity_factor=0.5), rngs=nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(1), (2, 8, D))
-    out, stats = layer(x, UNSHARDED)
+    graphdef, state = nnx.split(layer)
+    out, stats = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x, UNSHARDED))(state, x)
     _, experts, _ = route(x.reshape(-1, D) @ layer.router[...], layer.config)
     capacity = math.ceil(0.5 * 16 * 2 / 8)
     counts = np.bincount(np.asarray(experts).reshape(-1), minlength=8)
@@ -152,18 +155,26 @@ def test_model_with_interleaved_layers_equals_its_layers_run_in_order():
     model = Transformer(config, rngs=nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(2), (2, 4, D))
     positions = jnp.broadcast_to(jnp.arange(4), (2, 4))
-    got, stats = model.run_layers_with_stats(x, positions, None, UNSHARDED)
+    graphdef, state = nnx.split(model)
+    got, stats = jax.jit(
+        lambda state, x: nnx.merge(graphdef, state).run_layers_with_stats(x, positions, None, UNSHARDED)
+    )(state, x)
     dense_def, dense = nnx.split(model.dense_layers)
     moe_def, moe = nnx.split(model.layers)
-    h, aux = x, []
-    counters = {False: 0, True: 0}
-    for is_moe in config.layer_kinds():
-        graphdef, stack = (moe_def, moe) if is_moe else (dense_def, dense)
-        block = nnx.merge(graphdef, jax.tree.map(lambda w, i=counters[is_moe]: w[i], stack))
-        counters[is_moe] += 1
-        h, s = block.forward(h, positions, None, UNSHARDED)
-        if s:
-            aux.append(s["aux"])
+
+    @jax.jit
+    def in_order(dense, moe, h):
+        aux, counters = [], {False: 0, True: 0}
+        for is_moe in config.layer_kinds():
+            graphdef, stack = (moe_def, moe) if is_moe else (dense_def, dense)
+            block = nnx.merge(graphdef, jax.tree.map(lambda w, i=counters[is_moe]: w[i], stack))
+            counters[is_moe] += 1
+            h, s = block.forward(h, positions, None, UNSHARDED)
+            if s:
+                aux.append(s["aux"])
+        return h, aux
+
+    h, aux = in_order(dense, moe, x)
     np.testing.assert_allclose(got, h, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(stats["aux"], np.mean(aux), rtol=1e-5)
 
@@ -173,8 +184,9 @@ def test_objective_adds_the_weighted_router_losses():
     model = Transformer(config, rngs=nnx.Rngs(0))
     tokens = jax.random.randint(jax.random.key(3), (2, 8), 0, config.vocab_size)
     mask = jnp.ones((2, 8))
-    ce, weight, stats = model.loss_terms(tokens, tokens, mask, par=UNSHARDED)
-    total, _ = model.loss_sums(tokens, tokens, mask, par=UNSHARDED)
+    graphdef, state = nnx.split(model)
+    ce, weight, stats = jax.jit(lambda s: nnx.merge(graphdef, s).loss_terms(tokens, tokens, mask, par=UNSHARDED))(state)
+    total, _ = jax.jit(lambda s: nnx.merge(graphdef, s).loss_sums(tokens, tokens, mask, par=UNSHARDED))(state)
     want = ce + weight * (config.router_aux_coef * stats["aux"] + 1e-3 * stats["z"])
     np.testing.assert_allclose(total, want, rtol=1e-6)
 
