@@ -35,9 +35,9 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-## dry-run: the sharding, memory and collectives report of the 7B model on fsdp=8
+## dry-run: the sharding, memory and collectives report of the 7B model on fsdp=8, checked against 80 GiB devices
 dry-run: $(VENV)/.installed
-	$(PY) -m train.train --cpu-devices 8 --model 7b --mesh fsdp=8 --batch-size 8 --seq-len 2048 --dry-run $(ARGS)
+	$(PY) -m train.train --cpu-devices 8 --model 7b --mesh fsdp=8 --batch-size 8 --seq-len 2048 --device-memory 80GiB --dry-run $(ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -53,7 +53,8 @@ BENCH_ONLY = [
 
 
 # Pipelines (sharding/pipeline/schedule.py, onef1b.py): (model, mesh, rules, batch, seq_len, microbatches,
-# remat, stage_layers, repeats[, "1f1b"]). Stage 2 and 4, GPipe, circular (2 repeats) and 1F1B, uneven (3,1
+# remat, stage_layers, repeats[, schedule]). Stage 2 and 4, GPipe, circular (2 repeats), 1F1B (lockstep, fused,
+# zero bubble: their tick tables' trip counts fold into the product FLOPs), uneven (3,1
 # and 3,3,1,1, the shape of the 7B's 10,10,6,6) and even splits, over fsdp and data. The compiled program counts a
 # conditional's branch on every loop trip, so these are predicted with ``skip_empty=False`` (every
 # slot of every step); `PipelinePlan.layer_applications` gives what the skipping program runs.
@@ -65,6 +66,9 @@ PIPELINE_GRID = [
     ("test+num_layers=8", "stage=4,fsdp=2", "fsdp", 16, 32, 4, "none", None, 2),
     ("test", "stage=2,fsdp=4", "fsdp", 16, 32, 4, "none", (3, 1), 1, "1f1b"),
     ("test+num_layers=8", "stage=4,fsdp=2", "fsdp", 16, 32, 4, "none", (3, 3, 1, 1), 1, "1f1b"),
+    ("test", "stage=2,fsdp=4", "fsdp", 16, 32, 4, "none", (3, 1), 1, "1f1b-fused"),
+    ("test", "stage=2,fsdp=4", "fsdp", 16, 32, 4, "none", (3, 1), 1, "zb"),
+    ("test+num_layers=8", "stage=4,fsdp=2", "fsdp", 16, 32, 4, "none", (3, 3, 1, 1), 1, "zb"),
 ]
 
 #: Collective kinds not asserted for a case, and why (the bench still reports them).
@@ -89,12 +93,13 @@ def case_id(case) -> str:
     if len(case) > 7:
         stages, repeats = case[7:9]
         out += f"-{','.join(map(str, stages)) if stages else 'even'}-R{repeats}"
-        out += f"-{schedule_of(case)}" if schedule_of(case) == "1f1b" else ""
+        out += f"-{schedule_of(case)}" if len(case) > 9 else ""
     return out
 
 
 def schedule_of(case) -> str:
-    """A pipeline case's ``--pipeline-schedule``: ``1f1b`` when it says so, else gpipe/circular by repeats."""
+    """A pipeline case's ``--pipeline-schedule``: the one it names (``1f1b``, ``1f1b-fused``, ``zb``), else
+    gpipe/circular by repeats."""
     return case[9] if len(case) > 9 else ("circular" if case[8] > 1 else "gpipe")
 
 
@@ -103,7 +108,14 @@ def _strategy(case, config, mesh):
     if len(case) == 7:
         return Accumulation(case[5])
     stages, _ = plan_layout(config.num_layers, mesh["stage"], case[8], case[7])
-    return PipelinePlan(stages, case[5], one_f_one_b=schedule_of(case) == "1f1b")
+    schedule = schedule_of(case)
+    return PipelinePlan(
+        stages,
+        case[5],
+        one_f_one_b=schedule in ("1f1b", "1f1b-fused", "zb"),
+        fused=schedule == "1f1b-fused",
+        zero_bubble=schedule == "zb",
+    )
 
 
 @functools.cache

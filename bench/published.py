@@ -6,6 +6,7 @@ Run::
     python bench/published.py                      # the table, markdown, on stdout
     python bench/published.py --out table.md       # also written to a file
     python bench/published.py --rows megatron-39b,titan-8b-128
+    python bench/published.py --top-three --rows megatron-39.1b   # the planner's own three best per row
 
 Rows (facts from the papers; the README beside the figures gives the sources):
 
@@ -245,6 +246,49 @@ def table(rows: Sequence[Row], options: planner.PlanOptions, log=print) -> list[
     return lines
 
 
+def published_family(p: planner.Plan) -> bool:
+    """Whether a plan is of Megatron-LM's published family for its large rows: ``tensor`` 8 with a pipeline."""
+    return p.layout.mesh.get("tensor", 1) == 8 and p.layout.mesh.get("stage", 1) > 1
+
+
+def top_three(rows: Sequence[Row], options: planner.PlanOptions, log=print) -> list[str]:
+    """Markdown lines: for each row, the planner's three best plans (``train.plan``'s search with the row's
+    1F1B clock), whether one is of the published family (`published_family`), the family's best fitting plan
+    and its rank among the search's (up to 500 listed), the published layout's predicted step time, and the
+    seconds the search took."""
+    from train.plan import plan_flags
+
+    lines = [
+        "| row | published s | published layout predicted s | planner's three best (predicted s) | "
+        "published family among them | best of the family (rank, predicted s) | planned in s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        opts = dataclasses.replace(options, one_f_one_b_clock=row.one_f_one_b_clock)
+        given, _ = price(row, opts)
+        t0 = time.perf_counter()
+        plans = planner.plan(row.model, row.inventory, row.batch, row.seq_len, opts, top=500)
+        seconds = time.perf_counter() - t0
+        shown = "; ".join(
+            f"`{plan_flags(p).replace(' --dtype bfloat16', '')}` {p.step_time:.2f}{'' if p.fits else ' (over memory)'}"
+            for p in plans[:3]
+        )
+        family = "yes" if any(published_family(p) and p.fits for p in plans[:3]) else "no"
+        ranked = [(i, p) for i, p in enumerate(plans, 1) if published_family(p) and p.fits]
+        best_family = (
+            f"{ranked[0][0]}: `{plan_flags(ranked[0][1]).replace(' --dtype bfloat16', '')}` {ranked[0][1].step_time:.2f}"
+            if ranked
+            else f"none fitting in the first {len(plans)}"
+        )
+        line = (
+            f"| {row.name} | {row.published_seconds:.2f} | {given.step_time if given else float('nan'):.2f} | "
+            f"{shown} | {family} | {best_family} | {seconds:.0f} |"
+        )
+        lines.append(line)
+        log(line)
+    return lines
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", default=None, help="comma-separated row names (default: all)")
@@ -252,6 +296,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--efficiency", type=float, default=None, help="override the fraction of peak FLOP/s (default: the planner's)"
     )
     parser.add_argument("--out", default=None, help="also write the markdown table to this file")
+    parser.add_argument(
+        "--top-three",
+        action="store_true",
+        help="instead of pricing the published layouts, search each row and list the planner's three best",
+    )
     args = parser.parse_args(argv)
     rows = published_rows()
     if args.rows:
@@ -260,7 +309,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     options = planner.PlanOptions(dtype="bfloat16")
     if args.efficiency is not None:
         options = dataclasses.replace(options, efficiency=args.efficiency)
-    lines = table(rows, options, log=lambda line: print(line, file=sys.stderr, flush=True))
+    make = top_three if args.top_three else table
+    lines = make(rows, options, log=lambda line: print(line, file=sys.stderr, flush=True))
     text = "\n".join(lines)
     print(text)
     if args.out:

@@ -51,6 +51,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -68,6 +69,7 @@ CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9
 """Bytes per safetensors file when exporting (``transformers``' default, 5 GB)."""
 
@@ -468,11 +470,9 @@ class TensorMap:
 
 def tensor_maps(config: ModelConfig) -> list[TensorMap]:
     """Every parameter of `config`'s model with its Hugging Face tensor (module docstring's tables)."""
-    from models.spec import layer_stacks
-
     kinds = np.asarray(config.layer_kinds())
     maps = []
-    for stack, moe, _ in layer_stacks(config):
+    for stack, moe, _ in config.layer_stacks():
         rows = tuple(int(i) for i in np.flatnonzero(kinds == moe)) if config.is_moe else None
         maps += [
             dataclasses.replace(m, path=(stack, *m.path[1:]), layers=rows) if m.stacked else m
@@ -828,4 +828,41 @@ def save_params(
     if tokenizer is not None:
         shutil.copyfile(tokenizer, folder / TOKENIZER_FILE)
         written.append(folder / TOKENIZER_FILE)
+        (folder / TOKENIZER_CONFIG_FILE).write_text(
+            json.dumps(tokenizer_config(tokenizer, eos_token_id, bos_token_id), indent=2) + "\n"
+        )
+        written.append(folder / TOKENIZER_CONFIG_FILE)
+    _readable(written)
     return written
+
+
+def tokenizer_config(tokenizer: str | Path, eos_token_id: int | None, bos_token_id: int | None) -> dict[str, Any]:
+    """The ``tokenizer_config.json`` that lets ``transformers.AutoTokenizer`` load an exported ``tokenizer.json``.
+
+    ``PreTrainedTokenizerFast`` reads the vocabulary, normalisation and special tokens from ``tokenizer.json``;
+    this file names that class and which tokens end and begin a sequence (looked up by id in the tokenizer).
+
+    Args:
+      tokenizer: the ``tokenizer.json`` exported beside it.
+      eos_token_id, bos_token_id: the ids ``config.json`` names, or None.
+
+    Returns:
+      The JSON object to write.
+    """
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer))
+    out: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
+    for field, token in (("eos_token", eos_token_id), ("bos_token", bos_token_id)):
+        text = None if token is None else tok.id_to_token(int(token))
+        if text is not None:
+            out[field] = text
+    return out
+
+
+def _readable(files: Sequence[Path]) -> None:
+    """Gives written files the modes of any new file under the process's umask (safetensors writes 0600)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for f in files:
+        os.chmod(f, 0o666 & ~mask)

@@ -5,7 +5,8 @@ A checkpoint step holds two items:
 * ``state``: the train state pytree (parameters, optimizer state, step, RNG),
   every process writing its own shards (`orbax.checkpoint.args.StandardSave`);
 * ``meta``: JSON with the model config, the mesh and rules it was saved
-  from, the data position (samples consumed), tokenizer and batch settings,
+  from, the data position (samples consumed) and the input pipeline's iterator
+  state, tokenizer and batch settings,
   and the stage layout (``pipeline``; None for the canonical one).
 
 Stacked layer arrays are stored as the run held them: ``[layers, ...]``
@@ -246,14 +247,15 @@ class LoopCheckpoints:
     def __init__(self, manager: CheckpointManager, meta):
         self.manager, self.meta = manager, meta
 
-    def save(self, state, step: int, samples: int) -> None:
-        """Starts saving ``state`` as ``step`` after ``samples`` sequences.
+    def save(self, state, step: int, samples: int, iterator: dict | None = None) -> None:
+        """Starts saving ``state`` as ``step`` after ``samples`` sequences, with the input pipeline's
+        ``iterator`` state in the ``meta`` item.
 
         Raises:
           CheckpointFailure: When the save cannot start (its error, with the step and folder).
         """
         try:
-            self.manager.save(step, state, self.meta.at(step, samples).to_json())
+            self.manager.save(step, state, self.meta.at(step, samples, iterator).to_json())
         except Exception as e:  # any failure to start a save ends the run with it
             raise CheckpointFailure(
                 f"saving the checkpoint of step {step} in {self.manager.directory} failed: {e}"

@@ -26,7 +26,7 @@ class RunMeta:
       mesh: Axis -> size of the mesh it was saved from.
       rules: ``{"name": ..., "table": {logical: [mesh axes]}}``.
       data: ``spec``, ``seq_len``, ``global_batch``, ``seed``, ``heldout`` and, once saved, ``samples``
-        (sequences consumed: the data position).
+        (sequences consumed: the data position) and ``iterator`` (the input pipeline's state).
       tokenizer: ``name``, ``fingerprint``, ``vocab_size``, ``eod_id``.
       pipeline: The stage layout of the layer stacks (`sharding.pipeline.StageLayout.to_meta`), or None
         for the canonical ``[layers, ...]`` stacks.
@@ -83,11 +83,13 @@ class RunMeta:
             saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         )
 
-    def at(self, step: int, samples: int) -> RunMeta:
-        """This metadata for a save of ``step`` after ``samples`` sequences."""
-        return dataclasses.replace(
-            self, step=step, data={**self.data, "samples": int(samples)}, saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z")
-        )
+    def at(self, step: int, samples: int, iterator: dict | None = None) -> RunMeta:
+        """This metadata for a save of ``step`` after ``samples`` sequences; ``iterator`` is the input
+        pipeline's state (`train.data.TrainBatches.state`: Grain's iterator state, the same on every process)."""
+        data = {**self.data, "samples": int(samples)}
+        if iterator is not None:
+            data["iterator"] = iterator
+        return dataclasses.replace(self, step=step, data=data, saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
 
     def to_json(self) -> dict[str, Any]:
         """The JSON-friendly dict stored as the ``meta`` item (``step`` only once saved)."""

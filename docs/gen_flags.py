@@ -5,7 +5,9 @@ memory and fails when the file differs, so the reference cannot drift from ``--h
 
 Each command module listed in `COMMANDS` exposes ``build_parser() -> argparse.ArgumentParser``; the page
 has one section per command (one per subcommand for ``train.hf``) and one table per argument group, with
-the flag, its default and its help text as ``--help`` expands it (``%(default)s`` filled in).
+the flag, its default and its help text as ``--help`` expands it (``%(default)s`` filled in). A module that
+takes another command's flags too names its own groups in ``DOCUMENTED_GROUPS`` (the others are documented
+under that command).
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ from pathlib import Path
 
 COMMANDS = (
     "train.cli",
+    "train.launch",
     "train.plan",
     "train.generate",
     "train.evaluate",
     "train.hf",
+    "train.data.prepare",
     "checkpoints.inspect",
 )
 """Modules whose ``build_parser()`` is documented, in the order of the page."""
@@ -90,10 +94,13 @@ def _subparsers(parser: argparse.ArgumentParser) -> list[argparse._SubParsersAct
     return [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
 
 
-def _tables(parser: argparse.ArgumentParser) -> list[str]:
-    """One table per argument group that holds documented actions (``--help`` itself left out)."""
+def _tables(parser: argparse.ArgumentParser, groups: tuple[str, ...] | None = None) -> list[str]:
+    """One table per argument group that holds documented actions (``--help`` itself left out), of ``groups``
+    (titles) only when given."""
     lines: list[str] = []
     for group in parser._action_groups:
+        if groups is not None and group.title not in groups:
+            continue
         actions = [
             a
             for a in group._group_actions
@@ -110,11 +117,11 @@ def _tables(parser: argparse.ArgumentParser) -> list[str]:
     return lines
 
 
-def _section(parser: argparse.ArgumentParser, level: int) -> list[str]:
+def _section(parser: argparse.ArgumentParser, level: int, groups: tuple[str, ...] | None = None) -> list[str]:
     lines = ["", f"{'#' * level} `{parser.prog}`"]
     if parser.description:
         lines += ["", " ".join(parser.description.split())]
-    lines += _tables(parser)
+    lines += _tables(parser, groups)
     if parser.epilog:
         lines += ["", " ".join(parser.epilog.split())]
     for sub in _subparsers(parser):
@@ -135,7 +142,8 @@ def render() -> str:
     """
     lines = [HEADER.rstrip("\n")]
     for name in COMMANDS:
-        lines += _section(importlib.import_module(name).build_parser(), level=2)
+        module = importlib.import_module(name)
+        lines += _section(module.build_parser(), level=2, groups=getattr(module, "DOCUMENTED_GROUPS", None))
     return "\n".join(lines) + "\n"
 
 

@@ -43,9 +43,11 @@ from models.config import ModelConfig
 from models.kernels.flash_attention import flash_attention
 from models.kernels.ring_attention import ring_attention
 from models.kernels.ulysses_attention import check_ulysses_heads, ulysses_attention
+from models.kernels.usp_attention import usp_attention
 from models.layers import make_params, rope_frequencies, rotary_embedding
 from models.spec import attention_params
 from sharding import axes as ax
+from sharding.mesh import format_mesh
 from sharding.parallel import CONTEXT_LAYOUTS, CONTIGUOUS, ZIGZAG, Parallelism
 from sharding.rules import Rules, logical_to_spec
 
@@ -172,26 +174,72 @@ def check_context_parallel(config: ModelConfig, par: Parallelism, seq_len: int) 
 
     Raises:
       ValueError: a ``--seq-len`` the zigzag layout cannot cut into 2P chunks, or (for an
-        attention whose record splits the heads, ``--attention ulysses``) heads or KV heads per
-        device that the P devices of the sequence axis cannot split; each names the flags and a
-        value that works.
+        attention whose record splits the heads, ``--attention ulysses``) query heads per device
+        that the P devices of the sequence axis cannot split (KV heads are repeated,
+        `models.kernels.ulysses_attention.kv_repeat`); each names the flags and a value that works.
     """
-    shards = par.length_shards
+    record = registry.kernel(config.attention)
+    shards = layout_shards(config.attention, par)
     if par.context_layout == ZIGZAG and seq_len % (2 * shards):
         good = max(2 * shards, seq_len // (2 * shards) * 2 * shards)
         raise ValueError(
-            f"--seq-len {seq_len}: --context-layout zigzag cuts each sequence into 2 x {shards} (the "
-            f"sequence-axis size of --mesh) = {2 * shards} equal chunks; use --seq-len {good}, or "
-            f"--context-layout contiguous"
+            f"--seq-len {seq_len}: --context-layout zigzag cuts each sequence into 2 x {shards} (the devices "
+            f"--attention {config.attention} deals chunks over on --mesh) = {2 * shards} equal chunks; use "
+            f"--seq-len {good}, or --context-layout contiguous"
         )
-    if registry.kernel(config.attention).splits_heads and shards > 1:
+    exchange = math.prod(par.mesh_shape[a] for a in all_to_all_axes(config.attention, par))
+    if record.splits_heads and exchange > 1:
         split = head_split(config.num_heads, config.num_kv_heads, par.rules, par.mesh_shape, config.attention)
         try:
-            check_ulysses_heads(split.local_heads, split.local_kv_heads, shards)
+            check_ulysses_heads(split.local_heads, split.local_kv_heads, exchange)
         except ValueError as e:
+            good = ulysses_mesh(par.mesh_shape, split.local_heads, inner_only=record.inner_all_to_all)
             raise ValueError(
-                f"--attention {config.attention} on --mesh with a sequence axis of {shards}: {e}"
+                f"--attention {config.attention} on --mesh {format_mesh(par.mesh_shape)}: {e}; e.g. --mesh "
+                f"{format_mesh(good)}"
             ) from None
+
+
+def all_to_all_axes(attention: str, par: Parallelism) -> tuple[str, ...]:
+    """The mesh axes (of size > 1) that attention ``attention`` trades for heads by all-to-all.
+
+    All of the length's axes (its rule's, `sharding.rules`) for a kernel whose record splits heads;
+    only the innermost of them (``sequence``) for one whose record says ``inner_all_to_all`` (USP, which
+    runs a ring over the others); none for the rest.
+    """
+    record = registry.kernel(attention)
+    if not record.splits_heads:
+        return ()
+    axes = par.rules.mesh_axes(ax.LENGTH)[-1:] if record.inner_all_to_all else par.rules.mesh_axes(ax.LENGTH)
+    return tuple(a for a in axes if par.mesh_shape[a] > 1)
+
+
+def layout_shards(attention: str, par: Parallelism) -> int:
+    """The devices the context layout deals a sequence's chunks over: P (the length's devices), or for a
+    kernel whose all-to-all runs inside a group (USP) the ring's, P / U (zigzag over the ring)."""
+    if registry.kernel(attention).inner_all_to_all:
+        return par.length_shards // math.prod(par.mesh_shape[a] for a in all_to_all_axes(attention, par))
+    return par.length_shards
+
+
+def ulysses_mesh(mesh_shape: Mapping[str, int], local_heads: int, *, inner_only: bool = False) -> dict[str, int]:
+    """The mesh closest to ``mesh_shape`` on which all-to-all attention splits ``local_heads`` query heads
+    per device.
+
+    The all-to-all's devices are cut to their gcd with the heads, on ``sequence``; the devices freed go
+    to ``context`` (the ring) when the all-to-all runs over ``sequence`` only (``inner_only``: USP),
+    else to ``data`` (and ``context`` folds into the all-to-all's count).
+    """
+    shape = dict(mesh_shape)
+    if inner_only:
+        sequence = shape[ax.SEQUENCE]
+        good = math.gcd(local_heads, sequence)
+        shape[ax.SEQUENCE], shape[ax.CONTEXT] = good, shape[ax.CONTEXT] * sequence // good
+        return shape
+    length = shape[ax.SEQUENCE] * shape[ax.CONTEXT]
+    good = math.gcd(local_heads, length)
+    shape[ax.SEQUENCE], shape[ax.CONTEXT], shape[ax.DATA] = good, 1, shape[ax.DATA] * length // good
+    return shape
 
 
 # Sharded attention under shard_map ---------------------------------------------
@@ -477,6 +525,48 @@ def sharded_ulysses_attention(q, k, v, segment_ids, *, causal: bool = True, layo
         )
 
     return _sharded(per_device, q, k, v, segment_ids, impl="ulysses", par=par)
+
+
+def sharded_usp_attention(q, k, v, segment_ids, *, causal: bool = True, layout: str = CONTIGUOUS, par: Parallelism):
+    """USP attention (Fang & Zhao, 2024): all-to-all over the innermost mesh axis of ``length``
+    (``sequence``), ring attention over the others (``context``), under `jax.shard_map`
+    (`models.kernels.usp_attention`). With one of the two of size 1 it is ring or all-to-all attention.
+
+    Args:
+      q: ``[batch, length, heads, head_dim]``, tokens in ``layout`` order (zigzag over the ring's
+        devices, `layout_shards`).
+      k, v: ``[batch, length, kv_heads, head_dim]``.
+      segment_ids: ``[batch, length]`` int32 or None.
+      causal: causal mask in the tokens' natural order.
+      layout: ``contiguous`` or ``zigzag``.
+      par: the run's layout (`sharding.parallel.Parallelism`).
+
+    Returns:
+      ``[batch, length, heads, head_dim]`` in q's dtype and layout.
+
+    Raises:
+      ValueError: heads per device not divisible by the all-to-all's devices, or as
+        `sharded_flash_attention`.
+    """
+    inner = par.rules.mesh_axes(ax.LENGTH)[-1:]
+
+    def per_device(q, k, v, segment_ids, length_axes):
+        if not length_axes:
+            return flash_attention(q, k, v, q_segment_ids=segment_ids, kv_segment_ids=segment_ids, causal=causal)
+        exchange = tuple(a for a in length_axes if a in inner)
+        return usp_attention(
+            q,
+            k,
+            v,
+            ring_axis=tuple(a for a in length_axes if a not in inner),
+            all_to_all_axis=exchange[0] if exchange else None,
+            q_segment_ids=segment_ids,
+            kv_segment_ids=segment_ids,
+            causal=causal,
+            layout=layout,
+        )
+
+    return _sharded(per_device, q, k, v, segment_ids, impl="usp", par=par)
 
 
 # The records' wrappers: (q, k, v, segment_ids, *, causal, layout, par) -> out --------

@@ -41,7 +41,11 @@ class AttentionKernel:
         `sharding.parallel.ZIGZAG` the balanced causal layout of ring attention).
       auto_layout: The layout ``--context-layout auto`` picks for it when the length is split (P > 1).
       splits_heads: It trades the length split for a head split over the length's devices
-        (all-to-all attention), so heads and KV heads per device must divide by P.
+        (all-to-all attention), so query heads per device must divide by the all-to-all's devices
+        (KV heads are repeated up to them).
+      inner_all_to_all: Its all-to-all runs over the innermost mesh axis of the length's split only
+        (``sequence``, inside a host) and a ring over the others (``context``): USP. The context
+        layout's chunks are then dealt over the ring's devices, not all of the length's.
 
     Raises:
       ValueError: On an ``auto_layout`` it does not accept.
@@ -53,6 +57,7 @@ class AttentionKernel:
     layouts: tuple[str, ...] = (CONTIGUOUS,)
     auto_layout: str = CONTIGUOUS
     splits_heads: bool = False
+    inner_all_to_all: bool = False
 
     def __post_init__(self):
         if self.auto_layout not in self.layouts:
@@ -81,19 +86,35 @@ KERNELS: tuple[AttentionKernel, ...] = (
         wrapper="run_reference",
     ),
     AttentionKernel(
-        AttentionTraits("ring", **_TILED, splits_length=True, under_shard_map=True, searched=False),
-        "ring attention (Liu et al., 2023): the length split over the sequence axis, key/value blocks "
-        "passed around the ring of those devices",
+        AttentionTraits(
+            "ring", **_TILED, splits_length=True, under_shard_map=True, searched=False, context_exchange="ring"
+        ),
+        "ring attention (Liu et al., 2023): the length split over the context and sequence axes, key/value "
+        "blocks passed around the ring of those devices",
         wrapper="sharded_ring_attention",
         layouts=(CONTIGUOUS, ZIGZAG),
         auto_layout=ZIGZAG,
     ),
     AttentionKernel(
-        AttentionTraits("ulysses", **_TILED, splits_length=True, under_shard_map=True, searched=False),
+        AttentionTraits(
+            "ulysses", **_TILED, splits_length=True, under_shard_map=True, searched=False, context_exchange="all_to_all"
+        ),
         "all-to-all attention (Jacobs et al., 2023): length-split to head-split and back around flash",
         wrapper="sharded_ulysses_attention",
         layouts=(CONTIGUOUS, ZIGZAG),
         splits_heads=True,
+    ),
+    AttentionKernel(
+        AttentionTraits(
+            "usp", **_TILED, splits_length=True, under_shard_map=True, searched=False, context_exchange="usp"
+        ),
+        "USP (Fang & Zhao, 2024): all-to-all over sequence (inside a host), ring attention over context "
+        "(across hosts), flash per block",
+        wrapper="sharded_usp_attention",
+        layouts=(CONTIGUOUS, ZIGZAG),
+        auto_layout=ZIGZAG,
+        splits_heads=True,
+        inner_all_to_all=True,
     ),
     AttentionKernel(
         # Priced as reference (XLA's implementation holds the scores too), so the planner need not try both.

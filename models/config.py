@@ -258,6 +258,16 @@ class ModelConfig:
         k, p = self.first_dense_layers, self.moe_every
         return tuple(i >= k and (i - k + 1) % p == 0 for i in range(self.num_layers))
 
+    def layer_stacks(self) -> tuple[tuple[str, bool, int], ...]:
+        """The stacks of blocks, ``(name, moe, layers)`` in creation order: a dense model has one, ``layers``;
+        a mixture of experts has ``layers`` (its mixture-of-experts blocks) and, when some layers are dense,
+        ``dense_layers`` before it."""
+        if not self.is_moe:
+            return (("layers", False, self.num_layers),)
+        moe = self.num_moe_layers
+        dense = self.num_layers - moe
+        return ((("dense_layers", False, dense),) if dense else ()) + (("layers", True, moe),)
+
     @property
     def num_moe_layers(self) -> int:
         """Mixture-of-experts layers (0 for a dense model)."""

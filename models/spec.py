@@ -107,17 +107,6 @@ def block_params(config: ModelConfig, moe: bool = False) -> tuple[Param, ...]:
     return tuple(p.under(prefix) for prefix, table in parts for p in table)
 
 
-def layer_stacks(config: ModelConfig) -> tuple[tuple[str, bool, int], ...]:
-    """The stacks of blocks, ``(name, moe, layers)`` in creation order: a dense model has one, ``layers``;
-    a mixture of experts has ``layers`` (its mixture-of-experts blocks) and, when some layers are dense,
-    ``dense_layers`` before it."""
-    if not config.is_moe:
-        return (("layers", False, config.num_layers),)
-    moe = config.num_moe_layers
-    dense = config.num_layers - moe
-    return ((("dense_layers", False, dense),) if dense else ()) + (("layers", True, moe),)
-
-
 def output_params(config: ModelConfig) -> tuple[Param, ...]:
     """`models.transformer.Transformer`'s own ``unembed [embed, vocab]`` (none when tied)."""
     if config.tie_embeddings:
@@ -131,7 +120,7 @@ def _all_params(config: ModelConfig) -> tuple[Param, ...]:
         tuple(p.under("embed") for p in embed_params(config.vocab_size, config.embed_dim))
         + tuple(
             p.under(name, per_layer=True, stack=count if config.is_moe else None)
-            for name, moe, count in layer_stacks(config)
+            for name, moe, count in config.layer_stacks()
             for p in block_params(config, moe)
         )
         + tuple(p.under("final_norm") for p in norm_params(config.embed_dim))

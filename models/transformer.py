@@ -32,7 +32,7 @@ from models.config import ModelConfig
 from models.layers import MLP, Embed, RMSNorm, make_params
 from models.moe import MoE, router_objective
 from models.output import output_loss_sums, project_logits
-from models.spec import layer_stacks, output_params
+from models.spec import output_params
 from sharding import axes as ax
 from sharding.parallel import Parallelism
 from sharding.pipeline import head_parallelism
@@ -137,7 +137,7 @@ class Transformer(nnx.Module):
         if layer_order is not None:
             keys = keys[jnp.maximum(jnp.asarray(layer_order), 0)]
         kinds = np.asarray(config.layer_kinds())
-        for name, moe, _ in layer_stacks(config):
+        for name, moe, _ in config.layer_stacks():
             # Layer i keeps the key of its place in the model, whichever stack holds it.
             stack = _make_stack(config, moe, keys if not config.is_moe else keys[np.flatnonzero(kinds == moe)])
             _add_layers_axis(stack)

@@ -5,6 +5,11 @@ Mesh axes are the physical axes of a `jax.sharding.Mesh`. Their order in
 slowest links comes first (outermost), `tensor`, which communicates inside
 every matrix product, comes last (innermost, fastest links).
 
+The length of a sequence may be split over two axes (context parallelism):
+``sequence``, inside a host, and ``context`` outside it. Ring and all-to-all
+attention treat the two as one split; USP attention runs all-to-all over
+``sequence`` and a ring over ``context`` (Fang & Zhao, 2024).
+
 Logical axes name the dimensions of parameters and activations in model code.
 Model code uses only logical names; `sharding.rules` maps them onto mesh axes.
 The experts dimension of a mixture-of-experts layer's weights has the logical name ``expert``, the
@@ -20,11 +25,15 @@ while the weights' ``embed`` is split over ``fsdp``).
 DATA = "data"
 STAGE = "stage"
 FSDP = "fsdp"
+CONTEXT = "context"  # the outer context axis: the ring of USP attention (all-to-all runs over sequence)
 SEQUENCE = "sequence"
 TENSOR = "tensor"
 EXPERT = "expert"  # mixture-of-experts: splits the experts, and the batch outside them
 
-MESH_AXES: tuple[str, ...] = (DATA, STAGE, FSDP, EXPERT, SEQUENCE, TENSOR)
+MESH_AXES: tuple[str, ...] = (DATA, STAGE, FSDP, EXPERT, CONTEXT, SEQUENCE, TENSOR)
+
+# Axes that split the activations' length (context parallelism), outermost first.
+LENGTH_MESH_AXES: tuple[str, ...] = (CONTEXT, SEQUENCE)
 RESERVED_MESH_AXES: tuple[str, ...] = ()
 
 # Axes that split the batch (data parallelism in the wide sense).

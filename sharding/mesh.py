@@ -3,7 +3,7 @@
 A mesh is written as in ``--mesh data=2,fsdp=-1,tensor=2``: named axes from
 `sharding.axes.MESH_AXES` with their sizes, at most one ``-1`` that takes the
 remaining devices. Axes left out have size 1, so every meshwork mesh has all
-five axes, in the order of `MESH_AXES` (slowest links outermost, ``tensor``
+six axes, in the order of `MESH_AXES` (slowest links outermost, ``tensor``
 innermost).
 
 With several processes (one per host), each axis is split into an *outer* part
@@ -11,7 +11,7 @@ that spans processes (slow network links) and an *inner* part inside one
 process (fast links such as NVLink), in the manner of
 `jax.experimental.mesh_utils.create_hybrid_device_mesh`. By default the inner
 part is filled from the innermost axis outwards, so ``tensor`` (then
-``sequence``, then ``fsdp``) stays inside a process.
+``sequence``, ``context``, then ``fsdp``) stays inside a process.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def parse_mesh(spec: str, num_devices: int) -> MeshShape:
     """Parses a ``--mesh`` flag and resolves it against the device count.
 
     Args:
-      spec: ``AXIS=SIZE,...`` over the axes ``data, stage, fsdp, sequence,
+      spec: ``AXIS=SIZE,...`` over the axes ``data, stage, fsdp, context, sequence,
         tensor``; at most one size may be ``-1``, meaning all devices the
         other axes leave. Empty means ``fsdp=-1``.
       num_devices: the number of devices the mesh must cover.
@@ -152,7 +152,7 @@ def split_outer_inner(
       devices_per_process: devices in each process; the inner parts multiply to it.
       outer: axis -> how much of it spans processes (``--mesh-outer``). When
         None, the inner parts are filled from the innermost axis outwards
-        (``tensor``, ``sequence``, ``fsdp``, ``stage``, ``data``).
+        (``tensor``, ``sequence``, ``context``, ``fsdp``, ``stage``, ``data``).
 
     Returns:
       ``(outer, inner)``: axis -> size dicts in mesh order, with
@@ -227,11 +227,30 @@ def device_grid(
     counts = {p: sum(d.process_index == p for d in ordered) for p in processes}
     if any(count != per_process for count in counts.values()):
         raise ValueError(f"processes hold different numbers of devices: {counts}")
-    outer_sizes, inner = split_outer_inner(shape, len(processes), per_process, outer)
     grid = np.empty(len(ordered), dtype=object)
     grid[:] = ordered
+    return grid[grid_positions(shape, len(processes), per_process, outer)]
+
+
+def grid_positions(
+    shape: Mapping[str, int], num_processes: int, per_process: int, outer: Mapping[str, int] | None = None
+) -> np.ndarray:
+    """`device_grid` as positions: the index, in ``(process_index, id)`` order, of the device at each mesh
+    position (int array of the mesh's shape). Needs no device objects, so a planner can lay out thousands of
+    simulated devices without making them.
+
+    Args:
+      shape: resolved mesh shape; its product must be ``num_processes * per_process``.
+      num_processes: processes (hosts), each holding ``per_process`` devices.
+      per_process: devices per process.
+      outer: optional across-process split, as in `split_outer_inner`.
+
+    Raises:
+      ValueError: as `split_outer_inner`.
+    """
+    outer_sizes, inner = split_outer_inner(shape, num_processes, per_process, outer)
     n = len(shape)
-    grid = grid.reshape(tuple(outer_sizes.values()) + tuple(inner.values()))
+    grid = np.arange(num_processes * per_process).reshape(tuple(outer_sizes.values()) + tuple(inner.values()))
     interleave = [i for axis in range(n) for i in (axis, n + axis)]
     return grid.transpose(interleave).reshape(tuple(shape.values()))
 

@@ -223,6 +223,11 @@ class AttentionTraits:
         collective schedule, which GSPMD cannot partition); False: GSPMD partitions it like any op.
       searched: Whether the planner tries it when given no attentions (False for one priced exactly
         as another that it already tries).
+      context_exchange: How it moves keys and values when the length is split
+        (`sharding.costmodel.context.context_traffic` prices it): ``ring`` (blocks passed around the
+        length's devices), ``all_to_all`` (length split traded for a head split), ``usp`` (all-to-all
+        over the innermost length axis, ring over the others); empty for a kernel that does not split
+        the length.
 
     Raises:
       ValueError: On a key fraction outside (0, 1] or a training factor below 1.
@@ -235,6 +240,7 @@ class AttentionTraits:
     splits_length: bool = False
     under_shard_map: bool = False
     searched: bool = True
+    context_exchange: str = ""
 
     def __post_init__(self):
         if not 0 < self.key_fraction <= 1:

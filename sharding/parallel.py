@@ -2,7 +2,7 @@
 
 `Parallelism` says how one training step is laid out over the devices:
 
-* ``mesh_shape``: axis -> size over ``data, stage, fsdp, sequence, tensor`` (`sharding.mesh`), and
+* ``mesh_shape``: axis -> size over ``data, stage, fsdp, context, sequence, tensor`` (`sharding.mesh`), and
   ``outer``, how much of each axis spans processes (``--mesh-outer``);
 * ``rules``: the logical-to-mesh rules (`sharding.rules`);
 * ``strategy``: how the step computes its gradients, one of `Accumulation` (microbatches summed
@@ -80,6 +80,9 @@ class UnevenBatch:
         `sharding.balance.default_capacity` (twice the mean, at least ``max(counts)``).
       rebalance_every: Steps between recomputing the counts from the devices' timed loops
         (``--rebalance-every``; 0: never, the step is then not timed).
+      kind_counts: Microbatches per data-parallel group by its (slowest) device kind, as ``((kind name,
+        count), ...)`` (``--hetero-batch h100_sxm=25,a100_80gb=7``): the counts are read from the groups'
+        kinds at start-up (``speeds`` ``given``); None when the counts are given per group or come from speeds.
     """
 
     counts: tuple[int, ...] | None = None
@@ -87,6 +90,7 @@ class UnevenBatch:
     microbatches: int = 1
     capacity: int | None = None
     rebalance_every: int = 0
+    kind_counts: tuple[tuple[str, int], ...] | None = None
 
     name = "uneven"
     uneven = True

@@ -6,6 +6,7 @@ different speeds (uneven data parallelism) and the planner's shares (`sharding.p
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Callable, Sequence
 
@@ -78,10 +79,15 @@ def min_max_assign(
       Units per bin, or None when the caps leave units without a bin.
     """
     out = list(base)
+    # a heap of each open bin's cost after one more unit: only the bin that took a unit changes, so this
+    # picks what a scan over all bins would (ties to the lower index) in log time per unit
+    heap = [(cost(i, out[i] + 1), i) for i in range(len(out)) if cap is None or out[i] < cap[i]]
+    heapq.heapify(heap)
     for _ in range(total - sum(out)):
-        options = [i for i in range(len(out)) if cap is None or out[i] < cap[i]]
-        if not options:
+        if not heap:
             return None
-        i = min(options, key=lambda j: (cost(j, out[j] + 1), j))
+        _, i = heapq.heappop(heap)
         out[i] += 1
+        if cap is None or out[i] < cap[i]:
+            heapq.heappush(heap, (cost(i, out[i] + 1), i))
     return out

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from models import attention_registry as registry
-from models.attention import reference_attention, wrapper
+from models.attention import layout_shards, reference_attention, wrapper
 from models.config import ModelConfig, get_config
 from models.kernels.ring_attention import zigzag_permutation
 from sharding import costmodel as cm
@@ -55,7 +55,8 @@ def test_wrapper_under_a_split_length_matches_the_reference_with_gradients(recor
     mesh = make_mesh(parse_mesh("data=2,sequence=2,tensor=2", 8))
     par = Parallelism.of(mesh, get_rules("fsdp_tp"), context_layout=layout)
     q, k, v, d_out, segments = _inputs()
-    perm = zigzag_permutation(q.shape[1], 2) if layout == ZIGZAG else np.arange(q.shape[1])
+    shards = layout_shards(record.name, par)  # USP deals the zigzag chunks over its ring (here 1 device)
+    perm = zigzag_permutation(q.shape[1], shards) if layout == ZIGZAG else np.arange(q.shape[1])
     natural = np.argsort(perm)
     run = wrapper(record)
 
@@ -99,6 +100,12 @@ def test_cost_model_refuses_a_length_splitting_kernel_over_a_sequence_axis_namin
     config = get_config("test")
     with pytest.raises(ValueError, match=f"attention '{record.name}' over sequence=2"):
         cm.estimate(config, 16, 64, cm.Layout({"fsdp": 4, "sequence": 2}, "fsdp", 1, "none", attention=record.name))
+
+
+@pytest.mark.parametrize("attention", ["usp", "flash"])
+def test_cost_model_refuses_a_context_axis_naming_it(attention):
+    with pytest.raises(ValueError, match=f"attention '{attention}' over context=2: the cost model does not model"):
+        cm.estimate(get_config("test"), 16, 64, cm.Layout({"fsdp": 4, "context": 2}, "fsdp", attention=attention))
 
 
 def test_cost_model_refuses_an_attention_the_model_lacks_naming_it():

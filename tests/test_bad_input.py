@@ -30,6 +30,24 @@ def hf_tokenizer(folder):
     return make_hf_tokenizer(folder / "tokenizer.json")
 
 
+def prepared_bytes(folder):
+    from train.data.prepare import prepare
+    from train.tokenizer import ByteTokenizer
+
+    (folder / "src").mkdir()
+    (folder / "src" / "a.txt").write_text("some text " * 50)
+    prepare([str(folder / "src")], folder / "prepared", ByteTokenizer(), workers=1, log=lambda _: None)
+    return folder / "prepared"
+
+
+def parquet_file(folder):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"body": ["some text"] * 10}), folder / "c.parquet")
+    return folder / "c.parquet"
+
+
 # (flags, expected message, text the message must NOT contain); "{tmp}" is the test's folder, "{corpus}" the corpus,
 # and {name} placeholders call the builders above with it.
 CASES = [
@@ -69,6 +87,17 @@ CASES = [
     (["--data", "{binary_file}"], "--data {tmp}/weights.bin: not UTF-8 text (byte 128 is 0x80)", None),
     (["--data", "{latin1_file}"], "--data {tmp}/latin1.txt: not UTF-8 text", None),
     (
+        ["--data", "{prepared_bytes}", "--tokenizer", "{hf_tokenizer}"],
+        "--data {tmp}/prepared: prepared with the tokenizer bytes (bytes-v1), but this run uses {tmp}/tokenizer.json",
+        None,
+    ),
+    (
+        ["--data", "{parquet_file}"],
+        "--data {tmp}/c.parquet: no column 'text' (it has body); prepare it with python -m train.data prepare "
+        "{tmp}/c.parquet --out DIR --text-field body, then --data DIR",
+        None,
+    ),
+    (
         ["--mesh", "fsdp=4,tensor=2", "--rules", "dp", "--logits", "vocab_parallel"],
         "--logits vocab_parallel does not apply here",
         "--mesh fsdp=4,tensor=2",
@@ -90,6 +119,8 @@ def test_refused_input_exits_2_naming_the_flag(tmp_path, corpus, cache, capsys, 
             ("hf_tokenizer", hf_tokenizer),
             ("binary_file", binary_file),
             ("latin1_file", latin1_file),
+            ("prepared_bytes", prepared_bytes),
+            ("parquet_file", parquet_file),
         ):
             if "{" + name + "}" in text:
                 text = text.replace("{" + name + "}", str(build(tmp_path)))

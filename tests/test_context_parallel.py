@@ -20,8 +20,11 @@ import pytest
 from models.attention import (
     CONTEXT_LAYOUTS,
     attend,
+    check_context_parallel,
+    layout_shards,
     reference_attention,
     resolve_context_layout,
+    ulysses_mesh,
 )
 from models.config import PRESETS as MODEL_PRESETS
 from models.kernels.ring_attention import zigzag_permutation
@@ -53,9 +56,9 @@ SMALL = [
 
 
 @pytest.mark.parametrize("preset", sorted(RULE_PRESETS))
-def test_activation_length_maps_to_sequence_in_every_preset(preset):
+def test_activation_length_maps_to_context_and_sequence_in_every_preset(preset):
     spec, _ = logical_to_spec((ax.BATCH, ax.LENGTH, ax.HEADS, ax.HEAD_DIM), get_rules(preset))
-    assert spec[1] == ax.SEQUENCE
+    assert spec[1] == (ax.CONTEXT, ax.SEQUENCE)
 
 
 @pytest.mark.parametrize("model", ["test", "7b"])
@@ -86,22 +89,33 @@ def _attention_inputs(heads, kv_heads, length=64, batch=2, head_dim=16):
 
 
 @pytest.mark.parametrize(
-    "impl, layout, heads, kv_heads",
+    "impl, layout, heads, kv_heads, mesh, ring",
     [
-        ("ring", "zigzag", 4, 1),  # heads split over tensor, the one KV head sliced on each device
-        ("ulysses", "contiguous", 8, 4),  # 4 heads and 2 KV heads per tensor shard, over sequence=2
+        # heads split over tensor, the one KV head sliced on each device
+        ("ring", "zigzag", 4, 1, "data=2,sequence=2,tensor=2", 2),
+        # 4 heads and 2 KV heads per tensor shard, over sequence=2
+        ("ulysses", "contiguous", 8, 4, "data=2,sequence=2,tensor=2", 2),
+        # 1 KV head per tensor shard, repeated to 2 for sequence=2
+        ("ulysses", "zigzag", 8, 2, "data=2,sequence=2,tensor=2", 2),
+        # USP: all-to-all over sequence (KV heads repeated), ring over context (zigzag over the ring)
+        ("usp", "zigzag", 8, 2, "context=2,sequence=2,tensor=2", 2),
+        ("usp", "zigzag", 4, 2, "context=2,sequence=4", 2),
+        ("usp", "zigzag", 4, 1, "context=4,sequence=2", 4),
+        ("usp", "contiguous", 4, 2, "data=2,context=2,sequence=2", 2),
     ],
 )
-def test_sharded_attention_under_the_rules_matches_the_reference(impl, layout, heads, kv_heads):
-    """`attend` as the model calls it: mesh data=2,sequence=2,tensor=2, specs from fsdp_tp."""
-    mesh = make_mesh(parse_mesh("data=2,sequence=2,tensor=2", 8))
+def test_sharded_attention_under_the_rules_matches_the_reference(impl, layout, heads, kv_heads, mesh, ring):
+    """`attend` as the model calls it, specs from fsdp_tp; ``ring``: the devices the zigzag layout deals
+    chunks over (the length's devices, or for USP those of the context axis)."""
+    mesh = make_mesh(parse_mesh(mesh, 8))
     rules = get_rules("fsdp_tp")
     q, k, v, d_out, segments = _attention_inputs(heads, kv_heads)
-    perm = zigzag_permutation(q.shape[1], 2) if layout == "zigzag" else np.arange(q.shape[1])
+    par = Parallelism.of(mesh, rules, context_layout=layout)
+    assert layout_shards(impl, par) == ring
+    perm = zigzag_permutation(q.shape[1], ring) if layout == "zigzag" else np.arange(q.shape[1])
     natural = np.argsort(perm)
 
     def sharded(q, k, v):
-        par = Parallelism.of(mesh, rules, context_layout=layout)
         out = attend(impl, q[:, perm], k[:, perm], v[:, perm], segments[:, perm], causal=True, par=par)
         return jnp.sum(out[:, natural] * d_out), out[:, natural]
 
@@ -166,8 +180,18 @@ def test_the_data_pipeline_permutes_every_field_alike():
             "--seq-len 36: --context-layout zigzag cuts each sequence into 2 x 4",
         ),
         (
-            ["--attention", "ulysses", "--mesh", "data=2,sequence=4"],
-            "kv_heads (2) per device is not divisible by 4; use ring attention (--attention ring)",
+            ["--attention", "ulysses", "--mesh", "sequence=8"],
+            "heads (4) per device is not divisible by 8; use a sequence axis of 4, or ring attention "
+            "(--attention ring); e.g. --mesh data=2,sequence=4",
+        ),
+        (
+            ["--attention", "usp", "--mesh", "context=2,sequence=4", "--set", "num_heads=6", "--set", "num_kv_heads=2"],
+            "heads (6) per device is not divisible by 4; use a sequence axis of 2, or ring attention "
+            "(--attention ring); e.g. --mesh context=4,sequence=2",
+        ),
+        (
+            ["--attention", "usp", "--mesh", "data=2,context=4", "--seq-len", "36"],
+            "--seq-len 36: --context-layout zigzag cuts each sequence into 2 x 4",
         ),
         (
             ["--attention", "flash", "--mesh", "data=2,sequence=4", "--context-layout", "zigzag"],
@@ -198,6 +222,23 @@ def test_wrong_sizes_are_refused_before_compiling(tmp_path, args, message, corpu
     )
     assert code == 2
     assert message in capsys.readouterr().err
+
+
+def test_ulysses_takes_any_kv_head_count_and_the_mesh_it_suggests():
+    """The test model (4 heads, 2 KV heads): sequence=4 repeats the KV heads; sequence=8 is refused
+    and the mesh the message names passes the same check."""
+    config = MODEL_PRESETS["test"].replace(attention="ulysses")
+    rules = get_rules("fsdp_tp")
+    check_context_parallel(config, Parallelism(parse_mesh("data=2,sequence=4", 8), rules), 64)
+    bad = Parallelism(parse_mesh("sequence=8", 8), rules)
+    with pytest.raises(ValueError, match="e.g. --mesh data=2,sequence=4$"):
+        check_context_parallel(config, bad, 64)
+    check_context_parallel(config, Parallelism(ulysses_mesh(bad.mesh_shape, 4), rules), 64)
+    six = config.replace(attention="usp", num_heads=6, num_kv_heads=2)
+    bad = Parallelism(parse_mesh("context=2,sequence=4", 8), rules)
+    with pytest.raises(ValueError, match="e.g. --mesh context=4,sequence=2$"):
+        check_context_parallel(six, bad, 64)
+    check_context_parallel(six, Parallelism(ulysses_mesh(bad.mesh_shape, 6, inner_only=True), rules), 64)
 
 
 # Training -------------------------------------------------------------------------------------
@@ -263,3 +304,113 @@ def test_ring_attention_over_a_sequence_axis_trains_with_the_losses_of_data_para
         assert sorted(cp) == sorted(dp) and len(cp) >= 2
         np.testing.assert_allclose([cp[s] for s in sorted(cp)], [dp[s] for s in sorted(dp)], rtol=1e-4)
     assert sorted(_losses(tmp_path / "cp", "train/loss")) == list(range(1, 21))
+
+
+def test_ulysses_and_usp_with_grouped_query_heads_train_with_the_losses_of_data_parallel(tmp_path, corpus, cache):
+    """Six steps of the test model (4 heads, 2 KV heads) with ``--attention ulysses`` on data=2,sequence=4
+    (KV heads repeated to 4) and ``--attention usp`` on data=2,context=2,sequence=2 (zigzag over the
+    context ring), each against one data=2 run of the reference attention in natural order (a
+    subprocess with two devices, run concurrently), within 1e-4."""
+    common = [
+        *SMALL,
+        "--steps",
+        "6",
+        "--warmup",
+        "2",
+        "--eval-every",
+        "0",
+        "--ckpt-every",
+        "0",
+        "--data",
+        str(corpus),
+        "--data-cache",
+        str(cache),
+    ]
+    baseline = _procs.start(
+        [
+            *common,
+            "--cpu-devices",
+            "2",
+            "--mesh",
+            "data=2",
+            "--attention",
+            "reference",
+            "--run-dir",
+            str(tmp_path / "dp"),
+        ],
+        tmp_path / "dp.log",
+    )
+    runs = {"ulysses": "data=2,sequence=4", "usp": "data=2,context=2,sequence=2"}
+    try:
+        for attention, mesh in runs.items():
+            args = [*common, "--mesh", mesh, "--attention", attention, "--run-dir", str(tmp_path / attention)]
+            assert train.main(args) == 0
+        assert baseline.wait(timeout=300) == 0, (tmp_path / "dp.log").read_text()
+    finally:
+        if baseline.poll() is None:
+            baseline.kill()
+    dp = _losses(tmp_path / "dp", "train/loss")
+    assert sorted(dp) == list(range(1, 7))
+    for attention in runs:
+        cp = _losses(tmp_path / attention, "train/loss")
+        assert sorted(cp) == sorted(dp), attention
+        np.testing.assert_allclose([cp[s] for s in sorted(cp)], [dp[s] for s in sorted(dp)], rtol=1e-4)
+
+
+# The cost model's context traffic against the compiled program --------------------------------------
+
+TRAFFIC_GRID = [  # (kernel, ring R, all-to-all U, heads, kv_heads, length)
+    (kernel, ring, inner, heads, kv_heads, length)
+    for kernel, ring, inner in (("ring", 4, 1), ("ulysses", 1, 4), ("usp", 2, 4))
+    for heads, kv_heads in ((4, 4), (4, 1))
+    for length in (64, 128)
+]
+
+
+@pytest.mark.parametrize("kernel, ring, inner, heads, kv_heads, length", TRAFFIC_GRID)
+def test_context_traffic_is_what_the_compiled_step_moves(kernel, ring, inner, heads, kv_heads, length):
+    """All-to-all and collective-permute bytes per device of one attention forward and backward (float32,
+    causal, zigzag, segment ids), compiled on a context=R x sequence=U mesh, against
+    `sharding.costmodel.context.context_traffic` on the kernel's traits: within 10% (here exact)."""
+    from jax.sharding import AxisType
+    from jax.sharding import PartitionSpec as P
+
+    from models import attention_registry as registry
+    from models.kernels import ring_attention, ulysses_attention, usp_attention
+    from sharding.costmodel.context import context_traffic
+    from sharding.hlo import collectives, summarize
+
+    batch, head_dim = 2, 16
+    run = {
+        "ring": lambda q, k, v, s: ring_attention(q, k, v, axis_name="context", **kw(s)),
+        "ulysses": lambda q, k, v, s: ulysses_attention(q, k, v, axis_name="sequence", **kw(s)),
+        "usp": lambda q, k, v, s: usp_attention(q, k, v, ring_axis="context", all_to_all_axis="sequence", **kw(s)),
+    }[kernel]
+
+    def kw(segments):
+        return dict(q_segment_ids=segments, kv_segment_ids=segments, causal=True, layout="zigzag")
+
+    mesh = jax.make_mesh((ring, inner), ("context", "sequence"), axis_types=(AxisType.Auto,) * 2)
+    tokens, ids = P(None, ("context", "sequence"), None, None), P(None, ("context", "sequence"))
+    attention = jax.shard_map(run, mesh=mesh, in_specs=(tokens,) * 3 + (ids,), out_specs=tokens)
+    q = jax.ShapeDtypeStruct((batch, length, heads, head_dim), jnp.float32)
+    kv = jax.ShapeDtypeStruct((batch, length, kv_heads, head_dim), jnp.float32)
+    segments = jax.ShapeDtypeStruct((batch, length), jnp.int32)
+    step = jax.value_and_grad(lambda q, k, v, s, d_out: jnp.sum(attention(q, k, v, s) * d_out), argnums=(0, 1, 2))
+    found = summarize(collectives(jax.jit(step).lower(q, kv, kv, segments, q).compile().as_text()))
+    want = context_traffic(
+        registry.kernel(kernel).traits,
+        batch=batch,
+        length=length,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        ring=ring,
+        all_to_all=inner,
+        act_bytes=4,
+        segment_ids=True,
+        training=True,
+    )
+    for op in ("all-to-all", "collective-permute"):
+        got = found.get(op, (0, 0))[1]
+        assert abs(got - want.get(op, 0)) <= 0.1 * max(want.get(op, 0), 1), (op, got, want)

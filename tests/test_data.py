@@ -1,6 +1,8 @@
-"""The data pipeline: corpora, split, packing, window order, tokenizers, process-local rows."""
+"""The data path: sources, prepare (shards, manifest, resume, reuse, Parquet), the Grain pipeline (order, packing,
+process-local rows, iterator state), and bad input."""
 
 import json
+import sys
 
 import jax
 import numpy as np
@@ -9,19 +11,15 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sharding.mesh import make_mesh, parse_mesh
-from train.data import (
-    WindowSource,
-    corpus_files,
-    load_dataset,
-    local_rows,
-    pack_windows,
-    read_documents,
-    split_documents,
-    to_global_arrays,
-)
+from train.data import corpus_files, load_dataset, local_rows, pack_windows, read_documents, to_global_arrays
+from train.data.corpus import is_heldout, plan_units, unit_documents
+from train.data.pipeline import check_source, read_manifest, shuffled_order
+from train.data.prepare import main as prepare_main
+from train.data.prepare import prepare
 from train.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 EOD = 99
+QUIET = dict(log=lambda _: None, progress=False)
 
 
 def test_packing_segments_positions_and_loss_mask():
@@ -35,24 +33,15 @@ def test_packing_segments_positions_and_loss_mask():
     np.testing.assert_array_equal(out["loss_mask"], [[1, 1, 0, 1, 1, 1, 0, 1]])
 
 
-def test_windows_cover_every_window_once_per_epoch_and_reproduce():
-    stream = np.arange(1001)
-    source = WindowSource(stream, seq_len=10, seed=3, shuffle=True, name="training")
-    assert source.num_windows == 100
-    first_epoch = source.window_index(np.arange(100))
-    assert sorted(first_epoch) == list(range(100))
-    assert not np.array_equal(first_epoch, np.arange(100))
-    second_epoch = source.window_index(np.arange(100, 200))
+def test_order_covers_every_window_once_per_epoch_and_reproduces():
+    order = shuffled_order(100, seed=3, repeat=True)
+    first_epoch = np.array([order[i] for i in range(100)])
+    assert sorted(first_epoch) == list(range(100)) and not np.array_equal(first_epoch, np.arange(100))
+    second_epoch = np.array([order[i] for i in range(100, 200)])
     assert sorted(second_epoch) == list(range(100)) and not np.array_equal(first_epoch, second_epoch)
-    again = WindowSource(stream, seq_len=10, seed=3, shuffle=True, name="training")
-    np.testing.assert_array_equal(again.window_index(np.arange(150, 170)), source.window_index(np.arange(150, 170)))
-    windows = source.windows(np.array([0]))
-    assert windows.shape == (1, 11) and windows[0, -1] - windows[0, 0] == 10
-
-
-def test_too_short_stream_names_the_split_and_the_flag():
-    with pytest.raises(ValueError, match="held-out split .* --seq-len 64"):
-        WindowSource(np.arange(10), seq_len=64, seed=0, shuffle=False, name="held-out")
+    again = shuffled_order(100, seed=3, repeat=True)
+    assert [again[i] for i in range(150, 170)] == [order[i] for i in range(150, 170)]
+    assert [shuffled_order(100, seed=4, repeat=True)[i] for i in range(100)] != list(first_epoch)
 
 
 def write_corpus(folder, docs=30):
@@ -62,15 +51,14 @@ def write_corpus(folder, docs=30):
     return folder
 
 
-def test_split_is_fixed_by_seed_and_keeps_both_sides(tmp_path):
-    docs = read_documents(str(write_corpus(tmp_path / "c")))
-    train_a, held_a = split_documents(docs, 0.2, seed=1)
-    train_b, held_b = split_documents(docs, 0.2, seed=1)
-    assert [d.name for d in held_a] == [d.name for d in held_b]
-    assert held_a and train_a and len(train_a) + len(held_a) == len(docs)
-    assert {d.name for d in held_a}.isdisjoint({d.name for d in train_a})
-    _, held_c = split_documents(docs, 0.2, seed=2)
-    assert [d.name for d in held_c] != [d.name for d in held_a]
+def test_split_is_fixed_by_seed_and_document_level(tmp_path):
+    corpus = write_corpus(tmp_path / "c")
+    names = [d.name for d in read_documents(str(corpus))]
+    held = {n for n in names if is_heldout(n, 1, 0.2)}
+    assert held and held != set(names)
+    assert held != {n for n in names if is_heldout(n, 2, 0.2)}
+    manifest = prepare([str(corpus)], tmp_path / "p", ByteTokenizer(), seed=1, heldout=0.2, workers=1, **QUIET)
+    assert manifest["heldout_docs"] == len(held) and manifest["train_docs"] == len(names) - len(held)
 
 
 def test_jsonl_corpus_and_its_errors(tmp_path):
@@ -78,11 +66,22 @@ def test_jsonl_corpus_and_its_errors(tmp_path):
     path.write_text(json.dumps({"text": "hello"}) + "\n\n" + json.dumps({"text": "world", "id": 2}) + "\n")
     assert [d.text for d in read_documents(str(path))] == [b"hello", b"world"]
     path.write_text(json.dumps({"body": "x"}) + "\n")
-    with pytest.raises(ValueError, match="line 1 has no string field 'text'"):
+    assert [d.text for d in read_documents(str(path), text_field="body")] == [b"x"]
+    with pytest.raises(ValueError, match="byte 0 has no string field 'text'"):
         read_documents(str(path))
     path.write_text("{not json\n")
-    with pytest.raises(ValueError, match="line 1 is not JSON"):
+    with pytest.raises(ValueError, match="byte 0 is not JSON"):
         read_documents(str(path))
+
+
+def test_jsonl_byte_ranges_hold_every_line_once(tmp_path):
+    path = tmp_path / "c.jsonl"
+    lines = [json.dumps({"text": f"line {i} " + "x" * (i % 7)}) for i in range(200)]
+    path.write_text("\n".join(lines) + "\n")
+    units = plan_units(str(path), 300)
+    assert len(units) > 10
+    texts = [d.text.decode() for u in units for d in unit_documents(u)]
+    assert texts == [json.loads(line)["text"] for line in lines]
 
 
 def test_missing_and_empty_corpora_are_refused(tmp_path):
@@ -92,6 +91,14 @@ def test_missing_and_empty_corpora_are_refused(tmp_path):
     (tmp_path / "empty" / "a.txt").write_text("")
     with pytest.raises(ValueError, match="no non-empty files"):
         corpus_files(str(tmp_path / "empty"))
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "a.dat").write_bytes(bytes(range(256)) * 10)
+    with pytest.raises(ValueError, match="a.dat: not UTF-8 text"):
+        corpus_files(str(tmp_path / "bin"))
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text(json.dumps({"text": ""}) + "\n")
+    with pytest.raises(ValueError, match=r"blank.jsonl: no document with text in 1 file\(s\)"):
+        prepare([str(blank)], tmp_path / "p", ByteTokenizer(), workers=1, **QUIET)
 
 
 def test_stdlib_corpus_is_python_source():
@@ -101,27 +108,225 @@ def test_stdlib_corpus_is_python_source():
     assert sum(f.stat().st_size for f in files) > 10e6
 
 
-def test_dataset_streams_are_cached_and_documents_end_with_eod(tmp_path):
-    corpus = write_corpus(tmp_path / "c")
-    tokenizer = ByteTokenizer()
+# Prepare -----------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    """A 30-document corpus (13 kB) prepared into shards of 2 kB of input, and its documents."""
+    root = tmp_path_factory.mktemp("prep")
+    corpus = write_corpus(root / "c")
+    out = root / "p"
+    prepare([str(corpus)], out, ByteTokenizer(), seed=0, heldout=0.1, shard_mb=2e-3, workers=1, **QUIET)
+    return corpus, out
+
+
+def in_memory_stream(corpus, split, seed=0, heldout=0.1):
+    """The split's tokens built the plain way: documents in order, each followed by the EOD token."""
+    pieces = []
+    for doc in read_documents(str(corpus)):
+        if is_heldout(doc.name, seed, heldout) == (split == "heldout"):
+            pieces += [np.frombuffer(doc.text, np.uint8).astype(np.int64), [ByteTokenizer.eod_id]]
+    return np.concatenate(pieces)
+
+
+def test_prepare_writes_shards_and_a_manifest(prepared):
+    corpus, out = prepared
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert len(manifest["shards"]) > 3  # 2 kB of input per shard
+    assert manifest["train_docs"] + manifest["heldout_docs"] == 30
+    assert manifest["tokenizer"]["fingerprint"] == ByteTokenizer.fingerprint
+    assert manifest["split"]["seed"] == 0 and manifest["split"]["heldout"] == 0.1
+    assert len(manifest["sources"]) == 30 and {"size", "mtime_ns"} <= set(manifest["sources"][0])
+    assert manifest["train_tokens"] == len(in_memory_stream(corpus, "train"))
+    assert manifest["heldout_tokens"] == len(in_memory_stream(corpus, "heldout"))
+
+
+def test_prepared_batches_equal_the_same_tokens_in_memory(prepared):
+    corpus, out = prepared
+    T, B = 32, 4
+    ds = load_dataset(str(out), ByteTokenizer(), T, B, seed=0, log=lambda _: None)
+    stream = in_memory_stream(corpus, "train")
+    order = shuffled_order((len(stream) - 1) // T, 0, repeat=True)
+    assert ds.train.num_windows == (len(stream) - 1) // T
+    for step in range(3):
+        batch = ds.train_rows(step * B, range(B))
+        windows = np.stack([stream[order[step * B + r] * T :][: T + 1] for r in range(B)])
+        expected = pack_windows(windows, ByteTokenizer.eod_id)
+        for field, value in expected.items():
+            np.testing.assert_array_equal(batch[field], value, err_msg=f"step {step} {field}")
+    held = in_memory_stream(corpus, "heldout")
+    row = ds.eval_rows(0, range(1))["tokens"][0]
+    w = shuffled_order((len(held) - 1) // T, 1, repeat=True)[0]
+    np.testing.assert_array_equal(row, held[w * T : w * T + T])
+
+
+def test_a_second_prepare_reuses_and_an_interrupted_one_resumes_by_shard(prepared, tmp_path):
+    corpus, out = prepared
     logs = []
-    ds = load_dataset(str(corpus), tokenizer, 32, 4, seed=0, heldout=0.1, cache_dir=tmp_path / "cache", log=logs.append)
-    assert len(logs) == 1 and "tokenizing" in logs[0]
-    load_dataset(str(corpus), tokenizer, 32, 4, seed=0, heldout=0.1, cache_dir=tmp_path / "cache", log=logs.append)
-    assert len(logs) == 1  # second load reads the cache
-    n_docs = 30
-    total_eod = int((ds.train.stream == tokenizer.eod_id).sum() + (ds.heldout.stream == tokenizer.eod_id).sum())
-    assert total_eod == n_docs
-    batch = ds.train_rows(0, range(0, 4))
-    assert batch["tokens"].shape == (4, 32) and batch["tokens"].dtype == np.int32
-    assert set(np.unique(batch["segment_ids"])) <= set(range(1, 33))
+    prepare([str(corpus)], out, ByteTokenizer(), seed=0, heldout=0.1, shard_mb=2e-3, log=logs.append, progress=False)
+    assert logs == [f"reusing the prepared data in {out} (same sources, tokenizer and settings)"]
+    copy = tmp_path / "p"
+    import shutil
+
+    shutil.copytree(out, copy)
+    shards = len(json.loads((out / "manifest.json").read_text())["shards"])
+    (copy / "manifest.json").unlink()  # interrupted with one shard unfinished
+    (copy / "shard-00001.json").unlink()
+    (copy / "train-00001.array_record").write_bytes(b"torn")
+    logs = []
+    prepare([str(corpus)], copy, ByteTokenizer(), seed=0, heldout=0.1, shard_mb=2e-3, log=logs.append, progress=False)
+    assert f"resuming: {shards - 1} of {shards} shards already done" in logs[0]
+    assert (
+        json.loads((copy / "manifest.json").read_text())["shards"]
+        == json.loads((out / "manifest.json").read_text())["shards"]
+    )
+    assert (copy / "train-00001.array_record").read_bytes() == (out / "train-00001.array_record").read_bytes()
+    with pytest.raises(ValueError, match="--out .* choose an empty or new folder"):
+        prepare([str(corpus)], copy, ByteTokenizer(), seed=1, heldout=0.1, shard_mb=2e-3, **QUIET)
+
+
+def test_two_workers_write_the_same_shards_as_one(prepared, tmp_path):
+    corpus, out = prepared
+    prepare([str(corpus)], tmp_path / "w2", ByteTokenizer(), seed=0, heldout=0.1, shard_mb=2e-3, workers=2, **QUIET)
+    for path in sorted(out.glob("*.array_record")):
+        assert (tmp_path / "w2" / path.name).read_bytes() == path.read_bytes(), path.name
+
+
+def test_the_cli_prepares_and_refuses_in_one_line(tmp_path, capsys):
+    corpus = write_corpus(tmp_path / "c", docs=5)
+    assert prepare_main(["prepare", str(corpus), "--out", str(tmp_path / "p"), "--workers", "1", "--no-progress"]) == 0
+    assert (tmp_path / "p" / "manifest.json").is_file()
+    assert prepare_main(["prepare", str(tmp_path / "nope"), "--out", str(tmp_path / "q")]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(f"error: SRC {tmp_path / 'nope'}: no such file")
+    assert prepare_main(["prepare", str(corpus), "--out", str(tmp_path / "q"), "--workers", "0"]) == 2
+    assert "--workers 0: must be at least 1, e.g. --workers 2" in capsys.readouterr().err
+
+
+# Parquet -----------------------------------------------------------------------------------------------------
+
+
+def write_parquet(path, texts, row_group_size):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"id": list(range(len(texts))), "content": texts}), path, row_group_size=row_group_size)
+
+
+def test_parquet_is_read_by_row_group(tmp_path, monkeypatch):
+    import pyarrow.parquet as pq
+
+    texts = [f"row {i}: " + "words " * (i % 5) for i in range(100)]
+    path = tmp_path / "c.parquet"
+    write_parquet(path, texts, row_group_size=10)
+    units = plan_units(str(path), 1, text_field="content")  # 1 byte per unit: one row group each
+    assert [(u.start, u.stop) for u in units] == [(g, g + 1) for g in range(10)]
+    read_groups = []
+    original = pq.ParquetFile.iter_batches
+
+    def spy(self, *args, **kwargs):
+        read_groups.append(list(kwargs["row_groups"]))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(pq.ParquetFile, "iter_batches", spy)
+    docs = [d for u in units for d in unit_documents(u, "content")]
+    assert [d.text.decode() for d in docs] == texts
+    assert docs[37].name == "c.parquet:37"
+    assert read_groups == [[g] for g in range(10)]  # never the whole file at once
+    monkeypatch.undo()
+    manifest = prepare([str(path)], tmp_path / "p", ByteTokenizer(), text_field="content", workers=1, **QUIET)
+    assert manifest["train_docs"] + manifest["heldout_docs"] == 100
+
+
+def test_parquet_without_the_column_or_pyarrow_is_refused(tmp_path, monkeypatch):
+    path = tmp_path / "c.parquet"
+    write_parquet(path, ["a", "b"], row_group_size=1)
+    with pytest.raises(
+        ValueError, match=r"c.parquet: no column 'text' \(it has id, content\); prepare it with .* --text-field content"
+    ):
+        plan_units(str(path), 1 << 20)
+    with pytest.raises(ValueError, match="column 'id' holds int64, not strings"):
+        list(unit_documents(plan_units(str(path), 1 << 20, "id")[0], "id"))
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+    with pytest.raises(ImportError, match=r"pip install 'meshwork\[data\]'"):
+        corpus_files(str(path))
+
+
+# Reading prepared data -----------------------------------------------------------------------------------------
+
+
+def test_a_manifest_of_another_tokenizer_and_a_damaged_shard_are_refused(prepared, tmp_path):
+    _, out = prepared
+    hf = load_tokenizer(str(make_hf_tokenizer(tmp_path / "tokenizer.json")))
+    with pytest.raises(
+        ValueError, match="prepared with the tokenizer bytes .* pass --tokenizer bytes or prepare again"
+    ):
+        check_source(str(out), hf)
+    import shutil
+
+    damaged = tmp_path / "d"
+    shutil.copytree(out, damaged)
+    np.save(damaged / "train-00002.lengths.npy", np.array([3], np.uint32))
+    with pytest.raises(ValueError, match="shard train-00002.array_record is missing or damaged"):
+        read_manifest(damaged, ByteTokenizer())
+    shutil.copy(out / "train-00002.lengths.npy", damaged / "train-00002.lengths.npy")
+    (damaged / "train-00002.array_record").write_bytes(b"\0" * 64)
+    ds = load_dataset(str(damaged), ByteTokenizer(), 32, 4, seed=0, log=lambda _: None)
+    with pytest.raises(ValueError, match="train-00002.array_record"):
+        for s in range(0, ds.train.num_windows, 4):
+            ds.train_rows(s, range(4))
 
 
 def test_single_document_holds_out_its_tail(tmp_path):
     path = tmp_path / "one.txt"
     path.write_text("abcdefghij" * 100)
     ds = load_dataset(str(path), ByteTokenizer(), 16, 2, seed=0, heldout=0.1, cache_dir=tmp_path / "cache", log=print)
-    assert len(ds.heldout.stream) > 16 and len(ds.train.stream) > len(ds.heldout.stream)
+    assert len(ds.heldout.stream) == 101 and len(ds.train.stream) == 900
+
+
+def test_a_raw_source_is_prepared_once_into_the_cache(tmp_path):
+    corpus = write_corpus(tmp_path / "c")
+    logs = []
+    load_dataset(
+        str(corpus), ByteTokenizer(), 32, 4, seed=0, heldout=0.1, cache_dir=tmp_path / "cache", log=logs.append
+    )
+    assert any(line.startswith("preparing") for line in logs)
+    logs.clear()
+    load_dataset(
+        str(corpus), ByteTokenizer(), 32, 4, seed=0, heldout=0.1, cache_dir=tmp_path / "cache", log=logs.append
+    )
+    assert len(logs) == 1 and logs[0].startswith("reusing")
+
+
+def test_process_rows_and_restored_iterators_see_the_uninterrupted_batches(prepared):
+    """The same batches whichever rows a process holds (another data-parallel size or process count) and
+    whether the position comes from Grain's saved state or is derived from the samples consumed."""
+    _, out = prepared
+    ds = load_dataset(str(out), ByteTokenizer(), 16, 8, seed=0, log=lambda _: None)
+    straight = ds.train_batches(range(8), 0)
+    reference = [next(straight) for _ in range(6)]
+    for step, batch in enumerate(reference):
+        np.testing.assert_array_equal(batch["tokens"], ds.train_rows(step * 8, range(8))["tokens"])
+    halves = [ds.train_batches(range(0, 4), 0), ds.train_batches(range(4, 8), 0)]  # two processes
+    for step in range(3):
+        joined = [next(h) for h in halves]
+        for field in reference[step]:
+            np.testing.assert_array_equal(np.concatenate([j[field] for j in joined]), reference[step][field])
+    saved = halves[0].state()
+    assert saved == {"grain": {"next_index": 3}, "base": 0, "global_batch": 8}
+    resumed = ds.train_batches(range(8), 24, saved)  # one process resumes what two saved: Grain's state
+    assert resumed.restored == "grain"
+    for step in range(3, 6):
+        np.testing.assert_array_equal(next(resumed)["tokens"], reference[step]["tokens"])
+    ds4 = load_dataset(str(out), ByteTokenizer(), 16, 4, seed=0, log=lambda _: None)
+    other = ds4.train_batches(range(4), 24, saved)  # another global batch: the position is derived
+    assert other.restored == "derived"
+    for step in range(3, 6):
+        np.testing.assert_array_equal(next(other)["tokens"], reference[step]["tokens"][:4])
+        np.testing.assert_array_equal(next(other)["tokens"], reference[step]["tokens"][4:])
+
+
+# Tokenizers and process-local arrays -----------------------------------------------------------------------------
 
 
 def make_hf_tokenizer(path):

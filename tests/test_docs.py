@@ -66,7 +66,7 @@ def test_flags_reference_covers_every_flag():
     text = _generator().render()
     for flag in (
         "`--mesh MESH`",
-        r"`--hetero-batch auto\|kinds\|off\|COUNTS`",
+        r"`--hetero-batch auto\|kinds\|off\|KIND=N,...\|COUNTS`",
         "`--plan`",
         "`--cluster CLUSTER`",
         "`--max-new-tokens N`",

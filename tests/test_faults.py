@@ -161,7 +161,10 @@ def test_skip_nonfinite_skips_and_logs_up_to_n_steps(tmp_path, corpus, cache, ca
         ),  # 24 = 3 x 8 fits both
         (["--mesh", "data=8", "--logits", "vocab_parallel"], "--logits vocab_parallel does not apply here"),
         (["--rules", "dp", "--logits", "vocab_parallel"], "--logits vocab_parallel does not apply here"),
-        (["--mesh", "fsdp=4,sequence=2", "--seq-len", "63"], "--seq-len 63 is not divisible by the sequence axis (2)"),
+        (
+            ["--mesh", "fsdp=4,sequence=2", "--seq-len", "63"],
+            "--seq-len 63 is not divisible by the context x sequence axes (2)",
+        ),
         (
             ["--mesh", "fsdp=2,tensor=4", "--set", "num_heads=6", "--set", "num_kv_heads=2"],
             "num_heads=6 cannot be split over tensor=4",

@@ -2,6 +2,7 @@
 ``--run-dir`` on generate and evaluate (tests/fixtures/hf)."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -195,6 +196,28 @@ def test_init_from_a_missing_folder_is_one_line(tmp_path, capsys):
     assert "no such folder" in err and len(err.splitlines()) == 1
 
 
+def test_init_from_pickled_weights_is_refused_before_the_data_is_read(tmp_path, capsys):
+    from test_hf import copy_fixture
+
+    folder = copy_fixture(tmp_path)
+    (folder / "model.safetensors").rename(folder / "pytorch_model.bin")
+    cache = tmp_path / "cache"
+    argv = [
+        "--init-from",
+        str(folder),
+        "--data",
+        "stdlib",
+        "--data-cache",
+        str(cache),
+        "--run-dir",
+        str(tmp_path / "r"),
+    ]
+    assert train.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {folder}: only pickled weights (pytorch_model.bin)") and len(err.splitlines()) == 1
+    assert not cache.exists() and not (tmp_path / "r").exists()  # nothing tokenized, nothing written
+
+
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
     """``train.hf import llama_gqa`` onto fsdp=4,tensor=2."""
@@ -243,6 +266,18 @@ def test_import_then_export_of_a_run_folder_is_bit_exact(imported, tmp_path):
         assert exported[name].dtype == value.dtype and np.array_equal(exported[name], value), name
     assert (out / "tokenizer.json").read_bytes() == (FIXTURES / "llama_gqa" / "tokenizer.json").read_bytes()
     assert json.loads((out / "config.json").read_text())["eos_token_id"] == 256
+    from tokenizers import Tokenizer
+
+    eos_text = Tokenizer.from_file(str(out / "tokenizer.json")).id_to_token(256)
+    assert json.loads((out / "tokenizer_config.json").read_text()) == {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "clean_up_tokenization_spaces": False,
+        "eos_token": eos_text,
+    }
+    mask = os.umask(0)
+    os.umask(mask)
+    modes = {f.name: f.stat().st_mode & 0o777 for f in out.iterdir()}
+    assert set(modes.values()) == {0o666 & ~mask}, modes  # safetensors itself writes 0600
 
 
 def test_import_refuses_a_run_folder_with_checkpoints_and_export_a_missing_run(imported, tmp_path, capsys):

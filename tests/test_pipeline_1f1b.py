@@ -21,6 +21,8 @@ from sharding.pipeline.onef1b import run_pipeline_loss
 from sharding.rules import get_rules
 
 RULES = get_rules("fsdp_tp")
+ONE_F_ONE_B = ("1f1b", "1f1b-fused", "zb")
+"""The schedules run by `run_pipeline_loss`'s tick loop (the loss inside the pipeline)."""
 
 
 def assert_close(actual, expected, rtol=1e-5):
@@ -183,8 +185,9 @@ def _toy(
         layout,
         microbatches,
         skip_empty=skip_empty,
-        one_f_one_b=schedule.startswith("1f1b"),
+        one_f_one_b=schedule in ONE_F_ONE_B,
         fused=schedule == "1f1b-fused",
+        zero_bubble=schedule == "zb",
     )
     rng = np.random.default_rng(0)
     w = {
@@ -314,7 +317,11 @@ def _plan(num_layers, mesh_spec, stage_layers, microbatches, schedule, repeats=1
     stages = parse_mesh(mesh_spec, 8)["stage"]
     layout, _ = pl.plan_layout(num_layers, stages, repeats, stage_layers)
     return pl.PipelinePlan(
-        layout, microbatches, one_f_one_b=schedule.startswith("1f1b"), fused=schedule == "1f1b-fused"
+        layout,
+        microbatches,
+        one_f_one_b=schedule in ONE_F_ONE_B,
+        fused=schedule == "1f1b-fused",
+        zero_bubble=schedule == "zb",
     )
 
 

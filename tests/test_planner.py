@@ -12,6 +12,7 @@ from models.spec import describe
 from sharding import axes as ax
 from sharding import costmodel as cm
 from sharding import devices, planner
+from sharding import pipeline as pl
 from sharding.splits import largest_remainder
 from train import checks, cli
 from train.plan import main as plan_main
@@ -226,8 +227,11 @@ def test_flags_reproduce_the_plan_and_train_accepts_them():
     best = planner.plan(model, inventory, 256, 1024, planner.PlanOptions(pipeline=False))[0]
     flags = plan_flags(best)
     assert f"--microbatches {best.layout.microbatches}" in flags and f"--remat {best.layout.remat}" in flags
-    if best.counts is not None:
-        counts = [int(x) for x in flags.split("--hetero-batch ")[1].split()[0].split(",")]
+    if best.counts is not None:  # printed per kind: every data-parallel group of a kind has one count
+        given = dict(item.split("=") for item in flags.split("--hetero-batch ")[1].split()[0].split(","))
+        ev = planner._Evaluator(model, inventory, 256, 1024, planner.PlanOptions(pipeline=False))
+        counts = [int(given[k.name]) for k in ev.batch_kinds(best.layout.mesh)]
+        assert tuple(counts) == best.counts
         assert sum(counts) == best.layout.batch_split * best.layout.microbatches
         run = cli.parse([*flags.split(), "--batch-size", "256", "--seq-len", "1024", "--model", "125m", "--dry-run"])
         checks.check_batch(run)
@@ -248,10 +252,20 @@ def test_pipeline_plans_with_flash_attention_are_accepted_by_train():
     checks.check_strategy(run)
 
 
+def _clock(ops, shares, chunk):
+    """``sum_t max_s`` of what stage ``s`` runs at tick ``t``: ``ops`` (forward, backward, weight) bool
+    ``[ticks, S]``, each op priced at its share of the stage's ``chunk`` time (the tick-synchronous program)."""
+    return sum(
+        max(sum(share * c * bool(op[t, s]) for op, share in zip(ops, shares)) for s, c in enumerate(chunk))
+        for t in range(ops[0].shape[0])
+    )
+
+
 def test_one_f_one_b_is_priced_for_its_memory_and_its_lockstep_ticks():
     """The planner's 1F1B (`PlanOptions.schedules`): at the same layout it keeps fewer stage inputs than GPipe
-    (less memory) and takes ``2 (M + S - 1)`` ticks of a backward (3/4 of a chunk's forward and backward)
-    against GPipe's ``M + S - 1`` steps; its flags name the schedule and train accepts them."""
+    (less memory) and takes the ``2 (M + S - 1)`` ticks of its table, each as long as the busiest stage's op
+    in it (a backward: 3/4 of the stage's chunk forward and backward; a forward: 1/4), against GPipe's ``M + S
+    - 1`` steps; its flags name the schedule and train accepts them."""
     model = _described(32000, 12, 768, 2048, 12, 12, 64)  # the 125m preset's shape
     ev = planner._Evaluator(model, _inventory(2, 2, 2, 2.0), 64, 1024, planner.PlanOptions())
     base = cm.Layout(
@@ -261,12 +275,16 @@ def test_one_f_one_b_is_priced_for_its_memory_and_its_lockstep_ticks():
     gpipe, one = ev.uniform(base), ev.uniform(layout)
     assert max(one.memory.values()) < max(gpipe.memory.values())
     times = [ev.stage_cost(layout, kind, 64 / 2 / 16, n, 7)[1] for kind, n in zip(ev.stage_kinds(layout.mesh), (7, 5))]
-    busy = max(st.total - st.optimizer for st in times)  # the slowest stage's 16 chunks, forward and backward
+    chunk = [(st.total - st.optimizer) / 16 for st in times]  # each stage's chunk, forward and backward
     optimizer = max(st.optimizer for st in times)
-    assert one.step_time == pytest.approx(2 * (16 + 2 - 1) * 0.75 * busy / 16 + optimizer, rel=1e-9)
+    table = pl.one_f_one_b_ticks(2, 16)
+    ops = (table.op == 1, table.op == 2)
+    assert table.ticks == 2 * (16 + 2 - 1)
+    assert one.step_time == pytest.approx(_clock(ops, (0.25, 0.75), chunk) + optimizer, rel=1e-9)
+    assert one.step_time < table.ticks * 0.75 * max(chunk) + optimizer  # not every tick runs a backward
     assert one.step_time > gpipe.step_time
     assert planner.why_lost(one, gpipe).endswith(
-        "1F1B lockstep ticks and bubble " + f"{one.parts['bubble'] / one.step_time:.0%}"
+        "1f1b ticks and bubble " + f"{one.parts['bubble'] / one.step_time:.0%}"
     )
     assert "pipeline bubble" in planner.why_lost(
         dataclasses.replace(gpipe, step_time=2 * gpipe.step_time, parts={**gpipe.parts, "bubble": 9e9}), gpipe
@@ -426,8 +444,9 @@ def test_evaluate_splits_the_layers_evenly_when_no_split_is_given():
 
 
 def test_one_f_one_b_priced_lockstep_or_as_megatron_runs_it():
-    """meshwork's 1f1b runs in lockstep (`ONE_F_ONE_B_TICK` of a chunk's time per tick, ``2 (M + S - 1)``
-    ticks); the fused clock is Megatron-LM's ``1 + (S - 1) / (R M)`` of the slowest stage's busy time."""
+    """meshwork's 1f1b runs in lockstep (its table's ``2 (M + S - 1)`` ticks, each as long as the busiest
+    stage's op: a forward 1/4, a backward 3/4 of a chunk's time); the fused clock is Megatron-LM's ``1 + (S -
+    1) / (R M)`` of the slowest stage's busy time."""
     model = _described(32000, 8, 1024, 4096, 16, 16, 64)
     inventory = devices.parse_cluster("a100:4x2")
     layout = cm.Layout(
@@ -445,12 +464,49 @@ def test_one_f_one_b_priced_lockstep_or_as_megatron_runs_it():
     busy = fused.parts["compute"] + fused.parts["exposed_comm"]  # compute outlasts the overlapped traffic here
     assert fused.parts["compute"] >= fused.parts["overlapped_comm"]
     assert fused.step_time == pytest.approx(busy * (1 + 3 / 8) + fused.parts["optimizer"], rel=1e-9)
-    ticks = 2 * (8 + 4 - 1)
+    table = pl.one_f_one_b_ticks(4, 8)
     assert lockstep.step_time == pytest.approx(
-        busy * ticks * planner.ONE_F_ONE_B_TICK / 8 + lockstep.parts["optimizer"], rel=1e-9
+        _clock((table.op == 1, table.op == 2), (0.25, 0.75), [busy / 8] * 4) + lockstep.parts["optimizer"], rel=1e-9
     )
     with pytest.raises(ValueError, match="one_f_one_b_clock"):
         planner.PlanOptions(one_f_one_b_clock="async")
+
+
+def test_each_1f1b_schedule_is_priced_from_its_tick_table_and_the_fastest_fitting_wins():
+    """At one 4-stage layout the three 1F1B-family schedules are priced from their tables (`_clock`): fused
+    1F1B (``M + 2 (S - 1)`` ticks of a forward and a backward) beats lockstep; zero bubble's stage cost counts
+    its second recomputation (more compute than fused 1F1B's), and its ticks price its forward, input gradient and weight gradient at 1/6, 1/3
+    and 1/2 of that chunk time. The search prices every one beside each GPipe plan (`_one_f_one_b`)."""
+    from sharding.planner import search
+
+    model = _described(32000, 8, 1024, 4096, 16, 16, 64)
+    inventory = devices.parse_cluster("a100:4x2")
+    ev = planner._Evaluator(model, inventory, 64, 1024, planner.PlanOptions())
+    base = cm.Layout(
+        {"data": 2, "stage": 4}, "dp", 8, "none", stage_layers=(2, 2, 2, 2), attention="flash", dtype="bfloat16"
+    )
+    priced = {}
+    for name, ticks, shares in (
+        ("1f1b", "lockstep", (0.25, 0.75, 0.0)),
+        ("1f1b-fused", "fused", (0.25, 0.75, 0.0)),
+        ("zb", "zb", (1 / 6, 1 / 3, 1 / 2)),
+    ):
+        layout = dataclasses.replace(base, one_f_one_b=True, tick_schedule=ticks)
+        plan = ev.uniform(layout)
+        assert plan.layout.pipeline_schedule == name and f"--pipeline-schedule {name}" in plan_flags(plan)
+        times = [ev.stage_cost(layout, kind, 64 / 2 / 8, 2, 2)[1] for kind in ev.stage_kinds(layout.mesh)]
+        chunk = [(st.total - st.optimizer) / 8 for st in times]
+        table = pl.PipelinePlan(
+            pl.plan_layout(8, 4)[0], 8, one_f_one_b=True, fused=ticks == "fused", zero_bubble=ticks == "zb"
+        ).tick_table()
+        ops = pl.ticks.tick_ops(table)
+        expected = _clock(ops, shares, chunk) + max(st.optimizer for st in times)
+        assert plan.step_time == pytest.approx(expected, rel=1e-9), name
+        priced[name] = plan
+    assert priced["1f1b-fused"].step_time < priced["1f1b"].step_time
+    assert priced["zb"].parts["compute"] > priced["1f1b-fused"].parts["compute"]  # the second recomputation
+    family = search._one_f_one_b(ev, ev.uniform(base))  # what the search prices beside each GPipe plan
+    assert [p.step_time for p in family] == [priced[n].step_time for n in ("1f1b", "1f1b-fused", "zb")]
 
 
 def test_a_kind_given_no_work_is_said_so_with_the_memory_it_holds(capsys):

@@ -12,6 +12,8 @@ Interpret mode is slow, so each dimension is swept with the others at a base val
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,7 +30,8 @@ from models.kernels.flash_attention import (
     forward_tile_count,
 )
 from models.kernels.ring_attention import ring_attention, ring_tile_counts, zigzag_permutation
-from models.kernels.ulysses_attention import ulysses_attention
+from models.kernels.ulysses_attention import kv_repeat, ulysses_attention
+from models.kernels.usp_attention import usp_attention
 from sharding.hlo import collectives, summarize
 
 LENGTH, HEAD_DIM = 128, 32
@@ -191,13 +194,19 @@ def test_ring_transfers_each_key_value_block_p_minus_1_times_per_pass():
 # All-to-all (Ulysses) attention
 # --------------------------------------------------------------------------------------
 
-# All-to-all splits heads over P: 8 heads over 4 KV heads at the base P = 4.
+# All-to-all splits query heads over P: 8 heads over 4 KV heads at the base P = 4. With fewer KV
+# heads than devices each KV head is repeated r = P / gcd(K, P) times (kv_heads 1, 2, 4 at P = 8).
 ULYSSES_CASES = [
     _case(heads=8, kv_heads=4),
     _case(heads=8, kv_heads=4, shards=2),
     _case(heads=8, kv_heads=8, shards=8),
     _case(heads=8, kv_heads=4, causal=False, segments=True),
     _case(heads=8, kv_heads=4, layout="contiguous", segments=True),
+    _case(heads=8, kv_heads=1, shards=8, segments=True),
+    _case(heads=8, kv_heads=2, shards=8, segments=True),
+    _case(heads=8, kv_heads=4, shards=8, segments=True, layout="contiguous"),
+    _case(heads=4, kv_heads=2, shards=4, segments=True),
+    _case(heads=12, kv_heads=6, shards=4),  # neither of K, P divides the other: r = 2, 12 heads over 4
 ]
 
 
@@ -208,11 +217,111 @@ def test_ulysses_attention_matches_the_reference(case):
     _check(ulysses_attention, case)
 
 
-def test_ulysses_refuses_heads_the_sequence_axis_cannot_split():
-    case = _case(shards=4, heads=4, kv_heads=2)
+@pytest.mark.parametrize(
+    "kv_heads, shards, repeat", [(8, 8, 1), (16, 8, 1), (4, 8, 2), (2, 8, 4), (1, 8, 8), (6, 4, 2)]
+)
+def test_ulysses_repeats_kv_heads_to_the_least_multiple_of_p(kv_heads, shards, repeat):
+    assert kv_repeat(kv_heads, shards) == repeat
+    assert kv_heads * repeat == math.lcm(kv_heads, shards)
+
+
+def test_ulysses_all_to_all_moves_one_kv_head_a_device_when_kv_heads_divide_p():
+    """The compiled forward's all-to-all bytes with 1 KV head at P = 8: q, the output and k, v repeated
+    to 8 heads, one head per device each: the lower bound (each device needs one KV head whole)."""
+    case = _case(heads=8, kv_heads=1, shards=8)
+    q, k, v, _, _ = _inputs(case)
+    mesh = _sequence_mesh(8)
+    tokens = P(None, "sequence", None, None)
+    run = jax.shard_map(
+        lambda q, k, v: ulysses_attention(q, k, v, axis_name="sequence", causal=True, block_sizes=TILES),
+        mesh=mesh,
+        in_specs=(tokens,) * 3,
+        out_specs=tokens,
+    )
+    found = summarize(collectives(jax.jit(run).lower(q, k, v).compile().as_text()))
+    local = q.size * 4 // 8  # one device's q (or output), float32: 8 heads of L/8 tokens
+    assert found["all-to-all"][1] == 4 * local  # q, out, and k, v repeated to as many heads as q
+
+
+def test_ulysses_refuses_query_heads_the_sequence_axis_cannot_split():
+    case = _case(shards=8, heads=12, kv_heads=4)
     q, k, v, d_out, segments = _inputs(case)
-    with pytest.raises(ValueError, match=r"kv_heads \(2\).*not divisible by 4.*--attention ring"):
+    with pytest.raises(
+        ValueError, match=r"heads \(12\).*not divisible by 8; use a sequence axis of 4.*--attention ring"
+    ):
         _context_parallel(ulysses_attention, case)(q, k, v, segments)
+    _check(ulysses_attention, _case(shards=4, heads=12, kv_heads=4))  # the size it names works
+
+
+# --------------------------------------------------------------------------------------
+# USP: all-to-all over the inner axis, ring over the outer
+# --------------------------------------------------------------------------------------
+
+
+def _usp(case, ring: int, inner: int):
+    """`f(q, k, v, segments)` on natural-order global arrays, run over a context=R x sequence=U mesh."""
+    layout = case["layout"]
+    perm = zigzag_permutation(LENGTH, ring) if layout == "zigzag" else np.arange(LENGTH)  # zigzag over the ring
+    natural = np.argsort(perm)
+    mesh = jax.make_mesh((ring, inner), ("context", "sequence"), axis_types=(AxisType.Auto,) * 2)
+    tokens, ids = P(None, ("context", "sequence"), None, None), P(None, ("context", "sequence"))
+
+    def local(q, k, v, segments=None):
+        return usp_attention(
+            q,
+            k,
+            v,
+            ring_axis="context",
+            all_to_all_axis="sequence",
+            q_segment_ids=segments,
+            kv_segment_ids=segments,
+            causal=case["causal"],
+            layout=layout,
+            block_sizes=TILES,
+        )
+
+    def run(q, k, v, segments):
+        args = (q[:, perm], k[:, perm], v[:, perm])
+        if segments is None:
+            return jax.shard_map(local, mesh=mesh, in_specs=(tokens,) * 3, out_specs=tokens)(*args)[:, natural]
+        sharded = jax.shard_map(local, mesh=mesh, in_specs=(tokens,) * 3 + (ids,), out_specs=tokens)
+        return sharded(*args, segments[:, perm])[:, natural]
+
+    return run
+
+
+USP_CASES = [  # (ring R, all-to-all U, case)
+    (2, 4, _case(heads=8, kv_heads=2, segments=True)),  # KV heads repeated to 4 for U = 4
+    (4, 2, _case(heads=4, kv_heads=1, segments=True)),  # one KV head repeated to 2
+    (4, 2, _case(heads=4, kv_heads=2, segments=True, layout="contiguous")),
+    (2, 4, _case(heads=4, kv_heads=4, causal=False)),
+]
+
+
+@pytest.mark.parametrize(
+    "ring, inner, case",
+    USP_CASES,
+    ids=lambda c: f"{c}" if isinstance(c, int) else "-".join(f"{k}={v}" for k, v in c.items() if BASE[k] != v),
+)
+def test_usp_attention_matches_the_reference(ring, inner, case):
+    q, k, v, d_out, segments = _inputs(case)
+    got = _value_and_grads(_usp(case, ring, inner), q, k, v, d_out, segments)
+    want = _value_and_grads(_reference(case["causal"]), q, k, v, d_out, segments)
+    _assert_close(got, want)
+
+
+def test_usp_moves_all_to_all_inside_the_group_and_permutes_across_it():
+    """The compiled forward over context=2 x sequence=4: all-to-alls of q, k, v and the output within
+    a group of 4 (q's local size each, KV heads repeated from 2 to 4); one ring hop (R - 1 = 1) of the
+    group's k and v blocks, L/2 tokens of one KV head each."""
+    case = _case(heads=8, kv_heads=2)
+    q, k, v, _, _ = _inputs(case)
+    run = jax.jit(_usp(case, 2, 4))
+    found = summarize(collectives(run.lower(q, k, v, None).compile().as_text()))
+    local_q = q.size * 4 // 8
+    assert found["all-to-all"][1] == 3 * local_q  # q, out, and k, v repeated to 4 heads: half of q's 8 each
+    kv_block = 2 * (2 * LENGTH // 2 * 1 * HEAD_DIM * 4)  # k and v: batch 2, L/R tokens, 1 head, float32
+    assert found["collective-permute"][1] == kv_block
 
 
 # --------------------------------------------------------------------------------------

@@ -221,3 +221,22 @@ def test_a_reader_leaves_a_live_runs_save_in_progress(copy):
     manager, step, _ = read_run(copy)
     manager.close()
     assert step == 3 and in_progress.is_dir()
+
+
+def test_import_into_a_folder_another_run_holds_is_refused_unless_broken(tmp_path, capsys):
+    from test_hf import FIXTURES
+
+    from train import hf as hf_cli
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / LOCK_FILE).write_text(json.dumps({"host": "elsewhere", "pid": 1, "since": "2026-01-01T00:00:00Z"}))
+    command = ["import", str(FIXTURES / "llama_gqa"), "--run-dir", str(run_dir), "--mesh", "fsdp=8"]
+    assert hf_cli.main(command) == 2
+    err = capsys.readouterr().err
+    assert "is locked by pid 1 on host elsewhere" in err and "pass --break-lock" in err and err.count("\n") == 1
+    assert sorted(p.name for p in run_dir.iterdir()) == [LOCK_FILE]
+    assert hf_cli.main([*command, "--break-lock"]) == 0  # the suggestion, taken
+    captured = capsys.readouterr()
+    assert "--break-lock took over the lock of pid 1 on host elsewhere" in captured.err
+    assert (run_dir / "checkpoints" / "0").is_dir() and not (run_dir / LOCK_FILE).exists()  # released at the end

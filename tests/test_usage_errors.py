@@ -4,13 +4,14 @@ and a bare invocation (where the usage is what the user is after)."""
 import pytest
 
 from checkpoints import inspect
-from train import evaluate, generate, hf, plan, train
+from train import evaluate, generate, hf, launch, plan, train
 
 # (entry point's main, argv, text the one line must contain)
 CASES = [
     (train.main, ["--rules", "bogus"], "argument --rules: invalid choice: 'bogus'"),
     (train.main, ["--lr", "abc"], "argument --lr: invalid float value: 'abc'"),
     (train.main, ["--bogus"], "unrecognized arguments: --bogus"),
+    (launch.main, ["--max-restarts", "x"], "argument --max-restarts: invalid int value: 'x'"),
     (plan.main, ["--batch", "x"], "argument --batch: invalid int value: 'x'"),
     (generate.main, ["--run-dir", "r", "--max-new-tokens", "x"], "argument --max-new-tokens: invalid int value"),
     (evaluate.main, ["--zz"], "--run-dir"),

@@ -1,4 +1,5 @@
-"""Errors that name what the user typed: --step (not --resume-step) on the readers, a run folder that is a file."""
+"""Errors that name what the user typed: --step (not --resume-step) on the readers, a run folder that is a file;
+what an export of a bytes-tokenizer run writes."""
 
 import pytest
 from test_faults import args_for
@@ -34,3 +35,39 @@ def test_a_run_folder_that_is_a_file_says_so(tmp_path, corpus, cache, capsys):
             f"error: --run-dir {run}: cannot write there ({tmp_path / 'afile'} is a "
             "file, not a folder); choose a folder"
         ), err
+
+
+def test_export_of_a_bytes_tokenizer_run_writes_an_equivalent_tokenizer(run_dir, tmp_path):
+    import json
+
+    from tokenizers import Tokenizer
+
+    out = tmp_path / "out"
+    assert hf.main(["export", str(run_dir), "--out", str(out)]) == 0
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    text = "é\tx"
+    assert tok.encode(text, add_special_tokens=False).ids == list(text.encode())
+    assert json.loads((out / "config.json").read_text())["eos_token_id"] == tok.token_to_id("<|endoftext|>") == 256
+    assert json.loads((out / "tokenizer_config.json").read_text())["eos_token"] == "<|endoftext|>"
+
+
+def test_plot_into_a_missing_folder_is_refused_before_planning(tmp_path, capsys, monkeypatch):
+    from train import plan
+
+    monkeypatch.setattr(plan, "report", lambda *a: pytest.fail("planned although --plot cannot be written"))
+    png = tmp_path / "no" / "plan.png"
+    code = plan.main(["--model", "1b", "--cluster", "h100:8", "--batch", "64", "--seq-len", "2048", "--plot", str(png)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.strip() == (
+        f"error: --plot {png}: no folder {tmp_path / 'no'}; create it or give a path in an existing folder"
+    )
+
+
+def test_a_binary_prompt_file_names_the_file_and_the_byte(tmp_path, capsys):
+    prompts = tmp_path / "prompts.bin"
+    prompts.write_bytes(b"ok\n\xff\xfe\x00")
+    code = generate.main(["--run-dir", str(tmp_path), "--prompt-file", str(prompts), "--max-new-tokens", "1"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.strip() == (
+        f"error: --prompt-file {prompts}: not UTF-8 text (byte 3 is 0xff); give a text file of prompts, one a line"
+    ), err

@@ -98,7 +98,7 @@ def check_data(run: RunConfig, tokenizer, read: bool = True) -> None:
       ValueError: Naming ``--data``, ``--data-cache`` or ``--eod-token`` and what to do.
       FileNotFoundError: A ``--data`` path that does not exist.
     """
-    from train.data import corpus_files, default_cache_dir
+    from train.data import check_source, default_cache_dir
 
     data = run.data
     if data.eod_token is not None and getattr(tokenizer, "name", None) == "bytes":
@@ -108,7 +108,7 @@ def check_data(run: RunConfig, tokenizer, read: bool = True) -> None:
         )
     if not read:
         return
-    corpus_files(data.spec)  # a missing, empty or binary corpus fails before any device work
+    check_source(data.spec, tokenizer)  # a missing, empty, binary or mismatched corpus fails before device work
     cache = Path(data.cache_dir).expanduser() if data.cache_dir else default_cache_dir()
     check_writable(
         cache, "--data-cache" if data.cache_dir else "--data-cache (default $MESHWORK_CACHE or ~/.cache/meshwork)"
@@ -131,18 +131,18 @@ def check_batch(run: RunConfig) -> None:
 
     Raises:
       ValueError: A ``--batch-size`` the strategy cannot split (`GradientStrategy.check_run_batch`: e.g. one
-        that ``--microbatches`` or data x fsdp does not divide), or a ``--seq-len`` the ``sequence`` axis
-        does not divide.
+        that ``--microbatches`` or data x fsdp does not divide), or a ``--seq-len`` the ``context`` x
+        ``sequence`` axes do not divide.
     """
     from train.strategies import kind_of
 
     par, seq_len = run.parallelism, run.data.seq_len
     kind_of(par.strategy).check_run_batch(run)
-    sequence = par.mesh_shape[ax.SEQUENCE]
-    if seq_len % sequence:
+    shards = par.length_shards
+    if seq_len % shards:
         raise ValueError(
-            f"--seq-len {seq_len} is not divisible by the sequence axis ({sequence}) of --mesh; "
-            f"e.g. --seq-len {_good_batch(seq_len, sequence)}"
+            f"--seq-len {seq_len} is not divisible by the context x sequence axes ({shards}) of --mesh; "
+            f"e.g. --seq-len {_good_batch(seq_len, shards)}"
         )
 
 

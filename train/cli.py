@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
         description=DESCRIPTION,
         formatter_class=_HelpFormatter,
         epilog="Logical axes: batch, length, embed, mlp, heads, kv_heads, head_dim, vocab, layers, act_embed. "
-        "Mesh axes: data, stage, fsdp, sequence, tensor.",
+        "Mesh axes: data, stage, fsdp, context, sequence, tensor.",
     )
     _mesh_flags(p)
     _process_flags(p)
@@ -139,6 +139,12 @@ def _process_flags(p) -> None:
     g.add_argument("--num-processes", type=int, default=None, help="number of processes in the job")
     g.add_argument("--process-id", type=int, default=None, help="this process's index, 0..N-1")
     g.add_argument("--dist-timeout", type=int, default=300, help="seconds to wait for all processes to connect")
+    g.add_argument(
+        "--external-coordinator",
+        action="store_true",
+        help="the coordination service at --coordinator runs outside the training processes (python -m "
+        "train.launch starts it and gives this flag), so process 0 does not start one and losing it is survivable",
+    )
 
 
 def _model_flags(p) -> None:
@@ -177,8 +183,8 @@ def _model_flags(p) -> None:
         default=None,
         choices=attention_registry.names(),
         help=f"attention implementation; "
-        f"{splitting} split the length over the sequence mesh axis (context parallelism); default: the "
-        "preset's (reference)",
+        f"{splitting} split the length over the context and sequence mesh axes (context parallelism; usp: "
+        "all-to-all over sequence, ring over context); default: the preset's (reference)",
     )
     g.add_argument(
         "--logits",
@@ -192,9 +198,9 @@ def _model_flags(p) -> None:
         "--context-layout",
         default="auto",
         choices=CONTEXT_LAYOUTS,
-        help="how tokens lie along the sequence axis: zigzag (device r holds chunks r and 2P-1-r of 2P) "
-        "balances causal ring attention; auto: zigzag for --attention ring with a sequence axis, else "
-        "contiguous",
+        help="how tokens lie along the context and sequence axes: zigzag (device r of the ring holds chunks r "
+        "and 2P-1-r of 2P) balances causal ring attention; auto: zigzag for --attention ring or usp with the "
+        "length split, else contiguous",
     )
 
 
@@ -203,8 +209,9 @@ def _data_flags(p) -> None:
     g.add_argument(
         "--data",
         default="stdlib",
-        help="'stdlib' (this Python's standard library sources), "
-        "a text file, a folder of text files, or a .jsonl file with a 'text' field",
+        help="a folder made by 'python -m train.data prepare', or a raw source prepared on first use into "
+        "--data-cache: 'stdlib' (this Python's standard library sources), a text file, a folder, a .jsonl file "
+        "with a 'text' field or a .parquet file with a 'text' column",
     )
     g.add_argument(
         "--tokenizer",
@@ -217,7 +224,8 @@ def _data_flags(p) -> None:
     g.add_argument(
         "--data-cache",
         default=None,
-        help="folder for tokenized corpora (default: $MESHWORK_CACHE or ~/.cache/meshwork)",
+        help="folder where a raw --data is prepared into shards on first use (default: $MESHWORK_CACHE or "
+        "~/.cache/meshwork)",
     )
     g.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
     g.add_argument("--batch-size", type=int, default=16, help="global batch size in sequences")
@@ -244,7 +252,9 @@ def _pipeline_flags(p) -> None:
         "alternates one forward and one backward after warm-up, keeping S microbatches' activations "
         "instead of M (loss on the last stage, inside the pipeline); 1f1b-fused: 1f1b with a forward and a "
         "backward in every tick, about M+2(S-1) ticks of a forward+backward instead of 2(M+S-1) of a "
-        "backward, keeping up to 2S-1 microbatches' activations on the first stage",
+        "backward, keeping up to 2S-1 microbatches' activations on the first stage; zb: zero bubble "
+        "(ZB-H1), 1f1b-fused's ticks with the backward split into the input gradient and a weight "
+        "gradient deferred into the idle ticks (each recomputes the layer), 2S chunk buffers per stage",
     )
     g.add_argument(
         "--pipeline-repeats",
@@ -283,11 +293,12 @@ def _hetero_flags(p) -> None:
     g.add_argument(
         "--hetero-batch",
         default="off",
-        metavar="auto|kinds|off|COUNTS",
+        metavar="auto|kinds|off|KIND=N,...|COUNTS",
         help="uneven data parallelism: microbatches per data-parallel group along data x fsdp (each "
         "shared by the group's tensor devices), proportional to "
-        "device speed (auto: measured at start-up; kinds: the device kinds' datasheet peaks) or given (e.g. 3,3,3,3,1,1,1,1; "
-        "microbatch = --batch-size / their sum); data/fsdp/tensor meshes",
+        "device speed (auto: measured at start-up; kinds: the device kinds' datasheet peaks), given per "
+        "device kind (e.g. h100=25,a100=7: each group the count of its slowest device's kind) or per group "
+        "(e.g. 3,3,3,3,1,1,1,1; microbatch = --batch-size / their sum); data/fsdp/tensor meshes",
     )
     g.add_argument(
         "--hetero-max-share",
@@ -517,6 +528,7 @@ def from_args(args: argparse.Namespace) -> RunConfig:
             args.simulate_cluster,
             args.plan,
             args.device_memory,
+            external_coordinator=args.external_coordinator,
         ),
     )
 
@@ -531,6 +543,7 @@ def _model_and_tokenizer(args, execution: dict) -> tuple:
     from checkpoints import hf
 
     model = hf.init_config(args.init_from, args.model, args.set, **execution)
+    hf.weight_files(args.init_from)  # a folder of pickled weights only is refused here, before the data is read
     tokenizer = args.tokenizer
     if tokenizer is None and (Path(args.init_from) / hf.TOKENIZER_FILE).is_file():
         tokenizer = str(Path(args.init_from) / hf.TOKENIZER_FILE)
@@ -574,6 +587,7 @@ def _check_counts(args) -> None:
         num_processes=args.num_processes,
         process_id=args.process_id,
         dist_timeout=args.dist_timeout,
+        external_coordinator=args.external_coordinator,
     )
     args_distributed.distributed().validate()
     if args.cluster:
@@ -659,7 +673,8 @@ def parallelism_from_args(args, num_layers: int) -> Parallelism:
 def _strategy(args, sizes: dict[str, int], num_layers: int):
     stages = sizes[ax.STAGE]
     if stages == -1:
-        raise ValueError("--mesh stage=-1: give the pipeline's stage count, e.g. --mesh stage=4,fsdp=-1")
+        more = "" if args.microbatches >= 2 else " --microbatches 2"  # a pipeline needs a microbatch per stage
+        raise ValueError(f"--mesh stage=-1: give the pipeline's stage count, e.g. --mesh stage=2,fsdp=-1{more}")
     uneven = _rebalance(parse_hetero_batch(args.hetero_batch, args.microbatches), args.rebalance_every)
     if args.hetero_max_share is not None:
         if uneven is None or args.hetero_max_share < 1:
@@ -700,13 +715,19 @@ def pipeline_plan(args, stages: int, num_layers: int) -> PipelinePlan:
         `sharding.pipeline.plan_layout`; naming the flag, its value and one that works.
     """
     circular = args.pipeline_schedule == "circular"
-    one_f_one_b = args.pipeline_schedule in ("1f1b", "1f1b-fused")
+    one_f_one_b = args.pipeline_schedule in ("1f1b", "1f1b-fused", "zb")
     repeats = args.pipeline_repeats or (2 if circular else 1)
     if one_f_one_b and repeats < 1:
         raise ValueError(f"--pipeline-repeats {repeats}: must be at least 1 (1f1b; more is interleaved 1F1B)")
     if not circular and not one_f_one_b and repeats != 1:
         raise ValueError(
-            f"--pipeline-repeats {repeats} needs --pipeline-schedule circular or 1f1b (interleaved); gpipe has 1 repeat"
+            f"--pipeline-repeats {repeats} needs --pipeline-schedule circular or 1f1b (interleaved); gpipe has 1 "
+            "repeat; e.g. --pipeline-schedule 1f1b"
+        )
+    if args.pipeline_schedule == "zb" and repeats != 1:
+        raise ValueError(
+            f"--pipeline-repeats {repeats}: --pipeline-schedule zb runs one chunk per stage (ZB-H1); use "
+            "--pipeline-repeats 1, or --pipeline-schedule 1f1b-fused for interleaved chunks"
         )
     if circular and repeats < 2:
         raise ValueError(
@@ -733,6 +754,7 @@ def pipeline_plan(args, stages: int, num_layers: int) -> PipelinePlan:
         one_f_one_b=one_f_one_b,
         measure_stages=measure,
         fused=args.pipeline_schedule == "1f1b-fused",
+        zero_bubble=args.pipeline_schedule == "zb",
     )
 
 
@@ -749,11 +771,50 @@ def _rebalance(uneven: UnevenBatch | None, every: int | None) -> UnevenBatch | N
     return dataclasses.replace(uneven, rebalance_every=every)
 
 
+KIND_COUNTS_EXAMPLE = "--hetero-batch h100=25,a100=7"
+
+
+def parse_kind_counts(value: str) -> tuple[tuple[str, int], ...]:
+    """``KIND=COUNT,...`` (``--hetero-batch h100=25,a100=7``) -> ``((kind name, count), ...)``, a known kind by
+    its table name (`sharding.devices.get_kind`: ``h100`` -> ``h100_sxm``), another (a cluster file's) as
+    written; kinds missing from the mesh are named at start-up.
+
+    Raises:
+      ValueError: An empty kind, a kind named twice, a count that is not an integer >= 0, or all 0; naming
+        the flag.
+    """
+    from sharding.devices import get_kind
+
+    out: dict[str, int] = {}
+    for item in value.split(","):
+        name, _, count = item.partition("=")
+        try:
+            kind = get_kind(name.strip()).name
+        except ValueError:  # a kind of a cluster file's own: checked against the mesh's kinds at start-up
+            kind = name.strip()
+        if not kind:
+            raise ValueError(f"--hetero-batch {value}: a kind name before each '=' ({KIND_COUNTS_EXAMPLE})")
+        try:
+            n = int(count)
+        except ValueError:
+            n = -1
+        if n < 0 or kind in out:
+            raise ValueError(
+                f"--hetero-batch {value}: each kind once with a count >= 0, KIND=COUNT ({KIND_COUNTS_EXAMPLE})"
+            )
+        out[kind] = n
+    if not any(out.values()):
+        raise ValueError(f"--hetero-batch {value}: counts must not all be 0 ({KIND_COUNTS_EXAMPLE})")
+    return tuple(out.items())
+
+
 def parse_hetero_batch(value: str, microbatches: int = 1) -> UnevenBatch | None:
-    """``--hetero-batch off|auto|kinds|COUNTS`` -> `UnevenBatch` (None for ``off``).
+    """``--hetero-batch off|auto|kinds|KIND=COUNT,...|COUNTS`` -> `UnevenBatch` (None for ``off``).
 
     ``auto`` measures the devices at start-up (`train.calibrate`), ``kinds`` takes speeds from the devices'
     kinds (datasheet peaks; ``--simulate-cluster`` on CPU); both ``microbatches`` per device on average.
+    ``KIND=COUNT,...`` gives each data-parallel group the count of its slowest device's kind
+    (`parse_kind_counts`, resolved at start-up).
 
     Raises:
       ValueError: Counts that are not integers, negative, or all zero; naming the flag.
@@ -763,6 +824,8 @@ def parse_hetero_batch(value: str, microbatches: int = 1) -> UnevenBatch | None:
         return None
     if text in ("auto", "kinds"):
         return UnevenBatch(None, "measured" if text == "auto" else "kinds", microbatches)
+    if "=" in text:
+        return UnevenBatch(None, "given", microbatches, kind_counts=parse_kind_counts(value))
     try:
         counts = tuple(int(x) for x in text.split(","))
     except ValueError:

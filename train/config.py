@@ -86,6 +86,8 @@ class ClusterConfig:
       plan: ``auto`` to let the planner choose the `Parallelism`, else None.
       device_memory: Bytes one device may use (``--device-memory``; None: detected, `train.fit`).
       device_memory_source: Where ``device_memory`` comes from, in words.
+      external_coordinator: The coordination service at ``coordinator`` runs outside the training processes
+        (``--external-coordinator``, given by `train.launch`); process 0 does not start one.
     """
 
     cpu_devices: int | None = None
@@ -98,12 +100,15 @@ class ClusterConfig:
     plan: str | None = None
     device_memory: int | None = None
     device_memory_source: str = "--device-memory"
+    external_coordinator: bool = False
 
     def distributed(self):
         """The `train.distributed.DistributedConfig` of these flags."""
         from train.distributed import DistributedConfig
 
-        return DistributedConfig(self.coordinator, self.num_processes, self.process_id, self.dist_timeout)
+        return DistributedConfig(
+            self.coordinator, self.num_processes, self.process_id, self.dist_timeout, self.external_coordinator
+        )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,11 +23,14 @@ leaves with `os._exit` (status `LOST_PROCESS_EXIT`), skipping the shutdown
 barrier that would otherwise wait for the lost process. A survivor blocked
 inside a gloo collective is covered too: the watch runs in its own threads.
 
-Limit (jax 0.10): when process 0, which hosts the coordinator, is killed, the
+Limit (jax 0.10): when process 0 hosts the coordinator and is killed, the
 survivors' JAX clients poll the closed coordinator for errors and abort at
 once (C++ LOG(FATAL), exit 134), before any Python code runs; nothing a
-caller of ``jax.distributed.initialize`` can set prevents it. The watch's
-coordinator branch still covers a coordinator that hangs without closing.
+caller of ``jax.distributed.initialize`` can set prevents it. `start_service`
+and ``--external-coordinator`` move the service out of the training
+processes (`train.launch` hosts it), which makes that loss survivable too;
+they read JAX's private runtime binding, in one place (`_runtime_module`).
+The watch's coordinator branch still covers a coordinator that hangs without closing.
 
 Usage (the entry point, after `initialize` and before the first step)::
 
@@ -60,12 +63,15 @@ _DONE_KEY = "meshwork/done/"
 
 @dataclasses.dataclass(frozen=True)
 class DistributedConfig:
-    """``--coordinator``, ``--num-processes``, ``--process-id``, ``--dist-timeout`` (seconds)."""
+    """``--coordinator``, ``--num-processes``, ``--process-id``, ``--dist-timeout`` (seconds) and
+    ``--external-coordinator`` (the coordination service runs outside the training processes, e.g. in
+    `train.launch`, so process 0 only connects to it)."""
 
     coordinator: str | None = None
     num_processes: int | None = None
     process_id: int | None = None
     timeout: int = 300
+    external: bool = False
 
     @property
     def explicit(self) -> bool:
@@ -76,6 +82,11 @@ class DistributedConfig:
         if self.timeout <= 0:
             raise ValueError(f"--dist-timeout {self.timeout}: must be a positive number of seconds, e.g. 300")
         if not self.explicit:
+            if self.external:
+                raise ValueError(
+                    "--external-coordinator: needs --coordinator HOST:PORT --num-processes N --process-id I "
+                    "(train.launch gives them)"
+                )
             return
         missing = [
             flag
@@ -160,20 +171,105 @@ def initialize(config: DistributedConfig) -> str:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     timeouts = _timeouts(jax.distributed.initialize, config.timeout)
     if config.explicit:
-        jax.distributed.initialize(
-            coordinator_address=config.coordinator,
-            num_processes=config.num_processes,
-            process_id=config.process_id,
-            initialization_timeout=config.timeout,
-            **timeouts,
-        )
+        with _service_elsewhere(config.external):
+            jax.distributed.initialize(
+                coordinator_address=config.coordinator,
+                num_processes=config.num_processes,
+                process_id=config.process_id,
+                initialization_timeout=config.timeout,
+                **timeouts,
+            )
         _check_loopback_single_host(config)
-        return f"process {config.process_id} of {config.num_processes}, coordinator {config.coordinator}"
+        hosted = " (service outside the training processes)" if config.external else ""
+        return f"process {config.process_id} of {config.num_processes}, coordinator {config.coordinator}{hosted}"
     cluster = detected_cluster()
     if cluster is None:
         return "one process"
     jax.distributed.initialize(initialization_timeout=config.timeout, **timeouts)
     return f"process {jax.process_index()} of {jax.process_count()} (detected by JAX from {cluster})"
+
+
+def _runtime_module(purpose: str):
+    """JAX's private binding of the distributed runtime (``jax._src.distributed._jax``), the one place it is read.
+
+    Public JAX offers no way to host the coordination service apart from process 0: ``jax.distributed``
+    starts it inside process 0's ``initialize``. Both halves below (starting a service alone, and joining
+    one without starting another) go through this module's ``get_distributed_runtime_service``, present
+    in jax 0.10 to 0.12.
+
+    Raises:
+      RuntimeError: naming ``purpose`` and the JAX version when this JAX lacks the binding.
+    """
+    import jax
+    from jax._src import distributed as jax_distributed
+
+    module = getattr(jax_distributed, "_jax", None)
+    if module is None or not hasattr(module, "get_distributed_runtime_service"):
+        raise RuntimeError(
+            f"{purpose}: this JAX ({jax.__version__}) has no jax._src.distributed._jax."
+            "get_distributed_runtime_service to host the coordination service with; use jax 0.10 to 0.12, "
+            "or run train.train on each host without the launcher"
+        )
+    return jax_distributed, module
+
+
+class _NoService:
+    """Stands in for JAX's runtime binding while process 0 joins a service hosted elsewhere: every attribute
+    is the binding's except ``get_distributed_runtime_service``, which starts nothing (``initialize`` then
+    keeps ``global_state.service`` None, and ``shutdown`` skips it)."""
+
+    def __init__(self, module):
+        self._module = module
+
+    def __getattr__(self, name):
+        if name == "get_distributed_runtime_service":
+            return lambda *args, **kwargs: None
+        return getattr(self._module, name)
+
+
+class _service_elsewhere:
+    """Context in which ``jax.distributed.initialize`` of process 0 connects to ``--coordinator`` without
+    starting a coordination service of its own (``external``; otherwise it changes nothing)."""
+
+    def __init__(self, external: bool):
+        self.external = external
+        self._saved = None
+
+    def __enter__(self):
+        if self.external:
+            jax_distributed, module = _runtime_module("--external-coordinator")
+            self._saved = (jax_distributed, module)
+            jax_distributed._jax = _NoService(module)
+        return self
+
+    def __exit__(self, *exc):
+        if self._saved is not None:
+            jax_distributed, module = self._saved
+            jax_distributed._jax = module
+
+
+def start_service(port: int, num_processes: int, timeout: int):
+    """Starts JAX's coordination service in this process, listening on every address at ``port``.
+
+    For a launcher that outlives its training processes: they connect with ``--coordinator HOST:PORT
+    --external-coordinator``, so losing any of them, process 0 included, leaves the service (and the
+    other processes' clients) up.
+
+    Args:
+      port: TCP port to listen on.
+      num_processes: how many training processes will connect.
+      timeout: ``--dist-timeout`` in seconds: the service's heartbeat and shutdown timeouts.
+
+    Returns:
+      The service; call ``shutdown()`` on it once its processes have ended.
+
+    Raises:
+      RuntimeError: when this JAX lacks the binding (`_runtime_module`).
+    """
+    _, module = _runtime_module("train.launch")
+    return module.get_distributed_runtime_service(
+        f"[::]:{port}", num_processes, heartbeat_timeout=timeout, shutdown_timeout=timeout
+    )
 
 
 def _check_loopback_single_host(config: DistributedConfig) -> None:

@@ -54,17 +54,26 @@ def check_estimate(run) -> None:
     batch = run.data.batch_size * run.data.seq_len * BATCH_BYTES_PER_TOKEN / par.data_parallel
     if state + batch <= budget:
         return
+    # A dry run on this machine usually plans for other devices: their memory is the budget to check against.
+    dry = (
+        ""
+        if run.cluster.device_memory_source == "--device-memory" or not run.loop.dry_run
+        else (
+            f", or give the memory of the devices this dry run is for, e.g. --device-memory "
+            f"{max(80, -(-int(1.25 * (state + batch)) // 2**30))}GiB"
+        )
+    )
     if state > budget:
         raise ValueError(
             f"the model cannot fit: {params:,} parameters need {_gib(state)} of state (float32 parameters + AdamW "
             f"moments) per device even split over all {par.num_devices} devices, more than the {_gib(budget)} of "
             f"{run.cluster.device_memory_source}; use a smaller model (--model, --set vocab_size/embed_dim/"
-            f"num_layers) or more devices"
+            f"num_layers) or more devices{dry}"
         )
     raise ValueError(
         f"--batch-size {run.data.batch_size} x --seq-len {run.data.seq_len} needs {_gib(batch)} of "
         f"batch per device, more than the {_gib(budget)} of {run.cluster.device_memory_source}; "
-        f"use a smaller --batch-size"
+        f"use a smaller --batch-size{dry}"
     )
 
 

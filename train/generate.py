@@ -62,7 +62,14 @@ def read_prompts(args) -> list[str]:
         path = Path(name)
         if not path.is_file():
             raise ValueError(f"--prompt-file {name}: no such file")
-        prompts += [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(
+                f"--prompt-file {name}: not UTF-8 text (byte {e.start} is 0x{e.object[e.start]:02x}); give a text "
+                "file of prompts, one a line"
+            ) from None
+        prompts += [line for line in text.splitlines() if line.strip()]
     if not prompts:
         raise ValueError("give --prompt TEXT or --prompt-file FILE")
     return prompts

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -37,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     imp.add_argument("--run-dir", required=True, metavar="RUN", help="the run folder to write (no checkpoints yet)")
     imp.add_argument("--tokenizer", default=None, metavar="FILE", help="default: the folder's tokenizer.json")
     imp.add_argument("--seed", type=int, default=0, help="the run's seed (its RNG state)")
+    imp.add_argument(
+        "--break-lock", action="store_true", help="take over the run folder's lock held by a run on another host"
+    )
     add_device_args(imp)
     exp = sub.add_parser(
         "export",
@@ -55,10 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
 def import_folder(args) -> int:
     """``import``: the folder onto the mesh, saved as step 0 of ``--run-dir``."""
     from checkpoints import hf
-    from checkpoints.manager import CheckpointManager
-    from checkpoints.meta import RunMeta
     from train.checks import check_run_dir
-    from train.state import StateLayout
     from train.tokenizer import HFTokenizer
 
     config = hf.init_config(args.path)
@@ -68,6 +69,28 @@ def import_folder(args) -> int:
     tokenizer = HFTokenizer(tokenizer_file, hf.eod_token(args.path, tokenizer_file))
     check_run_dir(args.run_dir, resume=False)
     par = setup(args)
+    import jax
+
+    from train.train import hold_run_folder
+
+    lock = hold_run_folder(
+        args.run_dir, args.break_lock, jax.process_index(), lambda line: print(line, file=sys.stderr)
+    )
+    try:
+        _import_onto(args, config, tokenizer, par)
+    finally:
+        if lock is not None:
+            lock.release()
+    return 0
+
+
+def _import_onto(args, config, tokenizer, par) -> None:
+    """Loads the folder's weights onto the mesh of ``par`` and saves them as step 0 of ``--run-dir``."""
+    from checkpoints import hf
+    from checkpoints.manager import CheckpointManager
+    from checkpoints.meta import RunMeta
+    from train.state import StateLayout
+
     t0 = time.perf_counter()
     layout = StateLayout(config, par)
     params = hf.load_params(args.path, config, layout.param_targets())
@@ -83,7 +106,6 @@ def import_folder(args) -> int:
         f"imported {args.path} onto mesh {args.mesh} as step 0 of {args.run_dir} in {time.perf_counter() - t0:.1f} s; "
         f"continue with: python -m train.train --init-from {args.path} --resume --run-dir {args.run_dir} ..."
     )
-    return 0
 
 
 def export_run(args) -> int:
@@ -91,6 +113,7 @@ def export_run(args) -> int:
     from checkpoints import hf
     from train.cli import parse_bytes
     from train.inference import restore_params
+    from train.tokenizer import ByteTokenizer
 
     try:
         max_bytes = parse_bytes(args.max_shard_size, "--max-shard-size", "2GB")
@@ -103,18 +126,22 @@ def export_run(args) -> int:
     t0 = time.perf_counter()
     config, params, meta, step = restore_params(args.run_dir, args.step, par)
     name = meta.tokenizer.get("name")
-    tokenizer = name if name and name != "bytes" and Path(name).is_file() else None
-    if tokenizer is None:
-        print(f"note: the run's tokenizer {name!r} is not a tokenizer.json here; none is written", file=sys.stderr)
-    files = hf.save_params(
-        out,
-        config,
-        params,
-        dtype=args.dtype,
-        max_shard_size=max_bytes,
-        tokenizer=tokenizer,
-        eos_token_id=meta.tokenizer.get("eod_id"),
-    )
+    with tempfile.TemporaryDirectory() as scratch:
+        if name in (None, "", "bytes"):  # the bytes tokenizer, written as an equivalent tokenizer.json
+            tokenizer = ByteTokenizer().save_json(Path(scratch) / hf.TOKENIZER_FILE)
+        else:
+            tokenizer = name if Path(name).is_file() else None
+        if tokenizer is None:
+            print(f"note: the run's tokenizer {name!r} is not a tokenizer.json here; none is written", file=sys.stderr)
+        files = hf.save_params(
+            out,
+            config,
+            params,
+            dtype=args.dtype,
+            max_shard_size=max_bytes,
+            tokenizer=tokenizer,
+            eos_token_id=meta.tokenizer.get("eod_id"),
+        )
     print(
         f"exported step {step} of {args.run_dir} to {out} ({len(files)} files, {args.dtype}) in "
         f"{time.perf_counter() - t0:.1f} s"

@@ -3,7 +3,9 @@
 The host never waits on the step it just dispatched: step ``n`` is enqueued
 first, then the metrics of step ``n - 1`` are read (their device work is
 finished or nearly so), so data loading and logging overlap device compute.
-Only process 0 prints and writes metrics; every process takes part in
+Batches come from the input pipeline (`train.data.TrainBatches`), read ahead in background threads; the
+seconds each step waited for its batch are the ``perf/input_wait`` metric. Only process 0 prints and writes
+metrics; every process takes part in
 checkpoints (each writes its own shards).
 """
 
@@ -21,7 +23,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from train.data import Dataset, to_global_arrays
+from train.data import Dataset, local_rows, to_global_arrays
 from train.divergence import DivergenceGuard
 from train.profile import StepProfiler
 
@@ -252,6 +254,7 @@ def train_loop(
     options: LoopOptions,
     samples: int,
     checkpoints,
+    iterator: dict | None = None,
     writer: MetricsWriter,
     log: Callable[[str], None],
     stop: StopFlag,
@@ -259,8 +262,9 @@ def train_loop(
 ) -> tuple[dict, dict[str, Any]]:
     """Runs training from ``state`` (its ``step`` says where to start) to ``options.steps``.
 
-    ``samples`` is the data position (global sample number of the next batch); ``checkpoints`` has
-    ``save(state, step, samples)`` (starts an asynchronous save) and ``check()`` (raises a failed save's
+    ``samples`` is the data position (global sample number of the next batch) and ``iterator`` the input
+    pipeline's state a checkpoint recorded (None: derived from ``samples``); ``checkpoints`` has
+    ``save(state, step, samples, iterator)`` (starts an asynchronous save) and ``check()`` (raises a failed save's
     error); ``stop`` is a `StopFlag`, whose request reaches every process through the next step's ``stop``
     metric, so all stop after the same step and save it; ``check_compiled`` gets the compiled step before
     it runs and returns a line to log (`train.fit.check_compiled` raises for a step that cannot fit).
@@ -275,6 +279,8 @@ def train_loop(
     """
     start = int(jax.device_get(state["step"]))
     run = _Run(trainer, dataset, options, writer, log, start)
+    if start < options.steps:
+        run.open_input(samples, iterator)
     if start >= options.steps:
         log(
             f"the run is at step {start}, which already reaches --steps {options.steps}; nothing to train "
@@ -283,14 +289,18 @@ def train_loop(
         run.summary.update(step=start, samples=samples)
         return state, run.summary
     B = options.global_batch
-    compiled = _compile(trainer, state, run.batch_at(samples), options, log, check_compiled)
+    batch = run.next_batch()
+    compiled = _compile(trainer, state, batch, options, log, check_compiled)
+    run.batches.take_wait()  # the first batch's wait is start-up, not a step's
     run.evaluate(state, start)  # the starting point of the run's held-out curve (also after a resume)
     bar = _progress(options, start)
     step, stop_after_this = start, False
     profiler = StepProfiler(options.profile_steps, options.run_dir, log)
     while step < options.steps:
         profiler.before(step + 1)
-        state, metrics = compiled(state, run.batch_at(samples), trainer.signals(bool(stop), *run.inputs))
+        batch = run.next_batch() if batch is None else batch
+        state, metrics = compiled(state, batch, trainer.signals(bool(stop), *run.inputs))
+        batch = None
         step, samples = step + 1, samples + B
         profiler.after(step, state)
         checkpoints.check()
@@ -303,7 +313,7 @@ def train_loop(
         if options.eval_every and step % options.eval_every == 0 and not (step == options.steps or stop_after_this):
             run.evaluate(state, step)
         if save_now or stop_after_this:
-            checkpoints.save(state, step, samples)
+            checkpoints.save(state, step, samples, run.batches.state())
         if stop_after_this:
             run.summary["stopped_by"] = stop.signal_name or "a stop request from another process"
             log(f"stopping after step {step} ({run.summary['stopped_by']})")
@@ -343,16 +353,20 @@ class _Run:
         self.controller = trainer.strategy.controller()
         """The strategy's host-side controller of its step inputs (`GradientStrategy.controller`), or None."""
         self.guard = DivergenceGuard(options.max_loss, options.vocab_size)
+        self.batches = None
+        """The input pipeline (`open_input`)."""
 
-    def batch_at(self, first_sample: int) -> dict:
-        """The global batch starting at sample ``first_sample``, each process loading its own rows."""
+    def open_input(self, samples: int, iterator: dict | None) -> None:
+        """Starts the input pipeline at the data position ``samples`` (`train.data.TrainBatches`), restoring
+        the checkpoint's ``iterator`` state where it applies; this process reads only its own rows."""
         options = self.options
-        return to_global_arrays(
-            lambda rows: self.dataset.train_rows(first_sample, rows),
-            options.global_batch,
-            options.seq_len,
-            self.sharding,
-        )
+        rows = local_rows(self.sharding, (options.global_batch, options.seq_len))
+        self.batches = self.dataset.train_batches(rows, samples, iterator)
+
+    def next_batch(self) -> dict:
+        """The next step's global batch, each process loading its own rows (read ahead in the background)."""
+        local = next(self.batches)
+        return to_global_arrays(lambda rows: local, self.options.global_batch, self.options.seq_len, self.sharding)
 
     def evaluate(self, state, step: int) -> None:
         loss = evaluate(self.eval_fn, state["params"], self.dataset, self.options, self.sharding)
@@ -399,7 +413,9 @@ class _Run:
         tok_s = self.interval_steps * options.global_batch * options.seq_len / elapsed
         mfu = tok_s * options.flops_per_token / options.peak_flops if options.peak_flops else None
         step_time = elapsed / self.interval_steps
-        self.writer.write(step, {"tokens_per_second": tok_s, "step_time": step_time}, prefix="perf")
+        input_wait = self.batches.take_wait() / self.interval_steps
+        perf = {"tokens_per_second": tok_s, "step_time": step_time, "input_wait": input_wait}
+        self.writer.write(step, perf, prefix="perf")
         self.log(
             _format_line(step, options.steps, values["loss"], values["lr"], tok_s, step_time, mfu, values["grad_norm"])
         )

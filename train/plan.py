@@ -32,6 +32,7 @@ import shlex
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from checkpoints.argparser import Parser
 from models import attention_registry
@@ -185,8 +186,13 @@ def report(model, inventory, args, options) -> tuple[list[str], list[planner.Pla
     lines = [
         inventory.describe(),
         "",
-        f"model {args.model}: {args.batch} x {args.seq_len} tokens per step, {options.dtype}, "
-        f"{efficiency_note(inventory, options)}; planned in {seconds:.1f} s",
+        f"model {args.model}: {args.batch} x {args.seq_len} tokens per step, {plans[0].layout.dtype}"
+        + (
+            f" ({', '.join(sorted({k.name for k in inventory.kinds_present if not k.bfloat16}))} has no bfloat16)"
+            if plans[0].layout.dtype != options.dtype
+            else ""
+        )
+        + f", {efficiency_note(inventory, options)}; planned in {seconds:.1f} s",
         "",
     ]
     lines += planner.format_table(plans)
@@ -296,12 +302,15 @@ def given_layout(text: str, num_layers: int, num_devices: int, defaults: argpars
         raise ValueError(f"--layout: {e}") from None
     strategy, counts = par.strategy, None
     if strategy.uneven:
-        if strategy.counts is None:
+        if strategy.kind_counts is not None:
+            counts = dict(strategy.kind_counts)
+        elif strategy.counts is None:
             raise ValueError(
                 f"--layout: --hetero-batch {args.hetero_batch} is decided at run time; give the counts, "
-                f"e.g. --hetero-batch 3,3,3,3,1,1,1,1 (one per data x fsdp device)"
+                f"e.g. --hetero-batch h100=3,a100=1 (per kind) or 3,3,3,3,1,1,1,1 (one per data x fsdp device)"
             )
-        counts = tuple(strategy.counts)
+        else:
+            counts = tuple(strategy.counts)
     elif par.pipeline is not None and par.pipeline.measure_stages:
         raise ValueError(
             "--layout: --stage-layers auto is measured at run time; give the layers per stage, "
@@ -396,7 +405,9 @@ def breakdown(p: planner.Plan) -> list[str]:
 def plan_json(p: planner.Plan) -> dict:
     """One plan for scripts: ``step_seconds``, ``tokens_per_second``, ``mfu`` (fraction), ``memory_gb`` (kind ->
     GB per device, 1e9 bytes), ``memory_limit_gb``, ``fits``, ``why`` (empty when it fits), ``parts`` (seconds
-    of the slowest device), ``paced_by``, ``counts`` (uneven microbatches or null), ``comm_seconds`` (seconds
+    of the slowest device), ``paced_by``, ``counts`` (uneven microbatches or null), ``kind_counts`` (kind ->
+    count when each kind's groups share one, or null), ``stage_kinds`` (a pipeline's kinds per stage, or
+    null), ``comm_seconds`` (seconds
     per collective kind), ``idle_kinds`` (kinds given no microbatch) and ``flags`` (the
     ``python -m train.train`` layout flags, `plan_flags`)."""
     return {
@@ -410,18 +421,26 @@ def plan_json(p: planner.Plan) -> dict:
         "parts": dict(p.parts),
         "paced_by": p.paced_by,
         "counts": list(p.counts) if p.counts is not None else None,
+        "kind_counts": dict(p.kind_counts) if p.kind_counts is not None else None,
+        "stage_kinds": list(p.stage_kinds) if p.stage_kinds is not None else None,
         "comm_seconds": dict(p.comm),
         "idle_kinds": list(p.idle_kinds),
         "flags": plan_flags(p),
     }
 
 
-def plot(plans: Sequence[planner.Plan], path: str, title: str) -> None:
-    """Bar charts of predicted step time and per-device memory (per kind, against its limit).
+def _pyplot(path: str):
+    """``matplotlib.pyplot`` on the Agg backend, once ``path``'s folder is known to exist.
+
+    Called before planning too, so a plot that cannot be written is refused before the search runs.
 
     Raises:
-      RuntimeError: When matplotlib is not installed (naming the install command).
+      RuntimeError: matplotlib is not installed (naming the install command).
+      ValueError: the folder of ``path`` does not exist, naming ``--plot``.
     """
+    folder = Path(path).resolve().parent
+    if not folder.is_dir():
+        raise ValueError(f"--plot {path}: no folder {folder}; create it or give a path in an existing folder")
     try:
         import matplotlib
 
@@ -431,6 +450,16 @@ def plot(plans: Sequence[planner.Plan], path: str, title: str) -> None:
         raise RuntimeError(
             "--plot needs matplotlib: pip install 'meshwork[plot]' (or pip install matplotlib)"
         ) from None
+    return plt
+
+
+def plot(plans: Sequence[planner.Plan], path: str, title: str) -> None:
+    """Bar charts of predicted step time and per-device memory (per kind, against its limit).
+
+    Raises:
+      RuntimeError: When matplotlib is not installed (naming the install command).
+    """
+    plt = _pyplot(path)
     labels = [
         f"{i}. {format_mesh(p.layout.mesh)}\n{p.layout.rules_name}, M={p.layout.microbatches}, {p.layout.remat}"
         + ("\nuneven" if p.counts else f"\nstages {','.join(map(str, p.stage_layers))}" if p.stage_layers else "")
@@ -539,6 +568,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         if args.top < 1:
             raise ValueError(f"--top must be at least 1 (got {args.top}), e.g. --top 8")
+        if args.plot:
+            _pyplot(args.plot)
         model = model_description(args.model, args.set)
         inventory = inventory_from_flag(args.cluster)
         options = options_from(args)

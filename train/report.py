@@ -221,6 +221,14 @@ def schedule_memory_line(plan) -> str:
         )
     ticks = plan.tick_table()
     chunk = "microbatches" if layout.repeats == 1 else "chunk inputs"
+    if plan.zero_bubble:
+        return (
+            f"  saved for the backward pass: a ring of {ticks.slots} entries x {k} slot activations per device, "
+            f"holding each microbatch's slot inputs until its weight gradient and the slot cotangents its "
+            f"input gradient leaves for it (the other schedules keep {plan.steps} x {k}); one loop of "
+            f"{ticks.ticks} ticks, each a forward, an input gradient and a weight gradient per stage (any may "
+            f"idle), each gradient recomputing its layers; the loss runs on stage {s - 1} inside it"
+        )
     if plan.fused:
         return (
             f"  saved for the backward pass: a ring of {ticks.slots} {chunk} x {k} slot inputs per device (the "
@@ -252,6 +260,8 @@ def pipeline_lines(trainer, note: str | None = None) -> list[str]:
     if plan.one_f_one_b:
         schedule = "1F1B (PipeDream-Flush)" + ("" if r == 1 else f", interleaved, {r} chunks per stage")
         schedule += ", fused ticks (a forward and a backward per tick)" if plan.fused else ""
+        if plan.zero_bubble:
+            schedule = "zero bubble (ZB-H1: fused 1F1B ticks, the weight gradient deferred)"
     lines.append(
         f"pipeline: {schedule} over stage={s}, {m} microbatches through {trainer.config.num_layers} layers; bubble "
         f"(S-1)/(R*M+S-1) = {s - 1}/{r * m + s - 1} = {plan.bubble_fraction:.1%} of {plan.steps} steps"

@@ -33,6 +33,28 @@ class ByteTokenizer:
         data = bytes(int(i) for i in ids if 0 <= int(i) < 256)
         return data.decode("utf-8", errors="replace")
 
+    def save_json(self, path: str | Path) -> Path:
+        """Writes the same tokenizer as a ``tokenizer.json`` that `tokenizers` and ``transformers`` load.
+
+        A BPE model with no merges whose vocabulary is the 256 byte tokens ``<0x00>``..``<0xFF>`` (ids 0..255,
+        as here) and byte fallback, so every character becomes its UTF-8 bytes, as in Llama's tokenizer for
+        characters outside its vocabulary; ``<|endoftext|>`` is the special token 256. Decoding fuses the bytes
+        back into text.
+
+        Args:
+          path: the file to write.
+
+        Returns:
+          ``path``.
+        """
+        from tokenizers import AddedToken, Tokenizer, decoders, models
+
+        tok = Tokenizer(models.BPE(vocab={f"<0x{b:02X}>": b for b in range(256)}, merges=[], byte_fallback=True))
+        tok.add_special_tokens([AddedToken(EOD_CANDIDATES[0], special=True)])
+        tok.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+        tok.save(str(path))
+        return Path(path)
+
 
 class HFTokenizer:
     """A ``tokenizer.json`` loaded with the Hugging Face `tokenizers` library.

@@ -55,7 +55,9 @@ def run(config: RunConfig) -> int:
 
     log = report.logger(jax.process_index() == 0)
     config, tokenizer = prepare(config, jax.devices(), log)
-    lock = hold_run_folder(config, jax.process_index(), log)  # refuses a folder another run holds
+    lock = None
+    if not config.loop.dry_run:  # refuses a folder another run holds
+        lock = hold_run_folder(config.checkpoint.run_dir, config.checkpoint.break_lock, jax.process_index(), log)
     try:
         return _run_prepared(config, tokenizer, processes, log)
     finally:
@@ -63,10 +65,10 @@ def run(config: RunConfig) -> int:
             lock.release()
 
 
-def hold_run_folder(config: RunConfig, process_index: int, log):
+def hold_run_folder(run_dir: str, break_lock: bool, process_index: int, log):
     """The `checkpoints.lock.RunLock` of ``--run-dir``, taken by process 0 before anything in it is touched
-    (None for a dry run and the other processes, which share the folder by design); every process learns
-    whether it was refused.
+    (None for the other processes, which share the folder by design); every process learns whether it was
+    refused. ``break_lock`` is ``--break-lock``.
 
     Raises:
       checkpoints.lock.RunFolderLocked: (a ValueError) another run holds the folder.
@@ -74,20 +76,17 @@ def hold_run_folder(config: RunConfig, process_index: int, log):
     from checkpoints.lock import RunFolderLocked, RunLock
     from train.distributed import any_process
 
-    if config.loop.dry_run:
-        return None
     lock, error = None, None
     if process_index == 0:
         try:
-            lock = RunLock.acquire(config.checkpoint.run_dir, log, config.checkpoint.break_lock)
+            lock = RunLock.acquire(run_dir, log, break_lock)
         except ValueError as e:
             error = e
     if any_process(error is not None):  # the other processes stop with process 0, not at its first collective
         if error is not None:
             raise error
         raise RunFolderLocked(
-            f"--run-dir {config.checkpoint.run_dir}: process 0 could not take the folder's lock "
-            "(its error is in its log)"
+            f"--run-dir {run_dir}: process 0 could not take the folder's lock (its error is in its log)"
         )
     return lock
 
@@ -206,7 +205,7 @@ def train(config: RunConfig, trainer, ckpt, latest, tokenizer, log) -> int:
             log,
             permutation=_context_permutation(config),
         )
-        state, samples, latest = start_state(config, trainer, ckpt, latest, log)
+        state, (samples, iterator), latest = start_state(config, trainer, ckpt, latest, log)
         if jax.process_index() == 0 and config.record is not None:
             from train.configfile import write_record
 
@@ -237,6 +236,7 @@ def train(config: RunConfig, trainer, ckpt, latest, tokenizer, log) -> int:
                 dataset=dataset,
                 options=LoopOptions.of(config),
                 samples=samples,
+                iterator=iterator,
                 checkpoints=checkpoints,
                 writer=writer,
                 log=log,
@@ -257,8 +257,9 @@ def train(config: RunConfig, trainer, ckpt, latest, tokenizer, log) -> int:
 
 
 def start_state(config: RunConfig, trainer, ckpt, latest, log):
-    """``(state, samples, step)``: the latest checkpoint re-laid onto this run's mesh and layout, or a fresh
-    state (`train.inference.fresh_state`: ``--init-from``'s weights or a random init; step None). A step whose
+    """``(state, (samples, iterator), step)``: the latest checkpoint re-laid onto this run's mesh and layout, or a fresh
+    state (`train.inference.fresh_state`: ``--init-from``'s weights or a random init; step None); ``samples`` and
+    ``iterator`` are the saved data position and input pipeline state (`train.data.TrainBatches.state`). A step whose
     arrays do not read is set aside and the next older one restored (`checkpoints.verify.restore_falling_back`)."""
     from checkpoints.manager import restore_state
     from checkpoints.verify import restore_falling_back
@@ -266,7 +267,7 @@ def start_state(config: RunConfig, trainer, ckpt, latest, log):
     from train.inference import fresh_state
 
     if latest is None:
-        return fresh_state(config, trainer.state_layout, ckpt.directory, log), 0, None
+        return fresh_state(config, trainer.state_layout, ckpt.directory, log), (0, None), None
     _check_optimizer(config, ckpt, latest)
     t0 = time.perf_counter()
     (state, meta), latest = restore_falling_back(
@@ -280,7 +281,7 @@ def start_state(config: RunConfig, trainer, ckpt, latest, log):
     )
     for line in report.resume_lines(config, trainer, meta, latest, time.perf_counter() - t0):
         log(line)
-    return state, meta.samples, latest
+    return state, (meta.samples, meta.data.get("iterator")), latest
 
 
 def _check_optimizer(config: RunConfig, ckpt, step: int) -> None:
@@ -303,10 +304,11 @@ def _check_optimizer(config: RunConfig, ckpt, step: int) -> None:
 
 def _context_permutation(config: RunConfig):
     """The token order of the context layout along ``--seq-len`` (None: natural)."""
+    from models.attention import layout_shards
     from train.data import context_permutation
 
     par = config.parallelism
-    return context_permutation(config.data.seq_len, par.length_shards, par.context_layout)
+    return context_permutation(config.data.seq_len, layout_shards(config.model.attention, par), par.context_layout)
 
 
 if __name__ == "__main__":

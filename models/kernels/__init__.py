@@ -9,6 +9,7 @@ from .flash_attention import (
 )
 from .ring_attention import ring_attention, zigzag_permutation
 from .ulysses_attention import ulysses_attention
+from .usp_attention import usp_attention
 
 __all__ = [
     "BlockSizes",
@@ -18,5 +19,6 @@ __all__ = [
     "flash_attention_reference",
     "ring_attention",
     "ulysses_attention",
+    "usp_attention",
     "zigzag_permutation",
 ]

@@ -13,8 +13,23 @@ all-to-all is its own transpose. Per device, each all-to-all moves one local ten
 (`L/P * heads * head_dim` elements), four per pass, independent of P; the work is balanced
 by construction (every device attends whole sequences).
 
-The heads must split evenly: `heads` and `kv_heads` (as each device holds them) must be
-multiples of P; otherwise use ring attention (`ring_attention`), which splits no heads.
+Grouped-query attention with fewer key/value heads than devices (Llama 3 8B has 8 KV heads;
+a sequence axis of 16 is common at 128k tokens): the query heads must divide by P, the KV
+heads need not. Each KV head is repeated r = P / gcd(K, P) times (`kv_repeat`) before the
+all-to-all, so the K r = lcm(K, P) heads split evenly and device p receives exactly the KV
+heads its query heads use (query head n reads KV head n // G before and after the repeat,
+since r divides G). The repeat is a broadcast inside autodiff, so the backward sums the
+gradients of the r replicas: the exact GQA gradient. This follows AXLearn's flash-attention
+layer, which repeats KV heads when the sequence axis exceeds the KV head count.
+
+Why repeat rather than split heads unevenly (DeepSpeed PR #6392): a device must receive, for
+every token, the KV heads its N/P query heads read, at least max(1, K/P) heads; when one of
+K, P divides the other (every published model at power-of-two P) the repeat moves exactly
+that, `L/P * lcm(K, P) * H` elements a tensor per device, so no uneven split can move
+fewer bytes. An uneven split answers heads that P does not divide; it leaves devices with
+unequal work (the most loaded paces the step) and needs ragged all-to-alls. Query heads
+that P does not divide are refused (`check_ulysses_heads` names a P that works); ring
+attention (`ring_attention`) splits no heads.
 
 Layouts: ``contiguous`` (device r holds tokens [r L/P, (r+1) L/P)) or ``zigzag``
 (`ring_attention.zigzag_permutation`, the layout ring attention uses to balance causal
@@ -42,8 +57,24 @@ from .flash_attention import BlockSizes, flash_attention
 from .ring_attention import CONTIGUOUS, LAYOUTS, ZIGZAG, zigzag_permutation
 
 
+def kv_repeat(kv_heads: int, num_shards: int) -> int:
+    """r: how many times each KV head is repeated so that P devices split the K r = lcm(K, P) heads.
+
+    Args:
+      kv_heads: K, key/value heads each device holds before the all-to-all.
+      num_shards: P, devices along the sequence axis.
+
+    Returns:
+      P / gcd(K, P): 1 when P divides K, P / K when K divides P.
+    """
+    return num_shards // math.gcd(kv_heads, num_shards)
+
+
 def check_ulysses_heads(heads: int, kv_heads: int, num_shards: int) -> None:
     """Raises ValueError unless all-to-all attention can split the heads over P devices.
+
+    KV heads never block it (`kv_repeat`); the query heads must divide by P, and query heads
+    must be a multiple of KV heads (grouped-query attention).
 
     Args:
       heads: N, query heads each device holds before the all-to-all.
@@ -51,15 +82,16 @@ def check_ulysses_heads(heads: int, kv_heads: int, num_shards: int) -> None:
       num_shards: P, devices along the sequence axis.
 
     Raises:
-      ValueError: naming the counts and suggesting ring attention.
+      ValueError: naming the counts, the largest P that works and ring attention.
     """
-    bad = [f"{name} ({count})" for name, count in (("heads", heads), ("kv_heads", kv_heads)) if count % num_shards]
-    if bad:
+    if kv_heads < 1 or heads % kv_heads:
+        raise ValueError(f"heads ({heads}) per device must be a multiple of kv_heads ({kv_heads})")
+    if heads % num_shards:
+        good = math.gcd(heads, num_shards)  # divides P, so the other axes still cover the devices
         raise ValueError(
-            f"all-to-all (ulysses) attention splits heads over the {num_shards} devices of the "
-            f"sequence axis, but {' and '.join(bad)} per device "
-            f"{'are' if len(bad) > 1 else 'is'} not divisible by {num_shards}; use ring "
-            f"attention (--attention ring), or a sequence-axis size that divides both"
+            f"all-to-all (ulysses) attention splits query heads over the {num_shards} devices of the "
+            f"sequence axis, but heads ({heads}) per device is not divisible by {num_shards}; use a "
+            f"sequence axis of {good}, or ring attention (--attention ring)"
         )
 
 
@@ -68,12 +100,12 @@ def _axis_size(axis_name) -> int:
     return math.prod(lax.axis_size(name) for name in names)
 
 
-def _to_heads(x, axis_name):
+def to_heads(x, axis_name):
     """Sequence-sharded `[B, L/P, n, H]` -> head-sharded `[B, L, n/P, H]`."""
     return lax.all_to_all(x, axis_name, split_axis=2, concat_axis=1, tiled=True)
 
 
-def _to_sequence(x, axis_name):
+def to_sequence(x, axis_name):
     """Head-sharded `[B, L, n/P, H]` -> sequence-sharded `[B, L/P, n, H]`."""
     return lax.all_to_all(x, axis_name, split_axis=1, concat_axis=2, tiled=True)
 
@@ -100,7 +132,8 @@ def ulysses_attention(
 
     Args:
       q: this device's queries `[batch, length / P, heads, head_dim]`, float32 or bfloat16.
-      k, v: this device's keys and values `[batch, length / P, kv_heads, head_dim]`.
+      k, v: this device's keys and values `[batch, length / P, kv_heads, head_dim]`; any
+        `kv_heads` dividing `heads` (repeated to lcm(kv_heads, P) when P does not divide it).
       axis_name: the mesh axis (or axes) the length is split over; P is its size.
       q_segment_ids, kv_segment_ids: int `[batch, length / P]` packed-document ids, or both
         None; gathered to whole sequences (`lax.all_gather`, 4 bytes a token).
@@ -113,7 +146,7 @@ def ulysses_attention(
       `[batch, length / P, heads, head_dim]` in q's dtype, in q's layout.
 
     Raises:
-      ValueError: heads or kv_heads not divisible by P (suggesting ring attention), an
+      ValueError: heads not divisible by P (naming a P that works, and ring attention), an
         unknown layout, a length the zigzag layout cannot split, unequal query and key
         lengths, only one of the segment ids, or what `flash_attention` raises.
     """
@@ -132,7 +165,10 @@ def ulysses_attention(
     if size == 1:
         return flash_attention(q, k, v, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, **kernel)
     check_ulysses_heads(q.shape[2], k.shape[2], size)
-    q, k, v = (_to_heads(x, axis_name) for x in (q, k, v))
+    repeat = kv_repeat(k.shape[2], size)
+    if repeat > 1:  # KV head j becomes heads j r .. j r + r - 1; autodiff sums their gradients
+        k, v = (jnp.repeat(x, repeat, axis=2) for x in (k, v))
+    q, k, v = (to_heads(x, axis_name) for x in (q, k, v))
     if q_segment_ids is not None:
         q_segment_ids, kv_segment_ids = (
             lax.all_gather(ids, axis_name, axis=1, tiled=True) for ids in (q_segment_ids, kv_segment_ids)
@@ -147,4 +183,4 @@ def ulysses_attention(
     out = flash_attention(q, k, v, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, **kernel)
     if permuted:
         out = jnp.take(out, perm, axis=1)
-    return _to_sequence(out, axis_name)
+    return to_sequence(out, axis_name)

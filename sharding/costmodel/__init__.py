@@ -3,7 +3,7 @@
 For a model described by a `sharding.modeldesc.ModelDescription` (its parameters with logical axes
 and roles, matrix products, attention geometry, elementwise work and saved activations per token;
 ``models.spec.describe`` makes one), a global batch, a sequence length and a `Layout` (mesh sizes
-over ``data, stage, fsdp, sequence, tensor``, a rules preset, microbatches, remat, stage split), it
+over ``data, stage, fsdp, context, sequence, tensor``, a rules preset, microbatches, remat, stage split), it
 predicts for one device; it knows nothing model-specific beyond the description:
 
 * `sharding.costmodel.layout`: the `Layout` (`layout_of` derives it from a run's `Parallelism`), and
@@ -38,8 +38,16 @@ Units: FLOPs, bytes, seconds, FLOP/s, bytes/s. The package imports nothing of th
 from sharding.costmodel.collectives import BACKENDS, Comm, collective_bytes, host_shares, link_classes
 from sharding.costmodel.cost import Cost, device_cost, estimate
 from sharding.costmodel.flops import ELEMENTWISE_BACKWARD_FACTOR, OPTIMIZER_FLOPS_PER_PARAM, Flops
-from sharding.costmodel.layout import Layout, attention_of, describe_model, layout_of, unpriced_attention
+from sharding.costmodel.layout import (
+    TICK_SCHEDULES,
+    Layout,
+    attention_of,
+    describe_model,
+    layout_of,
+    unpriced_attention,
+)
 from sharding.costmodel.memory import Memory
+from sharding.costmodel.pipeline import tick_table
 from sharding.costmodel.time import (
     DEFAULT_EFFICIENCY,
     ELEMENTWISE_BYTES_PER_FLOP,
@@ -57,6 +65,7 @@ __all__ = [
     "ELEMENTWISE_BACKWARD_FACTOR",
     "ELEMENTWISE_BYTES_PER_FLOP",
     "NCCL_LATENCY",
+    "TICK_SCHEDULES",
     "OPTIMIZER_FLOPS_PER_PARAM",
     "Comm",
     "Cost",
@@ -76,5 +85,6 @@ __all__ = [
     "layout_of",
     "link_classes",
     "step_time",
+    "tick_table",
     "unpriced_attention",
 ]

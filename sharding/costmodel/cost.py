@@ -172,7 +172,7 @@ def _pipeline_cost(
     """The `Cost` of one stage device (the terms of `sharding.costmodel.pipeline`)."""
     layer = dataclasses.replace(s, micro=1, layers=pipe.applications)  # one microbatch's rows per application
     embed, head, head_runs = _pipeline_outside(s, pipe)
-    unit = _per_token_flops(model, layout, rules, placed, s, recomputes=1)
+    unit = _per_token_flops(model, layout, rules, placed, s, recomputes=pipe.recomputes, split_backward=pipe.split)
     optimizer = OPTIMIZER_FLOPS_PER_PARAM * _held_params(model, layout, rules, placed, s)
     inside = layer.tok * pipe.applications
     flops = Flops(
@@ -194,7 +194,7 @@ def _pipeline_cost(
     comms += _pipeline_embedding_comms(model, layout, placed, embed)
     comms += _pipeline_weight_comms(layout, rules, placed, pipe, model)
     comms += _stage_comms(model, layout, s, pipe, head)
-    comms += _tensor_comms(model, layout, rules, layer, recomputes=1, with_logits=False)
+    comms += _tensor_comms(model, layout, rules, layer, recomputes=pipe.recomputes, with_logits=False)
     comms += _sequence_comms(model, layout, rules, layer, backend)
     comms = tuple(c for c in comms if c.group > 1 and c.count > 0)
     arguments = memory.state + memory.batch + _INT_BYTES * 4 + _INT_BYTES

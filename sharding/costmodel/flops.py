@@ -77,12 +77,21 @@ class Flops:
 
 
 def _per_token_flops(
-    model: ModelDescription, layout: Layout, rules: Rules, placed: dict[str, _Placed], s: _Shape, recomputes: int = 0
+    model: ModelDescription,
+    layout: Layout,
+    rules: Rules,
+    placed: dict[str, _Placed],
+    s: _Shape,
+    recomputes: int = 0,
+    split_backward: bool = False,
 ) -> dict[str, float]:
     """FLOPs per token, forward and backward: of one layer (``layers``: weight products, ``attention``,
     ``recompute``, ``elem_layer``) and of what runs once (``logits``, ``elem_loss``). ``recomputes``:
     extra forward passes of each layer in the backward pass beyond the remat policy's (the
-    pipeline's backward pass recomputes every layer: 1)."""
+    pipeline's backward pass recomputes every layer: 1; zero bubble's two halves: 2). ``split_backward``:
+    zero bubble's weight-gradient pass, which differentiates the recomputed layer with respect to its weights
+    only, also redoes the input gradients inside the layer (every product's but those of the layer's input,
+    counted whole here) and attention's backward, counted in ``recompute``."""
     mesh = layout.mesh
     compute_axes = tuple(a for a in mesh if a not in ax.BATCH_MESH_AXES)  # gathered axes do not split work
 
@@ -106,6 +115,8 @@ def _per_token_flops(
     )
     recompute = {"none": 0.0, "full": kept_fwd + attn_fwd, "dots": attn_fwd}[layout.remat]
     recompute += recomputes * (kept_fwd + attn_fwd)
+    if split_backward:
+        recompute += layer_fwd + attn_total - attn_fwd
     passes = 1.0 + ELEMENTWISE_BACKWARD_FACTOR + (1.0 if layout.remat != "none" else 0.0)
     return {
         "layers": 3.0 * layer_fwd,

@@ -1,6 +1,6 @@
 """The layout of one step as the cost model reads it, and where it puts the model's parameters.
 
-`Layout` (mesh sizes over ``data, stage, fsdp, sequence, tensor``, a rules preset, microbatches,
+`Layout` (mesh sizes over ``data, stage, fsdp, context, sequence, tensor``, a rules preset, microbatches,
 remat, stage split, attention, dtype, the uneven and pipeline switches) and `layout_of`, which derives
 it from a run's `sharding.parallel.Parallelism`; `describe_model`; how a
 layout's rules split each parameter (`_Placed`, `_place_cached`) and each logical axis
@@ -27,6 +27,8 @@ from sharding.vocab import OUTPUT_IMPLS
 _PARAM_BYTES = 4  # parameters, gradients and AdamW moments are float32
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 _INT_BYTES = 4  # int32 tokens, positions, segment ids
+TICK_SCHEDULES = ("lockstep", "fused", "zb")
+"""The tick tables of the 1F1B-family schedules (`Layout.tick_schedule`; `sharding.pipeline.ticks`)."""
 _BATCH_FIELDS = 5  # tokens, targets, positions, segment_ids (int32), loss_mask (float32)
 
 
@@ -35,7 +37,7 @@ class Layout:
     """How one step is laid out over the devices.
 
     Attributes:
-      mesh: Mesh axis -> size over ``data, stage, fsdp, sequence, tensor`` (missing axes are 1).
+      mesh: Mesh axis -> size over ``data, stage, fsdp, context, sequence, tensor`` (missing axes are 1).
       rules: Rules preset name (``dp``, ``fsdp``, ``tp``, ``fsdp_tp``) or a `Rules` table.
       microbatches: M, gradient-accumulation steps per global batch (pipeline microbatches when
         ``stage > 1``).
@@ -60,6 +62,9 @@ class Layout:
         is also what a compiled program's loop trip counts say (a branch counted on every trip).
       one_f_one_b: Pipeline only: the 1F1B schedule (``--pipeline-schedule 1f1b``,
         `sharding.pipeline.onef1b`; interleaved with ``pipeline_repeats`` > 1) instead of GPipe/circular.
+      tick_schedule: With ``one_f_one_b``, whose tick table runs (`TICK_SCHEDULES`): ``lockstep``
+        (``1f1b``), ``fused`` (``1f1b-fused``) or ``zb`` (zero bubble, whose backward's two halves each
+        recompute the layer).
 
     Raises:
       ValueError: On an unknown axis, a size below 1, or an unknown remat/dtype/logits.
@@ -77,6 +82,15 @@ class Layout:
     logits: str = "auto"
     skip_empty: bool = True
     one_f_one_b: bool = False
+    tick_schedule: str = "lockstep"
+
+    @property
+    def pipeline_schedule(self) -> str:
+        """The ``--pipeline-schedule`` of a pipeline layout: ``gpipe``/``circular`` by repeats, else ``1f1b``,
+        ``1f1b-fused`` or ``zb`` (`tick_schedule`)."""
+        if not self.one_f_one_b:
+            return "gpipe" if self.pipeline_repeats == 1 else "circular"
+        return {"lockstep": "1f1b", "fused": "1f1b-fused", "zb": "zb"}[self.tick_schedule]
 
     def __post_init__(self) -> None:
         full = {a: 1 for a in ax.MESH_AXES}
@@ -93,6 +107,7 @@ class Layout:
             ("remat", ("none", "dots", "full")),
             ("dtype", tuple(_DTYPE_BYTES)),
             ("logits", OUTPUT_IMPLS),
+            ("tick_schedule", TICK_SCHEDULES),
         ):
             if getattr(self, field) not in allowed:
                 raise ValueError(f"--{field} {getattr(self, field)!r}: choose one of {', '.join(allowed)}")
@@ -128,13 +143,20 @@ def unpriced_attention(kernel: AttentionTraits, mesh: Mapping[str, int]) -> str 
 
     A kernel that splits the length (ring or all-to-all attention) moves keys and values over a
     ``sequence`` axis > 1 in its own way (a ring of ppermutes, all-to-alls of heads) that the model does
-    not count; without one it is its per-device kernel on the whole length and priced by its traits.
+    not count; without one it is its per-device kernel on the whole length and priced by its traits. A
+    ``context`` axis > 1 (the outer context split, `sharding.axes.CONTEXT`) is not priced for any kernel.
 
     Args:
       kernel: The attention's traits (`sharding.modeldesc.ModelDescription.attention_kernel`).
       mesh: Mesh axis -> size (missing axes are 1).
     """
     sequence = mesh.get(ax.SEQUENCE, 1)
+    context = mesh.get(ax.CONTEXT, 1)
+    if context > 1:
+        return (
+            f"attention {kernel.name!r} over context={context}: the cost model does not model the context "
+            f"axis; it prices layouts with context=1"
+        )
     if kernel.splits_length and sequence > 1:
         return (
             f"attention {kernel.name!r} over sequence={sequence}: the cost model does not model its "
@@ -164,7 +186,8 @@ def layout_of(par: Parallelism, config: Any = None, **fields: Any) -> Layout:
 
     The mesh and rules are the run's; the strategy gives the rest: `Accumulation` its microbatches,
     `UnevenBatch` the uneven step (``uneven_batch``, microbatches the per-device average), a
-    `sharding.pipeline.PipelinePlan` its stage split, repeats, microbatches, schedule (``one_f_one_b``)
+    `sharding.pipeline.PipelinePlan` its stage split, repeats, microbatches, schedule (``one_f_one_b``,
+    ``tick_schedule``)
     and ``skip_empty``.
 
     Args:
@@ -188,6 +211,7 @@ def layout_of(par: Parallelism, config: Any = None, **fields: Any) -> Layout:
             pipeline_repeats=plan.layout.repeats,
             skip_empty=plan.skip_empty,
             one_f_one_b=plan.one_f_one_b,
+            tick_schedule="zb" if plan.zero_bubble else "fused" if plan.fused else "lockstep",
         )
     else:
         values.update(microbatches=par.microbatches, uneven_batch=par.strategy.uneven)

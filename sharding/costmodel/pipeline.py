@@ -16,7 +16,7 @@ main builds it.
   non-layer parameters stored split over ``stage`` too (`spread_over_stage`).
 
 Where a schedule keeps its saved inputs: `_Pipe.saved_inputs` (GPipe: every slot of every step; 1F1B:
-the ring of `one_f_one_b_ticks(...).slots` chunk inputs). `sharding.costmodel.cost._pipeline_cost`
+the ring of its tick table's ``slots`` entries, `tick_table`). `sharding.costmodel.cost._pipeline_cost`
 adds these terms up into one stage device's `Cost`; checked against the compiler on the
 ``PIPELINE_GRID`` of ``bench/costmodel_grid.py``.
 
@@ -73,8 +73,15 @@ class _Pipe:
       groups: G, the devices of a stage the stored rows are spread over (`storage_axes`).
       moved: Rows each device sends per ppermute of the storage, one entry per distance that moves any.
       skip_empty: Empty slots and bubble steps are skipped (`PipelinePlan.skip_empty`).
-      ticks: 1F1B: the loop's ticks (`one_f_one_b_ticks`); 0 for GPipe/circular.
-      ring: 1F1B: the chunk inputs a stage keeps at once (`Ticks.slots`); 0 for GPipe/circular.
+      ticks: 1F1B: the loop's ticks (its tick table's: `one_f_one_b_ticks`, `fused_ticks` or
+        `zero_bubble_ticks`); 0 for GPipe/circular.
+      ring: 1F1B: the ring entries of ``K'`` slot activations a stage keeps (`Ticks.slots`: chunk inputs, and
+        with zero bubble the output cotangents its input gradients leave for the weight gradients); 0 for
+        GPipe/circular.
+      split: zero bubble: the backward runs as two passes (input gradient, weight gradient), each recomputing
+        the layer's forward from its saved input, so every layer is recomputed twice per microbatch, and the
+        weight gradient's pass redoes the input gradients inside the layer (`_per_token_flops`'s
+        ``split_backward``).
     """
 
     stages: int
@@ -87,6 +94,13 @@ class _Pipe:
     skip_empty: bool
     ticks: int = 0
     ring: int = 0
+    split: bool = False
+
+    @property
+    def recomputes(self) -> int:
+        """Forward passes of each layer the backward pass adds (`sharding.pipeline.program.chunk_backward`
+        recomputes it once; zero bubble's `chunk_backward_input` and `chunk_backward_weight` once each)."""
+        return 2 if self.split else 1
 
     @property
     def one_f_one_b(self) -> bool:
@@ -125,10 +139,14 @@ def _pipeline_of(model: ModelDescription, layout: Layout, rules: Rules, s: _Shap
     chunk = -(-s.slots // repeats)  # K' (`Placement.chunk_slots`): K rounded up so that G divides R*K'
     while (repeats * chunk) % groups:
         chunk += 1
+    schedule = layout.tick_schedule if layout.one_f_one_b else None
     moved, ticks, ring = _pipeline_tables(
-        model.num_layers, stages, repeats, layout.stage_layers, groups, s.micro, layout.one_f_one_b
+        model.num_layers, stages, repeats, layout.stage_layers, groups, s.micro, schedule
     )
-    return _Pipe(stages, repeats, s.micro, s.layers, repeats * chunk, groups, moved, layout.skip_empty, ticks, ring)
+    split = schedule == "zb"
+    return _Pipe(
+        stages, repeats, s.micro, s.layers, repeats * chunk, groups, moved, layout.skip_empty, ticks, ring, split
+    )
 
 
 @functools.lru_cache(maxsize=4096)
@@ -139,29 +157,50 @@ def _pipeline_tables(
     stage_layers: tuple[int, ...] | None,
     groups: int,
     micro: int,
-    one_f_one_b: bool,
+    schedule: str | None,
 ) -> tuple[tuple[int, ...], int, int]:
-    """``(moved, ticks, ring)`` of `_Pipe` from the static tables (`Placement.sends`, `one_f_one_b_ticks`);
-    cached: the planner prices many devices of one split. A split the run refuses (a planner's trial)
-    moves no stored rows."""
+    """``(moved, ticks, ring)`` of `_Pipe` from the static tables (`Placement.sends`, and for a 1F1B-family
+    ``schedule``, a `sharding.costmodel.layout.TICK_SCHEDULES` name, its tick table; None for GPipe/circular);
+    cached: the planner prices many devices of one split."""
+    moved = _moved_rows(num_layers, stages, repeats, stage_layers, groups)
+    return (moved, *(_ticks_and_ring(stages, micro, repeats, schedule) if schedule else (0, 0)))
+
+
+@functools.lru_cache(maxsize=4096)
+def _moved_rows(
+    num_layers: int, stages: int, repeats: int, stage_layers: tuple[int, ...] | None, groups: int
+) -> tuple[int, ...]:
+    """`_Pipe.moved` from the storage's placement (`Placement.sends`), cached apart from the microbatches and
+    schedule it does not depend on. A split the run refuses (a planner's trial) moves no stored rows."""
     from sharding.pipeline.storage import StageStorage
 
     try:
         placement = StageStorage(plan_layout(num_layers, stages, repeats, stage_layers)[0], groups).placement
-        moved = tuple(int(send.shape[-1]) for send in placement.sends if send is not None)
     except ValueError:
-        moved = ()
-    return (moved, *(_ticks_and_ring(stages, micro, repeats) if one_f_one_b else (0, 0)))
+        return ()
+    return tuple(int(send.shape[-1]) for send in placement.sends if send is not None)
 
 
 @functools.lru_cache(maxsize=1024)
-def _ticks_and_ring(stages: int, micro: int, repeats: int) -> tuple[int, int]:
-    """1F1B's ticks and ring slots (`one_f_one_b_ticks`; raises the run's ValueError for an interleaved
-    1F1B it refuses)."""
-    from sharding.pipeline.layout import one_f_one_b_ticks
-
-    table = one_f_one_b_ticks(stages, micro, repeats)
+def _ticks_and_ring(stages: int, micro: int, repeats: int, schedule: str = "lockstep") -> tuple[int, int]:
+    """A 1F1B-family schedule's ticks and ring slots (`tick_table`; raises the run's ValueError for a table
+    it refuses)."""
+    table = tick_table(schedule, stages, micro, repeats)
     return table.ticks, table.slots
+
+
+@functools.lru_cache(maxsize=256)
+def tick_table(schedule: str, stages: int, micro: int, repeats: int):
+    """The tick table of a 1F1B-family schedule by its `sharding.costmodel.layout.TICK_SCHEDULES` name
+    (`one_f_one_b_ticks`, `fused_ticks`, `zero_bubble_ticks`; cached).
+
+    Raises:
+      ValueError: as the table's builder (a microbatch count or repeats the run refuses).
+    """
+    from sharding.pipeline import ticks
+
+    make = {"lockstep": ticks.one_f_one_b_ticks, "fused": ticks.fused_ticks, "zb": ticks.zero_bubble_ticks}
+    return make[schedule](stages, micro, repeats)
 
 
 def _storage_axes(model: ModelDescription, rules: Rules, mesh: Mapping[str, int]) -> tuple[str, ...]:

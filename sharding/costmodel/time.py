@@ -94,7 +94,11 @@ DEFAULT_EFFICIENCY = 0.5
 
 
 def hardware_for(
-    kind: Any, devices_per_host: int, inter_host_bandwidth: float, efficiency: float | None = None
+    kind: Any,
+    devices_per_host: int,
+    inter_host_bandwidth: float,
+    efficiency: float | None = None,
+    dtype: str = "bfloat16",
 ) -> Hardware:
     """`Hardware` from a `sharding.devices.DeviceKind` and its host.
 
@@ -103,6 +107,8 @@ def hardware_for(
     bandwidth (`ELEMENTWISE_BYTES_PER_FLOP`; the two were fitted together), else `DEFAULT_EFFICIENCY` for all.
 
     Latencies: NCCL's model (`NCCL_LATENCY`), NVLink or PCIe by the kind's intra-host bandwidth.
+
+    Peak: ``peak_bf16_flops``, but in ``float32`` on a kind without bfloat16 (V100) its ``peak_fp32_flops``.
 
     Raises:
       ValueError: When the kind's figures are unknown (e.g. a detected CPU).
@@ -114,8 +120,9 @@ def hardware_for(
         )
     link = "nvlink" if kind.intra_host_bandwidth >= _NVLINK_FROM else "pcie"
     fitted = getattr(kind, "matmul_efficiency", None)
+    fp32 = dtype == "float32" and not getattr(kind, "bfloat16", True) and getattr(kind, "peak_fp32_flops", None)
     return Hardware(
-        peak_flops=kind.peak_bf16_flops,
+        peak_flops=kind.peak_fp32_flops if fp32 else kind.peak_bf16_flops,
         memory_bytes=kind.memory_bytes,
         memory_bandwidth=kind.memory_bandwidth,
         intra_bandwidth=kind.intra_host_bandwidth,

@@ -102,19 +102,21 @@ class Inventory:
         return len(self.kinds_present) == 1
 
     def describe(self) -> str:
-        """A fixed-width table of the hosts, their figures and the totals."""
+        """A fixed-width table of the hosts, their figures and the totals: one line per run of consecutive
+        hosts of the same kind and size (all on the one inter-host network), named ``first..last`` with
+        ``HOSTSxDEVICES`` devices, so a cluster of thousands of hosts prints a line per kind."""
         header = ("host", "kind", "devices", "bf16 TFLOP/s", "memory GB", "mem GB/s", "intra GB/s")
         rows = [header] + [
             (
-                h.name,
-                h.kind.name,
-                str(h.count),
-                _fmt(h.kind.peak_bf16_flops, 1e12),
-                _fmt(h.kind.memory_bytes, 1e9),
-                _fmt(h.kind.memory_bandwidth, 1e9),
-                _fmt(h.kind.intra_host_bandwidth, 1e9),
+                run[0].name if len(run) == 1 else f"{run[0].name}..{run[-1].name}",
+                run[0].kind.name,
+                str(run[0].count) if len(run) == 1 else f"{len(run)}x{run[0].count}",
+                _fmt(run[0].kind.peak_bf16_flops, 1e12),
+                _fmt(run[0].kind.memory_bytes, 1e9),
+                _fmt(run[0].kind.memory_bandwidth, 1e9),
+                _fmt(run[0].kind.intra_host_bandwidth, 1e9),
             )
-            for h in self.hosts
+            for run in self.runs()
         ]
         widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
         lines = ["  ".join(_cells(row, widths)) for row in rows]
@@ -126,8 +128,19 @@ class Inventory:
             f"inter-host {self.inter_host_bandwidth / 1e9:g} GB/s per host each way "
             f"({self.inter_host_bandwidth * 8 / 1e9:g} Gb/s); "
             "intra GB/s is per device, each way"
+            + ("; HxD devices: H hosts of D" if len(rows) - 1 < self.num_hosts else "")
         )
         return "\n".join(lines)
+
+    def runs(self) -> list[tuple[Host, ...]]:
+        """The hosts in runs of consecutive hosts of the same kind and device count, in device order."""
+        out: list[list[Host]] = []
+        for h in self.hosts:
+            if out and out[-1][0].kind == h.kind and out[-1][0].count == h.count:
+                out[-1].append(h)
+            else:
+                out.append([h])
+        return [tuple(run) for run in out]
 
 
 def _cells(row: Sequence[str], widths: Sequence[int]) -> list[str]:

@@ -69,6 +69,10 @@ class DeviceKind:
             fitted on published runs of this kind (`FITTED_EFFICIENCY`); ``None`` where no run was fitted
             (the cost model then assumes `sharding.costmodel.DEFAULT_EFFICIENCY`).
         efficiency_source: The runs ``matmul_efficiency`` was fitted on.
+        peak_fp32_flops: Without bfloat16 (``bfloat16`` False): the float32 peak, FLOP/s, the planner's clock
+            for it (planned in float32, the dtype the kind has and the model runs); None where not needed.
+        bfloat16: Whether the kind computes in bfloat16 at ``peak_bf16_flops`` (False for V100, whose
+            ``peak_bf16_flops`` is its float16 tensor-core figure).
 
     Raises:
         ValueError: On an empty name or a figure that is not positive.
@@ -83,6 +87,8 @@ class DeviceKind:
     source: str
     matmul_efficiency: float | None = None
     efficiency_source: str = ""
+    peak_fp32_flops: float | None = None
+    bfloat16: bool = True
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -217,17 +223,22 @@ _TABLE = (
         "https://www.baseten.co/blog/nvidia-a10-vs-a10g-for-ml-model-inference/; "
         "Amazon EC2 G5 instances, https://aws.amazon.com/ec2/instance-types/g5/",
     ),
-    _kind(
-        # V100 has no bf16 tensor cores: this is the fp16 tensor-core peak (fp32
-        # accumulate), the closest figure. bf16 itself runs far slower on V100.
-        "v100_sxm2_32gb",
-        "NVIDIA Tesla V100 SXM2 32GB",
-        125,
-        32,
-        0.9,
-        300,  # NVLink 2: 300 GB/s total both directions -> 150e9 B/s each way
-        "NVIDIA Tesla V100 product page and datasheet (V100 for NVLink column), "
-        "https://www.nvidia.com/en-us/data-center/v100/",
+    dataclasses.replace(
+        _kind(
+            # V100 has no bf16 tensor cores: this is the fp16 tensor-core peak (fp32
+            # accumulate), the closest figure. bf16 itself runs far slower on V100, so the
+            # planner plans it in float32 at the datasheet's single-precision 15.7 TFLOP/s.
+            "v100_sxm2_32gb",
+            "NVIDIA Tesla V100 SXM2 32GB",
+            125,
+            32,
+            0.9,
+            300,  # NVLink 2: 300 GB/s total both directions -> 150e9 B/s each way
+            "NVIDIA Tesla V100 product page and datasheet (V100 for NVLink column), "
+            "https://www.nvidia.com/en-us/data-center/v100/",
+        ),
+        peak_fp32_flops=15.7 * TFLOPS,
+        bfloat16=False,
     ),
     _kind(
         # GeForce: no NVLink, and peer-to-peer over PCIe is disabled by the driver, so

@@ -4,7 +4,7 @@ The package itself imports no JAX: it names the pure pieces, and the schedules a
 own modules.
 
 * `layout`: stage layouts and the pipeline plan (which layers each stage holds; no JAX);
-* `ticks`: the 1F1B schedules' tick tables, lockstep and fused (what each stage runs at each tick; no JAX);
+* `ticks`: the 1F1B-family schedules' tick tables, lockstep, fused and zero bubble (what each stage runs at each tick; no JAX);
 * `storage`: how a run stores the layer stack between steps: unpadded rows over every device (no JAX at
   import);
 * `relayout`: moving stacked layer arrays between layouts (checkpoints across stage counts; no JAX at
@@ -12,7 +12,7 @@ own modules.
 * `program`: the pieces every schedule's stage program is built from (setup, weight gather and gradient
   reduction, a chunk's forward and hand-written backward, buffer reads and writes);
 * `schedule`: the GPipe and circular schedules with their hand-written backward pass (`run_pipeline`);
-* `onef1b`: the 1F1B schedule, loss and backward pass in one loop (`run_pipeline_loss`).
+* `onef1b`: the 1F1B schedules (zero bubble too), loss and backward pass in one loop (`run_pipeline_loss`).
 """
 
 from sharding.pipeline.layout import (
@@ -29,7 +29,7 @@ from sharding.pipeline.layout import (
 )
 from sharding.pipeline.relayout import layout_rows, relayout, relayout_on_mesh
 from sharding.pipeline.storage import StageStorage, layout_from_meta
-from sharding.pipeline.ticks import fused_ticks, one_f_one_b_ticks
+from sharding.pipeline.ticks import fused_ticks, one_f_one_b_ticks, zero_bubble_ticks
 
 __all__ = [
     "SCHEDULES",
@@ -44,6 +44,7 @@ __all__ = [
     "bubble_fraction",
     "one_f_one_b_ticks",
     "fused_ticks",
+    "zero_bubble_ticks",
     "relayout",
     "relayout_on_mesh",
     "layout_rows",

@@ -22,7 +22,9 @@ The 1F1B schedule (PipeDream-Flush; Narayanan et al., SC'21, section 2.2) runs t
 ``S-1-s`` warm-up forwards stage ``s`` alternates one forward and one backward, so with ``R = 1`` it
 keeps at most ``S`` microbatches' stage inputs instead of ``M``; ``R > 1`` is interleaved 1F1B (section
 2.2.2). Its ticks run in lockstep (``1f1b``: one op per stage per tick) or fused (``1f1b-fused``: a
-forward and a backward per stage per tick); `sharding.pipeline.ticks` has both tables.
+forward and a backward per stage per tick); zero bubble (``zb``, Qi et al., ICLR 2024) runs fused ticks
+with the backward split into the input gradient and a deferred weight gradient; `sharding.pipeline.ticks`
+has the tables.
 
 `sharding.pipeline.relayout` moves stacked arrays between layouts; `sharding.pipeline.schedule`
 runs GPipe and circular, `sharding.pipeline.onef1b` runs 1F1B.
@@ -40,10 +42,20 @@ from sharding import axes as ax
 
 # The tick tables live in `sharding.pipeline.ticks`; they are named here too, for the modules that read them
 # beside the plan (the cost model, the planner).
-from sharding.pipeline.ticks import BACKWARD, FORWARD, FusedTicks, Ticks, fused_ticks, one_f_one_b_ticks  # noqa: F401
+from sharding.pipeline.ticks import (  # noqa: F401
+    BACKWARD,
+    FORWARD,
+    WEIGHT,
+    FusedTicks,
+    Ticks,
+    ZeroBubbleTicks,
+    fused_ticks,
+    one_f_one_b_ticks,
+    zero_bubble_ticks,
+)
 from sharding.splits import even_split
 
-SCHEDULES = ("gpipe", "circular", "1f1b", "1f1b-fused")
+SCHEDULES = ("gpipe", "circular", "1f1b", "1f1b-fused", "zb")
 
 
 # Layouts ----------------------------------------------------------------------
@@ -302,9 +314,11 @@ class PipelinePlan:
       fused: with ``one_f_one_b``, the fused ticks (``--pipeline-schedule 1f1b-fused``, `fused_ticks`): a
         forward and a backward per stage per tick, ``R*M + (R+1) S - 2`` ticks of a chunk's forward plus
         backward, against lockstep's ``2 (M + S - 1)`` ticks of one op each (with one chunk).
+      zero_bubble: with ``one_f_one_b``, zero bubble (``--pipeline-schedule zb``, `zero_bubble_ticks`): fused
+        ticks whose backward is split into the input gradient and a deferred weight gradient.
 
     Raises:
-      ValueError: ``fused`` without ``one_f_one_b``.
+      ValueError: ``fused`` or ``zero_bubble`` without ``one_f_one_b``, or both.
     """
 
     layout: StageLayout
@@ -313,6 +327,7 @@ class PipelinePlan:
     one_f_one_b: bool = False
     measure_stages: bool = False
     fused: bool = False
+    zero_bubble: bool = False
 
     uneven = False
     """Every data-parallel group runs all M microbatches (`sharding.parallel.UnevenBatch` is the uneven step)."""
@@ -320,6 +335,10 @@ class PipelinePlan:
     def __post_init__(self):
         if self.fused and not self.one_f_one_b:
             raise ValueError("PipelinePlan: fused ticks are a 1F1B schedule (one_f_one_b=True)")
+        if self.zero_bubble and (self.fused or not self.one_f_one_b):
+            raise ValueError(
+                "PipelinePlan: zero bubble is its own 1F1B-family schedule (one_f_one_b=True, fused=False)"
+            )
 
     @property
     def pipeline(self) -> PipelinePlan:
@@ -332,25 +351,29 @@ class PipelinePlan:
 
     @property
     def schedule(self) -> str:
-        """``gpipe``, ``circular``, ``1f1b`` or ``1f1b-fused`` (`SCHEDULES`; the ``--pipeline-schedule``
+        """``gpipe``, ``circular``, ``1f1b``, ``1f1b-fused`` or ``zb`` (`SCHEDULES`; the ``--pipeline-schedule``
         value)."""
+        if self.zero_bubble:
+            return "zb"
         if self.one_f_one_b:
             return "1f1b-fused" if self.fused else "1f1b"
         return self.layout.schedule
 
     def tick_table(self) -> Ticks | FusedTicks:
-        """The 1F1B loop's table: `fused_ticks` when ``fused``, else `one_f_one_b_ticks`.
+        """The 1F1B loop's table: `fused_ticks` when ``fused``, `zero_bubble_ticks` when ``zero_bubble``,
+        else `one_f_one_b_ticks`.
 
         Raises:
-          ValueError: as `one_f_one_b_ticks` (too few microbatches for the order).
+          ValueError: as `one_f_one_b_ticks` (too few microbatches for the order); as `zero_bubble_ticks`.
         """
-        make = fused_ticks if self.fused else one_f_one_b_ticks
+        make = zero_bubble_ticks if self.zero_bubble else fused_ticks if self.fused else one_f_one_b_ticks
         return make(self.layout.stages, self.microbatches, self.layout.repeats)
 
     @property
     def ticks(self) -> int:
         """Ticks of the 1F1B loop (`tick_table`): lockstep ``2 (M + S - 1)`` with one chunk per stage (each
-        stage's M forwards, M backwards and ``2 (S - 1)`` idle ticks), fused ``R*M + (R+1) S - 2``."""
+        stage's M forwards, M backwards and ``2 (S - 1)`` idle ticks), fused ``R*M + (R+1) S - 2``, zero bubble
+        ``M + 2 (S - 1)``."""
         return self.tick_table().ticks
 
     @property

@@ -1,4 +1,5 @@
-"""The 1F1B schedule (PipeDream-Flush) in one SPMD program, with the loss and the backward pass inside.
+"""The 1F1B schedules (PipeDream-Flush, and zero bubble) in one SPMD program, with the loss and the backward
+pass inside.
 
 Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM"
 (SC'21), section 2.2: after its warm-up forwards each stage alternates one forward and one backward,
@@ -15,7 +16,10 @@ chunk's slots (`program.chunk_forward`, each slot under a `jax.lax.cond`, none w
 keeping each slot's input in a ring of chunk inputs ``[slots, K, microbatch, ...]``; then the head, on
 the last virtual stage; then the backward, which differentiates the slots from their saved inputs
 (`program.chunk_backward`), so on the last virtual stage a microbatch's backward may share the tick of
-its forward. Cotangents that arrive before their backward wait in a second, smaller ring. Two
+its forward. Zero bubble (``zb``, `sharding.pipeline.ticks.zero_bubble_ticks`) splits that backward: the
+input gradient (`program.chunk_backward_input`) at the backward's tick, leaving each slot's output cotangent
+in the ring, and the weight gradient (`program.chunk_backward_weight`) at the tick its table gives, last in
+the tick. Cotangents that arrive before their backward wait in a second, smaller ring. Two
 ``ppermute`` per tick, outside every conditional (XLA's CPU backend deadlocks on a collective-permute
 inside one): the forward output down the ring (stage ``S-1`` to 0 for the next chunk), the input's
 cotangent up it; a stage with nothing to send sends what it holds, which the receiver ignores (the table
@@ -60,6 +64,8 @@ from sharding.pipeline.program import (
     Weights,
     check_split,
     chunk_backward,
+    chunk_backward_input,
+    chunk_backward_weight,
     chunk_forward,
     index_leaf,
     index_tree,
@@ -71,7 +77,7 @@ from sharding.pipeline.program import (
     write,
 )
 from sharding.pipeline.schedule import run_pipeline
-from sharding.pipeline.ticks import BACKWARD, FORWARD
+from sharding.pipeline.ticks import BACKWARD, FORWARD, WEIGHT
 
 
 def _ticks(
@@ -112,6 +118,7 @@ def _ticks(
     stage = jax.lax.axis_index(ax.STAGE)
     # This stage's column of each table; lockstep's forward and backward columns are one array, read once.
     columns = ticks.columns()
+    split = "weight" in columns  # zero bubble: the backward split into B and W passes
     tables = {}
     for column in columns.values():
         tables.setdefault(id(column), jnp.asarray(column)[:, stage])
@@ -165,17 +172,28 @@ def _ticks(
             backward, r, mb, slot = (row["backward" + part] for part in ("", "_chunk", "_microbatch", "_slot"))
             backward = backward == BACKWARD
             c = row["cotangent_slot"]
-            g_in, grads = chunk_backward(
-                layer,
-                params,
-                r,
-                index_leaf(buffer, slot),
-                index_tree(extras, mb),
-                jnp.where(backward, counts[r], 0),
-                index_leaf(waiting, c),
-                grads,
-                plan.skip_empty,
-            )
+            backward_args = (index_leaf(buffer, slot), index_tree(extras, mb), jnp.where(backward, counts[r], 0))
+            if split:  # zero bubble: B now, W from the ring at the tick the table gives
+                g_in, outputs = chunk_backward_input(
+                    layer, params, r, *backward_args, index_leaf(waiting, c), plan.skip_empty
+                )
+                buffer = write(buffer, row["backward_saved"], outputs, backward)
+                w_r, w_mb = row["weight_chunk"], row["weight_microbatch"]
+                grads = chunk_backward_weight(
+                    layer,
+                    params,
+                    w_r,
+                    index_leaf(buffer, row["weight_slot"]),
+                    index_tree(extras, w_mb),
+                    jnp.where(row["weight"] == WEIGHT, counts[w_r], 0),
+                    index_leaf(buffer, row["weight_saved"]),
+                    grads,
+                    plan.skip_empty,
+                )
+            else:
+                g_in, grads = chunk_backward(
+                    layer, params, r, *backward_args, index_leaf(waiting, c), grads, plan.skip_empty
+                )
             g_xs = write(g_xs, mb, g_in, backward & (stage == 0) & (r == 0))
             g_received = jax.lax.ppermute(g_in, ax.STAGE, back_ring)
         received = jax.lax.ppermute(h, ax.STAGE, ring)

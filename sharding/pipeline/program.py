@@ -12,7 +12,8 @@ mesh, manual over ``stage`` and the batch axes ``data`` and ``fsdp`` (`manual_ax
   one per microbatch, the gathered copy held through the step);
 * `chunk_forward` / `chunk_backward`: one chunk of a stage's layers for one microbatch, each slot under
   a `jax.lax.cond` (empty slots and idle ticks compute nothing), and its hand-written backward pass that
-  recomputes each layer from its saved input and differentiates it with `jax.vjp`;
+  recomputes each layer from its saved input and differentiates it with `jax.vjp`; zero bubble splits the
+  latter into `chunk_backward_input` and `chunk_backward_weight`, each recomputing the layer;
 * `index_tree`, `index_leaf`, `write`, `slot_params`, `add_slot`: slice-sized reads and predicated
   writes of the loop's buffers (a `jnp.where` on one slice, never on a whole buffer);
 * `stage_varying`, `sum_over_stages`: the casts at the edge of the map (inputs made stage-varying so
@@ -167,6 +168,67 @@ def chunk_backward(layer_fn, params, r, inputs, extras, count, g, grads, skip_em
 
     (g, grads), _ = jax.lax.scan(body, (g, grads), jnp.arange(slots), reverse=True)
     return g, grads
+
+
+def chunk_backward_input(layer_fn, params, r, inputs, extras, count, g, skip_empty: bool):
+    """The input-gradient half of `chunk_backward` (zero bubble's B pass): slots in reverse, each layer
+    recomputed from its saved input and differentiated with respect to its input only.
+
+    Qi et al., "Zero Bubble Pipeline Parallelism" (ICLR 2024), section 2: the backward of a layer splits into
+    the input's cotangent (B), which the previous stage waits for, and the weights' cotangent (W,
+    `chunk_backward_weight`), which can wait. Each slot's output cotangent is returned for W.
+
+    Args:
+      inputs: ``[K, microbatch, ...]`` slot inputs saved by the forward pass.
+      g: ``[microbatch, ...]`` cotangent of the chunk's output.
+      (others as `chunk_forward`)
+
+    Returns:
+      ``(g, outputs)``: the cotangent of the chunk's input ``[microbatch, ...]`` and ``[K, microbatch, ...]``
+      the cotangent of each slot's output (skipped slots pass ``g`` through; their entry is unused).
+    """
+    slots = jax.tree.leaves(params)[0].shape[1]
+
+    def body(g, k):
+        def back(g):
+            _, vjp = jax.vjp(lambda h: layer_fn(slot_params(params, r, k), h, *extras), inputs[k])
+            return vjp(g)[0]
+
+        if skip_empty:
+            return jax.lax.cond(k < count, back, lambda g: g, g), g
+        return jnp.where(k < count, back(g), g), g
+
+    return jax.lax.scan(body, g, jnp.arange(slots), reverse=True)
+
+
+def chunk_backward_weight(layer_fn, params, r, inputs, extras, count, outputs, grads, skip_empty: bool):
+    """The weight-gradient half of `chunk_backward` (zero bubble's W pass): each layer recomputed from its
+    saved input and differentiated with respect to its weights, at the output cotangent its B pass left.
+
+    Args:
+      inputs: ``[K, microbatch, ...]`` slot inputs saved by the forward pass.
+      outputs: ``[K, microbatch, ...]`` each slot's output cotangent (`chunk_backward_input`).
+      grads: accumulated parameter cotangents, leaves ``[R, K, ...]``.
+      (others as `chunk_forward`)
+
+    Returns:
+      ``grads`` with this chunk's slots added (skipped slots add nothing).
+    """
+    slots = jax.tree.leaves(params)[0].shape[1]
+
+    def body(grads, k):
+        def back(grads):
+            _, vjp = jax.vjp(lambda w: layer_fn(w, inputs[k], *extras), slot_params(params, r, k))
+            return add_slot(grads, r, k, vjp(outputs[k])[0])
+
+        if skip_empty:
+            return jax.lax.cond(k < count, back, lambda grads: grads, grads), None
+        _, vjp = jax.vjp(lambda w: layer_fn(w, inputs[k], *extras), slot_params(params, r, k))
+        keep = k < count
+        dw = jax.tree.map(lambda d: jnp.where(keep, d, jnp.zeros((), d.dtype)), vjp(outputs[k])[0])
+        return add_slot(grads, r, k, dw), None
+
+    return jax.lax.scan(body, grads, jnp.arange(slots))[0]
 
 
 def _inverse_rows(local_index: np.ndarray, size: int, width: int) -> np.ndarray:

@@ -138,42 +138,56 @@ def _place(layout: StageLayout, groups: int) -> Placement:
     index ``g`` for the moved rows, the one that receives the fewest rows per device (one ``ppermute`` of
     ``c_d`` rows per distance that moves any)."""
     devices = layout.stages * groups
-    return min((_place_preferring(layout, groups, d) for d in range(groups, devices, groups)), key=lambda p: p.received)
+    work = _working_table(layout, groups)
+    column = [[_filled(work[s, g::groups]) for g in range(groups)] for s in range(layout.stages)]
+    q = -(-layout.num_layers // devices)
+    # no device holds more than its q rows' worth: nothing moves, every preferred distance places alike
+    distances = range(groups, devices, groups) if max(len(c) for row in column for c in row) > q else (groups,)
+    return min((_place_preferring(layout, groups, d, work, column) for d in distances), key=lambda p: p.received)
 
 
-def _place_preferring(layout: StageLayout, groups: int, prefer: int) -> Placement:
+def _filled(slots: np.ndarray) -> list[int]:
+    """The layers of a working-copy column, empty slots (-1) left out."""
+    return slots[slots >= 0].tolist()
+
+
+def _place_preferring(
+    layout: StageLayout, groups: int, prefer: int, work: np.ndarray, column: list[list[list[int]]]
+) -> Placement:
     """A placement whose moved rows travel ``prefer`` devices along the ``(stage, *groups)`` ring where they can.
 
     Device ``(s, g)`` (ring index ``s*G + g``) provides the working-copy slots ``w*G + g`` of stage ``s``
     (the all-gather over the group axes interleaves them): it stores up to ``q = ceil(L / (S*G))`` of those
     layers itself and receives the rest from devices with spare rows: of other stages at the same ``g``
     where there are any (a ``ppermute`` over ``stage`` alone), else any device. ``S*G*q >= L`` rows, so the
-    spare rows always suffice.
+    spare rows always suffice. ``work`` is `_working_table`, ``column[s][g]`` the layers of its slots
+    ``w*G + g`` on stage ``s`` (`_filled`), shared by the distances `_place` tries.
     """
     stages = layout.stages
     devices = stages * groups
-    work = _working_table(layout, groups)
     width = work.shape[1] // groups
-    column = [[[int(n) for n in work[s, g::groups] if n >= 0] for g in range(groups)] for s in range(stages)]
     q = -(-layout.num_layers // devices)
     held = [[column[s][g][:q] for g in range(groups)] for s in range(stages)]
     received = [[[] for _ in range(groups)] for _ in range(stages)]  # (src stage, src g, its local row, layer)
+    # the source of each moved row, as arrays over the (stage, g) devices: the largest of (travels `prefer`,
+    # spare rows, -distance), the first in (stage, g) order among equals
+    count = np.array([[len(held[s][g]) for g in range(groups)] for s in range(stages)], dtype=np.int64)
+    ring = np.arange(devices, dtype=np.int64).reshape(stages, groups)
+    other_stage, g_of = np.arange(stages)[:, None], np.arange(groups)[None, :]
+    big = devices + q + 1
     for s in range(stages):
         for g in range(groups):
             here = s * groups + g
             for layer in column[s][g][q:]:
-                spare = [(o, h) for o in range(stages) for h in range(groups) if len(held[o][h]) < q]
-                same = [(o, h) for o, h in spare if h == g and o != s]
-                o, h = max(
-                    same or spare,
-                    key=lambda c: (
-                        (here - c[0] * groups - c[1]) % devices == prefer,
-                        q - len(held[c[0]][c[1]]),
-                        -((here - c[0] * groups - c[1]) % devices),
-                    ),
-                )
+                distance = (here - ring) % devices
+                spare = count < q
+                same = spare & (g_of == g) & (other_stage != s)
+                pool = same if same.any() else spare
+                key = (distance == prefer) * big * big + (q - count) * big + (devices - distance)
+                o, h = divmod(int(np.where(pool, key, -1).argmax()), groups)
                 received[s][g].append((o, h, len(held[o][h]), layer))
                 held[o][h].append(layer)
+                count[o, h] += 1
     row_table = np.full((stages, groups, q), -1, np.int32)
     for s in range(stages):
         for g in range(groups):
@@ -181,14 +195,16 @@ def _place_preferring(layout: StageLayout, groups: int, prefer: int) -> Placemen
     sends: list[np.ndarray | None] = []
     offsets: dict[tuple[int, int, int], int] = {}  # (dst stage, dst g, layer) -> row of its receive buffer
     total = 0
+    # the moved rows by distance, then by source, in (destination, receive order): one pass over them
+    by_distance: dict[int, dict[tuple[int, int], list]] = {}
+    for s in range(stages):
+        for g in range(groups):
+            for o, h, local, layer in received[s][g]:
+                d = (s * groups + g - o * groups - h) % devices
+                by_distance.setdefault(d, {}).setdefault((o, h), []).append((local, layer, s, g))
     for d in range(devices):
-        moves: dict[tuple[int, int], list] = {(o, h): [] for o in range(stages) for h in range(groups)}
-        for s in range(stages):
-            for g in range(groups):
-                for o, h, local, layer in received[s][g]:
-                    if (s * groups + g - o * groups - h) % devices == d:
-                        moves[(o, h)].append((local, layer, s, g))
-        cap = max(len(v) for v in moves.values())
+        moves = by_distance.get(d, {})
+        cap = max((len(v) for v in moves.values()), default=0)
         if d == 0 or cap == 0:
             sends.append(None)
             continue

@@ -1,4 +1,4 @@
-"""The tick tables of the 1F1B schedules: what each stage runs at each tick of one SPMD loop (no JAX).
+"""The tick tables of the 1F1B-family schedules: what each stage runs at each tick of one SPMD loop (no JAX).
 
 Both tables run the order of PipeDream-Flush (Narayanan et al., "Efficient Large-Scale Language Model
 Training on GPU Clusters Using Megatron-LM", SC'21, section 2.2, figure 4; interleaved over ``R`` chunks per
@@ -23,7 +23,13 @@ virtual stage at an earlier tick, or, on the last virtual stage, comes from the 
   ticks forces a forward on stage 0 at every one of its first ``M`` ticks, ``2S - 1`` of them before its
   first backward; holding only ``S`` would bring back lockstep's ``~2M`` ticks.
 
-A table fixes the slot of every saved chunk input and of every waiting cotangent, so the loop only indexes.
+* `zero_bubble_ticks` (`ZeroBubbleTicks`), zero bubble (ZB-H1, Qi et al., ICLR 2024): fused ticks whose
+  backward is split into the input gradient (B, at fused 1F1B's backward ticks) and the weight gradient
+  (W), which stage ``s`` runs ``s`` ticks after its B; ``M + 2 (S - 1)`` ticks, ``2S`` ring entries per stage
+  (chunk inputs until their W, and the slot cotangents B leaves for W).
+
+A table fixes the slot of every saved chunk input and of every waiting cotangent, so the loop only indexes;
+`tick_time` prices a table with every tick as long as its busiest stage (the cost model's clock).
 """
 
 from __future__ import annotations
@@ -32,8 +38,8 @@ import dataclasses
 
 import numpy as np
 
-FORWARD, BACKWARD = 1, 2
-"""The ops of a `Ticks` table (0: idle)."""
+FORWARD, BACKWARD, WEIGHT = 1, 2, 3
+"""The ops of the tables (0: idle); `WEIGHT`, the weight-gradient pass, only in `ZeroBubbleTicks`."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,6 +164,54 @@ class FusedTicks:
             for f in dataclasses.fields(self)
             if f.name not in ("slots", "cotangent_slots")
         }
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroBubbleTicks(FusedTicks):
+    """The zero-bubble schedule (ZB-H1) as tables ``[ticks, S]`` int32: `zero_bubble_ticks` builds it.
+
+    A `FusedTicks` table whose ``backward`` is the input-gradient pass only (B: the cotangent of the chunk's
+    input, on the critical path), plus a weight-gradient pass (W) per stage per tick. The loop runs a tick's
+    forward, the head, B, then W. One ring of `slots` entries ``[K, microbatch, ...]`` holds both the chunk
+    inputs (from arrival to their W) and the cotangents of each slot's output that B leaves for W (from B to
+    W).
+
+    Attributes:
+      weight: `WEIGHT` where the stage runs a chunk's weight-gradient pass at the tick, else 0.
+      weight_chunk, weight_microbatch: the W pass's chunk and microbatch (0 when idle).
+      weight_slot: the ring slot of the W pass's chunk input.
+      weight_saved: the ring slot of the slot output cotangents its B left.
+      backward_saved: the ring slot where B leaves its slot output cotangents.
+      (others as `FusedTicks`)
+    """
+
+    weight: np.ndarray
+    weight_chunk: np.ndarray
+    weight_microbatch: np.ndarray
+    weight_slot: np.ndarray
+    weight_saved: np.ndarray
+    backward_saved: np.ndarray
+
+    def live(self) -> np.ndarray:
+        """``[S]``: the most ring entries each stage holds at once (chunk inputs and saved cotangents)."""
+        ticks, stages = self.arrive.shape
+        most = []
+        for s in range(stages):
+            held: set[int] = set()
+            peak = 0
+            for t in range(ticks):
+                for on, slot in (
+                    (self.arrive[t, s] >= 0, self.arrive[t, s]),
+                    (self.forward[t, s], self.forward_slot[t, s]),
+                    (self.backward[t, s], self.backward_saved[t, s]),
+                ):
+                    if on:
+                        held.add(int(slot))
+                peak = max(peak, len(held))
+                if self.weight[t, s]:
+                    held -= {int(self.weight_slot[t, s]), int(self.weight_saved[t, s])}
+            most.append(peak)
+        return np.asarray(most, np.int32)
 
 
 def _held(arrive, forward, forward_slot, backward, backward_slot) -> np.ndarray:
@@ -288,17 +342,12 @@ def one_f_one_b_ticks(stages: int, microbatches: int, repeats: int = 1) -> Ticks
     return Ticks(**tables, slots=max(n for _, n in colours), cotangent_slots=max(n for _, n in cot_colours))
 
 
-def fused_ticks(stages: int, microbatches: int, repeats: int = 1) -> FusedTicks:
-    """The fused 1F1B schedule of ``S`` stages, ``M`` microbatches and ``R`` chunks per stage (module docstring).
-
-    At each tick each stage takes its next forward if its input is there and its next backward if its
-    cotangent is there (`_op_orders`; the last virtual stage's backward may follow its forward within the
-    tick). Every op then runs at the first tick its dependencies allow: the forward of virtual stage ``v``
-    of microbatch ``i = g*S + j`` (group ``g``) at tick ``g*R*S + v + j``, and the step takes ``R*M + (R+1) S
-    - 2`` ticks.
+def _fused_order(stages: int, microbatches: int, repeats: int) -> tuple[list, dict]:
+    """``(rows, done)`` of `fused_ticks`: per tick and stage the ``(forward, backward)`` run, each a ``(chunk,
+    microbatch)`` or None, and the tick of every ``(op, virtual stage, microbatch)``.
 
     Raises:
-      ValueError: as `one_f_one_b_ticks` (``M < S``; ``R > 1`` with ``M`` not a multiple of ``S``).
+      ValueError: as `_check`.
     """
     _check(stages, microbatches, repeats)
     last, n = stages * repeats - 1, repeats * microbatches
@@ -333,11 +382,36 @@ def fused_ticks(stages: int, microbatches: int, repeats: int = 1) -> FusedTicks:
         rows.append(row)
         if len(rows) > 4 * (n + stages) * 2:
             raise AssertionError("fused 1F1B order deadlocked")  # unreachable for the orders above
+    return rows, done
+
+
+def fused_ticks(stages: int, microbatches: int, repeats: int = 1) -> FusedTicks:
+    """The fused 1F1B schedule of ``S`` stages, ``M`` microbatches and ``R`` chunks per stage (module docstring).
+
+    At each tick each stage takes its next forward if its input is there and its next backward if its
+    cotangent is there (`_op_orders`; the last virtual stage's backward may follow its forward within the
+    tick). Every op then runs at the first tick its dependencies allow: the forward of virtual stage ``v``
+    of microbatch ``i = g*S + j`` (group ``g``) at tick ``g*R*S + v + j``, and the step takes ``R*M + (R+1) S
+    - 2`` ticks.
+
+    Raises:
+      ValueError: as `one_f_one_b_ticks` (``M < S``; ``R > 1`` with ``M`` not a multiple of ``S``).
+    """
+    _check(stages, microbatches, repeats)
+    last = stages * repeats - 1
+    rows, done = _fused_order(stages, microbatches, repeats)
     saved, waiting = _intervals(done, stages, microbatches, last)
     colours = [_colour({k: w for k, w in saved.items() if k[0] % stages == s}) for s in range(stages)]
     cot_colours = [_colour({k: w for k, w in waiting.items() if k[0] % stages == s}) for s in range(stages)]
     slot_of = {k: c for cs, _ in colours for k, c in cs.items()}
     cot_of = {k: c for cs, _ in cot_colours for k, c in cs.items()}
+    tables = _fused_tables(rows, stages, last, slot_of, cot_of)
+    return FusedTicks(**tables, slots=max(n for _, n in colours), cotangent_slots=max(n for _, n in cot_colours))
+
+
+def _fused_tables(rows: list, stages: int, last: int, slot_of: dict, cot_of: dict) -> dict[str, np.ndarray]:
+    """The ``[ticks, S]`` int32 columns of `FusedTicks` (all but the slot counts) from `_fused_order`'s rows, the
+    ring slot of every ``(v, i)`` chunk input and the cotangent slot of every waiting cotangent."""
     shape = (len(rows), stages)
     names = (
         "forward",
@@ -373,7 +447,7 @@ def fused_ticks(stages: int, microbatches: int, repeats: int = 1) -> FusedTicks:
                 tables["cotangent_slot"][t, s] = cot_of[v, i]
                 if v > 0 and t + 1 < len(rows):
                     tables["cotangent_arrive"][t + 1, (s - 1) % stages] = cot_of[v - 1, i]
-    return FusedTicks(**tables, slots=max(n for _, n in colours), cotangent_slots=max(n for _, n in cot_colours))
+    return tables
 
 
 def fused_tick_count(stages: int, microbatches: int, repeats: int = 1) -> int:
@@ -386,6 +460,81 @@ def fused_held_bound(stages: int, microbatches: int, repeats: int, stage: int) -
     (a microbatch's input waits ``2 (V - 1 - v)`` ticks between its forward and its backward on virtual stage
     ``v``, while one forward a tick arrives)."""
     return min(repeats * microbatches, (repeats + 1) * stages - 1 - 2 * stage)
+
+
+def zero_bubble_ticks(stages: int, microbatches: int, repeats: int = 1) -> ZeroBubbleTicks:
+    """The ZB-H1 schedule of ``S`` stages and ``M`` microbatches as a `ZeroBubbleTicks` table.
+
+    Qi et al., "Zero Bubble Pipeline Parallelism" (ICLR 2024), section 3: the backward pass is split into B,
+    the input's cotangent, which the previous stage waits for, and W, the weights' cotangent, which nothing
+    waits for. Forwards and B passes run at the ticks of `fused_ticks` (each at the first tick its input
+    allows, so a step still takes ``M + 2 (S - 1)`` ticks); stage ``s`` runs the W pass of a microbatch ``s``
+    ticks after its B, so the last stages' W passes move out of the ticks where the first stages' B passes
+    form the critical path into their own idle tail (ZB-H1's deferral, which keeps the peak memory of the
+    schedule it splits). What stage ``s`` holds: ``2 (S - s) - 1 + s`` chunk inputs (each kept until its W)
+    and ``s + 1`` sets of saved cotangents, ``2S`` ring entries on every stage, against fused 1F1B's
+    ``2 (S - s) - 1`` (``2S - 1`` on stage 0).
+
+    Raises:
+      ValueError: ``R > 1`` (ZB-H1 runs one chunk per stage; the interleaved ZB-V is not built), naming
+        ``--pipeline-repeats``; as `fused_ticks` (``M < S``), naming ``--microbatches``.
+    """
+    if repeats != 1:
+        raise ValueError(
+            f"--pipeline-repeats {repeats}: --pipeline-schedule zb runs one chunk per stage (ZB-H1); use "
+            "--pipeline-repeats 1, or --pipeline-schedule 1f1b-fused for interleaved chunks"
+        )
+    _check(stages, microbatches, 1)
+    last = stages - 1
+    rows, done = _fused_order(stages, microbatches, 1)
+    when = {(s, i): done[BACKWARD, s, i] + s for s in range(stages) for i in range(microbatches)}
+    rows += [[(None, None)] * stages for _ in range(max(when.values()) + 1 - len(rows))]
+    saved, waiting = _intervals(done, stages, microbatches, last)
+    held = {k: (start, when[k]) for k, (start, _) in saved.items()}
+    held.update({("saved", *k): (done[BACKWARD, k[0], k[1]], w) for k, w in when.items()})
+    colours = [_colour({k: w for k, w in held.items() if k[-2] == s}) for s in range(stages)]
+    cot_colours = [_colour({k: w for k, w in waiting.items() if k[0] == s}) for s in range(stages)]
+    slot_of = {k: c for cs, _ in colours for k, c in cs.items()}
+    cot_of = {k: c for cs, _ in cot_colours for k, c in cs.items()}
+    tables = _fused_tables(rows, stages, last, slot_of, cot_of)
+    shape = tables["forward"].shape
+    for name in ("weight", "weight_chunk", "weight_microbatch", "weight_slot", "weight_saved", "backward_saved"):
+        tables[name] = np.zeros(shape, np.int32)
+    for (s, i), t in when.items():
+        tables["weight"][t, s] = WEIGHT
+        tables["weight_microbatch"][t, s] = i
+        tables["weight_slot"][t, s] = slot_of[s, i]
+        tables["weight_saved"][t, s] = slot_of["saved", s, i]
+        tables["backward_saved"][done[BACKWARD, s, i], s] = slot_of["saved", s, i]
+    return ZeroBubbleTicks(**tables, slots=max(n for _, n in colours), cotangent_slots=max(n for _, n in cot_colours))
+
+
+def tick_ops(table: Ticks | FusedTicks) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(forward, backward, weight)``: bool ``[ticks, S]``, where each stage runs a chunk's forward, its
+    backward (zero bubble: the input-gradient pass) and a weight-gradient pass (zero bubble only)."""
+    if isinstance(table, Ticks):
+        return table.op == FORWARD, table.op == BACKWARD, np.zeros(table.op.shape, bool)
+    weight = table.weight == WEIGHT if isinstance(table, ZeroBubbleTicks) else np.zeros(table.forward.shape, bool)
+    return table.forward == FORWARD, table.backward == BACKWARD, weight
+
+
+def tick_time(table: Ticks | FusedTicks, forward, backward, weight=None) -> float:
+    """The step's time when every tick lasts as long as its busiest stage: ``sum_t max_s`` of what stage ``s``
+    runs at tick ``t`` (one SPMD program: the ``ppermute`` closing each tick waits for every stage).
+
+    Args:
+      table: a tick table.
+      forward, backward, weight: ``[S]`` seconds (or any unit) of a chunk's forward, backward (zero bubble:
+        input gradient) and weight gradient on each stage; ``weight`` None for the tables without one.
+
+    Returns:
+      The sum over ticks of the slowest stage's work, in the unit of the arguments.
+    """
+    f, b, w = tick_ops(table)
+    load = f * np.asarray(forward, float) + b * np.asarray(backward, float)
+    if weight is not None:
+        load = load + w * np.asarray(weight, float)
+    return float(load.max(axis=1).sum())
 
 
 def _intervals(done: dict, stages: int, microbatches: int, last: int) -> tuple[dict, dict]:

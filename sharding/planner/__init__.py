@@ -33,8 +33,8 @@ The package imports jax only (through `sharding.costmodel`), never the model.
 # The underscored names are internals the planner's tests reach through the package.
 from sharding.planner.evaluator import (  # noqa: F401
     MEMORY_FRACTION,
-    ONE_F_ONE_B_TICK,
     PIPELINE_CLOCKS,
+    TICK_SHARES,
     Plan,
     PlanOptions,
     _Evaluator,
@@ -55,7 +55,7 @@ from sharding.planner.search import (  # noqa: F401
 
 __all__ = [
     "MEMORY_FRACTION",
-    "ONE_F_ONE_B_TICK",
+    "TICK_SHARES",
     "PIPELINE_CLOCKS",
     "Plan",
     "PlanOptions",

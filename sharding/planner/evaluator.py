@@ -3,7 +3,7 @@ layout (`Plan`) and the evaluator that prices layouts (`_Evaluator`).
 
 The evaluator prices a layout per device kind with `sharding.costmodel` (one cost per class of
 devices that do the same work, the slowest device pacing the step; a pipeline adds its bubble
-``(S-1)/(R*M+S-1)``, or 1F1B's lockstep ticks), memoised per mesh (device grids, kinds, links) and per
+``(S-1)/(R*M+S-1)``, or the 1F1B family's tick tables), memoised per mesh (device grids, kinds, links) and per
 stage (costs shared by a split's stages), and rejects layouts that do not fit a device's memory
 (`MEMORY_FRACTION` of it).
 
@@ -16,30 +16,35 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from sharding import axes as ax
 from sharding import costmodel as cm
-from sharding.mesh import device_grid, format_mesh
+from sharding.mesh import format_mesh, grid_positions
 from sharding.parallel import Accumulation, Parallelism, UnevenBatch
-from sharding.pipeline.layout import PipelinePlan, bubble_fraction, one_f_one_b_ticks, pipeline_rules, plan_layout
+from sharding.pipeline.layout import PipelinePlan, bubble_fraction, pipeline_rules, plan_layout
+from sharding.pipeline.ticks import tick_time
 
 #: Share of a device's memory a plan may use; the rest is left to the runtime, the allocator's
 #: fragmentation and the activations the cost model misses (it predicts 0.5-0.9x of what the CPU
 #: compiler allocates for temporaries, bench/results/costmodel.md).
 MEMORY_FRACTION = 0.85
 
-#: A 1F1B tick's share of a chunk's forward and backward time: the tick lasts as long as the slowest op,
-#: a backward, which recomputes the chunk's forward and then runs the backward's two products per forward
-#: product (3 of the 4 forward-equivalents; `sharding.pipeline.onef1b`, "Lockstep cost").
-ONE_F_ONE_B_TICK = 0.75
+#: What each op of a tick table costs, as shares of a chunk's forward and backward time on its stage (the
+#: stage's `Cost`, which already counts the schedule's recomputation): ``(forward, backward, weight)`` in
+#: forward-equivalents over their sum. 1F1B's backward recomputes the chunk's forward and runs the two
+#: backward products per forward product (1 + 3). Zero bubble's input gradient recomputes the forward and
+#: runs the input-gradient products (2); its weight gradient recomputes the forward, runs the input-gradient
+#: products inside the layer again (the weights' cotangents need them) and the weight-gradient products (3):
+#: 1 + 2 + 3.
+TICK_SHARES = {"lockstep": (0.25, 0.75, 0.0), "fused": (0.25, 0.75, 0.0), "zb": (1 / 6, 1 / 3, 1 / 2)}
 
-#: How a 1F1B pipeline is priced. ``lockstep``: meshwork's ``1f1b`` schedule, one SPMD program whose
-#: ``2 (R M + S - 1)`` ticks each last as long as the slowest stage's backward of a chunk (`ONE_F_ONE_B_TICK`).
+#: How a 1F1B pipeline is priced. ``lockstep``: meshwork's schedules as they run, one SPMD program whose
+#: ticks each last as long as the busiest stage's work in the tick, read from the schedule's tick table
+#: (`sharding.pipeline.ticks.tick_time` with `TICK_SHARES`: ``1f1b``, ``1f1b-fused`` and ``zb`` alike).
 #: ``fused``: 1F1B as Megatron-LM executes it, each stage running its own forward and backward passes as
 #: their inputs arrive, ``(1 + (S - 1) / (R M))`` of the slowest stage's busy time (Narayanan et al., SC'21,
-#: section 2.2: the bubble is ``(S - 1) / (R M)`` of the ideal time, R the interleaved chunks per stage). The
-#: hook for meshwork's ``1f1b-fused`` schedule (`sharding.pipeline.ticks.fused_ticks`: ``R M + (R+1) S - 2``
-#: ticks of a chunk's forward and backward), which the cost model does not tell apart from ``1f1b`` yet
-#: (`sharding.costmodel.Layout` has no field for it): its ticks belong in `_Evaluator._pipeline` beside these.
+#: section 2.2: the bubble is ``(S - 1) / (R M)`` of the ideal time, R the interleaved chunks per stage).
 PIPELINE_CLOCKS = ("lockstep", "fused")
 
 
@@ -59,9 +64,9 @@ class PlanOptions:
       pipeline: Whether to try ``stage > 1`` (the pipeline flags of train.py).
       max_stages: Largest ``stage`` to try (None: up to the layers).
       repeats: Circular pipeline repeats to try.
-      schedules: Pipeline schedules to use: ``gpipe`` (circular with repeats) and ``1f1b`` (interleaved with
-        repeats), priced where GPipe does not fit (slower in lockstep, at most about S microbatches'
-        stage inputs kept).
+      schedules: Pipeline schedules to use (``--pipeline-schedule`` values): ``gpipe`` (circular with
+        repeats), ``1f1b`` (lockstep; interleaved with repeats), ``1f1b-fused`` and ``zb``; each 1F1B-family
+        one is priced at every pipeline layout beside GPipe's, and the fastest that fits wins.
       sequence: Whether to try ``sequence > 1``.
       hetero: Whether to try uneven data parallelism.
       efficiency: Fraction of peak FLOP/s the step reaches (`sharding.costmodel.Hardware`); None: each
@@ -69,7 +74,7 @@ class PlanOptions:
         `sharding.costmodel.DEFAULT_EFFICIENCY`).
       backend: Collective lowering (`sharding.costmodel.BACKENDS`).
       one_f_one_b_clock: How a 1F1B pipeline's time is priced (`PIPELINE_CLOCKS`): ``lockstep``, what
-        meshwork's ``--pipeline-schedule 1f1b`` runs today, or ``fused``, 1F1B as Megatron-LM executes it.
+        meshwork's tick tables run, or ``fused``, 1F1B as Megatron-LM executes it.
 
     Raises:
       ValueError: On an unknown ``one_f_one_b_clock``.
@@ -83,7 +88,7 @@ class PlanOptions:
     pipeline: bool = True
     max_stages: int | None = None
     repeats: tuple[int, ...] = (1, 2)
-    schedules: tuple[str, ...] = ("gpipe", "1f1b")
+    schedules: tuple[str, ...] = ("gpipe", "1f1b", "1f1b-fused", "zb")
     sequence: bool = False
     hetero: bool = True
     efficiency: float | None = None
@@ -119,6 +124,9 @@ class Plan:
       memory_parts: Kind name -> bytes by part (`sharding.costmodel.Memory` fields) of its largest device.
       idle_kinds: Kinds whose every device gets no microbatch (uneven counts of 0): they hold their
         parameter and optimizer shards but compute nothing.
+      kind_counts: The uneven counts by kind, ``((kind name, count), ...)``, when every data-parallel group
+        of a kind (its slowest device's) has one count (``--hetero-batch h100_sxm=25,a100_80gb=7``); else None.
+      stage_kinds: A pipeline's kinds per stage (names joined by ``+`` where a stage spans kinds); else None.
     """
 
     layout: cm.Layout
@@ -135,6 +143,8 @@ class Plan:
     comm: dict[str, float] = dataclasses.field(default_factory=dict)
     memory_parts: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
     idle_kinds: tuple[str, ...] = ()
+    kind_counts: tuple[tuple[str, int], ...] | None = None
+    stage_kinds: tuple[str, ...] | None = None
 
     @property
     def stage_layers(self) -> tuple[int, ...] | None:
@@ -152,6 +162,7 @@ class Plan:
             lay.stage_layers,
             lay.pipeline_repeats,
             lay.one_f_one_b,
+            lay.tick_schedule,
             self.counts,
         )
 
@@ -162,10 +173,18 @@ class Plan:
         lay = self.layout
         rules = lay.rules_table()
         if self.counts is not None:
-            strategy = UnevenBatch(counts=tuple(self.counts), microbatches=lay.microbatches)
+            strategy = UnevenBatch(
+                counts=tuple(self.counts), microbatches=lay.microbatches, kind_counts=self.kind_counts
+            )
         elif lay.mesh[ax.STAGE] > 1:
             stages, _ = plan_layout(sum(lay.stage_layers), lay.mesh[ax.STAGE], lay.pipeline_repeats, lay.stage_layers)
-            strategy = PipelinePlan(stages, lay.microbatches, one_f_one_b=lay.one_f_one_b)
+            strategy = PipelinePlan(
+                stages,
+                lay.microbatches,
+                one_f_one_b=lay.one_f_one_b,
+                fused=lay.one_f_one_b and lay.tick_schedule == "fused",
+                zero_bubble=lay.one_f_one_b and lay.tick_schedule == "zb",
+            )
             rules = pipeline_rules(rules)
         else:
             strategy = Accumulation(lay.microbatches)
@@ -174,19 +193,30 @@ class Plan:
 
 @dataclasses.dataclass(frozen=True)
 class _Cluster:
-    kinds: tuple[Any, ...]  # kind of each global device
-    hosts: tuple[int, ...]  # host of each global device
+    """The cluster grouped by kind: the distinct kinds and, per global device (host order), the index of its
+    kind; the search reads kinds per mesh position from it with array operations, never per device object.
+
+    Attributes:
+      kinds: The distinct device kinds, in order of first appearance.
+      kind_index: ``[devices]`` int, the index into ``kinds`` of each global device.
+      hosts: Number of hosts.
+      per_host: Devices per host (equal on every host).
+      inter_bandwidth: Bytes/s per host to the other hosts.
+    """
+
+    kinds: tuple[Any, ...]
+    kind_index: np.ndarray
+    hosts: int
     per_host: int
     inter_bandwidth: float
 
     @property
     def size(self) -> int:
-        return len(self.kinds)
+        return len(self.kind_index)
 
-
-class _FakeDevice:
-    def __init__(self, index: int, host: int):
-        self.id, self.process_index = index, host
+    def count(self, kind) -> int:
+        """Devices of ``kind``."""
+        return int(np.count_nonzero(self.kind_index == self.kinds.index(kind)))
 
 
 def _cluster(inventory) -> _Cluster:
@@ -202,68 +232,100 @@ def _cluster(inventory) -> _Cluster:
                 f"--cluster: the figures of device kind {kind.name!r} are unknown; name a known kind "
                 f"(e.g. h100:8) or give them in a cluster file"
             )
-    return _Cluster(inventory.device_kinds(), inventory.device_hosts(), counts.pop(), inventory.inter_host_bandwidth)
+    kinds = inventory.kinds_present
+    per_host = counts.pop()
+    by_host = np.array([kinds.index(h.kind) for h in inventory.hosts], dtype=np.int32)
+    return _Cluster(kinds, np.repeat(by_host, per_host), len(inventory.hosts), per_host, inventory.inter_host_bandwidth)
 
 
 class _Evaluator:
     """Prices layouts on one cluster (caches hardware, grids and kinds per mesh)."""
 
     def __init__(self, model, inventory, global_batch: int, seq_len: int, options: PlanOptions):
+        # a kind without bfloat16 (V100) is planned in a dtype it has: the whole step in float32
+        self.no_bfloat16 = tuple(k.name for k in inventory.kinds_present if not getattr(k, "bfloat16", True))
+        if options.dtype == "bfloat16" and self.no_bfloat16:
+            options = dataclasses.replace(options, dtype="float32")
         self.model, self.batch, self.seq, self.options = cm.describe_model(model), global_batch, seq_len, options
         self.cluster = _cluster(inventory)
         self.hardware = {
-            k.name: cm.hardware_for(k, self.cluster.per_host, self.cluster.inter_bandwidth, options.efficiency)
+            k.name: cm.hardware_for(
+                k, self.cluster.per_host, self.cluster.inter_bandwidth, options.efficiency, options.dtype
+            )
             for k in inventory.kinds_present
         }
         self._shares: dict[tuple, dict[str, int]] = {}
         self.limit = {k.name: MEMORY_FRACTION * k.memory_bytes for k in inventory.kinds_present}
-        self.peak = sum(k.peak_bf16_flops for k in self.cluster.kinds)
+        self.peak = sum(k.peak_bf16_flops * self.cluster.count(k) for k in self.cluster.kinds)
         self.flops_per_token = self.model.flops_per_token(seq_len)
-        self._grids: dict[tuple, Any] = {}
+        self._grids: dict[tuple, np.ndarray] = {}
+        self._mesh_memo: dict[tuple, Any] = {}
+        # kinds ordered slowest first (peak FLOP/s, then name): the rank of each kind index, and back
+        order = sorted(range(len(self.cluster.kinds)), key=lambda i: self._speed(self.cluster.kinds[i]))
+        self._rank = np.empty(len(order), dtype=np.int32)
+        self._rank[order] = np.arange(len(order))
+        self._by_rank = [self.cluster.kinds[i] for i in order]
         self._stage_costs: dict[tuple, tuple] = {}
         searched = tuple(k.name for k in self.model.attention_kernels if k.searched)
         self.attentions = searched if options.attentions is None else options.attentions
         for name in self.attentions:  # an unknown name is refused before the search, naming it
             self.model.attention_kernel(name)
 
-    def grid(self, mesh: Mapping[str, int]):
+    def grid(self, mesh: Mapping[str, int]) -> np.ndarray:
+        """``[data, stage, fsdp, sequence, tensor]`` int: the kind index (into ``cluster.kinds``) of the device
+        at each mesh position, as `sharding.mesh.device_grid` places devices (memoised per mesh)."""
         key = tuple(mesh.values())
         if key not in self._grids:
-            self._grids[key] = device_grid(dict(mesh), [_FakeDevice(i, h) for i, h in enumerate(self.cluster.hosts)])
+            positions = grid_positions(dict(mesh), self.cluster.hosts, self.cluster.per_host)
+            self._grids[key] = self.cluster.kind_index[positions]
         return self._grids[key]
 
-    def kind_of(self, device) -> Any:
-        return self.cluster.kinds[device.id]
+    def _per_mesh(self, name: str, mesh, make):
+        key = (name, tuple(mesh.values()))
+        if key not in self._mesh_memo:
+            self._mesh_memo[key] = make()
+        return self._mesh_memo[key]
 
     def batch_kinds(self, mesh) -> list[Any]:
         """Slowest kind at each position along ``data`` x ``fsdp`` (data-major)."""
-        grid = self.grid(mesh)
-        out = []
-        for d in range(mesh[ax.DATA]):
-            for f in range(mesh[ax.FSDP]):
-                group = grid[d, :, f, :, :].reshape(-1)
-                out.append(min((self.kind_of(x) for x in group), key=lambda k: k.peak_bf16_flops))
-        return out
+
+        def make():
+            slowest = self._rank[self.grid(mesh)].min(axis=(1, 3, 4)).reshape(-1)
+            return tuple(self._by_rank[r] for r in slowest)
+
+        return list(self._per_mesh("batch", mesh, make))
 
     def stage_kind_sets(self, mesh) -> list[tuple[Any, ...]]:
         """The distinct device kinds of each stage's devices (sorted by name, so not by host order): a
         stage spans ``data``, ``fsdp``, ``sequence`` and ``tensor``, which may cross hosts of different kinds."""
-        grid = self.grid(mesh)
-        out = []
-        for s in range(mesh[ax.STAGE]):
-            kinds = {k.name: k for k in map(self.kind_of, grid[:, s].reshape(-1))}
-            out.append(tuple(kinds[n] for n in sorted(kinds)))
-        return out
+
+        def make():
+            grid, kinds = self.grid(mesh), self.cluster.kinds
+            out = []
+            for s in range(mesh[ax.STAGE]):
+                present = [kinds[i] for i in np.unique(grid[:, s])]
+                out.append(tuple(sorted(present, key=lambda k: k.name)))
+            return tuple(out)
+
+        return list(self._per_mesh("stages", mesh, make))
 
     def stage_kinds(self, mesh) -> list[Any]:
         """The slowest kind (by peak FLOP/s, then name) of each stage."""
         return [min(kinds, key=lambda k: (k.peak_bf16_flops, k.name)) for kinds in self.stage_kind_sets(mesh)]
 
     def kinds_in(self, mesh) -> list[Any]:
-        seen = {}
-        for x in self.grid(mesh).reshape(-1):
-            seen.setdefault(self.kind_of(x).name, self.kind_of(x))
-        return list(seen.values())
+        """The kinds on the mesh, in order of first appearance along it."""
+
+        def make():
+            flat = self.grid(mesh).reshape(-1)
+            present, first = np.unique(flat, return_index=True)
+            return tuple(self.cluster.kinds[i] for i in present[np.argsort(first)])
+
+        return list(self._per_mesh("kinds", mesh, make))
+
+    @staticmethod
+    def _speed(kind) -> tuple[float, str]:
+        return (kind.peak_bf16_flops, kind.name)
 
     def links(self, mesh) -> dict[str, str]:
         return cm.link_classes(mesh, self.cluster.per_host)
@@ -339,33 +401,37 @@ class _Evaluator:
 
     def _pipeline(self, layout: cm.Layout, rows: float) -> Plan | None:
         """Stages run in lockstep (one SPMD program). GPipe/circular: each of the ``R*M + S - 1`` steps
-        lasts as long as the slowest stage's chunk (forward and backward) for one microbatch. 1F1B: each of
-        its ticks (`one_f_one_b_ticks`, ``2 (M + S - 1)`` with one chunk) lasts as long as the slowest
-        stage's backward of a chunk, `ONE_F_ONE_B_TICK` of its forward and backward. The optimizer runs
-        once after. None for a split or schedule the run refuses (`plan_layout`: fewer layers than
-        repeats on a stage; interleaved 1F1B: M not a multiple of S)."""
+        lasts as long as the slowest stage's chunk (forward and backward) for one microbatch. The 1F1B family
+        (``1f1b``, ``1f1b-fused``, ``zb``): each tick of its table (`sharding.costmodel.tick_table`) lasts as
+        long as the busiest stage's work in it, each op priced at its `TICK_SHARES` share of that stage's
+        chunk time (`sharding.pipeline.ticks.tick_time`). The optimizer runs once after. None for a split or
+        schedule the run refuses (`plan_layout`: fewer layers than repeats on a stage; interleaved 1F1B: M
+        not a multiple of S; zero bubble with repeats)."""
         mesh, stages = layout.mesh, layout.stage_layers
         m, r = layout.microbatches, layout.pipeline_repeats
         try:
             plan_layout(sum(stages), mesh[ax.STAGE], r, stages)
-            ticks = one_f_one_b_ticks(mesh[ax.STAGE], m, r).ticks if layout.one_f_one_b else 0
+            table = cm.tick_table(layout.tick_schedule, mesh[ax.STAGE], m, r) if layout.one_f_one_b else None
         except ValueError:
             return None
         slots = max(stages)
-        devices = []
+        devices, chunk = [], [0.0] * mesh[ax.STAGE]
         for s, kinds in enumerate(self.stage_kind_sets(mesh)):
             for kind in kinds:  # every kind a stage holds: its memory limit and its speed
                 cost, st = self.stage_cost(layout, kind, rows, stages[s], slots)
                 devices.append((f"{kind.name}/stage{s}", cost, st))
+                chunk[s] = max(chunk[s], (st.total - st.optimizer) / (r * m))  # one chunk's forward + backward
         busy = max(st.total - st.optimizer for _, _, st in devices)  # the slowest stage's R*M chunks
         if layout.one_f_one_b and self.options.one_f_one_b_clock == "fused":
             busy *= 1 + (mesh[ax.STAGE] - 1) / (r * m)
         elif layout.one_f_one_b:
-            busy = ticks * ONE_F_ONE_B_TICK * busy / (r * m)
+            shares = TICK_SHARES[layout.tick_schedule]
+            busy = tick_time(table, *([share * c for c in chunk] for share in shares))
         else:
             busy /= 1.0 - bubble_fraction(mesh[ax.STAGE], m, r)
         seconds = busy + max(st.optimizer for _, _, st in devices)
-        return self.finish(layout, None, rows, devices, seconds)
+        holders = tuple("+".join(k.name for k in kinds) for kinds in self.stage_kind_sets(mesh))
+        return dataclasses.replace(self.finish(layout, None, rows, devices, seconds), stage_kinds=holders)
 
     def stage_cost(self, layout: cm.Layout, kind, rows: float, layers: int, slots: int):
         """``(cost, time)`` of a stage device holding ``slots`` layers and computing ``layers``
@@ -381,6 +447,7 @@ class _Evaluator:
             layout.remat,
             layout.pipeline_repeats,
             layout.one_f_one_b,
+            layout.tick_schedule,
             layout.attention,
             layout.dtype,
             rows,
@@ -423,15 +490,19 @@ class _Evaluator:
                     batch_rows=self.batch,
                 )
                 by_class[key] = (kind.name, cost, self.time(cost, kind, mesh))
-        return self.finish(layout, tuple(counts), rows, list(by_class.values()), idle=self.idle_kinds(mesh, counts))
+        plan_ = self.finish(layout, tuple(counts), rows, list(by_class.values()), idle=self.idle_kinds(mesh, counts))
+        per_kind: dict[str, set[int]] = {}
+        for kind, count in zip(kinds, counts):
+            per_kind.setdefault(kind.name, set()).add(count)
+        if all(len(v) == 1 for v in per_kind.values()):
+            plan_ = dataclasses.replace(plan_, kind_counts=tuple((k, v.pop()) for k, v in per_kind.items()))
+        return plan_
 
     def idle_kinds(self, mesh, counts: Sequence[int]) -> list[str]:
         """The kinds none of whose data-parallel groups (data x fsdp positions, data major) gets a microbatch."""
-        grid, busy, present = self.grid(mesh), set(), {}
-        for i, count in enumerate(counts):
-            group = grid[i // mesh[ax.FSDP], :, i % mesh[ax.FSDP], :, :].reshape(-1)
-            names = {self.kind_of(x).name for x in group}
-            present.update(dict.fromkeys(names))
-            if count > 0:
-                busy |= names
-        return [n for n in present if n not in busy]
+        grid, kinds = self.grid(mesh), self.cluster.kinds
+        # [data * fsdp, kinds]: whether a data-parallel group holds a device of each kind
+        holds = np.stack([(grid == i).any(axis=(1, 3, 4)).reshape(-1) for i in range(len(kinds))], axis=1)
+        busy = holds[np.asarray(counts) > 0].any(axis=0)
+        order = self.kinds_in(mesh)
+        return [k.name for k in order if holds[:, kinds.index(k)].any() and not busy[kinds.index(k)]]

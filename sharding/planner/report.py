@@ -58,7 +58,7 @@ def why_lost(p: Plan, best: Plan) -> str:
             "exposed_comm": "tensor/pipeline traffic on the critical path",
             "optimizer": "larger optimizer shard",
             "bubble": (
-                f"1F1B lockstep ticks and bubble {p.parts['bubble'] / p.step_time:.0%}"
+                f"{p.layout.pipeline_schedule} ticks and bubble {p.parts['bubble'] / p.step_time:.0%}"
                 if p.layout.one_f_one_b
                 else f"pipeline bubble {p.parts['bubble'] / p.step_time:.0%}"
             ),
@@ -78,7 +78,9 @@ def format_table(plans: Sequence[Plan]) -> list[str]:
     rows = [header]
     for i, p in enumerate(plans, 1):
         lay = p.layout
-        if p.counts is not None:
+        if p.kind_counts is not None:
+            split = "uneven " + ",".join(f"{k}={n}" for k, n in p.kind_counts)
+        elif p.counts is not None:
             split = "uneven " + _compress(p.counts)
         elif lay.mesh[ax.STAGE] > 1:
             split = (
@@ -86,7 +88,9 @@ def format_table(plans: Sequence[Plan]) -> list[str]:
                 + ",".join(map(str, lay.stage_layers))
                 + (f" x{lay.pipeline_repeats}" if lay.pipeline_repeats > 1 else "")
             )
-            split += " 1f1b" if lay.one_f_one_b else ""
+            split += f" {lay.pipeline_schedule}" if lay.one_f_one_b else ""
+            if p.stage_kinds is not None and len(set(p.stage_kinds)) > 1:
+                split += " on " + stage_holders(p.stage_kinds)
         else:
             split = "even"
         rows.append(
@@ -109,6 +113,16 @@ def format_table(plans: Sequence[Plan]) -> list[str]:
     lines = [" | ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, "-|-".join("-" * w for w in widths))
     return lines
+
+
+def stage_holders(stage_kinds: Sequence[str]) -> str:
+    """Which kind holds which stages: ``('h100_sxm', 'h100_sxm', 'a100_80gb')`` -> ``h100_sxm 0-1, a100_80gb 2``."""
+    out, start = [], 0
+    for i in range(1, len(stage_kinds) + 1):
+        if i == len(stage_kinds) or stage_kinds[i] != stage_kinds[start]:
+            out.append(f"{stage_kinds[start]} {start}" + (f"-{i - 1}" if i - 1 > start else ""))
+            start = i
+    return ", ".join(out)
 
 
 def _compress(counts: Sequence[int]) -> str:

@@ -131,10 +131,11 @@ def _uneven_counts(ev: _Evaluator, layout: cm.Layout, total: int, rows: float) -
 
 
 def _stage_split(ev: _Evaluator, layout: cm.Layout) -> Plan | None:
-    """Layers per stage: each stage's time is affine in its layers (two evaluations per stage kind),
-    so the min-max greedy gives the split (at least one layer each), starting from the split
-    proportional to the stage kinds' speed rounded down; then moves of 1 or 2 layers from the slowest
-    and from the largest stage, while the exact predicted time drops."""
+    """Layers per stage: the even split where every stage holds the same kinds; else each stage's time is
+    affine in its layers (two memoised stage costs per set of stage kinds), so the min-max greedy gives
+    the split (at least one layer each), starting from the split proportional to the stage kinds' speed
+    rounded down; then moves of 1 or 2 layers from the slowest and from the largest stage, while the
+    exact predicted time drops."""
     mesh = layout.mesh
     sets = [tuple(k.name for k in kinds) for kinds in ev.stage_kind_sets(mesh)]
     by_name = {k.name: k for kinds in ev.stage_kind_sets(mesh) for k in kinds}
@@ -142,16 +143,15 @@ def _stage_split(ev: _Evaluator, layout: cm.Layout) -> Plan | None:
     rows = ev.batch / per
     layers = ev.model.num_layers
     share = largest_remainder(layers, [k.peak_bf16_flops for k in ev.stage_kinds(mesh)], minimum=1)
+    if len(set(sets)) == 1:  # every stage alike: equal lines, whose min-max split is the even one
+        return ev.uniform(dataclasses.replace(layout, stage_layers=tuple(share)))
     lines = {}
     for i, names in enumerate(sets):
         if names in lines:
             continue
 
         def seconds(n, names=names):  # a stage is as fast as its slowest kind
-            cost = cm.device_cost(
-                ev.model, layout, seq_len=ev.seq, rows=rows, layers=n, slots=n, backend=ev.options.backend
-            )
-            return max(ev.time(cost, by_name[name], mesh).total for name in names)
+            return max(ev.stage_cost(layout, by_name[name], rows, n, n)[1].total for name in names)
 
         lines[names] = _affine(seconds, share[i])
     start = [max(c - 1, 1) for c in share]
@@ -164,7 +164,9 @@ def _stage_split(ev: _Evaluator, layout: cm.Layout) -> Plan | None:
     # Moves of 1 or 2 layers while the exact time drops, from the slowest stage (by the lines) and from
     # the largest, to any stage: what the lines miss (every stage's working copy has the largest stage's
     # slots, rounded up to a multiple of the storage's devices per stage, and the stored rows a stage
-    # receives) can favour a move towards an even split that a single layer does not show.
+    # receives) can favour a move towards an even split that a single layer does not show. Not when every
+    # stage holds the same kinds (returned above, the split as even as it goes): a move then only raises the
+    # largest stage (and every stage's working copy) or permutes equal stages.
     for _ in range(layers):
         improved = False
         sources = dict.fromkeys((max(range(len(split)), key=line), max(range(len(split)), key=lambda i: split[i])))
@@ -239,8 +241,8 @@ def _uneven_fits(mesh: Mapping[str, int], rules: str, attention: AttentionTraits
 
 def _price(ev: _Evaluator, layout: cm.Layout, tag: str) -> Plan | None:
     """The cheapest remat policy that fits (policies are tried cheapest first). A pipeline whose GPipe
-    plan does not fit is also priced with 1F1B at the same split (`_one_f_one_b`); the fastest fitting of
-    those and of the first fitting GPipe plan wins."""
+    plan is also priced under each 1F1B-family schedule at the same split (`_one_f_one_b`); the fastest
+    fitting of those and of the first fitting GPipe plan wins."""
     last, fitting = None, []
     for remat in ev.options.remats:
         lay = dataclasses.replace(layout, remat=remat)
@@ -254,22 +256,25 @@ def _price(ev: _Evaluator, layout: cm.Layout, tag: str) -> Plan | None:
             plan_ = ev.uniform(lay)
         if plan_ is None:
             continue
+        if tag == "pipeline":
+            fitting += [one for one in _one_f_one_b(ev, plan_) if one is not None and one.fits]
         if plan_.fits:
             fitting.append(plan_)
             break
         last = plan_
-        one = _one_f_one_b(ev, plan_) if tag == "pipeline" else None
-        if one is not None and one.fits:
-            fitting.append(one)
     return min(fitting, key=lambda p: p.step_time) if fitting else last
 
 
-def _one_f_one_b(ev: _Evaluator, gpipe: Plan) -> Plan | None:
-    """``gpipe``'s layout under the 1F1B schedule when `PlanOptions.schedules` allows it and GPipe does not
-    fit (1F1B's lockstep ticks make it slower, `_Evaluator._pipeline`: it is chosen for its memory only)."""
-    if "1f1b" not in ev.options.schedules or gpipe.fits:
-        return None
-    return ev.uniform(dataclasses.replace(gpipe.layout, one_f_one_b=True))
+def _one_f_one_b(ev: _Evaluator, gpipe: Plan) -> list[Plan | None]:
+    """``gpipe``'s layout under each 1F1B-family schedule `PlanOptions.schedules` allows (``1f1b``,
+    ``1f1b-fused``, ``zb``), priced from their tick tables (`_Evaluator._pipeline`); None where the run
+    refuses the schedule (zero bubble with repeats, interleaved 1F1B with M not a multiple of S)."""
+    ticks = {"1f1b": "lockstep", "1f1b-fused": "fused", "zb": "zb"}
+    return [
+        ev.uniform(dataclasses.replace(gpipe.layout, one_f_one_b=True, tick_schedule=ticks[name]))
+        for name in ev.options.schedules
+        if name in ticks
+    ]
 
 
 def plan(
@@ -356,16 +361,27 @@ def evaluate(
       model, inventory, global_batch, seq_len: As for `plan`.
       layout: The layout; with ``stage > 1`` and no ``stage_layers``, the layers split evenly
         (`sharding.pipeline.layout.plan_layout`: the first stages take the rest).
-      counts: Microbatches per data-parallel device (uneven data parallelism), or None.
+      counts: Microbatches per data-parallel device (uneven data parallelism), or per kind as a mapping of
+        kind name to count (each data-parallel group gets its slowest device's kind's), or None.
       options: As for `plan` (its clock: efficiency, backend, 1F1B clock).
 
     Returns:
       The `Plan`, or None when the batch does not split over the layout.
 
     Raises:
-      ValueError: As `plan`, or from `plan_layout` for fewer layers than stages.
+      ValueError: As `plan`, or from `plan_layout` for fewer layers than stages; counts per kind that miss a
+        kind of the mesh (naming ``--hetero-batch``).
     """
     ev = _Evaluator(model, inventory, global_batch, seq_len, options or PlanOptions())
+    if isinstance(counts, Mapping):
+        kinds = [k.name for k in ev.batch_kinds(layout.mesh)]
+        missing = sorted(set(kinds) - set(counts))
+        if missing:
+            shown = ",".join(f"{k}={counts.get(k, 1)}" for k in dict.fromkeys([*counts, *missing]))
+            raise ValueError(
+                f"--hetero-batch: no count for the {', '.join(missing)} devices; e.g. --hetero-batch {shown}"
+            )
+        counts = [counts[k] for k in kinds]
     if layout.mesh[ax.STAGE] > 1 and layout.stage_layers is None:
         stages, _ = plan_layout(ev.model.num_layers, layout.mesh[ax.STAGE], layout.pipeline_repeats)
         layout = dataclasses.replace(layout, stage_layers=stages.stage_layers)
@@ -380,7 +396,7 @@ def brute_force(
     """The best fitting plan by exhaustive search (for tests): every mesh, rules, attention,
     microbatches and remat, every per-kind count vector for uneven data parallelism, and every
     stage split (compositions of the layers into ``stage`` parts of at least 1, when there are at
-    most ``max_splits`` of them; each also under 1F1B where GPipe does not fit, `_one_f_one_b`)."""
+    most ``max_splits`` of them; each also under the 1F1B-family schedules, `_one_f_one_b`)."""
     ev = _Evaluator(model, inventory, global_batch, seq_len, options or PlanOptions())
 
     def every(layout: cm.Layout, tag: str) -> Iterator[Plan | None]:
@@ -394,7 +410,7 @@ def brute_force(
                 gpipe = ev.uniform(dataclasses.replace(layout, stage_layers=split))
                 yield gpipe
                 if gpipe is not None:
-                    yield _one_f_one_b(ev, gpipe)
+                    yield from _one_f_one_b(ev, gpipe)
 
     return _best_fitting(
         plan_

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from sharding.parallel import Accumulation, Parallelism, UnevenBatch
 from train.strategies.accumulate import AccumulatedGradients
-from train.strategies.hetero import batch_grid, batch_groups, device_speeds, slowest_of_groups
+from train.strategies.hetero import batch_grid, batch_groups, device_speeds, group_kinds, slowest_of_groups
 from train.strategies.pipeline import PipelineExecution, checked_pipeline
 from train.strategies.protocol import GradientStrategy, LossFn, StepInput
 from train.strategies.uneven import UnevenGradients, check_uneven, describe_uneven, resolve_uneven, uneven_row_index
@@ -79,6 +79,7 @@ __all__ = [
     "checked_pipeline",
     "describe_uneven",
     "device_speeds",
+    "group_kinds",
     "kind_of",
     "make_strategy",
     "resolve_uneven",

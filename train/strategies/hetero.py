@@ -78,4 +78,33 @@ def device_speeds(mesh, simulated: Mapping[int, Any] | None = None) -> list[floa
     return slowest_of_groups(speeds, groups, larger_is_slower=False)
 
 
-__all__ = ["batch_grid", "batch_groups", "device_speeds", "slowest_of_groups"]
+def group_kinds(mesh, simulated: Mapping[int, Any] | None = None) -> list[str]:
+    """The kind name of each data-parallel group (`batch_groups`' order): its slowest device's (by peak
+    FLOP/s), as the planner counts a group's kind (`sharding.planner`).
+
+    Args:
+      mesh: The `jax.sharding.Mesh`.
+      simulated: ``device.id -> DeviceKind`` from `sharding.devices.simulate_inventory`.
+
+    Raises:
+      ValueError: When a device's kind is unknown (e.g. CPU without ``--simulate-cluster``), naming the flag.
+    """
+    from sharding.devices import kind_from_device_kind_string
+
+    out = []
+    for group in batch_groups(mesh):
+        kinds = []
+        for device in group:
+            kind = simulated.get(device.id) if simulated else None
+            kind = kind or kind_from_device_kind_string(str(getattr(device, "device_kind", "")))
+            if kind is None:
+                raise ValueError(
+                    f"--hetero-batch KIND=COUNT: the kind of device {device.id} ({device.device_kind}) is unknown; "
+                    f"give --simulate-cluster (e.g. h100:4,a100:4) or counts per group (--hetero-batch 3,3,1,1)"
+                )
+            kinds.append(kind)
+        out.append(min(kinds, key=lambda k: (k.peak_bf16_flops, k.name)).name)
+    return out
+
+
+__all__ = ["batch_grid", "batch_groups", "device_speeds", "group_kinds", "slowest_of_groups"]

@@ -24,7 +24,7 @@ from sharding.balance import counts_for_speeds
 from sharding.parallel import Parallelism, gather_shards, only_axes, reduce_shards, spec_axes, to_varying
 from sharding.splits import largest_remainder
 from train.data import FIELDS
-from train.strategies.hetero import device_speeds
+from train.strategies.hetero import device_speeds, group_kinds
 from train.strategies.protocol import GradientStrategy, LossFn, StepInput
 
 
@@ -308,7 +308,9 @@ class UnevenGradients(GradientStrategy):
         given = strategy.counts is not None and strategy.speeds == "given"
         out = [
             "--hetero-batch",
-            ",".join(map(str, strategy.counts))
+            ",".join(f"{k}={n}" for k, n in strategy.kind_counts)
+            if strategy.kind_counts is not None
+            else ",".join(map(str, strategy.counts))
             if given
             else "auto"
             if strategy.speeds == "measured"
@@ -407,6 +409,23 @@ def resolve_uneven(par: Parallelism, mesh, simulated=None) -> tuple[Parallelism,
     strategy = par.strategy
     if strategy.counts is not None:
         return par, None
+    if strategy.kind_counts is not None:
+        by_kind = dict(strategy.kind_counts)
+        kinds = group_kinds(mesh, simulated)
+        missing = sorted(set(kinds) - set(by_kind))
+        if missing:
+            shown = ",".join(f"{k}={by_kind.get(k, 1)}" for k in dict.fromkeys([*by_kind, *missing]))
+            raise ValueError(
+                f"--hetero-batch {','.join(f'{k}={n}' for k, n in strategy.kind_counts)}: no count for the "
+                f"{', '.join(missing)} devices of this mesh; e.g. --hetero-batch {shown}"
+            )
+        counts = tuple(by_kind[k] for k in kinds)
+        if not any(counts):
+            raise ValueError(
+                f"--hetero-batch {','.join(f'{k}={n}' for k, n in strategy.kind_counts)}: every data-parallel "
+                f"group of this mesh gets 0 microbatches; give its kinds ({', '.join(sorted(set(kinds)))}) a count"
+            )
+        return par.replace(strategy=dataclasses.replace(strategy, counts=counts)), None
     speeds = device_speeds(mesh, simulated)
     total = strategy.microbatches * par.data_parallel
     counts = tuple(counts_for_speeds(speeds, total))

@@ -1,0 +1,327 @@
+"""The elastic launcher: losing process 0 and then another process, training finishes on the survivors.
+
+The losses after each restart are compared with an uninterrupted one-process run of the same flags at
+rtol 1e-5: the restarted job resumes from a checkpoint with the same global batch and data position, but
+on another mesh (data=3, then data=2, then data=1), so only the order of the float32 reductions differs,
+as in tests/test_multiprocess.py. Each process has one CPU device and the model one layer, to keep the
+compilations (one per restart and process) short.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from _procs import ROOT, clean_env, losses, run
+
+from checkpoints.verify import saved_steps
+from train import cli
+from train import launch as launch_module
+from train.distributed import DistributedConfig, start_service
+from train.launch import (
+    RESTARTS_EXHAUSTED,
+    Generation,
+    LaunchConfig,
+    Launcher,
+    choose,
+    free_port,
+    parse,
+    strip_flags,
+)
+
+STEPS = 10
+REJOIN_STEPS = 30  # the one-process job must still be running when the checkpoint it waits for is complete
+CKPT_EVERY = 2
+
+
+def common(corpus, cache, steps=STEPS) -> list[str]:
+    return [
+        "--model",
+        "test",
+        "--set",
+        "num_layers=1",
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "6",
+        "--mesh",
+        "data=-1",
+        "--cpu-devices",
+        "1",
+        "--steps",
+        str(steps),
+        "--warmup",
+        "2",
+        "--decay-steps",
+        str(STEPS),
+        "--eval-every",
+        "0",
+        "--eval-batches",
+        "1",
+        "--log-every",
+        "1",
+        "--ckpt-every",
+        str(CKPT_EVERY),
+        "--no-progress",
+        "--dist-timeout",
+        "60",
+        "--data",
+        str(corpus),
+        "--data-cache",
+        str(cache),
+    ]
+
+
+def start_launcher(args, log):
+    handle = open(log, "w")
+    return subprocess.Popen(
+        [sys.executable, "-m", "train.launch", *args],
+        cwd=ROOT,
+        env=clean_env(),
+        stdout=handle,
+        stderr=subprocess.STDOUT,
+    )
+
+
+def pid_of(log, process: int, count: int) -> int:
+    """The pid the launcher's newest start of ``process`` of ``count`` has."""
+    pids = re.findall(rf"^launch: process {process} of {count} \(slot \d+\) started, pid (\d+)$", log.read_text(), re.M)
+    return int(pids[-1])
+
+
+def step_after(log, marker: str, step: int, launcher, run_dir, checkpoint: int, timeout=400):
+    """Waits for the line of ``step`` printed after the line containing ``marker`` and for the checkpoint of
+    step ``checkpoint`` to be complete (a kill before it would recompute more than ``--ckpt-every`` steps)."""
+    deadline = time.monotonic() + timeout
+    folder = run_dir / "checkpoints"
+    while time.monotonic() < deadline:
+        text = log.read_text()
+        if (
+            marker in text
+            and re.search(rf"^step\s+{step}/", text.split(marker, 1)[1], re.M)
+            and checkpoint in saved_steps(folder)
+        ):
+            return
+        if launcher.poll() is not None:
+            raise AssertionError(f"launcher ended ({launcher.returncode}) before step {step}:\n{text}")
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for step {step} after {marker!r}:\n{log.read_text()}")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, corpus, cache):
+    """The run folder of the same flags in one uninterrupted process (--steps does not change the schedule:
+    --decay-steps and --warmup are given)."""
+    folder = tmp_path_factory.mktemp("reference")
+    args = [*common(corpus, cache, REJOIN_STEPS), "--run-dir", str(folder / "run")]
+    assert run(args, folder / "run.log", timeout=400) == 0, (folder / "run.log").read_text()
+    return folder / "run"
+
+
+@pytest.mark.slow
+def test_losing_process_0_then_another_finishes_on_the_survivors(tmp_path, corpus, cache, reference):
+    run_dir, log = tmp_path / "elastic", tmp_path / "launch.log"
+    args = [*common(corpus, cache), "--run-dir", str(run_dir)]
+    launcher = start_launcher(["--local-processes", "3", "--max-restarts", "2", *args], log)
+    try:
+        step_after(log, "launch: process 0 of 3", 3, launcher, run_dir, checkpoint=2)
+        os.kill(pid_of(log, 0, 3), signal.SIGKILL)  # the process that would host JAX's service without the launcher
+        step_after(log, "launch: restart 1/2", 7, launcher, run_dir, checkpoint=6)
+        os.kill(pid_of(log, 1, 2), signal.SIGKILL)
+        code = launcher.wait(timeout=400)
+    finally:
+        if launcher.poll() is None:
+            launcher.send_signal(signal.SIGTERM)
+            launcher.wait(timeout=30)
+    text = log.read_text()
+    assert code == 0, text
+    restarts = [line for line in text.splitlines() if line.startswith("launch: restart")]
+    assert len(restarts) == 2, text
+    assert "lost process 0 (slot 0, killed by SIGKILL)" in restarts[0], restarts
+    assert "on 2 process(es); mesh data=3 -> data=2;" in restarts[0], restarts
+    assert "lost process 1 (slot 2, killed by SIGKILL)" in restarts[1], restarts
+    assert "on 1 process(es); mesh data=2 -> data=1;" in restarts[1], restarts
+    for line in restarts:
+        resumed, recomputed = re.search(r"resuming from step (\d+) .*; (\d+) step\(s\) recomputed", line).groups()
+        assert int(resumed) > 0 and int(resumed) % CKPT_EVERY == 0 and int(recomputed) <= CKPT_EVERY, line
+    assert "Traceback" not in text.split(restarts[-1], 1)[1], text
+
+    assert_one_record_per_step_with_the_reference_losses(run_dir, reference)
+
+
+def assert_one_record_per_step_with_the_reference_losses(run_dir, reference, last=STEPS):
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in records if "train/loss" in r]
+    assert steps == list(range(1, last + 1)), steps  # one record per step: recomputed steps replaced the lost
+    got, want = losses(run_dir), losses(reference)
+    np.testing.assert_allclose([got[s] for s in steps], [want[s] for s in steps], rtol=1e-5)
+    assert str(last) in os.listdir(run_dir / "checkpoints")
+
+
+@pytest.mark.slow
+def test_a_lost_process_rejoins_at_the_next_checkpoint(tmp_path, corpus, cache, reference):
+    """Process 1 of 2 is killed: training continues on one process, and grows back to two once a checkpoint
+    newer than the restart's is complete (--rejoin)."""
+    run_dir, log = tmp_path / "rejoin", tmp_path / "launch.log"
+    args = [*common(corpus, cache, REJOIN_STEPS), "--run-dir", str(run_dir)]
+    launcher = start_launcher(["--local-processes", "2", "--rejoin", *args], log)
+    try:
+        step_after(log, "launch: process 0 of 2", 3, launcher, run_dir, checkpoint=2)
+        os.kill(pid_of(log, 1, 2), signal.SIGKILL)
+        code = launcher.wait(timeout=600)
+    finally:
+        if launcher.poll() is None:
+            launcher.send_signal(signal.SIGTERM)
+            launcher.wait(timeout=30)
+    text = log.read_text()
+    assert code == 0, text
+    restart = [line for line in text.splitlines() if line.startswith("launch: restart")]
+    assert len(restart) == 1 and "on 1 process(es); mesh data=2 -> data=1;" in restart[0], text
+    grow = re.findall(r"^launch: growing back to 2 processes at step (\d+)$", text, re.M)
+    resumed = int(re.search(r"resuming from step (\d+)", restart[0]).group(1))
+    assert len(grow) == 1 and resumed < int(grow[0]) < REJOIN_STEPS, text
+    assert re.search(r"^launch: process 1 of 2 \(slot 1\) started", text.split("growing back", 1)[1], re.M), text
+    assert_one_record_per_step_with_the_reference_losses(run_dir, reference, REJOIN_STEPS)
+
+
+def test_the_layout_is_chosen_for_the_processes_left(corpus):
+    """Batch 8 over data=-1,fsdp=2 on 2-device processes: 3 processes (data=3) cannot split it, 2 can."""
+    flags = ["--model", "test", "--cpu-devices", "2", "--mesh", "data=-1,fsdp=2", "--batch-size", "8"]
+    config = cli.parse([*flags, "--data", str(corpus), "--dry-run"])
+    count, mesh, refusals = choose(config, 3, 1)
+    assert (count, mesh) == (2, "data=2,fsdp=2")
+    assert len(refusals) == 1 and refusals[0].startswith("3 processes: --batch-size 8"), refusals
+    fixed = cli.parse([*flags[:-4], "--mesh", "data=2,fsdp=2", "--data", str(corpus), "--dry-run"])
+    count, mesh, refusals = choose(fixed, 1, 1)
+    assert (count, mesh) == (0, "") and len(refusals) == 1, refusals
+    assert refusals[0].startswith("1 process: --mesh 'data=2,fsdp=2': the sizes multiply to 4 but JAX sees 2"), refusals
+
+
+def test_launcher_flags_are_checked_and_kept_from_the_processes(corpus):
+    base = ["--model", "test", "--data", str(corpus)]
+    launch, train_argv, _ = parse(["--local-processes", "2", "--rejoin", *base, "--max-restarts=5"])
+    assert (launch.local_processes, launch.max_restarts, launch.rejoin, train_argv) == (2, 5, True, base)
+    assert strip_flags(["--a", "--min-processes", "2", "--b"], {"--min-processes": True}) == ["--a", "--b"]
+    for argv, message in (
+        (base, r"^--local-processes: required"),
+        (["--local-processes", "0", *base], r"^--local-processes 0: must be at least 1"),
+        (["--local-processes", "2", "--min-processes", "3", *base], r"^--min-processes 3: must be in 1..2"),
+        (["--local-processes", "2", "--process-id", "0", *base], r"^--process-id: the launcher gives it"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            parse(argv)
+    assert RESTARTS_EXHAUSTED not in (0, 1, 2, 3)
+
+
+class FakeChild:
+    """A training process that ends with ``code`` (None: runs until stopped) at its first look."""
+
+    def __init__(self, code):
+        self.returncode, self.pid, self.looks = code, 0, 0
+
+    def poll(self):
+        self.looks += 1  # bounds a scripted test: a launcher that would wait forever fails instead
+        assert self.looks < 1000, "the launcher kept waiting for a process that will not end"
+        return self.returncode
+
+    def send_signal(self, signum):
+        self.returncode = 0
+
+
+class ScriptedLauncher(Launcher):
+    """The launcher's decisions on scripted exits: each start takes the next list of exit codes."""
+
+    def __init__(self, script, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.script, self.starts = list(script), []
+
+    def start(self, slots, mesh, resumed, restart):
+        self.starts.append((list(slots), mesh, resumed))
+        children = [FakeChild(code) for code in self.script.pop(0)]
+        self.current = Generation(list(slots), mesh, None, children, resumed)
+        return self.current
+
+    def stop(self, gen):
+        self.current = None
+
+    def newest(self):
+        return 4
+
+
+def scripted(script, corpus, tmp_path, *flags, **launch):
+    config = cli.parse(
+        ["--model", "test", "--cpu-devices", "1", "--mesh", "data=-1", "--batch-size", "6", "--data", str(corpus)]
+        + ["--run-dir", str(tmp_path / "run"), *flags]
+    )
+    lines = []
+    launcher = ScriptedLauncher(script, LaunchConfig(**launch), [], config, log=lines.append)
+    return launcher, launcher.run(), lines
+
+
+def test_restarts_until_max_restarts_are_used_up_naming_each_failure(corpus, tmp_path, monkeypatch):
+    monkeypatch.setattr(launch_module, "POLL", 0.0)
+    launcher, code, lines = scripted(
+        [[-9, None, None], [None, 134]], corpus, tmp_path, local_processes=3, max_restarts=1
+    )
+    assert code == RESTARTS_EXHAUSTED
+    assert [(s, m) for s, m, _ in launcher.starts] == [([0, 1, 2], "data=3"), ([1, 2], "data=2")]
+    assert lines[0].startswith("launch: restart 1/1: lost process 0 (slot 0, killed by SIGKILL); resuming from step 4")
+    assert lines[-1] == (
+        "error: --max-restarts 1 used up after 2 failures: lost process 0 (slot 0, killed by SIGKILL); "
+        "lost process 1 (slot 2, exit 134); the newest verified checkpoint is step 4"
+    )
+
+
+def test_a_failed_process_is_not_restarted_and_a_layout_that_no_longer_fits_says_so(corpus, tmp_path, monkeypatch):
+    monkeypatch.setattr(launch_module, "POLL", 0.0)
+    launcher, code, lines = scripted([[None, 1]], corpus, tmp_path, local_processes=2)
+    assert code == 1 and len(launcher.starts) == 1
+    assert lines == ["error: process 1 ended with exit 1; not a lost process, not restarted"]
+
+    # batch 4 over data=-1: 4 processes fit; of 3 left only 2 (data=3 cannot split it), the third waits idle and
+    # replaces the next lost one; then 1 is left, below --min-processes
+    launcher, code, lines = scripted(
+        [[None, None, None, -9], [-9, None], [None, -9]],
+        corpus,
+        tmp_path,
+        "--batch-size",
+        "4",
+        local_processes=4,
+        min_processes=2,
+        max_restarts=5,
+    )
+    assert code == RESTARTS_EXHAUSTED
+    assert [s for s, _, _ in launcher.starts] == [[0, 1, 2, 3], [0, 1], [1, 2]]
+    assert "mesh data=4 -> data=2;" in lines[0], lines
+    assert lines[-1].startswith("error: nothing fits the 1 process(es) left (fewer than --min-processes 2)"), lines
+
+
+def test_joining_a_service_hosted_elsewhere_needs_the_flags_and_the_binding(monkeypatch):
+    with pytest.raises(ValueError, match=r"^--external-coordinator: needs --coordinator HOST:PORT"):
+        DistributedConfig(external=True).validate()
+    from jax._src import distributed as jax_distributed
+
+    monkeypatch.setattr(jax_distributed, "_jax", object())  # a JAX without the private binding
+    with pytest.raises(RuntimeError, match=r"^train.launch: this JAX \(.*\) has no jax._src.distributed._jax"):
+        start_service(free_port(), 2, 10)
+
+
+def test_a_signal_to_the_launcher_is_passed_on_and_is_not_a_lost_process(corpus, tmp_path, monkeypatch):
+    """SIGTERM to the launcher: the processes are told (they save and end with 0), nothing is restarted."""
+    monkeypatch.setattr(launch_module, "POLL", 0.0)
+    config = cli.parse(["--model", "test", "--cpu-devices", "1", "--mesh", "data=-1", "--data", str(corpus)])
+    launcher = ScriptedLauncher([[None, None]], LaunchConfig(2), [], config, log=print)
+    original = FakeChild.poll
+
+    def poll_once_then_signal(child):
+        if not launcher.stopping:
+            launcher.terminate(signal.SIGTERM, None)  # arrives while the processes run
+        return original(child)
+
+    monkeypatch.setattr(FakeChild, "poll", poll_once_then_signal)
+    assert launcher.run() == 0 and len(launcher.starts) == 1 and launcher.failures == []

@@ -1,0 +1,171 @@
+"""The zero-bubble schedule (ZB-H1): its tick table, equality with the unpipelined stack and model, memory against
+fused 1F1B, and no transfer inside a conditional."""
+
+import numpy as np
+import pytest
+from test_pipeline_1f1b import (
+    STEPS_LAYERS,
+    STEPS_MESH,
+    STEPS_MICROBATCHES,
+    STEPS_SPLIT,
+    _assert_steps_match_the_flat_model,
+    _batch,
+    _compiled_gradients,
+    _loss_and_grads,
+    _plan,
+    _toy,
+    _trainer,
+    assert_close,
+)
+
+from sharding import pipeline as pl
+from sharding.hlo import branch_collectives
+from sharding.pipeline.ticks import BACKWARD, FORWARD, WEIGHT, fused_held_bound
+
+# The tick table (no devices) ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stages, microbatches", [(2, 2), (2, 8), (3, 7), (4, 4), (4, 8), (4, 16)])
+def test_the_zero_bubble_table_splits_the_backward_and_keeps_fused_1f1b_ticks_and_memory(stages, microbatches):
+    z = pl.zero_bubble_ticks(stages, microbatches)
+    f = pl.fused_ticks(stages, microbatches)
+    # forwards and input gradients run where fused 1F1B runs its forwards and backwards: the same ticks
+    for name in ("forward", "forward_microbatch", "backward", "backward_microbatch", "cotangent_arrive"):
+        assert (getattr(z, name) == getattr(f, name)).all(), name
+    assert ((z.arrive >= 0) == (f.arrive >= 0)).all()  # the same arrivals (ring slots coloured anew)
+    assert z.ticks == f.ticks == microbatches + 2 * (stages - 1)
+    when = {}
+    for t in range(z.ticks):
+        for s in range(stages):
+            for op, on, mb in (
+                (FORWARD, z.forward, z.forward_microbatch),
+                (BACKWARD, z.backward, z.backward_microbatch),
+                (WEIGHT, z.weight, z.weight_microbatch),
+            ):
+                if on[t, s]:
+                    key = (op, s, int(mb[t, s]))
+                    assert key not in when
+                    when[key] = t
+    assert len(when) == 3 * stages * microbatches
+    for s in range(stages):
+        for i in range(microbatches):
+            # W after its B (on the first stage in the same tick: the loop runs B before W), s ticks later
+            assert when[WEIGHT, s, i] == when[BACKWARD, s, i] + s
+    # one ring of chunk inputs and saved cotangents: never two live entries in one slot
+    for s in range(stages):
+        live = {}
+        for t in range(z.ticks):
+            entries = []
+            if z.arrive[t, s] >= 0:
+                entries.append((int(z.arrive[t, s]), ("in", int(z.forward_microbatch[t, s]))))
+            if z.forward[t, s] and s == 0:
+                entries.append((int(z.forward_slot[t, s]), ("in", int(z.forward_microbatch[t, s]))))
+            if z.backward[t, s]:
+                entries.append((int(z.backward_saved[t, s]), ("saved", int(z.backward_microbatch[t, s]))))
+            for slot, what in entries:
+                assert slot not in live or live[slot] == what, (t, s, slot)
+                live[slot] = what
+            if z.forward[t, s]:
+                assert live[int(z.forward_slot[t, s])] == ("in", int(z.forward_microbatch[t, s]))
+            if z.backward[t, s]:
+                assert live[int(z.backward_slot[t, s])] == ("in", int(z.backward_microbatch[t, s]))
+            if z.weight[t, s]:
+                mb = int(z.weight_microbatch[t, s])
+                assert live.pop(int(z.weight_slot[t, s])) == ("in", mb)
+                assert live.pop(int(z.weight_saved[t, s])) == ("saved", mb)
+    # every stage holds at most 2S entries (2S - 1 - s chunk inputs, s + 1 saved sets): with M >= 2S - 1, fused
+    # 1F1B's 2S - 1 chunk inputs on stage 0 plus one
+    assert (z.live() <= 2 * stages).all() and z.slots == max(z.live()), z.live()
+    if microbatches >= 2 * stages - 1:
+        assert z.slots == fused_held_bound(stages, microbatches, 1, 0) + 1 == f.slots + 1
+
+
+def test_zero_bubble_refuses_repeats_naming_the_flag():
+    with pytest.raises(ValueError, match="--pipeline-repeats 2: .* --pipeline-repeats 1"):
+        pl.zero_bubble_ticks(4, 8, 2)
+    with pytest.raises(ValueError, match="--microbatches 3"):
+        pl.zero_bubble_ticks(4, 3)
+
+
+# Exactness -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "mesh_spec, num_layers, stage_layers, microbatches, skip_empty",
+    [
+        ("stage=4,fsdp=2", 12, (5, 3, 2, 2), 8, True),  # uneven, 4 stages, M = 2S: W deferred up to 3 ticks
+        ("stage=2,fsdp=4", 4, (3, 1), 4, False),  # every slot computed and selected
+    ],
+)
+def test_zero_bubble_matches_the_sequential_stack(mesh_spec, num_layers, stage_layers, microbatches, skip_empty):
+    plan, (loss, weight, grads, applied, forward_only), (ref_loss, ref_weight, ref_grads), _, _ = _toy(
+        mesh_spec, num_layers, stage_layers, microbatches, batch=4 * microbatches, schedule="zb", skip_empty=skip_empty
+    )
+    assert plan.schedule == "zb" and plan.ticks == microbatches + 2 * (plan.layout.stages - 1)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    np.testing.assert_allclose(float(weight), float(ref_weight), rtol=1e-6)
+    assert_close(grads, ref_grads)
+    assert tuple(np.asarray(applied)) == plan.layer_applications()
+    np.testing.assert_allclose(float(forward_only[0]), float(ref_loss), rtol=1e-5)
+
+
+def test_zero_bubble_training_steps_match_the_unpipelined_model():
+    """Losses over 6 steps (1e-4) and the parameters after the first (1e-5) equal the flat model's, for zero
+    bubble on the uneven split 4,2 with fsdp (`_assert_steps_match_the_flat_model`)."""
+    plan = _plan(STEPS_LAYERS, STEPS_MESH, STEPS_SPLIT, STEPS_MICROBATCHES, "zb")
+    assert plan.one_f_one_b and plan.zero_bubble and plan.schedule == "zb"
+    _assert_steps_match_the_flat_model(plan)
+
+
+def test_zero_bubble_model_with_tensor_parallelism_has_the_loss_and_gradients_of_the_unpipelined_one():
+    """The test model on ``stage=2,fsdp=2,tensor=2`` (split 3,1, M = 2): loss (1e-5) and gradients (1e-5 of each
+    array's largest entry) equal the flat model's; tensor-parallel products inside both backward halves."""
+    from models.config import get_config
+    from sharding.parallel import Accumulation
+
+    config = get_config("test", ["num_layers=4"])
+    batch = _batch(8, 32)
+    ref_loss, ref_grads = _loss_and_grads(_trainer(config, "fsdp=8", Accumulation(1)), batch)
+    mesh = "stage=2,fsdp=2,tensor=2"
+    loss, grads = _loss_and_grads(_trainer(config, mesh, _plan(4, mesh, (3, 1), 2, "zb")), batch)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    assert_close(grads, ref_grads)
+
+
+def test_zero_bubble_temporaries_lie_between_fused_1f1b_and_gpipe_and_no_transfer_sits_in_a_conditional():
+    """The compiled gradient step at M = 16 on 2 stages (memory analysis: deterministic): zero bubble's ring has
+    one entry more than fused 1F1B's (2S = 4 against 3), so its temporaries are at least fused 1F1B's and below
+    GPipe's; no collective-permute sits inside a conditional, and every collective inside one is among the
+    devices of one stage."""
+    _, gpipe = _compiled_gradients("gpipe")
+    _, fused = _compiled_gradients("1f1b-fused")
+    trainer, zb = _compiled_gradients("zb")
+    assert trainer.par.pipeline.tick_table().slots == 4
+    temps = {
+        name: c.memory_analysis().temp_size_in_bytes for name, c in (("gpipe", gpipe), ("fused", fused), ("zb", zb))
+    }
+    print("temporaries per device at M=16:", temps)
+    assert temps["fused"] <= temps["zb"] < temps["gpipe"], temps
+    found = branch_collectives(zb.as_text(), trainer.mesh)
+    assert not [c for c in found if c.op == "collective-permute"]
+    assert all(c.safe for c in found)
+
+
+# Through the CLI -------------------------------------------------------------------------------
+
+
+def test_the_zero_bubble_plan_round_trips_through_its_flags_and_is_reported(capsys):
+    from train import train
+    from train.cli import parse
+    from train.flags import parallelism_flags
+    from train.report import schedule_memory_line
+
+    run = parse(["--model", "test", "--mesh", "stage=2,fsdp=4", "--microbatches", "4", "--pipeline-schedule", "zb"])
+    plan = run.parallelism.strategy
+    assert plan.one_f_one_b and plan.zero_bubble and not plan.fused and plan.schedule == "zb"
+    assert parse(["--model", "test", *parallelism_flags(run.parallelism)]).parallelism.strategy == plan
+    assert "one loop of 6 ticks, each a forward, an input gradient and a weight gradient" in schedule_memory_line(plan)
+    argv = ["--model", "test", "--mesh", "stage=2,fsdp=4", "--microbatches", "4", "--batch-size", "8", "--dry-run"]
+    code = train.main([*argv, "--pipeline-schedule", "zb", "--pipeline-repeats", "2"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--pipeline-repeats 2: --pipeline-schedule zb runs one chunk per stage" in err, err

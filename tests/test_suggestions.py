@@ -1,0 +1,101 @@
+"""Every remedy an error names is one the same command accepts: the suggestion is applied and checked again.
+
+Each case is a train.train command line that is refused with a suggestion (``e.g. --flag VALUE``, ``pass --flag
+VALUE``); the test takes the flags the message suggests, puts them into the command line (replacing the same
+flags' values), and runs the same parse and checks (`train.cli.parse`, `train.train.prepare`) again: they must pass.
+"""
+
+import re
+import shlex
+
+import jax
+import pytest
+
+from train import cli
+from train.train import prepare
+
+BASE = ["--model", "test", "--seq-len", "64", "--batch-size", "8", "--steps", "2"]
+
+
+def refusal(argv):
+    """The message of the error parse or checks raise for ``argv``, or None when both accept it."""
+    try:
+        prepare(cli.parse(argv), jax.devices(), lambda _: None)
+    except (ValueError, FileNotFoundError) as e:
+        return str(e)
+    return None
+
+
+def suggested(message: str) -> list[str]:
+    """The flags of the message's suggestion: what follows its last ``e.g.``, ``pass`` or ``use``, up to ``;``,
+    a parenthesis or ``, or``."""
+    found = re.findall(r"(?:e\.g\.|pass|use) (--[^;)]*?)(?:;| \(|\)|, or |$)", message)
+    assert found, f"no suggestion in: {message}"
+    return shlex.split(found[-1].rstrip(". "))
+
+
+def applied(argv: list[str], flags: list[str]) -> list[str]:
+    """``argv`` with each suggested ``--flag [value]`` put in place of the same flag's value (or appended)."""
+    out = list(argv)
+    i = 0
+    while i < len(flags):
+        flag = flags[i]
+        value = flags[i + 1 : i + 2] if i + 1 < len(flags) and not flags[i + 1].startswith("--") else []
+        i += 1 + len(value)
+        if flag in out and flag not in ("--rule", "--set"):  # repeatable flags are added, the others replaced
+            at = out.index(flag)
+            has_value = at + 1 < len(out) and not out[at + 1].startswith("--")
+            out[at : at + 1 + has_value] = [flag, *value]
+        else:
+            out += [flag, *value]
+    return out
+
+
+CASES = [
+    ["--heldout", "1"],
+    ["--seed", "-1"],
+    ["--decay-steps", "0"],
+    ["--warmup", "-1"],
+    ["--mesh", "data=2,sequence=4", "--attention", "ring", "--seq-len", "66"],
+    ["--mesh", "sequence=8", "--attention", "ulysses"],  # 4 query heads: sequence=4, data=2
+    ["--mesh", "context=2,sequence=4", "--attention", "usp", "--set", "num_heads=6", "--set", "num_kv_heads=2"],
+    ["--mesh", "stage=-1"],
+    ["--pipeline-schedule", "circular", "--mesh", "stage=2,fsdp=4"],
+    ["--microbatches", "3", "--mesh", "stage=2,fsdp=4"],
+    ["--mesh", "stage=2,fsdp=4", "--microbatches", "4", "--batch-size", "6"],
+    ["--pipeline-repeats", "2", "--mesh", "stage=2,fsdp=4", "--microbatches", "2"],
+    ["--rebalance-every", "5"],
+    ["--resume-step", "3"],
+    ["--hetero-max-share", "4"],
+    ["--hetero-batch", "1,2,3", "--mesh", "data=8"],
+    ["--batch-size", "16", "--hetero-batch", "3,3,2,2,2,2,1,1", "--mesh", "data=8", "--hetero-max-share", "2"],
+    ["--mesh", "stage=2,fsdp=4", "--microbatches", "2", "--hetero-batch", "auto"],
+    ["--model", "7b", "--set", "num_layers=256", "--mesh", "fsdp=8", "--dry-run"],  # over any host's memory
+]
+
+
+@pytest.mark.parametrize("flags", CASES, ids=[" ".join(c) for c in CASES])
+def test_the_suggested_flags_are_accepted(tmp_path, corpus, cache, flags):
+    base = [*BASE, "--data", str(corpus), "--data-cache", str(cache), "--run-dir", str(tmp_path / "r")]
+    argv = applied(base, flags)
+    message = refusal(argv)
+    assert message is not None, f"accepted: {argv}"
+    fixed = applied(argv, suggested(message))
+    assert refusal(fixed) is None, f"{message}\n-> {shlex.join(fixed[len(BASE) :])}\n-> {refusal(fixed)}"
+
+
+def test_the_suggestion_reader_reads_each_form():
+    """The parsing the test above relies on, on messages of each form (so a broken reader cannot pass it)."""
+    assert suggested("--seed -1: must be in 0..9, e.g. --seed 0") == ["--seed", "0"]
+    assert suggested("x; pass --set vocab_size=384 (or not)") == ["--set", "vocab_size=384"]
+    assert suggested("--microbatches 1: fewer; use --microbatches 2") == ["--microbatches", "2"]
+    assert suggested("e.g. --mesh data=2 --rules dp, or --hetero-batch off") == ["--mesh", "data=2", "--rules", "dp"]
+    assert applied(["--mesh", "a=1", "--set", "x=1"], ["--mesh", "b=2", "--set", "y=2", "--resume"]) == [
+        "--mesh",
+        "b=2",
+        "--set",
+        "x=1",
+        "--set",
+        "y=2",
+        "--resume",
+    ]

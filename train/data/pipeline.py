@@ -1,0 +1,473 @@
+"""Prepared shards -> packed global batches through Grain, each process loading only its rows.
+
+1. **Streams.** A split's ArrayRecord shards (`train.data.prepare`) read as one token stream: the records'
+   token counts (the ``.lengths.npy`` files) locate any token range, and `grain.sources.ArrayRecordDataSource`
+   over all shards reads the few records it spans. A corpus whose split left one side without documents
+   (a single document) holds out the tail of the stream instead.
+2. **Windows.** The stream is cut into windows of ``seq_len + 1`` tokens with stride ``seq_len``; inputs are
+   ``window[:-1]``, targets ``window[1:]``.
+3. **Order.** Training visits windows in a global seeded shuffle, reshuffled every epoch
+   (``grain.MapDataset.range(W).shuffle(seed).repeat()``); sample ``i`` of the run is window ``order[i]``.
+   The held-out windows are visited in one fixed shuffle (seed + 1), so the evaluation batches are a sample
+   of the whole held-out split, the same at every evaluation.
+4. **Packing.** Inside a window, ``segment_ids`` number the documents from 1 (an EOD belongs to the document
+   it ends), ``positions`` restart at 0 in each document, and ``loss_mask`` is 0 where the input is an EOD
+   (its target opens another document), so no loss and no attention crosses a document boundary.
+5. **Context layout.** With context parallelism (the length split over P devices of the ``sequence`` axis)
+   and the ``zigzag`` layout, every field of a row is permuted the same way along the length
+   (`context_permutation`: device r's slice holds chunks r and 2P-1-r of 2P), so causal ring attention does
+   equal work on every device.
+6. **Batches.** Step ``j`` of the loop reads global samples ``base + j*B + r`` for the rows ``r`` this
+   process's devices hold (`local_rows`), through a Grain ``MapDataset`` whose reads run in background
+   threads ahead of the step (`TrainBatches`). Grain's iterator state (the next step's index) is saved in
+   every checkpoint with ``base`` and ``B``. Because a sample's window depends only on its global number,
+   the position is exact on any mesh, data-parallel size or process count: a resume with the same global
+   batch restores Grain's state; one with another global batch re-derives it from the samples consumed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+
+from train.data.corpus import default_cache_dir
+from train.data.prepare import SPLITS, preparation_key, prepare, shard_name
+
+FIELDS = ("tokens", "targets", "positions", "segment_ids", "loss_mask")
+
+
+# Prepared folders -------------------------------------------------------------------------------------------
+
+
+def is_prepared(spec: str) -> bool:
+    """Whether ``spec`` is a folder `train.data.prepare` completed (it holds ``manifest.json``)."""
+    return spec != "stdlib" and (Path(spec).expanduser() / "manifest.json").is_file()
+
+
+def read_manifest(folder: Path, tokenizer, flag: str = "--data") -> dict:
+    """The manifest of a prepared folder, checked against the run's tokenizer and the shards on disk.
+
+    Raises:
+      ValueError: an unreadable manifest, another tokenizer's tokens, or a missing or damaged shard (named).
+    """
+    try:
+        manifest = json.loads((folder / "manifest.json").read_text())
+        saved = manifest["tokenizer"]
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"{flag} {folder}: unreadable manifest.json ({e}); prepare the folder again") from None
+    if saved["fingerprint"] != tokenizer.fingerprint:
+        hint = "" if saved["name"] == "bytes" else f" {saved['name']}"
+        raise ValueError(
+            f"{flag} {folder}: prepared with the tokenizer {saved['name']} ({saved['fingerprint']}), but this run "
+            f"uses {tokenizer.name} ({tokenizer.fingerprint}); pass --tokenizer{hint or ' bytes'} or prepare again"
+        )
+    for shard in manifest["shards"]:
+        for split in SPLITS:
+            path = folder / shard_name(split, shard["index"])
+            lengths = path.with_suffix(".lengths.npy")
+            try:
+                total = int(np.load(lengths).sum(dtype=np.int64)) if path.is_file() else -1
+            except (OSError, ValueError):
+                total = -1
+            if total != shard[f"{split}_tokens"]:
+                raise ValueError(
+                    f"{flag} {folder}: shard {path.name} is missing or damaged ({lengths.name} does not hold "
+                    f"{shard[f'{split}_tokens']} tokens); prepare the folder again"
+                )
+    return manifest
+
+
+class TokenStream:
+    """A split's tokens as one random-access stream over its ArrayRecord shards, or a range of one.
+
+    Args:
+      folder: the prepared folder.
+      split: ``train`` or ``heldout``.
+      manifest: its manifest (`read_manifest`).
+      start, stop: the token range of the split this stream covers (None: to the end).
+    """
+
+    def __init__(self, folder: Path, split: str, manifest: dict, start: int = 0, stop: int | None = None):
+        shards = [s for s in manifest["shards"] if s[f"{split}_tokens"] > 0]
+        self.paths = [str(folder / shard_name(split, s["index"])) for s in shards]
+        lengths = [np.load(Path(p).with_suffix(".lengths.npy")) for p in self.paths]
+        self.ends = np.cumsum(np.concatenate(lengths) if lengths else np.zeros(0), dtype=np.int64)
+        self.shard_of_record = np.repeat(np.arange(len(lengths)), [len(x) for x in lengths])
+        self.dtype = np.dtype(manifest["dtype"])
+        total = int(self.ends[-1]) if len(self.ends) else 0
+        self.start, self.stop = start, total if stop is None else stop
+        self._source = None
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def _records(self):
+        if self._source is None:
+            from grain.sources import ArrayRecordDataSource
+
+            self._source = ArrayRecordDataSource(self.paths)
+        return self._source
+
+    def read(self, starts, count: int) -> np.ndarray:
+        """``[len(starts), count]`` tokens: rows ``[start, start + count)`` of this stream (``dtype``), every
+        record they span read in one call.
+
+        Raises:
+          ValueError: a record that does not read, or reads with another length (names its shard).
+        """
+        begins = self.start + np.asarray(starts, np.int64)
+        firsts = np.searchsorted(self.ends, begins, side="right")
+        lasts = np.searchsorted(self.ends, begins + count - 1, side="right")
+        indices = sorted({i for f, l in zip(firsts, lasts) for i in range(int(f), int(l) + 1)})
+        try:
+            records = self._records().__getitems__(indices)
+        except Exception as e:  # ArrayRecord raises its own errors for a damaged file
+            raise ValueError(f"{self._shard_names(indices)}: cannot read records ({e})") from None
+        pieces = {}
+        for index, record in zip(indices, records):
+            piece = np.frombuffer(record, self.dtype)
+            expected = self.ends[index] - (self.ends[index - 1] if index else 0)
+            if len(piece) != expected:
+                raise ValueError(
+                    f"{self._shard_names([index])}: record {index} holds {len(piece)} tokens, not {expected}"
+                )
+            pieces[index] = piece
+        out = np.empty((len(begins), count), self.dtype)
+        for row, (begin, first, last) in enumerate(zip(begins, firsts, lasts)):
+            joined = np.concatenate([pieces[i] for i in range(int(first), int(last) + 1)])
+            offset = int(begin) - (int(self.ends[first - 1]) if first else 0)
+            out[row] = joined[offset : offset + count]
+        return out
+
+    def _shard_names(self, indices) -> str:
+        return ", ".join(sorted({self.paths[self.shard_of_record[i]] for i in indices}))
+
+
+class Windows:
+    """Windows of ``seq_len + 1`` tokens of a stream, stride ``seq_len``.
+
+    Raises:
+      ValueError: when the stream is shorter than one window (names the split and ``--seq-len``).
+    """
+
+    def __init__(self, stream: TokenStream, seq_len: int, name: str):
+        self.stream, self.seq_len = stream, seq_len
+        self.num_windows = (len(stream) - 1) // seq_len
+        if self.num_windows < 1:
+            raise ValueError(
+                f"the {name} split has {len(stream)} tokens, fewer than one sequence of --seq-len {seq_len} + 1; "
+                "give more data or a smaller --seq-len"
+            )
+
+    def read(self, windows) -> np.ndarray:
+        """``[len(windows), seq_len + 1]`` token windows."""
+        return self.stream.read(np.asarray(windows, np.int64) * self.seq_len, self.seq_len + 1)
+
+
+def shuffled_order(num_windows: int, seed: int, repeat: bool):
+    """Grain's global shuffle of ``range(num_windows)`` (reshuffled each epoch when ``repeat``): the window of
+    each sample number."""
+    import grain
+
+    order = grain.MapDataset.range(num_windows).shuffle(seed=seed)
+    return order.repeat() if repeat else order
+
+
+# Packing ----------------------------------------------------------------------------------------------------
+
+
+def pack_windows(windows: np.ndarray, eod_id: int) -> dict[str, np.ndarray]:
+    """Turns ``[rows, seq_len + 1]`` token windows into model inputs.
+
+    Returns:
+      ``tokens, targets, positions, segment_ids`` int32 and ``loss_mask`` float32, each ``[rows, seq_len]``,
+      as described in the module docstring.
+    """
+    windows = windows.astype(np.int32)
+    tokens, targets = windows[:, :-1], windows[:, 1:]
+    is_eod = tokens == eod_id
+    # Segment of position i: 1 + number of EODs strictly before i.
+    before = np.concatenate([np.zeros_like(is_eod[:, :1]), is_eod[:, :-1]], axis=1)
+    segment_ids = 1 + np.cumsum(before, axis=1, dtype=np.int32)
+    index = np.broadcast_to(np.arange(tokens.shape[1], dtype=np.int32), tokens.shape)
+    starts = np.where(np.concatenate([np.ones_like(before[:, :1]), before[:, 1:]], axis=1), index, 0)
+    positions = index - np.maximum.accumulate(starts, axis=1)
+    return {
+        "tokens": tokens,
+        "targets": targets,
+        "positions": positions.astype(np.int32),
+        "segment_ids": segment_ids.astype(np.int32),
+        "loss_mask": (~is_eod).astype(np.float32),
+    }
+
+
+def context_permutation(seq_len: int, num_shards: int, layout: str) -> np.ndarray | None:
+    """The order in which a row's tokens are laid out along the length, for ``--context-layout``.
+
+    Args:
+      seq_len: T, tokens per row (``--seq-len``).
+      num_shards: P, devices the length is split over (the ``sequence`` axis).
+      layout: ``contiguous`` (natural order) or ``zigzag`` (device r holds chunks r and
+        2P-1-r of 2P; `models.kernels.ring_attention.zigzag_permutation`).
+
+    Returns:
+      int64 ``[seq_len]`` indices (``field[:, perm]`` is the laid-out row), or None for the natural order.
+
+    Raises:
+      ValueError: an unknown layout, or a ``--seq-len`` not divisible by 2P for zigzag.
+    """
+    if layout == "contiguous":
+        return None
+    if layout != "zigzag":
+        raise ValueError(f"--context-layout {layout!r}: choose contiguous or zigzag")
+    from models.kernels.ring_attention import zigzag_permutation
+
+    try:
+        permutation = zigzag_permutation(seq_len, num_shards)
+    except ValueError:
+        raise ValueError(
+            f"--seq-len {seq_len}: --context-layout zigzag needs a multiple of 2 x {num_shards} (the sequence "
+            f"axis) = {2 * num_shards}; e.g. --seq-len {max(1, seq_len // (2 * num_shards)) * 2 * num_shards}"
+        ) from None
+    return None if num_shards == 1 else permutation  # over one device zigzag is the natural order
+
+
+def permute_length(fields: dict[str, np.ndarray], permutation: np.ndarray | None) -> dict[str, np.ndarray]:
+    """Every ``[rows, seq_len]`` field with its columns in ``permutation`` order (None: as is)."""
+    if permutation is None:
+        return fields
+    return {name: np.ascontiguousarray(value[:, permutation]) for name, value in fields.items()}
+
+
+# The dataset ------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Dataset:
+    """Train and held-out windows of a prepared corpus.
+
+    Attributes:
+      train, heldout: `Windows`.
+      eod_id: end-of-document token.
+      global_batch: B, rows per step.
+      seed: the training order's seed (the held-out order uses ``seed + 1``).
+      permutation: the context layout's token order along the length (`context_permutation`); None: natural.
+      manifest: the prepared folder's manifest.
+    """
+
+    train: Windows
+    heldout: Windows
+    eod_id: int
+    global_batch: int
+    seed: int
+    permutation: np.ndarray | None = None
+    manifest: dict = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        self.train_order = shuffled_order(self.train.num_windows, self.seed, repeat=True)
+        self.heldout_order = shuffled_order(self.heldout.num_windows, self.seed + 1, repeat=True)
+
+    def samples(self, samples, which: str = "train") -> dict[str, np.ndarray]:
+        """The packed rows of global sample numbers ``samples`` (``train`` or ``heldout`` order)."""
+        windows, order = (self.train, self.train_order) if which == "train" else (self.heldout, self.heldout_order)
+        rows = windows.read([order[int(s)] for s in samples])
+        return permute_length(pack_windows(rows, self.eod_id), self.permutation)
+
+    def train_rows(self, first_sample: int, rows: range) -> dict[str, np.ndarray]:
+        """Rows ``rows`` of the global batch that starts at sample ``first_sample``."""
+        return self.samples(range(first_sample + rows.start, first_sample + rows.stop))
+
+    def eval_rows(self, batch_index: int, rows: range) -> dict[str, np.ndarray]:
+        """Rows of held-out batch ``batch_index`` (fixed across the run)."""
+        first = batch_index * self.global_batch
+        return self.samples(range(first + rows.start, first + rows.stop), "heldout")
+
+    def train_batches(self, rows: range, samples: int, saved: dict | None = None, threads: int = 2, prefetch: int = 4):
+        """This process's rows of every step from the data position ``samples`` on (`TrainBatches`)."""
+        return TrainBatches(self, rows, samples, saved, threads, prefetch)
+
+
+class TrainBatches:
+    """This process's rows of each step's global batch, read ahead by Grain's background threads.
+
+    Element ``j`` of the Grain ``MapDataset`` is rows ``rows`` of the global batch of samples
+    ``[base + j*B, base + (j+1)*B)``; its iterator runs ``threads`` reader threads ``prefetch`` elements ahead.
+
+    Args:
+      dataset: the `Dataset`.
+      rows: this process's rows of the global batch (`local_rows`).
+      samples: the data position (global samples consumed).
+      saved: the ``iterator`` a checkpoint recorded (`state`), or None.
+      threads, prefetch: Grain's ``ReadOptions``.
+
+    Attributes:
+      wait: seconds the caller has waited on ``next`` since the last `take_wait`.
+      restored: ``grain`` (Grain's saved state was restored) or ``derived`` (position from ``samples``).
+    """
+
+    def __init__(self, dataset: Dataset, rows: range, samples: int, saved=None, threads=2, prefetch=4):
+        import grain
+
+        B = dataset.global_batch
+        if saved and saved.get("global_batch") == B and saved["base"] + saved["grain"]["next_index"] * B == samples:
+            self.base, state, self.restored = saved["base"], saved["grain"], "grain"
+        else:
+            self.base, state, self.restored = samples % B, {"next_index": samples // B}, "derived"
+        base, first = self.base, np.arange(rows.start, rows.stop)
+        steps = grain.MapDataset.range(np.iinfo(np.int64).max // (2 * B)).map(
+            lambda j: dataset.samples(base + j * B + first)
+        )
+        options = grain.ReadOptions(num_threads=threads, prefetch_buffer_size=prefetch)
+        self._iterator = iter(steps.to_iter_dataset(options))
+        self._iterator.set_state(state)
+        self.global_batch, self.wait = B, 0.0
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        import time
+
+        t0 = time.perf_counter()
+        batch = next(self._iterator)
+        self.wait += time.perf_counter() - t0
+        return batch
+
+    def take_wait(self) -> float:
+        """Seconds waited on input since the previous call."""
+        wait, self.wait = self.wait, 0.0
+        return wait
+
+    def state(self) -> dict:
+        """What a checkpoint records: Grain's iterator state, ``base`` and ``global_batch``."""
+        return {"grain": self._iterator.get_state(), "base": self.base, "global_batch": self.global_batch}
+
+
+def open_prepared(folder: Path, tokenizer, flag: str = "--data") -> tuple[TokenStream, TokenStream, dict]:
+    """``(train, heldout, manifest)`` streams of a prepared folder; a split without documents takes the tail
+    (held-out) or head (train) of the other, cut at the manifest's held-out share of tokens."""
+    manifest = read_manifest(folder, tokenizer, flag)
+    train, held = TokenStream(folder, "train", manifest), TokenStream(folder, "heldout", manifest)
+    if len(train) == 0 or len(held) == 0:
+        whole = train if len(train) else held
+        split = "train" if len(train) else "heldout"
+        cut = max(int(len(whole) * (1 - manifest["split"]["heldout"])), 1)
+        train = TokenStream(folder, split, manifest, 0, cut)
+        held = TokenStream(folder, split, manifest, cut)
+    return train, held, manifest
+
+
+def prepared_folder(spec: str, tokenizer, seed: int, heldout: float, cache_dir=None, log=print) -> Path:
+    """The prepared folder of ``--data``: the folder itself, or the cache's preparation of a raw source
+    (made on first use, by `train.data.prepare.prepare` with one worker per core)."""
+    if is_prepared(spec):
+        return Path(spec).expanduser()
+    key, _ = preparation_key([spec], tokenizer, seed, heldout, DEFAULT_SHARD_MB_FOR_CACHE, "text")
+    folder = Path(cache_dir or default_cache_dir()).expanduser() / "prepared" / key
+    prepare([spec], folder, tokenizer, seed=seed, heldout=heldout, shard_mb=DEFAULT_SHARD_MB_FOR_CACHE, log=log)
+    return folder
+
+
+DEFAULT_SHARD_MB_FOR_CACHE = 8  # the 30 MB stdlib corpus in four shards: both cores busy on first use
+
+
+def load_dataset(
+    spec: str,
+    tokenizer,
+    seq_len: int,
+    global_batch: int,
+    seed: int,
+    heldout: float = 0.01,
+    cache_dir=None,
+    log=print,
+    permutation: np.ndarray | None = None,
+) -> Dataset:
+    """The `Dataset` of ``--data`` (a prepared folder, or a raw source prepared on first use into the cache).
+
+    Raises:
+      ValueError, FileNotFoundError, ImportError: as `read_manifest`, `train.data.prepare.prepare` and
+        `Windows`.
+    """
+    folder = prepared_folder(spec, tokenizer, seed, heldout, cache_dir, log)
+    train, held, manifest = open_prepared(folder, tokenizer)
+    return Dataset(
+        train=Windows(train, seq_len, "training"),
+        heldout=Windows(held, seq_len, "held-out"),
+        eod_id=tokenizer.eod_id,
+        global_batch=global_batch,
+        seed=seed,
+        permutation=permutation,
+        manifest=manifest,
+    )
+
+
+def check_source(spec: str, tokenizer) -> None:
+    """Before device work: a prepared folder's manifest and shards agree with the run's tokenizer, or a raw
+    source is there, is text, and its Parquet files have the text column (footers only: nothing tokenized).
+
+    Raises:
+      ValueError, FileNotFoundError, ImportError: as `read_manifest` and `train.data.corpus.plan_units`.
+    """
+    from train.data.corpus import plan_units
+
+    if is_prepared(spec):
+        read_manifest(Path(spec).expanduser(), tokenizer)
+    else:
+        plan_units(spec, 1 << 62)
+
+
+# Process-local global arrays ----------------------------------------------------------------------------------
+
+
+def local_rows(sharding, global_shape: tuple[int, ...]) -> range:
+    """The contiguous range of batch rows this process's devices hold.
+
+    Raises:
+      ValueError: if the rows of this process are not contiguous (a mesh whose batch axes interleave
+        processes).
+    """
+    starts, stops = [], []
+    for index in sharding.addressable_devices_indices_map(global_shape).values():
+        rows = index[0]
+        starts.append(rows.start or 0)
+        stops.append(global_shape[0] if rows.stop is None else rows.stop)
+    first, last = min(starts), max(stops)
+    covered = np.zeros(last - first, bool)
+    for s, e in zip(starts, stops):
+        covered[s - first : e - first] = True
+    if not covered.all():
+        raise ValueError("this process's batch rows are not contiguous; check --mesh-outer")
+    return range(first, last)
+
+
+def to_global_arrays(rows_fn, global_batch: int, seq_len: int, sharding) -> dict:
+    """Global `jax.Array`s of a batch from the rows this process loads.
+
+    Args:
+      rows_fn: ``range -> dict[str, np.ndarray [len(range), seq_len]]``.
+      global_batch: B.
+      seq_len: T.
+      sharding: the `NamedSharding` of a ``[batch, length]`` array.
+
+    Returns:
+      Dict of `FIELDS` -> ``[B, T]`` arrays with ``sharding``; only the process's own rows are ever loaded.
+    """
+    import jax
+
+    shape = (global_batch, seq_len)
+    rows = local_rows(sharding, shape)
+    local = rows_fn(rows)
+
+    def make(field):
+        data = local[field]
+        return jax.make_array_from_callback(
+            shape, sharding, lambda index: data[_shift(index[0], rows.start, global_batch)][:, index[1]]
+        )
+
+    return {field: make(field) for field in FIELDS}
+
+
+def _shift(rows: slice, offset: int, total: int) -> slice:
+    start = rows.start or 0
+    stop = total if rows.stop is None else rows.stop
+    return slice(start - offset, stop - offset)

@@ -1,0 +1,486 @@
+"""Elastic launcher: ``python -m train.launch --local-processes N [train.train flags]``.
+
+Starts N training processes (`train.train`, one per simulated host) on this machine and hosts JAX's
+coordination service itself, outside every training process (`train.distributed.start_service`; the
+processes join it with ``--external-coordinator``), so losing any training process, process 0 included,
+leaves the service and the launcher up. It watches the processes; when one is lost (killed, crashed,
+or reported silent by a peer's `train.distributed.PeerWatch`), it stops the others (SIGTERM, then
+SIGKILL after `STOP_GRACE` seconds: a survivor is blocked in a collective with the lost peer) and starts
+training again on the survivors from the newest verified checkpoint (``--resume``: every restart reads
+`checkpoints.verify.latest_verified_step`).
+
+Re-planning: the restarted processes keep every flag, so the global batch (``--batch-size``), the model,
+the optimizer state and the data position (the checkpoint's sample count, independent of the mesh)
+carry over; the mesh's ``-1`` axis is re-derived for the devices left (`train.config.resolve_mesh`),
+``--plan auto`` plans again, uneven counts are measured again. Before a restart the launcher checks the
+layout on the devices left (`train.config.resolve_mesh`, `train.checks.validate`,
+`train.fit.check_estimate`) and, when it does not fit, tries fewer processes (down to
+``--min-processes``); when nothing fits it says so and, with ``--rejoin``, waits for the lost processes
+to come back. With ``--rejoin`` a lost process's slot is started again at the next checkpoint boundary:
+the launcher asks the running processes to stop (SIGTERM: they finish the step in flight and save) once
+a newer checkpoint than the one they resumed from is complete, and restarts on every slot.
+
+Each restart is one line: what was lost, the step resumed, the old and new mesh, the steps recomputed.
+Exit status: 0 when training finished; the training processes' own status for a non-finite loss (1)
+or an error (2); `RESTARTS_EXHAUSTED` when ``--max-restarts`` is used up or too few processes are left.
+
+Elastic restarts on the survivors of an SPMD job follow the in-job restart designs of NVIDIA's
+NVRx and torchelastic's agent (a supervisor per host that restarts workers from the last checkpoint).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from checkpoints.verify import saved_steps
+from train import cli
+
+STOP_GRACE = 5.0
+"""Seconds a survivor gets to end after SIGTERM before SIGKILL (it is usually blocked in a collective)."""
+POLL = 0.2
+"""Seconds between looks at the training processes."""
+RESTARTS_EXHAUSTED = 4
+"""Exit status when ``--max-restarts`` is used up or fewer than ``--min-processes`` are left."""
+LAUNCHER_FLAGS = {"--local-processes": True, "--max-restarts": True, "--min-processes": True, "--rejoin": False}
+"""The launcher's own flags (True: takes a value); every other flag goes to the training processes."""
+GIVEN_BY_LAUNCHER = ("--coordinator", "--num-processes", "--process-id", "--external-coordinator")
+GROUP = "elastic launcher (python -m train.launch)"
+DOCUMENTED_GROUPS = (GROUP,)
+"""The flags docs/flags.md lists under this command (the others are python -m train.train's)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+    """The launcher's flags.
+
+    Attributes:
+      local_processes: training processes started on this machine (``--local-processes``).
+      max_restarts: restarts allowed after lost processes before giving up (``--max-restarts``).
+      min_processes: fewest processes worth training on (``--min-processes``).
+      rejoin: start a lost process's slot again and grow the job back at the next checkpoint (``--rejoin``).
+    """
+
+    local_processes: int
+    max_restarts: int = 3
+    min_processes: int = 1
+    rejoin: bool = False
+
+
+def build_parser():
+    """The parser of ``python -m train.launch``: `train.cli.build_parser`'s flags plus the launcher's."""
+    p = cli.build_parser()
+    p.prog = "python -m train.launch"
+    p.description = (
+        "Starts the training processes of train.train on this machine, hosts their coordination service, and "
+        "restarts training on the survivors from the newest verified checkpoint when a process is lost. Takes "
+        "every flag of python -m train.train (but --coordinator, --num-processes, --process-id, which it gives), "
+        "plus these."
+    )
+    g = p.add_argument_group(GROUP)
+    g.add_argument(
+        "--local-processes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="training processes to start on this machine, each with --cpu-devices devices (required)",
+    )
+    g.add_argument(
+        "--max-restarts", type=int, default=3, metavar="N", help="restarts after lost processes before giving up"
+    )
+    g.add_argument("--min-processes", type=int, default=1, metavar="N", help="fewest processes to continue training on")
+    g.add_argument(
+        "--rejoin",
+        action="store_true",
+        help="start a lost process again and grow the job back to every process at the next checkpoint",
+    )
+    return p
+
+
+def parse(argv: Sequence[str]) -> tuple[LaunchConfig, list[str], object]:
+    """``(launch, train_argv, run_config)``: the launcher's flags, the training processes' flags and their
+    `train.config.RunConfig` (checked as `train.cli.parse` checks it).
+
+    Raises:
+      SystemExit: From argparse, for unknown flags or ``--help``.
+      ValueError: A launcher flag out of range, a flag the launcher gives itself, or as `train.cli.parse`.
+    """
+    from train import configfile
+
+    parser = build_parser()
+    argv = list(argv)
+    args = parser.parse_args(configfile.expand(argv, parser))
+    if args.local_processes is None:
+        raise ValueError(
+            "--local-processes: required (processes to start on this machine), e.g. --local-processes 2; "
+            "on several hosts run python -m train.train on each"
+        )
+    if args.local_processes < 1:
+        raise ValueError(f"--local-processes {args.local_processes}: must be at least 1, e.g. --local-processes 2")
+    if args.max_restarts < 0:
+        raise ValueError(f"--max-restarts {args.max_restarts}: must be >= 0, e.g. --max-restarts 3")
+    if not 1 <= args.min_processes <= args.local_processes:
+        raise ValueError(
+            f"--min-processes {args.min_processes}: must be in 1..{args.local_processes} (--local-processes), "
+            "e.g. --min-processes 1"
+        )
+    train_argv = strip_flags(argv, LAUNCHER_FLAGS)
+    for flag in GIVEN_BY_LAUNCHER:
+        if any(a == flag or a.startswith(flag + "=") for a in train_argv):
+            raise ValueError(f"{flag}: the launcher gives it to each process; leave it out")
+    launch = LaunchConfig(args.local_processes, args.max_restarts, args.min_processes, args.rejoin)
+    return launch, train_argv, cli.from_args(args)
+
+
+def strip_flags(argv: Sequence[str], flags: dict[str, bool]) -> list[str]:
+    """``argv`` without ``flags`` (name -> whether it takes a value; ``--name value`` or ``--name=value``)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=", 1)[0]
+        if name in flags:
+            skip = flags[name] and "=" not in arg
+            continue
+        out.append(arg)
+    return out
+
+
+def mesh_text(shape: dict[str, int]) -> str:
+    """``data=2,fsdp=2`` for a resolved mesh shape (axes of size 1 left out)."""
+    return ",".join(f"{a}={n}" for a, n in shape.items() if n != 1) or "data=1"
+
+
+def layout_for(config, processes: int) -> str:
+    """The mesh ``config`` resolves to on ``processes`` processes of ``--cpu-devices`` devices each, checked as
+    the training processes will check it before any device work.
+
+    Returns:
+      The mesh as ``data=2,fsdp=2``, or a phrase when the processes decide it themselves (``--plan auto``,
+      or no ``--cpu-devices`` to count the devices by).
+
+    Raises:
+      ValueError: The layout does not fit those devices (the check's one-line reason).
+    """
+    from train import fit
+    from train.checks import validate
+    from train.config import resolve_mesh
+    from train.tokenizer import load_tokenizer
+
+    if config.cluster.plan == "auto":
+        return "planned by --plan auto"
+    if config.cluster.cpu_devices is None:
+        return "resolved by the processes"
+    devices = processes * config.cluster.cpu_devices
+    resolved = resolve_mesh(config, devices)
+    tokenizer = load_tokenizer(config.data.tokenizer, config.data.eod_token)
+    validate(resolved, devices, tokenizer)
+    fit.check_estimate(resolved)
+    return mesh_text(resolved.parallelism.mesh_shape)
+
+
+def choose(config, available: int, least: int) -> tuple[int, str, list[str]]:
+    """The most processes, from ``available`` down to ``least``, whose layout fits (`layout_for`).
+
+    Returns:
+      ``(processes, mesh, refusals)``: processes 0 when none fits; one reason per count refused.
+    """
+    refusals = []
+    for count in range(available, least - 1, -1):
+        try:
+            return count, layout_for(config, count), refusals
+        except ValueError as e:
+            refusals.append(f"{count} process{'es' if count > 1 else ''}: {e}")
+    return 0, "", refusals
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """In a child before exec: SIGKILL it when the launcher dies (Linux ``PR_SET_PDEATHSIG``; elsewhere nothing)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+
+
+def describe_exit(code: int) -> str:
+    """``exit 2`` or ``killed by SIGKILL`` for a child's return code."""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit {code}"
+
+
+@dataclasses.dataclass
+class Generation:
+    """One start of the training processes: their slots, the service and the children."""
+
+    slots: list[int]
+    mesh: str
+    service: object
+    children: list[subprocess.Popen]
+    resumed: int | None
+
+
+class Launcher:
+    """Runs the generations of training processes until training ends; see the module docstring.
+
+    Args:
+      launch: the launcher's flags.
+      train_argv: the flags every training process gets (before the launcher's own).
+      config: their `train.config.RunConfig`.
+      log: prints one line (the launcher's lines start with ``launch:``).
+    """
+
+    def __init__(self, launch: LaunchConfig, train_argv: list[str], config, log: Callable[[str], None] = print):
+        self.launch, self.argv, self.config, self.log = launch, list(train_argv), config, log
+        self.folder = Path(config.checkpoint.run_dir) / "checkpoints"
+        self.failures: list[str] = []
+        self.stopping = False
+        self.current: Generation | None = None
+
+    def run(self) -> int:
+        """Trains to the end through lost processes; returns the exit status."""
+        slots, lost_slots, resume = list(range(self.launch.local_processes)), [], self.config.checkpoint.resume
+        count, mesh, _ = choose(self.config, len(slots), len(slots))
+        if count == 0:  # the first layout is the user's: refuse it as train.train would
+            layout_for(self.config, len(slots))
+        previous, restart = None, False
+        while not self.stopping:
+            resumed = self.newest() if resume else None
+            if previous is not None:
+                self.log(self.restart_line(previous, count, mesh, resumed or 0))
+            gen = self.start(slots[:count], mesh, resumed, restart=restart)
+            outcome, detail = self.watch(gen)
+            self.stop(gen)
+            if outcome == "done":
+                return 0
+            if outcome == "failed":
+                return detail
+            if outcome == "grow":
+                self.log(f"launch: growing back to {len(detail)} processes at step {self.newest()}")
+                slots, lost_slots, resume, restart, previous = detail, [], True, True, None
+                self.config = resumed_config(self.config)
+                count, mesh, refusals = choose(self.config, len(slots), self.launch.min_processes)
+                if count == 0:
+                    return self.no_fit(len(slots), refusals)
+                continue
+            lost, words = detail
+            self.failures.append(words)
+            lost_slots += [s for s in lost if s in gen.slots]
+            slots = [s for s in gen.slots if s not in lost] + [s for s in slots if s not in gen.slots]
+            if len(self.failures) > self.launch.max_restarts:
+                self.log(
+                    f"error: --max-restarts {self.launch.max_restarts} used up after {len(self.failures)} "
+                    f"failures: {'; '.join(self.failures)}; the newest verified checkpoint is step {self.newest()}"
+                )
+                return RESTARTS_EXHAUSTED
+            self.config = resumed_config(self.config)
+            count, mesh, refusals = choose(self.config, len(slots), self.launch.min_processes)
+            if count == 0 and self.launch.rejoin and lost_slots:
+                self.log(
+                    f"launch: nothing fits {len(slots)} process(es) ({'; '.join(refusals) or 'below --min-processes'}); "
+                    f"waiting for process(es) {', '.join(map(str, lost_slots))} to rejoin"
+                )
+                slots, lost_slots = sorted(slots + lost_slots), []
+                count, mesh, refusals = choose(self.config, len(slots), self.launch.min_processes)
+            if count == 0:
+                return self.no_fit(len(slots), refusals)
+            resume, restart, previous = True, True, (gen, words)
+        self.log("launch: stopped by a signal before the restart")
+        return 0
+
+    def no_fit(self, processes: int, refusals: list[str]) -> int:
+        reasons = "; ".join(refusals) or f"fewer than --min-processes {self.launch.min_processes}"
+        self.log(
+            f"error: nothing fits the {processes} process(es) left ({reasons}); the newest verified checkpoint "
+            f"is step {self.newest()}; pass --rejoin to wait for lost processes, or restart with more"
+        )
+        return RESTARTS_EXHAUSTED
+
+    def restart_line(self, previous: tuple[Generation, str], processes: int, mesh: str, resumed: int) -> str:
+        """The one line of a restart: what was lost, the step resumed, the old and new mesh, the steps recomputed."""
+        old, words = previous
+        reached = last_recorded_step(Path(self.config.checkpoint.run_dir))
+        recomputed = max(reached - resumed, 0) if reached is not None else 0
+        return (
+            f"launch: restart {len(self.failures)}/{self.launch.max_restarts}: {words}; resuming from step "
+            f"{resumed} on {processes} process(es); mesh {old.mesh} -> {mesh}; "
+            f"{recomputed} step(s) recomputed (last recorded step {reached if reached is not None else 0})"
+        )
+
+    def newest(self) -> int:
+        """The newest verified checkpoint step (0 when there is none or the folder does not read)."""
+        from checkpoints.verify import latest_verified_step
+
+        try:
+            return latest_verified_step(self.folder).step or 0
+        except Exception:  # a damaged folder: the training processes will say which step and why
+            return 0
+
+    def start(self, slots: list[int], mesh: str, resumed: int | None, restart: bool) -> Generation:
+        """Starts the service and one training process per slot (process ids 0..len(slots)-1): the first time
+        with the user's flags, on a ``restart`` with ``--resume`` from the newest verified step (resumed)."""
+        from train.distributed import start_service
+
+        port = free_port()
+        service = start_service(port, len(slots), self.config.cluster.dist_timeout)
+        argv = self.argv
+        if restart:
+            argv = strip_flags(argv, {"--resume-step": True, "--discard-later": False})
+            argv += [] if "--resume" in argv else ["--resume"]
+        children = []
+        for index, slot in enumerate(slots):
+            command = [
+                sys.executable,
+                "-m",
+                "train.train",
+                *argv,
+                "--coordinator",
+                f"127.0.0.1:{port}",
+                "--num-processes",
+                str(len(slots)),
+                "--process-id",
+                str(index),
+                "--external-coordinator",
+            ]
+            children.append(subprocess.Popen(command, preexec_fn=_die_with_parent))
+            self.log(f"launch: process {index} of {len(slots)} (slot {slot}) started, pid {children[-1].pid}")
+        self.current = Generation(slots, mesh, service, children, resumed)
+        return self.current
+
+    def watch(self, gen: Generation):
+        """Waits for the generation to end or lose a process.
+
+        Returns:
+          ``("done", None)``, ``("failed", status)``, ``("lost", (slots, words))`` or ``("grow", slots)``.
+        """
+        ended: dict[int, int] = {}
+        while True:
+            time.sleep(POLL)
+            now = {i: c.returncode for i, c in enumerate(gen.children) if i not in ended and c.poll() is not None}
+            ended.update(now)
+            if self.stopping:
+                if len(ended) == len(gen.children):
+                    return "failed", max((abs(c) for c in ended.values()), default=0)
+                continue
+            lost = [i for i, code in now.items() if code < 0 or code not in (0, 1, 2, 3)]
+            if lost:
+                words = ", ".join(f"process {i} (slot {gen.slots[i]}, {describe_exit(now[i])})" for i in lost)
+                return "lost", ([gen.slots[i] for i in lost], f"lost {words}")
+            failed = [i for i, code in now.items() if code in (1, 2)]
+            if failed:
+                i = failed[0]
+                self.log(f"error: process {i} ended with {describe_exit(now[i])}; not a lost process, not restarted")
+                return "failed", now[i]
+            silent = [i for i, code in now.items() if code == 3]
+            if silent:  # a peer hung without dying: which one is in that process's error line
+                return "lost", ([], f"process {silent[0]} reported a silent peer (exit 3)")
+            if len(ended) == len(gen.children):
+                return "done", None
+            if self.launch.rejoin and len(gen.slots) < self.launch.local_processes:
+                after = gen.resumed or 0
+                if max(saved_steps(self.folder), default=0) > after and self.newest() > after:
+                    return self.grow_back(gen)
+
+    def grow_back(self, gen: Generation):
+        """Stops a shrunk generation at the checkpoint boundary it just passed (SIGTERM: the processes finish the
+        step in flight, save and end with 0) so that every slot can start again (`watch`'s outcomes)."""
+        self.log("launch: a checkpoint newer than the restart is complete; stopping to grow back")
+        for child in gen.children:
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.config.cluster.dist_timeout
+        for child in gen.children:
+            try:
+                child.wait(timeout=max(deadline - time.monotonic(), 0.01))
+            except subprocess.TimeoutExpired:
+                return "lost", ([], "the processes did not stop within --dist-timeout while growing back")
+        if any(c.returncode != 0 for c in gen.children):
+            codes = ", ".join(describe_exit(c.returncode) for c in gen.children)
+            return "lost", ([], f"processes ended with {codes} while stopping to grow back")
+        if self.newest() >= self.config.loop.steps:  # the stop came with the last step
+            return "done", None
+        return "grow", list(range(self.launch.local_processes))
+
+    def stop(self, gen: Generation) -> None:
+        """Ends every process of ``gen`` still running (SIGTERM, SIGKILL after `STOP_GRACE`) and the service."""
+        alive = [c for c in gen.children if c.poll() is None]
+        for child in alive:
+            child.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE
+        for child in alive:
+            try:
+                child.wait(timeout=max(deadline - time.monotonic(), 0.01))
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+        gen.service.shutdown()
+        self.current = None
+
+    def terminate(self, signum, frame) -> None:
+        """SIGTERM or SIGINT to the launcher: passed on, the processes save and end (a stop, not a loss)."""
+        self.stopping = True
+        if self.current is not None:
+            for child in self.current.children:
+                if child.poll() is None:
+                    child.send_signal(signal.SIGTERM)
+
+
+def resumed_config(config):
+    """``config`` as a restart runs it: ``--resume`` from the newest verified step (no ``--resume-step``)."""
+    checkpoint = dataclasses.replace(config.checkpoint, resume=True, resume_step=None, discard_later=False)
+    return config.replace(checkpoint=checkpoint)
+
+
+def last_recorded_step(run_dir: Path) -> int | None:
+    """The last step with a record in ``RUN_DIR/metrics.jsonl`` (None without one)."""
+    last = None
+    try:
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+            try:
+                last = max(last or 0, int(json.loads(line)["step"]))
+            except (ValueError, KeyError, TypeError):
+                continue
+    except OSError:
+        return None
+    return last
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the exit status (see the module docstring)."""
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        launch, train_argv, config = parse(argv)
+        launcher = Launcher(launch, train_argv, config, log=lambda line: print(line, flush=True))
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, launcher.terminate)
+        return launcher.run()
+    except (ValueError, FileNotFoundError, RuntimeError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    sys.exit(main())
