@@ -461,8 +461,8 @@ def layout_text(meta) -> str:
 
 
 def resume_lines(run, trainer, meta, step: int, seconds: float) -> list[str]:
-    """What a resume restored: the step and meshes, a re-laid stage layout, a changed learning-rate schedule,
-    an ``--init-from`` left unread."""
+    """What a resume restored: the step and meshes, a re-laid stage layout, a changed learning-rate schedule
+    or batch shape, an ``--init-from`` left unread."""
     lines = [
         f"resumed step {step} (saved on mesh {format_mesh(meta.mesh)}) onto mesh "
         f"{format_mesh(trainer.par.mesh_shape)} in {seconds:.1f} s"
@@ -472,9 +472,12 @@ def resume_lines(run, trainer, meta, step: int, seconds: float) -> list[str]:
             f"re-laid the layer stacks from stage layout {layout_text(meta.pipeline)} to "
             f"{layout_text(trainer.state_layout.layout_meta())}"
         )
-    change = meta.schedule_change(run.schedule, step)
-    if change:
-        lines.append(change)
+    for change in (
+        meta.schedule_change(run.schedule, step),
+        meta.batch_change(run.data.seq_len, run.data.batch_size, step),
+    ):
+        if change:
+            lines.append(change)
     if run.checkpoint.init_from:
         lines.append(
             f"note: resuming the checkpoint of step {step}, so --init-from {run.checkpoint.init_from} "
