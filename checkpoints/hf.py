@@ -24,6 +24,17 @@ Tensor names and layouts (``transformers``' Llama modules are the contract; eins
     model.layers.{i}.mlp.up_proj.weight        [F, D]     layers/mlp/up              [L, D, F]
     model.layers.{i}.mlp.down_proj.weight      [D, F]     layers/mlp/down            [L, F, D]
 
+Mixtral (``MixtralForCausalLM``: every layer a mixture of E experts, top-k, renormalised softmax weights;
+E experts, F one expert's width)::
+
+    model.layers.{i}.block_sparse_moe.gate.weight             [E, D]  layers/moe/router  [L, D, E]
+    model.layers.{i}.block_sparse_moe.experts.{j}.w1.weight   [F, D]  layers/moe/gate    [L, E, D, F]
+    model.layers.{i}.block_sparse_moe.experts.{j}.w3.weight   [F, D]  layers/moe/up      [L, E, D, F]
+    model.layers.{i}.block_sparse_moe.experts.{j}.w2.weight   [D, F]  layers/moe/down    [L, E, F, D]
+
+(with ``post_attention_layernorm`` -> ``layers/mlp_norm/scale`` as for Llama). Qwen3-MoE and Qwen2-MoE are
+not read: their query/key norms and gated shared expert are not in meshwork's model.
+
 Every mapping is a reshape and a transpose: ``transformers``' ``rotate_half`` pairs rotary
 dimension ``i`` with ``i + H/2``, as `models.layers.rotary_embedding` does, so no permutation of
 the query/key rows is needed (the Meta-to-Hugging Face conversion's interleave permutation
@@ -51,7 +62,7 @@ import numpy as np
 
 from models.config import ModelConfig
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "MixtralForCausalLM")
 """The ``config.json`` ``architectures`` meshwork reads."""
 
 CONFIG_FILE = "config.json"
@@ -144,6 +155,12 @@ def _refuse_unsupported(hf: dict[str, Any], arch: str, where: str) -> None:
                 f"{where}: sliding-window attention is in effect (use_sliding_window / layer_types); "
                 "meshwork attends over the whole context"
             )
+    if arch == "MixtralForCausalLM" and float(hf.get("router_jitter_noise") or 0.0):
+        raise ValueError(
+            f"{where}: router_jitter_noise={hf['router_jitter_noise']} is not supported (meshwork routes exactly)"
+        )
+    if arch == "Qwen2ForCausalLM":
+        pass
     elif window is not None and (longest is None or window < longest):
         raise ValueError(
             f"{where}: sliding_window={window} is in effect (below max_position_embeddings={longest}); "
@@ -192,6 +209,15 @@ def config_from_hf(hf: dict[str, Any], where: str = CONFIG_FILE, **changes) -> M
         max_positions=int(hf.get("max_position_embeddings") or ModelConfig.max_positions),
         **_rope_fields(hf, where),
     )
+    if arch == "MixtralForCausalLM":
+        for key in ("num_local_experts", "num_experts_per_tok"):
+            if key not in hf:
+                raise ValueError(f"{where}: no {key!r} field")
+        fields.update(
+            num_experts=int(hf["num_local_experts"]),
+            experts_per_token=int(hf["num_experts_per_tok"]),
+            router_aux_coef=float(hf.get("router_aux_loss_coef", 0.02)),
+        )
     try:
         return ModelConfig(**fields, **changes)
     except ValueError as e:
@@ -288,6 +314,8 @@ def config_to_hf(
         }
         rope.update(scaling)
     qwen = config.qkv_bias
+    if config.is_moe:
+        return _mixtral_config(config, rope, scaling, dtype, eos_token_id, bos_token_id)
     out = {
         "architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],
         "model_type": "qwen2" if qwen else "llama",
@@ -321,6 +349,64 @@ def config_to_hf(
 # Tensor mapping ----------------------------------------------------------------------------------
 
 
+def check_exportable(config: ModelConfig) -> None:
+    """Raises ValueError when no Hugging Face family holds `config`'s architecture: a mixture of experts is
+    written as Mixtral, which has every layer a mixture, no shared experts, softmax routing with renormalised
+    weights and no query/key biases."""
+    if not config.is_moe:
+        return
+    wanted = {
+        "first_dense_layers": 0,
+        "moe_every": 1,
+        "shared_experts": 0,
+        "router": "softmax",
+        "norm_topk": True,
+        "routed_scale": 1.0,
+        "qkv_bias": False,
+    }
+    for name, value in wanted.items():
+        if getattr(config, name) != value:
+            raise ValueError(
+                f"{name}={getattr(config, name)}: a mixture of experts is exported as MixtralForCausalLM, which "
+                f"needs {name}={value}"
+            )
+
+
+def _mixtral_config(config: ModelConfig, rope, scaling, dtype, eos_token_id, bos_token_id) -> dict[str, Any]:
+    """``config_to_hf`` of a mixture of experts: ``MixtralForCausalLM`` (`check_exportable`)."""
+    check_exportable(config)
+    return {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.embed_dim,
+        "intermediate_size": config.expert_dim,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": config.max_positions,
+        "rms_norm_eps": config.norm_eps,
+        "tie_word_embeddings": config.tie_embeddings,
+        "rope_theta": config.rope_theta,
+        "rope_scaling": scaling,
+        "rope_parameters": rope,
+        "num_local_experts": config.num_experts,
+        "num_experts_per_tok": config.experts_per_token,
+        "router_aux_loss_coef": config.router_aux_coef,
+        "router_jitter_noise": 0.0,
+        "output_router_logits": False,
+        "sliding_window": None,
+        "attention_dropout": 0.0,
+        "bos_token_id": bos_token_id,
+        "eos_token_id": eos_token_id,
+        "dtype": dtype,
+        "torch_dtype": dtype,
+        "use_cache": True,
+    }
+
+
 @dataclasses.dataclass(frozen=True)
 class TensorMap:
     """One meshwork parameter and the Hugging Face tensor(s) it holds.
@@ -333,6 +419,10 @@ class TensorMap:
       perm: meshwork's (per-layer) array is the Hugging Face tensor reshaped to the flattened
         ``split`` and transposed by ``perm``.
       stacked: one tensor per layer, stacked on meshwork's leading ``layers`` dimension.
+      layers: for a stacked parameter, the Hugging Face layer index ``{i}`` of each row of its stack (a
+        mixture of experts keeps its dense and MoE layers in two stacks); None: ``0 .. num_layers-1``.
+      experts: E > 0: one tensor per expert ``{j}``, stacked on meshwork's ``expert`` dimension (after
+        ``layers``).
     """
 
     path: tuple[str, ...]
@@ -340,6 +430,8 @@ class TensorMap:
     split: tuple[tuple[int, ...], ...]
     perm: tuple[int, ...]
     stacked: bool = False
+    layers: tuple[int, ...] | None = None
+    experts: int = 0
 
     @property
     def hf_shape(self) -> tuple[int, ...]:
@@ -351,13 +443,57 @@ class TensorMap:
         flat = [size for group in self.split for size in group]
         return tuple(flat[p] for p in self.perm)
 
+    def layer_ids(self, num_layers: int) -> tuple[int, ...]:
+        """The Hugging Face layer of each row of the stack."""
+        return tuple(range(num_layers)) if self.layers is None else self.layers
+
+    def lead(self, num_layers: int) -> tuple[int, ...]:
+        """meshwork's leading dimensions before the per-tensor ones: ``[layers]`` and ``[experts]``."""
+        return ((len(self.layer_ids(num_layers)),) if self.stacked else ()) + ((self.experts,) if self.experts else ())
+
+    def entries(self, num_layers: int) -> list[tuple[str, tuple[int, ...]]]:
+        """``(Hugging Face name, index into meshwork's leading dimensions)`` of every tensor held."""
+        if not self.stacked:
+            return [(self.hf_name, ())]
+        out = []
+        for row, i in enumerate(self.layer_ids(num_layers)):
+            if self.experts:
+                out += [(self.hf_name.format(i=i, j=j), (row, j)) for j in range(self.experts)]
+            else:
+                out.append((self.hf_name.format(i=i), (row,)))
+        return out
+
     def names(self, num_layers: int) -> list[str]:
-        """The Hugging Face names this parameter holds (one per layer when stacked)."""
-        return [self.hf_name.format(i=i) for i in range(num_layers)] if self.stacked else [self.hf_name]
+        """The Hugging Face names this parameter holds (one per layer, and expert, when stacked)."""
+        return [name for name, _ in self.entries(num_layers)]
 
 
 def tensor_maps(config: ModelConfig) -> list[TensorMap]:
-    """Every parameter of `config`'s model with its Hugging Face tensor (module docstring's table)."""
+    """Every parameter of `config`'s model with its Hugging Face tensor (module docstring's tables)."""
+    kinds = np.asarray(config.layer_kinds())
+    maps = []
+    for stack, moe, _ in config.layer_stacks():
+        rows = tuple(int(i) for i in np.flatnonzero(kinds == moe)) if config.is_moe else None
+        maps += [
+            dataclasses.replace(m, path=(stack, *m.path[1:]), layers=rows) if m.stacked else m
+            for m in _llama_maps(config, moe)
+        ]
+    return _dedupe(maps)
+
+
+def _dedupe(maps: list[TensorMap]) -> list[TensorMap]:
+    """``maps`` with the unstacked entries (embedding, final norm, output) kept once: each stack lists them."""
+    seen, out = set(), []
+    for m in maps:
+        key = (m.path, m.hf_name)
+        if key not in seen:
+            seen.add(key)
+            out.append(m)
+    return out
+
+
+def _llama_maps(config: ModelConfig, moe: bool = False) -> list[TensorMap]:
+    """The Llama (and Mistral, Qwen2) table, with Mixtral's feed-forward where ``moe``."""
     d, n, k, h, f, v = (
         config.embed_dim,
         config.num_heads,
@@ -393,9 +529,30 @@ def tensor_maps(config: ModelConfig) -> list[TensorMap]:
     maps.append(
         TensorMap(("layers", "attention", "o"), f"{layer}self_attn.o_proj.weight", ((d,), (n, h)), (1, 2, 0), True)
     )
-    for name in ("gate", "up"):
-        maps.append(TensorMap(("layers", "mlp", name), f"{layer}mlp.{name}_proj.weight", ((f,), (d,)), (1, 0), True))
-    maps.append(TensorMap(("layers", "mlp", "down"), f"{layer}mlp.down_proj.weight", ((d,), (f,)), (1, 0), True))
+    if moe:
+        e, f, sparse = config.num_experts, config.expert_dim, f"{layer}block_sparse_moe."
+        maps.append(TensorMap(("layers", "moe", "router"), f"{sparse}gate.weight", ((e,), (d,)), (1, 0), True))
+        for name, hf_name, split in (
+            ("gate", "w1", ((f,), (d,))),
+            ("up", "w3", ((f,), (d,))),
+            ("down", "w2", ((d,), (f,))),
+        ):
+            maps.append(
+                TensorMap(
+                    ("layers", "moe", name),
+                    sparse + "experts.{j}." + f"{hf_name}.weight",
+                    split,
+                    (1, 0),
+                    True,
+                    experts=e,
+                )
+            )
+    else:
+        for name in ("gate", "up"):
+            maps.append(
+                TensorMap(("layers", "mlp", name), f"{layer}mlp.{name}_proj.weight", ((f,), (d,)), (1, 0), True)
+            )
+        maps.append(TensorMap(("layers", "mlp", "down"), f"{layer}mlp.down_proj.weight", ((d,), (f,)), (1, 0), True))
     maps.append(TensorMap(("final_norm", "scale"), "model.norm.weight", ((d,),), (0,)))
     if not config.tie_embeddings:
         maps.append(TensorMap(("unembed",), "lm_head.weight", ((v,), (d,)), (1, 0)))
@@ -542,22 +699,24 @@ def load_params(folder: str | Path, config: ModelConfig, targets: dict[str, Any]
     params: dict[str, Any] = {}
     for m in tensor_maps(config):
         target = _get(targets, m.path)
-        expected = ((config.num_layers,) if m.stacked else ()) + m.shape
+        lead = m.lead(config.num_layers)
+        expected = lead + m.shape
         if tuple(target.shape) != expected:
             raise ValueError(
                 f"target {'/'.join(m.path)} has shape {tuple(target.shape)}, the config implies {expected}"
             )
         dtype = np.dtype(target.dtype)
 
-        def callback(index, m=m, dtype=dtype, shape=expected):
+        def callback(index, m=m, dtype=dtype, shape=expected, lead=lead):
             index = tuple(slice(*s.indices(size)[:2]) for s, size in zip(index, shape))
-            if not m.stacked:
-                return _read_block(lambda: opened.handle(m.hf_name).get_slice(m.hf_name), m, index).astype(dtype)
+            names = dict((at, name) for name, at in m.entries(config.num_layers))
+            rows = np.ndindex(*(s.stop - s.start for s in index[: len(lead)]))
             blocks = []
-            for i in range(index[0].start, index[0].stop):
-                name = m.hf_name.format(i=i)
-                blocks.append(_read_block(lambda name=name: opened.handle(name).get_slice(name), m, index[1:]))
-            return np.stack(blocks).astype(dtype)
+            for offset in rows:
+                name = names[tuple(s.start + o for s, o in zip(index, offset))]
+                blocks.append(_read_block(lambda name=name: opened.handle(name).get_slice(name), m, index[len(lead) :]))
+            sizes = tuple(s.stop - s.start for s in index[: len(lead)])
+            return np.stack(blocks).reshape(*sizes, *blocks[0].shape).astype(dtype)
 
         _set(params, m.path, jax.make_array_from_callback(expected, target.sharding, callback))
     return params
@@ -577,10 +736,10 @@ def _host_value(x) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
-def _hf_tensor(params: dict[str, Any], m: TensorMap, layer: int | None, dtype: np.dtype) -> np.ndarray:
-    """One Hugging Face tensor from meshwork's params, gathered alone, in ``dtype``."""
+def _hf_tensor(params: dict[str, Any], m: TensorMap, at: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """One Hugging Face tensor from meshwork's params (``at``: its layer row and expert), gathered alone."""
     value = _get(params, m.path)
-    value = _host_value(value[layer] if layer is not None else value)
+    value = _host_value(value[at] if at else value)
     flat = value.transpose(np.argsort(m.perm)).reshape(m.hf_shape)
     return np.ascontiguousarray(flat.astype(dtype))
 
@@ -632,12 +791,9 @@ def save_params(
     if folder.exists() and any(folder.iterdir()) and not overwrite:
         raise ValueError(f"--out {folder}: not empty; give a new folder")
     np_dtype = EXPORT_DTYPES[dtype]
-    entries = [
-        (name, m, i if m.stacked else None)
-        for m in tensor_maps(config)
-        for i, name in enumerate(m.names(config.num_layers))
-    ]
-    shards: list[list[tuple[str, TensorMap, int | None]]] = [[]]
+    check_exportable(config)
+    entries = [(name, m, at) for m in tensor_maps(config) for name, at in m.entries(config.num_layers)]
+    shards: list[list[tuple[str, TensorMap, tuple[int, ...]]]] = [[]]
     size = 0
     for entry in entries:
         nbytes = math.prod(entry[1].hf_shape) * np_dtype.itemsize

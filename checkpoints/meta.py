@@ -127,18 +127,27 @@ class RunMeta:
     def schedule_change(self, current: dict[str, Any], step: int) -> str | None:
         """One line saying how ``current`` (as `schedule`) changes the learning-rate schedule saved at
         ``step``, or None when it does not (or when the checkpoint predates the record)."""
-        if not self.schedule:
-            return None
-        changed = [
-            f"--{k.replace('_', '-')} {self.schedule[k]} -> {v}"
-            for k, v in current.items()
-            if k in self.schedule and self.schedule[k] != v
-        ]
+        changed = _changed_flags(self.schedule, current)
         if not changed:
             return None
         return (
-            f"note: the learning-rate schedule changes at step {step}: {', '.join(changed)} (the rate of "
+            f"note: the learning-rate schedule changes at step {step}: {changed} (the rate of "
             f"every later step follows the new schedule)"
+        )
+
+    def batch_change(self, seq_len: int, global_batch: int, step: int) -> str | None:
+        """One line saying that ``--seq-len`` or ``--batch-size`` differs from the run saved at ``step``, or None.
+
+        The data position is kept in sequences consumed (`samples`), so later steps read on from there with
+        the new shape; the tokens per step, and so the gradient noise and the learning rate's effect, change.
+        """
+        saved = {"seq_len": self.data.get("seq_len"), "batch_size": self.data.get("global_batch")}
+        changed = _changed_flags(saved, {"seq_len": seq_len, "batch_size": global_batch})
+        if not changed:
+            return None
+        return (
+            f"note: the batch changes at step {step}: {changed} (the data read on from the {self.samples:,} "
+            "sequences consumed; tokens per step change)"
         )
 
     def check_compatible(self, config: ModelConfig, tokenizer, step: int) -> None:
@@ -168,3 +177,13 @@ class RunMeta:
                 f"({saved.get('fingerprint')}); this run uses {tokenizer.name!r} ({tokenizer.fingerprint}); "
                 f"pass --tokenizer {saved.get('name')}"
             )
+
+
+def _changed_flags(saved: dict[str, Any] | None, current: dict[str, Any]) -> str:
+    """``--flag saved -> now`` for each of ``current``'s fields that ``saved`` records with another value."""
+    saved = saved or {}
+    return ", ".join(
+        f"--{k.replace('_', '-')} {saved[k]} -> {v}"
+        for k, v in current.items()
+        if saved.get(k) is not None and saved[k] != v
+    )

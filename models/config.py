@@ -32,6 +32,7 @@ DTYPES = ("float32", "bfloat16")
 REMAT_POLICIES = ("none", "full", "dots")
 LOGITS_IMPLS = ("auto", "gathered", "vocab_parallel")  # sharding.vocab.OUTPUT_IMPLS
 ROPE_TYPES = ("default", "llama3")
+ROUTERS = ("softmax", "sigmoid")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +78,25 @@ class ModelConfig:
         ``vocab_parallel`` (Megatron-LM's vocabulary-parallel cross-entropy over the axes that
         split the weight, under ``shard_map``) or ``auto`` (vocab_parallel where it moves fewer
         bytes; `sharding.vocab`).
+      num_experts: E, routed experts of each mixture-of-experts layer (`models.moe`); 0: a dense model.
+      experts_per_token: k, experts each token is sent to (top-k of the router's scores).
+      moe_mlp_dim: SwiGLU hidden width of one expert (0: ``mlp_dim``).
+      shared_experts: experts every token passes through besides its routed ones (DeepSeek-MoE),
+        held as one SwiGLU of width ``shared_experts * moe_mlp_dim``; 0: none.
+      moe_every: every ``moe_every``-th layer after the first dense ones is a mixture of experts, the
+        others dense (Qwen2-MoE's ``decoder_sparse_step``); 1: all.
+      first_dense_layers: the first layers are dense (DeepSeek-V3's ``first_k_dense_replace``).
+      router: ``softmax`` (Mixtral, Qwen3-MoE: top-k of the softmax over experts) or ``sigmoid``
+        (DeepSeek-V3: top-k of per-expert sigmoid scores).
+      norm_topk: renormalise the k chosen weights to sum to one (Mixtral always; Qwen3-MoE's
+        ``norm_topk_prob``; DeepSeek-V3 with sigmoid scores).
+      routed_scale: factor on the routed experts' output (DeepSeek-V3's ``routed_scaling_factor``).
+      router_aux_coef: weight of the load-balancing loss (Switch Transformer form, mean over MoE layers)
+        in the training objective.
+      router_z_coef: weight of the router z-loss (ST-MoE) in the training objective.
+      capacity_factor: 0: dropless (every token reaches its k experts). Else each expert takes at most
+        ``ceil(capacity_factor * tokens * k / E)`` of the tokens one device routes; the rest are dropped
+        (their routed output is zero) and counted.
     """
 
     vocab_size: int
@@ -100,6 +120,18 @@ class ModelConfig:
     remat: str = "none"
     attention: str = "reference"
     logits: str = "auto"
+    num_experts: int = 0
+    experts_per_token: int = 2
+    moe_mlp_dim: int = 0
+    shared_experts: int = 0
+    moe_every: int = 1
+    first_dense_layers: int = 0
+    router: str = "softmax"
+    norm_topk: bool = True
+    routed_scale: float = 1.0
+    router_aux_coef: float = 0.01
+    router_z_coef: float = 0.0
+    capacity_factor: float = 0.0
 
     ARCHITECTURE_FIELDS = (
         "vocab_size",
@@ -118,6 +150,15 @@ class ModelConfig:
         "norm_eps",
         "tie_embeddings",
         "qkv_bias",
+        "num_experts",
+        "experts_per_token",
+        "moe_mlp_dim",
+        "shared_experts",
+        "moe_every",
+        "first_dense_layers",
+        "router",
+        "norm_topk",
+        "routed_scale",
     )
 
     def __post_init__(self):
@@ -157,10 +198,80 @@ class ModelConfig:
             ("attention", attention_registry.names()),
             ("logits", LOGITS_IMPLS),
             ("rope_type", ROPE_TYPES),
+            ("router", ROUTERS),
         )
         for name, allowed in checks:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} {getattr(self, name)!r}: choose one of {', '.join(allowed)}")
+
+        self._validate_moe()
+
+    def _validate_moe(self) -> None:
+        """The mixture-of-experts fields (`models.moe`), each refused naming its ``--set`` field."""
+        for name in ("num_experts", "moe_mlp_dim", "shared_experts", "first_dense_layers"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--set {name}={getattr(self, name)}: must be >= 0, e.g. --set {name}=0")
+        for name, example in (("router_aux_coef", 0.01), ("router_z_coef", 0.001), ("capacity_factor", 1.25)):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"--set {name}={value}: must be a finite number >= 0, e.g. --set {name}={example:g}")
+        if not self.num_experts:
+            return
+        if not 1 <= self.experts_per_token <= self.num_experts:
+            raise ValueError(
+                f"--set experts_per_token={self.experts_per_token}: must be between 1 and num_experts="
+                f"{self.num_experts}, e.g. --set experts_per_token={min(2, self.num_experts)}"
+            )
+        if not (math.isfinite(self.routed_scale) and self.routed_scale > 0):
+            raise ValueError(f"--set routed_scale={self.routed_scale}: must be a finite number > 0, e.g. 1")
+        if self.moe_every < 1:
+            raise ValueError(f"--set moe_every={self.moe_every}: must be >= 1, e.g. --set moe_every=1")
+        if self.first_dense_layers >= self.num_layers:
+            raise ValueError(
+                f"--set first_dense_layers={self.first_dense_layers}: leaves no mixture-of-experts layer of "
+                f"num_layers={self.num_layers}; e.g. --set first_dense_layers=0"
+            )
+        if (self.num_layers - self.first_dense_layers) % self.moe_every:
+            raise ValueError(
+                f"--set moe_every={self.moe_every}: does not divide the {self.num_layers - self.first_dense_layers} "
+                f"layers after first_dense_layers={self.first_dense_layers}; e.g. --set moe_every=1"
+            )
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether some layers are mixtures of experts (``num_experts > 0``)."""
+        return self.num_experts > 0
+
+    @property
+    def expert_dim(self) -> int:
+        """The SwiGLU hidden width of one expert (``moe_mlp_dim``, or ``mlp_dim`` when 0)."""
+        return self.moe_mlp_dim or self.mlp_dim
+
+    def layer_kinds(self) -> tuple[bool, ...]:
+        """Per layer, in order: True for a mixture-of-experts layer, False for a dense one.
+
+        The first ``first_dense_layers`` are dense; after them every ``moe_every``-th layer (the last of
+        each run of ``moe_every``) is a mixture of experts. A dense model: all False.
+        """
+        if not self.is_moe:
+            return (False,) * self.num_layers
+        k, p = self.first_dense_layers, self.moe_every
+        return tuple(i >= k and (i - k + 1) % p == 0 for i in range(self.num_layers))
+
+    def layer_stacks(self) -> tuple[tuple[str, bool, int], ...]:
+        """The stacks of blocks, ``(name, moe, layers)`` in creation order: a dense model has one, ``layers``;
+        a mixture of experts has ``layers`` (its mixture-of-experts blocks) and, when some layers are dense,
+        ``dense_layers`` before it."""
+        if not self.is_moe:
+            return (("layers", False, self.num_layers),)
+        moe = self.num_moe_layers
+        dense = self.num_layers - moe
+        return ((("dense_layers", False, dense),) if dense else ()) + (("layers", True, moe),)
+
+    @property
+    def num_moe_layers(self) -> int:
+        """Mixture-of-experts layers (0 for a dense model)."""
+        return sum(self.layer_kinds())
 
     def architecture(self) -> dict[str, Any]:
         """The fields that fix the parameters (compared when restoring)."""
@@ -219,6 +330,56 @@ PRESETS: dict[str, ModelConfig] = {
     # Llama-2-7B shape (Touvron et al., 2023, Table 1; 6.74e9 parameters).
     "7b": ModelConfig(
         vocab_size=32000, num_layers=32, embed_dim=4096, mlp_dim=11008, num_heads=32, num_kv_heads=32, head_dim=128
+    ),
+    # A tiny mixture of experts for tests: the `test` shape with 8 experts, top-2, one shared expert,
+    # the first layer dense.
+    "moe-test": ModelConfig(
+        vocab_size=512,
+        num_layers=3,
+        embed_dim=64,
+        mlp_dim=128,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        num_experts=8,
+        experts_per_token=2,
+        moe_mlp_dim=32,
+        shared_experts=1,
+        first_dense_layers=1,
+    ),
+    # Mixtral-8x7B shape (Jiang et al., "Mixtral of Experts", 2024, Table 1; 46.7e9 parameters, 12.9e9
+    # active): 8 experts, top-2, renormalised softmax weights.
+    "mixtral-8x7b": ModelConfig(
+        vocab_size=32000,
+        num_layers=32,
+        embed_dim=4096,
+        mlp_dim=14336,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        rope_theta=1e6,
+        max_positions=32768,
+        num_experts=8,
+        experts_per_token=2,
+    ),
+    # Qwen3-30B-A3B shape (Qwen team, Qwen3 technical report, 2025; its config.json): 128 experts of width
+    # 768, top-8, norm_topk_prob true, 30.5e9 parameters, 3.3e9 active; without Qwen3's query/key norms, which
+    # this model does not have (a shape for dry runs and the cost model).
+    "qwen3-30b-a3b": ModelConfig(
+        vocab_size=151936,
+        num_layers=48,
+        embed_dim=2048,
+        mlp_dim=6144,
+        num_heads=32,
+        num_kv_heads=4,
+        head_dim=128,
+        rope_theta=1e6,
+        max_positions=40960,
+        norm_eps=1e-6,
+        num_experts=128,
+        experts_per_token=8,
+        moe_mlp_dim=768,
+        router_aux_coef=0.001,
     ),
 }
 

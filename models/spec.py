@@ -10,7 +10,7 @@ matrix products, the attention geometry, the elementwise FLOPs per token of a la
 (op counts of `models.layers` and `models.attention`), and the activations a layer saves per token
 for the backward pass, each term with the logical axis that splits it.
 
-Einsum letters as in the modules: D embed, F mlp, N heads, K kv heads, H head_dim, V vocab.
+Einsum letters as in the modules: D embed, F mlp, N heads, K kv heads, H head_dim, V vocab, E experts.
 """
 
 from __future__ import annotations
@@ -20,9 +20,18 @@ import functools
 from models.attention_registry import KERNELS
 from models.config import ModelConfig
 from sharding import axes as ax
-from sharding.modeldesc import AttentionGeometry, ModelDescription, Param, Product, Term
+from sharding.modeldesc import AttentionGeometry, ExpertGeometry, ModelDescription, Param, Product, Term
 
-__all__ = ["attention_params", "block_params", "describe", "embed_params", "mlp_params", "norm_params", "output_params"]
+__all__ = [
+    "attention_params",
+    "block_params",
+    "describe",
+    "embed_params",
+    "mlp_params",
+    "moe_params",
+    "norm_params",
+    "output_params",
+]
 
 
 # Parameter tables, one per module -------------------------------------------------------------
@@ -48,6 +57,23 @@ def mlp_params(embed_dim: int, mlp_dim: int) -> tuple[Param, ...]:
     )
 
 
+def moe_params(config: ModelConfig) -> tuple[Param, ...]:
+    """`models.moe.MoE`: the router ``router [embed, expert]``, the experts' SwiGLU weights stacked on the
+    experts dimension, ``gate, up [expert, embed, mlp]`` and ``down [expert, mlp, embed]`` (fan-in of one
+    expert's product), and with ``shared_experts`` the shared SwiGLU ``shared/gate, shared/up [embed, mlp]``,
+    ``shared/down [mlp, embed]`` of width ``shared_experts * moe_mlp_dim``."""
+    d, f, e = config.embed_dim, config.expert_dim, config.num_experts
+    routed = (
+        Param("router", (d, e), (ax.EMBED, ax.EXPERT)),
+        Param("gate", (e, d, f), (ax.EXPERT, ax.EMBED, ax.MLP), fan_in=d),
+        Param("up", (e, d, f), (ax.EXPERT, ax.EMBED, ax.MLP), fan_in=d),
+        Param("down", (e, f, d), (ax.EXPERT, ax.MLP, ax.EMBED), fan_in=f),
+    )
+    if not config.shared_experts:
+        return routed
+    return routed + tuple(p.under("shared") for p in mlp_params(d, config.shared_experts * f))
+
+
 def attention_params(config: ModelConfig) -> tuple[Param, ...]:
     """`models.attention.Attention`: ``q [embed, heads, head_dim]``, ``k, v [embed, kv_heads, head_dim]``,
     ``o [heads, head_dim, embed]`` (fan-in ``heads * head_dim``) and, with ``qkv_bias`` (Qwen2), zero-initialised
@@ -68,14 +94,15 @@ def attention_params(config: ModelConfig) -> tuple[Param, ...]:
     )
 
 
-def block_params(config: ModelConfig) -> tuple[Param, ...]:
-    """`models.transformer.Block`, one layer's slice, in creation order."""
+def block_params(config: ModelConfig, moe: bool = False) -> tuple[Param, ...]:
+    """`models.transformer.Block`, one layer's slice, in creation order: with ``moe`` a mixture-of-experts
+    layer (``moe/...`` in place of ``mlp/...``)."""
     d = config.embed_dim
     parts = (
         ("attention_norm", norm_params(d)),
         ("attention", attention_params(config)),
         ("mlp_norm", norm_params(d)),
-        ("mlp", mlp_params(d, config.mlp_dim)),
+        ("moe", moe_params(config)) if moe else ("mlp", mlp_params(d, config.mlp_dim)),
     )
     return tuple(p.under(prefix) for prefix, table in parts for p in table)
 
@@ -91,7 +118,11 @@ def _all_params(config: ModelConfig) -> tuple[Param, ...]:
     """Every parameter of `models.transformer.Transformer` with its path, in creation order."""
     return (
         tuple(p.under("embed") for p in embed_params(config.vocab_size, config.embed_dim))
-        + tuple(p.under("layers", per_layer=True) for p in block_params(config))
+        + tuple(
+            p.under(name, per_layer=True, stack=count if config.is_moe else None)
+            for name, moe, count in config.layer_stacks()
+            for p in block_params(config, moe)
+        )
         + tuple(p.under("final_norm") for p in norm_params(config.embed_dim))
         + output_params(config)
     )
@@ -155,11 +186,7 @@ def describe(config: ModelConfig) -> ModelDescription:
 
     layer = [product(f"layers/attention/{n}", (0,)) for n in "qkv"]
     layer.append(product("layers/attention/o", (0, 1)))
-    layer += [
-        product("layers/mlp/gate", (0,)),
-        product("layers/mlp/up", (0,)),
-        product("layers/mlp/down", (0,), recomputed=False),
-    ]
+    layer += _feed_forward_products(config, by_path)
     logits = product("embed/embedding", (1,)) if config.tie_embeddings else product("unembed", (0,))
     return ModelDescription(
         params=params,
@@ -172,4 +199,45 @@ def describe(config: ModelConfig) -> ModelDescription:
         loss_elementwise=_loss_elementwise(config),
         activations=_activations(config),
         attention_kernels=tuple(k.traits for k in KERNELS),
+        inactive_params=_inactive_params(config),
+        experts=ExpertGeometry(config.num_moe_layers, config.num_experts, config.experts_per_token)
+        if config.is_moe
+        else None,
     )
+
+
+def _feed_forward_products(config: ModelConfig, by_path: dict[str, Param]) -> list[Product]:
+    """The feed-forward products of one layer, averaged over the layers: a dense model's SwiGLU; for a
+    mixture of experts the dense layers' SwiGLU (share: their fraction of the layers), and the router,
+    shared experts (share: the mixtures' fraction) and routed experts (times ``k / E``)."""
+    if not config.is_moe:
+        prefixes = (("layers/mlp", 1.0),)
+    else:
+        moe = config.num_moe_layers / config.num_layers
+        prefixes = (("dense_layers/mlp", 1.0 - moe),) if moe < 1 else ()
+        if config.shared_experts:
+            prefixes += (("layers/moe/shared", moe),)
+    out = []
+    for prefix, share in prefixes:
+        out += [
+            Product(by_path[f"{prefix}/gate"], (0,), share=share),
+            Product(by_path[f"{prefix}/up"], (0,), share=share),
+            Product(by_path[f"{prefix}/down"], (0,), recomputed=False, share=share),
+        ]
+    if config.is_moe:
+        routed = moe * config.experts_per_token / config.num_experts
+        out += [
+            Product(by_path["layers/moe/router"], (0,), share=moe),
+            Product(by_path["layers/moe/gate"], (1,), share=routed),
+            Product(by_path["layers/moe/up"], (1,), share=routed),
+            Product(by_path["layers/moe/down"], (1,), recomputed=False, share=routed),
+        ]
+    return out
+
+
+def _inactive_params(config: ModelConfig) -> int:
+    """Routed expert parameters a token does not use: ``(E - k) / E`` of them in every MoE layer."""
+    if not config.is_moe:
+        return 0
+    d, f, e, k = config.embed_dim, config.expert_dim, config.num_experts, config.experts_per_token
+    return config.num_moe_layers * 3 * d * f * (e - k)

@@ -30,6 +30,7 @@ from flax import nnx
 from models.attention import Attention
 from models.config import ModelConfig
 from models.layers import MLP, Embed, RMSNorm, make_params
+from models.moe import MoE, router_objective
 from models.output import output_loss_sums, project_logits
 from models.spec import output_params
 from sharding import axes as ax
@@ -49,21 +50,37 @@ def _dtype(name: str):
 
 
 class Block(nnx.Module):
-    """Pre-norm transformer block: ``x + attn(norm(x))``, then ``+ mlp(norm(x))``."""
+    """Pre-norm transformer block: ``x + attn(norm(x))``, then ``+ mlp(norm(x))``; with ``moe`` the
+    feed-forward is a mixture of experts (`models.moe.MoE`, attribute ``moe``) instead of ``mlp``."""
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, moe: bool = False, *, rngs: nnx.Rngs):
         self.attention_norm = RMSNorm(config.embed_dim, config.norm_eps, rngs=rngs)
         self.attention = Attention(config, rngs=rngs)
         self.mlp_norm = RMSNorm(config.embed_dim, config.norm_eps, rngs=rngs)
-        self.mlp = MLP(config.embed_dim, config.mlp_dim, rngs=rngs)
+        if moe:
+            self.moe = MoE(config, rngs=rngs)
+        else:
+            self.mlp = MLP(config.embed_dim, config.mlp_dim, rngs=rngs)
 
     def __call__(
         self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, par: Parallelism
     ) -> jax.Array:
-        """``[batch, length, embed]`` -> same shape and dtype."""
+        """``[batch, length, embed]`` -> same shape and dtype (a mixture of experts' losses dropped:
+        `forward` returns them)."""
+        return self.forward(x, positions, segment_ids, par)[0]
+
+    def forward(
+        self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, par: Parallelism
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """``[batch, length, embed]`` -> (same shape and dtype, the mixture of experts' float32 scalars
+        ``aux``, ``z``, ``dropped`` (`models.moe.MoE`), empty for a dense block)."""
         x = x + self.attention(self.attention_norm(x), positions, segment_ids, par)
-        x = x + self.mlp(self.mlp_norm(x), par)
-        return par.constrain(x, (ax.BATCH, ax.LENGTH, ax.ACT_EMBED))
+        stats = {}
+        if hasattr(self, "moe"):
+            y, stats = self.moe(self.mlp_norm(x), par)
+        else:
+            y = self.mlp(self.mlp_norm(x), par)
+        return par.constrain(x + y, (ax.BATCH, ax.LENGTH, ax.ACT_EMBED)), stats
 
     def extend(self, x: jax.Array, positions: jax.Array, k_cache: jax.Array, v_cache: jax.Array, par: Parallelism):
         """`__call__` for new tokens over a key/value cache (`models.attention.Attention.extend`).
@@ -72,8 +89,18 @@ class Block(nnx.Module):
         """
         y, k_cache, v_cache = self.attention.extend(self.attention_norm(x), positions, k_cache, v_cache, par)
         x = x + y
-        x = x + self.mlp(self.mlp_norm(x), par)
+        x = x + (self.moe(self.mlp_norm(x), par)[0] if hasattr(self, "moe") else self.mlp(self.mlp_norm(x), par))
         return par.constrain(x, (ax.BATCH, ax.LENGTH, ax.ACT_EMBED)), k_cache, v_cache
+
+
+def _make_stack(config: ModelConfig, moe: bool, keys: jax.Array) -> Block:
+    """Blocks stacked on a leading dimension, one per key of ``keys [n]`` (`nnx.vmap`)."""
+
+    @nnx.vmap(in_axes=0, out_axes=0)
+    def make_block(key):
+        return Block(config, moe, rngs=nnx.Rngs(params=key))
+
+    return make_block(keys)
 
 
 def _add_layers_axis(module: nnx.Module) -> None:
@@ -109,13 +136,12 @@ class Transformer(nnx.Module):
         keys = jax.random.split(rngs.params(), config.num_layers)
         if layer_order is not None:
             keys = keys[jnp.maximum(jnp.asarray(layer_order), 0)]
-
-        @nnx.vmap(in_axes=0, out_axes=0)
-        def make_block(key):
-            return Block(config, rngs=nnx.Rngs(params=key))
-
-        self.layers = make_block(keys)
-        _add_layers_axis(self.layers)
+        kinds = np.asarray(config.layer_kinds())
+        for name, moe, _ in config.layer_stacks():
+            # Layer i keeps the key of its place in the model, whichever stack holds it.
+            stack = _make_stack(config, moe, keys if not config.is_moe else keys[np.flatnonzero(kinds == moe)])
+            _add_layers_axis(stack)
+            setattr(self, name, stack)
         self.final_norm = RMSNorm(config.embed_dim, config.norm_eps, rngs=rngs)
         make_params(self, rngs, output_params(config))  # unembed, unless tied
 
@@ -127,17 +153,58 @@ class Transformer(nnx.Module):
         Scanned in order; when ``par``'s strategy is a pipeline, run as a
         pipeline over the stages instead (parameters in the plan's layout).
         """
-        graphdef, stacked = nnx.split(self.layers)
+        return self.run_layers_with_stats(x, positions, segment_ids, par)[0]
+
+    def run_layers_with_stats(
+        self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, par: Parallelism
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """`run_layers`, also returning the mixture-of-experts layers' statistics: ``aux`` and ``z`` (means
+        over those layers) and ``dropped`` (summed), float32 scalars; empty for a dense model.
+
+        A mixture of experts scans its first dense layers, then ``num_moe_layers`` periods, each
+        ``moe_every - 1`` dense layers and one mixture-of-experts layer (`ModelConfig.layer_kinds`).
+        """
+        if not self.config.is_moe:
+            graphdef, stacked = nnx.split(self.layers)
+            if par.pipeline is not None:
+                return self._run_pipelined(graphdef, stacked, x, positions, segment_ids, par), {}
+            return self._scan(graphdef, stacked, x, positions, segment_ids, par)[0], {}
         if par.pipeline is not None:
-            return self._run_pipelined(graphdef, stacked, x, positions, segment_ids, par)
+            raise ValueError("a mixture of experts runs without pipeline stages; use a --mesh without stage")
+        first, period = self.config.first_dense_layers, self.config.moe_every
+        moe_def, moe_stacked = nnx.split(self.layers)
+        if first:
+            dense_def, dense_stacked = nnx.split(self.dense_layers)
+            head = jax.tree.map(lambda w: w[:first], dense_stacked)
+            x, _ = self._scan(dense_def, head, x, positions, segment_ids, par)
+        if period == 1:
+            x, stats = self._scan(moe_def, moe_stacked, x, positions, segment_ids, par)
+        else:
+            dense_def, dense_stacked = nnx.split(self.dense_layers)
+            rest = jax.tree.map(lambda w: w[first:].reshape(-1, period - 1, *w.shape[1:]), dense_stacked)
+
+            def one_period(h, layers):  # moe_every - 1 dense layers, then one mixture of experts
+                dense, moe = layers
+                h, _ = self._scan(dense_def, dense, h, positions, segment_ids, par)
+                return self._body(moe_def, positions, segment_ids, par)(h, moe)
+
+            x, stats = jax.lax.scan(one_period, x, (rest, moe_stacked))
+        totals = {"aux": jnp.mean(stats["aux"]), "z": jnp.mean(stats["z"]), "dropped": jnp.sum(stats["dropped"])}
+        return x, totals
+
+    def _scan(self, graphdef, stacked, x, positions, segment_ids, par: Parallelism):
+        """Scans the blocks of one stack over ``x``, remat per block; ``(x, per-block stats stacked)``."""
+        return jax.lax.scan(self._body(graphdef, positions, segment_ids, par), x, stacked)
+
+    def _body(self, graphdef, positions, segment_ids, par: Parallelism):
+        """One block ``(h, layer_state) -> (h, stats)`` under the remat policy."""
 
         def body(h, layer_state):
-            return nnx.merge(graphdef, layer_state)(h, positions, segment_ids, par), None
+            return nnx.merge(graphdef, layer_state).forward(h, positions, segment_ids, par)
 
         if self.config.remat != "none":
             body = jax.checkpoint(body, policy=_REMAT_POLICIES[self.config.remat], prevent_cse=False)
-        x, _ = jax.lax.scan(body, x, stacked)
-        return x
+        return body
 
     def _run_pipelined(self, graphdef, stacked, x, positions, segment_ids, par: Parallelism) -> jax.Array:
         """`run_pipeline` with one block as the layer function (it applies the remat policy per block); the
@@ -230,14 +297,17 @@ class Transformer(nnx.Module):
 
         Arguments as `__call__`.
         """
+        return self._features(tokens, positions, segment_ids, par)[0]
+
+    def _features(self, tokens, positions, segment_ids, par: Parallelism):
+        """`features` and the mixture-of-experts statistics (`run_layers_with_stats`)."""
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
         x = self.embed(tokens, _dtype(self.config.dtype), par)
-        x = self.run_layers(x, positions, segment_ids, par)
+        x, stats = self.run_layers_with_stats(x, positions, segment_ids, par)
         head = head_parallelism(par)
-        return head.constrain(
-            self.final_norm(head.constrain(x, (ax.BATCH, ax.LENGTH, ax.ACT_EMBED))), (ax.BATCH, ax.LENGTH, ax.ACT_EMBED)
-        )
+        names = (ax.BATCH, ax.LENGTH, ax.ACT_EMBED)
+        return head.constrain(self.final_norm(head.constrain(x, names)), names), stats
 
     def extend(
         self, tokens: jax.Array, starts: jax.Array, cache: dict[str, jax.Array], par: Parallelism
@@ -259,6 +329,10 @@ class Transformer(nnx.Module):
         """
         if par.pipeline is not None:
             raise ValueError("decoding runs without pipeline stages; use a --mesh without stage")
+        if hasattr(self, "dense_layers"):
+            raise ValueError(
+                "decoding a mixture of experts with dense layers is not supported; use first_dense_layers=0"
+            )
         positions = starts[:, None].astype(jnp.int32) + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
         x = self.embed(tokens, _dtype(self.config.dtype), par)
         graphdef, stacked = nnx.split(self.layers)
@@ -289,7 +363,11 @@ class Transformer(nnx.Module):
         *,
         par: Parallelism,
     ) -> tuple[jax.Array, jax.Array]:
-        """Summed next-token cross-entropy, ``(loss_sum, weight_sum)`` float32 scalars (nats).
+        """The summed training objective, ``(loss_sum, weight_sum)`` float32 scalars (nats).
+
+        For a dense model ``loss_sum`` is the summed next-token cross-entropy. For a mixture of experts it
+        adds ``weight_sum * (router_aux_coef * aux + router_z_coef * z)`` (`loss_terms`), so that the step's
+        division by the tokens gives the mean cross-entropy plus the weighted router losses.
 
         The output projection and the loss are computed together as ``ModelConfig.logits``
         says (`models.output.output_loss_sums`), without materialising the whole logits when
@@ -304,11 +382,33 @@ class Transformer(nnx.Module):
             if positions is None:
                 positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
             return self._pipelined_loss_sums(tokens, targets, weights, positions, segment_ids, par)
-        x = self.features(tokens, positions, segment_ids, par=par)
+        loss_sum, weight_sum, stats = self.loss_terms(tokens, targets, weights, positions, segment_ids, par=par)
+        if stats:
+            loss_sum = loss_sum + router_objective(self.config, stats, weight_sum)
+        return loss_sum, weight_sum
+
+    def loss_terms(
+        self,
+        tokens: jax.Array,
+        targets: jax.Array,
+        weights: jax.Array,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+        *,
+        par: Parallelism,
+    ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+        """``(cross-entropy sum, weight_sum, stats)``: `loss_sums`' parts kept apart (no pipeline).
+
+        ``stats`` are the mixture-of-experts float32 scalars ``aux`` (load-balancing loss, mean over the MoE
+        layers), ``z`` (router z-loss, mean) and ``dropped`` (routed copies dropped for capacity, summed);
+        empty for a dense model.
+        """
+        x, stats = self._features(tokens, positions, segment_ids, par)
         weight, vocab_last = self.output_weight()
-        return output_loss_sums(
+        loss_sum, weight_sum = output_loss_sums(
             x, weight, targets, weights, impl=self.config.logits, vocab_last=vocab_last, par=head_parallelism(par)
         )
+        return loss_sum, weight_sum, stats
 
 
 def _pipeline_layer(graphdef):
@@ -402,6 +502,14 @@ def loss_sums(
 ) -> tuple[jax.Array, jax.Array]:
     """Summed cross-entropy from a graphdef and a params dict; see `Transformer.loss_sums`."""
     return nnx.merge(graphdef, params).loss_sums(tokens, targets, weights, positions, segment_ids, par=par)
+
+
+def loss_terms(
+    graphdef, params: dict[str, Any], tokens, targets, weights, positions=None, segment_ids=None, *, par: Parallelism
+) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+    """Cross-entropy sum, weight sum and MoE statistics from a graphdef and a params dict; see
+    `Transformer.loss_terms`."""
+    return nnx.merge(graphdef, params).loss_terms(tokens, targets, weights, positions, segment_ids, par=par)
 
 
 def extend(

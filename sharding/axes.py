@@ -12,6 +12,10 @@ attention treat the two as one split; USP attention runs all-to-all over
 
 Logical axes name the dimensions of parameters and activations in model code.
 Model code uses only logical names; `sharding.rules` maps them onto mesh axes.
+The experts dimension of a mixture-of-experts layer's weights has the logical name ``expert``, the
+same as the mesh axis the rules map it to. The ``expert`` mesh axis also splits the batch: attention
+and the dense layers run data-parallel over it, the experts expert-parallel (`models.moe`).
+
 Activations use their own name where their rule must differ from the
 weights' (``act_embed``: the embedding dimension of an activation stays whole
 while the weights' ``embed`` is split over ``fsdp``).
@@ -24,16 +28,16 @@ FSDP = "fsdp"
 CONTEXT = "context"  # the outer context axis: the ring of USP attention (all-to-all runs over sequence)
 SEQUENCE = "sequence"
 TENSOR = "tensor"
-EXPERT = "expert"  # reserved for mixture-of-experts; not accepted in a mesh yet
+EXPERT = "expert"  # mixture-of-experts: splits the experts, and the batch outside them
 
-MESH_AXES: tuple[str, ...] = (DATA, STAGE, FSDP, CONTEXT, SEQUENCE, TENSOR)
+MESH_AXES: tuple[str, ...] = (DATA, STAGE, FSDP, EXPERT, CONTEXT, SEQUENCE, TENSOR)
 
 # Axes that split the activations' length (context parallelism), outermost first.
 LENGTH_MESH_AXES: tuple[str, ...] = (CONTEXT, SEQUENCE)
-RESERVED_MESH_AXES: tuple[str, ...] = (EXPERT,)
+RESERVED_MESH_AXES: tuple[str, ...] = ()
 
 # Axes that split the batch (data parallelism in the wide sense).
-BATCH_MESH_AXES: tuple[str, ...] = (DATA, FSDP)
+BATCH_MESH_AXES: tuple[str, ...] = (DATA, FSDP, EXPERT)
 
 # Logical axes of parameters.
 EMBED = "embed"
@@ -43,6 +47,7 @@ KV_HEADS = "kv_heads"
 HEAD_DIM = "head_dim"
 VOCAB = "vocab"
 LAYERS = "layers"
+# EXPERT (above): the experts dimension of mixture-of-experts weights.
 
 # Logical axes of activations.
 BATCH = "batch"
@@ -60,4 +65,5 @@ LOGICAL_AXES: tuple[str, ...] = (
     VOCAB,
     LAYERS,
     ACT_EMBED,
+    EXPERT,
 )

@@ -30,7 +30,16 @@ import math
 
 from sharding import axes as ax
 
-__all__ = ["ROLES", "AttentionGeometry", "AttentionTraits", "ModelDescription", "Param", "Product", "Term"]
+__all__ = [
+    "ROLES",
+    "AttentionGeometry",
+    "AttentionTraits",
+    "ExpertGeometry",
+    "ModelDescription",
+    "Param",
+    "Product",
+    "Term",
+]
 
 ROLES = ("weight", "scale", "bias", "embedding", "output")
 """Parameter roles: ``weight`` (of a matrix product inside the layers), ``scale`` (a norm's), ``bias`` (added
@@ -55,6 +64,8 @@ class Param:
       role: One of `ROLES`.
       init: ``normal`` (truncated normal, standard deviation ``fan_in ** -0.5``), ``ones`` or ``zeros``.
       fan_in: For ``normal``: the fan-in; None takes the first dimension.
+      stack: For a per-layer parameter, the layers of its stack when that is not all of them (a
+        mixture of experts' layers and its dense layers are two stacks); None: every layer.
 
     Raises:
       ValueError: When ``axes`` does not have one name per dimension, or on an unknown role or init.
@@ -67,6 +78,7 @@ class Param:
     role: str = "weight"
     init: str = "normal"
     fan_in: int | None = None
+    stack: int | None = None
 
     def __post_init__(self):
         if len(self.axes) != len(self.shape):
@@ -91,12 +103,21 @@ class Param:
         """Whether it is the weight of a matrix product."""
         return self.role in ("weight", "output")
 
-    def under(self, prefix: str, per_layer: bool | None = None) -> Param:
-        """The same parameter at ``prefix/path`` (and stacked over layers when ``per_layer``)."""
+    def under(self, prefix: str, per_layer: bool | None = None, stack: int | None = None) -> Param:
+        """The same parameter at ``prefix/path`` (and stacked over layers when ``per_layer``, ``stack`` of
+        them when not all)."""
         changes = {"path": f"{prefix}/{self.path}"}
         if per_layer is not None:
             changes["per_layer"] = per_layer
+        if stack is not None:
+            changes["stack"] = stack
         return dataclasses.replace(self, **changes)
+
+    def copies(self, num_layers: int) -> int:
+        """How many arrays of ``shape`` the model holds: the layers of its stack, or 1."""
+        if not self.per_layer:
+            return 1
+        return num_layers if self.stack is None else self.stack
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,11 +129,15 @@ class Product:
       contract: Indices of the weight's dimensions the input contracts (the others are the output's).
       recomputed: False for a product whose output no gradient needs, so that full remat does not
         redo it in the backward pass (XLA drops it as dead code): the last product of a block.
+      share: The fraction of the weight one token of one layer multiplies, on average over the layers:
+        1 for a dense product; for a mixture of experts' stacked expert weights ``[expert, ...]``,
+        ``k / E`` (a token meets k of the E experts) times the fraction of layers that are mixtures.
     """
 
     weight: Param
     contract: tuple[int, ...]
     recomputed: bool = True
+    share: float = 1.0
 
     @property
     def in_axes(self) -> tuple[str, ...]:
@@ -131,6 +156,21 @@ class Product:
     def out_size(self) -> int:
         """Elements per token of the output."""
         return math.prod(s for i, s in enumerate(self.weight.shape) if i not in self.contract)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertGeometry:
+    """A mixture of experts' routing, for the dispatch collectives (`models.moe`).
+
+    Attributes:
+      layers: Mixture-of-experts layers.
+      num_experts: E, routed experts per layer (logical axis ``expert``).
+      experts_per_token: k.
+    """
+
+    layers: int
+    num_experts: int
+    experts_per_token: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,9 +290,12 @@ class ModelDescription:
         them: one per element per arithmetic op).
       loss_elementwise: Elementwise FLOPs per token of the loss's forward pass.
       activations: Activations one layer saves per token for the backward pass without remat.
+      experts: The mixture of experts' routing (None: a dense model).
+      inactive_params: Parameters a token does not use (a mixture of experts' routed experts it is not
+        sent to: ``(E - k) / E`` of them); 0 for a dense model.
 
     Raises:
-      ValueError: When two parameters give one logical axis different sizes.
+      ValueError: When two parameters give one logical axis other than ``mlp`` different sizes.
     """
 
     params: tuple[Param, ...]
@@ -265,6 +308,8 @@ class ModelDescription:
     loss_elementwise: tuple[Term, ...] = ()
     activations: tuple[Term, ...] = ()
     attention_kernels: tuple[AttentionTraits, ...] = ()
+    inactive_params: int = 0
+    experts: ExpertGeometry | None = None
 
     def __post_init__(self):
         self.axis_sizes  # noqa: B018 (validates)
@@ -274,11 +319,17 @@ class ModelDescription:
 
     @functools.cached_property
     def axis_sizes(self) -> dict[str, int]:
-        """Logical axis -> its size, read from the parameters (``layers``: L)."""
+        """Logical axis -> its size, read from the parameters (``layers``: L).
+
+        ``mlp`` may have several sizes (a mixture of experts' dense, routed and shared widths): it gets their
+        greatest common divisor, so a mesh axis counts as splitting it only where it splits every one.
+        """
         sizes = {ax.LAYERS: self.num_layers}
         for p in self.params:
             for name, size in zip(p.axes, p.shape):
-                if sizes.setdefault(name, size) != size:
+                if name == ax.MLP:
+                    sizes[name] = math.gcd(sizes.get(name, 0), size)
+                elif sizes.setdefault(name, size) != size:
                     raise ValueError(f"logical axis {name!r} has sizes {sizes[name]} and {size} ({p.path})")
         return sizes
 
@@ -312,10 +363,16 @@ class ModelDescription:
     @property
     def num_params(self) -> int:
         """Parameters in all (stacked ones times L)."""
-        return sum(p.size * (self.num_layers if p.per_layer else 1) for p in self.params)
+        return sum(p.size * p.copies(self.num_layers) for p in self.params)
+
+    @property
+    def num_active_params(self) -> int:
+        """Parameters one token uses (all of them for a dense model; a mixture of experts' active ones)."""
+        return self.num_params - self.inactive_params
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token for MFU: ``6 * (P - V*D) + 12 * L * N * H * T``.
+        """Training FLOPs per token for MFU: ``6 * (P - V*D) + 12 * L * N * H * T``, ``P`` the active
+        parameters (`num_active_params`).
 
         The count of Chowdhery et al., PaLM (2022), Appendix B: 6 FLOPs per parameter per token
         (2 forward, 4 backward), the embedding lookup excluded (but the output projection kept when
@@ -329,7 +386,8 @@ class ModelDescription:
         Returns:
           FLOPs per token (float).
         """
-        dense = sum(p.size * (self.num_layers if p.per_layer else 1) for p in self.params if p.role != "embedding")
+        dense = sum(p.size * p.copies(self.num_layers) for p in self.params if p.role != "embedding")
+        dense -= self.inactive_params
         if self.logits.weight.role == "embedding":
             dense += self.logits.weight.size
         attention = 3 * self.num_layers * self.attention.forward_flops(seq_len)

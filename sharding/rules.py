@@ -15,7 +15,8 @@ fsdp_tp    fsdp and tp together (the default)
 =========  ==================================================================
 
 In every preset the activations' ``length`` goes over ``context`` and ``sequence``
-(context parallelism; ``context`` outer).
+(context parallelism; ``context`` outer), and a mixture of experts' ``expert`` dimension over ``expert``,
+which also splits the batch (the batch over ``data``, ``fsdp`` and ``expert``).
 
 Rules are checked per array: two logical axes of one array that land on the
 same mesh axis raise an error naming both. A dimension that a mesh axis does
@@ -35,7 +36,7 @@ from sharding import axes as ax
 AxisNames = tuple[str | None, ...]
 """Logical names of an array's dimensions, one per dimension (None: unnamed)."""
 
-_BATCH_RULES = {ax.BATCH: (ax.DATA, ax.FSDP), ax.LENGTH: ax.LENGTH_MESH_AXES}
+_BATCH_RULES = {ax.BATCH: (ax.DATA, ax.FSDP, ax.EXPERT), ax.LENGTH: ax.LENGTH_MESH_AXES, ax.EXPERT: (ax.EXPERT,)}
 _FSDP_RULES = {ax.EMBED: (ax.FSDP,)}
 _TP_RULES = {
     ax.HEADS: (ax.TENSOR,),

@@ -48,6 +48,7 @@ def test_large_messages_pay_the_bus_bandwidth():
         "data": 1,
         "stage": 1,
         "fsdp": 2,
+        "expert": 1,
         "context": 1,
         "sequence": 1,
         "tensor": 4,

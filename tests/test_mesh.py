@@ -13,7 +13,7 @@ from sharding.mesh import crossing_axes, device_grid, format_mesh, make_mesh, pa
 def test_parse_fills_minus_one_and_orders_axes():
     shape = parse_mesh("tensor=2, data=2,fsdp=-1", 8)
     assert list(shape) == list(MESH_AXES)
-    assert shape == {"data": 2, "stage": 1, "fsdp": 2, "context": 1, "sequence": 1, "tensor": 2}
+    assert shape == {"data": 2, "stage": 1, "fsdp": 2, "expert": 1, "context": 1, "sequence": 1, "tensor": 2}
 
 
 def test_parse_empty_means_fsdp_over_all_devices():
@@ -28,7 +28,6 @@ def test_format_mesh_leaves_out_unit_axes():
     "spec, message",
     [
         ("dat=2,fsdp=4", "unknown mesh axis 'dat'"),
-        ("expert=2,fsdp=4", "reserved"),
         ("data=-1,fsdp=-1", "at most one axis may be -1"),
         ("data=0,fsdp=-1", "size 0 of axis 'data'"),
         ("data=-3,fsdp=-1", "size -3 of axis 'data'"),
@@ -97,7 +96,7 @@ def test_uneven_processes_are_refused():
 def test_make_mesh_uses_auto_axes_and_every_device():
     mesh = make_mesh(parse_mesh("data=2,fsdp=2,tensor=2", 8))
     assert mesh.axis_names == MESH_AXES
-    assert dict(mesh.shape) == {"data": 2, "stage": 1, "fsdp": 2, "context": 1, "sequence": 1, "tensor": 2}
+    assert dict(mesh.shape) == {"data": 2, "stage": 1, "fsdp": 2, "expert": 1, "context": 1, "sequence": 1, "tensor": 2}
     assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
     assert sorted(d.id for d in mesh.devices.ravel()) == sorted(d.id for d in jax.devices())
     assert crossing_axes(mesh) == {}

@@ -133,7 +133,23 @@ def test_schedule_is_recorded_and_a_change_is_one_line():
     assert RunMeta.from_json(old).schedule_change({"steps": 20}, 6) is None
 
 
-def test_resume_after_a_lost_checkpoint_keeps_each_step_once_and_says_the_schedule_changed(
+def test_a_changed_batch_shape_is_said_on_resume():
+    from checkpoints.meta import RunMeta
+    from models.config import get_config
+
+    data = {"seq_len": 64, "global_batch": 8, "samples": 48}
+    meta = RunMeta(
+        model=get_config("test").to_dict(), preset="test", mesh={}, rules={}, data=data, tokenizer={}, step=6
+    )
+    assert meta.batch_change(64, 8, 6) is None
+    assert meta.batch_change(128, 4, 6) == (
+        "note: the batch changes at step 6: --seq-len 64 -> 128, --batch-size 8 -> 4 (the data read on from "
+        "the 48 sequences consumed; tokens per step change)"
+    )
+    assert RunMeta.from_json({"model": meta.model, "step": 6}).batch_change(128, 4, 6) is None  # nothing recorded
+
+
+def test_resume_after_a_lost_checkpoint_keeps_each_step_once_and_says_the_schedule_and_batch_changed(
     tmp_path, corpus, cache, capsys
 ):
     run_dir = tmp_path / "run"
@@ -141,10 +157,11 @@ def test_resume_after_a_lost_checkpoint_keeps_each_step_once_and_says_the_schedu
     assert train.main([*common, "--steps", "4", "--ckpt-every", "2"]) == 0
     shutil.rmtree(run_dir / "checkpoints" / "4")  # as if the run had died before saving step 4
     capsys.readouterr()
-    assert train.main([*common, "--steps", "6", "--ckpt-every", "2", "--resume"]) == 0
+    assert train.main([*common, "--steps", "6", "--ckpt-every", "2", "--resume", "--batch-size", "16"]) == 0
     out = capsys.readouterr().out
     assert "resumed step 2" in out
     assert "note: the learning-rate schedule changes at step 2: --steps 4 -> 6, --decay-steps 4 -> 6" in out
+    assert "note: the batch changes at step 2: --batch-size 8 -> 16 (the data read on from the 16 sequences" in out
     train_steps = [r["step"] for r in records(run_dir / "metrics.jsonl") if "train/loss" in r]
     assert train_steps == [1, 2, 3, 4, 5, 6]
     eval_steps = [r["step"] for r in records(run_dir / "metrics.jsonl") if "eval/loss" in r]

@@ -39,6 +39,7 @@ def validate(run: RunConfig, num_devices: int, tokenizer=None) -> None:
     check_batch(run)
     check_strategy(run)
     check_model_sharding(model, par)
+    check_experts(model, par)
     from models.attention import check_context_parallel
 
     check_context_parallel(model, par, run.data.seq_len)
@@ -205,6 +206,35 @@ def check_model_sharding(config: ModelConfig, par: Parallelism) -> None:
                 f"{field}={size} cannot be split over {over} (rule {logical}->{'+'.join(axes)}); {sizes}"
                 f"--set {field}={-(-size // parts) * parts} (a multiple of {parts}), or --rule {logical}=none"
             )
+
+
+def check_experts(config: ModelConfig, par: Parallelism) -> None:
+    """The ``expert`` mesh axis against the model and the strategy (`models.moe`).
+
+    Raises:
+      ValueError: ``expert`` > 1 with a dense model, or with the uneven strategy; an ``expert`` size that
+        does not divide ``num_experts``; a mixture of experts with pipeline stages.
+    """
+    experts = par.mesh_shape[ax.EXPERT]
+    if config.is_moe and par.pipeline is not None:
+        raise ValueError(
+            f"--mesh {_mesh_flag(par)}: a mixture of experts runs without pipeline stages; drop stage from --mesh"
+        )
+    if experts == 1:
+        return
+    if not config.is_moe:
+        raise ValueError(
+            f"--mesh {_mesh_flag(par)}: expert={experts} needs a mixture-of-experts model (--model moe-test, or "
+            f"--set num_experts={experts}); or drop expert from --mesh"
+        )
+    if config.num_experts % experts:
+        good = max(d for d in range(1, experts + 1) if config.num_experts % d == 0 and experts % d == 0)
+        raise ValueError(
+            f"--mesh {_mesh_flag(par)}: expert={experts} does not divide num_experts={config.num_experts}; "
+            f"e.g. expert={good}"
+        )
+    if par.strategy.uneven:
+        raise ValueError(f"--mesh {_mesh_flag(par)}: expert parallelism does not run with uneven microbatches")
 
 
 def check_logits(run: RunConfig) -> None:

@@ -41,6 +41,15 @@ def startup_lines(config, preset: str, mesh, rules, report, num_params_built: in
         f" in {jax.process_count()} process(es)",
         f"rules {rules.name}: " + ", ".join(f"{k}->{'+'.join(v) or 'none'}" for k, v in rules.table),
     ]
+    if config.is_moe:
+        split = dict(mesh.shape).get(ax.EXPERT, 1)
+        active = config.describe().num_active_params
+        lines.append(
+            f"mixture of experts: {config.num_moe_layers} of {config.num_layers} layers, {config.num_experts} experts "
+            f"(top-{config.experts_per_token}), {config.num_experts // split} per device over expert={split}; "
+            f"{active:,} active parameters per token ({human_count(active)}); dispatch: "
+            + ("all-gather / reduce-scatter over expert" if split > 1 else "local (no expert parallelism)")
+        )
     crossing = crossing_axes(mesh)
     if crossing:
         lines.append("axes crossing processes: " + ", ".join(f"{a} (over {n})" for a, n in crossing.items()))
@@ -468,8 +477,8 @@ def layout_text(meta) -> str:
 
 
 def resume_lines(run, trainer, meta, step: int, seconds: float) -> list[str]:
-    """What a resume restored: the step and meshes, a re-laid stage layout, a changed learning-rate schedule,
-    an ``--init-from`` left unread."""
+    """What a resume restored: the step and meshes, a re-laid stage layout, a changed learning-rate schedule
+    or batch shape, an ``--init-from`` left unread."""
     lines = [
         f"resumed step {step} (saved on mesh {format_mesh(meta.mesh)}) onto mesh "
         f"{format_mesh(trainer.par.mesh_shape)} in {seconds:.1f} s"
@@ -479,9 +488,12 @@ def resume_lines(run, trainer, meta, step: int, seconds: float) -> list[str]:
             f"re-laid the layer stacks from stage layout {layout_text(meta.pipeline)} to "
             f"{layout_text(trainer.state_layout.layout_meta())}"
         )
-    change = meta.schedule_change(run.schedule, step)
-    if change:
-        lines.append(change)
+    for change in (
+        meta.schedule_change(run.schedule, step),
+        meta.batch_change(run.data.seq_len, run.data.batch_size, step),
+    ):
+        if change:
+            lines.append(change)
     if run.checkpoint.init_from:
         lines.append(
             f"note: resuming the checkpoint of step {step}, so --init-from {run.checkpoint.init_from} "

@@ -19,7 +19,8 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from models.config import ModelConfig
-from models.transformer import loss_sums
+from models.moe import router_objective
+from models.transformer import loss_sums, loss_terms
 from sharding import axes as ax
 from sharding.parallel import Parallelism
 from train import strategies
@@ -119,9 +120,34 @@ class Trainer:
             par=self.par if par is None else par,
         )
 
+    def loss_and_stats(self, params, batch, par: Parallelism | None = None):
+        """``(loss_sum, (weight_sum, stats))``: `loss_sums` with a mixture of experts' router statistics,
+        ``moe_aux_sum`` and ``moe_z_sum`` (the losses times the tokens, so that microbatches add up) and
+        ``moe_dropped`` (routed copies dropped for capacity), float32 scalars."""
+        ce, weight, stats = loss_terms(
+            self.state_layout.graphdef,
+            params,
+            batch["tokens"],
+            batch["targets"],
+            batch["loss_mask"],
+            batch["positions"],
+            batch["segment_ids"],
+            par=self.par if par is None else par,
+        )
+        objective = ce + router_objective(self.config, stats, weight)
+        summed = {
+            "moe_aux_sum": stats["aux"] * weight,
+            "moe_z_sum": stats["z"] * weight,
+            "moe_dropped": stats["dropped"],
+        }
+        return objective, (weight, summed)
+
     def gradients(self, params, batch, inputs=None) -> tuple[jax.Array, jax.Array, Any, dict]:
         """The strategy's ``(loss_sum, weight_sum, grads, metrics)`` of a global batch (inside jit);
-        ``inputs``: values of the strategy's step inputs by name (absent: their defaults)."""
+        ``inputs``: values of the strategy's step inputs by name (absent: their defaults). A mixture of experts
+        under a strategy that reports statistics adds ``moe_aux``, ``moe_z`` (token means) and ``moe_dropped``."""
+        if self.config.is_moe and self.strategy.reports_stats:
+            return self.strategy.gradients(self.loss_and_stats, params, batch, inputs or {})
         return self.strategy.gradients(self.loss_sums, params, batch, inputs or {})
 
     def _step(self, state, batch, signals):

@@ -96,7 +96,7 @@ def _per_token_flops(
     compute_axes = tuple(a for a in mesh if a not in ax.BATCH_MESH_AXES)  # gathered axes do not split work
 
     def forward(product: Product) -> float:
-        return 2.0 * product.weight.size / placed[product.weight.path].factor(*compute_axes)
+        return 2.0 * product.share * product.weight.size / placed[product.weight.path].factor(*compute_axes)
 
     layer_fwd = sum(forward(p) for p in model.products)
     # Full remat recomputes the block's forward except the products whose output no gradient

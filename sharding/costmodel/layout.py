@@ -127,8 +127,8 @@ class Layout:
 
     @property
     def batch_split(self) -> int:
-        """Devices the batch is split over (``data`` x ``fsdp``)."""
-        return self.mesh[ax.DATA] * self.mesh[ax.FSDP]
+        """Devices the batch is split over (``data`` x ``fsdp`` x ``expert``)."""
+        return math.prod(self.mesh[a] for a in ax.BATCH_MESH_AXES)
 
     def rules_table(self) -> Rules:
         return self.rules if isinstance(self.rules, Rules) else _preset(self.rules)

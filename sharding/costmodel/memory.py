@@ -89,7 +89,7 @@ def _held_params(model: ModelDescription, layout: Layout, rules: Rules, placed: 
     """
     mesh = layout.mesh
     if mesh[ax.STAGE] <= 1:
-        return sum(p.local * (s.slots if p.param.per_layer else 1) for p in placed.values())
+        return sum(p.local * p.param.copies(s.slots) for p in placed.values())
     return _held_pipeline_params(model, rules, tuple(mesh.items()))
 
 

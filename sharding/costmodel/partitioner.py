@@ -61,7 +61,38 @@ def _comms(
     if embedding:
         comms += _embedding_comms(model, layout, placed, s)
     comms += _sequence_comms(model, layout, rules, s, backend)
+    comms += _expert_comms(model, layout, s)
     return comms
+
+
+def _expert_comms(model: ModelDescription, layout: Layout, s: _Shape) -> list[Comm]:
+    """The mixture of experts' dispatch over ``expert`` (`models.moe`, the ring): per MoE layer and
+    microbatch the forward all-gathers the tokens ``[tok * E_p, D]`` with their routing (k int32 experts
+    and k float32 weights per token) and reduce-scatters the partial outputs back to ``[tok, D]``; the
+    backward is the transpose (an all-gather of the output gradients, a reduce-scatter of the token and
+    weight gradients); full remat runs the forward's again."""
+    moe, ep = model.experts, layout.mesh[ax.EXPERT]
+    if moe is None or ep <= 1:
+        return []
+    n = moe.layers * s.micro
+    forward = n * (1 + (layout.remat == "full"))
+    tokens = s.tok * model.hidden * s.act_bytes
+    routing = s.tok * moe.experts_per_token * 4
+    axes = (ax.EXPERT,)
+    return [
+        Comm(
+            "all-gather",
+            axes,
+            ep,
+            ep * tokens,
+            forward + n,
+            "MoE tokens to the expert devices (and output grads)",
+            False,
+        ),
+        Comm("reduce-scatter", axes, ep, tokens, forward + n, "MoE partial outputs back (and token grads)", False),
+        Comm("all-gather", axes, ep, ep * routing, 2 * forward, "MoE routing (experts, weights)", False),
+        Comm("reduce-scatter", axes, ep, routing, n, "MoE combine-weight gradients", False),
+    ]
 
 
 def _uneven_comms(
@@ -206,7 +237,7 @@ def _weight_gathers(
             continue
         result = p.local * n * _fsdp_gather_bytes(layout, backend)
         if p.param.per_layer:
-            count = 2 * s.layers * s.micro
+            count = 2 * p.param.copies(s.layers) * s.micro
         elif p.param.role == "output":
             regather = mesh[ax.TENSOR] > 1 and (mesh[ax.DATA] > 1 or s.micro > 1)
             count = 2 if regather else 1
@@ -228,8 +259,8 @@ def _gradient_reductions(
     over the batch axes.
     """
     mesh = layout.mesh
-    batch_axes, batch_n = _axes(mesh, ax.DATA, ax.FSDP, ax.SEQUENCE)  # tokens split over all three
-    if batch_n <= 1:
+    all_axes, all_n = _axes(mesh, ax.DATA, ax.FSDP, ax.EXPERT, ax.SEQUENCE)  # tokens split over all four
+    if all_n <= 1:
         return []
     comms = []
     for p in placed.values():
@@ -237,7 +268,12 @@ def _gradient_reductions(
             continue  # see _embedding_comms
         if p.param.role == "output" and split is not None:
             continue  # see _vocab_parallel_comms
-        count = s.micro * (s.layers if p.param.per_layer else 1)
+        # A mixture of experts' weights split over ``expert`` are summed over the other batch axes only.
+        batch_axes = tuple(a for a in all_axes if not (a == ax.EXPERT and p.factor(ax.EXPERT) > 1))
+        batch_n = math.prod(mesh[a] for a in batch_axes)
+        if batch_n <= 1:
+            continue
+        count = s.micro * p.param.copies(s.layers)
         local = p.local * _PARAM_BYTES
         n_f = p.factor(ax.FSDP)
         what = f"gradient of {p.param.path}"

@@ -48,6 +48,11 @@ TICK_SHARES = {"lockstep": (0.25, 0.75, 0.0), "fused": (0.25, 0.75, 0.0), "zb": 
 PIPELINE_CLOCKS = ("lockstep", "fused")
 
 
+def _within_batch_group(mesh: Mapping[str, int]) -> tuple[int, ...]:
+    """The positions in ``mesh`` of the axes inside one data-parallel group (all but ``data`` and ``fsdp``)."""
+    return tuple(i for i, name in enumerate(mesh) if name not in (ax.DATA, ax.FSDP))
+
+
 @dataclasses.dataclass(frozen=True)
 class PlanOptions:
     """What the search may choose.
@@ -274,7 +279,7 @@ class _Evaluator:
             self.model.attention_kernel(name)
 
     def grid(self, mesh: Mapping[str, int]) -> np.ndarray:
-        """``[data, stage, fsdp, sequence, tensor]`` int: the kind index (into ``cluster.kinds``) of the device
+        """``[data, stage, fsdp, context, sequence, tensor]`` int (the mesh's axes): the kind index (into ``cluster.kinds``) of the device
         at each mesh position, as `sharding.mesh.device_grid` places devices (memoised per mesh)."""
         key = tuple(mesh.values())
         if key not in self._grids:
@@ -292,7 +297,7 @@ class _Evaluator:
         """Slowest kind at each position along ``data`` x ``fsdp`` (data-major)."""
 
         def make():
-            slowest = self._rank[self.grid(mesh)].min(axis=(1, 3, 4)).reshape(-1)
+            slowest = self._rank[self.grid(mesh)].min(axis=_within_batch_group(mesh)).reshape(-1)
             return tuple(self._by_rank[r] for r in slowest)
 
         return list(self._per_mesh("batch", mesh, make))
@@ -505,7 +510,8 @@ class _Evaluator:
         """The kinds none of whose data-parallel groups (data x fsdp positions, data major) gets a microbatch."""
         grid, kinds = self.grid(mesh), self.cluster.kinds
         # [data * fsdp, kinds]: whether a data-parallel group holds a device of each kind
-        holds = np.stack([(grid == i).any(axis=(1, 3, 4)).reshape(-1) for i in range(len(kinds))], axis=1)
+        within = _within_batch_group(mesh)
+        holds = np.stack([(grid == i).any(axis=within).reshape(-1) for i in range(len(kinds))], axis=1)
         busy = holds[np.asarray(counts) > 0].any(axis=0)
         order = self.kinds_in(mesh)
         return [k.name for k in order if holds[:, kinds.index(k)].any() and not busy[kinds.index(k)]]

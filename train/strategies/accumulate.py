@@ -19,22 +19,34 @@ class AccumulatedGradients(GradientStrategy):
         super().__init__(par, layout)
         self.microbatches = par.strategy.microbatches
 
+    reports_stats = True
+
     def gradients(self, loss_fn: LossFn, params, batch: dict, inputs=None):
-        grad_fn = jax.value_and_grad(lambda p, b: loss_fn(p, b, self.par), has_aux=True)
+        def with_stats(p, b):
+            loss_sum, aux = loss_fn(p, b, self.par)
+            return loss_sum, aux if isinstance(aux, tuple) else (aux, {})
+
+        grad_fn = jax.value_and_grad(with_stats, has_aux=True)
         m = self.microbatches
         if m == 1:
-            (loss_sum, weight), grads = grad_fn(params, batch)
-            return loss_sum, weight, grads, {}
+            (loss_sum, (weight, stats)), grads = grad_fn(params, batch)
+            return loss_sum, weight, grads, self.stats_metrics(stats, weight)
 
         def split(x):
             return x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1)
 
         def body(carry, micro):
-            loss_acc, weight_acc, grad_acc = carry
-            (loss_sum, weight), grads = grad_fn(params, micro)
-            return (loss_acc + loss_sum, weight_acc + weight, jax.tree.map(jnp.add, grad_acc, grads)), None
+            loss_acc, aux_acc, grad_acc = carry
+            (loss_sum, aux), grads = grad_fn(params, micro)
+            return (
+                loss_acc + loss_sum,
+                jax.tree.map(jnp.add, aux_acc, aux),
+                jax.tree.map(jnp.add, grad_acc, grads),
+            ), None
 
         zeros = jax.tree.map(jnp.zeros_like, params)
-        init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), zeros)
-        (loss_sum, weight, grads), _ = jax.lax.scan(body, init, jax.tree.map(split, batch))
-        return loss_sum, weight, grads, {}
+        micro = jax.tree.map(split, batch)
+        aux_shape = jax.eval_shape(lambda p, b: with_stats(p, b)[1], params, jax.tree.map(lambda x: x[0], micro))
+        init = (jnp.zeros((), jnp.float32), jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux_shape), zeros)
+        (loss_sum, (weight, stats), grads), _ = jax.lax.scan(body, init, micro)
+        return loss_sum, weight, grads, self.stats_metrics(stats, weight)

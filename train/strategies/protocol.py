@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
@@ -68,6 +69,11 @@ class GradientStrategy:
       layout: The run's `train.state.StateLayout` (the parameters' names, shapes and shardings), or None.
     """
 
+    reports_stats = False
+    """Whether `gradients` takes a ``loss_fn`` whose auxiliary output is ``(weight_sum, stats)``: ``stats`` a
+    dict of float32 scalars summed over microbatches (a mixture of experts' router losses weighted by
+    tokens, and dropped copies), returned among the metrics divided as `stats_metrics` says."""
+
     def __init__(self, par: Parallelism, layout=None):
         self.par = par
         self.layout = layout
@@ -85,6 +91,16 @@ class GradientStrategy:
           inputs: The step's values of `step_inputs`, by name.
         """
         raise NotImplementedError
+
+    @staticmethod
+    def stats_metrics(stats: Mapping[str, jax.Array], weight: jax.Array) -> dict[str, jax.Array]:
+        """Summed ``stats`` as metrics: those named ``*_sum`` divided by the tokens (``weight``) and renamed
+        without the suffix, the others as they are."""
+        denom = jnp.maximum(weight, 1.0)
+        return {
+            (k[: -len("_sum")] if k.endswith("_sum") else k): (v / denom if k.endswith("_sum") else v)
+            for k, v in stats.items()
+        }
 
     def step_inputs(self) -> tuple[StepInput, ...]:
         """The strategy's extra per-step host inputs, in the order `train.step.Trainer.signals` takes their

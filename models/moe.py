@@ -1,0 +1,279 @@
+"""Mixture-of-experts feed-forward layer: router, dropless grouped matrix products, expert parallelism.
+
+Einsum letters: B batch, T length, D embed, F mlp (one expert's hidden width), E experts, K experts per
+token (top-k), N tokens (flattened ``B*T``), R routed rows (``N*K``, token copies sorted by expert).
+
+A token ``x [D]`` goes to the ``K`` experts with the highest router scores and leaves as the weighted
+sum of their SwiGLU outputs (Shazeer et al., "Outrageously Large Neural Networks", 2017; Fedus et al.,
+"Switch Transformers", 2021), plus the shared experts' output when there are some (Dai et al.,
+DeepSeekMoE, 2024)::
+
+    logits = x @ router                                   # [E], float32
+    softmax router:  p = softmax(logits); w, e = top_k(p, K)          (Mixtral, Qwen3-MoE)
+    sigmoid router:  p = sigmoid(logits); w, e = top_k(p, K)          (DeepSeek-V3)
+    norm_topk:       w = w / sum(w)                                   (Mixtral; Qwen3 norm_topk_prob)
+    y = routed_scale * sum_j w_j * expert_{e_j}(x) + shared(x)
+
+Dropless by default: the ``N*K`` token copies are sorted by expert and multiplied with grouped matrix
+products (`jax.lax.ragged_dot`: one group of rows per expert), so no token is dropped and no expert
+computes padding. With ``capacity_factor`` each expert takes at most
+``C = ceil(capacity_factor * N * K / E)`` of the copies one device routes, earlier tokens first; the
+rest contribute zero (the token keeps its residual) and are counted (GShard, Lepikhin et al., 2020:
+capacity per group of tokens, a group being what one device holds).
+
+Auxiliary losses, each a float32 scalar over the tokens of the call:
+
+* load balancing (Switch Transformers, eq. 4): ``aux = E * sum_e f_e * P_e`` with ``f_e`` the fraction
+  of the ``N*K`` routed copies sent to expert ``e`` and ``P_e`` the mean router probability of ``e``
+  (sigmoid scores normalised per token); 1.0 when the load is uniform;
+* router z-loss (Zoph et al., ST-MoE, 2022, eq. 5): ``mean(logsumexp(logits)^2)``.
+
+Expert parallelism. With the experts split over the ``expert`` mesh axis (the rules map the logical
+``expert`` axis there, and the batch over ``data``, ``fsdp`` and ``expert``: attention is data-parallel
+over the devices that split the experts), the layer runs per device under `jax.shard_map`: each device
+all-gathers the tokens and their routing over ``expert``, runs its own experts over the copies routed to
+them, and the partial outputs are summed and scattered back to the devices that hold the tokens with a
+reduce-scatter. This is MaxText's "ring of experts" dispatch. It was chosen over the all-to-all for
+these reasons: `jax.lax.ragged_all_to_all` does not lower on XLA:CPU (its HLO op is unimplemented
+there in JAX 0.10), and a padded all-to-all that stays dropless needs a buffer for the worst case (all
+``N*K`` copies of a device going to one device), ``K`` times the all-gather's ``N`` rows per peer; the
+ring is exact, dropless and lowers on every backend. The expert weights may also be split over
+``fsdp`` (their ``embed``, gathered inside) and ``tensor`` (their ``mlp``, Megatron-style: partial
+outputs summed over ``tensor``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec
+
+from models.config import ModelConfig
+from models.layers import MLP, make_params
+from models.spec import moe_params
+from sharding import axes as ax
+from sharding.parallel import Parallelism, gather_shards, spec_axes
+
+__all__ = ["MoE", "capacity_keep", "expert_outputs", "route", "router_losses", "router_objective"]
+
+
+def route(logits: jax.Array, config: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The router's choices for each token.
+
+    Args:
+      logits: ``[..., E]`` float32 router logits.
+      config: the model (``router``, ``experts_per_token``, ``norm_topk``, ``routed_scale``).
+
+    Returns:
+      ``(weights [..., K] float32, experts [..., K] int32, probs [..., E] float32)``: the combine weights
+      of the chosen experts (renormalised when ``norm_topk``, times ``routed_scale``), their indices in
+      decreasing score (ties to the lower index, as `jax.lax.top_k`), and the router probabilities the
+      balancing loss reads (softmax, or sigmoid scores normalised per token).
+    """
+    if config.router == "sigmoid":
+        scores = jax.nn.sigmoid(logits)
+        probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
+    else:
+        scores = probs = jax.nn.softmax(logits, axis=-1)
+    weights, experts = jax.lax.top_k(scores, config.experts_per_token)
+    if config.norm_topk:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    return weights * config.routed_scale, experts.astype(jnp.int32), probs
+
+
+def router_losses(logits: jax.Array, probs: jax.Array, experts: jax.Array, num_experts: int) -> dict[str, jax.Array]:
+    """The load-balancing loss and the router z-loss (module docstring), float32 scalars.
+
+    Args:
+      logits: ``[N, E]`` float32 router logits.
+      probs: ``[N, E]`` float32 router probabilities (`route`).
+      experts: ``[N, K]`` int32 chosen experts.
+      num_experts: E.
+
+    Returns:
+      ``{"aux": E * sum_e f_e * P_e, "z": mean(logsumexp(logits)^2)}``.
+    """
+    counts = jnp.sum(jax.nn.one_hot(experts, num_experts, dtype=jnp.float32), axis=(0, 1))  # [E]
+    fraction = counts / experts.size
+    mean_prob = jnp.mean(probs, axis=0)
+    aux = num_experts * jnp.sum(jax.lax.stop_gradient(fraction) * mean_prob)
+    z = jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
+    return {"aux": aux, "z": z}
+
+
+def router_objective(config: ModelConfig, stats: dict[str, jax.Array], weight_sum: jax.Array) -> jax.Array:
+    """What the router losses add to a summed training loss: ``weight_sum * (router_aux_coef * aux +
+    router_z_coef * z)`` (float32 scalar), so that dividing by the tokens gives the weighted mean losses."""
+    return weight_sum * (config.router_aux_coef * stats["aux"] + config.router_z_coef * stats["z"])
+
+
+def capacity_keep(experts: jax.Array, num_experts: int, capacity_factor: float) -> jax.Array:
+    """Which routed copies fit their expert's capacity, over the tokens of one group.
+
+    Args:
+      experts: ``[N, K]`` int32 chosen experts of the group's tokens.
+      num_experts: E.
+      capacity_factor: > 0; the capacity is ``ceil(capacity_factor * N * K / E)`` copies per expert.
+
+    Returns:
+      ``[N, K]`` bool: True for a copy within its expert's capacity (copies of earlier tokens first, and
+      of a token's higher-scored choice first).
+    """
+    flat = experts.reshape(-1)
+    capacity = math.ceil(capacity_factor * flat.size / num_experts)
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.bincount(flat, length=num_experts)
+    starts = jnp.cumsum(sizes) - sizes
+    position_sorted = jnp.arange(flat.size) - starts[flat[order]]
+    position = jnp.zeros_like(position_sorted).at[order].set(position_sorted)
+    return (position < capacity).reshape(experts.shape)
+
+
+def expert_outputs(
+    x: jax.Array, experts: jax.Array, weights: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, first=0
+) -> jax.Array:
+    """The routed experts' weighted output for each token: dropless grouped matrix products.
+
+    The ``N*K`` copies routed to the experts held here (``first .. first+E_local-1``) are sorted by expert
+    and multiplied by `jax.lax.ragged_dot`, one group of rows per expert; copies of other experts sort
+    last and contribute zero.
+
+    Args:
+      x: ``[N, D]`` tokens, compute dtype.
+      experts: ``[N, K]`` int32 global expert indices.
+      weights: ``[N, K]`` float32 combine weights (0 for a dropped copy).
+      gate, up: ``[E_local, D, F]``; down: ``[E_local, F, D]`` (cast to ``x.dtype``).
+      first: the global index of the first expert held here (int or int32 scalar).
+
+    Returns:
+      ``[N, D]`` in ``x.dtype``: ``sum_j weights[:, j] * expert_{experts[:, j]}(x)`` over the local experts.
+    """
+    n, k = experts.shape
+    local_experts = gate.shape[0]
+    local = experts.reshape(-1) - first
+    held = (local >= 0) & (local < local_experts)
+    key = jnp.where(held, local, local_experts)  # other devices' experts sort last
+    order = jnp.argsort(key, stable=True)
+    sizes = jnp.bincount(key, length=local_experts + 1)[:local_experts].astype(jnp.int32)
+    rows = x[order // k]  # [R, D]
+    dtype = x.dtype
+    h_gate = jax.lax.ragged_dot(rows, gate.astype(dtype), sizes)
+    h_up = jax.lax.ragged_dot(rows, up.astype(dtype), sizes)
+    out = jax.lax.ragged_dot(jax.nn.silu(h_gate) * h_up, down.astype(dtype), sizes)  # [R, D]
+    combine = jnp.where(held, weights.reshape(-1), 0.0)[order]
+    out = jnp.where(held[order][:, None], out, 0) * combine[:, None].astype(dtype)
+    inverse = jnp.argsort(order)
+    return jnp.sum(out[inverse].reshape(n, k, -1), axis=1)
+
+
+class MoE(nnx.Module):
+    """Mixture-of-experts SwiGLU feed-forward (module docstring).
+
+    Parameters (`models.spec.moe_params`): ``router [embed, expert]``, ``gate, up [expert, embed, mlp]``,
+    ``down [expert, mlp, embed]`` and, with shared experts, ``shared`` (a `models.layers.MLP`).
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        make_params(self, rngs, tuple(p for p in moe_params(config) if "/" not in p.path))
+        if config.shared_experts:
+            self.shared = MLP(config.embed_dim, config.shared_experts * config.expert_dim, rngs=rngs)
+
+    def __call__(self, x: jax.Array, par: Parallelism) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """``[batch, length, embed]`` -> ``([batch, length, embed]`` in x's dtype, stats).
+
+        Returns:
+          The output and ``{"aux", "z", "dropped"}``, float32 scalars: the balancing loss and the z-loss
+          over the tokens of ``x``, and the routed copies dropped for capacity (0 when dropless).
+        """
+        config = self.config
+        logits = jnp.einsum("BTD,DE->BTE", x.astype(jnp.float32), self.router[...])
+        weights, experts, probs = route(logits, config)
+        stats = router_losses(
+            logits.reshape(-1, config.num_experts),
+            probs.reshape(-1, config.num_experts),
+            experts.reshape(-1, config.experts_per_token),
+            config.num_experts,
+        )
+        routed, keep = _routed(x, experts, weights, self.gate[...], self.up[...], self.down[...], config, par)
+        stats["dropped"] = jnp.sum(1.0 - keep.astype(jnp.float32))
+        out = routed
+        if config.shared_experts:
+            out = out + self.shared(x, par)
+        return par.constrain(out, (ax.BATCH, ax.LENGTH, ax.ACT_EMBED)), stats
+
+
+def _group(x, experts, weights, gate, up, down, config: ModelConfig, first=0, gather_axes=(), sum_axes=()):
+    """One group of tokens ``x [B, T, D]`` (one device's, or all) through the experts held here.
+
+    With ``gather_axes`` the tokens and their routing are all-gathered over those mesh axes first and the
+    outputs reduce-scattered back; ``sum_axes``: mesh axes the partial outputs are summed over (experts or
+    ``mlp`` split there). Returns ``(out [B, T, D], keep [B, T, K] bool)``.
+    """
+    b, t, d = x.shape
+    k = config.experts_per_token
+    flat_x, flat_e, flat_w = x.reshape(-1, d), experts.reshape(-1, k), weights.reshape(-1, k)
+    if config.capacity_factor:
+        keep = capacity_keep(flat_e, config.num_experts, config.capacity_factor)
+        flat_w = jnp.where(keep, flat_w, 0.0)
+    else:
+        keep = jnp.ones(flat_e.shape, bool)
+    if gather_axes:
+        flat_x, flat_e, flat_w = (
+            jax.lax.all_gather(a, gather_axes, axis=0, tiled=True) for a in (flat_x, flat_e, flat_w)
+        )
+    out = expert_outputs(flat_x, flat_e, flat_w, gate, up, down, first)
+    if gather_axes:
+        out = jax.lax.psum_scatter(out, gather_axes, scatter_dimension=0, tiled=True)
+    if sum_axes:
+        out = jax.lax.psum(out, sum_axes)
+    return out.reshape(b, t, d), keep.reshape(b, t, k)
+
+
+def _routed(x, experts, weights, gate, up, down, config: ModelConfig, par: Parallelism):
+    """The routed experts' output ``[B, T, D]`` and the capacity mask ``[B, T, K]``, laid out by ``par``.
+
+    On one device (or inside another `jax.shard_map`, where the enclosing strategy's checks keep the
+    experts whole) the group is the whole input. On a mesh the layer runs per device under
+    `jax.shard_map` with specs from the rules (module docstring).
+    """
+    if not par.is_sharded or par.manual:
+        return _group(x, experts, weights, gate, up, down, config)
+    sizes = par.auto_shape
+    x_spec = par.spec((ax.BATCH, ax.LENGTH, ax.ACT_EMBED), x.shape)
+    route_spec = par.spec((ax.BATCH, ax.LENGTH, None), experts.shape)
+    in_spec = par.spec((ax.EXPERT, ax.EMBED, ax.MLP), gate.shape)
+    out_spec = par.spec((ax.EXPERT, ax.MLP, ax.EMBED), down.shape)
+    expert_axes = spec_axes(_entry(in_spec, 0))
+    batch_axes = set(spec_axes(_entry(x_spec, 0))) | set(spec_axes(_entry(x_spec, 1)))
+    if set(spec_axes(_entry(x_spec, 2))) & set(expert_axes + spec_axes(_entry(in_spec, 2))):
+        raise ValueError("the rules split the activations' embed over an axis that splits the experts or their mlp")
+    gather_axes = tuple(a for a in expert_axes if a in batch_axes)
+    sum_axes = tuple(a for a in expert_axes if a not in batch_axes) + spec_axes(_entry(in_spec, 2))
+    local_experts = config.num_experts // math.prod(sizes[a] for a in expert_axes)
+    # Gather only the embed dimension's split (fsdp); experts and mlp stay split.
+    in_gather = PartitionSpec(None, _entry(in_spec, 1))
+    out_gather = PartitionSpec(None, None, _entry(out_spec, 2))
+
+    def local(x, experts, weights, gate, up, down):
+        gate, up, down = gather_shards(gate, in_gather), gather_shards(up, in_gather), gather_shards(down, out_gather)
+        index = jnp.zeros((), jnp.int32)
+        for a in expert_axes:
+            index = index * sizes[a] + jax.lax.axis_index(a)
+        return _group(x, experts, weights, gate, up, down, config, index * local_experts, gather_axes, sum_axes)
+
+    run = jax.shard_map(
+        local,
+        mesh=par.mesh,
+        in_specs=(x_spec, route_spec, route_spec, in_spec, in_spec, out_spec),
+        out_specs=(x_spec, route_spec),
+    )
+    return run(x, experts, weights, gate, up, down)
+
+
+def _entry(spec: PartitionSpec, dim: int):
+    """The entry of ``spec`` for dimension ``dim`` (None past its end)."""
+    return spec[dim] if dim < len(spec) else None

@@ -1,0 +1,320 @@
+"""Mixture of experts: the router, dropless grouped products against a dense loop over experts, capacity
+drops, expert parallelism against one device, placement of MoE layers, training end to end."""
+
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from models.config import get_config
+from models.moe import MoE, capacity_keep, route, router_losses
+from models.transformer import Transformer, abstract_model
+from sharding.mesh import make_mesh, parse_mesh
+from sharding.parallel import UNSHARDED, Parallelism
+
+CONFIG = get_config("moe-test")
+D = CONFIG.embed_dim
+
+
+def swiglu(x, gate, up, down):
+    return (jax.nn.silu(x @ gate) * (x @ up)) @ down
+
+
+def dense_reference(layer: MoE, x):
+    """The layer computed plainly in float32: every token through every expert, weighted by its routing."""
+    config = layer.config
+    flat = x.reshape(-1, x.shape[-1])
+    logits = flat @ layer.router[...]
+    weights, experts, _ = route(logits, config)
+    out = jnp.zeros_like(flat)
+    for e in range(config.num_experts):
+        y = swiglu(flat, layer.gate[...][e], layer.up[...][e], layer.down[...][e])
+        combine = jnp.sum(jnp.where(experts == e, weights, 0.0), axis=1)
+        out = out + combine[:, None] * y
+    if config.shared_experts:
+        s = layer.shared
+        out = out + swiglu(flat, s.gate[...], s.up[...], s.down[...])
+    return out.reshape(x.shape)
+
+
+@pytest.fixture(scope="module")
+def layer_and_input():
+    layer = MoE(CONFIG, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (8, 4, D), jnp.float32)
+    return layer, x
+
+
+def test_route_picks_top_k_and_renormalises_by_hand():
+    logits = jnp.array([[1.0, 3.0, 2.0, 0.0]])
+    config = CONFIG.replace(num_experts=4, experts_per_token=2)
+    p = np.exp([1.0, 3.0, 2.0, 0.0]) / np.exp([1.0, 3.0, 2.0, 0.0]).sum()
+    weights, experts, probs = route(logits, config)
+    np.testing.assert_array_equal(experts, [[1, 2]])
+    np.testing.assert_allclose(weights, [[p[1] / (p[1] + p[2]), p[2] / (p[1] + p[2])]], rtol=1e-6)
+    weights, _, _ = route(logits, config.replace(norm_topk=False))
+    np.testing.assert_allclose(weights, [[p[1], p[2]]], rtol=1e-6)
+    s = 1 / (1 + np.exp(-np.array([1.0, 3.0, 2.0, 0.0])))
+    weights, experts, probs = route(logits, config.replace(router="sigmoid", routed_scale=2.5))
+    np.testing.assert_array_equal(experts, [[1, 2]])
+    np.testing.assert_allclose(weights, [[2.5 * s[1] / (s[1] + s[2]), 2.5 * s[2] / (s[1] + s[2])]], rtol=1e-6)
+    np.testing.assert_allclose(probs, [s / s.sum()], rtol=1e-6)
+
+
+def test_router_losses_match_a_hand_computation():
+    logits = jnp.array([[2.0, 0.0, 1.0], [0.0, 1.0, 3.0]])
+    probs = jax.nn.softmax(logits)
+    experts = jnp.array([[0, 2], [2, 1]])
+    losses = router_losses(logits, probs, experts, 3)
+    fraction = np.array([1, 1, 2]) / 4  # copies routed to experts 0, 1, 2
+    mean_prob = np.asarray(probs).mean(axis=0)
+    np.testing.assert_allclose(losses["aux"], 3 * np.sum(fraction * mean_prob), rtol=1e-6)
+    lse = np.log(np.exp(np.asarray(logits)).sum(axis=1))
+    np.testing.assert_allclose(losses["z"], np.mean(lse**2), rtol=1e-6)
+
+
+def test_dropless_layer_equals_a_dense_loop_over_experts(layer_and_input):
+    layer, x = layer_and_input
+    graphdef, state = nnx.split(layer)
+    out, stats = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x, UNSHARDED))(state, x)
+    want = jax.jit(lambda state, x: dense_reference(nnx.merge(graphdef, state), x))(state, x)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+    assert float(stats["dropped"]) == 0.0
+
+
+def test_dropless_gradients_equal_the_dense_loop(layer_and_input):
+    layer, x = layer_and_input
+    graphdef, state = nnx.split(layer)
+    probe = jnp.cos(jnp.arange(x.size, dtype=jnp.float32)).reshape(x.shape)
+
+    def loss(state, x, fn):
+        return jnp.sum(fn(nnx.merge(graphdef, state), x) * probe)
+
+    got = jax.jit(jax.grad(lambda s, x: loss(s, x, lambda m, x: m(x, UNSHARDED)[0]), argnums=(0, 1)))(state, x)
+    want = jax.jit(jax.grad(lambda s, x: loss(s, x, dense_reference), argnums=(0, 1)))(state, x)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_capacity_drops_the_overflow_and_counts_it():
+    experts = jnp.array([[0, 1], [0, 1], [0, 2], [0, 3]])  # expert 0 gets 4 copies
+    keep = capacity_keep(experts, 4, 1.0)  # capacity ceil(8 / 4) = 2
+    np.testing.assert_array_equal(keep, [[1, 1], [1, 1], [0, 1], [0, 1]])
+    layer = MoE(CONFIG.replace(capacity_factor=0.5), rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (2, 8, D))
+    graphdef, state = nnx.split(layer)
+    out, stats = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x, UNSHARDED))(state, x)
+    _, experts, _ = route(x.reshape(-1, D) @ layer.router[...], layer.config)
+    capacity = math.ceil(0.5 * 16 * 2 / 8)
+    counts = np.bincount(np.asarray(experts).reshape(-1), minlength=8)
+    assert float(stats["dropped"]) == np.sum(np.maximum(counts - capacity, 0)) > 0
+    assert out.shape == x.shape and bool(jnp.all(jnp.isfinite(out)))
+
+
+@pytest.mark.parametrize("mesh_spec", ["expert=8", "expert=4,fsdp=2", "data=2,expert=2,tensor=2"])
+def test_expert_parallel_layer_equals_one_device(layer_and_input, mesh_spec):
+    layer, x = layer_and_input
+    graphdef, state = nnx.split(layer)
+    probe = jnp.cos(jnp.arange(x.size, dtype=jnp.float32)).reshape(x.shape)
+
+    def loss(state, x, par):
+        y, stats = nnx.merge(graphdef, state)(x, par)
+        return jnp.sum(y * probe) + stats["aux"] + stats["z"], (y, stats)
+
+    par = Parallelism.of(make_mesh(parse_mesh(mesh_spec, 8)))
+    step = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
+    want = jax.jit(lambda s, x: step(s, x, UNSHARDED))(state, x)
+    compiled = jax.jit(lambda s, x: step(s, x, par)).lower(state, x).compile()
+    got = compiled(state, x)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+    if "expert=8" in mesh_spec:  # the ring: tokens all-gathered over expert, outputs reduce-scattered back
+        hlo = compiled.as_text()
+        assert "all-gather" in hlo and ("reduce-scatter" in hlo or "all-reduce" in hlo)
+
+
+def test_placement_of_dense_and_moe_layers():
+    config = CONFIG.replace(num_layers=5, first_dense_layers=1, moe_every=2)
+    assert config.layer_kinds() == (False, False, True, False, True)
+    _, abstract, names = abstract_model(config)
+    assert abstract["dense_layers"]["mlp"]["gate"].shape == (3, D, config.mlp_dim)
+    assert abstract["layers"]["moe"]["gate"].shape == (2, 8, D, config.expert_dim)
+    assert names["layers"]["moe"]["down"] == ("layers", "expert", "mlp", "embed")
+    count = sum(math.prod(a.shape) for a in jax.tree.leaves(abstract))
+    assert config.num_params == count
+    active = config.describe().num_active_params
+    assert count - active == 2 * 3 * D * config.expert_dim * (8 - 2)
+
+
+def test_model_with_interleaved_layers_equals_its_layers_run_in_order():
+    """The scan over periods runs layer i of the model in order i, with layer i's parameters."""
+    config = CONFIG.replace(num_layers=5, first_dense_layers=1, moe_every=2)
+    model = Transformer(config, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(2), (2, 4, D))
+    positions = jnp.broadcast_to(jnp.arange(4), (2, 4))
+    graphdef, state = nnx.split(model)
+    got, stats = jax.jit(
+        lambda state, x: nnx.merge(graphdef, state).run_layers_with_stats(x, positions, None, UNSHARDED)
+    )(state, x)
+    dense_def, dense = nnx.split(model.dense_layers)
+    moe_def, moe = nnx.split(model.layers)
+
+    @jax.jit
+    def in_order(dense, moe, h):
+        aux, counters = [], {False: 0, True: 0}
+        for is_moe in config.layer_kinds():
+            graphdef, stack = (moe_def, moe) if is_moe else (dense_def, dense)
+            block = nnx.merge(graphdef, jax.tree.map(lambda w, i=counters[is_moe]: w[i], stack))
+            counters[is_moe] += 1
+            h, s = block.forward(h, positions, None, UNSHARDED)
+            if s:
+                aux.append(s["aux"])
+        return h, aux
+
+    h, aux = in_order(dense, moe, x)
+    np.testing.assert_allclose(got, h, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(stats["aux"], np.mean(aux), rtol=1e-5)
+
+
+def test_objective_adds_the_weighted_router_losses():
+    config = CONFIG.replace(router_z_coef=1e-3)
+    model = Transformer(config, rngs=nnx.Rngs(0))
+    tokens = jax.random.randint(jax.random.key(3), (2, 8), 0, config.vocab_size)
+    mask = jnp.ones((2, 8))
+    graphdef, state = nnx.split(model)
+    ce, weight, stats = jax.jit(lambda s: nnx.merge(graphdef, s).loss_terms(tokens, tokens, mask, par=UNSHARDED))(state)
+    total, _ = jax.jit(lambda s: nnx.merge(graphdef, s).loss_sums(tokens, tokens, mask, par=UNSHARDED))(state)
+    want = ce + weight * (config.router_aux_coef * stats["aux"] + 1e-3 * stats["z"])
+    np.testing.assert_allclose(total, want, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"experts_per_token": 9}, "--set experts_per_token=9: must be between 1 and num_experts=8"),
+        ({"moe_every": 4}, "--set moe_every=4: does not divide"),
+        ({"first_dense_layers": 3}, "--set first_dense_layers=3: leaves no mixture-of-experts layer"),
+        ({"router": "relu"}, "router 'relu': choose one of softmax, sigmoid"),
+        ({"capacity_factor": -1.0}, "--set capacity_factor=-1.0: must be a finite number >= 0"),
+    ],
+)
+def test_bad_moe_fields_are_refused_naming_the_field(changes, message):
+    with pytest.raises(ValueError, match=None) as info:
+        CONFIG.replace(**changes)
+    assert message in str(info.value)
+
+
+RUN = ["--seq-len", "16", "--batch-size", "8", "--log-every", "1", "--no-progress", "--eval-batches", "1"]
+
+
+def test_a_moe_model_trains_with_expert_parallelism(tmp_path, corpus, cache):
+    from train import train
+
+    run_dir = tmp_path / "run"
+    args = ["--model", "moe-test", "--mesh", "expert=4,fsdp=2", "--steps", "2", "--eval-every", "0", *RUN]
+    code = train.main([*args, "--data", str(corpus), "--data-cache", str(cache), "--run-dir", str(run_dir)])
+    assert code == 0
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train_records = [r for r in records if "train/loss" in r]
+    assert [r["step"] for r in train_records] == [1, 2]
+    for r in train_records:  # the router statistics: balancing loss near 1 (uniform), nothing dropped
+        assert 0.5 < r["train/moe_aux"] < 4.0 and r["train/moe_z"] > 0 and r["train/moe_dropped"] == 0
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", "test", "--mesh", "expert=2,fsdp=4"], "expert=2 needs a mixture-of-experts model"),
+        (
+            ["--model", "moe-test", "--set", "num_experts=6", "--mesh", "expert=4,fsdp=2"],
+            "expert=4 does not divide num_experts=6; e.g. expert=2",
+        ),
+        (["--model", "moe-test", "--set", "experts_per_token=9"], "--set experts_per_token=9"),
+        (
+            ["--model", "moe-test", "--mesh", "stage=2,fsdp=4", "--microbatches", "2"],
+            "a mixture of experts runs without pipeline stages",
+        ),
+    ],
+)
+def test_bad_expert_input_is_refused_before_device_work(tmp_path, args, message, corpus, cache, capsys):
+    from train import train
+
+    code = train.main(
+        [
+            *args,
+            *RUN,
+            "--steps",
+            "2",
+            "--data",
+            str(corpus),
+            "--data-cache",
+            str(cache),
+            "--run-dir",
+            str(tmp_path / "r"),
+        ]
+    )
+    err = capsys.readouterr().err
+    assert code == 2 and message in err
+    assert "Traceback" not in err
+
+
+MIXTRAL = CONFIG.replace(first_dense_layers=0, shared_experts=0, num_layers=2, mlp_dim=32, moe_mlp_dim=0)
+
+
+def test_mixtral_export_then_import_is_bit_exact_on_an_expert_mesh(tmp_path):
+    """Random parameters written with transformers' MixtralForCausalLM names, read back onto expert=4,fsdp=2."""
+    import json
+
+    from checkpoints import hf
+    from models.transformer import init_params
+    from sharding.rules import tree_shardings
+
+    params = init_params(MIXTRAL, jax.random.key(5))
+    files = hf.save_params(tmp_path / "out", MIXTRAL, params, max_shard_size=200_000)
+    assert any(f.name == hf.INDEX_FILE for f in files)
+    written = json.loads((tmp_path / "out" / hf.CONFIG_FILE).read_text())
+    assert written["architectures"] == ["MixtralForCausalLM"] and written["num_local_experts"] == 8
+    names = set(json.loads((tmp_path / "out" / hf.INDEX_FILE).read_text())["weight_map"])
+    assert "model.layers.1.block_sparse_moe.gate.weight" in names
+    assert "model.layers.0.block_sparse_moe.experts.7.w2.weight" in names
+    assert len(names) == 3 + 2 * (2 + 4 + 1 + 3 * 8)  # embed, norm, head; per layer: norms, attention, router, experts
+    config = hf.config_from_hf(written)
+    assert config.architecture() == MIXTRAL.replace(router_aux_coef=written["router_aux_loss_coef"]).architecture()
+    mesh = make_mesh(parse_mesh("expert=4,fsdp=2", 8))
+    _, abstract, logical = abstract_model(config)
+    shardings, _ = tree_shardings(abstract, logical, mesh, Parallelism.of(mesh).rules)
+    targets = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    again = hf.load_params(tmp_path / "out", config, targets)
+    assert again["layers"]["moe"]["gate"].sharding.spec[1] == "expert"
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(again), strict=True):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_moe_without_a_hugging_face_family_is_refused():
+    from checkpoints import hf
+
+    with pytest.raises(ValueError, match="shared_experts=1: a mixture of experts is exported as MixtralForCausalLM"):
+        hf.config_to_hf(CONFIG.replace(first_dense_layers=0))
+
+
+def test_dry_run_prices_the_expert_dispatch_as_compiled(capsys):
+    """The cost model's arguments and collectives (the ring's all-gathers and reduce-scatters, gradients
+    summed over the batch axes but not over ``expert`` for expert weights) against the compiled step."""
+    import re
+
+    from train import train
+
+    args = ["--model", "moe-test", "--mesh", "expert=8", "--batch-size", "8", "--seq-len", "32", "--dry-run"]
+    assert train.main(args) == 0
+    out = capsys.readouterr().out
+    assert "8 experts (top-2), 1 per device over expert=8; 165,312 active parameters" in out
+    block = out[out.index("cost model (sharding.costmodel, cpu lowering) for this run's layout, every device") :]
+    rows = {
+        m[1]: (m[2], m[3]) for m in re.finditer(r"^  (\S[\w ()+-]*?)\s{2,}([\d.]+ \w+)\s+([\d.]+ \w+)$", block, re.M)
+    }
+    for label in ("arguments (state + batch)", "all-gather", "all-reduce", "reduce-scatter"):
+        predicted, compiled = (float(cell.split()[0]) for cell in rows[label])
+        assert abs(predicted - compiled) <= 0.10 * compiled, (label, predicted, compiled)
