@@ -297,10 +297,14 @@ def token_id(value) -> int | None:
 def config_to_hf(
     config: ModelConfig, *, dtype: str = "float32", eos_token_id: int | None = None, bos_token_id: int | None = None
 ) -> dict[str, Any]:
-    """A ``config.json`` for `config`: ``Qwen2ForCausalLM`` with ``qkv_bias``, else ``LlamaForCausalLM``.
+    """A ``config.json`` for `config`: ``MixtralForCausalLM`` for a mixture of experts (`check_exportable`),
+    ``Qwen2ForCausalLM`` with ``qkv_bias``, else ``LlamaForCausalLM``.
 
     Rotary settings are written both as ``rope_parameters`` (transformers 5) and as
     ``rope_theta`` + ``rope_scaling`` (earlier versions).
+
+    Raises:
+      ValueError: a mixture of experts Mixtral cannot hold (`check_exportable`).
     """
     rope: dict[str, Any] = {"rope_type": config.rope_type, "rope_theta": config.rope_theta}
     scaling = None
@@ -313,15 +317,19 @@ def config_to_hf(
             "original_max_position_embeddings": config.rope_original_max_positions,
         }
         rope.update(scaling)
-    qwen = config.qkv_bias
     if config.is_moe:
-        return _mixtral_config(config, rope, scaling, dtype, eos_token_id, bos_token_id)
+        check_exportable(config)
+        architecture, model_type, mlp_dim = "MixtralForCausalLM", "mixtral", config.expert_dim
+    elif config.qkv_bias:
+        architecture, model_type, mlp_dim = "Qwen2ForCausalLM", "qwen2", config.mlp_dim
+    else:
+        architecture, model_type, mlp_dim = "LlamaForCausalLM", "llama", config.mlp_dim
     out = {
-        "architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],
-        "model_type": "qwen2" if qwen else "llama",
+        "architectures": [architecture],
+        "model_type": model_type,
         "vocab_size": config.vocab_size,
         "hidden_size": config.embed_dim,
-        "intermediate_size": config.mlp_dim,
+        "intermediate_size": mlp_dim,
         "num_hidden_layers": config.num_layers,
         "num_attention_heads": config.num_heads,
         "num_key_value_heads": config.num_kv_heads,
@@ -333,15 +341,21 @@ def config_to_hf(
         "rope_theta": config.rope_theta,
         "rope_scaling": scaling,
         "rope_parameters": rope,
-        "bos_token_id": bos_token_id,
-        "eos_token_id": eos_token_id,
-        "dtype": dtype,
-        "torch_dtype": dtype,
-        "use_cache": True,
     }
-    if qwen:
+    if config.is_moe:
+        out.update(
+            num_local_experts=config.num_experts,
+            num_experts_per_tok=config.experts_per_token,
+            router_aux_loss_coef=config.router_aux_coef,
+            router_jitter_noise=0.0,
+            output_router_logits=False,
+            sliding_window=None,
+            attention_dropout=0.0,
+        )
+    out.update(bos_token_id=bos_token_id, eos_token_id=eos_token_id, dtype=dtype, torch_dtype=dtype, use_cache=True)
+    if model_type == "qwen2":
         out.update(use_sliding_window=False, sliding_window=None)
-    else:
+    elif model_type == "llama":
         out.update(attention_bias=False, mlp_bias=False)
     return out
 
@@ -370,41 +384,6 @@ def check_exportable(config: ModelConfig) -> None:
                 f"{name}={getattr(config, name)}: a mixture of experts is exported as MixtralForCausalLM, which "
                 f"needs {name}={value}"
             )
-
-
-def _mixtral_config(config: ModelConfig, rope, scaling, dtype, eos_token_id, bos_token_id) -> dict[str, Any]:
-    """``config_to_hf`` of a mixture of experts: ``MixtralForCausalLM`` (`check_exportable`)."""
-    check_exportable(config)
-    return {
-        "architectures": ["MixtralForCausalLM"],
-        "model_type": "mixtral",
-        "vocab_size": config.vocab_size,
-        "hidden_size": config.embed_dim,
-        "intermediate_size": config.expert_dim,
-        "num_hidden_layers": config.num_layers,
-        "num_attention_heads": config.num_heads,
-        "num_key_value_heads": config.num_kv_heads,
-        "head_dim": config.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": config.max_positions,
-        "rms_norm_eps": config.norm_eps,
-        "tie_word_embeddings": config.tie_embeddings,
-        "rope_theta": config.rope_theta,
-        "rope_scaling": scaling,
-        "rope_parameters": rope,
-        "num_local_experts": config.num_experts,
-        "num_experts_per_tok": config.experts_per_token,
-        "router_aux_loss_coef": config.router_aux_coef,
-        "router_jitter_noise": 0.0,
-        "output_router_logits": False,
-        "sliding_window": None,
-        "attention_dropout": 0.0,
-        "bos_token_id": bos_token_id,
-        "eos_token_id": eos_token_id,
-        "dtype": dtype,
-        "torch_dtype": dtype,
-        "use_cache": True,
-    }
 
 
 @dataclasses.dataclass(frozen=True)
