@@ -146,9 +146,14 @@ def test_losing_process_0_then_another_finishes_on_the_survivors(tmp_path, corpu
     assert "on 2 process(es); mesh data=3 -> data=2;" in restarts[0], restarts
     assert "lost process 1 (slot 2, killed by SIGKILL)" in restarts[1], restarts
     assert "on 1 process(es); mesh data=2 -> data=1;" in restarts[1], restarts
-    for line in restarts:
-        resumed, recomputed = re.search(r"resuming from step (\d+) .*; (\d+) step\(s\) recomputed", line).groups()
-        assert int(resumed) > 0 and int(resumed) % CKPT_EVERY == 0 and int(recomputed) <= CKPT_EVERY, line
+    # Each restart resumes from a checkpoint at least as new as the one complete at the kill and recomputes the
+    # steps recorded after it. How many that is depends on how far the asynchronous save of the next checkpoint
+    # got before the kill (a tiny model's steps can outrun it), so it is checked against the recorded steps, not
+    # bounded by --ckpt-every.
+    for line, awaited in zip(restarts, (2, 6)):
+        pattern = r"resuming from step (\d+) .*; (\d+) step\(s\) recomputed \(last recorded step (\d+)\)"
+        resumed, recomputed, recorded = map(int, re.search(pattern, line).groups())
+        assert resumed >= awaited and resumed % CKPT_EVERY == 0 and recomputed == recorded - resumed >= 0, line
     assert "Traceback" not in text.split(restarts[-1], 1)[1], text
 
     assert_one_record_per_step_with_the_reference_losses(run_dir, reference)
