@@ -105,8 +105,13 @@ def test_a_resumed_writer_purges_later_tensorboard_events_and_writes_no_duplicat
         (4, "eval/loss"),
         (5, "train/loss"),
     ]
-    starts = [e.step for e in tensorboard_events(tmp_path / "tensorboard") if e.HasField("session_log")]
-    assert starts == [5]  # TensorBoard drops the first session's events from step 5 on
+    events = tensorboard_events(tmp_path / "tensorboard")
+    # Each session opens with a purge mark (TensorBoard drops earlier sessions' events from that step on):
+    # step 0 for the fresh start, step 5 for the resume. Both files survive, even when the two writers
+    # open in the same second (tensorboardX names files by the second).
+    assert [e.step for e in events if e.HasField("session_log")] == [0, 5]
+    scalars = [(e.step, e.summary.value[0].simple_value) for e in events if e.HasField("summary")]
+    assert scalars == [(s, 1.0) for s in range(7)] + [(5, 0.5)]
 
 
 def test_schedule_is_recorded_and_a_change_is_one_line():

@@ -12,7 +12,9 @@ checkpoints (each writes its own shards).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
+import os
 import signal
 import sys
 import time
@@ -26,6 +28,10 @@ import numpy as np
 from train.data import Dataset, local_rows, to_global_arrays
 from train.divergence import DivergenceGuard
 from train.profile import StepProfiler
+
+# Tells apart the event files of writers opened in the same second by one process: tensorboardX names a
+# file by the second and the host only, so a second writer in that second would overwrite the first's file.
+_WRITER_SERIAL = itertools.count()
 
 
 @dataclasses.dataclass
@@ -119,7 +125,11 @@ class MetricsWriter:
         try:
             from tensorboardX import SummaryWriter
 
-            self._tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=self.start_step + 1)
+            self._tb = SummaryWriter(
+                str(run_dir / "tensorboard"),
+                purge_step=self.start_step + 1,
+                filename_suffix=f".{os.getpid()}.{next(_WRITER_SERIAL)}",
+            )
         except ImportError:
             print("note: tensorboardX is not installed; TensorBoard logs are off", file=sys.stderr)
 
@@ -153,7 +163,6 @@ def truncate_metrics(path: Path, start_step: int) -> tuple[int, set[str]]:
       ``(dropped, present)``: how many records were dropped, and the prefixes (``train``, ``eval``, ...)
       of the records kept at ``start_step``.
     """
-    import os
 
     if not path.is_file():
         return 0, set()
