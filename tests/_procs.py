@@ -15,8 +15,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def clean_env(**extra) -> dict[str, str]:
-    """The environment for a child trainer: CPU only, device count left to --cpu-devices."""
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
+    """The environment for a child trainer: CPU only, device count left to --cpu-devices.
+
+    The suite's other XLA flags (the conftest's fast code generation) are kept.
+    """
+    env = dict(os.environ)
+    flags = [f for f in env.pop("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
+    if flags:
+        env["XLA_FLAGS"] = " ".join(flags)
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONUNBUFFERED"] = "1"
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
