@@ -371,3 +371,93 @@ def test_each_process_loads_only_its_rows():
     shard_rows = {tuple(np.asarray(s.data)[:, 0] // 10) for s in arrays["tokens"].addressable_shards}
     assert shard_rows == {(0, 1), (2, 3), (4, 5), (6, 7)}
     assert jax.device_count() == 8
+
+
+# Mixtures ------------------------------------------------------------------------------------------------------
+
+
+def test_mixture_spellings_and_refusals(tmp_path):
+    from train.data.pipeline import SourceSpec, parse_sources
+
+    corpus = write_corpus(tmp_path / "web", docs=2)
+    assert parse_sources(str(corpus)) == [SourceSpec("web", str(corpus), 1.0)]
+    assert parse_sources("stdlib") == [SourceSpec("stdlib", "stdlib", 1.0)]
+    assert parse_sources(f"web={corpus}:0.7,code=/x/y.jsonl:0.3,stdlib") == [
+        SourceSpec("web", str(corpus), 0.7),
+        SourceSpec("code", "/x/y.jsonl", 0.3),
+        SourceSpec("stdlib", "stdlib", 1.0),
+    ]
+    for bad, match in (
+        (f"{corpus}:0,stdlib:1", r"the weight of web is 0.0; each weight must be a positive number"),
+        (f"{corpus}:-1,stdlib:1", "the weight of web is -1.0"),
+        (f"{corpus}:nan,stdlib", "the weight of web is nan"),
+        (f"{corpus}:1,{corpus}:2", "two sources are named web"),
+        (f"{corpus}:1,", "an empty source"),
+    ):
+        with pytest.raises(ValueError, match=match) as refused:
+            check_source(bad, ByteTokenizer())
+        suggestion = str(refused.value).split("e.g. --data ")[1]
+        assert len(parse_sources(suggestion)) >= 2  # the suggested spelling is accepted
+        if "/" in suggestion and "DIR" not in suggestion:
+            check_source(suggestion, ByteTokenizer())
+
+
+@pytest.fixture(scope="module")
+def mixture(tmp_path_factory):
+    """Two prepared sources told apart by their letters: ``a`` documents and ``b`` documents."""
+    root = tmp_path_factory.mktemp("mix")
+    for letter in "ab":
+        (root / letter).mkdir()
+        for i in range(12):
+            (root / letter / f"{i}.txt").write_text(letter * (40 + 7 * i))
+        prepare([str(root / letter)], root / f"p{letter}", ByteTokenizer(), heldout=0.2, workers=1, **QUIET)
+    return f"a={root / 'pa'}:0.7,b={root / 'pb'}:0.3"
+
+
+def source_of(rows):
+    """0 for a row of ``a`` text, 1 for ``b`` (an EOD token between documents belongs to neither)."""
+    letters = {int(t) for t in np.unique(rows)} - {ByteTokenizer.eod_id}
+    assert len(letters) == 1, letters
+    return {ord("a"): 0, ord("b"): 1}[letters.pop()]
+
+
+def test_a_mixture_draws_by_weight_and_each_source_in_its_own_order(mixture):
+    ds = load_dataset(mixture, ByteTokenizer(), 16, 8, seed=3, log=lambda _: None)
+    assert [s.name for s in ds.sources] == ["a", "b"] and [s.weight for s in ds.sources] == [0.7, 0.3]
+    picks = ds.sample_sources(range(1000))
+    counts = np.bincount([k for k, _ in picks], minlength=2)
+    assert abs(counts[0] - 700) <= 2 and abs(counts[1] - 300) <= 2
+    for n in (0, 1, 7, 100, 999):
+        assert ds.source_samples(n) == list(np.bincount([k for k, _ in picks[:n]], minlength=2))
+    # Each source's samples are numbered 0, 1, 2, ... in order: its own shuffle is read front to back.
+    for k in (0, 1):
+        assert [j for kk, j in picks if kk == k] == list(range(counts[k]))
+    batch = ds.train_rows(0, range(40))
+    for r in range(40):
+        k, j = picks[r]
+        assert source_of(batch["tokens"][r]) == k
+        window = ds.sources[k].train.read([ds.train_orders[k][j]])
+        np.testing.assert_array_equal(batch["targets"][r], window[0, 1:])
+    for k in (0, 1):  # held-out batches per source
+        assert source_of(ds.eval_rows(0, range(8), source=k)["tokens"]) == k
+    again = load_dataset(mixture, ByteTokenizer(), 16, 8, seed=3, log=lambda _: None).train_rows(0, range(40))
+    np.testing.assert_array_equal(again["tokens"], batch["tokens"])
+    other = load_dataset(mixture, ByteTokenizer(), 16, 8, seed=4, log=lambda _: None).train_rows(0, range(40))
+    assert not np.array_equal(other["tokens"], batch["tokens"])
+
+
+def test_a_mixture_resumes_exactly(mixture):
+    ds = load_dataset(mixture, ByteTokenizer(), 16, 8, seed=0, log=lambda _: None)
+    straight = ds.train_batches(range(8), 0)
+    reference = [next(straight)["tokens"] for _ in range(5)]
+    first = ds.train_batches(range(4, 8), 0)  # the second of two processes
+    for _ in range(2):
+        next(first)
+    resumed = ds.train_batches(range(8), 16, first.state())
+    assert resumed.restored == "grain"
+    for step in range(2, 5):
+        np.testing.assert_array_equal(next(resumed)["tokens"], reference[step])
+    ds4 = load_dataset(mixture, ByteTokenizer(), 16, 4, seed=0, log=lambda _: None)
+    derived = ds4.train_batches(range(4), 16, first.state())
+    assert derived.restored == "derived"
+    np.testing.assert_array_equal(next(derived)["tokens"], reference[2][:4])
