@@ -436,7 +436,7 @@ def test_a_mixture_draws_by_weight_and_each_source_in_its_own_order(mixture):
     for r in range(40):
         k, j = picks[r]
         assert source_of(batch["tokens"][r]) == k
-        window = ds.sources[k].train.read([ds.train_orders[k][j]])
+        window, _ = ds.sources[k].train.read([ds.train_orders[k][j]])
         np.testing.assert_array_equal(batch["targets"][r], window[0, 1:])
     for k in (0, 1):  # held-out batches per source
         assert source_of(ds.eval_rows(0, range(8), source=k)["tokens"]) == k

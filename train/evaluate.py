@@ -86,9 +86,7 @@ def evaluate(model, par, dataset, batch_size: int, seq_len: int, batches: int, s
 
     total = count = 0.0
     for b in range(batches):
-        batch = to_global_arrays(
-            lambda rows, b=b: dataset.eval_rows(b, rows, source), batch_size, seq_len, sharding
-        )
+        batch = to_global_arrays(lambda rows, b=b: dataset.eval_rows(b, rows, source), batch_size, seq_len, sharding)
         loss, weight = sums(model.params, batch)
         total += float(loss)
         count += float(weight)

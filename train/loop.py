@@ -381,8 +381,10 @@ class _Run:
         """The held-out loss; of a mixture, each source's (``eval/loss_NAME``) and their mean weighted as the
         training tokens are (``eval/loss``)."""
         sources = self.dataset.sources
-        losses = [evaluate(self.eval_fn, state["params"], self.dataset, self.options, self.sharding, k) for k in
-                  range(len(sources))]
+        losses = [
+            evaluate(self.eval_fn, state["params"], self.dataset, self.options, self.sharding, k)
+            for k in range(len(sources))
+        ]
         loss = sum(s.weight * x for s, x in zip(sources, losses)) / sum(s.weight for s in sources)
         self.summary["eval"].append((step, loss))
         values = {"loss": loss} | ({f"loss_{s.name}": x for s, x in zip(sources, losses)} if len(sources) > 1 else {})

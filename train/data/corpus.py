@@ -36,10 +36,12 @@ SOURCE_HINT = "give a text file, a folder, a .jsonl or .parquet file, or stdlib"
 
 @dataclasses.dataclass(frozen=True)
 class Document:
-    """One document: ``name`` (for the held-out split and errors) and ``text`` (UTF-8 bytes)."""
+    """One document: ``name`` (for the held-out split and errors) and ``text`` (UTF-8 bytes), or for a chat
+    example ``messages`` (``[{"role", "content"}, ...]``, rendered by `train.data.chat`) and empty ``text``."""
 
     name: str
     text: bytes
+    messages: list | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +50,7 @@ class Unit:
     ``[start, stop)``, or of Parquet row groups ``[start, stop)``.
 
     Attributes:
-      kind: ``text``, ``jsonl`` or ``parquet``.
+      kind: ``text``, ``jsonl``, ``chat`` (JSONL of conversations) or ``parquet``.
       files: ``(path, name)`` pairs: the file and its name relative to the source.
       start, stop: bytes (JSONL) or row groups (Parquet); unused for text.
       nbytes: input bytes (for the progress bar).
@@ -174,9 +176,10 @@ def plan_units(spec: str, unit_bytes: int, text_field: str = "text", flag: str =
         size = path.stat().st_size
         if path.suffix == ".jsonl":
             close_text_batch()
+            kind = jsonl_kind(path, text_field)
             for start in range(0, max(size, 1), unit_bytes):
                 stop = min(start + unit_bytes, size)
-                units.append(Unit("jsonl", ((str(path), name),), start, stop, stop - start))
+                units.append(Unit(kind, ((str(path), name),), start, stop, stop - start))
         elif path.suffix == ".parquet":
             close_text_batch()
             meta = _parquet_file(path, flag).metadata
@@ -213,7 +216,7 @@ def unit_documents(unit: Unit, text_field: str = "text", flag: str = "--data") -
             text = Path(path).read_bytes()
             if text:
                 yield Document(name, text)
-    elif unit.kind == "jsonl":
+    elif unit.kind in ("jsonl", "chat"):
         yield from _jsonl_documents(unit, text_field, flag)
     else:
         yield from _parquet_documents(unit, text_field, flag)
@@ -237,6 +240,13 @@ def _jsonl_documents(unit: Unit, text_field: str, flag: str) -> Iterator[Documen
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{flag} {path}: the line at byte {here} is not JSON ({e.msg})") from None
+            if unit.kind == "chat":
+                from train.data.chat import check_messages
+
+                where = f"{flag} {path}: the line at byte {here}"
+                messages = check_messages(record.get("messages") if isinstance(record, dict) else None, where)
+                yield Document(f"{name}@{here}", b"", messages)
+                continue
             if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
                 raise ValueError(
                     f"{flag} {path}: the line at byte {here} has no string field '{text_field}'; "
@@ -244,6 +254,20 @@ def _jsonl_documents(unit: Unit, text_field: str, flag: str) -> Iterator[Documen
                 )
             if record[text_field]:
                 yield Document(f"{name}@{here}", record[text_field].encode("utf-8"))
+
+
+def jsonl_kind(path: Path, text_field: str) -> str:
+    """``chat`` when the file's first record has a ``messages`` field and no ``text_field``, else ``jsonl``."""
+    with path.open("rb") as f:
+        for line in f:
+            if line.strip():
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    return "jsonl"  # reading the unit names the line
+                chat = isinstance(record, dict) and "messages" in record and text_field not in record
+                return "chat" if chat else "jsonl"
+    return "jsonl"
 
 
 def _parquet_documents(unit: Unit, text_field: str, flag: str) -> Iterator[Document]:

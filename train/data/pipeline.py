@@ -100,6 +100,7 @@ class TokenStream:
         self.ends = np.cumsum(np.concatenate(lengths) if lengths else np.zeros(0), dtype=np.int64)
         self.shard_of_record = np.repeat(np.arange(len(lengths)), [len(x) for x in lengths])
         self.dtype = np.dtype(manifest["dtype"])
+        self.masked = bool(manifest.get("loss_mask", False))
         total = int(self.ends[-1]) if len(self.ends) else 0
         self.start, self.stop = start, total if stop is None else stop
         self._source = None
@@ -114,9 +115,10 @@ class TokenStream:
             self._source = ArrayRecordDataSource(self.paths)
         return self._source
 
-    def read(self, starts, count: int) -> np.ndarray:
-        """``[len(starts), count]`` tokens: rows ``[start, start + count)`` of this stream (``dtype``), every
-        record they span read in one call.
+    def read(self, starts, count: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """``(tokens, mask)``, each ``[len(starts), count]``: rows ``[start, start + count)`` of this stream
+        (tokens ``dtype``; mask bool, whether a token carries loss, or None when the stream has no mask),
+        every record they span read in one call.
 
         Raises:
           ValueError: a record that does not read, or reads with another length (names its shard).
@@ -129,21 +131,28 @@ class TokenStream:
             records = self._records().__getitems__(indices)
         except Exception as e:  # ArrayRecord raises its own errors for a damaged file
             raise ValueError(f"{self._shard_names(indices)}: cannot read records ({e})") from None
-        pieces = {}
+        pieces, masks = {}, {}
         for index, record in zip(indices, records):
-            piece = np.frombuffer(record, self.dtype)
-            expected = self.ends[index] - (self.ends[index - 1] if index else 0)
-            if len(piece) != expected:
+            expected = int(self.ends[index] - (self.ends[index - 1] if index else 0))
+            nbytes = expected * self.dtype.itemsize
+            size = nbytes + (-(-expected // 8) if self.masked else 0)
+            if len(record) != size:
                 raise ValueError(
-                    f"{self._shard_names([index])}: record {index} holds {len(piece)} tokens, not {expected}"
+                    f"{self._shard_names([index])}: record {index} holds {len(record)} bytes, not the {size} of "
+                    f"{expected} tokens"
                 )
-            pieces[index] = piece
+            pieces[index] = np.frombuffer(record[:nbytes], self.dtype)
+            if self.masked:
+                masks[index] = np.unpackbits(np.frombuffer(record[nbytes:], np.uint8), count=expected).astype(bool)
         out = np.empty((len(begins), count), self.dtype)
+        mask = np.empty((len(begins), count), bool) if self.masked else None
         for row, (begin, first, last) in enumerate(zip(begins, firsts, lasts)):
-            joined = np.concatenate([pieces[i] for i in range(int(first), int(last) + 1)])
+            span = range(int(first), int(last) + 1)
             offset = int(begin) - (int(self.ends[first - 1]) if first else 0)
-            out[row] = joined[offset : offset + count]
-        return out
+            out[row] = np.concatenate([pieces[i] for i in span])[offset : offset + count]
+            if mask is not None:
+                mask[row] = np.concatenate([masks[i] for i in span])[offset : offset + count]
+        return out, mask
 
     def _shard_names(self, indices) -> str:
         return ", ".join(sorted({self.paths[self.shard_of_record[i]] for i in indices}))
@@ -165,8 +174,8 @@ class Windows:
                 "give more data or a smaller --seq-len"
             )
 
-    def read(self, windows) -> np.ndarray:
-        """``[len(windows), seq_len + 1]`` token windows."""
+    def read(self, windows) -> tuple[np.ndarray, np.ndarray | None]:
+        """``[len(windows), seq_len + 1]`` token windows and their loss mask (`TokenStream.read`)."""
         return self.stream.read(np.asarray(windows, np.int64) * self.seq_len, self.seq_len + 1)
 
 
@@ -182,8 +191,14 @@ def shuffled_order(num_windows: int, seed: int, repeat: bool):
 # Packing ----------------------------------------------------------------------------------------------------
 
 
-def pack_windows(windows: np.ndarray, eod_id: int) -> dict[str, np.ndarray]:
+def pack_windows(windows: np.ndarray, eod_id: int, mask: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """Turns ``[rows, seq_len + 1]`` token windows into model inputs.
+
+    Args:
+      windows: ``[rows, seq_len + 1]`` tokens.
+      eod_id: the end-of-document token.
+      mask: ``[rows, seq_len + 1]`` bool, whether each token is one to learn (chat data: the assistant's); a
+        target outside it gets no loss. None: every token.
 
     Returns:
       ``tokens, targets, positions, segment_ids`` int32 and ``loss_mask`` float32, each ``[rows, seq_len]``,
@@ -203,7 +218,7 @@ def pack_windows(windows: np.ndarray, eod_id: int) -> dict[str, np.ndarray]:
         "targets": targets,
         "positions": positions.astype(np.int32),
         "segment_ids": segment_ids.astype(np.int32),
-        "loss_mask": (~is_eod).astype(np.float32),
+        "loss_mask": ((~is_eod) & (True if mask is None else mask[:, 1:])).astype(np.float32),
     }
 
 
@@ -402,11 +417,15 @@ class Dataset:
         else:
             picks = [(source, self.heldout_orders[source][int(s)]) for s in samples]
         rows = np.empty((len(picks), self.train.seq_len + 1), np.int32)  # sources may differ in dtype
+        mask = np.ones(rows.shape, bool)
         for k in sorted({k for k, _ in picks}):
             mine = [i for i, (kk, _) in enumerate(picks) if kk == k]
             windows = self.sources[k].train if which == "train" else self.sources[k].heldout
-            rows[mine] = windows.read([picks[i][1] for i in mine])
-        return permute_length(pack_windows(rows, self.eod_id), self.permutation)
+            tokens, masked = windows.read([picks[i][1] for i in mine])
+            rows[mine] = tokens
+            if masked is not None:
+                mask[mine] = masked
+        return permute_length(pack_windows(rows, self.eod_id, mask), self.permutation)
 
     def train_rows(self, first_sample: int, rows: range) -> dict[str, np.ndarray]:
         """Rows ``rows`` of the global batch that starts at sample ``first_sample``."""

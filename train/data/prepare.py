@@ -29,7 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-from train.data.corpus import SOURCE_HINT, Unit, corpus_files, is_heldout, plan_units, unit_documents
+from train.data.chat import load_chat_template
+from train.data.corpus import SOURCE_HINT, Unit, corpus_files, is_heldout, jsonl_kind, plan_units, unit_documents
 
 FORMAT_VERSION = 1
 RECORD_TOKENS = 4096
@@ -51,13 +52,16 @@ def preparation_key(
 ) -> tuple[str, list[dict]]:
     """``(key, sources)``: a digest of everything a preparation depends on, and the source files with their
     sizes and modification times (what a rerun compares)."""
-    sources = []
+    sources, chat = [], False
     for spec in specs:
         for path in corpus_files(spec, flag):
             st = path.stat()
             sources.append({"spec": spec, "path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns})
+            chat = chat or path.suffix == ".jsonl" and jsonl_kind(path, text_field) == "chat"
     h = hashlib.sha256()
     settings = [FORMAT_VERSION, RECORD_TOKENS, tokenizer.fingerprint, seed, heldout, shard_mb, text_field]
+    if chat:  # the rendering is part of the tokens
+        settings.append(load_chat_template(tokenizer).fingerprint)
     h.update(json.dumps([settings, sources, sys.version if "stdlib" in specs else ""]).encode())
     return h.hexdigest()[:20], sources
 
@@ -82,9 +86,10 @@ def _tokenizer(spec: tuple[str | None, str | None]):
 
 
 class _ShardWriter:
-    """One split of one shard: records of at most `RECORD_TOKENS` tokens, and their lengths."""
+    """One split of one shard: records of at most `RECORD_TOKENS` tokens, and their lengths. With ``masked``, a
+    record is its tokens followed by their loss mask, one bit a token (`numpy.packbits`)."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, masked: bool = False):
         from array_record.python.array_record_module import ArrayRecordWriter
 
         self.path, self.tmp = path, path.with_name(f".{path.name}.tmp{os.getpid()}")
@@ -92,11 +97,18 @@ class _ShardWriter:
         self.writer = ArrayRecordWriter(str(self.tmp), "group_size:1")
         self.lengths: list[int] = []
         self.docs = self.tokens = 0
+        self.masked = masked
 
-    def add(self, ids: np.ndarray) -> None:
+    def add(self, ids: np.ndarray, mask: np.ndarray | None = None) -> None:
+        """A document's tokens (and, when ``masked``, which of them carry loss: None for all)."""
+        if self.masked and mask is None:
+            mask = np.ones(len(ids), bool)
         for start in range(0, len(ids), RECORD_TOKENS):
             piece = ids[start : start + RECORD_TOKENS]
-            self.writer.write(piece.tobytes())
+            record = piece.tobytes()
+            if self.masked:
+                record += np.packbits(mask[start : start + RECORD_TOKENS]).tobytes()
+            self.writer.write(record)
             self.lengths.append(len(piece))
         self.docs += 1
         self.tokens += len(ids)
@@ -117,13 +129,14 @@ def shard_name(split: str, index: int) -> str:
 
 def _prepare_unit(job) -> dict:
     """Tokenizes one unit into shard ``index`` of ``out``; returns its counts (also written as its ``.json``)."""
-    index, unit, out, tokenizer_spec, seed, heldout, text_field, flag = job
+    index, unit, out, tokenizer_spec, seed, heldout, text_field, flag, masked = job
     tokenizer = _tokenizer(tokenizer_spec)
     dtype = token_dtype(tokenizer.vocab_size)
     out = Path(out)
-    writers = {split: _ShardWriter(out / shard_name(split, index)) for split in SPLITS}
+    writers = {split: _ShardWriter(out / shard_name(split, index), masked) for split in SPLITS}
     eod = np.array([tokenizer.eod_id], dtype)
     pending: list = []
+    template = load_chat_template(tokenizer) if unit.kind == "chat" else None
 
     def flush():
         for doc, ids in zip(pending, tokenizer.encode_batch([d.text for d in pending])):
@@ -133,6 +146,11 @@ def _prepare_unit(job) -> dict:
 
     pending_bytes = 0
     for doc in unit_documents(unit, text_field, flag):
+        if doc.messages is not None:
+            ids, mask = chat_tokens(doc.messages, template, tokenizer, f"{flag} {doc.name}")
+            split = "heldout" if is_heldout(doc.name, seed, heldout) else "train"
+            writers[split].add(np.concatenate([ids.astype(dtype), eod]), np.append(mask, False))
+            continue
         pending.append(doc)
         pending_bytes += len(doc.text)
         if len(pending) >= ENCODE_BATCH_DOCS or pending_bytes >= ENCODE_BATCH_BYTES:
@@ -145,6 +163,24 @@ def _prepare_unit(job) -> dict:
         counts[f"{split}_docs"], counts[f"{split}_tokens"] = writer.docs, writer.tokens
     _atomic_json(out / f"shard-{index:05d}.json", counts)
     return counts
+
+
+def chat_tokens(messages: list[dict], template, tokenizer, where: str) -> tuple[np.ndarray, np.ndarray]:
+    """``(ids, mask)``: the tokens of a conversation rendered by ``template`` (`train.data.chat`) and, for
+    each, whether it starts inside an assistant turn (the tokens a chat example is trained on).
+
+    Raises:
+      ValueError: the template fails or hides the assistant's turns (prefixed by ``where``).
+    """
+    try:
+        text, spans = template.assistant_spans(messages)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    ids, starts = tokenizer.encode_offsets(text)
+    mask = np.zeros(len(ids), bool)
+    for begin, end in spans:
+        mask |= (starts >= begin) & (starts < end)
+    return ids, mask
 
 
 # The preparation ----------------------------------------------------------------------------------------------
@@ -234,7 +270,8 @@ def _prepare(specs, out, tokenizer, workers, seed, heldout, text_field, shard_mb
     resumed = f", resuming: {len(done)} of {len(units)} shards already done" if done else ""
     log(f"preparing {', '.join(specs)} into {out}: {len(units)} shards, {workers} workers, {tokenizer.name}{resumed}")
     tokenizer_spec = (None if tokenizer.name == "bytes" else tokenizer.name, getattr(tokenizer, "eod_token", None))
-    jobs = [(i, units[i], str(out), tokenizer_spec, seed, heldout, text_field, flag) for i in todo]
+    masked = any(unit.kind == "chat" for unit in units)
+    jobs = [(i, units[i], str(out), tokenizer_spec, seed, heldout, text_field, flag, masked) for i in todo]
     t0 = time.perf_counter()
     bar = _Progress(sum(units[i].nbytes for i in todo), progress)
     try:
@@ -273,6 +310,8 @@ def _prepare(specs, out, tokenizer, workers, seed, heldout, text_field, shard_mb
         },
         "split": {"seed": seed, "heldout": heldout, "rule": "crc32('{seed}:{name}') / 2**32 < heldout"},
         "text_field": text_field,
+        "loss_mask": masked,
+        "chat_template": load_chat_template(tokenizer).origin if masked else None,
         "shard_mb": shard_mb,
         "sources": sources,
         "shards": shards,
