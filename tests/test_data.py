@@ -242,9 +242,13 @@ def test_parquet_without_the_column_or_pyarrow_is_refused(tmp_path, monkeypatch)
     path = tmp_path / "c.parquet"
     write_parquet(path, ["a", "b"], row_group_size=1)
     with pytest.raises(
-        ValueError, match=r"c.parquet: no column 'text' \(it has id, content\); prepare it with .* --text-field content"
+        ValueError, match=r"c.parquet: no column 'text' \(it has id, content\); pass --text-field content"
     ):
         plan_units(str(path), 1 << 20)
+    check_source(str(path), ByteTokenizer(), text_field="content")  # training's --text-field, followed
+    write_parquet(path, ["some words"] * 20, row_group_size=5)
+    ds = load_dataset(str(path), ByteTokenizer(), 4, 2, 0, 0.3, tmp_path / "cache", text_field="content")
+    assert ds.manifest["text_field"] == "content" and ds.manifest["train_docs"] + ds.manifest["heldout_docs"] == 20
     with pytest.raises(ValueError, match="column 'id' holds int64, not strings"):
         list(unit_documents(plan_units(str(path), 1 << 20, "id")[0], "id"))
     monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)

@@ -33,7 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_source_args(p)
     g = p.add_argument_group("data")
-    g.add_argument("--data", default="stdlib", help="corpus: stdlib, a text file, a folder, or JSONL with 'text'")
+    g.add_argument(
+        "--data", default="stdlib", help="corpus as training's --data: a source, a prepared folder or a mixture"
+    )
+    g.add_argument("--text-field", default="text", help="JSONL field or Parquet column of a raw --data's text")
     g.add_argument("--heldout", type=float, default=0.01, help="held-out document fraction (as in training)")
     g.add_argument("--seed", type=int, default=0, help="the split's seed (as in training)")
     g.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
@@ -108,6 +111,7 @@ def run(args) -> int:
         args.heldout,
         args.data_cache,
         log=lambda line: print(line, file=sys.stderr),
+        text_field=args.text_field,
     )
     for k, source in enumerate(dataset.sources):
         name = f" {source.name}" if len(dataset.sources) > 1 else ""

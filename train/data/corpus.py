@@ -89,7 +89,7 @@ def corpus_files(spec: str, flag: str = "--data") -> list[Path]:
     """
     if spec == "stdlib":
         root = stdlib_root()
-        files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and p.is_file())
+        files = [p for p in _walk(root, skip={"site-packages"}) if p.suffix == ".py"]
         if not files:
             raise ValueError(f"{flag} stdlib: no .py files under {root}; give {flag} PATH")
         return files
@@ -99,9 +99,7 @@ def corpus_files(spec: str, flag: str = "--data") -> list[Path]:
     if path.is_file():
         files = [path]
     else:
-        files = sorted(
-            p for p in path.rglob("*") if p.is_file() and not any(s.startswith(".") for s in p.relative_to(path).parts)
-        )
+        files = _walk(path)
     if not files or all(f.stat().st_size == 0 for f in files):
         raise ValueError(f"{flag} {spec}: no non-empty files found ({SOURCE_HINT})")
     for file in files:
@@ -112,13 +110,35 @@ def corpus_files(spec: str, flag: str = "--data") -> list[Path]:
     return files
 
 
+# Files found to be text, as (path, size, mtime_ns): a source is listed by the check before device work, by the
+# preparation's key and by its plan; a file is sampled again only when it changed.
+_TEXT_FILES: set[tuple[str, int, int]] = set()
+
+
+def _walk(root: Path, skip: frozenset | set = frozenset()) -> list[Path]:
+    """The files under ``root``, sorted, leaving out hidden files and folders and the folders named in ``skip``
+    (pruned, not entered: the standard library's folder may hold a large ``site-packages``)."""
+    files = []
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d not in skip]
+        files.extend(
+            Path(folder, n) for n in names if not n.startswith(".") and os.path.isfile(os.path.join(folder, n))
+        )
+    return sorted(files)
+
+
 def check_text(path: Path, sample_bytes: int = TEXT_SAMPLE_BYTES, flag: str = "--data") -> None:
     """Refuses a file that is not text: the first ``sample_bytes`` bytes must decode as UTF-8 and be at least
-    `MIN_PRINTABLE` printable characters or whitespace.
+    `MIN_PRINTABLE` printable characters or whitespace. A file found to be text before, unchanged since (same
+    size and modification time), is not read again.
 
     Raises:
       ValueError: Naming the path, where it stops being UTF-8 or its printable share.
     """
+    st = path.stat()
+    seen = (str(path), st.st_size, st.st_mtime_ns)
+    if seen in _TEXT_FILES:
+        return
     with path.open("rb") as f:
         sample = f.read(sample_bytes)
     try:  # an incremental decoder does not fail on a character cut at the end of the sample
@@ -134,6 +154,7 @@ def check_text(path: Path, sample_bytes: int = TEXT_SAMPLE_BYTES, flag: str = "-
             f"{flag} {path}: does not look like text ({printable / len(text):.0%} of its first "
             f"{len(sample)} bytes are printable characters, below {MIN_PRINTABLE:.0%}); give text files"
         )
+    _TEXT_FILES.add(seen)
 
 
 def _parquet_file(path: Path, flag: str = "--data"):
@@ -289,10 +310,7 @@ def _parquet_documents(unit: Unit, text_field: str, flag: str) -> Iterator[Docum
 
 
 def field_hint(flag: str, path, field: str) -> str:
-    """How to name another text field: ``--text-field`` of ``prepare``; training reads only ``text``, so a
-    source with another field is prepared first."""
-    if flag == "--data":
-        return f"prepare it with python -m train.data prepare {path} --out DIR --text-field {field}, then --data DIR"
+    """How to name another text field: ``--text-field`` (of ``prepare`` and of training alike)."""
     return f"pass --text-field {field}"
 
 

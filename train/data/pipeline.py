@@ -511,14 +511,26 @@ def open_prepared(folder: Path, tokenizer, flag: str = "--data") -> tuple[TokenS
     return train, held, manifest
 
 
-def prepared_folder(spec: str, tokenizer, seed: int, heldout: float, cache_dir=None, log=print) -> Path:
+def prepared_folder(
+    spec: str, tokenizer, seed: int, heldout: float, cache_dir=None, log=print, text_field: str = "text"
+) -> Path:
     """The prepared folder of ``--data``: the folder itself, or the cache's preparation of a raw source
     (made on first use, by `train.data.prepare.prepare` with one worker per core)."""
     if is_prepared(spec):
         return Path(spec).expanduser()
-    key, _ = preparation_key([spec], tokenizer, seed, heldout, DEFAULT_SHARD_MB_FOR_CACHE, "text")
+    key, _ = preparation_key([spec], tokenizer, seed, heldout, DEFAULT_SHARD_MB_FOR_CACHE, text_field)
     folder = Path(cache_dir or default_cache_dir()).expanduser() / "prepared" / key
-    prepare([spec], folder, tokenizer, seed=seed, heldout=heldout, shard_mb=DEFAULT_SHARD_MB_FOR_CACHE, log=log)
+    prepare(
+        [spec],
+        folder,
+        tokenizer,
+        seed=seed,
+        heldout=heldout,
+        shard_mb=DEFAULT_SHARD_MB_FOR_CACHE,
+        log=log,
+        text_field=text_field,
+        key=key,
+    )
     return folder
 
 
@@ -535,6 +547,7 @@ def load_dataset(
     cache_dir=None,
     log=print,
     permutation: np.ndarray | None = None,
+    text_field: str = "text",
 ) -> Dataset:
     """The `Dataset` of ``--data``: one source or a mixture (`parse_sources`), each a prepared folder or a raw
     source prepared on first use into the cache.
@@ -545,7 +558,7 @@ def load_dataset(
     """
     sources, specs = [], parse_sources(spec)
     for source in specs:
-        folder = prepared_folder(source.path, tokenizer, seed, heldout, cache_dir, log)
+        folder = prepared_folder(source.path, tokenizer, seed, heldout, cache_dir, log, text_field)
         train, held, manifest = open_prepared(folder, tokenizer)
         where = f" of {source.name}" if len(specs) > 1 else ""
         sources.append(
@@ -561,7 +574,7 @@ def load_dataset(
     return Dataset(sources, eod_id=tokenizer.eod_id, global_batch=global_batch, seed=seed, permutation=permutation)
 
 
-def check_source(spec: str, tokenizer) -> None:
+def check_source(spec: str, tokenizer, text_field: str = "text") -> None:
     """Before device work: the mixture spelling and weights are sound; each prepared folder's manifest and
     shards agree with the run's tokenizer, and each raw source is there, is text, and its Parquet files
     have the text column (footers only: nothing tokenized).
@@ -576,7 +589,7 @@ def check_source(spec: str, tokenizer) -> None:
         if is_prepared(source.path):
             read_manifest(Path(source.path).expanduser(), tokenizer)
         else:
-            plan_units(source.path, 1 << 62)
+            plan_units(source.path, 1 << 62, text_field)
 
 
 # Process-local global arrays ----------------------------------------------------------------------------------

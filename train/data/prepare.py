@@ -199,6 +199,7 @@ def prepare(
     log=print,
     progress: bool = True,
     flag: str = "--data",
+    key: str | None = None,
 ) -> dict:
     """Prepares ``specs`` into ``out`` (see the module docstring); returns the manifest.
 
@@ -213,6 +214,7 @@ def prepare(
       log: one-line messages.
       progress: show a progress bar (on a terminal).
       flag: the flag the sources came from, for messages.
+      key: `preparation_key` of these arguments when the caller has it (the sources are not listed again).
 
     Several processes preparing the same ``out`` at once (the processes of one run on a shared file system)
     take turns on a lock file beside it (``fcntl.flock``): the first prepares, the others then reuse.
@@ -228,19 +230,24 @@ def prepare(
     with open(out.parent / f".{out.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
-            return _prepare(specs, out, tokenizer, workers, seed, heldout, text_field, shard_mb, log, progress, flag)
+            return _prepare(
+                specs, out, tokenizer, workers, seed, heldout, text_field, shard_mb, log, progress, flag, key
+            )
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def _prepare(specs, out, tokenizer, workers, seed, heldout, text_field, shard_mb, log, progress, flag) -> dict:
+def _prepare(specs, out, tokenizer, workers, seed, heldout, text_field, shard_mb, log, progress, flag, key) -> dict:
     """`prepare`, holding its lock."""
     if not 0.0 < heldout < 1.0:
         raise ValueError(f"--heldout {heldout}: must be between 0 and 1, e.g. 0.01")
     if shard_mb <= 0:
         raise ValueError(f"--shard-mb {shard_mb}: must be positive, e.g. {DEFAULT_SHARD_MB}")
-    key, sources = preparation_key(specs, tokenizer, seed, heldout, shard_mb, text_field, flag)
     manifest_path, plan_path = out / "manifest.json", out / "plan.json"
+    if key is not None and manifest_path.is_file() and json.loads(manifest_path.read_text()).get("key") == key:
+        log(f"reusing the prepared data in {out} (same sources, tokenizer and settings)")
+        return json.loads(manifest_path.read_text())
+    key, sources = preparation_key(specs, tokenizer, seed, heldout, shard_mb, text_field, flag)
     if manifest_path.is_file():
         manifest = json.loads(manifest_path.read_text())
         if manifest.get("key") == key:
