@@ -3,6 +3,7 @@ process-local rows, iterator state), and bad input."""
 
 import json
 import sys
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -197,6 +198,7 @@ def test_the_cli_prepares_and_refuses_in_one_line(tmp_path, capsys):
     corpus = write_corpus(tmp_path / "c", docs=5)
     assert prepare_main(["prepare", str(corpus), "--out", str(tmp_path / "p"), "--workers", "1", "--no-progress"]) == 0
     assert (tmp_path / "p" / "manifest.json").is_file()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no lock file left beside --out
     assert prepare_main(["prepare", str(tmp_path / "nope"), "--out", str(tmp_path / "q")]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith(f"error: SRC {tmp_path / 'nope'}: no such file")
     assert prepare_main(["prepare", str(corpus), "--out", str(tmp_path / "q"), "--workers", "0"]) == 2
@@ -465,3 +467,36 @@ def test_a_mixture_resumes_exactly(mixture):
     derived = ds4.train_batches(range(4), 16, first.state())
     assert derived.restored == "derived"
     np.testing.assert_array_equal(next(derived)["tokens"], reference[2][:4])
+
+
+def test_a_changed_source_supersedes_its_cache_unless_a_reader_holds_it(tmp_path):
+    import subprocess
+
+    from train.data import pipeline
+
+    corpus = write_corpus(tmp_path / "c", docs=8)
+    cache = tmp_path / "cache"
+    quiet = dict(log=lambda _: None)
+    first = Path(load_dataset(str(corpus), ByteTokenizer(), 8, 2, 0, 0.2, cache, **quiet).train.stream.paths[0]).parent
+    seed1 = Path(load_dataset(str(corpus), ByteTokenizer(), 8, 2, 1, 0.2, cache, **quiet).train.stream.paths[0]).parent
+    for handle in pipeline._HELD:  # this process stops reading them (as if it had exited)
+        handle.close()
+    pipeline._HELD.clear()
+    code = f"import fcntl;f=open('{first}/.readers','a');fcntl.flock(f,fcntl.LOCK_SH);print('held',flush=True);input()"
+    reader = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert reader.stdout.readline() == "held\n"  # another process reads the first preparation: it stays
+        (corpus / "doc00.txt").write_text("changed " * 30)
+        logs = []
+        second = load_dataset(str(corpus), ByteTokenizer(), 8, 2, 0, 0.2, cache, log=logs.append)
+        assert not any(line.startswith("removed") for line in logs) and first.is_dir()
+    finally:
+        reader.communicate("\n")
+    second = Path(second.train.stream.paths[0]).parent
+    # Read by nobody now, the first is removed at the next change; the second is read by this process and
+    # stays, as does the preparation of another seed (not superseded: another split).
+    (corpus / "doc01.txt").write_text("changed again " * 30)
+    logs = []
+    load_dataset(str(corpus), ByteTokenizer(), 8, 2, 0, 0.2, cache, log=logs.append)
+    assert [line.split(":")[0] for line in logs if line.startswith("removed")] == [f"removed {first}"]
+    assert not first.exists() and second.is_dir() and seed1.is_dir()

@@ -520,7 +520,7 @@ def prepared_folder(
         return Path(spec).expanduser()
     key, _ = preparation_key([spec], tokenizer, seed, heldout, DEFAULT_SHARD_MB_FOR_CACHE, text_field)
     folder = Path(cache_dir or default_cache_dir()).expanduser() / "prepared" / key
-    prepare(
+    manifest = prepare(
         [spec],
         folder,
         tokenizer,
@@ -531,7 +531,60 @@ def prepared_folder(
         text_field=text_field,
         key=key,
     )
+    hold_for_reading(folder)
+    remove_superseded(folder, manifest, log)
     return folder
+
+
+READERS_FILE = ".readers"
+_HELD: list = []  # the reading locks of this process, held until it exits
+
+
+def hold_for_reading(folder: Path) -> None:
+    """Takes a shared lock (``fcntl.flock``) on ``folder/.readers`` for the rest of this process: a cache
+    preparation in use is never removed by `remove_superseded`."""
+    import fcntl
+
+    handle = open(folder / READERS_FILE, "a")
+    fcntl.flock(handle, fcntl.LOCK_SH)
+    _HELD.append(handle)
+
+
+def remove_superseded(folder: Path, manifest: dict, log=print) -> list[Path]:
+    """Removes the cache's earlier preparations of the same sources with the same tokenizer and settings
+    whose source files have since changed (sizes or modification times; they can never be reused), unless a
+    process reads one (holds its `hold_for_reading` lock) or it is unfinished (no manifest: possibly being
+    prepared). Returns the folders removed.
+
+    The cache otherwise keeps every preparation (another tokenizer, seed or split may be used again); remove
+    ``$MESHWORK_CACHE/prepared/KEY`` folders by hand when no run uses them.
+    """
+    import fcntl
+    import shutil
+
+    def identity(m: dict) -> list:
+        same = ("text_field", "shard_mb", "record_tokens", "split")
+        return [sorted({s["spec"] for s in m["sources"]}), m["tokenizer"]["fingerprint"], *[m.get(k) for k in same]]
+
+    removed = []
+    for other in sorted(folder.parent.iterdir()):
+        if other == folder or not (other / "manifest.json").is_file():
+            continue
+        try:
+            old = json.loads((other / "manifest.json").read_text())
+            if old.get("key") == manifest["key"] or identity(old) != identity(manifest):
+                continue
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        with open(other / READERS_FILE, "a") as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # a running job reads it
+            shutil.rmtree(other)
+        removed.append(other)
+        log(f"removed {other}: an earlier preparation of the same sources, superseded since they changed")
+    return removed
 
 
 DEFAULT_SHARD_MB_FOR_CACHE = 8  # the 30 MB stdlib corpus in four shards: both cores busy on first use

@@ -217,7 +217,9 @@ def prepare(
       key: `preparation_key` of these arguments when the caller has it (the sources are not listed again).
 
     Several processes preparing the same ``out`` at once (the processes of one run on a shared file system)
-    take turns on a lock file beside it (``fcntl.flock``): the first prepares, the others then reuse.
+    take turns on a lock file beside it, ``.NAME.lock`` (``fcntl.flock``): the first prepares, the others then
+    reuse. The holder removes the file before it lets go; a process that then gets the lock of a removed
+    file opens the path again, so no two hold the lock at once.
 
     Raises:
       ValueError: a non-empty ``out`` holding something else, a source without text, or bad settings.
@@ -227,14 +229,21 @@ def prepare(
 
     out = Path(out).expanduser()
     out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.parent / f".{out.name}.lock", "w") as lock:
+    lock_path = out.parent / f".{out.name}.lock"
+    while True:
+        lock = open(lock_path, "a")
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
-            return _prepare(
-                specs, out, tokenizer, workers, seed, heldout, text_field, shard_mb, log, progress, flag, key
-            )
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+            if os.fstat(lock.fileno()).st_ino == os.stat(lock_path).st_ino:
+                break  # the file we hold is still the one at the path
+        except FileNotFoundError:
+            pass
+        lock.close()  # its holder removed it meanwhile: take the path's new file
+    try:
+        return _prepare(specs, out, tokenizer, workers, seed, heldout, text_field, shard_mb, log, progress, flag, key)
+    finally:
+        lock_path.unlink(missing_ok=True)
+        lock.close()
 
 
 def _prepare(specs, out, tokenizer, workers, seed, heldout, text_field, shard_mb, log, progress, flag, key) -> dict:
