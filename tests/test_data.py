@@ -393,10 +393,11 @@ def test_mixture_spellings_and_refusals(tmp_path):
         SourceSpec("code", "/x/y.jsonl", 0.3),
         SourceSpec("stdlib", "stdlib", 1.0),
     ]
+    code = write_corpus(tmp_path / "code", docs=2)
     for bad, match in (
-        (f"{corpus}:0,stdlib:1", r"the weight of web is 0.0; each weight must be a positive number"),
-        (f"{corpus}:-1,stdlib:1", "the weight of web is -1.0"),
-        (f"{corpus}:nan,stdlib", "the weight of web is nan"),
+        (f"{corpus}:0,{code}:1", r"the weight of web is 0.0; each weight must be a positive number"),
+        (f"{corpus}:-1,{code}:1", "the weight of web is -1.0"),
+        (f"{corpus}:nan,{code}", "the weight of web is nan"),
         (f"{corpus}:1,{corpus}:2", "two sources are named web"),
         (f"{corpus}:1,", "an empty source"),
     ):
