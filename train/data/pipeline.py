@@ -170,7 +170,7 @@ class Windows:
         self.num_windows = (len(stream) - 1) // seq_len
         if self.num_windows < 1:
             raise ValueError(
-                f"the {name} split has {len(stream)} tokens, fewer than one sequence of --seq-len {seq_len} + 1; "
+                f"the {name} has {len(stream)} tokens, fewer than one sequence of --seq-len {seq_len} + 1; "
                 "give more data or a smaller --seq-len"
             )
 
@@ -619,8 +619,8 @@ def load_dataset(
                 source.name,
                 source.path,
                 source.weight,
-                Windows(train, seq_len, f"training{where}"),
-                Windows(held, seq_len, f"held-out{where}"),
+                Windows(train, seq_len, f"training split{where}"),
+                Windows(held, seq_len, f"held-out split{where}"),
                 manifest,
             )
         )
