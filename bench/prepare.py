@@ -3,7 +3,7 @@
 Makes a corpus of about ``--mb`` MB from the standard library's sources, each pass over them in a freshly
 shuffled order, as JSONL (``--format jsonl``) or Parquet (``--format parquet``, row groups of 1,000 rows),
 then runs ``python -m train.data prepare`` on it under ``/usr/bin/time -v`` once per ``--workers`` value and
-prints a table: wall seconds, documents/s, tokens/s, input MB/s and the peak RSS of the largest process
+prints a table: wall seconds, CPU seconds (user + system, the parent and its workers), documents/s, tokens/s, input MB/s and the peak RSS of the largest process
 (the parent, or one worker: ``time -v`` reports the largest of the process and its waited-for children).
 
     python bench/prepare.py --mb 200 --format jsonl --workers 1 2
@@ -66,10 +66,13 @@ def run(path: Path, out: Path, workers: int, tokenizer: str | None) -> dict:
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True)
     wall = time.perf_counter() - t0
     rss_kb = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", done.stderr).group(1))
+    cpu = sum(
+        float(re.search(rf"{kind} time \(seconds\): ([\d.]+)", done.stderr).group(1)) for kind in ("User", "System")
+    )
     manifest = json.loads((out / "manifest.json").read_text())
     docs = manifest["train_docs"] + manifest["heldout_docs"]
     tokens = manifest["train_tokens"] + manifest["heldout_tokens"]
-    return {"workers": workers, "wall": wall, "docs": docs, "tokens": tokens, "rss_mb": rss_kb / 1024}
+    return {"workers": workers, "wall": wall, "cpu": cpu, "docs": docs, "tokens": tokens, "rss_mb": rss_kb / 1024}
 
 
 def loader(args) -> int:
@@ -101,6 +104,7 @@ def main() -> int:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--keep", default=None, help="write the prepared folders under this folder (kept)")
     args = parser.parse_args()
     if args.loader:
         return loader(args)
@@ -108,13 +112,16 @@ def main() -> int:
         path = make_corpus(Path(tmp), args.mb, args.format)
         mb = path.stat().st_size / 2**20
         print(f"corpus: {path.name}, {mb:.0f} MB; tokenizer {args.tokenizer or 'bytes'}")
-        print("| workers | wall s | documents/s | tokens/s | input MB/s | peak RSS MB |")
-        print("|---|---|---|---|---|---|")
+        print("| workers | wall s | CPU s | documents/s | tokens/s | tokens per CPU s | input MB/s | peak RSS MB |")
+        print("|---|---|---|---|---|---|---|---|")
         for workers in args.workers:
-            r = run(path, Path(tmp) / f"out{workers}", workers, args.tokenizer)
+            out = Path(args.keep) / f"w{workers}" if args.keep else Path(tmp) / f"out{workers}"
+            r = run(path, out, workers, args.tokenizer)
             print(
-                f"| {workers} | {r['wall']:.1f} | {r['docs'] / r['wall']:,.0f} | {r['tokens'] / r['wall']:,.0f} | "
-                f"{mb / r['wall']:.1f} | {r['rss_mb']:.0f} |"
+                f"| {workers} | {r['wall']:.1f} | {r['cpu']:.1f} | {r['docs'] / r['wall']:,.0f} | "
+                f"{r['tokens'] / r['wall']:,.0f} | {r['tokens'] / r['cpu']:,.0f} | {mb / r['wall']:.1f} | "
+                f"{r['rss_mb']:.0f} |",
+                flush=True,
             )
     return 0
 

@@ -93,8 +93,12 @@ CASES = [
     ),
     (
         ["--data", "{parquet_file}"],
-        "--data {tmp}/c.parquet: no column 'text' (it has body); prepare it with python -m train.data prepare "
-        "{tmp}/c.parquet --out DIR --text-field body, then --data DIR",
+        "--data {tmp}/c.parquet: no column 'text' (it has body); pass --text-field body",
+        None,
+    ),
+    (
+        ["--data", "{parquet_file}:0,stdlib:1"],
+        "--data {tmp}/c.parquet:0,stdlib:1: the weight of c is 0.0; each weight must be a positive number",
         None,
     ),
     (

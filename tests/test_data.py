@@ -3,6 +3,7 @@ process-local rows, iterator state), and bad input."""
 
 import json
 import sys
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -197,6 +198,7 @@ def test_the_cli_prepares_and_refuses_in_one_line(tmp_path, capsys):
     corpus = write_corpus(tmp_path / "c", docs=5)
     assert prepare_main(["prepare", str(corpus), "--out", str(tmp_path / "p"), "--workers", "1", "--no-progress"]) == 0
     assert (tmp_path / "p" / "manifest.json").is_file()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no lock file left beside --out
     assert prepare_main(["prepare", str(tmp_path / "nope"), "--out", str(tmp_path / "q")]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith(f"error: SRC {tmp_path / 'nope'}: no such file")
     assert prepare_main(["prepare", str(corpus), "--out", str(tmp_path / "q"), "--workers", "0"]) == 2
@@ -242,9 +244,13 @@ def test_parquet_without_the_column_or_pyarrow_is_refused(tmp_path, monkeypatch)
     path = tmp_path / "c.parquet"
     write_parquet(path, ["a", "b"], row_group_size=1)
     with pytest.raises(
-        ValueError, match=r"c.parquet: no column 'text' \(it has id, content\); prepare it with .* --text-field content"
+        ValueError, match=r"c.parquet: no column 'text' \(it has id, content\); pass --text-field content"
     ):
         plan_units(str(path), 1 << 20)
+    check_source(str(path), ByteTokenizer(), text_field="content")  # training's --text-field, followed
+    write_parquet(path, ["some words"] * 20, row_group_size=5)
+    ds = load_dataset(str(path), ByteTokenizer(), 4, 2, 0, 0.3, tmp_path / "cache", text_field="content")
+    assert ds.manifest["text_field"] == "content" and ds.manifest["train_docs"] + ds.manifest["heldout_docs"] == 20
     with pytest.raises(ValueError, match="column 'id' holds int64, not strings"):
         list(unit_documents(plan_units(str(path), 1 << 20, "id")[0], "id"))
     monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
@@ -371,3 +377,127 @@ def test_each_process_loads_only_its_rows():
     shard_rows = {tuple(np.asarray(s.data)[:, 0] // 10) for s in arrays["tokens"].addressable_shards}
     assert shard_rows == {(0, 1), (2, 3), (4, 5), (6, 7)}
     assert jax.device_count() == 8
+
+
+# Mixtures ------------------------------------------------------------------------------------------------------
+
+
+def test_mixture_spellings_and_refusals(tmp_path):
+    from train.data.pipeline import SourceSpec, parse_sources
+
+    corpus = write_corpus(tmp_path / "web", docs=2)
+    assert parse_sources(str(corpus)) == [SourceSpec("web", str(corpus), 1.0)]
+    assert parse_sources("stdlib") == [SourceSpec("stdlib", "stdlib", 1.0)]
+    assert parse_sources(f"web={corpus}:0.7,code=/x/y.jsonl:0.3,stdlib") == [
+        SourceSpec("web", str(corpus), 0.7),
+        SourceSpec("code", "/x/y.jsonl", 0.3),
+        SourceSpec("stdlib", "stdlib", 1.0),
+    ]
+    code = write_corpus(tmp_path / "code", docs=2)
+    for bad, match in (
+        (f"{corpus}:0,{code}:1", r"the weight of web is 0.0; each weight must be a positive number"),
+        (f"{corpus}:-1,{code}:1", "the weight of web is -1.0"),
+        (f"{corpus}:nan,{code}", "the weight of web is nan"),
+        (f"{corpus}:1,{corpus}:2", "two sources are named web"),
+        (f"{corpus}:1,", "an empty source"),
+    ):
+        with pytest.raises(ValueError, match=match) as refused:
+            check_source(bad, ByteTokenizer())
+        suggestion = str(refused.value).split("e.g. --data ")[1]
+        assert len(parse_sources(suggestion)) >= 2  # the suggested spelling is accepted
+        if "/" in suggestion and "DIR" not in suggestion:
+            check_source(suggestion, ByteTokenizer())
+
+
+@pytest.fixture(scope="module")
+def mixture(tmp_path_factory):
+    """Two prepared sources told apart by their letters: ``a`` documents and ``b`` documents."""
+    root = tmp_path_factory.mktemp("mix")
+    for letter in "ab":
+        (root / letter).mkdir()
+        for i in range(12):
+            (root / letter / f"{i}.txt").write_text(letter * (40 + 7 * i))
+        prepare([str(root / letter)], root / f"p{letter}", ByteTokenizer(), heldout=0.2, workers=1, **QUIET)
+    return f"a={root / 'pa'}:0.7,b={root / 'pb'}:0.3"
+
+
+def source_of(rows):
+    """0 for a row of ``a`` text, 1 for ``b`` (an EOD token between documents belongs to neither)."""
+    letters = {int(t) for t in np.unique(rows)} - {ByteTokenizer.eod_id}
+    assert len(letters) == 1, letters
+    return {ord("a"): 0, ord("b"): 1}[letters.pop()]
+
+
+def test_a_mixture_draws_by_weight_and_each_source_in_its_own_order(mixture):
+    ds = load_dataset(mixture, ByteTokenizer(), 16, 8, seed=3, log=lambda _: None)
+    assert [s.name for s in ds.sources] == ["a", "b"] and [s.weight for s in ds.sources] == [0.7, 0.3]
+    picks = ds.sample_sources(range(1000))
+    counts = np.bincount([k for k, _ in picks], minlength=2)
+    assert abs(counts[0] - 700) <= 2 and abs(counts[1] - 300) <= 2
+    for n in (0, 1, 7, 100, 999):
+        assert ds.source_samples(n) == list(np.bincount([k for k, _ in picks[:n]], minlength=2))
+    # Each source's samples are numbered 0, 1, 2, ... in order: its own shuffle is read front to back.
+    for k in (0, 1):
+        assert [j for kk, j in picks if kk == k] == list(range(counts[k]))
+    batch = ds.train_rows(0, range(40))
+    for r in range(40):
+        k, j = picks[r]
+        assert source_of(batch["tokens"][r]) == k
+        window, _ = ds.sources[k].train.read([ds.train_orders[k][j]])
+        np.testing.assert_array_equal(batch["targets"][r], window[0, 1:])
+    for k in (0, 1):  # held-out batches per source
+        assert source_of(ds.eval_rows(0, range(8), source=k)["tokens"]) == k
+    again = load_dataset(mixture, ByteTokenizer(), 16, 8, seed=3, log=lambda _: None).train_rows(0, range(40))
+    np.testing.assert_array_equal(again["tokens"], batch["tokens"])
+    other = load_dataset(mixture, ByteTokenizer(), 16, 8, seed=4, log=lambda _: None).train_rows(0, range(40))
+    assert not np.array_equal(other["tokens"], batch["tokens"])
+
+
+def test_a_mixture_resumes_exactly(mixture):
+    ds = load_dataset(mixture, ByteTokenizer(), 16, 8, seed=0, log=lambda _: None)
+    straight = ds.train_batches(range(8), 0)
+    reference = [next(straight)["tokens"] for _ in range(5)]
+    first = ds.train_batches(range(4, 8), 0)  # the second of two processes
+    for _ in range(2):
+        next(first)
+    resumed = ds.train_batches(range(8), 16, first.state())
+    assert resumed.restored == "grain"
+    for step in range(2, 5):
+        np.testing.assert_array_equal(next(resumed)["tokens"], reference[step])
+    ds4 = load_dataset(mixture, ByteTokenizer(), 16, 4, seed=0, log=lambda _: None)
+    derived = ds4.train_batches(range(4), 16, first.state())
+    assert derived.restored == "derived"
+    np.testing.assert_array_equal(next(derived)["tokens"], reference[2][:4])
+
+
+def test_a_changed_source_supersedes_its_cache_unless_a_reader_holds_it(tmp_path):
+    import subprocess
+
+    from train.data import pipeline
+
+    corpus = write_corpus(tmp_path / "c", docs=8)
+    cache = tmp_path / "cache"
+    quiet = dict(log=lambda _: None)
+    first = Path(load_dataset(str(corpus), ByteTokenizer(), 8, 2, 0, 0.2, cache, **quiet).train.stream.paths[0]).parent
+    seed1 = Path(load_dataset(str(corpus), ByteTokenizer(), 8, 2, 1, 0.2, cache, **quiet).train.stream.paths[0]).parent
+    for handle in pipeline._HELD:  # this process stops reading them (as if it had exited)
+        handle.close()
+    pipeline._HELD.clear()
+    code = f"import fcntl;f=open('{first}/.readers','a');fcntl.flock(f,fcntl.LOCK_SH);print('held',flush=True);input()"
+    reader = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert reader.stdout.readline() == "held\n"  # another process reads the first preparation: it stays
+        (corpus / "doc00.txt").write_text("changed " * 30)
+        logs = []
+        second = load_dataset(str(corpus), ByteTokenizer(), 8, 2, 0, 0.2, cache, log=logs.append)
+        assert not any(line.startswith("removed") for line in logs) and first.is_dir()
+    finally:
+        reader.communicate("\n")
+    second = Path(second.train.stream.paths[0]).parent
+    # Read by nobody now, the first is removed at the next change; the second is read by this process and
+    # stays, as does the preparation of another seed (not superseded: another split).
+    (corpus / "doc01.txt").write_text("changed again " * 30)
+    logs = []
+    load_dataset(str(corpus), ByteTokenizer(), 8, 2, 0, 0.2, cache, log=logs.append)
+    assert [line.split(":")[0] for line in logs if line.startswith("removed")] == [f"removed {first}"]
+    assert not first.exists() and second.is_dir() and seed1.is_dir()

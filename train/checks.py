@@ -108,7 +108,9 @@ def check_data(run: RunConfig, tokenizer, read: bool = True) -> None:
         )
     if not read:
         return
-    check_source(data.spec, tokenizer)  # a missing, empty, binary or mismatched corpus fails before device work
+    check_source(
+        data.spec, tokenizer, data.text_field
+    )  # a missing, empty, binary or mismatched corpus fails before device work
     cache = Path(data.cache_dir).expanduser() if data.cache_dir else default_cache_dir()
     check_writable(
         cache, "--data-cache" if data.cache_dir else "--data-cache (default $MESHWORK_CACHE or ~/.cache/meshwork)"

@@ -212,7 +212,13 @@ def _data_flags(p) -> None:
         default="stdlib",
         help="a folder made by 'python -m train.data prepare', or a raw source prepared on first use into "
         "--data-cache: 'stdlib' (this Python's standard library sources), a text file, a folder, a .jsonl file "
-        "with a 'text' field or a .parquet file with a 'text' column",
+        "with a 'text' field (or chat 'messages') or a .parquet file with a 'text' column; or a mixture "
+        "NAME=SOURCE:WEIGHT,... weighted by training tokens, e.g. web=runs/web:0.7,code=runs/code:0.3",
+    )
+    g.add_argument(
+        "--text-field",
+        default="text",
+        help="JSONL field or Parquet column holding the text of a raw --data source",
     )
     g.add_argument(
         "--tokenizer",
@@ -504,7 +510,15 @@ def from_args(args: argparse.Namespace) -> RunConfig:
         preset=preset,
         parallelism=parallelism_from_args(args, model.num_layers),
         data=DataConfig(
-            args.data, tokenizer, eod, args.heldout, args.data_cache, args.seq_len, args.batch_size, args.seed
+            args.data,
+            tokenizer,
+            eod,
+            args.heldout,
+            args.data_cache,
+            args.seq_len,
+            args.batch_size,
+            args.seed,
+            args.text_field,
         ),
         optimizer=optimizer,
         loop=LoopConfig(

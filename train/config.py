@@ -23,7 +23,8 @@ class DataConfig:
     """The corpus and the batches.
 
     Attributes:
-      spec: ``stdlib``, a text file, a folder of text files or a JSONL file (``--data``).
+      spec: ``--data``: one source (``stdlib``, a text file, a folder, a JSONL or Parquet file, a prepared
+        folder) or a weighted mixture of several (`train.data.pipeline.parse_sources`).
       tokenizer: A ``tokenizer.json`` path, or None for UTF-8 bytes.
       eod_token: The tokenizer's end-of-document token (None: autodetect).
       heldout: Fraction of documents held out for evaluation.
@@ -31,6 +32,7 @@ class DataConfig:
       seq_len: T, tokens per sequence.
       batch_size: B, sequences per step (global).
       seed: Seed of parameters, data order and the held-out split.
+      text_field: JSONL field or Parquet column of a raw source's text.
     """
 
     spec: str = "stdlib"
@@ -41,6 +43,7 @@ class DataConfig:
     seq_len: int = 256
     batch_size: int = 16
     seed: int = 0
+    text_field: str = "text"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,7 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_source_args(p)
     g = p.add_argument_group("data")
-    g.add_argument("--data", default="stdlib", help="corpus: stdlib, a text file, a folder, or JSONL with 'text'")
+    g.add_argument(
+        "--data", default="stdlib", help="corpus as training's --data: a source, a prepared folder or a mixture"
+    )
+    g.add_argument("--text-field", default="text", help="JSONL field or Parquet column of a raw --data's text")
     g.add_argument("--heldout", type=float, default=0.01, help="held-out document fraction (as in training)")
     g.add_argument("--seed", type=int, default=0, help="the split's seed (as in training)")
     g.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
@@ -52,8 +55,9 @@ def _check(args) -> None:
         raise ValueError(f"--batches {args.batches}: must be >= 0 (0: the whole held-out split)")
 
 
-def evaluate(model, par, dataset, batch_size: int, seq_len: int, batches: int) -> tuple[float, int]:
-    """Mean held-out cross-entropy (nats per token) and the number of tokens it covers.
+def evaluate(model, par, dataset, batch_size: int, seq_len: int, batches: int, source: int = 0) -> tuple[float, int]:
+    """Mean held-out cross-entropy (nats per token) of ``source`` (of a mixture) and the number of tokens it
+    covers.
 
     Args:
       model: a `train.inference.LoadedModel`.
@@ -85,7 +89,7 @@ def evaluate(model, par, dataset, batch_size: int, seq_len: int, batches: int) -
 
     total = count = 0.0
     for b in range(batches):
-        batch = to_global_arrays(lambda rows, b=b: dataset.eval_rows(b, rows), batch_size, seq_len, sharding)
+        batch = to_global_arrays(lambda rows, b=b: dataset.eval_rows(b, rows, source), batch_size, seq_len, sharding)
         loss, weight = sums(model.params, batch)
         total += float(loss)
         count += float(weight)
@@ -107,20 +111,23 @@ def run(args) -> int:
         args.heldout,
         args.data_cache,
         log=lambda line: print(line, file=sys.stderr),
+        text_field=args.text_field,
     )
-    whole = dataset.heldout.num_windows // args.batch_size
-    if whole == 0 and args.batches == 0:
-        raise ValueError(
-            f"the held-out split has {dataset.heldout.num_windows} windows of --seq-len {args.seq_len}, "
-            f"fewer than one --batch-size {args.batch_size}; use --batch-size "
-            f"{max(dataset.heldout.num_windows, 1)} or more --heldout"
+    for k, source in enumerate(dataset.sources):
+        name = f" {source.name}" if len(dataset.sources) > 1 else ""
+        whole = source.heldout.num_windows // args.batch_size
+        if whole == 0 and args.batches == 0:
+            raise ValueError(
+                f"the held-out split{name} has {source.heldout.num_windows} windows of --seq-len {args.seq_len}, "
+                f"fewer than one --batch-size {args.batch_size}; use --batch-size "
+                f"{max(source.heldout.num_windows, 1)} or more --heldout"
+            )
+        batches = args.batches or whole
+        loss, tokens = evaluate(model, par, dataset, args.batch_size, args.seq_len, batches, k)
+        print(
+            f"held-out loss{name} {loss:.4f} nats/token, perplexity {math.exp(loss):.3f} over {tokens} tokens "
+            f"({batches} batches of {args.batch_size} x {args.seq_len}; --data {source.path if name else args.data})"
         )
-    batches = args.batches or whole
-    loss, tokens = evaluate(model, par, dataset, args.batch_size, args.seq_len, batches)
-    print(
-        f"held-out loss {loss:.4f} nats/token, perplexity {math.exp(loss):.3f} over {tokens} tokens "
-        f"({batches} batches of {args.batch_size} x {args.seq_len}; --data {args.data})"
-    )
     return 0
 
 

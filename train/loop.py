@@ -226,12 +226,12 @@ def _format_line(
     )
 
 
-def evaluate(eval_step, params, dataset: Dataset, options: LoopOptions, sharding) -> float:
-    """Mean held-out loss (nats/token) over the fixed evaluation batches."""
+def evaluate(eval_step, params, dataset: Dataset, options: LoopOptions, sharding, source: int = 0) -> float:
+    """Mean held-out loss (nats/token) over the fixed evaluation batches of ``source``."""
     loss_sum = weight = 0.0
     for index in range(options.eval_batches):
         batch = to_global_arrays(
-            lambda rows, i=index: dataset.eval_rows(i, rows), options.global_batch, options.seq_len, sharding
+            lambda rows, i=index: dataset.eval_rows(i, rows, source), options.global_batch, options.seq_len, sharding
         )
         s, w = eval_step(params, batch)
         loss_sum += float(s)
@@ -318,7 +318,7 @@ def train_loop(
             bar.update(1)
         save_now = (options.ckpt_every and step % options.ckpt_every == 0) or step == options.steps
         if save_now or stop_after_this or step % options.log_every == 0:
-            stop_after_this |= run.log_interval(step)  # read before saving: a non-finite step is never saved
+            stop_after_this |= run.log_interval(step, samples)  # read before saving: a non-finite step is never saved
         if options.eval_every and step % options.eval_every == 0 and not (step == options.steps or stop_after_this):
             run.evaluate(state, step)
         if save_now or stop_after_this:
@@ -378,10 +378,19 @@ class _Run:
         return to_global_arrays(lambda rows: local, self.options.global_batch, self.options.seq_len, self.sharding)
 
     def evaluate(self, state, step: int) -> None:
-        loss = evaluate(self.eval_fn, state["params"], self.dataset, self.options, self.sharding)
+        """The held-out loss; of a mixture, each source's (``eval/loss_NAME``) and their mean weighted as the
+        training tokens are (``eval/loss``)."""
+        sources = self.dataset.sources
+        losses = [
+            evaluate(self.eval_fn, state["params"], self.dataset, self.options, self.sharding, k)
+            for k in range(len(sources))
+        ]
+        loss = sum(s.weight * x for s, x in zip(sources, losses)) / sum(s.weight for s in sources)
         self.summary["eval"].append((step, loss))
-        self.writer.write(step, {"loss": loss}, prefix="eval")
-        self.log(f"eval   {step:>6}/{self.options.steps} | held-out loss {loss:.4f}")
+        values = {"loss": loss} | ({f"loss_{s.name}": x for s, x in zip(sources, losses)} if len(sources) > 1 else {})
+        self.writer.write(step, values, prefix="eval")
+        each = "".join(f" | {s.name} {x:.4f}" for s, x in zip(sources, losses)) if len(sources) > 1 else ""
+        self.log(f"eval   {step:>6}/{self.options.steps} | held-out loss {loss:.4f}{each}")
 
     def record(self, step: int, metrics) -> bool:
         """Keeps this step's metrics pending and records the previous step's (this step keeps the device
@@ -411,8 +420,10 @@ class _Run:
         if self.controller is not None:
             self.controller.observe(step, values, self.log)
 
-    def log_interval(self, step: int) -> bool:
-        """Records this step's metrics now and logs the interval's speed; returns the stop agreement."""
+    def log_interval(self, step: int, samples: int) -> bool:
+        """Records this step's metrics now and logs the interval's speed (and, of a mixture, the training
+        tokens each source has given up to the data position ``samples``: ``data/tokens_NAME``); returns the
+        stop agreement."""
         options, pending = self.options, self.pending
         values = _read(pending)
         self.pending = None
@@ -425,6 +436,10 @@ class _Run:
         input_wait = self.batches.take_wait() / self.interval_steps
         perf = {"tokens_per_second": tok_s, "step_time": step_time, "input_wait": input_wait}
         self.writer.write(step, perf, prefix="perf")
+        if len(self.dataset.sources) > 1:
+            counts = self.dataset.source_samples(samples)
+            tokens = {f"tokens_{s.name}": n * options.seq_len for s, n in zip(self.dataset.sources, counts)}
+            self.writer.write(step, tokens, prefix="data")
         self.log(
             _format_line(step, options.steps, values["loss"], values["lr"], tok_s, step_time, mfu, values["grad_norm"])
         )

@@ -1,7 +1,7 @@
 """Tokenizers: raw UTF-8 bytes by default, or a ``tokenizer.json`` via the `tokenizers` library.
 
 Both expose ``vocab_size``, ``eod_id`` (the end-of-document token that
-separates packed documents), ``encode_batch``, ``decode`` and a
+separates packed documents), ``encode_batch``, ``encode_offsets``, ``decode`` and a
 ``fingerprint`` (compared when a run resumes).
 """
 
@@ -28,6 +28,12 @@ class ByteTokenizer:
     def encode_batch(self, docs: Sequence[bytes]) -> list[np.ndarray]:
         """UTF-8 encoded documents -> uint32 token arrays (without the EOD token)."""
         return [np.frombuffer(doc, dtype=np.uint8).astype(np.uint32) for doc in docs]
+
+    def encode_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """``(ids, starts)``: uint32 tokens of ``text`` and the index of the character each token starts in."""
+        data = text.encode("utf-8")
+        widths = [len(c.encode("utf-8")) for c in text]
+        return np.frombuffer(data, np.uint8).astype(np.uint32), np.repeat(np.arange(len(text)), widths)
 
     def decode(self, ids: Sequence[int]) -> str:
         data = bytes(int(i) for i in ids if 0 <= int(i) < 256)
@@ -110,6 +116,12 @@ class HFTokenizer:
         texts = [doc.decode("utf-8", errors="replace") for doc in docs]
         encodings = self._tokenizer.encode_batch(texts, add_special_tokens=False)
         return [np.asarray(e.ids, dtype=np.uint32) for e in encodings]
+
+    def encode_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """``(ids, starts)``: uint32 tokens of ``text`` (special tokens written in it included, as transformers
+        tokenizes a rendered chat template) and the character offset each token starts at."""
+        encoding = self._tokenizer.encode(text, add_special_tokens=False)
+        return np.asarray(encoding.ids, np.uint32), np.asarray([s for s, _ in encoding.offsets], np.int64)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode([int(i) for i in ids])

@@ -204,6 +204,7 @@ def train(config: RunConfig, trainer, ckpt, latest, tokenizer, log) -> int:
             data.cache_dir,
             log,
             permutation=_context_permutation(config),
+            text_field=data.text_field,
         )
         state, (samples, iterator), latest = start_state(config, trainer, ckpt, latest, log)
         if jax.process_index() == 0 and config.record is not None:

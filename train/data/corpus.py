@@ -36,10 +36,12 @@ SOURCE_HINT = "give a text file, a folder, a .jsonl or .parquet file, or stdlib"
 
 @dataclasses.dataclass(frozen=True)
 class Document:
-    """One document: ``name`` (for the held-out split and errors) and ``text`` (UTF-8 bytes)."""
+    """One document: ``name`` (for the held-out split and errors) and ``text`` (UTF-8 bytes), or for a chat
+    example ``messages`` (``[{"role", "content"}, ...]``, rendered by `train.data.chat`) and empty ``text``."""
 
     name: str
     text: bytes
+    messages: list | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +50,7 @@ class Unit:
     ``[start, stop)``, or of Parquet row groups ``[start, stop)``.
 
     Attributes:
-      kind: ``text``, ``jsonl`` or ``parquet``.
+      kind: ``text``, ``jsonl``, ``chat`` (JSONL of conversations) or ``parquet``.
       files: ``(path, name)`` pairs: the file and its name relative to the source.
       start, stop: bytes (JSONL) or row groups (Parquet); unused for text.
       nbytes: input bytes (for the progress bar).
@@ -87,7 +89,7 @@ def corpus_files(spec: str, flag: str = "--data") -> list[Path]:
     """
     if spec == "stdlib":
         root = stdlib_root()
-        files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and p.is_file())
+        files = [p for p in _walk(root, skip={"site-packages"}) if p.suffix == ".py"]
         if not files:
             raise ValueError(f"{flag} stdlib: no .py files under {root}; give {flag} PATH")
         return files
@@ -97,9 +99,7 @@ def corpus_files(spec: str, flag: str = "--data") -> list[Path]:
     if path.is_file():
         files = [path]
     else:
-        files = sorted(
-            p for p in path.rglob("*") if p.is_file() and not any(s.startswith(".") for s in p.relative_to(path).parts)
-        )
+        files = _walk(path)
     if not files or all(f.stat().st_size == 0 for f in files):
         raise ValueError(f"{flag} {spec}: no non-empty files found ({SOURCE_HINT})")
     for file in files:
@@ -110,13 +110,35 @@ def corpus_files(spec: str, flag: str = "--data") -> list[Path]:
     return files
 
 
+# Files found to be text, as (path, size, mtime_ns): a source is listed by the check before device work, by the
+# preparation's key and by its plan; a file is sampled again only when it changed.
+_TEXT_FILES: set[tuple[str, int, int]] = set()
+
+
+def _walk(root: Path, skip: frozenset | set = frozenset()) -> list[Path]:
+    """The files under ``root``, sorted, leaving out hidden files and folders and the folders named in ``skip``
+    (pruned, not entered: the standard library's folder may hold a large ``site-packages``)."""
+    files = []
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d not in skip]
+        files.extend(
+            Path(folder, n) for n in names if not n.startswith(".") and os.path.isfile(os.path.join(folder, n))
+        )
+    return sorted(files)
+
+
 def check_text(path: Path, sample_bytes: int = TEXT_SAMPLE_BYTES, flag: str = "--data") -> None:
     """Refuses a file that is not text: the first ``sample_bytes`` bytes must decode as UTF-8 and be at least
-    `MIN_PRINTABLE` printable characters or whitespace.
+    `MIN_PRINTABLE` printable characters or whitespace. A file found to be text before, unchanged since (same
+    size and modification time), is not read again.
 
     Raises:
       ValueError: Naming the path, where it stops being UTF-8 or its printable share.
     """
+    st = path.stat()
+    seen = (str(path), st.st_size, st.st_mtime_ns)
+    if seen in _TEXT_FILES:
+        return
     with path.open("rb") as f:
         sample = f.read(sample_bytes)
     try:  # an incremental decoder does not fail on a character cut at the end of the sample
@@ -132,6 +154,7 @@ def check_text(path: Path, sample_bytes: int = TEXT_SAMPLE_BYTES, flag: str = "-
             f"{flag} {path}: does not look like text ({printable / len(text):.0%} of its first "
             f"{len(sample)} bytes are printable characters, below {MIN_PRINTABLE:.0%}); give text files"
         )
+    _TEXT_FILES.add(seen)
 
 
 def _parquet_file(path: Path, flag: str = "--data"):
@@ -174,9 +197,10 @@ def plan_units(spec: str, unit_bytes: int, text_field: str = "text", flag: str =
         size = path.stat().st_size
         if path.suffix == ".jsonl":
             close_text_batch()
+            kind = jsonl_kind(path, text_field)
             for start in range(0, max(size, 1), unit_bytes):
                 stop = min(start + unit_bytes, size)
-                units.append(Unit("jsonl", ((str(path), name),), start, stop, stop - start))
+                units.append(Unit(kind, ((str(path), name),), start, stop, stop - start))
         elif path.suffix == ".parquet":
             close_text_batch()
             meta = _parquet_file(path, flag).metadata
@@ -213,7 +237,7 @@ def unit_documents(unit: Unit, text_field: str = "text", flag: str = "--data") -
             text = Path(path).read_bytes()
             if text:
                 yield Document(name, text)
-    elif unit.kind == "jsonl":
+    elif unit.kind in ("jsonl", "chat"):
         yield from _jsonl_documents(unit, text_field, flag)
     else:
         yield from _parquet_documents(unit, text_field, flag)
@@ -237,6 +261,13 @@ def _jsonl_documents(unit: Unit, text_field: str, flag: str) -> Iterator[Documen
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{flag} {path}: the line at byte {here} is not JSON ({e.msg})") from None
+            if unit.kind == "chat":
+                from train.data.chat import check_messages
+
+                where = f"{flag} {path}: the line at byte {here}"
+                messages = check_messages(record.get("messages") if isinstance(record, dict) else None, where)
+                yield Document(f"{name}@{here}", b"", messages)
+                continue
             if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
                 raise ValueError(
                     f"{flag} {path}: the line at byte {here} has no string field '{text_field}'; "
@@ -244,6 +275,20 @@ def _jsonl_documents(unit: Unit, text_field: str, flag: str) -> Iterator[Documen
                 )
             if record[text_field]:
                 yield Document(f"{name}@{here}", record[text_field].encode("utf-8"))
+
+
+def jsonl_kind(path: Path, text_field: str) -> str:
+    """``chat`` when the file's first record has a ``messages`` field and no ``text_field``, else ``jsonl``."""
+    with path.open("rb") as f:
+        for line in f:
+            if line.strip():
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    return "jsonl"  # reading the unit names the line
+                chat = isinstance(record, dict) and "messages" in record and text_field not in record
+                return "chat" if chat else "jsonl"
+    return "jsonl"
 
 
 def _parquet_documents(unit: Unit, text_field: str, flag: str) -> Iterator[Document]:
@@ -265,10 +310,7 @@ def _parquet_documents(unit: Unit, text_field: str, flag: str) -> Iterator[Docum
 
 
 def field_hint(flag: str, path, field: str) -> str:
-    """How to name another text field: ``--text-field`` of ``prepare``; training reads only ``text``, so a
-    source with another field is prepared first."""
-    if flag == "--data":
-        return f"prepare it with python -m train.data prepare {path} --out DIR --text-field {field}, then --data DIR"
+    """How to name another text field: ``--text-field`` (of ``prepare`` and of training alike)."""
     return f"pass --text-field {field}"
 
 

@@ -28,7 +28,10 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -97,6 +100,7 @@ class TokenStream:
         self.ends = np.cumsum(np.concatenate(lengths) if lengths else np.zeros(0), dtype=np.int64)
         self.shard_of_record = np.repeat(np.arange(len(lengths)), [len(x) for x in lengths])
         self.dtype = np.dtype(manifest["dtype"])
+        self.masked = bool(manifest.get("loss_mask", False))
         total = int(self.ends[-1]) if len(self.ends) else 0
         self.start, self.stop = start, total if stop is None else stop
         self._source = None
@@ -111,9 +115,10 @@ class TokenStream:
             self._source = ArrayRecordDataSource(self.paths)
         return self._source
 
-    def read(self, starts, count: int) -> np.ndarray:
-        """``[len(starts), count]`` tokens: rows ``[start, start + count)`` of this stream (``dtype``), every
-        record they span read in one call.
+    def read(self, starts, count: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """``(tokens, mask)``, each ``[len(starts), count]``: rows ``[start, start + count)`` of this stream
+        (tokens ``dtype``; mask bool, whether a token carries loss, or None when the stream has no mask),
+        every record they span read in one call.
 
         Raises:
           ValueError: a record that does not read, or reads with another length (names its shard).
@@ -126,21 +131,28 @@ class TokenStream:
             records = self._records().__getitems__(indices)
         except Exception as e:  # ArrayRecord raises its own errors for a damaged file
             raise ValueError(f"{self._shard_names(indices)}: cannot read records ({e})") from None
-        pieces = {}
+        pieces, masks = {}, {}
         for index, record in zip(indices, records):
-            piece = np.frombuffer(record, self.dtype)
-            expected = self.ends[index] - (self.ends[index - 1] if index else 0)
-            if len(piece) != expected:
+            expected = int(self.ends[index] - (self.ends[index - 1] if index else 0))
+            nbytes = expected * self.dtype.itemsize
+            size = nbytes + (-(-expected // 8) if self.masked else 0)
+            if len(record) != size:
                 raise ValueError(
-                    f"{self._shard_names([index])}: record {index} holds {len(piece)} tokens, not {expected}"
+                    f"{self._shard_names([index])}: record {index} holds {len(record)} bytes, not the {size} of "
+                    f"{expected} tokens"
                 )
-            pieces[index] = piece
+            pieces[index] = np.frombuffer(record[:nbytes], self.dtype)
+            if self.masked:
+                masks[index] = np.unpackbits(np.frombuffer(record[nbytes:], np.uint8), count=expected).astype(bool)
         out = np.empty((len(begins), count), self.dtype)
+        mask = np.empty((len(begins), count), bool) if self.masked else None
         for row, (begin, first, last) in enumerate(zip(begins, firsts, lasts)):
-            joined = np.concatenate([pieces[i] for i in range(int(first), int(last) + 1)])
+            span = range(int(first), int(last) + 1)
             offset = int(begin) - (int(self.ends[first - 1]) if first else 0)
-            out[row] = joined[offset : offset + count]
-        return out
+            out[row] = np.concatenate([pieces[i] for i in span])[offset : offset + count]
+            if mask is not None:
+                mask[row] = np.concatenate([masks[i] for i in span])[offset : offset + count]
+        return out, mask
 
     def _shard_names(self, indices) -> str:
         return ", ".join(sorted({self.paths[self.shard_of_record[i]] for i in indices}))
@@ -158,12 +170,12 @@ class Windows:
         self.num_windows = (len(stream) - 1) // seq_len
         if self.num_windows < 1:
             raise ValueError(
-                f"the {name} split has {len(stream)} tokens, fewer than one sequence of --seq-len {seq_len} + 1; "
+                f"the {name} has {len(stream)} tokens, fewer than one sequence of --seq-len {seq_len} + 1; "
                 "give more data or a smaller --seq-len"
             )
 
-    def read(self, windows) -> np.ndarray:
-        """``[len(windows), seq_len + 1]`` token windows."""
+    def read(self, windows) -> tuple[np.ndarray, np.ndarray | None]:
+        """``[len(windows), seq_len + 1]`` token windows and their loss mask (`TokenStream.read`)."""
         return self.stream.read(np.asarray(windows, np.int64) * self.seq_len, self.seq_len + 1)
 
 
@@ -179,8 +191,14 @@ def shuffled_order(num_windows: int, seed: int, repeat: bool):
 # Packing ----------------------------------------------------------------------------------------------------
 
 
-def pack_windows(windows: np.ndarray, eod_id: int) -> dict[str, np.ndarray]:
+def pack_windows(windows: np.ndarray, eod_id: int, mask: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """Turns ``[rows, seq_len + 1]`` token windows into model inputs.
+
+    Args:
+      windows: ``[rows, seq_len + 1]`` tokens.
+      eod_id: the end-of-document token.
+      mask: ``[rows, seq_len + 1]`` bool, whether each token is one to learn (chat data: the assistant's); a
+        target outside it gets no loss. None: every token.
 
     Returns:
       ``tokens, targets, positions, segment_ids`` int32 and ``loss_mask`` float32, each ``[rows, seq_len]``,
@@ -200,7 +218,7 @@ def pack_windows(windows: np.ndarray, eod_id: int) -> dict[str, np.ndarray]:
         "targets": targets,
         "positions": positions.astype(np.int32),
         "segment_ids": segment_ids.astype(np.int32),
-        "loss_mask": (~is_eod).astype(np.float32),
+        "loss_mask": ((~is_eod) & (True if mask is None else mask[:, 1:])).astype(np.float32),
     }
 
 
@@ -245,49 +263,185 @@ def permute_length(fields: dict[str, np.ndarray], permutation: np.ndarray | None
 # The dataset ------------------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass
-class Dataset:
-    """Train and held-out windows of a prepared corpus.
+@dataclasses.dataclass(frozen=True)
+class SourceSpec:
+    """One source of ``--data``: ``name`` (in metrics), ``path`` (a prepared folder or a raw source) and its
+    mixture ``weight`` (share of training tokens, relative to the other sources')."""
 
-    Attributes:
-      train, heldout: `Windows`.
-      eod_id: end-of-document token.
-      global_batch: B, rows per step.
-      seed: the training order's seed (the held-out order uses ``seed + 1``).
-      permutation: the context layout's token order along the length (`context_permutation`); None: natural.
-      manifest: the prepared folder's manifest.
+    name: str
+    path: str
+    weight: float = 1.0
+
+
+def source_name(path: str) -> str:
+    """A source's default name: its file or folder name without the suffix, letters, digits, ``-`` and ``_``."""
+    stem = "stdlib" if path == "stdlib" else Path(path).expanduser().resolve().stem
+    return re.sub(r"[^A-Za-z0-9_-]+", "_", stem).strip("_") or "data"
+
+
+def parse_sources(spec: str, flag: str = "--data") -> list[SourceSpec]:
+    """The sources of ``--data``: one source (``stdlib``, a path), or a mixture ``[NAME=]PATH:WEIGHT,...``,
+    e.g. ``web=runs/web:0.7,code=runs/code:0.3`` (a missing name is the path's stem, a missing weight 1).
+
+    Raises:
+      ValueError: a weight that is not a positive finite number, two sources of one name, or an empty item;
+        the message names ``flag`` and a spelling that is accepted.
     """
+    if spec == "stdlib" or Path(spec).expanduser().exists() or "," not in spec and ":" not in spec:
+        return [SourceSpec(source_name(spec), spec)]
+    sources = []
+    for item in spec.split(","):
+        name, _, rest = item.partition("=") if re.match(r"^[A-Za-z0-9_-]+=", item) else ("", "", item)
+        path, _, weight_text = rest.rpartition(":")
+        try:
+            weight = float(weight_text)
+        except ValueError:
+            path, weight = rest, 1.0
+        if not path:
+            raise ValueError(f"{flag} {spec}: an empty source in the list; e.g. {flag} web=DIR:0.7,code=DIR2:0.3")
+        sources.append(SourceSpec(name or source_name(path), path, weight))
+    example = ",".join(f"{s.name}={s.path}:1" for s in sources)
+    for s in sources:
+        if not (math.isfinite(s.weight) and s.weight > 0):
+            raise ValueError(
+                f"{flag} {spec}: the weight of {s.name} is {s.weight}; each weight must be a positive number "
+                f"(a share of the training tokens), e.g. {flag} {example}"
+            )
+    names = [s.name for s in sources]
+    if len(set(names)) < len(names):
+        dup = next(n for n in names if names.count(n) > 1)
+        example = ",".join(f"{s.name}{i}={s.path}:{s.weight:g}" for i, s in enumerate(sources))
+        raise ValueError(f"{flag} {spec}: two sources are named {dup}; name them, e.g. {flag} {example}")
+    return sources
 
+
+@dataclasses.dataclass
+class Source:
+    """One prepared source of a `Dataset`: its `SourceSpec` fields, train and held-out `Windows` and its
+    manifest."""
+
+    name: str
+    path: str
+    weight: float
     train: Windows
     heldout: Windows
+    manifest: dict = dataclasses.field(default_factory=dict)
+
+
+def _tag(k: int, j: int) -> tuple[int, int]:
+    return k, j
+
+
+@dataclasses.dataclass
+class Dataset:
+    """Train and held-out windows of one prepared corpus or a weighted mixture of several.
+
+    Each source's windows are visited in their own seeded shuffle (source ``k``: seed ``seed + 2k``, its
+    held-out windows ``seed + 2k + 1``). A mixture interleaves the sources by weight with Grain's
+    ``MapDataset.mix``: sample ``i`` of the run is the ``j``-th sample of source ``k`` (Grain's deterministic
+    selection), that is window ``order_k[j]``. Every sample is one window of ``seq_len + 1`` tokens, so the
+    weights are shares of training tokens. The position of every source follows from the global sample
+    number alone, so resuming stays exact exactly as for one source.
+
+    Attributes:
+      sources: `Source` s, in the order ``--data`` names them.
+      eod_id: end-of-document token.
+      global_batch: B, rows per step.
+      seed: the order's seed.
+      permutation: the context layout's token order along the length (`context_permutation`); None: natural.
+    """
+
+    sources: list[Source]
     eod_id: int
     global_batch: int
     seed: int
     permutation: np.ndarray | None = None
-    manifest: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
-        self.train_order = shuffled_order(self.train.num_windows, self.seed, repeat=True)
-        self.heldout_order = shuffled_order(self.heldout.num_windows, self.seed + 1, repeat=True)
+        import grain
 
-    def samples(self, samples, which: str = "train") -> dict[str, np.ndarray]:
-        """The packed rows of global sample numbers ``samples`` (``train`` or ``heldout`` order)."""
-        windows, order = (self.train, self.train_order) if which == "train" else (self.heldout, self.heldout_order)
-        rows = windows.read([order[int(s)] for s in samples])
-        return permute_length(pack_windows(rows, self.eod_id), self.permutation)
+        self.train_orders = [
+            shuffled_order(s.train.num_windows, self.seed + 2 * k, repeat=True) for k, s in enumerate(self.sources)
+        ]
+        self.heldout_orders = [
+            shuffled_order(s.heldout.num_windows, self.seed + 2 * k + 1, repeat=True)
+            for k, s in enumerate(self.sources)
+        ]
+        self.selection = None
+        if len(self.sources) > 1:
+            counters = [grain.MapDataset.range(MIX_RANGE).map(functools.partial(_tag, k)) for k in range(len(self))]
+            self.selection = grain.MapDataset.mix(counters, [s.weight for s in self.sources])
+
+    def __len__(self) -> int:
+        return len(self.sources)
+
+    @property
+    def train(self) -> Windows:
+        """The training windows of the first source (the only one outside a mixture)."""
+        return self.sources[0].train
+
+    @property
+    def heldout(self) -> Windows:
+        """The held-out windows of the first source (the only one outside a mixture)."""
+        return self.sources[0].heldout
+
+    @property
+    def manifest(self) -> dict:
+        return self.sources[0].manifest
+
+    def sample_sources(self, samples) -> list[tuple[int, int]]:
+        """``(source, j)`` of each global training sample number: the ``j``-th sample drawn from ``source``."""
+        if self.selection is None:
+            return [(0, int(s)) for s in samples]
+        return [self.selection[int(s)] for s in samples]
+
+    def source_samples(self, samples: int) -> list[int]:
+        """How many of the first ``samples`` training samples each source gave (Grain's selection read
+        forward from ``samples`` until every source has shown its count)."""
+        if self.selection is None:
+            return [samples]
+        counts: list[int | None] = [None] * len(self)
+        index = samples
+        while None in counts:
+            k, j = self.selection[index]
+            if counts[k] is None:
+                counts[k] = j
+            index += 1
+        return counts
+
+    def samples(self, samples, which: str = "train", source: int = 0) -> dict[str, np.ndarray]:
+        """The packed rows of global sample numbers ``samples``: training samples (of the mixture), or
+        held-out samples of ``source``."""
+        if which == "train":
+            picks = [(k, self.train_orders[k][j]) for k, j in self.sample_sources(samples)]
+        else:
+            picks = [(source, self.heldout_orders[source][int(s)]) for s in samples]
+        rows = np.empty((len(picks), self.train.seq_len + 1), np.int32)  # sources may differ in dtype
+        mask = np.ones(rows.shape, bool)
+        for k in sorted({k for k, _ in picks}):
+            mine = [i for i, (kk, _) in enumerate(picks) if kk == k]
+            windows = self.sources[k].train if which == "train" else self.sources[k].heldout
+            tokens, masked = windows.read([picks[i][1] for i in mine])
+            rows[mine] = tokens
+            if masked is not None:
+                mask[mine] = masked
+        return permute_length(pack_windows(rows, self.eod_id, mask), self.permutation)
 
     def train_rows(self, first_sample: int, rows: range) -> dict[str, np.ndarray]:
         """Rows ``rows`` of the global batch that starts at sample ``first_sample``."""
         return self.samples(range(first_sample + rows.start, first_sample + rows.stop))
 
-    def eval_rows(self, batch_index: int, rows: range) -> dict[str, np.ndarray]:
-        """Rows of held-out batch ``batch_index`` (fixed across the run)."""
+    def eval_rows(self, batch_index: int, rows: range, source: int = 0) -> dict[str, np.ndarray]:
+        """Rows of held-out batch ``batch_index`` of ``source`` (fixed across the run)."""
         first = batch_index * self.global_batch
-        return self.samples(range(first + rows.start, first + rows.stop), "heldout")
+        return self.samples(range(first + rows.start, first + rows.stop), "heldout", source)
 
     def train_batches(self, rows: range, samples: int, saved: dict | None = None, threads: int = 2, prefetch: int = 4):
         """This process's rows of every step from the data position ``samples`` on (`TrainBatches`)."""
         return TrainBatches(self, rows, samples, saved, threads, prefetch)
+
+
+MIX_RANGE = np.iinfo(np.int64).max // 4  # each source's sample counter in a mixture: never exhausted
 
 
 class TrainBatches:
@@ -357,15 +511,80 @@ def open_prepared(folder: Path, tokenizer, flag: str = "--data") -> tuple[TokenS
     return train, held, manifest
 
 
-def prepared_folder(spec: str, tokenizer, seed: int, heldout: float, cache_dir=None, log=print) -> Path:
+def prepared_folder(
+    spec: str, tokenizer, seed: int, heldout: float, cache_dir=None, log=print, text_field: str = "text"
+) -> Path:
     """The prepared folder of ``--data``: the folder itself, or the cache's preparation of a raw source
     (made on first use, by `train.data.prepare.prepare` with one worker per core)."""
     if is_prepared(spec):
         return Path(spec).expanduser()
-    key, _ = preparation_key([spec], tokenizer, seed, heldout, DEFAULT_SHARD_MB_FOR_CACHE, "text")
+    key, _ = preparation_key([spec], tokenizer, seed, heldout, DEFAULT_SHARD_MB_FOR_CACHE, text_field)
     folder = Path(cache_dir or default_cache_dir()).expanduser() / "prepared" / key
-    prepare([spec], folder, tokenizer, seed=seed, heldout=heldout, shard_mb=DEFAULT_SHARD_MB_FOR_CACHE, log=log)
+    manifest = prepare(
+        [spec],
+        folder,
+        tokenizer,
+        seed=seed,
+        heldout=heldout,
+        shard_mb=DEFAULT_SHARD_MB_FOR_CACHE,
+        log=log,
+        text_field=text_field,
+        key=key,
+    )
+    hold_for_reading(folder)
+    remove_superseded(folder, manifest, log)
     return folder
+
+
+READERS_FILE = ".readers"
+_HELD: list = []  # the reading locks of this process, held until it exits
+
+
+def hold_for_reading(folder: Path) -> None:
+    """Takes a shared lock (``fcntl.flock``) on ``folder/.readers`` for the rest of this process: a cache
+    preparation in use is never removed by `remove_superseded`."""
+    import fcntl
+
+    handle = open(folder / READERS_FILE, "a")
+    fcntl.flock(handle, fcntl.LOCK_SH)
+    _HELD.append(handle)
+
+
+def remove_superseded(folder: Path, manifest: dict, log=print) -> list[Path]:
+    """Removes the cache's earlier preparations of the same sources with the same tokenizer and settings
+    whose source files have since changed (sizes or modification times; they can never be reused), unless a
+    process reads one (holds its `hold_for_reading` lock) or it is unfinished (no manifest: possibly being
+    prepared). Returns the folders removed.
+
+    The cache otherwise keeps every preparation (another tokenizer, seed or split may be used again); remove
+    ``$MESHWORK_CACHE/prepared/KEY`` folders by hand when no run uses them.
+    """
+    import fcntl
+    import shutil
+
+    def identity(m: dict) -> list:
+        same = ("text_field", "shard_mb", "record_tokens", "split")
+        return [sorted({s["spec"] for s in m["sources"]}), m["tokenizer"]["fingerprint"], *[m.get(k) for k in same]]
+
+    removed = []
+    for other in sorted(folder.parent.iterdir()):
+        if other == folder or not (other / "manifest.json").is_file():
+            continue
+        try:
+            old = json.loads((other / "manifest.json").read_text())
+            if old.get("key") == manifest["key"] or identity(old) != identity(manifest):
+                continue
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        with open(other / READERS_FILE, "a") as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # a running job reads it
+            shutil.rmtree(other)
+        removed.append(other)
+        log(f"removed {other}: an earlier preparation of the same sources, superseded since they changed")
+    return removed
 
 
 DEFAULT_SHARD_MB_FOR_CACHE = 8  # the 30 MB stdlib corpus in four shards: both cores busy on first use
@@ -381,39 +600,49 @@ def load_dataset(
     cache_dir=None,
     log=print,
     permutation: np.ndarray | None = None,
+    text_field: str = "text",
 ) -> Dataset:
-    """The `Dataset` of ``--data`` (a prepared folder, or a raw source prepared on first use into the cache).
+    """The `Dataset` of ``--data``: one source or a mixture (`parse_sources`), each a prepared folder or a raw
+    source prepared on first use into the cache.
 
     Raises:
-      ValueError, FileNotFoundError, ImportError: as `read_manifest`, `train.data.prepare.prepare` and
-        `Windows`.
+      ValueError, FileNotFoundError, ImportError: as `parse_sources`, `read_manifest`,
+        `train.data.prepare.prepare` and `Windows`.
     """
-    folder = prepared_folder(spec, tokenizer, seed, heldout, cache_dir, log)
-    train, held, manifest = open_prepared(folder, tokenizer)
-    return Dataset(
-        train=Windows(train, seq_len, "training"),
-        heldout=Windows(held, seq_len, "held-out"),
-        eod_id=tokenizer.eod_id,
-        global_batch=global_batch,
-        seed=seed,
-        permutation=permutation,
-        manifest=manifest,
-    )
+    sources, specs = [], parse_sources(spec)
+    for source in specs:
+        folder = prepared_folder(source.path, tokenizer, seed, heldout, cache_dir, log, text_field)
+        train, held, manifest = open_prepared(folder, tokenizer)
+        where = f" of {source.name}" if len(specs) > 1 else ""
+        sources.append(
+            Source(
+                source.name,
+                source.path,
+                source.weight,
+                Windows(train, seq_len, f"training split{where}"),
+                Windows(held, seq_len, f"held-out split{where}"),
+                manifest,
+            )
+        )
+    return Dataset(sources, eod_id=tokenizer.eod_id, global_batch=global_batch, seed=seed, permutation=permutation)
 
 
-def check_source(spec: str, tokenizer) -> None:
-    """Before device work: a prepared folder's manifest and shards agree with the run's tokenizer, or a raw
-    source is there, is text, and its Parquet files have the text column (footers only: nothing tokenized).
+def check_source(spec: str, tokenizer, text_field: str = "text") -> None:
+    """Before device work: the mixture spelling and weights are sound; each prepared folder's manifest and
+    shards agree with the run's tokenizer, and each raw source is there, is text, and its Parquet files
+    have the text column (footers only: nothing tokenized).
 
     Raises:
-      ValueError, FileNotFoundError, ImportError: as `read_manifest` and `train.data.corpus.plan_units`.
+      ValueError, FileNotFoundError, ImportError: as `parse_sources`, `read_manifest` and
+        `train.data.corpus.plan_units`.
     """
     from train.data.corpus import plan_units
 
-    if is_prepared(spec):
-        read_manifest(Path(spec).expanduser(), tokenizer)
-    else:
-        plan_units(spec, 1 << 62)
+    for source in parse_sources(spec):
+        if is_prepared(source.path):
+            read_manifest(Path(source.path).expanduser(), tokenizer)
+        else:
+            plan_units(source.path, 1 << 62, text_field)
 
 
 # Process-local global arrays ----------------------------------------------------------------------------------

@@ -29,7 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-from train.data.corpus import SOURCE_HINT, Unit, corpus_files, is_heldout, plan_units, unit_documents
+from train.data.chat import load_chat_template
+from train.data.corpus import SOURCE_HINT, Unit, corpus_files, is_heldout, jsonl_kind, plan_units, unit_documents
 
 FORMAT_VERSION = 1
 RECORD_TOKENS = 4096
@@ -51,13 +52,16 @@ def preparation_key(
 ) -> tuple[str, list[dict]]:
     """``(key, sources)``: a digest of everything a preparation depends on, and the source files with their
     sizes and modification times (what a rerun compares)."""
-    sources = []
+    sources, chat = [], False
     for spec in specs:
         for path in corpus_files(spec, flag):
             st = path.stat()
             sources.append({"spec": spec, "path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns})
+            chat = chat or path.suffix == ".jsonl" and jsonl_kind(path, text_field) == "chat"
     h = hashlib.sha256()
     settings = [FORMAT_VERSION, RECORD_TOKENS, tokenizer.fingerprint, seed, heldout, shard_mb, text_field]
+    if chat:  # the rendering is part of the tokens
+        settings.append(load_chat_template(tokenizer).fingerprint)
     h.update(json.dumps([settings, sources, sys.version if "stdlib" in specs else ""]).encode())
     return h.hexdigest()[:20], sources
 
@@ -82,9 +86,10 @@ def _tokenizer(spec: tuple[str | None, str | None]):
 
 
 class _ShardWriter:
-    """One split of one shard: records of at most `RECORD_TOKENS` tokens, and their lengths."""
+    """One split of one shard: records of at most `RECORD_TOKENS` tokens, and their lengths. With ``masked``, a
+    record is its tokens followed by their loss mask, one bit a token (`numpy.packbits`)."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, masked: bool = False):
         from array_record.python.array_record_module import ArrayRecordWriter
 
         self.path, self.tmp = path, path.with_name(f".{path.name}.tmp{os.getpid()}")
@@ -92,11 +97,18 @@ class _ShardWriter:
         self.writer = ArrayRecordWriter(str(self.tmp), "group_size:1")
         self.lengths: list[int] = []
         self.docs = self.tokens = 0
+        self.masked = masked
 
-    def add(self, ids: np.ndarray) -> None:
+    def add(self, ids: np.ndarray, mask: np.ndarray | None = None) -> None:
+        """A document's tokens (and, when ``masked``, which of them carry loss: None for all)."""
+        if self.masked and mask is None:
+            mask = np.ones(len(ids), bool)
         for start in range(0, len(ids), RECORD_TOKENS):
             piece = ids[start : start + RECORD_TOKENS]
-            self.writer.write(piece.tobytes())
+            record = piece.tobytes()
+            if self.masked:
+                record += np.packbits(mask[start : start + RECORD_TOKENS]).tobytes()
+            self.writer.write(record)
             self.lengths.append(len(piece))
         self.docs += 1
         self.tokens += len(ids)
@@ -117,13 +129,14 @@ def shard_name(split: str, index: int) -> str:
 
 def _prepare_unit(job) -> dict:
     """Tokenizes one unit into shard ``index`` of ``out``; returns its counts (also written as its ``.json``)."""
-    index, unit, out, tokenizer_spec, seed, heldout, text_field, flag = job
+    index, unit, out, tokenizer_spec, seed, heldout, text_field, flag, masked = job
     tokenizer = _tokenizer(tokenizer_spec)
     dtype = token_dtype(tokenizer.vocab_size)
     out = Path(out)
-    writers = {split: _ShardWriter(out / shard_name(split, index)) for split in SPLITS}
+    writers = {split: _ShardWriter(out / shard_name(split, index), masked) for split in SPLITS}
     eod = np.array([tokenizer.eod_id], dtype)
     pending: list = []
+    template = load_chat_template(tokenizer) if unit.kind == "chat" else None
 
     def flush():
         for doc, ids in zip(pending, tokenizer.encode_batch([d.text for d in pending])):
@@ -133,6 +146,11 @@ def _prepare_unit(job) -> dict:
 
     pending_bytes = 0
     for doc in unit_documents(unit, text_field, flag):
+        if doc.messages is not None:
+            ids, mask = chat_tokens(doc.messages, template, tokenizer, f"{flag} {doc.name}")
+            split = "heldout" if is_heldout(doc.name, seed, heldout) else "train"
+            writers[split].add(np.concatenate([ids.astype(dtype), eod]), np.append(mask, False))
+            continue
         pending.append(doc)
         pending_bytes += len(doc.text)
         if len(pending) >= ENCODE_BATCH_DOCS or pending_bytes >= ENCODE_BATCH_BYTES:
@@ -145,6 +163,24 @@ def _prepare_unit(job) -> dict:
         counts[f"{split}_docs"], counts[f"{split}_tokens"] = writer.docs, writer.tokens
     _atomic_json(out / f"shard-{index:05d}.json", counts)
     return counts
+
+
+def chat_tokens(messages: list[dict], template, tokenizer, where: str) -> tuple[np.ndarray, np.ndarray]:
+    """``(ids, mask)``: the tokens of a conversation rendered by ``template`` (`train.data.chat`) and, for
+    each, whether it starts inside an assistant turn (the tokens a chat example is trained on).
+
+    Raises:
+      ValueError: the template fails or hides the assistant's turns (prefixed by ``where``).
+    """
+    try:
+        text, spans = template.assistant_spans(messages)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    ids, starts = tokenizer.encode_offsets(text)
+    mask = np.zeros(len(ids), bool)
+    for begin, end in spans:
+        mask |= (starts >= begin) & (starts < end)
+    return ids, mask
 
 
 # The preparation ----------------------------------------------------------------------------------------------
@@ -163,6 +199,7 @@ def prepare(
     log=print,
     progress: bool = True,
     flag: str = "--data",
+    key: str | None = None,
 ) -> dict:
     """Prepares ``specs`` into ``out`` (see the module docstring); returns the manifest.
 
@@ -177,9 +214,12 @@ def prepare(
       log: one-line messages.
       progress: show a progress bar (on a terminal).
       flag: the flag the sources came from, for messages.
+      key: `preparation_key` of these arguments when the caller has it (the sources are not listed again).
 
     Several processes preparing the same ``out`` at once (the processes of one run on a shared file system)
-    take turns on a lock file beside it (``fcntl.flock``): the first prepares, the others then reuse.
+    take turns on a lock file beside it, ``.NAME.lock`` (``fcntl.flock``): the first prepares, the others then
+    reuse. The holder removes the file before it lets go; a process that then gets the lock of a removed
+    file opens the path again, so no two hold the lock at once.
 
     Raises:
       ValueError: a non-empty ``out`` holding something else, a source without text, or bad settings.
@@ -189,22 +229,34 @@ def prepare(
 
     out = Path(out).expanduser()
     out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.parent / f".{out.name}.lock", "w") as lock:
+    lock_path = out.parent / f".{out.name}.lock"
+    while True:
+        lock = open(lock_path, "a")
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
-            return _prepare(specs, out, tokenizer, workers, seed, heldout, text_field, shard_mb, log, progress, flag)
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+            if os.fstat(lock.fileno()).st_ino == os.stat(lock_path).st_ino:
+                break  # the file we hold is still the one at the path
+        except FileNotFoundError:
+            pass
+        lock.close()  # its holder removed it meanwhile: take the path's new file
+    try:
+        return _prepare(specs, out, tokenizer, workers, seed, heldout, text_field, shard_mb, log, progress, flag, key)
+    finally:
+        lock_path.unlink(missing_ok=True)
+        lock.close()
 
 
-def _prepare(specs, out, tokenizer, workers, seed, heldout, text_field, shard_mb, log, progress, flag) -> dict:
+def _prepare(specs, out, tokenizer, workers, seed, heldout, text_field, shard_mb, log, progress, flag, key) -> dict:
     """`prepare`, holding its lock."""
     if not 0.0 < heldout < 1.0:
         raise ValueError(f"--heldout {heldout}: must be between 0 and 1, e.g. 0.01")
     if shard_mb <= 0:
         raise ValueError(f"--shard-mb {shard_mb}: must be positive, e.g. {DEFAULT_SHARD_MB}")
-    key, sources = preparation_key(specs, tokenizer, seed, heldout, shard_mb, text_field, flag)
     manifest_path, plan_path = out / "manifest.json", out / "plan.json"
+    if key is not None and manifest_path.is_file() and json.loads(manifest_path.read_text()).get("key") == key:
+        log(f"reusing the prepared data in {out} (same sources, tokenizer and settings)")
+        return json.loads(manifest_path.read_text())
+    key, sources = preparation_key(specs, tokenizer, seed, heldout, shard_mb, text_field, flag)
     if manifest_path.is_file():
         manifest = json.loads(manifest_path.read_text())
         if manifest.get("key") == key:
@@ -234,7 +286,8 @@ def _prepare(specs, out, tokenizer, workers, seed, heldout, text_field, shard_mb
     resumed = f", resuming: {len(done)} of {len(units)} shards already done" if done else ""
     log(f"preparing {', '.join(specs)} into {out}: {len(units)} shards, {workers} workers, {tokenizer.name}{resumed}")
     tokenizer_spec = (None if tokenizer.name == "bytes" else tokenizer.name, getattr(tokenizer, "eod_token", None))
-    jobs = [(i, units[i], str(out), tokenizer_spec, seed, heldout, text_field, flag) for i in todo]
+    masked = any(unit.kind == "chat" for unit in units)
+    jobs = [(i, units[i], str(out), tokenizer_spec, seed, heldout, text_field, flag, masked) for i in todo]
     t0 = time.perf_counter()
     bar = _Progress(sum(units[i].nbytes for i in todo), progress)
     try:
@@ -273,6 +326,8 @@ def _prepare(specs, out, tokenizer, workers, seed, heldout, text_field, shard_mb
         },
         "split": {"seed": seed, "heldout": heldout, "rule": "crc32('{seed}:{name}') / 2**32 < heldout"},
         "text_field": text_field,
+        "loss_mask": masked,
+        "chat_template": load_chat_template(tokenizer).origin if masked else None,
         "shard_mb": shard_mb,
         "sources": sources,
         "shards": shards,
