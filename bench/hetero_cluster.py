@@ -15,14 +15,20 @@ Then a straggler run (``auto``, ``--rebalance-every 3``): both processes at full
 half its core at one third of the run and given it back at two thirds. And a ``stage=2`` pipeline across
 the two processes at ``r = 2``: the even split against ``--stage-layers auto``.
 
+``--schedules`` runs instead the pipeline schedules' comparison, without a quota (no cgroup, no root): a
+``stage=2`` pipeline across the two processes, each pinned to its own core, M = 8 microbatches, timing
+``gpipe``, lockstep ``1f1b``, ``1f1b-fused`` and ``zb`` (``--rounds`` rounds, the order reversed every other
+round; the median step time of each schedule over all rounds, warm-up steps left out), and writes that table.
+
 The gain of a run is the uniform median step time over its own; the ideal gain with speeds 1 and 1/r is
 (r+1)/2 (both processes busy the whole step). Writes a markdown section between markers in
 ``bench/RESULTS.md`` (unless ``--no-results``) and a PNG of the straggler run's step times.
 
     sudo python bench/hetero_cluster.py                 # ~30 min on a quiet 2-core machine
     python bench/hetero_cluster.py --ratios 2 --steps 8 --no-results   # a quick look
+    python bench/hetero_cluster.py --schedules          # the schedules' step times, ~15 min quiet, no root
 
-Needs two cores and a writable CPU cgroup (root); says so and exits otherwise. Every cgroup and process
+Needs two cores and (except ``--schedules``) a writable CPU cgroup (root); says so and exits otherwise. Every cgroup and process
 it starts is removed on exit, also on Ctrl-C.
 """
 
@@ -102,6 +108,39 @@ STAGE_FLAGS = [
     "--dist-timeout",
     "600",
 ]
+SCHEDULE_FLAGS = [
+    "--model",
+    "small",
+    "--set",
+    "num_layers=12",
+    "--seq-len",
+    "256",
+    "--batch-size",
+    "64",
+    "--mesh",
+    "stage=2,data=4",
+    "--mesh-outer",
+    "stage=2",
+    "--microbatches",
+    "8",
+    "--warmup",
+    "0",
+    "--eval-every",
+    "0",
+    "--ckpt-every",
+    "0",
+    "--log-every",
+    "1",
+    "--no-progress",
+    "--dist-timeout",
+    "600",
+]
+"""The schedules' runs: 12 layers split 6,6 over the two processes, 64 sequences = M = 8 microbatches of 8 (2
+per data device)."""
+SCHEDULES = ("gpipe", "1f1b", "1f1b-fused", "zb")
+SCHEDULE_TARGETS = {"1f1b-fused": 1.1, "zb": 1.0}
+"""Step time over GPipe's that each schedule should reach at most."""
+SCHEDULES_BEGIN, SCHEDULES_END = "<!-- hetero_schedules:begin -->", "<!-- hetero_schedules:end -->"
 
 
 class CpuQuota:
@@ -192,9 +231,12 @@ def counts_seen(run_dir: Path) -> dict[int, list[int]]:
     return metric(run_dir, "train/processed")
 
 
-def run(quota: CpuQuota, flags: list[str], run_dir: Path, log_dir: Path, cores: tuple[int, int], on_step=None) -> None:
+def run(
+    quota: CpuQuota | None, flags: list[str], run_dir: Path, log_dir: Path, cores: tuple[int, int], on_step=None
+) -> None:
     """Two processes of 4 CPU devices: process 0 on ``cores[0]`` in the fast cgroup, process 1 on ``cores[1]``
-    in the slow one; ``on_step(step)`` is called (from a thread) as process 0 logs steps."""
+    in the slow one (``quota`` None: no cgroup, pinned only); ``on_step(step)`` is called (from a thread) as
+    process 0 logs steps."""
     port = _port()
     procs = []
     try:
@@ -215,7 +257,8 @@ def run(quota: CpuQuota, flags: list[str], run_dir: Path, log_dir: Path, cores: 
                 "--process-id",
                 str(i),
             ]
-            shell = f"echo $$ > {quota.procs('slow' if i else 'fast')} && exec taskset -c {cores[i]} " + " ".join(cmd)
+            join = "" if quota is None else f"echo $$ > {quota.procs('slow' if i else 'fast')} && "
+            shell = f"{join}exec taskset -c {cores[i]} " + " ".join(cmd)
             log = (log_dir / f"p{i}.log").open("w")
             procs.append(
                 subprocess.Popen(["sh", "-c", shell], cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT)
@@ -347,6 +390,49 @@ def stages(args, quota, tmp: Path) -> list[dict]:
         print(f"  median step {rows[-1]['median']:.3f} s, layers {rows[-1]['layers']}", flush=True)
     quota.set_ratio(1.0)
     return rows
+
+
+def schedules(args, tmp: Path) -> dict[str, list[float]]:
+    """Each schedule's step times (steps after ``args.skip``) over ``args.rounds`` rounds, no quota."""
+    times = {name: [] for name in SCHEDULES}
+    for k in range(args.rounds):
+        for name in SCHEDULES if k % 2 == 0 else SCHEDULES[::-1]:
+            run_dir = tmp / f"schedule_{name}_{k}"
+            print(f"round {k + 1}/{args.rounds}: --pipeline-schedule {name} ...", flush=True)
+            flags = [*SCHEDULE_FLAGS, "--pipeline-schedule", name, "--steps", str(args.steps)]
+            run(None, flags, run_dir, tmp, args.cores)
+            steps = [t for s, t in sorted(step_times(run_dir).items()) if s > args.skip]
+            times[name] += steps
+            print(f"  median step {statistics.median(steps):.3f} s over {len(steps)} steps", flush=True)
+    return times
+
+
+def schedules_markdown(args, times: dict[str, list[float]], started: str, elapsed: float) -> str:
+    """The schedules' table: median step time (s) of each and its ratio to GPipe's, against the targets."""
+    import jax
+
+    gpipe = statistics.median(times["gpipe"])
+    lines = [
+        SCHEDULES_BEGIN,
+        f"## Pipeline schedules on the two-process cluster — {started[:10]}",
+        "",
+        f"`python bench/hetero_cluster.py --schedules --steps {args.steps} --skip {args.skip} --rounds "
+        f"{args.rounds}`, jax {jax.__version__}, {platform.machine()} {os.cpu_count()} cores ({platform.node()}), "
+        f"started {started}, {elapsed / 60:.0f} min. Two processes x 4 CPU devices, process 0 pinned to core "
+        f"{args.cores[0]}, process 1 to core {args.cores[1]}, no quota; flags `{' '.join(SCHEDULE_FLAGS)}` and "
+        f"`--pipeline-schedule` as named. Median step time over steps {args.skip + 1}-{args.steps} of every round "
+        f"(the order reversed every other round).",
+        "",
+        "| schedule | median step (s) | steps timed | over GPipe | target |",
+        "|---|---:|---:|---:|---|",
+    ]
+    for name in SCHEDULES:
+        median = statistics.median(times[name])
+        target = SCHEDULE_TARGETS.get(name)
+        verdict = "" if target is None else f"at most {target:.1f}x: {'met' if median <= target * gpipe else 'not met'}"
+        lines.append(f"| {name} | {median:.3f} | {len(times[name])} | {median / gpipe:.2f}x | {verdict} |")
+    lines.append(SCHEDULES_END)
+    return "\n".join(lines) + "\n"
 
 
 def stage_ideal(r: float, layers: int = 12) -> float:
@@ -483,10 +569,10 @@ def plot(strag, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def write_results(section: str) -> None:
+def write_results(section: str, begin: str = BEGIN, end: str = END) -> None:
     text = _read(RESULTS)
-    if BEGIN in text and END in text:
-        text = text[: text.index(BEGIN)] + section + text[text.index(END) + len(END) + 1 :]
+    if begin in text and end in text:
+        text = text[: text.index(begin)] + section + text[text.index(end) + len(end) + 1 :]
     else:
         text = text.rstrip("\n") + "\n\n" + section
     RESULTS.write_text(text)
@@ -506,19 +592,35 @@ def main(argv=None) -> int:
     parser.add_argument("--stage-ratio", type=float, default=2.0, help="r of the stage=2 runs; 0: skip them")
     parser.add_argument("--cores", default="0,1", help="the two cores to pin the processes to (default 0,1)")
     parser.add_argument("--no-results", action="store_true", help="print the table; leave bench/RESULTS.md alone")
+    parser.add_argument(
+        "--schedules",
+        action="store_true",
+        help="time the pipeline schedules (gpipe, 1f1b, 1f1b-fused, zb) on stage=2 across the two processes, "
+        "M = 8, no quota (no root needed) instead of the uneven runs",
+    )
+    parser.add_argument("--rounds", type=int, default=3, help="with --schedules: rounds over the schedules (default 3)")
     args = parser.parse_args(argv)
     try:
         args.ratios = [float(r) for r in args.ratios.split(",")]
         args.cores = tuple(int(c) for c in args.cores.split(","))
     except ValueError:
         parser.error("--ratios and --cores take comma-separated numbers, e.g. --ratios 1.5,2,3 --cores 0,1")
-    if any(r < 1 for r in args.ratios) or len(args.cores) != 2 or args.steps <= args.skip:
-        parser.error("--ratios must be >= 1, --cores two cores, --steps more than --skip")
+    if any(r < 1 for r in args.ratios) or len(args.cores) != 2 or args.steps <= args.skip or args.rounds < 1:
+        parser.error("--ratios must be >= 1, --cores two cores, --steps more than --skip, --rounds at least 1")
     available = os.sched_getaffinity(0)
     if not set(args.cores) <= available:
         parser.error(f"--cores {args.cores} are not all available here (cores {sorted(available)})")
     started = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     t0 = time.perf_counter()
+    if args.schedules:
+        with tempfile.TemporaryDirectory() as tmp:
+            times = schedules(args, Path(tmp))
+        section = schedules_markdown(args, times, started, time.perf_counter() - t0)
+        print(section)
+        if not args.no_results:
+            write_results(section, SCHEDULES_BEGIN, SCHEDULES_END)
+            print(f"written to {RESULTS.relative_to(ROOT)}")
+        return 0
     quota = CpuQuota()
     try:
         with tempfile.TemporaryDirectory() as tmp:

@@ -354,19 +354,19 @@ def test_the_pipelined_model_has_the_loss_and_gradients_of_the_unpipelined_one(
     num_layers, mesh_spec, stage_layers, repeats, microbatches
 ):
     config = get_config("test", [f"num_layers={num_layers}"])
-    batch = _batch(8, 32)
-    ref_loss, ref_grads = _loss_and_grads(_trainer(config, "fsdp=8"), batch)
+    ref_loss, ref_grads = _flat_loss_and_grads(num_layers)
     layout, _ = pl.plan_layout(num_layers, int(mesh_spec.split(",")[0].split("=")[1]), repeats, stage_layers)
     trainer = _trainer(config, mesh_spec, pl.PipelinePlan(layout, microbatches))
-    loss, grads = _loss_and_grads(trainer, batch)
+    loss, grads = _loss_and_grads(trainer, _batch(8, 32))
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     assert_close(grads, ref_grads)
 
 
-@functools.lru_cache(maxsize=1)
-def _flat_loss_and_grads():
-    """The unpipelined test model's loss and gradients on ``_batch(8, 32)`` (computed once per module)."""
-    return _loss_and_grads(_trainer(get_config("test"), "fsdp=8"), _batch(8, 32))
+@functools.cache
+def _flat_loss_and_grads(num_layers=4):
+    """The unpipelined test model's (``num_layers`` layers) loss and gradients on ``_batch(8, 32)`` (computed
+    once per layer count and module)."""
+    return _loss_and_grads(_trainer(get_config("test", [f"num_layers={num_layers}"]), "fsdp=8"), _batch(8, 32))
 
 
 @pytest.mark.parametrize(

@@ -405,6 +405,17 @@ def _loss_and_grads(trainer, batch):
     return float(loss), grads
 
 
+@functools.cache
+def flat_loss_and_grads(num_layers):
+    """The unpipelined test model's (``num_layers`` layers, ``fsdp=8``, one microbatch) loss and gradients on
+    ``_batch(8, 32)``: computed once per layer count and shared by every test comparing a pipeline with it."""
+    from models.config import get_config
+    from sharding.parallel import Accumulation
+
+    config = get_config("test", [f"num_layers={num_layers}"])
+    return _loss_and_grads(_trainer(config, "fsdp=8", Accumulation(1)), _batch(8, 32))
+
+
 CASES = [
     (4, "stage=2,fsdp=4", (3, 1), 2, 1),  # uneven, fsdp
     (6, "stage=4,fsdp=2", (2, 2, 1, 1), 4, 1),  # uneven, 4 stages
@@ -418,13 +429,11 @@ def test_1f1b_model_has_the_loss_and_gradients_of_the_unpipelined_one(
     num_layers, mesh_spec, stage_layers, microbatches, repeats
 ):
     from models.config import get_config
-    from sharding.parallel import Accumulation
 
     config = get_config("test", [f"num_layers={num_layers}"])
-    batch = _batch(8, 32)
-    ref_loss, ref_grads = _loss_and_grads(_trainer(config, "fsdp=8", Accumulation(1)), batch)
+    ref_loss, ref_grads = flat_loss_and_grads(num_layers)
     trainer = _trainer(config, mesh_spec, _plan(num_layers, mesh_spec, stage_layers, microbatches, "1f1b", repeats))
-    loss, grads = _loss_and_grads(trainer, batch)
+    loss, grads = _loss_and_grads(trainer, _batch(8, 32))
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     assert_close(grads, ref_grads)
 
