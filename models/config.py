@@ -375,8 +375,8 @@ PRESETS: dict[str, ModelConfig] = {
         experts_per_token=2,
     ),
     # Qwen3-30B-A3B shape (Qwen team, Qwen3 technical report, 2025; its config.json): 128 experts of width
-    # 768, top-8, norm_topk_prob true, 30.5e9 parameters, 3.3e9 active; without Qwen3's query/key norms, which
-    # this model does not have (a shape for dry runs and the cost model).
+    # 768, top-8, norm_topk_prob true, query/key norms, 30.5e9 parameters, 3.3e9 active (for dry runs and
+    # the cost model).
     "qwen3-30b-a3b": ModelConfig(
         vocab_size=151936,
         num_layers=48,
@@ -392,6 +392,7 @@ PRESETS: dict[str, ModelConfig] = {
         experts_per_token=8,
         moe_mlp_dim=768,
         router_aux_coef=0.001,
+        qk_norm=True,
     ),
 }
 

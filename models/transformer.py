@@ -175,7 +175,8 @@ class Transformer(nnx.Module):
         self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, par: Parallelism
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """`run_layers`, also returning the mixture-of-experts layers' statistics: ``aux`` and ``z`` (means
-        over those layers) and ``dropped`` (summed), float32 scalars; empty for a dense model.
+        over those layers) and ``dropped`` (summed), float32 scalars, and ``load [moe_layers, experts]``
+        (float32 counts of the copies routed to each expert of each MoE layer); empty for a dense model.
 
         A mixture of experts scans its first dense layers, then ``num_moe_layers`` periods, each
         ``moe_every - 1`` dense layers and one mixture-of-experts layer (`ModelConfig.layer_kinds`).
@@ -205,7 +206,12 @@ class Transformer(nnx.Module):
                 return self._body(moe_def, positions, segment_ids, par)(h, moe)
 
             x, stats = jax.lax.scan(one_period, x, (rest, moe_stacked))
-        totals = {"aux": jnp.mean(stats["aux"]), "z": jnp.mean(stats["z"]), "dropped": jnp.sum(stats["dropped"])}
+        totals = {
+            "aux": jnp.mean(stats["aux"]),
+            "z": jnp.mean(stats["z"]),
+            "dropped": jnp.sum(stats["dropped"]),
+            "load": stats["load"],
+        }
         return x, totals
 
     def _scan(self, graphdef, stacked, x, positions, segment_ids, par: Parallelism):
@@ -441,8 +447,8 @@ class Transformer(nnx.Module):
         """``(cross-entropy sum, weight_sum, stats)``: `loss_sums`' parts kept apart (no pipeline).
 
         ``stats`` are the mixture-of-experts float32 scalars ``aux`` (load-balancing loss, mean over the MoE
-        layers), ``z`` (router z-loss, mean) and ``dropped`` (routed copies dropped for capacity, summed);
-        empty for a dense model.
+        layers), ``z`` (router z-loss, mean) and ``dropped`` (routed copies dropped for capacity, summed),
+        and ``load [moe_layers, experts]`` (copies routed to each expert); empty for a dense model.
         """
         x, stats = self._features(tokens, positions, segment_ids, par)
         weight, vocab_last = self.output_weight()
