@@ -481,7 +481,11 @@ def check_exportable(config: ModelConfig) -> None:
         name = "Qwen3MoeForCausalLM"
         wanted = {"shared_experts": 0, "router": "softmax", "routed_scale": 1.0}
         if config.first_dense_layers % config.moe_every:
-            wanted["first_dense_layers"] = config.first_dense_layers - config.first_dense_layers % config.moe_every
+            raise ValueError(
+                f"first_dense_layers={config.first_dense_layers}: a mixture of experts with qk_norm is exported as "
+                f"{name}, whose decoder_sparse_step puts the MoE layers at multiples of moe_every="
+                f"{config.moe_every}; needs first_dense_layers a multiple of moe_every"
+            )
     else:
         name = "MixtralForCausalLM"
         wanted = {

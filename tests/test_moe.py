@@ -312,6 +312,32 @@ def test_a_moe_without_a_hugging_face_family_is_refused():
         hf.config_to_hf(CONFIG.replace(first_dense_layers=0))
 
 
+def test_qwen3_moe_config_round_trip_and_refusals():
+    """A MoE with query/key norms is written as Qwen3-MoE, its dense first layers as mlp_only_layers."""
+    from checkpoints import hf
+
+    config = CONFIG.replace(qk_norm=True, shared_experts=0, norm_topk=False)
+    written = hf.config_to_hf(config)
+    assert written["architectures"] == ["Qwen3MoeForCausalLM"] and written["mlp_only_layers"] == [0]
+    assert (written["moe_intermediate_size"], written["intermediate_size"]) == (config.expert_dim, config.mlp_dim)
+    assert hf.config_from_hf(written).architecture() == config.architecture()
+    with pytest.raises(ValueError, match="shared_experts=1: a mixture of experts is exported as Qwen3MoeForCausalLM"):
+        hf.config_to_hf(CONFIG.replace(qk_norm=True))
+    interleaved = config.replace(num_layers=5, first_dense_layers=1, moe_every=2)
+    with pytest.raises(ValueError, match="first_dense_layers=1: .* needs first_dense_layers a multiple of moe_every"):
+        hf.config_to_hf(interleaved)
+    assert hf.config_from_hf(
+        hf.config_to_hf(interleaved.replace(first_dense_layers=2, num_layers=6))
+    ).layer_kinds() == (
+        False,
+        False,
+        False,
+        True,
+        False,
+        True,
+    )
+
+
 def test_dry_run_prices_the_expert_dispatch_as_compiled(capsys):
     """The cost model's arguments and collectives (the ring's all-gathers and reduce-scatters, gradients
     summed over the batch axes but not over ``expert`` for expert weights) against the compiled step."""
