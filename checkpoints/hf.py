@@ -32,8 +32,25 @@ E experts, F one expert's width)::
     model.layers.{i}.block_sparse_moe.experts.{j}.w3.weight   [F, D]  layers/moe/up      [L, E, D, F]
     model.layers.{i}.block_sparse_moe.experts.{j}.w2.weight   [D, F]  layers/moe/down    [L, E, F, D]
 
-(with ``post_attention_layernorm`` -> ``layers/mlp_norm/scale`` as for Llama). Qwen3-MoE and Qwen2-MoE are
-not read: their query/key norms and gated shared expert are not in meshwork's model.
+(with ``post_attention_layernorm`` -> ``layers/mlp_norm/scale`` as for Llama).
+
+Qwen3-MoE (``Qwen3MoeForCausalLM``: query/key RMSNorms, softmax top-k routing renormalised when
+``norm_topk_prob``, no shared expert; the layers in ``mlp_only_layers`` and those whose ``i + 1`` is not a
+multiple of ``decoder_sparse_step`` are dense SwiGLUs of ``intermediate_size``, the others mixtures of
+experts of ``moe_intermediate_size``)::
+
+    model.layers.{i}.self_attn.q_norm.weight               [H]     layers/attention/q_norm  [L, H]
+    model.layers.{i}.self_attn.k_norm.weight               [H]     layers/attention/k_norm  [L, H]
+    model.layers.{i}.mlp.gate.weight                       [E, D]  layers/moe/router  [L, D, E]
+    model.layers.{i}.mlp.experts.{j}.gate_proj.weight      [F, D]  layers/moe/gate    [L, E, D, F]
+    model.layers.{i}.mlp.experts.{j}.up_proj.weight        [F, D]  layers/moe/up      [L, E, D, F]
+    model.layers.{i}.mlp.experts.{j}.down_proj.weight      [D, F]  layers/moe/down    [L, E, F, D]
+
+(dense layers as Llama's, in the ``dense_layers/...`` stack; `Qwen3ForCausalLM` is the dense family with
+the query/key norms). These are the per-expert names ``save_pretrained`` writes (its default
+``save_original_format``) and the published checkpoints use; the fused ``experts.gate_up_proj`` layout of
+``save_original_format=False`` is not read. Qwen2-MoE is not read: its gated shared expert is not in
+meshwork's model.
 
 Every mapping is a reshape and a transpose: ``transformers``' ``rotate_half`` pairs rotary
 dimension ``i`` with ``i + H/2``, as `models.layers.rotary_embedding` does, so no permutation of
@@ -60,9 +77,16 @@ from typing import Any
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, so safetensors' numpy reader returns it)
 import numpy as np
 
-from models.config import ModelConfig
+from models.config import ModelConfig, moe_placement
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "MixtralForCausalLM")
+ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen3MoeForCausalLM",
+)
 """The ``config.json`` ``architectures`` meshwork reads."""
 
 CONFIG_FILE = "config.json"
@@ -148,7 +172,8 @@ def _refuse_unsupported(hf: dict[str, Any], arch: str, where: str) -> None:
         raise ValueError(f"{where}: partial_rotary_factor={hf['partial_rotary_factor']} is not supported")
     window = hf.get("sliding_window")
     longest = hf.get("max_position_embeddings")
-    if arch == "Qwen2ForCausalLM":
+    qwen = arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+    if qwen:  # Qwen's sliding_window is in effect only with use_sliding_window
         types = set(hf.get("layer_types") or ["full_attention"])
         if hf.get("use_sliding_window") or types != {"full_attention"}:
             raise ValueError(
@@ -159,7 +184,7 @@ def _refuse_unsupported(hf: dict[str, Any], arch: str, where: str) -> None:
         raise ValueError(
             f"{where}: router_jitter_noise={hf['router_jitter_noise']} is not supported (meshwork routes exactly)"
         )
-    if arch == "Qwen2ForCausalLM":
+    if qwen:
         pass
     elif window is not None and (longest is None or window < longest):
         raise ValueError(
@@ -206,6 +231,7 @@ def config_from_hf(hf: dict[str, Any], where: str = CONFIG_FILE, **changes) -> M
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=arch == "Qwen2ForCausalLM",
+        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
         max_positions=int(hf.get("max_position_embeddings") or ModelConfig.max_positions),
         **_rope_fields(hf, where),
     )
@@ -218,10 +244,50 @@ def config_from_hf(hf: dict[str, Any], where: str = CONFIG_FILE, **changes) -> M
             experts_per_token=int(hf["num_experts_per_tok"]),
             router_aux_coef=float(hf.get("router_aux_loss_coef", 0.02)),
         )
+    elif arch == "Qwen3MoeForCausalLM":
+        fields.update(_qwen3_moe_fields(hf, fields["num_layers"], where))
     try:
         return ModelConfig(**fields, **changes)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
+
+
+def _qwen3_moe_fields(hf: dict[str, Any], num_layers: int, where: str) -> dict[str, Any]:
+    """The mixture-of-experts fields of a ``Qwen3MoeForCausalLM`` ``config.json``.
+
+    Qwen3-MoE makes layer ``i`` a mixture when ``i`` is not in ``mlp_only_layers`` and ``(i + 1) %
+    decoder_sparse_step == 0``; meshwork's placement is ``first_dense_layers`` dense layers, then every
+    ``moe_every``-th (`ModelConfig.layer_kinds`), so the pair is found whose placement is the same.
+
+    Raises:
+      ValueError: a missing field, or a placement meshwork's two fields cannot express (one line).
+    """
+    experts = hf.get("num_experts", hf.get("num_local_experts"))  # transformers 5 writes the second
+    if experts is None:
+        raise ValueError(f"{where}: no 'num_experts' field")
+    for key in ("num_experts_per_tok", "moe_intermediate_size"):
+        if key not in hf:
+            raise ValueError(f"{where}: no {key!r} field")
+    step = int(hf.get("decoder_sparse_step") or 1)
+    dense_only = {int(i) for i in hf.get("mlp_only_layers") or ()}
+    kinds = tuple(i not in dense_only and (i + 1) % step == 0 for i in range(num_layers))
+    if True not in kinds:
+        raise ValueError(f"{where}: no layer is a mixture of experts (mlp_only_layers, decoder_sparse_step)")
+    first = max(kinds.index(True) + 1 - step, 0)  # the dense layers before the first period
+    if moe_placement(num_layers, first, step) != kinds or (num_layers - first) % step:
+        raise ValueError(
+            f"{where}: mlp_only_layers={sorted(dense_only)} with decoder_sparse_step={step} places the mixtures "
+            "of experts where meshwork cannot (it has first_dense_layers dense layers, then every moe_every-th)"
+        )
+    return dict(
+        num_experts=int(experts),
+        experts_per_token=int(hf["num_experts_per_tok"]),
+        moe_mlp_dim=int(hf["moe_intermediate_size"]),
+        norm_topk=bool(hf.get("norm_topk_prob", False)),
+        router_aux_coef=float(hf.get("router_aux_loss_coef", 0.001)),
+        moe_every=step,
+        first_dense_layers=first,
+    )
 
 
 def init_config(folder: str | Path, preset: str | None = None, overrides: Sequence[str] = (), **changes) -> ModelConfig:
@@ -297,14 +363,13 @@ def token_id(value) -> int | None:
 def config_to_hf(
     config: ModelConfig, *, dtype: str = "float32", eos_token_id: int | None = None, bos_token_id: int | None = None
 ) -> dict[str, Any]:
-    """A ``config.json`` for `config`: ``MixtralForCausalLM`` for a mixture of experts (`check_exportable`),
-    ``Qwen2ForCausalLM`` with ``qkv_bias``, else ``LlamaForCausalLM``.
+    """A ``config.json`` for `config` in the family `family` names (`check_exportable`).
 
     Rotary settings are written both as ``rope_parameters`` (transformers 5) and as
     ``rope_theta`` + ``rope_scaling`` (earlier versions).
 
     Raises:
-      ValueError: a mixture of experts Mixtral cannot hold (`check_exportable`).
+      ValueError: a model no supported family holds (`check_exportable`).
     """
     rope: dict[str, Any] = {"rope_type": config.rope_type, "rope_theta": config.rope_theta}
     scaling = None
@@ -317,13 +382,9 @@ def config_to_hf(
             "original_max_position_embeddings": config.rope_original_max_positions,
         }
         rope.update(scaling)
-    if config.is_moe:
-        check_exportable(config)
-        architecture, model_type, mlp_dim = "MixtralForCausalLM", "mixtral", config.expert_dim
-    elif config.qkv_bias:
-        architecture, model_type, mlp_dim = "Qwen2ForCausalLM", "qwen2", config.mlp_dim
-    else:
-        architecture, model_type, mlp_dim = "LlamaForCausalLM", "llama", config.mlp_dim
+    architecture = family(config)
+    model_type = MODEL_TYPES[architecture]
+    mlp_dim = config.expert_dim if architecture == "MixtralForCausalLM" else config.mlp_dim
     out = {
         "architectures": [architecture],
         "model_type": model_type,
@@ -342,7 +403,7 @@ def config_to_hf(
         "rope_scaling": scaling,
         "rope_parameters": rope,
     }
-    if config.is_moe:
+    if architecture == "MixtralForCausalLM":
         out.update(
             num_local_experts=config.num_experts,
             num_experts_per_tok=config.experts_per_token,
@@ -353,8 +414,22 @@ def config_to_hf(
             attention_dropout=0.0,
         )
     out.update(bos_token_id=bos_token_id, eos_token_id=eos_token_id, dtype=dtype, torch_dtype=dtype, use_cache=True)
-    if model_type == "qwen2":
+    if architecture == "Qwen3MoeForCausalLM":
+        out.update(
+            moe_intermediate_size=config.expert_dim,
+            num_experts=config.num_experts,
+            num_experts_per_tok=config.experts_per_token,
+            norm_topk_prob=config.norm_topk,
+            decoder_sparse_step=config.moe_every,
+            mlp_only_layers=list(range(config.first_dense_layers)),
+            router_aux_loss_coef=config.router_aux_coef,
+            output_router_logits=False,
+            attention_dropout=0.0,
+        )
+    if model_type.startswith("qwen"):
         out.update(use_sliding_window=False, sliding_window=None)
+    if model_type in ("qwen3", "qwen3_moe"):
+        out.update(attention_bias=False)
     elif model_type == "llama":
         out.update(attention_bias=False, mlp_bias=False)
     return out
@@ -363,26 +438,70 @@ def config_to_hf(
 # Tensor mapping ----------------------------------------------------------------------------------
 
 
+MODEL_TYPES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+}
+"""``config.json``'s ``model_type`` of each architecture."""
+
+
+def family(config: ModelConfig) -> str:
+    """The Hugging Face architecture `config` is exported as: a mixture of experts is ``Qwen3MoeForCausalLM``
+    with ``qk_norm``, else ``MixtralForCausalLM``; a dense model ``Qwen3ForCausalLM`` with ``qk_norm``,
+    ``Qwen2ForCausalLM`` with ``qkv_bias``, else ``LlamaForCausalLM``.
+
+    Raises:
+      ValueError: a model that family cannot hold, naming the field (`check_exportable`).
+    """
+    check_exportable(config)
+    if config.is_moe:
+        return "Qwen3MoeForCausalLM" if config.qk_norm else "MixtralForCausalLM"
+    if config.qk_norm:
+        return "Qwen3ForCausalLM"
+    return "Qwen2ForCausalLM" if config.qkv_bias else "LlamaForCausalLM"
+
+
 def check_exportable(config: ModelConfig) -> None:
-    """Raises ValueError when no Hugging Face family holds `config`'s architecture: a mixture of experts is
-    written as Mixtral, which has every layer a mixture, no shared experts, softmax routing with renormalised
-    weights and no query/key biases."""
+    """Raises ValueError when no Hugging Face family holds `config`'s architecture, naming the field.
+
+    Qwen3 has query/key norms and no query/key/value biases. A mixture of experts is written as Mixtral (no
+    ``qk_norm``: every layer a mixture, renormalised softmax weights) or as Qwen3-MoE (``qk_norm``: dense
+    layers as ``mlp_only_layers`` and ``decoder_sparse_step``, so ``first_dense_layers`` must be a multiple of
+    ``moe_every``); both have no shared experts, softmax routing and no routed scale.
+    """
+    if config.qk_norm and config.qkv_bias:
+        raise ValueError("qkv_bias=True: a model with qk_norm is exported as Qwen3, which needs qkv_bias=False")
     if not config.is_moe:
         return
-    wanted = {
-        "first_dense_layers": 0,
-        "moe_every": 1,
-        "shared_experts": 0,
-        "router": "softmax",
-        "norm_topk": True,
-        "routed_scale": 1.0,
-        "qkv_bias": False,
-    }
-    for name, value in wanted.items():
-        if getattr(config, name) != value:
+    if config.qk_norm:
+        name = "Qwen3MoeForCausalLM"
+        wanted = {"shared_experts": 0, "router": "softmax", "routed_scale": 1.0}
+        if config.first_dense_layers % config.moe_every:
             raise ValueError(
-                f"{name}={getattr(config, name)}: a mixture of experts is exported as MixtralForCausalLM, which "
-                f"needs {name}={value}"
+                f"first_dense_layers={config.first_dense_layers}: a mixture of experts with qk_norm is exported as "
+                f"{name}, whose decoder_sparse_step puts the MoE layers at multiples of moe_every="
+                f"{config.moe_every}; needs first_dense_layers a multiple of moe_every"
+            )
+    else:
+        name = "MixtralForCausalLM"
+        wanted = {
+            "first_dense_layers": 0,
+            "moe_every": 1,
+            "shared_experts": 0,
+            "router": "softmax",
+            "norm_topk": True,
+            "routed_scale": 1.0,
+            "qkv_bias": False,
+        }
+    for field, value in wanted.items():
+        if getattr(config, field) != value:
+            raise ValueError(
+                f"{field}={getattr(config, field)}: a mixture of experts is exported as {name}, which needs "
+                f"{field}={value}" + ("" if config.qk_norm else " (or qk_norm=True for Qwen3MoeForCausalLM)")
             )
 
 
@@ -472,7 +591,7 @@ def _dedupe(maps: list[TensorMap]) -> list[TensorMap]:
 
 
 def _llama_maps(config: ModelConfig, moe: bool = False) -> list[TensorMap]:
-    """The Llama (and Mistral, Qwen2) table, with Mixtral's feed-forward where ``moe``."""
+    """The Llama (and Mistral, Qwen2, Qwen3) table, with Mixtral's or Qwen3-MoE's feed-forward where ``moe``."""
     d, n, k, h, f, v = (
         config.embed_dim,
         config.num_heads,
@@ -505,16 +624,23 @@ def _llama_maps(config: ModelConfig, moe: bool = False) -> list[TensorMap]:
                     True,
                 )
             )
+    if config.qk_norm:
+        for name in ("q_norm", "k_norm"):
+            maps.append(
+                TensorMap(("layers", "attention", name), f"{layer}self_attn.{name}.weight", ((h,),), (0,), True)
+            )
     maps.append(
         TensorMap(("layers", "attention", "o"), f"{layer}self_attn.o_proj.weight", ((d,), (n, h)), (1, 2, 0), True)
     )
     if moe:
-        e, f, sparse = config.num_experts, config.expert_dim, f"{layer}block_sparse_moe."
+        e, f = config.num_experts, config.expert_dim
+        qwen = config.qk_norm  # Qwen3-MoE's names, else Mixtral's (`family`)
+        sparse = f"{layer}mlp." if qwen else f"{layer}block_sparse_moe."
         maps.append(TensorMap(("layers", "moe", "router"), f"{sparse}gate.weight", ((e,), (d,)), (1, 0), True))
         for name, hf_name, split in (
-            ("gate", "w1", ((f,), (d,))),
-            ("up", "w3", ((f,), (d,))),
-            ("down", "w2", ((d,), (f,))),
+            ("gate", "gate_proj" if qwen else "w1", ((f,), (d,))),
+            ("up", "up_proj" if qwen else "w3", ((f,), (d,))),
+            ("down", "down_proj" if qwen else "w2", ((d,), (f,))),
         ):
             maps.append(
                 TensorMap(

@@ -44,7 +44,7 @@ from models.kernels.flash_attention import flash_attention
 from models.kernels.ring_attention import ring_attention
 from models.kernels.ulysses_attention import check_ulysses_heads, ulysses_attention
 from models.kernels.usp_attention import usp_attention
-from models.layers import make_params, rope_frequencies, rotary_embedding
+from models.layers import make_params, rms_norm, rope_frequencies, rotary_embedding
 from models.spec import attention_params
 from sharding import axes as ax
 from sharding.mesh import format_mesh
@@ -645,7 +645,8 @@ class Attention(nnx.Module):
 
     Weights ``q: [embed, heads, head_dim]``, ``k, v: [embed, kv_heads,
     head_dim]``, ``o: [heads, head_dim, embed]``; with ``qkv_bias`` also ``q_bias: [heads,
-    head_dim]`` and ``k_bias, v_bias: [kv_heads, head_dim]`` (zero at initialisation).
+    head_dim]`` and ``k_bias, v_bias: [kv_heads, head_dim]`` (zero at initialisation); with ``qk_norm``
+    also the RMSNorm scales ``q_norm, k_norm: [head_dim]``, applied to each head before the rotation.
     """
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
@@ -686,6 +687,9 @@ class Attention(nnx.Module):
             q = q + self.q_bias[...].astype(dtype)
             k = k + self.k_bias[...].astype(dtype)
             v = v + self.v_bias[...].astype(dtype)
+        if cfg.qk_norm:  # per head, before the rotation (Qwen3)
+            q = rms_norm(q, self.q_norm[...], cfg.norm_eps)
+            k = rms_norm(k, self.k_norm[...], cfg.norm_eps)
         freqs = rope_frequencies(cfg)
         q = par.constrain(
             rotary_embedding(q, positions, cfg.rope_theta, freqs), (ax.BATCH, ax.LENGTH, ax.HEADS, ax.HEAD_DIM)

@@ -14,7 +14,8 @@ num_layers, N num_heads, K num_kv_heads, H head_dim, F mlp_dim::
              + 2*D)                  # two RMSNorm scales per layer
       + D                            # final RMSNorm
 
-(with tied embeddings the first term is V*D; with ``qkv_bias`` each layer adds N*H + 2*K*H).
+(with tied embeddings the first term is V*D; with ``qkv_bias`` each layer adds N*H + 2*K*H, with
+``qk_norm`` 2*H).
 `ModelConfig.num_params` computes exactly this (from `models.spec`, the tables that build the
 modules); start-up checks it against the built model.
 """
@@ -61,6 +62,9 @@ class ModelConfig:
       norm_eps: RMSNorm epsilon.
       tie_embeddings: use the token embedding as the output projection.
       qkv_bias: add a learned bias to the query, key and value projections (Qwen2).
+      qk_norm: RMSNorm each query and key head over ``head_dim`` (one learned scale ``[head_dim]`` for
+        the queries, one for the keys, shared by the heads) before the rotary positions (Qwen3; Dehghani
+        et al., "Scaling Vision Transformers to 22 Billion Parameters", 2023, section 3.2).
       dtype: compute dtype, ``float32`` or ``bfloat16`` (parameters stay
         float32; softmax and loss are float32).
       remat: rematerialisation of each block in the backward pass: ``none``,
@@ -116,6 +120,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     qkv_bias: bool = False
+    qk_norm: bool = False
     dtype: str = "float32"
     remat: str = "none"
     attention: str = "reference"
@@ -150,6 +155,7 @@ class ModelConfig:
         "norm_eps",
         "tie_embeddings",
         "qkv_bias",
+        "qk_norm",
         "num_experts",
         "experts_per_token",
         "moe_mlp_dim",
@@ -255,8 +261,7 @@ class ModelConfig:
         """
         if not self.is_moe:
             return (False,) * self.num_layers
-        k, p = self.first_dense_layers, self.moe_every
-        return tuple(i >= k and (i - k + 1) % p == 0 for i in range(self.num_layers))
+        return moe_placement(self.num_layers, self.first_dense_layers, self.moe_every)
 
     def layer_stacks(self) -> tuple[tuple[str, bool, int], ...]:
         """The stacks of blocks, ``(name, moe, layers)`` in creation order: a dense model has one, ``layers``;
@@ -308,6 +313,13 @@ class ModelConfig:
           FLOPs per token (float).
         """
         return self.describe().flops_per_token(seq_len)
+
+
+def moe_placement(num_layers: int, first_dense_layers: int, moe_every: int) -> tuple[bool, ...]:
+    """Per layer, True for a mixture of experts: after ``first_dense_layers`` dense layers, the last of each
+    run of ``moe_every`` layers (`ModelConfig.layer_kinds`)."""
+    k, p = first_dense_layers, moe_every
+    return tuple(i >= k and (i - k + 1) % p == 0 for i in range(num_layers))
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -363,8 +375,8 @@ PRESETS: dict[str, ModelConfig] = {
         experts_per_token=2,
     ),
     # Qwen3-30B-A3B shape (Qwen team, Qwen3 technical report, 2025; its config.json): 128 experts of width
-    # 768, top-8, norm_topk_prob true, 30.5e9 parameters, 3.3e9 active; without Qwen3's query/key norms, which
-    # this model does not have (a shape for dry runs and the cost model).
+    # 768, top-8, norm_topk_prob true, query/key norms, 30.5e9 parameters, 3.3e9 active (for dry runs and
+    # the cost model).
     "qwen3-30b-a3b": ModelConfig(
         vocab_size=151936,
         num_layers=48,
@@ -380,6 +392,7 @@ PRESETS: dict[str, ModelConfig] = {
         experts_per_token=8,
         moe_mlp_dim=768,
         router_aux_coef=0.001,
+        qk_norm=True,
     ),
 }
 

@@ -94,9 +94,23 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (normed * self.scale[...]).astype(x.dtype)
+        return rms_norm(x, self.scale[...], self.eps)
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm over the last dimension (Zhang & Sennrich, 2019): ``x / sqrt(mean(x^2) + eps) * scale``.
+
+    Args:
+      x: ``[..., dim]``, any float dtype; computed in float32.
+      scale: ``[dim]`` float32.
+      eps: added to the mean square.
+
+    Returns:
+      ``[..., dim]`` in x's dtype.
+    """
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (normed * scale).astype(x.dtype)
 
 
 def rope_frequencies(config: ModelConfig) -> np.ndarray:

@@ -94,14 +94,16 @@ def router_losses(logits: jax.Array, probs: jax.Array, experts: jax.Array, num_e
       num_experts: E.
 
     Returns:
-      ``{"aux": E * sum_e f_e * P_e, "z": mean(logsumexp(logits)^2)}``.
+      ``{"aux": E * sum_e f_e * P_e, "z": mean(logsumexp(logits)^2), "load": [E]}``: ``load`` the routed
+      copies each expert received (float32 counts, before any capacity drop; ``N*K`` in all), from which the
+      step reports the routing balance.
     """
     counts = jnp.sum(jax.nn.one_hot(experts, num_experts, dtype=jnp.float32), axis=(0, 1))  # [E]
     fraction = counts / experts.size
     mean_prob = jnp.mean(probs, axis=0)
     aux = num_experts * jnp.sum(jax.lax.stop_gradient(fraction) * mean_prob)
     z = jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
-    return {"aux": aux, "z": z}
+    return {"aux": aux, "z": z, "load": counts}
 
 
 def router_objective(config: ModelConfig, stats: dict[str, jax.Array], weight_sum: jax.Array) -> jax.Array:
@@ -186,8 +188,9 @@ class MoE(nnx.Module):
         """``[batch, length, embed]`` -> ``([batch, length, embed]`` in x's dtype, stats).
 
         Returns:
-          The output and ``{"aux", "z", "dropped"}``, float32 scalars: the balancing loss and the z-loss
-          over the tokens of ``x``, and the routed copies dropped for capacity (0 when dropless).
+          The output and ``{"aux", "z", "dropped", "load"}``, float32: the balancing loss and the z-loss
+          over the tokens of ``x``, the routed copies dropped for capacity (0 when dropless), and the copies
+          routed to each expert ``[E]`` (`router_losses`).
         """
         config = self.config
         logits = jnp.einsum("BTD,DE->BTE", x.astype(jnp.float32), self.router[...])

@@ -76,8 +76,9 @@ def moe_params(config: ModelConfig) -> tuple[Param, ...]:
 
 def attention_params(config: ModelConfig) -> tuple[Param, ...]:
     """`models.attention.Attention`: ``q [embed, heads, head_dim]``, ``k, v [embed, kv_heads, head_dim]``,
-    ``o [heads, head_dim, embed]`` (fan-in ``heads * head_dim``) and, with ``qkv_bias`` (Qwen2), zero-initialised
-    ``q_bias [heads, head_dim]``, ``k_bias, v_bias [kv_heads, head_dim]``."""
+    ``o [heads, head_dim, embed]`` (fan-in ``heads * head_dim``); with ``qkv_bias`` (Qwen2), zero-initialised
+    ``q_bias [heads, head_dim]``, ``k_bias, v_bias [kv_heads, head_dim]``; with ``qk_norm`` (Qwen3), the
+    RMSNorm scales ``q_norm, k_norm [head_dim]`` (ones)."""
     d, n, k, h = config.embed_dim, config.num_heads, config.num_kv_heads, config.head_dim
     weights = (
         Param("q", (d, n, h), (ax.EMBED, ax.HEADS, ax.HEAD_DIM)),
@@ -85,13 +86,18 @@ def attention_params(config: ModelConfig) -> tuple[Param, ...]:
         Param("v", (d, k, h), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM)),
         Param("o", (n, h, d), (ax.HEADS, ax.HEAD_DIM, ax.EMBED), fan_in=n * h),
     )
-    if not config.qkv_bias:
-        return weights
-    return weights + (
-        Param("q_bias", (n, h), (ax.HEADS, ax.HEAD_DIM), role="bias", init="zeros"),
-        Param("k_bias", (k, h), (ax.KV_HEADS, ax.HEAD_DIM), role="bias", init="zeros"),
-        Param("v_bias", (k, h), (ax.KV_HEADS, ax.HEAD_DIM), role="bias", init="zeros"),
-    )
+    if config.qkv_bias:
+        weights += (
+            Param("q_bias", (n, h), (ax.HEADS, ax.HEAD_DIM), role="bias", init="zeros"),
+            Param("k_bias", (k, h), (ax.KV_HEADS, ax.HEAD_DIM), role="bias", init="zeros"),
+            Param("v_bias", (k, h), (ax.KV_HEADS, ax.HEAD_DIM), role="bias", init="zeros"),
+        )
+    if config.qk_norm:
+        weights += (
+            Param("q_norm", (h,), (ax.HEAD_DIM,), role="scale", init="ones"),
+            Param("k_norm", (h,), (ax.HEAD_DIM,), role="scale", init="ones"),
+        )
+    return weights
 
 
 def block_params(config: ModelConfig, moe: bool = False) -> tuple[Param, ...]:
@@ -141,7 +147,7 @@ def _layer_elementwise(config: ModelConfig) -> tuple[Term, ...]:
         Term(3.0 * (n + 2 * k) * h, ax.HEADS, what="rotary positions on queries and keys"),
         Term(6.0 * n, ax.HEADS, per_key=True, what="softmax of the scores (scale, mask, max, subtract, sum, divide)"),
         Term(3.0, per_key=True, what="causal and document mask"),
-    )
+    ) + ((Term(4.0 * (n + k) * h, ax.HEADS, what="query/key RMSNorms (qk_norm)"),) if config.qk_norm else ())
 
 
 def _loss_elementwise(config: ModelConfig) -> tuple[Term, ...]:

@@ -112,6 +112,22 @@ def _add_layers_axis(module: nnx.Module) -> None:
                 node.set_metadata("logical_axes", (ax.LAYERS,) + tuple(names))
 
 
+def _extend_scan(stack: nnx.Module, x, positions, k_cache, v_cache, par: Parallelism, *, rows=None, stacked=None):
+    """Scans `Block.extend` over a stack of blocks and their cache rows ``[n, batch, max_length, kv_heads,
+    head_dim]``: ``stacked`` (that stack's parameters, default all of it) or its ``rows``.
+    Returns ``(x, (k_cache, v_cache))``."""
+    graphdef, state = nnx.split(stack)
+    if stacked is None:
+        stacked = state if rows is None else jax.tree.map(lambda w: w[rows], state)
+
+    def body(h, layer):
+        layer_state, k, v = layer
+        h, k, v = nnx.merge(graphdef, layer_state).extend(h, positions, k, v, par)
+        return h, (k, v)
+
+    return jax.lax.scan(body, x, (stacked, k_cache, v_cache))
+
+
 class Transformer(nnx.Module):
     """The LM: embed, ``num_layers`` blocks, final RMSNorm, output projection.
 
@@ -159,7 +175,8 @@ class Transformer(nnx.Module):
         self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, par: Parallelism
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """`run_layers`, also returning the mixture-of-experts layers' statistics: ``aux`` and ``z`` (means
-        over those layers) and ``dropped`` (summed), float32 scalars; empty for a dense model.
+        over those layers) and ``dropped`` (summed), float32 scalars, and ``load [moe_layers, experts]``
+        (float32 counts of the copies routed to each expert of each MoE layer); empty for a dense model.
 
         A mixture of experts scans its first dense layers, then ``num_moe_layers`` periods, each
         ``moe_every - 1`` dense layers and one mixture-of-experts layer (`ModelConfig.layer_kinds`).
@@ -189,7 +206,12 @@ class Transformer(nnx.Module):
                 return self._body(moe_def, positions, segment_ids, par)(h, moe)
 
             x, stats = jax.lax.scan(one_period, x, (rest, moe_stacked))
-        totals = {"aux": jnp.mean(stats["aux"]), "z": jnp.mean(stats["z"]), "dropped": jnp.sum(stats["dropped"])}
+        totals = {
+            "aux": jnp.mean(stats["aux"]),
+            "z": jnp.mean(stats["z"]),
+            "dropped": jnp.sum(stats["dropped"]),
+            "load": stats["load"],
+        }
         return x, totals
 
     def _scan(self, graphdef, stacked, x, positions, segment_ids, par: Parallelism):
@@ -329,23 +351,48 @@ class Transformer(nnx.Module):
         """
         if par.pipeline is not None:
             raise ValueError("decoding runs without pipeline stages; use a --mesh without stage")
-        if hasattr(self, "dense_layers"):
-            raise ValueError(
-                "decoding a mixture of experts with dense layers is not supported; use first_dense_layers=0"
-            )
         positions = starts[:, None].astype(jnp.int32) + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
         x = self.embed(tokens, _dtype(self.config.dtype), par)
-        graphdef, stacked = nnx.split(self.layers)
-
-        def body(h, layer):
-            layer_state, k_cache, v_cache = layer
-            h, k_cache, v_cache = nnx.merge(graphdef, layer_state).extend(h, positions, k_cache, v_cache, par)
-            return h, (k_cache, v_cache)
-
-        x, (k, v) = jax.lax.scan(body, x, (stacked, cache["k"], cache["v"]))
+        if hasattr(self, "dense_layers"):
+            x, k, v = self._extend_mixed(x, positions, cache["k"], cache["v"], par)
+        else:
+            x, (k, v) = _extend_scan(self.layers, x, positions, cache["k"], cache["v"], par)
         weight, vocab_last = self.output_weight()
         logits = par.constrain(project_logits(self.final_norm(x), weight, vocab_last), (ax.BATCH, ax.LENGTH, ax.VOCAB))
         return logits, {"k": k, "v": v}
+
+    def _extend_mixed(self, x, positions, k_cache, v_cache, par: Parallelism):
+        """`extend`'s layers for a mixture of experts with dense layers, in the order of `run_layers_with_stats`:
+        the first dense layers, then periods of ``moe_every - 1`` dense layers and one mixture of experts; the
+        caches ``[layers, ...]`` are in model order, so each period takes ``moe_every`` consecutive rows.
+        Returns ``(x, k_cache, v_cache)``."""
+        first, period = self.config.first_dense_layers, self.config.moe_every
+        moe_def, moe_stacked = nnx.split(self.layers)
+        heads_k, heads_v = [], []
+        if first:
+            x, (hk, hv) = _extend_scan(
+                self.dense_layers, x, positions, k_cache[:first], v_cache[:first], par, rows=slice(0, first)
+            )
+            heads_k, heads_v = [hk], [hv]
+        periods = self.config.num_moe_layers
+        rest_k = k_cache[first:].reshape(periods, period, *k_cache.shape[1:])
+        rest_v = v_cache[first:].reshape(periods, period, *v_cache.shape[1:])
+        _, dense_stacked = nnx.split(self.dense_layers)
+        dense_rest = jax.tree.map(lambda w: w[first:].reshape(periods, period - 1, *w.shape[1:]), dense_stacked)
+
+        def one_period(h, layer):
+            dense, moe, k, v = layer
+            ks, vs = [], []
+            if period > 1:
+                h, (dk, dv) = _extend_scan(self.dense_layers, h, positions, k[:-1], v[:-1], par, stacked=dense)
+                ks, vs = [dk], [dv]
+            h, mk, mv = nnx.merge(moe_def, moe).extend(h, positions, k[-1], v[-1], par)
+            return h, (jnp.concatenate([*ks, mk[None]]), jnp.concatenate([*vs, mv[None]]))
+
+        x, (k, v) = jax.lax.scan(one_period, x, (dense_rest, moe_stacked, rest_k, rest_v))
+        k = jnp.concatenate([*heads_k, k.reshape(-1, *k.shape[2:])])
+        v = jnp.concatenate([*heads_v, v.reshape(-1, *v.shape[2:])])
+        return x, k, v
 
     def output_weight(self) -> tuple[jax.Array, bool]:
         """``(weight, vocab_last)``: ``unembed [embed, vocab]``, or the embedding table ``[vocab, embed]`` when tied."""
@@ -400,8 +447,8 @@ class Transformer(nnx.Module):
         """``(cross-entropy sum, weight_sum, stats)``: `loss_sums`' parts kept apart (no pipeline).
 
         ``stats`` are the mixture-of-experts float32 scalars ``aux`` (load-balancing loss, mean over the MoE
-        layers), ``z`` (router z-loss, mean) and ``dropped`` (routed copies dropped for capacity, summed);
-        empty for a dense model.
+        layers), ``z`` (router z-loss, mean) and ``dropped`` (routed copies dropped for capacity, summed),
+        and ``load [moe_layers, experts]`` (copies routed to each expert); empty for a dense model.
         """
         x, stats = self._features(tokens, positions, segment_ids, par)
         weight, vocab_last = self.output_weight()

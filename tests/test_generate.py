@@ -16,7 +16,14 @@ def gqa():
 
 
 @pytest.mark.parametrize(
-    "name, mesh", [("llama_gqa", "data=2,tensor=4"), ("llama_tied", "fsdp=4,tensor=2"), ("qwen2", "fsdp=8")]
+    "name, mesh",
+    [
+        ("llama_gqa", "data=2,tensor=4"),
+        ("llama_tied", "fsdp=4,tensor=2"),
+        ("qwen2", "fsdp=8"),
+        # dense and MoE layers alternating (decoding scans their periods), query/key norms, experts' mlp split
+        ("qwen3_moe", "tensor=8"),
+    ],
 )
 def test_greedy_reproduces_the_transformers_continuation(name, mesh):
     config, graphdef, params, par = load(FIXTURES / name, mesh)

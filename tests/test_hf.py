@@ -16,8 +16,13 @@ from sharding.parallel import Parallelism
 from sharding.rules import get_rules, tree_shardings
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
-MODELS = ("llama_gqa", "llama_tied", "qwen2")
+DENSE = ("llama_gqa", "llama_tied", "qwen2")
+MOE = ("mixtral", "qwen3_moe")
+MODELS = DENSE + MOE
 MESHES = ("fsdp=8", "fsdp=4,tensor=2", "data=2,tensor=4")
+# Three meshes over the two families (each compile costs seconds): expert-parallel with fsdp, with data and
+# tensor, and none; tests/test_moe.py checks every expert mesh against one device.
+MOE_CASES = (("mixtral", "expert=4,fsdp=2"), ("mixtral", "fsdp=8"), ("qwen3_moe", "data=2,expert=2,tensor=2"))
 
 
 def reference(name):
@@ -65,7 +70,7 @@ def test_llama3_rope_scaling_changes_the_frequencies():
 
 
 @pytest.mark.parametrize("mesh_spec", MESHES)
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", DENSE)
 def test_imported_logits_equal_transformers(name, mesh_spec):
     config, graphdef, params, par = load(FIXTURES / name, mesh_spec)
     ref = reference(name)
@@ -73,6 +78,35 @@ def test_imported_logits_equal_transformers(name, mesh_spec):
     logits = jax.jit(lambda p, t: apply(graphdef, p, t, par=par))(params, tokens)
     # 1e-4 relative to the logits' scale (their largest magnitude, ~8): elementwise ratios of near-zero logits say nothing.
     np.testing.assert_allclose(np.asarray(logits), ref["logits"], rtol=1e-4, atol=1e-4 * np.abs(ref["logits"]).max())
+
+
+@pytest.mark.parametrize("name, mesh_spec", MOE_CASES)
+def test_imported_moe_logits_equal_transformers(name, mesh_spec):
+    """Mixtral and Qwen3-MoE (query/key norms, dense and MoE layers alternating, unnormalised top-k weights)
+    on meshes with and without expert parallelism. The fixture's two rows are repeated four times so that
+    the batch splits over the 8 devices, as the expert layer's per-device dispatch needs."""
+    config, graphdef, params, par = load(FIXTURES / name, mesh_spec)
+    ref = reference(name)
+    tokens = np.tile(ref["tokens"], (4, 1))
+    logits = np.asarray(jax.jit(lambda p, t: apply(graphdef, p, t, par=par))(params, tokens))
+    scale = np.abs(ref["logits"]).max()
+    for rows in np.split(logits, 4):
+        np.testing.assert_allclose(rows, ref["logits"], rtol=1e-4, atol=1e-4 * scale)
+
+
+def test_moe_configs_map_every_field():
+    mixtral = hf.config_from_hf(hf.read_hf_config(FIXTURES / "mixtral"))
+    assert (mixtral.num_experts, mixtral.experts_per_token, mixtral.mlp_dim, mixtral.expert_dim) == (4, 2, 48, 48)
+    assert mixtral.norm_topk and not mixtral.qk_norm and mixtral.layer_kinds() == (True, True)
+    qwen = hf.config_from_hf(hf.read_hf_config(FIXTURES / "qwen3_moe"))
+    assert (qwen.num_experts, qwen.experts_per_token, qwen.mlp_dim, qwen.expert_dim) == (6, 2, 64, 16)
+    assert qwen.qk_norm and not qwen.norm_topk and not qwen.qkv_bias
+    assert qwen.layer_kinds() == (False, True, False, True)  # decoder_sparse_step 2
+    dense_first = hf.read_hf_config(FIXTURES / "qwen3_moe") | {"decoder_sparse_step": 1, "mlp_only_layers": [0]}
+    assert hf.config_from_hf(dense_first).layer_kinds() == (False, True, True, True)
+    odd = hf.read_hf_config(FIXTURES / "qwen3_moe") | {"decoder_sparse_step": 1, "mlp_only_layers": [2]}
+    with pytest.raises(ValueError, match=r"mlp_only_layers=\[2\] with decoder_sparse_step=1 places the mixtures"):
+        hf.config_from_hf(odd)
 
 
 def test_imported_arrays_sit_on_their_shardings():
@@ -96,7 +130,7 @@ def test_wrong_rope_layout_is_caught():
     assert not np.allclose(np.asarray(logits), ref["logits"], rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", (*DENSE, "qwen3_moe"))  # Mixtral's: tests/test_moe.py, onto an expert mesh
 def test_export_then_import_is_bit_exact(name, tmp_path):
     config, graphdef, params, _ = load(FIXTURES / name, "fsdp=4,tensor=2")
     out = tmp_path / "out"
@@ -149,7 +183,17 @@ def test_exported_folder_matches_the_fixture(name, tmp_path):
         "dtype",
     )
     assert {k: mine[k] for k in fields} == {k: fixture[k] for k in fields}
-    assert mine["head_dim"] == fixture.get("head_dim", config.embed_dim // config.num_heads)
+    moe_fields = (
+        "num_experts_per_tok",
+        "norm_topk_prob",
+        "decoder_sparse_step",
+        "mlp_only_layers",
+        "moe_intermediate_size",
+    )
+    assert {k: mine.get(k) for k in moe_fields if k in fixture} == {k: fixture[k] for k in moe_fields if k in fixture}
+    # transformers 5 writes num_local_experts for both; Qwen3-MoE's published configs (and our export) say num_experts
+    assert mine.get("num_experts", mine.get("num_local_experts")) == fixture.get("num_local_experts")
+    assert mine["head_dim"] == (fixture.get("head_dim") or config.embed_dim // config.num_heads)
     assert (out / "tokenizer.json").read_bytes() == (FIXTURES / name / "tokenizer.json").read_bytes()
 
 

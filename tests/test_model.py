@@ -248,6 +248,10 @@ def test_hugging_face_options_are_settable_and_checked():
     assert (config.rope_type, config.rope_factor, config.qkv_bias, config.head_dim) == ("llama3", 8.0, True, 24)
     _, abstract, _ = abstract_model(config)
     assert sum(x.size for x in jax.tree.leaves(abstract)) == config.num_params
+    qwen3 = get_config("test", ["qk_norm=true"])  # query/key norms: two [head_dim] scales per layer
+    _, abstract, _ = abstract_model(qwen3)
+    assert abstract["layers"]["attention"]["q_norm"].shape == (qwen3.num_layers, qwen3.head_dim)
+    assert sum(x.size for x in jax.tree.leaves(abstract)) == qwen3.num_params == CONFIG.num_params + 4 * 2 * 32
     with pytest.raises(ValueError, match="rope_type 'yarn': choose one of default, llama3"):
         get_config("test", ["rope_type=yarn"])
     with pytest.raises(ValueError, match="rope_low_freq_factor=4.0 with rope_high_freq_factor=1.0"):

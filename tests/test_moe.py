@@ -74,6 +74,17 @@ def test_router_losses_match_a_hand_computation():
     np.testing.assert_allclose(losses["aux"], 3 * np.sum(fraction * mean_prob), rtol=1e-6)
     lse = np.log(np.exp(np.asarray(logits)).sum(axis=1))
     np.testing.assert_allclose(losses["z"], np.mean(lse**2), rtol=1e-6)
+    np.testing.assert_array_equal(losses["load"], [1, 1, 2])
+
+
+def test_max_load_is_the_largest_expert_share_over_the_mean():
+    from train.step import max_load
+
+    balanced = jnp.array([[4.0, 4.0, 4.0, 4.0]])
+    assert float(max_load(balanced)) == 1.0
+    # layer 1 balanced, layer 2 sends half its copies to expert 0: 8 / mean 4
+    assert float(max_load(jnp.array([[4.0, 4.0, 4.0, 4.0], [8.0, 4.0, 2.0, 2.0]]))) == 2.0
+    assert float(max_load(jnp.array([[0.0, 0.0, 12.0]]))) == 3.0  # all to one expert: E
 
 
 def test_dropless_layer_equals_a_dense_loop_over_experts(layer_and_input):
@@ -222,6 +233,7 @@ def test_a_moe_model_trains_with_expert_parallelism(tmp_path, corpus, cache):
     assert [r["step"] for r in train_records] == [1, 2]
     for r in train_records:  # the router statistics: balancing loss near 1 (uniform), nothing dropped
         assert 0.5 < r["train/moe_aux"] < 4.0 and r["train/moe_z"] > 0 and r["train/moe_dropped"] == 0
+        assert 1.0 <= r["train/moe_max_load"] <= 8.0  # the busiest expert's share over the mean
 
 
 @pytest.mark.parametrize(
@@ -298,6 +310,32 @@ def test_a_moe_without_a_hugging_face_family_is_refused():
 
     with pytest.raises(ValueError, match="shared_experts=1: a mixture of experts is exported as MixtralForCausalLM"):
         hf.config_to_hf(CONFIG.replace(first_dense_layers=0))
+
+
+def test_qwen3_moe_config_round_trip_and_refusals():
+    """A MoE with query/key norms is written as Qwen3-MoE, its dense first layers as mlp_only_layers."""
+    from checkpoints import hf
+
+    config = CONFIG.replace(qk_norm=True, shared_experts=0, norm_topk=False)
+    written = hf.config_to_hf(config)
+    assert written["architectures"] == ["Qwen3MoeForCausalLM"] and written["mlp_only_layers"] == [0]
+    assert (written["moe_intermediate_size"], written["intermediate_size"]) == (config.expert_dim, config.mlp_dim)
+    assert hf.config_from_hf(written).architecture() == config.architecture()
+    with pytest.raises(ValueError, match="shared_experts=1: a mixture of experts is exported as Qwen3MoeForCausalLM"):
+        hf.config_to_hf(CONFIG.replace(qk_norm=True))
+    interleaved = config.replace(num_layers=5, first_dense_layers=1, moe_every=2)
+    with pytest.raises(ValueError, match="first_dense_layers=1: .* needs first_dense_layers a multiple of moe_every"):
+        hf.config_to_hf(interleaved)
+    assert hf.config_from_hf(
+        hf.config_to_hf(interleaved.replace(first_dense_layers=2, num_layers=6))
+    ).layer_kinds() == (
+        False,
+        False,
+        False,
+        True,
+        False,
+        True,
+    )
 
 
 def test_dry_run_prices_the_expert_dispatch_as_compiled(capsys):

@@ -54,6 +54,21 @@ _LAYOUT_ATTRIBUTES = frozenset(
 )
 
 
+def max_load(load: jax.Array) -> jax.Array:
+    """The routing balance of a step: the largest share of its layer's routed copies any expert received,
+    over the mean share (``1 / experts``); 1.0 when every expert of every MoE layer gets as many, ``experts``
+    when one gets all.
+
+    Args:
+      load: ``[moe_layers, experts]`` float32 copies routed to each expert (`models.moe.router_losses`).
+
+    Returns:
+      A float32 scalar, the maximum over layers and experts of ``load / mean(load over experts)``.
+    """
+    mean = jnp.maximum(jnp.mean(load, axis=-1, keepdims=True), 1e-9)
+    return jnp.max(load / mean)
+
+
 class Trainer:
     """The train step of a model on one mesh: the step, its jit cache and its per-step host inputs.
 
@@ -123,7 +138,8 @@ class Trainer:
     def loss_and_stats(self, params, batch, par: Parallelism | None = None):
         """``(loss_sum, (weight_sum, stats))``: `loss_sums` with a mixture of experts' router statistics,
         ``moe_aux_sum`` and ``moe_z_sum`` (the losses times the tokens, so that microbatches add up) and
-        ``moe_dropped`` (routed copies dropped for capacity), float32 scalars."""
+        ``moe_dropped`` (routed copies dropped for capacity), float32 scalars, and ``moe_load``
+        ``[moe_layers, experts]``, the copies routed to each expert (counts, which microbatches add)."""
         ce, weight, stats = loss_terms(
             self.state_layout.graphdef,
             params,
@@ -139,15 +155,20 @@ class Trainer:
             "moe_aux_sum": stats["aux"] * weight,
             "moe_z_sum": stats["z"] * weight,
             "moe_dropped": stats["dropped"],
+            "moe_load": stats["load"],
         }
         return objective, (weight, summed)
 
     def gradients(self, params, batch, inputs=None) -> tuple[jax.Array, jax.Array, Any, dict]:
         """The strategy's ``(loss_sum, weight_sum, grads, metrics)`` of a global batch (inside jit);
         ``inputs``: values of the strategy's step inputs by name (absent: their defaults). A mixture of experts
-        under a strategy that reports statistics adds ``moe_aux``, ``moe_z`` (token means) and ``moe_dropped``."""
+        under a strategy that reports statistics adds ``moe_aux``, ``moe_z`` (token means), ``moe_dropped`` and
+        ``moe_max_load`` (`max_load`)."""
         if self.config.is_moe and self.strategy.reports_stats:
-            return self.strategy.gradients(self.loss_and_stats, params, batch, inputs or {})
+            loss_sum, weight, grads, metrics = self.strategy.gradients(self.loss_and_stats, params, batch, inputs or {})
+            metrics = dict(metrics)
+            metrics["moe_max_load"] = max_load(metrics.pop("moe_load"))
+            return loss_sum, weight, grads, metrics
         return self.strategy.gradients(self.loss_sums, params, batch, inputs or {})
 
     def _step(self, state, batch, signals):
