@@ -1,15 +1,18 @@
-"""The elastic launcher: losing process 0 and then another process, training finishes on the survivors.
+"""The elastic launcher: losing process 0, then another while restarting, the lost ones rejoining, and one
+launcher per host agreeing on a restart; training finishes on the survivors.
 
 The losses after each restart are compared with an uninterrupted one-process run of the same flags at
 rtol 1e-5: the restarted job resumes from a checkpoint with the same global batch and data position, but
-on another mesh (data=3, then data=2, then data=1), so only the order of the float32 reductions differs,
-as in tests/test_multiprocess.py. Each process has one CPU device and the model one layer, to keep the
-compilations (one per restart and process) short.
+on another mesh (data=3, then data=2, then data=1, then data=3 again), so only the order of the float32
+reductions differs, as in tests/test_multiprocess.py. Each process has one CPU device and the model one
+layer, to keep the compilations (one per restart and process) short; the scenarios share launcher runs
+(each start of a JAX process costs seconds).
 """
 
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -34,7 +37,7 @@ from train.launch import (
     strip_flags,
 )
 
-STEPS = 10
+STEPS = 10  # the schedule's decay steps
 REJOIN_STEPS = 30  # the one-process job must still be running when the checkpoint it waits for is complete
 CKPT_EVERY = 2
 
@@ -77,12 +80,12 @@ def common(corpus, cache, steps=STEPS) -> list[str]:
     ]
 
 
-def start_launcher(args, log):
+def start_launcher(args, log, **env):
     handle = open(log, "w")
     return subprocess.Popen(
         [sys.executable, "-m", "train.launch", *args],
         cwd=ROOT,
-        env=clean_env(),
+        env=clean_env(**env),
         stdout=handle,
         stderr=subprocess.STDOUT,
     )
@@ -123,21 +126,44 @@ def reference(tmp_path_factory, corpus, cache):
     return folder / "run"
 
 
-@pytest.mark.slow
-def test_losing_process_0_then_another_finishes_on_the_survivors(tmp_path, corpus, cache, reference):
-    run_dir, log = tmp_path / "elastic", tmp_path / "launch.log"
-    args = [*common(corpus, cache), "--run-dir", str(run_dir)]
-    launcher = start_launcher(["--local-processes", "3", "--max-restarts", "2", *args], log)
+def wait_for_start(log, process: int, count: int, launcher, timeout=400) -> int:
+    """The pid of ``process`` of ``count`` once the launcher has started it."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            return pid_of(log, process, count)
+        except IndexError:
+            if launcher.poll() is not None:
+                raise AssertionError(f"launcher ended ({launcher.returncode}):\n{log.read_text()}") from None
+            time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for process {process} of {count}:\n{log.read_text()}")
+
+
+def stopped(launcher, timeout=600) -> int:
     try:
-        step_after(log, "launch: process 0 of 3", 3, launcher, run_dir, checkpoint=2)
-        os.kill(pid_of(log, 0, 3), signal.SIGKILL)  # the process that would host JAX's service without the launcher
-        step_after(log, "launch: restart 1/2", 7, launcher, run_dir, checkpoint=6)
-        os.kill(pid_of(log, 1, 2), signal.SIGKILL)
-        code = launcher.wait(timeout=400)
+        return launcher.wait(timeout=timeout)
     finally:
         if launcher.poll() is None:
             launcher.send_signal(signal.SIGTERM)
             launcher.wait(timeout=30)
+
+
+@pytest.mark.slow
+def test_losing_process_0_then_another_while_restarting_then_growing_back(tmp_path, corpus, cache, reference):
+    """One launcher run, three failures of the elastic path: process 0 of 3 (the process that would host JAX's
+    service without the launcher) is killed at step 3, so the job restarts on 2 (data=3 -> 2); process 1 of
+    those 2 is killed as soon as it starts (a second failure during the restart), so the job restarts on 1
+    (data=2 -> 1); with --rejoin the lost processes come back at the next checkpoint and the job finishes on
+    3. One metrics record per step, and the losses of an uninterrupted one-process run."""
+    run_dir, log = tmp_path / "elastic", tmp_path / "launch.log"
+    args = [*common(corpus, cache, REJOIN_STEPS), "--run-dir", str(run_dir)]
+    launcher = start_launcher(["--local-processes", "3", "--max-restarts", "2", "--rejoin", *args], log)
+    try:
+        step_after(log, "launch: process 0 of 3", 3, launcher, run_dir, checkpoint=2)
+        os.kill(pid_of(log, 0, 3), signal.SIGKILL)
+        os.kill(wait_for_start(log, 1, 2, launcher), signal.SIGKILL)
+    finally:
+        code = stopped(launcher)
     text = log.read_text()
     assert code == 0, text
     restarts = [line for line in text.splitlines() if line.startswith("launch: restart")]
@@ -150,13 +176,19 @@ def test_losing_process_0_then_another_finishes_on_the_survivors(tmp_path, corpu
     # steps recorded after it. How many that is depends on how far the asynchronous save of the next checkpoint
     # got before the kill (a tiny model's steps can outrun it), so it is checked against the recorded steps, not
     # bounded by --ckpt-every.
-    for line, awaited in zip(restarts, (2, 6)):
-        pattern = r"resuming from step (\d+) .*; (\d+) step\(s\) recomputed \(last recorded step (\d+)\)"
+    pattern = r"resuming from step (\d+) .*; (\d+) step\(s\) recomputed \(last recorded step (\d+)\)"
+    awaited = 2
+    for line in restarts:
         resumed, recomputed, recorded = map(int, re.search(pattern, line).groups())
         assert resumed >= awaited and resumed % CKPT_EVERY == 0 and recomputed == recorded - resumed >= 0, line
+        awaited = resumed
+    grow = re.findall(r"^launch: growing back to 3 processes at step (\d+)$", text, re.M)
+    assert len(grow) == 1 and awaited < int(grow[0]) < REJOIN_STEPS, text
+    after = text.split("growing back", 1)[1]
+    assert re.search(r"^launch: process 0 of 3 \(slot 0\) started", after, re.M), text
     assert "Traceback" not in text.split(restarts[-1], 1)[1], text
 
-    assert_one_record_per_step_with_the_reference_losses(run_dir, reference)
+    assert_one_record_per_step_with_the_reference_losses(run_dir, reference, REJOIN_STEPS)
 
 
 def assert_one_record_per_step_with_the_reference_losses(run_dir, reference, last=STEPS):
@@ -169,29 +201,29 @@ def assert_one_record_per_step_with_the_reference_losses(run_dir, reference, las
 
 
 @pytest.mark.slow
-def test_a_lost_process_rejoins_at_the_next_checkpoint(tmp_path, corpus, cache, reference):
-    """Process 1 of 2 is killed: training continues on one process, and grows back to two once a checkpoint
-    newer than the restart's is complete (--rejoin)."""
-    run_dir, log = tmp_path / "rejoin", tmp_path / "launch.log"
-    args = [*common(corpus, cache, REJOIN_STEPS), "--run-dir", str(run_dir)]
-    launcher = start_launcher(["--local-processes", "2", "--rejoin", *args], log)
+def test_one_launcher_per_host_from_slurm_agree_on_a_restart(tmp_path, corpus, cache, reference):
+    """Two launchers given a two-node SLURM environment (both nodes 127.0.0.1): node 0 hosts the service and
+    decides, node 1 connects and runs process 1. Killing process 1 on node 1 restarts the job on node 0's
+    process alone (data=2 -> 1); both launchers end with 0 and the losses are the one-process run's."""
+    run_dir, port = tmp_path / "hosts", free_port()
+    args = [*common(corpus, cache, 6), "--run-dir", str(run_dir), "--local-processes", "1", "--launch-port", str(port)]
+    slurm = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "127.0.0.1,127.0.0.1", "SLURM_NNODES": "2"}
+    logs = [tmp_path / f"node{i}.log" for i in range(2)]
+    launchers = [start_launcher(args, logs[i], SLURM_NODEID=str(i), **slurm) for i in range(2)]
     try:
-        step_after(log, "launch: process 0 of 2", 3, launcher, run_dir, checkpoint=2)
-        os.kill(pid_of(log, 1, 2), signal.SIGKILL)
-        code = launcher.wait(timeout=600)
+        step_after(logs[0], "launch: host 1 of 2 connected", 3, launchers[0], run_dir, checkpoint=2)
+        os.kill(pid_of(logs[1], 1, 2), signal.SIGKILL)
     finally:
-        if launcher.poll() is None:
-            launcher.send_signal(signal.SIGTERM)
-            launcher.wait(timeout=30)
-    text = log.read_text()
-    assert code == 0, text
-    restart = [line for line in text.splitlines() if line.startswith("launch: restart")]
-    assert len(restart) == 1 and "on 1 process(es); mesh data=2 -> data=1;" in restart[0], text
-    grow = re.findall(r"^launch: growing back to 2 processes at step (\d+)$", text, re.M)
-    resumed = int(re.search(r"resuming from step (\d+)", restart[0]).group(1))
-    assert len(grow) == 1 and resumed < int(grow[0]) < REJOIN_STEPS, text
-    assert re.search(r"^launch: process 1 of 2 \(slot 1\) started", text.split("growing back", 1)[1], re.M), text
-    assert_one_record_per_step_with_the_reference_losses(run_dir, reference, REJOIN_STEPS)
+        codes = [stopped(launcher, 400) for launcher in launchers]
+    texts = [log.read_text() for log in logs]
+    assert codes == [0, 0], texts
+    assert "launch: process 1 of 2 (slot 1) started on host 1" in texts[0], texts[0]
+    restarts = [line for line in texts[0].splitlines() if line.startswith("launch: restart")]
+    assert len(restarts) == 1, texts[0]
+    assert "lost process 1 (slot 1, killed by SIGKILL)" in restarts[0], restarts
+    assert "on 1 process(es); mesh data=2 -> data=1;" in restarts[0], restarts
+    assert "launch: host 1 of 2 connected to 127.0.0.1:" in texts[1], texts[1]
+    assert_one_record_per_step_with_the_reference_losses(run_dir, reference, 6)
 
 
 def test_the_layout_is_chosen_for_the_processes_left(corpus):
@@ -304,6 +336,36 @@ def test_a_failed_process_is_not_restarted_and_a_layout_that_no_longer_fits_says
     assert [s for s, _, _ in launcher.starts] == [[0, 1, 2, 3], [0, 1], [1, 2]]
     assert "mesh data=4 -> data=2;" in lines[0], lines
     assert lines[-1].startswith("error: nothing fits the 1 process(es) left (fewer than --min-processes 2)"), lines
+
+
+class VerifyingLauncher(ScriptedLauncher):
+    """A scripted launcher that reads the checkpoint folder as the real one does (`Launcher.newest`)."""
+
+    newest = Launcher.newest
+
+
+@pytest.mark.slow
+def test_a_process_lost_during_a_save_restarts_from_the_newest_verified_step(reference, corpus, tmp_path, monkeypatch):
+    """The reference run's checkpoints 26, 28, 30 as a process killed while saving leaves them: 30 still in
+    Orbax's temporary folder (killed before the rename), 28 cut short (no OCDBT manifest, as on a file system
+    without an atomic rename). The restart resumes from 26, the newest step that verifies."""
+    monkeypatch.setattr(launch_module, "POLL", 0.0)
+    folder = tmp_path / "run" / "checkpoints"
+    shutil.copytree(reference / "checkpoints", folder)
+    assert saved_steps(folder) == [26, 28, 30]
+    (folder / "30").rename(folder / "30.orbax-checkpoint-tmp-1764662400000000")
+    (folder / "28" / "state" / "manifest.ocdbt").unlink()
+    config = cli.parse(
+        ["--model", "test", "--cpu-devices", "1", "--mesh", "data=-1", "--batch-size", "6", "--data", str(corpus)]
+        + ["--run-dir", str(tmp_path / "run")]
+    )
+    lines = []
+    launcher = VerifyingLauncher([[None, -9], [None]], LaunchConfig(2), [], config, log=lines.append)
+    assert launcher.run() == 0
+    assert [(s, r) for s, _, r in launcher.starts] == [([0, 1], None), ([0], 26)]
+    assert lines[0].startswith(
+        "launch: restart 1/3: lost process 1 (slot 1, killed by SIGKILL); resuming from step 26"
+    ), lines
 
 
 def test_joining_a_service_hosted_elsewhere_needs_the_flags_and_the_binding(monkeypatch):

@@ -501,11 +501,12 @@ def _exit_lost(message: str) -> None:
     os._exit(LOST_PROCESS_EXIT)
 
 
-def checkpoint_note(directory) -> str:
+def checkpoint_note(directory, launched: bool = False) -> str:
     """Words for the latest complete checkpoint under ``directory`` and how to continue.
 
     E.g. ``the latest complete checkpoint is step 15 in runs/a/checkpoints; restart every
-    process with --resume``. Damaged steps are skipped (`checkpoints.verify`).
+    process with --resume``; under `train.launch` (``launched``: ``--external-coordinator``) the
+    launcher restarts by itself, and the words say so. Damaged steps are skipped (`checkpoints.verify`).
     """
     from checkpoints.verify import latest_verified_step
 
@@ -513,9 +514,10 @@ def checkpoint_note(directory) -> str:
         step = latest_verified_step(directory).step
     except Exception as e:  # a damaged folder: say so, never raise from the failure path
         return f"no complete checkpoint in {directory} ({str(e).splitlines()[0] if str(e) else e})"
+    how = "the launcher restarts from it" if launched else "restart every process with --resume"
     if step is None:
         return f"no checkpoint in {directory} yet; restarting begins at step 0"
-    return f"the latest complete checkpoint is step {step} in {directory}; restart every process with --resume"
+    return f"the latest complete checkpoint is step {step} in {directory}; {how}"
 
 
 def watch_peers(config: DistributedConfig, checkpoint_dir=None) -> PeerWatch | None:
@@ -532,7 +534,7 @@ def watch_peers(config: DistributedConfig, checkpoint_dir=None) -> PeerWatch | N
 
     if jax.process_count() == 1:
         return None
-    note = (lambda: checkpoint_note(checkpoint_dir)) if checkpoint_dir is not None else None
+    note = (lambda: checkpoint_note(checkpoint_dir, config.external)) if checkpoint_dir is not None else None
     return PeerWatch(jax.process_index(), jax.process_count(), config.timeout, checkpoint_note=note).start()
 
 
