@@ -283,7 +283,7 @@ class ScriptedLauncher(Launcher):
         self.current = Generation(list(slots), mesh, None, children, resumed)
         return self.current
 
-    def stop(self, gen):
+    def stop(self, gen, lost=False):
         self.current = None
 
     def newest(self):
@@ -357,12 +357,12 @@ def test_a_process_lost_during_a_save_restarts_from_the_newest_verified_step(ref
     (folder / "28" / "state" / "manifest.ocdbt").unlink()
     config = cli.parse(
         ["--model", "test", "--cpu-devices", "1", "--mesh", "data=-1", "--batch-size", "6", "--data", str(corpus)]
-        + ["--run-dir", str(tmp_path / "run")]
+        + ["--run-dir", str(tmp_path / "run"), "--resume"]
     )
     lines = []
-    launcher = VerifyingLauncher([[None, -9], [None]], LaunchConfig(2), [], config, log=lines.append)
+    launcher = VerifyingLauncher([[None, -9], [0]], LaunchConfig(2), [], config, log=lines.append)
     assert launcher.run() == 0
-    assert [(s, r) for s, _, r in launcher.starts] == [([0, 1], None), ([0], 26)]
+    assert [(s, r) for s, _, r in launcher.starts] == [([0, 1], 26), ([0], 26)]
     assert lines[0].startswith(
         "launch: restart 1/3: lost process 1 (slot 1, killed by SIGKILL); resuming from step 26"
     ), lines
@@ -392,3 +392,21 @@ def test_a_signal_to_the_launcher_is_passed_on_and_is_not_a_lost_process(corpus,
 
     monkeypatch.setattr(FakeChild, "poll", poll_once_then_signal)
     assert launcher.run() == 0 and len(launcher.starts) == 1 and launcher.failures == []
+
+
+@pytest.mark.slow
+def test_sigterm_before_the_training_loop_ends_a_process_at_once():
+    """JAX's preemption notifier takes SIGTERM over in jax.distributed.initialize and only records it; after
+    `train.distributed.initialize` a process that has not reached the loop ends at SIGTERM (nothing to save),
+    so a launcher stopping it does not wait for SIGKILL."""
+    script = (
+        "import os, signal, time\n"
+        "from train.distributed import DistributedConfig, initialize\n"
+        "from train.launch import free_port\n"
+        "initialize(DistributedConfig(f'127.0.0.1:{free_port()}', 1, 0, timeout=30))\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "time.sleep(5)\n"
+        "print('SIGTERM was swallowed')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=clean_env(), capture_output=True, text=True)
+    assert done.returncode == -signal.SIGTERM, done.stdout + done.stderr

@@ -179,6 +179,7 @@ def initialize(config: DistributedConfig) -> str:
                 initialization_timeout=config.timeout,
                 **timeouts,
             )
+        _default_sigterm()
         _check_loopback_single_host(config)
         hosted = " (service outside the training processes)" if config.external else ""
         return f"process {config.process_id} of {config.num_processes}, coordinator {config.coordinator}{hosted}"
@@ -186,7 +187,23 @@ def initialize(config: DistributedConfig) -> str:
     if cluster is None:
         return "one process"
     jax.distributed.initialize(initialization_timeout=config.timeout, **timeouts)
+    _default_sigterm()
     return f"process {jax.process_index()} of {jax.process_count()} (detected by JAX from {cluster})"
+
+
+def _default_sigterm() -> None:
+    """Gives SIGTERM its default action (end the process) back after ``jax.distributed.initialize``.
+
+    JAX's preemption notifier installs a C handler for SIGTERM there that only records the signal (and
+    Python's `signal.getsignal` does not see it), so a SIGTERM before the training loop installs its own
+    handler (`train.loop.StopFlag`) would be swallowed, and a launcher stopping a process that is still
+    starting would wait for its SIGKILL. Before the loop there is nothing to save, so ending is right; nothing
+    here reads JAX's preemption sync point.
+    """
+    import signal
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _runtime_module(purpose: str):
