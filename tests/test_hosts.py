@@ -70,6 +70,12 @@ def test_the_launcher_reads_the_hosts_and_keeps_them_from_the_training_processes
     assert launch.launch_port == 1234
     launch, _, _ = parse([*base, "--launch-port", "999"], env)
     assert launch.launch_port == 999
-    with pytest.raises(ValueError, match=r"^--min-processes 7: must be in 1..6"):
-        parse([*base, "--min-processes", "7"], env)
+    for flags, message in (
+        (["--min-processes", "7"], r"^--min-processes 7: must be in 1..6"),
+        (["--nodes", "0"], r"^--nodes 0: must be at least 1, e.g. --nodes 2"),
+        (["--launch-port", "70000"], r"^--launch-port 70000: must be in 1..65535, e.g. --launch-port 29431"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            parse([*base, *flags], env)
+    assert parse([*base, "--nodes", "3"], env)[0].hosts == 3  # the suggested values are accepted
     assert child_env({**env, "MASTER_ADDR": "h0", "PATH": "/bin"}) == {"PATH": "/bin"}

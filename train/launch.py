@@ -20,6 +20,12 @@ to come back. With ``--rejoin`` a lost process's slot is started again at the ne
 the launcher asks the running processes to stop (SIGTERM: they finish the step in flight and save) once
 a newer checkpoint than the one they resumed from is complete, and restarts on every slot.
 
+Several hosts: one launcher per host, each reading its place from SLURM's, torchrun's or a JobSet's
+environment (`train.hosts.placement`). The launcher on host 0 hosts the service and runs the loop above for
+every host's slots (slot ``s`` on host ``s // --local-processes``); the others connect to it at
+``--launch-port`` (`gather_hosts`), start the processes it asks for and report their ends (`follow`,
+`RemoteHost`), so the launchers agree on every restart because one decides.
+
 Each restart is one line: what was lost, the step resumed, the old and new mesh, the steps recomputed.
 Exit status: 0 when training finished; the training processes' own status for a non-finite loss (1)
 or an error (2); `RESTARTS_EXHAUSTED` when ``--max-restarts`` is used up or too few processes are left.
@@ -168,16 +174,18 @@ def parse(argv: Sequence[str], env: dict[str, str] | None = None) -> tuple[Launc
         raise ValueError(f"--local-processes {args.local_processes}: must be at least 1, e.g. --local-processes 2")
     if args.max_restarts < 0:
         raise ValueError(f"--max-restarts {args.max_restarts}: must be >= 0, e.g. --max-restarts 3")
-    where = placement(os.environ if env is None else env, args.nodes)
     if args.nodes is not None and args.nodes < 1:
         raise ValueError(f"--nodes {args.nodes}: must be at least 1, e.g. --nodes 2")
+    where = placement(os.environ if env is None else env, args.nodes)
     total = args.local_processes * (where.count if where is not None else 1)
     if not 1 <= args.min_processes <= total:
         raise ValueError(
             f"--min-processes {args.min_processes}: must be in 1..{total} (--local-processes on every host), "
             "e.g. --min-processes 1"
         )
-    port = args.launch_port or (where.port if where is not None and where.port else DEFAULT_LAUNCH_PORT)
+    port = args.launch_port
+    if port is None:
+        port = where.port if where is not None and where.port is not None else DEFAULT_LAUNCH_PORT
     if not 0 < port < 65536:
         raise ValueError(f"--launch-port {port}: must be in 1..65535, e.g. --launch-port {DEFAULT_LAUNCH_PORT}")
     train_argv = strip_flags(argv, LAUNCHER_FLAGS)
