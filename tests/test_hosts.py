@@ -78,4 +78,6 @@ def test_the_launcher_reads_the_hosts_and_keeps_them_from_the_training_processes
         with pytest.raises(ValueError, match=message):
             parse([*base, *flags], env)
     assert parse([*base, "--nodes", "3"], env)[0].hosts == 3  # the suggested values are accepted
+    one = {"SLURM_JOB_NODELIST": "n1", "SLURM_NODEID": "0", "SLURM_NNODES": "1"}
+    assert parse(base, one)[0].placement is None  # one node: the launcher runs as on this machine
     assert child_env({**env, "MASTER_ADDR": "h0", "PATH": "/bin"}) == {"PATH": "/bin"}

@@ -177,6 +177,8 @@ def parse(argv: Sequence[str], env: dict[str, str] | None = None) -> tuple[Launc
     if args.nodes is not None and args.nodes < 1:
         raise ValueError(f"--nodes {args.nodes}: must be at least 1, e.g. --nodes 2")
     where = placement(os.environ if env is None else env, args.nodes)
+    if where is not None and where.count == 1:  # one host: the processes meet on the loopback address
+        where = None
     total = args.local_processes * (where.count if where is not None else 1)
     if not 1 <= args.min_processes <= total:
         raise ValueError(
