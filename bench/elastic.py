@@ -100,25 +100,32 @@ def elastic_run(args, folder: Path):
     launcher = launch(args.processes, flags, log, ["--rejoin", "--max-restarts", str(len(plan) + 1)])
     try:
         for process, step in plan:
-            marker_count = len(kills)  # wait for the restart after the previous kill
-            while True:
+            while True:  # a step >= STEP of the newest generation, after the previous kill's restart
                 lines = lines_with_times(log, seen)
                 restarts = [i for i, line in enumerate(lines) if line.startswith("launch: restart")]
-                after = restarts[marker_count - 1] if marker_count else 0
-                if len(restarts) >= marker_count and any(re.match(rf"step\s+{step}/", line) for line in lines[after:]):
-                    break
+                starts = [i for i, line in enumerate(lines) if line.startswith("launch: process 0 of")]
+                if len(restarts) >= len(kills) and starts:
+                    since = max(starts[-1], restarts[len(kills) - 1] if kills else 0)
+                    reached = [
+                        int(m.group(1)) for m in (re.match(r"step\s+(\d+)/", line) for line in lines[since:]) if m
+                    ]
+                    if reached and max(reached) >= step:
+                        count = int(re.search(r"^launch: process 0 of (\d+)", lines[starts[-1]]).group(1))
+                        pids = re.findall(
+                            rf"^launch: process {process} of {count} \(slot \d+\) started, pid (\d+)$",
+                            "\n".join(lines),
+                            re.M,
+                        )
+                        try:
+                            os.kill(int(pids[-1]), signal.SIGKILL)
+                            break
+                        except ProcessLookupError:  # that generation just ended (growing back): the next one
+                            pass
                 if launcher.poll() is not None:
                     raise SystemExit(
                         f"the launcher ended ({launcher.returncode}) before step {step}:\n{log.read_text()}"
                     )
                 time.sleep(0.02)
-            count = int(re.findall(r"^launch: process \d+ of (\d+)", "\n".join(lines), re.M)[-1])
-            pid = int(
-                re.findall(
-                    rf"^launch: process {process} of {count} \(slot \d+\) started, pid (\d+)$", "\n".join(lines), re.M
-                )[-1]
-            )
-            os.kill(pid, signal.SIGKILL)
             kills.append((time.monotonic(), process, step, count))
         while launcher.poll() is None:
             lines_with_times(log, seen)
