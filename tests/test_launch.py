@@ -1,15 +1,19 @@
-"""The elastic launcher: losing process 0 and then another process, training finishes on the survivors.
+"""The elastic launcher, one per (simulated) host: losing process 0, then another while restarting, the lost
+ones rejoining; training finishes on the survivors. Then a save cut short, and the launcher's decisions on
+scripted exits.
 
 The losses after each restart are compared with an uninterrupted one-process run of the same flags at
 rtol 1e-5: the restarted job resumes from a checkpoint with the same global batch and data position, but
-on another mesh (data=3, then data=2, then data=1), so only the order of the float32 reductions differs,
-as in tests/test_multiprocess.py. Each process has one CPU device and the model one layer, to keep the
-compilations (one per restart and process) short.
+on another mesh (data=3, then data=2, then data=1, then data=3 again), so only the order of the float32
+reductions differs, as in tests/test_multiprocess.py. Each process has one CPU device and the model one
+layer, to keep the compilations (one per restart and process) short; the scenarios share launcher runs
+(each start of a JAX process costs seconds).
 """
 
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -34,7 +38,7 @@ from train.launch import (
     strip_flags,
 )
 
-STEPS = 10
+STEPS = 10  # the schedule's decay steps
 REJOIN_STEPS = 30  # the one-process job must still be running when the checkpoint it waits for is complete
 CKPT_EVERY = 2
 
@@ -77,12 +81,12 @@ def common(corpus, cache, steps=STEPS) -> list[str]:
     ]
 
 
-def start_launcher(args, log):
+def start_launcher(args, log, **env):
     handle = open(log, "w")
     return subprocess.Popen(
         [sys.executable, "-m", "train.launch", *args],
         cwd=ROOT,
-        env=clean_env(),
+        env=clean_env(**env),
         stdout=handle,
         stderr=subprocess.STDOUT,
     )
@@ -123,23 +127,53 @@ def reference(tmp_path_factory, corpus, cache):
     return folder / "run"
 
 
-@pytest.mark.slow
-def test_losing_process_0_then_another_finishes_on_the_survivors(tmp_path, corpus, cache, reference):
-    run_dir, log = tmp_path / "elastic", tmp_path / "launch.log"
-    args = [*common(corpus, cache), "--run-dir", str(run_dir)]
-    launcher = start_launcher(["--local-processes", "3", "--max-restarts", "2", *args], log)
+def wait_for_start(log, process: int, count: int, launcher, timeout=400) -> int:
+    """The pid of ``process`` of ``count`` once the launcher has started it."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            return pid_of(log, process, count)
+        except IndexError:
+            if launcher.poll() is not None:
+                raise AssertionError(f"launcher ended ({launcher.returncode}):\n{log.read_text()}") from None
+            time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for process {process} of {count}:\n{log.read_text()}")
+
+
+def stopped(launcher, timeout=600) -> int:
     try:
-        step_after(log, "launch: process 0 of 3", 3, launcher, run_dir, checkpoint=2)
-        os.kill(pid_of(log, 0, 3), signal.SIGKILL)  # the process that would host JAX's service without the launcher
-        step_after(log, "launch: restart 1/2", 7, launcher, run_dir, checkpoint=6)
-        os.kill(pid_of(log, 1, 2), signal.SIGKILL)
-        code = launcher.wait(timeout=400)
+        return launcher.wait(timeout=timeout)
     finally:
         if launcher.poll() is None:
             launcher.send_signal(signal.SIGTERM)
             launcher.wait(timeout=30)
-    text = log.read_text()
-    assert code == 0, text
+
+
+@pytest.mark.slow
+def test_three_hosts_lose_process_0_then_another_while_restarting_then_grow_back(tmp_path, corpus, cache, reference):
+    """One run of three launchers given a three-node SLURM environment (every node 127.0.0.1, one process
+    each): node 0's launcher hosts the service and decides, the others connect and start what it asks.
+    Process 0 (on node 0: the process that would host JAX's service without the launcher) is killed at
+    step 3, so the job restarts on nodes 1 and 2 (data=3 -> 2); process 1 of those 2 (node 2) is killed as
+    soon as it starts (a second failure during the restart), so the job restarts on node 1 alone (data=2 ->
+    1); with --rejoin the lost processes come back at the next checkpoint and the job finishes on 3. Every
+    launcher ends with 0; one metrics record per step, and the losses of an uninterrupted one-process run."""
+    run_dir, port = tmp_path / "elastic", free_port()
+    args = [*common(corpus, cache, REJOIN_STEPS), "--run-dir", str(run_dir), "--local-processes", "1"]
+    args += ["--max-restarts", "2", "--rejoin", "--launch-port", str(port)]
+    slurm = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "127.0.0.1,127.0.0.1,127.0.0.1", "SLURM_NNODES": "3"}
+    logs = [tmp_path / f"node{i}.log" for i in range(3)]
+    launchers = [start_launcher(args, logs[i], SLURM_NODEID=str(i), **slurm) for i in range(3)]
+    try:
+        step_after(logs[0], "launch: process 0 of 3", 3, launchers[0], run_dir, checkpoint=2)
+        os.kill(pid_of(logs[0], 0, 3), signal.SIGKILL)
+        os.kill(wait_for_start(logs[2], 1, 2, launchers[0]), signal.SIGKILL)
+    finally:
+        codes = [stopped(launcher) for launcher in launchers]
+    text, texts = logs[0].read_text(), [log.read_text() for log in logs]
+    assert codes == [0, 0, 0], texts
+    assert "launch: process 1 of 3 (slot 1) started on host 1" in text, text
+    assert all(f"launch: host {i} of 3 connected to 127.0.0.1:{port}" in texts[i] for i in (1, 2)), texts
     restarts = [line for line in text.splitlines() if line.startswith("launch: restart")]
     assert len(restarts) == 2, text
     assert "lost process 0 (slot 0, killed by SIGKILL)" in restarts[0], restarts
@@ -150,13 +184,19 @@ def test_losing_process_0_then_another_finishes_on_the_survivors(tmp_path, corpu
     # steps recorded after it. How many that is depends on how far the asynchronous save of the next checkpoint
     # got before the kill (a tiny model's steps can outrun it), so it is checked against the recorded steps, not
     # bounded by --ckpt-every.
-    for line, awaited in zip(restarts, (2, 6)):
-        pattern = r"resuming from step (\d+) .*; (\d+) step\(s\) recomputed \(last recorded step (\d+)\)"
+    pattern = r"resuming from step (\d+) .*; (\d+) step\(s\) recomputed \(last recorded step (\d+)\)"
+    awaited = 2
+    for line in restarts:
         resumed, recomputed, recorded = map(int, re.search(pattern, line).groups())
         assert resumed >= awaited and resumed % CKPT_EVERY == 0 and recomputed == recorded - resumed >= 0, line
-    assert "Traceback" not in text.split(restarts[-1], 1)[1], text
+        awaited = resumed
+    grow = re.findall(r"^launch: growing back to 3 processes at step (\d+)$", text, re.M)
+    assert len(grow) == 1 and awaited < int(grow[0]) < REJOIN_STEPS, text
+    after = text.split("growing back", 1)[1]
+    assert re.search(r"^launch: process 0 of 3 \(slot 0\) started", after, re.M), text
+    assert all("Traceback" not in t.split(restarts[-1], 1)[-1] for t in texts), texts
 
-    assert_one_record_per_step_with_the_reference_losses(run_dir, reference)
+    assert_one_record_per_step_with_the_reference_losses(run_dir, reference, REJOIN_STEPS)
 
 
 def assert_one_record_per_step_with_the_reference_losses(run_dir, reference, last=STEPS):
@@ -166,32 +206,6 @@ def assert_one_record_per_step_with_the_reference_losses(run_dir, reference, las
     got, want = losses(run_dir), losses(reference)
     np.testing.assert_allclose([got[s] for s in steps], [want[s] for s in steps], rtol=1e-5)
     assert str(last) in os.listdir(run_dir / "checkpoints")
-
-
-@pytest.mark.slow
-def test_a_lost_process_rejoins_at_the_next_checkpoint(tmp_path, corpus, cache, reference):
-    """Process 1 of 2 is killed: training continues on one process, and grows back to two once a checkpoint
-    newer than the restart's is complete (--rejoin)."""
-    run_dir, log = tmp_path / "rejoin", tmp_path / "launch.log"
-    args = [*common(corpus, cache, REJOIN_STEPS), "--run-dir", str(run_dir)]
-    launcher = start_launcher(["--local-processes", "2", "--rejoin", *args], log)
-    try:
-        step_after(log, "launch: process 0 of 2", 3, launcher, run_dir, checkpoint=2)
-        os.kill(pid_of(log, 1, 2), signal.SIGKILL)
-        code = launcher.wait(timeout=600)
-    finally:
-        if launcher.poll() is None:
-            launcher.send_signal(signal.SIGTERM)
-            launcher.wait(timeout=30)
-    text = log.read_text()
-    assert code == 0, text
-    restart = [line for line in text.splitlines() if line.startswith("launch: restart")]
-    assert len(restart) == 1 and "on 1 process(es); mesh data=2 -> data=1;" in restart[0], text
-    grow = re.findall(r"^launch: growing back to 2 processes at step (\d+)$", text, re.M)
-    resumed = int(re.search(r"resuming from step (\d+)", restart[0]).group(1))
-    assert len(grow) == 1 and resumed < int(grow[0]) < REJOIN_STEPS, text
-    assert re.search(r"^launch: process 1 of 2 \(slot 1\) started", text.split("growing back", 1)[1], re.M), text
-    assert_one_record_per_step_with_the_reference_losses(run_dir, reference, REJOIN_STEPS)
 
 
 def test_the_layout_is_chosen_for_the_processes_left(corpus):
@@ -251,7 +265,7 @@ class ScriptedLauncher(Launcher):
         self.current = Generation(list(slots), mesh, None, children, resumed)
         return self.current
 
-    def stop(self, gen):
+    def stop(self, gen, lost=False):
         self.current = None
 
     def newest(self):
@@ -306,6 +320,36 @@ def test_a_failed_process_is_not_restarted_and_a_layout_that_no_longer_fits_says
     assert lines[-1].startswith("error: nothing fits the 1 process(es) left (fewer than --min-processes 2)"), lines
 
 
+class VerifyingLauncher(ScriptedLauncher):
+    """A scripted launcher that reads the checkpoint folder as the real one does (`Launcher.newest`)."""
+
+    newest = Launcher.newest
+
+
+@pytest.mark.slow
+def test_a_process_lost_during_a_save_restarts_from_the_newest_verified_step(reference, corpus, tmp_path, monkeypatch):
+    """The reference run's checkpoints 26, 28, 30 as a process killed while saving leaves them: 30 still in
+    Orbax's temporary folder (killed before the rename), 28 cut short (no OCDBT manifest, as on a file system
+    without an atomic rename). The restart resumes from 26, the newest step that verifies."""
+    monkeypatch.setattr(launch_module, "POLL", 0.0)
+    folder = tmp_path / "run" / "checkpoints"
+    shutil.copytree(reference / "checkpoints", folder)
+    assert saved_steps(folder) == [26, 28, 30]
+    (folder / "30").rename(folder / "30.orbax-checkpoint-tmp-1764662400000000")
+    (folder / "28" / "state" / "manifest.ocdbt").unlink()
+    config = cli.parse(
+        ["--model", "test", "--cpu-devices", "1", "--mesh", "data=-1", "--batch-size", "6", "--data", str(corpus)]
+        + ["--run-dir", str(tmp_path / "run"), "--resume"]
+    )
+    lines = []
+    launcher = VerifyingLauncher([[None, -9], [0]], LaunchConfig(2), [], config, log=lines.append)
+    assert launcher.run() == 0
+    assert [(s, r) for s, _, r in launcher.starts] == [([0, 1], 26), ([0], 26)]
+    assert lines[0].startswith(
+        "launch: restart 1/3: lost process 1 (slot 1, killed by SIGKILL); resuming from step 26"
+    ), lines
+
+
 def test_joining_a_service_hosted_elsewhere_needs_the_flags_and_the_binding(monkeypatch):
     with pytest.raises(ValueError, match=r"^--external-coordinator: needs --coordinator HOST:PORT"):
         DistributedConfig(external=True).validate()
@@ -330,3 +374,21 @@ def test_a_signal_to_the_launcher_is_passed_on_and_is_not_a_lost_process(corpus,
 
     monkeypatch.setattr(FakeChild, "poll", poll_once_then_signal)
     assert launcher.run() == 0 and len(launcher.starts) == 1 and launcher.failures == []
+
+
+@pytest.mark.slow
+def test_sigterm_before_the_training_loop_ends_a_process_at_once():
+    """JAX's preemption notifier takes SIGTERM over in jax.distributed.initialize and only records it; after
+    `train.distributed.initialize` a process that has not reached the loop ends at SIGTERM (nothing to save),
+    so a launcher stopping it does not wait for SIGKILL."""
+    script = (
+        "import os, signal, time\n"
+        "from train.distributed import DistributedConfig, initialize\n"
+        "from train.launch import free_port\n"
+        "initialize(DistributedConfig(f'127.0.0.1:{free_port()}', 1, 0, timeout=30))\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "time.sleep(5)\n"
+        "print('SIGTERM was swallowed')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=clean_env(), capture_output=True, text=True)
+    assert done.returncode == -signal.SIGTERM, done.stdout + done.stderr

@@ -107,6 +107,9 @@ def test_checkpoint_note_names_the_newest_complete_step(checkpoints, tmp_path):
     assert checkpoint_note(checkpoints) == (
         f"the latest complete checkpoint is step 10 in {checkpoints}; restart every process with --resume"
     )
+    assert checkpoint_note(checkpoints, launched=True).endswith(
+        "step 10 in " + f"{checkpoints}; the launcher restarts from it"
+    )
     assert (
         checkpoint_note(tmp_path / "none") == f"no checkpoint in {tmp_path / 'none'} yet; restarting begins at step 0"
     )

@@ -1,4 +1,8 @@
-"""Two processes of 4 CPU devices (gloo collectives, coordinator on 127.0.0.1) against one of 8."""
+"""Two processes of 4 CPU devices (gloo collectives, coordinator on 127.0.0.1) against one of 8.
+
+The one-process references run inside the test process (its 8 CPU devices, `train.train.main`): the same
+program as ``python -m train.train --cpu-devices 8``, without a process start and JAX's import each.
+"""
 
 import re
 from pathlib import Path
@@ -6,12 +10,13 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from _procs import free_port, losses, run, start
+from _procs import free_port, losses, start
 
 from checkpoints.manager import CheckpointManager
 from models.config import get_config
 from sharding.mesh import make_mesh, parse_mesh
 from sharding.parallel import Parallelism
+from train import train
 from train.data import load_dataset
 from train.optimizer import OptimizerConfig
 from train.step import Trainer
@@ -84,8 +89,7 @@ def runs(tmp_path_factory, corpus, cache):
     multi, single = base / "multi", base / "single"
     two_processes([*COMMON, *data, "--steps", "10", "--run-dir", str(multi)], base)
     two_processes([*COMMON, *data, "--steps", "20", "--resume", "--run-dir", str(multi)], base)
-    code = run([*COMMON, *data, "--steps", "20", "--cpu-devices", "8", "--run-dir", str(single)], base / "single.log")
-    assert code == 0, (base / "single.log").read_text()
+    assert train.main([*COMMON, *data, "--steps", "20", "--cpu-devices", "8", "--run-dir", str(single)]) == 0
     return base, multi, single
 
 
@@ -167,8 +171,7 @@ def test_two_processes_with_uneven_counts_match_one_process(layout, tmp_path, co
     ]
     multi, single = tmp_path / "multi", tmp_path / "single"
     two_processes([*args, "--run-dir", str(multi)], tmp_path, timeout=400)
-    code = run([*args, "--cpu-devices", "8", "--run-dir", str(single)], tmp_path / "single.log", timeout=400)
-    assert code == 0, (tmp_path / "single.log").read_text()
+    assert train.main([*args, "--cpu-devices", "8", "--run-dir", str(single)]) == 0
 
     multi_losses, single_losses = losses(multi), losses(single)
     assert sorted(multi_losses) == sorted(single_losses) == [1, 2, 3]

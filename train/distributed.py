@@ -179,6 +179,7 @@ def initialize(config: DistributedConfig) -> str:
                 initialization_timeout=config.timeout,
                 **timeouts,
             )
+        _default_sigterm()
         _check_loopback_single_host(config)
         hosted = " (service outside the training processes)" if config.external else ""
         return f"process {config.process_id} of {config.num_processes}, coordinator {config.coordinator}{hosted}"
@@ -186,7 +187,23 @@ def initialize(config: DistributedConfig) -> str:
     if cluster is None:
         return "one process"
     jax.distributed.initialize(initialization_timeout=config.timeout, **timeouts)
+    _default_sigterm()
     return f"process {jax.process_index()} of {jax.process_count()} (detected by JAX from {cluster})"
+
+
+def _default_sigterm() -> None:
+    """Gives SIGTERM its default action (end the process) back after ``jax.distributed.initialize``.
+
+    JAX's preemption notifier installs a C handler for SIGTERM there that only records the signal (and
+    Python's `signal.getsignal` does not see it), so a SIGTERM before the training loop installs its own
+    handler (`train.loop.StopFlag`) would be swallowed, and a launcher stopping a process that is still
+    starting would wait for its SIGKILL. Before the loop there is nothing to save, so ending is right; nothing
+    here reads JAX's preemption sync point.
+    """
+    import signal
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _runtime_module(purpose: str):
@@ -501,11 +518,12 @@ def _exit_lost(message: str) -> None:
     os._exit(LOST_PROCESS_EXIT)
 
 
-def checkpoint_note(directory) -> str:
+def checkpoint_note(directory, launched: bool = False) -> str:
     """Words for the latest complete checkpoint under ``directory`` and how to continue.
 
     E.g. ``the latest complete checkpoint is step 15 in runs/a/checkpoints; restart every
-    process with --resume``. Damaged steps are skipped (`checkpoints.verify`).
+    process with --resume``; under `train.launch` (``launched``: ``--external-coordinator``) the
+    launcher restarts by itself, and the words say so. Damaged steps are skipped (`checkpoints.verify`).
     """
     from checkpoints.verify import latest_verified_step
 
@@ -513,9 +531,10 @@ def checkpoint_note(directory) -> str:
         step = latest_verified_step(directory).step
     except Exception as e:  # a damaged folder: say so, never raise from the failure path
         return f"no complete checkpoint in {directory} ({str(e).splitlines()[0] if str(e) else e})"
+    how = "the launcher restarts from it" if launched else "restart every process with --resume"
     if step is None:
         return f"no checkpoint in {directory} yet; restarting begins at step 0"
-    return f"the latest complete checkpoint is step {step} in {directory}; restart every process with --resume"
+    return f"the latest complete checkpoint is step {step} in {directory}; {how}"
 
 
 def watch_peers(config: DistributedConfig, checkpoint_dir=None) -> PeerWatch | None:
@@ -532,7 +551,7 @@ def watch_peers(config: DistributedConfig, checkpoint_dir=None) -> PeerWatch | N
 
     if jax.process_count() == 1:
         return None
-    note = (lambda: checkpoint_note(checkpoint_dir)) if checkpoint_dir is not None else None
+    note = (lambda: checkpoint_note(checkpoint_dir, config.external)) if checkpoint_dir is not None else None
     return PeerWatch(jax.process_index(), jax.process_count(), config.timeout, checkpoint_note=note).start()
 
 

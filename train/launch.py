@@ -20,6 +20,12 @@ to come back. With ``--rejoin`` a lost process's slot is started again at the ne
 the launcher asks the running processes to stop (SIGTERM: they finish the step in flight and save) once
 a newer checkpoint than the one they resumed from is complete, and restarts on every slot.
 
+Several hosts: one launcher per host, each reading its place from SLURM's, torchrun's or a JobSet's
+environment (`train.hosts.placement`). The launcher on host 0 hosts the service and runs the loop above for
+every host's slots (slot ``s`` on host ``s // --local-processes``); the others connect to it at
+``--launch-port`` (`gather_hosts`), start the processes it asks for and report their ends (`follow`,
+`RemoteHost`), so the launchers agree on every restart because one decides.
+
 Each restart is one line: what was lost, the step resumed, the old and new mesh, the steps recomputed.
 Exit status: 0 when training finished; the training processes' own status for a non-finite loss (1)
 or an error (2); `RESTARTS_EXHAUSTED` when ``--max-restarts`` is used up or too few processes are left.
@@ -42,6 +48,7 @@ from pathlib import Path
 
 from checkpoints.verify import saved_steps
 from train import cli
+from train.hosts import HostPlacement, child_env, placement
 
 STOP_GRACE = 5.0
 """Seconds a survivor gets to end after SIGTERM before SIGKILL (it is usually blocked in a collective)."""
@@ -49,10 +56,19 @@ POLL = 0.2
 """Seconds between looks at the training processes."""
 RESTARTS_EXHAUSTED = 4
 """Exit status when ``--max-restarts`` is used up or fewer than ``--min-processes`` are left."""
-LAUNCHER_FLAGS = {"--local-processes": True, "--max-restarts": True, "--min-processes": True, "--rejoin": False}
+LAUNCHER_FLAGS = {
+    "--local-processes": True,
+    "--max-restarts": True,
+    "--min-processes": True,
+    "--rejoin": False,
+    "--nodes": True,
+    "--launch-port": True,
+}
 """The launcher's own flags (True: takes a value); every other flag goes to the training processes."""
 GIVEN_BY_LAUNCHER = ("--coordinator", "--num-processes", "--process-id", "--external-coordinator")
 GROUP = "elastic launcher (python -m train.launch)"
+DEFAULT_LAUNCH_PORT = 29431
+"""The launchers' meeting port on host 0 when neither ``--launch-port`` nor ``MASTER_PORT`` gives one."""
 DOCUMENTED_GROUPS = (GROUP,)
 """The flags docs/flags.md lists under this command (the others are python -m train.train's)."""
 
@@ -66,12 +82,26 @@ class LaunchConfig:
       max_restarts: restarts allowed after lost processes before giving up (``--max-restarts``).
       min_processes: fewest processes worth training on (``--min-processes``).
       rejoin: start a lost process's slot again and grow the job back at the next checkpoint (``--rejoin``).
+      placement: this host's place among several (`train.hosts.placement`), None on one host.
+      launch_port: the port on host 0 where the other hosts' launchers connect (``--launch-port``).
     """
 
     local_processes: int
     max_restarts: int = 3
     min_processes: int = 1
     rejoin: bool = False
+    placement: HostPlacement | None = None
+    launch_port: int = DEFAULT_LAUNCH_PORT
+
+    @property
+    def hosts(self) -> int:
+        """Hosts in the job, one launcher each."""
+        return self.placement.count if self.placement is not None else 1
+
+    @property
+    def total_processes(self) -> int:
+        """Training processes over every host (slot ``s`` runs on host ``s // local_processes``)."""
+        return self.local_processes * self.hosts
 
 
 def build_parser():
@@ -90,7 +120,8 @@ def build_parser():
         type=int,
         default=None,
         metavar="N",
-        help="training processes to start on this machine, each with --cpu-devices devices (required)",
+        help="training processes to start on this machine (on each host under SLURM or Kubernetes), each with "
+        "--cpu-devices devices (required)",
     )
     g.add_argument(
         "--max-restarts", type=int, default=3, metavar="N", help="restarts after lost processes before giving up"
@@ -101,12 +132,29 @@ def build_parser():
         action="store_true",
         help="start a lost process again and grow the job back to every process at the next checkpoint",
     )
+    g.add_argument(
+        "--nodes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="hosts in the job, one launcher each, where the environment does not say (a Kubernetes JobSet); "
+        "SLURM and torchrun's variables (MASTER_ADDR, NNODES, NODE_RANK) say it themselves",
+    )
+    g.add_argument(
+        "--launch-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help=f"port on host 0 where the other hosts' launchers connect (default: MASTER_PORT, else "
+        f"{DEFAULT_LAUNCH_PORT})",
+    )
     return p
 
 
-def parse(argv: Sequence[str]) -> tuple[LaunchConfig, list[str], object]:
+def parse(argv: Sequence[str], env: dict[str, str] | None = None) -> tuple[LaunchConfig, list[str], object]:
     """``(launch, train_argv, run_config)``: the launcher's flags, the training processes' flags and their
-    `train.config.RunConfig` (checked as `train.cli.parse` checks it).
+    `train.config.RunConfig` (checked as `train.cli.parse` checks it). ``env`` (``os.environ``) says which
+    host this is (`train.hosts.placement`).
 
     Raises:
       SystemExit: From argparse, for unknown flags or ``--help``.
@@ -120,22 +168,33 @@ def parse(argv: Sequence[str]) -> tuple[LaunchConfig, list[str], object]:
     if args.local_processes is None:
         raise ValueError(
             "--local-processes: required (processes to start on this machine), e.g. --local-processes 2; "
-            "on several hosts run python -m train.train on each"
+            "on several hosts run one launcher per host with the same flags"
         )
     if args.local_processes < 1:
         raise ValueError(f"--local-processes {args.local_processes}: must be at least 1, e.g. --local-processes 2")
     if args.max_restarts < 0:
         raise ValueError(f"--max-restarts {args.max_restarts}: must be >= 0, e.g. --max-restarts 3")
-    if not 1 <= args.min_processes <= args.local_processes:
+    if args.nodes is not None and args.nodes < 1:
+        raise ValueError(f"--nodes {args.nodes}: must be at least 1, e.g. --nodes 2")
+    where = placement(os.environ if env is None else env, args.nodes)
+    if where is not None and where.count == 1:  # one host: the processes meet on the loopback address
+        where = None
+    total = args.local_processes * (where.count if where is not None else 1)
+    if not 1 <= args.min_processes <= total:
         raise ValueError(
-            f"--min-processes {args.min_processes}: must be in 1..{args.local_processes} (--local-processes), "
+            f"--min-processes {args.min_processes}: must be in 1..{total} (--local-processes on every host), "
             "e.g. --min-processes 1"
         )
+    port = args.launch_port
+    if port is None:
+        port = where.port if where is not None and where.port is not None else DEFAULT_LAUNCH_PORT
+    if not 0 < port < 65536:
+        raise ValueError(f"--launch-port {port}: must be in 1..65535, e.g. --launch-port {DEFAULT_LAUNCH_PORT}")
     train_argv = strip_flags(argv, LAUNCHER_FLAGS)
     for flag in GIVEN_BY_LAUNCHER:
         if any(a == flag or a.startswith(flag + "=") for a in train_argv):
             raise ValueError(f"{flag}: the launcher gives it to each process; leave it out")
-    launch = LaunchConfig(args.local_processes, args.max_restarts, args.min_processes, args.rejoin)
+    launch = LaunchConfig(args.local_processes, args.max_restarts, args.min_processes, args.rejoin, where, port)
     return launch, train_argv, cli.from_args(args)
 
 
@@ -252,8 +311,17 @@ class Launcher:
       log: prints one line (the launcher's lines start with ``launch:``).
     """
 
-    def __init__(self, launch: LaunchConfig, train_argv: list[str], config, log: Callable[[str], None] = print):
+    def __init__(
+        self,
+        launch: LaunchConfig,
+        train_argv: list[str],
+        config,
+        log: Callable[[str], None] = print,
+        remotes: dict[int, RemoteHost] | None = None,
+    ):
         self.launch, self.argv, self.config, self.log = launch, list(train_argv), config, log
+        self.remotes = remotes or {}
+        self.address = launch.placement.coordinator if launch.placement is not None else "127.0.0.1"
         self.folder = Path(config.checkpoint.run_dir) / "checkpoints"
         self.failures: list[str] = []
         self.stopping = False
@@ -261,7 +329,7 @@ class Launcher:
 
     def run(self) -> int:
         """Trains to the end through lost processes; returns the exit status."""
-        slots, lost_slots, resume = list(range(self.launch.local_processes)), [], self.config.checkpoint.resume
+        slots, lost_slots, resume = list(range(self.launch.total_processes)), [], self.config.checkpoint.resume
         count, mesh, _ = choose(self.config, len(slots), len(slots))
         if count == 0:  # the first layout is the user's: refuse it as train.train would
             layout_for(self.config, len(slots))
@@ -272,7 +340,7 @@ class Launcher:
                 self.log(self.restart_line(previous, count, mesh, resumed or 0))
             gen = self.start(slots[:count], mesh, resumed, restart=restart)
             outcome, detail = self.watch(gen)
-            self.stop(gen)
+            self.stop(gen, lost=outcome == "lost")
             if outcome == "done":
                 return 0
             if outcome == "failed":
@@ -302,7 +370,7 @@ class Launcher:
                     f"launch: nothing fits {len(slots)} process(es) ({'; '.join(refusals) or 'below --min-processes'}); "
                     f"waiting for process(es) {', '.join(map(str, lost_slots))} to rejoin"
                 )
-                slots, lost_slots = sorted(slots + lost_slots), []
+                slots, lost_slots = sorted(slots + [s for s in lost_slots if self.reachable(s)]), []
                 count, mesh, refusals = choose(self.config, len(slots), self.launch.min_processes)
             if count == 0:
                 return self.no_fit(len(slots), refusals)
@@ -345,6 +413,7 @@ class Launcher:
 
         port = free_port()
         service = start_service(port, len(slots), self.config.cluster.dist_timeout)
+        env = child_env(os.environ)
         argv = self.argv
         if restart:
             argv = strip_flags(argv, {"--resume-step": True, "--discard-later": False})
@@ -357,14 +426,19 @@ class Launcher:
                 "train.train",
                 *argv,
                 "--coordinator",
-                f"127.0.0.1:{port}",
+                f"{self.address}:{port}",
                 "--num-processes",
                 str(len(slots)),
                 "--process-id",
                 str(index),
                 "--external-coordinator",
             ]
-            children.append(subprocess.Popen(command, preexec_fn=_die_with_parent))
+            host = slot // self.launch.local_processes
+            if host in self.remotes:
+                children.append(self.remotes[host].start(slot, command))
+                self.log(f"launch: process {index} of {len(slots)} (slot {slot}) started on host {host}")
+                continue
+            children.append(subprocess.Popen(command, env=env, preexec_fn=_die_with_parent))
             self.log(f"launch: process {index} of {len(slots)} (slot {slot}) started, pid {children[-1].pid}")
         self.current = Generation(slots, mesh, service, children, resumed)
         return self.current
@@ -398,7 +472,7 @@ class Launcher:
                 return "lost", ([], f"process {silent[0]} reported a silent peer (exit 3)")
             if len(ended) == len(gen.children):
                 return "done", None
-            if self.launch.rejoin and len(gen.slots) < self.launch.local_processes:
+            if self.launch.rejoin and len(gen.slots) < len(self.reachable_slots()):
                 after = gen.resumed or 0
                 if max(saved_steps(self.folder), default=0) > after and self.newest() > after:
                     return self.grow_back(gen)
@@ -421,13 +495,23 @@ class Launcher:
             return "lost", ([], f"processes ended with {codes} while stopping to grow back")
         if self.newest() >= self.config.loop.steps:  # the stop came with the last step
             return "done", None
-        return "grow", list(range(self.launch.local_processes))
+        return "grow", self.reachable_slots()
 
-    def stop(self, gen: Generation) -> None:
-        """Ends every process of ``gen`` still running (SIGTERM, SIGKILL after `STOP_GRACE`) and the service."""
+    def reachable(self, slot: int) -> bool:
+        """Whether ``slot``'s host can start a process (this host, or a host whose launcher is connected)."""
+        host = slot // self.launch.local_processes
+        return host == 0 or (host in self.remotes and self.remotes[host].alive)
+
+    def reachable_slots(self) -> list[int]:
+        return [s for s in range(self.launch.total_processes) if self.reachable(s)]
+
+    def stop(self, gen: Generation, lost: bool = False) -> None:
+        """Ends every process of ``gen`` still running and the service: after a ``lost`` process at once
+        (SIGKILL: the survivors are blocked in a collective with the lost one and can neither step nor save),
+        otherwise SIGTERM, then SIGKILL after `STOP_GRACE`."""
         alive = [c for c in gen.children if c.poll() is None]
         for child in alive:
-            child.send_signal(signal.SIGTERM)
+            child.send_signal(signal.SIGKILL if lost else signal.SIGTERM)
         deadline = time.monotonic() + STOP_GRACE
         for child in alive:
             try:
@@ -445,6 +529,195 @@ class Launcher:
             for child in self.current.children:
                 if child.poll() is None:
                     child.send_signal(signal.SIGTERM)
+
+
+class RemoteHost:
+    """Host 0's end of another host's launcher: starts and signals training processes there and learns when they
+    end (JSON lines over TCP, `follow` on the other end). A host whose launcher disconnects is lost: each of
+    its running processes then counts as killed (SIGKILL)."""
+
+    def __init__(self, sock, index: int):
+        import threading
+
+        self.sock, self.index, self.alive = sock, index, True
+        self.children: dict[int, RemoteChild] = {}
+        self._lock = threading.Lock()
+        threading.Thread(target=self._read, name=f"launch-host-{index}", daemon=True).start()
+
+    def send(self, message: dict) -> None:
+        try:
+            with self._lock:
+                self.sock.sendall((json.dumps(message) + "\n").encode())
+        except OSError:
+            self._lose()
+
+    def start(self, slot: int, command: list[str]) -> RemoteChild:
+        child = self.children[slot] = RemoteChild(self, slot)
+        if not self.alive:
+            child.returncode = -signal.SIGKILL
+        self.send({"op": "start", "slot": slot, "command": command})
+        return child
+
+    def _read(self) -> None:
+        with self.sock.makefile("r") as lines:
+            try:
+                for line in lines:
+                    message = json.loads(line)
+                    child = self.children.get(message.get("slot"))
+                    if child is not None and "exit" in message:
+                        child.returncode = int(message["exit"])
+            except (OSError, ValueError):
+                pass
+        self._lose()
+
+    def _lose(self) -> None:
+        self.alive = False
+        for child in self.children.values():
+            if child.returncode is None:
+                child.returncode = -signal.SIGKILL
+
+
+class RemoteChild:
+    """A training process on another host (the part of `subprocess.Popen` the launcher uses), told about by
+    that host's launcher (`RemoteHost`)."""
+
+    def __init__(self, host: RemoteHost, slot: int):
+        self.host, self.slot, self.pid, self.returncode = host, slot, None, None
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        if self.returncode is None:
+            self.host.send({"op": "signal", "slot": self.slot, "signal": int(signum)})
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.returncode is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"process in slot {self.slot} on host {self.host.index}", timeout)
+            time.sleep(0.05)
+        return self.returncode
+
+
+def gather_hosts(launch: LaunchConfig, timeout: float, log: Callable[[str], None]) -> dict[int, RemoteHost]:
+    """On host 0: waits for every other host's launcher to connect to ``--launch-port``.
+
+    Raises:
+      RuntimeError: A host did not connect within ``timeout`` seconds (``--dist-timeout``), or said an index
+        outside the job.
+    """
+    import socket
+
+    server = socket.create_server(("", launch.launch_port), reuse_port=False)
+    server.settimeout(1.0)
+    remotes: dict[int, RemoteHost] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(remotes) < launch.hosts - 1:
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(1, launch.hosts)) - set(remotes))
+                raise RuntimeError(
+                    f"--dist-timeout {timeout:.0f}: host(s) {', '.join(map(str, missing))} did not connect to "
+                    f"--launch-port {launch.launch_port} on {launch.placement.coordinator}; start one launcher per host"
+                )
+            try:
+                sock, _ = server.accept()
+            except TimeoutError:
+                continue
+            sock.settimeout(None)
+            hello = json.loads(sock.makefile("r").readline() or "{}")
+            index = hello.get("host")
+            if not isinstance(index, int) or not 0 < index < launch.hosts or index in remotes:
+                sock.close()
+                raise RuntimeError(f"a launcher said it is host {index!r}; expected one of 1..{launch.hosts - 1}")
+            if hello.get("local_processes") != launch.local_processes:
+                sock.close()
+                raise RuntimeError(
+                    f"host {index} runs --local-processes {hello.get('local_processes')}, host 0 "
+                    f"{launch.local_processes}: give every launcher the same flags"
+                )
+            remotes[index] = RemoteHost(sock, index)
+            log(f"launch: host {index} of {launch.hosts} connected")
+    finally:
+        server.close()
+    return remotes
+
+
+def follow(launch: LaunchConfig, timeout: float, log: Callable[[str], None]) -> int:
+    """On a host other than 0: connects to host 0's launcher and runs the training processes it asks for on
+    this host, telling it when each ends, until host 0's launcher says the job ended (its exit status is
+    returned) or disconnects (`LOST_LAUNCHER`)."""
+    import select
+    import socket
+
+    where = launch.placement
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            sock = socket.create_connection((where.coordinator, launch.launch_port), timeout=5)
+            break
+        except OSError as e:
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"--launch-port {launch.launch_port}: no launcher answers on host 0 ({where.coordinator}) "
+                    f"within --dist-timeout {timeout:.0f} s ({e})"
+                ) from e
+            time.sleep(0.5)
+    sock.settimeout(None)
+    sock.sendall((json.dumps({"host": where.index, "local_processes": launch.local_processes}) + "\n").encode())
+    log(f"launch: host {where.index} of {where.count} connected to {where.coordinator}:{launch.launch_port}")
+    children: dict[int, subprocess.Popen] = {}
+    env, buffer = child_env(os.environ), b""
+    FOLLOWING.update(children=children)
+    try:
+        while True:
+            for slot, child in list(children.items()):
+                if child.poll() is not None:
+                    del children[slot]
+                    sock.sendall((json.dumps({"slot": slot, "exit": child.returncode}) + "\n").encode())
+            if not select.select([sock], [], [], POLL)[0]:
+                continue
+            data = sock.recv(65536)
+            if not data:
+                log(f"error: the launcher on host 0 ({where.coordinator}) went away; stopping this host's processes")
+                return LOST_LAUNCHER
+            buffer += data
+            while b"\n" in buffer:
+                line, buffer = buffer.split(b"\n", 1)
+                message = json.loads(line)
+                if message["op"] == "start":
+                    child = subprocess.Popen(message["command"], env=env, preexec_fn=_die_with_parent)
+                    children[message["slot"]] = child
+                    index = message["command"][message["command"].index("--process-id") + 1]
+                    count = message["command"][message["command"].index("--num-processes") + 1]
+                    log(f"launch: process {index} of {count} (slot {message['slot']}) started, pid {child.pid}")
+                elif message["op"] == "signal" and message["slot"] in children:
+                    children[message["slot"]].send_signal(message["signal"])
+                elif message["op"] == "end":
+                    return int(message["code"])
+    finally:
+        for child in children.values():
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+        sock.close()
+
+
+LOST_LAUNCHER = 3
+"""Exit status of a launcher on host 1.. whose host 0 launcher went away (as a training process that lost a peer)."""
+FOLLOWING: dict = {}
+"""The training processes a following launcher runs (`follow`), for its signal handler."""
+
+
+def _pass_on(signum, frame) -> None:
+    """SIGTERM or SIGINT to a following launcher: passed to its training processes (they save and end)."""
+    for child in FOLLOWING.get("children", {}).values():
+        if child.poll() is None:
+            child.send_signal(signum)
 
 
 def resumed_config(config):
@@ -472,10 +745,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         launch, train_argv, config = parse(argv)
-        launcher = Launcher(launch, train_argv, config, log=lambda line: print(line, flush=True))
+
+        def log(line):
+            print(line, flush=True)
+
+        timeout = config.cluster.dist_timeout
+        if launch.placement is not None and launch.placement.index != 0:
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(signum, _pass_on)
+            return follow(launch, timeout, log)
+        remotes = gather_hosts(launch, timeout, log) if launch.hosts > 1 else {}
+        launcher = Launcher(launch, train_argv, config, log=log, remotes=remotes)
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, launcher.terminate)
-        return launcher.run()
+        code = 2  # an error below ends the other hosts' launchers as it ends this one
+        try:
+            code = launcher.run()
+            return code
+        finally:
+            for remote in remotes.values():
+                remote.send({"op": "end", "code": code})
     except (ValueError, FileNotFoundError, RuntimeError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
