@@ -346,10 +346,11 @@ def test_ring_and_ulysses_are_priced_as_flash_without_a_length_split_and_with_th
         cm.estimate(model, 16, 64, cm.Layout({"fsdp": 4, "context": 2}, "fsdp", attention="reference"))
 
 
-@pytest.mark.parametrize("case", CONTEXT_GRID, ids=_id)
+@pytest.mark.parametrize("case", CONTEXT_GRID[-1:], ids=_id)
 def test_a_split_length_is_priced_as_the_compiled_step_runs(case):
-    """Ring, all-to-all and USP attention over ``context`` x ``sequence``: FLOPs, arguments and every
-    collective kind of one compiled train step within 10%. The products that run: those outside
+    """USP attention over ``context`` x ``sequence`` (its all-to-all and its ring: the exchanges of the
+    other two; ``bench/costmodel.py`` reports ring and ulysses alone, within 10% too, `CONTEXT_GRID`): FLOPs,
+    arguments and every collective kind of one compiled train step within 10%. The products that run: those outside
     conditionals and half of those inside, whose only conditional is the zigzag ring's choice between two
     visiting blocks of equal products (the lower half of the keys or the upper half of the queries). The
     model's remaining error is the flash kernel's diagonal tiles, computed whole (256 tokens: 8%, falling as

@@ -373,17 +373,18 @@ def _length_comms(model: ModelDescription, layout: Layout, rules: Rules, s: _Sha
     """The traffic of a split length: a context-parallel kernel's own (`_context_comms`), else the
     partitioner's gathers of keys and values over ``sequence`` (`_sequence_comms`)."""
     if model.attention_kernel(layout.attention).splits_length:
-        return _context_comms(model, layout, rules, s)
+        return _context_comms(model, layout, rules, s, backend)
     return _sequence_comms(model, layout, rules, s, backend)
 
 
-def _context_comms(model: ModelDescription, layout: Layout, rules: Rules, s: _Shape) -> list[Comm]:
+def _context_comms(model: ModelDescription, layout: Layout, rules: Rules, s: _Shape, backend: str) -> list[Comm]:
     """A context-parallel kernel's collectives per layer and microbatch (`sharding.costmodel.context`):
     all-to-alls over its all-to-all axes, collective-permutes over its ring's, forward and backward
     (the forward's again under full remat). Heads are those of one ``tensor`` shard; the segment ids
     travel with the keys (the model always passes them); inside the scanned layer stack the backward
     resends the first key/value hop. The all-to-all's devices also gather the segment ids of the length
-    they attend whole, once per microbatch."""
+    they attend whole, once per microbatch. XLA's CPU backend upcasts bfloat16 collectives: float32 there
+    (`_fsdp_gather_bytes`)."""
     kernel = model.attention_kernel(layout.attention)
     mesh = layout.mesh
     ring_axes, a2a_axes = context_groups(kernel, mesh)
@@ -399,7 +400,7 @@ def _context_comms(model: ModelDescription, layout: Layout, rules: Rules, s: _Sh
         head_dim=geometry.head_dim,
         ring=ring,
         all_to_all=inner,
-        act_bytes=s.act_bytes,
+        act_bytes=_fsdp_gather_bytes(layout, backend),
         segment_ids=True,
         first_hop_reused=False,
     )
