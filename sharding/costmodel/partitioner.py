@@ -257,9 +257,9 @@ def _gradient_reductions(
     an all-reduce of the shard over ``data``. CPU: the reduce-scatter is lowered to an all-reduce
     of the whole gradient over ``data`` x ``fsdp``, followed, when both are split, by an all-reduce
     of the shard over ``data`` (what XLA CPU emits). Weights not split over ``fsdp``: one all-reduce
-    over the batch axes. A split length (``context``, ``sequence``) is summed first, by an all-reduce
-    of its own over the length axes (the partitioner emits one per group of axes; checked on CPU with
-    ``data`` and the length split, not with ``fsdp``).
+    over the batch axes. A split length (``context``, ``sequence``) is summed by an all-reduce of the
+    shard of its own over the length axes (the partitioner emits one per group of axes; checked on CPU
+    with ``data`` and with ``fsdp``: the Llama-3-8B USP dry run of ``bench/RESULTS.md``).
     """
     mesh = layout.mesh
     all_axes, all_n = _axes(mesh, ax.DATA, ax.FSDP, ax.EXPERT)  # the batch's devices
@@ -268,10 +268,14 @@ def _gradient_reductions(
         return []
     comms = []
     for p in placed.values():
-        if p.param.role == "embedding" and _table_split(p) != (1, 1):
-            continue  # see _embedding_comms
-        if p.param.role == "output" and split is not None:
-            continue  # see _vocab_parallel_comms
+        special = (p.param.role == "embedding" and _table_split(p) != (1, 1)) or (
+            p.param.role == "output" and split is not None
+        )
+        if special:  # see _embedding_comms, _vocab_parallel_comms; over the length, summed whole (as compiled)
+            if length_n > 1:
+                whole = p.local * p.factor(ax.FSDP) * _PARAM_BYTES
+                comms.append(Comm("all-reduce", length_axes, length_n, whole, s.micro, f"gradient of {p.param.path}"))
+            continue
         # A mixture of experts' weights split over ``expert`` are summed over the other batch axes only.
         batch_axes = tuple(a for a in all_axes if not (a == ax.EXPERT and p.factor(ax.EXPERT) > 1))
         batch_n = math.prod(mesh[a] for a in batch_axes)
@@ -280,7 +284,7 @@ def _gradient_reductions(
         n_f = p.factor(ax.FSDP)
         what = f"gradient of {p.param.path}"
         if length_n > 1:
-            comms.append(Comm("all-reduce", length_axes, length_n, local * n_f, count, what + " (over the length)"))
+            comms.append(Comm("all-reduce", length_axes, length_n, local, count, what + " (over the length)"))
         if batch_n <= 1:
             continue
         if n_f <= 1:
@@ -382,7 +386,7 @@ def _context_comms(model: ModelDescription, layout: Layout, rules: Rules, s: _Sh
     all-to-alls over its all-to-all axes, collective-permutes over its ring's, forward and backward
     (the forward's again under full remat). Heads are those of one ``tensor`` shard; the segment ids
     travel with the keys (the model always passes them); inside the scanned layer stack the backward
-    resends the first key/value hop. The all-to-all's devices also gather the segment ids of the length
+    resends the first key/value hop, unless full remat recomputes the forward beside it. The all-to-all's devices also gather the segment ids of the length
     they attend whole, once per microbatch. XLA's CPU backend upcasts bfloat16 collectives: float32 there
     (`_fsdp_gather_bytes`)."""
     kernel = model.attention_kernel(layout.attention)
@@ -404,10 +408,13 @@ def _context_comms(model: ModelDescription, layout: Layout, rules: Rules, s: _Sh
         segment_ids=True,
         first_hop_reused=False,
     )
-    step = context_traffic(kernel, training=True, **shape)
+    remat = layout.remat == "full"
     forward = context_traffic(kernel, training=False, **shape)
+    # Full remat runs the forward again inside the backward's loop body, where the backward's first key/value
+    # hop is the recomputed forward's (XLA merges the two sends).
+    step = context_traffic(kernel, training=True, **{**shape, "first_hop_reused": remat})
     count = s.layers * s.micro
-    again = 1 if layout.remat == "full" else 0
+    again = 1 if remat else 0
     comms = []
     # The ring's hops overlap the block in hand (each is issued before its compute: Liu et al., 2023); the
     # all-to-alls sit between the projections and attention, on the critical path.
