@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
+from models.attention import resolve_context_layout
 from models.config import get_config
 from sharding import costmodel as cm
 from sharding import hlo
+from sharding.axes import LENGTH_MESH_AXES
 from sharding.mesh import make_mesh, parse_mesh
 from sharding.parallel import Accumulation, Parallelism
 from sharding.pipeline.layout import PipelinePlan, pipeline_rules, plan_layout
@@ -71,6 +74,16 @@ PIPELINE_GRID = [
     ("test+num_layers=8", "stage=4,fsdp=2", "fsdp", 16, 32, 4, "none", (3, 3, 1, 1), 1, "zb"),
 ]
 
+# Context parallelism (the length split over ``context`` x ``sequence``): ring, all-to-all and USP attention,
+# each in the layout ``--context-layout auto`` picks (zigzag for a ring), with grouped-query heads (4 and 2).
+# The model's ``attention`` is a ``--set`` field of the model string. 256 tokens: each zigzag half-chunk fills a
+# whole float32 flash tile, so the kernels pad nothing.
+CONTEXT_GRID = [
+    ("test+attention=ring", "data=2,sequence=4", "fsdp_tp", 4, 256, 1, "none"),
+    ("test+attention=ulysses", "data=2,sequence=4", "fsdp_tp", 4, 256, 1, "none"),
+    ("test+attention=usp", "data=2,context=2,sequence=2", "fsdp_tp", 4, 256, 1, "none"),
+]
+
 #: Collective kinds not asserted for a case, and why (the bench still reports them).
 UNMODELLED: dict[tuple, tuple[str, ...]] = {}
 
@@ -103,6 +116,12 @@ def schedule_of(case) -> str:
     return case[9] if len(case) > 9 else ("circular" if case[8] > 1 else "gpipe")
 
 
+def _context_layout(config, mesh) -> str:
+    """The tokens' layout along the length that ``--context-layout auto`` gives the run."""
+    shards = math.prod(mesh.get(a, 1) for a in LENGTH_MESH_AXES)
+    return resolve_context_layout("auto", config.attention, shards)
+
+
 def _strategy(case, config, mesh):
     """Accumulation, or for a pipeline case its `PipelinePlan` (skipping empty slots, as runs do)."""
     if len(case) == 7:
@@ -124,21 +143,25 @@ def compiled_figures(case) -> dict:
 
     Returns:
       ``flops`` (``cost_analysis``: each loop body once), ``dot_flops`` (products with trip counts
-      folded in), ``arguments`` and ``temp`` (bytes, ``memory_analysis``), ``collectives`` (kind ->
+      folded in; ``dot_outside`` and ``dot_branches`` its parts outside and inside conditionals), ``arguments`` and ``temp`` (bytes, ``memory_analysis``), ``collectives`` (kind ->
       per-device result bytes per step).
     """
     model, mesh_spec, rules, batch, seq, micro, remat = case[:7]
     config, mesh = config_of(model, remat), parse_mesh(mesh_spec, 8)
-    par = Parallelism.of(make_mesh(mesh), get_rules(rules), _strategy(case, config, mesh))
+    layout = _context_layout(config, mesh)
+    par = Parallelism.of(make_mesh(mesh), get_rules(rules), _strategy(case, config, mesh), context_layout=layout)
     trainer = Trainer(config, OptimizerConfig(), par)
     compiled = trainer.compile_train_step(batch, seq)
     analysis = compiled.cost_analysis()
     analysis = analysis[0] if isinstance(analysis, list) else analysis
     text = compiled.as_text()
     memory = compiled.memory_analysis()
+    outside, branches = hlo.dot_flops_split(text)
     return {
         "flops": float(analysis["flops"]),
         "dot_flops": hlo.dot_flops(text),
+        "dot_branches": branches,
+        "dot_outside": outside,
         "arguments": float(memory.argument_size_in_bytes),
         "temp": float(memory.temp_size_in_bytes),
         "collectives": cm.collective_bytes(hlo.collectives(text)),
@@ -153,5 +176,6 @@ def predicted(case) -> cm.Cost:
     strategy, table = _strategy(case, config, mesh), get_rules(rules)
     if isinstance(strategy, PipelinePlan):
         strategy, table = dataclasses.replace(strategy, skip_empty=False), pipeline_rules(table)
-    layout = cm.layout_of(Parallelism(mesh, table, strategy), config)  # the run's layout, as the cost model sees it
+    par = Parallelism(mesh, table, strategy, _context_layout(config, mesh))
+    layout = cm.layout_of(par, config)  # the run's layout, as the cost model sees it
     return cm.estimate(config, batch, seq, layout, backend="cpu")

@@ -448,6 +448,18 @@ def sharded_flash_attention(q, k, v, segment_ids, *, causal: bool = True, par: P
     return _sharded(per_device, q, k, v, segment_ids, impl="flash", par=par)
 
 
+def _flash_when_whole(split, causal: bool):
+    """The per-device function of a context-parallel kernel for `_sharded`: ``split(q, k, v, segment_ids,
+    length_axes)`` over a split length, the flash kernel where the length is whole (no axes)."""
+
+    def per_device(q, k, v, segment_ids, length_axes):
+        if not length_axes:
+            return flash_attention(q, k, v, q_segment_ids=segment_ids, kv_segment_ids=segment_ids, causal=causal)
+        return split(q, k, v, segment_ids, length_axes)
+
+    return per_device
+
+
 def sharded_ring_attention(q, k, v, segment_ids, *, causal: bool = True, layout: str = CONTIGUOUS, par: Parallelism):
     """Ring attention (Liu et al., 2023) over the mesh axes of ``length``, under `jax.shard_map`.
 
@@ -471,9 +483,7 @@ def sharded_ring_attention(q, k, v, segment_ids, *, causal: bool = True, layout:
       ValueError: as `sharded_flash_attention`, or an odd local length under zigzag.
     """
 
-    def per_device(q, k, v, segment_ids, length_axes):
-        if not length_axes:
-            return flash_attention(q, k, v, q_segment_ids=segment_ids, kv_segment_ids=segment_ids, causal=causal)
+    def split(q, k, v, segment_ids, length_axes):
         return ring_attention(
             q,
             k,
@@ -485,7 +495,7 @@ def sharded_ring_attention(q, k, v, segment_ids, *, causal: bool = True, layout:
             layout=layout,
         )
 
-    return _sharded(per_device, q, k, v, segment_ids, impl="ring", par=par)
+    return _sharded(_flash_when_whole(split, causal), q, k, v, segment_ids, impl="ring", par=par)
 
 
 def sharded_ulysses_attention(q, k, v, segment_ids, *, causal: bool = True, layout: str = CONTIGUOUS, par: Parallelism):
@@ -510,9 +520,7 @@ def sharded_ulysses_attention(q, k, v, segment_ids, *, causal: bool = True, layo
         (suggesting ring attention), or as `sharded_flash_attention`.
     """
 
-    def per_device(q, k, v, segment_ids, length_axes):
-        if not length_axes:
-            return flash_attention(q, k, v, q_segment_ids=segment_ids, kv_segment_ids=segment_ids, causal=causal)
+    def split(q, k, v, segment_ids, length_axes):
         return ulysses_attention(
             q,
             k,
@@ -524,7 +532,7 @@ def sharded_ulysses_attention(q, k, v, segment_ids, *, causal: bool = True, layo
             layout=layout,
         )
 
-    return _sharded(per_device, q, k, v, segment_ids, impl="ulysses", par=par)
+    return _sharded(_flash_when_whole(split, causal), q, k, v, segment_ids, impl="ulysses", par=par)
 
 
 def sharded_usp_attention(q, k, v, segment_ids, *, causal: bool = True, layout: str = CONTIGUOUS, par: Parallelism):
@@ -550,9 +558,7 @@ def sharded_usp_attention(q, k, v, segment_ids, *, causal: bool = True, layout: 
     """
     inner = par.rules.mesh_axes(ax.LENGTH)[-1:]
 
-    def per_device(q, k, v, segment_ids, length_axes):
-        if not length_axes:
-            return flash_attention(q, k, v, q_segment_ids=segment_ids, kv_segment_ids=segment_ids, causal=causal)
+    def split(q, k, v, segment_ids, length_axes):
         exchange = tuple(a for a in length_axes if a in inner)
         return usp_attention(
             q,
@@ -566,7 +572,7 @@ def sharded_usp_attention(q, k, v, segment_ids, *, causal: bool = True, layout: 
             layout=layout,
         )
 
-    return _sharded(per_device, q, k, v, segment_ids, impl="usp", par=par)
+    return _sharded(_flash_when_whole(split, causal), q, k, v, segment_ids, impl="usp", par=par)
 
 
 # The records' wrappers: (q, k, v, segment_ids, *, causal, layout, par) -> out --------

@@ -69,9 +69,10 @@ class AttentionKernel:
         return self.traits.name
 
 
-# FlashAttention-2's costs (Dao 2023): no score matrix, the causally empty tiles skipped, a backward
-# of five products (scores recomputed) against the forward's two.
-_TILED = {"materialises_scores": False, "key_fraction": 0.5, "training_factor": 3.5}
+# Our FlashAttention-2 kernels' costs (Dao 2023): no score matrix, the causally empty tiles skipped, and a
+# backward of seven products against the forward's two: its dq kernel and its dk/dv kernel each recompute
+# the scores and the probabilities' gradient (3 + 4 products; FlashAttention-2's fused backward does 5).
+_TILED = {"materialises_scores": False, "key_fraction": 0.5, "training_factor": 4.5}
 
 KERNELS: tuple[AttentionKernel, ...] = (
     AttentionKernel(

@@ -213,12 +213,12 @@ class AttentionTraits:
       key_fraction: Fraction of the ``T x S`` score products it computes: 1.0 for every entry, 0.5 when
         the tiles the causal mask empties are skipped.
       training_factor: FLOPs of the score products forward and backward, as a multiple of the forward's:
-        3.0 (the backward does two products per forward one), 3.5 (FlashAttention-2's backward, which
-        recomputes the scores: seven products for the forward's two).
-      splits_length: Whether it runs with the length split over the ``sequence`` mesh axis (context
-        parallelism: ring or all-to-all attention); False: it needs the length whole on each device.
-        The cost model prices such a kernel only with the length whole (``sequence`` = 1, where it is
-        its per-device kernel): its own traffic over ``sequence`` is not modelled.
+        3.0 (the backward does two products per forward one), 3.5 (FlashAttention-2's fused backward,
+        which recomputes the scores: seven products for the forward's two), 4.5 (separate dq and dk/dv
+        kernels, each recomputing the scores: nine).
+      splits_length: Whether it runs with the length split over the ``context`` and ``sequence`` mesh axes
+        (context parallelism: ring, all-to-all or USP attention); False: it needs the length whole on each
+        device. Such a kernel's traffic is priced by its ``context_exchange``.
       under_shard_map: Whether it runs per device under its own ``shard_map`` (a Pallas kernel or a
         collective schedule, which GSPMD cannot partition); False: GSPMD partitions it like any op.
       searched: Whether the planner tries it when given no attentions (False for one priced exactly

@@ -96,15 +96,19 @@ def test_cost_model_charges_the_records_traits(record):
 
 
 @pytest.mark.parametrize("record", [r for r in registry.KERNELS if r.traits.splits_length], ids=lambda r: r.name)
-def test_cost_model_refuses_a_length_splitting_kernel_over_a_sequence_axis_naming_it(record):
-    config = get_config("test")
-    with pytest.raises(ValueError, match=f"attention '{record.name}' over sequence=2"):
-        cm.estimate(config, 16, 64, cm.Layout({"fsdp": 4, "sequence": 2}, "fsdp", 1, "none", attention=record.name))
+def test_cost_model_prices_a_length_splitting_kernel_with_its_exchange(record):
+    """Over a split length each kernel moves what its ``context_exchange`` says: a ring's collective-permutes,
+    an all-to-all's all-to-alls, USP both (its ring over ``context``, its all-to-all over ``sequence``)."""
+    mesh = {"fsdp": 2, "context": 2, "sequence": 2} if record.inner_all_to_all else {"fsdp": 4, "sequence": 2}
+    cost = cm.estimate(get_config("test"), 16, 64, cm.Layout(mesh, "fsdp", 1, "none", attention=record.name))
+    kinds = {c.kind for c in cost.comms if c.what.startswith("attention:")}
+    want = {"ring": {"collective-permute"}, "all_to_all": {"all-to-all"}, "usp": {"collective-permute", "all-to-all"}}
+    assert kinds == want[record.traits.context_exchange]
 
 
-@pytest.mark.parametrize("attention", ["usp", "flash"])
-def test_cost_model_refuses_a_context_axis_naming_it(attention):
-    with pytest.raises(ValueError, match=f"attention '{attention}' over context=2: the cost model does not model"):
+@pytest.mark.parametrize("attention", ["reference", "flash"])
+def test_cost_model_refuses_a_context_axis_for_a_kernel_that_needs_the_length_naming_it(attention):
+    with pytest.raises(ValueError, match=f"attention '{attention}' over context=2: the cost model prices the context"):
         cm.estimate(get_config("test"), 16, 64, cm.Layout({"fsdp": 4, "context": 2}, "fsdp", attention=attention))
 
 

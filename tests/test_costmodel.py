@@ -18,7 +18,7 @@ checked on the same figures; kinds the model does not price for a case are liste
 import dataclasses
 
 import pytest
-from costmodel_grid import GRID, PIPELINE_GRID, UNMODELLED, compiled_figures, predicted
+from costmodel_grid import CONTEXT_GRID, GRID, PIPELINE_GRID, UNMODELLED, compiled_figures, predicted
 from costmodel_grid import case_id as _id
 from costmodel_grid import config_of as _config
 
@@ -334,10 +334,35 @@ def test_layout_of_reads_a_parallelism_strategy_by_strategy():
     assert cm.estimate(model, 32, 64, piped) == cm.estimate(model, 32, 64, hand)
 
 
-def test_ring_and_ulysses_are_priced_as_flash_without_a_sequence_axis_and_refused_over_one():
+def test_ring_and_ulysses_are_priced_as_flash_without_a_length_split_and_with_their_traffic_over_one():
     model = describe(get_config("test"))
     flash = cm.estimate(model, 16, 64, cm.Layout({"fsdp": 8}, "fsdp", attention="flash"))
-    for attention in ("ring", "ulysses"):
+    for attention, kind in (("ring", "collective-permute"), ("ulysses", "all-to-all")):
         assert cm.estimate(model, 16, 64, cm.Layout({"fsdp": 8}, "fsdp", attention=attention)) == flash
-        with pytest.raises(ValueError, match=f"attention '{attention}' over sequence=2"):
-            cm.estimate(model, 16, 64, cm.Layout({"fsdp": 4, "sequence": 2}, "fsdp", attention=attention))
+        split = cm.estimate(model, 16, 64, cm.Layout({"fsdp": 4, "sequence": 2}, "fsdp", attention=attention))
+        assert kind in cm.collective_bytes(split.comms)
+        assert split.tokens == flash.tokens  # 4 rows x 32 tokens against 2 rows x 64
+    with pytest.raises(ValueError, match="attention 'reference' over context=2: the cost model prices the context"):
+        cm.estimate(model, 16, 64, cm.Layout({"fsdp": 4, "context": 2}, "fsdp", attention="reference"))
+
+
+@pytest.mark.parametrize("case", CONTEXT_GRID[-1:], ids=_id)
+def test_a_split_length_is_priced_as_the_compiled_step_runs(case):
+    """USP attention over ``context`` x ``sequence`` (its all-to-all and its ring: the exchanges of the
+    other two; ``bench/costmodel.py`` reports ring and ulysses alone, within 10% too, `CONTEXT_GRID`): FLOPs,
+    arguments and every collective kind of one compiled train step within 10%. The products that run: those outside
+    conditionals and half of those inside, whose only conditional is the zigzag ring's choice between two
+    visiting blocks of equal products (the lower half of the keys or the upper half of the queries). The
+    flash kernels' causal loops have run-time trip counts, which `sharding.hlo.dot_flops` counts once: at 256
+    tokens (two query tiles) that is half the square, the model's key fraction, while at 1,024 it counts a
+    quarter, so the products are checked at this length; the rest of the gap is the ring's diagonal block,
+    one tile computed whole (8% on ring, 9% on USP)."""
+    figures, cost = compiled_figures(case), predicted(case)
+    runs = figures["dot_outside"] + figures["dot_branches"] / 2
+    assert _within(cost.matmul_flops, runs), (cost.matmul_flops, runs)
+    assert _within(cost.counted_flops, figures["flops"]), (cost.counted_flops, figures["flops"])
+    assert _within(cost.argument_bytes, figures["arguments"]), (cost.argument_bytes, figures["arguments"])
+    compiled, pred = figures["collectives"], cm.collective_bytes(cost.comms)
+    assert set(pred) == set(compiled), (sorted(pred), sorted(compiled))
+    for kind in compiled:
+        assert _within(pred[kind], compiled[kind]), (kind, pred[kind], compiled[kind])

@@ -591,3 +591,24 @@ def test_plan_auto_with_ring_attention_prices_it_as_flash():
     flash = planner.plan(model, inventory, 256, 1024, planner.PlanOptions(attentions=("flash",)))
     assert ring and all(p.layout.attention == "ring" and p.layout.mesh[ax.SEQUENCE] == 1 for p in ring)
     assert [p.step_time for p in ring] == [p.step_time for p in flash]
+
+
+def test_a_long_sequence_takes_usp_across_hosts_and_a_ring_beats_an_all_to_all_across_them():
+    """Llama-3-8B's heads (32 query, 8 KV) at 131,072 tokens on two hosts of eight H100s: the fastest plan
+    splits the length with USP, its all-to-all (``sequence``, with ``tensor``) inside a host and its ring
+    (``context``) across; on every split where all-to-all attention crosses the hosts, ring attention over the
+    same number of devices is faster at its best (its hops overlap the blocks' compute; with too short
+    blocks they outlast it)."""
+    model = describe(get_config("7b", ["num_kv_heads=8"]))
+    cluster = devices.parse_cluster("h100:8,h100:8")
+    options = planner.PlanOptions(pipeline=False, sequence=True)
+    plans = planner.plan(model, cluster, 1, 131072, options, top=40)
+    best = plans[0].layout
+    assert best.attention == "usp" and best.mesh[ax.CONTEXT] > 1
+    assert best.mesh[ax.SEQUENCE] * best.mesh[ax.TENSOR] <= 8
+    time = {(p.layout.attention, tuple(sorted(p.layout.mesh.items()))): p.step_time for p in plans}
+    across = {
+        kind: min(t for (attention, mesh), t in time.items() if attention == kind and dict(mesh)[ax.CONTEXT] > 1)
+        for kind in ("ring", "ulysses")
+    }
+    assert across["ring"] < across["ulysses"] and plans[0].step_time < across["ring"]

@@ -74,8 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--sequence",
         action="store_true",
-        help="also try a sequence (context-parallel) axis; its "
-        "traffic is modelled but not yet checked against the compiler",
+        help="also split the length (context parallelism): over sequence inside a host and context across "
+        "hosts, with ring, all-to-all (ulysses) or USP attention, chosen by the links and the head count",
     )
     p.add_argument("--plot", default=None, metavar="FILE.png", help="draw step time and memory per plan")
     p.add_argument(
@@ -122,7 +122,8 @@ def model_description(preset: str, overrides: Sequence[str]) -> ModelDescription
 
 
 def options_from(args) -> planner.PlanOptions:
-    attentions = searched_attentions() if args.attention == "any" else (args.attention,)
+    attentions = None if args.attention == "any" else (args.attention,)  # None: the searched ones (and the
+    # context-parallel ones over a split length, `sharding.planner.search`)
     if args.efficiency is not None and not 0 < args.efficiency <= 1:
         raise ValueError(f"--efficiency {args.efficiency}: must be in (0, 1], e.g. --efficiency 0.5")
     return planner.PlanOptions(

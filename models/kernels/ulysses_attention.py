@@ -110,6 +110,53 @@ def to_sequence(x, axis_name):
     return lax.all_to_all(x, axis_name, split_axis=1, concat_axis=2, tiled=True)
 
 
+def check_inputs(name: str, q, k, q_segment_ids, kv_segment_ids, layout: str) -> None:
+    """The checks an all-to-all attention (``ulysses``, ``USP``: ``name``) makes of its inputs.
+
+    Raises:
+      ValueError: an unknown layout, q or k not of rank 4 or of unequal lengths, or only one of the
+        segment ids.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout {layout!r}: choose one of {', '.join(LAYOUTS)}")
+    if q.ndim != 4 or k.ndim != 4 or q.shape[1] != k.shape[1]:
+        raise ValueError(
+            f"{name} attention takes q [batch, length, heads, head_dim] and k, v [batch, length, "
+            f"kv_heads, head_dim] of one length, got {tuple(q.shape)} and {tuple(k.shape)}"
+        )
+    if (q_segment_ids is None) != (kv_segment_ids is None):
+        raise ValueError("pass both q_segment_ids and kv_segment_ids, or neither")
+
+
+def length_to_heads(q, k, v, q_segment_ids, kv_segment_ids, axis_name, size: int):
+    """The all-to-all of Jacobs et al. (2023): length-split q, k, v to head-split, KV heads repeated first
+    where P does not divide them (`kv_repeat`; autodiff sums the replicas' gradients, the exact GQA
+    gradient), and the segment ids gathered whole.
+
+    Args:
+      q: `[batch, length / P, heads, head_dim]`; k, v: `[batch, length / P, kv_heads, head_dim]`.
+      q_segment_ids, kv_segment_ids: int `[batch, length / P]`, or both None.
+      axis_name: the mesh axis (or axes) of the exchange; size: P, its size.
+
+    Returns:
+      ``(q, k, v, q_segment_ids, kv_segment_ids)``: q `[batch, length, heads / P, head_dim]`, k and v
+      `[batch, length, lcm(kv_heads, P) / P, head_dim]`, the ids `[batch, length]` (or None).
+
+    Raises:
+      ValueError: as `check_ulysses_heads`.
+    """
+    check_ulysses_heads(q.shape[2], k.shape[2], size)
+    repeat = kv_repeat(k.shape[2], size)
+    if repeat > 1:  # KV head j becomes heads j r .. j r + r - 1
+        k, v = (jnp.repeat(x, repeat, axis=2) for x in (k, v))
+    q, k, v = (to_heads(x, axis_name) for x in (q, k, v))
+    if q_segment_ids is not None:
+        q_segment_ids, kv_segment_ids = (
+            lax.all_gather(ids, axis_name, axis=1, tiled=True) for ids in (q_segment_ids, kv_segment_ids)
+        )
+    return q, k, v, q_segment_ids, kv_segment_ids
+
+
 def ulysses_attention(
     q: jax.Array,
     k: jax.Array,
@@ -150,29 +197,13 @@ def ulysses_attention(
         unknown layout, a length the zigzag layout cannot split, unequal query and key
         lengths, only one of the segment ids, or what `flash_attention` raises.
     """
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout {layout!r}: choose one of {', '.join(LAYOUTS)}")
-    if q.ndim != 4 or k.ndim != 4 or q.shape[1] != k.shape[1]:
-        raise ValueError(
-            "ulysses attention takes q [batch, length, heads, head_dim] and k, v [batch, length, "
-            f"kv_heads, head_dim] of one length, got {tuple(q.shape)} and {tuple(k.shape)}"
-        )
-    if (q_segment_ids is None) != (kv_segment_ids is None):
-        raise ValueError("pass both q_segment_ids and kv_segment_ids, or neither")
+    check_inputs("ulysses", q, k, q_segment_ids, kv_segment_ids, layout)
     axis_name = axis_name if isinstance(axis_name, str) else tuple(axis_name)
     size = _axis_size(axis_name)
     kernel = dict(causal=causal, sm_scale=sm_scale, block_sizes=block_sizes, interpret=interpret)
     if size == 1:
         return flash_attention(q, k, v, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, **kernel)
-    check_ulysses_heads(q.shape[2], k.shape[2], size)
-    repeat = kv_repeat(k.shape[2], size)
-    if repeat > 1:  # KV head j becomes heads j r .. j r + r - 1; autodiff sums their gradients
-        k, v = (jnp.repeat(x, repeat, axis=2) for x in (k, v))
-    q, k, v = (to_heads(x, axis_name) for x in (q, k, v))
-    if q_segment_ids is not None:
-        q_segment_ids, kv_segment_ids = (
-            lax.all_gather(ids, axis_name, axis=1, tiled=True) for ids in (q_segment_ids, kv_segment_ids)
-        )
+    q, k, v, q_segment_ids, kv_segment_ids = length_to_heads(q, k, v, q_segment_ids, kv_segment_ids, axis_name, size)
     permuted = causal and layout == ZIGZAG  # without a causal mask the order does not matter
     if permuted:
         perm = zigzag_permutation(q.shape[1], size)

@@ -34,12 +34,11 @@ Imports nothing from meshwork except the sibling kernel modules.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from jax import lax
 
 from .flash_attention import BlockSizes
-from .ring_attention import CONTIGUOUS, LAYOUTS, ring_attention
-from .ulysses_attention import check_ulysses_heads, kv_repeat, to_heads, to_sequence
+from .ring_attention import CONTIGUOUS, ring_attention
+from .ulysses_attention import check_inputs, length_to_heads, to_sequence
 
 
 def usp_attention(
@@ -84,26 +83,12 @@ def usp_attention(
         block under zigzag, unequal query and key lengths, only one of the segment ids, or what
         `ring_attention` raises.
     """
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout {layout!r}: choose one of {', '.join(LAYOUTS)}")
-    if q.ndim != 4 or k.ndim != 4 or q.shape[1] != k.shape[1]:
-        raise ValueError(
-            "USP attention takes q [batch, length, heads, head_dim] and k, v [batch, length, "
-            f"kv_heads, head_dim] of one length, got {tuple(q.shape)} and {tuple(k.shape)}"
-        )
-    if (q_segment_ids is None) != (kv_segment_ids is None):
-        raise ValueError("pass both q_segment_ids and kv_segment_ids, or neither")
+    check_inputs("USP", q, k, q_segment_ids, kv_segment_ids, layout)
     inner = 1 if all_to_all_axis is None else lax.axis_size(all_to_all_axis)
     if inner > 1:
-        check_ulysses_heads(q.shape[2], k.shape[2], inner)
-        repeat = kv_repeat(k.shape[2], inner)
-        if repeat > 1:  # as ulysses_attention: autodiff sums the replicas' gradients
-            k, v = (jnp.repeat(x, repeat, axis=2) for x in (k, v))
-        q, k, v = (to_heads(x, all_to_all_axis) for x in (q, k, v))
-        if q_segment_ids is not None:
-            q_segment_ids, kv_segment_ids = (
-                lax.all_gather(ids, all_to_all_axis, axis=1, tiled=True) for ids in (q_segment_ids, kv_segment_ids)
-            )
+        q, k, v, q_segment_ids, kv_segment_ids = length_to_heads(
+            q, k, v, q_segment_ids, kv_segment_ids, all_to_all_axis, inner
+        )
     out = ring_attention(
         q,
         k,

@@ -21,13 +21,42 @@ size, a collective-permute's block), the quantity the test compares with the com
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
+from sharding import axes as ax
 from sharding.modeldesc import AttentionTraits
 
 RING = "ring"
 ALL_TO_ALL = "all_to_all"
 USP = "usp"
 EXCHANGES = (RING, ALL_TO_ALL, USP)
+
+
+def context_groups(traits: AttentionTraits, mesh: Mapping[str, int]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The mesh axes of the ring and of the all-to-all of a context-parallel kernel on ``mesh``.
+
+    Ring attention passes blocks around every device of the length (``context`` x ``sequence``, one
+    ring); all-to-all attention trades heads over all of them; USP runs the all-to-all over the
+    innermost length axis (``sequence``, inside a host) and the ring over the others (``context``).
+    Axes of size 1 are left out.
+
+    Args:
+      traits: The kernel's (its ``context_exchange``).
+      mesh: Mesh axis -> size (missing axes are 1).
+
+    Returns:
+      ``(ring_axes, all_to_all_axes)``; both empty for a kernel that does not split the length.
+    """
+    split = tuple(a for a in ax.LENGTH_MESH_AXES if mesh.get(a, 1) > 1)
+    exchange = traits.context_exchange
+    if exchange == RING:
+        return split, ()
+    if exchange == ALL_TO_ALL:
+        return (), split
+    if exchange == USP:
+        inner = ax.LENGTH_MESH_AXES[-1]
+        return tuple(a for a in split if a != inner), tuple(a for a in split if a == inner)
+    return (), ()
 
 
 def context_traffic(
@@ -95,4 +124,4 @@ def context_traffic(
     return found
 
 
-__all__ = ["ALL_TO_ALL", "EXCHANGES", "RING", "USP", "context_traffic"]
+__all__ = ["ALL_TO_ALL", "EXCHANGES", "RING", "USP", "context_groups", "context_traffic"]

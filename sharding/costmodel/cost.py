@@ -19,7 +19,7 @@ from sharding.costmodel.collectives import BACKENDS, Comm
 from sharding.costmodel.flops import OPTIMIZER_FLOPS_PER_PARAM, Flops, _flops, _per_token_flops
 from sharding.costmodel.layout import _DTYPE_BYTES, _INT_BYTES, Layout, _place_cached, _Placed, _Shape, describe_model
 from sharding.costmodel.memory import Memory, _held_params, _memory
-from sharding.costmodel.partitioner import _comms, _sequence_comms, _tensor_comms
+from sharding.costmodel.partitioner import _comms, _length_comms, _tensor_comms
 from sharding.costmodel.pipeline import (
     _Pipe,
     _pipeline_embedding_comms,
@@ -112,7 +112,7 @@ def device_cost(
     shape = _Shape(
         rows=rows,
         seq=seq_len,
-        tok=rows * seq_len / mesh[ax.SEQUENCE],
+        tok=rows * seq_len / layout.length_split,
         micro=layout.microbatches if microbatches is None else microbatches,
         layers=layers,
         slots=layers if slots is None else slots,
@@ -184,18 +184,14 @@ def _pipeline_cost(
         optimizer=optimizer,
     )
     # cost_analysis: the loops' bodies once (one application forward, one backward; 1F1B: the head once).
-    counted = (
-        s.tok * (unit["layers"] + unit["attention"] + unit["recompute"] + unit["elem_layer"])
-        + head.tok * (unit["logits"] + unit["elem_loss"])
-        + optimizer
-    )
+    counted = s.tok * unit["counted_layer"] + head.tok * (unit["logits"] + unit["elem_loss"]) + optimizer
     memory = _pipeline_memory(model, layout, rules, placed, s, pipe, head)
     comms = _pipeline_head_comms(model, layout, rules, head, pipe, backend, batch_rows)
     comms += _pipeline_embedding_comms(model, layout, placed, embed)
     comms += _pipeline_weight_comms(layout, rules, placed, pipe, model)
     comms += _stage_comms(model, layout, s, pipe, head)
     comms += _tensor_comms(model, layout, rules, layer, recomputes=pipe.recomputes, with_logits=False)
-    comms += _sequence_comms(model, layout, rules, layer, backend)
+    comms += _length_comms(model, layout, rules, layer, backend)
     comms = tuple(c for c in comms if c.group > 1 and c.count > 0)
     arguments = memory.state + memory.batch + _INT_BYTES * 4 + _INT_BYTES
     return Cost(flops, counted, memory, comms, s.tok * s.micro, s.layers, arguments)

@@ -25,9 +25,11 @@ import dataclasses
 import math
 
 from sharding import axes as ax
+from sharding.costmodel.context import context_groups
 from sharding.costmodel.layout import Layout, _axis_split, _per_token, _Placed, _Shape, attention_of
 from sharding.costmodel.memory import _held_params
-from sharding.modeldesc import ModelDescription, Product
+from sharding.modeldesc import AttentionTraits, ModelDescription, Product
+from sharding.parallel import CONTIGUOUS
 from sharding.rules import Rules
 
 #: XLA-counted FLOPs per parameter of the update (HloCostAnalysis: 1 FLOP per element per
@@ -86,7 +88,8 @@ def _per_token_flops(
     split_backward: bool = False,
 ) -> dict[str, float]:
     """FLOPs per token, forward and backward: of one layer (``layers``: weight products, ``attention``,
-    ``recompute``, ``elem_layer``) and of what runs once (``logits``, ``elem_loss``). ``recomputes``:
+    ``recompute``, ``elem_layer``; ``counted_layer``: their sum as ``cost_analysis`` counts it) and of what
+    runs once (``logits``, ``elem_loss``). ``recomputes``:
     extra forward passes of each layer in the backward pass beyond the remat policy's (the
     pipeline's backward pass recomputes every layer: 1; zero bubble's two halves: 2). ``split_backward``:
     zero bubble's weight-gradient pass, which differentiates the recomputed layer with respect to its weights
@@ -108,6 +111,7 @@ def _per_token_flops(
     kernel = attention_of(model, layout)
     whole = kernel.materialises_scores
     attn_fwd = geometry.forward_flops(s.seq * kernel.key_fraction) / heads  # flash: masked tiles skipped
+    attn_fwd *= _busiest_ring_share(kernel, layout)
     attn_total = attn_fwd * kernel.training_factor  # flash bwd: 5 products
     logits = model.logits
     logits_fwd = (
@@ -118,14 +122,38 @@ def _per_token_flops(
     if split_backward:
         recompute += layer_fwd + attn_total - attn_fwd
     passes = 1.0 + ELEMENTWISE_BACKWARD_FACTOR + (1.0 if layout.remat != "none" else 0.0)
+    elem_layer = passes * _per_token(model, "layer_elementwise", rules, mesh, s.seq if whole else 0.0)
+    layer = 3.0 * layer_fwd + attn_total + recompute + elem_layer
+    if kernel.under_shard_map:
+        # A Pallas kernel's products are invisible to cost_analysis: on CPU its interpreter's grid is a loop
+        # whose body (one tile) is counted once; on GPU it is a custom call, counted as nothing.
+        attn_recomputed = {"none": 0.0, "full": attn_fwd, "dots": attn_fwd}[layout.remat] + recomputes * attn_fwd
+        layer -= attn_total + attn_recomputed + (attn_total - attn_fwd if split_backward else 0.0)
     return {
         "layers": 3.0 * layer_fwd,
         "attention": attn_total,
         "recompute": recompute,
-        "elem_layer": passes * _per_token(model, "layer_elementwise", rules, mesh, s.seq if whole else 0.0),
+        "elem_layer": elem_layer,
+        "counted_layer": layer,
         "logits": 3.0 * logits_fwd,
         "elem_loss": (1.0 + ELEMENTWISE_BACKWARD_FACTOR) * _per_token(model, "loss_elementwise", rules, mesh, 0.0),
     }
+
+
+def _busiest_ring_share(kernel: AttentionTraits, layout: Layout) -> float:
+    """The causal attention work of a ring's busiest device over its devices' mean.
+
+    Split over a ring of R devices in the zigzag layout (each device holds chunk r and 2R-1-r), every
+    device computes the same causal work (Brandon et al., "Striped attention", 2023; the zigzag layout of
+    Megatron's context parallelism): 1. In the contiguous layout the last device's queries see every
+    block, R - 1/2 blocks against the mean R/2: (2R - 1)/R. The all-to-all part of a split gathers the
+    whole length per head, so it adds no imbalance.
+    """
+    if layout.context_layout != CONTIGUOUS or kernel.key_fraction >= 1:
+        return 1.0
+    ring_axes, _ = context_groups(kernel, layout.mesh)
+    ring = math.prod(layout.mesh[a] for a in ring_axes)
+    return (2 * ring - 1) / ring
 
 
 def _flops(
@@ -133,7 +161,7 @@ def _flops(
 ) -> tuple[Flops, float]:
     """Per-step FLOPs and the loop-bodies-once count of ``cost_analysis`` (no pipeline)."""
     unit = _per_token_flops(model, layout, rules, placed, s)
-    per_token_layer = unit["layers"] + unit["attention"] + unit["recompute"] + unit["elem_layer"]
+    per_token_layer = unit["counted_layer"]
     per_token_outside = unit["logits"] + unit["elem_loss"]
     optimizer = OPTIMIZER_FLOPS_PER_PARAM * _held_params(model, layout, rules, placed, s)
     tokens = s.tok * s.micro

@@ -20,7 +20,7 @@ from typing import Any
 
 from sharding import axes as ax
 from sharding.modeldesc import AttentionTraits, ModelDescription, Param
-from sharding.parallel import Parallelism
+from sharding.parallel import CONTIGUOUS, ZIGZAG, Parallelism
 from sharding.pipeline.layout import GATHERS
 from sharding.rules import Rules, get_rules, logical_to_spec
 from sharding.vocab import OUTPUT_IMPLS
@@ -68,6 +68,8 @@ class Layout:
       tick_schedule: With ``one_f_one_b``, whose tick table runs (`TICK_SCHEDULES`): ``lockstep``
         (``1f1b``), ``fused`` (``1f1b-fused``) or ``zb`` (zero bubble, whose backward's two halves each
         recompute the layer).
+      context_layout: How tokens lie along a split length (``--context-layout``): ``zigzag`` balances
+        the causal work of a ring; ``contiguous`` leaves its last device the most (priced: the busiest).
 
     Raises:
       ValueError: On an unknown axis, a size below 1, or an unknown remat/dtype/logits.
@@ -87,6 +89,7 @@ class Layout:
     one_f_one_b: bool = False
     pipeline_gather: str = "once"
     tick_schedule: str = "lockstep"
+    context_layout: str = ZIGZAG
 
     @property
     def pipeline_schedule(self) -> str:
@@ -113,6 +116,7 @@ class Layout:
             ("logits", OUTPUT_IMPLS),
             ("pipeline_gather", GATHERS),
             ("tick_schedule", TICK_SCHEDULES),
+            ("context_layout", (CONTIGUOUS, ZIGZAG)),
         ):
             if getattr(self, field) not in allowed:
                 raise ValueError(f"--{field} {getattr(self, field)!r}: choose one of {', '.join(allowed)}")
@@ -124,6 +128,11 @@ class Layout:
     @property
     def num_devices(self) -> int:
         return math.prod(self.mesh.values())
+
+    @property
+    def length_split(self) -> int:
+        """Devices each sequence's tokens are split over (``context`` x ``sequence``)."""
+        return math.prod(self.mesh[a] for a in ax.LENGTH_MESH_AXES)
 
     @property
     def batch_split(self) -> int:
@@ -146,27 +155,21 @@ def _preset(name: str) -> Rules:
 def unpriced_attention(kernel: AttentionTraits, mesh: Mapping[str, int]) -> str | None:
     """Why the cost model cannot price attention ``kernel`` on ``mesh``, or None when it can.
 
-    A kernel that splits the length (ring or all-to-all attention) moves keys and values over a
-    ``sequence`` axis > 1 in its own way (a ring of ppermutes, all-to-alls of heads) that the model does
-    not count; without one it is its per-device kernel on the whole length and priced by its traits. A
-    ``context`` axis > 1 (the outer context split, `sharding.axes.CONTEXT`) is not priced for any kernel.
+    A kernel that splits the length (ring, all-to-all or USP attention, its ``context_exchange``) is
+    priced on any ``context`` x ``sequence`` split: its traffic is `sharding.costmodel.context`'s, its
+    FLOPs and activations those of its share of the tokens. One that needs the length whole is priced
+    over ``sequence`` as the partitioner runs it (keys and values gathered), but not over ``context``,
+    whose gathers the cost model does not model.
 
     Args:
       kernel: The attention's traits (`sharding.modeldesc.ModelDescription.attention_kernel`).
       mesh: Mesh axis -> size (missing axes are 1).
     """
-    sequence = mesh.get(ax.SEQUENCE, 1)
     context = mesh.get(ax.CONTEXT, 1)
-    if context > 1:
+    if context > 1 and not kernel.splits_length:
         return (
-            f"attention {kernel.name!r} over context={context}: the cost model does not model the context "
-            f"axis; it prices layouts with context=1"
-        )
-    if kernel.splits_length and sequence > 1:
-        return (
-            f"attention {kernel.name!r} over sequence={sequence}: the cost model does not model its "
-            f"context-parallel traffic; it prices {kernel.name} with the length whole on every device "
-            f"(sequence=1)"
+            f"attention {kernel.name!r} over context={context}: the cost model prices the context axis for the "
+            f"attentions that split the length (ring, ulysses, usp) only"
         )
     return None
 
@@ -220,6 +223,9 @@ def layout_of(par: Parallelism, config: Any = None, **fields: Any) -> Layout:
         )
     else:
         values.update(microbatches=par.microbatches, uneven_batch=par.strategy.uneven)
+    split = math.prod(par.mesh_shape.get(a, 1) for a in ax.LENGTH_MESH_AXES) > 1
+    if split and par.context_layout in (CONTIGUOUS, ZIGZAG):  # "auto" until the mesh is resolved
+        values.update(context_layout=par.context_layout)
     values.update(fields)
     return Layout(dict(par.mesh_shape), par.rules, **values)
 
@@ -354,7 +360,7 @@ class _Shape:
 
     rows: float  # sequences per microbatch on this device
     seq: int  # T, the whole sequence length
-    tok: float  # tokens per microbatch on this device (rows * T / sequence)
+    tok: float  # tokens per microbatch on this device (rows * T / (context * sequence))
     micro: int  # microbatches this device runs
     layers: int  # layers computed per microbatch
     slots: int  # layer slots held without a pipeline (with one: `_held_params`)

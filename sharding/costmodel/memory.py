@@ -129,7 +129,7 @@ def _memory(model: ModelDescription, layout: Layout, rules: Rules, placed: dict[
     gathered = 0.0
     if mesh[ax.FSDP] > 1:
         gathered = 2 * sum(p.local * p.factor(ax.FSDP) for p in placed.values() if p.param.per_layer) * _PARAM_BYTES
-    batch = _BATCH_FIELDS * s.rows * s.micro * s.seq / mesh[ax.SEQUENCE] * _INT_BYTES
+    batch = _BATCH_FIELDS * s.rows * s.micro * s.seq / layout.length_split * _INT_BYTES
     grads = params
     if layout.uneven_batch:  # whole parameters and a whole gradient accumulator during the loop
         whole = (

@@ -22,6 +22,7 @@ import math
 
 from sharding import axes as ax
 from sharding.costmodel.collectives import Comm, _axes, _partitioner
+from sharding.costmodel.context import context_groups, context_traffic
 from sharding.costmodel.embedding import _embedding_comms, _table_split
 from sharding.costmodel.layout import (
     _BATCH_FIELDS,
@@ -60,7 +61,7 @@ def _comms(
     comms += _vocab_parallel_comms(model, layout, placed, s, split)
     if embedding:
         comms += _embedding_comms(model, layout, placed, s)
-    comms += _sequence_comms(model, layout, rules, s, backend)
+    comms += _length_comms(model, layout, rules, s, backend)
     comms += _expert_comms(model, layout, s)
     return comms
 
@@ -200,7 +201,7 @@ def _vocab_parallel_comms(
         comms.append(
             Comm("all-reduce", split.vocab_axes, t, s.tok * d * 4, m, "loss: input gradient over tensor", False)
         )
-    rest, n = _axes(mesh, *(a for a in (ax.DATA, ax.SEQUENCE) if a not in slices))
+    rest, n = _axes(mesh, *(a for a in (ax.DATA, *ax.LENGTH_MESH_AXES) if a not in slices))
     if n > 1:
         comms.append(Comm("all-reduce", rest, n, shard, m, f"gradient of {weight.param.path}"))
     return comms
@@ -256,27 +257,36 @@ def _gradient_reductions(
     an all-reduce of the shard over ``data``. CPU: the reduce-scatter is lowered to an all-reduce
     of the whole gradient over ``data`` x ``fsdp``, followed, when both are split, by an all-reduce
     of the shard over ``data`` (what XLA CPU emits). Weights not split over ``fsdp``: one all-reduce
-    over the batch axes.
+    over the batch axes. A split length (``context``, ``sequence``) is summed by an all-reduce of the
+    shard of its own over the length axes (the partitioner emits one per group of axes; checked on CPU
+    with ``data`` and with ``fsdp``: the Llama-3-8B USP dry run of ``bench/RESULTS.md``).
     """
     mesh = layout.mesh
-    all_axes, all_n = _axes(mesh, ax.DATA, ax.FSDP, ax.EXPERT, ax.SEQUENCE)  # tokens split over all four
-    if all_n <= 1:
+    all_axes, all_n = _axes(mesh, ax.DATA, ax.FSDP, ax.EXPERT)  # the batch's devices
+    length_axes, length_n = _axes(mesh, *ax.LENGTH_MESH_AXES)  # the length's
+    if all_n * length_n <= 1:
         return []
     comms = []
     for p in placed.values():
-        if p.param.role == "embedding" and _table_split(p) != (1, 1):
-            continue  # see _embedding_comms
-        if p.param.role == "output" and split is not None:
-            continue  # see _vocab_parallel_comms
+        special = (p.param.role == "embedding" and _table_split(p) != (1, 1)) or (
+            p.param.role == "output" and split is not None
+        )
+        if special:  # see _embedding_comms, _vocab_parallel_comms; over the length, summed whole (as compiled)
+            if length_n > 1:
+                whole = p.local * p.factor(ax.FSDP) * _PARAM_BYTES
+                comms.append(Comm("all-reduce", length_axes, length_n, whole, s.micro, f"gradient of {p.param.path}"))
+            continue
         # A mixture of experts' weights split over ``expert`` are summed over the other batch axes only.
         batch_axes = tuple(a for a in all_axes if not (a == ax.EXPERT and p.factor(ax.EXPERT) > 1))
         batch_n = math.prod(mesh[a] for a in batch_axes)
-        if batch_n <= 1:
-            continue
         count = s.micro * p.param.copies(s.layers)
         local = p.local * _PARAM_BYTES
         n_f = p.factor(ax.FSDP)
         what = f"gradient of {p.param.path}"
+        if length_n > 1:
+            comms.append(Comm("all-reduce", length_axes, length_n, local, count, what + " (over the length)"))
+        if batch_n <= 1:
+            continue
         if n_f <= 1:
             comms.append(Comm("all-reduce", batch_axes, batch_n, local, count, what))
             continue
@@ -360,6 +370,65 @@ def _tensor_comms(
             False,
         )
     )
+    return comms
+
+
+def _length_comms(model: ModelDescription, layout: Layout, rules: Rules, s: _Shape, backend: str) -> list[Comm]:
+    """The traffic of a split length: a context-parallel kernel's own (`_context_comms`), else the
+    partitioner's gathers of keys and values over ``sequence`` (`_sequence_comms`)."""
+    if model.attention_kernel(layout.attention).splits_length:
+        return _context_comms(model, layout, rules, s, backend)
+    return _sequence_comms(model, layout, rules, s, backend)
+
+
+def _context_comms(model: ModelDescription, layout: Layout, rules: Rules, s: _Shape, backend: str) -> list[Comm]:
+    """A context-parallel kernel's collectives per layer and microbatch (`sharding.costmodel.context`):
+    all-to-alls over its all-to-all axes, collective-permutes over its ring's, forward and backward
+    (the forward's again under full remat). Heads are those of one ``tensor`` shard; the segment ids
+    travel with the keys (the model always passes them); inside the scanned layer stack the backward
+    resends the first key/value hop, unless full remat recomputes the forward beside it. The all-to-all's devices also gather the segment ids of the length
+    they attend whole, once per microbatch. XLA's CPU backend upcasts bfloat16 collectives: float32 there
+    (`_fsdp_gather_bytes`)."""
+    kernel = model.attention_kernel(layout.attention)
+    mesh = layout.mesh
+    ring_axes, a2a_axes = context_groups(kernel, mesh)
+    ring, inner = math.prod(mesh[a] for a in ring_axes), math.prod(mesh[a] for a in a2a_axes)
+    if ring * inner <= 1:
+        return []
+    geometry = model.attention
+    shape = dict(
+        batch=s.rows,
+        length=s.seq,
+        heads=geometry.num_heads // _axis_split(model, geometry.heads_axis, rules, mesh),
+        kv_heads=max(1, geometry.num_kv_heads // _axis_split(model, geometry.kv_axis, rules, mesh)),
+        head_dim=geometry.head_dim,
+        ring=ring,
+        all_to_all=inner,
+        act_bytes=_fsdp_gather_bytes(layout, backend),
+        segment_ids=True,
+        first_hop_reused=False,
+    )
+    remat = layout.remat == "full"
+    forward = context_traffic(kernel, training=False, **shape)
+    # Full remat runs the forward again inside the backward's loop body, where the backward's first key/value
+    # hop is the recomputed forward's (XLA merges the two sends).
+    step = context_traffic(kernel, training=True, **{**shape, "first_hop_reused": remat})
+    count = s.layers * s.micro
+    again = 1 if remat else 0
+    comms = []
+    # The ring's hops overlap the block in hand (each is issued before its compute: Liu et al., 2023); the
+    # all-to-alls sit between the projections and attention, on the critical path.
+    for op, axes, what, overlappable in (
+        ("all-to-all", a2a_axes, "attention: heads traded for the length (q, k, v, out; and back)", False),
+        ("collective-permute", ring_axes, "attention: key/value blocks around the ring (and their gradients)", True),
+    ):
+        if op in step:
+            group = ring if op == "collective-permute" else inner
+            per_call = step[op] + again * forward[op]
+            comms.append(Comm(op, axes, group, per_call, count, what, overlappable))
+    if inner > 1:  # the same for every layer: the partitioner hoists it out of the layer loop
+        ids = s.rows * s.seq / ring * _INT_BYTES
+        comms.append(Comm("all-gather", a2a_axes, inner, ids, s.micro, "segment ids over the all-to-all", False))
     return comms
 
 

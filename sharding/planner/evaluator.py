@@ -21,7 +21,7 @@ import numpy as np
 from sharding import axes as ax
 from sharding import costmodel as cm
 from sharding.mesh import format_mesh, grid_positions
-from sharding.parallel import Accumulation, Parallelism, UnevenBatch
+from sharding.parallel import CONTIGUOUS, Accumulation, Parallelism, UnevenBatch
 from sharding.pipeline.layout import PipelinePlan, bubble_fraction, pipeline_rules, plan_layout
 from sharding.pipeline.ticks import tick_time
 
@@ -195,7 +195,8 @@ class Plan:
             rules = pipeline_rules(rules)
         else:
             strategy = Accumulation(lay.microbatches)
-        return Parallelism(lay.mesh, rules, strategy)
+        context_layout = lay.context_layout if lay.length_split > 1 else CONTIGUOUS
+        return Parallelism(lay.mesh, rules, strategy, context_layout)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,6 +22,7 @@ from typing import Any
 
 from sharding import axes as ax
 from sharding import costmodel as cm
+from sharding.costmodel.context import context_groups
 from sharding.mesh import format_mesh
 from sharding.modeldesc import AttentionTraits, ModelDescription
 from sharding.pipeline.layout import plan_layout
@@ -41,11 +42,17 @@ def _factorizations(n: int, parts: int) -> Iterator[tuple[int, ...]]:
 
 def _meshes(model: ModelDescription, cluster: _Cluster, options: PlanOptions) -> Iterator[dict[str, int]]:
     """Mesh shapes: tensor and sequence groups inside a host; the model's ``heads``, ``mlp`` and
-    ``vocab`` divisible by ``tensor``."""
-    for data, stage, fsdp, sequence, tensor in _factorizations(cluster.size, 5):
+    ``vocab`` divisible by ``tensor``. With ``options.sequence``, the length split over ``sequence``
+    (inside a host) and ``context`` (which may span hosts)."""
+    shapes = (
+        _factorizations(cluster.size, 6)
+        if options.sequence
+        else ((d, p, f, 1, 1, t) for d, p, f, t in _factorizations(cluster.size, 4))
+    )
+    for data, stage, fsdp, context, sequence, tensor in shapes:
         if tensor * sequence > cluster.per_host or cluster.per_host % (tensor * sequence):
             continue
-        if sequence > 1 and not options.sequence:
+        if (sequence > 1 or context > 1) and not options.sequence:
             continue
         if stage > 1 and (
             not options.pipeline
@@ -55,7 +62,14 @@ def _meshes(model: ModelDescription, cluster: _Cluster, options: PlanOptions) ->
             continue
         if tensor > 1 and any(model.axis_sizes[a] % tensor for a in (ax.HEADS, ax.MLP, ax.VOCAB)):
             continue
-        yield {ax.DATA: data, ax.STAGE: stage, ax.FSDP: fsdp, ax.SEQUENCE: sequence, ax.TENSOR: tensor}
+        yield {
+            ax.DATA: data,
+            ax.STAGE: stage,
+            ax.FSDP: fsdp,
+            ax.CONTEXT: context,
+            ax.SEQUENCE: sequence,
+            ax.TENSOR: tensor,
+        }
 
 
 def _rules_for(model: ModelDescription, mesh: Mapping[str, int], options: PlanOptions) -> list[str]:
@@ -191,10 +205,55 @@ def _candidates(ev: _Evaluator) -> Iterator[tuple[cm.Layout, str]]:
     layout skeleton (`_layouts`), tagged ``uniform``, ``uneven`` or ``pipeline``."""
     for mesh in _meshes(ev.model, ev.cluster, ev.options):
         for rules in _rules_for(ev.model, mesh, ev.options):
-            for attention in ev.attentions:
-                # a kernel that splits the length (ring, ulysses): only without a sequence axis
-                if cm.unpriced_attention(ev.model.attention_kernel(attention), mesh) is None:
-                    yield from _layouts(ev, mesh, rules, attention)
+            for attention in _attentions_for(ev, mesh):
+                yield from _layouts(ev, mesh, rules, attention)
+
+
+def _attentions_for(ev: _Evaluator, mesh: Mapping[str, int]) -> tuple[str, ...]:
+    """The attentions tried on ``mesh``. With the length whole: those asked for (``ev.attentions``). With it
+    split over ``context`` x ``sequence``: the kernels that split it (ring, all-to-all, USP; every one the
+    model has when none were asked for), each where its heads allow (`_splits_heads_evenly`), and a kernel
+    the partitioner runs (reference) over ``sequence`` alone; a kernel needing the length whole under its
+    own ``shard_map`` (flash) would gather it, which is not context parallelism, and is left out."""
+    model = ev.model
+    if math.prod(mesh[a] for a in ax.LENGTH_MESH_AXES) <= 1:
+        return tuple(ev.attentions)
+    names = list(ev.attentions)
+    if ev.options.attentions is None:
+        names += [k.name for k in model.attention_kernels if k.splits_length and k.name not in names]
+    out = []
+    for name in names:
+        kernel = model.attention_kernel(name)
+        if cm.unpriced_attention(kernel, mesh) is not None:
+            continue
+        if kernel.splits_length and _splits_heads_evenly(model, kernel, mesh) and _canonical_split(kernel, mesh, ev):
+            out.append(name)
+        elif not kernel.splits_length and not kernel.under_shard_map:
+            out.append(name)
+    return tuple(out)
+
+
+def _canonical_split(kernel: AttentionTraits, mesh: Mapping[str, int], ev: _Evaluator) -> bool:
+    """Whether ``mesh`` is the one way the search prices a split of the length for ``kernel``: USP needs both
+    axes (its all-to-all over ``sequence``, its ring over ``context``); ring and all-to-all attention treat
+    ``context`` x ``sequence`` as one group, so they take ``sequence`` alone when the group fits inside a host
+    and ``context`` alone when it does not (the same program under another name is not priced twice)."""
+    context, sequence = mesh[ax.CONTEXT], mesh[ax.SEQUENCE]
+    if kernel.context_exchange == "usp":
+        return context > 1 and sequence > 1
+    if context > 1 and sequence > 1:
+        return False
+    inside = context * mesh[ax.TENSOR]
+    return context == 1 or inside > ev.cluster.per_host or ev.cluster.per_host % inside != 0
+
+
+def _splits_heads_evenly(model: ModelDescription, kernel: AttentionTraits, mesh: Mapping[str, int]) -> bool:
+    """Whether a context-parallel kernel's all-to-all divides the query heads of a ``tensor`` shard (KV heads
+    are repeated as needed, `sharding.costmodel.context`); a ring needs nothing of the heads."""
+    _, a2a_axes = context_groups(kernel, mesh)
+    inner = math.prod(mesh[a] for a in a2a_axes)
+    heads = model.attention.num_heads // max(1, mesh[ax.TENSOR])
+    return inner <= 1 or (heads % inner == 0 and heads >= inner)
 
 
 def _layouts(ev: _Evaluator, mesh: dict[str, int], rules: str, attention: str) -> Iterator[tuple[cm.Layout, str]]:
@@ -232,7 +291,7 @@ def _uneven_fits(mesh: Mapping[str, int], rules: str, attention: AttentionTraits
     out: parameters split over ``fsdp`` and ``tensor`` at once (``fsdp``/``fsdp_tp`` rules with both axes
     > 1), which the step runs exactly but whose parameter gathers the partitioner lays out with extra
     traffic the model does not count (tests/test_hetero.py)."""
-    if any(mesh[a] > 1 for a in (ax.STAGE, ax.SEQUENCE)):
+    if any(mesh[a] > 1 for a in (ax.STAGE, *ax.LENGTH_MESH_AXES)):
         return False
     if mesh[ax.TENSOR] > 1 and attention.under_shard_map:
         return False
