@@ -345,7 +345,8 @@ def _optimizer_flags(p) -> None:
         default="adamw",
         choices=OPTIMIZERS,
         help="adamw; lion (its --lr is usually 3-10x smaller than AdamW's); sgd "
-        "(momentum --beta1); all optax's, after clipping to --grad-clip, with --weight-decay on matrices",
+        "(momentum --beta1); adafactor (factored second moment; --lr relative to each parameter's RMS); all "
+        "optax's, after clipping to --grad-clip, with --weight-decay on matrices",
     )
     g.add_argument(
         "--schedule",
@@ -366,7 +367,7 @@ def _optimizer_flags(p) -> None:
         default=None,
         help="second-moment decay of adamw (default 0.95) and lion (default 0.99), in [0, 1)",
     )
-    g.add_argument("--eps", type=float, default=None, help="adamw's epsilon, > 0 (default: 1e-8)")
+    g.add_argument("--eps", type=float, default=None, help="adamw's epsilon, > 0 (default: 1e-8; adafactor's 1e-30)")
     g.add_argument("--warmup", type=int, default=None, help="linear warmup steps (default: 5%% of the schedule)")
     g.add_argument("--decay-steps", type=int, default=None, help="length of the cosine schedule (default: --steps)")
     g.add_argument("--weight-decay", type=float, default=0.1, help="decoupled weight decay (matrices only)")
