@@ -73,18 +73,8 @@ class Embed(nnx.Module):
         make_params(self, rngs, embed_params(vocab_size, embed_dim))
 
     def __call__(self, tokens: jax.Array, dtype, par: Parallelism) -> jax.Array:
-        """``[batch, length]`` int32 -> ``[batch, length, embed]`` in ``dtype``.
-
-        The table is read with its ``embed`` dimension laid out as the activations' (``act_embed``: whole
-        under the preset rules), i.e. gathered over ``fsdp`` first, as FSDP gathers every weight before use.
-        Looked up from a table split along ``embed``, the rows would come out split along it too, and XLA's
-        partitioner cannot move them from there to the batch split of the activations: it gathers the whole
-        batch's activations on every device instead (and in the backward pass their gradient), warning of
-        an "involuntary full rematerialization" (seen on ``data=4,fsdp=2`` and under a pipeline). A
-        ``vocab`` split stays: the lookup then gathers locally and sums over the vocabulary axes.
-        """
-        table = par.constrain(self.embedding[...], (ax.VOCAB, ax.ACT_EMBED))
-        x = jnp.take(table, tokens, axis=0).astype(dtype)
+        """``[batch, length]`` int32 -> ``[batch, length, embed]`` in ``dtype``."""
+        x = jnp.take(self.embedding[...], tokens, axis=0).astype(dtype)
         return par.constrain(x, (ax.BATCH, ax.LENGTH, ax.ACT_EMBED))
 
     def attend(self, x: jax.Array) -> jax.Array:

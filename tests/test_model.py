@@ -257,26 +257,3 @@ def test_hugging_face_options_are_settable_and_checked():
     old.pop("qkv_bias")
     assert config_differences(old, CONFIG) == {}
     assert config_differences(old, CONFIG.replace(qkv_bias=True)) == {"qkv_bias": (False, True)}
-
-
-def test_the_embedding_lookup_gathers_the_table_not_the_batch():
-    """With the table's ``embed`` split over ``fsdp`` and the batch over ``data`` and ``fsdp``, the lookup and
-    its gradient move the table (one all-gather of it; its gradient summed back), never the whole batch's
-    activations onto every device (what XLA falls back to from rows split along ``embed``)."""
-    from flax import nnx
-
-    from models.layers import Embed
-    from sharding import hlo
-
-    par = Parallelism.of(make_mesh(parse_mesh("data=4,fsdp=2", 8)), get_rules("fsdp_tp"))
-    graph, params = nnx.split(Embed(512, 128, rngs=nnx.Rngs(0)))
-    table = par.sharding((ax.VOCAB, ax.EMBED), (512, 128))  # the embed dimension over fsdp
-    params = jax.tree.map(lambda x: jax.device_put(x, table), params)
-    tokens = jax.device_put(jnp.zeros((8, 16), jnp.int32), par.sharding((ax.BATCH, ax.LENGTH), (8, 16)))
-
-    def loss(params, tokens):
-        return jnp.sum(nnx.merge(graph, params)(tokens, jnp.float32, par) ** 2)
-
-    text = jax.jit(jax.value_and_grad(loss)).lower(params, tokens).compile().as_text()
-    gathers = [c.result_bytes for c in hlo.collectives(text) if c.op == "all-gather"]
-    assert gathers == [512 * 128 * 4], gathers  # the whole table once; the batch's activations are 64 KiB
