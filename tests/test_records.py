@@ -1,9 +1,12 @@
-"""Records stay true: metrics after a resume, TensorBoard purge, the schedule, state bytes."""
+"""Records stay true: metrics after a resume, TensorBoard purge, the schedule, state bytes; the optional
+experiment trackers (--wandb, --mlflow) get TensorBoard's scalars, and a missing one is named at parse time."""
 
 import json
 import math
 import shutil
 import struct
+import sys
+import types
 
 import jax
 import pytest
@@ -112,6 +115,73 @@ def test_a_resumed_writer_purges_later_tensorboard_events_and_writes_no_duplicat
     assert [e.step for e in events if e.HasField("session_log")] == [0, 5]
     scalars = [(e.step, e.summary.value[0].simple_value) for e in events if e.HasField("summary")]
     assert scalars == [(s, 1.0) for s in range(7)] + [(5, 0.5)]
+
+
+class _Recorder:
+    """Stands in for the wandb and mlflow modules: records the calls `MetricsWriter`'s trackers make."""
+
+    def __init__(self):
+        self.calls = []
+
+    def module(self, name, functions):
+        module = types.ModuleType(name)
+        for function in functions:
+            setattr(module, function, lambda *a, _f=f"{name}.{function}", **k: self.calls.append((_f, a, k)) or self)
+        return module
+
+    def log(self, *a, **k):  # a wandb run's
+        self.calls.append(("run.log", a, k))
+
+    def finish(self):
+        self.calls.append(("run.finish", (), {}))
+
+
+def test_trackers_get_tensorboards_scalars_at_its_steps(tmp_path, monkeypatch):
+    recorder = _Recorder()
+    monkeypatch.setitem(sys.modules, "wandb", recorder.module("wandb", ["init"]))
+    mlflow_functions = ["set_tracking_uri", "start_run", "log_params", "log_metrics", "end_run"]
+    monkeypatch.setitem(sys.modules, "mlflow", recorder.module("mlflow", mlflow_functions))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    run_dir = tmp_path / "my-run"
+    run_dir.mkdir()
+    writer = MetricsWriter(run_dir, enabled=True, trackers=("wandb", "mlflow"), config={"lr": 0.003, "mesh": "fsdp=8"})
+    writer.write(1, {"loss": 2.5, "processed": [3, 1]})
+    writer.write(1, {"loss": 2.25}, prefix="eval")
+    writer.close()
+    scalars = [{"train/loss": 2.5, "train/processed/0": 3, "train/processed/1": 1}, {"eval/loss": 2.25}]
+    assert recorder.calls == [
+        (
+            "wandb.init",
+            (),
+            {"name": "my-run", "group": "my-run", "dir": str(run_dir), "config": {"lr": 0.003, "mesh": "fsdp=8"}},
+        ),
+        ("mlflow.set_tracking_uri", (f"sqlite:///{(run_dir / 'mlflow.db').resolve()}",), {}),
+        ("mlflow.start_run", (), {"run_name": "my-run", "tags": {"meshwork.run_dir": str(run_dir.resolve())}}),
+        ("mlflow.log_params", ({"lr": "0.003", "mesh": "fsdp=8"},), {}),
+        ("run.log", (scalars[0],), {"step": 1}),
+        ("mlflow.log_metrics", (scalars[0],), {"step": 1}),
+        ("run.log", (scalars[1],), {"step": 1}),
+        ("mlflow.log_metrics", (scalars[1],), {"step": 1}),
+        ("run.finish", (), {}),
+        ("mlflow.end_run", (), {}),
+    ]
+    assert [
+        json.loads(line)["train/processed"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()[:1]
+    ] == [[3, 1]]
+
+
+@pytest.mark.parametrize("name", ["wandb", "mlflow"])
+def test_a_tracker_that_is_not_installed_is_named_with_its_extra_before_anything_runs(
+    tmp_path, monkeypatch, capsys, name
+):
+    monkeypatch.setitem(sys.modules, name, None)  # importlib finds no such package
+    run_dir = tmp_path / "r"
+    code = train.main([*BASE, "--data", "stdlib", f"--{name}", "--run-dir", str(run_dir)])
+    err = capsys.readouterr().err
+    assert code == 2 and err == (
+        f"error: --{name}: the {name} package is not installed; pip install 'meshwork[{name}]' (or leave out --{name})\n"
+    )
+    assert not run_dir.exists()
 
 
 def test_schedule_is_recorded_and_a_change_is_one_line():

@@ -351,7 +351,8 @@ def _optimizer_flags(p) -> None:
         default="adamw",
         choices=OPTIMIZERS,
         help="adamw; lion (its --lr is usually 3-10x smaller than AdamW's); sgd "
-        "(momentum --beta1); all optax's, after clipping to --grad-clip, with --weight-decay on matrices",
+        "(momentum --beta1); adafactor (factored second moment; --lr relative to each parameter's RMS); all "
+        "optax's, after clipping to --grad-clip, with --weight-decay on matrices",
     )
     g.add_argument(
         "--schedule",
@@ -372,7 +373,7 @@ def _optimizer_flags(p) -> None:
         default=None,
         help="second-moment decay of adamw (default 0.95) and lion (default 0.99), in [0, 1)",
     )
-    g.add_argument("--eps", type=float, default=None, help="adamw's epsilon, > 0 (default: 1e-8)")
+    g.add_argument("--eps", type=float, default=None, help="adamw's epsilon, > 0 (default: 1e-8; adafactor's 1e-30)")
     g.add_argument("--warmup", type=int, default=None, help="linear warmup steps (default: 5%% of the schedule)")
     g.add_argument("--decay-steps", type=int, default=None, help="length of the cosine schedule (default: --steps)")
     g.add_argument("--weight-decay", type=float, default=0.1, help="decoupled weight decay (matrices only)")
@@ -452,6 +453,20 @@ def _run_flags(p) -> None:
         "(tensorboard --logdir RUN_DIR/profile) or Perfetto (its .trace.json.gz); default: no trace",
     )
     g.add_argument(
+        "--wandb",
+        action="store_true",
+        help="also log the metrics to Weights & Biases, a run per session named after --run-dir (needs pip "
+        "install 'meshwork[wandb]'; project, entity and mode from wandb's variables: WANDB_PROJECT, "
+        "WANDB_MODE=offline, ...)",
+    )
+    g.add_argument(
+        "--mlflow",
+        action="store_true",
+        help="also log the metrics to MLflow, a run per session named after --run-dir (needs pip install "
+        "'meshwork[mlflow]'; server and experiment from MLFLOW_TRACKING_URI and MLFLOW_EXPERIMENT_NAME, "
+        "default store RUN_DIR/mlflow.db)",
+    )
+    g.add_argument(
         "--dry-run",
         action="store_true",
         help="compile one step, print the sharding, memory and collectives report, and exit without training",
@@ -459,6 +474,23 @@ def _run_flags(p) -> None:
 
 
 # argv -> RunConfig ---------------------------------------------------------------------------------
+
+
+def trackers(args) -> tuple[str, ...]:
+    """The experiment trackers asked for (``--wandb``, ``--mlflow``), each checked to be installed.
+
+    Raises:
+      ValueError: A tracker whose package is missing, naming the flag and the extra that installs it.
+    """
+    import importlib.util
+
+    names = tuple(name for name in ("wandb", "mlflow") if getattr(args, name))
+    for name in names:
+        if importlib.util.find_spec(name) is None:
+            raise ValueError(
+                f"--{name}: the {name} package is not installed; pip install 'meshwork[{name}]' (or leave out --{name})"
+            )
+    return names
 
 
 def parse(argv: Sequence[str] | None = None) -> RunConfig:
@@ -531,6 +563,7 @@ def from_args(args: argparse.Namespace) -> RunConfig:
             args.dry_run,
             parse_max_loss(args.max_loss),
             parse_profile_steps(args.profile_steps, args.steps),
+            trackers(args),
         ),
         checkpoint=CheckpointConfig(
             args.run_dir,

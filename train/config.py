@@ -59,6 +59,7 @@ class LoopConfig:
     dry_run: bool = False
     max_loss: float | None = None  # --max-loss: None auto (train.divergence), inf off
     profile_steps: tuple[int, int] | None = None  # --profile-steps A:B (train.profile)
+    trackers: tuple[str, ...] = ()  # --wandb, --mlflow (train.loop.TRACKERS)
 
 
 @dataclasses.dataclass(frozen=True)

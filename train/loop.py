@@ -102,8 +102,57 @@ class LoopOptions:
         )
 
 
+class _WandbSink:
+    """A Weights & Biases run of this session: named after the run folder and grouped by it, its files under
+    ``RUN_DIR/wandb``; the project, entity and mode (``WANDB_MODE=offline``) come from wandb's own
+    environment variables (``WANDB_PROJECT``...)."""
+
+    def __init__(self, run_dir: Path, config: dict | None):
+        import wandb
+
+        self._run = wandb.init(name=run_dir.name, group=run_dir.name, dir=str(run_dir), config=config)
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        self._run.log(scalars, step=step)
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+class _MlflowSink:
+    """An MLflow run of this session, named after the run folder and tagged ``meshwork.run_dir`` with its
+    path, the flags as parameters; the tracking server and experiment come from MLflow's own environment
+    variables (``MLFLOW_TRACKING_URI``, ``MLFLOW_EXPERIMENT_NAME``); with no server named, the store is the
+    SQLite database ``RUN_DIR/mlflow.db`` (MLflow's recommended local backend; ``mlflow ui
+    --backend-store-uri sqlite:///RUN_DIR/mlflow.db`` shows it)."""
+
+    def __init__(self, run_dir: Path, config: dict | None):
+        import mlflow
+
+        if not os.environ.get("MLFLOW_TRACKING_URI"):
+            mlflow.set_tracking_uri(f"sqlite:///{(run_dir / 'mlflow.db').resolve()}")
+        self._mlflow = mlflow
+        self._run = mlflow.start_run(run_name=run_dir.name, tags={"meshwork.run_dir": str(run_dir.resolve())})
+        if config:
+            mlflow.log_params({k: json.dumps(v) if not isinstance(v, str) else v for k, v in config.items()})
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        self._mlflow.log_metrics(scalars, step=step)
+
+    def close(self) -> None:
+        self._mlflow.end_run()
+
+
+TRACKERS = {"wandb": _WandbSink, "mlflow": _MlflowSink}
+"""The experiment trackers `MetricsWriter` can log to, by name; each needs the package of the same name."""
+
+
 class MetricsWriter:
-    """``metrics.jsonl`` plus TensorBoard event files in the run folder (process 0 only).
+    """``metrics.jsonl`` plus TensorBoard event files in the run folder, and the trackers asked for (``--wandb``,
+    ``--mlflow``; process 0 only).
+
+    The trackers get the same scalars as TensorBoard, at the same steps; each session (a fresh start or a
+    resume) is a run of its own there, named after the run folder, with the flags as its configuration.
 
     Records stay true across a crash and a resume: the records of steps after ``restored_step`` (the step
     the run restored; None for a fresh start, which drops every earlier record) are dropped from ``metrics.jsonl`` by an atomic rewrite, and
@@ -113,12 +162,27 @@ class MetricsWriter:
     evaluates again) are not written twice.
     """
 
-    def __init__(self, run_dir: Path, enabled: bool, restored_step: int | None = None):
+    def __init__(
+        self,
+        run_dir: Path,
+        enabled: bool,
+        restored_step: int | None = None,
+        trackers: tuple[str, ...] = (),
+        config: dict | None = None,
+    ):
         self.enabled = enabled
         self._jsonl = None
         self._tb = None
+        self._sinks: list = []
         if not enabled:
             return
+        for name in trackers:  # first: a tracker that cannot start leaves the records untouched
+            try:
+                self._sinks.append(TRACKERS[name](Path(run_dir), config))
+            except Exception as e:  # a login, server or network failure of the tracker's own
+                self.close()
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                raise RuntimeError(f"starting the {name} run failed: {first}") from e
         self.start_step = -1 if restored_step is None else restored_step
         self.dropped, self._present = truncate_metrics(run_dir / "metrics.jsonl", self.start_step)
         self._jsonl = (run_dir / "metrics.jsonl").open("a")
@@ -141,16 +205,25 @@ class MetricsWriter:
         record = {"step": step, **{f"{prefix}/{k}": v for k, v in values.items()}, "time": time.time()}
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
+        scalars = {
+            f"{prefix}/{key}" + ("" if index is None else f"/{index}"): item
+            for key, value in values.items()
+            for index, item in (enumerate(value) if isinstance(value, list) else ((None, value),))
+        }
         if self._tb is not None:
-            for key, value in values.items():
-                for index, item in enumerate(value) if isinstance(value, list) else ((None, value),):
-                    self._tb.add_scalar(f"{prefix}/{key}" + ("" if index is None else f"/{index}"), item, step)
+            for key, item in scalars.items():
+                self._tb.add_scalar(key, item, step)
+        for sink in self._sinks:
+            sink.log(step, scalars)
 
     def close(self) -> None:
         if self._jsonl is not None:
             self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
+        for sink in self._sinks:
+            sink.close()
+        self._sinks = []
 
 
 def truncate_metrics(path: Path, start_step: int) -> tuple[int, set[str]]:

@@ -1,4 +1,4 @@
-"""The optimizer: optax AdamW (or Lion, SGD) with linear warmup, a decay and gradient clipping.
+"""The optimizer: optax AdamW (or Lion, SGD, Adafactor) with linear warmup, a decay and gradient clipping.
 
 AdamW is Loshchilov & Hutter (2019); the schedule warms up linearly from
 ``lr / warmup`` (step 1) to ``lr`` (step ``warmup``), then follows a cosine to ``lr * min_lr_ratio``
@@ -7,7 +7,11 @@ to a global norm first (Pascanu et al., 2013). Weight decay applies to
 matrices only, not to norm scales or biases.
 
 ``--optimizer``: ``adamw`` (the default), ``lion`` (Chen et al., "Symbolic Discovery of
-Optimization Algorithms", 2023) and ``sgd`` (with momentum ``--beta1``). ``--schedule``: ``cosine`` (above),
+Optimization Algorithms", 2023), ``sgd`` (with momentum ``--beta1``) and ``adafactor`` (Shazeer & Stern,
+"Adafactor: Adaptive Learning Rates with Sublinear Memory Cost", 2018: the second moment of a matrix kept as
+its row and column means, update clipping at RMS 1, steps relative to the parameter's RMS, so ``--lr`` is a
+relative step size; ``--eps`` is its regulariser of the squared gradient, optax's 1e-30 by default; weight
+decay is decoupled and scaled by the schedule as AdamW's). ``--schedule``: ``cosine`` (above),
 ``linear`` (warmup, then a straight line to ``lr * min_lr_ratio``) or ``wsd``, warmup-stable-decay (Hu et
 al., "MiniCPM", 2024): the peak rate until the last `WSD_DECAY_FRACTION` of the schedule, then a straight
 line down (the fraction is our choice).
@@ -23,7 +27,7 @@ import optax
 
 from sharding import axes as ax
 
-OPTIMIZERS = ("adamw", "lion", "sgd")
+OPTIMIZERS = ("adamw", "lion", "sgd", "adafactor")
 """``--optimizer`` choices (optax's implementations)."""
 SCHEDULES = ("cosine", "linear", "wsd")
 """``--schedule`` choices."""
@@ -31,11 +35,12 @@ WSD_DECAY_FRACTION = 0.2
 """``--schedule wsd``: the share of the schedule's steps spent decaying at its end."""
 
 # Which of --beta1/--beta2/--eps each optimizer reads, and their defaults (AdamW's are this project's
-# long-standing ones; Lion's are optax's; SGD's --beta1 is its momentum).
+# long-standing ones; Lion's and Adafactor's are optax's; SGD's --beta1 is its momentum).
 _HYPER = {
     "adamw": {"b1": 0.9, "b2": 0.95, "eps": 1e-8},
     "lion": {"b1": 0.9, "b2": 0.99},
     "sgd": {"b1": 0.9},
+    "adafactor": {"eps": 1e-30},
 }
 _FLAGS = {"b1": "--beta1", "b2": "--beta2", "eps": "--eps"}
 
@@ -170,4 +175,12 @@ def _optimizer(config: OptimizerConfig, mask) -> optax.GradientTransformation:
         )
     if config.name == "lion":
         return optax.lion(schedule, b1=config.b1, b2=config.b2, weight_decay=config.weight_decay, mask=mask)
+    if config.name == "adafactor":
+        # optax adds Adafactor's decay after the learning rate: scaled by the schedule here, it decays as AdamW's
+        return optax.adafactor(
+            schedule,
+            eps=config.eps,
+            weight_decay_rate=lambda count: config.weight_decay * schedule(count),
+            weight_decay_mask=mask,
+        )
     return optax.chain(optax.add_decayed_weights(config.weight_decay, mask), optax.sgd(schedule, momentum=config.b1))

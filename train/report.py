@@ -298,7 +298,8 @@ def pipeline_lines(trainer, note: str | None = None) -> list[str]:
         f"stage x {storage.groups} devices; every device holds {memory['per_device']} rows of "
         f"{human_bytes(memory['row_bytes'])} + {human_bytes(memory['other_bytes'])} of other parameters = "
         f"{human_bytes(memory['device_bytes'])} ({memory['device_bytes'] / memory['ideal_bytes']:.2f}x the "
-        f"ideal {human_bytes(memory['ideal_bytes'])}, all parameters / devices); x3 with the AdamW moments"
+        f"ideal {human_bytes(memory['ideal_bytes'])}, all parameters / devices)"
+        + ("; x3 with the AdamW moments" if trainer.optimizer.name == "adamw" else "")
     )
     if sum(layout.padding):
         lines.append(

@@ -5,7 +5,8 @@ The train state is a dict::
     {"step": int32 [], "params": {...}, "opt_state": optax state, "rng": uint32 [2]}
 
 Parameters are sharded by the logical rules (`sharding.rules.tree_shardings`), the optimizer state like
-the parameters it belongs to (`optax.tree_map_params`), scalars replicated. The state is created by one
+the parameters it belongs to (propagated through optax's init: a factored moment keeps the sharding of the
+dimensions it keeps), scalars replicated. The state is created by one
 jitted init with ``out_shardings``, so it is never whole on one device.
 
 With a pipeline the stacked layer parameters (and their optimizer state) live unpadded as ``[rows, ...]``
@@ -25,7 +26,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from models.config import ModelConfig
 from models.transformer import abstract_model, init_params
@@ -114,13 +115,7 @@ class StateLayout:
         param_shardings, report = tree_shardings(params, param_names, self.mesh, self.rules)
         if isinstance(layout, StageStorage) or self.storage is not None:
             param_shardings, report = self._storage_shardings(layout, param_shardings, report)
-        opt_shardings = optax.tree_map_params(
-            self.tx,
-            lambda _, sharding: sharding,
-            jax.eval_shape(self.tx.init, params),
-            param_shardings,
-            transform_non_params=lambda _: self.replicated,
-        )
+        opt_shardings = self._optimizer_shardings(params, param_shardings)
         state_shardings = {
             "step": self.replicated,
             "params": param_shardings,
@@ -128,6 +123,49 @@ class StateLayout:
             "rng": self.replicated,
         }
         return params, param_shardings, report, state_shardings
+
+    def _optimizer_shardings(self, params, param_shardings):
+        """The optimizer state's shardings, derived from the parameters' by optax's own init.
+
+        The init is traced (`jax.eval_shape`, nothing allocated) on parameters that carry their shardings
+        on a copy of the mesh with explicit axes, where JAX propagates shardings through each operation: a
+        moment shaped as its parameter (AdamW's, Lion's) keeps the parameter's sharding, and Adafactor's
+        factored second moment (a ``[..., rows]`` and a ``[..., columns]`` mean of a matrix's squared
+        gradient; optax reduces the parameter along the dropped dimension) keeps the sharding of every
+        dimension it keeps. Counts, placeholders and other scalars come out replicated.
+
+        Args:
+          params: The state's parameters (`jax.ShapeDtypeStruct`), in the state's storage.
+          param_shardings: Their `NamedSharding`s on this mesh.
+
+        Returns:
+          A tree shaped as ``tx.init(params)`` of `NamedSharding`s on this (auto-axes) mesh.
+        """
+        names = self.mesh.axis_names
+        explicit = Mesh(self.mesh.devices, names, axis_types=(AxisType.Explicit,) * len(names))
+        typed = jax.tree.map(
+            lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=NamedSharding(explicit, s.spec)),
+            params,
+            param_shardings,
+        )
+        with jax.set_mesh(explicit):
+            shapes = jax.eval_shape(self.tx.init, typed)
+
+        def derived(x):
+            entries = list(getattr(x.sharding, "spec", None) or ()) if x.ndim else []
+            while entries and entries[-1] is None:  # as the rules write a spec (`sharding.rules`)
+                entries.pop()
+            return NamedSharding(self.mesh, PartitionSpec(*entries))
+
+        # a leaf shaped as its parameter takes the parameter's own sharding (the same spec, written alike)
+        return optax.tree_map_params(
+            self.tx,
+            lambda x, param, sharding: sharding if x.shape == param.shape else derived(x),
+            shapes,
+            params,
+            param_shardings,
+            transform_non_params=derived,
+        )
 
     def _storage_shardings(self, layout, shardings, report):
         """Shardings (and report rows) re-made for a pipelined run or a `StageStorage` ``layout``: the layer
@@ -228,7 +266,12 @@ class StateLayout:
             return state
         is_layer = {key: jax.tree.map(lambda _: key == "layers", value) for key, value in self.abstract_params.items()}
         opt = optax.tree_map_params(
-            self.tx, lambda _, layer: layer, state["opt_state"], is_layer, transform_non_params=lambda _: False
+            self.tx,
+            _moves_with_rows,
+            state["opt_state"],
+            is_layer,
+            state["params"],
+            transform_non_params=lambda _: False,
         )
         leaves, treedef = jax.tree.flatten(state)
         moving = treedef.flatten_up_to({"step": False, "params": is_layer, "opt_state": opt, "rng": False})
@@ -241,3 +284,23 @@ class StateLayout:
         for i, moved in zip(picked, fn([leaves[i] for i in picked]), strict=True):
             leaves[i] = moved
         return treedef.unflatten(leaves)
+
+
+def _moves_with_rows(leaf, layer: bool, param) -> bool:
+    """Whether an optimizer-state ``leaf`` of ``param`` moves with the layer stack's rows when re-laid.
+
+    A moment shaped as its parameter does, and so does a factored moment that keeps the leading (rows)
+    dimension; Adafactor's ``[1]`` placeholders (the unused half of its state) stay.
+
+    Raises:
+      ValueError: A layer stack's factored moment that dropped the rows dimension (Adafactor factors the two
+        largest dimensions, so a stack of 128 or more layers can lose it): it cannot be split by stage.
+    """
+    if not layer or leaf.shape == (1,) != param.shape:
+        return False
+    if leaf.shape[:1] != param.shape[:1] or leaf.ndim < param.ndim - 1:
+        raise ValueError(
+            f"the optimizer state {leaf.shape} of the layer stack {param.shape} has no layer dimension "
+            "(Adafactor factored it away), so it cannot be re-laid between stage layouts; use optimizer adamw"
+        )
+    return True

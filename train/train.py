@@ -212,7 +212,13 @@ def train(config: RunConfig, trainer, ckpt, latest, tokenizer, log) -> int:
 
             # Only once the run is accepted (resume checks passed): a refused command leaves the folder as it was.
             write_record(config.checkpoint.run_dir, config.record)
-        writer = MetricsWriter(Path(config.checkpoint.run_dir), jax.process_index() == 0, latest)
+        writer = MetricsWriter(
+            Path(config.checkpoint.run_dir),
+            jax.process_index() == 0,
+            latest,
+            config.loop.trackers,
+            None if config.record is None else config.record["flags"],
+        )
         meta = RunMeta.create(
             config.model,
             config.preset,
