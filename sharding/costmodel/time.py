@@ -53,7 +53,7 @@ class Hardware:
         (`ELEMENTWISE_BYTES_PER_FLOP`, with an efficiency fitted for it); None: elementwise FLOPs run at
         ``efficiency x peak`` like the products (one efficiency for all the step's work).
       overlap_slowdown: Fraction of a hidden collective's seconds added to the compute beside it
-        (`OVERLAP_SLOWDOWN`, `overlap`).
+        (`overlap`); `hardware_for` sets `OVERLAP_SLOWDOWN`, a `Hardware` built by hand has none.
 
     The latencies are NCCL's own model of its Simple protocol (the one it runs for the megabyte messages
     of a training step), `NCCL_LATENCY`.
@@ -229,16 +229,16 @@ def overlap(
     hidden part costs, in seconds.
 
     The layer loop (per-layer FSDP weight gathers and gradient reductions, ``Comm.layer_loop``) runs as the
-    schedulers that hide it run it: XLA's latency-hiding scheduler on GPU, like PyTorch FSDP's prefetch
-    (docs/notes/fsdp.rst, "the 1st all-gather will not be able to overlap with anything") and Megatron-FSDP's
-    (``SchedulePolicy``: "prefetches one successor"), starts a layer's weight gather during the previous
-    layer's compute, so each gather hides behind one layer's compute only, and a gradient reduction behind
-    the next layer's backward. With ``N`` layer executions per step (forward), per execution a gather ``G``,
-    a reduction ``R``, forward compute ``F`` and backward compute (recomputation included) ``B``:
+    schedulers that hide it run it: XLA's latency-hiding scheduler on GPU (collectives asynchronous on their
+    own stream), like PyTorch FSDP's prefetch (PyTorch's FSDP notes: "the 1st all-gather will not be able to
+    overlap with anything") and Megatron-FSDP's (``SchedulePolicy``: "prefetches one successor"), starts a
+    layer's weight gather during the previous layer's compute, so each gather hides behind one layer's compute
+    only, and a gradient reduction behind the next layer's backward. With ``N`` layer executions per step
+    (forward), per execution a forward gather ``G``, the backward pass's gathers ``G'`` (one per recomputation
+    of the forward, none when the gathered weights are kept), a reduction ``R``, forward compute ``F`` and
+    backward compute (recomputation included) ``B``:
 
         exposed = G + R + (N - 1) (max(0, G - F) + max(0, G' + R - B))
-
-    (``G'``: the backward pass's gathers of one layer, one per recomputation of its forward)
 
     the first gather waiting with nothing before it, the last reduction with nothing after it, and each
     layer's traffic beyond its own compute. The rest of the overlappable traffic (gathers and reductions
