@@ -254,11 +254,11 @@ def overlap(
       other: Seconds of the other overlappable collectives.
       slowdown: Fraction of its own length a hidden collective adds to the compute beside it.
     """
-    n_g = max((c.count for c in cost.comms if c.layer_loop and c.kind == "all-gather"), default=0)
-    n_r = max((c.count for c in cost.comms if c.layer_loop and c.kind != "all-gather"), default=0)
-    executions = n_r or n_g / 2
     exposed = 0.0
-    if executions >= 1 and (loop_gathers or loop_reductions):
+    if loop_gathers or loop_reductions:
+        n_g = max((c.count for c in cost.comms if c.layer_loop and c.kind == "all-gather"), default=0)
+        n_r = max((c.count for c in cost.comms if c.layer_loop and c.kind != "all-gather"), default=0)
+        executions = max(n_r or n_g / 2, 1)
         flops = cost.flops
         in_loop = flops.layers + flops.attention
         total = max(flops.total, 1.0)
