@@ -211,7 +211,8 @@ def price(row: Row, options: planner.PlanOptions) -> tuple[planner.Plan | None, 
 def _parts(p: planner.Plan) -> str:
     parts = p.parts
     return (
-        f"compute {parts['compute']:.2f}, overlapped {parts['overlapped_comm']:.2f}, exposed "
+        f"compute {parts['compute']:.2f}, overlappable {parts['overlapped_comm']:.2f} (not hidden "
+        f"{parts['overlap_exposed']:.2f}, contention {parts['contention']:.2f}), exposed "
         f"{parts['exposed_comm']:.2f}, optimizer {parts['optimizer']:.3f}, bubble {parts['bubble']:.2f}"
     )
 

@@ -105,6 +105,40 @@ def test_ring_collective_costs_and_links():
     )
 
 
+def test_fsdp_overlap_exposes_the_loops_first_gather_and_last_reduction():
+    """FSDP's per-layer weight gathers hide behind one layer's compute each: the first gather (nothing runs
+    before it) and the last gradient reduction (nothing after it) are exposed, the rest hidden costs
+    `OVERLAP_SLOWDOWN` of its length; with no compute to hide behind, all of it is exposed. References by
+    hand from each collective's own price (`comm_seconds`)."""
+    model = describe(get_config("test"))
+    layout = cm.Layout({"fsdp": 8}, "fsdp", 2, "none", attention="flash", dtype="bfloat16")
+    cost = cm.device_cost(model, layout, seq_len=256, rows=4)
+    links = cm.link_classes(layout.mesh, 8)
+    slow = cm.Hardware(1e11, 80e9, 3e12, intra_bandwidth=400e9, inter_bandwidth=50e9 / 8, overlap_slowdown=0.18)
+    seconds = {c: cm.comm_seconds(c, slow, links) for c in cost.comms}
+    loop = [c for c in cost.comms if c.layer_loop]
+    assert {c.kind for c in loop} == {"all-gather", "reduce-scatter"}
+    runs = {c.count for c in loop if c.kind == "reduce-scatter"}
+    assert runs == {model.num_layers * 2}  # a reduction per layer and microbatch; two gathers each
+    first_gather = sum(seconds[c] for c in loop if c.kind == "all-gather") / (2 * model.num_layers * 2)
+    last_reduction = sum(seconds[c] for c in loop if c.kind == "reduce-scatter") / (model.num_layers * 2)
+    st = cm.step_time(cost, slow, links)
+    assert st.overlapped_comm == pytest.approx(sum(seconds[c] for c in cost.comms if c.overlappable), rel=1e-12)
+    assert st.overlapped_comm < st.compute / 10  # every other layer's traffic hides behind its compute
+    assert st.overlap_exposed == pytest.approx(first_gather + last_reduction, rel=1e-9)
+    hidden = st.overlapped_comm - st.overlap_exposed
+    assert st.contention == pytest.approx(0.18 * hidden, rel=1e-9)
+    assert st.total == pytest.approx(
+        st.compute + first_gather + last_reduction + 0.18 * hidden + st.exposed_comm + st.optimizer, rel=1e-9
+    )
+    assert st.total > max(st.compute, st.overlapped_comm) + st.exposed_comm + st.optimizer  # all hidden: less
+    fast = dataclasses.replace(slow, peak_flops=1e18)  # compute far too short to hide the traffic
+    st = cm.step_time(cost, fast, links)
+    assert st.compute < st.overlapped_comm / 1e4
+    assert st.overlapped_comm - st.overlap_exposed == pytest.approx(st.compute, rel=1e-6)  # it hides its length
+    assert st.contention == pytest.approx(0.18 * st.compute, rel=1e-6)
+
+
 def test_model_flops_per_token_is_palm_count():
     """PaLM's count (Appendix B), ``6 * (P - V*D) + 12 * L * N * H * T``, from the config's fields by
     hand; `ModelConfig.flops_per_token` is the description's (one implementation)."""

@@ -372,16 +372,17 @@ def price_report(model, inventory, args, options) -> tuple[list[str], planner.Pl
 
 def breakdown(p: planner.Plan) -> list[str]:
     """Lines of where a plan's step time and memory go: the slowest device's seconds as they add up
-    (``max(compute, overlapped traffic)`` + exposed traffic + optimizer + pipeline bubble), and each
-    kind's memory against its usable limit, with whether it fits and, if not, why."""
+    (compute + the overlappable traffic no compute hides + what the hidden traffic slows compute by +
+    exposed traffic + optimizer + pipeline bubble), and each kind's memory against its usable limit, with
+    whether it fits and, if not, why."""
     parts, total = p.parts, p.step_time
-    busy = max(parts["compute"], parts["overlapped_comm"])
     lines = [f"step {total:.3f} s, paced by {p.paced_by}:"]
     rows = [
         ("compute (matrix products, elementwise)", parts["compute"]),
-        ("overlapped traffic (weight gathers, gradient reductions)", parts["overlapped_comm"]),
-        ("  of which exposed (outlasts compute)", busy - parts["compute"]),
-        ("exposed traffic (tensor, sequence, stage)", parts["exposed_comm"]),
+        ("overlappable traffic (weight gathers, gradient reductions)", parts["overlapped_comm"]),
+        ("  of which exposed (first/last of the loop, beyond compute)", parts["overlap_exposed"]),
+        ("  compute slowed by the hidden part (SMs it holds)", parts["contention"]),
+        ("exposed traffic (tensor, sequence, stage, pipeline weights)", parts["exposed_comm"]),
         ("optimizer update", parts["optimizer"]),
         ("pipeline bubble and schedule", parts["bubble"]),
     ]

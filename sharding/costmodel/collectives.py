@@ -40,6 +40,9 @@ class Comm:
       what: What it moves (for reports).
       overlappable: Whether it can overlap compute (weight gathers and gradient reductions), or
         sits on the critical path (tensor-parallel activations, pipeline sends).
+      layer_loop: Whether it runs once per layer (or block of layers) inside the layer loop, a per-layer
+        FSDP weight gather or gradient reduction, which hides behind one layer's compute only
+        (`sharding.costmodel.time.overlap`).
     """
 
     kind: str
@@ -49,6 +52,7 @@ class Comm:
     count: float
     what: str
     overlappable: bool = True
+    layer_loop: bool = False
 
     @property
     def total_bytes(self) -> float:

@@ -244,7 +244,8 @@ def _weight_gathers(
             count = 2 if regather else 1
         else:
             count = 2
-        comms.append(Comm("all-gather", (ax.FSDP,), n, result, count, f"gather {p.param.path}"))
+        per_layer = p.param.per_layer
+        comms.append(Comm("all-gather", (ax.FSDP,), n, result, count, f"gather {p.param.path}", layer_loop=per_layer))
     return comms
 
 
@@ -282,20 +283,24 @@ def _gradient_reductions(
         count = s.micro * p.param.copies(s.layers)
         local = p.local * _PARAM_BYTES
         n_f = p.factor(ax.FSDP)
-        what = f"gradient of {p.param.path}"
+        what, loop = f"gradient of {p.param.path}", p.param.per_layer
         if length_n > 1:
-            comms.append(Comm("all-reduce", length_axes, length_n, local, count, what + " (over the length)"))
+            comms.append(
+                Comm("all-reduce", length_axes, length_n, local, count, what + " (over the length)", layer_loop=loop)
+            )
         if batch_n <= 1:
             continue
         if n_f <= 1:
-            comms.append(Comm("all-reduce", batch_axes, batch_n, local, count, what))
+            comms.append(Comm("all-reduce", batch_axes, batch_n, local, count, what, layer_loop=loop))
             continue
         if backend == "gpu":
-            comms.append(Comm("reduce-scatter", (ax.FSDP,), n_f, local, count, what))
+            comms.append(Comm("reduce-scatter", (ax.FSDP,), n_f, local, count, what, layer_loop=loop))
         else:
-            comms.append(Comm("all-reduce", batch_axes, batch_n, local * n_f, count, what))
+            comms.append(Comm("all-reduce", batch_axes, batch_n, local * n_f, count, what, layer_loop=loop))
         if mesh[ax.DATA] > 1 and (backend == "gpu" or not p.param.per_layer or p.param.matmul):
-            comms.append(Comm("all-reduce", (ax.DATA,), mesh[ax.DATA], local, count, what + " (over data)"))
+            comms.append(
+                Comm("all-reduce", (ax.DATA,), mesh[ax.DATA], local, count, what + " (over data)", layer_loop=loop)
+            )
     return comms
 
 

@@ -514,6 +514,7 @@ def _pipeline_weight_comms_cached(
                     groups_n * row * gather_bytes,
                     (1 + recomputes) * block_passes,
                     f"gather {what} (a block)",
+                    layer_loop=True,
                 )
             )
             comms.append(
@@ -524,11 +525,20 @@ def _pipeline_weight_comms_cached(
                     row * _PARAM_BYTES,
                     block_passes,
                     f"gradient of {what} (a block)",
+                    layer_loop=True,
                 )
             )
         elif groups_n > 1:
             comms.append(
-                Comm("all-gather", groups, groups_n, working * row * gather_bytes, 1, f"gather {what} (working copy)")
+                Comm(
+                    "all-gather",
+                    groups,
+                    groups_n,
+                    working * row * gather_bytes,
+                    1,
+                    f"gather {what} (working copy)",
+                    False,  # before the loop, which needs it whole: no compute to hide behind
+                )
             )
             comms.append(
                 Comm(
@@ -538,6 +548,7 @@ def _pipeline_weight_comms_cached(
                     working // groups_n * row * _PARAM_BYTES,
                     1,
                     f"gradient of {what}",
+                    False,  # after the loop, which sums it: no compute left to hide behind
                 )
             )
         if rest:
@@ -549,6 +560,7 @@ def _pipeline_weight_comms_cached(
                     q * row * _PARAM_BYTES,
                     1,
                     f"gradient of {what} (stored rows)",
+                    False,  # after the loop, as Megatron-LM's data-parallel all-reduce after the pipeline flush
                 )
             )
     return tuple(comms)

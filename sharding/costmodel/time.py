@@ -52,6 +52,8 @@ class Hardware:
       elementwise_bytes: Bytes of memory traffic per elementwise FLOP, priced at ``memory_bandwidth``
         (`ELEMENTWISE_BYTES_PER_FLOP`, with an efficiency fitted for it); None: elementwise FLOPs run at
         ``efficiency x peak`` like the products (one efficiency for all the step's work).
+      overlap_slowdown: Fraction of a hidden collective's seconds added to the compute beside it
+        (`overlap`); `hardware_for` sets `OVERLAP_SLOWDOWN`, a `Hardware` built by hand has none.
 
     The latencies are NCCL's own model of its Simple protocol (the one it runs for the megabyte messages
     of a training step), `NCCL_LATENCY`.
@@ -69,6 +71,7 @@ class Hardware:
     tree_intra_latency: float | None = None
     tree_inter_latency: float | None = None
     elementwise_bytes: float | None = None
+    overlap_slowdown: float = 0.0
 
 
 #: NCCL's latency model (seconds), Simple protocol: ``src/graph/tuning.cc``, ``ncclTopoTuneModel`` (NVIDIA/nccl,
@@ -85,6 +88,15 @@ NCCL_LATENCY = {
     "tree_pcie": 28e-6,
     "tree_net": 50e-6,
 }
+
+#: Fraction of a hidden collective's seconds that it adds to the compute running beside it (`overlap`). NCCL
+#: runs its collectives as kernels on the SMs: an all-gather of a training step holds 24 of an H100's 132 SMs
+#: while it runs (one thread block per channel; measured with Nsight Systems beside a one-wave GEMM, NVIDIA
+#: developer forum, "Compute-communication overlap causes severe GEMM performance degradation because of tail
+#: effect", 2025), so the products beside it run on about 18% fewer SMs, and share the memory bandwidth the
+#: collective's copies use. Checked on the published rows (bench/published.py, bench/RESULTS.md): every row
+#: stays within its band with the kinds' fitted efficiencies.
+OVERLAP_SLOWDOWN = 0.18
 
 #: Intra-host links at or above this one-way bandwidth are NVLink (bytes/s): PCIe Gen5 x16 is 64e9.
 _NVLINK_FROM = 100e9
@@ -134,6 +146,7 @@ def hardware_for(
         base_latency=NCCL_LATENCY["base"],
         tree_intra_latency=NCCL_LATENCY[f"tree_{link}"],
         tree_inter_latency=NCCL_LATENCY["tree_net"],
+        overlap_slowdown=OVERLAP_SLOWDOWN,
     )
 
 
@@ -146,9 +159,13 @@ class StepTime:
         bandwidth (`Hardware.elementwise_bytes`).
       optimizer: The update's memory traffic (read gradient, parameter, moments; write them).
       exposed_comm: Collectives on the critical path (tensor, sequence, stage).
-      overlapped_comm: Collectives that can overlap compute (weight gathers, gradient reductions).
-      total: ``max(compute, overlapped_comm) + exposed_comm + optimizer``.
+      overlapped_comm: Collectives that can overlap compute (weight gathers, gradient reductions), all of them.
+      total: ``compute + overlap_exposed + contention + exposed_comm + optimizer``.
       by_kind: Seconds per collective kind.
+      overlap_exposed: The part of ``overlapped_comm`` no compute hides (`overlap`): the layer loop's first
+        weight gather and last gradient reduction, what a layer's traffic outlasts its compute by, and the rest
+        beyond the step's compute.
+      contention: Compute lost to the collectives running beside it (`OVERLAP_SLOWDOWN` of the hidden part).
     """
 
     compute: float
@@ -157,6 +174,8 @@ class StepTime:
     overlapped_comm: float
     total: float
     by_kind: dict[str, float]
+    overlap_exposed: float = 0.0
+    contention: float = 0.0
 
 
 def comm_seconds(comm: Comm, hw: Hardware, links: Mapping[str, str], shares: Mapping[str, int] | None = None) -> float:
@@ -203,6 +222,58 @@ def comm_seconds(comm: Comm, hw: Hardware, links: Mapping[str, str], shares: Map
     return comm.count * seconds
 
 
+def overlap(
+    cost: Cost, compute: float, loop_gathers: float, loop_reductions: float, other: float, slowdown: float
+) -> tuple[float, float]:
+    """``(exposed, contention)``: how much of the overlappable traffic no compute hides, and the compute the
+    hidden part costs, in seconds.
+
+    The layer loop (per-layer FSDP weight gathers and gradient reductions, ``Comm.layer_loop``) runs as the
+    schedulers that hide it run it: XLA's latency-hiding scheduler on GPU (collectives asynchronous on their
+    own stream), like PyTorch FSDP's prefetch (PyTorch's FSDP notes: "the 1st all-gather will not be able to
+    overlap with anything") and Megatron-FSDP's (``SchedulePolicy``: "prefetches one successor"), starts a
+    layer's weight gather during the previous layer's compute, so each gather hides behind one layer's compute
+    only, and a gradient reduction behind the next layer's backward. With ``N`` layer executions per step
+    (forward), per execution a forward gather ``G``, the backward pass's gathers ``G'`` (one per recomputation
+    of the forward, none when the gathered weights are kept), a reduction ``R``, forward compute ``F`` and
+    backward compute (recomputation included) ``B``:
+
+        exposed = G + R + (N - 1) (max(0, G - F) + max(0, G' + R - B))
+
+    the first gather waiting with nothing before it, the last reduction with nothing after it, and each
+    layer's traffic beyond its own compute. The rest of the overlappable traffic (gathers and reductions
+    outside the loop, the loop's hidden part) hides behind the step's compute as far as it lasts; what is
+    left over is exposed too. The hidden part slows the compute beside it by ``slowdown`` of its length
+    (`OVERLAP_SLOWDOWN`: NCCL's kernels occupy some of the SMs and memory bandwidth the products use).
+
+    Args:
+      cost: The device's `Cost` (its FLOPs split forward and backward).
+      compute: Seconds of compute of the step.
+      loop_gathers: Seconds of the loop's weight gathers (forward and backward together).
+      loop_reductions: Seconds of the loop's gradient reductions.
+      other: Seconds of the other overlappable collectives.
+      slowdown: Fraction of its own length a hidden collective adds to the compute beside it.
+    """
+    exposed = 0.0
+    if loop_gathers or loop_reductions:
+        n_g = max((c.count for c in cost.comms if c.layer_loop and c.kind == "all-gather"), default=0)
+        n_r = max((c.count for c in cost.comms if c.layer_loop and c.kind != "all-gather"), default=0)
+        executions = max(n_r or n_g / 2, 1)
+        flops = cost.flops
+        in_loop = flops.layers + flops.attention
+        total = max(flops.total, 1.0)
+        forward = compute * in_loop / 3 / total / executions
+        backward = compute * (2 * in_loop / 3 + flops.recompute) / total / executions
+        g = loop_gathers / n_g if n_g else 0.0  # one gather of one layer's weights
+        g_back = g * max(n_g / executions - 1, 0.0)  # the backward pass's gathers of one layer (recomputes)
+        r = loop_reductions / executions
+        exposed = g + r + (executions - 1) * (max(0.0, g - forward) + max(0.0, g_back + r - backward))
+        exposed = min(exposed, loop_gathers + loop_reductions)
+    hidden = loop_gathers + loop_reductions + other - exposed
+    spill = max(0.0, hidden - compute)
+    return exposed + spill, slowdown * (hidden - spill)
+
+
 def step_time(cost: Cost, hw: Hardware, links: Mapping[str, str], shares: Mapping[str, int] | None = None) -> StepTime:
     """Step time of one device from its `Cost`.
 
@@ -224,14 +295,20 @@ def step_time(cost: Cost, hw: Hardware, links: Mapping[str, str], shares: Mappin
             hw.peak_flops * hw.efficiency
         ) + flops.elementwise * hw.elementwise_bytes / hw.memory_bandwidth
     optimizer = 7 * cost.memory.parameters / hw.memory_bandwidth  # read 4 arrays, write 3
-    exposed = overlapped = 0.0
+    exposed = overlapped = gathers = reductions = 0.0
     by_kind: dict[str, float] = {}
     for c in cost.comms:
         seconds = comm_seconds(c, hw, links, shares)
         by_kind[c.kind] = by_kind.get(c.kind, 0.0) + seconds
-        if c.overlappable:
-            overlapped += seconds
-        else:
+        if not c.overlappable:
             exposed += seconds
-    total = max(compute, overlapped) + exposed + optimizer
-    return StepTime(compute, optimizer, exposed, overlapped, total, by_kind)
+            continue
+        overlapped += seconds
+        if c.layer_loop and c.kind == "all-gather":
+            gathers += seconds
+        elif c.layer_loop:
+            reductions += seconds
+    other = overlapped - gathers - reductions
+    unhidden, contention = overlap(cost, compute, gathers, reductions, other, hw.overlap_slowdown)
+    total = compute + unhidden + contention + exposed + optimizer
+    return StepTime(compute, optimizer, exposed, overlapped, total, by_kind, unhidden, contention)

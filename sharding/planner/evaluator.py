@@ -121,7 +121,7 @@ class Plan:
       mfu: Model FLOPs (PaLM count) per second over the cluster's peak.
       memory: Kind name -> predicted bytes per device of that kind (the largest).
       memory_limit: Kind name -> usable bytes (`MEMORY_FRACTION` of its memory).
-      parts: Seconds of the slowest device: ``compute``, ``exposed_comm``, ``overlapped_comm``,
+      parts: Seconds of the slowest device: ``compute``, ``exposed_comm``, ``overlapped_comm``, ``overlap_exposed``, ``contention``,
         ``optimizer``, ``bubble`` (pipeline idle time).
       paced_by: The kind (and stage) of the slowest device.
       fits: Whether every device fits its memory limit.
@@ -373,6 +373,8 @@ class _Evaluator:
             "compute": st.compute,
             "exposed_comm": st.exposed_comm,
             "overlapped_comm": st.overlapped_comm,
+            "overlap_exposed": st.overlap_exposed,
+            "contention": st.contention,
             "optimizer": st.optimizer,
             "bubble": seconds - st.total,
         }

@@ -22,11 +22,12 @@ _REMAT_COST = {"none": 0, "dots": 1, "full": 2}
 
 
 def _binding(p: Plan) -> dict[str, float]:
-    """The slowest device's time as it adds up: ``max(compute, overlapped traffic)``, then the
-    exposed traffic, the optimizer and the pipeline bubble."""
+    """The slowest device's time as it adds up: compute with the overlappable traffic no compute hides and
+    what the hidden traffic slows it by (`sharding.costmodel.time.overlap`), then the exposed traffic, the
+    optimizer and the pipeline bubble."""
     parts = p.parts
     return {
-        "busy": max(parts["compute"], parts["overlapped_comm"]),
+        "busy": parts["compute"] + parts["overlap_exposed"] + parts["contention"],
         "exposed_comm": parts["exposed_comm"],
         "optimizer": parts["optimizer"],
         "bubble": parts["bubble"],
@@ -45,8 +46,10 @@ def why_lost(p: Plan, best: Plan) -> str:
     name = max(mine, key=lambda k: mine[k] - theirs[k])
     heavier = _REMAT_COST[p.layout.remat] > _REMAT_COST[best.layout.remat]
     even = p.counts is None and p.layout.stage_layers is None
-    if name == "busy" and p.parts["overlapped_comm"] > p.parts["compute"]:
-        reason = "weight gathers and gradient reductions outlast compute"
+    if name == "busy" and p.parts["overlap_exposed"] - best.parts["overlap_exposed"] > (
+        p.parts["compute"] - best.parts["compute"]
+    ):
+        reason = "weight gathers and gradient reductions outlast the compute that hides them"
     elif name == "busy" and even and (best.counts is not None or best.layout.stage_layers is not None):
         reason = f"the same work on every device: {p.paced_by} paces the step"
     elif name == "busy" and heavier:
