@@ -7,10 +7,9 @@ RUN_DIR ?= runs/make-train
 STEPS ?= 150
 ARGS ?=
 PYTEST_ARGS ?=
-# Two pytest workers (compiling is mostly one thread), handed tests one at a time; tests sharing a
-# module-scoped fixture stay on one worker (tests/conftest.py groups them).
+# Two pytest workers, each a module at a time (module fixtures stay shared): compiling is mostly one thread.
 WORKERS ?= 2
-XDIST := $(if $(filter-out 0 1,$(WORKERS)),-n $(WORKERS) --dist loadgroup)
+XDIST := $(if $(filter-out 0 1,$(WORKERS)),-n $(WORKERS) --dist loadfile)
 
 .PHONY: train test test-fast lint dry-run clean-venv
 

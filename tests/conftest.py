@@ -58,20 +58,6 @@ def cache(tmp_path_factory):
     return tmp_path_factory.mktemp("cache")
 
 
-def pytest_collection_modifyitems(config, items):
-    """Keeps a module's tests on one pytest-xdist worker only where they share a module-scoped fixture.
-
-    The Makefile runs ``--dist loadgroup``: tests are handed out one at a time (so the two workers end
-    together instead of one finishing a large file alone), except the tests that use a module-scoped
-    fixture (a trainer run, a compiled reference), which stay together so that it runs once.
-    """
-    for item in items:
-        fixtures = getattr(item, "_fixtureinfo", None)
-        defs = fixtures.name2fixturedefs.values() if fixtures is not None else ()
-        if any(chain[-1].scope == "module" for chain in defs if chain):
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
-
-
 def pytest_sessionfinish(session, exitstatus):
     if _OWN_CACHE:
         shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
