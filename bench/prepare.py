@@ -18,8 +18,8 @@ and CPU-second figures do not depend on the load, the wall-clock ones do):
    global batch 16) for ``--train-steps`` steps on that preparation, then the same run on a preparation of
    ``stdlib``: start-up (wall seconds from launching the command to the start of the train step's compilation:
    imports, devices, opening the data, initialising the state and reading the first batch; compilation and the
-   step-0 evaluation excluded; and the CPU seconds the process had spent by its last line before compiling, a
-   figure the load does not change), input wait per step against the step time (``perf/input_wait`` and
+   step-0 evaluation excluded; and the CPU seconds the process had spent when it logged that it starts
+   compiling, a figure the load does not change), input wait per step against the step time (``perf/input_wait`` and
    ``perf/step_time`` of every log interval after the first, whose time includes the compilation) and the
    training process's peak RSS.
 
@@ -236,13 +236,12 @@ def run_training(data: Path, run_dir: Path, steps: int, log_every: int) -> dict:
     reader = threading.Thread(target=lambda: errors.extend(proc.stderr), daemon=True)
     reader.start()
     startup = startup_cpu = None
-    cpu = 0.0
     for line in proc.stdout:
+        if line.startswith("compiling the train step ...") and startup_cpu is None:
+            startup_cpu = tree_cpu(proc.pid)
         found = re.search(r"compiled the train step in ([\d.]+) s", line)
         if found and startup is None:
             startup = time.perf_counter() - t0 - float(found.group(1))
-            startup_cpu = cpu  # at the line before: the compilation (and the first batch's read) left out
-        cpu = tree_cpu(proc.pid)
     proc.wait()
     reader.join()
     stderr = "".join(errors)
@@ -347,6 +346,7 @@ def loader(args) -> int:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=float, nargs="+", default=[200, 2048], help="corpus sizes, MB")
+    parser.add_argument("--mb", type=float, default=None, help="one corpus size, MB (earlier spelling of --sizes)")
     parser.add_argument("--format", choices=("jsonl", "parquet"), default="jsonl")
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--tokenizer", default=None, help="tokenizer.json (default: bytes)")
@@ -362,6 +362,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.loader:
         return loader(args)
+    if args.mb is not None:
+        args.sizes = [args.mb]
     if args.reuse and not args.keep:
         parser.error("--reuse reads a kept preparation: give its folder, e.g. --keep /tmp/prep-bench --reuse")
     if args.reuse and args.tokenizer:
