@@ -151,7 +151,8 @@ def bad_jsonl_line(folder):
 
 def small_text(folder):
     path = folder / "small.txt"
-    path.write_text("a short document " * 100)  # 1,700 bytes, one document: the held-out split is its last 18 tokens (1%)
+    # 1,700 bytes, one document: the held-out split is its last 18 tokens (1%)
+    path.write_text("a short document " * 100)
     return path
 
 
