@@ -141,3 +141,60 @@ def test_refused_input_exits_2_naming_the_flag(tmp_path, corpus, cache, capsys, 
     if absent:
         assert absent not in lines[0]
     assert not (tmp_path / "r" / "metrics.jsonl").exists()  # refused before the loop was set up
+
+
+def bad_jsonl_line(folder):
+    path = folder / "bad.jsonl"
+    path.write_text('{"text": "some text"}\n' * 20 + "{not json\n")
+    return path
+
+
+def small_text(folder):
+    path = folder / "small.txt"
+    # 1,700 bytes, one document: the held-out split is its last 18 tokens (1%)
+    path.write_text("a short document " * 100)
+    return path
+
+
+@pytest.mark.parametrize(
+    "data, message, works",
+    [
+        (
+            "{bad_jsonl_line}",
+            "--data {tmp}/bad.jsonl: the line at byte 440 is not JSON (Expecting property name enclosed in double "
+            'quotes); each line must be one JSON object, e.g. {"text": "..."}: fix or remove that line',
+            None,
+        ),
+        (
+            "{corpus}:1,small={small_text}:1",
+            "--data {corpus}:1,small={tmp}/small.txt:1: the held-out split of small ({tmp}/small.txt) has 18 tokens, "
+            "fewer than one sequence of --seq-len 64 + 1; use --seq-len 16, a larger --heldout or more data",
+            ["--seq-len", "16"],
+        ),
+    ],
+    ids=["bad-line", "mixture-too-small"],
+)
+def test_data_found_bad_while_reading_stops_before_the_model_is_built(
+    tmp_path, corpus, cache, capsys, monkeypatch, data, message, works
+):
+    """Faults found only by reading a raw source (a bad line) or by opening its splits (one too short for a
+    sequence) stop the run before the model is built; the suggested value gets past the data."""
+
+    def model_built(*_):
+        raise RuntimeError("the model was built")
+
+    monkeypatch.setattr(train, "build_trainer", model_built)
+
+    def fill(text):
+        for name, build in (("bad_jsonl_line", bad_jsonl_line), ("small_text", small_text)):
+            text = text.replace("{" + name + "}", str(build(tmp_path)))
+        return text.replace("{tmp}", str(tmp_path)).replace("{corpus}", str(corpus))
+
+    argv = [*BASE, "--data", fill(data), "--data-cache", str(cache), "--run-dir", str(tmp_path / "r")]
+    assert train.main(argv) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert lines == [f"error: {fill(message)}"] and "Traceback" not in err, err
+    if works:
+        assert train.main([*argv, *works]) == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1] == "error: the model was built"

@@ -64,6 +64,42 @@ def test_template_errors_name_the_template(tmp_path):
         load_chat_template(load_tokenizer(str(folder / "tokenizer.json"))).assistant_spans(messages)
 
 
+def test_generation_blocks_give_the_assistant_span_where_the_template_has_them(tmp_path):
+    """A template with ``{% generation %}`` is read for its blocks (the chatml fixture: transformers' mask is
+    checked above), so one that rewrites history is accepted when it marks the assistant's turn; blocks that
+    cannot be located are refused, naming the template."""
+    tokenizer, reference = fixture("chatml")
+    assert load_chat_template(tokenizer).marks_generation
+    assert not load_chat_template(fixture("headers")[0]).marks_generation
+    folder = tmp_path / "rewrites"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_bytes((FIXTURES / "chatml" / "tokenizer.json").read_bytes())
+    rewrite = (
+        "{% for m in messages %}{% if m['role'] != 'assistant' %}{{ m['content'] }}|"
+        "{% elif loop.last %}<{% generation %}{{ m['content'] }}|{%- endgeneration %}>{% endif %}{% endfor %}"
+    )
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": rewrite}))
+    template = load_chat_template(load_tokenizer(str(folder / "tokenizer.json")))
+    messages = reference[1]["messages"]  # system, user, assistant, user, assistant
+    text, spans = template.assistant_spans(messages)
+    contents = [m["content"] for m in messages]
+    expected = "|".join(contents[:2]) + "|" + contents[3] + "|<" + contents[4] + "|>"
+    assert text == expected == template.render(messages)
+    assert spans == [(expected.index("<") + 1, len(expected) - 1)]
+    tokenizer = load_tokenizer(str(folder / "tokenizer.json"))
+    ids, mask = chat_tokens(messages, template, tokenizer, "here")
+    _, starts = tokenizer.encode_offsets(text)
+    (learned,) = np.nonzero(mask)  # the tokens of the last reply and its "|", one run of them
+    assert learned.tolist() == list(range(learned[0], len(ids) - 1))  # every token up to the closing ">"
+    assert (starts[learned[0]], starts[learned[-1] + 1]) == spans[0]
+    nested = "{% generation %}{% generation %}{{ messages[0]['content'] }}{% endgeneration %}{% endgeneration %}"
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": nested}))
+    with pytest.raises(
+        ValueError, match=r"chat template .*tokenizer_config.json: its \{% generation %\} blocks cannot"
+    ):
+        load_chat_template(load_tokenizer(str(folder / "tokenizer.json"))).assistant_spans(messages)
+
+
 def test_fallback_template_for_the_bytes_tokenizer():
     template = load_chat_template(ByteTokenizer())
     assert template.source == FALLBACK_TEMPLATE

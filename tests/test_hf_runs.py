@@ -155,6 +155,64 @@ def test_resume_wins_over_init_from_and_says_so(fine_tuned, small_corpus, tmp_pa
     assert "initialized from" not in out
 
 
+def test_init_from_fine_tunes_on_chat_data_with_the_assistant_only_loss(tmp_path):
+    """An imported model whose folder has a chat template fine-tunes on chat JSONL: the cache's preparation is
+    rendered with that template and masked, the first step's loss is the imported model's cross-entropy on the
+    assistant's tokens alone (a plain computation from its logits, which differs from the all-token loss), and
+    the held-out loss falls. Same mesh, shapes and schedule as the resume run above (its compilations are
+    reused)."""
+    import jax
+    import numpy as np
+    from test_chat import FIXTURES as CHAT_FIXTURES
+    from test_chat import write_chat
+    from test_hf import copy_fixture
+
+    from checkpoints import hf
+    from models.transformer import apply
+    from train.data import load_dataset
+    from train.tokenizer import HFTokenizer
+
+    folder = copy_fixture(tmp_path)
+    (folder / "tokenizer_config.json").write_bytes((CHAT_FIXTURES / "chatml" / "tokenizer_config.json").read_bytes())
+    write_chat(tmp_path / "chat.jsonl", n=30)
+    cache, run_dir = tmp_path / "cache", tmp_path / "chat-run"
+    args = [
+        *common(tmp_path / "chat.jsonl", cache),
+        "--init-from",
+        str(folder),
+        "--mesh",
+        "fsdp=8",
+        "--steps",
+        "3",
+        "--decay-steps",
+        "5",
+    ]
+    assert train.main([*args, "--run-dir", str(run_dir)]) == 0
+    (manifest,) = [json.loads(p.read_text()) for p in (cache / "prepared").glob("*/manifest.json")]
+    assert manifest["loss_mask"] and manifest["chat_template"] == str(folder / "tokenizer_config.json")
+
+    tokenizer = HFTokenizer(folder / "tokenizer.json", hf.eod_token(folder))
+    data = load_dataset(
+        str(tmp_path / "chat.jsonl"), tokenizer, T, B, seed=0, heldout=0.34, cache_dir=cache, log=lambda _: None
+    )
+    batch = data.train_rows(0, range(B))  # step 1's batch
+    config, graphdef, params, par = load(folder, "fsdp=8")
+    forward = jax.jit(lambda p, t, pos, seg: apply(graphdef, p, t, pos, seg, par=par))
+    logits = np.asarray(forward(params, batch["tokens"], batch["positions"], batch["segment_ids"]), np.float64)
+    shifted = logits - logits.max(-1, keepdims=True)
+    logp = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+    nll = -np.take_along_axis(logp, batch["targets"][..., None], -1)[..., 0]
+    assistant = batch["loss_mask"] > 0
+    every = batch["tokens"] != tokenizer.eod_id
+    assert 0 < assistant.sum() < 0.7 * every.sum()  # the user's and the template's tokens carry no loss
+    masked, unmasked = nll[assistant].mean(), nll[every].mean()
+    assert abs(masked - unmasked) > 0.01 * masked  # 100x the tolerance below: it tells the two apart
+    losses = metrics(run_dir, "train/loss")
+    assert losses[1] == pytest.approx(masked, rel=1e-4)
+    held_out = metrics(run_dir, "eval/loss")
+    assert sorted(held_out) == [0, 3] and held_out[3] < held_out[0]
+
+
 def test_init_from_takes_the_tokenizer_and_execution_flags():
     config = cli.parse(
         [

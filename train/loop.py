@@ -412,6 +412,7 @@ def train_loop(
 
 def _compile(trainer, state, batch, options: LoopOptions, log, check_compiled):
     """The compiled train step, checked (``check_compiled``) before it runs."""
+    log("compiling the train step ...")  # the run's start-up ends here (a long compilation is not a hang)
     t0 = time.perf_counter()
     compiled = (
         trainer.train_step(options.global_batch, options.seq_len).lower(state, batch, trainer.signals(False)).compile()

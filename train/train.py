@@ -110,11 +110,14 @@ def _run_prepared(config: RunConfig, tokenizer, processes: str, log) -> int:
         )
     watch = watch_peers(config.cluster.distributed(), folder)  # a lost process ends the others with one line
     log(f"{processes}; {jax.local_device_count()} local devices")
-    trainer = build_trainer(config, log)
     if config.loop.dry_run:
-        return report.dry_run(config, trainer, log, watch)
+        return report.dry_run(config, build_trainer(config, log), log, watch)
     try:
-        code = train(config, trainer, ckpt, latest, tokenizer, log)
+        # The data before the model: a raw source is prepared (every line read) and each split checked to hold
+        # a sequence here, so a bad line or a source too small for --seq-len stops the run before anything is built.
+        dataset = open_dataset(config, tokenizer, log)
+        trainer = build_trainer(config, log)
+        code = train(config, trainer, ckpt, latest, tokenizer, dataset, log)
     except BaseException:
         try:
             ckpt.close()
@@ -183,29 +186,41 @@ def build_trainer(config: RunConfig, log):
     return trainer
 
 
-def train(config: RunConfig, trainer, ckpt, latest, tokenizer, log) -> int:
-    """Restores or initializes the state and runs the loop to ``--steps``; returns 0."""
+def open_dataset(config: RunConfig, tokenizer, log):
+    """The run's `train.data.Dataset`: ``--data`` opened (a raw source prepared on first use, in the cache).
+
+    Raises:
+      ValueError, FileNotFoundError, ImportError: as `train.data.load_dataset` (a bad line of a raw source, a
+        split shorter than one sequence), naming the flag or the file.
+    """
+    from train.data import load_dataset
+
+    data = config.data
+    return load_dataset(
+        data.spec,
+        tokenizer,
+        data.seq_len,
+        data.batch_size,
+        data.seed,
+        data.heldout,
+        data.cache_dir,
+        log,
+        permutation=_context_permutation(config),
+        text_field=data.text_field,
+    )
+
+
+def train(config: RunConfig, trainer, ckpt, latest, tokenizer, dataset, log) -> int:
+    """Restores or initializes the state and runs the loop to ``--steps`` over ``dataset`` (`open_dataset`);
+    returns 0."""
     import jax
 
     from checkpoints.manager import LoopCheckpoints
     from checkpoints.meta import RunMeta
-    from train.data import load_dataset
     from train.loop import LoopOptions, MetricsWriter, StopFlag, train_loop
 
     data = config.data
     with StopFlag() as stop:
-        dataset = load_dataset(
-            data.spec,
-            tokenizer,
-            data.seq_len,
-            data.batch_size,
-            data.seed,
-            data.heldout,
-            data.cache_dir,
-            log,
-            permutation=_context_permutation(config),
-            text_field=data.text_field,
-        )
         state, (samples, iterator), latest = start_state(config, trainer, ckpt, latest, log)
         if jax.process_index() == 0 and config.record is not None:
             from train.configfile import write_record

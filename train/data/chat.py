@@ -9,16 +9,18 @@ documented behaviour): the tokenizer folder's template, from ``chat_template.jin
 ``ImmutableSandboxedEnvironment`` with ``trim_blocks`` and ``lstrip_blocks``, the ``loopcontrols`` extension, a
 ``tojson`` filter that keeps non-ASCII characters, the globals ``raise_exception`` and ``strftime_now``, the
 special tokens of ``tokenizer_config.json`` (``bos_token``, ``eos_token``, ...) as variables, and
-``add_generation_prompt``. transformers' ``{% generation %}...{% endgeneration %}`` tag is accepted (it renders
-its body).
+``add_generation_prompt``. transformers' ``{% generation %}...{% endgeneration %}`` tag renders its body and
+marks it as the assistant's (what ``apply_chat_template(..., return_assistant_tokens_mask=True)`` reads).
 
 A tokenizer without a template (the bytes tokenizer, or a folder without one) uses `FALLBACK_TEMPLATE`: each
 message as ``<|ROLE|>`` on a line of its own followed by the content and a newline.
 
-The assistant's characters: for each assistant message ``k``, the text that rendering ``messages[:k + 1]``
-adds to rendering ``messages[:k]`` with the generation prompt (its content and the template's end-of-turn
-marker). This needs a template that renders earlier turns the same whatever follows them (the usual case);
-one that rewrites history (e.g. drops earlier reasoning) is refused, naming the template.
+The assistant's characters: in a template with ``{% generation %}`` blocks, the characters those blocks
+render, as transformers reads them; in one without, for each assistant message ``k``, the text that rendering
+``messages[:k + 1]`` adds to rendering ``messages[:k]`` with the generation prompt (its content and the
+template's end-of-turn marker). That prefix method needs a template that renders earlier turns the same
+whatever follows them (the usual case); one that rewrites history (e.g. drops earlier reasoning) is refused,
+naming the template, unless it marks its assistant turns with ``{% generation %}``.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 
@@ -36,6 +39,10 @@ FALLBACK_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+# Around what a {% generation %} block renders, removed from the text once its place is read (Unicode
+# private-use characters: no tokenizer's text holds them, and a conversation that does is refused).
+GENERATION_OPEN, GENERATION_CLOSE = "\uf8f0", "\uf8f1"
+GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
 
 
 class ChatTemplate:
@@ -53,7 +60,11 @@ class ChatTemplate:
 
     def __init__(self, source: str, origin: str, variables: dict | None = None):
         self.source, self.origin, self.variables = source, origin, dict(variables or {})
-        self.fingerprint = hashlib.sha256(json.dumps([source, self.variables]).encode()).hexdigest()[:16]
+        self.marks_generation = bool(GENERATION_TAG.search(source))
+        """Whether the template marks the assistant's turns with ``{% generation %}`` (read instead of the
+        prefix method)."""
+        method = "generation" if self.marks_generation else "prefix"  # how masks were found is part of the tokens
+        self.fingerprint = hashlib.sha256(json.dumps([source, self.variables, method]).encode()).hexdigest()[:16]
         self._template = _compile(source, origin)
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
@@ -62,8 +73,13 @@ class ChatTemplate:
         Raises:
           ValueError: the template raised (``raise_exception``) or failed (names ``origin``).
         """
+        return self._render_marked(messages, add_generation_prompt)[0]
+
+    def _render_marked(self, messages: list[dict], add_generation_prompt: bool) -> tuple[str, list[tuple[int, int]]]:
+        """``(text, spans)``: the text and the ``[start, stop)`` character ranges ``{% generation %}`` blocks
+        rendered (the blocks' marks removed from the text)."""
         try:
-            return self._template.render(
+            marked = self._template.render(
                 messages=messages,
                 tools=None,
                 documents=None,
@@ -72,14 +88,39 @@ class ChatTemplate:
             )
         except Exception as e:  # jinja2 and the template's own raise_exception
             raise ValueError(f"the chat template {self.origin} failed on a conversation ({e})") from None
+        if not self.marks_generation:
+            return marked, []
+        pieces, spans, at, inside = [], [], 0, False
+        for part in re.split(f"([{GENERATION_OPEN}{GENERATION_CLOSE}])", marked):
+            if part in (GENERATION_OPEN, GENERATION_CLOSE):
+                if inside == (part == GENERATION_OPEN):
+                    raise ValueError(
+                        f"the chat template {self.origin}: its {{% generation %}} blocks cannot be located (nested "
+                        "blocks, or a conversation holding the characters U+F8F0/U+F8F1)"
+                    )
+                inside = part == GENERATION_OPEN
+                if inside:
+                    spans.append((at, at))
+                else:
+                    spans[-1] = (spans[-1][0], at)
+                continue
+            pieces.append(part)
+            at += len(part)
+        if inside:
+            raise ValueError(f"the chat template {self.origin}: a {{% generation %}} block is not closed")
+        return "".join(pieces), [span for span in spans if span[1] > span[0]]
 
     def assistant_spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
         """``(text, spans)``: the rendered conversation and the ``[start, stop)`` character ranges of its
-        assistant turns (see the module docstring).
+        assistant turns (see the module docstring): what its ``{% generation %}`` blocks render, or else found
+        by the prefix method.
 
         Raises:
-          ValueError: the template renders an earlier turn differently once later turns follow it.
+          ValueError: the template fails, or (prefix method) renders an earlier turn differently once later
+            turns follow it.
         """
+        if self.marks_generation:
+            return self._render_marked(messages, False)
         text = self.render(messages)
         spans = []
         for k, message in enumerate(messages):
@@ -131,13 +172,18 @@ def _environment():
         raise ImportError(f"rendering chat data needs jinja2; {JINJA_EXTRA}") from None
 
     class Generation(jinja2.ext.Extension):
-        """transformers' ``{% generation %}`` block: renders its body."""
+        """transformers' ``{% generation %}`` block: renders its body between `GENERATION_OPEN` and
+        `GENERATION_CLOSE` (`ChatTemplate` reads and removes them)."""
 
         tags = {"generation"}
 
         def parse(self, parser):
-            next(parser.stream)
-            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_mark"), [], [], body).set_lineno(lineno)
+
+        def _mark(self, caller):
+            return GENERATION_OPEN + caller() + GENERATION_CLOSE
 
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols]

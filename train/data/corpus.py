@@ -245,6 +245,7 @@ def unit_documents(unit: Unit, text_field: str = "text", flag: str = "--data") -
 
 def _jsonl_documents(unit: Unit, text_field: str, flag: str) -> Iterator[Document]:
     ((path, name),) = unit.files
+    example = '{"messages": [{"role": "user", "content": "..."}, ...]}' if unit.kind == "chat" else '{"text": "..."}'
     with open(path, "rb") as f:
         offset = unit.start
         if offset > 0:  # the line that crosses the start belongs to the previous range
@@ -260,7 +261,10 @@ def _jsonl_documents(unit: Unit, text_field: str, flag: str) -> Iterator[Documen
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{flag} {path}: the line at byte {here} is not JSON ({e.msg})") from None
+                raise ValueError(
+                    f"{flag} {path}: the line at byte {here} is not JSON ({e.msg}); each line must be one JSON "
+                    f"object, e.g. {example}: fix or remove that line"
+                ) from None
             if unit.kind == "chat":
                 from train.data.chat import check_messages
 

@@ -607,12 +607,16 @@ def load_dataset(
 
     Raises:
       ValueError, FileNotFoundError, ImportError: as `parse_sources`, `read_manifest`,
-        `train.data.prepare.prepare` and `Windows`.
+        `train.data.prepare.prepare` and `check_sequences`.
     """
-    sources, specs = [], parse_sources(spec)
+    specs = parse_sources(spec)
+    opened = []
     for source in specs:
         folder = prepared_folder(source.path, tokenizer, seed, heldout, cache_dir, log, text_field)
-        train, held, manifest = open_prepared(folder, tokenizer)
+        opened.append((source, *open_prepared(folder, tokenizer)))
+    check_sequences(spec, [(s, train, held) for s, train, held, _ in opened], seq_len)
+    sources = []
+    for source, train, held, manifest in opened:
         where = f" of {source.name}" if len(specs) > 1 else ""
         sources.append(
             Source(
@@ -625,6 +629,38 @@ def load_dataset(
             )
         )
     return Dataset(sources, eod_id=tokenizer.eod_id, global_batch=global_batch, seed=seed, permutation=permutation)
+
+
+def check_sequences(spec: str, splits: list[tuple[SourceSpec, TokenStream, TokenStream]], seq_len: int) -> None:
+    """Every source's training and held-out split holds at least one sequence of ``seq_len + 1`` tokens.
+
+    Args:
+      spec: ``--data`` as given (for the message).
+      splits: ``(source, train, heldout)`` of each source.
+      seq_len: ``--seq-len``.
+
+    Raises:
+      ValueError: naming ``--data``, the source (of a mixture: its name and path), the split and its tokens, and
+        a ``--seq-len`` every split holds (the largest power of two that fits the shortest; powers of two divide
+        the usual meshes' length axes), when one of at least 8 fits.
+    """
+    short = [(s, name, len(x)) for s, t, h in splits for name, x in (("training", t), ("held-out", h))]
+    shortest = min(n for _, _, n in short)
+    for source, name, tokens in short:
+        if tokens - 1 >= seq_len:
+            continue
+        which = f" of {source.name} ({source.path})" if len(splits) > 1 else ""
+        fits = 1 << ((shortest - 1).bit_length() - 1) if shortest > 1 else 0
+        remedies = [f"use --seq-len {fits}"] if fits >= 8 else []
+        if name == "held-out":
+            raw = not is_prepared(source.path)
+            remedies.append("a larger --heldout" if raw else "a preparation with a larger --heldout")
+        remedies.append("more data")
+        remedy = f"{', '.join(remedies[:-1])} or {remedies[-1]}" if len(remedies) > 1 else remedies[0]
+        raise ValueError(
+            f"--data {spec}: the {name} split{which} has {tokens:,} tokens, fewer than one sequence of --seq-len "
+            f"{seq_len} + 1; {remedy}"
+        )
 
 
 def check_source(spec: str, tokenizer, text_field: str = "text") -> None:
