@@ -156,7 +156,7 @@ def build_trainer(config: RunConfig, log):
     import jax
 
     from sharding.mesh import make_mesh
-    from train.calibrate import resolve_counts
+    from train.calibrate import resolve_context_shares, resolve_counts
     from train.step import Trainer
 
     par = config.parallelism
@@ -166,6 +166,7 @@ def build_trainer(config: RunConfig, log):
         outer = None
     mesh = make_mesh(par.mesh_shape, outer=outer)
     par, speeds = resolve_counts(config, par.on(mesh), log)  # --hetero-batch auto measures, kinds reads datasheets
+    par = resolve_context_shares(config, par, log)  # --context-shares auto measures the ring's devices
     trainer = Trainer(config.model, config.optimizer, par)
     notes = []
     if (checked_for := trainer.strategy.compiled_check()) is not None:
@@ -203,7 +204,7 @@ def train(config: RunConfig, trainer, ckpt, latest, tokenizer, log) -> int:
             data.heldout,
             data.cache_dir,
             log,
-            permutation=_context_permutation(config),
+            permutation=_context_permutation(config, trainer.par),
             text_field=data.text_field,
         )
         state, (samples, iterator), latest = start_state(config, trainer, ckpt, latest, log)
@@ -241,7 +242,7 @@ def train(config: RunConfig, trainer, ckpt, latest, tokenizer, log) -> int:
                 trainer=trainer,
                 state=state,
                 dataset=dataset,
-                options=LoopOptions.of(config),
+                options=LoopOptions.of(config, trainer.par.padded_length),
                 samples=samples,
                 iterator=iterator,
                 checkpoints=checkpoints,
@@ -309,13 +310,16 @@ def _check_optimizer(config: RunConfig, ckpt, step: int) -> None:
         )
 
 
-def _context_permutation(config: RunConfig):
-    """The token order of the context layout along ``--seq-len`` (None: natural)."""
+def _context_permutation(config: RunConfig, par):
+    """The token order of ``par``'s context layout (the trainer's, uneven shares measured) along ``--seq-len``
+    (None: natural)."""
     from models.attention import layout_shards
     from train.data import context_permutation
 
-    par = config.parallelism
-    return context_permutation(config.data.seq_len, layout_shards(config.model.attention, par), par.context_layout)
+    shares = par.context_shares if isinstance(par.context_shares, tuple) else None
+    return context_permutation(
+        config.data.seq_len, layout_shards(config.model.attention, par), par.context_layout, shares
+    )
 
 
 if __name__ == "__main__":
