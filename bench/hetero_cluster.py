@@ -514,11 +514,13 @@ def context_markdown(args, rows: list[dict], started: str, elapsed: float) -> st
         f"## Uneven sequence shards on the two-process cluster — {started[:10]}",
         "",
         f"`python bench/hetero_cluster.py --context --context-ratio {r:g} --context-len {args.context_len} "
-        f"--steps {args.steps} --skip {args.skip} --rounds {args.rounds}` (as root), jax {jax.__version__}, "
+        f"--steps {args.steps} --skip {args.skip} --rounds {args.rounds}`{' (as root)' if r > 1 else ''}, "
+        f"jax {jax.__version__}, "
         f"{platform.machine()} {os.cpu_count()} cores ({platform.node()}), started {started}, {elapsed / 60:.0f} min. "
         f"Two processes x 1 CPU device, a ring over both (`{' '.join(CONTEXT_FLAGS)}`, `--seq-len "
-        f"{args.context_len}`), process 0 pinned to core {args.cores[0]}, process 1 to core {args.cores[1]} and "
-        f"held to 1/{r:g} of it by a CPU-quota cgroup. Median step time over steps {args.skip + 1}-{args.steps} of "
+        f"{args.context_len}`), process 0 pinned to core {args.cores[0]}, process 1 to core {args.cores[1]}"
+        f"{f' and held to 1/{r:g} of it by a CPU-quota cgroup' if r > 1 else ', no quota'}. Median step time over "
+        f"steps {args.skip + 1}-{args.steps} of "
         f"every round (the order reversed every other round).",
         "",
         "| shards | tokens per device | median step (s) | gain over even | ideal (r+1)/2 | % of ideal (target 80%) |",
