@@ -20,6 +20,14 @@ the two processes at ``r = 2``: the even split against ``--stage-layers auto``.
 ``gpipe``, lockstep ``1f1b``, ``1f1b-fused`` and ``zb`` (``--rounds`` rounds, the order reversed every other
 round; the median step time of each schedule over all rounds, warm-up steps left out), and writes that table.
 
+``--context`` runs instead uneven sequence shards: one sequence split over a ring of the two processes' devices
+(``--mesh sequence=2 --mesh-outer sequence=2``, one CPU device each, ``--attention ring``, zigzag), process 1
+held to ``1/r`` of its core (``--context-ratio``, default 2), even shards against ``--context-shares auto``
+(shares from the speeds measured at start-up), in alternating order over ``--rounds``. The model is small and
+the sequence long (8,192 tokens), so attention, whose padding the kernels skip, is most of the step; the rest
+(projections, MLP, head) runs on the padded blocks. ``--context-ratio 1`` makes no cgroup (a check that it
+starts, no root needed).
+
 The gain of a run is the uniform median step time over its own; the ideal gain with speeds 1 and 1/r is
 (r+1)/2 (both processes busy the whole step). Writes a markdown section between markers in
 ``bench/RESULTS.md`` (unless ``--no-results``) and a PNG of the straggler run's step times.
@@ -27,6 +35,7 @@ The gain of a run is the uniform median step time over its own; the ideal gain w
     sudo python bench/hetero_cluster.py                 # ~30 min on a quiet 2-core machine
     python bench/hetero_cluster.py --ratios 2 --steps 8 --no-results   # a quick look
     python bench/hetero_cluster.py --schedules          # the schedules' step times, ~15 min quiet, no root
+    sudo python bench/hetero_cluster.py --context       # uneven sequence shards at r = 2
 
 Needs two cores and (except ``--schedules``) a writable CPU cgroup (root); says so and exits otherwise. Every cgroup and process
 it starts is removed on exit, also on Ctrl-C.
@@ -141,6 +150,33 @@ SCHEDULES = ("gpipe", "1f1b", "1f1b-fused", "zb")
 SCHEDULE_TARGETS = {"1f1b-fused": 1.1, "zb": 1.0}
 """Step time over GPipe's that each schedule should reach at most."""
 SCHEDULES_BEGIN, SCHEDULES_END = "<!-- hetero_schedules:begin -->", "<!-- hetero_schedules:end -->"
+CONTEXT_FLAGS = [
+    "--model",
+    "test",
+    "--batch-size",
+    "1",
+    "--mesh",
+    "sequence=2",
+    "--mesh-outer",
+    "sequence=2",
+    "--attention",
+    "ring",
+    "--context-layout",
+    "zigzag",
+    "--warmup",
+    "2",
+    "--eval-every",
+    "0",
+    "--ckpt-every",
+    "0",
+    "--log-every",
+    "1",
+    "--no-progress",
+    "--dist-timeout",
+    "600",
+]
+"""The uneven-shards runs: one sequence of 8,192 tokens over a ring of two devices, one per process."""
+CONTEXT_BEGIN, CONTEXT_END = "<!-- hetero_context:begin -->", "<!-- hetero_context:end -->"
 
 
 class CpuQuota:
@@ -232,11 +268,17 @@ def counts_seen(run_dir: Path) -> dict[int, list[int]]:
 
 
 def run(
-    quota: CpuQuota | None, flags: list[str], run_dir: Path, log_dir: Path, cores: tuple[int, int], on_step=None
+    quota: CpuQuota | None,
+    flags: list[str],
+    run_dir: Path,
+    log_dir: Path,
+    cores: tuple[int, int],
+    on_step=None,
+    devices: int = 4,
 ) -> None:
-    """Two processes of 4 CPU devices: process 0 on ``cores[0]`` in the fast cgroup, process 1 on ``cores[1]``
-    in the slow one (``quota`` None: no cgroup, pinned only); ``on_step(step)`` is called (from a thread) as
-    process 0 logs steps."""
+    """Two processes of ``devices`` CPU devices: process 0 on ``cores[0]`` in the fast cgroup, process 1 on
+    ``cores[1]`` in the slow one (``quota`` None: no cgroup, pinned only); ``on_step(step)`` is called (from a
+    thread) as process 0 logs steps."""
     port = _port()
     procs = []
     try:
@@ -249,7 +291,7 @@ def run(
                 "--run-dir",
                 str(run_dir),
                 "--cpu-devices",
-                "4",
+                str(devices),
                 "--coordinator",
                 f"127.0.0.1:{port}",
                 "--num-processes",
@@ -435,6 +477,62 @@ def schedules_markdown(args, times: dict[str, list[float]], started: str, elapse
     return "\n".join(lines) + "\n"
 
 
+def context(args, quota, tmp: Path) -> list[dict]:
+    """Even shards against ``--context-shares auto`` at ``r = args.context_ratio``, ``args.rounds`` rounds in
+    alternating order; each run's step times after ``args.skip`` and the shares it used."""
+    if quota is not None:
+        quota.set_ratio(args.context_ratio)
+    extra = {"even": [], "auto": ["--context-shares", "auto"]}
+    rows = []
+    for k in range(args.rounds):
+        for name in ("even", "auto") if k % 2 == 0 else ("auto", "even"):
+            run_dir = tmp / f"context_{name}_{k}"
+            print(f"round {k + 1}/{args.rounds}, r = {args.context_ratio}: {name} shards ...", flush=True)
+            flags = [*CONTEXT_FLAGS, *extra[name], "--seq-len", str(args.context_len), "--steps", str(args.steps)]
+            run(quota, flags, run_dir, tmp, args.cores, devices=1)
+            log = _read(tmp / "p0.log")
+            shares = [line.split()[-2] for line in log.splitlines() if line.strip().startswith("ring device ")]
+            steps = [t for s, t in sorted(step_times(run_dir).items()) if s > args.skip]
+            rows.append({"scenario": name, "times": steps, "shares": ",".join(shares) or "even"})
+            print(f"  median step {statistics.median(steps):.3f} s, tokens per device {rows[-1]['shares']}", flush=True)
+    if quota is not None:
+        quota.set_ratio(1.0)
+    return rows
+
+
+def context_markdown(args, rows: list[dict], started: str, elapsed: float) -> str:
+    """The uneven-shards table: median step time of even and measured shards, the gain, the ideal (r+1)/2."""
+    import jax
+
+    r = args.context_ratio
+    median = {name: statistics.median([t for row in rows if row["scenario"] == name for t in row["times"]])
+              for name in ("even", "auto")}  # fmt: skip
+    gain, ideal = median["even"] / median["auto"], (r + 1) / 2
+    shares = next(row["shares"] for row in rows if row["scenario"] == "auto")
+    lines = [
+        CONTEXT_BEGIN,
+        f"## Uneven sequence shards on the two-process cluster — {started[:10]}",
+        "",
+        f"`python bench/hetero_cluster.py --context --context-ratio {r:g} --context-len {args.context_len} "
+        f"--steps {args.steps} --skip {args.skip} --rounds {args.rounds}`{' (as root)' if r > 1 else ''}, "
+        f"jax {jax.__version__}, "
+        f"{platform.machine()} {os.cpu_count()} cores ({platform.node()}), started {started}, {elapsed / 60:.0f} min. "
+        f"Two processes x 1 CPU device, a ring over both (`{' '.join(CONTEXT_FLAGS)}`, `--seq-len "
+        f"{args.context_len}`), process 0 pinned to core {args.cores[0]}, process 1 to core {args.cores[1]}"
+        f"{f' and held to 1/{r:g} of it by a CPU-quota cgroup' if r > 1 else ', no quota'}. Median step time over "
+        f"steps {args.skip + 1}-{args.steps} of "
+        f"every round (the order reversed every other round).",
+        "",
+        "| shards | tokens per device | median step (s) | gain over even | ideal (r+1)/2 | % of ideal (target 80%) |",
+        "|---|---|---:|---:|---:|---:|",
+        f"| even | {args.context_len // 2},{args.context_len // 2} | {median['even']:.3f} | 1.00x | {ideal:.2f}x | |",
+        f"| measured (`--context-shares auto`) | {shares} | {median['auto']:.3f} | {gain:.2f}x | {ideal:.2f}x | "
+        f"{100 * gain / ideal:.0f}% |",
+        CONTEXT_END,
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def stage_ideal(r: float, layers: int = 12) -> float:
     """Even split's time over the best integer split's, stage 1 ``r`` times slower (layers only)."""
     even = max(layers / 2, layers / 2 * r)
@@ -598,7 +696,21 @@ def main(argv=None) -> int:
         help="time the pipeline schedules (gpipe, 1f1b, 1f1b-fused, zb) on stage=2 across the two processes, "
         "M = 8, no quota (no root needed) instead of the uneven runs",
     )
-    parser.add_argument("--rounds", type=int, default=3, help="with --schedules: rounds over the schedules (default 3)")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="with --schedules or --context: rounds over the runs (default 3)"
+    )
+    parser.add_argument(
+        "--context",
+        action="store_true",
+        help="time even sequence shards against --context-shares auto on a ring over the two processes, process 1 "
+        "at 1/--context-ratio of its core, instead of the uneven-batch runs",
+    )
+    parser.add_argument(
+        "--context-ratio", type=float, default=2.0, help="with --context: r (default 2; 1: no cgroup, no root)"
+    )
+    parser.add_argument(
+        "--context-len", type=int, default=8192, help="with --context: tokens per sequence (default 8192)"
+    )
     args = parser.parse_args(argv)
     try:
         args.ratios = [float(r) for r in args.ratios.split(",")]
@@ -612,6 +724,21 @@ def main(argv=None) -> int:
         parser.error(f"--cores {args.cores} are not all available here (cores {sorted(available)})")
     started = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     t0 = time.perf_counter()
+    if args.context:
+        quota = CpuQuota() if args.context_ratio > 1 else None
+        try:
+            with tempfile.TemporaryDirectory() as tmp:
+                rows = context(args, quota, Path(tmp))
+        finally:
+            if quota is not None:
+                quota.set_ratio(1.0)
+                quota.remove()
+        section = context_markdown(args, rows, started, time.perf_counter() - t0)
+        print(section)
+        if not args.no_results:
+            write_results(section, CONTEXT_BEGIN, CONTEXT_END)
+            print(f"written to {RESULTS.relative_to(ROOT)}")
+        return 0
     if args.schedules:
         with tempfile.TemporaryDirectory() as tmp:
             times = schedules(args, Path(tmp))

@@ -180,6 +180,8 @@ def check_context_parallel(config: ModelConfig, par: Parallelism, seq_len: int) 
     """
     record = registry.kernel(config.attention)
     shards = layout_shards(config.attention, par)
+    if par.context_shares is not None:
+        check_context_shares(config.attention, par, seq_len)
     if par.context_layout == ZIGZAG and seq_len % (2 * shards):
         good = max(2 * shards, seq_len // (2 * shards) * 2 * shards)
         raise ValueError(
@@ -198,6 +200,33 @@ def check_context_parallel(config: ModelConfig, par: Parallelism, seq_len: int) 
                 f"--attention {config.attention} on --mesh {format_mesh(par.mesh_shape)}: {e}; e.g. --mesh "
                 f"{format_mesh(good)}"
             ) from None
+
+
+def check_context_shares(attention: str, par: Parallelism, seq_len: int) -> None:
+    """What uneven sequence shards (``par.context_shares``) need: ring attention (the kernel that masks and
+    skips padding) in the zigzag layout over a split length, and, once given, one even share per ring
+    device summing to ``seq_len``.
+
+    Raises:
+      ValueError: naming ``--context-shares`` and a value or flags that work.
+    """
+    shards = par.length_shards
+    even = ",".join(["1"] * max(shards, 2))
+    if attention != "ring" or shards < 2 or par.context_layout not in ("auto", ZIGZAG):
+        raise ValueError(
+            f"--context-shares needs --attention ring over a split length in the zigzag layout (got --attention "
+            f"{attention}, {shards} length device(s), --context-layout {par.context_layout}); e.g. --attention ring "
+            f"--mesh sequence=2 --context-layout zigzag --context-shares auto"
+        )
+    shares = par.context_shares
+    if not isinstance(shares, tuple):
+        return
+    if len(shares) != shards or sum(shares) != seq_len or any(s < 0 or s % 2 for s in shares):
+        raise ValueError(
+            f"--context-shares gives {len(shares)} shares (tokens {','.join(map(str, shares))} of --seq-len "
+            f"{seq_len}) for a ring of {shards} devices (--mesh {format_mesh(par.mesh_shape)}); give one relative "
+            f"share per ring device, e.g. --context-shares {even}, or --context-shares auto"
+        )
 
 
 def all_to_all_axes(attention: str, par: Parallelism) -> tuple[str, ...]:
@@ -466,7 +495,8 @@ def sharded_ring_attention(q, k, v, segment_ids, *, causal: bool = True, layout:
     Each device keeps its block of queries; key/value blocks (and their segment ids) travel
     around the ring of the devices that split ``length`` (`models.kernels.ring_attention`).
     Batch and heads are split as for `sharded_flash_attention`. With the length whole
-    (no ``sequence`` axis) it is flash attention.
+    (no ``sequence`` axis) it is flash attention. With ``par.context_shares`` (uneven shards)
+    the tokens are in `models.kernels.ring_attention.uneven_zigzag_layout` order, padded.
 
     Args:
       q: ``[batch, length, heads, head_dim]``, tokens in ``layout`` order.
@@ -483,6 +513,8 @@ def sharded_ring_attention(q, k, v, segment_ids, *, causal: bool = True, layout:
       ValueError: as `sharded_flash_attention`, or an odd local length under zigzag.
     """
 
+    shares = par.context_shares if isinstance(par.context_shares, tuple) else None
+
     def split(q, k, v, segment_ids, length_axes):
         return ring_attention(
             q,
@@ -493,6 +525,7 @@ def sharded_ring_attention(q, k, v, segment_ids, *, causal: bool = True, layout:
             kv_segment_ids=segment_ids,
             causal=causal,
             layout=layout,
+            shares=shares,
         )
 
     return _sharded(_flash_when_whole(split, causal), q, k, v, segment_ids, impl="ring", par=par)

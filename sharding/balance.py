@@ -10,6 +10,8 @@ more than the padded buffer holds (``capacity`` microbatches). This module decid
 * `Rebalancer`: while training, smooths each device's measured seconds per microbatch and every
   ``every`` steps proposes new counts, adopted only when they shorten the predicted step by more than a
   margin (hysteresis), so counts do not oscillate on noise.
+* `tokens_for_speeds`: real tokens of a sequence per device of a context-parallel ring
+  (``--context-shares``).
 * `layers_for_speeds`: layers per pipeline stage from the stages' measured seconds per layer
   (``--stage-layers auto``).
 
@@ -93,6 +95,29 @@ def counts_for_speeds(
         for i, c in zip(members[p], largest_remainder(share, [1.0] * len(members[p]))):
             counts[i] = c
     return counts
+
+
+def tokens_for_speeds(
+    length: int, speeds: Sequence[float], pools: Sequence[int] | None = None, unit: int = 2
+) -> tuple[int, ...]:
+    """Real tokens of one sequence per device of a ring, in proportion to ``speeds`` (uneven sequence
+    shards, ``--context-shares``), in whole units of ``unit`` tokens (2: one per zigzag chunk).
+
+    Args:
+      length: Tokens per sequence, a multiple of ``unit``.
+      speeds: One positive speed per ring device (any unit), or relative shares.
+      pools: As `counts_for_speeds` (CPU devices of one process share its cores).
+      unit: Tokens per indivisible piece.
+
+    Returns:
+      One even token count per device, summing to ``length``.
+
+    Raises:
+      ValueError: On a speed that is not positive or a length not a multiple of ``unit``.
+    """
+    if length % unit:
+        raise ValueError(f"a sequence of {length} tokens is not a whole number of {unit}-token units")
+    return tuple(unit * c for c in counts_for_speeds(speeds, length // unit, pools=pools))
 
 
 def _capped_shares(total: int, weights: Sequence[float], cap) -> list[int]:

@@ -9,7 +9,10 @@
   in a loop), `sharding.pipeline.PipelinePlan` (the layer stack split over ``stage``) or
   `UnevenBatch` (each data-parallel group along ``data`` x ``fsdp`` runs its own number of microbatches);
 * ``context_layout``: how tokens lie along the length when it is split over ``sequence``
-  (``contiguous`` or ``zigzag``, `models.kernels.ring_attention`).
+  (``contiguous`` or ``zigzag``, `models.kernels.ring_attention`);
+* ``context_shares``: uneven sequence shards for devices of unequal speed (``--context-shares``): the
+  real tokens of a sequence each device of the ring holds, inside equal-shaped padded blocks
+  (`models.kernels.ring_attention.uneven_zigzag_layout`); None when every device holds its even share.
 
 The command line builds one (``train.cli``), the planner returns one (`sharding.planner`), and
 `train.flags.parallelism_flags` renders any of them as the ``python -m train.train`` flags that reproduce it.
@@ -139,6 +142,9 @@ class Parallelism:
       mesh: The `jax.sharding.Mesh` (or, inside `jax.shard_map`, the abstract mesh) once bound; None
         before (`on`) or for one device.
       manual: Mesh axes that are manual here (inside `jax.shard_map`).
+      context_shares: Real tokens per sequence on each device of the ring (the length's devices in
+        ring order; even ints summing to the sequence length), ``"auto"`` until measured at start-up,
+        or None (even shards).
     """
 
     mesh_shape: Mapping[str, int]
@@ -148,6 +154,7 @@ class Parallelism:
     outer: Mapping[str, int] | None = None
     mesh: Any = None
     manual: frozenset[str] = frozenset()
+    context_shares: tuple[int, ...] | str | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "mesh_shape", _full_shape(self.mesh_shape))
@@ -232,6 +239,14 @@ class Parallelism:
     def length_shards(self) -> int:
         """P: devices the activations' ``length`` is split over (its rule's mesh axes)."""
         return math.prod(self.mesh_shape[a] for a in self.rules.mesh_axes(ax.LENGTH))
+
+    @property
+    def padded_length(self) -> int | None:
+        """Positions per sequence with uneven shards: the ring's devices times the largest share (each
+        device's block padded to it); None without uneven shares (or before they are measured)."""
+        if not isinstance(self.context_shares, tuple):
+            return None
+        return len(self.context_shares) * max(self.context_shares)
 
     @property
     def pipeline(self) -> PipelinePlan | None:

@@ -27,7 +27,7 @@ from models.attention import (
     ulysses_mesh,
 )
 from models.config import PRESETS as MODEL_PRESETS
-from models.kernels.ring_attention import zigzag_permutation
+from models.kernels.ring_attention import uneven_zigzag_layout, zigzag_permutation
 from models.transformer import abstract_model
 from sharding import axes as ax
 from sharding.mesh import make_mesh, parse_mesh
@@ -165,6 +165,12 @@ def test_the_data_pipeline_permutes_every_field_alike():
     assert all(rows(laid_out, r) == rows(natural, r) for r in range(3))
     assert context_permutation(32, 4, "contiguous") is None
     assert context_permutation(32, 1, "zigzag") is None
+    # uneven shares: blocks of 12 positions, padding 0 in every field (no loss, segment 0), the same tokens
+    uneven = permute_length(natural, context_permutation(32, 4, "zigzag", shares=(12, 4, 8, 8)))
+    pad = uneven_zigzag_layout((12, 4, 8, 8), 12) < 0
+    assert all(value.shape == (3, 48) and not value[:, pad].any() for value in uneven.values())
+    real = {name: value[:, ~pad] for name, value in uneven.items()}
+    assert all(rows(real, r) == rows(natural, r) for r in range(3))
     with pytest.raises(ValueError, match="--seq-len 36: --context-layout zigzag needs a multiple of 2 x 4"):
         context_permutation(36, 4, "zigzag")
 
@@ -196,6 +202,19 @@ def test_the_data_pipeline_permutes_every_field_alike():
         (
             ["--attention", "flash", "--mesh", "data=2,sequence=4", "--context-layout", "zigzag"],
             "--context-layout zigzag: --attention flash assumes tokens in natural order",
+        ),
+        (
+            ["--attention", "ring", "--mesh", "data=2,sequence=4", "--context-shares", "2,1"],
+            "for a ring of 4 devices (--mesh data=2,sequence=4); give one relative share per ring device, e.g. "
+            "--context-shares 1,1,1,1, or --context-shares auto",
+        ),
+        (
+            ["--attention", "ulysses", "--mesh", "data=2,sequence=4", "--context-shares", "auto"],
+            "--context-shares needs --attention ring over a split length in the zigzag layout",
+        ),
+        (
+            ["--attention", "ring", "--mesh", "data=2,sequence=4", "--context-shares", "2,0,1,1"],
+            "--context-shares 2,0,1,1: expected auto or positive relative shares, one per device of the ring",
         ),
     ],
 )
@@ -241,6 +260,52 @@ def test_ulysses_takes_any_kv_head_count_and_the_mesh_it_suggests():
     check_context_parallel(six, Parallelism(ulysses_mesh(bad.mesh_shape, 6, inner_only=True), rules), 64)
 
 
+def test_context_shares_become_tokens_and_the_suggestions_are_accepted():
+    """``--context-shares 3,1,2,2`` over 64 tokens: 24, 8, 16, 16 real tokens; the shares a refusal suggests
+    pass the same check; ``auto`` is measured later."""
+    from models.attention import check_context_shares
+    from train.cli import parse_context_shares
+
+    par = Parallelism(parse_mesh("data=2,sequence=4", 8), get_rules("fsdp_tp"), context_layout="zigzag")
+    assert parse_context_shares("3,1,2,2", 64) == (24, 8, 16, 16)
+    assert par.replace(context_shares=(24, 8, 16, 16)).padded_length == 96
+    check_context_shares("ring", par.replace(context_shares=parse_context_shares("1,1,1,1", 64)), 64)
+    check_context_shares("ring", par.replace(context_shares="auto"), 64)
+    with pytest.raises(ValueError, match="e.g. --context-shares 1,1,1,1, or --context-shares auto$"):
+        check_context_shares("ring", par.replace(context_shares=parse_context_shares("2,1", 64)), 64)
+
+
+def test_context_calibration_gives_each_ring_device_tokens_by_its_speed(monkeypatch):
+    """``--context-shares auto``: every device timed on its even share of the length (a stand-in timer: ring
+    positions 0-1 at 10 ms, 2-3 at 30 ms on data=2,sequence=4, data replicas alike but one slower), the slowest
+    device of each ring position counts, tokens by speed."""
+    from train import calibrate
+
+    mesh = make_mesh(parse_mesh("data=2,sequence=4", 8))
+    par = Parallelism.of(mesh, "fsdp_tp", context_layout="zigzag").replace(context_shares="auto")
+    positions = calibrate.ring_devices(mesh, par.rules.mesh_axes(ax.LENGTH))
+    assert [len(p) for p in positions] == [2, 2, 2, 2]
+    ring = {d.id: i for i, p in enumerate(positions) for d in p}
+    seconds = {d.id: (0.01 if ring[d.id] < 2 else 0.03) * (1.5 if d.id == positions[1][1].id else 1.0)
+               for d in jax.devices()}  # fmt: skip
+    seen = {}
+
+    def timer(fn, args_on, devices, together):
+        seen["tokens"] = args_on(devices[0])[1]["tokens"].shape
+        return [seconds[d.id] for d in devices]
+
+    monkeypatch.setattr(calibrate, "compute_pools", lambda grid: None)  # as accelerators: each its own speed
+    loss = lambda params, batch, par: (jnp.sum(params["w"]) * jnp.sum(batch["tokens"]), 1.0)
+    abstract = {"w": jax.ShapeDtypeStruct((2,), jnp.float32)}
+    new, calibration = calibrate.calibrate_context(par, loss, abstract, 2, 64, timer=timer)
+    assert seen["tokens"] == (2, 16)
+    speeds = [1 / 0.01, 1 / 0.015, 1 / 0.03, 1 / 0.03]
+    assert calibration.seconds == pytest.approx((0.01, 0.015, 0.03, 0.03))
+    assert new.context_shares == calibration.shares and sum(new.context_shares) == 64
+    ideal = [64 * s / sum(speeds) for s in speeds]
+    assert all(abs(a - b) <= 2 for a, b in zip(new.context_shares, ideal)), (new.context_shares, ideal)
+
+
 # Training -------------------------------------------------------------------------------------
 
 
@@ -251,8 +316,10 @@ def _losses(run_dir: Path, key: str) -> dict[int, float]:
 
 def test_ring_ulysses_and_usp_train_with_the_losses_of_data_parallel(tmp_path, corpus, cache):
     """Twenty steps of the test model (4 heads, 2 KV heads) with ``--attention ring`` on data=2,sequence=4
-    (zigzag by default), ``ulysses`` on data=2,sequence=4 (KV heads repeated to 4) and ``usp`` on
-    data=2,context=2,sequence=2 (zigzag over the context ring), each against one ``--mesh data=2`` run.
+    (zigzag by default), ``ulysses`` on data=2,sequence=4 (KV heads repeated to 4), ``usp`` on
+    data=2,context=2,sequence=2 (zigzag over the context ring) and ring attention on uneven shards
+    (``--context-shares 3,1,2,2``: padded blocks, padding masked and skipped), each against one ``--mesh data=2``
+    run.
 
     The baseline runs as a subprocess with `--cpu-devices 2`, so its mesh is exactly `data=2` (this process
     has 8 devices, which `--mesh data=2` would not cover), with the einsum reference attention on tokens in
@@ -289,11 +356,16 @@ def test_ring_ulysses_and_usp_train_with_the_losses_of_data_parallel(tmp_path, c
         ],
         tmp_path / "dp.log",
     )
-    runs = {"ring": "data=2,sequence=4", "ulysses": "data=2,sequence=4", "usp": "data=2,context=2,sequence=2"}
+    runs = {
+        "ring": ["--mesh", "data=2,sequence=4", "--attention", "ring"],
+        "ulysses": ["--mesh", "data=2,sequence=4", "--attention", "ulysses"],
+        "usp": ["--mesh", "data=2,context=2,sequence=2", "--attention", "usp"],
+        # uneven shards: 24, 8, 16, 16 real tokens in blocks of 24 (positions 96 a sequence, 32 of padding)
+        "uneven": ["--mesh", "data=2,sequence=4", "--attention", "ring", "--context-shares", "3,1,2,2"],
+    }
     try:
-        for attention, mesh in runs.items():
-            args = [*common, "--mesh", mesh, "--attention", attention, "--run-dir", str(tmp_path / attention)]
-            assert train.main(args) == 0
+        for name, flags in runs.items():
+            assert train.main([*common, *flags, "--run-dir", str(tmp_path / name)]) == 0
         assert baseline.wait(timeout=300) == 0, (tmp_path / "dp.log").read_text()
     finally:
         if baseline.poll() is None:
@@ -302,9 +374,9 @@ def test_ring_ulysses_and_usp_train_with_the_losses_of_data_parallel(tmp_path, c
     for key in ("train/loss", "eval/loss"):
         dp = _losses(tmp_path / "dp", key)
         assert len(dp) >= 2
-        for attention in runs:
-            cp = _losses(tmp_path / attention, key)
-            assert sorted(cp) == sorted(dp), (attention, key)
+        for name in runs:
+            cp = _losses(tmp_path / name, key)
+            assert sorted(cp) == sorted(dp), (name, key)
             np.testing.assert_allclose([cp[s] for s in sorted(cp)], [dp[s] for s in sorted(dp)], rtol=1e-4)
 
 

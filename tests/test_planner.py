@@ -289,6 +289,12 @@ def test_one_f_one_b_is_priced_for_its_memory_and_its_lockstep_ticks():
     assert "pipeline bubble" in planner.why_lost(
         dataclasses.replace(gpipe, step_time=2 * gpipe.step_time, parts={**gpipe.parts, "bubble": 9e9}), gpipe
     )
+    exposed = dataclasses.replace(gpipe, step_time=2 * gpipe.step_time, parts={**gpipe.parts, "exposed_comm": 9e9})
+    assert planner.why_lost(exposed, gpipe).endswith(": pipeline traffic on the critical path")
+    from sharding.planner.report import exposed_traffic
+
+    assert exposed_traffic({"data": 2, "context": 2, "sequence": 1, "tensor": 2}) == "tensor/context"
+    assert exposed_traffic({"sequence": 4, "stage": 2}) == "context/pipeline"
     flags = plan_flags(one)
     assert "--pipeline-schedule 1f1b" in flags
     run = cli.parse([*flags.split(), "--batch-size", "64", "--seq-len", "1024", "--model", "125m", "--dry-run"])

@@ -29,7 +29,7 @@ from models.kernels.flash_attention import (
     flash_attention_reference,
     forward_tile_count,
 )
-from models.kernels.ring_attention import ring_attention, ring_tile_counts, zigzag_permutation
+from models.kernels.ring_attention import ring_attention, ring_tile_counts, uneven_zigzag_layout, zigzag_permutation
 from models.kernels.ulysses_attention import kv_repeat, ulysses_attention
 from models.kernels.usp_attention import usp_attention
 from sharding.hlo import collectives, summarize
@@ -398,3 +398,101 @@ def test_zigzag_balances_causal_work(shards):
     assert abs(balance["contiguous"] - (2 * shards - 1) / shards) < 0.05
     full = ring_tile_counts(length, 1, causal=True, layout="zigzag")[0]
     assert ring_tile_counts(length, shards, causal=True, layout="zigzag").sum() == pytest.approx(full, rel=0.02)
+
+
+# --------------------------------------------------------------------------------------
+# Uneven shards (devices of unequal speed)
+# --------------------------------------------------------------------------------------
+
+UNEVEN = (48, 8, 40, 32)  # real tokens per device of a ring of 4 over LENGTH = 128; blocks of 48
+
+
+def _uneven(case, shares, local):
+    """`f(q, k, v, segments, junk)` on natural-order arrays: laid out by `uneven_zigzag_layout` with ``junk``
+    (random, finite) in the padding, run on the ring with ``shares``; returns (natural-order output, the
+    padding rows' output)."""
+    order = uneven_zigzag_layout(shares, local)
+    pad = order < 0
+    take = np.where(pad, 0, order)
+    real = np.nonzero(~pad)[0]
+    natural = real[np.argsort(order[real])]  # laid-out position of natural token i
+    tokens, ids = P(None, "sequence", None, None), P(None, "sequence")
+    mesh = _sequence_mesh(len(shares))
+
+    def local_fn(q, k, v, segments):
+        return ring_attention(
+            q,
+            k,
+            v,
+            axis_name="sequence",
+            q_segment_ids=segments,
+            kv_segment_ids=segments,
+            causal=True,
+            layout="zigzag",
+            block_sizes=TILES,
+            shares=shares,
+        )
+
+    sharded = jax.shard_map(local_fn, mesh=mesh, in_specs=(tokens,) * 3 + (ids,), out_specs=tokens)
+
+    def run(q, k, v, segments, junk):
+        lay = lambda x, j: jnp.where(pad[None, :, None, None], j, x[:, take])
+        junk_q, junk_kv = junk
+        laid_segments = jnp.where(pad[None], 7, segments[:, take])  # an id no real token has
+        out = sharded(lay(q, junk_q), lay(k, junk_kv), lay(v, junk_kv), laid_segments)
+        return out[:, natural], out[:, pad]
+
+    return run
+
+
+def test_uneven_shards_match_the_reference_and_padding_gets_nothing():
+    """Ring attention on uneven shards (zigzag, GQA, packed documents, P = 4, blocks padded to the largest
+    share) equals unsplit attention in float32 within 1e-5, outputs and the gradients of q, k and v; the
+    padding rows output exactly 0 and the junk in the padding gets exactly zero gradient."""
+    case = _case(segments=True)
+    q, k, v, d_out, segments = _inputs(case)
+    local = max(UNEVEN)
+    keys = jax.random.split(jax.random.PRNGKey(9), 2)
+    junk = (
+        jax.random.normal(keys[0], (2, 4 * local, case["heads"], HEAD_DIM)),
+        jax.random.normal(keys[1], (2, 4 * local, case["kv_heads"], HEAD_DIM)),
+    )
+    run = _uneven(case, UNEVEN, local)
+
+    def loss(q, k, v, junk):
+        out, padding = run(q, k, v, segments, junk)
+        return jnp.sum(out * d_out), (out, padding)
+
+    (_, (out, padding)), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(q, k, v, junk)
+    want = _value_and_grads(_reference(True), q, k, v, d_out, segments)
+    _assert_close((out, *grads[:3]), want)
+    assert float(jnp.max(jnp.abs(padding))) == 0.0
+    assert all(float(jnp.max(jnp.abs(g))) == 0.0 for g in jax.tree.leaves(grads[3]))
+
+
+def test_uneven_layout_keeps_the_zigzag_balance_per_device():
+    """Each device's causal query-key pairs are shares[r] / 2 x (L + 1): in proportion to its real tokens;
+    equal shares give `zigzag_permutation`."""
+    order = uneven_zigzag_layout(UNEVEN, 48).reshape(4, 48)
+    assert sorted(order[order >= 0].tolist()) == list(range(LENGTH))
+    for r, share in enumerate(UNEVEN):
+        tokens = order[r][order[r] >= 0]
+        assert len(tokens) == share
+        assert int(np.sum(tokens + 1)) == share // 2 * (LENGTH + 1)
+    np.testing.assert_array_equal(uneven_zigzag_layout((32,) * 4, 32), zigzag_permutation(LENGTH, 4))
+    with pytest.raises(ValueError, match="even number of tokens"):
+        uneven_zigzag_layout((47, 9, 40, 32), 48)
+    with pytest.raises(ValueError, match="at least the largest share"):
+        uneven_zigzag_layout(UNEVEN, 40)
+
+
+def test_valid_lengths_skip_tiles_of_padding_only():
+    """With 20 real query rows and 40 real keys of 64 (tiles of 16), the forward and dq kernels compute 3 key
+    tiles for the 2 query tiles holding real rows and none for the others; dk/dv 2 query tiles (x 2 query heads
+    per KV head) for the 3 key tiles holding real keys and none for the last."""
+    q = jnp.ones((1, 64, 2, 16))
+    k = jnp.ones((1, 64, 1, 16))
+    counts = jax.jit(lambda q, k: _tile_counts(q, k, k, block_sizes=TILES, q_valid_length=20, kv_valid_length=40))(q, k)
+    np.testing.assert_array_equal(counts["forward"][0, 0], [3, 3, 0, 0])
+    np.testing.assert_array_equal(counts["dq"][0, 0], [3, 3, 0, 0])
+    np.testing.assert_array_equal(counts["dkv"][0, 0], [4, 4, 4, 0])

@@ -11,6 +11,10 @@ timed one at a time. The figures are exchanged between processes
 microbatches are shared between processes by speed and evenly inside one: `compute_pools`). ``--hetero-batch kinds`` keeps the device
 kinds' datasheet peaks (`train.strategies.resolve_uneven`).
 
+For ``--context-shares auto`` (uneven sequence shards) the same local work is timed on a device's even share
+of the length (``seq_len / P`` tokens); a ring position's speed is its slowest device's (over the batch
+axes), and the real tokens of a sequence go to the ring's devices by `sharding.balance.tokens_for_speeds`.
+
 For ``--stage-layers auto`` the same local work is timed; a stage's speed is its slowest device's, and the
 layers go to the stages by `sharding.balance.layers_for_speeds` (min-max over the stages' predicted times,
 the work each stage does besides its layers counted in layers from the model's FLOPs).
@@ -22,6 +26,7 @@ memory bandwidth, and hosts throttle; hence measuring.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Sequence
 
@@ -30,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sharding import axes as ax
-from sharding.balance import counts_for_speeds, default_capacity, layers_for_speeds
+from sharding.balance import counts_for_speeds, default_capacity, layers_for_speeds, tokens_for_speeds
 from sharding.parallel import Parallelism
 from train.data import FIELDS
 
@@ -322,5 +327,89 @@ def resolve_stages(config, par: Parallelism, log) -> Parallelism:
         par, probe.loss_sums, probe.state_layout.abstract_params, rows, config.data.seq_len, fixed
     )
     for line in calibration.lines(rows):
+        log(line)
+    return par
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextCalibration:
+    """Measured seconds of each device of the context-parallel ring (its slowest over the batch axes) on
+    the local work of an even share of the length, and the real tokens per sequence they give.
+
+    Attributes:
+      seconds: One per ring position, in ring order.
+      shares: Real tokens of a sequence per ring position (`sharding.balance.tokens_for_speeds`).
+    """
+
+    seconds: tuple[float, ...]
+    shares: tuple[int, ...]
+
+    def lines(self, rows: int, tokens: int) -> list[str]:
+        """The start-up report: one line per ring position."""
+        out = [
+            f"measured ring speeds (--context-shares auto; forward+backward of {rows} sequences of {tokens} tokens "
+            f"per device; slowest device of each ring position):"
+        ]
+        for i, (t, n) in enumerate(zip(self.seconds, self.shares)):
+            out.append(f"  ring device {i}: {t * 1e3:.1f} ms ({self.seconds[0] / t:.2f}x device 0), {n} tokens")
+        return out
+
+
+def ring_devices(mesh, length_axes) -> list[list]:
+    """The devices at each position of the context-parallel ring: the mesh's slices along ``length_axes``
+    (flattened in their order, as `jax.lax.axis_index` numbers a ring over several axes)."""
+    names = list(mesh.axis_names)
+    length_axes = [a for a in length_axes if a in names]
+    devices = np.moveaxis(np.asarray(mesh.devices), [names.index(a) for a in length_axes], range(len(length_axes)))
+    ring = math.prod(mesh.shape[a] for a in length_axes)
+    return [list(row) for row in devices.reshape(ring, -1)]
+
+
+def calibrate_context(
+    par: Parallelism,
+    loss_fn,
+    abstract_params,
+    rows: int,
+    seq_len: int,
+    timer: Callable[..., list[float]] = time_local_devices,
+) -> tuple[Parallelism, ContextCalibration]:
+    """Times every device on its even share of the length and sets ``par``'s uneven context shares.
+
+    Args:
+      par: The run's layout bound to a mesh, ``context_shares == "auto"``.
+      loss_fn, abstract_params: As `local_work` takes them.
+      rows: Sequences per device (the batch over the batch axes and microbatches).
+      seq_len: ``--seq-len``.
+      timer: `time_local_devices` or a stand-in with its signature (tests inject timings).
+
+    Returns:
+      ``(par, calibration)``: ``par`` with the shares set, and what was measured.
+    """
+    length_axes = par.rules.mesh_axes(ax.LENGTH)
+    local_len = seq_len // par.length_shards
+    fn, args_on = local_work(par.replace(context_shares=None), loss_fn, abstract_params, rows, local_len)
+    local = sorted(jax.local_devices(), key=lambda d: d.id)
+    table = gather_table(timer(fn, args_on, local, together=local[0].platform == "cpu"))
+    positions = ring_devices(par.mesh, length_axes)
+    seconds = tuple(max(grid_seconds(devices, table)) for devices in positions)
+    pools = compute_pools([devices[0] for devices in positions])
+    shares = tokens_for_speeds(seq_len, [1 / t for t in seconds], pools=pools)
+    return par.replace(context_shares=shares), ContextCalibration(seconds, shares)
+
+
+def resolve_context_shares(config, par: Parallelism, log) -> Parallelism:
+    """``--context-shares auto``: a probe trainer's local work timed per device, then the shares; ``par``
+    unchanged otherwise."""
+    from sharding.parallel import Accumulation
+    from train.step import Trainer
+
+    if par.context_shares != "auto":
+        return par
+    probe = Trainer(config.model, config.optimizer, par.replace(strategy=Accumulation(), context_shares=None))
+    rows = max(1, config.data.batch_size // (par.data_parallel * par.microbatches))
+    par, calibration = calibrate_context(
+        par, probe.loss_sums, probe.state_layout.abstract_params, rows, config.data.seq_len
+    )
+    for line in calibration.lines(rows, config.data.seq_len // par.length_shards):
         log(line)
     return par

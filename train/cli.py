@@ -203,6 +203,15 @@ def _model_flags(p) -> None:
         "and 2P-1-r of 2P) balances causal ring attention; auto: zigzag for --attention ring or usp with the "
         "length split, else contiguous",
     )
+    g.add_argument(
+        "--context-shares",
+        default=None,
+        metavar="auto|S,S,...",
+        help="uneven sequence shards for devices of unequal speed (--attention ring, zigzag): each device of the "
+        "ring holds real tokens of every sequence in proportion to its share, inside equal-shaped padded blocks "
+        "whose padding the kernels skip; auto: shares from the devices' measured speeds (timed as --hetero-batch "
+        "auto times them), or one relative share per ring device, e.g. 2,1; default: even shards",
+    )
 
 
 def _data_flags(p) -> None:
@@ -724,7 +733,42 @@ def parallelism_from_args(args, num_layers: int) -> Parallelism:
     strategy = _strategy(args, sizes, num_layers)
     if strategy.pipeline is not None:
         rules = pipeline_rules(rules)
-    return Parallelism(sizes, rules, strategy, args.context_layout, outer)
+    shares = parse_context_shares(getattr(args, "context_shares", None), args.seq_len)
+    return Parallelism(sizes, rules, strategy, args.context_layout, outer, context_shares=shares)
+
+
+CONTEXT_SHARES_EXAMPLE = "--context-shares 2,1"
+
+
+def parse_context_shares(value: str | None, seq_len: int) -> tuple[int, ...] | str | None:
+    """``--context-shares auto|S,S,...`` -> ``"auto"``, the real tokens of a sequence per ring device (relative
+    shares turned into even token counts summing to ``seq_len``, `sharding.balance.tokens_for_speeds`), or
+    None (not given).
+
+    Raises:
+      ValueError: Not ``auto`` nor positive numbers, or a ``--seq-len`` that is odd; naming the flag and a
+        value that works.
+    """
+    from sharding.balance import tokens_for_speeds
+
+    if value is None or value.strip() == "":
+        return None
+    if value.strip() == "auto":
+        return "auto"
+    try:
+        weights = [float(x) for x in value.split(",")]
+    except ValueError:
+        weights = []
+    if len(weights) < 2 or not all(math.isfinite(w) and w > 0 for w in weights):
+        raise ValueError(
+            f"--context-shares {value}: expected auto or positive relative shares, one per device of the ring "
+            f"(at least 2), e.g. {CONTEXT_SHARES_EXAMPLE}"
+        )
+    if seq_len % 2:
+        raise ValueError(
+            f"--context-shares needs an even --seq-len (two zigzag chunks a device); e.g. --seq-len {seq_len + 1}"
+        )
+    return tokens_for_speeds(seq_len, weights)
 
 
 def _strategy(args, sizes: dict[str, int], num_layers: int):

@@ -46,6 +46,7 @@ LAYOUT_FLAGS = (
     "hetero_max_share",
     "rebalance_every",
     "context_layout",
+    "context_shares",
 )
 """The layout as a whole: a command line that names one of them re-lays the run (resume onto another mesh), and
 the record's are not taken (its stage split or counts would not fit the new mesh)."""

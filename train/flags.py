@@ -41,6 +41,9 @@ def parallelism_flags(par: Parallelism) -> list[str]:
     out += kind.flags(par)
     if par.context_layout != CONTIGUOUS:
         out += ["--context-layout", par.context_layout]
+    if par.context_shares is not None:
+        shares = par.context_shares
+        out += ["--context-shares", shares if isinstance(shares, str) else ",".join(map(str, shares))]
     return out
 
 

@@ -41,7 +41,10 @@ class LoopOptions:
     Attributes:
       steps: train until the state's step reaches this.
       global_batch: B, sequences per step.
-      seq_len: T, tokens per sequence.
+      seq_len: T, positions per sequence in the batch's arrays (tokens, plus padding with uneven context
+        shares).
+      tokens_per_sequence: real tokens per sequence where it is fewer than ``seq_len`` (uneven context
+        shares), for the tokens counted; None: ``seq_len``.
       log_every: steps between log lines.
       eval_every: steps between held-out evaluations (0: only first and last).
       eval_batches: held-out batches per evaluation.
@@ -73,10 +76,12 @@ class LoopOptions:
     vocab_size: int = 0
     profile_steps: tuple[int, int] | None = None
     run_dir: str = "."
+    tokens_per_sequence: int | None = None
 
     @classmethod
-    def of(cls, run) -> LoopOptions:
-        """The options of a `train.config.RunConfig` (MFU against the devices' summed peak, when known)."""
+    def of(cls, run, positions: int | None = None) -> LoopOptions:
+        """The options of a `train.config.RunConfig` (MFU against the devices' summed peak, when known);
+        ``positions``: positions per sequence when the layout pads it (`sharding.parallel.Parallelism.padded_length`)."""
         import jax
 
         from sharding.devices import peak_flops
@@ -86,7 +91,8 @@ class LoopOptions:
         return cls(
             steps=loop.steps,
             global_batch=data.batch_size,
-            seq_len=data.seq_len,
+            seq_len=positions or data.seq_len,
+            tokens_per_sequence=data.seq_len if positions else None,
             log_every=loop.log_every,
             eval_every=loop.eval_every,
             eval_batches=loop.eval_batches,
@@ -504,7 +510,8 @@ class _Run:
         self.observe(step, values)
         stop = _handle(pending, self.writer, options, self.summary, self.log, values, self.guard)
         elapsed = time.perf_counter() - self.interval_start
-        tok_s = self.interval_steps * options.global_batch * options.seq_len / elapsed
+        tokens = options.tokens_per_sequence or options.seq_len
+        tok_s = self.interval_steps * options.global_batch * tokens / elapsed
         mfu = tok_s * options.flops_per_token / options.peak_flops if options.peak_flops else None
         step_time = elapsed / self.interval_steps
         input_wait = self.batches.take_wait() / self.interval_steps
@@ -512,8 +519,8 @@ class _Run:
         self.writer.write(step, perf, prefix="perf")
         if len(self.dataset.sources) > 1:
             counts = self.dataset.source_samples(samples)
-            tokens = {f"tokens_{s.name}": n * options.seq_len for s, n in zip(self.dataset.sources, counts)}
-            self.writer.write(step, tokens, prefix="data")
+            seen = {f"tokens_{s.name}": n * tokens for s, n in zip(self.dataset.sources, counts)}
+            self.writer.write(step, seen, prefix="data")
         self.log(
             _format_line(step, options.steps, values["loss"], values["lr"], tok_s, step_time, mfu, values["grad_norm"])
         )

@@ -6,6 +6,7 @@ the `train.step.Trainer`, restore or initialize the state, and train (`train.loo
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -159,7 +160,7 @@ def build_trainer(config: RunConfig, log):
     import jax
 
     from sharding.mesh import make_mesh
-    from train.calibrate import resolve_counts
+    from train.calibrate import resolve_context_shares, resolve_counts
     from train.step import Trainer
 
     par = config.parallelism
@@ -169,6 +170,7 @@ def build_trainer(config: RunConfig, log):
         outer = None
     mesh = make_mesh(par.mesh_shape, outer=outer)
     par, speeds = resolve_counts(config, par.on(mesh), log)  # --hetero-batch auto measures, kinds reads datasheets
+    par = resolve_context_shares(config, par, log)  # --context-shares auto measures the ring's devices
     trainer = Trainer(config.model, config.optimizer, par)
     notes = []
     if (checked_for := trainer.strategy.compiled_check()) is not None:
@@ -205,7 +207,7 @@ def open_dataset(config: RunConfig, tokenizer, log):
         data.heldout,
         data.cache_dir,
         log,
-        permutation=_context_permutation(config),
+        permutation=_context_permutation(config, config.parallelism),
         text_field=data.text_field,
     )
 
@@ -214,6 +216,7 @@ def train(config: RunConfig, trainer, ckpt, latest, tokenizer, dataset, log) -> 
     """Restores or initializes the state and runs the loop to ``--steps`` over ``dataset`` (`open_dataset`);
     returns 0."""
     import jax
+    import numpy as np
 
     from checkpoints.manager import LoopCheckpoints
     from checkpoints.meta import RunMeta
@@ -221,6 +224,13 @@ def train(config: RunConfig, trainer, ckpt, latest, tokenizer, dataset, log) -> 
 
     data = config.data
     with StopFlag() as stop:
+        # The order along the length follows the trainer's context layout: measured shares
+        # (--context-shares auto) are known only now, after the data was opened and checked.
+        permutation = _context_permutation(config, trainer.par)
+        if (permutation is None) != (dataset.permutation is None) or (
+            permutation is not None and not np.array_equal(permutation, dataset.permutation)
+        ):
+            dataset = dataclasses.replace(dataset, permutation=permutation)
         state, (samples, iterator), latest = start_state(config, trainer, ckpt, latest, log)
         if jax.process_index() == 0 and config.record is not None:
             from train.configfile import write_record
@@ -256,7 +266,7 @@ def train(config: RunConfig, trainer, ckpt, latest, tokenizer, dataset, log) -> 
                 trainer=trainer,
                 state=state,
                 dataset=dataset,
-                options=LoopOptions.of(config),
+                options=LoopOptions.of(config, trainer.par.padded_length),
                 samples=samples,
                 iterator=iterator,
                 checkpoints=checkpoints,
@@ -324,13 +334,16 @@ def _check_optimizer(config: RunConfig, ckpt, step: int) -> None:
         )
 
 
-def _context_permutation(config: RunConfig):
-    """The token order of the context layout along ``--seq-len`` (None: natural)."""
+def _context_permutation(config: RunConfig, par):
+    """The token order of ``par``'s context layout (the trainer's, uneven shares measured) along ``--seq-len``
+    (None: natural)."""
     from models.attention import layout_shards
     from train.data import context_permutation
 
-    par = config.parallelism
-    return context_permutation(config.data.seq_len, layout_shards(config.model.attention, par), par.context_layout)
+    shares = par.context_shares if isinstance(par.context_shares, tuple) else None
+    return context_permutation(
+        config.data.seq_len, layout_shards(config.model.attention, par), par.context_layout, shares
+    )
 
 
 if __name__ == "__main__":

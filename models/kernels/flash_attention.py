@@ -132,6 +132,13 @@ class _Config:
     block_kv_dkv: int
     interpret: bool
     count_tiles: bool = False  # Debug: also return the number of tiles each program computed.
+    # Valid lengths given at run time (`[2]` int32: real query rows, real keys): rows and keys at or past
+    # them are padding, masked in every tile, and tiles holding only padding are not computed.
+    has_lengths: bool = False
+
+    def input_count(self, arrays: int) -> int:
+        """Kernel inputs: ``arrays`` tensors, then segment ids and valid lengths where present."""
+        return arrays + 2 * self.has_segments + 2 * self.has_lengths
 
     @property
     def causal_offset(self) -> int:
@@ -210,7 +217,9 @@ def _clamp_block(block: int, length: int) -> int:
     return min(block, max(_MIN_BLOCK, _next_power_of_two(length)))
 
 
-def _make_config(q, k, *, causal, sm_scale, block_sizes, interpret, has_segments, count_tiles=False) -> _Config:
+def _make_config(
+    q, k, *, causal, sm_scale, block_sizes, interpret, has_segments, count_tiles=False, has_lengths=False
+) -> _Config:
     q_length, kv_length = q.shape[1], k.shape[1]
     qb = {f: _clamp_block(getattr(block_sizes, f), q_length) for f in ("block_q", "block_q_dq", "block_q_dkv")}
     kb = {f: _clamp_block(getattr(block_sizes, f), kv_length) for f in ("block_kv", "block_kv_dq", "block_kv_dkv")}
@@ -226,6 +235,7 @@ def _make_config(q, k, *, causal, sm_scale, block_sizes, interpret, has_segments
         has_segments=has_segments,
         interpret=bool(interpret),
         count_tiles=count_tiles,
+        has_lengths=has_lengths,
         **qb,
         **kb,
     )
@@ -257,7 +267,7 @@ def _and(a, b):
     return b if a is None else jnp.logical_and(a, b)
 
 
-def _tile_mask(cfg: _Config, q_idx, k_idx, q_seg, kv_seg, causal: bool):
+def _tile_mask(cfg: _Config, q_idx, k_idx, q_seg, kv_seg, causal: bool, valid=None):
     """Which (query, key) pairs of a tile may attend; None when all may.
 
     Args:
@@ -266,6 +276,7 @@ def _tile_mask(cfg: _Config, q_idx, k_idx, q_seg, kv_seg, causal: bool):
         (`[bq, 1]` and `[1, bk]`, or transposed).
       q_seg, kv_seg: segment ids with the same shapes as q_idx, k_idx, or None.
       causal: whether this tile may cross the causal diagonal.
+      valid: the valid lengths `[2]` int32 (real query rows, real keys), or None.
     """
     mask = None
     if causal:
@@ -274,7 +285,56 @@ def _tile_mask(cfg: _Config, q_idx, k_idx, q_seg, kv_seg, causal: bool):
         mask = _and(mask, k_idx < cfg.kv_length)
     if q_seg is not None:
         mask = _and(mask, q_seg == kv_seg)
+    if valid is not None:
+        q_valid, kv_valid = (lax.index_in_dim(valid, i, keepdims=False) for i in (0, 1))
+        mask = _and(mask, (q_idx < q_valid) & (k_idx < kv_valid))
     return mask
+
+
+def _lengths_of(valid):
+    return None if valid is None else valid[0]
+
+
+def _cdiv(a, b: int):
+    return (a + b - 1) // b
+
+
+def _split_refs(refs, cfg: _Config, arrays: int):
+    """``(arrays' refs, q_seg_ref, kv_seg_ref, valid, outputs' refs)`` of a kernel's refs; ``valid`` is None, or
+    with valid lengths ``(lengths [2], (first, end))``: the lengths and this program's tile range.
+
+    Inside `shard_map` the Pallas interpreter runs the kernel's top level op by op and refuses an op that mixes
+    device-varying values (the lengths) with invariant ones (program ids, constants); inside loops it does not
+    look. So the range comes precomputed per program (`_tile_ranges`), the lengths are read whole, and both are
+    only sliced at the top level; every comparison with them happens in the loops.
+    """
+    refs = list(refs)
+    head, seg_refs = refs[:arrays], refs[arrays : arrays + 2 * cfg.has_segments]
+    q_seg_ref, kv_seg_ref = seg_refs if cfg.has_segments else (None, None)
+    valid = None
+    if cfg.has_lengths:
+        at = arrays + 2 * cfg.has_segments
+        lengths, ranges = refs[at][...], refs[at + 1][...].reshape(2)
+        valid = (lengths, (lax.index_in_dim(ranges, 0, keepdims=False), lax.index_in_dim(ranges, 1, keepdims=False)))
+    return head, q_seg_ref, kv_seg_ref, valid, refs[cfg.input_count(arrays) :]
+
+
+def _tile_ranges(cfg: _Config, lengths, block_q: int, block_kv: int, per: str):
+    """Each program's tile range `[2, programs]` int32 (first, end) with valid lengths `[2]`: the causal range
+    (`_kv_tile_range` or `_q_tile_range`) cut to the tiles holding a real row or key, empty for a program
+    whose own tile holds only padding. ``per``: ``"q"`` (forward, dq: key tiles per query tile) or ``"kv"``
+    (dk/dv: query tiles per key tile)."""
+    if per == "q":
+        starts = jnp.arange(cfg.q_padded // block_q, dtype=jnp.int32) * block_q
+        _, end = _kv_tile_range(cfg, starts, block_q, block_kv)
+        end = jnp.where(starts < lengths[0], jnp.minimum(end, _cdiv(lengths[1], block_kv)), 0)
+        first = jnp.zeros_like(end)
+    else:
+        starts = jnp.arange(cfg.kv_padded // block_kv, dtype=jnp.int32) * block_kv
+        first, _, end = _q_tile_range(cfg, starts, block_q, block_kv)
+        end = jnp.where(starts < lengths[1], jnp.minimum(end, _cdiv(lengths[0], block_q)), 0)
+        first = jnp.minimum(first, end)
+    return jnp.stack([jnp.broadcast_to(first, starts.shape), end]).astype(jnp.int32)
 
 
 def _kv_tile_range(cfg: _Config, q_start, block_q: int, block_kv: int):
@@ -340,11 +400,9 @@ def _heavy_first(program: Any, num_programs: int) -> Any:
 
 def _forward_kernel(*refs, cfg: _Config):
     """One program: one query tile of one (batch, head); loops over the visible key tiles."""
-    refs = list(refs)
-    q_ref, k_ref, v_ref = refs[:3]
-    q_seg_ref, kv_seg_ref = refs[3:5] if cfg.has_segments else (None, None)
-    o_ref, lse_ref = refs[5:7] if cfg.has_segments else refs[3:5]
-    count_ref = refs[-1] if cfg.count_tiles else None
+    (q_ref, k_ref, v_ref), q_seg_ref, kv_seg_ref, valid, outs = _split_refs(refs, cfg, 3)
+    o_ref, lse_ref = outs[:2]
+    count_ref = outs[-1] if cfg.count_tiles else None
     bq, bk = cfg.block_q, cfg.block_kv
 
     q_start = _heavy_first(pl.program_id(0), cfg.q_padded // bq) * bq
@@ -360,7 +418,7 @@ def _forward_kernel(*refs, cfg: _Config):
         v = v_ref[pl.ds(k_start, bk), :]
         s = _dot_nt(q, k) * cfg.sm_scale  # [bq, bk] float32
         kv_seg = kv_seg_ref[pl.ds(k_start, bk)][None, :] if cfg.has_segments else None
-        mask = _tile_mask(cfg, q_idx, (k_start + _arange(bk))[None, :], q_seg, kv_seg, masked)
+        mask = _tile_mask(cfg, q_idx, (k_start + _arange(bk))[None, :], q_seg, kv_seg, masked, _lengths_of(valid))
         if mask is not None:
             s = jnp.where(mask, s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
@@ -378,10 +436,13 @@ def _forward_kernel(*refs, cfg: _Config):
         jnp.int32(0),
     )
     full, end = _kv_tile_range(cfg, q_start, bq, bk)
-    # Unmasked tiles first, then the ones crossing the diagonal; tiles past `end` are skipped.
-    carry = _fori_loop(0, full, functools.partial(tile, masked=False), carry, zero)
-    if cfg.causal:
-        carry = _fori_loop(full, end, functools.partial(tile, masked=True), carry, zero)
+    if valid is not None:  # every tile masked; tiles of padding only are skipped (`_tile_ranges`)
+        carry = lax.fori_loop(*valid[1], functools.partial(tile, masked=cfg.causal), carry)
+    else:
+        # Unmasked tiles first, then the ones crossing the diagonal; tiles past `end` are skipped.
+        carry = _fori_loop(0, full, functools.partial(tile, masked=False), carry, zero)
+        if cfg.causal:
+            carry = _fori_loop(full, end, functools.partial(tile, masked=True), carry, zero)
     m, l, acc, count = carry
     has_keys = l > 0  # False for rows that attend nothing: output 0, lse +inf.
     l_safe = jnp.where(has_keys, l, 1.0)
@@ -398,10 +459,9 @@ def _forward_kernel(*refs, cfg: _Config):
 
 def _dq_kernel(*refs, cfg: _Config):
     """One program: dq of one query tile of one (batch, head); loops over visible key tiles."""
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[:6]
-    q_seg_ref, kv_seg_ref = refs[6:8] if cfg.has_segments else (None, None)
-    dq_ref = refs[8] if cfg.has_segments else refs[6]
-    count_ref = refs[-1] if cfg.count_tiles else None
+    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), q_seg_ref, kv_seg_ref, valid, outs = _split_refs(refs, cfg, 6)
+    dq_ref = outs[0]
+    count_ref = outs[-1] if cfg.count_tiles else None
     bq, bk = cfg.block_q_dq, cfg.block_kv_dq
 
     q_start = _heavy_first(pl.program_id(0), cfg.q_padded // bq) * bq
@@ -420,7 +480,7 @@ def _dq_kernel(*refs, cfg: _Config):
         v = v_ref[pl.ds(k_start, bk), :]
         p = jnp.exp(_dot_nt(q, k) * cfg.sm_scale - lse)  # [bq, bk]
         kv_seg = kv_seg_ref[pl.ds(k_start, bk)][None, :] if cfg.has_segments else None
-        mask = _tile_mask(cfg, q_idx, (k_start + _arange(bk))[None, :], q_seg, kv_seg, masked)
+        mask = _tile_mask(cfg, q_idx, (k_start + _arange(bk))[None, :], q_seg, kv_seg, masked, _lengths_of(valid))
         if mask is not None:
             p = jnp.where(mask, p, 0.0)
         dp = _dot_nt(do, v)  # [bq, bk]
@@ -429,9 +489,12 @@ def _dq_kernel(*refs, cfg: _Config):
 
     carry = (jnp.zeros(q.shape, jnp.float32), jnp.int32(0))
     full, end = _kv_tile_range(cfg, q_start, bq, bk)
-    carry = _fori_loop(0, full, functools.partial(tile, masked=False), carry, zero)
-    if cfg.causal:
-        carry = _fori_loop(full, end, functools.partial(tile, masked=True), carry, zero)
+    if valid is not None:  # as the forward kernel
+        carry = lax.fori_loop(*valid[1], functools.partial(tile, masked=cfg.causal), carry)
+    else:
+        carry = _fori_loop(0, full, functools.partial(tile, masked=False), carry, zero)
+        if cfg.causal:
+            carry = _fori_loop(full, end, functools.partial(tile, masked=True), carry, zero)
     dq, count = carry
     dq_ref[...] = (dq * cfg.sm_scale).astype(dq_ref.dtype)
     if count_ref is not None:
@@ -441,10 +504,9 @@ def _dq_kernel(*refs, cfg: _Config):
 def _dkv_kernel(*refs, cfg: _Config):
     """One program: dk, dv of one key tile of one (batch, kv head); loops over the G query
     heads of its group and their visible query tiles. Works on transposed scores `[bk, bq]`."""
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[:6]
-    q_seg_ref, kv_seg_ref = refs[6:8] if cfg.has_segments else (None, None)
-    dk_ref, dv_ref = refs[8:10] if cfg.has_segments else refs[6:8]
-    count_ref = refs[-1] if cfg.count_tiles else None
+    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), q_seg_ref, kv_seg_ref, valid, outs = _split_refs(refs, cfg, 6)
+    dk_ref, dv_ref = outs[:2]
+    count_ref = outs[-1] if cfg.count_tiles else None
     bq, bk = cfg.block_q_dkv, cfg.block_kv_dkv
 
     k_start = pl.program_id(0) * bk  # Low key tiles, seen by the most query tiles, first.
@@ -463,7 +525,7 @@ def _dkv_kernel(*refs, cfg: _Config):
         delta = delta_ref[g, pl.ds(q_start, bq)][None, :]
         p_t = jnp.exp(_dot_nt(k, q) * cfg.sm_scale - lse)  # [bk, bq]
         q_seg = q_seg_ref[pl.ds(q_start, bq)][None, :] if cfg.has_segments else None
-        mask = _tile_mask(cfg, (q_start + _arange(bq))[None, :], k_idx, q_seg, kv_seg, masked)
+        mask = _tile_mask(cfg, (q_start + _arange(bq))[None, :], k_idx, q_seg, kv_seg, masked, _lengths_of(valid))
         if mask is not None:
             p_t = jnp.where(mask, p_t, 0.0)
         dv = dv + _dot_nn(p_t.astype(do.dtype), do)
@@ -475,6 +537,8 @@ def _dkv_kernel(*refs, cfg: _Config):
 
     def head(g, carry):
         body = functools.partial(tile, g=g)
+        if valid is not None:  # every tile masked; tiles of padding only skipped (`_tile_ranges`)
+            return lax.fori_loop(*valid[1], functools.partial(body, masked=cfg.causal), carry)
         if cfg.causal:
             carry = _fori_loop(start, full, functools.partial(body, masked=True), carry, zero)
         return _fori_loop(full, end, functools.partial(body, masked=False), carry, zero)
@@ -539,7 +603,20 @@ def _segments(q_seg, kv_seg):
     return [q_seg, kv_seg] if q_seg is not None else []
 
 
-def _forward(q, k, v, q_seg, kv_seg, cfg: _Config):
+def _length_specs(cfg: _Config, block_index):
+    """Specs of the valid lengths `[2]` int32 (whole in every program) and the tile ranges `[2, programs]`
+    (`_tile_ranges`: each program its own column), where given."""
+    if not cfg.has_lengths:
+        return []
+    return [pl.BlockSpec((2,), lambda *_: (0,)), pl.BlockSpec((2, 1), lambda i, b, h: (0, block_index(i)))]
+
+
+def _lengths(cfg: _Config, lengths, block_q: int, block_kv: int, per: str):
+    """The valid lengths and the programs' tile ranges, as `_length_specs` reads them."""
+    return [] if lengths is None else [lengths, _tile_ranges(cfg, lengths, block_q, block_kv, per)]
+
+
+def _forward(q, k, v, q_seg, kv_seg, cfg: _Config, lengths=None):
     """Runs the forward kernel on padded inputs.
 
     Returns:
@@ -558,7 +635,7 @@ def _forward(q, k, v, q_seg, kv_seg, cfg: _Config):
         _forward_kernel,
         cfg,
         grid=grid,
-        in_specs=[q_spec, kv_spec, kv_spec] + _segment_specs(cfg, bq, None, block),
+        in_specs=[q_spec, kv_spec, kv_spec] + _segment_specs(cfg, bq, None, block) + _length_specs(cfg, block),
         out_specs=[q_spec, lse_spec] + count_specs,
         out_shape=[
             _struct(q.shape, q.dtype, like=q),
@@ -567,10 +644,10 @@ def _forward(q, k, v, q_seg, kv_seg, cfg: _Config):
         + count_shapes,
         name="flash_attention_forward",
         tile=bq * cfg.block_kv,
-    )(q, k, v, *_segments(q_seg, kv_seg))
+    )(q, k, v, *_segments(q_seg, kv_seg), *_lengths(cfg, lengths, bq, cfg.block_kv, "q"))
 
 
-def _backward_dq(q, k, v, do, lse, delta, q_seg, kv_seg, cfg: _Config):
+def _backward_dq(q, k, v, do, lse, delta, q_seg, kv_seg, cfg: _Config, lengths=None):
     """dq `[B, Tp, N, Hp]` (and tile counts `[B, N, Tp // block_q_dq]` with cfg.count_tiles)."""
     batch, q_len, heads, head_dim = q.shape
     bq, g = cfg.block_q_dq, cfg.groups
@@ -584,15 +661,17 @@ def _backward_dq(q, k, v, do, lse, delta, q_seg, kv_seg, cfg: _Config):
         _dq_kernel,
         cfg,
         grid=grid,
-        in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec] + _segment_specs(cfg, bq, None, block),
+        in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
+        + _segment_specs(cfg, bq, None, block)
+        + _length_specs(cfg, block),
         out_specs=[q_spec] + count_specs,
         out_shape=[_struct(q.shape, q.dtype, like=q)] + count_shapes,
         name="flash_attention_dq",
         tile=bq * cfg.block_kv_dq,
-    )(q, k, v, do, lse, delta, *_segments(q_seg, kv_seg))
+    )(q, k, v, do, lse, delta, *_segments(q_seg, kv_seg), *_lengths(cfg, lengths, bq, cfg.block_kv_dq, "q"))
 
 
-def _backward_dkv(q, k, v, do, lse, delta, q_seg, kv_seg, cfg: _Config):
+def _backward_dkv(q, k, v, do, lse, delta, q_seg, kv_seg, cfg: _Config, lengths=None):
     """dk, dv `[B, Sp, K, Hp]` (and tile counts `[B, K, Sp // block_kv_dkv]`)."""
     batch, kv_len, kv_heads, head_dim = k.shape
     bk, g = cfg.block_kv_dkv, cfg.groups
@@ -606,12 +685,14 @@ def _backward_dkv(q, k, v, do, lse, delta, q_seg, kv_seg, cfg: _Config):
         _dkv_kernel,
         cfg,
         grid=grid,
-        in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec] + _segment_specs(cfg, None, bk, lambda j: j),
+        in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
+        + _segment_specs(cfg, None, bk, lambda j: j)
+        + _length_specs(cfg, lambda j: j),
         out_specs=[kv_spec, kv_spec] + count_specs,
         out_shape=[_struct(k.shape, k.dtype, like=k), _struct(v.shape, v.dtype, like=v)] + count_shapes,
         name="flash_attention_dkv",
         tile=bk * cfg.block_q_dkv,
-    )(q, k, v, do, lse, delta, *_segments(q_seg, kv_seg))
+    )(q, k, v, do, lse, delta, *_segments(q_seg, kv_seg), *_lengths(cfg, lengths, cfg.block_q_dkv, bk, "kv"))
 
 
 def _row_delta(out, d_out):
@@ -685,9 +766,34 @@ def _struct(shape, dtype, like) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=axis_type)
 
 
-def _prepare(q, k, v, q_segment_ids, kv_segment_ids, *, causal, sm_scale, block_sizes, interpret, count_tiles=False):
-    """Validates, builds the static config, and pads lengths and head_dim."""
+def _valid_lengths(q, k, q_valid_length, kv_valid_length):
+    """The kernels' valid lengths `[2]` int32 (a missing one: the whole length), or None when neither is given."""
+    if q_valid_length is None and kv_valid_length is None:
+        return None
+    q_valid = q.shape[1] if q_valid_length is None else q_valid_length
+    kv_valid = k.shape[1] if kv_valid_length is None else kv_valid_length
+    return jnp.stack([jnp.asarray(q_valid, jnp.int32), jnp.asarray(kv_valid, jnp.int32)])
+
+
+def _prepare(
+    q,
+    k,
+    v,
+    q_segment_ids,
+    kv_segment_ids,
+    *,
+    causal,
+    sm_scale,
+    block_sizes,
+    interpret,
+    count_tiles=False,
+    q_valid_length=None,
+    kv_valid_length=None,
+):
+    """Validates, builds the static config, and pads lengths and head_dim; also returns the valid lengths
+    (`_valid_lengths`) last."""
     _check_inputs(q, k, v, q_segment_ids, kv_segment_ids)
+    lengths = _valid_lengths(q, k, q_valid_length, kv_valid_length)
     if block_sizes is None:
         block_sizes = BlockSizes.default_for(q.dtype)
     if not isinstance(block_sizes, BlockSizes):
@@ -707,6 +813,7 @@ def _prepare(q, k, v, q_segment_ids, kv_segment_ids, *, causal, sm_scale, block_
         interpret=interpret,
         has_segments=has_segments,
         count_tiles=count_tiles,
+        has_lengths=lengths is not None,
     )
     # Triton loads need a power-of-two head_dim; zero columns change neither q.k nor p.v.
     head_padded = max(_MIN_BLOCK, _next_power_of_two(head_dim))
@@ -718,7 +825,8 @@ def _prepare(q, k, v, q_segment_ids, kv_segment_ids, *, causal, sm_scale, block_
         # pad value does not matter.
         q_segment_ids = _pad_axis(q_segment_ids.astype(jnp.int32), 1, cfg.q_padded)
         kv_segment_ids = _pad_axis(kv_segment_ids.astype(jnp.int32), 1, cfg.kv_padded)
-    return (*_vary_alike(q, k, v, q_segment_ids, kv_segment_ids), cfg)
+    q, k, v, q_segment_ids, kv_segment_ids, lengths = _vary_alike(q, k, v, q_segment_ids, kv_segment_ids, lengths)
+    return q, k, v, q_segment_ids, kv_segment_ids, cfg, lengths
 
 
 def flash_attention(
@@ -765,7 +873,7 @@ def flash_attention(
         kv_heads, only one of the segment ids, or bad block sizes.
     """
     q_length, head_dim = q.shape[1], q.shape[-1]
-    q_p, k_p, v_p, q_seg, kv_seg, cfg = _prepare(
+    q_p, k_p, v_p, q_seg, kv_seg, cfg, _ = _prepare(
         q,
         k,
         v,
@@ -791,6 +899,8 @@ def flash_attention_forward(
     sm_scale: float | None = None,
     block_sizes: BlockSizes | None = None,
     interpret: bool | None = None,
+    q_valid_length: jax.Array | int | None = None,
+    kv_valid_length: jax.Array | int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """The forward kernel alone: the output and its log-sum-exp, for blockwise callers.
 
@@ -806,6 +916,11 @@ def flash_attention_forward(
       k, v: keys and values `[batch, kv_length, kv_heads, head_dim]`, same dtype.
       q_segment_ids, kv_segment_ids: int `[batch, q_length]`, `[batch, kv_length]`, or None.
       causal, sm_scale, block_sizes, interpret: as `flash_attention`.
+      q_valid_length, kv_valid_length: int32 scalars (may be traced: per device inside
+        `shard_map`), or None for the whole length: query rows and keys at or past them are
+        padding. Padding rows attend nothing and padding keys are attended by no row, and a
+        tile holding only padding is not computed (uneven sequence shards pad equal-shaped
+        blocks). The causal mask still counts padded positions.
 
     Returns:
       `(out, lse)`: out `[batch, q_length, heads, head_dim]` in q's dtype (0 for rows that
@@ -817,7 +932,7 @@ def flash_attention_forward(
       ValueError: as `flash_attention`.
     """
     q_length, head_dim = q.shape[1], q.shape[-1]
-    q_p, k_p, v_p, q_seg, kv_seg, cfg = _prepare(
+    q_p, k_p, v_p, q_seg, kv_seg, cfg, lengths = _prepare(
         q,
         k,
         v,
@@ -827,8 +942,10 @@ def flash_attention_forward(
         sm_scale=sm_scale,
         block_sizes=block_sizes,
         interpret=interpret,
+        q_valid_length=q_valid_length,
+        kv_valid_length=kv_valid_length,
     )
-    out, lse = _forward(q_p, k_p, v_p, q_seg, kv_seg, cfg)[:2]
+    out, lse = _forward(q_p, k_p, v_p, q_seg, kv_seg, cfg, lengths)[:2]
     lse = lse[:, :, :q_length]
     # The kernel marks empty rows +inf (so exp(s - lse) = 0 in its backward); log 0 is -inf.
     lse = jnp.where(lse == jnp.inf, -jnp.inf, lse)
@@ -849,6 +966,8 @@ def flash_attention_backward(
     sm_scale: float | None = None,
     block_sizes: BlockSizes | None = None,
     interpret: bool | None = None,
+    q_valid_length: jax.Array | int | None = None,
+    kv_valid_length: jax.Array | int | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The backward kernels alone: gradients through one key/value block of a softmax row.
 
@@ -869,6 +988,8 @@ def flash_attention_backward(
       d_out: cotangent of `out`, `[batch, q_length, heads, head_dim]`.
       q_segment_ids, kv_segment_ids, causal, sm_scale, block_sizes, interpret: as
         `flash_attention`, describing this block's mask.
+      q_valid_length, kv_valid_length: as `flash_attention_forward`; padding rows and keys
+        get zero gradients.
 
     Returns:
       `(dq, dk, dv)` shaped and typed like q, k, v.
@@ -885,7 +1006,7 @@ def flash_attention_backward(
         raise ValueError(
             f"lse must have shape [batch, heads, q_length] = {(batch, heads, q_length)}, got {tuple(lse.shape)}."
         )
-    q_p, k_p, v_p, q_seg, kv_seg, cfg = _prepare(
+    q_p, k_p, v_p, q_seg, kv_seg, cfg, lengths = _prepare(
         q,
         k,
         v,
@@ -895,6 +1016,8 @@ def flash_attention_backward(
         sm_scale=sm_scale,
         block_sizes=block_sizes,
         interpret=interpret,
+        q_valid_length=q_valid_length,
+        kv_valid_length=kv_valid_length,
     )
     head_padded = q_p.shape[-1]
     out_p = _pad_axis(_pad_axis(out.astype(q.dtype), 1, cfg.q_padded), 3, head_padded)
@@ -902,10 +1025,12 @@ def flash_attention_backward(
     # +inf makes exp(s - lse) exactly 0: empty rows and padded rows contribute nothing.
     lse = jnp.where(jnp.isfinite(lse), lse.astype(jnp.float32), jnp.inf)
     lse_p = _pad_axis(lse, 2, cfg.q_padded, value=jnp.inf)
-    q_p, k_p, v_p, q_seg, kv_seg, out_p, do_p, lse_p = _vary_alike(q_p, k_p, v_p, q_seg, kv_seg, out_p, do_p, lse_p)
+    q_p, k_p, v_p, q_seg, kv_seg, out_p, do_p, lse_p, lengths = _vary_alike(
+        q_p, k_p, v_p, q_seg, kv_seg, out_p, do_p, lse_p, lengths
+    )
     delta = _row_delta(out_p, do_p)
-    dq = _backward_dq(q_p, k_p, v_p, do_p, lse_p, delta, q_seg, kv_seg, cfg)[0]
-    dk, dv = _backward_dkv(q_p, k_p, v_p, do_p, lse_p, delta, q_seg, kv_seg, cfg)[:2]
+    dq = _backward_dq(q_p, k_p, v_p, do_p, lse_p, delta, q_seg, kv_seg, cfg, lengths)[0]
+    dk, dv = _backward_dkv(q_p, k_p, v_p, do_p, lse_p, delta, q_seg, kv_seg, cfg, lengths)[:2]
     return (dq[:, :q_length, :, :head_dim], dk[:, :kv_length, :, :head_dim], dv[:, :kv_length, :, :head_dim])
 
 
@@ -942,7 +1067,17 @@ def forward_tile_count(
 
 
 def _tile_counts(
-    q, k, v, *, causal=False, block_sizes=None, q_segment_ids=None, kv_segment_ids=None, interpret=None
+    q,
+    k,
+    v,
+    *,
+    causal=False,
+    block_sizes=None,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    interpret=None,
+    q_valid_length=None,
+    kv_valid_length=None,
 ) -> dict[str, jax.Array]:
     """Debug: the number of tiles each program of each kernel computed.
 
@@ -950,7 +1085,7 @@ def _tile_counts(
     `[B, N, Tp // block_q]`, "dq" `[B, N, Tp // block_q_dq]` and "dkv"
     `[B, K, Sp // block_kv_dkv]` (summed over the G query heads) int32 counts.
     """
-    q_p, k_p, v_p, q_seg, kv_seg, cfg = _prepare(
+    q_p, k_p, v_p, q_seg, kv_seg, cfg, lengths = _prepare(
         q,
         k,
         v,
@@ -961,11 +1096,13 @@ def _tile_counts(
         block_sizes=block_sizes,
         interpret=interpret,
         count_tiles=True,
+        q_valid_length=q_valid_length,
+        kv_valid_length=kv_valid_length,
     )
-    out, lse, forward = _forward(q_p, k_p, v_p, q_seg, kv_seg, cfg)
+    out, lse, forward = _forward(q_p, k_p, v_p, q_seg, kv_seg, cfg, lengths)
     delta = _row_delta(out, out)
-    dq = _backward_dq(q_p, k_p, v_p, out, lse, delta, q_seg, kv_seg, cfg)[1]
-    dkv = _backward_dkv(q_p, k_p, v_p, out, lse, delta, q_seg, kv_seg, cfg)[2]
+    dq = _backward_dq(q_p, k_p, v_p, out, lse, delta, q_seg, kv_seg, cfg, lengths)[1]
+    dkv = _backward_dkv(q_p, k_p, v_p, out, lse, delta, q_seg, kv_seg, cfg, lengths)[2]
     return {"forward": forward, "dq": dq, "dkv": dkv}
 
 

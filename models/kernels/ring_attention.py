@@ -30,6 +30,15 @@ Layouts of the sequence over the P devices (`layout`):
   tokens (and positions, segment ids, targets) once on the host; attention needs no
   gathering.
 
+Uneven shards (`shares`, for devices of unequal speed): device r holds ``shares[r]`` real
+tokens, half in each of its two zigzag chunks, inside a block of the same shape on every
+device (each chunk padded at its end to the largest half; `uneven_zigzag_layout`). The
+natural sequence is cut into 2P chunks of ``shares[0]/2, ..., shares[P-1]/2,
+shares[P-1]/2, ..., shares[0]/2`` tokens: mirrored, so device r's causal work is
+``shares[r]/2 x (length + 1)`` query-key pairs, in proportion to its real tokens (the zigzag
+balance, per device). Each step attends chunk by chunk (the flash kernels' valid lengths mask
+the padding and skip tiles of padding only), so a device does work in proportion to its share.
+
 Einsum letters: B batch, T length (queries, local), S length (keys, local), N heads, K kv
 heads, H head_dim, P ring size (devices along the axis). Local arrays: queries `[B, T, N, H]`,
 keys and values `[B, S, K, H]` with S = T (self-attention).
@@ -97,6 +106,49 @@ def zigzag_permutation(length: int, num_shards: int) -> np.ndarray:
     chunks = np.arange(length).reshape(2 * num_shards, chunk)
     order = [c for r in range(num_shards) for c in (r, 2 * num_shards - 1 - r)]
     return chunks[order].reshape(-1)
+
+
+def uneven_zigzag_layout(shares: Sequence[int], local_length: int) -> np.ndarray:
+    """Token order of the zigzag layout with uneven shards: position i of the laid-out sequence
+    holds token ``order[i]`` of the natural one, or padding where ``order[i] == -1``.
+
+    Device r's block (positions ``[r * local_length, (r + 1) * local_length)``) is two chunks of
+    ``local_length / 2`` positions: natural chunk r, then natural chunk 2P-1-r, each holding
+    ``shares[r] / 2`` real tokens followed by padding. The natural chunk sizes are
+    ``shares[0]/2, ..., shares[P-1]/2, shares[P-1]/2, ..., shares[0]/2``. With equal shares of
+    ``local_length`` tokens it is `zigzag_permutation`.
+
+    Args:
+      shares: real tokens per device, P >= 1 even non-negative ints (their sum is the length).
+      local_length: tokens per device block, even and at least ``max(shares)``.
+
+    Returns:
+      int64 ``[P * local_length]``: natural token index, -1 for padding.
+
+    Raises:
+      ValueError: an odd or negative share, or a block too small or odd.
+    """
+    _check_shares(shares, local_length)
+    halves = [s // 2 for s in shares]
+    sizes = halves + halves[::-1]
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    chunk, p = local_length // 2, len(shares)
+    order = np.full(p * local_length, -1, np.int64)
+    for r, half in enumerate(halves):
+        for which, natural in ((0, r), (1, 2 * p - 1 - r)):
+            base = r * local_length + which * chunk
+            order[base : base + half] = np.arange(starts[natural], starts[natural] + half)
+    return order
+
+
+def _check_shares(shares: Sequence[int], local_length: int) -> None:
+    if not shares or any(int(s) != s or s < 0 or s % 2 for s in shares):
+        raise ValueError(f"shares {list(shares)}: each must be an even number of tokens >= 0 (two zigzag chunks)")
+    if local_length % 2 or local_length < max(shares):
+        raise ValueError(
+            f"a device block of {local_length} tokens cannot hold shares {list(shares)}: it must be even and at "
+            f"least the largest share ({max(shares)})"
+        )
 
 
 def step_kinds(causal: bool, layout: str) -> tuple[str, ...]:
@@ -207,6 +259,7 @@ class _Ring:
     sm_scale: float
     block_sizes: BlockSizes | None
     interpret: bool | None
+    shares: tuple[int, ...] | None = None  # real tokens per device (uneven zigzag); None: all real
 
     @property
     def first_kind(self) -> str:
@@ -402,19 +455,178 @@ def _ring_backward(ring: _Ring, q, k, v, q_seg, kv_seg, out, lse, d_out):
     return (dq.astype(q.dtype), (dk_home + dk_acc).astype(k.dtype), (dv_home + dv_acc).astype(v.dtype))
 
 
+# --------------------------------------------------------------------------------------
+# Uneven shards: chunk by chunk, padding masked and skipped by valid lengths
+# --------------------------------------------------------------------------------------
+
+
+def _chunk(x, which: int, axis: int = 1):
+    """Zigzag chunk ``which`` (0: the front one, natural chunk r; 1: the back one, 2P-1-r) of a block."""
+    if x is None:
+        return None
+    size = x.shape[axis] // 2
+    return lax.slice_in_dim(x, which * size, (which + 1) * size, axis=axis)
+
+
+def _chunks(tree, which: int):
+    return tuple(_chunk(x, which) for x in tree)
+
+
+def _real_half(ring: _Ring, shard):
+    """Real tokens in each chunk of device ``shard`` (traced int32)."""
+    return jnp.asarray([s // 2 for s in ring.shares], jnp.int32)[shard]
+
+
+def _pair_forward(ring: _Ring, q, q_seg, q_real, kv, kv_real, causal: bool):
+    """(o float32, lse) of one query chunk over one key chunk, padding masked and skipped."""
+    k, v, kv_seg = kv
+    o, lse = flash_attention_forward(
+        q,
+        k,
+        v,
+        q_segment_ids=q_seg,
+        kv_segment_ids=kv_seg,
+        causal=causal,
+        q_valid_length=q_real,
+        kv_valid_length=kv_real,
+        **ring.kernel_kwargs(),
+    )
+    return _vary_union(o.astype(jnp.float32), lse, q, k)[:2]
+
+
+def _uneven_forward(ring: _Ring, q, k, v, q_seg, kv_seg):
+    """Ring forward over uneven shards (chunk pairs): (out in q's dtype, lse `[B, N, T]`).
+
+    In natural order a device's front chunk precedes every back chunk, and device j's front chunk
+    precedes device r's iff j < r (its back chunk then follows r's): step 0 attends the front chunk
+    causally, the back chunk over the front one fully and over itself causally; a visiting block
+    from j gives the back queries its front chunk, and its other chunk pairs with the front
+    queries (j < r, its front chunk) or the back ones (j > r, its back chunk).
+    """
+    shard = lax.axis_index(ring.axis_name)
+    mine = _real_half(ring, shard)
+    pair = functools.partial(_pair_forward, ring)
+    q_front, q_back = _chunk(q, 0), _chunk(q, 1)
+    seg_front, seg_back = _chunk(q_seg, 0), _chunk(q_seg, 1)
+    local = (k, v, kv_seg)
+    visiting = _send(ring, local)
+    o_f, lse_f = pair(q_front, seg_front, mine, _chunks(local, 0), mine, True)
+    o_b, lse_b = _merge(
+        *pair(q_back, seg_back, mine, _chunks(local, 0), mine, False),
+        *pair(q_back, seg_back, mine, _chunks(local, 1), mine, True),
+    )
+
+    def earlier(acc, kv, theirs):  # j < r: the front queries over its front chunk
+        o_f, lse_f, o_b, lse_b = acc
+        return (*_merge(o_f, lse_f, *pair(q_front, seg_front, mine, _chunks(kv, 0), theirs, False)), o_b, lse_b)
+
+    def later(acc, kv, theirs):  # j > r: the back queries over its back chunk
+        o_f, lse_f, o_b, lse_b = acc
+        return (o_f, lse_f, *_merge(o_b, lse_b, *pair(q_back, seg_back, mine, _chunks(kv, 1), theirs, False)))
+
+    def step(s, carry, last=False):
+        kv, acc = carry
+        following = kv if last else _send(ring, kv)
+        theirs = _real_half(ring, (shard - s) % ring.axis_size)
+        o_f, lse_f, o_b, lse_b = acc
+        acc = (o_f, lse_f, *_merge(o_b, lse_b, *pair(q_back, seg_back, mine, _chunks(kv, 0), theirs, False)))
+        index = jnp.asarray(step_kind_index(s, shard), jnp.int32)
+        return following, lax.switch(index, [earlier, later], acc, kv, theirs)
+
+    carry = (visiting, (o_f, lse_f, o_b, lse_b))
+    if ring.axis_size > 2:
+        carry = lax.fori_loop(1, ring.axis_size - 1, step, carry)
+    _, (o_f, lse_f, o_b, lse_b) = step(ring.axis_size - 1, carry, last=True)
+    return jnp.concatenate([o_f, o_b], axis=1).astype(q.dtype), jnp.concatenate([lse_f, lse_b], axis=2)
+
+
+def _pair_backward(ring: _Ring, rows, q_real, kv, kv_real, causal: bool):
+    """(dq, dk, dv) float32 of one query chunk over one key chunk (rows: q, seg, out, lse, d_out)."""
+    q, q_seg, out, lse, d_out = rows
+    k, v, kv_seg = kv
+    dq, dk, dv = flash_attention_backward(
+        q,
+        k,
+        v,
+        out,
+        lse,
+        d_out,
+        q_segment_ids=q_seg,
+        kv_segment_ids=kv_seg,
+        causal=causal,
+        q_valid_length=q_real,
+        kv_valid_length=kv_real,
+        **ring.kernel_kwargs(),
+    )
+    return _vary_union(dq.astype(jnp.float32), dk.astype(jnp.float32), dv.astype(jnp.float32), q, k)[:3]
+
+
+def _uneven_backward(ring: _Ring, q, k, v, q_seg, kv_seg, out, lse, d_out):
+    """Ring backward over uneven shards, the chunk pairs of `_uneven_forward`: (dq, dk, dv) like q, k, v.
+
+    Key/value gradients travel with their block as in `_ring_backward`.
+    """
+    shard = lax.axis_index(ring.axis_name)
+    mine = _real_half(ring, shard)
+    pair = functools.partial(_pair_backward, ring)
+    lse_front, lse_back = _chunk(lse, 0, axis=2), _chunk(lse, 1, axis=2)
+    front = (_chunk(q, 0), _chunk(q_seg, 0), _chunk(out, 0), lse_front, _chunk(d_out, 0))
+    back = (_chunk(q, 1), _chunk(q_seg, 1), _chunk(out, 1), lse_back, _chunk(d_out, 1))
+    local = (k, v, kv_seg)
+    visiting = _send(ring, local)
+    dq_f, dk_f, dv_f = pair(front, mine, _chunks(local, 0), mine, True)
+    dq_b, dk_f2, dv_f2 = pair(back, mine, _chunks(local, 0), mine, False)
+    dq_b2, dk_b, dv_b = pair(back, mine, _chunks(local, 1), mine, True)
+    dq_home = (dq_f, dq_b + dq_b2)
+    dk_home = jnp.concatenate([dk_f + dk_f2, dk_b], axis=1)
+    dv_home = jnp.concatenate([dv_f + dv_f2, dv_b], axis=1)
+
+    def earlier(grads, kv, theirs):  # j < r: front queries x its front chunk
+        dq_f, dq_b, dk_f, dk_b, dv_f, dv_b = grads
+        dq, dk, dv = pair(front, mine, _chunks(kv, 0), theirs, False)
+        return dq_f + dq, dq_b, dk_f + dk, dk_b, dv_f + dv, dv_b
+
+    def later(grads, kv, theirs):  # j > r: back queries x its back chunk
+        dq_f, dq_b, dk_f, dk_b, dv_f, dv_b = grads
+        dq, dk, dv = pair(back, mine, _chunks(kv, 1), theirs, False)
+        return dq_f, dq_b + dq, dk_f, dk_b + dk, dv_f, dv_b + dv
+
+    def step(s, carry, last=False):
+        kv, (dq_f, dq_b), (dk_acc, dv_acc) = carry
+        following = kv if last else _send(ring, kv)
+        theirs = _real_half(ring, (shard - s) % ring.axis_size)
+        dq, dk_f, dv_f = pair(back, mine, _chunks(kv, 0), theirs, False)
+        zeros = jnp.zeros_like(dk_f)
+        index = jnp.asarray(step_kind_index(s, shard), jnp.int32)
+        grads = lax.switch(index, [earlier, later], (dq_f, dq_b + dq, dk_f, zeros, dv_f, zeros), kv, theirs)
+        dq_f, dq_b, dk_f, dk_b, dv_f, dv_b = grads
+        dk_s, dv_s = jnp.concatenate([dk_f, dk_b], axis=1), jnp.concatenate([dv_f, dv_b], axis=1)
+        travelling = _send(ring, (dk_acc + dk_s, dv_acc + dv_s))
+        return following, (dq_f, dq_b), travelling
+
+    carry = (visiting, dq_home, (jnp.zeros_like(dk_home), jnp.zeros_like(dv_home)))
+    if ring.axis_size > 2:
+        carry = lax.fori_loop(1, ring.axis_size - 1, step, carry)
+    _, (dq_f, dq_b), (dk_acc, dv_acc) = step(ring.axis_size - 1, carry, last=True)
+    dq = jnp.concatenate([dq_f, dq_b], axis=1)
+    return dq.astype(q.dtype), (dk_home + dk_acc).astype(k.dtype), (dv_home + dv_acc).astype(v.dtype)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _ring_attention(ring: _Ring, q, k, v, q_seg, kv_seg):
-    return _ring_forward(ring, q, k, v, q_seg, kv_seg)[0]
+    return _ring_attention_fwd(ring, q, k, v, q_seg, kv_seg)[0]
 
 
 def _ring_attention_fwd(ring: _Ring, q, k, v, q_seg, kv_seg):
-    out, lse = _ring_forward(ring, q, k, v, q_seg, kv_seg)
+    forward = _ring_forward if ring.shares is None else _uneven_forward
+    out, lse = forward(ring, q, k, v, q_seg, kv_seg)
     return out, (q, k, v, q_seg, kv_seg, out, lse)
 
 
 def _ring_attention_bwd(ring: _Ring, residuals, d_out):
     q, k, v, q_seg, kv_seg, out, lse = residuals
-    dq, dk, dv = _ring_backward(ring, q, k, v, q_seg, kv_seg, out, lse, d_out)
+    backward = _ring_backward if ring.shares is None else _uneven_backward
+    dq, dk, dv = backward(ring, q, k, v, q_seg, kv_seg, out, lse, d_out)
     return dq, dk, dv, None, None
 
 
@@ -439,6 +651,7 @@ def ring_attention(
     sm_scale: float | None = None,
     block_sizes: BlockSizes | None = None,
     interpret: bool | None = None,
+    shares: Sequence[int] | None = None,
 ) -> jax.Array:
     """Exact attention over a sequence split along a mesh axis, by ring (Liu et al. 2023).
 
@@ -464,6 +677,9 @@ def ring_attention(
         ``zigzag`` (`zigzag_permutation`; balances causal work). Used only when causal.
       sm_scale: score scale, default 1 / sqrt(head_dim).
       block_sizes, interpret: the flash kernel's, as `flash_attention`.
+      shares: uneven shards: real tokens per device along the ring (P even ints, each at most
+        the local length), the tokens laid out by `uneven_zigzag_layout`; causal zigzag only.
+        Padding rows output 0 and padding tokens get zero gradients. None: every token real.
 
     Returns:
       `[batch, length / P, heads, head_dim]` in q's dtype: this device's rows of the output,
@@ -471,14 +687,23 @@ def ring_attention(
 
     Raises:
       ValueError: unequal local query and key lengths, an odd local length with the zigzag
-        layout, an unknown layout, only one of the segment ids, or what `flash_attention`
-        raises.
+        layout, an unknown layout, only one of the segment ids, shares that are not P even
+        ints within the local length or come without a causal zigzag ring, or what
+        `flash_attention` raises.
     """
     _check_ring_inputs(q, k, q_segment_ids, kv_segment_ids, layout)
     axis_name = axis_name if isinstance(axis_name, str) else tuple(axis_name)
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(q.shape[-1])
     size = _axis_size(axis_name)
+    if shares is not None:
+        if not causal or layout != ZIGZAG or size < 2 or len(shares) != size:
+            raise ValueError(
+                f"uneven shares {list(shares)} need causal attention in the zigzag layout over a ring of "
+                f"{len(shares)} >= 2 devices (got causal={causal}, layout {layout}, {size} devices)"
+            )
+        _check_shares(shares, q.shape[1])
+        shares = tuple(int(s) for s in shares)
     if size == 1:
         return flash_attention(
             q,
@@ -502,6 +727,7 @@ def ring_attention(
         sm_scale=float(sm_scale),
         block_sizes=block_sizes,
         interpret=interpret,
+        shares=shares,
     )
     # One varying type for all inputs (pcast is differentiable: its transpose sums over the
     # axes an input did not vary on), so carries, branches and cotangents agree.

@@ -34,6 +34,15 @@ def _binding(p: Plan) -> dict[str, float]:
     }
 
 
+def exposed_traffic(mesh) -> str:
+    """What carries a layout's traffic on the critical path, from its mesh: ``tensor`` (the all-reduces inside
+    each layer), ``context`` (a split length's ring hops and all-to-all, over ``context`` and ``sequence``) and
+    ``pipeline`` (stage sends), joined by ``/`` for those of size > 1."""
+    groups = (((ax.TENSOR,), "tensor"), ((ax.CONTEXT, ax.SEQUENCE), "context"), ((ax.STAGE,), "pipeline"))
+    names = [label for axes, label in groups if any(mesh.get(a, 1) > 1 for a in axes)]
+    return "/".join(names) or "collective"
+
+
 def why_lost(p: Plan, best: Plan) -> str:
     """A short reason a plan is slower than the best one: the term of the slowest device's time
     that grew most against the best plan's."""
@@ -58,7 +67,7 @@ def why_lost(p: Plan, best: Plan) -> str:
         reason = f"{p.paced_by} gets more work than its speed warrants"
     else:
         reason = {
-            "exposed_comm": "tensor/pipeline traffic on the critical path",
+            "exposed_comm": f"{exposed_traffic(p.layout.mesh)} traffic on the critical path",
             "optimizer": "larger optimizer shard",
             "bubble": (
                 f"{p.layout.pipeline_schedule} ticks and bubble {p.parts['bubble'] / p.step_time:.0%}"

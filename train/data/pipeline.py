@@ -222,7 +222,9 @@ def pack_windows(windows: np.ndarray, eod_id: int, mask: np.ndarray | None = Non
     }
 
 
-def context_permutation(seq_len: int, num_shards: int, layout: str) -> np.ndarray | None:
+def context_permutation(
+    seq_len: int, num_shards: int, layout: str, shares: tuple[int, ...] | None = None
+) -> np.ndarray | None:
     """The order in which a row's tokens are laid out along the length, for ``--context-layout``.
 
     Args:
@@ -230,13 +232,20 @@ def context_permutation(seq_len: int, num_shards: int, layout: str) -> np.ndarra
       num_shards: P, devices the length is split over (the ``sequence`` axis).
       layout: ``contiguous`` (natural order) or ``zigzag`` (device r holds chunks r and
         2P-1-r of 2P; `models.kernels.ring_attention.zigzag_permutation`).
+      shares: uneven shards (``--context-shares``): real tokens per device, which then holds them in
+        a block of ``max(shares)`` positions, padded (`models.kernels.ring_attention.uneven_zigzag_layout`).
 
     Returns:
-      int64 ``[seq_len]`` indices (``field[:, perm]`` is the laid-out row), or None for the natural order.
+      int64 indices (``field[:, perm]`` is the laid-out row; ``[seq_len]``, or ``[P * max(shares)]`` with -1
+      at padding), or None for the natural order.
 
     Raises:
       ValueError: an unknown layout, or a ``--seq-len`` not divisible by 2P for zigzag.
     """
+    if shares is not None:
+        from models.kernels.ring_attention import uneven_zigzag_layout
+
+        return uneven_zigzag_layout(shares, max(shares))
     if layout == "contiguous":
         return None
     if layout != "zigzag":
@@ -254,10 +263,19 @@ def context_permutation(seq_len: int, num_shards: int, layout: str) -> np.ndarra
 
 
 def permute_length(fields: dict[str, np.ndarray], permutation: np.ndarray | None) -> dict[str, np.ndarray]:
-    """Every ``[rows, seq_len]`` field with its columns in ``permutation`` order (None: as is)."""
+    """Every ``[rows, seq_len]`` field with its columns in ``permutation`` order (None: as is); a column of
+    -1 is padding (uneven context shares): 0 in every field, so no loss (``loss_mask`` 0), segment 0 (real
+    segments count from 1), and the kernels mask it by position."""
     if permutation is None:
         return fields
-    return {name: np.ascontiguousarray(value[:, permutation]) for name, value in fields.items()}
+    pad = permutation < 0
+    take = np.where(pad, 0, permutation)
+    out = {}
+    for name, value in fields.items():
+        laid = value[:, take]
+        laid[:, pad] = 0
+        out[name] = np.ascontiguousarray(laid)
+    return out
 
 
 # The dataset ------------------------------------------------------------------------------------------------
