@@ -267,6 +267,10 @@ def _weight_gathers(
         result = p.local * n * _fsdp_gather_bytes(layout, backend)
         if p.param.per_layer:
             count = 2 * p.param.copies(s.layers) * s.micro
+            if ax.EXPERT in p.param.axes and layout.remat == "none":
+                # the experts' weights are gathered before the dispatch's map, whose input the backward
+                # keeps (no remat): one gather per layer and microbatch
+                count //= 2
         elif p.param.role == "output":
             regather = mesh[ax.TENSOR] > 1 and (mesh[ax.DATA] > 1 or s.micro > 1)
             count = 2 if regather else 1
