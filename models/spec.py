@@ -58,8 +58,8 @@ def mlp_params(embed_dim: int, mlp_dim: int) -> tuple[Param, ...]:
 
 
 def moe_params(config: ModelConfig) -> tuple[Param, ...]:
-    """`models.moe.MoE`: the router ``router [embed, experts]``, the experts' SwiGLU weights stacked on the
-    experts dimension, ``gate, up [expert, expert_embed, mlp]`` and ``down [expert, mlp, expert_embed]``
+    """`models.moe.MoE`: the router ``router [embed, router_experts]``, the experts' SwiGLU weights stacked on
+    the experts dimension, ``gate, up [expert, expert_embed, mlp]`` and ``down [expert, mlp, expert_embed]``
     (fan-in of one expert's product), and with ``shared_experts`` the shared SwiGLU ``shared/gate, shared/up
     [embed, mlp]``, ``shared/down [mlp, embed]`` of width ``shared_experts * moe_mlp_dim``.
 
@@ -69,7 +69,7 @@ def moe_params(config: ModelConfig) -> tuple[Param, ...]:
     (`sharding.axes`)."""
     d, f, e = config.embed_dim, config.expert_dim, config.num_experts
     routed = (
-        Param("router", (d, e), (ax.EMBED, None)),
+        Param("router", (d, e), (ax.EMBED, ax.ROUTER_EXPERTS)),
         Param("gate", (e, d, f), (ax.EXPERT, ax.EXPERT_EMBED, ax.MLP), fan_in=d),
         Param("up", (e, d, f), (ax.EXPERT, ax.EXPERT_EMBED, ax.MLP), fan_in=d),
         Param("down", (e, f, d), (ax.EXPERT, ax.MLP, ax.EXPERT_EMBED), fan_in=f),

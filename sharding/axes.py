@@ -54,6 +54,7 @@ VOCAB = "vocab"
 LAYERS = "layers"
 # EXPERT (above): the experts dimension of mixture-of-experts weights.
 EXPERT_EMBED = "expert_embed"  # the embed dimension of the experts' weights (MaxText's ``embed_no_exp``)
+ROUTER_EXPERTS = "router_experts"  # the router's experts dimension: whole on every device (no rule maps it)
 
 # Logical axes of activations.
 BATCH = "batch"
@@ -73,4 +74,5 @@ LOGICAL_AXES: tuple[str, ...] = (
     ACT_EMBED,
     EXPERT,
     EXPERT_EMBED,
+    ROUTER_EXPERTS,
 )
