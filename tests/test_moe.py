@@ -1,7 +1,6 @@
 """Mixture of experts: the router, dropless grouped products against a dense loop over experts, capacity
 drops, expert parallelism against one device, placement of MoE layers, training end to end."""
 
-import functools
 import json
 import math
 
@@ -283,19 +282,19 @@ def test_model_with_interleaved_layers_equals_its_layers_run_in_order():
     dense_def, dense = nnx.split(model.dense_layers)
     moe_def, moe = nnx.split(model.layers)
 
-    def block(graphdef, params, h):
-        h, s = nnx.merge(graphdef, params).forward(h, positions, None, UNSHARDED)
-        return h, s.get("aux")
+    @jax.jit
+    def in_order(dense, moe, h):
+        aux, counters = [], {False: 0, True: 0}
+        for is_moe in config.layer_kinds():
+            graphdef, stack = (moe_def, moe) if is_moe else (dense_def, dense)
+            block = nnx.merge(graphdef, jax.tree.map(lambda w, i=counters[is_moe]: w[i], stack))
+            counters[is_moe] += 1
+            h, s = block.forward(h, positions, None, UNSHARDED)
+            if s:
+                aux.append(s["aux"])
+        return h, aux
 
-    # one compiled block per kind, called layer by layer with that layer's parameters
-    blocks = {False: jax.jit(functools.partial(block, dense_def)), True: jax.jit(functools.partial(block, moe_def))}
-    h, aux, counters = x, [], {False: 0, True: 0}
-    for is_moe in config.layer_kinds():
-        stack = moe if is_moe else dense
-        h, a = blocks[is_moe](jax.tree.map(lambda w, i=counters[is_moe]: w[i], stack), h)
-        counters[is_moe] += 1
-        if a is not None:
-            aux.append(a)
+    h, aux = in_order(dense, moe, x)
     np.testing.assert_allclose(got, h, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(stats["aux"], np.mean(aux), rtol=1e-5)
 
