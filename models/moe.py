@@ -37,9 +37,13 @@ reduce-scatter. This is MaxText's "ring of experts" dispatch. It was chosen over
 these reasons: `jax.lax.ragged_all_to_all` does not lower on XLA:CPU (its HLO op is unimplemented
 there in JAX 0.10), and a padded all-to-all that stays dropless needs a buffer for the worst case (all
 ``N*K`` copies of a device going to one device), ``K`` times the all-gather's ``N`` rows per peer; the
-ring is exact, dropless and lowers on every backend. The expert weights may also be split over
-``fsdp`` (their ``embed``, gathered inside) and ``tensor`` (their ``mlp``, Megatron-style: partial
-outputs summed over ``tensor``).
+ring is exact, dropless and lowers on every backend. With a capacity (``capacity_factor`` > 0) every
+device sends each expert a buffer of fixed size, so a plain `jax.lax.all_to_all` carries the dispatch and
+the combine (GShard's dispatch): ``2 * cf * N * K * D * (E_p - 1) / E_p`` elements per device and layer
+against the ring's ``2 * (E_p - 1) * N * D``; it is used where it moves less (``cf * K < E_p``,
+`sharding.modeldesc.expert_dispatch`) and drops the same copies as the ring. The expert weights may also
+be split over ``fsdp`` (their ``expert_embed``, gathered by the partitioner before the map) and
+``tensor`` (their ``mlp``, Megatron-style: partial outputs summed over ``tensor``).
 """
 
 from __future__ import annotations
@@ -55,9 +59,19 @@ from models.config import ModelConfig
 from models.layers import MLP, make_params
 from models.spec import moe_params
 from sharding import axes as ax
-from sharding.parallel import Parallelism, gather_shards, spec_axes
+from sharding.modeldesc import expert_dispatch
+from sharding.parallel import Parallelism, spec_axes
 
-__all__ = ["MoE", "capacity_keep", "expert_outputs", "route", "router_losses", "router_objective"]
+__all__ = [
+    "MoE",
+    "capacity",
+    "capacity_keep",
+    "capacity_slots",
+    "expert_outputs",
+    "route",
+    "router_losses",
+    "router_objective",
+]
 
 
 def route(logits: jax.Array, config: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -124,14 +138,34 @@ def capacity_keep(experts: jax.Array, num_experts: int, capacity_factor: float) 
       ``[N, K]`` bool: True for a copy within its expert's capacity (copies of earlier tokens first, and
       of a token's higher-scored choice first).
     """
+    return capacity_slots(experts, num_experts, capacity(experts.size, num_experts, capacity_factor)) >= 0
+
+
+def capacity(copies: int, num_experts: int, capacity_factor: float) -> int:
+    """``ceil(capacity_factor * copies / num_experts)``: the routed copies one expert takes from a group
+    of ``copies`` (``N * K``)."""
+    return math.ceil(capacity_factor * copies / num_experts)
+
+
+def capacity_slots(experts: jax.Array, num_experts: int, slots: int) -> jax.Array:
+    """Each routed copy's row in its expert's buffer of ``slots`` rows, or -1 when the buffer is full.
+
+    Args:
+      experts: ``[N, K]`` int32 chosen experts of the group's tokens.
+      num_experts: E.
+      slots: C, rows per expert.
+
+    Returns:
+      ``[N, K]`` int32 in ``[-1, C)``: copies fill their expert's rows in order (earlier tokens first,
+      a token's higher-scored choice first); a copy past ``C`` gets -1 (dropped).
+    """
     flat = experts.reshape(-1)
-    capacity = math.ceil(capacity_factor * flat.size / num_experts)
     order = jnp.argsort(flat, stable=True)
     sizes = jnp.bincount(flat, length=num_experts)
     starts = jnp.cumsum(sizes) - sizes
     position_sorted = jnp.arange(flat.size) - starts[flat[order]]
     position = jnp.zeros_like(position_sorted).at[order].set(position_sorted)
-    return (position < capacity).reshape(experts.shape)
+    return jnp.where(position < slots, position, -1).astype(jnp.int32).reshape(experts.shape)
 
 
 def expert_outputs(
@@ -236,33 +270,76 @@ def _group(x, experts, weights, gate, up, down, config: ModelConfig, first=0, ga
     return out.reshape(b, t, d), keep.reshape(b, t, k)
 
 
+def _all_to_all_group(x, experts, weights, gate, up, down, config: ModelConfig, axes, sum_axes=()):
+    """One device's tokens ``x [B, T, D]`` through the experts of every device of ``axes``, dispatched by
+    all-to-all into fixed buffers (GShard, Lepikhin et al., 2020, section 3.2), with a capacity.
+
+    Each copy takes its row in its expert's buffer (`capacity_slots`; ``C`` rows per expert, the copies past
+    it dropped); the ``[E * C, D]`` buffer goes to the devices holding the experts (``E / E_p`` experts'
+    rows to each), which run their experts on ``E_p * C`` rows each, and a second all-to-all brings the rows
+    back to be combined. The same copies are dropped as by `_group` (one device's tokens are the group).
+    ``sum_axes``: mesh axes the partial outputs are summed over (``mlp`` split there).
+    Returns ``(out [B, T, D], keep [B, T, K] bool)``.
+    """
+    b, t, d = x.shape
+    k, e = config.experts_per_token, config.num_experts
+    n, local_experts, dtype = b * t, gate.shape[0], x.dtype
+    slots = capacity(n * k, e, config.capacity_factor)
+    flat_x, flat_e, flat_w = x.reshape(n, d), experts.reshape(n, k), weights.reshape(n, k)
+    position = capacity_slots(flat_e, e, slots)
+    keep = position >= 0
+    slot = jnp.where(keep, flat_e * slots + position, e * slots).reshape(-1)  # dropped: one spare row
+    copy = jnp.full((e * slots + 1,), n * k, jnp.int32).at[slot].set(jnp.arange(n * k, dtype=jnp.int32))[:-1]
+    rows = jnp.concatenate([flat_x, jnp.zeros((1, d), dtype)])[copy // k]  # [E*C, D]; empty rows are zero
+    rows = jax.lax.all_to_all(rows, axes, 0, 0, tiled=True)  # [E_p * E_local * C, D], by source device
+    rows = rows.reshape(-1, local_experts, slots, d).transpose(1, 0, 2, 3).reshape(local_experts, -1, d)
+    h = jax.nn.silu(jnp.einsum("ERD,EDF->ERF", rows, gate.astype(dtype)))
+    h = h * jnp.einsum("ERD,EDF->ERF", rows, up.astype(dtype))
+    out = jnp.einsum("ERF,EFD->ERD", h, down.astype(dtype))
+    out = out.reshape(local_experts, -1, slots, d).transpose(1, 0, 2, 3).reshape(-1, d)
+    out = jax.lax.all_to_all(out, axes, 0, 0, tiled=True)  # [E*C, D], by expert
+    picked = jnp.concatenate([out, jnp.zeros((1, d), dtype)])[slot].reshape(n, k, d)
+    combine = jnp.where(keep, flat_w, 0.0).astype(dtype)
+    y = jnp.sum(picked * combine[..., None], axis=1)
+    if sum_axes:
+        y = jax.lax.psum(y, sum_axes)
+    return y.reshape(b, t, d), keep.reshape(b, t, k)
+
+
 def _routed(x, experts, weights, gate, up, down, config: ModelConfig, par: Parallelism):
     """The routed experts' output ``[B, T, D]`` and the capacity mask ``[B, T, K]``, laid out by ``par``.
 
     On one device (or inside another `jax.shard_map`, where the enclosing strategy's checks keep the
     experts whole) the group is the whole input. On a mesh the layer runs per device under
-    `jax.shard_map` with specs from the rules (module docstring).
+    `jax.shard_map` with specs from the rules (module docstring). The experts' weights enter it split over
+    their experts and ``mlp`` only: the partitioner gathers their ``expert_embed`` (split over ``fsdp``)
+    before the map, so a device's output depends only on the axes that split its tokens, the experts and
+    their ``mlp`` (a batch that ``fsdp`` does not divide stays whole over ``fsdp``).
     """
     if not par.is_sharded or par.manual:
         return _group(x, experts, weights, gate, up, down, config)
     sizes = par.auto_shape
     x_spec = par.spec((ax.BATCH, ax.LENGTH, ax.ACT_EMBED), x.shape)
     route_spec = par.spec((ax.BATCH, ax.LENGTH, None), experts.shape)
-    in_spec = par.spec((ax.EXPERT, ax.EMBED, ax.MLP), gate.shape)
-    out_spec = par.spec((ax.EXPERT, ax.MLP, ax.EMBED), down.shape)
+    in_spec = par.spec((ax.EXPERT, ax.EXPERT_EMBED, ax.MLP), gate.shape)
     expert_axes = spec_axes(_entry(in_spec, 0))
     batch_axes = set(spec_axes(_entry(x_spec, 0))) | set(spec_axes(_entry(x_spec, 1)))
-    if set(spec_axes(_entry(x_spec, 2))) & set(expert_axes + spec_axes(_entry(in_spec, 2))):
+    mlp_axes = spec_axes(_entry(in_spec, 2))
+    if set(spec_axes(_entry(x_spec, 2))) & set(expert_axes + mlp_axes):
         raise ValueError("the rules split the activations' embed over an axis that splits the experts or their mlp")
     gather_axes = tuple(a for a in expert_axes if a in batch_axes)
-    sum_axes = tuple(a for a in expert_axes if a not in batch_axes) + spec_axes(_entry(in_spec, 2))
-    local_experts = config.num_experts // math.prod(sizes[a] for a in expert_axes)
-    # Gather only the embed dimension's split (fsdp); experts and mlp stay split.
-    in_gather = PartitionSpec(None, _entry(in_spec, 1))
-    out_gather = PartitionSpec(None, None, _entry(out_spec, 2))
+    sum_axes = tuple(a for a in expert_axes if a not in batch_axes) + mlp_axes
+    split = math.prod(sizes[a] for a in expert_axes)
+    local_experts = config.num_experts // split
+    weights_in = PartitionSpec(_entry(in_spec, 0), None, _entry(in_spec, 2))
+    weights_out = PartitionSpec(_entry(in_spec, 0), _entry(in_spec, 2), None)
+    all_to_all = gather_axes == expert_axes and (
+        expert_dispatch(config.capacity_factor, config.experts_per_token, split) == "all_to_all"
+    )
 
     def local(x, experts, weights, gate, up, down):
-        gate, up, down = gather_shards(gate, in_gather), gather_shards(up, in_gather), gather_shards(down, out_gather)
+        if all_to_all:
+            return _all_to_all_group(x, experts, weights, gate, up, down, config, expert_axes, mlp_axes)
         index = jnp.zeros((), jnp.int32)
         for a in expert_axes:
             index = index * sizes[a] + jax.lax.axis_index(a)
@@ -271,7 +348,7 @@ def _routed(x, experts, weights, gate, up, down, config: ModelConfig, par: Paral
     run = jax.shard_map(
         local,
         mesh=par.mesh,
-        in_specs=(x_spec, route_spec, route_spec, in_spec, in_spec, out_spec),
+        in_specs=(x_spec, route_spec, route_spec, weights_in, weights_in, weights_out),
         out_specs=(x_spec, route_spec),
     )
     return run(x, experts, weights, gate, up, down)

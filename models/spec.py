@@ -58,16 +58,21 @@ def mlp_params(embed_dim: int, mlp_dim: int) -> tuple[Param, ...]:
 
 
 def moe_params(config: ModelConfig) -> tuple[Param, ...]:
-    """`models.moe.MoE`: the router ``router [embed, expert]``, the experts' SwiGLU weights stacked on the
-    experts dimension, ``gate, up [expert, embed, mlp]`` and ``down [expert, mlp, embed]`` (fan-in of one
-    expert's product), and with ``shared_experts`` the shared SwiGLU ``shared/gate, shared/up [embed, mlp]``,
-    ``shared/down [mlp, embed]`` of width ``shared_experts * moe_mlp_dim``."""
+    """`models.moe.MoE`: the router ``router [embed, router_experts]``, the experts' SwiGLU weights stacked on
+    the experts dimension, ``gate, up [expert, expert_embed, mlp]`` and ``down [expert, mlp, expert_embed]``
+    (fan-in of one expert's product), and with ``shared_experts`` the shared SwiGLU ``shared/gate, shared/up
+    [embed, mlp]``, ``shared/down [mlp, embed]`` of width ``shared_experts * moe_mlp_dim``.
+
+    The router is a weight outside the experts: its ``embed`` is split like every other weight's (over
+    ``fsdp`` and ``expert``) and its experts dimension stays whole (each token scores every expert). The
+    experts' ``expert_embed`` is split over ``fsdp`` only, their experts dimension over ``expert``
+    (`sharding.axes`)."""
     d, f, e = config.embed_dim, config.expert_dim, config.num_experts
     routed = (
-        Param("router", (d, e), (ax.EMBED, ax.EXPERT)),
-        Param("gate", (e, d, f), (ax.EXPERT, ax.EMBED, ax.MLP), fan_in=d),
-        Param("up", (e, d, f), (ax.EXPERT, ax.EMBED, ax.MLP), fan_in=d),
-        Param("down", (e, f, d), (ax.EXPERT, ax.MLP, ax.EMBED), fan_in=f),
+        Param("router", (d, e), (ax.EMBED, ax.ROUTER_EXPERTS)),
+        Param("gate", (e, d, f), (ax.EXPERT, ax.EXPERT_EMBED, ax.MLP), fan_in=d),
+        Param("up", (e, d, f), (ax.EXPERT, ax.EXPERT_EMBED, ax.MLP), fan_in=d),
+        Param("down", (e, f, d), (ax.EXPERT, ax.MLP, ax.EXPERT_EMBED), fan_in=f),
     )
     if not config.shared_experts:
         return routed
@@ -206,7 +211,9 @@ def describe(config: ModelConfig) -> ModelDescription:
         activations=_activations(config),
         attention_kernels=tuple(k.traits for k in KERNELS),
         inactive_params=_inactive_params(config),
-        experts=ExpertGeometry(config.num_moe_layers, config.num_experts, config.experts_per_token)
+        experts=ExpertGeometry(
+            config.num_moe_layers, config.num_experts, config.experts_per_token, config.capacity_factor
+        )
         if config.is_moe
         else None,
     )

@@ -16,6 +16,11 @@ The experts dimension of a mixture-of-experts layer's weights has the logical na
 same as the mesh axis the rules map it to. The ``expert`` mesh axis also splits the batch: attention
 and the dense layers run data-parallel over it, the experts expert-parallel (`models.moe`).
 
+The experts' weights name their embedding dimension ``expert_embed``: the rules split it over ``fsdp``
+only, since ``expert`` already splits their experts dimension, while every other weight's ``embed`` is
+split over ``fsdp`` and ``expert`` (ZeRO-3 over all the devices of the batch; MaxText's ``embed`` and
+``embed_no_exp``).
+
 Activations use their own name where their rule must differ from the
 weights' (``act_embed``: the embedding dimension of an activation stays whole
 while the weights' ``embed`` is split over ``fsdp``).
@@ -48,6 +53,8 @@ HEAD_DIM = "head_dim"
 VOCAB = "vocab"
 LAYERS = "layers"
 # EXPERT (above): the experts dimension of mixture-of-experts weights.
+EXPERT_EMBED = "expert_embed"  # the embed dimension of the experts' weights (MaxText's ``embed_no_exp``)
+ROUTER_EXPERTS = "router_experts"  # the router's experts dimension: whole on every device (no rule maps it)
 
 # Logical axes of activations.
 BATCH = "batch"
@@ -66,4 +73,6 @@ LOGICAL_AXES: tuple[str, ...] = (
     LAYERS,
     ACT_EMBED,
     EXPERT,
+    EXPERT_EMBED,
+    ROUTER_EXPERTS,
 )

@@ -39,6 +39,7 @@ __all__ = [
     "Param",
     "Product",
     "Term",
+    "expert_dispatch",
 ]
 
 ROLES = ("weight", "scale", "bias", "embedding", "output")
@@ -166,11 +167,35 @@ class ExpertGeometry:
       layers: Mixture-of-experts layers.
       num_experts: E, routed experts per layer (logical axis ``expert``).
       experts_per_token: k.
+      capacity_factor: 0 for dropless routing; else each expert takes at most
+        ``ceil(capacity_factor * tokens * k / E)`` of one device's routed copies.
     """
 
     layers: int
     num_experts: int
     experts_per_token: int
+    capacity_factor: float = 0.0
+
+    def dispatch(self, expert_split: int) -> str:
+        """The dispatch over ``expert_split`` devices (`expert_dispatch`)."""
+        return expert_dispatch(self.capacity_factor, self.experts_per_token, expert_split)
+
+
+def expert_dispatch(capacity_factor: float, experts_per_token: int, expert_split: int) -> str:
+    """How a mixture of experts' tokens reach the devices of their experts: ``"local"``, ``"ring"`` or
+    ``"all_to_all"`` (`models.moe`).
+
+    Without expert parallelism (``expert_split`` 1) the layer is local. Dropless routing uses the ring
+    (all-gather the tokens, reduce-scatter the outputs: ``2 (E_p - 1) N D`` elements per device and layer).
+    With a capacity every device sends each expert a fixed buffer of ``C = ceil(cf N k / E)`` rows, so a
+    plain all-to-all carries it (GShard): ``2 cf N k D (E_p - 1) / E_p`` elements, chosen when that is less
+    than the ring's, i.e. when ``cf * k < E_p``. Both give the same sums (the same copies are dropped).
+    """
+    if expert_split <= 1:
+        return "local"
+    if capacity_factor and capacity_factor * experts_per_token < expert_split:
+        return "all_to_all"
+    return "ring"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -327,6 +352,8 @@ class ModelDescription:
         sizes = {ax.LAYERS: self.num_layers}
         for p in self.params:
             for name, size in zip(p.axes, p.shape):
+                if name is None:  # an unnamed dimension (the router's experts): never split
+                    continue
                 if name == ax.MLP:
                     sizes[name] = math.gcd(sizes.get(name, 0), size)
                 elif sizes.setdefault(name, size) != size:

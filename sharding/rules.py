@@ -8,7 +8,8 @@ are data: four presets and ``--rule NAME=AXIS[+AXIS]`` overrides.
 preset     what it shards
 =========  ==================================================================
 dp         the batch over ``data`` and ``fsdp``; parameters replicated
-fsdp       dp + parameters' ``embed`` dimension over ``fsdp`` (ZeRO-3 style)
+fsdp       dp + parameters' ``embed`` dimension over ``fsdp`` and ``expert`` (ZeRO-3 style; the
+           experts' weights' ``expert_embed`` over ``fsdp`` only)
 tp         dp + ``heads``, ``kv_heads``, ``mlp``, ``vocab`` over ``tensor``
            (Megatron-LM style column/row splits)
 fsdp_tp    fsdp and tp together (the default)
@@ -37,7 +38,9 @@ AxisNames = tuple[str | None, ...]
 """Logical names of an array's dimensions, one per dimension (None: unnamed)."""
 
 _BATCH_RULES = {ax.BATCH: (ax.DATA, ax.FSDP, ax.EXPERT), ax.LENGTH: ax.LENGTH_MESH_AXES, ax.EXPERT: (ax.EXPERT,)}
-_FSDP_RULES = {ax.EMBED: (ax.FSDP,)}
+# The weights' embed over every batch axis that may split it (ZeRO-3): fsdp, and expert for the weights
+# outside the experts; the experts' own embed over fsdp only (their experts dimension holds expert).
+_FSDP_RULES = {ax.EMBED: (ax.FSDP, ax.EXPERT), ax.EXPERT_EMBED: (ax.FSDP,)}
 _TP_RULES = {
     ax.HEADS: (ax.TENSOR,),
     ax.KV_HEADS: (ax.TENSOR,),

@@ -147,13 +147,122 @@ def test_expert_parallel_layer_equals_one_device(layer_and_input, mesh_spec):
         assert "all-gather" in hlo and ("reduce-scatter" in hlo or "all-reduce" in hlo)
 
 
+def per_device_capacity_reference(layer: MoE, x, groups: int):
+    """The layer with a capacity computed plainly: one device's tokens (``groups`` equal slices of the
+    batch) are one group for the capacity, the router losses over the whole batch."""
+    ys, dropped = jax.lax.map(  # one compiled group, run for each
+        lambda part: (lambda y, s: (y, s["dropped"]))(*layer(part, UNSHARDED)),
+        x.reshape(groups, -1, *x.shape[1:]),
+    )
+    return ys.reshape(x.shape), dict(layer(x, UNSHARDED)[1], dropped=jnp.sum(dropped))
+
+
+def test_all_to_all_dispatch_with_a_capacity_equals_one_device_per_group():
+    """With a capacity (cf * k = 2 < expert=4) the dispatch is two all-to-alls of fixed buffers (the
+    experts' weights gathered over fsdp before them, the batch over fsdp and expert); it drops
+    the copies each device's group drops on one device, and its outputs, router losses and gradients
+    equal the plain computation."""
+    layer = MoE(CONFIG.replace(capacity_factor=1.0), rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(4), (8, 8, D), jnp.float32)
+    graphdef, state = nnx.split(layer)
+    probe = jnp.cos(jnp.arange(x.size, dtype=jnp.float32)).reshape(x.shape)
+
+    def loss(state, x, fn):
+        y, stats = fn(nnx.merge(graphdef, state), x)
+        return jnp.sum(y * probe) + stats["aux"] + stats["z"], (y, stats["dropped"])
+
+    par = Parallelism.of(make_mesh(parse_mesh("expert=4,fsdp=2", 8)))
+    want = jax.jit(
+        jax.value_and_grad(
+            lambda s, x: loss(s, x, lambda m, x: per_device_capacity_reference(m, x, 8)),
+            argnums=(0, 1),
+            has_aux=True,
+        )
+    )(state, x)
+    step = jax.value_and_grad(lambda s, x: loss(s, x, lambda m, x: m(x, par)), argnums=(0, 1), has_aux=True)
+    compiled = jax.jit(step).lower(state, x).compile()
+    got = compiled(state, x)
+    (_, (_, dropped)), _ = got
+    routed = route(x.reshape(8, 8, D) @ layer.router[...], layer.config)[1]
+    per_device = [np.bincount(np.asarray(e).reshape(-1), minlength=8) for e in routed]
+    assert float(dropped) == sum(np.sum(np.maximum(c - 2, 0)) for c in per_device) > 0  # capacity 2 per group
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+    assert "all-to-all" in compiled.as_text()
+
+
+def test_layer_with_a_batch_the_mesh_does_not_divide_equals_one_device(layer_and_input):
+    """Batch 2 on fsdp=8 (evaluation and generation with few sequences): the batch stays whole over fsdp,
+    the experts' weights are gathered before the map, and the output equals one device's."""
+    layer, x = layer_and_input
+    graphdef, state = nnx.split(layer)
+    x = x[:2]
+    par = Parallelism.of(make_mesh(parse_mesh("fsdp=8", 8)))
+    got = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x, par)[0])(state, x)
+    want = jax.jit(lambda s, x: dense_reference(nnx.merge(graphdef, s), x))(state, x)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_expert_meshes_split_every_weight_over_all_devices():
+    """The weights outside the experts have their embed over fsdp and expert, the experts' weights their
+    experts over expert and embed over fsdp: on expert=4,fsdp=2 every device holds 1/8 of moe-test."""
+    from sharding.rules import tree_shardings
+
+    mesh = make_mesh(parse_mesh("expert=4,fsdp=2", 8))
+    _, abstract, logical = abstract_model(CONFIG)
+    shardings, report = tree_shardings(abstract, logical, mesh, Parallelism.of(mesh).rules)
+    assert not report.reduced
+    held = sum(math.prod(s.shard_shape(a.shape)) for a, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings)))
+    assert held * 8 == sum(a.size for a in jax.tree.leaves(abstract))
+    assert shardings["layers"]["attention"]["q"].spec[1] == ("fsdp", "expert")
+    assert tuple(shardings["layers"]["moe"]["gate"].spec)[1:3] == ("expert", "fsdp")
+
+
+def test_uneven_counts_give_the_uniform_gradients_and_routing_counts():
+    """Uneven data parallelism (data=2,fsdp=4, each device its own number of microbatches) of a MoE: the
+    summed loss and gradients equal the uniform step's, and the router's per-expert counts too (the
+    balancing loss is off: it is computed per microbatch, whose grouping the counts change)."""
+    from sharding.parallel import Accumulation, UnevenBatch
+    from sharding.rules import get_rules
+    from train.optimizer import OptimizerConfig
+    from train.step import Trainer
+
+    counts, rows, seq = (0, 2, 1, 1, 3, 1, 0, 2), 1, 8
+    config = CONFIG.replace(router_aux_coef=0.0, num_layers=1, first_dense_layers=0)
+    par = Parallelism.of(make_mesh(parse_mesh("data=2,fsdp=4", 8)), get_rules("fsdp"), Accumulation(1))
+    uniform = Trainer(config, OptimizerConfig(warmup=0, decay_steps=10), par)
+    uneven = Trainer(config, uniform.optimizer, par.replace(strategy=UnevenBatch(counts)))
+    rng = np.random.default_rng(0)
+    b = sum(counts) * rows
+    host = {
+        "tokens": rng.integers(0, 512, (b, seq)),
+        "targets": rng.integers(0, 512, (b, seq)),
+        "positions": np.tile(np.arange(seq), (b, 1)),
+        "segment_ids": np.ones((b, seq)),
+    }
+    sharding = uniform.batch_sharding(b, seq)
+    batch = {k: jax.device_put(v.astype(np.int32), sharding) for k, v in host.items()}
+    batch["loss_mask"] = jax.device_put(np.ones((b, seq), np.float32), sharding)
+    params = uniform.init_state(0)["params"]
+    got = jax.jit(uneven.gradients)(params, batch)
+    want = jax.jit(uniform.gradients)(params, batch)
+    np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=1e-5)
+    assert float(got[1]) == float(want[1])
+    for g, w in zip(jax.tree.leaves(got[2]), jax.tree.leaves(want[2]), strict=True):
+        np.testing.assert_allclose(np.asarray(g) / float(got[1]), np.asarray(w) / float(want[1]), rtol=1e-5, atol=1e-5)
+    assert np.asarray(got[3]["processed"]).tolist() == list(counts)
+    for key in ("moe_max_load", "moe_expert_share", "moe_dropped"):
+        np.testing.assert_allclose(np.asarray(got[3][key]), np.asarray(want[3][key]), rtol=1e-6)
+    assert float(got[3]["moe_aux"]) > 0
+
+
 def test_placement_of_dense_and_moe_layers():
     config = CONFIG.replace(num_layers=5, first_dense_layers=1, moe_every=2)
     assert config.layer_kinds() == (False, False, True, False, True)
     _, abstract, names = abstract_model(config)
     assert abstract["dense_layers"]["mlp"]["gate"].shape == (3, D, config.mlp_dim)
     assert abstract["layers"]["moe"]["gate"].shape == (2, 8, D, config.expert_dim)
-    assert names["layers"]["moe"]["down"] == ("layers", "expert", "mlp", "embed")
+    assert names["layers"]["moe"]["down"] == ("layers", "expert", "mlp", "expert_embed")
     count = sum(math.prod(a.shape) for a in jax.tree.leaves(abstract))
     assert config.num_params == count
     active = config.describe().num_active_params
@@ -234,6 +343,8 @@ def test_a_moe_model_trains_with_expert_parallelism(tmp_path, corpus, cache):
     for r in train_records:  # the router statistics: balancing loss near 1 (uniform), nothing dropped
         assert 0.5 < r["train/moe_aux"] < 4.0 and r["train/moe_z"] > 0 and r["train/moe_dropped"] == 0
         assert 1.0 <= r["train/moe_max_load"] <= 8.0  # the busiest expert's share over the mean
+        share = r["train/moe_expert_share"]  # per expert over all MoE layers: mean 1, at most the busiest layer's
+        assert len(share) == 8 and abs(np.mean(share) - 1.0) < 1e-5 and max(share) <= r["train/moe_max_load"] + 1e-5
 
 
 @pytest.mark.parametrize(

@@ -194,6 +194,26 @@ def test_tensor_groups_stay_inside_a_host():
     assert any(m[ax.TENSOR] == 2 for m in meshes)
 
 
+def test_a_mixture_of_experts_gets_expert_layouts_and_no_pipeline():
+    """For a MoE the search adds ``expert`` = e taken from ``fsdp`` (e dividing the experts) and leaves out
+    pipeline stages (the step runs a MoE without them); an expert layout is priced with its batch over
+    data x fsdp x expert."""
+    from sharding.planner import search
+
+    inventory = _inventory(8, 0, 8, 1.0)
+    model = describe(get_config("moe-test"))
+    options = planner.PlanOptions(attentions=("flash",))
+    ev = planner._Evaluator(model, inventory, 64, 256, options)
+    meshes = list(planner._meshes(model, ev.cluster, options))
+    assert all(m[ax.STAGE] == 1 for m in meshes)
+    assert {"data": 1, "stage": 1, "fsdp": 2, "context": 1, "sequence": 1, "tensor": 1, "expert": 4} in meshes
+    assert not any(m.get(ax.EXPERT, 1) in (3, 5, 6, 7) for m in meshes)  # 8 experts
+    experts_only = {"data": 1, "stage": 1, "fsdp": 1, "context": 1, "sequence": 1, "tensor": 1, "expert": 8}
+    assert "fsdp" in search._rules_for(model, experts_only, options)  # the weights' embed over expert
+    plans = planner.plan(model, inventory, 64, 256, options)
+    assert plans and any(p.layout.mesh[ax.EXPERT] > 1 for p in plans)
+
+
 @pytest.mark.parametrize("mesh", [{"stage": 4}, {"stage": 2, "fsdp": 2}])
 def test_stage_split_matches_the_best_of_all_splits(mesh):
     inventory = _inventory(2, 2, 1, 2.5, network=2e9)

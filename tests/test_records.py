@@ -117,6 +117,19 @@ def test_a_resumed_writer_purges_later_tensorboard_events_and_writes_no_duplicat
     assert scalars == [(s, 1.0) for s in range(7)] + [(5, 0.5)]
 
 
+def test_the_per_expert_share_is_a_tensorboard_histogram(tmp_path):
+    writer = MetricsWriter(tmp_path, enabled=True)
+    writer.write(3, {"loss": 1.0, "moe_expert_share": [1.5, 0.5, 1.0, 1.0]})
+    writer.close()
+    (record,) = records(tmp_path / "metrics.jsonl")
+    assert record["train/moe_expert_share"] == [1.5, 0.5, 1.0, 1.0]
+    values = [v for e in tensorboard_events(tmp_path / "tensorboard") if e.HasField("summary") for v in e.summary.value]
+    assert [v.tag for v in values if v.HasField("simple_value")] == ["train/loss"]  # no scalar per expert
+    (histogram,) = [v for v in values if v.HasField("histo")]
+    assert histogram.tag == "train/moe_expert_share"
+    assert (histogram.histo.num, histogram.histo.min, histogram.histo.max, histogram.histo.sum) == (4, 0.5, 1.5, 4.0)
+
+
 class _Recorder:
     """Stands in for the wandb and mlflow modules: records the calls `MetricsWriter`'s trackers make."""
 

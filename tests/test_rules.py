@@ -17,11 +17,12 @@ from sharding.rules import get_rules, logical_to_spec, tree_shardings
     [
         ("dp", (ax.EMBED, ax.MLP), P()),
         ("dp", (ax.BATCH, ax.LENGTH, ax.ACT_EMBED), P(("data", "fsdp", "expert"), ("context", "sequence"))),
-        ("fsdp", (ax.EMBED, ax.MLP), P("fsdp")),
+        ("fsdp", (ax.EMBED, ax.MLP), P(("fsdp", "expert"))),
         ("tp", (ax.EMBED, ax.MLP), P(None, "tensor")),
         ("tp", (ax.HEADS, ax.HEAD_DIM, ax.EMBED), P("tensor")),
-        ("fsdp_tp", (ax.LAYERS, ax.EMBED, ax.HEADS, ax.HEAD_DIM), P(None, "fsdp", "tensor")),
-        ("fsdp_tp", (ax.VOCAB, ax.EMBED), P("tensor", "fsdp")),
+        ("fsdp_tp", (ax.LAYERS, ax.EMBED, ax.HEADS, ax.HEAD_DIM), P(None, ("fsdp", "expert"), "tensor")),
+        ("fsdp_tp", (ax.VOCAB, ax.EMBED), P("tensor", ("fsdp", "expert"))),
+        ("fsdp_tp", (ax.LAYERS, ax.EXPERT, ax.EXPERT_EMBED, ax.MLP), P(None, "expert", "fsdp", "tensor")),
         ("fsdp_tp", (ax.BATCH, ax.LENGTH, ax.VOCAB), P(("data", "fsdp", "expert"), ("context", "sequence"), "tensor")),
     ],
 )

@@ -153,6 +153,11 @@ TRACKERS = {"wandb": _WandbSink, "mlflow": _MlflowSink}
 """The experiment trackers `MetricsWriter` can log to, by name; each needs the package of the same name."""
 
 
+HISTOGRAMS = frozenset({"moe_expert_share"})
+"""Vector metrics TensorBoard shows as a histogram (``metrics.jsonl`` keeps the list) rather than as one
+scalar per entry; trackers do not get them."""
+
+
 class MetricsWriter:
     """``metrics.jsonl`` plus TensorBoard event files in the run folder, and the trackers asked for (``--wandb``,
     ``--mlflow``; process 0 only).
@@ -214,11 +219,14 @@ class MetricsWriter:
         scalars = {
             f"{prefix}/{key}" + ("" if index is None else f"/{index}"): item
             for key, value in values.items()
+            if key not in HISTOGRAMS
             for index, item in (enumerate(value) if isinstance(value, list) else ((None, value),))
         }
         if self._tb is not None:
             for key, item in scalars.items():
                 self._tb.add_scalar(key, item, step)
+            for key in HISTOGRAMS & values.keys():
+                self._tb.add_histogram(f"{prefix}/{key}", np.asarray(values[key], np.float32), step)
         for sink in self._sinks:
             sink.log(step, scalars)
 

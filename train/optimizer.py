@@ -142,11 +142,11 @@ def learning_rate_schedule(config: OptimizerConfig) -> optax.Schedule:
 
 
 def decay_mask(param_names) -> dict:
-    """True for the matrices: parameters with an ``embed`` dimension and two or more dimensions besides
-    ``layers`` (the products' weights and the embedding); norm scales and the query/key/value biases
+    """True for the matrices: parameters with an ``embed`` (or the experts' ``expert_embed``) dimension and
+    two or more dimensions besides ``layers`` (the products' weights and the embedding); norm scales and the query/key/value biases
     (``[heads, head_dim]``, no ``embed``) are not decayed."""
     return jax.tree.map(
-        lambda names: ax.EMBED in names and sum(n != ax.LAYERS for n in names) >= 2,
+        lambda names: (ax.EMBED in names or ax.EXPERT_EMBED in names) and sum(n != ax.LAYERS for n in names) >= 2,
         param_names,
         is_leaf=lambda x: isinstance(x, tuple),
     )

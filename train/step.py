@@ -69,6 +69,17 @@ def max_load(load: jax.Array) -> jax.Array:
     return jnp.max(load / mean)
 
 
+def expert_share(load: jax.Array) -> jax.Array:
+    """Each expert's share of the step's routed copies over all MoE layers, over the mean share: ``[experts]``
+    float32, mean 1.0 (1.0 each when balanced); the step's metrics carry it as a histogram.
+
+    Args:
+      load: ``[moe_layers, experts]`` float32 copies routed to each expert (`models.moe.router_losses`).
+    """
+    per_expert = jnp.sum(load, axis=0)
+    return per_expert / jnp.maximum(jnp.mean(per_expert), 1e-9)
+
+
 class Trainer:
     """The train step of a model on one mesh: the step, its jit cache and its per-step host inputs.
 
@@ -162,12 +173,14 @@ class Trainer:
     def gradients(self, params, batch, inputs=None) -> tuple[jax.Array, jax.Array, Any, dict]:
         """The strategy's ``(loss_sum, weight_sum, grads, metrics)`` of a global batch (inside jit);
         ``inputs``: values of the strategy's step inputs by name (absent: their defaults). A mixture of experts
-        under a strategy that reports statistics adds ``moe_aux``, ``moe_z`` (token means), ``moe_dropped`` and
-        ``moe_max_load`` (`max_load`)."""
+        under a strategy that reports statistics adds ``moe_aux``, ``moe_z`` (token means), ``moe_dropped``,
+        ``moe_max_load`` (`max_load`) and ``moe_expert_share`` (`expert_share`)."""
         if self.config.is_moe and self.strategy.reports_stats:
             loss_sum, weight, grads, metrics = self.strategy.gradients(self.loss_and_stats, params, batch, inputs or {})
             metrics = dict(metrics)
-            metrics["moe_max_load"] = max_load(metrics.pop("moe_load"))
+            load = metrics.pop("moe_load")
+            metrics["moe_max_load"] = max_load(load)
+            metrics["moe_expert_share"] = expert_share(load)
             return loss_sum, weight, grads, metrics
         return self.strategy.gradients(self.loss_sums, params, batch, inputs or {})
 

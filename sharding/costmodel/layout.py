@@ -311,9 +311,9 @@ def _axis_split(model: ModelDescription, logical: str | None, rules: Rules, mesh
 
 
 def _tensor_split(model: ModelDescription, axes: Sequence[str], rules: Rules, mesh: Mapping[str, int]) -> bool:
-    """Whether any of the model's logical ``axes`` is split over ``tensor``."""
+    """Whether any of the model's logical ``axes`` is split over ``tensor`` (an unnamed one never is)."""
     splits = _model_splits(model, rules, tuple(mesh.items()))
-    return mesh[ax.TENSOR] > 1 and any(ax.TENSOR in splits[a] for a in axes)
+    return mesh[ax.TENSOR] > 1 and any(ax.TENSOR in splits.get(a, ()) for a in axes)
 
 
 def _per_token(

@@ -55,19 +55,43 @@ def _comms(
         return _uneven_comms(model, layout, rules, placed, s, batch_rows)
     comms: list[Comm] = []
     split = _output_split(model, layout, rules, s)
-    comms += _weight_gathers(layout, placed, s, split, backend)
-    comms += _gradient_reductions(layout, placed, s, backend, split)
+    for part_layout, part in _zero_groups(model, layout, rules, placed):
+        comms += _weight_gathers(part_layout, part, s, split, backend)
+        comms += _gradient_reductions(part_layout, part, s, backend, split)
     comms += _tensor_comms(model, layout, rules, s, split)
     comms += _vocab_parallel_comms(model, layout, placed, s, split)
     if embedding:
-        comms += _embedding_comms(model, layout, placed, s)
+        comms += _embedding_comms(model, *_zero_groups(model, layout, rules, placed)[0], s)
     comms += _length_comms(model, layout, rules, s, backend)
     comms += _expert_comms(model, layout, s)
     return comms
 
 
+def _zero_groups(
+    model: ModelDescription, layout: Layout, rules: Rules, placed: dict[str, _Placed]
+) -> list[tuple[Layout, dict[str, _Placed]]]:
+    """The parameters grouped by how their ZeRO-3 split is priced: ``[(layout, placed), ...]``, the
+    weights outside the experts first.
+
+    With ``expert`` > 1 the weights outside a mixture's experts have their ``embed`` split over ``fsdp``
+    and ``expert`` (`sharding.rules`), and the batch is split over both: for them the step is the one of a
+    mesh whose ``fsdp`` is ``fsdp * expert`` (the two axes are adjacent in the mesh), priced on that mesh.
+    The experts' weights (split over ``expert`` by their experts, over ``fsdp`` by their embed, and summed
+    over the batch axes but ``expert``) are priced on the mesh as it is."""
+    mesh = layout.mesh
+    if mesh[ax.EXPERT] <= 1:
+        return [(layout, placed)]
+    merged = dataclasses.replace(layout, mesh={**mesh, ax.FSDP: mesh[ax.FSDP] * mesh[ax.EXPERT], ax.EXPERT: 1})
+    merged_placed = _place_cached(model, rules, tuple(merged.mesh.items()))
+    experts = {path: p for path, p in placed.items() if ax.EXPERT in p.param.axes}
+    others = {path: p for path, p in merged_placed.items() if path not in experts}
+    return [(merged, others), (layout, experts)]
+
+
 def _expert_comms(model: ModelDescription, layout: Layout, s: _Shape) -> list[Comm]:
-    """The mixture of experts' dispatch over ``expert`` (`models.moe`, the ring): per MoE layer and
+    """The mixture of experts' dispatch over ``expert`` (`models.moe`). With a capacity where it moves less
+    (`sharding.modeldesc.expert_dispatch`), two all-to-alls of the ``[E * C, D]`` buffer per MoE layer and
+    microbatch forward (dispatch, combine) and two backward. Otherwise the ring: per MoE layer and
     microbatch the forward all-gathers the tokens ``[tok * E_p, D]`` with their routing (k int32 experts
     and k float32 weights per token) and reduce-scatters the partial outputs back to ``[tok, D]``; the
     backward is the transpose (an all-gather of the output gradients, a reduce-scatter of the token and
@@ -77,6 +101,10 @@ def _expert_comms(model: ModelDescription, layout: Layout, s: _Shape) -> list[Co
         return []
     n = moe.layers * s.micro
     forward = n * (1 + (layout.remat == "full"))
+    if moe.dispatch(ep) == "all_to_all":  # fixed buffers [E * C, D], there and back, each way
+        rows = moe.num_experts * math.ceil(moe.capacity_factor * s.tok * moe.experts_per_token / moe.num_experts)
+        buffer = rows * model.hidden * s.act_bytes
+        return [Comm("all-to-all", (ax.EXPERT,), ep, buffer, 2 * (forward + n), "MoE dispatch and combine", False)]
     tokens = s.tok * model.hidden * s.act_bytes
     routing = s.tok * moe.experts_per_token * 4
     axes = (ax.EXPERT,)
@@ -239,6 +267,10 @@ def _weight_gathers(
         result = p.local * n * _fsdp_gather_bytes(layout, backend)
         if p.param.per_layer:
             count = 2 * p.param.copies(s.layers) * s.micro
+            if ax.EXPERT in p.param.axes and layout.remat == "none":
+                # the experts' weights are gathered before the dispatch's map, whose input the backward
+                # keeps (no remat): one gather per layer and microbatch
+                count //= 2
         elif p.param.role == "output":
             regather = mesh[ax.TENSOR] > 1 and (mesh[ax.DATA] > 1 or s.micro > 1)
             count = 2 if regather else 1

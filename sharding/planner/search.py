@@ -43,7 +43,9 @@ def _factorizations(n: int, parts: int) -> Iterator[tuple[int, ...]]:
 def _meshes(model: ModelDescription, cluster: _Cluster, options: PlanOptions) -> Iterator[dict[str, int]]:
     """Mesh shapes: tensor and sequence groups inside a host; the model's ``heads``, ``mlp`` and
     ``vocab`` divisible by ``tensor``. With ``options.sequence``, the length split over ``sequence``
-    (inside a host) and ``context`` (which may span hosts)."""
+    (inside a host) and ``context`` (which may span hosts). For a mixture of experts, no pipeline stages,
+    and besides each mesh its variants with ``expert`` = e taken from ``fsdp`` (e dividing ``fsdp`` and the
+    experts)."""
     shapes = (
         _factorizations(cluster.size, 6)
         if options.sequence
@@ -62,7 +64,7 @@ def _meshes(model: ModelDescription, cluster: _Cluster, options: PlanOptions) ->
             continue
         if tensor > 1 and any(model.axis_sizes[a] % tensor for a in (ax.HEADS, ax.MLP, ax.VOCAB)):
             continue
-        yield {
+        mesh = {
             ax.DATA: data,
             ax.STAGE: stage,
             ax.FSDP: fsdp,
@@ -70,6 +72,16 @@ def _meshes(model: ModelDescription, cluster: _Cluster, options: PlanOptions) ->
             ax.SEQUENCE: sequence,
             ax.TENSOR: tensor,
         }
+        if model.experts is None:
+            yield mesh
+            continue
+        if stage > 1:  # a mixture of experts runs without pipeline stages
+            continue
+        yield mesh
+        # Expert parallelism borrows devices of fsdp (torchtitan's rule): expert=e divides the experts.
+        for e in range(2, fsdp + 1):
+            if fsdp % e == 0 and model.experts.num_experts % e == 0:
+                yield {**mesh, ax.FSDP: fsdp // e, ax.EXPERT: e}
 
 
 def _rules_for(model: ModelDescription, mesh: Mapping[str, int], options: PlanOptions) -> list[str]:
@@ -77,9 +89,10 @@ def _rules_for(model: ModelDescription, mesh: Mapping[str, int], options: PlanOp
     out = []
     for name in options.rules:
         wants_fsdp, wants_tp = name.startswith("fsdp"), name.endswith("tp")
-        if wants_fsdp != (mesh[ax.FSDP] > 1) or wants_tp != (mesh[ax.TENSOR] > 1):
+        zero = mesh[ax.FSDP] * mesh.get(ax.EXPERT, 1)  # the weights' embed goes over fsdp and expert
+        if wants_fsdp != (zero > 1) or wants_tp != (mesh[ax.TENSOR] > 1):
             continue
-        if wants_fsdp and model.axis_sizes[ax.EMBED] % mesh[ax.FSDP]:
+        if wants_fsdp and model.axis_sizes[ax.EMBED] % zero:
             continue
         out.append(name)
     return out
@@ -259,7 +272,7 @@ def _splits_heads_evenly(model: ModelDescription, kernel: AttentionTraits, mesh:
 def _layouts(ev: _Evaluator, mesh: dict[str, int], rules: str, attention: str) -> Iterator[tuple[cm.Layout, str]]:
     """Layout skeletons for a mesh (remat and split filled in later), tagged uniform/uneven/pipeline."""
     opts, model = ev.options, ev.model
-    n_batch = mesh[ax.DATA] * mesh[ax.FSDP]
+    n_batch = mesh[ax.DATA] * mesh[ax.FSDP] * mesh.get(ax.EXPERT, 1)
     if ev.batch % n_batch:
         return
     per_device = ev.batch // n_batch
@@ -291,7 +304,7 @@ def _uneven_fits(mesh: Mapping[str, int], rules: str, attention: AttentionTraits
     out: parameters split over ``fsdp`` and ``tensor`` at once (``fsdp``/``fsdp_tp`` rules with both axes
     > 1), which the step runs exactly but whose parameter gathers the partitioner lays out with extra
     traffic the model does not count (tests/test_hetero.py)."""
-    if any(mesh[a] > 1 for a in (ax.STAGE, *ax.LENGTH_MESH_AXES)):
+    if any(mesh.get(a, 1) > 1 for a in (ax.STAGE, ax.EXPERT, *ax.LENGTH_MESH_AXES)):
         return False
     if mesh[ax.TENSOR] > 1 and attention.under_shard_map:
         return False
@@ -541,7 +554,7 @@ def no_plan_reason(model: Any, inventory, global_batch: int, seq_len: int, optio
     """
     options = options or PlanOptions()
     ev = _Evaluator(model, inventory, global_batch, seq_len, options)
-    splits = sorted({m[ax.DATA] * m[ax.FSDP] for m in _meshes(ev.model, ev.cluster, options)})
+    splits = sorted({m[ax.DATA] * m[ax.FSDP] * m.get(ax.EXPERT, 1) for m in _meshes(ev.model, ev.cluster, options)})
     if splits and not any(True for _ in _candidates(ev)):
         for batch in range(
             global_batch + 1, global_batch + 2 * max(splits) * max(options.max_microbatches or 64, 1) + 1

@@ -57,7 +57,8 @@ class UnevenGradients(GradientStrategy):
     Metrics: ``microbatches`` (the total processed), ``processed``, int32 ``[groups along data x fsdp]``
     (each group's loop counter), and when rebalancing (``rebalance_every`` > 0) ``local_seconds``, float32
     ``[groups]``, each group's loop time in seconds (host clock read by a callback before the loop and
-    after each microbatch); both replicated (gathered once after the loop). Layouts: meshes that split
+    after each microbatch); both replicated (gathered once after the loop). A mixture of experts' router
+    statistics are summed in the loop and reduced with the loss after it (`GradientStrategy.reports_stats`). Layouts: meshes that split
     ``data``, ``fsdp`` and ``tensor`` only, with any rules over them (``dp``, ``fsdp``, ``tp``, ``fsdp_tp``);
     `check_uneven` refuses the rest. Shares
     proportional to speed follow HAP (EuroSys'24), Metis (USENIX ATC'24) and FlashFlex (2024).
@@ -69,6 +70,8 @@ class UnevenGradients(GradientStrategy):
     Raises:
       ValueError: As `check_uneven` (without the batch).
     """
+
+    reports_stats = True
 
     def __init__(self, par: Parallelism, layout):
         from sharding.balance import default_capacity
@@ -112,7 +115,8 @@ class UnevenGradients(GradientStrategy):
             axis_names=set(self.manual),
         )
         loss_sum, weight, grads, per_device = run(params, padded, counts)
-        return loss_sum, weight, grads, {"microbatches": jnp.sum(per_device["processed"]), **per_device}
+        stats = self.stats_metrics(per_device.pop("stats"), weight)
+        return loss_sum, weight, grads, {"microbatches": jnp.sum(per_device["processed"]), **per_device, **stats}
 
     def _local(self, loss_fn: LossFn, params, buffer, count, mb: int):
         """Per-group body: gather, mark varying, loop over this group's microbatches, reduce once.
@@ -122,18 +126,24 @@ class UnevenGradients(GradientStrategy):
         reduction); the loop's seconds are returned as ``local_seconds``."""
         varying, local = self.batch_axes, self.par.inside(self.manual)
         full = jax.tree.map(lambda p, s: to_varying(gather_shards(p, s), varying), params, self.manual_specs)
-        grad_fn = jax.value_and_grad(lambda p, b: loss_fn(p, b, local), has_aux=True)
+
+        def with_stats(p, b):
+            loss_sum, aux = loss_fn(p, b, local)
+            return loss_sum, aux if isinstance(aux, tuple) else (aux, {})
+
+        grad_fn = jax.value_and_grad(with_stats, has_aux=True)
         timed = self.timed
 
         def body(carry):
-            i, loss_acc, weight_acc, grad_acc, t_last = carry
+            i, loss_acc, weight_acc, grad_acc, t_last, stats_acc = carry
             micro = {f: jax.lax.dynamic_slice_in_dim(x, i * mb, mb, axis=0) for f, x in buffer.items()}
-            (loss_sum, weight), grads = grad_fn(full, micro)
+            (loss_sum, (weight, stats)), grads = grad_fn(full, micro)
             loss_acc = loss_acc + loss_sum
             # the clock waits for this microbatch's loss and every gradient leaf (one element of each)
             after = (loss_acc, [jnp.ravel(g)[0] for g in jax.tree.leaves(grads)])
             t_last = self._clock(after) if timed else t_last
-            return i + 1, loss_acc, weight_acc + weight, jax.tree.map(jnp.add, grad_acc, grads), t_last
+            grad_acc, stats_acc = jax.tree.map(jnp.add, grad_acc, grads), jax.tree.map(jnp.add, stats_acc, stats)
+            return i + 1, loss_acc, weight_acc + weight, grad_acc, t_last, stats_acc
 
         zero = to_varying(jnp.zeros((), jnp.float32), varying)
         t_start = self._clock(buffer["tokens"][0, 0].astype(jnp.float32)) if timed else zero
@@ -143,16 +153,21 @@ class UnevenGradients(GradientStrategy):
             zero,
             jax.tree.map(lambda p: to_varying(jnp.zeros(p.shape, p.dtype), varying), full),
             t_start,
+            jax.tree.map(
+                lambda a: to_varying(jnp.zeros(a.shape, a.dtype), varying),
+                jax.eval_shape(lambda p, b: with_stats(p, b)[1][1], full, {f: x[:mb] for f, x in buffer.items()}),
+            ),
         )
-        processed, loss_sum, weight, grads, t_end = jax.lax.while_loop(lambda c: c[0] < count[0], body, init)
+        processed, loss_sum, weight, grads, t_end, stats = jax.lax.while_loop(lambda c: c[0] < count[0], body, init)
         # The one reduction of the step, after every device has left its loop.
         loss_sum = jax.lax.psum(loss_sum, varying)
         weight = jax.lax.psum(weight, varying)
+        stats = jax.tree.map(lambda v: jax.lax.psum(v, varying), stats)  # router statistics: sums
         grads = jax.tree.map(lambda g, s: reduce_shards(g, s, varying), grads, self.manual_specs)
         per_device = {"processed": processed.reshape(1)}
         if timed:
             per_device["local_seconds"] = jnp.mod(t_end - t_start, _CLOCK_WRAP).reshape(1)
-        return loss_sum, weight, grads, {k: _replicate(v, varying) for k, v in per_device.items()}
+        return loss_sum, weight, grads, {**{k: _replicate(v, varying) for k, v in per_device.items()}, "stats": stats}
 
     def _clock(self, after) -> jax.Array:
         """`_clock` from inside the map (manual over the batch axes only). JAX runs a callback only where
