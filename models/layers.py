@@ -82,8 +82,10 @@ class Embed(nnx.Module):
         on every device); elsewhere it is read as stored.
         """
         table = self.embedding[...]
-        gathered = par.is_sharded and lookup_gathers_table(par.rules, par.auto_shape, *table.shape, tokens.shape[0])
-        table = par.constrain(table, (ax.VOCAB, ax.ACT_EMBED if gathered else ax.EMBED))
+        if par.is_sharded and lookup_gathers_table(par.rules, par.auto_shape, *table.shape, tokens.shape[0]):
+            table = par.constrain(table, (ax.VOCAB, ax.ACT_EMBED))
+        elif par.pipeline is not None and any(par.auto_shape[a] > 1 for a in par.rules.mesh_axes(ax.EMBED)):
+            table = par.constrain(table, (ax.VOCAB, ax.EMBED))  # as the rules split it, not as stored over stage
         x = jnp.take(table, tokens, axis=0).astype(dtype)
         return par.constrain(x, (ax.BATCH, ax.LENGTH, ax.ACT_EMBED))
 
