@@ -144,14 +144,14 @@ def compiled_figures(case) -> dict:
     Returns:
       ``flops`` (``cost_analysis``: each loop body once), ``dot_flops`` (products with trip counts
       folded in; ``dot_outside`` and ``dot_branches`` its parts outside and inside conditionals), ``arguments`` and ``temp`` (bytes, ``memory_analysis``), ``collectives`` (kind ->
-      per-device result bytes per step).
+      per-device result bytes per step), ``rematerializations`` (the partitioner's warnings while compiling).
     """
     model, mesh_spec, rules, batch, seq, micro, remat = case[:7]
     config, mesh = config_of(model, remat), parse_mesh(mesh_spec, 8)
     layout = _context_layout(config, mesh)
     par = Parallelism.of(make_mesh(mesh), get_rules(rules), _strategy(case, config, mesh), context_layout=layout)
     trainer = Trainer(config, OptimizerConfig(), par)
-    compiled = trainer.compile_train_step(batch, seq)
+    compiled, log = xla_log_while(lambda: trainer.compile_train_step(batch, seq))
     analysis = compiled.cost_analysis()
     analysis = analysis[0] if isinstance(analysis, list) else analysis
     text = compiled.as_text()
@@ -165,7 +165,27 @@ def compiled_figures(case) -> dict:
         "arguments": float(memory.argument_size_in_bytes),
         "temp": float(memory.temp_size_in_bytes),
         "collectives": cm.collective_bytes(hlo.collectives(text)),
+        "rematerializations": log.count("Involuntary full rematerialization"),
     }
+
+
+def xla_log_while(fn):
+    """``(fn(), what XLA's C++ wrote to file descriptor 2 meanwhile)``: its warnings (the partitioner's
+    "Involuntary full rematerialization") bypass Python's ``sys.stderr``. A compilation served from the
+    persistent cache runs no partitioner and logs nothing."""
+    import os
+    import tempfile
+
+    with tempfile.TemporaryFile() as log:
+        saved = os.dup(2)
+        os.dup2(log.fileno(), 2)
+        try:
+            result = fn()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        log.seek(0)
+        return result, log.read().decode(errors="replace")
 
 
 def predicted(case) -> cm.Cost:

@@ -40,20 +40,28 @@ import orbax.checkpoint as ocp
 STATE = "state"
 META = "meta"
 
-# Test hook: seconds every asynchronous save waits before it may be committed,
-# so that tests can kill a process in the middle of a save. Unset in real runs.
+# Test hooks, unset in real runs: seconds every asynchronous save waits before it may be committed, so that
+# tests can kill a process in the middle of a save; or a file whose appearance lets the saves commit (at most
+# SAVE_HOLD_LIMIT seconds after each started), so that a test holds a run in its save for exactly as long as it needs.
 SAVE_PAUSE_ENV = "MESHWORK_TEST_SAVE_PAUSE"
+SAVE_UNTIL_ENV = "MESHWORK_TEST_SAVE_UNTIL"
+SAVE_HOLD_LIMIT = 300.0
 
 
 class _PauseFuture:
-    """An Orbax commit future that completes ``seconds`` after it was created."""
+    """An Orbax commit future that completes ``seconds`` after it was created, or once the file ``until``
+    exists (polled every 50 ms; at most `SAVE_HOLD_LIMIT` seconds)."""
 
-    def __init__(self, seconds: float):
-        self._deadline = time.monotonic() + seconds
+    def __init__(self, seconds: float, until: str | None = None):
+        self._deadline = time.monotonic() + (SAVE_HOLD_LIMIT if until else seconds)
+        self._until = until
 
     def result(self, timeout: float | None = None) -> None:
         del timeout
-        time.sleep(max(0.0, self._deadline - time.monotonic()))
+        while self._until and not os.path.exists(self._until) and time.monotonic() < self._deadline:
+            time.sleep(0.05)
+        if not self._until:
+            time.sleep(max(0.0, self._deadline - time.monotonic()))
 
     def cancel(self) -> None:
         pass
@@ -71,15 +79,17 @@ def _finalizing() -> bool:
 
 
 def _state_handler():
-    """Orbax's standard handler; with `SAVE_PAUSE_ENV` set, its saves commit no sooner than that (tests)."""
+    """Orbax's standard handler; with `SAVE_PAUSE_ENV` (seconds) or `SAVE_UNTIL_ENV` (a file) set, its saves
+    commit no sooner than that (tests)."""
     handler = ocp.StandardCheckpointHandler()
     pause = float(os.environ.get(SAVE_PAUSE_ENV, "0") or 0)
-    if pause > 0:
+    until = os.environ.get(SAVE_UNTIL_ENV) or None
+    if pause > 0 or until:
         save = handler.async_save
 
         async def paused_async_save(*args, **kwargs):
             futures = await save(*args, **kwargs)
-            return [*(futures or []), _PauseFuture(pause)]
+            return [*(futures or []), _PauseFuture(pause, until)]
 
         handler.async_save = paused_async_save
     return handler

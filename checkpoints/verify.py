@@ -505,6 +505,12 @@ def set_aside(directory: str | Path, step: int, why: str) -> Path | None:
     return target
 
 
+def _set_aside_as(directory: str | Path, step: int, why: str) -> Path | None:
+    """The newest folder `set_aside` made of ``step`` for ``why`` (another process renamed it), or None."""
+    made = sorted(Path(directory).glob(f"{step}.{why}-*"))  # the names sort by time (and serial)
+    return made[-1] if made else None
+
+
 def set_aside_later(directory: str | Path, step: int | None, discard: bool, log: Callable[[str], None]) -> list[Path]:
     """Refuses to resume from ``step`` while later steps exist, or with ``discard`` sets them aside.
 
@@ -567,6 +573,8 @@ def restore_falling_back(
     any_failed: Callable[[bool], bool] = bool,
     reload: Callable[[], None] = lambda: None,
     flag: str = "--resume-step",
+    sync: Callable[[str], None] = lambda name: None,
+    leader: bool = True,
 ) -> tuple[Any, int]:
     """``(restore(step), step)``; when the restore fails on damaged array data, falls back to an older step.
 
@@ -574,6 +582,12 @@ def restore_falling_back(
     If an array does not read, the step is set aside (``STEP.damaged-TIME``, `set_aside`) with one line
     naming the array, chunk and data file, and the newest older step that verifies is restored instead;
     if every array reads, the restore's own error is raised (it was not damaged data: memory, a mesh, a bug).
+
+    With several processes every process calls this, and they fall back together: each learns whether any
+    restore failed (``any_failed``; each reads only its own slices, so the damage may show in one process
+    only), each reads the whole step (so all name the same arrays and files and choose the same older step),
+    and only after all have read it (``sync``) does the ``leader`` rename it; the others wait for the rename
+    (``sync`` again) and name the folder it made.
 
     Args:
       directory: the checkpoint folder (``RUN_DIR/checkpoints``).
@@ -586,6 +600,9 @@ def restore_falling_back(
         process reads only its slices; all must fall back together). The default serves one process.
       reload: called after a step is set aside (the Orbax manager re-lists its steps).
       flag: the flag that chooses a step, named in the refusal of an explicit one.
+      sync: with several processes, waits until every process has called it with the same name (a barrier);
+        the default serves one process.
+      leader: whether this process renames a damaged step (process 0; every process when there is one).
 
     Returns:
       ``(result of restore, the step restored)``.
@@ -603,6 +620,7 @@ def restore_falling_back(
         if not any_failed(error is not None):
             return result, step
         problems = read_problems(directory, step)
+        sync(f"meshwork: read step {step}")  # nobody renames the step while another process still reads it
         if not problems:
             if error is not None:
                 raise error
@@ -615,7 +633,9 @@ def restore_falling_back(
         if explicit:
             hint = f"pass {flag} {good}" if good is not None else "no older step reads completely either"
             raise CheckpointDamaged(f"{flag} {step}: {verdict.line()}; {hint}")
-        target = set_aside(directory, step, "damaged")
+        target = set_aside(directory, step, "damaged") if leader else None
+        sync(f"meshwork: set step {step} aside")
+        target = target or _set_aside_as(directory, step, "damaged")
         reload()
         if good is None:
             raise CheckpointDamaged(

@@ -22,6 +22,7 @@ from models.spec import embed_params, mlp_params, norm_params
 from sharding import axes as ax
 from sharding.modeldesc import Param
 from sharding.parallel import Parallelism
+from sharding.vocab import lookup_gathers_table
 
 
 def param(rngs: nnx.Rngs, shape, names, *, fan_in: int | None = None, init: str = "normal") -> nnx.Param:
@@ -73,8 +74,19 @@ class Embed(nnx.Module):
         make_params(self, rngs, embed_params(vocab_size, embed_dim))
 
     def __call__(self, tokens: jax.Array, dtype, par: Parallelism) -> jax.Array:
-        """``[batch, length]`` int32 -> ``[batch, length, embed]`` in ``dtype``."""
-        x = jnp.take(self.embedding[...], tokens, axis=0).astype(dtype)
+        """``[batch, length]`` int32 -> ``[batch, length, embed]`` in ``dtype``.
+
+        Where the batch is split over a mesh axis that the table's ``embed`` dimension is not split over
+        (``data`` beside ``fsdp``), the table is read with ``embed`` laid out as the activations'
+        (`sharding.vocab.lookup_gathers_table` says why: otherwise XLA gathers the whole batch's activations
+        on every device); elsewhere it is read as stored.
+        """
+        table = self.embedding[...]
+        if par.is_sharded and lookup_gathers_table(par.rules, par.auto_shape, *table.shape, tokens.shape[0]):
+            table = par.constrain(table, (ax.VOCAB, ax.ACT_EMBED))
+        elif par.pipeline is not None and any(par.auto_shape[a] > 1 for a in par.rules.mesh_axes(ax.EMBED)):
+            table = par.constrain(table, (ax.VOCAB, ax.EMBED))  # as the rules split it, not as stored over stage
+        x = jnp.take(table, tokens, axis=0).astype(dtype)
         return par.constrain(x, (ax.BATCH, ax.LENGTH, ax.ACT_EMBED))
 
     def attend(self, x: jax.Array) -> jax.Array:

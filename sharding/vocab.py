@@ -175,6 +175,36 @@ def choose_for_batch(
     )
 
 
+def lookup_gathers_table(
+    rules: Rules, mesh_shape: Mapping[str, int], vocab_size: int, embed_dim: int, rows: int
+) -> bool:
+    """Whether the token embedding lookup reads its table ``[vocab, embed]`` with ``embed`` whole.
+
+    Looked up from a table whose ``embed`` dimension is split (over ``fsdp``), the rows come out split along
+    ``embed``. While the batch is split over those same axes only, the partitioner moves the rows to the
+    activations' batch split with one all-to-all (`sharding.costmodel.embedding`). When the batch is also split
+    over an axis that ``embed`` is not (``data``), XLA's partitioner finds no such move: it gathers the whole
+    batch's activations onto every device, and in the backward pass their gradient (it warns of an
+    "involuntary full rematerialization"). There the lookup reads the table laid out as the activations'
+    embedding (``act_embed``: gathered over the axes that split ``embed``, as FSDP gathers every weight before
+    use; a ``vocab`` split stays) and its gradient is summed back over the batch axes.
+
+    Args:
+      rules: logical-to-mesh rules.
+      mesh_shape: mesh axis -> size (the axes annotations may use).
+      vocab_size: V.
+      embed_dim: D.
+      rows: global batch rows of the tokens ``[rows, length]`` looked up.
+
+    Returns:
+      True where the table's ``embed`` is split and the batch is split over some other axis too.
+    """
+    table, _ = logical_to_spec((ax.VOCAB, ax.EMBED), rules, (vocab_size, embed_dim), mesh_shape)
+    batch, _ = logical_to_spec((ax.BATCH,), rules, (rows,), mesh_shape)
+    embed_axes, batch_axes = set(_axes_of(table, 1)), set(_axes_of(batch, 0))
+    return bool(embed_axes) and bool(batch_axes - embed_axes)
+
+
 def tokens_per_device(rules: Rules, mesh_shape: Mapping[str, int], batch_shape: tuple[int, int]) -> float:
     """Tokens of a ``[batch, length]`` batch on one device, as the rules lay it out."""
     spec, _ = logical_to_spec((ax.BATCH, ax.LENGTH), rules, batch_shape, mesh_shape)

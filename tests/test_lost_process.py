@@ -188,3 +188,34 @@ def test_a_process_that_finished_is_not_reported_lost(checkpoints, tmp_path):
     for i in range(2):
         text = logs[i].read_text()
         assert codes[i] == 0 and "done" in text and "error:" not in text, text
+
+
+_WRITES = r"""
+import os, sys
+from train.distributed import GLOO_CONNECTED, close_output_filters, drop_output_lines
+print("before", flush=True)
+drop_output_lines(GLOO_CONNECTED, b"[Gloo] ")
+# as gloo's C++ writes them: straight to descriptor 1, below Python's sys.stdout
+os.write(1, b"[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1\n")
+print("a line of ours", flush=True)
+os.write(1, b"[Gloo] Rank 1 is conn")  # one line in two writes
+os.write(1, b"ected to 3 peer ranks. Expected number of connected peer ranks is : 3\nafter\n[Gloo] other news\n")
+os.write(1, b"progress 50%\r")
+print("error line", file=sys.stderr, flush=True)
+sys.stdout.write("no newline at the end")
+"""
+
+
+@pytest.mark.parametrize(
+    "ending", ["", "sys.stdout.flush(); close_output_filters(); os._exit(3)"], ids=["exit", "_exit"]
+)
+def test_gloo_connection_lines_are_dropped_and_every_other_byte_passes_in_order(ending):
+    """jaxlib's gloo prints a connection line per device group to descriptor 1 with no switch to silence it;
+    the filter drops exactly those lines, passes everything else in order (a piece of a line, a carriage
+    return, other gloo lines), leaves stderr alone and loses nothing at exit or before `os._exit`."""
+    done = subprocess.run(
+        [sys.executable, "-c", _WRITES + ending], cwd=ROOT, env=clean_env(), capture_output=True, timeout=60
+    )
+    assert done.returncode == (3 if ending else 0), done.stderr
+    assert done.stdout == b"before\na line of ours\nafter\n[Gloo] other news\nprogress 50%\rno newline at the end"
+    assert done.stderr == b"error line\n"

@@ -261,3 +261,47 @@ def test_hugging_face_options_are_settable_and_checked():
     old.pop("qkv_bias")
     assert config_differences(old, CONFIG) == {}
     assert config_differences(old, CONFIG.replace(qkv_bias=True)) == {"qkv_bias": (False, True)}
+
+
+@pytest.mark.parametrize("mesh_spec", ["data=2,fsdp=2,tensor=2", "fsdp=8"])
+def test_the_embedding_lookup_moves_rows_or_the_table_never_the_whole_batch(mesh_spec):
+    """From a table whose ``embed`` is split over ``fsdp``, with the batch split over ``data`` too, XLA gathered
+    the whole batch's activations (and their gradient) on every device and warned of an "involuntary full
+    rematerialization"; the lookup reads the table gathered there instead (`sharding.vocab.lookup_gathers_table`),
+    and on ``fsdp`` alone still moves the looked-up rows. Values and gradient equal one device's.
+
+    A 520-row table: a program no other test compiles, so it is compiled here (a cached one logs nothing). Alone,
+    only the ``tensor`` case reproduces the warning (``data=4,fsdp=2`` and ``data=2,fsdp=4`` show it in the whole
+    step: `tests/test_costmodel.py` checks the grid's compilations for it)."""
+    from costmodel_grid import xla_log_while
+    from flax import nnx
+
+    from models.layers import Embed
+    from sharding import hlo
+
+    par = Parallelism.of(make_mesh(parse_mesh(mesh_spec, 8)), get_rules("fsdp_tp"))
+    graph, params = nnx.split(Embed(520, 128, rngs=nnx.Rngs(0)))
+    table = par.sharding((ax.VOCAB, ax.EMBED), (520, 128))
+    tokens = np.random.default_rng(0).integers(0, 520, (8, 16)).astype(np.int32)
+    tokens_in = jax.device_put(tokens, par.sharding((ax.BATCH, ax.LENGTH), (8, 16)))
+
+    weight = np.random.default_rng(1).normal(size=(128, 64)).astype(np.float32) / 8
+
+    def loss(params, tokens, par):  # the lookup, then a product with an FSDP weight, as a first layer does
+        x = nnx.merge(graph, params)(tokens, jnp.float32, par)
+        w = par.constrain(jnp.asarray(weight), (ax.EMBED, ax.MLP))
+        return jnp.sum(jnp.sin(jnp.einsum("BTD,DF->BTF", x, w)))
+
+    step = jax.jit(jax.value_and_grad(lambda p, t: loss(p, t, par)))
+    sharded = jax.tree.map(lambda x: jax.device_put(x, table), params)
+    compiled, log = xla_log_while(lambda: step.lower(sharded, tokens_in).compile())
+    assert "rematerialization" not in log, log
+    got, grads = compiled(sharded, tokens_in)
+    want, want_grads = jax.value_and_grad(lambda p: loss(p, tokens, UNSHARDED))(params)
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    gathers = [c.result_bytes for c in hlo.collectives(compiled.as_text()) if c.op == "all-gather"]
+    assert 8 * 16 * 128 * 4 not in gathers, gathers  # never the whole batch's looked-up rows (float32)
+    if mesh_spec == "fsdp=8":
+        assert 520 * 128 * 4 not in gathers, gathers  # the rows move by one all-to-all; the table stays split

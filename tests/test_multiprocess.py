@@ -11,6 +11,7 @@ import jax
 import numpy as np
 import pytest
 from _procs import free_port, losses, start
+from test_run_folder import damage_a_data_file
 
 from checkpoints.manager import CheckpointManager
 from models.config import get_config
@@ -84,32 +85,54 @@ def two_processes(args, logs: Path, timeout=300):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, corpus, cache):
+    """Two processes train to step 10 (saving 5 and 10); a data file process 1 wrote into step 10 is damaged;
+    both resume, fall back to step 5 together and train to 20. One process of 8 devices trains to 20."""
     base = tmp_path_factory.mktemp("mp")
     data = ["--data", str(corpus), "--data-cache", str(cache)]
     multi, single = base / "multi", base / "single"
     two_processes([*COMMON, *data, "--steps", "10", "--run-dir", str(multi)], base)
+    damaged, _ = damage_a_data_file(multi / "checkpoints" / "10" / "state", process=1)
     two_processes([*COMMON, *data, "--steps", "20", "--resume", "--run-dir", str(multi)], base)
     assert train.main([*COMMON, *data, "--steps", "20", "--cpu-devices", "8", "--run-dir", str(single)]) == 0
-    return base, multi, single
+    return base, multi, single, damaged
 
 
 def test_two_processes_train_and_resume_with_the_losses_of_one(runs):
-    base, multi, single = runs
+    base, multi, single, _ = runs
     multi_losses, single_losses = losses(multi), losses(single)
     assert sorted(multi_losses) == sorted(single_losses) == list(range(1, 21))
     np.testing.assert_allclose(
         [multi_losses[s] for s in range(1, 21)], [single_losses[s] for s in range(1, 21)], rtol=1e-5
     )
     p0, p1 = (base / "p0.log").read_text(), (base / "p1.log").read_text()
-    assert "process 0 of 2" in p0 and "resumed step 10" in p0
+    assert "process 0 of 2" in p0 and "resumed step 5" in p0
     assert "step     20/20" in p0
     assert not re.search(r"^step\s+\d+/", p1, re.M)  # only process 0 prints
     assert "axes crossing processes: data (over 2)" in p0
+    assert "[Gloo]" not in p0 + p1  # gloo's connection lines are filtered out (train.distributed.LineFilter)
+
+
+def test_two_processes_fall_back_together_from_damaged_array_data(runs):
+    """One process's data file of step 10 damaged: both processes set the step aside and resume step 5 (the
+    losses above are one process's), process 0 naming the array and the file; nothing is deleted."""
+    base, multi, _, damaged = runs
+    folder = multi / "checkpoints"
+    (aside,) = [p for p in folder.iterdir() if p.name.startswith("10.damaged-")]
+    p0, p1 = (base / "p0.log").read_text(), (base / "p1.log").read_text()
+    (line,) = [line for line in p0.splitlines() if "is damaged" in line]
+    assert re.match(
+        rf"step 10 in {re.escape(str(folder))} is damaged: array '[^']+' chunk \S+ in data file "
+        rf"{re.escape(str(damaged))} does not decode \(",
+        line,
+    ), line
+    assert line.endswith(f"set it aside as {aside} (not resumed from, not counted by --keep); resuming from step 5")
+    assert "Traceback" not in p0 + p1 and "error" not in p1.lower()
+    assert (aside / damaged.relative_to(folder / "10")).is_file()
 
 
 def test_the_two_process_checkpoint_restores_in_one_process(runs, corpus, cache):
     """Step 15 restored in one 8-device process reproduces the two-process run's loss at step 16."""
-    _, multi, _ = runs
+    _, multi, _, _ = runs
     mesh = make_mesh(parse_mesh("fsdp=8", 8))
     trainer = Trainer(get_config("test"), OptimizerConfig(warmup=2, decay_steps=20), Parallelism.of(mesh, "fsdp_tp"))
     manager = CheckpointManager(multi / "checkpoints", async_save=False)

@@ -10,6 +10,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from contextlib import redirect_stderr
 
 import pytest
@@ -25,12 +26,14 @@ from train import train
 def three_steps(tmp_path_factory, corpus, cache):
     """A run folder with steps 1, 2, 3; while its trainer ran, a second run on the folder was refused.
 
-    The trainer's saves are held open (``MESHWORK_TEST_SAVE_PAUSE``) so that it still holds the folder
-    when the second run starts; that run's exit code and error are returned with the folder.
+    The trainer's saves are held open until the test lets them commit (``MESHWORK_TEST_SAVE_UNTIL``), so the
+    second run starts while the first holds the folder with its save of step 1 in progress; that run's exit
+    code and error are returned with the folder.
     """
     root = tmp_path_factory.mktemp("owned")
     run_dir = root / "run"
     log = root / "first.log"
+    gate = root / "commit"
     first = start(
         args_for(
             corpus,
@@ -47,14 +50,20 @@ def three_steps(tmp_path_factory, corpus, cache):
             str(run_dir),
         ),
         log,
-        MESHWORK_TEST_SAVE_PAUSE=8,
+        MESHWORK_TEST_SAVE_UNTIL=gate,
     )
     try:
-        wait_for_line(log, r"^step\s+3/3", first)
+        wait_for_line(log, r"^step\s+1/3", first)
+        deadline = time.monotonic() + 120
+        while not any("tmp" in p.name for p in (run_dir / "checkpoints").iterdir()):
+            assert time.monotonic() < deadline and first.poll() is None, log.read_text()
+            time.sleep(0.05)
         owner = json.loads((run_dir / LOCK_FILE).read_text())
         err = io.StringIO()
         with redirect_stderr(err):
             second = train.main(args_for(corpus, cache, "--steps", "5", "--resume", "--run-dir", str(run_dir)))
+        assert steps_saved(run_dir) == []  # the first run's save of step 1 was still in progress
+        gate.touch()
         assert first.wait(timeout=180) == 0, log.read_text()
     finally:
         if first.poll() is None:
@@ -166,11 +175,13 @@ def test_discard_later_sets_the_later_steps_aside_then_truncates_the_records(cop
     assert "resumed step 1" in out and max(records(copy)) == 2 and 3 not in records(copy)
 
 
-def damage_a_data_file(state):
-    """Inverts the first 32 bytes (the zstd frame header of the chunk stored first) of the process-0 data
-    file holding most chunks; returns the file and its new bytes."""
+def damage_a_data_file(state, process: int = 0):
+    """Inverts the first 32 bytes (the zstd frame header of the chunk stored first) of the data file of
+    ``process`` holding most chunks; returns the file and its new bytes."""
     _, references = _walk_index(state)
-    damaged = state / max(references, key=lambda f: (f.startswith("ocdbt.process_0/d/"), len(references[f])))
+    mine = f"ocdbt.process_{process}/d/"
+    damaged = state / max(references, key=lambda f: (f.startswith(mine), len(references[f])))
+    assert damaged.relative_to(state).as_posix().startswith(mine), references
     data = bytearray(damaged.read_bytes())
     data[:32] = bytes(b ^ 0xFF for b in data[:32])
     damaged.write_bytes(bytes(data))

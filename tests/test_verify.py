@@ -359,6 +359,51 @@ def test_a_restore_that_fails_on_damaged_data_sets_the_step_aside_and_restores_t
     assert (aside / damaged.relative_to(copy / "2")).read_bytes() != b""  # nothing deleted
 
 
+def test_processes_fall_back_together_when_the_damage_shows_in_one_only(copy):
+    """Two processes (threads here, with a barrier for ``sync`` and a shared vote for ``any_failed``): only
+    process 1's restore of step 2 fails (it alone reads the damaged slice). Both read the step before it is
+    renamed, process 0 alone renames it, both log the same line and resume step 1."""
+    import threading
+
+    damaged = data_file_of(copy / "2" / "state", "w")
+    flip_bytes(damaged)
+    barrier, votes, results = threading.Barrier(2, timeout=60), [False, False], {}
+
+    def sync(name):
+        barrier.wait()
+
+    def process(index):
+        def restore(step):
+            if step == 2 and index == 1:
+                raise ValueError("error while reading array 'w'")
+            return f"step {step} on process {index}"
+
+        def any_failed(failed):
+            votes[index] = failed
+            barrier.wait()
+            agreed = any(votes)
+            barrier.wait()  # every process has read the votes before the next round writes them
+            return agreed
+
+        lines = []
+        results[index] = (
+            restore_falling_back(copy, 2, restore, lines.append, any_failed=any_failed, sync=sync, leader=index == 0),
+            lines,
+        )
+
+    threads = [threading.Thread(target=process, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    (aside,) = [p for p in copy.iterdir() if p.name.startswith("2.damaged-")]
+    assert results[0][0] == ("step 1 on process 0", 1) and results[1][0] == ("step 1 on process 1", 1)
+    (line,) = results[0][1]
+    assert results[1][1] == [line] and f"in data file {damaged} does not decode" in line
+    assert line.endswith(f"set it aside as {aside} (not resumed from, not counted by --keep); resuming from step 1")
+    assert saved_steps(copy) == [1]
+
+
 def test_an_explicit_damaged_step_is_refused_and_a_failure_that_is_not_damage_is_raised(copy):
     flip_bytes(data_file_of(copy / "2" / "state", "w"))
     manager = CheckpointManager(copy, async_save=False)

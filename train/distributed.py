@@ -47,6 +47,7 @@ import dataclasses
 import inspect
 import ipaddress
 import os
+import re
 import socket
 import sys
 import threading
@@ -59,6 +60,8 @@ LOOPBACK_NAMES = ("localhost", "ip6-localhost", "ip6-loopback")
 LOST_PROCESS_EXIT = 3  # exit status of a survivor that lost a peer (1: non-finite loss, 2: bad input/failed save)
 _BEAT_KEY = "meshwork/beat/"
 _DONE_KEY = "meshwork/done/"
+GLOO_CONNECTED = re.compile(rb"\[Gloo\] Rank \d+ is connected to \d+ peer ranks")
+"""gloo's connection line, written to standard output for each group of devices that first exchanges data."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,6 +183,8 @@ def initialize(config: DistributedConfig) -> str:
                 **timeouts,
             )
         _default_sigterm()
+        if config.num_processes > 1:
+            drop_output_lines(GLOO_CONNECTED, b"[Gloo] ")
         _check_loopback_single_host(config)
         hosted = " (service outside the training processes)" if config.external else ""
         return f"process {config.process_id} of {config.num_processes}, coordinator {config.coordinator}{hosted}"
@@ -188,6 +193,8 @@ def initialize(config: DistributedConfig) -> str:
         return "one process"
     jax.distributed.initialize(initialization_timeout=config.timeout, **timeouts)
     _default_sigterm()
+    if jax.process_count() > 1:
+        drop_output_lines(GLOO_CONNECTED, b"[Gloo] ")
     return f"process {jax.process_index()} of {jax.process_count()} (detected by JAX from {cluster})"
 
 
@@ -204,6 +211,111 @@ def _default_sigterm() -> None:
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+class LineFilter:
+    """Passes every byte written to a file descriptor through, in order, except whole lines that match a pattern.
+
+    gloo, as bundled in jaxlib, prints ``[Gloo] Rank R is connected to P peer ranks. Expected number of
+    connected peer ranks is : P`` for each group of devices that first exchanges data (a dozen per process in
+    the two-process example of docs/multiprocess.md), from C++ straight to file descriptor 1, and has no
+    switch to silence it (``GLOO_LOG_LEVEL`` does not reach it). The lines come while the run compiles and
+    runs its first collectives, not only inside ``jax.distributed.initialize``, so the filter stays for the
+    life of the process: ``fd`` is pointed at a pipe, and a daemon thread copies what arrives to the
+    original descriptor, dropping the matching lines. A piece of a line is passed on at once (a prompt, a
+    progress bar's carriage return) unless it could still become a matching line (it begins like one).
+
+    `close` (at exit, and before `os._exit`) points ``fd`` back at the original and copies what is left
+    in the pipe. What a C++ abort of the process leaves in the pipe is lost: a line at most, as the thread
+    copies each line as it arrives.
+
+    Args:
+      fd: The descriptor (1: standard output).
+      pattern: A compiled bytes regular expression matched at the start of each line (without its newline).
+      head: What every line to drop begins with: an unfinished line is held back only while it could still
+        begin so.
+    """
+
+    def __init__(self, fd: int, pattern: re.Pattern[bytes], head: bytes):
+        self.fd, self.pattern, self.head = fd, pattern, head
+        self._saved: int | None = None
+        self._read: int | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> LineFilter:
+        """Points ``fd`` at the pipe and starts the copying thread; returns self."""
+        sys.stdout.flush()
+        self._saved = os.dup(self.fd)
+        self._read, write = os.pipe()
+        os.dup2(write, self.fd)
+        os.close(write)
+        self._thread = threading.Thread(target=self._copy, name="line-filter", daemon=True)
+        self._thread.start()
+        return self
+
+    def _copy(self) -> None:
+        pending = b""
+        while True:
+            try:
+                chunk = os.read(self._read, 65536)
+            except OSError:
+                chunk = b""
+            if not chunk:
+                break
+            *lines, pending = (pending + chunk).split(b"\n")
+            out = b"".join(line + b"\n" for line in lines if not self.pattern.match(line))
+            if pending and not self._may_match(pending):
+                out, pending = out + pending, b""
+            self._write(out)
+        self._write(pending if not self.pattern.match(pending) else b"")
+
+    def _may_match(self, piece: bytes) -> bool:
+        """Whether an unfinished line could still become one to drop (it begins like one)."""
+        return piece.startswith(self.head) or self.head.startswith(piece)
+
+    def _write(self, data: bytes) -> None:
+        while data:
+            try:
+                data = data[os.write(self._saved, data) :]
+            except OSError:  # the reader of our output is gone; nothing left to do with it
+                return
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Points ``fd`` back at the original descriptor and copies what the pipe still holds (waits at most
+        ``timeout`` seconds: a child process may still hold the pipe open)."""
+        if self._thread is None:
+            return
+        thread, self._thread = self._thread, None
+        try:
+            sys.stdout.flush()
+        except (OSError, ValueError):  # closed or broken: nothing of Python's own to pass on
+            pass
+        os.dup2(self._saved, self.fd)  # closes this process's last write end of the pipe: the thread reads to its end
+        thread.join(timeout)
+        if not thread.is_alive():  # else a child still holds the pipe; the process is ending anyway
+            os.close(self._read)
+            os.close(self._saved)
+
+
+_FILTERS: list[LineFilter] = []
+
+
+def drop_output_lines(pattern: re.Pattern[bytes], head: bytes) -> LineFilter:
+    """Drops standard output's lines that match ``pattern`` for the rest of the process (`LineFilter`); the
+    filter is closed at exit (and by `close_output_filters` before `os._exit`)."""
+    import atexit
+
+    if not _FILTERS:
+        atexit.register(close_output_filters)
+    line_filter = LineFilter(1, pattern, head).start()
+    _FILTERS.append(line_filter)
+    return line_filter
+
+
+def close_output_filters() -> None:
+    """Closes every `drop_output_lines` filter, copying what they hold (call before `os._exit`)."""
+    while _FILTERS:
+        _FILTERS.pop().close()
 
 
 def _runtime_module(purpose: str):
@@ -515,6 +627,7 @@ def _exit_lost(message: str) -> None:
     print(f"error: {message}", file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
+    close_output_filters()
     os._exit(LOST_PROCESS_EXIT)
 
 
@@ -565,3 +678,14 @@ def any_process(flag: bool) -> bool:
     from jax.experimental import multihost_utils
 
     return bool(np.asarray(multihost_utils.process_allgather(np.int32(bool(flag)))).any())
+
+
+def sync_processes(name: str) -> None:
+    """Waits until every process has called this with ``name`` (a barrier; one process: returns at once)."""
+    import jax
+
+    if jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils
+
+    multihost_utils.sync_global_devices(name)

@@ -37,8 +37,11 @@ def main(argv: list[str] | None = None, *, exit_hard: bool = False) -> int:
     except CheckpointFailure as e:
         print(f"error: {e}", file=sys.stderr)
         if exit_hard:
+            from train.distributed import close_output_filters
+
             sys.stdout.flush()
             sys.stderr.flush()
+            close_output_filters()
             os._exit(2)
         return 2
     except (ValueError, FileNotFoundError, RuntimeError, OSError) as e:
@@ -293,9 +296,11 @@ def start_state(config: RunConfig, trainer, ckpt, latest, log):
     state (`train.inference.fresh_state`: ``--init-from``'s weights or a random init; step None); ``samples`` and
     ``iterator`` are the saved data position and input pipeline state (`train.data.TrainBatches.state`). A step whose
     arrays do not read is set aside and the next older one restored (`checkpoints.verify.restore_falling_back`)."""
+    import jax
+
     from checkpoints.manager import restore_state
     from checkpoints.verify import restore_falling_back
-    from train.distributed import any_process
+    from train.distributed import any_process, sync_processes
     from train.inference import fresh_state
 
     if latest is None:
@@ -310,6 +315,8 @@ def start_state(config: RunConfig, trainer, ckpt, latest, log):
         explicit=config.checkpoint.resume_step is not None,
         any_failed=any_process,
         reload=ckpt.reload,
+        sync=sync_processes,
+        leader=jax.process_index() == 0,
     )
     for line in report.resume_lines(config, trainer, meta, latest, time.perf_counter() - t0):
         log(line)

@@ -16,6 +16,7 @@ from sharding import axes as ax
 from sharding.costmodel.collectives import Comm, _axes, _partitioner
 from sharding.costmodel.layout import _INT_BYTES, Layout, _Placed, _Shape
 from sharding.modeldesc import ModelDescription
+from sharding.vocab import lookup_gathers_table
 
 
 def _table_split(p: _Placed) -> tuple[int, int]:
@@ -36,9 +37,14 @@ def _embedding_comms(model: ModelDescription, layout: Layout, placed: dict[str, 
       ``fsdp``, its whole gradient all-reduced over ``data`` x ``fsdp``.
     * t only: vocabulary-parallel rows all-reduced over ``tensor``; the [V/t, D] gradient reduced
       over the batch axes.
-    * t and f: the partitioner warns of "involuntary full rematerialization" and replicates pieces;
-      the collectives below are those jax 0.10-0.12 emit, with and without ``data`` and
+    * t and f: without ``data``, the collectives below are those jax 0.10-0.12 emit, with and without
       microbatches.
+    * f, with the batch split over ``data`` too (`sharding.vocab.lookup_gathers_table`): the lookup reads the
+      table with ``embed`` gathered over ``fsdp`` (`models.layers.Embed`; left to itself the partitioner
+      gathers the whole batch's activations, an "involuntary full rematerialization"): the table (or its
+      ``[V/t, D]`` vocabulary shard) gathered once per step, the looked-up rows all-reduced over
+      ``tensor`` when the vocabulary is split, and the table's gradient all-reduced over the batch axes per
+      microbatch (`_embedding_gathered`).
 
     jax 0.12's partitioner (`_partitioner`) always takes (a) for f only, reducing the [V, D/f]
     gradient shard over ``data``, and in the t-and-f cases without ``data`` sends row gradients
@@ -52,6 +58,9 @@ def _embedding_comms(model: ModelDescription, layout: Layout, placed: dict[str, 
     t, f = _table_split(table)
     if f <= 1 and t <= 1:
         return []
+    v, d = table.param.shape
+    if lookup_gathers_table(layout.rules_table(), mesh, v, d, round(s.rows * layout.batch_split)):
+        return _embedding_gathered(table, mesh, s, t, f)
     if t <= 1:
         return _embedding_fsdp(table, mesh, s, f)
     if f <= 1:
@@ -63,6 +72,25 @@ def _embedding_comms(model: ModelDescription, layout: Layout, placed: dict[str, 
             Comm("all-reduce", batch_axes, batch_n, v / t * d * 4, s.micro, f"gradient of {embedding.path}"),
         ]
     return _embedding_2d(table, mesh, s, t, f)
+
+
+def _embedding_gathered(table: _Placed, mesh: Mapping[str, int], s: _Shape, t: int, f: int) -> list[Comm]:
+    """The lookup from a table gathered over ``fsdp`` first (the batch split over ``data`` too; see
+    `_embedding_comms`), as jax 0.10 emits it: the gather hoisted out of the microbatch loop; with the
+    vocabulary split over ``tensor`` the rows all-reduced over it, and (one microbatch) the target logits too."""
+    (v, d), m = table.param.shape, s.micro
+    batch_axes, batch_n = _axes(mesh, ax.DATA, ax.FSDP)
+    shard, grad = v / t * d * 4, f"gradient of {table.param.path}"
+    comms = [Comm("all-gather", (ax.FSDP,), f, shard, 1, "embedding: table (embed gathered)")]
+    if t > 1:
+        comms.append(
+            Comm("all-reduce", (ax.TENSOR,), t, s.tok * d * 4, m, "embedding: vocabulary-parallel rows", False)
+        )
+        if m == 1:
+            comms.append(
+                Comm("all-reduce", (ax.TENSOR,), t, s.tok * _INT_BYTES, 1, "cross-entropy: target logits", False)
+            )
+    return comms + [Comm("all-reduce", batch_axes, batch_n, shard, m, grad)]
 
 
 def _embedding_fsdp(table: _Placed, mesh: Mapping[str, int], s: _Shape, f: int) -> list[Comm]:

@@ -305,9 +305,12 @@ def _pipeline_embedding_comms(
     split over ``stage`` too (`spread_over_stage`).
 
     A table split over ``fsdp`` only by the rules (``embed``; stored over ``fsdp`` x ``stage``), no
-    ``data``, as jax 0.10 emits it (seen on ``stage=2,fsdp=4`` and ``stage=4,fsdp=2``): the tokens
-    gathered over ``fsdp``, the table gathered whole, its stored shard ``[V, D/(f S)]`` moved by a
-    collective-permute and 1/S of the looked-up rows ``[rows, T, D]`` (float32) by an all-to-all.
+    ``data``, as jax 0.10 emits it (seen on ``stage=2,fsdp=4`` and ``stage=4,fsdp=2``): the lookup reads
+    the table as the rules lay it out (`models.layers.Embed`: its stored shard ``[V, D/(f S)]`` gathered
+    over ``stage`` to ``[V, D/f]``, twice, its gradient all-reduced back over ``stage``; from the stored
+    layout the partitioner would gather the whole batch's activations, an "involuntary full
+    rematerialization"), the tokens gathered over and sent across ``stage``, and the looked-up rows
+    ``[rows, T, D]`` (float32) moved to the batch layout by an all-to-all over ``fsdp`` and back.
     Other splits: priced as without stages on the mesh with ``stage`` folded into ``fsdp``
     (`_embedding_comms`), not checked against the compiler.
     """
@@ -320,12 +323,13 @@ def _pipeline_embedding_comms(
         flat, flat_placed = _stage_folded(model, layout, layout.rules_table())
         return _embedding_comms(model, flat, flat_placed, embed)
     (v, d), f, stages = table.param.shape, mesh[ax.FSDP], mesh[ax.STAGE]
-    whole = v * d * _PARAM_BYTES
+    shard, tokens = v * d * _PARAM_BYTES / f, embed.tok * _INT_BYTES
     return [
-        Comm("all-gather", (ax.FSDP,), f, embed.tok * f * _INT_BYTES, 1, "embedding: tokens"),
-        Comm("all-gather", (ax.FSDP, ax.STAGE), f * stages, whole, 1, "embedding: table"),
-        Comm("all-to-all", (ax.FSDP,), f, embed.tok * d * _PARAM_BYTES / stages, 1, "embedding: 1/S of the rows"),
-        Comm("collective-permute", (ax.STAGE,), 2, whole / (f * stages), 1, "embedding: stored table shard"),
+        Comm("all-gather", (ax.STAGE,), stages, tokens * stages, 1, "embedding: tokens"),
+        Comm("collective-permute", (ax.STAGE,), 2, tokens, 1, "embedding: tokens"),
+        Comm("all-gather", (ax.STAGE,), stages, shard, 2, "embedding: table as the rules lay it out"),
+        Comm("all-reduce", (ax.STAGE,), stages, shard, 1, f"gradient of {embedding.path} over stage"),
+        Comm("all-to-all", (ax.FSDP,), f, embed.tok * d * _PARAM_BYTES, 2, "embedding: rows to batch layout and back"),
     ]
 
 
