@@ -200,6 +200,9 @@ os.write(1, b"[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of con
 print("a line of ours", flush=True)
 os.write(1, b"[Gloo] Rank 1 is conn")  # one line in two writes
 os.write(1, b"ected to 3 peer ranks. Expected number of connected peer ranks is : 3\nafter\n[Gloo] other news\n")
+os.write(1, b"[Gloo] Rank ")  # gloo's threads write in pieces: one line inside another
+os.write(1, b"[Gloo] Rank 3 is connected to 7 peer ranks. Expected number of connected peer ranks is : 7\n")
+os.write(1, b"2 is connected to 7 peer ranks. Expected number of connected peer ranks is : 7\n")
 os.write(1, b"progress 50%\r")
 print("error line", file=sys.stderr, flush=True)
 sys.stdout.write("no newline at the end")

@@ -60,7 +60,9 @@ LOOPBACK_NAMES = ("localhost", "ip6-localhost", "ip6-loopback")
 LOST_PROCESS_EXIT = 3  # exit status of a survivor that lost a peer (1: non-finite loss, 2: bad input/failed save)
 _BEAT_KEY = "meshwork/beat/"
 _DONE_KEY = "meshwork/done/"
-GLOO_CONNECTED = re.compile(rb"\[Gloo\] Rank \d+ is connected to \d+ peer ranks")
+GLOO_CONNECTED = re.compile(
+    rb"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. Expected number of connected peer ranks is : \d+\n"
+)
 """gloo's connection line, written to standard output for each group of devices that first exchanges data."""
 
 
@@ -222,16 +224,19 @@ class LineFilter:
     switch to silence it (``GLOO_LOG_LEVEL`` does not reach it). The lines come while the run compiles and
     runs its first collectives, not only inside ``jax.distributed.initialize``, so the filter stays for the
     life of the process: ``fd`` is pointed at a pipe, and a daemon thread copies what arrives to the
-    original descriptor, dropping the matching lines. A piece of a line is passed on at once (a prompt, a
-    progress bar's carriage return) unless it could still become a matching line (it begins like one).
+    original descriptor, dropping every occurrence of ``pattern``. gloo's threads write their line in pieces,
+    so one line can arrive inside another; removing the inner one joins the outer, so removal repeats until
+    nothing matches. Everything else passes at once, in order (a prompt, a progress bar's carriage return),
+    except a line to drop not yet finished (``head`` not yet followed by a newline) or an end that could
+    still become ``head``, which wait for the bytes that decide.
 
     `close` (at exit, and before `os._exit`) points ``fd`` back at the original and copies what is left
     in the pipe. What a C++ abort of the process leaves in the pipe is lost: a line at most, as the thread
-    copies each line as it arrives.
+    copies what it reads at once.
 
     Args:
       fd: The descriptor (1: standard output).
-      pattern: A compiled bytes regular expression matched at the start of each line (without its newline).
+      pattern: A compiled bytes regular expression of one whole line to drop, its newline included.
       head: What every line to drop begins with: an unfinished line is held back only while it could still
         begin so.
     """
@@ -254,7 +259,7 @@ class LineFilter:
         return self
 
     def _copy(self) -> None:
-        pending = b""
+        held = b""
         while True:
             try:
                 chunk = os.read(self._read, 65536)
@@ -262,16 +267,34 @@ class LineFilter:
                 chunk = b""
             if not chunk:
                 break
-            *lines, pending = (pending + chunk).split(b"\n")
-            out = b"".join(line + b"\n" for line in lines if not self.pattern.match(line))
-            if pending and not self._may_match(pending):
-                out, pending = out + pending, b""
-            self._write(out)
-        self._write(pending if not self.pattern.match(pending) else b"")
+            text = self._drop(held + chunk)
+            cut = self._held_from(text)
+            self._write(text[:cut])
+            held = text[cut:]
+        self._write(self._drop(held))
 
-    def _may_match(self, piece: bytes) -> bool:
-        """Whether an unfinished line could still become one to drop (it begins like one)."""
-        return piece.startswith(self.head) or self.head.startswith(piece)
+    def _drop(self, text: bytes) -> bytes:
+        """``text`` without the lines to drop. Several C++ threads write gloo's line in pieces, so one line
+        can arrive inside another (``[Gloo] Rank [Gloo] Rank 3 ... : 7\n2 is connected ...``): removing the
+        inner one joins the outer one, so removal repeats until nothing matches."""
+        while True:
+            shorter = self.pattern.sub(b"", text)
+            if shorter == text:
+                return text
+            text = shorter
+
+    def _held_from(self, text: bytes) -> int:
+        """Where the part of ``text`` to hold back begins: an unfinished line to drop (``head`` not yet
+        followed by a newline), or an end that could still become ``head``; ``len(text)`` when none."""
+        start = text.find(self.head)
+        while start >= 0:
+            if b"\n" not in text[start:]:
+                return start
+            start = text.find(self.head, start + 1)
+        for k in range(min(len(self.head) - 1, len(text)), 0, -1):
+            if text.endswith(self.head[:k]):
+                return len(text) - k
+        return len(text)
 
     def _write(self, data: bytes) -> None:
         while data:
