@@ -58,6 +58,56 @@ def cache(tmp_path_factory):
     return tmp_path_factory.mktemp("cache")
 
 
+# The longest modules, longest first (CPU seconds per module, measured module by module on 2 cores; the
+# multi-process ones also keep a second core busy). Under `--dist loadfile` pytest-xdist hands out whole
+# modules in collection order once its reordering by test count is off (`pytest_configure`); by count, the
+# multi-process module (4 tests, over 2 minutes) came last, and one worker ran it alone for a minute after the
+# other had finished. Longest first, the many short modules fill in at the end and both workers finish
+# together. A module missing here runs after these, in collection order: list a new one that takes more than
+# about 20 s. The order changes nothing else: which modules share a worker was never fixed.
+_LONGEST_FIRST = (
+    "test_pipeline.py",
+    "test_multiprocess.py",
+    "test_context_parallel.py",
+    "test_pipeline_1f1b.py",
+    "test_hetero.py",
+    "test_launch.py",
+    "test_planner.py",
+    "test_train.py",
+    "test_moe.py",
+    "test_faults.py",
+    "test_run_folder.py",
+    "test_pipeline_zb.py",
+    "test_flash_attention.py",
+    "test_ring_attention.py",
+    "test_configfile.py",
+    "test_hf_runs.py",
+    "test_output.py",
+    "test_stage_speeds.py",
+    "test_costmodel.py",
+    "test_model.py",
+    "test_hf.py",
+    "test_data.py",
+    "test_verify.py",
+    "test_records.py",
+    "test_optimizers.py",
+    "test_generate.py",
+    "test_lost_process.py",
+    "test_divergence.py",
+    "test_step_update.py",
+)
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep the collection order below
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: tests keep their order
+
+
 def pytest_sessionfinish(session, exitstatus):
     if _OWN_CACHE:
         shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)

@@ -6,6 +6,7 @@ a larger eps keeps the update a smooth function of the gradient, so 1e-5 compare
 effect rather than float32 rounding of entries that are zero in exact arithmetic.
 """
 
+import functools
 import re
 
 import jax
@@ -31,7 +32,9 @@ SEQ = 32
 COUNTS = (3, 3, 3, 3, 1, 1, 1, 1)
 
 
+@functools.cache
 def _trainer(mesh_spec, rules):
+    """The uniform trainer of a layout, one per layout for the module: its jitted init and steps are shared."""
     config = get_config("test", ["num_layers=1"])
     optimizer = OptimizerConfig(warmup=0, decay_steps=10, eps=1e-3)
     return Trainer(

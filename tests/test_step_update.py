@@ -25,24 +25,45 @@ def trainer():
     )
 
 
+# One jitted program each (built on first use, shared by the tests): run op by op, the normal draws and the
+# optax reference compiled ~150 one-operation programs on the sharded arrays.
+_JITTED = {}
+
+
 def _grads(state, seed=0):
+    """Standard normal gradients shaped as the parameters, a fixed draw per ``seed``."""
     leaves, tree = jax.tree.flatten(state["params"])
-    keys = jax.random.split(jax.random.key(seed), len(leaves))
-    return tree.unflatten([jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves)])
+    shapes = tuple((x.shape, x.dtype, x.sharding) for x in leaves)
+    if shapes not in _JITTED:
+
+        def draw(key):
+            keys = jax.random.split(key, len(shapes))
+            return [jax.random.normal(k, shape, dtype) for k, (shape, dtype, _) in zip(keys, shapes)]
+
+        # laid out as the parameters (the draw does not depend on the layout)
+        _JITTED[shapes] = jax.jit(draw, out_shardings=[sharding for _, _, sharding in shapes])
+    return tree.unflatten(_JITTED[shapes](jax.random.key(seed)))
 
 
 def _apply(trainer, state, loss_sum, weight, grads):
     stop = jnp.zeros((8,), jnp.int32)
-    return jax.jit(trainer.apply_gradients)(state, jnp.float32(loss_sum), jnp.float32(weight), grads, stop)
+    if trainer not in _JITTED:
+        _JITTED[trainer] = jax.jit(trainer.apply_gradients)
+    return _JITTED[trainer](state, jnp.float32(loss_sum), jnp.float32(weight), grads, stop)
 
 
 def test_a_finite_update_equals_optax_on_the_mean_gradient(trainer):
     state = trainer.init_state(0)
     grads = _grads(state)
     weight = 7.0
-    mean = jax.tree.map(lambda g: g / weight, grads)
-    updates, opt_state = trainer.tx.update(mean, state["opt_state"], state["params"])
-    params = optax.apply_updates(state["params"], updates)
+
+    @jax.jit
+    def reference(params, opt_state, grads):  # optax's own update of the mean gradient
+        mean = jax.tree.map(lambda g: g / weight, grads)
+        updates, opt_state = trainer.tx.update(mean, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    params, opt_state = reference(state["params"], state["opt_state"], grads)
     new, metrics = _apply(trainer, state, 3.5, weight, grads)
     assert bool(metrics["finite"]) and int(new["step"]) == 1
     for got, want in zip(jax.tree.leaves((new["params"], new["opt_state"])), jax.tree.leaves((params, opt_state))):
@@ -56,7 +77,7 @@ def test_a_non_finite_step_leaves_parameters_and_optimizer_state_unchanged(train
     before = jax.tree.map(np.asarray, state)
     grads = _grads(state, 2)
     if bad == "gradient":
-        grads = jax.tree.map(lambda g: g.at[(0,) * g.ndim].set(jnp.nan), grads)
+        grads = jax.jit(lambda t: jax.tree.map(lambda g: g.at[(0,) * g.ndim].set(jnp.nan), t))(grads)
     new, metrics = _apply(trainer, state, np.nan if bad == "loss" else 2.0, 4.0, grads)
     assert not bool(metrics["finite"])
     assert int(new["step"]) == int(before["step"]) + 1

@@ -155,10 +155,13 @@ def test_inspect_lists_steps_mesh_and_arrays(straight_and_resumed):
     assert f"{4 * 128 * 384 * 4:,}" in text
 
 
+# The flash test's reference run: the dry run compiles the same step, which that run then reads from the
+# compilation cache instead of compiling it again.
+FLASH_RUN = ["--steps", "20", "--warmup", "2", "--eval-every", "0", "--ckpt-every", "0", "--mesh", "fsdp=4,tensor=2"]
+
+
 def test_dry_run_reports_shardings_memory_and_collectives(capsys):
-    code = train.main(
-        ["--model", "test", "--mesh", "fsdp=4,tensor=2", "--batch-size", "8", "--seq-len", "32", "--dry-run"]
-    )
+    code = train.main([*SMALL, *FLASH_RUN, "--dry-run"])
     assert code == 0
     out = capsys.readouterr().out
     assert "918,656 parameters" in out
@@ -202,7 +205,7 @@ def test_bad_input_fails_before_training_with_the_flag_named(tmp_path, args, mes
 
 
 def test_flash_attention_trains_with_the_losses_of_reference(tmp_path, corpus, cache):
-    common = ["--steps", "20", "--warmup", "2", "--eval-every", "0", "--ckpt-every", "0", "--mesh", "fsdp=4,tensor=2"]
+    common = FLASH_RUN
     assert run([*common, "--attention", "reference", "--run-dir", str(tmp_path / "ref")], corpus, cache) == 0
     assert run([*common, "--attention", "flash", "--run-dir", str(tmp_path / "flash")], corpus, cache) == 0
     ref, flash = metrics(tmp_path / "ref"), metrics(tmp_path / "flash")

@@ -97,6 +97,7 @@ class StateLayout:
         self.tx = make_optimizer(OptimizerConfig() if optimizer is None else optimizer, self.param_names)
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
         self.state_params, self.param_shardings, self.report, self.state_shardings = self._layout_state(self.storage)
+        self._init = None  # the jitted init (`init_state`), built on first use
 
     # Shapes and shardings ------------------------------------------------------------------------
 
@@ -233,9 +234,12 @@ class StateLayout:
         """Fresh state, created sharded by a jitted init with ``out_shardings``.
 
         With a pipeline, each device builds only its own rows; the values are those of the canonical model
-        for the same seed, whatever the layout.
+        for the same seed, whatever the layout. The seed is an argument of one jitted init per layout, built on
+        the first call: later calls (another seed, a fresh state for a second run) reuse its compiled program.
         """
-        return jax.jit(self._init_fn, out_shardings=self.state_shardings)(jnp.asarray(seed, jnp.int32))
+        if self._init is None:
+            self._init = jax.jit(self._init_fn, out_shardings=self.state_shardings)
+        return self._init(jnp.asarray(seed, jnp.int32))
 
     def state_from_params(self, params: dict, seed: int) -> dict:
         """Step 0 of given parameters (e.g. imported): a fresh optimizer state, the RNG of ``seed``, in this run's layout.
