@@ -482,7 +482,12 @@ class Launcher:
         environment names one."""
         if "JAX_COMPILATION_CACHE_DIR" in os.environ:
             return {}
-        return {"JAX_COMPILATION_CACHE_DIR": str(Path(self.config.checkpoint.run_dir) / COMPILATION_CACHE)}
+        return {
+            "JAX_COMPILATION_CACHE_DIR": str(Path(self.config.checkpoint.run_dir) / COMPILATION_CACHE),
+            # every program, not only those compiling for over a second (JAX's default): a restart also runs the
+            # evaluation step and the small programs of start-up and restore
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        }
 
     def newest(self) -> int:
         """The newest verified checkpoint step (0 when there is none or the folder does not read)."""
@@ -515,7 +520,7 @@ class Launcher:
 
         port = free_port()
         service = start_service(port, len(slots), self.config.cluster.dist_timeout)
-        env = child_env(os.environ) | self.cache_env()
+        env = self.cache_env() | child_env(os.environ)  # a variable this environment sets stays
         argv = self.process_argv(len(slots), restart)
         children = []
         for index, slot in enumerate(slots):
