@@ -71,7 +71,7 @@ def train_flags(args, run_dir: Path, steps: int) -> list[str]:
         "1",
         "--no-progress",
         "--dist-timeout",
-        "60",
+        "300",  # a kill is seen by its exit; a heartbeat missed on a starved machine would add a restart
         "--data-cache",
         str(args.cache),
         "--run-dir",
