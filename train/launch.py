@@ -545,6 +545,8 @@ class Launcher:
             children.append(subprocess.Popen(command, env=env, preexec_fn=_die_with_parent))
             self.log(f"launch: process {index} of {len(slots)} (slot {slot}) started, pid {children[-1].pid}")
         self.current = Generation(slots, mesh, service, children, resumed)
+        if self.stopping:  # SIGTERM came while they were being started (`terminate` saw no generation yet)
+            self.terminate(signal.SIGTERM, None)
         return self.current
 
     def watch(self, gen: Generation):
