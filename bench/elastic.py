@@ -8,6 +8,9 @@ second kill hits the restarted job), lets the lost slots rejoin at the next chec
   layout for the processes left);
 - restart: restart line to the first step line after it (process start, JAX start, restore, compilation);
 - kill to first step: the two together (the issue's target: under 60 s on this machine);
+- CPU seconds (what load does not inflate as it does wall time): the launcher's from the kill to its restart
+  line, and the restarted training processes' together from their start to the first step line (read from
+  /proc as the lines appear);
 - steps recomputed (the restart line's count: recorded steps after the checkpoint resumed).
 
 Then it replays the same generations by hand in a second run folder (each a launcher run without kills, on
@@ -68,7 +71,7 @@ def train_flags(args, run_dir: Path, steps: int) -> list[str]:
         "1",
         "--no-progress",
         "--dist-timeout",
-        "60",
+        "300",  # a kill is seen by its exit; a heartbeat missed on a starved machine would add a restart
         "--data-cache",
         str(args.cache),
         "--run-dir",
@@ -83,25 +86,65 @@ def launch(processes: int, flags: list[str], log: Path, extra=()) -> subprocess.
     return subprocess.Popen(command, cwd=ROOT, env=env, stdout=handle, stderr=subprocess.STDOUT)
 
 
-def lines_with_times(log: Path, seen: dict[str, float]) -> list[str]:
-    """The log's lines, noting the monotonic time each was first seen (polled every 20 ms)."""
-    lines = log.read_text().splitlines()
-    now = time.monotonic()
-    for i, line in enumerate(lines[:-1]):  # the last line may still be written
-        seen.setdefault(f"{i}:{line}", now)
-    return lines
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of a live process (all its threads) from /proc (None once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class Watch:
+    """The launcher's log as it grows: the monotonic time each line was first seen (polled every 20 ms) and,
+    then, the CPU seconds the launcher and the newest generation's training processes had used."""
+
+    def __init__(self, log: Path, launcher: subprocess.Popen):
+        self.log, self.launcher = log, launcher
+        self.seen: dict[int, float] = {}
+        self.cpu: dict[int, tuple[float, float]] = {}
+        self.pids: list[int] = []
+        self.last: dict[int, float] = {}
+
+    def launcher_cpu(self) -> float:
+        return cpu_seconds(self.launcher.pid) or 0.0
+
+    def processes_cpu(self) -> float:
+        for pid in self.pids:
+            now = cpu_seconds(pid)
+            if now is not None:
+                self.last[pid] = now
+        return sum(self.last.get(pid, 0.0) for pid in self.pids)
+
+    def lines(self) -> list[str]:
+        lines = self.log.read_text().split("\n")[:-1]  # a line without its newline may still be written
+        now = time.monotonic()
+        for i, line in enumerate(lines):
+            if i in self.seen:
+                continue
+            self.seen[i] = now
+            if line.startswith("launch: process 0 of"):
+                self.pids = []
+            m = re.match(r"launch: process \d+ of \d+ \(slot \d+\) started, pid (\d+)$", line)
+            if m:
+                self.pids.append(int(m.group(1)))
+                self.processes_cpu()
+            self.cpu[i] = (self.launcher_cpu(), self.processes_cpu())
+        return lines
 
 
 def elastic_run(args, folder: Path):
-    """The launcher run with the kills: its log lines, the time each appeared, and the kill times."""
-    log, seen, kills = folder / "elastic.log", {}, []
+    """The launcher run with the kills: its log, a `Watch` of its lines, and per kill ``(time, launcher CPU
+    seconds, process, step, processes)``."""
+    log, kills = folder / "elastic.log", []
     plan = [(int(p), int(s)) for p, s in (item.split("@") for item in args.kill.split(","))]
     flags = train_flags(args, folder / "elastic", args.steps)
     launcher = launch(args.processes, flags, log, ["--rejoin", "--max-restarts", str(len(plan) + 1)])
+    watch = Watch(log, launcher)
     try:
         for process, step in plan:
             while True:  # a step >= STEP of the newest generation, after the previous kill's restart
-                lines = lines_with_times(log, seen)
+                lines = watch.lines()
                 restarts = [i for i, line in enumerate(lines) if line.startswith("launch: restart")]
                 starts = [i for i, line in enumerate(lines) if line.startswith("launch: process 0 of")]
                 if len(restarts) >= len(kills) and starts:
@@ -126,34 +169,37 @@ def elastic_run(args, folder: Path):
                         f"the launcher ended ({launcher.returncode}) before step {step}:\n{log.read_text()}"
                     )
                 time.sleep(0.02)
-            kills.append((time.monotonic(), process, step, count))
+            kills.append((time.monotonic(), watch.launcher_cpu(), process, step, count))
         while launcher.poll() is None:
-            lines_with_times(log, seen)
+            watch.lines()
             time.sleep(0.02)
     finally:
         if launcher.poll() is None:
             launcher.send_signal(signal.SIGTERM)
             launcher.wait(timeout=60)
-    lines_with_times(log, seen)
-    text = log.read_text() + "\n"
-    return launcher.returncode, text, seen, kills
+    watch.lines()
+    text = log.read_text()
+    return launcher.returncode, text, watch, kills
 
 
-def figures(text: str, seen: dict[str, float], kills) -> list[dict]:
+def figures(text: str, watch: Watch, kills) -> list[dict]:
+    """Per kill: the phases in seconds of wall time, and the CPU seconds of the launcher from the kill to its
+    restart line and of the restarted processes (together) from their start to the first step line."""
     lines = text.splitlines()
-    timed = {i: seen.get(f"{i}:{line}") for i, line in enumerate(lines)}
     rows = []
     restarts = [i for i, line in enumerate(lines) if line.startswith("launch: restart")]
-    for (killed_at, process, step, count), r in zip(kills, restarts, strict=False):
+    for (killed_at, launcher_cpu, process, step, count), r in zip(kills, restarts, strict=False):
         first = next(i for i in range(r, len(lines)) if re.match(r"step\s+\d+/", lines[i]))
         recomputed = int(re.search(r"(\d+) step\(s\) recomputed", lines[r]).group(1))
         resumed = int(re.search(r"resuming from step (\d+)", lines[r]).group(1))
         rows.append(
             {
                 "kill": f"process {process} of {count} at step {step}",
-                "detection": timed[r] - killed_at,
-                "restart": timed[first] - timed[r],
-                "total": timed[first] - killed_at,
+                "detection": watch.seen[r] - killed_at,
+                "restart": watch.seen[first] - watch.seen[r],
+                "total": watch.seen[first] - killed_at,
+                "launcher_cpu": watch.cpu[r][0] - launcher_cpu,
+                "processes_cpu": watch.cpu[first][1],
                 "resumed": resumed,
                 "recomputed": recomputed,
                 "line": lines[r],
@@ -217,12 +263,12 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="meshwork-elastic-") as tmp:
         folder = Path(tmp)
         t0 = time.monotonic()
-        code, text, seen, kills = elastic_run(args, folder)
+        code, text, watch, kills = elastic_run(args, folder)
         wall = time.monotonic() - t0
         if code != 0:
             print(text)
             return 1
-        rows = figures(text, seen, kills)
+        rows = figures(text, watch, kills)
         elastic = losses(folder / "elastic")
         gens = generations(text, args.processes, args.steps)
         hand = by_hand(args, folder, gens)
@@ -240,12 +286,15 @@ def main() -> int:
         f"(largest relative difference {worst:.1e}, rtol {args.rtol:g}; {len(steps)} steps, one record each)."
     )
     print()
-    print("| kill | detection (s) | restart (s) | kill to first step (s) | resumed from | steps recomputed |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| kill | detection (s) | restart (s) | kill to first step (s) | launcher CPU s, detection | "
+        "processes' CPU s to the first step | resumed from | steps recomputed |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for row in rows:
         print(
             f"| {row['kill']} | {row['detection']:.1f} | {row['restart']:.1f} | {row['total']:.1f} | "
-            f"{row['resumed']} | {row['recomputed']} |"
+            f"{row['launcher_cpu']:.1f} | {row['processes_cpu']:.1f} | {row['resumed']} | {row['recomputed']} |"
         )
     return 0 if same and len(rows) == len(kills) else 1
 

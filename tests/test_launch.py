@@ -34,6 +34,7 @@ from train.launch import (
     Launcher,
     choose,
     free_port,
+    outer_for,
     parse,
     strip_flags,
 )
@@ -150,30 +151,40 @@ def stopped(launcher, timeout=600) -> int:
 
 
 @pytest.mark.slow
-def test_three_hosts_lose_process_0_then_another_while_restarting_then_grow_back(tmp_path, corpus, cache, reference):
+def test_three_hosts_lose_process_0_then_a_host_while_restarting_then_grow_back(tmp_path, corpus, cache, reference):
     """One run of three launchers given a three-node SLURM environment (every node 127.0.0.1, one process
     each): node 0's launcher hosts the service and decides, the others connect and start what it asks.
     Process 0 (on node 0: the process that would host JAX's service without the launcher) is killed at
-    step 3, so the job restarts on nodes 1 and 2 (data=3 -> 2); process 1 of those 2 (node 2) is killed as
-    soon as it starts (a second failure during the restart), so the job restarts on node 1 alone (data=2 ->
-    1); with --rejoin the lost processes come back at the next checkpoint and the job finishes on 3. Every
-    launcher ends with 0; one metrics record per step, and the losses of an uninterrupted one-process run."""
+    step 3, so the job restarts on nodes 1 and 2 (data=3 -> 2); node 2's launcher is killed as soon as it
+    starts process 1 of those 2 (a second failure during the restart, a whole host lost), so the job
+    restarts on node 1 alone (data=2 -> 1). A launcher started again on node 2 connects to the running job
+    and, with --rejoin, node 0's lost process and node 2 come back at the next checkpoint: the job finishes
+    on 3. --mesh-outer data=3 follows (data=2, then one process, where it has no effect). Every launcher
+    that was not killed ends with 0; one metrics record per step, and the losses of an
+    uninterrupted one-process run."""
     run_dir, port = tmp_path / "elastic", free_port()
     args = [*common(corpus, cache, REJOIN_STEPS), "--run-dir", str(run_dir), "--local-processes", "1"]
-    args += ["--max-restarts", "2", "--rejoin", "--launch-port", str(port)]
+    args += ["--max-restarts", "2", "--rejoin", "--launch-port", str(port), "--mesh-outer", "data=3"]
     slurm = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "127.0.0.1,127.0.0.1,127.0.0.1", "SLURM_NNODES": "3"}
-    logs = [tmp_path / f"node{i}.log" for i in range(3)]
+    logs = [tmp_path / f"node{i}.log" for i in range(3)] + [tmp_path / "node2-again.log"]
     launchers = [start_launcher(args, logs[i], SLURM_NODEID=str(i), **slurm) for i in range(3)]
     try:
         step_after(logs[0], "launch: process 0 of 3", 3, launchers[0], run_dir, checkpoint=2)
         os.kill(pid_of(logs[0], 0, 3), signal.SIGKILL)
-        os.kill(wait_for_start(logs[2], 1, 2, launchers[0]), signal.SIGKILL)
+        wait_for_start(logs[2], 1, 2, launchers[0])
+        launchers[2].kill()  # the host's process goes with its launcher (PR_SET_PDEATHSIG)
+        launchers[2].wait(timeout=60)
+        launchers.append(start_launcher(args, logs[3], SLURM_NODEID="2", **slurm))
     finally:
         codes = [stopped(launcher) for launcher in launchers]
     text, texts = logs[0].read_text(), [log.read_text() for log in logs]
-    assert codes == [0, 0, 0], texts
+    assert codes == [0, 0, -signal.SIGKILL, 0], texts
     assert "launch: process 1 of 3 (slot 1) started on host 1" in text, text
-    assert all(f"launch: host {i} of 3 connected to 127.0.0.1:{port}" in texts[i] for i in (1, 2)), texts
+    assert all(f"launch: host {i} of 3 connected to 127.0.0.1:{port}" in texts[n] for i, n in ((1, 1), (2, 2), (2, 3)))
+    assert "launch: host 2 of 3 connected again; its processes rejoin at the next checkpoint" in text, text
+    # --mesh-outer data=3 on 3 processes before and after, no effect on one (data=2 on 2: the unit test below)
+    assert text.count("axes crossing processes: data (over 3)") == 2, text
+    assert "note: one process, so --mesh-outer has no effect" in texts[1], texts[1]
     restarts = [line for line in text.splitlines() if line.startswith("launch: restart")]
     assert len(restarts) == 2, text
     assert "lost process 0 (slot 0, killed by SIGKILL)" in restarts[0], restarts
@@ -192,8 +203,10 @@ def test_three_hosts_lose_process_0_then_another_while_restarting_then_grow_back
         awaited = resumed
     grow = re.findall(r"^launch: growing back to 3 processes at step (\d+)$", text, re.M)
     assert len(grow) == 1 and awaited < int(grow[0]) < REJOIN_STEPS, text
-    after = text.split("growing back", 1)[1]
+    after = text.split("growing back to 3", 1)[1]
     assert re.search(r"^launch: process 0 of 3 \(slot 0\) started", after, re.M), text
+    assert "launch: process 2 of 3 (slot 2) started on host 2" in after, text
+    assert re.search(r"^launch: process 2 of 3 \(slot 2\) started, pid", texts[3], re.M), texts[3]
     assert all("Traceback" not in t.split(restarts[-1], 1)[-1] for t in texts), texts
 
     assert_one_record_per_step_with_the_reference_losses(run_dir, reference, REJOIN_STEPS)
@@ -219,6 +232,26 @@ def test_the_layout_is_chosen_for_the_processes_left(corpus):
     count, mesh, refusals = choose(fixed, 1, 1)
     assert (count, mesh) == (0, "") and len(refusals) == 1, refusals
     assert refusals[0].startswith("1 process: --mesh 'data=2,fsdp=2': the sizes multiply to 4 but JAX sees 2"), refusals
+
+
+def test_mesh_outer_is_re_derived_for_the_processes_left(corpus):
+    """--mesh data=-1,fsdp=2 --mesh-outer data=2,fsdp=2 on 4 processes of 2 devices: fsdp keeps spanning 2
+    processes and data spans what is left (1 of 2 processes); 3 processes are refused (fsdp's 2 do not divide
+    them), checked once, when the launcher starts."""
+    flags = ["--model", "test", "--cpu-devices", "2", "--mesh", "data=-1,fsdp=2", "--batch-size", "24"]
+    flags += ["--mesh-outer", "data=2,fsdp=2"]
+    config = cli.parse([*flags, "--data", str(corpus)])
+    launcher = Launcher(LaunchConfig(4, min_processes=2), flags, config)
+    assert launcher.choose(3) == (
+        2,
+        "data=2,fsdp=2",
+        ["3 processes: --mesh-outer data=2,fsdp=2: the axes other than data span 2 processes, which does not "
+         "divide 3 processes"],
+    )  # fmt: skip
+    assert set(launcher.layouts) == {3, 2}
+    assert launcher.process_argv(4, False) == flags
+    assert launcher.process_argv(2, True) == [*flags[:-2], "--resume", "--mesh-outer", "fsdp=2"]
+    assert outer_for(config, 1, 4) == config.parallelism.outer  # one process: the flag has no effect
 
 
 def test_launcher_flags_are_checked_and_kept_from_the_processes(corpus):

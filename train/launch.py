@@ -16,15 +16,21 @@ carry over; the mesh's ``-1`` axis is re-derived for the devices left (`train.co
 layout on the devices left (`train.config.resolve_mesh`, `train.checks.validate`,
 `train.fit.check_estimate`) and, when it does not fit, tries fewer processes (down to
 ``--min-processes``); when nothing fits it says so and, with ``--rejoin``, waits for the lost processes
-to come back. With ``--rejoin`` a lost process's slot is started again at the next checkpoint boundary:
-the launcher asks the running processes to stop (SIGTERM: they finish the step in flight and save) once
-a newer checkpoint than the one they resumed from is complete, and restarts on every slot.
+to come back. Those checks run once per process count, all of them before the first start, so a restart
+does not wait for them; ``--mesh-outer`` is re-derived for the new count (`outer_for`). The training
+processes share JAX's persistent compilation cache in the run folder (`COMPILATION_CACHE`), so a restart on
+a process count seen before loads its step instead of compiling it. With ``--rejoin`` a lost process's
+slot is started again at the next checkpoint boundary: the launcher asks the running processes to stop
+(SIGTERM: they finish the step in flight and save) once a newer checkpoint than the one they resumed from
+is complete, and restarts on every slot.
 
 Several hosts: one launcher per host, each reading its place from SLURM's, torchrun's or a JobSet's
 environment (`train.hosts.placement`). The launcher on host 0 hosts the service and runs the loop above for
 every host's slots (slot ``s`` on host ``s // --local-processes``); the others connect to it at
 ``--launch-port`` (`gather_hosts`), start the processes it asks for and report their ends (`follow`,
-`RemoteHost`), so the launchers agree on every restart because one decides.
+`RemoteHost`), so the launchers agree on every restart because one decides. A host whose launcher goes away
+loses its processes; with ``--rejoin`` host 0 keeps listening, and a launcher started on that host again
+takes its place (`admit_returning`): its slots rejoin at the next checkpoint boundary.
 
 Each restart is one line: what was lost, the step resumed, the old and new mesh, the steps recomputed.
 Exit status: 0 when training finished; the training processes' own status for a non-finite loss (1)
@@ -38,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import signal
 import subprocess
@@ -69,6 +76,13 @@ GIVEN_BY_LAUNCHER = ("--coordinator", "--num-processes", "--process-id", "--exte
 GROUP = "elastic launcher (python -m train.launch)"
 DEFAULT_LAUNCH_PORT = 29431
 """The launchers' meeting port on host 0 when neither ``--launch-port`` nor ``MASTER_PORT`` gives one."""
+HELLO_TIMEOUT = 30.0
+"""Seconds host 0 waits for a connecting launcher's first line."""
+COMPILATION_CACHE = "compile-cache"
+"""The folder in ``--run-dir`` where the training processes keep JAX's persistent compilation cache, unless
+``JAX_COMPILATION_CACHE_DIR`` names another: a restart on a process count the job has run on before loads its
+compiled programs instead of compiling them again (the run folder is shared by the hosts, as the checkpoints
+need, so every process finds what process 0 wrote)."""
 DOCUMENTED_GROUPS = (GROUP,)
 """The flags docs/flags.md lists under this command (the others are python -m train.train's)."""
 
@@ -218,9 +232,39 @@ def mesh_text(shape: dict[str, int]) -> str:
     return ",".join(f"{a}={n}" for a, n in shape.items() if n != 1) or "data=1"
 
 
-def layout_for(config, processes: int) -> str:
-    """The mesh ``config`` resolves to on ``processes`` processes of ``--cpu-devices`` devices each, checked as
-    the training processes will check it before any device work.
+def outer_for(config, processes: int, total: int | None = None) -> dict[str, int] | None:
+    """``--mesh-outer`` for ``processes`` processes (None when it is not given).
+
+    The processes of a restart keep their devices, so each axis keeps its part inside a process and only the
+    mesh's ``-1`` axis changes size: its part across processes becomes what the other axes' parts leave of
+    ``processes`` (``data=-1,fsdp=2 --mesh-outer data=3`` on 3 processes -> ``data=2`` on 2). On ``total``
+    processes (the job's first layout) and on one process (where it has no effect) it is the flag as given.
+
+    Raises:
+      ValueError: The other axes' parts across processes do not divide ``processes``.
+    """
+    from sharding.mesh import format_mesh
+
+    given = config.parallelism.outer
+    if given is None or processes in (total, 1):
+        return None if given is None else dict(given)
+    fill = next((a for a, n in config.parallelism.mesh_shape.items() if n == -1), None)
+    outer = dict(given)
+    if fill is None:  # no axis can change size: the mesh check refuses other device counts
+        return outer
+    rest = math.prod(n for a, n in outer.items() if a != fill)
+    if processes % rest:
+        raise ValueError(
+            f"--mesh-outer {format_mesh(given)}: the axes other than {fill} span {rest} processes, which does not "
+            f"divide {processes} processes"
+        )
+    outer[fill] = processes // rest
+    return outer
+
+
+def layout_for(config, processes: int, total: int | None = None) -> str:
+    """The mesh ``config`` resolves to on ``processes`` processes of ``--cpu-devices`` devices each (of ``total``
+    at the start: see `outer_for`), checked as the training processes will check it before any device work.
 
     Returns:
       The mesh as ``data=2,fsdp=2``, or a phrase when the processes decide it themselves (``--plan auto``,
@@ -234,6 +278,7 @@ def layout_for(config, processes: int) -> str:
     from train.config import resolve_mesh
     from train.tokenizer import load_tokenizer
 
+    outer = outer_for(config, processes, total)
     if config.cluster.plan == "auto":
         return "planned by --plan auto"
     if config.cluster.cpu_devices is None:
@@ -243,19 +288,27 @@ def layout_for(config, processes: int) -> str:
     tokenizer = load_tokenizer(config.data.tokenizer, config.data.eod_token)
     validate(resolved, devices, tokenizer)
     fit.check_estimate(resolved)
+    if outer is not None and processes > 1:
+        from sharding.mesh import split_outer_inner
+
+        split_outer_inner(resolved.parallelism.mesh_shape, processes, config.cluster.cpu_devices, outer)
     return mesh_text(resolved.parallelism.mesh_shape)
 
 
-def choose(config, available: int, least: int) -> tuple[int, str, list[str]]:
-    """The most processes, from ``available`` down to ``least``, whose layout fits (`layout_for`).
+def choose(
+    config, available: int, least: int, layout: Callable[[int], str] | None = None
+) -> tuple[int, str, list[str]]:
+    """The most processes, from ``available`` down to ``least``, whose layout fits (``layout``: count -> mesh,
+    raising ValueError; `layout_for` by default).
 
     Returns:
       ``(processes, mesh, refusals)``: processes 0 when none fits; one reason per count refused.
     """
+    layout = layout or (lambda count: layout_for(config, count))
     refusals = []
     for count in range(available, least - 1, -1):
         try:
-            return count, layout_for(config, count), refusals
+            return count, layout(count), refusals
         except ValueError as e:
             refusals.append(f"{count} process{'es' if count > 1 else ''}: {e}")
     return 0, "", refusals
@@ -326,13 +379,40 @@ class Launcher:
         self.failures: list[str] = []
         self.stopping = False
         self.current: Generation | None = None
+        self.layouts: dict[int, str] = {}
+        """Process count -> its mesh, or the reason it does not fit (``error: ...``): `layout`'s checks, made once
+        (a restart changes only the checkpoint flags, which no check reads)."""
+
+    def layout(self, processes: int) -> str:
+        """`layout_for` on ``processes`` processes, checked once per count (`layouts`).
+
+        Raises:
+          ValueError: That count does not fit (the check's one line).
+        """
+        if processes not in self.layouts:
+            try:
+                self.layouts[processes] = layout_for(self.config, processes, self.launch.total_processes)
+            except ValueError as e:
+                self.layouts[processes] = f"error: {e}"
+        found = self.layouts[processes]
+        if found.startswith("error: "):
+            raise ValueError(found.removeprefix("error: "))
+        return found
+
+    def choose(self, available: int) -> tuple[int, str, list[str]]:
+        """`choose` over the cached checks, from ``available`` processes down to ``--min-processes``."""
+        return choose(self.config, available, self.launch.min_processes, self.layout)
 
     def run(self) -> int:
         """Trains to the end through lost processes; returns the exit status."""
         slots, lost_slots, resume = list(range(self.launch.total_processes)), [], self.config.checkpoint.resume
-        count, mesh, _ = choose(self.config, len(slots), len(slots))
-        if count == 0:  # the first layout is the user's: refuse it as train.train would
-            layout_for(self.config, len(slots))
+        mesh = self.layout(len(slots))  # the first layout is the user's: refused as train.train would refuse it
+        count = len(slots)
+        for fewer in range(count - 1, self.launch.min_processes - 1, -1):  # checked now, not while restarting
+            try:
+                self.layout(fewer)
+            except ValueError:
+                pass
         previous, restart = None, False
         while not self.stopping:
             resumed = self.newest() if resume else None
@@ -349,7 +429,7 @@ class Launcher:
                 self.log(f"launch: growing back to {len(detail)} processes at step {self.newest()}")
                 slots, lost_slots, resume, restart, previous = detail, [], True, True, None
                 self.config = resumed_config(self.config)
-                count, mesh, refusals = choose(self.config, len(slots), self.launch.min_processes)
+                count, mesh, refusals = self.choose(len(slots))
                 if count == 0:
                     return self.no_fit(len(slots), refusals)
                 continue
@@ -364,14 +444,14 @@ class Launcher:
                 )
                 return RESTARTS_EXHAUSTED
             self.config = resumed_config(self.config)
-            count, mesh, refusals = choose(self.config, len(slots), self.launch.min_processes)
+            count, mesh, refusals = self.choose(len(slots))
             if count == 0 and self.launch.rejoin and lost_slots:
                 self.log(
                     f"launch: nothing fits {len(slots)} process(es) ({'; '.join(refusals) or 'below --min-processes'}); "
                     f"waiting for process(es) {', '.join(map(str, lost_slots))} to rejoin"
                 )
                 slots, lost_slots = sorted(slots + [s for s in lost_slots if self.reachable(s)]), []
-                count, mesh, refusals = choose(self.config, len(slots), self.launch.min_processes)
+                count, mesh, refusals = self.choose(len(slots))
             if count == 0:
                 return self.no_fit(len(slots), refusals)
             resume, restart, previous = True, True, (gen, words)
@@ -397,6 +477,18 @@ class Launcher:
             f"{recomputed} step(s) recomputed (last recorded step {reached if reached is not None else 0})"
         )
 
+    def cache_env(self) -> dict[str, str]:
+        """The training processes' persistent compilation cache (`COMPILATION_CACHE`), unless this launcher's
+        environment names one."""
+        if "JAX_COMPILATION_CACHE_DIR" in os.environ:
+            return {}
+        return {
+            "JAX_COMPILATION_CACHE_DIR": str(Path(self.config.checkpoint.run_dir) / COMPILATION_CACHE),
+            # every program, not only those compiling for over a second (JAX's default): a restart also runs the
+            # evaluation step and the small programs of start-up and restore
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        }
+
     def newest(self) -> int:
         """The newest verified checkpoint step (0 when there is none or the folder does not read)."""
         from checkpoints.verify import latest_verified_step
@@ -406,6 +498,21 @@ class Launcher:
         except Exception:  # a damaged folder: the training processes will say which step and why
             return 0
 
+    def process_argv(self, processes: int, restart: bool) -> list[str]:
+        """The flags of each of ``processes`` training processes (before the launcher's own): the user's, with
+        ``--resume`` from the newest verified step on a ``restart`` and ``--mesh-outer`` re-derived for
+        ``processes`` (`outer_for`)."""
+        argv = self.argv
+        if restart:
+            argv = strip_flags(argv, {"--resume-step": True, "--discard-later": False})
+            argv += [] if "--resume" in argv else ["--resume"]
+        outer = outer_for(self.config, processes, self.launch.total_processes)
+        if outer is not None and outer != dict(self.config.parallelism.outer):
+            from sharding.mesh import format_mesh
+
+            argv = strip_flags(argv, {"--mesh-outer": True}) + ["--mesh-outer", format_mesh(outer)]
+        return argv
+
     def start(self, slots: list[int], mesh: str, resumed: int | None, restart: bool) -> Generation:
         """Starts the service and one training process per slot (process ids 0..len(slots)-1): the first time
         with the user's flags, on a ``restart`` with ``--resume`` from the newest verified step (resumed)."""
@@ -413,11 +520,8 @@ class Launcher:
 
         port = free_port()
         service = start_service(port, len(slots), self.config.cluster.dist_timeout)
-        env = child_env(os.environ)
-        argv = self.argv
-        if restart:
-            argv = strip_flags(argv, {"--resume-step": True, "--discard-later": False})
-            argv += [] if "--resume" in argv else ["--resume"]
+        env = self.cache_env() | child_env(os.environ)  # a variable this environment sets stays
+        argv = self.process_argv(len(slots), restart)
         children = []
         for index, slot in enumerate(slots):
             command = [
@@ -435,12 +539,14 @@ class Launcher:
             ]
             host = slot // self.launch.local_processes
             if host in self.remotes:
-                children.append(self.remotes[host].start(slot, command))
+                children.append(self.remotes[host].start(slot, command, self.cache_env()))
                 self.log(f"launch: process {index} of {len(slots)} (slot {slot}) started on host {host}")
                 continue
             children.append(subprocess.Popen(command, env=env, preexec_fn=_die_with_parent))
             self.log(f"launch: process {index} of {len(slots)} (slot {slot}) started, pid {children[-1].pid}")
         self.current = Generation(slots, mesh, service, children, resumed)
+        if self.stopping:  # SIGTERM came while they were being started (`terminate` saw no generation yet)
+            self.terminate(signal.SIGTERM, None)
         return self.current
 
     def watch(self, gen: Generation):
@@ -551,11 +657,13 @@ class RemoteHost:
         except OSError:
             self._lose()
 
-    def start(self, slot: int, command: list[str]) -> RemoteChild:
+    def start(self, slot: int, command: list[str], env: dict[str, str]) -> RemoteChild:
+        """Starts ``command`` in ``slot`` there, with ``env`` added to that host's environment where it does not
+        set those variables itself."""
         child = self.children[slot] = RemoteChild(self, slot)
         if not self.alive:
             child.returncode = -signal.SIGKILL
-        self.send({"op": "start", "slot": slot, "command": command})
+        self.send({"op": "start", "slot": slot, "command": command, "env": env})
         return child
 
     def _read(self) -> None:
@@ -604,7 +712,8 @@ class RemoteChild:
 
 
 def gather_hosts(launch: LaunchConfig, timeout: float, log: Callable[[str], None]) -> dict[int, RemoteHost]:
-    """On host 0: waits for every other host's launcher to connect to ``--launch-port``.
+    """On host 0: waits for every other host's launcher to connect to ``--launch-port``. With ``--rejoin`` it
+    keeps listening afterwards (`admit_returning`): a host whose launcher is started again takes its place.
 
     Raises:
       RuntimeError: A host did not connect within ``timeout`` seconds (``--dist-timeout``), or said an index
@@ -628,23 +737,71 @@ def gather_hosts(launch: LaunchConfig, timeout: float, log: Callable[[str], None
                 sock, _ = server.accept()
             except TimeoutError:
                 continue
-            sock.settimeout(None)
-            hello = json.loads(sock.makefile("r").readline() or "{}")
-            index = hello.get("host")
-            if not isinstance(index, int) or not 0 < index < launch.hosts or index in remotes:
+            index = _hello(sock, launch)
+            if index in remotes:
                 sock.close()
-                raise RuntimeError(f"a launcher said it is host {index!r}; expected one of 1..{launch.hosts - 1}")
-            if hello.get("local_processes") != launch.local_processes:
-                sock.close()
-                raise RuntimeError(
-                    f"host {index} runs --local-processes {hello.get('local_processes')}, host 0 "
-                    f"{launch.local_processes}: give every launcher the same flags"
-                )
+                raise RuntimeError(f"two launchers said they are host {index}; give each host its own index")
             remotes[index] = RemoteHost(sock, index)
             log(f"launch: host {index} of {launch.hosts} connected")
-    finally:
+    except BaseException:
         server.close()
+        raise
+    if not launch.rejoin:
+        server.close()
+        return remotes
+    import threading
+
+    threading.Thread(
+        target=admit_returning, args=(server, launch, remotes, log), name="launch-admit", daemon=True
+    ).start()
     return remotes
+
+
+def _hello(sock, launch: LaunchConfig) -> int:
+    """Reads a connecting launcher's first line and returns its host index.
+
+    Raises:
+      RuntimeError: An index outside the job, or other flags than this launcher's (the socket is closed).
+    """
+    sock.settimeout(HELLO_TIMEOUT)
+    hello = json.loads(sock.makefile("r").readline() or "{}")
+    sock.settimeout(None)
+    index = hello.get("host")
+    if not isinstance(index, int) or not 0 < index < launch.hosts:
+        sock.close()
+        raise RuntimeError(f"a launcher said it is host {index!r}; expected one of 1..{launch.hosts - 1}")
+    if hello.get("local_processes") != launch.local_processes:
+        sock.close()
+        raise RuntimeError(
+            f"host {index} runs --local-processes {hello.get('local_processes')}, host 0 "
+            f"{launch.local_processes}: give every launcher the same flags"
+        )
+    return index
+
+
+def admit_returning(server, launch: LaunchConfig, remotes: dict[int, RemoteHost], log: Callable[[str], None]) -> None:
+    """On host 0 with ``--rejoin``, for the rest of the job: a launcher started again on a host whose launcher
+    went away takes that host's place in ``remotes``, so its slots are reachable again and the job grows back
+    onto them at the next checkpoint boundary (`Launcher.watch`). A launcher for a host still connected, or
+    with other flags, is turned away with one line."""
+    while True:
+        try:
+            sock, _ = server.accept()
+        except TimeoutError:
+            continue
+        except OSError:  # the server was closed
+            return
+        try:
+            index = _hello(sock, launch)
+        except (RuntimeError, OSError, ValueError) as e:
+            log(f"launch: turned a connecting launcher away: {e}")
+            continue
+        if index in remotes and remotes[index].alive:
+            sock.close()
+            log(f"launch: turned away a second launcher for host {index}: its first is still connected")
+            continue
+        remotes[index] = RemoteHost(sock, index)
+        log(f"launch: host {index} of {launch.hosts} connected again; its processes rejoin at the next checkpoint")
 
 
 def follow(launch: LaunchConfig, timeout: float, log: Callable[[str], None]) -> int:
@@ -690,7 +847,8 @@ def follow(launch: LaunchConfig, timeout: float, log: Callable[[str], None]) -> 
                 line, buffer = buffer.split(b"\n", 1)
                 message = json.loads(line)
                 if message["op"] == "start":
-                    child = subprocess.Popen(message["command"], env=env, preexec_fn=_die_with_parent)
+                    extra = {k: v for k, v in message.get("env", {}).items() if k not in env}
+                    child = subprocess.Popen(message["command"], env=env | extra, preexec_fn=_die_with_parent)
                     children[message["slot"]] = child
                     index = message["command"][message["command"].index("--process-id") + 1]
                     count = message["command"][message["command"].index("--num-processes") + 1]
@@ -763,7 +921,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             code = launcher.run()
             return code
         finally:
-            for remote in remotes.values():
+            for remote in list(remotes.values()):
                 remote.send({"op": "end", "code": code})
     except (ValueError, FileNotFoundError, RuntimeError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
