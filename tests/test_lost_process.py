@@ -194,7 +194,7 @@ _WRITES = r"""
 import os, sys
 from train.distributed import GLOO_CONNECTED, close_output_filters, drop_output_lines
 print("before", flush=True)
-drop_output_lines(GLOO_CONNECTED, b"[Gloo] ")
+drop_output_lines(*GLOO_CONNECTED)
 # as gloo's C++ writes them: straight to descriptor 1, below Python's sys.stdout
 os.write(1, b"[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1\n")
 print("a line of ours", flush=True)
@@ -203,6 +203,10 @@ os.write(1, b"ected to 3 peer ranks. Expected number of connected peer ranks is 
 os.write(1, b"[Gloo] Rank ")  # gloo's threads write in pieces: one line inside another
 os.write(1, b"[Gloo] Rank 3 is connected to 7 peer ranks. Expected number of connected peer ranks is : 7\n")
 os.write(1, b"2 is connected to 7 peer ranks. Expected number of connected peer ranks is : 7\n")
+for piece in (b"[Gloo] Rank ", b"[Gloo] Rank ", b"0", b"0", b" is connected to ", b" is connected to ", b"1", b"1",
+              b" peer ranks. ", b" peer ranks. ", b"Expected number of connected peer ranks is : ",
+              b"Expected number of connected peer ranks is : ", b"1", b"1", b"\n", b"\n"):
+    os.write(1, piece)  # two threads' lines interleaved piece by piece, as seen in a two-process run
 os.write(1, b"progress 50%\r")
 print("error line", file=sys.stderr, flush=True)
 sys.stdout.write("no newline at the end")

@@ -60,10 +60,13 @@ LOOPBACK_NAMES = ("localhost", "ip6-localhost", "ip6-loopback")
 LOST_PROCESS_EXIT = 3  # exit status of a survivor that lost a peer (1: non-finite loss, 2: bad input/failed save)
 _BEAT_KEY = "meshwork/beat/"
 _DONE_KEY = "meshwork/done/"
-GLOO_CONNECTED = re.compile(
-    rb"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. Expected number of connected peer ranks is : \d+\n"
+GLOO_CONNECTED = (
+    b"[Gloo] Rank ",
+    (b" is connected to ", b" peer ranks. ", b"Expected number of connected peer ranks is : "),
 )
-"""gloo's connection line, written to standard output for each group of devices that first exchanges data."""
+"""gloo's connection line, ``[Gloo] Rank R is connected to P peer ranks. Expected number of connected peer
+ranks is : P``, as its opening and the fixed pieces after it (numbers and the newline between), written to
+standard output for each group of devices that first exchanges data."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,7 +189,7 @@ def initialize(config: DistributedConfig) -> str:
             )
         _default_sigterm()
         if config.num_processes > 1:
-            drop_output_lines(GLOO_CONNECTED, b"[Gloo] ")
+            drop_output_lines(*GLOO_CONNECTED)
         _check_loopback_single_host(config)
         hosted = " (service outside the training processes)" if config.external else ""
         return f"process {config.process_id} of {config.num_processes}, coordinator {config.coordinator}{hosted}"
@@ -196,7 +199,7 @@ def initialize(config: DistributedConfig) -> str:
     jax.distributed.initialize(initialization_timeout=config.timeout, **timeouts)
     _default_sigterm()
     if jax.process_count() > 1:
-        drop_output_lines(GLOO_CONNECTED, b"[Gloo] ")
+        drop_output_lines(*GLOO_CONNECTED)
     return f"process {jax.process_index()} of {jax.process_count()} (detected by JAX from {cluster})"
 
 
@@ -216,7 +219,7 @@ def _default_sigterm() -> None:
 
 
 class LineFilter:
-    """Passes every byte written to a file descriptor through, in order, except whole lines that match a pattern.
+    """Passes every byte written to a file descriptor through, in order, except the lines of one C++ message.
 
     gloo, as bundled in jaxlib, prints ``[Gloo] Rank R is connected to P peer ranks. Expected number of
     connected peer ranks is : P`` for each group of devices that first exchanges data (a dozen per process in
@@ -224,11 +227,12 @@ class LineFilter:
     switch to silence it (``GLOO_LOG_LEVEL`` does not reach it). The lines come while the run compiles and
     runs its first collectives, not only inside ``jax.distributed.initialize``, so the filter stays for the
     life of the process: ``fd`` is pointed at a pipe, and a daemon thread copies what arrives to the
-    original descriptor, dropping every occurrence of ``pattern``. gloo's threads write their line in pieces,
-    so one line can arrive inside another; removing the inner one joins the outer, so removal repeats until
-    nothing matches. Everything else passes at once, in order (a prompt, a progress bar's carriage return),
-    except a line to drop not yet finished (``head`` not yet followed by a newline) or an end that could
-    still become ``head``, which wait for the bytes that decide.
+    original descriptor. Several gloo threads write their lines at once, piece by piece, so the pieces of
+    two lines interleave (``[Gloo] Rank [Gloo] Rank 00 is connected to  is connected to 11 ...``): a line
+    cannot be matched whole. The filter therefore reads a *burst*: from an ``opening``, it drops the fixed
+    ``pieces``, numbers, further openings and newlines until it has seen as many newlines as openings; any
+    other byte inside a burst is passed on. Outside a burst everything passes at once (a prompt, a progress
+    bar's carriage return); only a piece cut by the end of what the pipe gave so far waits for the next read.
 
     `close` (at exit, and before `os._exit`) points ``fd`` back at the original and copies what is left
     in the pipe. What a C++ abort of the process leaves in the pipe is lost: a line at most, as the thread
@@ -236,13 +240,15 @@ class LineFilter:
 
     Args:
       fd: The descriptor (1: standard output).
-      pattern: A compiled bytes regular expression of one whole line to drop, its newline included.
-      head: What every line to drop begins with: an unfinished line is held back only while it could still
-        begin so.
+      opening: What each line to drop begins with (``b"[Gloo] Rank "``).
+      pieces: The fixed text after the opening, between the numbers.
     """
 
-    def __init__(self, fd: int, pattern: re.Pattern[bytes], head: bytes):
-        self.fd, self.pattern, self.head = fd, pattern, head
+    def __init__(self, fd: int, opening: bytes, pieces: tuple[bytes, ...]):
+        self.fd, self.opening = fd, opening
+        self._fixed = (opening, *pieces, b"\n")
+        self._token = re.compile(b"|".join(re.escape(t) for t in self._fixed) + rb"|\d+")
+        self._open = 0  # lines of the current burst not yet ended by their newline
         self._saved: int | None = None
         self._read: int | None = None
         self._thread: threading.Thread | None = None
@@ -267,34 +273,45 @@ class LineFilter:
                 chunk = b""
             if not chunk:
                 break
-            text = self._drop(held + chunk)
-            cut = self._held_from(text)
-            self._write(text[:cut])
-            held = text[cut:]
-        self._write(self._drop(held))
+            out, held = self.filter(held + chunk, final=False)
+            self._write(out)
+        self._write(self.filter(held, final=True)[0])
 
-    def _drop(self, text: bytes) -> bytes:
-        """``text`` without the lines to drop. Several C++ threads write gloo's line in pieces, so one line
-        can arrive inside another (``[Gloo] Rank [Gloo] Rank 3 ... : 7\n2 is connected ...``): removing the
-        inner one joins the outer one, so removal repeats until nothing matches."""
-        while True:
-            shorter = self.pattern.sub(b"", text)
-            if shorter == text:
-                return text
-            text = shorter
-
-    def _held_from(self, text: bytes) -> int:
-        """Where the part of ``text`` to hold back begins: an unfinished line to drop (``head`` not yet
-        followed by a newline), or an end that could still become ``head``; ``len(text)`` when none."""
-        start = text.find(self.head)
-        while start >= 0:
-            if b"\n" not in text[start:]:
-                return start
-            start = text.find(self.head, start + 1)
-        for k in range(min(len(self.head) - 1, len(text)), 0, -1):
-            if text.endswith(self.head[:k]):
-                return len(text) - k
-        return len(text)
+    def filter(self, text: bytes, final: bool) -> tuple[bytes, bytes]:
+        """``(what to pass on, what to hold for the next read)`` of ``text``; with ``final`` nothing is held."""
+        out, i, n = bytearray(), 0, len(text)
+        while i < n:
+            if not self._open:
+                j = text.find(self.opening, i)
+                if j < 0:
+                    k = next(
+                        (
+                            n - k
+                            for k in range(min(len(self.opening) - 1, n - i), 0, -1)
+                            if text.endswith(self.opening[:k])
+                        ),
+                        n,
+                    )  # an end that may become the opening
+                    out += text[i:k]
+                    return (bytes(out), text[k:]) if not final else (bytes(out + text[k:]), b"")
+                out += text[i:j]
+                i, self._open = j + len(self.opening), 1
+                continue
+            rest = text[i:]
+            m = self._token.match(text, i)
+            if not final and (
+                (m and m.end() == n) or any(t.startswith(rest) for t in self._fixed if len(t) > len(rest))
+            ):
+                return bytes(out), rest  # a piece (or number) cut by the end of this read
+            if m:
+                token = m.group()
+                self._open += token == self.opening
+                self._open -= token == b"\n"
+                i = m.end()
+            else:  # something else inside a burst: pass it on
+                out += text[i : i + 1]
+                i += 1
+        return bytes(out), b""
 
     def _write(self, data: bytes) -> None:
         while data:
@@ -323,14 +340,15 @@ class LineFilter:
 _FILTERS: list[LineFilter] = []
 
 
-def drop_output_lines(pattern: re.Pattern[bytes], head: bytes) -> LineFilter:
-    """Drops standard output's lines that match ``pattern`` for the rest of the process (`LineFilter`); the
-    filter is closed at exit (and by `close_output_filters` before `os._exit`)."""
+def drop_output_lines(opening: bytes, pieces: tuple[bytes, ...]) -> LineFilter:
+    """Drops standard output's lines of one C++ message (`LineFilter`: ``opening``, then ``pieces`` between
+    numbers) for the rest of the process; the filter is closed at exit (and by `close_output_filters` before
+    `os._exit`)."""
     import atexit
 
     if not _FILTERS:
         atexit.register(close_output_filters)
-    line_filter = LineFilter(1, pattern, head).start()
+    line_filter = LineFilter(1, opening, pieces).start()
     _FILTERS.append(line_filter)
     return line_filter
 
