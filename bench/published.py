@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from models.config import get_config  # noqa: E402
 from models.spec import describe  # noqa: E402
 from sharding import devices, planner  # noqa: E402
+from sharding.devices.kinds import GIB  # noqa: E402
 from train.plan import given_layout  # noqa: E402
 
 MEGATRON_VOCAB, MEGATRON_SEQ = 51200, 2048
@@ -64,8 +65,9 @@ MEGATRON_TABLE_1 = [
     (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
 ]
 
-# (GPUs, local batch, tokens/s per GPU without torch.compile): torchtitan docs/performance.md, Llama 3.1 8B.
-TORCHTITAN_8B = [(8, 2, 5762), (128, 2, 5605)]
+# (GPUs, local batch, tokens/s per GPU without torch.compile, memory GiB as torchtitan reports it):
+# torchtitan docs/performance.md (2025-01 revision, runs of 2024-12), Tables 1 and 3, Llama 3.1 8B.
+TORCHTITAN_8B = [(8, 2, 5762, 82.4), (128, 2, 5605, 67.0)]
 LLAMA_31_8B = (
     "vocab_size=128256",
     "num_layers=32",
@@ -94,6 +96,8 @@ class Row:
       source: Where the figures come from.
       one_f_one_b_clock: How its 1F1B pipeline ran (`sharding.planner.PIPELINE_CLOCKS`): Megatron-LM's
         ``fused`` (each stage on its own), not meshwork's ``lockstep``.
+      published_memory: Device memory the run used, bytes, where the source gives it (torchtitan's reading,
+        GiB in its table); None where it does not.
     """
 
     name: str
@@ -105,6 +109,7 @@ class Row:
     published_seconds: float
     source: str
     one_f_one_b_clock: str = "lockstep"
+    published_memory: float | None = None
 
 
 def megatron_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:
@@ -163,11 +168,11 @@ def megatron_rows() -> list[Row]:
 
 def torchtitan_rows() -> list[Row]:
     h100_96 = dataclasses.replace(
-        devices.get_kind("h100"), name="h100_96gb", label="NVIDIA H100 SXM 96GB HBM2e", memory_bytes=96e9
+        devices.get_kind("h100"), name="h100_96gb", label="NVIDIA H100 SXM 96GB HBM2e", memory_bytes=96 * GIB
     )
     model = describe(get_config("7b", LLAMA_31_8B))
     rows = []
-    for gpus, local, tps in TORCHTITAN_8B:
+    for gpus, local, tps, gib in TORCHTITAN_8B:
         hosts = tuple(devices.Host(h100_96, 8, f"host{i}") for i in range(gpus // 8))
         inventory = devices.Inventory(hosts, GRAND_TETON_NETWORK)
         layout = f"--mesh fsdp={gpus} --rules fsdp --remat dots --attention flash --dtype bfloat16 --microbatches 1"
@@ -180,7 +185,8 @@ def torchtitan_rows() -> list[Row]:
                 TITAN_SEQ,
                 (layout,),
                 local * TITAN_SEQ / tps,
-                f"torchtitan docs/performance.md: {tps:,} tokens/s per GPU",
+                f"torchtitan docs/performance.md: {tps:,} tokens/s per GPU, {gib} GiB",
+                published_memory=gib * 2**30,
             )
         )
     return rows
@@ -217,13 +223,25 @@ def _parts(p: planner.Plan) -> str:
     )
 
 
+def _memory(p: planner.Plan) -> str:
+    """The predicted memory of the largest kind's device, GB, by part (`sharding.costmodel.Memory` fields),
+    against its usable limit (`sharding.planner.MEMORY_FRACTION` of the device)."""
+    kind = max(p.memory, key=p.memory.get)
+    parts = p.memory_parts.get(kind, {})
+    names = (("parameters", "params"), ("gradients", "grads"), ("optimizer", "adam"), ("activations", "saved"))
+    names += (("logits", "logits"), ("gathered", "gathered"))
+    shown = ", ".join(f"{short} {parts[name] / 1e9:.1f}" for name, short in names if parts.get(name))
+    return f"{p.memory[kind] / 1e9:.1f} of {p.memory_limit[kind] / 1e9:.1f} ({shown})"
+
+
 def table(rows: Sequence[Row], options: planner.PlanOptions, log=print) -> list[str]:
-    """Markdown lines: row, published step time, predicted, ratio, fits (memory of the largest kind), the
-    predicted breakdown (seconds) and the seconds the pricing took."""
+    """Markdown lines: row, published step time, predicted, ratio, fits, the predicted memory (GB, largest
+    kind, by part, against its usable limit) beside the published one where the source gives it, the predicted
+    breakdown (seconds) and the seconds the pricing took."""
     lines = [
-        "| row | layout (`--layout`) | published s | predicted s | predicted / published | fits (GB) | "
-        "predicted breakdown (s) | priced in s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| row | layout (`--layout`) | published s | predicted s | predicted / published | fits | "
+        "predicted memory GB (parts) | published memory GB | predicted breakdown (s) | priced in s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         t0 = time.perf_counter()
@@ -231,16 +249,16 @@ def table(rows: Sequence[Row], options: planner.PlanOptions, log=print) -> list[
         seconds = time.perf_counter() - t0
         if p is None:
             lines.append(
-                f"| {row.name} | {row.layouts[0]} | {row.published_seconds:.2f} | - | - | - | batch does "
+                f"| {row.name} | {row.layouts[0]} | {row.published_seconds:.2f} | - | - | - | - | - | batch does "
                 f"not split | {seconds:.1f} |"
             )
             continue
         short = text.replace(" --dtype bfloat16", "")  # every row's
-        gb = max(p.memory.values()) / 1e9
+        published_gb = f"{row.published_memory / 1e9:.1f}" if row.published_memory else "-"
         line = (
             f"| {row.name} | `{short}` | {row.published_seconds:.2f} | {p.step_time:.2f} | "
-            f"{p.step_time / row.published_seconds:.2f} | {'yes' if p.fits else 'no'} ({gb:.0f}) | {_parts(p)} | "
-            f"{seconds:.1f} |"
+            f"{p.step_time / row.published_seconds:.2f} | {'yes' if p.fits else 'no'} | {_memory(p)} | "
+            f"{published_gb} | {_parts(p)} | {seconds:.1f} |"
         )
         lines.append(line)
         log(line)

@@ -160,15 +160,25 @@ def _loss_elementwise(config: ModelConfig) -> tuple[Term, ...]:
 
 
 def _activations(config: ModelConfig) -> tuple[Term, ...]:
-    """What autodiff saves per token of one block without remat (elements; bytes None: compute dtype)."""
+    """What autodiff saves per token of one block without remat (elements; bytes None: compute dtype).
+
+    ``kept=("dot",)`` marks what ``remat="dots"`` keeps (`jax.checkpoint_policies.dots_with_no_batch_dims_saveable`):
+    the outputs of the products without batch dimensions that the backward pass reads, q, k, v, o, gate and up.
+    The score products have batch dimensions (batch, heads) and a Pallas kernel is no product, so the attention
+    output is recomputed; down's output feeds only the residual add, whose gradient reads no primal, so it is no
+    residual. Checked against the compiled step's temporaries per layer (``tests/test_costmodel.py``).
+    """
     d, f, n, k, h = config.embed_dim, config.mlp_dim, config.num_heads, config.num_kv_heads, config.head_dim
     return (
         Term(d, kept=("input",), what="block input"),
         Term(d, kept=("dot",), what="attention output projection"),
         Term(4 * d, what="norm outputs and residual branches"),
-        Term(2 * n * h, ax.HEADS, kept=("dot",), what="queries and the attention output"),
-        Term(4 * k * h, ax.KV_HEADS, kept=("dot",), what="keys and values (and their rotated copies)"),
-        Term(3 * f, ax.MLP, kept=("dot",), what="gate, up, hidden"),
+        Term(n * h, ax.HEADS, kept=("dot",), what="queries (the q product's output)"),
+        Term(n * h, ax.HEADS, what="the attention output (not a product without batch dimensions)"),
+        Term(2 * k * h, ax.KV_HEADS, kept=("dot",), what="keys and values (the k and v products' outputs)"),
+        Term(2 * k * h, ax.KV_HEADS, what="the rotated keys and the values as attention takes them"),
+        Term(2 * f, ax.MLP, kept=("dot",), what="gate and up (the products' outputs)"),
+        Term(f, ax.MLP, what="hidden, silu(gate) * up"),
         Term(2 * d, bytes=4, what="float32 copies inside the two RMSNorms"),
         Term(n, ax.HEADS, per_key=True, bytes=4, what="float32 softmax of the scores"),
         Term(1, per_key=True, bytes=1, what="the boolean mask"),

@@ -55,6 +55,30 @@ def test_large_messages_pay_the_bus_bandwidth():
     }
 
 
+def test_a_ring_across_hosts_leaves_each_host_once():
+    """A ring with g ranks on each host crosses the network at host boundaries only, on the host's NICs: its
+    bytes move at g x the device's share of the network (capped by NVLink); one rank per host keeps the
+    device's share; an all-to-all keeps it too. Figures by hand: A100 hosts of 8 with 200 GB/s of network
+    (25 GB/s a device), NVLink 300 GB/s one way, a 16 GB gather result (15 GB of wire bytes over 16 ranks)."""
+    hw, lat = _hw(), cm.NCCL_LATENCY
+    assert hw.inter_bandwidth == pytest.approx(25e9) and hw.intra_bandwidth == pytest.approx(300e9)
+    gather = cm.Comm("all-gather", ("fsdp",), 16, 16e9, 1, "x")
+    links = {"fsdp": "inter", "data": "inter"}
+    ring = lat["base"] + 14 * lat["ring_nvlink"] + 1 * lat["ring_net"]  # 2 hosts: one network step
+    assert cm.comm_seconds(gather, hw, links, {"fsdp": 8}) == pytest.approx(ring + 15e9 / 200e9)  # 0.075 s
+    two = ring - 14 * lat["ring_nvlink"] + 8 * lat["ring_nvlink"] + 6 * lat["ring_net"]  # 8 hosts of 2
+    assert cm.comm_seconds(gather, hw, links, {"fsdp": 2}) == pytest.approx(two + 15e9 / 50e9)
+    spread = lat["base"] + 15 * lat["ring_net"]  # one rank per host: the device's own 25 GB/s
+    assert cm.comm_seconds(gather, hw, links, {"fsdp": 1}) == pytest.approx(spread + 15e9 / 25e9)
+    fat = cm.hardware_for(A100, 8, 8 * 400e9)  # 400 GB/s a device: the ring runs at NVLink's 300 GB/s
+    assert cm.comm_seconds(gather, fat, links, {"fsdp": 8}) == pytest.approx(ring + 15e9 / 300e9)
+    reduce = cm.Comm("all-reduce", ("fsdp",), 16, 16e9, 1, "x")  # ring 2 x 15 GB, tree 2 x 16 GB: the ring
+    ring_ar = lat["base"] + 28 * lat["ring_nvlink"] + 2 * lat["ring_net"]
+    assert cm.comm_seconds(reduce, hw, links, {"fsdp": 8}) == pytest.approx(ring_ar + 30e9 / 200e9)
+    a2a = cm.Comm("all-to-all", ("fsdp",), 16, 16e9, 1, "x")
+    assert cm.comm_seconds(a2a, hw, links, {"fsdp": 8}) == pytest.approx(ring + 15e9 / 25e9)
+
+
 def test_fsdp_gathers_move_the_compute_dtype_on_gpu():
     """The GPU step gathers the bfloat16 copy of each weight (half the bytes of float32); a CPU compile
     upcasts bfloat16 collectives, so the CPU prediction keeps float32. Gradients stay float32 on both."""

@@ -69,6 +69,20 @@ def test_no_layout_of_the_grid_makes_the_partitioner_rematerialize():
     assert not warned, warned
 
 
+def test_saved_activations_per_layer_match_the_compiled_temporaries():
+    """What ``remat="dots"`` saves per layer, as the compiler allocates it: the step's temporaries grow with
+    each scanned layer by the layer's saved activations and its float32 gradient (``data=8``: the gradient
+    whole), to the byte: 1,024 tokens x (block input, q, k, v, o, gate, up: 1,280 float32 elements) and the
+    layer's 196,864 parameters. The attention output, the rotated keys and silu(gate) * up are recomputed."""
+    two, four = ((f"test+num_layers={n}", "data=8", "dp", 16, 512, 1, "dots") for n in (2, 4))
+    per_layer = (compiled_figures(four)["temp"] - compiled_figures(two)["temp"]) / 2
+    grown = [
+        getattr(predicted(four).memory, f) - getattr(predicted(two).memory, f) for f in ("activations", "gradients")
+    ]
+    assert per_layer == pytest.approx(sum(grown) / 2, rel=1e-3), (per_layer, grown)
+    assert grown[0] / 2 == 1024 * 1280 * 4 and grown[1] / 2 == 196864 * 4
+
+
 def test_cost_analysis_counts_a_loop_body_once():
     """What the cost model assumes of XLA: doubling the scanned layers doubles the folded products
     but leaves cost_analysis nearly unchanged (only the optimizer's share grows)."""

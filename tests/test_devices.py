@@ -51,8 +51,8 @@ def test_figures_are_in_plausible_ranges(kind):
     assert kind.memory_bandwidth > kind.intra_host_bandwidth
 
 
-def test_memory_sizes_match_the_names_in_decimal_gigabytes():
-    # GB here is the datasheet's decimal gigabyte: 1 GB = 1e9 bytes (not GiB).
+def test_memory_sizes_match_the_names_in_binary_gigabytes():
+    # A datasheet's memory "GB" is binary (DRAM comes in powers of two): 80 GB = 80 GiB, as CUDA reports it.
     expected_gb = {
         "h200_sxm": 141,
         "h100_sxm": 80,
@@ -67,11 +67,11 @@ def test_memory_sizes_match_the_names_in_decimal_gigabytes():
         "rtx4090": 24,
     }
     assert set(expected_gb) == set(dv.KINDS)
-    for name, gb in expected_gb.items():
-        assert dv.KINDS[name].memory_bytes == gb * 1e9, name
+    for name, gb in expected_gb.items():  # a datasheet's "80GB" of DRAM is 80 GiB
+        assert dv.KINDS[name].memory_bytes == gb * 2**30, name
     for name, kind in dv.KINDS.items():
         size = re.search(r"(\d+)GB", kind.label)
-        assert size and int(size.group(1)) * 1e9 == kind.memory_bytes, (name, kind.label)
+        assert size and int(size.group(1)) * 2**30 == kind.memory_bytes, (name, kind.label)
 
 
 def test_peak_orderings_between_generations():

@@ -586,7 +586,7 @@ def test_a_kind_given_no_work_is_said_so_with_the_memory_it_holds(capsys):
     ]
     assert plan_main(argv) == 0
     out = capsys.readouterr().out
-    assert "warning: the a100_80gb devices get no microbatches" in out and "66.9 GB each" in out
+    assert "warning: the a100_80gb devices get no microbatches" in out and "70.5 GB each" in out
     assert "the best listed plan that gives every kind work is #" in out
     best = planner.plan(
         describe(get_config("7b")),

@@ -124,7 +124,7 @@ def device_cost(
         pipe = _pipeline_of(model, layout, rules, shape)
         return _pipeline_cost(model, layout, rules, placed, shape, pipe, backend, batch_rows)
     flops, counted = _flops(model, layout, rules, placed, shape)
-    memory = _memory(model, layout, rules, placed, shape)
+    memory = _memory(model, layout, rules, placed, shape, backend)
     comms = tuple(
         c for c in _comms(model, layout, rules, placed, shape, backend, batch_rows) if c.group > 1 and c.count > 0
     )

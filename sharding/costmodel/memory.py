@@ -28,6 +28,7 @@ from sharding.costmodel.layout import (
     _Shape,
     attention_of,
 )
+from sharding.costmodel.partitioner import _fsdp_gather_bytes
 from sharding.modeldesc import ModelDescription
 from sharding.pipeline.storage import spread_over_stage, storage_axes
 from sharding.rules import Rules, logical_to_spec
@@ -47,7 +48,8 @@ class Memory:
         pass recomputes each layer).
       logits: float32 logits and their gradient for one microbatch (with pipeline stages: one run of
         the head's rows).
-      gathered: FSDP-gathered weights of one layer in flight (two buffers); with pipeline stages,
+      gathered: FSDP-gathered weights of one layer in flight (two buffers), in the dtype the gather moves
+        (`sharding.costmodel.partitioner._fsdp_gather_bytes`: the compute dtype on GPU); with pipeline stages,
         the stage's working copy gathered once per step, in the compute dtype, alive through the step.
       batch: The step's input batch on this device.
     """
@@ -109,7 +111,14 @@ def _held_pipeline_params(model: ModelDescription, rules: Rules, mesh_items: tup
     return held
 
 
-def _memory(model: ModelDescription, layout: Layout, rules: Rules, placed: dict[str, _Placed], s: _Shape) -> Memory:
+def _memory(
+    model: ModelDescription,
+    layout: Layout,
+    rules: Rules,
+    placed: dict[str, _Placed],
+    s: _Shape,
+    backend: str = "gpu",
+) -> Memory:
     params = _held_params(model, layout, rules, placed, s) * _PARAM_BYTES
     mesh = layout.mesh
     keys = s.seq if attention_of(model, layout).materialises_scores else 0.0
@@ -128,7 +137,8 @@ def _memory(model: ModelDescription, layout: Layout, rules: Rules, placed: dict[
     logits = 2 * s.tok * out.out_size / math.prod(_axis_split(model, a, rules, mesh) for a in out.out_axes) * 4
     gathered = 0.0
     if mesh[ax.FSDP] > 1:
-        gathered = 2 * sum(p.local * p.factor(ax.FSDP) for p in placed.values() if p.param.per_layer) * _PARAM_BYTES
+        one_layer = sum(p.local * p.factor(ax.FSDP) for p in placed.values() if p.param.per_layer)
+        gathered = 2 * one_layer * _fsdp_gather_bytes(layout, backend)  # as the gather moves them
     batch = _BATCH_FIELDS * s.rows * s.micro * s.seq / layout.length_split * _INT_BYTES
     grads = params
     if layout.uneven_batch:  # whole parameters and a whole gradient accumulator during the loop

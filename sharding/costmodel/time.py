@@ -181,10 +181,21 @@ class StepTime:
 def comm_seconds(comm: Comm, hw: Hardware, links: Mapping[str, str], shares: Mapping[str, int] | None = None) -> float:
     """Time of one collective's executions per step, as NCCL runs it (alpha-beta per algorithm).
 
-    Bytes: every rank sends the ring's wire bytes (`Comm.wire_bytes`, the bus bandwidth's bytes) over the
-    intra-host link, or, when the group crosses hosts, at its share of the host's network
-    (`Hardware.inter_bandwidth`). Latency, as NCCL's model counts it (`NCCL_LATENCY`): a group with ``g`` of
-    its ``n`` ranks on each host runs its ring through all of them, so ``n/g - 1`` of the ring's ``n - 1``
+    Bytes: every rank sends the ring's wire bytes (`Comm.wire_bytes`, the bus bandwidth's bytes: nccl-tests'
+    ``doc/PERFORMANCE.md``, busbw = algbw x (n-1)/n for all-gather and reduce-scatter, 2(n-1)/n for all-reduce,
+    "the speed of the hardware bottleneck") over the intra-host link. A group that crosses hosts runs its ring
+    through its ``g`` ranks on each host and leaves the host once per ring: each of NCCL's rings (channels)
+    crosses between hosts on its own NIC and NVLink spreads the traffic over them (NCCL's maintainers,
+    NVIDIA/nccl issue 601: "we can use NVLink to split the operations in N parts then balance the traffic onto
+    the N NICs"), so every edge of the ring, network ones included, carries the wire bytes once, and the
+    host's network is shared by the ``devices_per_host / g`` groups a host holds, not by its devices: a ring's
+    network bandwidth is ``g x`` `Hardware.inter_bandwidth` (the host's network over its devices), capped by
+    the intra-host link its other edges use. With one rank per host (``g = 1``) that is the device's own share
+    of the network. The tree all-reduce moves its bytes at the same bandwidth; an all-to-all and a
+    collective-permute (every rank to its own peers) get the device's share only.
+
+    Latency, as NCCL's model counts it (`NCCL_LATENCY`): a group with ``g`` of its ``n`` ranks on each host
+    runs its ring through all of them, so ``n/g - 1`` of the ring's ``n - 1``
     steps (twice both for an all-reduce) cross the network and the rest stay inside hosts. An all-reduce may
     instead run as a tree (NCCL's double binary tree: ``2 ((g-1) alpha_intra + log2(hosts) alpha_inter)``,
     twice the result's bytes), whichever is faster, as NCCL chooses: the tree's latency grows with the
@@ -213,6 +224,8 @@ def comm_seconds(comm: Comm, hw: Hardware, links: Mapping[str, str], shares: Map
     bandwidth = hw.inter_bandwidth
     if comm.kind == "collective-permute":
         return comm.count * (hw.base_latency + hw.inter_latency + comm.wire_bytes() / bandwidth)
+    if comm.kind != "all-to-all":  # a ring through the host's g ranks: the host's network over its groups
+        bandwidth = min(bandwidth * local, hw.intra_bandwidth)
     crossing = (2 if comm.kind == "all-reduce" else 1) * (hosts - 1)
     ring = hw.base_latency + (comm.steps() - crossing) * hw.intra_latency + crossing * hw.inter_latency
     seconds = ring + comm.wire_bytes() / bandwidth

@@ -105,14 +105,14 @@ class Inventory:
         """A fixed-width table of the hosts, their figures and the totals: one line per run of consecutive
         hosts of the same kind and size (all on the one inter-host network), named ``first..last`` with
         ``HOSTSxDEVICES`` devices, so a cluster of thousands of hosts prints a line per kind."""
-        header = ("host", "kind", "devices", "bf16 TFLOP/s", "memory GB", "mem GB/s", "intra GB/s")
+        header = ("host", "kind", "devices", "bf16 TFLOP/s", "memory GiB", "mem GB/s", "intra GB/s")
         rows = [header] + [
             (
                 run[0].name if len(run) == 1 else f"{run[0].name}..{run[-1].name}",
                 run[0].kind.name,
                 str(run[0].count) if len(run) == 1 else f"{len(run)}x{run[0].count}",
                 _fmt(run[0].kind.peak_bf16_flops, 1e12),
-                _fmt(run[0].kind.memory_bytes, 1e9),
+                _fmt(run[0].kind.memory_bytes, 2**30),
                 _fmt(run[0].kind.memory_bandwidth, 1e9),
                 _fmt(run[0].kind.intra_host_bandwidth, 1e9),
             )

@@ -5,8 +5,10 @@ as data with the document each figure comes from (`KINDS`); the names a user may
 (`ALIASES`, `get_kind`); the ``device_kind`` strings JAX reports (`kind_from_device_kind_string`);
 and the default network between hosts (`DEFAULT_INTER_HOST_BANDWIDTH`).
 
-Units everywhere: FLOP/s, bytes, bytes/s. Decimal prefixes: 1 GB = 1e9 bytes,
-1 TB/s = 1e12 bytes/s, 1 Gb/s = 1e9 bits/s = 0.125e9 bytes/s.
+Units everywhere: FLOP/s, bytes, bytes/s. Decimal prefixes for rates: 1 GB/s = 1e9 bytes/s,
+1 TB/s = 1e12 bytes/s, 1 Gb/s = 1e9 bits/s = 0.125e9 bytes/s. Memory capacities are binary: a datasheet's
+"80GB" of HBM is 80 GiB (`GIB`; DRAM dies come in powers of two: five 16 GiB stacks), which is what the
+device reports (CUDA's deviceQuery on an A100 "40GB": 42,405,855,232 bytes, 39.5 GiB usable of 40 GiB).
 
 Bandwidth conventions:
 
@@ -30,7 +32,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-GB = 1e9  # bytes; datasheets use decimal gigabytes
+GB = 1e9  # bytes; datasheets' rates (GB/s) are decimal
+GIB = float(2**30)  # bytes; datasheets' memory capacities ("80GB" of HBM) are binary
 TB = 1e12
 TFLOPS = 1e12
 
@@ -109,12 +112,12 @@ class DeviceKind:
 
 
 def _kind(name, label, tflops, memory_gb, memory_tb_s, intra_gb_s_bidirectional, source):
-    """Builds a table entry from datasheet units (TFLOP/s, GB, TB/s, GB/s both ways)."""
+    """Builds a table entry from datasheet units (TFLOP/s, GB of memory meaning GiB, TB/s, GB/s both ways)."""
     return DeviceKind(
         name=name,
         label=label,
         peak_bf16_flops=tflops * TFLOPS,
-        memory_bytes=memory_gb * GB,
+        memory_bytes=memory_gb * GIB,
         memory_bandwidth=memory_tb_s * TB,
         intra_host_bandwidth=intra_gb_s_bidirectional * GB / 2,
         source=source,

@@ -360,13 +360,12 @@ class _Evaluator:
         class paces the step (``seconds`` overrides its time, e.g. with a pipeline bubble)."""
         label, _, st = max(devices, key=lambda d: d[2].total)
         seconds = st.total if seconds is None else seconds
-        memory: dict[str, float] = {}
+        memory = self._memory_by_kind(devices)
         parts_of: dict[str, dict[str, float]] = {}
         for name, c, _ in devices:
             kind = name.split("/")[0]
-            if c.memory.total >= memory.get(kind, 0.0):
+            if c.memory.total >= memory[kind]:  # the last of the largest, as before
                 parts_of[kind] = {f.name: getattr(c.memory, f.name) for f in dataclasses.fields(c.memory)}
-            memory[kind] = max(memory.get(kind, 0.0), c.memory.total)
         fits = all(memory[k] <= self.limit[k] for k in memory)
         tokens = self.batch * self.seq / seconds
         parts = {
@@ -395,6 +394,15 @@ class _Evaluator:
             tuple(idle),
         )
 
+    @staticmethod
+    def _memory_by_kind(devices: Sequence[tuple[str, cm.Cost, cm.StepTime]]) -> dict[str, float]:
+        """Kind name -> the largest predicted bytes of its devices (labels ``kind`` or ``kind/stageN``)."""
+        memory: dict[str, float] = {}
+        for name, c, _ in devices:
+            kind = name.split("/")[0]
+            memory[kind] = max(memory.get(kind, 0.0), c.memory.total)
+        return memory
+
     def uniform(self, layout: cm.Layout) -> Plan | None:
         mesh = layout.mesh
         per = layout.batch_split * layout.microbatches
@@ -410,13 +418,36 @@ class _Evaluator:
         return self.finish(layout, None, rows, devices)
 
     def _pipeline(self, layout: cm.Layout, rows: float) -> Plan | None:
+        """The `Plan` of a pipeline layout (`_pipeline_clock`)."""
+        clocked = self._pipeline_clock(layout, rows)
+        if clocked is None:
+            return None
+        devices, seconds = clocked
+        holders = tuple("+".join(k.name for k in kinds) for kinds in self.stage_kind_sets(layout.mesh))
+        return dataclasses.replace(self.finish(layout, None, rows, devices, seconds), stage_kinds=holders)
+
+    def pipeline_seconds(self, layout: cm.Layout) -> tuple[float, bool] | None:
+        """``(step seconds, fits)`` of a pipeline layout, as `uniform` prices it, without building its `Plan`
+        (brute force over stage splits); None where `uniform` gives None."""
+        per = layout.batch_split * layout.microbatches
+        if self.batch % per:
+            return None
+        clocked = self._pipeline_clock(layout, self.batch / per)
+        if clocked is None:
+            return None
+        devices, seconds = clocked
+        memory = self._memory_by_kind(devices)
+        return seconds, all(memory[k] <= self.limit[k] for k in memory)
+
+    def _pipeline_clock(self, layout: cm.Layout, rows: float) -> tuple[list, float] | None:
         """Stages run in lockstep (one SPMD program). GPipe/circular: each of the ``R*M + S - 1`` steps
         lasts as long as the slowest stage's chunk (forward and backward) for one microbatch. The 1F1B family
         (``1f1b``, ``1f1b-fused``, ``zb``): each tick of its table (`sharding.costmodel.tick_table`) lasts as
         long as the busiest stage's work in it, each op priced at its `TICK_SHARES` share of that stage's
         chunk time (`sharding.pipeline.ticks.tick_time`). The optimizer runs once after. None for a split or
         schedule the run refuses (`plan_layout`: fewer layers than repeats on a stage; interleaved 1F1B: M
-        not a multiple of S; zero bubble with repeats)."""
+        not a multiple of S; zero bubble with repeats), else ``(devices, seconds)``: each stage device's
+        ``(label, cost, time)`` and the step's seconds."""
         mesh, stages = layout.mesh, layout.stage_layers
         m, r = layout.microbatches, layout.pipeline_repeats
         try:
@@ -439,9 +470,7 @@ class _Evaluator:
             busy = tick_time(table, *([share * c for c in chunk] for share in shares))
         else:
             busy /= 1.0 - bubble_fraction(mesh[ax.STAGE], m, r)
-        seconds = busy + max(st.optimizer for _, _, st in devices)
-        holders = tuple("+".join(k.name for k in kinds) for kinds in self.stage_kind_sets(mesh))
-        return dataclasses.replace(self.finish(layout, None, rows, devices, seconds), stage_kinds=holders)
+        return devices, busy + max(st.optimizer for _, _, st in devices)
 
     def stage_cost(self, layout: cm.Layout, kind, rows: float, layers: int, slots: int):
         """``(cost, time)`` of a stage device holding ``slots`` layers and computing ``layers``

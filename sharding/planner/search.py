@@ -339,15 +339,18 @@ def _price(ev: _Evaluator, layout: cm.Layout, tag: str) -> Plan | None:
     return min(fitting, key=lambda p: p.step_time) if fitting else last
 
 
+#: The 1F1B-family schedules (``--pipeline-schedule``) and their tick tables (`cm.Layout.tick_schedule`).
+_TICKS = {"1f1b": "lockstep", "1f1b-fused": "fused", "zb": "zb"}
+
+
 def _one_f_one_b(ev: _Evaluator, gpipe: Plan) -> list[Plan | None]:
     """``gpipe``'s layout under each 1F1B-family schedule `PlanOptions.schedules` allows (``1f1b``,
     ``1f1b-fused``, ``zb``), priced from their tick tables (`_Evaluator._pipeline`); None where the run
     refuses the schedule (zero bubble with repeats, interleaved 1F1B with M not a multiple of S)."""
-    ticks = {"1f1b": "lockstep", "1f1b-fused": "fused", "zb": "zb"}
     return [
-        ev.uniform(dataclasses.replace(gpipe.layout, one_f_one_b=True, tick_schedule=ticks[name]))
+        ev.uniform(dataclasses.replace(gpipe.layout, one_f_one_b=True, tick_schedule=_TICKS[name]))
         for name in ev.options.schedules
-        if name in ticks
+        if name in _TICKS
     ]
 
 
@@ -483,7 +486,9 @@ def brute_force(
     microbatches and remat, every per-kind count vector for uneven data parallelism, and every
     stage split (compositions of the layers into ``stage`` parts of at least 1, when there are at
     most ``max_splits`` of them; each also under the 1F1B-family schedules, `_one_f_one_b`, and where GPipe
-    does not fit with the per-microbatch gather, `_memory_savers`)."""
+    does not fit with the per-microbatch gather, `_memory_savers`). GPipe's splits are compared by their
+    seconds and fit (`_Evaluator.pipeline_seconds`, the figures `_Evaluator.uniform` gives), so only the best
+    fitting split of a layout, and those the other schedules or memory savers start from, become `Plan`s."""
     ev = _Evaluator(model, inventory, global_batch, seq_len, options or PlanOptions())
 
     def every(layout: cm.Layout, tag: str) -> Iterator[Plan | None]:
@@ -492,13 +497,23 @@ def brute_force(
         elif tag == "uneven":
             for counts in _kind_counts(ev, layout):
                 yield ev.uneven(layout, counts, global_batch / sum(counts))
-        else:
+        else:  # GPipe's best fitting split by its clock alone, a Plan only where more schedules derive from it
+            more = any(name in _TICKS for name in ev.options.schedules)
+            best: tuple[float, cm.Layout] | None = None
             for split in _compositions(ev.model.num_layers, layout.mesh[ax.STAGE], max_splits):
-                gpipe = ev.uniform(dataclasses.replace(layout, stage_layers=split))
-                yield gpipe
-                if gpipe is not None:
+                staged = dataclasses.replace(layout, stage_layers=split)
+                clocked = ev.pipeline_seconds(staged)
+                if clocked is None:
+                    continue
+                seconds, fits = clocked
+                if fits and (best is None or seconds < best[0]):
+                    best = (seconds, staged)
+                if more or not fits:
+                    gpipe = ev.uniform(staged)
                     yield from _one_f_one_b(ev, gpipe)
                     yield from _memory_savers(ev, gpipe)
+            if best is not None:
+                yield ev.uniform(best[1])
 
     return _best_fitting(
         plan_
