@@ -301,7 +301,8 @@ def test_pipeline_weights_gathered_per_microbatch_cost_a_block_per_chunk_pass(on
     forward, input-gradient and weight-gradient passes) all-gathers the 5 blocks (2 layers each) and its
     (weight-)gradient pass reduce-scatters one layer per block; the stored row still moves once per step. In
     flight: one block and the received row, against the 10-slot working copy gathered once, whatever the
-    schedule."""
+    schedule; the saved activations, 5 block inputs per chunk pass instead of 10 slot inputs (not zero
+    bubble)."""
     config = get_config("7b")
     layer = sum(p.size for p in describe(config).params if p.per_layer) * 4  # one layer, float32, whole
 
@@ -326,7 +327,16 @@ def test_pipeline_weights_gathered_per_microbatch_cost_a_block_per_chunk_pass(on
     assert layer_bytes(streamed, "collective-permute") == layer_bytes(once, "collective-permute")
     assert once.memory.gathered == pytest.approx(10 * layer, rel=1e-9)
     assert streamed.memory.gathered == pytest.approx(3 * layer, rel=1e-9)
-    assert streamed.memory.total == pytest.approx(once.memory.total - 14 * layer, rel=1e-9)  # 7 slots, 7 sums
+    # 7 slots, 7 sums; and where the ring keeps each block's input instead of each slot's (not zero bubble, whose
+    # ring holds each slot's output cotangent too), 5 saved activations per chunk instead of 10.
+    saved = once.memory.activations - streamed.memory.activations
+    assert streamed.memory.total == pytest.approx(once.memory.total - 14 * layer - saved, rel=1e-9)
+    if tick_schedule == "zb":
+        assert saved == 0
+    else:
+        ring = cm.tick_table(tick_schedule, 4, 16, 1).slots if one_f_one_b else 16 + 4 - 1
+        act = 2048 * config.embed_dim * 4  # one slot input: one row of a microbatch per device, float32
+        assert saved == pytest.approx(ring * (10 - 5) * act, rel=1e-9)
 
 
 @pytest.mark.parametrize("stage_layers, mesh_spec", [((7, 5, 2, 2), "stage=4,fsdp=2"), ((5, 3), "stage=2,fsdp=4")])

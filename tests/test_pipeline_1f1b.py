@@ -1,6 +1,7 @@
 """The 1F1B pipeline schedules, lockstep and fused: their tick tables, equality with the unpipelined stack and
 model, memory against GPipe, and no transfer inside a conditional."""
 
+import contextlib
 import functools
 import re
 
@@ -516,8 +517,14 @@ def _compiled_gradients(
     batch=64,
     length=256,
     gather="once",
+    block_inputs=True,
 ):
+    """The compiled gradient step of a test model; ``block_inputs`` False: with ``gather`` ``microbatch``, each
+    slot's input saved, as before the ring kept block inputs only (`Streamed.block_inputs`)."""
+    from unittest import mock
+
     from models.config import get_config
+    from sharding.pipeline.program import Weights
 
     config = get_config("test", [f"num_layers={num_layers}"])
     plan = _plan(num_layers, mesh_spec, stage_layers, microbatches, schedule, gather=gather)
@@ -526,7 +533,13 @@ def _compiled_gradients(
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), trainer.state_params, trainer.param_shardings
     )
     fn = jax.jit(lambda p, b: jax.value_and_grad(trainer.loss_sums, has_aux=True)(p, b))
-    return trainer, fn.lower(params, trainer.abstract_batch(batch, length)).compile()
+    every_slot = Weights.stream
+
+    def stream(self, *args, **kwargs):
+        return every_slot(self, *args, **{**kwargs, "block_inputs": False})
+
+    with mock.patch.object(Weights, "stream", stream) if not block_inputs else contextlib.nullcontext():
+        return trainer, fn.lower(params, trainer.abstract_batch(batch, length)).compile()
 
 
 def test_1f1b_needs_fewer_temporaries_than_gpipe_and_no_transfer_sits_in_a_conditional():
@@ -573,15 +586,26 @@ def test_the_weights_gathered_per_microbatch_need_fewer_temporaries_and_no_trans
     """1F1B on 6,2 layers over stage=2,fsdp=4 (the unpadded storage: blocks of 4 rows, 2 per chunk pass on stage
     0): gathered once, the step holds stage 0's 8-slot working copy and its float32 gradient sums; per
     microbatch, one block and its gradient, so the compiled temporaries (memory analysis: deterministic) are
-    fewer. The blocks' all-gathers and reduce-scatters run outside the slots' conditionals: no
+    fewer; and fewer again, by at least the ring's saved activations, where the ring keeps each block's input
+    instead of each slot's (the backward recomputes the rest inside the block it gathers). The blocks' all-gathers and reduce-scatters run outside the slots' conditionals: no
     collective-permute inside one, and every collective inside one is among the devices of one stage."""
-    case = dict(num_layers=8, stage_layers=(6, 2), microbatches=8, batch=32, length=128)
+    case = dict(num_layers=8, stage_layers=(6, 2), microbatches=8, batch=64, length=256)
     _, once = _compiled_gradients("1f1b", **case)
+    _, every_slot = _compiled_gradients("1f1b", gather="microbatch", block_inputs=False, **case)
     trainer, streamed = _compiled_gradients("1f1b", gather="microbatch", **case)
     assert trainer.par.pipeline.gather == "microbatch"
-    temps = {name: c.memory_analysis().temp_size_in_bytes for name, c in (("once", once), ("microbatch", streamed))}
+    temps = {
+        name: c.memory_analysis().temp_size_in_bytes
+        for name, c in (("once", once), ("every slot", every_slot), ("microbatch", streamed))
+    }
     print("1f1b temporaries per device:", temps)
-    assert temps["microbatch"] < temps["once"], temps
+    assert temps["microbatch"] < temps["every slot"] < temps["once"], temps
+    # The ring's S = 2 entries keep 2 block inputs each instead of 8 slot inputs: 12 of one device's
+    # microbatch rows [2, 256, 128] float32 fewer.
+    ring = trainer.par.pipeline.tick_table().slots
+    assert ring == 2
+    saved = ring * (8 - 2) * (64 // 8 // 4) * 256 * trainer.config.embed_dim * 4
+    assert temps["every slot"] - temps["microbatch"] >= saved, (temps, saved)
     found = branch_collectives(streamed.as_text(), trainer.mesh)
     assert not [c for c in found if c.op == "collective-permute"]
     assert all(c.safe for c in found)

@@ -84,7 +84,7 @@ def _per_token_flops(
     rules: Rules,
     placed: dict[str, _Placed],
     s: _Shape,
-    recomputes: int = 0,
+    recomputes: float = 0,
     split_backward: bool = False,
 ) -> dict[str, float]:
     """FLOPs per token, forward and backward: of one layer (``layers``: weight products, ``attention``,

@@ -342,7 +342,7 @@ def _tensor_comms(
     rules: Rules,
     s: _Shape,
     output_split: VocabSplit | None = None,
-    recomputes: int = 0,
+    recomputes: float = 0,
     with_logits: bool = True,
 ) -> list[Comm]:
     """Megatron-style tensor parallelism (Shoeybi et al., 2019, section 3).

@@ -99,10 +99,24 @@ class _Pipe:
     split: bool = False
 
     @property
-    def recomputes(self) -> int:
-        """Forward passes of each layer the backward pass adds (`sharding.pipeline.program.chunk_backward`
-        recomputes it once; zero bubble's `chunk_backward_input` and `chunk_backward_weight` once each)."""
+    def backward_gathers(self) -> int:
+        """Backward passes of a chunk that gather its blocks (``gather`` ``microbatch``): one, zero bubble's
+        input- and weight-gradient passes apart two."""
         return 2 if self.split else 1
+
+    @property
+    def block_inputs(self) -> bool:
+        """A chunk's forward saves each gathered block's input only (``gather`` ``microbatch`` over ``G > 1``
+        devices, not zero bubble: `sharding.pipeline.program.Streamed.block_inputs`)."""
+        return self.gather == "microbatch" and self.groups > 1 and not self.split
+
+    @property
+    def recomputes(self) -> float:
+        """Forward passes of each layer the backward pass adds (`sharding.pipeline.program.chunk_backward`
+        recomputes it once; zero bubble's `chunk_backward_input` and `chunk_backward_weight` once each), plus
+        ``(G - 1) / G`` where the ring keeps block inputs only (`block_inputs`: the backward recomputes a
+        block's other slot inputs)."""
+        return self.backward_gathers + ((self.groups - 1) / self.groups if self.block_inputs else 0.0)
 
     @property
     def one_f_one_b(self) -> bool:
@@ -142,8 +156,9 @@ class _Pipe:
 
     @property
     def saved_inputs(self) -> int:
-        """Slot inputs kept for the backward pass: GPipe/circular every slot of every step, 1F1B the ring's."""
-        return (self.ring or self.steps) * self.chunk_slots
+        """Activations kept for the backward pass: per chunk pass, its ``K'`` slot inputs (`block_inputs`: its
+        ``n`` block inputs, `blocks`); GPipe/circular for every step, 1F1B for each entry of the ring."""
+        return (self.ring or self.steps) * (self.blocks if self.block_inputs else self.chunk_slots)
 
 
 def _pipeline_of(model: ModelDescription, layout: Layout, rules: Rules, s: _Shape) -> _Pipe:
@@ -443,7 +458,7 @@ def _pipeline_weight_comms(
             pipe.moved,
             pipe.gather,
             pipe.passes * pipe.blocks,
-            pipe.recomputes,
+            pipe.backward_gathers,
         )
     )
 
@@ -460,13 +475,14 @@ def _pipeline_weight_comms_cached(
     moved: tuple[int, ...],
     gather: str = "once",
     block_passes: int = 0,
-    recomputes: int = 1,
+    backward_gathers: int = 1,
 ) -> tuple[Comm, ...]:
     """The stage's layer weights: the working copy assembled once per step, the gradients returned once;
     or, with ``gather`` ``microbatch``, one block of ``G`` slots all-gathered per chunk pass and its gradient
     reduce-scattered per weight-gradient pass (``block_passes``: blocks one kind of pass gathers per step,
-    `_Pipe.passes` x `_Pipe.blocks`; each is gathered by the forward pass and by each of the ``recomputes``
-    backward passes, `_Pipe.recomputes`: zero bubble's input- and weight-gradient passes gather it apart),
+    `_Pipe.passes` x `_Pipe.blocks`; each is gathered by the forward pass and by each of the
+    ``backward_gathers`` backward passes, `_Pipe.backward_gathers`: zero bubble's input- and weight-gradient
+    passes gather it apart),
     the stored rows still moved once per step.
 
     Explicit collectives of the stage program (`jax.shard_map`, so both backends emit them as written;
@@ -516,7 +532,7 @@ def _pipeline_weight_comms_cached(
                     groups,
                     groups_n,
                     groups_n * row * gather_bytes,
-                    (1 + recomputes) * block_passes,
+                    (1 + backward_gathers) * block_passes,
                     f"gather {what} (a block)",
                     layer_loop=True,
                 )

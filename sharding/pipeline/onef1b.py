@@ -235,7 +235,8 @@ def _loss_program(layer_fn, head_fn, plan: PipelinePlan, par, weights: Weights, 
         hp = to_varying(jax.tree.map(gather_shards, head_params, head_specs), vary)
         grads = head_grads = None
         if streamed:  # each block gathered where a chunk runs it, its gradient reduce-scattered there
-            params = weights.stream(stacked, plan.layout.repeats)
+            # Zero bubble's ring holds each slot's output cotangent beside the inputs, so it saves each slot's input.
+            params = weights.stream(stacked, plan.layout.repeats, block_inputs=not plan.zero_bubble)
             grads = params.zeros() if train else None
         else:
             # Varying over the batch axes (and stage), so that differentiating adds no reduction inside the loop.

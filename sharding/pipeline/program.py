@@ -199,9 +199,9 @@ def chunk_backward(layer_fn, params, r, inputs, extras, count, g, grads, skip_em
 
 def slot_positions(params) -> int:
     """``P``: the slot inputs one chunk's forward pass saves (`chunk_forward`): ``K`` for a working copy
-    ``[R, K, ...]``, `Streamed.positions` for a `Streamed` one."""
+    ``[R, K, ...]``, `Streamed.saved` for a `Streamed` one."""
     if isinstance(params, Streamed):
-        return params.positions
+        return params.saved
     return jax.tree.leaves(params)[0].shape[1]
 
 
@@ -438,17 +438,19 @@ class Weights:
 
         return jax.tree.map(one, grads, stacked, self.specs)
 
-    def stream(self, stacked, repeats: int, received=None) -> Streamed:
+    def stream(self, stacked, repeats: int, received=None, block_inputs: bool = True) -> Streamed:
         """The per-microbatch gather (``--pipeline-gather microbatch``): what stays local for the step.
 
         Unpadded storage: the rows other devices store for this one arrive once (`_received_rows`, in the
         compute dtype; no gather over the group axes yet); ``received``: those rows already made (a backward
-        pass reusing its forward pass's), else made here. Padded: the blocks as they are.
+        pass reusing its forward pass's), else made here. Padded: the blocks as they are. ``block_inputs``:
+        a chunk's forward saves each block's input only (`Streamed.block_inputs`).
         """
         if self.storage is not None:
             if received is None and any(send is not None for send in self.storage.placement.sends):
                 received = jax.tree.map(lambda w: self._received_rows(self._compute(w)), stacked)
-            return Streamed(self, stacked, received, repeats, self.storage.placement.chunk_slots, self.storage.groups)
+            chunk_slots, block = self.storage.placement.chunk_slots, self.storage.groups
+            return Streamed(self, stacked, received, repeats, chunk_slots, block, block_inputs and block > 1)
         return Streamed(self, stacked, None, repeats, jax.tree.leaves(stacked)[0].shape[1] // repeats, 1)
 
     def finish(self, sums, stacked):
@@ -486,6 +488,12 @@ class Streamed:
     from a second gather; zero bubble's two halves from a second and a third) and a reduce-scatter per
     backward pass.
 
+    With `block_inputs` a chunk's forward pass saves only each block's input (``n`` activations per chunk
+    instead of ``n*B``, `saved`): the backward pass, which gathers the block anyway, first recomputes the
+    block's other ``B - 1`` slot inputs from it (``(B - 1) / B`` of a forward more per layer, no gather more),
+    then differentiates the slots as before. Chen et al., "Training Deep Nets with Sublinear Memory Cost"
+    (2016), section 4: checkpoints every ``B`` layers, the segment between recomputed in the backward pass.
+
     Attributes:
       weights: the `Weights` whose storage and specs these are.
       stacked: per leaf, this device's block as stored: ``[q, ...]`` rows (storage) or ``[1, R*K, ...]``.
@@ -494,6 +502,8 @@ class Streamed:
       repeats: R, chunks per stage.
       chunk_slots: K', slots per chunk of the working copy.
       block: B, slots per gathered block.
+      block_inputs: a chunk's forward saves each block's input only, not each slot's (the backward recomputes
+        the rest); zero bubble's passes (`backward_input`, `backward_weight`) need each slot's (False).
     """
 
     weights: Weights
@@ -502,6 +512,7 @@ class Streamed:
     repeats: int
     chunk_slots: int
     block: int
+    block_inputs: bool = False
 
     @property
     def windows(self) -> int:
@@ -517,8 +528,14 @@ class Streamed:
 
     @property
     def positions(self) -> int:
-        """P = ``n * B``: the slot inputs a chunk pass saves (some of them empty positions)."""
+        """P = ``n * B``: the slot positions a chunk pass covers (some of them empty)."""
         return self.blocks * self.block
+
+    @property
+    def saved(self) -> int:
+        """The activations a chunk's forward pass saves for its backward: ``n`` block inputs with
+        `block_inputs`, else ``P`` slot inputs."""
+        return self.blocks if self.block_inputs else self.positions
 
     def _vary(self):
         return (ax.STAGE, *self.weights.summed)
@@ -604,19 +621,20 @@ class Streamed:
                 k = w * b + j - k0
                 on = (k >= 0) & (k < count)
                 out = _forward_slot(layer_fn, lambda: index_tree(block, j), h, applied, extras, on, skip_empty)
-                return out, (h if save else None)
+                return out, (h if save and not self.block_inputs else None)
 
-            return jax.lax.scan(inner, carry, jnp.arange(b))
+            out, inputs = jax.lax.scan(inner, carry, jnp.arange(b))
+            return out, (carry[0] if save and self.block_inputs else inputs)
 
         def run(h, applied):
             (h, applied), inputs = jax.lax.scan(outer, (h, applied), jnp.arange(self.blocks))
-            return h, applied, (inputs.reshape(self.positions, *inputs.shape[2:]) if save else None)
+            return h, applied, (inputs.reshape(self.saved, *h.shape) if save else None)
 
         if not skip_empty:
             return run(h, applied)
 
         def idle(h, applied):
-            zeros = jnp.zeros((self.positions, *h.shape), h.dtype) if save else None
+            zeros = jnp.zeros((self.saved, *h.shape), h.dtype) if save else None
             return h, applied, to_varying(zeros, self._vary())
 
         return jax.lax.cond(count > 0, run, idle, to_varying(h, self._vary()), applied)
@@ -632,12 +650,13 @@ class Streamed:
             clamped = jnp.minimum(w, self.windows - 1)
             block = self.fetch(clamped)
             zero = to_varying(jax.tree.map(lambda p, a: jnp.zeros(p.shape, a.dtype), block, sums), self._vary())
+            xs = self._block_slot_inputs(layer_fn, block, w * b - k0, inputs, i, extras, count, skip_empty)
 
             def inner(carry, j):
                 g, acc = carry
                 k = w * b + j - k0
                 add = lambda acc, dw: add_block(acc, j, dw)  # noqa: E731
-                x = index_leaf(inputs, i * b + j)
+                x = index_leaf(xs, j)
                 slot = lambda: index_tree(block, j)  # noqa: E731
                 on = (k >= 0) & (k < count)
                 return _backward_slot(layer_fn, slot, x, extras, on, g, acc, add, skip_empty), None
@@ -652,6 +671,25 @@ class Streamed:
         if not skip_empty:
             return run(g, sums)
         return jax.lax.cond(count > 0, run, lambda g, sums: (g, sums), to_varying(g, self._vary()), sums)
+
+    def _block_slot_inputs(self, layer_fn, block, first, inputs, i, extras, count, skip_empty: bool):
+        """``[B, microbatch, ...]``: the inputs of block ``i``'s slots in a chunk pass, from ``inputs`` (`saved`
+        of them): read as saved, or, with `block_inputs`, the block's input read and the ``B - 1`` slots after
+        it recomputed with the gathered ``block`` (``first``: the chunk slot of the block's first slot;
+        slots outside ``[0, count)`` pass their input through, as in the forward pass)."""
+        b = self.block
+        if not self.block_inputs:
+            return jax.lax.dynamic_slice_in_dim(inputs, i * b, b, axis=0)
+        none = jnp.zeros((), jnp.int32)
+
+        def step(h, j):
+            k = first + j
+            on = (k >= 0) & (k < count)
+            out, _ = _forward_slot(layer_fn, lambda: index_tree(block, j), h, none, extras, on, skip_empty)
+            return out, h
+
+        last, before = jax.lax.scan(step, index_leaf(inputs, i), jnp.arange(b - 1))
+        return jnp.concatenate([before, last[None]], axis=0)
 
     def backward_input(self, layer_fn, r, inputs, extras, count, g, skip_empty: bool):
         """`chunk_backward_input` (zero bubble's B pass) with the weights gathered again block by block:
