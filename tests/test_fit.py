@@ -129,7 +129,7 @@ def test_device_memory_prefers_the_allocator_then_the_datasheet_then_the_host(tm
 
     assert device_memory([Device("NVIDIA H200", "gpu", 100), Device("NVIDIA H200", "gpu", 90)])[0] == 90
     size, source = device_memory([Device("NVIDIA H100 80GB HBM3", "gpu")])
-    assert size == 80e9 and "datasheet" in source
+    assert size == 80 * 2**30 and "datasheet" in source  # HBM sizes are binary: '80GB' of HBM is 80 GiB
     size, source = device_memory([Device("cpu", "cpu")] * 4)
     assert size == host_available_bytes() // 4 and "shared by 4 CPU devices" in source
     meminfo = tmp_path / "meminfo"

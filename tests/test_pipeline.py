@@ -4,6 +4,7 @@ checkpoints across stage layouts, and refused flags."""
 import functools
 import json
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -451,7 +452,8 @@ def test_layer_weights_are_gathered_once_per_step_and_their_gradients_reduced_on
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), trainer.state_params, trainer.param_shardings
     )
     grad_fn = jax.jit(lambda p, b: jax.value_and_grad(trainer.loss_sums, has_aux=True)(p, b))
-    found = collectives(grad_fn.lower(params, trainer.abstract_batch(16, 32)).compile().as_text())
+    text = grad_fn.lower(params, trainer.abstract_batch(16, 32)).compile().as_text()
+    found = collectives(text)
     in_loops = sorted({c.op for c in found if c.executions > 1})
     assert in_loops == ["collective-permute"], in_loops
 
@@ -466,7 +468,12 @@ def test_layer_weights_are_gathered_once_per_step_and_their_gradients_reduced_on
     working = layout.repeats * placement.chunk_slots  # slots of the working copy (6: 5 rounded up to fsdp=2)
     gathered = sum(c.total_bytes for c in found if c.op == "all-gather")
     assert working * per_layer <= gathered <= 1.2 * (working * per_layer + other)
-    moved = sum(c.total_bytes for c in found if c.op == "collective-permute" and c.executions == 1)
+    # An integer permute moves token ids to the devices that look them up (under a pipeline the embedding
+    # reads its table as the rules lay it out, sharding.vocab); the rows' permutes move floating-point weights.
+    integer = {m.group(1).lstrip("%") for m in re.finditer(r"(\S+) = \(?[su]\d+\[", text)}
+    once = [c for c in found if c.op == "collective-permute" and c.executions == 1]
+    assert sum(c.name.lstrip("%") in integer for c in once) <= 1, [c.name for c in once]
+    moved = sum(c.total_bytes for c in once if c.name.lstrip("%") not in integer)
     assert moved == 2 * placement.received * per_layer  # there and back, once each
     scattered = [c for c in found if c.op == "reduce-scatter"]
     assert len(scattered) == len(layer_leaves)  # one per layer parameter, each once per step
