@@ -61,6 +61,8 @@ RESULTS = ROOT / "bench" / "RESULTS.md"
 PLOT = ROOT / "bench" / "results" / "hetero_straggler.png"
 BEGIN, END = "<!-- hetero_cluster:begin -->", "<!-- hetero_cluster:end -->"
 PERIOD_US = 100_000
+TIMED_RUN = ["--eval-every", "0", "--ckpt-every", "0", "--log-every", "1", "--no-progress", "--dist-timeout", "600"]
+"""What every timed run shares: no evaluation or checkpoints in the way, a step time per step, no progress bar."""
 COMMON = [
     "--model",
     "small",
@@ -76,15 +78,7 @@ COMMON = [
     "data=2",
     "--warmup",
     "2",
-    "--eval-every",
-    "0",
-    "--ckpt-every",
-    "0",
-    "--log-every",
-    "1",
-    "--no-progress",
-    "--dist-timeout",
-    "600",
+    *TIMED_RUN,
 ]
 UNIFORM = "3,3,3,3,3,3,3,3"
 WRONG_KINDS = {1.5: "h100_sxm:4,a100_80gb:4", 2.0: "h100_sxm:4,a100_80gb:4", 3.0: "a100_80gb:4,rtx4090:4"}
@@ -107,15 +101,7 @@ STAGE_FLAGS = [
     "12",
     "--warmup",
     "2",
-    "--eval-every",
-    "0",
-    "--ckpt-every",
-    "0",
-    "--log-every",
-    "1",
-    "--no-progress",
-    "--dist-timeout",
-    "600",
+    *TIMED_RUN,
 ]
 SCHEDULE_FLAGS = [
     "--model",
@@ -134,15 +120,7 @@ SCHEDULE_FLAGS = [
     "8",
     "--warmup",
     "0",
-    "--eval-every",
-    "0",
-    "--ckpt-every",
-    "0",
-    "--log-every",
-    "1",
-    "--no-progress",
-    "--dist-timeout",
-    "600",
+    *TIMED_RUN,
 ]
 """The schedules' runs: 12 layers split 6,6 over the two processes, 64 sequences = M = 8 microbatches of 8 (2
 per data device)."""
@@ -165,15 +143,7 @@ CONTEXT_FLAGS = [
     "zigzag",
     "--warmup",
     "2",
-    "--eval-every",
-    "0",
-    "--ckpt-every",
-    "0",
-    "--log-every",
-    "1",
-    "--no-progress",
-    "--dist-timeout",
-    "600",
+    *TIMED_RUN,
 ]
 """The uneven-shards runs: one sequence of 8,192 tokens over a ring of two devices, one per process."""
 CONTEXT_BEGIN, CONTEXT_END = "<!-- hetero_context:begin -->", "<!-- hetero_context:end -->"
