@@ -95,8 +95,11 @@ def main(argv=None) -> int:
     configs = rows(args)
     times: dict[int, list[float]] = {i: [] for i in range(len(configs))}
     results: dict[int, dict] = {}
-    for _ in range(args.rounds):
+    for k in range(args.rounds):
         for i, c in enumerate(configs):
+            print(
+                f"round {k + 1}/{args.rounds}: {c['size']} {c['what']} on {c['mesh']} ...", file=sys.stderr, flush=True
+            )
             r = throughput.measure(
                 throughput.parse_args(
                     [
