@@ -86,10 +86,12 @@ CONTEXT_GRID = [
 
 # Uneven sequence shards (``--context-shares``): ring attention in the zigzag layout, the shares' real tokens
 # per ring device as an eighth field. 3:1 over 128 tokens: 96 and 32 real tokens in blocks of 96 positions
-# (192 a sequence, 64 of them padding), so the padded blocks' weight products, head and elementwise work are
-# half as large again as the even layout's, which is what the compiled step shows and the prices must too.
+# (192 a sequence, 64 of them padding), so the padded blocks' weight products, head, elementwise work and saved
+# activations are half as large again as the even layout's, which is what the compiled step shows and the
+# prices must too. ``dots``: the policy whose saved activations the model prices to the byte (under ``none``
+# the CPU compiler also keeps SwiGLU's elementwise intermediates, at any length).
 UNEVEN_CONTEXT_GRID = [
-    ("test+attention=ring", "data=4,sequence=2", "fsdp_tp", 8, 128, 1, "none", (96, 32)),
+    ("test+attention=ring", "data=4,sequence=2", "fsdp_tp", 8, 128, 1, "dots", (96, 32)),
 ]
 
 #: Collective kinds not asserted for a case, and why (the bench still reports them).

@@ -507,3 +507,16 @@ def test_uneven_context_shares_are_priced_as_the_compiled_step_runs(case):
     assert set(pred) == set(compiled), (sorted(pred), sorted(compiled))
     for kind in compiled:
         assert _within(pred[kind], compiled[kind]), (kind, pred[kind], compiled[kind])
+
+
+@pytest.mark.parametrize("case", UNEVEN_CONTEXT_GRID, ids=_id)
+def test_temporaries_of_a_padded_split_length_match_the_compiled_step(case):
+    """The temporaries the padded length adds with each scanned layer (4 layers against 2, `UNEVEN_CONTEXT_GRID`'s
+    case: 2 rows x 96 positions a device, a third of them padding), as the compiler allocates them: the layer's
+    saved activations under ``dots`` at every padded position and its float32 gradient, priced to the byte."""
+    two = (case[0] + "+num_layers=2", *case[1:])
+    per_layer = (compiled_figures(case)["temp"] - compiled_figures(two)["temp"]) / 2
+    four, half = predicted(case).memory, predicted(two).memory
+    grown = sum(getattr(four, f) - getattr(half, f) for f in ("activations", "gradients")) / 2
+    assert _within(grown, per_layer), (grown, per_layer)
+    assert grown == pytest.approx(per_layer, rel=1e-3)  # to the byte on jax 0.10
