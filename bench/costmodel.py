@@ -39,10 +39,12 @@ from costmodel_grid import (  # noqa: E402
     GRID,
     PIPELINE_BENCH_ONLY,
     PIPELINE_GRID,
+    UNEVEN_CONTEXT_GRID,
     UNMODELLED,
     compiled_figures,
     predicted,
     schedule_of,
+    shares_of,
 )
 
 from models.config import get_config  # noqa: E402
@@ -80,8 +82,10 @@ def error_table() -> list[str]:
         + " | temp (pred/compiled) |",
         "|" + "---|" * (10 + len(KINDS)),
     ]
-    for case in GRID + BENCH_ONLY + CONTEXT_GRID:
-        model, mesh_spec, rules, batch, seq, micro, remat = case
+    for case in GRID + BENCH_ONLY + CONTEXT_GRID + UNEVEN_CONTEXT_GRID:
+        model, mesh_spec, rules, batch, seq, micro, remat = case[:7]
+        if shares_of(case):
+            mesh_spec += f" shares {','.join(map(str, shares_of(case)))}"
         figures, cost = compiled_figures(case), predicted(case)
         actual, pred = figures["collectives"], cm.collective_bytes(cost.comms)
         kinds = [_err(pred.get(k, 0.0), actual.get(k, 0.0)) if (k in actual or k in pred) else "" for k in KINDS]
@@ -100,7 +104,10 @@ def error_table() -> list[str]:
         "is outside the tested grid (`costmodel_grid.BENCH_ONLY`). The last three (`costmodel_grid.CONTEXT_GRID`: "
         "ring, ulysses and USP attention over a split length, 256 tokens; the test asserts USP) count as folded "
         "products those outside conditionals and half of those inside: the zigzag ring's only conditional "
-        "picks one of two visiting blocks of equal products.",
+        "picks one of two visiting blocks of equal products. The row with `shares` (`costmodel_grid."
+        "UNEVEN_CONTEXT_GRID`) runs ring attention on uneven sequence shards, compiled at the padded length; its "
+        "folded products count the flash kernels' loops, whose trip counts are run-time values there, once "
+        "(not asserted), and its price is the busiest ring device's.",
         "",
     ]
     return lines

@@ -84,6 +84,16 @@ CONTEXT_GRID = [
     ("test+attention=usp", "data=2,context=2,sequence=2", "fsdp_tp", 4, 256, 1, "none"),
 ]
 
+# Uneven sequence shards (``--context-shares``): ring attention in the zigzag layout, the shares' real tokens
+# per ring device as an eighth field. 3:1 over 128 tokens: 96 and 32 real tokens in blocks of 96 positions
+# (192 a sequence, 64 of them padding), so the padded blocks' weight products, head, elementwise work and saved
+# activations are half as large again as the even layout's, which is what the compiled step shows and the
+# prices must too. ``dots``: the policy whose saved activations the model prices to the byte (under ``none``
+# the CPU compiler also keeps SwiGLU's elementwise intermediates, at any length).
+UNEVEN_CONTEXT_GRID = [
+    ("test+attention=ring", "data=4,sequence=2", "fsdp_tp", 8, 128, 1, "dots", (96, 32)),
+]
+
 #: Collective kinds not asserted for a case, and why (the bench still reports them).
 UNMODELLED: dict[tuple, tuple[str, ...]] = {}
 
@@ -103,6 +113,8 @@ def config_of(model: str, remat: str):
 def case_id(case) -> str:
     model, mesh, rules, batch, seq, micro, remat = case[:7]
     out = f"{model}-{mesh}-{rules}-B{batch}-T{seq}-M{micro}-{remat}"
+    if len(case) == 8:
+        return out + f"-shares{','.join(map(str, case[7]))}"
     if len(case) > 7:
         stages, repeats = case[7:9]
         out += f"-{','.join(map(str, stages)) if stages else 'even'}-R{repeats}"
@@ -116,6 +128,11 @@ def schedule_of(case) -> str:
     return case[9] if len(case) > 9 else ("circular" if case[8] > 1 else "gpipe")
 
 
+def shares_of(case) -> tuple[int, ...] | None:
+    """An uneven context case's real tokens per ring device (`UNEVEN_CONTEXT_GRID`), else None."""
+    return tuple(case[7]) if len(case) == 8 else None
+
+
 def _context_layout(config, mesh) -> str:
     """The tokens' layout along the length that ``--context-layout auto`` gives the run."""
     shards = math.prod(mesh.get(a, 1) for a in LENGTH_MESH_AXES)
@@ -124,7 +141,7 @@ def _context_layout(config, mesh) -> str:
 
 def _strategy(case, config, mesh):
     """Accumulation, or for a pipeline case its `PipelinePlan` (skipping empty slots, as runs do)."""
-    if len(case) == 7:
+    if len(case) <= 8:
         return Accumulation(case[5])
     stages, _ = plan_layout(config.num_layers, mesh["stage"], case[8], case[7])
     schedule = schedule_of(case)
@@ -150,8 +167,10 @@ def compiled_figures(case) -> dict:
     config, mesh = config_of(model, remat), parse_mesh(mesh_spec, 8)
     layout = _context_layout(config, mesh)
     par = Parallelism.of(make_mesh(mesh), get_rules(rules), _strategy(case, config, mesh), context_layout=layout)
+    par = par.replace(context_shares=shares_of(case))
     trainer = Trainer(config, OptimizerConfig(), par)
-    compiled, log = xla_log_while(lambda: trainer.compile_train_step(batch, seq))
+    positions = par.padded_length or seq  # uneven shares: the padded length the loop runs
+    compiled, log = xla_log_while(lambda: trainer.compile_train_step(batch, positions))
     analysis = compiled.cost_analysis()
     analysis = analysis[0] if isinstance(analysis, list) else analysis
     text = compiled.as_text()
@@ -196,6 +215,6 @@ def predicted(case) -> cm.Cost:
     strategy, table = _strategy(case, config, mesh), get_rules(rules)
     if isinstance(strategy, PipelinePlan):
         strategy, table = dataclasses.replace(strategy, skip_empty=False), pipeline_rules(table)
-    par = Parallelism(mesh, table, strategy, _context_layout(config, mesh))
+    par = Parallelism(mesh, table, strategy, _context_layout(config, mesh), context_shares=shares_of(case))
     layout = cm.layout_of(par, config)  # the run's layout, as the cost model sees it
     return cm.estimate(config, batch, seq, layout, backend="cpu")

@@ -213,10 +213,11 @@ def check_context_shares(attention: str, par: Parallelism, seq_len: int) -> None
     shards = par.length_shards
     even = ",".join(["1"] * max(shards, 2))
     if attention != "ring" or shards < 2 or par.context_layout not in ("auto", ZIGZAG):
+        # USP and Ulysses trade equal blocks by all-to-all; a ring over the same devices takes the shares.
         raise ValueError(
             f"--context-shares needs --attention ring over a split length in the zigzag layout (got --attention "
             f"{attention}, {shards} length device(s), --context-layout {par.context_layout}); e.g. --attention ring "
-            f"--mesh sequence=2 --context-layout zigzag --context-shares auto"
+            f"--mesh {_ring_mesh(par)} --context-layout zigzag --context-shares auto"
         )
     shares = par.context_shares
     if not isinstance(shares, tuple):
@@ -227,6 +228,19 @@ def check_context_shares(attention: str, par: Parallelism, seq_len: int) -> None
             f"{seq_len}) for a ring of {shards} devices (--mesh {format_mesh(par.mesh_shape)}); give one relative "
             f"share per ring device, e.g. --context-shares {even}, or --context-shares auto"
         )
+
+
+def _ring_mesh(par: Parallelism) -> str:
+    """A mesh for ring attention on uneven shards: the run's own when it splits the length (one ring over
+    ``context`` x ``sequence``), else the run's with a factor 2 of ``data`` or ``fsdp`` moved to ``sequence``."""
+    shape = dict(par.mesh_shape)
+    if par.length_shards < 2:
+        source = next((a for a in (ax.DATA, ax.FSDP) if shape[a] > 1 and shape[a] % 2 == 0), None)
+        if source is None:
+            return "sequence=2"
+        shape[source] //= 2
+        shape[ax.SEQUENCE] *= 2
+    return format_mesh(shape)
 
 
 def all_to_all_axes(attention: str, par: Parallelism) -> tuple[str, ...]:

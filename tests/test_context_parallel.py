@@ -212,6 +212,10 @@ def test_the_data_pipeline_permutes_every_field_alike():
             ["--attention", "ulysses", "--mesh", "data=2,sequence=4", "--context-shares", "auto"],
             "--context-shares needs --attention ring over a split length in the zigzag layout",
         ),
+        (  # USP's all-to-all trades equal blocks: a ring over the same devices takes the shares
+            ["--attention", "usp", "--mesh", "data=2,context=2,sequence=2", "--context-shares", "2,1,1,1"],
+            "e.g. --attention ring --mesh data=2,context=2,sequence=2 --context-layout zigzag --context-shares auto",
+        ),
         (
             ["--attention", "ring", "--mesh", "data=2,sequence=4", "--context-shares", "2,0,1,1"],
             "--context-shares 2,0,1,1: expected auto or positive relative shares, one per device of the ring",
@@ -273,6 +277,14 @@ def test_context_shares_become_tokens_and_the_suggestions_are_accepted():
     check_context_shares("ring", par.replace(context_shares="auto"), 64)
     with pytest.raises(ValueError, match="e.g. --context-shares 1,1,1,1, or --context-shares auto$"):
         check_context_shares("ring", par.replace(context_shares=parse_context_shares("2,1", 64)), 64)
+    # Shares with USP, or on a length not split: the ring and mesh the refusal names are accepted.
+    usp = Parallelism(parse_mesh("data=2,context=2,sequence=2", 8), get_rules("fsdp_tp"), context_shares="auto")
+    flat = Parallelism(parse_mesh("data=8", 8), get_rules("fsdp_tp"), context_shares="auto")
+    for layout, mesh in ((usp, "data=2,context=2,sequence=2"), (flat, "data=4,sequence=2")):
+        with pytest.raises(ValueError, match=f"e.g. --attention ring --mesh {mesh} --context-layout zigzag"):
+            check_context_shares("usp", layout, 64)
+        ring = Parallelism(parse_mesh(mesh, 8), get_rules("fsdp_tp"), context_layout="zigzag", context_shares="auto")
+        check_context_shares("ring", ring, 64)
 
 
 def test_context_calibration_gives_each_ring_device_tokens_by_its_speed(monkeypatch):

@@ -18,7 +18,15 @@ checked on the same figures; kinds the model does not price for a case are liste
 import dataclasses
 
 import pytest
-from costmodel_grid import CONTEXT_GRID, GRID, PIPELINE_GRID, UNMODELLED, compiled_figures, predicted
+from costmodel_grid import (
+    CONTEXT_GRID,
+    GRID,
+    PIPELINE_GRID,
+    UNEVEN_CONTEXT_GRID,
+    UNMODELLED,
+    compiled_figures,
+    predicted,
+)
 from costmodel_grid import case_id as _id
 from costmodel_grid import config_of as _config
 
@@ -434,3 +442,81 @@ def test_a_split_length_is_priced_as_the_compiled_step_runs(case):
     assert set(pred) == set(compiled), (sorted(pred), sorted(compiled))
     for kind in compiled:
         assert _within(pred[kind], compiled[kind]), (kind, pred[kind], compiled[kind])
+
+
+# Uneven sequence shards (--context-shares) ------------------------------------------------------------------
+
+
+def test_uneven_context_shares_shrink_attention_and_nothing_else():
+    """Shares 3:1 over 64 tokens on ``data=4,sequence=2``: 48 and 16 real tokens in blocks of 48 positions. Each
+    ring device's weight products, head, elementwise work, optimizer, memory and ring traffic are exactly those
+    of even shards at the padded 96 positions (the blocks run whole); attention alone follows the real tokens:
+    device r's is even shards' at 64 tokens times ``tokens[r] / 32`` (the sum kept). `estimate` prices the
+    busiest device, and the run's token counts price as the relative shares do."""
+    model = describe(get_config("test"))
+    layout = cm.Layout({"data": 4, "sequence": 2}, "fsdp_tp", attention="ring")
+    shared = dataclasses.replace(layout, context_shares=(3, 1))
+    assert cm.ring_tokens(shared, 64) == (48, 16) and cm.ring_tokens(layout, 64) is None
+    padded, even = (cm.estimate(model, 8, n, layout, backend="cpu") for n in (96, 64))
+    devices = [cm.device_cost(model, shared, seq_len=64, rows=2, backend="cpu", ring_position=r) for r in (0, 1)]
+    for cost, tokens in zip(devices, (48, 16)):
+        assert cost.memory == padded.memory and cost.comms == padded.comms and cost.tokens == padded.tokens
+        for part in ("layers", "logits", "recompute", "elementwise", "optimizer"):
+            assert getattr(cost.flops, part) == getattr(padded.flops, part), part
+        assert cost.counted_flops == pytest.approx(padded.counted_flops, rel=1e-12)  # Pallas products unseen
+        assert cost.flops.attention == pytest.approx(even.flops.attention * tokens / 32, rel=1e-12)
+    assert cm.estimate(model, 8, 64, shared, backend="cpu") == devices[0]
+    assert cm.estimate(model, 8, 64, dataclasses.replace(layout, context_shares=(48, 16)), backend="cpu") == devices[0]
+    with pytest.raises(ValueError, match="context_shares need ring attention in the zigzag layout"):
+        cm.estimate(model, 8, 64, dataclasses.replace(shared, attention="ulysses"), backend="cpu")
+    with pytest.raises(ValueError, match=r"context_shares \[1, 1, 1\]: give one share >= 0 per device"):
+        dataclasses.replace(layout, context_shares=(1, 1, 1))
+
+
+def test_uneven_attention_is_priced_as_the_kernels_tiles_per_device():
+    """Per device of a ring on uneven shards (P = 4, 2,048 tokens, 768/256/512/512 real tokens, float32 64 x 64
+    tiles), the priced attention forward against the tiles the flash kernels compute
+    (`uneven_ring_tile_counts`: the ring's chunk pairs, each kernel skipping tiles above the causal diagonal or
+    of padding only): within 10% on every device (the diagonal tiles, computed whole, add about 3%). The
+    compiled step cannot show this: one program runs on every device, and the tile ranges are run-time values."""
+    from models.kernels.ring_attention import uneven_ring_tile_counts
+
+    model = describe(get_config("test"))
+    tokens = (768, 256, 512, 512)
+    layout = cm.Layout({"data": 2, "sequence": 4}, "fsdp_tp", attention="ring", context_shares=tokens)
+    tiles = uneven_ring_tile_counts(tokens, max(tokens))
+    geometry = model.attention
+    per_tile = 4 * 64 * 64 * geometry.head_dim * geometry.num_heads  # both products of one tile, every head
+    factor = model.attention_kernel("ring").training_factor
+    for r, n in enumerate(tiles):
+        cost = cm.device_cost(model, layout, seq_len=2048, rows=4, backend="cpu", ring_position=r)
+        priced = cost.flops.attention / factor / (cost.layers * 4)  # one sequence through one layer, forward
+        assert _within(priced, n * per_tile), (r, priced, n * per_tile)
+
+
+@pytest.mark.parametrize("case", UNEVEN_CONTEXT_GRID, ids=_id)
+def test_uneven_context_shares_are_priced_as_the_compiled_step_runs(case):
+    """Ring attention on shares 3:1 (`UNEVEN_CONTEXT_GRID`: 96 and 32 real tokens in blocks of 96 positions):
+    the compiled step of the padded length against the price of its busiest device, FLOPs as cost_analysis
+    counts them (the weight products, head and elementwise work of the padded blocks: the kernels' products are
+    unseen), arguments and every collective kind within 10%."""
+    figures, cost = compiled_figures(case), predicted(case)
+    assert _within(cost.counted_flops, figures["flops"]), (cost.counted_flops, figures["flops"])
+    assert _within(cost.argument_bytes, figures["arguments"]), (cost.argument_bytes, figures["arguments"])
+    compiled, pred = figures["collectives"], cm.collective_bytes(cost.comms)
+    assert set(pred) == set(compiled), (sorted(pred), sorted(compiled))
+    for kind in compiled:
+        assert _within(pred[kind], compiled[kind]), (kind, pred[kind], compiled[kind])
+
+
+@pytest.mark.parametrize("case", UNEVEN_CONTEXT_GRID, ids=_id)
+def test_temporaries_of_a_padded_split_length_match_the_compiled_step(case):
+    """The temporaries the padded length adds with each scanned layer (4 layers against 2, `UNEVEN_CONTEXT_GRID`'s
+    case: 2 rows x 96 positions a device, a third of them padding), as the compiler allocates them: the layer's
+    saved activations under ``dots`` at every padded position and its float32 gradient, priced to the byte."""
+    two = (case[0] + "+num_layers=2", *case[1:])
+    per_layer = (compiled_figures(case)["temp"] - compiled_figures(two)["temp"]) / 2
+    four, half = predicted(case).memory, predicted(two).memory
+    grown = sum(getattr(four, f) - getattr(half, f) for f in ("activations", "gradients")) / 2
+    assert _within(grown, per_layer), (grown, per_layer)
+    assert grown == pytest.approx(per_layer, rel=1e-3)  # to the byte on jax 0.10

@@ -639,3 +639,30 @@ def test_a_long_sequence_takes_usp_across_hosts_and_a_ring_beats_an_all_to_all_a
         for kind in ("ring", "ulysses")
     }
     assert across["ring"] < across["ulysses"] and plans[0].step_time < across["ring"]
+
+
+def test_a_ring_over_mixed_kinds_takes_uneven_sequence_shares():
+    """Ring attention over two hosts of one device each, one 3x faster, at 16,384 tokens on the test model
+    (attention most of the step): the best plan gives the fast ring position more real tokens, at most in
+    proportion to its speed (every device runs padded blocks of the largest share), and is faster than the
+    same layout on even shards, which the slow device paces. Its command line carries ``--context-shares``,
+    which train.train reads back to the same tokens and accepts."""
+    from models.attention import check_context_parallel
+
+    model = describe(get_config("test"))
+    inventory = _inventory(1, 1, 1, 3.0)
+    options = planner.PlanOptions(
+        attentions=("ring",), sequence=True, pipeline=False, remats=("none",), max_microbatches=1
+    )
+    plans = planner.plan(model, inventory, 2, 16384, options, top=5)
+    best = plans[0]
+    tokens = best.layout.context_shares
+    assert best.layout.mesh[ax.CONTEXT] == 2 and tokens is not None and sum(tokens) == 16384
+    assert 1 < tokens[0] / tokens[1] <= 3, tokens  # position 0: the fast host
+    even = planner.evaluate(model, inventory, 2, 16384, dataclasses.replace(best.layout, context_shares=None))
+    assert best.step_time < even.step_time and even.paced_by == "slow"
+    flags = plan_flags(best)
+    assert f"--context-shares {tokens[0]},{tokens[1]}" in flags
+    run = cli.parse([*flags.split(), "--batch-size", "2", "--seq-len", "16384", "--model", "test", "--dry-run"])
+    assert run.parallelism.context_shares == tokens
+    check_context_parallel(run.model, run.parallelism, run.data.seq_len)

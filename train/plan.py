@@ -70,12 +70,17 @@ def build_parser() -> argparse.ArgumentParser:
         "work at the memory bandwidth), else 0.5",
     )
     p.add_argument("--no-pipeline", action="store_true", help="leave stage=1 (no pipeline parallelism)")
-    p.add_argument("--no-hetero", action="store_true", help="no uneven data-parallel shares")
+    p.add_argument(
+        "--no-hetero",
+        action="store_true",
+        help="no uneven shares: neither data-parallel counts nor sequence shards (--context-shares)",
+    )
     p.add_argument(
         "--sequence",
         action="store_true",
         help="also split the length (context parallelism): over sequence inside a host and context across "
-        "hosts, with ring, all-to-all (ulysses) or USP attention, chosen by the links and the head count",
+        "hosts, with ring, all-to-all (ulysses) or USP attention, chosen by the links and the head count; a ring "
+        "across kinds of unequal speed may get uneven sequence shards (--context-shares)",
     )
     p.add_argument("--plot", default=None, metavar="FILE.png", help="draw step time and memory per plan")
     p.add_argument(
@@ -240,6 +245,7 @@ LAYOUT_FLAGS = frozenset(
         "dtype",
         "logits",
         "context_layout",
+        "context_shares",
     }
 )
 
@@ -273,9 +279,10 @@ def given_layout(text: str, num_layers: int, num_devices: int, defaults: argpars
 
     Raises:
       ValueError: One line naming ``--layout``: an unknown or malformed flag, a flag that is not a layout's,
-        a mesh that does not cover the devices, ``--hetero-batch auto``/``kinds`` or ``--stage-layers auto``
-        (give the counts), or a value the cost model does not price.
+        a mesh that does not cover the devices, ``--hetero-batch auto``/``kinds``, ``--stage-layers auto`` or
+        ``--context-shares auto`` (give the counts or shares), or a value the cost model does not price.
     """
+    from models.attention import check_context_shares
     from sharding.mesh import parse_mesh
     from train import cli
 
@@ -295,13 +302,19 @@ def given_layout(text: str, num_layers: int, num_devices: int, defaults: argpars
         raise ValueError(
             f"--layout: {', '.join(foreign)} is not a layout flag; give it to train.plan itself, or "
             f"leave it out (layout flags: --mesh, --rules, --rule, --microbatches, --stage-layers, "
-            f"--pipeline-schedule, --pipeline-repeats, --pipeline-gather, --hetero-batch, --remat, --attention, --dtype)"
+            f"--pipeline-schedule, --pipeline-repeats, --pipeline-gather, --hetero-batch, --context-shares, --remat, --attention, "
+            f"--dtype)"
         )
     try:
         par = cli.parallelism_from_args(args, num_layers)
         mesh = parse_mesh(args.mesh, num_devices)
     except ValueError as e:
         raise ValueError(f"--layout: {e}") from None
+    if par.context_shares == "auto":
+        raise ValueError(
+            "--layout: --context-shares auto is measured at run time; give one relative share per ring device, "
+            "e.g. --context-shares 2,1"
+        )
     strategy, counts = par.strategy, None
     if strategy.uneven:
         if strategy.kind_counts is not None:
@@ -320,6 +333,8 @@ def given_layout(text: str, num_layers: int, num_devices: int, defaults: argpars
         )
     attention = args.attention or ("flash" if defaults.attention == "any" else defaults.attention)
     try:
+        if par.context_shares is not None:  # ring attention in the zigzag layout, one share per ring device
+            check_context_shares(attention, par.replace(mesh_shape=mesh), args.seq_len)
         layout = cm.layout_of(
             par.replace(mesh_shape=mesh),
             remat=args.remat or "none",
@@ -410,6 +425,7 @@ def plan_json(p: planner.Plan) -> dict:
     GB per device, 1e9 bytes), ``memory_limit_gb``, ``fits``, ``why`` (empty when it fits), ``parts`` (seconds
     of the slowest device), ``paced_by``, ``counts`` (uneven microbatches or null), ``kind_counts`` (kind ->
     count when each kind's groups share one, or null), ``stage_kinds`` (a pipeline's kinds per stage, or
+    null), ``context_shares`` (real tokens of a sequence per ring device with uneven sequence shards, or
     null), ``comm_seconds`` (seconds
     per collective kind), ``idle_kinds`` (kinds given no microbatch) and ``flags`` (the
     ``python -m train.train`` layout flags, `plan_flags`)."""
@@ -426,6 +442,7 @@ def plan_json(p: planner.Plan) -> dict:
         "counts": list(p.counts) if p.counts is not None else None,
         "kind_counts": dict(p.kind_counts) if p.kind_counts is not None else None,
         "stage_kinds": list(p.stage_kinds) if p.stage_kinds is not None else None,
+        "context_shares": None if p.layout.context_shares is None else [int(n) for n in p.layout.context_shares],
         "comm_seconds": dict(p.comm),
         "idle_kinds": list(p.idle_kinds),
         "flags": plan_flags(p),

@@ -26,7 +26,11 @@ def _mib(n: float) -> str:
 def _predicted(trainer, batch: int, seq_len: int, backend: str) -> tuple[cm.Cost, str]:
     """The cost of the run's busiest device and which one it is (the strategy's: `GradientStrategy.priced`)."""
     par, config = trainer.par, trainer.config
-    return trainer.strategy.priced(config, cm.layout_of(par, config), batch, seq_len, backend)
+    layout = cm.layout_of(par, config)
+    cost, who = trainer.strategy.priced(config, layout, batch, seq_len, backend)
+    if layout.context_shares is not None:  # every device runs the same padded blocks; attention differs
+        who = "the ring device with the largest share"
+    return cost, who
 
 
 def cost_model_lines(trainer, compiled, batch: int, seq_len: int) -> list[str]:

@@ -35,6 +35,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
@@ -1035,20 +1036,30 @@ def flash_attention_backward(
 
 
 def forward_tile_count(
-    q_length: int, kv_length: int, *, causal: bool, block_sizes: BlockSizes | None = None, dtype=jnp.float32
+    q_length: int,
+    kv_length: int,
+    *,
+    causal: bool,
+    block_sizes: BlockSizes | None = None,
+    dtype=jnp.float32,
+    q_valid_length: int | None = None,
+    kv_valid_length: int | None = None,
 ) -> int:
     """Key/value tiles the forward kernel computes for one (batch, head), without running it.
 
     Sums, over the (padded) query tiles, the key-tile range each forward program loops over
     (`_kv_tile_range`, the kernel's own skipping rule: tiles entirely above the causal
-    diagonal are not computed). Equal to `_tile_counts(...)["forward"]` summed over the
-    query tiles of one (batch, head); for work-balance counts without device work.
+    diagonal are not computed; with valid lengths `_tile_ranges`, which also skips tiles of
+    padding only). Equal to `_tile_counts(...)["forward"]` summed over the query tiles of one
+    (batch, head); for work-balance counts without device work.
 
     Args:
       q_length, kv_length: T and S, tokens.
       causal: the kernel's causal flag (last query aligned with the last key).
       block_sizes: as `flash_attention`; default `BlockSizes.default_for(dtype)`.
       dtype: the input dtype that picks the default tiles.
+      q_valid_length, kv_valid_length: real query rows and keys (the rest padding), as
+        `flash_attention_forward` takes them; None: every row or key is real.
 
     Returns:
       The number of `block_q x block_kv` tiles, an int.
@@ -1059,6 +1070,11 @@ def forward_tile_count(
     k = jax.ShapeDtypeStruct((1, kv_length, 1, _MIN_BLOCK), dtype)
     cfg = _make_config(q, k, causal=causal, sm_scale=1.0, block_sizes=block_sizes, interpret=True, has_segments=False)
     bq, bk = cfg.block_q, cfg.block_kv
+    if q_valid_length is not None or kv_valid_length is not None:
+        lengths = [q_length if q_valid_length is None else q_valid_length]
+        lengths.append(kv_length if kv_valid_length is None else kv_valid_length)
+        first, end = np.asarray(_tile_ranges(cfg, jnp.asarray(lengths, jnp.int32), bq, bk, "q"))
+        return int(np.sum(end - first))
     total = 0
     for tile in range(cfg.q_padded // bq):
         _, end = _kv_tile_range(cfg, tile * bq, bq, bk)

@@ -207,6 +207,53 @@ def ring_tile_counts(
     return counts
 
 
+def uneven_ring_tile_counts(
+    shares: Sequence[int], local_length: int, *, block_sizes: BlockSizes | None = None, dtype=jnp.float32
+) -> np.ndarray:
+    """Forward attention tiles each device of a ring on uneven shards computes, per (batch, head).
+
+    The chunk pairs `_uneven_forward` attends (step 0: the front chunk causally, the back chunk over
+    the front one and causally over itself; each visiting block from device j: the back queries over
+    j's front chunk, and the front queries over j's front chunk when j < r, the back queries over j's
+    back chunk when j > r), each counted by the flash kernel's own rule with the chunks' real lengths
+    (`forward_tile_count` with valid lengths: tiles of padding only are skipped). Device r's count
+    follows its ``shares[r] / 2 x (length + 1)`` query-key pairs up to the tiles the causal diagonal
+    and the padding's last partial tile add.
+
+    Args:
+      shares: real tokens per device (P even ints), as `ring_attention`'s ``shares``.
+      local_length: positions per device block (even, at least ``max(shares)``).
+      block_sizes, dtype: the kernel's tiles, as `flash_attention`.
+
+    Returns:
+      int64 `[P]`: tiles computed by each device.
+
+    Raises:
+      ValueError: as `uneven_zigzag_layout`.
+    """
+    _check_shares(shares, local_length)
+    chunk, halves = local_length // 2, [int(s) // 2 for s in shares]
+
+    def tiles(q_real: int, kv_real: int, causal: bool) -> int:
+        return forward_tile_count(
+            chunk,
+            chunk,
+            causal=causal,
+            block_sizes=block_sizes,
+            dtype=dtype,
+            q_valid_length=q_real,
+            kv_valid_length=kv_real,
+        )
+
+    counts = np.zeros(len(shares), np.int64)
+    for r, mine in enumerate(halves):
+        counts[r] = 2 * tiles(mine, mine, True) + tiles(mine, mine, False)
+        for step in range(1, len(shares)):
+            theirs = halves[(r - step) % len(shares)]
+            counts[r] += 2 * tiles(mine, theirs, False)  # back x front, and front x front or back x back
+    return counts
+
+
 # --------------------------------------------------------------------------------------
 # Validation
 # --------------------------------------------------------------------------------------

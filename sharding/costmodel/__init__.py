@@ -44,6 +44,7 @@ from sharding.costmodel.layout import (
     attention_of,
     describe_model,
     layout_of,
+    ring_tokens,
     unpriced_attention,
 )
 from sharding.costmodel.memory import Memory
@@ -84,6 +85,7 @@ __all__ = [
     "host_shares",
     "layout_of",
     "link_classes",
+    "ring_tokens",
     "step_time",
     "tick_table",
     "unpriced_attention",

@@ -16,8 +16,19 @@ from typing import Any
 
 from sharding import axes as ax
 from sharding.costmodel.collectives import BACKENDS, Comm
+from sharding.costmodel.context import RING
 from sharding.costmodel.flops import OPTIMIZER_FLOPS_PER_PARAM, Flops, _flops, _per_token_flops
-from sharding.costmodel.layout import _DTYPE_BYTES, _INT_BYTES, Layout, _place_cached, _Placed, _Shape, describe_model
+from sharding.costmodel.layout import (
+    _DTYPE_BYTES,
+    _INT_BYTES,
+    Layout,
+    _place_cached,
+    _Placed,
+    _Shape,
+    attention_of,
+    describe_model,
+    ring_tokens,
+)
 from sharding.costmodel.memory import Memory, _held_params, _memory
 from sharding.costmodel.partitioner import _comms, _length_comms, _tensor_comms
 from sharding.costmodel.pipeline import (
@@ -31,6 +42,7 @@ from sharding.costmodel.pipeline import (
     _stage_comms,
 )
 from sharding.modeldesc import ModelDescription
+from sharding.parallel import ZIGZAG
 from sharding.pipeline.layout import plan_layout
 from sharding.rules import Rules
 
@@ -45,7 +57,7 @@ class Cost:
         loop once (one microbatch through one layer), everything outside the loops once.
       memory: Bytes by part (`Memory`).
       comms: The collectives (`Comm`).
-      tokens: Tokens this device computes per step.
+      tokens: Token positions this device computes per step (with uneven context shares, padding included).
       layers: Layers this device computes per microbatch (its stage's share).
       argument_bytes: Bytes of the compiled step's arguments on this device (state, batch, signals).
     """
@@ -74,6 +86,7 @@ def device_cost(
     slots: int | None = None,
     backend: str = "gpu",
     batch_rows: float | None = None,
+    ring_position: int | None = None,
 ) -> Cost:
     """The cost of one device that processes ``rows`` sequences per microbatch.
 
@@ -94,12 +107,20 @@ def device_cost(
         the size of the working copy each stage gathers per step.
       backend: ``gpu`` or ``cpu`` (how reduce-scatter is lowered; see the module docstring).
       batch_rows: The global batch in sequences, for the uneven step's batch re-layout.
+      ring_position: With uneven context shares (``layout.context_shares``), the device's position along
+        the length's split (ring order); None: the position with the largest share (the most attention).
+        Every device runs padded blocks of the largest share: the projections, the MLP, the head, the
+        saved activations and the ring's traffic are those of ``P * max(tokens)`` positions per sequence,
+        the same on every device; only attention shrinks with the device's real tokens, to
+        ``tokens[r] / 2 x (T + 1)`` query-key pairs a sequence (the zigzag layout's balance per device,
+        `models.kernels.ring_attention.uneven_zigzag_layout`; priced as ``tokens[r] x key_fraction x T``).
 
     Returns:
       The `Cost`.
 
     Raises:
-      ValueError: On an unknown backend.
+      ValueError: On an unknown backend; uneven context shares for an attention other than ring attention
+        in the zigzag layout, or a ``ring_position`` off the ring.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend {backend!r}: choose one of {', '.join(BACKENDS)}")
@@ -109,14 +130,17 @@ def device_cost(
         stages = plan_layout(model.num_layers, mesh[ax.STAGE], layout.pipeline_repeats, layout.stage_layers)[0]
         layers = max(stages.stage_layers)
         slots = stages.slots if slots is None else slots
+    positions, keys, real = _context_share(model, layout, seq_len, ring_position)
     shape = _Shape(
         rows=rows,
-        seq=seq_len,
-        tok=rows * seq_len / layout.length_split,
+        seq=positions,
+        tok=rows * positions / layout.length_split,
         micro=layout.microbatches if microbatches is None else microbatches,
         layers=layers,
         slots=layers if slots is None else slots,
         act_bytes=_DTYPE_BYTES[layout.dtype],
+        keys=keys,
+        real=real,
     )
     rules = layout.rules_table()
     placed = _place_cached(model, rules, tuple(mesh.items()))
@@ -132,6 +156,30 @@ def device_cost(
     return Cost(flops, counted, memory, comms, shape.tok * shape.micro, shape.layers, arguments)
 
 
+def _context_share(
+    model: ModelDescription, layout: Layout, seq_len: int, position: int | None
+) -> tuple[int, int | None, float]:
+    """``(positions per sequence, keys, real)`` of `_Shape` for one ring device: ``(seq_len, None, 1.0)``
+    with even shards; with uneven ones the padded length ``P * max(tokens)``, the real length, and the
+    device's real tokens over its block (`ring_tokens`)."""
+    tokens = ring_tokens(layout, seq_len)
+    if tokens is None:
+        return seq_len, None, 1.0
+    kernel = attention_of(model, layout)
+    if kernel.context_exchange != RING or layout.context_layout != ZIGZAG:
+        raise ValueError(
+            f"context_shares need ring attention in the zigzag layout, whose kernels skip the padding (got "
+            f"attention {layout.attention!r}, context_layout {layout.context_layout!r}); e.g. attention='ring', "
+            f"context_layout='zigzag', or context_shares=None"
+        )
+    biggest = max(tokens)
+    if position is None:
+        position = tokens.index(biggest)
+    if not 0 <= position < len(tokens):
+        raise ValueError(f"ring_position {position}: the ring has {len(tokens)} devices (0 to {len(tokens) - 1})")
+    return len(tokens) * biggest, seq_len, tokens[position] / biggest
+
+
 def estimate(
     model: ModelDescription | Any, global_batch: int, seq_len: int, layout: Layout, *, backend: str = "gpu"
 ) -> Cost:
@@ -145,7 +193,7 @@ def estimate(
       backend: ``gpu`` or ``cpu``.
 
     Returns:
-      The `Cost` of the device holding the largest stage.
+      The `Cost` of the device holding the largest stage (with uneven context shares, and the largest share).
 
     Raises:
       ValueError: When ``data x fsdp x microbatches`` does not divide ``global_batch``.

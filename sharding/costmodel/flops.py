@@ -11,6 +11,11 @@ products instead of 4). Besides the products: the elementwise work as XLA counts
 per arithmetic op; the description's terms, times `ELEMENTWISE_BACKWARD_FACTOR` for the backward pass)
 and the optimizer update (`OPTIMIZER_FLOPS_PER_PARAM`).
 
+Uneven sequence shards (``Layout.context_shares``, ring attention in the zigzag layout) pad every device's
+block to the largest share: the weight products, the head and the elementwise work run on every position
+of the padded block and do not shrink on a device with fewer real tokens; only attention, whose kernels skip
+tiles of padding, does: device r computes ``tokens[r] / 2 x (T + 1)`` query-key pairs a sequence.
+
 Checked on CPU (``tests/test_costmodel.py``): `Cost.counted_flops` against
 ``compiled.cost_analysis()["flops"]``, which counts the body of each ``while`` loop once, and
 `Cost.matmul_flops` against the compiled HLO's products with loop trip counts folded in
@@ -110,8 +115,9 @@ def _per_token_flops(
     heads = _axis_split(model, geometry.heads_axis, rules, mesh)
     kernel = attention_of(model, layout)
     whole = kernel.materialises_scores
-    attn_fwd = geometry.forward_flops(s.seq * kernel.key_fraction) / heads  # flash: masked tiles skipped
-    attn_fwd *= _busiest_ring_share(kernel, layout)
+    keys = s.seq if s.keys is None else s.keys  # uneven context shares: the real length, not the padded one
+    attn_fwd = geometry.forward_flops(keys * kernel.key_fraction) / heads  # flash: masked tiles skipped
+    attn_fwd *= _busiest_ring_share(kernel, layout) * s.real  # uneven shares: padding skipped
     attn_total = attn_fwd * kernel.training_factor  # flash bwd: 5 products
     logits = model.logits
     logits_fwd = (

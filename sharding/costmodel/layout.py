@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sharding import axes as ax
+from sharding.balance import tokens_for_speeds
 from sharding.modeldesc import AttentionTraits, ModelDescription, Param
 from sharding.parallel import CONTIGUOUS, ZIGZAG, Parallelism
 from sharding.pipeline.layout import GATHERS
@@ -70,6 +71,11 @@ class Layout:
         recompute the layer).
       context_layout: How tokens lie along a split length (``--context-layout``): ``zigzag`` balances
         the causal work of a ring; ``contiguous`` leaves its last device the most (priced: the busiest).
+      context_shares: Uneven sequence shards (``--context-shares``, ring attention in the zigzag layout):
+        one share per device of the length's split, in ring order (``context`` major, then ``sequence``),
+        either the real tokens of a sequence (even ints summing to the length the layout is priced at) or
+        relative shares (turned into tokens by `sharding.balance.tokens_for_speeds`); None: even shards.
+        Every device runs a padded block of ``max`` share tokens (`ring_tokens`).
 
     Raises:
       ValueError: On an unknown axis, a size below 1, or an unknown remat/dtype/logits.
@@ -90,6 +96,7 @@ class Layout:
     pipeline_gather: str = "once"
     tick_schedule: str = "lockstep"
     context_layout: str = ZIGZAG
+    context_shares: tuple[float, ...] | None = None
 
     @property
     def pipeline_schedule(self) -> str:
@@ -120,6 +127,14 @@ class Layout:
         ):
             if getattr(self, field) not in allowed:
                 raise ValueError(f"--{field} {getattr(self, field)!r}: choose one of {', '.join(allowed)}")
+        if self.context_shares is not None:
+            shares = tuple(self.context_shares)
+            if len(shares) != self.length_split or not all(s >= 0 for s in shares) or not any(shares):
+                raise ValueError(
+                    f"context_shares {list(shares)}: give one share >= 0 per device of the split length "
+                    f"({self.length_split}), not all 0, e.g. {tuple([1] * max(self.length_split, 2))}"
+                )
+            object.__setattr__(self, "context_shares", shares)
         if self.microbatches < 1 or self.pipeline_repeats < 1:
             raise ValueError(
                 f"microbatches and pipeline_repeats must be >= 1, got {self.microbatches} and {self.pipeline_repeats}"
@@ -150,6 +165,32 @@ class Layout:
 @functools.cache
 def _preset(name: str) -> Rules:
     return get_rules(name)
+
+
+def ring_tokens(layout: Layout, seq_len: int) -> tuple[int, ...] | None:
+    """Real tokens of one sequence on each device of the length's split (ring order) under uneven shares,
+    or None for even shards (``layout.context_shares`` None).
+
+    Shares that are already even token counts summing to ``seq_len`` are taken as they are; other shares
+    are relative and shared out in whole zigzag chunk pairs (`sharding.balance.tokens_for_speeds`, as
+    ``--context-shares`` does). Every device then holds a block of ``max(tokens)`` positions, its own
+    tokens and padding (`models.kernels.ring_attention.uneven_zigzag_layout`), so the step runs
+    ``P * max(tokens)`` positions per sequence.
+
+    Raises:
+      ValueError: Relative shares with a zero among them, or an odd ``seq_len``.
+    """
+    shares = layout.context_shares
+    if shares is None:
+        return None
+    if sum(shares) == seq_len and all(float(s).is_integer() and int(s) % 2 == 0 for s in shares):
+        return tuple(int(s) for s in shares)
+    if seq_len % 2 or not all(s > 0 for s in shares):
+        raise ValueError(
+            f"context_shares {list(shares)} over {seq_len} tokens: relative shares must be positive and the "
+            f"length even (two zigzag chunks a device), e.g. context_shares={tuple([1] * len(shares))}"
+        )
+    return tokens_for_speeds(seq_len, shares)
 
 
 def unpriced_attention(kernel: AttentionTraits, mesh: Mapping[str, int]) -> str | None:
@@ -193,7 +234,9 @@ def layout_of(par: Parallelism, config: Any = None, **fields: Any) -> Layout:
     run's layout to the cost model's (the planner's plans, the benches and ``--dry-run`` use it).
 
     The mesh and rules are the run's; the strategy gives the rest: `Accumulation` its microbatches,
-    `UnevenBatch` the uneven step (``uneven_batch``, microbatches the per-device average), a
+    `UnevenBatch` the uneven step (``uneven_batch``, microbatches the per-device average), uneven context
+    shares their real tokens per ring device (``context_shares``; ``auto`` before it is measured prices even
+    shards), a
     `sharding.pipeline.PipelinePlan` its stage split, repeats, microbatches, schedule (``one_f_one_b``,
     ``tick_schedule``), gather mode (``pipeline_gather``) and ``skip_empty``.
 
@@ -226,6 +269,8 @@ def layout_of(par: Parallelism, config: Any = None, **fields: Any) -> Layout:
     split = math.prod(par.mesh_shape.get(a, 1) for a in ax.LENGTH_MESH_AXES) > 1
     if split and par.context_layout in (CONTIGUOUS, ZIGZAG):  # "auto" until the mesh is resolved
         values.update(context_layout=par.context_layout)
+    if isinstance(par.context_shares, tuple):  # "auto" until measured at start-up: priced even
+        values.update(context_shares=par.context_shares)
     values.update(fields)
     return Layout(dict(par.mesh_shape), par.rules, **values)
 
@@ -359,9 +404,11 @@ class _Shape:
     """Per-device sizes of one step."""
 
     rows: float  # sequences per microbatch on this device
-    seq: int  # T, the whole sequence length
-    tok: float  # tokens per microbatch on this device (rows * T / (context * sequence))
+    seq: int  # positions per sequence the step runs: T, or with uneven context shares P * max(share) (padded)
+    tok: float  # positions per microbatch on this device (rows * seq / (context * sequence)), padding included
     micro: int  # microbatches this device runs
     layers: int  # layers computed per microbatch
     slots: int  # layer slots held without a pipeline (with one: `_held_params`)
     act_bytes: int
+    keys: int | None = None  # with uneven context shares: T, the real tokens a sequence's queries attend
+    real: float = 1.0  # with uneven context shares: this device's real tokens over its positions (share / max)

@@ -132,6 +132,9 @@ class Plan:
       kind_counts: The uneven counts by kind, ``((kind name, count), ...)``, when every data-parallel group
         of a kind (its slowest device's) has one count (``--hetero-batch h100_sxm=25,a100_80gb=7``); else None.
       stage_kinds: A pipeline's kinds per stage (names joined by ``+`` where a stage spans kinds); else None.
+
+    With uneven sequence shards, ``layout.context_shares`` holds the real tokens of a sequence per device of
+    the ring (ring order), which `parallelism` and the plan's command line carry (``--context-shares``).
     """
 
     layout: cm.Layout
@@ -170,12 +173,13 @@ class Plan:
             lay.pipeline_gather,
             lay.tick_schedule,
             self.counts,
+            lay.context_shares,
         )
 
     def parallelism(self) -> Parallelism:
         """The plan as the run's `sharding.parallel.Parallelism` (not bound to a mesh): its mesh, rules
         and strategy: `UnevenBatch` with the counts, a `PipelinePlan` of the stage split, or
-        `Accumulation` over the microbatches."""
+        `Accumulation` over the microbatches; uneven sequence shards as their real tokens per ring device."""
         lay = self.layout
         rules = lay.rules_table()
         if self.counts is not None:
@@ -196,7 +200,8 @@ class Plan:
         else:
             strategy = Accumulation(lay.microbatches)
         context_layout = lay.context_layout if lay.length_split > 1 else CONTIGUOUS
-        return Parallelism(lay.mesh, rules, strategy, context_layout)
+        shares = None if lay.context_shares is None else tuple(int(n) for n in lay.context_shares)
+        return Parallelism(lay.mesh, rules, strategy, context_layout, context_shares=shares)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -321,6 +326,24 @@ class _Evaluator:
         """The slowest kind (by peak FLOP/s, then name) of each stage."""
         return [min(kinds, key=lambda k: (k.peak_bf16_flops, k.name)) for kinds in self.stage_kind_sets(mesh)]
 
+    def ring_kind_sets(self, mesh) -> list[tuple[Any, ...]]:
+        """The distinct device kinds at each position along the length's split (``context`` x ``sequence``,
+        context major: the ring's order), over every other axis (sorted by name)."""
+
+        def make():
+            names = list(mesh)
+            ring = [names.index(a) for a in ax.LENGTH_MESH_AXES]
+            grid = np.moveaxis(self.grid(mesh), ring, list(range(len(ring))))
+            rows = grid.reshape(int(np.prod(grid.shape[: len(ring)])), -1)
+            kinds = self.cluster.kinds
+            return tuple(tuple(sorted((kinds[i] for i in np.unique(row)), key=lambda k: k.name)) for row in rows)
+
+        return list(self._per_mesh("ring", mesh, make))
+
+    def ring_kinds(self, mesh) -> list[Any]:
+        """The slowest kind (by peak FLOP/s, then name) at each position along the length's split (ring order)."""
+        return [min(kinds, key=self._speed) for kinds in self.ring_kind_sets(mesh)]
+
     def kinds_in(self, mesh) -> list[Any]:
         """The kinds on the mesh, in order of first appearance along it."""
 
@@ -411,10 +434,34 @@ class _Evaluator:
         rows = self.batch / per
         if mesh[ax.STAGE] > 1:
             return self._pipeline(layout, rows)
+        if layout.context_shares is not None:
+            return self._shared_ring(layout, rows)
         devices = []
         for kind in self.kinds_in(mesh):
             cost = cm.device_cost(self.model, layout, seq_len=self.seq, rows=rows, backend=self.options.backend)
             devices.append((kind.name, cost, self.time(cost, kind, mesh)))
+        return self.finish(layout, None, rows, devices)
+
+    def _shared_ring(self, layout: cm.Layout, rows: float) -> Plan:
+        """Uneven sequence shards: each device of the ring priced on its own share (`cm.device_cost`'s
+        ``ring_position``), once per kind and share; the slowest paces the step. Every device holds the
+        same padded blocks, so memory is alike; attention is what differs."""
+        mesh, tokens = layout.mesh, cm.ring_tokens(layout, self.seq)
+        devices, seen = [], set()
+        for position, kinds in enumerate(self.ring_kind_sets(mesh)):
+            for kind in kinds:
+                if (kind.name, tokens[position]) in seen:
+                    continue
+                seen.add((kind.name, tokens[position]))
+                cost = cm.device_cost(
+                    self.model,
+                    layout,
+                    seq_len=self.seq,
+                    rows=rows,
+                    backend=self.options.backend,
+                    ring_position=position,
+                )
+                devices.append((kind.name, cost, self.time(cost, kind, mesh)))
         return self.finish(layout, None, rows, devices)
 
     def _pipeline(self, layout: cm.Layout, rows: float) -> Plan | None:

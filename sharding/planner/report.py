@@ -43,6 +43,11 @@ def exposed_traffic(mesh) -> str:
     return "/".join(names) or "collective"
 
 
+def _even(p: Plan) -> bool:
+    """Whether every device of the plan does the same work (no uneven counts, stage split or sequence shares)."""
+    return p.counts is None and p.layout.stage_layers is None and p.layout.context_shares is None
+
+
 def why_lost(p: Plan, best: Plan) -> str:
     """A short reason a plan is slower than the best one: the term of the slowest device's time
     that grew most against the best plan's."""
@@ -54,12 +59,12 @@ def why_lost(p: Plan, best: Plan) -> str:
     mine, theirs = _binding(p), _binding(best)
     name = max(mine, key=lambda k: mine[k] - theirs[k])
     heavier = _REMAT_COST[p.layout.remat] > _REMAT_COST[best.layout.remat]
-    even = p.counts is None and p.layout.stage_layers is None
+    even = _even(p)
     if name == "busy" and p.parts["overlap_exposed"] - best.parts["overlap_exposed"] > (
         p.parts["compute"] - best.parts["compute"]
     ):
         reason = "weight gathers and gradient reductions outlast the compute that hides them"
-    elif name == "busy" and even and (best.counts is not None or best.layout.stage_layers is not None):
+    elif name == "busy" and even and not _even(best):
         reason = f"the same work on every device: {p.paced_by} paces the step"
     elif name == "busy" and heavier:
         reason = f"remat {p.layout.remat} recomputes the forward pass to fit memory"
@@ -94,6 +99,8 @@ def format_table(plans: Sequence[Plan]) -> list[str]:
             split = "uneven " + ",".join(f"{k}={n}" for k, n in p.kind_counts)
         elif p.counts is not None:
             split = "uneven " + _compress(p.counts)
+        elif lay.context_shares is not None:
+            split = "context " + _compress([int(n) for n in lay.context_shares])
         elif lay.mesh[ax.STAGE] > 1:
             split = (
                 "stages "

@@ -3,7 +3,8 @@
 `plan` walks the search space (`_candidates`: meshes whose ``tensor`` and ``sequence`` groups stay
 inside a host, rules presets, attentions, microbatches, pipeline repeats and schedules), fills in
 the remat policy (cheapest that fits first), the per-kind batch shares (uneven data parallelism,
-`_uneven_counts`) and the stage splits (`_stage_split`), and prices each on an `_Evaluator`
+`_uneven_counts`), the stage splits (`_stage_split`) and, for ring attention over a length split across
+device kinds, uneven sequence shards (`_context_shares`), and prices each on an `_Evaluator`
 (`sharding.planner.evaluator`). Shares and splits are derived from affine fits of each kind's time,
 grouped by kind (two evaluations per kind, not per device), not enumerated; `brute_force`
 enumerates them all, for tests. `uniform_baseline` is the best plan with the same work on every
@@ -22,6 +23,7 @@ from typing import Any
 
 from sharding import axes as ax
 from sharding import costmodel as cm
+from sharding.balance import tokens_for_speeds
 from sharding.costmodel.context import context_groups
 from sharding.mesh import format_mesh
 from sharding.modeldesc import AttentionTraits, ModelDescription
@@ -215,7 +217,7 @@ def _stage_split(ev: _Evaluator, layout: cm.Layout) -> Plan | None:
 
 def _candidates(ev: _Evaluator) -> Iterator[tuple[cm.Layout, str]]:
     """The search space, the one loop every search walks: each mesh, rules preset, attention and
-    layout skeleton (`_layouts`), tagged ``uniform``, ``uneven`` or ``pipeline``."""
+    layout skeleton (`_layouts`), tagged ``uniform``, ``uneven``, ``context`` (uneven sequence shards) or ``pipeline``."""
     for mesh in _meshes(ev.model, ev.cluster, ev.options):
         for rules in _rules_for(ev.model, mesh, ev.options):
             for attention in _attentions_for(ev, mesh):
@@ -270,7 +272,7 @@ def _splits_heads_evenly(model: ModelDescription, kernel: AttentionTraits, mesh:
 
 
 def _layouts(ev: _Evaluator, mesh: dict[str, int], rules: str, attention: str) -> Iterator[tuple[cm.Layout, str]]:
-    """Layout skeletons for a mesh (remat and split filled in later), tagged uniform/uneven/pipeline."""
+    """Layout skeletons for a mesh (remat and split filled in later), tagged uniform/uneven/context/pipeline."""
     opts, model = ev.options, ev.model
     n_batch = mesh[ax.DATA] * mesh[ax.FSDP] * mesh.get(ax.EXPERT, 1)
     if ev.batch % n_batch:
@@ -293,6 +295,50 @@ def _layouts(ev: _Evaluator, mesh: dict[str, int], rules: str, attention: str) -
             )
             if uneven_ok:
                 yield dataclasses.replace(base, uneven_batch=True), "uneven"
+            if opts.hetero and _shares_fit(ev, mesh, model.attention_kernel(attention)):
+                yield base, "context"
+
+
+def _shares_fit(ev: _Evaluator, mesh: Mapping[str, int], attention: AttentionTraits) -> bool:
+    """Whether uneven sequence shards (``--context-shares``) are worth pricing: ring attention (the kernel
+    that skips padding; the layout is zigzag) over a length split whose ring positions are paced by
+    different device kinds, without pipeline stages, on an even length (zigzag chunk pairs)."""
+    if attention.context_exchange != "ring" or mesh[ax.STAGE] > 1 or ev.seq % 2:
+        return False
+    if math.prod(mesh[a] for a in ax.LENGTH_MESH_AXES) <= 1:
+        return False
+    return len({k.name for k in ev.ring_kinds(mesh)}) > 1
+
+
+#: Where uneven sequence shards are tried between even shards (0) and shares proportional to the ring
+#: positions' peak FLOP/s (1). Every device runs padded blocks of the largest share, so the projections and
+#: the MLP grow on every device as the shares spread while only attention shrinks on the slow ones: the best
+#: shares lie between the two, nearer proportional the more of the step attention is.
+SHARE_STEPS = (0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0)
+
+
+def _context_shares(ev: _Evaluator, layout: cm.Layout) -> Plan | None:
+    """The fastest uneven sequence shards for ``layout`` (ring attention over device kinds of unequal speed),
+    or None when none beats even shards. Ring position r gets real tokens in proportion to
+    ``1 + t (speed_r / slowest - 1)`` for each ``t`` of `SHARE_STEPS` (`sharding.balance.tokens_for_speeds`:
+    whole zigzag chunk pairs), each priced exactly (`_Evaluator.uniform`)."""
+    even = ev.uniform(layout)
+    if even is None:
+        return None
+    speeds = [k.peak_bf16_flops for k in ev.ring_kinds(layout.mesh)]
+    slowest = min(speeds)
+    best, tried = None, set()
+    for t in SHARE_STEPS:
+        tokens = tokens_for_speeds(ev.seq, [1 + t * (s / slowest - 1) for s in speeds])
+        if tokens in tried or len(set(tokens)) == 1:
+            continue
+        tried.add(tokens)
+        priced = ev.uniform(dataclasses.replace(layout, context_shares=tokens))
+        if priced is not None and (best is None or (priced.fits, -priced.step_time) > (best.fits, -best.step_time)):
+            best = priced
+    if best is None or (even.fits and not best.fits) or best.step_time >= even.step_time:
+        return None
+    return best
 
 
 def _uneven_fits(mesh: Mapping[str, int], rules: str, attention: AttentionTraits) -> bool:
@@ -325,6 +371,8 @@ def _price(ev: _Evaluator, layout: cm.Layout, tag: str) -> Plan | None:
             n_batch = lay.batch_split
             total = n_batch * lay.microbatches
             plan_ = _uneven_counts(ev, lay, total, ev.batch / total)
+        elif tag == "context":
+            plan_ = _context_shares(ev, lay)
         else:
             plan_ = ev.uniform(lay)
         if plan_ is None:
@@ -406,10 +454,16 @@ def over_memory(p: Plan) -> float:
 
 
 def _diverse(plans: list[Plan], top: int) -> list[Plan]:
-    """The best plan of each distinct (mesh, rules, uneven or not) first, then the rest."""
+    """The best plan of each distinct (mesh, rules, uneven counts or not, uneven shares or not) first, then the
+    rest."""
     seen, first, rest = set(), [], []
     for p in plans:
-        key = (format_mesh(p.layout.mesh), p.layout.rules_name, p.counts is not None)
+        key = (
+            format_mesh(p.layout.mesh),
+            p.layout.rules_name,
+            p.counts is not None,
+            p.layout.context_shares is not None,
+        )
         (rest if key in seen else first).append(p)
         seen.add(key)
     return (first + rest)[:top]
@@ -494,6 +548,8 @@ def brute_force(
     def every(layout: cm.Layout, tag: str) -> Iterator[Plan | None]:
         if tag == "uniform":
             yield ev.uniform(layout)
+        elif tag == "context":
+            yield _context_shares(ev, layout)
         elif tag == "uneven":
             for counts in _kind_counts(ev, layout):
                 yield ev.uneven(layout, counts, global_batch / sum(counts))
