@@ -91,7 +91,7 @@ def error_table() -> list[str]:
         kinds = [_err(pred.get(k, 0.0), actual.get(k, 0.0)) if (k in actual or k in pred) else "" for k in KINDS]
         m = cost.memory
         runs = figures["dot_outside"] + figures["dot_branches"] / 2  # the zigzag ring's switch: one of two runs
-        temp = (m.activations + m.logits + m.gathered + m.gradients) / figures["temp"]
+        temp = m.in_flight / figures["temp"]
         lines.append(
             f"| {model} | {mesh_spec} | {rules} | {batch} x {seq} | {micro} | {remat} | "
             f"{_err(cost.counted_flops, figures['flops'])} | {_err(cost.matmul_flops, runs)} | "
@@ -147,7 +147,7 @@ def pipeline_table() -> list[str]:
             for k in ("cost_analysis FLOPs", "folded products", "arguments", *KINDS)
         ]
         m = cost.memory
-        temp = (m.activations + m.logits + m.gathered + m.gradients) / figures["temp"]
+        temp = m.in_flight / figures["temp"]
         split = ",".join(map(str, stages)) if stages else "even"
         lines.append(
             f"| {model} | {mesh_spec} | {rules} | {batch} x {seq} | {micro} | {split} | {repeats} | "

@@ -152,18 +152,73 @@ def decay_mask(param_names) -> dict:
     )
 
 
-def make_optimizer(config: OptimizerConfig, param_names) -> optax.GradientTransformation:
-    """The optax chain: clip by global norm, then ``config.name``'s optimizer on the schedule.
+ELEMENTWISE = ("adamw", "lion", "sgd")
+"""Optimizers whose update after clipping is elementwise (no reduction over an array, hence no collective):
+`GuardedUpdate` runs it inside the finite-step conditional. Adafactor's is not (row and column means, the
+parameter's RMS), so it runs before the conditional."""
+
+
+class GuardedUpdate:
+    """The optimizer update of one step, skipped when the step is not finite.
+
+    The optax chain is clipping by global norm (Pascanu et al., 2013), then ``config.name``'s optimizer on
+    the schedule; its state is ``(clip_state, inner_state)`` as `optax.chain` makes it. `__call__` splits it
+    where memory needs it: the clipping, whose global norm is a collective, runs before a `jax.lax.cond` on
+    ``finite``; the inner optimizer's update (`ELEMENTWISE`) and the new parameters are computed inside the
+    taken branch. Then XLA writes the new moments and parameters over the donated old ones, element by
+    element: computed before the conditional, the new moments and the updates of every parameter would be
+    live at once beside the old state, which the skipped branch still needs (a second copy of the state's
+    moments and a parameter-sized update, in temporaries). No collective runs inside the conditional.
 
     Args:
-      config: hyperparameters (validated here).
-      param_names: the parameter tree's logical names (for the decay mask).
+      config: Hyperparameters (validated here).
+      param_names: The parameter tree's logical names (for the decay mask, `decay_mask`).
+
+    Attributes:
+      tx: The whole `optax.GradientTransformation` (clipping, then the optimizer): its ``init`` makes the
+        state `__call__` updates, and ``tx.update`` is the same update unguarded.
 
     Raises:
       ValueError: as `OptimizerConfig.validate`.
     """
-    config.validate()
-    return optax.chain(optax.clip_by_global_norm(config.grad_clip), _optimizer(config, decay_mask(param_names)))
+
+    def __init__(self, config: OptimizerConfig, param_names):
+        config.validate()
+        self.clip = optax.clip_by_global_norm(config.grad_clip)
+        self.inner = _optimizer(config, decay_mask(param_names))
+        self.in_branch = config.name in ELEMENTWISE
+        self.tx = optax.chain(self.clip, self.inner)
+
+    def __call__(self, grads, opt_state, params, finite: jax.Array):
+        """``(params, opt_state)`` after the update, or the given ones bit for bit when ``finite`` is False
+        (inside jit).
+
+        Args:
+          grads: Mean gradients (float32), shaped as ``params``.
+          opt_state: ``tx.init``'s structure, ``(clip_state, inner_state)``; the clipping keeps no state
+            (`optax.EmptyState`).
+          params: The parameters.
+          finite: Boolean scalar, the same on every device: apply the update.
+        """
+        clip_state, inner_state = opt_state
+        grads, _ = self.clip.update(grads, clip_state, params)
+        if self.in_branch:
+
+            def commit(grads, params, old):
+                updates, new = self.inner.update(grads, old, params)
+                return optax.apply_updates(params, updates), new
+
+            operand = grads
+        else:  # its reductions (collectives) stay outside the conditional
+            operand, new_inner = self.inner.update(grads, inner_state, params)
+
+            def commit(updates, params, old):
+                return optax.apply_updates(params, updates), new_inner
+
+        params, inner_state = jax.lax.cond(
+            finite, commit, lambda _, params, old: (params, old), operand, params, inner_state
+        )
+        return params, (clip_state, inner_state)
 
 
 def _optimizer(config: OptimizerConfig, mask) -> optax.GradientTransformation:

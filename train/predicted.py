@@ -5,7 +5,8 @@
 cost model's) and prints, per device per step, each figure next to what the compiled step says:
 matrix-product FLOPs (loop trips counted, `sharding.hlo.dot_flops`), FLOPs as
 ``compiled.cost_analysis()`` counts them (each loop body once), the step's argument bytes (state and
-batch, ``compiled.memory_analysis()``) and the bytes of each collective kind
+batch, ``compiled.memory_analysis()``), its temporaries (`sharding.costmodel.Memory.in_flight` against
+``temp_size_in_bytes``) and the bytes of each collective kind
 (`sharding.hlo.collectives`). The same comparison `bench/costmodel.py` makes on its grid.
 """
 
@@ -64,6 +65,7 @@ def cost_model_lines(trainer, compiled, batch: int, seq_len: int) -> list[str]:
             _mib(cost.argument_bytes),
             _mib(memory.argument_size_in_bytes) if memory is not None else "n/a",
         ),
+        ("temporaries", _mib(cost.memory.in_flight), _mib(memory.temp_size_in_bytes) if memory is not None else "n/a"),
     ]
     predicted, actual = cm.collective_bytes(cost.comms), cm.collective_bytes(hlo.collectives(text))
     for kind in sorted(set(predicted) | set(actual)):

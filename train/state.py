@@ -42,7 +42,7 @@ from sharding.pipeline.storage import (
     storage_spec,
 )
 from sharding.rules import tree_shardings
-from train.optimizer import OptimizerConfig, make_optimizer
+from train.optimizer import GuardedUpdate, OptimizerConfig
 
 
 class StateLayout:
@@ -64,7 +64,8 @@ class StateLayout:
       layout: The run's `StageLayout` (which layers each stage computes), or None (no pipeline).
       storage: How the state stores the layer stacks: the `StageStorage` of ``layout`` on this mesh
         (unpadded rows), or None (canonical ``[layers, ...]``, no pipeline).
-      tx: The `optax.GradientTransformation` whose state ``opt_state`` is.
+      update: The step's `train.optimizer.GuardedUpdate` (the optimizer, skipped on a non-finite step).
+      tx: The `optax.GradientTransformation` whose state ``opt_state`` is (``update.tx``).
       state_params, param_shardings, report, state_shardings: The parameters as the state holds them (in
         ``storage``), their shardings, the `sharding.rules.ShardingReport`, and the whole state's shardings.
 
@@ -94,7 +95,8 @@ class StateLayout:
                 par.mesh_shape,
             )
         )
-        self.tx = make_optimizer(OptimizerConfig() if optimizer is None else optimizer, self.param_names)
+        self.update = GuardedUpdate(OptimizerConfig() if optimizer is None else optimizer, self.param_names)
+        self.tx = self.update.tx
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
         self.state_params, self.param_shardings, self.report, self.state_shardings = self._layout_state(self.storage)
         self._init = None  # the jitted init (`init_state`), built on first use

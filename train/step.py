@@ -38,6 +38,7 @@ _LAYOUT_ATTRIBUTES = frozenset(
         "layout",
         "storage",
         "tx",
+        "update",
         "state_params",
         "param_shardings",
         "report",
@@ -200,33 +201,23 @@ class Trainer:
           grads: Gradients of ``loss_sum``, shaped as the params.
           signals: The ``[num_devices]`` int32 stop-signal vector (`signals`'s ``stop``).
 
-        A non-finite loss or gradient leaves parameters and optimizer state as they were
-        (``metrics["finite"]`` is False); the step counter still advances. The guard is a `jax.lax.cond`
-        around the update, not a `jnp.where` of new and old state: with the select, XLA keeps copies of the
-        old moments (a third of the state per device), scheduled at the start of the step, through the peak.
+        A non-finite loss or gradient leaves parameters and optimizer state as they were, bit for bit
+        (``metrics["finite"]`` is False); the step counter still advances. The update is the state layout's
+        `train.optimizer.GuardedUpdate`: the clipping (a collective) before a `jax.lax.cond`, the optimizer's
+        elementwise update inside it, so XLA writes the moments and parameters in place instead of holding
+        new ones beside the old (a `jnp.where` of new and old state, or an update computed before the
+        conditional, keeps a second copy of the moments through the step's peak).
         """
         denom = jnp.maximum(weight, 1.0)
-        grads = jax.tree.map(lambda g: g / denom, grads)
+        # laid out as the parameters before the conditional, so that no resharding collective lands inside it
+        grads = jax.lax.with_sharding_constraint(
+            jax.tree.map(lambda g: g / denom, grads), self.state_layout.state_shardings["params"]
+        )
         grad_norm = (
             optax.tree.norm(grads) if hasattr(getattr(optax, "tree", None), "norm") else optax.global_norm(grads)
         )
         finite = jnp.isfinite(loss_sum) & jnp.isfinite(grad_norm)
-        updates, opt_state = self.state_layout.tx.update(grads, state["opt_state"], state["params"])
-
-        def commit(updates, new, params, old):
-            return optax.apply_updates(params, updates), new
-
-        # Outside the cond: every collective (the clipping norm); inside: elementwise work only, which a
-        # pipeline's check of collectives in conditionals (`sharding.hlo.branch_collectives`) must not see.
-        params, opt_state = jax.lax.cond(
-            finite,
-            commit,
-            lambda updates, new, params, old: (params, old),
-            updates,
-            opt_state,
-            state["params"],
-            state["opt_state"],
-        )
+        params, opt_state = self.state_layout.update(grads, state["opt_state"], state["params"], finite)
         metrics = {
             "loss": loss_sum / denom,
             "grad_norm": grad_norm,

@@ -68,6 +68,15 @@ class Memory:
         return self.parameters + self.optimizer
 
     @property
+    def in_flight(self) -> float:
+        """What the step allocates besides its arguments (the donated state and the batch): gradients,
+        saved activations, logits and gathered weights, to compare with the compiler's
+        ``temp_size_in_bytes``. The optimizer update adds nothing: it writes the donated moments and
+        parameters in place, element by element (the train step computes it inside its finite-step
+        conditional)."""
+        return self.gradients + self.activations + self.logits + self.gathered
+
+    @property
     def total(self) -> float:
         return (
             self.parameters
