@@ -15,6 +15,11 @@ def run_folder(folder):
     return folder / "run"
 
 
+def json_list(folder):
+    (folder / "flags.json").write_text("[1, 2]")
+    return folder / "flags.json"
+
+
 def binary_file(folder):
     path = folder / "weights.bin"
     path.write_bytes(bytes(range(256)) * 64)
@@ -107,6 +112,11 @@ CASES = [
         "{tmp}/run: a meshwork run folder (it has checkpoints/), not a Hugging Face model folder; give it as --run-dir",
         None,
     ),
+    (
+        ["--config", "{json_list}"],
+        '--config {tmp}/flags.json: expected an object of flags, e.g. {"seq-len": 128}',
+        None,
+    ),
     (["--data", "{binary_file}"], "--data {tmp}/weights.bin: not UTF-8 text (byte 128 is 0x80)", None),
     (["--data", "{latin1_file}"], "--data {tmp}/latin1.txt: not UTF-8 text", None),
     (
@@ -146,6 +156,7 @@ def test_refused_input_exits_2_naming_the_flag(tmp_path, corpus, cache, capsys, 
             ("hf_tokenizer", hf_tokenizer),
             ("hf_folder", hf_folder),
             ("run_folder", run_folder),
+            ("json_list", json_list),
             ("binary_file", binary_file),
             ("latin1_file", latin1_file),
             ("prepared_bytes", prepared_bytes),
