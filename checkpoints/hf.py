@@ -116,11 +116,16 @@ def read_hf_config(folder: str | Path) -> dict[str, Any]:
     """The parsed ``config.json`` of a model folder.
 
     Raises:
-      ValueError: no such folder, no ``config.json`` or not JSON (one line naming the path).
+      ValueError: no such folder, a meshwork run folder, no ``config.json`` or not JSON (one line naming the path).
     """
     folder = Path(folder)
     if not folder.is_dir():
         raise ValueError(f"{folder}: no such folder; give a Hugging Face model folder (config.json and *.safetensors)")
+    if (folder / "checkpoints").is_dir():  # its config.json is the run's record, which reads as no architecture
+        raise ValueError(
+            f"{folder}: a meshwork run folder (it has checkpoints/), not a Hugging Face model folder; give it as "
+            f"--run-dir, or write one from it with python -m train.hf export {folder} --out DIR"
+        )
     path = folder / CONFIG_FILE
     if not path.is_file():
         raise ValueError(f"{folder}: no {CONFIG_FILE}; give a folder written by save_pretrained")

@@ -23,6 +23,7 @@ modules); start-up checks it against the built model.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 from collections.abc import Iterable
 from typing import Any
@@ -434,7 +435,9 @@ def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
         if not sep:
             raise ValueError(f"--set {item!r}: expected FIELD=VALUE, e.g. --set num_layers=8")
         if name not in fields:
-            raise ValueError(f"--set {item!r}: unknown field {name!r}; fields are {', '.join(fields)}")
+            close = difflib.get_close_matches(name, fields, n=1)  # a typo (num_layer) gets the field it missed
+            hint = f"e.g. --set {close[0]}={raw.strip()} " if close else ""
+            raise ValueError(f"--set {item!r}: unknown field {name!r}; {hint}(fields are {', '.join(fields)})")
         changes[name] = _coerce(fields[name], raw)
     return changes
 

@@ -9,6 +9,17 @@ from train import train
 BASE = ["--model", "test", "--seq-len", "64", "--batch-size", "8", "--steps", "2", "--no-progress"]
 
 
+def run_folder(folder):
+    (folder / "run" / "checkpoints").mkdir(parents=True)
+    (folder / "run" / "config.json").write_text('{"command": [], "flags": {}}')
+    return folder / "run"
+
+
+def json_list(folder):
+    (folder / "flags.json").write_text("[1, 2]")
+    return folder / "flags.json"
+
+
 def binary_file(folder):
     path = folder / "weights.bin"
     path.write_bytes(bytes(range(256)) * 64)
@@ -28,6 +39,12 @@ def unwritable_cache(folder):
 
 def hf_tokenizer(folder):
     return make_hf_tokenizer(folder / "tokenizer.json")
+
+
+def hf_folder(folder):
+    (folder / "model").mkdir()
+    make_hf_tokenizer(folder / "model" / "tokenizer.json")
+    return folder / "model"
 
 
 def prepared_bytes(folder):
@@ -65,6 +82,7 @@ CASES = [
     (["--set", "rope_theta=inf"], "--set rope_theta=inf: must be a finite number > 0", None),
     (["--set", "norm_eps=nan"], "--set norm_eps=nan: must be a finite number > 0", None),
     (["--set", "num_layers=0"], "--set num_layers=0: must be a positive integer", None),
+    (["--set", "num_layer=2"], "unknown field 'num_layer'; e.g. --set num_layers=2 (fields are vocab_size,", None),
     (["--set", "attention=bogus"], "attention 'bogus': choose one of " + ", ".join(attention_registry.names()), None),
     (["--seed", "-1"], "--seed -1: must be in 0..2147483647", None),
     (["--seed", "2147483648"], "--seed 2147483648: must be in 0..", None),
@@ -82,6 +100,21 @@ CASES = [
     (
         ["--tokenizer", "{hf_tokenizer}", "--eod-token", "<eos>"],
         "--eod-token <eos>: not in the vocabulary of --tokenizer {tmp}/tokenizer.json; e.g. --eod-token '<|endoftext|>'",
+        None,
+    ),
+    (
+        ["--tokenizer", "{hf_folder}"],
+        "--tokenizer {tmp}/model: a folder; give its tokenizer.json, e.g. --tokenizer {tmp}/model/tokenizer.json",
+        None,
+    ),
+    (
+        ["--init-from", "{run_folder}"],
+        "{tmp}/run: a meshwork run folder (it has checkpoints/), not a Hugging Face model folder; give it as --run-dir",
+        None,
+    ),
+    (
+        ["--config", "{json_list}"],
+        '--config {tmp}/flags.json: expected an object of flags, e.g. {"seq-len": 128}',
         None,
     ),
     (["--data", "{binary_file}"], "--data {tmp}/weights.bin: not UTF-8 text (byte 128 is 0x80)", None),
@@ -121,6 +154,9 @@ def test_refused_input_exits_2_naming_the_flag(tmp_path, corpus, cache, capsys, 
         for name, build in (
             ("unwritable_cache", unwritable_cache),
             ("hf_tokenizer", hf_tokenizer),
+            ("hf_folder", hf_folder),
+            ("run_folder", run_folder),
+            ("json_list", json_list),
             ("binary_file", binary_file),
             ("latin1_file", latin1_file),
             ("prepared_bytes", prepared_bytes),
@@ -198,3 +234,37 @@ def test_data_found_bad_while_reading_stops_before_the_model_is_built(
     if works:
         assert train.main([*argv, *works]) == 2
         assert capsys.readouterr().err.strip().splitlines()[-1] == "error: the model was built"
+
+
+def test_ctrl_c_before_the_loop_is_one_line_and_leaves_the_folder_free(tmp_path, corpus, cache, capsys, monkeypatch):
+    """SIGINT outside the training loop (here while the model is built), where no step can be finished and saved,
+    ends the run with one line and status 130 instead of a KeyboardInterrupt traceback; the run folder's lock is
+    released, so the same command can run again at once."""
+
+    def interrupted(*_):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train, "build_trainer", interrupted)
+    run = tmp_path / "r"
+    argv = [*BASE, "--data", str(corpus), "--data-cache", str(cache), "--run-dir", str(run)]
+    assert train.main(argv) == 130
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [f"error: {train.INTERRUPTED}"], err
+    assert not (run / "run.lock").exists() and not (run / "metrics.jsonl").exists()
+
+
+def test_a_mesh_beyond_the_cpu_devices_suggests_simulating_them(tmp_path, corpus, cache):
+    """A mesh of fixed sizes larger than the one CPU device JAX sees without --cpu-devices (a resume onto another
+    mesh typed without it) is refused naming --cpu-devices, not with a one-device mesh; the suggestion is accepted."""
+    import jax
+
+    from train import cli
+
+    argv = [*BASE, "--data", str(corpus), "--data-cache", str(cache), "--run-dir", str(tmp_path / "r")]
+    argv += ["--mesh", "data=2,tensor=4"]
+    with pytest.raises(ValueError) as refused:
+        train.prepare(cli.parse(argv), jax.devices()[:1], lambda _: None)
+    assert str(refused.value) == (
+        "--mesh data=2,tensor=4 needs 8 devices, JAX sees 1 CPU device(s); simulate them, e.g. --cpu-devices 8"
+    )
+    train.prepare(cli.parse([*argv, "--cpu-devices", "8"]), jax.devices(), lambda _: None)

@@ -205,6 +205,61 @@ def test_the_cli_prepares_and_refuses_in_one_line(tmp_path, capsys):
     assert "--workers 0: must be at least 1, e.g. --workers 2" in capsys.readouterr().err
 
 
+def test_the_cli_refuses_an_out_it_cannot_write_before_reading(tmp_path, capsys):
+    """A file where --out should be (or above it) and a non-finite --shard-mb are one line naming the flag, not
+    an OSError's or OverflowError's traceback after the sources were read."""
+    corpus = write_corpus(tmp_path / "c", docs=2)
+    (tmp_path / "afile").write_text("not a folder")
+    for out in (tmp_path / "afile", tmp_path / "afile" / "p"):
+        assert prepare_main(["prepare", str(corpus), "--out", str(out), "--workers", "1"]) == 2
+        err = capsys.readouterr().err
+        assert err.strip() == (
+            f"error: --out {out}: cannot write there ({tmp_path / 'afile'} is a file, not a folder); choose a folder"
+        ), err
+    for value in ("nan", "inf", "0"):
+        code = prepare_main(["prepare", str(corpus), "--out", str(tmp_path / "p"), "--shard-mb", value])
+        err = capsys.readouterr().err
+        assert code == 2 and err.strip().startswith(
+            f"error: --shard-mb {float(value)}: must be a positive number, e.g. --shard-mb 16"
+        ), err
+
+
+def test_ctrl_c_during_the_cli_keeps_the_shards_written_and_the_same_command_resumes(tmp_path, capsys, monkeypatch):
+    from train.data import prepare as prepare_module
+
+    corpus = write_corpus(tmp_path / "c", docs=6)
+    real, calls = prepare_module._prepare_unit, []
+
+    def interrupted_after_one(job):
+        calls.append(job[0])
+        if len(calls) > 1:
+            raise KeyboardInterrupt
+        return real(job)
+
+    monkeypatch.setattr(prepare_module, "_prepare_unit", interrupted_after_one)
+    argv = [
+        "prepare",
+        str(corpus),
+        "--out",
+        str(tmp_path / "p"),
+        "--workers",
+        "1",
+        "--shard-mb",
+        "2e-4",
+        "--no-progress",
+    ]
+    assert prepare_main(argv) == 130
+    err = capsys.readouterr().err
+    assert err.strip() == (
+        f"error: interrupted (Ctrl-C); the shards already written to {tmp_path / 'p'} are kept: the same command "
+        "tokenizes only the rest"
+    ), err
+    monkeypatch.setattr(prepare_module, "_prepare_unit", real)
+    assert prepare_main(argv) == 0
+    assert ", resuming: 1 of " in capsys.readouterr().out
+    assert (tmp_path / "p" / "manifest.json").is_file()
+
+
 # Parquet -----------------------------------------------------------------------------------------------------
 
 

@@ -347,6 +347,7 @@ def test_import_refuses_a_run_folder_with_checkpoints_and_export_a_missing_run(i
     errs = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
     assert len(errs) == 3
     assert "already holds checkpoints" in errs[0] and "no checkpoints/ folder" in errs[1] and "7" in errs[2]
+    assert errs[0].endswith("; choose another --run-dir (nothing was overwritten)"), errs[0]  # import has no --resume
 
 
 def test_generate_and_evaluate_from_a_run_folder_equal_the_hf_folder(imported, small_corpus, tmp_path, capsys):

@@ -51,16 +51,23 @@ def test_export_of_a_bytes_tokenizer_run_writes_an_equivalent_tokenizer(run_dir,
     assert json.loads((out / "tokenizer_config.json").read_text())["eos_token"] == "<|endoftext|>"
 
 
-def test_plot_into_a_missing_folder_is_refused_before_planning(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("where", ["missing folder", "a folder", "no permission"])
+def test_a_plot_that_cannot_be_written_is_refused_before_planning(tmp_path, capsys, monkeypatch, where):
     from train import plan
 
     monkeypatch.setattr(plan, "report", lambda *a: pytest.fail("planned although --plot cannot be written"))
-    png = tmp_path / "no" / "plan.png"
+    png, message = {
+        "missing folder": (
+            tmp_path / "no" / "plan.png",
+            f"--plot {tmp_path / 'no' / 'plan.png'}: no folder {tmp_path / 'no'}; create it or give a path in an "
+            "existing folder",
+        ),
+        "a folder": (tmp_path, f"--plot {tmp_path}: a folder; give a file name in it, e.g. --plot {tmp_path}/plan.png"),
+        "no permission": ("/proc/plan.png", "--plot /proc: cannot write there ("),  # not even root writes in /proc
+    }[where]
     code = plan.main(["--model", "1b", "--cluster", "h100:8", "--batch", "64", "--seq-len", "2048", "--plot", str(png)])
     err = capsys.readouterr().err
-    assert code == 2 and err.strip() == (
-        f"error: --plot {png}: no folder {tmp_path / 'no'}; create it or give a path in an existing folder"
-    )
+    assert code == 2 and err.startswith(f"error: {message}") and len(err.strip().splitlines()) == 1, err
 
 
 def test_a_binary_prompt_file_names_the_file_and_the_byte(tmp_path, capsys):

@@ -52,8 +52,38 @@ def validate(run: RunConfig, num_devices: int, tokenizer=None) -> None:
     check_data(run, tokenizer, read=not run.loop.dry_run)
 
 
-def check_run_dir(run_dir: str, resume: bool) -> None:
+def check_simulated_devices(mesh_sizes, devices, cpu_devices: int | None) -> None:
+    """A ``--mesh`` of fixed sizes that needs more devices than the CPU devices JAX sees, without
+    ``--cpu-devices``: the remedy is simulating them (a smaller mesh, what `sharding.mesh.parse_mesh` would
+    suggest, is rarely what was meant: e.g. a resume onto another mesh typed without ``--cpu-devices``).
+
+    Args:
+      mesh_sizes: Axis -> size, ``-1`` for the axis that takes the remaining devices (not yet resolved).
+      devices: The devices JAX sees (all processes).
+      cpu_devices: ``--cpu-devices`` (None: not given).
+
+    Raises:
+      ValueError: Naming ``--mesh`` and the ``--cpu-devices N`` that makes it fit.
+    """
+    from sharding.mesh import format_mesh
+
+    sizes = list(mesh_sizes.values())
+    needed = math.prod(sizes)
+    if cpu_devices is not None or -1 in sizes or needed <= len(devices) or devices[0].platform != "cpu":
+        return
+    raise ValueError(
+        f"--mesh {format_mesh(mesh_sizes)} needs {needed} devices, JAX sees {len(devices)} CPU device(s); "
+        f"simulate them, e.g. --cpu-devices {needed}"
+    )
+
+
+def check_run_dir(run_dir: str, resume: bool, can_resume: bool = True) -> None:
     """The run folder is writable and holds no other run's checkpoints unless ``--resume``.
+
+    Args:
+      run_dir: ``--run-dir``.
+      resume: ``--resume`` was given.
+      can_resume: The command has a ``--resume`` to suggest (``python -m train.hf import`` has none).
 
     Raises:
       ValueError: Naming ``--run-dir`` and what to do.
@@ -63,9 +93,10 @@ def check_run_dir(run_dir: str, resume: bool) -> None:
     ckpt_dir = folder / "checkpoints"
     saved = sorted(int(p.name) for p in ckpt_dir.iterdir() if p.name.isdigit()) if ckpt_dir.is_dir() else []
     if saved and not resume:
+        remedy = "pass --resume to continue that run, or choose" if can_resume else "choose"
         raise ValueError(
-            f"--run-dir {folder} already holds checkpoints (latest step {saved[-1]}); pass --resume to continue "
-            f"that run, or choose another --run-dir (nothing was overwritten)"
+            f"--run-dir {folder} already holds checkpoints (latest step {saved[-1]}); {remedy} another --run-dir "
+            f"(nothing was overwritten)"
         )
 
 

@@ -104,6 +104,10 @@ def read_file(path: str) -> dict:
         text = Path(path).read_bytes()
         if path.endswith(".json"):
             data = json.loads(text)
+            if not isinstance(data, dict):  # a list or a number: no flags to read (and no .get to call)
+                raise ValueError(
+                    f'--config {path}: expected an object of flags, e.g. {{"seq-len": 128}} (or a run\'s config.json)'
+                )
             return data.get("flags", data)
         return tomllib.loads(text.decode("utf-8"))
     except FileNotFoundError:

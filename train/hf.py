@@ -67,7 +67,7 @@ def import_folder(args) -> int:
     if not tokenizer_file.is_file():
         raise ValueError(f"{args.path}: no {hf.TOKENIZER_FILE}; pass --tokenizer FILE")
     tokenizer = HFTokenizer(tokenizer_file, hf.eod_token(args.path, tokenizer_file))
-    check_run_dir(args.run_dir, resume=False)
+    check_run_dir(args.run_dir, resume=False, can_resume=False)  # import writes step 0: never onto a run
     par = setup(args)
     import jax
 

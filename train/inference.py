@@ -88,10 +88,12 @@ def setup(args) -> Any:
     setup_devices(args.cpu_devices)
     import jax
 
-    from sharding.mesh import make_mesh, parse_mesh
+    from sharding.mesh import make_mesh, parse_axis_sizes, parse_mesh
     from sharding.parallel import Parallelism
     from sharding.rules import get_rules
+    from train.checks import check_simulated_devices
 
+    check_simulated_devices(parse_axis_sizes(args.mesh), jax.devices(), args.cpu_devices)
     shape = parse_mesh(args.mesh, jax.device_count())
     if shape.get("stage", 1) > 1:
         raise ValueError(f"--mesh {args.mesh}: generation and evaluation run without pipeline stages; drop stage=")

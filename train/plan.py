@@ -36,7 +36,7 @@ from pathlib import Path
 
 from checkpoints.argparser import Parser
 from models import attention_registry
-from models.config import get_config
+from models.config import PRESETS, get_config
 from models.spec import describe
 from sharding import costmodel as cm
 from sharding import planner
@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--model", default="7b", help="model preset (models.config: test, small, 125m, 1b, 7b)")
+    p.add_argument("--model", default="7b", choices=sorted(PRESETS), help="model preset (models.config)")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override a model field")
     p.add_argument("--cluster", required=True, help="cluster spec (h100:8,a100:8[@400Gbps]) or a JSON/YAML file")
     p.add_argument("--batch", type=int, required=True, help="global batch, sequences")
@@ -456,11 +456,17 @@ def _pyplot(path: str):
 
     Raises:
       RuntimeError: matplotlib is not installed (naming the install command).
-      ValueError: the folder of ``path`` does not exist, naming ``--plot``.
+      ValueError: the folder of ``path`` does not exist or cannot be written, or ``path`` is a folder; naming
+        ``--plot``.
     """
     folder = Path(path).resolve().parent
     if not folder.is_dir():
         raise ValueError(f"--plot {path}: no folder {folder}; create it or give a path in an existing folder")
+    if Path(path).is_dir():
+        raise ValueError(f"--plot {path}: a folder; give a file name in it, e.g. --plot {Path(path) / 'plan.png'}")
+    from train.checks import check_writable
+
+    check_writable(folder, "--plot")  # a folder without permission fails here, not after the search
     try:
         import matplotlib
 
@@ -604,9 +610,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.plot and plans:
             plot(plans, args.plot, f"{args.model} on {args.cluster}, batch {args.batch} x {args.seq_len}")
             print(f"\nplot written to {args.plot}", file=sys.stderr if args.json else sys.stdout)
-    except (ValueError, RuntimeError, FileNotFoundError) as e:
+    except (ValueError, RuntimeError, OSError) as e:  # OSError: e.g. a --plot path that cannot be written
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("error: interrupted (Ctrl-C)", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -80,6 +80,10 @@ class HFTokenizer:
         from tokenizers import Tokenizer
 
         path = Path(path)
+        if path.is_dir() and (path / "tokenizer.json").is_file():  # a model folder given for its tokenizer
+            raise FileNotFoundError(
+                f"--tokenizer {path}: a folder; give its tokenizer.json, e.g. --tokenizer {path / 'tokenizer.json'}"
+            )
         if not path.is_file():
             raise FileNotFoundError(f"--tokenizer {path}: no such file (give a tokenizer.json)")
         try:

@@ -22,7 +22,8 @@ build_parser = cli.build_parser
 
 
 def main(argv: list[str] | None = None, *, exit_hard: bool = False) -> int:
-    """Entry point; returns the process exit code (1: non-finite loss, 2: any other error).
+    """Entry point; returns the process exit code (1: non-finite loss, 2: any other error, 130: Ctrl-C outside the
+    training loop).
 
     Args:
       argv: The flags (default ``sys.argv[1:]``).
@@ -47,6 +48,17 @@ def main(argv: list[str] | None = None, *, exit_hard: bool = False) -> int:
     except (ValueError, FileNotFoundError, RuntimeError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # inside the loop a SIGINT stops and saves (`train.loop.StopFlag`); this is outside it
+        print(f"error: {INTERRUPTED}", file=sys.stderr)
+        return 130
+
+
+INTERRUPTED = (
+    "interrupted (Ctrl-C) before the training loop started or while its last checkpoint was written; the "
+    "checkpoints already complete in --run-dir are kept (--resume continues from the newest)"
+)
+"""The one line of a SIGINT outside the loop (start-up, data preparation, compilation, the final save), where
+there is no step to finish and save."""
 
 
 def run(config: RunConfig) -> int:
@@ -141,12 +153,14 @@ def prepare(config: RunConfig, devices, log):
     Raises:
       ValueError: As `train.checks.validate`.
     """
-    from train.checks import validate
+    from train.checks import check_simulated_devices, validate
     from train.config import resolve_mesh
     from train.plan import apply_plan
     from train.tokenizer import load_tokenizer
 
-    config = resolve_mesh(apply_plan(config, devices, log), len(devices))
+    config = apply_plan(config, devices, log)
+    check_simulated_devices(config.parallelism.mesh_shape, devices, config.cluster.cpu_devices)
+    config = resolve_mesh(config, len(devices))
     tokenizer = load_tokenizer(config.data.tokenizer, config.data.eod_token)
     validate(config, len(devices), tokenizer)
     config = fit.resolve_budget(config, devices)

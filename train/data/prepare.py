@@ -20,10 +20,14 @@ and `.npy` memmaps need one file sized up front; neither suits appending shards 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
+import math
 import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -83,6 +87,21 @@ def _tokenizer(spec: tuple[str | None, str | None]):
 
         _WORKER_TOKENIZER[spec] = load_tokenizer(*spec)
     return _WORKER_TOKENIZER[spec]
+
+
+@contextlib.contextmanager
+def _sigint_ignored():
+    """SIGINT ignored while worker processes start: they inherit the disposition, so a terminal's Ctrl-C (sent
+    to the whole process group) reaches only the parent, which stops and terminates them on leaving the pool;
+    one line is printed instead of a traceback per worker. Outside the main thread (no signals there) a no-op."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 class _ShardWriter:
@@ -249,9 +268,9 @@ def prepare(
 def _prepare(specs, out, tokenizer, workers, seed, heldout, text_field, shard_mb, log, progress, flag, key) -> dict:
     """`prepare`, holding its lock."""
     if not 0.0 < heldout < 1.0:
-        raise ValueError(f"--heldout {heldout}: must be between 0 and 1, e.g. 0.01")
-    if shard_mb <= 0:
-        raise ValueError(f"--shard-mb {shard_mb}: must be positive, e.g. {DEFAULT_SHARD_MB}")
+        raise ValueError(f"--heldout {heldout}: must be between 0 and 1, e.g. --heldout 0.01")
+    if not (math.isfinite(shard_mb) and shard_mb > 0):  # nan and inf pass a plain `<= 0`, then fail in int()
+        raise ValueError(f"--shard-mb {shard_mb}: must be a positive number, e.g. --shard-mb {DEFAULT_SHARD_MB}")
     manifest_path, plan_path = out / "manifest.json", out / "plan.json"
     if key is not None and manifest_path.is_file() and json.loads(manifest_path.read_text()).get("key") == key:
         log(f"reusing the prepared data in {out} (same sources, tokenizer and settings)")
@@ -300,7 +319,9 @@ def _prepare(specs, out, tokenizer, workers, seed, heldout, text_field, shard_mb
             import multiprocessing
 
             # spawn: the parent may hold JAX's or the tokenizer's threads, which a fork would copy mid-state
-            with multiprocessing.get_context("spawn").Pool(workers) as pool:
+            with _sigint_ignored():  # the workers inherit it from their first instruction
+                pool = multiprocessing.get_context("spawn").Pool(workers)
+            with pool:
                 for counts in pool.imap_unordered(_prepare_unit, jobs):
                     done[counts["index"]] = counts
                     bar.update(counts)
@@ -393,14 +414,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The ``prepare`` command; a refused input is one line on stderr and exit status 2."""
+    """The ``prepare`` command; a refused input is one line on stderr and exit status 2, Ctrl-C one line and
+    exit status 130 (the shards already written are kept: the same command resumes)."""
     args = build_parser().parse_args(argv)
+    from train.checks import check_writable
     from train.tokenizer import load_tokenizer
 
     try:
         if args.workers is not None and args.workers < 1:
             raise ValueError(f"--workers {args.workers}: must be at least 1, e.g. --workers 2")
         tokenizer = load_tokenizer(args.tokenizer, args.eod_token)
+        check_writable(Path(args.out).expanduser(), "--out")  # a file in the way, no permission: before reading
         prepare(
             args.sources,
             args.out,
@@ -413,7 +437,14 @@ def main(argv: list[str] | None = None) -> int:
             progress=not args.no_progress,
             flag="SRC",
         )
-    except (ValueError, FileNotFoundError, ImportError) as e:
+    except (ValueError, OSError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(
+            f"error: interrupted (Ctrl-C); the shards already written to {args.out} are kept: the same command "
+            "tokenizes only the rest",
+            file=sys.stderr,
+        )
+        return 130
     return 0
