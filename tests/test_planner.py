@@ -214,24 +214,6 @@ def test_a_mixture_of_experts_gets_expert_layouts_and_no_pipeline():
     assert plans and any(p.layout.mesh[ax.EXPERT] > 1 for p in plans)
 
 
-def test_a_mixture_of_experts_in_every_layer_gets_pipeline_stages_without_an_expert_axis():
-    """A dropless MoE in every layer runs in pipeline stages, each stage gathering its experts (no dispatch):
-    the search proposes stages for it, never with ``expert`` > 1; with a capacity, or a dense first layer,
-    no stages."""
-    inventory = _inventory(8, 0, 8, 1.0)
-    options = planner.PlanOptions(attentions=("flash",))
-    model = describe(get_config("moe-test", ["first_dense_layers=0", "num_layers=4"]))
-    meshes = list(planner._meshes(model, planner._Evaluator(model, inventory, 64, 256, options).cluster, options))
-    staged = [m for m in meshes if m[ax.STAGE] > 1]
-    assert staged and all(m.get(ax.EXPERT, 1) == 1 for m in staged)
-    plans = planner.plan(model, inventory, 64, 256, options, top=50)
-    assert any(p.layout.mesh[ax.STAGE] > 1 for p in plans)
-    for changes in (["capacity_factor=1.25"], ["first_dense_layers=1"]):
-        other = describe(get_config("moe-test", ["first_dense_layers=0", "num_layers=4", *changes]))
-        cluster = planner._Evaluator(other, inventory, 64, 256, options).cluster
-        assert all(m[ax.STAGE] == 1 for m in planner._meshes(other, cluster, options))
-
-
 @pytest.mark.parametrize("mesh", [{"stage": 4}, {"stage": 2, "fsdp": 2}])
 def test_stage_split_matches_the_best_of_all_splits(mesh):
     inventory = _inventory(2, 2, 1, 2.5, network=2e9)

@@ -43,9 +43,8 @@ def _factorizations(n: int, parts: int) -> Iterator[tuple[int, ...]]:
 def _meshes(model: ModelDescription, cluster: _Cluster, options: PlanOptions) -> Iterator[dict[str, int]]:
     """Mesh shapes: tensor and sequence groups inside a host; the model's ``heads``, ``mlp`` and
     ``vocab`` divisible by ``tensor``. With ``options.sequence``, the length split over ``sequence``
-    (inside a host) and ``context`` (which may span hosts). For a mixture of experts, pipeline stages only
-    when every layer is a dropless mixture of experts (and then no ``expert`` axis), and besides each mesh
-    without stages its variants with ``expert`` = e taken from ``fsdp`` (e dividing ``fsdp`` and the
+    (inside a host) and ``context`` (which may span hosts). For a mixture of experts, no pipeline stages,
+    and besides each mesh its variants with ``expert`` = e taken from ``fsdp`` (e dividing ``fsdp`` and the
     experts)."""
     shapes = (
         _factorizations(cluster.size, 6)
@@ -76,12 +75,7 @@ def _meshes(model: ModelDescription, cluster: _Cluster, options: PlanOptions) ->
         if model.experts is None:
             yield mesh
             continue
-        if stage > 1:
-            # Pipeline stages run a dropless mixture of experts in every layer, each stage gathering its
-            # experts as its other weights (`models.transformer`): no expert variants, whose dispatch the
-            # stages do not run.
-            if model.experts.layers == model.num_layers and not model.experts.capacity_factor:
-                yield mesh
+        if stage > 1:  # a mixture of experts runs without pipeline stages
             continue
         yield mesh
         # Expert parallelism borrows devices of fsdp (torchtitan's rule): expert=e divides the experts.
