@@ -98,7 +98,9 @@ def route(logits: jax.Array, config: ModelConfig) -> tuple[jax.Array, jax.Array,
     return weights * config.routed_scale, experts.astype(jnp.int32), probs
 
 
-def router_losses(logits: jax.Array, probs: jax.Array, experts: jax.Array, num_experts: int) -> dict[str, jax.Array]:
+def router_losses(
+    logits: jax.Array, probs: jax.Array, experts: jax.Array, num_experts: int, axes: tuple[str, ...] = ()
+) -> dict[str, jax.Array]:
     """The load-balancing loss and the router z-loss (module docstring), float32 scalars.
 
     Args:
@@ -106,18 +108,25 @@ def router_losses(logits: jax.Array, probs: jax.Array, experts: jax.Array, num_e
       probs: ``[N, E]`` float32 router probabilities (`route`).
       experts: ``[N, K]`` int32 chosen experts.
       num_experts: E.
+      axes: manual mesh axes (inside `jax.shard_map`) that split the tokens of one group: the counts, the
+        probabilities and the squared log-partitions are summed over them first, so that every device gets
+        the losses of the whole group (a pipeline stage's microbatch); empty: the tokens here are the group.
 
     Returns:
       ``{"aux": E * sum_e f_e * P_e, "z": mean(logsumexp(logits)^2), "load": [E]}``: ``load`` the routed
       copies each expert received (float32 counts, before any capacity drop; ``N*K`` in all), from which the
       step reports the routing balance.
     """
+    k = experts.shape[-1]
     counts = jnp.sum(jax.nn.one_hot(experts, num_experts, dtype=jnp.float32), axis=(0, 1))  # [E]
-    fraction = counts / experts.size
-    mean_prob = jnp.mean(probs, axis=0)
-    aux = num_experts * jnp.sum(jax.lax.stop_gradient(fraction) * mean_prob)
-    z = jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
-    return {"aux": aux, "z": z, "load": counts}
+    prob_sum = jnp.sum(probs, axis=0)  # [E]
+    square_sum = jnp.sum(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
+    if axes:
+        counts, prob_sum, square_sum = jax.lax.psum((counts, prob_sum, square_sum), axes)
+    copies = jnp.sum(counts)  # N*K over the group: integers, exact in float32
+    tokens = copies / k
+    aux = num_experts * jnp.sum(jax.lax.stop_gradient(counts / copies) * (prob_sum / tokens))
+    return {"aux": aux, "z": square_sum / tokens, "load": counts}
 
 
 def router_objective(config: ModelConfig, stats: dict[str, jax.Array], weight_sum: jax.Array) -> jax.Array:
@@ -218,8 +227,14 @@ class MoE(nnx.Module):
         if config.shared_experts:
             self.shared = MLP(config.embed_dim, config.shared_experts * config.expert_dim, rngs=rngs)
 
-    def __call__(self, x: jax.Array, par: Parallelism) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def __call__(
+        self, x: jax.Array, par: Parallelism, stats_axes: tuple[str, ...] = ()
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """``[batch, length, embed]`` -> ``([batch, length, embed]`` in x's dtype, stats).
+
+        ``stats_axes``: manual mesh axes the tokens of one group are split over (`router_losses`), so that
+        the router losses are those of the whole group; the pipeline's stages pass the axes that split a
+        microbatch.
 
         Returns:
           The output and ``{"aux", "z", "dropped", "load"}``, float32: the balancing loss and the z-loss
@@ -234,6 +249,7 @@ class MoE(nnx.Module):
             probs.reshape(-1, config.num_experts),
             experts.reshape(-1, config.experts_per_token),
             config.num_experts,
+            stats_axes,
         )
         routed, keep = _routed(x, experts, weights, self.gate[...], self.up[...], self.down[...], config, par)
         stats["dropped"] = jnp.sum(1.0 - keep.astype(jnp.float32))

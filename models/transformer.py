@@ -70,14 +70,20 @@ class Block(nnx.Module):
         return self.forward(x, positions, segment_ids, par)[0]
 
     def forward(
-        self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, par: Parallelism
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        segment_ids: jax.Array | None,
+        par: Parallelism,
+        stats_axes: tuple[str, ...] = (),
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """``[batch, length, embed]`` -> (same shape and dtype, the mixture of experts' float32 scalars
-        ``aux``, ``z``, ``dropped`` (`models.moe.MoE`), empty for a dense block)."""
+        ``aux``, ``z``, ``dropped`` (`models.moe.MoE`), empty for a dense block). ``stats_axes``: as
+        `models.moe.MoE`."""
         x = x + self.attention(self.attention_norm(x), positions, segment_ids, par)
         stats = {}
         if hasattr(self, "moe"):
-            y, stats = self.moe(self.mlp_norm(x), par)
+            y, stats = self.moe(self.mlp_norm(x), par, stats_axes)
         else:
             y = self.mlp(self.mlp_norm(x), par)
         return par.constrain(x + y, (ax.BATCH, ax.LENGTH, ax.ACT_EMBED)), stats
@@ -145,7 +151,11 @@ class Transformer(nnx.Module):
           layer_order: optional int array ``[n]`` of layer indices (-1: an
             empty slot, built from layer 0's key): the stacked blocks are
             layers ``layer_order`` in that order, with exactly the values
-            those layers have in the canonical ``0..num_layers-1`` stack.
+            those layers have in the canonical ``0..num_layers-1`` stack
+            (a model of one stack: dense, or a mixture of experts in every layer).
+
+        Raises:
+          ValueError: ``layer_order`` for a mixture of experts with dense layers.
         """
         self.config = config
         self.embed = Embed(config.vocab_size, config.embed_dim, rngs=rngs)
@@ -153,9 +163,14 @@ class Transformer(nnx.Module):
         if layer_order is not None:
             keys = keys[jnp.maximum(jnp.asarray(layer_order), 0)]
         kinds = np.asarray(config.layer_kinds())
-        for name, moe, _ in config.layer_stacks():
-            # Layer i keeps the key of its place in the model, whichever stack holds it.
-            stack = _make_stack(config, moe, keys if not config.is_moe else keys[np.flatnonzero(kinds == moe)])
+        stacks = config.layer_stacks()
+        if layer_order is not None and len(stacks) > 1:
+            raise ValueError("layer_order needs a model whose layers are alike (one stack)")
+        for name, moe, _ in stacks:
+            # Layer i keeps the key of its place in the model, whichever stack holds it; with layer_order the one
+            # stack's rows are the keys as ordered.
+            one = layer_order is not None or len(stacks) == 1
+            stack = _make_stack(config, moe, keys if one else keys[np.flatnonzero(kinds == moe)])
             _add_layers_axis(stack)
             setattr(self, name, stack)
         self.final_norm = RMSNorm(config.embed_dim, config.norm_eps, rngs=rngs)
@@ -187,7 +202,15 @@ class Transformer(nnx.Module):
                 return self._run_pipelined(graphdef, stacked, x, positions, segment_ids, par), {}
             return self._scan(graphdef, stacked, x, positions, segment_ids, par)[0], {}
         if par.pipeline is not None:
-            raise ValueError("a mixture of experts runs without pipeline stages; use a --mesh without stage")
+            # A pipeline runs one stack of like blocks: a mixture of experts whose every layer is one
+            # (`train.checks.check_experts` refuses the others). Its router statistics stay inside the stages.
+            if hasattr(self, "dense_layers"):
+                raise ValueError(
+                    "pipeline stages run a mixture of experts whose every layer is one: first_dense_layers=0, "
+                    "moe_every=1"
+                )
+            moe_def, moe_stacked = nnx.split(self.layers)
+            return self._run_pipelined(moe_def, moe_stacked, x, positions, segment_ids, par), {}
         first, period = self.config.first_dense_layers, self.config.moe_every
         moe_def, moe_stacked = nnx.split(self.layers)
         if first:
@@ -249,6 +272,10 @@ class Transformer(nnx.Module):
         """`loss_sums` through `sharding.pipeline.run_pipeline_loss`: the final norm, output projection and
         loss are its head, which the 1F1B schedule runs on the last stage inside the pipeline."""
         x = self.embed(tokens, _dtype(self.config.dtype), par)
+        if hasattr(self, "dense_layers"):
+            raise ValueError(
+                "pipeline stages run a mixture of experts whose every layer is one: first_dense_layers=0, moe_every=1"
+            )
         graphdef, stacked = nnx.split(self.layers)
         norm_def, norm_state = nnx.split(self.final_norm)
         weight, vocab_last = self.output_weight()
@@ -263,18 +290,20 @@ class Transformer(nnx.Module):
             )
 
         head_names = {"norm": _logical_names(norm_state), "weight": tuple(weight_var.get_metadata()["logical_axes"])}
+        moe = self.config.is_moe
         loss_sum, weight_sum, _ = run_pipeline_loss(
-            _pipeline_layer(graphdef),
+            _pipeline_moe_layer(graphdef, self.config) if moe else _pipeline_layer(graphdef),
             head,
             stacked,
             {"norm": norm_state, "weight": weight},
             x,
-            (positions, segment_ids),
+            (positions, segment_ids, weights) if moe else (positions, segment_ids),
             (targets, weights),
             par,
             names=_logical_names(stacked),
             head_names=head_names,
             remat_policy=_REMAT_POLICIES.get(self.config.remat),
+            objective=moe,
         )
         return loss_sum, weight_sum
 
@@ -464,6 +493,27 @@ def _pipeline_layer(graphdef):
 
     def layer(stage_par, layer_state, h, positions, segment_ids):
         return nnx.merge(graphdef, layer_state)(h, positions, segment_ids, stage_par)
+
+    return layer
+
+
+def _pipeline_moe_layer(graphdef, config: ModelConfig):
+    """One mixture-of-experts block as a pipeline layer with an objective (`sharding.pipeline.run_pipeline_loss`
+    with ``objective``): ``(par, layer_state, h, positions, segment_ids, loss_mask, batch_axes) -> (h,
+    objective)``.
+
+    The objective is this device's part of what the block adds to the summed loss: its router losses over
+    the whole microbatch (statistics summed over ``batch_axes``, the manual axes that split the microbatch's
+    rows) times this device's tokens of it (``loss_mask [rows, length]`` float32), over the MoE layers
+    (`router_objective`). Summed over the batch axes and the microbatches it is what the unpipelined model
+    adds per microbatch of gradient accumulation: ``tokens * (router_aux_coef * aux + router_z_coef * z)``,
+    ``aux`` and ``z`` the means over its MoE layers.
+    """
+
+    def layer(stage_par, layer_state, h, positions, segment_ids, loss_mask, batch_axes=()):
+        h, stats = nnx.merge(graphdef, layer_state).forward(h, positions, segment_ids, stage_par, batch_axes)
+        objective = router_objective(config, stats, jnp.sum(loss_mask)) / config.num_moe_layers
+        return h, objective
 
     return layer
 

@@ -310,16 +310,24 @@ def to_varying(tree, axes: str | Sequence[str]):
     axes = (axes,) if isinstance(axes, str) else tuple(axes)
 
     def cast(x):
-        aval = jax.typeof(x)
-        vma = getattr(aval, "vma", None)
-        if vma is None:
-            vma = getattr(getattr(aval, "mat", None), "varying", frozenset())
+        vma = varying_axes(x)
         missing = tuple(a for a in axes if a not in vma)
         if not missing:
             return x
         return jax.lax.pcast(x, missing, to="varying")
 
     return jax.tree.map(cast, tree)
+
+
+def varying_axes(x) -> frozenset[str]:
+    """The manual mesh axes an array varies over (inside `jax.shard_map`; empty outside one)."""
+    import jax
+
+    aval = jax.typeof(x)
+    vma = getattr(aval, "vma", None)
+    if vma is None:
+        vma = getattr(getattr(aval, "mat", None), "varying", frozenset())
+    return frozenset(vma)
 
 
 def spec_axes(entry) -> tuple[str, ...]:
@@ -410,4 +418,5 @@ __all__ = [
     "reduce_shards",
     "spec_axes",
     "to_varying",
+    "varying_axes",
 ]

@@ -218,18 +218,25 @@ def test_expert_meshes_split_every_weight_over_all_devices():
     assert tuple(shardings["layers"]["moe"]["gate"].spec)[1:3] == ("expert", "fsdp")
 
 
-def test_uneven_counts_give_the_uniform_gradients_and_routing_counts():
-    """Uneven data parallelism (data=2,fsdp=4, each device its own number of microbatches) of a MoE: the
-    summed loss and gradients equal the uniform step's, and the router's per-expert counts too (the
-    balancing loss is off: it is computed per microbatch, whose grouping the counts change)."""
+@pytest.mark.parametrize(
+    "mesh_spec, counts", [("data=2,fsdp=4", (0, 2, 1, 1, 3, 1, 0, 2)), ("fsdp=2,expert=4", (0, 2, 1, 3, 3, 1, 4, 2))]
+)
+def test_uneven_counts_give_the_uniform_gradients_and_routing_counts(mesh_spec, counts):
+    """Uneven data parallelism (each of the 8 devices its own number of microbatches) of a MoE, on
+    ``data=2,fsdp=4`` and with the experts split over ``expert=4`` (each device gathers them once per step
+    and runs its own microbatches through all of them): the summed loss and gradients equal the uniform
+    step's (on ``expert=4``: the expert-parallel ring), and the router's per-expert counts too (the balancing
+    loss is off: it is computed per microbatch, whose grouping the counts change). On the expert mesh the
+    batch is 16 rows, which its 8 devices divide: the uniform step's gradients on an expert mesh are not
+    those of one device when they do not (a separate fault of the unpipelined layout)."""
     from sharding.parallel import Accumulation, UnevenBatch
     from sharding.rules import get_rules
     from train.optimizer import OptimizerConfig
     from train.step import Trainer
 
-    counts, rows, seq = (0, 2, 1, 1, 3, 1, 0, 2), 1, 8
+    rows, seq = 1, 8
     config = CONFIG.replace(router_aux_coef=0.0, num_layers=1, first_dense_layers=0)
-    par = Parallelism.of(make_mesh(parse_mesh("data=2,fsdp=4", 8)), get_rules("fsdp"), Accumulation(1))
+    par = Parallelism.of(make_mesh(parse_mesh(mesh_spec, 8)), get_rules("fsdp"), Accumulation(1))
     uniform = Trainer(config, OptimizerConfig(warmup=0, decay_steps=10), par)
     uneven = Trainer(config, uniform.optimizer, par.replace(strategy=UnevenBatch(counts)))
     rng = np.random.default_rng(0)
@@ -254,6 +261,58 @@ def test_uneven_counts_give_the_uniform_gradients_and_routing_counts():
     for key in ("moe_max_load", "moe_expert_share", "moe_dropped"):
         np.testing.assert_allclose(np.asarray(got[3][key]), np.asarray(want[3][key]), rtol=1e-6)
     assert float(got[3]["moe_aux"]) > 0
+
+
+PIPELINE_MOE = CONFIG.replace(num_layers=4, first_dense_layers=0, router_aux_coef=1.0, router_z_coef=0.1)
+"""An all-MoE model for pipeline stages, its router losses weighted so that they move loss and gradients."""
+
+
+def _moe_gradients(mesh_spec, strategy):
+    """``(loss_sum, weight_sum, grads)`` of `PIPELINE_MOE`'s step on ``_batch(8, 32)`` (grads in canonical layer
+    order)."""
+    from test_pipeline_1f1b import _batch
+
+    from sharding import pipeline as pl
+    from sharding.rules import get_rules
+    from train.optimizer import OptimizerConfig
+    from train.step import Trainer
+
+    par = Parallelism.of(make_mesh(parse_mesh(mesh_spec, 8)), get_rules("fsdp"), strategy)
+    trainer = Trainer(PIPELINE_MOE, OptimizerConfig(), par)
+    loss, weight, grads, _ = jax.jit(trainer.gradients)(trainer.init_state(0)["params"], _batch(8, 32))
+    if trainer.storage is not None:
+        layers = jax.tree.map(lambda g: pl.relayout(g, trainer.storage, None, PIPELINE_MOE.num_layers), grads["layers"])
+        grads = {**grads, "layers": layers}
+    return float(loss), float(weight), grads
+
+
+@pytest.fixture(scope="module")
+def accumulated_moe():
+    """The unpipelined reference: 2 microbatches of gradient accumulation on ``data=8``."""
+    from sharding.parallel import Accumulation
+
+    return _moe_gradients("data=8", Accumulation(2))
+
+
+@pytest.mark.parametrize(
+    "mesh_spec, schedule, gather",
+    [("stage=2,expert=2,fsdp=2", "1f1b", "once"), ("stage=2,fsdp=4", "gpipe", "microbatch")],
+)
+def test_moe_pipeline_has_the_loss_and_gradients_of_accumulation(accumulated_moe, mesh_spec, schedule, gather):
+    """Mixture-of-experts layers inside pipeline stages (uneven split 3,1, 2 microbatches): the summed loss,
+    router losses included, and every gradient equal the unpipelined model's with 2 microbatches of gradient
+    accumulation. 1F1B on ``stage=2,expert=2,fsdp=2`` (the objective differentiated inside the tick loop,
+    experts stored split over ``expert``), GPipe with the weights gathered per microbatch on ``stage=2,fsdp=4``
+    (the objective's cotangent from outside the pipeline). The router losses are per microbatch: each
+    stage sums its statistics over the devices splitting the microbatch."""
+    from test_pipeline_1f1b import _plan, assert_close
+
+    ref_loss, ref_weight, ref_grads = accumulated_moe
+    plan = _plan(PIPELINE_MOE.num_layers, mesh_spec, (3, 1), 2, schedule, gather=gather)
+    loss, weight, grads = _moe_gradients(mesh_spec, plan)
+    assert weight == ref_weight
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    assert_close(grads, ref_grads)
 
 
 def test_placement_of_dense_and_moe_layers():
@@ -358,7 +417,7 @@ def test_a_moe_model_trains_with_expert_parallelism(tmp_path, corpus, cache):
         (["--model", "moe-test", "--set", "experts_per_token=9"], "--set experts_per_token=9"),
         (
             ["--model", "moe-test", "--mesh", "stage=2,fsdp=4", "--microbatches", "2"],
-            "a mixture of experts runs without pipeline stages",
+            "pipeline stages run a mixture of experts whose every layer is one",
         ),
     ],
 )

@@ -73,6 +73,9 @@ CASES = [
     ["--batch-size", "16", "--hetero-batch", "3,3,2,2,2,2,1,1", "--mesh", "data=8", "--hetero-max-share", "2"],
     ["--mesh", "stage=2,fsdp=4", "--microbatches", "2", "--hetero-batch", "auto"],
     ["--model", "7b", "--set", "num_layers=256", "--mesh", "fsdp=8", "--dry-run"],  # over any host's memory
+    ["--model", "moe-test", "--mesh", "stage=2,fsdp=4", "--microbatches", "2"],  # a dense first layer
+    ["--model", "moe-test", "--set", "first_dense_layers=0", "--set", "capacity_factor=1.25"]
+    + ["--mesh", "stage=2,fsdp=4", "--microbatches", "2"],
 ]
 
 

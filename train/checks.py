@@ -244,15 +244,29 @@ def check_model_sharding(config: ModelConfig, par: Parallelism) -> None:
 def check_experts(config: ModelConfig, par: Parallelism) -> None:
     """The ``expert`` mesh axis against the model and the strategy (`models.moe`).
 
+    Pipeline stages run one stack of like blocks, so a mixture of experts in a pipeline has a mixture of
+    experts in every layer; and they run it exactly as the unpipelined model with gradient accumulation over
+    the same microbatches only when no routed copy is dropped: a capacity counts the copies of one device's
+    rows, which a stage's devices split differently.
+
     Raises:
-      ValueError: ``expert`` > 1 with a dense model, or with the uneven strategy; an ``expert`` size that
-        does not divide ``num_experts``; a mixture of experts with pipeline stages.
+      ValueError: ``expert`` > 1 with a dense model; an ``expert`` size that does not divide
+        ``num_experts``; pipeline stages with dense layers in a mixture of experts, or with a capacity.
     """
     experts = par.mesh_shape[ax.EXPERT]
     if config.is_moe and par.pipeline is not None:
-        raise ValueError(
-            f"--mesh {_mesh_flag(par)}: a mixture of experts runs without pipeline stages; drop stage from --mesh"
-        )
+        if config.first_dense_layers or config.moe_every != 1:
+            raise ValueError(
+                f"--mesh {_mesh_flag(par)}: pipeline stages run a mixture of experts whose every layer is one "
+                f"(first_dense_layers={config.first_dense_layers}, moe_every={config.moe_every} here); "
+                f"e.g. --set first_dense_layers=0 --set moe_every=1, or drop stage from --mesh"
+            )
+        if config.capacity_factor:
+            raise ValueError(
+                f"--set capacity_factor={config.capacity_factor:g}: with pipeline stages a capacity would drop "
+                f"other copies than the unpipelined model (it counts one device's rows, which the stages split "
+                f"differently); e.g. --set capacity_factor=0 (dropless), or drop stage from --mesh"
+            )
     if experts == 1:
         return
     if not config.is_moe:
@@ -266,8 +280,6 @@ def check_experts(config: ModelConfig, par: Parallelism) -> None:
             f"--mesh {_mesh_flag(par)}: expert={experts} does not divide num_experts={config.num_experts}; "
             f"e.g. expert={good}"
         )
-    if par.strategy.uneven:
-        raise ValueError(f"--mesh {_mesh_flag(par)}: expert parallelism does not run with uneven microbatches")
 
 
 def check_logits(run: RunConfig) -> None:

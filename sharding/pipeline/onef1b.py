@@ -75,6 +75,7 @@ from sharding.pipeline.program import (
     slot_positions,
     stage_varying,
     to_microbatches,
+    with_objective_cotangent,
     write,
 )
 from sharding.pipeline.schedule import run_pipeline
@@ -94,11 +95,16 @@ def _ticks(
     head_grads,
     train: bool,
     vary: tuple[str, ...],
+    back_layer=None,
+    objective_axes=None,
 ):
     """All ticks of one stage (inside the stage program).
 
     Args:
-      layer: ``(layer_params, h, *extras) -> h``.
+      layer: ``(layer_params, h, *extras) -> h``; with ``objective_axes``, ``-> (h, objective)``: the float32
+        objectives of the layers run are added to the loss sum (partial sums varying over those axes).
+      back_layer: the layer the backward ticks differentiate (default ``layer``; for a layer with an
+        objective, `sharding.pipeline.program.with_objective_cotangent` of it at 1, as the loss).
       head: ``(head_params, h, *head_inputs) -> (loss_sum, weight_sum)``.
       params: the stage's gathered weights, leaves ``[R, K, ...]``, or a `Streamed` (gathered per chunk pass).
       head_params: the head's gathered weights.
@@ -114,6 +120,7 @@ def _ticks(
       last stage), its forward layer applications (int32) and, when ``train``, its gradient sums and the
       cotangent of ``xs`` ``[M, microbatch, ...]`` (nonzero on stage 0); else None for those.
     """
+    back_layer = layer if back_layer is None else back_layer
     layout = plan.layout
     stages, repeats = layout.stages, layout.repeats
     ticks = plan.tick_table()
@@ -158,8 +165,19 @@ def _ticks(
         entry = (stage == 0) & (r == 0)  # the first virtual stage reads the microbatch itself
         h_in = jnp.where(entry, index_leaf(xs, mb), index_leaf(buffer, slot)[0])
         h, done, inputs = chunk_forward(
-            layer, params, r, h_in, index_tree(extras, mb), jnp.where(forward, counts[r], 0), plan.skip_empty, train
+            layer,
+            params,
+            r,
+            h_in,
+            index_tree(extras, mb),
+            jnp.where(forward, counts[r], 0),
+            plan.skip_empty,
+            train,
+            objective_axes,
         )
+        if objective_axes is not None:  # the layers' objectives join the loss sum
+            done, objective = done
+            loss = loss + objective
         exit_ = (stage == stages - 1) & (r == repeats - 1)  # the last virtual stage runs the head
         loss_i, weight_i, g_h, g_hp = head_step(forward & exit_, h, index_tree(head_inputs, mb))
         loss, weight, applied = loss + loss_i, weight + weight_i, applied + done
@@ -177,12 +195,12 @@ def _ticks(
             backward_args = (index_leaf(buffer, slot), index_tree(extras, mb), jnp.where(backward, counts[r], 0))
             if split:  # zero bubble: B now, W from the ring at the tick the table gives
                 g_in, outputs = chunk_backward_input(
-                    layer, params, r, *backward_args, index_leaf(waiting, c), plan.skip_empty
+                    back_layer, params, r, *backward_args, index_leaf(waiting, c), plan.skip_empty
                 )
                 buffer = write(buffer, row["backward_saved"], outputs, backward)
                 w_r, w_mb = row["weight_chunk"], row["weight_microbatch"]
                 grads = chunk_backward_weight(
-                    layer,
+                    back_layer,
                     params,
                     w_r,
                     index_leaf(buffer, row["weight_slot"]),
@@ -194,7 +212,7 @@ def _ticks(
                 )
             else:
                 g_in, grads = chunk_backward(
-                    layer, params, r, *backward_args, index_leaf(waiting, c), grads, plan.skip_empty
+                    back_layer, params, r, *backward_args, index_leaf(waiting, c), grads, plan.skip_empty
                 )
             g_xs = write(g_xs, mb, g_in, backward & (stage == 0) & (r == 0))
             g_received = jax.lax.ppermute(g_in, ax.STAGE, back_ring)
@@ -218,20 +236,29 @@ def _ticks(
     return loss, weight, applied, grads, head_grads, g_xs
 
 
-def _loss_program(layer_fn, head_fn, plan: PipelinePlan, par, weights: Weights, head_specs, remat_policy=None):
+def _loss_program(
+    layer_fn, head_fn, plan: PipelinePlan, par, weights: Weights, head_specs, remat_policy=None, objective=False
+):
     """``f(stacked [1, slots, ...], head_params, xs, extras, head_inputs) -> (loss_sum, weight_sum, applied)``
     for one stage (this device's partial sums), a `jax.custom_vjp` whose forward rule runs the whole 1F1B
-    step (module docstring)."""
+    step (module docstring). With ``objective`` the layers' objectives are part of ``loss_sum``, differentiated
+    with it (`run_pipeline_loss`)."""
     summed = weights.summed
     streamed = plan.gather == "microbatch"
 
     def run(stacked, head_params, xs, extras, head_inputs, train: bool):
         stage_par = par.inside(manual_axes(par))
-        layer = lambda w, h, *e: layer_fn(stage_par, w, h, *e)  # noqa: E731
+        if objective:
+            layer = lambda w, h, *e: layer_fn(stage_par, w, h, *e, batch_axes=summed)  # noqa: E731
+        else:
+            layer = lambda w, h, *e: layer_fn(stage_par, w, h, *e)  # noqa: E731
         if remat_policy is not None:
             layer = jax.checkpoint(layer, policy=remat_policy, prevent_cse=False)
+        # The loss is differentiated inside the loop at cotangent 1 and every gradient scaled after it.
+        back_layer = with_objective_cotangent(layer, jnp.ones((), jnp.float32)) if objective else layer
         head = lambda hp, h, *inputs: head_fn(stage_par, hp, h, *inputs)  # noqa: E731
         vary = (ax.STAGE, *summed)
+        axes = vary if objective else None
         hp = to_varying(jax.tree.map(gather_shards, head_params, head_specs), vary)
         grads = head_grads = None
         if streamed:  # each block gathered where a chunk runs it, its gradient reduce-scattered there
@@ -245,7 +272,9 @@ def _loss_program(layer_fn, head_fn, plan: PipelinePlan, par, weights: Weights, 
                 grads = to_varying(jax.tree.map(lambda p, w: jnp.zeros(p.shape, w.dtype), params, stacked), vary)
         if train:
             head_grads = to_varying(jax.tree.map(jnp.zeros_like, hp), vary)
-        return _ticks(layer, head, plan, params, hp, xs, extras, head_inputs, grads, head_grads, train, vary)
+        return _ticks(
+            layer, head, plan, params, hp, xs, extras, head_inputs, grads, head_grads, train, vary, back_layer, axes
+        )
 
     @jax.custom_vjp
     def program(stacked, head_params, xs, extras, head_inputs):
@@ -286,6 +315,7 @@ def run_pipeline_loss(
     names=None,
     head_names=None,
     remat_policy=None,
+    objective: bool = False,
 ):
     """The summed loss of a stacked layer function run as a pipeline, followed by an output head.
 
@@ -308,6 +338,8 @@ def run_pipeline_loss(
       names: logical names of ``stacked``'s leaves, as `run_pipeline`.
       head_names: logical names of ``head_params``' leaves (a tree of tuples shaped as them); None: replicated.
       remat_policy: as `run_pipeline`.
+      objective: the layers have an objective (as `run_pipeline`; ``layer_fn`` then returns ``(h,
+        objective)``), summed over layers, microbatches and devices into ``loss_sum``.
 
     Returns:
       ``(loss_sum, weight_sum, applied)``: float32 scalars, and ``[stages]`` int32 forward layer
@@ -320,9 +352,12 @@ def run_pipeline_loss(
     """
     plan = par.pipeline
     if plan is None or not plan.one_f_one_b:
-        y, applied = run_pipeline(layer_fn, stacked, x, extras, par, names=names, remat_policy=remat_policy)
+        out = run_pipeline(
+            layer_fn, stacked, x, extras, par, names=names, remat_policy=remat_policy, objective=objective
+        )
+        y, applied = out[:2]
         loss, weight = head_fn(head_parallelism(par), head_params, y, *head_inputs)
-        return loss, weight, applied
+        return (loss + out[2] if objective else loss), weight, applied
     plan.tick_table()  # raises on a bad M
     setup = Setup.of(stacked, x, extras, par, names)
     head_leaves, head_tree = jax.tree.flatten(head_params)
@@ -338,7 +373,7 @@ def run_pipeline_loss(
     check_split(head_specs, setup.weights.summed, par, setup.xs.shape[1], setup.data[1], skip_first=False)
     head_specs = jax.tree.unflatten(head_tree, head_specs)
     head_inputs = jax.tree.map(lambda e: to_microbatches(e, plan.microbatches), tuple(head_inputs))
-    program = _loss_program(layer_fn, head_fn, plan, par, setup.weights, head_specs, remat_policy)
+    program = _loss_program(layer_fn, head_fn, plan, par, setup.weights, head_specs, remat_policy, objective)
     vary = (ax.STAGE, *setup.weights.summed)
 
     def stage_program(stacked, head_params, xs, extras, head_inputs):

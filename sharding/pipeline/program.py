@@ -40,7 +40,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from sharding import axes as ax
-from sharding.parallel import gather_shards, only_axes, reduce_shards, spec_axes, to_varying
+from sharding.parallel import gather_shards, only_axes, reduce_shards, spec_axes, to_varying, varying_axes
 from sharding.pipeline.layout import PipelinePlan, StageLayout
 from sharding.pipeline.storage import StageStorage, storage_axes, storage_for, storage_spec
 
@@ -105,15 +105,68 @@ def _forward_slot(layer_fn, slot, h, applied, extras, on, skip_empty: bool):
 
     ``slot`` returns the slot's parameters; with ``skip_empty`` it is read inside the `jax.lax.cond`'s branch.
     Computing every slot (``skip_empty`` False) counts the layer as applied whether or not it is kept.
+    ``applied`` is an int32 count, or ``(count, objective)`` for a layer with an objective (`chunk_forward`):
+    then the layer returns ``(h, objective)`` and its float32 objective is added where the slot is on.
     """
+    tally = isinstance(applied, tuple)
 
     def apply(h, applied):
-        return layer_fn(slot(), h, *extras), applied + 1
+        if not tally:
+            return layer_fn(slot(), h, *extras), applied + 1
+        out, objective = layer_fn(slot(), h, *extras)
+        count, total = applied
+        return out, (count + 1, total + objective.astype(total.dtype))
 
     if skip_empty:
         return jax.lax.cond(on, apply, lambda h, applied: (h, applied), h, applied)
-    new, applied = apply(h, applied)
-    return jnp.where(on, new, h), applied
+    new, counted = apply(h, applied)
+    if tally:  # the objective of a slot that is not on is computed, not kept
+        counted = (counted[0], jnp.where(on, counted[1], applied[1]))
+    return jnp.where(on, new, h), counted
+
+
+def objective_tally(axes):
+    """The start of a chunk's count and objective for a layer with an objective: ``(0, 0.0)``, int32 varying
+    over ``stage`` and float32 varying over ``axes`` (the manual axes the objective's partial sums vary over:
+    ``stage`` and the batch axes)."""
+    return to_varying(jnp.zeros((), jnp.int32), ax.STAGE), to_varying(jnp.zeros((), jnp.float32), axes)
+
+
+def with_objective_cotangent(layer_fn, cotangent):
+    """A layer with an objective ``(w, h, *extras) -> (h, objective)`` as a layer ``(w, h, *extras) -> h`` for
+    the backward pass: differentiated at an output cotangent ``g`` it gives the derivative of ``(h,
+    objective)`` at ``(g, cotangent)``, so the objective's gradient joins the layer's.
+
+    Args:
+      layer_fn: the layer with an objective (a float32 scalar).
+      cotangent: float32 scalar, the cotangent of the summed objective (1 where the loss is differentiated
+        inside the pipeline, then scaled with it).
+    """
+
+    def layer(w, h, *extras):
+        out, objective = layer_fn(w, h, *extras)
+        return _attach_objective(out, objective, cotangent)
+
+    return layer
+
+
+@jax.custom_vjp
+def _attach_objective(h, objective, cotangent):
+    """``h``; its derivative also sends ``cotangent`` to ``objective`` (`with_objective_cotangent`)."""
+    return h
+
+
+def _attach_forward(h, objective, cotangent):
+    return h, (objective, cotangent)
+
+
+def _attach_backward(residuals, g):
+    objective, cotangent = residuals
+    g_objective = to_varying(cotangent.astype(objective.dtype), tuple(varying_axes(objective)))
+    return g, g_objective, jnp.zeros_like(cotangent)
+
+
+_attach_objective.defvjp(_attach_forward, _attach_backward)
 
 
 def _backward_slot(layer_fn, slot, x, extras, on, g, acc, add, skip_empty: bool):
@@ -136,7 +189,7 @@ def _backward_slot(layer_fn, slot, x, extras, on, g, acc, add, skip_empty: bool)
     return jnp.where(on, dh, g), add(acc, dw)
 
 
-def chunk_forward(layer_fn, params, r, h, extras, count, skip_empty: bool, save: bool):
+def chunk_forward(layer_fn, params, r, h, extras, count, skip_empty: bool, save: bool, objective_axes=None):
     """Applies the first ``count`` of chunk ``r``'s ``K`` layers to ``h``; the other slots do nothing.
 
     Args:
@@ -150,12 +203,17 @@ def chunk_forward(layer_fn, params, r, h, extras, count, skip_empty: bool, save:
       skip_empty: run each slot under a `jax.lax.cond` (slots past ``count``
         are not computed); False computes every slot and selects.
       save: also return each slot's input (for the backward pass).
+      objective_axes: None, or the layer returns ``(h, objective)`` (a float32 scalar, this device's partial
+        sum) and the objectives of the slots computed are summed, varying over these manual axes.
 
     Returns:
-      ``(h, applied, inputs)``: the activations, the layers computed (int32)
-      and, when ``save``, ``[P, microbatch, ...]`` slot inputs (else None), ``P`` = `slot_positions`.
+      ``(h, applied, inputs)``: the activations, the layers computed (int32; with ``objective_axes``,
+      ``(count, objective)``) and, when ``save``, ``[P, microbatch, ...]`` slot inputs (else None), ``P`` =
+      `slot_positions`.
     """
     applied = to_varying(jnp.zeros((), jnp.int32), ax.STAGE)
+    if objective_axes is not None:
+        applied = objective_tally(objective_axes)
     if isinstance(params, Streamed):
         return params.forward(layer_fn, r, h, applied, extras, count, skip_empty, save)
     slots = jax.tree.leaves(params)[0].shape[1]

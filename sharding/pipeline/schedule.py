@@ -74,6 +74,7 @@ from sharding.pipeline.program import (
     manual_axes,
     stage_varying,
     sum_over_stages,
+    with_objective_cotangent,
     write,
 )
 
@@ -104,7 +105,7 @@ class _Schedule:
         return arrived, jnp.clip(j, 0, self.iterations - 1) % m
 
 
-def _pipeline_forward(layer_fn, plan: PipelinePlan, params, xs, extras, save: bool):
+def _pipeline_forward(layer_fn, plan: PipelinePlan, params, xs, extras, save: bool, objective_axes=None):
     """All ``R*M + S - 1`` steps of one stage, forward.
 
     Args:
@@ -112,11 +113,14 @@ def _pipeline_forward(layer_fn, plan: PipelinePlan, params, xs, extras, save: bo
       xs: ``[M, microbatch, ...]`` all microbatches (stage-varying).
       extras: ``[M, microbatch, ...]`` side inputs.
       save: return the slot inputs of every step (for `_pipeline_backward`).
+      objective_axes: None, or the layer returns ``(h, objective)`` and the objectives are summed
+        (`program.chunk_forward`).
 
     Returns:
-      ``(outputs, applied, saved)``: ``[M, microbatch, ...]`` (the outputs on
+      ``(outputs, applied, objective, saved)``: ``[M, microbatch, ...]`` (the outputs on
       the last stage, zeros elsewhere), this device's layer applications
-      (int32) and, when ``save``, ``[steps, K, microbatch, ...]`` slot inputs.
+      (int32), its summed objective (float32; None without ``objective_axes``) and, when ``save``,
+      ``[steps, K, microbatch, ...]`` slot inputs.
     """
     layout = plan.layout
     stages, repeats = layout.stages, layout.repeats
@@ -126,7 +130,7 @@ def _pipeline_forward(layer_fn, plan: PipelinePlan, params, xs, extras, save: bo
     ring = [(s, (s + 1) % stages) for s in range(stages)]
 
     def step(carry, t):
-        state, circ, outputs, applied = carry
+        state, circ, outputs, applied, objective = carry
         valid, r, mb = where.at(t)
         first = index_leaf(xs, mb)
         if repeats > 1:  # stage 0 takes microbatch mb back from the ring after its first repeat
@@ -134,19 +138,29 @@ def _pipeline_forward(layer_fn, plan: PipelinePlan, params, xs, extras, save: bo
         inputs = jnp.where(stage == 0, first, state)
         count = jnp.where(valid, counts[r], 0)
         h, done, saved = chunk_forward(
-            layer_fn, params, r, inputs, index_tree(extras, mb), count, plan.skip_empty, save
+            layer_fn, params, r, inputs, index_tree(extras, mb), count, plan.skip_empty, save, objective_axes
         )
+        if objective_axes is not None:
+            done, part = done
+            objective = objective + part
         outputs = write(outputs, mb, h, valid & (stage == stages - 1) & (r == repeats - 1))
         received = jax.lax.ppermute(h, ax.STAGE, ring)
         if repeats > 1:
             arrived, back = where.returning(t)
             circ = write(circ, back, received, arrived)
-        return (received, circ, outputs, applied + done), saved
+        return (received, circ, outputs, applied + done, objective), saved
 
     zeros = jnp.zeros_like(xs)
-    init = (zeros[0], zeros if repeats > 1 else None, zeros, to_varying(jnp.zeros((), jnp.int32), ax.STAGE))
-    (_, _, outputs, applied), saved = jax.lax.scan(step, init, jnp.arange(plan.steps))
-    return outputs, applied, saved
+    objective = None if objective_axes is None else to_varying(jnp.zeros((), jnp.float32), objective_axes)
+    init = (
+        zeros[0],
+        zeros if repeats > 1 else None,
+        zeros,
+        to_varying(jnp.zeros((), jnp.int32), ax.STAGE),
+        objective,
+    )
+    (_, _, outputs, applied, objective), saved = jax.lax.scan(step, init, jnp.arange(plan.steps))
+    return outputs, applied, objective, saved
 
 
 def _pipeline_backward(layer_fn, plan: PipelinePlan, params, extras, saved, g_outputs, grads):
@@ -203,8 +217,10 @@ def _pipeline_backward(layer_fn, plan: PipelinePlan, params, extras, saved, g_ou
     return grads, g_xs
 
 
-def _pipeline_program(layer_fn, plan: PipelinePlan, par, weights: Weights, remat_policy=None):
-    """``f(stacked [1, slots, ...], xs, extras) -> (outputs, applied)`` for one stage, with its own backward pass.
+def _pipeline_program(layer_fn, plan: PipelinePlan, par, weights: Weights, remat_policy=None, objective=False):
+    """``f(stacked [1, slots, ...], xs, extras) -> (outputs, applied, objective)`` for one stage, with its own
+    backward pass (``objective``: this device's summed layer objectives, float32, or None without ``objective``:
+    see `run_pipeline`).
 
     The stage's weights are gathered once per step, outside the step loop, in the compute dtype
     (`Weights.gather`; the forward pass's copy is the backward pass's residual and lives through the
@@ -221,16 +237,26 @@ def _pipeline_program(layer_fn, plan: PipelinePlan, par, weights: Weights, remat
 
     The layers get ``par``'s variant for the stage program (``stage`` and the
     batch axes manual, `sharding.parallel.Parallelism.inside`), made while
-    tracing the forward and the backward pass alike.
+    tracing the forward and the backward pass alike. With ``objective`` the forward pass sums the layers'
+    objectives and the backward pass differentiates them at their output's cotangent
+    (`sharding.pipeline.program.with_objective_cotangent`).
     """
     repeats = plan.layout.repeats
+    vary = (ax.STAGE, *weights.summed)
 
-    def bound(fn, *args):
+    def bound(fn, *args, cotangent=None, **kwargs):
         stage_par = par.inside(manual_axes(par))
-        layer = lambda w, h, *extras: layer_fn(stage_par, w, h, *extras)  # noqa: E731
+        if objective:
+            layer = lambda w, h, *e: layer_fn(stage_par, w, h, *e, batch_axes=weights.summed)  # noqa: E731
+        else:
+            layer = lambda w, h, *extras: layer_fn(stage_par, w, h, *extras)  # noqa: E731
         if remat_policy is not None:
             layer = jax.checkpoint(layer, policy=remat_policy, prevent_cse=False)
-        return fn(layer, plan, *args)
+        if cotangent is not None:
+            layer = with_objective_cotangent(layer, cotangent)
+        return fn(layer, plan, *args, **kwargs)
+
+    forward_args = {"objective_axes": vary} if objective else {}
 
     streamed = plan.gather == "microbatch"
 
@@ -239,36 +265,38 @@ def _pipeline_program(layer_fn, plan: PipelinePlan, par, weights: Weights, remat
 
     @jax.custom_vjp
     def program(stacked, xs, extras):
-        outputs, applied, _ = bound(_pipeline_forward, params_of(stacked), xs, extras, False)
-        return outputs, applied
+        outputs, applied, summed, _ = bound(_pipeline_forward, params_of(stacked), xs, extras, False, **forward_args)
+        return outputs, applied, summed
 
     def forward(stacked, xs, extras):
         params = params_of(stacked)
-        outputs, applied, saved = bound(_pipeline_forward, params, xs, extras, True)
+        outputs, applied, summed, saved = bound(_pipeline_forward, params, xs, extras, True, **forward_args)
         # Once: the forward pass's gathered copy is the backward pass's (gathered once per step); per
         # microbatch, only the rows received from other devices are kept and each pass gathers again.
         kept = params.received if streamed else params
-        return (outputs, applied), (stacked, kept, extras, saved)
+        return (outputs, applied, summed), (stacked, kept, extras, saved)
 
     def backward(residuals, cotangents):
         stacked, kept, extras, saved = residuals
+        g_outputs, _, g_objective = cotangents
+        cotangent = {"cotangent": g_objective} if objective else {}
         if streamed:
             params = weights.stream(stacked, repeats, received=kept)
-            grads, g_xs = bound(_pipeline_backward, params, extras, saved, cotangents[0], params.zeros())
+            grads, g_xs = bound(_pipeline_backward, params, extras, saved, g_outputs, params.zeros(), **cotangent)
             return weights.finish(grads, stacked), g_xs, jax.tree.map(lambda _: None, extras)
         # Varying over the batch axes, so that differentiating a layer adds no reduction inside the loop.
         params = to_varying(kept, weights.summed)
         zeros = jax.tree.map(lambda p, w: jnp.zeros(p.shape, w.dtype), params, stacked)
-        grads, g_xs = bound(
-            _pipeline_backward, params, extras, saved, cotangents[0], to_varying(zeros, (ax.STAGE, *weights.summed))
-        )
+        grads, g_xs = bound(_pipeline_backward, params, extras, saved, g_outputs, to_varying(zeros, vary), **cotangent)
         return weights.reduce(grads, stacked), g_xs, jax.tree.map(lambda _: None, extras)
 
     program.defvjp(forward, backward)
     return program
 
 
-def _stage_program(stacked, xs, extras, *, layer_fn, plan: PipelinePlan, par, weights: Weights, remat_policy=None):
+def _stage_program(
+    stacked, xs, extras, *, layer_fn, plan: PipelinePlan, par, weights: Weights, remat_policy=None, objective=False
+):
     """One stage's program (inside shard_map, manual over ``stage`` and the batch axes).
 
     Args:
@@ -277,17 +305,29 @@ def _stage_program(stacked, xs, extras, *, layer_fn, plan: PipelinePlan, par, we
       extras: per-microbatch side inputs ``[M, microbatch / batch shards, ...]`` (or None leaves).
 
     Returns:
-      ``(ys, applied)``: ``[M, microbatch / batch shards, ...]`` outputs of the last stage
-      (summed over ``stage`` once, after the loop) and ``[1]`` int32 layer
-      applications of this device.
+      ``(ys, applied, objective)``: ``[M, microbatch / batch shards, ...]`` outputs of the last stage
+      (summed over ``stage`` once, after the loop), ``[1]`` int32 layer
+      applications of this device and, with ``objective``, the layers' objectives summed over every device
+      (float32; else None).
     """
     xs, extras = stage_varying(xs), to_varying(extras, ax.STAGE)
-    outputs, applied = _pipeline_program(layer_fn, plan, par, weights, remat_policy)(stacked, xs, extras)
-    return sum_over_stages(outputs), applied[None]
+    program = _pipeline_program(layer_fn, plan, par, weights, remat_policy, objective)
+    outputs, applied, summed = program(stacked, xs, extras)
+    if objective:
+        summed = jax.lax.psum(summed, (ax.STAGE, *weights.summed))
+    return sum_over_stages(outputs), applied[None], summed
 
 
 def run_pipeline(
-    layer_fn: Callable[..., Any], stacked, x, extras: Sequence[Any], par, *, names=None, remat_policy=None
+    layer_fn: Callable[..., Any],
+    stacked,
+    x,
+    extras: Sequence[Any],
+    par,
+    *,
+    names=None,
+    remat_policy=None,
+    objective: bool = False,
 ):
     """Runs a stacked layer function as a pipeline over the ``stage`` mesh axis.
 
@@ -317,13 +357,18 @@ def run_pipeline(
       remat_policy: a `jax.checkpoint` policy for each layer's own backward
         pass (None: none). The pipeline always saves only each layer's input
         and recomputes the layer in the backward pass (`_pipeline_program`).
+      objective: the layers have an objective: ``layer_fn`` is ``(par, layer_params, h, *extras, batch_axes)
+        -> (h, objective)``, ``objective`` a float32 scalar (this device's part of it) and ``batch_axes`` the
+        manual axes that split the microbatch's rows (over which a layer sums what it needs of the whole
+        microbatch). The objectives of every layer, microbatch and device are summed and differentiated.
 
     Returns:
       ``(y, applied)``: ``y`` ``[batch, ...]`` like ``x``, after all layers in
       canonical order, the same on every stage; ``applied`` ``[stages]`` int32,
       the forward layer applications each device of each stage computed
       (`PipelinePlan.layer_applications`: ``microbatches * stage_layers[s]``
-      when empty slots are skipped; the backward pass skips the same slots).
+      when empty slots are skipped; the backward pass skips the same slots). With ``objective``,
+      ``(y, applied, objective)``: the summed objective, a float32 scalar.
 
     Raises:
       ValueError: no plan or no mesh; a ``stage`` axis other than the layout's;
@@ -334,13 +379,23 @@ def run_pipeline(
     plan, weights = setup.plan, setup.weights
     program = jax.shard_map(
         lambda w, xs, ex: _stage_program(
-            w, xs, ex, layer_fn=layer_fn, plan=plan, par=par, weights=weights, remat_policy=remat_policy
+            w,
+            xs,
+            ex,
+            layer_fn=layer_fn,
+            plan=plan,
+            par=par,
+            weights=weights,
+            remat_policy=remat_policy,
+            objective=objective,
         ),
         mesh=par.mesh,
         in_specs=(setup.stacked_specs, setup.data, jax.tree.map(lambda _: setup.data, setup.extras)),
-        out_specs=(setup.data, P(ax.STAGE)),
+        out_specs=(setup.data, P(ax.STAGE), P() if objective else None),
         axis_names=set(setup.manual),
     )
     xs, extras = setup.xs, setup.extras
-    ys, applied = program(stacked, xs, extras)
+    ys, applied, summed = program(stacked, xs, extras)
+    if objective:
+        return from_microbatches(ys), applied, summed
     return from_microbatches(ys), applied
