@@ -9,35 +9,16 @@ the controller's environment and share its folder; only the process that made it
 import os
 import tempfile
 
-# Eight simulated devices, and the CPU backend's quickest compilation: the suite's programs are tiny, so its
-# time is almost all compiling. LLVM's optimisation passes at their lowest (about a quarter less CPU time on
-# the pipeline tests). On jaxlib 0.10, also fusions emitted by XLA's elemental emitter instead of its MLIR
-# fusion emitters (`xla_cpu_use_fusion_emitters`: a dry run of the test model 8.2 -> 4.8 CPU s, imports
-# included); jaxlib 0.11 and 0.12 no longer know that flag, and an unknown XLA flag aborts the process, so it
-# is added only where jaxlib is older. The partitioner, the collectives and buffer assignment run as in a
-# default build; the fused computations differ somewhat (rounding; temporaries by under 1%), which no test
-# depends on: compiled figures are compared with programs compiled the same way, or with the cost model's
-# figures as bounds. Subprocesses (CLI runs, multi-process jobs) inherit the flags.
+# Eight simulated devices, and the CPU backend's code generation at its lowest optimisation: the suite's
+# programs are tiny, so its time is almost all compiling, and LLVM's optimisation passes are most of that
+# (about a quarter less CPU time on the pipeline tests). XLA's own HLO passes, the partitioner and buffer
+# assignment are unchanged, so numerics, collectives and compiled memory figures are those of a default
+# build; subprocesses (CLI runs, multi-process jobs) inherit the flags.
 _TEST_XLA_FLAGS = (
     "--xla_force_host_platform_device_count=8",
     "--xla_backend_optimization_level=0",
     "--xla_llvm_disable_expensive_passes=true",
 )
-
-
-def _jaxlib_before(version: tuple[int, int]) -> bool:
-    """Whether the installed jaxlib is older than ``version`` (read from its metadata: JAX is not imported)."""
-    from importlib import metadata
-
-    try:
-        installed = tuple(int(part) for part in metadata.version("jaxlib").split(".")[:2])
-    except (metadata.PackageNotFoundError, ValueError):
-        return False
-    return installed < version
-
-
-if _jaxlib_before((0, 11)):
-    _TEST_XLA_FLAGS += ("--xla_cpu_use_fusion_emitters=false",)
 _flags = os.environ.get("XLA_FLAGS", "")
 for _flag in _TEST_XLA_FLAGS:
     if _flag.split("=")[0] not in _flags:
