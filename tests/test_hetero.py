@@ -440,6 +440,33 @@ def test_calibration_counts_follow_injected_timings_per_process():
     np.testing.assert_allclose(out, [0.2, 0.1])
 
 
+def test_devices_timed_together_run_one_program_compiled_once():
+    """CPU devices are timed together: one program over all 8 (each device the whole local work on its own
+    arguments, so each returns a whole gradient), compiled once, where calling the jitted work on each
+    device's arguments compiled it once per device."""
+    from train import calibrate
+
+    trainer = _trainer("data=8", "dp")
+    par = trainer.par.replace(strategy=UnevenBatch(None, "measured", 2))
+    fn, args_on = calibrate.local_work(par, trainer.loss_sums, trainer.abstract_params, 2, SEQ)
+    params, _ = args_on(jax.devices()[0])  # the arguments' own small programs compiled before counting
+    compiles = []
+
+    def listener(event, _seconds, **_):
+        if event == "/jax/core/compile/backend_compile_duration":  # every compilation, cached on disk or not
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        seconds = calibrate.time_local_devices(fn, args_on, jax.devices(), together=True, repeats=1)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert len(compiles) == 1 and len(seconds) == 8 and len(set(seconds)) == 1
+    program, stacked = calibrate.run_together(fn, args_on, jax.devices())
+    grads = jax.eval_shape(program, *stacked)
+    assert jax.tree.map(lambda g, p: g.shape == (8, *p.shape), grads, params) == jax.tree.map(lambda _: True, params)
+
+
 def test_cli_auto_measures_and_reports(capsys):
     from train.train import main
 

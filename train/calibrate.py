@@ -4,8 +4,8 @@
 At start-up each process times its own devices on the uneven step's local work: the forward and backward
 pass of one microbatch (``[microbatch_rows, seq_len]``) on whole parameters, with no collective, a few
 repetitions after a warm-up. Where one process's devices cannot be timed apart (CPU devices share the
-process's cores), they run together and the process's figure applies to each of them; accelerators are
-timed one at a time. The figures are exchanged between processes
+process's cores), they run together as one program, compiled once, and the process's figure applies to
+each of them; accelerators are timed one at a time. The figures are exchanged between processes
 (`jax.experimental.multihost_utils.process_allgather`), and the counts follow the measured speeds
 (`sharding.balance.counts_for_speeds`, largest remainder; CPU devices of one process share its cores, so
 microbatches are shared between processes by speed and evenly inside one: `compute_pools`). ``--hetero-batch kinds`` keeps the device
@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from sharding import axes as ax
 from sharding.balance import counts_for_speeds, default_capacity, layers_for_speeds, tokens_for_speeds
@@ -96,6 +97,38 @@ def local_work(par: Parallelism, loss_fn, abstract_params, microbatch_rows: int,
     return fn, args_on
 
 
+def run_together(fn, args_on, devices: Sequence):
+    """``(program, stacked)``: ``fn`` on every one of ``devices`` at once, as one program.
+
+    ``program(*stacked)`` runs ``fn`` under `jax.shard_map` over a one-axis mesh of ``devices``, each device
+    on its own ``args_on(device)`` and with no collective; ``stacked`` are those arguments stacked along a
+    leading ``[len(devices)]`` axis split over the mesh, and the program returns ``fn``'s results stacked
+    the same way. One compilation serves every device, where calling ``fn`` on each device's arguments
+    compiles it once per device.
+
+    Args:
+      fn: ``fn(*args)`` of one device's arguments (`local_work`'s jitted local work).
+      args_on: ``args_on(device)``: the arguments placed on ``device``.
+      devices: Devices of this process.
+    """
+    mesh = jax.sharding.Mesh(np.asarray(devices), ("devices",))
+    split = PartitionSpec("devices")
+    sharding = NamedSharding(mesh, split)
+
+    def stack(*leaves):
+        # Through host memory: reshaping each device's array would compile a program per device and shape.
+        blocks = [jax.device_put(np.asarray(x)[None], d) for x, d in zip(leaves, devices)]
+        return jax.make_array_from_single_device_arrays((len(devices), *np.shape(leaves[0])), sharding, blocks)
+
+    stacked = jax.tree.map(stack, *(args_on(d) for d in devices))
+
+    def each(*blocks):
+        out = fn(*jax.tree.map(lambda x: x[0], blocks))
+        return jax.tree.map(lambda x: x[None], out)
+
+    return jax.jit(jax.shard_map(each, mesh=mesh, in_specs=split, out_specs=split)), stacked
+
+
 def time_local_devices(
     fn,
     args_on,
@@ -106,6 +139,10 @@ def time_local_devices(
 ) -> list[float]:
     """Seconds per microbatch of each of this process's ``devices``.
 
+    Together, the devices run one program (`run_together`), compiled once whatever their number; alone,
+    ``fn`` runs on each device's arguments in turn, compiled once per device (a single-device executable is
+    bound to its device).
+
     Args:
       fn, args_on: As `local_work` returns.
       devices: This process's devices, in order.
@@ -114,13 +151,15 @@ def time_local_devices(
       repeats: Timed repetitions after one warm-up.
       clock: Seconds (injectable for tests).
     """
-    args = [args_on(d) for d in devices]
-    jax.block_until_ready([fn(*a) for a in args])  # warm-up and compile
     if together:
+        program, stacked = run_together(fn, args_on, devices)
+        jax.block_until_ready(program(*stacked))  # warm-up and compile
         t0 = clock()
         for _ in range(repeats):
-            jax.block_until_ready([fn(*a) for a in args])
+            jax.block_until_ready(program(*stacked))
         return [(clock() - t0) / repeats] * len(devices)
+    args = [args_on(d) for d in devices]
+    jax.block_until_ready([fn(*a) for a in args])  # warm-up and compile
     out = []
     for a in args:
         t0 = clock()
