@@ -68,6 +68,7 @@ from sharding.pipeline.program import (
     chunk_backward_input,
     chunk_backward_weight,
     chunk_forward,
+    cut_ring,
     index_leaf,
     index_tree,
     logical_leaves,
@@ -176,18 +177,25 @@ def _ticks(
             backward = backward == BACKWARD
             c = row["cotangent_slot"]
             backward_args = (index_leaf(buffer, slot), index_tree(extras, mb), jnp.where(backward, counts[r], 0))
-            if split:  # zero bubble: B now, leaving its cut in the saved ring; W from it at the tick the table gives
-                g_in, saved = chunk_backward_input(
-                    layer, params, r, *backward_args, index_leaf(waiting, c), plan.skip_empty
+            if split:  # zero bubble: B now, its cut into the saved ring; W from there at the tick the table gives
+                g_in, kept = chunk_backward_input(
+                    layer,
+                    params,
+                    r,
+                    *backward_args,
+                    index_leaf(waiting, c),
+                    kept,
+                    row["backward_saved"],
+                    plan.skip_empty,
                 )
-                kept = tuple(write(k, row["backward_saved"], v, backward) for k, v in zip(kept, saved))
-                w_r, w_mb = row["weight_chunk"], row["weight_microbatch"]
+                w_r = row["weight_chunk"]
                 grads = chunk_backward_weight(
                     layer,
                     params,
                     w_r,
-                    index_tree(kept, row["weight_saved"]),
-                    index_tree(extras, w_mb),
+                    kept,
+                    row["weight_saved"],
+                    index_tree(extras, row["weight_microbatch"]),
                     jnp.where(row["weight"] == WEIGHT, counts[w_r], 0),
                     grads,
                     index_leaf(buffer, 0)[0],
@@ -210,9 +218,7 @@ def _ticks(
     waiting = jnp.zeros((ticks.cotangent_slots, *xs.shape[1:]), xs.dtype) if train else None
     kept = ()
     if train and split:  # the saved ring: per entry, each slot position's cut (`sharding.pipeline.split`)
-        kept = tuple(
-            jnp.zeros((ticks.saved_slots, *a.shape), a.dtype) for a in _cut_shapes(layer, params, buffer, extras, vary)
-        )
+        kept = cut_ring(layer, params, to_varying(zero_h, vary), index_tree(extras, 0), ticks.saved_slots)
     zero = to_varying(jnp.zeros((), jnp.float32), vary)
     init = to_varying(
         (
@@ -231,18 +237,6 @@ def _ticks(
     carry, _ = jax.lax.scan(tick, init, jnp.arange(ticks.ticks))
     _, _, _, _, _, grads, head_grads, g_xs, loss, weight, applied = carry
     return loss, weight, applied, grads, head_grads, g_xs
-
-
-def _cut_shapes(layer, params, buffer, extras, vary):
-    """The ``[P, ...]`` shapes and dtypes of one chunk's cut (`chunk_backward_input`'s ``saved``), abstractly."""
-    buffer = to_varying(buffer, vary)
-
-    def one():
-        entry = index_leaf(buffer, 0)
-        r = jnp.zeros((), jnp.int32)
-        return chunk_backward_input(layer, params, r, entry, index_tree(extras, 0), r + 1, entry[0], False)[1]
-
-    return jax.eval_shape(one)
 
 
 def _loss_program(layer_fn, head_fn, plan: PipelinePlan, par, weights: Weights, head_specs, remat_policy=None):

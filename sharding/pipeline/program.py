@@ -208,51 +208,55 @@ def slot_positions(params) -> int:
     return jax.tree.leaves(params)[0].shape[1]
 
 
-def chunk_backward_input(layer_fn, params, r, inputs, extras, count, g, skip_empty: bool):
+def chunk_backward_input(layer_fn, params, r, inputs, extras, count, g, kept, entry, skip_empty: bool):
     """The input-gradient half of `chunk_backward` (zero bubble's B pass): slots in reverse, each layer
     recomputed from its saved input and differentiated, keeping what the weight gradient needs.
 
     Qi et al., "Zero Bubble Pipeline Parallelism" (ICLR 2024), section 2: the backward of a layer splits into
     the input's cotangent (B), which the previous stage waits for, and the weights' cotangent (W,
     `chunk_backward_weight`), which can wait. Each slot's backward is cut by `LayerSplit`: B runs the
-    recomputed forward and the input-gradient products and returns, per slot, the values W needs (each
-    product's input and output cotangent), so that W is the weight-gradient products alone.
+    recomputed forward and the input-gradient products and writes, per slot, the values W needs (each
+    product's input and output cotangent) into the saved ring, slot by slot (no chunk-sized copy).
 
     Args:
       inputs: ``[K, microbatch, ...]`` slot inputs saved by the forward pass.
       g: ``[microbatch, ...]`` cotangent of the chunk's output.
+      kept: the saved ring, a tuple of ``[E, K, ...]`` arrays (`cut_ring`).
+      entry: int32 scalar, the ring entry this pass writes (slots not run leave it as it was).
       (others as `chunk_forward`)
 
     Returns:
-      ``(g, saved)``: the cotangent of the chunk's input ``[microbatch, ...]`` and a tuple of ``[K, ...]``
-      arrays, each slot's cut (`LayerSplit.input_pass`; skipped slots pass ``g`` through and save zeros);
-      ``[P, ...]`` by position with a `Streamed` ``params`` (`Streamed.backward_input`).
+      ``(g, kept)``: the cotangent of the chunk's input ``[microbatch, ...]`` and the ring with each run slot's
+      cut written (``[E, P, ...]`` by position with a `Streamed` ``params``, `Streamed.backward_input`).
     """
     if isinstance(params, Streamed):
-        return params.backward_input(layer_fn, r, inputs, extras, count, g, skip_empty)
+        return params.backward_input(layer_fn, r, inputs, extras, count, g, kept, entry, skip_empty)
     slots = jax.tree.leaves(params)[0].shape[1]
 
-    def body(g, k):
+    def body(carry, k):
+        g, kept = carry
         x = inputs[k]
         cut = LayerSplit.trace(layer_fn, slot_params(params, r, k), x, g, extras)
 
-        def back(g):
-            return cut.input_pass(slot_params(params, r, k), x, g, extras)
+        def back(g, kept):
+            dx, saved = cut.input_pass(slot_params(params, r, k), x, g, extras)
+            return dx, put_cut(kept, entry, k, saved, k < count)
 
         if skip_empty:
-            return jax.lax.cond(k < count, back, lambda g: (g, cut.zeros(x, g)), g)
-        dx, saved = back(g)
-        return (jnp.where(k < count, dx, g), saved)
+            return jax.lax.cond(k < count, back, lambda g, kept: (g, kept), g, kept), None
+        dx, kept = back(g, kept)
+        return (jnp.where(k < count, dx, g), kept), None
 
-    return jax.lax.scan(body, g, jnp.arange(slots), reverse=True)
+    return jax.lax.scan(body, (g, kept), jnp.arange(slots), reverse=True)[0]
 
 
-def chunk_backward_weight(layer_fn, params, r, saved, extras, count, grads, like, skip_empty: bool):
+def chunk_backward_weight(layer_fn, params, r, kept, entry, extras, count, grads, like, skip_empty: bool):
     """The weight-gradient half of `chunk_backward` (zero bubble's W pass): each slot's weight cotangents
-    from the cut its B pass saved (`LayerSplit.weight_pass`: the weight-gradient products, no recomputation).
+    from the cut its B pass left in the saved ring (`LayerSplit.weight_pass`: the weight-gradient products,
+    no recomputation), read slot by slot.
 
     Args:
-      saved: the tuple of ``[K, ...]`` arrays `chunk_backward_input` returned.
+      kept: the saved ring (`chunk_backward_input`); entry: int32 scalar, the entry this pass reads.
       grads: accumulated parameter cotangents, leaves ``[R, K, ...]`` (or, with a `Streamed` ``params``, its
         reduce-scattered accumulators, `Streamed.zeros`; the block's gradient reduce-scattered here,
         `Streamed.backward_weight`).
@@ -264,24 +268,69 @@ def chunk_backward_weight(layer_fn, params, r, saved, extras, count, grads, like
       ``grads`` with this chunk's slots added (skipped slots add nothing).
     """
     if isinstance(params, Streamed):
-        return params.backward_weight(layer_fn, r, saved, extras, count, grads, like, skip_empty)
+        return params.backward_weight(layer_fn, r, kept, entry, extras, count, grads, like, skip_empty)
     slots = jax.tree.leaves(params)[0].shape[1]
 
     def body(grads, k):
         cut = LayerSplit.trace(layer_fn, slot_params(params, r, k), like, like, extras)
-        mine = index_tree(saved, k)
 
         def back(grads):
-            return add_slot(grads, r, k, cut.weight_pass(slot_params(params, r, k), mine))
+            return add_slot(grads, r, k, cut.weight_pass(slot_params(params, r, k), get_cut(kept, entry, k)))
 
         if skip_empty:
             return jax.lax.cond(k < count, back, lambda grads: grads, grads), None
         keep = k < count
-        dw = cut.weight_pass(slot_params(params, r, k), mine)
+        dw = cut.weight_pass(slot_params(params, r, k), get_cut(kept, entry, k))
         dw = jax.tree.map(lambda d: jnp.where(keep, d, jnp.zeros((), d.dtype)), dw)
         return add_slot(grads, r, k, dw), None
 
     return jax.lax.scan(body, grads, jnp.arange(slots))[0]
+
+
+def cut_ring(layer_fn, params, like, extras, entries: int):
+    """Zero bubble's saved ring: per value of a layer's cut (`LayerSplit`), zeros ``[entries, P, ...]`` (``P``:
+    the slots of a chunk, `Streamed.positions` with a `Streamed` ``params``), typed as ``like`` (a slot input
+    ``[microbatch, ...]``) varies.
+
+    Args:
+      layer_fn, params: as `chunk_forward`.
+      like: ``[microbatch, ...]`` an array typed as a slot input.
+      extras: one microbatch's side inputs.
+      entries: ``E``, the ring's entries (`ZeroBubbleTicks.saved_slots`).
+    """
+    if isinstance(params, Streamed):
+        shapes = jax.eval_shape(params.fetch, jnp.zeros((), jnp.int32))
+        block = to_varying(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes), params._vary())
+        slot, positions = index_tree(block, 0), params.positions
+    else:
+        slot, positions = slot_params(params, 0, 0), jax.tree.leaves(params)[0].shape[1]
+    cut = LayerSplit.trace(layer_fn, slot, like, like, extras)
+    zeros = [jnp.zeros((entries, positions, *shape), dtype) for shape, dtype in cut.cut_avals]
+    return tuple(to_varying(zeros, varying_axes(like, like)))
+
+
+def put_cut(kept, entry, position, saved, predicate):
+    """``kept[entry, position] = saved`` leaf by leaf where ``predicate`` (a slot-sized select and update)."""
+
+    def one(buffer, value):
+        zero = jnp.zeros((), jnp.int32)
+        index = (entry, position) + (zero,) * value.ndim
+        old = jax.lax.dynamic_slice(buffer, index, (1, 1, *value.shape))
+        new = jnp.where(predicate, value[None, None].astype(buffer.dtype), old)
+        return jax.lax.dynamic_update_slice(buffer, new, index)
+
+    return tuple(one(b, v) for b, v in zip(kept, saved))
+
+
+def get_cut(kept, entry, position):
+    """``kept[entry, position]`` leaf by leaf (slot-sized reads)."""
+
+    def one(buffer):
+        zero = jnp.zeros((), jnp.int32)
+        index = (entry, position) + (zero,) * (buffer.ndim - 2)
+        return jax.lax.dynamic_slice(buffer, index, (1, 1, *buffer.shape[2:]))[0, 0]
+
+    return tuple(one(b) for b in kept)
 
 
 def _inverse_rows(local_index: np.ndarray, size: int, width: int) -> np.ndarray:
@@ -702,58 +751,54 @@ class Streamed:
         last, before = jax.lax.scan(step, index_leaf(inputs, i), jnp.arange(b - 1))
         return jnp.concatenate([before, last[None]], axis=0)
 
-    def backward_input(self, layer_fn, r, inputs, extras, count, g, skip_empty: bool):
+    def backward_input(self, layer_fn, r, inputs, extras, count, g, kept, entry, skip_empty: bool):
         """`chunk_backward_input` (zero bubble's B pass) with the weights gathered again block by block (with
         `block_inputs`, each block's other slot inputs recomputed first, as `backward` does): each slot's cut
-        (`LayerSplit.input_pass`) kept for `backward_weight`, no gradient of the weights.
+        (`LayerSplit.input_pass`) written into entry ``entry`` of the saved ring ``kept`` (``[E, P, ...]``) at
+        its position, no gradient of the weights.
 
         Returns:
-          ``(g, saved)``: the cotangent of the chunk's input and a tuple of ``[P, ...]`` arrays, each
-          position's cut (positions outside the chunk pass ``g`` through; their entry is unused).
+          ``(g, kept)``: the cotangent of the chunk's input and the ring (positions outside the chunk pass ``g``
+          through and write nothing).
         """
         start, b, k0 = self._start(r), self.block, r * self.chunk_slots
 
-        def outer(g, i):
+        def outer(carry, i):
+            g, kept = carry
             w = start + i
             block = self.fetch(jnp.minimum(w, self.windows - 1))
             xs = self._block_slot_inputs(layer_fn, block, w * b - k0, inputs, i, extras, count, skip_empty)
 
-            def inner(g, j):
+            def inner(carry, j):
+                g, kept = carry
                 k = w * b + j - k0
                 x = index_leaf(xs, j)
                 cut = LayerSplit.trace(layer_fn, index_tree(block, j), x, g, extras)
-
-                def back(g):
-                    return cut.input_pass(index_tree(block, j), x, g, extras)
-
                 on = (k >= 0) & (k < count)
+
+                def back(g, kept):
+                    dx, saved = cut.input_pass(index_tree(block, j), x, g, extras)
+                    return dx, put_cut(kept, entry, i * b + j, saved, on)
+
                 if skip_empty:
-                    return jax.lax.cond(on, back, lambda g: (g, cut.zeros(x, g)), g)
-                dx, saved = back(g)
-                return jnp.where(on, dx, g), saved
+                    return jax.lax.cond(on, back, lambda g, kept: (g, kept), g, kept), None
+                dx, kept = back(g, kept)
+                return (jnp.where(on, dx, g), kept), None
 
-            return jax.lax.scan(inner, g, jnp.arange(b), reverse=True)
+            return jax.lax.scan(inner, (g, kept), jnp.arange(b), reverse=True)[0], None
 
-        def run(g):
-            g, saved = jax.lax.scan(outer, g, jnp.arange(self.blocks), reverse=True)
-            return g, tuple(a.reshape(self.positions, *a.shape[2:]) for a in saved)
+        def run(g, kept):
+            return jax.lax.scan(outer, (g, kept), jnp.arange(self.blocks), reverse=True)[0]
 
         if not skip_empty:
-            return run(g)
-        g = to_varying(g, self._vary())
-        shapes = jax.eval_shape(run, g)[1]
+            return run(g, kept)
+        return jax.lax.cond(count > 0, run, lambda g, kept: (g, kept), to_varying(g, self._vary()), kept)
 
-        def idle(g):
-            zeros = [jnp.zeros(a.shape, a.dtype) for a in shapes]
-            return g, tuple(to_varying(zeros, varying_axes(index_leaf(inputs, 0), g)))
-
-        return jax.lax.cond(count > 0, run, idle, g)
-
-    def backward_weight(self, layer_fn, r, saved, extras, count, sums, like, skip_empty: bool):
-        """`chunk_backward_weight` (zero bubble's W pass) from the cuts `backward_input` saved (``[P, ...]``
-        each): the weight-gradient products of each slot, and each block's gradient reduce-scattered into
-        ``sums`` (`zeros`) once the block is done. The block is gathered only where the weight pass reads
-        the weights (`LayerSplit.needs_params`; a dense layer's does not).
+    def backward_weight(self, layer_fn, r, kept, entry, extras, count, sums, like, skip_empty: bool):
+        """`chunk_backward_weight` (zero bubble's W pass) from the cuts `backward_input` left in entry ``entry``
+        of the saved ring: the weight-gradient products of each slot, and each block's gradient
+        reduce-scattered into ``sums`` (`zeros`) once the block is done. The block is gathered only where the
+        weight pass reads the weights (`LayerSplit.needs_params`; a dense layer's does not).
 
         Returns:
           ``sums`` with this chunk's slots added.
@@ -771,16 +816,15 @@ class Streamed:
 
             def inner(acc, j):
                 k = w * b + j - k0
-                mine = index_tree(saved, i * b + j)
 
                 def dw():
-                    return cut.weight_pass(index_tree(block, j), mine)
+                    return cut.weight_pass(index_tree(block, j), get_cut(kept, entry, i * b + j))
 
                 on = (k >= 0) & (k < count)
                 if skip_empty:
                     return jax.lax.cond(on, lambda acc: add_block(acc, j, dw()), lambda acc: acc, acc), None
-                kept = jax.tree.map(lambda d: jnp.where(on, d, jnp.zeros((), d.dtype)), dw())
-                return add_block(acc, j, kept), None
+                kept_dw = jax.tree.map(lambda d: jnp.where(on, d, jnp.zeros((), d.dtype)), dw())
+                return add_block(acc, j, kept_dw), None
 
             acc, _ = jax.lax.scan(inner, zero, jnp.arange(b))
             return self._add(sums, clamped, acc), None
