@@ -18,7 +18,10 @@ the two processes at ``r = 2``: the even split against ``--stage-layers auto``.
 ``--schedules`` runs instead the pipeline schedules' comparison, without a quota (no cgroup, no root): a
 ``stage=2`` pipeline across the two processes, each pinned to its own core, M = 8 microbatches, timing
 ``gpipe``, lockstep ``1f1b``, ``1f1b-fused`` and ``zb`` (``--rounds`` rounds, the order reversed every other
-round; the median step time of each schedule over all rounds, warm-up steps left out), and writes that table.
+round; the median step time of each schedule over all rounds, warm-up steps left out), and writes that table;
+``--only gpipe,zb`` times only those (gpipe among them). ``--flops`` prints instead the compiled step's FLOPs and
+temporaries of gpipe, fused 1F1B and zero bubble on those shapes (one process, no timing: load does not change
+them).
 
 ``--context`` runs instead uneven sequence shards: one sequence split over a ring of the two processes' devices
 (``--mesh sequence=2 --mesh-outer sequence=2``, one CPU device each, ``--attention ring``, zigzag), process 1
@@ -35,6 +38,8 @@ The gain of a run is the uniform median step time over its own; the ideal gain w
     sudo python bench/hetero_cluster.py                 # ~30 min on a quiet 2-core machine
     python bench/hetero_cluster.py --ratios 2 --steps 8 --no-results   # a quick look
     python bench/hetero_cluster.py --schedules          # the schedules' step times, ~15 min quiet, no root
+    python bench/hetero_cluster.py --schedules --only gpipe,zb --rounds 2 --steps 8 --skip 2   # zb against gpipe
+    python bench/hetero_cluster.py --flops              # compiled FLOPs of gpipe, 1f1b-fused, zb (deterministic)
     sudo python bench/hetero_cluster.py --context       # uneven sequence shards at r = 2
 
 Needs two cores and (except ``--schedules``) a writable CPU cgroup (root); says so and exits otherwise. Every cgroup and process
@@ -405,10 +410,12 @@ def stages(args, quota, tmp: Path) -> list[dict]:
 
 
 def schedules(args, tmp: Path) -> dict[str, list[float]]:
-    """Each schedule's step times (steps after ``args.skip``) over ``args.rounds`` rounds, no quota."""
-    times = {name: [] for name in SCHEDULES}
+    """Each schedule of ``args.only`` (default `SCHEDULES`): its step times (steps after ``args.skip``) over
+    ``args.rounds`` rounds, no quota."""
+    names = args.only
+    times = {name: [] for name in names}
     for k in range(args.rounds):
-        for name in SCHEDULES if k % 2 == 0 else SCHEDULES[::-1]:
+        for name in names if k % 2 == 0 else names[::-1]:
             run_dir = tmp / f"schedule_{name}_{k}"
             print(f"round {k + 1}/{args.rounds}: --pipeline-schedule {name} ...", flush=True)
             flags = [*SCHEDULE_FLAGS, "--pipeline-schedule", name, "--steps", str(args.steps)]
@@ -429,7 +436,7 @@ def schedules_markdown(args, times: dict[str, list[float]], started: str, elapse
         f"## Pipeline schedules on the two-process cluster — {started[:10]}",
         "",
         f"`python bench/hetero_cluster.py --schedules --steps {args.steps} --skip {args.skip} --rounds "
-        f"{args.rounds}`, jax {jax.__version__}, {platform.machine()} {os.cpu_count()} cores ({platform.node()}), "
+        f"{args.rounds}{'' if tuple(args.only) == SCHEDULES else ' --only ' + ','.join(args.only)}`, jax {jax.__version__}, {platform.machine()} {os.cpu_count()} cores ({platform.node()}), "
         f"started {started}, {elapsed / 60:.0f} min. Two processes x 4 CPU devices, process 0 pinned to core "
         f"{args.cores[0]}, process 1 to core {args.cores[1]}, no quota; flags `{' '.join(SCHEDULE_FLAGS)}` and "
         f"`--pipeline-schedule` as named. Median step time over steps {args.skip + 1}-{args.steps} of every round "
@@ -438,13 +445,39 @@ def schedules_markdown(args, times: dict[str, list[float]], started: str, elapse
         "| schedule | median step (s) | steps timed | over GPipe | target |",
         "|---|---:|---:|---:|---|",
     ]
-    for name in SCHEDULES:
+    for name in times:
         median = statistics.median(times[name])
         target = SCHEDULE_TARGETS.get(name)
         verdict = "" if target is None else f"at most {target:.1f}x: {'met' if median <= target * gpipe else 'not met'}"
         lines.append(f"| {name} | {median:.3f} | {len(times[name])} | {median / gpipe:.2f}x | {verdict} |")
     lines.append(SCHEDULES_END)
     return "\n".join(lines) + "\n"
+
+
+FLOPS_SCHEDULES = ("gpipe", "1f1b-fused", "zb")
+"""The schedules whose compiled step ``--flops`` reports."""
+
+
+def schedule_flops() -> str:
+    """The compiled step of each of `FLOPS_SCHEDULES` on the schedules' shapes (`SCHEDULE_FLAGS`: the small model
+    with 12 layers split 6,6 over ``stage=2,data=4``, 64 x 256 tokens, M = 8) in this process, on 8 simulated
+    CPU devices: ``cost_analysis`` FLOPs (each loop body once: one tick's forward, head, input and weight
+    gradient for the 1F1B family; one forward and one backward step for GPipe), the matrix-product FLOPs with
+    loop trip counts folded in (every branch of a conditional counted on every trip: all that every tick can
+    run) and the temporaries. Deterministic: measurable on a loaded machine, before timing."""
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from costmodel_grid import compiled_figures
+
+    rows = [
+        "| schedule | cost_analysis FLOPs (loop bodies once) | product FLOPs, every branch every trip | temporaries (B) |"
+    ]
+    rows.append("|---|---:|---:|---:|")
+    for name in FLOPS_SCHEDULES:
+        case = ("small+num_layers=12", "stage=2,data=4", "dp", 64, 256, 8, "none", (6, 6), 1, name)
+        f = compiled_figures(case)
+        rows.append(f"| {name} | {f['flops']:.4e} | {f['dot_flops']:.4e} | {f['temp']:,.0f} |")
+    return "\n".join(rows) + "\n"
 
 
 def context(args, quota, tmp: Path) -> list[dict]:
@@ -667,6 +700,17 @@ def main(argv=None) -> int:
         "M = 8, no quota (no root needed) instead of the uneven runs",
     )
     parser.add_argument(
+        "--only",
+        default=",".join(SCHEDULES),
+        help="with --schedules: the schedules to time, gpipe among them (default all: " + ",".join(SCHEDULES) + ")",
+    )
+    parser.add_argument(
+        "--flops",
+        action="store_true",
+        help="print the compiled step's FLOPs and temporaries of gpipe, 1f1b-fused and zb on the --schedules "
+        "shapes (one process, 8 simulated devices; deterministic, no timing)",
+    )
+    parser.add_argument(
         "--rounds", type=int, default=3, help="with --schedules or --context: rounds over the runs (default 3)"
     )
     parser.add_argument(
@@ -687,6 +731,14 @@ def main(argv=None) -> int:
         args.cores = tuple(int(c) for c in args.cores.split(","))
     except ValueError:
         parser.error("--ratios and --cores take comma-separated numbers, e.g. --ratios 1.5,2,3 --cores 0,1")
+    args.only = tuple(name for name in args.only.split(",") if name)
+    if set(args.only) - set(SCHEDULES) or "gpipe" not in args.only:
+        parser.error(
+            f"--only {','.join(args.only)}: name schedules of {','.join(SCHEDULES)}, gpipe among them, e.g. --only gpipe,zb"
+        )
+    if args.flops:
+        print(schedule_flops())
+        return 0
     if any(r < 1 for r in args.ratios) or len(args.cores) != 2 or args.steps <= args.skip or args.rounds < 1:
         parser.error("--ratios must be >= 1, --cores two cores, --steps more than --skip, --rounds at least 1")
     available = os.sched_getaffinity(0)

@@ -377,12 +377,13 @@ def _flat_loss_and_grads(num_layers=4):
         ("ring", "stage=2,fsdp=2,sequence=2", "gpipe"),  # keys and values around the sequence ring inside a stage
         ("ulysses", "stage=2,fsdp=2,sequence=2", "gpipe"),  # all-to-all over sequence inside a stage
         ("flash", "stage=2,fsdp=2,tensor=2", "1f1b"),  # the kernels inside 1F1B's forward and backward ticks
+        ("flash", "stage=2,fsdp=2,tensor=2", "zb"),  # the kernel's backward inside zero bubble's input gradient
         ("ring", "stage=2,fsdp=2,sequence=2", "1f1b"),
     ],
 )
 def test_attention_kernels_inside_stages_match_the_flat_reference_attention(attention, mesh_spec, schedule):
     """Each kernel's map opens over the axes the stage program leaves automatic; loss and gradients equal
-    the unpipelined model's with plain attention, for GPipe and 1F1B. As at start-up
+    the unpipelined model's with plain attention, for GPipe, 1F1B and zero bubble. As at start-up
     (`train.strategies.checked_pipeline`), a transfer inside a skipped slot (ring's) makes the pipeline
     compute every slot instead."""
     from train.strategies import checked_pipeline
@@ -393,7 +394,7 @@ def test_attention_kernels_inside_stages_match_the_flat_reference_attention(atte
     trainer = _trainer(
         get_config("test", [f"attention={attention}"]),
         mesh_spec,
-        pl.PipelinePlan(layout, 2, one_f_one_b=schedule == "1f1b"),
+        pl.PipelinePlan(layout, 2, one_f_one_b=schedule in ("1f1b", "zb"), zero_bubble=schedule == "zb"),
     )
     params = jax.tree.map(
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), trainer.state_params, trainer.param_shardings

@@ -270,7 +270,8 @@ def _pipeline_flags(p) -> None:
         "backward in every tick, about M+2(S-1) ticks of a forward+backward instead of 2(M+S-1) of a "
         "backward, keeping up to 2S-1 microbatches' activations on the first stage; zb: zero bubble "
         "(ZB-H1), 1f1b-fused's ticks with the backward split into the input gradient and a weight "
-        "gradient deferred into the idle ticks (each recomputes the layer), 2S chunk buffers per stage",
+        "gradient (the weight products alone, from what the input gradient kept) deferred into the idle "
+        "ticks; 1f1b-fused's ring plus S sets of each layer's product inputs and output cotangents",
     )
     g.add_argument(
         "--pipeline-gather",

@@ -244,11 +244,11 @@ def schedule_memory_line(plan) -> str:
     chunk = "microbatches" if layout.repeats == 1 else "chunk inputs"
     if plan.zero_bubble:
         return (
-            f"  saved for the backward pass: a ring of {ticks.slots} entries x {k} slot activations per device, "
-            f"holding each microbatch's slot inputs until its weight gradient and the slot cotangents its "
-            f"input gradient leaves for it (the other schedules keep {plan.steps} x {k}); one loop of "
-            f"{ticks.ticks} ticks, each a forward, an input gradient and a weight gradient per stage (any may "
-            f"idle), each gradient recomputing its layers; the loss runs on stage {s - 1} inside it"
+            f"  saved for the backward pass: a ring of {ticks.slots} microbatches x {k} slot inputs per device "
+            f"(the other schedules keep {plan.steps} x {k}) and a ring of {ticks.saved_slots} x {k} slots of what "
+            f"each input gradient keeps for its weight gradient (each product's input and output cotangent); one "
+            f"loop of {ticks.ticks} ticks, each a forward, an input gradient and a weight gradient per stage (any "
+            f"may idle), the input gradient recomputing its layers; the loss runs on stage {s - 1} inside it"
         )
     if plan.fused:
         return (

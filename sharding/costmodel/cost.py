@@ -220,7 +220,7 @@ def _pipeline_cost(
     """The `Cost` of one stage device (the terms of `sharding.costmodel.pipeline`)."""
     layer = dataclasses.replace(s, micro=1, layers=pipe.applications)  # one microbatch's rows per application
     embed, head, head_runs = _pipeline_outside(s, pipe)
-    unit = _per_token_flops(model, layout, rules, placed, s, recomputes=pipe.recomputes, split_backward=pipe.split)
+    unit = _per_token_flops(model, layout, rules, placed, s, recomputes=pipe.recomputes)
     optimizer = OPTIMIZER_FLOPS_PER_PARAM * _held_params(model, layout, rules, placed, s)
     inside = layer.tok * pipe.applications
     flops = Flops(

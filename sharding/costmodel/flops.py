@@ -90,16 +90,13 @@ def _per_token_flops(
     placed: dict[str, _Placed],
     s: _Shape,
     recomputes: float = 0,
-    split_backward: bool = False,
 ) -> dict[str, float]:
     """FLOPs per token, forward and backward: of one layer (``layers``: weight products, ``attention``,
     ``recompute``, ``elem_layer``; ``counted_layer``: their sum as ``cost_analysis`` counts it) and of what
     runs once (``logits``, ``elem_loss``). ``recomputes``:
     extra forward passes of each layer in the backward pass beyond the remat policy's (the
-    pipeline's backward pass recomputes every layer: 1; zero bubble's two halves: 2). ``split_backward``:
-    zero bubble's weight-gradient pass, which differentiates the recomputed layer with respect to its weights
-    only, also redoes the input gradients inside the layer (every product's but those of the layer's input,
-    counted whole here) and attention's backward, counted in ``recompute``."""
+    pipeline's backward pass recomputes every layer: 1, zero bubble's too: its weight-gradient pass runs
+    the weight-gradient products alone, from what its input-gradient pass kept)."""
     mesh = layout.mesh
     compute_axes = tuple(a for a in mesh if a not in ax.BATCH_MESH_AXES)  # gathered axes do not split work
 
@@ -125,8 +122,6 @@ def _per_token_flops(
     )
     recompute = {"none": 0.0, "full": kept_fwd + attn_fwd, "dots": attn_fwd}[layout.remat]
     recompute += recomputes * (kept_fwd + attn_fwd)
-    if split_backward:
-        recompute += layer_fwd + attn_total - attn_fwd
     passes = 1.0 + ELEMENTWISE_BACKWARD_FACTOR + (1.0 if layout.remat != "none" else 0.0)
     elem_layer = passes * _per_token(model, "layer_elementwise", rules, mesh, s.seq if whole else 0.0)
     layer = 3.0 * layer_fwd + attn_total + recompute + elem_layer
@@ -134,7 +129,7 @@ def _per_token_flops(
         # A Pallas kernel's products are invisible to cost_analysis: on CPU its interpreter's grid is a loop
         # whose body (one tile) is counted once; on GPU it is a custom call, counted as nothing.
         attn_recomputed = {"none": 0.0, "full": attn_fwd, "dots": attn_fwd}[layout.remat] + recomputes * attn_fwd
-        layer -= attn_total + attn_recomputed + (attn_total - attn_fwd if split_backward else 0.0)
+        layer -= attn_total + attn_recomputed
     return {
         "layers": 3.0 * layer_fwd,
         "attention": attn_total,

@@ -38,6 +38,7 @@ from sharding.costmodel.layout import (
     _INT_BYTES,
     _PARAM_BYTES,
     Layout,
+    _model_splits,
     _per_token,
     _place_cached,
     _Placed,
@@ -79,10 +80,12 @@ class _Pipe:
         with zero bubble the output cotangents its input gradients leave for the weight gradients); 0 for
         GPipe/circular.
       gather: ``once`` or ``microbatch`` (`Layout.pipeline_gather`, `sharding.pipeline.program.Streamed`).
-      split: zero bubble: the backward runs as two passes (input gradient, weight gradient), each recomputing
-        the layer's forward from its saved input, so every layer is recomputed twice per microbatch, and the
-        weight gradient's pass redoes the input gradients inside the layer (`_per_token_flops`'s
-        ``split_backward``); with ``gather`` ``microbatch`` each pass gathers its blocks.
+      split: zero bubble: the backward runs as two passes, the input gradient (B: the layer recomputed from its
+        saved input, its input-gradient products) and the weight gradient (W: the weight-gradient products
+        alone, from each product's input and output cotangent that B kept, `sharding.pipeline.split`), so
+        the FLOPs, the recomputation and the gathers are fused 1F1B's.
+      kept: zero bubble: the entries of its second ring, each one chunk pass's cut (what B keeps for W) for
+        each of the ``K'`` slots (`ZeroBubbleTicks.saved_slots`); 0 otherwise.
     """
 
     stages: int
@@ -97,23 +100,24 @@ class _Pipe:
     ring: int = 0
     gather: str = "once"
     split: bool = False
+    kept: int = 0
 
     @property
     def backward_gathers(self) -> int:
-        """Backward passes of a chunk that gather its blocks (``gather`` ``microbatch``): one, zero bubble's
-        input- and weight-gradient passes apart two."""
-        return 2 if self.split else 1
+        """Backward passes of a chunk that gather its blocks (``gather`` ``microbatch``): one (zero bubble's
+        weight-gradient pass reads no weight: `LayerSplit.needs_params` is False for the dense layer)."""
+        return 1
 
     @property
     def block_inputs(self) -> bool:
         """A chunk's forward saves each gathered block's input only (``gather`` ``microbatch`` over ``G > 1``
-        devices, not zero bubble: `sharding.pipeline.program.Streamed.block_inputs`)."""
-        return self.gather == "microbatch" and self.groups > 1 and not self.split
+        devices: `sharding.pipeline.program.Streamed.block_inputs`)."""
+        return self.gather == "microbatch" and self.groups > 1
 
     @property
     def recomputes(self) -> float:
         """Forward passes of each layer the backward pass adds (`sharding.pipeline.program.chunk_backward`
-        recomputes it once; zero bubble's `chunk_backward_input` and `chunk_backward_weight` once each), plus
+        recomputes it once; zero bubble's `chunk_backward_input` once, its weight-gradient pass none), plus
         ``(G - 1) / G`` where the ring keeps block inputs only (`block_inputs`: the backward recomputes a
         block's other slot inputs)."""
         return self.backward_gathers + ((self.groups - 1) / self.groups if self.block_inputs else 0.0)
@@ -171,7 +175,7 @@ def _pipeline_of(model: ModelDescription, layout: Layout, rules: Rules, s: _Shap
     while (repeats * chunk) % groups:
         chunk += 1
     schedule = layout.tick_schedule if layout.one_f_one_b else None
-    moved, ticks, ring = _pipeline_tables(
+    moved, ticks, ring, kept = _pipeline_tables(
         model.num_layers, stages, repeats, layout.stage_layers, groups, s.micro, schedule
     )
     return _Pipe(
@@ -187,6 +191,7 @@ def _pipeline_of(model: ModelDescription, layout: Layout, rules: Rules, s: _Shap
         ring,
         gather=layout.pipeline_gather,
         split=schedule == "zb",
+        kept=kept,
     )
 
 
@@ -199,12 +204,12 @@ def _pipeline_tables(
     groups: int,
     micro: int,
     schedule: str | None,
-) -> tuple[tuple[int, ...], int, int]:
-    """``(moved, ticks, ring)`` of `_Pipe` from the static tables (`Placement.sends`, and for a 1F1B-family
-    ``schedule``, a `sharding.costmodel.layout.TICK_SCHEDULES` name, its tick table; None for GPipe/circular);
-    cached: the planner prices many devices of one split."""
+) -> tuple[tuple[int, ...], int, int, int]:
+    """``(moved, ticks, ring, kept)`` of `_Pipe` from the static tables (`Placement.sends`, and for a
+    1F1B-family ``schedule``, a `sharding.costmodel.layout.TICK_SCHEDULES` name, its tick table; None for
+    GPipe/circular); cached: the planner prices many devices of one split."""
     moved = _moved_rows(num_layers, stages, repeats, stage_layers, groups)
-    return (moved, *(_ticks_and_ring(stages, micro, repeats, schedule) if schedule else (0, 0)))
+    return (moved, *(_ticks_and_ring(stages, micro, repeats, schedule) if schedule else (0, 0, 0)))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -223,11 +228,11 @@ def _moved_rows(
 
 
 @functools.lru_cache(maxsize=1024)
-def _ticks_and_ring(stages: int, micro: int, repeats: int, schedule: str = "lockstep") -> tuple[int, int]:
-    """A 1F1B-family schedule's ticks and ring slots (`tick_table`; raises the run's ValueError for a table
-    it refuses)."""
+def _ticks_and_ring(stages: int, micro: int, repeats: int, schedule: str = "lockstep") -> tuple[int, int, int]:
+    """A 1F1B-family schedule's ticks, ring slots and (zero bubble) saved-ring entries (`tick_table`; raises the
+    run's ValueError for a table it refuses)."""
     table = tick_table(schedule, stages, micro, repeats)
-    return table.ticks, table.slots
+    return table.ticks, table.slots, getattr(table, "saved_slots", 0)
 
 
 @functools.lru_cache(maxsize=256)
@@ -304,13 +309,53 @@ def _pipeline_memory(
     received = 0
     if pipe.gather == "microbatch":
         held, received = pipe.groups, sum(pipe.moved)
+    kept = pipe.kept * pipe.chunk_slots * weight_cut_bytes(model, rules, layout.mesh, s.act_bytes)
     return dataclasses.replace(
         base,
         gradients=base.gradients + (held + received) * whole_layer * _PARAM_BYTES,
-        activations=s.tok * (pipe.saved_inputs * saved_input + per_layer),
+        activations=s.tok * (pipe.saved_inputs * saved_input + per_layer + kept),
         logits=base.logits * head.tok / s.tok,
         gathered=(held + received) * whole_layer * _gather_bytes(layout),
     )
+
+
+def weight_cut_bytes(model: ModelDescription, rules: Rules, mesh: Mapping[str, int], act_bytes: int) -> float:
+    """Bytes per token of one layer's cut, what zero bubble's input-gradient pass keeps for the weight-gradient
+    pass (`sharding.pipeline.split`): each product's input (one per run of consecutive products taking the
+    same input: q, k, v; gate, up) and output cotangent in the activations' dtype, and for each norm scale its
+    normalised input and output cotangent in float32 (the norms compute in float32), on one device (split as
+    the activations are: over ``tensor``, not the batch axes)."""
+    splits = _activation_splits(model, rules, tuple(mesh.items()))
+
+    def size(axes, shape) -> float:
+        return math.prod(shape) / math.prod(splits.get(a, 1) for a in axes)
+
+    products, previous = 0.0, None
+    for p in model.products:
+        if not p.weight.per_layer:
+            continue
+        w = p.weight
+        inputs = tuple(a for i, a in enumerate(w.axes) if i in p.contract)
+        outputs = tuple(a for i, a in enumerate(w.axes) if i not in p.contract)
+        shape_in = tuple(n for i, n in enumerate(w.shape) if i in p.contract)
+        shape_out = tuple(n for i, n in enumerate(w.shape) if i not in p.contract)
+        if inputs != previous:
+            products += p.share * size(inputs, shape_in)
+        previous = inputs
+        products += p.share * size(outputs, shape_out)
+    norms = sum(2 * size(p.axes, p.shape) for p in model.params if p.per_layer and p.role == "scale")
+    return products * act_bytes + norms * _PARAM_BYTES
+
+
+@functools.lru_cache(maxsize=4096)
+def _activation_splits(model: ModelDescription, rules: Rules, mesh_items: tuple) -> dict[str, int]:
+    """Per logical axis, how many ways an activation's dimension is split: the rules' mesh axes but the batch
+    axes (which split the weights, not the activations' features)."""
+    mesh = dict(mesh_items)
+    return {
+        name: math.prod(mesh[a] for a in axes if a not in ax.BATCH_MESH_AXES)
+        for name, axes in _model_splits(model, rules, mesh_items).items()
+    }
 
 
 def _pipeline_embedding_comms(
@@ -481,8 +526,7 @@ def _pipeline_weight_comms_cached(
     or, with ``gather`` ``microbatch``, one block of ``G`` slots all-gathered per chunk pass and its gradient
     reduce-scattered per weight-gradient pass (``block_passes``: blocks one kind of pass gathers per step,
     `_Pipe.passes` x `_Pipe.blocks`; each is gathered by the forward pass and by each of the
-    ``backward_gathers`` backward passes, `_Pipe.backward_gathers`: zero bubble's input- and weight-gradient
-    passes gather it apart),
+    ``backward_gathers`` backward passes, `_Pipe.backward_gathers`),
     the stored rows still moved once per step.
 
     Explicit collectives of the stage program (`jax.shard_map`, so both backends emit them as written;

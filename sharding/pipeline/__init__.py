@@ -11,6 +11,7 @@ own modules.
   import);
 * `program`: the pieces every schedule's stage program is built from (setup, weight gather and gradient
   reduction, a chunk's forward and hand-written backward, buffer reads and writes);
+* `split`: a layer's traced backward cut into zero bubble's input-gradient and weight-gradient passes;
 * `schedule`: the GPipe and circular schedules with their hand-written backward pass (`run_pipeline`);
 * `onef1b`: the 1F1B schedules (zero bubble too), loss and backward pass in one loop (`run_pipeline_loss`).
 """

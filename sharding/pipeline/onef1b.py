@@ -17,9 +17,10 @@ keeping each slot's input in a ring of chunk inputs ``[slots, K, microbatch, ...
 the last virtual stage; then the backward, which differentiates the slots from their saved inputs
 (`program.chunk_backward`), so on the last virtual stage a microbatch's backward may share the tick of
 its forward. Zero bubble (``zb``, `sharding.pipeline.ticks.zero_bubble_ticks`) splits that backward: the
-input gradient (`program.chunk_backward_input`) at the backward's tick, leaving each slot's output cotangent
-in the ring, and the weight gradient (`program.chunk_backward_weight`) at the tick its table gives, last in
-the tick. Cotangents that arrive before their backward wait in a second, smaller ring. Two
+input gradient (`program.chunk_backward_input`) at the backward's tick, leaving what each slot's weight
+gradient needs (each product's input and output cotangent, `sharding.pipeline.split`) in a ring of its own,
+and the weight gradient (`program.chunk_backward_weight`: the weight-gradient products alone) at the tick
+its table gives, last in the tick. Cotangents that arrive before their backward wait in a second, smaller ring. Two
 ``ppermute`` per tick, outside every conditional (XLA's CPU backend deadlocks on a collective-permute
 inside one): the forward output down the ring (stage ``S-1`` to 0 for the next chunk), the input's
 cotangent up it; a stage with nothing to send sends what it holds, which the receiver ignores (the table
@@ -67,6 +68,7 @@ from sharding.pipeline.program import (
     chunk_backward_input,
     chunk_backward_weight,
     chunk_forward,
+    cut_ring,
     index_leaf,
     index_tree,
     logical_leaves,
@@ -154,7 +156,7 @@ def _ticks(
         return jax.tree.map(lambda a: jnp.where(on, a, jnp.zeros((), a.dtype)), run(h, inputs))
 
     def tick(carry, t):
-        received, g_received, buffer, waiting, grads, head_grads, g_xs, loss, weight, applied = carry
+        received, g_received, buffer, waiting, kept, grads, head_grads, g_xs, loss, weight, applied = carry
         read = {}
         row = {name: read.setdefault(id(column), tables[id(column)][t]) for name, column in columns.items()}
         forward, r, mb, slot = (row["forward" + part] for part in ("", "_chunk", "_microbatch", "_slot"))
@@ -193,21 +195,28 @@ def _ticks(
             backward = backward == BACKWARD
             c = row["cotangent_slot"]
             backward_args = (index_leaf(buffer, slot), index_tree(extras, mb), jnp.where(backward, counts[r], 0))
-            if split:  # zero bubble: B now, W from the ring at the tick the table gives
-                g_in, outputs = chunk_backward_input(
-                    back_layer, params, r, *backward_args, index_leaf(waiting, c), plan.skip_empty
+            if split:  # zero bubble: B now, its cut into the saved ring; W from there at the tick the table gives
+                g_in, kept = chunk_backward_input(
+                    back_layer,
+                    params,
+                    r,
+                    *backward_args,
+                    index_leaf(waiting, c),
+                    kept,
+                    row["backward_saved"],
+                    plan.skip_empty,
                 )
-                buffer = write(buffer, row["backward_saved"], outputs, backward)
-                w_r, w_mb = row["weight_chunk"], row["weight_microbatch"]
+                w_r = row["weight_chunk"]
                 grads = chunk_backward_weight(
                     back_layer,
                     params,
                     w_r,
-                    index_leaf(buffer, row["weight_slot"]),
-                    index_tree(extras, w_mb),
+                    kept,
+                    row["weight_saved"],
+                    index_tree(extras, row["weight_microbatch"]),
                     jnp.where(row["weight"] == WEIGHT, counts[w_r], 0),
-                    index_leaf(buffer, row["weight_saved"]),
                     grads,
+                    index_leaf(buffer, 0)[0],
                     plan.skip_empty,
                 )
             else:
@@ -217,7 +226,7 @@ def _ticks(
             g_xs = write(g_xs, mb, g_in, backward & (stage == 0) & (r == 0))
             g_received = jax.lax.ppermute(g_in, ax.STAGE, back_ring)
         received = jax.lax.ppermute(h, ax.STAGE, ring)
-        return (received, g_received, buffer, waiting, grads, head_grads, g_xs, loss, weight, applied), None
+        return (received, g_received, buffer, waiting, kept, grads, head_grads, g_xs, loss, weight, applied), None
 
     zero_h = jnp.zeros_like(xs[0])
     # K from the working copy, not the layout: the unpadded storage rounds a chunk's slots up to its gather
@@ -225,14 +234,26 @@ def _ticks(
     slots = slot_positions(params)
     buffer = jnp.zeros((ticks.slots, slots if train else 1, *xs.shape[1:]), xs.dtype)
     waiting = jnp.zeros((ticks.cotangent_slots, *xs.shape[1:]), xs.dtype) if train else None
+    kept = ()
+    if train and split:  # the saved ring: per entry, each slot position's cut (`sharding.pipeline.split`)
+        kept = cut_ring(back_layer, params, to_varying(zero_h, vary), index_tree(extras, 0), ticks.saved_slots)
     zero = to_varying(jnp.zeros((), jnp.float32), vary)
     init = to_varying(
-        (zero_h, zero_h if train else None, buffer, waiting, grads, head_grads, jnp.zeros_like(xs) if train else None),
+        (
+            zero_h,
+            zero_h if train else None,
+            buffer,
+            waiting,
+            kept,
+            grads,
+            head_grads,
+            jnp.zeros_like(xs) if train else None,
+        ),
         vary,
     )
     init = (*init, zero, zero, to_varying(jnp.zeros((), jnp.int32), ax.STAGE))
     carry, _ = jax.lax.scan(tick, init, jnp.arange(ticks.ticks))
-    _, _, _, _, grads, head_grads, g_xs, loss, weight, applied = carry
+    _, _, _, _, _, grads, head_grads, g_xs, loss, weight, applied = carry
     return loss, weight, applied, grads, head_grads, g_xs
 
 
@@ -262,8 +283,7 @@ def _loss_program(
         hp = to_varying(jax.tree.map(gather_shards, head_params, head_specs), vary)
         grads = head_grads = None
         if streamed:  # each block gathered where a chunk runs it, its gradient reduce-scattered there
-            # Zero bubble's ring holds each slot's output cotangent beside the inputs, so it saves each slot's input.
-            params = weights.stream(stacked, plan.layout.repeats, block_inputs=not plan.zero_bubble)
+            params = weights.stream(stacked, plan.layout.repeats)
             grads = params.zeros() if train else None
         else:
             # Varying over the batch axes (and stage), so that differentiating adds no reduction inside the loop.

@@ -11,12 +11,14 @@ mesh, manual over ``stage`` and the batch axes ``data`` and ``fsdp`` (`manual_ax
   the loop (MaxText's ``pipeline_fsdp_ag_once`` trade-off: one gather and one reduction per step instead of
   one per microbatch, the gathered copy held through the step); or, with ``--pipeline-gather
   microbatch``, `Streamed`: one block of layers gathered at a time inside each chunk pass (zero bubble's
-  input- and weight-gradient passes each gather it) and its gradient reduce-scattered there, so the step
-  holds one block instead of the stage;
+  weight-gradient pass, which reads no weight, gathers none) and its gradient reduce-scattered there, so
+  the step holds one block instead of the stage;
 * `chunk_forward` / `chunk_backward`: one chunk of a stage's layers for one microbatch, each slot under
   a `jax.lax.cond` (empty slots and idle ticks compute nothing), and its hand-written backward pass that
   recomputes each layer from its saved input and differentiates it with `jax.vjp`; zero bubble splits the
-  latter into `chunk_backward_input` and `chunk_backward_weight`, each recomputing the layer;
+  latter into `chunk_backward_input` (the recomputed layer's input gradient, keeping each product's input
+  and output cotangent) and `chunk_backward_weight` (the weight-gradient products alone), cut by
+  `sharding.pipeline.split.LayerSplit`;
 * `index_tree`, `index_leaf`, `write`, `slot_params`, `add_slot`: slice-sized reads and predicated
   writes of the loop's buffers (a `jnp.where` on one slice, never on a whole buffer);
 * `stage_varying`, `sum_over_stages`: the casts at the edge of the map (inputs made stage-varying so
@@ -42,6 +44,7 @@ from jax.sharding import PartitionSpec as P
 from sharding import axes as ax
 from sharding.parallel import gather_shards, only_axes, reduce_shards, spec_axes, to_varying, varying_axes
 from sharding.pipeline.layout import PipelinePlan, StageLayout
+from sharding.pipeline.split import LayerSplit, varying_axes
 from sharding.pipeline.storage import StageStorage, storage_axes, storage_for, storage_spec
 
 
@@ -263,72 +266,129 @@ def slot_positions(params) -> int:
     return jax.tree.leaves(params)[0].shape[1]
 
 
-def chunk_backward_input(layer_fn, params, r, inputs, extras, count, g, skip_empty: bool):
+def chunk_backward_input(layer_fn, params, r, inputs, extras, count, g, kept, entry, skip_empty: bool):
     """The input-gradient half of `chunk_backward` (zero bubble's B pass): slots in reverse, each layer
-    recomputed from its saved input and differentiated with respect to its input only.
+    recomputed from its saved input and differentiated, keeping what the weight gradient needs.
 
     Qi et al., "Zero Bubble Pipeline Parallelism" (ICLR 2024), section 2: the backward of a layer splits into
     the input's cotangent (B), which the previous stage waits for, and the weights' cotangent (W,
-    `chunk_backward_weight`), which can wait. Each slot's output cotangent is returned for W.
+    `chunk_backward_weight`), which can wait. Each slot's backward is cut by `LayerSplit`: B runs the
+    recomputed forward and the input-gradient products and writes, per slot, the values W needs (each
+    product's input and output cotangent) into the saved ring, slot by slot (no chunk-sized copy).
 
     Args:
       inputs: ``[K, microbatch, ...]`` slot inputs saved by the forward pass.
       g: ``[microbatch, ...]`` cotangent of the chunk's output.
+      kept: the saved ring, a tuple of ``[E, K, ...]`` arrays (`cut_ring`).
+      entry: int32 scalar, the ring entry this pass writes (slots not run leave it as it was).
       (others as `chunk_forward`)
 
     Returns:
-      ``(g, outputs)``: the cotangent of the chunk's input ``[microbatch, ...]`` and ``[K, microbatch, ...]``
-      the cotangent of each slot's output (skipped slots pass ``g`` through; their entry is unused); ``[P,
-      microbatch, ...]`` by position with a `Streamed` ``params`` (`Streamed.backward_input`).
+      ``(g, kept)``: the cotangent of the chunk's input ``[microbatch, ...]`` and the ring with each run slot's
+      cut written (``[E, P, ...]`` by position with a `Streamed` ``params``, `Streamed.backward_input`).
     """
     if isinstance(params, Streamed):
-        return params.backward_input(layer_fn, r, inputs, extras, count, g, skip_empty)
+        return params.backward_input(layer_fn, r, inputs, extras, count, g, kept, entry, skip_empty)
     slots = jax.tree.leaves(params)[0].shape[1]
 
-    def body(g, k):
-        def back(g):
-            _, vjp = jax.vjp(lambda h: layer_fn(slot_params(params, r, k), h, *extras), inputs[k])
-            return vjp(g)[0]
+    def body(carry, k):
+        g, kept = carry
+        x = inputs[k]
+        cut = LayerSplit.trace(layer_fn, slot_params(params, r, k), x, g, extras)
+
+        def back(g, kept):
+            dx, saved = cut.input_pass(slot_params(params, r, k), x, g, extras)
+            return dx, put_cut(kept, entry, k, saved, k < count)
 
         if skip_empty:
-            return jax.lax.cond(k < count, back, lambda g: g, g), g
-        return jnp.where(k < count, back(g), g), g
+            return jax.lax.cond(k < count, back, lambda g, kept: (g, kept), g, kept), None
+        dx, kept = back(g, kept)
+        return (jnp.where(k < count, dx, g), kept), None
 
-    return jax.lax.scan(body, g, jnp.arange(slots), reverse=True)
+    return jax.lax.scan(body, (g, kept), jnp.arange(slots), reverse=True)[0]
 
 
-def chunk_backward_weight(layer_fn, params, r, inputs, extras, count, outputs, grads, skip_empty: bool):
-    """The weight-gradient half of `chunk_backward` (zero bubble's W pass): each layer recomputed from its
-    saved input and differentiated with respect to its weights, at the output cotangent its B pass left.
+def chunk_backward_weight(layer_fn, params, r, kept, entry, extras, count, grads, like, skip_empty: bool):
+    """The weight-gradient half of `chunk_backward` (zero bubble's W pass): each slot's weight cotangents
+    from the cut its B pass left in the saved ring (`LayerSplit.weight_pass`: the weight-gradient products,
+    no recomputation), read slot by slot.
 
     Args:
-      inputs: ``[K, microbatch, ...]`` slot inputs saved by the forward pass.
-      outputs: ``[K, microbatch, ...]`` each slot's output cotangent (`chunk_backward_input`).
+      kept: the saved ring (`chunk_backward_input`); entry: int32 scalar, the entry this pass reads.
       grads: accumulated parameter cotangents, leaves ``[R, K, ...]`` (or, with a `Streamed` ``params``, its
         reduce-scattered accumulators, `Streamed.zeros`; the block's gradient reduce-scattered here,
         `Streamed.backward_weight`).
+      like: ``[microbatch, ...]`` an array typed as a slot input (its values unused): W traces the layer's
+        backward again to find its half of the cut.
       (others as `chunk_forward`)
 
     Returns:
       ``grads`` with this chunk's slots added (skipped slots add nothing).
     """
     if isinstance(params, Streamed):
-        return params.backward_weight(layer_fn, r, inputs, extras, count, outputs, grads, skip_empty)
+        return params.backward_weight(layer_fn, r, kept, entry, extras, count, grads, like, skip_empty)
     slots = jax.tree.leaves(params)[0].shape[1]
 
     def body(grads, k):
+        cut = LayerSplit.trace(layer_fn, slot_params(params, r, k), like, like, extras)
+
         def back(grads):
-            _, vjp = jax.vjp(lambda w: layer_fn(w, inputs[k], *extras), slot_params(params, r, k))
-            return add_slot(grads, r, k, vjp(outputs[k])[0])
+            return add_slot(grads, r, k, cut.weight_pass(slot_params(params, r, k), get_cut(kept, entry, k)))
 
         if skip_empty:
             return jax.lax.cond(k < count, back, lambda grads: grads, grads), None
-        _, vjp = jax.vjp(lambda w: layer_fn(w, inputs[k], *extras), slot_params(params, r, k))
         keep = k < count
-        dw = jax.tree.map(lambda d: jnp.where(keep, d, jnp.zeros((), d.dtype)), vjp(outputs[k])[0])
+        dw = cut.weight_pass(slot_params(params, r, k), get_cut(kept, entry, k))
+        dw = jax.tree.map(lambda d: jnp.where(keep, d, jnp.zeros((), d.dtype)), dw)
         return add_slot(grads, r, k, dw), None
 
     return jax.lax.scan(body, grads, jnp.arange(slots))[0]
+
+
+def cut_ring(layer_fn, params, like, extras, entries: int):
+    """Zero bubble's saved ring: per value of a layer's cut (`LayerSplit`), zeros ``[entries, P, ...]`` (``P``:
+    the slots of a chunk, `Streamed.positions` with a `Streamed` ``params``), typed as ``like`` (a slot input
+    ``[microbatch, ...]``) varies.
+
+    Args:
+      layer_fn, params: as `chunk_forward`.
+      like: ``[microbatch, ...]`` an array typed as a slot input.
+      extras: one microbatch's side inputs.
+      entries: ``E``, the ring's entries (`ZeroBubbleTicks.saved_slots`).
+    """
+    if isinstance(params, Streamed):
+        shapes = jax.eval_shape(params.fetch, jnp.zeros((), jnp.int32))
+        block = to_varying(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes), params._vary())
+        slot, positions = index_tree(block, 0), params.positions
+    else:
+        slot, positions = slot_params(params, 0, 0), jax.tree.leaves(params)[0].shape[1]
+    cut = LayerSplit.trace(layer_fn, slot, like, like, extras)
+    zeros = [jnp.zeros((entries, positions, *shape), dtype) for shape, dtype in cut.cut_avals]
+    return tuple(to_varying(zeros, varying_axes(like, like)))
+
+
+def put_cut(kept, entry, position, saved, predicate):
+    """``kept[entry, position] = saved`` leaf by leaf where ``predicate`` (a slot-sized select and update)."""
+
+    def one(buffer, value):
+        zero = jnp.zeros((), jnp.int32)
+        index = (entry, position) + (zero,) * value.ndim
+        old = jax.lax.dynamic_slice(buffer, index, (1, 1, *value.shape))
+        new = jnp.where(predicate, value[None, None].astype(buffer.dtype), old)
+        return jax.lax.dynamic_update_slice(buffer, new, index)
+
+    return tuple(one(b, v) for b, v in zip(kept, saved))
+
+
+def get_cut(kept, entry, position):
+    """``kept[entry, position]`` leaf by leaf (slot-sized reads)."""
+
+    def one(buffer):
+        zero = jnp.zeros((), jnp.int32)
+        index = (entry, position) + (zero,) * (buffer.ndim - 2)
+        return jax.lax.dynamic_slice(buffer, index, (1, 1, *buffer.shape[2:]))[0, 0]
+
+    return tuple(one(b) for b in kept)
 
 
 def _inverse_rows(local_index: np.ndarray, size: int, width: int) -> np.ndarray:
@@ -539,12 +599,12 @@ class Streamed:
     `chunk_backward_input` and `chunk_backward_weight`) gathers the ``n`` blocks that
     cover chunk ``r`` (slots ``r*K' ... r*K' + K' - 1``) in the compute dtype, one at a time, outside the
     slots' conditionals, and its backward pass (zero bubble: its weight-gradient pass) reduce-scatters each
-    block's gradient into float32 sums of this device's rows (`zeros`) as soon as the block is done. A pass that runs no layer (a bubble tick, or
-    the idle half of a lockstep tick) is skipped whole, its gathers with it: they are among the devices of
-    one stage, which all skip it alike. So a step holds one block's gathered weights and gradients instead
-    of the stage's, at the price of a gather per chunk pass forward and backward (the backward recomputes
-    from a second gather; zero bubble's two halves from a second and a third) and a reduce-scatter per
-    backward pass.
+    block's gradient into float32 sums of this device's rows (`zeros`) as soon as the block is done. A pass
+    that runs no layer (a bubble tick, or the idle half of a lockstep tick) is skipped whole, its gathers
+    with it: they are among the devices of one stage, which all skip it alike. So a step holds one block's
+    gathered weights and gradients instead of the stage's, at the price of a gather per chunk pass forward
+    and backward (the backward recomputes from a second gather; zero bubble's weight-gradient pass gathers
+    nothing where it reads no weight) and a reduce-scatter per backward pass.
 
     With `block_inputs` a chunk's forward pass saves only each block's input (``n`` activations per chunk
     instead of ``n*B``, `saved`): the backward pass, which gathers the block anyway, first recomputes the
@@ -560,8 +620,8 @@ class Streamed:
       repeats: R, chunks per stage.
       chunk_slots: K', slots per chunk of the working copy.
       block: B, slots per gathered block.
-      block_inputs: a chunk's forward saves each block's input only, not each slot's (the backward recomputes
-        the rest); zero bubble's passes (`backward_input`, `backward_weight`) need each slot's (False).
+      block_inputs: a chunk's forward saves each block's input only, not each slot's (the backward, or zero
+        bubble's input-gradient pass, recomputes the rest).
     """
 
     weights: Weights
@@ -749,51 +809,54 @@ class Streamed:
         last, before = jax.lax.scan(step, index_leaf(inputs, i), jnp.arange(b - 1))
         return jnp.concatenate([before, last[None]], axis=0)
 
-    def backward_input(self, layer_fn, r, inputs, extras, count, g, skip_empty: bool):
-        """`chunk_backward_input` (zero bubble's B pass) with the weights gathered again block by block:
-        each slot's output cotangent kept for `backward_weight`, no gradient of the weights.
+    def backward_input(self, layer_fn, r, inputs, extras, count, g, kept, entry, skip_empty: bool):
+        """`chunk_backward_input` (zero bubble's B pass) with the weights gathered again block by block (with
+        `block_inputs`, each block's other slot inputs recomputed first, as `backward` does): each slot's cut
+        (`LayerSplit.input_pass`) written into entry ``entry`` of the saved ring ``kept`` (``[E, P, ...]``) at
+        its position, no gradient of the weights.
 
         Returns:
-          ``(g, outputs)``: the cotangent of the chunk's input and ``[P, microbatch, ...]`` each position's
-          output cotangent (positions outside the chunk pass ``g`` through; their entry is unused).
+          ``(g, kept)``: the cotangent of the chunk's input and the ring (positions outside the chunk pass ``g``
+          through and write nothing).
         """
         start, b, k0 = self._start(r), self.block, r * self.chunk_slots
 
-        def outer(g, i):
+        def outer(carry, i):
+            g, kept = carry
             w = start + i
             block = self.fetch(jnp.minimum(w, self.windows - 1))
+            xs = self._block_slot_inputs(layer_fn, block, w * b - k0, inputs, i, extras, count, skip_empty)
 
-            def inner(g, j):
+            def inner(carry, j):
+                g, kept = carry
                 k = w * b + j - k0
-                x = index_leaf(inputs, i * b + j)
-
-                def back(g):
-                    _, vjp = jax.vjp(lambda h: layer_fn(index_tree(block, j), h, *extras), x)
-                    return vjp(g)[0]
-
+                x = index_leaf(xs, j)
+                cut = LayerSplit.trace(layer_fn, index_tree(block, j), x, g, extras)
                 on = (k >= 0) & (k < count)
+
+                def back(g, kept):
+                    dx, saved = cut.input_pass(index_tree(block, j), x, g, extras)
+                    return dx, put_cut(kept, entry, i * b + j, saved, on)
+
                 if skip_empty:
-                    return jax.lax.cond(on, back, lambda g: g, g), g
-                return jnp.where(on, back(g), g), g
+                    return jax.lax.cond(on, back, lambda g, kept: (g, kept), g, kept), None
+                dx, kept = back(g, kept)
+                return (jnp.where(on, dx, g), kept), None
 
-            return jax.lax.scan(inner, g, jnp.arange(b), reverse=True)
+            return jax.lax.scan(inner, (g, kept), jnp.arange(b), reverse=True)[0], None
 
-        def run(g):
-            g, outputs = jax.lax.scan(outer, g, jnp.arange(self.blocks), reverse=True)
-            return g, outputs.reshape(self.positions, *outputs.shape[2:])
+        def run(g, kept):
+            return jax.lax.scan(outer, (g, kept), jnp.arange(self.blocks), reverse=True)[0]
 
         if not skip_empty:
-            return run(g)
+            return run(g, kept)
+        return jax.lax.cond(count > 0, run, lambda g, kept: (g, kept), to_varying(g, self._vary()), kept)
 
-        def idle(g):
-            return g, to_varying(jnp.zeros((self.positions, *g.shape), g.dtype), self._vary())
-
-        return jax.lax.cond(count > 0, run, idle, to_varying(g, self._vary()))
-
-    def backward_weight(self, layer_fn, r, inputs, extras, count, outputs, sums, skip_empty: bool):
-        """`chunk_backward_weight` (zero bubble's W pass) with the weights gathered again block by block, at
-        the output cotangents `backward_input` left (``[P, microbatch, ...]``), and each block's gradient
-        reduce-scattered into ``sums`` (`zeros`) once the block is done.
+    def backward_weight(self, layer_fn, r, kept, entry, extras, count, sums, like, skip_empty: bool):
+        """`chunk_backward_weight` (zero bubble's W pass) from the cuts `backward_input` left in entry ``entry``
+        of the saved ring: the weight-gradient products of each slot, and each block's gradient
+        reduce-scattered into ``sums`` (`zeros`) once the block is done. The block is gathered only where the
+        weight pass reads the weights (`LayerSplit.needs_params`; a dense layer's does not).
 
         Returns:
           ``sums`` with this chunk's slots added.
@@ -803,22 +866,23 @@ class Streamed:
         def outer(sums, i):
             w = start + i
             clamped = jnp.minimum(w, self.windows - 1)
-            block = self.fetch(clamped)
+            shapes = jax.eval_shape(self.fetch, clamped)
+            stand_in = to_varying(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes), self._vary())
+            cut = LayerSplit.trace(layer_fn, index_tree(stand_in, 0), like, like, extras)
+            block = self.fetch(clamped) if cut.needs_params else stand_in
             zero = to_varying(jax.tree.map(lambda p, a: jnp.zeros(p.shape, a.dtype), block, sums), self._vary())
 
             def inner(acc, j):
                 k = w * b + j - k0
-                x, ct = index_leaf(inputs, i * b + j), index_leaf(outputs, i * b + j)
 
                 def dw():
-                    _, vjp = jax.vjp(lambda p: layer_fn(p, x, *extras), index_tree(block, j))
-                    return vjp(ct)[0]
+                    return cut.weight_pass(index_tree(block, j), get_cut(kept, entry, i * b + j))
 
                 on = (k >= 0) & (k < count)
                 if skip_empty:
                     return jax.lax.cond(on, lambda acc: add_block(acc, j, dw()), lambda acc: acc, acc), None
-                kept = jax.tree.map(lambda d: jnp.where(on, d, jnp.zeros((), d.dtype)), dw())
-                return add_block(acc, j, kept), None
+                kept_dw = jax.tree.map(lambda d: jnp.where(on, d, jnp.zeros((), d.dtype)), dw())
+                return add_block(acc, j, kept_dw), None
 
             acc, _ = jax.lax.scan(inner, zero, jnp.arange(b))
             return self._add(sums, clamped, acc), None

@@ -25,8 +25,8 @@ virtual stage at an earlier tick, or, on the last virtual stage, comes from the 
 
 * `zero_bubble_ticks` (`ZeroBubbleTicks`), zero bubble (ZB-H1, Qi et al., ICLR 2024): fused ticks whose
   backward is split into the input gradient (B, at fused 1F1B's backward ticks) and the weight gradient
-  (W), which stage ``s`` runs ``s`` ticks after its B; ``M + 2 (S - 1)`` ticks, ``2S`` ring entries per stage
-  (chunk inputs until their W, and the slot cotangents B leaves for W).
+  (W), which stage ``s`` runs ``s`` ticks after its B; ``M + 2 (S - 1)`` ticks, fused 1F1B's ring of chunk
+  inputs and a second ring of ``S`` entries of what B leaves for W.
 
 A table fixes the slot of every saved chunk input and of every waiting cotangent, so the loop only indexes;
 `tick_time` prices a table with every tick as long as its busiest stage (the cost model's clock).
@@ -162,7 +162,7 @@ class FusedTicks:
         return {
             f.name: getattr(self, f.name)
             for f in dataclasses.fields(self)
-            if f.name not in ("slots", "cotangent_slots")
+            if f.name not in ("slots", "cotangent_slots", "saved_slots")
         }
 
 
@@ -172,44 +172,40 @@ class ZeroBubbleTicks(FusedTicks):
 
     A `FusedTicks` table whose ``backward`` is the input-gradient pass only (B: the cotangent of the chunk's
     input, on the critical path), plus a weight-gradient pass (W) per stage per tick. The loop runs a tick's
-    forward, the head, B, then W. One ring of `slots` entries ``[K, microbatch, ...]`` holds both the chunk
-    inputs (from arrival to their W) and the cotangents of each slot's output that B leaves for W (from B to
-    W).
+    forward, the head, B, then W. The ring of `slots` chunk inputs is fused 1F1B's (an input is freed by its
+    B); a second ring of `saved_slots` entries holds what each B leaves for its W (each product's input and
+    output cotangent, `sharding.pipeline.split`), from B to W.
 
     Attributes:
       weight: `WEIGHT` where the stage runs a chunk's weight-gradient pass at the tick, else 0.
       weight_chunk, weight_microbatch: the W pass's chunk and microbatch (0 when idle).
-      weight_slot: the ring slot of the W pass's chunk input.
-      weight_saved: the ring slot of the slot output cotangents its B left.
-      backward_saved: the ring slot where B leaves its slot output cotangents.
+      weight_saved: the saved ring's entry the W pass reads.
+      backward_saved: the saved ring's entry B writes.
+      saved_slots: entries of the saved ring.
       (others as `FusedTicks`)
     """
 
     weight: np.ndarray
     weight_chunk: np.ndarray
     weight_microbatch: np.ndarray
-    weight_slot: np.ndarray
     weight_saved: np.ndarray
     backward_saved: np.ndarray
+    saved_slots: int
 
-    def live(self) -> np.ndarray:
-        """``[S]``: the most ring entries each stage holds at once (chunk inputs and saved cotangents)."""
+    def saved_live(self) -> np.ndarray:
+        """``[S]``: the most saved-ring entries each stage holds at once (from its B, within the tick before
+        its W reads it, to that W)."""
         ticks, stages = self.arrive.shape
         most = []
         for s in range(stages):
             held: set[int] = set()
             peak = 0
             for t in range(ticks):
-                for on, slot in (
-                    (self.arrive[t, s] >= 0, self.arrive[t, s]),
-                    (self.forward[t, s], self.forward_slot[t, s]),
-                    (self.backward[t, s], self.backward_saved[t, s]),
-                ):
-                    if on:
-                        held.add(int(slot))
+                if self.backward[t, s]:
+                    held.add(int(self.backward_saved[t, s]))
                 peak = max(peak, len(held))
                 if self.weight[t, s]:
-                    held -= {int(self.weight_slot[t, s]), int(self.weight_saved[t, s])}
+                    held.discard(int(self.weight_saved[t, s]))
             most.append(peak)
         return np.asarray(most, np.int32)
 
@@ -470,10 +466,9 @@ def zero_bubble_ticks(stages: int, microbatches: int, repeats: int = 1) -> ZeroB
     waits for. Forwards and B passes run at the ticks of `fused_ticks` (each at the first tick its input
     allows, so a step still takes ``M + 2 (S - 1)`` ticks); stage ``s`` runs the W pass of a microbatch ``s``
     ticks after its B, so the last stages' W passes move out of the ticks where the first stages' B passes
-    form the critical path into their own idle tail (ZB-H1's deferral, which keeps the peak memory of the
-    schedule it splits). What stage ``s`` holds: ``2 (S - s) - 1 + s`` chunk inputs (each kept until its W)
-    and ``s + 1`` sets of saved cotangents, ``2S`` ring entries on every stage, against fused 1F1B's
-    ``2 (S - s) - 1`` (``2S - 1`` on stage 0).
+    form the critical path into their own idle tail (ZB-H1's deferral). What stage ``s`` holds: fused 1F1B's
+    ``2 (S - s) - 1`` chunk inputs (each until its B) and ``s + 1`` sets of what B leaves for W (`saved_slots`
+    = ``S`` entries: the last stage's; the first stage's W reads its B's in the same tick).
 
     Raises:
       ValueError: ``R > 1`` (ZB-H1 runs one chunk per stage; the interleaved ZB-V is not built), naming
@@ -490,23 +485,28 @@ def zero_bubble_ticks(stages: int, microbatches: int, repeats: int = 1) -> ZeroB
     when = {(s, i): done[BACKWARD, s, i] + s for s in range(stages) for i in range(microbatches)}
     rows += [[(None, None)] * stages for _ in range(max(when.values()) + 1 - len(rows))]
     saved, waiting = _intervals(done, stages, microbatches, last)
-    held = {k: (start, when[k]) for k, (start, _) in saved.items()}
-    held.update({("saved", *k): (done[BACKWARD, k[0], k[1]], w) for k, w in when.items()})
-    colours = [_colour({k: w for k, w in held.items() if k[-2] == s}) for s in range(stages)]
+    kept = {(s, i): (done[BACKWARD, s, i], w) for (s, i), w in when.items()}
+    colours = [_colour({k: w for k, w in saved.items() if k[0] == s}) for s in range(stages)]
     cot_colours = [_colour({k: w for k, w in waiting.items() if k[0] == s}) for s in range(stages)]
+    kept_colours = [_colour({k: w for k, w in kept.items() if k[0] == s}) for s in range(stages)]
     slot_of = {k: c for cs, _ in colours for k, c in cs.items()}
     cot_of = {k: c for cs, _ in cot_colours for k, c in cs.items()}
+    kept_of = {k: c for cs, _ in kept_colours for k, c in cs.items()}
     tables = _fused_tables(rows, stages, last, slot_of, cot_of)
     shape = tables["forward"].shape
-    for name in ("weight", "weight_chunk", "weight_microbatch", "weight_slot", "weight_saved", "backward_saved"):
+    for name in ("weight", "weight_chunk", "weight_microbatch", "weight_saved", "backward_saved"):
         tables[name] = np.zeros(shape, np.int32)
     for (s, i), t in when.items():
         tables["weight"][t, s] = WEIGHT
         tables["weight_microbatch"][t, s] = i
-        tables["weight_slot"][t, s] = slot_of[s, i]
-        tables["weight_saved"][t, s] = slot_of["saved", s, i]
-        tables["backward_saved"][done[BACKWARD, s, i], s] = slot_of["saved", s, i]
-    return ZeroBubbleTicks(**tables, slots=max(n for _, n in colours), cotangent_slots=max(n for _, n in cot_colours))
+        tables["weight_saved"][t, s] = kept_of[s, i]
+        tables["backward_saved"][done[BACKWARD, s, i], s] = kept_of[s, i]
+    return ZeroBubbleTicks(
+        **tables,
+        slots=max(n for _, n in colours),
+        cotangent_slots=max(n for _, n in cot_colours),
+        saved_slots=max(n for _, n in kept_colours),
+    )
 
 
 def tick_ops(table: Ticks | FusedTicks) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

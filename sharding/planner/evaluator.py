@@ -34,10 +34,9 @@ MEMORY_FRACTION = 0.85
 #: stage's `Cost`, which already counts the schedule's recomputation): ``(forward, backward, weight)`` in
 #: forward-equivalents over their sum. 1F1B's backward recomputes the chunk's forward and runs the two
 #: backward products per forward product (1 + 3). Zero bubble's input gradient recomputes the forward and
-#: runs the input-gradient products (2); its weight gradient recomputes the forward, runs the input-gradient
-#: products inside the layer again (the weights' cotangents need them) and the weight-gradient products (3):
-#: 1 + 2 + 3.
-TICK_SHARES = {"lockstep": (0.25, 0.75, 0.0), "fused": (0.25, 0.75, 0.0), "zb": (1 / 6, 1 / 3, 1 / 2)}
+#: runs the input-gradient products (2); its weight gradient runs the weight-gradient products alone, from
+#: each product's input and output cotangent the input gradient kept (1, `sharding.pipeline.split`): 1 + 2 + 1.
+TICK_SHARES = {"lockstep": (0.25, 0.75, 0.0), "fused": (0.25, 0.75, 0.0), "zb": (0.25, 0.5, 0.25)}
 
 #: How a 1F1B pipeline is priced. ``lockstep``: meshwork's schedules as they run, one SPMD program whose
 #: ticks each last as long as the busiest stage's work in the tick, read from the schedule's tick table
