@@ -296,7 +296,11 @@ def accumulated_moe():
 
 @pytest.mark.parametrize(
     "mesh_spec, schedule, gather",
-    [("stage=2,expert=2,fsdp=2", "1f1b", "once"), ("stage=2,fsdp=4", "gpipe", "microbatch")],
+    [
+        ("stage=2,expert=2,fsdp=2", "1f1b", "once"),
+        ("stage=2,fsdp=4", "gpipe", "microbatch"),
+        ("stage=2,expert=2,fsdp=2", "zb", "microbatch"),
+    ],
 )
 def test_moe_pipeline_has_the_loss_and_gradients_of_accumulation(accumulated_moe, mesh_spec, schedule, gather):
     """Mixture-of-experts layers inside pipeline stages (uneven split 3,1, 2 microbatches): the summed loss,

@@ -44,7 +44,7 @@ from jax.sharding import PartitionSpec as P
 from sharding import axes as ax
 from sharding.parallel import gather_shards, only_axes, reduce_shards, spec_axes, to_varying, varying_axes
 from sharding.pipeline.layout import PipelinePlan, StageLayout
-from sharding.pipeline.split import LayerSplit, varying_axes
+from sharding.pipeline.split import LayerSplit
 from sharding.pipeline.storage import StageStorage, storage_axes, storage_for, storage_spec
 
 
@@ -364,7 +364,7 @@ def cut_ring(layer_fn, params, like, extras, entries: int):
         slot, positions = slot_params(params, 0, 0), jax.tree.leaves(params)[0].shape[1]
     cut = LayerSplit.trace(layer_fn, slot, like, like, extras)
     zeros = [jnp.zeros((entries, positions, *shape), dtype) for shape, dtype in cut.cut_avals]
-    return tuple(to_varying(zeros, varying_axes(like, like)))
+    return tuple(to_varying(zeros, tuple(sorted(varying_axes(like)))))
 
 
 def put_cut(kept, entry, position, saved, predicate):

@@ -38,7 +38,7 @@ from typing import Any
 import jax
 from jax.extend import core as jex_core
 
-from sharding.parallel import to_varying
+from sharding.parallel import to_varying, varying_axes
 
 #: Call-like primitives whose body is inlined (by name, with the parameter holding the body): their
 #: transposes compute the cotangents of all their operands in one equation, which the cut must see apart.
@@ -126,20 +126,11 @@ def _flatten(jaxpr, consts, args, nodes: list, counter: list, avals: dict) -> li
     return [read(a) for a in jaxpr.outvars]
 
 
-def _varying(x) -> tuple[str, ...]:
-    """The manual axes ``x`` varies over (empty outside `jax.shard_map`)."""
-    aval = jax.typeof(x)
-    vma = getattr(aval, "vma", None)
-    if vma is None:
-        vma = getattr(getattr(aval, "mat", None), "varying", frozenset())
-    return tuple(sorted(vma))
-
-
 def _bind(node: _Node, values: list):
     """Evaluates one node on ``values`` in the current trace (as `jax.core.eval_jaxpr`)."""
     primitive = node.primitive
     if primitive.name == "pvary":  # an invariant->varying cast; the operand may already vary (read from a ring)
-        axes = tuple(a for a in node.params["axes"] if a not in _varying(values[0]))
+        axes = tuple(a for a in node.params["axes"] if a not in varying_axes(values[0]))
         if not axes:
             return values
         params = {**node.params, "axes": axes}
@@ -290,7 +281,7 @@ class LayerSplit:
         env = dict(zip(self.inputs, args))
         self._run(self.b_nodes, env)
         read = lambda a: a.val if isinstance(a, _Const) else env[a]  # noqa: E731
-        axes = varying_axes(h, g)
+        axes = _joint_axes(h, g)
         saved = [jax.lax.convert_element_type(env[i], dtype) for i, (_, dtype) in zip(self.cut, self.cut_avals)]
         return read(self.dx), tuple(to_varying(saved, axes))
 
@@ -317,9 +308,9 @@ class LayerSplit:
 
     def zeros(self, h, g):
         """Zeros shaped as the cut (an idle pass's ``saved``), typed as `input_pass` types it for ``h``, ``g``."""
-        return tuple(to_varying([jax.numpy.zeros(shape, dtype) for shape, dtype in self.cut_avals], varying_axes(h, g)))
+        return tuple(to_varying([jax.numpy.zeros(shape, dtype) for shape, dtype in self.cut_avals], _joint_axes(h, g)))
 
 
-def varying_axes(h, g) -> tuple[str, ...]:
-    """The manual axes ``h`` or ``g`` vary over."""
-    return tuple(sorted(set(_varying(h)) | set(_varying(g))))
+def _joint_axes(h, g) -> tuple[str, ...]:
+    """The manual axes ``h`` or ``g`` vary over, sorted."""
+    return tuple(sorted(varying_axes(h) | varying_axes(g)))
