@@ -151,7 +151,7 @@ def test_skip_nonfinite_skips_and_logs_up_to_n_steps(tmp_path, corpus, cache, ca
         (
             ["--batch-size", "12"],
             "--batch-size 12 / --microbatches 1 = 12 sequences per microbatch, not divisible "
-            "by the data-parallel size data x fsdp = 8",
+            "by the data-parallel size data x fsdp x expert = 8",
         ),
         (
             ["--batch-size", "16", "--microbatches", "3"],

@@ -195,7 +195,7 @@ def check_even_batch(run: RunConfig) -> None:
     if (batch // m) % dp:
         raise ValueError(
             f"--batch-size {batch} / --microbatches {m} = {batch // m} sequences per microbatch, not divisible "
-            f"by the data-parallel size data x fsdp = {dp} of --mesh {_mesh_flag(par)}; "
+            f"by the data-parallel size data x fsdp x expert = {dp} of --mesh {_mesh_flag(par)}; "
             f"e.g. --batch-size {_good_batch(batch, m * dp)}"
         )
 
