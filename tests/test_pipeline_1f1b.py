@@ -439,6 +439,23 @@ def test_1f1b_model_has_the_loss_and_gradients_of_the_unpipelined_one(
     assert_close(grads, ref_grads)
 
 
+def test_the_per_microbatch_gather_over_data_and_fsdp_has_the_unpipelined_loss_and_gradients():
+    """Fused 1F1B on 3,1 over stage=2,data=2,fsdp=2 with ``--pipeline-gather microbatch``: the rows are stored
+    over stage alone, each row's features over fsdp; each layer's gradient is reduce-scattered over fsdp per
+    slot and the stored rows' sums summed over data once after the loop (`Weights._psum_rest`). Loss (1e-5)
+    and gradients (1e-5) of the flat model."""
+    from models.config import get_config
+
+    config = get_config("test", ["num_layers=4"])
+    ref_loss, ref_grads = flat_loss_and_grads(4)
+    mesh_spec = "stage=2,data=2,fsdp=2"
+    trainer = _trainer(config, mesh_spec, _plan(4, mesh_spec, (3, 1), 2, "1f1b-fused", gather="microbatch"))
+    assert trainer.storage.groups == 1
+    loss, grads = _loss_and_grads(trainer, _batch(8, 32))
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    assert_close(grads, ref_grads)
+
+
 STEPS_LAYERS, STEPS_MESH, STEPS_SPLIT, STEPS_MICROBATCHES = 6, "stage=2,fsdp=4", (4, 2), 2
 
 
