@@ -86,8 +86,8 @@ def test_the_split_backward_is_the_layers_vjp_and_its_weight_pass_only_the_weigh
     """A test-model block's backward cut by `LayerSplit`: B's input cotangent and W's weight cotangents equal
     `jax.vjp`'s (float32, 1e-5); W is one product per weight matrix (the weight-gradient products, nothing
     recomputed) and reads no weight; what B keeps for W is, to the byte, what the cost model prices
-    (`weight_cut_bytes`: each product's input and output cotangent, each norm's normalised input and its
-    cotangent)."""
+    (`weight_cut_bytes`: each product's input and output cotangent per token, each norm scale's cotangent, which
+    B computes itself, per layer)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -126,9 +126,13 @@ def test_the_split_backward_is_the_layers_vjp_and_its_weight_pass_only_the_weigh
     products = [p for p in describe(config).products if p.weight.per_layer]
     w_ops = [cut.nodes[k].primitive.name for k in cut.w_nodes]
     assert w_ops.count("dot_general") == len(products) == 7, w_ops
+    assert w_ops == ["dot_general", "transpose"] * 7, w_ops  # nothing but the products (and their layout)
     assert not cut.needs_params
-    priced = weight_cut_bytes(describe(config), get_rules("fsdp"), parse_mesh("fsdp=1", 1), 4)
-    assert cut.saved_bytes == rows * length * priced, (cut.saved_bytes / (rows * length), priced, cut.cut_avals)
+    priced = weight_cut_bytes(describe(config), get_rules("fsdp"), parse_mesh("fsdp=1", 1), 4, rows * length)
+    assert cut.saved_bytes == priced, (cut.saved_bytes, priced, cut.cut_avals)
+    # per token: the products' 2D + NH + F inputs and NH + 2KH + 2D + 2F cotangents, 16 float32 activations of
+    # D = 128 (the norms' normalised inputs and cotangents, 4 more, stay in B); per layer: two scales' cotangents
+    assert priced == rows * length * 16 * 128 * 4 + 2 * 128 * 4
 
 
 # Exactness -----------------------------------------------------------------------------------
