@@ -527,7 +527,7 @@ def _weight_ticks(rows: list, done: dict, stages: int, ring: int) -> dict[tuple[
     pending: list[list[int]] = [[] for _ in range(stages)]
     backward_at = {(t, s): i for (op, s, i), t in done.items() if op == BACKWARD}
     base = {(t, s): 0 for t in range(len(rows)) for s in range(stages)}
-    for (op, s, _), t in done.items():
+    for (op, s, _), t in done.items():  # in forward-equivalents: the clock's F 1, B 2, W 1 (the planner's zb shares)
         base[t, s] += 1 if op == FORWARD else 2
     when, t = {}, 0
     while t < len(rows) or any(pending):
