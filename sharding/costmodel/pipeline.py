@@ -333,22 +333,25 @@ def _pipeline_memory(
     received = 0
     if pipe.gather == "microbatch":  # one block of G whole rows, or one layer; received rows split over span
         held, received = pipe.groups, sum(pipe.moved) / pipe.span
-    kept = pipe.kept * pipe.chunk_slots * weight_cut_bytes(model, rules, layout.mesh, s.act_bytes)
+    kept = pipe.kept * pipe.chunk_slots * weight_cut_bytes(model, rules, layout.mesh, s.act_bytes, s.tok)
     return dataclasses.replace(
         base,
         gradients=base.gradients + (held + received) * whole_layer * _PARAM_BYTES,
-        activations=s.tok * (pipe.saved_inputs * saved_input + per_layer + kept),
+        activations=s.tok * (pipe.saved_inputs * saved_input + per_layer) + kept,
         logits=base.logits * head.tok / s.tok,
         gathered=(held + received) * whole_layer * _gather_bytes(layout),
     )
 
 
-def weight_cut_bytes(model: ModelDescription, rules: Rules, mesh: Mapping[str, int], act_bytes: int) -> float:
-    """Bytes per token of one layer's cut, what zero bubble's input-gradient pass keeps for the weight-gradient
-    pass (`sharding.pipeline.split`): each product's input (one per run of consecutive products taking the
-    same input: q, k, v; gate, up) and output cotangent in the activations' dtype, and for each norm scale its
-    normalised input and output cotangent in float32 (the norms compute in float32), on one device (split as
-    the activations are: over ``tensor``, not the batch axes)."""
+def weight_cut_bytes(
+    model: ModelDescription, rules: Rules, mesh: Mapping[str, int], act_bytes: int, tokens: float
+) -> float:
+    """Bytes of one layer's cut for ``tokens`` tokens, what zero bubble's input-gradient pass keeps for the
+    weight-gradient pass (`sharding.pipeline.split`): per token each product's input (one per run of
+    consecutive products taking the same input: q, k, v; gate, up) and output cotangent in the activations'
+    dtype, on one device (split as the activations are: over ``tensor``, not the batch axes); per layer each
+    norm scale's float32 cotangent, ``sum(dy * x_hat)``, which the input-gradient pass computes itself (it is
+    no product; keeping it instead of its token-sized operands shrinks the cut)."""
     splits = _activation_splits(model, rules, tuple(mesh.items()))
 
     def size(axes, shape) -> float:
@@ -367,8 +370,8 @@ def weight_cut_bytes(model: ModelDescription, rules: Rules, mesh: Mapping[str, i
             products += p.share * size(inputs, shape_in)
         previous = inputs
         products += p.share * size(outputs, shape_out)
-    norms = sum(2 * size(p.axes, p.shape) for p in model.params if p.per_layer and p.role == "scale")
-    return products * act_bytes + norms * _PARAM_BYTES
+    norms = sum(size(p.axes, p.shape) for p in model.params if p.per_layer and p.role == "scale")
+    return tokens * products * act_bytes + norms * _PARAM_BYTES
 
 
 @functools.lru_cache(maxsize=4096)

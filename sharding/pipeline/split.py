@@ -15,7 +15,9 @@ product's transpose is its own equation), and splits its equations:
 * B: every equation the input's cotangent needs, and every equation of the forward pass (those that depend
   on the activations, not on the output's cotangent) the weights' cotangents need;
 * W: the rest of what the weights' cotangents need (what depends on the weights or constants alone is
-  recomputed there rather than kept);
+  recomputed there rather than kept), less what is no weight-gradient product and reads none's result
+  where B running it shrinks the cut: a norm scale's cotangent ``sum(dy * x_hat)`` is a reduction, so B
+  computes it and keeps ``[embed]`` instead of two token-sized float32 operands (W is then the products alone);
 * the cut: the values W reads that B computes (or that are the pass's inputs other than the weights). B
   returns them (``saved``); W takes them back and evaluates its equations with the weights at hand.
 
@@ -27,7 +29,7 @@ the shapes and dtypes of what it was given.
 Bytes the cut holds per token of a dense transformer layer (one entry per distinct value): the inputs of the
 products (the normalised input shared by q, k, v; the attention output; the normalised input shared by the
 gate and up projections; the gated activation) and their output cotangents (q, k, v, attention projection,
-gate, up, down), plus the normalised inputs and output cotangents of the two norms' scales.
+gate, up, down); per layer, the two norm scales' cotangents.
 """
 
 from __future__ import annotations
@@ -227,16 +229,17 @@ class LayerSplit:
             k for k in for_dw if act.intersection(nodes[k].outputs) and not tangent.intersection(nodes[k].outputs)
         }
         w = for_dw - b
-        made_in_w = {i for k in w for i in nodes[k].outputs}
         weight_inputs = set(range(len(leaves)))
-        cut: list[int] = []
-        for k in sorted(w):
-            for a in nodes[k].inputs:
-                if isinstance(a, int) and a not in made_in_w and a not in weight_inputs and a not in cut:
-                    cut.append(a)
-        for a in dw:  # a weight cotangent B already has (a zero, say) is handed over too
-            if isinstance(a, int) and a not in made_in_w and a not in weight_inputs and a not in cut:
-                cut.append(a)
+        cut = _cut(nodes, w, dw, weight_inputs)
+        # B also runs the weight cotangents that are no product (a norm scale's ``sum(dy * x_hat)``): it keeps
+        # their small results instead of their token-sized operands, where that shrinks the cut
+        moved = _not_products(nodes, w, tangent | act, avals)
+        if moved:
+            b_more = b | moved | needed([i for k in moved for i in nodes[k].inputs])
+            w_less = w - moved
+            cut_less = _cut(nodes, w_less, dw, weight_inputs)
+            if _bytes(cut_less, avals) < _bytes(cut, avals):
+                b, w, cut = b_more, w_less, cut_less
         return cls(
             tuple(nodes),
             tuple(range(n_in)),
@@ -309,6 +312,56 @@ class LayerSplit:
     def zeros(self, h, g):
         """Zeros shaped as the cut (an idle pass's ``saved``), typed as `input_pass` types it for ``h``, ``g``."""
         return tuple(to_varying([jax.numpy.zeros(shape, dtype) for shape, dtype in self.cut_avals], _joint_axes(h, g)))
+
+
+#: Primitives of the weight-gradient products: what W is for (Qi et al., section 2: ``dw = x^T dy``).
+_PRODUCTS = frozenset({"dot_general", "ragged_dot", "ragged_dot_general", "conv_general_dilated"})
+
+
+def _cut(nodes, w, dw, weight_inputs) -> list[int]:
+    """The value ids the W nodes ``w`` read that they do not make (nor are weights), then the weight cotangents
+    ``dw`` W does not make: what B hands over, in a fixed order."""
+    made_in_w = {i for k in w for i in nodes[k].outputs}
+    cut: list[int] = []
+    reads = [a for k in sorted(w) for a in nodes[k].inputs] + list(dw)
+    for a in reads:
+        if isinstance(a, int) and a not in made_in_w and a not in weight_inputs and a not in cut:
+            cut.append(a)
+    return cut
+
+
+def _not_products(nodes, w, carried, avals) -> set[int]:
+    """The W nodes that run no weight-gradient product and read none's result, and that are no larger than
+    what they read (a reduction, an elementwise product, a transpose; not a broadcast or an upcast), in
+    order, whose other operands are all B's or such nodes' (``carried``: the values that depend on the
+    activations or the output's cotangent, which B has): B can run them on what it has in hand."""
+    after = set()  # results of the W products and of everything that reads them
+    for k in sorted(w):
+        node = nodes[k]
+        reads = [a for a in node.inputs if isinstance(a, int)]
+        if any(a in after for a in reads) or (node.primitive.name in _PRODUCTS and carried.intersection(reads)):
+            after.update(node.outputs)
+    made_in_w = {i for k in w for i in nodes[k].outputs}
+    moved: set[int] = set()
+    movable: set[int] = set()
+    for k in sorted(w):
+        node = nodes[k]
+        if node.outputs[0] in after or not carried.intersection(node.outputs):
+            continue
+        reads = [a for a in node.inputs if isinstance(a, int) and a in carried]
+        if any(a in made_in_w and a not in movable for a in reads):
+            continue
+        if _bytes(node.outputs, avals) <= _bytes(set(reads), avals):
+            moved.add(k)
+            movable.update(node.outputs)
+    return moved
+
+
+def _bytes(ids, avals) -> int:
+    """Bytes of the values ``ids`` (each counted once)."""
+    import numpy as np
+
+    return sum(int(np.prod(avals[i].shape)) * np.dtype(avals[i].dtype).itemsize for i in set(ids))
 
 
 def _joint_axes(h, g) -> tuple[str, ...]:

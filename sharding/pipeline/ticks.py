@@ -25,8 +25,8 @@ virtual stage at an earlier tick, or, on the last virtual stage, comes from the 
 
 * `zero_bubble_ticks` (`ZeroBubbleTicks`), zero bubble (ZB-H1, Qi et al., ICLR 2024): fused ticks whose
   backward is split into the input gradient (B, at fused 1F1B's backward ticks) and the weight gradient
-  (W), which stage ``s`` runs ``s`` ticks after its B; ``M + 2 (S - 1)`` ticks, fused 1F1B's ring of chunk
-  inputs and a second ring of ``S`` entries of what B leaves for W.
+  (W), which waits where its tick has room, each stage holding at most one of B's cuts (by default);
+  ``M + 2 (S - 1)`` ticks, fused 1F1B's ring of chunk inputs and a second ring of one entry.
 
 A table fixes the slot of every saved chunk input and of every waiting cotangent, so the loop only indexes;
 `tick_time` prices a table with every tick as long as its busiest stage (the cost model's clock).
@@ -458,34 +458,43 @@ def fused_held_bound(stages: int, microbatches: int, repeats: int, stage: int) -
     return min(repeats * microbatches, (repeats + 1) * stages - 1 - 2 * stage)
 
 
-def zero_bubble_ticks(stages: int, microbatches: int, repeats: int = 1) -> ZeroBubbleTicks:
+def zero_bubble_ticks(stages: int, microbatches: int, repeats: int = 1, ring: int = 1) -> ZeroBubbleTicks:
     """The ZB-H1 schedule of ``S`` stages and ``M`` microbatches as a `ZeroBubbleTicks` table.
 
     Qi et al., "Zero Bubble Pipeline Parallelism" (ICLR 2024), section 3: the backward pass is split into B,
     the input's cotangent, which the previous stage waits for, and W, the weights' cotangent, which nothing
     waits for. Forwards and B passes run at the ticks of `fused_ticks` (each at the first tick its input
-    allows, so a step still takes ``M + 2 (S - 1)`` ticks); stage ``s`` runs the W pass of a microbatch ``s``
-    ticks after its B, so the last stages' W passes move out of the ticks where the first stages' B passes
-    form the critical path into their own idle tail (ZB-H1's deferral). What stage ``s`` holds: fused 1F1B's
-    ``2 (S - s) - 1`` chunk inputs (each until its B) and ``s + 1`` sets of what B leaves for W (`saved_slots`
-    = ``S`` entries: the last stage's; the first stage's W reads its B's in the same tick).
+    allows, so a step still takes ``M + 2 (S - 1)`` ticks); the W passes fill what the ticks leave
+    (`_weight_ticks`): a stage runs at most one W a tick, after its B, and holds at most ``ring`` sets of what
+    B leaves for W (ZB-H1's memory bound, counted in those sets), so a W waits only where its tick has room.
+    With ``ring`` 1 a step costs ``4 (M + S - 1) - 1`` forward-equivalents of the clock (`tick_time`, F 1,
+    B 2, W 1), one less than fused 1F1B and GPipe: the last stages' last W passes leave the drain, where
+    stage 0's B passes are the critical path. What stage ``s`` holds: fused 1F1B's ``2 (S - s) - 1`` chunk
+    inputs (each until its B) and ``ring`` sets of B's cut (`saved_slots`).
+
+    Args:
+      stages, microbatches, repeats: ``S``, ``M``, ``R`` (1 only).
+      ring: the most cuts a stage holds at once (the saved ring's entries); ``c < S`` buys ``c`` clock units
+        (``4 (M + S - 1) - c``), with extra W-only ticks at the end for ``c > 1``.
 
     Raises:
       ValueError: ``R > 1`` (ZB-H1 runs one chunk per stage; the interleaved ZB-V is not built), naming
-        ``--pipeline-repeats``; as `fused_ticks` (``M < S``), naming ``--microbatches``.
+        ``--pipeline-repeats``; as `fused_ticks` (``M < S``), naming ``--microbatches``; ``ring`` < 1.
     """
     if repeats != 1:
         raise ValueError(
             f"--pipeline-repeats {repeats}: --pipeline-schedule zb runs one chunk per stage (ZB-H1); use "
             "--pipeline-repeats 1, or --pipeline-schedule 1f1b-fused for interleaved chunks"
         )
+    if ring < 1:
+        raise ValueError(f"zero bubble's saved ring needs at least 1 entry, got {ring}")
     _check(stages, microbatches, 1)
     last = stages - 1
     rows, done = _fused_order(stages, microbatches, 1)
-    when = {(s, i): done[BACKWARD, s, i] + s for s in range(stages) for i in range(microbatches)}
+    when = _weight_ticks(rows, done, stages, ring)
     rows += [[(None, None)] * stages for _ in range(max(when.values()) + 1 - len(rows))]
     saved, waiting = _intervals(done, stages, microbatches, last)
-    kept = {(s, i): (done[BACKWARD, s, i], w) for (s, i), w in when.items()}
+    kept = {(s, i): (done[BACKWARD, s, i], w) for (s, i), w in when.items()}  # W reads after B within a tick
     colours = [_colour({k: w for k, w in saved.items() if k[0] == s}) for s in range(stages)]
     cot_colours = [_colour({k: w for k, w in waiting.items() if k[0] == s}) for s in range(stages)]
     kept_colours = [_colour({k: w for k, w in kept.items() if k[0] == s}) for s in range(stages)]
@@ -507,6 +516,33 @@ def zero_bubble_ticks(stages: int, microbatches: int, repeats: int = 1) -> ZeroB
         cotangent_slots=max(n for _, n in cot_colours),
         saved_slots=max(n for _, n in kept_colours),
     )
+
+
+def _weight_ticks(rows: list, done: dict, stages: int, ring: int) -> dict[tuple[int, int], int]:
+    """The tick of every W pass ``(stage, microbatch) -> tick`` of `zero_bubble_ticks`, tick by tick: a stage's
+    B passes queue their W; it must run one where its queue, with the next tick's B, would exceed ``ring``
+    cuts (at most one: B passes come one a tick), and runs one anyway where the tick has room (its forward
+    and B, 1 and 2, plus the W fit under the busiest stage's work at that tick); after the last B, one a tick
+    until the queue is empty (W-only ticks appended)."""
+    pending: list[list[int]] = [[] for _ in range(stages)]
+    backward_at = {(t, s): i for (op, s, i), t in done.items() if op == BACKWARD}
+    base = {(t, s): 0 for t in range(len(rows)) for s in range(stages)}
+    for (op, s, _), t in done.items():  # in forward-equivalents: the clock's F 1, B 2, W 1 (the planner's zb shares)
+        base[t, s] += 1 if op == FORWARD else 2
+    when, t = {}, 0
+    while t < len(rows) or any(pending):
+        must = []
+        for s in range(stages):
+            if (t, s) in backward_at:
+                pending[s].append(backward_at[t, s])
+            due = len(pending[s]) + ((t + 1, s) in backward_at) - ring
+            must.append(bool(pending[s]) and (due > 0 or t >= len(rows) - 1))
+        busiest = max(base.get((t, s), 0) + must[s] for s in range(stages))
+        for s in range(stages):
+            if pending[s] and (must[s] or base.get((t, s), 0) + 1 <= busiest):
+                when[s, pending[s].pop(0)] = t
+        t += 1
+    return when
 
 
 def tick_ops(table: Ticks | FusedTicks) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
