@@ -123,6 +123,12 @@ class _Pipe:
         return self.backward_gathers + ((self.groups - 1) / self.groups if self.block_inputs else 0.0)
 
     @property
+    def counted_recomputes(self) -> float:
+        """`recomputes` as ``cost_analysis`` counts them (each loop body once): the loop that recomputes a block's
+        other slot inputs (`block_inputs`) has one layer's forward in its body, counted once whole."""
+        return self.backward_gathers + (1.0 if self.block_inputs else 0.0)
+
+    @property
     def one_f_one_b(self) -> bool:
         return self.ticks > 0
 
@@ -479,12 +485,36 @@ def _pipeline_head_comms_cached(
             Comm("reduce-scatter", (ax.FSDP,), f, whole / f, 1, f"gradient of {what}"),
             Comm("all-reduce", (ax.STAGE,), stages, whole / f, 1, f"gradient of {what} over stage"),
         ]
+        auto = tuple(a for a in _AUTO_AXES if p.factor(a) > 1)
+        if auto:  # gathered and reduced whole over tensor, as the layers' weights (`_auto_factor`)
+            over, t = "+".join(auto), _auto_factor(p)
+            comms += [
+                Comm("all-gather", auto, t, whole / f, 1, f"gather {what} over {over}"),
+                Comm("all-gather", auto, t, whole, 1, f"gradient sums of {what} over {over}"),
+            ]
     return tuple(comms)
 
 
 def _batch_factor(p: _Placed, mesh: Mapping[str, int]) -> int:
     """How many ways the batch axes (``data``, ``fsdp``) split a parameter."""
     return p.factor(*(a for a in ax.BATCH_MESH_AXES if mesh[a] > 1))
+
+
+#: The mesh axes the stage program leaves to the partitioner (`sharding.pipeline.program.manual_axes` is manual
+#: over ``stage`` and the batch axes): a layer weight split over one of them is gathered whole there.
+_AUTO_AXES: tuple[str, ...] = tuple(a for a in ax.MESH_AXES if a != ax.STAGE and a not in ax.BATCH_MESH_AXES)
+
+
+def _auto_factor(p: _Placed) -> int:
+    """How many ways the axes the stage program leaves to the partitioner (``tensor``; `_AUTO_AXES`) split a
+    layer parameter: the factor by which the partitioner's whole copy of it exceeds the device's share.
+
+    Inside the stage program the explicit gather over the storage's group axes and the reduce-scatter of the
+    gradient sums run on the parameter whole over ``tensor``: the partitioner all-gathers the device's rows over
+    ``tensor`` before the gather, and the gradient sums over ``tensor`` before the reduce-scatter, then slices
+    the reduced rows back to the device's ``tensor`` shard (seen in the compiled HLO of ``stage=2,fsdp=2,
+    tensor=2``, jax 0.10, every schedule and both gather modes; `_pipeline_weight_comms_cached`)."""
+    return p.factor(*_AUTO_AXES)
 
 
 def _pipeline_weight_comms(
@@ -534,7 +564,10 @@ def _pipeline_weight_comms_cached(
     by one ppermute per distance (compute dtype) and their gradients sent back (float32); this device's
     ``R*K'/G`` slots all-gathered over the storage's group axes into the ``R*K'`` slots (compute dtype)
     and their float32 gradient sums reduce-scattered back; the ``q`` stored rows' gradients all-reduced
-    over the batch axes that do not store rows.
+    over the batch axes that do not store rows. A parameter split over ``tensor`` (an axis the program leaves
+    to the partitioner, `_auto_factor`) is gathered and reduced whole over it, with two gathers over
+    ``tensor`` the partitioner adds: the device's rows before each gather (compute dtype) and the float32
+    gradient sums before each reduction.
     """
     mesh = dict(mesh_items)
     placed = _place_cached(model, rules, mesh_items)
@@ -548,6 +581,8 @@ def _pipeline_weight_comms_cached(
         if not p.param.per_layer:
             continue
         row, what = p.local * p.factor(*groups), p.param.path  # one stored row's elements on a device
+        t = _auto_factor(p)  # the gathers and reductions below run on rows whole over tensor
+        auto = tuple(a for a in _AUTO_AXES if p.factor(a) > 1)
         for rows in moved:
             comms.append(
                 Comm(
@@ -569,16 +604,26 @@ def _pipeline_weight_comms_cached(
                     f"gradient of {what} back to its row",
                 )
             )
-        if groups_n > 1 and gather == "microbatch":
+        if groups_n > 1:
+            # ``local`` rows of this device gathered into ``local * G``, ``runs`` gathers and ``sums`` reductions
+            # per step: with ``microbatch`` a block per chunk pass, inside the loop (hidden as a layer's gather);
+            # else the working copy before the loop (it needs it whole: nothing to hide behind) and its
+            # gradient after it (no compute left to hide behind)
+            streamed = gather == "microbatch"
+            local = 1 if streamed else working // groups_n
+            runs, sums = ((1 + backward_gathers) * block_passes, block_passes) if streamed else (1, 1)
+            of = "a block" if streamed else "working copy"
+            whole = local * groups_n * row * t  # the gathered rows, whole over tensor
             comms.append(
                 Comm(
                     "all-gather",
                     groups,
                     groups_n,
-                    groups_n * row * gather_bytes,
-                    (1 + backward_gathers) * block_passes,
-                    f"gather {what} (a block)",
-                    layer_loop=True,
+                    whole * gather_bytes,
+                    runs,
+                    f"gather {what} ({of})",
+                    streamed,
+                    streamed,
                 )
             )
             comms.append(
@@ -586,35 +631,38 @@ def _pipeline_weight_comms_cached(
                     "reduce-scatter",
                     groups,
                     groups_n,
-                    row * _PARAM_BYTES,
-                    block_passes,
-                    f"gradient of {what} (a block)",
-                    layer_loop=True,
+                    local * row * t * _PARAM_BYTES,
+                    sums,
+                    f"gradient of {what}" + (f" ({of})" if streamed else ""),
+                    streamed,
+                    streamed,
                 )
             )
-        elif groups_n > 1:
-            comms.append(
-                Comm(
-                    "all-gather",
-                    groups,
-                    groups_n,
-                    working * row * gather_bytes,
-                    1,
-                    f"gather {what} (working copy)",
-                    False,  # before the loop, which needs it whole: no compute to hide behind
+            if t > 1:  # the partitioner's: this device's rows gathered whole before the gather, the sums before
+                over = "+".join(auto)  # the reduction (`_auto_factor`)
+                comms.append(
+                    Comm(
+                        "all-gather",
+                        auto,
+                        t,
+                        local * row * t * gather_bytes,
+                        runs,
+                        f"gather {what} over {over} ({of})",
+                        streamed,
+                        streamed,
+                    )
                 )
-            )
-            comms.append(
-                Comm(
-                    "reduce-scatter",
-                    groups,
-                    groups_n,
-                    working // groups_n * row * _PARAM_BYTES,
-                    1,
-                    f"gradient of {what}",
-                    False,  # after the loop, which sums it: no compute left to hide behind
+                comms.append(
+                    Comm(
+                        "all-gather",
+                        auto,
+                        t,
+                        whole * _PARAM_BYTES,
+                        sums,
+                        f"gradient sums of {what} over {over} ({of})",
+                        streamed,
+                    )
                 )
-            )
         if rest:
             comms.append(
                 Comm(
