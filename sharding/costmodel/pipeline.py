@@ -303,25 +303,44 @@ def _pipeline_memory(
     head: _Shape,
 ) -> Memory:
     """Bytes of a stage device: the stored rows' state; in flight, the gathered working copy of the stage's
-    slots (`_gather_bytes`) and their float32 gradient sums (``gather`` ``microbatch``: one block of ``G``
-    slots and its gradient, the rows received from other devices and their float32 sums), the saved slot
-    inputs (`_Pipe.saved_inputs`), one layer's activations, and the head's logits (one run's rows)."""
+    slots (`_gather_bytes`) and their float32 gradient sums in place of the stored rows' gradients, which the
+    sums become after the loop (``gather`` ``microbatch``: one block of ``G`` slots and its gradient, the rows
+    received from other devices, and the float32 sums of the device's own and received rows), the saved slot
+    inputs (`_Pipe.saved_inputs`), one layer's activations (with the backward's score temporaries), every
+    microbatch's stage input, the head's logits (one run's rows) and, for the 1F1B family, the head's weights
+    gathered whole for the step and their float32 gradient sums.
+
+    Checked against the compiled step's temporaries (``temp_size_in_bytes``) and XLA's live ranges on the
+    7B dry run (`bench/RESULTS.md`, "Per-microbatch pipeline temporaries")."""
     base = _memory(model, layout, rules, placed, s)
     keys = s.seq if attention_of(model, layout).materialises_scores else 0.0
     saved_input = _per_token(model, "activations", rules, layout.mesh, keys, s.act_bytes, ("input",))
     per_layer = _per_token(model, "activations", rules, layout.mesh, keys, s.act_bytes)
     whole_layer = sum(p.local * _batch_factor(p, layout.mesh) for p in placed.values() if p.param.per_layer)
-    held = pipe.working  # gathered slots (and their gradient sums) held at once
-    received = 0
-    if pipe.gather == "microbatch":
+    # once: the working copy's R*K' slots and their sums, which replace the q stored rows' gradients
+    own = -(-model.num_layers // (pipe.stages * pipe.groups))
+    held, received, sums = pipe.working, 0, pipe.working - own
+    if pipe.gather == "microbatch":  # one block and its gradient; the sums of the q own and C received rows
         held, received = pipe.groups, sum(pipe.moved)
+        sums = received
     kept = pipe.kept * pipe.chunk_slots * weight_cut_bytes(model, rules, layout.mesh, s.act_bytes)
+    # The recomputed layer's backward (`chunk_backward`'s `jax.vjp`) holds, beside its probabilities, three more
+    # score-sized float32 arrays at once where the attention materialises its scores (XLA's live ranges of the
+    # 7B step, `bench/RESULTS.md`, "Per-microbatch pipeline temporaries").
+    scores = per_layer - _per_token(model, "activations", rules, layout.mesh, 0.0, s.act_bytes)
+    inputs = s.micro * model.hidden * s.act_bytes  # per token of a microbatch: every microbatch's stage input
+    head_weights = 0.0
+    if pipe.one_f_one_b:  # the head's weights gathered whole once per step, and their float32 gradient sums
+        head_weights = sum(
+            p.param.size for p in placed.values() if not p.param.per_layer and p.param.role != "embedding"
+        )
+        head_weights *= 2 * _PARAM_BYTES
     return dataclasses.replace(
         base,
-        gradients=base.gradients + (held + received) * whole_layer * _PARAM_BYTES,
-        activations=s.tok * (pipe.saved_inputs * saved_input + per_layer + kept),
+        gradients=base.gradients + (held * (pipe.gather == "microbatch") + sums) * whole_layer * _PARAM_BYTES,
+        activations=s.tok * (pipe.saved_inputs * saved_input + per_layer + 3 * scores + kept + inputs),
         logits=base.logits * head.tok / s.tok,
-        gathered=(held + received) * whole_layer * _gather_bytes(layout),
+        gathered=(held + received) * whole_layer * _gather_bytes(layout) + head_weights,
     )
 
 
