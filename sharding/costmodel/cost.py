@@ -231,8 +231,12 @@ def _pipeline_cost(
         elementwise=inside * unit["elem_layer"] + head.tok * head_runs * unit["elem_loss"],
         optimizer=optimizer,
     )
-    # cost_analysis: the loops' bodies once (one application forward, one backward; 1F1B: the head once).
-    counted = s.tok * unit["counted_layer"] + head.tok * (unit["logits"] + unit["elem_loss"]) + optimizer
+    # cost_analysis: the loops' bodies once (one application forward, one backward; 1F1B: the head once; the
+    # loop that recomputes a block's other slot inputs once whole, `_Pipe.counted_recomputes`).
+    counted_unit = unit
+    if pipe.counted_recomputes != pipe.recomputes:
+        counted_unit = _per_token_flops(model, layout, rules, placed, s, recomputes=pipe.counted_recomputes)
+    counted = s.tok * counted_unit["counted_layer"] + head.tok * (unit["logits"] + unit["elem_loss"]) + optimizer
     memory = _pipeline_memory(model, layout, rules, placed, s, pipe, head)
     comms = _pipeline_head_comms(model, layout, rules, head, pipe, backend, batch_rows)
     comms += _pipeline_embedding_comms(model, layout, placed, embed)

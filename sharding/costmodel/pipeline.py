@@ -143,6 +143,12 @@ class _Pipe:
         return self.backward_gathers + ((self.segment - 1) / self.segment if self.block_inputs else 0.0)
 
     @property
+    def counted_recomputes(self) -> float:
+        """`recomputes` as ``cost_analysis`` counts them (each loop body once): the loop that recomputes a block's
+        other slot inputs (`block_inputs`) has one layer's forward in its body, counted once whole."""
+        return self.backward_gathers + (1.0 if self.block_inputs else 0.0)
+
+    @property
     def one_f_one_b(self) -> bool:
         return self.ticks > 0
 
@@ -321,25 +327,44 @@ def _pipeline_memory(
     head: _Shape,
 ) -> Memory:
     """Bytes of a stage device: the stored rows' state; in flight, the gathered working copy of the stage's
-    slots (`_gather_bytes`) and their float32 gradient sums (``gather`` ``microbatch``: one block of ``G``
-    slots and its gradient, the rows received from other devices and their float32 sums), the saved slot
-    inputs (`_Pipe.saved_inputs`), one layer's activations, and the head's logits (one run's rows)."""
+    slots (`_gather_bytes`) and their float32 gradient sums in place of the stored rows' gradients, which the
+    sums become after the loop (``gather`` ``microbatch``: one block of ``G`` slots and its gradient, the rows
+    received from other devices, and the float32 sums of the device's own and received rows), the saved slot
+    inputs (`_Pipe.saved_inputs`), one layer's activations (with the backward's score temporaries), every
+    microbatch's stage input, the head's logits (one run's rows) and, for the 1F1B family, the head's weights
+    gathered whole for the step and their float32 gradient sums.
+
+    Checked against the compiled step's temporaries (``temp_size_in_bytes``) and XLA's live ranges on the
+    7B dry run (`bench/RESULTS.md`, "Per-microbatch pipeline temporaries")."""
     base = _memory(model, layout, rules, placed, s)
     keys = s.seq if attention_of(model, layout).materialises_scores else 0.0
     saved_input = _per_token(model, "activations", rules, layout.mesh, keys, s.act_bytes, ("input",))
     per_layer = _per_token(model, "activations", rules, layout.mesh, keys, s.act_bytes)
     whole_layer = sum(p.local * _batch_factor(p, layout.mesh) for p in placed.values() if p.param.per_layer)
-    held = pipe.working  # gathered slots (and their gradient sums) held at once
-    received = 0
-    if pipe.gather == "microbatch":  # one block of G whole rows, or one layer; received rows split over span
-        held, received = pipe.groups, sum(pipe.moved) / pipe.span
+    # once: the working copy's R*K' slots and their sums, which replace the q stored rows' gradients
+    own = -(-model.num_layers // (pipe.stages * pipe.groups))
+    held, received, sums = pipe.working, 0, pipe.working - own
+    if pipe.gather == "microbatch":  # one block of G whole rows, or one layer, and its gradient; the sums of
+        held, received = pipe.groups, sum(pipe.moved) / pipe.span  # the received rows (split over span)
+        sums = received
     kept = pipe.kept * pipe.chunk_slots * weight_cut_bytes(model, rules, layout.mesh, s.act_bytes, s.tok)
+    # The recomputed layer's backward (`chunk_backward`'s `jax.vjp`) holds, beside its probabilities, three more
+    # score-sized float32 arrays at once where the attention materialises its scores (XLA's live ranges of the
+    # 7B step, `bench/RESULTS.md`, "Per-microbatch pipeline temporaries").
+    scores = per_layer - _per_token(model, "activations", rules, layout.mesh, 0.0, s.act_bytes)
+    inputs = s.micro * model.hidden * s.act_bytes  # per token of a microbatch: every microbatch's stage input
+    head_weights = 0.0
+    if pipe.one_f_one_b:  # the head's weights gathered whole once per step, and their float32 gradient sums
+        head_weights = sum(
+            p.param.size for p in placed.values() if not p.param.per_layer and p.param.role != "embedding"
+        )
+        head_weights *= 2 * _PARAM_BYTES
     return dataclasses.replace(
         base,
-        gradients=base.gradients + (held + received) * whole_layer * _PARAM_BYTES,
-        activations=s.tok * (pipe.saved_inputs * saved_input + per_layer) + kept,
+        gradients=base.gradients + (held * (pipe.gather == "microbatch") + sums) * whole_layer * _PARAM_BYTES,
+        activations=s.tok * (pipe.saved_inputs * saved_input + per_layer + 3 * scores + inputs) + kept,
         logits=base.logits * head.tok / s.tok,
-        gathered=(held + received) * whole_layer * _gather_bytes(layout),
+        gathered=(held + received) * whole_layer * _gather_bytes(layout) + head_weights,
     )
 
 
@@ -506,12 +531,36 @@ def _pipeline_head_comms_cached(
             Comm("reduce-scatter", (ax.FSDP,), f, whole / f, 1, f"gradient of {what}"),
             Comm("all-reduce", (ax.STAGE,), stages, whole / f, 1, f"gradient of {what} over stage"),
         ]
+        auto = tuple(a for a in _AUTO_AXES if p.factor(a) > 1)
+        if auto:  # gathered and reduced whole over tensor, as the layers' weights (`_auto_factor`)
+            over, t = "+".join(auto), _auto_factor(p)
+            comms += [
+                Comm("all-gather", auto, t, whole / f, 1, f"gather {what} over {over}"),
+                Comm("all-gather", auto, t, whole, 1, f"gradient sums of {what} over {over}"),
+            ]
     return tuple(comms)
 
 
 def _batch_factor(p: _Placed, mesh: Mapping[str, int]) -> int:
     """How many ways the batch axes (``data``, ``fsdp``) split a parameter."""
     return p.factor(*(a for a in ax.BATCH_MESH_AXES if mesh[a] > 1))
+
+
+#: The mesh axes the stage program leaves to the partitioner (`sharding.pipeline.program.manual_axes` is manual
+#: over ``stage`` and the batch axes): a layer weight split over one of them is gathered whole there.
+_AUTO_AXES: tuple[str, ...] = tuple(a for a in ax.MESH_AXES if a != ax.STAGE and a not in ax.BATCH_MESH_AXES)
+
+
+def _auto_factor(p: _Placed) -> int:
+    """How many ways the axes the stage program leaves to the partitioner (``tensor``; `_AUTO_AXES`) split a
+    layer parameter: the factor by which the partitioner's whole copy of it exceeds the device's share.
+
+    Inside the stage program the explicit gather over the storage's group axes and the reduce-scatter of the
+    gradient sums run on the parameter whole over ``tensor``: the partitioner all-gathers the device's rows over
+    ``tensor`` before the gather, and the gradient sums over ``tensor`` before the reduce-scatter, then slices
+    the reduced rows back to the device's ``tensor`` shard (seen in the compiled HLO of ``stage=2,fsdp=2,
+    tensor=2``, jax 0.10, every schedule and both gather modes; `_pipeline_weight_comms_cached`)."""
+    return p.factor(*_AUTO_AXES)
 
 
 def _pipeline_weight_comms(
@@ -571,7 +620,10 @@ def _pipeline_weight_comms_cached(
     by one ppermute per distance (compute dtype) and their gradients sent back (float32); this device's
     ``R*K'/G`` slots all-gathered over the storage's group axes into the ``R*K'`` slots (compute dtype)
     and their float32 gradient sums reduce-scattered back; the ``q`` stored rows' gradients all-reduced
-    over the batch axes that do not store rows.
+    over the batch axes that do not store rows. A parameter split over ``tensor`` (an axis the program leaves
+    to the partitioner, `_auto_factor`) is gathered and reduced whole over it, with two gathers over
+    ``tensor`` the partitioner adds: the device's rows before each gather (compute dtype) and the float32
+    gradient sums before each reduction.
     """
     mesh = dict(mesh_items)
     placed = _place_cached(model, rules, mesh_items)
@@ -586,6 +638,8 @@ def _pipeline_weight_comms_cached(
         if not p.param.per_layer:
             continue
         row, what = p.local * p.factor(*groups), p.param.path  # one stored row's elements on a device
+        t = _auto_factor(p)  # the gathers and reductions below run on rows whole over tensor
+        auto = tuple(a for a in _AUTO_AXES if p.factor(a) > 1)
         for rows in moved:
             comms.append(
                 Comm(
@@ -608,13 +662,15 @@ def _pipeline_weight_comms_cached(
                 )
             )
         if span > 1 and gather == "microbatch":
+            runs = (1 + recomputes) * slot_passes
+            shard = p.local * t  # this device's share of one layer, whole over tensor
             comms.append(
                 Comm(
                     "all-gather",
                     axes,
                     span,
-                    p.local * p.factor(*axes) * gather_bytes,
-                    (1 + recomputes) * slot_passes,
+                    shard * p.factor(*axes) * gather_bytes,
+                    runs,
                     f"gather {what} (a layer)",
                     layer_loop=True,
                 )
@@ -624,45 +680,56 @@ def _pipeline_weight_comms_cached(
                     "reduce-scatter",
                     axes,
                     span,
-                    p.local * _PARAM_BYTES,
+                    shard * _PARAM_BYTES,
                     slot_passes,
                     f"gradient of {what} (a layer)",
                     layer_loop=True,
                 )
             )
-        elif groups_n > 1 and gather == "microbatch":
-            comms.append(
-                Comm(
-                    "all-gather",
-                    groups,
-                    groups_n,
-                    groups_n * row * gather_bytes,
-                    (1 + backward_gathers) * block_passes,
-                    f"gather {what} (a block)",
-                    layer_loop=True,
+            if t > 1:  # the partitioner's: the shard gathered whole over tensor before the gather, the sums before
+                over = "+".join(auto)  # the reduction (`_auto_factor`)
+                comms.append(
+                    Comm(
+                        "all-gather",
+                        auto,
+                        t,
+                        shard * gather_bytes,
+                        runs,
+                        f"gather {what} over {over} (a layer)",
+                        layer_loop=True,
+                    )
                 )
-            )
-            comms.append(
-                Comm(
-                    "reduce-scatter",
-                    groups,
-                    groups_n,
-                    row * _PARAM_BYTES,
-                    block_passes,
-                    f"gradient of {what} (a block)",
-                    layer_loop=True,
+                comms.append(
+                    Comm(
+                        "all-gather",
+                        auto,
+                        t,
+                        shard * p.factor(*axes) * _PARAM_BYTES,
+                        slot_passes,
+                        f"gradient sums of {what} over {over} (a layer)",
+                        layer_loop=True,
+                    )
                 )
-            )
         elif groups_n > 1:
+            # ``local`` rows of this device gathered into ``local * G``, ``runs`` gathers and ``sums`` reductions
+            # per step: with ``microbatch`` a block per chunk pass, inside the loop (hidden as a layer's gather);
+            # else the working copy before the loop (it needs it whole: nothing to hide behind) and its
+            # gradient after it (no compute left to hide behind)
+            streamed = gather == "microbatch"
+            local = 1 if streamed else working // groups_n
+            runs, sums = ((1 + backward_gathers) * block_passes, block_passes) if streamed else (1, 1)
+            of = "a block" if streamed else "working copy"
+            whole = local * groups_n * row * t  # the gathered rows, whole over tensor
             comms.append(
                 Comm(
                     "all-gather",
                     groups,
                     groups_n,
-                    working * row * gather_bytes,
-                    1,
-                    f"gather {what} (working copy)",
-                    False,  # before the loop, which needs it whole: no compute to hide behind
+                    whole * gather_bytes,
+                    runs,
+                    f"gather {what} ({of})",
+                    streamed,
+                    streamed,
                 )
             )
             comms.append(
@@ -670,12 +737,38 @@ def _pipeline_weight_comms_cached(
                     "reduce-scatter",
                     groups,
                     groups_n,
-                    working // groups_n * row * _PARAM_BYTES,
-                    1,
-                    f"gradient of {what}",
-                    False,  # after the loop, which sums it: no compute left to hide behind
+                    local * row * t * _PARAM_BYTES,
+                    sums,
+                    f"gradient of {what}" + (f" ({of})" if streamed else ""),
+                    streamed,
+                    streamed,
                 )
             )
+            if t > 1:  # the partitioner's: this device's rows gathered whole before the gather, the sums before
+                over = "+".join(auto)  # the reduction (`_auto_factor`)
+                comms.append(
+                    Comm(
+                        "all-gather",
+                        auto,
+                        t,
+                        local * row * t * gather_bytes,
+                        runs,
+                        f"gather {what} over {over} ({of})",
+                        streamed,
+                        streamed,
+                    )
+                )
+                comms.append(
+                    Comm(
+                        "all-gather",
+                        auto,
+                        t,
+                        whole * _PARAM_BYTES,
+                        sums,
+                        f"gradient sums of {what} over {over} ({of})",
+                        streamed,
+                    )
+                )
         if rest:
             comms.append(
                 Comm(
