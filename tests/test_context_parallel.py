@@ -327,7 +327,7 @@ def _losses(run_dir: Path, key: str) -> dict[int, float]:
 
 
 def test_ring_ulysses_and_usp_train_with_the_losses_of_data_parallel(tmp_path, corpus, cache):
-    """Twenty steps of the test model (4 heads, 2 KV heads) with ``--attention ring`` on data=2,sequence=4
+    """Ten steps of the test model (4 heads, 2 KV heads) with ``--attention ring`` on data=2,sequence=4
     (zigzag by default), ``ulysses`` on data=2,sequence=4 (KV heads repeated to 4), ``usp`` on
     data=2,context=2,sequence=2 (zigzag over the context ring) and ring attention on uneven shards
     (``--context-shares 3,1,2,2``: padded blocks, padding masked and skipped), each against one ``--mesh data=2``
@@ -342,7 +342,7 @@ def test_ring_ulysses_and_usp_train_with_the_losses_of_data_parallel(tmp_path, c
     common = [
         *SMALL,
         "--steps",
-        "20",
+        "10",
         "--warmup",
         "2",
         "--eval-every",
@@ -382,7 +382,7 @@ def test_ring_ulysses_and_usp_train_with_the_losses_of_data_parallel(tmp_path, c
     finally:
         if baseline.poll() is None:
             baseline.kill()
-    assert sorted(_losses(tmp_path / "dp", "train/loss")) == list(range(1, 21))
+    assert sorted(_losses(tmp_path / "dp", "train/loss")) == list(range(1, 11))
     for key in ("train/loss", "eval/loss"):
         dp = _losses(tmp_path / "dp", key)
         assert len(dp) >= 2

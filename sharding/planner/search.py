@@ -542,7 +542,9 @@ def brute_force(
     most ``max_splits`` of them; each also under the 1F1B-family schedules, `_one_f_one_b`, and where GPipe
     does not fit with the per-microbatch gather, `_memory_savers`). GPipe's splits are compared by their
     seconds and fit (`_Evaluator.pipeline_seconds`, the figures `_Evaluator.uniform` gives), so only the best
-    fitting split of a layout, and those the other schedules or memory savers start from, become `Plan`s."""
+    fitting split of a layout, and those the other schedules start from, become `Plan`s; with GPipe the only
+    schedule, the per-microbatch gather's splits are compared the same way (the best fitting one, the first
+    of equals, becomes a `Plan`: the plan `_memory_savers` would have given the search)."""
     ev = _Evaluator(model, inventory, global_batch, seq_len, options or PlanOptions())
 
     def every(layout: cm.Layout, tag: str) -> Iterator[Plan | None]:
@@ -556,6 +558,7 @@ def brute_force(
         else:  # GPipe's best fitting split by its clock alone, a Plan only where more schedules derive from it
             more = any(name in _TICKS for name in ev.options.schedules)
             best: tuple[float, cm.Layout] | None = None
+            streamed: tuple[float, cm.Layout] | None = None  # GPipe gathering per microbatch (more is False)
             for split in _compositions(ev.model.num_layers, layout.mesh[ax.STAGE], max_splits):
                 staged = dataclasses.replace(layout, stage_layers=split)
                 clocked = ev.pipeline_seconds(staged)
@@ -564,12 +567,18 @@ def brute_force(
                 seconds, fits = clocked
                 if fits and (best is None or seconds < best[0]):
                     best = (seconds, staged)
-                if more or not fits:
+                if more:
                     gpipe = ev.uniform(staged)
                     yield from _one_f_one_b(ev, gpipe)
                     yield from _memory_savers(ev, gpipe)
-            if best is not None:
-                yield ev.uniform(best[1])
+                elif not fits:  # `_memory_savers`' one plan, compared by its clock as GPipe's splits are
+                    saver = dataclasses.replace(staged, pipeline_gather="microbatch")
+                    clocked = ev.pipeline_seconds(saver)
+                    if clocked is not None and clocked[1] and (streamed is None or clocked[0] < streamed[0]):
+                        streamed = (clocked[0], saver)
+            for chosen in (streamed, best):
+                if chosen is not None:
+                    yield ev.uniform(chosen[1])
 
     return _best_fitting(
         plan_
