@@ -308,14 +308,15 @@ def test_pipeline_gathers_stage_weights_once_per_step():
     "one_f_one_b, tick_schedule, passes",
     [(False, "lockstep", 2), (True, "lockstep", 2), (True, "fused", 2), (True, "zb", 2)],
 )
-def test_pipeline_weights_gathered_per_microbatch_cost_a_block_per_chunk_pass(one_f_one_b, tick_schedule, passes):
-    """The 7B on stage=4,fsdp=2 (10,10,6,6; G = 2, so blocks of 2 layers, 5 per pass on a 10-layer stage),
-    ``pipeline_gather`` ``microbatch``: each of the M microbatches' forward and backward passes (zero bubble:
-    forward and input-gradient passes; its weight-gradient pass reads no weight) all-gathers the 5 blocks (2
-    layers each) and its (weight-)gradient pass reduce-scatters one layer per block; the stored row still
-    moves once per step. In flight: one block and the received row, against the 10-slot working copy gathered
-    once, whatever the schedule; the saved activations, 5 block inputs per chunk pass instead of 10 slot
-    inputs."""
+def test_pipeline_weights_gathered_per_microbatch_cost_a_layer_per_slot(one_f_one_b, tick_schedule, passes):
+    """The 7B on stage=4,fsdp=2 (10,10,6,6), ``pipeline_gather`` ``microbatch``: the storage splits each row's
+    features over fsdp (G = 2), so each of the M microbatches' forward and backward passes (zero bubble:
+    forward and input-gradient passes; its weight-gradient pass reads no weight) all-gathers each of the 10
+    layers on its own, the backward once more for the 5 layers whose inputs it recomputes (the forward saves
+    one input per 2 layers), and its (weight-)gradient pass reduce-scatters each layer's gradient (a half
+    layer per device); the stored rows (two half rows) still move once per step. In flight: one layer and
+    the received half rows, against the 10-slot working copy gathered once, whatever the schedule; the saved
+    activations, 5 inputs per chunk pass instead of 10."""
     config = get_config("7b")
     layer = sum(p.size for p in describe(config).params if p.per_layer) * 4  # one layer, float32, whole
 
@@ -335,16 +336,18 @@ def test_pipeline_weights_gathered_per_microbatch_cost_a_block_per_chunk_pass(on
         return sum(x.total_bytes for x in c.comms if x.kind == kind and "layers/" in x.what)
 
     once, streamed = cost("once"), cost("microbatch")
-    assert layer_bytes(streamed, "all-gather") == pytest.approx(passes * 16 * 5 * 2 * layer, rel=1e-9)
-    assert layer_bytes(streamed, "reduce-scatter") == pytest.approx(16 * 5 * layer, rel=1e-9)
+    assert layer_bytes(streamed, "all-gather") == pytest.approx((passes + 0.5) * 16 * 10 * layer, rel=1e-9)
+    assert layer_bytes(streamed, "reduce-scatter") == pytest.approx(16 * 10 * layer / 2, rel=1e-9)
+    # stage 0 receives two half rows where gathering once receives one whole row
     assert layer_bytes(streamed, "collective-permute") == layer_bytes(once, "collective-permute")
     assert once.memory.gathered == pytest.approx(10 * layer, rel=1e-9)
-    assert streamed.memory.gathered == pytest.approx(3 * layer, rel=1e-9)
-    # 7 slots, 7 sums; and the ring keeps each block's input instead of each slot's, 5 saved activations per
-    # chunk instead of 10 (zero bubble's ring of what its input gradients keep for the weight gradients is the
-    # same in both modes)
+    assert streamed.memory.gathered == pytest.approx(2 * layer, rel=1e-9)
+    # 8 slots, 8 sums fewer; and the ring keeps one input per 2 layers, 5 saved activations per chunk instead
+    # of 10 (zero bubble's ring of what its input gradients keep for the weight gradients is the same in both
+    # modes)
     saved = once.memory.activations - streamed.memory.activations
-    assert streamed.memory.total == pytest.approx(once.memory.total - 14 * layer - saved, rel=1e-9)
+    assert streamed.memory.state == once.memory.state  # 4 whole rows or 8 half rows per device
+    assert streamed.memory.total == pytest.approx(once.memory.total - 16 * layer - saved, rel=1e-9)
     ring = cm.tick_table(tick_schedule, 4, 16, 1).slots if one_f_one_b else 16 + 4 - 1
     act = 2048 * config.embed_dim * 4  # one slot input: one row of a microbatch per device, float32
     assert saved == pytest.approx(ring * (10 - 5) * act, rel=1e-9)

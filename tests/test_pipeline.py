@@ -576,8 +576,9 @@ def _distinct(state, shardings):
 @pytest.mark.parametrize("saved", ["padded", "unpadded"])
 def test_a_pipelined_checkpoint_restores_onto_other_meshes_and_layouts(tmp_path, saved):
     """A checkpoint of the padded ``[stage, slot, ...]`` layout (saved before the unpadded storage) or of the
-    unpadded storage restores onto the storage of another stage split and mesh, and onto a flat mesh, with
-    every value (parameters and AdamW moments) in place."""
+    unpadded storage restores onto the storage of another stage split and mesh, onto the per-microbatch
+    gather's storage (rows over stage alone, features over fsdp), and onto a flat mesh, with every value
+    (parameters and AdamW moments) in place."""
     from checkpoints.manager import CheckpointManager, restore_state
     from checkpoints.meta import RunMeta
 
@@ -602,6 +603,7 @@ def test_a_pipelined_checkpoint_restores_onto_other_meshes_and_layouts(tmp_path,
     targets = [
         _trainer(config, "stage=2,fsdp=4", pl.PipelinePlan(pl.plan_layout(6, 2, 1, (4, 2))[0], 4)),
         _trainer(config, "stage=2,data=2,fsdp=2", pl.PipelinePlan(pl.plan_layout(6, 2, 2)[0], 4)),
+        _trainer(config, "stage=2,fsdp=4", pl.PipelinePlan(pl.plan_layout(6, 2, 1, (4, 2))[0], 4, gather="microbatch")),
         _trainer(config, "fsdp=8"),
     ]
     try:

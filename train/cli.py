@@ -278,9 +278,10 @@ def _pipeline_flags(p) -> None:
         default="once",
         choices=GATHERS,
         help="once: each stage all-gathers its layers (in the compute dtype) before the step's loop and sums "
-        "their gradients whole, holding both through the step; microbatch: a few layers at a time, gathered "
-        "where a microbatch runs them and their gradients reduce-scattered there, so the step holds one block "
-        "of layers instead of the stage's, for a gather per microbatch pass (fsdp; any schedule)",
+        "their gradients whole, holding both through the step; microbatch: one layer at a time, gathered "
+        "where a microbatch runs it and its gradient reduce-scattered there (the layers stored with their "
+        "features split over fsdp), so the step holds one layer instead of the stage's, for a gather per "
+        "microbatch pass (fsdp; any schedule)",
     )
     g.add_argument(
         "--pipeline-repeats",

@@ -206,19 +206,19 @@ def weight_gather_line(trainer) -> str:
     moved = storage.placement.received
     over = f"receives {moved} row(s) of its stage stored on another stage's devices (ppermute), then " if moved else ""
     if trainer.par.pipeline.gather == "microbatch":
-        block = storage.groups
         again = (
             "in the input-gradient and again in the weight-gradient pass"
             if trainer.par.pipeline.zero_bubble
             else "backward"
         )
+        # rows over stage alone, each row's features split over the stage's devices (`storage_axes`)
         return (
-            f"  weights (--pipeline-gather microbatch): each device {over}all-gathers {block} row(s) at a time "
-            f"over the storage's batch axes, in {trainer.config.dtype}, where a chunk pass runs them, forward and "
-            f"again {again} ({block} x {human_bytes(per_layer)} = {human_bytes(block * per_layer)} per device at "
-            f"a time, / tensor where the rules split over it); each block's gradient is reduce-scattered into "
-            f"float32 sums of the device's rows as the block finishes (--pipeline-gather once holds {most} x "
-            f"{human_bytes(per_layer)} and their float32 gradient sums through the step instead)"
+            f"  weights (--pipeline-gather microbatch): each device {over}all-gathers one layer at a time over "
+            f"the batch axes its features are split over, in {trainer.config.dtype}, where a chunk pass runs it, "
+            f"forward and again {again} ({human_bytes(per_layer)} per device at a time, / tensor where the rules "
+            f"split over it); each layer's gradient is reduce-scattered into float32 sums of the device's share "
+            f"of its rows as the layer finishes (--pipeline-gather once holds {most} x {human_bytes(per_layer)} "
+            f"and their float32 gradient sums through the step instead)"
         )
     return (
         f"  weights (--pipeline-gather once): each device {over}all-gathers its stage's rows over the storage's "

@@ -93,6 +93,7 @@ class StateLayout:
                 jax.tree.leaves(self.param_names["layers"], is_leaf=lambda x: isinstance(x, tuple)),
                 self.rules,
                 par.mesh_shape,
+                par.pipeline.gather,
             )
         )
         self.update = GuardedUpdate(OptimizerConfig() if optimizer is None else optimizer, self.param_names)
@@ -177,7 +178,10 @@ class StateLayout:
         also split over ``stage`` where a dimension allows, whatever ``layout`` (`spread_over_stage`: every
         stage uses them whole, so GSPMD gathers them once per step, in the same all-gather as over ``fsdp``)."""
         names = jax.tree.leaves(self.param_names["layers"], is_leaf=lambda x: isinstance(x, tuple))
-        axes = storage_axes(names, self.rules, self.par.mesh_shape)
+        # rows over the batch axes too (whole layers per device), or over ``stage`` alone with the features
+        # split as the rules say (the per-microbatch gather's storage: `storage_axes`)
+        whole = isinstance(layout, StageStorage) and layout.groups > 1
+        axes = storage_axes(names, self.rules, self.par.mesh_shape, "once" if whole else "microbatch")
         shape = self.par.mesh_shape
 
         def spec(row):

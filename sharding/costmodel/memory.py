@@ -101,16 +101,18 @@ def _held_params(model: ModelDescription, layout: Layout, rules: Rules, placed: 
     mesh = layout.mesh
     if mesh[ax.STAGE] <= 1:
         return sum(p.local * p.param.copies(s.slots) for p in placed.values())
-    return _held_pipeline_params(model, rules, tuple(mesh.items()))
+    return _held_pipeline_params(model, rules, tuple(mesh.items()), layout.pipeline_gather)
 
 
 @functools.lru_cache(maxsize=4096)
-def _held_pipeline_params(model: ModelDescription, rules: Rules, mesh_items: tuple) -> float:
-    """`_held_params` with a pipeline (cached: the same for every stage device of a mesh)."""
+def _held_pipeline_params(model: ModelDescription, rules: Rules, mesh_items: tuple, gather: str = "once") -> float:
+    """`_held_params` with a pipeline (cached: the same for every stage device of a mesh): ``ceil(L / (S*G))``
+    whole rows, or (``gather`` ``microbatch``: rows over ``stage`` alone) ``ceil(L / S)`` rows of which each
+    device holds its share of the features."""
     mesh = dict(mesh_items)
     placed = _place_cached(model, rules, mesh_items)
     layer = [p for p in placed.values() if p.param.per_layer]
-    axes = storage_axes([(None, *p.param.axes) for p in layer], rules, mesh)
+    axes = storage_axes([(None, *p.param.axes) for p in layer], rules, mesh, gather)
     rows = -(-model.num_layers // (mesh[ax.STAGE] * math.prod(mesh[a] for a in axes)))
     held = rows * sum(p.local * p.factor(*axes) for p in layer)
     for p in placed.values():

@@ -71,7 +71,8 @@ class _Pipe:
       layers: Layers this stage runs per microbatch (over its repeats).
       working: Slots of the stage's gathered working copy, ``R * K'`` (`Placement.chunk_slots`: the
         layout's K rounded up so that the storage's G devices divide ``R * K'``).
-      groups: G, the devices of a stage the stored rows are spread over (`storage_axes`).
+      groups: G, the devices of a stage the stored rows are spread over (`storage_axes`; 1 with ``gather``
+        ``microbatch``, whose storage splits each row's features instead).
       moved: Rows each device sends per ppermute of the storage, one entry per distance that moves any.
       skip_empty: Empty slots and bubble steps are skipped (`PipelinePlan.skip_empty`).
       ticks: 1F1B: the loop's ticks (its tick table's: `one_f_one_b_ticks`, `fused_ticks` or
@@ -86,6 +87,9 @@ class _Pipe:
         the FLOPs, the recomputation and the gathers are fused 1F1B's.
       kept: zero bubble: the entries of its second ring, each one chunk pass's cut (what B keeps for W) for
         each of the ``K'`` slots (`ZeroBubbleTicks.saved_slots`); 0 otherwise.
+      span: the devices of a stage each stored row's features are split over (``gather`` ``microbatch``:
+        `sharding.pipeline.storage.feature_devices`; each slot's layer gathered on its own,
+        `sharding.pipeline.program.Streamed.per_slot`); 1 otherwise.
     """
 
     stages: int
@@ -101,6 +105,22 @@ class _Pipe:
     gather: str = "once"
     split: bool = False
     kept: int = 0
+    span: int = 1
+
+    @property
+    def segment(self) -> int:
+        """Slots per saved activation with ``gather`` ``microbatch`` (`sharding.pipeline.program.Streamed.block`):
+        the G devices' rows gathered together, or with the feature-split storage the ``span`` slots whose
+        first input the forward saves; 1 otherwise."""
+        if self.gather != "microbatch":
+            return 1
+        return self.groups if self.groups > 1 else self.span
+
+    @property
+    def slot_runs(self) -> float:
+        """Slots one chunk pass gathers one at a time (the feature-split storage): the chunk's layers when empty
+        slots are skipped (each slot's gather sits in its conditional), else every position."""
+        return self.layers / self.repeats if self.skip_empty else self.blocks * self.segment
 
     @property
     def backward_gathers(self) -> int:
@@ -112,7 +132,7 @@ class _Pipe:
     def block_inputs(self) -> bool:
         """A chunk's forward saves each gathered block's input only (``gather`` ``microbatch`` over ``G > 1``
         devices: `sharding.pipeline.program.Streamed.block_inputs`)."""
-        return self.gather == "microbatch" and self.groups > 1
+        return self.segment > 1
 
     @property
     def recomputes(self) -> float:
@@ -120,7 +140,7 @@ class _Pipe:
         recomputes it once; zero bubble's `chunk_backward_input` once, its weight-gradient pass none), plus
         ``(G - 1) / G`` where the ring keeps block inputs only (`block_inputs`: the backward recomputes a
         block's other slot inputs)."""
-        return self.backward_gathers + ((self.groups - 1) / self.groups if self.block_inputs else 0.0)
+        return self.backward_gathers + ((self.segment - 1) / self.segment if self.block_inputs else 0.0)
 
     @property
     def one_f_one_b(self) -> bool:
@@ -130,7 +150,7 @@ class _Pipe:
     def blocks(self) -> int:
         """n, blocks of ``G`` slots one chunk pass gathers with ``gather`` ``microbatch``
         (`sharding.pipeline.program.Streamed.blocks`)."""
-        k, g = self.chunk_slots, self.groups
+        k, g = self.chunk_slots, self.segment
         return max(-(-(r + 1) * k // g) - (r * k) // g for r in range(self.repeats))
 
     @property
@@ -170,7 +190,9 @@ def _pipeline_of(model: ModelDescription, layout: Layout, rules: Rules, s: _Shap
     layout's largest stage, `StageLayout.slots`), the stored rows it receives from the layout's split."""
     mesh = layout.mesh
     stages, repeats = mesh[ax.STAGE], layout.pipeline_repeats
-    groups = math.prod(mesh[a] for a in _storage_axes(model, rules, mesh))
+    split = math.prod(mesh[a] for a in _storage_axes(model, rules, mesh))
+    # whole rows over the G devices (gathered once), or each row's features over them (per microbatch)
+    groups, span = (1, split) if layout.pipeline_gather == "microbatch" else (split, 1)
     chunk = -(-s.slots // repeats)  # K' (`Placement.chunk_slots`): K rounded up so that G divides R*K'
     while (repeats * chunk) % groups:
         chunk += 1
@@ -192,6 +214,7 @@ def _pipeline_of(model: ModelDescription, layout: Layout, rules: Rules, s: _Shap
         gather=layout.pipeline_gather,
         split=schedule == "zb",
         kept=kept,
+        span=span,
     )
 
 
@@ -250,7 +273,8 @@ def tick_table(schedule: str, stages: int, micro: int, repeats: int):
 
 
 def _storage_axes(model: ModelDescription, rules: Rules, mesh: Mapping[str, int]) -> tuple[str, ...]:
-    """The batch axes the stored layer rows are spread over besides ``stage`` (`storage_axes`)."""
+    """The batch axes a layer parameter is split over besides ``stage`` (`storage_axes` gathering once: the
+    stored rows' devices; the per-microbatch gather's storage splits each row's features over them)."""
     return _storage_axes_cached(model, rules, tuple(mesh.items()))
 
 
@@ -307,8 +331,8 @@ def _pipeline_memory(
     whole_layer = sum(p.local * _batch_factor(p, layout.mesh) for p in placed.values() if p.param.per_layer)
     held = pipe.working  # gathered slots (and their gradient sums) held at once
     received = 0
-    if pipe.gather == "microbatch":
-        held, received = pipe.groups, sum(pipe.moved)
+    if pipe.gather == "microbatch":  # one block of G whole rows, or one layer; received rows split over span
+        held, received = pipe.groups, sum(pipe.moved) / pipe.span
     kept = pipe.kept * pipe.chunk_slots * weight_cut_bytes(model, rules, layout.mesh, s.act_bytes)
     return dataclasses.replace(
         base,
@@ -504,6 +528,9 @@ def _pipeline_weight_comms(
             pipe.gather,
             pipe.passes * pipe.blocks,
             pipe.backward_gathers,
+            pipe.span,
+            pipe.passes * pipe.slot_runs,
+            pipe.recomputes,
         )
     )
 
@@ -521,13 +548,20 @@ def _pipeline_weight_comms_cached(
     gather: str = "once",
     block_passes: int = 0,
     backward_gathers: int = 1,
+    span: int = 1,
+    slot_passes: float = 0.0,
+    recomputes: float = 1.0,
 ) -> tuple[Comm, ...]:
     """The stage's layer weights: the working copy assembled once per step, the gradients returned once;
     or, with ``gather`` ``microbatch``, one block of ``G`` slots all-gathered per chunk pass and its gradient
     reduce-scattered per weight-gradient pass (``block_passes``: blocks one kind of pass gathers per step,
     `_Pipe.passes` x `_Pipe.blocks`; each is gathered by the forward pass and by each of the
     ``backward_gathers`` backward passes, `_Pipe.backward_gathers`),
-    the stored rows still moved once per step.
+    the stored rows still moved once per step. With the per-microbatch gather's feature-split storage
+    (``span`` > 1, ``groups_n`` 1): each slot's layer all-gathered over the feature axes where a pass runs
+    it (``slot_passes``: slots one kind of pass runs per step), by the forward pass, each backward pass and
+    the backward's recomputation of the block inputs (``recomputes``: `_Pipe.recomputes`, the backward's
+    gathers plus ``(B - 1)/B``), and its gradient reduce-scattered once per slot.
 
     Explicit collectives of the stage program (`jax.shard_map`, so both backends emit them as written;
     `sharding.pipeline.schedule._Weights`), per layer parameter: the rows stored for other devices sent
@@ -539,8 +573,9 @@ def _pipeline_weight_comms_cached(
     mesh = dict(mesh_items)
     placed = _place_cached(model, rules, mesh_items)
     summed = tuple(a for a in ax.BATCH_MESH_AXES if mesh[a] > 1)
-    groups = _storage_axes(model, rules, mesh)
-    rest = tuple(a for a in summed if a not in groups)
+    axes = _storage_axes(model, rules, mesh)
+    groups = axes if groups_n > 1 else ()
+    rest = tuple(a for a in summed if a not in axes)  # the rows' gradients are reduce-scattered over the others
     q = -(-model.num_layers // (stages * groups_n))
     devices = (ax.STAGE, *groups)
     comms = []
@@ -569,7 +604,30 @@ def _pipeline_weight_comms_cached(
                     f"gradient of {what} back to its row",
                 )
             )
-        if groups_n > 1 and gather == "microbatch":
+        if span > 1 and gather == "microbatch":
+            comms.append(
+                Comm(
+                    "all-gather",
+                    axes,
+                    span,
+                    p.local * p.factor(*axes) * gather_bytes,
+                    (1 + recomputes) * slot_passes,
+                    f"gather {what} (a layer)",
+                    layer_loop=True,
+                )
+            )
+            comms.append(
+                Comm(
+                    "reduce-scatter",
+                    axes,
+                    span,
+                    p.local * _PARAM_BYTES,
+                    slot_passes,
+                    f"gradient of {what} (a layer)",
+                    layer_loop=True,
+                )
+            )
+        elif groups_n > 1 and gather == "microbatch":
             comms.append(
                 Comm(
                     "all-gather",

@@ -45,7 +45,7 @@ from sharding import axes as ax
 from sharding.parallel import gather_shards, only_axes, reduce_shards, spec_axes, to_varying, varying_axes
 from sharding.pipeline.layout import PipelinePlan, StageLayout
 from sharding.pipeline.split import LayerSplit
-from sharding.pipeline.storage import StageStorage, storage_axes, storage_for, storage_spec
+from sharding.pipeline.storage import StageStorage, feature_devices, storage_axes, storage_for, storage_spec
 
 
 def to_microbatches(x, microbatches: int):
@@ -441,6 +441,8 @@ class Weights:
       dtype: the compute dtype the floating weights are gathered in (the activations' dtype).
       storage: the `StageStorage`, or None (padded slots).
       groups: the storage's batch axes besides ``stage`` (`sharding.pipeline.storage.storage_axes`).
+      span: the devices each stored row's features are split over (the per-microbatch gather's
+        feature-split storage, `sharding.pipeline.storage.feature_devices`; 1 otherwise).
     """
 
     specs: Any
@@ -448,6 +450,7 @@ class Weights:
     dtype: Any
     storage: StageStorage | None = None
     groups: tuple[str, ...] = ()
+    span: int = 1
 
     def gather(self, stacked, repeats: int):
         """This device's blocks -> its stage's whole ``[R, K, ...]`` weights in the compute dtype.
@@ -460,7 +463,7 @@ class Weights:
         def one(w, spec):
             if jnp.issubdtype(w.dtype, jnp.floating):
                 w = w.astype(self.dtype)
-            w = self._take_slots(w) if self.storage is not None else gather_shards(w, spec)
+            w = self._take_slots(w, spec) if self.storage is not None else gather_shards(w, spec)
             return w.reshape(repeats, w.shape[1] // repeats, *w.shape[2:])
 
         return jax.tree.map(one, stacked, self.specs)
@@ -507,20 +510,24 @@ class Weights:
         size = placement.per_device + placement.received
         return np.where(placement.local_index >= 0, placement.local_index, size)
 
-    def _take_slots(self, w):
-        """``[q, ...]`` rows -> ``[1, R*K', ...]`` this stage's working copy (storage only)."""
+    def _take_slots(self, w, spec):
+        """``[q, ...]`` rows -> ``[1, R*K', ...]`` this stage's working copy (storage only; a feature-split
+        storage's rows, ``spec`` naming their split features, gathered whole)."""
         stage, g = self._where()
         local = self._local_rows(w)  # [q + C + 1, ...]
         mine = jnp.take(local, jnp.asarray(self._slot_rows())[stage, g], axis=0)  # [W, ...]
         if not self.groups:
-            return mine[None]
+            return gather_shards(mine, spec)[None]
         full = jax.lax.all_gather(mine, self.groups, axis=1, tiled=False)  # [W, G, ...]: slot w*G + g
         return full.reshape(1, -1, *w.shape[1:])
 
-    def _return_rows(self, g_slots):
+    def _return_rows(self, g_slots, spec):
         """The transpose of `_take_slots` for gradients: ``[R*K', ...]`` -> ``[q, ...]``, summed over the group
-        axes (reduce-scatter) and sent back to the devices storing the received rows."""
-        if self.groups:
+        axes (reduce-scatter; a feature-split storage's features over ``spec``'s axes) and sent back to the
+        devices storing the received rows."""
+        if not self.groups:
+            g_slots = reduce_shards(g_slots, spec, ())
+        else:
             g_slots = g_slots.reshape(-1, self.storage.groups, *g_slots.shape[1:])
             g_slots = jax.lax.psum_scatter(g_slots, self.groups, scatter_dimension=1, tiled=False)  # [W, ...]
         return self._rows_of(g_slots)
@@ -560,11 +567,17 @@ class Weights:
             g = g.reshape(1, g.shape[0] * g.shape[1], *g.shape[2:])
             if self.storage is None:
                 return reduce_shards(g, spec, self.summed).astype(w.dtype)
-            rows = self._return_rows(g[0])
-            rest = tuple(a for a in self.summed if a not in self.groups)
-            return (jax.lax.psum(rows, rest) if rest else rows).astype(w.dtype)
+            rows = self._return_rows(g[0], spec)
+            return self._psum_rest(rows, spec).astype(w.dtype)
 
         return jax.tree.map(one, grads, stacked, self.specs)
+
+    def _psum_rest(self, rows, spec):
+        """Stored rows' gradients summed over the batch axes they are still partial over: ``summed`` less the
+        group axes and the axes ``spec`` splits the features over (both already reduce-scattered)."""
+        split = {a for entry in spec for a in spec_axes(entry)} | set(self.groups)
+        rest = tuple(a for a in self.summed if a not in split)
+        return jax.lax.psum(rows, rest) if rest else rows
 
     def stream(self, stacked, repeats: int, received=None, block_inputs: bool = True) -> Streamed:
         """The per-microbatch gather (``--pipeline-gather microbatch``): what stays local for the step.
@@ -577,7 +590,10 @@ class Weights:
         if self.storage is not None:
             if received is None and any(send is not None for send in self.storage.placement.sends):
                 received = jax.tree.map(lambda w: self._received_rows(self._compute(w)), stacked)
-            chunk_slots, block = self.storage.placement.chunk_slots, self.storage.groups
+            chunk_slots = self.storage.placement.chunk_slots
+            # whole rows: a block is one row of each of the G devices; split features: the slots whose
+            # inputs the forward saves one of (each slot is gathered where it runs, `Streamed.per_slot`)
+            block = self.storage.groups if self.groups else (self.span if block_inputs else 1)
             return Streamed(self, stacked, received, repeats, chunk_slots, block, block_inputs and block > 1)
         return Streamed(self, stacked, None, repeats, jax.tree.leaves(stacked)[0].shape[1] // repeats, 1)
 
@@ -590,9 +606,7 @@ class Weights:
                 split = {a for entry in spec for a in spec_axes(entry)}
                 rest = tuple(a for a in self.summed if a not in split)
                 return (jax.lax.psum(g, rest) if rest else g).astype(w.dtype)
-            rows = self._send_back(g)
-            rest = tuple(a for a in self.summed if a not in self.groups)
-            return (jax.lax.psum(rows, rest) if rest else rows).astype(w.dtype)
+            return self._psum_rest(self._send_back(g), spec).astype(w.dtype)
 
         return jax.tree.map(one, sums, stacked, self.specs)
 
@@ -622,6 +636,14 @@ class Streamed:
     then differentiates the slots as before. Chen et al., "Training Deep Nets with Sublinear Memory Cost"
     (2016), section 4: checkpoints every ``B`` layers, the segment between recomputed in the backward pass.
 
+    With the per-microbatch gather's own storage (`per_slot`: rows over ``stage`` only, each row's features
+    split over the stage's ``G`` devices, `sharding.pipeline.storage.storage_axes`) nothing is gathered per
+    block: each slot's layer is all-gathered over the feature axes where it runs (inside the slot's
+    conditional) and its gradient reduce-scattered into this device's share of the row as soon as the slot's
+    backward is done, so a pass holds one layer and one layer's gradient instead of ``G`` of each; blocks of
+    ``B = G`` slots then only say which activations the forward saves (`block_inputs`), and the backward's
+    recomputation of a block's ``B - 1`` other inputs gathers those layers once more.
+
     Attributes:
       weights: the `Weights` whose storage and specs these are.
       stacked: per leaf, this device's block as stored: ``[q, ...]`` rows (storage) or ``[1, R*K, ...]``.
@@ -646,6 +668,37 @@ class Streamed:
     def windows(self) -> int:
         """W, blocks in the working copy."""
         return self.repeats * self.chunk_slots // self.block
+
+    @property
+    def slots(self) -> int:
+        """``R*K'``, slots in the working copy."""
+        return self.repeats * self.chunk_slots
+
+    @property
+    def per_slot(self) -> bool:
+        """Each slot gathered on its own, over the feature axes (a storage whose rows are not spread over the
+        stage's devices: `sharding.pipeline.storage.storage_axes` with ``"microbatch"``)."""
+        return self.weights.storage is not None and not self.weights.groups
+
+    def _block(self, w):
+        """Block ``w``'s gathered weights, leaves ``[B, ...]`` (`fetch`), or None with `per_slot`."""
+        return None if self.per_slot else self.fetch(jnp.minimum(w, self.windows - 1))
+
+    def _slot_index(self, w, j):
+        """The working-copy slot of slot ``j`` of block ``w`` (clamped into the copy; past it no slot is on)."""
+        return jnp.minimum(w * self.block + j, self.slots - 1)
+
+    def _slot(self, block, w, j):
+        """Slot ``j`` of block ``w``'s weights: from the gathered ``block``, or (``block`` None, `per_slot`)
+        the slot's layer all-gathered here."""
+        if block is not None:
+            return index_tree(block, j)
+        return index_tree(self.fetch(self._slot_index(w, j)), 0)
+
+    def _stand_in(self):
+        """Zeros typed as one slot's weights (for tracing a layer's backward, `LayerSplit.trace`)."""
+        shapes = jax.eval_shape(self.fetch, jnp.zeros((), jnp.int32))
+        return index_tree(to_varying(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes), self._vary()), 0)
 
     @property
     def blocks(self) -> int:
@@ -678,7 +731,9 @@ class Streamed:
 
     def fetch(self, w):
         """Block ``w`` (traced int32 in ``[0, W)``): leaves ``[B, ...]`` in the compute dtype, device-varying
-        over ``stage`` and the batch axes (so differentiating a layer adds no reduction inside the loop)."""
+        over ``stage`` and the batch axes (so differentiating a layer adds no reduction inside the loop).
+        With `per_slot`, ``w`` is a working-copy slot in ``[0, R*K')`` and the leaves ``[1, ...]``: its row's
+        features all-gathered."""
         weights = self.weights
         received = self.received if self.received is not None else jax.tree.map(lambda _: None, self.stacked)
 
@@ -696,7 +751,7 @@ class Streamed:
             if weights.storage is None:
                 return gather_shards(x, P(*tuple(spec)[2:]))[None]
             if not weights.groups:
-                return x[None]
+                return gather_shards(x, P(*tuple(spec)[1:]))[None]
             return jax.lax.all_gather(x, weights.groups, axis=0, tiled=False)  # [G, ...]: slot w*G + g
 
         return to_varying(jax.tree.map(one, self.stacked, received, weights.specs), self._vary())
@@ -716,7 +771,7 @@ class Streamed:
 
     def _add(self, sums, w, block_grads):
         """Block ``w``'s gradients ``[B, ...]`` reduce-scattered over the axes the block was gathered over and
-        added to this device's row of ``sums`` (`zeros`)."""
+        added to this device's row of ``sums`` (`zeros`); with `per_slot`, slot ``w``'s ``[1, ...]``."""
         weights = self.weights
 
         def one(acc, d, spec):
@@ -724,7 +779,10 @@ class Streamed:
                 d = reduce_shards(d[0], P(*tuple(spec)[2:]), ())
                 old = jax.lax.dynamic_index_in_dim(acc, w, axis=1, keepdims=False)
                 return jax.lax.dynamic_update_index_in_dim(acc, (old + d.astype(acc.dtype))[None], w, 1)
-            d = jax.lax.psum_scatter(d, weights.groups, scatter_dimension=0, tiled=False) if weights.groups else d[0]
+            if weights.groups:
+                d = jax.lax.psum_scatter(d, weights.groups, scatter_dimension=0, tiled=False)
+            else:
+                d = reduce_shards(d[0], P(*tuple(spec)[1:]), ())
             row, q, c = self._row(w)
             at = jnp.minimum(row, q + c - 1)
             d = jnp.where(row < q + c, d.astype(acc.dtype), jnp.zeros((), acc.dtype))  # an empty slot adds nothing
@@ -742,13 +800,13 @@ class Streamed:
 
         def outer(carry, i):
             w = start + i
-            block = self.fetch(jnp.minimum(w, self.windows - 1))
+            block = self._block(w)
 
             def inner(carry, j):
                 h, applied = carry
                 k = w * b + j - k0
                 on = (k >= 0) & (k < count)
-                out = _forward_slot(layer_fn, lambda: index_tree(block, j), h, applied, extras, on, skip_empty)
+                out = _forward_slot(layer_fn, lambda: self._slot(block, w, j), h, applied, extras, on, skip_empty)
                 return out, (h if save and not self.block_inputs else None)
 
             out, inputs = jax.lax.scan(inner, carry, jnp.arange(b))
@@ -775,10 +833,23 @@ class Streamed:
         def outer(carry, i):
             g, sums = carry
             w = start + i
+            block = self._block(w)
+            slot_of = lambda j: self._slot(block, w, j)  # noqa: E731
+            xs = self._block_slot_inputs(layer_fn, slot_of, w * b - k0, inputs, i, extras, count, skip_empty)
+            if block is None:  # each slot's gradient reduce-scattered into this device's row at once
+
+                def each(carry, j):
+                    g, sums = carry
+                    k = w * b + j - k0
+                    at = self._slot_index(w, j)
+                    add = lambda sums, dw: self._add(sums, at, jax.tree.map(lambda d: d[None], dw))  # noqa: E731
+                    on = (k >= 0) & (k < count)
+                    x = index_leaf(xs, j)
+                    return _backward_slot(layer_fn, lambda: slot_of(j), x, extras, on, g, sums, add, skip_empty), None
+
+                return jax.lax.scan(each, (g, sums), jnp.arange(b), reverse=True)[0], None
             clamped = jnp.minimum(w, self.windows - 1)
-            block = self.fetch(clamped)
             zero = to_varying(jax.tree.map(lambda p, a: jnp.zeros(p.shape, a.dtype), block, sums), self._vary())
-            xs = self._block_slot_inputs(layer_fn, block, w * b - k0, inputs, i, extras, count, skip_empty)
 
             def inner(carry, j):
                 g, acc = carry
@@ -800,11 +871,12 @@ class Streamed:
             return run(g, sums)
         return jax.lax.cond(count > 0, run, lambda g, sums: (g, sums), to_varying(g, self._vary()), sums)
 
-    def _block_slot_inputs(self, layer_fn, block, first, inputs, i, extras, count, skip_empty: bool):
+    def _block_slot_inputs(self, layer_fn, slot_of, first, inputs, i, extras, count, skip_empty: bool):
         """``[B, microbatch, ...]``: the inputs of block ``i``'s slots in a chunk pass, from ``inputs`` (`saved`
         of them): read as saved, or, with `block_inputs`, the block's input read and the ``B - 1`` slots after
-        it recomputed with the gathered ``block`` (``first``: the chunk slot of the block's first slot;
-        slots outside ``[0, count)`` pass their input through, as in the forward pass)."""
+        it recomputed with the block's weights (``slot_of(j)``: slot ``j``'s, `_slot`; ``first``: the chunk
+        slot of the block's first slot; slots outside ``[0, count)`` pass their input through, as in the
+        forward pass)."""
         b = self.block
         if not self.block_inputs:
             return jax.lax.dynamic_slice_in_dim(inputs, i * b, b, axis=0)
@@ -813,7 +885,7 @@ class Streamed:
         def step(h, j):
             k = first + j
             on = (k >= 0) & (k < count)
-            out, _ = _forward_slot(layer_fn, lambda: index_tree(block, j), h, none, extras, on, skip_empty)
+            out, _ = _forward_slot(layer_fn, lambda: slot_of(j), h, none, extras, on, skip_empty)
             return out, h
 
         last, before = jax.lax.scan(step, index_leaf(inputs, i), jnp.arange(b - 1))
@@ -834,18 +906,20 @@ class Streamed:
         def outer(carry, i):
             g, kept = carry
             w = start + i
-            block = self.fetch(jnp.minimum(w, self.windows - 1))
-            xs = self._block_slot_inputs(layer_fn, block, w * b - k0, inputs, i, extras, count, skip_empty)
+            block = self._block(w)
+            slot_of = lambda j: self._slot(block, w, j)  # noqa: E731
+            xs = self._block_slot_inputs(layer_fn, slot_of, w * b - k0, inputs, i, extras, count, skip_empty)
 
             def inner(carry, j):
                 g, kept = carry
                 k = w * b + j - k0
                 x = index_leaf(xs, j)
-                cut = LayerSplit.trace(layer_fn, index_tree(block, j), x, g, extras)
+                like = self._stand_in() if block is None else index_tree(block, j)
+                cut = LayerSplit.trace(layer_fn, like, x, g, extras)
                 on = (k >= 0) & (k < count)
 
                 def back(g, kept):
-                    dx, saved = cut.input_pass(index_tree(block, j), x, g, extras)
+                    dx, saved = cut.input_pass(slot_of(j), x, g, extras)
                     return dx, put_cut(kept, entry, i * b + j, saved, on)
 
                 if skip_empty:
@@ -876,10 +950,31 @@ class Streamed:
         def outer(sums, i):
             w = start + i
             clamped = jnp.minimum(w, self.windows - 1)
-            shapes = jax.eval_shape(self.fetch, clamped)
-            stand_in = to_varying(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes), self._vary())
-            cut = LayerSplit.trace(layer_fn, index_tree(stand_in, 0), like, like, extras)
-            block = self.fetch(clamped) if cut.needs_params else stand_in
+            stand_in = self._stand_in()
+            cut = LayerSplit.trace(layer_fn, stand_in, like, like, extras)
+            if self.per_slot:  # each slot's gradient reduce-scattered into this device's row at once
+
+                def each(sums, j):
+                    k = w * b + j - k0
+                    at = self._slot_index(w, j)
+                    weights = lambda: self._slot(None, w, j) if cut.needs_params else stand_in  # noqa: E731
+
+                    def dw():
+                        return jax.tree.map(
+                            lambda d: d[None], cut.weight_pass(weights(), get_cut(kept, entry, i * b + j))
+                        )
+
+                    on = (k >= 0) & (k < count)
+                    if skip_empty:
+                        return jax.lax.cond(on, lambda sums: self._add(sums, at, dw()), lambda sums: sums, sums), None
+                    kept_dw = jax.tree.map(lambda d: jnp.where(on, d, jnp.zeros((), d.dtype)), dw())
+                    return self._add(sums, at, kept_dw), None
+
+                return jax.lax.scan(each, sums, jnp.arange(b))[0], None
+            if cut.needs_params:
+                block = self.fetch(clamped)
+            else:
+                block = jax.tree.map(lambda a: jnp.broadcast_to(a[None], (b, *a.shape)), stand_in)
             zero = to_varying(jax.tree.map(lambda p, a: jnp.zeros(p.shape, a.dtype), block, sums), self._vary())
 
             def inner(acc, j):
@@ -949,7 +1044,7 @@ def _storage_of(layout: StageLayout, leaves, name_leaves, par) -> StageStorage |
         padded = [w.shape[:2] == (layout.stages, layout.slots) for w in leaves]
     if all(padded):
         return None
-    storage = storage_for(layout, name_leaves or [], par.rules, par.mesh_shape)
+    storage = storage_for(layout, name_leaves or [], par.rules, par.mesh_shape, par.pipeline.gather)
     if any(padded) or any(w.shape[0] != storage.rows for w in leaves):
         raise ValueError(
             f"run_pipeline: stacked leaves of shapes {[tuple(w.shape) for w in leaves]}; expected "
@@ -1006,7 +1101,7 @@ class Setup:
             raise ValueError(f"run_pipeline: {len(name_leaves)} logical names for {len(leaves)} stacked parameters")
         storage = _storage_of(layout, leaves, name_leaves, par)
         if storage is not None:
-            groups = storage_axes(name_leaves or [], par.rules, par.mesh_shape)
+            groups = storage_axes(name_leaves or [], par.rules, par.mesh_shape, plan.gather)
             if set(groups) - set(summed):
                 missing = "+".join(a for a in groups if a not in summed)
                 raise ValueError(
@@ -1031,8 +1126,11 @@ class Setup:
                 manual_spec(par, StageLayout.stacked_names(n), w.shape, manual) for n, w in zip(name_leaves, leaves)
             ]
         check_split(specs, summed, par, xs.shape[1], batch)
+        span = 1
+        if storage is not None and plan.gather == "microbatch":
+            span = feature_devices(name_leaves or [], par.rules, par.mesh_shape)
         weights = Weights(
-            jax.tree.unflatten(tree, [P(None, *spec[1:]) for spec in specs]), summed, x.dtype, storage, groups
+            jax.tree.unflatten(tree, [P(None, *spec[1:]) for spec in specs]), summed, x.dtype, storage, groups, span
         )
         return cls(plan, xs, extras, manual, P(None, batch), jax.tree.unflatten(tree, specs), weights)
 

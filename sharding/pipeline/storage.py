@@ -16,6 +16,12 @@ up to ``q`` of the layers in those slots itself; the rest (a stage with more lay
 are stored in spare rows of devices ``(s', g)`` of stages with fewer (or, when none has a spare row at that
 ``g``, of any device).
 
+With ``--pipeline-gather microbatch`` the rows are spread over ``stage`` alone (``G`` = 1 in the placement)
+and each row's features keep the rules' batch axes (`storage_axes`): every device of a stage holds its share
+of each of the stage's rows, so the per-microbatch gather assembles one layer at a time (an all-gather over
+those axes) and returns one layer's gradient (a reduce-scatter), instead of a block of ``G`` whole layers,
+one from each device. The state per device is the same (up to the rounding of ``q``).
+
 Gathering once per step (`sharding.pipeline.program.Weights`): each device sends the rows it stores for
 others with one `jax.lax.ppermute` over ``(stage, *groups)`` per distance that moves any, appends what it receives to its
 own rows, picks its slots from them (a gather of at most ``R*K'/G`` rows, in the compute dtype) and
@@ -227,25 +233,50 @@ def _place_preferring(
     return Placement(q, work.shape[1] // layout.repeats, row_table.reshape(-1), tuple(sends), total, local_index)
 
 
-def storage_axes(names: Sequence[Sequence[str | None]], rules, mesh_shape: Mapping[str, int]) -> tuple[str, ...]:
+def storage_axes(
+    names: Sequence[Sequence[str | None]], rules, mesh_shape: Mapping[str, int], gather: str = "once"
+) -> tuple[str, ...]:
     """The batch mesh axes (``data``, ``fsdp``, in that order) the rows are spread over besides ``stage``.
 
-    Those of size > 1 that the rules map a layer parameter's dimension to (ZeRO-3 style sharding of the
-    parameters over them): ``fsdp`` under the ``fsdp`` and ``fsdp_tp`` presets, none under ``dp``
-    (parameters replicated over the batch axes stay replicated over them, only split over ``stage``).
+    Gathering once per step (``gather`` ``"once"``): those of size > 1 that the rules map a layer
+    parameter's dimension to (ZeRO-3 style sharding of the parameters over them): ``fsdp`` under the
+    ``fsdp`` and ``fsdp_tp`` presets, none under ``dp`` (parameters replicated over the batch axes stay
+    replicated over them, only split over ``stage``). Every device then stores whole layers, and a block
+    the stage's devices gather together is ``G`` layers, one from each.
+
+    Gathering per microbatch (``"microbatch"``): none. The rows are spread over ``stage`` alone and each
+    layer's features keep the rules' batch axes (each device of a stage holds ``1/G`` of every one of its
+    rows, the usual FSDP split), so one all-gather over those axes assembles one layer and one
+    reduce-scatter returns one layer's gradient: the per-microbatch working set is one layer, not ``G``
+    (`feature_devices` says how many devices a layer is split over).
 
     Args:
       names: the canonical logical names ``(layers, ...)`` of each stacked layer parameter.
       rules: the `sharding.rules.Rules`.
       mesh_shape: mesh axis -> size.
+      gather: ``--pipeline-gather``, ``"once"`` or ``"microbatch"``.
     """
+    if gather == "microbatch":
+        return ()
+    return _batch_axes_used(names, rules, mesh_shape)
+
+
+def _batch_axes_used(names, rules, mesh_shape: Mapping[str, int]) -> tuple[str, ...]:
+    """The batch mesh axes of size > 1 the rules map some layer parameter's non-layer dimension to."""
     used = {a for leaf in names for n in leaf[1:] for a in rules.mesh_axes(n)}
     return tuple(a for a in ax.BATCH_MESH_AXES if a in used and mesh_shape.get(a, 1) > 1)
 
 
-def storage_for(layout: StageLayout, names, rules, mesh_shape: Mapping[str, int]) -> StageStorage:
+def feature_devices(names, rules, mesh_shape: Mapping[str, int]) -> int:
+    """The devices of a stage a layer's features are split over in the per-microbatch gather's storage
+    (`storage_axes` with ``"microbatch"``): the product of the batch axes the rules map a layer parameter
+    to (1 under ``dp``). The forward pass saves one activation per this many layers (`Streamed`)."""
+    return math.prod(mesh_shape[a] for a in _batch_axes_used(names, rules, mesh_shape))
+
+
+def storage_for(layout: StageLayout, names, rules, mesh_shape: Mapping[str, int], gather: str = "once") -> StageStorage:
     """The `StageStorage` of ``layout`` on a mesh: ``groups`` the product of `storage_axes`' sizes."""
-    return StageStorage(layout, math.prod(mesh_shape[a] for a in storage_axes(names, rules, mesh_shape)))
+    return StageStorage(layout, math.prod(mesh_shape[a] for a in storage_axes(names, rules, mesh_shape, gather)))
 
 
 def storage_spec(spec, rows: int, mesh_shape: Mapping[str, int], axes: Sequence[str]):
