@@ -60,7 +60,7 @@ from models.layers import MLP, make_params
 from models.spec import moe_params
 from sharding import axes as ax
 from sharding.modeldesc import expert_dispatch
-from sharding.parallel import Parallelism, spec_axes
+from sharding.parallel import Parallelism, spec_axes, to_varying, varying_axes
 
 __all__ = [
     "MoE",
@@ -71,6 +71,7 @@ __all__ = [
     "route",
     "router_losses",
     "router_objective",
+    "stable_argsort",
 ]
 
 
@@ -169,12 +170,34 @@ def capacity_slots(experts: jax.Array, num_experts: int, slots: int) -> jax.Arra
       a token's higher-scored choice first); a copy past ``C`` gets -1 (dropped).
     """
     flat = experts.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
+    order = stable_argsort(flat)
     sizes = jnp.bincount(flat, length=num_experts)
     starts = jnp.cumsum(sizes) - sizes
     position_sorted = jnp.arange(flat.size) - starts[flat[order]]
     position = jnp.zeros_like(position_sorted).at[order].set(position_sorted)
     return jnp.where(position < slots, position, -1).astype(jnp.int32).reshape(experts.shape)
+
+
+def stable_argsort(key: jax.Array) -> jax.Array:
+    """The permutation that sorts a 1-D ``key`` (equal keys in their order), typed to vary over the same
+    manual mesh axes as ``key``.
+
+    Inside `jax.shard_map`, `jnp.argsort` sorts ``(key, iota)`` and each output of XLA's sort keeps its
+    own operand's type (``sort``'s abstract evaluation in JAX 0.10.2 and 0.12.0): the permutation of a
+    device-varying key comes out typed device-invariant. Its values are right, but `jax.grad` trusts the
+    type: a gather ``x[order]`` of an invariant ``x`` then transposes to a ``psum`` of the per-device
+    cotangents scattered with each device's own permutation, which mixes rows of different devices (the
+    expert layer's input gradient, whenever the tokens are whole over an ``expert`` axis). Sorting against
+    an iota cast to the key's varying axes types the permutation correctly; outside a map nothing changes.
+
+    Args:
+      key: ``[R]`` integer keys.
+
+    Returns:
+      ``[R]`` int32 indices, ``key[order]`` non-decreasing.
+    """
+    iota = to_varying(jnp.arange(key.shape[0], dtype=jnp.int32), varying_axes(key))
+    return jax.lax.sort((key, iota), num_keys=1, is_stable=True)[1]
 
 
 def expert_outputs(
@@ -201,7 +224,7 @@ def expert_outputs(
     local = experts.reshape(-1) - first
     held = (local >= 0) & (local < local_experts)
     key = jnp.where(held, local, local_experts)  # other devices' experts sort last
-    order = jnp.argsort(key, stable=True)
+    order = stable_argsort(key)
     sizes = jnp.bincount(key, length=local_experts + 1)[:local_experts].astype(jnp.int32)
     rows = x[order // k]  # [R, D]
     dtype = x.dtype
@@ -210,7 +233,7 @@ def expert_outputs(
     out = jax.lax.ragged_dot(jax.nn.silu(h_gate) * h_up, down.astype(dtype), sizes)  # [R, D]
     combine = jnp.where(held, weights.reshape(-1), 0.0)[order]
     out = jnp.where(held[order][:, None], out, 0) * combine[:, None].astype(dtype)
-    inverse = jnp.argsort(order)
+    inverse = stable_argsort(order)
     return jnp.sum(out[inverse].reshape(n, k, -1), axis=1)
 
 

@@ -20,6 +20,7 @@ per stage, `sharding.pipeline.head_parallelism`); the model itself never names a
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -267,10 +268,11 @@ class Transformer(nnx.Module):
         return x
 
     def _pipelined_loss_sums(
-        self, tokens, targets, weights, positions, segment_ids, par: Parallelism
-    ) -> tuple[jax.Array, jax.Array]:
+        self, tokens, targets, weights, positions, segment_ids, par: Parallelism, with_stats: bool = False
+    ):
         """`loss_sums` through `sharding.pipeline.run_pipeline_loss`: the final norm, output projection and
-        loss are its head, which the 1F1B schedule runs on the last stage inside the pipeline."""
+        loss are its head, which the 1F1B schedule runs on the last stage inside the pipeline. With
+        ``with_stats`` (a mixture of experts), ``(loss_sum, weight_sum, stats)`` as `pipelined_loss_stats`."""
         x = self.embed(tokens, _dtype(self.config.dtype), par)
         if hasattr(self, "dense_layers"):
             raise ValueError(
@@ -291,7 +293,7 @@ class Transformer(nnx.Module):
 
         head_names = {"norm": _logical_names(norm_state), "weight": tuple(weight_var.get_metadata()["logical_axes"])}
         moe = self.config.is_moe
-        loss_sum, weight_sum, _ = run_pipeline_loss(
+        out = run_pipeline_loss(
             _pipeline_moe_layer(graphdef, self.config) if moe else _pipeline_layer(graphdef),
             head,
             stacked,
@@ -303,9 +305,33 @@ class Transformer(nnx.Module):
             names=_logical_names(stacked),
             head_names=head_names,
             remat_policy=_REMAT_POLICIES.get(self.config.remat),
-            objective=moe,
+            objective=_pipeline_objective_size(self.config) if moe else 0,
         )
-        return loss_sum, weight_sum
+        if not with_stats:
+            return out[0], out[1]
+        summed = out[3]
+        stats = {"aux_sum": summed[0], "z_sum": summed[1], "dropped": summed[2], "load": summed[3:]}
+        return out[0], out[1], stats
+
+    def pipelined_loss_stats(
+        self, tokens, targets, weights, positions=None, segment_ids=None, *, par: Parallelism
+    ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+        """`loss_sums` of a mixture of experts run as a pipeline, and its router statistics summed over the
+        pipeline's microbatches, as gradient accumulation over the same microbatches sums them.
+
+        Args:
+          tokens, targets, weights, positions, segment_ids: as `loss_sums`.
+          par: the run's layout, whose strategy is a pipeline plan.
+
+        Returns:
+          ``(loss_sum, weight_sum, stats)``: the summed objective (router losses included) and tokens,
+          float32 scalars, and ``stats``: ``aux_sum`` and ``z_sum`` (each microbatch's balancing and z-loss,
+          means over the MoE layers, times its tokens), ``dropped`` (routed copies dropped for capacity) and
+          ``load [experts]`` (the routed copies each expert received, summed over the MoE layers), float32.
+        """
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        return self._pipelined_loss_sums(tokens, targets, weights, positions, segment_ids, par, with_stats=True)
 
     def __call__(
         self,
@@ -502,20 +528,33 @@ def _pipeline_moe_layer(graphdef, config: ModelConfig):
     with ``objective``): ``(par, layer_state, h, positions, segment_ids, loss_mask, batch_axes) -> (h,
     objective)``.
 
-    The objective is this device's part of what the block adds to the summed loss: its router losses over
-    the whole microbatch (statistics summed over ``batch_axes``, the manual axes that split the microbatch's
-    rows) times this device's tokens of it (``loss_mask [rows, length]`` float32), over the MoE layers
-    (`router_objective`). Summed over the batch axes and the microbatches it is what the unpipelined model
+    The objective ``[4 + experts]`` float32 is this device's part of the sums the pipeline adds up over the
+    devices, layers and microbatches (`_pipeline_objective_size`). Entry 0 is what the block adds to the
+    summed loss: its router losses over the whole microbatch (statistics summed over ``batch_axes``, the
+    manual axes that split the microbatch's rows) times this device's tokens of it (``loss_mask [rows,
+    length]`` float32), over the MoE layers (`router_objective`). Summed, it is what the unpipelined model
     adds per microbatch of gradient accumulation: ``tokens * (router_aux_coef * aux + router_z_coef * z)``,
-    ``aux`` and ``z`` the means over its MoE layers.
+    ``aux`` and ``z`` the means over its MoE layers. The statistics follow, summed likewise: ``tokens * aux /
+    moe_layers``, ``tokens * z / moe_layers``, the copies dropped on this device's rows, and the whole
+    microbatch's per-expert load over the devices that split it (so that their sum is the load once).
     """
 
     def layer(stage_par, layer_state, h, positions, segment_ids, loss_mask, batch_axes=()):
         h, stats = nnx.merge(graphdef, layer_state).forward(h, positions, segment_ids, stage_par, batch_axes)
-        objective = router_objective(config, stats, jnp.sum(loss_mask)) / config.num_moe_layers
-        return h, objective
+        tokens = jnp.sum(loss_mask)
+        moe_layers = config.num_moe_layers
+        objective = router_objective(config, stats, tokens) / moe_layers
+        sharing = math.prod(stage_par.mesh_shape[a] for a in batch_axes)  # devices holding the same summed load
+        parts = [objective, tokens * stats["aux"] / moe_layers, tokens * stats["z"] / moe_layers, stats["dropped"]]
+        return h, jnp.concatenate([jnp.stack(parts).astype(jnp.float32), stats["load"] / sharing])
 
     return layer
+
+
+def _pipeline_objective_size(config: ModelConfig) -> int:
+    """Entries of a pipelined MoE layer's objective (`_pipeline_moe_layer`): the router objective, the
+    balancing and z-loss sums, the dropped copies, and one load per expert."""
+    return 4 + config.num_experts
 
 
 def _logical_names(state):
@@ -607,6 +646,15 @@ def loss_terms(
     """Cross-entropy sum, weight sum and MoE statistics from a graphdef and a params dict; see
     `Transformer.loss_terms`."""
     return nnx.merge(graphdef, params).loss_terms(tokens, targets, weights, positions, segment_ids, par=par)
+
+
+def pipelined_loss_stats(
+    graphdef, params: dict[str, Any], tokens, targets, weights, positions=None, segment_ids=None, *, par: Parallelism
+) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+    """Summed objective, weight sum and router statistics of a pipelined mixture of experts from a graphdef and
+    a params dict; see `Transformer.pipelined_loss_stats`."""
+    model = nnx.merge(graphdef, params)
+    return model.pipelined_loss_stats(tokens, targets, weights, positions, segment_ids, par=par)
 
 
 def extend(

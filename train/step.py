@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from models.config import ModelConfig
 from models.moe import router_objective
-from models.transformer import loss_sums, loss_terms
+from models.transformer import loss_sums, loss_terms, pipelined_loss_stats
 from sharding import axes as ax
 from sharding.parallel import Parallelism
 from train import strategies
@@ -151,7 +151,28 @@ class Trainer:
         """``(loss_sum, (weight_sum, stats))``: `loss_sums` with a mixture of experts' router statistics,
         ``moe_aux_sum`` and ``moe_z_sum`` (the losses times the tokens, so that microbatches add up) and
         ``moe_dropped`` (routed copies dropped for capacity), float32 scalars, and ``moe_load``
-        ``[moe_layers, experts]``, the copies routed to each expert (counts, which microbatches add)."""
+        ``[moe_layers, experts]``, the copies routed to each expert (counts, which microbatches add). Under a
+        pipeline, whose stages sum the layers' statistics, ``moe_load_total [experts]`` (summed over the MoE
+        layers) in place of ``moe_load``."""
+        par = self.par if par is None else par
+        if par.pipeline is not None:
+            objective, weight, stats = pipelined_loss_stats(
+                self.state_layout.graphdef,
+                params,
+                batch["tokens"],
+                batch["targets"],
+                batch["loss_mask"],
+                batch["positions"],
+                batch["segment_ids"],
+                par=par,
+            )
+            summed = {
+                "moe_aux_sum": stats["aux_sum"],
+                "moe_z_sum": stats["z_sum"],
+                "moe_dropped": stats["dropped"],
+                "moe_load_total": stats["load"],
+            }
+            return objective, (weight, summed)
         ce, weight, stats = loss_terms(
             self.state_layout.graphdef,
             params,
@@ -160,7 +181,7 @@ class Trainer:
             batch["loss_mask"],
             batch["positions"],
             batch["segment_ids"],
-            par=self.par if par is None else par,
+            par=par,
         )
         objective = ce + router_objective(self.config, stats, weight)
         summed = {
@@ -175,12 +196,16 @@ class Trainer:
         """The strategy's ``(loss_sum, weight_sum, grads, metrics)`` of a global batch (inside jit);
         ``inputs``: values of the strategy's step inputs by name (absent: their defaults). A mixture of experts
         under a strategy that reports statistics adds ``moe_aux``, ``moe_z`` (token means), ``moe_dropped``,
-        ``moe_max_load`` (`max_load`) and ``moe_expert_share`` (`expert_share`)."""
+        ``moe_max_load`` (`max_load`; not under a pipeline, whose stages sum the layers' loads) and
+        ``moe_expert_share`` (`expert_share`)."""
         if self.config.is_moe and self.strategy.reports_stats:
             loss_sum, weight, grads, metrics = self.strategy.gradients(self.loss_and_stats, params, batch, inputs or {})
             metrics = dict(metrics)
-            load = metrics.pop("moe_load")
-            metrics["moe_max_load"] = max_load(load)
+            if "moe_load" in metrics:
+                load = metrics.pop("moe_load")
+                metrics["moe_max_load"] = max_load(load)
+            else:
+                load = metrics.pop("moe_load_total")[None]
             metrics["moe_expert_share"] = expert_share(load)
             return loss_sum, weight, grads, metrics
         return self.strategy.gradients(self.loss_sums, params, batch, inputs or {})

@@ -74,6 +74,7 @@ from sharding.pipeline.program import (
     logical_leaves,
     manual_axes,
     manual_spec,
+    objective_cotangent,
     slot_positions,
     stage_varying,
     to_microbatches,
@@ -99,14 +100,17 @@ def _ticks(
     vary: tuple[str, ...],
     back_layer=None,
     objective_axes=None,
+    objective_size: int = 1,
 ):
     """All ticks of one stage (inside the stage program).
 
     Args:
-      layer: ``(layer_params, h, *extras) -> h``; with ``objective_axes``, ``-> (h, objective)``: the float32
-        objectives of the layers run are added to the loss sum (partial sums varying over those axes).
+      layer: ``(layer_params, h, *extras) -> h``; with ``objective_axes``, ``-> (h, objective)``: entry 0 of
+        the float32 objectives ``[objective_size]`` of the layers run is added to the loss sum, the others to
+        the statistics (partial sums varying over those axes).
       back_layer: the layer the backward ticks differentiate (default ``layer``; for a layer with an
-        objective, `sharding.pipeline.program.with_objective_cotangent` of it at 1, as the loss).
+        objective, `sharding.pipeline.program.with_objective_cotangent` of it at
+        `sharding.pipeline.program.objective_cotangent`, as the loss).
       head: ``(head_params, h, *head_inputs) -> (loss_sum, weight_sum)``.
       params: the stage's gathered weights, leaves ``[R, K, ...]``, or a `Streamed` (gathered per chunk pass).
       head_params: the head's gathered weights.
@@ -118,9 +122,10 @@ def _ticks(
       vary: the manual axes the per-device sums vary over (``stage`` and the batch axes).
 
     Returns:
-      ``(loss_sum, weight_sum, applied, grads, head_grads, g_xs)``: this device's float32 sums (nonzero on the
-      last stage), its forward layer applications (int32) and, when ``train``, its gradient sums and the
-      cotangent of ``xs`` ``[M, microbatch, ...]`` (nonzero on stage 0); else None for those.
+      ``(loss_sum, weight_sum, applied, grads, head_grads, g_xs, stats)``: this device's float32 sums (nonzero
+      on the last stage), its forward layer applications (int32), when ``train`` its gradient sums and the
+      cotangent of ``xs`` ``[M, microbatch, ...]`` (nonzero on stage 0), else None for those, and with
+      ``objective_axes`` the summed statistics ``[objective_size - 1]`` (else None).
     """
     back_layer = layer if back_layer is None else back_layer
     layout = plan.layout
@@ -156,7 +161,7 @@ def _ticks(
         return jax.tree.map(lambda a: jnp.where(on, a, jnp.zeros((), a.dtype)), run(h, inputs))
 
     def tick(carry, t):
-        received, g_received, buffer, waiting, kept, grads, head_grads, g_xs, loss, weight, applied = carry
+        received, g_received, buffer, waiting, kept, grads, head_grads, g_xs, loss, weight, applied, stats = carry
         read = {}
         row = {name: read.setdefault(id(column), tables[id(column)][t]) for name, column in columns.items()}
         forward, r, mb, slot = (row["forward" + part] for part in ("", "_chunk", "_microbatch", "_slot"))
@@ -176,10 +181,11 @@ def _ticks(
             plan.skip_empty,
             train,
             objective_axes,
+            objective_size,
         )
-        if objective_axes is not None:  # the layers' objectives join the loss sum
+        if objective_axes is not None:  # the layers' objectives join the loss sum, their statistics the stats
             done, objective = done
-            loss = loss + objective
+            loss, stats = loss + objective[0], stats + objective[1:]
         exit_ = (stage == stages - 1) & (r == repeats - 1)  # the last virtual stage runs the head
         loss_i, weight_i, g_h, g_hp = head_step(forward & exit_, h, index_tree(head_inputs, mb))
         loss, weight, applied = loss + loss_i, weight + weight_i, applied + done
@@ -226,7 +232,8 @@ def _ticks(
             g_xs = write(g_xs, mb, g_in, backward & (stage == 0) & (r == 0))
             g_received = jax.lax.ppermute(g_in, ax.STAGE, back_ring)
         received = jax.lax.ppermute(h, ax.STAGE, ring)
-        return (received, g_received, buffer, waiting, kept, grads, head_grads, g_xs, loss, weight, applied), None
+        carry = (received, g_received, buffer, waiting, kept, grads, head_grads, g_xs, loss, weight, applied, stats)
+        return carry, None
 
     zero_h = jnp.zeros_like(xs[0])
     # K from the working copy, not the layout: the unpadded storage rounds a chunk's slots up to its gather
@@ -251,19 +258,23 @@ def _ticks(
         ),
         vary,
     )
-    init = (*init, zero, zero, to_varying(jnp.zeros((), jnp.int32), ax.STAGE))
+    stats = None
+    if objective_axes is not None:
+        stats = to_varying(jnp.zeros((objective_size - 1,), jnp.float32), objective_axes)
+    init = (*init, zero, zero, to_varying(jnp.zeros((), jnp.int32), ax.STAGE), stats)
     carry, _ = jax.lax.scan(tick, init, jnp.arange(ticks.ticks))
-    _, _, _, _, _, grads, head_grads, g_xs, loss, weight, applied = carry
-    return loss, weight, applied, grads, head_grads, g_xs
+    _, _, _, _, _, grads, head_grads, g_xs, loss, weight, applied, stats = carry
+    return loss, weight, applied, grads, head_grads, g_xs, stats
 
 
 def _loss_program(
-    layer_fn, head_fn, plan: PipelinePlan, par, weights: Weights, head_specs, remat_policy=None, objective=False
+    layer_fn, head_fn, plan: PipelinePlan, par, weights: Weights, head_specs, remat_policy=None, objective: int = 0
 ):
-    """``f(stacked [1, slots, ...], head_params, xs, extras, head_inputs) -> (loss_sum, weight_sum, applied)``
-    for one stage (this device's partial sums), a `jax.custom_vjp` whose forward rule runs the whole 1F1B
-    step (module docstring). With ``objective`` the layers' objectives are part of ``loss_sum``, differentiated
-    with it (`run_pipeline_loss`)."""
+    """``f(stacked [1, slots, ...], head_params, xs, extras, head_inputs) -> (loss_sum, weight_sum, applied,
+    stats)`` for one stage (this device's partial sums), a `jax.custom_vjp` whose forward rule runs the whole
+    1F1B step (module docstring). With ``objective`` entry 0 of the layers' objectives is part of
+    ``loss_sum``, differentiated with it, and ``stats`` the sums of their other entries (`run_pipeline_loss`;
+    None without ``objective``; not differentiated)."""
     summed = weights.summed
     streamed = plan.gather == "microbatch"
 
@@ -276,7 +287,7 @@ def _loss_program(
         if remat_policy is not None:
             layer = jax.checkpoint(layer, policy=remat_policy, prevent_cse=False)
         # The loss is differentiated inside the loop at cotangent 1 and every gradient scaled after it.
-        back_layer = with_objective_cotangent(layer, jnp.ones((), jnp.float32)) if objective else layer
+        back_layer = with_objective_cotangent(layer, objective_cotangent(objective)) if objective else layer
         head = lambda hp, h, *inputs: head_fn(stage_par, hp, h, *inputs)  # noqa: E731
         vary = (ax.STAGE, *summed)
         axes = vary if objective else None
@@ -293,17 +304,31 @@ def _loss_program(
         if train:
             head_grads = to_varying(jax.tree.map(jnp.zeros_like, hp), vary)
         return _ticks(
-            layer, head, plan, params, hp, xs, extras, head_inputs, grads, head_grads, train, vary, back_layer, axes
+            layer,
+            head,
+            plan,
+            params,
+            hp,
+            xs,
+            extras,
+            head_inputs,
+            grads,
+            head_grads,
+            train,
+            vary,
+            back_layer,
+            axes,
+            max(objective, 1),
         )
 
     @jax.custom_vjp
     def program(stacked, head_params, xs, extras, head_inputs):
-        loss, weight, applied, *_ = run(stacked, head_params, xs, extras, head_inputs, False)
-        return loss, weight, applied
+        loss, weight, applied, *_, stats = run(stacked, head_params, xs, extras, head_inputs, False)
+        return loss, weight, applied, stats
 
     def forward(stacked, head_params, xs, extras, head_inputs):
-        loss, weight, applied, grads, head_grads, g_xs = run(stacked, head_params, xs, extras, head_inputs, True)
-        return (loss, weight, applied), (stacked, grads, head_grads, g_xs)
+        loss, weight, applied, grads, head_grads, g_xs, stats = run(stacked, head_params, xs, extras, head_inputs, True)
+        return (loss, weight, applied, stats), (stacked, grads, head_grads, g_xs)
 
     def backward(residuals, cotangents):
         stacked, grads, head_grads, g_xs = residuals
@@ -335,7 +360,7 @@ def run_pipeline_loss(
     names=None,
     head_names=None,
     remat_policy=None,
-    objective: bool = False,
+    objective: int = 0,
 ):
     """The summed loss of a stacked layer function run as a pipeline, followed by an output head.
 
@@ -358,12 +383,14 @@ def run_pipeline_loss(
       names: logical names of ``stacked``'s leaves, as `run_pipeline`.
       head_names: logical names of ``head_params``' leaves (a tree of tuples shaped as them); None: replicated.
       remat_policy: as `run_pipeline`.
-      objective: the layers have an objective (as `run_pipeline`; ``layer_fn`` then returns ``(h,
-        objective)``), summed over layers, microbatches and devices into ``loss_sum``.
+      objective: 0, or the size of the layers' objective (as `run_pipeline`; ``layer_fn`` then returns ``(h,
+        objective)``, float32 ``[objective]``): entry 0 summed over layers, microbatches and devices into
+        ``loss_sum``, the others summed likewise into ``stats``.
 
     Returns:
       ``(loss_sum, weight_sum, applied)``: float32 scalars, and ``[stages]`` int32 forward layer
-      applications per device of each stage (`PipelinePlan.layer_applications`).
+      applications per device of each stage (`PipelinePlan.layer_applications`). With ``objective``,
+      ``(loss_sum, weight_sum, applied, stats)``: the summed statistics ``[objective - 1]``, float32.
 
     Raises:
       ValueError: as `run_pipeline`; an interleaved 1F1B plan (``R > 1``) whose microbatches are not a
@@ -377,7 +404,9 @@ def run_pipeline_loss(
         )
         y, applied = out[:2]
         loss, weight = head_fn(head_parallelism(par), head_params, y, *head_inputs)
-        return (loss + out[2] if objective else loss), weight, applied
+        if not objective:
+            return loss, weight, applied
+        return loss + out[2][0], weight, applied, out[2][1:]
     plan.tick_table()  # raises on a bad M
     setup = Setup.of(stacked, x, extras, par, names)
     head_leaves, head_tree = jax.tree.flatten(head_params)
@@ -398,8 +427,9 @@ def run_pipeline_loss(
 
     def stage_program(stacked, head_params, xs, extras, head_inputs):
         xs, (extras, head_inputs) = stage_varying(xs), to_varying((extras, head_inputs), ax.STAGE)
-        loss, weight, applied = program(stacked, head_params, xs, extras, head_inputs)
-        return jax.lax.psum(loss, vary), jax.lax.psum(weight, vary), applied[None]
+        loss, weight, applied, stats = program(stacked, head_params, xs, extras, head_inputs)
+        out = (jax.lax.psum(loss, vary), jax.lax.psum(weight, vary), applied[None])
+        return (*out, jax.lax.psum(stats, vary)) if objective else out
 
     data = setup.data
     mapped = jax.shard_map(
@@ -412,7 +442,7 @@ def run_pipeline_loss(
             jax.tree.map(lambda _: data, setup.extras),
             jax.tree.map(lambda _: data, head_inputs),
         ),
-        out_specs=(P(), P(), P(ax.STAGE)),
+        out_specs=(P(), P(), P(ax.STAGE), P()) if objective else (P(), P(), P(ax.STAGE)),
         axis_names=set(setup.manual),
     )
     return mapped(stacked, head_params, setup.xs, setup.extras, head_inputs)

@@ -109,7 +109,7 @@ def _forward_slot(layer_fn, slot, h, applied, extras, on, skip_empty: bool):
     ``slot`` returns the slot's parameters; with ``skip_empty`` it is read inside the `jax.lax.cond`'s branch.
     Computing every slot (``skip_empty`` False) counts the layer as applied whether or not it is kept.
     ``applied`` is an int32 count, or ``(count, objective)`` for a layer with an objective (`chunk_forward`):
-    then the layer returns ``(h, objective)`` and its float32 objective is added where the slot is on.
+    then the layer returns ``(h, objective)`` and its float32 objective ``[n]`` is added where the slot is on.
     """
     tally = isinstance(applied, tuple)
 
@@ -128,11 +128,17 @@ def _forward_slot(layer_fn, slot, h, applied, extras, on, skip_empty: bool):
     return jnp.where(on, new, h), counted
 
 
-def objective_tally(axes):
-    """The start of a chunk's count and objective for a layer with an objective: ``(0, 0.0)``, int32 varying
-    over ``stage`` and float32 varying over ``axes`` (the manual axes the objective's partial sums vary over:
-    ``stage`` and the batch axes)."""
-    return to_varying(jnp.zeros((), jnp.int32), ax.STAGE), to_varying(jnp.zeros((), jnp.float32), axes)
+def objective_tally(axes, size: int):
+    """The start of a chunk's count and objective for a layer with an objective of ``size`` entries: ``(0,
+    zeros [size])``, int32 varying over ``stage`` and float32 varying over ``axes`` (the manual axes the
+    objective's partial sums vary over: ``stage`` and the batch axes)."""
+    return to_varying(jnp.zeros((), jnp.int32), ax.STAGE), to_varying(jnp.zeros((size,), jnp.float32), axes)
+
+
+def objective_cotangent(size: int) -> jax.Array:
+    """The cotangent of a layer objective ``[size]`` where the loss is differentiated: 1 for its entry 0 (what
+    joins the loss), 0 for the statistics after it (`run_pipeline`'s ``objective``)."""
+    return jnp.zeros((size,), jnp.float32).at[0].set(1.0)
 
 
 def with_objective_cotangent(layer_fn, cotangent):
@@ -141,9 +147,10 @@ def with_objective_cotangent(layer_fn, cotangent):
     objective)`` at ``(g, cotangent)``, so the objective's gradient joins the layer's.
 
     Args:
-      layer_fn: the layer with an objective (a float32 scalar).
-      cotangent: float32 scalar, the cotangent of the summed objective (1 where the loss is differentiated
-        inside the pipeline, then scaled with it).
+      layer_fn: the layer with an objective (float32 ``[n]``: entry 0 joins the loss, the others are
+        statistics).
+      cotangent: float32 ``[n]``, the cotangent of the summed objective (`objective_cotangent` where the loss
+        is differentiated inside the pipeline, then scaled with it).
     """
 
     def layer(w, h, *extras):
@@ -192,7 +199,9 @@ def _backward_slot(layer_fn, slot, x, extras, on, g, acc, add, skip_empty: bool)
     return jnp.where(on, dh, g), add(acc, dw)
 
 
-def chunk_forward(layer_fn, params, r, h, extras, count, skip_empty: bool, save: bool, objective_axes=None):
+def chunk_forward(
+    layer_fn, params, r, h, extras, count, skip_empty: bool, save: bool, objective_axes=None, objective_size: int = 1
+):
     """Applies the first ``count`` of chunk ``r``'s ``K`` layers to ``h``; the other slots do nothing.
 
     Args:
@@ -206,8 +215,9 @@ def chunk_forward(layer_fn, params, r, h, extras, count, skip_empty: bool, save:
       skip_empty: run each slot under a `jax.lax.cond` (slots past ``count``
         are not computed); False computes every slot and selects.
       save: also return each slot's input (for the backward pass).
-      objective_axes: None, or the layer returns ``(h, objective)`` (a float32 scalar, this device's partial
-        sum) and the objectives of the slots computed are summed, varying over these manual axes.
+      objective_axes: None, or the layer returns ``(h, objective)`` (float32 ``[objective_size]``, this
+        device's partial sums) and the objectives of the slots computed are summed, varying over these manual
+        axes.
 
     Returns:
       ``(h, applied, inputs)``: the activations, the layers computed (int32; with ``objective_axes``,
@@ -216,7 +226,7 @@ def chunk_forward(layer_fn, params, r, h, extras, count, skip_empty: bool, save:
     """
     applied = to_varying(jnp.zeros((), jnp.int32), ax.STAGE)
     if objective_axes is not None:
-        applied = objective_tally(objective_axes)
+        applied = objective_tally(objective_axes, objective_size)
     if isinstance(params, Streamed):
         return params.forward(layer_fn, r, h, applied, extras, count, skip_empty, save)
     slots = jax.tree.leaves(params)[0].shape[1]

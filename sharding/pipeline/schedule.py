@@ -105,7 +105,9 @@ class _Schedule:
         return arrived, jnp.clip(j, 0, self.iterations - 1) % m
 
 
-def _pipeline_forward(layer_fn, plan: PipelinePlan, params, xs, extras, save: bool, objective_axes=None):
+def _pipeline_forward(
+    layer_fn, plan: PipelinePlan, params, xs, extras, save: bool, objective_axes=None, objective_size: int = 1
+):
     """All ``R*M + S - 1`` steps of one stage, forward.
 
     Args:
@@ -113,14 +115,14 @@ def _pipeline_forward(layer_fn, plan: PipelinePlan, params, xs, extras, save: bo
       xs: ``[M, microbatch, ...]`` all microbatches (stage-varying).
       extras: ``[M, microbatch, ...]`` side inputs.
       save: return the slot inputs of every step (for `_pipeline_backward`).
-      objective_axes: None, or the layer returns ``(h, objective)`` and the objectives are summed
-        (`program.chunk_forward`).
+      objective_axes: None, or the layer returns ``(h, objective)`` (float32 ``[objective_size]``) and the
+        objectives are summed (`program.chunk_forward`).
 
     Returns:
       ``(outputs, applied, objective, saved)``: ``[M, microbatch, ...]`` (the outputs on
       the last stage, zeros elsewhere), this device's layer applications
-      (int32), its summed objective (float32; None without ``objective_axes``) and, when ``save``,
-      ``[steps, K, microbatch, ...]`` slot inputs.
+      (int32), its summed objective (float32 ``[objective_size]``; None without ``objective_axes``) and, when
+      ``save``, ``[steps, K, microbatch, ...]`` slot inputs.
     """
     layout = plan.layout
     stages, repeats = layout.stages, layout.repeats
@@ -138,7 +140,16 @@ def _pipeline_forward(layer_fn, plan: PipelinePlan, params, xs, extras, save: bo
         inputs = jnp.where(stage == 0, first, state)
         count = jnp.where(valid, counts[r], 0)
         h, done, saved = chunk_forward(
-            layer_fn, params, r, inputs, index_tree(extras, mb), count, plan.skip_empty, save, objective_axes
+            layer_fn,
+            params,
+            r,
+            inputs,
+            index_tree(extras, mb),
+            count,
+            plan.skip_empty,
+            save,
+            objective_axes,
+            objective_size,
         )
         if objective_axes is not None:
             done, part = done
@@ -151,7 +162,9 @@ def _pipeline_forward(layer_fn, plan: PipelinePlan, params, xs, extras, save: bo
         return (received, circ, outputs, applied + done, objective), saved
 
     zeros = jnp.zeros_like(xs)
-    objective = None if objective_axes is None else to_varying(jnp.zeros((), jnp.float32), objective_axes)
+    objective = None
+    if objective_axes is not None:
+        objective = to_varying(jnp.zeros((objective_size,), jnp.float32), objective_axes)
     init = (
         zeros[0],
         zeros if repeats > 1 else None,
@@ -217,10 +230,10 @@ def _pipeline_backward(layer_fn, plan: PipelinePlan, params, extras, saved, g_ou
     return grads, g_xs
 
 
-def _pipeline_program(layer_fn, plan: PipelinePlan, par, weights: Weights, remat_policy=None, objective=False):
+def _pipeline_program(layer_fn, plan: PipelinePlan, par, weights: Weights, remat_policy=None, objective: int = 0):
     """``f(stacked [1, slots, ...], xs, extras) -> (outputs, applied, objective)`` for one stage, with its own
-    backward pass (``objective``: this device's summed layer objectives, float32, or None without ``objective``:
-    see `run_pipeline`).
+    backward pass (``objective``: this device's summed layer objectives, float32 ``[objective]``, or None
+    without one: see `run_pipeline`).
 
     The stage's weights are gathered once per step, outside the step loop, in the compute dtype
     (`Weights.gather`; the forward pass's copy is the backward pass's residual and lives through the
@@ -256,7 +269,7 @@ def _pipeline_program(layer_fn, plan: PipelinePlan, par, weights: Weights, remat
             layer = with_objective_cotangent(layer, cotangent)
         return fn(layer, plan, *args, **kwargs)
 
-    forward_args = {"objective_axes": vary} if objective else {}
+    forward_args = {"objective_axes": vary, "objective_size": objective} if objective else {}
 
     streamed = plan.gather == "microbatch"
 
@@ -295,7 +308,7 @@ def _pipeline_program(layer_fn, plan: PipelinePlan, par, weights: Weights, remat
 
 
 def _stage_program(
-    stacked, xs, extras, *, layer_fn, plan: PipelinePlan, par, weights: Weights, remat_policy=None, objective=False
+    stacked, xs, extras, *, layer_fn, plan: PipelinePlan, par, weights: Weights, remat_policy=None, objective: int = 0
 ):
     """One stage's program (inside shard_map, manual over ``stage`` and the batch axes).
 
@@ -308,7 +321,7 @@ def _stage_program(
       ``(ys, applied, objective)``: ``[M, microbatch / batch shards, ...]`` outputs of the last stage
       (summed over ``stage`` once, after the loop), ``[1]`` int32 layer
       applications of this device and, with ``objective``, the layers' objectives summed over every device
-      (float32; else None).
+      (float32 ``[objective]``; else None).
     """
     xs, extras = stage_varying(xs), to_varying(extras, ax.STAGE)
     program = _pipeline_program(layer_fn, plan, par, weights, remat_policy, objective)
@@ -327,7 +340,7 @@ def run_pipeline(
     *,
     names=None,
     remat_policy=None,
-    objective: bool = False,
+    objective: int = 0,
 ):
     """Runs a stacked layer function as a pipeline over the ``stage`` mesh axis.
 
@@ -357,10 +370,12 @@ def run_pipeline(
       remat_policy: a `jax.checkpoint` policy for each layer's own backward
         pass (None: none). The pipeline always saves only each layer's input
         and recomputes the layer in the backward pass (`_pipeline_program`).
-      objective: the layers have an objective: ``layer_fn`` is ``(par, layer_params, h, *extras, batch_axes)
-        -> (h, objective)``, ``objective`` a float32 scalar (this device's part of it) and ``batch_axes`` the
-        manual axes that split the microbatch's rows (over which a layer sums what it needs of the whole
-        microbatch). The objectives of every layer, microbatch and device are summed and differentiated.
+      objective: 0, or the layers have an objective of this many entries: ``layer_fn`` is ``(par,
+        layer_params, h, *extras, batch_axes) -> (h, objective)``, ``objective`` float32 ``[objective]`` (this
+        device's part of it) and ``batch_axes`` the manual axes that split the microbatch's rows (over which a
+        layer sums what it needs of the whole microbatch). The objectives of every layer, microbatch and
+        device are summed and differentiated; the caller adds entry 0 to its loss and may read the others as
+        statistics (their cotangent is 0 there).
 
     Returns:
       ``(y, applied)``: ``y`` ``[batch, ...]`` like ``x``, after all layers in
@@ -368,7 +383,7 @@ def run_pipeline(
       the forward layer applications each device of each stage computed
       (`PipelinePlan.layer_applications`: ``microbatches * stage_layers[s]``
       when empty slots are skipped; the backward pass skips the same slots). With ``objective``,
-      ``(y, applied, objective)``: the summed objective, a float32 scalar.
+      ``(y, applied, objective)``: the summed objective, float32 ``[objective]``.
 
     Raises:
       ValueError: no plan or no mesh; a ``stage`` axis other than the layout's;

@@ -23,9 +23,14 @@ class PipelineExecution(GradientStrategy):
     """One forward and backward pass of the whole batch under ``par``, whose strategy is the
     `sharding.pipeline.PipelinePlan` the model runs its layers by."""
 
+    reports_stats = True
+
     def gradients(self, loss_fn: LossFn, params, batch: dict, inputs=None):
-        (loss_sum, weight), grads = jax.value_and_grad(lambda p: loss_fn(p, batch, self.par), has_aux=True)(params)
-        return loss_sum, weight, grads, {}
+        (loss_sum, aux), grads = jax.value_and_grad(lambda p: loss_fn(p, batch, self.par), has_aux=True)(params)
+        if not isinstance(aux, tuple):
+            return loss_sum, aux, grads, {}
+        weight, stats = aux
+        return loss_sum, weight, grads, self.stats_metrics(stats, weight)
 
     def compiled_check(self) -> str | None:
         if not self.par.pipeline.skip_empty:
