@@ -200,7 +200,7 @@ def published_rows() -> list[Row]:
 def price(row: Row, options: planner.PlanOptions) -> tuple[planner.Plan | None, str]:
     """``(plan, layout)``: the first of the row's layouts that fits (else the last priced), as
     ``python -m train.plan --layout`` prices it."""
-    defaults = argparse.Namespace(dtype=options.dtype, attention="flash")
+    defaults = argparse.Namespace(dtype=options.dtype, attention="flash", batch=row.batch)
     options = dataclasses.replace(options, one_f_one_b_clock=row.one_f_one_b_clock)
     best, used = None, ""
     for text in row.layouts:

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from checkpoints.argparser import Parser
+from sharding.pipeline.storage import StageStorage, layout_from_meta
 
 
 def _resolve_dir(path: Path) -> Path:
@@ -111,11 +112,7 @@ def describe(directory: str | Path, step: int | None = None, deep: bool = False)
     if "rules" in meta:
         lines.append(f"  rules           {meta['rules'].get('name')}")
     if meta.get("pipeline"):
-        layout = meta["pipeline"]
-        lines.append(
-            f"  stage layout    {','.join(map(str, layout.get('stage_layers', [])))} layers per stage "
-            f"({layout.get('schedule')}); layer arrays are [stage, slot, ...], re-laid on resume"
-        )
+        lines.append(f"  stage layout    {stage_layout_line(meta['pipeline'])}")
     if "preset" in meta:
         lines.append(f"  model           {meta['preset']} {meta.get('model', {})}")
     if "data" in meta:
@@ -144,6 +141,26 @@ def build_parser() -> argparse.ArgumentParser:
         "those whose data does not decode",
     )
     return parser
+
+
+def stage_layout_line(pipeline: dict) -> str:
+    """What a checkpoint's ``pipeline`` metadata says of its layer arrays' leading dimension.
+
+    Args:
+      pipeline: the metadata's ``pipeline`` entry (`sharding.pipeline.StageStorage.to_meta`, or a padded
+        `sharding.pipeline.StageLayout.to_meta` of checkpoints saved before unpadded storage).
+
+    Returns:
+      E.g. ``'2,2 (1 chunk per stage); layer arrays are [rows, ...]: 8 rows over stage=2 x 4 devices
+      (unpadded), re-laid on resume'``.
+    """
+    stored = layout_from_meta(pipeline)
+    if isinstance(stored, StageStorage):
+        return (
+            f"{stored.layout.describe()}; layer arrays are [rows, ...]: {stored.rows} rows over "
+            f"stage={stored.stages} x {stored.groups} devices (unpadded), re-laid on resume"
+        )
+    return f"{stored.describe()}; layer arrays are [stage, slot, ...] (padded), re-laid on resume"
 
 
 def main(argv: list[str] | None = None) -> int:

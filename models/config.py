@@ -209,7 +209,10 @@ class ModelConfig:
         )
         for name, allowed in checks:
             if getattr(self, name) not in allowed:
-                raise ValueError(f"{name} {getattr(self, name)!r}: choose one of {', '.join(allowed)}")
+                raise ValueError(
+                    f"--set {name}={getattr(self, name)}: choose one of {', '.join(allowed)}; "
+                    f"e.g. --set {name}={next(iter(allowed))}"
+                )
 
         self._validate_moe()
 

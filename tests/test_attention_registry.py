@@ -125,7 +125,7 @@ def test_description_carries_every_records_traits():
 
 
 def test_config_validation_names_every_kernel():
-    with pytest.raises(ValueError, match="attention 'bogus': choose one of " + ", ".join(registry.names())):
+    with pytest.raises(ValueError, match="--set attention=bogus: choose one of " + ", ".join(registry.names())):
         get_config("test").replace(attention="bogus")
 
 

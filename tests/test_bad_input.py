@@ -83,7 +83,11 @@ CASES = [
     (["--set", "norm_eps=nan"], "--set norm_eps=nan: must be a finite number > 0", None),
     (["--set", "num_layers=0"], "--set num_layers=0: must be a positive integer", None),
     (["--set", "num_layer=2"], "unknown field 'num_layer'; e.g. --set num_layers=2 (fields are vocab_size,", None),
-    (["--set", "attention=bogus"], "attention 'bogus': choose one of " + ", ".join(attention_registry.names()), None),
+    (
+        ["--set", "attention=bogus"],
+        "--set attention=bogus: choose one of " + ", ".join(attention_registry.names()) + "; e.g. --set attention=",
+        None,
+    ),
     (["--seed", "-1"], "--seed -1: must be in 0..2147483647", None),
     (["--seed", "2147483648"], "--seed 2147483648: must be in 0..", None),
     (["--decay-steps", "0"], "--decay-steps 0: must be a positive number of steps", None),

@@ -388,7 +388,7 @@ def test_objective_adds_the_weighted_router_losses():
         ({"experts_per_token": 9}, "--set experts_per_token=9: must be between 1 and num_experts=8"),
         ({"moe_every": 4}, "--set moe_every=4: does not divide"),
         ({"first_dense_layers": 3}, "--set first_dense_layers=3: leaves no mixture-of-experts layer"),
-        ({"router": "relu"}, "router 'relu': choose one of softmax, sigmoid"),
+        ({"router": "relu"}, "--set router=relu: choose one of softmax, sigmoid; e.g. --set router=softmax"),
         ({"capacity_factor": -1.0}, "--set capacity_factor=-1.0: must be a finite number >= 0"),
     ],
 )

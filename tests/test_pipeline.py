@@ -168,6 +168,23 @@ def test_an_old_padded_layout_and_the_unpadded_storage_round_trip_through_the_ca
     assert layout_from_meta(layout.to_meta()) == layout  # checkpoints saved before: the padded layout
 
 
+def test_inspect_names_the_leading_dimension_a_checkpoint_stores():
+    """`checkpoints.inspect` reads a pipelined checkpoint's layout from its metadata: unpadded rows (their
+    count, the stage's devices they spread over), or the padded ``[stage, slot, ...]`` of older ones."""
+    from checkpoints.inspect import stage_layout_line
+
+    layout, _ = pl.plan_layout(12, 4, 1, (5, 3, 2, 2))
+    storage = StageStorage(layout, 2)
+    assert stage_layout_line(storage.to_meta()) == (
+        f"5,3,2,2 (1 chunk per stage); layer arrays are [rows, ...]: {storage.rows} rows over stage=4 x 2 devices "
+        "(unpadded), re-laid on resume"
+    )
+    assert storage.rows == 16  # 4 stages x 2 devices x ceil(12 / 8) = 2 rows
+    assert stage_layout_line(layout.to_meta()) == (
+        "5,3,2,2 (1 chunk per stage); layer arrays are [stage, slot, ...] (padded), re-laid on resume"
+    )
+
+
 # The pipeline on a toy layer (sharding only) ----------------------------------------------
 
 

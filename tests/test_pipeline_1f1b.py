@@ -712,8 +712,9 @@ def test_dry_run_reports_the_1f1b_schedule(capsys):
                 "--microbatches",
                 "3",
             ],
-            "--microbatches 3: interleaved 1F1B (--pipeline-repeats 2) needs a multiple of the 2 stages, e.g. "
-            "--microbatches 4",
+            # 4 would leave 2 sequences per microbatch for fsdp=4: the value named also splits --batch-size 8
+            "--microbatches 3: interleaved 1F1B (--pipeline-repeats 2) needs a multiple of the 2 stages; use "
+            "--microbatches 2",
         ),
         (["--mesh", "fsdp=8", "--pipeline-schedule", "1f1b"], "--pipeline-schedule 1f1b needs a pipeline"),
         # auto prices GPipe's stages (each with a share of the head); its example fits this 4-layer model
@@ -739,6 +740,24 @@ def test_bad_1f1b_flags_fail_before_compiling_with_the_flags_named(args, message
     code = train.main(["--model", "test", "--microbatches", "2", "--batch-size", "8", "--dry-run", *args])
     err = capsys.readouterr().err
     assert code == 2 and message in err, err
+
+
+@pytest.mark.parametrize(
+    "microbatches, stages, batch, data_parallel, repeats",
+    [(3, 2, 8, 4, 2), (3, 2, 12, 4, 2), (5, 4, 32, 2, 2), (1, 2, 8, 4, 1), (2, 4, 4, 2, 1), (6, 4, 48, 1, 3)],
+)
+def test_the_microbatches_a_pipeline_error_suggests_pass_it_and_split_the_batch(
+    microbatches, stages, batch, data_parallel, repeats
+):
+    """The suggested ``--microbatches`` (and ``--batch-size`` where none divides it) passes this check and
+    the batch check after it (M divides the batch, data x fsdp x expert each microbatch)."""
+    with pytest.raises(ValueError) as info:
+        pl.check_microbatches(microbatches, stages, batch, data_parallel, repeats)
+    hint = re.search(r"use --microbatches (\d+)(?: --batch-size (\d+))?$", str(info.value))
+    assert hint, info.value
+    m, b = int(hint[1]), int(hint[2] or batch)
+    pl.check_microbatches(m, stages, b, data_parallel, repeats)
+    assert b % m == 0 and (b // m) % data_parallel == 0, (m, b)
 
 
 def test_dry_run_reports_interleaved_1f1b(capsys):

@@ -76,6 +76,12 @@ def test_json_fields_are_present_and_typed(capsys):
         ("--mesh fsdp=8 --steps 3", "--steps"),
         ("--mesh fsdp=8 --hetero-batch auto", "--hetero-batch"),
         ("--mesh fsdp=8 --microbatches 'unclosed", "--layout"),
+        # the pipeline's microbatches, checked as train.train checks them: the value named splits --batch 32
+        (
+            "--mesh stage=2,fsdp=4 --pipeline-schedule 1f1b --pipeline-repeats 2 --microbatches 3",
+            "needs a multiple of the 2 stages; use --microbatches 2",
+        ),
+        ("--mesh stage=4,fsdp=2 --microbatches 2", "fewer microbatches than the 4 pipeline stages"),
     ],
 )
 def test_a_bad_layout_is_one_line_naming_it_and_exits_2(capsys, layout, names):

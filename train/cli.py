@@ -25,7 +25,6 @@ from sharding.pipeline import (
     SCHEDULES,
     PipelinePlan,
     example_split,
-    one_f_one_b_ticks,
     parse_stage_layers,
     pipeline_rules,
     plan_layout,
@@ -850,8 +849,6 @@ def pipeline_plan(args, stages: int, num_layers: int) -> PipelinePlan:
     layout, _ = plan_layout(
         num_layers, stages, repeats, None if measure else parse_stage_layers(args.stage_layers, num_layers, stages)
     )
-    if one_f_one_b and repeats > 1 and args.microbatches >= stages:
-        one_f_one_b_ticks(stages, args.microbatches, repeats)  # interleaved: M a multiple of S, else a ValueError
     return PipelinePlan(
         layout,
         args.microbatches,

@@ -43,6 +43,7 @@ from sharding import planner
 from sharding.devices import inventory_from_flag
 from sharding.mesh import format_mesh
 from sharding.modeldesc import ModelDescription
+from sharding.pipeline import check_microbatches
 from train.config import RunConfig
 from train.flags import parallelism_flags
 
@@ -270,7 +271,8 @@ def given_layout(text: str, num_layers: int, num_devices: int, defaults: argpars
       text: The flags in one string, e.g. ``"--mesh data=8,tensor=4 --rules tp --microbatches 4"``.
       num_layers: The model's layers (for the stage split).
       num_devices: The cluster's devices (``--mesh`` may hold one ``-1``).
-      defaults: ``python -m train.plan``'s namespace: ``--dtype`` and ``--attention`` where the layout gives none
+      defaults: ``python -m train.plan``'s namespace: ``--batch`` (the pipeline's microbatches must split it),
+        ``--dtype`` and ``--attention`` where the layout gives none
         (``any`` attention: ``flash``); remat defaults to ``none``.
 
     Returns:
@@ -280,7 +282,8 @@ def given_layout(text: str, num_layers: int, num_devices: int, defaults: argpars
     Raises:
       ValueError: One line naming ``--layout``: an unknown or malformed flag, a flag that is not a layout's,
         a mesh that does not cover the devices, ``--hetero-batch auto``/``kinds``, ``--stage-layers auto`` or
-        ``--context-shares auto`` (give the counts or shares), or a value the cost model does not price.
+        ``--context-shares auto`` (give the counts or shares), pipeline microbatches that --batch or the
+        stages refuse (`sharding.pipeline.check_microbatches`), or a value the cost model does not price.
     """
     from models.attention import check_context_shares
     from sharding.mesh import parse_mesh
@@ -308,6 +311,16 @@ def given_layout(text: str, num_layers: int, num_devices: int, defaults: argpars
     try:
         par = cli.parallelism_from_args(args, num_layers)
         mesh = parse_mesh(args.mesh, num_devices)
+        if par.pipeline is not None:  # train.train checks these with the run (`PipelineExecution.check_run_batch`)
+            pipe = par.pipeline
+            check_microbatches(
+                pipe.microbatches,
+                pipe.layout.stages,
+                defaults.batch,
+                par.replace(mesh_shape=mesh).data_parallel,
+                pipe.layout.repeats if pipe.one_f_one_b else 1,
+                batch_flag="--batch",
+            )
     except ValueError as e:
         raise ValueError(f"--layout: {e}") from None
     if par.context_shares == "auto":

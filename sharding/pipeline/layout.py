@@ -408,31 +408,54 @@ class PipelinePlan:
         return tuple(self.microbatches * n for n in self.layout.stage_layers)
 
 
-def check_microbatches(microbatches: int, stages: int, batch_size: int, data_parallel: int) -> None:
+def check_microbatches(
+    microbatches: int,
+    stages: int,
+    batch_size: int,
+    data_parallel: int,
+    interleaved_repeats: int = 1,
+    batch_flag: str = "--batch-size",
+) -> None:
     """Pipeline microbatch checks, before any compilation.
+
+    The value suggested also splits the batch (``--batch-size`` over M microbatches, each over
+    ``data_parallel``), so the check of the batch that follows accepts it.
 
     Args:
       microbatches: M (``--microbatches``).
       stages: S.
       batch_size: the global batch (``--batch-size``).
-      data_parallel: the mesh's ``data x fsdp``; each microbatch must split over it.
+      data_parallel: the mesh's ``data x fsdp x expert``; each microbatch must split over it.
+      interleaved_repeats: R of interleaved 1F1B (``--pipeline-repeats`` with a 1F1B schedule), whose
+        order moves microbatches in groups of S (Narayanan et al., SC'21, section 2.2), so M must be a
+        multiple of S; 1 for every other schedule.
+      batch_flag: the flag of the batch in the suggestion (``--batch`` for the planner).
 
     Raises:
-      ValueError: M < S (the ring would wait for a microbatch that does not
-        exist), naming ``--microbatches`` and a value that works.
+      ValueError: M < S (the ring would wait for a microbatch that does not exist), or interleaved 1F1B's
+        M not a multiple of S, naming ``--microbatches`` and a value that works.
     """
-    if microbatches >= stages:
+    multiple = stages if interleaved_repeats > 1 else 1
+    if microbatches >= stages and microbatches % multiple == 0:
         return
-    good = [m for m in range(stages, batch_size + 1) if batch_size % m == 0 and (batch_size // m) % data_parallel == 0]
+    good = [
+        m
+        for m in range(stages, batch_size + 1)
+        if m % multiple == 0 and batch_size % m == 0 and (batch_size // m) % data_parallel == 0
+    ]
     hint = (
         f"--microbatches {good[0]}"
         if good
-        else f"--microbatches {stages} --batch-size {stages * data_parallel * max(1, batch_size // (stages * data_parallel))}"
+        else f"--microbatches {stages} {batch_flag} {stages * data_parallel * max(1, batch_size // (stages * data_parallel))}"
     )
-    raise ValueError(
-        f"--microbatches {microbatches}: fewer microbatches than the {stages} pipeline stages (--mesh stage={stages}); "
-        f"every stage needs a microbatch in flight; use {hint}"
-    )
+    if microbatches < stages:
+        why = (
+            f"fewer microbatches than the {stages} pipeline stages (--mesh stage={stages}); every stage needs a "
+            "microbatch in flight"
+        )
+    else:
+        why = f"interleaved 1F1B (--pipeline-repeats {interleaved_repeats}) needs a multiple of the {stages} stages"
+    raise ValueError(f"--microbatches {microbatches}: {why}; use {hint}")
 
 
 def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:

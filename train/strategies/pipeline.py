@@ -58,13 +58,22 @@ class PipelineExecution(GradientStrategy):
         return lines + [report.head_line(trainer, run.data.batch_size)]
 
     @classmethod
-    def check_run(cls, run) -> None:
-        """Raises ValueError for fewer pipeline microbatches than stages (`sharding.pipeline.check_microbatches`)."""
+    def check_run_batch(cls, run) -> None:
+        """The pipeline's microbatches against its stages (`sharding.pipeline.check_microbatches`), then the
+        batch against them: checked in that order, the value the first suggests also splits the batch.
+
+        Raises:
+          ValueError: Fewer microbatches than stages, interleaved 1F1B's not a multiple of the stages, or a
+            ``--batch-size`` that ``--microbatches`` or data x fsdp x expert does not divide.
+        """
         from sharding.pipeline import check_microbatches
+        from train.checks import check_even_batch
 
         par = run.parallelism
         plan = par.pipeline
-        check_microbatches(plan.microbatches, plan.layout.stages, run.data.batch_size, par.data_parallel)
+        repeats = plan.layout.repeats if plan.one_f_one_b else 1
+        check_microbatches(plan.microbatches, plan.layout.stages, run.data.batch_size, par.data_parallel, repeats)
+        check_even_batch(run)
 
     @classmethod
     def resolve(cls, config, par: Parallelism, log):
