@@ -119,6 +119,7 @@ def case_id(case) -> str:
         stages, repeats = case[7:9]
         out += f"-{','.join(map(str, stages)) if stages else 'even'}-R{repeats}"
         out += f"-{schedule_of(case)}" if len(case) > 9 else ""
+        out += f"-gather-{gather_of(case)}" if len(case) > 10 else ""
     return out
 
 
@@ -126,6 +127,11 @@ def schedule_of(case) -> str:
     """A pipeline case's ``--pipeline-schedule``: the one it names (``1f1b``, ``1f1b-fused``, ``zb``), else
     gpipe/circular by repeats."""
     return case[9] if len(case) > 9 else ("circular" if case[8] > 1 else "gpipe")
+
+
+def gather_of(case) -> str:
+    """A pipeline case's ``--pipeline-gather``: the one it names as an eleventh field, else ``once``."""
+    return case[10] if len(case) > 10 else "once"
 
 
 def shares_of(case) -> tuple[int, ...] | None:
@@ -151,6 +157,7 @@ def _strategy(case, config, mesh):
         one_f_one_b=schedule in ("1f1b", "1f1b-fused", "zb"),
         fused=schedule == "1f1b-fused",
         zero_bubble=schedule == "zb",
+        gather=gather_of(case),
     )
 
 

@@ -115,10 +115,14 @@ class Param:
         return dataclasses.replace(self, **changes)
 
     def copies(self, num_layers: int) -> int:
-        """How many arrays of ``shape`` the model holds: the layers of its stack, or 1."""
+        """How many arrays of ``shape`` the model holds among ``num_layers`` of its layers: 1 for a parameter
+        outside the layers; for a stack over every layer ``num_layers``; for a stack over some of them (a
+        mixture of experts' layers, its dense layers) its ``stack`` layers, at most ``num_layers`` (0 for
+        the head of a pipeline, which runs no layer; a stage's own layers where every layer is a mixture,
+        as pipelines require)."""
         if not self.per_layer:
             return 1
-        return num_layers if self.stack is None else self.stack
+        return num_layers if self.stack is None else min(self.stack, num_layers)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -261,11 +261,13 @@ def _storage_axes_cached(model: ModelDescription, rules: Rules, mesh_items: tupl
 
 def _stage_folded(model: ModelDescription, layout: Layout, rules: Rules) -> tuple[Layout, dict[str, _Placed]]:
     """The head's layout: the mesh with ``stage`` folded into ``fsdp`` (the head's rows are split over both,
-    `head_parallelism`, and the non-layer parameters stored over both, `spread_over_stage`), one microbatch."""
+    `head_parallelism`, and the non-layer parameters stored over both, `spread_over_stage`), one microbatch,
+    the loss gathered (`sharding.vocab.vocab_split` gives a pipeline's loss no vocabulary-parallel split)."""
     mesh = layout.mesh
     flat = dataclasses.replace(
         layout,
         mesh={**mesh, ax.STAGE: 1, ax.FSDP: mesh[ax.FSDP] * mesh[ax.STAGE]},
+        logits="gathered",
         microbatches=1,
         stage_layers=None,
         pipeline_repeats=1,
