@@ -232,7 +232,8 @@ def describe(config: ModelConfig) -> ModelDescription:
 def _feed_forward_products(config: ModelConfig, by_path: dict[str, Param]) -> list[Product]:
     """The feed-forward products of one layer, averaged over the layers: a dense model's SwiGLU; for a
     mixture of experts the dense layers' SwiGLU (share: their fraction of the layers), and the router,
-    shared experts (share: the mixtures' fraction) and routed experts (times ``k / E``)."""
+    shared experts (share: the mixtures' fraction) and routed experts (times ``k / E``; grouped products over
+    the ``E`` experts, `models.moe.expert_outputs`)."""
     if not config.is_moe:
         prefixes = (("layers/mlp", 1.0),)
     else:
@@ -248,12 +249,13 @@ def _feed_forward_products(config: ModelConfig, by_path: dict[str, Param]) -> li
             Product(by_path[f"{prefix}/down"], (0,), recomputed=False, share=share),
         ]
     if config.is_moe:
-        routed = moe * config.experts_per_token / config.num_experts
+        routed, e = moe * config.experts_per_token / config.num_experts, config.num_experts
         out += [
             Product(by_path["layers/moe/router"], (0,), share=moe),
-            Product(by_path["layers/moe/gate"], (1,), share=routed),
-            Product(by_path["layers/moe/up"], (1,), share=routed),
-            Product(by_path["layers/moe/down"], (1,), recomputed=False, share=routed),
+            Product(by_path["layers/moe/gate"], (1,), share=routed, groups=e),
+            Product(by_path["layers/moe/up"], (1,), share=routed, groups=e),
+            # recomputed: its output, times the combine weight, gives that weight's (the router's) gradient
+            Product(by_path["layers/moe/down"], (1,), share=routed, groups=e),
         ]
     return out
 

@@ -137,12 +137,17 @@ class Product:
       share: The fraction of the weight one token of one layer multiplies, on average over the layers:
         1 for a dense product; for a mixture of experts' stacked expert weights ``[expert, ...]``,
         ``k / E`` (a token meets k of the E experts) times the fraction of layers that are mixtures.
+      groups: 1 for a plain product. For a grouped product (`jax.lax.ragged_dot`, each row multiplied by
+        one of the weight's ``groups`` slices along its ``expert`` dimension), the slices: a backend that
+        lowers it densely multiplies every row by all of them, ``groups`` times the FLOPs ``share`` counts
+        (`sharding.costmodel.flops.DENSE_GROUPED_BACKENDS`).
     """
 
     weight: Param
     contract: tuple[int, ...]
     recomputed: bool = True
     share: float = 1.0
+    groups: int = 1
 
     @property
     def in_axes(self) -> tuple[str, ...]:
