@@ -185,6 +185,12 @@ class ExpertGeometry:
     experts_per_token: int
     capacity_factor: float = 0.0
 
+    def pipelined(self, num_layers: int) -> bool:
+        """Whether pipeline stages may run the mixture of a model of ``num_layers`` layers: every layer one
+        (stages run one stack of like blocks) and dropless (a capacity counts one device's rows, which the
+        stages split differently), the rule ``train.checks.check_experts`` enforces on a run."""
+        return self.layers == num_layers and not self.capacity_factor
+
     def dispatch(self, expert_split: int) -> str:
         """The dispatch over ``expert_split`` devices (`expert_dispatch`)."""
         return expert_dispatch(self.capacity_factor, self.experts_per_token, expert_split)

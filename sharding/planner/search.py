@@ -45,9 +45,10 @@ def _factorizations(n: int, parts: int) -> Iterator[tuple[int, ...]]:
 def _meshes(model: ModelDescription, cluster: _Cluster, options: PlanOptions) -> Iterator[dict[str, int]]:
     """Mesh shapes: tensor and sequence groups inside a host; the model's ``heads``, ``mlp`` and
     ``vocab`` divisible by ``tensor``. With ``options.sequence``, the length split over ``sequence``
-    (inside a host) and ``context`` (which may span hosts). For a mixture of experts, no pipeline stages,
+    (inside a host) and ``context`` (which may span hosts). For a mixture of experts, pipeline stages only
+    where a run allows them (`sharding.modeldesc.ExpertGeometry.pipelined`: every layer a mixture, dropless),
     and besides each mesh its variants with ``expert`` = e taken from ``fsdp`` (e dividing ``fsdp`` and the
-    experts)."""
+    experts; inside a stage ``expert`` splits the experts' storage, each device computing all of them)."""
     shapes = (
         _factorizations(cluster.size, 6)
         if options.sequence
@@ -77,7 +78,7 @@ def _meshes(model: ModelDescription, cluster: _Cluster, options: PlanOptions) ->
         if model.experts is None:
             yield mesh
             continue
-        if stage > 1:  # a mixture of experts runs without pipeline stages
+        if stage > 1 and not model.experts.pipelined(model.num_layers):
             continue
         yield mesh
         # Expert parallelism borrows devices of fsdp (torchtitan's rule): expert=e divides the experts.
