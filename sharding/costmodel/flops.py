@@ -110,7 +110,7 @@ def _per_token_flops(
     costs every group's product per row on `DENSE_GROUPED_BACKENDS`."""
     mesh = layout.mesh
     compute_axes = tuple(a for a in mesh if a not in ax.BATCH_MESH_AXES)  # gathered axes do not split work
-    dense_groups = backend in DENSE_GROUPED_BACKENDS
+    dense_groups = backend in DENSE_GROUPED_BACKENDS and not _batched_experts(model, layout)
 
     def forward(product: Product) -> float:
         groups = product.groups if dense_groups else 1
@@ -152,6 +152,15 @@ def _per_token_flops(
         "logits": 3.0 * logits_fwd,
         "elem_loss": (1.0 + ELEMENTWISE_BACKWARD_FACTOR) * _per_token(model, "loss_elementwise", rules, mesh, 0.0),
     }
+
+
+def _batched_experts(model: ModelDescription, layout: Layout) -> bool:
+    """Whether the experts' products run as batched products over fixed buffers (the all-to-all dispatch with
+    a capacity, `models.moe`, outside pipeline stages) rather than grouped ones (`jax.lax.ragged_dot`)."""
+    experts = model.experts
+    return (
+        experts is not None and layout.mesh[ax.STAGE] == 1 and experts.dispatch(layout.mesh[ax.EXPERT]) == "all_to_all"
+    )
 
 
 def _busiest_ring_share(kernel: AttentionTraits, layout: Layout) -> float:
