@@ -56,11 +56,13 @@ BENCH_ONLY = [
 
 
 # Pipelines (sharding/pipeline/schedule.py, onef1b.py): (model, mesh, rules, batch, seq_len, microbatches,
-# remat, stage_layers, repeats[, schedule]). Stage 2 and 4, GPipe, circular (2 repeats), 1F1B (lockstep, fused,
+# remat, stage_layers, repeats[, schedule[, gather]]). Stage 2 and 4, GPipe, circular (2 repeats), 1F1B (lockstep, fused,
 # zero bubble: their tick tables' trip counts fold into the product FLOPs), uneven (3,1
 # and 3,3,1,1, the shape of the 7B's 10,10,6,6) and even splits, over fsdp and data. The compiled program counts a
 # conditional's branch on every loop trip, so these are predicted with ``skip_empty=False`` (every
 # slot of every step); `PipelinePlan.layer_applications` gives what the skipping program runs.
+_MOE = "moe-test+first_dense_layers=0"  # a pipeline runs a mixture of experts whose every layer is one
+
 PIPELINE_GRID = [
     ("test", "stage=2,fsdp=4", "fsdp", 16, 32, 4, "none", (3, 1), 1),
     ("test", "stage=2,fsdp=4", "fsdp", 16, 32, 4, "none", None, 2),
@@ -72,6 +74,13 @@ PIPELINE_GRID = [
     ("test", "stage=2,fsdp=4", "fsdp", 16, 32, 4, "none", (3, 1), 1, "1f1b-fused"),
     ("test", "stage=2,fsdp=4", "fsdp", 16, 32, 4, "none", (3, 1), 1, "zb"),
     ("test+num_layers=8", "stage=4,fsdp=2", "fsdp", 16, 32, 4, "none", (3, 3, 1, 1), 1, "zb"),
+    # Mixtures of experts inside the stages (every layer one; each device runs its stage's experts, gathered
+    # like the other weights): fsdp, and the experts stored over expert; GPipe and 1F1B, the weights gathered
+    # once or per microbatch (an eleventh field), each pair of those choices once.
+    (_MOE, "stage=2,fsdp=4", "fsdp", 8, 32, 2, "none", None, 1, "gpipe", "once"),
+    (_MOE, "stage=2,fsdp=4", "fsdp", 8, 32, 2, "none", None, 1, "1f1b", "microbatch"),
+    (_MOE, "stage=2,expert=2,fsdp=2", "fsdp", 8, 32, 2, "none", None, 1, "1f1b", "once"),
+    (_MOE, "stage=2,expert=2,fsdp=2", "fsdp", 8, 32, 2, "none", None, 1, "gpipe", "microbatch"),
 ]
 
 # Context parallelism (the length split over ``context`` x ``sequence``): ring, all-to-all and USP attention,
@@ -119,6 +128,7 @@ def case_id(case) -> str:
         stages, repeats = case[7:9]
         out += f"-{','.join(map(str, stages)) if stages else 'even'}-R{repeats}"
         out += f"-{schedule_of(case)}" if len(case) > 9 else ""
+        out += f"-gather-{gather_of(case)}" if len(case) > 10 else ""
     return out
 
 
@@ -126,6 +136,11 @@ def schedule_of(case) -> str:
     """A pipeline case's ``--pipeline-schedule``: the one it names (``1f1b``, ``1f1b-fused``, ``zb``), else
     gpipe/circular by repeats."""
     return case[9] if len(case) > 9 else ("circular" if case[8] > 1 else "gpipe")
+
+
+def gather_of(case) -> str:
+    """A pipeline case's ``--pipeline-gather``: the one it names as an eleventh field, else ``once``."""
+    return case[10] if len(case) > 10 else "once"
 
 
 def shares_of(case) -> tuple[int, ...] | None:
@@ -151,6 +166,7 @@ def _strategy(case, config, mesh):
         one_f_one_b=schedule in ("1f1b", "1f1b-fused", "zb"),
         fused=schedule == "1f1b-fused",
         zero_bubble=schedule == "zb",
+        gather=gather_of(case),
     )
 
 

@@ -285,11 +285,13 @@ def _storage_axes_cached(model: ModelDescription, rules: Rules, mesh_items: tupl
 
 def _stage_folded(model: ModelDescription, layout: Layout, rules: Rules) -> tuple[Layout, dict[str, _Placed]]:
     """The head's layout: the mesh with ``stage`` folded into ``fsdp`` (the head's rows are split over both,
-    `head_parallelism`, and the non-layer parameters stored over both, `spread_over_stage`), one microbatch."""
+    `head_parallelism`, and the non-layer parameters stored over both, `spread_over_stage`), one microbatch,
+    the loss gathered (`sharding.vocab.vocab_split` gives a pipeline's loss no vocabulary-parallel split)."""
     mesh = layout.mesh
     flat = dataclasses.replace(
         layout,
         mesh={**mesh, ax.STAGE: 1, ax.FSDP: mesh[ax.FSDP] * mesh[ax.STAGE]},
+        logits="gathered",
         microbatches=1,
         stage_layers=None,
         pipeline_repeats=1,
@@ -396,11 +398,18 @@ def _pipeline_embedding_comms(
     rematerialization"), the tokens gathered over and sent across ``stage``, and the looked-up rows
     ``[rows, T, D]`` (float32) moved to the batch layout by an all-to-all over ``fsdp`` and back.
     Other splits: priced as without stages on the mesh with ``stage`` folded into ``fsdp``
-    (`_embedding_comms`), not checked against the compiler.
+    (`_embedding_comms`), not checked against the compiler. On a mixture of experts' mesh the table's
+    ``embed`` is split over ``fsdp`` and ``expert``, adjacent in the mesh: priced as one ``fsdp`` of their
+    product (as `sharding.costmodel.partitioner._zero_groups` prices the weights outside the experts;
+    checked on ``stage=2,expert=2,fsdp=2``).
     """
     embedding = model.with_role("embedding")
     if embedding is None:
         return []
+    if layout.mesh[ax.EXPERT] > 1:
+        mesh = layout.mesh
+        layout = dataclasses.replace(layout, mesh={**mesh, ax.FSDP: mesh[ax.FSDP] * mesh[ax.EXPERT], ax.EXPERT: 1})
+        placed = _place_cached(model, layout.rules_table(), tuple(layout.mesh.items()))
     mesh = layout.mesh
     table = placed[embedding.path]
     if mesh[ax.DATA] > 1 or mesh[ax.FSDP] <= 1 or _table_split(table) != (1, mesh[ax.FSDP]):
@@ -463,7 +472,8 @@ def _pipeline_head_comms_cached(
     GPipe/circular: the head runs under `head_parallelism` outside the pipeline, as the step without
     stages on the mesh with ``stage`` folded into ``fsdp`` prices it (`_comms`, the head's rows). 1F1B:
     its weights are gathered explicitly once per step (`sharding.pipeline.onef1b`), each over ``stage``
-    (to ``1/f`` of it) and over ``fsdp`` (whole), its gradients reduce-scattered over ``fsdp`` and
+    (to ``1/f`` of it) and over the ``f`` devices of the batch axes its rules split it over (``fsdp``, and
+    ``expert`` for a mixture of experts' mesh) to whole, its gradients reduce-scattered over those and
     summed over ``stage``.
     """
     layout = Layout(dict(mesh_items), rules, remat=remat, attention=attention, dtype=dtype, logits=logits)
@@ -492,15 +502,18 @@ def _pipeline_head_comms_cached(
                 )
         return tuple(comms)
     mesh, comms = layout.mesh, []
-    f, stages = mesh[ax.FSDP], mesh[ax.STAGE]
-    for p in flat_placed.values():
+    stages = mesh[ax.STAGE]
+    for p in _place_cached(model, rules, mesh_items).values():
         if p.param.per_layer or p.param.role == "embedding":
             continue
+        # split over fsdp, and over expert too where the rules put the weight's embed there (a MoE's mesh)
+        axes = tuple(a for a in (ax.FSDP, ax.EXPERT) if p.factor(a) > 1) or (ax.FSDP,)
+        f = p.factor(*axes)
         whole, what = p.param.size * _PARAM_BYTES, p.param.path
         comms += [
             Comm("all-gather", (ax.STAGE,), stages, whole / f, 1, f"gather {what} over stage"),
-            Comm("all-gather", (ax.FSDP,), f, whole, 1, f"gather {what}"),
-            Comm("reduce-scatter", (ax.FSDP,), f, whole / f, 1, f"gradient of {what}"),
+            Comm("all-gather", axes, f, whole, 1, f"gather {what}"),
+            Comm("reduce-scatter", axes, f, whole / f, 1, f"gradient of {what}"),
             Comm("all-reduce", (ax.STAGE,), stages, whole / f, 1, f"gradient of {what} over stage"),
         ]
     return tuple(comms)
