@@ -120,7 +120,7 @@ class _Pipe:
     def slot_runs(self) -> float:
         """Slots one chunk pass gathers one at a time (the feature-split storage): the chunk's layers when empty
         slots are skipped (each slot's gather sits in its conditional), else every position."""
-        return self.layers / self.repeats if self.skip_empty else self.blocks * self.segment
+        return self.layers / self.repeats if self.skip_empty else self.positions
 
     @property
     def backward_gathers(self) -> int:
@@ -154,6 +154,14 @@ class _Pipe:
         return max(-(-(r + 1) * k // g) - (r * k) // g for r in range(self.repeats))
 
     @property
+    def positions(self) -> int:
+        """P = ``n * B``, slot positions one chunk pass runs (`sharding.pipeline.program.Streamed.positions`):
+        ``K'`` but with ``gather`` ``microbatch``, whose blocks of ``B`` slots cover the chunk and the positions
+        past it (e.g. ``K' = 2`` layers over ``B = 4`` devices: one block of 4 positions, 2 of them empty,
+        each computed when empty slots are not skipped)."""
+        return self.blocks * self.segment
+
+    @property
     def passes(self) -> int:
         """Chunk passes per step that gather their blocks (``gather`` ``microbatch``), of each kind (forward,
         backward; zero bubble's input and weight gradients apart): ``R*M`` each when idle passes are skipped,
@@ -173,10 +181,10 @@ class _Pipe:
     @property
     def applications(self) -> int:
         """Forward layer applications of this device per step (`PipelinePlan.layer_applications`):
-        ``M * layers`` when empty slots and bubbles are skipped, else every slot of every step (1F1B:
-        every tick, as the compiled program's trip counts say: its forward and backward branches are
-        each counted on every tick)."""
-        return self.micro * self.layers if self.skip_empty else self.steps * self.chunk_slots
+        ``M * layers`` when empty slots and bubbles are skipped, else every slot position of every step
+        (`positions`; 1F1B: every tick, as the compiled program's trip counts say: its forward and backward
+        branches are each counted on every tick)."""
+        return self.micro * self.layers if self.skip_empty else self.steps * self.positions
 
     @property
     def saved_inputs(self) -> int:
