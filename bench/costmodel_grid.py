@@ -74,6 +74,10 @@ PIPELINE_GRID = [
     ("test", "stage=2,fsdp=4", "fsdp", 16, 32, 4, "none", (3, 1), 1, "1f1b-fused"),
     ("test", "stage=2,fsdp=4", "fsdp", 16, 32, 4, "none", (3, 1), 1, "zb"),
     ("test+num_layers=8", "stage=4,fsdp=2", "fsdp", 16, 32, 4, "none", (3, 3, 1, 1), 1, "zb"),
+    # The weights gathered per microbatch (an eleventh field): a chunk pass runs blocks of G = 4 slot
+    # positions (2 or 3 layers, the rest empty), and recomputes each block's other inputs in the backward.
+    ("test", "stage=2,fsdp=4", "fsdp", 16, 32, 4, "none", None, 1, "1f1b", "microbatch"),
+    ("test", "stage=2,fsdp=4", "fsdp", 16, 32, 4, "none", (3, 1), 1, "1f1b", "microbatch"),
     # Mixtures of experts inside the stages (every layer one; each device runs its stage's experts, gathered
     # like the other weights): fsdp, and the experts stored over expert; GPipe and 1F1B, the weights gathered
     # once or per microbatch (an eleventh field), each pair of those choices once.

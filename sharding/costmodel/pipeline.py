@@ -48,6 +48,7 @@ from sharding.costmodel.layout import (
 from sharding.costmodel.memory import Memory, _memory
 from sharding.costmodel.partitioner import _comms
 from sharding.modeldesc import ModelDescription
+from sharding.parallel import spec_axes
 from sharding.pipeline.layout import plan_layout
 from sharding.pipeline.storage import spread_over_stage, storage_axes
 from sharding.rules import Rules, logical_to_spec
@@ -527,6 +528,24 @@ def _pipeline_head_comms_cached(
     return tuple(comms)
 
 
+def _feature_hops(
+    p: _Placed, rules: Rules, mesh: Mapping[str, int], axes: tuple[str, ...]
+) -> tuple[tuple[tuple[str, ...], int], ...]:
+    """``((axes, n), ...)``: the dimensions of one layer of ``p`` (without ``layers``) the per-microbatch
+    gather's storage splits over ``axes``, in dimension order, each with its mesh axes and their device count.
+    `sharding.parallel.gather_shards` all-gathers them one dimension after the other (a block growing by
+    ``n`` each time) and `sharding.parallel.reduce_shards` reduce-scatters the gradient in the same order (a
+    whole layer shrinking by ``n`` each time): a mixture of experts' stacks, split over ``expert`` on the
+    experts and ``fsdp`` on the features, take two of each, the other weights one over both axes."""
+    pspec, _ = logical_to_spec(p.param.axes, rules, p.param.shape, mesh)
+    hops = []
+    for entry in pspec:
+        names = tuple(a for a in spec_axes(entry) if a in axes and mesh[a] > 1)
+        if names:
+            hops.append((names, math.prod(mesh[a] for a in names)))
+    return tuple(hops)
+
+
 def _batch_factor(p: _Placed, mesh: Mapping[str, int]) -> int:
     """How many ways the batch axes (``data``, ``fsdp``) split a parameter."""
     return p.factor(*(a for a in ax.BATCH_MESH_AXES if mesh[a] > 1))
@@ -582,7 +601,8 @@ def _pipeline_weight_comms_cached(
     (``span`` > 1, ``groups_n`` 1): each slot's layer all-gathered over the feature axes where a pass runs
     it (``slot_passes``: slots one kind of pass runs per step), by the forward pass, each backward pass and
     the backward's recomputation of the block inputs (``recomputes``: `_Pipe.recomputes`, the backward's
-    gathers plus ``(B - 1)/B``), and its gradient reduce-scattered once per slot.
+    gathers plus ``(B - 1)/B``), and its gradient reduce-scattered once per slot: one collective of each
+    kind per dimension the storage splits (`_feature_hops`).
 
     Explicit collectives of the stage program (`jax.shard_map`, so both backends emit them as written;
     `sharding.pipeline.schedule._Weights`), per layer parameter: the rows stored for other devices sent
@@ -626,28 +646,32 @@ def _pipeline_weight_comms_cached(
                 )
             )
         if span > 1 and gather == "microbatch":
-            comms.append(
-                Comm(
-                    "all-gather",
-                    axes,
-                    span,
-                    p.local * p.factor(*axes) * gather_bytes,
-                    (1 + recomputes) * slot_passes,
-                    f"gather {what} (a layer)",
-                    layer_loop=True,
+            hops = _feature_hops(p, rules, mesh, axes)
+            whole, grown = p.local * math.prod(n for _, n in hops), 1
+            for hop_axes, n in hops:  # one all-gather, then one reduce-scatter, per split dimension, in order
+                grown *= n
+                comms.append(
+                    Comm(
+                        "all-gather",
+                        hop_axes,
+                        n,
+                        p.local * grown * gather_bytes,
+                        (1 + recomputes) * slot_passes,
+                        f"gather {what} (a layer)",
+                        layer_loop=True,
+                    )
                 )
-            )
-            comms.append(
-                Comm(
-                    "reduce-scatter",
-                    axes,
-                    span,
-                    p.local * _PARAM_BYTES,
-                    slot_passes,
-                    f"gradient of {what} (a layer)",
-                    layer_loop=True,
+                comms.append(
+                    Comm(
+                        "reduce-scatter",
+                        hop_axes,
+                        n,
+                        whole / grown * _PARAM_BYTES,
+                        slot_passes,
+                        f"gradient of {what} (a layer)",
+                        layer_loop=True,
+                    )
                 )
-            )
         elif groups_n > 1 and gather == "microbatch":
             comms.append(
                 Comm(
