@@ -42,6 +42,7 @@ from costmodel_grid import (  # noqa: E402
     UNEVEN_CONTEXT_GRID,
     UNMODELLED,
     compiled_figures,
+    gather_of,
     predicted,
     schedule_of,
     shares_of,
@@ -151,7 +152,9 @@ def pipeline_table() -> list[str]:
         split = ",".join(map(str, stages)) if stages else "even"
         lines.append(
             f"| {model} | {mesh_spec} | {rules} | {batch} x {seq} | {micro} | {split} | {repeats} | "
-            f"{schedule_of(case)} | " + " | ".join(cells) + f" | {temp:.2f} |"
+            f"{schedule_of(case)}{', gather ' + gather_of(case) if len(case) > 10 else ''} | "
+            + " | ".join(cells)
+            + f" | {temp:.2f} |"
         )
         print(lines[-1], flush=True)
     lines += [

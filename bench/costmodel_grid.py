@@ -61,6 +61,8 @@ BENCH_ONLY = [
 # and 3,3,1,1, the shape of the 7B's 10,10,6,6) and even splits, over fsdp and data. The compiled program counts a
 # conditional's branch on every loop trip, so these are predicted with ``skip_empty=False`` (every
 # slot of every step); `PipelinePlan.layer_applications` gives what the skipping program runs.
+_MOE = "moe-test+first_dense_layers=0"  # a pipeline runs a mixture of experts whose every layer is one
+
 PIPELINE_GRID = [
     ("test", "stage=2,fsdp=4", "fsdp", 16, 32, 4, "none", (3, 1), 1),
     ("test", "stage=2,fsdp=4", "fsdp", 16, 32, 4, "none", None, 2),
@@ -75,6 +77,17 @@ PIPELINE_GRID = [
     # tensor inside the stages, its weights gathered once or per microbatch (an eleventh field, ``--pipeline-gather``)
     ("test", "stage=2,fsdp=2,tensor=2", "fsdp_tp", 16, 32, 4, "none", (3, 1), 1, "1f1b-fused"),
     ("test", "stage=2,fsdp=2,tensor=2", "fsdp_tp", 16, 32, 4, "none", (3, 1), 1, "zb", "microbatch"),
+    # The weights gathered per microbatch (an eleventh field): a chunk pass runs blocks of G = 4 slot
+    # positions (2 or 3 layers, the rest empty), and recomputes each block's other inputs in the backward.
+    ("test", "stage=2,fsdp=4", "fsdp", 16, 32, 4, "none", None, 1, "1f1b", "microbatch"),
+    ("test", "stage=2,fsdp=4", "fsdp", 16, 32, 4, "none", (3, 1), 1, "1f1b", "microbatch"),
+    # Mixtures of experts inside the stages (every layer one; each device runs its stage's experts, gathered
+    # like the other weights): fsdp, and the experts stored over expert; GPipe and 1F1B, the weights gathered
+    # once or per microbatch (an eleventh field), each pair of those choices once.
+    (_MOE, "stage=2,fsdp=4", "fsdp", 8, 32, 2, "none", None, 1, "gpipe", "once"),
+    (_MOE, "stage=2,fsdp=4", "fsdp", 8, 32, 2, "none", None, 1, "1f1b", "microbatch"),
+    (_MOE, "stage=2,expert=2,fsdp=2", "fsdp", 8, 32, 2, "none", None, 1, "1f1b", "once"),
+    (_MOE, "stage=2,expert=2,fsdp=2", "fsdp", 8, 32, 2, "none", None, 1, "gpipe", "microbatch"),
 ]
 
 # Context parallelism (the length split over ``context`` x ``sequence``): ring, all-to-all and USP attention,

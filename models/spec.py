@@ -15,6 +15,7 @@ Einsum letters as in the modules: D embed, F mlp, N heads, K kv heads, H head_di
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 from models.attention_registry import KERNELS
@@ -169,6 +170,7 @@ def _activations(config: ModelConfig) -> tuple[Term, ...]:
     residual. Checked against the compiled step's temporaries per layer (``tests/test_costmodel.py``).
     """
     d, f, n, k, h = config.embed_dim, config.mlp_dim, config.num_heads, config.num_kv_heads, config.head_dim
+    moe = config.num_moe_layers / config.num_layers if config.is_moe else 0.0
     return (
         Term(d, kept=("input",), what="block input"),
         Term(d, kept=("dot",), what="attention output projection"),
@@ -177,11 +179,44 @@ def _activations(config: ModelConfig) -> tuple[Term, ...]:
         Term(n * h, ax.HEADS, what="the attention output (not a product without batch dimensions)"),
         Term(2 * k * h, ax.KV_HEADS, kept=("dot",), what="keys and values (the k and v products' outputs)"),
         Term(2 * k * h, ax.KV_HEADS, what="the rotated keys and the values as attention takes them"),
-        Term(2 * f, ax.MLP, kept=("dot",), what="gate and up (the products' outputs)"),
-        Term(f, ax.MLP, what="hidden, silu(gate) * up"),
         Term(2 * d, bytes=4, what="float32 copies inside the two RMSNorms"),
         Term(n, ax.HEADS, per_key=True, bytes=4, what="float32 softmax of the scores"),
         Term(1, per_key=True, bytes=1, what="the boolean mask"),
+    ) + tuple(
+        dataclasses.replace(t, amount=t.amount * share)
+        for terms, share in ((_swiglu_activations(f), 1.0 - moe), (_moe_activations(config), moe))
+        if share
+        for t in terms
+    )
+
+
+def _swiglu_activations(f: int) -> tuple[Term, ...]:
+    """A SwiGLU of width ``f``'s saved activations per token (`_activations`)."""
+    return (
+        Term(2 * f, ax.MLP, kept=("dot",), what="gate and up (the products' outputs)"),
+        Term(f, ax.MLP, what="hidden, silu(gate) * up"),
+    )
+
+
+def _moe_activations(config: ModelConfig) -> tuple[Term, ...]:
+    """A mixture-of-experts layer's saved activations per token (`models.moe`): the router's float32 logits
+    (a product without batch dimensions: kept by ``remat="dots"``) and probabilities, the shared experts'
+    SwiGLU, and for each of the token's ``K`` routed copies its row ``[D]``, the grouped products' gate and up
+    outputs ``[F]`` (`jax.lax.ragged_dot` is no ``dot_general``: ``dots`` does not keep them), silu's two
+    intermediates and the hidden ``[F]`` each, the down product's output ``[D]`` (the combine weight's gradient
+    reads it) and the routing's combine weight and sort indices. Without expert parallelism (a stage's layers,
+    or ``expert`` = 1); the ring's gathered copies (``expert`` > 1) hold ``E_p`` times as many rows, which these
+    terms do not count. Measured against the compiled step's temporaries per layer (``moe-test``, ``data=8``):
+    ``dots`` to the element (328 per token; 264 with ``K`` 4, ``F`` 64 and no shared expert), ``none`` within 1%
+    (4%: the CPU compiler also keeps some elementwise intermediates)."""
+    d, f, e, k = config.embed_dim, config.expert_dim, config.num_experts, config.experts_per_token
+    shared = _swiglu_activations(config.shared_experts * f) if config.shared_experts else ()
+    return shared + (
+        Term(e, bytes=4, kept=("dot",), what="router logits (float32)"),
+        Term(e, bytes=4, what="router probabilities (float32)"),
+        Term(2 * k * d, what="routed copies' rows and the down products' outputs"),
+        Term(5 * k * f, ax.MLP, what="routed gate and up outputs, silu's intermediates, hidden"),
+        Term(4 * k, bytes=4, what="combine weights and sort indices"),
     )
 
 
@@ -232,7 +267,8 @@ def describe(config: ModelConfig) -> ModelDescription:
 def _feed_forward_products(config: ModelConfig, by_path: dict[str, Param]) -> list[Product]:
     """The feed-forward products of one layer, averaged over the layers: a dense model's SwiGLU; for a
     mixture of experts the dense layers' SwiGLU (share: their fraction of the layers), and the router,
-    shared experts (share: the mixtures' fraction) and routed experts (times ``k / E``)."""
+    shared experts (share: the mixtures' fraction) and routed experts (times ``k / E``; grouped products over
+    the ``E`` experts, `models.moe.expert_outputs`)."""
     if not config.is_moe:
         prefixes = (("layers/mlp", 1.0),)
     else:
@@ -248,12 +284,13 @@ def _feed_forward_products(config: ModelConfig, by_path: dict[str, Param]) -> li
             Product(by_path[f"{prefix}/down"], (0,), recomputed=False, share=share),
         ]
     if config.is_moe:
-        routed = moe * config.experts_per_token / config.num_experts
+        routed, e = moe * config.experts_per_token / config.num_experts, config.num_experts
         out += [
             Product(by_path["layers/moe/router"], (0,), share=moe),
-            Product(by_path["layers/moe/gate"], (1,), share=routed),
-            Product(by_path["layers/moe/up"], (1,), share=routed),
-            Product(by_path["layers/moe/down"], (1,), recomputed=False, share=routed),
+            Product(by_path["layers/moe/gate"], (1,), share=routed, groups=e),
+            Product(by_path["layers/moe/up"], (1,), share=routed, groups=e),
+            # recomputed: its output, times the combine weight, gives that weight's (the router's) gradient
+            Product(by_path["layers/moe/down"], (1,), share=routed, groups=e),
         ]
     return out
 

@@ -115,10 +115,14 @@ class Param:
         return dataclasses.replace(self, **changes)
 
     def copies(self, num_layers: int) -> int:
-        """How many arrays of ``shape`` the model holds: the layers of its stack, or 1."""
+        """How many arrays of ``shape`` the model holds among ``num_layers`` of its layers: 1 for a parameter
+        outside the layers; for a stack over every layer ``num_layers``; for a stack over some of them (a
+        mixture of experts' layers, its dense layers) its ``stack`` layers, at most ``num_layers`` (0 for
+        the head of a pipeline, which runs no layer; a stage's own layers where every layer is a mixture,
+        as pipelines require)."""
         if not self.per_layer:
             return 1
-        return num_layers if self.stack is None else self.stack
+        return num_layers if self.stack is None else min(self.stack, num_layers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,12 +137,17 @@ class Product:
       share: The fraction of the weight one token of one layer multiplies, on average over the layers:
         1 for a dense product; for a mixture of experts' stacked expert weights ``[expert, ...]``,
         ``k / E`` (a token meets k of the E experts) times the fraction of layers that are mixtures.
+      groups: 1 for a plain product. For a grouped product (`jax.lax.ragged_dot`, each row multiplied by
+        one of the weight's ``groups`` slices along its ``expert`` dimension), the slices: a backend that
+        lowers it densely multiplies every row by all of them, ``groups`` times the FLOPs ``share`` counts
+        (`sharding.costmodel.flops.DENSE_GROUPED_BACKENDS`).
     """
 
     weight: Param
     contract: tuple[int, ...]
     recomputed: bool = True
     share: float = 1.0
+    groups: int = 1
 
     @property
     def in_axes(self) -> tuple[str, ...]:
@@ -175,6 +184,12 @@ class ExpertGeometry:
     num_experts: int
     experts_per_token: int
     capacity_factor: float = 0.0
+
+    def pipelined(self, num_layers: int) -> bool:
+        """Whether pipeline stages may run the mixture of a model of ``num_layers`` layers: every layer one
+        (stages run one stack of like blocks) and dropless (a capacity counts one device's rows, which the
+        stages split differently), the rule ``train.checks.check_experts`` enforces on a run."""
+        return self.layers == num_layers and not self.capacity_factor
 
     def dispatch(self, expert_split: int) -> str:
         """The dispatch over ``expert_split`` devices (`expert_dispatch`)."""

@@ -96,6 +96,20 @@ def test_saved_activations_per_layer_match_the_compiled_temporaries():
     assert grown[0] / 2 == 1024 * 1280 * 4 and grown[1] / 2 == 196864 * 4
 
 
+def test_saved_activations_of_a_moe_layer_match_the_compiled_temporaries():
+    """The same for a mixture-of-experts layer (`models.spec._moe_activations`) under ``remat="dots"``: per token
+    the block's kept products (input, o, q, k, v: 256 float32 elements), the router's float32 logits (8) and the
+    shared expert's gate and up (64); the routed experts' grouped products (`jax.lax.ragged_dot`, no
+    ``dot_general``) keep nothing, to the byte."""
+    two, four = ((f"moe-test+first_dense_layers=0+num_layers={n}", "data=8", "dp", 16, 512, 1, "dots") for n in (2, 4))
+    per_layer = (compiled_figures(four)["temp"] - compiled_figures(two)["temp"]) / 2
+    grown = [
+        getattr(predicted(four).memory, f) - getattr(predicted(two).memory, f) for f in ("activations", "gradients")
+    ]
+    assert per_layer == pytest.approx(sum(grown) / 2, rel=1e-3), (per_layer, grown)
+    assert grown[0] / 2 == 1024 * 328 * 4
+
+
 def test_cost_analysis_counts_a_loop_body_once():
     """What the cost model assumes of XLA: doubling the scanned layers doubles the folded products
     but leaves cost_analysis nearly unchanged (only the optimizer's share grows)."""

@@ -196,7 +196,7 @@ def test_tensor_groups_stay_inside_a_host():
 
 def test_a_mixture_of_experts_gets_expert_layouts_and_no_pipeline():
     """For a MoE the search adds ``expert`` = e taken from ``fsdp`` (e dividing the experts) and leaves out
-    pipeline stages (the step runs a MoE without them); an expert layout is priced with its batch over
+    pipeline stages where a run refuses them (moe-test's first layer is dense); an expert layout is priced with its batch over
     data x fsdp x expert."""
     from sharding.planner import search
 
@@ -212,6 +212,31 @@ def test_a_mixture_of_experts_gets_expert_layouts_and_no_pipeline():
     assert "fsdp" in search._rules_for(model, experts_only, options)  # the weights' embed over expert
     plans = planner.plan(model, inventory, 64, 256, options)
     assert plans and any(p.layout.mesh[ax.EXPERT] > 1 for p in plans)
+
+
+def test_a_mixture_of_experts_in_every_layer_gets_pipeline_layouts():
+    """A dropless MoE whose every layer is one may run in pipeline stages (`train.checks.check_experts`): the
+    search tries stages (without ``expert``, which inside a stage splits storage only and prices alike: the
+    cost model's figures of a stage mesh with and without it are equal); with a capacity it tries none."""
+    inventory = _inventory(8, 0, 8, 1.0)
+    options = planner.PlanOptions(attentions=("flash",))
+    for capacity, staged in ((0.0, True), (1.25, False)):
+        config = get_config("moe-test", ["first_dense_layers=0", f"capacity_factor={capacity}"])
+        model = describe(config)
+        meshes = list(planner._meshes(model, planner._Evaluator(model, inventory, 64, 256, options).cluster, options))
+        stage = {"data": 1, "stage": 2, "fsdp": 4, "context": 1, "sequence": 1, "tensor": 1}
+        assert (stage in meshes) == staged
+        assert any(m[ax.STAGE] > 1 for m in meshes) == staged
+        assert not any(m[ax.STAGE] > 1 and m.get(ax.EXPERT, 1) > 1 for m in meshes)
+        assert {**stage, "stage": 1, "fsdp": 4, "expert": 2} in meshes
+    layouts = [
+        cm.Layout(m, "fsdp", 8, one_f_one_b=True)
+        for m in ({"stage": 2, "fsdp": 4}, {"stage": 2, "fsdp": 2, "expert": 2})
+    ]
+    dropless = describe(get_config("moe-test", ["first_dense_layers=0"]))
+    plain, expert = (cm.estimate(dropless, 64, 256, lay) for lay in layouts)
+    assert plain.flops == expert.flops and plain.memory == expert.memory
+    assert cm.collective_bytes(plain.comms) == cm.collective_bytes(expert.comms)
 
 
 @pytest.mark.parametrize("mesh", [{"stage": 4}, {"stage": 2, "fsdp": 2}])

@@ -147,7 +147,7 @@ def device_cost(
     if mesh[ax.STAGE] > 1:
         pipe = _pipeline_of(model, layout, rules, shape)
         return _pipeline_cost(model, layout, rules, placed, shape, pipe, backend, batch_rows)
-    flops, counted = _flops(model, layout, rules, placed, shape)
+    flops, counted = _flops(model, layout, rules, placed, shape, backend)
     memory = _memory(model, layout, rules, placed, shape, backend)
     comms = tuple(
         c for c in _comms(model, layout, rules, placed, shape, backend, batch_rows) if c.group > 1 and c.count > 0
@@ -220,7 +220,7 @@ def _pipeline_cost(
     """The `Cost` of one stage device (the terms of `sharding.costmodel.pipeline`)."""
     layer = dataclasses.replace(s, micro=1, layers=pipe.applications)  # one microbatch's rows per application
     embed, head, head_runs = _pipeline_outside(s, pipe)
-    unit = _per_token_flops(model, layout, rules, placed, s, recomputes=pipe.recomputes)
+    unit = _per_token_flops(model, layout, rules, placed, s, recomputes=pipe.recomputes, backend=backend)
     optimizer = OPTIMIZER_FLOPS_PER_PARAM * _held_params(model, layout, rules, placed, s)
     inside = layer.tok * pipe.applications
     flops = Flops(

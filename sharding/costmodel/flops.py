@@ -48,6 +48,15 @@ from sharding.rules import Rules
 #: per-token part gives 34.9 (bench/costmodel.py prints it). We use 35.
 OPTIMIZER_FLOPS_PER_PARAM = 35.0
 
+#: Backends whose compiled step runs a grouped product (`jax.lax.ragged_dot`, a mixture of experts' expert
+#: products) densely: jax's default lowering of ``ragged_dot_general`` (``_ragged_dot_general_impl``, what
+#: XLA:CPU gets) spreads the rows over a masked ``[groups, rows, in]`` array and multiplies it by every
+#: group's weights in one dot, so each row costs every expert's product (`sharding.modeldesc.Product.groups`
+#: times the routed share); seen in the compiled HLO of ``moe-test`` with and without pipeline stages. On GPU
+#: jax lowers it to a Pallas Triton kernel or XLA's ragged-dot instruction, which compute the groups' rows
+#: only (priced so; not checked on a GPU here).
+DENSE_GROUPED_BACKENDS = ("cpu",)
+
 #: The backward pass does about twice the forward's elementwise work (the model's elementwise terms,
 #: `sharding.modeldesc.ModelDescription.layer_elementwise`, are of the forward pass).
 ELEMENTWISE_BACKWARD_FACTOR = 2.0
@@ -90,18 +99,22 @@ def _per_token_flops(
     placed: dict[str, _Placed],
     s: _Shape,
     recomputes: float = 0,
+    backend: str = "gpu",
 ) -> dict[str, float]:
     """FLOPs per token, forward and backward: of one layer (``layers``: weight products, ``attention``,
     ``recompute``, ``elem_layer``; ``counted_layer``: their sum as ``cost_analysis`` counts it) and of what
     runs once (``logits``, ``elem_loss``). ``recomputes``:
     extra forward passes of each layer in the backward pass beyond the remat policy's (the
     pipeline's backward pass recomputes every layer: 1, zero bubble's too: its weight-gradient pass runs
-    the weight-gradient products alone, from what its input-gradient pass kept)."""
+    the weight-gradient products alone, from what its input-gradient pass kept). ``backend``: a grouped product
+    costs every group's product per row on `DENSE_GROUPED_BACKENDS`."""
     mesh = layout.mesh
     compute_axes = tuple(a for a in mesh if a not in ax.BATCH_MESH_AXES)  # gathered axes do not split work
+    dense_groups = backend in DENSE_GROUPED_BACKENDS and not _batched_experts(model, layout)
 
     def forward(product: Product) -> float:
-        return 2.0 * product.share * product.weight.size / placed[product.weight.path].factor(*compute_axes)
+        groups = product.groups if dense_groups else 1
+        return 2.0 * product.share * groups * product.weight.size / placed[product.weight.path].factor(*compute_axes)
 
     layer_fwd = sum(forward(p) for p in model.products)
     # Full remat recomputes the block's forward except the products whose output no gradient
@@ -141,6 +154,15 @@ def _per_token_flops(
     }
 
 
+def _batched_experts(model: ModelDescription, layout: Layout) -> bool:
+    """Whether the experts' products run as batched products over fixed buffers (the all-to-all dispatch with
+    a capacity, `models.moe`, outside pipeline stages) rather than grouped ones (`jax.lax.ragged_dot`)."""
+    experts = model.experts
+    return (
+        experts is not None and layout.mesh[ax.STAGE] == 1 and experts.dispatch(layout.mesh[ax.EXPERT]) == "all_to_all"
+    )
+
+
 def _busiest_ring_share(kernel: AttentionTraits, layout: Layout) -> float:
     """The causal attention work of a ring's busiest device over its devices' mean.
 
@@ -158,10 +180,15 @@ def _busiest_ring_share(kernel: AttentionTraits, layout: Layout) -> float:
 
 
 def _flops(
-    model: ModelDescription, layout: Layout, rules: Rules, placed: dict[str, _Placed], s: _Shape
+    model: ModelDescription,
+    layout: Layout,
+    rules: Rules,
+    placed: dict[str, _Placed],
+    s: _Shape,
+    backend: str = "gpu",
 ) -> tuple[Flops, float]:
-    """Per-step FLOPs and the loop-bodies-once count of ``cost_analysis`` (no pipeline)."""
-    unit = _per_token_flops(model, layout, rules, placed, s)
+    """Per-step FLOPs and the loop-bodies-once count of ``cost_analysis`` (no pipeline) on ``backend``."""
+    unit = _per_token_flops(model, layout, rules, placed, s, backend=backend)
     per_token_layer = unit["counted_layer"]
     per_token_outside = unit["logits"] + unit["elem_loss"]
     optimizer = OPTIMIZER_FLOPS_PER_PARAM * _held_params(model, layout, rules, placed, s)

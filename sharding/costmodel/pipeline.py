@@ -48,6 +48,7 @@ from sharding.costmodel.layout import (
 from sharding.costmodel.memory import Memory, _memory
 from sharding.costmodel.partitioner import _comms
 from sharding.modeldesc import ModelDescription
+from sharding.parallel import spec_axes
 from sharding.pipeline.layout import plan_layout
 from sharding.pipeline.storage import spread_over_stage, storage_axes
 from sharding.rules import Rules, logical_to_spec
@@ -120,7 +121,7 @@ class _Pipe:
     def slot_runs(self) -> float:
         """Slots one chunk pass gathers one at a time (the feature-split storage): the chunk's layers when empty
         slots are skipped (each slot's gather sits in its conditional), else every position."""
-        return self.layers / self.repeats if self.skip_empty else self.blocks * self.segment
+        return self.layers / self.repeats if self.skip_empty else self.positions
 
     @property
     def backward_gathers(self) -> int:
@@ -160,6 +161,14 @@ class _Pipe:
         return max(-(-(r + 1) * k // g) - (r * k) // g for r in range(self.repeats))
 
     @property
+    def positions(self) -> int:
+        """P = ``n * B``, slot positions one chunk pass runs (`sharding.pipeline.program.Streamed.positions`):
+        ``K'`` but with ``gather`` ``microbatch``, whose blocks of ``B`` slots cover the chunk and the positions
+        past it (e.g. ``K' = 2`` layers over ``B = 4`` devices: one block of 4 positions, 2 of them empty,
+        each computed when empty slots are not skipped)."""
+        return self.blocks * self.segment
+
+    @property
     def passes(self) -> int:
         """Chunk passes per step that gather their blocks (``gather`` ``microbatch``), of each kind (forward,
         backward; zero bubble's input and weight gradients apart): ``R*M`` each when idle passes are skipped,
@@ -179,10 +188,10 @@ class _Pipe:
     @property
     def applications(self) -> int:
         """Forward layer applications of this device per step (`PipelinePlan.layer_applications`):
-        ``M * layers`` when empty slots and bubbles are skipped, else every slot of every step (1F1B:
-        every tick, as the compiled program's trip counts say: its forward and backward branches are
-        each counted on every tick)."""
-        return self.micro * self.layers if self.skip_empty else self.steps * self.chunk_slots
+        ``M * layers`` when empty slots and bubbles are skipped, else every slot position of every step
+        (`positions`; 1F1B: every tick, as the compiled program's trip counts say: its forward and backward
+        branches are each counted on every tick)."""
+        return self.micro * self.layers if self.skip_empty else self.steps * self.positions
 
     @property
     def saved_inputs(self) -> int:
@@ -291,11 +300,13 @@ def _storage_axes_cached(model: ModelDescription, rules: Rules, mesh_items: tupl
 
 def _stage_folded(model: ModelDescription, layout: Layout, rules: Rules) -> tuple[Layout, dict[str, _Placed]]:
     """The head's layout: the mesh with ``stage`` folded into ``fsdp`` (the head's rows are split over both,
-    `head_parallelism`, and the non-layer parameters stored over both, `spread_over_stage`), one microbatch."""
+    `head_parallelism`, and the non-layer parameters stored over both, `spread_over_stage`), one microbatch,
+    the loss gathered (`sharding.vocab.vocab_split` gives a pipeline's loss no vocabulary-parallel split)."""
     mesh = layout.mesh
     flat = dataclasses.replace(
         layout,
         mesh={**mesh, ax.STAGE: 1, ax.FSDP: mesh[ax.FSDP] * mesh[ax.STAGE]},
+        logits="gathered",
         microbatches=1,
         stage_layers=None,
         pipeline_repeats=1,
@@ -424,11 +435,18 @@ def _pipeline_embedding_comms(
     rematerialization"), the tokens gathered over and sent across ``stage``, and the looked-up rows
     ``[rows, T, D]`` (float32) moved to the batch layout by an all-to-all over ``fsdp`` and back.
     Other splits: priced as without stages on the mesh with ``stage`` folded into ``fsdp``
-    (`_embedding_comms`), not checked against the compiler.
+    (`_embedding_comms`), not checked against the compiler. On a mixture of experts' mesh the table's
+    ``embed`` is split over ``fsdp`` and ``expert``, adjacent in the mesh: priced as one ``fsdp`` of their
+    product (as `sharding.costmodel.partitioner._zero_groups` prices the weights outside the experts;
+    checked on ``stage=2,expert=2,fsdp=2``).
     """
     embedding = model.with_role("embedding")
     if embedding is None:
         return []
+    if layout.mesh[ax.EXPERT] > 1:
+        mesh = layout.mesh
+        layout = dataclasses.replace(layout, mesh={**mesh, ax.FSDP: mesh[ax.FSDP] * mesh[ax.EXPERT], ax.EXPERT: 1})
+        placed = _place_cached(model, layout.rules_table(), tuple(layout.mesh.items()))
     mesh = layout.mesh
     table = placed[embedding.path]
     if mesh[ax.DATA] > 1 or mesh[ax.FSDP] <= 1 or _table_split(table) != (1, mesh[ax.FSDP]):
@@ -491,7 +509,8 @@ def _pipeline_head_comms_cached(
     GPipe/circular: the head runs under `head_parallelism` outside the pipeline, as the step without
     stages on the mesh with ``stage`` folded into ``fsdp`` prices it (`_comms`, the head's rows). 1F1B:
     its weights are gathered explicitly once per step (`sharding.pipeline.onef1b`), each over ``stage``
-    (to ``1/f`` of it) and over ``fsdp`` (whole), its gradients reduce-scattered over ``fsdp`` and
+    (to ``1/f`` of it) and over the ``f`` devices of the batch axes its rules split it over (``fsdp``, and
+    ``expert`` for a mixture of experts' mesh) to whole, its gradients reduce-scattered over those and
     summed over ``stage``.
     """
     layout = Layout(dict(mesh_items), rules, remat=remat, attention=attention, dtype=dtype, logits=logits)
@@ -520,15 +539,18 @@ def _pipeline_head_comms_cached(
                 )
         return tuple(comms)
     mesh, comms = layout.mesh, []
-    f, stages = mesh[ax.FSDP], mesh[ax.STAGE]
-    for p in flat_placed.values():
+    stages = mesh[ax.STAGE]
+    for p in _place_cached(model, rules, mesh_items).values():
         if p.param.per_layer or p.param.role == "embedding":
             continue
+        # split over fsdp, and over expert too where the rules put the weight's embed there (a MoE's mesh)
+        axes = tuple(a for a in (ax.FSDP, ax.EXPERT) if p.factor(a) > 1) or (ax.FSDP,)
+        f = p.factor(*axes)
         whole, what = p.param.size * _PARAM_BYTES, p.param.path
         comms += [
             Comm("all-gather", (ax.STAGE,), stages, whole / f, 1, f"gather {what} over stage"),
-            Comm("all-gather", (ax.FSDP,), f, whole, 1, f"gather {what}"),
-            Comm("reduce-scatter", (ax.FSDP,), f, whole / f, 1, f"gradient of {what}"),
+            Comm("all-gather", axes, f, whole, 1, f"gather {what}"),
+            Comm("reduce-scatter", axes, f, whole / f, 1, f"gradient of {what}"),
             Comm("all-reduce", (ax.STAGE,), stages, whole / f, 1, f"gradient of {what} over stage"),
         ]
         auto = tuple(a for a in _AUTO_AXES if p.factor(a) > 1)
@@ -539,6 +561,24 @@ def _pipeline_head_comms_cached(
                 Comm("all-gather", auto, t, whole, 1, f"gradient sums of {what} over {over}"),
             ]
     return tuple(comms)
+
+
+def _feature_hops(
+    p: _Placed, rules: Rules, mesh: Mapping[str, int], axes: tuple[str, ...]
+) -> tuple[tuple[tuple[str, ...], int], ...]:
+    """``((axes, n), ...)``: the dimensions of one layer of ``p`` (without ``layers``) the per-microbatch
+    gather's storage splits over ``axes``, in dimension order, each with its mesh axes and their device count.
+    `sharding.parallel.gather_shards` all-gathers them one dimension after the other (a block growing by
+    ``n`` each time) and `sharding.parallel.reduce_shards` reduce-scatters the gradient in the same order (a
+    whole layer shrinking by ``n`` each time): a mixture of experts' stacks, split over ``expert`` on the
+    experts and ``fsdp`` on the features, take two of each, the other weights one over both axes."""
+    pspec, _ = logical_to_spec(p.param.axes, rules, p.param.shape, mesh)
+    hops = []
+    for entry in pspec:
+        names = tuple(a for a in spec_axes(entry) if a in axes and mesh[a] > 1)
+        if names:
+            hops.append((names, math.prod(mesh[a] for a in names)))
+    return tuple(hops)
 
 
 def _batch_factor(p: _Placed, mesh: Mapping[str, int]) -> int:
@@ -613,7 +653,8 @@ def _pipeline_weight_comms_cached(
     (``span`` > 1, ``groups_n`` 1): each slot's layer all-gathered over the feature axes where a pass runs
     it (``slot_passes``: slots one kind of pass runs per step), by the forward pass, each backward pass and
     the backward's recomputation of the block inputs (``recomputes``: `_Pipe.recomputes`, the backward's
-    gathers plus ``(B - 1)/B``), and its gradient reduce-scattered once per slot.
+    gathers plus ``(B - 1)/B``), and its gradient reduce-scattered once per slot: one collective of each
+    kind per dimension the storage splits (`_feature_hops`).
 
     Explicit collectives of the stage program (`jax.shard_map`, so both backends emit them as written;
     `sharding.pipeline.schedule._Weights`), per layer parameter: the rows stored for other devices sent
@@ -664,28 +705,32 @@ def _pipeline_weight_comms_cached(
         if span > 1 and gather == "microbatch":
             runs = (1 + recomputes) * slot_passes
             shard = p.local * t  # this device's share of one layer, whole over tensor
-            comms.append(
-                Comm(
-                    "all-gather",
-                    axes,
-                    span,
-                    shard * p.factor(*axes) * gather_bytes,
-                    runs,
-                    f"gather {what} (a layer)",
-                    layer_loop=True,
+            hops = _feature_hops(p, rules, mesh, axes)
+            whole, grown = shard * math.prod(n for _, n in hops), 1
+            for hop_axes, n in hops:  # one all-gather, then one reduce-scatter, per split dimension, in order
+                grown *= n
+                comms.append(
+                    Comm(
+                        "all-gather",
+                        hop_axes,
+                        n,
+                        shard * grown * gather_bytes,
+                        runs,
+                        f"gather {what} (a layer)",
+                        layer_loop=True,
+                    )
                 )
-            )
-            comms.append(
-                Comm(
-                    "reduce-scatter",
-                    axes,
-                    span,
-                    shard * _PARAM_BYTES,
-                    slot_passes,
-                    f"gradient of {what} (a layer)",
-                    layer_loop=True,
+                comms.append(
+                    Comm(
+                        "reduce-scatter",
+                        hop_axes,
+                        n,
+                        whole / grown * _PARAM_BYTES,
+                        slot_passes,
+                        f"gradient of {what} (a layer)",
+                        layer_loop=True,
+                    )
                 )
-            )
             if t > 1:  # the partitioner's: the shard gathered whole over tensor before the gather, the sums before
                 over = "+".join(auto)  # the reduction (`_auto_factor`)
                 comms.append(
@@ -704,7 +749,7 @@ def _pipeline_weight_comms_cached(
                         "all-gather",
                         auto,
                         t,
-                        shard * p.factor(*axes) * _PARAM_BYTES,
+                        whole * _PARAM_BYTES,
                         slot_passes,
                         f"gradient sums of {what} over {over} (a layer)",
                         layer_loop=True,

@@ -45,9 +45,11 @@ def _factorizations(n: int, parts: int) -> Iterator[tuple[int, ...]]:
 def _meshes(model: ModelDescription, cluster: _Cluster, options: PlanOptions) -> Iterator[dict[str, int]]:
     """Mesh shapes: tensor and sequence groups inside a host; the model's ``heads``, ``mlp`` and
     ``vocab`` divisible by ``tensor``. With ``options.sequence``, the length split over ``sequence``
-    (inside a host) and ``context`` (which may span hosts). For a mixture of experts, no pipeline stages,
-    and besides each mesh its variants with ``expert`` = e taken from ``fsdp`` (e dividing ``fsdp`` and the
-    experts)."""
+    (inside a host) and ``context`` (which may span hosts). For a mixture of experts, pipeline stages only
+    where a run allows them (`sharding.modeldesc.ExpertGeometry.pipelined`: every layer a mixture, dropless),
+    and besides each mesh without stages its variants with ``expert`` = e taken from ``fsdp`` (e dividing
+    ``fsdp`` and the experts; inside a stage ``expert`` splits the experts' storage only, each device computing
+    all of them, which prices as the mesh without it)."""
     shapes = (
         _factorizations(cluster.size, 6)
         if options.sequence
@@ -77,9 +79,13 @@ def _meshes(model: ModelDescription, cluster: _Cluster, options: PlanOptions) ->
         if model.experts is None:
             yield mesh
             continue
-        if stage > 1:  # a mixture of experts runs without pipeline stages
+        if stage > 1 and not model.experts.pipelined(model.num_layers):
             continue
         yield mesh
+        if stage > 1:
+            # Inside a stage ``expert`` only splits the experts' storage (every device computes all of them):
+            # priced as this mesh with ``fsdp * expert``, so its variants would only tie with it.
+            continue
         # Expert parallelism borrows devices of fsdp (torchtitan's rule): expert=e divides the experts.
         for e in range(2, fsdp + 1):
             if fsdp % e == 0 and model.experts.num_experts % e == 0:
