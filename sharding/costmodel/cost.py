@@ -235,7 +235,9 @@ def _pipeline_cost(
     # loop that recomputes a block's other slot inputs once whole, `_Pipe.counted_recomputes`).
     counted_unit = unit
     if pipe.counted_recomputes != pipe.recomputes:
-        counted_unit = _per_token_flops(model, layout, rules, placed, s, recomputes=pipe.counted_recomputes)
+        counted_unit = _per_token_flops(
+            model, layout, rules, placed, s, recomputes=pipe.counted_recomputes, backend=backend
+        )
     counted = s.tok * counted_unit["counted_layer"] + head.tok * (unit["logits"] + unit["elem_loss"]) + optimizer
     memory = _pipeline_memory(model, layout, rules, placed, s, pipe, head)
     comms = _pipeline_head_comms(model, layout, rules, head, pipe, backend, batch_rows)
