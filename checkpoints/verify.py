@@ -48,6 +48,7 @@ import json
 import math
 import os
 import re
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -564,6 +565,31 @@ def set_aside_later(directory: str | Path, step: int | None, discard: bool, log:
 # A restore that falls back -----------------------------------------------------------------------
 
 
+def _is_abandoned_read(unraisable) -> bool:
+    """Whether an unraisable exception (`sys.unraisablehook`'s argument) is an Orbax read coroutine finalized
+    after its restore failed: the restore raised on the first array that did not read, and the reads still
+    pending fail again when their coroutines are collected."""
+    code = getattr(unraisable.object, "cr_code", None)
+    return code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename
+
+
+def quiet_abandoned_reads() -> None:
+    """Drops the Python "Exception ignored in <coroutine>" reports of Orbax reads abandoned by a failed restore
+    (`_is_abandoned_read`), which would otherwise print a traceback per pending chunk after the one line that
+    names the damage; every other unraisable exception still reaches the hook that was installed. Installed once
+    per process, when a restore fails."""
+    previous = sys.unraisablehook
+    if getattr(previous, "_meshwork_quiet_reads", False):
+        return
+
+    def hook(unraisable) -> None:
+        if not _is_abandoned_read(unraisable):
+            previous(unraisable)
+
+    hook._meshwork_quiet_reads = True
+    sys.unraisablehook = hook
+
+
 def restore_falling_back(
     directory: str | Path,
     step: int,
@@ -617,6 +643,7 @@ def restore_falling_back(
             result = restore(step)
         except Exception as e:  # judged below by reading the step's arrays
             error, result = e, None
+            quiet_abandoned_reads()
         if not any_failed(error is not None):
             return result, step
         problems = read_problems(directory, step)

@@ -3,6 +3,7 @@
 import json
 import os
 import shutil
+import sys
 import types
 from pathlib import Path
 
@@ -458,3 +459,27 @@ def test_inspect_deep_reports_damaged_data_that_the_plain_listing_cannot_see(cop
     assert err.count("\n") == 1 and err.startswith("error: no step in") and "Traceback" not in err
     assert inspect_cli.main([str(copy), "--deep", "--step", "1"]) == 2
     assert "array_metadatas/process_0 is not valid JSON" in capsys.readouterr().err
+
+
+def test_reads_abandoned_by_a_failed_restore_print_no_traceback(monkeypatch):
+    """After a restore fails on damaged data, Orbax's pending read coroutines fail again when collected; Python
+    would print a traceback for each ("Exception ignored in <coroutine>"). Those are dropped; any other
+    unraisable exception still reaches the hook that was installed."""
+    from checkpoints.verify import quiet_abandoned_reads
+
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", seen.append)
+    quiet_abandoned_reads()
+    quiet_abandoned_reads()  # installed once: a second call does not wrap the filter again
+
+    def coroutine_from(filename):
+        namespace = {}
+        exec(compile("async def read():\n    pass\n", filename, "exec"), namespace)
+        return namespace["read"]()
+
+    orbax_read = coroutine_from(os.path.join(os.sep, "site-packages", "orbax", "serialization.py"))
+    ours = coroutine_from(os.path.join(os.sep, "meshwork", "train", "loop.py"))
+    for obj in (orbax_read, ours):
+        sys.unraisablehook(types.SimpleNamespace(object=obj, exc_type=RuntimeError, exc_value=RuntimeError()))
+        obj.close()
+    assert [u.object for u in seen] == [ours]
