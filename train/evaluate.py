@@ -70,7 +70,7 @@ def evaluate(model, par, dataset, batch_size: int, seq_len: int, batches: int, s
 
     from models.transformer import loss_sums
     from sharding import axes as ax
-    from train.data import to_global_arrays
+    from train.data import model_inputs, to_global_arrays
 
     sharding = par.sharding((ax.BATCH, ax.LENGTH), (batch_size, seq_len))
 
@@ -79,11 +79,7 @@ def evaluate(model, par, dataset, batch_size: int, seq_len: int, batches: int, s
         return loss_sums(
             model.graphdef,
             params,
-            batch["tokens"],
-            batch["targets"],
-            batch["loss_mask"],
-            batch["positions"],
-            batch["segment_ids"],
+            *model_inputs(batch),
             par=par,
         )
 

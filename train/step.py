@@ -24,7 +24,7 @@ from models.transformer import loss_sums, loss_terms, pipelined_loss_stats
 from sharding import axes as ax
 from sharding.parallel import Parallelism
 from train import strategies
-from train.data import FIELDS
+from train.data import FIELDS, model_inputs
 from train.optimizer import OptimizerConfig, learning_rate_schedule
 from train.state import StateLayout
 
@@ -139,11 +139,7 @@ class Trainer:
         return loss_sums(
             self.state_layout.graphdef,
             params,
-            batch["tokens"],
-            batch["targets"],
-            batch["loss_mask"],
-            batch["positions"],
-            batch["segment_ids"],
+            *model_inputs(batch),
             par=self.par if par is None else par,
         )
 
@@ -159,11 +155,7 @@ class Trainer:
             objective, weight, stats = pipelined_loss_stats(
                 self.state_layout.graphdef,
                 params,
-                batch["tokens"],
-                batch["targets"],
-                batch["loss_mask"],
-                batch["positions"],
-                batch["segment_ids"],
+                *model_inputs(batch),
                 par=par,
             )
             summed = {
@@ -176,11 +168,7 @@ class Trainer:
         ce, weight, stats = loss_terms(
             self.state_layout.graphdef,
             params,
-            batch["tokens"],
-            batch["targets"],
-            batch["loss_mask"],
-            batch["positions"],
-            batch["segment_ids"],
+            *model_inputs(batch),
             par=par,
         )
         objective = ce + router_objective(self.config, stats, weight)

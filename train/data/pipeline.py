@@ -42,6 +42,13 @@ from train.data.prepare import SPLITS, preparation_key, prepare, shard_name
 FIELDS = ("tokens", "targets", "positions", "segment_ids", "loss_mask")
 
 
+def model_inputs(batch) -> tuple:
+    """A batch's arrays in the order the model's loss functions take them (`models.transformer.loss_sums`,
+    `loss_terms`): ``tokens``, ``targets``, ``loss_mask``, ``positions``, ``segment_ids``, each ``[batch,
+    length]`` (int32; the mask float32)."""
+    return tuple(batch[k] for k in ("tokens", "targets", "loss_mask", "positions", "segment_ids"))
+
+
 # Prepared folders -------------------------------------------------------------------------------------------
 
 
