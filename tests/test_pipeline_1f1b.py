@@ -835,6 +835,20 @@ def test_dry_run_reports_the_gather_mode(capsys):
     assert "all-gathers one layer at a time" in out  # each row's features split over the fsdp=4 devices
 
 
+def test_dry_run_says_when_the_per_microbatch_gather_has_nothing_to_gather(capsys):
+    """Without a batch axis that splits the layers (here only tensor beside stage), the per-microbatch mode still
+    takes one layer at a time from the stored rows instead of a working copy, and the report says there is no
+    gather rather than naming one."""
+    from train import train
+
+    argv = ["--model", "test", "--mesh", "stage=2,tensor=4", "--microbatches", "2", "--batch-size", "4"]
+    code = train.main([*argv, "--seq-len", "32", "--dry-run", "--pipeline-gather", "microbatch"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "takes one layer at a time from the rows it stores" in out and "nothing to all-gather" in out
+    assert "all-gathers one layer at a time" not in out
+
+
 def test_the_gather_mode_needs_a_pipeline(capsys):
     from train import train
 

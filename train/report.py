@@ -14,6 +14,7 @@ from sharding import axes as ax
 from sharding import hlo
 from sharding.mesh import crossing_axes, format_mesh
 from sharding.modeldesc import expert_dispatch
+from sharding.pipeline.storage import feature_devices
 
 
 def human_bytes(n: float) -> str:
@@ -211,6 +212,16 @@ def weight_gather_line(trainer) -> str:
             if trainer.par.pipeline.zero_bubble
             else "backward"
         )
+        names = jax.tree.leaves(trainer.state_layout.param_names["layers"], is_leaf=lambda x: isinstance(x, tuple))
+        if feature_devices(names, trainer.par.rules, trainer.par.mesh_shape) == 1:
+            return (
+                f"  weights (--pipeline-gather microbatch): each device {over}takes one layer at a time from the "
+                f"rows it stores, where a chunk pass runs it, forward and again {again}: no layer parameter is "
+                f"split over a batch axis of this mesh, so there is nothing to all-gather "
+                f"({human_bytes(per_layer)} per layer, / tensor where the rules split over it; --pipeline-gather "
+                f"once copies {most} x {human_bytes(per_layer)} into a working copy and holds their float32 "
+                f"gradient sums through the step instead)"
+            )
         # rows over stage alone, each row's features split over the stage's devices (`storage_axes`)
         return (
             f"  weights (--pipeline-gather microbatch): each device {over}all-gathers one layer at a time over "
