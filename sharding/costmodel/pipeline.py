@@ -603,6 +603,34 @@ def _auto_factor(p: _Placed) -> int:
     return p.factor(*_AUTO_AXES)
 
 
+def _partitioner_gathers(
+    p: _Placed, of: str, shard_bytes: float, whole: float, runs: float, sums: float, in_loop: bool, sums_in_loop: bool
+) -> list[Comm]:
+    """The two all-gathers over ``tensor`` the partitioner adds around a layer parameter's explicit gather and
+    reduction in the stage program (`_auto_factor`; none when the parameter is not split over ``tensor``): this
+    device's ``shard_bytes`` (compute dtype) before each of the ``runs`` gathers, and the ``whole`` float32
+    gradient sums (elements) before each of the ``sums`` reductions; ``in_loop``/``sums_in_loop``: whether they
+    run inside the layer loop (overlappable there), else before or after it."""
+    t = _auto_factor(p)
+    if t == 1:
+        return []
+    auto = tuple(a for a in _AUTO_AXES if p.factor(a) > 1)
+    what, over = p.param.path, "+".join(auto)
+    return [
+        Comm("all-gather", auto, t, shard_bytes, runs, f"gather {what} over {over} ({of})", in_loop, in_loop),
+        Comm(
+            "all-gather",
+            auto,
+            t,
+            whole * _PARAM_BYTES,
+            sums,
+            f"gradient sums of {what} over {over} ({of})",
+            sums_in_loop,
+            sums_in_loop,
+        ),
+    ]
+
+
 def _pipeline_weight_comms(
     layout: Layout, rules: Rules, placed: dict[str, _Placed], pipe: _Pipe, model: ModelDescription
 ) -> list[Comm]:
@@ -618,8 +646,6 @@ def _pipeline_weight_comms(
             pipe.groups,
             pipe.moved,
             pipe.gather,
-            pipe.passes * pipe.blocks,
-            pipe.backward_gathers,
             pipe.span,
             pipe.passes * pipe.slot_runs,
             pipe.recomputes,
@@ -638,18 +664,12 @@ def _pipeline_weight_comms_cached(
     groups_n: int,
     moved: tuple[int, ...],
     gather: str = "once",
-    block_passes: int = 0,
-    backward_gathers: int = 1,
     span: int = 1,
     slot_passes: float = 0.0,
     recomputes: float = 1.0,
 ) -> tuple[Comm, ...]:
-    """The stage's layer weights: the working copy assembled once per step, the gradients returned once;
-    or, with ``gather`` ``microbatch``, one block of ``G`` slots all-gathered per chunk pass and its gradient
-    reduce-scattered per weight-gradient pass (``block_passes``: blocks one kind of pass gathers per step,
-    `_Pipe.passes` x `_Pipe.blocks`; each is gathered by the forward pass and by each of the
-    ``backward_gathers`` backward passes, `_Pipe.backward_gathers`),
-    the stored rows still moved once per step. With the per-microbatch gather's feature-split storage
+    """The stage's layer weights: the working copy assembled once per step, the gradients returned once, the
+    stored rows moved once per step. With ``gather`` ``microbatch`` the storage splits each row's features
     (``span`` > 1, ``groups_n`` 1): each slot's layer all-gathered over the feature axes where a pass runs
     it (``slot_passes``: slots one kind of pass runs per step), by the forward pass, each backward pass and
     the backward's recomputation of the block inputs (``recomputes``: `_Pipe.recomputes`, the backward's
@@ -680,7 +700,6 @@ def _pipeline_weight_comms_cached(
             continue
         row, what = p.local * p.factor(*groups), p.param.path  # one stored row's elements on a device
         t = _auto_factor(p)  # the gathers and reductions below run on rows whole over tensor
-        auto = tuple(a for a in _AUTO_AXES if p.factor(a) > 1)
         for rows in moved:
             comms.append(
                 Comm(
@@ -709,7 +728,7 @@ def _pipeline_weight_comms_cached(
             whole, grown = shard * math.prod(n for _, n in hops), 1
             for hop_axes, n in hops:  # one all-gather, then one reduce-scatter, per split dimension, in order
                 grown *= n
-                comms.append(
+                comms += [
                     Comm(
                         "all-gather",
                         hop_axes,
@@ -718,9 +737,7 @@ def _pipeline_weight_comms_cached(
                         runs,
                         f"gather {what} (a layer)",
                         layer_loop=True,
-                    )
-                )
-                comms.append(
+                    ),
                     Comm(
                         "reduce-scatter",
                         hop_axes,
@@ -729,91 +746,19 @@ def _pipeline_weight_comms_cached(
                         slot_passes,
                         f"gradient of {what} (a layer)",
                         layer_loop=True,
-                    )
-                )
-            if t > 1:  # the partitioner's: the shard gathered whole over tensor before the gather, the sums before
-                over = "+".join(auto)  # the reduction (`_auto_factor`)
-                comms.append(
-                    Comm(
-                        "all-gather",
-                        auto,
-                        t,
-                        shard * gather_bytes,
-                        runs,
-                        f"gather {what} over {over} (a layer)",
-                        layer_loop=True,
-                    )
-                )
-                comms.append(
-                    Comm(
-                        "all-gather",
-                        auto,
-                        t,
-                        whole * _PARAM_BYTES,
-                        slot_passes,
-                        f"gradient sums of {what} over {over} (a layer)",
-                        layer_loop=True,
-                    )
-                )
-        elif groups_n > 1:
-            # ``local`` rows of this device gathered into ``local * G``, ``runs`` gathers and ``sums`` reductions
-            # per step: with ``microbatch`` a block per chunk pass, inside the loop (hidden as a layer's gather);
-            # else the working copy before the loop (it needs it whole: nothing to hide behind) and its
-            # gradient after it (no compute left to hide behind)
-            streamed = gather == "microbatch"
-            local = 1 if streamed else working // groups_n
-            runs, sums = ((1 + backward_gathers) * block_passes, block_passes) if streamed else (1, 1)
-            of = "a block" if streamed else "working copy"
+                    ),
+                ]
+            comms += _partitioner_gathers(p, "a layer", shard * gather_bytes, whole, runs, slot_passes, True, True)
+        elif groups_n > 1:  # the working copy before the loop (it needs it whole: nothing to hide behind) and
+            local = working // groups_n  # its gradient after it (no compute left to hide behind)
             whole = local * groups_n * row * t  # the gathered rows, whole over tensor
-            comms.append(
+            comms += [
+                Comm("all-gather", groups, groups_n, whole * gather_bytes, 1, f"gather {what} (working copy)", False),
                 Comm(
-                    "all-gather",
-                    groups,
-                    groups_n,
-                    whole * gather_bytes,
-                    runs,
-                    f"gather {what} ({of})",
-                    streamed,
-                    streamed,
-                )
-            )
-            comms.append(
-                Comm(
-                    "reduce-scatter",
-                    groups,
-                    groups_n,
-                    local * row * t * _PARAM_BYTES,
-                    sums,
-                    f"gradient of {what}" + (f" ({of})" if streamed else ""),
-                    streamed,
-                    streamed,
-                )
-            )
-            if t > 1:  # the partitioner's: this device's rows gathered whole before the gather, the sums before
-                over = "+".join(auto)  # the reduction (`_auto_factor`)
-                comms.append(
-                    Comm(
-                        "all-gather",
-                        auto,
-                        t,
-                        local * row * t * gather_bytes,
-                        runs,
-                        f"gather {what} over {over} ({of})",
-                        streamed,
-                        streamed,
-                    )
-                )
-                comms.append(
-                    Comm(
-                        "all-gather",
-                        auto,
-                        t,
-                        whole * _PARAM_BYTES,
-                        sums,
-                        f"gradient sums of {what} over {over} ({of})",
-                        streamed,
-                    )
-                )
+                    "reduce-scatter", groups, groups_n, local * row * t * _PARAM_BYTES, 1, f"gradient of {what}", False
+                ),
+            ]
+            comms += _partitioner_gathers(p, "working copy", local * row * t * gather_bytes, whole, 1, 1, False, False)
         if rest:
             comms.append(
                 Comm(
