@@ -780,11 +780,14 @@ def test_bad_pipeline_input_fails_before_compiling_with_the_flag_named(tmp_path,
     assert code == 2 and message in err, err
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_a_bfloat16_pipeline_compiles(schedule):
+@pytest.mark.parametrize(("schedule", "gather"), [("gpipe", "once"), ("1f1b", "once"), ("zb", "microbatch")])
+def test_a_bfloat16_pipeline_compiles(schedule, gather):
     """XLA's CPU compiler aborted on the bfloat16 sum over ``stage`` of the pipeline's outputs and of its
     inputs' cotangents (``AllReducePromotion``: "Invalid binary instruction opcode copy"); the pipeline sums
-    them in float32 (exact: one stage's are nonzero). In a subprocess: the abort would end the test session."""
+    them in float32 (exact: one stage's are nonzero). It aborted the same way on the per-microbatch gather's
+    bfloat16 reduce-scatter of each layer's gradient, which now reduces in the float32 of the sums (zero
+    bubble: both the input- and the weight-gradient passes). In a subprocess: the abort would end the test
+    session."""
     import subprocess
     import sys
 
@@ -806,6 +809,8 @@ def test_a_bfloat16_pipeline_compiles(schedule):
         "--dry-run",
         "--pipeline-schedule",
         schedule,
+        "--pipeline-gather",
+        gather,
         "--set",
         "dtype=bfloat16",
     ]

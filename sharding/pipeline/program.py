@@ -775,6 +775,10 @@ class Streamed:
         weights = self.weights
 
         def one(acc, d, spec):
+            # Reduced in the sums' float32, as the cost model prices it and as NeMo's bf16 mixed-precision recipe
+            # does (``grad_reduce_in_fp32``); XLA's CPU compiler also aborts on a bfloat16 reduce-scatter here
+            # (``AllReducePromotion``, as in `stage_varying`).
+            d = d.astype(acc.dtype)
             if weights.storage is None:
                 d = reduce_shards(d[0], P(*tuple(spec)[2:]), ())
                 old = jax.lax.dynamic_index_in_dim(acc, w, axis=1, keepdims=False)
