@@ -351,23 +351,39 @@ def test_pipeline_weights_gathered_per_microbatch_cost_a_layer_per_slot(one_f_on
     def layer_bytes(c, kind):
         return sum(x.total_bytes for x in c.comms if x.kind == kind and "layers/" in x.what)
 
+    def head_comms(c, kind):
+        """``[(runs, bytes)]`` of the head's explicit gathers (to whole) or reduce-scatters, its two weights'
+        summed per distinct run count."""
+        found = [x for x in c.comms if x.kind == kind and x.what.startswith(("gather ", "gradient of "))]
+        found = [x for x in found if "layers/" not in x.what and " over " not in x.what]
+        runs = sorted({x.count for x in found})
+        return [(n, pytest.approx(sum(x.result_bytes for x in found if x.count == n), rel=1e-9)) for n in runs]
+
     once, streamed = cost("once"), cost("microbatch")
     assert layer_bytes(streamed, "all-gather") == pytest.approx((passes + 0.5) * 16 * 10 * layer, rel=1e-9)
     assert layer_bytes(streamed, "reduce-scatter") == pytest.approx(16 * 10 * layer / 2, rel=1e-9)
     # stage 0 receives two half rows where gathering once receives one whole row
     assert layer_bytes(streamed, "collective-permute") == layer_bytes(once, "collective-permute")
-    # the 1F1B family also holds the head's weights gathered whole and their float32 gradient sums, in both modes
-    head = sum(p.size for p in describe(config).params if not p.per_layer and p.role != "embedding") * 4 * 2
-    head *= one_f_one_b
-    assert once.memory.gathered == pytest.approx(10 * layer + head, rel=1e-9)
-    assert streamed.memory.gathered == pytest.approx(2 * layer + head, rel=1e-9)
+    # the 1F1B family's head (final norm, output projection, float32): gathered once, held whole with whole
+    # float32 gradient sums through the loop; per microbatch, gathered and reduce-scattered over fsdp at each of
+    # the M head steps on the last stage, holding the sums of its half (its whole copy and gradient, 1,000 MiB,
+    # only while a head step runs, under the 2,770 MiB working set of a layer)
+    head = sum(p.size for p in describe(config).params if not p.per_layer and p.role != "embedding") * 4
+    if one_f_one_b:
+        assert head_comms(once, "all-gather") == [(1, head)] and head_comms(once, "reduce-scatter") == [(1, head / 2)]
+        assert head_comms(streamed, "all-gather") == [(16, head)]
+        assert head_comms(streamed, "reduce-scatter") == [(16, head / 2)]
+    held = {"once": 2 * head * one_f_one_b, "microbatch": head / 2 * one_f_one_b}
+    assert once.memory.gathered == pytest.approx(10 * layer + held["once"], rel=1e-9)
+    assert streamed.memory.gathered == pytest.approx(2 * layer + held["microbatch"], rel=1e-9)
     # 8 slots fewer; the float32 sums: the working copy's 10 slots in place of the 4 stored rows' gradients (6
     # more) against the layer's and the received half rows' 2 (2 more); and the ring keeps one input per 2
     # layers, 5 saved activations per chunk instead of 10 (zero bubble's ring of what its input gradients keep
-    # for the weight gradients is the same in both modes)
+    # for the weight gradients is the same in both modes); and the head's held bytes
     saved = once.memory.activations - streamed.memory.activations
     assert streamed.memory.state == once.memory.state  # 4 whole rows or 8 half rows per device
-    assert streamed.memory.total == pytest.approx(once.memory.total - (8 + 4) * layer - saved, rel=1e-9)
+    fewer = (8 + 4) * layer + saved + held["once"] - held["microbatch"]
+    assert streamed.memory.total == pytest.approx(once.memory.total - fewer, rel=1e-9)
     ring = cm.tick_table(tick_schedule, 4, 16, 1).slots if one_f_one_b else 16 + 4 - 1
     act = 2048 * config.embed_dim * 4  # one slot input: one row of a microbatch per device, float32
     assert saved == pytest.approx(ring * (10 - 5) * act, rel=1e-9)

@@ -535,12 +535,16 @@ def _compiled_gradients(
     length=256,
     gather="once",
     block_inputs=True,
+    head_streamed=True,
 ):
     """The compiled gradient step of a test model; ``block_inputs`` False: with ``gather`` ``microbatch``, each
-    slot's input saved, as before the ring kept block inputs only (`Streamed.block_inputs`)."""
+    slot's input saved, as before the ring kept block inputs only (`Streamed.block_inputs`); ``head_streamed``
+    False: with ``gather`` ``microbatch``, the 1F1B family's head weights gathered once, as before the head
+    step gathered them (`HeadWeights`)."""
     from unittest import mock
 
     from models.config import get_config
+    from sharding.pipeline import onef1b
     from sharding.pipeline.program import Weights
 
     config = get_config("test", [f"num_layers={num_layers}"])
@@ -555,7 +559,16 @@ def _compiled_gradients(
     def stream(self, *args, **kwargs):
         return every_slot(self, *args, **{**kwargs, "block_inputs": False})
 
-    with mock.patch.object(Weights, "stream", stream) if not block_inputs else contextlib.nullcontext():
+    head_weights = onef1b.HeadWeights
+
+    def head_once(specs, summed, streamed):
+        return head_weights(specs, summed, False)
+
+    with contextlib.ExitStack() as patches:
+        if not block_inputs:
+            patches.enter_context(mock.patch.object(Weights, "stream", stream))
+        if not head_streamed:
+            patches.enter_context(mock.patch.object(onef1b, "HeadWeights", head_once))
         return trainer, fn.lower(params, trainer.abstract_batch(batch, length)).compile()
 
 
@@ -606,20 +619,46 @@ def test_the_weights_gathered_per_microbatch_need_fewer_temporaries_and_no_trans
     (memory analysis: deterministic) are fewer; and fewer again where the ring keeps one input per 4 layers
     instead of each slot's (the backward recomputes the other 3, gathering those layers once more), by at
     least the ring's 12 inputs less the 7 the recomputation holds (the scan's 3 and their concatenation's 4).
-    The gathers and reduce-scatters run inside conditionals the stage's devices all take alike: no
-    collective-permute inside one, and every collective inside one is among the devices of one stage."""
+    The head's weights, gathered per head step too (`HeadWeights`), no longer stay whole through the loop
+    with whole float32 gradient sums: the temporaries drop by that copy and those sums less the sums of the
+    fsdp shards, within 1% of the output projection (XLA's packing), against the head gathered once beside
+    layers gathered per microbatch; its whole-size all-gather runs per tick (inside the head's conditional)
+    instead of once. The gathers and reduce-scatters run inside conditionals the stage's devices all take
+    alike: no collective-permute inside one, and every collective inside one is among the devices of one
+    stage."""
+    from sharding.hlo import collectives
+
     case = dict(num_layers=8, stage_layers=(6, 2), microbatches=8, batch=64, length=256)
     _, once = _compiled_gradients("1f1b", **case)
     _, every_slot = _compiled_gradients("1f1b", gather="microbatch", block_inputs=False, **case)
+    _, head_once = _compiled_gradients("1f1b", gather="microbatch", head_streamed=False, **case)
     trainer, streamed = _compiled_gradients("1f1b", gather="microbatch", **case)
     assert trainer.par.pipeline.gather == "microbatch"
     assert trainer.state_layout.storage.groups == 1  # rows over stage alone, features over fsdp
     temps = {
         name: c.memory_analysis().temp_size_in_bytes
-        for name, c in (("once", once), ("every slot", every_slot), ("microbatch", streamed))
+        for name, c in (("once", once), ("every slot", every_slot), ("head once", head_once), ("microbatch", streamed))
     }
     print("1f1b temporaries per device:", temps)
-    assert temps["microbatch"] < temps["every slot"] < temps["once"], temps
+    assert temps["microbatch"] < temps["head once"] < temps["every slot"] < temps["once"], temps
+    abstract = trainer.state_layout.abstract_params
+    head = [abstract["unembed"], abstract["final_norm"]["scale"]]
+    whole = sum(w.size * 4 for w in head)  # float32
+    assert temps["head once"] - temps["microbatch"] >= 2 * whole - whole / 4 - abstract["unembed"].size * 4 / 100, (
+        temps,
+        whole,
+    )
+    unembed = abstract["unembed"].size * 4
+
+    def head_gathers(compiled):
+        return [
+            c.executions for c in collectives(compiled.as_text()) if c.op == "all-gather" and c.result_bytes == unembed
+        ]
+
+    assert head_gathers(head_once) == [1] and head_gathers(streamed) == [trainer.par.pipeline.ticks], (
+        head_gathers(head_once),
+        head_gathers(streamed),
+    )
     # The ring's S = 2 entries keep 2 inputs each instead of 8: 12 of one device's microbatch rows
     # [2, 256, 128] float32 fewer, 7 of them held again by one segment's recomputation.
     ring = trainer.par.pipeline.tick_table().slots
@@ -636,7 +675,8 @@ def test_the_per_microbatch_gather_orders_the_schedules_temporaries_below_gather
     stage=2,fsdp=4, M = 8: with the per-microbatch gather (one layer and its gradient held at a time) lockstep
     1F1B (a ring of S = 2 microbatches) < fused 1F1B (2S - 1 = 3) < GPipe (every step's), all below 1F1B
     gathering once, below GPipe gathering once; and each per-microbatch all-gather inside the tick loop
-    assembles at most one layer (the leaf of one layer, not a block of one row from each of the 4 devices)."""
+    assembles at most one layer (the leaf of one layer, not a block of one row from each of the 4 devices), or
+    the head's output projection."""
     from sharding.hlo import collectives
 
     case = dict(num_layers=8, stage_layers=(6, 2), microbatches=8, batch=64, length=256)
@@ -654,9 +694,11 @@ def test_the_per_microbatch_gather_orders_the_schedules_temporaries_below_gather
     order = list(temps.values())
     assert order == sorted(order) and len(set(order)) == len(order), temps
     trainer, fused = _compiled_gradients("1f1b-fused", gather="microbatch", **case)
-    layer = max(x.size // x.shape[0] * 4 for x in jax.tree.leaves(trainer.state_layout.abstract_params["layers"]))
+    abstract = trainer.state_layout.abstract_params
+    layer = max(x.size // x.shape[0] * 4 for x in jax.tree.leaves(abstract["layers"]))
+    head = abstract["unembed"].size * 4  # the head's weights, gathered per head step too (`HeadWeights`)
     gathers = [c for c in collectives(fused.as_text()) if c.op == "all-gather" and c.executions > 1]
-    assert gathers and max(c.result_bytes for c in gathers) <= layer, (gathers, layer)
+    assert gathers and max(c.result_bytes for c in gathers if c.result_bytes != head) <= layer, (gathers, layer)
 
 
 # Through the CLI -------------------------------------------------------------------------------

@@ -343,7 +343,7 @@ def _pipeline_memory(
     received from other devices, and the float32 sums of the device's own and received rows), the saved slot
     inputs (`_Pipe.saved_inputs`), one layer's activations (with the backward's score temporaries), every
     microbatch's stage input, the head's logits (one run's rows) and, for the 1F1B family, the head's weights
-    gathered whole for the step and their float32 gradient sums.
+    and their float32 gradient sums (`_head_weight_bytes`).
 
     Checked against the compiled step's temporaries (``temp_size_in_bytes``) and XLA's live ranges on the
     7B dry run (`bench/RESULTS.md`, "Per-microbatch pipeline temporaries")."""
@@ -365,11 +365,8 @@ def _pipeline_memory(
     scores = per_layer - _per_token(model, "activations", rules, layout.mesh, 0.0, s.act_bytes)
     inputs = s.micro * model.hidden * s.act_bytes  # per token of a microbatch: every microbatch's stage input
     head_weights = 0.0
-    if pipe.one_f_one_b:  # the head's weights gathered whole once per step, and their float32 gradient sums
-        head_weights = sum(
-            p.param.size for p in placed.values() if not p.param.per_layer and p.param.role != "embedding"
-        )
-        head_weights *= 2 * _PARAM_BYTES
+    if pipe.one_f_one_b:
+        head_weights = _head_weight_bytes(placed, pipe, s.tok * (per_layer + 3 * scores))
     return dataclasses.replace(
         base,
         gradients=base.gradients + (held * (pipe.gather == "microbatch") + sums) * whole_layer * _PARAM_BYTES,
@@ -377,6 +374,38 @@ def _pipeline_memory(
         logits=base.logits * head.tok / s.tok,
         gathered=(held + received) * whole_layer * _gather_bytes(layout) + head_weights,
     )
+
+
+def _head_streamed(pipe: _Pipe) -> bool:
+    """The 1F1B family's head gathers its weights per head step (`sharding.pipeline.onef1b.HeadWeights`):
+    ``gather`` ``microbatch`` where empty slots are skipped (the head runs under a conditional)."""
+    return pipe.one_f_one_b and pipe.gather == "microbatch" and pipe.skip_empty
+
+
+def _head_split(p: _Placed) -> tuple[tuple[str, ...], int]:
+    """``(axes, f)``: the batch axes a head weight is split over inside the stage program (``fsdp``, and
+    ``expert`` where the rules put its ``embed`` there, a mixture of experts' mesh) and their device count."""
+    axes = tuple(a for a in (ax.FSDP, ax.EXPERT) if p.factor(a) > 1) or (ax.FSDP,)
+    return axes, p.factor(*axes)
+
+
+def _head_weight_bytes(placed: dict[str, _Placed], pipe: _Pipe, layer_work: float) -> float:
+    """Bytes of the 1F1B family's head weights (final norm, output projection) in flight on a stage device.
+
+    Gathered once: the whole weights, gathered before the tick loop, and their whole float32 gradient sums,
+    both held through it. Streamed (`_head_streamed`): the float32 gradient sums of this device's ``1/f``
+    shards held through the loop; the gathered copy and one whole gradient only while a head step runs,
+    which runs no layer beside it: they add to the step's peak only where they exceed ``layer_work``, the
+    working set of the layer a tick runs (its activations and score temporaries), which the in-flight sum
+    already counts. (The 7B on stage=4,fsdp=2: 1,000 MiB under a layer's 2,770 MiB, so the head costs its
+    250 MiB sums; the compiled temporaries drop 494-500 MiB, fused 1F1B 242 MiB: `bench/RESULTS.md`, "The
+    1F1B head gathered per microbatch".)"""
+    head = [p for p in placed.values() if not p.param.per_layer and p.param.role != "embedding"]
+    whole = sum(p.param.size for p in head) * _PARAM_BYTES
+    if not _head_streamed(pipe):
+        return 2 * whole
+    sums = sum(p.param.size / _head_split(p)[1] for p in head) * _PARAM_BYTES
+    return sums + max(0.0, 2 * whole - layer_work)
 
 
 def weight_cut_bytes(
@@ -486,6 +515,7 @@ def _pipeline_head_comms(
             pipe.one_f_one_b,
             backend,
             batch_rows,
+            pipe.micro if _head_streamed(pipe) else 1,
         )
     )
 
@@ -503,15 +533,18 @@ def _pipeline_head_comms_cached(
     one_f_one_b: bool,
     backend: str,
     batch_rows: float | None,
+    runs: int = 1,
 ) -> tuple[Comm, ...]:
     """The head's weights (final norm, output projection) and collectives.
 
     GPipe/circular: the head runs under `head_parallelism` outside the pipeline, as the step without
     stages on the mesh with ``stage`` folded into ``fsdp`` prices it (`_comms`, the head's rows). 1F1B:
-    its weights are gathered explicitly once per step (`sharding.pipeline.onef1b`), each over ``stage``
-    (to ``1/f`` of it) and over the ``f`` devices of the batch axes its rules split it over (``fsdp``, and
-    ``expert`` for a mixture of experts' mesh) to whole, its gradients reduce-scattered over those and
-    summed over ``stage``.
+    its weights are gathered explicitly (`sharding.pipeline.onef1b.HeadWeights`), each over ``stage`` (to
+    ``1/f`` of it, once per step) and over the ``f`` devices of the batch axes its rules split it over
+    (``fsdp``, and ``expert`` for a mixture of experts' mesh, `_head_split`) to whole, its gradients
+    reduce-scattered over those and summed over ``stage`` once after the loop; the gather over the batch
+    axes and the reduce-scatter ``runs`` times: once per step, or per head step on the last stage (the M
+    microbatches, `_head_streamed`).
     """
     layout = Layout(dict(mesh_items), rules, remat=remat, attention=attention, dtype=dtype, logits=logits)
     flat, flat_placed = _stage_folded(model, layout, rules)
@@ -543,22 +576,20 @@ def _pipeline_head_comms_cached(
     for p in _place_cached(model, rules, mesh_items).values():
         if p.param.per_layer or p.param.role == "embedding":
             continue
-        # split over fsdp, and over expert too where the rules put the weight's embed there (a MoE's mesh)
-        axes = tuple(a for a in (ax.FSDP, ax.EXPERT) if p.factor(a) > 1) or (ax.FSDP,)
-        f = p.factor(*axes)
+        axes, f = _head_split(p)
         whole, what = p.param.size * _PARAM_BYTES, p.param.path
         comms += [
             Comm("all-gather", (ax.STAGE,), stages, whole / f, 1, f"gather {what} over stage"),
-            Comm("all-gather", axes, f, whole, 1, f"gather {what}"),
-            Comm("reduce-scatter", axes, f, whole / f, 1, f"gradient of {what}"),
+            Comm("all-gather", axes, f, whole, runs, f"gather {what}"),
+            Comm("reduce-scatter", axes, f, whole / f, runs, f"gradient of {what}"),
             Comm("all-reduce", (ax.STAGE,), stages, whole / f, 1, f"gradient of {what} over stage"),
         ]
         auto = tuple(a for a in _AUTO_AXES if p.factor(a) > 1)
-        if auto:  # gathered and reduced whole over tensor, as the layers' weights (`_auto_factor`)
-            over, t = "+".join(auto), _auto_factor(p)
+        if auto:  # gathered and reduced whole over tensor, as the layers' weights (`_auto_factor`), where the
+            over, t = "+".join(auto), _auto_factor(p)  # explicit gather and reduce-scatter run (seen on tensor=2)
             comms += [
-                Comm("all-gather", auto, t, whole / f, 1, f"gather {what} over {over}"),
-                Comm("all-gather", auto, t, whole, 1, f"gradient sums of {what} over {over}"),
+                Comm("all-gather", auto, t, whole / f, runs, f"gather {what} over {over}"),
+                Comm("all-gather", auto, t, whole, runs, f"gradient sums of {what} over {over}"),
             ]
     return tuple(comms)
 

@@ -49,6 +49,7 @@ a microbatch's round trip from stage 0 ``2 (S - 1)`` ticks long).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -58,7 +59,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from sharding import axes as ax
-from sharding.parallel import gather_shards, reduce_shards, to_varying
+from sharding.parallel import gather_shards, reduce_shards, spec_axes, to_varying
 from sharding.pipeline.layout import PipelinePlan, head_parallelism
 from sharding.pipeline.program import (
     Setup,
@@ -85,11 +86,95 @@ from sharding.pipeline.schedule import run_pipeline
 from sharding.pipeline.ticks import BACKWARD, FORWARD, WEIGHT
 
 
+@dataclasses.dataclass(frozen=True)
+class HeadWeights:
+    """How the 1F1B loop holds the output head's weights and sums their gradients.
+
+    Gathered once (``--pipeline-gather once``, or a plan that computes every slot): the loop holds the whole
+    weights, gathered before it (`hold`), and whole gradient sums in the weights' dtype, reduce-scattered
+    after it (`finish`). Streamed (``--pipeline-gather microbatch`` with ``skip_empty``): the loop holds this
+    device's blocks (the `jax.shard_map` blocks of ``specs``) and the head, which runs on the last virtual
+    stage under a `jax.lax.cond`, all-gathers them inside its running branch (`fetch`) and reduce-scatters
+    their gradient there (`reduce`) into float32 sums shaped as the blocks (`zeros`): the whole weights and
+    one whole gradient are live only while a head step runs, at the price of an all-gather and a
+    reduce-scatter per microbatch instead of one each per step. Those collectives stay among the devices of
+    the last stage (``specs`` name batch axes only, `sharding.pipeline.program.check_split`), which all take
+    the branch alike. A plan that computes every slot (no ``skip_empty``) runs the head on every stage at
+    every tick, outside any conditional: streaming there would gather on every tick of every stage, ``ticks``
+    times the step's one gather, so it keeps the gather once.
+
+    Attributes:
+      specs: per leaf of the head's parameters, its `PartitionSpec` over the map's manual axes.
+      summed: the manual batch axes the per-device gradients are partial sums over.
+      streamed: gathered per head step (above), else once per step.
+    """
+
+    specs: Any
+    summed: tuple[str, ...]
+    streamed: bool
+
+    @property
+    def vary(self) -> tuple[str, ...]:
+        """The manual axes the loop's per-device values vary over: ``stage`` and the batch axes."""
+        return (ax.STAGE, *self.summed)
+
+    def _gather(self, blocks):
+        return to_varying(jax.tree.map(gather_shards, blocks, self.specs), self.vary)
+
+    def hold(self, blocks):
+        """This device's ``blocks`` -> what the loop holds: the whole weights (gathered once, device-varying
+        over `vary` so that differentiating the head adds no reduction inside the loop), or the blocks."""
+        return blocks if self.streamed else self._gather(blocks)
+
+    def fetch(self, held):
+        """What the loop holds -> the whole weights for one head step (streamed: all-gathered here)."""
+        return self._gather(held) if self.streamed else held
+
+    def zeros(self, held):
+        """The gradient sums' zeros, device-varying over `vary`: shaped as the whole weights in their dtype
+        (gathered once), or as this device's blocks in at least float32 (streamed)."""
+        if self.streamed:
+            zeros = jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.promote_types(w.dtype, jnp.float32)), held)
+        else:
+            zeros = jax.tree.map(jnp.zeros_like, held)
+        return to_varying(zeros, self.vary)
+
+    def reduce(self, grads, held):
+        """One head step's whole gradients -> what the sums add: streamed, reduce-scattered over each spec's
+        axes in the sums' float32 (XLA's CPU compiler aborts on a bfloat16 reduce-scatter, `Streamed`'s note)
+        to this device's blocks; gathered once, as they are."""
+        if not self.streamed:
+            return grads
+        return jax.tree.map(
+            lambda g, w, spec: reduce_shards(g.astype(jnp.promote_types(w.dtype, jnp.float32)), spec, ()),
+            grads,
+            held,
+            self.specs,
+        )
+
+    def finish(self, sums, blocks):
+        """The step's gradient sums -> the gradients of this device's ``blocks``: summed over ``stage`` and the
+        batch axes not yet reduced (gathered once: reduce-scattered over each spec's axes first), in the
+        blocks' dtypes."""
+
+        def one(g, w, spec):
+            if self.streamed:
+                split = {a for entry in spec for a in spec_axes(entry)}
+                rest = tuple(a for a in self.summed if a not in split)
+                g = jax.lax.psum(g, rest) if rest else g
+            else:
+                g = reduce_shards(g, spec, self.summed)
+            return jax.lax.psum(g, ax.STAGE).astype(w.dtype)
+
+        return jax.tree.map(one, sums, blocks, self.specs)
+
+
 def _ticks(
     layer,
     head,
     plan: PipelinePlan,
     params,
+    head_weights: HeadWeights,
     head_params,
     xs,
     extras,
@@ -113,11 +198,12 @@ def _ticks(
         `sharding.pipeline.program.objective_cotangent`, as the loss).
       head: ``(head_params, h, *head_inputs) -> (loss_sum, weight_sum)``.
       params: the stage's gathered weights, leaves ``[R, K, ...]``, or a `Streamed` (gathered per chunk pass).
-      head_params: the head's gathered weights.
+      head_weights: how the loop holds the head's weights and sums their gradients.
+      head_params: the head's weights as it holds them (`HeadWeights.hold`: whole, or this device's blocks).
       xs: ``[M, microbatch, ...]`` inputs of the first virtual stage (stage-varying).
       extras, head_inputs: ``[M, microbatch, ...]`` side inputs of the layers and of the head.
-      grads, head_grads: zero accumulators shaped as ``params`` (or `Streamed.zeros`) and ``head_params`` (None
-        when not ``train``).
+      grads, head_grads: zero accumulators shaped as ``params`` (or `Streamed.zeros`) and as
+        `HeadWeights.zeros` of ``head_params`` (None when not ``train``).
       train: run the backward ticks too.
       vary: the manual axes the per-device sums vary over (``stage`` and the batch axes).
 
@@ -144,16 +230,22 @@ def _ticks(
 
     def head_step(on, h, inputs):
         def run(h, inputs):
+            hp = head_weights.fetch(
+                head_params
+            )  # streamed: gathered here, inside the branch the stage's devices all take
             if train:
                 value = jax.value_and_grad(lambda hp, h: head(hp, h, *inputs), argnums=(0, 1), has_aux=True)
-                (loss, weight), (g_hp, g_h) = value(head_params, h)
+                (loss, weight), (g_hp, g_h) = value(hp, h)
+                g_hp = head_weights.reduce(
+                    g_hp, head_params
+                )  # streamed: reduce-scattered into this device's shards here
             else:
-                (loss, weight), g_hp, g_h = head(head_params, h, *inputs), None, None
+                (loss, weight), g_hp, g_h = head(hp, h, *inputs), None, None
             return to_varying((loss.astype(jnp.float32), weight.astype(jnp.float32), g_h, g_hp), vary)
 
         def idle(h, inputs):
             zero = jnp.zeros((), jnp.float32)
-            grads = (jnp.zeros_like(h), jax.tree.map(jnp.zeros_like, head_params)) if train else (None, None)
+            grads = (jnp.zeros_like(h), head_weights.zeros(head_params)) if train else (None, None)
             return to_varying((zero, zero, *grads), vary)
 
         if plan.skip_empty:
@@ -277,6 +369,7 @@ def _loss_program(
     None without ``objective``; not differentiated)."""
     summed = weights.summed
     streamed = plan.gather == "microbatch"
+    head_weights = HeadWeights(head_specs, summed, streamed and plan.skip_empty)
 
     def run(stacked, head_params, xs, extras, head_inputs, train: bool):
         stage_par = par.inside(manual_axes(par))
@@ -291,7 +384,7 @@ def _loss_program(
         head = lambda hp, h, *inputs: head_fn(stage_par, hp, h, *inputs)  # noqa: E731
         vary = (ax.STAGE, *summed)
         axes = vary if objective else None
-        hp = to_varying(jax.tree.map(gather_shards, head_params, head_specs), vary)
+        hp = head_weights.hold(head_params)
         grads = head_grads = None
         if streamed:  # each block gathered where a chunk runs it, its gradient reduce-scattered there
             params = weights.stream(stacked, plan.layout.repeats)
@@ -302,12 +395,13 @@ def _loss_program(
             if train:
                 grads = to_varying(jax.tree.map(lambda p, w: jnp.zeros(p.shape, w.dtype), params, stacked), vary)
         if train:
-            head_grads = to_varying(jax.tree.map(jnp.zeros_like, hp), vary)
+            head_grads = head_weights.zeros(hp)
         return _ticks(
             layer,
             head,
             plan,
             params,
+            head_weights,
             hp,
             xs,
             extras,
@@ -328,18 +422,16 @@ def _loss_program(
 
     def forward(stacked, head_params, xs, extras, head_inputs):
         loss, weight, applied, grads, head_grads, g_xs, stats = run(stacked, head_params, xs, extras, head_inputs, True)
-        return (loss, weight, applied, stats), (stacked, grads, head_grads, g_xs)
+        return (loss, weight, applied, stats), (stacked, head_params, grads, head_grads, g_xs)
 
     def backward(residuals, cotangents):
-        stacked, grads, head_grads, g_xs = residuals
+        stacked, head_params, grads, head_grads, g_xs = residuals
         ct = cotangents[0]
 
         def scale(tree):
             return jax.tree.map(lambda g: (g * ct).astype(g.dtype), tree)
 
-        d_head = jax.tree.map(
-            lambda g, spec: jax.lax.psum(reduce_shards(g, spec, summed), ax.STAGE), scale(head_grads), head_specs
-        )
+        d_head = head_weights.finish(scale(head_grads), head_params)
         finish = weights.finish if streamed else weights.reduce
         return finish(scale(grads), stacked), d_head, scale(g_xs), None, None
 
