@@ -280,7 +280,8 @@ def _pipeline_flags(p) -> None:
         "their gradients whole, holding both through the step; microbatch: one layer at a time, gathered "
         "where a microbatch runs it and its gradient reduce-scattered there (the layers stored with their "
         "features split over fsdp), so the step holds one layer instead of the stage's, for a gather per "
-        "microbatch pass (fsdp; any schedule)",
+        "microbatch pass (fsdp; any schedule); under 1f1b, 1f1b-fused and zb the output head's weights too, "
+        "gathered on the last stage at each microbatch's head step instead of held whole through the loop",
     )
     g.add_argument(
         "--pipeline-repeats",

@@ -327,9 +327,16 @@ def pipeline_lines(trainer, note: str | None = None) -> list[str]:
             )
         )
     lines.append(weight_gather_line(trainer))
+    gathered = "gathered once per step with fsdp"
+    if plan.streams_head:
+        gathered = (
+            "the embedding gathered once per step with fsdp, the final norm and output projection gathered over "
+            "fsdp on the last stage at each microbatch's head step, their gradients reduce-scattered there "
+            "(--pipeline-gather microbatch)"
+        )
     lines.append(
         "  embedding, final norm and output projection parameters: stored split over stage as well (where a "
-        "dimension allows), gathered once per step with fsdp; the embedding lookup runs on every stage"
+        f"dimension allows), {gathered}; the embedding lookup runs on every stage"
     )
     return lines
 

@@ -322,7 +322,8 @@ class PipelinePlan:
       gather: ``once`` (MaxText's ``pipeline_fsdp_ag_once``: the stage's layers gathered before the loop in the
         compute dtype and their gradients summed whole, both held through the step) or ``microbatch`` (each
         block of layers gathered where a chunk runs it, its gradient reduce-scattered there: the step holds one
-        block's working set, and pays a gather per chunk pass); `GATHERS`, ``--pipeline-gather``.
+        block's working set, and pays a gather per chunk pass; the 1F1B family's head too, `streams_head`);
+        `GATHERS`, ``--pipeline-gather``.
 
     Raises:
       ValueError: ``fused`` or ``zero_bubble`` without ``one_f_one_b``, or both; ``gather`` not in `GATHERS`.
@@ -378,6 +379,13 @@ class PipelinePlan:
         """
         make = zero_bubble_ticks if self.zero_bubble else fused_ticks if self.fused else one_f_one_b_ticks
         return make(self.layout.stages, self.microbatches, self.layout.repeats)
+
+    @property
+    def streams_head(self) -> bool:
+        """The 1F1B family's output head gathers its weights per head step, inside its conditional on the last
+        stage, and reduce-scatters their gradient there (``gather`` ``microbatch`` with ``skip_empty``;
+        `sharding.pipeline.onef1b.HeadWeights`); else they are gathered once per step."""
+        return self.one_f_one_b and self.gather == "microbatch" and self.skip_empty
 
     @property
     def ticks(self) -> int:

@@ -36,7 +36,9 @@ axes, sum over ``stage``). Called without differentiation, the loop runs the for
 
 Weights are gathered once per step (`program.Weights.gather`, compute dtype) and the head's weights
 once (their own dtype), both outside the loop; parameters, stage inputs and extras are cast
-device-varying first so no reduction lands inside it.
+device-varying first so no reduction lands inside it. With ``--pipeline-gather microbatch`` the layers
+are gathered per chunk pass (`program.Streamed`) and the head's weights per head step, inside its
+conditional on the last stage, their gradient reduce-scattered there (`HeadWeights`).
 
 Cost. A tick lasts as long as what runs in it. In lockstep neighbouring stages run a forward and a
 backward in the same tick after warm-up, so with one chunk a step takes ``2 (M + S - 1)`` ticks of a
@@ -369,7 +371,7 @@ def _loss_program(
     None without ``objective``; not differentiated)."""
     summed = weights.summed
     streamed = plan.gather == "microbatch"
-    head_weights = HeadWeights(head_specs, summed, streamed and plan.skip_empty)
+    head_weights = HeadWeights(head_specs, summed, plan.streams_head)
 
     def run(stacked, head_params, xs, extras, head_inputs, train: bool):
         stage_par = par.inside(manual_axes(par))
