@@ -297,7 +297,9 @@ def test_padded_weights_gathered_per_microbatch_match_the_sequential_stack(
     mesh_spec, num_layers, stage_layers, microbatches, repeats, schedule, skip_empty
 ):
     """The padded ``[stages, slots, ...]`` layout with ``--pipeline-gather microbatch``: each slot's fsdp shards
-    gathered where a chunk pass runs it (blocks of one slot), its gradient reduce-scattered there."""
+    gathered where a chunk pass runs it (blocks of one slot), its gradient reduce-scattered there. The head's
+    ``v``, split over fsdp, is gathered at each head step and its gradient reduce-scattered there too where
+    empty slots are skipped (`HeadWeights`); computing every slot, gathered once."""
     plan, (loss, weight, grads, applied, forward_only), (ref_loss, ref_weight, ref_grads), _, _ = _toy(
         mesh_spec,
         num_layers,
