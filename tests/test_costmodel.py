@@ -389,6 +389,33 @@ def test_pipeline_weights_gathered_per_microbatch_cost_a_layer_per_slot(one_f_on
     assert saved == pytest.approx(ring * (10 - 5) * act, rel=1e-9)
 
 
+@pytest.mark.parametrize("gather", ["once", "microbatch"])
+def test_the_1f1b_heads_gathered_copy_counts_per_microbatch_only_above_a_layers_working_set(gather):
+    """The 7B on stage=4,fsdp=2 (10,10,6,6), 1F1B, its vocabulary grown by 16,000 entries (the output projection
+    by ``d`` = 4096 x 16,000 float32, 250 MiB; no layer changes). Gathered once, the held head grows by its
+    whole copy and whole sums, ``2 d``. Per microbatch, by the sums of its fsdp half, ``d / 2``, while the whole
+    copy and gradient it holds during a head step (1,000-1,500 MiB at 32k-48k entries) stay under a layer's
+    working set (2,770 MiB); at 128k-144k entries (4,000-4,500 MiB) they exceed it, and add ``2 d`` more."""
+    d = 4096 * 16000 * 4
+
+    def gathered(vocab):
+        layout = cm.Layout(
+            {"stage": 4, "fsdp": 2},
+            "fsdp",
+            16,
+            stage_layers=(10, 10, 6, 6),
+            one_f_one_b=True,
+            pipeline_gather=gather,
+        )
+        return cm.estimate(get_config("7b", [f"vocab_size={vocab}"]), 32, 2048, layout, backend="cpu").memory.gathered
+
+    below, above = gathered(48000) - gathered(32000), gathered(144000) - gathered(128000)
+    if gather == "once":
+        assert below == pytest.approx(2 * d, rel=1e-9) and above == pytest.approx(2 * d, rel=1e-9)
+    else:
+        assert below == pytest.approx(d / 2, rel=1e-9) and above == pytest.approx(d / 2 + 2 * d, rel=1e-9)
+
+
 @pytest.mark.parametrize("stage_layers, mesh_spec", [((7, 5, 2, 2), "stage=4,fsdp=2"), ((5, 3), "stage=2,fsdp=4")])
 def test_pipeline_state_bytes_are_the_unpadded_storage(stage_layers, mesh_spec):
     """A pipeline's persistent bytes per device: the unpadded storage (no stage holds the largest stage's
