@@ -232,15 +232,12 @@ def _ticks(
 
     def head_step(on, h, inputs):
         def run(h, inputs):
-            hp = head_weights.fetch(
-                head_params
-            )  # streamed: gathered here, inside the branch the stage's devices all take
+            # streamed: gathered here, inside the branch the last stage's devices all take
+            hp = head_weights.fetch(head_params)
             if train:
                 value = jax.value_and_grad(lambda hp, h: head(hp, h, *inputs), argnums=(0, 1), has_aux=True)
                 (loss, weight), (g_hp, g_h) = value(hp, h)
-                g_hp = head_weights.reduce(
-                    g_hp, head_params
-                )  # streamed: reduce-scattered into this device's shards here
+                g_hp = head_weights.reduce(g_hp, head_params)  # streamed: reduce-scattered to the shards here
             else:
                 (loss, weight), g_hp, g_h = head(hp, h, *inputs), None, None
             return to_varying((loss.astype(jnp.float32), weight.astype(jnp.float32), g_h, g_hp), vary)
