@@ -332,7 +332,9 @@ def test_pipeline_weights_gathered_per_microbatch_cost_a_layer_per_slot(one_f_on
     one input per 2 layers), and its (weight-)gradient pass reduce-scatters each layer's gradient (a half
     layer per device); the stored rows (two half rows) still move once per step. In flight: one layer and
     the received half rows, against the 10-slot working copy gathered once, whatever the schedule; the saved
-    activations, 5 inputs per chunk pass instead of 10."""
+    activations, 5 inputs per chunk pass instead of 10. The 1F1B family's head is gathered and reduce-scattered
+    at each of the M head steps instead of once, holding the float32 sums of its fsdp half instead of its whole
+    copy and whole sums."""
     config = get_config("7b")
     layer = sum(p.size for p in describe(config).params if p.per_layer) * 4  # one layer, float32, whole
 
