@@ -310,12 +310,12 @@ def test_pipeline_gathers_stage_weights_once_per_step():
         assert [(x.result_bytes, x.count) for x in sends] == [(act, 2 * trips)]
 
     # At the same microbatch size, GPipe's saved inputs grow with M (every slot of every step), 1F1B's do
-    # not (at most S microbatches' stage inputs per stage); both hold every microbatch's stage input (one
-    # row of 2,048 tokens each, float32), which is not counted here.
+    # not (at most S microbatches' stage inputs per stage); both hold every microbatch's stage input and its
+    # cotangent (one row of 2,048 tokens each, float32), which are not counted here.
     def saved(micro, one_f_one_b):
         layout = cm.Layout({"stage": 4, "fsdp": 2}, "fsdp", micro, stage_layers=(10, 10, 6, 6), one_f_one_b=one_f_one_b)
         activations = cm.device_cost(config, layout, seq_len=2048, rows=1, backend="cpu").memory.activations
-        return activations - micro * 2048 * config.embed_dim * 4
+        return activations - 2 * micro * 2048 * config.embed_dim * 4
 
     assert saved(16, True) == saved(8, True) < saved(8, False) < saved(16, False)
 
@@ -362,12 +362,13 @@ def test_pipeline_weights_gathered_per_microbatch_cost_a_layer_per_slot(one_f_on
     assert once.memory.gathered == pytest.approx(10 * layer + head, rel=1e-9)
     assert streamed.memory.gathered == pytest.approx(2 * layer + head, rel=1e-9)
     # 8 slots fewer; the float32 sums: the working copy's 10 slots in place of the 4 stored rows' gradients (6
-    # more) against the layer's and the received half rows' 2 (2 more); and the ring keeps one input per 2
+    # more) against the received half rows' 1 (each leaf of the gathered layer's gradient is reduce-scattered as
+    # the slot's backward produces it: no whole layer's gradient is held); and the ring keeps one input per 2
     # layers, 5 saved activations per chunk instead of 10 (zero bubble's ring of what its input gradients keep
     # for the weight gradients is the same in both modes)
     saved = once.memory.activations - streamed.memory.activations
     assert streamed.memory.state == once.memory.state  # 4 whole rows or 8 half rows per device
-    assert streamed.memory.total == pytest.approx(once.memory.total - (8 + 4) * layer - saved, rel=1e-9)
+    assert streamed.memory.total == pytest.approx(once.memory.total - (8 + 5) * layer - saved, rel=1e-9)
     ring = cm.tick_table(tick_schedule, 4, 16, 1).slots if one_f_one_b else 16 + 4 - 1
     act = 2048 * config.embed_dim * 4  # one slot input: one row of a microbatch per device, float32
     assert saved == pytest.approx(ring * (10 - 5) * act, rel=1e-9)

@@ -339,14 +339,16 @@ def _pipeline_memory(
 ) -> Memory:
     """Bytes of a stage device: the stored rows' state; in flight, the gathered working copy of the stage's
     slots (`_gather_bytes`) and their float32 gradient sums in place of the stored rows' gradients, which the
-    sums become after the loop (``gather`` ``microbatch``: one block of ``G`` slots and its gradient, the rows
-    received from other devices, and the float32 sums of the device's own and received rows), the saved slot
-    inputs (`_Pipe.saved_inputs`), one layer's activations (with the backward's score temporaries), every
-    microbatch's stage input, the head's logits (one run's rows) and, for the 1F1B family, the head's weights
-    gathered whole for the step and their float32 gradient sums.
+    sums become after the loop (``gather`` ``microbatch``: the slot's gathered layer, the rows received from
+    other devices, and the float32 sums of the device's own and received rows), the saved slot inputs
+    (`_Pipe.saved_inputs`), every microbatch's stage input and its cotangent, the larger of a layer's backward
+    working set (its activations with the backward's score temporaries and, with ``gather`` ``microbatch``,
+    the slot's gathered layer) and the head's logits (one run's rows), which are never live together, and,
+    for the 1F1B family, the head's weights gathered whole for the step and their float32 gradient sums.
 
     Checked against the compiled step's temporaries (``temp_size_in_bytes``) and XLA's live ranges on the
-    7B dry run (`bench/RESULTS.md`, "Per-microbatch pipeline temporaries")."""
+    7B dry run (`bench/RESULTS.md`, "Per-microbatch pipeline temporaries" and "The per-microbatch
+    temporaries: what is live at the peak")."""
     base = _memory(model, layout, rules, placed, s)
     keys = s.seq if attention_of(model, layout).materialises_scores else 0.0
     saved_input = _per_token(model, "activations", rules, layout.mesh, keys, s.act_bytes, ("input",))
@@ -355,26 +357,37 @@ def _pipeline_memory(
     # once: the working copy's R*K' slots and their sums, which replace the q stored rows' gradients
     own = -(-model.num_layers // (pipe.stages * pipe.groups))
     held, received, sums = pipe.working, 0, pipe.working - own
-    if pipe.gather == "microbatch":  # one block of G whole rows, or one layer, and its gradient; the sums of
-        held, received = pipe.groups, sum(pipe.moved) / pipe.span  # the received rows (split over span)
+    # microbatch: one layer in the compute dtype and the sums of the received rows (split over span); no whole
+    # layer's float32 gradient: `Streamed.backward` reduce-scatters each leaf's gradient into the sums as the
+    # slot's backward produces it (at the peak, inside the attention's backward, the MLP's are already done)
+    if pipe.gather == "microbatch":
+        held, received = pipe.groups, sum(pipe.moved) / pipe.span
         sums = received
     kept = pipe.kept * pipe.chunk_slots * weight_cut_bytes(model, rules, layout.mesh, s.act_bytes, s.tok)
     # The recomputed layer's backward (`chunk_backward`'s `jax.vjp`) holds, beside its probabilities, three more
     # score-sized float32 arrays at once where the attention materialises its scores (XLA's live ranges of the
     # 7B step, `bench/RESULTS.md`, "Per-microbatch pipeline temporaries").
     scores = per_layer - _per_token(model, "activations", rules, layout.mesh, 0.0, s.act_bytes)
-    inputs = s.micro * model.hidden * s.act_bytes  # per token of a microbatch: every microbatch's stage input
+    # per token of a microbatch: every microbatch's stage input, and their cotangent, which the backward fills
+    # in one microbatch at a time and the embedding's backward reads after the loop
+    inputs = 2 * s.micro * model.hidden * s.act_bytes
     head_weights = 0.0
     if pipe.one_f_one_b:  # the head's weights gathered whole once per step, and their float32 gradient sums
         head_weights = sum(
             p.param.size for p in placed.values() if not p.param.per_layer and p.param.role != "embedding"
         )
         head_weights *= 2 * _PARAM_BYTES
+    # A layer's backward working set and the head's logits never peak together: GPipe/circular run the head
+    # between the forward and backward loops, the 1F1B family in its own phase of a tick, before the tick's
+    # backward pass (XLA's live ranges: no logits at the backward's peak). The step holds the larger of them.
+    streamed = held * whole_layer * _gather_bytes(layout) if pipe.gather == "microbatch" else 0.0
+    backward = s.tok * (per_layer + 3 * scores) + streamed
+    logits = base.logits * head.tok / s.tok
     return dataclasses.replace(
         base,
-        gradients=base.gradients + (held * (pipe.gather == "microbatch") + sums) * whole_layer * _PARAM_BYTES,
+        gradients=base.gradients + sums * whole_layer * _PARAM_BYTES,
         activations=s.tok * (pipe.saved_inputs * saved_input + per_layer + 3 * scores + inputs) + kept,
-        logits=base.logits * head.tok / s.tok,
+        logits=max(0.0, logits - backward),  # the head's logits beyond the layer's working set
         gathered=(held + received) * whole_layer * _gather_bytes(layout) + head_weights,
     )
 
