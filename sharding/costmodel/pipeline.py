@@ -87,7 +87,7 @@ class _Pipe:
         alone, from each product's input and output cotangent that B kept, `sharding.pipeline.split`), so
         the FLOPs, the recomputation and the gathers are fused 1F1B's.
       kept: zero bubble: the entries of its second ring, each one chunk pass's cut (what B keeps for W) for
-        each of the ``K'`` slots (`ZeroBubbleTicks.saved_slots`); 0 otherwise.
+        each of the pass's `positions` (`ZeroBubbleTicks.saved_slots`); 0 otherwise.
       span: the devices of a stage each stored row's features are split over (``gather`` ``microbatch``:
         `sharding.pipeline.storage.feature_devices`; each slot's layer gathered on its own,
         `sharding.pipeline.program.Streamed.per_slot`); 1 otherwise.
@@ -363,7 +363,9 @@ def _pipeline_memory(
     if pipe.gather == "microbatch":
         held, received = pipe.groups, sum(pipe.moved) / pipe.span
         sums = received
-    kept = pipe.kept * pipe.chunk_slots * weight_cut_bytes(model, rules, layout.mesh, s.act_bytes, s.tok)
+    # zero bubble: its ring of cuts holds every slot position of a chunk pass (`Streamed.positions` with the
+    # per-microbatch gather: `n * B`, past the chunk's K' layers where B does not divide K'; else K')
+    kept = pipe.kept * pipe.positions * weight_cut_bytes(model, rules, layout.mesh, s.act_bytes, s.tok)
     # The recomputed layer's backward (`chunk_backward`'s `jax.vjp`) holds, beside its probabilities, three more
     # score-sized float32 arrays at once where the attention materialises its scores (XLA's live ranges of the
     # 7B step, `bench/RESULTS.md`, "Per-microbatch pipeline temporaries").
