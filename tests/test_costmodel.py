@@ -374,6 +374,71 @@ def test_pipeline_weights_gathered_per_microbatch_cost_a_layer_per_slot(one_f_on
     assert saved == pytest.approx(ring * (10 - 5) * act, rel=1e-9)
 
 
+@pytest.mark.parametrize("attention", ["reference", "flash"])
+@pytest.mark.parametrize("gather", ["once", "microbatch"])
+@pytest.mark.parametrize("one_f_one_b", [False, True])
+def test_pipeline_in_flight_bytes_are_what_the_step_holds_at_its_peak(attention, gather, one_f_one_b):
+    """The 7B dry run's in-flight terms (stage=4,fsdp=2, 10,10,6,6, M = 16, 32 x 2048, float32), hand-computed
+    from XLA's live ranges of the compiled step (`bench/RESULTS.md`, "The per-microbatch temporaries: what is
+    live at the peak"): the head's logits and a layer's backward never peak together, so the logits count only
+    beyond the backward's working set; the per-microbatch gather holds no whole layer's float32 gradient; every
+    microbatch's stage input is held with its cotangent."""
+    config = get_config("7b")
+    d, f, tokens = config.embed_dim, config.mlp_dim, 2048  # one row of a microbatch per device
+    layer = (4 * d * d + 3 * d * f + 2 * d) * 4  # one layer's weights, float32, whole: 772.03 MiB
+    layout = cm.Layout(
+        {"stage": 4, "fsdp": 2},
+        "fsdp",
+        16,
+        stage_layers=(10, 10, 6, 6),
+        one_f_one_b=one_f_one_b,
+        pipeline_gather=gather,
+        attention=attention,
+    )
+    memory = cm.estimate(config, 32, 2048, layout, backend="cpu").memory
+    # A layer's activations per token (models/spec.py: block input, attention output, 4 norm/residual, q, attention
+    # output, k and v twice, 2 float32 norm copies, 3 MLP), and where the scores are materialised the float32
+    # probabilities and the boolean mask per key; the backward holds three more score-sized arrays.
+    scores = (32 * 2048 * 4 + 2048) if attention == "reference" else 0
+    activations = tokens * ((14 * d + 3 * f) * 4 + scores + 3 * scores)
+    backward = activations + layer * (gather == "microbatch")  # and the slot's gathered layer (float32 compute)
+    # GPipe: the head after the loop on 1/S of the device's 16 rows; 1F1B: one microbatch's row per tick
+    logits = (1 if one_f_one_b else 4) * tokens * config.vocab_size * 4 * 2  # float32 logits and their gradient
+    assert memory.logits == pytest.approx(max(0.0, logits - backward), rel=1e-12)
+    assert memory.logits == 0.0 or (attention, one_f_one_b) == ("flash", False)
+    # gradient sums beyond the stored rows' gradients: the working copy's 10 slots in place of the 4 stored rows,
+    # or the 2 received half rows (each leaf of the gathered layer is reduce-scattered as its backward yields it)
+    assert memory.gradients - memory.parameters == pytest.approx((6 if gather == "once" else 1) * layer, rel=1e-12)
+    ring = cm.tick_table("lockstep", 4, 16, 1).slots if one_f_one_b else 16 + 4 - 1
+    saved = ring * (10 if gather == "once" else 5) + 2 * 16  # slot (block) inputs; stage inputs and cotangents
+    assert memory.activations == pytest.approx(tokens * saved * d * 4 + activations, rel=1e-12)
+
+
+def test_zero_bubble_keeps_a_cut_for_every_slot_position_of_a_chunk_pass():
+    """Zero bubble's ring of cuts (`sharding.pipeline.program.cut_ring`) holds each chunk pass's `positions`:
+    the 1B on stage=2,fsdp=4 with 9,7 layers runs, gathering once, a 12-slot working copy (K' rounded up so the
+    4 fsdp devices divide it) and, per microbatch, 3 blocks of 4 positions (12 for 9 layers, 3 of them empty):
+    both rings are 12 positions deep, so the modes differ only in the saved inputs (3 ring entries of 12 slot
+    inputs against 3 blocks' inputs); the compiled rings are ``[1, 12, 1, 2048, ...]`` in both modes."""
+    config = get_config("1b")
+
+    def activations(gather):
+        layout = cm.Layout(
+            {"stage": 2, "fsdp": 4},
+            "fsdp",
+            8,
+            stage_layers=(9, 7),
+            one_f_one_b=True,
+            tick_schedule="zb",
+            pipeline_gather=gather,
+        )
+        return cm.estimate(config, 32, 2048, layout, backend="cpu").memory.activations
+
+    ring = cm.tick_table("zb", 2, 8, 1).slots
+    one_input = 2048 * config.embed_dim * 4  # one row of 2,048 tokens, float32
+    assert activations("once") - activations("microbatch") == pytest.approx(ring * (12 - 3) * one_input, rel=1e-12)
+
+
 @pytest.mark.parametrize("stage_layers, mesh_spec", [((7, 5, 2, 2), "stage=4,fsdp=2"), ((5, 3), "stage=2,fsdp=4")])
 def test_pipeline_state_bytes_are_the_unpadded_storage(stage_layers, mesh_spec):
     """A pipeline's persistent bytes per device: the unpadded storage (no stage holds the largest stage's
