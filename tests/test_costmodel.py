@@ -310,12 +310,12 @@ def test_pipeline_gathers_stage_weights_once_per_step():
         assert [(x.result_bytes, x.count) for x in sends] == [(act, 2 * trips)]
 
     # At the same microbatch size, GPipe's saved inputs grow with M (every slot of every step), 1F1B's do
-    # not (at most S microbatches' stage inputs per stage); both hold every microbatch's stage input (one
-    # row of 2,048 tokens each, float32), which is not counted here.
+    # not (at most S microbatches' stage inputs per stage); both hold every microbatch's stage input and its
+    # cotangent (one row of 2,048 tokens each, float32), which are not counted here.
     def saved(micro, one_f_one_b):
         layout = cm.Layout({"stage": 4, "fsdp": 2}, "fsdp", micro, stage_layers=(10, 10, 6, 6), one_f_one_b=one_f_one_b)
         activations = cm.device_cost(config, layout, seq_len=2048, rows=1, backend="cpu").memory.activations
-        return activations - micro * 2048 * config.embed_dim * 4
+        return activations - 2 * micro * 2048 * config.embed_dim * 4
 
     assert saved(16, True) == saved(8, True) < saved(8, False) < saved(16, False)
 
@@ -379,12 +379,13 @@ def test_pipeline_weights_gathered_per_microbatch_cost_a_layer_per_slot(one_f_on
     assert once.memory.gathered == pytest.approx(10 * layer + held["once"], rel=1e-9)
     assert streamed.memory.gathered == pytest.approx(2 * layer + held["microbatch"], rel=1e-9)
     # 8 slots fewer; the float32 sums: the working copy's 10 slots in place of the 4 stored rows' gradients (6
-    # more) against the layer's and the received half rows' 2 (2 more); and the ring keeps one input per 2
+    # more) against the received half rows' 1 (each leaf of the gathered layer's gradient is reduce-scattered as
+    # the slot's backward produces it: no whole layer's gradient is held); and the ring keeps one input per 2
     # layers, 5 saved activations per chunk instead of 10 (zero bubble's ring of what its input gradients keep
     # for the weight gradients is the same in both modes); and the head's held bytes
     saved = once.memory.activations - streamed.memory.activations
     assert streamed.memory.state == once.memory.state  # 4 whole rows or 8 half rows per device
-    fewer = (8 + 4) * layer + saved + held["once"] - held["microbatch"]
+    fewer = (8 + 5) * layer + saved + held["once"] - held["microbatch"]
     assert streamed.memory.total == pytest.approx(once.memory.total - fewer, rel=1e-9)
     ring = cm.tick_table(tick_schedule, 4, 16, 1).slots if one_f_one_b else 16 + 4 - 1
     act = 2048 * config.embed_dim * 4  # one slot input: one row of a microbatch per device, float32
@@ -396,8 +397,9 @@ def test_the_1f1b_heads_gathered_copy_counts_per_microbatch_only_above_a_layers_
     """The 7B on stage=4,fsdp=2 (10,10,6,6), 1F1B, its vocabulary grown by 16,000 entries (the output projection
     by ``d`` = 4096 x 16,000 float32, 250 MiB; no layer changes). Gathered once, the held head grows by its
     whole copy and whole sums, ``2 d``. Per microbatch, by the sums of its fsdp half, ``d / 2``, while the whole
-    copy and gradient it holds during a head step (1,000-1,500 MiB at 32k-48k entries) stay under a layer's
-    working set (2,770 MiB); at 128k-144k entries (4,000-4,500 MiB) they exceed it, and add ``2 d`` more."""
+    copy and gradient it holds during a head step, with the step's logits (1,500-2,250 MiB at 32k-48k entries),
+    stay under a layer's backward working set (3,542 MiB with its gathered layer); at 128k-144k entries
+    (6,000-6,750 MiB) they exceed it, and the peak grows by ``2 d`` and the logits' 250 MiB more."""
     d = 4096 * 16000 * 4
 
     def gathered(vocab):
@@ -409,13 +411,87 @@ def test_the_1f1b_heads_gathered_copy_counts_per_microbatch_only_above_a_layers_
             one_f_one_b=True,
             pipeline_gather=gather,
         )
-        return cm.estimate(get_config("7b", [f"vocab_size={vocab}"]), 32, 2048, layout, backend="cpu").memory.gathered
+        memory = cm.estimate(get_config("7b", [f"vocab_size={vocab}"]), 32, 2048, layout, backend="cpu").memory
+        return memory.gathered + memory.logits  # held through the loop, and the head step beyond a layer's
 
     below, above = gathered(48000) - gathered(32000), gathered(144000) - gathered(128000)
     if gather == "once":
         assert below == pytest.approx(2 * d, rel=1e-9) and above == pytest.approx(2 * d, rel=1e-9)
     else:
-        assert below == pytest.approx(d / 2, rel=1e-9) and above == pytest.approx(d / 2 + 2 * d, rel=1e-9)
+        logits = 2048 * 16000 * 4 * 2  # one microbatch row's float32 logits and their gradient
+        assert below == pytest.approx(d / 2, rel=1e-9) and above == pytest.approx(d / 2 + 2 * d + logits, rel=1e-9)
+
+
+@pytest.mark.parametrize("attention", ["reference", "flash"])
+@pytest.mark.parametrize("gather", ["once", "microbatch"])
+@pytest.mark.parametrize("one_f_one_b", [False, True])
+def test_pipeline_in_flight_bytes_are_what_the_step_holds_at_its_peak(attention, gather, one_f_one_b):
+    """The 7B dry run's in-flight terms (stage=4,fsdp=2, 10,10,6,6, M = 16, 32 x 2048, float32), hand-computed
+    from XLA's live ranges of the compiled step (`bench/RESULTS.md`, "The per-microbatch temporaries: what is
+    live at the peak"): the head's logits and a layer's backward never peak together, so the logits count only
+    beyond the backward's working set; the per-microbatch gather holds no whole layer's float32 gradient; every
+    microbatch's stage input is held with its cotangent."""
+    config = get_config("7b")
+    d, f, tokens = config.embed_dim, config.mlp_dim, 2048  # one row of a microbatch per device
+    layer = (4 * d * d + 3 * d * f + 2 * d) * 4  # one layer's weights, float32, whole: 772.03 MiB
+    layout = cm.Layout(
+        {"stage": 4, "fsdp": 2},
+        "fsdp",
+        16,
+        stage_layers=(10, 10, 6, 6),
+        one_f_one_b=one_f_one_b,
+        pipeline_gather=gather,
+        attention=attention,
+    )
+    memory = cm.estimate(config, 32, 2048, layout, backend="cpu").memory
+    # A layer's activations per token (models/spec.py: block input, attention output, 4 norm/residual, q, attention
+    # output, k and v twice, 2 float32 norm copies, 3 MLP), and where the scores are materialised the float32
+    # probabilities and the boolean mask per key; the backward holds three more score-sized arrays.
+    scores = (32 * 2048 * 4 + 2048) if attention == "reference" else 0
+    activations = tokens * ((14 * d + 3 * f) * 4 + scores + 3 * scores)
+    backward = activations + layer * (gather == "microbatch")  # and the slot's gathered layer (float32 compute)
+    # GPipe: the head after the loop on 1/S of the device's 16 rows; 1F1B: one microbatch's row per tick
+    logits = (1 if one_f_one_b else 4) * tokens * config.vocab_size * 4 * 2  # float32 logits and their gradient
+    # the 1F1B head gathered per microbatch: its whole copy and whole gradient, float32, during the head step
+    head = (d * config.vocab_size + d) * 4
+    logits += 2 * head * (one_f_one_b and gather == "microbatch")
+    assert memory.logits == pytest.approx(max(0.0, logits - backward), rel=1e-12)
+    # with flash attention a layer's working set (706 MiB; 1,478 MiB with its gathered layer) falls under GPipe's
+    # logits of 4 rows (2,000 MiB) and, just, under the streamed 1F1B head step (1,500 MiB), not under 1F1B's
+    # logits of one row (500 MiB) beside a head gathered once
+    peaks = attention == "flash" and not (one_f_one_b and gather == "once")
+    assert (memory.logits > 0) == peaks
+    # gradient sums beyond the stored rows' gradients: the working copy's 10 slots in place of the 4 stored rows,
+    # or the 2 received half rows (each leaf of the gathered layer is reduce-scattered as its backward yields it)
+    assert memory.gradients - memory.parameters == pytest.approx((6 if gather == "once" else 1) * layer, rel=1e-12)
+    ring = cm.tick_table("lockstep", 4, 16, 1).slots if one_f_one_b else 16 + 4 - 1
+    saved = ring * (10 if gather == "once" else 5) + 2 * 16  # slot (block) inputs; stage inputs and cotangents
+    assert memory.activations == pytest.approx(tokens * saved * d * 4 + activations, rel=1e-12)
+
+
+def test_zero_bubble_keeps_a_cut_for_every_slot_position_of_a_chunk_pass():
+    """Zero bubble's ring of cuts (`sharding.pipeline.program.cut_ring`) holds each chunk pass's `positions`:
+    the 1B on stage=2,fsdp=4 with 9,7 layers runs, gathering once, a 12-slot working copy (K' rounded up so the
+    4 fsdp devices divide it) and, per microbatch, 3 blocks of 4 positions (12 for 9 layers, 3 of them empty):
+    both rings are 12 positions deep, so the modes differ only in the saved inputs (3 ring entries of 12 slot
+    inputs against 3 blocks' inputs); the compiled rings are ``[1, 12, 1, 2048, ...]`` in both modes."""
+    config = get_config("1b")
+
+    def activations(gather):
+        layout = cm.Layout(
+            {"stage": 2, "fsdp": 4},
+            "fsdp",
+            8,
+            stage_layers=(9, 7),
+            one_f_one_b=True,
+            tick_schedule="zb",
+            pipeline_gather=gather,
+        )
+        return cm.estimate(config, 32, 2048, layout, backend="cpu").memory.activations
+
+    ring = cm.tick_table("zb", 2, 8, 1).slots
+    one_input = 2048 * config.embed_dim * 4  # one row of 2,048 tokens, float32
+    assert activations("once") - activations("microbatch") == pytest.approx(ring * (12 - 3) * one_input, rel=1e-12)
 
 
 @pytest.mark.parametrize("stage_layers, mesh_spec", [((7, 5, 2, 2), "stage=4,fsdp=2"), ((5, 3), "stage=2,fsdp=4")])

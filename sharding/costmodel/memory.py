@@ -44,10 +44,10 @@ class Memory:
       optimizer: AdamW's two float32 moments.
       activations: Saved for the backward pass under the remat policy (one microbatch's); with
         pipeline stages, the saved slot inputs (GPipe/circular: every slot of every step; 1F1B: its
-        ring of at most about S microbatches' chunk inputs) and one layer's activations (the backward
-        pass recomputes each layer).
+        ring of at most about S microbatches' chunk inputs), every microbatch's stage input and its
+        cotangent, and one layer's activations (the backward pass recomputes each layer).
       logits: float32 logits and their gradient for one microbatch (with pipeline stages: one run of
-        the head's rows).
+        the head's rows, beyond a layer's backward working set, which they never peak with; so often 0).
       gathered: FSDP-gathered weights of one layer in flight (two buffers), in the dtype the gather moves
         (`sharding.costmodel.partitioner._fsdp_gather_bytes`: the compute dtype on GPU); with pipeline stages,
         the stage's working copy gathered once per step, in the compute dtype, alive through the step.

@@ -87,7 +87,7 @@ class _Pipe:
         alone, from each product's input and output cotangent that B kept, `sharding.pipeline.split`), so
         the FLOPs, the recomputation and the gathers are fused 1F1B's.
       kept: zero bubble: the entries of its second ring, each one chunk pass's cut (what B keeps for W) for
-        each of the ``K'`` slots (`ZeroBubbleTicks.saved_slots`); 0 otherwise.
+        each of the pass's `positions` (`ZeroBubbleTicks.saved_slots`); 0 otherwise.
       span: the devices of a stage each stored row's features are split over (``gather`` ``microbatch``:
         `sharding.pipeline.storage.feature_devices`; each slot's layer gathered on its own,
         `sharding.pipeline.program.Streamed.per_slot`); 1 otherwise.
@@ -339,14 +339,17 @@ def _pipeline_memory(
 ) -> Memory:
     """Bytes of a stage device: the stored rows' state; in flight, the gathered working copy of the stage's
     slots (`_gather_bytes`) and their float32 gradient sums in place of the stored rows' gradients, which the
-    sums become after the loop (``gather`` ``microbatch``: one block of ``G`` slots and its gradient, the rows
-    received from other devices, and the float32 sums of the device's own and received rows), the saved slot
-    inputs (`_Pipe.saved_inputs`), one layer's activations (with the backward's score temporaries), every
-    microbatch's stage input, the head's logits (one run's rows) and, for the 1F1B family, the head's weights
-    and their float32 gradient sums (`_head_weight_bytes`).
+    sums become after the loop (``gather`` ``microbatch``: the slot's gathered layer, the rows received from
+    other devices, and the float32 sums of the device's own and received rows), the saved slot inputs
+    (`_Pipe.saved_inputs`), every microbatch's stage input and its cotangent, the larger of a layer's backward
+    working set (its activations with the backward's score temporaries and, with ``gather`` ``microbatch``,
+    the slot's gathered layer) and the head step's (the head's logits for one run's rows and, with the head
+    streamed, its gathered weights and their whole gradient), which are never live together, and, for the
+    1F1B family, the head's weights held through the loop (`_head_weight_bytes`).
 
     Checked against the compiled step's temporaries (``temp_size_in_bytes``) and XLA's live ranges on the
-    7B dry run (`bench/RESULTS.md`, "Per-microbatch pipeline temporaries")."""
+    7B dry run (`bench/RESULTS.md`, "Per-microbatch pipeline temporaries" and "The per-microbatch
+    temporaries: what is live at the peak")."""
     base = _memory(model, layout, rules, placed, s)
     keys = s.seq if attention_of(model, layout).materialises_scores else 0.0
     saved_input = _per_token(model, "activations", rules, layout.mesh, keys, s.act_bytes, ("input",))
@@ -355,23 +358,37 @@ def _pipeline_memory(
     # once: the working copy's R*K' slots and their sums, which replace the q stored rows' gradients
     own = -(-model.num_layers // (pipe.stages * pipe.groups))
     held, received, sums = pipe.working, 0, pipe.working - own
-    if pipe.gather == "microbatch":  # one block of G whole rows, or one layer, and its gradient; the sums of
-        held, received = pipe.groups, sum(pipe.moved) / pipe.span  # the received rows (split over span)
+    # microbatch: one layer in the compute dtype and the sums of the received rows (split over span); no whole
+    # layer's float32 gradient: `Streamed.backward` reduce-scatters each leaf's gradient into the sums as the
+    # slot's backward produces it (at the peak, inside the attention's backward, the MLP's are already done)
+    if pipe.gather == "microbatch":
+        held, received = pipe.groups, sum(pipe.moved) / pipe.span
         sums = received
-    kept = pipe.kept * pipe.chunk_slots * weight_cut_bytes(model, rules, layout.mesh, s.act_bytes, s.tok)
+    # zero bubble: its ring of cuts holds every slot position of a chunk pass (`Streamed.positions` with the
+    # per-microbatch gather: `n * B`, past the chunk's K' layers where B does not divide K'; else K')
+    kept = pipe.kept * pipe.positions * weight_cut_bytes(model, rules, layout.mesh, s.act_bytes, s.tok)
     # The recomputed layer's backward (`chunk_backward`'s `jax.vjp`) holds, beside its probabilities, three more
     # score-sized float32 arrays at once where the attention materialises its scores (XLA's live ranges of the
     # 7B step, `bench/RESULTS.md`, "Per-microbatch pipeline temporaries").
     scores = per_layer - _per_token(model, "activations", rules, layout.mesh, 0.0, s.act_bytes)
-    inputs = s.micro * model.hidden * s.act_bytes  # per token of a microbatch: every microbatch's stage input
+    # per token of a microbatch: every microbatch's stage input, and their cotangent, which the backward fills
+    # in one microbatch at a time and the embedding's backward reads after the loop
+    inputs = 2 * s.micro * model.hidden * s.act_bytes
     head_weights = 0.0
+    # A layer's backward working set and the head step's never peak together: GPipe/circular run the head
+    # between the forward and backward loops, the 1F1B family in its own phase of a tick, before the tick's
+    # backward pass (XLA's live ranges: no logits at the backward's peak). The step holds the larger of them.
+    streamed = held * whole_layer * _gather_bytes(layout) if pipe.gather == "microbatch" else 0.0
+    backward = s.tok * (per_layer + 3 * scores) + streamed
+    logits = base.logits * head.tok / s.tok
     if pipe.one_f_one_b:
-        head_weights = _head_weight_bytes(placed, pipe, s.tok * (per_layer + 3 * scores))
+        head_weights, head_step = _head_weight_bytes(placed, pipe)
+        logits += head_step
     return dataclasses.replace(
         base,
-        gradients=base.gradients + (held * (pipe.gather == "microbatch") + sums) * whole_layer * _PARAM_BYTES,
+        gradients=base.gradients + sums * whole_layer * _PARAM_BYTES,
         activations=s.tok * (pipe.saved_inputs * saved_input + per_layer + 3 * scores + inputs) + kept,
-        logits=base.logits * head.tok / s.tok,
+        logits=max(0.0, logits - backward),  # the head step's working set beyond the layer's
         gathered=(held + received) * whole_layer * _gather_bytes(layout) + head_weights,
     )
 
@@ -389,23 +406,22 @@ def _head_split(p: _Placed) -> tuple[tuple[str, ...], int]:
     return axes, p.factor(*axes)
 
 
-def _head_weight_bytes(placed: dict[str, _Placed], pipe: _Pipe, layer_work: float) -> float:
-    """Bytes of the 1F1B family's head weights (final norm, output projection) in flight on a stage device.
+def _head_weight_bytes(placed: dict[str, _Placed], pipe: _Pipe) -> tuple[float, float]:
+    """Bytes of the 1F1B family's head weights (final norm, output projection) on a stage device:
+    ``(held, head_step)``, what the tick loop holds throughout and what only a head step adds.
 
     Gathered once: the whole weights, gathered before the tick loop, and their whole float32 gradient sums,
     both held through it. Streamed (`_head_streamed`): the float32 gradient sums of this device's ``1/f``
     shards held through the loop; the gathered copy and one whole gradient only while a head step runs,
-    which runs no layer beside it: they add to the step's peak only where they exceed ``layer_work``, the
-    working set of the layer a tick runs (its activations and score temporaries), which the in-flight sum
-    already counts. (The 7B on stage=4,fsdp=2: 1,000 MiB under a layer's 2,770 MiB, so the head costs its
-    250 MiB sums; the compiled temporaries drop 494-500 MiB, fused 1F1B 242 MiB: `bench/RESULTS.md`, "The
-    1F1B head gathered per microbatch".)"""
+    beside the head's logits and no layer, so they join the head step's working set, which adds to the
+    step's peak only beyond a layer's backward working set (`_pipeline_memory`). (The 7B on stage=4,fsdp=2:
+    1,000 MiB under a layer's working set, so the head costs its 250 MiB sums; the compiled temporaries drop
+    494-500 MiB, fused 1F1B 242 MiB: `bench/RESULTS.md`, "The 1F1B head gathered per microbatch".)"""
     head = [p for p in placed.values() if not p.param.per_layer and p.param.role != "embedding"]
     whole = sum(p.param.size for p in head) * _PARAM_BYTES
     if not _head_streamed(pipe):
-        return 2 * whole
-    sums = sum(p.param.size / _head_split(p)[1] for p in head) * _PARAM_BYTES
-    return sums + max(0.0, 2 * whole - layer_work)
+        return 2 * whole, 0.0
+    return sum(p.param.size / _head_split(p)[1] for p in head) * _PARAM_BYTES, 2 * whole
 
 
 def weight_cut_bytes(
