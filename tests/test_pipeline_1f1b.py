@@ -409,13 +409,14 @@ def _loss_and_grads(trainer, batch):
 
 
 @functools.cache
-def flat_loss_and_grads(num_layers):
-    """The unpipelined test model's (``num_layers`` layers, ``fsdp=8``, one microbatch) loss and gradients on
-    ``_batch(8, 32)``: computed once per layer count and shared by every test comparing a pipeline with it."""
+def flat_loss_and_grads(num_layers, tied=False):
+    """The unpipelined test model's (``num_layers`` layers, ``fsdp=8``, one microbatch; ``tied``: the output
+    projection is the token embedding) loss and gradients on ``_batch(8, 32)``: computed once per layer count
+    and shared by every test comparing a pipeline with it."""
     from models.config import get_config
     from sharding.parallel import Accumulation
 
-    config = get_config("test", [f"num_layers={num_layers}"])
+    config = get_config("test", [f"num_layers={num_layers}", f"tie_embeddings={tied}"])
     return _loss_and_grads(_trainer(config, "fsdp=8", Accumulation(1)), _batch(8, 32))
 
 
@@ -441,15 +442,18 @@ def test_1f1b_model_has_the_loss_and_gradients_of_the_unpipelined_one(
     assert_close(grads, ref_grads)
 
 
-def test_the_per_microbatch_gather_over_data_and_fsdp_has_the_unpipelined_loss_and_gradients():
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_per_microbatch_gather_over_data_and_fsdp_has_the_unpipelined_loss_and_gradients(tied):
     """Fused 1F1B on 3,1 over stage=2,data=2,fsdp=2 with ``--pipeline-gather microbatch``: the rows are stored
     over stage alone, each row's features over fsdp; each layer's gradient is reduce-scattered over fsdp per
-    slot and the stored rows' sums summed over data once after the loop (`Weights._psum_rest`). Loss (1e-5)
-    and gradients (1e-5) of the flat model."""
+    slot and the stored rows' sums summed over data once after the loop (`Weights._psum_rest`). The embedding
+    is the loop's entry (`onef1b.Entry`): stage 0 gathers its table per microbatch and reduce-scatters its
+    gradient there; ``tied``, the same table is the head's output projection too, gathered on the last stage,
+    and the two gradients add. Loss (1e-5) and gradients (1e-5) of the flat model."""
     from models.config import get_config
 
-    config = get_config("test", ["num_layers=4"])
-    ref_loss, ref_grads = flat_loss_and_grads(4)
+    config = get_config("test", ["num_layers=4", f"tie_embeddings={tied}"])
+    ref_loss, ref_grads = flat_loss_and_grads(4, tied)
     mesh_spec = "stage=2,data=2,fsdp=2"
     trainer = _trainer(config, mesh_spec, _plan(4, mesh_spec, (3, 1), 2, "1f1b-fused", gather="microbatch"))
     assert trainer.storage.groups == 1
