@@ -334,7 +334,8 @@ def test_pipeline_weights_gathered_per_microbatch_cost_a_layer_per_slot(one_f_on
     the received half rows, against the 10-slot working copy gathered once, whatever the schedule; the saved
     activations, 5 inputs per chunk pass instead of 10. The 1F1B family's head is gathered and reduce-scattered
     at each of the M head steps instead of once, holding the float32 sums of its fsdp half instead of its whole
-    copy and whole sums."""
+    copy and whole sums; its entry, the embedding table, alike on stage 0 at each microbatch's first forward
+    and backward, which holds no microbatch's stage input (`sharding.pipeline.onef1b.Entry`)."""
     config = get_config("7b")
     layer = sum(p.size for p in describe(config).params if p.per_layer) * 4  # one layer, float32, whole
 
@@ -371,10 +372,11 @@ def test_pipeline_weights_gathered_per_microbatch_cost_a_layer_per_slot(one_f_on
     # the M head steps on the last stage, holding the sums of its half (its whole copy and gradient, 1,000 MiB,
     # only while a head step runs, under the 2,770 MiB working set of a layer)
     head = sum(p.size for p in describe(config).params if not p.per_layer and p.role != "embedding") * 4
+    table = describe(config).with_role("embedding").size * 4  # the entry's, streamed alike
     if one_f_one_b:
         assert head_comms(once, "all-gather") == [(1, head)] and head_comms(once, "reduce-scatter") == [(1, head / 2)]
-        assert head_comms(streamed, "all-gather") == [(16, head)]
-        assert head_comms(streamed, "reduce-scatter") == [(16, head / 2)]
+        assert head_comms(streamed, "all-gather") == [(16, head + table)]
+        assert head_comms(streamed, "reduce-scatter") == [(16, (head + table) / 2)]
     held = {"once": 2 * head * one_f_one_b, "microbatch": head / 2 * one_f_one_b}
     assert once.memory.gathered == pytest.approx(10 * layer + held["once"], rel=1e-9)
     assert streamed.memory.gathered == pytest.approx(2 * layer + held["microbatch"], rel=1e-9)
@@ -388,7 +390,8 @@ def test_pipeline_weights_gathered_per_microbatch_cost_a_layer_per_slot(one_f_on
     assert streamed.memory.total == pytest.approx(once.memory.total - fewer, rel=1e-9)
     ring = cm.tick_table(tick_schedule, 4, 16, 1).slots if one_f_one_b else 16 + 4 - 1
     act = 2048 * config.embed_dim * 4  # one slot input: one row of a microbatch per device, float32
-    assert saved == pytest.approx(ring * (10 - 5) * act, rel=1e-9)
+    # streamed, the 1F1B family also holds none of the M microbatches' stage inputs (stage 0 embeds each one)
+    assert saved == pytest.approx(ring * (10 - 5) * act + 16 * act * one_f_one_b, rel=1e-9)
 
 
 @pytest.mark.parametrize("gather", ["once", "microbatch"])

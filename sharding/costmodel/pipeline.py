@@ -10,7 +10,9 @@ main builds it.
   two ppermutes per pipeline step (GPipe/circular: ``R*M + S - 1`` steps, one each way; 1F1B:
   `_Pipe.steps` ticks, two per tick) and, for GPipe/circular, one psum over ``stage`` of the outputs
   (`_stage_comms`);
-* the embedding on the device's whole batch, replicated over ``stage``; the final norm, output
+* the embedding on the device's whole batch, replicated over ``stage`` (where the 1F1B family streams its
+  edges, `_head_streamed`: on stage 0 per microbatch, its table gathered there M times, `Entry`); the final
+  norm, output
   projection and loss (the head) on 1/S of those rows per stage (`sharding.pipeline.head_parallelism`)
   after GPipe/circular, on one microbatch per tick inside the loop for 1F1B (`_pipeline_outside`); the
   non-layer parameters stored split over ``stage`` too (`spread_over_stage`).
@@ -107,6 +109,7 @@ class _Pipe:
     split: bool = False
     kept: int = 0
     span: int = 1
+    streams: bool = False
 
     @property
     def segment(self) -> int:
@@ -230,6 +233,7 @@ def _pipeline_of(model: ModelDescription, layout: Layout, rules: Rules, s: _Shap
         split=schedule == "zb",
         kept=kept,
         span=span,
+        streams=_streams_edges(layout),
     )
 
 
@@ -342,8 +346,9 @@ def _pipeline_memory(
     sums become after the loop (``gather`` ``microbatch``: one block of ``G`` slots and its gradient, the rows
     received from other devices, and the float32 sums of the device's own and received rows), the saved slot
     inputs (`_Pipe.saved_inputs`), one layer's activations (with the backward's score temporaries), every
-    microbatch's stage input, the head's logits (one run's rows) and, for the 1F1B family, the head's weights
-    and their float32 gradient sums (`_head_weight_bytes`).
+    microbatch's stage input (none where stage 0 embeds each microbatch, `_head_streamed`), the head's logits
+    (one run's rows) and, for the 1F1B family, the head's weights and their float32 gradient sums
+    (`_head_weight_bytes`).
 
     Checked against the compiled step's temporaries (``temp_size_in_bytes``) and XLA's live ranges on the
     7B dry run (`bench/RESULTS.md`, "Per-microbatch pipeline temporaries")."""
@@ -363,7 +368,8 @@ def _pipeline_memory(
     # score-sized float32 arrays at once where the attention materialises its scores (XLA's live ranges of the
     # 7B step, `bench/RESULTS.md`, "Per-microbatch pipeline temporaries").
     scores = per_layer - _per_token(model, "activations", rules, layout.mesh, 0.0, s.act_bytes)
-    inputs = s.micro * model.hidden * s.act_bytes  # per token of a microbatch: every microbatch's stage input
+    # per token of a microbatch: every microbatch's stage input (none where stage 0 embeds each microbatch)
+    inputs = 0 if _head_streamed(pipe) else s.micro * model.hidden * s.act_bytes
     head_weights = 0.0
     if pipe.one_f_one_b:
         head_weights = _head_weight_bytes(placed, pipe, s.tok * (per_layer + 3 * scores))
@@ -376,10 +382,19 @@ def _pipeline_memory(
     )
 
 
+def _streams_edges(layout: Layout) -> bool:
+    """`Layout.stream_edges`, derived as `sharding.pipeline.PipelinePlan.streams_head` where unset."""
+    if layout.stream_edges is not None:
+        return layout.stream_edges
+    return layout.one_f_one_b and layout.pipeline_gather == "microbatch" and layout.skip_empty
+
+
 def _head_streamed(pipe: _Pipe) -> bool:
-    """The 1F1B family's head gathers its weights per head step (`sharding.pipeline.onef1b.HeadWeights`):
-    ``gather`` ``microbatch`` where empty slots are skipped (the head runs under a conditional)."""
-    return pipe.one_f_one_b and pipe.gather == "microbatch" and pipe.skip_empty
+    """The 1F1B family's head gathers its weights per head step (`sharding.pipeline.onef1b.HeadWeights`), and
+    its entry, the embedding, its table per microbatch on stage 0 (`sharding.pipeline.onef1b.Entry`; no
+    stage inputs held): ``gather`` ``microbatch`` where empty slots are skipped (both run under conditionals;
+    `Layout.stream_edges`)."""
+    return pipe.one_f_one_b and pipe.streams
 
 
 def _head_split(p: _Placed) -> tuple[tuple[str, ...], int]:
@@ -451,10 +466,11 @@ def _activation_splits(model: ModelDescription, rules: Rules, mesh_items: tuple)
 
 
 def _pipeline_embedding_comms(
-    model: ModelDescription, layout: Layout, placed: dict[str, _Placed], embed: _Shape
+    model: ModelDescription, layout: Layout, placed: dict[str, _Placed], embed: _Shape, pipe: _Pipe
 ) -> list[Comm]:
     """The embedding lookup on the device's whole batch (replicated over ``stage``) from a table stored
-    split over ``stage`` too (`spread_over_stage`).
+    split over ``stage`` too (`spread_over_stage`); none where stage 0 embeds each microbatch inside the 1F1B
+    loop (`_head_streamed`: the table's collectives are the head's, `_pipeline_head_comms_cached`).
 
     A table split over ``fsdp`` only by the rules (``embed``; stored over ``fsdp`` x ``stage``), no
     ``data``, as jax 0.10 emits it (seen on ``stage=2,fsdp=4`` and ``stage=4,fsdp=2``): the lookup reads
@@ -470,7 +486,7 @@ def _pipeline_embedding_comms(
     checked on ``stage=2,expert=2,fsdp=2``).
     """
     embedding = model.with_role("embedding")
-    if embedding is None:
+    if embedding is None or _head_streamed(pipe):
         return []
     if layout.mesh[ax.EXPERT] > 1:
         mesh = layout.mesh
@@ -515,7 +531,8 @@ def _pipeline_head_comms(
             pipe.one_f_one_b,
             backend,
             batch_rows,
-            pipe.micro if _head_streamed(pipe) else 1,
+            (pipe.micro if pipe.skip_empty else pipe.ticks) if _head_streamed(pipe) else 1,
+            _head_streamed(pipe),
         )
     )
 
@@ -534,8 +551,10 @@ def _pipeline_head_comms_cached(
     backend: str,
     batch_rows: float | None,
     runs: int = 1,
+    entry: bool = False,
 ) -> tuple[Comm, ...]:
-    """The head's weights (final norm, output projection) and collectives.
+    """The head's weights (final norm, output projection) and collectives; with ``entry``, the embedding
+    table's too, gathered and reduce-scattered alike on stage 0 (`sharding.pipeline.onef1b.Entry`).
 
     GPipe/circular: the head runs under `head_parallelism` outside the pipeline, as the step without
     stages on the mesh with ``stage`` folded into ``fsdp`` prices it (`_comms`, the head's rows). 1F1B:
@@ -574,7 +593,7 @@ def _pipeline_head_comms_cached(
     mesh, comms = layout.mesh, []
     stages = mesh[ax.STAGE]
     for p in _place_cached(model, rules, mesh_items).values():
-        if p.param.per_layer or p.param.role == "embedding":
+        if p.param.per_layer or (p.param.role == "embedding" and not entry):
             continue
         axes, f = _head_split(p)
         whole, what = p.param.size * _PARAM_BYTES, p.param.path
@@ -809,13 +828,16 @@ def _stage_comms(model: ModelDescription, layout: Layout, s: _Shape, pipe: _Pipe
     """Activations between stages: two ppermutes of one microbatch's rows ``[rows, T, D]`` per loop trip
     (GPipe/circular: one forward, one backward per step; 1F1B: the forward output and the input's
     cotangent per tick), bubble steps included: the transfers sit outside the conditionals; the inputs'
-    cotangent ``[M, rows, T, D]`` summed over ``stage`` (the inputs were made stage-varying). GPipe/circular
+    cotangent ``[M, rows, T, D]`` summed over ``stage`` (the inputs were made stage-varying; none where stage 0
+    embeds each microbatch, `_head_streamed`). GPipe/circular
     also: one psum over ``stage`` of all microbatches' outputs after the forward loop (the last stage's
     outputs to every stage) and its transpose, and the head's input cotangent all-gathered over ``stage``
     (`head_parallelism`)."""
     stages = layout.mesh[ax.STAGE]
     act = s.tok * model.hidden * s.act_bytes
     comms = [Comm("collective-permute", (ax.STAGE,), stages, act, 2 * pipe.steps, "stage activations", False)]
+    if pipe.one_f_one_b and _head_streamed(pipe):
+        return comms
     if pipe.one_f_one_b:  # the inputs' cotangent, summed over stage (they were made stage-varying)
         return comms + [Comm("all-reduce", (ax.STAGE,), stages, act * s.micro, 1, "pipeline input cotangent", False)]
     return comms + [
