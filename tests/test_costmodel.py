@@ -334,8 +334,8 @@ def test_pipeline_weights_gathered_per_microbatch_cost_a_layer_per_slot(one_f_on
     the received half rows, against the 10-slot working copy gathered once, whatever the schedule; the saved
     activations, 5 inputs per chunk pass instead of 10. The 1F1B family's head is gathered and reduce-scattered
     at each of the M head steps instead of once, holding the float32 sums of its fsdp half instead of its whole
-    copy and whole sums; its entry, the embedding table, alike on stage 0 at each microbatch's first forward
-    and backward, which holds no microbatch's stage input (`sharding.pipeline.onef1b.Entry`)."""
+    copy and whole sums; its entry, the embedding table, alike on stage 0 (gathered at each microbatch's first
+    forward, its gradient reduce-scattered at its backward), which holds no microbatch's stage input (`sharding.pipeline.onef1b.Entry`)."""
     config = get_config("7b")
     layer = sum(p.size for p in describe(config).params if p.per_layer) * 4  # one layer, float32, whole
 

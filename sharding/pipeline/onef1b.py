@@ -182,7 +182,8 @@ class Entry:
     weights are all-gathered (`HeadWeights.fetch`) inside a `jax.lax.cond` that only stage 0's devices take,
     and that microbatch's input computed from its entry inputs (int32 tokens ``[microbatch, length]``, held
     whole: small); at that microbatch's backward there the entry is differentiated (`jax.vjp`) with the input
-    cotangent and its weights' gradient reduce-scattered into float32 shard sums (`HeadWeights.reduce`),
+    cotangent and its weights' gradient reduce-scattered into float32 shard sums (`HeadWeights.reduce`; the
+    lookup's gradient reads no table value, so XLA drops that branch's gather: one per microbatch remains),
     summed over the other batch axes and ``stage`` after the loop (`HeadWeights.finish`). Narayanan et al.
     (SC'21), section 2.2: a stage then holds at most its ring's stage inputs, not ``M``.
 
