@@ -92,7 +92,8 @@ from sharding.pipeline.ticks import BACKWARD, FORWARD, WEIGHT
 
 @dataclasses.dataclass(frozen=True)
 class HeadWeights:
-    """How the 1F1B loop holds the output head's weights and sums their gradients.
+    """How the 1F1B loop holds the output head's weights and sums their gradients (the entry's too, `Entry`,
+    always streamed, on stage 0).
 
     Gathered once (``--pipeline-gather once``, or a plan that computes every slot): the loop holds the whole
     weights, gathered before it (`hold`), and whole gradient sums in the weights' dtype, reduce-scattered
