@@ -236,8 +236,10 @@ def predicted(case) -> cm.Cost:
     model, mesh_spec, rules, batch, seq, micro, remat = case[:7]
     config, mesh = config_of(model, remat), parse_mesh(mesh_spec, 8)
     strategy, table = _strategy(case, config, mesh), get_rules(rules)
-    if isinstance(strategy, PipelinePlan):
+    fields = {}
+    if isinstance(strategy, PipelinePlan):  # the compiled plan's streamed edges, every slot priced
+        fields = {"stream_edges": strategy.streams_head}
         strategy, table = dataclasses.replace(strategy, skip_empty=False), pipeline_rules(table)
     par = Parallelism(mesh, table, strategy, _context_layout(config, mesh), context_shares=shares_of(case))
-    layout = cm.layout_of(par, config)  # the run's layout, as the cost model sees it
+    layout = cm.layout_of(par, config, **fields)  # the run's layout, as the cost model sees it
     return cm.estimate(config, batch, seq, layout, backend="cpu")

@@ -272,14 +272,21 @@ class Transformer(nnx.Module):
     ):
         """`loss_sums` through `sharding.pipeline.run_pipeline_loss`: the final norm, output projection and
         loss are its head, which the 1F1B schedule runs on the last stage inside the pipeline. With
-        ``with_stats`` (a mixture of experts), ``(loss_sum, weight_sum, stats)`` as `pipelined_loss_stats`."""
-        x = self.embed(tokens, _dtype(self.config.dtype), par)
+        ``with_stats`` (a mixture of experts), ``(loss_sum, weight_sum, stats)`` as `pipelined_loss_stats`. The
+        token embedding is its entry: run on the whole batch first, or per microbatch on the first stage where
+        the 1F1B loop streams its edges (`sharding.pipeline.onef1b.Entry`)."""
         if hasattr(self, "dense_layers"):
             raise ValueError(
                 "pipeline stages run a mixture of experts whose every layer is one: first_dense_layers=0, moe_every=1"
             )
         graphdef, stacked = nnx.split(self.layers)
         norm_def, norm_state = nnx.split(self.final_norm)
+        embed_def, embed_state = nnx.split(self.embed)
+        dtype = _dtype(self.config.dtype)
+
+        def entry(entry_par, embed_params, tokens):
+            return nnx.merge(embed_def, embed_params)(tokens, dtype, entry_par)
+
         weight, vocab_last = self.output_weight()
         weight_var = self.embed.embedding if self.config.tie_embeddings else self.unembed
         impl = self.config.logits
@@ -298,7 +305,7 @@ class Transformer(nnx.Module):
             head,
             stacked,
             {"norm": norm_state, "weight": weight},
-            x,
+            tokens,
             (positions, segment_ids, weights) if moe else (positions, segment_ids),
             (targets, weights),
             par,
@@ -306,6 +313,9 @@ class Transformer(nnx.Module):
             head_names=head_names,
             remat_policy=_REMAT_POLICIES.get(self.config.remat),
             objective=_pipeline_objective_size(self.config) if moe else 0,
+            entry_fn=entry,
+            entry_params=embed_state,
+            entry_names=_logical_names(embed_state),
         )
         if not with_stats:
             return out[0], out[1]

@@ -334,7 +334,8 @@ def test_pipeline_weights_gathered_per_microbatch_cost_a_layer_per_slot(one_f_on
     the received half rows, against the 10-slot working copy gathered once, whatever the schedule; the saved
     activations, 5 inputs per chunk pass instead of 10. The 1F1B family's head is gathered and reduce-scattered
     at each of the M head steps instead of once, holding the float32 sums of its fsdp half instead of its whole
-    copy and whole sums."""
+    copy and whole sums; its entry, the embedding table, alike on stage 0 (gathered at each microbatch's first
+    forward, its gradient reduce-scattered at its backward), which holds no microbatch's stage input (`sharding.pipeline.onef1b.Entry`)."""
     config = get_config("7b")
     layer = sum(p.size for p in describe(config).params if p.per_layer) * 4  # one layer, float32, whole
 
@@ -371,11 +372,13 @@ def test_pipeline_weights_gathered_per_microbatch_cost_a_layer_per_slot(one_f_on
     # the M head steps on the last stage, holding the sums of its half (its whole copy and gradient, 1,000 MiB,
     # only while a head step runs, under the 2,770 MiB working set of a layer)
     head = sum(p.size for p in describe(config).params if not p.per_layer and p.role != "embedding") * 4
+    table = describe(config).with_role("embedding").size * 4  # the entry's, streamed alike
     if one_f_one_b:
         assert head_comms(once, "all-gather") == [(1, head)] and head_comms(once, "reduce-scatter") == [(1, head / 2)]
-        assert head_comms(streamed, "all-gather") == [(16, head)]
-        assert head_comms(streamed, "reduce-scatter") == [(16, head / 2)]
-    held = {"once": 2 * head * one_f_one_b, "microbatch": head / 2 * one_f_one_b}
+        assert head_comms(streamed, "all-gather") == [(16, head + table)]
+        assert head_comms(streamed, "reduce-scatter") == [(16, (head + table) / 2)]
+    # streamed, the table's float32 sums of its fsdp half are held through the loop too
+    held = {"once": 2 * head * one_f_one_b, "microbatch": (head + table) / 2 * one_f_one_b}
     assert once.memory.gathered == pytest.approx(10 * layer + held["once"], rel=1e-9)
     assert streamed.memory.gathered == pytest.approx(2 * layer + held["microbatch"], rel=1e-9)
     # 8 slots fewer; the float32 sums: the working copy's 10 slots in place of the 4 stored rows' gradients (6
@@ -389,16 +392,18 @@ def test_pipeline_weights_gathered_per_microbatch_cost_a_layer_per_slot(one_f_on
     assert streamed.memory.total == pytest.approx(once.memory.total - fewer, rel=1e-9)
     ring = cm.tick_table(tick_schedule, 4, 16, 1).slots if one_f_one_b else 16 + 4 - 1
     act = 2048 * config.embed_dim * 4  # one slot input: one row of a microbatch per device, float32
-    assert saved == pytest.approx(ring * (10 - 5) * act, rel=1e-9)
+    # streamed, the 1F1B family also holds none of the M microbatches' stage inputs nor their cotangents (stage 0
+    # embeds each one)
+    assert saved == pytest.approx(ring * (10 - 5) * act + 2 * 16 * act * one_f_one_b, rel=1e-9)
 
 
 @pytest.mark.parametrize("gather", ["once", "microbatch"])
 def test_the_1f1b_heads_gathered_copy_counts_per_microbatch_only_above_a_layers_working_set(gather):
     """The 7B on stage=4,fsdp=2 (10,10,6,6), 1F1B, its vocabulary grown by 16,000 entries (the output projection
     by ``d`` = 4096 x 16,000 float32, 250 MiB; no layer changes). Gathered once, the held head grows by its
-    whole copy and whole sums, ``2 d``. Per microbatch, by the sums of its fsdp half, ``d / 2``, while the whole
-    copy and gradient it holds during a head step, with the step's logits (1,500-2,250 MiB at 32k-48k entries),
-    stay under a layer's backward working set (3,542 MiB with its gathered layer); at 128k-144k entries
+    whole copy and whole sums, ``2 d``. Per microbatch, by the sums of its fsdp half, ``d / 2`` (and the streamed
+    embedding table's as much), while the whole copy and gradient it holds during a head step, with the step's
+    logits (1,500-2,250 MiB at 32k-48k entries), stay under a layer's backward working set (3,542 MiB with its gathered layer); at 128k-144k entries
     (6,000-6,750 MiB) they exceed it, and the peak grows by ``2 d`` and the logits' 250 MiB more."""
     d = 4096 * 16000 * 4
 
@@ -419,7 +424,8 @@ def test_the_1f1b_heads_gathered_copy_counts_per_microbatch_only_above_a_layers_
         assert below == pytest.approx(2 * d, rel=1e-9) and above == pytest.approx(2 * d, rel=1e-9)
     else:
         logits = 2048 * 16000 * 4 * 2  # one microbatch row's float32 logits and their gradient
-        assert below == pytest.approx(d / 2, rel=1e-9) and above == pytest.approx(d / 2 + 2 * d + logits, rel=1e-9)
+        # the sums of the fsdp halves of the output projection and of the table (the streamed entry), d / 2 each
+        assert below == pytest.approx(d, rel=1e-9) and above == pytest.approx(d + 2 * d + logits, rel=1e-9)
 
 
 @pytest.mark.parametrize("attention", ["reference", "flash"])
@@ -465,7 +471,9 @@ def test_pipeline_in_flight_bytes_are_what_the_step_holds_at_its_peak(attention,
     # or the 2 received half rows (each leaf of the gathered layer is reduce-scattered as its backward yields it)
     assert memory.gradients - memory.parameters == pytest.approx((6 if gather == "once" else 1) * layer, rel=1e-12)
     ring = cm.tick_table("lockstep", 4, 16, 1).slots if one_f_one_b else 16 + 4 - 1
-    saved = ring * (10 if gather == "once" else 5) + 2 * 16  # slot (block) inputs; stage inputs and cotangents
+    # slot (block) inputs; every microbatch's stage input and its cotangent, but for the 1F1B family's streamed
+    # entry (stage 0 embeds each microbatch itself)
+    saved = ring * (10 if gather == "once" else 5) + 2 * 16 * (not (one_f_one_b and gather == "microbatch"))
     assert memory.activations == pytest.approx(tokens * saved * d * 4 + activations, rel=1e-12)
 
 
@@ -473,8 +481,9 @@ def test_zero_bubble_keeps_a_cut_for_every_slot_position_of_a_chunk_pass():
     """Zero bubble's ring of cuts (`sharding.pipeline.program.cut_ring`) holds each chunk pass's `positions`:
     the 1B on stage=2,fsdp=4 with 9,7 layers runs, gathering once, a 12-slot working copy (K' rounded up so the
     4 fsdp devices divide it) and, per microbatch, 3 blocks of 4 positions (12 for 9 layers, 3 of them empty):
-    both rings are 12 positions deep, so the modes differ only in the saved inputs (3 ring entries of 12 slot
-    inputs against 3 blocks' inputs); the compiled rings are ``[1, 12, 1, 2048, ...]`` in both modes."""
+    both rings are 12 positions deep, so the modes differ in the saved inputs (3 ring entries of 12 slot
+    inputs against 3 blocks' inputs) and in the stage inputs (per microbatch stage 0 embeds each microbatch:
+    none of the 8 held, nor their cotangents); the compiled rings are ``[1, 12, 1, 2048, ...]`` in both modes."""
     config = get_config("1b")
 
     def activations(gather):
@@ -491,7 +500,9 @@ def test_zero_bubble_keeps_a_cut_for_every_slot_position_of_a_chunk_pass():
 
     ring = cm.tick_table("zb", 2, 8, 1).slots
     one_input = 2048 * config.embed_dim * 4  # one row of 2,048 tokens, float32
-    assert activations("once") - activations("microbatch") == pytest.approx(ring * (12 - 3) * one_input, rel=1e-12)
+    # and, gathering once, the 8 microbatches' stage inputs and their cotangents (streamed, stage 0 embeds each)
+    fewer = ring * (12 - 3) * one_input + 2 * 8 * one_input
+    assert activations("once") - activations("microbatch") == pytest.approx(fewer, rel=1e-12)
 
 
 @pytest.mark.parametrize("stage_layers, mesh_spec", [((7, 5, 2, 2), "stage=4,fsdp=2"), ((5, 3), "stage=2,fsdp=4")])

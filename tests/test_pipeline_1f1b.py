@@ -409,13 +409,14 @@ def _loss_and_grads(trainer, batch):
 
 
 @functools.cache
-def flat_loss_and_grads(num_layers):
-    """The unpipelined test model's (``num_layers`` layers, ``fsdp=8``, one microbatch) loss and gradients on
-    ``_batch(8, 32)``: computed once per layer count and shared by every test comparing a pipeline with it."""
+def flat_loss_and_grads(num_layers, tied=False):
+    """The unpipelined test model's (``num_layers`` layers, ``fsdp=8``, one microbatch; ``tied``: the output
+    projection is the token embedding) loss and gradients on ``_batch(8, 32)``: computed once per layer count
+    and shared by every test comparing a pipeline with it."""
     from models.config import get_config
     from sharding.parallel import Accumulation
 
-    config = get_config("test", [f"num_layers={num_layers}"])
+    config = get_config("test", [f"num_layers={num_layers}", f"tie_embeddings={tied}"])
     return _loss_and_grads(_trainer(config, "fsdp=8", Accumulation(1)), _batch(8, 32))
 
 
@@ -441,15 +442,18 @@ def test_1f1b_model_has_the_loss_and_gradients_of_the_unpipelined_one(
     assert_close(grads, ref_grads)
 
 
-def test_the_per_microbatch_gather_over_data_and_fsdp_has_the_unpipelined_loss_and_gradients():
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_per_microbatch_gather_over_data_and_fsdp_has_the_unpipelined_loss_and_gradients(tied):
     """Fused 1F1B on 3,1 over stage=2,data=2,fsdp=2 with ``--pipeline-gather microbatch``: the rows are stored
     over stage alone, each row's features over fsdp; each layer's gradient is reduce-scattered over fsdp per
-    slot and the stored rows' sums summed over data once after the loop (`Weights._psum_rest`). Loss (1e-5)
-    and gradients (1e-5) of the flat model."""
+    slot and the stored rows' sums summed over data once after the loop (`Weights._psum_rest`). The embedding
+    is the loop's entry (`onef1b.Entry`): stage 0 gathers its table per microbatch and reduce-scatters its
+    gradient there; ``tied``, the same table is the head's output projection too, gathered on the last stage,
+    and the two gradients add. Loss (1e-5) and gradients (1e-5) of the flat model."""
     from models.config import get_config
 
-    config = get_config("test", ["num_layers=4"])
-    ref_loss, ref_grads = flat_loss_and_grads(4)
+    config = get_config("test", ["num_layers=4", f"tie_embeddings={tied}"])
+    ref_loss, ref_grads = flat_loss_and_grads(4, tied)
     mesh_spec = "stage=2,data=2,fsdp=2"
     trainer = _trainer(config, mesh_spec, _plan(4, mesh_spec, (3, 1), 2, "1f1b-fused", gather="microbatch"))
     assert trainer.storage.groups == 1
@@ -538,13 +542,17 @@ def _compiled_gradients(
     gather="once",
     block_inputs=True,
     head_streamed=True,
+    entry_streamed=True,
 ):
     """The compiled gradient step of a test model; ``block_inputs`` False: with ``gather`` ``microbatch``, each
     slot's input saved, as before the ring kept block inputs only (`Streamed.block_inputs`); ``head_streamed``
     False: with ``gather`` ``microbatch``, the 1F1B family's head weights gathered once, as before the head
-    step gathered them (`HeadWeights`)."""
+    step gathered them (`HeadWeights`); ``entry_streamed`` False: the embedding run on the whole batch before the
+    loop, which holds its output ``[M, microbatch, ...]`` and that output's cotangent, as before stage 0 ran it
+    per microbatch (`onef1b.Entry`)."""
     from unittest import mock
 
+    from models import transformer
     from models.config import get_config
     from sharding.pipeline import onef1b
     from sharding.pipeline.program import Weights
@@ -563,10 +571,16 @@ def _compiled_gradients(
 
     head_weights = onef1b.HeadWeights
 
-    def head_once(specs, summed, streamed):
-        return head_weights(specs, summed, False)
+    def head_once(specs, summed, streamed):  # the head's (final norm and projection), not the entry's
+        return head_weights(specs, summed, streamed and "norm" not in specs)
+
+    def entry_first(*args, entry_fn, entry_params, entry_names, **kwargs):
+        tokens, par = args[4], args[7]
+        return onef1b.run_pipeline_loss(*args[:4], entry_fn(par, entry_params, tokens), *args[5:], **kwargs)
 
     with contextlib.ExitStack() as patches:
+        if not entry_streamed:
+            patches.enter_context(mock.patch.object(transformer, "run_pipeline_loss", entry_first))
         if not block_inputs:
             patches.enter_context(mock.patch.object(Weights, "stream", stream))
         if not head_streamed:
@@ -625,8 +639,11 @@ def test_the_weights_gathered_per_microbatch_need_fewer_temporaries_and_no_trans
     with whole float32 gradient sums: the temporaries drop by that copy and those sums less the sums of the
     fsdp shards, within 1% of the output projection (XLA's packing), against the head gathered once beside
     layers gathered per microbatch; its whole-size all-gather runs per tick (inside the head's conditional)
-    instead of once. The gathers and reduce-scatters run inside conditionals the stage's devices all take
-    alike: no collective-permute inside one, and every collective inside one is among the devices of one
+    instead of once. The embedding, the loop's entry (`onef1b.Entry`), runs per microbatch on stage 0: the
+    step holds neither the whole batch's stage inputs ``[M, microbatch, length, embed]`` nor their cotangent
+    (no such array in the compiled program; against the embedding run before the loop, the temporaries drop
+    by at least those two). The gathers and reduce-scatters run inside conditionals the stage's devices all
+    take alike: no collective-permute inside one, and every collective inside one is among the devices of one
     stage."""
     from sharding.hlo import collectives
 
@@ -634,15 +651,28 @@ def test_the_weights_gathered_per_microbatch_need_fewer_temporaries_and_no_trans
     _, once = _compiled_gradients("1f1b", **case)
     _, every_slot = _compiled_gradients("1f1b", gather="microbatch", block_inputs=False, **case)
     _, head_once = _compiled_gradients("1f1b", gather="microbatch", head_streamed=False, **case)
+    _, entry_first = _compiled_gradients("1f1b", gather="microbatch", entry_streamed=False, **case)
     trainer, streamed = _compiled_gradients("1f1b", gather="microbatch", **case)
     assert trainer.par.pipeline.gather == "microbatch"
     assert trainer.state_layout.storage.groups == 1  # rows over stage alone, features over fsdp
     temps = {
         name: c.memory_analysis().temp_size_in_bytes
-        for name, c in (("once", once), ("every slot", every_slot), ("head once", head_once), ("microbatch", streamed))
+        for name, c in (
+            ("once", once),
+            ("every slot", every_slot),
+            ("head once", head_once),
+            ("entry first", entry_first),
+            ("microbatch", streamed),
+        )
     }
     print("1f1b temporaries per device:", temps)
     assert temps["microbatch"] < temps["head once"] < temps["every slot"] < temps["once"], temps
+    # The stage inputs of all M = 8 microbatches (2 rows x 256 x 128 float32 per device) and their cotangent.
+    inputs = f"f32[8,{64 // 8 // 4},256,{trainer.config.embed_dim}]"
+    assert inputs in entry_first.as_text() and inputs not in streamed.as_text()
+    assert temps["entry first"] - temps["microbatch"] >= 2 * 8 * (64 // 8 // 4) * 256 * trainer.config.embed_dim * 4, (
+        temps
+    )
     abstract = trainer.state_layout.abstract_params
     head = [abstract["unembed"], abstract["final_norm"]["scale"]]
     whole = sum(w.size * 4 for w in head)  # float32
@@ -657,7 +687,9 @@ def test_the_weights_gathered_per_microbatch_need_fewer_temporaries_and_no_trans
             c.executions for c in collectives(compiled.as_text()) if c.op == "all-gather" and c.result_bytes == unembed
         ]
 
-    assert head_gathers(head_once) == [1] and head_gathers(streamed) == [trainer.par.pipeline.ticks], (
+    # (the embedding table, [512, 128] as the projection [128, 512], is gathered per tick in both: the entry's)
+    ticks = trainer.par.pipeline.ticks
+    assert sorted(head_gathers(head_once)) == [1, ticks] and head_gathers(streamed) == [ticks, ticks], (
         head_gathers(head_once),
         head_gathers(streamed),
     )

@@ -281,7 +281,9 @@ def _pipeline_flags(p) -> None:
         "where a microbatch runs it and its gradient reduce-scattered there (the layers stored with their "
         "features split over fsdp), so the step holds one layer instead of the stage's, for a gather per "
         "microbatch pass (fsdp; any schedule); under 1f1b, 1f1b-fused and zb the output head's weights too, "
-        "gathered on the last stage at each microbatch's head step instead of held whole through the loop",
+        "gathered on the last stage at each microbatch's head step instead of held whole through the loop, and "
+        "the embedding, run on the first stage per microbatch instead of on the whole batch before the loop "
+        "(no stage inputs of all M microbatches held)",
     )
     g.add_argument(
         "--pipeline-repeats",

@@ -327,16 +327,17 @@ def pipeline_lines(trainer, note: str | None = None) -> list[str]:
             )
         )
     lines.append(weight_gather_line(trainer))
-    gathered = "gathered once per step with fsdp"
+    gathered = "gathered once per step with fsdp; the embedding lookup runs on every stage, on the whole batch"
     if plan.streams_head:
         gathered = (
-            "the embedding gathered once per step with fsdp, the final norm and output projection gathered over "
-            "fsdp on the last stage at each microbatch's head step, their gradients reduce-scattered there "
-            "(--pipeline-gather microbatch)"
+            "the embedding gathered over fsdp on the first stage at each microbatch's first forward, where it "
+            "looks up that microbatch's tokens (no stage inputs of the whole batch held), its gradient "
+            "reduce-scattered there at the microbatch's backward, the final norm and output projection gathered over fsdp on the last stage at "
+            "each microbatch's head step, their gradients reduce-scattered there (--pipeline-gather microbatch)"
         )
     lines.append(
         "  embedding, final norm and output projection parameters: stored split over stage as well (where a "
-        f"dimension allows), {gathered}; the embedding lookup runs on every stage"
+        f"dimension allows), {gathered}"
     )
     return lines
 

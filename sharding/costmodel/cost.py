@@ -241,7 +241,7 @@ def _pipeline_cost(
     counted = s.tok * counted_unit["counted_layer"] + head.tok * (unit["logits"] + unit["elem_loss"]) + optimizer
     memory = _pipeline_memory(model, layout, rules, placed, s, pipe, head)
     comms = _pipeline_head_comms(model, layout, rules, head, pipe, backend, batch_rows)
-    comms += _pipeline_embedding_comms(model, layout, placed, embed)
+    comms += _pipeline_embedding_comms(model, layout, placed, embed, pipe)
     comms += _pipeline_weight_comms(layout, rules, placed, pipe, model)
     comms += _stage_comms(model, layout, s, pipe, head)
     comms += _tensor_comms(model, layout, rules, layer, recomputes=pipe.recomputes, with_logits=False)

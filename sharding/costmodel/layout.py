@@ -69,6 +69,11 @@ class Layout:
       tick_schedule: With ``one_f_one_b``, whose tick table runs (`TICK_SCHEDULES`): ``lockstep``
         (``1f1b``), ``fused`` (``1f1b-fused``) or ``zb`` (zero bubble, whose backward's two halves each
         recompute the layer).
+      stream_edges: Pipeline only: the 1F1B family gathers its head's and its entry's (the embedding's)
+        weights per microbatch inside their conditionals (`sharding.pipeline.PipelinePlan.streams_head`); None
+        derives it as the plan does (``one_f_one_b``, ``pipeline_gather`` ``microbatch``, ``skip_empty``), so
+        that a layout changed by `dataclasses.replace` stays consistent. Set it only to price, every slot
+        priced (``skip_empty`` False), a compiled program that streams them (``bench/costmodel_grid.py``).
       context_layout: How tokens lie along a split length (``--context-layout``): ``zigzag`` balances
         the causal work of a ring; ``contiguous`` leaves its last device the most (priced: the busiest).
       context_shares: Uneven sequence shards (``--context-shares``, ring attention in the zigzag layout):
@@ -95,6 +100,7 @@ class Layout:
     one_f_one_b: bool = False
     pipeline_gather: str = "once"
     tick_schedule: str = "lockstep"
+    stream_edges: bool | None = None
     context_layout: str = ZIGZAG
     context_shares: tuple[float, ...] | None = None
 

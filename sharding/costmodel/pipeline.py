@@ -10,7 +10,9 @@ main builds it.
   two ppermutes per pipeline step (GPipe/circular: ``R*M + S - 1`` steps, one each way; 1F1B:
   `_Pipe.steps` ticks, two per tick) and, for GPipe/circular, one psum over ``stage`` of the outputs
   (`_stage_comms`);
-* the embedding on the device's whole batch, replicated over ``stage``; the final norm, output
+* the embedding on the device's whole batch, replicated over ``stage`` (where the 1F1B family streams its
+  edges, `_head_streamed`: on stage 0 per microbatch, its table gathered there M times, `Entry`); the final
+  norm, output
   projection and loss (the head) on 1/S of those rows per stage (`sharding.pipeline.head_parallelism`)
   after GPipe/circular, on one microbatch per tick inside the loop for 1F1B (`_pipeline_outside`); the
   non-layer parameters stored split over ``stage`` too (`spread_over_stage`).
@@ -107,6 +109,7 @@ class _Pipe:
     split: bool = False
     kept: int = 0
     span: int = 1
+    streams: bool = False
 
     @property
     def segment(self) -> int:
@@ -230,6 +233,7 @@ def _pipeline_of(model: ModelDescription, layout: Layout, rules: Rules, s: _Shap
         split=schedule == "zb",
         kept=kept,
         span=span,
+        streams=_streams_edges(layout),
     )
 
 
@@ -341,11 +345,13 @@ def _pipeline_memory(
     slots (`_gather_bytes`) and their float32 gradient sums in place of the stored rows' gradients, which the
     sums become after the loop (``gather`` ``microbatch``: the slot's gathered layer, the rows received from
     other devices, and the float32 sums of the device's own and received rows), the saved slot inputs
-    (`_Pipe.saved_inputs`), every microbatch's stage input and its cotangent, the larger of a layer's backward
-    working set (its activations with the backward's score temporaries and, with ``gather`` ``microbatch``,
-    the slot's gathered layer) and the head step's (the head's logits for one run's rows and, with the head
-    streamed, its gathered weights and their whole gradient), which are never live together, and, for the
-    1F1B family, the head's weights held through the loop (`_head_weight_bytes`).
+    (`_Pipe.saved_inputs`), every microbatch's stage input and its cotangent (none where stage 0 embeds each
+    microbatch, `_head_streamed`), the largest of a layer's backward working set (its activations with the
+    backward's score temporaries and, with ``gather`` ``microbatch``, the slot's gathered layer), the head
+    step's (the head's logits for one run's rows and, with the head streamed, its gathered weights and their
+    whole gradient) and the streamed entry's (the gathered table and its whole gradient), which are never live
+    together, and, for the 1F1B family, the head's (and a streamed entry's) weights held through the loop
+    (`_head_weight_bytes`).
 
     Checked against the compiled step's temporaries (``temp_size_in_bytes``) and XLA's live ranges on the
     7B dry run (`bench/RESULTS.md`, "Per-microbatch pipeline temporaries" and "The per-microbatch
@@ -372,8 +378,9 @@ def _pipeline_memory(
     # 7B step, `bench/RESULTS.md`, "Per-microbatch pipeline temporaries").
     scores = per_layer - _per_token(model, "activations", rules, layout.mesh, 0.0, s.act_bytes)
     # per token of a microbatch: every microbatch's stage input, and their cotangent, which the backward fills
-    # in one microbatch at a time and the embedding's backward reads after the loop
-    inputs = 2 * s.micro * model.hidden * s.act_bytes
+    # in one microbatch at a time and the embedding's backward reads after the loop (none of either where stage
+    # 0 embeds each microbatch itself)
+    inputs = 0 if _head_streamed(pipe) else 2 * s.micro * model.hidden * s.act_bytes
     head_weights = 0.0
     # A layer's backward working set and the head step's never peak together: GPipe/circular run the head
     # between the forward and backward loops, the 1F1B family in its own phase of a tick, before the tick's
@@ -382,8 +389,8 @@ def _pipeline_memory(
     backward = s.tok * (per_layer + 3 * scores) + streamed
     logits = base.logits * head.tok / s.tok
     if pipe.one_f_one_b:
-        head_weights, head_step = _head_weight_bytes(placed, pipe)
-        logits += head_step
+        head_weights, head_step, entry_step = _head_weight_bytes(placed, pipe)
+        logits = max(logits + head_step, entry_step)
     return dataclasses.replace(
         base,
         gradients=base.gradients + sums * whole_layer * _PARAM_BYTES,
@@ -393,10 +400,19 @@ def _pipeline_memory(
     )
 
 
+def _streams_edges(layout: Layout) -> bool:
+    """`Layout.stream_edges`, derived as `sharding.pipeline.PipelinePlan.streams_head` where unset."""
+    if layout.stream_edges is not None:
+        return layout.stream_edges
+    return layout.one_f_one_b and layout.pipeline_gather == "microbatch" and layout.skip_empty
+
+
 def _head_streamed(pipe: _Pipe) -> bool:
-    """The 1F1B family's head gathers its weights per head step (`sharding.pipeline.onef1b.HeadWeights`):
-    ``gather`` ``microbatch`` where empty slots are skipped (the head runs under a conditional)."""
-    return pipe.one_f_one_b and pipe.gather == "microbatch" and pipe.skip_empty
+    """The 1F1B family's head gathers its weights per head step (`sharding.pipeline.onef1b.HeadWeights`), and
+    its entry, the embedding, its table per microbatch on stage 0 (`sharding.pipeline.onef1b.Entry`; no
+    stage inputs held): ``gather`` ``microbatch`` where empty slots are skipped (both run under conditionals;
+    `Layout.stream_edges`)."""
+    return pipe.one_f_one_b and pipe.streams
 
 
 def _head_split(p: _Placed) -> tuple[tuple[str, ...], int]:
@@ -406,22 +422,27 @@ def _head_split(p: _Placed) -> tuple[tuple[str, ...], int]:
     return axes, p.factor(*axes)
 
 
-def _head_weight_bytes(placed: dict[str, _Placed], pipe: _Pipe) -> tuple[float, float]:
-    """Bytes of the 1F1B family's head weights (final norm, output projection) on a stage device:
-    ``(held, head_step)``, what the tick loop holds throughout and what only a head step adds.
+def _head_weight_bytes(placed: dict[str, _Placed], pipe: _Pipe) -> tuple[float, float, float]:
+    """Bytes of the 1F1B family's head weights (final norm, output projection) and, streamed, its entry's
+    (the embedding table) on a stage device: ``(held, head_step, entry_step)``, what the tick loop holds
+    throughout, what only a head step adds and what only an entry step (a stage-0 microbatch's lookup or its
+    backward) adds.
 
-    Gathered once: the whole weights, gathered before the tick loop, and their whole float32 gradient sums,
-    both held through it. Streamed (`_head_streamed`): the float32 gradient sums of this device's ``1/f``
-    shards held through the loop; the gathered copy and one whole gradient only while a head step runs,
-    beside the head's logits and no layer, so they join the head step's working set, which adds to the
+    Gathered once: the whole head weights, gathered before the tick loop, and their whole float32 gradient
+    sums, both held through it (the embedding runs before and after the loop). Streamed (`_head_streamed`):
+    the float32 gradient sums of this device's ``1/f`` shards of the head's weights and of the table held
+    through the loop; each one's gathered copy and one whole gradient only while its step runs, beside no
+    layer (the head step beside its logits), so they join that step's working set, which adds to the
     step's peak only beyond a layer's backward working set (`_pipeline_memory`). (The 7B on stage=4,fsdp=2:
-    1,000 MiB under a layer's working set, so the head costs its 250 MiB sums; the compiled temporaries drop
-    494-500 MiB, fused 1F1B 242 MiB: `bench/RESULTS.md`, "The 1F1B head gathered per microbatch".)"""
+    1,000 MiB under a layer's working set, so the head and the table cost their 250 MiB sums each: `bench/
+    RESULTS.md`, "The 1F1B head gathered per microbatch" and the entry's section after it.)"""
     head = [p for p in placed.values() if not p.param.per_layer and p.param.role != "embedding"]
     whole = sum(p.param.size for p in head) * _PARAM_BYTES
     if not _head_streamed(pipe):
-        return 2 * whole, 0.0
-    return sum(p.param.size / _head_split(p)[1] for p in head) * _PARAM_BYTES, 2 * whole
+        return 2 * whole, 0.0, 0.0
+    table = [p for p in placed.values() if p.param.role == "embedding"]
+    sums = sum(p.param.size / _head_split(p)[1] for p in head + table) * _PARAM_BYTES
+    return sums, 2 * whole, 2 * sum(p.param.size for p in table) * _PARAM_BYTES
 
 
 def weight_cut_bytes(
@@ -467,10 +488,11 @@ def _activation_splits(model: ModelDescription, rules: Rules, mesh_items: tuple)
 
 
 def _pipeline_embedding_comms(
-    model: ModelDescription, layout: Layout, placed: dict[str, _Placed], embed: _Shape
+    model: ModelDescription, layout: Layout, placed: dict[str, _Placed], embed: _Shape, pipe: _Pipe
 ) -> list[Comm]:
     """The embedding lookup on the device's whole batch (replicated over ``stage``) from a table stored
-    split over ``stage`` too (`spread_over_stage`).
+    split over ``stage`` too (`spread_over_stage`); none where stage 0 embeds each microbatch inside the 1F1B
+    loop (`_head_streamed`: the table's collectives are the head's, `_pipeline_head_comms_cached`).
 
     A table split over ``fsdp`` only by the rules (``embed``; stored over ``fsdp`` x ``stage``), no
     ``data``, as jax 0.10 emits it (seen on ``stage=2,fsdp=4`` and ``stage=4,fsdp=2``): the lookup reads
@@ -486,7 +508,7 @@ def _pipeline_embedding_comms(
     checked on ``stage=2,expert=2,fsdp=2``).
     """
     embedding = model.with_role("embedding")
-    if embedding is None:
+    if embedding is None or _head_streamed(pipe):
         return []
     if layout.mesh[ax.EXPERT] > 1:
         mesh = layout.mesh
@@ -531,7 +553,8 @@ def _pipeline_head_comms(
             pipe.one_f_one_b,
             backend,
             batch_rows,
-            pipe.micro if _head_streamed(pipe) else 1,
+            (pipe.micro if pipe.skip_empty else pipe.ticks) if _head_streamed(pipe) else 1,
+            _head_streamed(pipe),
         )
     )
 
@@ -550,8 +573,10 @@ def _pipeline_head_comms_cached(
     backend: str,
     batch_rows: float | None,
     runs: int = 1,
+    entry: bool = False,
 ) -> tuple[Comm, ...]:
-    """The head's weights (final norm, output projection) and collectives.
+    """The head's weights (final norm, output projection) and collectives; with ``entry``, the embedding
+    table's too, gathered and reduce-scattered alike on stage 0 (`sharding.pipeline.onef1b.Entry`).
 
     GPipe/circular: the head runs under `head_parallelism` outside the pipeline, as the step without
     stages on the mesh with ``stage`` folded into ``fsdp`` prices it (`_comms`, the head's rows). 1F1B:
@@ -590,7 +615,7 @@ def _pipeline_head_comms_cached(
     mesh, comms = layout.mesh, []
     stages = mesh[ax.STAGE]
     for p in _place_cached(model, rules, mesh_items).values():
-        if p.param.per_layer or p.param.role == "embedding":
+        if p.param.per_layer or (p.param.role == "embedding" and not entry):
             continue
         axes, f = _head_split(p)
         whole, what = p.param.size * _PARAM_BYTES, p.param.path
@@ -825,13 +850,16 @@ def _stage_comms(model: ModelDescription, layout: Layout, s: _Shape, pipe: _Pipe
     """Activations between stages: two ppermutes of one microbatch's rows ``[rows, T, D]`` per loop trip
     (GPipe/circular: one forward, one backward per step; 1F1B: the forward output and the input's
     cotangent per tick), bubble steps included: the transfers sit outside the conditionals; the inputs'
-    cotangent ``[M, rows, T, D]`` summed over ``stage`` (the inputs were made stage-varying). GPipe/circular
+    cotangent ``[M, rows, T, D]`` summed over ``stage`` (the inputs were made stage-varying; none where stage 0
+    embeds each microbatch, `_head_streamed`). GPipe/circular
     also: one psum over ``stage`` of all microbatches' outputs after the forward loop (the last stage's
     outputs to every stage) and its transpose, and the head's input cotangent all-gathered over ``stage``
     (`head_parallelism`)."""
     stages = layout.mesh[ax.STAGE]
     act = s.tok * model.hidden * s.act_bytes
     comms = [Comm("collective-permute", (ax.STAGE,), stages, act, 2 * pipe.steps, "stage activations", False)]
+    if pipe.one_f_one_b and _head_streamed(pipe):
+        return comms
     if pipe.one_f_one_b:  # the inputs' cotangent, summed over stage (they were made stage-varying)
         return comms + [Comm("all-reduce", (ax.STAGE,), stages, act * s.micro, 1, "pipeline input cotangent", False)]
     return comms + [

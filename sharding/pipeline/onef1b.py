@@ -38,7 +38,9 @@ Weights are gathered once per step (`program.Weights.gather`, compute dtype) and
 once (their own dtype), both outside the loop; parameters, stage inputs and extras are cast
 device-varying first so no reduction lands inside it. With ``--pipeline-gather microbatch`` the layers
 are gathered per chunk pass (`program.Streamed`) and the head's weights per head step, inside its
-conditional on the last stage, their gradient reduce-scattered there (`HeadWeights`).
+conditional on the last stage, their gradient reduce-scattered there (`HeadWeights`); the entry (the token
+embedding, when `run_pipeline_loss` is given one) runs likewise on stage 0 per microbatch (`Entry`), so the
+loop holds no stage inputs of all ``M`` microbatches nor their cotangent.
 
 Cost. A tick lasts as long as what runs in it. In lockstep neighbouring stages run a forward and a
 backward in the same tick after warm-up, so with one chunk a step takes ``2 (M + S - 1)`` ticks of a
@@ -90,7 +92,8 @@ from sharding.pipeline.ticks import BACKWARD, FORWARD, WEIGHT
 
 @dataclasses.dataclass(frozen=True)
 class HeadWeights:
-    """How the 1F1B loop holds the output head's weights and sums their gradients.
+    """How the 1F1B loop holds the output head's weights and sums their gradients (the entry's too, `Entry`,
+    always streamed, on stage 0).
 
     Gathered once (``--pipeline-gather once``, or a plan that computes every slot): the loop holds the whole
     weights, gathered before it (`hold`), and whole gradient sums in the weights' dtype, reduce-scattered
@@ -171,6 +174,61 @@ class HeadWeights:
         return jax.tree.map(one, sums, blocks, self.specs)
 
 
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """The pipeline's entry (the token embedding), computed by the first virtual stage one microbatch at a time.
+
+    Under the same conditions as the streamed head (`PipelinePlan.streams_head`), the 1F1B loop holds no
+    ``[M, microbatch, ...]`` stage inputs nor their cotangent: at a forward of chunk 0 on stage 0 the entry's
+    weights are all-gathered (`HeadWeights.fetch`) inside a `jax.lax.cond` that only stage 0's devices take,
+    and that microbatch's input computed from its entry inputs (int32 tokens ``[microbatch, length]``, held
+    whole: small); at that microbatch's backward there the entry is differentiated (`jax.vjp`) with the input
+    cotangent and its weights' gradient reduce-scattered into float32 shard sums (`HeadWeights.reduce`; the
+    lookup's gradient reads no table value, so XLA drops that branch's gather: one per microbatch remains),
+    summed over the other batch axes and ``stage`` after the loop (`HeadWeights.finish`). Narayanan et al.
+    (SC'21), section 2.2: a stage then holds at most its ring's stage inputs, not ``M``.
+
+    Attributes:
+      fn: ``(entry_weights, inputs) -> h [microbatch, ...]`` in the compute dtype (the stage's ``par`` bound).
+      weights: how the loop holds the entry's weights and sums their gradients (streamed).
+      params: the entry's weights as the loop holds them (this device's blocks).
+      h: one microbatch's `jax.ShapeDtypeStruct` of ``h`` on this device.
+    """
+
+    fn: Callable[..., Any]
+    weights: HeadWeights
+    params: Any
+    h: Any
+
+    def steps(self, xs, vary: tuple[str, ...]):
+        """``(first_input, first_cotangent)`` of `_ticks` for entry inputs ``xs`` ``[M, microbatch, ...]``:
+        ``first_input(on, mb) -> h`` (zeros where not ``on``) and ``first_cotangent(on, mb, g_in, sums) ->
+        sums`` (the entry gradient of microbatch ``mb`` added where ``on``)."""
+
+        def run_forward(inputs):
+            h = self.fn(self.weights.fetch(self.params), inputs)
+            return to_varying(h.astype(self.h.dtype), vary)
+
+        def idle_forward(inputs):
+            return to_varying(jnp.zeros(self.h.shape, self.h.dtype), vary)
+
+        def run_backward(g_in, inputs, sums):
+            _, vjp = jax.vjp(lambda w: self.fn(w, inputs), self.weights.fetch(self.params))
+            (g_w,) = vjp(g_in.astype(self.h.dtype))
+            return to_varying(jax.tree.map(jnp.add, sums, self.weights.reduce(g_w, self.params)), vary)
+
+        def idle_backward(g_in, inputs, sums):
+            return sums
+
+        def first_input(on, mb):
+            return jax.lax.cond(on, run_forward, idle_forward, index_tree(xs, mb))
+
+        def first_cotangent(on, mb, g_in, sums):
+            return jax.lax.cond(on, run_backward, idle_backward, g_in, index_tree(xs, mb), sums)
+
+        return first_input, first_cotangent
+
+
 def _ticks(
     layer,
     head,
@@ -188,6 +246,7 @@ def _ticks(
     back_layer=None,
     objective_axes=None,
     objective_size: int = 1,
+    entry=None,
 ):
     """All ticks of one stage (inside the stage program).
 
@@ -202,18 +261,21 @@ def _ticks(
       params: the stage's gathered weights, leaves ``[R, K, ...]``, or a `Streamed` (gathered per chunk pass).
       head_weights: how the loop holds the head's weights and sums their gradients.
       head_params: the head's weights as it holds them (`HeadWeights.hold`: whole, or this device's blocks).
-      xs: ``[M, microbatch, ...]`` inputs of the first virtual stage (stage-varying).
+      xs: ``[M, microbatch, ...]`` inputs of the first virtual stage (stage-varying); with ``entry``, the
+        entry's inputs (e.g. int32 tokens ``[M, microbatch, length]``).
       extras, head_inputs: ``[M, microbatch, ...]`` side inputs of the layers and of the head.
       grads, head_grads: zero accumulators shaped as ``params`` (or `Streamed.zeros`) and as
         `HeadWeights.zeros` of ``head_params`` (None when not ``train``).
       train: run the backward ticks too.
       vary: the manual axes the per-device sums vary over (``stage`` and the batch axes).
+      entry: None, or the `Entry` the first virtual stage computes its input with, per microbatch.
 
     Returns:
       ``(loss_sum, weight_sum, applied, grads, head_grads, g_xs, stats)``: this device's float32 sums (nonzero
       on the last stage), its forward layer applications (int32), when ``train`` its gradient sums and the
-      cotangent of ``xs`` ``[M, microbatch, ...]`` (nonzero on stage 0), else None for those, and with
-      ``objective_axes`` the summed statistics ``[objective_size - 1]`` (else None).
+      cotangent of ``xs`` ``[M, microbatch, ...]`` (nonzero on stage 0; with ``entry``, the entry weights'
+      gradient sums, `HeadWeights.zeros` of them), else None for those, and with ``objective_axes`` the summed
+      statistics ``[objective_size - 1]`` (else None).
     """
     back_layer = layer if back_layer is None else back_layer
     layout = plan.layout
@@ -260,8 +322,8 @@ def _ticks(
         arrive = row["arrive"]
         first = index_leaf(buffer, jnp.maximum(arrive, 0))
         buffer = write(buffer, jnp.maximum(arrive, 0), first.at[0].set(received), arrive >= 0)
-        entry = (stage == 0) & (r == 0)  # the first virtual stage reads the microbatch itself
-        h_in = jnp.where(entry, index_leaf(xs, mb), index_leaf(buffer, slot)[0])
+        starts = (stage == 0) & (r == 0)  # the first virtual stage reads (or computes) the microbatch itself
+        h_in = jnp.where(starts, first_input(forward & starts, mb), index_leaf(buffer, slot)[0])
         h, done, inputs = chunk_forward(
             layer,
             params,
@@ -320,18 +382,29 @@ def _ticks(
                 g_in, grads = chunk_backward(
                     back_layer, params, r, *backward_args, index_leaf(waiting, c), grads, plan.skip_empty
                 )
-            g_xs = write(g_xs, mb, g_in, backward & (stage == 0) & (r == 0))
+            g_xs = first_cotangent(backward & (stage == 0) & (r == 0), mb, g_in, g_xs)
             g_received = jax.lax.ppermute(g_in, ax.STAGE, back_ring)
         received = jax.lax.ppermute(h, ax.STAGE, ring)
         carry = (received, g_received, buffer, waiting, kept, grads, head_grads, g_xs, loss, weight, applied, stats)
         return carry, None
 
-    zero_h = jnp.zeros_like(xs[0])
+    if entry is None:
+        zero_h = jnp.zeros_like(xs[0])
+
+        def first_input(on, mb):
+            return index_leaf(xs, mb)
+
+        def first_cotangent(on, mb, g_in, g_xs):
+            return write(g_xs, mb, g_in, on)
+
+    else:
+        zero_h = jnp.zeros(entry.h.shape, entry.h.dtype)
+        first_input, first_cotangent = entry.steps(xs, vary)
     # K from the working copy, not the layout: the unpadded storage rounds a chunk's slots up to its gather
     # (`sharding.pipeline.storage`), and the extra slots are empty (skipped, or computed as padding).
     slots = slot_positions(params)
-    buffer = jnp.zeros((ticks.slots, slots if train else 1, *xs.shape[1:]), xs.dtype)
-    waiting = jnp.zeros((ticks.cotangent_slots, *xs.shape[1:]), xs.dtype) if train else None
+    buffer = jnp.zeros((ticks.slots, slots if train else 1, *zero_h.shape), zero_h.dtype)
+    waiting = jnp.zeros((ticks.cotangent_slots, *zero_h.shape), zero_h.dtype) if train else None
     kept = ()
     if train and split:  # the saved ring: per entry, each slot position's cut (`sharding.pipeline.split`)
         kept = cut_ring(back_layer, params, to_varying(zero_h, vary), index_tree(extras, 0), ticks.saved_slots)
@@ -345,7 +418,7 @@ def _ticks(
             kept,
             grads,
             head_grads,
-            jnp.zeros_like(xs) if train else None,
+            (jnp.zeros_like(xs) if entry is None else entry.weights.zeros(entry.params)) if train else None,
         ),
         vary,
     )
@@ -359,18 +432,30 @@ def _ticks(
 
 
 def _loss_program(
-    layer_fn, head_fn, plan: PipelinePlan, par, weights: Weights, head_specs, remat_policy=None, objective: int = 0
+    layer_fn,
+    head_fn,
+    plan: PipelinePlan,
+    par,
+    weights: Weights,
+    head_specs,
+    remat_policy=None,
+    objective: int = 0,
+    entry_fn=None,
+    entry_specs=None,
 ):
-    """``f(stacked [1, slots, ...], head_params, xs, extras, head_inputs) -> (loss_sum, weight_sum, applied,
-    stats)`` for one stage (this device's partial sums), a `jax.custom_vjp` whose forward rule runs the whole
-    1F1B step (module docstring). With ``objective`` entry 0 of the layers' objectives is part of
-    ``loss_sum``, differentiated with it, and ``stats`` the sums of their other entries (`run_pipeline_loss`;
-    None without ``objective``; not differentiated)."""
+    """``f(stacked [1, slots, ...], head_params, entry_params, xs, extras, head_inputs) -> (loss_sum,
+    weight_sum, applied, stats)`` for one stage (this device's partial sums), a `jax.custom_vjp` whose forward
+    rule runs the whole 1F1B step (module docstring). With ``objective`` entry 0 of the layers' objectives is
+    part of ``loss_sum``, differentiated with it, and ``stats`` the sums of their other entries
+    (`run_pipeline_loss`; None without ``objective``; not differentiated). With ``entry_fn`` (``(par,
+    entry_params, inputs) -> h``) ``xs`` are its inputs and the first virtual stage computes each microbatch's
+    input from them (`Entry`); else ``entry_params`` is None and ``xs`` the first stage's inputs."""
     summed = weights.summed
     streamed = plan.gather == "microbatch"
     head_weights = HeadWeights(head_specs, summed, plan.streams_head)
+    entry_weights = None if entry_fn is None else HeadWeights(entry_specs, summed, True)
 
-    def run(stacked, head_params, xs, extras, head_inputs, train: bool):
+    def run(stacked, head_params, entry_params, xs, extras, head_inputs, train: bool):
         stage_par = par.inside(manual_axes(par))
         if objective:
             layer = lambda w, h, *e: layer_fn(stage_par, w, h, *e, batch_axes=summed)  # noqa: E731
@@ -384,6 +469,11 @@ def _loss_program(
         vary = (ax.STAGE, *summed)
         axes = vary if objective else None
         hp = head_weights.hold(head_params)
+        entry = None
+        if entry_fn is not None:
+            fn = lambda w, inputs: entry_fn(stage_par, w, inputs)  # noqa: E731
+            h = jax.eval_shape(lambda blocks, inputs: fn(entry_weights.fetch(blocks), inputs), entry_params, xs[0])
+            entry = Entry(fn, entry_weights, entry_params, jax.ShapeDtypeStruct(h.shape, weights.dtype))
         grads = head_grads = None
         if streamed:  # each block gathered where a chunk runs it, its gradient reduce-scattered there
             params = weights.stream(stacked, plan.layout.repeats)
@@ -412,19 +502,22 @@ def _loss_program(
             back_layer,
             axes,
             max(objective, 1),
+            entry,
         )
 
     @jax.custom_vjp
-    def program(stacked, head_params, xs, extras, head_inputs):
-        loss, weight, applied, *_, stats = run(stacked, head_params, xs, extras, head_inputs, False)
+    def program(stacked, head_params, entry_params, xs, extras, head_inputs):
+        loss, weight, applied, *_, stats = run(stacked, head_params, entry_params, xs, extras, head_inputs, False)
         return loss, weight, applied, stats
 
-    def forward(stacked, head_params, xs, extras, head_inputs):
-        loss, weight, applied, grads, head_grads, g_xs, stats = run(stacked, head_params, xs, extras, head_inputs, True)
-        return (loss, weight, applied, stats), (stacked, head_params, grads, head_grads, g_xs)
+    def forward(stacked, head_params, entry_params, xs, extras, head_inputs):
+        loss, weight, applied, grads, head_grads, g_xs, stats = run(
+            stacked, head_params, entry_params, xs, extras, head_inputs, True
+        )
+        return (loss, weight, applied, stats), (stacked, head_params, entry_params, grads, head_grads, g_xs)
 
     def backward(residuals, cotangents):
-        stacked, head_params, grads, head_grads, g_xs = residuals
+        stacked, head_params, entry_params, grads, head_grads, g_xs = residuals
         ct = cotangents[0]
 
         def scale(tree):
@@ -432,10 +525,34 @@ def _loss_program(
 
         d_head = head_weights.finish(scale(head_grads), head_params)
         finish = weights.finish if streamed else weights.reduce
-        return finish(scale(grads), stacked), d_head, scale(g_xs), None, None
+        if entry_weights is None:  # g_xs: the cotangent of the first stage's inputs
+            d_entry, d_xs = None, scale(g_xs)
+        else:  # g_xs: the entry weights' gradient sums; its inputs (tokens) have none
+            d_entry, d_xs = entry_weights.finish(scale(g_xs), entry_params), None
+        return finish(scale(grads), stacked), d_head, d_entry, d_xs, None, None
 
     program.defvjp(forward, backward)
     return program
+
+
+def _edge_specs(params, names, par, setup: Setup, what: str):
+    """The `PartitionSpec` over the map's manual axes of each leaf of the head's or the entry's ``params``
+    (``names``: their logical names; None: replicated).
+
+    Raises:
+      ValueError: ``names`` not shaped as ``params``; a leaf split over a manual axis the microbatches are
+        not split over (``stage`` included: their gathers run inside one stage's conditional).
+    """
+    leaves, tree = jax.tree.flatten(params)
+    if names is None:
+        specs = [P()] * len(leaves)
+    else:
+        name_leaves = logical_leaves(names)
+        if len(name_leaves) != len(leaves):
+            raise ValueError(f"run_pipeline_loss: {len(name_leaves)} logical names for {len(leaves)} {what} parameters")
+        specs = [manual_spec(par, n, w.shape, setup.manual) for n, w in zip(name_leaves, leaves)]
+    check_split(specs, setup.weights.summed, par, setup.xs.shape[1], setup.data[1], skip_first=False)
+    return jax.tree.unflatten(tree, specs)
 
 
 def run_pipeline_loss(
@@ -452,14 +569,21 @@ def run_pipeline_loss(
     head_names=None,
     remat_policy=None,
     objective: int = 0,
+    entry_fn: Callable[..., Any] | None = None,
+    entry_params=None,
+    entry_names=None,
 ):
-    """The summed loss of a stacked layer function run as a pipeline, followed by an output head.
+    """The summed loss of a stacked layer function run as a pipeline, after an optional entry (the token
+    embedding) and followed by an output head.
 
     With ``par``'s plan's schedule ``1f1b`` or ``1f1b-fused`` (interleaved with ``R > 1`` chunks per stage) the
     head runs inside the pipeline on the last stage, one microbatch at a time, and the backward pass of each
     microbatch follows its forward through the stages (module docstring); otherwise `run_pipeline` runs
     GPipe or circular and ``head_fn`` takes the whole batch after it, under `head_parallelism` of ``par``
     (each stage computes the head for 1/S of the rows; ``head_fn`` constrains its input to that layout).
+    With ``entry_fn`` the layers' input is ``entry_fn(par, entry_params, x)``: computed on the whole batch
+    first, or, where the plan streams the head (`PipelinePlan.streams_head`), per microbatch on the first
+    virtual stage inside the 1F1B loop (`Entry`), so that no ``[M, microbatch, ...]`` stage inputs are held.
 
     Args:
       layer_fn: as `run_pipeline`: ``(par, layer_params, h, *extras) -> h``.
@@ -467,7 +591,8 @@ def run_pipeline_loss(
         over the rows of ``h`` ``[rows, ...]`` (its rows: a microbatch, or the whole batch).
       stacked: the stacked layer parameters, as `run_pipeline`.
       head_params: pytree of the head's parameters (the same on every stage; their gradients too).
-      x: ``[batch, ...]`` activations entering the first layer (float; its dtype is the compute dtype).
+      x: ``[batch, ...]`` activations entering the first layer (float; its dtype is the compute dtype); with
+        ``entry_fn``, the entry's inputs (int32 tokens ``[batch, length]``).
       extras: side inputs ``[batch, ...]`` of every layer (None entries pass through).
       head_inputs: side inputs ``[batch, ...]`` of the head (targets int32, loss weights float32).
       par: the run's `sharding.parallel.Parallelism` (strategy a `PipelinePlan`), bound to a mesh.
@@ -477,6 +602,10 @@ def run_pipeline_loss(
       objective: 0, or the size of the layers' objective (as `run_pipeline`; ``layer_fn`` then returns ``(h,
         objective)``, float32 ``[objective]``): entry 0 summed over layers, microbatches and devices into
         ``loss_sum``, the others summed likewise into ``stats``.
+      entry_fn: None, or ``(par, entry_params, inputs) -> h``: the layers' input ``[rows, ...]`` in the
+        compute dtype from the entry's inputs ``[rows, ...]`` (its rows: a microbatch, or the whole batch).
+      entry_params: pytree of the entry's parameters (with ``entry_fn``).
+      entry_names: logical names of ``entry_params``' leaves, as ``head_names``.
 
     Returns:
       ``(loss_sum, weight_sum, applied)``: float32 scalars, and ``[stages]`` int32 forward layer
@@ -485,10 +614,14 @@ def run_pipeline_loss(
 
     Raises:
       ValueError: as `run_pipeline`; an interleaved 1F1B plan (``R > 1``) whose microbatches are not a
-        multiple of the stages; ``head_names`` not shaped as ``head_params``; a head parameter split over a
-        batch axis the microbatches are not split over.
+        multiple of the stages; ``head_names`` (``entry_names``) not shaped as ``head_params``
+        (``entry_params``); a head (entry) parameter split over a batch axis the microbatches are not split
+        over.
     """
     plan = par.pipeline
+    streams_entry = entry_fn is not None and plan is not None and plan.streams_head
+    if entry_fn is not None and not streams_entry:  # the entry runs first, on the whole batch, as a layer would
+        x = entry_fn(par, entry_params, x)
     if plan is None or not plan.one_f_one_b:
         out = run_pipeline(
             layer_fn, stacked, x, extras, par, names=names, remat_policy=remat_policy, objective=objective
@@ -500,25 +633,35 @@ def run_pipeline_loss(
         return loss + out[2][0], weight, applied, out[2][1:]
     plan.tick_table()  # raises on a bad M
     setup = Setup.of(stacked, x, extras, par, names)
-    head_leaves, head_tree = jax.tree.flatten(head_params)
-    if head_names is None:
-        head_specs = [P()] * len(head_leaves)
+    weights = setup.weights
+    head_specs = _edge_specs(head_params, head_names, par, setup, "head")
+    entry_specs = None
+    if streams_entry:  # x holds the entry's inputs: the layers' compute dtype is that of the entry's output
+        entry_specs = _edge_specs(entry_params, entry_names, par, setup, "entry")
+        h = jax.eval_shape(lambda p, inputs: entry_fn(par, p, inputs), entry_params, x)
+        weights = dataclasses.replace(weights, dtype=h.dtype)
     else:
-        name_leaves = logical_leaves(head_names)
-        if len(name_leaves) != len(head_leaves):
-            raise ValueError(
-                f"run_pipeline_loss: {len(name_leaves)} logical names for {len(head_leaves)} head parameters"
-            )
-        head_specs = [manual_spec(par, n, w.shape, setup.manual) for n, w in zip(name_leaves, head_leaves)]
-    check_split(head_specs, setup.weights.summed, par, setup.xs.shape[1], setup.data[1], skip_first=False)
-    head_specs = jax.tree.unflatten(head_tree, head_specs)
+        entry_params = None
     head_inputs = jax.tree.map(lambda e: to_microbatches(e, plan.microbatches), tuple(head_inputs))
-    program = _loss_program(layer_fn, head_fn, plan, par, setup.weights, head_specs, remat_policy, objective)
-    vary = (ax.STAGE, *setup.weights.summed)
+    program = _loss_program(
+        layer_fn,
+        head_fn,
+        plan,
+        par,
+        weights,
+        head_specs,
+        remat_policy,
+        objective,
+        entry_fn if streams_entry else None,
+        entry_specs,
+    )
+    vary = (ax.STAGE, *weights.summed)
 
-    def stage_program(stacked, head_params, xs, extras, head_inputs):
-        xs, (extras, head_inputs) = stage_varying(xs), to_varying((extras, head_inputs), ax.STAGE)
-        loss, weight, applied, stats = program(stacked, head_params, xs, extras, head_inputs)
+    def stage_program(stacked, head_params, entry_params, xs, extras, head_inputs):
+        # The entry's inputs are integers, not differentiated: cast as they are.
+        xs = to_varying(xs, ax.STAGE) if streams_entry else stage_varying(xs)
+        extras, head_inputs = to_varying((extras, head_inputs), ax.STAGE)
+        loss, weight, applied, stats = program(stacked, head_params, entry_params, xs, extras, head_inputs)
         out = (jax.lax.psum(loss, vary), jax.lax.psum(weight, vary), applied[None])
         return (*out, jax.lax.psum(stats, vary)) if objective else out
 
@@ -529,6 +672,7 @@ def run_pipeline_loss(
         in_specs=(
             setup.stacked_specs,
             head_specs,
+            entry_specs,
             data,
             jax.tree.map(lambda _: data, setup.extras),
             jax.tree.map(lambda _: data, head_inputs),
@@ -536,4 +680,4 @@ def run_pipeline_loss(
         out_specs=(P(), P(), P(ax.STAGE), P()) if objective else (P(), P(), P(ax.STAGE)),
         axis_names=set(setup.manual),
     )
-    return mapped(stacked, head_params, setup.xs, setup.extras, head_inputs)
+    return mapped(stacked, head_params, entry_params, setup.xs, setup.extras, head_inputs)
