@@ -335,6 +335,12 @@ def spec_axes(entry) -> tuple[str, ...]:
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
+def spec_entry(spec, dim: int):
+    """The entry of a `PartitionSpec` for dimension ``dim``: ``None`` past its end (`Parallelism.spec` drops
+    trailing unsplit dimensions, so a replicated ``[batch]`` has the empty spec ``P()``)."""
+    return spec[dim] if dim < len(spec) else None
+
+
 def only_axes(spec, axes: Sequence[str]):
     """``spec`` with every entry cut to the mesh axes in ``axes`` (the block a `jax.shard_map` manual over
     ``axes`` sees; the other axes stay automatic inside it).

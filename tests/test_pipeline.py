@@ -529,6 +529,23 @@ def test_the_head_runs_on_a_stages_share_of_the_rows_not_on_every_stage(monkeypa
     assert replicated - split == pytest.approx(head / 2, rel=0.05), (replicated, split, head)
 
 
+@pytest.mark.parametrize(
+    ("mesh", "batch", "where"),
+    [
+        ("stage=2,fsdp=4", 16, "rows split over fsdp+stage, 2 of"),
+        ("stage=2,tensor=4", 3, "computed by every stage (batch 3"),
+    ],
+)
+def test_the_reports_head_line_says_where_the_head_runs_also_for_rows_nothing_splits(mesh, batch, where):
+    """A batch that no batch axis divides (3 rows on stage=2,tensor=4) has the empty spec ``P()``: the report
+    used to index its first entry and end the run's start-up in an IndexError."""
+    from types import SimpleNamespace
+
+    layout, _ = pl.plan_layout(4, 2)
+    par = Parallelism(parse_mesh(mesh, 8), get_rules("fsdp_tp"), pl.PipelinePlan(layout, batch))
+    assert where in report.head_line(SimpleNamespace(par=par), batch)
+
+
 @pytest.mark.parametrize("unpadded", [True, False])
 def test_initial_parameters_do_not_depend_on_the_layout(unpadded):
     config = get_config("test", ["num_layers=6"])

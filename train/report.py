@@ -337,7 +337,7 @@ def pipeline_lines(trainer, note: str | None = None) -> list[str]:
 def head_line(trainer, batch: int) -> str:
     """Where the pipeline's head (final norm, output projection, loss) runs: on each stage's share of the
     rows (`sharding.pipeline.head_parallelism`), or on every stage when the rows do not divide."""
-    from sharding.parallel import spec_axes
+    from sharding.parallel import spec_axes, spec_entry
     from sharding.pipeline import head_parallelism
 
     par = trainer.par
@@ -346,7 +346,7 @@ def head_line(trainer, batch: int) -> str:
             "  final norm, output projection and loss: on the last stage inside the pipeline, one microbatch at "
             "a time (1f1b: the whole batch's logits are never built)"
         )
-    axes = spec_axes(head_parallelism(par).spec((ax.BATCH,), (batch,))[0])
+    axes = spec_axes(spec_entry(head_parallelism(par).spec((ax.BATCH,), (batch,)), 0))
     stages = par.mesh_shape[ax.STAGE]
     if ax.STAGE in axes:
         rows = batch // math.prod(par.mesh_shape[a] for a in axes)
