@@ -786,7 +786,21 @@ def test_a_checkpoint_resumes_across_stage_layouts_with_the_same_next_loss(tmp_p
         ),
         (
             ["--mesh", "stage=4,fsdp=2", "--microbatches", "4", "--pipeline-schedule", "circular"],
-            "--pipeline-repeats 2: 4 stages x 2 repeats = 8 chunks, more than the 4 layers; use --pipeline-repeats 1",
+            "--pipeline-schedule circular: 4 stages x 2 repeats = 8 chunks, more than the 4 layers, and circular "
+            "needs 2 or more per stage; use --pipeline-schedule gpipe",
+        ),
+        (
+            [
+                "--mesh",
+                "stage=2,fsdp=4",
+                "--microbatches",
+                "2",
+                "--pipeline-schedule",
+                "circular",
+                "--pipeline-repeats",
+                "3",
+            ],
+            "--pipeline-repeats 3: 2 stages x 3 repeats = 6 chunks, more than the 4 layers; use --pipeline-repeats 2",
         ),
         (["--mesh", "fsdp=8", "--stage-layers", "4"], "--stage-layers needs a pipeline: add a stage axis"),
     ],

@@ -837,6 +837,12 @@ def pipeline_plan(args, stages: int, num_layers: int) -> PipelinePlan:
             "--pipeline-schedule circular needs --pipeline-repeats of 2 or more, e.g. --pipeline-repeats 2 "
             "(1 repeat is --pipeline-schedule gpipe)"
         )
+    if circular and stages <= num_layers < 2 * stages:
+        # plan_layout would suggest the repeats that fit, 1, which circular refuses just above
+        raise ValueError(
+            f"--pipeline-schedule circular: {stages} stages x {repeats} repeats = {stages * repeats} chunks, more "
+            f"than the {num_layers} layers, and circular needs 2 or more per stage; use --pipeline-schedule gpipe"
+        )
     measure = args.stage_layers is not None and args.stage_layers.strip() == "auto"
     if measure and args.pipeline_schedule != "gpipe":
         # auto prices GPipe's step: every stage's layers plus its 1/S share of the head (1F1B runs the head on
