@@ -60,6 +60,8 @@ CASES = [
     ["--mesh", "sequence=8", "--attention", "ulysses"],  # 4 query heads: sequence=4, data=2
     ["--mesh", "context=2,sequence=4", "--attention", "usp", "--set", "num_heads=6", "--set", "num_kv_heads=2"],
     ["--mesh", "stage=-1"],
+    ["--mesh", "stage=8", "--microbatches", "4"],  # 4 layers: the whole mesh suggested, stage=4,fsdp=2
+    ["--mesh", "stage=8", "--set", "num_layers=6", "--microbatches", "4"],  # 6 layers: stage=4, not 6
     ["--mesh", "data=4,context=2", "--context-shares", "2,1"],  # the length already split: the mesh is kept
     ["--context-shares", "2,1"],
     ["--pipeline-schedule", "circular", "--mesh", "stage=2,fsdp=4"],

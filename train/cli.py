@@ -18,7 +18,7 @@ from checkpoints.argparser import Parser
 from models import attention_registry
 from models.config import DTYPES, LOGITS_IMPLS, PRESETS, REMAT_POLICIES, get_config
 from sharding import axes as ax
-from sharding.mesh import parse_axis_sizes
+from sharding.mesh import format_mesh, parse_axis_sizes
 from sharding.parallel import CONTEXT_LAYOUTS, Accumulation, Parallelism, UnevenBatch
 from sharding.pipeline import (
     GATHERS,
@@ -777,6 +777,15 @@ def _strategy(args, sizes: dict[str, int], num_layers: int):
     if stages == -1:
         more = "" if args.microbatches >= 2 else " --microbatches 2"  # a pipeline needs a microbatch per stage
         raise ValueError(f"--mesh stage=-1: give the pipeline's stage count, e.g. --mesh stage=2,fsdp=-1{more}")
+    if num_layers < stages:
+        # the whole mesh: fewer stages alone would leave devices out, which the device count check refuses
+        good = max(d for d in range(1, num_layers + 1) if stages % d == 0)
+        fsdp = sizes.get(ax.FSDP, 1)
+        fixed = {**sizes, ax.STAGE: good, ax.FSDP: fsdp if fsdp == -1 else fsdp * (stages // good)}
+        raise ValueError(
+            f"--mesh {format_mesh(sizes)}: the model has {num_layers} layers, fewer than the {stages} stages; use "
+            f"--mesh {format_mesh(fixed)} (or more layers, --set num_layers={stages})"
+        )
     uneven = _rebalance(parse_hetero_batch(args.hetero_batch, args.microbatches), args.rebalance_every)
     if args.hetero_max_share is not None:
         if uneven is None or args.hetero_max_share < 1:
