@@ -347,8 +347,9 @@ def _hetero_flags(p) -> None:
         "--plan",
         default=None,
         choices=("auto",),
-        help="choose --mesh, --rules, --microbatches, --remat, --hetero-batch and the stage split "
-        "with the planner (python -m train.plan) for --cluster/--simulate-cluster",
+        help="choose --mesh, --rules, --microbatches, --remat, --hetero-batch and the pipeline's flags "
+        "(--stage-layers, --pipeline-schedule, --pipeline-repeats, --pipeline-gather) with the planner "
+        "(python -m train.plan) for --cluster/--simulate-cluster; giving one of them too is refused",
     )
 
 
@@ -772,7 +773,40 @@ def parse_context_shares(value: str | None, seq_len: int) -> tuple[int, ...] | s
     return tokens_for_speeds(seq_len, weights)
 
 
+# the flags whose values --plan auto chooses (train.plan.apply_plan replaces them): given with it, they would be
+# dropped without a word
+PLANNED_FLAGS = (
+    "mesh",
+    "rules",
+    "microbatches",
+    "remat",
+    "stage_layers",
+    "pipeline_schedule",
+    "pipeline_repeats",
+    "pipeline_gather",
+)
+
+
+def _check_planned(args) -> None:
+    """``--plan auto`` with a flag it chooses itself (``--mesh data=8``) is refused, naming the flag.
+
+    Raises:
+      ValueError: Naming the first such flag and its value, and both ways out.
+    """
+    if not args.plan:
+        return
+    parser = build_parser()
+    for dest in PLANNED_FLAGS:
+        value = getattr(args, dest)
+        if value != parser.get_default(dest):
+            flag = "--" + dest.replace("_", "-")
+            raise ValueError(
+                f"--plan auto chooses {flag} itself; drop {flag} {value}, or drop --plan auto to run with it"
+            )
+
+
 def _strategy(args, sizes: dict[str, int], num_layers: int):
+    _check_planned(args)
     stages = sizes[ax.STAGE]
     if stages == -1:
         more = "" if args.microbatches >= 2 else " --microbatches 2"  # a pipeline needs a microbatch per stage
