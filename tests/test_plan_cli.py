@@ -103,3 +103,29 @@ def test_a_homogeneous_cluster_is_searched_once(capsys, monkeypatch):
     assert plan_main(SEARCH + ["--cluster", "a100:4x2"]) == 0
     out = capsys.readouterr().out
     assert "chosen plan:" in out and "same work on every device" not in out and "1.00x" not in out
+
+
+@pytest.mark.parametrize(
+    "model, layout, remedy",
+    [
+        # moe-test's first layer is dense: train.train refuses such pipeline stages (train.checks.check_experts)
+        (
+            ["--model", "moe-test"],
+            "--mesh stage=2,fsdp=4 --microbatches 2",
+            "--set first_dense_layers=0 --set moe_every=1",
+        ),
+        (["--model", "test"], "--mesh stage=2,fsdp=4 --microbatches 2 --stage-layers auto", "--stage-layers 2,2"),
+    ],
+)
+def test_a_layout_train_train_would_refuse_is_refused_with_a_remedy_that_prices(capsys, model, layout, remedy):
+    """A MoE pipeline with a dense layer was priced and printed as flags that train.train then refused; the
+    remedy of --stage-layers auto was the 7B's 10,10,6,6, which the 4-layer model refuses."""
+    argv = SEARCH + model + ["--cluster", "h100:4,a100:4"]
+    assert plan_main(argv + ["--layout", layout]) == 2
+    err = capsys.readouterr().err
+    assert f"e.g. {remedy}," in err or err.rstrip().endswith(f"e.g. {remedy}"), err
+    if remedy.startswith("--set"):
+        argv, fixed = argv + remedy.split(), layout
+    else:
+        fixed = layout.replace("--stage-layers auto", remedy)
+    assert _json(capsys, argv + ["--layout", fixed])["fits"]
