@@ -34,6 +34,10 @@ def test_the_command_line_overrides_the_file_and_both_spellings_work(tmp_path):
         ("sequence_length = 64\n", "unknown key 'sequence_length'"),
         ("resume = 1\n", "resume = 1: expected true or false"),
         ("lr = [1, 2]\n", "lr = [1, 2]: expected one value for --lr"),
+        (
+            "stage-layers = [3, 1]\n",
+            'stage-layers = [3, 1]: expected one value for --stage-layers, e.g. stage-layers = "3,1"',
+        ),
         ("lr = \n", "not a TOML file"),
     ],
 )
@@ -43,6 +47,11 @@ def test_a_bad_file_is_refused_in_one_line_naming_the_key(tmp_path, capsys, text
     err = capsys.readouterr().err
     assert code == 2 and err.strip().startswith(f"error: --config {config}: ") and message in err, err
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "r").exists()
+
+
+def test_a_list_for_a_comma_separated_flag_suggests_the_string_that_parses(tmp_path):
+    config = write(tmp_path / "run.toml", 'stage-layers = "3,1"\nmesh = "stage=2,fsdp=4"\nmicrobatches = 2\n')
+    assert cli.parse(["--config", config, "--model", "test"]).parallelism.pipeline.layout.stage_layers == (3, 1)
 
 
 def test_a_value_in_the_file_is_checked_as_the_flag(tmp_path, capsys):

@@ -89,7 +89,10 @@ def to_argv(values: dict, parser: argparse.ArgumentParser, source: str) -> list[
                 argv += [flag, str(item)]
         elif value is not None:
             if isinstance(value, (list, dict, bool)):
-                raise ValueError(f"--config {source}: {key} = {value!r}: expected one value for {flag}")
+                listed = isinstance(value, list) and "," in (action.metavar or "")  # e.g. --stage-layers N,N,...
+                joined = ",".join(map(str, value)) if listed else ""
+                hint = f', e.g. {key} = "{joined}"' if listed else ""
+                raise ValueError(f"--config {source}: {key} = {value!r}: expected one value for {flag}{hint}")
             argv += [flag, str(value)]
     return argv
 
