@@ -248,6 +248,11 @@ class Parallelism:
             return None
         return len(self.context_shares) * max(self.context_shares)
 
+    def positions(self, seq_len: int) -> int:
+        """Positions per sequence that a step of ``seq_len`` tokens runs: ``seq_len``, or with uneven shards
+        `padded_length` (every compiled step, the loop's, the dry run's and the pipeline's check, takes this)."""
+        return self.padded_length or seq_len
+
     @property
     def pipeline(self) -> PipelinePlan | None:
         """The pipeline plan when the strategy is one, else None."""

@@ -848,3 +848,45 @@ def test_a_bfloat16_pipeline_compiles(schedule, gather):
     done = subprocess.run([sys.executable, "-m", "train.train", *args], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "temporaries" in done.stdout and "empty slots are not computed (skipped by a conditional)" in done.stdout
+
+
+def test_a_pipeline_with_uneven_context_shares_compiles_its_check_at_the_padded_length(monkeypatch):
+    """The pipeline's compiled check (collectives in skipped slots) compiled the step at --seq-len, not at the
+    padded length the run feeds (each device's block padded to the largest share), and ring attention refused
+    its blocks: 'a device block of 16 tokens cannot hold shares [24, 8]'. (The compile itself is replaced: the
+    length it is asked for is the point.)"""
+    from types import SimpleNamespace
+
+    from train import cli
+    from train.train import build_trainer, prepare
+
+    argv = ["--model", "test", "--set", "num_layers=2", "--mesh", "stage=2,context=2,fsdp=2", "--attention", "ring"]
+    argv += ["--context-shares", "3,1", "--microbatches", "2", "--batch-size", "4", "--seq-len", "32", "--dry-run"]
+    config, _ = prepare(cli.parse(argv), jax.devices(), lambda _: None)
+    asked = []
+
+    def compile_train_step(self, *shape):
+        asked.append(shape)
+        return SimpleNamespace(as_text=str)
+
+    monkeypatch.setattr(Trainer, "compile_train_step", compile_train_step)
+    trainer = build_trainer(config, lambda _: None)
+    assert trainer.par.context_shares == (24, 8) and asked == [(4, 48)]
+
+
+def test_collectives_in_skipped_slots_are_one_short_note_and_every_slot_computed(monkeypatch):
+    """The note listed every collective-permute by name (19 for a ring-attention pipeline, a line of 1,500
+    characters) and was printed twice: as a Python warning with its source line, and in the start-up report."""
+    import train.strategies.pipeline as strategy
+    from sharding.hlo import BranchCollective
+
+    found = [BranchCollective("collective-permute", f"ppermute.{i}", None, False) for i in range(19)]
+    monkeypatch.setattr(strategy, "branch_collectives", lambda text, mesh: found)
+    layout, _ = pl.plan_layout(4, 2)
+    par = Parallelism(parse_mesh("stage=2,fsdp=4", 8), get_rules("fsdp_tp"), pl.PipelinePlan(layout, 2))
+    checked, note = strategy.checked_pipeline(par, "")
+    assert not checked.pipeline.skip_empty
+    assert note.startswith(
+        "pipeline: the partitioner put 19 collective-permute (ppermute.0, ppermute.1, ppermute.10, ...) inside "
+        "skipped layer slots"
+    ), note

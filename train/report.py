@@ -463,7 +463,7 @@ def dry_run(run, trainer, log, watch=None) -> int:
     for line in parameter_table(trainer.state_layout.report, trainer.mesh):
         log(line)
     t0 = time.perf_counter()
-    positions = trainer.par.padded_length or seq_len  # uneven context shares pad each device's block, as the loop
+    positions = trainer.par.positions(seq_len)  # uneven context shares pad each device's block, as the loop
     compiled = trainer.compile_train_step(batch, positions)
     log(f"compiled one train step (batch {batch} x {positions}) in {time.perf_counter() - t0:.1f} s")
     for line in memory_lines(compiled, trainer.state_layout.abstract_state(), trainer.mesh.devices.size):
