@@ -309,6 +309,8 @@ def check_logits(run: RunConfig) -> None:
 
 def _vocab_parallel_remedy(par: Parallelism) -> str:
     """What would make ``--logits vocab_parallel`` apply, without repeating the flags already in use."""
+    if par.mesh_shape.get(ax.STAGE, 1) > 1:  # no mesh with stages has it: an fsdp axis would not help
+        return " (or drop stage from --mesh)"
     remedies = []
     if par.rules.name.split("+")[0] not in ("fsdp", "fsdp_tp"):
         remedies.append("--rules fsdp_tp")
