@@ -129,3 +129,21 @@ def test_a_layout_train_train_would_refuse_is_refused_with_a_remedy_that_prices(
     else:
         fixed = layout.replace("--stage-layers auto", remedy)
     assert _json(capsys, argv + ["--layout", fixed])["fits"]
+
+
+def test_a_kind_without_figures_is_named_with_the_figures_it_lacks(tmp_path, capsys):
+    """The planner said a kind's figures 'are unknown; ... give them in a cluster file' to a cluster file that
+    gave some of them; it names the ones missing and where they go."""
+    cluster = tmp_path / "cluster.json"
+    kind = '{"label": "AMD MI300X", "peak_bf16_flops": 1.3e15, "memory_bytes": 192e9}'
+    cluster.write_text(
+        '{"hosts": [{"kind": "h100", "count": 4}, {"kind": "mi300x", "count": 4}], "kinds": {"mi300x": ' + kind + "}}"
+    )
+    assert plan_main(SEARCH + ["--cluster", str(cluster)]) == 2
+    err = capsys.readouterr().err
+    assert "device kind 'mi300x' lacks memory_bandwidth, intra_host_bandwidth; " in err, err
+    assert '"kinds": {"mi300x": {"memory_bandwidth": ...}}' in err, err
+    cluster.write_text(
+        cluster.read_text().replace("192e9", '192e9, "memory_bandwidth": 5.3e12, "intra_host_bandwidth": 64e9')
+    )
+    assert plan_main(SEARCH + ["--cluster", str(cluster)]) == 0

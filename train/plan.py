@@ -559,7 +559,16 @@ def cluster_of(run: RunConfig, devices):
                 f"{len(devices)}; describe every device, or use --simulate-cluster on CPU"
             )
         return inventory, None
-    return detect_inventory(devices), None
+    inventory = detect_inventory(devices)
+    unknown = [k.name for k in inventory.kinds_present if not k.is_known]
+    if unknown:  # e.g. CPU devices: nothing to price them by
+        n, half = len(devices), len(devices) // 2
+        example = f"h100:{half},a100:{n - half}" if half else f"h100:{n}"
+        raise ValueError(
+            f"--plan auto: the devices' kind {unknown[0]!r} has no datasheet figures; say which cluster they stand "
+            f"for, e.g. --simulate-cluster {example} (CPU devices), or --cluster FILE with the kind's figures"
+        )
+    return inventory, None
 
 
 def apply_plan(run: RunConfig, devices, log: Callable[[str], None]) -> RunConfig:
