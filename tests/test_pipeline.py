@@ -759,7 +759,7 @@ def test_a_checkpoint_resumes_across_stage_layouts_with_the_same_next_loss(tmp_p
         (["--mesh", "stage=2,fsdp=4", "--stage-layers", ""], "--stage-layers '': expected"),
         (
             ["--mesh", "stage=2,fsdp=4", "--microbatches", "2", "--pipeline-repeats", "2"],
-            "--pipeline-repeats 2 needs --pipeline-schedule circular or 1f1b (interleaved)",
+            "--pipeline-repeats 2 needs --pipeline-schedule circular, 1f1b or 1f1b-fused (interleaved)",
         ),
         (
             ["--mesh", "stage=4,fsdp=2", "--microbatches", "2"],

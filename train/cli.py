@@ -287,8 +287,8 @@ def _pipeline_flags(p) -> None:
         type=int,
         default=None,
         metavar="R",
-        help="chunks per stage for --pipeline-schedule circular (default 2; gpipe: 1) or 1f1b (default 1; "
-        "more is interleaved 1F1B, with --microbatches a multiple of the stages)",
+        help="chunks per stage for --pipeline-schedule circular (default 2; gpipe: 1) or 1f1b and 1f1b-fused "
+        "(default 1; more is interleaved 1F1B, with --microbatches a multiple of the stages; zb: 1)",
     )
     g.add_argument(
         "--stage-layers",
@@ -867,8 +867,8 @@ def pipeline_plan(args, stages: int, num_layers: int) -> PipelinePlan:
         raise ValueError(f"--pipeline-repeats {repeats}: must be at least 1 (1f1b; more is interleaved 1F1B)")
     if not circular and not one_f_one_b and repeats != 1:
         raise ValueError(
-            f"--pipeline-repeats {repeats} needs --pipeline-schedule circular or 1f1b (interleaved); gpipe has 1 "
-            "repeat; e.g. --pipeline-schedule 1f1b"
+            f"--pipeline-repeats {repeats} needs --pipeline-schedule circular, 1f1b or 1f1b-fused (interleaved); "
+            "gpipe has 1 repeat; e.g. --pipeline-schedule 1f1b"
         )
     if args.pipeline_schedule == "zb" and repeats != 1:
         raise ValueError(
