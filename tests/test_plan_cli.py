@@ -147,3 +147,18 @@ def test_a_kind_without_figures_is_named_with_the_figures_it_lacks(tmp_path, cap
         cluster.read_text().replace("192e9", '192e9, "memory_bandwidth": 5.3e12, "intra_host_bandwidth": 64e9')
     )
     assert plan_main(SEARCH + ["--cluster", str(cluster)]) == 0
+
+
+def test_a_plot_format_matplotlib_cannot_write_is_refused_before_the_search(tmp_path, capsys, monkeypatch):
+    """--plot plan.txt searched, printed every plan, then ended in matplotlib's own error naming no flag."""
+    pytest.importorskip("matplotlib")
+    from train import plan as plan_module
+
+    monkeypatch.setattr(plan_module, "report", lambda *a: pytest.fail("searched before refusing the plot"))
+    assert plan_main(SEARCH + ["--cluster", "h100:4,a100:4", "--plot", str(tmp_path / "plan.txt")]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert (
+        captured.err
+        == f"error: --plot {tmp_path}/plan.txt: matplotlib does not write .txt files; e.g. --plot {tmp_path}/plan.png\n"
+    )

@@ -480,8 +480,8 @@ def _pyplot(path: str):
 
     Raises:
       RuntimeError: matplotlib is not installed (naming the install command).
-      ValueError: the folder of ``path`` does not exist or cannot be written, or ``path`` is a folder; naming
-        ``--plot``.
+      ValueError: the folder of ``path`` does not exist or cannot be written, ``path`` is a folder, or its
+        suffix names a format matplotlib does not write; naming ``--plot``.
     """
     folder = Path(path).resolve().parent
     if not folder.is_dir():
@@ -500,6 +500,13 @@ def _pyplot(path: str):
         raise RuntimeError(
             "--plot needs matplotlib: pip install 'meshwork[plot]' (or pip install matplotlib)"
         ) from None
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    suffix = Path(path).suffix.lower().lstrip(".")
+    if suffix and suffix not in FigureCanvasBase.get_supported_filetypes():  # no suffix: matplotlib writes a .png
+        raise ValueError(
+            f"--plot {path}: matplotlib does not write .{suffix} files; e.g. --plot {Path(path).with_suffix('.png')}"
+        )
     return plt
 
 
