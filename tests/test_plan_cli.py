@@ -71,7 +71,7 @@ def test_json_fields_are_present_and_typed(capsys):
 @pytest.mark.parametrize(
     "layout, names",
     [
-        ("--mesh data=3", "--mesh"),
+        ("--mesh data=3", "--mesh 'data=3': the sizes multiply to 3 but the cluster has 8 devices"),  # not JAX's
         ("--mesh fsdp=8 --rulez tp", "--rulez"),
         ("--mesh fsdp=8 --steps 3", "--steps"),
         ("--mesh fsdp=8 --hetero-batch auto", "--hetero-batch"),

@@ -313,7 +313,7 @@ def given_layout(text: str, num_layers: int, num_devices: int, defaults: argpars
         )
     try:
         par = cli.parallelism_from_args(args, num_layers)
-        mesh = parse_mesh(args.mesh, num_devices)
+        mesh = parse_mesh(args.mesh, num_devices, seen_by="the cluster has")
         if par.pipeline is not None:  # train.train checks these with the run (`PipelineExecution.check_run_batch`)
             pipe = par.pipeline
             check_microbatches(
