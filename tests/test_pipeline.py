@@ -890,3 +890,16 @@ def test_collectives_in_skipped_slots_are_one_short_note_and_every_slot_computed
         "pipeline: the partitioner put 19 collective-permute (ppermute.0, ppermute.1, ppermute.10, ...) inside "
         "skipped layer slots"
     ), note
+
+
+@pytest.mark.parametrize(
+    ("mesh", "said"),
+    [("stage=2,fsdp=4", "all-gathers its stage's rows"), ("stage=2,tensor=4", "nothing to all-gather")],
+)
+def test_the_weights_line_says_an_all_gather_only_where_a_batch_axis_splits_the_rows(mesh, said):
+    """Gathering once with no batch axis splitting the stored rows (stage=2,tensor=4), the report described an
+    all-gather over the storage's batch axes that does not run."""
+    layout, _ = pl.plan_layout(4, 2)
+    trainer = _trainer(get_config("test"), mesh, pl.PipelinePlan(layout, 2))
+    line = report.weight_gather_line(trainer)
+    assert said in line and ("all-gathers" in line) == (said != "nothing to all-gather"), line

@@ -231,6 +231,15 @@ def weight_gather_line(trainer) -> str:
             f"of its rows as the layer finishes (--pipeline-gather once holds {most} x {human_bytes(per_layer)} "
             f"and their float32 gradient sums through the step instead)"
         )
+    if storage.groups == 1:  # each stage's rows whole on each of its devices: nothing to all-gather
+        return (
+            f"  weights (--pipeline-gather once): each device {over}copies its stage's rows, which it holds whole "
+            f"(no batch axis of this mesh splits them, so there is nothing to all-gather), once per step, before "
+            f"the pipeline loop, in {trainer.config.dtype}, into a [{layout.repeats}, {layout.chunk_slots}, ...] "
+            f"working copy (empty slots only there; at most {most} x {human_bytes(per_layer)} = "
+            f"{human_bytes(most * per_layer)} per device, / tensor where the rules split over it); layer gradients "
+            f"are summed on each device over the microbatches and added into the rows once, after the backward loop"
+        )
     return (
         f"  weights (--pipeline-gather once): each device {over}all-gathers its stage's rows over the storage's "
         f"batch axes once per "
