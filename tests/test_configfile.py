@@ -102,3 +102,23 @@ def test_a_resume_takes_the_model_and_layout_from_the_record_each_group_whole(tm
     assert (moved.mesh, moved.stage_layers, moved.model, moved.seq_len) == ("fsdp=8", None, "test", 64)
     restated = parsed("--model", "small")
     assert restated.set in (None, []) and restated.mesh == "stage=2,fsdp=4"
+
+
+def test_a_resume_of_a_planned_run_takes_the_cluster_it_was_planned_for(tmp_path):
+    """A run started with --plan auto --simulate-cluster h100:4,a100:4 resumed from its record with --plan auto
+    but without the cluster, and the planner refused the CPU devices it then saw."""
+    from train import configfile
+
+    run = tmp_path / "run"
+    run.mkdir()
+    recorded = {"model": "test", "plan": "auto", "simulate_cluster": "h100:4,a100:4", "mesh": "fsdp=-1"}
+    (run / configfile.RECORD).write_text(json.dumps({"command": [], "flags": recorded}))
+    parser = cli.build_parser()
+
+    def parsed(*argv):
+        return parser.parse_args(configfile.expand(["--resume", "--run-dir", str(run), *argv], parser))
+
+    alone = parsed()
+    assert (alone.plan, alone.simulate_cluster) == ("auto", "h100:4,a100:4")
+    moved = parsed("--mesh", "fsdp=8")  # a new layout: the record's plan and cluster are not taken either
+    assert (moved.plan, moved.simulate_cluster, moved.mesh) == (None, None, "fsdp=8")

@@ -47,9 +47,12 @@ LAYOUT_FLAGS = (
     "rebalance_every",
     "context_layout",
     "context_shares",
+    "cluster",
+    "simulate_cluster",
 )
 """The layout as a whole: a command line that names one of them re-lays the run (resume onto another mesh), and
-the record's are not taken (its stage split or counts would not fit the new mesh)."""
+the record's are not taken (its stage split or counts would not fit the new mesh). The cluster flags belong to it:
+``--plan auto`` and ``--hetero-batch kinds`` read the kinds from them."""
 RESUMED = (
     *MODEL_FLAGS, *LAYOUT_FLAGS, "dtype", "remat", "attention", "logits", "tokenizer", "eod_token", "data",
     "heldout", "seq_len", "batch_size", "seed", "optimizer", "beta1", "beta2", "eps", "lr", "schedule", "warmup",
