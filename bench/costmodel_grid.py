@@ -192,7 +192,7 @@ def compiled_figures(case) -> dict:
     par = Parallelism.of(make_mesh(mesh), get_rules(rules), _strategy(case, config, mesh), context_layout=layout)
     par = par.replace(context_shares=shares_of(case))
     trainer = Trainer(config, OptimizerConfig(), par)
-    positions = par.padded_length or seq  # uneven shares: the padded length the loop runs
+    positions = par.positions(seq)  # uneven shares: the padded length the loop runs
     compiled, log = xla_log_while(lambda: trainer.compile_train_step(batch, positions))
     analysis = compiled.cost_analysis()
     analysis = analysis[0] if isinstance(analysis, list) else analysis

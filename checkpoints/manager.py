@@ -29,6 +29,7 @@ it), so a crash mid-save leaves the previous checkpoint as the latest.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -36,6 +37,19 @@ from pathlib import Path
 from typing import Any
 
 import orbax.checkpoint as ocp
+
+
+class _ReadOnlyNotices(logging.Filter):
+    """Drops Orbax's warnings that a read-only manager is read-only ("CheckpointManagerOptions.read_only=True,
+    setting save_interval_steps=0", "Given directory is read only=..."): generate, evaluate and export ask for
+    exactly that, and the lines read as a problem on their stderr."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not ("read_only=True" in message or message.startswith("Given directory is read only"))
+
+
+logging.getLogger("absl").addFilter(_ReadOnlyNotices())
 
 STATE = "state"
 META = "meta"

@@ -60,7 +60,7 @@ from models.layers import MLP, make_params
 from models.spec import moe_params
 from sharding import axes as ax
 from sharding.modeldesc import expert_dispatch
-from sharding.parallel import Parallelism, spec_axes, to_varying, varying_axes
+from sharding.parallel import Parallelism, spec_axes, spec_entry, to_varying, varying_axes
 
 __all__ = [
     "MoE",
@@ -361,17 +361,17 @@ def _routed(x, experts, weights, gate, up, down, config: ModelConfig, par: Paral
     x_spec = par.spec((ax.BATCH, ax.LENGTH, ax.ACT_EMBED), x.shape)
     route_spec = par.spec((ax.BATCH, ax.LENGTH, None), experts.shape)
     in_spec = par.spec((ax.EXPERT, ax.EXPERT_EMBED, ax.MLP), gate.shape)
-    expert_axes = spec_axes(_entry(in_spec, 0))
-    batch_axes = set(spec_axes(_entry(x_spec, 0))) | set(spec_axes(_entry(x_spec, 1)))
-    mlp_axes = spec_axes(_entry(in_spec, 2))
-    if set(spec_axes(_entry(x_spec, 2))) & set(expert_axes + mlp_axes):
+    expert_axes = spec_axes(spec_entry(in_spec, 0))
+    batch_axes = set(spec_axes(spec_entry(x_spec, 0))) | set(spec_axes(spec_entry(x_spec, 1)))
+    mlp_axes = spec_axes(spec_entry(in_spec, 2))
+    if set(spec_axes(spec_entry(x_spec, 2))) & set(expert_axes + mlp_axes):
         raise ValueError("the rules split the activations' embed over an axis that splits the experts or their mlp")
     gather_axes = tuple(a for a in expert_axes if a in batch_axes)
     sum_axes = tuple(a for a in expert_axes if a not in batch_axes) + mlp_axes
     split = math.prod(sizes[a] for a in expert_axes)
     local_experts = config.num_experts // split
-    weights_in = PartitionSpec(_entry(in_spec, 0), None, _entry(in_spec, 2))
-    weights_out = PartitionSpec(_entry(in_spec, 0), _entry(in_spec, 2), None)
+    weights_in = PartitionSpec(spec_entry(in_spec, 0), None, spec_entry(in_spec, 2))
+    weights_out = PartitionSpec(spec_entry(in_spec, 0), spec_entry(in_spec, 2), None)
     all_to_all = gather_axes == expert_axes and (
         expert_dispatch(config.capacity_factor, config.experts_per_token, split) == "all_to_all"
     )
@@ -391,8 +391,3 @@ def _routed(x, experts, weights, gate, up, down, config: ModelConfig, par: Paral
         out_specs=(x_spec, route_spec),
     )
     return run(x, experts, weights, gate, up, down)
-
-
-def _entry(spec: PartitionSpec, dim: int):
-    """The entry of ``spec`` for dimension ``dim`` (None past its end)."""
-    return spec[dim] if dim < len(spec) else None

@@ -83,7 +83,7 @@ def parse_axis_sizes(spec: str, *, flag: str = "--mesh", allow_fill: bool = True
     return sizes
 
 
-def parse_mesh(spec: str, num_devices: int) -> MeshShape:
+def parse_mesh(spec: str, num_devices: int, seen_by: str = "JAX sees") -> MeshShape:
     """Parses a ``--mesh`` flag and resolves it against the device count.
 
     Args:
@@ -91,6 +91,8 @@ def parse_mesh(spec: str, num_devices: int) -> MeshShape:
         tensor``; at most one size may be ``-1``, meaning all devices the
         other axes leave. Empty means ``fsdp=-1``.
       num_devices: the number of devices the mesh must cover.
+      seen_by: who counts them, for the messages: ``"JAX sees"``, or ``"the cluster has"`` where a planner
+        describes devices it does not run on.
 
     Returns:
       Axis -> size for all of `MESH_AXES`, in mesh order; the product is
@@ -111,7 +113,7 @@ def parse_mesh(spec: str, num_devices: int) -> MeshShape:
             raise _flag_error(
                 "--mesh",
                 spec,
-                f"the other axes use {known} devices, which does not divide the {num_devices} devices JAX sees",
+                f"the other axes use {known} devices, which does not divide the {num_devices} devices {seen_by}",
                 _suggest(num_devices),
             )
         sizes[fill[0]] = num_devices // known
@@ -119,7 +121,7 @@ def parse_mesh(spec: str, num_devices: int) -> MeshShape:
         raise _flag_error(
             "--mesh",
             spec,
-            f"the sizes multiply to {known} but JAX sees {num_devices} devices; "
+            f"the sizes multiply to {known} but {seen_by} {num_devices} devices; "
             f"make the product {num_devices} or give one axis -1",
             _suggest(num_devices),
         )

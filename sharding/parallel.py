@@ -248,6 +248,11 @@ class Parallelism:
             return None
         return len(self.context_shares) * max(self.context_shares)
 
+    def positions(self, seq_len: int) -> int:
+        """Positions per sequence that a step of ``seq_len`` tokens runs: ``seq_len``, or with uneven shards
+        `padded_length` (every compiled step, the loop's, the dry run's and the pipeline's check, takes this)."""
+        return self.padded_length or seq_len
+
     @property
     def pipeline(self) -> PipelinePlan | None:
         """The pipeline plan when the strategy is one, else None."""
@@ -333,6 +338,12 @@ def varying_axes(x) -> frozenset[str]:
 def spec_axes(entry) -> tuple[str, ...]:
     """The mesh axes of one `PartitionSpec` entry: ``None`` -> ``()``, ``'fsdp'`` -> ``('fsdp',)``."""
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def spec_entry(spec, dim: int):
+    """The entry of a `PartitionSpec` for dimension ``dim``: ``None`` past its end (`Parallelism.spec` drops
+    trailing unsplit dimensions, so a replicated ``[batch]`` has the empty spec ``P()``)."""
+    return spec[dim] if dim < len(spec) else None
 
 
 def only_axes(spec, axes: Sequence[str]):

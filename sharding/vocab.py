@@ -84,7 +84,7 @@ def vocab_split(
       ``(split, "")`` or ``(None, reason)``.
     """
     if mesh_shape.get(ax.STAGE, 1) > 1:
-        return None, "a pipeline (stage axis) computes the loss outside the stages"
+        return None, "pipeline stages (a stage axis) run the output projection with its weight gathered"
     spec, _ = logical_to_spec((ax.EMBED, ax.VOCAB), rules, (embed_dim, vocab_size), mesh_shape)
     group_axes, vocab_axes = _axes_of(spec, 0), _axes_of(spec, 1)
     if not group_axes:

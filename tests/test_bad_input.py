@@ -149,6 +149,12 @@ CASES = [
         "--mesh fsdp=4,tensor=2",
     ),
     (["--rule", "embed=tensor"], "both map to mesh axis 'tensor'", "output weight"),
+    (  # the remedy suggested an fsdp axis, which a pipeline has no use for
+        ["--mesh", "stage=2,tensor=4", "--microbatches", "2", "--logits", "vocab_parallel"],
+        "--logits vocab_parallel does not apply here: pipeline stages (a stage axis) run the output projection "
+        "with its weight gathered; use --logits auto or gathered (or drop stage from --mesh)",
+        "fsdp",
+    ),
 ]
 
 

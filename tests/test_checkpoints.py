@@ -54,3 +54,18 @@ def test_restore_onto_another_mesh_reads_the_same_values(tmp_path):
     assert restored["w"].sharding.spec == P(None, "tensor")
     np.testing.assert_array_equal(np.asarray(restored["w"]), np.arange(64.0).reshape(16, 4))
     assert int(restored["step"]) == 3
+
+
+def test_a_read_only_manager_does_not_warn_that_it_is_read_only(tmp_path, caplog):
+    """generate, evaluate and export open the run read-only; Orbax's two warnings saying so were printed on
+    their stderr as if something were wrong."""
+    (tmp_path / "checkpoints").mkdir()
+    with caplog.at_level("WARNING"):
+        manager = CheckpointManager(tmp_path / "checkpoints", read_only=True)
+        assert manager.latest_step() is None
+        import logging
+
+        logging.getLogger("absl").warning("an unrelated warning")  # the filter drops those two lines only
+    messages = [r.getMessage() for r in caplog.records]
+    assert not [m for m in messages if "read_only=True" in m or m.startswith("Given directory is read only")], messages
+    assert "an unrelated warning" in messages

@@ -34,6 +34,10 @@ def test_the_command_line_overrides_the_file_and_both_spellings_work(tmp_path):
         ("sequence_length = 64\n", "unknown key 'sequence_length'"),
         ("resume = 1\n", "resume = 1: expected true or false"),
         ("lr = [1, 2]\n", "lr = [1, 2]: expected one value for --lr"),
+        (
+            "stage-layers = [3, 1]\n",
+            'stage-layers = [3, 1]: expected one value for --stage-layers, e.g. stage-layers = "3,1"',
+        ),
         ("lr = \n", "not a TOML file"),
     ],
 )
@@ -43,6 +47,11 @@ def test_a_bad_file_is_refused_in_one_line_naming_the_key(tmp_path, capsys, text
     err = capsys.readouterr().err
     assert code == 2 and err.strip().startswith(f"error: --config {config}: ") and message in err, err
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "r").exists()
+
+
+def test_a_list_for_a_comma_separated_flag_suggests_the_string_that_parses(tmp_path):
+    config = write(tmp_path / "run.toml", 'stage-layers = "3,1"\nmesh = "stage=2,fsdp=4"\nmicrobatches = 2\n')
+    assert cli.parse(["--config", config, "--model", "test"]).parallelism.pipeline.layout.stage_layers == (3, 1)
 
 
 def test_a_value_in_the_file_is_checked_as_the_flag(tmp_path, capsys):
@@ -93,3 +102,23 @@ def test_a_resume_takes_the_model_and_layout_from_the_record_each_group_whole(tm
     assert (moved.mesh, moved.stage_layers, moved.model, moved.seq_len) == ("fsdp=8", None, "test", 64)
     restated = parsed("--model", "small")
     assert restated.set in (None, []) and restated.mesh == "stage=2,fsdp=4"
+
+
+def test_a_resume_of_a_planned_run_takes_the_cluster_it_was_planned_for(tmp_path):
+    """A run started with --plan auto --simulate-cluster h100:4,a100:4 resumed from its record with --plan auto
+    but without the cluster, and the planner refused the CPU devices it then saw."""
+    from train import configfile
+
+    run = tmp_path / "run"
+    run.mkdir()
+    recorded = {"model": "test", "plan": "auto", "simulate_cluster": "h100:4,a100:4", "mesh": "fsdp=-1"}
+    (run / configfile.RECORD).write_text(json.dumps({"command": [], "flags": recorded}))
+    parser = cli.build_parser()
+
+    def parsed(*argv):
+        return parser.parse_args(configfile.expand(["--resume", "--run-dir", str(run), *argv], parser))
+
+    alone = parsed()
+    assert (alone.plan, alone.simulate_cluster) == ("auto", "h100:4,a100:4")
+    moved = parsed("--mesh", "fsdp=8")  # a new layout: the record's plan and cluster are not taken either
+    assert (moved.plan, moved.simulate_cluster, moved.mesh) == (None, None, "fsdp=8")

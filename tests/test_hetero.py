@@ -315,6 +315,26 @@ def test_bad_layouts_and_counts_are_refused_naming_the_flag():
         checks.check_strategy(resolve_mesh(run, 8))
 
 
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--mesh", "data=8"],
+        ["--microbatches", "4"],
+        ["--remat", "full"],
+        ["--pipeline-schedule", "zb"],
+        ["--stage-layers", "3,1"],
+        ["--pipeline-gather", "microbatch"],
+    ],
+)
+def test_plan_auto_refuses_a_flag_it_would_choose_itself(flags):
+    """--plan auto replaced a given --mesh or --microbatches without a word, and refused --pipeline-schedule zb
+    as 'needs a pipeline: add a stage axis to --mesh' though the plan may have one."""
+    argv = ["--plan", "auto", "--simulate-cluster", "h100:4,a100:4", "--model", "test", *flags]
+    with pytest.raises(ValueError, match=f"^--plan auto chooses {flags[0]} itself; drop {flags[0]} {flags[1]},"):
+        cli.parse(argv)
+    cli.parse(argv[:-2])  # the same without it is accepted
+
+
 def test_plan_auto_sets_the_flags(monkeypatch):
     run = cli.parse(
         [

@@ -377,3 +377,20 @@ def test_generate_and_evaluate_from_a_run_folder_equal_the_hf_folder(imported, s
     assert len(held) == 2 and held[0] == held[1]
     texts = [line for line in lines if not line.startswith("held-out loss")]
     assert len(texts) == 2 and texts[0] == texts[1] and texts[0].startswith("def add(")
+
+
+def test_export_takes_the_run_folder_as_run_or_as_run_dir(tmp_path, capsys):
+    """import, generate and evaluate name the run folder --run-dir; export took it only as its first argument
+    and refused --run-dir as an unrecognized argument."""
+    from train import hf as hf_cli
+
+    missing, out = str(tmp_path / "nope"), str(tmp_path / "o")
+    assert hf_cli.main(["export", "--run-dir", missing, "--out", out]) == 2
+    assert hf_cli.main(["export", "--out", out]) == 2
+    assert hf_cli.main(["export", missing, "--run-dir", str(tmp_path / "other"), "--out", out]) == 2
+    errs = capsys.readouterr().err.splitlines()
+    assert len(errs) == 3 and f"--run-dir {missing}: no checkpoints/ folder" in errs[0], errs
+    assert errs[1:] == [
+        f"error: export: {n} run folder{s}; give one, e.g. python -m train.hf export runs/a --out hf/a"
+        for n, s in (("no", ""), ("two", "s"))
+    ]

@@ -439,7 +439,7 @@ def test_a_moe_model_trains_with_expert_parallelism(tmp_path, corpus, cache, mes
         (["--model", "test", "--mesh", "expert=2,fsdp=4"], "expert=2 needs a mixture-of-experts model"),
         (
             ["--model", "moe-test", "--set", "num_experts=6", "--mesh", "expert=4,fsdp=2"],
-            "expert=4 does not divide num_experts=6; e.g. expert=2",
+            "expert=4 does not divide num_experts=6; e.g. --mesh fsdp=4,expert=2",
         ),
         (["--model", "moe-test", "--set", "experts_per_token=9"], "--set experts_per_token=9"),
         (

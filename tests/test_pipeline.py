@@ -529,6 +529,23 @@ def test_the_head_runs_on_a_stages_share_of_the_rows_not_on_every_stage(monkeypa
     assert replicated - split == pytest.approx(head / 2, rel=0.05), (replicated, split, head)
 
 
+@pytest.mark.parametrize(
+    ("mesh", "batch", "where"),
+    [
+        ("stage=2,fsdp=4", 16, "rows split over fsdp+stage, 2 of"),
+        ("stage=2,tensor=4", 3, "computed by every stage (batch 3"),
+    ],
+)
+def test_the_reports_head_line_says_where_the_head_runs_also_for_rows_nothing_splits(mesh, batch, where):
+    """A batch that no batch axis divides (3 rows on stage=2,tensor=4) has the empty spec ``P()``: the report
+    used to index its first entry and end the run's start-up in an IndexError."""
+    from types import SimpleNamespace
+
+    layout, _ = pl.plan_layout(4, 2)
+    par = Parallelism(parse_mesh(mesh, 8), get_rules("fsdp_tp"), pl.PipelinePlan(layout, batch))
+    assert where in report.head_line(SimpleNamespace(par=par), batch)
+
+
 @pytest.mark.parametrize("unpadded", [True, False])
 def test_initial_parameters_do_not_depend_on_the_layout(unpadded):
     config = get_config("test", ["num_layers=6"])
@@ -742,7 +759,7 @@ def test_a_checkpoint_resumes_across_stage_layouts_with_the_same_next_loss(tmp_p
         (["--mesh", "stage=2,fsdp=4", "--stage-layers", ""], "--stage-layers '': expected"),
         (
             ["--mesh", "stage=2,fsdp=4", "--microbatches", "2", "--pipeline-repeats", "2"],
-            "--pipeline-repeats 2 needs --pipeline-schedule circular or 1f1b (interleaved)",
+            "--pipeline-repeats 2 needs --pipeline-schedule circular, 1f1b or 1f1b-fused (interleaved)",
         ),
         (
             ["--mesh", "stage=4,fsdp=2", "--microbatches", "2"],
@@ -769,7 +786,21 @@ def test_a_checkpoint_resumes_across_stage_layouts_with_the_same_next_loss(tmp_p
         ),
         (
             ["--mesh", "stage=4,fsdp=2", "--microbatches", "4", "--pipeline-schedule", "circular"],
-            "--pipeline-repeats 2: 4 stages x 2 repeats = 8 chunks, more than the 4 layers; use --pipeline-repeats 1",
+            "--pipeline-schedule circular: 4 stages x 2 repeats = 8 chunks, more than the 4 layers, and circular "
+            "needs 2 or more per stage; use --pipeline-schedule gpipe",
+        ),
+        (
+            [
+                "--mesh",
+                "stage=2,fsdp=4",
+                "--microbatches",
+                "2",
+                "--pipeline-schedule",
+                "circular",
+                "--pipeline-repeats",
+                "3",
+            ],
+            "--pipeline-repeats 3: 2 stages x 3 repeats = 6 chunks, more than the 4 layers; use --pipeline-repeats 2",
         ),
         (["--mesh", "fsdp=8", "--stage-layers", "4"], "--stage-layers needs a pipeline: add a stage axis"),
     ],
@@ -817,3 +848,58 @@ def test_a_bfloat16_pipeline_compiles(schedule, gather):
     done = subprocess.run([sys.executable, "-m", "train.train", *args], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "temporaries" in done.stdout and "empty slots are not computed (skipped by a conditional)" in done.stdout
+
+
+def test_a_pipeline_with_uneven_context_shares_compiles_its_check_at_the_padded_length(monkeypatch):
+    """The pipeline's compiled check (collectives in skipped slots) compiled the step at --seq-len, not at the
+    padded length the run feeds (each device's block padded to the largest share), and ring attention refused
+    its blocks: 'a device block of 16 tokens cannot hold shares [24, 8]'. (The compile itself is replaced: the
+    length it is asked for is the point.)"""
+    from types import SimpleNamespace
+
+    from train import cli
+    from train.train import build_trainer, prepare
+
+    argv = ["--model", "test", "--set", "num_layers=2", "--mesh", "stage=2,context=2,fsdp=2", "--attention", "ring"]
+    argv += ["--context-shares", "3,1", "--microbatches", "2", "--batch-size", "4", "--seq-len", "32", "--dry-run"]
+    config, _ = prepare(cli.parse(argv), jax.devices(), lambda _: None)
+    asked = []
+
+    def compile_train_step(self, *shape):
+        asked.append(shape)
+        return SimpleNamespace(as_text=str)
+
+    monkeypatch.setattr(Trainer, "compile_train_step", compile_train_step)
+    trainer = build_trainer(config, lambda _: None)
+    assert trainer.par.context_shares == (24, 8) and asked == [(4, 48)]
+
+
+def test_collectives_in_skipped_slots_are_one_short_note_and_every_slot_computed(monkeypatch):
+    """The note listed every collective-permute by name (19 for a ring-attention pipeline, a line of 1,500
+    characters) and was printed twice: as a Python warning with its source line, and in the start-up report."""
+    import train.strategies.pipeline as strategy
+    from sharding.hlo import BranchCollective
+
+    found = [BranchCollective("collective-permute", f"ppermute.{i}", None, False) for i in range(19)]
+    monkeypatch.setattr(strategy, "branch_collectives", lambda text, mesh: found)
+    layout, _ = pl.plan_layout(4, 2)
+    par = Parallelism(parse_mesh("stage=2,fsdp=4", 8), get_rules("fsdp_tp"), pl.PipelinePlan(layout, 2))
+    checked, note = strategy.checked_pipeline(par, "")
+    assert not checked.pipeline.skip_empty
+    assert note.startswith(
+        "pipeline: the partitioner put 19 collective-permute (ppermute.0, ppermute.1, ppermute.10, ...) inside "
+        "skipped layer slots"
+    ), note
+
+
+@pytest.mark.parametrize(
+    ("mesh", "said"),
+    [("stage=2,fsdp=4", "all-gathers its stage's rows"), ("stage=2,tensor=4", "nothing to all-gather")],
+)
+def test_the_weights_line_says_an_all_gather_only_where_a_batch_axis_splits_the_rows(mesh, said):
+    """Gathering once with no batch axis splitting the stored rows (stage=2,tensor=4), the report described an
+    all-gather over the storage's batch axes that does not run."""
+    layout, _ = pl.plan_layout(4, 2)
+    trainer = _trainer(get_config("test"), mesh, pl.PipelinePlan(layout, 2))
+    line = report.weight_gather_line(trainer)
+    assert said in line and ("all-gathers" in line) == (said != "nothing to all-gather"), line

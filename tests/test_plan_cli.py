@@ -71,7 +71,7 @@ def test_json_fields_are_present_and_typed(capsys):
 @pytest.mark.parametrize(
     "layout, names",
     [
-        ("--mesh data=3", "--mesh"),
+        ("--mesh data=3", "--mesh 'data=3': the sizes multiply to 3 but the cluster has 8 devices"),  # not JAX's
         ("--mesh fsdp=8 --rulez tp", "--rulez"),
         ("--mesh fsdp=8 --steps 3", "--steps"),
         ("--mesh fsdp=8 --hetero-batch auto", "--hetero-batch"),
@@ -103,3 +103,62 @@ def test_a_homogeneous_cluster_is_searched_once(capsys, monkeypatch):
     assert plan_main(SEARCH + ["--cluster", "a100:4x2"]) == 0
     out = capsys.readouterr().out
     assert "chosen plan:" in out and "same work on every device" not in out and "1.00x" not in out
+
+
+@pytest.mark.parametrize(
+    "model, layout, remedy",
+    [
+        # moe-test's first layer is dense: train.train refuses such pipeline stages (train.checks.check_experts)
+        (
+            ["--model", "moe-test"],
+            "--mesh stage=2,fsdp=4 --microbatches 2",
+            "--set first_dense_layers=0 --set moe_every=1",
+        ),
+        (["--model", "test"], "--mesh stage=2,fsdp=4 --microbatches 2 --stage-layers auto", "--stage-layers 2,2"),
+    ],
+)
+def test_a_layout_train_train_would_refuse_is_refused_with_a_remedy_that_prices(capsys, model, layout, remedy):
+    """A MoE pipeline with a dense layer was priced and printed as flags that train.train then refused; the
+    remedy of --stage-layers auto was the 7B's 10,10,6,6, which the 4-layer model refuses."""
+    argv = SEARCH + model + ["--cluster", "h100:4,a100:4"]
+    assert plan_main(argv + ["--layout", layout]) == 2
+    err = capsys.readouterr().err
+    assert f"e.g. {remedy}," in err or err.rstrip().endswith(f"e.g. {remedy}"), err
+    if remedy.startswith("--set"):
+        argv, fixed = argv + remedy.split(), layout
+    else:
+        fixed = layout.replace("--stage-layers auto", remedy)
+    assert _json(capsys, argv + ["--layout", fixed])["fits"]
+
+
+def test_a_kind_without_figures_is_named_with_the_figures_it_lacks(tmp_path, capsys):
+    """The planner said a kind's figures 'are unknown; ... give them in a cluster file' to a cluster file that
+    gave some of them; it names the ones missing and where they go."""
+    cluster = tmp_path / "cluster.json"
+    kind = '{"label": "AMD MI300X", "peak_bf16_flops": 1.3e15, "memory_bytes": 192e9}'
+    cluster.write_text(
+        '{"hosts": [{"kind": "h100", "count": 4}, {"kind": "mi300x", "count": 4}], "kinds": {"mi300x": ' + kind + "}}"
+    )
+    assert plan_main(SEARCH + ["--cluster", str(cluster)]) == 2
+    err = capsys.readouterr().err
+    assert "device kind 'mi300x' lacks memory_bandwidth, intra_host_bandwidth; " in err, err
+    assert '"kinds": {"mi300x": {"memory_bandwidth": ...}}' in err, err
+    cluster.write_text(
+        cluster.read_text().replace("192e9", '192e9, "memory_bandwidth": 5.3e12, "intra_host_bandwidth": 64e9')
+    )
+    assert plan_main(SEARCH + ["--cluster", str(cluster)]) == 0
+
+
+def test_a_plot_format_matplotlib_cannot_write_is_refused_before_the_search(tmp_path, capsys, monkeypatch):
+    """--plot plan.txt searched, printed every plan, then ended in matplotlib's own error naming no flag."""
+    pytest.importorskip("matplotlib")
+    from train import plan as plan_module
+
+    monkeypatch.setattr(plan_module, "report", lambda *a: pytest.fail("searched before refusing the plot"))
+    assert plan_main(SEARCH + ["--cluster", "h100:4,a100:4", "--plot", str(tmp_path / "plan.txt")]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert (
+        captured.err
+        == f"error: --plot {tmp_path}/plan.txt: matplotlib does not write .txt files; e.g. --plot {tmp_path}/plan.png\n"
+    )

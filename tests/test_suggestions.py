@@ -60,6 +60,8 @@ CASES = [
     ["--mesh", "sequence=8", "--attention", "ulysses"],  # 4 query heads: sequence=4, data=2
     ["--mesh", "context=2,sequence=4", "--attention", "usp", "--set", "num_heads=6", "--set", "num_kv_heads=2"],
     ["--mesh", "stage=-1"],
+    ["--mesh", "stage=8", "--microbatches", "4"],  # 4 layers: the whole mesh suggested, stage=4,fsdp=2
+    ["--mesh", "stage=8", "--set", "num_layers=6", "--microbatches", "4"],  # 6 layers: stage=4, not 6
     ["--mesh", "data=4,context=2", "--context-shares", "2,1"],  # the length already split: the mesh is kept
     ["--context-shares", "2,1"],
     ["--pipeline-schedule", "circular", "--mesh", "stage=2,fsdp=4"],
@@ -74,6 +76,9 @@ CASES = [
     ["--mesh", "stage=2,fsdp=4", "--microbatches", "2", "--hetero-batch", "auto"],
     ["--model", "7b", "--set", "num_layers=256", "--mesh", "fsdp=8", "--dry-run"],  # over any host's memory
     ["--model", "moe-test", "--mesh", "stage=2,fsdp=4", "--microbatches", "2"],  # a dense first layer
+    ["--plan", "auto"],  # CPU devices have no figures to plan with: --simulate-cluster
+    ["--model", "moe-test", "--set", "num_experts=6", "--mesh", "expert=4,fsdp=2"],  # the whole mesh: 8 devices
+    ["--pipeline-schedule", "circular", "--mesh", "stage=4,fsdp=2", "--microbatches", "4"],  # 1 layer a stage
     ["--model", "moe-test", "--set", "first_dense_layers=0", "--set", "capacity_factor=1.25"]
     + ["--mesh", "stage=2,fsdp=4", "--microbatches", "2"],
 ]

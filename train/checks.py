@@ -13,6 +13,7 @@ from pathlib import Path
 
 from models.config import ModelConfig
 from sharding import axes as ax
+from sharding.mesh import format_mesh
 from sharding.parallel import Parallelism
 from train.config import RunConfig
 
@@ -149,8 +150,6 @@ def check_data(run: RunConfig, tokenizer, read: bool = True) -> None:
 
 
 def _mesh_flag(par: Parallelism) -> str:
-    from sharding.mesh import format_mesh
-
     return format_mesh(par.mesh_shape)
 
 
@@ -276,9 +275,11 @@ def check_experts(config: ModelConfig, par: Parallelism) -> None:
         )
     if config.num_experts % experts:
         good = max(d for d in range(1, experts + 1) if config.num_experts % d == 0 and experts % d == 0)
+        # the devices left over go to fsdp: the same devices, and the same product for the batch and embed rules
+        fixed = {**par.mesh_shape, ax.EXPERT: good, ax.FSDP: par.mesh_shape.get(ax.FSDP, 1) * (experts // good)}
         raise ValueError(
             f"--mesh {_mesh_flag(par)}: expert={experts} does not divide num_experts={config.num_experts}; "
-            f"e.g. expert={good}"
+            f"e.g. --mesh {format_mesh(fixed)}"
         )
 
 
@@ -308,6 +309,8 @@ def check_logits(run: RunConfig) -> None:
 
 def _vocab_parallel_remedy(par: Parallelism) -> str:
     """What would make ``--logits vocab_parallel`` apply, without repeating the flags already in use."""
+    if par.mesh_shape.get(ax.STAGE, 1) > 1:  # no mesh with stages has it: an fsdp axis would not help
+        return " (or drop stage from --mesh)"
     remedies = []
     if par.rules.name.split("+")[0] not in ("fsdp", "fsdp_tp"):
         remedies.append("--rules fsdp_tp")

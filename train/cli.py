@@ -18,7 +18,7 @@ from checkpoints.argparser import Parser
 from models import attention_registry
 from models.config import DTYPES, LOGITS_IMPLS, PRESETS, REMAT_POLICIES, get_config
 from sharding import axes as ax
-from sharding.mesh import parse_axis_sizes
+from sharding.mesh import format_mesh, parse_axis_sizes
 from sharding.parallel import CONTEXT_LAYOUTS, Accumulation, Parallelism, UnevenBatch
 from sharding.pipeline import (
     GATHERS,
@@ -290,8 +290,8 @@ def _pipeline_flags(p) -> None:
         type=int,
         default=None,
         metavar="R",
-        help="chunks per stage for --pipeline-schedule circular (default 2; gpipe: 1) or 1f1b (default 1; "
-        "more is interleaved 1F1B, with --microbatches a multiple of the stages)",
+        help="chunks per stage for --pipeline-schedule circular (default 2; gpipe: 1) or 1f1b and 1f1b-fused "
+        "(default 1; more is interleaved 1F1B, with --microbatches a multiple of the stages; zb: 1)",
     )
     g.add_argument(
         "--stage-layers",
@@ -350,8 +350,9 @@ def _hetero_flags(p) -> None:
         "--plan",
         default=None,
         choices=("auto",),
-        help="choose --mesh, --rules, --microbatches, --remat, --hetero-batch and the stage split "
-        "with the planner (python -m train.plan) for --cluster/--simulate-cluster",
+        help="choose --mesh, --rules, --microbatches, --remat, --hetero-batch and the pipeline's flags "
+        "(--stage-layers, --pipeline-schedule, --pipeline-repeats, --pipeline-gather) with the planner "
+        "(python -m train.plan) for --cluster/--simulate-cluster; giving one of them too is refused",
     )
 
 
@@ -775,11 +776,53 @@ def parse_context_shares(value: str | None, seq_len: int) -> tuple[int, ...] | s
     return tokens_for_speeds(seq_len, weights)
 
 
+# the flags whose values --plan auto chooses (train.plan.apply_plan replaces them): given with it, they would be
+# dropped without a word
+PLANNED_FLAGS = (
+    "mesh",
+    "rules",
+    "microbatches",
+    "remat",
+    "stage_layers",
+    "pipeline_schedule",
+    "pipeline_repeats",
+    "pipeline_gather",
+)
+
+
+def _check_planned(args) -> None:
+    """``--plan auto`` with a flag it chooses itself (``--mesh data=8``) is refused, naming the flag.
+
+    Raises:
+      ValueError: Naming the first such flag and its value, and both ways out.
+    """
+    if not args.plan:
+        return
+    parser = build_parser()
+    for dest in PLANNED_FLAGS:
+        value = getattr(args, dest)
+        if value != parser.get_default(dest):
+            flag = "--" + dest.replace("_", "-")
+            raise ValueError(
+                f"--plan auto chooses {flag} itself; drop {flag} {value}, or drop --plan auto to run with it"
+            )
+
+
 def _strategy(args, sizes: dict[str, int], num_layers: int):
+    _check_planned(args)
     stages = sizes[ax.STAGE]
     if stages == -1:
         more = "" if args.microbatches >= 2 else " --microbatches 2"  # a pipeline needs a microbatch per stage
         raise ValueError(f"--mesh stage=-1: give the pipeline's stage count, e.g. --mesh stage=2,fsdp=-1{more}")
+    if num_layers < stages:
+        # the whole mesh: fewer stages alone would leave devices out, which the device count check refuses
+        good = max(d for d in range(1, num_layers + 1) if stages % d == 0)
+        fsdp = sizes.get(ax.FSDP, 1)
+        fixed = {**sizes, ax.STAGE: good, ax.FSDP: fsdp if fsdp == -1 else fsdp * (stages // good)}
+        raise ValueError(
+            f"--mesh {format_mesh(sizes)}: the model has {num_layers} layers, fewer than the {stages} stages; use "
+            f"--mesh {format_mesh(fixed)} (or more layers, --set num_layers={stages})"
+        )
     uneven = _rebalance(parse_hetero_batch(args.hetero_batch, args.microbatches), args.rebalance_every)
     if args.hetero_max_share is not None:
         if uneven is None or args.hetero_max_share < 1:
@@ -827,8 +870,8 @@ def pipeline_plan(args, stages: int, num_layers: int) -> PipelinePlan:
         raise ValueError(f"--pipeline-repeats {repeats}: must be at least 1 (1f1b; more is interleaved 1F1B)")
     if not circular and not one_f_one_b and repeats != 1:
         raise ValueError(
-            f"--pipeline-repeats {repeats} needs --pipeline-schedule circular or 1f1b (interleaved); gpipe has 1 "
-            "repeat; e.g. --pipeline-schedule 1f1b"
+            f"--pipeline-repeats {repeats} needs --pipeline-schedule circular, 1f1b or 1f1b-fused (interleaved); "
+            "gpipe has 1 repeat; e.g. --pipeline-schedule 1f1b"
         )
     if args.pipeline_schedule == "zb" and repeats != 1:
         raise ValueError(
@@ -839,6 +882,12 @@ def pipeline_plan(args, stages: int, num_layers: int) -> PipelinePlan:
         raise ValueError(
             "--pipeline-schedule circular needs --pipeline-repeats of 2 or more, e.g. --pipeline-repeats 2 "
             "(1 repeat is --pipeline-schedule gpipe)"
+        )
+    if circular and stages <= num_layers < 2 * stages:
+        # plan_layout would suggest the repeats that fit, 1, which circular refuses just above
+        raise ValueError(
+            f"--pipeline-schedule circular: {stages} stages x {repeats} repeats = {stages * repeats} chunks, more "
+            f"than the {num_layers} layers, and circular needs 2 or more per stage; use --pipeline-schedule gpipe"
         )
     measure = args.stage_layers is not None and args.stage_layers.strip() == "auto"
     if measure and args.pipeline_schedule != "gpipe":

@@ -47,9 +47,12 @@ LAYOUT_FLAGS = (
     "rebalance_every",
     "context_layout",
     "context_shares",
+    "cluster",
+    "simulate_cluster",
 )
 """The layout as a whole: a command line that names one of them re-lays the run (resume onto another mesh), and
-the record's are not taken (its stage split or counts would not fit the new mesh)."""
+the record's are not taken (its stage split or counts would not fit the new mesh). The cluster flags belong to it:
+``--plan auto`` and ``--hetero-batch kinds`` read the kinds from them."""
 RESUMED = (
     *MODEL_FLAGS, *LAYOUT_FLAGS, "dtype", "remat", "attention", "logits", "tokenizer", "eod_token", "data",
     "heldout", "seq_len", "batch_size", "seed", "optimizer", "beta1", "beta2", "eps", "lr", "schedule", "warmup",
@@ -89,7 +92,10 @@ def to_argv(values: dict, parser: argparse.ArgumentParser, source: str) -> list[
                 argv += [flag, str(item)]
         elif value is not None:
             if isinstance(value, (list, dict, bool)):
-                raise ValueError(f"--config {source}: {key} = {value!r}: expected one value for {flag}")
+                listed = isinstance(value, list) and "," in (action.metavar or "")  # e.g. --stage-layers N,N,...
+                joined = ",".join(map(str, value)) if listed else ""
+                hint = f', e.g. {key} = "{joined}"' if listed else ""
+                raise ValueError(f"--config {source}: {key} = {value!r}: expected one value for {flag}{hint}")
             argv += [flag, str(value)]
     return argv
 

@@ -47,7 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="a run folder's checkpoint -> a Hugging Face folder",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    exp.add_argument("run_dir", metavar="RUN", help="the run folder")
+    exp.add_argument("run", nargs="?", default=None, metavar="RUN", help="the run folder")
+    exp.add_argument(
+        "--run-dir", default=None, metavar="RUN", help="the run folder, as import, generate and evaluate name it"
+    )
     exp.add_argument("--step", type=int, default=None, metavar="N", help="default: the newest complete step")
     exp.add_argument("--out", required=True, metavar="DIR", help="the folder to write (new or empty)")
     exp.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="tensor dtype")
@@ -152,6 +155,15 @@ def export_run(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the process exit code (2: bad input, one line)."""
     args = build_parser().parse_args(argv)
+    if args.command == "export":  # the run folder as RUN or --run-dir (import's, generate's and evaluate's flag)
+        folders = {args.run, args.run_dir} - {None}
+        if len(folders) != 1:
+            given = "two run folders" if folders else "no run folder"
+            print(
+                f"error: export: {given}; give one, e.g. python -m train.hf export runs/a --out hf/a", file=sys.stderr
+            )
+            return 2
+        args.run_dir = folders.pop()
     return run_main(import_folder if args.command == "import" else export_run, args)
 
 

@@ -88,15 +88,18 @@ def setup(args) -> Any:
     setup_devices(args.cpu_devices)
     import jax
 
-    from sharding.mesh import make_mesh, parse_axis_sizes, parse_mesh
+    from sharding.mesh import format_mesh, make_mesh, parse_axis_sizes, parse_mesh
     from sharding.parallel import Parallelism
     from sharding.rules import get_rules
     from train.checks import check_simulated_devices
 
     check_simulated_devices(parse_axis_sizes(args.mesh), jax.devices(), args.cpu_devices)
     shape = parse_mesh(args.mesh, jax.device_count())
-    if shape.get("stage", 1) > 1:
-        raise ValueError(f"--mesh {args.mesh}: generation and evaluation run without pipeline stages; drop stage=")
+    if shape.get("stage", 1) > 1:  # the stage's devices go to fsdp: the same devices
+        flat = {**shape, "stage": 1, "fsdp": shape.get("fsdp", 1) * shape["stage"]}
+        raise ValueError(
+            f"--mesh {args.mesh}: generation and evaluation run without pipeline stages; e.g. --mesh {format_mesh(flat)}"
+        )
     return Parallelism.of(make_mesh(shape), get_rules(args.rules, args.rule))
 
 

@@ -43,7 +43,7 @@ from sharding import planner
 from sharding.devices import inventory_from_flag
 from sharding.mesh import format_mesh
 from sharding.modeldesc import ModelDescription
-from sharding.pipeline import check_microbatches
+from sharding.pipeline import check_microbatches, example_split
 from train.config import RunConfig
 from train.flags import parallelism_flags
 
@@ -259,7 +259,7 @@ class _OneLineParser(argparse.ArgumentParser):
         raise ValueError(f"--layout: {message}")
 
 
-def given_layout(text: str, num_layers: int, num_devices: int, defaults: argparse.Namespace):
+def given_layout(text: str, num_layers: int, num_devices: int, defaults: argparse.Namespace, experts=None):
     """``(layout, counts)``: the `sharding.costmodel.Layout` that ``--layout "FLAGS"`` describes.
 
     The flags are ``python -m train.train``'s (`LAYOUT_FLAGS`), read by its own parser and turned into
@@ -274,6 +274,8 @@ def given_layout(text: str, num_layers: int, num_devices: int, defaults: argpars
       defaults: ``python -m train.plan``'s namespace: ``--batch`` (the pipeline's microbatches must split it),
         ``--dtype`` and ``--attention`` where the layout gives none
         (``any`` attention: ``flash``); remat defaults to ``none``.
+      experts: The model's `sharding.modeldesc.ExpertGeometry` (None: a dense model): a pipeline must be able
+        to run its mixture (`ExpertGeometry.pipelined`), as ``train.train`` checks (`train.checks.check_experts`).
 
     Returns:
       The layout, and the per-device microbatch counts of ``--hetero-batch COUNTS`` (data x fsdp, data major)
@@ -283,7 +285,8 @@ def given_layout(text: str, num_layers: int, num_devices: int, defaults: argpars
       ValueError: One line naming ``--layout``: an unknown or malformed flag, a flag that is not a layout's,
         a mesh that does not cover the devices, ``--hetero-batch auto``/``kinds``, ``--stage-layers auto`` or
         ``--context-shares auto`` (give the counts or shares), pipeline microbatches that --batch or the
-        stages refuse (`sharding.pipeline.check_microbatches`), or a value the cost model does not price.
+        stages refuse (`sharding.pipeline.check_microbatches`), pipeline stages on a mixture of experts with
+        dense layers or a capacity, or a value the cost model does not price.
     """
     from models.attention import check_context_shares
     from sharding.mesh import parse_mesh
@@ -310,7 +313,7 @@ def given_layout(text: str, num_layers: int, num_devices: int, defaults: argpars
         )
     try:
         par = cli.parallelism_from_args(args, num_layers)
-        mesh = parse_mesh(args.mesh, num_devices)
+        mesh = parse_mesh(args.mesh, num_devices, seen_by="the cluster has")
         if par.pipeline is not None:  # train.train checks these with the run (`PipelineExecution.check_run_batch`)
             pipe = par.pipeline
             check_microbatches(
@@ -323,6 +326,14 @@ def given_layout(text: str, num_layers: int, num_devices: int, defaults: argpars
             )
     except ValueError as e:
         raise ValueError(f"--layout: {e}") from None
+    if par.pipeline is not None and experts is not None and not experts.pipelined(num_layers):
+        sets = [] if experts.layers == num_layers else ["--set first_dense_layers=0 --set moe_every=1"]
+        sets += ["--set capacity_factor=0"] if experts.capacity_factor else []
+        raise ValueError(
+            f"--layout: --mesh {args.mesh}: pipeline stages run a mixture of experts whose every layer is one, "
+            f"dropless ({experts.layers} of the {num_layers} layers here, capacity_factor="
+            f"{experts.capacity_factor:g}); e.g. {' '.join(sets)}, or drop stage from --mesh"
+        )
     if par.context_shares == "auto":
         raise ValueError(
             "--layout: --context-shares auto is measured at run time; give one relative share per ring device, "
@@ -342,7 +353,7 @@ def given_layout(text: str, num_layers: int, num_devices: int, defaults: argpars
     elif par.pipeline is not None and par.pipeline.measure_stages:
         raise ValueError(
             "--layout: --stage-layers auto is measured at run time; give the layers per stage, "
-            "e.g. --stage-layers 10,10,6,6"
+            f"e.g. --stage-layers {example_split(num_layers, par.pipeline.layout.stages)}"
         )
     attention = args.attention or ("flash" if defaults.attention == "any" else defaults.attention)
     try:
@@ -369,7 +380,7 @@ def price_report(model, inventory, args, options) -> tuple[list[str], planner.Pl
     Raises:
       ValueError: As `given_layout`, or when the batch does not split over the layout (naming ``--batch``).
     """
-    layout, counts = given_layout(args.layout, model.num_layers, inventory.num_devices, args)
+    layout, counts = given_layout(args.layout, model.num_layers, inventory.num_devices, args, model.experts)
     t0 = time.perf_counter()
     plan_ = planner.evaluate(model, inventory, args.batch, args.seq_len, layout, counts, options)
     seconds = time.perf_counter() - t0
@@ -469,8 +480,8 @@ def _pyplot(path: str):
 
     Raises:
       RuntimeError: matplotlib is not installed (naming the install command).
-      ValueError: the folder of ``path`` does not exist or cannot be written, or ``path`` is a folder; naming
-        ``--plot``.
+      ValueError: the folder of ``path`` does not exist or cannot be written, ``path`` is a folder, or its
+        suffix names a format matplotlib does not write; naming ``--plot``.
     """
     folder = Path(path).resolve().parent
     if not folder.is_dir():
@@ -489,6 +500,13 @@ def _pyplot(path: str):
         raise RuntimeError(
             "--plot needs matplotlib: pip install 'meshwork[plot]' (or pip install matplotlib)"
         ) from None
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    suffix = Path(path).suffix.lower().lstrip(".")
+    if suffix and suffix not in FigureCanvasBase.get_supported_filetypes():  # no suffix: matplotlib writes a .png
+        raise ValueError(
+            f"--plot {path}: matplotlib does not write .{suffix} files; e.g. --plot {Path(path).with_suffix('.png')}"
+        )
     return plt
 
 
@@ -548,7 +566,16 @@ def cluster_of(run: RunConfig, devices):
                 f"{len(devices)}; describe every device, or use --simulate-cluster on CPU"
             )
         return inventory, None
-    return detect_inventory(devices), None
+    inventory = detect_inventory(devices)
+    unknown = [k.name for k in inventory.kinds_present if not k.is_known]
+    if unknown:  # e.g. CPU devices: nothing to price them by
+        n, half = len(devices), len(devices) // 2
+        example = f"h100:{half},a100:{n - half}" if half else f"h100:{n}"
+        raise ValueError(
+            f"--plan auto: the devices' kind {unknown[0]!r} has no datasheet figures; say which cluster they stand "
+            f"for, e.g. --simulate-cluster {example} (CPU devices), or --cluster FILE with the kind's figures"
+        )
+    return inventory, None
 
 
 def apply_plan(run: RunConfig, devices, log: Callable[[str], None]) -> RunConfig:

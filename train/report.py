@@ -231,6 +231,15 @@ def weight_gather_line(trainer) -> str:
             f"of its rows as the layer finishes (--pipeline-gather once holds {most} x {human_bytes(per_layer)} "
             f"and their float32 gradient sums through the step instead)"
         )
+    if storage.groups == 1:  # each stage's rows whole on each of its devices: nothing to all-gather
+        return (
+            f"  weights (--pipeline-gather once): each device {over}copies its stage's rows, which it holds whole "
+            f"(no batch axis of this mesh splits them, so there is nothing to all-gather), once per step, before "
+            f"the pipeline loop, in {trainer.config.dtype}, into a [{layout.repeats}, {layout.chunk_slots}, ...] "
+            f"working copy (empty slots only there; at most {most} x {human_bytes(per_layer)} = "
+            f"{human_bytes(most * per_layer)} per device, / tensor where the rules split over it); layer gradients "
+            f"are summed on each device over the microbatches and added into the rows once, after the backward loop"
+        )
     return (
         f"  weights (--pipeline-gather once): each device {over}all-gathers its stage's rows over the storage's "
         f"batch axes once per "
@@ -345,7 +354,7 @@ def pipeline_lines(trainer, note: str | None = None) -> list[str]:
 def head_line(trainer, batch: int) -> str:
     """Where the pipeline's head (final norm, output projection, loss) runs: on each stage's share of the
     rows (`sharding.pipeline.head_parallelism`), or on every stage when the rows do not divide."""
-    from sharding.parallel import spec_axes
+    from sharding.parallel import spec_axes, spec_entry
     from sharding.pipeline import head_parallelism
 
     par = trainer.par
@@ -354,7 +363,7 @@ def head_line(trainer, batch: int) -> str:
             "  final norm, output projection and loss: on the last stage inside the pipeline, one microbatch at "
             "a time (1f1b: the whole batch's logits are never built)"
         )
-    axes = spec_axes(head_parallelism(par).spec((ax.BATCH,), (batch,))[0])
+    axes = spec_axes(spec_entry(head_parallelism(par).spec((ax.BATCH,), (batch,)), 0))
     stages = par.mesh_shape[ax.STAGE]
     if ax.STAGE in axes:
         rows = batch // math.prod(par.mesh_shape[a] for a in axes)
@@ -471,7 +480,7 @@ def dry_run(run, trainer, log, watch=None) -> int:
     for line in parameter_table(trainer.state_layout.report, trainer.mesh):
         log(line)
     t0 = time.perf_counter()
-    positions = trainer.par.padded_length or seq_len  # uneven context shares pad each device's block, as the loop
+    positions = trainer.par.positions(seq_len)  # uneven context shares pad each device's block, as the loop
     compiled = trainer.compile_train_step(batch, positions)
     log(f"compiled one train step (batch {batch} x {positions}) in {time.perf_counter() - t0:.1f} s")
     for line in memory_lines(compiled, trainer.state_layout.abstract_state(), trainer.mesh.devices.size):

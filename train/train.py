@@ -10,7 +10,6 @@ import dataclasses
 import os
 import sys
 import time
-import warnings
 from pathlib import Path
 
 from checkpoints.manager import CheckpointFailure
@@ -193,11 +192,10 @@ def build_trainer(config: RunConfig, log):
     if (checked_for := trainer.strategy.compiled_check()) is not None:
         log(f"compiling the train step ({checked_for}) ...")
         t0 = time.perf_counter()
-        compiled = trainer.compile_train_step(config.data.batch_size, config.data.seq_len)
+        compiled = trainer.compile_train_step(config.data.batch_size, trainer.par.positions(config.data.seq_len))
         log(f"compiled the train step in {time.perf_counter() - t0:.1f} s (later compilations of it are cached)")
         checked, note = trainer.strategy.check_compiled(compiled.as_text())
         if note:
-            warnings.warn(note, RuntimeWarning, stacklevel=2)
             notes.append(note)
             trainer = Trainer(config.model, config.optimizer, checked)
     for line in report.startup(config, trainer, speeds, notes):

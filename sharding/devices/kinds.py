@@ -108,7 +108,12 @@ class DeviceKind:
     @property
     def is_known(self) -> bool:
         """True when every figure is known (not ``None``)."""
-        return all(getattr(self, f) is not None for f in _FIGURES)
+        return not self.missing_figures
+
+    @property
+    def missing_figures(self) -> tuple[str, ...]:
+        """The names of the figures that are unknown (``None``), in the field order."""
+        return tuple(f for f in _FIGURES if getattr(self, f) is None)
 
 
 def _kind(name, label, tflops, memory_gb, memory_tb_s, intra_gb_s_bidirectional, source):

@@ -240,9 +240,11 @@ def _cluster(inventory) -> _Cluster:
         )
     for kind in inventory.kinds_present:
         if not kind.is_known:
+            missing = kind.missing_figures
             raise ValueError(
-                f"--cluster: the figures of device kind {kind.name!r} are unknown; name a known kind "
-                f"(e.g. h100:8) or give them in a cluster file"
+                f"--cluster: device kind {kind.name!r} lacks {', '.join(missing)}; name a known kind (e.g. h100:8) "
+                f'or give them in a cluster file, e.g. "kinds": {{"{kind.name}": {{"{missing[0]}": ...}}}} '
+                f"(FLOP/s, bytes, bytes/s)"
             )
     kinds = inventory.kinds_present
     per_host = counts.pop()

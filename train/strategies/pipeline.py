@@ -126,9 +126,12 @@ def checked_pipeline(par: Parallelism, compiled_text: str) -> tuple[Parallelism,
     unsafe = [c for c in branch_collectives(compiled_text, par.mesh) if not c.safe]
     if not unsafe:
         return par, None
-    ops = ", ".join(sorted({f"{c.op} ({c.name})" for c in unsafe}))
+    found = sorted({(c.op, c.name) for c in unsafe})
+    kinds = sorted({op for op, _ in found})
+    counts = ", ".join(f"{sum(op == kind for op, _ in found)} {kind}" for kind in kinds)
+    names = ", ".join(name for _, name in found[:3]) + (", ..." if len(found) > 3 else "")
     note = (
-        f"pipeline: the partitioner put {ops} inside a skipped layer slot, where stages that skip it would "
-        f"leave others waiting; this run computes every slot instead (empty slots cost compute too)"
+        f"pipeline: the partitioner put {counts} ({names}) inside skipped layer slots, where stages that skip "
+        f"them would leave others waiting; this run computes every slot instead (empty slots cost compute too)"
     )
     return par.replace(strategy=dataclasses.replace(plan, skip_empty=False)), note
