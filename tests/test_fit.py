@@ -51,7 +51,11 @@ def test_the_compiled_peak_is_arguments_plus_outputs_minus_aliased_plus_temporar
     with pytest.raises(ValueError) as e:
         fit.check_compiled(with_budget([*BASE, "--mesh", "data=8", "--rules", "dp"], 1499), compiled)
     message = str(e.value)
-    assert "its peak is 0.00 GiB per device" in message and "a test budget" in message
+    assert (
+        "its peak is 1.46 KiB per device" in message
+        and "1.46 KiB of a test budget" in message
+        and "a test budget" in message
+    )
     assert "--remat full" in message and "more fsdp (e.g. --mesh fsdp=8)" in message
     assert "--microbatches 2" not in message  # 8 rows over data=8: one row per device cannot halve
 
@@ -104,7 +108,7 @@ def test_a_step_that_cannot_fit_is_refused_before_the_first_step(tmp_path, corpu
     )
     err = capsys.readouterr().err
     assert code == 2, err
-    assert "error: the train step cannot fit: its peak is" in err and "more than the 0.00 GiB of --device-memory" in err
+    assert "error: the train step cannot fit: its peak is" in err and "more than the 2.00 MiB of --device-memory" in err
     assert "--remat full" in err and "--microbatches 2" in err and "a smaller --batch-size (e.g. 32)" in err
     assert "train/loss" not in (run_dir / "metrics.jsonl").read_text()  # no step ran
     assert not any((run_dir / "checkpoints").glob("[0-9]*"))

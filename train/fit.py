@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from train.report import human_bytes
+
 # Bytes of state per parameter: float32 parameter + AdamW's two float32 moments (Loshchilov & Hutter, 2019).
 STATE_BYTES_PER_PARAM = 4 * 3
 # Bytes per token of a host batch: five int32/float32 fields (tokens, targets, positions, segments, mask).
@@ -34,10 +36,6 @@ def resolve_budget(run, devices):
     local = [d for d in devices if getattr(d, "process_index", 0) == jax.process_index()]  # this process's
     limit, source = device_memory(local)
     return run.replace(cluster=dataclasses.replace(cluster, device_memory=limit, device_memory_source=source))
-
-
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB"
 
 
 def check_estimate(run) -> None:
@@ -65,14 +63,14 @@ def check_estimate(run) -> None:
     )
     if state > budget:
         raise ValueError(
-            f"the model cannot fit: {params:,} parameters need {_gib(state)} of state (float32 parameters + AdamW "
-            f"moments) per device even split over all {par.num_devices} devices, more than the {_gib(budget)} of "
+            f"the model cannot fit: {params:,} parameters need {human_bytes(state)} of state (float32 parameters + AdamW "
+            f"moments) per device even split over all {par.num_devices} devices, more than the {human_bytes(budget)} of "
             f"{run.cluster.device_memory_source}; use a smaller model (--model, --set vocab_size/embed_dim/"
             f"num_layers) or more devices{dry}"
         )
     raise ValueError(
-        f"--batch-size {run.data.batch_size} x --seq-len {run.data.seq_len} needs {_gib(batch)} of "
-        f"batch per device, more than the {_gib(budget)} of {run.cluster.device_memory_source}; "
+        f"--batch-size {run.data.batch_size} x --seq-len {run.data.seq_len} needs {human_bytes(batch)} of "
+        f"batch per device, more than the {human_bytes(budget)} of {run.cluster.device_memory_source}; "
         f"use a smaller --batch-size{dry}"
     )
 
@@ -98,10 +96,10 @@ def check_compiled(run, compiled) -> str:
     if peak is None or budget is None:
         return f"fit: not checked ({'no memory analysis on this backend' if peak is None else source})"
     if peak <= budget:
-        return f"fit: the step's peak {_gib(peak)} per device fits the {_gib(budget)} of {source} ({peak / budget:.0%})"
+        return f"fit: the step's peak {human_bytes(peak)} per device fits the {human_bytes(budget)} of {source} ({peak / budget:.0%})"
     raise ValueError(
-        f"the train step cannot fit: its peak is {_gib(peak)} per device (compiled memory_analysis: "
-        f"arguments + outputs - aliased + temporaries), more than the {_gib(budget)} of {source}; "
+        f"the train step cannot fit: its peak is {human_bytes(peak)} per device (compiled memory_analysis: "
+        f"arguments + outputs - aliased + temporaries), more than the {human_bytes(budget)} of {source}; "
         f"try {remedies(run)}"
     )
 
