@@ -320,6 +320,11 @@ def test_pipeline_gathers_stage_weights_once_per_step():
     assert saved(16, True) == saved(8, True) < saved(8, False) < saved(16, False)
 
 
+def _seven_b_pipeline(**layout):
+    """The 7B's pipeline layout these tests price: stage=4,fsdp=2 with stages of 10,10,6,6 layers, M = 16."""
+    return cm.Layout({"stage": 4, "fsdp": 2}, "fsdp", 16, stage_layers=(10, 10, 6, 6), **layout)
+
+
 @pytest.mark.parametrize(
     "one_f_one_b, tick_schedule, passes",
     [(False, "lockstep", 2), (True, "lockstep", 2), (True, "fused", 2), (True, "zb", 2)],
@@ -335,20 +340,13 @@ def test_pipeline_weights_gathered_per_microbatch_cost_a_layer_per_slot(one_f_on
     activations, 5 inputs per chunk pass instead of 10. The 1F1B family's head is gathered and reduce-scattered
     at each of the M head steps instead of once, holding the float32 sums of its fsdp half instead of its whole
     copy and whole sums; its entry, the embedding table, alike on stage 0 (gathered at each microbatch's first
-    forward, its gradient reduce-scattered at its backward), which holds no microbatch's stage input (`sharding.pipeline.onef1b.Entry`)."""
+    forward, its gradient reduce-scattered at its backward), which holds no microbatch's stage input
+    (`sharding.pipeline.onef1b.Entry`)."""
     config = get_config("7b")
     layer = sum(p.size for p in describe(config).params if p.per_layer) * 4  # one layer, float32, whole
 
     def cost(gather):
-        layout = cm.Layout(
-            {"stage": 4, "fsdp": 2},
-            "fsdp",
-            16,
-            stage_layers=(10, 10, 6, 6),
-            one_f_one_b=one_f_one_b,
-            pipeline_gather=gather,
-            tick_schedule=tick_schedule,
-        )
+        layout = _seven_b_pipeline(one_f_one_b=one_f_one_b, pipeline_gather=gather, tick_schedule=tick_schedule)
         return cm.estimate(config, 32, 2048, layout, backend="cpu")
 
     def layer_bytes(c, kind):
@@ -403,19 +401,13 @@ def test_the_1f1b_heads_gathered_copy_counts_per_microbatch_only_above_a_layers_
     by ``d`` = 4096 x 16,000 float32, 250 MiB; no layer changes). Gathered once, the held head grows by its
     whole copy and whole sums, ``2 d``. Per microbatch, by the sums of its fsdp half, ``d / 2`` (and the streamed
     embedding table's as much), while the whole copy and gradient it holds during a head step, with the step's
-    logits (1,500-2,250 MiB at 32k-48k entries), stay under a layer's backward working set (3,542 MiB with its gathered layer); at 128k-144k entries
-    (6,000-6,750 MiB) they exceed it, and the peak grows by ``2 d`` and the logits' 250 MiB more."""
+    logits (1,500-2,250 MiB at 32k-48k entries), stay under a layer's backward working set (3,542 MiB with its
+    gathered layer); at 128k-144k entries (6,000-6,750 MiB) they exceed it, and the peak grows by ``2 d`` and the
+    logits' 250 MiB more."""
     d = 4096 * 16000 * 4
 
     def gathered(vocab):
-        layout = cm.Layout(
-            {"stage": 4, "fsdp": 2},
-            "fsdp",
-            16,
-            stage_layers=(10, 10, 6, 6),
-            one_f_one_b=True,
-            pipeline_gather=gather,
-        )
+        layout = _seven_b_pipeline(one_f_one_b=True, pipeline_gather=gather)
         memory = cm.estimate(get_config("7b", [f"vocab_size={vocab}"]), 32, 2048, layout, backend="cpu").memory
         return memory.gathered + memory.logits  # held through the loop, and the head step beyond a layer's
 
@@ -436,19 +428,11 @@ def test_pipeline_in_flight_bytes_are_what_the_step_holds_at_its_peak(attention,
     from XLA's live ranges of the compiled step (`bench/RESULTS.md`, "The per-microbatch temporaries: what is
     live at the peak"): the head's logits and a layer's backward never peak together, so the logits count only
     beyond the backward's working set; the per-microbatch gather holds no whole layer's float32 gradient; every
-    microbatch's stage input is held with its cotangent."""
+    microbatch's stage input is held with its cotangent (but for the 1F1B family's streamed entry)."""
     config = get_config("7b")
     d, f, tokens = config.embed_dim, config.mlp_dim, 2048  # one row of a microbatch per device
     layer = (4 * d * d + 3 * d * f + 2 * d) * 4  # one layer's weights, float32, whole: 772.03 MiB
-    layout = cm.Layout(
-        {"stage": 4, "fsdp": 2},
-        "fsdp",
-        16,
-        stage_layers=(10, 10, 6, 6),
-        one_f_one_b=one_f_one_b,
-        pipeline_gather=gather,
-        attention=attention,
-    )
+    layout = _seven_b_pipeline(one_f_one_b=one_f_one_b, pipeline_gather=gather, attention=attention)
     memory = cm.estimate(config, 32, 2048, layout, backend="cpu").memory
     # A layer's activations per token (models/spec.py: block input, attention output, 4 norm/residual, q, attention
     # output, k and v twice, 2 float32 norm copies, 3 MLP), and where the scores are materialised the float32
