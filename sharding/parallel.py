@@ -406,7 +406,25 @@ def reduce_shards(g, spec, axes: Sequence[str]):
         names = spec_axes(entry)
         if names:
             g = jax.lax.psum_scatter(g, names, scatter_dimension=dim, tiled=True)
-    split = {a for entry in spec for a in spec_axes(entry)}
+    return psum_unsplit(g, spec, axes)
+
+
+def psum_unsplit(g, spec, axes: Sequence[str], reduced: Sequence[str] = ()):
+    """A block's gradient summed over the axes of ``axes`` that ``spec`` does not split over (those it splits
+    over were summed by the reduce-scatter that made the block), nor ``reduced`` (summed some other way).
+
+    Args:
+      g: ``[...]`` this device's block, a partial sum over the axes left.
+      spec: the block's `jax.sharding.PartitionSpec` (manual axes only).
+      axes: the mesh axes the per-device gradients are partial sums over.
+      reduced: axes already summed over besides ``spec``'s.
+
+    Returns:
+      ``g`` summed (``psum``) over the axes left; ``g`` itself where none is.
+    """
+    import jax
+
+    split = {a for entry in spec for a in spec_axes(entry)} | set(reduced)
     rest = tuple(a for a in axes if a not in split)
     return jax.lax.psum(g, rest) if rest else g
 
@@ -426,6 +444,7 @@ __all__ = [
     "ZIGZAG",
     "gather_shards",
     "only_axes",
+    "psum_unsplit",
     "reduce_shards",
     "spec_axes",
     "to_varying",

@@ -63,7 +63,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from sharding import axes as ax
-from sharding.parallel import gather_shards, reduce_shards, spec_axes, to_varying
+from sharding.parallel import gather_shards, psum_unsplit, reduce_shards, to_varying
 from sharding.pipeline.layout import PipelinePlan, head_parallelism
 from sharding.pipeline.program import (
     Setup,
@@ -164,9 +164,7 @@ class HeadWeights:
 
         def one(g, w, spec):
             if self.streamed:
-                split = {a for entry in spec for a in spec_axes(entry)}
-                rest = tuple(a for a in self.summed if a not in split)
-                g = jax.lax.psum(g, rest) if rest else g
+                g = psum_unsplit(g, spec, self.summed)
             else:
                 g = reduce_shards(g, spec, self.summed)
             return jax.lax.psum(g, ax.STAGE).astype(w.dtype)

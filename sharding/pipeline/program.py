@@ -42,7 +42,15 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from sharding import axes as ax
-from sharding.parallel import gather_shards, only_axes, reduce_shards, spec_axes, to_varying, varying_axes
+from sharding.parallel import (
+    gather_shards,
+    only_axes,
+    psum_unsplit,
+    reduce_shards,
+    spec_axes,
+    to_varying,
+    varying_axes,
+)
 from sharding.pipeline.layout import PipelinePlan, StageLayout
 from sharding.pipeline.split import LayerSplit
 from sharding.pipeline.storage import StageStorage, feature_devices, storage_axes, storage_for, storage_spec
@@ -575,9 +583,7 @@ class Weights:
     def _psum_rest(self, rows, spec):
         """Stored rows' gradients summed over the batch axes they are still partial over: ``summed`` less the
         group axes and the axes ``spec`` splits the features over (both already reduce-scattered)."""
-        split = {a for entry in spec for a in spec_axes(entry)} | set(self.groups)
-        rest = tuple(a for a in self.summed if a not in split)
-        return jax.lax.psum(rows, rest) if rest else rows
+        return psum_unsplit(rows, spec, self.summed, self.groups)
 
     def stream(self, stacked, repeats: int, received=None, block_inputs: bool = True) -> Streamed:
         """The per-microbatch gather (``--pipeline-gather microbatch``): what stays local for the step.
@@ -603,9 +609,7 @@ class Weights:
 
         def one(g, w, spec):
             if self.storage is None:
-                split = {a for entry in spec for a in spec_axes(entry)}
-                rest = tuple(a for a in self.summed if a not in split)
-                return (jax.lax.psum(g, rest) if rest else g).astype(w.dtype)
+                return psum_unsplit(g, spec, self.summed).astype(w.dtype)
             return self._psum_rest(self._send_back(g), spec).astype(w.dtype)
 
         return jax.tree.map(one, sums, stacked, self.specs)
