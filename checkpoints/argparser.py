@@ -7,6 +7,10 @@ invocation (no arguments at all), where it is what the user is after.
 
 It lives here rather than in `train.cli` because ``python -m checkpoints.inspect`` uses it too and the
 ``checkpoints`` package may not import ``train``; `train.cli` re-exports it for the trainer's commands.
+
+A value that starts with ``-`` (``--stage-layers -1,5``, ``--lr -1e-3``) is the flag's value, not another flag:
+argparse itself takes it for an option and stops with "expected one argument" before the value can be checked;
+`Parser` reads it as ``--stage-layers=-1,5`` would be, so the flag's own check names what is wrong with it.
 """
 
 from __future__ import annotations
@@ -27,7 +31,28 @@ class Parser(argparse.ArgumentParser):
     def parse_known_args(self, args=None, namespace=None):
         args = sys.argv[1:] if args is None else list(args)
         self._bare = not args
-        return super().parse_known_args(args, namespace)
+        return super().parse_known_args(self._dash_values(args), namespace)
+
+    def _dash_values(self, args: list[str]) -> list[str]:
+        """``args`` with each flag that takes one value joined to a following value that starts with ``-``
+        but is no flag of this parser (``["--stage-layers", "-1,5"]`` -> ``["--stage-layers=-1,5"]``); the
+        rest as given, and everything after ``--``."""
+        options = {o for a in self._actions for o in a.option_strings}
+        one_value = {o for a in self._actions if a.nargs is None for o in a.option_strings}
+        out, i = [], 0
+        while i < len(args):
+            token = args[i]
+            if token == "--":
+                return out + args[i:]
+            value = args[i + 1] if i + 1 < len(args) else ""
+            if token in one_value and value.startswith("-") and value not in ("-", "--"):
+                if value.split("=", 1)[0] not in options:
+                    out.append(f"{token}={value}")
+                    i += 2
+                    continue
+            out.append(token)
+            i += 1
+        return out
 
     def error(self, message: str):
         """Prints ``error: message`` (the usage block too for a bare invocation) and exits with status 2.

@@ -4,6 +4,7 @@ and a bare invocation (where the usage is what the user is after)."""
 import pytest
 
 from checkpoints import inspect
+from checkpoints.argparser import Parser
 from train import evaluate, generate, hf, launch, plan, train
 
 # (entry point's main, argv, text the one line must contain)
@@ -53,3 +54,34 @@ def test_help_keeps_the_usage_block(capsys):
         train.main(["--help"])
     out = capsys.readouterr().out
     assert exit_.value.code == 0 and out.startswith("usage: python -m train.train")
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--mesh", "stage=2,fsdp=4", "--stage-layers", "-1,5"], "error: --stage-layers -1,5: every stage needs"),
+        (["--mesh", "-x"], "error: --mesh '-x': item '-x' is not AXIS=SIZE"),
+        (["--stage-layers", "--mesh", "stage=2"], "error: argument --stage-layers: expected one argument"),
+    ],
+)
+def test_a_value_starting_with_a_dash_reaches_the_flags_own_check(argv, message, capsys):
+    """argparse takes ``-1,5`` for an option ("expected one argument"); the parser reads it as the flag's value,
+    so the flag's own check names what is wrong. A flag with no value before another flag still says so."""
+    try:
+        code = train.main(["--model", "test", "--cpu-devices", "8", "--dry-run", *argv])
+    except SystemExit as exit_:  # argparse's own errors
+        code = exit_.code
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(message) and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_dash_value_is_joined_to_its_flag_only():
+    """``["--stage-layers", "-1,5"]`` parses as ``--stage-layers=-1,5``; a following flag, a store-true flag's
+    neighbour and everything after ``--`` stay as given."""
+    parser = Parser(prog="p")
+    parser.add_argument("--stage-layers")
+    parser.add_argument("--dry-run", action="store_true")
+    parser.add_argument("rest", nargs="*")
+    args = parser.parse_args(["--stage-layers", "-1,5", "--dry-run", "--", "-x"])
+    assert (args.stage_layers, args.dry_run, args.rest) == ("-1,5", True, ["-x"])
+    assert parser.parse_args(["--stage-layers=-2"]).stage_layers == "-2"

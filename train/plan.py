@@ -251,7 +251,7 @@ LAYOUT_FLAGS = frozenset(
 )
 
 
-class _OneLineParser(argparse.ArgumentParser):
+class _OneLineParser(Parser):
     """``python -m train.train``'s parser (`train.cli.build_parser`) whose errors raise a one-line
     ``ValueError`` naming ``--layout`` instead of printing the usage and exiting."""
 
