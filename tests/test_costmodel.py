@@ -320,6 +320,29 @@ def test_pipeline_gathers_stage_weights_once_per_step():
     assert saved(16, True) == saved(8, True) < saved(8, False) < saved(16, False)
 
 
+def test_a_pipelines_embedding_moves_the_table_once_the_tokens_outnumber_the_vocabulary():
+    """GPipe on ``stage=4,fsdp=2``, 32 x 64 tokens in 8 microbatches: a device looks up 1,024 tokens from a
+    512-entry table split over ``fsdp`` (``embed``), so the partitioner moves the table's ``[512, 64]`` shard to
+    the devices whose tokens it serves (a collective-permute, and the gradient back) rather than the rows by an
+    all-to-all (`sharding.costmodel.pipeline._lookup_moves_rows`; at 512 tokens, the grid's and the 16 x 64
+    dry run's, it moves the rows). Every collective kind of the compiled step within 10%, no all-to-all."""
+    case = ("test", "stage=4,fsdp=2", "fsdp", 32, 64, 8, "none", None, 1)
+    cost, compiled = predicted(case), compiled_figures(case)["collectives"]
+    assert "all-to-all" not in compiled
+    _assert_collectives_within(cost, compiled)
+
+
+def test_the_7b_pipelines_embedding_moves_its_table_not_its_rows():
+    """The README's 7B on ``stage=4,fsdp=2`` (GPipe, 10,10,6,6, 32 x 2048, M = 16): 16 x 2,048 tokens a device
+    against 32,000 table entries, so the lookup moves the ``[32000, 2048]`` float32 table shard there and its
+    gradient back (250 MiB each) and prices no all-to-all, as the compiled step has none (``bench/RESULTS.md``:
+    all-gather, all-reduce, collective-permute and reduce-scatter within 0.1% of the dry run's compiled figures)."""
+    cost = cm.estimate(get_config("7b"), 32, 2048, _seven_b_pipeline(), backend="cpu")
+    assert "all-to-all" not in cm.collective_bytes(cost.comms)
+    moved = [(c.result_bytes, c.count) for c in cost.comms if c.what == "embedding: table and gradient"]
+    assert moved == [(32000 * 4096 / 2 * 4, 2)]
+
+
 def _seven_b_pipeline(**layout):
     """The 7B's pipeline layout these tests price: stage=4,fsdp=2 with stages of 10,10,6,6 layers, M = 16."""
     return cm.Layout({"stage": 4, "fsdp": 2}, "fsdp", 16, stage_layers=(10, 10, 6, 6), **layout)

@@ -497,10 +497,22 @@ def _pipeline_embedding_comms(
     A table split over ``fsdp`` only by the rules (``embed``; stored over ``fsdp`` x ``stage``), no
     ``data``, as jax 0.10 emits it (seen on ``stage=2,fsdp=4`` and ``stage=4,fsdp=2``): the lookup reads
     the table as the rules lay it out (`models.layers.Embed`: its stored shard ``[V, D/(f S)]`` gathered
-    over ``stage`` to ``[V, D/f]``, twice, its gradient all-reduced back over ``stage``; from the stored
+    over ``stage`` to ``[V, D/f]`` once, its gradient all-reduced back over ``stage``; from the stored
     layout the partitioner would gather the whole batch's activations, an "involuntary full
-    rematerialization"), the tokens gathered over and sent across ``stage``, and the looked-up rows
-    ``[rows, T, D]`` (float32) moved to the batch layout by an all-to-all over ``fsdp`` and back.
+    rematerialization"); the looked-up rows (float32, as many bytes as the device's ``[rows, T, D]``)
+    all-gathered over two devices of ``stage``. The rows then reach the batch layout (``embed`` whole,
+    the batch over ``fsdp``) whichever way moves fewer bytes, as the partitioner chooses for a gather
+    whose table and indices are split over the same axis: while the device's tokens are at most the
+    vocabulary (the rows ``[tokens, D/f]`` no larger than the table's ``[V, D/f]``), the rows by an
+    all-to-all over ``fsdp`` and back (the tokens sent across ``stage`` first); beyond it (the 7B's
+    16 x 2,048 tokens a device against 32,000 entries), the table's ``[V, D/f]`` shard by a
+    collective-permute to the devices whose tokens it serves, and its gradient back the same way, with
+    no all-to-all (`_lookup_moves_rows`).
+    A table split over ``tensor`` (``vocab``) with neither ``fsdp`` nor ``data`` on the mesh: stored with its
+    vocabulary over ``tensor`` x ``stage`` and read as stored (`models.layers.Embed` constrains it only where
+    ``embed`` is split), so the lookup runs vocabulary-parallel over all t S devices: the whole batch's rows
+    (float32) all-reduced over them, the gradient scattered into each device's slice with no collective
+    (seen on ``stage=2,tensor=4``; folding ``stage`` into ``fsdp`` priced an all-to-all the step does not have).
     Other splits: priced as without stages on the mesh with ``stage`` folded into ``fsdp``
     (`_embedding_comms`), not checked against the compiler. On a mixture of experts' mesh the table's
     ``embed`` is split over ``fsdp`` and ``expert``, adjacent in the mesh: priced as one ``fsdp`` of their
@@ -516,18 +528,37 @@ def _pipeline_embedding_comms(
         placed = _place_cached(model, layout.rules_table(), tuple(layout.mesh.items()))
     mesh = layout.mesh
     table = placed[embedding.path]
-    if mesh[ax.DATA] > 1 or mesh[ax.FSDP] <= 1 or _table_split(table) != (1, mesh[ax.FSDP]):
+    (v, d), stages = table.param.shape, mesh[ax.STAGE]
+    t, f = _table_split(table)
+    if mesh[ax.DATA] <= 1 and mesh[ax.FSDP] <= 1 and t > 1:
+        group = t * stages  # the vocabulary stored over tensor x stage, read as stored
+        rows = embed.tok * d * _PARAM_BYTES
+        return [Comm("all-reduce", (ax.TENSOR, ax.STAGE), group, rows, 1, "embedding: vocabulary-parallel rows", False)]
+    if mesh[ax.DATA] > 1 or mesh[ax.FSDP] <= 1 or (t, f) != (1, mesh[ax.FSDP]):
         flat, flat_placed = _stage_folded(model, layout, layout.rules_table())
         return _embedding_comms(model, flat, flat_placed, embed)
-    (v, d), f, stages = table.param.shape, mesh[ax.FSDP], mesh[ax.STAGE]
-    shard, tokens = v * d * _PARAM_BYTES / f, embed.tok * _INT_BYTES
-    return [
+    shard, tokens, rows = v * d * _PARAM_BYTES / f, embed.tok * _INT_BYTES, embed.tok * d * _PARAM_BYTES
+    comms = [
+        Comm("all-gather", (ax.STAGE,), stages, shard, 1, "embedding: table as the rules lay it out"),
+        Comm("all-reduce", (ax.STAGE,), stages, shard, 1, f"gradient of {embedding.path} over stage"),
+        Comm("all-gather", (ax.STAGE,), 2, rows, 1, "embedding: looked-up rows"),
+    ]
+    if not _lookup_moves_rows(embed.tok, v):
+        return comms + [Comm("collective-permute", (ax.STAGE, ax.FSDP), 2, shard, 2, "embedding: table and gradient")]
+    return comms + [
         Comm("all-gather", (ax.STAGE,), stages, tokens * stages, 1, "embedding: tokens"),
         Comm("collective-permute", (ax.STAGE,), 2, tokens, 1, "embedding: tokens"),
-        Comm("all-gather", (ax.STAGE,), stages, shard, 2, "embedding: table as the rules lay it out"),
-        Comm("all-reduce", (ax.STAGE,), stages, shard, 1, f"gradient of {embedding.path} over stage"),
-        Comm("all-to-all", (ax.FSDP,), f, embed.tok * d * _PARAM_BYTES, 2, "embedding: rows to batch layout and back"),
+        Comm("all-to-all", (ax.FSDP,), f, rows, 2, "embedding: rows to batch layout and back"),
     ]
+
+
+def _lookup_moves_rows(tokens: float, vocab: int) -> bool:
+    """Whether the partitioner moves a pipeline's looked-up rows (an all-to-all over ``fsdp``, there and back)
+    rather than the table's ``[V, D/f]`` shard (a collective-permute, there and back): the rows while the
+    device's ``tokens`` are at most the ``vocab`` entries (both ``[n, D/f]`` float32; at equal sizes the rows).
+    Found on the ``test`` model, ``stage=4,fsdp=2``: 512 tokens a device against 512 entries move the rows,
+    576 and more the table (`_pipeline_embedding_comms`)."""
+    return tokens <= vocab
 
 
 def _pipeline_head_comms(
@@ -854,7 +885,10 @@ def _stage_comms(model: ModelDescription, layout: Layout, s: _Shape, pipe: _Pipe
     embeds each microbatch, `_head_streamed`). GPipe/circular
     also: one psum over ``stage`` of all microbatches' outputs after the forward loop (the last stage's
     outputs to every stage) and its transpose, and the head's input cotangent all-gathered over ``stage``
-    (`head_parallelism`)."""
+    (`head_parallelism`). Where a stage's R head rows hold some of the microbatches but not all (1 < M/R < S:
+    the rows are split over ``stage`` along both the microbatches and their rows, `to_microbatches` being
+    strided), the partitioner gathers the cotangent in two steps, the first of R/M of the whole (seen on
+    ``stage=4,fsdp=2`` with M/R = 2)."""
     stages = layout.mesh[ax.STAGE]
     act = s.tok * model.hidden * s.act_bytes
     comms = [Comm("collective-permute", (ax.STAGE,), stages, act, 2 * pipe.steps, "stage activations", False)]
@@ -862,15 +896,12 @@ def _stage_comms(model: ModelDescription, layout: Layout, s: _Shape, pipe: _Pipe
         return comms
     if pipe.one_f_one_b:  # the inputs' cotangent, summed over stage (they were made stage-varying)
         return comms + [Comm("all-reduce", (ax.STAGE,), stages, act * s.micro, 1, "pipeline input cotangent", False)]
-    return comms + [
+    cotangent = head.tok * stages * model.hidden * s.act_bytes
+    comms += [
         Comm("all-reduce", (ax.STAGE,), stages, act * s.micro, 2, "pipeline outputs to every stage", False),
-        Comm(
-            "all-gather",
-            (ax.STAGE,),
-            stages,
-            head.tok * stages * model.hidden * s.act_bytes,
-            1,
-            "head input cotangent over stage",
-            False,
-        ),
+        Comm("all-gather", (ax.STAGE,), stages, cotangent, 1, "head input cotangent over stage", False),
     ]
+    per_rows = s.micro / head.rows  # M/R: the microbatches over a stage's head rows
+    if 1 < per_rows < stages and per_rows == int(per_rows):
+        comms.append(Comm("all-gather", (ax.STAGE,), 2, cotangent / per_rows, 1, "head input cotangent, first step"))
+    return comms
