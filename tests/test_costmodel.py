@@ -343,6 +343,23 @@ def test_the_7b_pipelines_embedding_moves_its_table_not_its_rows():
     assert moved == [(32000 * 4096 / 2 * 4, 2)]
 
 
+@pytest.mark.parametrize(
+    "case",
+    [
+        ("test", "fsdp=2,tensor=4", "fsdp_tp", 16, 64, 1, "none"),
+        ("test", "stage=2,tensor=4", "fsdp_tp", 16, 64, 4, "none", None, 1),
+    ],
+    ids=_id,
+)
+def test_fewer_kv_heads_than_tensor_are_priced_as_compiled(case):
+    """``test``'s 2 KV heads on ``tensor=4`` (the KV projections whole there, the 4 query heads split): the
+    backward's key and value cotangents all-gathered over the 2 devices of distinct KV heads per layer and
+    microbatch (`sharding.costmodel.partitioner._kv_cotangent_gathers`), the KV weights gathered over ``tensor``
+    from slices a collective-permute brings (`_kv_weight_moves`), and, on the pipeline, the vocabulary-parallel
+    lookup over ``tensor`` x ``stage`` with no all-to-all. Every collective kind within 10%."""
+    _assert_collectives_within(predicted(case), compiled_figures(case)["collectives"])
+
+
 def _seven_b_pipeline(**layout):
     """The 7B's pipeline layout these tests price: stage=4,fsdp=2 with stages of 10,10,6,6 layers, M = 16."""
     return cm.Layout({"stage": 4, "fsdp": 2}, "fsdp", 16, stage_layers=(10, 10, 6, 6), **layout)

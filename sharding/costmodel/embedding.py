@@ -148,7 +148,7 @@ def _embedding_2d(table: _Placed, mesh: Mapping[str, int], s: _Shape, t: int, f:
             Comm("all-reduce", (ax.TENSOR,), t, 2 * tokens, m, "embedding: token masks", False),
         ]
     if mesh[ax.DATA] <= 1 and m == 1:
-        return [
+        comms = [
             Comm("all-gather", (ax.TENSOR,), t, tokens * t, m, "embedding: tokens"),
             Comm("all-gather", (ax.FSDP,), f, tokens * f, m, "embedding: tokens"),
             Comm("collective-permute", (ax.TENSOR,), 2, tokens, m, "embedding: tokens"),
@@ -156,6 +156,9 @@ def _embedding_2d(table: _Placed, mesh: Mapping[str, int], s: _Shape, t: int, f:
             Comm("all-to-all", (ax.FSDP,), f, rows, 2 * m, "embedding: rows to batch layout"),
             Comm("all-reduce", (ax.TENSOR,), t, shard, m, grad),
         ]
+        if t > f:  # the [V/t, D/f] gradient permuted to its owner (seen on fsdp=2,tensor=4; not fsdp=4,tensor=2)
+            comms.append(Comm("collective-permute", (ax.FSDP, ax.TENSOR), 2, shard / t, m, grad + " to its owner"))
+        return comms
     if mesh[ax.DATA] <= 1:
         return [
             Comm("all-gather", (ax.TENSOR,), t, shard, 1, "embedding: table shard"),

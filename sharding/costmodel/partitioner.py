@@ -35,6 +35,7 @@ from sharding.costmodel.layout import (
     _Placed,
     _Shape,
     _tensor_split,
+    attention_of,
 )
 from sharding.modeldesc import ModelDescription
 from sharding.rules import Rules
@@ -256,7 +257,7 @@ def _weight_gathers(
     once per step (the partitioner hoists them out of the microbatch loop), the output projection
     a second time in the backward pass when ``tensor`` is split and so is ``data`` or the batch
     (microbatches). The
-    embedding table is handled in `_embedding_comms`.
+    embedding table is handled in `_embedding_comms`. KV projections left whole on ``tensor``: `_kv_weight_moves`.
     """
     mesh = layout.mesh
     comms = []
@@ -277,8 +278,33 @@ def _weight_gathers(
         else:
             count = 2
         per_layer = p.param.per_layer
+        moves = _kv_weight_moves(layout, p, result, count, s)
+        if moves:
+            t = mesh[ax.TENSOR]
+            comms.append(Comm("all-gather", (ax.TENSOR,), t, result, count, f"gather {p.param.path}", layer_loop=True))
+            comms += moves
+            continue
         comms.append(Comm("all-gather", (ax.FSDP,), n, result, count, f"gather {p.param.path}", layer_loop=per_layer))
     return comms
+
+
+def _kv_weight_moves(layout: Layout, p: _Placed, result: float, count: float, s: _Shape) -> list[Comm]:
+    """A KV projection (``[embed, kv_heads, head_dim]``) split over ``fsdp`` but whole on ``tensor`` (fewer KV
+    heads than ``tensor``, or ``kv_heads`` not mapped to it), where ``tensor`` is at least its ``fsdp``
+    split: the partitioner gathers it over ``tensor`` instead, each device first receiving its ``1/t`` slice
+    of ``embed`` by a collective-permute (before each gather, forward and backward), and sends the gradient's
+    ``fsdp`` shard back to its owner by another. Seen on ``fsdp=2,tensor=4`` (K = 1 and 2, reference and flash
+    attention) and ``data=2,fsdp=2,tensor=2`` (K = 1); not on ``fsdp=4,tensor=2``. Empty for any other
+    weight."""
+    t, n = layout.mesh[ax.TENSOR], p.factor(ax.FSDP)
+    if not p.param.per_layer or ax.KV_HEADS not in p.param.axes or p.factor(ax.TENSOR) > 1 or t < max(n, 2):
+        return []
+    what = f"{p.param.path}: embed slices for the gather over tensor"
+    gradient = p.local * _PARAM_BYTES
+    return [
+        Comm("collective-permute", (ax.FSDP, ax.TENSOR), 2, result / t, count, what, layer_loop=True),
+        Comm("collective-permute", (ax.FSDP, ax.TENSOR), 2, gradient, count / 2, f"gradient of {p.param.path} back"),
+    ]
 
 
 def _gradient_reductions(
@@ -352,7 +378,8 @@ def _tensor_comms(
     out] each), again where full remat (or ``recomputes`` more times, the pipeline's backward pass)
     recomputes the product. Backward: the input gradients of the
     column-parallel products (an output axis split) are partial sums; the partitioner reduces each
-    separately ([tokens, in]). The logits: the cross-entropy's max and sum over the split vocabulary
+    separately ([tokens, in]); with fewer KV heads than the devices splitting the query heads, the keys' and
+    values' cotangents too (`_kv_cotangent_gathers`). The logits: the cross-entropy's max and sum over the split vocabulary
     ([tokens] float32 each) and the input gradient of the output projection (with the
     vocabulary-parallel loss, `_vocab_parallel_comms` instead), unless ``with_logits`` is False.
     """
@@ -378,6 +405,7 @@ def _tensor_comms(
         Comm("all-reduce", (ax.TENSOR,), t, b, c * n, "column-parallel input gradients", False)
         for b, c in backward.items()
     ]
+    comms += _kv_cotangent_gathers(model, layout, rules, s)
     logits = model.logits
     if not with_logits or output_split is not None or not _tensor_split(model, logits.out_axes, rules, mesh):
         return comms
@@ -408,6 +436,32 @@ def _tensor_comms(
         )
     )
     return comms
+
+
+def _kv_cotangent_gathers(model: ModelDescription, layout: Layout, rules: Rules, s: _Shape) -> list[Comm]:
+    """Grouped-query attention whose KV heads the rules leave whole on ``tensor`` (K = ``num_kv_heads`` not
+    divisible by ``tensor``: the KV projections replicated there) while the query heads are split over it.
+
+    The score and value products (``'BTKGH,BSKH->BKGTS'``, ``'BKGTS,BSKH->BTKGH'``) then run with the KV
+    dimension split over gcd(t, K) of the ``tensor`` devices (each device's query heads belong to its KV
+    heads only). Their backward pass leaves each device the cotangents of its own KV heads' keys and values
+    ``[tokens, K/gcd(t, K), H]``; the replicated projections need them whole, so the partitioner all-gathers
+    each, keys and values, over those gcd(t, K) devices once per layer and microbatch (per device
+    ``[tokens, K, H]`` in the activations' dtype; seen as two ``f32[8,2,32,64]`` gathers per layer for
+    ``test``'s K = 2 on ``fsdp=2,tensor=4``). None with a kernel that does not materialise the scores (it
+    slices each device's KV heads itself, `models.attention.head_split`).
+    """
+    mesh, geometry = layout.mesh, model.attention
+    if geometry is None or not attention_of(model, layout).materialises_scores:
+        return []
+    heads = _axis_split(model, geometry.heads_axis, rules, mesh)
+    if heads <= 1 or _axis_split(model, geometry.kv_axis, rules, mesh) > 1:
+        return []
+    group = math.gcd(heads, geometry.num_kv_heads)
+    if group <= 1:
+        return []
+    one = s.tok * geometry.num_kv_heads * geometry.head_dim * s.act_bytes
+    return [Comm("all-gather", (ax.TENSOR,), group, one, 2 * s.layers * s.micro, "key and value cotangents", False)]
 
 
 def _length_comms(model: ModelDescription, layout: Layout, rules: Rules, s: _Shape, backend: str) -> list[Comm]:
