@@ -353,10 +353,11 @@ def test_the_7b_pipelines_embedding_moves_its_table_not_its_rows():
 )
 def test_fewer_kv_heads_than_tensor_are_priced_as_compiled(case):
     """``test``'s 2 KV heads on ``tensor=4`` (the KV projections whole there, the 4 query heads split): the
-    backward's key and value cotangents all-gathered over the 2 devices of distinct KV heads per layer and
-    microbatch (`sharding.costmodel.partitioner._kv_cotangent_gathers`), the KV weights gathered over ``tensor``
-    from slices a collective-permute brings (`_kv_weight_moves`), and, on the pipeline, the vocabulary-parallel
-    lookup over ``tensor`` x ``stage`` with no all-to-all. Every collective kind within 10%."""
+    backward's key and value cotangents summed over the 2 devices sharing a KV head and all-gathered over the 2
+    of distinct KV heads, per layer and microbatch (`sharding.costmodel.partitioner._kv_cotangent_comms`), the
+    KV weights gathered over ``tensor`` from slices a collective-permute brings (`_kv_weight_moves`), and, on the
+    pipeline, the vocabulary-parallel lookup over ``tensor`` x ``stage`` with no all-to-all. Every collective
+    kind within 10%."""
     _assert_collectives_within(predicted(case), compiled_figures(case)["collectives"])
 
 

@@ -379,7 +379,7 @@ def _tensor_comms(
     recomputes the product. Backward: the input gradients of the
     column-parallel products (an output axis split) are partial sums; the partitioner reduces each
     separately ([tokens, in]); with fewer KV heads than the devices splitting the query heads, the keys' and
-    values' cotangents too (`_kv_cotangent_gathers`). The logits: the cross-entropy's max and sum over the split vocabulary
+    values' cotangents too (`_kv_cotangent_comms`). The logits: the cross-entropy's max and sum over the split vocabulary
     ([tokens] float32 each) and the input gradient of the output projection (with the
     vocabulary-parallel loss, `_vocab_parallel_comms` instead), unless ``with_logits`` is False.
     """
@@ -405,7 +405,7 @@ def _tensor_comms(
         Comm("all-reduce", (ax.TENSOR,), t, b, c * n, "column-parallel input gradients", False)
         for b, c in backward.items()
     ]
-    comms += _kv_cotangent_gathers(model, layout, rules, s)
+    comms += _kv_cotangent_comms(model, layout, rules, s)
     logits = model.logits
     if not with_logits or output_split is not None or not _tensor_split(model, logits.out_axes, rules, mesh):
         return comms
@@ -438,18 +438,19 @@ def _tensor_comms(
     return comms
 
 
-def _kv_cotangent_gathers(model: ModelDescription, layout: Layout, rules: Rules, s: _Shape) -> list[Comm]:
+def _kv_cotangent_comms(model: ModelDescription, layout: Layout, rules: Rules, s: _Shape) -> list[Comm]:
     """Grouped-query attention whose KV heads the rules leave whole on ``tensor`` (K = ``num_kv_heads`` not
     divisible by ``tensor``: the KV projections replicated there) while the query heads are split over it.
 
     The score and value products (``'BTKGH,BSKH->BKGTS'``, ``'BKGTS,BSKH->BTKGH'``) then run with the KV
-    dimension split over gcd(t, K) of the ``tensor`` devices (each device's query heads belong to its KV
-    heads only). Their backward pass leaves each device the cotangents of its own KV heads' keys and values
-    ``[tokens, K/gcd(t, K), H]``; the replicated projections need them whole, so the partitioner all-gathers
-    each, keys and values, over those gcd(t, K) devices once per layer and microbatch (per device
-    ``[tokens, K, H]`` in the activations' dtype; seen as two ``f32[8,2,32,64]`` gathers per layer for
-    ``test``'s K = 2 on ``fsdp=2,tensor=4``). None with a kernel that does not materialise the scores (it
-    slices each device's KV heads itself, `models.attention.head_split`).
+    dimension split over gcd(t, K) of the ``tensor`` devices and the query heads of one KV head over the other
+    t / gcd(t, K). Their backward pass leaves each device its query heads' share of its KV heads' key and value
+    cotangents ``[tokens, K/gcd(t, K), H]``; the replicated projections need them whole, so the partitioner sums
+    each, keys and values, over the t / gcd(t, K) devices sharing a KV head (an all-reduce) and all-gathers it
+    over the gcd(t, K) devices of distinct KV heads, once per layer and microbatch (in the activations' dtype;
+    seen as ``f32[8,1,32,64]`` sums and ``f32[8,2,32,64]`` gathers for ``test``'s K = 2 on ``fsdp=2,tensor=4``,
+    and as the sums alone for K = 1). None with a kernel that does not materialise the scores (it slices each
+    device's KV heads itself, `models.attention.head_split`).
     """
     mesh, geometry = layout.mesh, model.attention
     if geometry is None or not attention_of(model, layout).materialises_scores:
@@ -457,11 +458,16 @@ def _kv_cotangent_gathers(model: ModelDescription, layout: Layout, rules: Rules,
     heads = _axis_split(model, geometry.heads_axis, rules, mesh)
     if heads <= 1 or _axis_split(model, geometry.kv_axis, rules, mesh) > 1:
         return []
-    group = math.gcd(heads, geometry.num_kv_heads)
-    if group <= 1:
-        return []
-    one = s.tok * geometry.num_kv_heads * geometry.head_dim * s.act_bytes
-    return [Comm("all-gather", (ax.TENSOR,), group, one, 2 * s.layers * s.micro, "key and value cotangents", False)]
+    group = math.gcd(heads, geometry.num_kv_heads)  # devices of distinct KV heads
+    whole = s.tok * geometry.num_kv_heads * geometry.head_dim * s.act_bytes  # keys or values, [tokens, K, H]
+    count = 2 * s.layers * s.micro
+    comms = []
+    if heads // group > 1:
+        what = "key and value cotangents summed over a KV head's query heads"
+        comms.append(Comm("all-reduce", (ax.TENSOR,), heads // group, whole / group, count, what, False))
+    if group > 1:
+        comms.append(Comm("all-gather", (ax.TENSOR,), group, whole, count, "key and value cotangents", False))
+    return comms
 
 
 def _length_comms(model: ModelDescription, layout: Layout, rules: Rules, s: _Shape, backend: str) -> list[Comm]:
