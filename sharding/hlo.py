@@ -10,7 +10,8 @@ matrix products the same way (``compiled.cost_analysis()`` counts a loop body on
 conditional included; `dot_flops_split` tells the branches' part apart.
 `branch_collectives` finds the collectives inside the branches of conditionals, with the
 pipeline stages their device groups span (the pipeline skips empty layer slots with conditionals
-that stages take differently, so a collective there must stay inside one stage).
+that stages take differently, so a collective there must stay inside one stage). `loop_copies` lists
+the copies inside loop bodies (a loop-carried buffer XLA could not update in place).
 
 This is the one reader of compiled HLO in meshwork.
 """
@@ -182,6 +183,31 @@ def summarize(found: list[Collective]) -> dict[str, tuple[int, int]]:
         row[0] += c.executions
         row[1] += c.total_bytes
     return {op: (row[0], row[1]) for op, row in sorted(table.items())}
+
+
+_BODY = re.compile(r"\bbody=%?([\w.\-]+)")
+
+
+def loop_copies(hlo_text: str) -> list[tuple[str, str, list[int]]]:
+    """The ``copy`` instructions in the bodies of ``while`` loops of a compiled HLO module: the copies XLA's
+    copy insertion adds where a loop-carried buffer cannot be updated in place (a value read after an
+    in-place update of its buffer is kept alive by a copy of the whole buffer, each trip).
+
+    Args:
+      hlo_text: ``compiled.as_text()`` of a `jax.stages.Compiled`.
+
+    Returns:
+      ``(body, instruction, dims)`` per copy: the loop body computation, the instruction's name and the copied
+      array's dimensions (its element type left out).
+    """
+    instructions, _, _ = _parse(hlo_text)
+    bodies = {body for items in instructions.values() for *_, rest in items for body in _BODY.findall(rest)}
+    return [
+        (body, name, _dims(type_text))
+        for body in sorted(bodies)
+        for name, type_text, op, _ in instructions.get(body, ())
+        if op == "copy"
+    ]
 
 
 _OPERANDS = re.compile(r"%([\w.\-]+)")

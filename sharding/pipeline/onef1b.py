@@ -66,6 +66,7 @@ from sharding import axes as ax
 from sharding.parallel import gather_shards, psum_unsplit, reduce_shards, to_varying
 from sharding.pipeline.layout import PipelinePlan, head_parallelism
 from sharding.pipeline.program import (
+    RingEntry,
     Setup,
     Weights,
     check_split,
@@ -82,6 +83,7 @@ from sharding.pipeline.program import (
     objective_cotangent,
     slot_positions,
     stage_varying,
+    store,
     to_microbatches,
     with_objective_cotangent,
     write,
@@ -318,10 +320,10 @@ def _ticks(
         forward, r, mb, slot = (row["forward" + part] for part in ("", "_chunk", "_microbatch", "_slot"))
         forward = forward == FORWARD
         arrive = row["arrive"]
-        first = index_leaf(buffer, jnp.maximum(arrive, 0))
-        buffer = write(buffer, jnp.maximum(arrive, 0), first.at[0].set(received), arrive >= 0)
+        zero = jnp.zeros((), jnp.int32)
+        buffer = store(buffer, (jnp.maximum(arrive, 0), zero), received, arrive >= 0)
         starts = (stage == 0) & (r == 0)  # the first virtual stage reads (or computes) the microbatch itself
-        h_in = jnp.where(starts, first_input(forward & starts, mb), index_leaf(buffer, slot)[0])
+        h_in = jnp.where(starts, first_input(forward & starts, mb), RingEntry(buffer, slot)[0])
         h, done, inputs = chunk_forward(
             layer,
             params,
@@ -341,17 +343,17 @@ def _ticks(
         loss_i, weight_i, g_h, g_hp = head_step(forward & exit_, h, index_tree(head_inputs, mb))
         loss, weight, applied = loss + loss_i, weight + weight_i, applied + done
         if train:
-            buffer = write(buffer, slot, inputs, forward)
+            buffer = store(buffer, (slot,), inputs, forward)
             head_grads = jax.tree.map(jnp.add, head_grads, g_hp)
             arrive = row["cotangent_arrive"]
-            waiting = write(waiting, jnp.maximum(arrive, 0), g_received, arrive >= 0)
-            waiting = write(waiting, row["loss_slot"], g_h, forward & exit_)
+            waiting = store(waiting, (jnp.maximum(arrive, 0),), g_received, arrive >= 0)
+            waiting = store(waiting, (row["loss_slot"],), g_h, forward & exit_)
             # The backward runs after the forward and the head: on the last virtual stage it may be the
             # backward of the microbatch whose forward and loss this tick just ran (fused ticks).
             backward, r, mb, slot = (row["backward" + part] for part in ("", "_chunk", "_microbatch", "_slot"))
             backward = backward == BACKWARD
             c = row["cotangent_slot"]
-            backward_args = (index_leaf(buffer, slot), index_tree(extras, mb), jnp.where(backward, counts[r], 0))
+            backward_args = (RingEntry(buffer, slot), index_tree(extras, mb), jnp.where(backward, counts[r], 0))
             if split:  # zero bubble: B now, its cut into the saved ring; W from there at the tick the table gives
                 g_in, kept = chunk_backward_input(
                     back_layer,

@@ -94,6 +94,73 @@ def write(buffer, i, value, predicate):
     return jax.lax.dynamic_update_index_in_dim(buffer, jnp.where(predicate, value, old), i, 0)
 
 
+def put(buffer, index, value, predicate):
+    """``buffer[index] = value`` where ``predicate``, else unchanged: a select and an update the size of
+    ``value``, at a tuple of leading indices (traced int32 scalars).
+
+    Args:
+      buffer: ``[n_0, ..., n_j, ...]``.
+      index: ``(i_0, ..., i_j)``, one index per leading dimension.
+      value: ``[...]``, shaped as ``buffer[i_0, ..., i_j]`` (cast to ``buffer``'s dtype).
+      predicate: traced bool scalar.
+    """
+    zero = jnp.zeros((), jnp.int32)
+    lead = len(index)
+    start = tuple(index) + (zero,) * value.ndim
+    old = jax.lax.dynamic_slice(buffer, start, (1,) * lead + value.shape)
+    new = jnp.where(predicate, value.reshape(old.shape).astype(buffer.dtype), old)
+    return jax.lax.dynamic_update_slice(buffer, new, start)
+
+
+def store(buffer, index, value, predicate):
+    """``buffer[index] = value`` where ``predicate``, else unchanged, without reading ``buffer``: a scatter
+    that drops its update where ``predicate`` is false (its first index moved out of bounds).
+
+    `put` selects between ``value`` and the old slice, so it reads the buffer where it writes; XLA may fuse
+    that read with an earlier update of the same buffer into one that reads the buffer as it was, after the
+    update wrote over it in place, and then keeps the old buffer alive with a copy of the whole buffer.
+    A write that reads nothing leaves no such read to move.
+
+    Args:
+      buffer: ``[n_0, ..., n_j, ...]``.
+      index: ``(i_0, ..., i_j)``, traced int32 scalars, one per leading dimension, in bounds.
+      value: ``[...]``, shaped as ``buffer[i_0, ..., i_j]`` (cast to ``buffer``'s dtype).
+      predicate: traced bool scalar.
+    """
+    first = jnp.where(predicate, index[0], buffer.shape[0])
+    return buffer.at[(first, *index[1:])].set(value.astype(buffer.dtype), mode="drop")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RingEntry:
+    """Entry ``entry`` of a ring of saved chunk inputs, read one slot input at a time where a backward pass
+    uses it (`chunk_backward`, `chunk_backward_input`), never taken whole.
+
+    A chunk's backward runs under a `jax.lax.cond` and loops, whose operands are buffers of their own: handed
+    ``ring[entry]`` it would make XLA copy the entry (``[P, microbatch, ...]``, a chunk's activations) before
+    the pass. Handed the ring and the index it slices ``[microbatch, ...]`` inputs out of the ring in place,
+    which stays one buffer, only read inside the pass.
+
+    Attributes:
+      ring: ``[E, P, microbatch, ...]`` the saved chunk inputs (1F1B's ring, GPipe's steps).
+      entry: int32 scalar, the entry read.
+    """
+
+    ring: jax.Array
+    entry: jax.Array
+
+    def __getitem__(self, k):
+        """Slot input ``k`` (traced int32 scalar): ``[microbatch, ...]``."""
+        return self.rows(k, 1)[0]
+
+    def rows(self, start, size: int):
+        """Slot inputs ``start ... start + size - 1`` (``start`` traced int32): ``[size, microbatch, ...]``."""
+        zero = jnp.zeros((), jnp.int32)
+        index = (self.entry, start) + (zero,) * (self.ring.ndim - 2)
+        return jax.lax.dynamic_slice(self.ring, index, (1, size, *self.ring.shape[2:]))[0]
+
+
 def slot_params(params, r, k):
     """Slot ``k`` of chunk ``r`` from leaves ``[R, K, ...]`` (traced int32 indices): leaves ``[...]``."""
     return jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(index_leaf(w, r), k, keepdims=False), params)
@@ -252,7 +319,7 @@ def chunk_backward(layer_fn, params, r, inputs, extras, count, g, grads, skip_em
     """The backward pass of `chunk_forward`: slots in reverse, each layer recomputed from its saved input.
 
     Args:
-      inputs: ``[P, microbatch, ...]`` slot inputs saved by the forward pass.
+      inputs: the `RingEntry` of the ``P`` slot inputs saved by the forward pass.
       g: cotangent of the chunk's output.
       grads: accumulated parameter cotangents, leaves ``[R, K, ...]`` (or, with a `Streamed` ``params``,
         its reduce-scattered accumulators, `Streamed.zeros`).
@@ -295,7 +362,7 @@ def chunk_backward_input(layer_fn, params, r, inputs, extras, count, g, kept, en
     product's input and output cotangent) into the saved ring, slot by slot (no chunk-sized copy).
 
     Args:
-      inputs: ``[K, microbatch, ...]`` slot inputs saved by the forward pass.
+      inputs: the `RingEntry` of the ``K`` slot inputs saved by the forward pass.
       g: ``[microbatch, ...]`` cotangent of the chunk's output.
       kept: the saved ring, a tuple of ``[E, K, ...]`` arrays (`cut_ring`).
       entry: int32 scalar, the ring entry this pass writes (slots not run leave it as it was).
@@ -387,15 +454,7 @@ def cut_ring(layer_fn, params, like, extras, entries: int):
 
 def put_cut(kept, entry, position, saved, predicate):
     """``kept[entry, position] = saved`` leaf by leaf where ``predicate`` (a slot-sized select and update)."""
-
-    def one(buffer, value):
-        zero = jnp.zeros((), jnp.int32)
-        index = (entry, position) + (zero,) * value.ndim
-        old = jax.lax.dynamic_slice(buffer, index, (1, 1, *value.shape))
-        new = jnp.where(predicate, value[None, None].astype(buffer.dtype), old)
-        return jax.lax.dynamic_update_slice(buffer, new, index)
-
-    return tuple(one(b, v) for b, v in zip(kept, saved))
+    return tuple(put(b, (entry, position), v, predicate) for b, v in zip(kept, saved))
 
 
 def get_cut(kept, entry, position):
@@ -880,14 +939,14 @@ class Streamed:
         return jax.lax.cond(count > 0, run, lambda g, sums: (g, sums), to_varying(g, self._vary()), sums)
 
     def _block_slot_inputs(self, layer_fn, slot_of, first, inputs, i, extras, count, skip_empty: bool):
-        """``[B, microbatch, ...]``: the inputs of block ``i``'s slots in a chunk pass, from ``inputs`` (`saved`
-        of them): read as saved, or, with `block_inputs`, the block's input read and the ``B - 1`` slots after
+        """``[B, microbatch, ...]``: the inputs of block ``i``'s slots in a chunk pass, from ``inputs`` (a
+        `RingEntry` of `saved` of them): read as saved, or, with `block_inputs`, the block's input read and the ``B - 1`` slots after
         it recomputed with the block's weights (``slot_of(j)``: slot ``j``'s, `_slot`; ``first``: the chunk
         slot of the block's first slot; slots outside ``[0, count)`` pass their input through, as in the
         forward pass)."""
         b = self.block
         if not self.block_inputs:
-            return jax.lax.dynamic_slice_in_dim(inputs, i * b, b, axis=0)
+            return inputs.rows(i * b, b)
         none = jnp.zeros((), jnp.int32)
 
         def step(h, j):
@@ -896,7 +955,7 @@ class Streamed:
             out, _ = _forward_slot(layer_fn, lambda: slot_of(j), h, none, extras, on, skip_empty)
             return out, h
 
-        last, before = jax.lax.scan(step, index_leaf(inputs, i), jnp.arange(b - 1))
+        last, before = jax.lax.scan(step, inputs[i], jnp.arange(b - 1))
         return jnp.concatenate([before, last[None]], axis=0)
 
     def backward_input(self, layer_fn, r, inputs, extras, count, g, kept, entry, skip_empty: bool):

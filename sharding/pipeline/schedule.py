@@ -64,6 +64,7 @@ from sharding import axes as ax
 from sharding.parallel import to_varying
 from sharding.pipeline.layout import PipelinePlan
 from sharding.pipeline.program import (
+    RingEntry,
     Setup,
     Weights,
     chunk_backward,
@@ -214,7 +215,7 @@ def _pipeline_backward(layer_fn, plan: PipelinePlan, params, extras, saved, g_ou
         g_out = g_out + jnp.where(wrote, index_leaf(g_outputs, mb), 0).astype(g_out.dtype)
         count = jnp.where(valid, counts[r], 0)
         g_in, grads = chunk_backward(
-            layer_fn, params, r, index_leaf(saved, t), index_tree(extras, mb), count, g_out, grads, plan.skip_empty
+            layer_fn, params, r, RingEntry(saved, t), index_tree(extras, mb), count, g_out, grads, plan.skip_empty
         )
         first = valid & (stage == 0)
         if repeats > 1:
