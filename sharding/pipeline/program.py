@@ -19,8 +19,10 @@ mesh, manual over ``stage`` and the batch axes ``data`` and ``fsdp`` (`manual_ax
   latter into `chunk_backward_input` (the recomputed layer's input gradient, keeping each product's input
   and output cotangent) and `chunk_backward_weight` (the weight-gradient products alone), cut by
   `sharding.pipeline.split.LayerSplit`;
-* `index_tree`, `index_leaf`, `write`, `slot_params`, `add_slot`: slice-sized reads and predicated
-  writes of the loop's buffers (a `jnp.where` on one slice, never on a whole buffer);
+* `index_tree`, `index_leaf`, `write`, `store`, `slot_params`, `add_slot`: slice-sized reads and predicated
+  writes of the loop's buffers (a `jnp.where` on one slice, never on a whole buffer; `store`, for the rings a
+  loop carries, reads nothing of the buffer, so XLA updates it in place), and `RingEntry`, the backward's
+  view of one entry of a ring of saved inputs, read in place;
 * `stage_varying`, `sum_over_stages`: the casts at the edge of the map (inputs made stage-varying so
   their cotangents are reduced once, after the loop; the last stage's outputs summed over ``stage``),
   both in at least float32 (`wide_dtype`).
@@ -94,32 +96,14 @@ def write(buffer, i, value, predicate):
     return jax.lax.dynamic_update_index_in_dim(buffer, jnp.where(predicate, value, old), i, 0)
 
 
-def put(buffer, index, value, predicate):
-    """``buffer[index] = value`` where ``predicate``, else unchanged: a select and an update the size of
-    ``value``, at a tuple of leading indices (traced int32 scalars).
-
-    Args:
-      buffer: ``[n_0, ..., n_j, ...]``.
-      index: ``(i_0, ..., i_j)``, one index per leading dimension.
-      value: ``[...]``, shaped as ``buffer[i_0, ..., i_j]`` (cast to ``buffer``'s dtype).
-      predicate: traced bool scalar.
-    """
-    zero = jnp.zeros((), jnp.int32)
-    lead = len(index)
-    start = tuple(index) + (zero,) * value.ndim
-    old = jax.lax.dynamic_slice(buffer, start, (1,) * lead + value.shape)
-    new = jnp.where(predicate, value.reshape(old.shape).astype(buffer.dtype), old)
-    return jax.lax.dynamic_update_slice(buffer, new, start)
-
-
 def store(buffer, index, value, predicate):
     """``buffer[index] = value`` where ``predicate``, else unchanged, without reading ``buffer``: a scatter
     that drops its update where ``predicate`` is false (its first index moved out of bounds).
 
-    `put` selects between ``value`` and the old slice, so it reads the buffer where it writes; XLA may fuse
-    that read with an earlier update of the same buffer into one that reads the buffer as it was, after the
-    update wrote over it in place, and then keeps the old buffer alive with a copy of the whole buffer.
-    A write that reads nothing leaves no such read to move.
+    A select between ``value`` and the old slice (`write`) reads the buffer where it writes; XLA may fuse that
+    read with an earlier update of the same buffer into one that reads the buffer as it was, after the update
+    wrote over it in place, and then keeps the old buffer alive with a copy of the whole buffer (in a loop: one
+    per trip). A write that reads nothing leaves no such read to move.
 
     Args:
       buffer: ``[n_0, ..., n_j, ...]``.
@@ -453,8 +437,8 @@ def cut_ring(layer_fn, params, like, extras, entries: int):
 
 
 def put_cut(kept, entry, position, saved, predicate):
-    """``kept[entry, position] = saved`` leaf by leaf where ``predicate`` (a slot-sized select and update)."""
-    return tuple(put(b, (entry, position), v, predicate) for b, v in zip(kept, saved))
+    """``kept[entry, position] = saved`` leaf by leaf where ``predicate`` (slot-sized updates, `store`)."""
+    return tuple(store(b, (entry, position), v, predicate) for b, v in zip(kept, saved))
 
 
 def get_cut(kept, entry, position):
