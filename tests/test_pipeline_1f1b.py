@@ -545,12 +545,12 @@ def _compiled_gradients(
     head_streamed=True,
     entry_streamed=True,
 ):
-    """The compiled gradient step of a test model (compiled once per arguments, shared by the tests); ``block_inputs`` False: with ``gather`` ``microbatch``, each
-    slot's input saved, as before the ring kept block inputs only (`Streamed.block_inputs`); ``head_streamed``
-    False: with ``gather`` ``microbatch``, the 1F1B family's head weights gathered once, as before the head
-    step gathered them (`HeadWeights`); ``entry_streamed`` False: the embedding run on the whole batch before the
-    loop, which holds its output ``[M, microbatch, ...]`` and that output's cotangent, as before stage 0 ran it
-    per microbatch (`onef1b.Entry`)."""
+    """The compiled gradient step of a test model, compiled once per arguments (the tests share it);
+    ``block_inputs`` False: with ``gather`` ``microbatch``, each slot's input saved, as before the ring kept block
+    inputs only (`Streamed.block_inputs`); ``head_streamed`` False: with ``gather`` ``microbatch``, the 1F1B
+    family's head weights gathered once, as before the head step gathered them (`HeadWeights`);
+    ``entry_streamed`` False: the embedding run on the whole batch before the loop, which holds its output ``[M,
+    microbatch, ...]`` and that output's cotangent, as before stage 0 ran it per microbatch (`onef1b.Entry`)."""
     from unittest import mock
 
     from models import transformer
