@@ -924,10 +924,10 @@ class Streamed:
 
     def _block_slot_inputs(self, layer_fn, slot_of, first, inputs, i, extras, count, skip_empty: bool):
         """``[B, microbatch, ...]``: the inputs of block ``i``'s slots in a chunk pass, from ``inputs`` (a
-        `RingEntry` of `saved` of them): read as saved, or, with `block_inputs`, the block's input read and the ``B - 1`` slots after
-        it recomputed with the block's weights (``slot_of(j)``: slot ``j``'s, `_slot`; ``first``: the chunk
-        slot of the block's first slot; slots outside ``[0, count)`` pass their input through, as in the
-        forward pass)."""
+        `RingEntry` of `saved` of them): read as saved, or, with `block_inputs`, the block's input read and the
+        ``B - 1`` slots after it recomputed with the block's weights (``slot_of(j)``: slot ``j``'s, `_slot`;
+        ``first``: the chunk slot of the block's first slot; slots outside ``[0, count)`` pass their input
+        through, as in the forward pass)."""
         b = self.block
         if not self.block_inputs:
             return inputs.rows(i * b, b)
