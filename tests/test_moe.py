@@ -536,13 +536,17 @@ def test_qwen3_moe_config_round_trip_and_refusals():
 
 
 def test_dry_run_prices_the_expert_dispatch_as_compiled(capsys):
-    """The cost model's arguments and collectives (the ring's all-gathers and reduce-scatters, gradients
-    summed over the batch axes but not over ``expert`` for expert weights) against the compiled step."""
+    """The cost model's arguments, collectives (the ring's all-gathers and reduce-scatters, gradients summed
+    over the batch axes but not over ``expert`` for expert weights) and temporaries against the compiled
+    step. The temporaries hold the ring's gathered copies: each device computes ``E_p * min(k, E / E_p)``
+    routed copies per token of its own (8 here, not k = 2), and XLA:CPU's dense grouped products. Main
+    priced k copies per token: 5.50 MiB against 20.96 compiled (0.26x), then 11.89 once the ring held only
+    the copies its experts can receive."""
     import re
 
     from train import train
 
-    args = ["--model", "moe-test", "--mesh", "expert=8", "--batch-size", "8", "--seq-len", "32", "--dry-run"]
+    args = ["--model", "moe-test", "--mesh", "expert=8", "--batch-size", "64", "--seq-len", "32", "--dry-run"]
     assert train.main(args) == 0
     out = capsys.readouterr().out
     assert "8 experts (top-2), 1 per device over expert=8; 165,312 active parameters" in out
@@ -550,6 +554,12 @@ def test_dry_run_prices_the_expert_dispatch_as_compiled(capsys):
     rows = {
         m[1]: (m[2], m[3]) for m in re.finditer(r"^  (\S[\w ()+-]*?)\s{2,}([\d.]+ \w+)\s+([\d.]+ \w+)$", block, re.M)
     }
-    for label in ("arguments (state + batch)", "all-gather", "all-reduce", "reduce-scatter"):
+    for label, tolerance in (
+        ("arguments (state + batch)", 0.10),
+        ("all-gather", 0.10),
+        ("all-reduce", 0.10),
+        ("reduce-scatter", 0.10),
+        ("temporaries", 0.15),
+    ):
         predicted, compiled = (float(cell.split()[0]) for cell in rows[label])
-        assert abs(predicted - compiled) <= 0.10 * compiled, (label, predicted, compiled)
+        assert abs(predicted - compiled) <= tolerance * compiled, (label, predicted, compiled)
