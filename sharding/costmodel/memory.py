@@ -54,6 +54,8 @@ class Memory:
         (`sharding.costmodel.partitioner._fsdp_gather_bytes`: the compute dtype on GPU); with pipeline stages,
         the stage's working copy gathered once per step, in the compute dtype, alive through the step.
       batch: The step's input batch on this device.
+      cpu_only: Of ``activations``, what only XLA:CPU allocates (`_grouped_cpu_bytes`: a mixture of experts'
+        grouped products lowered densely, float32 copies of bfloat16 activations); 0 on other backends.
     """
 
     parameters: float
@@ -63,6 +65,7 @@ class Memory:
     logits: float
     gathered: float
     batch: float
+    cpu_only: float = 0.0
 
     @property
     def state(self) -> float:
@@ -140,8 +143,9 @@ def _grouped_cpu_bytes(model: ModelDescription, layout: Layout, rules: Rules, s:
     mesh = layout.mesh
     rows = s.tok * _copies_held(model, mesh)  # routed copies one layer computes here
     local = experts.num_experts // _ring_split(mesh)
-    routed = [p for p in model.products if p.groups > 1]
-    f = max(p.out_size // p.groups for p in routed) / _axis_split(model, ax.MLP, rules, mesh)
+    f = next(  # one expert's hidden width, split over tensor
+        size for p in model.products if p.groups > 1 for a, size in zip(p.weight.axes, p.weight.shape) if a == ax.MLP
+    ) / _axis_split(model, ax.MLP, rules, mesh)
     dense = local * rows * (3 * model.hidden + f) * 4
     upcast = 0.0
     if s.act_bytes < 4:
@@ -174,7 +178,8 @@ def _memory(
         saved = s.tok * s.layers * saved_bytes(("input", "dot")) + s.tok * per_layer
     else:
         saved = s.tok * s.layers * per_layer
-    saved += _grouped_cpu_bytes(model, layout, rules, s, backend)
+    cpu_only = _grouped_cpu_bytes(model, layout, rules, s, backend)
+    saved += cpu_only
     out = model.logits
     logits = 2 * s.tok * out.out_size / math.prod(_axis_split(model, a, rules, mesh) for a in out.out_axes) * 4
     gathered = 0.0
@@ -198,4 +203,5 @@ def _memory(
         logits=logits,
         gathered=gathered,
         batch=batch,
+        cpu_only=cpu_only,
     )
