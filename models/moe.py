@@ -68,6 +68,7 @@ __all__ = [
     "capacity_keep",
     "capacity_slots",
     "expert_outputs",
+    "held_copies",
     "route",
     "router_losses",
     "router_objective",
@@ -206,8 +207,13 @@ def expert_outputs(
     """The routed experts' weighted output for each token: dropless grouped matrix products.
 
     The ``N*K`` copies routed to the experts held here (``first .. first+E_local-1``) are sorted by expert
-    and multiplied by `jax.lax.ragged_dot`, one group of rows per expert; copies of other experts sort
-    last and contribute zero.
+    and multiplied by `jax.lax.ragged_dot`, one group of rows per expert. A token's ``K`` choices are
+    distinct experts, so at most ``M = N * min(K, E_local)`` of the copies are held here: only the first
+    ``M`` sorted copies are computed, which drops none (with the experts split over ``E_p`` devices and
+    ``E_local < K``, the ring's gathered rows shrink from ``N K`` to ``N E_local``). The combine weight
+    scales the hidden ``[M, F]`` before the down product (the output is linear in it), so no ``[M, D]``
+    output is kept for its gradient, and the rows go back to their tokens by a scatter-add that drops the
+    copies of other devices' experts, whatever their rows hold.
 
     Args:
       x: ``[N, D]`` tokens, compute dtype.
@@ -224,17 +230,24 @@ def expert_outputs(
     local = experts.reshape(-1) - first
     held = (local >= 0) & (local < local_experts)
     key = jnp.where(held, local, local_experts)  # other devices' experts sort last
-    order = stable_argsort(key)
+    order = stable_argsort(key)[: held_copies(n, k, local_experts)]
     sizes = jnp.bincount(key, length=local_experts + 1)[:local_experts].astype(jnp.int32)
-    rows = x[order // k]  # [R, D]
+    token = order // k
+    rows = x[token]  # [M, D]
     dtype = x.dtype
     h_gate = jax.lax.ragged_dot(rows, gate.astype(dtype), sizes)
     h_up = jax.lax.ragged_dot(rows, up.astype(dtype), sizes)
-    out = jax.lax.ragged_dot(jax.nn.silu(h_gate) * h_up, down.astype(dtype), sizes)  # [R, D]
-    combine = jnp.where(held, weights.reshape(-1), 0.0)[order]
-    out = jnp.where(held[order][:, None], out, 0) * combine[:, None].astype(dtype)
-    inverse = stable_argsort(order)
-    return jnp.sum(out[inverse].reshape(n, k, -1), axis=1)
+    combine = jnp.where(held, weights.reshape(-1), 0.0)[order].astype(dtype)
+    hidden = jax.nn.silu(h_gate) * h_up * combine[:, None]  # [M, F]
+    out = jax.lax.ragged_dot(hidden, down.astype(dtype), sizes)  # [M, D]
+    target = jnp.where(held[order], token, n)  # another device's copy: out of range, dropped
+    return jnp.zeros((n, x.shape[-1]), dtype).at[target].add(out, mode="drop")
+
+
+def held_copies(tokens: int, experts_per_token: int, local_experts: int) -> int:
+    """``M = tokens * min(K, E_local)``: the most routed copies of ``tokens`` tokens that ``E_local`` experts
+    can receive (a token's ``K`` choices are distinct experts), the rows `expert_outputs` computes."""
+    return tokens * min(experts_per_token, local_experts)
 
 
 class MoE(nnx.Module):

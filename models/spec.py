@@ -201,22 +201,25 @@ def _swiglu_activations(f: int) -> tuple[Term, ...]:
 def _moe_activations(config: ModelConfig) -> tuple[Term, ...]:
     """A mixture-of-experts layer's saved activations per token (`models.moe`): the router's float32 logits
     (a product without batch dimensions: kept by ``remat="dots"``) and probabilities, the shared experts'
-    SwiGLU, and for each of the token's ``K`` routed copies its row ``[D]``, the grouped products' gate and up
-    outputs ``[F]`` (`jax.lax.ragged_dot` is no ``dot_general``: ``dots`` does not keep them), silu's two
-    intermediates and the hidden ``[F]`` each, the down product's output ``[D]`` (the combine weight's gradient
-    reads it) and the routing's combine weight and sort indices. Without expert parallelism (a stage's layers,
-    or ``expert`` = 1); the ring's gathered copies (``expert`` > 1) hold ``E_p`` times as many rows, which these
-    terms do not count. Measured against the compiled step's temporaries per layer (``moe-test``, ``data=8``):
-    ``dots`` to the element (328 per token; 264 with ``K`` 4, ``F`` 64 and no shared expert), ``none`` within 1%
-    (4%: the CPU compiler also keeps some elementwise intermediates)."""
-    d, f, e, k = config.embed_dim, config.expert_dim, config.num_experts, config.experts_per_token
+    SwiGLU, and for each routed copy the device computes (``per_copy``: ``K`` per token without expert
+    parallelism, ``E_p * min(K, E / E_p)`` per token of its own under the ring, whose gathered rows are
+    mostly other devices' experts', `sharding.modeldesc.ExpertGeometry.copies_held`) its row ``[D]``, the
+    grouped products' gate and up outputs ``[F]`` (`jax.lax.ragged_dot` is no ``dot_general``: ``dots``
+    does not keep them), silu's intermediates, the hidden and the hidden scaled by the combine weight (the
+    down product's input): seven ``[F]``, as the bfloat16 step of ``qwen3-30b-a3b`` keeps them (its buffer
+    assignment), and its combine weight, sort and scatter indices. Against the compiled step's temporaries
+    per layer (``moe-test``, 16 x 512, float32, remat ``none``): ``data=8`` 3,552 float32 elements per token
+    compiled, 3,640 priced; ``expert=8`` (the ring's 8 copies per token) 5,259 compiled, 5,392 priced (both
+    2.5% over: float32 keeps about six ``[F]``); ``dots`` to the element (328 per token; 264 with ``K`` 4,
+    ``F`` 64 and no shared expert)."""
+    d, f, e = config.embed_dim, config.expert_dim, config.num_experts
     shared = _swiglu_activations(config.shared_experts * f) if config.shared_experts else ()
     return shared + (
         Term(e, bytes=4, kept=("dot",), what="router logits (float32)"),
         Term(e, bytes=4, what="router probabilities (float32)"),
-        Term(2 * k * d, what="routed copies' rows and the down products' outputs"),
-        Term(5 * k * f, ax.MLP, what="routed gate and up outputs, silu's intermediates, hidden"),
-        Term(4 * k, bytes=4, what="combine weights and sort indices"),
+        Term(d, per_copy=True, what="routed copies' rows"),
+        Term(7 * f, ax.MLP, per_copy=True, what="routed gate and up outputs, silu's intermediates, hidden, scaled"),
+        Term(4, bytes=4, per_copy=True, what="combine weights, sort and scatter indices"),
     )
 
 

@@ -195,6 +195,15 @@ class ExpertGeometry:
         """The dispatch over ``expert_split`` devices (`expert_dispatch`)."""
         return expert_dispatch(self.capacity_factor, self.experts_per_token, expert_split)
 
+    def copies_held(self, expert_split: int) -> int:
+        """Routed copies a device computes per token of its own (`models.moe.held_copies`): ``k`` without
+        the ring; with it (``expert_split`` = E_p devices gathering their tokens), every gathered token's
+        copies its ``E / E_p`` experts can receive, ``E_p * min(k, E / E_p)``, most of them for other
+        devices' experts (rows a GPU's fixed shapes hold too, dropless)."""
+        if self.dispatch(expert_split) != "ring":
+            return self.experts_per_token
+        return expert_split * min(self.experts_per_token, self.num_experts // expert_split)
+
 
 def expert_dispatch(capacity_factor: float, experts_per_token: int, expert_split: int) -> str:
     """How a mixture of experts' tokens reach the devices of their experts: ``"local"``, ``"ring"`` or
@@ -300,6 +309,8 @@ class Term:
         sees; such terms exist only where the attention materialises the scores.
       bytes: For activations: bytes per element; None: the compute dtype's.
       kept: For activations: the `KEPT` tags of the remat policies that keep it.
+      per_copy: For activations: an amount per routed copy of a mixture of experts that the device computes
+        (`ExpertGeometry.copies_held` per token), not per token.
       what: What it is (for reports).
     """
 
@@ -308,6 +319,7 @@ class Term:
     per_key: bool = False
     bytes: int | None = None
     kept: tuple[str, ...] = ()
+    per_copy: bool = False
     what: str = ""
 
 

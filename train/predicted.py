@@ -75,4 +75,22 @@ def cost_model_lines(trainer, compiled, batch: int, seq_len: int) -> list[str]:
         f"  {'':<28} {'predicted':>14} {'compiled':>14}",
     ]
     lines += [f"  {label:<28} {pred:>14} {got:>14}" for label, pred, got in rows]
+    if cost.memory.cpu_only:
+        lines.append(
+            f"  of the predicted temporaries, {_mib(cost.memory.cpu_only)} are XLA:CPU's own (a mixture of experts' "
+            f"grouped products lowered densely, float32 copies of bfloat16 activations): on a GPU about "
+            f"{_mib(cost.memory.in_flight - cost.memory.cpu_only)}"
+        )
     return lines + trainer.strategy.cost_notes()
+
+
+def cpu_only_bytes(trainer, batch: int, seq_len: int) -> float:
+    """Bytes of the step's temporaries that the cost model prices as XLA:CPU's alone
+    (`sharding.costmodel.Memory.cpu_only`); 0 on other platforms or where the layout is not priced."""
+    if trainer.mesh.devices.flat[0].platform != "cpu":
+        return 0.0
+    try:
+        cost, _ = _predicted(trainer, batch, seq_len, "cpu")
+    except ValueError:
+        return 0.0
+    return cost.memory.cpu_only

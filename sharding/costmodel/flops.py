@@ -31,7 +31,16 @@ import math
 
 from sharding import axes as ax
 from sharding.costmodel.context import context_groups
-from sharding.costmodel.layout import Layout, _axis_split, _per_token, _Placed, _Shape, attention_of
+from sharding.costmodel.layout import (
+    Layout,
+    _axis_split,
+    _copies_held,
+    _per_token,
+    _Placed,
+    _ring_split,
+    _Shape,
+    attention_of,
+)
 from sharding.costmodel.memory import _held_params
 from sharding.modeldesc import AttentionTraits, ModelDescription, Product
 from sharding.parallel import CONTIGUOUS
@@ -111,9 +120,12 @@ def _per_token_flops(
     mesh = layout.mesh
     compute_axes = tuple(a for a in mesh if a not in ax.BATCH_MESH_AXES)  # gathered axes do not split work
     dense_groups = backend in DENSE_GROUPED_BACKENDS and not _batched_experts(model, layout)
+    groups_held = 1.0  # every row against every group: under the ring, min(k, E_local) / k of the k per token
+    if dense_groups and model.experts is not None:
+        groups_held = _copies_held(model, mesh) / (model.experts.experts_per_token * _ring_split(mesh))
 
     def forward(product: Product) -> float:
-        groups = product.groups if dense_groups else 1
+        groups = product.groups * groups_held if dense_groups and product.groups > 1 else 1
         return 2.0 * product.share * groups * product.weight.size / placed[product.weight.path].factor(*compute_axes)
 
     layer_fwd = sum(forward(p) for p in model.products)

@@ -399,10 +399,27 @@ def _per_token_cached(
         if kept is not None and not set(t.kept) & set(kept):
             continue
         amount = t.amount * (keys if t.per_key else 1.0) / _axis_split(model, t.axis, rules, mesh)
+        if t.per_copy:
+            amount *= _copies_held(model, mesh)
         if act_bytes is not None:
             amount *= t.bytes or act_bytes
         total += amount
     return total
+
+
+def _copies_held(model: ModelDescription, mesh: Mapping[str, int]) -> int:
+    """A mixture of experts' routed copies one device computes per token of its own
+    (`sharding.modeldesc.ExpertGeometry.copies_held`); inside pipeline stages the layer runs locally."""
+    experts = model.experts
+    if experts is None:
+        return 0
+    return experts.copies_held(_ring_split(mesh))
+
+
+def _ring_split(mesh: Mapping[str, int]) -> int:
+    """The devices a mixture of experts' layer splits its experts over and dispatches to: ``expert``, or 1
+    inside pipeline stages (each stage device computes all the experts, `models.moe`)."""
+    return mesh.get(ax.EXPERT, 1) if mesh.get(ax.STAGE, 1) == 1 else 1
 
 
 @dataclasses.dataclass(frozen=True)

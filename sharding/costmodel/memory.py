@@ -22,9 +22,11 @@ from sharding.costmodel.layout import (
     _PARAM_BYTES,
     Layout,
     _axis_split,
+    _copies_held,
     _per_token,
     _place_cached,
     _Placed,
+    _ring_split,
     _Shape,
     attention_of,
 )
@@ -52,6 +54,8 @@ class Memory:
         (`sharding.costmodel.partitioner._fsdp_gather_bytes`: the compute dtype on GPU); with pipeline stages,
         the stage's working copy gathered once per step, in the compute dtype, alive through the step.
       batch: The step's input batch on this device.
+      cpu_only: Of ``activations``, what only XLA:CPU allocates (`_grouped_cpu_bytes`: a mixture of experts'
+        grouped products lowered densely, float32 copies of bfloat16 activations); 0 on other backends.
     """
 
     parameters: float
@@ -61,6 +65,7 @@ class Memory:
     logits: float
     gathered: float
     batch: float
+    cpu_only: float = 0.0
 
     @property
     def state(self) -> float:
@@ -122,6 +127,35 @@ def _held_pipeline_params(model: ModelDescription, rules: Rules, mesh_items: tup
     return held
 
 
+def _grouped_cpu_bytes(model: ModelDescription, layout: Layout, rules: Rules, s: _Shape, backend: str) -> float:
+    """What XLA:CPU alone holds for a mixture of experts' grouped products (`jax.lax.ragged_dot`), bytes; 0 on
+    other backends. Its dense lowering (`sharding.costmodel.flops.DENSE_GROUPED_BACKENDS`) builds masked float32
+    ``[E_local, rows, D]`` and ``[E_local, rows, F]`` operands in a layer's backward pass (three of the first and
+    one of the second live at its peak: the rows, the output's cotangent and a relayout, and the hidden's); and
+    with a bfloat16 step it upcasts the saved routed activations (the ``per_copy`` terms) to float32 copies for
+    its dots, every layer's at once before the backward loop. Read from the buffer assignment of
+    ``qwen3-30b-a3b`` on ``expert=8`` (2 layers, E 16 and 128, 8 x 256, bfloat16)."""
+    from sharding.costmodel.flops import DENSE_GROUPED_BACKENDS, _batched_experts  # flops imports this module
+
+    experts = model.experts
+    if experts is None or backend not in DENSE_GROUPED_BACKENDS or _batched_experts(model, layout):
+        return 0.0
+    mesh = layout.mesh
+    rows = s.tok * _copies_held(model, mesh)  # routed copies one layer computes here
+    local = experts.num_experts // _ring_split(mesh)
+    f = next(  # one expert's hidden width, split over tensor
+        size for p in model.products if p.groups > 1 for a, size in zip(p.weight.axes, p.weight.shape) if a == ax.MLP
+    ) / _axis_split(model, ax.MLP, rules, mesh)
+    dense = local * rows * (3 * model.hidden + f) * 4
+    upcast = 0.0
+    if s.act_bytes < 4:
+        per_copy = sum(
+            t.amount / _axis_split(model, t.axis, rules, mesh) for t in model.activations if t.per_copy and not t.bytes
+        )
+        upcast = rows * per_copy * 4 * (s.layers if layout.remat == "none" else 1)
+    return dense + upcast
+
+
 def _memory(
     model: ModelDescription,
     layout: Layout,
@@ -144,6 +178,8 @@ def _memory(
         saved = s.tok * s.layers * saved_bytes(("input", "dot")) + s.tok * per_layer
     else:
         saved = s.tok * s.layers * per_layer
+    cpu_only = _grouped_cpu_bytes(model, layout, rules, s, backend)
+    saved += cpu_only
     out = model.logits
     logits = 2 * s.tok * out.out_size / math.prod(_axis_split(model, a, rules, mesh) for a in out.out_axes) * 4
     gathered = 0.0
@@ -167,4 +203,5 @@ def _memory(
         logits=logits,
         gathered=gathered,
         batch=batch,
+        cpu_only=cpu_only,
     )
