@@ -278,8 +278,8 @@ class AttentionTraits:
         the length.
 
     Raises:
-      ValueError: On a key fraction outside (0, 1], a training factor below 1, or scores saved or held by a
-        kernel that does not materialise them.
+      ValueError: On a key fraction outside (0, 1], a training factor below 1, or score counts that do not
+        fit ``materialises_scores`` (held or saved without it; fewer than one held with it, two if saved).
     """
 
     name: str
@@ -298,10 +298,12 @@ class AttentionTraits:
             raise ValueError(f"attention {self.name}: key_fraction {self.key_fraction} must be in (0, 1]")
         if self.training_factor < 1:
             raise ValueError(f"attention {self.name}: training_factor {self.training_factor} must be >= 1")
-        if self.backward_scores < 0 or (not self.materialises_scores and (self.saves_scores or self.backward_scores)):
+        held = self.backward_scores >= 1 + self.saves_scores if self.materialises_scores else not self.backward_scores
+        if not held or (self.saves_scores and not self.materialises_scores):
             raise ValueError(
-                f"attention {self.name}: saves_scores {self.saves_scores} and backward_scores {self.backward_scores} "
-                f"need materialises_scores (got {self.materialises_scores}) and backward_scores >= 0"
+                f"attention {self.name}: backward_scores {self.backward_scores} and saves_scores {self.saves_scores} "
+                f"with materialises_scores {self.materialises_scores}: a kernel that materialises the scores holds at "
+                "least one in its backward (two where it also saved them), one that does not holds and saves none"
             )
 
 

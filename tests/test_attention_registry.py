@@ -12,6 +12,7 @@ from models.config import ModelConfig, get_config
 from models.kernels.ring_attention import zigzag_permutation
 from sharding import costmodel as cm
 from sharding.mesh import make_mesh, parse_mesh
+from sharding.modeldesc import AttentionTraits
 from sharding.parallel import CONTIGUOUS, UNSHARDED, ZIGZAG, Parallelism
 from sharding.rules import get_rules
 
@@ -51,6 +52,20 @@ def test_the_score_sized_arrays_a_backward_holds_are_what_the_compiler_allocates
     compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, k, q, ids).compile()
     held = compiled.memory_analysis().temp_size_in_bytes / (batch * heads * length * length * 4)
     assert registry.kernel(name).traits.backward_scores <= held < registry.kernel(name).traits.backward_scores + 0.25
+
+
+@pytest.mark.parametrize(
+    "counts",
+    [
+        {"materialises_scores": True},  # einsum attention holds at least its probabilities in the backward
+        {"materialises_scores": True, "saves_scores": True, "backward_scores": 1},
+        {"materialises_scores": False, "backward_scores": 2},
+        {"materialises_scores": False, "saves_scores": True},
+    ],
+)
+def test_score_counts_that_do_not_fit_the_kernel_are_refused(counts):
+    with pytest.raises(ValueError, match="attention x: backward_scores"):
+        AttentionTraits("x", **counts)
 
 
 def test_names_are_unique_and_the_defaults_name_a_record():
