@@ -82,7 +82,8 @@ KERNELS: tuple[AttentionKernel, ...] = (
         wrapper="run_flash",
     ),
     AttentionKernel(
-        AttentionTraits("reference", materialises_scores=True),
+        # Its custom backward recomputes the probabilities from the rows' log-sum-exp (`reference_attention`).
+        AttentionTraits("reference", materialises_scores=True, backward_scores=2),
         "einsum + mask + float32 softmax; GSPMD partitions it; memory O(T*S) per head",
         wrapper="run_reference",
     ),
@@ -118,8 +119,10 @@ KERNELS: tuple[AttentionKernel, ...] = (
         inner_all_to_all=True,
     ),
     AttentionKernel(
-        # Priced as reference (XLA's implementation holds the scores too), so the planner need not try both.
-        AttentionTraits("dot_product", materialises_scores=True, searched=False),
+        # Autodiff through XLA's implementation saves the probabilities and holds four score-sized arrays in
+        # the backward (as the reference attention did before its own backward): the same work as the
+        # reference attention with more memory, so the planner need not try it.
+        AttentionTraits("dot_product", materialises_scores=True, saves_scores=True, backward_scores=4, searched=False),
         "jax.nn.dot_product_attention (JAX's own implementation, a baseline for flash); GSPMD partitions it",
         wrapper="run_dot_product",
     ),

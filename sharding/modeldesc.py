@@ -259,6 +259,14 @@ class AttentionTraits:
       materialises_scores: Whether it holds the ``[T, S]`` score matrix (einsum attention, XLA's
         ``dot_product_attention``): the description's ``per_key`` terms (the float32 softmax, the mask,
         their elementwise work) count the keys a query sees; False: they count none.
+      saves_scores: Whether autodiff saves every layer's float32 probabilities and mask for the backward
+        (XLA's ``dot_product_attention``); False for a kernel whose backward recomputes them (the reference
+        attention saves the rows' log-sum-exp instead) or that never holds them.
+      backward_scores: How many score-sized float32 arrays (each counted with its boolean mask) one
+        layer's backward holds at once where the kernel materialises the scores: 2 for the reference
+        attention's backward (the probabilities and dp, whose buffer ds takes), 4 for autodiff through
+        einsum attention (the probabilities and three more). Read from XLA's buffer assignment of the 7B
+        pipeline step (`bench/RESULTS.md`, "The reference attention's backward").
       key_fraction: Fraction of the ``T x S`` score products it computes: 1.0 for every entry, 0.5 when
         the tiles the causal mask empties are skipped.
       training_factor: FLOPs of the score products forward and backward, as a multiple of the forward's:
@@ -279,11 +287,14 @@ class AttentionTraits:
         the length.
 
     Raises:
-      ValueError: On a key fraction outside (0, 1] or a training factor below 1.
+      ValueError: On a key fraction outside (0, 1], a training factor below 1, or score counts that do not
+        fit ``materialises_scores`` (held or saved without it; fewer than one held with it, two if saved).
     """
 
     name: str
     materialises_scores: bool
+    saves_scores: bool = False
+    backward_scores: int = 0
     key_fraction: float = 1.0
     training_factor: float = 3.0
     splits_length: bool = False
@@ -296,6 +307,13 @@ class AttentionTraits:
             raise ValueError(f"attention {self.name}: key_fraction {self.key_fraction} must be in (0, 1]")
         if self.training_factor < 1:
             raise ValueError(f"attention {self.name}: training_factor {self.training_factor} must be >= 1")
+        held = self.backward_scores >= 1 + self.saves_scores if self.materialises_scores else not self.backward_scores
+        if not held or (self.saves_scores and not self.materialises_scores):
+            raise ValueError(
+                f"attention {self.name}: backward_scores {self.backward_scores} and saves_scores {self.saves_scores} "
+                f"with materialises_scores {self.materialises_scores}: a kernel that materialises the scores holds at "
+                "least one in its backward (two where it also saved them), one that does not holds and saves none"
+            )
 
 
 @dataclasses.dataclass(frozen=True)

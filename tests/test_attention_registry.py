@@ -12,6 +12,7 @@ from models.config import ModelConfig, get_config
 from models.kernels.ring_attention import zigzag_permutation
 from sharding import costmodel as cm
 from sharding.mesh import make_mesh, parse_mesh
+from sharding.modeldesc import AttentionTraits
 from sharding.parallel import CONTIGUOUS, UNSHARDED, ZIGZAG, Parallelism
 from sharding.rules import get_rules
 
@@ -30,6 +31,41 @@ def _inputs(length=32, batch=2, heads=8, kv_heads=4, head_dim=16):
 
 def _close(got, want):
     assert float(jnp.max(jnp.abs(got - want))) <= 1e-5 * float(jnp.max(jnp.abs(want)))
+
+
+@pytest.mark.parametrize("shape", [(1, 512, 4, 4, 16), (2, 512, 4, 2, 16)])
+@pytest.mark.parametrize("name", ["reference", "dot_product"])
+def test_the_score_sized_arrays_a_backward_holds_are_what_the_compiler_allocates(name, shape):
+    """A record's ``backward_scores`` is what XLA allocates for its backward: the gradient of one attention call
+    (its output's cotangent made after the forward, segment ids), whose temporaries are that many float32
+    score-sized arrays ``[batch, heads, T, S]`` and, beside them, arrays of ``head_dim / S`` of one (1/32 here)."""
+    batch, length, heads, kv_heads, head_dim = shape
+    attend = wrapper(registry.kernel(name))
+    q = jax.ShapeDtypeStruct((batch, length, heads, head_dim), jnp.float32)
+    k = jax.ShapeDtypeStruct((batch, length, kv_heads, head_dim), jnp.float32)
+    ids = jax.ShapeDtypeStruct((batch, length), jnp.int32)
+
+    def loss(q, k, v, weights, ids):
+        out = attend(q, k, v, ids, causal=True, layout=CONTIGUOUS, par=UNSHARDED)
+        return jnp.sum(jnp.sin(out) * weights)  # the cotangent depends on the output, as in a model
+
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, k, q, ids).compile()
+    held = compiled.memory_analysis().temp_size_in_bytes / (batch * heads * length * length * 4)
+    assert registry.kernel(name).traits.backward_scores <= held < registry.kernel(name).traits.backward_scores + 0.25
+
+
+@pytest.mark.parametrize(
+    "counts",
+    [
+        {"materialises_scores": True},  # einsum attention holds at least its probabilities in the backward
+        {"materialises_scores": True, "saves_scores": True, "backward_scores": 1},
+        {"materialises_scores": False, "backward_scores": 2},
+        {"materialises_scores": False, "saves_scores": True},
+    ],
+)
+def test_score_counts_that_do_not_fit_the_kernel_are_refused(counts):
+    with pytest.raises(ValueError, match="attention x: backward_scores"):
+        AttentionTraits("x", **counts)
 
 
 def test_names_are_unique_and_the_defaults_name_a_record():

@@ -30,6 +30,7 @@ from costmodel_grid import (
 from costmodel_grid import case_id as _id
 from costmodel_grid import config_of as _config
 
+from models import attention_registry as registry
 from models.config import get_config
 from models.spec import describe
 from sharding import costmodel as cm
@@ -409,7 +410,7 @@ def test_pipeline_weights_gathered_per_microbatch_cost_a_layer_per_slot(one_f_on
     # the 1F1B family's head (final norm, output projection, float32): gathered once, held whole with whole
     # float32 gradient sums through the loop; per microbatch, gathered and reduce-scattered over fsdp at each of
     # the M head steps on the last stage, holding the sums of its half (its whole copy and gradient, 1,000 MiB,
-    # only while a head step runs, under the 2,770 MiB working set of a layer)
+    # only while a head step runs, under the 2,510 MiB working set of a layer and its gathered copy)
     head = sum(p.size for p in describe(config).params if not p.per_layer and p.role != "embedding") * 4
     table = describe(config).with_role("embedding").size * 4  # the entry's, streamed alike
     if one_f_one_b:
@@ -424,10 +425,12 @@ def test_pipeline_weights_gathered_per_microbatch_cost_a_layer_per_slot(one_f_on
     # more) against the received half rows' 1 (each leaf of the gathered layer's gradient is reduce-scattered as
     # the slot's backward produces it: no whole layer's gradient is held); and the ring keeps one input per 2
     # layers, 5 saved activations per chunk instead of 10 (zero bubble's ring of what its input gradients keep
-    # for the weight gradients is the same in both modes); and the head's held bytes
+    # for the weight gradients is the same in both modes); and the head's held bytes; and GPipe's head logits
+    # beyond a layer's working set (4 rows' 2,000 MiB over 1,738 MiB gathering once; under 2,510 MiB with the
+    # layer gathered per microbatch)
     saved = once.memory.activations - streamed.memory.activations
     assert streamed.memory.state == once.memory.state  # 4 whole rows or 8 half rows per device
-    fewer = (8 + 5) * layer + saved + held["once"] - held["microbatch"]
+    fewer = (8 + 5) * layer + saved + held["once"] - held["microbatch"] + once.memory.logits - streamed.memory.logits
     assert streamed.memory.total == pytest.approx(once.memory.total - fewer, rel=1e-9)
     ring = cm.tick_table(tick_schedule, 4, 16, 1).slots if one_f_one_b else 16 + 4 - 1
     act = 2048 * config.embed_dim * 4  # one slot input: one row of a microbatch per device, float32
@@ -440,11 +443,13 @@ def test_pipeline_weights_gathered_per_microbatch_cost_a_layer_per_slot(one_f_on
 def test_the_1f1b_heads_gathered_copy_counts_per_microbatch_only_above_a_layers_working_set(gather):
     """The 7B on stage=4,fsdp=2 (10,10,6,6), 1F1B, its vocabulary grown by 16,000 entries (the output projection
     by ``d`` = 4096 x 16,000 float32, 250 MiB; no layer changes). Gathered once, the held head grows by its
-    whole copy and whole sums, ``2 d``. Per microbatch, by the sums of its fsdp half, ``d / 2`` (and the streamed
-    embedding table's as much), while the whole copy and gradient it holds during a head step, with the step's
-    logits (1,500-2,250 MiB at 32k-48k entries), stay under a layer's backward working set (3,542 MiB with its
-    gathered layer); at 128k-144k entries (6,000-6,750 MiB) they exceed it, and the peak grows by ``2 d`` and the
-    logits' 250 MiB more."""
+    whole copy and whole sums, ``2 d``, and at 128k-144k entries, where one row's logits (2,000-2,250 MiB) exceed
+    a layer's backward working set (1,738 MiB with the reference attention's two score-sized arrays), by the
+    logits' 250 MiB more. Per microbatch, by the sums of its fsdp half, ``d / 2`` (and the streamed embedding
+    table's as much), while the whole copy and gradient it holds during a head step, with the step's logits
+    (1,500-2,250 MiB at 32k-48k entries), stay under a layer's backward working set (2,510 MiB with its gathered
+    layer); at 128k-144k entries (6,000-6,750 MiB) they exceed it, and the peak grows by ``2 d`` and the logits'
+    250 MiB more."""
     d = 4096 * 16000 * 4
 
     def gathered(vocab):
@@ -453,10 +458,10 @@ def test_the_1f1b_heads_gathered_copy_counts_per_microbatch_only_above_a_layers_
         return memory.gathered + memory.logits  # held through the loop, and the head step beyond a layer's
 
     below, above = gathered(48000) - gathered(32000), gathered(144000) - gathered(128000)
+    logits = 2048 * 16000 * 4 * 2  # one microbatch row's float32 logits and their gradient
     if gather == "once":
-        assert below == pytest.approx(2 * d, rel=1e-9) and above == pytest.approx(2 * d, rel=1e-9)
+        assert below == pytest.approx(2 * d, rel=1e-9) and above == pytest.approx(2 * d + logits, rel=1e-9)
     else:
-        logits = 2048 * 16000 * 4 * 2  # one microbatch row's float32 logits and their gradient
         # the sums of the fsdp halves of the output projection and of the table (the streamed entry), d / 2 each
         assert below == pytest.approx(d, rel=1e-9) and above == pytest.approx(d + 2 * d + logits, rel=1e-9)
 
@@ -476,10 +481,11 @@ def test_pipeline_in_flight_bytes_are_what_the_step_holds_at_its_peak(attention,
     layout = _seven_b_pipeline(one_f_one_b=one_f_one_b, pipeline_gather=gather, attention=attention)
     memory = cm.estimate(config, 32, 2048, layout, backend="cpu").memory
     # A layer's activations per token (models/spec.py: block input, attention output, 4 norm/residual, q, attention
-    # output, k and v twice, 2 float32 norm copies, 3 MLP), and where the scores are materialised the float32
-    # probabilities and the boolean mask per key; the backward holds three more score-sized arrays.
-    scores = (32 * 2048 * 4 + 2048) if attention == "reference" else 0
-    activations = tokens * ((14 * d + 3 * f) * 4 + scores + 3 * scores)
+    # output, k and v twice, 2 float32 norm copies, 3 MLP), and where the scores are materialised the score-sized
+    # float32 arrays its backward holds at once (the record's count, checked against the compiler in
+    # test_attention_registry.py: the reference attention's probabilities and dp), each with its boolean mask.
+    scores = (32 * 2048 * 4 + 2048) * registry.kernel(attention).traits.backward_scores
+    activations = tokens * ((14 * d + 3 * f) * 4 + scores)
     backward = activations + layer * (gather == "microbatch")  # and the slot's gathered layer (float32 compute)
     # GPipe: the head after the loop on 1/S of the device's 16 rows; 1F1B: one microbatch's row per tick
     logits = (1 if one_f_one_b else 4) * tokens * config.vocab_size * 4 * 2  # float32 logits and their gradient
@@ -489,8 +495,11 @@ def test_pipeline_in_flight_bytes_are_what_the_step_holds_at_its_peak(attention,
     assert memory.logits == pytest.approx(max(0.0, logits - backward), rel=1e-12)
     # with flash attention a layer's working set (706 MiB; 1,478 MiB with its gathered layer) falls under GPipe's
     # logits of 4 rows (2,000 MiB) and, just, under the streamed 1F1B head step (1,500 MiB), not under 1F1B's
-    # logits of one row (500 MiB) beside a head gathered once
-    peaks = attention == "flash" and not (one_f_one_b and gather == "once")
+    # logits of one row (500 MiB) beside a head gathered once; with the reference attention's (1,738 MiB; 2,510
+    # MiB) only under GPipe's logits gathering once
+    peaks = (attention == "flash" and not (one_f_one_b and gather == "once")) or (
+        attention == "reference" and not one_f_one_b and gather == "once"
+    )
     assert (memory.logits > 0) == peaks
     # gradient sums beyond the stored rows' gradients: the working copy's 10 slots in place of the 4 stored rows,
     # or the 2 received half rows (each leaf of the gathered layer is reduce-scattered as its backward yields it)

@@ -156,6 +156,22 @@ def _grouped_cpu_bytes(model: ModelDescription, layout: Layout, rules: Rules, s:
     return dense + upcast
 
 
+def _attention_scores(model: ModelDescription, layout: Layout, rules: Rules, s: _Shape) -> tuple[float, float]:
+    """``(keys, scores)``: the keys a layer's saved ``per_key`` terms count (the probabilities and the mask:
+    ``s.seq`` where autodiff saves them, `AttentionTraits.saves_scores`, else 0), and the bytes per token of the
+    score-sized arrays one layer's backward holds beyond what the layer saved (`AttentionTraits.backward_scores`
+    float32 arrays, each with its mask, less the one saved); both 0 where the attention does not materialise the
+    scores. Checked against XLA's buffer assignment of the 7B pipeline step (`bench/RESULTS.md`, "The reference
+    attention's backward")."""
+    attention = attention_of(model, layout)
+    if not attention.materialises_scores:
+        return 0.0, 0.0
+    one = _per_token(model, "activations", rules, layout.mesh, s.seq, s.act_bytes) - _per_token(
+        model, "activations", rules, layout.mesh, 0.0, s.act_bytes
+    )
+    return (s.seq if attention.saves_scores else 0.0), (attention.backward_scores - attention.saves_scores) * one
+
+
 def _memory(
     model: ModelDescription,
     layout: Layout,
@@ -166,18 +182,20 @@ def _memory(
 ) -> Memory:
     params = _held_params(model, layout, rules, placed, s) * _PARAM_BYTES
     mesh = layout.mesh
-    keys = s.seq if attention_of(model, layout).materialises_scores else 0.0
+    # a layer's probabilities count where autodiff saves them, and one layer's backward holds its attention's
+    # score-sized arrays beyond what it saved
+    keys, scores = _attention_scores(model, layout, rules, s)
 
     def saved_bytes(kept=None) -> float:  # per token of one layer
         return _per_token(model, "activations", rules, mesh, keys, s.act_bytes, kept)
 
     per_layer = saved_bytes()
     if layout.remat == "full":
-        saved = s.tok * (s.layers * saved_bytes(("input",)) + per_layer)
+        saved = s.tok * (s.layers * saved_bytes(("input",)) + per_layer + scores)
     elif layout.remat == "dots":
-        saved = s.tok * s.layers * saved_bytes(("input", "dot")) + s.tok * per_layer
+        saved = s.tok * s.layers * saved_bytes(("input", "dot")) + s.tok * (per_layer + scores)
     else:
-        saved = s.tok * s.layers * per_layer
+        saved = s.tok * (s.layers * per_layer + scores)
     cpu_only = _grouped_cpu_bytes(model, layout, rules, s, backend)
     saved += cpu_only
     out = model.logits

@@ -45,9 +45,8 @@ from sharding.costmodel.layout import (
     _place_cached,
     _Placed,
     _Shape,
-    attention_of,
 )
-from sharding.costmodel.memory import Memory, _memory
+from sharding.costmodel.memory import Memory, _attention_scores, _memory
 from sharding.costmodel.partitioner import _comms
 from sharding.modeldesc import ModelDescription
 from sharding.parallel import spec_axes
@@ -357,7 +356,7 @@ def _pipeline_memory(
     7B dry run (`bench/RESULTS.md`, "Per-microbatch pipeline temporaries" and "The per-microbatch
     temporaries: what is live at the peak")."""
     base = _memory(model, layout, rules, placed, s)
-    keys = s.seq if attention_of(model, layout).materialises_scores else 0.0
+    keys, scores = _attention_scores(model, layout, rules, s)
     saved_input = _per_token(model, "activations", rules, layout.mesh, keys, s.act_bytes, ("input",))
     per_layer = _per_token(model, "activations", rules, layout.mesh, keys, s.act_bytes)
     whole_layer = sum(p.local * _batch_factor(p, layout.mesh) for p in placed.values() if p.param.per_layer)
@@ -373,10 +372,8 @@ def _pipeline_memory(
     # zero bubble: its ring of cuts holds every slot position of a chunk pass (`Streamed.positions` with the
     # per-microbatch gather: `n * B`, past the chunk's K' layers where B does not divide K'; else K')
     kept = pipe.kept * pipe.positions * weight_cut_bytes(model, rules, layout.mesh, s.act_bytes, s.tok)
-    # The recomputed layer's backward (`chunk_backward`'s `jax.vjp`) holds, beside its probabilities, three more
-    # score-sized float32 arrays at once where the attention materialises its scores (XLA's live ranges of the
-    # 7B step, `bench/RESULTS.md`, "Per-microbatch pipeline temporaries").
-    scores = per_layer - _per_token(model, "activations", rules, layout.mesh, 0.0, s.act_bytes)
+    # The recomputed layer's backward (`chunk_backward`'s `jax.vjp`) holds, beside what the layer saves, its
+    # attention's score-sized float32 arrays at once (`_attention_scores`: two for the reference attention)
     # per token of a microbatch: every microbatch's stage input, and their cotangent, which the backward fills
     # in one microbatch at a time and the embedding's backward reads after the loop (none of either where stage
     # 0 embeds each microbatch itself)
@@ -386,7 +383,7 @@ def _pipeline_memory(
     # between the forward and backward loops, the 1F1B family in its own phase of a tick, before the tick's
     # backward pass (XLA's live ranges: no logits at the backward's peak). The step holds the larger of them.
     streamed = held * whole_layer * _gather_bytes(layout) if pipe.gather == "microbatch" else 0.0
-    backward = s.tok * (per_layer + 3 * scores) + streamed
+    backward = s.tok * (per_layer + scores) + streamed
     logits = base.logits * head.tok / s.tok
     if pipe.one_f_one_b:
         head_weights, head_step, entry_step = _head_weight_bytes(placed, pipe)
@@ -394,7 +391,7 @@ def _pipeline_memory(
     return dataclasses.replace(
         base,
         gradients=base.gradients + sums * whole_layer * _PARAM_BYTES,
-        activations=s.tok * (pipe.saved_inputs * saved_input + per_layer + 3 * scores + inputs) + kept,
+        activations=s.tok * (pipe.saved_inputs * saved_input + per_layer + scores + inputs) + kept,
         logits=max(0.0, logits - backward),  # the head step's working set beyond the layer's
         gathered=(held + received) * whole_layer * _gather_bytes(layout) + head_weights,
     )
