@@ -10,8 +10,9 @@ matrix products the same way (``compiled.cost_analysis()`` counts a loop body on
 conditional included; `dot_flops_split` tells the branches' part apart.
 `branch_collectives` finds the collectives inside the branches of conditionals, with the
 pipeline stages their device groups span (the pipeline skips empty layer slots with conditionals
-that stages take differently, so a collective there must stay inside one stage). `loop_copies` lists
-the copies inside loop bodies (a loop-carried buffer XLA could not update in place).
+that stages take differently, so a collective there must stay inside one stage). `loop_instructions` lists
+an opcode's instructions inside loop bodies (copies: a loop-carried buffer XLA could not update in place;
+collectives: ones that run at every trip).
 
 This is the one reader of compiled HLO in meshwork.
 """
@@ -188,25 +189,39 @@ def summarize(found: list[Collective]) -> dict[str, tuple[int, int]]:
 _BODY = re.compile(r"\bbody=%?([\w.\-]+)")
 
 
-def loop_copies(hlo_text: str) -> list[tuple[str, str, list[int]]]:
-    """The ``copy`` instructions in the bodies of ``while`` loops of a compiled HLO module: the copies XLA's
-    copy insertion adds where a loop-carried buffer cannot be updated in place (a value read after an
-    in-place update of its buffer is kept alive by a copy of the whole buffer, each trip).
+def loop_instructions(hlo_text: str, op: str) -> list[tuple[str, str, list[int]]]:
+    """The instructions of kind ``op`` (``copy``, ``all-gather``, ...) in the bodies of ``while`` loops of a
+    compiled HLO module. ``copy``: the copies XLA's copy insertion adds where a loop-carried buffer cannot be
+    updated in place (a value read after an in-place update of its buffer is kept alive by a copy of the
+    whole buffer, each trip). A collective: one that runs at every trip (not hoisted before the loop, not
+    inside a conditional).
 
     Args:
       hlo_text: ``compiled.as_text()`` of a `jax.stages.Compiled`.
+      op: the HLO opcode.
 
     Returns:
-      ``(body, instruction, dims)`` per copy: the loop body computation, the instruction's name and the copied
-      array's dimensions (its element type left out).
+      ``(body, instruction, dims)`` per instruction: the loop body computation, the instruction's name and its
+      result's dimensions (its element type left out).
     """
     instructions, _, _ = _parse(hlo_text)
     bodies = {body for items in instructions.values() for *_, rest in items for body in _BODY.findall(rest)}
     return [
         (body, name, _dims(type_text))
         for body in sorted(bodies)
-        for name, type_text, op, _ in instructions.get(body, ())
-        if op == "copy"
+        for name, type_text, kind, _ in instructions.get(body, ())
+        if kind == op
+    ]
+
+
+def instructions_of(hlo_text: str, op: str) -> list[tuple[str, str, list[int]]]:
+    """Every instruction of kind ``op`` in a compiled HLO module, as `loop_instructions` (any computation)."""
+    instructions, _, _ = _parse(hlo_text)
+    return [
+        (computation, name, _dims(type_text))
+        for computation, items in instructions.items()
+        for name, type_text, kind, _ in items
+        if kind == op
     ]
 
 

@@ -716,7 +716,7 @@ def test_the_tick_loop_updates_its_rings_in_place(schedule):
     (`program.store`) and the backward reads its slot inputs out of the ring in place (`program.RingEntry`),
     so XLA finds no read of a ring after an in-place update of it and adds no copy of the whole ring per tick
     (before: two per tick, the ring's buffer and a second one live at once)."""
-    from sharding.hlo import loop_copies
+    from sharding.hlo import loop_instructions
 
     case = dict(num_layers=8, stage_layers=(6, 2), microbatches=8, batch=64, length=256)
     trainer, compiled = _compiled_gradients(schedule, gather="microbatch", **case)
@@ -726,7 +726,7 @@ def test_the_tick_loop_updates_its_rings_in_place(schedule):
     ring, waiting = [ticks.slots, *entry], [ticks.cotangent_slots, *act]
     text = compiled.as_text()
     assert f"f32[{','.join(map(str, ring))}]" in text  # the ring is there, carried by the tick loop
-    copies = [(name, dims) for _, name, dims in loop_copies(text) if dims in (ring, entry, waiting)]
+    copies = [(name, dims) for _, name, dims in loop_instructions(text, "copy") if dims in (ring, entry, waiting)]
     assert not copies, copies
 
 
