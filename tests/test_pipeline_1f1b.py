@@ -572,8 +572,8 @@ def _compiled_gradients(
 
     head_weights = onef1b.HeadWeights
 
-    def head_once(specs, summed, streamed):  # the head's (final norm and projection), not the entry's
-        return head_weights(specs, summed, streamed and "norm" not in specs)
+    def head_once(specs, summed, streamed, stage_dims=None):  # the head's (final norm and projection), not the entry's
+        return head_weights(specs, summed, streamed and "norm" not in specs, stage_dims)
 
     def entry_first(*args, entry_fn, entry_params, entry_names, **kwargs):
         tokens, par = args[4], args[7]
@@ -970,3 +970,23 @@ def test_the_1f1b_plan_round_trips_through_its_flags(repeats):
     assert plan.one_f_one_b and plan.schedule == "1f1b" and plan.layout.repeats == repeats
     again = parse(["--model", "test", *parallelism_flags(run.parallelism)])
     assert again.parallelism.strategy == plan
+
+
+@pytest.mark.parametrize("schedule", ONE_F_ONE_B)
+def test_the_head_and_table_are_gathered_over_stage_at_each_tick(schedule):
+    """With the per-microbatch gather the output head's and the embedding table's weights enter the tick loop
+    split over ``stage`` as stored, and each tick all-gathers them over ``stage`` outside the head's
+    conditional (`onef1b.HeadWeights.over_stage`): every all-gather to their ``[embed/fsdp, vocab]`` blocks
+    sits in the tick loop's body, none before it, where its output would stay live through the whole loop
+    (as when XLA hoisted or the map's input gathered them once)."""
+    from sharding.hlo import instructions_of, loop_instructions
+
+    case = dict(num_layers=8, stage_layers=(6, 2), microbatches=8, batch=64, length=256)
+    trainer, compiled = _compiled_gradients(schedule, gather="microbatch", **case)
+    config, fsdp = trainer.config, trainer.mesh.shape["fsdp"]
+    blocks = ([config.embed_dim // fsdp, config.vocab_size], [config.vocab_size, config.embed_dim // fsdp])
+    text = compiled.as_text()
+    everywhere = [name for _, name, dims in instructions_of(text, "all-gather") if dims in blocks]
+    in_loop = [name for _, name, dims in loop_instructions(text, "all-gather") if dims in blocks]
+    assert in_loop, everywhere  # the head's and the table's, per tick
+    assert sorted(everywhere) == sorted(in_loop), everywhere

@@ -583,6 +583,7 @@ def _pipeline_head_comms(
             batch_rows,
             (pipe.micro if pipe.skip_empty else pipe.ticks) if _head_streamed(pipe) else 1,
             _head_streamed(pipe),
+            pipe.ticks,
         )
     )
 
@@ -602,6 +603,7 @@ def _pipeline_head_comms_cached(
     batch_rows: float | None,
     runs: int = 1,
     entry: bool = False,
+    ticks: int = 1,
 ) -> tuple[Comm, ...]:
     """The head's weights (final norm, output projection) and collectives; with ``entry``, the embedding
     table's too, gathered and reduce-scattered alike on stage 0 (`sharding.pipeline.onef1b.Entry`).
@@ -613,7 +615,10 @@ def _pipeline_head_comms_cached(
     (``fsdp``, and ``expert`` for a mixture of experts' mesh, `_head_split`) to whole, its gradients
     reduce-scattered over those and summed over ``stage`` once after the loop; the gather over the batch
     axes and the reduce-scatter ``runs`` times: once per step, or per head step on the last stage (the M
-    microbatches, `_head_streamed`).
+    microbatches, `_head_streamed`). Streamed (``entry``), the weights enter the loop split over ``stage`` as
+    stored and are gathered over it at each of the ``ticks`` ticks, outside the head's conditional (so that
+    no gathered copy stays live through the loop), their gradients all-reduced over ``stage`` after it as
+    before, each stage keeping its slice (`sharding.pipeline.onef1b.HeadWeights.over_stage`).
     """
     layout = Layout(dict(mesh_items), rules, remat=remat, attention=attention, dtype=dtype, logits=logits)
     flat, flat_placed = _stage_folded(model, layout, rules)
@@ -647,8 +652,11 @@ def _pipeline_head_comms_cached(
             continue
         axes, f = _head_split(p)
         whole, what = p.param.size * _PARAM_BYTES, p.param.path
+        stored = spread_over_stage(logical_to_spec(p.param.axes, rules, p.param.shape, mesh)[0], p.param.shape, mesh)
+        # streamed and stored over stage: gathered over it per tick
+        over_stage = entry and any(ax.STAGE in spec_axes(e) for e in stored)
         comms += [
-            Comm("all-gather", (ax.STAGE,), stages, whole / f, 1, f"gather {what} over stage"),
+            Comm("all-gather", (ax.STAGE,), stages, whole / f, ticks if over_stage else 1, f"gather {what} over stage"),
             Comm("all-gather", axes, f, whole, runs, f"gather {what}"),
             Comm("reduce-scatter", axes, f, whole / f, runs, f"gradient of {what}"),
             Comm("all-reduce", (ax.STAGE,), stages, whole / f, 1, f"gradient of {what} over stage"),

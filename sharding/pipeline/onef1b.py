@@ -63,7 +63,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from sharding import axes as ax
-from sharding.parallel import gather_shards, psum_unsplit, reduce_shards, to_varying
+from sharding.parallel import gather_shards, only_axes, psum_unsplit, reduce_shards, spec_axes, to_varying
 from sharding.pipeline.layout import PipelinePlan, head_parallelism
 from sharding.pipeline.program import (
     RingEntry,
@@ -89,6 +89,7 @@ from sharding.pipeline.program import (
     write,
 )
 from sharding.pipeline.schedule import run_pipeline
+from sharding.pipeline.storage import spread_over_stage
 from sharding.pipeline.ticks import BACKWARD, FORWARD, WEIGHT
 
 
@@ -110,15 +111,60 @@ class HeadWeights:
     every tick, outside any conditional: streaming there would gather on every tick of every stage, ``ticks``
     times the step's one gather, so it keeps the gather once.
 
+    Streamed, the weights also enter the loop split over ``stage`` as they are stored (`spread_over_stage`:
+    ``stage_dims``), and each tick all-gathers them over ``stage`` outside every conditional (`over_stage`): a
+    collective over ``stage`` cannot run inside the last stage's branch, and gathered once before the loop
+    that copy (the head's and the table's ``[D/f, V]``, 250 MiB each per device on the 7B) would stay live
+    through the whole loop. Per tick it is live only while the tick's head (or entry) step runs, for
+    ``ticks`` gathers over ``stage`` of the stored shards instead of one; the gradient sums stay shaped as
+    the gathered blocks and are summed over ``stage`` after the loop, each stage keeping its slice (`finish`:
+    an all-reduce, as XLA lowers a reduce-scatter over ``stage`` of a table split over ``tensor`` too).
+
     Attributes:
-      specs: per leaf of the head's parameters, its `PartitionSpec` over the map's manual axes.
+      specs: per leaf of the head's parameters, its `PartitionSpec` over the map's manual axes, ``stage``
+        left out (the blocks `fetch` gathers from).
       summed: the manual batch axes the per-device gradients are partial sums over.
       streamed: gathered per head step (above), else once per step.
+      stage_dims: None, or per leaf the dimension its loop input is split over ``stage`` on (the last axis of
+        that dimension's entry), or None for a leaf not split over ``stage``.
     """
 
     specs: Any
     summed: tuple[str, ...]
     streamed: bool
+    stage_dims: Any = None
+
+    def over_stage(self, held, tick):
+        """The loop's inputs (split over ``stage`` on `stage_dims`) -> the blocks over the other axes,
+        all-gathered over ``stage``; run at every tick, by every stage, outside any conditional. ``tick`` (the
+        scan's int32 index) only orders the gather inside the tick: without it the gather would be loop
+        invariant and XLA would hoist it before the loop, where its output would stay live throughout."""
+        if self.stage_dims is None or not self.streamed:
+            return held
+        return self._stage_gather(jax.tree.map(lambda x: jnp.where(tick >= 0, x, jnp.zeros((), x.dtype)), held))
+
+    def _stage_gather(self, held):
+        if self.stage_dims is None:
+            return held
+
+        def one(x, dim):
+            return x if dim is None else jax.lax.all_gather(x, ax.STAGE, axis=dim, tiled=True)
+
+        return jax.tree.map(one, held, self.stage_dims, is_leaf=lambda x: x is None)
+
+    def zeros_over_stage(self, held):
+        """`zeros` of the blocks `over_stage` gathers from the loop's inputs ``held``."""
+        if self.stage_dims is None or not self.streamed:
+            return self.zeros(held)
+        stages = jax.lax.axis_size(ax.STAGE)
+
+        def shape(x, dim):
+            dims = list(x.shape)
+            if dim is not None:
+                dims[dim] *= stages
+            return jax.ShapeDtypeStruct(tuple(dims), x.dtype)
+
+        return self.zeros(jax.tree.map(shape, held, self.stage_dims, is_leaf=lambda x: x is None))
 
     @property
     def vary(self) -> tuple[str, ...]:
@@ -131,7 +177,7 @@ class HeadWeights:
     def hold(self, blocks):
         """This device's ``blocks`` -> what the loop holds: the whole weights (gathered once, device-varying
         over `vary` so that differentiating the head adds no reduction inside the loop), or the blocks."""
-        return blocks if self.streamed else self._gather(blocks)
+        return blocks if self.streamed else self._gather(self._stage_gather(blocks))
 
     def fetch(self, held):
         """What the loop holds -> the whole weights for one head step (streamed: all-gathered here)."""
@@ -164,14 +210,19 @@ class HeadWeights:
         batch axes not yet reduced (gathered once: reduce-scattered over each spec's axes first), in the
         blocks' dtypes."""
 
-        def one(g, w, spec):
+        def one(g, w, spec, dim):
             if self.streamed:
                 g = psum_unsplit(g, spec, self.summed)
             else:
                 g = reduce_shards(g, spec, self.summed)
-            return jax.lax.psum(g, ax.STAGE).astype(w.dtype)
+            g = jax.lax.psum(g, ax.STAGE).astype(w.dtype)
+            if dim is not None:  # the blocks are split over stage too (`stage_dims`): this stage's slice
+                size = w.shape[dim]
+                g = jax.lax.dynamic_slice_in_dim(g, jax.lax.axis_index(ax.STAGE) * size, size, dim)
+            return g
 
-        return jax.tree.map(one, sums, blocks, self.specs)
+        dims = jax.tree.map(lambda _: None, self.specs) if self.stage_dims is None else self.stage_dims
+        return jax.tree.map(one, sums, blocks, self.specs, dims, is_leaf=lambda x: x is None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,29 +253,30 @@ class Entry:
 
     def steps(self, xs, vary: tuple[str, ...]):
         """``(first_input, first_cotangent)`` of `_ticks` for entry inputs ``xs`` ``[M, microbatch, ...]``:
-        ``first_input(on, mb) -> h`` (zeros where not ``on``) and ``first_cotangent(on, mb, g_in, sums) ->
-        sums`` (the entry gradient of microbatch ``mb`` added where ``on``)."""
+        ``first_input(on, mb, blocks) -> h`` (zeros where not ``on``) and ``first_cotangent(on, mb, g_in, sums,
+        blocks) -> sums`` (the entry gradient of microbatch ``mb`` added where ``on``), with the tick's
+        ``blocks`` of the entry's weights (`HeadWeights.over_stage` of ``params``)."""
 
-        def run_forward(inputs):
-            h = self.fn(self.weights.fetch(self.params), inputs)
+        def run_forward(inputs, blocks):
+            h = self.fn(self.weights.fetch(blocks), inputs)
             return to_varying(h.astype(self.h.dtype), vary)
 
-        def idle_forward(inputs):
+        def idle_forward(inputs, blocks):
             return to_varying(jnp.zeros(self.h.shape, self.h.dtype), vary)
 
-        def run_backward(g_in, inputs, sums):
-            _, vjp = jax.vjp(lambda w: self.fn(w, inputs), self.weights.fetch(self.params))
+        def run_backward(g_in, inputs, sums, blocks):
+            _, vjp = jax.vjp(lambda w: self.fn(w, inputs), self.weights.fetch(blocks))
             (g_w,) = vjp(g_in.astype(self.h.dtype))
-            return to_varying(jax.tree.map(jnp.add, sums, self.weights.reduce(g_w, self.params)), vary)
+            return to_varying(jax.tree.map(jnp.add, sums, self.weights.reduce(g_w, blocks)), vary)
 
-        def idle_backward(g_in, inputs, sums):
+        def idle_backward(g_in, inputs, sums, blocks):
             return sums
 
-        def first_input(on, mb):
-            return jax.lax.cond(on, run_forward, idle_forward, index_tree(xs, mb))
+        def first_input(on, mb, blocks):
+            return jax.lax.cond(on, run_forward, idle_forward, index_tree(xs, mb), blocks)
 
-        def first_cotangent(on, mb, g_in, sums):
-            return jax.lax.cond(on, run_backward, idle_backward, g_in, index_tree(xs, mb), sums)
+        def first_cotangent(on, mb, g_in, sums, blocks):
+            return jax.lax.cond(on, run_backward, idle_backward, g_in, index_tree(xs, mb), sums, blocks)
 
         return first_input, first_cotangent
 
@@ -292,21 +344,21 @@ def _ticks(
     ring = [(s, (s + 1) % stages) for s in range(stages)]
     back_ring = [((s + 1) % stages, s) for s in range(stages)]
 
-    def head_step(on, h, inputs):
+    def head_step(on, h, inputs, blocks):
         def run(h, inputs):
             # streamed: gathered here, inside the branch the last stage's devices all take
-            hp = head_weights.fetch(head_params)
+            hp = head_weights.fetch(blocks)
             if train:
                 value = jax.value_and_grad(lambda hp, h: head(hp, h, *inputs), argnums=(0, 1), has_aux=True)
                 (loss, weight), (g_hp, g_h) = value(hp, h)
-                g_hp = head_weights.reduce(g_hp, head_params)  # streamed: reduce-scattered to the shards here
+                g_hp = head_weights.reduce(g_hp, blocks)  # streamed: reduce-scattered to the shards here
             else:
                 (loss, weight), g_hp, g_h = head(hp, h, *inputs), None, None
             return to_varying((loss.astype(jnp.float32), weight.astype(jnp.float32), g_h, g_hp), vary)
 
         def idle(h, inputs):
             zero = jnp.zeros((), jnp.float32)
-            grads = (jnp.zeros_like(h), head_weights.zeros(head_params)) if train else (None, None)
+            grads = (jnp.zeros_like(h), head_weights.zeros(blocks)) if train else (None, None)
             return to_varying((zero, zero, *grads), vary)
 
         if plan.skip_empty:
@@ -323,7 +375,8 @@ def _ticks(
         zero = jnp.zeros((), jnp.int32)
         buffer = store(buffer, (jnp.maximum(arrive, 0), zero), received, arrive >= 0)
         starts = (stage == 0) & (r == 0)  # the first virtual stage reads (or computes) the microbatch itself
-        h_in = jnp.where(starts, first_input(forward & starts, mb), RingEntry(buffer, slot)[0])
+        entry_blocks = None if entry is None else entry.weights.over_stage(entry.params, t)  # every tick
+        h_in = jnp.where(starts, first_input(forward & starts, mb, entry_blocks), RingEntry(buffer, slot)[0])
         h, done, inputs = chunk_forward(
             layer,
             params,
@@ -340,7 +393,8 @@ def _ticks(
             done, objective = done
             loss, stats = loss + objective[0], stats + objective[1:]
         exit_ = (stage == stages - 1) & (r == repeats - 1)  # the last virtual stage runs the head
-        loss_i, weight_i, g_h, g_hp = head_step(forward & exit_, h, index_tree(head_inputs, mb))
+        blocks = head_weights.over_stage(head_params, t)  # every tick, outside the head's conditional
+        loss_i, weight_i, g_h, g_hp = head_step(forward & exit_, h, index_tree(head_inputs, mb), blocks)
         loss, weight, applied = loss + loss_i, weight + weight_i, applied + done
         if train:
             buffer = store(buffer, (slot,), inputs, forward)
@@ -382,7 +436,7 @@ def _ticks(
                 g_in, grads = chunk_backward(
                     back_layer, params, r, *backward_args, index_leaf(waiting, c), grads, plan.skip_empty
                 )
-            g_xs = first_cotangent(backward & (stage == 0) & (r == 0), mb, g_in, g_xs)
+            g_xs = first_cotangent(backward & (stage == 0) & (r == 0), mb, g_in, g_xs, entry_blocks)
             g_received = jax.lax.ppermute(g_in, ax.STAGE, back_ring)
         received = jax.lax.ppermute(h, ax.STAGE, ring)
         carry = (received, g_received, buffer, waiting, kept, grads, head_grads, g_xs, loss, weight, applied, stats)
@@ -391,10 +445,10 @@ def _ticks(
     if entry is None:
         zero_h = jnp.zeros_like(xs[0])
 
-        def first_input(on, mb):
+        def first_input(on, mb, blocks):
             return index_leaf(xs, mb)
 
-        def first_cotangent(on, mb, g_in, g_xs):
+        def first_cotangent(on, mb, g_in, g_xs, blocks):
             return write(g_xs, mb, g_in, on)
 
     else:
@@ -418,7 +472,7 @@ def _ticks(
             kept,
             grads,
             head_grads,
-            (jnp.zeros_like(xs) if entry is None else entry.weights.zeros(entry.params)) if train else None,
+            (jnp.zeros_like(xs) if entry is None else entry.weights.zeros_over_stage(entry.params)) if train else None,
         ),
         vary,
     )
@@ -442,6 +496,8 @@ def _loss_program(
     objective: int = 0,
     entry_fn=None,
     entry_specs=None,
+    head_stage_dims=None,
+    entry_stage_dims=None,
 ):
     """``f(stacked [1, slots, ...], head_params, entry_params, xs, extras, head_inputs) -> (loss_sum,
     weight_sum, applied, stats)`` for one stage (this device's partial sums), a `jax.custom_vjp` whose forward
@@ -452,8 +508,8 @@ def _loss_program(
     input from them (`Entry`); else ``entry_params`` is None and ``xs`` the first stage's inputs."""
     summed = weights.summed
     streamed = plan.gather == "microbatch"
-    head_weights = HeadWeights(head_specs, summed, plan.streams_head)
-    entry_weights = None if entry_fn is None else HeadWeights(entry_specs, summed, True)
+    head_weights = HeadWeights(head_specs, summed, plan.streams_head, head_stage_dims)
+    entry_weights = None if entry_fn is None else HeadWeights(entry_specs, summed, True, entry_stage_dims)
 
     def run(stacked, head_params, entry_params, xs, extras, head_inputs, train: bool):
         stage_par = par.inside(manual_axes(par))
@@ -472,7 +528,11 @@ def _loss_program(
         entry = None
         if entry_fn is not None:
             fn = lambda w, inputs: entry_fn(stage_par, w, inputs)  # noqa: E731
-            h = jax.eval_shape(lambda blocks, inputs: fn(entry_weights.fetch(blocks), inputs), entry_params, xs[0])
+            h = jax.eval_shape(
+                lambda blocks, inputs: fn(entry_weights.fetch(entry_weights.over_stage(blocks, 0)), inputs),
+                entry_params,
+                xs[0],
+            )
             entry = Entry(fn, entry_weights, entry_params, jax.ShapeDtypeStruct(h.shape, weights.dtype))
         grads = head_grads = None
         if streamed:  # each block gathered where a chunk runs it, its gradient reduce-scattered there
@@ -484,7 +544,7 @@ def _loss_program(
             if train:
                 grads = to_varying(jax.tree.map(lambda p, w: jnp.zeros(p.shape, w.dtype), params, stacked), vary)
         if train:
-            head_grads = head_weights.zeros(hp)
+            head_grads = head_weights.zeros_over_stage(hp)
         return _ticks(
             layer,
             head,
@@ -553,6 +613,32 @@ def _edge_specs(params, names, par, setup: Setup, what: str):
         specs = [manual_spec(par, n, w.shape, setup.manual) for n, w in zip(name_leaves, leaves)]
     check_split(specs, setup.weights.summed, par, setup.xs.shape[1], setup.data[1], skip_first=False)
     return jax.tree.unflatten(tree, specs)
+
+
+def _over_stage(params, names, specs, par, setup: Setup):
+    """``(in_specs, stage_dims)`` for streamed head or entry weights (`HeadWeights.stage_dims`): per leaf its
+    `_edge_specs` spec with ``stage`` added as the state stores it (`spread_over_stage`, cut to the map's
+    manual axes) and the dimension that names it, where ``stage`` is that dimension's last axis and the rest
+    is the leaf's spec (so gathering over ``stage`` gives `_edge_specs`' block); else the spec and None."""
+    leaves, tree = jax.tree.flatten(params)
+    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+    name_leaves = logical_leaves(names) if names is not None else [None] * len(leaves)
+    in_specs, dims = [], []
+    for w, spec, n in zip(leaves, spec_leaves, name_leaves):
+        full = P() if n is None else par.spec(tuple(n), w.shape)
+        staged = only_axes(spread_over_stage(full, w.shape, par.mesh_shape), setup.manual)
+        entries = [spec_axes(e) for e in staged]
+        dim = next((d for d, e in enumerate(entries) if ax.STAGE in e), None)
+        own = [spec_axes(e) for e in spec] + [()] * (len(entries) - len(spec))
+        fits = dim is not None and entries[dim][-1] == ax.STAGE
+        fits = fits and all(e == o for d, (e, o) in enumerate(zip(entries, own)) if d != dim)
+        if fits and entries[dim][:-1] == own[dim]:
+            in_specs.append(staged)
+            dims.append(dim)
+        else:
+            in_specs.append(spec)
+            dims.append(None)
+    return jax.tree.unflatten(tree, in_specs), jax.tree.unflatten(tree, dims)
 
 
 def run_pipeline_loss(
@@ -643,6 +729,12 @@ def run_pipeline_loss(
     else:
         entry_params = None
     head_inputs = jax.tree.map(lambda e: to_microbatches(e, plan.microbatches), tuple(head_inputs))
+    head_in, head_dims = head_specs, None
+    if plan.streams_head:
+        head_in, head_dims = _over_stage(head_params, head_names, head_specs, par, setup)
+    entry_in, entry_dims = entry_specs, None
+    if streams_entry:
+        entry_in, entry_dims = _over_stage(entry_params, entry_names, entry_specs, par, setup)
     program = _loss_program(
         layer_fn,
         head_fn,
@@ -654,6 +746,8 @@ def run_pipeline_loss(
         objective,
         entry_fn if streams_entry else None,
         entry_specs,
+        head_dims,
+        entry_dims,
     )
     vary = (ax.STAGE, *weights.summed)
 
@@ -671,8 +765,8 @@ def run_pipeline_loss(
         mesh=par.mesh,
         in_specs=(
             setup.stacked_specs,
-            head_specs,
-            entry_specs,
+            head_in,
+            entry_in,
             data,
             jax.tree.map(lambda _: data, setup.extras),
             jax.tree.map(lambda _: data, head_inputs),
