@@ -37,10 +37,11 @@ axes, sum over ``stage``). Called without differentiation, the loop runs the for
 Weights are gathered once per step (`program.Weights.gather`, compute dtype) and the head's weights
 once (their own dtype), both outside the loop; parameters, stage inputs and extras are cast
 device-varying first so no reduction lands inside it. With ``--pipeline-gather microbatch`` the layers
-are gathered per chunk pass (`program.Streamed`) and the head's weights per head step, inside its
-conditional on the last stage, their gradient reduce-scattered there (`HeadWeights`); the entry (the token
-embedding, when `run_pipeline_loss` is given one) runs likewise on stage 0 per microbatch (`Entry`), so the
-loop holds no stage inputs of all ``M`` microbatches nor their cotangent.
+are gathered per chunk pass (`program.Streamed`) and the head's weights per head step, over ``stage`` at each
+tick outside every conditional and over the batch axes inside its conditional on the last stage, their gradient
+reduce-scattered there (`HeadWeights`); the entry (the token embedding, when `run_pipeline_loss` is given one)
+runs likewise on stage 0 per microbatch (`Entry`), so the loop holds no stage inputs of all ``M`` microbatches
+nor their cotangent.
 
 Cost. A tick lasts as long as what runs in it. In lockstep neighbouring stages run a forward and a
 backward in the same tick after warm-up, so with one chunk a step takes ``2 (M + S - 1)`` ticks of a
