@@ -59,7 +59,7 @@ from models.config import ModelConfig
 from models.layers import MLP, make_params
 from models.spec import moe_params
 from sharding import axes as ax
-from sharding.modeldesc import expert_dispatch
+from sharding.modeldesc import expert_dispatch, held_copies
 from sharding.parallel import Parallelism, spec_axes, spec_entry, to_varying, varying_axes
 
 __all__ = [
@@ -68,7 +68,6 @@ __all__ = [
     "capacity_keep",
     "capacity_slots",
     "expert_outputs",
-    "held_copies",
     "route",
     "router_losses",
     "router_objective",
@@ -242,12 +241,6 @@ def expert_outputs(
     out = jax.lax.ragged_dot(hidden, down.astype(dtype), sizes)  # [M, D]
     target = jnp.where(held[order], token, n)  # another device's copy: out of range, dropped
     return jnp.zeros((n, x.shape[-1]), dtype).at[target].add(out, mode="drop")
-
-
-def held_copies(tokens: int, experts_per_token: int, local_experts: int) -> int:
-    """``M = tokens * min(K, E_local)``: the most routed copies of ``tokens`` tokens that ``E_local`` experts
-    can receive (a token's ``K`` choices are distinct experts), the rows `expert_outputs` computes."""
-    return tokens * min(experts_per_token, local_experts)
 
 
 class MoE(nnx.Module):

@@ -40,6 +40,7 @@ __all__ = [
     "Product",
     "Term",
     "expert_dispatch",
+    "held_copies",
 ]
 
 ROLES = ("weight", "scale", "bias", "embedding", "output")
@@ -196,13 +197,19 @@ class ExpertGeometry:
         return expert_dispatch(self.capacity_factor, self.experts_per_token, expert_split)
 
     def copies_held(self, expert_split: int) -> int:
-        """Routed copies a device computes per token of its own (`models.moe.held_copies`): ``k`` without
-        the ring; with it (``expert_split`` = E_p devices gathering their tokens), every gathered token's
-        copies its ``E / E_p`` experts can receive, ``E_p * min(k, E / E_p)``, most of them for other
+        """Routed copies a device computes per token of its own: ``k`` without the ring; with it
+        (``expert_split`` = E_p devices gathering their tokens), every gathered token's copies its ``E / E_p``
+        experts can receive (`held_copies` of E_p tokens), ``E_p * min(k, E / E_p)``, most of them for other
         devices' experts (rows a GPU's fixed shapes hold too, dropless)."""
         if self.dispatch(expert_split) != "ring":
             return self.experts_per_token
-        return expert_split * min(self.experts_per_token, self.num_experts // expert_split)
+        return held_copies(expert_split, self.experts_per_token, self.num_experts // expert_split)
+
+
+def held_copies(tokens: int, experts_per_token: int, local_experts: int) -> int:
+    """``M = tokens * min(K, E_local)``: the most routed copies of ``tokens`` tokens that ``E_local`` experts
+    can receive (a token's ``K`` choices are distinct experts): the rows `models.moe.expert_outputs` computes."""
+    return tokens * min(experts_per_token, local_experts)
 
 
 def expert_dispatch(capacity_factor: float, experts_per_token: int, expert_split: int) -> str:

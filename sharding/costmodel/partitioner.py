@@ -442,7 +442,7 @@ def _kv_cotangent_comms(model: ModelDescription, layout: Layout, rules: Rules, s
     """Grouped-query attention whose KV heads the rules leave whole on ``tensor`` (K = ``num_kv_heads`` not
     divisible by ``tensor``: the KV projections replicated there) while the query heads are split over it.
 
-    The score and value products (``'BTKGH,BSKH->BKGTS'``, ``'BKGTS,BSKH->BTKGH'``) then run with the KV
+    The score and value products (`models.attention.reference_attention`'s, per KV head) then run with the KV
     dimension split over gcd(t, K) of the ``tensor`` devices and the query heads of one KV head over the other
     t / gcd(t, K). Their backward pass leaves each device its query heads' share of its KV heads' key and value
     cotangents ``[tokens, K/gcd(t, K), H]``; the replicated projections need them whole, so the partitioner sums

@@ -157,15 +157,7 @@ class HeadWeights:
         """`zeros` of the blocks `over_stage` gathers from the loop's inputs ``held``."""
         if self.stage_dims is None or not self.streamed:
             return self.zeros(held)
-        stages = jax.lax.axis_size(ax.STAGE)
-
-        def shape(x, dim):
-            dims = list(x.shape)
-            if dim is not None:
-                dims[dim] *= stages
-            return jax.ShapeDtypeStruct(tuple(dims), x.dtype)
-
-        return self.zeros(jax.tree.map(shape, held, self.stage_dims, is_leaf=lambda x: x is None))
+        return self.zeros(jax.eval_shape(lambda h: self.over_stage(h, 0), held))  # the streamed sums: shapes only
 
     @property
     def vary(self) -> tuple[str, ...]:
@@ -631,9 +623,7 @@ def _over_stage(params, names, specs, par, setup: Setup):
         entries = [spec_axes(e) for e in staged]
         dim = next((d for d, e in enumerate(entries) if ax.STAGE in e), None)
         own = [spec_axes(e) for e in spec] + [()] * (len(entries) - len(spec))
-        fits = dim is not None and entries[dim][-1] == ax.STAGE
-        fits = fits and all(e == o for d, (e, o) in enumerate(zip(entries, own)) if d != dim)
-        if fits and entries[dim][:-1] == own[dim]:
+        if dim is not None and entries == [o + (ax.STAGE,) if d == dim else o for d, o in enumerate(own)]:
             in_specs.append(staged)
             dims.append(dim)
         else:
