@@ -14,7 +14,7 @@ mask + float32 softmax, below; ``flash``: our Pallas FlashAttention-2 kernel,
 `models.kernels.ring_attention`, Liu et al. 2023; ``ulysses``: all-to-all attention,
 `models.kernels.ulysses_attention`, Jacobs et al. 2023; ``dot_product``:
 ``jax.nn.dot_product_attention``). `attend` runs the record's wrapper, defined here with one
-signature, ``(q, k, v, segment_ids, *, causal, layout, par)``; the kernels that GSPMD cannot
+signature, ``(q, k, v, segment_ids, *, causal, layout, par)``, and bound to the record by ``_wraps``; the kernels that GSPMD cannot
 partition run per device under `jax.shard_map` through ``_sharded``, with specs from the rules (the
 length split over ``sequence`` for those whose record says they split it).
 
@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -350,6 +350,30 @@ def ulysses_mesh(mesh_shape: Mapping[str, int], local_heads: int, *, inner_only:
     return shape
 
 
+# The records' wrappers ---------------------------------------------------------
+
+_WRAPPERS: dict[str, Callable] = {}
+"""Kernel name -> the function that runs it, ``(q, k, v, segment_ids, *, causal, layout, par) -> out``."""
+
+
+def _wraps(name: str) -> Callable[[Callable], Callable]:
+    """Binds the decorated function to the record of kernel ``name`` as the wrapper `attend` runs.
+
+    Raises:
+      ValueError: On a name the registry does not know (`models.attention_registry.kernel`), or a kernel
+        already bound.
+    """
+    record = registry.kernel(name)
+
+    def bind(run: Callable) -> Callable:
+        if record.name in _WRAPPERS:
+            raise ValueError(f"attention {record.name}: two wrappers run it")
+        _WRAPPERS[record.name] = run
+        return run
+
+    return bind
+
+
 # Sharded attention under shard_map ---------------------------------------------
 
 
@@ -568,7 +592,8 @@ def _flash_when_whole(split, causal: bool):
     return per_device
 
 
-def sharded_ring_attention(q, k, v, segment_ids, *, causal: bool = True, layout: str = CONTIGUOUS, par: Parallelism):
+@_wraps("ring")
+def run_ring(q, k, v, segment_ids, *, causal: bool, layout: str, par: Parallelism):
     """Ring attention (Liu et al., 2023) over the mesh axes of ``length``, under `jax.shard_map`.
 
     Each device keeps its block of queries; key/value blocks (and their segment ids) travel
@@ -610,7 +635,8 @@ def sharded_ring_attention(q, k, v, segment_ids, *, causal: bool = True, layout:
     return _sharded(_flash_when_whole(split, causal), q, k, v, segment_ids, impl="ring", par=par)
 
 
-def sharded_ulysses_attention(q, k, v, segment_ids, *, causal: bool = True, layout: str = CONTIGUOUS, par: Parallelism):
+@_wraps("ulysses")
+def run_ulysses(q, k, v, segment_ids, *, causal: bool, layout: str, par: Parallelism):
     """All-to-all attention (Jacobs et al., 2023) over the mesh axes of ``length``.
 
     Queries, keys and values are traded from length-split to head-split, attended whole
@@ -647,7 +673,8 @@ def sharded_ulysses_attention(q, k, v, segment_ids, *, causal: bool = True, layo
     return _sharded(_flash_when_whole(split, causal), q, k, v, segment_ids, impl="ulysses", par=par)
 
 
-def sharded_usp_attention(q, k, v, segment_ids, *, causal: bool = True, layout: str = CONTIGUOUS, par: Parallelism):
+@_wraps("usp")
+def run_usp(q, k, v, segment_ids, *, causal: bool, layout: str, par: Parallelism):
     """USP attention (Fang & Zhao, 2024): all-to-all over the innermost mesh axis of ``length``
     (``sequence``), ring attention over the others (``context``), under `jax.shard_map`
     (`models.kernels.usp_attention`). With one of the two of size 1 it is ring or all-to-all attention.
@@ -687,9 +714,7 @@ def sharded_usp_attention(q, k, v, segment_ids, *, causal: bool = True, layout: 
     return _sharded(_flash_when_whole(split, causal), q, k, v, segment_ids, impl="usp", par=par)
 
 
-# The records' wrappers: (q, k, v, segment_ids, *, causal, layout, par) -> out --------
-
-
+@_wraps("reference")
 def run_reference(q, k, v, segment_ids, *, causal: bool, layout: str, par: Parallelism):
     """`reference_attention` with one segment-id array; GSPMD partitions it, so ``layout`` (natural
     order, checked by `attend`) and ``par`` are not needed. Shapes as `attend`."""
@@ -697,12 +722,14 @@ def run_reference(q, k, v, segment_ids, *, causal: bool, layout: str, par: Paral
     return reference_attention(q, k, v, causal=causal, q_segment_ids=segment_ids, kv_segment_ids=segment_ids)
 
 
+@_wraps("flash")
 def run_flash(q, k, v, segment_ids, *, causal: bool, layout: str, par: Parallelism):
     """`sharded_flash_attention` (natural order, checked by `attend`). Shapes as `attend`."""
     del layout
     return sharded_flash_attention(q, k, v, segment_ids, causal=causal, par=par)
 
 
+@_wraps("dot_product")
 def run_dot_product(q, k, v, segment_ids, *, causal: bool, layout: str, par: Parallelism):
     """`jax_dot_product_attention`; GSPMD partitions it (natural order, checked by `attend`). Shapes
     as `attend`."""
@@ -710,21 +737,19 @@ def run_dot_product(q, k, v, segment_ids, *, causal: bool, layout: str, par: Par
     return jax_dot_product_attention(q, k, v, segment_ids, causal=causal)
 
 
-def wrapper(record: registry.AttentionKernel):
-    """The function that runs ``record``'s kernel: the one of this module its ``wrapper`` names.
+def wrapper(record: registry.AttentionKernel) -> Callable:
+    """The function that runs ``record``'s kernel: the wrapper bound to it by `_wraps`.
 
     Raises:
-      LookupError: When this module has no function of that name (checked for every record at import).
+      LookupError: When no wrapper is bound to it (checked for every record when this module is imported).
     """
-    run = globals().get(record.wrapper)
-    if not callable(run):
-        raise LookupError(
-            f"attention {record.name}: its wrapper {record.wrapper!r} is not a function of models.attention"
-        )
+    run = _WRAPPERS.get(record.name)
+    if run is None:
+        raise LookupError(f"attention {record.name}: no wrapper in models.attention runs it")
     return run
 
 
-for _record in registry.KERNELS:  # a record naming a missing wrapper fails here, not at a run's first step
+for _record in registry.KERNELS:  # a record without a wrapper fails here, not at a run's first step
     wrapper(_record)
 del _record
 

@@ -6,14 +6,16 @@ wrapper and checks the context layout against it), the cost model and the planne
 `sharding.modeldesc.AttentionTraits`, which `models.spec.describe` hands them) and the run report.
 No module chooses by a kernel's name.
 
-Adding a kernel: its file under ``models/kernels/`` (importing nothing of ours), a wrapper in
-`models.attention` with the signature ``(q, k, v, segment_ids, *, causal, layout, par) -> out``
-(most are a few lines around `models.attention`'s ``_sharded``, which runs a per-device kernel
-under ``shard_map`` with specs from the rules), and one record in `KERNELS`.
+Adding a kernel: its file under ``models/kernels/`` (importing nothing of ours), one record in
+`KERNELS`, and its wrapper in `models.attention`, ``run_<name>`` with the signature ``(q [B, T, N, H],
+k [B, S, K, H], v, segment_ids [B, T] | None, *, causal, layout, par) -> [B, T, N, H]`` in q's dtype,
+bound to the record by the decorator ``@_wraps("<name>")`` (most are a few lines around
+`models.attention`'s ``_sharded``, which runs a per-device kernel under ``shard_map`` with specs from
+the rules).
 
 This module holds data only and imports no JAX, so that `models.config` and `models.spec` (which
-read it) stay free of JAX; a record names its wrapper, which `models.attention` resolves (and checks
-for every record when it is imported).
+read it) stay free of JAX; the wrappers, which need JAX, are bound to the records where they are
+defined, and `models.attention` checks on import that every record has one.
 """
 
 from __future__ import annotations
@@ -34,9 +36,6 @@ class AttentionKernel:
       traits: What it costs and how it splits (`sharding.modeldesc.AttentionTraits`); its ``name`` is
         the kernel's.
       summary: One line saying what it is (for documentation and messages).
-      wrapper: The name of the function in `models.attention` that runs it on the run's layout,
-        ``(q [B, T, N, H], k [B, S, K, H], v, segment_ids [B, T] | None, *, causal, layout, par)
-        -> [B, T, N, H]`` in q's dtype.
       layouts: The context layouts it accepts (`sharding.parallel.CONTIGUOUS` is natural order;
         `sharding.parallel.ZIGZAG` the balanced causal layout of ring attention).
       auto_layout: The layout ``--context-layout auto`` picks for it when the length is split (P > 1).
@@ -53,7 +52,6 @@ class AttentionKernel:
 
     traits: AttentionTraits
     summary: str
-    wrapper: str
     layouts: tuple[str, ...] = (CONTIGUOUS,)
     auto_layout: str = CONTIGUOUS
     splits_heads: bool = False
@@ -79,13 +77,11 @@ KERNELS: tuple[AttentionKernel, ...] = (
         AttentionTraits("flash", **_TILED, under_shard_map=True),
         "our Pallas FlashAttention-2 kernel per device under shard_map: batch and heads split, length "
         "whole; memory linear in length",
-        wrapper="run_flash",
     ),
     AttentionKernel(
         # Its custom backward recomputes the probabilities from the rows' log-sum-exp (`reference_attention`).
         AttentionTraits("reference", materialises_scores=True, backward_scores=2),
         "einsum + mask + float32 softmax; GSPMD partitions it; memory O(T*S) per head",
-        wrapper="run_reference",
     ),
     AttentionKernel(
         AttentionTraits(
@@ -93,7 +89,6 @@ KERNELS: tuple[AttentionKernel, ...] = (
         ),
         "ring attention (Liu et al., 2023): the length split over the context and sequence axes, key/value "
         "blocks passed around the ring of those devices",
-        wrapper="sharded_ring_attention",
         layouts=(CONTIGUOUS, ZIGZAG),
         auto_layout=ZIGZAG,
     ),
@@ -102,7 +97,6 @@ KERNELS: tuple[AttentionKernel, ...] = (
             "ulysses", **_TILED, splits_length=True, under_shard_map=True, searched=False, context_exchange="all_to_all"
         ),
         "all-to-all attention (Jacobs et al., 2023): length-split to head-split and back around flash",
-        wrapper="sharded_ulysses_attention",
         layouts=(CONTIGUOUS, ZIGZAG),
         splits_heads=True,
     ),
@@ -112,7 +106,6 @@ KERNELS: tuple[AttentionKernel, ...] = (
         ),
         "USP (Fang & Zhao, 2024): all-to-all over sequence (inside a host), ring attention over context "
         "(across hosts), flash per block",
-        wrapper="sharded_usp_attention",
         layouts=(CONTIGUOUS, ZIGZAG),
         auto_layout=ZIGZAG,
         splits_heads=True,
@@ -124,7 +117,6 @@ KERNELS: tuple[AttentionKernel, ...] = (
         # reference attention with more memory, so the planner need not try it.
         AttentionTraits("dot_product", materialises_scores=True, saves_scores=True, backward_scores=4, searched=False),
         "jax.nn.dot_product_attention (JAX's own implementation, a baseline for flash); GSPMD partitions it",
-        wrapper="run_dot_product",
     ),
 )
 """Every kernel, in the order ``--attention`` lists them and the planner tries them (flash before
