@@ -277,7 +277,11 @@ def check_context_shares(attention: str, par: Parallelism, seq_len: int) -> None
     """
     shards = par.length_shards
     even = ",".join(["1"] * max(shards, 2))
-    if attention != "ring" or shards < 2 or par.context_layout not in ("auto", ZIGZAG):
+    if (
+        not registry.kernel(attention).traits.exchange.takes_shares
+        or shards < 2
+        or par.context_layout not in ("auto", ZIGZAG)
+    ):
         # USP and Ulysses trade equal blocks by all-to-all; a ring over the same devices takes the shares.
         raise ValueError(
             f"--context-shares needs --attention ring over a split length in the zigzag layout (got --attention "

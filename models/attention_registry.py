@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from sharding import exchange
 from sharding.modeldesc import AttentionTraits
 from sharding.parallel import CONTIGUOUS, ZIGZAG
 
@@ -39,12 +40,6 @@ class AttentionKernel:
       layouts: The context layouts it accepts (`sharding.parallel.CONTIGUOUS` is natural order;
         `sharding.parallel.ZIGZAG` the balanced causal layout of ring attention).
       auto_layout: The layout ``--context-layout auto`` picks for it when the length is split (P > 1).
-      splits_heads: It trades the length split for a head split over the length's devices
-        (all-to-all attention), so query heads per device must divide by the all-to-all's devices
-        (KV heads are repeated up to them).
-      inner_all_to_all: Its all-to-all runs over the innermost mesh axis of the length's split only
-        (``sequence``, inside a host) and a ring over the others (``context``): USP. The context
-        layout's chunks are then dealt over the ring's devices, not all of the length's.
 
     Raises:
       ValueError: On an ``auto_layout`` it does not accept.
@@ -54,8 +49,6 @@ class AttentionKernel:
     summary: str
     layouts: tuple[str, ...] = (CONTIGUOUS,)
     auto_layout: str = CONTIGUOUS
-    splits_heads: bool = False
-    inner_all_to_all: bool = False
 
     def __post_init__(self):
         if self.auto_layout not in self.layouts:
@@ -65,6 +58,20 @@ class AttentionKernel:
     def name(self) -> str:
         """What ``ModelConfig.attention`` (``--attention``) calls it."""
         return self.traits.name
+
+    @property
+    def splits_heads(self) -> bool:
+        """Whether it trades the length split for a head split over the length's devices (all-to-all or USP
+        attention: its exchange's ``all_to_all``), so query heads per device must divide by the all-to-all's
+        devices (KV heads are repeated up to them)."""
+        return self.traits.exchange.all_to_all
+
+    @property
+    def inner_all_to_all(self) -> bool:
+        """Whether its all-to-all runs over the innermost mesh axis of the length's split only (``sequence``,
+        inside a host) and a ring over the others (``context``): USP, whose exchange does both. The context
+        layout's chunks are then dealt over the ring's devices, not all of the length's."""
+        return self.traits.exchange.ring and self.traits.exchange.all_to_all
 
 
 # Our FlashAttention-2 kernels' costs (Dao 2023): no score matrix, the causally empty tiles skipped, and a
@@ -85,7 +92,12 @@ KERNELS: tuple[AttentionKernel, ...] = (
     ),
     AttentionKernel(
         AttentionTraits(
-            "ring", **_TILED, splits_length=True, under_shard_map=True, searched=False, context_exchange="ring"
+            "ring",
+            **_TILED,
+            splits_length=True,
+            under_shard_map=True,
+            searched=False,
+            context_exchange=exchange.RING.name,
         ),
         "ring attention (Liu et al., 2023): the length split over the context and sequence axes, key/value "
         "blocks passed around the ring of those devices",
@@ -94,22 +106,29 @@ KERNELS: tuple[AttentionKernel, ...] = (
     ),
     AttentionKernel(
         AttentionTraits(
-            "ulysses", **_TILED, splits_length=True, under_shard_map=True, searched=False, context_exchange="all_to_all"
+            "ulysses",
+            **_TILED,
+            splits_length=True,
+            under_shard_map=True,
+            searched=False,
+            context_exchange=exchange.ALL_TO_ALL.name,
         ),
         "all-to-all attention (Jacobs et al., 2023): length-split to head-split and back around flash",
         layouts=(CONTIGUOUS, ZIGZAG),
-        splits_heads=True,
     ),
     AttentionKernel(
         AttentionTraits(
-            "usp", **_TILED, splits_length=True, under_shard_map=True, searched=False, context_exchange="usp"
+            "usp",
+            **_TILED,
+            splits_length=True,
+            under_shard_map=True,
+            searched=False,
+            context_exchange=exchange.USP.name,
         ),
         "USP (Fang & Zhao, 2024): all-to-all over sequence (inside a host), ring attention over context "
         "(across hosts), flash per block",
         layouts=(CONTIGUOUS, ZIGZAG),
         auto_layout=ZIGZAG,
-        splits_heads=True,
-        inner_all_to_all=True,
     ),
     AttentionKernel(
         # Autodiff through XLA's implementation saves the probabilities and holds four score-sized arrays in

@@ -41,14 +41,17 @@ ring is exact, dropless and lowers on every backend. With a capacity (``capacity
 device sends each expert a buffer of fixed size, so a plain `jax.lax.all_to_all` carries the dispatch and
 the combine (GShard's dispatch): ``2 * cf * N * K * D * (E_p - 1) / E_p`` elements per device and layer
 against the ring's ``2 * (E_p - 1) * N * D``; it is used where it moves less (``cf * K < E_p``,
-`sharding.modeldesc.expert_dispatch`) and drops the same copies as the ring. The expert weights may also
+`sharding.dispatch.expert_dispatch`) and drops the same copies as the ring. Each dispatch is a record of
+`sharding.dispatch`; the function that performs it here is bound to it by ``_dispatches``. The expert weights may also
 be split over ``fsdp`` (their ``expert_embed``, gathered by the partitioner before the map) and
 ``tensor`` (their ``mlp``, Megatron-style: partial outputs summed over ``tensor``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -59,7 +62,8 @@ from models.config import ModelConfig
 from models.layers import MLP, make_params
 from models.spec import moe_params
 from sharding import axes as ax
-from sharding.modeldesc import expert_dispatch, held_copies
+from sharding import dispatch
+from sharding.modeldesc import held_copies
 from sharding.parallel import Parallelism, spec_axes, spec_entry, to_varying, varying_axes
 
 __all__ = [
@@ -351,6 +355,69 @@ def _all_to_all_group(x, experts, weights, gate, up, down, config: ModelConfig, 
     return y.reshape(b, t, d), keep.reshape(b, t, k)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Placement:
+    """Where one device's share of the layer sits on the mesh, inside `_routed`'s `jax.shard_map`.
+
+    Attributes:
+      expert_axes: The mesh axes that split the experts.
+      gather_axes: Those of them that also split the tokens (the ring gathers the tokens over them).
+      sum_axes: The mesh axes the partial outputs are summed over: those of ``expert_axes`` that do not
+        split the tokens, then ``mlp_axes``.
+      mlp_axes: The mesh axes that split the experts' ``mlp``.
+      sizes: Mesh axis -> size (the axes automatic here).
+      local_experts: Experts per device, E / E_p.
+    """
+
+    expert_axes: tuple[str, ...]
+    gather_axes: tuple[str, ...]
+    sum_axes: tuple[str, ...]
+    mlp_axes: tuple[str, ...]
+    sizes: Mapping[str, int]
+    local_experts: int
+
+
+_DISPATCHERS: dict[str, Callable] = {}
+"""Dispatch name -> the function that performs it on one device, ``(x [B, T, D], experts [B, T, K],
+weights [B, T, K], gate, up, down, config, place: _Placement) -> (out [B, T, D], keep [B, T, K] bool)``."""
+
+
+def _dispatches(*records: dispatch.ExpertDispatch) -> Callable[[Callable], Callable]:
+    """Binds the decorated function to ``records`` (`sharding.dispatch`) as what performs them."""
+
+    def bind(run: Callable) -> Callable:
+        for record in records:
+            if record.name in _DISPATCHERS:
+                raise ValueError(f"expert dispatch {record.name}: two functions perform it")
+            _DISPATCHERS[record.name] = run
+        return run
+
+    return bind
+
+
+@_dispatches(dispatch.LOCAL, dispatch.RING)
+def _gathered(x, experts, weights, gate, up, down, config: ModelConfig, place: _Placement):
+    """`_group` over ``place``: the tokens gathered over ``place.gather_axes`` (none without expert parallelism),
+    this device's experts numbered from its index along ``place.expert_axes``."""
+    index = jnp.zeros((), jnp.int32)
+    for a in place.expert_axes:
+        index = index * place.sizes[a] + jax.lax.axis_index(a)
+    first = index * place.local_experts
+    return _group(x, experts, weights, gate, up, down, config, first, place.gather_axes, place.sum_axes)
+
+
+@_dispatches(dispatch.ALL_TO_ALL)
+def _exchanged(x, experts, weights, gate, up, down, config: ModelConfig, place: _Placement):
+    """`_all_to_all_group` over ``place.expert_axes``, the partial outputs summed over ``place.mlp_axes``."""
+    return _all_to_all_group(x, experts, weights, gate, up, down, config, place.expert_axes, place.mlp_axes)
+
+
+_missing = [record.name for record in dispatch.DISPATCHES if record.name not in _DISPATCHERS]
+if _missing:  # a dispatch the cost model may choose but nothing here performs fails on import
+    raise LookupError(f"expert dispatch {', '.join(_missing)}: no function in models.moe performs it")
+del _missing
+
+
 def _routed(x, experts, weights, gate, up, down, config: ModelConfig, par: Parallelism):
     """The routed experts' output ``[B, T, D]`` and the capacity mask ``[B, T, K]``, laid out by ``par``.
 
@@ -375,20 +442,18 @@ def _routed(x, experts, weights, gate, up, down, config: ModelConfig, par: Paral
     gather_axes = tuple(a for a in expert_axes if a in batch_axes)
     sum_axes = tuple(a for a in expert_axes if a not in batch_axes) + mlp_axes
     split = math.prod(sizes[a] for a in expert_axes)
-    local_experts = config.num_experts // split
+    place = _Placement(expert_axes, gather_axes, sum_axes, mlp_axes, sizes, config.num_experts // split)
     weights_in = PartitionSpec(spec_entry(in_spec, 0), None, spec_entry(in_spec, 2))
     weights_out = PartitionSpec(spec_entry(in_spec, 0), spec_entry(in_spec, 2), None)
-    all_to_all = gather_axes == expert_axes and (
-        expert_dispatch(config.capacity_factor, config.experts_per_token, split) == "all_to_all"
-    )
+    chosen = dispatch.expert_dispatch(config.capacity_factor, config.experts_per_token, split)
+    if chosen.fixed_buffers and gather_axes != expert_axes:
+        # Experts split over an axis that does not split the tokens: there a device's buffers would hold the
+        # same tokens as its peers'; the ring's gather and sum handle that split.
+        chosen = dispatch.RING
+    run_dispatch = _DISPATCHERS[chosen.name]
 
     def local(x, experts, weights, gate, up, down):
-        if all_to_all:
-            return _all_to_all_group(x, experts, weights, gate, up, down, config, expert_axes, mlp_axes)
-        index = jnp.zeros((), jnp.int32)
-        for a in expert_axes:
-            index = index * sizes[a] + jax.lax.axis_index(a)
-        return _group(x, experts, weights, gate, up, down, config, index * local_experts, gather_axes, sum_axes)
+        return run_dispatch(x, experts, weights, gate, up, down, config, place)
 
     run = jax.shard_map(
         local,

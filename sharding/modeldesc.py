@@ -19,7 +19,8 @@ The description holds:
   activations a layer saves for the backward pass, each with the logical axis that splits it,
   whether it grows with the keys a query sees (score-matrix terms), and which remat policies keep it.
 
-This module imports nothing of the project but `sharding.axes`, and no JAX.
+This module imports nothing of the project but `sharding.axes`, `sharding.dispatch` and `sharding.exchange`, and
+no JAX.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ import functools
 import math
 
 from sharding import axes as ax
+from sharding.dispatch import ExpertDispatch, expert_dispatch
+from sharding.exchange import ContextExchange, context_exchange
 
 __all__ = [
     "ROLES",
@@ -39,7 +42,6 @@ __all__ = [
     "Param",
     "Product",
     "Term",
-    "expert_dispatch",
     "held_copies",
 ]
 
@@ -192,8 +194,8 @@ class ExpertGeometry:
         stages split differently), the rule ``train.checks.check_experts`` enforces on a run."""
         return self.layers == num_layers and not self.capacity_factor
 
-    def dispatch(self, expert_split: int) -> str:
-        """The dispatch over ``expert_split`` devices (`expert_dispatch`)."""
+    def dispatch(self, expert_split: int) -> ExpertDispatch:
+        """The dispatch over ``expert_split`` devices (`sharding.dispatch.expert_dispatch`)."""
         return expert_dispatch(self.capacity_factor, self.experts_per_token, expert_split)
 
     def copies_held(self, expert_split: int) -> int:
@@ -201,7 +203,7 @@ class ExpertGeometry:
         (``expert_split`` = E_p devices gathering their tokens), every gathered token's copies its ``E / E_p``
         experts can receive (`held_copies` of E_p tokens), ``E_p * min(k, E / E_p)``, most of them for other
         devices' experts (rows a GPU's fixed shapes hold too, dropless)."""
-        if self.dispatch(expert_split) != "ring":
+        if not self.dispatch(expert_split).gathers_tokens:
             return self.experts_per_token
         return held_copies(expert_split, self.experts_per_token, self.num_experts // expert_split)
 
@@ -210,23 +212,6 @@ def held_copies(tokens: int, experts_per_token: int, local_experts: int) -> int:
     """``M = tokens * min(K, E_local)``: the most routed copies of ``tokens`` tokens that ``E_local`` experts
     can receive (a token's ``K`` choices are distinct experts): the rows `models.moe.expert_outputs` computes."""
     return tokens * min(experts_per_token, local_experts)
-
-
-def expert_dispatch(capacity_factor: float, experts_per_token: int, expert_split: int) -> str:
-    """How a mixture of experts' tokens reach the devices of their experts: ``"local"``, ``"ring"`` or
-    ``"all_to_all"`` (`models.moe`).
-
-    Without expert parallelism (``expert_split`` 1) the layer is local. Dropless routing uses the ring
-    (all-gather the tokens, reduce-scatter the outputs: ``2 (E_p - 1) N D`` elements per device and layer).
-    With a capacity every device sends each expert a fixed buffer of ``C = ceil(cf N k / E)`` rows, so a
-    plain all-to-all carries it (GShard): ``2 cf N k D (E_p - 1) / E_p`` elements, chosen when that is less
-    than the ring's, i.e. when ``cf * k < E_p``. Both give the same sums (the same copies are dropped).
-    """
-    if expert_split <= 1:
-        return "local"
-    if capacity_factor and capacity_factor * experts_per_token < expert_split:
-        return "all_to_all"
-    return "ring"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -287,15 +272,16 @@ class AttentionTraits:
         collective schedule, which GSPMD cannot partition); False: GSPMD partitions it like any op.
       searched: Whether the planner tries it when given no attentions (False for one priced exactly
         as another that it already tries).
-      context_exchange: How it moves keys and values when the length is split
-        (`sharding.costmodel.context.context_traffic` prices it): ``ring`` (blocks passed around the
-        length's devices), ``all_to_all`` (length split traded for a head split), ``usp`` (all-to-all
-        over the innermost length axis, ring over the others); empty for a kernel that does not split
-        the length.
+      context_exchange: The name of the `sharding.exchange.ContextExchange` by which it moves keys and
+        values when the length is split (`sharding.costmodel.context.context_traffic` prices it): ``ring``
+        (blocks passed around the length's devices), ``all_to_all`` (length split traded for a head split),
+        ``usp`` (all-to-all over the innermost length axis, ring over the others); empty for a kernel that
+        does not split the length. `exchange` is the record.
 
     Raises:
-      ValueError: On a key fraction outside (0, 1], a training factor below 1, or score counts that do not
-        fit ``materialises_scores`` (held or saved without it; fewer than one held with it, two if saved).
+      ValueError: On a key fraction outside (0, 1], a training factor below 1, score counts that do not
+        fit ``materialises_scores`` (held or saved without it; fewer than one held with it, two if saved),
+        or an unknown ``context_exchange``.
     """
 
     name: str
@@ -321,6 +307,12 @@ class AttentionTraits:
                 f"with materialises_scores {self.materialises_scores}: a kernel that materialises the scores holds at "
                 "least one in its backward (two where it also saved them), one that does not holds and saves none"
             )
+        context_exchange(self.context_exchange)  # raises on an unknown name
+
+    @property
+    def exchange(self) -> ContextExchange:
+        """Its context exchange's record (`sharding.exchange.NONE` for a kernel that keeps the length whole)."""
+        return context_exchange(self.context_exchange)
 
 
 @dataclasses.dataclass(frozen=True)

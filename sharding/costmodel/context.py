@@ -23,13 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-from sharding import axes as ax
 from sharding.modeldesc import AttentionTraits
-
-RING = "ring"
-ALL_TO_ALL = "all_to_all"
-USP = "usp"
-EXCHANGES = (RING, ALL_TO_ALL, USP)
 
 
 def context_groups(traits: AttentionTraits, mesh: Mapping[str, int]) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -37,8 +31,8 @@ def context_groups(traits: AttentionTraits, mesh: Mapping[str, int]) -> tuple[tu
 
     Ring attention passes blocks around every device of the length (``context`` x ``sequence``, one
     ring); all-to-all attention trades heads over all of them; USP runs the all-to-all over the
-    innermost length axis (``sequence``, inside a host) and the ring over the others (``context``).
-    Axes of size 1 are left out.
+    innermost length axis (``sequence``, inside a host) and the ring over the others (``context``)
+    (`sharding.exchange.ContextExchange.groups`). Axes of size 1 are left out.
 
     Args:
       traits: The kernel's (its ``context_exchange``).
@@ -47,16 +41,7 @@ def context_groups(traits: AttentionTraits, mesh: Mapping[str, int]) -> tuple[tu
     Returns:
       ``(ring_axes, all_to_all_axes)``; both empty for a kernel that does not split the length.
     """
-    split = tuple(a for a in ax.LENGTH_MESH_AXES if mesh.get(a, 1) > 1)
-    exchange = traits.context_exchange
-    if exchange == RING:
-        return split, ()
-    if exchange == ALL_TO_ALL:
-        return (), split
-    if exchange == USP:
-        inner = ax.LENGTH_MESH_AXES[-1]
-        return tuple(a for a in split if a != inner), tuple(a for a in split if a == inner)
-    return (), ()
+    return traits.exchange.groups(mesh)
 
 
 def context_traffic(
@@ -98,11 +83,11 @@ def context_traffic(
       ValueError: A kernel without a ``context_exchange``, an exchange of the wrong shape (a ring for
         ``all_to_all``, an all-to-all for ``ring``), or query heads U does not divide.
     """
-    exchange = traits.context_exchange
-    if exchange not in EXCHANGES:
+    exchange = traits.exchange
+    if not (exchange.ring or exchange.all_to_all):
         raise ValueError(f"attention {traits.name!r} does not split the length; it has no context traffic")
-    if (exchange == RING and all_to_all != 1) or (exchange == ALL_TO_ALL and ring != 1):
-        raise ValueError(f"attention {traits.name!r} ({exchange}) over ring={ring} x all_to_all={all_to_all}")
+    if (not exchange.all_to_all and all_to_all != 1) or (not exchange.ring and ring != 1):
+        raise ValueError(f"attention {traits.name!r} ({exchange.name}) over ring={ring} x all_to_all={all_to_all}")
     if heads % all_to_all:
         raise ValueError(f"attention {traits.name!r}: {heads} heads do not split over {all_to_all} devices")
     local = batch * length / (ring * all_to_all)  # tokens on the device
@@ -124,4 +109,4 @@ def context_traffic(
     return found
 
 
-__all__ = ["ALL_TO_ALL", "EXCHANGES", "RING", "USP", "context_groups", "context_traffic"]
+__all__ = ["context_groups", "context_traffic"]

@@ -16,7 +16,6 @@ from typing import Any
 
 from sharding import axes as ax
 from sharding.costmodel.collectives import BACKENDS, Comm
-from sharding.costmodel.context import RING
 from sharding.costmodel.flops import OPTIMIZER_FLOPS_PER_PARAM, Flops, _flops, _per_token_flops
 from sharding.costmodel.layout import (
     _DTYPE_BYTES,
@@ -166,7 +165,7 @@ def _context_share(
     if tokens is None:
         return seq_len, None, 1.0
     kernel = attention_of(model, layout)
-    if kernel.context_exchange != RING or layout.context_layout != ZIGZAG:
+    if not kernel.exchange.takes_shares or layout.context_layout != ZIGZAG:
         raise ValueError(
             f"context_shares need ring attention in the zigzag layout, whose kernels skip the padding (got "
             f"attention {layout.attention!r}, context_layout {layout.context_layout!r}); e.g. attention='ring', "

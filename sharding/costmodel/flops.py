@@ -170,9 +170,7 @@ def _batched_experts(model: ModelDescription, layout: Layout) -> bool:
     """Whether the experts' products run as batched products over fixed buffers (the all-to-all dispatch with
     a capacity, `models.moe`, outside pipeline stages) rather than grouped ones (`jax.lax.ragged_dot`)."""
     experts = model.experts
-    return (
-        experts is not None and layout.mesh[ax.STAGE] == 1 and experts.dispatch(layout.mesh[ax.EXPERT]) == "all_to_all"
-    )
+    return experts is not None and layout.mesh[ax.STAGE] == 1 and experts.dispatch(layout.mesh[ax.EXPERT]).fixed_buffers
 
 
 def _busiest_ring_share(kernel: AttentionTraits, layout: Layout) -> float:

@@ -91,18 +91,19 @@ def _zero_groups(
 
 def _expert_comms(model: ModelDescription, layout: Layout, s: _Shape) -> list[Comm]:
     """The mixture of experts' dispatch over ``expert`` (`models.moe`). With a capacity where it moves less
-    (`sharding.modeldesc.expert_dispatch`), two all-to-alls of the ``[E * C, D]`` buffer per MoE layer and
-    microbatch forward (dispatch, combine) and two backward. Otherwise the ring: per MoE layer and
+    (`sharding.dispatch.ALL_TO_ALL`), two all-to-alls of the ``[E * C, D]`` buffer per MoE layer and
+    microbatch forward (dispatch, combine) and two backward. Otherwise the ring (`sharding.dispatch.RING`): per
+    MoE layer and
     microbatch the forward all-gathers the tokens ``[tok * E_p, D]`` with their routing (k int32 experts
     and k float32 weights per token) and reduce-scatters the partial outputs back to ``[tok, D]``; the
     backward is the transpose (an all-gather of the output gradients, a reduce-scatter of the token and
     weight gradients); full remat runs the forward's again."""
     moe, ep = model.experts, layout.mesh[ax.EXPERT]
-    if moe is None or ep <= 1:
+    if moe is None or not moe.dispatch(ep).collectives:
         return []
     n = moe.layers * s.micro
     forward = n * (1 + (layout.remat == "full"))
-    if moe.dispatch(ep) == "all_to_all":  # fixed buffers [E * C, D], there and back, each way
+    if moe.dispatch(ep).fixed_buffers:  # fixed buffers [E * C, D], there and back, each way
         rows = moe.num_experts * math.ceil(moe.capacity_factor * s.tok * moe.experts_per_token / moe.num_experts)
         buffer = rows * model.hidden * s.act_bytes
         return [Comm("all-to-all", (ax.EXPERT,), ep, buffer, 2 * (forward + n), "MoE dispatch and combine", False)]

@@ -260,7 +260,7 @@ def _canonical_split(kernel: AttentionTraits, mesh: Mapping[str, int], ev: _Eval
     ``context`` x ``sequence`` as one group, so they take ``sequence`` alone when the group fits inside a host
     and ``context`` alone when it does not (the same program under another name is not priced twice)."""
     context, sequence = mesh[ax.CONTEXT], mesh[ax.SEQUENCE]
-    if kernel.context_exchange == "usp":
+    if kernel.exchange.ring and kernel.exchange.all_to_all:
         return context > 1 and sequence > 1
     if context > 1 and sequence > 1:
         return False
@@ -309,7 +309,7 @@ def _shares_fit(ev: _Evaluator, mesh: Mapping[str, int], attention: AttentionTra
     """Whether uneven sequence shards (``--context-shares``) are worth pricing: ring attention (the kernel
     that skips padding; the layout is zigzag) over a length split whose ring positions are paced by
     different device kinds, without pipeline stages, on an even length (zigzag chunk pairs)."""
-    if attention.context_exchange != "ring" or mesh[ax.STAGE] > 1 or ev.seq % 2:
+    if not attention.exchange.takes_shares or mesh[ax.STAGE] > 1 or ev.seq % 2:
         return False
     if math.prod(mesh[a] for a in ax.LENGTH_MESH_AXES) <= 1:
         return False

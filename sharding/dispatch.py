@@ -1,0 +1,85 @@
+"""How a mixture of experts' tokens reach the devices of their experts: one `ExpertDispatch` record each.
+
+The model (`models.moe`, which binds the function that performs each dispatch), the cost model
+(`sharding.costmodel`: its collectives, the rows its experts compute, whether its products run over
+fixed buffers) and the run report read the record that `expert_dispatch` chooses; none of them
+compares a dispatch's name.
+
+* `LOCAL`: no expert parallelism; every device runs every expert on its own tokens.
+* `RING`: all-gather the tokens and their routing over ``expert``, run the local experts on every gathered
+  token's copies routed to them, reduce-scatter the partial outputs back (MaxText's "ring of experts"):
+  ``2 (E_p - 1) N D`` elements per device and layer.
+* `ALL_TO_ALL`: with a capacity every device sends each expert a fixed buffer of ``C = ceil(cf N k / E)``
+  rows, so a plain all-to-all carries the dispatch and the combine (GShard, Lepikhin et al., 2020):
+  ``2 cf N k D (E_p - 1) / E_p`` elements per device and layer.
+
+This module imports nothing of the project and no JAX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["ALL_TO_ALL", "DISPATCHES", "LOCAL", "RING", "ExpertDispatch", "expert_dispatch"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertDispatch:
+    """One way of sending routed tokens to their experts and their outputs back.
+
+    Attributes:
+      name: What it is called (reports, messages).
+      report: The run report's phrase for it; ``{capacity_factor}`` is filled in (`describe`).
+      collectives: The HLO collectives it issues over ``expert`` (empty: none).
+      gathers_tokens: Whether each device receives every token of the devices that split the experts and
+        computes all of their copies its experts can receive (the ring); False: a device computes the copies
+        routed to its experts from its own tokens' buffers, or all ``k`` of its own tokens' copies.
+      fixed_buffers: Whether the experts run as batched products over fixed buffers of ``C`` rows per expert
+        (`jax.lax.all_to_all` needs equal blocks) rather than grouped products (`jax.lax.ragged_dot`).
+    """
+
+    name: str
+    report: str
+    collectives: tuple[str, ...] = ()
+    gathers_tokens: bool = False
+    fixed_buffers: bool = False
+
+    def describe(self, capacity_factor: float) -> str:
+        """The run report's phrase, e.g. ``all-to-all over expert (capacity factor 1.25)``."""
+        return self.report.format(capacity_factor=capacity_factor)
+
+
+LOCAL = ExpertDispatch("local", "local (no expert parallelism)")
+RING = ExpertDispatch(
+    "ring",
+    "all-gather / reduce-scatter over expert (dropless)",
+    collectives=("all-gather", "reduce-scatter"),
+    gathers_tokens=True,
+)
+ALL_TO_ALL = ExpertDispatch(
+    "all_to_all",
+    "all-to-all over expert (capacity factor {capacity_factor:g})",
+    collectives=("all-to-all",),
+    fixed_buffers=True,
+)
+DISPATCHES: tuple[ExpertDispatch, ...] = (LOCAL, RING, ALL_TO_ALL)
+"""Every dispatch; `models.moe` checks on import that it can run each."""
+
+
+def expert_dispatch(capacity_factor: float, experts_per_token: int, expert_split: int) -> ExpertDispatch:
+    """The dispatch a mixture of experts uses over ``expert_split`` devices.
+
+    Without expert parallelism (``expert_split`` 1) the layer is `LOCAL`. Dropless routing uses `RING`.
+    With a capacity `ALL_TO_ALL` is chosen where it moves less than the ring, i.e. when ``cf * k < E_p``.
+    Both give the same sums (the same copies are dropped).
+
+    Args:
+      capacity_factor: 0 for dropless routing, else the capacity factor cf.
+      experts_per_token: k.
+      expert_split: E_p, the devices that split the experts.
+    """
+    if expert_split <= 1:
+        return LOCAL
+    if capacity_factor and capacity_factor * experts_per_token < expert_split:
+        return ALL_TO_ALL
+    return RING
