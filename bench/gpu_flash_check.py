@@ -25,10 +25,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from models.kernels.flash_attention import (  # noqa: E402
-    BlockSizes,
     flash_attention,
     flash_attention_reference,
 )
+from models.kernels.flash_blocks import BlockSizes  # noqa: E402
 
 # (name, batch, q_length, kv_length, heads, kv_heads, head_dim, causal, segments, dtype, blocks)
 # float32 kernels use IEEE (non-tensor-core) dots, which Triton compiles slowly (~40 s for a

@@ -19,12 +19,11 @@ import pytest
 # `models.kernels.flash_attention` the package attribute is the re-exported function; import
 # names from the module itself.
 from models.kernels.flash_attention import (
-    BlockSizes,
-    _round_up,
     _tile_counts,
     flash_attention,
     flash_attention_reference,
 )
+from models.kernels.flash_blocks import BlockSizes, _round_up
 
 BASE = dict(batch=1, q_len=128, kv_len=128, heads=8, kv_heads=2, head_dim=64, causal=True, segments=0, blocks=None)
 SMALL = BlockSizes(16, 16, 16, 16, 16, 16)

@@ -22,13 +22,13 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from models.kernels.flash_attention import (
-    BlockSizes,
     _tile_counts,
     flash_attention_backward,
     flash_attention_forward,
     flash_attention_reference,
     forward_tile_count,
 )
+from models.kernels.flash_blocks import BlockSizes
 from models.kernels.ring_attention import ring_attention, ring_tile_counts, uneven_zigzag_layout, zigzag_permutation
 from models.kernels.ulysses_attention import kv_repeat, ulysses_attention
 from models.kernels.usp_attention import usp_attention

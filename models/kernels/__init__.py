@@ -1,12 +1,12 @@
 """Pallas and shard_map kernels. Import nothing from the rest of meshwork."""
 
 from .flash_attention import (
-    BlockSizes,
     flash_attention,
     flash_attention_backward,
     flash_attention_forward,
     flash_attention_reference,
 )
+from .flash_blocks import BlockSizes
 from .ring_attention import ring_attention, zigzag_permutation
 from .ulysses_attention import ulysses_attention
 from .usp_attention import usp_attention

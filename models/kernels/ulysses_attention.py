@@ -53,8 +53,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .flash_attention import BlockSizes, flash_attention
-from .ring_attention import CONTIGUOUS, LAYOUTS, ZIGZAG, zigzag_permutation
+from .flash_attention import flash_attention
+from .flash_blocks import BlockSizes
+from .ring_attention import zigzag_permutation
+from .ring_kernels import CONTIGUOUS, LAYOUTS, ZIGZAG
 
 
 def kv_repeat(kv_heads: int, num_shards: int) -> int:

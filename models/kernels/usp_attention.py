@@ -36,8 +36,9 @@ from __future__ import annotations
 import jax
 from jax import lax
 
-from .flash_attention import BlockSizes
-from .ring_attention import CONTIGUOUS, ring_attention
+from .flash_blocks import BlockSizes
+from .ring_attention import ring_attention
+from .ring_kernels import CONTIGUOUS
 from .ulysses_attention import check_inputs, length_to_heads, to_sequence
 
 
