@@ -7,15 +7,15 @@ wrapper and checks the context layout against it), the cost model and the planne
 No module chooses by a kernel's name.
 
 Adding a kernel: its file under ``models/kernels/`` (importing nothing of ours), one record in
-`KERNELS`, and its wrapper in `models.attention`, ``run_<name>`` with the signature ``(q [B, T, N, H],
+`KERNELS`, and its wrapper in `models.attention_kernels`, ``run_<name>`` with the signature ``(q [B, T, N, H],
 k [B, S, K, H], v, segment_ids [B, T] | None, *, causal, layout, par) -> [B, T, N, H]`` in q's dtype,
 bound to the record by the decorator ``@_wraps("<name>")`` (most are a few lines around
-`models.attention`'s ``_sharded``, which runs a per-device kernel under ``shard_map`` with specs from
+`models.attention_kernels`' ``_sharded``, which runs a per-device kernel under ``shard_map`` with specs from
 the rules).
 
 This module holds data only and imports no JAX, so that `models.config` and `models.spec` (which
 read it) stay free of JAX; the wrappers, which need JAX, are bound to the records where they are
-defined, and `models.attention` checks on import that every record has one.
+defined, and `models.attention_kernels` checks on import that every record has one.
 """
 
 from __future__ import annotations

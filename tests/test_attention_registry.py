@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 
 from models import attention_registry as registry
-from models.attention import layout_shards, reference_attention, wrapper
+from models.attention import layout_shards
+from models.attention_kernels import wrapper
+from models.attention_reference import reference_attention
 from models.config import ModelConfig, get_config
 from models.kernels.ring_attention import zigzag_permutation
 from sharding import costmodel as cm

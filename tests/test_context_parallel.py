@@ -22,10 +22,10 @@ from models.attention import (
     attend,
     check_context_parallel,
     layout_shards,
-    reference_attention,
     resolve_context_layout,
     ulysses_mesh,
 )
+from models.attention_reference import reference_attention
 from models.config import PRESETS as MODEL_PRESETS
 from models.kernels.ring_attention import uneven_zigzag_layout, zigzag_permutation
 from models.transformer import abstract_model

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.attention import attention_mask, reference_attention
+from models.attention_reference import attention_mask, reference_attention
 from models.config import PRESETS, get_config, parse_overrides
 from models.spec import describe
 from models.transformer import abstract_model, apply, init_params

@@ -432,7 +432,8 @@ def test_attention_kernels_inside_stages_match_the_flat_reference_attention(atte
 def test_flash_inside_a_map_manual_over_the_batch_axes_opens_its_own_over_tensor_only():
     """The kernel's map nested in one manual over data and fsdp (heads split over tensor, no segment ids):
     values and gradients equal the one-device reference attention."""
-    from models.attention import reference_attention, sharded_flash_attention
+    from models.attention_kernels import sharded_flash_attention
+    from models.attention_reference import reference_attention
 
     mesh = make_mesh(parse_mesh("data=2,fsdp=2,tensor=2", 8))
     par = Parallelism.of(mesh, RULES)

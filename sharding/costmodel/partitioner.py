@@ -443,7 +443,7 @@ def _kv_cotangent_comms(model: ModelDescription, layout: Layout, rules: Rules, s
     """Grouped-query attention whose KV heads the rules leave whole on ``tensor`` (K = ``num_kv_heads`` not
     divisible by ``tensor``: the KV projections replicated there) while the query heads are split over it.
 
-    The score and value products (`models.attention.reference_attention`'s, per KV head) then run with the KV
+    The score and value products (`models.attention_reference.reference_attention`'s, per KV head) then run with the KV
     dimension split over gcd(t, K) of the ``tensor`` devices and the query heads of one KV head over the other
     t / gcd(t, K). Their backward pass leaves each device its query heads' share of its KV heads' key and value
     cotangents ``[tokens, K/gcd(t, K), H]``; the replicated projections need them whole, so the partitioner sums
@@ -451,7 +451,7 @@ def _kv_cotangent_comms(model: ModelDescription, layout: Layout, rules: Rules, s
     over the gcd(t, K) devices of distinct KV heads, once per layer and microbatch (in the activations' dtype;
     seen as ``f32[8,1,32,64]`` sums and ``f32[8,2,32,64]`` gathers for ``test``'s K = 2 on ``fsdp=2,tensor=4``,
     and as the sums alone for K = 1). None with a kernel that does not materialise the scores (it slices each
-    device's KV heads itself, `models.attention.head_split`).
+    device's KV heads itself, `models.attention_kernels.head_split`).
     """
     mesh, geometry = layout.mesh, model.attention
     if geometry is None or not attention_of(model, layout).materialises_scores:
