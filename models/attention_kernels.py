@@ -426,7 +426,7 @@ def wrapper(record: registry.AttentionKernel) -> Callable:
     """
     run = _WRAPPERS.get(record.name)
     if run is None:
-        raise LookupError(f"attention {record.name}: no wrapper in models.attention runs it")
+        raise LookupError(f"attention {record.name}: no wrapper in models.attention_kernels runs it")
     return run
 
 
