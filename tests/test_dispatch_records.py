@@ -1,0 +1,71 @@
+"""The records of the MoE expert dispatches (`sharding.dispatch`) and the context exchanges (`sharding.exchange`):
+which one a layout gets, and what the model, the cost model and the report read of it. No devices needed."""
+
+import pytest
+
+from models import attention_registry as registry
+from sharding import dispatch, exchange
+from sharding.modeldesc import AttentionTraits
+
+
+@pytest.mark.parametrize(
+    "capacity_factor, experts_per_token, split, want",
+    [
+        (0.0, 2, 1, dispatch.LOCAL),  # no expert parallelism
+        (1.25, 2, 1, dispatch.LOCAL),
+        (0.0, 2, 8, dispatch.RING),  # dropless
+        (1.25, 2, 8, dispatch.ALL_TO_ALL),  # cf * k = 2.5 < 8: the buffers move less than the ring
+        (1.25, 2, 2, dispatch.RING),  # cf * k = 2.5 >= 2
+        (1.0, 2, 2, dispatch.RING),  # cf * k = E_p: the ring
+    ],
+)
+def test_expert_dispatch_chooses_by_capacity_and_split(capacity_factor, experts_per_token, split, want):
+    assert dispatch.expert_dispatch(capacity_factor, experts_per_token, split) is want
+
+
+def test_dispatch_records_say_what_the_model_cost_model_and_report_read():
+    assert [d.name for d in dispatch.DISPATCHES] == ["local", "ring", "all_to_all"]
+    assert dispatch.LOCAL.describe(0.0) == "local (no expert parallelism)"
+    assert dispatch.RING.describe(0.0) == "all-gather / reduce-scatter over expert (dropless)"
+    assert dispatch.ALL_TO_ALL.describe(1.25) == "all-to-all over expert (capacity factor 1.25)"
+    assert not dispatch.LOCAL.collectives
+    assert dispatch.RING.gathers_tokens and not dispatch.RING.fixed_buffers
+    assert dispatch.ALL_TO_ALL.fixed_buffers and not dispatch.ALL_TO_ALL.gathers_tokens
+    assert set(dispatch.RING.collectives) == {"all-gather", "reduce-scatter"}
+    assert dispatch.ALL_TO_ALL.collectives == ("all-to-all",)
+
+
+@pytest.mark.parametrize(
+    "record, want",
+    [
+        (exchange.RING, (("context", "sequence"), ())),
+        (exchange.ALL_TO_ALL, ((), ("context", "sequence"))),
+        (exchange.USP, (("context",), ("sequence",))),
+        (exchange.NONE, ((), ())),
+    ],
+    ids=lambda x: getattr(x, "name", "") or None,
+)
+def test_context_exchange_groups_the_length_axes(record, want):
+    assert record.groups({"fsdp": 2, "context": 2, "sequence": 4}) == want
+    ring, all_to_all = record.groups({"fsdp": 8, "context": 1, "sequence": 4})  # size-1 axes left out
+    assert "context" not in ring + all_to_all
+
+
+def test_only_the_ring_takes_uneven_shares():
+    assert [e.name for e in exchange.EXCHANGES if e.takes_shares] == ["ring"]
+
+
+def test_attention_records_read_their_exchange():
+    heads = {r.name: (r.splits_heads, r.inner_all_to_all) for r in registry.KERNELS}
+    assert heads["ring"] == (False, False)
+    assert heads["ulysses"] == (True, False)
+    assert heads["usp"] == (True, True)
+    assert heads["flash"] == heads["reference"] == (False, False)
+    for record in registry.KERNELS:
+        assert record.traits.exchange.name == record.traits.context_exchange
+        assert record.traits.splits_length == (record.traits.exchange is not exchange.NONE)
+
+
+def test_an_unknown_context_exchange_is_refused_naming_the_known_ones():
+    with pytest.raises(ValueError, match="context exchange 'rung': choose one of ring, all_to_all, usp"):
+        AttentionTraits("x", materialises_scores=False, context_exchange="rung")
