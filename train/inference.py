@@ -18,6 +18,7 @@ from typing import Any
 
 from sharding.rules import DEFAULT_PRESET
 from sharding.rules import PRESETS as RULE_PRESETS
+from train.flagnames import render
 
 
 def add_device_args(parser: argparse.ArgumentParser, default_mesh: str = "fsdp=-1") -> None:
@@ -274,7 +275,7 @@ def run_main(run: Callable[[Any], int], args) -> int:
     try:
         return run(args)
     except (ValueError, FileNotFoundError, RuntimeError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {render(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("", file=sys.stderr)

@@ -444,12 +444,13 @@ def logits_line(run) -> str:
 def split_note(trainer) -> str | None:
     """How the layers were split when the split is the default one and uneven."""
     from sharding.pipeline import plan_layout
+    from train.flagnames import render
 
     plan = trainer.par.pipeline
     if plan is None:
         return None
     layout, note = plan_layout(trainer.config.num_layers, plan.layout.stages, plan.layout.repeats)
-    return note if layout == plan.layout else None
+    return render(note) if note is not None and layout == plan.layout else None
 
 
 def startup(run, trainer, speeds=None, notes=()) -> list[str]:

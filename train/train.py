@@ -15,6 +15,7 @@ from pathlib import Path
 from checkpoints.manager import CheckpointFailure
 from train import cli, fit, report
 from train.config import RunConfig
+from train.flagnames import render
 from train.loop import DivergedLossError, NonFiniteLossError
 
 build_parser = cli.build_parser
@@ -45,7 +46,7 @@ def main(argv: list[str] | None = None, *, exit_hard: bool = False) -> int:
             os._exit(2)
         return 2
     except (ValueError, FileNotFoundError, RuntimeError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {render(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # inside the loop a SIGINT stops and saves (`train.loop.StopFlag`); this is outside it
         print(f"error: {INTERRUPTED}", file=sys.stderr)
