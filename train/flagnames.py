@@ -45,8 +45,11 @@ FLAGS: dict[str, str] = {
     "dtype": "--dtype",
     # the model
     "preset": "--model",
+    "override": OVERRIDE_FLAG,  # a whole FIELD=VALUE item, as given
     "init_from": "--init-from",
-    "override": OVERRIDE_FLAG,
+    # Hugging Face export
+    "max_shard_size": "--max-shard-size",
+    "export_folder": "--out",
     # sampling
     "temperature": "--temperature",
     "top_k": "--top-k",
