@@ -47,6 +47,18 @@ FLAGS: dict[str, str] = {
     "preset": "--model",
     "override": OVERRIDE_FLAG,  # a whole FIELD=VALUE item, as given
     "init_from": "--init-from",
+    "tokenizer": "--tokenizer",
+    # the run folder and the learning-rate schedule a checkpoint records
+    "run_dir": "--run-dir",
+    "steps": "--steps",
+    "decay_steps": "--decay-steps",
+    "warmup": "--warmup",
+    "lr": "--lr",
+    "optimizer": "--optimizer",
+    "schedule": "--schedule",
+    "beta1": "--beta1",
+    "beta2": "--beta2",
+    "eps": "--eps",
     # Hugging Face export
     "max_shard_size": "--max-shard-size",
     "export_folder": "--out",

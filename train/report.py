@@ -15,6 +15,7 @@ from sharding import hlo
 from sharding.mesh import crossing_axes, format_mesh
 from sharding.modeldesc import expert_dispatch
 from sharding.pipeline.storage import feature_devices
+from train.flagnames import render
 
 
 def human_bytes(n: float) -> str:
@@ -444,7 +445,6 @@ def logits_line(run) -> str:
 def split_note(trainer) -> str | None:
     """How the layers were split when the split is the default one and uneven."""
     from sharding.pipeline import plan_layout
-    from train.flagnames import render
 
     plan = trainer.par.pipeline
     if plan is None:
@@ -539,7 +539,7 @@ def resume_lines(run, trainer, meta, step: int, seconds: float) -> list[str]:
         meta.batch_change(run.data.seq_len, run.data.batch_size, step),
     ):
         if change:
-            lines.append(change)
+            lines.append(render(change))
     if run.checkpoint.init_from:
         lines.append(
             f"note: resuming the checkpoint of step {step}, so --init-from {run.checkpoint.init_from} "
