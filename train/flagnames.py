@@ -50,6 +50,7 @@ FLAGS: dict[str, str] = {
     "tokenizer": "--tokenizer",
     # the run folder and the learning-rate schedule a checkpoint records
     "run_dir": "--run-dir",
+    "break_lock": "--break-lock",
     "steps": "--steps",
     "decay_steps": "--decay-steps",
     "warmup": "--warmup",

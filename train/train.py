@@ -95,7 +95,7 @@ def hold_run_folder(run_dir: str, break_lock: bool, process_index: int, log):
     lock, error = None, None
     if process_index == 0:
         try:
-            lock = RunLock.acquire(run_dir, log, break_lock)
+            lock = RunLock.acquire(run_dir, lambda line: log(render(line)), break_lock)  # its notes name fields
         except ValueError as e:
             error = e
     if any_process(error is not None):  # the other processes stop with process 0, not at its first collective
