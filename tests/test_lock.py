@@ -7,17 +7,12 @@ import subprocess
 import sys
 
 import pytest
-from _cli_errors import raises_as_cli
+from _cli_errors import as_printed, raises_as_cli
 
 from checkpoints.lock import LOCK_FILE, RunFolderLocked, RunLock, _start_time
 from train.flagnames import render
 
 HOST = socket.gethostname()
-
-
-def as_printed(lines: list):
-    """A ``log`` that keeps each line as the command line prints it (`train.flagnames.render`)."""
-    return lambda line: lines.append(render(line))
 
 
 def plant(folder, **owner):

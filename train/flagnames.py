@@ -50,6 +50,10 @@ FLAGS: dict[str, str] = {
     "tokenizer": "--tokenizer",
     # the run folder and the learning-rate schedule a checkpoint records
     "run_dir": "--run-dir",
+    "keep": "--keep",
+    "resume_step": "--resume-step",
+    "discard_later": "--discard-later",
+    "step": "--step",
     "break_lock": "--break-lock",
     "steps": "--steps",
     "decay_steps": "--decay-steps",

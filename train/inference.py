@@ -132,7 +132,7 @@ def read_run(run_dir: str | Path, step: int | None = None):
         )
     manager = CheckpointManager(folder, async_save=False, read_only=True)  # a live run's save in progress stays
     try:
-        chosen = manager.resume_choice(step, "--step").step
+        chosen = manager.resume_choice(step, "step").step
         if chosen is None:
             raise ValueError(f"--run-dir {run_dir}: no checkpoint in {folder}")
         return manager, chosen, RunMeta.from_json(manager.read_meta(chosen))
@@ -171,7 +171,7 @@ def restore_params(run_dir: str | Path, step: int | None, par, **changes):
         layout = StateLayout(config, par)
         # damaged array data: one line naming the array and file, and a step that reads (nothing renamed)
         (state, _), _ = restore_falling_back(
-            manager.directory, step, lambda s: restore_state(manager, layout, s), print, explicit=True, flag="--step"
+            manager.directory, step, lambda s: restore_state(manager, layout, s), print, explicit=True, field="step"
         )
     finally:
         manager.close()

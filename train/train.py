@@ -121,7 +121,7 @@ def _run_prepared(config: RunConfig, tokenizer, processes: str, log) -> int:
             config.checkpoint.resume_step,
             config.model,
             tokenizer,
-            log,
+            lambda line: log(render(line)),  # its notes name fields
             config.checkpoint.discard_later,
         )
     watch = watch_peers(config.cluster.distributed(), folder)  # a lost process ends the others with one line
@@ -324,7 +324,7 @@ def start_state(config: RunConfig, trainer, ckpt, latest, log):
         ckpt.directory,
         latest,
         lambda step: restore_state(ckpt, trainer.state_layout, step),
-        log,
+        lambda line: log(render(line)),  # its notes name fields
         explicit=config.checkpoint.resume_step is not None,
         any_failed=any_process,
         reload=ckpt.reload,
