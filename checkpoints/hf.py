@@ -123,9 +123,11 @@ def read_hf_config(folder: str | Path) -> dict[str, Any]:
     if not folder.is_dir():
         raise ValueError(f"{folder}: no such folder; give a Hugging Face model folder (config.json and *.safetensors)")
     if (folder / "checkpoints").is_dir():  # its config.json is the run's record, which reads as no architecture
-        raise ValueError(
-            f"{folder}: a meshwork run folder (it has checkpoints/), not a Hugging Face model folder; give it as "
-            f"--run-dir, or write one from it with python -m train.hf export {folder} --out DIR"
+        raise ConfigError(
+            f"{folder}: a meshwork run folder (it has checkpoints/), not a Hugging Face model folder; give it as ",
+            Field("run_dir"),
+            f", or write one from it with python -m train.hf export {folder} ",
+            Field("export_folder", "DIR"),
         )
     path = folder / CONFIG_FILE
     if not path.is_file():
