@@ -16,6 +16,8 @@ microbatches=4``; a command line renders the same parts through its own table (`
 
 A field's value is kept as text, formatted by the raiser (``repr`` where the value is quoted); the library
 view writes ``name=value``, or ``name value`` when the value holds an ``=`` itself (a mesh ``stage=4``).
+A line that is not an error but names fields (a note a caller logs) is a `FieldText`; a caller that adds
+its own words around a library error keeps the fields with `with_context`.
 """
 
 from __future__ import annotations
