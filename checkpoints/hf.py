@@ -29,6 +29,7 @@ import numpy as np
 
 from checkpoints.hf_families import MODEL_TYPES, TensorMap, check_exportable, family, read_block, tensor_maps
 from models.config import ModelConfig, moe_placement
+from sharding.errors import ConfigError, Field, Override, with_context
 
 ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -73,9 +74,11 @@ def read_hf_config(folder: str | Path) -> dict[str, Any]:
     if not folder.is_dir():
         raise ValueError(f"{folder}: no such folder; give a Hugging Face model folder (config.json and *.safetensors)")
     if (folder / "checkpoints").is_dir():  # its config.json is the run's record, which reads as no architecture
-        raise ValueError(
-            f"{folder}: a meshwork run folder (it has checkpoints/), not a Hugging Face model folder; give it as "
-            f"--run-dir, or write one from it with python -m train.hf export {folder} --out DIR"
+        raise ConfigError(
+            f"{folder}: a meshwork run folder (it has checkpoints/), not a Hugging Face model folder; give it as ",
+            Field("run_dir"),
+            f", or write one from it with python -m train.hf export {folder} ",
+            Field("export_folder", "DIR"),
         )
     path = folder / CONFIG_FILE
     if not path.is_file():
@@ -205,7 +208,7 @@ def config_from_hf(hf: dict[str, Any], where: str = CONFIG_FILE, **changes) -> M
     try:
         return ModelConfig(**fields, **changes)
     except ValueError as e:
-        raise ValueError(f"{where}: {e}") from None
+        raise with_context(e, f"{where}: ") from None
 
 
 def _qwen3_moe_fields(hf: dict[str, Any], num_layers: int, where: str) -> dict[str, Any]:
@@ -270,24 +273,32 @@ def init_config(folder: str | Path, preset: str | None = None, overrides: Sequen
     sets = parse_overrides(overrides)
     for name, value in sets.items():
         if name in ModelConfig.ARCHITECTURE_FIELDS and value != getattr(base, name):
-            raise ValueError(
-                f"--set {name}={value}: conflicts with {where} ({name}={getattr(base, name)}); "
-                f"--init-from takes the architecture from the folder, drop --set {name}"
+            raise ConfigError(
+                Override(name, value),
+                f": conflicts with {where} ({name}={getattr(base, name)}); ",
+                Field("init_from"),
+                " takes the architecture from the folder, drop ",
+                Override(name),
             )
     if preset is not None:
         if preset not in PRESETS:
-            raise ValueError(f"--model {preset!r}: unknown preset; with --init-from, drop --model")
+            raise ConfigError(
+                Field("preset", repr(preset)), ": unknown preset; with ", Field("init_from"), ", drop ", Field("preset")
+            )
         diff = config_differences(PRESETS[preset].architecture(), base)
         if diff:
             name, (ours, theirs) = next(iter(diff.items()))
-            raise ValueError(
-                f"--model {preset}: conflicts with {where} ({name} {ours} in the preset, {theirs} in the "
-                f"folder); --init-from takes the architecture from the folder, drop --model"
+            raise ConfigError(
+                Field("preset", preset),
+                f": conflicts with {where} ({name} {ours} in the preset, {theirs} in the folder); ",
+                Field("init_from"),
+                " takes the architecture from the folder, drop ",
+                Field("preset"),
             )
     try:
         return base.replace(**{**changes, **sets})
     except ValueError as e:
-        raise ValueError(f"{where}: {e}") from None
+        raise with_context(e, f"{where}: ") from None
 
 
 def eod_token(folder: str | Path, tokenizer: str | Path | None = None) -> str | None:
@@ -588,18 +599,21 @@ def save_params(
       The files written, in order.
 
     Raises:
-      ValueError: an unknown ``dtype``, a non-positive ``max_shard_size``, or a non-empty folder.
+      ConfigError: an unknown ``dtype``, a non-positive ``max_shard_size``, or a non-empty folder (the field
+        ``export_folder``).
     """
     import jax
     from safetensors.numpy import save_file
 
     if dtype not in EXPORT_DTYPES:
-        raise ValueError(f"--dtype {dtype}: choose one of {', '.join(EXPORT_DTYPES)}")
+        raise ConfigError(Field("dtype", dtype), f": choose one of {', '.join(EXPORT_DTYPES)}")
     if max_shard_size <= 0:
-        raise ValueError(f"--max-shard-size {max_shard_size}: must be a positive number of bytes, e.g. 5000000000")
+        raise ConfigError(
+            Field("max_shard_size", max_shard_size), ": must be a positive number of bytes, e.g. 5000000000"
+        )
     folder = Path(folder)
     if folder.exists() and any(folder.iterdir()) and not overwrite:
-        raise ValueError(f"--out {folder}: not empty; give a new folder")
+        raise ConfigError(Field("export_folder", folder), ": not empty; give a new folder")
     np_dtype = EXPORT_DTYPES[dtype]
     check_exportable(config)
     entries = [(name, m, at) for m in tensor_maps(config) for name, at in m.entries(config.num_layers)]

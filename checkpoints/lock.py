@@ -22,11 +22,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from sharding.errors import ConfigError, Field, FieldText
+
 LOCK_FILE = "run.lock"
 
 
-class RunFolderLocked(ValueError):
-    """Another live run owns the folder (one line: the owner and what to do)."""
+class RunFolderLocked(ConfigError):
+    """Another live run owns the folder (one line: the owner and what to do, naming the fields ``run_dir`` and
+    ``break_lock``)."""
 
 
 def _start_time(pid: int) -> int | None:
@@ -71,7 +74,8 @@ class RunLock:
 
         Args:
           run_dir: the run folder.
-          log: called with the line saying a stale lock was reclaimed or a lock broken.
+          log: called with the line saying a stale lock was reclaimed or a lock broken (a
+            `sharding.errors.FieldText`: it names ``run_dir``).
           break_lock: take over a lock whose owner runs on another host (``--break-lock``).
 
         Returns:
@@ -79,8 +83,8 @@ class RunLock:
 
         Raises:
           RunFolderLocked: a live process on this host owns the folder, or one on another host does and
-            ``break_lock`` is false; names the owner, ``--run-dir`` and what to do.
-          ValueError: the folder cannot be written, naming ``--run-dir``.
+            ``break_lock`` is false; names the owner, the field ``run_dir`` and what to do.
+          ConfigError: the folder cannot be written, naming ``run_dir``.
         """
         folder = Path(run_dir)
         path = folder / LOCK_FILE
@@ -94,8 +98,8 @@ class RunLock:
         try:
             folder.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise ValueError(
-                f"--run-dir {folder}: cannot write there ({e.strerror}); choose a writable folder"
+            raise ConfigError(
+                Field("run_dir", folder), f": cannot write there ({e.strerror}); choose a writable folder"
             ) from None
         for _ in range(3):  # another run may reclaim the same stale lock meanwhile: then judge its lock
             if _create(path, owner):
@@ -104,27 +108,48 @@ class RunLock:
             if held is None:
                 if path.exists():  # not a lock this module wrote (locks are never seen half written)
                     _remove_if_same(path, None)
-                    log(f"note: --run-dir {folder}: replaced {path}, which did not parse as a lock")
+                    log(
+                        FieldText(
+                            "note: ", Field("run_dir", folder), f": replaced {path}, which did not parse as a lock"
+                        )
+                    )
                 continue
             who = f"pid {held.get('pid')} on host {held.get('host')} (since {held.get('since')})"
             if held.get("host") == host:
                 if held["pid"] != pid and not _alive(held["pid"], held.get("started")):
                     _remove_if_same(path, held)
-                    log(f"note: --run-dir {folder}: reclaimed the stale lock of {who}, which has ended")
+                    log(
+                        FieldText(
+                            "note: ", Field("run_dir", folder), f": reclaimed the stale lock of {who}, which has ended"
+                        )
+                    )
                     continue
                 raise RunFolderLocked(
-                    f"--run-dir {folder} is in use by another run, {who}; wait for it to end (or stop it), "
-                    "or choose another --run-dir (nothing was touched)"
+                    Field("run_dir", folder),
+                    f" is in use by another run, {who}; wait for it to end (or stop it), or choose another ",
+                    Field("run_dir"),
+                    " (nothing was touched)",
                 )
             if not break_lock:
                 raise RunFolderLocked(
-                    f"--run-dir {folder} is locked by {who}, another host, which cannot be checked from here; "
-                    "if that run has ended pass --break-lock, or choose another --run-dir (nothing was touched)"
+                    Field("run_dir", folder),
+                    f" is locked by {who}, another host, which cannot be checked from here; if that run has "
+                    "ended pass ",
+                    Field("break_lock"),
+                    ", or choose another ",
+                    Field("run_dir"),
+                    " (nothing was touched)",
                 )
             _remove_if_same(path, held)
-            log(f"note: --run-dir {folder}: --break-lock took over the lock of {who}")
+            log(
+                FieldText(
+                    "note: ", Field("run_dir", folder), ": ", Field("break_lock"), f" took over the lock of {who}"
+                )
+            )
             break_lock = False  # break one lock, not a new owner's
-        raise RunFolderLocked(f"--run-dir {folder}: another run keeps taking the lock; choose another --run-dir")
+        raise RunFolderLocked(
+            Field("run_dir", folder), ": another run keeps taking the lock; choose another ", Field("run_dir")
+        )
 
     def release(self) -> None:
         """Removes the lock file if it still names this process (idempotent)."""
@@ -159,8 +184,8 @@ def _create(path: Path, owner: dict) -> bool:
     except FileExistsError:
         return False
     except OSError as e:
-        raise ValueError(
-            f"--run-dir {path.parent}: cannot write there ({e.strerror}); choose a writable folder"
+        raise ConfigError(
+            Field("run_dir", path.parent), f": cannot write there ({e.strerror}); choose a writable folder"
         ) from None
     finally:
         temp.unlink(missing_ok=True)

@@ -38,6 +38,8 @@ from typing import Any
 
 import orbax.checkpoint as ocp
 
+from sharding.errors import ConfigError, Field, FieldText
+
 
 class _ReadOnlyNotices(logging.Filter):
     """Drops Orbax's warnings that a read-only manager is read-only ("CheckpointManagerOptions.read_only=True,
@@ -122,7 +124,7 @@ class CheckpointManager:
 
     def __init__(self, directory: str | Path, keep: int = 3, async_save: bool = True, read_only: bool = False):
         if keep < 1:
-            raise ValueError(f"--keep {keep}: must be at least 1")
+            raise ConfigError(Field("keep", keep), ": must be at least 1")
         self.directory = Path(directory).absolute()
         options = ocp.CheckpointManagerOptions(
             max_to_keep=None if read_only else keep,
@@ -143,8 +145,8 @@ class CheckpointManager:
     def all_steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
 
-    def resume_choice(self, explicit: int | None = None, flag: str = "--resume-step"):
-        """The step to resume from: ``explicit`` (given by ``flag``) or the newest that reads completely.
+    def resume_choice(self, explicit: int | None = None, field: str = "resume_step"):
+        """The step to resume from: ``explicit`` (given by ``field``) or the newest that reads completely.
 
         Checks each candidate with `checkpoints.verify.verify_step` (metadata
         parsed, array index walked, data files present; no array data read).
@@ -159,7 +161,7 @@ class CheckpointManager:
         """
         from checkpoints.verify import latest_verified_step
 
-        return latest_verified_step(self.directory, explicit, flag)
+        return latest_verified_step(self.directory, explicit, field)
 
     def save(self, step: int, state: Any, meta: dict[str, Any], force: bool = True) -> bool:
         """Starts saving ``state`` and ``meta`` as ``step`` (returns before the write ends).
@@ -343,7 +345,7 @@ def open_resumable(directory, keep: int, explicit: int | None, config, tokenizer
     choice = latest_verified_step(directory, explicit)
     for note in choice.notes:
         log(note)
-    set_aside_later(directory, explicit, discard_later, log)  # refused (ValueError) unless --discard-later
+    set_aside_later(directory, explicit, discard_later, log)  # refused (ValueError) unless discard_later
     set_aside_damaged(directory, choice, log)
     manager = CheckpointManager(directory, keep=keep)
     if choice.step is not None:
@@ -382,8 +384,11 @@ def set_aside_damaged(directory, choice, log) -> list[Path]:
         moved.append(target)
         why = "" if step in choice.skipped else f"{verdict.line()}; "
         log(
-            f"{why}set damaged step {step} aside as {target} (not resumed from, not counted by --keep; "
-            "delete it once it is no longer needed)"
+            FieldText(
+                f"{why}set damaged step {step} aside as {target} (not resumed from, not counted by ",
+                Field("keep"),
+                "; delete it once it is no longer needed)",
+            )
         )
     return moved
 

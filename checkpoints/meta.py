@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 from models.config import ModelConfig, config_differences
+from sharding.errors import ConfigError, Field, FieldText, Override, Part
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,63 +128,68 @@ class RunMeta:
     def schedule_change(self, current: dict[str, Any], step: int) -> str | None:
         """One line saying how ``current`` (as `schedule`) changes the learning-rate schedule saved at
         ``step``, or None when it does not (or when the checkpoint predates the record)."""
-        changed = _changed_flags(self.schedule, current)
+        changed = _changed_fields(self.schedule, current)
         if not changed:
             return None
-        return (
-            f"note: the learning-rate schedule changes at step {step}: {changed} (the rate of "
-            f"every later step follows the new schedule)"
+        return FieldText(
+            f"note: the learning-rate schedule changes at step {step}: ",
+            *changed,
+            " (the rate of every later step follows the new schedule)",
         )
 
     def batch_change(self, seq_len: int, global_batch: int, step: int) -> str | None:
-        """One line saying that ``--seq-len`` or ``--batch-size`` differs from the run saved at ``step``, or None.
+        """One line saying that ``seq_len`` or ``batch_size`` differs from the run saved at ``step``, or None.
 
         The data position is kept in sequences consumed (`samples`), so later steps read on from there with
         the new shape; the tokens per step, and so the gradient noise and the learning rate's effect, change.
         """
         saved = {"seq_len": self.data.get("seq_len"), "batch_size": self.data.get("global_batch")}
-        changed = _changed_flags(saved, {"seq_len": seq_len, "batch_size": global_batch})
+        changed = _changed_fields(saved, {"seq_len": seq_len, "batch_size": global_batch})
         if not changed:
             return None
-        return (
-            f"note: the batch changes at step {step}: {changed} (the data read on from the {self.samples:,} "
-            "sequences consumed; tokens per step change)"
+        return FieldText(
+            f"note: the batch changes at step {step}: ",
+            *changed,
+            f" (the data read on from the {self.samples:,} sequences consumed; tokens per step change)",
         )
 
     def check_compatible(self, config: ModelConfig, tokenizer, step: int) -> None:
         """Refuses a checkpoint saved with another model, tokenizer or vocabulary.
 
         Raises:
-          ValueError: Naming the differing fields, their saved and current values, and the flags to resume.
+          ConfigError: Naming the differing fields, their saved and current values, and the fields to resume
+            with.
         """
         diff = config_differences(self.model, config)
         if diff:
             fields = ", ".join(f"{k} (saved {a!r}, now {b!r})" for k, (a, b) in diff.items())
-            sets = " ".join(f"--set {k}={a}" for k, (a, _) in diff.items())
-            raise ValueError(
-                f"the checkpoint at step {step} was saved with a different model: {fields}; resume with "
-                f"--model {self.preset} {sets}, or use another --run-dir"
+            sets = [part for k, (a, _) in diff.items() for part in (" ", Override(k, a))]
+            raise ConfigError(
+                f"the checkpoint at step {step} was saved with a different model: {fields}; resume with ",
+                Field("preset", self.preset),
+                *sets,
+                ", or use another ",
+                Field("run_dir"),
             )
         saved = self.tokenizer
         if saved.get("vocab_size") not in (None, tokenizer.vocab_size):
-            raise ValueError(
+            raise ConfigError(
                 f"the checkpoint at step {step} was trained on a vocabulary of {saved['vocab_size']} "
                 f"tokens ({saved.get('name')}); this run's tokenizer has {tokenizer.vocab_size} "
-                f"({tokenizer.name}); pass --tokenizer {saved.get('name')}"
+                f"({tokenizer.name}); pass ",
+                Field("tokenizer", saved.get("name")),
             )
         if saved.get("fingerprint") not in (None, tokenizer.fingerprint):
-            raise ValueError(
+            raise ConfigError(
                 f"the checkpoint at step {step} was trained with tokenizer {saved.get('name')!r} "
-                f"({saved.get('fingerprint')}); this run uses {tokenizer.name!r} ({tokenizer.fingerprint}); "
-                f"pass --tokenizer {saved.get('name')}"
+                f"({saved.get('fingerprint')}); this run uses {tokenizer.name!r} ({tokenizer.fingerprint}); pass ",
+                Field("tokenizer", saved.get("name")),
             )
 
 
-def _changed_flags(saved: dict[str, Any] | None, current: dict[str, Any]) -> str:
-    """``--flag saved -> now`` for each of ``current``'s fields that ``saved`` records with another value."""
+def _changed_fields(saved: dict[str, Any] | None, current: dict[str, Any]) -> tuple[Part, ...]:
+    """``field=saved -> now`` (a `Field` each, comma-separated) for each of ``current``'s fields that ``saved``
+    records with another value; empty when none differs."""
     saved = saved or {}
-    return ", ".join(
-        f"--{k.replace('_', '-')} {saved[k]} -> {v}"
-        for k, v in current.items()
-        if saved.get(k) is not None and saved[k] != v
-    )
+    changed = [Field(k, f"{saved[k]} -> {v}") for k, v in current.items() if saved.get(k) is not None and saved[k] != v]
+    return tuple(part for i, field in enumerate(changed) for part in ((", ", field) if i else (field,)))

@@ -55,12 +55,14 @@ from pathlib import Path
 from typing import Any
 
 from checkpoints.manager import META, STATE
+from sharding.errors import ConfigError, Field, FieldText
 
 _ARRAY_TYPES = ("jax.Array", "np.ndarray", "scalar")  # Orbax value types stored as zarr arrays
 
 
-class CheckpointDamaged(ValueError):
-    """A checkpoint step that does not read completely (one line: step, file or array, remedy)."""
+class CheckpointDamaged(ConfigError):
+    """A checkpoint step that does not read completely (one line: step, file or array, remedy; the remedy
+    names fields: the step to pass, ``run_dir``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,14 +154,14 @@ def verify_step(directory: str | Path, step: int, deep: bool = False) -> Verdict
 
 
 def latest_verified_step(
-    directory: str | Path, explicit: int | None = None, flag: str = "--resume-step"
+    directory: str | Path, explicit: int | None = None, field: str = "resume_step"
 ) -> ResumeChoice:
     """The step a run should resume from: ``explicit`` if given, else the newest step that verifies.
 
     Args:
       directory: the checkpoint folder (``RUN_DIR/checkpoints``).
       explicit: a step the user chose (``--resume-step N``).
-      flag: the flag that chose it, as errors name it (``--step`` for the readers: generate, evaluate, export).
+      field: the field that chose it, as errors name it (``step`` for the readers: generate, evaluate, export).
 
     Returns:
       A `ResumeChoice`: the step (None for a folder without checkpoints) and
@@ -174,14 +176,14 @@ def latest_verified_step(
     if explicit is not None:
         if explicit not in steps:
             raise CheckpointDamaged(
-                f"{flag} {explicit}: no such checkpoint in {directory}; saved steps are "
-                f"{', '.join(map(str, steps)) or 'none'}"
+                Field(field, explicit),
+                f": no such checkpoint in {directory}; saved steps are {', '.join(map(str, steps)) or 'none'}",
             )
         verdict = verify_step(directory, explicit)
         if not verdict.ok:
             good = _newest_good(directory, steps)
-            hint = f"pass {flag} {good}" if good is not None else "no other step reads completely either"
-            raise CheckpointDamaged(f"{flag} {explicit}: {verdict.line()}; {hint}")
+            hint = ("pass ", Field(field, good)) if good is not None else ("no other step reads completely either",)
+            raise CheckpointDamaged(Field(field, explicit), f": {verdict.line()}; ", *hint)
         return ResumeChoice(explicit)
     skipped: list[Verdict] = []
     for step in reversed(steps):
@@ -194,8 +196,9 @@ def latest_verified_step(
         return ResumeChoice(None)
     raise CheckpointDamaged(
         f"no checkpoint in {directory} reads completely ({skipped[0].line()}"
-        f"{f', and {len(skipped) - 1} older steps' if len(skipped) > 1 else ''}); "
-        "start afresh in another --run-dir, or restore the missing files"
+        f"{f', and {len(skipped) - 1} older steps' if len(skipped) > 1 else ''}); start afresh in another ",
+        Field("run_dir"),
+        ", or restore the missing files",
     )
 
 
@@ -522,15 +525,16 @@ def set_aside_later(directory: str | Path, step: int | None, discard: bool, log:
 
     Args:
       directory: the checkpoint folder (``RUN_DIR/checkpoints``).
-      step: the step the run resumes from (``--resume-step``; None: nothing to check).
-      discard: ``--discard-later`` was given.
-      log: called with one line per step set aside.
+      step: the step the run resumes from (``resume_step``; None: nothing to check).
+      discard: ``discard_later`` was given.
+      log: called with one line per step set aside (a `sharding.errors.FieldText`).
 
     Returns:
       The new folders.
 
     Raises:
-      ValueError: later steps exist and ``discard`` is false; names ``--discard-later`` and the newest step.
+      ConfigError: later steps exist and ``discard`` is false; names the field ``discard_later`` and the newest
+        step.
     """
     if step is None:
         return []
@@ -538,10 +542,14 @@ def set_aside_later(directory: str | Path, step: int | None, discard: bool, log:
     if not later:
         return []
     if not discard:
-        raise ValueError(
-            f"--resume-step {step}: {directory} holds later steps ({', '.join(map(str, later))}), which the "
-            f"resumed run would collide with; pass --discard-later to set them aside (renamed, nothing deleted), "
-            f"or --resume-step {later[-1]} to continue from the newest"
+        raise ConfigError(
+            Field("resume_step", step),
+            f": {directory} holds later steps ({', '.join(map(str, later))}), which the resumed run would "
+            "collide with; pass ",
+            Field("discard_later"),
+            " to set them aside (renamed, nothing deleted), or ",
+            Field("resume_step", later[-1]),
+            " to continue from the newest",
         )
     moved = []
     records = Path(directory).parent / "metrics.jsonl"
@@ -550,14 +558,23 @@ def set_aside_later(directory: str | Path, step: int | None, discard: bool, log:
         copy = records.with_name(f"metrics.jsonl.discarded-{stamp}")
         if not copy.exists():
             copy.write_bytes(records.read_bytes())
-            log(f"--discard-later: copied {records} to {copy} before its records after step {step} are dropped")
+            log(
+                FieldText(
+                    Field("discard_later"),
+                    f": copied {records} to {copy} before its records after step {step} are dropped",
+                )
+            )
     for later_step in reversed(later):
         target = set_aside(directory, later_step, "discarded")
         if target is not None:
             moved.append(target)
             log(
-                f"--discard-later: set step {later_step} aside as {target} (not resumed from, not counted by "
-                "--keep; delete it once it is no longer needed)"
+                FieldText(
+                    Field("discard_later"),
+                    f": set step {later_step} aside as {target} (not resumed from, not counted by ",
+                    Field("keep"),
+                    "; delete it once it is no longer needed)",
+                )
             )
     return moved
 
@@ -598,7 +615,7 @@ def restore_falling_back(
     explicit: bool = False,
     any_failed: Callable[[bool], bool] = bool,
     reload: Callable[[], None] = lambda: None,
-    flag: str = "--resume-step",
+    field: str = "resume_step",
     sync: Callable[[str], None] = lambda name: None,
     leader: bool = True,
 ) -> tuple[Any, int]:
@@ -619,13 +636,13 @@ def restore_falling_back(
       directory: the checkpoint folder (``RUN_DIR/checkpoints``).
       step: the step chosen (`latest_verified_step`).
       restore: restores one step (an Orbax restore onto the run's shardings); its result is returned.
-      log: called with each line.
-      explicit: the step was chosen with ``flag``, or the caller only reads (``generate``, ``export``): a
+      log: called with each line (a `sharding.errors.FieldText` where it names fields).
+      explicit: the step was chosen with ``field``, or the caller only reads (``generate``, ``export``): a
         damaged step is refused (naming a step that verifies), never set aside or replaced.
       any_failed: with several processes, whether any process's restore failed, given this one's (each
         process reads only its slices; all must fall back together). The default serves one process.
       reload: called after a step is set aside (the Orbax manager re-lists its steps).
-      flag: the flag that chooses a step, named in the refusal of an explicit one.
+      field: the field that chooses a step, named in the refusal of an explicit one.
       sync: with several processes, waits until every process has called it with the same name (a barrier);
         the default serves one process.
       leader: whether this process renames a damaged step (process 0; every process when there is one).
@@ -658,19 +675,23 @@ def restore_falling_back(
         older = [s for s in saved_steps(directory) if s < step]
         good = next((s for s in reversed(older) if verify_step(directory, s).ok), None)
         if explicit:
-            hint = f"pass {flag} {good}" if good is not None else "no older step reads completely either"
-            raise CheckpointDamaged(f"{flag} {step}: {verdict.line()}; {hint}")
+            hint = ("pass ", Field(field, good)) if good is not None else ("no older step reads completely either",)
+            raise CheckpointDamaged(Field(field, step), f": {verdict.line()}; ", *hint)
         target = set_aside(directory, step, "damaged") if leader else None
         sync(f"meshwork: set step {step} aside")
         target = target or _set_aside_as(directory, step, "damaged")
         reload()
         if good is None:
             raise CheckpointDamaged(
-                f"{verdict.line()}; set it aside as {target}; no older step reads completely: "
-                "start afresh in another --run-dir, or restore the damaged files"
+                f"{verdict.line()}; set it aside as {target}; no older step reads completely: start afresh in another ",
+                Field("run_dir"),
+                ", or restore the damaged files",
             )
         log(
-            f"{verdict.line()}; set it aside as {target} (not resumed from, not counted by --keep); "
-            f"resuming from step {good}"
+            FieldText(
+                f"{verdict.line()}; set it aside as {target} (not resumed from, not counted by ",
+                Field("keep"),
+                f"); resuming from step {good}",
+            )
         )
         step = good

@@ -46,6 +46,7 @@ from models.kernels.ulysses_attention import check_ulysses_heads
 from models.layers import make_params, rms_norm, rope_frequencies, rotary_embedding
 from models.spec import attention_params
 from sharding import axes as ax
+from sharding.errors import ConfigError, Field
 from sharding.mesh import format_mesh
 from sharding.parallel import CONTEXT_LAYOUTS, CONTIGUOUS, ZIGZAG, Parallelism
 
@@ -53,27 +54,32 @@ from sharding.parallel import CONTEXT_LAYOUTS, CONTIGUOUS, ZIGZAG, Parallelism
 
 
 def resolve_context_layout(requested: str, attention: str, shards: int) -> str:
-    """The layout a run uses for ``--context-layout`` (``auto``, ``contiguous``, ``zigzag``).
+    """The layout a run uses for the field ``context_layout`` (``auto``, ``contiguous``, ``zigzag``).
 
     ``auto`` is the kernel's record's ``auto_layout`` over a split length (P > 1: ``zigzag``
     for ring attention, since the model is causal and zigzag balances the causal work), else
     ``contiguous``.
 
     Raises:
-      ValueError: a layout the implementation's record does not accept (naming those that
-        do), an unknown value, or an unknown attention; the message names the flags.
+      ConfigError: a layout the implementation's record does not accept (naming those that
+        do), an unknown value, or an unknown attention; the message names the fields.
     """
     if requested not in CONTEXT_LAYOUTS:
-        raise ValueError(f"--context-layout {requested!r}: choose one of {', '.join(CONTEXT_LAYOUTS)}")
+        raise ConfigError(Field("context_layout", repr(requested)), f": choose one of {', '.join(CONTEXT_LAYOUTS)}")
     record = registry.kernel(attention)
     if requested == "auto":
         return record.auto_layout if shards > 1 else CONTIGUOUS
     if requested not in record.layouts:
         first, *others = registry.accepting(requested)
         also = f" (or {', '.join(others)})" if others else ""
-        raise ValueError(
-            f"--context-layout {requested}: --attention {attention} assumes tokens in natural order; "
-            f"use --attention {first}{also}, or --context-layout contiguous"
+        raise ConfigError(
+            Field("context_layout", requested),
+            ": ",
+            Field("attention", attention),
+            " assumes tokens in natural order; use ",
+            Field("attention", first),
+            f"{also}, or ",
+            Field("context_layout", "contiguous"),
         )
     return requested
 
@@ -87,10 +93,10 @@ def check_context_parallel(config: ModelConfig, par: Parallelism, seq_len: int) 
       seq_len: tokens per sequence (``--seq-len``).
 
     Raises:
-      ValueError: a ``--seq-len`` the zigzag layout cannot cut into 2P chunks, or (for an
-        attention whose record splits the heads, ``--attention ulysses``) query heads per device
+      ConfigError: a ``seq_len`` the zigzag layout cannot cut into 2P chunks, or (for an
+        attention whose record splits the heads, ``ulysses``) query heads per device
         that the P devices of the sequence axis cannot split (KV heads are repeated,
-        `models.kernels.ulysses_attention.kv_repeat`); each names the flags and a value that works.
+        `models.kernels.ulysses_attention.kv_repeat`); each names the fields and a value that works.
     """
     record = registry.kernel(config.attention)
     shards = layout_shards(config.attention, par)
@@ -98,10 +104,18 @@ def check_context_parallel(config: ModelConfig, par: Parallelism, seq_len: int) 
         check_context_shares(config.attention, par, seq_len)
     if par.context_layout == ZIGZAG and seq_len % (2 * shards):
         good = max(2 * shards, seq_len // (2 * shards) * 2 * shards)
-        raise ValueError(
-            f"--seq-len {seq_len}: --context-layout zigzag cuts each sequence into 2 x {shards} (the devices "
-            f"--attention {config.attention} deals chunks over on --mesh) = {2 * shards} equal chunks; use "
-            f"--seq-len {good}, or --context-layout contiguous"
+        raise ConfigError(
+            Field("seq_len", seq_len),
+            ": ",
+            Field("context_layout", "zigzag"),
+            f" cuts each sequence into 2 x {shards} (the devices ",
+            Field("attention", config.attention),
+            " deals chunks over on ",
+            Field("mesh"),
+            f") = {2 * shards} equal chunks; use ",
+            Field("seq_len", good),
+            ", or ",
+            Field("context_layout", "contiguous"),
         )
     exchange = math.prod(par.mesh_shape[a] for a in all_to_all_axes(config.attention, par))
     if record.splits_heads and exchange > 1:
@@ -110,9 +124,14 @@ def check_context_parallel(config: ModelConfig, par: Parallelism, seq_len: int) 
             check_ulysses_heads(split.local_heads, split.local_kv_heads, exchange)
         except ValueError as e:
             good = ulysses_mesh(par.mesh_shape, split.local_heads, inner_only=record.inner_all_to_all)
-            raise ValueError(
-                f"--attention {config.attention} on --mesh {format_mesh(par.mesh_shape)}: {e}; e.g. --mesh "
-                f"{format_mesh(good)}"
+            raise ConfigError(
+                Field("attention", config.attention),
+                " on ",
+                Field("mesh", format_mesh(par.mesh_shape)),
+                f": {e} (",
+                Field("attention", "ring"),
+                "); e.g. ",
+                Field("mesh", format_mesh(good)),
             ) from None
 
 
@@ -122,7 +141,7 @@ def check_context_shares(attention: str, par: Parallelism, seq_len: int) -> None
     device summing to ``seq_len``.
 
     Raises:
-      ValueError: naming ``--context-shares`` and a value or flags that work.
+      ConfigError: naming the field ``context_shares`` and a value or fields that work.
     """
     shards = par.length_shards
     even = ",".join(["1"] * max(shards, 2))
@@ -132,19 +151,37 @@ def check_context_shares(attention: str, par: Parallelism, seq_len: int) -> None
         or par.context_layout not in ("auto", ZIGZAG)
     ):
         # USP and Ulysses trade equal blocks by all-to-all; a ring over the same devices takes the shares.
-        raise ValueError(
-            f"--context-shares needs --attention ring over a split length in the zigzag layout (got --attention "
-            f"{attention}, {shards} length device(s), --context-layout {par.context_layout}); e.g. --attention ring "
-            f"--mesh {_ring_mesh(par)} --context-layout zigzag --context-shares auto"
+        raise ConfigError(
+            Field("context_shares"),
+            " needs ",
+            Field("attention", "ring"),
+            " over a split length in the zigzag layout (got ",
+            Field("attention", attention),
+            f", {shards} length device(s), ",
+            Field("context_layout", par.context_layout),
+            "); e.g. ",
+            Field("attention", "ring"),
+            " ",
+            Field("mesh", _ring_mesh(par)),
+            " ",
+            Field("context_layout", "zigzag"),
+            " ",
+            Field("context_shares", "auto"),
         )
     shares = par.context_shares
     if not isinstance(shares, tuple):
         return
     if len(shares) != shards or sum(shares) != seq_len or any(s < 0 or s % 2 for s in shares):
-        raise ValueError(
-            f"--context-shares gives {len(shares)} shares (tokens {','.join(map(str, shares))} of --seq-len "
-            f"{seq_len}) for a ring of {shards} devices (--mesh {format_mesh(par.mesh_shape)}); give one relative "
-            f"share per ring device, e.g. --context-shares {even}, or --context-shares auto"
+        raise ConfigError(
+            Field("context_shares"),
+            f" gives {len(shares)} shares (tokens {','.join(map(str, shares))} of ",
+            Field("seq_len", seq_len),
+            f") for a ring of {shards} devices (",
+            Field("mesh", format_mesh(par.mesh_shape)),
+            "); give one relative share per ring device, e.g. ",
+            Field("context_shares", even),
+            ", or ",
+            Field("context_shares", "auto"),
         )
 
 
@@ -225,9 +262,12 @@ def attend(impl: str, q, k, v, segment_ids, *, causal: bool = True, layout: str 
     layout = par.context_layout if layout is None else layout
     record = registry.kernel(impl)
     if layout not in record.layouts:
-        raise ValueError(
-            f"--attention {impl} assumes tokens in natural order, but they are in the {layout} layout; "
-            f"use --attention {' or '.join(registry.accepting(layout))}, or --context-layout contiguous"
+        raise ConfigError(
+            Field("attention", impl),
+            f" assumes tokens in natural order, but they are in the {layout} layout; use ",
+            Field("attention", " or ".join(registry.accepting(layout))),
+            ", or ",
+            Field("context_layout", "contiguous"),
         )
     return wrapper(record)(q, k, v, segment_ids, causal=causal, layout=layout, par=par)
 

@@ -28,6 +28,7 @@ from models.kernels.ring_attention import ring_attention
 from models.kernels.ulysses_attention import ulysses_attention
 from models.kernels.usp_attention import usp_attention
 from sharding import axes as ax
+from sharding.errors import ConfigError, Field
 from sharding.parallel import Parallelism
 from sharding.rules import Rules, logical_to_spec
 
@@ -98,8 +99,8 @@ def head_split(
     devices), each device slices the KV heads its query heads use.
 
     Raises:
-      ValueError: when the head split cannot be matched to the KV heads (naming
-        ``--attention IMPL`` and the ``--rule`` that fixes it).
+      ConfigError: when the head split cannot be matched to the KV heads (naming
+        the field ``attention`` and the ``rule`` that fixes it).
     """
     q_spec, _ = logical_to_spec((ax.HEADS,), rules, (num_heads,), mesh_shape)
     kv_spec, _ = logical_to_spec((ax.KV_HEADS,), rules, (num_kv_heads,), mesh_shape)
@@ -108,9 +109,13 @@ def head_split(
     group = num_heads // num_kv_heads
     slice_kv = bool(q_axes) and kv_axes != q_axes
     if slice_kv and (kv_axes or (local_heads % group and group % local_heads)):
-        raise ValueError(
-            f"--attention {impl}: heads split over {'+'.join(q_axes)} ({num_heads} heads, {num_kv_heads} KV "
-            f"heads) cannot be matched to the KV heads; use --rule kv_heads=none or --rule heads=none"
+        raise ConfigError(
+            Field("attention", impl),
+            f": heads split over {'+'.join(q_axes)} ({num_heads} heads, {num_kv_heads} KV heads) cannot be "
+            "matched to the KV heads; use ",
+            Field("rule", "kv_heads=none"),
+            " or ",
+            Field("rule", "heads=none"),
         )
     if slice_kv:
         local_kv = max(1, local_heads // group)

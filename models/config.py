@@ -29,6 +29,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from models import attention_registry
+from sharding.errors import ConfigError, Field, Override
 
 DTYPES = ("float32", "bfloat16")
 REMAT_POLICIES = ("none", "full", "dots")
@@ -172,32 +173,39 @@ class ModelConfig:
         self.validate()
 
     def validate(self) -> None:
-        """Raises ValueError naming the field (as ``--set FIELD=...``) that is invalid."""
+        """Raises `sharding.errors.ConfigError` naming the field (as an `Override`, ``FIELD=VALUE``) that is invalid."""
         for name in ("vocab_size", "num_layers", "embed_dim", "mlp_dim", "num_heads", "num_kv_heads", "head_dim"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"--set {name}={getattr(self, name)}: must be a positive integer")
+                raise ConfigError(Override(name, getattr(self, name)), ": must be a positive integer")
         for name, example in (("rope_theta", 10000.0), ("norm_eps", 1e-5)):  # -1 makes NaN rotations; NaN spreads
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
-                raise ValueError(f"--set {name}={value}: must be a finite number > 0, e.g. --set {name}={example:g}")
+                raise ConfigError(
+                    Override(name, value), ": must be a finite number > 0, e.g. ", Override(name, f"{example:g}")
+                )
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(
+            raise ConfigError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads} (grouped-query "
-                f"attention shares each KV head among num_heads / num_kv_heads query heads); --set num_heads or "
-                f"--set num_kv_heads to values where it is, e.g. --set num_kv_heads={self.num_heads}"
+                "attention shares each KV head among num_heads / num_kv_heads query heads); ",
+                Override("num_heads"),
+                " or ",
+                Override("num_kv_heads"),
+                " to values where it is, e.g. ",
+                Override("num_kv_heads", self.num_heads),
             )
         if self.head_dim % 2:
-            raise ValueError(f"--set head_dim={self.head_dim}: rotary embeddings need an even head_dim")
+            raise ConfigError(Override("head_dim", self.head_dim), ": rotary embeddings need an even head_dim")
         if self.rope_type == "llama3":
             if not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
-                raise ValueError(
-                    f"--set rope_low_freq_factor={self.rope_low_freq_factor} with rope_high_freq_factor="
-                    f"{self.rope_high_freq_factor}: need 0 < low < high, e.g. 1 and 4 (Llama 3.1)"
+                raise ConfigError(
+                    Override("rope_low_freq_factor", self.rope_low_freq_factor),
+                    f" with rope_high_freq_factor={self.rope_high_freq_factor}: need 0 < low < high, e.g. 1 and 4 "
+                    "(Llama 3.1)",
                 )
             for name, example in (("rope_factor", 8), ("rope_original_max_positions", 8192)):
                 if getattr(self, name) <= 0:
-                    raise ValueError(
-                        f"--set {name}={getattr(self, name)}: must be positive, e.g. {example} (Llama 3.1)"
+                    raise ConfigError(
+                        Override(name, getattr(self, name)), f": must be positive, e.g. {example} (Llama 3.1)"
                     )
         checks = (
             ("dtype", DTYPES),
@@ -209,42 +217,49 @@ class ModelConfig:
         )
         for name, allowed in checks:
             if getattr(self, name) not in allowed:
-                raise ValueError(
-                    f"--set {name}={getattr(self, name)}: choose one of {', '.join(allowed)}; "
-                    f"e.g. --set {name}={next(iter(allowed))}"
+                raise ConfigError(
+                    Override(name, getattr(self, name)),
+                    f": choose one of {', '.join(allowed)}; e.g. ",
+                    Override(name, next(iter(allowed))),
                 )
 
         self._validate_moe()
 
     def _validate_moe(self) -> None:
-        """The mixture-of-experts fields (`models.moe`), each refused naming its ``--set`` field."""
+        """The mixture-of-experts fields (`models.moe`), each refused naming its field (an `Override`)."""
         for name in ("num_experts", "moe_mlp_dim", "shared_experts", "first_dense_layers"):
             if getattr(self, name) < 0:
-                raise ValueError(f"--set {name}={getattr(self, name)}: must be >= 0, e.g. --set {name}=0")
+                raise ConfigError(Override(name, getattr(self, name)), ": must be >= 0, e.g. ", Override(name, 0))
         for name, example in (("router_aux_coef", 0.01), ("router_z_coef", 0.001), ("capacity_factor", 1.25)):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
-                raise ValueError(f"--set {name}={value}: must be a finite number >= 0, e.g. --set {name}={example:g}")
+                raise ConfigError(
+                    Override(name, value), ": must be a finite number >= 0, e.g. ", Override(name, f"{example:g}")
+                )
         if not self.num_experts:
             return
         if not 1 <= self.experts_per_token <= self.num_experts:
-            raise ValueError(
-                f"--set experts_per_token={self.experts_per_token}: must be between 1 and num_experts="
-                f"{self.num_experts}, e.g. --set experts_per_token={min(2, self.num_experts)}"
+            raise ConfigError(
+                Override("experts_per_token", self.experts_per_token),
+                f": must be between 1 and num_experts={self.num_experts}, e.g. ",
+                Override("experts_per_token", min(2, self.num_experts)),
             )
         if not (math.isfinite(self.routed_scale) and self.routed_scale > 0):
-            raise ValueError(f"--set routed_scale={self.routed_scale}: must be a finite number > 0, e.g. 1")
+            raise ConfigError(Override("routed_scale", self.routed_scale), ": must be a finite number > 0, e.g. 1")
         if self.moe_every < 1:
-            raise ValueError(f"--set moe_every={self.moe_every}: must be >= 1, e.g. --set moe_every=1")
+            raise ConfigError(Override("moe_every", self.moe_every), ": must be >= 1, e.g. ", Override("moe_every", 1))
         if self.first_dense_layers >= self.num_layers:
-            raise ValueError(
-                f"--set first_dense_layers={self.first_dense_layers}: leaves no mixture-of-experts layer of "
-                f"num_layers={self.num_layers}; e.g. --set first_dense_layers=0"
+            raise ConfigError(
+                Override("first_dense_layers", self.first_dense_layers),
+                f": leaves no mixture-of-experts layer of num_layers={self.num_layers}; e.g. ",
+                Override("first_dense_layers", 0),
             )
         if (self.num_layers - self.first_dense_layers) % self.moe_every:
-            raise ValueError(
-                f"--set moe_every={self.moe_every}: does not divide the {self.num_layers - self.first_dense_layers} "
-                f"layers after first_dense_layers={self.first_dense_layers}; e.g. --set moe_every=1"
+            raise ConfigError(
+                Override("moe_every", self.moe_every),
+                f": does not divide the {self.num_layers - self.first_dense_layers} layers after "
+                f"first_dense_layers={self.first_dense_layers}; e.g. ",
+                Override("moe_every", 1),
             )
 
     @property
@@ -409,17 +424,17 @@ def _coerce(field: dataclasses.Field, raw: str) -> Any:
             return True
         if lowered in ("0", "false", "no", "off"):
             return False
-        raise ValueError(f"--set {field.name}={raw}: expected true or false")
+        raise ConfigError(Override(field.name, raw), ": expected true or false")
     if kind == "int":
         try:
             return int(raw)
         except ValueError:
-            raise ValueError(f"--set {field.name}={raw}: expected an integer") from None
+            raise ConfigError(Override(field.name, raw), ": expected an integer") from None
     if kind == "float":
         try:
             return float(raw)
         except ValueError:
-            raise ValueError(f"--set {field.name}={raw}: expected a number") from None
+            raise ConfigError(Override(field.name, raw), ": expected a number") from None
     return raw.strip()
 
 
@@ -436,11 +451,13 @@ def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
         name, sep, raw = item.partition("=")
         name = name.strip()
         if not sep:
-            raise ValueError(f"--set {item!r}: expected FIELD=VALUE, e.g. --set num_layers=8")
+            raise ConfigError(Field("override", repr(item)), ": expected FIELD=VALUE, e.g. ", Override("num_layers", 8))
         if name not in fields:
             close = difflib.get_close_matches(name, fields, n=1)  # a typo (num_layer) gets the field it missed
-            hint = f"e.g. --set {close[0]}={raw.strip()} " if close else ""
-            raise ValueError(f"--set {item!r}: unknown field {name!r}; {hint}(fields are {', '.join(fields)})")
+            hint = ("e.g. ", Override(close[0], raw.strip()), " ") if close else ()
+            raise ConfigError(
+                Field("override", repr(item)), f": unknown field {name!r}; ", *hint, f"(fields are {', '.join(fields)})"
+            )
         changes[name] = _coerce(fields[name], raw)
     return changes
 
@@ -452,7 +469,7 @@ def get_config(preset: str, overrides: Iterable[str] = (), **changes) -> ModelCo
       ValueError: unknown preset (lists them) or an invalid override.
     """
     if preset not in PRESETS:
-        raise ValueError(f"--model {preset!r}: unknown preset; choose one of {', '.join(PRESETS)}")
+        raise ConfigError(Field("preset", repr(preset)), f": unknown preset; choose one of {', '.join(PRESETS)}")
     merged = {**changes, **parse_overrides(overrides)}
     return PRESETS[preset].replace(**merged)
 

@@ -36,6 +36,7 @@ import numpy as np
 from models.config import ModelConfig
 from models.transformer import extend
 from sharding import axes as ax
+from sharding.errors import ConfigError, Field
 from sharding.parallel import Parallelism
 
 CACHE_NAMES = (ax.LAYERS, ax.BATCH, None, ax.KV_HEADS, ax.HEAD_DIM)
@@ -60,11 +61,13 @@ class Sampling:
 
     def __post_init__(self):
         if not (math.isfinite(self.temperature) and self.temperature >= 0):  # nan compares false: refused here
-            raise ValueError(f"--temperature {self.temperature}: must be a finite number >= 0 (0 is greedy), e.g. 0.8")
+            raise ConfigError(
+                Field("temperature", self.temperature), ": must be a finite number >= 0 (0 is greedy), e.g. 0.8"
+            )
         if self.top_k < 0:
-            raise ValueError(f"--top-k {self.top_k}: must be >= 0 (0 keeps every token), e.g. 50")
+            raise ConfigError(Field("top_k", self.top_k), ": must be >= 0 (0 keeps every token), e.g. 50")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"--top-p {self.top_p}: must be in (0, 1], e.g. 0.9")
+            raise ConfigError(Field("top_p", self.top_p), ": must be in (0, 1], e.g. 0.9")
 
 
 def sample(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
@@ -167,9 +170,9 @@ class Generator:
           ValueError: an empty prompt or a non-positive ``max_new_tokens``.
         """
         if max_new_tokens <= 0:
-            raise ValueError(f"--max-new-tokens {max_new_tokens}: must be positive, e.g. 64")
+            raise ConfigError(Field("max_new_tokens", max_new_tokens), ": must be positive, e.g. 64")
         if not prompts or any(len(p) == 0 for p in prompts):
-            raise ValueError("--prompt: every prompt needs at least one token")
+            raise ConfigError(Field("prompt"), ": every prompt needs at least one token")
         prefill, step = self.functions(sampling)
         lengths = np.array([len(p) for p in prompts], np.int32)
         batch, width = len(prompts), int(lengths.max())

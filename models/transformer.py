@@ -35,6 +35,7 @@ from models.moe import MoE, router_objective
 from models.output import output_loss_sums, project_logits
 from models.spec import output_params
 from sharding import axes as ax
+from sharding.errors import ConfigError, Field
 from sharding.parallel import Parallelism
 from sharding.pipeline import head_parallelism
 from sharding.pipeline.onef1b import run_pipeline_loss
@@ -415,7 +416,7 @@ class Transformer(nnx.Module):
           ValueError: ``par`` is a pipeline (decoding runs the layer stack as a scan).
         """
         if par.pipeline is not None:
-            raise ValueError("decoding runs without pipeline stages; use a --mesh without stage")
+            raise ConfigError("decoding runs without pipeline stages; use a ", Field("mesh"), " without stage")
         positions = starts[:, None].astype(jnp.int32) + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
         x = self.embed(tokens, _dtype(self.config.dtype), par)
         if hasattr(self, "dense_layers"):

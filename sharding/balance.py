@@ -25,6 +25,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
+from sharding.errors import ConfigError, Field
 from sharding.splits import largest_remainder, min_max_assign
 
 CAPACITY_FACTOR = 2
@@ -209,7 +210,9 @@ class Rebalancer:
 
     def __post_init__(self):
         if self.every < 1:
-            raise ValueError(f"--rebalance-every {self.every}: must be >= 1, e.g. --rebalance-every 10")
+            raise ConfigError(
+                Field("rebalance_every", self.every), ": must be >= 1, e.g. ", Field("rebalance_every", 10)
+            )
         if not self.seconds:
             self.seconds = [None] * len(self.counts)
 

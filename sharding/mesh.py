@@ -1,4 +1,4 @@
-"""Mesh flags and device meshes.
+"""Mesh specs and device meshes.
 
 A mesh is written as in ``--mesh data=2,fsdp=-1,tensor=2``: named axes from
 `sharding.axes.MESH_AXES` with their sizes, at most one ``-1`` that takes the
@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from sharding.axes import MESH_AXES, RESERVED_MESH_AXES
+from sharding.errors import ConfigError, Field
 
 MESH_EXAMPLE = "data=2,fsdp=-1,tensor=2"
 
@@ -30,16 +31,16 @@ MeshShape = dict[str, int]
 """Axis name -> size, over all of `MESH_AXES` in their order."""
 
 
-def _flag_error(flag: str, spec: str, problem: str, example: str = MESH_EXAMPLE) -> ValueError:
-    return ValueError(f"{flag} {spec!r}: {problem} (example: {flag} {example})")
+def _field_error(field: str, spec: str, problem: str, example: str = MESH_EXAMPLE) -> ConfigError:
+    return ConfigError(Field(field, repr(spec)), f": {problem} (example: ", Field(field, example), ")")
 
 
-def parse_axis_sizes(spec: str, *, flag: str = "--mesh", allow_fill: bool = True) -> dict[str, int]:
+def parse_axis_sizes(spec: str, *, field: str = "mesh", allow_fill: bool = True) -> dict[str, int]:
     """Parses ``AXIS=SIZE,...`` into sizes in mesh order, without resolving ``-1``.
 
     Args:
       spec: e.g. ``"data=2,fsdp=-1,tensor=2"``. Empty means no axis given.
-      flag: the flag name used in error messages.
+      field: the configuration field the errors name (``mesh``, or ``mesh_outer``).
       allow_fill: whether one size may be ``-1``.
 
     Returns:
@@ -47,9 +48,9 @@ def parse_axis_sizes(spec: str, *, flag: str = "--mesh", allow_fill: bool = True
       order; the axis given as ``-1``, if any, keeps ``-1``.
 
     Raises:
-      ValueError: an unknown or reserved axis, an axis given twice, a size
+      ConfigError: an unknown or reserved axis, an axis given twice, a size
         that is not an integer, zero, negative other than ``-1``, or a second
-        ``-1``. The message names the item and shows a valid example.
+        ``-1``. The message names the field, the item and shows a valid example.
     """
     sizes = {axis: 1 for axis in MESH_AXES}
     seen: set[str] = set()
@@ -60,31 +61,31 @@ def parse_axis_sizes(spec: str, *, flag: str = "--mesh", allow_fill: bool = True
         name, sep, value = item.partition("=")
         name = name.strip()
         if not sep:
-            raise _flag_error(flag, spec, f"item {item!r} is not AXIS=SIZE")
+            raise _field_error(field, spec, f"item {item!r} is not AXIS=SIZE")
         if name in RESERVED_MESH_AXES:
-            raise _flag_error(flag, spec, f"mesh axis {name!r} is reserved and not supported yet")
+            raise _field_error(field, spec, f"mesh axis {name!r} is reserved and not supported yet")
         if name not in MESH_AXES:
-            raise _flag_error(flag, spec, f"unknown mesh axis {name!r}; known axes are {', '.join(MESH_AXES)}")
+            raise _field_error(field, spec, f"unknown mesh axis {name!r}; known axes are {', '.join(MESH_AXES)}")
         if name in seen:
-            raise _flag_error(flag, spec, f"axis {name!r} is given twice")
+            raise _field_error(field, spec, f"axis {name!r} is given twice")
         seen.add(name)
         try:
             size = int(value)
         except ValueError:
-            raise _flag_error(flag, spec, f"size {value.strip()!r} of axis {name!r} is not an integer") from None
+            raise _field_error(field, spec, f"size {value.strip()!r} of axis {name!r} is not an integer") from None
         if size == -1 and allow_fill:
             if fill_axis is not None:
-                raise _flag_error(flag, spec, f"both {fill_axis!r} and {name!r} are -1; at most one axis may be -1")
+                raise _field_error(field, spec, f"both {fill_axis!r} and {name!r} are -1; at most one axis may be -1")
             fill_axis = name
         elif size <= 0:
             allowed = "a positive integer, or -1 for the remaining devices" if allow_fill else "a positive integer"
-            raise _flag_error(flag, spec, f"size {size} of axis {name!r} must be {allowed}")
+            raise _field_error(field, spec, f"size {size} of axis {name!r} must be {allowed}")
         sizes[name] = size
     return sizes
 
 
 def parse_mesh(spec: str, num_devices: int, seen_by: str = "JAX sees") -> MeshShape:
-    """Parses a ``--mesh`` flag and resolves it against the device count.
+    """Parses a mesh (the field ``mesh``, ``AXIS=SIZE,...``) and resolves it against the device count.
 
     Args:
       spec: ``AXIS=SIZE,...`` over the axes ``data, stage, fsdp, context, sequence,
@@ -110,16 +111,16 @@ def parse_mesh(spec: str, num_devices: int, seen_by: str = "JAX sees") -> MeshSh
     known = math.prod(size for size in sizes.values() if size != -1)
     if fill:
         if num_devices % known:
-            raise _flag_error(
-                "--mesh",
+            raise _field_error(
+                "mesh",
                 spec,
                 f"the other axes use {known} devices, which does not divide the {num_devices} devices {seen_by}",
                 _suggest(num_devices),
             )
         sizes[fill[0]] = num_devices // known
     elif known != num_devices:
-        raise _flag_error(
-            "--mesh",
+        raise _field_error(
+            "mesh",
             spec,
             f"the sizes multiply to {known} but {seen_by} {num_devices} devices; "
             f"make the product {num_devices} or give one axis -1",
@@ -171,18 +172,20 @@ def split_outer_inner(
             inner[axis] = math.gcd(shape[axis], remaining)
             remaining //= inner[axis]
         if remaining != 1:
-            raise ValueError(
+            raise ConfigError(
                 f"mesh {format_mesh(shape)} cannot be laid out with whole groups of "
-                f"{devices_per_process} devices per process; give --mesh-outer"
+                f"{devices_per_process} devices per process; give ",
+                Field("mesh_outer"),
             )
         outer_sizes = {axis: shape[axis] // inner[axis] for axis in shape}
     else:
         outer_sizes = {axis: int(outer.get(axis, 1)) for axis in shape}
         for axis, size in outer_sizes.items():
             if size <= 0 or shape[axis] % size:
-                raise ValueError(
-                    f"--mesh-outer {axis}={size} does not divide the axis size {shape[axis]} "
-                    f"of --mesh {format_mesh(shape)}"
+                raise ConfigError(
+                    Field("mesh_outer", f"{axis}={size}"),
+                    f" does not divide the axis size {shape[axis]} of ",
+                    Field("mesh", format_mesh(shape)),
                 )
         inner = {axis: shape[axis] // outer_sizes[axis] for axis in shape}
     if math.prod(outer_sizes.values()) != num_processes:

@@ -34,6 +34,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Union
 
 from sharding import axes as ax
+from sharding.errors import ConfigError, Field
 from sharding.mesh import format_mesh
 from sharding.rules import DEFAULT_PRESET, AxisNames, Rules, get_rules, logical_to_spec
 
@@ -159,7 +160,9 @@ class Parallelism:
     def __post_init__(self):
         object.__setattr__(self, "mesh_shape", _full_shape(self.mesh_shape))
         if self.context_layout not in CONTEXT_LAYOUTS:
-            raise ValueError(f"--context-layout {self.context_layout!r}: choose one of {', '.join(CONTEXT_LAYOUTS)}")
+            raise ConfigError(
+                Field("context_layout", repr(self.context_layout)), f": choose one of {', '.join(CONTEXT_LAYOUTS)}"
+            )
 
     # Construction ----------------------------------------------------------------------------
 

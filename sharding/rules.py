@@ -33,6 +33,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from sharding import axes as ax
+from sharding.errors import ConfigError, Field
 
 AxisNames = tuple[str | None, ...]
 """Logical names of an array's dimensions, one per dimension (None: unnamed)."""
@@ -106,7 +107,7 @@ def get_rules(preset: str = DEFAULT_PRESET, overrides: Iterable[str] = ()) -> Ru
         override; the message lists what is valid.
     """
     if preset not in PRESETS:
-        raise ValueError(f"--rules {preset!r}: unknown preset; choose one of {', '.join(PRESETS)}")
+        raise ConfigError(Field("rules", repr(preset)), f": unknown preset; choose one of {', '.join(PRESETS)}")
     rules = Rules(preset, tuple(PRESETS[preset].items()))
     return rules.with_overrides(parse_rule_overrides(overrides))
 
@@ -115,26 +116,30 @@ def parse_rule_overrides(overrides: Iterable[str]) -> dict[str, tuple[str, ...]]
     """Parses ``--rule NAME=AXIS[+AXIS]`` strings into logical -> mesh axes.
 
     Raises:
-      ValueError: naming the bad override and what would work.
+      ConfigError: naming the bad override (the field ``rule``) and what would work.
     """
     parsed: dict[str, tuple[str, ...]] = {}
     for item in overrides:
         name, sep, value = item.partition("=")
         name = name.strip()
         if not sep:
-            raise ValueError(f"--rule {item!r}: expected NAME=AXIS[+AXIS], e.g. --rule mlp=tensor+fsdp")
+            raise ConfigError(
+                Field("rule", repr(item)), ": expected NAME=AXIS[+AXIS], e.g. ", Field("rule", "mlp=tensor+fsdp")
+            )
         if name not in ax.LOGICAL_AXES:
-            raise ValueError(f"--rule {item!r}: unknown logical axis {name!r}; known: {', '.join(ax.LOGICAL_AXES)}")
+            raise ConfigError(
+                Field("rule", repr(item)), f": unknown logical axis {name!r}; known: {', '.join(ax.LOGICAL_AXES)}"
+            )
         value = value.strip()
         mesh_axes = () if value.lower() in ("", "none") else tuple(v.strip() for v in value.split("+"))
         for mesh_axis in mesh_axes:
             if mesh_axis not in ax.MESH_AXES:
-                raise ValueError(
-                    f"--rule {item!r}: unknown mesh axis {mesh_axis!r}; known: "
-                    f"{', '.join(ax.MESH_AXES)} (or 'none' to replicate)"
+                raise ConfigError(
+                    Field("rule", repr(item)),
+                    f": unknown mesh axis {mesh_axis!r}; known: {', '.join(ax.MESH_AXES)} (or 'none' to replicate)",
                 )
         if len(set(mesh_axes)) != len(mesh_axes):
-            raise ValueError(f"--rule {item!r}: a mesh axis is repeated")
+            raise ConfigError(Field("rule", repr(item)), ": a mesh axis is repeated")
         parsed[name] = mesh_axes
     return parsed
 
@@ -182,10 +187,11 @@ def logical_to_spec(
     for logical in names:
         for mesh_axis in rules.mesh_axes(logical):
             if mesh_axis in owner:
-                raise ValueError(
+                raise ConfigError(
                     f"logical axes {owner[mesh_axis]!r} and {logical!r} of one array {tuple(names)} both "
-                    f"map to mesh axis {mesh_axis!r} under rules {rules.name!r}; remap one with "
-                    f"--rule {logical}=none (or another axis)"
+                    f"map to mesh axis {mesh_axis!r} under rules {rules.name!r}; remap one with ",
+                    Field("rule", f"{logical}=none"),
+                    " (or another axis)",
                 )
             owner[mesh_axis] = logical
     entries: list[Any] = []

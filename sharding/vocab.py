@@ -34,6 +34,7 @@ import math
 from collections.abc import Mapping
 
 from sharding import axes as ax
+from sharding.errors import ConfigError, Field
 from sharding.rules import Rules, logical_to_spec
 
 OUTPUT_IMPLS = ("auto", "gathered", "vocab_parallel")
@@ -137,13 +138,18 @@ def choose_output(
       ValueError: an unknown ``impl``, or ``vocab_parallel`` where it does not apply (with the reason).
     """
     if impl not in OUTPUT_IMPLS:
-        raise ValueError(f"--logits {impl!r}: choose one of {', '.join(OUTPUT_IMPLS)}")
+        raise ConfigError(Field("logits", repr(impl)), f": choose one of {', '.join(OUTPUT_IMPLS)}")
     if impl == "gathered":
         return None
     split, reason = vocab_split(rules, mesh_shape, vocab_size, embed_dim, rows)
     if split is None:
         if impl == "vocab_parallel":
-            raise ValueError(f"--logits vocab_parallel does not apply here: {reason}; use --logits auto or gathered")
+            raise ConfigError(
+                Field("logits", "vocab_parallel"),
+                f" does not apply here: {reason}; use ",
+                Field("logits", "auto"),
+                " or gathered",
+            )
         return None
     if impl == "auto":
         gathered, parallel = output_traffic(split, vocab_size, embed_dim, tokens)

@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _cli_errors import raises_as_cli
 
 from models import attention_registry as registry
 from models.attention import layout_shards
@@ -163,7 +164,7 @@ def test_description_carries_every_records_traits():
 
 
 def test_config_validation_names_every_kernel():
-    with pytest.raises(ValueError, match="--set attention=bogus: choose one of " + ", ".join(registry.names())):
+    with raises_as_cli(ValueError, match="--set attention=bogus: choose one of " + ", ".join(registry.names())):
         get_config("test").replace(attention="bogus")
 
 

@@ -3,6 +3,7 @@
 import math
 
 import pytest
+from _cli_errors import raises_as_cli
 
 from models.generation import Sampling
 from train import generate, hf, train
@@ -46,7 +47,7 @@ def test_a_huge_cpu_device_count_is_refused_before_jax_grows(tmp_path, capsys):
 
 @pytest.mark.parametrize("value", [math.nan, math.inf, -1.0])
 def test_temperature_must_be_finite_and_not_negative(value):
-    with pytest.raises(ValueError, match=rf"^--temperature {value}: must be a finite number >= 0 \(0 is greedy\)"):
+    with raises_as_cli(ValueError, match=rf"^--temperature {value}: must be a finite number >= 0 \(0 is greedy\)"):
         Sampling(temperature=value)
 
 

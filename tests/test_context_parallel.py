@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _cli_errors import raises_as_cli
 
 from models.attention import (
     CONTEXT_LAYOUTS,
@@ -133,7 +134,7 @@ def test_sharded_attention_under_the_rules_matches_the_reference(impl, layout, h
 @pytest.mark.parametrize("impl", ["reference", "flash"])
 def test_natural_order_attention_refuses_the_zigzag_layout(impl):
     q, k, v, _, segments = _attention_inputs(4, 2)
-    with pytest.raises(ValueError, match=f"--attention {impl} assumes tokens in natural order"):
+    with raises_as_cli(ValueError, match=f"--attention {impl} assumes tokens in natural order"):
         attend(impl, q, k, v, segments, layout="zigzag", par=UNSHARDED)
 
 
@@ -254,12 +255,12 @@ def test_ulysses_takes_any_kv_head_count_and_the_mesh_it_suggests():
     rules = get_rules("fsdp_tp")
     check_context_parallel(config, Parallelism(parse_mesh("data=2,sequence=4", 8), rules), 64)
     bad = Parallelism(parse_mesh("sequence=8", 8), rules)
-    with pytest.raises(ValueError, match="e.g. --mesh data=2,sequence=4$"):
+    with raises_as_cli(ValueError, match="e.g. --mesh data=2,sequence=4$"):
         check_context_parallel(config, bad, 64)
     check_context_parallel(config, Parallelism(ulysses_mesh(bad.mesh_shape, 4), rules), 64)
     six = config.replace(attention="usp", num_heads=6, num_kv_heads=2)
     bad = Parallelism(parse_mesh("context=2,sequence=4", 8), rules)
-    with pytest.raises(ValueError, match="e.g. --mesh context=4,sequence=2$"):
+    with raises_as_cli(ValueError, match="e.g. --mesh context=4,sequence=2$"):
         check_context_parallel(six, bad, 64)
     check_context_parallel(six, Parallelism(ulysses_mesh(bad.mesh_shape, 6, inner_only=True), rules), 64)
 
@@ -275,13 +276,13 @@ def test_context_shares_become_tokens_and_the_suggestions_are_accepted():
     assert par.replace(context_shares=(24, 8, 16, 16)).padded_length == 96
     check_context_shares("ring", par.replace(context_shares=parse_context_shares("1,1,1,1", 64)), 64)
     check_context_shares("ring", par.replace(context_shares="auto"), 64)
-    with pytest.raises(ValueError, match="e.g. --context-shares 1,1,1,1, or --context-shares auto$"):
+    with raises_as_cli(ValueError, match="e.g. --context-shares 1,1,1,1, or --context-shares auto$"):
         check_context_shares("ring", par.replace(context_shares=parse_context_shares("2,1", 64)), 64)
     # Shares with USP, or on a length not split: the ring and mesh the refusal names are accepted.
     usp = Parallelism(parse_mesh("data=2,context=2,sequence=2", 8), get_rules("fsdp_tp"), context_shares="auto")
     flat = Parallelism(parse_mesh("data=8", 8), get_rules("fsdp_tp"), context_shares="auto")
     for layout, mesh in ((usp, "data=2,context=2,sequence=2"), (flat, "data=4,sequence=2")):
-        with pytest.raises(ValueError, match=f"e.g. --attention ring --mesh {mesh} --context-layout zigzag"):
+        with raises_as_cli(ValueError, match=f"e.g. --attention ring --mesh {mesh} --context-layout zigzag"):
             check_context_shares("usp", layout, 64)
         ring = Parallelism(parse_mesh(mesh, 8), get_rules("fsdp_tp"), context_layout="zigzag", context_shares="auto")
         check_context_shares("ring", ring, 64)

@@ -18,6 +18,7 @@ checked on the same figures; kinds the model does not price for a case are liste
 import dataclasses
 
 import pytest
+from _cli_errors import raises_as_cli
 from costmodel_grid import (
     CONTEXT_GRID,
     GRID,
@@ -212,9 +213,9 @@ def test_bubble_fraction_and_even_split():
 
 
 def test_layout_errors_name_the_flag():
-    with pytest.raises(ValueError, match="--remat"):
+    with raises_as_cli(ValueError, match="--remat"):
         cm.Layout({"fsdp": 8}, remat="some")
-    with pytest.raises(ValueError, match="--batch-size"):
+    with raises_as_cli(ValueError, match="--batch-size"):
         cm.estimate(get_config("test"), 12, 64, cm.Layout({"fsdp": 8}))
 
 

@@ -3,6 +3,7 @@
 import jax
 import numpy as np
 import pytest
+from _cli_errors import raises_as_cli
 from test_hf import FIXTURES, load, reference
 
 from models.generation import Generator, Sampling, sample
@@ -108,9 +109,9 @@ def test_top_p_keeps_the_smallest_nucleus():
 
 
 def test_bad_sampling_values_are_refused():
-    with pytest.raises(ValueError, match="--top-p 0: must be in"):
+    with raises_as_cli(ValueError, match="--top-p 0: must be in"):
         Sampling(top_p=0)
-    with pytest.raises(ValueError, match="--temperature -1"):
+    with raises_as_cli(ValueError, match="--temperature -1"):
         Sampling(temperature=-1)
 
 

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _cli_errors import raises_as_cli
 
 from models.config import get_config
 from sharding import costmodel as cm
@@ -538,7 +539,7 @@ def test_rebalancer_smooths_with_hysteresis_and_follows_a_straggler():
     assert reb.counts[0] < 3 and sum(reb.counts) == 16 and max(reb.counts) <= 4
     reb.observe((0,) + reb.counts[1:], [0.0] + [0.1] * 7)  # a device that ran nothing keeps its estimate
     assert reb.seconds[0] is not None
-    with pytest.raises(ValueError, match="--rebalance-every 0"):
+    with raises_as_cli(ValueError, match="--rebalance-every 0"):
         Rebalancer((1, 1), 2, 0)
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from _cli_errors import raises_as_cli
 
 from checkpoints import hf
 from models.layers import rope_frequencies
@@ -305,5 +306,5 @@ def test_export_refuses_a_non_empty_folder_and_unknown_dtype(tmp_path):
     (tmp_path / "x").write_text("")
     with pytest.raises(ValueError, match="not empty"):
         hf.save_params(tmp_path, config, params)
-    with pytest.raises(ValueError, match="--dtype int8: choose one of float32, bfloat16"):
+    with raises_as_cli(ValueError, match="--dtype int8: choose one of float32, bfloat16"):
         hf.save_params(tmp_path / "new", config, params, dtype="int8")

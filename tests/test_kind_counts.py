@@ -6,6 +6,7 @@ bfloat16 (V100) planned in float32 at its float32 peak.
 import jax
 import numpy as np
 import pytest
+from _cli_errors import raises_as_cli
 
 from models.config import ModelConfig
 from models.spec import describe
@@ -60,7 +61,7 @@ def test_kind_counts_price_as_the_per_group_counts():
     by_group = planner.evaluate(MODEL, inventory, 64, 256, layout, (3, 3, 3, 3, 1, 1, 1, 1))
     assert by_kind.step_time == by_group.step_time and by_kind.counts == by_group.counts
     assert by_kind.kind_counts == (("h100_sxm", 3), ("a100_80gb", 1))
-    with pytest.raises(ValueError, match="--hetero-batch h100_sxm=3,a100_80gb=1"):
+    with raises_as_cli(ValueError, match="--hetero-batch h100_sxm=3,a100_80gb=1"):
         planner.evaluate(MODEL, inventory, 64, 256, layout, {"h100_sxm": 3})
 
 

@@ -7,8 +7,10 @@ import subprocess
 import sys
 
 import pytest
+from _cli_errors import as_printed, raises_as_cli
 
 from checkpoints.lock import LOCK_FILE, RunFolderLocked, RunLock, _start_time
+from train.flagnames import render
 
 HOST = socket.gethostname()
 
@@ -29,11 +31,11 @@ def live():
 
 def test_the_lock_names_its_owner_and_is_released(tmp_path):
     lines = []
-    with RunLock.acquire(tmp_path / "run", lines.append) as lock:
+    with RunLock.acquire(tmp_path / "run", as_printed(lines)) as lock:
         owner = json.loads((tmp_path / "run" / LOCK_FILE).read_text())
         assert owner["host"] == HOST and owner["pid"] == os.getpid() and owner == lock.owner
         with pytest.raises(RunFolderLocked, match=rf"is in use by another run, pid {os.getpid()} on host "):
-            RunLock.acquire(tmp_path / "run", lines.append)  # one owner, even within one process
+            RunLock.acquire(tmp_path / "run", as_printed(lines))  # one owner, even within one process
     assert sorted(os.listdir(tmp_path / "run")) == [] and lines == []
 
 
@@ -42,7 +44,7 @@ def test_a_live_owner_refuses_and_an_ended_one_is_reclaimed(tmp_path, live):
     plant(folder, host=HOST, pid=live.pid, started=_start_time(live.pid))
     with pytest.raises(RunFolderLocked) as refused:
         RunLock.acquire(folder, print)
-    assert str(refused.value) == (
+    assert render(refused.value) == (
         f"--run-dir {folder} is in use by another run, pid {live.pid} on host {HOST} "
         "(since 2026-01-01T00:00:00Z); wait for it to end (or stop it), or choose another "
         "--run-dir (nothing was touched)"
@@ -50,7 +52,7 @@ def test_a_live_owner_refuses_and_an_ended_one_is_reclaimed(tmp_path, live):
     live.kill()
     live.wait()
     lines = []
-    RunLock.acquire(folder, lines.append).release()
+    RunLock.acquire(folder, as_printed(lines)).release()
     assert lines == [
         f"note: --run-dir {folder}: reclaimed the stale lock of pid {live.pid} on host {HOST} "
         "(since 2026-01-01T00:00:00Z), which has ended"
@@ -61,16 +63,16 @@ def test_a_reused_pid_is_not_the_owner(tmp_path, live):
     """The pid lives, but it started at another time than the owner recorded: the owner has ended."""
     plant(tmp_path, host=HOST, pid=live.pid, started=_start_time(live.pid) - 1)
     lines = []
-    RunLock.acquire(tmp_path, lines.append).release()
+    RunLock.acquire(tmp_path, as_printed(lines)).release()
     assert len(lines) == 1 and "reclaimed the stale lock" in lines[0]
 
 
 def test_another_hosts_lock_needs_break_lock(tmp_path):
     plant(tmp_path, host="elsewhere", pid=4242)
-    with pytest.raises(RunFolderLocked, match=r"locked by pid 4242 on host elsewhere .*pass --break-lock"):
+    with raises_as_cli(RunFolderLocked, match=r"locked by pid 4242 on host elsewhere .*pass --break-lock"):
         RunLock.acquire(tmp_path, print)
     lines = []
-    lock = RunLock.acquire(tmp_path, lines.append, break_lock=True)
+    lock = RunLock.acquire(tmp_path, as_printed(lines), break_lock=True)
     assert lines == [
         f"note: --run-dir {tmp_path}: --break-lock took over the lock of pid 4242 on host elsewhere "
         "(since 2026-01-01T00:00:00Z)"
@@ -82,7 +84,7 @@ def test_another_hosts_lock_needs_break_lock(tmp_path):
 def test_a_file_that_is_not_a_lock_is_replaced_with_a_line(tmp_path):
     (tmp_path / LOCK_FILE).write_text("garbage")
     lines = []
-    RunLock.acquire(tmp_path, lines.append).release()
+    RunLock.acquire(tmp_path, as_printed(lines)).release()
     assert lines == [f"note: --run-dir {tmp_path}: replaced {tmp_path / LOCK_FILE}, which did not parse as a lock"]
 
 

@@ -8,6 +8,7 @@ import pytest
 
 from sharding.axes import MESH_AXES
 from sharding.mesh import crossing_axes, device_grid, format_mesh, make_mesh, parse_mesh, split_outer_inner
+from train.flagnames import render
 
 
 def test_parse_fills_minus_one_and_orders_axes():
@@ -41,7 +42,7 @@ def test_format_mesh_leaves_out_unit_axes():
 def test_parse_errors_name_the_problem_and_show_an_example(spec, message):
     with pytest.raises(ValueError) as info:
         parse_mesh(spec, 8)
-    text = str(info.value)
+    text = render(info.value)
     assert message in text
     assert "example: --mesh" in text
 

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _cli_errors import raises_as_cli
 
 from models.attention_reference import attention_mask, reference_attention
 from models.config import PRESETS, get_config, parse_overrides
@@ -330,7 +331,7 @@ def test_hugging_face_options_are_settable_and_checked():
     _, abstract, _ = abstract_model(qwen3)
     assert abstract["layers"]["attention"]["q_norm"].shape == (qwen3.num_layers, qwen3.head_dim)
     assert sum(x.size for x in jax.tree.leaves(abstract)) == qwen3.num_params == CONFIG.num_params + 4 * 2 * 32
-    with pytest.raises(
+    with raises_as_cli(
         ValueError, match="--set rope_type=yarn: choose one of default, llama3; e.g. --set rope_type=default"
     ):
         get_config("test", ["rope_type=yarn"])

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _cli_errors import raises_as_cli
 
 from models.config import get_config
 from models.output import cross_entropy_sums, output_loss_sums, project_logits
@@ -128,7 +129,7 @@ def test_vocab_parallel_refuses_layouts_it_cannot_split(rules, mesh, vocab, why)
     with pytest.raises(ValueError, match=why):
         choose_output("vocab_parallel", get_rules(rules), full, vocab, 256, 8, 512)
     assert choose_output("auto", get_rules(rules), full, vocab, 256, 8, 512) is None
-    with pytest.raises(ValueError, match="--logits"):
+    with raises_as_cli(ValueError, match="--logits"):
         choose_output("sometimes", get_rules(rules), full, vocab, 256, 8, 512)
 
 

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _cli_errors import raises_as_cli
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from test_pipeline import _batch as pipeline_batch
@@ -20,6 +21,7 @@ from sharding.parallel import UNSHARDED, Parallelism
 from sharding.pipeline.layout import BACKWARD, FORWARD
 from sharding.pipeline.onef1b import run_pipeline_loss
 from sharding.rules import get_rules
+from train.flagnames import render
 
 RULES = get_rules("fsdp_tp")
 ONE_F_ONE_B = ("1f1b", "1f1b-fused", "zb")
@@ -91,7 +93,7 @@ def test_the_tick_table_is_a_valid_1f1b_schedule(stages, microbatches, repeats):
 
 
 def test_interleaved_1f1b_needs_a_multiple_of_the_stages_as_microbatches():
-    with pytest.raises(ValueError, match="--microbatches 6: interleaved 1F1B .* e.g. --microbatches 8"):
+    with raises_as_cli(ValueError, match="--microbatches 6: interleaved 1F1B .* e.g. --microbatches 8"):
         pl.one_f_one_b_ticks(4, 6, 2)
 
 
@@ -855,7 +857,7 @@ def test_the_microbatches_a_pipeline_error_suggests_pass_it_and_split_the_batch(
     the batch check after it (M divides the batch, data x fsdp x expert each microbatch)."""
     with pytest.raises(ValueError) as info:
         pl.check_microbatches(microbatches, stages, batch, data_parallel, repeats)
-    hint = re.search(r"use --microbatches (\d+)(?: --batch-size (\d+))?$", str(info.value))
+    hint = re.search(r"use --microbatches (\d+)(?: --batch-size (\d+))?$", render(info.value))
     assert hint, info.value
     m, b = int(hint[1]), int(hint[2] or batch)
     pl.check_microbatches(m, stages, b, data_parallel, repeats)

@@ -3,6 +3,7 @@ fused 1F1B, and no transfer inside a conditional."""
 
 import numpy as np
 import pytest
+from _cli_errors import raises_as_cli
 from test_pipeline_1f1b import (
     STEPS_LAYERS,
     STEPS_MESH,
@@ -89,9 +90,9 @@ def test_a_deeper_saved_ring_buys_a_forward_equivalent_per_entry(stages, microba
 
 
 def test_zero_bubble_refuses_repeats_naming_the_flag():
-    with pytest.raises(ValueError, match="--pipeline-repeats 2: .* --pipeline-repeats 1"):
+    with raises_as_cli(ValueError, match="--pipeline-repeats 2: .* --pipeline-repeats 1"):
         pl.zero_bubble_ticks(4, 8, 2)
-    with pytest.raises(ValueError, match="--microbatches 3"):
+    with raises_as_cli(ValueError, match="--microbatches 3"):
         pl.zero_bubble_ticks(4, 3)
     with pytest.raises(ValueError, match="at least 1 entry"):
         pl.zero_bubble_ticks(4, 8, ring=0)

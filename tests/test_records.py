@@ -17,6 +17,7 @@ from sharding.mesh import make_mesh, parse_mesh
 from sharding.parallel import Parallelism
 from sharding.rules import get_rules
 from train import report, train
+from train.flagnames import render
 from train.loop import MetricsWriter, truncate_metrics
 from train.optimizer import OptimizerConfig, learning_rate_schedule
 from train.step import Trainer
@@ -212,7 +213,7 @@ def test_schedule_is_recorded_and_a_change_is_one_line():
     back = RunMeta.from_json(json.loads(json.dumps(meta.to_json())))
     assert back.schedule == meta.schedule
     assert back.schedule_change({"steps": 10, "decay_steps": 10, "warmup": 1, "lr": 3e-3}, 6) is None
-    line = back.schedule_change({"steps": 20, "decay_steps": 20, "warmup": 1, "lr": 3e-3}, 6)
+    line = render(back.schedule_change({"steps": 20, "decay_steps": 20, "warmup": 1, "lr": 3e-3}, 6))
     assert line == (
         "note: the learning-rate schedule changes at step 6: --steps 10 -> 20, --decay-steps 10 -> 20 "
         "(the rate of every later step follows the new schedule)"
@@ -230,7 +231,7 @@ def test_a_changed_batch_shape_is_said_on_resume():
         model=get_config("test").to_dict(), preset="test", mesh={}, rules={}, data=data, tokenizer={}, step=6
     )
     assert meta.batch_change(64, 8, 6) is None
-    assert meta.batch_change(128, 4, 6) == (
+    assert render(meta.batch_change(128, 4, 6)) == (
         "note: the batch changes at step 6: --seq-len 64 -> 128, --batch-size 8 -> 4 (the data read on from "
         "the 48 sequences consumed; tokens per step change)"
     )

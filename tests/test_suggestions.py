@@ -12,6 +12,7 @@ import jax
 import pytest
 
 from train import cli
+from train.flagnames import render
 from train.train import prepare
 
 BASE = ["--model", "test", "--seq-len", "64", "--batch-size", "8", "--steps", "2"]
@@ -22,7 +23,7 @@ def refusal(argv):
     try:
         prepare(cli.parse(argv), jax.devices(), lambda _: None)
     except (ValueError, FileNotFoundError) as e:
-        return str(e)
+        return render(e)
     return None
 
 

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _cli_errors import as_printed, raises_as_cli
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -138,7 +139,7 @@ def test_each_damage_is_named_and_the_older_complete_step_is_chosen(copy, damage
     assert choice.step == 1
     assert len(choice.notes) == 1 and choice.notes[0].startswith("skipped step 2") and phrase in choice.notes[0]
     assert choice.notes[0].endswith("resuming from step 1")
-    with pytest.raises(CheckpointDamaged, match=r"^--resume-step 2: step 2 .*; pass --resume-step 1$"):
+    with raises_as_cli(CheckpointDamaged, match=r"^--resume-step 2: step 2 .*; pass --resume-step 1$"):
         latest_verified_step(copy, explicit=2)
 
 
@@ -161,7 +162,7 @@ def test_a_removed_data_file_really_breaks_orbax_and_the_verdict_names_it(copy):
 
 
 def test_explicit_and_exhausted_choices_are_errors(copy, tmp_path):
-    with pytest.raises(CheckpointDamaged, match=r"^--resume-step 5: no such checkpoint in .*; saved steps are 1, 2$"):
+    with raises_as_cli(CheckpointDamaged, match=r"^--resume-step 5: no such checkpoint in .*; saved steps are 1, 2$"):
         latest_verified_step(copy, explicit=5)
     for step in (1, 2):
         shutil.rmtree(copy / str(step) / "meta")
@@ -236,7 +237,7 @@ def save_steps(folder, steps, keep=3):
 def resume_and_save(folder, steps, keep=3):
     """`open_resumable` as the training CLI calls it, then saves ``steps``; returns (resumed step, log lines)."""
     lines = []
-    manager, step = open_resumable(folder, keep, None, CONFIG, TOKENIZER, lines.append)
+    manager, step = open_resumable(folder, keep, None, CONFIG, TOKENIZER, as_printed(lines))
     try:
         for new in steps:
             manager.save(new, tiny_state(make_mesh(parse_mesh("fsdp=8", 8))), {"step": new, "model": CONFIG.to_dict()})
@@ -343,7 +344,7 @@ def test_a_restore_that_fails_on_damaged_data_sets_the_step_aside_and_restores_t
             copy,
             2,
             lambda s: manager.restore(target, step=s),
-            lines.append,
+            as_printed(lines),
             reload=lambda: reloads.append(manager.reload()),
         )
     finally:
@@ -388,7 +389,9 @@ def test_processes_fall_back_together_when_the_damage_shows_in_one_only(copy):
 
         lines = []
         results[index] = (
-            restore_falling_back(copy, 2, restore, lines.append, any_failed=any_failed, sync=sync, leader=index == 0),
+            restore_falling_back(
+                copy, 2, restore, as_printed(lines), any_failed=any_failed, sync=sync, leader=index == 0
+            ),
             lines,
         )
 
@@ -410,7 +413,7 @@ def test_an_explicit_damaged_step_is_refused_and_a_failure_that_is_not_damage_is
     manager = CheckpointManager(copy, async_save=False)
     target = abstract(make_mesh(parse_mesh("fsdp=8", 8)))
     try:
-        with pytest.raises(
+        with raises_as_cli(
             CheckpointDamaged, match=r"^--resume-step 2: step 2 in .* does not decode .*; pass --resume-step 1$"
         ):
             restore_falling_back(copy, 2, lambda s: manager.restore(target, step=s), print, explicit=True)

@@ -16,6 +16,7 @@ from sharding import axes as ax
 from sharding.mesh import format_mesh
 from sharding.parallel import Parallelism
 from train.config import RunConfig
+from train.flagnames import render
 
 # Model dimensions the presets split; a mesh axis that cannot split them is a configuration error.
 _SPLIT_DIMS = (("embed_dim", "embed"), ("mlp_dim", "mlp"), ("num_heads", "heads"), ("vocab_size", "vocab"))
@@ -304,7 +305,7 @@ def check_logits(run: RunConfig) -> None:
     except ValueError as e:
         if "does not apply" not in str(e):  # a rule collision or an unknown value: its own message says it all
             raise
-        raise ValueError(f"{e}{_vocab_parallel_remedy(par)}") from None
+        raise ValueError(f"{render(e)}{_vocab_parallel_remedy(par)}") from None
 
 
 def _vocab_parallel_remedy(par: Parallelism) -> str:

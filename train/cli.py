@@ -652,7 +652,7 @@ def _check_counts(args) -> None:
     if args.discard_later and args.resume_step is None:
         raise ValueError("--discard-later: applies with --resume --resume-step N (the steps after N are set aside)")
     if args.mesh_outer:
-        parse_axis_sizes(args.mesh_outer, flag="--mesh-outer", allow_fill=False)
+        parse_axis_sizes(args.mesh_outer, field="mesh_outer", allow_fill=False)
     args_distributed = ClusterConfig(
         coordinator=args.coordinator,
         num_processes=args.num_processes,
@@ -733,7 +733,7 @@ def parallelism_from_args(args, num_layers: int) -> Parallelism:
         pipeline flags without a stage axis, or flags of two strategies at once; naming the flags.
     """
     sizes = parse_axis_sizes(args.mesh if args.mesh.strip() else "fsdp=-1")
-    outer = parse_axis_sizes(args.mesh_outer, flag="--mesh-outer", allow_fill=False) if args.mesh_outer else None
+    outer = parse_axis_sizes(args.mesh_outer, field="mesh_outer", allow_fill=False) if args.mesh_outer else None
     rules = get_rules(args.rules, args.rule)
     strategy = _strategy(args, sizes, num_layers)
     if strategy.pipeline is not None:

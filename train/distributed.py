@@ -680,11 +680,12 @@ def checkpoint_note(directory, launched: bool = False) -> str:
     launcher restarts by itself, and the words say so. Damaged steps are skipped (`checkpoints.verify`).
     """
     from checkpoints.verify import latest_verified_step
+    from train.flagnames import render
 
     try:
         step = latest_verified_step(directory).step
     except Exception as e:  # a damaged folder: say so, never raise from the failure path
-        return f"no complete checkpoint in {directory} ({str(e).splitlines()[0] if str(e) else e})"
+        return f"no complete checkpoint in {directory} ({render(e).splitlines()[0] if str(e) else e})"
     how = "the launcher restarts from it" if launched else "restart every process with --resume"
     if step is None:
         return f"no checkpoint in {directory} yet; restarting begins at step 0"

@@ -18,6 +18,7 @@ from typing import Any
 
 from sharding.rules import DEFAULT_PRESET
 from sharding.rules import PRESETS as RULE_PRESETS
+from train.flagnames import render
 
 
 def add_device_args(parser: argparse.ArgumentParser, default_mesh: str = "fsdp=-1") -> None:
@@ -131,7 +132,7 @@ def read_run(run_dir: str | Path, step: int | None = None):
         )
     manager = CheckpointManager(folder, async_save=False, read_only=True)  # a live run's save in progress stays
     try:
-        chosen = manager.resume_choice(step, "--step").step
+        chosen = manager.resume_choice(step, "step").step
         if chosen is None:
             raise ValueError(f"--run-dir {run_dir}: no checkpoint in {folder}")
         return manager, chosen, RunMeta.from_json(manager.read_meta(chosen))
@@ -170,7 +171,7 @@ def restore_params(run_dir: str | Path, step: int | None, par, **changes):
         layout = StateLayout(config, par)
         # damaged array data: one line naming the array and file, and a step that reads (nothing renamed)
         (state, _), _ = restore_falling_back(
-            manager.directory, step, lambda s: restore_state(manager, layout, s), print, explicit=True, flag="--step"
+            manager.directory, step, lambda s: restore_state(manager, layout, s), print, explicit=True, field="step"
         )
     finally:
         manager.close()
@@ -274,7 +275,7 @@ def run_main(run: Callable[[Any], int], args) -> int:
     try:
         return run(args)
     except (ValueError, FileNotFoundError, RuntimeError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {render(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("", file=sys.stderr)

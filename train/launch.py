@@ -55,6 +55,7 @@ from pathlib import Path
 
 from checkpoints.verify import saved_steps
 from train import cli
+from train.flagnames import render
 from train.hosts import HostPlacement, child_env, placement
 
 STOP_GRACE = 5.0
@@ -310,7 +311,7 @@ def choose(
         try:
             return count, layout(count), refusals
         except ValueError as e:
-            refusals.append(f"{count} process{'es' if count > 1 else ''}: {e}")
+            refusals.append(f"{count} process{'es' if count > 1 else ''}: {render(e)}")
     return 0, "", refusals
 
 
@@ -393,7 +394,7 @@ class Launcher:
             try:
                 self.layouts[processes] = layout_for(self.config, processes, self.launch.total_processes)
             except ValueError as e:
-                self.layouts[processes] = f"error: {e}"
+                self.layouts[processes] = f"error: {render(e)}"
         found = self.layouts[processes]
         if found.startswith("error: "):
             raise ValueError(found.removeprefix("error: "))
@@ -924,7 +925,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for remote in list(remotes.values()):
                 remote.send({"op": "end", "code": code})
     except (ValueError, FileNotFoundError, RuntimeError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {render(e)}", file=sys.stderr)
         return 2
 
 

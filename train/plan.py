@@ -45,6 +45,7 @@ from sharding.mesh import format_mesh
 from sharding.modeldesc import ModelDescription
 from sharding.pipeline import check_microbatches, example_split
 from train.config import RunConfig
+from train.flagnames import render
 from train.flags import parallelism_flags
 
 
@@ -186,7 +187,7 @@ def report(model, inventory, args, options) -> tuple[list[str], list[planner.Pla
     plans = planner.plan(model, inventory, args.batch, args.seq_len, options, top=args.top)
     seconds = time.perf_counter() - t0
     if not plans:  # nothing to print: bad input (exit 2 in `main`), with the reason when it is knowable
-        raise ValueError(planner.no_plan_reason(model, inventory, args.batch, args.seq_len, options))
+        raise ValueError(render(planner.no_plan_reason(model, inventory, args.batch, args.seq_len, options)))
     # One kind: every device already does the same work, so the search would only run again to say "1.00x".
     mixed = len(inventory.kinds_present) > 1
     base = planner.uniform_baseline(model, inventory, args.batch, args.seq_len, options) if mixed else None
@@ -322,10 +323,10 @@ def given_layout(text: str, num_layers: int, num_devices: int, defaults: argpars
                 defaults.batch,
                 par.replace(mesh_shape=mesh).data_parallel,
                 pipe.layout.repeats if pipe.one_f_one_b else 1,
-                batch_flag="--batch",
+                batch_field="global_batch",
             )
     except ValueError as e:
-        raise ValueError(f"--layout: {e}") from None
+        raise ValueError(f"--layout: {render(e)}") from None
     if par.pipeline is not None and experts is not None and not experts.pipelined(num_layers):
         sets = [] if experts.layers == num_layers else ["--set first_dense_layers=0 --set moe_every=1"]
         sets += ["--set capacity_factor=0"] if experts.capacity_factor else []
@@ -367,7 +368,7 @@ def given_layout(text: str, num_layers: int, num_devices: int, defaults: argpars
             logits=args.logits or "auto",
         )
     except ValueError as e:
-        raise ValueError(f"--layout: {e}") from None
+        raise ValueError(f"--layout: {render(e)}") from None
     if not args.rule:  # a preset by name, as the search names it (the pipeline's layers -> stage is implied)
         layout = dataclasses.replace(layout, rules=args.rules)
     return layout, counts
@@ -651,7 +652,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             plot(plans, args.plot, f"{args.model} on {args.cluster}, batch {args.batch} x {args.seq_len}")
             print(f"\nplot written to {args.plot}", file=sys.stderr if args.json else sys.stdout)
     except (ValueError, RuntimeError, OSError) as e:  # OSError: e.g. a --plot path that cannot be written
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {render(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("error: interrupted (Ctrl-C)", file=sys.stderr)

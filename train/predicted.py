@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from sharding import costmodel as cm
 from sharding import hlo
+from train.flagnames import render
 
 
 def _flop(n: float) -> str:
@@ -52,7 +53,7 @@ def cost_model_lines(trainer, compiled, batch: int, seq_len: int) -> list[str]:
     try:
         cost, who = _predicted(trainer, batch, seq_len, backend)
     except ValueError as e:
-        return [f"cost model: this layout is not priced: {e}"]
+        return [f"cost model: this layout is not priced: {render(e)}"]
     text = compiled.as_text()
     analysis = compiled.cost_analysis()
     analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis

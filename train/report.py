@@ -15,6 +15,7 @@ from sharding import hlo
 from sharding.dispatch import expert_dispatch
 from sharding.mesh import crossing_axes, format_mesh
 from sharding.pipeline.storage import feature_devices
+from train.flagnames import render
 
 
 def human_bytes(n: float) -> str:
@@ -445,7 +446,7 @@ def split_note(trainer) -> str | None:
     if plan is None:
         return None
     layout, note = plan_layout(trainer.config.num_layers, plan.layout.stages, plan.layout.repeats)
-    return note if layout == plan.layout else None
+    return render(note) if note is not None and layout == plan.layout else None
 
 
 def startup(run, trainer, speeds=None, notes=()) -> list[str]:
@@ -534,7 +535,7 @@ def resume_lines(run, trainer, meta, step: int, seconds: float) -> list[str]:
         meta.batch_change(run.data.seq_len, run.data.batch_size, step),
     ):
         if change:
-            lines.append(change)
+            lines.append(render(change))
     if run.checkpoint.init_from:
         lines.append(
             f"note: resuming the checkpoint of step {step}, so --init-from {run.checkpoint.init_from} "

@@ -15,6 +15,7 @@ from pathlib import Path
 from checkpoints.manager import CheckpointFailure
 from train import cli, fit, report
 from train.config import RunConfig
+from train.flagnames import render
 from train.loop import DivergedLossError, NonFiniteLossError
 
 build_parser = cli.build_parser
@@ -45,7 +46,7 @@ def main(argv: list[str] | None = None, *, exit_hard: bool = False) -> int:
             os._exit(2)
         return 2
     except (ValueError, FileNotFoundError, RuntimeError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {render(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # inside the loop a SIGINT stops and saves (`train.loop.StopFlag`); this is outside it
         print(f"error: {INTERRUPTED}", file=sys.stderr)
@@ -94,7 +95,7 @@ def hold_run_folder(run_dir: str, break_lock: bool, process_index: int, log):
     lock, error = None, None
     if process_index == 0:
         try:
-            lock = RunLock.acquire(run_dir, log, break_lock)
+            lock = RunLock.acquire(run_dir, lambda line: log(render(line)), break_lock)  # its notes name fields
         except ValueError as e:
             error = e
     if any_process(error is not None):  # the other processes stop with process 0, not at its first collective
@@ -120,7 +121,7 @@ def _run_prepared(config: RunConfig, tokenizer, processes: str, log) -> int:
             config.checkpoint.resume_step,
             config.model,
             tokenizer,
-            log,
+            lambda line: log(render(line)),  # its notes name fields
             config.checkpoint.discard_later,
         )
     watch = watch_peers(config.cluster.distributed(), folder)  # a lost process ends the others with one line
@@ -323,7 +324,7 @@ def start_state(config: RunConfig, trainer, ckpt, latest, log):
         ckpt.directory,
         latest,
         lambda step: restore_state(ckpt, trainer.state_layout, step),
-        log,
+        lambda line: log(render(line)),  # its notes name fields
         explicit=config.checkpoint.resume_step is not None,
         any_failed=any_process,
         reload=ckpt.reload,

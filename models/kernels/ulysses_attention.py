@@ -93,7 +93,7 @@ def check_ulysses_heads(heads: int, kv_heads: int, num_shards: int) -> None:
         raise ValueError(
             f"all-to-all (ulysses) attention splits query heads over the {num_shards} devices of the "
             f"sequence axis, but heads ({heads}) per device is not divisible by {num_shards}; use a "
-            f"sequence axis of {good}, or ring attention (--attention ring)"
+            f"sequence axis of {good}, or ring attention"
         )
 
 

@@ -40,6 +40,7 @@ from sharding.costmodel.pipeline import (
     _pipeline_weight_comms,
     _stage_comms,
 )
+from sharding.errors import ConfigError, Field
 from sharding.modeldesc import ModelDescription
 from sharding.parallel import ZIGZAG
 from sharding.pipeline.layout import plan_layout
@@ -199,9 +200,10 @@ def estimate(
     """
     per = layout.batch_split * layout.microbatches
     if global_batch % per:
-        raise ValueError(
-            f"--batch-size {global_batch} is not divisible by data x fsdp x microbatches = {per}; "
-            f"e.g. --batch-size {per * max(1, global_batch // per)}"
+        raise ConfigError(
+            Field("batch_size", global_batch),
+            f" is not divisible by data x fsdp x microbatches = {per}; e.g. ",
+            Field("batch_size", per * max(1, global_batch // per)),
         )
     return device_cost(model, layout, seq_len=seq_len, rows=global_batch / per, backend=backend)
 

@@ -20,6 +20,7 @@ from typing import Any
 
 from sharding import axes as ax
 from sharding.balance import tokens_for_speeds
+from sharding.errors import ConfigError, Field
 from sharding.modeldesc import AttentionTraits, ModelDescription, Param
 from sharding.parallel import CONTIGUOUS, ZIGZAG, Parallelism
 from sharding.pipeline.layout import GATHERS
@@ -132,7 +133,7 @@ class Layout:
             ("context_layout", (CONTIGUOUS, ZIGZAG)),
         ):
             if getattr(self, field) not in allowed:
-                raise ValueError(f"--{field} {getattr(self, field)!r}: choose one of {', '.join(allowed)}")
+                raise ConfigError(Field(field, repr(getattr(self, field))), f": choose one of {', '.join(allowed)}")
         if self.context_shares is not None:
             shares = tuple(self.context_shares)
             if len(shares) != self.length_split or not all(s >= 0 for s in shares) or not any(shares):

@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from sharding import axes as ax
+from sharding.errors import ConfigError, Field, FieldText, Override
 
 # The tick tables live in `sharding.pipeline.ticks`; they are named here too, for the modules that read them
 # beside the plan (the cost model, the planner).
@@ -180,12 +181,12 @@ def parse_stage_layers(
     """``'10,10,6,6'`` -> ``(10, 10, 6, 6)``; None (the default split) for None.
 
     Args:
-      text: The flag's value.
+      text: The value of the field ``stage_layers`` (comma-separated layer counts).
       num_layers, stages: When given, the error's example is a split of this model over these stages.
 
     Raises:
-      ValueError: an empty value or an entry that is not an integer, naming ``--stage-layers`` and a value
-        that works.
+      ConfigError: an empty value or an entry that is not an integer, naming the field ``stage_layers`` and
+        a value that works.
     """
     if text is None:
         return None
@@ -194,9 +195,10 @@ def parse_stage_layers(
             raise ValueError
         return tuple(int(part) for part in text.split(","))
     except ValueError:
-        raise ValueError(
-            f"--stage-layers {text!r}: expected comma-separated layer counts, e.g. "
-            f"--stage-layers {example_split(num_layers, stages)}"
+        raise ConfigError(
+            Field("stage_layers", repr(text)),
+            ": expected comma-separated layer counts, e.g. ",
+            Field("stage_layers", example_split(num_layers, stages)),
         ) from None
 
 
@@ -235,23 +237,28 @@ def plan_layout(
       given and the split is uneven, a line saying how it split (else None).
 
     Raises:
-      ValueError: fewer layers than stages (or chunks); a ``--stage-layers``
+      ConfigError: fewer layers than stages (or chunks); a ``stage_layers``
         with the wrong number of entries, a zero or negative entry, or a sum
-        other than ``num_layers``. Each message names the flag, the value and
+        other than ``num_layers``. Each message names the field, the value and
         one that works.
     """
     chunks_total = stages * repeats
     if repeats < 1:
-        raise ValueError(f"--pipeline-repeats {repeats}: must be at least 1")
+        raise ConfigError(Field("pipeline_repeats", repeats), ": must be at least 1")
     if num_layers < stages:
-        raise ValueError(
-            f"--mesh stage={stages}: the model has {num_layers} layers, fewer than the {stages} stages; use "
-            f"--mesh stage={_largest_divisor_at_most(num_layers, stages)} (or more layers, --set num_layers={stages})"
+        raise ConfigError(
+            Field("mesh", f"stage={stages}"),
+            f": the model has {num_layers} layers, fewer than the {stages} stages; use ",
+            Field("mesh", f"stage={_largest_divisor_at_most(num_layers, stages)}"),
+            " (or more layers, ",
+            Override("num_layers", stages),
+            ")",
         )
     if num_layers < chunks_total:
-        raise ValueError(
-            f"--pipeline-repeats {repeats}: {stages} stages x {repeats} repeats = {chunks_total} chunks, more than "
-            f"the {num_layers} layers; use --pipeline-repeats {max(num_layers // stages, 1)}"
+        raise ConfigError(
+            Field("pipeline_repeats", repeats),
+            f": {stages} stages x {repeats} repeats = {chunks_total} chunks, more than the {num_layers} layers; use ",
+            Field("pipeline_repeats", max(num_layers // stages, 1)),
         )
     even = even_split(num_layers, chunks_total)
     if stage_layers is None:
@@ -259,36 +266,46 @@ def plan_layout(
         layout = StageLayout(chunks)
         note = None
         if num_layers % chunks_total:
-            note = (
-                f"--stage-layers not given: {num_layers} layers do not split evenly over {chunks_total} "
-                f"{'stages' if repeats == 1 else 'chunks'}; split as {layout.describe()}"
+            note = FieldText(
+                Field("stage_layers"),
+                f" not given: {num_layers} layers do not split evenly over {chunks_total} "
+                f"{'stages' if repeats == 1 else 'chunks'}; split as {layout.describe()}",
             )
         return layout, note
     counts = tuple(stage_layers)
     even_stages = _join(even_split(num_layers, stages))
     if len(counts) not in (stages, chunks_total):
         wanted = f"{stages}" if repeats == 1 else f"{stages} (per stage) or {chunks_total} (per chunk)"
-        raise ValueError(
-            f"--stage-layers {_join(counts)}: {len(counts)} entries, but --mesh stage={stages} needs {wanted}; "
-            f"e.g. --stage-layers {even_stages}"
+        raise ConfigError(
+            Field("stage_layers", _join(counts)),
+            f": {len(counts)} entries, but ",
+            Field("mesh", f"stage={stages}"),
+            f" needs {wanted}; e.g. ",
+            Field("stage_layers", even_stages),
         )
     if min(counts) <= 0:
-        raise ValueError(
-            f"--stage-layers {_join(counts)}: every stage needs at least one layer; e.g. --stage-layers {even_stages}"
+        raise ConfigError(
+            Field("stage_layers", _join(counts)),
+            ": every stage needs at least one layer; e.g. ",
+            Field("stage_layers", even_stages),
         )
     if sum(counts) != num_layers:
-        raise ValueError(
-            f"--stage-layers {_join(counts)} sums to {sum(counts)}, but the model has {num_layers} layers; "
-            f"e.g. --stage-layers {even_stages}"
+        raise ConfigError(
+            Field("stage_layers", _join(counts)),
+            f" sums to {sum(counts)}, but the model has {num_layers} layers; e.g. ",
+            Field("stage_layers", even_stages),
         )
     if len(counts) == chunks_total and repeats > 1:
         chunks = tuple(tuple(counts[r * stages : (r + 1) * stages]) for r in range(repeats))
     else:
         per_stage = [even_split(n, repeats) for n in counts]
         if any(min(split) == 0 for split in per_stage):
-            raise ValueError(
-                f"--stage-layers {_join(counts)}: with --pipeline-repeats {repeats} every stage needs at least "
-                f"{repeats} layers (one per repeat); e.g. --stage-layers {even_stages}"
+            raise ConfigError(
+                Field("stage_layers", _join(counts)),
+                ": with ",
+                Field("pipeline_repeats", repeats),
+                f" every stage needs at least {repeats} layers (one per repeat); e.g. ",
+                Field("stage_layers", even_stages),
             )
         chunks = tuple(tuple(split[r] for split in per_stage) for r in range(repeats))
     return StageLayout(chunks), None
@@ -422,7 +439,7 @@ def check_microbatches(
     batch_size: int,
     data_parallel: int,
     interleaved_repeats: int = 1,
-    batch_flag: str = "--batch-size",
+    batch_field: str = "batch_size",
 ) -> None:
     """Pipeline microbatch checks, before any compilation.
 
@@ -437,11 +454,11 @@ def check_microbatches(
       interleaved_repeats: R of interleaved 1F1B (``--pipeline-repeats`` with a 1F1B schedule), whose
         order moves microbatches in groups of S (Narayanan et al., SC'21, section 2.2), so M must be a
         multiple of S; 1 for every other schedule.
-      batch_flag: the flag of the batch in the suggestion (``--batch`` for the planner).
+      batch_field: the field of the batch in the suggestion (``global_batch`` for the planner).
 
     Raises:
-      ValueError: M < S (the ring would wait for a microbatch that does not exist), or interleaved 1F1B's
-        M not a multiple of S, naming ``--microbatches`` and a value that works.
+      ConfigError: M < S (the ring would wait for a microbatch that does not exist), or interleaved 1F1B's
+        M not a multiple of S, naming the field ``microbatches`` and a value that works.
     """
     multiple = stages if interleaved_repeats > 1 else 1
     if microbatches >= stages and microbatches % multiple == 0:
@@ -452,18 +469,27 @@ def check_microbatches(
         if m % multiple == 0 and batch_size % m == 0 and (batch_size // m) % data_parallel == 0
     ]
     hint = (
-        f"--microbatches {good[0]}"
+        (Field("microbatches", good[0]),)
         if good
-        else f"--microbatches {stages} {batch_flag} {stages * data_parallel * max(1, batch_size // (stages * data_parallel))}"
+        else (
+            Field("microbatches", stages),
+            " ",
+            Field(batch_field, stages * data_parallel * max(1, batch_size // (stages * data_parallel))),
+        )
     )
     if microbatches < stages:
         why = (
-            f"fewer microbatches than the {stages} pipeline stages (--mesh stage={stages}); every stage needs a "
-            "microbatch in flight"
+            f"fewer microbatches than the {stages} pipeline stages (",
+            Field("mesh", f"stage={stages}"),
+            "); every stage needs a microbatch in flight",
         )
     else:
-        why = f"interleaved 1F1B (--pipeline-repeats {interleaved_repeats}) needs a multiple of the {stages} stages"
-    raise ValueError(f"--microbatches {microbatches}: {why}; use {hint}")
+        why = (
+            "interleaved 1F1B (",
+            Field("pipeline_repeats", interleaved_repeats),
+            f") needs a multiple of the {stages} stages",
+        )
+    raise ConfigError(Field("microbatches", microbatches), ": ", *why, "; use ", *hint)
 
 
 def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
@@ -482,14 +508,16 @@ def pipeline_rules(rules):
     """The rules with ``layers -> stage``, so ``[stage, slot, ...]`` arrays shard over ``stage``.
 
     Raises:
-      ValueError: when another logical axis already maps to ``stage`` (the
-        pipeline owns that axis), naming it.
+      ConfigError: when another logical axis already maps to ``stage`` (the
+        pipeline owns that axis), naming it and the ``rule`` that remaps it.
     """
     for logical, mesh_axes in rules.table:
         if ax.STAGE in mesh_axes and logical != ax.LAYERS:
-            raise ValueError(
-                f"--rule {logical}={'+'.join(mesh_axes)}: the pipeline owns mesh axis {ax.STAGE!r}; remap "
-                f"{logical!r} (e.g. --rule {logical}=none)"
+            raise ConfigError(
+                Field("rule", f"{logical}={'+'.join(mesh_axes)}"),
+                f": the pipeline owns mesh axis {ax.STAGE!r}; remap {logical!r} (e.g. ",
+                Field("rule", f"{logical}=none"),
+                ")",
             )
     if rules.mesh_axes(ax.LAYERS) == (ax.STAGE,):
         return rules

@@ -44,6 +44,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from sharding import axes as ax
+from sharding.errors import ConfigError, Field
 from sharding.parallel import (
     gather_shards,
     only_axes,
@@ -1139,7 +1140,7 @@ class Setup:
         if stages != layout.stages:
             raise ValueError(f"the layout has {layout.stages} stages but the mesh's stage axis is {stages}")
         if x.shape[0] % m:
-            raise ValueError(f"a batch of {x.shape[0]} rows is not divisible by --microbatches {m}")
+            raise ConfigError(f"a batch of {x.shape[0]} rows is not divisible by ", Field("microbatches", m))
         xs = to_microbatches(x, m)
         extras = jax.tree.map(lambda e: to_microbatches(e, m), tuple(extras))
         manual = manual_axes(par)
@@ -1155,10 +1156,14 @@ class Setup:
             groups = storage_axes(name_leaves or [], par.rules, par.mesh_shape, plan.gather)
             if set(groups) - set(summed):
                 missing = "+".join(a for a in groups if a not in summed)
-                raise ValueError(
-                    f"pipeline: layer parameters are split over {missing} but microbatches of "
-                    f"{xs.shape[1]} rows are not; use --batch-size a multiple of --microbatches x data x "
-                    f"fsdp, or --rule batch=data+fsdp"
+                raise ConfigError(
+                    f"pipeline: layer parameters are split over {missing} but microbatches of {xs.shape[1]} rows "
+                    "are not; use ",
+                    Field("batch_size"),
+                    " a multiple of ",
+                    Field("microbatches"),
+                    " x data x fsdp, or ",
+                    Field("rule", "batch=data+fsdp"),
                 )
             specs = [
                 only_axes(
@@ -1203,9 +1208,13 @@ def check_split(specs, summed, par, rows: int, batch, skip_first: bool = True) -
         unsummed -= set(summed)
         if unsummed:
             axes = "+".join(sorted(unsummed))
-            raise ValueError(
+            raise ConfigError(
                 f"pipeline: a parameter is split over {axes} but microbatches of {rows} rows "
                 f"are not (the rule batch -> {'+'.join(spec_axes(batch)) or 'none'}); use a batch whose "
-                f"microbatches split over {axes} too (--batch-size a multiple of --microbatches x "
-                f"data x fsdp), or --rule batch=data+fsdp"
+                f"microbatches split over {axes} too (",
+                Field("batch_size"),
+                " a multiple of ",
+                Field("microbatches"),
+                " x data x fsdp), or ",
+                Field("rule", "batch=data+fsdp"),
             )

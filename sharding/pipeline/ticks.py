@@ -38,6 +38,8 @@ import dataclasses
 
 import numpy as np
 
+from sharding.errors import ConfigError, Field
+
 FORWARD, BACKWARD, WEIGHT = 1, 2, 3
 """The ops of the tables (0: idle); `WEIGHT`, the weight-gradient pass, only in `ZeroBubbleTicks`."""
 
@@ -283,7 +285,7 @@ def one_f_one_b_ticks(stages: int, microbatches: int, repeats: int = 1) -> Ticks
 
     Raises:
       ValueError: ``M < S``, or ``R > 1`` with ``M`` not a multiple of ``S`` (the interleaved order moves
-        microbatches in groups of ``S``), naming ``--microbatches``.
+        microbatches in groups of ``S``), naming the field ``microbatches``.
     """
     _check(stages, microbatches, repeats)
     last = stages * repeats - 1
@@ -479,12 +481,18 @@ def zero_bubble_ticks(stages: int, microbatches: int, repeats: int = 1, ring: in
 
     Raises:
       ValueError: ``R > 1`` (ZB-H1 runs one chunk per stage; the interleaved ZB-V is not built), naming
-        ``--pipeline-repeats``; as `fused_ticks` (``M < S``), naming ``--microbatches``; ``ring`` < 1.
+        the field ``pipeline_repeats``; as `fused_ticks` (``M < S``), naming ``microbatches``; ``ring`` < 1.
     """
     if repeats != 1:
-        raise ValueError(
-            f"--pipeline-repeats {repeats}: --pipeline-schedule zb runs one chunk per stage (ZB-H1); use "
-            "--pipeline-repeats 1, or --pipeline-schedule 1f1b-fused for interleaved chunks"
+        raise ConfigError(
+            Field("pipeline_repeats", repeats),
+            ": ",
+            Field("pipeline_schedule", "zb"),
+            " runs one chunk per stage (ZB-H1); use ",
+            Field("pipeline_repeats", 1),
+            ", or ",
+            Field("pipeline_schedule", "1f1b-fused"),
+            " for interleaved chunks",
         )
     if ring < 1:
         raise ValueError(f"zero bubble's saved ring needs at least 1 entry, got {ring}")
@@ -594,12 +602,15 @@ def _check(stages: int, microbatches: int, repeats: int) -> None:
 
     Raises:
       ValueError: ``M < S``, or ``R > 1`` with ``M`` not a multiple of ``S`` (the interleaved order moves
-        microbatches in groups of ``S``), naming ``--microbatches``.
+        microbatches in groups of ``S``), naming the field ``microbatches``.
     """
     if microbatches < stages:
-        raise ValueError(f"--microbatches {microbatches}: 1F1B needs at least the {stages} stages")
+        raise ConfigError(Field("microbatches", microbatches), f": 1F1B needs at least the {stages} stages")
     if repeats > 1 and microbatches % stages:
-        raise ValueError(
-            f"--microbatches {microbatches}: interleaved 1F1B (--pipeline-repeats {repeats}) needs a "
-            f"multiple of the {stages} stages, e.g. --microbatches {stages * -(-microbatches // stages)}"
+        raise ConfigError(
+            Field("microbatches", microbatches),
+            ": interleaved 1F1B (",
+            Field("pipeline_repeats", repeats),
+            f") needs a multiple of the {stages} stages, e.g. ",
+            Field("microbatches", stages * -(-microbatches // stages)),
         )

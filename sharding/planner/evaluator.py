@@ -20,6 +20,7 @@ import numpy as np
 
 from sharding import axes as ax
 from sharding import costmodel as cm
+from sharding.errors import ConfigError, Field
 from sharding.mesh import format_mesh, grid_positions
 from sharding.parallel import CONTIGUOUS, Accumulation, Parallelism, UnevenBatch
 from sharding.pipeline.layout import PipelinePlan, bubble_fraction, pipeline_rules, plan_layout
@@ -234,17 +235,19 @@ class _Cluster:
 def _cluster(inventory) -> _Cluster:
     counts = {h.count for h in inventory.hosts}
     if len(counts) != 1:
-        raise ValueError(
-            f"--cluster: the planner needs hosts of equal size, got {', '.join(str(h.count) for h in inventory.hosts)} "
-            f"devices; describe the cluster as equal hosts, e.g. h100:8,a100:8"
+        raise ConfigError(
+            Field("cluster"),
+            f": the planner needs hosts of equal size, got {', '.join(str(h.count) for h in inventory.hosts)} "
+            "devices; describe the cluster as equal hosts, e.g. h100:8,a100:8",
         )
     for kind in inventory.kinds_present:
         if not kind.is_known:
             missing = kind.missing_figures
-            raise ValueError(
-                f"--cluster: device kind {kind.name!r} lacks {', '.join(missing)}; name a known kind (e.g. h100:8) "
+            raise ConfigError(
+                Field("cluster"),
+                f": device kind {kind.name!r} lacks {', '.join(missing)}; name a known kind (e.g. h100:8) "
                 f'or give them in a cluster file, e.g. "kinds": {{"{kind.name}": {{"{missing[0]}": ...}}}} '
-                f"(FLOP/s, bytes, bytes/s)"
+                f"(FLOP/s, bytes, bytes/s)",
             )
     kinds = inventory.kinds_present
     per_host = counts.pop()

@@ -25,6 +25,7 @@ from sharding import axes as ax
 from sharding import costmodel as cm
 from sharding.balance import tokens_for_speeds
 from sharding.costmodel.context import context_groups
+from sharding.errors import ConfigError, Field, FieldText
 from sharding.mesh import format_mesh
 from sharding.modeldesc import AttentionTraits, ModelDescription
 from sharding.pipeline.layout import plan_layout
@@ -438,7 +439,8 @@ def plan(
       over memory first (`over_memory`), with ``fits=False``; at most ``top``.
 
     Raises:
-      ValueError: On hosts of unequal size or unknown device figures (naming ``--cluster``), or ``top`` < 1.
+      ValueError: On hosts of unequal size or unknown device figures (naming the field ``cluster``), or
+        ``top`` < 1.
     """
     if top < 1:
         raise ValueError(f"top must be at least 1 (got {top}), e.g. top=8")
@@ -519,7 +521,7 @@ def evaluate(
 
     Raises:
       ValueError: As `plan`, or from `plan_layout` for fewer layers than stages; counts per kind that miss a
-        kind of the mesh (naming ``--hetero-batch``).
+        kind of the mesh (naming the field ``hetero_batch``).
     """
     ev = _Evaluator(model, inventory, global_batch, seq_len, options or PlanOptions())
     if isinstance(counts, Mapping):
@@ -527,8 +529,10 @@ def evaluate(
         missing = sorted(set(kinds) - set(counts))
         if missing:
             shown = ",".join(f"{k}={counts.get(k, 1)}" for k in dict.fromkeys([*counts, *missing]))
-            raise ValueError(
-                f"--hetero-batch: no count for the {', '.join(missing)} devices; e.g. --hetero-batch {shown}"
+            raise ConfigError(
+                Field("hetero_batch"),
+                f": no count for the {', '.join(missing)} devices; e.g. ",
+                Field("hetero_batch", shown),
             )
         counts = [counts[k] for k in kinds]
     if layout.mesh[ax.STAGE] > 1 and layout.stage_layers is None:
@@ -625,7 +629,9 @@ def _compositions(total: int, parts: int, limit: int) -> Iterator[tuple[int, ...
         yield tuple(bounds[i + 1] - bounds[i] for i in range(parts))
 
 
-def no_plan_reason(model: Any, inventory, global_batch: int, seq_len: int, options: PlanOptions | None = None) -> str:
+def no_plan_reason(
+    model: Any, inventory, global_batch: int, seq_len: int, options: PlanOptions | None = None
+) -> FieldText:
     """Why `plan` returned no plan, in one line that names a value that works where one is knowable.
 
     Args:
@@ -633,7 +639,8 @@ def no_plan_reason(model: Any, inventory, global_batch: int, seq_len: int, optio
 
     Returns:
       The reason: the batch does not divide over the data-parallel devices (``data`` x ``fsdp``) of any
-      mesh the search allows (naming the smallest larger ``--batch`` that does), or a generic hint.
+      mesh the search allows (naming the smallest larger ``global_batch`` that does), or a generic hint; its
+      fields as `sharding.errors.FieldText` names them.
 
     Raises:
       ValueError: As `plan` (hosts of unequal size, unknown device figures).
@@ -647,9 +654,19 @@ def no_plan_reason(model: Any, inventory, global_batch: int, seq_len: int, optio
         ):
             if any(True for _ in _candidates(_Evaluator(model, inventory, batch, seq_len, options))):
                 shown = ", ".join(str(n) for n in splits)
-                return (
-                    f"--batch {global_batch} does not divide over the data-parallel devices of any layout "
-                    f"(data x fsdp is {shown} on this cluster, with enough rows per device for each pipeline's "
-                    f"microbatches); try --batch {batch}"
+                return FieldText(
+                    Field("global_batch", global_batch),
+                    f" does not divide over the data-parallel devices of any layout (data x fsdp is {shown} on "
+                    "this cluster, with enough rows per device for each pipeline's microbatches); try ",
+                    Field("global_batch", batch),
                 )
-    return f"no layout fits --batch {global_batch} --seq-len {seq_len}; try a smaller --batch or --seq-len"
+    return FieldText(
+        "no layout fits ",
+        Field("global_batch", global_batch),
+        " ",
+        Field("seq_len", seq_len),
+        "; try a smaller ",
+        Field("global_batch"),
+        " or ",
+        Field("seq_len"),
+    )

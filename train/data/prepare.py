@@ -35,6 +35,7 @@ import numpy as np
 
 from train.data.chat import load_chat_template
 from train.data.corpus import SOURCE_HINT, Unit, corpus_files, is_heldout, jsonl_kind, plan_units, unit_documents
+from train.flagnames import render
 
 FORMAT_VERSION = 1
 RECORD_TOKENS = 4096
@@ -438,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
             flag="SRC",
         )
     except (ValueError, OSError, ImportError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {render(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(
