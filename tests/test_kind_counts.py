@@ -14,7 +14,7 @@ from sharding import devices, planner
 from sharding.devices import simulate_inventory
 from sharding.parallel import Parallelism, UnevenBatch
 from sharding.rules import get_rules
-from train import cli, strategies
+from train import cli, strategies, strategy_setup
 
 MODEL = describe(ModelConfig(32000, 4, 512, 2048, 8, 8, 64))
 
@@ -40,7 +40,7 @@ def test_kind_counts_resolve_per_group_and_name_a_missing_kind():
     )
     resolved, _ = strategies.resolve_uneven(par, mesh, simulated)
     assert resolved.strategy.counts == (3, 3, 1, 1)
-    assert strategies.kind_of(resolved.strategy).flags_before_microbatches(resolved)[:2] == [
+    assert strategy_setup.flags_before_microbatches(resolved)[:2] == [
         "--hetero-batch",
         "h100_sxm=3,a100_80gb=1",
     ]

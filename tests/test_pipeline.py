@@ -401,9 +401,9 @@ def _flat_loss_and_grads(num_layers=4):
 def test_attention_kernels_inside_stages_match_the_flat_reference_attention(attention, mesh_spec, schedule):
     """Each kernel's map opens over the axes the stage program leaves automatic; loss and gradients equal
     the unpipelined model's with plain attention, for GPipe, 1F1B and zero bubble. As at start-up
-    (`train.strategies.checked_pipeline`), a transfer inside a skipped slot (ring's) makes the pipeline
+    (`train.strategy_setup.check_compiled`), a transfer inside a skipped slot (ring's) makes the pipeline
     compute every slot instead."""
-    from train.strategies import checked_pipeline
+    from train.strategy_setup import check_compiled as checked_pipeline
 
     batch = _batch(8, 32)
     ref_loss, ref_grads = _flat_loss_and_grads()
@@ -877,14 +877,14 @@ def test_a_pipeline_with_uneven_context_shares_compiles_its_check_at_the_padded_
 def test_collectives_in_skipped_slots_are_one_short_note_and_every_slot_computed(monkeypatch):
     """The note listed every collective-permute by name (19 for a ring-attention pipeline, a line of 1,500
     characters) and was printed twice: as a Python warning with its source line, and in the start-up report."""
-    import train.strategies.pipeline as strategy
+    import train.strategy_setup as strategy
     from sharding.hlo import BranchCollective
 
     found = [BranchCollective("collective-permute", f"ppermute.{i}", None, False) for i in range(19)]
     monkeypatch.setattr(strategy, "branch_collectives", lambda text, mesh: found)
     layout, _ = pl.plan_layout(4, 2)
     par = Parallelism(parse_mesh("stage=2,fsdp=4", 8), get_rules("fsdp_tp"), pl.PipelinePlan(layout, 2))
-    checked, note = strategy.checked_pipeline(par, "")
+    checked, note = strategy.check_compiled(par, "")
     assert not checked.pipeline.skip_empty
     assert note.startswith(
         "pipeline: the partitioner put 19 collective-permute (ppermute.0, ppermute.1, ppermute.10, ...) inside "

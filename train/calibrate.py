@@ -39,6 +39,7 @@ from sharding import axes as ax
 from sharding.balance import counts_for_speeds, default_capacity, layers_for_speeds, tokens_for_speeds
 from sharding.parallel import Parallelism
 from train.data import FIELDS
+from train.strategies import batch_grid, batch_groups, compute_pools, resolve_uneven, slowest_of_groups
 
 REPEATS = 3
 """Timed repetitions of one microbatch per device, after one warm-up (which also compiles)."""
@@ -169,14 +170,6 @@ def time_local_devices(
     return out
 
 
-def compute_pools(grid: Sequence) -> list[int] | None:
-    """Which devices share compute, as `sharding.balance.counts_for_speeds` takes ``pools``: CPU devices
-    share their process's cores (one pool per process); accelerators are each their own (None)."""
-    if not grid or grid[0].platform != "cpu":
-        return None
-    return [d.process_index for d in grid]
-
-
 def grid_seconds(grid: Sequence, table: np.ndarray, devices: Sequence | None = None) -> list[float]:
     """Each batch-grid device's seconds from ``table[process_index, local_index]`` (every process's
     figures, as `gather_table` returns them); a device's local index is its rank by id among its process's
@@ -219,7 +212,6 @@ def calibrate(
       ``(par, calibration)``: ``par`` with the counts set, and what was measured.
     """
     from sharding.devices import peak_flops
-    from train.strategies import batch_grid, batch_groups, slowest_of_groups
 
     strategy, mesh = par.strategy, par.mesh
     devices = par.data_parallel
@@ -324,17 +316,29 @@ def calibrate_stages(
 
 
 def resolve_counts(config, par: Parallelism, log) -> tuple[Parallelism, list[float] | None]:
-    """Resolves what the strategy left to measure or look up at start-up (`GradientStrategy.resolve`):
-    ``--hetero-batch auto`` (measured, logging what was measured, `resolve_measured`) or ``kinds``
-    (datasheets) into counts, and ``--stage-layers auto`` into a measured stage split (`resolve_stages`);
-    ``(par, datasheet speeds or None)``, ``par`` unchanged for any other strategy.
+    """Resolves what the layout left to measure or look up at start-up: ``--hetero-batch auto`` (measured,
+    logging what was measured, `resolve_measured`) or ``kinds`` (datasheets,
+    `train.strategies.resolve_uneven`) into counts, and ``--stage-layers auto`` into a measured stage split
+    (`resolve_stages`); ``(par, datasheet speeds or None)``, ``par`` unchanged for any other layout.
 
     Raises:
       ValueError: ``kinds`` with a device whose peak is unknown (`train.strategies.device_speeds`).
     """
-    from train.strategies import kind_of
+    from sharding.devices import simulate_inventory
+    from sharding.parallel import UnevenBatch
 
-    return kind_of(par.strategy).resolve(config, par, log)
+    strategy = par.strategy
+    if isinstance(strategy, UnevenBatch):
+        if strategy.counts is not None:
+            return par, None
+        if strategy.speeds == "measured":
+            return resolve_measured(config, par, log), None
+        simulate = config.cluster.simulate_cluster
+        simulated = simulate_inventory(simulate, jax.devices())[1] if simulate else None
+        return resolve_uneven(par, par.mesh, simulated)
+    if par.pipeline is not None and par.pipeline.measure_stages:
+        return resolve_stages(config, par, log), None
+    return par, None
 
 
 def resolve_measured(config, par: Parallelism, log) -> Parallelism:

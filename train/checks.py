@@ -162,14 +162,14 @@ def check_batch(run: RunConfig) -> None:
     """Batch and length divisibility against the mesh and the strategy's microbatches.
 
     Raises:
-      ValueError: A ``--batch-size`` the strategy cannot split (`GradientStrategy.check_run_batch`: e.g. one
+      ValueError: A ``--batch-size`` the strategy cannot split (`train.strategy_setup.check_run_batch`: e.g. one
         that ``--microbatches`` or data x fsdp does not divide), or a ``--seq-len`` the ``context`` x
         ``sequence`` axes do not divide.
     """
-    from train.strategies import kind_of
+    from train import strategy_setup
 
     par, seq_len = run.parallelism, run.data.seq_len
-    kind_of(par.strategy).check_run_batch(run)
+    strategy_setup.check_run_batch(run)
     shards = par.length_shards
     if seq_len % shards:
         raise ValueError(
@@ -178,38 +178,17 @@ def check_batch(run: RunConfig) -> None:
         )
 
 
-def check_even_batch(run: RunConfig) -> None:
-    """The batch cut into the strategy's M microbatches, each split over data x fsdp.
-
-    Raises:
-      ValueError: A ``--batch-size`` that ``--microbatches`` or data x fsdp does not divide.
-    """
-    par, batch = run.parallelism, run.data.batch_size
-    dp, m = par.data_parallel, par.strategy.microbatches
-    if batch % m:
-        raise ValueError(
-            f"--batch-size {batch} is not divisible by --microbatches {m}; "
-            f"e.g. --batch-size {_good_batch(batch, m * dp)}"
-        )
-    if (batch // m) % dp:
-        raise ValueError(
-            f"--batch-size {batch} / --microbatches {m} = {batch // m} sequences per microbatch, not divisible "
-            f"by the data-parallel size data x fsdp x expert = {dp} of --mesh {_mesh_flag(par)}; "
-            f"e.g. --batch-size {_good_batch(batch, m * dp)}"
-        )
-
-
 def check_strategy(run: RunConfig) -> None:
-    """The strategy against the model, mesh and rules (`GradientStrategy.check_run`): the pipeline's
-    microbatches, uneven counts against the mesh and rules.
+    """The strategy against the model, mesh and rules (`train.strategy_setup.check_run`): uneven counts against
+    the attention, the mesh and rules.
 
     Raises:
       ValueError: Fewer pipeline microbatches than stages; an attention kernel inside the uneven step with
         tensor; uneven counts on a mesh or rules they do not support, or that do not divide the batch.
     """
-    from train.strategies import kind_of
+    from train import strategy_setup
 
-    kind_of(run.parallelism.strategy).check_run(run)
+    strategy_setup.check_run(run)
 
 
 def check_model_sharding(config: ModelConfig, par: Parallelism) -> None:

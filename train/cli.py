@@ -31,7 +31,15 @@ from sharding.pipeline import (
 )
 from sharding.rules import DEFAULT_PRESET, get_rules
 from sharding.rules import PRESETS as RULE_PRESETS
-from train.config import DEFAULT_RUN_DIR, CheckpointConfig, ClusterConfig, DataConfig, LoopConfig, RunConfig
+from train.config import (
+    DEFAULT_REBALANCE,
+    DEFAULT_RUN_DIR,
+    CheckpointConfig,
+    ClusterConfig,
+    DataConfig,
+    LoopConfig,
+    RunConfig,
+)
 from train.divergence import parse_max_loss
 from train.optimizer import OPTIMIZERS, WSD_DECAY_FRACTION, OptimizerConfig, optimizer_hyper
 from train.optimizer import SCHEDULES as LR_SCHEDULES
@@ -40,8 +48,6 @@ from train.profile import parse_profile_steps
 DEFAULT_MODEL = "small"
 """``--model`` when neither it nor ``--init-from`` is given."""
 HETERO_EXAMPLE = "--hetero-batch 3,3,3,3,1,1,1,1"
-DEFAULT_REBALANCE = 10
-"""``--rebalance-every`` with ``--hetero-batch auto``: steps between recomputing the counts."""
 
 DESCRIPTION = (
     "Trains a decoder-only LM on a named device mesh, its parameters and activations partitioned by XLA's "

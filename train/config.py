@@ -16,6 +16,8 @@ from sharding.parallel import Parallelism
 from train.optimizer import OptimizerConfig
 
 DEFAULT_RUN_DIR = "runs/default"
+DEFAULT_REBALANCE = 10
+"""``--rebalance-every`` with ``--hetero-batch auto``: steps between recomputing the counts."""
 
 
 @dataclasses.dataclass(frozen=True)

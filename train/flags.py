@@ -3,7 +3,7 @@
 The library describes a layout by its fields (mesh shape, rules, strategy value, context layout); the
 command line speaks flags. `parallelism_flags` renders a layout as the ``python -m train.train`` flags
 that reproduce it (`train.cli.parse` reads them back to an equal layout); each strategy renders its own
-part (`train.strategies.GradientStrategy.flags`). ``--plan auto`` prints it for the layout it chose.
+part (`train.strategy_setup.flags_before_microbatches`, `train.strategy_setup.flags_after_microbatches`). ``--plan auto`` prints it for the layout it chose.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def parallelism_flags(par: Parallelism) -> list[str]:
       "--microbatches", "1"]``; ``--microbatches`` with given uneven counts is their average per
       data-parallel group, for information.
     """
-    from train.strategies import kind_of
+    from train import strategy_setup
 
     mesh = format_mesh(par.mesh_shape) if par.num_devices > 1 else "data=1"
     out = ["--mesh", mesh]
@@ -35,10 +35,9 @@ def parallelism_flags(par: Parallelism) -> list[str]:
         outer = format_mesh(par.outer)
         if outer != "single device":
             out += ["--mesh-outer", outer]
-    kind = kind_of(par.strategy)
-    out += kind.flags_before_microbatches(par)
+    out += strategy_setup.flags_before_microbatches(par)
     out += ["--microbatches", str(par.microbatches)]
-    out += kind.flags(par)
+    out += strategy_setup.flags_after_microbatches(par)
     if par.context_layout != CONTIGUOUS:
         out += ["--context-layout", par.context_layout]
     if par.context_shares is not None:

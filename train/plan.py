@@ -314,7 +314,7 @@ def given_layout(text: str, num_layers: int, num_devices: int, defaults: argpars
     try:
         par = cli.parallelism_from_args(args, num_layers)
         mesh = parse_mesh(args.mesh, num_devices, seen_by="the cluster has")
-        if par.pipeline is not None:  # train.train checks these with the run (`PipelineExecution.check_run_batch`)
+        if par.pipeline is not None:  # train.train checks these with the run (`train.strategy_setup.check_run_batch`)
             pipe = par.pipeline
             check_microbatches(
                 pipe.microbatches,
@@ -615,14 +615,14 @@ def apply_plan(run: RunConfig, devices, log: Callable[[str], None]) -> RunConfig
 
 def measured(par, run: RunConfig, log: Callable[[str], None]):
     """On real devices (no ``--simulate-cluster``), the plan's datasheet shares become measured ones: uneven
-    counts as ``--hetero-batch auto`` (rebalanced every `train.cli.DEFAULT_REBALANCE` steps), a gpipe stage
+    counts as ``--hetero-batch auto`` (rebalanced every `train.config.DEFAULT_REBALANCE` steps), a gpipe stage
     split as ``--stage-layers auto``; the planner's choice of layout stands. Simulated kinds keep the
     datasheet shares (the CPU devices behind them are all alike)."""
-    from train.strategies import kind_of
+    from train import strategy_setup
 
     if run.cluster.simulate_cluster:
         return par
-    return kind_of(par.strategy).measured(run, par, log)
+    return strategy_setup.measured(run, par, log)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -15,6 +15,7 @@ from sharding import hlo
 from sharding.mesh import crossing_axes, format_mesh
 from sharding.modeldesc import expert_dispatch
 from sharding.pipeline.storage import feature_devices
+from train import strategy_setup
 
 
 def human_bytes(n: float) -> str:
@@ -463,12 +464,13 @@ def startup(run, trainer, speeds=None, notes=()) -> list[str]:
             f"note: --attention {model.attention} with the length whole on every device (no sequence axis "
             f"> 1 in --mesh {format_mesh(par.mesh_shape)}) is plain flash attention: no context parallelism"
         )
-    lines += trainer.strategy.summary_lines(run, speeds)
+    lines += strategy_setup.summary_lines(run, par, speeds)
     built = sum(x.size for x in jax.tree.leaves(trainer.state_layout.abstract_params))
     lines += startup_lines(model, run.preset, trainer.mesh, trainer.rules, trainer.state_layout.report, built)
     lines.append(logits_line(run))
     lines += [f"note: {note}" for note in notes]
-    lines += trainer.strategy.detail_lines(run, trainer)
+    if par.pipeline is not None:
+        lines += pipeline_lines(trainer, split_note(trainer)) + [head_line(trainer, run.data.batch_size)]
     return lines
 
 

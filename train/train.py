@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from checkpoints.manager import CheckpointFailure
-from train import cli, fit, report
+from train import cli, fit, report, strategy_setup
 from train.config import RunConfig
 from train.loop import DivergedLossError, NonFiniteLossError
 
@@ -171,7 +171,7 @@ def build_trainer(config: RunConfig, log):
     """The mesh and the `train.step.Trainer` of ``config``, with the start-up report.
 
     Resolves what the strategy left to measure (e.g. uneven counts) and, where it asks, checks the compiled step
-    (`GradientStrategy.check_compiled`: a pipeline's skipped slots), rebuilding the trainer with its fallback.
+    (`train.strategy_setup.check_compiled`: a pipeline's skipped slots), rebuilding the trainer with its fallback.
     """
     import jax
 
@@ -189,12 +189,12 @@ def build_trainer(config: RunConfig, log):
     par = resolve_context_shares(config, par, log)  # --context-shares auto measures the ring's devices
     trainer = Trainer(config.model, config.optimizer, par)
     notes = []
-    if (checked_for := trainer.strategy.compiled_check()) is not None:
+    if (checked_for := strategy_setup.compiled_check(trainer.par)) is not None:
         log(f"compiling the train step ({checked_for}) ...")
         t0 = time.perf_counter()
         compiled = trainer.compile_train_step(config.data.batch_size, trainer.par.positions(config.data.seq_len))
         log(f"compiled the train step in {time.perf_counter() - t0:.1f} s (later compilations of it are cached)")
-        checked, note = trainer.strategy.check_compiled(compiled.as_text())
+        checked, note = strategy_setup.check_compiled(trainer.par, compiled.as_text())
         if note:
             notes.append(note)
             trainer = Trainer(config.model, config.optimizer, checked)

@@ -52,6 +52,14 @@ def slowest_of_groups(values: Sequence[float], groups: Sequence[Sequence[Any]], 
     return out
 
 
+def compute_pools(grid: Sequence) -> list[int] | None:
+    """Which devices share compute, as `sharding.balance.counts_for_speeds` takes ``pools``: CPU devices
+    share their process's cores (one pool per process); accelerators are each their own (None)."""
+    if not grid or grid[0].platform != "cpu":
+        return None
+    return [d.process_index for d in grid]
+
+
 def device_speeds(mesh, simulated: Mapping[int, Any] | None = None) -> list[float]:
     """Peak FLOP/s of each data-parallel group along the batch axes (its slowest device's: the group runs
     one count), in the order of the uneven counts.
@@ -107,4 +115,4 @@ def group_kinds(mesh, simulated: Mapping[int, Any] | None = None) -> list[str]:
     return out
 
 
-__all__ = ["batch_grid", "batch_groups", "device_speeds", "group_kinds", "slowest_of_groups"]
+__all__ = ["batch_grid", "batch_groups", "compute_pools", "device_speeds", "group_kinds", "slowest_of_groups"]
