@@ -35,10 +35,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from models.spec import describe
 from sharding import axes as ax
 from sharding.balance import counts_for_speeds, default_capacity, layers_for_speeds, tokens_for_speeds
-from sharding.parallel import Parallelism
+from sharding.devices import peak_flops, simulate_inventory
+from sharding.parallel import Accumulation, Parallelism, UnevenBatch
+from sharding.pipeline import plan_layout
 from train.data import FIELDS
+from train.step import Trainer
 from train.strategies import batch_grid, batch_groups, compute_pools, resolve_uneven, slowest_of_groups
 
 REPEATS = 3
@@ -211,7 +215,6 @@ def calibrate(
     Returns:
       ``(par, calibration)``: ``par`` with the counts set, and what was measured.
     """
-    from sharding.devices import peak_flops
 
     strategy, mesh = par.strategy, par.mesh
     devices = par.data_parallel
@@ -266,7 +269,6 @@ def head_layers(model_config, seq_len: int) -> float:
     From `models.spec.describe`: a layer's share of `ModelDescription.flops_per_token` is 6 FLOPs per
     per-layer parameter plus its attention products; the rest is the head.
     """
-    from models.spec import describe
 
     desc = describe(model_config)
     layer = 6.0 * sum(p.size for p in desc.params if p.per_layer) + 3 * desc.attention.forward_flops(seq_len)
@@ -300,8 +302,6 @@ def calibrate_stages(
     Returns:
       ``(par, calibration)``: ``par`` with the measured split (``measure_stages`` off), and the timings.
     """
-    from sharding.parallel import Accumulation
-    from sharding.pipeline import plan_layout
 
     plan = par.pipeline
     fn, args_on = local_work(par.replace(strategy=Accumulation()), loss_fn, abstract_params, microbatch_rows, seq_len)
@@ -324,8 +324,6 @@ def resolve_counts(config, par: Parallelism, log) -> tuple[Parallelism, list[flo
     Raises:
       ValueError: ``kinds`` with a device whose peak is unknown (`train.strategies.device_speeds`).
     """
-    from sharding.devices import simulate_inventory
-    from sharding.parallel import UnevenBatch
 
     strategy = par.strategy
     if isinstance(strategy, UnevenBatch):
@@ -343,7 +341,6 @@ def resolve_counts(config, par: Parallelism, log) -> tuple[Parallelism, list[flo
 
 def resolve_measured(config, par: Parallelism, log) -> Parallelism:
     """``--hetero-batch auto``: a probe trainer of even counts timed per device, then the counts."""
-    from train.step import Trainer
 
     strategy = par.strategy
     # A trainer of even counts to read the model's loss from; the counts themselves come from the timings.
@@ -359,8 +356,6 @@ def resolve_measured(config, par: Parallelism, log) -> Parallelism:
 
 def resolve_stages(config, par: Parallelism, log) -> Parallelism:
     """``--stage-layers auto``: a flat probe trainer's local work timed per device, then the split."""
-    from sharding.parallel import Accumulation
-    from train.step import Trainer
 
     probe = Trainer(config.model, config.optimizer, par.replace(strategy=Accumulation()))
     rows = config.data.batch_size // (par.pipeline.microbatches * par.data_parallel)
@@ -443,8 +438,6 @@ def calibrate_context(
 def resolve_context_shares(config, par: Parallelism, log) -> Parallelism:
     """``--context-shares auto``: a probe trainer's local work timed per device, then the shares; ``par``
     unchanged otherwise."""
-    from sharding.parallel import Accumulation
-    from train.step import Trainer
 
     if par.context_shares != "auto":
         return par

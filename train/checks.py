@@ -8,14 +8,18 @@ names the flag, its value and one that works.
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 
+from models.attention import check_context_parallel
 from models.config import ModelConfig
 from sharding import axes as ax
 from sharding.mesh import format_mesh
 from sharding.parallel import Parallelism
+from sharding.vocab import choose_for_batch
+from train import strategy_setup
 from train.config import RunConfig
+from train.data import check_source, default_cache_dir
+from train.folders import check_writable
 
 # Model dimensions the presets split; a mesh axis that cannot split them is a configuration error.
 _SPLIT_DIMS = (("embed_dim", "embed"), ("mlp_dim", "mlp"), ("num_heads", "heads"), ("vocab_size", "vocab"))
@@ -41,7 +45,6 @@ def validate(run: RunConfig, num_devices: int, tokenizer=None) -> None:
     check_strategy(run)
     check_model_sharding(model, par)
     check_experts(model, par)
-    from models.attention import check_context_parallel
 
     check_context_parallel(model, par, run.data.seq_len)
     check_logits(run)
@@ -66,7 +69,6 @@ def check_simulated_devices(mesh_sizes, devices, cpu_devices: int | None) -> Non
     Raises:
       ValueError: Naming ``--mesh`` and the ``--cpu-devices N`` that makes it fit.
     """
-    from sharding.mesh import format_mesh
 
     sizes = list(mesh_sizes.values())
     needed = math.prod(sizes)
@@ -101,28 +103,6 @@ def check_run_dir(run_dir: str, resume: bool, can_resume: bool = True) -> None:
         )
 
 
-def check_writable(folder: Path, flag: str) -> None:
-    """Creates ``folder`` if needed and writes (and removes) a probe file in it.
-
-    Raises:
-      ValueError: Naming ``flag``, the folder and the system's reason.
-    """
-    for part in (folder, *folder.parents):  # a file in the way: mkdir would only say "File exists"
-        if part.exists():
-            if not part.is_dir():
-                raise ValueError(
-                    f"{flag} {folder}: cannot write there ({part} is a file, not a folder); choose a folder"
-                )
-            break
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / f".write-test-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        raise ValueError(f"{flag} {folder}: cannot write there ({e.strerror}); choose a writable folder") from None
-
-
 def check_data(run: RunConfig, tokenizer, read: bool = True) -> None:
     """``--eod-token`` applies; with ``read``, the corpus is there and is text and the token cache is writable.
 
@@ -130,7 +110,6 @@ def check_data(run: RunConfig, tokenizer, read: bool = True) -> None:
       ValueError: Naming ``--data``, ``--data-cache`` or ``--eod-token`` and what to do.
       FileNotFoundError: A ``--data`` path that does not exist.
     """
-    from train.data import check_source, default_cache_dir
 
     data = run.data
     if data.eod_token is not None and getattr(tokenizer, "name", None) == "bytes":
@@ -166,7 +145,6 @@ def check_batch(run: RunConfig) -> None:
         that ``--microbatches`` or data x fsdp does not divide), or a ``--seq-len`` the ``context`` x
         ``sequence`` axes do not divide.
     """
-    from train import strategy_setup
 
     par, seq_len = run.parallelism, run.data.seq_len
     strategy_setup.check_run_batch(run)
@@ -186,7 +164,6 @@ def check_strategy(run: RunConfig) -> None:
       ValueError: Fewer pipeline microbatches than stages; an attention kernel inside the uneven step with
         tensor; uneven counts on a mesh or rules they do not support, or that do not divide the batch.
     """
-    from train import strategy_setup
 
     strategy_setup.check_run(run)
 
@@ -268,7 +245,6 @@ def check_logits(run: RunConfig) -> None:
     Raises:
       ValueError: With the reason and what would make it apply.
     """
-    from sharding.vocab import choose_for_batch
 
     par, model = run.parallelism, run.model
     try:
@@ -296,8 +272,6 @@ def _vocab_parallel_remedy(par: Parallelism) -> str:
     n = par.num_devices
     example = {ax.FSDP: n // 2, ax.TENSOR: 2} if n >= 4 and n % 2 == 0 else {ax.FSDP: n}
     if par.mesh_shape.get(ax.FSDP, 1) <= 1 and n > 1:
-        from sharding.mesh import format_mesh
-
         remedies.append(f"--mesh {format_mesh(example)}")
     needs = (
         "it needs the output weight's embed dimension split over axes that also split the batch: an fsdp axis "

@@ -14,10 +14,13 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
+from checkpoints import hf
 from checkpoints.argparser import Parser
 from models import attention_registry
 from models.config import DTYPES, LOGITS_IMPLS, PRESETS, REMAT_POLICIES, get_config
 from sharding import axes as ax
+from sharding.balance import tokens_for_speeds
+from sharding.devices import get_kind, inventory_from_flag, parse_cluster
 from sharding.mesh import format_mesh, parse_axis_sizes
 from sharding.parallel import CONTEXT_LAYOUTS, Accumulation, Parallelism, UnevenBatch
 from sharding.pipeline import (
@@ -31,6 +34,7 @@ from sharding.pipeline import (
 )
 from sharding.rules import DEFAULT_PRESET, get_rules
 from sharding.rules import PRESETS as RULE_PRESETS
+from train import configfile
 from train.config import (
     DEFAULT_REBALANCE,
     DEFAULT_RUN_DIR,
@@ -522,8 +526,6 @@ def parse(argv: Sequence[str] | None = None) -> RunConfig:
     """
     import sys
 
-    from train import configfile
-
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(configfile.expand(argv, parser))
@@ -617,7 +619,6 @@ def _model_and_tokenizer(args, execution: dict) -> tuple:
     if args.init_from is None:
         preset = args.model or DEFAULT_MODEL
         return get_config(preset, args.set, **execution), preset, args.tokenizer, args.eod_token
-    from checkpoints import hf
 
     model = hf.init_config(args.init_from, args.model, args.set, **execution)
     hf.weight_files(args.init_from)  # a folder of pickled weights only is refused here, before the data is read
@@ -668,12 +669,8 @@ def _check_counts(args) -> None:
     )
     args_distributed.distributed().validate()
     if args.cluster:
-        from sharding.devices import inventory_from_flag
-
         inventory_from_flag(args.cluster)
     if args.simulate_cluster:
-        from sharding.devices import parse_cluster
-
         parse_cluster(args.simulate_cluster)
 
 
@@ -760,7 +757,6 @@ def parse_context_shares(value: str | None, seq_len: int) -> tuple[int, ...] | s
       ValueError: Not ``auto`` nor positive numbers, or a ``--seq-len`` that is odd; naming the flag and a
         value that works.
     """
-    from sharding.balance import tokens_for_speeds
 
     if value is None or value.strip() == "":
         return None
@@ -943,7 +939,6 @@ def parse_kind_counts(value: str) -> tuple[tuple[str, int], ...]:
       ValueError: An empty kind, a kind named twice, a count that is not an integer >= 0, or all 0; naming
         the flag.
     """
-    from sharding.devices import get_kind
 
     out: dict[str, int] = {}
     for item in value.split(","):

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from models.attention import resolve_context_layout
 from models.config import ModelConfig
+from sharding.mesh import parse_mesh
 from sharding.parallel import Parallelism
+from train.distributed import DistributedConfig
 from train.optimizer import OptimizerConfig
 
 DEFAULT_RUN_DIR = "runs/default"
@@ -110,7 +113,6 @@ class ClusterConfig:
 
     def distributed(self):
         """The `train.distributed.DistributedConfig` of these flags."""
-        from train.distributed import DistributedConfig
 
         return DistributedConfig(
             self.coordinator, self.num_processes, self.process_id, self.dist_timeout, self.external_coordinator
@@ -175,8 +177,6 @@ def resolve_mesh(run: RunConfig, num_devices: int) -> RunConfig:
     Raises:
       ValueError: As `sharding.mesh.parse_mesh` (naming ``--mesh`` and a shape that fits).
     """
-    from models.attention import resolve_context_layout
-    from sharding.mesh import parse_mesh
 
     par = run.parallelism
     spec = ",".join(f"{a}={n}" for a, n in par.mesh_shape.items() if n != 1) or "data=1"

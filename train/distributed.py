@@ -679,7 +679,7 @@ def checkpoint_note(directory, launched: bool = False) -> str:
     process with --resume``; under `train.launch` (``launched``: ``--external-coordinator``) the
     launcher restarts by itself, and the words say so. Damaged steps are skipped (`checkpoints.verify`).
     """
-    from checkpoints.verify import latest_verified_step
+    from checkpoints.verify import latest_verified_step  # slow: orbax
 
     try:
         step = latest_verified_step(directory).step

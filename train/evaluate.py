@@ -22,6 +22,8 @@ import math
 import sys
 
 from checkpoints.argparser import Parser
+from sharding import axes as ax
+from train.data import load_dataset, model_inputs, to_global_arrays
 from train.inference import add_device_args, add_source_args, load_model, run_main, setup
 
 
@@ -68,9 +70,7 @@ def evaluate(model, par, dataset, batch_size: int, seq_len: int, batches: int, s
     """
     import jax
 
-    from models.transformer import loss_sums
-    from sharding import axes as ax
-    from train.data import model_inputs, to_global_arrays
+    from models.transformer import loss_sums  # slow: jax
 
     sharding = par.sharding((ax.BATCH, ax.LENGTH), (batch_size, seq_len))
 
@@ -93,7 +93,6 @@ def evaluate(model, par, dataset, batch_size: int, seq_len: int, batches: int, s
 
 
 def run(args) -> int:
-    from train.data import load_dataset
 
     _check(args)
     par = setup(args)

@@ -12,6 +12,7 @@ from sharding import axes as ax
 from sharding.mesh import format_mesh
 from sharding.parallel import CONTIGUOUS, Parallelism
 from sharding.rules import DEFAULT_PRESET, PRESETS, Rules
+from train import strategy_setup
 
 
 def parallelism_flags(par: Parallelism) -> list[str]:
@@ -25,7 +26,6 @@ def parallelism_flags(par: Parallelism) -> list[str]:
       "--microbatches", "1"]``; ``--microbatches`` with given uneven counts is their average per
       data-parallel group, for information.
     """
-    from train import strategy_setup
 
     mesh = format_mesh(par.mesh_shape) if par.num_devices > 1 else "data=1"
     out = ["--mesh", mesh]

@@ -93,7 +93,7 @@ class _Stream:
 
 
 def run(args) -> int:
-    from models.generation import Generator, Sampling
+    from models.generation import Generator, Sampling  # slow: jax
 
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
     if args.max_new_tokens <= 0:

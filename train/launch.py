@@ -53,9 +53,14 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from checkpoints.verify import saved_steps
-from train import cli
+from checkpoints.verify import latest_verified_step, saved_steps
+from sharding.mesh import format_mesh, split_outer_inner
+from train import cli, configfile, fit
+from train.checks import validate
+from train.config import resolve_mesh
+from train.distributed import start_service
 from train.hosts import HostPlacement, child_env, placement
+from train.tokenizer import load_tokenizer
 
 STOP_GRACE = 5.0
 """Seconds a survivor gets to end after SIGTERM before SIGKILL (it is usually blocked in a collective)."""
@@ -174,7 +179,6 @@ def parse(argv: Sequence[str], env: dict[str, str] | None = None) -> tuple[Launc
       SystemExit: From argparse, for unknown flags or ``--help``.
       ValueError: A launcher flag out of range, a flag the launcher gives itself, or as `train.cli.parse`.
     """
-    from train import configfile
 
     parser = build_parser()
     argv = list(argv)
@@ -243,7 +247,6 @@ def outer_for(config, processes: int, total: int | None = None) -> dict[str, int
     Raises:
       ValueError: The other axes' parts across processes do not divide ``processes``.
     """
-    from sharding.mesh import format_mesh
 
     given = config.parallelism.outer
     if given is None or processes in (total, 1):
@@ -273,10 +276,6 @@ def layout_for(config, processes: int, total: int | None = None) -> str:
     Raises:
       ValueError: The layout does not fit those devices (the check's one-line reason).
     """
-    from train import fit
-    from train.checks import validate
-    from train.config import resolve_mesh
-    from train.tokenizer import load_tokenizer
 
     outer = outer_for(config, processes, total)
     if config.cluster.plan == "auto":
@@ -289,8 +288,6 @@ def layout_for(config, processes: int, total: int | None = None) -> str:
     validate(resolved, devices, tokenizer)
     fit.check_estimate(resolved)
     if outer is not None and processes > 1:
-        from sharding.mesh import split_outer_inner
-
         split_outer_inner(resolved.parallelism.mesh_shape, processes, config.cluster.cpu_devices, outer)
     return mesh_text(resolved.parallelism.mesh_shape)
 
@@ -491,7 +488,6 @@ class Launcher:
 
     def newest(self) -> int:
         """The newest verified checkpoint step (0 when there is none or the folder does not read)."""
-        from checkpoints.verify import latest_verified_step
 
         try:
             return latest_verified_step(self.folder).step or 0
@@ -508,15 +504,12 @@ class Launcher:
             argv += [] if "--resume" in argv else ["--resume"]
         outer = outer_for(self.config, processes, self.launch.total_processes)
         if outer is not None and outer != dict(self.config.parallelism.outer):
-            from sharding.mesh import format_mesh
-
             argv = strip_flags(argv, {"--mesh-outer": True}) + ["--mesh-outer", format_mesh(outer)]
         return argv
 
     def start(self, slots: list[int], mesh: str, resumed: int | None, restart: bool) -> Generation:
         """Starts the service and one training process per slot (process ids 0..len(slots)-1): the first time
         with the user's flags, on a ``restart`` with ``--resume`` from the newest verified step (resumed)."""
-        from train.distributed import start_service
 
         port = free_port()
         service = start_service(port, len(slots), self.config.cluster.dist_timeout)

@@ -25,6 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from sharding.devices import peak_flops
 from train.data import Dataset, local_rows, to_global_arrays
 from train.divergence import DivergenceGuard
 from train.profile import StepProfiler
@@ -83,8 +84,6 @@ class LoopOptions:
         """The options of a `train.config.RunConfig` (MFU against the devices' summed peak, when known);
         ``positions``: positions per sequence when the layout pads it (`sharding.parallel.Parallelism.padded_length`)."""
         import jax
-
-        from sharding.devices import peak_flops
 
         peaks = [peak_flops(d) for d in jax.devices()]
         loop, data = run.loop, run.data

@@ -36,16 +36,19 @@ from pathlib import Path
 
 from checkpoints.argparser import Parser
 from models import attention_registry
+from models.attention import check_context_shares
 from models.config import PRESETS, get_config
 from models.spec import describe
 from sharding import costmodel as cm
 from sharding import planner
-from sharding.devices import inventory_from_flag
-from sharding.mesh import format_mesh
+from sharding.devices import detect_inventory, inventory_from_flag, simulate_inventory
+from sharding.mesh import format_mesh, parse_mesh
 from sharding.modeldesc import ModelDescription
 from sharding.pipeline import check_microbatches, example_split
+from train import cli, strategy_setup
 from train.config import RunConfig
 from train.flags import parallelism_flags
+from train.folders import check_writable
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -288,9 +291,6 @@ def given_layout(text: str, num_layers: int, num_devices: int, defaults: argpars
         stages refuse (`sharding.pipeline.check_microbatches`), pipeline stages on a mixture of experts with
         dense layers or a capacity, or a value the cost model does not price.
     """
-    from models.attention import check_context_shares
-    from sharding.mesh import parse_mesh
-    from train import cli
 
     try:
         tokens = shlex.split(text)
@@ -488,7 +488,6 @@ def _pyplot(path: str):
         raise ValueError(f"--plot {path}: no folder {folder}; create it or give a path in an existing folder")
     if Path(path).is_dir():
         raise ValueError(f"--plot {path}: a folder; give a file name in it, e.g. --plot {Path(path) / 'plan.png'}")
-    from train.checks import check_writable
 
     check_writable(folder, "--plot")  # a folder without permission fails here, not after the search
     try:
@@ -553,7 +552,6 @@ def cluster_of(run: RunConfig, devices):
     Raises:
       ValueError: When the cluster's device count is not the number of devices.
     """
-    from sharding.devices import detect_inventory, inventory_from_flag, simulate_inventory
 
     cluster = run.cluster
     if cluster.simulate_cluster:
@@ -586,8 +584,6 @@ def apply_plan(run: RunConfig, devices, log: Callable[[str], None]) -> RunConfig
     """
     if run.cluster.plan != "auto":
         return run
-    from sharding import planner
-    from train.flags import parallelism_flags
 
     inventory, _ = cluster_of(run, devices)
     options = planner.PlanOptions(attentions=(run.model.attention,), dtype=run.model.dtype)
@@ -618,7 +614,6 @@ def measured(par, run: RunConfig, log: Callable[[str], None]):
     counts as ``--hetero-batch auto`` (rebalanced every `train.config.DEFAULT_REBALANCE` steps), a gpipe stage
     split as ``--stage-layers auto``; the planner's choice of layout stands. Simulated kinds keep the
     datasheet shares (the CPU devices behind them are all alike)."""
-    from train import strategy_setup
 
     if run.cluster.simulate_cluster:
         return par

@@ -12,27 +12,17 @@ import numpy as np
 from models import attention_registry
 from sharding import axes as ax
 from sharding import hlo
+from sharding.hlo import branch_collectives
 from sharding.mesh import crossing_axes, format_mesh
 from sharding.modeldesc import expert_dispatch
-from sharding.pipeline.storage import feature_devices
+from sharding.parallel import spec_axes, spec_entry
+from sharding.pipeline import head_parallelism, plan_layout
+from sharding.pipeline.storage import feature_devices, layout_from_meta
+from sharding.vocab import choose_for_batch, output_traffic, tokens_per_device, vocab_split
 from train import strategy_setup
-
-
-def human_bytes(n: float) -> str:
-    """``1536`` -> ``'1.50 KiB'``."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} TiB"
-
-
-def human_count(n: float) -> str:
-    """``6738415616`` -> ``'6.74B'``."""
-    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.2f}{unit}"
-    return str(int(n))
+from train.fit import check_compiled, step_peak
+from train.predicted import cost_model_lines, cpu_only_bytes
+from train.units import human_bytes, human_count
 
 
 def startup_lines(config, preset: str, mesh, rules, report, num_params_built: int) -> list[str]:
@@ -355,8 +345,6 @@ def pipeline_lines(trainer, note: str | None = None) -> list[str]:
 def head_line(trainer, batch: int) -> str:
     """Where the pipeline's head (final norm, output projection, loss) runs: on each stage's share of the
     rows (`sharding.pipeline.head_parallelism`), or on every stage when the rows do not divide."""
-    from sharding.parallel import spec_axes, spec_entry
-    from sharding.pipeline import head_parallelism
 
     par = trainer.par
     if par.pipeline.one_f_one_b:
@@ -380,7 +368,6 @@ def head_line(trainer, batch: int) -> str:
 
 def branch_lines(compiled, trainer) -> list[str]:
     """Collectives inside the pipeline's skipped-slot branches of a compiled step (they must stay in one stage)."""
-    from sharding.hlo import branch_collectives
 
     if trainer.par.pipeline is None:
         return []
@@ -425,7 +412,6 @@ def logger(is_main: bool):
 
 def logits_line(run) -> str:
     """How the output projection and loss run (``--logits``), with the bytes each layout moves."""
-    from sharding.vocab import choose_for_batch, output_traffic, tokens_per_device, vocab_split
 
     par, model = run.parallelism, run.model
     rows, shape = run.microbatch_rows, (run.microbatch_rows, run.data.seq_len)
@@ -444,7 +430,6 @@ def logits_line(run) -> str:
 
 def split_note(trainer) -> str | None:
     """How the layers were split when the split is the default one and uneven."""
-    from sharding.pipeline import plan_layout
 
     plan = trainer.par.pipeline
     if plan is None:
@@ -455,7 +440,6 @@ def split_note(trainer) -> str | None:
 
 def startup(run, trainer, speeds=None, notes=()) -> list[str]:
     """Every line printed before training or a dry run."""
-    from sharding.mesh import format_mesh
 
     lines = []
     par, model = trainer.par, run.model
@@ -489,14 +473,11 @@ def dry_run(run, trainer, log, watch=None) -> int:
         log(line)
     for line in compute_lines(compiled) + collective_lines(compiled) + branch_lines(compiled, trainer):
         log(line)
-    from train.predicted import cost_model_lines
 
     for line in cost_model_lines(trainer, compiled, batch, seq_len):
         log(line)
     if watch is not None:
         watch.close()
-    from train.fit import check_compiled, step_peak
-    from train.predicted import cpu_only_bytes
 
     try:
         log(check_compiled(run, compiled))
@@ -517,7 +498,6 @@ def dry_run(run, trainer, log, watch=None) -> int:
 
 def layout_text(meta) -> str:
     """A checkpoint's stage layout in words (``[layers, ...] (no pipeline)`` for the canonical one)."""
-    from sharding.pipeline.storage import layout_from_meta
 
     layout = layout_from_meta(meta)
     return "[layers, ...] (no pipeline)" if layout is None else layout.describe()

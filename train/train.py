@@ -12,10 +12,24 @@ import sys
 import time
 from pathlib import Path
 
-from checkpoints.manager import CheckpointFailure
+from checkpoints.lock import RunFolderLocked, RunLock
+from checkpoints.manager import CheckpointFailure, LoopCheckpoints, open_resumable, restore_state
+from checkpoints.meta import RunMeta
+from checkpoints.verify import restore_falling_back
+from models.attention import layout_shards
+from sharding.mesh import make_mesh
 from train import cli, fit, report, strategy_setup
-from train.config import RunConfig
-from train.loop import DivergedLossError, NonFiniteLossError
+from train.calibrate import resolve_context_shares, resolve_counts
+from train.checks import check_simulated_devices, validate
+from train.config import RunConfig, resolve_mesh
+from train.configfile import write_record
+from train.data import context_permutation, load_dataset
+from train.distributed import any_process, close_output_filters, initialize, setup_devices, sync_processes, watch_peers
+from train.inference import fresh_state
+from train.loop import DivergedLossError, LoopOptions, MetricsWriter, NonFiniteLossError, StopFlag, train_loop
+from train.plan import apply_plan
+from train.step import Trainer
+from train.tokenizer import load_tokenizer
 
 build_parser = cli.build_parser
 
@@ -37,8 +51,6 @@ def main(argv: list[str] | None = None, *, exit_hard: bool = False) -> int:
     except CheckpointFailure as e:
         print(f"error: {e}", file=sys.stderr)
         if exit_hard:
-            from train.distributed import close_output_filters
-
             sys.stdout.flush()
             sys.stderr.flush()
             close_output_filters()
@@ -62,7 +74,6 @@ there is no step to finish and save."""
 
 def run(config: RunConfig) -> int:
     """Checks ``config`` against the machine, then trains (or dry-runs); returns the exit code."""
-    from train.distributed import initialize, setup_devices
 
     setup_devices(config.cluster.cpu_devices)
     processes = initialize(config.cluster.distributed())
@@ -88,8 +99,6 @@ def hold_run_folder(run_dir: str, break_lock: bool, process_index: int, log):
     Raises:
       checkpoints.lock.RunFolderLocked: (a ValueError) another run holds the folder.
     """
-    from checkpoints.lock import RunFolderLocked, RunLock
-    from train.distributed import any_process
 
     lock, error = None, None
     if process_index == 0:
@@ -108,9 +117,6 @@ def hold_run_folder(run_dir: str, break_lock: bool, process_index: int, log):
 
 def _run_prepared(config: RunConfig, tokenizer, processes: str, log) -> int:
     import jax
-
-    from checkpoints.manager import open_resumable
-    from train.distributed import watch_peers
 
     folder, ckpt, latest = Path(config.checkpoint.run_dir) / "checkpoints", None, None
     if not config.loop.dry_run:
@@ -152,10 +158,6 @@ def prepare(config: RunConfig, devices, log):
     Raises:
       ValueError: As `train.checks.validate`.
     """
-    from train.checks import check_simulated_devices, validate
-    from train.config import resolve_mesh
-    from train.plan import apply_plan
-    from train.tokenizer import load_tokenizer
 
     config = apply_plan(config, devices, log)
     check_simulated_devices(config.parallelism.mesh_shape, devices, config.cluster.cpu_devices)
@@ -174,10 +176,6 @@ def build_trainer(config: RunConfig, log):
     (`train.strategy_setup.check_compiled`: a pipeline's skipped slots), rebuilding the trainer with its fallback.
     """
     import jax
-
-    from sharding.mesh import make_mesh
-    from train.calibrate import resolve_context_shares, resolve_counts
-    from train.step import Trainer
 
     par = config.parallelism
     outer = par.outer
@@ -210,7 +208,6 @@ def open_dataset(config: RunConfig, tokenizer, log):
       ValueError, FileNotFoundError, ImportError: as `train.data.load_dataset` (a bad line of a raw source, a
         split shorter than one sequence), naming the flag or the file.
     """
-    from train.data import load_dataset
 
     data = config.data
     return load_dataset(
@@ -233,10 +230,6 @@ def train(config: RunConfig, trainer, ckpt, latest, tokenizer, dataset, log) -> 
     import jax
     import numpy as np
 
-    from checkpoints.manager import LoopCheckpoints
-    from checkpoints.meta import RunMeta
-    from train.loop import LoopOptions, MetricsWriter, StopFlag, train_loop
-
     data = config.data
     with StopFlag() as stop:
         # The order along the length follows the trainer's context layout: measured shares
@@ -248,8 +241,6 @@ def train(config: RunConfig, trainer, ckpt, latest, tokenizer, dataset, log) -> 
             dataset = dataclasses.replace(dataset, permutation=permutation)
         state, (samples, iterator), latest = start_state(config, trainer, ckpt, latest, log)
         if jax.process_index() == 0 and config.record is not None:
-            from train.configfile import write_record
-
             # Only once the run is accepted (resume checks passed): a refused command leaves the folder as it was.
             write_record(config.checkpoint.run_dir, config.record)
         writer = MetricsWriter(
@@ -310,11 +301,6 @@ def start_state(config: RunConfig, trainer, ckpt, latest, log):
     arrays do not read is set aside and the next older one restored (`checkpoints.verify.restore_falling_back`)."""
     import jax
 
-    from checkpoints.manager import restore_state
-    from checkpoints.verify import restore_falling_back
-    from train.distributed import any_process, sync_processes
-    from train.inference import fresh_state
-
     if latest is None:
         return fresh_state(config, trainer.state_layout, ckpt.directory, log), (0, None), None
     _check_optimizer(config, ckpt, latest)
@@ -356,8 +342,6 @@ def _check_optimizer(config: RunConfig, ckpt, step: int) -> None:
 def _context_permutation(config: RunConfig, par):
     """The token order of ``par``'s context layout (the trainer's, uneven shares measured) along ``--seq-len``
     (None: natural)."""
-    from models.attention import layout_shards
-    from train.data import context_permutation
 
     shares = par.context_shares if isinstance(par.context_shares, tuple) else None
     return context_permutation(

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from train.data.corpus import default_cache_dir
+from train.data.corpus import default_cache_dir, plan_units
 from train.data.prepare import SPLITS, preparation_key, prepare, shard_name
 
 FIELDS = ("tokens", "targets", "positions", "segment_ids", "loss_mask")
@@ -250,14 +250,14 @@ def context_permutation(
       ValueError: an unknown layout, or a ``--seq-len`` not divisible by 2P for zigzag.
     """
     if shares is not None:
-        from models.kernels.ring_attention import uneven_zigzag_layout
+        from models.kernels.ring_attention import uneven_zigzag_layout  # slow: jax
 
         return uneven_zigzag_layout(shares, max(shares))
     if layout == "contiguous":
         return None
     if layout != "zigzag":
         raise ValueError(f"--context-layout {layout!r}: choose contiguous or zigzag")
-    from models.kernels.ring_attention import zigzag_permutation
+    from models.kernels.ring_attention import zigzag_permutation  # slow: jax
 
     try:
         permutation = zigzag_permutation(seq_len, num_shards)
@@ -697,7 +697,6 @@ def check_source(spec: str, tokenizer, text_field: str = "text") -> None:
       ValueError, FileNotFoundError, ImportError: as `parse_sources`, `read_manifest` and
         `train.data.corpus.plan_units`.
     """
-    from train.data.corpus import plan_units
 
     for source in parse_sources(spec):
         if is_prepared(source.path):

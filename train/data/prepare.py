@@ -33,8 +33,11 @@ from pathlib import Path
 
 import numpy as np
 
+from checkpoints.argparser import Parser
 from train.data.chat import load_chat_template
 from train.data.corpus import SOURCE_HINT, Unit, corpus_files, is_heldout, jsonl_kind, plan_units, unit_documents
+from train.folders import check_writable
+from train.tokenizer import load_tokenizer
 
 FORMAT_VERSION = 1
 RECORD_TOKENS = 4096
@@ -83,8 +86,6 @@ _WORKER_TOKENIZER: dict = {}
 
 def _tokenizer(spec: tuple[str | None, str | None]):
     if spec not in _WORKER_TOKENIZER:
-        from train.tokenizer import load_tokenizer
-
         _WORKER_TOKENIZER[spec] = load_tokenizer(*spec)
     return _WORKER_TOKENIZER[spec]
 
@@ -392,7 +393,6 @@ class _Progress:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from checkpoints.argparser import Parser
 
     parser = Parser(
         prog="python -m train.data",
@@ -417,8 +417,6 @@ def main(argv: list[str] | None = None) -> int:
     """The ``prepare`` command; a refused input is one line on stderr and exit status 2, Ctrl-C one line and
     exit status 130 (the shards already written are kept: the same command resumes)."""
     args = build_parser().parse_args(argv)
-    from train.checks import check_writable
-    from train.tokenizer import load_tokenizer
 
     try:
         if args.workers is not None and args.workers < 1:

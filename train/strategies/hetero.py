@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from sharding import axes as ax
+from sharding.devices import kind_from_device_kind_string, peak_flops
 
 
 def batch_groups(mesh) -> list[list[Any]]:
@@ -71,7 +72,6 @@ def device_speeds(mesh, simulated: Mapping[int, Any] | None = None) -> list[floa
     Raises:
       ValueError: When a device's peak is unknown (e.g. CPU without ``--simulate-cluster``).
     """
-    from sharding.devices import peak_flops
 
     speeds, groups = [], batch_groups(mesh)
     for device in (d for group in groups for d in group):
@@ -97,7 +97,6 @@ def group_kinds(mesh, simulated: Mapping[int, Any] | None = None) -> list[str]:
     Raises:
       ValueError: When a device's kind is unknown (e.g. CPU without ``--simulate-cluster``), naming the flag.
     """
-    from sharding.devices import kind_from_device_kind_string
 
     out = []
     for group in batch_groups(mesh):

@@ -19,8 +19,10 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from sharding import axes as ax
-from sharding.balance import counts_for_speeds
+from sharding.balance import Rebalancer as Balance
+from sharding.balance import counts_for_speeds, default_capacity
 from sharding.parallel import Parallelism, gather_shards, only_axes, reduce_shards, spec_axes, to_varying
+from sharding.rules import logical_to_spec
 from sharding.splits import largest_remainder
 from train.data import FIELDS
 from train.strategies.hetero import batch_grid, compute_pools, device_speeds, group_kinds
@@ -73,7 +75,6 @@ class UnevenGradients(GradientStrategy):
     reports_stats = True
 
     def __init__(self, par: Parallelism, layout):
-        from sharding.balance import default_capacity
 
         check_uneven(par, layout.param_names, layout.abstract_params)
         param_specs = layout.param_specs()
@@ -230,7 +231,6 @@ class RebalanceController:
     """
 
     def __init__(self, counts: Sequence[int], capacity: int, every: int, pools=None):
-        from sharding.balance import Rebalancer as Balance
 
         self.balance = Balance(tuple(counts), capacity, every, pools=pools)
         self.inputs = (self.balance.counts,)
@@ -334,7 +334,6 @@ def describe_uneven(
     counts: Sequence[int], microbatch_rows: int, speeds: Sequence[float] | None = None, capacity: int | None = None
 ) -> str:
     """One line: counts per device (with speeds when known) and the padded buffer size (microbatches)."""
-    from sharding.balance import default_capacity
 
     parts = [
         f"{c}" + (f" ({s / 1e12:.0f} TFLOP/s)" if speeds else "")
@@ -365,7 +364,6 @@ def check_uneven(par: Parallelism, param_names, abstract_params, global_batch: i
         the data-parallel groups along ``data`` x ``fsdp``; a batch that the counts' microbatches do not
         divide. Each names the flag and a value that works.
     """
-    from sharding.rules import logical_to_spec
 
     strategy = par.strategy
     allowed = (*ax.BATCH_MESH_AXES, ax.TENSOR)
