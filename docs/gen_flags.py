@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 COMMANDS = (
-    "train.cli",
+    "train.setup.cli",
     "train.launch",
     "train.plan",
     "train.generate",

@@ -6,7 +6,8 @@ import json
 import pytest
 from test_faults import args_for
 
-from train import cli, train
+from train import train
+from train.setup import cli
 
 
 def write(path, text):
@@ -83,7 +84,7 @@ def test_a_resume_takes_the_model_and_layout_from_the_record_each_group_whole(tm
     """How this invocation runs (checkpoint interval, steps) is never taken from the record; a command line
     that names a layout flag re-lays the run, so none of the record's layout flags (a stage split that would
     not fit the new mesh) are taken; the model's flags likewise."""
-    from train import configfile
+    from train.setup import configfile
 
     run = tmp_path / "run"
     run.mkdir()
@@ -107,7 +108,7 @@ def test_a_resume_takes_the_model_and_layout_from_the_record_each_group_whole(tm
 def test_a_resume_of_a_planned_run_takes_the_cluster_it_was_planned_for(tmp_path):
     """A run started with --plan auto --simulate-cluster h100:4,a100:4 resumed from its record with --plan auto
     but without the cluster, and the planner refused the CPU devices it then saw."""
-    from train import configfile
+    from train.setup import configfile
 
     run = tmp_path / "run"
     run.mkdir()

@@ -17,7 +17,7 @@ from train.data.corpus import is_heldout, plan_units, unit_documents
 from train.data.pipeline import check_source, read_manifest, shuffled_order
 from train.data.prepare import main as prepare_main
 from train.data.prepare import prepare
-from train.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from train.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 EOD = 99
 QUIET = dict(log=lambda _: None, progress=False)

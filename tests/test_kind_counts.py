@@ -14,7 +14,8 @@ from sharding import devices, planner
 from sharding.devices import simulate_inventory
 from sharding.parallel import Parallelism, UnevenBatch
 from sharding.rules import get_rules
-from train import cli, strategies, strategy_setup
+from train import strategies
+from train.setup import cli, strategy_setup
 
 MODEL = describe(ModelConfig(32000, 4, 512, 2048, 8, 8, 64))
 

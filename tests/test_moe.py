@@ -78,7 +78,7 @@ def test_router_losses_match_a_hand_computation():
 
 
 def test_max_load_is_the_largest_expert_share_over_the_mean():
-    from train.step import max_load
+    from train.runtime.step import max_load
 
     balanced = jnp.array([[4.0, 4.0, 4.0, 4.0]])
     assert float(max_load(balanced)) == 1.0
@@ -234,8 +234,8 @@ def test_uneven_counts_give_the_uniform_gradients_and_routing_counts(mesh_spec, 
     loss is off: it is computed per microbatch, whose grouping the counts change)."""
     from sharding.parallel import Accumulation, UnevenBatch
     from sharding.rules import get_rules
-    from train.optimizer import OptimizerConfig
-    from train.step import Trainer
+    from train.runtime.optimizer import OptimizerConfig
+    from train.runtime.step import Trainer
 
     rows, seq = 1, 8
     config = CONFIG.replace(router_aux_coef=0.0, num_layers=1, first_dense_layers=0)
@@ -277,8 +277,8 @@ def _moe_gradients(mesh_spec, strategy):
 
     from sharding import pipeline as pl
     from sharding.rules import get_rules
-    from train.optimizer import OptimizerConfig
-    from train.step import Trainer
+    from train.runtime.optimizer import OptimizerConfig
+    from train.runtime.step import Trainer
 
     par = Parallelism.of(make_mesh(parse_mesh(mesh_spec, 8)), get_rules("fsdp"), strategy)
     trainer = Trainer(PIPELINE_MOE, OptimizerConfig(), par)

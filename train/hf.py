@@ -24,8 +24,8 @@ from pathlib import Path
 
 from checkpoints.argparser import Parser
 from checkpoints.meta import RunMeta
-from train.inference import add_device_args, restore_params, run_main, setup
-from train.tokenizer import ByteTokenizer, HFTokenizer
+from train.data.tokenizer import ByteTokenizer, HFTokenizer
+from train.runtime.inference import add_device_args, restore_params, run_main, setup
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
 def import_folder(args) -> int:
     """``import``: the folder onto the mesh, saved as step 0 of ``--run-dir``."""
     from checkpoints import hf  # slow: ml_dtypes
-    from train.checks import check_run_dir  # slow: orbax
+    from train.setup.checks import check_run_dir  # slow: orbax
 
     config = hf.init_config(args.path)
     tokenizer_file = Path(args.tokenizer or Path(args.path) / hf.TOKENIZER_FILE)
@@ -92,7 +92,7 @@ def _import_onto(args, config, tokenizer, par) -> None:
     """Loads the folder's weights onto the mesh of ``par`` and saves them as step 0 of ``--run-dir``."""
     from checkpoints import hf  # slow: ml_dtypes
     from checkpoints.manager import CheckpointManager  # slow: orbax
-    from train.state import StateLayout  # slow: jax
+    from train.runtime.state import StateLayout  # slow: jax
 
     t0 = time.perf_counter()
     layout = StateLayout(config, par)
@@ -114,7 +114,7 @@ def _import_onto(args, config, tokenizer, par) -> None:
 def export_run(args) -> int:
     """``export``: a checkpoint's parameters, canonical layout, written as a Hugging Face folder."""
     from checkpoints import hf  # slow: ml_dtypes
-    from train.cli import parse_bytes  # slow: orbax
+    from train.setup.cli import parse_bytes  # slow: orbax
 
     try:
         max_bytes = parse_bytes(args.max_shard_size, "--max-shard-size", "2GB")

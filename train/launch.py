@@ -1,20 +1,20 @@
 """Elastic launcher: ``python -m train.launch --local-processes N [train.train flags]``.
 
 Starts N training processes (`train.train`, one per simulated host) on this machine and hosts JAX's
-coordination service itself, outside every training process (`train.distributed.start_service`; the
+coordination service itself, outside every training process (`train.launcher.distributed.start_service`; the
 processes join it with ``--external-coordinator``), so losing any training process, process 0 included,
 leaves the service and the launcher up. It watches the processes; when one is lost (killed, crashed,
-or reported silent by a peer's `train.distributed.PeerWatch`), it stops the others (SIGTERM, then
+or reported silent by a peer's `train.launcher.distributed.PeerWatch`), it stops the others (SIGTERM, then
 SIGKILL after `STOP_GRACE` seconds: a survivor is blocked in a collective with the lost peer) and starts
 training again on the survivors from the newest verified checkpoint (``--resume``: every restart reads
 `checkpoints.verify.latest_verified_step`).
 
 Re-planning: the restarted processes keep every flag, so the global batch (``--batch-size``), the model,
 the optimizer state and the data position (the checkpoint's sample count, independent of the mesh)
-carry over; the mesh's ``-1`` axis is re-derived for the devices left (`train.config.resolve_mesh`),
+carry over; the mesh's ``-1`` axis is re-derived for the devices left (`train.setup.config.resolve_mesh`),
 ``--plan auto`` plans again, uneven counts are measured again. Before a restart the launcher checks the
-layout on the devices left (`train.config.resolve_mesh`, `train.checks.validate`,
-`train.fit.check_estimate`) and, when it does not fit, tries fewer processes (down to
+layout on the devices left (`train.setup.config.resolve_mesh`, `train.setup.checks.validate`,
+`train.reports.fit.check_estimate`) and, when it does not fit, tries fewer processes (down to
 ``--min-processes``); when nothing fits it says so and, with ``--rejoin``, waits for the lost processes
 to come back. Those checks run once per process count, all of them before the first start, so a restart
 does not wait for them; ``--mesh-outer`` is re-derived for the new count (`outer_for`). The training
@@ -25,7 +25,7 @@ slot is started again at the next checkpoint boundary: the launcher asks the run
 is complete, and restarts on every slot.
 
 Several hosts: one launcher per host, each reading its place from SLURM's, torchrun's or a JobSet's
-environment (`train.hosts.placement`). The launcher on host 0 hosts the service and runs the loop above for
+environment (`train.launcher.hosts.placement`). The launcher on host 0 hosts the service and runs the loop above for
 every host's slots (slot ``s`` on host ``s // --local-processes``); the others connect to it at
 ``--launch-port`` (`gather_hosts`), start the processes it asks for and report their ends (`follow`,
 `RemoteHost`), so the launchers agree on every restart because one decides. A host whose launcher goes away
@@ -55,12 +55,13 @@ from pathlib import Path
 
 from checkpoints.verify import latest_verified_step, saved_steps
 from sharding.mesh import format_mesh, split_outer_inner
-from train import cli, configfile, fit
-from train.checks import validate
-from train.config import resolve_mesh
-from train.distributed import start_service
-from train.hosts import HostPlacement, child_env, placement
-from train.tokenizer import load_tokenizer
+from train.data.tokenizer import load_tokenizer
+from train.launcher.distributed import start_service
+from train.launcher.hosts import HostPlacement, child_env, placement
+from train.reports import fit
+from train.setup import cli, configfile
+from train.setup.checks import validate
+from train.setup.config import resolve_mesh
 
 STOP_GRACE = 5.0
 """Seconds a survivor gets to end after SIGTERM before SIGKILL (it is usually blocked in a collective)."""
@@ -101,7 +102,7 @@ class LaunchConfig:
       max_restarts: restarts allowed after lost processes before giving up (``--max-restarts``).
       min_processes: fewest processes worth training on (``--min-processes``).
       rejoin: start a lost process's slot again and grow the job back at the next checkpoint (``--rejoin``).
-      placement: this host's place among several (`train.hosts.placement`), None on one host.
+      placement: this host's place among several (`train.launcher.hosts.placement`), None on one host.
       launch_port: the port on host 0 where the other hosts' launchers connect (``--launch-port``).
     """
 
@@ -124,7 +125,7 @@ class LaunchConfig:
 
 
 def build_parser():
-    """The parser of ``python -m train.launch``: `train.cli.build_parser`'s flags plus the launcher's."""
+    """The parser of ``python -m train.launch``: `train.setup.cli.build_parser`'s flags plus the launcher's."""
     p = cli.build_parser()
     p.prog = "python -m train.launch"
     p.description = (
@@ -172,12 +173,12 @@ def build_parser():
 
 def parse(argv: Sequence[str], env: dict[str, str] | None = None) -> tuple[LaunchConfig, list[str], object]:
     """``(launch, train_argv, run_config)``: the launcher's flags, the training processes' flags and their
-    `train.config.RunConfig` (checked as `train.cli.parse` checks it). ``env`` (``os.environ``) says which
-    host this is (`train.hosts.placement`).
+    `train.setup.config.RunConfig` (checked as `train.setup.cli.parse` checks it). ``env`` (``os.environ``) says which
+    host this is (`train.launcher.hosts.placement`).
 
     Raises:
       SystemExit: From argparse, for unknown flags or ``--help``.
-      ValueError: A launcher flag out of range, a flag the launcher gives itself, or as `train.cli.parse`.
+      ValueError: A launcher flag out of range, a flag the launcher gives itself, or as `train.setup.cli.parse`.
     """
 
     parser = build_parser()
@@ -357,7 +358,7 @@ class Launcher:
     Args:
       launch: the launcher's flags.
       train_argv: the flags every training process gets (before the launcher's own).
-      config: their `train.config.RunConfig`.
+      config: their `train.setup.config.RunConfig`.
       log: prints one line (the launcher's lines start with ``launch:``).
     """
 

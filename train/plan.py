@@ -45,10 +45,10 @@ from sharding.devices import detect_inventory, inventory_from_flag, simulate_inv
 from sharding.mesh import format_mesh, parse_mesh
 from sharding.modeldesc import ModelDescription
 from sharding.pipeline import check_microbatches, example_split
-from train import cli, strategy_setup
-from train.config import RunConfig
-from train.flags import parallelism_flags
-from train.folders import check_writable
+from train.setup import cli, strategy_setup
+from train.setup.config import RunConfig
+from train.setup.flags import parallelism_flags
+from train.setup.folders import check_writable
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def plan_flags(plan: planner.Plan, cluster: str | None = None) -> str:
-    """The ``python -m train.train`` flags that reproduce ``plan``: its layout's (`train.flags.parallelism_flags`
+    """The ``python -m train.train`` flags that reproduce ``plan``: its layout's (`train.setup.flags.parallelism_flags`
     of `Plan.parallelism`), then the model's execution flags (``--remat``, ``--attention``, ``--dtype``) and
     ``--cluster`` when given, as one string."""
     lay = plan.layout
@@ -255,7 +255,7 @@ LAYOUT_FLAGS = frozenset(
 
 
 class _OneLineParser(Parser):
-    """``python -m train.train``'s parser (`train.cli.build_parser`) whose errors raise a one-line
+    """``python -m train.train``'s parser (`train.setup.cli.build_parser`) whose errors raise a one-line
     ``ValueError`` naming ``--layout`` instead of printing the usage and exiting."""
 
     def error(self, message):
@@ -266,7 +266,7 @@ def given_layout(text: str, num_layers: int, num_devices: int, defaults: argpars
     """``(layout, counts)``: the `sharding.costmodel.Layout` that ``--layout "FLAGS"`` describes.
 
     The flags are ``python -m train.train``'s (`LAYOUT_FLAGS`), read by its own parser and turned into
-    its `sharding.parallel.Parallelism` (`train.cli.parallelism_from_args`), then into the cost model's
+    its `sharding.parallel.Parallelism` (`train.setup.cli.parallelism_from_args`), then into the cost model's
     layout (`sharding.costmodel.layout_of`), so a layout printed by the planner or run by ``train.train``
     is priced as given.
 
@@ -278,7 +278,7 @@ def given_layout(text: str, num_layers: int, num_devices: int, defaults: argpars
         ``--dtype`` and ``--attention`` where the layout gives none
         (``any`` attention: ``flash``); remat defaults to ``none``.
       experts: The model's `sharding.modeldesc.ExpertGeometry` (None: a dense model): a pipeline must be able
-        to run its mixture (`ExpertGeometry.pipelined`), as ``train.train`` checks (`train.checks.check_experts`).
+        to run its mixture (`ExpertGeometry.pipelined`), as ``train.train`` checks (`train.setup.checks.check_experts`).
 
     Returns:
       The layout, and the per-device microbatch counts of ``--hetero-batch COUNTS`` (data x fsdp, data major)
@@ -314,7 +314,9 @@ def given_layout(text: str, num_layers: int, num_devices: int, defaults: argpars
     try:
         par = cli.parallelism_from_args(args, num_layers)
         mesh = parse_mesh(args.mesh, num_devices, seen_by="the cluster has")
-        if par.pipeline is not None:  # train.train checks these with the run (`train.strategy_setup.check_run_batch`)
+        if (
+            par.pipeline is not None
+        ):  # train.train checks these with the run (`train.setup.strategy_setup.check_run_batch`)
             pipe = par.pipeline
             check_microbatches(
                 pipe.microbatches,
@@ -611,7 +613,7 @@ def apply_plan(run: RunConfig, devices, log: Callable[[str], None]) -> RunConfig
 
 def measured(par, run: RunConfig, log: Callable[[str], None]):
     """On real devices (no ``--simulate-cluster``), the plan's datasheet shares become measured ones: uneven
-    counts as ``--hetero-batch auto`` (rebalanced every `train.config.DEFAULT_REBALANCE` steps), a gpipe stage
+    counts as ``--hetero-batch auto`` (rebalanced every `train.setup.config.DEFAULT_REBALANCE` steps), a gpipe stage
     split as ``--stage-layers auto``; the planner's choice of layout stands. Simulated kinds keep the
     datasheet shares (the CPU devices behind them are all alike)."""
 

@@ -1,7 +1,7 @@
 """meshwork's trainer: ``python -m train.train [flags]`` (``--help`` lists them; README has examples).
 
-Flags -> `train.config.RunConfig` (`train.cli`) -> checks (`train.checks`) -> `run`: build the mesh and
-the `train.step.Trainer`, restore or initialize the state, and train (`train.loop`) or dry-run.
+Flags -> `train.setup.config.RunConfig` (`train.setup.cli`) -> checks (`train.setup.checks`) -> `run`: build the mesh and
+the `train.runtime.step.Trainer`, restore or initialize the state, and train (`train.runtime.loop`) or dry-run.
 """
 
 from __future__ import annotations
@@ -18,18 +18,26 @@ from checkpoints.meta import RunMeta
 from checkpoints.verify import restore_falling_back
 from models.attention import layout_shards
 from sharding.mesh import make_mesh
-from train import cli, fit, report, strategy_setup
-from train.calibrate import resolve_context_shares, resolve_counts
-from train.checks import check_simulated_devices, validate
-from train.config import RunConfig, resolve_mesh
-from train.configfile import write_record
 from train.data import context_permutation, load_dataset
-from train.distributed import any_process, close_output_filters, initialize, setup_devices, sync_processes, watch_peers
-from train.inference import fresh_state
-from train.loop import DivergedLossError, LoopOptions, MetricsWriter, NonFiniteLossError, StopFlag, train_loop
+from train.data.tokenizer import load_tokenizer
+from train.launcher.distributed import (
+    any_process,
+    close_output_filters,
+    initialize,
+    setup_devices,
+    sync_processes,
+    watch_peers,
+)
 from train.plan import apply_plan
-from train.step import Trainer
-from train.tokenizer import load_tokenizer
+from train.reports import fit, report
+from train.runtime import step
+from train.runtime.inference import fresh_state
+from train.runtime.loop import DivergedLossError, LoopOptions, MetricsWriter, NonFiniteLossError, StopFlag, train_loop
+from train.setup import cli, strategy_setup
+from train.setup.calibrate import resolve_context_shares, resolve_counts
+from train.setup.checks import check_simulated_devices, validate
+from train.setup.config import RunConfig, resolve_mesh
+from train.setup.configfile import write_record
 
 build_parser = cli.build_parser
 
@@ -59,7 +67,9 @@ def main(argv: list[str] | None = None, *, exit_hard: bool = False) -> int:
     except (ValueError, FileNotFoundError, RuntimeError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # inside the loop a SIGINT stops and saves (`train.loop.StopFlag`); this is outside it
+    except (
+        KeyboardInterrupt
+    ):  # inside the loop a SIGINT stops and saves (`train.runtime.loop.StopFlag`); this is outside it
         print(f"error: {INTERRUPTED}", file=sys.stderr)
         return 130
 
@@ -156,7 +166,7 @@ def prepare(config: RunConfig, devices, log):
     the tokenizer and runs every check; returns ``(config, tokenizer)``.
 
     Raises:
-      ValueError: As `train.checks.validate`.
+      ValueError: As `train.setup.checks.validate`.
     """
 
     config = apply_plan(config, devices, log)
@@ -170,10 +180,10 @@ def prepare(config: RunConfig, devices, log):
 
 
 def build_trainer(config: RunConfig, log):
-    """The mesh and the `train.step.Trainer` of ``config``, with the start-up report.
+    """The mesh and the `train.runtime.step.Trainer` of ``config``, with the start-up report.
 
     Resolves what the strategy left to measure (e.g. uneven counts) and, where it asks, checks the compiled step
-    (`train.strategy_setup.check_compiled`: a pipeline's skipped slots), rebuilding the trainer with its fallback.
+    (`train.setup.strategy_setup.check_compiled`: a pipeline's skipped slots), rebuilding the trainer with its fallback.
     """
     import jax
 
@@ -185,7 +195,7 @@ def build_trainer(config: RunConfig, log):
     mesh = make_mesh(par.mesh_shape, outer=outer)
     par, speeds = resolve_counts(config, par.on(mesh), log)  # --hetero-batch auto measures, kinds reads datasheets
     par = resolve_context_shares(config, par, log)  # --context-shares auto measures the ring's devices
-    trainer = Trainer(config.model, config.optimizer, par)
+    trainer = step.Trainer(config.model, config.optimizer, par)
     notes = []
     if (checked_for := strategy_setup.compiled_check(trainer.par)) is not None:
         log(f"compiling the train step ({checked_for}) ...")
@@ -195,7 +205,7 @@ def build_trainer(config: RunConfig, log):
         checked, note = strategy_setup.check_compiled(trainer.par, compiled.as_text())
         if note:
             notes.append(note)
-            trainer = Trainer(config.model, config.optimizer, checked)
+            trainer = step.Trainer(config.model, config.optimizer, checked)
     for line in report.startup(config, trainer, speeds, notes):
         log(line)
     return trainer
@@ -296,7 +306,7 @@ def train(config: RunConfig, trainer, ckpt, latest, tokenizer, dataset, log) -> 
 
 def start_state(config: RunConfig, trainer, ckpt, latest, log):
     """``(state, (samples, iterator), step)``: the latest checkpoint re-laid onto this run's mesh and layout, or a fresh
-    state (`train.inference.fresh_state`: ``--init-from``'s weights or a random init; step None); ``samples`` and
+    state (`train.runtime.inference.fresh_state`: ``--init-from``'s weights or a random init; step None); ``samples`` and
     ``iterator`` are the saved data position and input pipeline state (`train.data.TrainBatches.state`). A step whose
     arrays do not read is set aside and the next older one restored (`checkpoints.verify.restore_falling_back`)."""
     import jax

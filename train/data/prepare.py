@@ -36,8 +36,8 @@ import numpy as np
 from checkpoints.argparser import Parser
 from train.data.chat import load_chat_template
 from train.data.corpus import SOURCE_HINT, Unit, corpus_files, is_heldout, jsonl_kind, plan_units, unit_documents
-from train.folders import check_writable
-from train.tokenizer import load_tokenizer
+from train.data.tokenizer import load_tokenizer
+from train.setup.folders import check_writable
 
 FORMAT_VERSION = 1
 RECORD_TOKENS = 4096
@@ -226,7 +226,7 @@ def prepare(
     Args:
       specs: sources (`train.data.corpus`).
       out: the output folder.
-      tokenizer: a `train.tokenizer` tokenizer (its name and end-of-document token are reloaded in workers).
+      tokenizer: a `train.data.tokenizer` tokenizer (its name and end-of-document token are reloaded in workers).
       workers: worker processes (None: the cores; 1: in this process).
       seed, heldout: the held-out split (`train.data.corpus.is_heldout`).
       text_field: JSONL field / Parquet column holding the text.

@@ -3,7 +3,7 @@
 Every strategy is a `GradientStrategy` (`train.strategies.protocol`): ``gradients(loss_fn, params, batch,
 inputs) -> (loss_sum, weight, grads, metrics)``, where ``loss_fn(params, batch, par) -> (loss_sum,
 weight_sum)`` is the model's summed token loss under a `sharding.parallel.Parallelism`. The sums are divided
-once by the batch's token count in the optimizer update (`train.step.Trainer`), so every strategy gives the
+once by the batch's token count in the optimizer update (`train.runtime.step.Trainer`), so every strategy gives the
 update of the one-shot batch:
 
 =======================  ==================================================================================
@@ -20,7 +20,7 @@ A pipeline is not a strategy: it is the model's execution mode over ``stage`` (a
 and backward pass (`models.transformer`); its gradients are the plain pass's (`AccumulatedGradients` with
 M = 1). Besides the gradients, a strategy owns its extra step inputs and their shardings, its check of the
 batch before compiling and its controller of the inputs between steps (the protocol lists them); what
-start-up reads of the layout is `train.strategy_setup`'s. `make_strategy` is the one place that picks a class.
+start-up reads of the layout is `train.setup.strategy_setup`'s. `make_strategy` is the one place that picks a class.
 Heterogeneous-cluster helpers (data-parallel groups, device speeds) live in `train.strategies.hetero`.
 """
 
@@ -46,7 +46,7 @@ def make_strategy(par: Parallelism, layout) -> GradientStrategy:
 
     Args:
       par: The run's layout, bound to a mesh.
-      layout: The run's `train.state.StateLayout` (the parameters' names, shapes and shardings).
+      layout: The run's `train.runtime.state.StateLayout` (the parameters' names, shapes and shardings).
 
     Raises:
       ValueError: A strategy that does not fit the mesh or rules (`check_uneven`).

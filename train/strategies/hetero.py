@@ -3,7 +3,7 @@
 The uneven strategy (`train.strategies.uneven`) gives each data-parallel group along ``data`` x ``fsdp``
 its own count of microbatches; these helpers name the groups (in the order of the counts) and read their
 speeds from the devices' datasheets (`sharding.devices.peak_flops`). Start-up calibration
-(`train.calibrate`) and rebalancing between steps (`train.loop`) use them too.
+(`train.setup.calibrate`) and rebalancing between steps (`train.runtime.loop`) use them too.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ A strategy is two things: a value in the run's `sharding.parallel.Parallelism` (
 implements it here, bound to the mesh (`train.strategies.make_strategy`). The subclass computes the step's
 gradients, owns the step's extra inputs and their shardings, and may control those inputs between steps.
 What start-up reads of the value before the step exists (checks, flags, cost terms, report lines, the
-check of the compiled step) is `train.strategy_setup`'s.
+check of the compiled step) is `train.setup.strategy_setup`'s.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ class GradientStrategy:
 
     Args:
       par: The run's `Parallelism`, bound to a mesh.
-      layout: The run's `train.state.StateLayout` (the parameters' names, shapes and shardings), or None.
+      layout: The run's `train.runtime.state.StateLayout` (the parameters' names, shapes and shardings), or None.
     """
 
     reports_stats = False
@@ -101,7 +101,7 @@ class GradientStrategy:
         }
 
     def step_inputs(self) -> tuple[StepInput, ...]:
-        """The strategy's extra per-step host inputs, in the order `train.step.Trainer.signals` takes their
+        """The strategy's extra per-step host inputs, in the order `train.runtime.step.Trainer.signals` takes their
         values (none by default)."""
         return ()
 

@@ -66,7 +66,7 @@ class UnevenGradients(GradientStrategy):
 
     Args:
       par: The run's layout, strategy `UnevenBatch` with resolved counts (the default input).
-      layout: The run's `train.state.StateLayout` (the parameters' names, shapes and `PartitionSpec`s).
+      layout: The run's `train.runtime.state.StateLayout` (the parameters' names, shapes and `PartitionSpec`s).
 
     Raises:
       ValueError: As `check_uneven` (without the batch).
@@ -295,7 +295,7 @@ def uneven_row_index(counts, microbatch_rows: int, capacity: int):
 
 def resolve_uneven(par: Parallelism, mesh, simulated=None) -> tuple[Parallelism, list[float] | None]:
     """Resolves ``--hetero-batch kinds`` into counts from the devices' datasheet speeds (``auto`` measures
-    them instead: `train.calibrate`).
+    them instead: `train.setup.calibrate`).
 
     Returns:
       ``(par, speeds)``: ``par`` with `UnevenBatch.counts` set (unchanged when given), and

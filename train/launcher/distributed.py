@@ -208,7 +208,7 @@ def _default_sigterm() -> None:
 
     JAX's preemption notifier installs a C handler for SIGTERM there that only records the signal (and
     Python's `signal.getsignal` does not see it), so a SIGTERM before the training loop installs its own
-    handler (`train.loop.StopFlag`) would be swallowed, and a launcher stopping a process that is still
+    handler (`train.runtime.loop.StopFlag`) would be swallowed, and a launcher stopping a process that is still
     starting would wait for its SIGKILL. Before the loop there is nothing to save, so ending is right; nothing
     here reads JAX's preemption sync point.
     """

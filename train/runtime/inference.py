@@ -21,8 +21,8 @@ from sharding.mesh import format_mesh, make_mesh, parse_axis_sizes, parse_mesh
 from sharding.parallel import Parallelism
 from sharding.rules import DEFAULT_PRESET, get_rules
 from sharding.rules import PRESETS as RULE_PRESETS
-from train.distributed import setup_devices
-from train.tokenizer import HFTokenizer, load_tokenizer, tokenizer_of
+from train.data.tokenizer import HFTokenizer, load_tokenizer, tokenizer_of
+from train.launcher.distributed import setup_devices
 
 
 def add_device_args(parser: argparse.ArgumentParser, default_mesh: str = "fsdp=-1") -> None:
@@ -92,7 +92,7 @@ def setup(args) -> Any:
     setup_devices(args.cpu_devices)
     import jax
 
-    from train.checks import check_simulated_devices  # slow: jax
+    from train.setup.checks import check_simulated_devices  # slow: jax
 
     check_simulated_devices(parse_axis_sizes(args.mesh), jax.devices(), args.cpu_devices)
     shape = parse_mesh(args.mesh, jax.device_count())
@@ -143,7 +143,7 @@ def read_run(run_dir: str | Path, step: int | None = None):
 def restore_params(run_dir: str | Path, step: int | None, par, **changes):
     """A run's parameters restored onto ``par``'s mesh in the canonical ``[layers, ...]`` layout.
 
-    Restores onto the `train.state.StateLayout` of ``par`` without a pipeline
+    Restores onto the `train.runtime.state.StateLayout` of ``par`` without a pipeline
     (`checkpoints.manager.restore_state`: every device reads only its slice; a pipeline checkpoint is re-laid
     on device).
 
@@ -162,7 +162,7 @@ def restore_params(run_dir: str | Path, step: int | None, par, **changes):
     """
     from checkpoints.manager import restore_state  # slow: orbax
     from checkpoints.verify import restore_falling_back  # slow: orbax
-    from train.state import StateLayout  # slow: jax
+    from train.runtime.state import StateLayout  # slow: jax
 
     manager, step, meta = read_run(run_dir, step)
     try:
@@ -188,7 +188,7 @@ def load_model(args, par) -> LoadedModel:
       ValueError: as `checkpoints.hf`; a missing tokenizer; a tokenizer larger than the vocabulary.
     """
     from checkpoints import hf  # slow: ml_dtypes
-    from train.state import StateLayout  # slow: jax
+    from train.runtime.state import StateLayout  # slow: jax
 
     if args.hf is None:
         return load_run(args, par)
@@ -236,11 +236,11 @@ def fresh_state(config, layout, directory, log) -> dict:
 
     ``--init-from PATH``: the folder's tensors are read straight onto the run's mesh and rules in the
     canonical ``[layers, ...]`` layout (`checkpoints.hf.load_params`), then given a fresh optimizer
-    state and re-laid for a pipeline (`train.state.StateLayout.state_from_params`).
+    state and re-laid for a pipeline (`train.runtime.state.StateLayout.state_from_params`).
 
     Args:
-      config: The `train.config.RunConfig`; its model came from the folder's ``config.json``.
-      layout: The run's `train.state.StateLayout`.
+      config: The `train.setup.config.RunConfig`; its model came from the folder's ``config.json``.
+      layout: The run's `train.runtime.state.StateLayout`.
       directory: The checkpoint folder (for the log line).
       log: Prints a line (process 0).
 

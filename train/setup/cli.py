@@ -1,9 +1,9 @@
-"""The command line of ``python -m train.train``: argv -> `train.config.RunConfig`, once.
+"""The command line of ``python -m train.train``: argv -> `train.setup.config.RunConfig`, once.
 
 Every flag is parsed here and nowhere else: the mesh, the rules, the model, the optimizer, the pipeline
 and the heterogeneous-cluster flags. Values that are wrong on their own (a malformed ``--mesh``, an
 unknown ``--set`` field, a non-positive count) raise a one-line ``ValueError`` naming the flag; checks
-that relate flags to each other and to the devices live in `train.checks`.
+that relate flags to each other and to the devices live in `train.setup.checks`.
 """
 
 from __future__ import annotations
@@ -34,8 +34,12 @@ from sharding.pipeline import (
 )
 from sharding.rules import DEFAULT_PRESET, get_rules
 from sharding.rules import PRESETS as RULE_PRESETS
-from train import configfile
-from train.config import (
+from train.runtime.divergence import parse_max_loss
+from train.runtime.optimizer import OPTIMIZERS, WSD_DECAY_FRACTION, OptimizerConfig, optimizer_hyper
+from train.runtime.optimizer import SCHEDULES as LR_SCHEDULES
+from train.runtime.profile import parse_profile_steps
+from train.setup import configfile
+from train.setup.config import (
     DEFAULT_REBALANCE,
     DEFAULT_RUN_DIR,
     CheckpointConfig,
@@ -44,10 +48,6 @@ from train.config import (
     LoopConfig,
     RunConfig,
 )
-from train.divergence import parse_max_loss
-from train.optimizer import OPTIMIZERS, WSD_DECAY_FRACTION, OptimizerConfig, optimizer_hyper
-from train.optimizer import SCHEDULES as LR_SCHEDULES
-from train.profile import parse_profile_steps
 
 DEFAULT_MODEL = "small"
 """``--model`` when neither it nor ``--init-from`` is given."""
@@ -966,7 +966,7 @@ def parse_kind_counts(value: str) -> tuple[tuple[str, int], ...]:
 def parse_hetero_batch(value: str, microbatches: int = 1) -> UnevenBatch | None:
     """``--hetero-batch off|auto|kinds|KIND=COUNT,...|COUNTS`` -> `UnevenBatch` (None for ``off``).
 
-    ``auto`` measures the devices at start-up (`train.calibrate`), ``kinds`` takes speeds from the devices'
+    ``auto`` measures the devices at start-up (`train.setup.calibrate`), ``kinds`` takes speeds from the devices'
     kinds (datasheet peaks; ``--simulate-cluster`` on CPU); both ``microbatches`` per device on average.
     ``KIND=COUNT,...`` gives each data-parallel group the count of its slowest device's kind
     (`parse_kind_counts`, resolved at start-up).

@@ -42,7 +42,7 @@ from sharding.devices import peak_flops, simulate_inventory
 from sharding.parallel import Accumulation, Parallelism, UnevenBatch
 from sharding.pipeline import plan_layout
 from train.data import FIELDS
-from train.step import Trainer
+from train.runtime import step
 from train.strategies import batch_grid, batch_groups, compute_pools, resolve_uneven, slowest_of_groups
 
 REPEATS = 3
@@ -207,7 +207,7 @@ def calibrate(
 
     Args:
       par: The run's layout bound to a mesh, strategy `UnevenBatch` with ``speeds == "measured"``.
-      loss_fn: ``loss_fn(params, batch, par) -> (loss_sum, weight_sum)`` (`train.step.Trainer.loss_sums`).
+      loss_fn: ``loss_fn(params, batch, par) -> (loss_sum, weight_sum)`` (`train.runtime.step.Trainer.loss_sums`).
       abstract_params: The model's parameter shapes (whole, canonical).
       batch_size, seq_len: ``--batch-size`` and ``--seq-len``.
       timer: `time_local_devices` or a stand-in with its signature (tests inject timings).
@@ -345,7 +345,7 @@ def resolve_measured(config, par: Parallelism, log) -> Parallelism:
     strategy = par.strategy
     # A trainer of even counts to read the model's loss from; the counts themselves come from the timings.
     even = dataclasses.replace(strategy, counts=(strategy.microbatches,) * par.data_parallel)
-    probe = Trainer(config.model, config.optimizer, par.replace(strategy=even))
+    probe = step.Trainer(config.model, config.optimizer, par.replace(strategy=even))
     par, calibration = calibrate(
         par, probe.loss_sums, probe.state_layout.abstract_params, config.data.batch_size, config.data.seq_len
     )
@@ -357,7 +357,7 @@ def resolve_measured(config, par: Parallelism, log) -> Parallelism:
 def resolve_stages(config, par: Parallelism, log) -> Parallelism:
     """``--stage-layers auto``: a flat probe trainer's local work timed per device, then the split."""
 
-    probe = Trainer(config.model, config.optimizer, par.replace(strategy=Accumulation()))
+    probe = step.Trainer(config.model, config.optimizer, par.replace(strategy=Accumulation()))
     rows = config.data.batch_size // (par.pipeline.microbatches * par.data_parallel)
     # The head runs on 1/S of the rows on every stage (`sharding.pipeline.head_parallelism`): its share per stage.
     fixed = head_layers(config.model, config.data.seq_len) / par.pipeline.layout.stages
@@ -441,7 +441,7 @@ def resolve_context_shares(config, par: Parallelism, log) -> Parallelism:
 
     if par.context_shares != "auto":
         return par
-    probe = Trainer(config.model, config.optimizer, par.replace(strategy=Accumulation(), context_shares=None))
+    probe = step.Trainer(config.model, config.optimizer, par.replace(strategy=Accumulation(), context_shares=None))
     rows = max(1, config.data.batch_size // (par.data_parallel * par.microbatches))
     par, calibration = calibrate_context(
         par, probe.loss_sums, probe.state_layout.abstract_params, rows, config.data.seq_len

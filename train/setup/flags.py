@@ -2,8 +2,8 @@
 
 The library describes a layout by its fields (mesh shape, rules, strategy value, context layout); the
 command line speaks flags. `parallelism_flags` renders a layout as the ``python -m train.train`` flags
-that reproduce it (`train.cli.parse` reads them back to an equal layout); each strategy renders its own
-part (`train.strategy_setup.flags_before_microbatches`, `train.strategy_setup.flags_after_microbatches`). ``--plan auto`` prints it for the layout it chose.
+that reproduce it (`train.setup.cli.parse` reads them back to an equal layout); each strategy renders its own
+part (`train.setup.strategy_setup.flags_before_microbatches`, `train.setup.strategy_setup.flags_after_microbatches`). ``--plan auto`` prints it for the layout it chose.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from sharding import axes as ax
 from sharding.mesh import format_mesh
 from sharding.parallel import CONTIGUOUS, Parallelism
 from sharding.rules import DEFAULT_PRESET, PRESETS, Rules
-from train import strategy_setup
+from train.setup import strategy_setup
 
 
 def parallelism_flags(par: Parallelism) -> list[str]:

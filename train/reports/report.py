@@ -19,10 +19,10 @@ from sharding.parallel import spec_axes, spec_entry
 from sharding.pipeline import head_parallelism, plan_layout
 from sharding.pipeline.storage import feature_devices, layout_from_meta
 from sharding.vocab import choose_for_batch, output_traffic, tokens_per_device, vocab_split
-from train import strategy_setup
-from train.fit import check_compiled, step_peak
-from train.predicted import cost_model_lines, cpu_only_bytes
-from train.units import human_bytes, human_count
+from train.reports.fit import check_compiled, step_peak
+from train.reports.predicted import cost_model_lines, cpu_only_bytes
+from train.reports.units import human_bytes, human_count
+from train.setup import strategy_setup
 
 
 def startup_lines(config, preset: str, mesh, rules, report, num_params_built: int) -> list[str]:
@@ -460,7 +460,7 @@ def startup(run, trainer, speeds=None, notes=()) -> list[str]:
 
 def dry_run(run, trainer, log, watch=None) -> int:
     """Compiles one step from abstract shapes and prints the sharding, memory and collectives and whether
-    the step fits the device's memory (`train.fit`); returns 0, or 2 when it does not fit (closing the
+    the step fits the device's memory (`train.reports.fit`); returns 0, or 2 when it does not fit (closing the
     process watch, if any, when done)."""
     batch, seq_len = run.data.batch_size, run.data.seq_len
     for line in parameter_table(trainer.state_layout.report, trainer.mesh):

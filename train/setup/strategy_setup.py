@@ -28,7 +28,7 @@ from sharding.hlo import branch_collectives
 from sharding.mesh import format_mesh
 from sharding.parallel import Parallelism, UnevenBatch
 from sharding.pipeline import check_microbatches
-from train.config import DEFAULT_REBALANCE, RunConfig
+from train.setup.config import DEFAULT_REBALANCE, RunConfig
 from train.strategies.uneven import check_uneven, describe_uneven
 
 # Before any mesh: the configuration -----------------------------------------------------------------
@@ -107,7 +107,7 @@ def measured(run: RunConfig, par: Parallelism, log) -> Parallelism:
     """A planned layout on real devices: its datasheet shares turned into shares measured at start-up.
 
     Planned uneven counts that split evenly on average become ``--hetero-batch auto`` (rebalanced every
-    `train.config.DEFAULT_REBALANCE` steps unless the plan says otherwise); a planned gpipe split of unequal
+    `train.setup.config.DEFAULT_REBALANCE` steps unless the plan says otherwise); a planned gpipe split of unequal
     stages becomes ``--stage-layers auto``; any other layout is returned unchanged.
     """
     strategy, plan = par.strategy, par.pipeline

@@ -17,7 +17,7 @@ import dataclasses
 
 from sharding import axes as ax
 from sharding.devices import device_memory
-from train.units import human_bytes
+from train.reports.units import human_bytes
 
 # Bytes of state per parameter: float32 parameter + AdamW's two float32 moments (Loshchilov & Hutter, 2019).
 STATE_BYTES_PER_PARAM = 4 * 3

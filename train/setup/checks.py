@@ -1,6 +1,6 @@
 """Every check of a run's configuration before any device work, in one place: `validate`.
 
-`train.cli.parse` refuses values that are wrong on their own; `validate` checks the flags against each
+`train.setup.cli.parse` refuses values that are wrong on their own; `validate` checks the flags against each
 other, the devices, the tokenizer and the run folder. Each check raises a one-line ``ValueError`` that
 names the flag, its value and one that works.
 """
@@ -16,10 +16,10 @@ from sharding import axes as ax
 from sharding.mesh import format_mesh
 from sharding.parallel import Parallelism
 from sharding.vocab import choose_for_batch
-from train import strategy_setup
-from train.config import RunConfig
 from train.data import check_source, default_cache_dir
-from train.folders import check_writable
+from train.setup import strategy_setup
+from train.setup.config import RunConfig
+from train.setup.folders import check_writable
 
 # Model dimensions the presets split; a mesh axis that cannot split them is a configuration error.
 _SPLIT_DIMS = (("embed_dim", "embed"), ("mlp_dim", "mlp"), ("num_heads", "heads"), ("vocab_size", "vocab"))
@@ -29,7 +29,7 @@ def validate(run: RunConfig, num_devices: int, tokenizer=None) -> None:
     """Checks ``run`` (its mesh resolved for ``num_devices``) before any device work.
 
     Args:
-      run: The resolved `RunConfig` (`train.config.resolve_mesh`).
+      run: The resolved `RunConfig` (`train.setup.config.resolve_mesh`).
       num_devices: The devices JAX sees (all processes).
       tokenizer: The run's tokenizer, checked against the model's vocabulary (None: skipped).
 
@@ -141,7 +141,7 @@ def check_batch(run: RunConfig) -> None:
     """Batch and length divisibility against the mesh and the strategy's microbatches.
 
     Raises:
-      ValueError: A ``--batch-size`` the strategy cannot split (`train.strategy_setup.check_run_batch`: e.g. one
+      ValueError: A ``--batch-size`` the strategy cannot split (`train.setup.strategy_setup.check_run_batch`: e.g. one
         that ``--microbatches`` or data x fsdp does not divide), or a ``--seq-len`` the ``context`` x
         ``sequence`` axes do not divide.
     """
@@ -157,7 +157,7 @@ def check_batch(run: RunConfig) -> None:
 
 
 def check_strategy(run: RunConfig) -> None:
-    """The strategy against the model, mesh and rules (`train.strategy_setup.check_run`): uneven counts against
+    """The strategy against the model, mesh and rules (`train.setup.strategy_setup.check_run`): uneven counts against
     the attention, the mesh and rules.
 
     Raises:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from sharding import costmodel as cm
 from sharding import hlo
-from train import strategy_setup
+from train.setup import strategy_setup
 
 
 def _flop(n: float) -> str:
@@ -26,7 +26,7 @@ def _mib(n: float) -> str:
 
 
 def _predicted(trainer, batch: int, seq_len: int, backend: str) -> tuple[cm.Cost, str]:
-    """The cost of the run's busiest device and which one it is (`train.strategy_setup.priced`)."""
+    """The cost of the run's busiest device and which one it is (`train.setup.strategy_setup.priced`)."""
     par, config = trainer.par, trainer.config
     layout = cm.layout_of(par, config)
     cost, who = strategy_setup.priced(par, config, layout, batch, seq_len, backend)
@@ -39,7 +39,7 @@ def cost_model_lines(trainer, compiled, batch: int, seq_len: int) -> list[str]:
     """Lines comparing the cost model's prediction for the run's layout with the compiled step.
 
     Args:
-      trainer: The `train.step.Trainer` (its `Parallelism` ``par``, bound to the mesh, and model ``config``).
+      trainer: The `train.runtime.step.Trainer` (its `Parallelism` ``par``, bound to the mesh, and model ``config``).
       compiled: Its compiled train step (`Trainer.compile_train_step`).
       batch: Global batch, sequences.
       seq_len: Tokens per sequence.
