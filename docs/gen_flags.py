@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 COMMANDS = (
-    "train.setup.cli",
+    "train.setup.parser",
     "train.launch",
     "train.plan",
     "train.generate",

@@ -8,6 +8,7 @@ from test_faults import args_for
 
 from train import train
 from train.setup import cli
+from train.setup.parser import build_parser
 
 
 def write(path, text):
@@ -91,7 +92,7 @@ def test_a_resume_takes_the_model_and_layout_from_the_record_each_group_whole(tm
     recorded = {"model": "test", "set": ["num_layers=6"], "mesh": "stage=2,fsdp=4", "stage_layers": "4,2",
                 "ckpt_every": 1, "seq_len": 64}  # fmt: skip
     (run / configfile.RECORD).write_text(json.dumps({"command": [], "flags": recorded}))
-    parser = cli.build_parser()
+    parser = build_parser()
 
     def parsed(*argv):
         return parser.parse_args(configfile.expand(["--resume", "--run-dir", str(run), *argv], parser))
@@ -114,7 +115,7 @@ def test_a_resume_of_a_planned_run_takes_the_cluster_it_was_planned_for(tmp_path
     run.mkdir()
     recorded = {"model": "test", "plan": "auto", "simulate_cluster": "h100:4,a100:4", "mesh": "fsdp=-1"}
     (run / configfile.RECORD).write_text(json.dumps({"command": [], "flags": recorded}))
-    parser = cli.build_parser()
+    parser = build_parser()
 
     def parsed(*argv):
         return parser.parse_args(configfile.expand(["--resume", "--run-dir", str(run), *argv], parser))

@@ -268,7 +268,7 @@ def test_context_shares_become_tokens_and_the_suggestions_are_accepted():
     """``--context-shares 3,1,2,2`` over 64 tokens: 24, 8, 16, 16 real tokens; the shares a refusal suggests
     pass the same check; ``auto`` is measured later."""
     from models.attention import check_context_shares
-    from train.setup.cli import parse_context_shares
+    from train.setup.layout_flags import parse_context_shares
 
     par = Parallelism(parse_mesh("data=2,sequence=4", 8), get_rules("fsdp_tp"), context_layout="zigzag")
     assert parse_context_shares("3,1,2,2", 64) == (24, 8, 16, 16)

@@ -26,7 +26,7 @@ from train import strategies
 from train.plan import apply_plan
 from train.runtime.optimizer import OptimizerConfig
 from train.runtime.step import Trainer
-from train.setup import checks, cli
+from train.setup import checks, cli, layout_flags
 from train.setup.config import resolve_mesh
 
 SEQ = 32
@@ -276,7 +276,7 @@ def test_bad_layouts_and_counts_are_refused_naming_the_flag():
         )
         checks.validate(resolve_mesh(run, 8), 8)
     with pytest.raises(ValueError, match="--hetero-batch"):
-        cli.parse_hetero_batch("3,x")
+        layout_flags.parse_hetero_batch("3,x")
     with pytest.raises(ValueError, match="--hetero-max-share 0 needs"):
         cli.parse(["--mesh", "data=8", "--hetero-batch", "auto", "--hetero-max-share", "0"])
     with pytest.raises(ValueError, match="--hetero-max-share 2 is below"):

@@ -114,7 +114,7 @@ def _import_onto(args, config, tokenizer, par) -> None:
 def export_run(args) -> int:
     """``export``: a checkpoint's parameters, canonical layout, written as a Hugging Face folder."""
     from checkpoints import hf  # slow: ml_dtypes
-    from train.setup.cli import parse_bytes  # slow: orbax
+    from train.setup.parser import parse_bytes  # slow: jax
 
     try:
         max_bytes = parse_bytes(args.max_shard_size, "--max-shard-size", "2GB")

@@ -62,6 +62,7 @@ from train.reports import fit
 from train.setup import cli, configfile
 from train.setup.checks import validate
 from train.setup.config import resolve_mesh
+from train.setup.parser import build_parser as build_train_parser
 
 STOP_GRACE = 5.0
 """Seconds a survivor gets to end after SIGTERM before SIGKILL (it is usually blocked in a collective)."""
@@ -125,8 +126,8 @@ class LaunchConfig:
 
 
 def build_parser():
-    """The parser of ``python -m train.launch``: `train.setup.cli.build_parser`'s flags plus the launcher's."""
-    p = cli.build_parser()
+    """The parser of ``python -m train.launch``: `train.setup.parser.build_parser`'s flags plus the launcher's."""
+    p = build_train_parser()
     p.prog = "python -m train.launch"
     p.description = (
         "Starts the training processes of train.train on this machine, hosts their coordination service, and "

@@ -45,10 +45,12 @@ from sharding.devices import detect_inventory, inventory_from_flag, simulate_inv
 from sharding.mesh import format_mesh, parse_mesh
 from sharding.modeldesc import ModelDescription
 from sharding.pipeline import check_microbatches, example_split
-from train.setup import cli, strategy_setup
+from train.setup import strategy_setup
 from train.setup.config import RunConfig
 from train.setup.flags import parallelism_flags
 from train.setup.folders import check_writable
+from train.setup.layout_flags import PRICED_FLAGS, parallelism_from_args
+from train.setup.parser import build_parser as build_train_parser
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -229,33 +231,8 @@ def report(model, inventory, args, options) -> tuple[list[str], list[planner.Pla
     return lines, plans
 
 
-#: The ``python -m train.train`` flags ``--layout`` takes (argparse destinations): the layout and its execution.
-LAYOUT_FLAGS = frozenset(
-    {
-        "mesh",
-        "rules",
-        "rule",
-        "mesh_outer",
-        "microbatches",
-        "stage_layers",
-        "pipeline_schedule",
-        "pipeline_repeats",
-        "pipeline_gather",
-        "hetero_batch",
-        "hetero_max_share",
-        "rebalance_every",
-        "remat",
-        "attention",
-        "dtype",
-        "logits",
-        "context_layout",
-        "context_shares",
-    }
-)
-
-
 class _OneLineParser(Parser):
-    """``python -m train.train``'s parser (`train.setup.cli.build_parser`) whose errors raise a one-line
+    """``python -m train.train``'s parser (`train.setup.parser.build_parser`) whose errors raise a one-line
     ``ValueError`` naming ``--layout`` instead of printing the usage and exiting."""
 
     def error(self, message):
@@ -265,8 +242,8 @@ class _OneLineParser(Parser):
 def given_layout(text: str, num_layers: int, num_devices: int, defaults: argparse.Namespace, experts=None):
     """``(layout, counts)``: the `sharding.costmodel.Layout` that ``--layout "FLAGS"`` describes.
 
-    The flags are ``python -m train.train``'s (`LAYOUT_FLAGS`), read by its own parser and turned into
-    its `sharding.parallel.Parallelism` (`train.setup.cli.parallelism_from_args`), then into the cost model's
+    The flags are ``python -m train.train``'s (`train.setup.layout_flags.PRICED_FLAGS`), read by its own parser and turned into
+    its `sharding.parallel.Parallelism` (`train.setup.layout_flags.parallelism_from_args`), then into the cost model's
     layout (`sharding.costmodel.layout_of`), so a layout printed by the planner or run by ``train.train``
     is priced as given.
 
@@ -296,13 +273,13 @@ def given_layout(text: str, num_layers: int, num_devices: int, defaults: argpars
         tokens = shlex.split(text)
     except ValueError as e:
         raise ValueError(f"--layout {text!r}: {e}") from None
-    parser = cli.build_parser()
+    parser = build_train_parser()
     parser.__class__ = _OneLineParser
     args = parser.parse_args(tokens)
     foreign = sorted(
         f"--{k.replace('_', '-')}"
         for k, v in vars(args).items()
-        if k not in LAYOUT_FLAGS and v != parser.get_default(k)
+        if k not in PRICED_FLAGS and v != parser.get_default(k)
     )
     if foreign:
         raise ValueError(
@@ -312,11 +289,10 @@ def given_layout(text: str, num_layers: int, num_devices: int, defaults: argpars
             f"--dtype)"
         )
     try:
-        par = cli.parallelism_from_args(args, num_layers)
+        par = parallelism_from_args(args, num_layers)
         mesh = parse_mesh(args.mesh, num_devices, seen_by="the cluster has")
-        if (
-            par.pipeline is not None
-        ):  # train.train checks these with the run (`train.setup.strategy_setup.check_run_batch`)
+        # train.train checks these with the run (`train.setup.strategy_setup.check_run_batch`)
+        if par.pipeline is not None:
             pipe = par.pipeline
             check_microbatches(
                 pipe.microbatches,

@@ -38,8 +38,7 @@ from train.setup.calibrate import resolve_context_shares, resolve_counts
 from train.setup.checks import check_simulated_devices, validate
 from train.setup.config import RunConfig, resolve_mesh
 from train.setup.configfile import write_record
-
-build_parser = cli.build_parser
+from train.setup.parser import build_parser
 
 
 def main(argv: list[str] | None = None, *, exit_hard: bool = False) -> int:
@@ -357,6 +356,9 @@ def _context_permutation(config: RunConfig, par):
     return context_permutation(
         config.data.seq_len, layout_shards(config.model.attention, par), par.context_layout, shares
     )
+
+
+__all__ = ["build_parser", "main", "run"]
 
 
 if __name__ == "__main__":
