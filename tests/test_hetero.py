@@ -23,10 +23,10 @@ from sharding.mesh import make_mesh, parse_mesh
 from sharding.parallel import Accumulation, Parallelism, UnevenBatch
 from sharding.rules import get_rules
 from train import strategies
-from train.plan import apply_plan
 from train.runtime.optimizer import OptimizerConfig
 from train.runtime.step import Trainer
 from train.setup import checks, cli, layout_flags
+from train.setup.auto_plan import apply_plan
 from train.setup.config import resolve_mesh
 
 SEQ = 32

@@ -148,11 +148,11 @@ def test_cli_stage_layers_auto_refuses_circular(capsys):
 
 
 def test_plan_auto_on_real_devices_measures_its_shares():
-    """`train.plan.measured`: without --simulate-cluster the planner's datasheet counts and stage split are
+    """`train.setup.auto_plan.measured`: without --simulate-cluster the planner's datasheet counts and stage split are
     re-measured at start-up; with it (CPU devices standing in for kinds) they are kept."""
     from sharding.parallel import UnevenBatch
-    from train.plan import measured
     from train.setup import cli
+    from train.setup.auto_plan import measured
 
     real = cli.parse(["--plan", "auto", "--cluster", "h100:4,a100:4", "--batch-size", "48", "--model", "test"])
     simulated = cli.parse(

@@ -75,7 +75,7 @@ def import_folder(args) -> int:
     par = setup(args)
     import jax
 
-    from train.train import hold_run_folder  # slow: orbax
+    from train.runtime.training import hold_run_folder  # slow: orbax
 
     lock = hold_run_folder(
         args.run_dir, args.break_lock, jax.process_index(), lambda line: print(line, file=sys.stderr)

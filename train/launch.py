@@ -181,7 +181,6 @@ def parse(argv: Sequence[str], env: dict[str, str] | None = None) -> tuple[Launc
       SystemExit: From argparse, for unknown flags or ``--help``.
       ValueError: A launcher flag out of range, a flag the launcher gives itself, or as `train.setup.cli.parse`.
     """
-
     parser = build_parser()
     argv = list(argv)
     args = parser.parse_args(configfile.expand(argv, parser))
@@ -249,7 +248,6 @@ def outer_for(config, processes: int, total: int | None = None) -> dict[str, int
     Raises:
       ValueError: The other axes' parts across processes do not divide ``processes``.
     """
-
     given = config.parallelism.outer
     if given is None or processes in (total, 1):
         return None if given is None else dict(given)
@@ -278,7 +276,6 @@ def layout_for(config, processes: int, total: int | None = None) -> str:
     Raises:
       ValueError: The layout does not fit those devices (the check's one-line reason).
     """
-
     outer = outer_for(config, processes, total)
     if config.cluster.plan == "auto":
         return "planned by --plan auto"
@@ -490,7 +487,6 @@ class Launcher:
 
     def newest(self) -> int:
         """The newest verified checkpoint step (0 when there is none or the folder does not read)."""
-
         try:
             return latest_verified_step(self.folder).step or 0
         except Exception:  # a damaged folder: the training processes will say which step and why
@@ -512,7 +508,6 @@ class Launcher:
     def start(self, slots: list[int], mesh: str, resumed: int | None, restart: bool) -> Generation:
         """Starts the service and one training process per slot (process ids 0..len(slots)-1): the first time
         with the user's flags, on a ``restart`` with ``--resume`` from the newest verified step (resumed)."""
-
         port = free_port()
         service = start_service(port, len(slots), self.config.cluster.dist_timeout)
         env = self.cache_env() | child_env(os.environ)  # a variable this environment sets stays

@@ -19,8 +19,8 @@ predicted step time and per-device memory of each plan (needs matplotlib: ``pip 
 The model is a preset of ``models.config`` with ``--set FIELD=VALUE`` overrides; the planner
 (`sharding.planner`) reads its description (`models.spec.describe`), never the model itself.
 
-`apply_plan` is ``python -m train.train --plan auto``: the planner's best `Parallelism` replaces the
-run's (`sharding.planner.Plan.parallelism`).
+``python -m train.train --plan auto`` runs the same search for the run's own devices
+(`train.setup.auto_plan.apply_plan`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import json
 import shlex
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from checkpoints.argparser import Parser
@@ -41,12 +41,10 @@ from models.config import PRESETS, get_config
 from models.spec import describe
 from sharding import costmodel as cm
 from sharding import planner
-from sharding.devices import detect_inventory, inventory_from_flag, simulate_inventory
+from sharding.devices import inventory_from_flag
 from sharding.mesh import format_mesh, parse_mesh
 from sharding.modeldesc import ModelDescription
 from sharding.pipeline import check_microbatches, example_split
-from train.setup import strategy_setup
-from train.setup.config import RunConfig
 from train.setup.flags import parallelism_flags
 from train.setup.folders import check_writable
 from train.setup.layout_flags import PRICED_FLAGS, parallelism_from_args
@@ -268,7 +266,6 @@ def given_layout(text: str, num_layers: int, num_devices: int, defaults: argpars
         stages refuse (`sharding.pipeline.check_microbatches`), pipeline stages on a mixture of experts with
         dense layers or a capacity, or a value the cost model does not price.
     """
-
     try:
         tokens = shlex.split(text)
     except ValueError as e:
@@ -518,84 +515,6 @@ def plot(plans: Sequence[planner.Plan], path: str, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-# --plan auto of python -m train.train ----------------------------------------------------------
-
-
-def cluster_of(run: RunConfig, devices):
-    """``(inventory, simulated)``: from ``--simulate-cluster`` (device id -> kind), else ``--cluster``, else
-    detected from ``devices``.
-
-    Raises:
-      ValueError: When the cluster's device count is not the number of devices.
-    """
-
-    cluster = run.cluster
-    if cluster.simulate_cluster:
-        return simulate_inventory(cluster.simulate_cluster, devices)
-    if cluster.cluster:
-        inventory = inventory_from_flag(cluster.cluster)
-        if inventory.num_devices != len(devices):
-            raise ValueError(
-                f"--cluster {cluster.cluster} has {inventory.num_devices} devices but JAX sees "
-                f"{len(devices)}; describe every device, or use --simulate-cluster on CPU"
-            )
-        return inventory, None
-    inventory = detect_inventory(devices)
-    unknown = [k.name for k in inventory.kinds_present if not k.is_known]
-    if unknown:  # e.g. CPU devices: nothing to price them by
-        n, half = len(devices), len(devices) // 2
-        example = f"h100:{half},a100:{n - half}" if half else f"h100:{n}"
-        raise ValueError(
-            f"--plan auto: the devices' kind {unknown[0]!r} has no datasheet figures; say which cluster they stand "
-            f"for, e.g. --simulate-cluster {example} (CPU devices), or --cluster FILE with the kind's figures"
-        )
-    return inventory, None
-
-
-def apply_plan(run: RunConfig, devices, log: Callable[[str], None]) -> RunConfig:
-    """``--plan auto``: the planner's best layout replaces the run's `Parallelism` and remat policy.
-
-    Raises:
-      ValueError: When no layout is found, or as `cluster_of`.
-    """
-    if run.cluster.plan != "auto":
-        return run
-
-    inventory, _ = cluster_of(run, devices)
-    options = planner.PlanOptions(attentions=(run.model.attention,), dtype=run.model.dtype)
-    plans = planner.plan(describe(run.model), inventory, run.data.batch_size, run.data.seq_len, options, top=1)
-    if not plans:
-        raise ValueError(
-            f"--plan auto found no layout for --batch-size {run.data.batch_size} on {len(devices)} "
-            f"devices; try a --batch-size divisible by {len(devices)}"
-        )
-    best = plans[0]
-    if "+" in run.parallelism.rules.name:
-        log(
-            f"--plan auto: dropping the --rule overrides of {run.parallelism.rules.name} (the plan uses --rules "
-            f"{best.layout.rules_name} as is)"
-        )
-    par = measured(best.parallelism().replace(context_layout=run.parallelism.context_layout), run, log)
-    fit = "" if best.fits else " (no plan fits the memory; this is the closest)"
-    log(
-        f"--plan auto{fit}: {' '.join(parallelism_flags(par))} --remat {best.layout.remat}; predicted {best.step_time:.3g} "
-        f"s/step, {best.tokens_per_second:,.0f} tokens/s, MFU {best.mfu:.1%} on {inventory.num_devices} devices "
-        f"({', '.join(k.name for k in inventory.kinds_present)})"
-    )
-    return run.replace(parallelism=par, model=run.model.replace(remat=best.layout.remat))
-
-
-def measured(par, run: RunConfig, log: Callable[[str], None]):
-    """On real devices (no ``--simulate-cluster``), the plan's datasheet shares become measured ones: uneven
-    counts as ``--hetero-batch auto`` (rebalanced every `train.setup.config.DEFAULT_REBALANCE` steps), a gpipe stage
-    split as ``--stage-layers auto``; the planner's choice of layout stands. Simulated kinds keep the
-    datasheet shares (the CPU devices behind them are all alike)."""
-
-    if run.cluster.simulate_cluster:
-        return par
-    return strategy_setup.measured(run, par, log)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

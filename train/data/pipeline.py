@@ -697,7 +697,6 @@ def check_source(spec: str, tokenizer, text_field: str = "text") -> None:
       ValueError, FileNotFoundError, ImportError: as `parse_sources`, `read_manifest` and
         `train.data.corpus.plan_units`.
     """
-
     for source in parse_sources(spec):
         if is_prepared(source.path):
             read_manifest(Path(source.path).expanduser(), tokenizer)

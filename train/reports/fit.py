@@ -28,7 +28,6 @@ BATCH_BYTES_PER_TOKEN = 5 * 4
 def resolve_budget(run, devices):
     """``run`` with ``cluster.device_memory`` (bytes) and its source filled from ``devices`` (this process's)
     unless ``--device-memory`` gave it; measured once, before anything is allocated."""
-
     cluster = run.cluster
     if cluster.device_memory is not None:
         return run
@@ -107,7 +106,6 @@ def check_compiled(run, compiled) -> str:
 
 def remedies(run) -> str:
     """What lowers the step's peak, given the flags in use (never the values already in use)."""
-
     par, data, model = run.parallelism, run.data, run.model
     found = []
     if model.remat != "full":

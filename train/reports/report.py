@@ -345,7 +345,6 @@ def pipeline_lines(trainer, note: str | None = None) -> list[str]:
 def head_line(trainer, batch: int) -> str:
     """Where the pipeline's head (final norm, output projection, loss) runs: on each stage's share of the
     rows (`sharding.pipeline.head_parallelism`), or on every stage when the rows do not divide."""
-
     par = trainer.par
     if par.pipeline.one_f_one_b:
         return (
@@ -368,7 +367,6 @@ def head_line(trainer, batch: int) -> str:
 
 def branch_lines(compiled, trainer) -> list[str]:
     """Collectives inside the pipeline's skipped-slot branches of a compiled step (they must stay in one stage)."""
-
     if trainer.par.pipeline is None:
         return []
     found = branch_collectives(compiled.as_text(), trainer.mesh)
@@ -412,7 +410,6 @@ def logger(is_main: bool):
 
 def logits_line(run) -> str:
     """How the output projection and loss run (``--logits``), with the bytes each layout moves."""
-
     par, model = run.parallelism, run.model
     rows, shape = run.microbatch_rows, (run.microbatch_rows, run.data.seq_len)
     split = choose_for_batch(model.logits, par.rules, par.mesh_shape, model.vocab_size, model.embed_dim, shape)
@@ -430,7 +427,6 @@ def logits_line(run) -> str:
 
 def split_note(trainer) -> str | None:
     """How the layers were split when the split is the default one and uneven."""
-
     plan = trainer.par.pipeline
     if plan is None:
         return None
@@ -440,7 +436,6 @@ def split_note(trainer) -> str | None:
 
 def startup(run, trainer, speeds=None, notes=()) -> list[str]:
     """Every line printed before training or a dry run."""
-
     lines = []
     par, model = trainer.par, run.model
     if attention_registry.kernel(model.attention).traits.splits_length and par.length_shards == 1:
@@ -498,7 +493,6 @@ def dry_run(run, trainer, log, watch=None) -> int:
 
 def layout_text(meta) -> str:
     """A checkpoint's stage layout in words (``[layers, ...] (no pipeline)`` for the canonical one)."""
-
     layout = layout_from_meta(meta)
     return "[layers, ...] (no pipeline)" if layout is None else layout.describe()
 

@@ -86,7 +86,6 @@ def setup(args) -> Any:
     Raises:
       ValueError: a ``--mesh`` that does not fit the devices, a stage axis, or bad rules.
     """
-
     if args.cpu_devices is not None and args.cpu_devices <= 0:
         raise ValueError(f"--cpu-devices {args.cpu_devices}: must be positive, e.g. 8")
     setup_devices(args.cpu_devices)

@@ -249,7 +249,6 @@ def truncate_metrics(path: Path, start_step: int) -> tuple[int, set[str]]:
       ``(dropped, present)``: how many records were dropped, and the prefixes (``train``, ``eval``, ...)
       of the records kept at ``start_step``.
     """
-
     if not path.is_file():
         return 0, set()
     kept, dropped, present = [], 0, set()

@@ -215,7 +215,6 @@ def calibrate(
     Returns:
       ``(par, calibration)``: ``par`` with the counts set, and what was measured.
     """
-
     strategy, mesh = par.strategy, par.mesh
     devices = par.data_parallel
     total = strategy.microbatches * devices
@@ -269,7 +268,6 @@ def head_layers(model_config, seq_len: int) -> float:
     From `models.spec.describe`: a layer's share of `ModelDescription.flops_per_token` is 6 FLOPs per
     per-layer parameter plus its attention products; the rest is the head.
     """
-
     desc = describe(model_config)
     layer = 6.0 * sum(p.size for p in desc.params if p.per_layer) + 3 * desc.attention.forward_flops(seq_len)
     return max(desc.flops_per_token(seq_len) - desc.num_layers * layer, 0.0) / layer
@@ -302,7 +300,6 @@ def calibrate_stages(
     Returns:
       ``(par, calibration)``: ``par`` with the measured split (``measure_stages`` off), and the timings.
     """
-
     plan = par.pipeline
     fn, args_on = local_work(par.replace(strategy=Accumulation()), loss_fn, abstract_params, microbatch_rows, seq_len)
     local = sorted(jax.local_devices(), key=lambda d: d.id)
@@ -324,7 +321,6 @@ def resolve_counts(config, par: Parallelism, log) -> tuple[Parallelism, list[flo
     Raises:
       ValueError: ``kinds`` with a device whose peak is unknown (`train.strategies.device_speeds`).
     """
-
     strategy = par.strategy
     if isinstance(strategy, UnevenBatch):
         if strategy.counts is not None:
@@ -341,7 +337,6 @@ def resolve_counts(config, par: Parallelism, log) -> tuple[Parallelism, list[flo
 
 def resolve_measured(config, par: Parallelism, log) -> Parallelism:
     """``--hetero-batch auto``: a probe trainer of even counts timed per device, then the counts."""
-
     strategy = par.strategy
     # A trainer of even counts to read the model's loss from; the counts themselves come from the timings.
     even = dataclasses.replace(strategy, counts=(strategy.microbatches,) * par.data_parallel)
@@ -356,7 +351,6 @@ def resolve_measured(config, par: Parallelism, log) -> Parallelism:
 
 def resolve_stages(config, par: Parallelism, log) -> Parallelism:
     """``--stage-layers auto``: a flat probe trainer's local work timed per device, then the split."""
-
     probe = step.Trainer(config.model, config.optimizer, par.replace(strategy=Accumulation()))
     rows = config.data.batch_size // (par.pipeline.microbatches * par.data_parallel)
     # The head runs on 1/S of the rows on every stage (`sharding.pipeline.head_parallelism`): its share per stage.
@@ -438,7 +432,6 @@ def calibrate_context(
 def resolve_context_shares(config, par: Parallelism, log) -> Parallelism:
     """``--context-shares auto``: a probe trainer's local work timed per device, then the shares; ``par``
     unchanged otherwise."""
-
     if par.context_shares != "auto":
         return par
     probe = step.Trainer(config.model, config.optimizer, par.replace(strategy=Accumulation(), context_shares=None))

@@ -69,7 +69,6 @@ def check_simulated_devices(mesh_sizes, devices, cpu_devices: int | None) -> Non
     Raises:
       ValueError: Naming ``--mesh`` and the ``--cpu-devices N`` that makes it fit.
     """
-
     sizes = list(mesh_sizes.values())
     needed = math.prod(sizes)
     if cpu_devices is not None or -1 in sizes or needed <= len(devices) or devices[0].platform != "cpu":
@@ -110,7 +109,6 @@ def check_data(run: RunConfig, tokenizer, read: bool = True) -> None:
       ValueError: Naming ``--data``, ``--data-cache`` or ``--eod-token`` and what to do.
       FileNotFoundError: A ``--data`` path that does not exist.
     """
-
     data = run.data
     if data.eod_token is not None and getattr(tokenizer, "name", None) == "bytes":
         raise ValueError(
@@ -145,7 +143,6 @@ def check_batch(run: RunConfig) -> None:
         that ``--microbatches`` or data x fsdp does not divide), or a ``--seq-len`` the ``context`` x
         ``sequence`` axes do not divide.
     """
-
     par, seq_len = run.parallelism, run.data.seq_len
     strategy_setup.check_run_batch(run)
     shards = par.length_shards
@@ -164,7 +161,6 @@ def check_strategy(run: RunConfig) -> None:
       ValueError: Fewer pipeline microbatches than stages; an attention kernel inside the uneven step with
         tensor; uneven counts on a mesh or rules they do not support, or that do not divide the batch.
     """
-
     strategy_setup.check_run(run)
 
 
@@ -245,7 +241,6 @@ def check_logits(run: RunConfig) -> None:
     Raises:
       ValueError: With the reason and what would make it apply.
     """
-
     par, model = run.parallelism, run.model
     try:
         choose_for_batch(

@@ -3,7 +3,7 @@
 ``RunConfig = ModelConfig + Parallelism + DataConfig + OptimizerConfig + LoopConfig + CheckpointConfig +
 ClusterConfig``. `train.setup.cli.parse` builds it from argv before JAX starts; what needs the devices (a ``-1``
 mesh size, ``--context-layout auto``, uneven counts from device speeds, ``--plan auto``) is resolved once
-they are known (`resolve_mesh`, `train.strategies.resolve_uneven`, `train.plan.apply_plan`), each
+they are known (`resolve_mesh`, `train.strategies.resolve_uneven`, `train.setup.auto_plan.apply_plan`), each
 returning a new `RunConfig` with its `Parallelism` replaced. `train.setup.checks.validate` checks it.
 """
 
@@ -113,7 +113,6 @@ class ClusterConfig:
 
     def distributed(self):
         """The `train.launcher.distributed.DistributedConfig` of these flags."""
-
         return DistributedConfig(
             self.coordinator, self.num_processes, self.process_id, self.dist_timeout, self.external_coordinator
         )
@@ -177,7 +176,6 @@ def resolve_mesh(run: RunConfig, num_devices: int) -> RunConfig:
     Raises:
       ValueError: As `sharding.mesh.parse_mesh` (naming ``--mesh`` and a shape that fits).
     """
-
     par = run.parallelism
     spec = ",".join(f"{a}={n}" for a, n in par.mesh_shape.items() if n != 1) or "data=1"
     par = par.replace(mesh_shape=parse_mesh(spec, num_devices))

@@ -26,7 +26,6 @@ def parallelism_flags(par: Parallelism) -> list[str]:
       "--microbatches", "1"]``; ``--microbatches`` with given uneven counts is their average per
       data-parallel group, for information.
     """
-
     mesh = format_mesh(par.mesh_shape) if par.num_devices > 1 else "data=1"
     out = ["--mesh", mesh]
     base, overrides = rules_flags(par.rules, par.pipeline is not None)

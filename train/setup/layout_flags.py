@@ -63,7 +63,7 @@ read the kinds from them."""
 PRICED_FLAGS = frozenset((*LAYOUT_FLAGS, *EXECUTION_FLAGS))
 """The flags ``python -m train.plan --layout`` takes: the layout and its execution."""
 PLANNED_FLAGS = ("mesh", "rules", "microbatches", "remat", *PIPELINE_FLAGS)
-"""The flags whose values ``--plan auto`` chooses (`train.plan.apply_plan` replaces them): given with it, they
+"""The flags whose values ``--plan auto`` chooses (`train.setup.auto_plan.apply_plan` replaces them): given with it, they
 would be dropped without a word, so they are refused (`_check_planned`)."""
 
 
@@ -96,7 +96,6 @@ def parse_context_shares(value: str | None, seq_len: int) -> tuple[int, ...] | s
       ValueError: Not ``auto`` nor positive numbers, or a ``--seq-len`` that is odd; naming the flag and a
         value that works.
     """
-
     if value is None or value.strip() == "":
         return None
     if value.strip() == "auto":
@@ -309,7 +308,6 @@ def parse_kind_counts(value: str) -> tuple[tuple[str, int], ...]:
       ValueError: An empty kind, a kind named twice, a count that is not an integer >= 0, or all 0; naming
         the flag.
     """
-
     out: dict[str, int] = {}
     for item in value.split(","):
         name, _, count = item.partition("=")

@@ -72,7 +72,6 @@ def device_speeds(mesh, simulated: Mapping[int, Any] | None = None) -> list[floa
     Raises:
       ValueError: When a device's peak is unknown (e.g. CPU without ``--simulate-cluster``).
     """
-
     speeds, groups = [], batch_groups(mesh)
     for device in (d for group in groups for d in group):
         peak = peak_flops(device, simulated)
@@ -97,7 +96,6 @@ def group_kinds(mesh, simulated: Mapping[int, Any] | None = None) -> list[str]:
     Raises:
       ValueError: When a device's kind is unknown (e.g. CPU without ``--simulate-cluster``), naming the flag.
     """
-
     out = []
     for group in batch_groups(mesh):
         kinds = []

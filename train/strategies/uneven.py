@@ -334,7 +334,6 @@ def describe_uneven(
     counts: Sequence[int], microbatch_rows: int, speeds: Sequence[float] | None = None, capacity: int | None = None
 ) -> str:
     """One line: counts per device (with speeds when known) and the padded buffer size (microbatches)."""
-
     parts = [
         f"{c}" + (f" ({s / 1e12:.0f} TFLOP/s)" if speeds else "")
         for c, s in zip(counts, speeds or [None] * len(counts))
@@ -364,7 +363,6 @@ def check_uneven(par: Parallelism, param_names, abstract_params, global_batch: i
         the data-parallel groups along ``data`` x ``fsdp``; a batch that the counts' microbatches do not
         divide. Each names the flag and a value that works.
     """
-
     strategy = par.strategy
     allowed = (*ax.BATCH_MESH_AXES, ax.TENSOR)
     others = [f"{a}={n}" for a, n in par.mesh_shape.items() if a not in allowed and n > 1]
