@@ -19,7 +19,7 @@ from pathlib import Path
 
 COMMANDS = (
     "train.setup.parser",
-    "train.launch",
+    "train.launcher.command",
     "train.plan",
     "train.generate",
     "train.evaluate",

@@ -2,7 +2,7 @@
 
 import pytest
 
-from train.launch import DEFAULT_LAUNCH_PORT, parse
+from train.launcher.command import DEFAULT_LAUNCH_PORT, parse
 from train.launcher.hosts import HostPlacement, child_env, expand_hostlist, placement
 
 
