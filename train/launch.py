@@ -4,7 +4,7 @@ Starts N training processes (`train.train`, one per simulated host) on this mach
 coordination service itself, outside every training process (`train.launcher.distributed.start_service`; the
 processes join it with ``--external-coordinator``), so losing any training process, process 0 included,
 leaves the service and the launcher up. It watches the processes; when one is lost (killed, crashed,
-or reported silent by a peer's `train.launcher.distributed.PeerWatch`), it stops the others (SIGTERM, then
+or reported silent by a peer's `train.launcher.peers.PeerWatch`), it stops the others (SIGTERM, then
 SIGKILL after `train.launcher.supervisor.STOP_GRACE` seconds: a survivor is blocked in a collective with the lost peer) and starts
 training again on the survivors from the newest verified checkpoint (``--resume``: every restart reads
 `checkpoints.verify.latest_verified_step`).

@@ -11,12 +11,9 @@ import sys
 from pathlib import Path
 
 from checkpoints.manager import CheckpointFailure, open_resumable
-from train.launcher.distributed import (
-    close_output_filters,
-    initialize,
-    setup_devices,
-    watch_peers,
-)
+from train.launcher.distributed import initialize, setup_devices
+from train.launcher.output import close_output_filters
+from train.launcher.peers import watch_peers
 from train.reports import report
 from train.runtime import training
 from train.runtime.loop import NonFiniteLossError

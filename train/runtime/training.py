@@ -14,10 +14,7 @@ from checkpoints.meta import RunMeta
 from checkpoints.verify import restore_falling_back
 from models.attention import layout_shards
 from train.data import context_permutation, load_dataset
-from train.launcher.distributed import (
-    any_process,
-    sync_processes,
-)
+from train.launcher.peers import any_process, sync_processes
 from train.reports import fit, report
 from train.runtime.inference import fresh_state
 from train.runtime.loop import DivergedLossError, LoopOptions, MetricsWriter, StopFlag, train_loop
