@@ -1,8 +1,8 @@
 """The one jitted train step.
 
 One step function for every layout: the strategy of the run's `sharding.parallel.Parallelism` computes
-the summed loss, token count and gradients (`train.strategies`: accumulation, pipeline or uneven counts),
-then `Trainer.apply_gradients` divides once by the token count and applies the optimizer update, so the
+the summed loss, token count and gradients (`train.strategies`: accumulation or uneven counts; a pipelined
+model runs its microbatches inside one pass), then `Trainer.apply_gradients` divides once by the token count and applies the optimizer update, so the
 update equals the one-shot update whatever the strategy. One jit builder (`Trainer._jit`) compiles it with
 explicit in/out shardings, donating the state. The state's shapes, storage and shardings are its
 `train.runtime.state.StateLayout`'s.
