@@ -55,9 +55,9 @@ from sharding import devices, hlo, planner  # noqa: E402
 from sharding.mesh import make_mesh, parse_mesh  # noqa: E402
 from sharding.parallel import Parallelism, UnevenBatch  # noqa: E402
 from sharding.rules import get_rules  # noqa: E402
-from train.optimizer import OptimizerConfig  # noqa: E402
 from train.plan import plan_flags  # noqa: E402
-from train.step import Trainer  # noqa: E402
+from train.runtime.optimizer import OptimizerConfig  # noqa: E402
+from train.runtime.step import Trainer  # noqa: E402
 
 KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 

@@ -24,8 +24,8 @@ from sharding.mesh import make_mesh, parse_mesh
 from sharding.parallel import Accumulation, Parallelism
 from sharding.pipeline.layout import PipelinePlan, pipeline_rules, plan_layout
 from sharding.rules import get_rules
-from train.optimizer import OptimizerConfig
-from train.step import Trainer
+from train.runtime.optimizer import OptimizerConfig
+from train.runtime.step import Trainer
 
 # (model, mesh, rules, batch, seq_len, microbatches, remat). The two models at different batch and
 # length shapes; the next four vary microbatches, remat and the embedding lookup's strategy; the

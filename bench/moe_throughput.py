@@ -10,7 +10,7 @@ same devices, batch and length:
 * the dense model whose parameter count equals the MoE's active parameters (the same shape with
   ``num_experts=0`` and the ``mlp_dim`` that brings the count closest).
 
-Each row is `bench/throughput.py`'s measurement (the real `train.step.Trainer` step on random tokens,
+Each row is `bench/throughput.py`'s measurement (the real `train.runtime.step.Trainer` step on random tokens,
 median step time over the steps after ``--skip``); the configurations run in turn, ``--rounds`` times, and
 each row reports the median over its rounds, so that a drift of the machine's load hits all alike.
 With simulated devices on a few cores the wall time measures total work, not the slowest device: the

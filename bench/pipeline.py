@@ -62,8 +62,8 @@ def gradient_temporaries(schedule: str, gather: str = "once") -> str:
     from sharding.mesh import make_mesh, parse_mesh
     from sharding.parallel import Parallelism
     from sharding.rules import get_rules
-    from train.optimizer import OptimizerConfig
-    from train.step import Trainer
+    from train.runtime.optimizer import OptimizerConfig
+    from train.runtime.step import Trainer
 
     layout, _ = pl.plan_layout(32, 4, 1, (10, 10, 6, 6))
     plan = pl.PipelinePlan(

@@ -326,7 +326,7 @@ def section(args, prep: list[dict], runs: list[dict], command: str) -> str:
 
 def loader(args) -> int:
     from train.data import load_dataset
-    from train.tokenizer import load_tokenizer
+    from train.data.tokenizer import load_tokenizer
 
     dataset = load_dataset(args.loader, load_tokenizer(args.tokenizer), args.seq_len, args.batch_size, seed=0)
     batches = dataset.train_batches(range(args.batch_size), 0)

@@ -1,6 +1,6 @@
 """Throughput of meshwork's real train step on synthetic tokens.
 
-Builds the same `train.step.Trainer` that ``python -m train.train`` uses, feeds it
+Builds the same `train.runtime.step.Trainer` that ``python -m train.train`` uses, feeds it
 a fixed batch of random tokens (one document per row), and times each step to
 completion (``block_until_ready``). Reports the median step time over steps
 ``--skip + 1`` and later (the first steps include compilation and warm-up),
@@ -69,8 +69,8 @@ def measure(args) -> dict:
     from sharding.parallel import Accumulation, Parallelism
     from sharding.rules import get_rules
     from sharding.vocab import choose_for_batch
-    from train.optimizer import OptimizerConfig
-    from train.step import Trainer
+    from train.runtime.optimizer import OptimizerConfig
+    from train.runtime.step import Trainer
 
     changes = {
         k: v

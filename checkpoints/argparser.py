@@ -5,8 +5,8 @@ one-line complaint about one flag, which buries the complaint. `Parser` prints j
 pointer to ``--help``, exit status 2 as argparse's; the usage block stays for ``--help`` and for a bare
 invocation (no arguments at all), where it is what the user is after.
 
-It lives here rather than in `train.cli` because ``python -m checkpoints.inspect`` uses it too and the
-``checkpoints`` package may not import ``train``; `train.cli` re-exports it for the trainer's commands.
+It lives here rather than in `train.setup.parser` because ``python -m checkpoints.inspect`` uses it too and the
+``checkpoints`` package may not import ``train``; `train.setup.parser` builds the trainer's commands on it.
 
 A value that starts with ``-`` (``--stage-layers -1,5``, ``--lr -1e-3``) is the flag's value, not another flag:
 argparse itself takes it for an option and stops with "expected one argument" before the value can be checked;

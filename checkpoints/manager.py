@@ -13,7 +13,7 @@ Stacked layer arrays are stored as the run held them: ``[layers, ...]``
 without a pipeline, ``[stage, slot, ...]`` (padded, see
 `sharding.pipeline.StageLayout`) with one. A run with another layout restores
 them in the saved layout onto its own mesh and re-lays them on device
-(`restore_state` onto a `train.state.StateLayout`), so saves never pay for a re-layout and a
+(`restore_state` onto a `train.runtime.state.StateLayout`), so saves never pay for a re-layout and a
 checkpoint resumes across stage counts and splits.
 
 Restoring reads ``state`` onto abstract targets (`jax.ShapeDtypeStruct` with
@@ -402,7 +402,7 @@ def restore_state(manager: CheckpointManager, target, step: int | None = None):
 
     Args:
       manager: The `CheckpointManager`.
-      target: What to restore onto: a `train.state.StateLayout` (``config.num_layers``,
+      target: What to restore onto: a `train.runtime.state.StateLayout` (``config.num_layers``,
         ``abstract_state(layout)`` and ``relayout_state(state, layout)``; not imported here, since
         checkpoints import nothing of train).
       step: The step (default: latest).

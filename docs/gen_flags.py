@@ -18,8 +18,8 @@ import sys
 from pathlib import Path
 
 COMMANDS = (
-    "train.cli",
-    "train.launch",
+    "train.setup.parser",
+    "train.launcher.command",
     "train.plan",
     "train.generate",
     "train.evaluate",

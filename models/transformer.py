@@ -205,7 +205,7 @@ class Transformer(nnx.Module):
             return self._scan(graphdef, stacked, x, positions, segment_ids, par)[0], {}
         if par.pipeline is not None:
             # A pipeline runs one stack of like blocks: a mixture of experts whose every layer is one
-            # (`train.checks.check_experts` refuses the others). Its router statistics stay inside the stages.
+            # (`train.setup.checks.check_experts` refuses the others). Its router statistics stay inside the stages.
             if hasattr(self, "dense_layers"):
                 raise ValueError(
                     "pipeline stages run a mixture of experts whose every layer is one: first_dense_layers=0, "

@@ -72,7 +72,7 @@ def counts_for_speeds(
         compute resource, so the pool's time is the sum of its counts times its seconds per microbatch:
         the microbatches are shared between pools in proportion to their summed speeds, then evenly
         inside each pool. (A pool's devices each carry the pool's figure for running one microbatch on
-        every device at once, as `train.calibrate` measures CPU devices.)
+        every device at once, as `train.setup.calibrate` measures CPU devices.)
 
     Returns:
       One count per device; they sum to ``total``.

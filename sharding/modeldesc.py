@@ -191,7 +191,7 @@ class ExpertGeometry:
     def pipelined(self, num_layers: int) -> bool:
         """Whether pipeline stages may run the mixture of a model of ``num_layers`` layers: every layer one
         (stages run one stack of like blocks) and dropless (a capacity counts one device's rows, which the
-        stages split differently), the rule ``train.checks.check_experts`` enforces on a run."""
+        stages split differently), the rule ``train.setup.checks.check_experts`` enforces on a run."""
         return self.layers == num_layers and not self.capacity_factor
 
     def dispatch(self, expert_split: int) -> ExpertDispatch:

@@ -14,8 +14,8 @@
   real tokens of a sequence each device of the ring holds, inside equal-shaped padded blocks
   (`models.kernels.ring_attention.uneven_zigzag_layout`); None when every device holds its even share.
 
-The command line builds one (``train.cli``), the planner returns one (`sharding.planner`), and
-`train.flags.parallelism_flags` renders any of them as the ``python -m train.train`` flags that reproduce it.
+The command line builds one (``train.setup.cli``), the planner returns one (`sharding.planner`), and
+`train.setup.flags.parallelism_flags` renders any of them as the ``python -m train.train`` flags that reproduce it.
 
 At run time the value is bound to a device mesh (`Parallelism.on`) and passed as an argument to
 the model's apply, to attention and to the output layer, which read the mesh and the rules from it

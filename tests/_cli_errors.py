@@ -1,7 +1,7 @@
 """A library error read as the command line prints it, for tests that call below ``train``'s entry points.
 
 The library's errors name configuration fields (`sharding.errors.ConfigError`); the entry points print them
-with each field spelled as its flag (`train.flagnames.render`). A test that calls a library function (or
+with each field spelled as its flag (`train.setup.flagnames.render`). A test that calls a library function (or
 `train.cli.parse`, which passes the library's errors on) and checks the text a user would see uses
 `raises_as_cli` where it would use ``pytest.raises``, and `as_printed` for a ``log`` whose lines it reads.
 """
@@ -13,13 +13,13 @@ import re
 
 import pytest
 
-from train.flagnames import render
+from train.setup.flagnames import render
 
 
 @contextlib.contextmanager
 def raises_as_cli(expected, match: str | None = None):
     """``pytest.raises(expected, match=match)``, with ``match`` searched in the message as the command line
-    prints it (`train.flagnames.render`) rather than in ``str(error)``."""
+    prints it (`train.setup.flagnames.render`) rather than in ``str(error)``."""
     with pytest.raises(expected) as info:
         yield info
     if match is not None:
@@ -28,5 +28,5 @@ def raises_as_cli(expected, match: str | None = None):
 
 
 def as_printed(lines: list):
-    """A ``log`` that keeps each line as the command line prints it (`train.flagnames.render`)."""
+    """A ``log`` that keeps each line as the command line prints it (`train.setup.flagnames.render`)."""
     return lambda line: lines.append(render(line))

@@ -1,4 +1,4 @@
-"""A two-process job that shows how `train.distributed.PeerWatch` is used (run by tests/test_lost_process.py).
+"""A two-process job that shows how `train.launcher.peers.PeerWatch` is used (run by tests/test_lost_process.py).
 
     python tests/_peer_job.py PROCESS_ID PORT CHECKPOINT_DIR DIST_TIMEOUT STEPS [TAIL_SECONDS]
 
@@ -22,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 def main() -> int:
     process_id, port, checkpoint_dir, timeout, steps = sys.argv[1:6]
     tail = float(sys.argv[6]) if len(sys.argv) > 6 else 0.0
-    from train.distributed import DistributedConfig, initialize, watch_peers
+    from train.launcher.distributed import DistributedConfig, initialize
+    from train.launcher.peers import watch_peers
 
     config = DistributedConfig(f"127.0.0.1:{port}", 2, int(process_id), int(timeout))
     initialize(config)

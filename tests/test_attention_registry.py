@@ -169,7 +169,7 @@ def test_config_validation_names_every_kernel():
 
 
 def test_the_flags_offer_every_kernel():
-    from train.cli import build_parser
+    from train.setup.parser import build_parser
 
     action = next(a for a in build_parser()._actions if "--attention" in a.option_strings)
     assert tuple(action.choices) == registry.names()

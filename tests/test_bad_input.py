@@ -49,7 +49,7 @@ def hf_folder(folder):
 
 def prepared_bytes(folder):
     from train.data.prepare import prepare
-    from train.tokenizer import ByteTokenizer
+    from train.data.tokenizer import ByteTokenizer
 
     (folder / "src").mkdir()
     (folder / "src" / "a.txt").write_text("some text " * 50)
@@ -268,7 +268,7 @@ def test_a_mesh_beyond_the_cpu_devices_suggests_simulating_them(tmp_path, corpus
     mesh typed without it) is refused naming --cpu-devices, not with a one-device mesh; the suggestion is accepted."""
     import jax
 
-    from train import cli
+    from train.setup import cli
 
     argv = [*BASE, "--data", str(corpus), "--data-cache", str(cache), "--run-dir", str(tmp_path / "r")]
     argv += ["--mesh", "data=2,tensor=4"]

@@ -7,7 +7,7 @@ from _cli_errors import raises_as_cli
 
 from models.generation import Sampling
 from train import generate, hf, train
-from train.distributed import MAX_CPU_DEVICES, check_cpu_devices
+from train.launcher.distributed import MAX_CPU_DEVICES, check_cpu_devices
 
 
 def one_error_line(capsys) -> str:

@@ -13,7 +13,7 @@ from train.data import load_dataset, pack_windows
 from train.data.chat import FALLBACK_TEMPLATE, load_chat_template
 from train.data.corpus import is_heldout
 from train.data.prepare import chat_tokens, prepare
-from train.tokenizer import ByteTokenizer, load_tokenizer
+from train.data.tokenizer import ByteTokenizer, load_tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures" / "chat"
 QUIET = dict(log=lambda _: None, progress=False)

@@ -6,7 +6,9 @@ import json
 import pytest
 from test_faults import args_for
 
-from train import cli, train
+from train import train
+from train.setup import cli
+from train.setup.parser import build_parser
 
 
 def write(path, text):
@@ -83,14 +85,14 @@ def test_a_resume_takes_the_model_and_layout_from_the_record_each_group_whole(tm
     """How this invocation runs (checkpoint interval, steps) is never taken from the record; a command line
     that names a layout flag re-lays the run, so none of the record's layout flags (a stage split that would
     not fit the new mesh) are taken; the model's flags likewise."""
-    from train import configfile
+    from train.setup import configfile
 
     run = tmp_path / "run"
     run.mkdir()
     recorded = {"model": "test", "set": ["num_layers=6"], "mesh": "stage=2,fsdp=4", "stage_layers": "4,2",
                 "ckpt_every": 1, "seq_len": 64}  # fmt: skip
     (run / configfile.RECORD).write_text(json.dumps({"command": [], "flags": recorded}))
-    parser = cli.build_parser()
+    parser = build_parser()
 
     def parsed(*argv):
         return parser.parse_args(configfile.expand(["--resume", "--run-dir", str(run), *argv], parser))
@@ -107,13 +109,13 @@ def test_a_resume_takes_the_model_and_layout_from_the_record_each_group_whole(tm
 def test_a_resume_of_a_planned_run_takes_the_cluster_it_was_planned_for(tmp_path):
     """A run started with --plan auto --simulate-cluster h100:4,a100:4 resumed from its record with --plan auto
     but without the cluster, and the planner refused the CPU devices it then saw."""
-    from train import configfile
+    from train.setup import configfile
 
     run = tmp_path / "run"
     run.mkdir()
     recorded = {"model": "test", "plan": "auto", "simulate_cluster": "h100:4,a100:4", "mesh": "fsdp=-1"}
     (run / configfile.RECORD).write_text(json.dumps({"command": [], "flags": recorded}))
-    parser = cli.build_parser()
+    parser = build_parser()
 
     def parsed(*argv):
         return parser.parse_args(configfile.expand(["--resume", "--run-dir", str(run), *argv], parser))

@@ -224,7 +224,7 @@ def test_the_data_pipeline_permutes_every_field_alike():
     ],
 )
 def test_wrong_sizes_are_refused_before_compiling(tmp_path, args, message, corpus, cache, capsys, monkeypatch):
-    from train import step
+    from train.runtime import step
 
     def no_trainer(*_, **__):
         raise AssertionError("a Trainer was built: the check came too late")
@@ -269,7 +269,7 @@ def test_context_shares_become_tokens_and_the_suggestions_are_accepted():
     """``--context-shares 3,1,2,2`` over 64 tokens: 24, 8, 16, 16 real tokens; the shares a refusal suggests
     pass the same check; ``auto`` is measured later."""
     from models.attention import check_context_shares
-    from train.cli import parse_context_shares
+    from train.setup.layout_flags import parse_context_shares
 
     par = Parallelism(parse_mesh("data=2,sequence=4", 8), get_rules("fsdp_tp"), context_layout="zigzag")
     assert parse_context_shares("3,1,2,2", 64) == (24, 8, 16, 16)
@@ -292,7 +292,7 @@ def test_context_calibration_gives_each_ring_device_tokens_by_its_speed(monkeypa
     """``--context-shares auto``: every device timed on its even share of the length (a stand-in timer: ring
     positions 0-1 at 10 ms, 2-3 at 30 ms on data=2,sequence=4, data replicas alike but one slower), the slowest
     device of each ring position counts, tokens by speed."""
-    from train import calibrate
+    from train.setup import calibrate
 
     mesh = make_mesh(parse_mesh("data=2,sequence=4", 8))
     par = Parallelism.of(mesh, "fsdp_tp", context_layout="zigzag").replace(context_shares="auto")

@@ -548,9 +548,9 @@ def test_pipeline_state_bytes_are_the_unpadded_storage(stage_layers, mesh_spec):
     from sharding import pipeline as pl
     from sharding.mesh import make_mesh
     from sharding.parallel import Parallelism
-    from train import report
-    from train.optimizer import OptimizerConfig
-    from train.step import Trainer
+    from train.reports import report
+    from train.runtime.optimizer import OptimizerConfig
+    from train.runtime.step import Trainer
 
     config = get_config("test", [f"num_layers={sum(stage_layers)}"])
     mesh = parse_mesh(mesh_spec, 8)

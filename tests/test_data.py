@@ -14,10 +14,11 @@ from jax.sharding import PartitionSpec as P
 from sharding.mesh import make_mesh, parse_mesh
 from train.data import corpus_files, load_dataset, local_rows, pack_windows, read_documents, to_global_arrays
 from train.data.corpus import is_heldout, plan_units, unit_documents
-from train.data.pipeline import check_source, read_manifest, shuffled_order
+from train.data.pipeline import check_source
 from train.data.prepare import main as prepare_main
 from train.data.prepare import prepare
-from train.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from train.data.prepared import read_manifest, shuffled_order
+from train.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 EOD = 99
 QUIET = dict(log=lambda _: None, progress=False)
@@ -528,7 +529,7 @@ def test_a_mixture_resumes_exactly(mixture):
 def test_a_changed_source_supersedes_its_cache_unless_a_reader_holds_it(tmp_path):
     import subprocess
 
-    from train.data import pipeline
+    from train.data import prepared as pipeline
 
     corpus = write_corpus(tmp_path / "c", docs=8)
     cache = tmp_path / "cache"

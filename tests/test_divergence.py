@@ -7,7 +7,7 @@ import pytest
 from test_faults import args_for, steps_saved
 
 from train import train
-from train.divergence import DivergenceGuard, auto_max_loss, parse_max_loss
+from train.runtime.divergence import DivergenceGuard, auto_max_loss, parse_max_loss
 
 
 def test_max_loss_values():

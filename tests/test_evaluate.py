@@ -29,9 +29,9 @@ def corpus(tmp_path):
 
 def test_heldout_loss_equals_a_plain_computation(corpus, tmp_path):
     from train.data import load_dataset
+    from train.data.tokenizer import HFTokenizer
     from train.evaluate import evaluate
-    from train.inference import LoadedModel
-    from train.tokenizer import HFTokenizer
+    from train.runtime.inference import LoadedModel
 
     config, graphdef, params, par = load(FIXTURES / "llama_tied", "fsdp=4,tensor=2")
     tokenizer = HFTokenizer(FIXTURES / "llama_tied" / "tokenizer.json")

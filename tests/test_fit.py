@@ -6,8 +6,9 @@ import types
 import pytest
 
 from sharding.devices import device_memory, host_available_bytes
-from train import fit, train
-from train.cli import parse
+from train import train
+from train.reports import fit
+from train.setup.cli import parse
 
 BASE = [
     "--model",

@@ -1,7 +1,7 @@
 """Library errors name configuration fields; the command line prints them with its flags, as before.
 
 `sharding`, `models` and `checkpoints` never spell a flag: their errors (`sharding.errors.ConfigError`) carry
-field references, which ``str()`` writes as the library's names and `train.flagnames.render` as the flags a
+field references, which ``str()`` writes as the library's names and `train.setup.flagnames.render` as the flags a
 user types. These tests pin both renderings of a few representative errors, and scan the library's source
 for a flag written into a string.
 """
@@ -18,7 +18,7 @@ from sharding.errors import ConfigError, Field, FieldText, Override, with_contex
 from sharding.mesh import parse_axis_sizes
 from sharding.pipeline import check_microbatches, plan_layout
 from sharding.rules import parse_rule_overrides
-from train.flagnames import FLAGS, flag_text, render
+from train.setup.flagnames import FLAGS, flag_text, render
 
 ROOT = Path(__file__).resolve().parent.parent
 LIBRARY = ("sharding", "models", "checkpoints")
@@ -131,7 +131,7 @@ def test_every_field_the_library_names_has_a_flag():
     for _, tree in _sources(*LIBRARY):
         named |= _field_names(tree)
     assert named, "no Field(...) found: the scan is broken"
-    assert not named - set(FLAGS), f"fields without a flag in train.flagnames.FLAGS: {sorted(named - set(FLAGS))}"
+    assert not named - set(FLAGS), f"fields without a flag in train.setup.flagnames.FLAGS: {sorted(named - set(FLAGS))}"
 
 
 FLAG = re.compile(r"(?<![\w-])--(?:[a-z][a-z0-9-]*|$)")

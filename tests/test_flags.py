@@ -1,9 +1,9 @@
-"""The flag encoder of a layout (`train.flags.parallelism_flags`): what the command line reads back."""
+"""The flag encoder of a layout (`train.setup.flags.parallelism_flags`): what the command line reads back."""
 
 import pytest
 
-from train.cli import parse
-from train.flags import parallelism_flags
+from train.setup.cli import parse
+from train.setup.flags import parallelism_flags
 
 LAYOUTS = [
     ["--mesh", "fsdp=8"],

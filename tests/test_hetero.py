@@ -23,11 +23,12 @@ from sharding.devices import simulate_inventory
 from sharding.mesh import make_mesh, parse_mesh
 from sharding.parallel import Accumulation, Parallelism, UnevenBatch
 from sharding.rules import get_rules
-from train import checks, cli, strategies
-from train.config import resolve_mesh
-from train.optimizer import OptimizerConfig
-from train.plan import apply_plan
-from train.step import Trainer
+from train import strategies
+from train.runtime.optimizer import OptimizerConfig
+from train.runtime.step import Trainer
+from train.setup import checks, cli, layout_flags
+from train.setup.auto_plan import apply_plan
+from train.setup.config import resolve_mesh
 
 SEQ = 32
 COUNTS = (3, 3, 3, 3, 1, 1, 1, 1)
@@ -276,7 +277,7 @@ def test_bad_layouts_and_counts_are_refused_naming_the_flag():
         )
         checks.validate(resolve_mesh(run, 8), 8)
     with pytest.raises(ValueError, match="--hetero-batch"):
-        cli.parse_hetero_batch("3,x")
+        layout_flags.parse_hetero_batch("3,x")
     with pytest.raises(ValueError, match="--hetero-max-share 0 needs"):
         cli.parse(["--mesh", "data=8", "--hetero-batch", "auto", "--hetero-max-share", "0"])
     with pytest.raises(ValueError, match="--hetero-max-share 2 is below"):
@@ -434,7 +435,7 @@ def test_calibration_counts_follow_injected_timings_per_process():
     """Timings map to the batch grid by process and local rank; counts follow the measured speeds."""
     from types import SimpleNamespace
 
-    from train import calibrate
+    from train.setup import calibrate
 
     devices = [SimpleNamespace(id=i, process_index=i // 4) for i in range(8)]
     table = np.array([[0.1] * 4, [0.3] * 4])
@@ -465,7 +466,7 @@ def test_devices_timed_together_run_one_program_compiled_once():
     """CPU devices are timed together: one program over all 8 (each device the whole local work on its own
     arguments, so each returns a whole gradient), compiled once, where calling the jitted work on each
     device's arguments compiled it once per device."""
-    from train import calibrate
+    from train.setup import calibrate
 
     trainer = _trainer("data=8", "dp")
     par = trainer.par.replace(strategy=UnevenBatch(None, "measured", 2))
@@ -634,7 +635,7 @@ def test_training_with_auto_rebalancing_writes_counts_and_speeds(tmp_path, capsy
 def test_speeds_on_a_tensor_mesh_are_one_per_group_paced_by_its_slowest_device(monkeypatch):
     """Calibration (injected timings) and datasheets give one count per data-parallel group; a group runs as
     fast as its slowest tensor device."""
-    from train import calibrate
+    from train.setup import calibrate
 
     # devices timed one by one, each its own compute pool (accelerators; CPU devices of one process would
     # share one pool and get even counts, test_pools.py)

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from test_hf import FIXTURES, load
 
-from train import cli, train
+from train import train
+from train.setup import cli
 
 TEXT = [
     "def add(a, b):\n    return a + b\n" * 12,
@@ -64,9 +65,9 @@ def heldout_loss(folder, corpus, cache):
     """The imported model's loss on the first held-out batch (`train.evaluate`, itself checked against a plain
     one-device computation in test_evaluate)."""
     from train.data import load_dataset
+    from train.data.tokenizer import HFTokenizer
     from train.evaluate import evaluate
-    from train.inference import LoadedModel
-    from train.tokenizer import HFTokenizer
+    from train.runtime.inference import LoadedModel
 
     config, graphdef, params, par = load(folder, "fsdp=8")
     from checkpoints import hf
@@ -170,7 +171,7 @@ def test_init_from_fine_tunes_on_chat_data_with_the_assistant_only_loss(tmp_path
     from checkpoints import hf
     from models.transformer import apply
     from train.data import load_dataset
-    from train.tokenizer import HFTokenizer
+    from train.data.tokenizer import HFTokenizer
 
     folder = copy_fixture(tmp_path)
     (folder / "tokenizer_config.json").write_bytes((CHAT_FIXTURES / "chatml" / "tokenizer_config.json").read_bytes())

@@ -2,8 +2,8 @@
 
 import pytest
 
-from train.hosts import HostPlacement, child_env, expand_hostlist, placement
-from train.launch import DEFAULT_LAUNCH_PORT, parse
+from train.launcher.command import DEFAULT_LAUNCH_PORT, parse
+from train.launcher.hosts import HostPlacement, child_env, expand_hostlist, placement
 
 
 def test_slurm_host_lists_expand_in_order_with_their_padding():

@@ -123,3 +123,157 @@ def test_the_jax_free_check_catches_a_jax_import(tmp_path):
     (tmp_path / "uses_jax.py").write_text("import json\n\nimport jax\n")
     result = _import_without_jax("uses_jax", tmp_path)
     assert result.returncode != 0 and "import of jax halted" in result.stderr
+
+
+# One way inside train/ too: the module-level imports of train/ form no circle, and a function-local import of
+# ours says why it is not at the top (an optional dependency, or a module slow to import).
+TRAIN = ROOT / "train"
+LOCAL_IMPORT_REASONS = ("# optional:", "# slow:")
+
+
+def _module_level_imports(path: Path) -> list[str]:
+    """The modules of ours ``path`` imports at module level (in `if` and `try` blocks too, not in functions);
+    ``from X import Y`` counted as ``X.Y`` when that is a module of ours, else as ``X``."""
+    module = _module_name(path)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    out = []
+
+    def visit(nodes):
+        for node in nodes:
+            if isinstance(node, ast.Import):
+                out.extend(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    base = ".".join(anchor + ([base] if base else []))
+                out.extend(
+                    f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base for alias in node.names
+                )
+            elif isinstance(node, (ast.If, ast.Try)):
+                visit(node.body)
+                visit(getattr(node, "orelse", []))
+                visit([n for handler in getattr(node, "handlers", []) for n in handler.body])
+                visit(getattr(node, "finalbody", []))
+
+    visit(ast.parse(path.read_text(), str(path)).body)
+    return out
+
+
+def import_graph(root: Path) -> dict[str, set[str]]:
+    """``module -> the modules of root's package it imports at module level``. Importing ``a.b.c`` runs the
+    packages ``a.b`` and ``a`` first, so each import also counts its packages, except those that hold the
+    importer itself (a package's ``__init__`` importing its own modules is no circle)."""
+    modules = {_module_name(p): p for p in sorted(root.rglob("*.py"))}
+    graph = {}
+    for module, path in modules.items():
+        edges = set()
+        for name in _module_level_imports(path):
+            while name and name not in modules:
+                name = name.rpartition(".")[0]
+            parts = name.split(".") if name else []
+            for i in range(1, len(parts) + 1):
+                target = ".".join(parts[:i])
+                if target in modules and target != module and not _within(module, target):
+                    edges.add(target)
+        graph[module] = edges
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The circles of ``graph``, one per strongly connected component of more than one module (Tarjan's
+    algorithm), each as a path through the component that returns to its first module."""
+    index, low, stack, on_stack, components = {}, {}, [], set(), []
+
+    def connect(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                components.append(set(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            connect(v)
+    cycles = []
+    for component in components:
+        start = min(component)
+        path, seen = [start], {start}
+        while True:  # walk inside the component until a module repeats
+            step = min(w for w in graph[path[-1]] if w in component)
+            if step in seen:
+                cycles.append(path[path.index(step) :] + [step])
+                break
+            path.append(step)
+            seen.add(step)
+    return sorted(cycles)
+
+
+def local_imports_without_reason(path: Path) -> list[str]:
+    """``file:line imports X`` for each import of ours inside a function with no comment on its line or the
+    line before saying why it is not at the top (`LOCAL_IMPORT_REASONS`)."""
+    lines = path.read_text().splitlines()
+    out = []
+    for function in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for node in function.body:
+            for sub in ast.walk(node):
+                if isinstance(sub, ast.Import):
+                    names = [alias.name for alias in sub.names]
+                elif isinstance(sub, ast.ImportFrom) and not sub.level:
+                    names = [sub.module]
+                else:
+                    continue
+                said = lines[sub.end_lineno - 1] + (lines[sub.lineno - 2] if sub.lineno > 1 else "")
+                if any(_ours(n) for n in names) and not any(reason in said for reason in LOCAL_IMPORT_REASONS):
+                    out.append(f"{path.relative_to(ROOT)}:{sub.lineno} imports {', '.join(names)}")
+    return sorted(set(out))
+
+
+MODULES = {_module_name(p) for p in FILES}
+
+
+def test_train_imports_form_no_circle():
+    assert import_cycles(import_graph(TRAIN)) == []
+
+
+@pytest.mark.parametrize("path", sorted(TRAIN.rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT)))
+def test_function_local_imports_say_why(path):
+    assert local_imports_without_reason(path) == []
+
+
+def test_the_circle_and_local_import_checks_catch_them(tmp_path, monkeypatch):
+    """Three modules in a circle (one through a package's ``__init__``) and a local import with and without
+    its reason."""
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    package = tmp_path / "train"
+    (package / "sub").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "sub" / "__init__.py").write_text("from train.sub import leaf\n")
+    (package / "sub" / "leaf.py").write_text("import math\n")
+    (package / "a.py").write_text("from train import b\n")
+    (package / "b.py").write_text("import train.c\n")
+    (package / "c.py").write_text(
+        "from train.sub.leaf import x\n\n\ndef f():\n    from train import a\n\n    # slow: a\n    import train.a\n"
+    )
+    (package / "sub" / "leaf.py").write_text("import math\n\nfrom train.a import y\n")
+    monkeypatch.setattr(sys.modules[__name__], "MODULES", {_module_name(p) for p in package.rglob("*.py")})
+    graph = import_graph(package)
+    assert graph["train.c"] == {"train.sub", "train.sub.leaf"}
+    assert import_cycles(graph) == [["train.a", "train.b", "train.c", "train.sub", "train.sub.leaf", "train.a"]]
+    assert local_imports_without_reason(package / "c.py") == ["train/c.py:5 imports train"]

@@ -15,19 +15,20 @@ from sharding import devices, planner
 from sharding.devices import simulate_inventory
 from sharding.parallel import Parallelism, UnevenBatch
 from sharding.rules import get_rules
-from train import cli, strategies
+from train import strategies
+from train.setup import layout_flags, strategy_setup
 
 MODEL = describe(ModelConfig(32000, 4, 512, 2048, 8, 8, 64))
 
 
 def test_kind_counts_parse_to_table_names_and_refuse_bad_values():
-    assert cli.parse_kind_counts("h100=25,a100=7") == (("h100_sxm", 25), ("a100_80gb", 7))
-    assert cli.parse_kind_counts("fast=3,slow=1") == (("fast", 3), ("slow", 1))  # a cluster file's own kinds
-    strategy = cli.parse_hetero_batch("h100=3,a100=1", 2)
+    assert layout_flags.parse_kind_counts("h100=25,a100=7") == (("h100_sxm", 25), ("a100_80gb", 7))
+    assert layout_flags.parse_kind_counts("fast=3,slow=1") == (("fast", 3), ("slow", 1))  # a cluster file's own kinds
+    strategy = layout_flags.parse_hetero_batch("h100=3,a100=1", 2)
     assert strategy.kind_counts == (("h100_sxm", 3), ("a100_80gb", 1)) and strategy.counts is None
     for bad in ("h100=x", "h100=1,h100_sxm=2", "h100=0,a100=0", "=3", "h100=-1"):
         with pytest.raises(ValueError, match="--hetero-batch"):
-            cli.parse_kind_counts(bad)
+            layout_flags.parse_kind_counts(bad)
 
 
 def test_kind_counts_resolve_per_group_and_name_a_missing_kind():
@@ -41,7 +42,7 @@ def test_kind_counts_resolve_per_group_and_name_a_missing_kind():
     )
     resolved, _ = strategies.resolve_uneven(par, mesh, simulated)
     assert resolved.strategy.counts == (3, 3, 1, 1)
-    assert strategies.kind_of(resolved.strategy).flags_before_microbatches(resolved)[:2] == [
+    assert strategy_setup.flags_before_microbatches(resolved)[:2] == [
         "--hetero-batch",
         "h100_sxm=3,a100_80gb=1",
     ]

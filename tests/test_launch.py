@@ -24,20 +24,12 @@ import pytest
 from _procs import ROOT, clean_env, losses, run
 
 from checkpoints.verify import saved_steps
-from train import cli
-from train import launch as launch_module
-from train.distributed import DistributedConfig, start_service
-from train.launch import (
-    RESTARTS_EXHAUSTED,
-    Generation,
-    LaunchConfig,
-    Launcher,
-    choose,
-    free_port,
-    outer_for,
-    parse,
-    strip_flags,
-)
+from train.launcher import supervisor as launch_module
+from train.launcher.command import LaunchConfig, parse, strip_flags
+from train.launcher.distributed import DistributedConfig, start_service
+from train.launcher.replan import choose, outer_for
+from train.launcher.supervisor import RESTARTS_EXHAUSTED, Generation, Launcher, free_port
+from train.setup import cli
 
 STEPS = 10  # the schedule's decay steps
 REJOIN_STEPS = 30  # the one-process job must still be running when the checkpoint it waits for is complete
@@ -412,12 +404,12 @@ def test_a_signal_to_the_launcher_is_passed_on_and_is_not_a_lost_process(corpus,
 @pytest.mark.slow
 def test_sigterm_before_the_training_loop_ends_a_process_at_once():
     """JAX's preemption notifier takes SIGTERM over in jax.distributed.initialize and only records it; after
-    `train.distributed.initialize` a process that has not reached the loop ends at SIGTERM (nothing to save),
+    `train.launcher.distributed.initialize` a process that has not reached the loop ends at SIGTERM (nothing to save),
     so a launcher stopping it does not wait for SIGKILL."""
     script = (
         "import os, signal, time\n"
-        "from train.distributed import DistributedConfig, initialize\n"
-        "from train.launch import free_port\n"
+        "from train.launcher.distributed import DistributedConfig, initialize\n"
+        "from train.launcher.supervisor import free_port\n"
         "initialize(DistributedConfig(f'127.0.0.1:{free_port()}', 1, 0, timeout=30))\n"
         "os.kill(os.getpid(), signal.SIGTERM)\n"
         "time.sleep(5)\n"

@@ -10,7 +10,7 @@ import pytest
 from _cli_errors import as_printed, raises_as_cli
 
 from checkpoints.lock import LOCK_FILE, RunFolderLocked, RunLock, _start_time
-from train.flagnames import render
+from train.setup.flagnames import render
 
 HOST = socket.gethostname()
 

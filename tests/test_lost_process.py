@@ -10,7 +10,8 @@ import pytest
 from _procs import ROOT, clean_env, free_port, wait_for_line
 
 from checkpoints.manager import CheckpointManager
-from train.distributed import LOST_PROCESS_EXIT, PeerWatch, _timeouts, checkpoint_note
+from train.launcher.distributed import _timeouts
+from train.launcher.peers import LOST_PROCESS_EXIT, PeerWatch, checkpoint_note
 
 DIST_TIMEOUT = 10
 
@@ -140,7 +141,7 @@ def test_kill_9_of_one_process_ends_the_other_with_a_message_within_dist_timeout
     """Process 1 is killed; process 0 (which hosts JAX's coordinator) reports it and exits 3.
 
     Killing process 0 instead still aborts the survivors at once: JAX's client polls the coordinator for
-    errors and LOG(FATAL)s when that connection closes, before any Python code can run (see train/distributed.py).
+    errors and LOG(FATAL)s when that connection closes, before any Python code can run (see train/launcher/distributed.py).
     """
     victim = 1
     port = free_port()
@@ -192,7 +193,7 @@ def test_a_process_that_finished_is_not_reported_lost(checkpoints, tmp_path):
 
 _WRITES = r"""
 import os, sys
-from train.distributed import GLOO_CONNECTED, close_output_filters, drop_output_lines
+from train.launcher.output import GLOO_CONNECTED, close_output_filters, drop_output_lines
 print("before", flush=True)
 drop_output_lines(*GLOO_CONNECTED)
 # as gloo's C++ writes them: straight to descriptor 1, below Python's sys.stdout

@@ -8,7 +8,7 @@ import pytest
 
 from sharding.axes import MESH_AXES
 from sharding.mesh import crossing_axes, device_grid, format_mesh, make_mesh, parse_mesh, split_outer_inner
-from train.flagnames import render
+from train.setup.flagnames import render
 
 
 def test_parse_fills_minus_one_and_orders_axes():

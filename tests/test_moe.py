@@ -15,7 +15,7 @@ from models.moe import MoE, capacity_keep, route, router_losses
 from models.transformer import Transformer, abstract_model
 from sharding.mesh import make_mesh, parse_mesh
 from sharding.parallel import UNSHARDED, Parallelism
-from train.flagnames import render
+from train.setup.flagnames import render
 
 CONFIG = get_config("moe-test")
 D = CONFIG.embed_dim
@@ -79,7 +79,7 @@ def test_router_losses_match_a_hand_computation():
 
 
 def test_max_load_is_the_largest_expert_share_over_the_mean():
-    from train.step import max_load
+    from train.runtime.step import max_load
 
     balanced = jnp.array([[4.0, 4.0, 4.0, 4.0]])
     assert float(max_load(balanced)) == 1.0
@@ -235,8 +235,8 @@ def test_uneven_counts_give_the_uniform_gradients_and_routing_counts(mesh_spec, 
     loss is off: it is computed per microbatch, whose grouping the counts change)."""
     from sharding.parallel import Accumulation, UnevenBatch
     from sharding.rules import get_rules
-    from train.optimizer import OptimizerConfig
-    from train.step import Trainer
+    from train.runtime.optimizer import OptimizerConfig
+    from train.runtime.step import Trainer
 
     rows, seq = 1, 8
     config = CONFIG.replace(router_aux_coef=0.0, num_layers=1, first_dense_layers=0)
@@ -278,8 +278,8 @@ def _moe_gradients(mesh_spec, strategy):
 
     from sharding import pipeline as pl
     from sharding.rules import get_rules
-    from train.optimizer import OptimizerConfig
-    from train.step import Trainer
+    from train.runtime.optimizer import OptimizerConfig
+    from train.runtime.step import Trainer
 
     par = Parallelism.of(make_mesh(parse_mesh(mesh_spec, 8)), get_rules("fsdp"), strategy)
     trainer = Trainer(PIPELINE_MOE, OptimizerConfig(), par)

@@ -19,9 +19,9 @@ from sharding.mesh import make_mesh, parse_mesh
 from sharding.parallel import Parallelism
 from train import train
 from train.data import load_dataset
-from train.optimizer import OptimizerConfig
-from train.step import Trainer
-from train.tokenizer import ByteTokenizer
+from train.data.tokenizer import ByteTokenizer
+from train.runtime.optimizer import OptimizerConfig
+from train.runtime.step import Trainer
 
 pytestmark = pytest.mark.slow  # two gloo processes: tens of seconds
 
@@ -113,7 +113,7 @@ def test_two_processes_train_and_resume_with_the_losses_of_one(runs):
     assert re.search(r"^step\s+8/8 ", p0, re.M)
     assert not re.search(r"^step\s+\d+/", p1, re.M)  # only process 0 prints
     assert "axes crossing processes: data (over 2)" in p0
-    assert "[Gloo]" not in p0 + p1  # gloo's connection lines are filtered out (train.distributed.LineFilter)
+    assert "[Gloo]" not in p0 + p1  # gloo's connection lines are filtered out (train.launcher.output.LineFilter)
 
 
 def test_two_processes_fall_back_together_from_damaged_array_data(runs):

@@ -18,8 +18,8 @@ from sharding.mesh import make_mesh, parse_mesh
 from sharding.parallel import Parallelism
 from sharding.rules import get_rules
 from train import train
-from train.optimizer import OptimizerConfig, learning_rate_schedule
-from train.step import Trainer
+from train.runtime.optimizer import OptimizerConfig, learning_rate_schedule
+from train.runtime.step import Trainer
 
 
 @pytest.mark.parametrize("name", ["adamw", "lion", "sgd"])
@@ -95,7 +95,8 @@ def test_a_resume_with_another_optimizer_is_refused(tmp_path, corpus, cache, cap
 
 def test_the_learning_rate_schedule_flag_leaves_the_pipeline_schedules_alone():
     from sharding.pipeline import SCHEDULES
-    from train import cli
+    from train.setup import cli
+    from train.setup.parser import build_parser
 
     run = cli.parse(
         [
@@ -112,7 +113,7 @@ def test_the_learning_rate_schedule_flag_leaves_the_pipeline_schedules_alone():
         ]
     )
     assert run.parallelism.pipeline.one_f_one_b and run.optimizer.schedule == "wsd"
-    actions = {a.dest: a for a in cli.build_parser()._actions}
+    actions = {a.dest: a for a in build_parser()._actions}
     assert tuple(actions["pipeline_schedule"].choices) == tuple(SCHEDULES)
 
 

@@ -14,8 +14,8 @@ from sharding.mesh import make_mesh, parse_mesh
 from sharding.parallel import UNSHARDED, Accumulation, Parallelism
 from sharding.rules import get_rules, tree_shardings
 from sharding.vocab import choose_output, output_traffic, vocab_split
-from train.optimizer import OptimizerConfig
-from train.step import Trainer
+from train.runtime.optimizer import OptimizerConfig
+from train.runtime.step import Trainer
 
 MESHES = ["fsdp=8", "fsdp=4,tensor=2", "data=2,fsdp=2,tensor=2", "data=2,fsdp=4"]
 

@@ -26,9 +26,10 @@ from sharding.parallel import UNSHARDED, Accumulation, Parallelism
 from sharding.pipeline.schedule import run_pipeline
 from sharding.pipeline.storage import StageStorage, layout_from_meta, stack_table, storage_for, storage_spec
 from sharding.rules import get_rules
-from train import report, train
-from train.optimizer import OptimizerConfig
-from train.step import Trainer
+from train import train
+from train.reports import report
+from train.runtime.optimizer import OptimizerConfig
+from train.runtime.step import Trainer
 
 RULES = get_rules("fsdp_tp")
 
@@ -401,9 +402,9 @@ def _flat_loss_and_grads(num_layers=4):
 def test_attention_kernels_inside_stages_match_the_flat_reference_attention(attention, mesh_spec, schedule):
     """Each kernel's map opens over the axes the stage program leaves automatic; loss and gradients equal
     the unpipelined model's with plain attention, for GPipe, 1F1B and zero bubble. As at start-up
-    (`train.strategies.checked_pipeline`), a transfer inside a skipped slot (ring's) makes the pipeline
+    (`train.setup.strategy_setup.check_compiled`), a transfer inside a skipped slot (ring's) makes the pipeline
     compute every slot instead."""
-    from train.strategies import checked_pipeline
+    from train.setup.strategy_setup import check_compiled as checked_pipeline
 
     batch = _batch(8, 32)
     ref_loss, ref_grads = _flat_loss_and_grads()
@@ -858,7 +859,7 @@ def test_a_pipeline_with_uneven_context_shares_compiles_its_check_at_the_padded_
     length it is asked for is the point.)"""
     from types import SimpleNamespace
 
-    from train import cli
+    from train.setup import cli
     from train.train import build_trainer, prepare
 
     argv = ["--model", "test", "--set", "num_layers=2", "--mesh", "stage=2,context=2,fsdp=2", "--attention", "ring"]
@@ -878,14 +879,14 @@ def test_a_pipeline_with_uneven_context_shares_compiles_its_check_at_the_padded_
 def test_collectives_in_skipped_slots_are_one_short_note_and_every_slot_computed(monkeypatch):
     """The note listed every collective-permute by name (19 for a ring-attention pipeline, a line of 1,500
     characters) and was printed twice: as a Python warning with its source line, and in the start-up report."""
-    import train.strategies.pipeline as strategy
+    import train.setup.strategy_setup as strategy
     from sharding.hlo import BranchCollective
 
     found = [BranchCollective("collective-permute", f"ppermute.{i}", None, False) for i in range(19)]
     monkeypatch.setattr(strategy, "branch_collectives", lambda text, mesh: found)
     layout, _ = pl.plan_layout(4, 2)
     par = Parallelism(parse_mesh("stage=2,fsdp=4", 8), get_rules("fsdp_tp"), pl.PipelinePlan(layout, 2))
-    checked, note = strategy.checked_pipeline(par, "")
+    checked, note = strategy.check_compiled(par, "")
     assert not checked.pipeline.skip_empty
     assert note.startswith(
         "pipeline: the partitioner put 19 collective-permute (ppermute.0, ppermute.1, ppermute.10, ...) inside "

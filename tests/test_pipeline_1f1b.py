@@ -21,7 +21,7 @@ from sharding.parallel import UNSHARDED, Parallelism
 from sharding.pipeline.layout import BACKWARD, FORWARD
 from sharding.pipeline.onef1b import run_pipeline_loss
 from sharding.rules import get_rules
-from train.flagnames import render
+from train.setup.flagnames import render
 
 RULES = get_rules("fsdp_tp")
 ONE_F_ONE_B = ("1f1b", "1f1b-fused", "zb")
@@ -354,8 +354,8 @@ def _batch(batch, length, seed=0):
 
 
 def _trainer(config, mesh_spec, strategy, optimizer=None):
-    from train.optimizer import OptimizerConfig
-    from train.step import Trainer
+    from train.runtime.optimizer import OptimizerConfig
+    from train.runtime.step import Trainer
 
     return Trainer(
         config, optimizer or OptimizerConfig(), Parallelism.of(make_mesh(parse_mesh(mesh_spec, 8)), RULES, strategy)
@@ -469,7 +469,7 @@ STEPS_LAYERS, STEPS_MESH, STEPS_SPLIT, STEPS_MICROBATCHES = 6, "stage=2,fsdp=4",
 
 def _steps_config():
     from models.config import get_config
-    from train.optimizer import OptimizerConfig
+    from train.runtime.optimizer import OptimizerConfig
 
     return get_config("test", [f"num_layers={STEPS_LAYERS}"]), OptimizerConfig(eps=1e-3, warmup=0, decay_steps=10)
 
@@ -895,9 +895,9 @@ def test_dry_run_reports_interleaved_1f1b(capsys):
 
 @pytest.mark.parametrize("repeats", [1, 2])
 def test_the_fused_1f1b_plan_round_trips_through_its_flags_and_is_reported(repeats):
-    from train.cli import parse
-    from train.flags import parallelism_flags
-    from train.report import schedule_memory_line
+    from train.reports.report import schedule_memory_line
+    from train.setup.cli import parse
+    from train.setup.flags import parallelism_flags
 
     argv = ["--model", "test", "--mesh", "stage=2,fsdp=4", "--microbatches", "4", "--pipeline-schedule", "1f1b-fused"]
     run = parse(argv + (["--pipeline-repeats", str(repeats)] if repeats > 1 else []))
@@ -914,8 +914,8 @@ def test_the_fused_1f1b_plan_round_trips_through_its_flags_and_is_reported(repea
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b-fused"])
 def test_the_gather_mode_round_trips_through_its_flags_and_is_reported(schedule):
-    from train.cli import parse
-    from train.flags import parallelism_flags
+    from train.setup.cli import parse
+    from train.setup.flags import parallelism_flags
 
     argv = ["--model", "test", "--mesh", "stage=2,fsdp=4", "--microbatches", "4", "--pipeline-schedule", schedule]
     assert parse(argv).parallelism.strategy.gather == "once"
@@ -963,8 +963,8 @@ def test_the_gather_mode_needs_a_pipeline(capsys):
 
 @pytest.mark.parametrize("repeats", [1, 2])
 def test_the_1f1b_plan_round_trips_through_its_flags(repeats):
-    from train.cli import parse
-    from train.flags import parallelism_flags
+    from train.setup.cli import parse
+    from train.setup.flags import parallelism_flags
 
     argv = ["--model", "test", "--mesh", "stage=2,fsdp=4", "--microbatches", "4", "--pipeline-schedule", "1f1b"]
     run = parse(argv + (["--pipeline-repeats", str(repeats)] if repeats > 1 else []))

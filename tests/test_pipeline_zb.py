@@ -238,9 +238,9 @@ def test_zero_bubble_holds_fused_1f1b_temporaries_plus_its_priced_ring_and_no_tr
 
 def test_the_zero_bubble_plan_round_trips_through_its_flags_and_is_reported(capsys):
     from train import train
-    from train.cli import parse
-    from train.flags import parallelism_flags
-    from train.report import schedule_memory_line
+    from train.reports.report import schedule_memory_line
+    from train.setup.cli import parse
+    from train.setup.flags import parallelism_flags
 
     run = parse(["--model", "test", "--mesh", "stage=2,fsdp=4", "--microbatches", "4", "--pipeline-schedule", "zb"])
     plan = run.parallelism.strategy

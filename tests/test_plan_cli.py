@@ -108,7 +108,7 @@ def test_a_homogeneous_cluster_is_searched_once(capsys, monkeypatch):
 @pytest.mark.parametrize(
     "model, layout, remedy",
     [
-        # moe-test's first layer is dense: train.train refuses such pipeline stages (train.checks.check_experts)
+        # moe-test's first layer is dense: train.train refuses such pipeline stages (train.setup.checks.check_experts)
         (
             ["--model", "moe-test"],
             "--mesh stage=2,fsdp=4 --microbatches 2",

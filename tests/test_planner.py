@@ -15,10 +15,10 @@ from sharding import costmodel as cm
 from sharding import devices, planner
 from sharding import pipeline as pl
 from sharding.splits import largest_remainder
-from train import checks, cli
-from train.flagnames import render
 from train.plan import main as plan_main
 from train.plan import plan_flags
+from train.setup import checks, cli
+from train.setup.flagnames import render
 
 
 def _described(*fields):
@@ -145,7 +145,7 @@ def test_uneven_shares_only_on_meshes_the_uneven_step_runs():
             assert len(p.counts) == mesh["data"] * mesh["fsdp"]  # one count per data-parallel group
             # parameters split over fsdp and tensor at once: exact, but priced wrong (planner._uneven_fits)
             assert not (mesh["tensor"] > 1 and mesh["fsdp"] > 1 and p.layout.rules_name in ("fsdp", "fsdp_tp"))
-            assert mesh["tensor"] == 1 or p.layout.attention != "flash"  # train.checks refuses a kernel there
+            assert mesh["tensor"] == 1 or p.layout.attention != "flash"  # train.setup.checks refuses a kernel there
 
 
 def test_uneven_shares_with_tensor_inside_each_group_for_a_7b_model():
@@ -217,7 +217,7 @@ def test_a_mixture_of_experts_gets_expert_layouts_and_no_pipeline():
 
 
 def test_a_mixture_of_experts_in_every_layer_gets_pipeline_layouts():
-    """A dropless MoE whose every layer is one may run in pipeline stages (`train.checks.check_experts`): the
+    """A dropless MoE whose every layer is one may run in pipeline stages (`train.setup.checks.check_experts`): the
     search tries stages (without ``expert``, which inside a stage splits storage only and prices alike: the
     cost model's figures of a stage mesh with and without it are equal); with a capacity it tries none."""
     inventory = _inventory(8, 0, 8, 1.0)

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from sharding.balance import Rebalancer, counts_for_speeds, predicted_seconds
-from train.calibrate import compute_pools
+from train.setup.calibrate import compute_pools
 
 POOLS = (0,) * 4 + (1,) * 4
 

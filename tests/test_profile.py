@@ -5,7 +5,7 @@ import pytest
 from test_faults import args_for
 
 from train import train
-from train.profile import parse_profile_steps
+from train.runtime.profile import parse_profile_steps
 
 
 def test_a_three_step_run_writes_the_trace_of_its_chosen_steps(tmp_path, corpus, cache, capsys):

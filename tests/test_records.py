@@ -16,11 +16,12 @@ from models.config import get_config
 from sharding.mesh import make_mesh, parse_mesh
 from sharding.parallel import Parallelism
 from sharding.rules import get_rules
-from train import report, train
-from train.flagnames import render
-from train.loop import MetricsWriter, truncate_metrics
-from train.optimizer import OptimizerConfig, learning_rate_schedule
-from train.step import Trainer
+from train import train
+from train.reports import report
+from train.runtime.loop import MetricsWriter, truncate_metrics
+from train.runtime.optimizer import OptimizerConfig, learning_rate_schedule
+from train.runtime.step import Trainer
+from train.setup.flagnames import render
 
 BASE = [
     "--model",

@@ -225,7 +225,7 @@ def test_export_of_a_step_with_damaged_data_is_one_line_naming_the_file_and_rena
 def test_a_reader_leaves_a_live_runs_save_in_progress(copy):
     """generate, evaluate and export open the checkpoints read-only: Orbax's clean-up of unfinished saves
     (right for the run that owns the folder) would delete the save a live run is writing."""
-    from train.inference import read_run
+    from train.runtime.inference import read_run
 
     in_progress = copy / "checkpoints" / "4.orbax-checkpoint-tmp-1700000000"
     in_progress.mkdir()

@@ -15,9 +15,9 @@ from sharding.mesh import make_mesh, parse_mesh
 from sharding.parallel import Accumulation, Parallelism
 from sharding.pipeline import PipelinePlan, pipeline_rules, plan_layout
 from sharding.rules import get_rules
-from train import calibrate
-from train.optimizer import OptimizerConfig
-from train.step import Trainer
+from train.runtime.optimizer import OptimizerConfig
+from train.runtime.step import Trainer
+from train.setup import calibrate
 
 
 def _brute_force(layers, seconds, fixed):
@@ -148,11 +148,11 @@ def test_cli_stage_layers_auto_refuses_circular(capsys):
 
 
 def test_plan_auto_on_real_devices_measures_its_shares():
-    """`train.plan.measured`: without --simulate-cluster the planner's datasheet counts and stage split are
+    """`train.setup.auto_plan.measured`: without --simulate-cluster the planner's datasheet counts and stage split are
     re-measured at start-up; with it (CPU devices standing in for kinds) they are kept."""
     from sharding.parallel import UnevenBatch
-    from train import cli
-    from train.plan import measured
+    from train.setup import cli
+    from train.setup.auto_plan import measured
 
     real = cli.parse(["--plan", "auto", "--cluster", "h100:4,a100:4", "--batch-size", "48", "--model", "test"])
     simulated = cli.parse(

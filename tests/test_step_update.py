@@ -1,4 +1,4 @@
-"""The optimizer update of `train.step.Trainer.apply_gradients`: exact against optax, a non-finite step
+"""The optimizer update of `train.runtime.step.Trainer.apply_gradients`: exact against optax, a non-finite step
 leaves the state as it was (AdamW, updated inside the finite-step conditional, and Adafactor, updated before
 it), and the compiled update does not copy the optimizer state nor hold new moments beside the old."""
 
@@ -13,8 +13,8 @@ from sharding.hlo import branch_collectives
 from sharding.mesh import make_mesh, parse_mesh
 from sharding.parallel import Parallelism
 from sharding.rules import get_rules
-from train.optimizer import OptimizerConfig
-from train.step import Trainer
+from train.runtime.optimizer import OptimizerConfig
+from train.runtime.step import Trainer
 
 
 def _trainer(name="adamw"):
@@ -33,7 +33,7 @@ def trainer():
 @pytest.fixture(scope="module")
 def trainers(trainer):
     """By optimizer name: AdamW (the module's trainer) and Adafactor, whose update has reductions and so runs
-    before the conditional (`train.optimizer.ELEMENTWISE`)."""
+    before the conditional (`train.runtime.optimizer.ELEMENTWISE`)."""
     return {"adamw": trainer, "adafactor": _trainer("adafactor")}
 
 

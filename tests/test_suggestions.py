@@ -2,7 +2,7 @@
 
 Each case is a train.train command line that is refused with a suggestion (``e.g. --flag VALUE``, ``pass --flag
 VALUE``); the test takes the flags the message suggests, puts them into the command line (replacing the same
-flags' values), and runs the same parse and checks (`train.cli.parse`, `train.train.prepare`) again: they must pass.
+flags' values), and runs the same parse and checks (`train.setup.cli.parse`, `train.train.prepare`) again: they must pass.
 """
 
 import re
@@ -11,8 +11,8 @@ import shlex
 import jax
 import pytest
 
-from train import cli
-from train.flagnames import render
+from train.setup import cli
+from train.setup.flagnames import render
 from train.train import prepare
 
 BASE = ["--model", "test", "--seq-len", "64", "--batch-size", "8", "--steps", "2"]

@@ -1,6 +1,6 @@
 """The bytes tokenizer written as a ``tokenizer.json``: the same ids and text through the `tokenizers` library."""
 
-from train.tokenizer import ByteTokenizer, HFTokenizer
+from train.data.tokenizer import ByteTokenizer, HFTokenizer
 
 TEXTS = ["def main():\n\treturn 'wörld' 🎉", "  two  spaces\r\n", "", "\x00\x7f control"]
 

@@ -15,8 +15,8 @@ from sharding.mesh import make_mesh, parse_mesh
 from sharding.parallel import Parallelism
 from sharding.rules import get_rules
 from train import train
-from train.optimizer import OptimizerConfig
-from train.step import Trainer
+from train.runtime.optimizer import OptimizerConfig
+from train.runtime.step import Trainer
 
 SMALL = [
     "--model",
@@ -216,7 +216,7 @@ def test_flash_attention_trains_with_the_losses_of_reference(tmp_path, corpus, c
 def test_the_closing_lines_give_one_evaluation_as_one_value():
     """A run stopped before its second evaluation says the one held-out loss it has, not "a -> a over steps
     0-0"; two or more give the first and last."""
-    from train.report import summary_lines
+    from train.reports.report import summary_lines
 
     base = {"step": 40, "start_step": 30, "stopped_by": "SIGINT"}
     once = summary_lines({**base, "eval": [(0, 6.61684)]}, Path("ckpt"), 0.5)

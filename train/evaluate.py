@@ -12,7 +12,7 @@ Examples:
     python -m train.evaluate --hf MODEL --data corpus.jsonl --mesh fsdp=4,tensor=2 --cpu-devices 8
 
 ``--run-dir RUN [--step N]`` reads a meshwork checkpoint instead (model config and tokenizer from its
-metadata, parameters restored onto ``--mesh``; see `train.inference`).
+metadata, parameters restored onto ``--mesh``; see `train.runtime.inference`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ import math
 import sys
 
 from checkpoints.argparser import Parser
-from train.inference import add_device_args, add_source_args, load_model, run_main, setup
+from sharding import axes as ax
+from train.data import load_dataset, model_inputs, to_global_arrays
+from train.runtime.inference import add_device_args, add_source_args, load_model, run_main, setup
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,7 +62,7 @@ def evaluate(model, par, dataset, batch_size: int, seq_len: int, batches: int, s
     covers.
 
     Args:
-      model: a `train.inference.LoadedModel`.
+      model: a `train.runtime.inference.LoadedModel`.
       par: the layout its parameters are on.
       dataset: a `train.data.Dataset` whose ``global_batch`` is ``batch_size``.
       batch_size, seq_len: B and T.
@@ -68,9 +70,7 @@ def evaluate(model, par, dataset, batch_size: int, seq_len: int, batches: int, s
     """
     import jax
 
-    from models.transformer import loss_sums
-    from sharding import axes as ax
-    from train.data import model_inputs, to_global_arrays
+    from models.transformer import loss_sums  # slow: jax
 
     sharding = par.sharding((ax.BATCH, ax.LENGTH), (batch_size, seq_len))
 
@@ -93,7 +93,6 @@ def evaluate(model, par, dataset, batch_size: int, seq_len: int, batches: int, s
 
 
 def run(args) -> int:
-    from train.data import load_dataset
 
     _check(args)
     par = setup(args)

@@ -11,7 +11,7 @@ Examples:
         --mesh data=2,tensor=4 --cpu-devices 8
 
 ``--run-dir RUN [--step N]`` reads a meshwork checkpoint instead (model config and tokenizer from its
-metadata, parameters restored onto ``--mesh``; see `train.inference`).
+metadata, parameters restored onto ``--mesh``; see `train.runtime.inference`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from checkpoints.argparser import Parser
-from train.inference import add_device_args, add_source_args, load_model, run_main, setup
+from train.runtime.inference import add_device_args, add_source_args, load_model, run_main, setup
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -93,7 +93,7 @@ class _Stream:
 
 
 def run(args) -> int:
-    from models.generation import Generator, Sampling
+    from models.generation import Generator, Sampling  # slow: jax
 
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
     if args.max_new_tokens <= 0:

@@ -23,7 +23,9 @@ import time
 from pathlib import Path
 
 from checkpoints.argparser import Parser
-from train.inference import add_device_args, run_main, setup
+from checkpoints.meta import RunMeta
+from train.data.tokenizer import ByteTokenizer, HFTokenizer
+from train.runtime.inference import add_device_args, restore_params, run_main, setup
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,9 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def import_folder(args) -> int:
     """``import``: the folder onto the mesh, saved as step 0 of ``--run-dir``."""
-    from checkpoints import hf
-    from train.checks import check_run_dir
-    from train.tokenizer import HFTokenizer
+    from checkpoints import hf  # slow: ml_dtypes
+    from train.setup.checks import check_run_dir  # slow: orbax
 
     config = hf.init_config(args.path)
     tokenizer_file = Path(args.tokenizer or Path(args.path) / hf.TOKENIZER_FILE)
@@ -74,7 +75,7 @@ def import_folder(args) -> int:
     par = setup(args)
     import jax
 
-    from train.train import hold_run_folder
+    from train.runtime.training import hold_run_folder  # slow: orbax
 
     lock = hold_run_folder(
         args.run_dir, args.break_lock, jax.process_index(), lambda line: print(line, file=sys.stderr)
@@ -89,10 +90,9 @@ def import_folder(args) -> int:
 
 def _import_onto(args, config, tokenizer, par) -> None:
     """Loads the folder's weights onto the mesh of ``par`` and saves them as step 0 of ``--run-dir``."""
-    from checkpoints import hf
-    from checkpoints.manager import CheckpointManager
-    from checkpoints.meta import RunMeta
-    from train.state import StateLayout
+    from checkpoints import hf  # slow: ml_dtypes
+    from checkpoints.manager import CheckpointManager  # slow: orbax
+    from train.runtime.state import StateLayout  # slow: jax
 
     t0 = time.perf_counter()
     layout = StateLayout(config, par)
@@ -113,10 +113,8 @@ def _import_onto(args, config, tokenizer, par) -> None:
 
 def export_run(args) -> int:
     """``export``: a checkpoint's parameters, canonical layout, written as a Hugging Face folder."""
-    from checkpoints import hf
-    from train.cli import parse_bytes
-    from train.inference import restore_params
-    from train.tokenizer import ByteTokenizer
+    from checkpoints import hf  # slow: ml_dtypes
+    from train.setup.parser import parse_bytes  # slow: jax
 
     try:
         max_bytes = parse_bytes(args.max_shard_size, "--max-shard-size", "2GB")

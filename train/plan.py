@@ -19,8 +19,8 @@ predicted step time and per-device memory of each plan (needs matplotlib: ``pip 
 The model is a preset of ``models.config`` with ``--set FIELD=VALUE`` overrides; the planner
 (`sharding.planner`) reads its description (`models.spec.describe`), never the model itself.
 
-`apply_plan` is ``python -m train.train --plan auto``: the planner's best `Parallelism` replaces the
-run's (`sharding.planner.Plan.parallelism`).
+``python -m train.train --plan auto`` runs the same search for the run's own devices
+(`train.setup.auto_plan.apply_plan`).
 """
 
 from __future__ import annotations
@@ -31,22 +31,25 @@ import json
 import shlex
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from checkpoints.argparser import Parser
 from models import attention_registry
+from models.attention import check_context_shares
 from models.config import PRESETS, get_config
 from models.spec import describe
 from sharding import costmodel as cm
 from sharding import planner
 from sharding.devices import inventory_from_flag
-from sharding.mesh import format_mesh
+from sharding.mesh import format_mesh, parse_mesh
 from sharding.modeldesc import ModelDescription
 from sharding.pipeline import check_microbatches, example_split
-from train.config import RunConfig
-from train.flagnames import render
-from train.flags import parallelism_flags
+from train.setup.flagnames import render
+from train.setup.flags import parallelism_flags
+from train.setup.folders import check_writable
+from train.setup.layout_flags import PRICED_FLAGS, parallelism_from_args
+from train.setup.parser import build_parser as build_train_parser
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -103,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def plan_flags(plan: planner.Plan, cluster: str | None = None) -> str:
-    """The ``python -m train.train`` flags that reproduce ``plan``: its layout's (`train.flags.parallelism_flags`
+    """The ``python -m train.train`` flags that reproduce ``plan``: its layout's (`train.setup.flags.parallelism_flags`
     of `Plan.parallelism`), then the model's execution flags (``--remat``, ``--attention``, ``--dtype``) and
     ``--cluster`` when given, as one string."""
     lay = plan.layout
@@ -227,33 +230,8 @@ def report(model, inventory, args, options) -> tuple[list[str], list[planner.Pla
     return lines, plans
 
 
-#: The ``python -m train.train`` flags ``--layout`` takes (argparse destinations): the layout and its execution.
-LAYOUT_FLAGS = frozenset(
-    {
-        "mesh",
-        "rules",
-        "rule",
-        "mesh_outer",
-        "microbatches",
-        "stage_layers",
-        "pipeline_schedule",
-        "pipeline_repeats",
-        "pipeline_gather",
-        "hetero_batch",
-        "hetero_max_share",
-        "rebalance_every",
-        "remat",
-        "attention",
-        "dtype",
-        "logits",
-        "context_layout",
-        "context_shares",
-    }
-)
-
-
 class _OneLineParser(Parser):
-    """``python -m train.train``'s parser (`train.cli.build_parser`) whose errors raise a one-line
+    """``python -m train.train``'s parser (`train.setup.parser.build_parser`) whose errors raise a one-line
     ``ValueError`` naming ``--layout`` instead of printing the usage and exiting."""
 
     def error(self, message):
@@ -263,8 +241,8 @@ class _OneLineParser(Parser):
 def given_layout(text: str, num_layers: int, num_devices: int, defaults: argparse.Namespace, experts=None):
     """``(layout, counts)``: the `sharding.costmodel.Layout` that ``--layout "FLAGS"`` describes.
 
-    The flags are ``python -m train.train``'s (`LAYOUT_FLAGS`), read by its own parser and turned into
-    its `sharding.parallel.Parallelism` (`train.cli.parallelism_from_args`), then into the cost model's
+    The flags are ``python -m train.train``'s (`train.setup.layout_flags.PRICED_FLAGS`), read by its own parser and turned into
+    its `sharding.parallel.Parallelism` (`train.setup.layout_flags.parallelism_from_args`), then into the cost model's
     layout (`sharding.costmodel.layout_of`), so a layout printed by the planner or run by ``train.train``
     is priced as given.
 
@@ -276,7 +254,7 @@ def given_layout(text: str, num_layers: int, num_devices: int, defaults: argpars
         ``--dtype`` and ``--attention`` where the layout gives none
         (``any`` attention: ``flash``); remat defaults to ``none``.
       experts: The model's `sharding.modeldesc.ExpertGeometry` (None: a dense model): a pipeline must be able
-        to run its mixture (`ExpertGeometry.pipelined`), as ``train.train`` checks (`train.checks.check_experts`).
+        to run its mixture (`ExpertGeometry.pipelined`), as ``train.train`` checks (`train.setup.checks.check_experts`).
 
     Returns:
       The layout, and the per-device microbatch counts of ``--hetero-batch COUNTS`` (data x fsdp, data major)
@@ -289,21 +267,17 @@ def given_layout(text: str, num_layers: int, num_devices: int, defaults: argpars
         stages refuse (`sharding.pipeline.check_microbatches`), pipeline stages on a mixture of experts with
         dense layers or a capacity, or a value the cost model does not price.
     """
-    from models.attention import check_context_shares
-    from sharding.mesh import parse_mesh
-    from train import cli
-
     try:
         tokens = shlex.split(text)
     except ValueError as e:
         raise ValueError(f"--layout {text!r}: {e}") from None
-    parser = cli.build_parser()
+    parser = build_train_parser()
     parser.__class__ = _OneLineParser
     args = parser.parse_args(tokens)
     foreign = sorted(
         f"--{k.replace('_', '-')}"
         for k, v in vars(args).items()
-        if k not in LAYOUT_FLAGS and v != parser.get_default(k)
+        if k not in PRICED_FLAGS and v != parser.get_default(k)
     )
     if foreign:
         raise ValueError(
@@ -313,9 +287,10 @@ def given_layout(text: str, num_layers: int, num_devices: int, defaults: argpars
             f"--dtype)"
         )
     try:
-        par = cli.parallelism_from_args(args, num_layers)
+        par = parallelism_from_args(args, num_layers)
         mesh = parse_mesh(args.mesh, num_devices, seen_by="the cluster has")
-        if par.pipeline is not None:  # train.train checks these with the run (`PipelineExecution.check_run_batch`)
+        # train.train checks these with the run (`train.setup.strategy_setup.check_run_batch`)
+        if par.pipeline is not None:
             pipe = par.pipeline
             check_microbatches(
                 pipe.microbatches,
@@ -489,7 +464,6 @@ def _pyplot(path: str):
         raise ValueError(f"--plot {path}: no folder {folder}; create it or give a path in an existing folder")
     if Path(path).is_dir():
         raise ValueError(f"--plot {path}: a folder; give a file name in it, e.g. --plot {Path(path) / 'plan.png'}")
-    from train.checks import check_writable
 
     check_writable(folder, "--plot")  # a folder without permission fails here, not after the search
     try:
@@ -542,88 +516,6 @@ def plot(plans: Sequence[planner.Plan], path: str, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-# --plan auto of python -m train.train ----------------------------------------------------------
-
-
-def cluster_of(run: RunConfig, devices):
-    """``(inventory, simulated)``: from ``--simulate-cluster`` (device id -> kind), else ``--cluster``, else
-    detected from ``devices``.
-
-    Raises:
-      ValueError: When the cluster's device count is not the number of devices.
-    """
-    from sharding.devices import detect_inventory, inventory_from_flag, simulate_inventory
-
-    cluster = run.cluster
-    if cluster.simulate_cluster:
-        return simulate_inventory(cluster.simulate_cluster, devices)
-    if cluster.cluster:
-        inventory = inventory_from_flag(cluster.cluster)
-        if inventory.num_devices != len(devices):
-            raise ValueError(
-                f"--cluster {cluster.cluster} has {inventory.num_devices} devices but JAX sees "
-                f"{len(devices)}; describe every device, or use --simulate-cluster on CPU"
-            )
-        return inventory, None
-    inventory = detect_inventory(devices)
-    unknown = [k.name for k in inventory.kinds_present if not k.is_known]
-    if unknown:  # e.g. CPU devices: nothing to price them by
-        n, half = len(devices), len(devices) // 2
-        example = f"h100:{half},a100:{n - half}" if half else f"h100:{n}"
-        raise ValueError(
-            f"--plan auto: the devices' kind {unknown[0]!r} has no datasheet figures; say which cluster they stand "
-            f"for, e.g. --simulate-cluster {example} (CPU devices), or --cluster FILE with the kind's figures"
-        )
-    return inventory, None
-
-
-def apply_plan(run: RunConfig, devices, log: Callable[[str], None]) -> RunConfig:
-    """``--plan auto``: the planner's best layout replaces the run's `Parallelism` and remat policy.
-
-    Raises:
-      ValueError: When no layout is found, or as `cluster_of`.
-    """
-    if run.cluster.plan != "auto":
-        return run
-    from sharding import planner
-    from train.flags import parallelism_flags
-
-    inventory, _ = cluster_of(run, devices)
-    options = planner.PlanOptions(attentions=(run.model.attention,), dtype=run.model.dtype)
-    plans = planner.plan(describe(run.model), inventory, run.data.batch_size, run.data.seq_len, options, top=1)
-    if not plans:
-        raise ValueError(
-            f"--plan auto found no layout for --batch-size {run.data.batch_size} on {len(devices)} "
-            f"devices; try a --batch-size divisible by {len(devices)}"
-        )
-    best = plans[0]
-    if "+" in run.parallelism.rules.name:
-        log(
-            f"--plan auto: dropping the --rule overrides of {run.parallelism.rules.name} (the plan uses --rules "
-            f"{best.layout.rules_name} as is)"
-        )
-    par = measured(best.parallelism().replace(context_layout=run.parallelism.context_layout), run, log)
-    fit = "" if best.fits else " (no plan fits the memory; this is the closest)"
-    log(
-        f"--plan auto{fit}: {' '.join(parallelism_flags(par))} --remat {best.layout.remat}; predicted {best.step_time:.3g} "
-        f"s/step, {best.tokens_per_second:,.0f} tokens/s, MFU {best.mfu:.1%} on {inventory.num_devices} devices "
-        f"({', '.join(k.name for k in inventory.kinds_present)})"
-    )
-    return run.replace(parallelism=par, model=run.model.replace(remat=best.layout.remat))
-
-
-def measured(par, run: RunConfig, log: Callable[[str], None]):
-    """On real devices (no ``--simulate-cluster``), the plan's datasheet shares become measured ones: uneven
-    counts as ``--hetero-batch auto`` (rebalanced every `train.cli.DEFAULT_REBALANCE` steps), a gpipe stage
-    split as ``--stage-layers auto``; the planner's choice of layout stands. Simulated kinds keep the
-    datasheet shares (the CPU devices behind them are all alike)."""
-    from train.strategies import kind_of
-
-    if run.cluster.simulate_cluster:
-        return par
-    return kind_of(par.strategy).measured(run, par, log)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,24 +1,27 @@
 """meshwork's trainer: ``python -m train.train [flags]`` (``--help`` lists them; README has examples).
 
-Flags -> `train.config.RunConfig` (`train.cli`) -> checks (`train.checks`) -> `run`: build the mesh and
-the `train.step.Trainer`, restore or initialize the state, and train (`train.loop`) or dry-run.
+Flags -> `train.setup.config.RunConfig` (`train.setup.cli`) -> checks (`train.setup.checks`) -> `run`: build the mesh and
+the `train.runtime.step.Trainer`, restore or initialize the state, and train (`train.runtime.loop`) or dry-run.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
-import time
 from pathlib import Path
 
-from checkpoints.manager import CheckpointFailure
-from train import cli, fit, report
-from train.config import RunConfig
-from train.flagnames import render
-from train.loop import DivergedLossError, NonFiniteLossError
-
-build_parser = cli.build_parser
+from checkpoints.manager import CheckpointFailure, open_resumable
+from train.launcher.distributed import initialize, setup_devices
+from train.launcher.output import close_output_filters
+from train.launcher.peers import watch_peers
+from train.reports import report
+from train.runtime import training
+from train.runtime.loop import NonFiniteLossError
+from train.setup import cli
+from train.setup.config import RunConfig
+from train.setup.flagnames import render
+from train.setup.parser import build_parser
+from train.setup.startup import build_trainer, prepare
 
 
 def main(argv: list[str] | None = None, *, exit_hard: bool = False) -> int:
@@ -33,13 +36,11 @@ def main(argv: list[str] | None = None, *, exit_hard: bool = False) -> int:
     try:
         return run(cli.parse(argv))
     except NonFiniteLossError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {render(e)}", file=sys.stderr)
         return 1
     except CheckpointFailure as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {render(e)}", file=sys.stderr)
         if exit_hard:
-            from train.distributed import close_output_filters
-
             sys.stdout.flush()
             sys.stderr.flush()
             close_output_filters()
@@ -48,7 +49,8 @@ def main(argv: list[str] | None = None, *, exit_hard: bool = False) -> int:
     except (ValueError, FileNotFoundError, RuntimeError, OSError) as e:
         print(f"error: {render(e)}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # inside the loop a SIGINT stops and saves (`train.loop.StopFlag`); this is outside it
+    # inside the loop a SIGINT stops and saves (`train.runtime.loop.StopFlag`); this is outside it
+    except KeyboardInterrupt:
         print(f"error: {INTERRUPTED}", file=sys.stderr)
         return 130
 
@@ -63,8 +65,6 @@ there is no step to finish and save."""
 
 def run(config: RunConfig) -> int:
     """Checks ``config`` against the machine, then trains (or dry-runs); returns the exit code."""
-    from train.distributed import initialize, setup_devices
-
     setup_devices(config.cluster.cpu_devices)
     processes = initialize(config.cluster.distributed())
     import jax
@@ -73,7 +73,9 @@ def run(config: RunConfig) -> int:
     config, tokenizer = prepare(config, jax.devices(), log)
     lock = None
     if not config.loop.dry_run:  # refuses a folder another run holds
-        lock = hold_run_folder(config.checkpoint.run_dir, config.checkpoint.break_lock, jax.process_index(), log)
+        lock = training.hold_run_folder(
+            config.checkpoint.run_dir, config.checkpoint.break_lock, jax.process_index(), log
+        )
     try:
         return _run_prepared(config, tokenizer, processes, log)
     finally:
@@ -81,37 +83,8 @@ def run(config: RunConfig) -> int:
             lock.release()
 
 
-def hold_run_folder(run_dir: str, break_lock: bool, process_index: int, log):
-    """The `checkpoints.lock.RunLock` of ``--run-dir``, taken by process 0 before anything in it is touched
-    (None for the other processes, which share the folder by design); every process learns whether it was
-    refused. ``break_lock`` is ``--break-lock``.
-
-    Raises:
-      checkpoints.lock.RunFolderLocked: (a ValueError) another run holds the folder.
-    """
-    from checkpoints.lock import RunFolderLocked, RunLock
-    from train.distributed import any_process
-
-    lock, error = None, None
-    if process_index == 0:
-        try:
-            lock = RunLock.acquire(run_dir, lambda line: log(render(line)), break_lock)  # its notes name fields
-        except ValueError as e:
-            error = e
-    if any_process(error is not None):  # the other processes stop with process 0, not at its first collective
-        if error is not None:
-            raise error
-        raise RunFolderLocked(
-            f"--run-dir {run_dir}: process 0 could not take the folder's lock (its error is in its log)"
-        )
-    return lock
-
-
 def _run_prepared(config: RunConfig, tokenizer, processes: str, log) -> int:
     import jax
-
-    from checkpoints.manager import open_resumable
-    from train.distributed import watch_peers
 
     folder, ckpt, latest = Path(config.checkpoint.run_dir) / "checkpoints", None, None
     if not config.loop.dry_run:
@@ -131,9 +104,9 @@ def _run_prepared(config: RunConfig, tokenizer, processes: str, log) -> int:
     try:
         # The data before the model: a raw source is prepared (every line read) and each split checked to hold
         # a sequence here, so a bad line or a source too small for --seq-len stops the run before anything is built.
-        dataset = open_dataset(config, tokenizer, log)
+        dataset = training.open_dataset(config, tokenizer, log)
         trainer = build_trainer(config, log)
-        code = train(config, trainer, ckpt, latest, tokenizer, dataset, log)
+        code = training.train(config, trainer, ckpt, latest, tokenizer, dataset, log)
     except BaseException:
         try:
             ckpt.close()
@@ -146,224 +119,7 @@ def _run_prepared(config: RunConfig, tokenizer, processes: str, log) -> int:
     return code
 
 
-def prepare(config: RunConfig, devices, log):
-    """Resolves what needs the devices (``--plan auto``, the ``-1`` mesh axis, the context layout), loads
-    the tokenizer and runs every check; returns ``(config, tokenizer)``.
-
-    Raises:
-      ValueError: As `train.checks.validate`.
-    """
-    from train.checks import check_simulated_devices, validate
-    from train.config import resolve_mesh
-    from train.plan import apply_plan
-    from train.tokenizer import load_tokenizer
-
-    config = apply_plan(config, devices, log)
-    check_simulated_devices(config.parallelism.mesh_shape, devices, config.cluster.cpu_devices)
-    config = resolve_mesh(config, len(devices))
-    tokenizer = load_tokenizer(config.data.tokenizer, config.data.eod_token)
-    validate(config, len(devices), tokenizer)
-    config = fit.resolve_budget(config, devices)
-    fit.check_estimate(config)  # a state that cannot fit any layout is refused before anything is built
-    return config, tokenizer
-
-
-def build_trainer(config: RunConfig, log):
-    """The mesh and the `train.step.Trainer` of ``config``, with the start-up report.
-
-    Resolves what the strategy left to measure (e.g. uneven counts) and, where it asks, checks the compiled step
-    (`GradientStrategy.check_compiled`: a pipeline's skipped slots), rebuilding the trainer with its fallback.
-    """
-    import jax
-
-    from sharding.mesh import make_mesh
-    from train.calibrate import resolve_context_shares, resolve_counts
-    from train.step import Trainer
-
-    par = config.parallelism
-    outer = par.outer
-    if outer is not None and jax.process_count() == 1:
-        log("note: one process, so --mesh-outer has no effect")
-        outer = None
-    mesh = make_mesh(par.mesh_shape, outer=outer)
-    par, speeds = resolve_counts(config, par.on(mesh), log)  # --hetero-batch auto measures, kinds reads datasheets
-    par = resolve_context_shares(config, par, log)  # --context-shares auto measures the ring's devices
-    trainer = Trainer(config.model, config.optimizer, par)
-    notes = []
-    if (checked_for := trainer.strategy.compiled_check()) is not None:
-        log(f"compiling the train step ({checked_for}) ...")
-        t0 = time.perf_counter()
-        compiled = trainer.compile_train_step(config.data.batch_size, trainer.par.positions(config.data.seq_len))
-        log(f"compiled the train step in {time.perf_counter() - t0:.1f} s (later compilations of it are cached)")
-        checked, note = trainer.strategy.check_compiled(compiled.as_text())
-        if note:
-            notes.append(note)
-            trainer = Trainer(config.model, config.optimizer, checked)
-    for line in report.startup(config, trainer, speeds, notes):
-        log(line)
-    return trainer
-
-
-def open_dataset(config: RunConfig, tokenizer, log):
-    """The run's `train.data.Dataset`: ``--data`` opened (a raw source prepared on first use, in the cache).
-
-    Raises:
-      ValueError, FileNotFoundError, ImportError: as `train.data.load_dataset` (a bad line of a raw source, a
-        split shorter than one sequence), naming the flag or the file.
-    """
-    from train.data import load_dataset
-
-    data = config.data
-    return load_dataset(
-        data.spec,
-        tokenizer,
-        data.seq_len,
-        data.batch_size,
-        data.seed,
-        data.heldout,
-        data.cache_dir,
-        log,
-        permutation=_context_permutation(config, config.parallelism),
-        text_field=data.text_field,
-    )
-
-
-def train(config: RunConfig, trainer, ckpt, latest, tokenizer, dataset, log) -> int:
-    """Restores or initializes the state and runs the loop to ``--steps`` over ``dataset`` (`open_dataset`);
-    returns 0."""
-    import jax
-    import numpy as np
-
-    from checkpoints.manager import LoopCheckpoints
-    from checkpoints.meta import RunMeta
-    from train.loop import LoopOptions, MetricsWriter, StopFlag, train_loop
-
-    data = config.data
-    with StopFlag() as stop:
-        # The order along the length follows the trainer's context layout: measured shares
-        # (--context-shares auto) are known only now, after the data was opened and checked.
-        permutation = _context_permutation(config, trainer.par)
-        if (permutation is None) != (dataset.permutation is None) or (
-            permutation is not None and not np.array_equal(permutation, dataset.permutation)
-        ):
-            dataset = dataclasses.replace(dataset, permutation=permutation)
-        state, (samples, iterator), latest = start_state(config, trainer, ckpt, latest, log)
-        if jax.process_index() == 0 and config.record is not None:
-            from train.configfile import write_record
-
-            # Only once the run is accepted (resume checks passed): a refused command leaves the folder as it was.
-            write_record(config.checkpoint.run_dir, config.record)
-        writer = MetricsWriter(
-            Path(config.checkpoint.run_dir),
-            jax.process_index() == 0,
-            latest,
-            config.loop.trackers,
-            None if config.record is None else config.record["flags"],
-        )
-        meta = RunMeta.create(
-            config.model,
-            config.preset,
-            trainer.par.mesh_shape,
-            trainer.rules,
-            {
-                "spec": data.spec,
-                "seq_len": data.seq_len,
-                "global_batch": data.batch_size,
-                "seed": data.seed,
-                "heldout": data.heldout,
-            },
-            tokenizer,
-            trainer.state_layout.layout_meta(),
-            config.schedule,
-        )
-        checkpoints = LoopCheckpoints(ckpt, meta)
-        try:
-            state, summary = train_loop(
-                trainer=trainer,
-                state=state,
-                dataset=dataset,
-                options=LoopOptions.of(config, trainer.par.padded_length),
-                samples=samples,
-                iterator=iterator,
-                checkpoints=checkpoints,
-                writer=writer,
-                log=log,
-                stop=stop,
-                check_compiled=lambda compiled: fit.check_compiled(config, compiled),
-            )
-        except DivergedLossError as e:  # the parameters of step N-1 gave step N's loss: not a state to keep
-            if e.step - 1 > (latest or 0):
-                checkpoints.set_aside(e.step - 1, "diverged", log)
-            raise
-        finally:
-            writer.close()
-    t0 = time.perf_counter()
-    checkpoints.finish(summary["step"])
-    for line in report.summary_lines(summary, ckpt.directory, time.perf_counter() - t0):
-        log(line)
-    return 0
-
-
-def start_state(config: RunConfig, trainer, ckpt, latest, log):
-    """``(state, (samples, iterator), step)``: the latest checkpoint re-laid onto this run's mesh and layout, or a fresh
-    state (`train.inference.fresh_state`: ``--init-from``'s weights or a random init; step None); ``samples`` and
-    ``iterator`` are the saved data position and input pipeline state (`train.data.TrainBatches.state`). A step whose
-    arrays do not read is set aside and the next older one restored (`checkpoints.verify.restore_falling_back`)."""
-    import jax
-
-    from checkpoints.manager import restore_state
-    from checkpoints.verify import restore_falling_back
-    from train.distributed import any_process, sync_processes
-    from train.inference import fresh_state
-
-    if latest is None:
-        return fresh_state(config, trainer.state_layout, ckpt.directory, log), (0, None), None
-    _check_optimizer(config, ckpt, latest)
-    t0 = time.perf_counter()
-    (state, meta), latest = restore_falling_back(
-        ckpt.directory,
-        latest,
-        lambda step: restore_state(ckpt, trainer.state_layout, step),
-        lambda line: log(render(line)),  # its notes name fields
-        explicit=config.checkpoint.resume_step is not None,
-        any_failed=any_process,
-        reload=ckpt.reload,
-        sync=sync_processes,
-        leader=jax.process_index() == 0,
-    )
-    for line in report.resume_lines(config, trainer, meta, latest, time.perf_counter() - t0):
-        log(line)
-    return state, (meta.samples, meta.data.get("iterator")), latest
-
-
-def _check_optimizer(config: RunConfig, ckpt, step: int) -> None:
-    """Refuses to resume with another ``--optimizer``: its state has another structure (a checkpoint saved before
-    the optimizer was recorded holds AdamW's).
-
-    Raises:
-      ValueError: Naming the saved optimizer and the flag that resumes it.
-    """
-    try:
-        saved = (ckpt.read_meta(step).get("schedule") or {}).get("optimizer", "adamw")
-    except Exception:  # an unreadable step is the restore's to report (and fall back from)
-        return
-    if saved != config.optimizer.name:
-        raise ValueError(
-            f"--optimizer {config.optimizer.name}: the checkpoint of step {step} in {ckpt.directory} "
-            f"holds {saved}'s optimizer state; resume with --optimizer {saved}, or use another --run-dir"
-        )
-
-
-def _context_permutation(config: RunConfig, par):
-    """The token order of ``par``'s context layout (the trainer's, uneven shares measured) along ``--seq-len``
-    (None: natural)."""
-    from models.attention import layout_shards
-    from train.data import context_permutation
-
-    shares = par.context_shares if isinstance(par.context_shares, tuple) else None
-    return context_permutation(
-        config.data.seq_len, layout_shards(config.model.attention, par), par.context_layout, shares
-    )
+__all__ = ["build_parser", "main", "run"]
 
 
 if __name__ == "__main__":

@@ -330,7 +330,7 @@ class PipelinePlan:
       one_f_one_b: the 1F1B schedule (``--pipeline-schedule 1f1b``; interleaved with ``R > 1``): the loss
         and the backward pass inside the pipeline's loop (`sharding.pipeline.onef1b`).
       measure_stages: ``--stage-layers auto``: the layout's split is a placeholder (even) until the
-        stages are timed at start-up (`train.calibrate.calibrate_stages`), which replaces it.
+        stages are timed at start-up (`train.setup.calibrate.calibrate_stages`), which replaces it.
       fused: with ``one_f_one_b``, the fused ticks (``--pipeline-schedule 1f1b-fused``, `fused_ticks`): a
         forward and a backward per stage per tick, ``R*M + (R+1) S - 2`` ticks of a chunk's forward plus
         backward, against lockstep's ``2 (M + S - 1)`` ticks of one op each (with one chunk).

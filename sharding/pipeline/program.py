@@ -63,7 +63,7 @@ def to_microbatches(x, microbatches: int):
     """``[batch, ...]`` -> ``[microbatches, batch / microbatches, ...]``, row ``r`` to microbatch ``r % M``.
 
     Strided rows keep each device's share of every microbatch on that device
-    when the batch is split over ``data``/``fsdp`` (as `train.step` does for
+    when the batch is split over ``data``/``fsdp`` (as `train.runtime.step` does for
     gradient accumulation).
     """
     return x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:]).swapaxes(0, 1)

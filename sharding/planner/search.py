@@ -353,7 +353,7 @@ def _uneven_fits(mesh: Mapping[str, int], rules: str, attention: AttentionTraits
     prices it: meshes over ``data``, ``fsdp`` and ``tensor`` (tensor inside each data-parallel group, one
     count per group). With ``tensor``, the attention must be one GSPMD partitions (not ``under_shard_map``,
     as ``reference`` and ``dot_product``: a kernel's own `jax.shard_map` cannot sit inside the step's,
-    `train.checks`). Left
+    `train.setup.checks`). Left
     out: parameters split over ``fsdp`` and ``tensor`` at once (``fsdp``/``fsdp_tp`` rules with both axes
     > 1), which the step runs exactly but whose parameter gathers the partitioner lays out with extra
     traffic the model does not count (tests/test_hetero.py)."""

@@ -1,21 +1,11 @@
 """The data path: raw sources -> tokenized ArrayRecord shards (`train.data.prepare`, ``python -m train.data
-prepare``) -> packed global batches read through Grain (`train.data.pipeline`), each process loading only the
-rows its devices hold. `train.data.corpus` reads sources (text, folders, JSONL, Parquet, ``stdlib``)."""
+prepare``, read back by `train.data.prepared`) -> packed global batches (`train.data.packing`) read through
+Grain (`train.data.pipeline`), each process loading only the rows its devices hold. `train.data.corpus`
+reads sources (text, folders, JSONL, Parquet, ``stdlib``)."""
 
 from train.data.corpus import Document, corpus_files, default_cache_dir, read_documents
-from train.data.pipeline import (
-    FIELDS,
-    Dataset,
-    TrainBatches,
-    check_source,
-    context_permutation,
-    load_dataset,
-    local_rows,
-    model_inputs,
-    pack_windows,
-    permute_length,
-    to_global_arrays,
-)
+from train.data.packing import FIELDS, context_permutation, model_inputs, pack_windows, permute_length
+from train.data.pipeline import Dataset, TrainBatches, check_source, load_dataset, local_rows, to_global_arrays
 
 __all__ = [
     "FIELDS",

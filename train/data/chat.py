@@ -204,7 +204,7 @@ def _compile(source: str, origin: str):
 
 
 def load_chat_template(tokenizer) -> ChatTemplate:
-    """The chat template of a `train.tokenizer` tokenizer: its folder's (see the module docstring), else
+    """The chat template of a `train.data.tokenizer` tokenizer: its folder's (see the module docstring), else
     `FALLBACK_TEMPLATE`.
 
     Raises:

@@ -26,6 +26,8 @@ import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
+from train.data.chat import check_messages
+
 PARQUET_EXTRA = "pip install 'meshwork[data]'"
 
 # Share of printable characters (or whitespace) a text sample must reach; binary data falls far below it.
@@ -266,8 +268,6 @@ def _jsonl_documents(unit: Unit, text_field: str, flag: str) -> Iterator[Documen
                     f"object, e.g. {example}: fix or remove that line"
                 ) from None
             if unit.kind == "chat":
-                from train.data.chat import check_messages
-
                 where = f"{flag} {path}: the line at byte {here}"
                 messages = check_messages(record.get("messages") if isinstance(record, dict) else None, where)
                 yield Document(f"{name}@{here}", b"", messages)

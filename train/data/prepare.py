@@ -33,9 +33,12 @@ from pathlib import Path
 
 import numpy as np
 
+from checkpoints.argparser import Parser
 from train.data.chat import load_chat_template
 from train.data.corpus import SOURCE_HINT, Unit, corpus_files, is_heldout, jsonl_kind, plan_units, unit_documents
-from train.flagnames import render
+from train.data.tokenizer import load_tokenizer
+from train.setup.flagnames import render
+from train.setup.folders import check_writable
 
 FORMAT_VERSION = 1
 RECORD_TOKENS = 4096
@@ -84,8 +87,6 @@ _WORKER_TOKENIZER: dict = {}
 
 def _tokenizer(spec: tuple[str | None, str | None]):
     if spec not in _WORKER_TOKENIZER:
-        from train.tokenizer import load_tokenizer
-
         _WORKER_TOKENIZER[spec] = load_tokenizer(*spec)
     return _WORKER_TOKENIZER[spec]
 
@@ -226,7 +227,7 @@ def prepare(
     Args:
       specs: sources (`train.data.corpus`).
       out: the output folder.
-      tokenizer: a `train.tokenizer` tokenizer (its name and end-of-document token are reloaded in workers).
+      tokenizer: a `train.data.tokenizer` tokenizer (its name and end-of-document token are reloaded in workers).
       workers: worker processes (None: the cores; 1: in this process).
       seed, heldout: the held-out split (`train.data.corpus.is_heldout`).
       text_field: JSONL field / Parquet column holding the text.
@@ -393,7 +394,6 @@ class _Progress:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from checkpoints.argparser import Parser
 
     parser = Parser(
         prog="python -m train.data",
@@ -418,8 +418,6 @@ def main(argv: list[str] | None = None) -> int:
     """The ``prepare`` command; a refused input is one line on stderr and exit status 2, Ctrl-C one line and
     exit status 130 (the shards already written are kept: the same command resumes)."""
     args = build_parser().parse_args(argv)
-    from train.checks import check_writable
-    from train.tokenizer import load_tokenizer
 
     try:
         if args.workers is not None and args.workers < 1:

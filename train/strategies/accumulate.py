@@ -1,4 +1,5 @@
-"""Gradient accumulation: the batch in M strided microbatches, gradients summed over a loop."""
+"""Gradient accumulation: the batch in M strided microbatches, gradients summed over a loop; with M = 1 (or
+a pipelined model, which runs its own microbatches inside one pass) one forward and backward pass."""
 
 from __future__ import annotations
 
@@ -12,12 +13,14 @@ class AccumulatedGradients(GradientStrategy):
     """Gradient accumulation over ``par.strategy.microbatches`` strided microbatches (1: none).
 
     Row ``r`` of the batch goes to microbatch ``r % M``, so each device's share of a microbatch stays on it;
-    the gradients are summed over a `jax.lax.scan`.
+    the gradients are summed over a `jax.lax.scan`. With a pipeline in ``par`` (`Parallelism.pipeline`) the
+    model runs the pipeline's microbatches itself inside one forward and backward pass, so the whole batch
+    is one pass here.
     """
 
     def __init__(self, par, layout=None):
         super().__init__(par, layout)
-        self.microbatches = par.strategy.microbatches
+        self.microbatches = 1 if par.pipeline is not None else par.strategy.microbatches
 
     reports_stats = True
 

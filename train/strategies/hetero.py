@@ -3,7 +3,7 @@
 The uneven strategy (`train.strategies.uneven`) gives each data-parallel group along ``data`` x ``fsdp``
 its own count of microbatches; these helpers name the groups (in the order of the counts) and read their
 speeds from the devices' datasheets (`sharding.devices.peak_flops`). Start-up calibration
-(`train.calibrate`) and rebalancing between steps (`train.loop`) use them too.
+(`train.setup.calibrate`) and rebalancing between steps (`train.runtime.loop`) use them too.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from sharding import axes as ax
+from sharding.devices import kind_from_device_kind_string, peak_flops
 
 
 def batch_groups(mesh) -> list[list[Any]]:
@@ -52,6 +53,14 @@ def slowest_of_groups(values: Sequence[float], groups: Sequence[Sequence[Any]], 
     return out
 
 
+def compute_pools(grid: Sequence) -> list[int] | None:
+    """Which devices share compute, as `sharding.balance.counts_for_speeds` takes ``pools``: CPU devices
+    share their process's cores (one pool per process); accelerators are each their own (None)."""
+    if not grid or grid[0].platform != "cpu":
+        return None
+    return [d.process_index for d in grid]
+
+
 def device_speeds(mesh, simulated: Mapping[int, Any] | None = None) -> list[float]:
     """Peak FLOP/s of each data-parallel group along the batch axes (its slowest device's: the group runs
     one count), in the order of the uneven counts.
@@ -63,8 +72,6 @@ def device_speeds(mesh, simulated: Mapping[int, Any] | None = None) -> list[floa
     Raises:
       ValueError: When a device's peak is unknown (e.g. CPU without ``--simulate-cluster``).
     """
-    from sharding.devices import peak_flops
-
     speeds, groups = [], batch_groups(mesh)
     for device in (d for group in groups for d in group):
         peak = peak_flops(device, simulated)
@@ -89,8 +96,6 @@ def group_kinds(mesh, simulated: Mapping[int, Any] | None = None) -> list[str]:
     Raises:
       ValueError: When a device's kind is unknown (e.g. CPU without ``--simulate-cluster``), naming the flag.
     """
-    from sharding.devices import kind_from_device_kind_string
-
     out = []
     for group in batch_groups(mesh):
         kinds = []
@@ -107,4 +112,4 @@ def group_kinds(mesh, simulated: Mapping[int, Any] | None = None) -> list[str]:
     return out
 
 
-__all__ = ["batch_grid", "batch_groups", "device_speeds", "group_kinds", "slowest_of_groups"]
+__all__ = ["batch_grid", "batch_groups", "compute_pools", "device_speeds", "group_kinds", "slowest_of_groups"]

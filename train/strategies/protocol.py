@@ -1,11 +1,11 @@
-"""The protocol of a gradient strategy: everything the step, the loop, the report and the checks ask of one.
+"""The protocol of a gradient strategy: what the jitted step and the training loop ask of one.
 
-A strategy is two things: a value in the run's `sharding.parallel.Parallelism` (`Accumulation`,
-`sharding.pipeline.PipelinePlan`, `UnevenBatch`: what the command line and the planner build) and the
-`GradientStrategy` subclass that implements it here (`train.strategies.kind_of` maps one to the other).
-The subclass's class methods read the value before any mesh exists (checks, start-up resolution, flags);
-an instance, bound to the mesh (`train.strategies.make_strategy`), computes the step's gradients and owns
-the step's extra inputs. Nothing outside `train.strategies` asks which strategy a run has.
+A strategy is two things: a value in the run's `sharding.parallel.Parallelism` (`Accumulation` or
+`UnevenBatch`: what the command line and the planner build) and the `GradientStrategy` subclass that
+implements it here, bound to the mesh (`train.strategies.make_strategy`). The subclass computes the step's
+gradients, owns the step's extra inputs and their shardings, and may control those inputs between steps.
+What start-up reads of the value before the step exists (checks, flags, cost terms, report lines, the
+check of the compiled step) is `train.setup.strategy_setup`'s.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ class GradientStrategy:
 
     Args:
       par: The run's `Parallelism`, bound to a mesh.
-      layout: The run's `train.state.StateLayout` (the parameters' names, shapes and shardings), or None.
+      layout: The run's `train.runtime.state.StateLayout` (the parameters' names, shapes and shardings), or None.
     """
 
     reports_stats = False
@@ -77,8 +77,6 @@ class GradientStrategy:
     def __init__(self, par: Parallelism, layout=None):
         self.par = par
         self.layout = layout
-
-    # Bound to the mesh: the step --------------------------------------------------------------
 
     def gradients(self, loss_fn: LossFn, params, batch: dict, inputs: Mapping[str, jax.Array]):
         """``(loss_sum, weight_sum, grads, metrics)``: float32 scalars, gradient sums shaped as ``params``,
@@ -103,7 +101,7 @@ class GradientStrategy:
         }
 
     def step_inputs(self) -> tuple[StepInput, ...]:
-        """The strategy's extra per-step host inputs, in the order `train.step.Trainer.signals` takes their
+        """The strategy's extra per-step host inputs, in the order `train.runtime.step.Trainer.signals` takes their
         values (none by default)."""
         return ()
 
@@ -118,81 +116,3 @@ class GradientStrategy:
         step late), which may change ``inputs`` and add metrics to ``values``.
         """
         return None
-
-    def compiled_check(self) -> str | None:
-        """What `check_compiled` looks for in a compiled step (a phrase for the log), or None: no check."""
-        return None
-
-    def check_compiled(self, compiled_text: str) -> tuple[Parallelism, str | None]:
-        """``(par, note)``: the layout to run after reading ``compiled.as_text()`` (itself and None by default;
-        else a fallback and the line saying why)."""
-        return self.par, None
-
-    def priced(self, config, layout, batch: int, seq_len: int, backend: str):
-        """``(cost, who)``: the cost model's `sharding.costmodel.Cost` of the run's busiest device per step and
-        which device that is (every device alike by default: `sharding.costmodel.estimate`).
-
-        Args:
-          config: The `models.config.ModelConfig`.
-          layout: The cost model's layout of the run (`sharding.costmodel.layout_of`).
-          batch, seq_len: Global batch (sequences) and tokens per sequence.
-          backend: ``cpu`` or ``gpu`` (what the compiler lowers collectives to).
-
-        Raises:
-          ValueError: A layout the cost model does not price.
-        """
-        from sharding import costmodel as cm
-
-        return cm.estimate(config, batch, seq_len, layout, backend=backend), "every device"
-
-    def cost_notes(self) -> list[str]:
-        """Lines on where the cost model's figures and the compiled step's count differently (none by default)."""
-        return []
-
-    def summary_lines(self, run, speeds=None) -> list[str]:
-        """Start-up lines before the parameter table (``run``: the `train.config.RunConfig`; ``speeds``:
-        the datasheet speeds the start-up resolved, or None)."""
-        return []
-
-    def detail_lines(self, run, trainer) -> list[str]:
-        """Start-up lines after the parameter table and notes (``trainer``: the run's `train.step.Trainer`)."""
-        return []
-
-    # Before any mesh: the value in the run's configuration ------------------------------------
-
-    @classmethod
-    def check_run_batch(cls, run) -> None:
-        """The batch against the strategy's microbatches and the mesh's data-parallel size.
-
-        Raises:
-          ValueError: A ``--batch-size`` that ``--microbatches`` or data x fsdp does not divide.
-        """
-        from train.checks import check_even_batch
-
-        check_even_batch(run)
-
-    @classmethod
-    def check_run(cls, run) -> None:
-        """The strategy against the model, mesh and rules (none by default). Raises ValueError naming the flag."""
-
-    @classmethod
-    def resolve(cls, config, par: Parallelism, log) -> tuple[Parallelism, list[float] | None]:
-        """At start-up, on the bound mesh: ``(par, datasheet speeds or None)`` with what the strategy left to
-        measure or look up resolved (unchanged by default)."""
-        return par, None
-
-    @classmethod
-    def measured(cls, run, par: Parallelism, log) -> Parallelism:
-        """A planned layout on real devices: its datasheet shares turned into shares measured at start-up
-        (unchanged by default)."""
-        return par
-
-    @classmethod
-    def flags(cls, par: Parallelism) -> list[str]:
-        """The strategy's own ``python -m train.train`` flags after ``--microbatches`` (none by default)."""
-        return []
-
-    @classmethod
-    def flags_before_microbatches(cls, par: Parallelism) -> list[str]:
-        """The strategy's own flags before ``--microbatches`` (none by default)."""
-        return []

@@ -18,13 +18,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from models import attention_registry
 from sharding import axes as ax
-from sharding.balance import counts_for_speeds
+from sharding.balance import Rebalancer as Balance
+from sharding.balance import counts_for_speeds, default_capacity
 from sharding.parallel import Parallelism, gather_shards, only_axes, reduce_shards, spec_axes, to_varying
+from sharding.rules import logical_to_spec
 from sharding.splits import largest_remainder
 from train.data import FIELDS
-from train.strategies.hetero import device_speeds, group_kinds
+from train.strategies.hetero import batch_grid, compute_pools, device_speeds, group_kinds
 from train.strategies.protocol import GradientStrategy, LossFn, StepInput
 
 
@@ -65,7 +66,7 @@ class UnevenGradients(GradientStrategy):
 
     Args:
       par: The run's layout, strategy `UnevenBatch` with resolved counts (the default input).
-      layout: The run's `train.state.StateLayout` (the parameters' names, shapes and `PartitionSpec`s).
+      layout: The run's `train.runtime.state.StateLayout` (the parameters' names, shapes and `PartitionSpec`s).
 
     Raises:
       ValueError: As `check_uneven` (without the batch).
@@ -74,7 +75,6 @@ class UnevenGradients(GradientStrategy):
     reports_stats = True
 
     def __init__(self, par: Parallelism, layout):
-        from sharding.balance import default_capacity
 
         check_uneven(par, layout.param_names, layout.abstract_params)
         param_specs = layout.param_specs()
@@ -217,125 +217,9 @@ class UnevenGradients(GradientStrategy):
         strategy = self.par.strategy
         if not strategy.rebalance_every:
             return None
-        from train.calibrate import compute_pools
-        from train.strategies.hetero import batch_grid
-
         return RebalanceController(
             self.counts, self.capacity, strategy.rebalance_every, pools=compute_pools(batch_grid(self.par.mesh))
         )
-
-    def priced(self, config, layout, batch: int, seq_len: int, backend: str):
-        """The device with the most microbatches (`sharding.costmodel.device_cost`)."""
-        from sharding import costmodel as cm
-
-        strategy = self.par.strategy
-        if not strategy.counts:
-            return super().priced(config, layout, batch, seq_len, backend)
-        most = max(strategy.counts)
-        cost = cm.device_cost(
-            config,
-            layout,
-            seq_len=seq_len,
-            rows=batch / strategy.total,
-            microbatches=most,
-            backend=backend,
-            batch_rows=batch,
-        )
-        return cost, f"the device with the most microbatches ({most})"
-
-    def cost_notes(self) -> list[str]:
-        return [
-            "  (the uneven step's microbatch loop runs a number of trips set at run time: the compiled "
-            "products count its body once)"
-        ]
-
-    def summary_lines(self, run, speeds=None) -> list[str]:
-        strategy = self.par.strategy
-        return [describe_uneven(strategy.counts, run.data.batch_size // strategy.total, speeds, self.capacity)]
-
-    # Before any mesh ---------------------------------------------------------------------------
-
-    @classmethod
-    def check_run_batch(cls, run) -> None:
-        """None here: the counts' microbatches are checked against the batch in `check_run`."""
-
-    @classmethod
-    def check_run(cls, run) -> None:
-        """Uneven counts against the model's attention, the mesh, the rules and the batch (`check_uneven`).
-
-        Raises:
-          ValueError: An attention kernel inside the uneven step with tensor; as `check_uneven`.
-        """
-        from models.transformer import abstract_model
-
-        par, model = run.parallelism, run.model
-        tensor = par.mesh_shape[ax.TENSOR]
-        if tensor > 1 and attention_registry.kernel(model.attention).traits.under_shard_map:
-            partitioned = " or ".join(k.name for k in attention_registry.KERNELS if not k.traits.under_shard_map)
-            raise ValueError(
-                f"--attention {model.attention} runs its kernel under its own shard_map, which cannot "
-                f"sit inside the uneven step's with tensor={tensor} yet; with --hetero-batch and a "
-                f"tensor axis use --attention {partitioned}"
-            )
-
-        _, abstract, names = abstract_model(model)
-        check_uneven(par, names, abstract, run.data.batch_size)
-
-    @classmethod
-    def resolve(cls, config, par: Parallelism, log):
-        """``--hetero-batch auto`` (measured at start-up, `train.calibrate.resolve_measured`) or ``kinds``
-        (datasheets, `resolve_uneven`) into counts; given counts stay."""
-        strategy = par.strategy
-        if strategy.counts is not None:
-            return par, None
-        if strategy.speeds != "measured":
-            from train.plan import cluster_of
-
-            simulated = cluster_of(config, jax.devices())[1] if config.cluster.simulate_cluster else None
-            return resolve_uneven(par, par.mesh, simulated)
-        from train.calibrate import resolve_measured
-
-        return resolve_measured(config, par, log), None
-
-    @classmethod
-    def measured(cls, run, par: Parallelism, log) -> Parallelism:
-        """Planned counts that split evenly on average become ``--hetero-batch auto`` (rebalanced every
-        `train.cli.DEFAULT_REBALANCE` steps unless the plan says otherwise)."""
-        from train.cli import DEFAULT_REBALANCE
-
-        strategy = par.strategy
-        if strategy.counts and sum(strategy.counts) % len(strategy.counts) == 0:
-            log("--plan auto: uneven counts from speeds measured at start-up (as --hetero-batch auto)")
-            return par.replace(
-                strategy=dataclasses.replace(
-                    strategy,
-                    counts=None,
-                    speeds="measured",
-                    microbatches=sum(strategy.counts) // len(strategy.counts),
-                    rebalance_every=strategy.rebalance_every or DEFAULT_REBALANCE,
-                )
-            )
-        return par
-
-    @classmethod
-    def flags_before_microbatches(cls, par: Parallelism) -> list[str]:
-        strategy = par.strategy
-        given = strategy.counts is not None and strategy.speeds == "given"
-        out = [
-            "--hetero-batch",
-            ",".join(f"{k}={n}" for k, n in strategy.kind_counts)
-            if strategy.kind_counts is not None
-            else ",".join(map(str, strategy.counts))
-            if given
-            else "auto"
-            if strategy.speeds == "measured"
-            else strategy.speeds,
-        ]
-        if strategy.capacity is not None:
-            out += ["--hetero-max-share", str(strategy.capacity)]
-        if strategy.rebalance_every:
-            out += ["--rebalance-every", str(strategy.rebalance_every)]
-        return out
 
 
 class RebalanceController:
@@ -347,7 +231,6 @@ class RebalanceController:
     """
 
     def __init__(self, counts: Sequence[int], capacity: int, every: int, pools=None):
-        from sharding.balance import Rebalancer as Balance
 
         self.balance = Balance(tuple(counts), capacity, every, pools=pools)
         self.inputs = (self.balance.counts,)
@@ -412,7 +295,7 @@ def uneven_row_index(counts, microbatch_rows: int, capacity: int):
 
 def resolve_uneven(par: Parallelism, mesh, simulated=None) -> tuple[Parallelism, list[float] | None]:
     """Resolves ``--hetero-batch kinds`` into counts from the devices' datasheet speeds (``auto`` measures
-    them instead: `train.calibrate`).
+    them instead: `train.setup.calibrate`).
 
     Returns:
       ``(par, speeds)``: ``par`` with `UnevenBatch.counts` set (unchanged when given), and
@@ -451,8 +334,6 @@ def describe_uneven(
     counts: Sequence[int], microbatch_rows: int, speeds: Sequence[float] | None = None, capacity: int | None = None
 ) -> str:
     """One line: counts per device (with speeds when known) and the padded buffer size (microbatches)."""
-    from sharding.balance import default_capacity
-
     parts = [
         f"{c}" + (f" ({s / 1e12:.0f} TFLOP/s)" if speeds else "")
         for c, s in zip(counts, speeds or [None] * len(counts))
@@ -482,8 +363,6 @@ def check_uneven(par: Parallelism, param_names, abstract_params, global_batch: i
         the data-parallel groups along ``data`` x ``fsdp``; a batch that the counts' microbatches do not
         divide. Each names the flag and a value that works.
     """
-    from sharding.rules import logical_to_spec
-
     strategy = par.strategy
     allowed = (*ax.BATCH_MESH_AXES, ax.TENSOR)
     others = [f"{a}={n}" for a, n in par.mesh_shape.items() if a not in allowed and n > 1]

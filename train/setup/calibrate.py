@@ -35,10 +35,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from models.spec import describe
 from sharding import axes as ax
 from sharding.balance import counts_for_speeds, default_capacity, layers_for_speeds, tokens_for_speeds
-from sharding.parallel import Parallelism
+from sharding.devices import peak_flops, simulate_inventory
+from sharding.parallel import Accumulation, Parallelism, UnevenBatch
+from sharding.pipeline import plan_layout
 from train.data import FIELDS
+from train.runtime import step
+from train.strategies import batch_grid, batch_groups, compute_pools, resolve_uneven, slowest_of_groups
 
 REPEATS = 3
 """Timed repetitions of one microbatch per device, after one warm-up (which also compiles)."""
@@ -169,14 +174,6 @@ def time_local_devices(
     return out
 
 
-def compute_pools(grid: Sequence) -> list[int] | None:
-    """Which devices share compute, as `sharding.balance.counts_for_speeds` takes ``pools``: CPU devices
-    share their process's cores (one pool per process); accelerators are each their own (None)."""
-    if not grid or grid[0].platform != "cpu":
-        return None
-    return [d.process_index for d in grid]
-
-
 def grid_seconds(grid: Sequence, table: np.ndarray, devices: Sequence | None = None) -> list[float]:
     """Each batch-grid device's seconds from ``table[process_index, local_index]`` (every process's
     figures, as `gather_table` returns them); a device's local index is its rank by id among its process's
@@ -210,7 +207,7 @@ def calibrate(
 
     Args:
       par: The run's layout bound to a mesh, strategy `UnevenBatch` with ``speeds == "measured"``.
-      loss_fn: ``loss_fn(params, batch, par) -> (loss_sum, weight_sum)`` (`train.step.Trainer.loss_sums`).
+      loss_fn: ``loss_fn(params, batch, par) -> (loss_sum, weight_sum)`` (`train.runtime.step.Trainer.loss_sums`).
       abstract_params: The model's parameter shapes (whole, canonical).
       batch_size, seq_len: ``--batch-size`` and ``--seq-len``.
       timer: `time_local_devices` or a stand-in with its signature (tests inject timings).
@@ -218,9 +215,6 @@ def calibrate(
     Returns:
       ``(par, calibration)``: ``par`` with the counts set, and what was measured.
     """
-    from sharding.devices import peak_flops
-    from train.strategies import batch_grid, batch_groups, slowest_of_groups
-
     strategy, mesh = par.strategy, par.mesh
     devices = par.data_parallel
     total = strategy.microbatches * devices
@@ -274,8 +268,6 @@ def head_layers(model_config, seq_len: int) -> float:
     From `models.spec.describe`: a layer's share of `ModelDescription.flops_per_token` is 6 FLOPs per
     per-layer parameter plus its attention products; the rest is the head.
     """
-    from models.spec import describe
-
     desc = describe(model_config)
     layer = 6.0 * sum(p.size for p in desc.params if p.per_layer) + 3 * desc.attention.forward_flops(seq_len)
     return max(desc.flops_per_token(seq_len) - desc.num_layers * layer, 0.0) / layer
@@ -308,9 +300,6 @@ def calibrate_stages(
     Returns:
       ``(par, calibration)``: ``par`` with the measured split (``measure_stages`` off), and the timings.
     """
-    from sharding.parallel import Accumulation
-    from sharding.pipeline import plan_layout
-
     plan = par.pipeline
     fn, args_on = local_work(par.replace(strategy=Accumulation()), loss_fn, abstract_params, microbatch_rows, seq_len)
     local = sorted(jax.local_devices(), key=lambda d: d.id)
@@ -324,27 +313,34 @@ def calibrate_stages(
 
 
 def resolve_counts(config, par: Parallelism, log) -> tuple[Parallelism, list[float] | None]:
-    """Resolves what the strategy left to measure or look up at start-up (`GradientStrategy.resolve`):
-    ``--hetero-batch auto`` (measured, logging what was measured, `resolve_measured`) or ``kinds``
-    (datasheets) into counts, and ``--stage-layers auto`` into a measured stage split (`resolve_stages`);
-    ``(par, datasheet speeds or None)``, ``par`` unchanged for any other strategy.
+    """Resolves what the layout left to measure or look up at start-up: ``--hetero-batch auto`` (measured,
+    logging what was measured, `resolve_measured`) or ``kinds`` (datasheets,
+    `train.strategies.resolve_uneven`) into counts, and ``--stage-layers auto`` into a measured stage split
+    (`resolve_stages`); ``(par, datasheet speeds or None)``, ``par`` unchanged for any other layout.
 
     Raises:
       ValueError: ``kinds`` with a device whose peak is unknown (`train.strategies.device_speeds`).
     """
-    from train.strategies import kind_of
-
-    return kind_of(par.strategy).resolve(config, par, log)
+    strategy = par.strategy
+    if isinstance(strategy, UnevenBatch):
+        if strategy.counts is not None:
+            return par, None
+        if strategy.speeds == "measured":
+            return resolve_measured(config, par, log), None
+        simulate = config.cluster.simulate_cluster
+        simulated = simulate_inventory(simulate, jax.devices())[1] if simulate else None
+        return resolve_uneven(par, par.mesh, simulated)
+    if par.pipeline is not None and par.pipeline.measure_stages:
+        return resolve_stages(config, par, log), None
+    return par, None
 
 
 def resolve_measured(config, par: Parallelism, log) -> Parallelism:
     """``--hetero-batch auto``: a probe trainer of even counts timed per device, then the counts."""
-    from train.step import Trainer
-
     strategy = par.strategy
     # A trainer of even counts to read the model's loss from; the counts themselves come from the timings.
     even = dataclasses.replace(strategy, counts=(strategy.microbatches,) * par.data_parallel)
-    probe = Trainer(config.model, config.optimizer, par.replace(strategy=even))
+    probe = step.Trainer(config.model, config.optimizer, par.replace(strategy=even))
     par, calibration = calibrate(
         par, probe.loss_sums, probe.state_layout.abstract_params, config.data.batch_size, config.data.seq_len
     )
@@ -355,10 +351,7 @@ def resolve_measured(config, par: Parallelism, log) -> Parallelism:
 
 def resolve_stages(config, par: Parallelism, log) -> Parallelism:
     """``--stage-layers auto``: a flat probe trainer's local work timed per device, then the split."""
-    from sharding.parallel import Accumulation
-    from train.step import Trainer
-
-    probe = Trainer(config.model, config.optimizer, par.replace(strategy=Accumulation()))
+    probe = step.Trainer(config.model, config.optimizer, par.replace(strategy=Accumulation()))
     rows = config.data.batch_size // (par.pipeline.microbatches * par.data_parallel)
     # The head runs on 1/S of the rows on every stage (`sharding.pipeline.head_parallelism`): its share per stage.
     fixed = head_layers(config.model, config.data.seq_len) / par.pipeline.layout.stages
@@ -439,12 +432,9 @@ def calibrate_context(
 def resolve_context_shares(config, par: Parallelism, log) -> Parallelism:
     """``--context-shares auto``: a probe trainer's local work timed per device, then the shares; ``par``
     unchanged otherwise."""
-    from sharding.parallel import Accumulation
-    from train.step import Trainer
-
     if par.context_shares != "auto":
         return par
-    probe = Trainer(config.model, config.optimizer, par.replace(strategy=Accumulation(), context_shares=None))
+    probe = step.Trainer(config.model, config.optimizer, par.replace(strategy=Accumulation(), context_shares=None))
     rows = max(1, config.data.batch_size // (par.data_parallel * par.microbatches))
     par, calibration = calibrate_context(
         par, probe.loss_sums, probe.state_layout.abstract_params, rows, config.data.seq_len

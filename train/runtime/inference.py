@@ -16,9 +16,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from sharding.rules import DEFAULT_PRESET
+from checkpoints.meta import RunMeta
+from sharding.mesh import format_mesh, make_mesh, parse_axis_sizes, parse_mesh
+from sharding.parallel import Parallelism
+from sharding.rules import DEFAULT_PRESET, get_rules
 from sharding.rules import PRESETS as RULE_PRESETS
-from train.flagnames import render
+from train.data.tokenizer import HFTokenizer, load_tokenizer, tokenizer_of
+from train.launcher.distributed import setup_devices
+from train.setup.flagnames import render
 
 
 def add_device_args(parser: argparse.ArgumentParser, default_mesh: str = "fsdp=-1") -> None:
@@ -82,17 +87,12 @@ def setup(args) -> Any:
     Raises:
       ValueError: a ``--mesh`` that does not fit the devices, a stage axis, or bad rules.
     """
-    from train.distributed import setup_devices  # the one home of --cpu-devices
-
     if args.cpu_devices is not None and args.cpu_devices <= 0:
         raise ValueError(f"--cpu-devices {args.cpu_devices}: must be positive, e.g. 8")
     setup_devices(args.cpu_devices)
     import jax
 
-    from sharding.mesh import format_mesh, make_mesh, parse_axis_sizes, parse_mesh
-    from sharding.parallel import Parallelism
-    from sharding.rules import get_rules
-    from train.checks import check_simulated_devices
+    from train.setup.checks import check_simulated_devices  # slow: jax
 
     check_simulated_devices(parse_axis_sizes(args.mesh), jax.devices(), args.cpu_devices)
     shape = parse_mesh(args.mesh, jax.device_count())
@@ -122,8 +122,7 @@ def read_run(run_dir: str | Path, step: int | None = None):
     Raises:
       ValueError: No ``checkpoints/`` folder or no checkpoint in it; a missing or damaged ``step``.
     """
-    from checkpoints.manager import CheckpointManager
-    from checkpoints.meta import RunMeta
+    from checkpoints.manager import CheckpointManager  # slow: orbax
 
     folder = Path(run_dir) / "checkpoints"
     if not folder.is_dir():
@@ -144,7 +143,7 @@ def read_run(run_dir: str | Path, step: int | None = None):
 def restore_params(run_dir: str | Path, step: int | None, par, **changes):
     """A run's parameters restored onto ``par``'s mesh in the canonical ``[layers, ...]`` layout.
 
-    Restores onto the `train.state.StateLayout` of ``par`` without a pipeline
+    Restores onto the `train.runtime.state.StateLayout` of ``par`` without a pipeline
     (`checkpoints.manager.restore_state`: every device reads only its slice; a pipeline checkpoint is re-laid
     on device).
 
@@ -161,9 +160,9 @@ def restore_params(run_dir: str | Path, step: int | None, par, **changes):
       ValueError: As `read_run`; a step whose array data does not read
         (`checkpoints.verify.CheckpointDamaged`, naming the array, its data file and a step that reads).
     """
-    from checkpoints.manager import restore_state
-    from checkpoints.verify import restore_falling_back
-    from train.state import StateLayout
+    from checkpoints.manager import restore_state  # slow: orbax
+    from checkpoints.verify import restore_falling_back  # slow: orbax
+    from train.runtime.state import StateLayout  # slow: jax
 
     manager, step, meta = read_run(run_dir, step)
     try:
@@ -188,9 +187,8 @@ def load_model(args, par) -> LoadedModel:
     Raises:
       ValueError: as `checkpoints.hf`; a missing tokenizer; a tokenizer larger than the vocabulary.
     """
-    from checkpoints import hf
-    from train.state import StateLayout
-    from train.tokenizer import HFTokenizer
+    from checkpoints import hf  # slow: ml_dtypes
+    from train.runtime.state import StateLayout  # slow: jax
 
     if args.hf is None:
         return load_run(args, par)
@@ -221,8 +219,7 @@ def load_run(args, par) -> LoadedModel:
     Raises:
       ValueError: As `restore_params`; a tokenizer larger than the vocabulary.
     """
-    from models.transformer import abstract_model
-    from train.tokenizer import load_tokenizer, tokenizer_of
+    from models.transformer import abstract_model  # slow: jax
 
     config, params, meta, _ = restore_params(args.run_dir, args.step, par, dtype=args.dtype)
     tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else tokenizer_of(meta.tokenizer)
@@ -239,11 +236,11 @@ def fresh_state(config, layout, directory, log) -> dict:
 
     ``--init-from PATH``: the folder's tensors are read straight onto the run's mesh and rules in the
     canonical ``[layers, ...]`` layout (`checkpoints.hf.load_params`), then given a fresh optimizer
-    state and re-laid for a pipeline (`train.state.StateLayout.state_from_params`).
+    state and re-laid for a pipeline (`train.runtime.state.StateLayout.state_from_params`).
 
     Args:
-      config: The `train.config.RunConfig`; its model came from the folder's ``config.json``.
-      layout: The run's `train.state.StateLayout`.
+      config: The `train.setup.config.RunConfig`; its model came from the folder's ``config.json``.
+      layout: The run's `train.runtime.state.StateLayout`.
       directory: The checkpoint folder (for the log line).
       log: Prints a line (process 0).
 
@@ -252,8 +249,7 @@ def fresh_state(config, layout, directory, log) -> dict:
     """
     import time
 
-    from checkpoints import hf
-    from sharding.mesh import format_mesh
+    from checkpoints import hf  # slow: ml_dtypes
 
     folder = config.checkpoint.init_from
     if folder is None:

@@ -1,6 +1,6 @@
 """Every check of a run's configuration before any device work, in one place: `validate`.
 
-`train.cli.parse` refuses values that are wrong on their own; `validate` checks the flags against each
+`train.setup.cli.parse` refuses values that are wrong on their own; `validate` checks the flags against each
 other, the devices, the tokenizer and the run folder. Each check raises a one-line ``ValueError`` that
 names the flag, its value and one that works.
 """
@@ -8,15 +8,19 @@ names the flag, its value and one that works.
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 
+from models.attention import check_context_parallel
 from models.config import ModelConfig
 from sharding import axes as ax
 from sharding.mesh import format_mesh
 from sharding.parallel import Parallelism
-from train.config import RunConfig
-from train.flagnames import render
+from sharding.vocab import choose_for_batch
+from train.data import check_source, default_cache_dir
+from train.setup import strategy_setup
+from train.setup.config import RunConfig
+from train.setup.flagnames import render
+from train.setup.folders import check_writable
 
 # Model dimensions the presets split; a mesh axis that cannot split them is a configuration error.
 _SPLIT_DIMS = (("embed_dim", "embed"), ("mlp_dim", "mlp"), ("num_heads", "heads"), ("vocab_size", "vocab"))
@@ -26,7 +30,7 @@ def validate(run: RunConfig, num_devices: int, tokenizer=None) -> None:
     """Checks ``run`` (its mesh resolved for ``num_devices``) before any device work.
 
     Args:
-      run: The resolved `RunConfig` (`train.config.resolve_mesh`).
+      run: The resolved `RunConfig` (`train.setup.config.resolve_mesh`).
       num_devices: The devices JAX sees (all processes).
       tokenizer: The run's tokenizer, checked against the model's vocabulary (None: skipped).
 
@@ -42,7 +46,6 @@ def validate(run: RunConfig, num_devices: int, tokenizer=None) -> None:
     check_strategy(run)
     check_model_sharding(model, par)
     check_experts(model, par)
-    from models.attention import check_context_parallel
 
     check_context_parallel(model, par, run.data.seq_len)
     check_logits(run)
@@ -67,8 +70,6 @@ def check_simulated_devices(mesh_sizes, devices, cpu_devices: int | None) -> Non
     Raises:
       ValueError: Naming ``--mesh`` and the ``--cpu-devices N`` that makes it fit.
     """
-    from sharding.mesh import format_mesh
-
     sizes = list(mesh_sizes.values())
     needed = math.prod(sizes)
     if cpu_devices is not None or -1 in sizes or needed <= len(devices) or devices[0].platform != "cpu":
@@ -102,28 +103,6 @@ def check_run_dir(run_dir: str, resume: bool, can_resume: bool = True) -> None:
         )
 
 
-def check_writable(folder: Path, flag: str) -> None:
-    """Creates ``folder`` if needed and writes (and removes) a probe file in it.
-
-    Raises:
-      ValueError: Naming ``flag``, the folder and the system's reason.
-    """
-    for part in (folder, *folder.parents):  # a file in the way: mkdir would only say "File exists"
-        if part.exists():
-            if not part.is_dir():
-                raise ValueError(
-                    f"{flag} {folder}: cannot write there ({part} is a file, not a folder); choose a folder"
-                )
-            break
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / f".write-test-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        raise ValueError(f"{flag} {folder}: cannot write there ({e.strerror}); choose a writable folder") from None
-
-
 def check_data(run: RunConfig, tokenizer, read: bool = True) -> None:
     """``--eod-token`` applies; with ``read``, the corpus is there and is text and the token cache is writable.
 
@@ -131,8 +110,6 @@ def check_data(run: RunConfig, tokenizer, read: bool = True) -> None:
       ValueError: Naming ``--data``, ``--data-cache`` or ``--eod-token`` and what to do.
       FileNotFoundError: A ``--data`` path that does not exist.
     """
-    from train.data import check_source, default_cache_dir
-
     data = run.data
     if data.eod_token is not None and getattr(tokenizer, "name", None) == "bytes":
         raise ValueError(
@@ -163,14 +140,12 @@ def check_batch(run: RunConfig) -> None:
     """Batch and length divisibility against the mesh and the strategy's microbatches.
 
     Raises:
-      ValueError: A ``--batch-size`` the strategy cannot split (`GradientStrategy.check_run_batch`: e.g. one
+      ValueError: A ``--batch-size`` the strategy cannot split (`train.setup.strategy_setup.check_run_batch`: e.g. one
         that ``--microbatches`` or data x fsdp does not divide), or a ``--seq-len`` the ``context`` x
         ``sequence`` axes do not divide.
     """
-    from train.strategies import kind_of
-
     par, seq_len = run.parallelism, run.data.seq_len
-    kind_of(par.strategy).check_run_batch(run)
+    strategy_setup.check_run_batch(run)
     shards = par.length_shards
     if seq_len % shards:
         raise ValueError(
@@ -179,38 +154,15 @@ def check_batch(run: RunConfig) -> None:
         )
 
 
-def check_even_batch(run: RunConfig) -> None:
-    """The batch cut into the strategy's M microbatches, each split over data x fsdp.
-
-    Raises:
-      ValueError: A ``--batch-size`` that ``--microbatches`` or data x fsdp does not divide.
-    """
-    par, batch = run.parallelism, run.data.batch_size
-    dp, m = par.data_parallel, par.strategy.microbatches
-    if batch % m:
-        raise ValueError(
-            f"--batch-size {batch} is not divisible by --microbatches {m}; "
-            f"e.g. --batch-size {_good_batch(batch, m * dp)}"
-        )
-    if (batch // m) % dp:
-        raise ValueError(
-            f"--batch-size {batch} / --microbatches {m} = {batch // m} sequences per microbatch, not divisible "
-            f"by the data-parallel size data x fsdp x expert = {dp} of --mesh {_mesh_flag(par)}; "
-            f"e.g. --batch-size {_good_batch(batch, m * dp)}"
-        )
-
-
 def check_strategy(run: RunConfig) -> None:
-    """The strategy against the model, mesh and rules (`GradientStrategy.check_run`): the pipeline's
-    microbatches, uneven counts against the mesh and rules.
+    """The strategy against the model, mesh and rules (`train.setup.strategy_setup.check_run`): uneven counts against
+    the attention, the mesh and rules.
 
     Raises:
       ValueError: Fewer pipeline microbatches than stages; an attention kernel inside the uneven step with
         tensor; uneven counts on a mesh or rules they do not support, or that do not divide the batch.
     """
-    from train.strategies import kind_of
-
-    kind_of(run.parallelism.strategy).check_run(run)
+    strategy_setup.check_run(run)
 
 
 def check_model_sharding(config: ModelConfig, par: Parallelism) -> None:
@@ -290,8 +242,6 @@ def check_logits(run: RunConfig) -> None:
     Raises:
       ValueError: With the reason and what would make it apply.
     """
-    from sharding.vocab import choose_for_batch
-
     par, model = run.parallelism, run.model
     try:
         choose_for_batch(
@@ -318,8 +268,6 @@ def _vocab_parallel_remedy(par: Parallelism) -> str:
     n = par.num_devices
     example = {ax.FSDP: n // 2, ax.TENSOR: 2} if n >= 4 and n % 2 == 0 else {ax.FSDP: n}
     if par.mesh_shape.get(ax.FSDP, 1) <= 1 and n > 1:
-        from sharding.mesh import format_mesh
-
         remedies.append(f"--mesh {format_mesh(example)}")
     needs = (
         "it needs the output weight's embed dimension split over axes that also split the batch: an fsdp axis "

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from checkpoints.argparser import Parser
+from train.setup.layout_flags import RECORDED_LAYOUT_FLAGS
 
 RECORD = "config.json"
 """The run record's name inside the run folder."""
@@ -31,35 +32,13 @@ NOT_RECORDED = ("config", "resume", "resume_step", "discard_later", "break_lock"
 """Flags a resume from the record does not take from it: they say what this invocation does."""
 MODEL_FLAGS = ("model", "set", "init_from")
 """The model as a whole: a command line that names one of them restates the model, and the record's are not taken."""
-LAYOUT_FLAGS = (
-    "mesh",
-    "rules",
-    "rule",
-    "mesh_outer",
-    "plan",
-    "microbatches",
-    "stage_layers",
-    "pipeline_schedule",
-    "pipeline_repeats",
-    "pipeline_gather",
-    "hetero_batch",
-    "hetero_max_share",
-    "rebalance_every",
-    "context_layout",
-    "context_shares",
-    "cluster",
-    "simulate_cluster",
-)
-"""The layout as a whole: a command line that names one of them re-lays the run (resume onto another mesh), and
-the record's are not taken (its stage split or counts would not fit the new mesh). The cluster flags belong to it:
-``--plan auto`` and ``--hetero-batch kinds`` read the kinds from them."""
 RESUMED = (
-    *MODEL_FLAGS, *LAYOUT_FLAGS, "dtype", "remat", "attention", "logits", "tokenizer", "eod_token", "data",
+    *MODEL_FLAGS, *RECORDED_LAYOUT_FLAGS, "dtype", "remat", "attention", "logits", "tokenizer", "eod_token", "data",
     "heldout", "seq_len", "batch_size", "seed", "optimizer", "beta1", "beta2", "eps", "lr", "schedule", "warmup",
     "decay_steps", "weight_decay", "grad_clip", "skip_nonfinite", "max_loss",
 )  # fmt: skip
 """What a resume takes from the run record (flag destinations): the model, its data, its layout and optimizer,
-each group whole (`MODEL_FLAGS`, `LAYOUT_FLAGS`) unless the command line names one of its flags."""
+each group whole (`MODEL_FLAGS`, `train.setup.layout_flags.RECORDED_LAYOUT_FLAGS`) unless the command line names one of its flags."""
 
 
 def _actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
@@ -147,7 +126,7 @@ def expand(argv: Sequence[str], parser: argparse.ArgumentParser) -> list[str]:
         named = _named_dests(argv, parser)
         taken = [
             d for d in RESUMED
-            if d not in named and not any(named & set(group) and d in group for group in (MODEL_FLAGS, LAYOUT_FLAGS))
+            if d not in named and not any(named & set(group) and d in group for group in (MODEL_FLAGS, RECORDED_LAYOUT_FLAGS))
         ]  # fmt: skip
         flags = {k: v for k, v in read_file(str(record)).items() if k.replace("-", "_") in taken}
         return to_argv(flags, parser, str(record)) + list(argv)

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from sharding import costmodel as cm
 from sharding import hlo
-from train.flagnames import render
+from train.setup import strategy_setup
+from train.setup.flagnames import render
 
 
 def _flop(n: float) -> str:
@@ -26,10 +27,10 @@ def _mib(n: float) -> str:
 
 
 def _predicted(trainer, batch: int, seq_len: int, backend: str) -> tuple[cm.Cost, str]:
-    """The cost of the run's busiest device and which one it is (the strategy's: `GradientStrategy.priced`)."""
+    """The cost of the run's busiest device and which one it is (`train.setup.strategy_setup.priced`)."""
     par, config = trainer.par, trainer.config
     layout = cm.layout_of(par, config)
-    cost, who = trainer.strategy.priced(config, layout, batch, seq_len, backend)
+    cost, who = strategy_setup.priced(par, config, layout, batch, seq_len, backend)
     if layout.context_shares is not None:  # every device runs the same padded blocks; attention differs
         who = "the ring device with the largest share"
     return cost, who
@@ -39,7 +40,7 @@ def cost_model_lines(trainer, compiled, batch: int, seq_len: int) -> list[str]:
     """Lines comparing the cost model's prediction for the run's layout with the compiled step.
 
     Args:
-      trainer: The `train.step.Trainer` (its `Parallelism` ``par``, bound to the mesh, and model ``config``).
+      trainer: The `train.runtime.step.Trainer` (its `Parallelism` ``par``, bound to the mesh, and model ``config``).
       compiled: Its compiled train step (`Trainer.compile_train_step`).
       batch: Global batch, sequences.
       seq_len: Tokens per sequence.
@@ -82,7 +83,7 @@ def cost_model_lines(trainer, compiled, batch: int, seq_len: int) -> list[str]:
             f"grouped products lowered densely, float32 copies of bfloat16 activations): on a GPU about "
             f"{_mib(cost.memory.in_flight - cost.memory.cpu_only)}"
         )
-    return lines + trainer.strategy.cost_notes()
+    return lines + strategy_setup.cost_notes(trainer.par)
 
 
 def cpu_only_bytes(trainer, batch: int, seq_len: int) -> float:

@@ -2,8 +2,8 @@
 
 The library describes a layout by its fields (mesh shape, rules, strategy value, context layout); the
 command line speaks flags. `parallelism_flags` renders a layout as the ``python -m train.train`` flags
-that reproduce it (`train.cli.parse` reads them back to an equal layout); each strategy renders its own
-part (`train.strategies.GradientStrategy.flags`). ``--plan auto`` prints it for the layout it chose.
+that reproduce it (`train.setup.cli.parse` reads them back to an equal layout); each strategy renders its own
+part (`train.setup.strategy_setup.flags_before_microbatches`, `train.setup.strategy_setup.flags_after_microbatches`). ``--plan auto`` prints it for the layout it chose.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from sharding import axes as ax
 from sharding.mesh import format_mesh
 from sharding.parallel import CONTIGUOUS, Parallelism
 from sharding.rules import DEFAULT_PRESET, PRESETS, Rules
+from train.setup import strategy_setup
 
 
 def parallelism_flags(par: Parallelism) -> list[str]:
@@ -25,8 +26,6 @@ def parallelism_flags(par: Parallelism) -> list[str]:
       "--microbatches", "1"]``; ``--microbatches`` with given uneven counts is their average per
       data-parallel group, for information.
     """
-    from train.strategies import kind_of
-
     mesh = format_mesh(par.mesh_shape) if par.num_devices > 1 else "data=1"
     out = ["--mesh", mesh]
     base, overrides = rules_flags(par.rules, par.pipeline is not None)
@@ -35,10 +34,9 @@ def parallelism_flags(par: Parallelism) -> list[str]:
         outer = format_mesh(par.outer)
         if outer != "single device":
             out += ["--mesh-outer", outer]
-    kind = kind_of(par.strategy)
-    out += kind.flags_before_microbatches(par)
+    out += strategy_setup.flags_before_microbatches(par)
     out += ["--microbatches", str(par.microbatches)]
-    out += kind.flags(par)
+    out += strategy_setup.flags_after_microbatches(par)
     if par.context_layout != CONTIGUOUS:
         out += ["--context-layout", par.context_layout]
     if par.context_shares is not None:

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from train.report import human_bytes
+from sharding import axes as ax
+from sharding.devices import device_memory
+from train.reports.units import human_bytes
 
 # Bytes of state per parameter: float32 parameter + AdamW's two float32 moments (Loshchilov & Hutter, 2019).
 STATE_BYTES_PER_PARAM = 4 * 3
@@ -26,8 +28,6 @@ BATCH_BYTES_PER_TOKEN = 5 * 4
 def resolve_budget(run, devices):
     """``run`` with ``cluster.device_memory`` (bytes) and its source filled from ``devices`` (this process's)
     unless ``--device-memory`` gave it; measured once, before anything is allocated."""
-    from sharding.devices import device_memory
-
     cluster = run.cluster
     if cluster.device_memory is not None:
         return run
@@ -106,8 +106,6 @@ def check_compiled(run, compiled) -> str:
 
 def remedies(run) -> str:
     """What lowers the step's peak, given the flags in use (never the values already in use)."""
-    from sharding import axes as ax
-
     par, data, model = run.parallelism, run.data, run.model
     found = []
     if model.remat != "full":

@@ -1,11 +1,11 @@
 """The one jitted train step.
 
 One step function for every layout: the strategy of the run's `sharding.parallel.Parallelism` computes
-the summed loss, token count and gradients (`train.strategies`: accumulation, pipeline or uneven counts),
-then `Trainer.apply_gradients` divides once by the token count and applies the optimizer update, so the
+the summed loss, token count and gradients (`train.strategies`: accumulation or uneven counts; a pipelined
+model runs its microbatches inside one pass), then `Trainer.apply_gradients` divides once by the token count and applies the optimizer update, so the
 update equals the one-shot update whatever the strategy. One jit builder (`Trainer._jit`) compiles it with
 explicit in/out shardings, donating the state. The state's shapes, storage and shardings are its
-`train.state.StateLayout`'s.
+`train.runtime.state.StateLayout`'s.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from sharding import axes as ax
 from sharding.parallel import Parallelism
 from train import strategies
 from train.data import FIELDS, model_inputs
-from train.optimizer import OptimizerConfig, learning_rate_schedule
-from train.state import StateLayout
+from train.runtime.optimizer import OptimizerConfig, learning_rate_schedule
+from train.runtime.state import StateLayout
 
 BATCH_NAMES = (ax.BATCH, ax.LENGTH)
 
@@ -91,16 +91,16 @@ class Trainer:
         says how gradients are computed.
 
     Attributes:
-      state_layout: The `train.state.StateLayout` of the state the step updates. Its attributes and methods
+      state_layout: The `train.runtime.state.StateLayout` of the state the step updates. Its attributes and methods
         (``abstract_params``, ``storage``, ``state_shardings``, ``init_state``, ``abstract_state``, ...) read
         through the trainer too: ``trainer.init_state`` is ``trainer.state_layout.init_state``.
       strategy: The `train.strategies.GradientStrategy`; its step inputs (`GradientStrategy.step_inputs`)
         are inputs of the step beside ``stop`` (`signals`).
-      schedule: The learning rate by update count (`train.optimizer.learning_rate_schedule`).
+      schedule: The learning rate by update count (`train.runtime.optimizer.learning_rate_schedule`).
 
     Raises:
       ValueError: A strategy that does not fit the mesh (`train.strategies.make_strategy`), or as
-        `train.state.StateLayout`.
+        `train.runtime.state.StateLayout`.
     """
 
     def __init__(self, config: ModelConfig, optimizer: OptimizerConfig, par: Parallelism):
@@ -216,7 +216,7 @@ class Trainer:
 
         A non-finite loss or gradient leaves parameters and optimizer state as they were, bit for bit
         (``metrics["finite"]`` is False); the step counter still advances. The update is the state layout's
-        `train.optimizer.GuardedUpdate`: the clipping (a collective) before a `jax.lax.cond`, the optimizer's
+        `train.runtime.optimizer.GuardedUpdate`: the clipping (a collective) before a `jax.lax.cond`, the optimizer's
         elementwise update inside it, so XLA writes the moments and parameters in place instead of holding
         new ones beside the old (a `jnp.where` of new and old state, or an update computed before the
         conditional, keeps a second copy of the moments through the step's peak).

@@ -25,9 +25,10 @@ from typing import Any
 import jax
 import numpy as np
 
+from sharding.devices import peak_flops
 from train.data import Dataset, local_rows, to_global_arrays
-from train.divergence import DivergenceGuard
-from train.profile import StepProfiler
+from train.runtime.divergence import DivergenceGuard
+from train.runtime.profile import StepProfiler
 
 # Tells apart the event files of writers opened in the same second by one process: tensorboardX names a
 # file by the second and the host only, so a second writer in that second would overwrite the first's file.
@@ -55,9 +56,9 @@ class LoopOptions:
       skip_nonfinite: steps with a non-finite loss that may be skipped before
         the run stops.
       max_loss: ``--max-loss``: a finite loss above it stops the run as a non-finite one does (None: auto,
-        `train.divergence.auto_max_loss`; ``inf``: off).
+        `train.runtime.divergence.auto_max_loss`; ``inf``: off).
       vocab_size: the model's vocabulary (for the auto ``max_loss``).
-      profile_steps: ``--profile-steps``: the first and last step traced (`train.profile`), or None.
+      profile_steps: ``--profile-steps``: the first and last step traced (`train.runtime.profile`), or None.
       run_dir: the run folder (where the trace goes).
     """
 
@@ -80,11 +81,9 @@ class LoopOptions:
 
     @classmethod
     def of(cls, run, positions: int | None = None) -> LoopOptions:
-        """The options of a `train.config.RunConfig` (MFU against the devices' summed peak, when known);
+        """The options of a `train.setup.config.RunConfig` (MFU against the devices' summed peak, when known);
         ``positions``: positions per sequence when the layout pads it (`sharding.parallel.Parallelism.padded_length`)."""
         import jax
-
-        from sharding.devices import peak_flops
 
         peaks = [peak_flops(d) for d in jax.devices()]
         loop, data = run.loop, run.data
@@ -250,7 +249,6 @@ def truncate_metrics(path: Path, start_step: int) -> tuple[int, set[str]]:
       ``(dropped, present)``: how many records were dropped, and the prefixes (``train``, ``eval``, ...)
       of the records kept at ``start_step``.
     """
-
     if not path.is_file():
         return 0, set()
     kept, dropped, present = [], 0, set()
@@ -339,7 +337,7 @@ class NonFiniteLossError(RuntimeError):
 
 
 class DivergedLossError(NonFiniteLossError):
-    """A finite loss grew past ``--max-loss`` (`train.divergence`); stops the run as a non-finite loss does."""
+    """A finite loss grew past ``--max-loss`` (`train.runtime.divergence`); stops the run as a non-finite loss does."""
 
 
 def train_loop(
@@ -363,7 +361,7 @@ def train_loop(
     ``save(state, step, samples, iterator)`` (starts an asynchronous save) and ``check()`` (raises a failed save's
     error); ``stop`` is a `StopFlag`, whose request reaches every process through the next step's ``stop``
     metric, so all stop after the same step and save it; ``check_compiled`` gets the compiled step before
-    it runs and returns a line to log (`train.fit.check_compiled` raises for a step that cannot fit).
+    it runs and returns a line to log (`train.reports.fit.check_compiled` raises for a step that cannot fit).
 
     Returns:
       ``(state, summary)``: the final step and samples, held-out losses, the signal that stopped the run

@@ -1,21 +1,26 @@
 """The configuration of a run: one frozen `RunConfig`, built once from the command line and passed down.
 
 ``RunConfig = ModelConfig + Parallelism + DataConfig + OptimizerConfig + LoopConfig + CheckpointConfig +
-ClusterConfig``. `train.cli.parse` builds it from argv before JAX starts; what needs the devices (a ``-1``
+ClusterConfig``. `train.setup.cli.parse` builds it from argv before JAX starts; what needs the devices (a ``-1``
 mesh size, ``--context-layout auto``, uneven counts from device speeds, ``--plan auto``) is resolved once
-they are known (`resolve_mesh`, `train.strategies.resolve_uneven`, `train.plan.apply_plan`), each
-returning a new `RunConfig` with its `Parallelism` replaced. `train.checks.validate` checks it.
+they are known (`resolve_mesh`, `train.strategies.resolve_uneven`, `train.setup.auto_plan.apply_plan`), each
+returning a new `RunConfig` with its `Parallelism` replaced. `train.setup.checks.validate` checks it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from models.attention import resolve_context_layout
 from models.config import ModelConfig
+from sharding.mesh import parse_mesh
 from sharding.parallel import Parallelism
-from train.optimizer import OptimizerConfig
+from train.launcher.distributed import DistributedConfig
+from train.runtime.optimizer import OptimizerConfig
 
 DEFAULT_RUN_DIR = "runs/default"
+DEFAULT_REBALANCE = 10
+"""``--rebalance-every`` with ``--hetero-batch auto``: steps between recomputing the counts."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,9 +62,9 @@ class LoopConfig:
     skip_nonfinite: int = 0
     progress: bool = True
     dry_run: bool = False
-    max_loss: float | None = None  # --max-loss: None auto (train.divergence), inf off
-    profile_steps: tuple[int, int] | None = None  # --profile-steps A:B (train.profile)
-    trackers: tuple[str, ...] = ()  # --wandb, --mlflow (train.loop.TRACKERS)
+    max_loss: float | None = None  # --max-loss: None auto (train.runtime.divergence), inf off
+    profile_steps: tuple[int, int] | None = None  # --profile-steps A:B (train.runtime.profile)
+    trackers: tuple[str, ...] = ()  # --wandb, --mlflow (train.runtime.loop.TRACKERS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +93,7 @@ class ClusterConfig:
       cluster: ``--cluster`` (a spec or an inventory file), for ``--plan auto``.
       simulate_cluster: ``--simulate-cluster``: kinds to pretend the CPU devices are.
       plan: ``auto`` to let the planner choose the `Parallelism`, else None.
-      device_memory: Bytes one device may use (``--device-memory``; None: detected, `train.fit`).
+      device_memory: Bytes one device may use (``--device-memory``; None: detected, `train.reports.fit`).
       device_memory_source: Where ``device_memory`` comes from, in words.
       external_coordinator: The coordination service at ``coordinator`` runs outside the training processes
         (``--external-coordinator``, given by `train.launch`); process 0 does not start one.
@@ -107,9 +112,7 @@ class ClusterConfig:
     external_coordinator: bool = False
 
     def distributed(self):
-        """The `train.distributed.DistributedConfig` of these flags."""
-        from train.distributed import DistributedConfig
-
+        """The `train.launcher.distributed.DistributedConfig` of these flags."""
         return DistributedConfig(
             self.coordinator, self.num_processes, self.process_id, self.dist_timeout, self.external_coordinator
         )
@@ -124,7 +127,7 @@ class RunConfig:
       preset: The ``--model`` preset it came from (recorded in checkpoints).
       parallelism: Mesh, rules, gradient strategy and context layout.
       data, optimizer, loop, checkpoint, cluster: as their classes say.
-      record: What ``RUN_DIR/config.json`` records (`train.configfile`): ``command`` (the command line) and
+      record: What ``RUN_DIR/config.json`` records (`train.setup.configfile`): ``command`` (the command line) and
         ``flags`` (every flag's value); None when the config was not made from a command line.
     """
 
@@ -173,9 +176,6 @@ def resolve_mesh(run: RunConfig, num_devices: int) -> RunConfig:
     Raises:
       ValueError: As `sharding.mesh.parse_mesh` (naming ``--mesh`` and a shape that fits).
     """
-    from models.attention import resolve_context_layout
-    from sharding.mesh import parse_mesh
-
     par = run.parallelism
     spec = ",".join(f"{a}={n}" for a, n in par.mesh_shape.items() if n != 1) or "data=1"
     par = par.replace(mesh_shape=parse_mesh(spec, num_devices))

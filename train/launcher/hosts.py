@@ -20,8 +20,11 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import signal
 from collections.abc import Mapping
 
+POLL = 0.2
+"""Seconds between looks at the training processes."""
 CONSUMED = ("MASTER_ADDR", "MASTER_PORT", "NNODES", "NODE_RANK", "WORLD_SIZE", "RANK")
 """torchrun's variables: read by the launcher and kept from the training processes (they get explicit flags,
 so neither JAX's cluster detection nor the loopback check reads the scheduler's view)."""
@@ -151,3 +154,13 @@ def child_env(env: Mapping[str, str]) -> dict[str, str]:
     """The environment of a training process a launcher starts: ``env`` without the scheduler's placement
     variables (SLURM_*, torchrun's), which the launcher has turned into explicit flags."""
     return {k: v for k, v in env.items() if not k.startswith("SLURM_") and k not in CONSUMED}
+
+
+def die_with_parent() -> None:
+    """In a child before exec: SIGKILL it when the launcher dies (Linux ``PR_SET_PDEATHSIG``; elsewhere nothing)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass

@@ -17,7 +17,7 @@ metadata; `StateLayout.relayout_state` re-lays the stacked layer axis on device 
 differs (`checkpoints.manager.restore_state`: another storage, the canonical stack, or the padded
 ``[stage, slot, ...]`` layout of checkpoints saved before), so a run resumes across stage layouts.
 
-`StateLayout` is the one owner of this: the train step (`train.step.Trainer`), checkpoint restore,
+`StateLayout` is the one owner of this: the train step (`train.runtime.step.Trainer`), checkpoint restore,
 inference, generation and Hugging Face import and export all read it; none of them needs a train step.
 """
 
@@ -42,7 +42,7 @@ from sharding.pipeline.storage import (
     storage_spec,
 )
 from sharding.rules import tree_shardings
-from train.optimizer import GuardedUpdate, OptimizerConfig
+from train.runtime.optimizer import GuardedUpdate, OptimizerConfig
 
 
 class StateLayout:
@@ -64,7 +64,7 @@ class StateLayout:
       layout: The run's `StageLayout` (which layers each stage computes), or None (no pipeline).
       storage: How the state stores the layer stacks: the `StageStorage` of ``layout`` on this mesh
         (unpadded rows), or None (canonical ``[layers, ...]``, no pipeline).
-      update: The step's `train.optimizer.GuardedUpdate` (the optimizer, skipped on a non-finite step).
+      update: The step's `train.runtime.optimizer.GuardedUpdate` (the optimizer, skipped on a non-finite step).
       tx: The `optax.GradientTransformation` whose state ``opt_state`` is (``update.tx``).
       state_params, param_shardings, report, state_shardings: The parameters as the state holds them (in
         ``storage``), their shardings, the `sharding.rules.ShardingReport`, and the whole state's shardings.

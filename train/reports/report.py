@@ -12,27 +12,18 @@ import numpy as np
 from models import attention_registry
 from sharding import axes as ax
 from sharding import hlo
-from sharding.dispatch import expert_dispatch
+from sharding.hlo import branch_collectives
 from sharding.mesh import crossing_axes, format_mesh
-from sharding.pipeline.storage import feature_devices
-from train.flagnames import render
-
-
-def human_bytes(n: float) -> str:
-    """``1536`` -> ``'1.50 KiB'``."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} TiB"
-
-
-def human_count(n: float) -> str:
-    """``6738415616`` -> ``'6.74B'``."""
-    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.2f}{unit}"
-    return str(int(n))
+from sharding.modeldesc import expert_dispatch
+from sharding.parallel import spec_axes, spec_entry
+from sharding.pipeline import head_parallelism, plan_layout
+from sharding.pipeline.storage import feature_devices, layout_from_meta
+from sharding.vocab import choose_for_batch, output_traffic, tokens_per_device, vocab_split
+from train.reports.fit import check_compiled, step_peak
+from train.reports.predicted import cost_model_lines, cpu_only_bytes
+from train.reports.units import human_bytes, human_count
+from train.setup import strategy_setup
+from train.setup.flagnames import render
 
 
 def startup_lines(config, preset: str, mesh, rules, report, num_params_built: int) -> list[str]:
@@ -51,7 +42,11 @@ def startup_lines(config, preset: str, mesh, rules, report, num_params_built: in
             f"mixture of experts: {config.num_moe_layers} of {config.num_layers} layers, {config.num_experts} experts "
             f"(top-{config.experts_per_token}), {config.num_experts // split} per device over expert={split}; "
             f"{active:,} active parameters per token ({human_count(active)}); dispatch: "
-            + expert_dispatch(config.capacity_factor, config.experts_per_token, split).describe(config.capacity_factor)
+            + {
+                "ring": "all-gather / reduce-scatter over expert (dropless)",
+                "all_to_all": f"all-to-all over expert (capacity factor {config.capacity_factor:g})",
+                "local": "local (no expert parallelism)",
+            }[expert_dispatch(config.capacity_factor, config.experts_per_token, split)]
         )
     crossing = crossing_axes(mesh)
     if crossing:
@@ -351,9 +346,6 @@ def pipeline_lines(trainer, note: str | None = None) -> list[str]:
 def head_line(trainer, batch: int) -> str:
     """Where the pipeline's head (final norm, output projection, loss) runs: on each stage's share of the
     rows (`sharding.pipeline.head_parallelism`), or on every stage when the rows do not divide."""
-    from sharding.parallel import spec_axes, spec_entry
-    from sharding.pipeline import head_parallelism
-
     par = trainer.par
     if par.pipeline.one_f_one_b:
         return (
@@ -376,8 +368,6 @@ def head_line(trainer, batch: int) -> str:
 
 def branch_lines(compiled, trainer) -> list[str]:
     """Collectives inside the pipeline's skipped-slot branches of a compiled step (they must stay in one stage)."""
-    from sharding.hlo import branch_collectives
-
     if trainer.par.pipeline is None:
         return []
     found = branch_collectives(compiled.as_text(), trainer.mesh)
@@ -421,8 +411,6 @@ def logger(is_main: bool):
 
 def logits_line(run) -> str:
     """How the output projection and loss run (``--logits``), with the bytes each layout moves."""
-    from sharding.vocab import choose_for_batch, output_traffic, tokens_per_device, vocab_split
-
     par, model = run.parallelism, run.model
     rows, shape = run.microbatch_rows, (run.microbatch_rows, run.data.seq_len)
     split = choose_for_batch(model.logits, par.rules, par.mesh_shape, model.vocab_size, model.embed_dim, shape)
@@ -440,8 +428,6 @@ def logits_line(run) -> str:
 
 def split_note(trainer) -> str | None:
     """How the layers were split when the split is the default one and uneven."""
-    from sharding.pipeline import plan_layout
-
     plan = trainer.par.pipeline
     if plan is None:
         return None
@@ -451,8 +437,6 @@ def split_note(trainer) -> str | None:
 
 def startup(run, trainer, speeds=None, notes=()) -> list[str]:
     """Every line printed before training or a dry run."""
-    from sharding.mesh import format_mesh
-
     lines = []
     par, model = trainer.par, run.model
     if attention_registry.kernel(model.attention).traits.splits_length and par.length_shards == 1:
@@ -460,18 +444,19 @@ def startup(run, trainer, speeds=None, notes=()) -> list[str]:
             f"note: --attention {model.attention} with the length whole on every device (no sequence axis "
             f"> 1 in --mesh {format_mesh(par.mesh_shape)}) is plain flash attention: no context parallelism"
         )
-    lines += trainer.strategy.summary_lines(run, speeds)
+    lines += strategy_setup.summary_lines(run, par, speeds)
     built = sum(x.size for x in jax.tree.leaves(trainer.state_layout.abstract_params))
     lines += startup_lines(model, run.preset, trainer.mesh, trainer.rules, trainer.state_layout.report, built)
     lines.append(logits_line(run))
     lines += [f"note: {note}" for note in notes]
-    lines += trainer.strategy.detail_lines(run, trainer)
+    if par.pipeline is not None:
+        lines += pipeline_lines(trainer, split_note(trainer)) + [head_line(trainer, run.data.batch_size)]
     return lines
 
 
 def dry_run(run, trainer, log, watch=None) -> int:
     """Compiles one step from abstract shapes and prints the sharding, memory and collectives and whether
-    the step fits the device's memory (`train.fit`); returns 0, or 2 when it does not fit (closing the
+    the step fits the device's memory (`train.reports.fit`); returns 0, or 2 when it does not fit (closing the
     process watch, if any, when done)."""
     batch, seq_len = run.data.batch_size, run.data.seq_len
     for line in parameter_table(trainer.state_layout.report, trainer.mesh):
@@ -484,14 +469,11 @@ def dry_run(run, trainer, log, watch=None) -> int:
         log(line)
     for line in compute_lines(compiled) + collective_lines(compiled) + branch_lines(compiled, trainer):
         log(line)
-    from train.predicted import cost_model_lines
 
     for line in cost_model_lines(trainer, compiled, batch, seq_len):
         log(line)
     if watch is not None:
         watch.close()
-    from train.fit import check_compiled, step_peak
-    from train.predicted import cpu_only_bytes
 
     try:
         log(check_compiled(run, compiled))
@@ -512,8 +494,6 @@ def dry_run(run, trainer, log, watch=None) -> int:
 
 def layout_text(meta) -> str:
     """A checkpoint's stage layout in words (``[layers, ...] (no pipeline)`` for the canonical one)."""
-    from sharding.pipeline.storage import layout_from_meta
-
     layout = layout_from_meta(meta)
     return "[layers, ...] (no pipeline)" if layout is None else layout.describe()
 
