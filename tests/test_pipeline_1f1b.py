@@ -195,10 +195,8 @@ def _toy(
         layout,
         microbatches,
         skip_empty=skip_empty,
-        one_f_one_b=schedule in ONE_F_ONE_B,
-        fused=schedule == "1f1b-fused",
+        schedule=schedule,
         gather=gather,
-        zero_bubble=schedule == "zb",
     )
     rng = np.random.default_rng(0)
     w = {
@@ -366,9 +364,7 @@ def _plan(num_layers, mesh_spec, stage_layers, microbatches, schedule, repeats=1
     return pl.PipelinePlan(
         layout,
         microbatches,
-        one_f_one_b=schedule in ONE_F_ONE_B,
-        fused=schedule == "1f1b-fused",
-        zero_bubble=schedule == "zb",
+        schedule=schedule,
         gather=gather,
     )
 
@@ -502,7 +498,7 @@ def test_fused_1f1b_training_steps_match_the_unpipelined_model(repeats):
     """As `test_training_steps_match_the_unpipelined_model`, for fused 1F1B and interleaved fused 1F1B (2
     chunks per stage: 2+2 and 1+1) on the uneven split 4,2 with fsdp."""
     plan = _plan(STEPS_LAYERS, STEPS_MESH, STEPS_SPLIT, STEPS_MICROBATCHES, "1f1b-fused", repeats)
-    assert plan.layout.repeats == repeats and plan.one_f_one_b and plan.fused
+    assert plan.layout.repeats == repeats and plan.one_f_one_b and plan.schedule == "1f1b-fused"
     _assert_steps_match_the_flat_model(plan)
 
 
@@ -900,7 +896,7 @@ def test_the_fused_1f1b_plan_round_trips_through_its_flags_and_is_reported(repea
     argv = ["--model", "test", "--mesh", "stage=2,fsdp=4", "--microbatches", "4", "--pipeline-schedule", "1f1b-fused"]
     run = parse(argv + (["--pipeline-repeats", str(repeats)] if repeats > 1 else []))
     plan = run.parallelism.strategy
-    assert plan.one_f_one_b and plan.fused and plan.schedule == "1f1b-fused" and plan.layout.repeats == repeats
+    assert plan.one_f_one_b and plan.schedule == "1f1b-fused" and plan.layout.repeats == repeats
     again = parse(["--model", "test", *parallelism_flags(run.parallelism)])
     assert again.parallelism.strategy == plan
     ticks = 4 * repeats + (repeats + 1) * 2 - 2

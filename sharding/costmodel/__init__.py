@@ -39,7 +39,6 @@ from sharding.costmodel.collectives import BACKENDS, Comm, collective_bytes, hos
 from sharding.costmodel.cost import Cost, device_cost, estimate
 from sharding.costmodel.flops import ELEMENTWISE_BACKWARD_FACTOR, OPTIMIZER_FLOPS_PER_PARAM, Flops
 from sharding.costmodel.layout import (
-    TICK_SCHEDULES,
     Layout,
     attention_of,
     describe_model,
@@ -66,7 +65,6 @@ __all__ = [
     "ELEMENTWISE_BACKWARD_FACTOR",
     "ELEMENTWISE_BYTES_PER_FLOP",
     "NCCL_LATENCY",
-    "TICK_SCHEDULES",
     "OPTIMIZER_FLOPS_PER_PARAM",
     "Comm",
     "Cost",

@@ -50,14 +50,14 @@ from sharding.costmodel.memory import Memory, _attention_scores, _memory
 from sharding.costmodel.partitioner import _comms
 from sharding.modeldesc import ModelDescription
 from sharding.parallel import spec_axes
-from sharding.pipeline.layout import plan_layout
+from sharding.pipeline.layout import Schedule, parse_schedule, plan_layout
 from sharding.pipeline.storage import spread_over_stage, storage_axes
 from sharding.rules import Rules, logical_to_spec
 
 
 def _gather_bytes(layout: Layout) -> int:
     """Bytes per element of the pipeline's gathered working copy of the stage's layers: the compute dtype
-    (`sharding.pipeline.schedule._Weights.dtype`, the activations' dtype). The one place to change when
+    (`sharding.pipeline.program.Weights.dtype`, the activations' dtype). The one place to change when
     the gather's dtype changes."""
     return _DTYPE_BYTES[layout.dtype]
 
@@ -213,7 +213,7 @@ def _pipeline_of(model: ModelDescription, layout: Layout, rules: Rules, s: _Shap
     chunk = -(-s.slots // repeats)  # K' (`Placement.chunk_slots`): K rounded up so that G divides R*K'
     while (repeats * chunk) % groups:
         chunk += 1
-    schedule = layout.tick_schedule if layout.one_f_one_b else None
+    schedule = layout.pipeline_schedule
     moved, ticks, ring, kept = _pipeline_tables(
         model.num_layers, stages, repeats, layout.stage_layers, groups, s.micro, schedule
     )
@@ -229,7 +229,7 @@ def _pipeline_of(model: ModelDescription, layout: Layout, rules: Rules, s: _Shap
         ticks,
         ring,
         gather=layout.pipeline_gather,
-        split=schedule == "zb",
+        split=schedule is Schedule.ZERO_BUBBLE,
         kept=kept,
         span=span,
         streams=_streams_edges(layout),
@@ -244,13 +244,13 @@ def _pipeline_tables(
     stage_layers: tuple[int, ...] | None,
     groups: int,
     micro: int,
-    schedule: str | None,
+    schedule: Schedule,
 ) -> tuple[tuple[int, ...], int, int, int]:
     """``(moved, ticks, ring, kept)`` of `_Pipe` from the static tables (`Placement.sends`, and for a
-    1F1B-family ``schedule``, a `sharding.costmodel.layout.TICK_SCHEDULES` name, its tick table; None for
-    GPipe/circular); cached: the planner prices many devices of one split."""
+    1F1B-family ``schedule`` its tick table; none for GPipe/circular); cached: the planner prices many devices
+    of one split."""
     moved = _moved_rows(num_layers, stages, repeats, stage_layers, groups)
-    return (moved, *(_ticks_and_ring(stages, micro, repeats, schedule) if schedule else (0, 0, 0)))
+    return (moved, *(_ticks_and_ring(stages, micro, repeats, schedule) if schedule.one_f_one_b else (0, 0, 0)))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -269,7 +269,7 @@ def _moved_rows(
 
 
 @functools.lru_cache(maxsize=1024)
-def _ticks_and_ring(stages: int, micro: int, repeats: int, schedule: str = "lockstep") -> tuple[int, int, int]:
+def _ticks_and_ring(stages: int, micro: int, repeats: int, schedule: Schedule) -> tuple[int, int, int]:
     """A 1F1B-family schedule's ticks, ring slots and (zero bubble) saved-ring entries (`tick_table`; raises the
     run's ValueError for a table it refuses)."""
     table = tick_table(schedule, stages, micro, repeats)
@@ -277,17 +277,15 @@ def _ticks_and_ring(stages: int, micro: int, repeats: int, schedule: str = "lock
 
 
 @functools.lru_cache(maxsize=256)
-def tick_table(schedule: str, stages: int, micro: int, repeats: int):
-    """The tick table of a 1F1B-family schedule by its `sharding.costmodel.layout.TICK_SCHEDULES` name
-    (`one_f_one_b_ticks`, `fused_ticks`, `zero_bubble_ticks`; cached).
+def tick_table(schedule: Schedule | str, stages: int, micro: int, repeats: int):
+    """The tick table of a 1F1B-family schedule (`Schedule.tick_table`: `one_f_one_b_ticks`, `fused_ticks`,
+    `zero_bubble_ticks`; cached: the planner prices many layouts of one table); None for GPipe/circular.
 
     Raises:
-      ValueError: as the table's builder (a microbatch count or repeats the run refuses).
+      ValueError: as the table's builder (a microbatch count or repeats the run refuses); a ``schedule`` not in
+        `sharding.pipeline.layout.SCHEDULES`.
     """
-    from sharding.pipeline import ticks
-
-    make = {"lockstep": ticks.one_f_one_b_ticks, "fused": ticks.fused_ticks, "zb": ticks.zero_bubble_ticks}
-    return make[schedule](stages, micro, repeats)
+    return parse_schedule(schedule).tick_table(stages, micro, repeats)
 
 
 def _storage_axes(model: ModelDescription, rules: Rules, mesh: Mapping[str, int]) -> tuple[str, ...]:
@@ -313,7 +311,7 @@ def _stage_folded(model: ModelDescription, layout: Layout, rules: Rules) -> tupl
         microbatches=1,
         stage_layers=None,
         pipeline_repeats=1,
-        one_f_one_b=False,
+        pipeline_schedule=Schedule.GPIPE,
     )
     return flat, _place_cached(model, rules, tuple(flat.mesh.items()))
 
@@ -401,7 +399,7 @@ def _streams_edges(layout: Layout) -> bool:
     """`Layout.stream_edges`, derived as `sharding.pipeline.PipelinePlan.streams_head` where unset."""
     if layout.stream_edges is not None:
         return layout.stream_edges
-    return layout.one_f_one_b and layout.pipeline_gather == "microbatch" and layout.skip_empty
+    return layout.pipeline_schedule.one_f_one_b and layout.pipeline_gather == "microbatch" and layout.skip_empty
 
 
 def _head_streamed(pipe: _Pipe) -> bool:
@@ -785,7 +783,7 @@ def _pipeline_weight_comms_cached(
     kind per dimension the storage splits (`_feature_hops`).
 
     Explicit collectives of the stage program (`jax.shard_map`, so both backends emit them as written;
-    `sharding.pipeline.schedule._Weights`), per layer parameter: the rows stored for other devices sent
+    `sharding.pipeline.program.Weights`), per layer parameter: the rows stored for other devices sent
     by one ppermute per distance (compute dtype) and their gradients sent back (float32); this device's
     ``R*K'/G`` slots all-gathered over the storage's group axes into the ``R*K'`` slots (compute dtype)
     and their float32 gradient sums reduce-scattered back; the ``q`` stored rows' gradients all-reduced

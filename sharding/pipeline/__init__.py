@@ -20,11 +20,13 @@ from sharding.pipeline.layout import (
     GATHERS,
     SCHEDULES,
     PipelinePlan,
+    Schedule,
     StageLayout,
     bubble_fraction,
     check_microbatches,
     example_split,
     head_parallelism,
+    parse_schedule,
     parse_stage_layers,
     pipeline_rules,
     plan_layout,
@@ -35,6 +37,8 @@ from sharding.pipeline.ticks import fused_ticks, one_f_one_b_ticks, zero_bubble_
 
 __all__ = [
     "SCHEDULES",
+    "Schedule",
+    "parse_schedule",
     "GATHERS",
     "StageLayout",
     "PipelinePlan",
