@@ -400,7 +400,7 @@ def test_pipeline_weights_gathered_per_microbatch_cost_a_layer_per_slot(one_f_on
     at each of the M head steps instead of once, holding the float32 sums of its fsdp half instead of its whole
     copy and whole sums; its entry, the embedding table, alike on stage 0 (gathered at each microbatch's first
     forward, its gradient reduce-scattered at its backward), which holds no microbatch's stage input
-    (`sharding.pipeline.onef1b.Entry`)."""
+    (`sharding.pipeline.edges.Entry`)."""
     config = get_config("7b")
     layer = sum(p.size for p in describe(config).params if p.per_layer) * 4  # one layer, float32, whole
 

@@ -57,7 +57,7 @@ from sharding.rules import Rules, logical_to_spec
 
 def _gather_bytes(layout: Layout) -> int:
     """Bytes per element of the pipeline's gathered working copy of the stage's layers: the compute dtype
-    (`sharding.pipeline.program.Weights.dtype`, the activations' dtype). The one place to change when
+    (`sharding.pipeline.weights.Weights.dtype`, the activations' dtype). The one place to change when
     the gather's dtype changes."""
     return _DTYPE_BYTES[layout.dtype]
 
@@ -82,7 +82,7 @@ class _Pipe:
       ring: 1F1B: the ring entries of ``K'`` slot activations a stage keeps (`Ticks.slots`: chunk inputs, and
         with zero bubble the output cotangents its input gradients leave for the weight gradients); 0 for
         GPipe/circular.
-      gather: ``once`` or ``microbatch`` (`Layout.pipeline_gather`, `sharding.pipeline.program.Streamed`).
+      gather: ``once`` or ``microbatch`` (`Layout.pipeline_gather`, `sharding.pipeline.weights.Streamed`).
       split: zero bubble: the backward runs as two passes, the input gradient (B: the layer recomputed from its
         saved input, its input-gradient products) and the weight gradient (W: the weight-gradient products
         alone, from each product's input and output cotangent that B kept, `sharding.pipeline.split`), so
@@ -91,7 +91,7 @@ class _Pipe:
         each of the pass's `positions` (`ZeroBubbleTicks.saved_slots`); 0 otherwise.
       span: the devices of a stage each stored row's features are split over (``gather`` ``microbatch``:
         `sharding.pipeline.storage.feature_devices`; each slot's layer gathered on its own,
-        `sharding.pipeline.program.Streamed.per_slot`); 1 otherwise.
+        `sharding.pipeline.weights.Streamed.per_slot`); 1 otherwise.
     """
 
     stages: int
@@ -112,7 +112,7 @@ class _Pipe:
 
     @property
     def segment(self) -> int:
-        """Slots per saved activation with ``gather`` ``microbatch`` (`sharding.pipeline.program.Streamed.block`):
+        """Slots per saved activation with ``gather`` ``microbatch`` (`sharding.pipeline.weights.Streamed.block`):
         the G devices' rows gathered together, or with the feature-split storage the ``span`` slots whose
         first input the forward saves; 1 otherwise."""
         if self.gather != "microbatch":
@@ -134,7 +134,7 @@ class _Pipe:
     @property
     def block_inputs(self) -> bool:
         """A chunk's forward saves each gathered block's input only (``gather`` ``microbatch`` over ``G > 1``
-        devices: `sharding.pipeline.program.Streamed.block_inputs`)."""
+        devices: `sharding.pipeline.weights.Streamed.block_inputs`)."""
         return self.segment > 1
 
     @property
@@ -158,13 +158,13 @@ class _Pipe:
     @property
     def blocks(self) -> int:
         """n, blocks of ``G`` slots one chunk pass gathers with ``gather`` ``microbatch``
-        (`sharding.pipeline.program.Streamed.blocks`)."""
+        (`sharding.pipeline.weights.Streamed.blocks`)."""
         k, g = self.chunk_slots, self.segment
         return max(-(-(r + 1) * k // g) - (r * k) // g for r in range(self.repeats))
 
     @property
     def positions(self) -> int:
-        """P = ``n * B``, slot positions one chunk pass runs (`sharding.pipeline.program.Streamed.positions`):
+        """P = ``n * B``, slot positions one chunk pass runs (`sharding.pipeline.weights.Streamed.positions`):
         ``K'`` but with ``gather`` ``microbatch``, whose blocks of ``B`` slots cover the chunk and the positions
         past it (e.g. ``K' = 2`` layers over ``B = 4`` devices: one block of 4 positions, 2 of them empty,
         each computed when empty slots are not skipped)."""
@@ -403,8 +403,8 @@ def _streams_edges(layout: Layout) -> bool:
 
 
 def _head_streamed(pipe: _Pipe) -> bool:
-    """The 1F1B family's head gathers its weights per head step (`sharding.pipeline.onef1b.HeadWeights`), and
-    its entry, the embedding, its table per microbatch on stage 0 (`sharding.pipeline.onef1b.Entry`; no
+    """The 1F1B family's head gathers its weights per head step (`sharding.pipeline.edges.HeadWeights`), and
+    its entry, the embedding, its table per microbatch on stage 0 (`sharding.pipeline.edges.Entry`; no
     stage inputs held): ``gather`` ``microbatch`` where empty slots are skipped (both run under conditionals;
     `Layout.stream_edges`)."""
     return pipe.one_f_one_b and pipe.streams
@@ -604,11 +604,11 @@ def _pipeline_head_comms_cached(
     ticks: int = 1,
 ) -> tuple[Comm, ...]:
     """The head's weights (final norm, output projection) and collectives; with ``entry``, the embedding
-    table's too, gathered and reduce-scattered alike on stage 0 (`sharding.pipeline.onef1b.Entry`).
+    table's too, gathered and reduce-scattered alike on stage 0 (`sharding.pipeline.edges.Entry`).
 
     GPipe/circular: the head runs under `head_parallelism` outside the pipeline, as the step without
     stages on the mesh with ``stage`` folded into ``fsdp`` prices it (`_comms`, the head's rows). 1F1B:
-    its weights are gathered explicitly (`sharding.pipeline.onef1b.HeadWeights`), each over ``stage`` (to
+    its weights are gathered explicitly (`sharding.pipeline.edges.HeadWeights`), each over ``stage`` (to
     ``1/f`` of it, once per step) and over the ``f`` devices of the batch axes its rules split it over
     (``fsdp``, and ``expert`` for a mixture of experts' mesh, `_head_split`) to whole, its gradients
     reduce-scattered over those and summed over ``stage`` once after the loop; the gather over the batch
@@ -616,7 +616,7 @@ def _pipeline_head_comms_cached(
     microbatches, `_head_streamed`). Streamed (``entry``), the weights enter the loop split over ``stage`` as
     stored and are gathered over it at each of the ``ticks`` ticks, outside the head's conditional (so that
     no gathered copy stays live through the loop), their gradients all-reduced over ``stage`` after it as
-    before, each stage keeping its slice (`sharding.pipeline.onef1b.HeadWeights.over_stage`).
+    before, each stage keeping its slice (`sharding.pipeline.edges.HeadWeights.over_stage`).
     """
     layout = Layout(dict(mesh_items), rules, remat=remat, attention=attention, dtype=dtype, logits=logits)
     flat, flat_placed = _stage_folded(model, layout, rules)
@@ -783,7 +783,7 @@ def _pipeline_weight_comms_cached(
     kind per dimension the storage splits (`_feature_hops`).
 
     Explicit collectives of the stage program (`jax.shard_map`, so both backends emit them as written;
-    `sharding.pipeline.program.Weights`), per layer parameter: the rows stored for other devices sent
+    `sharding.pipeline.weights.Weights`), per layer parameter: the rows stored for other devices sent
     by one ppermute per distance (compute dtype) and their gradients sent back (float32); this device's
     ``R*K'/G`` slots all-gathered over the storage's group axes into the ``R*K'`` slots (compute dtype)
     and their float32 gradient sums reduce-scattered back; the ``q`` stored rows' gradients all-reduced

@@ -9,11 +9,15 @@ own modules.
   import);
 * `relayout`: moving stacked layer arrays between layouts (checkpoints across stage counts; no JAX at
   import);
-* `program`: the pieces every schedule's stage program is built from (setup, weight gather and gradient
-  reduction, a chunk's forward and hand-written backward, buffer reads and writes);
+* `program`: the pieces every schedule's stage program is built from (setup, a chunk's forward and
+  hand-written backward);
+* `buffers`: the loop's buffers: microbatches, slot-sized reads and writes, one slot's forward and backward;
+* `weights`: the stage's layer weights gathered for a pass and their gradients reduced (once per step, or
+  per chunk pass);
 * `split`: a layer's traced backward cut into zero bubble's input-gradient and weight-gradient passes;
 * `schedule`: the GPipe and circular schedules with their hand-written backward pass (`run_pipeline`);
 * `onef1b`: the 1F1B schedules (zero bubble too), loss and backward pass in one loop (`run_pipeline_loss`).
+* `edges`: the 1F1B loop's head weights and entry (the token embedding), gathered once or per microbatch.
 """
 
 from sharding.pipeline.layout import (

@@ -133,7 +133,7 @@ def parse_schedule(text: str | Schedule) -> Schedule:
 
 GATHERS = ("once", "microbatch")
 """``--pipeline-gather``: a stage's layer weights gathered once per step (the working copy and the gradient
-sums held through it) or per microbatch, one block of layers at a time (`sharding.pipeline.program.Weights`)."""
+sums held through it) or per microbatch, one block of layers at a time (`sharding.pipeline.weights.Weights`)."""
 
 
 # Layouts ----------------------------------------------------------------------
@@ -446,7 +446,7 @@ class PipelinePlan:
     def streams_head(self) -> bool:
         """The 1F1B family's output head gathers its weights per head step, inside its conditional on the last
         stage, and reduce-scatters their gradient there (``gather`` ``microbatch`` with ``skip_empty``;
-        `sharding.pipeline.onef1b.HeadWeights`); else they are gathered once per step."""
+        `sharding.pipeline.edges.HeadWeights`); else they are gathered once per step."""
         return self.one_f_one_b and self.gather == "microbatch" and self.skip_empty
 
     @property

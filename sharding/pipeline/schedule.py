@@ -21,7 +21,7 @@ and ``tensor`` stay automatic, so GSPMD still partitions every layer over them
 as the logical rules say. Each device runs its own rows of every microbatch.
 
 Weights once per step (``--pipeline-gather once``; ``microbatch`` gathers one block of layers at a time
-inside each step's chunk pass instead, `sharding.pipeline.program.Streamed`). Before the step loop each
+inside each step's chunk pass instead, `sharding.pipeline.weights.Streamed`). Before the step loop each
 device all-gathers its
 stage's FSDP-shards of every slot, in the compute dtype (the activations'),
 and after the backward loop it reduce-scatters the layer gradients it summed
@@ -62,22 +62,17 @@ from jax.sharding import PartitionSpec as P
 
 from sharding import axes as ax
 from sharding.parallel import to_varying
-from sharding.pipeline.layout import PipelinePlan
-from sharding.pipeline.program import (
+from sharding.pipeline.buffers import (
     RingEntry,
-    Setup,
-    Weights,
-    chunk_backward,
-    chunk_forward,
     from_microbatches,
     index_leaf,
     index_tree,
-    manual_axes,
-    stage_varying,
-    sum_over_stages,
     with_objective_cotangent,
     write,
 )
+from sharding.pipeline.layout import PipelinePlan
+from sharding.pipeline.program import Setup, chunk_backward, chunk_forward, manual_axes, stage_varying, sum_over_stages
+from sharding.pipeline.weights import Weights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,7 +248,7 @@ def _pipeline_program(layer_fn, plan: PipelinePlan, par, weights: Weights, remat
     batch axes manual, `sharding.parallel.Parallelism.inside`), made while
     tracing the forward and the backward pass alike. With ``objective`` the forward pass sums the layers'
     objectives and the backward pass differentiates them at their output's cotangent
-    (`sharding.pipeline.program.with_objective_cotangent`).
+    (`sharding.pipeline.buffers.with_objective_cotangent`).
     """
     repeats = plan.layout.repeats
     vary = (ax.STAGE, *weights.summed)
