@@ -55,8 +55,9 @@ a microbatch's round trip from stage 0 ``2 (S - 1)`` ticks long).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -93,210 +94,321 @@ from sharding.pipeline.ticks import BACKWARD, FORWARD, WEIGHT
 from sharding.pipeline.weights import Weights
 
 
-def _ticks(
-    layer,
-    head,
-    plan: PipelinePlan,
-    params,
-    head_weights: HeadWeights,
-    head_params,
-    xs,
-    extras,
-    head_inputs,
-    grads,
-    head_grads,
-    train: bool,
-    vary: tuple[str, ...],
-    back_layer=None,
-    objective_axes=None,
-    objective_size: int = 1,
-    entry=None,
-):
-    """All ticks of one stage (inside the stage program).
+class _Carry(NamedTuple):
+    """What one stage's tick loop carries from tick to tick (`_TickLoop.tick`); None where not ``train``.
 
-    Args:
+    Attributes:
+      received: ``[microbatch, ...]`` the activations the previous stage sent at the last tick.
+      g_received: the input cotangent the next stage sent at the last tick.
+      buffer: ``[slots, P, microbatch, ...]`` the ring of chunk inputs (`Ticks.slots` entries).
+      waiting: ``[cotangent_slots, microbatch, ...]`` output cotangents waiting for their backward.
+      kept: zero bubble's ring of cuts (`sharding.pipeline.program.cut_ring`); ``()`` otherwise.
+      grads, head_grads: the layer and head weights' gradient sums.
+      g_xs: the cotangent of the first stage's inputs (with an `Entry`, its weights' gradient sums).
+      loss, weight: float32 sums of the head steps run (and the layers' objectives).
+      applied: int32 forward layer applications.
+      stats: the layers' summed statistics (with an objective), else None.
+    """
+
+    received: Any
+    g_received: Any
+    buffer: Any
+    waiting: Any
+    kept: Any
+    grads: Any
+    head_grads: Any
+    g_xs: Any
+    loss: Any
+    weight: Any
+    applied: Any
+    stats: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class _StageTable:
+    """This stage's column of each of the tick table's columns (traced: the stage is the ``stage`` index).
+
+    Attributes:
+      stage: int32 scalar, this device's stage.
+      columns: the tick table's columns by name (`Ticks.columns`; lockstep's forward and backward columns are
+        one array, read once).
+      tables: ``[ticks]`` int32, this stage's entry of each distinct column, by the column's ``id``.
+      counts: ``[R]`` int32, this stage's layers in each chunk.
+    """
+
+    stage: Any
+    columns: dict
+    tables: dict
+    counts: Any
+
+    @classmethod
+    def of(cls, ticks, layout) -> _StageTable:
+        """This stage's columns of ``ticks`` and its chunk sizes from ``layout`` (a `StageLayout`)."""
+        stage = jax.lax.axis_index(ax.STAGE)
+        columns = ticks.columns()
+        tables = {}
+        for column in columns.values():
+            tables.setdefault(id(column), jnp.asarray(column)[:, stage])
+        counts = jnp.asarray(np.asarray(layout.chunks, np.int32))[:, stage]
+        return cls(stage, columns, tables, counts)
+
+    @property
+    def split(self) -> bool:
+        """Zero bubble: the backward split into input-gradient (B) and weight-gradient (W) passes."""
+        return "weight" in self.columns
+
+    def row(self, t) -> dict:
+        """Tick ``t``'s entry (int32 scalars) of every column, by name."""
+        read = {}
+        return {name: read.setdefault(id(c), self.tables[id(c)][t]) for name, c in self.columns.items()}
+
+
+def _rings(stages: int) -> tuple[list, list]:
+    """The ``ppermute`` pairs of the stage ring: forward (stage ``s`` to ``s + 1``, the last to 0) and back."""
+    return [(s, (s + 1) % stages) for s in range(stages)], [((s + 1) % stages, s) for s in range(stages)]
+
+
+class _Forwarded(NamedTuple):
+    """What a tick's forward leaves for its backward (`_TickLoop._forward`)."""
+
+    h: Any  # [microbatch, ...] the chunk's output, sent down the ring
+    inputs: Any  # the chunk's slot inputs, stored in the ring
+    forward: Any  # bool: the tick ran a forward
+    exit_: Any  # bool: on the last virtual stage
+    slot: Any  # int32: the ring entry the inputs go to
+    g_h: Any  # the head's cotangent of h (where it ran)
+    g_hp: Any  # the head weights' gradient
+    entry_blocks: Any  # the entry's weight blocks of this tick (with an `Entry`)
+
+
+@dataclasses.dataclass(frozen=True)
+class _TickLoop:
+    """One stage's 1F1B loop (inside the stage program): what it runs and the step's data every tick reads.
+
+    Attributes:
       layer: ``(layer_params, h, *extras) -> h``; with ``objective_axes``, ``-> (h, objective)``: entry 0 of
         the float32 objectives ``[objective_size]`` of the layers run is added to the loss sum, the others to
         the statistics (partial sums varying over those axes).
-      back_layer: the layer the backward ticks differentiate (default ``layer``; for a layer with an
-        objective, `sharding.pipeline.buffers.with_objective_cotangent` of it at
+      back_layer: the layer the backward ticks differentiate (``layer``; for a layer with an objective,
+        `sharding.pipeline.buffers.with_objective_cotangent` of it at
         `sharding.pipeline.buffers.objective_cotangent`, as the loss).
       head: ``(head_params, h, *head_inputs) -> (loss_sum, weight_sum)``.
-      params: the stage's gathered weights, leaves ``[R, K, ...]``, or a `Streamed` (gathered per chunk pass).
+      plan: the run's `PipelinePlan` (its tick table, `PipelinePlan.tick_table`).
       head_weights: how the loop holds the head's weights and sums their gradients.
+      params: the stage's gathered weights, leaves ``[R, K, ...]``, or a `Streamed` (gathered per chunk pass).
       head_params: the head's weights as it holds them (`HeadWeights.hold`: whole, or this device's blocks).
       xs: ``[M, microbatch, ...]`` inputs of the first virtual stage (stage-varying); with ``entry``, the
         entry's inputs (e.g. int32 tokens ``[M, microbatch, length]``).
       extras, head_inputs: ``[M, microbatch, ...]`` side inputs of the layers and of the head.
-      grads, head_grads: zero accumulators shaped as ``params`` (or `Streamed.zeros`) and as
-        `HeadWeights.zeros` of ``head_params`` (None when not ``train``).
       train: run the backward ticks too.
       vary: the manual axes the per-device sums vary over (``stage`` and the batch axes).
+      objective_axes: None, or the axes the layers' objective varies over (as ``layer`` above).
+      objective_size: the size of the layers' objective (1 without one).
       entry: None, or the `Entry` the first virtual stage computes its input with, per microbatch.
-
-    Returns:
-      ``(loss_sum, weight_sum, applied, grads, head_grads, g_xs, stats)``: this device's float32 sums (nonzero
-      on the last stage), its forward layer applications (int32), when ``train`` its gradient sums and the
-      cotangent of ``xs`` ``[M, microbatch, ...]`` (nonzero on stage 0; with ``entry``, the entry weights'
-      gradient sums, `HeadWeights.zeros` of them), else None for those, and with ``objective_axes`` the summed
-      statistics ``[objective_size - 1]`` (else None).
     """
-    back_layer = layer if back_layer is None else back_layer
-    layout = plan.layout
-    stages, repeats = layout.stages, layout.repeats
-    ticks = plan.tick_table()
-    stage = jax.lax.axis_index(ax.STAGE)
-    # This stage's column of each table; lockstep's forward and backward columns are one array, read once.
-    columns = ticks.columns()
-    split = "weight" in columns  # zero bubble: the backward split into B and W passes
-    tables = {}
-    for column in columns.values():
-        tables.setdefault(id(column), jnp.asarray(column)[:, stage])
-    counts = jnp.asarray(np.asarray(layout.chunks, np.int32))[:, stage]  # [R] this stage's chunk sizes
-    ring = [(s, (s + 1) % stages) for s in range(stages)]
-    back_ring = [((s + 1) % stages, s) for s in range(stages)]
 
-    def head_step(on, h, inputs, blocks):
+    layer: Callable
+    back_layer: Callable
+    head: Callable
+    plan: PipelinePlan
+    head_weights: HeadWeights
+    params: Any
+    head_params: Any
+    xs: Any
+    extras: Any
+    head_inputs: Any
+    train: bool
+    vary: tuple[str, ...]
+    objective_axes: tuple[str, ...] | None = None
+    objective_size: int = 1
+    entry: Entry | None = None
+
+    def run(self, grads, head_grads):
+        """All ticks of one stage.
+
+        Args:
+          grads, head_grads: zero accumulators shaped as ``params`` (or `Streamed.zeros`) and as
+            `HeadWeights.zeros` of ``head_params`` (None when not ``train``).
+
+        Returns:
+          ``(loss_sum, weight_sum, applied, grads, head_grads, g_xs, stats)``: this device's float32 sums
+          (nonzero on the last stage), its forward layer applications (int32), when ``train`` its gradient sums
+          and the cotangent of ``xs`` ``[M, microbatch, ...]`` (nonzero on stage 0; with ``entry``, the entry
+          weights' gradient sums, `HeadWeights.zeros` of them), else None for those, and with
+          ``objective_axes`` the summed statistics ``[objective_size - 1]`` (else None).
+        """
+        ticks = self.plan.tick_table()
+        table = _StageTable.of(ticks, self.plan.layout)
+        first = self._first_stage()
+        init = self._init(ticks, table, first[2], grads, head_grads)
+        carry, _ = jax.lax.scan(functools.partial(self.tick, table, first), init, jnp.arange(ticks.ticks))
+        return carry.loss, carry.weight, carry.applied, carry.grads, carry.head_grads, carry.g_xs, carry.stats
+
+    def _first_stage(self):
+        """``(first_input, first_cotangent, zero_h)``: how the first virtual stage reads (or, with an `Entry`,
+        computes) microbatch ``mb``'s input and takes its cotangent (`Entry.steps`), and a zero stage input."""
+        if self.entry is None:
+            xs = self.xs
+
+            def first_input(on, mb, blocks):
+                return index_leaf(xs, mb)
+
+            def first_cotangent(on, mb, g_in, g_xs, blocks):
+                return write(g_xs, mb, g_in, on)
+
+            return first_input, first_cotangent, jnp.zeros_like(xs[0])
+        return (*self.entry.steps(self.xs, self.vary), jnp.zeros(self.entry.h.shape, self.entry.h.dtype))
+
+    def _init(self, ticks, table: _StageTable, zero_h, grads, head_grads) -> _Carry:
+        """The loop's first carry: empty rings sized by the tick table, zero sums."""
+        train, vary = self.train, self.vary
+        # K from the working copy, not the layout: the unpadded storage rounds a chunk's slots up to its gather
+        # (`sharding.pipeline.storage`), and the extra slots are empty (skipped, or computed as padding).
+        slots = slot_positions(self.params)
+        buffer = jnp.zeros((ticks.slots, slots if train else 1, *zero_h.shape), zero_h.dtype)
+        waiting = jnp.zeros((ticks.cotangent_slots, *zero_h.shape), zero_h.dtype) if train else None
+        kept = ()
+        if train and table.split:  # the saved ring: per entry, each slot position's cut (`sharding.pipeline.split`)
+            like = to_varying(zero_h, vary)
+            kept = cut_ring(self.back_layer, self.params, like, index_tree(self.extras, 0), ticks.saved_slots)
+        zero = to_varying(jnp.zeros((), jnp.float32), vary)
+        g_xs = None
+        if train:
+            g_xs = (
+                jnp.zeros_like(self.xs)
+                if self.entry is None
+                else self.entry.weights.zeros_over_stage(self.entry.params)
+            )
+        init = to_varying((zero_h, zero_h if train else None, buffer, waiting, kept, grads, head_grads, g_xs), vary)
+        stats = None
+        if self.objective_axes is not None:
+            stats = to_varying(jnp.zeros((self.objective_size - 1,), jnp.float32), self.objective_axes)
+        return _Carry(*init, zero, zero, to_varying(jnp.zeros((), jnp.int32), ax.STAGE), stats)
+
+    def head_step(self, on, h, inputs, blocks):
+        """The head on one microbatch's output ``h`` where ``on`` (the last virtual stage's forward), differentiated
+        at once when ``train``: ``(loss, weight, g_h, g_head)``, zeros where not ``on``."""
+        head_weights, train = self.head_weights, self.train
+
         def run(h, inputs):
             # streamed: gathered here, inside the branch the last stage's devices all take
             hp = head_weights.fetch(blocks)
             if train:
-                value = jax.value_and_grad(lambda hp, h: head(hp, h, *inputs), argnums=(0, 1), has_aux=True)
+                value = jax.value_and_grad(lambda hp, h: self.head(hp, h, *inputs), argnums=(0, 1), has_aux=True)
                 (loss, weight), (g_hp, g_h) = value(hp, h)
                 g_hp = head_weights.reduce(g_hp, blocks)  # streamed: reduce-scattered to the shards here
             else:
-                (loss, weight), g_hp, g_h = head(hp, h, *inputs), None, None
-            return to_varying((loss.astype(jnp.float32), weight.astype(jnp.float32), g_h, g_hp), vary)
+                (loss, weight), g_hp, g_h = self.head(hp, h, *inputs), None, None
+            return to_varying((loss.astype(jnp.float32), weight.astype(jnp.float32), g_h, g_hp), self.vary)
 
         def idle(h, inputs):
             zero = jnp.zeros((), jnp.float32)
             grads = (jnp.zeros_like(h), head_weights.zeros(blocks)) if train else (None, None)
-            return to_varying((zero, zero, *grads), vary)
+            return to_varying((zero, zero, *grads), self.vary)
 
-        if plan.skip_empty:
+        if self.plan.skip_empty:
             return jax.lax.cond(on, run, idle, h, inputs)
         return jax.tree.map(lambda a: jnp.where(on, a, jnp.zeros((), a.dtype)), run(h, inputs))
 
-    def tick(carry, t):
-        received, g_received, buffer, waiting, kept, grads, head_grads, g_xs, loss, weight, applied, stats = carry
-        read = {}
-        row = {name: read.setdefault(id(column), tables[id(column)][t]) for name, column in columns.items()}
+    def tick(self, table: _StageTable, first, carry: _Carry, t):
+        """Tick ``t`` of this stage: the forward (with the head on the last virtual stage), then, when ``train``,
+        the backward; then the two ``ppermute`` of the tick, outside every conditional."""
+        row = table.row(t)
+        carry, forwarded = self._forward(table, first[0], carry, row, t)
+        if self.train:
+            carry = self._backward(table, first[1], carry, row, forwarded)
+        received = jax.lax.ppermute(forwarded.h, ax.STAGE, _rings(self.plan.layout.stages)[0])
+        return carry._replace(received=received), None
+
+    def _forward(self, table: _StageTable, first_input, carry: _Carry, row, t):
+        """The tick's forward: the received activations stored, the chunk run on its input, the head on the last
+        virtual stage. Returns the carry with the sums added and the `_Forwarded` values the backward reads."""
+        layout, stage = self.plan.layout, table.stage
         forward, r, mb, slot = (row["forward" + part] for part in ("", "_chunk", "_microbatch", "_slot"))
         forward = forward == FORWARD
         arrive = row["arrive"]
         zero = jnp.zeros((), jnp.int32)
-        buffer = store(buffer, (jnp.maximum(arrive, 0), zero), received, arrive >= 0)
+        buffer = store(carry.buffer, (jnp.maximum(arrive, 0), zero), carry.received, arrive >= 0)
         starts = (stage == 0) & (r == 0)  # the first virtual stage reads (or computes) the microbatch itself
+        entry = self.entry
         entry_blocks = None if entry is None else entry.weights.over_stage(entry.params, t)  # every tick
         h_in = jnp.where(starts, first_input(forward & starts, mb, entry_blocks), RingEntry(buffer, slot)[0])
         h, done, inputs = chunk_forward(
-            layer,
-            params,
+            self.layer,
+            self.params,
             r,
             h_in,
-            index_tree(extras, mb),
-            jnp.where(forward, counts[r], 0),
-            plan.skip_empty,
-            train,
-            objective_axes,
-            objective_size,
+            index_tree(self.extras, mb),
+            jnp.where(forward, table.counts[r], 0),
+            self.plan.skip_empty,
+            self.train,
+            self.objective_axes,
+            self.objective_size,
         )
-        if objective_axes is not None:  # the layers' objectives join the loss sum, their statistics the stats
+        loss, stats = carry.loss, carry.stats
+        if self.objective_axes is not None:  # the layers' objectives join the loss sum, their statistics the stats
             done, objective = done
             loss, stats = loss + objective[0], stats + objective[1:]
-        exit_ = (stage == stages - 1) & (r == repeats - 1)  # the last virtual stage runs the head
-        blocks = head_weights.over_stage(head_params, t)  # every tick, outside the head's conditional
-        loss_i, weight_i, g_h, g_hp = head_step(forward & exit_, h, index_tree(head_inputs, mb), blocks)
-        loss, weight, applied = loss + loss_i, weight + weight_i, applied + done
-        if train:
-            buffer = store(buffer, (slot,), inputs, forward)
-            head_grads = jax.tree.map(jnp.add, head_grads, g_hp)
-            arrive = row["cotangent_arrive"]
-            waiting = store(waiting, (jnp.maximum(arrive, 0),), g_received, arrive >= 0)
-            waiting = store(waiting, (row["loss_slot"],), g_h, forward & exit_)
-            # The backward runs after the forward and the head: on the last virtual stage it may be the
-            # backward of the microbatch whose forward and loss this tick just ran (fused ticks).
-            backward, r, mb, slot = (row["backward" + part] for part in ("", "_chunk", "_microbatch", "_slot"))
-            backward = backward == BACKWARD
-            c = row["cotangent_slot"]
-            backward_args = (RingEntry(buffer, slot), index_tree(extras, mb), jnp.where(backward, counts[r], 0))
-            if split:  # zero bubble: B now, its cut into the saved ring; W from there at the tick the table gives
-                g_in, kept = chunk_backward_input(
-                    back_layer,
-                    params,
-                    r,
-                    *backward_args,
-                    index_leaf(waiting, c),
-                    kept,
-                    row["backward_saved"],
-                    plan.skip_empty,
-                )
-                w_r = row["weight_chunk"]
-                grads = chunk_backward_weight(
-                    back_layer,
-                    params,
-                    w_r,
-                    kept,
-                    row["weight_saved"],
-                    index_tree(extras, row["weight_microbatch"]),
-                    jnp.where(row["weight"] == WEIGHT, counts[w_r], 0),
-                    grads,
-                    index_leaf(buffer, 0)[0],
-                    plan.skip_empty,
-                )
-            else:
-                g_in, grads = chunk_backward(
-                    back_layer, params, r, *backward_args, index_leaf(waiting, c), grads, plan.skip_empty
-                )
-            g_xs = first_cotangent(backward & (stage == 0) & (r == 0), mb, g_in, g_xs, entry_blocks)
-            g_received = jax.lax.ppermute(g_in, ax.STAGE, back_ring)
-        received = jax.lax.ppermute(h, ax.STAGE, ring)
-        carry = (received, g_received, buffer, waiting, kept, grads, head_grads, g_xs, loss, weight, applied, stats)
-        return carry, None
+        exit_ = (stage == layout.stages - 1) & (r == layout.repeats - 1)  # the last virtual stage runs the head
+        blocks = self.head_weights.over_stage(self.head_params, t)  # every tick, outside the head's conditional
+        loss_i, weight_i, g_h, g_hp = self.head_step(forward & exit_, h, index_tree(self.head_inputs, mb), blocks)
+        carry = carry._replace(
+            buffer=buffer,
+            loss=loss + loss_i,
+            weight=carry.weight + weight_i,
+            applied=carry.applied + done,
+            stats=stats,
+        )
+        return carry, _Forwarded(h, inputs, forward, exit_, slot, g_h, g_hp, entry_blocks)
 
-    if entry is None:
-        zero_h = jnp.zeros_like(xs[0])
-
-        def first_input(on, mb, blocks):
-            return index_leaf(xs, mb)
-
-        def first_cotangent(on, mb, g_in, g_xs, blocks):
-            return write(g_xs, mb, g_in, on)
-
-    else:
-        zero_h = jnp.zeros(entry.h.shape, entry.h.dtype)
-        first_input, first_cotangent = entry.steps(xs, vary)
-    # K from the working copy, not the layout: the unpadded storage rounds a chunk's slots up to its gather
-    # (`sharding.pipeline.storage`), and the extra slots are empty (skipped, or computed as padding).
-    slots = slot_positions(params)
-    buffer = jnp.zeros((ticks.slots, slots if train else 1, *zero_h.shape), zero_h.dtype)
-    waiting = jnp.zeros((ticks.cotangent_slots, *zero_h.shape), zero_h.dtype) if train else None
-    kept = ()
-    if train and split:  # the saved ring: per entry, each slot position's cut (`sharding.pipeline.split`)
-        kept = cut_ring(back_layer, params, to_varying(zero_h, vary), index_tree(extras, 0), ticks.saved_slots)
-    zero = to_varying(jnp.zeros((), jnp.float32), vary)
-    init = to_varying(
-        (
-            zero_h,
-            zero_h if train else None,
-            buffer,
-            waiting,
-            kept,
-            grads,
-            head_grads,
-            (jnp.zeros_like(xs) if entry is None else entry.weights.zerosover_stage_specs(entry.params))
-            if train
-            else None,
-        ),
-        vary,
-    )
-    stats = None
-    if objective_axes is not None:
-        stats = to_varying(jnp.zeros((objective_size - 1,), jnp.float32), objective_axes)
-    init = (*init, zero, zero, to_varying(jnp.zeros((), jnp.int32), ax.STAGE), stats)
-    carry, _ = jax.lax.scan(tick, init, jnp.arange(ticks.ticks))
-    _, _, _, _, _, grads, head_grads, g_xs, loss, weight, applied, stats = carry
-    return loss, weight, applied, grads, head_grads, g_xs, stats
+    def _backward(self, table: _StageTable, first_cotangent, carry: _Carry, row, fwd: _Forwarded) -> _Carry:
+        """The tick's backward, after its forward and head: the chunk's inputs and the head's cotangent stored,
+        the received cotangent stored, the chunk's backward (zero bubble: its input gradient, and a weight
+        gradient where the table gives one), and the input's cotangent sent up the ring."""
+        stage, counts, skip = table.stage, table.counts, self.plan.skip_empty
+        buffer = store(carry.buffer, (fwd.slot,), fwd.inputs, fwd.forward)
+        head_grads = jax.tree.map(jnp.add, carry.head_grads, fwd.g_hp)
+        arrive = row["cotangent_arrive"]
+        waiting = store(carry.waiting, (jnp.maximum(arrive, 0),), carry.g_received, arrive >= 0)
+        waiting = store(waiting, (row["loss_slot"],), fwd.g_h, fwd.forward & fwd.exit_)
+        # The backward runs after the forward and the head: on the last virtual stage it may be the
+        # backward of the microbatch whose forward and loss this tick just ran (fused ticks).
+        backward, r, mb, slot = (row["backward" + part] for part in ("", "_chunk", "_microbatch", "_slot"))
+        backward = backward == BACKWARD
+        c = row["cotangent_slot"]
+        args = (RingEntry(buffer, slot), index_tree(self.extras, mb), jnp.where(backward, counts[r], 0))
+        kept, grads = carry.kept, carry.grads
+        if table.split:  # zero bubble: B now, its cut into the saved ring; W from there at the tick the table gives
+            g = index_leaf(waiting, c)
+            g_in, kept = chunk_backward_input(
+                self.back_layer, self.params, r, *args, g, kept, row["backward_saved"], skip
+            )
+            w_r = row["weight_chunk"]
+            grads = chunk_backward_weight(
+                self.back_layer,
+                self.params,
+                w_r,
+                kept,
+                row["weight_saved"],
+                index_tree(self.extras, row["weight_microbatch"]),
+                jnp.where(row["weight"] == WEIGHT, counts[w_r], 0),
+                grads,
+                index_leaf(buffer, 0)[0],
+                skip,
+            )
+        else:
+            g_in, grads = chunk_backward(self.back_layer, self.params, r, *args, index_leaf(waiting, c), grads, skip)
+        g_xs = first_cotangent(backward & (stage == 0) & (r == 0), mb, g_in, carry.g_xs, fwd.entry_blocks)
+        g_received = jax.lax.ppermute(g_in, ax.STAGE, _rings(self.plan.layout.stages)[1])
+        return carry._replace(
+            g_received=g_received,
+            buffer=buffer,
+            waiting=waiting,
+            kept=kept,
+            grads=grads,
+            head_grads=head_grads,
+            g_xs=g_xs,
+        )
 
 
 def _loss_program(
@@ -359,25 +471,24 @@ def _loss_program(
                 grads = to_varying(jax.tree.map(lambda p, w: jnp.zeros(p.shape, w.dtype), params, stacked), vary)
         if train:
             head_grads = head_weights.zeros_over_stage(hp)
-        return _ticks(
+        loop = _TickLoop(
             layer,
+            back_layer,
             head,
             plan,
-            params,
             head_weights,
+            params,
             hp,
             xs,
             extras,
             head_inputs,
-            grads,
-            head_grads,
             train,
             vary,
-            back_layer,
             axes,
             max(objective, 1),
             entry,
         )
+        return loop.run(grads, head_grads)
 
     @jax.custom_vjp
     def program(stacked, head_params, entry_params, xs, extras, head_inputs):
