@@ -337,7 +337,7 @@ def test_a_pipelines_embedding_moves_the_table_once_the_tokens_outnumber_the_voc
     """GPipe on ``stage=4,fsdp=2``, 32 x 64 tokens in 8 microbatches: a device looks up 1,024 tokens from a
     512-entry table split over ``fsdp`` (``embed``), so the partitioner moves the table's ``[512, 64]`` shard to
     the devices whose tokens it serves (a collective-permute, and the gradient back) rather than the rows by an
-    all-to-all (`sharding.costmodel.pipeline._lookup_moves_rows`; at 512 tokens, the grid's and the 16 x 64
+    all-to-all (`sharding.costmodel.pipeline_comms._lookup_moves_rows`; at 512 tokens, the grid's and the 16 x 64
     dry run's, it moves the rows). Every collective kind of the compiled step within 10%, no all-to-all."""
     case = ("test", "stage=4,fsdp=2", "fsdp", 32, 64, 8, "none", None, 1)
     cost, compiled = predicted(case), compiled_figures(case)["collectives"]
