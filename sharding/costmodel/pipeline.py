@@ -48,6 +48,7 @@ from sharding.costmodel.memory import Memory, _attention_scores, _memory
 from sharding.modeldesc import ModelDescription
 from sharding.pipeline.layout import Schedule, parse_schedule, plan_layout
 from sharding.pipeline.storage import storage_axes
+from sharding.pipeline.traffic import ALL_GATHER, BATCH, LAYERS, PipelineTraffic
 from sharding.rules import Rules
 
 
@@ -105,6 +106,7 @@ class _Pipe:
     kept: int = 0
     span: int = 1
     streams: bool = False
+    traffic: PipelineTraffic | None = None
 
     @property
     def segment(self) -> int:
@@ -171,12 +173,13 @@ class _Pipe:
         """Chunk passes per step that gather their blocks (``gather`` ``microbatch``), of each kind (forward,
         backward; zero bubble's input and weight gradients apart): ``R*M`` each when idle passes are skipped,
         else every loop trip's (1F1B: every tick runs every kind; GPipe/circular: every step of each pass)."""
-        return self.repeats * self.micro if self.skip_empty else self.steps
+        return self.traffic.count(ALL_GATHER, BATCH, f"{LAYERS}, forward")
 
     @property
     def steps(self) -> int:
-        """Loop trips per step: GPipe/circular ``R*M + S - 1`` per pass (`PipelinePlan.steps`), 1F1B its ticks."""
-        return self.ticks or self.repeats * self.micro + self.stages - 1
+        """Loop trips per step: GPipe/circular ``R*M + S - 1`` per pass (`PipelinePlan.steps`), 1F1B its ticks
+        (`sharding.pipeline.traffic.PipelineTraffic.trips`)."""
+        return self.traffic.trips
 
     @property
     def chunk_slots(self) -> int:
@@ -229,7 +232,19 @@ def _pipeline_of(model: ModelDescription, layout: Layout, rules: Rules, s: _Shap
         kept=kept,
         span=span,
         streams=_streams_edges(layout),
+        traffic=_traffic(
+            schedule, stages, s.micro, repeats, layout.pipeline_gather, layout.skip_empty, _streams_edges(layout)
+        ),
     )
+
+
+@functools.lru_cache(maxsize=4096)
+def _traffic(
+    schedule: Schedule, stages: int, micro: int, repeats: int, gather: str, skip_empty: bool, streams: bool
+) -> PipelineTraffic:
+    """The step's collectives as the stage program issues them (`PipelineTraffic.of`; cached: the planner prices
+    many devices of one schedule)."""
+    return PipelineTraffic.of(schedule, stages, micro, repeats, gather, skip_empty, streams)
 
 
 @functools.lru_cache(maxsize=4096)

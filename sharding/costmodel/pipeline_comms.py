@@ -45,6 +45,7 @@ from sharding.costmodel.pipeline import (
 from sharding.modeldesc import ModelDescription
 from sharding.parallel import spec_axes
 from sharding.pipeline.storage import spread_over_stage
+from sharding.pipeline.traffic import ALL_GATHER, BATCH, HEAD, PERMUTE, STAGE
 from sharding.rules import Rules, logical_to_spec
 
 
@@ -145,9 +146,9 @@ def _pipeline_head_comms(
             pipe.one_f_one_b,
             backend,
             batch_rows,
-            (pipe.micro if pipe.skip_empty else pipe.ticks) if _head_streamed(pipe) else 1,
+            pipe.traffic.count(ALL_GATHER, BATCH, HEAD) if pipe.one_f_one_b else 1,
             _head_streamed(pipe),
-            pipe.ticks,
+            pipe.traffic.count(ALL_GATHER, STAGE, HEAD) if pipe.one_f_one_b else 1,
         )
     )
 
@@ -167,7 +168,7 @@ def _pipeline_head_comms_cached(
     batch_rows: float | None,
     runs: int = 1,
     entry: bool = False,
-    ticks: int = 1,
+    over_stage_runs: int = 1,
 ) -> tuple[Comm, ...]:
     """The head's weights (final norm, output projection) and collectives; with ``entry``, the embedding
     table's too, gathered and reduce-scattered alike on stage 0 (`sharding.pipeline.edges.Entry`).
@@ -180,9 +181,10 @@ def _pipeline_head_comms_cached(
     reduce-scattered over those and summed over ``stage`` once after the loop; the gather over the batch
     axes and the reduce-scatter ``runs`` times: once per step, or per head step on the last stage (the M
     microbatches, `_head_streamed`). Streamed (``entry``), the weights enter the loop split over ``stage`` as
-    stored and are gathered over it at each of the ``ticks`` ticks, outside the head's conditional (so that
+    stored and are gathered over it ``over_stage_runs`` times, at every tick, outside the head's conditional (so that
     no gathered copy stays live through the loop), their gradients all-reduced over ``stage`` after it as
-    before, each stage keeping its slice (`sharding.pipeline.edges.HeadWeights.over_stage`).
+    before, each stage keeping its slice (`sharding.pipeline.edges.HeadWeights.over_stage`). The counts are
+    the step's traffic's (`sharding.pipeline.traffic.PipelineTraffic`: `HEAD` over ``stage`` and the batch axes).
     """
     layout = Layout(dict(mesh_items), rules, remat=remat, attention=attention, dtype=dtype, logits=logits)
     flat, flat_placed = _stage_folded(model, layout, rules)
@@ -220,7 +222,14 @@ def _pipeline_head_comms_cached(
         # streamed and stored over stage: gathered over it per tick
         over_stage = entry and any(ax.STAGE in spec_axes(e) for e in stored)
         comms += [
-            Comm("all-gather", (ax.STAGE,), stages, whole / f, ticks if over_stage else 1, f"gather {what} over stage"),
+            Comm(
+                "all-gather",
+                (ax.STAGE,),
+                stages,
+                whole / f,
+                over_stage_runs if over_stage else 1,
+                f"gather {what} over stage",
+            ),
             Comm("all-gather", axes, f, whole, runs, f"gather {what}"),
             Comm("reduce-scatter", axes, f, whole / f, runs, f"gradient of {what}"),
             Comm("all-reduce", (ax.STAGE,), stages, whole / f, 1, f"gradient of {what} over stage"),
@@ -455,7 +464,8 @@ def _stage_comms(model: ModelDescription, layout: Layout, s: _Shape, pipe: _Pipe
     ``stage=4,fsdp=2`` with M/R = 2)."""
     stages = layout.mesh[ax.STAGE]
     act = s.tok * model.hidden * s.act_bytes
-    comms = [Comm("collective-permute", (ax.STAGE,), stages, act, 2 * pipe.steps, "stage activations", False)]
+    sends = pipe.traffic.count(PERMUTE, STAGE)  # both ways, every loop trip
+    comms = [Comm("collective-permute", (ax.STAGE,), stages, act, sends, "stage activations", False)]
     if pipe.one_f_one_b and _head_streamed(pipe):
         return comms
     if pipe.one_f_one_b:  # the inputs' cotangent, summed over stage (they were made stage-varying)

@@ -5,6 +5,8 @@ own modules.
 
 * `layout`: stage layouts and the pipeline plan (which layers each stage holds; no JAX);
 * `ticks`: the 1F1B-family schedules' tick tables, lockstep, fused and zero bubble (what each stage runs at each tick; no JAX);
+* `traffic`: what a step sends between stages and gathers, derived from the schedule's loop (no JAX): the
+  stage programs and the cost model read it;
 * `storage`: how a run stores the layer stack between steps: unpadded rows over every device (no JAX at
   import);
 * `relayout`: moving stacked layer arrays between layouts (checkpoints across stage counts; no JAX at

@@ -91,6 +91,7 @@ from sharding.pipeline.program import (
 )
 from sharding.pipeline.schedule import run_pipeline
 from sharding.pipeline.ticks import BACKWARD, FORWARD, WEIGHT
+from sharding.pipeline.traffic import ACTIVATIONS, COTANGENTS, PipelineTraffic
 from sharding.pipeline.weights import Weights
 
 
@@ -238,10 +239,12 @@ class _TickLoop:
           ``objective_axes`` the summed statistics ``[objective_size - 1]`` (else None).
         """
         ticks = self.plan.tick_table()
+        traffic = PipelineTraffic.of_plan(self.plan, self.train)  # what each tick sends, and how many ticks
         table = _StageTable.of(ticks, self.plan.layout)
         first = self._first_stage()
         init = self._init(ticks, table, first[2], grads, head_grads)
-        carry, _ = jax.lax.scan(functools.partial(self.tick, table, first), init, jnp.arange(ticks.ticks))
+        tick = functools.partial(self.tick, table, first, traffic.sends())
+        carry, _ = jax.lax.scan(tick, init, jnp.arange(traffic.trips))
         return carry.loss, carry.weight, carry.applied, carry.grads, carry.head_grads, carry.g_xs, carry.stats
 
     def _first_stage(self):
@@ -310,15 +313,21 @@ class _TickLoop:
             return jax.lax.cond(on, run, idle, h, inputs)
         return jax.tree.map(lambda a: jnp.where(on, a, jnp.zeros((), a.dtype)), run(h, inputs))
 
-    def tick(self, table: _StageTable, first, carry: _Carry, t):
+    def tick(self, table: _StageTable, first, sends, carry: _Carry, t):
         """Tick ``t`` of this stage: the forward (with the head on the last virtual stage), then, when ``train``,
-        the backward; then the two ``ppermute`` of the tick, outside every conditional."""
+        the backward; then the tick's ``ppermute`` s, outside every conditional, as the step's traffic lists
+        them (``sends``, `sharding.pipeline.traffic.PipelineTraffic.sends`: the input's cotangent up the ring,
+        the forward output down it)."""
         row = table.row(t)
         carry, forwarded = self._forward(table, first[0], carry, row, t)
+        sent = {ACTIVATIONS: forwarded.h}
         if self.train:
-            carry = self._backward(table, first[1], carry, row, forwarded)
-        received = jax.lax.ppermute(forwarded.h, ax.STAGE, _rings(self.plan.layout.stages)[0])
-        return carry._replace(received=received), None
+            carry, sent[COTANGENTS] = self._backward(table, first[1], carry, row, forwarded)
+        down, up = _rings(self.plan.layout.stages)
+        received = {
+            s.what: jax.lax.ppermute(sent[s.what], ax.STAGE, up if s.what == COTANGENTS else down) for s in sends
+        }
+        return carry._replace(received=received[ACTIVATIONS], g_received=received.get(COTANGENTS)), None
 
     def _forward(self, table: _StageTable, first_input, carry: _Carry, row, t):
         """The tick's forward: the received activations stored, the chunk run on its input, the head on the last
@@ -361,10 +370,11 @@ class _TickLoop:
         )
         return carry, _Forwarded(h, inputs, forward, exit_, slot, g_h, g_hp, entry_blocks)
 
-    def _backward(self, table: _StageTable, first_cotangent, carry: _Carry, row, fwd: _Forwarded) -> _Carry:
+    def _backward(self, table: _StageTable, first_cotangent, carry: _Carry, row, fwd: _Forwarded):
         """The tick's backward, after its forward and head: the chunk's inputs and the head's cotangent stored,
         the received cotangent stored, the chunk's backward (zero bubble: its input gradient, and a weight
-        gradient where the table gives one), and the input's cotangent sent up the ring."""
+        gradient where the table gives one). Returns the carry and the chunk input's cotangent, which `tick`
+        sends up the ring."""
         stage, counts, skip = table.stage, table.counts, self.plan.skip_empty
         buffer = store(carry.buffer, (fwd.slot,), fwd.inputs, fwd.forward)
         head_grads = jax.tree.map(jnp.add, carry.head_grads, fwd.g_hp)
@@ -399,16 +409,8 @@ class _TickLoop:
         else:
             g_in, grads = chunk_backward(self.back_layer, self.params, r, *args, index_leaf(waiting, c), grads, skip)
         g_xs = first_cotangent(backward & (stage == 0) & (r == 0), mb, g_in, carry.g_xs, fwd.entry_blocks)
-        g_received = jax.lax.ppermute(g_in, ax.STAGE, _rings(self.plan.layout.stages)[1])
-        return carry._replace(
-            g_received=g_received,
-            buffer=buffer,
-            waiting=waiting,
-            kept=kept,
-            grads=grads,
-            head_grads=head_grads,
-            g_xs=g_xs,
-        )
+        carry = carry._replace(buffer=buffer, waiting=waiting, kept=kept, grads=grads, head_grads=head_grads, g_xs=g_xs)
+        return carry, g_in
 
 
 def _loss_program(

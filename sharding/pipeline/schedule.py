@@ -72,6 +72,7 @@ from sharding.pipeline.buffers import (
 )
 from sharding.pipeline.layout import PipelinePlan
 from sharding.pipeline.program import Setup, chunk_backward, chunk_forward, manual_axes, stage_varying, sum_over_stages
+from sharding.pipeline.traffic import PipelineTraffic
 from sharding.pipeline.weights import Weights
 
 
@@ -168,7 +169,8 @@ def _pipeline_forward(
         to_varying(jnp.zeros((), jnp.int32), ax.STAGE),
         objective,
     )
-    (_, _, outputs, applied, objective), saved = jax.lax.scan(step, init, jnp.arange(plan.steps))
+    trips = PipelineTraffic.of_plan(plan).trips  # R*M + S - 1 steps, each sending the activations down the ring
+    (_, _, outputs, applied, objective), saved = jax.lax.scan(step, init, jnp.arange(trips))
     return outputs, applied, objective, saved
 
 
@@ -222,7 +224,8 @@ def _pipeline_backward(layer_fn, plan: PipelinePlan, params, extras, saved, g_ou
 
     zeros = jnp.zeros_like(g_outputs)
     init = (zeros[0], zeros if repeats > 1 else None, grads, zeros)
-    (_, _, grads, g_xs), _ = jax.lax.scan(step, init, jnp.arange(plan.steps), reverse=True)
+    trips = PipelineTraffic.of_plan(plan).trips  # as many, each sending the input's cotangent up the ring
+    (_, _, grads, g_xs), _ = jax.lax.scan(step, init, jnp.arange(trips), reverse=True)
     return grads, g_xs
 
 
