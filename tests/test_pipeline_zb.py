@@ -215,7 +215,8 @@ def test_zero_bubble_holds_fused_1f1b_temporaries_plus_its_priced_ring_and_no_tr
         name: c.memory_analysis().temp_size_in_bytes for name, c in (("fused", fused), ("zb", zb), ("gpipe", gpipe))
     }
 
-    def activations(schedule):
+    def activations(ticks):  # the tick table's name: "fused" is --pipeline-schedule 1f1b-fused
+        schedule = {"fused": "1f1b-fused"}.get(ticks, ticks)
         layout = cm.Layout({"stage": 2, "fsdp": 4}, "fsdp_tp", 16, stage_layers=(3, 1), pipeline_schedule=schedule)
         return cm.estimate(get_config("test"), 64, 256, layout, backend="cpu").memory.activations
 
