@@ -69,9 +69,10 @@ class Layout:
         `sharding.pipeline.layout.GATHERS`): ``once`` per step, or per ``microbatch`` one block at a time.
       stream_edges: Pipeline only: the 1F1B family gathers its head's and its entry's (the embedding's)
         weights per microbatch inside their conditionals (`sharding.pipeline.PipelinePlan.streams_head`); None
-        derives it as the plan does (a 1F1B-family ``pipeline_schedule``, ``pipeline_gather`` ``microbatch``, ``skip_empty``), so
-        that a layout changed by `dataclasses.replace` stays consistent. Set it only to price, every slot
-        priced (``skip_empty`` False), a compiled program that streams them (``bench/costmodel_grid.py``).
+        derives it as the plan does (a 1F1B-family ``pipeline_schedule``, ``pipeline_gather`` ``microbatch``,
+        ``skip_empty``), so that a layout changed by `dataclasses.replace` stays consistent. Set it only to
+        price, every slot priced (``skip_empty`` False), a compiled program that streams them
+        (``bench/costmodel_grid.py``).
       context_layout: How tokens lie along a split length (``--context-layout``): ``zigzag`` balances
         the causal work of a ring; ``contiguous`` leaves its last device the most (priced: the busiest).
       context_shares: Uneven sequence shards (``--context-shares``, ring attention in the zigzag layout):

@@ -179,10 +179,11 @@ class Entry:
     h: Any
 
     def steps(self, xs, vary: tuple[str, ...]):
-        """``(first_input, first_cotangent)`` of the tick loop (`sharding.pipeline.onef1b`) for entry inputs ``xs`` ``[M, microbatch, ...]``:
-        ``first_input(on, mb, blocks) -> h`` (zeros where not ``on``) and ``first_cotangent(on, mb, g_in, sums,
-        blocks) -> sums`` (the entry gradient of microbatch ``mb`` added where ``on``), with the tick's
-        ``blocks`` of the entry's weights (`HeadWeights.over_stage` of ``params``)."""
+        """``(first_input, first_cotangent)`` of the tick loop (`sharding.pipeline.onef1b`) for entry inputs ``xs``
+        ``[M, microbatch, ...]``: ``first_input(on, mb, blocks) -> h`` (zeros where not ``on``) and
+        ``first_cotangent(on, mb, g_in, sums, blocks) -> sums`` (the entry gradient of microbatch ``mb`` added
+        where ``on``), with the tick's ``blocks`` of the entry's weights (`HeadWeights.over_stage` of
+        ``params``)."""
 
         def run_forward(inputs, blocks):
             h = self.fn(self.weights.fetch(blocks), inputs)
