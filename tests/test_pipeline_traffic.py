@@ -47,7 +47,7 @@ def test_the_streamed_head_is_gathered_over_stage_every_tick_and_over_the_batch_
     passes = microbatches if skip_empty else ticks
     assert traffic.count(tr.ALL_GATHER, tr.BATCH, tr.LAYERS) == 2 * passes
     held = tr.PipelineTraffic.of(schedule, stages, microbatches)
-    assert held.count(tr.ALL_GATHER, tr.STAGE, tr.HEAD) == held.count(tr.ALL_GATHER, tr.BATCH) == 1
+    assert held.count(tr.ALL_GATHER, tr.STAGE, tr.HEAD) == held.count(tr.ALL_GATHER, tr.BATCH, tr.HEAD) == 1
 
 
 def test_the_plan_and_the_cost_model_read_the_same_description():
@@ -64,3 +64,20 @@ def test_the_plan_and_the_cost_model_read_the_same_description():
 def test_an_unknown_schedule_is_refused_with_the_flags_text():
     with pytest.raises(ValueError, match=r"argument --pipeline-schedule: invalid choice: 'pipedream'"):
         tr.PipelineTraffic.of("pipedream", 4, 8)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("gather, streams", [("once", False), ("microbatch", False), ("microbatch", True)])
+def test_the_loops_edges_and_the_working_copy_run_once_a_step(schedule, gather, streams):
+    """GPipe and circular sum their outputs over ``stage`` after the forward loop; every schedule sums its stage
+    inputs' cotangent but the 1F1B loop that embeds each microbatch itself; gathered once, the working copy is
+    gathered before the loop and its gradient sums reduce-scattered after it."""
+    one_f_one_b = pl.Schedule(schedule).one_f_one_b
+    streams = streams and one_f_one_b
+    traffic = tr.PipelineTraffic.of(schedule, 4, 8, _repeats(schedule), gather, True, streams)
+    assert traffic.count(tr.ALL_REDUCE, tr.STAGE, tr.OUTPUTS) == (0 if one_f_one_b else 1)
+    assert traffic.count(tr.ALL_REDUCE, tr.STAGE, tr.INPUT_COTANGENTS) == (0 if streams else 1)
+    copies = 1 if gather == "once" else 0
+    assert traffic.count(tr.ALL_GATHER, tr.BATCH, tr.WORKING_COPY) == copies
+    assert traffic.count(tr.REDUCE_SCATTER, tr.BATCH, tr.WORKING_COPY) == copies
+    assert all(not t.in_loop for t in traffic.transfers if t.what in (tr.OUTPUTS, tr.INPUT_COTANGENTS, tr.WORKING_COPY))

@@ -45,7 +45,18 @@ from sharding.costmodel.pipeline import (
 from sharding.modeldesc import ModelDescription
 from sharding.parallel import spec_axes
 from sharding.pipeline.storage import spread_over_stage
-from sharding.pipeline.traffic import ALL_GATHER, BATCH, HEAD, PERMUTE, STAGE
+from sharding.pipeline.traffic import (
+    ALL_GATHER,
+    ALL_REDUCE,
+    BATCH,
+    HEAD,
+    INPUT_COTANGENTS,
+    OUTPUTS,
+    PERMUTE,
+    REDUCE_SCATTER,
+    STAGE,
+    WORKING_COPY,
+)
 from sharding.rules import Rules, logical_to_spec
 
 
@@ -325,6 +336,8 @@ def _pipeline_weight_comms(
             pipe.span,
             pipe.passes * pipe.slot_runs,
             pipe.recomputes,
+            pipe.traffic.count(ALL_GATHER, BATCH, WORKING_COPY),
+            pipe.traffic.count(REDUCE_SCATTER, BATCH, WORKING_COPY),
         )
     )
 
@@ -343,6 +356,8 @@ def _pipeline_weight_comms_cached(
     span: int = 1,
     slot_passes: float = 0.0,
     recomputes: float = 1.0,
+    copy_gathers: int = 1,
+    copy_reductions: int = 1,
 ) -> tuple[Comm, ...]:
     """The stage's layer weights: the working copy assembled once per step, the gradients returned once, the
     stored rows moved once per step. With ``gather`` ``microbatch`` the storage splits each row's features
@@ -429,12 +444,27 @@ def _pipeline_weight_comms_cached(
             local = working // groups_n  # its gradient after it (no compute left to hide behind)
             whole = local * groups_n * row * t  # the gathered rows, whole over tensor
             comms += [
-                Comm("all-gather", groups, groups_n, whole * gather_bytes, 1, f"gather {what} (working copy)", False),
                 Comm(
-                    "reduce-scatter", groups, groups_n, local * row * t * _PARAM_BYTES, 1, f"gradient of {what}", False
+                    "all-gather",
+                    groups,
+                    groups_n,
+                    whole * gather_bytes,
+                    copy_gathers,
+                    f"gather {what} (working copy)",
+                    False,
+                ),
+                Comm(
+                    "reduce-scatter",
+                    groups,
+                    groups_n,
+                    local * row * t * _PARAM_BYTES,
+                    copy_reductions,
+                    f"gradient of {what}",
+                    False,
                 ),
             ]
-            comms += _partitioner_gathers(p, "working copy", local * row * t * gather_bytes, whole, 1, 1, False, False)
+            shard = local * row * t * gather_bytes
+            comms += _partitioner_gathers(p, "working copy", shard, whole, copy_gathers, copy_reductions, False, False)
         if rest:
             comms.append(
                 Comm(
@@ -464,15 +494,19 @@ def _stage_comms(model: ModelDescription, layout: Layout, s: _Shape, pipe: _Pipe
     ``stage=4,fsdp=2`` with M/R = 2)."""
     stages = layout.mesh[ax.STAGE]
     act = s.tok * model.hidden * s.act_bytes
-    sends = pipe.traffic.count(PERMUTE, STAGE)  # both ways, every loop trip
+    traffic = pipe.traffic
+    sends = traffic.count(PERMUTE, STAGE)  # both ways, every loop trip
     comms = [Comm("collective-permute", (ax.STAGE,), stages, act, sends, "stage activations", False)]
-    if pipe.one_f_one_b and _head_streamed(pipe):
+    summed = traffic.count(ALL_REDUCE, STAGE, OUTPUTS) + traffic.count(ALL_REDUCE, STAGE, INPUT_COTANGENTS)
+    if pipe.one_f_one_b:  # the inputs' cotangent, summed over stage (they were made stage-varying), if any
+        if summed:
+            comms.append(
+                Comm("all-reduce", (ax.STAGE,), stages, act * s.micro, summed, "pipeline input cotangent", False)
+            )
         return comms
-    if pipe.one_f_one_b:  # the inputs' cotangent, summed over stage (they were made stage-varying)
-        return comms + [Comm("all-reduce", (ax.STAGE,), stages, act * s.micro, 1, "pipeline input cotangent", False)]
     cotangent = head.tok * stages * model.hidden * s.act_bytes
     comms += [
-        Comm("all-reduce", (ax.STAGE,), stages, act * s.micro, 2, "pipeline outputs to every stage", False),
+        Comm("all-reduce", (ax.STAGE,), stages, act * s.micro, summed, "pipeline outputs to every stage", False),
         Comm("all-gather", (ax.STAGE,), stages, cotangent, 1, "head input cotangent over stage", False),
     ]
     per_rows = s.micro / head.rows  # M/R: the microbatches over a stage's head rows

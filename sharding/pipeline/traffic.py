@@ -8,10 +8,13 @@ the cost model (`sharding.costmodel.pipeline_comms`) prices what it lists, with 
 So a schedule whose table changes moves both together.
 
 Listed: the activations and cotangents sent over ``stage`` (one ``ppermute`` each per loop trip, outside every
-conditional); with the weights gathered per microbatch (``--pipeline-gather microbatch``), the chunk passes of
-each kind that gather their layers and reduce-scatter their gradients over the stage's devices (each pass's
-per-layer collectives are the storage's: `sharding.pipeline.weights.Streamed`); the 1F1B family's head weights,
-gathered over ``stage`` and over the stage's batch axes and their gradients reduced (`sharding.pipeline.edges`).
+conditional) and the sums over ``stage`` at the loop's edges (GPipe's outputs, the stage inputs' cotangent); the
+layers gathered once per step into the working copy, or, with the weights gathered per microbatch
+(``--pipeline-gather microbatch``), the chunk passes of each kind that gather their layers and reduce-scatter
+their gradients over the stage's devices (each pass's per-layer collectives are the storage's:
+`sharding.pipeline.weights.Streamed`); the 1F1B family's head weights, gathered over ``stage`` and over the
+stage's batch axes and their gradients reduced (`sharding.pipeline.edges`). Gathers among the stage's devices
+run where the storage spreads the layers over them.
 What the partitioner adds around them (the GPipe head's layout, gathers over ``tensor``) is not the schedule's
 and is not listed.
 """
@@ -40,6 +43,16 @@ LAYERS = "layers"
 """One chunk pass's layers (`sharding.pipeline.weights.Streamed`), a pass of the kind in ``Transfer.what``."""
 LAYER_GRADIENTS = "layer gradients"
 """One chunk pass's layer gradients, reduce-scattered where the pass computes them."""
+OUTPUTS = "outputs"
+"""GPipe's and circular's outputs ``[M, rows, length, embed]``, summed over ``stage`` after the forward loop, so
+that every stage holds the last stage's (`sharding.pipeline.program.sum_over_stages`)."""
+INPUT_COTANGENTS = "input cotangents"
+"""The cotangent of the stage inputs ``[M, rows, length, embed]``, summed over ``stage`` after the loop (the
+inputs were made stage-varying, `sharding.pipeline.program.stage_varying`; none where the 1F1B loop computes
+each microbatch's input itself, from tokens)."""
+WORKING_COPY = "working copy"
+"""The stage's layers gathered once per step before the loop, where the storage spreads its rows over the
+stage's devices (`sharding.pipeline.weights.Weights.gather`); their gradient sums reduce-scattered after it."""
 HEAD = "head weights"
 """The 1F1B family's head weights (final norm, output projection; streamed, the entry's too)."""
 HEAD_GRADIENTS = "head gradients"
@@ -53,8 +66,8 @@ class Transfer:
     Attributes:
       kind: `PERMUTE`, `ALL_GATHER`, `REDUCE_SCATTER` or `ALL_REDUCE` (the compiled program's op names).
       over: `STAGE` or `BATCH`.
-      what: `ACTIVATIONS`, `COTANGENTS`, `LAYERS` (``"layers, forward"``: one kind of chunk pass),
-        `LAYER_GRADIENTS`, `HEAD` or `HEAD_GRADIENTS`.
+      what: `ACTIVATIONS`, `COTANGENTS`, `OUTPUTS`, `INPUT_COTANGENTS`, `WORKING_COPY`, `LAYERS`
+        (``"layers, forward"``: one kind of chunk pass), `LAYER_GRADIENTS`, `HEAD` or `HEAD_GRADIENTS`.
       count: executions per step, bubble trips included where they run.
       in_loop: issued inside the step's loop (else before or after it).
     """
@@ -112,6 +125,10 @@ class PipelineTraffic:
         # a tick's backward sends its input's cotangent before the tick's forward output leaves
         transfers = [Transfer(PERMUTE, STAGE, COTANGENTS, trips)] if train else []
         transfers.append(Transfer(PERMUTE, STAGE, ACTIVATIONS, trips))
+        if gather == "once":
+            transfers.append(Transfer(ALL_GATHER, BATCH, WORKING_COPY, 1, False))
+            if train:
+                transfers.append(Transfer(REDUCE_SCATTER, BATCH, WORKING_COPY, 1, False))  # its gradient sums
         if gather == "microbatch":
             passes = repeats * microbatches if skip_empty else trips
             # zero bubble: its input-gradient pass gathers, its weight-gradient pass reads no weight
@@ -119,6 +136,10 @@ class PipelineTraffic:
             transfers += [Transfer(ALL_GATHER, BATCH, f"{LAYERS}, {kind}", passes) for kind in kinds]
             if train:
                 transfers.append(Transfer(REDUCE_SCATTER, BATCH, LAYER_GRADIENTS, passes))
+        if not schedule.one_f_one_b:
+            transfers.append(Transfer(ALL_REDUCE, STAGE, OUTPUTS, 1, False))
+        if train and not (schedule.one_f_one_b and streams_head):
+            transfers.append(Transfer(ALL_REDUCE, STAGE, INPUT_COTANGENTS, 1, False))
         if schedule.one_f_one_b:
             transfers += _head(trips, microbatches, skip_empty, streams_head, train)
         return cls(trips, tuple(transfers))
