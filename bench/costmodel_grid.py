@@ -170,9 +170,7 @@ def _strategy(case, config, mesh):
     return PipelinePlan(
         stages,
         case[5],
-        one_f_one_b=schedule in ("1f1b", "1f1b-fused", "zb"),
-        fused=schedule == "1f1b-fused",
-        zero_bubble=schedule == "zb",
+        schedule=schedule,
         gather=gather_of(case),
     )
 

@@ -66,9 +66,7 @@ def gradient_temporaries(schedule: str, gather: str = "once") -> str:
     from train.runtime.step import Trainer
 
     layout, _ = pl.plan_layout(32, 4, 1, (10, 10, 6, 6))
-    plan = pl.PipelinePlan(
-        layout, 16, one_f_one_b=schedule.startswith("1f1b"), fused=schedule == "1f1b-fused", gather=gather
-    )
+    plan = pl.PipelinePlan(layout, 16, schedule=schedule, gather=gather)
     par = Parallelism.of(make_mesh(parse_mesh("stage=4,fsdp=2", 8)), get_rules("fsdp_tp"), plan)
     trainer = Trainer(get_config("7b"), OptimizerConfig(), par)
     params = jax.tree.map(

@@ -275,7 +275,7 @@ class Transformer(nnx.Module):
         loss are its head, which the 1F1B schedule runs on the last stage inside the pipeline. With
         ``with_stats`` (a mixture of experts), ``(loss_sum, weight_sum, stats)`` as `pipelined_loss_stats`. The
         token embedding is its entry: run on the whole batch first, or per microbatch on the first stage where
-        the 1F1B loop streams its edges (`sharding.pipeline.onef1b.Entry`)."""
+        the 1F1B loop streams its edges (`sharding.pipeline.edges.Entry`)."""
         if hasattr(self, "dense_layers"):
             raise ValueError(
                 "pipeline stages run a mixture of experts whose every layer is one: first_dense_layers=0, moe_every=1"

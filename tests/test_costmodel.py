@@ -289,7 +289,13 @@ def test_pipeline_gathers_stage_weights_once_per_step():
     config = get_config("7b")
 
     def cost(micro, one_f_one_b=False):
-        layout = cm.Layout({"stage": 4, "fsdp": 2}, "fsdp", micro, stage_layers=(10, 10, 6, 6), one_f_one_b=one_f_one_b)
+        layout = cm.Layout(
+            {"stage": 4, "fsdp": 2},
+            "fsdp",
+            micro,
+            stage_layers=(10, 10, 6, 6),
+            pipeline_schedule=_one_f_one_b(one_f_one_b),
+        )
         return cm.estimate(config, 32, 2048, layout, backend="cpu")
 
     layer = sum(p.size for p in describe(config).params if p.per_layer) * 4  # one layer, float32, whole
@@ -315,7 +321,13 @@ def test_pipeline_gathers_stage_weights_once_per_step():
     # not (at most S microbatches' stage inputs per stage); both hold every microbatch's stage input and its
     # cotangent (one row of 2,048 tokens each, float32), which are not counted here.
     def saved(micro, one_f_one_b):
-        layout = cm.Layout({"stage": 4, "fsdp": 2}, "fsdp", micro, stage_layers=(10, 10, 6, 6), one_f_one_b=one_f_one_b)
+        layout = cm.Layout(
+            {"stage": 4, "fsdp": 2},
+            "fsdp",
+            micro,
+            stage_layers=(10, 10, 6, 6),
+            pipeline_schedule=_one_f_one_b(one_f_one_b),
+        )
         activations = cm.device_cost(config, layout, seq_len=2048, rows=1, backend="cpu").memory.activations
         return activations - 2 * micro * 2048 * config.embed_dim * 4
 
@@ -326,7 +338,7 @@ def test_a_pipelines_embedding_moves_the_table_once_the_tokens_outnumber_the_voc
     """GPipe on ``stage=4,fsdp=2``, 32 x 64 tokens in 8 microbatches: a device looks up 1,024 tokens from a
     512-entry table split over ``fsdp`` (``embed``), so the partitioner moves the table's ``[512, 64]`` shard to
     the devices whose tokens it serves (a collective-permute, and the gradient back) rather than the rows by an
-    all-to-all (`sharding.costmodel.pipeline._lookup_moves_rows`; at 512 tokens, the grid's and the 16 x 64
+    all-to-all (`sharding.costmodel.pipeline_comms._lookup_moves_rows`; at 512 tokens, the grid's and the 16 x 64
     dry run's, it moves the rows). Every collective kind of the compiled step within 10%, no all-to-all."""
     case = ("test", "stage=4,fsdp=2", "fsdp", 32, 64, 8, "none", None, 1)
     cost, compiled = predicted(case), compiled_figures(case)["collectives"]
@@ -363,16 +375,21 @@ def test_fewer_kv_heads_than_tensor_are_priced_as_compiled(case):
     _assert_collectives_within(predicted(case), compiled_figures(case)["collectives"])
 
 
+def _one_f_one_b(on: bool) -> str:
+    """The ``pipeline_schedule`` of a layout that runs 1F1B in lockstep (``on``) or GPipe."""
+    return "1f1b" if on else "gpipe"
+
+
 def _seven_b_pipeline(**layout):
     """The 7B's pipeline layout these tests price: stage=4,fsdp=2 with stages of 10,10,6,6 layers, M = 16."""
     return cm.Layout({"stage": 4, "fsdp": 2}, "fsdp", 16, stage_layers=(10, 10, 6, 6), **layout)
 
 
 @pytest.mark.parametrize(
-    "one_f_one_b, tick_schedule, passes",
-    [(False, "lockstep", 2), (True, "lockstep", 2), (True, "fused", 2), (True, "zb", 2)],
+    "one_f_one_b, schedule, passes",
+    [(False, "gpipe", 2), (True, "1f1b", 2), (True, "1f1b-fused", 2), (True, "zb", 2)],
 )
-def test_pipeline_weights_gathered_per_microbatch_cost_a_layer_per_slot(one_f_one_b, tick_schedule, passes):
+def test_pipeline_weights_gathered_per_microbatch_cost_a_layer_per_slot(one_f_one_b, schedule, passes):
     """The 7B on stage=4,fsdp=2 (10,10,6,6), ``pipeline_gather`` ``microbatch``: the storage splits each row's
     features over fsdp (G = 2), so each of the M microbatches' forward and backward passes (zero bubble:
     forward and input-gradient passes; its weight-gradient pass reads no weight) all-gathers each of the 10
@@ -384,12 +401,12 @@ def test_pipeline_weights_gathered_per_microbatch_cost_a_layer_per_slot(one_f_on
     at each of the M head steps instead of once, holding the float32 sums of its fsdp half instead of its whole
     copy and whole sums; its entry, the embedding table, alike on stage 0 (gathered at each microbatch's first
     forward, its gradient reduce-scattered at its backward), which holds no microbatch's stage input
-    (`sharding.pipeline.onef1b.Entry`)."""
+    (`sharding.pipeline.edges.Entry`)."""
     config = get_config("7b")
     layer = sum(p.size for p in describe(config).params if p.per_layer) * 4  # one layer, float32, whole
 
     def cost(gather):
-        layout = _seven_b_pipeline(one_f_one_b=one_f_one_b, pipeline_gather=gather, tick_schedule=tick_schedule)
+        layout = _seven_b_pipeline(pipeline_schedule=schedule, pipeline_gather=gather)
         return cm.estimate(config, 32, 2048, layout, backend="cpu")
 
     def layer_bytes(c, kind):
@@ -433,7 +450,7 @@ def test_pipeline_weights_gathered_per_microbatch_cost_a_layer_per_slot(one_f_on
     assert streamed.memory.state == once.memory.state  # 4 whole rows or 8 half rows per device
     fewer = (8 + 5) * layer + saved + held["once"] - held["microbatch"] + once.memory.logits - streamed.memory.logits
     assert streamed.memory.total == pytest.approx(once.memory.total - fewer, rel=1e-9)
-    ring = cm.tick_table(tick_schedule, 4, 16, 1).slots if one_f_one_b else 16 + 4 - 1
+    ring = cm.tick_table(schedule, 4, 16, 1).slots if one_f_one_b else 16 + 4 - 1
     act = 2048 * config.embed_dim * 4  # one slot input: one row of a microbatch per device, float32
     # streamed, the 1F1B family also holds none of the M microbatches' stage inputs nor their cotangents (stage 0
     # embeds each one)
@@ -454,7 +471,7 @@ def test_the_1f1b_heads_gathered_copy_counts_per_microbatch_only_above_a_layers_
     d = 4096 * 16000 * 4
 
     def gathered(vocab):
-        layout = _seven_b_pipeline(one_f_one_b=True, pipeline_gather=gather)
+        layout = _seven_b_pipeline(pipeline_schedule="1f1b", pipeline_gather=gather)
         memory = cm.estimate(get_config("7b", [f"vocab_size={vocab}"]), 32, 2048, layout, backend="cpu").memory
         return memory.gathered + memory.logits  # held through the loop, and the head step beyond a layer's
 
@@ -479,7 +496,7 @@ def test_pipeline_in_flight_bytes_are_what_the_step_holds_at_its_peak(attention,
     config = get_config("7b")
     d, f, tokens = config.embed_dim, config.mlp_dim, 2048  # one row of a microbatch per device
     layer = (4 * d * d + 3 * d * f + 2 * d) * 4  # one layer's weights, float32, whole: 772.03 MiB
-    layout = _seven_b_pipeline(one_f_one_b=one_f_one_b, pipeline_gather=gather, attention=attention)
+    layout = _seven_b_pipeline(pipeline_schedule=_one_f_one_b(one_f_one_b), pipeline_gather=gather, attention=attention)
     memory = cm.estimate(config, 32, 2048, layout, backend="cpu").memory
     # A layer's activations per token (models/spec.py: block input, attention output, 4 norm/residual, q, attention
     # output, k and v twice, 2 float32 norm copies, 3 MLP), and where the scores are materialised the score-sized
@@ -505,7 +522,7 @@ def test_pipeline_in_flight_bytes_are_what_the_step_holds_at_its_peak(attention,
     # gradient sums beyond the stored rows' gradients: the working copy's 10 slots in place of the 4 stored rows,
     # or the 2 received half rows (each leaf of the gathered layer is reduce-scattered as its backward yields it)
     assert memory.gradients - memory.parameters == pytest.approx((6 if gather == "once" else 1) * layer, rel=1e-12)
-    ring = cm.tick_table("lockstep", 4, 16, 1).slots if one_f_one_b else 16 + 4 - 1
+    ring = cm.tick_table("1f1b", 4, 16, 1).slots if one_f_one_b else 16 + 4 - 1
     # slot (block) inputs; every microbatch's stage input and its cotangent, but for the 1F1B family's streamed
     # entry (stage 0 embeds each microbatch itself)
     saved = ring * (10 if gather == "once" else 5) + 2 * 16 * (not (one_f_one_b and gather == "microbatch"))
@@ -527,8 +544,7 @@ def test_zero_bubble_keeps_a_cut_for_every_slot_position_of_a_chunk_pass():
             "fsdp",
             8,
             stage_layers=(9, 7),
-            one_f_one_b=True,
-            tick_schedule="zb",
+            pipeline_schedule="zb",
             pipeline_gather=gather,
         )
         return cm.estimate(config, 32, 2048, layout, backend="cpu").memory.activations
@@ -577,13 +593,13 @@ def test_layout_of_reads_a_parallelism_strategy_by_strategy():
     uneven = cm.layout_of(Parallelism({"data": 8}, get_rules("dp"), UnevenBatch((3, 3, 1, 1, 2, 2, 2, 2))))
     assert uneven.uneven_batch and uneven.microbatches == 2 and uneven.remat == "none"
     stages, _ = plan_layout(8, 2, 2, (5, 3))
-    plan = dataclasses.replace(PipelinePlan(stages, 4, one_f_one_b=True), skip_empty=False)
+    plan = dataclasses.replace(PipelinePlan(stages, 4, schedule="1f1b"), skip_empty=False)
     piped = cm.layout_of(Parallelism({"stage": 2, "fsdp": 4}, get_rules("fsdp"), plan), config, dtype="bfloat16")
     assert (
         piped.stage_layers,
         piped.pipeline_repeats,
         piped.microbatches,
-        piped.one_f_one_b,
+        piped.pipeline_schedule.one_f_one_b,
         piped.skip_empty,
         piped.dtype,
     ) == ((5, 3), 2, 4, True, False, "bfloat16")
@@ -597,7 +613,7 @@ def test_layout_of_reads_a_parallelism_strategy_by_strategy():
         dtype="bfloat16",
         attention=config.attention,
         skip_empty=False,
-        one_f_one_b=True,
+        pipeline_schedule="1f1b",
     )
     model = describe(get_config("test", ["num_layers=8"]))
     assert cm.estimate(model, 32, 64, piped) == cm.estimate(model, 32, 64, hand)

@@ -412,7 +412,7 @@ def test_attention_kernels_inside_stages_match_the_flat_reference_attention(atte
     trainer = _trainer(
         get_config("test", [f"attention={attention}"]),
         mesh_spec,
-        pl.PipelinePlan(layout, 2, one_f_one_b=schedule in ("1f1b", "zb"), zero_bubble=schedule == "zb"),
+        pl.PipelinePlan(layout, 2, schedule=schedule),
     )
     params = jax.tree.map(
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), trainer.state_params, trainer.param_shardings

@@ -197,10 +197,8 @@ def _toy(
         layout,
         microbatches,
         skip_empty=skip_empty,
-        one_f_one_b=schedule in ONE_F_ONE_B,
-        fused=schedule == "1f1b-fused",
+        schedule=schedule,
         gather=gather,
-        zero_bubble=schedule == "zb",
     )
     rng = np.random.default_rng(0)
     w = {
@@ -368,9 +366,7 @@ def _plan(num_layers, mesh_spec, stage_layers, microbatches, schedule, repeats=1
     return pl.PipelinePlan(
         layout,
         microbatches,
-        one_f_one_b=schedule in ONE_F_ONE_B,
-        fused=schedule == "1f1b-fused",
-        zero_bubble=schedule == "zb",
+        schedule=schedule,
         gather=gather,
     )
 
@@ -449,7 +445,7 @@ def test_the_per_microbatch_gather_over_data_and_fsdp_has_the_unpipelined_loss_a
     """Fused 1F1B on 3,1 over stage=2,data=2,fsdp=2 with ``--pipeline-gather microbatch``: the rows are stored
     over stage alone, each row's features over fsdp; each layer's gradient is reduce-scattered over fsdp per
     slot and the stored rows' sums summed over data once after the loop (`Weights._psum_rest`). The embedding
-    is the loop's entry (`onef1b.Entry`): stage 0 gathers its table per microbatch and reduce-scatters its
+    is the loop's entry (`edges.Entry`): stage 0 gathers its table per microbatch and reduce-scatters its
     gradient there; ``tied``, the same table is the head's output projection too, gathered on the last stage,
     and the two gradients add. Loss (1e-5) and gradients (1e-5) of the flat model."""
     from models.config import get_config
@@ -504,7 +500,7 @@ def test_fused_1f1b_training_steps_match_the_unpipelined_model(repeats):
     """As `test_training_steps_match_the_unpipelined_model`, for fused 1F1B and interleaved fused 1F1B (2
     chunks per stage: 2+2 and 1+1) on the uneven split 4,2 with fsdp."""
     plan = _plan(STEPS_LAYERS, STEPS_MESH, STEPS_SPLIT, STEPS_MICROBATCHES, "1f1b-fused", repeats)
-    assert plan.layout.repeats == repeats and plan.one_f_one_b and plan.fused
+    assert plan.layout.repeats == repeats and plan.one_f_one_b and plan.schedule == "1f1b-fused"
     _assert_steps_match_the_flat_model(plan)
 
 
@@ -552,13 +548,13 @@ def _compiled_gradients(
     inputs only (`Streamed.block_inputs`); ``head_streamed`` False: with ``gather`` ``microbatch``, the 1F1B
     family's head weights gathered once, as before the head step gathered them (`HeadWeights`);
     ``entry_streamed`` False: the embedding run on the whole batch before the loop, which holds its output ``[M,
-    microbatch, ...]`` and that output's cotangent, as before stage 0 ran it per microbatch (`onef1b.Entry`)."""
+    microbatch, ...]`` and that output's cotangent, as before stage 0 ran it per microbatch (`edges.Entry`)."""
     from unittest import mock
 
     from models import transformer
     from models.config import get_config
     from sharding.pipeline import onef1b
-    from sharding.pipeline.program import Weights
+    from sharding.pipeline.weights import Weights
 
     config = get_config("test", [f"num_layers={num_layers}"])
     plan = _plan(num_layers, mesh_spec, stage_layers, microbatches, schedule, gather=gather)
@@ -643,7 +639,7 @@ def test_the_weights_gathered_per_microbatch_need_fewer_temporaries_and_no_trans
     with whole float32 gradient sums: the temporaries drop by that copy and those sums less the sums of the
     fsdp shards, within 1% of the output projection (XLA's packing), against the head gathered once beside
     layers gathered per microbatch; its whole-size all-gather runs per tick (inside the head's conditional)
-    instead of once. The embedding, the loop's entry (`onef1b.Entry`), runs per microbatch on stage 0: the
+    instead of once. The embedding, the loop's entry (`edges.Entry`), runs per microbatch on stage 0: the
     step holds neither the whole batch's stage inputs ``[M, microbatch, length, embed]`` nor their cotangent
     (no such array in the compiled program; against the embedding run before the loop, the temporaries drop
     by at least those two). The gathers and reduce-scatters run inside conditionals the stage's devices all
@@ -699,7 +695,7 @@ def test_the_weights_gathered_per_microbatch_need_fewer_temporaries_and_no_trans
     )
     # The ring's S = 2 entries keep 2 inputs each instead of 8: 12 of one device's microbatch rows
     # [2, 256, 128] float32 fewer, 8 of them held again by one segment's recomputation (the backward reads the
-    # ring in place, `program.RingEntry`: the block's input is a buffer of its own, where it was a slice of a
+    # ring in place, `buffers.RingEntry`: the block's input is a buffer of its own, where it was a slice of a
     # copy of the whole entry, 8 inputs without block inputs, 2 with them).
     ring = trainer.par.pipeline.tick_table().slots
     assert ring == 2
@@ -715,7 +711,7 @@ def test_the_tick_loop_updates_its_rings_in_place(schedule):
     """No copy of the ring of saved chunk inputs ``[slots, P, microbatch, length, embed]``, of one of its
     entries, or of the ring of waiting cotangents inside any loop body of the compiled step (6,2 layers over
     stage=2,fsdp=4, the per-microbatch gather, M = 8): every write to a ring reads nothing of it
-    (`program.store`) and the backward reads its slot inputs out of the ring in place (`program.RingEntry`),
+    (`buffers.store`) and the backward reads its slot inputs out of the ring in place (`buffers.RingEntry`),
     so XLA finds no read of a ring after an in-place update of it and adds no copy of the whole ring per tick
     (before: two per tick, the ring's buffer and a second one live at once)."""
     from sharding.hlo import loop_instructions
@@ -902,7 +898,7 @@ def test_the_fused_1f1b_plan_round_trips_through_its_flags_and_is_reported(repea
     argv = ["--model", "test", "--mesh", "stage=2,fsdp=4", "--microbatches", "4", "--pipeline-schedule", "1f1b-fused"]
     run = parse(argv + (["--pipeline-repeats", str(repeats)] if repeats > 1 else []))
     plan = run.parallelism.strategy
-    assert plan.one_f_one_b and plan.fused and plan.schedule == "1f1b-fused" and plan.layout.repeats == repeats
+    assert plan.one_f_one_b and plan.schedule == "1f1b-fused" and plan.layout.repeats == repeats
     again = parse(["--model", "test", *parallelism_flags(run.parallelism)])
     assert again.parallelism.strategy == plan
     ticks = 4 * repeats + (repeats + 1) * 2 - 2
@@ -978,7 +974,7 @@ def test_the_1f1b_plan_round_trips_through_its_flags(repeats):
 def test_the_head_and_table_are_gathered_over_stage_at_each_tick(schedule):
     """With the per-microbatch gather the output head's and the embedding table's weights enter the tick loop
     split over ``stage`` as stored, and each tick all-gathers them over ``stage`` outside the head's
-    conditional (`onef1b.HeadWeights.over_stage`): every all-gather to their ``[embed/fsdp, vocab]`` blocks
+    conditional (`edges.HeadWeights.over_stage`): every all-gather to their ``[embed/fsdp, vocab]`` blocks
     sits in the tick loop's body, none before it, where its output would stay live through the whole loop
     (as when XLA hoisted or the map's input gathered them once)."""
     from sharding.hlo import instructions_of, loop_instructions

@@ -232,7 +232,7 @@ def test_a_mixture_of_experts_in_every_layer_gets_pipeline_layouts():
         assert not any(m[ax.STAGE] > 1 and m.get(ax.EXPERT, 1) > 1 for m in meshes)
         assert {**stage, "stage": 1, "fsdp": 4, "expert": 2} in meshes
     layouts = [
-        cm.Layout(m, "fsdp", 8, one_f_one_b=True)
+        cm.Layout(m, "fsdp", 8, pipeline_schedule="1f1b")
         for m in ({"stage": 2, "fsdp": 4}, {"stage": 2, "fsdp": 2, "expert": 2})
     ]
     dropless = describe(get_config("moe-test", ["first_dense_layers=0"]))
@@ -318,7 +318,7 @@ def test_one_f_one_b_is_priced_for_its_memory_and_its_lockstep_ticks():
     base = cm.Layout(
         {"stage": 2, "fsdp": 2}, "fsdp", 16, "none", stage_layers=(7, 5), attention="flash", dtype="bfloat16"
     )
-    layout = dataclasses.replace(base, one_f_one_b=True)
+    layout = dataclasses.replace(base, pipeline_schedule="1f1b")
     gpipe, one = ev.uniform(base), ev.uniform(layout)
     assert max(one.memory.values()) < max(gpipe.memory.values())
     times = [ev.stage_cost(layout, kind, 64 / 2 / 16, n, 7)[1] for kind, n in zip(ev.stage_kinds(layout.mesh), (7, 5))]
@@ -510,7 +510,7 @@ def test_one_f_one_b_priced_lockstep_or_as_megatron_runs_it():
         stage_layers=(2, 2, 2, 2),
         attention="flash",
         dtype="bfloat16",
-        one_f_one_b=True,
+        pipeline_schedule="1f1b",
     )
     lockstep = planner.evaluate(model, inventory, 64, 1024, layout)
     fused = planner.evaluate(model, inventory, 64, 1024, layout, options=planner.PlanOptions(one_f_one_b_clock="fused"))
@@ -541,19 +541,17 @@ def test_each_1f1b_schedule_is_priced_from_its_tick_table_and_the_fastest_fittin
         {"data": 2, "stage": 4}, "dp", 8, "none", stage_layers=(2, 2, 2, 2), attention="flash", dtype="bfloat16"
     )
     priced = {}
-    for name, ticks, shares in (
-        ("1f1b", "lockstep", (0.25, 0.75, 0.0)),
-        ("1f1b-fused", "fused", (0.25, 0.75, 0.0)),
-        ("zb", "zb", (0.25, 0.5, 0.25)),
+    for name, shares in (
+        ("1f1b", (0.25, 0.75, 0.0)),
+        ("1f1b-fused", (0.25, 0.75, 0.0)),
+        ("zb", (0.25, 0.5, 0.25)),
     ):
-        layout = dataclasses.replace(base, one_f_one_b=True, tick_schedule=ticks)
+        layout = dataclasses.replace(base, pipeline_schedule=name)
         plan = ev.uniform(layout)
         assert plan.layout.pipeline_schedule == name and f"--pipeline-schedule {name}" in plan_flags(plan)
         times = [ev.stage_cost(layout, kind, 64 / 2 / 8, 2, 2)[1] for kind in ev.stage_kinds(layout.mesh)]
         chunk = [(st.total - st.optimizer) / 8 for st in times]
-        table = pl.PipelinePlan(
-            pl.plan_layout(8, 4)[0], 8, one_f_one_b=True, fused=ticks == "fused", zero_bubble=ticks == "zb"
-        ).tick_table()
+        table = pl.PipelinePlan(pl.plan_layout(8, 4)[0], 8, schedule=name).tick_table()
         ops = pl.ticks.tick_ops(table)
         expected = _clock(ops, shares, chunk) + max(st.optimizer for st in times)
         assert plan.step_time == pytest.approx(expected, rel=1e-9), name

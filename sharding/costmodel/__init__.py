@@ -17,8 +17,9 @@ predicts for one device; it knows nothing model-specific beyond the description:
   steps, and the link hierarchy (`link_classes`).
 * `sharding.costmodel.partitioner` and `sharding.costmodel.embedding`: every collective the
   partitioner emits for a step without stages (the embedding lookup case by case, per jax version).
-* `sharding.costmodel.pipeline`: the same for GPipe, circular and 1F1B pipelines over the unpadded
-  stage storage, the head on 1/S of the rows.
+* `sharding.costmodel.pipeline` and `sharding.costmodel.pipeline_comms`: the same for GPipe, circular and
+  1F1B pipelines over the unpadded stage storage, the head on 1/S of the rows (the shapes and memory; the
+  collectives).
 * `sharding.costmodel.cost`: `Cost`, `device_cost` and `estimate`, which add the parts up.
 * `sharding.costmodel.time`: **step time** (`step_time`): compute at ``efficiency x`` peak, the
   optimizer's memory traffic, each collective by an alpha-beta model of its link class.
@@ -39,7 +40,6 @@ from sharding.costmodel.collectives import BACKENDS, Comm, collective_bytes, hos
 from sharding.costmodel.cost import Cost, device_cost, estimate
 from sharding.costmodel.flops import ELEMENTWISE_BACKWARD_FACTOR, OPTIMIZER_FLOPS_PER_PARAM, Flops
 from sharding.costmodel.layout import (
-    TICK_SCHEDULES,
     Layout,
     attention_of,
     describe_model,
@@ -66,7 +66,6 @@ __all__ = [
     "ELEMENTWISE_BACKWARD_FACTOR",
     "ELEMENTWISE_BYTES_PER_FLOP",
     "NCCL_LATENCY",
-    "TICK_SCHEDULES",
     "OPTIMIZER_FLOPS_PER_PARAM",
     "Comm",
     "Cost",

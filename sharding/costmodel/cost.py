@@ -30,13 +30,10 @@ from sharding.costmodel.layout import (
 )
 from sharding.costmodel.memory import Memory, _held_params, _memory
 from sharding.costmodel.partitioner import _comms, _length_comms, _tensor_comms
-from sharding.costmodel.pipeline import (
-    _Pipe,
+from sharding.costmodel.pipeline import _Pipe, _pipeline_memory, _pipeline_of, _pipeline_outside
+from sharding.costmodel.pipeline_comms import (
     _pipeline_embedding_comms,
     _pipeline_head_comms,
-    _pipeline_memory,
-    _pipeline_of,
-    _pipeline_outside,
     _pipeline_weight_comms,
     _stage_comms,
 )

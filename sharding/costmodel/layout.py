@@ -23,15 +23,13 @@ from sharding.balance import tokens_for_speeds
 from sharding.errors import ConfigError, Field
 from sharding.modeldesc import AttentionTraits, ModelDescription, Param
 from sharding.parallel import CONTIGUOUS, ZIGZAG, Parallelism
-from sharding.pipeline.layout import GATHERS
+from sharding.pipeline.layout import GATHERS, SCHEDULES, Schedule
 from sharding.rules import Rules, get_rules, logical_to_spec
 from sharding.vocab import OUTPUT_IMPLS
 
 _PARAM_BYTES = 4  # parameters, gradients and AdamW moments are float32
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 _INT_BYTES = 4  # int32 tokens, positions, segment ids
-TICK_SCHEDULES = ("lockstep", "fused", "zb")
-"""The tick tables of the 1F1B-family schedules (`Layout.tick_schedule`; `sharding.pipeline.ticks`)."""
 _BATCH_FIELDS = 5  # tokens, targets, positions, segment_ids (int32), loss_mask (float32)
 
 
@@ -63,18 +61,19 @@ class Layout:
       skip_empty: Pipeline only: empty slots and bubble steps are skipped by conditionals
         (`sharding.pipeline.PipelinePlan.skip_empty`); False prices every slot of every step, which
         is also what a compiled program's loop trip counts say (a branch counted on every trip).
-      one_f_one_b: Pipeline only: the 1F1B schedule (``--pipeline-schedule 1f1b``,
-        `sharding.pipeline.onef1b`; interleaved with ``pipeline_repeats`` > 1) instead of GPipe/circular.
+      pipeline_schedule: Pipeline only: the `sharding.pipeline.layout.Schedule` (``--pipeline-schedule``; its
+        string is taken too). GPipe and circular follow ``pipeline_repeats`` (`Schedule.for_repeats`); the 1F1B
+        family (``1f1b``, interleaved with ``pipeline_repeats`` > 1; ``1f1b-fused``; ``zb``, zero bubble, whose
+        backward's two halves each recompute the layer) runs `sharding.pipeline.onef1b` from its tick table
+        (`Schedule.tick_table`).
       pipeline_gather: Pipeline only: when the stage's layer weights are gathered (``--pipeline-gather``,
         `sharding.pipeline.layout.GATHERS`): ``once`` per step, or per ``microbatch`` one block at a time.
-      tick_schedule: With ``one_f_one_b``, whose tick table runs (`TICK_SCHEDULES`): ``lockstep``
-        (``1f1b``), ``fused`` (``1f1b-fused``) or ``zb`` (zero bubble, whose backward's two halves each
-        recompute the layer).
       stream_edges: Pipeline only: the 1F1B family gathers its head's and its entry's (the embedding's)
         weights per microbatch inside their conditionals (`sharding.pipeline.PipelinePlan.streams_head`); None
-        derives it as the plan does (``one_f_one_b``, ``pipeline_gather`` ``microbatch``, ``skip_empty``), so
-        that a layout changed by `dataclasses.replace` stays consistent. Set it only to price, every slot
-        priced (``skip_empty`` False), a compiled program that streams them (``bench/costmodel_grid.py``).
+        derives it as the plan does (a 1F1B-family ``pipeline_schedule``, ``pipeline_gather`` ``microbatch``,
+        ``skip_empty``), so that a layout changed by `dataclasses.replace` stays consistent. Set it only to
+        price, every slot priced (``skip_empty`` False), a compiled program that streams them
+        (``bench/costmodel_grid.py``).
       context_layout: How tokens lie along a split length (``--context-layout``): ``zigzag`` balances
         the causal work of a ring; ``contiguous`` leaves its last device the most (priced: the busiest).
       context_shares: Uneven sequence shards (``--context-shares``, ring attention in the zigzag layout):
@@ -98,20 +97,11 @@ class Layout:
     uneven_batch: bool = False
     logits: str = "auto"
     skip_empty: bool = True
-    one_f_one_b: bool = False
+    pipeline_schedule: Schedule = Schedule.GPIPE
     pipeline_gather: str = "once"
-    tick_schedule: str = "lockstep"
     stream_edges: bool | None = None
     context_layout: str = ZIGZAG
     context_shares: tuple[float, ...] | None = None
-
-    @property
-    def pipeline_schedule(self) -> str:
-        """The ``--pipeline-schedule`` of a pipeline layout: ``gpipe``/``circular`` by repeats, else ``1f1b``,
-        ``1f1b-fused`` or ``zb`` (`tick_schedule`)."""
-        if not self.one_f_one_b:
-            return "gpipe" if self.pipeline_repeats == 1 else "circular"
-        return {"lockstep": "1f1b", "fused": "1f1b-fused", "zb": "zb"}[self.tick_schedule]
 
     def __post_init__(self) -> None:
         full = {a: 1 for a in ax.MESH_AXES}
@@ -129,11 +119,14 @@ class Layout:
             ("dtype", tuple(_DTYPE_BYTES)),
             ("logits", OUTPUT_IMPLS),
             ("pipeline_gather", GATHERS),
-            ("tick_schedule", TICK_SCHEDULES),
+            ("pipeline_schedule", SCHEDULES),
             ("context_layout", (CONTIGUOUS, ZIGZAG)),
         ):
             if getattr(self, field) not in allowed:
                 raise ConfigError(Field(field, repr(getattr(self, field))), f": choose one of {', '.join(allowed)}")
+        object.__setattr__(
+            self, "pipeline_schedule", Schedule(self.pipeline_schedule).for_repeats(self.pipeline_repeats)
+        )
         if self.context_shares is not None:
             shares = tuple(self.context_shares)
             if len(shares) != self.length_split or not all(s >= 0 for s in shares) or not any(shares):
@@ -244,8 +237,8 @@ def layout_of(par: Parallelism, config: Any = None, **fields: Any) -> Layout:
     `UnevenBatch` the uneven step (``uneven_batch``, microbatches the per-device average), uneven context
     shares their real tokens per ring device (``context_shares``; ``auto`` before it is measured prices even
     shards), a
-    `sharding.pipeline.PipelinePlan` its stage split, repeats, microbatches, schedule (``one_f_one_b``,
-    ``tick_schedule``), gather mode (``pipeline_gather``) and ``skip_empty``.
+    `sharding.pipeline.PipelinePlan` its stage split, repeats, microbatches, schedule (``pipeline_schedule``),
+    gather mode (``pipeline_gather``) and ``skip_empty``.
 
     Args:
       par: The run's parallelism (bound to a mesh or not).
@@ -267,9 +260,8 @@ def layout_of(par: Parallelism, config: Any = None, **fields: Any) -> Layout:
             stage_layers=plan.layout.stage_layers,
             pipeline_repeats=plan.layout.repeats,
             skip_empty=plan.skip_empty,
-            one_f_one_b=plan.one_f_one_b,
+            pipeline_schedule=plan.schedule,
             pipeline_gather=plan.gather,
-            tick_schedule="zb" if plan.zero_bubble else "fused" if plan.fused else "lockstep",
         )
     else:
         values.update(microbatches=par.microbatches, uneven_batch=par.strategy.uneven)

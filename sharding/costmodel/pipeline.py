@@ -5,11 +5,12 @@ main builds it.
   rows (`sharding.costmodel.memory._held_params`); per step each stage's working copy of ``R*K'`` slots
   is assembled in the compute dtype (`_gather_bytes`) from the rows other devices store for it (one
   ppermute per distance that moves any), a pick of this device's ``R*K'/G`` slots and one all-gather
-  over the storage's group axes; the gradients go back the same way (`_pipeline_weight_comms`);
+  over the storage's group axes; the gradients go back the same way
+  (`sharding.costmodel.pipeline_comms._pipeline_weight_comms`);
 * the layers applied `_Pipe.applications` times per step to one microbatch's rows; activations moved by
   two ppermutes per pipeline step (GPipe/circular: ``R*M + S - 1`` steps, one each way; 1F1B:
   `_Pipe.steps` ticks, two per tick) and, for GPipe/circular, one psum over ``stage`` of the outputs
-  (`_stage_comms`);
+  (`sharding.costmodel.pipeline_comms._stage_comms`);
 * the embedding on the device's whole batch, replicated over ``stage`` (where the 1F1B family streams its
   edges, `_head_streamed`: on stage 0 per microbatch, its table gathered there M times, `Entry`); the final
   norm, output
@@ -33,11 +34,8 @@ import math
 from collections.abc import Mapping
 
 from sharding import axes as ax
-from sharding.costmodel.collectives import Comm
-from sharding.costmodel.embedding import _embedding_comms, _table_split
 from sharding.costmodel.layout import (
     _DTYPE_BYTES,
-    _INT_BYTES,
     _PARAM_BYTES,
     Layout,
     _model_splits,
@@ -47,17 +45,16 @@ from sharding.costmodel.layout import (
     _Shape,
 )
 from sharding.costmodel.memory import Memory, _attention_scores, _memory
-from sharding.costmodel.partitioner import _comms
 from sharding.modeldesc import ModelDescription
-from sharding.parallel import spec_axes
-from sharding.pipeline.layout import plan_layout
-from sharding.pipeline.storage import spread_over_stage, storage_axes
-from sharding.rules import Rules, logical_to_spec
+from sharding.pipeline.layout import Schedule, parse_schedule, plan_layout
+from sharding.pipeline.storage import storage_axes
+from sharding.pipeline.traffic import ALL_GATHER, BATCH, LAYERS, PipelineTraffic
+from sharding.rules import Rules
 
 
 def _gather_bytes(layout: Layout) -> int:
     """Bytes per element of the pipeline's gathered working copy of the stage's layers: the compute dtype
-    (`sharding.pipeline.schedule._Weights.dtype`, the activations' dtype). The one place to change when
+    (`sharding.pipeline.weights.Weights.dtype`, the activations' dtype). The one place to change when
     the gather's dtype changes."""
     return _DTYPE_BYTES[layout.dtype]
 
@@ -82,7 +79,7 @@ class _Pipe:
       ring: 1F1B: the ring entries of ``K'`` slot activations a stage keeps (`Ticks.slots`: chunk inputs, and
         with zero bubble the output cotangents its input gradients leave for the weight gradients); 0 for
         GPipe/circular.
-      gather: ``once`` or ``microbatch`` (`Layout.pipeline_gather`, `sharding.pipeline.program.Streamed`).
+      gather: ``once`` or ``microbatch`` (`Layout.pipeline_gather`, `sharding.pipeline.weights.Streamed`).
       split: zero bubble: the backward runs as two passes, the input gradient (B: the layer recomputed from its
         saved input, its input-gradient products) and the weight gradient (W: the weight-gradient products
         alone, from each product's input and output cotangent that B kept, `sharding.pipeline.split`), so
@@ -91,7 +88,7 @@ class _Pipe:
         each of the pass's `positions` (`ZeroBubbleTicks.saved_slots`); 0 otherwise.
       span: the devices of a stage each stored row's features are split over (``gather`` ``microbatch``:
         `sharding.pipeline.storage.feature_devices`; each slot's layer gathered on its own,
-        `sharding.pipeline.program.Streamed.per_slot`); 1 otherwise.
+        `sharding.pipeline.weights.Streamed.per_slot`); 1 otherwise.
     """
 
     stages: int
@@ -109,10 +106,11 @@ class _Pipe:
     kept: int = 0
     span: int = 1
     streams: bool = False
+    traffic: PipelineTraffic | None = None
 
     @property
     def segment(self) -> int:
-        """Slots per saved activation with ``gather`` ``microbatch`` (`sharding.pipeline.program.Streamed.block`):
+        """Slots per saved activation with ``gather`` ``microbatch`` (`sharding.pipeline.weights.Streamed.block`):
         the G devices' rows gathered together, or with the feature-split storage the ``span`` slots whose
         first input the forward saves; 1 otherwise."""
         if self.gather != "microbatch":
@@ -134,7 +132,7 @@ class _Pipe:
     @property
     def block_inputs(self) -> bool:
         """A chunk's forward saves each gathered block's input only (``gather`` ``microbatch`` over ``G > 1``
-        devices: `sharding.pipeline.program.Streamed.block_inputs`)."""
+        devices: `sharding.pipeline.weights.Streamed.block_inputs`)."""
         return self.segment > 1
 
     @property
@@ -158,13 +156,13 @@ class _Pipe:
     @property
     def blocks(self) -> int:
         """n, blocks of ``G`` slots one chunk pass gathers with ``gather`` ``microbatch``
-        (`sharding.pipeline.program.Streamed.blocks`)."""
+        (`sharding.pipeline.weights.Streamed.blocks`)."""
         k, g = self.chunk_slots, self.segment
         return max(-(-(r + 1) * k // g) - (r * k) // g for r in range(self.repeats))
 
     @property
     def positions(self) -> int:
-        """P = ``n * B``, slot positions one chunk pass runs (`sharding.pipeline.program.Streamed.positions`):
+        """P = ``n * B``, slot positions one chunk pass runs (`sharding.pipeline.weights.Streamed.positions`):
         ``K'`` but with ``gather`` ``microbatch``, whose blocks of ``B`` slots cover the chunk and the positions
         past it (e.g. ``K' = 2`` layers over ``B = 4`` devices: one block of 4 positions, 2 of them empty,
         each computed when empty slots are not skipped)."""
@@ -175,12 +173,13 @@ class _Pipe:
         """Chunk passes per step that gather their blocks (``gather`` ``microbatch``), of each kind (forward,
         backward; zero bubble's input and weight gradients apart): ``R*M`` each when idle passes are skipped,
         else every loop trip's (1F1B: every tick runs every kind; GPipe/circular: every step of each pass)."""
-        return self.repeats * self.micro if self.skip_empty else self.steps
+        return self.traffic.count(ALL_GATHER, BATCH, f"{LAYERS}, forward")
 
     @property
     def steps(self) -> int:
-        """Loop trips per step: GPipe/circular ``R*M + S - 1`` per pass (`PipelinePlan.steps`), 1F1B its ticks."""
-        return self.ticks or self.repeats * self.micro + self.stages - 1
+        """Loop trips per step: GPipe/circular ``R*M + S - 1`` per pass (`PipelinePlan.steps`), 1F1B its ticks
+        (`sharding.pipeline.traffic.PipelineTraffic.trips`)."""
+        return self.traffic.trips
 
     @property
     def chunk_slots(self) -> int:
@@ -213,7 +212,7 @@ def _pipeline_of(model: ModelDescription, layout: Layout, rules: Rules, s: _Shap
     chunk = -(-s.slots // repeats)  # K' (`Placement.chunk_slots`): K rounded up so that G divides R*K'
     while (repeats * chunk) % groups:
         chunk += 1
-    schedule = layout.tick_schedule if layout.one_f_one_b else None
+    schedule = layout.pipeline_schedule
     moved, ticks, ring, kept = _pipeline_tables(
         model.num_layers, stages, repeats, layout.stage_layers, groups, s.micro, schedule
     )
@@ -229,11 +228,23 @@ def _pipeline_of(model: ModelDescription, layout: Layout, rules: Rules, s: _Shap
         ticks,
         ring,
         gather=layout.pipeline_gather,
-        split=schedule == "zb",
+        split=schedule is Schedule.ZERO_BUBBLE,
         kept=kept,
         span=span,
         streams=_streams_edges(layout),
+        traffic=_traffic(
+            schedule, stages, s.micro, repeats, layout.pipeline_gather, layout.skip_empty, _streams_edges(layout)
+        ),
     )
+
+
+@functools.lru_cache(maxsize=4096)
+def _traffic(
+    schedule: Schedule, stages: int, micro: int, repeats: int, gather: str, skip_empty: bool, streams: bool
+) -> PipelineTraffic:
+    """The step's collectives as the stage program issues them (`PipelineTraffic.of`; cached: the planner prices
+    many devices of one schedule)."""
+    return PipelineTraffic.of(schedule, stages, micro, repeats, gather, skip_empty, streams)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -244,13 +255,13 @@ def _pipeline_tables(
     stage_layers: tuple[int, ...] | None,
     groups: int,
     micro: int,
-    schedule: str | None,
+    schedule: Schedule,
 ) -> tuple[tuple[int, ...], int, int, int]:
     """``(moved, ticks, ring, kept)`` of `_Pipe` from the static tables (`Placement.sends`, and for a
-    1F1B-family ``schedule``, a `sharding.costmodel.layout.TICK_SCHEDULES` name, its tick table; None for
-    GPipe/circular); cached: the planner prices many devices of one split."""
+    1F1B-family ``schedule`` its tick table; none for GPipe/circular); cached: the planner prices many devices
+    of one split."""
     moved = _moved_rows(num_layers, stages, repeats, stage_layers, groups)
-    return (moved, *(_ticks_and_ring(stages, micro, repeats, schedule) if schedule else (0, 0, 0)))
+    return (moved, *(_ticks_and_ring(stages, micro, repeats, schedule) if schedule.one_f_one_b else (0, 0, 0)))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -269,7 +280,7 @@ def _moved_rows(
 
 
 @functools.lru_cache(maxsize=1024)
-def _ticks_and_ring(stages: int, micro: int, repeats: int, schedule: str = "lockstep") -> tuple[int, int, int]:
+def _ticks_and_ring(stages: int, micro: int, repeats: int, schedule: Schedule) -> tuple[int, int, int]:
     """A 1F1B-family schedule's ticks, ring slots and (zero bubble) saved-ring entries (`tick_table`; raises the
     run's ValueError for a table it refuses)."""
     table = tick_table(schedule, stages, micro, repeats)
@@ -277,17 +288,15 @@ def _ticks_and_ring(stages: int, micro: int, repeats: int, schedule: str = "lock
 
 
 @functools.lru_cache(maxsize=256)
-def tick_table(schedule: str, stages: int, micro: int, repeats: int):
-    """The tick table of a 1F1B-family schedule by its `sharding.costmodel.layout.TICK_SCHEDULES` name
-    (`one_f_one_b_ticks`, `fused_ticks`, `zero_bubble_ticks`; cached).
+def tick_table(schedule: Schedule | str, stages: int, micro: int, repeats: int):
+    """The tick table of a 1F1B-family schedule (`Schedule.tick_table`: `one_f_one_b_ticks`, `fused_ticks`,
+    `zero_bubble_ticks`; cached: the planner prices many layouts of one table); None for GPipe/circular.
 
     Raises:
-      ValueError: as the table's builder (a microbatch count or repeats the run refuses).
+      ValueError: as the table's builder (a microbatch count or repeats the run refuses); a ``schedule`` not in
+        `sharding.pipeline.layout.SCHEDULES`.
     """
-    from sharding.pipeline import ticks
-
-    make = {"lockstep": ticks.one_f_one_b_ticks, "fused": ticks.fused_ticks, "zb": ticks.zero_bubble_ticks}
-    return make[schedule](stages, micro, repeats)
+    return parse_schedule(schedule).tick_table(stages, micro, repeats)
 
 
 def _storage_axes(model: ModelDescription, rules: Rules, mesh: Mapping[str, int]) -> tuple[str, ...]:
@@ -313,7 +322,7 @@ def _stage_folded(model: ModelDescription, layout: Layout, rules: Rules) -> tupl
         microbatches=1,
         stage_layers=None,
         pipeline_repeats=1,
-        one_f_one_b=False,
+        pipeline_schedule=Schedule.GPIPE,
     )
     return flat, _place_cached(model, rules, tuple(flat.mesh.items()))
 
@@ -401,12 +410,12 @@ def _streams_edges(layout: Layout) -> bool:
     """`Layout.stream_edges`, derived as `sharding.pipeline.PipelinePlan.streams_head` where unset."""
     if layout.stream_edges is not None:
         return layout.stream_edges
-    return layout.one_f_one_b and layout.pipeline_gather == "microbatch" and layout.skip_empty
+    return layout.pipeline_schedule.one_f_one_b and layout.pipeline_gather == "microbatch" and layout.skip_empty
 
 
 def _head_streamed(pipe: _Pipe) -> bool:
-    """The 1F1B family's head gathers its weights per head step (`sharding.pipeline.onef1b.HeadWeights`), and
-    its entry, the embedding, its table per microbatch on stage 0 (`sharding.pipeline.onef1b.Entry`; no
+    """The 1F1B family's head gathers its weights per head step (`sharding.pipeline.edges.HeadWeights`), and
+    its entry, the embedding, its table per microbatch on stage 0 (`sharding.pipeline.edges.Entry`; no
     stage inputs held): ``gather`` ``microbatch`` where empty slots are skipped (both run under conditionals;
     `Layout.stream_edges`)."""
     return pipe.one_f_one_b and pipe.streams
@@ -484,429 +493,6 @@ def _activation_splits(model: ModelDescription, rules: Rules, mesh_items: tuple)
     }
 
 
-def _pipeline_embedding_comms(
-    model: ModelDescription, layout: Layout, placed: dict[str, _Placed], embed: _Shape, pipe: _Pipe
-) -> list[Comm]:
-    """The embedding lookup on the device's whole batch (replicated over ``stage``) from a table stored
-    split over ``stage`` too (`spread_over_stage`); none where stage 0 embeds each microbatch inside the 1F1B
-    loop (`_head_streamed`: the table's collectives are the head's, `_pipeline_head_comms_cached`).
-
-    A table split over ``fsdp`` only by the rules (``embed``; stored over ``fsdp`` x ``stage``), no
-    ``data``, as jax 0.10 emits it (seen on ``stage=2,fsdp=4`` and ``stage=4,fsdp=2``): the lookup reads
-    the table as the rules lay it out (`models.layers.Embed`: its stored shard ``[V, D/(f S)]`` gathered
-    over ``stage`` to ``[V, D/f]`` once, its gradient all-reduced back over ``stage``; from the stored
-    layout the partitioner would gather the whole batch's activations, an "involuntary full
-    rematerialization"); the looked-up rows (float32, as many bytes as the device's ``[rows, T, D]``)
-    all-gathered over two devices of ``stage``. The rows then reach the batch layout (``embed`` whole,
-    the batch over ``fsdp``) whichever way moves fewer bytes, as the partitioner chooses for a gather
-    whose table and indices are split over the same axis: while the device's tokens are at most the
-    vocabulary (the rows ``[tokens, D/f]`` no larger than the table's ``[V, D/f]``), the rows by an
-    all-to-all over ``fsdp`` and back (the tokens sent across ``stage`` first); beyond it (the 7B's
-    16 x 2,048 tokens a device against 32,000 entries), the table's ``[V, D/f]`` shard by a
-    collective-permute to the devices whose tokens it serves, and its gradient back the same way, with
-    no all-to-all (`_lookup_moves_rows`).
-    A table split over ``tensor`` (``vocab``) with neither ``fsdp`` nor ``data`` on the mesh: stored with its
-    vocabulary over ``tensor`` x ``stage`` and read as stored (`models.layers.Embed` constrains it only where
-    ``embed`` is split), so the lookup runs vocabulary-parallel over all t S devices: the whole batch's rows
-    (float32) all-reduced over them, the gradient scattered into each device's slice with no collective
-    (seen on ``stage=2,tensor=4``; folding ``stage`` into ``fsdp`` priced an all-to-all the step does not have).
-    Other splits: priced as without stages on the mesh with ``stage`` folded into ``fsdp``
-    (`_embedding_comms`), not checked against the compiler. On a mixture of experts' mesh the table's
-    ``embed`` is split over ``fsdp`` and ``expert``, adjacent in the mesh: priced as one ``fsdp`` of their
-    product (as `sharding.costmodel.partitioner._zero_groups` prices the weights outside the experts;
-    checked on ``stage=2,expert=2,fsdp=2``).
-    """
-    embedding = model.with_role("embedding")
-    if embedding is None or _head_streamed(pipe):
-        return []
-    if layout.mesh[ax.EXPERT] > 1:
-        mesh = layout.mesh
-        layout = dataclasses.replace(layout, mesh={**mesh, ax.FSDP: mesh[ax.FSDP] * mesh[ax.EXPERT], ax.EXPERT: 1})
-        placed = _place_cached(model, layout.rules_table(), tuple(layout.mesh.items()))
-    mesh = layout.mesh
-    table = placed[embedding.path]
-    (v, d), stages = table.param.shape, mesh[ax.STAGE]
-    t, f = _table_split(table)
-    if mesh[ax.DATA] <= 1 and mesh[ax.FSDP] <= 1 and t > 1:
-        group = t * stages  # the vocabulary stored over tensor x stage, read as stored
-        rows = embed.tok * d * _PARAM_BYTES
-        return [Comm("all-reduce", (ax.TENSOR, ax.STAGE), group, rows, 1, "embedding: vocabulary-parallel rows", False)]
-    if mesh[ax.DATA] > 1 or mesh[ax.FSDP] <= 1 or (t, f) != (1, mesh[ax.FSDP]):
-        flat, flat_placed = _stage_folded(model, layout, layout.rules_table())
-        return _embedding_comms(model, flat, flat_placed, embed)
-    shard, tokens, rows = v * d * _PARAM_BYTES / f, embed.tok * _INT_BYTES, embed.tok * d * _PARAM_BYTES
-    comms = [
-        Comm("all-gather", (ax.STAGE,), stages, shard, 1, "embedding: table as the rules lay it out"),
-        Comm("all-reduce", (ax.STAGE,), stages, shard, 1, f"gradient of {embedding.path} over stage"),
-        Comm("all-gather", (ax.STAGE,), 2, rows, 1, "embedding: looked-up rows"),
-    ]
-    if not _lookup_moves_rows(embed.tok, v):
-        return comms + [Comm("collective-permute", (ax.STAGE, ax.FSDP), 2, shard, 2, "embedding: table and gradient")]
-    return comms + [
-        Comm("all-gather", (ax.STAGE,), stages, tokens * stages, 1, "embedding: tokens"),
-        Comm("collective-permute", (ax.STAGE,), 2, tokens, 1, "embedding: tokens"),
-        Comm("all-to-all", (ax.FSDP,), f, rows, 2, "embedding: rows to batch layout and back"),
-    ]
-
-
-def _lookup_moves_rows(tokens: float, vocab: int) -> bool:
-    """Whether the partitioner moves a pipeline's looked-up rows (an all-to-all over ``fsdp``, there and back)
-    rather than the table's ``[V, D/f]`` shard (a collective-permute, there and back): the rows while the
-    device's ``tokens`` are at most the ``vocab`` entries (both ``[n, D/f]`` float32; at equal sizes the rows).
-    Found on the ``test`` model, ``stage=4,fsdp=2``: 512 tokens a device against 512 entries move the rows,
-    576 and more the table (`_pipeline_embedding_comms`)."""
-    return tokens <= vocab
-
-
-def _pipeline_head_comms(
-    model: ModelDescription,
-    layout: Layout,
-    rules: Rules,
-    head: _Shape,
-    pipe: _Pipe,
-    backend: str,
-    batch_rows: float | None,
-) -> list[Comm]:
-    """See `_pipeline_head_comms_cached` (the same for every stage device of a layout: cached)."""
-    return list(
-        _pipeline_head_comms_cached(
-            model,
-            rules,
-            tuple(layout.mesh.items()),
-            layout.remat,
-            layout.attention,
-            layout.dtype,
-            layout.logits,
-            head,
-            pipe.one_f_one_b,
-            backend,
-            batch_rows,
-            (pipe.micro if pipe.skip_empty else pipe.ticks) if _head_streamed(pipe) else 1,
-            _head_streamed(pipe),
-            pipe.ticks,
-        )
-    )
-
-
-@functools.lru_cache(maxsize=16384)
-def _pipeline_head_comms_cached(
-    model: ModelDescription,
-    rules: Rules,
-    mesh_items: tuple,
-    remat: str,
-    attention: str,
-    dtype: str,
-    logits: str,
-    head: _Shape,
-    one_f_one_b: bool,
-    backend: str,
-    batch_rows: float | None,
-    runs: int = 1,
-    entry: bool = False,
-    ticks: int = 1,
-) -> tuple[Comm, ...]:
-    """The head's weights (final norm, output projection) and collectives; with ``entry``, the embedding
-    table's too, gathered and reduce-scattered alike on stage 0 (`sharding.pipeline.onef1b.Entry`).
-
-    GPipe/circular: the head runs under `head_parallelism` outside the pipeline, as the step without
-    stages on the mesh with ``stage`` folded into ``fsdp`` prices it (`_comms`, the head's rows). 1F1B:
-    its weights are gathered explicitly (`sharding.pipeline.onef1b.HeadWeights`), each over ``stage`` (to
-    ``1/f`` of it, once per step) and over the ``f`` devices of the batch axes its rules split it over
-    (``fsdp``, and ``expert`` for a mixture of experts' mesh, `_head_split`) to whole, its gradients
-    reduce-scattered over those and summed over ``stage`` once after the loop; the gather over the batch
-    axes and the reduce-scatter ``runs`` times: once per step, or per head step on the last stage (the M
-    microbatches, `_head_streamed`). Streamed (``entry``), the weights enter the loop split over ``stage`` as
-    stored and are gathered over it at each of the ``ticks`` ticks, outside the head's conditional (so that
-    no gathered copy stays live through the loop), their gradients all-reduced over ``stage`` after it as
-    before, each stage keeping its slice (`sharding.pipeline.onef1b.HeadWeights.over_stage`).
-    """
-    layout = Layout(dict(mesh_items), rules, remat=remat, attention=attention, dtype=dtype, logits=logits)
-    flat, flat_placed = _stage_folded(model, layout, rules)
-    if not one_f_one_b:
-        comms = _comms(
-            model, flat, rules, flat_placed, dataclasses.replace(head, slots=0), backend, batch_rows, embedding=False
-        )
-        # (its layer terms count 0: no layers on that shape)
-        for p in flat_placed.values():  # stored over ``stage`` alone (rules without fsdp): gathered over it
-            if p.param.per_layer or p.param.role == "embedding" or p.factor(ax.FSDP) > 1:
-                continue
-            spec = spread_over_stage(
-                logical_to_spec(p.param.axes, rules, p.param.shape, layout.mesh)[0], p.param.shape, layout.mesh
-            )
-            if any(ax.STAGE in ((e,) if isinstance(e, str) else e or ()) for e in spec):
-                comms.append(
-                    Comm(
-                        "all-gather",
-                        (ax.STAGE,),
-                        layout.mesh[ax.STAGE],
-                        p.local * _PARAM_BYTES,
-                        1 if p.param.role == "output" else 2,
-                        f"gather {p.param.path} over stage",
-                    )
-                )
-        return tuple(comms)
-    mesh, comms = layout.mesh, []
-    stages = mesh[ax.STAGE]
-    for p in _place_cached(model, rules, mesh_items).values():
-        if p.param.per_layer or (p.param.role == "embedding" and not entry):
-            continue
-        axes, f = _head_split(p)
-        whole, what = p.param.size * _PARAM_BYTES, p.param.path
-        stored = spread_over_stage(logical_to_spec(p.param.axes, rules, p.param.shape, mesh)[0], p.param.shape, mesh)
-        # streamed and stored over stage: gathered over it per tick
-        over_stage = entry and any(ax.STAGE in spec_axes(e) for e in stored)
-        comms += [
-            Comm("all-gather", (ax.STAGE,), stages, whole / f, ticks if over_stage else 1, f"gather {what} over stage"),
-            Comm("all-gather", axes, f, whole, runs, f"gather {what}"),
-            Comm("reduce-scatter", axes, f, whole / f, runs, f"gradient of {what}"),
-            Comm("all-reduce", (ax.STAGE,), stages, whole / f, 1, f"gradient of {what} over stage"),
-        ]
-        auto = tuple(a for a in _AUTO_AXES if p.factor(a) > 1)
-        if auto:  # gathered and reduced whole over tensor, as the layers' weights (`_auto_factor`), where the
-            over, t = "+".join(auto), _auto_factor(p)  # explicit gather and reduce-scatter run (seen on tensor=2)
-            comms += [
-                Comm("all-gather", auto, t, whole / f, runs, f"gather {what} over {over}"),
-                Comm("all-gather", auto, t, whole, runs, f"gradient sums of {what} over {over}"),
-            ]
-    return tuple(comms)
-
-
-def _feature_hops(
-    p: _Placed, rules: Rules, mesh: Mapping[str, int], axes: tuple[str, ...]
-) -> tuple[tuple[tuple[str, ...], int], ...]:
-    """``((axes, n), ...)``: the dimensions of one layer of ``p`` (without ``layers``) the per-microbatch
-    gather's storage splits over ``axes``, in dimension order, each with its mesh axes and their device count.
-    `sharding.parallel.gather_shards` all-gathers them one dimension after the other (a block growing by
-    ``n`` each time) and `sharding.parallel.reduce_shards` reduce-scatters the gradient in the same order (a
-    whole layer shrinking by ``n`` each time): a mixture of experts' stacks, split over ``expert`` on the
-    experts and ``fsdp`` on the features, take two of each, the other weights one over both axes."""
-    pspec, _ = logical_to_spec(p.param.axes, rules, p.param.shape, mesh)
-    hops = []
-    for entry in pspec:
-        names = tuple(a for a in spec_axes(entry) if a in axes and mesh[a] > 1)
-        if names:
-            hops.append((names, math.prod(mesh[a] for a in names)))
-    return tuple(hops)
-
-
 def _batch_factor(p: _Placed, mesh: Mapping[str, int]) -> int:
     """How many ways the batch axes (``data``, ``fsdp``) split a parameter."""
     return p.factor(*(a for a in ax.BATCH_MESH_AXES if mesh[a] > 1))
-
-
-#: The mesh axes the stage program leaves to the partitioner (`sharding.pipeline.program.manual_axes` is manual
-#: over ``stage`` and the batch axes): a layer weight split over one of them is gathered whole there.
-_AUTO_AXES: tuple[str, ...] = tuple(a for a in ax.MESH_AXES if a != ax.STAGE and a not in ax.BATCH_MESH_AXES)
-
-
-def _auto_factor(p: _Placed) -> int:
-    """How many ways the axes the stage program leaves to the partitioner (``tensor``; `_AUTO_AXES`) split a
-    layer parameter: the factor by which the partitioner's whole copy of it exceeds the device's share.
-
-    Inside the stage program the explicit gather over the storage's group axes and the reduce-scatter of the
-    gradient sums run on the parameter whole over ``tensor``: the partitioner all-gathers the device's rows over
-    ``tensor`` before the gather, and the gradient sums over ``tensor`` before the reduce-scatter, then slices
-    the reduced rows back to the device's ``tensor`` shard (seen in the compiled HLO of ``stage=2,fsdp=2,
-    tensor=2``, jax 0.10, every schedule and both gather modes; `_pipeline_weight_comms_cached`)."""
-    return p.factor(*_AUTO_AXES)
-
-
-def _partitioner_gathers(
-    p: _Placed, of: str, shard_bytes: float, whole: float, runs: float, sums: float, in_loop: bool, sums_in_loop: bool
-) -> list[Comm]:
-    """The two all-gathers over ``tensor`` the partitioner adds around a layer parameter's explicit gather and
-    reduction in the stage program (`_auto_factor`; none when the parameter is not split over ``tensor``): this
-    device's ``shard_bytes`` (compute dtype) before each of the ``runs`` gathers, and the ``whole`` float32
-    gradient sums (elements) before each of the ``sums`` reductions; ``in_loop``/``sums_in_loop``: whether they
-    run inside the layer loop (overlappable there), else before or after it."""
-    t = _auto_factor(p)
-    if t == 1:
-        return []
-    auto = tuple(a for a in _AUTO_AXES if p.factor(a) > 1)
-    what, over = p.param.path, "+".join(auto)
-    return [
-        Comm("all-gather", auto, t, shard_bytes, runs, f"gather {what} over {over} ({of})", in_loop, in_loop),
-        Comm(
-            "all-gather",
-            auto,
-            t,
-            whole * _PARAM_BYTES,
-            sums,
-            f"gradient sums of {what} over {over} ({of})",
-            sums_in_loop,
-            sums_in_loop,
-        ),
-    ]
-
-
-def _pipeline_weight_comms(
-    layout: Layout, rules: Rules, placed: dict[str, _Placed], pipe: _Pipe, model: ModelDescription
-) -> list[Comm]:
-    """See `_pipeline_weight_comms_cached` (the same for every device of a split: cached)."""
-    return list(
-        _pipeline_weight_comms_cached(
-            model,
-            rules,
-            tuple(layout.mesh.items()),
-            _gather_bytes(layout),
-            pipe.stages,
-            pipe.working,
-            pipe.groups,
-            pipe.moved,
-            pipe.gather,
-            pipe.span,
-            pipe.passes * pipe.slot_runs,
-            pipe.recomputes,
-        )
-    )
-
-
-@functools.lru_cache(maxsize=16384)
-def _pipeline_weight_comms_cached(
-    model: ModelDescription,
-    rules: Rules,
-    mesh_items: tuple,
-    gather_bytes: int,
-    stages: int,
-    working: int,
-    groups_n: int,
-    moved: tuple[int, ...],
-    gather: str = "once",
-    span: int = 1,
-    slot_passes: float = 0.0,
-    recomputes: float = 1.0,
-) -> tuple[Comm, ...]:
-    """The stage's layer weights: the working copy assembled once per step, the gradients returned once, the
-    stored rows moved once per step. With ``gather`` ``microbatch`` the storage splits each row's features
-    (``span`` > 1, ``groups_n`` 1): each slot's layer all-gathered over the feature axes where a pass runs
-    it (``slot_passes``: slots one kind of pass runs per step), by the forward pass, each backward pass and
-    the backward's recomputation of the block inputs (``recomputes``: `_Pipe.recomputes`, the backward's
-    gathers plus ``(B - 1)/B``), and its gradient reduce-scattered once per slot: one collective of each
-    kind per dimension the storage splits (`_feature_hops`).
-
-    Explicit collectives of the stage program (`jax.shard_map`, so both backends emit them as written;
-    `sharding.pipeline.schedule._Weights`), per layer parameter: the rows stored for other devices sent
-    by one ppermute per distance (compute dtype) and their gradients sent back (float32); this device's
-    ``R*K'/G`` slots all-gathered over the storage's group axes into the ``R*K'`` slots (compute dtype)
-    and their float32 gradient sums reduce-scattered back; the ``q`` stored rows' gradients all-reduced
-    over the batch axes that do not store rows. A parameter split over ``tensor`` (an axis the program leaves
-    to the partitioner, `_auto_factor`) is gathered and reduced whole over it, with two gathers over
-    ``tensor`` the partitioner adds: the device's rows before each gather (compute dtype) and the float32
-    gradient sums before each reduction.
-    """
-    mesh = dict(mesh_items)
-    placed = _place_cached(model, rules, mesh_items)
-    summed = tuple(a for a in ax.BATCH_MESH_AXES if mesh[a] > 1)
-    axes = _storage_axes(model, rules, mesh)
-    groups = axes if groups_n > 1 else ()
-    rest = tuple(a for a in summed if a not in axes)  # the rows' gradients are reduce-scattered over the others
-    q = -(-model.num_layers // (stages * groups_n))
-    devices = (ax.STAGE, *groups)
-    comms = []
-    for p in placed.values():
-        if not p.param.per_layer:
-            continue
-        row, what = p.local * p.factor(*groups), p.param.path  # one stored row's elements on a device
-        t = _auto_factor(p)  # the gathers and reductions below run on rows whole over tensor
-        for rows in moved:
-            comms.append(
-                Comm(
-                    "collective-permute",
-                    devices,
-                    2,
-                    rows * row * gather_bytes,
-                    1,
-                    f"stored rows of {what} to their stage",
-                )
-            )
-            comms.append(
-                Comm(
-                    "collective-permute",
-                    devices,
-                    2,
-                    rows * row * _PARAM_BYTES,
-                    1,
-                    f"gradient of {what} back to its row",
-                )
-            )
-        if span > 1 and gather == "microbatch":
-            runs = (1 + recomputes) * slot_passes
-            shard = p.local * t  # this device's share of one layer, whole over tensor
-            hops = _feature_hops(p, rules, mesh, axes)
-            whole, grown = shard * math.prod(n for _, n in hops), 1
-            for hop_axes, n in hops:  # one all-gather, then one reduce-scatter, per split dimension, in order
-                grown *= n
-                comms += [
-                    Comm(
-                        "all-gather",
-                        hop_axes,
-                        n,
-                        shard * grown * gather_bytes,
-                        runs,
-                        f"gather {what} (a layer)",
-                        layer_loop=True,
-                    ),
-                    Comm(
-                        "reduce-scatter",
-                        hop_axes,
-                        n,
-                        whole / grown * _PARAM_BYTES,
-                        slot_passes,
-                        f"gradient of {what} (a layer)",
-                        layer_loop=True,
-                    ),
-                ]
-            comms += _partitioner_gathers(p, "a layer", shard * gather_bytes, whole, runs, slot_passes, True, True)
-        elif groups_n > 1:  # the working copy before the loop (it needs it whole: nothing to hide behind) and
-            local = working // groups_n  # its gradient after it (no compute left to hide behind)
-            whole = local * groups_n * row * t  # the gathered rows, whole over tensor
-            comms += [
-                Comm("all-gather", groups, groups_n, whole * gather_bytes, 1, f"gather {what} (working copy)", False),
-                Comm(
-                    "reduce-scatter", groups, groups_n, local * row * t * _PARAM_BYTES, 1, f"gradient of {what}", False
-                ),
-            ]
-            comms += _partitioner_gathers(p, "working copy", local * row * t * gather_bytes, whole, 1, 1, False, False)
-        if rest:
-            comms.append(
-                Comm(
-                    "all-reduce",
-                    rest,
-                    math.prod(mesh[a] for a in rest),
-                    q * row * _PARAM_BYTES,
-                    1,
-                    f"gradient of {what} (stored rows)",
-                    False,  # after the loop, as Megatron-LM's data-parallel all-reduce after the pipeline flush
-                )
-            )
-    return tuple(comms)
-
-
-def _stage_comms(model: ModelDescription, layout: Layout, s: _Shape, pipe: _Pipe, head: _Shape) -> list[Comm]:
-    """Activations between stages: two ppermutes of one microbatch's rows ``[rows, T, D]`` per loop trip
-    (GPipe/circular: one forward, one backward per step; 1F1B: the forward output and the input's
-    cotangent per tick), bubble steps included: the transfers sit outside the conditionals; the inputs'
-    cotangent ``[M, rows, T, D]`` summed over ``stage`` (the inputs were made stage-varying; none where stage 0
-    embeds each microbatch, `_head_streamed`). GPipe/circular
-    also: one psum over ``stage`` of all microbatches' outputs after the forward loop (the last stage's
-    outputs to every stage) and its transpose, and the head's input cotangent all-gathered over ``stage``
-    (`head_parallelism`). Where a stage's R head rows hold some of the microbatches but not all (1 < M/R < S:
-    the rows are split over ``stage`` along both the microbatches and their rows, `to_microbatches` being
-    strided), the partitioner gathers the cotangent in two steps, the first of R/M of the whole (seen on
-    ``stage=4,fsdp=2`` with M/R = 2)."""
-    stages = layout.mesh[ax.STAGE]
-    act = s.tok * model.hidden * s.act_bytes
-    comms = [Comm("collective-permute", (ax.STAGE,), stages, act, 2 * pipe.steps, "stage activations", False)]
-    if pipe.one_f_one_b and _head_streamed(pipe):
-        return comms
-    if pipe.one_f_one_b:  # the inputs' cotangent, summed over stage (they were made stage-varying)
-        return comms + [Comm("all-reduce", (ax.STAGE,), stages, act * s.micro, 1, "pipeline input cotangent", False)]
-    cotangent = head.tok * stages * model.hidden * s.act_bytes
-    comms += [
-        Comm("all-reduce", (ax.STAGE,), stages, act * s.micro, 2, "pipeline outputs to every stage", False),
-        Comm("all-gather", (ax.STAGE,), stages, cotangent, 1, "head input cotangent over stage", False),
-    ]
-    per_rows = s.micro / head.rows  # M/R: the microbatches over a stage's head rows
-    if 1 < per_rows < stages and per_rows == int(per_rows):
-        comms.append(Comm("all-gather", (ax.STAGE,), 2, cotangent / per_rows, 1, "head input cotangent, first step"))
-    return comms

@@ -33,6 +33,7 @@ runs GPipe and circular, `sharding.pipeline.onef1b` runs 1F1B.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Sequence
 from typing import Any
 
@@ -56,10 +57,84 @@ from sharding.pipeline.ticks import (  # noqa: F401
 )
 from sharding.splits import even_split
 
-SCHEDULES = ("gpipe", "circular", "1f1b", "1f1b-fused", "zb")
+
+class Schedule(enum.StrEnum):
+    """A pipeline schedule, the one value a run's schedule is carried as: from ``--pipeline-schedule``
+    (`parse_schedule`) through `PipelinePlan` and the cost model's ``Layout`` to the tick table it runs.
+
+    A `str` whose value is the ``--pipeline-schedule`` spelling (``Schedule.FUSED == "1f1b-fused"``), so it
+    prints, compares and serialises as the flag's value. ``gpipe`` and ``circular`` are one schedule told apart
+    by the layout's repeats (`for_repeats`); the other three, the 1F1B family, run the loss and the backward
+    pass inside the pipeline's loop (`one_f_one_b`) from a tick table (`tick_table`).
+
+    Members:
+      GPIPE: ``gpipe``, one chunk per stage, all forwards then all backwards (Huang et al., NeurIPS 2019).
+      CIRCULAR: ``circular``, ``R > 1`` chunks per stage (Narayanan et al., SC 2021, section 2.2.2).
+      ONE_F_ONE_B: ``1f1b``, PipeDream-Flush in lockstep ticks of one op per stage (`one_f_one_b_ticks`);
+        interleaved with ``R > 1``.
+      FUSED: ``1f1b-fused``, a forward and a backward per stage per tick (`fused_ticks`).
+      ZERO_BUBBLE: ``zb``, ZB-H1 (Qi et al., ICLR 2024): fused ticks whose backward is split into the input
+        gradient and a deferred weight gradient (`zero_bubble_ticks`).
+    """
+
+    GPIPE = "gpipe"
+    CIRCULAR = "circular"
+    ONE_F_ONE_B = "1f1b"
+    FUSED = "1f1b-fused"
+    ZERO_BUBBLE = "zb"
+
+    @property
+    def one_f_one_b(self) -> bool:
+        """A 1F1B-family schedule: the loss and the backward pass inside the loop, from a tick table
+        (`sharding.pipeline.onef1b`); False for GPipe and circular (`sharding.pipeline.schedule`)."""
+        return self in _TICK_BUILDERS
+
+    def for_repeats(self, repeats: int) -> Schedule:
+        """This schedule on a layout of ``repeats`` chunks per stage: GPipe and circular by the repeats (1:
+        ``gpipe``; more: ``circular``), the 1F1B family as it is (``R > 1`` is its interleaved form)."""
+        if self.one_f_one_b:
+            return self
+        return Schedule.GPIPE if repeats == 1 else Schedule.CIRCULAR
+
+    def tick_table(self, stages: int, microbatches: int, repeats: int = 1) -> Ticks | FusedTicks | None:
+        """The 1F1B-family loop's table for ``stages`` S, ``microbatches`` M and ``repeats`` R (its builder:
+        `one_f_one_b_ticks`, `fused_ticks` or `zero_bubble_ticks`); None for GPipe and circular, which run no
+        tick table.
+
+        Raises:
+          ValueError: as the builder (``M < S``; interleaved with M not a multiple of S; zero bubble with
+            ``R > 1``).
+        """
+        make = _TICK_BUILDERS.get(self)
+        return None if make is None else make(stages, microbatches, repeats)
+
+
+_TICK_BUILDERS = {
+    Schedule.ONE_F_ONE_B: one_f_one_b_ticks,
+    Schedule.FUSED: fused_ticks,
+    Schedule.ZERO_BUBBLE: zero_bubble_ticks,
+}
+
+SCHEDULES = tuple(s.value for s in Schedule)
+"""The ``--pipeline-schedule`` values: ``gpipe``, ``circular``, ``1f1b``, ``1f1b-fused``, ``zb``."""
+
+
+def parse_schedule(text: str | Schedule) -> Schedule:
+    """A ``--pipeline-schedule`` value (or a config file's ``pipeline_schedule``) as its `Schedule`.
+
+    Raises:
+      ValueError: a value not in `SCHEDULES`, with the text the command line prints for it.
+    """
+    try:
+        return Schedule(text)
+    except ValueError:
+        choices = ", ".join(map(repr, SCHEDULES))
+        raise ValueError(f"argument --pipeline-schedule: invalid choice: {text!r} (choose from {choices})") from None
+
+
 GATHERS = ("once", "microbatch")
 """``--pipeline-gather``: a stage's layer weights gathered once per step (the working copy and the gradient
-sums held through it) or per microbatch, one block of layers at a time (`sharding.pipeline.program.Weights`)."""
+sums held through it) or per microbatch, one block of layers at a time (`sharding.pipeline.weights.Weights`)."""
 
 
 # Layouts ----------------------------------------------------------------------
@@ -327,15 +402,15 @@ class PipelinePlan:
         is not needed: the fallback for a program in which the partitioner
         put a collective that could wait on other stages inside such a
         conditional (see `branch_collectives`).
-      one_f_one_b: the 1F1B schedule (``--pipeline-schedule 1f1b``; interleaved with ``R > 1``): the loss
-        and the backward pass inside the pipeline's loop (`sharding.pipeline.onef1b`).
+      schedule: the `Schedule` (``--pipeline-schedule``; a `SCHEDULES` string is taken as its value). GPipe and
+        circular follow the layout's repeats (`Schedule.for_repeats`): ``gpipe`` on a layout of two chunks per
+        stage is ``circular``. The 1F1B family (``1f1b``, interleaved with ``R > 1``; ``1f1b-fused``, a
+        forward and a backward per stage per tick, ``R*M + (R+1) S - 2`` ticks of a chunk's forward plus
+        backward against lockstep's ``2 (M + S - 1)`` ticks of one op each with one chunk; ``zb``, fused ticks
+        whose backward is split into the input gradient and a deferred weight gradient) runs the loss and the
+        backward pass inside the pipeline's loop (`sharding.pipeline.onef1b`) from its `tick_table`.
       measure_stages: ``--stage-layers auto``: the layout's split is a placeholder (even) until the
         stages are timed at start-up (`train.setup.calibrate.calibrate_stages`), which replaces it.
-      fused: with ``one_f_one_b``, the fused ticks (``--pipeline-schedule 1f1b-fused``, `fused_ticks`): a
-        forward and a backward per stage per tick, ``R*M + (R+1) S - 2`` ticks of a chunk's forward plus
-        backward, against lockstep's ``2 (M + S - 1)`` ticks of one op each (with one chunk).
-      zero_bubble: with ``one_f_one_b``, zero bubble (``--pipeline-schedule zb``, `zero_bubble_ticks`): fused
-        ticks whose backward is split into the input gradient and a deferred weight gradient.
       gather: ``once`` (MaxText's ``pipeline_fsdp_ag_once``: the stage's layers gathered before the loop in the
         compute dtype and their gradients summed whole, both held through the step) or ``microbatch`` (each
         block of layers gathered where a chunk runs it, its gradient reduce-scattered there: the step holds one
@@ -343,28 +418,21 @@ class PipelinePlan:
         `GATHERS`, ``--pipeline-gather``.
 
     Raises:
-      ValueError: ``fused`` or ``zero_bubble`` without ``one_f_one_b``, or both; ``gather`` not in `GATHERS`.
+      ValueError: ``schedule`` not in `SCHEDULES` (`parse_schedule`); ``gather`` not in `GATHERS`.
     """
 
     layout: StageLayout
     microbatches: int
     skip_empty: bool = True
-    one_f_one_b: bool = False
+    schedule: Schedule = Schedule.GPIPE
     measure_stages: bool = False
-    fused: bool = False
-    zero_bubble: bool = False
     gather: str = "once"
 
     uneven = False
     """Every data-parallel group runs all M microbatches (`sharding.parallel.UnevenBatch` is the uneven step)."""
 
     def __post_init__(self):
-        if self.fused and not self.one_f_one_b:
-            raise ValueError("PipelinePlan: fused ticks are a 1F1B schedule (one_f_one_b=True)")
-        if self.zero_bubble and (self.fused or not self.one_f_one_b):
-            raise ValueError(
-                "PipelinePlan: zero bubble is its own 1F1B-family schedule (one_f_one_b=True, fused=False)"
-            )
+        object.__setattr__(self, "schedule", parse_schedule(self.schedule).for_repeats(self.layout.repeats))
         if self.gather not in GATHERS:
             raise ValueError(f"PipelinePlan: gather {self.gather!r}; expected one of {', '.join(GATHERS)}")
 
@@ -378,30 +446,24 @@ class PipelinePlan:
         return self.microbatches
 
     @property
-    def schedule(self) -> str:
-        """``gpipe``, ``circular``, ``1f1b``, ``1f1b-fused`` or ``zb`` (`SCHEDULES`; the ``--pipeline-schedule``
-        value)."""
-        if self.zero_bubble:
-            return "zb"
-        if self.one_f_one_b:
-            return "1f1b-fused" if self.fused else "1f1b"
-        return self.layout.schedule
+    def one_f_one_b(self) -> bool:
+        """The schedule is of the 1F1B family (`Schedule.one_f_one_b`): loss and backward inside the loop."""
+        return self.schedule.one_f_one_b
 
-    def tick_table(self) -> Ticks | FusedTicks:
-        """The 1F1B loop's table: `fused_ticks` when ``fused``, `zero_bubble_ticks` when ``zero_bubble``,
-        else `one_f_one_b_ticks`.
+    def tick_table(self) -> Ticks | FusedTicks | None:
+        """The 1F1B-family loop's table (`Schedule.tick_table`: `one_f_one_b_ticks`, `fused_ticks` or
+        `zero_bubble_ticks`); None for GPipe and circular.
 
         Raises:
           ValueError: as `one_f_one_b_ticks` (too few microbatches for the order); as `zero_bubble_ticks`.
         """
-        make = zero_bubble_ticks if self.zero_bubble else fused_ticks if self.fused else one_f_one_b_ticks
-        return make(self.layout.stages, self.microbatches, self.layout.repeats)
+        return self.schedule.tick_table(self.layout.stages, self.microbatches, self.layout.repeats)
 
     @property
     def streams_head(self) -> bool:
         """The 1F1B family's output head gathers its weights per head step, inside its conditional on the last
         stage, and reduce-scatters their gradient there (``gather`` ``microbatch`` with ``skip_empty``;
-        `sharding.pipeline.onef1b.HeadWeights`); else they are gathered once per step."""
+        `sharding.pipeline.edges.HeadWeights`); else they are gathered once per step."""
         return self.one_f_one_b and self.gather == "microbatch" and self.skip_empty
 
     @property

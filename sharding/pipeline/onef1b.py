@@ -31,13 +31,13 @@ forward, so the output head (final norm, projection, loss: ``head_fn``) runs on 
 stage inside the loop, differentiated at once (`jax.value_and_grad`); its cotangent waits in the
 cotangent ring for the backward. The whole pass is therefore a `jax.custom_vjp` whose forward rule
 computes the loss and every gradient; its backward rule scales them by the loss's cotangent and
-reduces them (layer weights: `program.Weights.reduce`; head weights: reduce-scatter over the batch
+reduces them (layer weights: `weights.Weights.reduce`; head weights: reduce-scatter over the batch
 axes, sum over ``stage``). Called without differentiation, the loop runs the forwards only.
 
-Weights are gathered once per step (`program.Weights.gather`, compute dtype) and the head's weights
+Weights are gathered once per step (`weights.Weights.gather`, compute dtype) and the head's weights
 once (their own dtype), both outside the loop; parameters, stage inputs and extras are cast
 device-varying first so no reduction lands inside it. With ``--pipeline-gather microbatch`` the layers
-are gathered per chunk pass (`program.Streamed`) and the head's weights per head step, over ``stage`` at each
+are gathered per chunk pass (`weights.Streamed`) and the head's weights per head step, over ``stage`` at each
 tick outside every conditional and over the batch axes inside its conditional on the last stage, their gradient
 reduce-scattered there (`HeadWeights`); the entry (the token embedding, when `run_pipeline_loss` is given one)
 runs likewise on stage 0 per microbatch (`Entry`), so the loop holds no stage inputs of all ``M`` microbatches
@@ -55,8 +55,9 @@ a microbatch's round trip from stage 0 ``2 (S - 1)`` ticks long).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -64,418 +65,352 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from sharding import axes as ax
-from sharding.parallel import gather_shards, only_axes, psum_unsplit, reduce_shards, spec_axes, to_varying
-from sharding.pipeline.layout import PipelinePlan, head_parallelism
-from sharding.pipeline.program import (
+from sharding.parallel import to_varying
+from sharding.pipeline.buffers import (
     RingEntry,
-    Setup,
-    Weights,
-    check_split,
-    chunk_backward,
-    chunk_backward_input,
-    chunk_backward_weight,
-    chunk_forward,
-    cut_ring,
     index_leaf,
     index_tree,
-    logical_leaves,
-    manual_axes,
-    manual_spec,
     objective_cotangent,
-    slot_positions,
-    stage_varying,
     store,
     to_microbatches,
     with_objective_cotangent,
     write,
 )
+from sharding.pipeline.edges import Entry, HeadWeights, edge_specs, over_stage_specs
+from sharding.pipeline.layout import PipelinePlan, head_parallelism
+from sharding.pipeline.program import (
+    Setup,
+    chunk_backward,
+    chunk_backward_input,
+    chunk_backward_weight,
+    chunk_forward,
+    cut_ring,
+    manual_axes,
+    slot_positions,
+    stage_varying,
+)
 from sharding.pipeline.schedule import run_pipeline
-from sharding.pipeline.storage import spread_over_stage
 from sharding.pipeline.ticks import BACKWARD, FORWARD, WEIGHT
+from sharding.pipeline.traffic import ACTIVATIONS, COTANGENTS, PipelineTraffic
+from sharding.pipeline.weights import Weights
+
+
+class _Carry(NamedTuple):
+    """What one stage's tick loop carries from tick to tick (`_TickLoop.tick`); None where not ``train``.
+
+    Attributes:
+      received: ``[microbatch, ...]`` the activations the previous stage sent at the last tick.
+      g_received: the input cotangent the next stage sent at the last tick.
+      buffer: ``[slots, P, microbatch, ...]`` the ring of chunk inputs (`Ticks.slots` entries).
+      waiting: ``[cotangent_slots, microbatch, ...]`` output cotangents waiting for their backward.
+      kept: zero bubble's ring of cuts (`sharding.pipeline.program.cut_ring`); ``()`` otherwise.
+      grads, head_grads: the layer and head weights' gradient sums.
+      g_xs: the cotangent of the first stage's inputs (with an `Entry`, its weights' gradient sums).
+      loss, weight: float32 sums of the head steps run (and the layers' objectives).
+      applied: int32 forward layer applications.
+      stats: the layers' summed statistics (with an objective), else None.
+    """
+
+    received: Any
+    g_received: Any
+    buffer: Any
+    waiting: Any
+    kept: Any
+    grads: Any
+    head_grads: Any
+    g_xs: Any
+    loss: Any
+    weight: Any
+    applied: Any
+    stats: Any
 
 
 @dataclasses.dataclass(frozen=True)
-class HeadWeights:
-    """How the 1F1B loop holds the output head's weights and sums their gradients (the entry's too, `Entry`,
-    always streamed, on stage 0).
-
-    Gathered once (``--pipeline-gather once``, or a plan that computes every slot): the loop holds the whole
-    weights, gathered before it (`hold`), and whole gradient sums in the weights' dtype, reduce-scattered
-    after it (`finish`). Streamed (``--pipeline-gather microbatch`` with ``skip_empty``): the loop holds this
-    device's blocks (the `jax.shard_map` blocks of ``specs``) and the head, which runs on the last virtual
-    stage under a `jax.lax.cond`, all-gathers them inside its running branch (`fetch`) and reduce-scatters
-    their gradient there (`reduce`) into float32 sums shaped as the blocks (`zeros`): the whole weights and
-    one whole gradient are live only while a head step runs, at the price of an all-gather and a
-    reduce-scatter per microbatch instead of one each per step. Those collectives stay among the devices of
-    the last stage (``specs`` name batch axes only, `sharding.pipeline.program.check_split`), which all take
-    the branch alike. A plan that computes every slot (no ``skip_empty``) runs the head on every stage at
-    every tick, outside any conditional: streaming there would gather on every tick of every stage, ``ticks``
-    times the step's one gather, so it keeps the gather once.
-
-    Streamed, the weights also enter the loop split over ``stage`` as they are stored (`spread_over_stage`:
-    ``stage_dims``), and each tick all-gathers them over ``stage`` outside every conditional (`over_stage`): a
-    collective over ``stage`` cannot run inside the last stage's branch, and gathered once before the loop
-    that copy (the head's and the table's ``[D/f, V]``, 250 MiB each per device on the 7B) would stay live
-    through the whole loop. Per tick it is live only while the tick's head (or entry) step runs, for
-    ``ticks`` gathers over ``stage`` of the stored shards instead of one; the gradient sums stay shaped as
-    the gathered blocks and are summed over ``stage`` after the loop, each stage keeping its slice (`finish`:
-    an all-reduce, as XLA lowers a reduce-scatter over ``stage`` of a table split over ``tensor`` too).
+class _StageTable:
+    """This stage's column of each of the tick table's columns (traced: the stage is the ``stage`` index).
 
     Attributes:
-      specs: per leaf of the head's parameters, its `PartitionSpec` over the map's manual axes, ``stage``
-        left out (the blocks `fetch` gathers from).
-      summed: the manual batch axes the per-device gradients are partial sums over.
-      streamed: gathered per head step (above), else once per step.
-      stage_dims: None, or per leaf the dimension its loop input is split over ``stage`` on (the last axis of
-        that dimension's entry), or None for a leaf not split over ``stage``.
+      stage: int32 scalar, this device's stage.
+      columns: the tick table's columns by name (`Ticks.columns`; lockstep's forward and backward columns are
+        one array, read once).
+      tables: ``[ticks]`` int32, this stage's entry of each distinct column, by the column's ``id``.
+      counts: ``[R]`` int32, this stage's layers in each chunk.
     """
 
-    specs: Any
-    summed: tuple[str, ...]
-    streamed: bool
-    stage_dims: Any = None
+    stage: Any
+    columns: dict
+    tables: dict
+    counts: Any
 
-    def over_stage(self, held, tick):
-        """The loop's inputs (split over ``stage`` on `stage_dims`) -> the blocks over the other axes,
-        all-gathered over ``stage``; run at every tick, by every stage, outside any conditional. ``tick`` (the
-        scan's int32 index) only orders the gather inside the tick: without it the gather would be loop
-        invariant and XLA would hoist it before the loop, where its output would stay live throughout."""
-        if self.stage_dims is None or not self.streamed:
-            return held
-        return self._stage_gather(jax.tree.map(lambda x: jnp.where(tick >= 0, x, jnp.zeros((), x.dtype)), held))
-
-    def _stage_gather(self, held):
-        if self.stage_dims is None:
-            return held
-
-        def one(x, dim):
-            return x if dim is None else jax.lax.all_gather(x, ax.STAGE, axis=dim, tiled=True)
-
-        return jax.tree.map(one, held, self.stage_dims, is_leaf=lambda x: x is None)
-
-    def zeros_over_stage(self, held):
-        """`zeros` of the blocks `over_stage` gathers from the loop's inputs ``held``."""
-        if self.stage_dims is None or not self.streamed:
-            return self.zeros(held)
-        return self.zeros(jax.eval_shape(lambda h: self.over_stage(h, 0), held))  # the streamed sums: shapes only
+    @classmethod
+    def of(cls, ticks, layout) -> _StageTable:
+        """This stage's columns of ``ticks`` and its chunk sizes from ``layout`` (a `StageLayout`)."""
+        stage = jax.lax.axis_index(ax.STAGE)
+        columns = ticks.columns()
+        tables = {}
+        for column in columns.values():
+            tables.setdefault(id(column), jnp.asarray(column)[:, stage])
+        counts = jnp.asarray(np.asarray(layout.chunks, np.int32))[:, stage]
+        return cls(stage, columns, tables, counts)
 
     @property
-    def vary(self) -> tuple[str, ...]:
-        """The manual axes the loop's per-device values vary over: ``stage`` and the batch axes."""
-        return (ax.STAGE, *self.summed)
+    def split(self) -> bool:
+        """Zero bubble: the backward split into input-gradient (B) and weight-gradient (W) passes."""
+        return "weight" in self.columns
 
-    def _gather(self, blocks):
-        return to_varying(jax.tree.map(gather_shards, blocks, self.specs), self.vary)
+    def row(self, t) -> dict:
+        """Tick ``t``'s entry (int32 scalars) of every column, by name."""
+        read = {}
+        return {name: read.setdefault(id(c), self.tables[id(c)][t]) for name, c in self.columns.items()}
 
-    def hold(self, blocks):
-        """This device's ``blocks`` -> what the loop holds: the whole weights (gathered once, device-varying
-        over `vary` so that differentiating the head adds no reduction inside the loop), or the blocks."""
-        return blocks if self.streamed else self._gather(self._stage_gather(blocks))
 
-    def fetch(self, held):
-        """What the loop holds -> the whole weights for one head step (streamed: all-gathered here)."""
-        return self._gather(held) if self.streamed else held
+def _rings(stages: int) -> tuple[list, list]:
+    """The ``ppermute`` pairs of the stage ring: forward (stage ``s`` to ``s + 1``, the last to 0) and back."""
+    return [(s, (s + 1) % stages) for s in range(stages)], [((s + 1) % stages, s) for s in range(stages)]
 
-    def zeros(self, held):
-        """The gradient sums' zeros, device-varying over `vary`: shaped as the whole weights in their dtype
-        (gathered once), or as this device's blocks in at least float32 (streamed)."""
-        if self.streamed:
-            zeros = jax.tree.map(lambda w: jnp.zeros(w.shape, jnp.promote_types(w.dtype, jnp.float32)), held)
-        else:
-            zeros = jax.tree.map(jnp.zeros_like, held)
-        return to_varying(zeros, self.vary)
 
-    def reduce(self, grads, held):
-        """One head step's whole gradients -> what the sums add: streamed, reduce-scattered over each spec's
-        axes in the sums' float32 (XLA's CPU compiler aborts on a bfloat16 reduce-scatter, `Streamed`'s note)
-        to this device's blocks; gathered once, as they are."""
-        if not self.streamed:
-            return grads
-        return jax.tree.map(
-            lambda g, w, spec: reduce_shards(g.astype(jnp.promote_types(w.dtype, jnp.float32)), spec, ()),
-            grads,
-            held,
-            self.specs,
-        )
+class _Forwarded(NamedTuple):
+    """What a tick's forward leaves for its backward (`_TickLoop._forward`)."""
 
-    def finish(self, sums, blocks):
-        """The step's gradient sums -> the gradients of this device's ``blocks``: summed over ``stage`` and the
-        batch axes not yet reduced (gathered once: reduce-scattered over each spec's axes first), in the
-        blocks' dtypes."""
-
-        def one(g, w, spec, dim):
-            if self.streamed:
-                g = psum_unsplit(g, spec, self.summed)
-            else:
-                g = reduce_shards(g, spec, self.summed)
-            g = jax.lax.psum(g, ax.STAGE).astype(w.dtype)
-            if dim is not None:  # the blocks are split over stage too (`stage_dims`): this stage's slice
-                size = w.shape[dim]
-                g = jax.lax.dynamic_slice_in_dim(g, jax.lax.axis_index(ax.STAGE) * size, size, dim)
-            return g
-
-        dims = jax.tree.map(lambda _: None, self.specs) if self.stage_dims is None else self.stage_dims
-        return jax.tree.map(one, sums, blocks, self.specs, dims, is_leaf=lambda x: x is None)
+    h: Any  # [microbatch, ...] the chunk's output, sent down the ring
+    inputs: Any  # the chunk's slot inputs, stored in the ring
+    forward: Any  # bool: the tick ran a forward
+    exit_: Any  # bool: on the last virtual stage
+    slot: Any  # int32: the ring entry the inputs go to
+    g_h: Any  # the head's cotangent of h (where it ran)
+    g_hp: Any  # the head weights' gradient
+    entry_blocks: Any  # the entry's weight blocks of this tick (with an `Entry`)
 
 
 @dataclasses.dataclass(frozen=True)
-class Entry:
-    """The pipeline's entry (the token embedding), computed by the first virtual stage one microbatch at a time.
-
-    Under the same conditions as the streamed head (`PipelinePlan.streams_head`), the 1F1B loop holds no
-    ``[M, microbatch, ...]`` stage inputs nor their cotangent: at a forward of chunk 0 on stage 0 the entry's
-    weights are all-gathered (`HeadWeights.fetch`) inside a `jax.lax.cond` that only stage 0's devices take,
-    and that microbatch's input computed from its entry inputs (int32 tokens ``[microbatch, length]``, held
-    whole: small); at that microbatch's backward there the entry is differentiated (`jax.vjp`) with the input
-    cotangent and its weights' gradient reduce-scattered into float32 shard sums (`HeadWeights.reduce`; the
-    lookup's gradient reads no table value, so XLA drops that branch's gather: one per microbatch remains),
-    summed over the other batch axes and ``stage`` after the loop (`HeadWeights.finish`). Narayanan et al.
-    (SC'21), section 2.2: a stage then holds at most its ring's stage inputs, not ``M``.
+class _TickLoop:
+    """One stage's 1F1B loop (inside the stage program): what it runs and the step's data every tick reads.
 
     Attributes:
-      fn: ``(entry_weights, inputs) -> h [microbatch, ...]`` in the compute dtype (the stage's ``par`` bound).
-      weights: how the loop holds the entry's weights and sums their gradients (streamed).
-      params: the entry's weights as the loop holds them (this device's blocks).
-      h: one microbatch's `jax.ShapeDtypeStruct` of ``h`` on this device.
-    """
-
-    fn: Callable[..., Any]
-    weights: HeadWeights
-    params: Any
-    h: Any
-
-    def steps(self, xs, vary: tuple[str, ...]):
-        """``(first_input, first_cotangent)`` of `_ticks` for entry inputs ``xs`` ``[M, microbatch, ...]``:
-        ``first_input(on, mb, blocks) -> h`` (zeros where not ``on``) and ``first_cotangent(on, mb, g_in, sums,
-        blocks) -> sums`` (the entry gradient of microbatch ``mb`` added where ``on``), with the tick's
-        ``blocks`` of the entry's weights (`HeadWeights.over_stage` of ``params``)."""
-
-        def run_forward(inputs, blocks):
-            h = self.fn(self.weights.fetch(blocks), inputs)
-            return to_varying(h.astype(self.h.dtype), vary)
-
-        def idle_forward(inputs, blocks):
-            return to_varying(jnp.zeros(self.h.shape, self.h.dtype), vary)
-
-        def run_backward(g_in, inputs, sums, blocks):
-            _, vjp = jax.vjp(lambda w: self.fn(w, inputs), self.weights.fetch(blocks))
-            (g_w,) = vjp(g_in.astype(self.h.dtype))
-            return to_varying(jax.tree.map(jnp.add, sums, self.weights.reduce(g_w, blocks)), vary)
-
-        def idle_backward(g_in, inputs, sums, blocks):
-            return sums
-
-        def first_input(on, mb, blocks):
-            return jax.lax.cond(on, run_forward, idle_forward, index_tree(xs, mb), blocks)
-
-        def first_cotangent(on, mb, g_in, sums, blocks):
-            return jax.lax.cond(on, run_backward, idle_backward, g_in, index_tree(xs, mb), sums, blocks)
-
-        return first_input, first_cotangent
-
-
-def _ticks(
-    layer,
-    head,
-    plan: PipelinePlan,
-    params,
-    head_weights: HeadWeights,
-    head_params,
-    xs,
-    extras,
-    head_inputs,
-    grads,
-    head_grads,
-    train: bool,
-    vary: tuple[str, ...],
-    back_layer=None,
-    objective_axes=None,
-    objective_size: int = 1,
-    entry=None,
-):
-    """All ticks of one stage (inside the stage program).
-
-    Args:
       layer: ``(layer_params, h, *extras) -> h``; with ``objective_axes``, ``-> (h, objective)``: entry 0 of
         the float32 objectives ``[objective_size]`` of the layers run is added to the loss sum, the others to
         the statistics (partial sums varying over those axes).
-      back_layer: the layer the backward ticks differentiate (default ``layer``; for a layer with an
-        objective, `sharding.pipeline.program.with_objective_cotangent` of it at
-        `sharding.pipeline.program.objective_cotangent`, as the loss).
+      back_layer: the layer the backward ticks differentiate (``layer``; for a layer with an objective,
+        `sharding.pipeline.buffers.with_objective_cotangent` of it at
+        `sharding.pipeline.buffers.objective_cotangent`, as the loss).
       head: ``(head_params, h, *head_inputs) -> (loss_sum, weight_sum)``.
-      params: the stage's gathered weights, leaves ``[R, K, ...]``, or a `Streamed` (gathered per chunk pass).
+      plan: the run's `PipelinePlan` (its tick table, `PipelinePlan.tick_table`).
       head_weights: how the loop holds the head's weights and sums their gradients.
+      params: the stage's gathered weights, leaves ``[R, K, ...]``, or a `Streamed` (gathered per chunk pass).
       head_params: the head's weights as it holds them (`HeadWeights.hold`: whole, or this device's blocks).
       xs: ``[M, microbatch, ...]`` inputs of the first virtual stage (stage-varying); with ``entry``, the
         entry's inputs (e.g. int32 tokens ``[M, microbatch, length]``).
       extras, head_inputs: ``[M, microbatch, ...]`` side inputs of the layers and of the head.
-      grads, head_grads: zero accumulators shaped as ``params`` (or `Streamed.zeros`) and as
-        `HeadWeights.zeros` of ``head_params`` (None when not ``train``).
       train: run the backward ticks too.
       vary: the manual axes the per-device sums vary over (``stage`` and the batch axes).
+      objective_axes: None, or the axes the layers' objective varies over (as ``layer`` above).
+      objective_size: the size of the layers' objective (1 without one).
       entry: None, or the `Entry` the first virtual stage computes its input with, per microbatch.
-
-    Returns:
-      ``(loss_sum, weight_sum, applied, grads, head_grads, g_xs, stats)``: this device's float32 sums (nonzero
-      on the last stage), its forward layer applications (int32), when ``train`` its gradient sums and the
-      cotangent of ``xs`` ``[M, microbatch, ...]`` (nonzero on stage 0; with ``entry``, the entry weights'
-      gradient sums, `HeadWeights.zeros` of them), else None for those, and with ``objective_axes`` the summed
-      statistics ``[objective_size - 1]`` (else None).
     """
-    back_layer = layer if back_layer is None else back_layer
-    layout = plan.layout
-    stages, repeats = layout.stages, layout.repeats
-    ticks = plan.tick_table()
-    stage = jax.lax.axis_index(ax.STAGE)
-    # This stage's column of each table; lockstep's forward and backward columns are one array, read once.
-    columns = ticks.columns()
-    split = "weight" in columns  # zero bubble: the backward split into B and W passes
-    tables = {}
-    for column in columns.values():
-        tables.setdefault(id(column), jnp.asarray(column)[:, stage])
-    counts = jnp.asarray(np.asarray(layout.chunks, np.int32))[:, stage]  # [R] this stage's chunk sizes
-    ring = [(s, (s + 1) % stages) for s in range(stages)]
-    back_ring = [((s + 1) % stages, s) for s in range(stages)]
 
-    def head_step(on, h, inputs, blocks):
+    layer: Callable
+    back_layer: Callable
+    head: Callable
+    plan: PipelinePlan
+    head_weights: HeadWeights
+    params: Any
+    head_params: Any
+    xs: Any
+    extras: Any
+    head_inputs: Any
+    train: bool
+    vary: tuple[str, ...]
+    objective_axes: tuple[str, ...] | None = None
+    objective_size: int = 1
+    entry: Entry | None = None
+
+    def run(self, grads, head_grads):
+        """All ticks of one stage.
+
+        Args:
+          grads, head_grads: zero accumulators shaped as ``params`` (or `Streamed.zeros`) and as
+            `HeadWeights.zeros` of ``head_params`` (None when not ``train``).
+
+        Returns:
+          ``(loss_sum, weight_sum, applied, grads, head_grads, g_xs, stats)``: this device's float32 sums
+          (nonzero on the last stage), its forward layer applications (int32), when ``train`` its gradient sums
+          and the cotangent of ``xs`` ``[M, microbatch, ...]`` (nonzero on stage 0; with ``entry``, the entry
+          weights' gradient sums, `HeadWeights.zeros` of them), else None for those, and with
+          ``objective_axes`` the summed statistics ``[objective_size - 1]`` (else None).
+        """
+        ticks = self.plan.tick_table()
+        traffic = PipelineTraffic.of_plan(self.plan, self.train)  # what each tick sends, and how many ticks
+        table = _StageTable.of(ticks, self.plan.layout)
+        first = self._first_stage()
+        init = self._init(ticks, table, first[2], grads, head_grads)
+        tick = functools.partial(self.tick, table, first, traffic.sends())
+        carry, _ = jax.lax.scan(tick, init, jnp.arange(traffic.trips))
+        return carry.loss, carry.weight, carry.applied, carry.grads, carry.head_grads, carry.g_xs, carry.stats
+
+    def _first_stage(self):
+        """``(first_input, first_cotangent, zero_h)``: how the first virtual stage reads (or, with an `Entry`,
+        computes) microbatch ``mb``'s input and takes its cotangent (`Entry.steps`), and a zero stage input."""
+        if self.entry is None:
+            xs = self.xs
+
+            def first_input(on, mb, blocks):
+                return index_leaf(xs, mb)
+
+            def first_cotangent(on, mb, g_in, g_xs, blocks):
+                return write(g_xs, mb, g_in, on)
+
+            return first_input, first_cotangent, jnp.zeros_like(xs[0])
+        return (*self.entry.steps(self.xs, self.vary), jnp.zeros(self.entry.h.shape, self.entry.h.dtype))
+
+    def _init(self, ticks, table: _StageTable, zero_h, grads, head_grads) -> _Carry:
+        """The loop's first carry: empty rings sized by the tick table, zero sums."""
+        train, vary = self.train, self.vary
+        # K from the working copy, not the layout: the unpadded storage rounds a chunk's slots up to its gather
+        # (`sharding.pipeline.storage`), and the extra slots are empty (skipped, or computed as padding).
+        slots = slot_positions(self.params)
+        buffer = jnp.zeros((ticks.slots, slots if train else 1, *zero_h.shape), zero_h.dtype)
+        waiting = jnp.zeros((ticks.cotangent_slots, *zero_h.shape), zero_h.dtype) if train else None
+        kept = ()
+        if train and table.split:  # the saved ring: per entry, each slot position's cut (`sharding.pipeline.split`)
+            like = to_varying(zero_h, vary)
+            kept = cut_ring(self.back_layer, self.params, like, index_tree(self.extras, 0), ticks.saved_slots)
+        zero = to_varying(jnp.zeros((), jnp.float32), vary)
+        g_xs = None
+        if train:
+            g_xs = (
+                jnp.zeros_like(self.xs)
+                if self.entry is None
+                else self.entry.weights.zeros_over_stage(self.entry.params)
+            )
+        init = to_varying((zero_h, zero_h if train else None, buffer, waiting, kept, grads, head_grads, g_xs), vary)
+        stats = None
+        if self.objective_axes is not None:
+            stats = to_varying(jnp.zeros((self.objective_size - 1,), jnp.float32), self.objective_axes)
+        return _Carry(*init, zero, zero, to_varying(jnp.zeros((), jnp.int32), ax.STAGE), stats)
+
+    def head_step(self, on, h, inputs, blocks):
+        """The head on one microbatch's output ``h`` where ``on`` (the last virtual stage's forward), differentiated
+        at once when ``train``: ``(loss, weight, g_h, g_head)``, zeros where not ``on``."""
+        head_weights, train = self.head_weights, self.train
+
         def run(h, inputs):
             # streamed: gathered here, inside the branch the last stage's devices all take
             hp = head_weights.fetch(blocks)
             if train:
-                value = jax.value_and_grad(lambda hp, h: head(hp, h, *inputs), argnums=(0, 1), has_aux=True)
+                value = jax.value_and_grad(lambda hp, h: self.head(hp, h, *inputs), argnums=(0, 1), has_aux=True)
                 (loss, weight), (g_hp, g_h) = value(hp, h)
                 g_hp = head_weights.reduce(g_hp, blocks)  # streamed: reduce-scattered to the shards here
             else:
-                (loss, weight), g_hp, g_h = head(hp, h, *inputs), None, None
-            return to_varying((loss.astype(jnp.float32), weight.astype(jnp.float32), g_h, g_hp), vary)
+                (loss, weight), g_hp, g_h = self.head(hp, h, *inputs), None, None
+            return to_varying((loss.astype(jnp.float32), weight.astype(jnp.float32), g_h, g_hp), self.vary)
 
         def idle(h, inputs):
             zero = jnp.zeros((), jnp.float32)
             grads = (jnp.zeros_like(h), head_weights.zeros(blocks)) if train else (None, None)
-            return to_varying((zero, zero, *grads), vary)
+            return to_varying((zero, zero, *grads), self.vary)
 
-        if plan.skip_empty:
+        if self.plan.skip_empty:
             return jax.lax.cond(on, run, idle, h, inputs)
         return jax.tree.map(lambda a: jnp.where(on, a, jnp.zeros((), a.dtype)), run(h, inputs))
 
-    def tick(carry, t):
-        received, g_received, buffer, waiting, kept, grads, head_grads, g_xs, loss, weight, applied, stats = carry
-        read = {}
-        row = {name: read.setdefault(id(column), tables[id(column)][t]) for name, column in columns.items()}
+    def tick(self, table: _StageTable, first, sends, carry: _Carry, t):
+        """Tick ``t`` of this stage: the forward (with the head on the last virtual stage), then, when ``train``,
+        the backward; then the tick's ``ppermute`` s, outside every conditional, as the step's traffic lists
+        them (``sends``, `sharding.pipeline.traffic.PipelineTraffic.sends`: the input's cotangent up the ring,
+        the forward output down it)."""
+        row = table.row(t)
+        carry, forwarded = self._forward(table, first[0], carry, row, t)
+        sent = {ACTIVATIONS: forwarded.h}
+        if self.train:
+            carry, sent[COTANGENTS] = self._backward(table, first[1], carry, row, forwarded)
+        down, up = _rings(self.plan.layout.stages)
+        received = {
+            s.what: jax.lax.ppermute(sent[s.what], ax.STAGE, up if s.what == COTANGENTS else down) for s in sends
+        }
+        return carry._replace(received=received[ACTIVATIONS], g_received=received.get(COTANGENTS)), None
+
+    def _forward(self, table: _StageTable, first_input, carry: _Carry, row, t):
+        """The tick's forward: the received activations stored, the chunk run on its input, the head on the last
+        virtual stage. Returns the carry with the sums added and the `_Forwarded` values the backward reads."""
+        layout, stage = self.plan.layout, table.stage
         forward, r, mb, slot = (row["forward" + part] for part in ("", "_chunk", "_microbatch", "_slot"))
         forward = forward == FORWARD
         arrive = row["arrive"]
         zero = jnp.zeros((), jnp.int32)
-        buffer = store(buffer, (jnp.maximum(arrive, 0), zero), received, arrive >= 0)
+        buffer = store(carry.buffer, (jnp.maximum(arrive, 0), zero), carry.received, arrive >= 0)
         starts = (stage == 0) & (r == 0)  # the first virtual stage reads (or computes) the microbatch itself
+        entry = self.entry
         entry_blocks = None if entry is None else entry.weights.over_stage(entry.params, t)  # every tick
         h_in = jnp.where(starts, first_input(forward & starts, mb, entry_blocks), RingEntry(buffer, slot)[0])
         h, done, inputs = chunk_forward(
-            layer,
-            params,
+            self.layer,
+            self.params,
             r,
             h_in,
-            index_tree(extras, mb),
-            jnp.where(forward, counts[r], 0),
-            plan.skip_empty,
-            train,
-            objective_axes,
-            objective_size,
+            index_tree(self.extras, mb),
+            jnp.where(forward, table.counts[r], 0),
+            self.plan.skip_empty,
+            self.train,
+            self.objective_axes,
+            self.objective_size,
         )
-        if objective_axes is not None:  # the layers' objectives join the loss sum, their statistics the stats
+        loss, stats = carry.loss, carry.stats
+        if self.objective_axes is not None:  # the layers' objectives join the loss sum, their statistics the stats
             done, objective = done
             loss, stats = loss + objective[0], stats + objective[1:]
-        exit_ = (stage == stages - 1) & (r == repeats - 1)  # the last virtual stage runs the head
-        blocks = head_weights.over_stage(head_params, t)  # every tick, outside the head's conditional
-        loss_i, weight_i, g_h, g_hp = head_step(forward & exit_, h, index_tree(head_inputs, mb), blocks)
-        loss, weight, applied = loss + loss_i, weight + weight_i, applied + done
-        if train:
-            buffer = store(buffer, (slot,), inputs, forward)
-            head_grads = jax.tree.map(jnp.add, head_grads, g_hp)
-            arrive = row["cotangent_arrive"]
-            waiting = store(waiting, (jnp.maximum(arrive, 0),), g_received, arrive >= 0)
-            waiting = store(waiting, (row["loss_slot"],), g_h, forward & exit_)
-            # The backward runs after the forward and the head: on the last virtual stage it may be the
-            # backward of the microbatch whose forward and loss this tick just ran (fused ticks).
-            backward, r, mb, slot = (row["backward" + part] for part in ("", "_chunk", "_microbatch", "_slot"))
-            backward = backward == BACKWARD
-            c = row["cotangent_slot"]
-            backward_args = (RingEntry(buffer, slot), index_tree(extras, mb), jnp.where(backward, counts[r], 0))
-            if split:  # zero bubble: B now, its cut into the saved ring; W from there at the tick the table gives
-                g_in, kept = chunk_backward_input(
-                    back_layer,
-                    params,
-                    r,
-                    *backward_args,
-                    index_leaf(waiting, c),
-                    kept,
-                    row["backward_saved"],
-                    plan.skip_empty,
-                )
-                w_r = row["weight_chunk"]
-                grads = chunk_backward_weight(
-                    back_layer,
-                    params,
-                    w_r,
-                    kept,
-                    row["weight_saved"],
-                    index_tree(extras, row["weight_microbatch"]),
-                    jnp.where(row["weight"] == WEIGHT, counts[w_r], 0),
-                    grads,
-                    index_leaf(buffer, 0)[0],
-                    plan.skip_empty,
-                )
-            else:
-                g_in, grads = chunk_backward(
-                    back_layer, params, r, *backward_args, index_leaf(waiting, c), grads, plan.skip_empty
-                )
-            g_xs = first_cotangent(backward & (stage == 0) & (r == 0), mb, g_in, g_xs, entry_blocks)
-            g_received = jax.lax.ppermute(g_in, ax.STAGE, back_ring)
-        received = jax.lax.ppermute(h, ax.STAGE, ring)
-        carry = (received, g_received, buffer, waiting, kept, grads, head_grads, g_xs, loss, weight, applied, stats)
-        return carry, None
+        exit_ = (stage == layout.stages - 1) & (r == layout.repeats - 1)  # the last virtual stage runs the head
+        blocks = self.head_weights.over_stage(self.head_params, t)  # every tick, outside the head's conditional
+        loss_i, weight_i, g_h, g_hp = self.head_step(forward & exit_, h, index_tree(self.head_inputs, mb), blocks)
+        carry = carry._replace(
+            buffer=buffer,
+            loss=loss + loss_i,
+            weight=carry.weight + weight_i,
+            applied=carry.applied + done,
+            stats=stats,
+        )
+        return carry, _Forwarded(h, inputs, forward, exit_, slot, g_h, g_hp, entry_blocks)
 
-    if entry is None:
-        zero_h = jnp.zeros_like(xs[0])
-
-        def first_input(on, mb, blocks):
-            return index_leaf(xs, mb)
-
-        def first_cotangent(on, mb, g_in, g_xs, blocks):
-            return write(g_xs, mb, g_in, on)
-
-    else:
-        zero_h = jnp.zeros(entry.h.shape, entry.h.dtype)
-        first_input, first_cotangent = entry.steps(xs, vary)
-    # K from the working copy, not the layout: the unpadded storage rounds a chunk's slots up to its gather
-    # (`sharding.pipeline.storage`), and the extra slots are empty (skipped, or computed as padding).
-    slots = slot_positions(params)
-    buffer = jnp.zeros((ticks.slots, slots if train else 1, *zero_h.shape), zero_h.dtype)
-    waiting = jnp.zeros((ticks.cotangent_slots, *zero_h.shape), zero_h.dtype) if train else None
-    kept = ()
-    if train and split:  # the saved ring: per entry, each slot position's cut (`sharding.pipeline.split`)
-        kept = cut_ring(back_layer, params, to_varying(zero_h, vary), index_tree(extras, 0), ticks.saved_slots)
-    zero = to_varying(jnp.zeros((), jnp.float32), vary)
-    init = to_varying(
-        (
-            zero_h,
-            zero_h if train else None,
-            buffer,
-            waiting,
-            kept,
-            grads,
-            head_grads,
-            (jnp.zeros_like(xs) if entry is None else entry.weights.zeros_over_stage(entry.params)) if train else None,
-        ),
-        vary,
-    )
-    stats = None
-    if objective_axes is not None:
-        stats = to_varying(jnp.zeros((objective_size - 1,), jnp.float32), objective_axes)
-    init = (*init, zero, zero, to_varying(jnp.zeros((), jnp.int32), ax.STAGE), stats)
-    carry, _ = jax.lax.scan(tick, init, jnp.arange(ticks.ticks))
-    _, _, _, _, _, grads, head_grads, g_xs, loss, weight, applied, stats = carry
-    return loss, weight, applied, grads, head_grads, g_xs, stats
+    def _backward(self, table: _StageTable, first_cotangent, carry: _Carry, row, fwd: _Forwarded):
+        """The tick's backward, after its forward and head: the chunk's inputs and the head's cotangent stored,
+        the received cotangent stored, the chunk's backward (zero bubble: its input gradient, and a weight
+        gradient where the table gives one). Returns the carry and the chunk input's cotangent, which `tick`
+        sends up the ring."""
+        stage, counts, skip = table.stage, table.counts, self.plan.skip_empty
+        buffer = store(carry.buffer, (fwd.slot,), fwd.inputs, fwd.forward)
+        head_grads = jax.tree.map(jnp.add, carry.head_grads, fwd.g_hp)
+        arrive = row["cotangent_arrive"]
+        waiting = store(carry.waiting, (jnp.maximum(arrive, 0),), carry.g_received, arrive >= 0)
+        waiting = store(waiting, (row["loss_slot"],), fwd.g_h, fwd.forward & fwd.exit_)
+        # The backward runs after the forward and the head: on the last virtual stage it may be the
+        # backward of the microbatch whose forward and loss this tick just ran (fused ticks).
+        backward, r, mb, slot = (row["backward" + part] for part in ("", "_chunk", "_microbatch", "_slot"))
+        backward = backward == BACKWARD
+        c = row["cotangent_slot"]
+        args = (RingEntry(buffer, slot), index_tree(self.extras, mb), jnp.where(backward, counts[r], 0))
+        kept, grads = carry.kept, carry.grads
+        if table.split:  # zero bubble: B now, its cut into the saved ring; W from there at the tick the table gives
+            g = index_leaf(waiting, c)
+            g_in, kept = chunk_backward_input(
+                self.back_layer, self.params, r, *args, g, kept, row["backward_saved"], skip
+            )
+            w_r = row["weight_chunk"]
+            grads = chunk_backward_weight(
+                self.back_layer,
+                self.params,
+                w_r,
+                kept,
+                row["weight_saved"],
+                index_tree(self.extras, row["weight_microbatch"]),
+                jnp.where(row["weight"] == WEIGHT, counts[w_r], 0),
+                grads,
+                index_leaf(buffer, 0)[0],
+                skip,
+            )
+        else:
+            g_in, grads = chunk_backward(self.back_layer, self.params, r, *args, index_leaf(waiting, c), grads, skip)
+        g_xs = first_cotangent(backward & (stage == 0) & (r == 0), mb, g_in, carry.g_xs, fwd.entry_blocks)
+        carry = carry._replace(buffer=buffer, waiting=waiting, kept=kept, grads=grads, head_grads=head_grads, g_xs=g_xs)
+        return carry, g_in
 
 
 def _loss_program(
@@ -538,25 +473,24 @@ def _loss_program(
                 grads = to_varying(jax.tree.map(lambda p, w: jnp.zeros(p.shape, w.dtype), params, stacked), vary)
         if train:
             head_grads = head_weights.zeros_over_stage(hp)
-        return _ticks(
+        loop = _TickLoop(
             layer,
+            back_layer,
             head,
             plan,
-            params,
             head_weights,
+            params,
             hp,
             xs,
             extras,
             head_inputs,
-            grads,
-            head_grads,
             train,
             vary,
-            back_layer,
             axes,
             max(objective, 1),
             entry,
         )
+        return loop.run(grads, head_grads)
 
     @jax.custom_vjp
     def program(stacked, head_params, entry_params, xs, extras, head_inputs):
@@ -586,50 +520,6 @@ def _loss_program(
 
     program.defvjp(forward, backward)
     return program
-
-
-def _edge_specs(params, names, par, setup: Setup, what: str):
-    """The `PartitionSpec` over the map's manual axes of each leaf of the head's or the entry's ``params``
-    (``names``: their logical names; None: replicated).
-
-    Raises:
-      ValueError: ``names`` not shaped as ``params``; a leaf split over a manual axis the microbatches are
-        not split over (``stage`` included: their gathers run inside one stage's conditional).
-    """
-    leaves, tree = jax.tree.flatten(params)
-    if names is None:
-        specs = [P()] * len(leaves)
-    else:
-        name_leaves = logical_leaves(names)
-        if len(name_leaves) != len(leaves):
-            raise ValueError(f"run_pipeline_loss: {len(name_leaves)} logical names for {len(leaves)} {what} parameters")
-        specs = [manual_spec(par, n, w.shape, setup.manual) for n, w in zip(name_leaves, leaves)]
-    check_split(specs, setup.weights.summed, par, setup.xs.shape[1], setup.data[1], skip_first=False)
-    return jax.tree.unflatten(tree, specs)
-
-
-def _over_stage(params, names, specs, par, setup: Setup):
-    """``(in_specs, stage_dims)`` for streamed head or entry weights (`HeadWeights.stage_dims`): per leaf its
-    `_edge_specs` spec with ``stage`` added as the state stores it (`spread_over_stage`, cut to the map's
-    manual axes) and the dimension that names it, where ``stage`` is that dimension's last axis and the rest
-    is the leaf's spec (so gathering over ``stage`` gives `_edge_specs`' block); else the spec and None."""
-    leaves, tree = jax.tree.flatten(params)
-    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
-    name_leaves = logical_leaves(names) if names is not None else [None] * len(leaves)
-    in_specs, dims = [], []
-    for w, spec, n in zip(leaves, spec_leaves, name_leaves):
-        full = P() if n is None else par.spec(tuple(n), w.shape)
-        staged = only_axes(spread_over_stage(full, w.shape, par.mesh_shape), setup.manual)
-        entries = [spec_axes(e) for e in staged]
-        dim = next((d for d, e in enumerate(entries) if ax.STAGE in e), None)
-        own = [spec_axes(e) for e in spec] + [()] * (len(entries) - len(spec))
-        if dim is not None and entries == [o + (ax.STAGE,) if d == dim else o for d, o in enumerate(own)]:
-            in_specs.append(staged)
-            dims.append(dim)
-        else:
-            in_specs.append(spec)
-            dims.append(None)
-    return jax.tree.unflatten(tree, in_specs), jax.tree.unflatten(tree, dims)
 
 
 def run_pipeline_loss(
@@ -711,10 +601,10 @@ def run_pipeline_loss(
     plan.tick_table()  # raises on a bad M
     setup = Setup.of(stacked, x, extras, par, names)
     weights = setup.weights
-    head_specs = _edge_specs(head_params, head_names, par, setup, "head")
+    head_specs = edge_specs(head_params, head_names, par, setup, "head")
     entry_specs = None
     if streams_entry:  # x holds the entry's inputs: the layers' compute dtype is that of the entry's output
-        entry_specs = _edge_specs(entry_params, entry_names, par, setup, "entry")
+        entry_specs = edge_specs(entry_params, entry_names, par, setup, "entry")
         h = jax.eval_shape(lambda p, inputs: entry_fn(par, p, inputs), entry_params, x)
         weights = dataclasses.replace(weights, dtype=h.dtype)
     else:
@@ -722,10 +612,10 @@ def run_pipeline_loss(
     head_inputs = jax.tree.map(lambda e: to_microbatches(e, plan.microbatches), tuple(head_inputs))
     head_in, head_dims = head_specs, None
     if plan.streams_head:
-        head_in, head_dims = _over_stage(head_params, head_names, head_specs, par, setup)
+        head_in, head_dims = over_stage_specs(head_params, head_names, head_specs, par, setup)
     entry_in, entry_dims = entry_specs, None
     if streams_entry:
-        entry_in, entry_dims = _over_stage(entry_params, entry_names, entry_specs, par, setup)
+        entry_in, entry_dims = over_stage_specs(entry_params, entry_names, entry_specs, par, setup)
     program = _loss_program(
         layer_fn,
         head_fn,

@@ -21,7 +21,7 @@ and ``tensor`` stay automatic, so GSPMD still partitions every layer over them
 as the logical rules say. Each device runs its own rows of every microbatch.
 
 Weights once per step (``--pipeline-gather once``; ``microbatch`` gathers one block of layers at a time
-inside each step's chunk pass instead, `sharding.pipeline.program.Streamed`). Before the step loop each
+inside each step's chunk pass instead, `sharding.pipeline.weights.Streamed`). Before the step loop each
 device all-gathers its
 stage's FSDP-shards of every slot, in the compute dtype (the activations'),
 and after the backward loop it reduce-scatters the layer gradients it summed
@@ -62,22 +62,18 @@ from jax.sharding import PartitionSpec as P
 
 from sharding import axes as ax
 from sharding.parallel import to_varying
-from sharding.pipeline.layout import PipelinePlan
-from sharding.pipeline.program import (
+from sharding.pipeline.buffers import (
     RingEntry,
-    Setup,
-    Weights,
-    chunk_backward,
-    chunk_forward,
     from_microbatches,
     index_leaf,
     index_tree,
-    manual_axes,
-    stage_varying,
-    sum_over_stages,
     with_objective_cotangent,
     write,
 )
+from sharding.pipeline.layout import PipelinePlan
+from sharding.pipeline.program import Setup, chunk_backward, chunk_forward, manual_axes, stage_varying, sum_over_stages
+from sharding.pipeline.traffic import PipelineTraffic
+from sharding.pipeline.weights import Weights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,7 +169,8 @@ def _pipeline_forward(
         to_varying(jnp.zeros((), jnp.int32), ax.STAGE),
         objective,
     )
-    (_, _, outputs, applied, objective), saved = jax.lax.scan(step, init, jnp.arange(plan.steps))
+    trips = PipelineTraffic.of_plan(plan).trips  # R*M + S - 1 steps, each sending the activations down the ring
+    (_, _, outputs, applied, objective), saved = jax.lax.scan(step, init, jnp.arange(trips))
     return outputs, applied, objective, saved
 
 
@@ -227,7 +224,8 @@ def _pipeline_backward(layer_fn, plan: PipelinePlan, params, extras, saved, g_ou
 
     zeros = jnp.zeros_like(g_outputs)
     init = (zeros[0], zeros if repeats > 1 else None, grads, zeros)
-    (_, _, grads, g_xs), _ = jax.lax.scan(step, init, jnp.arange(plan.steps), reverse=True)
+    trips = PipelineTraffic.of_plan(plan).trips  # as many, each sending the input's cotangent up the ring
+    (_, _, grads, g_xs), _ = jax.lax.scan(step, init, jnp.arange(trips), reverse=True)
     return grads, g_xs
 
 
@@ -253,7 +251,7 @@ def _pipeline_program(layer_fn, plan: PipelinePlan, par, weights: Weights, remat
     batch axes manual, `sharding.parallel.Parallelism.inside`), made while
     tracing the forward and the backward pass alike. With ``objective`` the forward pass sums the layers'
     objectives and the backward pass differentiates them at their output's cotangent
-    (`sharding.pipeline.program.with_objective_cotangent`).
+    (`sharding.pipeline.buffers.with_objective_cotangent`).
     """
     repeats = plan.layout.repeats
     vary = (ax.STAGE, *weights.summed)

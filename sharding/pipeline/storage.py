@@ -22,7 +22,7 @@ of each of the stage's rows, so the per-microbatch gather assembles one layer at
 those axes) and returns one layer's gradient (a reduce-scatter), instead of a block of ``G`` whole layers,
 one from each device. The state per device is the same (up to the rounding of ``q``).
 
-Gathering once per step (`sharding.pipeline.program.Weights`): each device sends the rows it stores for
+Gathering once per step (`sharding.pipeline.weights.Weights`): each device sends the rows it stores for
 others with one `jax.lax.ppermute` over ``(stage, *groups)`` per distance that moves any, appends what it receives to its
 own rows, picks its slots from them (a gather of at most ``R*K'/G`` rows, in the compute dtype) and
 all-gathers the pieces over the group axes into the ``[repeats, slots, ...]`` working copy (the empty slots

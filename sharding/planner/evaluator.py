@@ -23,7 +23,7 @@ from sharding import costmodel as cm
 from sharding.errors import ConfigError, Field
 from sharding.mesh import format_mesh, grid_positions
 from sharding.parallel import CONTIGUOUS, Accumulation, Parallelism, UnevenBatch
-from sharding.pipeline.layout import PipelinePlan, bubble_fraction, pipeline_rules, plan_layout
+from sharding.pipeline.layout import PipelinePlan, Schedule, bubble_fraction, pipeline_rules, plan_layout
 from sharding.pipeline.ticks import tick_time
 
 #: Share of a device's memory a plan may use; the rest is left to the runtime, the allocator's
@@ -37,7 +37,11 @@ MEMORY_FRACTION = 0.85
 #: backward products per forward product (1 + 3). Zero bubble's input gradient recomputes the forward and
 #: runs the input-gradient products (2); its weight gradient runs the weight-gradient products alone, from
 #: each product's input and output cotangent the input gradient kept (1, `sharding.pipeline.split`): 1 + 2 + 1.
-TICK_SHARES = {"lockstep": (0.25, 0.75, 0.0), "fused": (0.25, 0.75, 0.0), "zb": (0.25, 0.5, 0.25)}
+TICK_SHARES = {
+    Schedule.ONE_F_ONE_B: (0.25, 0.75, 0.0),
+    Schedule.FUSED: (0.25, 0.75, 0.0),
+    Schedule.ZERO_BUBBLE: (0.25, 0.5, 0.25),
+}
 
 #: How a 1F1B pipeline is priced. ``lockstep``: meshwork's schedules as they run, one SPMD program whose
 #: ticks each last as long as the busiest stage's work in the tick, read from the schedule's tick table
@@ -169,9 +173,8 @@ class Plan:
             lay.attention,
             lay.stage_layers,
             lay.pipeline_repeats,
-            lay.one_f_one_b,
+            lay.pipeline_schedule,
             lay.pipeline_gather,
-            lay.tick_schedule,
             self.counts,
             lay.context_shares,
         )
@@ -191,9 +194,7 @@ class Plan:
             strategy = PipelinePlan(
                 stages,
                 lay.microbatches,
-                one_f_one_b=lay.one_f_one_b,
-                fused=lay.one_f_one_b and lay.tick_schedule == "fused",
-                zero_bubble=lay.one_f_one_b and lay.tick_schedule == "zb",
+                schedule=lay.pipeline_schedule,
                 gather=lay.pipeline_gather,
             )
             rules = pipeline_rules(rules)
@@ -503,7 +504,7 @@ class _Evaluator:
         m, r = layout.microbatches, layout.pipeline_repeats
         try:
             plan_layout(sum(stages), mesh[ax.STAGE], r, stages)
-            table = cm.tick_table(layout.tick_schedule, mesh[ax.STAGE], m, r) if layout.one_f_one_b else None
+            table = cm.tick_table(layout.pipeline_schedule, mesh[ax.STAGE], m, r)
         except ValueError:
             return None
         slots = max(stages)
@@ -514,10 +515,10 @@ class _Evaluator:
                 devices.append((f"{kind.name}/stage{s}", cost, st))
                 chunk[s] = max(chunk[s], (st.total - st.optimizer) / (r * m))  # one chunk's forward + backward
         busy = max(st.total - st.optimizer for _, _, st in devices)  # the slowest stage's R*M chunks
-        if layout.one_f_one_b and self.options.one_f_one_b_clock == "fused":
+        if layout.pipeline_schedule.one_f_one_b and self.options.one_f_one_b_clock == "fused":
             busy *= 1 + (mesh[ax.STAGE] - 1) / (r * m)
-        elif layout.one_f_one_b:
-            shares = TICK_SHARES[layout.tick_schedule]
+        elif layout.pipeline_schedule.one_f_one_b:
+            shares = TICK_SHARES[layout.pipeline_schedule]
             busy = tick_time(table, *([share * c for c in chunk] for share in shares))
         else:
             busy /= 1.0 - bubble_fraction(mesh[ax.STAGE], m, r)
@@ -536,8 +537,7 @@ class _Evaluator:
             layout.microbatches,
             layout.remat,
             layout.pipeline_repeats,
-            layout.one_f_one_b,
-            layout.tick_schedule,
+            layout.pipeline_schedule,
             layout.pipeline_gather,
             layout.attention,
             layout.dtype,

@@ -76,7 +76,7 @@ def why_lost(p: Plan, best: Plan) -> str:
             "optimizer": "larger optimizer shard",
             "bubble": (
                 f"{p.layout.pipeline_schedule} ticks and bubble {p.parts['bubble'] / p.step_time:.0%}"
-                if p.layout.one_f_one_b
+                if p.layout.pipeline_schedule.one_f_one_b
                 else f"pipeline bubble {p.parts['bubble'] / p.step_time:.0%}"
             ),
         }[name]
@@ -107,7 +107,7 @@ def format_table(plans: Sequence[Plan]) -> list[str]:
                 + ",".join(map(str, lay.stage_layers))
                 + (f" x{lay.pipeline_repeats}" if lay.pipeline_repeats > 1 else "")
             )
-            split += f" {lay.pipeline_schedule}" if lay.one_f_one_b else ""
+            split += f" {lay.pipeline_schedule}" if lay.pipeline_schedule.one_f_one_b else ""
             split += " gather/mb" if lay.pipeline_gather == "microbatch" else ""
             if p.stage_kinds is not None and len(set(p.stage_kinds)) > 1:
                 split += " on " + stage_holders(p.stage_kinds)

@@ -28,7 +28,7 @@ from sharding.costmodel.context import context_groups
 from sharding.errors import ConfigError, Field, FieldText
 from sharding.mesh import format_mesh
 from sharding.modeldesc import AttentionTraits, ModelDescription
-from sharding.pipeline.layout import plan_layout
+from sharding.pipeline.layout import parse_schedule, plan_layout
 from sharding.planner.evaluator import Plan, PlanOptions, _Cluster, _Evaluator
 from sharding.splits import largest_remainder, min_max_assign
 
@@ -394,18 +394,14 @@ def _price(ev: _Evaluator, layout: cm.Layout, tag: str) -> Plan | None:
     return min(fitting, key=lambda p: p.step_time) if fitting else last
 
 
-#: The 1F1B-family schedules (``--pipeline-schedule``) and their tick tables (`cm.Layout.tick_schedule`).
-_TICKS = {"1f1b": "lockstep", "1f1b-fused": "fused", "zb": "zb"}
-
-
 def _one_f_one_b(ev: _Evaluator, gpipe: Plan) -> list[Plan | None]:
     """``gpipe``'s layout under each 1F1B-family schedule `PlanOptions.schedules` allows (``1f1b``,
     ``1f1b-fused``, ``zb``), priced from their tick tables (`_Evaluator._pipeline`); None where the run
     refuses the schedule (zero bubble with repeats, interleaved 1F1B with M not a multiple of S)."""
     return [
-        ev.uniform(dataclasses.replace(gpipe.layout, one_f_one_b=True, tick_schedule=_TICKS[name]))
-        for name in ev.options.schedules
-        if name in _TICKS
+        ev.uniform(dataclasses.replace(gpipe.layout, pipeline_schedule=schedule))
+        for schedule in map(parse_schedule, ev.options.schedules)
+        if schedule.one_f_one_b
     ]
 
 
@@ -566,7 +562,7 @@ def brute_force(
             for counts in _kind_counts(ev, layout):
                 yield ev.uneven(layout, counts, global_batch / sum(counts))
         else:  # GPipe's best fitting split by its clock alone, a Plan only where more schedules derive from it
-            more = any(name in _TICKS for name in ev.options.schedules)
+            more = any(parse_schedule(name).one_f_one_b for name in ev.options.schedules)
             best: tuple[float, cm.Layout] | None = None
             streamed: tuple[float, cm.Layout] | None = None  # GPipe gathering per microbatch (more is False)
             for split in _compositions(ev.model.num_layers, layout.mesh[ax.STAGE], max_splits):

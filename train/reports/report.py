@@ -12,11 +12,12 @@ import numpy as np
 from models import attention_registry
 from sharding import axes as ax
 from sharding import hlo
+from sharding.dispatch import expert_dispatch
 from sharding.hlo import branch_collectives
 from sharding.mesh import crossing_axes, format_mesh
-from sharding.modeldesc import expert_dispatch
 from sharding.parallel import spec_axes, spec_entry
 from sharding.pipeline import head_parallelism, plan_layout
+from sharding.pipeline.layout import Schedule
 from sharding.pipeline.storage import feature_devices, layout_from_meta
 from sharding.vocab import choose_for_batch, output_traffic, tokens_per_device, vocab_split
 from train.reports.fit import check_compiled, step_peak
@@ -201,7 +202,7 @@ def weight_gather_line(trainer) -> str:
     if trainer.par.pipeline.gather == "microbatch":
         again = (
             "in the input-gradient and again in the weight-gradient pass"
-            if trainer.par.pipeline.zero_bubble
+            if trainer.par.pipeline.schedule is Schedule.ZERO_BUBBLE
             else "backward"
         )
         names = jax.tree.leaves(trainer.state_layout.param_names["layers"], is_leaf=lambda x: isinstance(x, tuple))
@@ -254,7 +255,7 @@ def schedule_memory_line(plan) -> str:
         )
     ticks = plan.tick_table()
     chunk = "microbatches" if layout.repeats == 1 else "chunk inputs"
-    if plan.zero_bubble:
+    if plan.schedule is Schedule.ZERO_BUBBLE:
         return (
             f"  saved for the backward pass: a ring of {ticks.slots} microbatches x {k} slot inputs per device "
             f"(the other schedules keep {plan.steps} x {k}) and a ring of {ticks.saved_slots} x {k} slots of what "
@@ -262,7 +263,7 @@ def schedule_memory_line(plan) -> str:
             f"loop of {ticks.ticks} ticks, each a forward, an input gradient and a weight gradient per stage (any "
             f"may idle), the input gradient recomputing its layers; the loss runs on stage {s - 1} inside it"
         )
-    if plan.fused:
+    if plan.schedule is Schedule.FUSED:
         return (
             f"  saved for the backward pass: a ring of {ticks.slots} {chunk} x {k} slot inputs per device (the "
             f"other schedules keep {plan.steps} x {k}); one loop of {ticks.ticks} ticks, each a chunk's forward "
@@ -292,8 +293,8 @@ def pipeline_lines(trainer, note: str | None = None) -> list[str]:
     schedule = "GPipe" if r == 1 else f"circular, {r} repeats (chunks per stage)"
     if plan.one_f_one_b:
         schedule = "1F1B (PipeDream-Flush)" + ("" if r == 1 else f", interleaved, {r} chunks per stage")
-        schedule += ", fused ticks (a forward and a backward per tick)" if plan.fused else ""
-        if plan.zero_bubble:
+        schedule += ", fused ticks (a forward and a backward per tick)" if plan.schedule is Schedule.FUSED else ""
+        if plan.schedule is Schedule.ZERO_BUBBLE:
             schedule = "zero bubble (ZB-H1: fused 1F1B ticks, the weight gradient deferred)"
     lines.append(
         f"pipeline: {schedule} over stage={s}, {m} microbatches through {trainer.config.num_layers} layers; bubble "

@@ -20,7 +20,9 @@ from sharding.mesh import format_mesh, parse_axis_sizes
 from sharding.parallel import Accumulation, Parallelism, UnevenBatch
 from sharding.pipeline import (
     PipelinePlan,
+    Schedule,
     example_split,
+    parse_schedule,
     parse_stage_layers,
     pipeline_rules,
     plan_layout,
@@ -234,8 +236,9 @@ def pipeline_plan(args, stages: int, num_layers: int) -> PipelinePlan:
       ValueError: ``--pipeline-repeats`` that does not fit the schedule, or as
         `sharding.pipeline.plan_layout`; naming the flag, its value and one that works.
     """
-    circular = args.pipeline_schedule == "circular"
-    one_f_one_b = args.pipeline_schedule in ("1f1b", "1f1b-fused", "zb")
+    schedule = parse_schedule(args.pipeline_schedule)
+    circular = schedule is Schedule.CIRCULAR
+    one_f_one_b = schedule.one_f_one_b
     repeats = args.pipeline_repeats or (2 if circular else 1)
     if one_f_one_b and repeats < 1:
         raise ValueError(f"--pipeline-repeats {repeats}: must be at least 1 (1f1b; more is interleaved 1F1B)")
@@ -275,11 +278,9 @@ def pipeline_plan(args, stages: int, num_layers: int) -> PipelinePlan:
     return PipelinePlan(
         layout,
         args.microbatches,
-        one_f_one_b=one_f_one_b,
+        schedule=schedule,
         measure_stages=measure,
-        fused=args.pipeline_schedule == "1f1b-fused",
         gather=args.pipeline_gather,
-        zero_bubble=args.pipeline_schedule == "zb",
     )
 
 
