@@ -123,13 +123,15 @@ def parse_schedule(text: str | Schedule) -> Schedule:
     """A ``--pipeline-schedule`` value (or a config file's ``pipeline_schedule``) as its `Schedule`.
 
     Raises:
-      ValueError: a value not in `SCHEDULES`, with the text the command line prints for it.
+      ConfigError: a value not in `SCHEDULES`, naming the field (the command line prints argparse's text for it).
     """
     try:
         return Schedule(text)
     except ValueError:
         choices = ", ".join(map(repr, SCHEDULES))
-        raise ValueError(f"argument --pipeline-schedule: invalid choice: {text!r} (choose from {choices})") from None
+        raise ConfigError(
+            "argument ", Field("pipeline_schedule"), f": invalid choice: {text!r} (choose from {choices})"
+        ) from None
 
 
 GATHERS = ("once", "microbatch")
