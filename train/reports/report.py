@@ -43,11 +43,7 @@ def startup_lines(config, preset: str, mesh, rules, report, num_params_built: in
             f"mixture of experts: {config.num_moe_layers} of {config.num_layers} layers, {config.num_experts} experts "
             f"(top-{config.experts_per_token}), {config.num_experts // split} per device over expert={split}; "
             f"{active:,} active parameters per token ({human_count(active)}); dispatch: "
-            + {
-                "ring": "all-gather / reduce-scatter over expert (dropless)",
-                "all_to_all": f"all-to-all over expert (capacity factor {config.capacity_factor:g})",
-                "local": "local (no expert parallelism)",
-            }[expert_dispatch(config.capacity_factor, config.experts_per_token, split)]
+            + expert_dispatch(config.capacity_factor, config.experts_per_token, split).describe(config.capacity_factor)
         )
     crossing = crossing_axes(mesh)
     if crossing:
