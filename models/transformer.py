@@ -12,8 +12,8 @@ one device) and hands it to each layer. When its strategy is a pipeline (a
 ``stage`` mesh axis larger than one), the stacked parameters are in the
 pipeline layout ``[stage, slot, ...]`` instead (`init_params` with
 ``layer_table``) and `Transformer.run_layers` hands the per-layer function and
-the stack to `sharding.pipeline.run_pipeline`, and `Transformer.loss_sums` hands it with the final norm,
-output projection and loss as the head to `sharding.pipeline.run_pipeline_loss` (which the 1F1B
+the stack to `sharding.pipeline.schedule.run_pipeline`, and `Transformer.loss_sums` hands it with the final norm,
+output projection and loss as the head to `sharding.pipeline.onef1b.run_pipeline_loss` (which the 1F1B
 schedule runs inside the pipeline; after a gpipe or circular pipeline the head runs on 1/S of the rows
 per stage, `sharding.pipeline.head_parallelism`); the model itself never names a mesh axis.
 """
@@ -271,7 +271,7 @@ class Transformer(nnx.Module):
     def _pipelined_loss_sums(
         self, tokens, targets, weights, positions, segment_ids, par: Parallelism, with_stats: bool = False
     ):
-        """`loss_sums` through `sharding.pipeline.run_pipeline_loss`: the final norm, output projection and
+        """`loss_sums` through `sharding.pipeline.onef1b.run_pipeline_loss`: the final norm, output projection and
         loss are its head, which the 1F1B schedule runs on the last stage inside the pipeline. With
         ``with_stats`` (a mixture of experts), ``(loss_sum, weight_sum, stats)`` as `pipelined_loss_stats`. The
         token embedding is its entry: run on the whole batch first, or per microbatch on the first stage where
@@ -525,7 +525,7 @@ class Transformer(nnx.Module):
 
 
 def _pipeline_layer(graphdef):
-    """One block as `sharding.pipeline.run_pipeline`'s layer function ``(par, layer_state, h, positions,
+    """One block as `sharding.pipeline.schedule.run_pipeline`'s layer function ``(par, layer_state, h, positions,
     segment_ids) -> h``."""
 
     def layer(stage_par, layer_state, h, positions, segment_ids):
@@ -535,7 +535,7 @@ def _pipeline_layer(graphdef):
 
 
 def _pipeline_moe_layer(graphdef, config: ModelConfig):
-    """One mixture-of-experts block as a pipeline layer with an objective (`sharding.pipeline.run_pipeline_loss`
+    """One mixture-of-experts block as a pipeline layer with an objective (`sharding.pipeline.onef1b.run_pipeline_loss`
     with ``objective``): ``(par, layer_state, h, positions, segment_ids, loss_mask, batch_axes) -> (h,
     objective)``.
 

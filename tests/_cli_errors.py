@@ -2,7 +2,7 @@
 
 The library's errors name configuration fields (`sharding.errors.ConfigError`); the entry points print them
 with each field spelled as its flag (`train.setup.flagnames.render`). A test that calls a library function (or
-`train.cli.parse`, which passes the library's errors on) and checks the text a user would see uses
+`train.setup.cli.parse`, which passes the library's errors on) and checks the text a user would see uses
 `raises_as_cli` where it would use ``pytest.raises``, and `as_printed` for a ``log`` whose lines it reads.
 """
 

@@ -591,7 +591,7 @@ def pipeline_rules(rules):
 def head_parallelism(par):
     """The layout of the work after the pipeline (final norm, output projection, loss): rows over ``stage`` too.
 
-    `sharding.pipeline.run_pipeline` hands every stage the last stage's outputs ``[batch, length, embed]``,
+    `sharding.pipeline.schedule.run_pipeline` hands every stage the last stage's outputs ``[batch, length, embed]``,
     the rows split over the batch axes (``data``, ``fsdp``) only. Computed under ``par`` as is, the head
     would run on every stage for all of those rows: S times the work it needs. Under this variant
     ``batch`` maps to its axes and then ``stage``, so each stage keeps 1/S of its rows (a slice of what

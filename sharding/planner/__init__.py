@@ -7,7 +7,7 @@ kinds, the network), the global batch and the sequence length, `plan` searches
   device count; each ``tensor`` (and ``sequence``) group inside one host, hence one kind;
 * the rules preset (``dp``, ``fsdp``, ``tp``, ``fsdp_tp``), the attention implementation,
   microbatches and the remat policy;
-* per-kind batch shares (uneven data parallelism, `train.hetero`): each device runs a number of
+* per-kind batch shares (uneven data parallelism, `train.strategies.uneven`): each device runs a number of
   microbatches proportional to its kind's speed, then refined on the cost model;
 * stage splits (pipeline): layers per stage proportional to the speed of the kind that holds the
   stage, then moved one at a time while that lowers the predicted step time, within each kind's

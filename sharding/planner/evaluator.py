@@ -70,7 +70,7 @@ class PlanOptions:
       max_microbatches: Largest number of microbatches (per device, uniform) to try; None: every divisor of
         the rows a data-parallel device holds (a pipeline's from its stages up to
         `sharding.planner.search.PIPELINE_MICROBATCHES_PER_STAGE` per stage, at least 64).
-      pipeline: Whether to try ``stage > 1`` (the pipeline flags of train.py).
+      pipeline: Whether to try ``stage > 1`` (`train.setup.layout_flags.PIPELINE_FLAGS`).
       max_stages: Largest ``stage`` to try (None: up to the layers).
       repeats: Circular pipeline repeats to try.
       schedules: Pipeline schedules to use (``--pipeline-schedule`` values): ``gpipe`` (circular with
