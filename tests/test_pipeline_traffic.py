@@ -2,6 +2,7 @@
 table, read by the stage programs and priced by the cost model. No devices."""
 
 import pytest
+from _cli_errors import raises_as_cli
 
 from models.config import get_config
 from sharding import costmodel as cm
@@ -62,7 +63,7 @@ def test_the_plan_and_the_cost_model_read_the_same_description():
 
 
 def test_an_unknown_schedule_is_refused_with_the_flags_text():
-    with pytest.raises(ValueError, match=r"argument --pipeline-schedule: invalid choice: 'pipedream'"):
+    with raises_as_cli(ValueError, match=r"argument --pipeline-schedule: invalid choice: 'pipedream'"):
         tr.PipelineTraffic.of("pipedream", 4, 8)
 
 
