@@ -68,6 +68,11 @@ Part = str | Field
 """One piece of a `ConfigError` message: literal text, or a reference to a field."""
 
 
+def _joined(parts: tuple[Part, ...], name: Callable[[Field], str]) -> str:
+    """``parts`` as one text, each field reference written as ``name(field)`` returns."""
+    return "".join(part if isinstance(part, str) else name(part) for part in parts)
+
+
 class ConfigError(ValueError):
     """A refused configuration: a `ValueError` whose message names fields, not flags.
 
@@ -85,7 +90,7 @@ class ConfigError(ValueError):
 
     def render(self, name: Callable[[Field], str]) -> str:
         """The message with each field reference written as ``name(field)`` returns."""
-        return "".join(part if isinstance(part, str) else name(part) for part in self.parts)
+        return _joined(self.parts, name)
 
     def __str__(self) -> str:
         return self.render(str)
@@ -105,13 +110,13 @@ class FieldText(str):
     parts: tuple[Part, ...]
 
     def __new__(cls, *parts: Part) -> FieldText:
-        text = super().__new__(cls, "".join(map(str, parts)))
+        text = super().__new__(cls, _joined(parts, str))
         text.parts = tuple(parts)
         return text
 
     def render(self, name: Callable[[Field], str]) -> str:
         """The text with each field reference written as ``name(field)`` returns."""
-        return "".join(part if isinstance(part, str) else name(part) for part in self.parts)
+        return _joined(self.parts, name)
 
 
 def with_context(error: Exception, before: str = "", after: str = "") -> ValueError:
