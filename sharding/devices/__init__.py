@@ -28,7 +28,9 @@ from sharding.devices.inventory import Host, Inventory
 from sharding.devices.kinds import (
     ALIASES,
     DEFAULT_INTER_HOST_BANDWIDTH,
-    FITTED_EFFICIENCY,
+    ATTENTION_BENCHMARKS,
+    GEMM_BENCHMARKS,
+    SM_COUNTS,
     KINDS,
     DeviceKind,
     get_kind,
@@ -47,7 +49,9 @@ from sharding.devices.spec import (
 
 __all__ = [
     "DEFAULT_INTER_HOST_BANDWIDTH",
-    "FITTED_EFFICIENCY",
+    "ATTENTION_BENCHMARKS",
+    "GEMM_BENCHMARKS",
+    "SM_COUNTS",
     "KINDS",
     "ALIASES",
     "DeviceKind",
