@@ -1,6 +1,7 @@
 """The cost model's clock: collectives as NCCL runs them, FSDP gathers in the compute dtype, and the fitted
 efficiency per device kind. No devices and no compiles: the clock prices descriptions."""
 
+import dataclasses
 import math
 
 import pytest
@@ -94,27 +95,64 @@ def test_fsdp_gathers_move_the_compute_dtype_on_gpu():
     assert sum(c.total_bytes for c in f32.comms if c.what.startswith("gather layers")) == pytest.approx(gathers("cpu"))
 
 
-def test_fitted_efficiency_is_data_with_its_source():
-    """A100 and H100 carry the efficiency fitted on published runs (bench/published.py), with the runs named;
-    the clock then prices products at it and elementwise work at the memory bandwidth. ``--efficiency`` (an
-    explicit figure) and kinds without a fit keep one efficiency for all the step's work."""
-    for name in ("a100_80gb", "h100_sxm"):
+def test_measured_fractions_are_data_with_their_source():
+    """A100 and H100 carry their SMs and the matmul and attention fractions measured by published benchmarks
+    (not fitted to training runs), with the benchmark named; ``--efficiency`` still prices all the step's work
+    at one figure; a kind without a measurement gets the stated defaults."""
+    for name, sms in (("a100_80gb", 108), ("h100_sxm", 132)):
         kind = devices.get_kind(name)
-        value, source = devices.FITTED_EFFICIENCY[name]
-        assert kind.matmul_efficiency == value and kind.efficiency_source == source and "bench/published.py" in source
-    fitted, given = _hw(), _hw(0.5)
-    assert fitted.efficiency == A100.matmul_efficiency and fitted.elementwise_bytes == cm.ELEMENTWISE_BYTES_PER_FLOP
+        assert kind.sm_count == sms and kind.gemm_fraction == devices.GEMM_BENCHMARKS[name][0]
+        assert "mamf" in kind.efficiency_source.lower() and "FlashAttention" in kind.efficiency_source
+    shapes, given = _hw(), _hw(0.5)
+    assert shapes.efficiency is None and shapes.elementwise_bytes == cm.ELEMENTWISE_BYTES_PER_FLOP
+    assert shapes.sm_count == 108 and shapes.gemm_fraction == 0.859 and shapes.gemm_tile == (256, 128)
     assert given.efficiency == 0.5 and given.elementwise_bytes is None
-    unfitted = cm.hardware_for(devices.get_kind("l40s"), 8, 50e9)
-    assert unfitted.efficiency == cm.DEFAULT_EFFICIENCY and unfitted.elementwise_bytes is None
-    model = describe(get_config("test"))
-    cost = cm.estimate(model, 16, 64, cm.Layout({"data": 8}, "dp", 1, "none", attention="flash", dtype="bfloat16"))
-    links = cm.link_classes({"data": 8}, 8)
-    f = cost.flops
-    assert cm.step_time(cost, fitted, links).compute == pytest.approx(
-        (f.matmul + f.optimizer) / (A100.peak_bf16_flops * fitted.efficiency)
-        + f.elementwise * cm.ELEMENTWISE_BYTES_PER_FLOP / A100.memory_bandwidth
+    l40s = cm.hardware_for(devices.get_kind("l40s"), 8, 50e9)
+    assert l40s.gemm_fraction == devices.kinds.DEFAULT_GEMM_FRACTION and l40s.sm_count == 142
+    with pytest.raises(ValueError, match="gemm_fraction"):
+        devices.DeviceKind("x", "x", 1e12, 1e9, 1e9, 1e9, "test", gemm_fraction=1.5)
+
+
+def test_a_gemm_by_hand():
+    """An [8192, 8192] x [8192, 8192] product on an H100 SXM: tiles of 128 x 256 make 64 x 32 = 2,048 tiles,
+    ceil(2048 / 132) = 16 waves of 2 x 128 x 256 x 8192 FLOPs per SM at 989.5e12 x 0.801 / 132 FLOP/s, plus one
+    launch; the same product one row taller pays a 65th row of tiles (tile quantisation); a thin one (m = 16)
+    has 32 tiles, k split 4 ways over the idle SMs, and is memory-bound: its bytes at 90% of 3.35 TB/s."""
+    hw = cm.hardware_for(devices.get_kind("h100"), 8, 400e9)
+    assert hw.gemm_tile == (128, 256) and hw.sm_count == 132
+    per_sm = 1979e12 / 2 * 0.801 / 132  # the datasheet's 1,979 with sparsity, halved
+    big = cm.Gemm(8192, 8192, 8192, 1)
+    expected = 16 * 2 * 128 * 256 * 8192 / per_sm + cm.GEMM_LAUNCH_SECONDS
+    assert cm.gemm_seconds(big, hw) == pytest.approx(expected, rel=1e-12)
+    taller = cm.Gemm(8193, 8192, 8192, 1)  # 65 x 32 = 2,080 tiles: still 16 waves (2,112 slots)
+    assert cm.gemm_seconds(taller, hw) == pytest.approx(expected, rel=1e-12)
+    much_taller = cm.Gemm(8192 + 128 * 3, 8192, 8192, 1)  # 67 x 32 = 2,144 tiles: a 17th wave
+    assert cm.gemm_seconds(much_taller, hw) == pytest.approx(
+        17 * 2 * 128 * 256 * 8192 / per_sm + cm.GEMM_LAUNCH_SECONDS, rel=1e-12
     )
-    assert cm.step_time(cost, given, links).compute == pytest.approx(f.total / (A100.peak_bf16_flops * 0.5))
-    with pytest.raises(ValueError, match="matmul_efficiency"):
-        devices.DeviceKind("x", "x", 1e12, 1e9, 1e9, 1e9, "test", matmul_efficiency=1.5)
+    thin = cm.Gemm(16, 8192, 8192, 1)
+    assert 2 * 128 * 256 * 8192 / 4 / per_sm < 2 * 8192 * 8192 / (3.35e12 * 0.9)  # split-K: memory-bound
+    memory = 2 * (16 * 8192 + 8192 * 8192 + 16 * 8192) / (3.35e12 * 0.9)
+    assert cm.gemm_seconds(thin, hw) == pytest.approx(memory + cm.GEMM_LAUNCH_SECONDS, rel=1e-12)
+
+
+def test_compute_is_the_sum_of_its_products():
+    """The step's compute from the shapes: its products one by one (`Cost.gemms`, which cover the weight
+    products' FLOPs exactly), the flash kernel's FLOPs at the kind's attention fraction, the elementwise work at
+    2 bytes a FLOP over 90% of the memory bandwidth."""
+    model = describe(get_config("test"))
+    layout = cm.Layout({"data": 8}, "dp", 1, "none", attention="flash", dtype="bfloat16")
+    cost = cm.estimate(model, 16, 64, layout)
+    f, hw = cost.flops, _hw()
+    covered = sum(g.flops * g.count for g in cost.gemms)
+    assert covered == pytest.approx(f.layers + f.logits)  # flash attention's products are the kernel's
+    expected = (
+        sum(cm.gemm_seconds(g, hw) * g.count for g in cost.gemms)
+        + f.attention / (A100.peak_bf16_flops * 0.58)
+        + f.elementwise * 2 / (A100.memory_bandwidth * 0.9)
+    )
+    links = cm.link_classes({"data": 8}, 8)
+    assert cm.step_time(cost, hw, links).compute == pytest.approx(expected)
+    assert cm.step_time(cost, _hw(0.5), links).compute == pytest.approx(f.total / (A100.peak_bf16_flops * 0.5))
+    full = cm.estimate(model, 16, 64, dataclasses.replace(layout, remat="full", attention="reference"))
+    assert sum(g.flops * g.count for g in full.gemms) == pytest.approx(full.flops.matmul)

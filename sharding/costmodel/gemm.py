@@ -12,7 +12,9 @@ share of the kind's tensor-core peak times the fraction large, well-shaped produ
 (`Hardware.gemm_fraction`: the best measured matmul over the datasheet peak). A product whose arithmetic
 intensity (FLOPs per byte of ``A``, ``B`` and ``C`` in the compute dtype) is below the device's
 FLOP/s-to-bandwidth ratio waits on HBM instead: its time is the larger of the two (a roofline, Williams,
-Waterman and Patterson, CACM 2009). Every product also pays one kernel launch (`GEMM_LAUNCH_SECONDS`).
+Waterman and Patterson, CACM 2009). A product with fewer tiles than SMs has its ``k`` split over the idle SMs
+(split-K, CUTLASS's ``GemmSplitKParallel`` and cuBLAS's heuristics for such shapes), in slices of at least
+`SPLIT_K_MIN`. Every product also pays one kernel launch (`GEMM_LAUNCH_SECONDS`).
 
 Units: elements, FLOPs, seconds.
 """
@@ -32,6 +34,10 @@ from sharding import axes as ax
 #: microseconds), plus one tile's pipeline fill; it matters only for products of a few hundred microseconds
 #: or less (thin tensor splits of small models).
 GEMM_LAUNCH_SECONDS = 5e-6
+
+#: The shortest slice of ``k`` a split-K product gives one SM: a few of the main loop's 64-deep k-steps, so that
+#: the partial sums' reduction stays small beside the slice's work.
+SPLIT_K_MIN = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,8 +80,10 @@ def gemm_seconds(g: Gemm, hw: Any, dtype_bytes: int = 2) -> float:
     tile_m, tile_n = hw.gemm_tile
     tiles = math.ceil(g.m / tile_m) * math.ceil(g.n / tile_n)
     waves = math.ceil(tiles / hw.sm_count)
+    # fewer tiles than SMs: the library splits k over the idle SMs (split-K), in slices of at least SPLIT_K_MIN
+    split = max(1, min(hw.sm_count // tiles, int(g.k // SPLIT_K_MIN))) if tiles < hw.sm_count else 1
     per_sm = hw.peak_flops * hw.gemm_fraction / hw.sm_count
-    compute = waves * 2.0 * tile_m * tile_n * g.k / per_sm
+    compute = waves * 2.0 * tile_m * tile_n * (g.k / split) / per_sm
     memory = dtype_bytes * (g.m * g.k + g.k * g.n + g.m * g.n) / (hw.memory_bandwidth * hw.memory_fraction)
     return max(compute, memory) + GEMM_LAUNCH_SECONDS
 
