@@ -29,7 +29,8 @@ How each column maps onto meshwork (`row_layout`; meshwork's closest feature whe
   the reduction inside the loop), so the published run's traffic is meshwork's at one microbatch; its
   products are then ``gbs / dp`` sequences tall instead of ``mbs`` (a few percent faster by the tile model)
   and its activation memory is the whole local batch's, so ``fits`` may read no for a run that fits.
-* ``pp`` > 1: ``--pipeline-schedule 1f1b`` (``1f1b-fused`` with ``vp``), ``vp`` -> ``--pipeline-repeats``, priced
+* ``pp`` > 1: ``--pipeline-schedule 1f1b`` (``1f1b-fused`` with ``vp``), ``vp`` -> ``--pipeline-repeats`` (at most
+  ``layers / pp``: meshwork gives every chunk a layer, where NeMo's reduced-depth proxies leave some empty), priced
   with Megatron-LM's own clock (``--pipeline-clock fused``: bubble ``(S-1)/(M v)``); the pipeline's backward pass
   recomputes each layer, which is Megatron's full recomputation, so ``--remat none`` there.
 * ``recompute``: ``full`` -> ``--remat full``, ``selective`` -> ``--remat dots``, else ``none``.
@@ -38,6 +39,13 @@ How each column maps onto meshwork (`row_layout`; meshwork's closest feature whe
   an all-gather; the activation memory is not split); ``dist_opt`` as replicated optimizer state on the
   ``data`` axis (the same gradient traffic as its reduce-scatter + all-gather; the memory is not split, so
   such rows may not fit).
+* What the run overlaps beyond meshwork's program (`row_overlaps`, ``train.plan --overlap-axes``): rows whose
+  note says their communication was overlapped (the Megatron-LM README's: ``--overlap-grad-reduce
+  --overlap-param-gather --tp-comm-overlap``) and NeMo's recipes (the DGX-benchmark rows: NeMo's performance
+  recipes turn on tensor-parallel communication overlap, overlapped gradient reduction and parameter gathers
+  with the distributed optimizer, and overlapped pipeline sends with interleaving; assumed, the rows do not
+  say) hide ``tensor``, ``data`` and ``stage`` collectives behind compute; the others (Megatron SC'21 of 2021,
+  MegaScale's Megatron-LM baseline, Llama 3, torchtitan, MaxText, PaxML) are priced as meshwork runs them.
 * Attention: ``reference`` for Megatron SC'21 rows (2021, before FlashAttention), ``flash`` for the others.
 * ``precision`` other than bf16 (the torchtitan 70B Float8 row) is priced in bf16 and left out of the targets.
 
@@ -195,6 +203,14 @@ def row_inventory(row: Row) -> devices.Inventory:
     return devices.Inventory(hosts, row.network_gbps_per_host * 1e9 / 8)
 
 
+def row_overlaps(row: Row) -> tuple[str, ...]:
+    """The mesh axes whose collectives the row's run hid behind compute beyond meshwork's program (module
+    docstring): its note says so, or it ran a NeMo recipe."""
+    if "overlapped" in row.published_note or "NeMo" in row.published_note:
+        return ("tensor", "data", "stage")
+    return ()
+
+
 def row_layout(row: Row) -> tuple[str, str]:
     """``(--layout flags, pipeline clock)`` of the row (module docstring's mapping)."""
     model_split = row.tp * row.pp * row.cp
@@ -214,10 +230,11 @@ def row_layout(row: Row) -> tuple[str, str]:
     flags = f"--mesh {text} --rules {rules} --microbatches {micro} --attention {attention} --dtype bfloat16"
     clock = "lockstep"
     if row.pp > 1:
-        schedule = "1f1b-fused" if row.vp > 1 else "1f1b"
+        repeats = min(row.vp, row.layers // row.pp)
+        schedule = "1f1b-fused" if repeats > 1 else "1f1b"
         flags += f" --pipeline-schedule {schedule} --remat none"
-        if row.vp > 1:
-            flags += f" --pipeline-repeats {row.vp}"
+        if repeats > 1:
+            flags += f" --pipeline-repeats {repeats}"
         clock = "fused"
     else:
         flags += f" --remat {remat}"
@@ -244,7 +261,7 @@ def price(row: Row) -> Priced:
     t0 = time.perf_counter()
     flags, clock = row_layout(row)
     model, inventory = row_model(row), row_inventory(row)
-    options = planner.PlanOptions(dtype="bfloat16", one_f_one_b_clock=clock)
+    options = planner.PlanOptions(dtype="bfloat16", one_f_one_b_clock=clock, overlaps=row_overlaps(row))
     defaults = argparse.Namespace(dtype="bfloat16", attention="flash", batch=row.gbs)
     try:
         layout, counts = given_layout(flags, model.num_layers, inventory.num_devices, defaults)

@@ -41,6 +41,7 @@ from models.config import PRESETS, get_config
 from models.spec import describe
 from sharding import costmodel as cm
 from sharding import devices, planner
+from sharding.axes import MESH_AXES
 from sharding.devices import inventory_from_flag
 from sharding.mesh import format_mesh, parse_mesh
 from sharding.modeldesc import ModelDescription
@@ -105,6 +106,14 @@ def build_parser() -> argparse.ArgumentParser:
         "(S-1)/(M v) with v the interleaved chunks (--pipeline-repeats): to price a published Megatron layout",
     )
     p.add_argument(
+        "--overlap-axes",
+        default="",
+        metavar="AXES",
+        help="mesh axes (comma-separated: tensor, stage, data, ...) whose collectives the priced run hides behind "
+        "compute although meshwork's program waits on them, e.g. --overlap-axes tensor,data,stage for "
+        "Megatron-core's --tp-comm-overlap --overlap-grad-reduce and overlapped pipeline sends",
+    )
+    p.add_argument(
         "--json",
         action="store_true",
         help="print one JSON object (step_seconds, tokens_per_second, "
@@ -152,7 +161,21 @@ def options_from(args) -> planner.PlanOptions:
         sequence=args.sequence,
         efficiency=args.efficiency,
         one_f_one_b_clock=args.pipeline_clock,
+        overlaps=overlap_axes(args.overlap_axes),
     )
+
+
+def overlap_axes(text: str) -> tuple[str, ...]:
+    """``--overlap-axes`` as mesh axis names.
+
+    Raises:
+      ValueError: On a name that is not a mesh axis, naming the flag and the axes.
+    """
+    names = tuple(a.strip() for a in text.split(",") if a.strip())
+    unknown = [a for a in names if a not in MESH_AXES]
+    if unknown:
+        raise ValueError(f"--overlap-axes {text}: {unknown[0]!r} is not a mesh axis; e.g. --overlap-axes tensor,data")
+    return names
 
 
 def efficiency_note(inventory, options) -> str:

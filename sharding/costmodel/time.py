@@ -333,8 +333,23 @@ def overlap(
     return exposed + spill, slowdown * (hidden - spill)
 
 
-def step_time(cost: Cost, hw: Hardware, links: Mapping[str, str], shares: Mapping[str, int] | None = None) -> StepTime:
+def step_time(
+    cost: Cost,
+    hw: Hardware,
+    links: Mapping[str, str],
+    shares: Mapping[str, int] | None = None,
+    overlaps: tuple[str, ...] = (),
+) -> StepTime:
     """Step time of one device from its `Cost`.
+
+    What overlaps with what: weight gathers and gradient reductions (`Comm.overlappable`) run beside the
+    compute (`overlap`); tensor-parallel activations, pipeline sends and the reductions a pipeline runs after
+    its loop wait on the compute and the compute on them, as meshwork's program runs them. ``overlaps`` names
+    mesh axes whose critical-path collectives a run hides as well (a published run's own program:
+    Megatron-core's ``--tp-comm-overlap`` splits each tensor-parallel product into chunks whose all-gather or
+    reduce-scatter runs beside the next chunk's product; ``--overlap-grad-reduce`` starts each bucket's
+    reduction as its gradients are ready; its interleaved 1F1B posts the stage sends beside the next
+    microbatch's compute): those are priced as hidden behind the compute, with its contention.
 
     Args:
       cost: From `estimate` or `device_cost` (``backend="gpu"``).
@@ -342,6 +357,7 @@ def step_time(cost: Cost, hw: Hardware, links: Mapping[str, str], shares: Mappin
       links: Mesh axis -> ``intra``/``inter`` (`link_classes`).
       shares: Mesh axis -> positions inside one host (`host_shares`), for collectives across hosts
         (`comm_seconds`); None: one device per host.
+      overlaps: Mesh axes whose collectives the run overlaps with compute although meshwork's program does not.
 
     Returns:
       The `StepTime` (seconds).
@@ -353,7 +369,7 @@ def step_time(cost: Cost, hw: Hardware, links: Mapping[str, str], shares: Mappin
     for c in cost.comms:
         seconds = comm_seconds(c, hw, links, shares)
         by_kind[c.kind] = by_kind.get(c.kind, 0.0) + seconds
-        if not c.overlappable:
+        if not c.overlappable and not any(a in overlaps for a in c.axes):
             exposed += seconds
             continue
         overlapped += seconds
