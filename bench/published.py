@@ -349,6 +349,29 @@ def summary_lines(priced: Sequence[Priced]) -> list[str]:
     return out
 
 
+def speed_ratio(rows: Sequence[Row]) -> str:
+    """The A100/H100 step-time ratio the clock gives a 7B step: the first 7B H100 row without a pipeline (MaxText's
+    Llama 2 7B on one node) priced as is and on A100 80 GB hosts of the same network; beside it the range the
+    rows' own per-GPU throughputs imply (their published FLOP/s per GPU of 1.7-7.5B runs, A100 against H100)."""
+    h100 = [r for r in rows if r.gpu.startswith("h100") and r.pp == 1 and 6 <= _params(r) <= 8 and r.bf16]
+    if not h100:
+        return ""
+    row = h100[0]
+    a100 = Row(dict(row.values, gpu="a100-80gb", name=row.name + "-on-a100"), row.line)
+    fast, slow = price(row), price(a100)
+    if fast.plan is None or slow.plan is None:
+        return ""
+    return f"{row.name}: A100 / H100 step time {slow.plan.step_time / fast.plan.step_time:.2f}"
+
+
+def _params(row: Row) -> float:
+    """Billions of parameters of the row's layers (``12 h^2`` per layer with a 4h two-matrix MLP, its matrices
+    otherwise)."""
+    mats = 3 if row.mlp_kind == "swiglu" else 2
+    attention = row.hidden * (row.heads + 2 * row.kv_heads) * row.head_dim + row.heads * row.head_dim * row.hidden
+    return row.layers * (attention + mats * row.hidden * row.mlp) / 1e9
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -391,6 +414,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("\n".join(family_table(priced)))
     print()
     print("\n".join(summary_lines(priced)))
+    ratio = speed_ratio(rows)
+    if ratio:
+        print(ratio)
     print(f"\npriced {len(priced)} rows in {sum(p.seconds for p in priced):.1f} s")
     return 0
 
