@@ -55,8 +55,8 @@ from sharding.costmodel.pipeline import tick_table
 from sharding.costmodel.time import (
     DEFAULT_EFFICIENCY,
     ELEMENTWISE_BYTES_PER_FLOP,
-    NCCL_LATENCY,
     MEMORY_FRACTION,
+    NCCL_LATENCY,
     Hardware,
     StepTime,
     comm_seconds,

@@ -27,11 +27,11 @@ from sharding.devices.detect import (
 from sharding.devices.inventory import Host, Inventory
 from sharding.devices.kinds import (
     ALIASES,
-    DEFAULT_INTER_HOST_BANDWIDTH,
     ATTENTION_BENCHMARKS,
+    DEFAULT_INTER_HOST_BANDWIDTH,
     GEMM_BENCHMARKS,
-    SM_COUNTS,
     KINDS,
+    SM_COUNTS,
     DeviceKind,
     get_kind,
     kind_from_device_kind_string,

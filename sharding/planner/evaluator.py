@@ -376,9 +376,7 @@ class _Evaluator:
         return self._shares[key]
 
     def time(self, cost: cm.Cost, kind, mesh) -> cm.StepTime:
-        return cm.step_time(
-            cost, self.hardware[kind.name], self.links(mesh), self.shares(mesh), self.options.overlaps
-        )
+        return cm.step_time(cost, self.hardware[kind.name], self.links(mesh), self.shares(mesh), self.options.overlaps)
 
     def finish(
         self,
