@@ -156,3 +156,16 @@ def test_compute_is_the_sum_of_its_products():
     assert cm.step_time(cost, _hw(0.5), links).compute == pytest.approx(f.total / (A100.peak_bf16_flops * 0.5))
     full = cm.estimate(model, 16, 64, dataclasses.replace(layout, remat="full", attention="reference"))
     assert sum(g.flops * g.count for g in full.gemms) == pytest.approx(full.flops.matmul)
+
+
+def test_a_zero3_layer_gather_at_1536_ranks_by_hand():
+    """FSDP/ZeRO-3 over 1,536 A100 (192 DGX hosts, 8 x 200 Gb/s each) gathers a 175B layer (1.81e9 bf16
+    parameters, 3.6 GB) from pieces of 1/1,536 per rank (2.4 MB): one ring through the 8 ranks of each host,
+    leaving each host once on its 8 NICs (200 GB/s), 1,535 steps of which 191 cross hosts."""
+    hw = cm.hardware_for(A100, 8, 1600e9 / 8)
+    layer = 1.81e9 * 2
+    gather = cm.Comm("all-gather", ("fsdp",), 1536, layer, 1, "x")
+    lat = cm.NCCL_LATENCY
+    expected = lat["base"] + (1535 - 191) * lat["ring_nvlink"] + 191 * lat["ring_net"] + layer * 1535 / 1536 / 200e9
+    assert cm.comm_seconds(gather, hw, {"fsdp": "inter"}, {"fsdp": 8}) == pytest.approx(expected, rel=1e-12)
+    assert 0.018 < layer / 200e9 < 0.0182 and 0.0063 < expected - layer * 1535 / 1536 / 200e9 < 0.0065

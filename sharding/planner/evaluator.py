@@ -78,9 +78,8 @@ class PlanOptions:
         one is priced at every pipeline layout beside GPipe's, and the fastest that fits wins.
       sequence: Whether to try ``sequence > 1``.
       hetero: Whether to try uneven data parallelism.
-      efficiency: Fraction of peak FLOP/s the step reaches (`sharding.costmodel.Hardware`); None: each
-        kind's fitted figure (`sharding.devices.DeviceKind.matmul_efficiency`, else
-        `sharding.costmodel.DEFAULT_EFFICIENCY`).
+      efficiency: Fraction of peak FLOP/s all the step's work reaches (`sharding.costmodel.Hardware`); None: the
+        step priced from its shapes (`sharding.costmodel.compute_seconds`, the kinds' measured matmul ceilings).
       backend: Collective lowering (`sharding.costmodel.BACKENDS`).
       one_f_one_b_clock: How a 1F1B pipeline's time is priced (`PIPELINE_CLOCKS`): ``lockstep``, what
         meshwork's tick tables run, or ``fused``, 1F1B as Megatron-LM executes it.
