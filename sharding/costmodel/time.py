@@ -184,7 +184,8 @@ def compute_seconds(cost: Cost, hw: Hardware) -> float:
     matrix-product FLOPs they leave out (a fused attention kernel's score and value products) at
     ``attention_fraction`` of peak; the elementwise work at ``elementwise_bytes`` per FLOP over
     ``memory_bandwidth x memory_fraction`` (the optimizer's arithmetic is fused into its memory traffic,
-    `StepTime.optimizer`).
+    `StepTime.optimizer`). A `Cost` without its products (``gemms`` empty, one built by hand) has its weight
+    products priced at ``gemm_fraction`` of peak.
     """
     flops = cost.flops
     if hw.efficiency is not None:
@@ -192,6 +193,9 @@ def compute_seconds(cost: Cost, hw: Hardware) -> float:
     products = sum(gemm_seconds(g, hw) * g.count for g in cost.gemms)
     covered = sum(g.flops * g.count for g in cost.gemms)
     fused = max(flops.matmul - covered, 0.0)
+    if not cost.gemms:  # a `Cost` without its shapes: the weight products at the kind's matmul ceiling
+        fused = flops.attention
+        products = (flops.matmul - flops.attention) / (hw.peak_flops * hw.gemm_fraction)
     bandwidth = hw.memory_bandwidth * hw.memory_fraction
     elementwise = flops.elementwise * (hw.elementwise_bytes or ELEMENTWISE_BYTES_PER_FLOP)
     return products + fused / (hw.peak_flops * hw.attention_fraction) + elementwise / bandwidth
