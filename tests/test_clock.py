@@ -1,6 +1,7 @@
 """The cost model's clock: collectives as NCCL runs them, FSDP gathers in the compute dtype, and the fitted
 efficiency per device kind. No devices and no compiles: the clock prices descriptions."""
 
+import argparse
 import dataclasses
 import math
 
@@ -9,7 +10,8 @@ import pytest
 from models.config import get_config
 from models.spec import describe
 from sharding import costmodel as cm
-from sharding import devices
+from sharding import devices, planner
+from train.plan import build_parser, given_layout, options_from
 
 A100 = devices.get_kind("a100")
 
@@ -169,3 +171,35 @@ def test_a_zero3_layer_gather_at_1536_ranks_by_hand():
     expected = lat["base"] + (1535 - 191) * lat["ring_nvlink"] + 191 * lat["ring_net"] + layer * 1535 / 1536 / 200e9
     assert cm.comm_seconds(gather, hw, {"fsdp": "inter"}, {"fsdp": 8}) == pytest.approx(expected, rel=1e-12)
     assert 0.018 < layer / 200e9 < 0.0182 and 0.0063 < expected - layer * 1535 / 1536 / 200e9 < 0.0065
+
+
+def _priced(layout_flags, options, batch=64):
+    """``python -m train.plan --layout`` on 8 H100 with the ``test`` model (4 layers), via its own parser."""
+    model = describe(get_config("test"))
+    inventory = devices.parse_cluster("h100:8")
+    defaults = argparse.Namespace(dtype="bfloat16", attention="flash", batch=batch)
+    layout, counts = given_layout(layout_flags, model.num_layers, 8, defaults)
+    return planner.evaluate(model, inventory, batch, 64, layout, counts, options)
+
+
+def test_megatron_clock_and_published_overlaps_from_train_plan_flags():
+    """``--pipeline-clock fused`` prices interleaved 1F1B as Megatron-LM runs it, the slowest stage's busy time
+    times ``1 + (S - 1) / (M v)``; ``--overlap-axes tensor`` moves the tensor all-reduces off the critical path
+    (they hide behind the compute, with its contention)."""
+    args = build_parser().parse_args(
+        ["--cluster", "h100:8", "--batch", "64", "--seq-len", "64", "--pipeline-clock", "fused"]
+        + ["--overlap-axes", "tensor"]
+    )
+    options = options_from(args)
+    assert options.one_f_one_b_clock == "fused" and options.overlaps == ("tensor",)
+    flags = "--mesh data=2,stage=2,tensor=2 --rules tp --microbatches 8 --pipeline-schedule 1f1b-fused"
+    flags += " --pipeline-repeats 2"
+    fused = _priced(flags, planner.PlanOptions(one_f_one_b_clock="fused"))
+    busy = fused.step_time - fused.parts["optimizer"]
+    assert fused.parts["bubble"] == pytest.approx(busy - busy / (1 + (2 - 1) / (8 * 2)))
+    plain = _priced("--mesh data=4,tensor=2 --rules tp", planner.PlanOptions())
+    hidden = _priced("--mesh data=4,tensor=2 --rules tp", planner.PlanOptions(overlaps=("tensor",)))
+    assert plain.parts["exposed_comm"] > 0 and hidden.parts["exposed_comm"] < plain.parts["exposed_comm"]
+    assert hidden.parts["overlapped_comm"] == pytest.approx(
+        plain.parts["overlapped_comm"] + plain.parts["exposed_comm"] - hidden.parts["exposed_comm"]
+    )
