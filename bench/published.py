@@ -6,6 +6,7 @@ Run::
     python bench/published.py                               # ../shared/published/rows.csv, markdown tables
     python bench/published.py --rows FILE.csv --json        # [{"name", "predicted_step_s", "published_step_s", "fits"}]
     python bench/published.py --only megatron-sc21-1.7b,zero3-175b-384
+    python bench/published.py --only ptdp-175b-384 --top-three   # the planner's own three best per row
 
 The rows file has the columns of ``shared/published/README.md`` (`COLUMNS`); a missing column, a value that is
 not a number where one is needed or an unknown ``gpu`` stops the script with one line naming the file, the row
@@ -73,7 +74,7 @@ from models.config import get_config  # noqa: E402
 from models.spec import describe  # noqa: E402
 from sharding import devices, planner  # noqa: E402
 from sharding.devices.kinds import GIB  # noqa: E402
-from train.plan import given_layout  # noqa: E402
+from train.plan import given_layout, plan_flags  # noqa: E402
 
 DEFAULT_ROWS = Path(__file__).resolve().parents[1] / ".." / "shared" / "published" / "rows.csv"
 
@@ -349,6 +350,26 @@ def summary_lines(priced: Sequence[Priced]) -> list[str]:
     return out
 
 
+def top_three(priced: Sequence[Priced]) -> list[str]:
+    """Markdown: for each row, the planner's three best plans (``train.plan``'s search with the row's clock and
+    overlaps) beside the published layout's predicted step time."""
+    lines = [
+        "| row | published s | published layout predicted s | planner's three best (predicted s) |",
+        "|---|---|---|---|",
+    ]
+    for p in priced:
+        _, clock = row_layout(p.row)
+        options = planner.PlanOptions(dtype="bfloat16", one_f_one_b_clock=clock, overlaps=row_overlaps(p.row))
+        plans = planner.plan(row_model(p.row), row_inventory(p.row), p.row.gbs, p.row.seq, options, top=3)
+        shown = "; ".join(
+            f"`{plan_flags(x).replace(' --dtype bfloat16', '')}` {x.step_time:.3g}{'' if x.fits else ' (over memory)'}"
+            for x in plans
+        )
+        given = f"{p.plan.step_time:.3g}" if p.plan else "-"
+        lines.append(f"| {p.row.name} | {p.row.published_step_s:.3g} | {given} | {shown} |")
+    return lines
+
+
 def speed_ratio(rows: Sequence[Row]) -> str:
     """The A100/H100 step-time ratio the clock gives a 7B step: the first 7B H100 row without a pipeline (MaxText's
     Llama 2 7B on one node) priced as is and on A100 80 GB hosts of the same network; beside it the range the
@@ -379,6 +400,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--only", default=None, help="comma-separated row names to price (default: all)")
     parser.add_argument("--json", action="store_true", help="print a JSON list instead of the tables")
+    parser.add_argument(
+        "--top-three", action="store_true", help="also search each row and list the planner's three best plans"
+    )
     args = parser.parse_args(argv)
     path = Path(args.rows) if args.rows else DEFAULT_ROWS.resolve()
     if args.rows is None and not path.exists():
@@ -414,6 +438,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("\n".join(family_table(priced)))
     print()
     print("\n".join(summary_lines(priced)))
+    if args.top_three:
+        print()
+        print("\n".join(top_three(priced)))
     ratio = speed_ratio(rows)
     if ratio:
         print(ratio)
