@@ -78,12 +78,13 @@ class PlanOptions:
         one is priced at every pipeline layout beside GPipe's, and the fastest that fits wins.
       sequence: Whether to try ``sequence > 1``.
       hetero: Whether to try uneven data parallelism.
-      efficiency: Fraction of peak FLOP/s the step reaches (`sharding.costmodel.Hardware`); None: each
-        kind's fitted figure (`sharding.devices.DeviceKind.matmul_efficiency`, else
-        `sharding.costmodel.DEFAULT_EFFICIENCY`).
+      efficiency: Fraction of peak FLOP/s all the step's work reaches (`sharding.costmodel.Hardware`); None: the
+        step priced from its shapes (`sharding.costmodel.compute_seconds`, the kinds' measured matmul ceilings).
       backend: Collective lowering (`sharding.costmodel.BACKENDS`).
       one_f_one_b_clock: How a 1F1B pipeline's time is priced (`PIPELINE_CLOCKS`): ``lockstep``, what
         meshwork's tick tables run, or ``fused``, 1F1B as Megatron-LM executes it.
+      overlaps: Mesh axes whose critical-path collectives the priced run hides behind compute (a published
+        run's own overlaps, `sharding.costmodel.step_time`); () for meshwork's own program.
 
     Raises:
       ValueError: On an unknown ``one_f_one_b_clock``.
@@ -103,6 +104,7 @@ class PlanOptions:
     efficiency: float | None = None
     backend: str = "gpu"
     one_f_one_b_clock: str = "lockstep"
+    overlaps: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.one_f_one_b_clock not in PIPELINE_CLOCKS:
@@ -373,7 +375,7 @@ class _Evaluator:
         return self._shares[key]
 
     def time(self, cost: cm.Cost, kind, mesh) -> cm.StepTime:
-        return cm.step_time(cost, self.hardware[kind.name], self.links(mesh), self.shares(mesh))
+        return cm.step_time(cost, self.hardware[kind.name], self.links(mesh), self.shares(mesh), self.options.overlaps)
 
     def finish(
         self,
