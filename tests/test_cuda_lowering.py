@@ -22,8 +22,10 @@ lowers the same Triton calls (checked for the plain flash step).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -42,11 +44,31 @@ TRITON = "__gpu$xla.gpu.triton"
 FLASH_KERNELS = ("flash_attention_forward", "flash_attention_dq", "flash_attention_dkv")
 # Custom calls without a compatibility guarantee that export refuses to serialise unless told; lowering
 # alone is what is checked, so the check is turned off for them.
-DISABLED = [jax.export.DisabledSafetyCheck.custom_call(TRITON)]
+CUDNN = ("__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward")
+CUDNN_MASKED = ("__cudnn$fmhaScaleBiasSoftmax", "__cudnn$fmhaScaleBiasSoftmaxBackward")
+DISABLED = [jax.export.DisabledSafetyCheck.custom_call(t) for t in (TRITON, *CUDNN, *CUDNN_MASKED)]
 
 BATCH, SEQ = 8, 64
 FLASH_BASED = {"flash", "ring", "ulysses", "usp"}
 """The kernels that run our flash kernel per block, so their lowering carries its Triton calls."""
+
+
+@contextlib.contextmanager
+def _cudnn_present():
+    """JAX's cuDNN attention asks the installed cuDNN for its version and the GPU for its compute capability
+    while tracing (a CPU-only jaxlib has neither, and refuses); for a lowering made here, answer as cuDNN 9.10
+    on a Hopper GPU would. Test-only: patches JAX's private cuDNN module, where it has those functions."""
+    fused = pytest.importorskip("jax._src.cudnn.fused_attention_stablehlo")
+    if not all(hasattr(fused, n) for n in ("check_cudnn_version", "check_compute_capability")):
+        pytest.skip("this JAX's cuDNN attention asks the GPU in another way")
+    with (
+        mock.patch.object(fused, "check_cudnn_version", lambda: 91000),
+        mock.patch.object(fused, "check_compute_capability", lambda capability: float(capability) <= 9.0),
+        mock.patch.object(
+            fused, "is_cuda_compute_capability_equal", lambda capability: capability == "9.0", create=True
+        ),
+    ):
+        yield
 
 
 @functools.cache
@@ -68,7 +90,8 @@ def _lowered(config_key: tuple, mesh_spec: str, rules: str, plan_key: tuple = ()
     trainer = Trainer(config, OptimizerConfig(), Parallelism.of(mesh, rules, strategy))
     step = trainer.train_step(batch, SEQ)
     exported = jax.export.export(step, platforms=[platform], disabled_checks=DISABLED)
-    return exported(*trainer.abstract_train_args(batch, SEQ)).mlir_module()
+    with _cudnn_present() if config.attention == "cudnn" else contextlib.nullcontext():
+        return exported(*trainer.abstract_train_args(batch, SEQ)).mlir_module()
 
 
 def custom_calls(text: str) -> set[str]:
@@ -92,6 +115,8 @@ def check_kernel(text: str, attention: str) -> None:
     """The custom calls of a step whose model runs ``attention``."""
     if attention in FLASH_BASED:
         check_flash(text)
+    elif attention == "cudnn":  # the train batch's document mask (segment ids) goes in as a bias
+        assert custom_calls(text) == {*CUDNN_MASKED}
     else:
         assert custom_calls(text) == set()
 
@@ -111,7 +136,8 @@ def test_each_attention_kernel_lowers_its_gpu_path(attention):
     ones), and a flash-based one has no more loops than the reference attention on the same mesh: no
     interpreter loop where a Triton call is expected."""
     mesh = _kernel_mesh(attention)
-    text = _lowered(("test", f"attention={attention}"), mesh, "fsdp_tp")
+    dtype = attention_registry.kernel(attention).dtypes[:1] or ("float32",)
+    text = _lowered(("test", f"attention={attention}", f"dtype={dtype[0]}"), mesh, "fsdp_tp")
     check_kernel(text, attention)
     if attention in FLASH_BASED - {"ring", "usp"}:  # ring passes blocks around in a loop of its own
         assert loops(text) == loops(_lowered(("test", "attention=reference"), mesh, "fsdp_tp"))
