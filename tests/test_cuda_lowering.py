@@ -71,6 +71,28 @@ def _cudnn_present():
         yield
 
 
+@contextlib.contextmanager
+def _target_gpu():
+    """Newer JAX (0.12) reads the target GPU's compute capability while lowering a Triton kernel, from the
+    local device or an abstract device; a CPU-only machine has neither, so for a lowering made here it is
+    told the target is an H100. Test-only: patches JAX's private GPU table, where this JAX has one."""
+    try:
+        from jax._src import gpu_info  # optional: JAX >= 0.12 only
+    except ImportError:
+        yield
+        return
+    h100 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100)
+    with mock.patch.object(gpu_info, "get_gpu_info", lambda: h100):
+        yield
+
+
+def _export(fn, platform: str, args, cudnn: bool = False) -> str:
+    """The StableHLO text of ``fn`` exported for ``platform`` from abstract ``args`` (lowering only)."""
+    exported = jax.export.export(fn, platforms=[platform], disabled_checks=DISABLED)
+    with _target_gpu(), _cudnn_present() if cudnn else contextlib.nullcontext():
+        return exported(*args).mlir_module()
+
+
 @functools.cache
 def _lowered(config_key: tuple, mesh_spec: str, rules: str, plan_key: tuple = (), platform: str = "cuda") -> str:
     """The StableHLO text of the train step of ``get_config(*config_key)`` on ``mesh_spec`` under ``rules``,
@@ -89,9 +111,7 @@ def _lowered(config_key: tuple, mesh_spec: str, rules: str, plan_key: tuple = ()
         strategy = pl.PipelinePlan(layout, mesh.shape["stage"], schedule=schedule, gather=gather)
     trainer = Trainer(config, OptimizerConfig(), Parallelism.of(mesh, rules, strategy))
     step = trainer.train_step(batch, SEQ)
-    exported = jax.export.export(step, platforms=[platform], disabled_checks=DISABLED)
-    with _cudnn_present() if config.attention == "cudnn" else contextlib.nullcontext():
-        return exported(*trainer.abstract_train_args(batch, SEQ)).mlir_module()
+    return _export(step, platform, trainer.abstract_train_args(batch, SEQ), cudnn=config.attention == "cudnn")
 
 
 def custom_calls(text: str) -> set[str]:
@@ -194,7 +214,8 @@ def test_generation_decode_step_lowers():
     cache = jax.ShapeDtypeStruct(shape, jnp.dtype(config.dtype), sharding=par.sharding(CACHE_NAMES, shape))
     _, step = Generator(config, trainer.graphdef, params, par).functions(Sampling())
     vector = jax.ShapeDtypeStruct((BATCH,), jnp.int32)
-    exported = jax.export.export(step, platforms=["cuda"], disabled_checks=DISABLED)
-    text = exported(params, {"k": cache, "v": cache}, vector, vector, jax.ShapeDtypeStruct((), jnp.int32)).mlir_module()
+    text = _export(
+        step, "cuda", (params, {"k": cache, "v": cache}, vector, vector, jax.ShapeDtypeStruct((), jnp.int32))
+    )
     assert custom_calls(text) == set()
     assert "stablehlo.dot_general" in text
