@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import re
+from pathlib import Path
 from unittest import mock
 
 import jax
@@ -219,3 +221,15 @@ def test_generation_decode_step_lowers():
     )
     assert custom_calls(text) == set()
     assert "stablehlo.dot_general" in text
+
+
+def test_the_gpu_check_says_there_is_no_gpu_and_fails(capsys, tmp_path):
+    """bench/gpu_check.py on this CPU: one line saying so, exit 1, nothing written."""
+    spec = importlib.util.spec_from_file_location(
+        "gpu_check", Path(__file__).resolve().parent.parent / "bench" / "gpu_check.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--out", str(tmp_path / "check.json")]) == 1
+    assert capsys.readouterr().err.strip() == "gpu_check: no GPU here (JAX sees cpu devices); run it on a GPU machine"
+    assert not (tmp_path / "check.json").exists()
