@@ -235,9 +235,10 @@ class ModelConfig:
                 f" takes {' or '.join(record.dtypes)} only, not ",
                 Field("dtype", self.dtype),
                 "; use ",
-                Field("dtype", record.dtypes[0]),
-                " or ",
                 Field("attention", "flash"),
+                ", or ",
+                Field("dtype", record.dtypes[0]),
+                " where it runs",
             )
         limit = record.max_head_dim or self.head_dim
         if self.head_dim % record.head_dim_multiple or self.head_dim > limit:
@@ -249,9 +250,9 @@ class ModelConfig:
                 + ", not ",
                 Override("head_dim", self.head_dim),
                 "; use ",
-                Override("head_dim", good),
-                " or ",
                 Field("attention", "flash"),
+                ", or ",
+                Override("head_dim", good),
             )
 
     def _validate_moe(self) -> None:

@@ -81,9 +81,14 @@ def test_cudnn_record_states_what_its_kernel_takes():
     record = registry.kernel("cudnn")
     assert record.dtypes == ("bfloat16",) and set(record.dtypes) <= set(DTYPES)
     assert (record.head_dim_multiple, record.max_head_dim) == (HEAD_DIM_MULTIPLE, MAX_HEAD_DIM)
-    with pytest.raises(ConfigError, match="attention=cudnn takes bfloat16 only, not dtype=float32; use dtype=bfloat16"):
+    with pytest.raises(
+        ConfigError,
+        match="attention=cudnn takes bfloat16 only, not dtype=float32; use attention=flash, or dtype=bfloat16 where",
+    ):
         get_config("test", ["attention=cudnn"])
-    with pytest.raises(ConfigError, match="multiple of 8 and at most 256, not head_dim=36; use head_dim=40"):
+    with pytest.raises(
+        ConfigError, match="multiple of 8 and at most 256, not head_dim=36; use attention=flash, or head_dim=40"
+    ):
         get_config("test", ["attention=cudnn", "dtype=bfloat16", "head_dim=36"])
     get_config("test", ["attention=cudnn", "dtype=bfloat16", "head_dim=40"])
     q = jnp.zeros((1, 8, 2, 16), jnp.float32)

@@ -71,7 +71,7 @@ CASES = [
     (["--lr", "nan"], "--lr nan: must be a finite number", None),
     (
         ["--attention", "cudnn"],
-        "--attention cudnn takes bfloat16 only, not --dtype float32; use --dtype bfloat16",
+        "--attention cudnn takes bfloat16 only, not --dtype float32; use --attention flash, or --dtype bfloat16",
         None,
     ),
     (["--attention", "cudnn", "--dtype", "bfloat16"], "--attention cudnn runs on cuda devices only", None),
