@@ -43,7 +43,8 @@ MIXED_KIND_OPTIONS: dict[str, Any] = {
     "xla_gpu_collective_permute_combine_threshold_bytes": 30 * 2**20,
 }
 """XLA compile options for a job whose processes hold different device kinds (each a `DebugOptions` field;
-every one accepted by the jaxlib of JAX 0.10, 0.11 and 0.12, checked by `tests/test_agreement.py`)."""
+every one accepted as a compile option by the jaxlib of JAX 0.10.2 and 0.12.1, checked by
+`tests/test_agreement.py`; 0.11 not checked)."""
 
 _PREFIX = "meshwork/collectives"
 
