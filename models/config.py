@@ -222,8 +222,38 @@ class ModelConfig:
                     f": choose one of {', '.join(allowed)}; e.g. ",
                     Override(name, next(iter(allowed))),
                 )
-
+        self._validate_attention()
         self._validate_moe()
+
+    def _validate_attention(self) -> None:
+        """What the attention kernel's record (`models.attention_registry.AttentionKernel`) says it takes: the
+        compute dtype and head_dim, each refused naming its field and a value that works."""
+        record = attention_registry.kernel(self.attention)
+        if record.dtypes and self.dtype not in record.dtypes:
+            raise ConfigError(
+                Field("attention", record.name),
+                f" takes {' or '.join(record.dtypes)} only, not ",
+                Field("dtype", self.dtype),
+                "; use ",
+                Field("attention", "flash"),
+                ", or ",
+                Field("dtype", record.dtypes[0]),
+                " where it runs",
+            )
+        limit = record.max_head_dim or self.head_dim
+        if self.head_dim % record.head_dim_multiple or self.head_dim > limit:
+            good = min(limit, -(-self.head_dim // record.head_dim_multiple) * record.head_dim_multiple)
+            raise ConfigError(
+                Field("attention", record.name),
+                f" takes a head_dim that is a multiple of {record.head_dim_multiple}"
+                + (f" and at most {record.max_head_dim}" if record.max_head_dim else "")
+                + ", not ",
+                Override("head_dim", self.head_dim),
+                "; use ",
+                Field("attention", "flash"),
+                ", or ",
+                Override("head_dim", good),
+            )
 
     def _validate_moe(self) -> None:
         """The mixture-of-experts fields (`models.moe`), each refused naming its field (an `Override`)."""

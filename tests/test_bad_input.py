@@ -69,6 +69,12 @@ def parquet_file(folder):
 # and {name} placeholders call the builders above with it.
 CASES = [
     (["--lr", "nan"], "--lr nan: must be a finite number", None),
+    (
+        ["--attention", "cudnn"],
+        "--attention cudnn takes bfloat16 only, not --dtype float32; use --attention flash, or --dtype bfloat16",
+        None,
+    ),
+    (["--attention", "cudnn", "--dtype", "bfloat16"], "--attention cudnn runs on cuda devices only", None),
     (["--lr", "inf"], "--lr inf: must be a finite number", None),
     (["--lr", "-1"], "--lr -1.0: must be positive", None),
     (["--weight-decay", "nan"], "--weight-decay nan: must be a finite number", None),

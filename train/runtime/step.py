@@ -317,17 +317,21 @@ class Trainer:
         """The jitted ``(params, batch) -> (loss_sum, weight_sum)``."""
         return self._jit("eval", global_batch, seq_len)
 
-    def compile_train_step(self, global_batch: int, seq_len: int):
-        """Ahead-of-time compiled train step from abstract shapes (no allocation)."""
+    def abstract_train_args(self, global_batch: int, seq_len: int) -> tuple[dict, dict, dict]:
+        """The train step's arguments ``(state, batch, signals)`` as `jax.ShapeDtypeStruct`s with their
+        shardings (no allocation): what `train_step` is lowered with, for this machine's compiler
+        (`compile_train_step`) or exported for another platform (``jax.export.export(train_step(...),
+        platforms=["cuda"])(*args)``, lowering only)."""
         signals = {
             "stop": jax.ShapeDtypeStruct((self.mesh.devices.size,), jnp.int32, sharding=self.signal_sharding()["stop"])
         }
         signals.update((i.name, i.abstract()) for i in self.step_inputs)
-        return (
-            self.train_step(global_batch, seq_len)
-            .lower(self.state_layout.abstract_state(), self.abstract_batch(global_batch, seq_len), signals)
-            .compile()
-        )
+        return self.state_layout.abstract_state(), self.abstract_batch(global_batch, seq_len), signals
+
+    def compile_train_step(self, global_batch: int, seq_len: int):
+        """Ahead-of-time compiled train step from abstract shapes (no allocation)."""
+        args = self.abstract_train_args(global_batch, seq_len)
+        return self.train_step(global_batch, seq_len).lower(*args).compile()
 
 
 def param_bytes(tree) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from models import attention_registry
 from models.attention import check_context_parallel
 from models.config import ModelConfig
 from sharding import axes as ax
@@ -78,6 +79,29 @@ def check_simulated_devices(mesh_sizes, devices, cpu_devices: int | None) -> Non
         f"--mesh {format_mesh(mesh_sizes)} needs {needed} devices, JAX sees {len(devices)} CPU device(s); "
         f"simulate them, e.g. --cpu-devices {needed}"
     )
+
+
+def device_platform(device) -> str:
+    """The platform a device compiles for, as `models.attention_registry.AttentionKernel.platforms` names it:
+    ``cuda`` (NVIDIA), ``rocm`` (AMD), or JAX's platform name (``cpu``, ``tpu``)."""
+    if device.platform != "gpu":
+        return device.platform
+    return "rocm" if "rocm" in str(getattr(device.client, "platform_version", "")).lower() else "cuda"
+
+
+def check_attention_platform(attention: str, devices) -> None:
+    """The attention kernel runs on the devices' platform (its record's ``platforms``; cuDNN's on NVIDIA GPUs).
+
+    Raises:
+      ValueError: Naming ``--attention``, the platform the devices are, and a kernel that runs there.
+    """
+    record = attention_registry.kernel(attention)
+    found = sorted({device_platform(d) for d in devices})
+    if record.platforms and set(found) - set(record.platforms):
+        raise ValueError(
+            f"--attention {attention} runs on {' or '.join(record.platforms)} devices only, and these are "
+            f"{', '.join(found)}; use --attention flash"
+        )
 
 
 def check_run_dir(run_dir: str, resume: bool, can_resume: bool = True) -> None:
