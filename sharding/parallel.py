@@ -158,7 +158,8 @@ class Parallelism:
         ``rules`` either way.
 
     Raises:
-      ConfigError: An unknown ``context_layout`` or ``optimizer_sharding``.
+      ConfigError: An unknown ``context_layout`` or ``optimizer_sharding``, or ``optimizer_sharding`` ``data``
+        with the uneven step (`UnevenBatch` lays its parameters out inside its own map).
     """
 
     mesh_shape: Mapping[str, int]
@@ -184,6 +185,14 @@ class Parallelism:
                 ", ".join(OPTIMIZER_SHARDINGS),
                 ", e.g. ",
                 Field("optimizer_sharding", ax.DATA),
+            )
+        if self.optimizer_sharding == ax.DATA and self.strategy.uneven:
+            raise ConfigError(
+                Field("optimizer_sharding", ax.DATA),
+                ": the uneven data-parallel step (",
+                Field("hetero_batch"),
+                ") gathers and reduces its parameters itself; use ",
+                Field("optimizer_sharding", REPLICATED),
             )
 
     # Construction ----------------------------------------------------------------------------
