@@ -211,11 +211,11 @@ def compiled_figures(case, optimizer_sharding: str = "replicated") -> dict:
         "temp": float(memory.temp_size_in_bytes),
         "collectives": cm.collective_bytes(hlo.collectives(text)),
         "rematerializations": log.count("Involuntary full rematerialization"),
-        "state_bytes": {part: _block_bytes(trainer.abstract_state()[part]) for part in ("params", "opt_state")},
+        "state_bytes": {part: block_bytes(trainer.abstract_state()[part]) for part in ("params", "opt_state")},
     }
 
 
-def _block_bytes(tree) -> float:
+def block_bytes(tree) -> float:
     """Bytes of one device's blocks of the arrays (not the scalars) of a tree of sharded `jax.ShapeDtypeStruct`s."""
     leaves = [x for x in jax.tree.leaves(tree) if x.ndim]
     return float(sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in leaves))

@@ -11,7 +11,7 @@ import functools
 import jax
 import numpy as np
 import pytest
-from costmodel_grid import compiled_figures, predicted
+from costmodel_grid import block_bytes, compiled_figures, predicted
 
 from checkpoints.manager import CheckpointManager, restore_state
 from checkpoints.meta import RunMeta
@@ -97,6 +97,11 @@ def test_six_steps_equal_the_flat_one_device_reference(mesh_spec):
     up = state["params"]["layers"]["mlp"]["up"]
     assert "data" in jax.tree.leaves(tuple(up.sharding.spec))
     assert state["opt_state"][1][0].mu["layers"]["mlp"]["up"].sharding == up.sharding
+    # the cost model's state per device, part by part, against the blocks the pipelined state holds
+    cost = cm.estimate(trainer.config, BATCH, LENGTH, cm.layout_of(trainer.par, trainer.config), backend="cpu")
+    held = {part: block_bytes(trainer.abstract_state()[part]) for part in ("params", "opt_state")}
+    assert cost.memory.parameters == pytest.approx(held["params"], rel=0.10)
+    assert cost.memory.optimizer == pytest.approx(held["opt_state"], rel=0.10)
 
 
 @pytest.mark.parametrize(

@@ -78,10 +78,11 @@ def replaced_all_reduce(layout: Layout, rules: Rules, comm: Comm, placed: dict[s
     reduce-scatter replaces: on GPU every such all-reduce of a parameter split over ``data``; on XLA:CPU only
     the second all-reduce a parameter split over ``fsdp`` takes, of its ``fsdp`` shard over ``data``
     (``... (over data)``: the whole gradient's all-reduce over the batch axes, the CPU form of the
-    reduce-scatter, now yields the ``data`` slice directly)."""
+    reduce-scatter, now yields the ``data`` slice directly; not with pipeline stages, whose compiled step keeps
+    it: ``data=4,stage=2`` in ``bench/RESULTS.md``)."""
     if not zero_on(layout) or comm.kind != "all-reduce" or tuple(comm.axes) != (ax.DATA,):
         return False
-    if backend != "gpu" and not comm.what.endswith(" (over data)"):
+    if backend != "gpu" and (layout.mesh[ax.STAGE] > 1 or not comm.what.endswith(" (over data)")):
         return False
     path = comm.what.removeprefix("gradient of ").removesuffix(" (over data)")
     p = placed.get(path)
