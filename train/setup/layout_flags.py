@@ -67,7 +67,7 @@ fit the new mesh). ``--plan`` and the cluster flags belong to it: ``--plan auto`
 read the kinds from them."""
 PRICED_FLAGS = frozenset((*LAYOUT_FLAGS, *EXECUTION_FLAGS))
 """The flags ``python -m train.plan --layout`` takes: the layout and its execution."""
-PLANNED_FLAGS = ("mesh", "rules", "microbatches", "remat", *PIPELINE_FLAGS)
+PLANNED_FLAGS = ("mesh", "rules", "microbatches", "remat", *PIPELINE_FLAGS, *OPTIMIZER_SHARDING_FLAGS)
 """The flags whose values ``--plan auto`` chooses (`train.setup.auto_plan.apply_plan` replaces them): given with it, they
 would be dropped without a word, so they are refused (`_check_planned`)."""
 
