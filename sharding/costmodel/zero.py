@@ -8,8 +8,11 @@ see the parameters as the rules lay them out, so gradients, activations and the 
 length-parallel collectives are unchanged; what changes (`zero_comms`):
 
 * each gradient's all-reduce over ``data`` becomes a reduce-scatter over ``data`` (result: the ``1/data``
-  slice), and the new parameters come back by an all-gather over ``data`` (result: the rules' block),
-  once per step each, outside any loop (a ring all-reduce is the two: the bytes on the links are the same);
+  slice), and the new parameters come back by an all-gather over ``data`` (result: the rules' block), priced
+  once per step each (XLA may place the gathers per layer inside the scanned stack: the same bytes in all; a
+  ring all-reduce is the two, so the bytes on the links are the same). Priced only where the all-reduce is
+  over ``data`` alone: a gradient all-reduced over ``data`` and ``fsdp`` together (a weight ``fsdp`` does not
+  split) keeps its all-reduce and gets the reduce-scatter besides, an over-count on GPU;
 * on XLA:CPU, which lowers a reduce-scatter to an all-reduce of the whole array and a slice
   (`sharding.costmodel.partitioner`), the gradient's all-reduce stays and the all-gather is added.
 
