@@ -18,12 +18,17 @@ from checkpoints.meta import RunMeta
 from models.config import get_config
 from sharding import costmodel as cm
 from sharding import pipeline as pl
+from sharding.errors import ConfigError
 from sharding.mesh import make_mesh, parse_mesh
 from sharding.parallel import Accumulation, Parallelism
+from sharding.planner import search
 from sharding.rules import get_rules
 from sharding.zero import master_spec
 from train.runtime.optimizer import OptimizerConfig
 from train.runtime.step import Trainer
+from train.setup.cli import parse
+from train.setup.flagnames import render
+from train.setup.flags import parallelism_flags
 
 STEPS, BATCH, LENGTH, LAYERS = 6, 8, 32, 2
 # Full-size updates from the first step. AdamW's eps at 1e-3 (as the other multi-step exactness tests take it):
@@ -204,3 +209,28 @@ def test_on_gpu_the_gradients_all_reduce_becomes_a_reduce_scatter_and_an_all_gat
     wire = {z: sum(c.wire_bytes() * c.count for c in costs[z].comms) for z in costs}
     assert wire["data"] == pytest.approx(wire["replicated"], rel=1e-6)
     assert costs["data"].memory.state == pytest.approx(costs["replicated"].memory.state / 4)
+
+
+# The command line and the planner -------------------------------------------------------------------------
+
+
+def test_the_flag_round_trips_and_the_uneven_step_refuses_it():
+    run = parse(["--model", "test", "--mesh", "data=4,stage=2", "--microbatches", "2", "--optimizer-sharding", "data"])
+    flags = parallelism_flags(run.parallelism)
+    assert flags[-2:] == ["--optimizer-sharding", "data"]
+    assert parse(["--model", "test", *flags]).parallelism.optimizer_sharding == "data"
+    with pytest.raises(ConfigError) as refused:
+        parse(
+            ["--model", "test", "--mesh", "data=8", "--hetero-batch", "3,3,3,3,1,1,1,1", "--optimizer-sharding", "data"]
+        )
+    assert render(refused.value).startswith("--optimizer-sharding data: the uneven data-parallel step (--hetero-batch)")
+    assert render(refused.value).endswith("use --optimizer-sharding replicated")
+
+
+def test_the_planner_tries_the_split_state_before_the_next_recompute():
+    layout = cm.Layout({"data": 4, "tensor": 2}, "fsdp_tp")
+    tried = [(v.remat, v.optimizer_sharding) for v in search._state_variants(layout, ("none", "full"), "uniform")]
+    assert tried == [("none", "replicated"), ("none", "data"), ("full", "replicated"), ("full", "data")]
+    assert [v.optimizer_sharding for v in search._state_variants(layout, ("none",), "uneven")] == ["replicated"]
+    alone = cm.Layout({"fsdp": 8}, "fsdp_tp")
+    assert [v.optimizer_sharding for v in search._state_variants(alone, ("none",), "uniform")] == ["replicated"]
