@@ -316,7 +316,7 @@ def given_layout(text: str, num_layers: int, num_devices: int, defaults: argpars
             f"--layout: {', '.join(foreign)} is not a layout flag; give it to train.plan itself, or "
             f"leave it out (layout flags: --mesh, --rules, --rule, --microbatches, --stage-layers, "
             f"--pipeline-schedule, --pipeline-repeats, --pipeline-gather, --hetero-batch, --context-shares, --remat, --attention, "
-            f"--dtype)"
+            f"--dtype, --optimizer-sharding)"
         )
     try:
         par = parallelism_from_args(args, num_layers)

@@ -39,6 +39,7 @@ from sharding.costmodel.pipeline_comms import (
     _pipeline_weight_comms,
     _stage_comms,
 )
+from sharding.costmodel.zero import with_zero
 from sharding.errors import ConfigError, Field
 from sharding.modeldesc import ModelDescription
 from sharding.parallel import ZIGZAG
@@ -155,6 +156,7 @@ def device_cost(
     comms = tuple(
         c for c in _comms(model, layout, rules, placed, shape, backend, batch_rows) if c.group > 1 and c.count > 0
     )
+    (flops, counted), memory, comms = _with_zero(layout, rules, placed, shape, flops, memory, comms, backend, counted)
     arguments = memory.state + memory.batch + _INT_BYTES * 4 + _INT_BYTES  # + step, rng, count, signals
     runs = shape.layers * shape.micro
     gemms = _gemms(model, layout, rules, shape, runs, 0.0, shape.tok, shape.micro)
@@ -278,6 +280,14 @@ def _pipeline_cost(
     comms += _tensor_comms(model, layout, rules, layer, recomputes=pipe.recomputes, with_logits=False)
     comms += _length_comms(model, layout, rules, layer, backend)
     comms = tuple(c for c in comms if c.group > 1 and c.count > 0)
+    (flops, counted), memory, comms = _with_zero(layout, rules, placed, s, flops, memory, comms, backend, counted)
     arguments = memory.state + memory.batch + _INT_BYTES * 4 + _INT_BYTES
     gemms = _gemms(model, layout, rules, s, pipe.applications, pipe.recomputes, head.tok, head_runs)
     return Cost(flops, counted, memory, comms, s.tok * s.micro, s.layers, arguments, gemms)
+
+
+def _with_zero(layout, rules, placed, s, flops, memory, comms, backend, counted):
+    """``((flops, counted), memory, comms)`` re-priced for the distributed optimizer (`sharding.costmodel.zero`):
+    the counted FLOPs follow its optimizer update."""
+    new, memory, comms = with_zero(layout, rules, placed, s, flops, memory, comms, backend)
+    return (new, counted + new.optimizer - flops.optimizer), memory, tuple(comms)

@@ -179,6 +179,7 @@ class Plan:
             lay.pipeline_gather,
             self.counts,
             lay.context_shares,
+            lay.optimizer_sharding,
         )
 
     def parallelism(self) -> Parallelism:
@@ -204,7 +205,9 @@ class Plan:
             strategy = Accumulation(lay.microbatches)
         context_layout = lay.context_layout if lay.length_split > 1 else CONTIGUOUS
         shares = None if lay.context_shares is None else tuple(int(n) for n in lay.context_shares)
-        return Parallelism(lay.mesh, rules, strategy, context_layout, context_shares=shares)
+        return Parallelism(
+            lay.mesh, rules, strategy, context_layout, context_shares=shares, optimizer_sharding=lay.optimizer_sharding
+        )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -42,6 +42,7 @@ from sharding.pipeline.storage import (
     storage_spec,
 )
 from sharding.rules import tree_shardings
+from sharding.zero import master_spec
 from train.runtime.optimizer import GuardedUpdate, OptimizerConfig
 
 
@@ -67,7 +68,10 @@ class StateLayout:
       update: The step's `train.runtime.optimizer.GuardedUpdate` (the optimizer, skipped on a non-finite step).
       tx: The `optax.GradientTransformation` whose state ``opt_state`` is (``update.tx``).
       state_params, param_shardings, report, state_shardings: The parameters as the state holds them (in
-        ``storage``), their shardings, the `sharding.rules.ShardingReport`, and the whole state's shardings.
+        ``storage``), their shardings in the forward and backward, the `sharding.rules.ShardingReport`, and the
+        whole state's shardings. With ``par.optimizer_sharding`` ``data`` (ZeRO stage 1, `sharding.zero`) the
+        state's parameters and optimizer moments are also split over ``data`` (``state_shardings["params"]``
+        differs from ``param_shardings``); the step gathers the parameters to ``param_shardings`` first.
 
     Raises:
       ValueError: A ``par`` not bound to a mesh, or a pipeline whose stage count is not the mesh's.
@@ -119,14 +123,26 @@ class StateLayout:
         param_shardings, report = tree_shardings(params, param_names, self.mesh, self.rules)
         if isinstance(layout, StageStorage) or self.storage is not None:
             param_shardings, report = self._storage_shardings(layout, param_shardings, report)
-        opt_shardings = self._optimizer_shardings(params, param_shardings)
+        master = self._master_shardings(params, param_shardings)
+        opt_shardings = self._optimizer_shardings(params, master)
         state_shardings = {
             "step": self.replicated,
-            "params": param_shardings,
+            "params": master,
             "opt_state": opt_shardings,
             "rng": self.replicated,
         }
         return params, param_shardings, report, state_shardings
+
+    def _master_shardings(self, params, param_shardings):
+        """The shardings the state keeps its float32 parameters in: ``param_shardings`` (the layout the forward
+        and backward see), or with ``optimizer_sharding`` ``data`` each also split over ``data``
+        (`sharding.zero.master_spec`; the optimizer state follows them, `_optimizer_shardings`)."""
+        if self.par.optimizer_sharding != ax.DATA:
+            return param_shardings
+        shape = self.par.mesh_shape
+        return jax.tree.map(
+            lambda p, s: NamedSharding(self.mesh, master_spec(p.shape, s.spec, shape)), params, param_shardings
+        )
 
     def _optimizer_shardings(self, params, param_shardings):
         """The optimizer state's shardings, derived from the parameters' by optax's own init.

@@ -198,9 +198,18 @@ class Trainer:
             return loss_sum, weight, grads, metrics
         return self.strategy.gradients(self.loss_sums, params, batch, inputs or {})
 
+    def compute_params(self, params):
+        """The state's parameters laid out for the forward and backward (inside jit): as they are, or with
+        ``optimizer_sharding`` ``data`` gathered over ``data`` from the state's slices (`sharding.zero`); the
+        gradients taken with respect to them are laid back out as the slices in `apply_gradients`, which XLA
+        turns into a reduce-scatter."""
+        if self.par.optimizer_sharding != ax.DATA:
+            return params
+        return jax.lax.with_sharding_constraint(params, self.state_layout.param_shardings)
+
     def _step(self, state, batch, signals):
         inputs = {i.name: signals[i.name] for i in self.step_inputs}
-        loss_sum, weight, grads, extra = self.gradients(state["params"], batch, inputs)
+        loss_sum, weight, grads, extra = self.gradients(self.compute_params(state["params"]), batch, inputs)
         new_state, metrics = self.apply_gradients(state, loss_sum, weight, grads, signals["stop"])
         return new_state, {**metrics, **extra}
 
@@ -294,8 +303,8 @@ class Trainer:
                 )
             else:
                 self._jitted[key] = jax.jit(
-                    self.loss_sums,
-                    in_shardings=(self.state_layout.param_shardings, batch),
+                    lambda params, batch: self.loss_sums(self.compute_params(params), batch),
+                    in_shardings=(self.state_layout.state_shardings["params"], batch),
                     out_shardings=(self.replicated, self.replicated),
                 )
         return self._jitted[key]

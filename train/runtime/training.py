@@ -110,6 +110,7 @@ def train(config: RunConfig, trainer, ckpt, latest, tokenizer, dataset, log) -> 
             tokenizer,
             trainer.state_layout.layout_meta(),
             config.schedule,
+            trainer.par.optimizer_sharding,
         )
         checkpoints = LoopCheckpoints(ckpt, meta)
         kinds = _device_kinds(config, log)

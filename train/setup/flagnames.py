@@ -39,6 +39,7 @@ FLAGS: dict[str, str] = {
     "attention": "--attention",
     "context_layout": "--context-layout",
     "context_shares": "--context-shares",
+    "optimizer_sharding": "--optimizer-sharding",
     "logits": "--logits",
     # execution
     "remat": "--remat",

@@ -12,7 +12,7 @@ import math
 from checkpoints.argparser import Parser
 from models import attention_registry
 from models.config import DTYPES, LOGITS_IMPLS, PRESETS, REMAT_POLICIES
-from sharding.parallel import CONTEXT_LAYOUTS
+from sharding.parallel import CONTEXT_LAYOUTS, OPTIMIZER_SHARDINGS, REPLICATED
 from sharding.pipeline import (
     GATHERS,
     SCHEDULES,
@@ -93,6 +93,15 @@ def _mesh_flags(p) -> None:
         metavar="AXIS=N,...",
         help="how much of each axis spans processes (slow links), e.g. data=2; the rest stays inside a "
         "process; default: tensor, then sequence, then fsdp stay inside a process",
+    )
+    g.add_argument(
+        "--optimizer-sharding",
+        default=REPLICATED,
+        choices=OPTIMIZER_SHARDINGS,
+        help="where the float32 parameters the optimizer updates and its moments live: replicated on every data "
+        "rank, or data, a distributed optimizer (ZeRO stage 1): split over the data axis, gradients "
+        "reduce-scattered and the new parameters all-gathered each step, for about the same traffic as the "
+        "all-reduce; it cuts the state's memory by the data size (see docs/sharding.md)",
     )
     g.add_argument(
         "--cpu-devices",
