@@ -73,6 +73,10 @@ FLAGS: dict[str, str] = {
     "top_p": "--top-p",
     "max_new_tokens": "--max-new-tokens",
     "prompt": "--prompt",
+    # low-rank adapters (models.lora)
+    "lora_rank": "--lora-rank",
+    "lora_alpha": "--lora-alpha",
+    "lora_targets": "--lora-targets",
 }
 """Configuration field -> the flag that sets it. A field's value follows its flag after a space."""
 
