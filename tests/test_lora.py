@@ -20,8 +20,9 @@ from train.runtime.optimizer import OptimizerConfig
 from train.runtime.step import Trainer
 
 ALL = "q,k,v,o,gate,up,down"
-DENSE = get_config("test", num_layers=2).replace(lora_rank=4, lora_alpha=8.0, lora_targets=ALL)
-MOE = get_config("moe-test").replace(lora_rank=2, lora_alpha=4.0, lora_targets="q,o,gate,up,down")
+SMALL = {"vocab_size": 256, "num_layers": 2, "embed_dim": 64, "mlp_dim": 128, "head_dim": 16}
+DENSE = get_config("test", **SMALL).replace(lora_rank=4, lora_alpha=8.0, lora_targets=ALL)
+MOE = get_config("moe-test", num_layers=2).replace(lora_rank=2, lora_alpha=4.0, lora_targets="q,o,gate,up,down")
 
 
 def _base(tree):
@@ -74,10 +75,10 @@ def _batch(config, rows=8, length=16, seed=0):
 
 def test_zero_b_gives_the_base_models_logits():
     params = init_params(DENSE, jax.random.key(0))
-    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 512, (2, 16)), jnp.int32)
-    adapted = apply(abstract_model(DENSE)[0], params, tokens, par=UNSHARDED)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, DENSE.vocab_size, (2, 16)), jnp.int32)
     base = DENSE.replace(lora_rank=0, lora_targets="")
-    plain = apply(abstract_model(base)[0], _base(params), tokens, par=UNSHARDED)
+    adapted = jax.jit(lambda p: apply(abstract_model(DENSE)[0], p, tokens, par=UNSHARDED))(params)
+    plain = jax.jit(lambda p: apply(abstract_model(base)[0], p, tokens, par=UNSHARDED))(_base(params))
     np.testing.assert_array_equal(np.asarray(adapted), np.asarray(plain))
 
 
