@@ -38,6 +38,8 @@ ROPE_TYPES = ("default", "llama3")
 ROUTERS = ("softmax", "sigmoid")
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 """The projections low-rank adapters may target (`models.lora`): attention's four, the SwiGLU's three."""
+LORA_SUFFIXES = ("_lora_a", "_lora_b")
+"""A target weight ``W``'s adapter factors are the parameters ``W_lora_a`` and ``W_lora_b`` beside it."""
 
 
 @dataclasses.dataclass(frozen=True)

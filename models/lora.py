@@ -30,12 +30,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from models.config import ModelConfig
+from models.config import LORA_SUFFIXES, ModelConfig
 from sharding import axes as ax
 from sharding.modeldesc import Param
 
-A_SUFFIX = "_lora_a"
-B_SUFFIX = "_lora_b"
+A_SUFFIX, B_SUFFIX = LORA_SUFFIXES
 
 _INPUTS = {"q": 1, "k": 1, "v": 1, "o": 2, "gate": 1, "up": 1, "down": 1}
 """How many leading dimensions of each target weight (after an expert stack's) are its input dimensions."""
