@@ -94,8 +94,14 @@ def test_factors_carry_the_weights_logical_names():
     assert "k_lora_a" not in attention  # not a target
 
 
+_REFERENCE = {}
+
+
 def _reference_grads(config, params, batch):
-    """One device, float32: autodiff of the summed loss through `_plain_merge` of the base model's weights."""
+    """One device, float32: autodiff of the summed loss through `_plain_merge` of the base model's weights
+    (computed once per config: the parametrised meshes share it)."""
+    if config in _REFERENCE:
+        return _REFERENCE[config]
     base = config.replace(lora_rank=0, lora_targets="")
     graphdef = abstract_model(base)[0]
     inputs = [batch[f] for f in ("tokens", "targets", "loss_mask", "positions", "segment_ids")]
@@ -105,7 +111,8 @@ def _reference_grads(config, params, batch):
         total, _ = loss_sums(graphdef, merged, *inputs, par=UNSHARDED)
         return total
 
-    return jax.jit(jax.grad(loss))(lora.trainable(config, params))
+    _REFERENCE[config] = jax.jit(jax.grad(loss))(lora.trainable(config, params))
+    return _REFERENCE[config]
 
 
 @pytest.mark.parametrize(
@@ -154,3 +161,13 @@ def test_bad_adapter_fields_are_refused_naming_their_flags():
         get_config("test").replace(lora_targets="q")
     with raises_as_cli(ConfigError, r"--lora-alpha 0.0: must be a finite number > 0"):
         get_config("test").replace(lora_rank=4, lora_alpha=0.0, lora_targets="q")
+
+
+@pytest.mark.parametrize("config", [DENSE, MOE], ids=["dense", "moe"])
+def test_the_parameter_tables_describe_the_built_model_with_its_factors(config):
+    """The cost model's parameters (`models.spec`) are the built model's, factors included, as role ``adapter``."""
+    built = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(abstract_model(config)[1]))
+    assert config.num_params == built
+    adapters = [p for p in config.describe().params if p.role == "adapter"]
+    factors = jax.tree.leaves(lora.trainable(config, abstract_model(config)[1]))
+    assert sum(p.size * p.copies(config.num_layers) for p in adapters) == sum(int(np.prod(a.shape)) for a in factors)
