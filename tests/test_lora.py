@@ -11,6 +11,7 @@ from _cli_errors import raises_as_cli
 from models import lora
 from models.config import get_config
 from models.transformer import abstract_model, apply, init_params, loss_sums
+from sharding import costmodel as cm
 from sharding.errors import ConfigError
 from sharding.mesh import make_mesh, parse_mesh
 from sharding.parallel import UNSHARDED, Parallelism
@@ -171,3 +172,20 @@ def test_the_parameter_tables_describe_the_built_model_with_its_factors(config):
     adapters = [p for p in config.describe().params if p.role == "adapter"]
     factors = jax.tree.leaves(lora.trainable(config, abstract_model(config)[1]))
     assert sum(p.size * p.copies(config.num_layers) for p in adapters) == sum(int(np.prod(a.shape)) for a in factors)
+
+
+def test_the_cost_model_prices_gradients_and_optimizer_state_for_the_factors_alone():
+    """7B with rank-16 adapters on all projections, ``fsdp=8``: parameters held as before plus the factors;
+    gradients and AdamW's two moments of the factors only (by hand: each factor split over ``fsdp`` where it
+    has ``embed``, whole where not), float32."""
+    full_config = get_config("7b")
+    config = full_config.replace(lora_rank=16, lora_targets=ALL)
+    layout = cm.Layout({"fsdp": 8}, "fsdp", 1, "full")
+    full, lora_cost = cm.estimate(full_config, 8, 2048, layout), cm.estimate(config, 8, 2048, layout)
+    d, f, n, h, r, layers = 4096, 11008, 32, 128, 16, 32
+    split = [d * r] * 5 + [r * d] * 2  # A of q,k,v,gate,up and B of o,down have embed: split over fsdp
+    whole = [r * n * h] * 3 + [n * h * r, f * r, r * f, r * f]  # B of q,k,v; A of o,down; B of gate,up
+    factors = layers * (sum(split) / 8 + sum(whole)) * 4
+    assert lora_cost.memory.parameters == pytest.approx(full.memory.parameters + factors, rel=1e-12)
+    assert lora_cost.memory.gradients == pytest.approx(factors, rel=1e-12)
+    assert lora_cost.memory.optimizer == pytest.approx(2 * factors, rel=1e-12)
