@@ -161,6 +161,12 @@ CASES = [
         "with its weight gathered; use --logits auto or gathered (or drop stage from --mesh)",
         "fsdp",
     ),
+    (["--lora-rank", "4", "--lora-targets", "q,x"], "--lora-targets q,x: a comma-separated list", None),
+    (
+        ["--mesh", "data=8", "--hetero-batch", "1,1,1,1,1,1,1,1", "--lora-rank", "4"],
+        "--lora-rank 4 trains adapters with even batches only; drop --hetero-batch",
+        None,
+    ),
 ]
 
 

@@ -19,6 +19,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from models.config import ModelConfig
+from models.lora import trainable, with_trainable
 from models.moe import router_objective
 from models.transformer import loss_sums, loss_terms, pipelined_loss_stats
 from sharding import axes as ax
@@ -185,9 +186,18 @@ class Trainer:
         ``inputs``: values of the strategy's step inputs by name (absent: their defaults). A mixture of experts
         under a strategy that reports statistics adds ``moe_aux``, ``moe_z`` (token means), ``moe_dropped``,
         ``moe_max_load`` (`max_load`; not under a pipeline, whose stages sum the layers' loads) and
-        ``moe_expert_share`` (`expert_share`)."""
+        ``moe_expert_share`` (`expert_share`). With adapters (`models.lora`) the gradients are the factors'
+        alone (`models.lora.trainable`'s tree): the rest enters the loss as a constant."""
+        config = self.config
+
+        def of_trainable(loss_fn):  # the loss as a function of the trained part, the rest held fixed
+            return lambda part, b, par=None: loss_fn(with_trainable(config, params, part), b, par)
+
+        part = trainable(config, params)
         if self.config.is_moe and self.strategy.reports_stats:
-            loss_sum, weight, grads, metrics = self.strategy.gradients(self.loss_and_stats, params, batch, inputs or {})
+            loss_sum, weight, grads, metrics = self.strategy.gradients(
+                of_trainable(self.loss_and_stats), part, batch, inputs or {}
+            )
             metrics = dict(metrics)
             if "moe_load" in metrics:
                 load = metrics.pop("moe_load")
@@ -196,7 +206,7 @@ class Trainer:
                 load = metrics.pop("moe_load_total")[None]
             metrics["moe_expert_share"] = expert_share(load)
             return loss_sum, weight, grads, metrics
-        return self.strategy.gradients(self.loss_sums, params, batch, inputs or {})
+        return self.strategy.gradients(of_trainable(self.loss_sums), part, batch, inputs or {})
 
     def compute_params(self, params):
         """The state's parameters laid out for the forward and backward (inside jit): as they are, or with
@@ -220,7 +230,7 @@ class Trainer:
           state: ``{"step", "params", "opt_state", "rng"}``.
           loss_sum: float32 scalar, the summed token loss (nats).
           weight: float32 scalar, the summed loss mask (tokens).
-          grads: Gradients of ``loss_sum``, shaped as the params.
+          grads: Gradients of ``loss_sum``, shaped as the trained parameters (`models.lora.trainable`).
           signals: The ``[num_devices]`` int32 stop-signal vector (`signals`'s ``stop``).
 
         A non-finite loss or gradient leaves parameters and optimizer state as they were, bit for bit
@@ -233,13 +243,17 @@ class Trainer:
         denom = jnp.maximum(weight, 1.0)
         # laid out as the parameters before the conditional, so that no resharding collective lands inside it
         grads = jax.lax.with_sharding_constraint(
-            jax.tree.map(lambda g: g / denom, grads), self.state_layout.state_shardings["params"]
+            jax.tree.map(lambda g: g / denom, grads),
+            trainable(self.config, self.state_layout.state_shardings["params"]),
         )
         grad_norm = (
             optax.tree.norm(grads) if hasattr(getattr(optax, "tree", None), "norm") else optax.global_norm(grads)
         )
         finite = jnp.isfinite(loss_sum) & jnp.isfinite(grad_norm)
-        params, opt_state = self.state_layout.update(grads, state["opt_state"], state["params"], finite)
+        part, opt_state = self.state_layout.update(
+            grads, state["opt_state"], trainable(self.config, state["params"]), finite
+        )
+        params = with_trainable(self.config, state["params"], part)
         metrics = {
             "loss": loss_sum / denom,
             "grad_norm": grad_norm,
