@@ -250,6 +250,7 @@ def _toy(mesh_spec, num_layers, stage_layers, repeats, microbatches, batch=16, d
         ("stage=2,data=2,fsdp=2", 8, None, 2, 4, True),  # even circular with data parallelism
         ("stage=4,tensor=2", 7, (4, 1, 1, 1), 1, 4, True),  # no fsdp: rows over stage only, three moved
         ("stage=2,fsdp=4", 7, (5, 2), 1, 4, True),  # a row moved to another g (no spare row at its own)
+        ("stage=2,fsdp=4", 4, None, 2, 4, True),  # circular, K = 1 of K' = 2: the real slots all-reduced
         ("stage=4,fsdp=2", 12, (5, 3, 2, 2), 2, 4, False),  # the padded [stage, slot, ...] layout still runs
         ("stage=2,data=2,fsdp=2", 8, None, 2, 4, False),
     ],

@@ -162,6 +162,7 @@ def test_the_split_backward_is_the_layers_vjp_and_its_weight_pass_only_the_weigh
     [
         ("stage=4,fsdp=2", 12, (5, 3, 2, 2), 8, True),  # uneven, 4 stages, M = 2S: W deferred up to 3 ticks
         ("stage=2,fsdp=4", 4, (3, 1), 4, False),  # every slot computed and selected
+        ("stage=2,fsdp=4", 3, (2, 1), 4, True),  # K = 2 of K' = 4 slots: the copy and its sums all-reduced
     ],
 )
 def test_zero_bubble_matches_the_sequential_stack(mesh_spec, num_layers, stage_layers, microbatches, skip_empty):

@@ -65,6 +65,17 @@ def _inverse_rows(local_index: np.ndarray, size: int, width: int) -> np.ndarray:
     return inverse
 
 
+def _sum_owned(x, axes):
+    """``psum`` over ``axes`` of an array whose every element is nonzero on at most one device (the others hold
+    +0): exact in any dtype. A 16-bit float array with an even last dimension is summed as its bit patterns,
+    two to a ``uint32`` (a bit pattern plus zeros is itself; the same bytes as the array): XLA:CPU aborts on a
+    bfloat16 all-reduce (``AllReducePromotion``: "Invalid binary instruction opcode copy")."""
+    if x.dtype.itemsize != 2 or not jnp.issubdtype(x.dtype, jnp.floating) or x.shape[-1] % 2:
+        return jax.lax.psum(x, axes)
+    pairs = jax.lax.bitcast_convert_type(x.reshape(*x.shape[:-1], x.shape[-1] // 2, 2), jnp.uint32)
+    return jax.lax.bitcast_convert_type(jax.lax.psum(pairs, axes), x.dtype).reshape(x.shape)
+
+
 @dataclasses.dataclass(frozen=True)
 class Weights:
     """How a stage's layer weights are gathered for a pass and their gradients reduced after it.
@@ -94,7 +105,8 @@ class Weights:
     span: int = 1
 
     def gather(self, stacked, repeats: int):
-        """This device's blocks -> its stage's whole ``[R, K, ...]`` weights in the compute dtype.
+        """This device's blocks -> its stage's whole ``[R, K, ...]`` weights in the compute dtype (``K``: the
+        layout's slots per chunk; the storage's ``K'`` padded slots, which no layer fills, are dropped).
 
         Padded: one all-gather per leaf over its split batch axes. Unpadded: the rows stored for other
         devices move (one ``ppermute`` per distance that moves any), each device picks its slots' rows
@@ -104,10 +116,71 @@ class Weights:
         def one(w, spec):
             if jnp.issubdtype(w.dtype, jnp.floating):
                 w = w.astype(self.dtype)
+            if self.all_reduced:  # the R*K real slots summed over the group axes, each from its one owner
+                return _sum_owned(self._own_slots(self._mine(w), repeats, back=False), self.groups)
             w = self._take_slots(w, spec) if self.storage is not None else gather_shards(w, spec)
-            return w.reshape(repeats, w.shape[1] // repeats, *w.shape[2:])
+            w = w.reshape(repeats, w.shape[1] // repeats, *w.shape[2:])
+            return w if self.storage is None else w[:, : self.storage.layout.chunk_slots]
 
         return jax.tree.map(one, stacked, self.specs)
+
+    @property
+    def all_reduced(self) -> bool:
+        """Whether the working copy is assembled, and its gradient sums reduced, by all-reduces of the layout's
+        ``R*K`` real slots over the group axes (`gather`, `reduce`), rather than an all-gather and a
+        reduce-scatter of the padded ``R*K'``.
+
+        The storage's ``G`` devices must divide ``R*K'``, so a stage with fewer layers than ``G`` pads its copy
+        (e.g. 8 layers over ``fsdp=64``: ``K' = 64``, eight times the stage). The padded slots are never
+        computed, so the step always keeps the copy and saves slot inputs for ``K`` slots only (`gather`); the
+        all-reduces also keep the padding out of the collectives' buffers (the gathered copy and the float32
+        sums) where they move fewer bytes: ``K' >= 2K`` (ring all-reduce ``2(G-1)/G * R*K`` slots per device,
+        all-gather or reduce-scatter ``(G-1)/G * R*K'``). Exact: each real slot has one owner, the others add
+        zeros.
+        """
+        if self.storage is None or not self.groups:
+            return False
+        return 2 * self.storage.layout.chunk_slots <= self.storage.placement.chunk_slots
+
+    def sums_zeros(self, params, stacked):
+        """Zero gradient sums for the working copy ``params`` (leaves ``[R, K, ...]``, from `gather`), in the
+        stored blocks' dtype: ``[R, K, ...]``, or ``[R, K', ...]`` where `reduce` reduce-scatters the padded
+        copy (`all_reduced` False)."""
+        width = None
+        if self.storage is not None and not self.all_reduced:
+            width = self.storage.placement.chunk_slots
+
+        def one(p, w):
+            return jnp.zeros((p.shape[0], width or p.shape[1], *p.shape[2:]), w.dtype)
+
+        return jax.tree.map(one, params, stacked)
+
+    def _mine(self, w):
+        """``[q, ...]`` stored rows -> ``[W, ...]`` this device's working-copy slots ``w*G + g`` in the compute
+        dtype (the zero row for an empty one)."""
+        stage, g = self._where()
+        return jnp.take(self._local_rows(self._compute(w)), jnp.asarray(self._slot_rows())[stage, g], axis=0)
+
+    def _own_slots(self, x, repeats: int, back: bool = True):
+        """Between the real slots ``[R, K, ...]`` and this device's working-copy slots ``[W, ...]`` (slot ``w*G +
+        g`` of the ``R*K'``): ``back``, the real slots' sums (already summed over the group axes) picked for
+        this device's slots, zeros for a padded one, as a reduce-scatter gives; else this device's slots put at
+        their real places, zeros at the others' (`gather` sums them over the group axes)."""
+        k, padded, groups = self.storage.layout.chunk_slots, self.storage.placement.chunk_slots, self.storage.groups
+        slot = np.arange(repeats * padded).reshape(-1, groups).T  # [G, W] working-copy slots of each device
+        r, j = slot // padded, slot % padded
+        g = self._where()[1]
+        if back:
+            table = np.where(j < k, r * k + j, repeats * k).astype(np.int32)  # into the real slots, or a zero row
+            flat = x.reshape(repeats * k, *x.shape[2:])
+        else:  # [G, R*K]: which of the device's W slots each real slot is, W (a zero row) where another's
+            real = np.arange(repeats * k)
+            at = (real // k) * padded + real % k  # each real slot's working-copy slot
+            table = np.where(at[None] % groups == np.arange(groups)[:, None], at[None] // groups, slot.shape[1])
+            flat = x
+        flat = jnp.concatenate([flat, jnp.zeros((1, *flat.shape[1:]), flat.dtype)], axis=0)
+        out = jnp.take(flat, jnp.asarray(table.astype(np.int32))[g], axis=0)
+        return out if back else out.reshape(repeats, k, *out.shape[1:])
 
     def _compute(self, w):
         """``w`` in the compute dtype where it is floating point."""
@@ -201,10 +274,14 @@ class Weights:
         return rows
 
     def reduce(self, grads, stacked):
-        """Whole ``[R, K, ...]`` per-device gradient sums -> the blocks' gradients, summed over ``summed``
-        (reduce-scatter over the split axes, all-reduce over the rest), in the blocks' dtype."""
+        """Whole per-device gradient sums (`sums_zeros`: ``[R, K, ...]`` or ``[R, K', ...]``) -> the blocks'
+        gradients, summed over ``summed`` (reduce-scatter over the split axes, or with `all_reduced` an
+        all-reduce over the group axes; all-reduce over the rest), in the blocks' dtype."""
 
         def one(g, w, spec):
+            if self.all_reduced:  # the real slots all-reduced over the group axes, each device's picked
+                own = self._own_slots(jax.lax.psum(g, self.groups), g.shape[0])
+                return self._psum_rest(self._rows_of(own), spec).astype(w.dtype)
             g = g.reshape(1, g.shape[0] * g.shape[1], *g.shape[2:])
             if self.storage is None:
                 return reduce_shards(g, spec, self.summed).astype(w.dtype)
