@@ -38,6 +38,7 @@ from sharding.pipeline.buffers import (
     index_tree,
     put_cut,
 )
+from sharding.pipeline.padding import own_slots, sum_owned
 from sharding.pipeline.split import LayerSplit
 from sharding.pipeline.storage import StageStorage
 
@@ -63,17 +64,6 @@ def _inverse_rows(local_index: np.ndarray, size: int, width: int) -> np.ndarray:
                     )
                 inverse[s, g, row] = w
     return inverse
-
-
-def _sum_owned(x, axes):
-    """``psum`` over ``axes`` of an array whose every element is nonzero on at most one device (the others hold
-    +0): exact in any dtype. A 16-bit float array with an even last dimension is summed as its bit patterns,
-    two to a ``uint32`` (a bit pattern plus zeros is itself; the same bytes as the array): XLA:CPU aborts on a
-    bfloat16 all-reduce (``AllReducePromotion``: "Invalid binary instruction opcode copy")."""
-    if x.dtype.itemsize != 2 or not jnp.issubdtype(x.dtype, jnp.floating) or x.shape[-1] % 2:
-        return jax.lax.psum(x, axes)
-    pairs = jax.lax.bitcast_convert_type(x.reshape(*x.shape[:-1], x.shape[-1] // 2, 2), jnp.uint32)
-    return jax.lax.bitcast_convert_type(jax.lax.psum(pairs, axes), x.dtype).reshape(x.shape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,7 +107,7 @@ class Weights:
             if jnp.issubdtype(w.dtype, jnp.floating):
                 w = w.astype(self.dtype)
             if self.all_reduced:  # the R*K real slots summed over the group axes, each from its one owner
-                return _sum_owned(self._own_slots(self._mine(w), repeats, back=False), self.groups)
+                return sum_owned(self._own_slots(self._mine(w), repeats, back=False), self.groups)
             w = self._take_slots(w, spec) if self.storage is not None else gather_shards(w, spec)
             w = w.reshape(repeats, w.shape[1] // repeats, *w.shape[2:])
             return w if self.storage is None else w[:, : self.storage.layout.chunk_slots]
@@ -162,25 +152,8 @@ class Weights:
         return jnp.take(self._local_rows(self._compute(w)), jnp.asarray(self._slot_rows())[stage, g], axis=0)
 
     def _own_slots(self, x, repeats: int, back: bool = True):
-        """Between the real slots ``[R, K, ...]`` and this device's working-copy slots ``[W, ...]`` (slot ``w*G +
-        g`` of the ``R*K'``): ``back``, the real slots' sums (already summed over the group axes) picked for
-        this device's slots, zeros for a padded one, as a reduce-scatter gives; else this device's slots put at
-        their real places, zeros at the others' (`gather` sums them over the group axes)."""
-        k, padded, groups = self.storage.layout.chunk_slots, self.storage.placement.chunk_slots, self.storage.groups
-        slot = np.arange(repeats * padded).reshape(-1, groups).T  # [G, W] working-copy slots of each device
-        r, j = slot // padded, slot % padded
-        g = self._where()[1]
-        if back:
-            table = np.where(j < k, r * k + j, repeats * k).astype(np.int32)  # into the real slots, or a zero row
-            flat = x.reshape(repeats * k, *x.shape[2:])
-        else:  # [G, R*K]: which of the device's W slots each real slot is, W (a zero row) where another's
-            real = np.arange(repeats * k)
-            at = (real // k) * padded + real % k  # each real slot's working-copy slot
-            table = np.where(at[None] % groups == np.arange(groups)[:, None], at[None] // groups, slot.shape[1])
-            flat = x
-        flat = jnp.concatenate([flat, jnp.zeros((1, *flat.shape[1:]), flat.dtype)], axis=0)
-        out = jnp.take(flat, jnp.asarray(table.astype(np.int32))[g], axis=0)
-        return out if back else out.reshape(repeats, k, *out.shape[1:])
+        """`sharding.pipeline.padding.own_slots` for this device (``g`` along the group axes)."""
+        return own_slots(x, self.storage, repeats, self._where()[1], back)
 
     def _compute(self, w):
         """``w`` in the compute dtype where it is floating point."""
