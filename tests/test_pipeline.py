@@ -814,14 +814,18 @@ def test_bad_pipeline_input_fails_before_compiling_with_the_flag_named(tmp_path,
     assert code == 2 and message in err, err
 
 
-@pytest.mark.parametrize(("schedule", "gather"), [("gpipe", "once"), ("1f1b", "once"), ("zb", "microbatch")])
-def test_a_bfloat16_pipeline_compiles(schedule, gather):
+@pytest.mark.parametrize(
+    ("schedule", "gather", "stage_layers"),
+    [("gpipe", "once", "3,1"), ("1f1b", "once", "3,1"), ("zb", "microbatch", "3,1"), ("1f1b", "once", "2,1")],
+)
+def test_a_bfloat16_pipeline_compiles(schedule, gather, stage_layers):
     """XLA's CPU compiler aborted on the bfloat16 sum over ``stage`` of the pipeline's outputs and of its
     inputs' cotangents (``AllReducePromotion``: "Invalid binary instruction opcode copy"); the pipeline sums
     them in float32 (exact: one stage's are nonzero). It aborted the same way on the per-microbatch gather's
     bfloat16 reduce-scatter of each layer's gradient, which now reduces in the float32 of the sums (zero
     bubble: both the input- and the weight-gradient passes). In a subprocess: the abort would end the test
-    session."""
+    session. Two layers a stage over fsdp=4 pad the working copy to 4 slots: its two real ones are assembled by
+    an all-reduce, of bfloat16 bit patterns (`sharding.pipeline.padding.sum_owned`)."""
     import subprocess
     import sys
 
@@ -833,7 +837,9 @@ def test_a_bfloat16_pipeline_compiles(schedule, gather):
         "--mesh",
         "stage=2,fsdp=4",
         "--stage-layers",
-        "3,1",
+        stage_layers,
+        "--set",
+        f"num_layers={sum(map(int, stage_layers.split(',')))}",
         "--microbatches",
         "4",
         "--batch-size",
