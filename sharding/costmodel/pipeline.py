@@ -5,7 +5,8 @@ main builds it.
   rows (`sharding.costmodel.memory._held_params`); per step each stage's working copy of ``R*K'`` slots
   is assembled in the compute dtype (`_gather_bytes`) from the rows other devices store for it (one
   ppermute per distance that moves any), a pick of this device's ``R*K'/G`` slots and one all-gather
-  over the storage's group axes; the gradients go back the same way
+  over the storage's group axes, of which the ``R*K`` slots holding layers are kept (or, padded to at least
+  twice those, only they are all-reduced: `_Pipe.all_reduced`); the gradients go back the same way
   (`sharding.costmodel.pipeline_comms._pipeline_weight_comms`);
 * the layers applied `_Pipe.applications` times per step to one microbatch's rows; activations moved by
   two ppermutes per pipeline step (GPipe/circular: ``R*M + S - 1`` steps, one each way; 1F1B:
