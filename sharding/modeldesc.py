@@ -144,7 +144,7 @@ class Product:
       groups: 1 for a plain product. For a grouped product (`jax.lax.ragged_dot`, each row multiplied by
         one of the weight's ``groups`` slices along its ``expert`` dimension), the slices: a backend that
         lowers it densely multiplies every row by all of them, ``groups`` times the FLOPs ``share`` counts
-        (`sharding.costmodel.flops.DENSE_GROUPED_BACKENDS`).
+        (`sharding.costmodel.experts.DENSE_GROUPED_BACKENDS`).
     """
 
     weight: Param
