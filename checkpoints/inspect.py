@@ -20,6 +20,8 @@ from pathlib import Path
 import numpy as np
 
 from checkpoints.argparser import Parser
+from checkpoints.verify import CheckpointDamaged, saved_steps, verify_step
+from sharding.mesh import format_mesh
 from sharding.pipeline.storage import StageStorage, layout_from_meta
 
 
@@ -76,9 +78,6 @@ def describe(directory: str | Path, step: int | None = None, deep: bool = False)
         every step) does not read completely.
     """
     import orbax.checkpoint as ocp
-
-    from checkpoints.verify import CheckpointDamaged, saved_steps, verify_step
-    from sharding.mesh import format_mesh
 
     root = _resolve_dir(Path(directory).absolute())  # Orbax refuses relative paths
     if not root.is_dir():

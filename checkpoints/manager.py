@@ -38,7 +38,11 @@ from typing import Any
 
 import orbax.checkpoint as ocp
 
+from checkpoints.meta import RunMeta
+from checkpoints.names import META, STATE
+from checkpoints.verify import latest_verified_step, saved_steps, set_aside, set_aside_later, verify_step
 from sharding.errors import ConfigError, Field, FieldText
+from sharding.pipeline.storage import layout_from_meta
 
 
 class _ReadOnlyNotices(logging.Filter):
@@ -52,9 +56,6 @@ class _ReadOnlyNotices(logging.Filter):
 
 
 logging.getLogger("absl").addFilter(_ReadOnlyNotices())
-
-STATE = "state"
-META = "meta"
 
 # Test hooks, unset in real runs: seconds every asynchronous save waits before it may be committed, so that
 # tests can kill a process in the middle of a save; or a file whose appearance lets the saves commit (at most
@@ -159,7 +160,6 @@ class CheckpointManager:
           checkpoints.verify.CheckpointDamaged: (a ValueError) when the
             explicit step is missing or damaged, or no step reads completely.
         """
-        from checkpoints.verify import latest_verified_step
 
         return latest_verified_step(self.directory, explicit, field)
 
@@ -306,7 +306,6 @@ class LoopCheckpoints:
             return
         if step not in self.manager.all_steps():
             return
-        from checkpoints.verify import set_aside
 
         moved = set_aside(self.manager.directory, step, why)
         if moved is not None:
@@ -338,8 +337,6 @@ def open_resumable(directory, keep: int, explicit: int | None, config, tokenizer
         reads completely, or a checkpoint saved with another model, tokenizer or vocabulary; each naming
         what to do.
     """
-    from checkpoints.meta import RunMeta
-    from checkpoints.verify import latest_verified_step, set_aside_later
 
     # Chosen, and damaged steps set aside, before Orbax lists the steps: its retention counts every step it lists.
     choice = latest_verified_step(directory, explicit)
@@ -371,7 +368,6 @@ def set_aside_damaged(directory, choice, log) -> list[Path]:
     Returns:
       The new folders.
     """
-    from checkpoints.verify import saved_steps, set_aside, verify_step
 
     root, moved = Path(directory), []
     for step in saved_steps(root):
@@ -414,8 +410,6 @@ def restore_state(manager: CheckpointManager, target, step: int | None = None):
       ValueError: A saved layout with another number of layers than the model.
       FileNotFoundError: No checkpoint.
     """
-    from checkpoints.meta import RunMeta
-    from sharding.pipeline.storage import layout_from_meta
 
     meta = RunMeta.from_json(manager.read_meta(step))
     src = layout_from_meta(meta.pipeline)
