@@ -182,7 +182,8 @@ def load_model(args, par) -> LoadedModel:
     (`load_run`).
 
     The end-of-document token is ``config.json``'s ``eos_token_id`` (else the tokenizer's);
-    ``bos_token_id``, when set, is put in front of prompts.
+    ``bos_token_id`` is kept as ``bos_id``; whether prompts start with it is the tokenizer's choice
+    (`train.data.tokenizer.HFTokenizer.encode_prompts`), as in transformers.
 
     Raises:
       ValueError: as `checkpoints.hf`; a missing tokenizer; a tokenizer larger than the vocabulary.
