@@ -76,7 +76,7 @@ def parallelism_from_args(args, num_layers: int) -> Parallelism:
       ValueError: A malformed ``--mesh``/``--mesh-outer``/``--rule``/``--stage-layers``/``--hetero-batch``,
         pipeline flags without a stage axis, or flags of two strategies at once; naming the flags.
     """
-    sizes = parse_axis_sizes(args.mesh if args.mesh.strip() else "fsdp=-1")
+    sizes = parse_axis_sizes(args.mesh)
     outer = parse_axis_sizes(args.mesh_outer, field="mesh_outer", allow_fill=False) if args.mesh_outer else None
     rules = get_rules(args.rules, args.rule)
     strategy = strategy_from_args(args, sizes, num_layers)
