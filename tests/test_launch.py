@@ -226,6 +226,19 @@ def test_the_layout_is_chosen_for_the_processes_left(corpus):
     assert refusals[0].startswith("1 process: --mesh 'data=2,fsdp=2': the sizes multiply to 4 but JAX sees 2"), refusals
 
 
+def test_a_mesh_refusal_names_a_mesh_the_same_checks_accept(corpus):
+    """3 processes of 4 devices, --mesh fsdp=8, batch 16: the example was fsdp=6,tensor=2, which batch 16 (and
+    the test model's widths) then refused; the example is now found by trying shapes through the same checks."""
+    flags = ["--model", "test", "--cpu-devices", "4", "--mesh", "fsdp=8", "--batch-size", "16"]
+    config = cli.parse([*flags, "--data", str(corpus), "--dry-run"])
+    count, _, refusals = choose(config, 3, 3)
+    assert count == 0 and "(example: --mesh " in refusals[0], refusals
+    mesh, _, batch = refusals[0].split("(example: --mesh ")[1].rstrip(")").partition(" with --batch-size ")
+    fixed = [*flags[:-4], "--mesh", mesh, "--batch-size", batch or "16"]
+    count, chosen, refusals = choose(cli.parse([*fixed, "--data", str(corpus), "--dry-run"]), 3, 3)
+    assert (count, chosen, refusals) == (3, mesh, [])
+
+
 def test_mesh_outer_is_re_derived_for_the_processes_left(corpus):
     """--mesh data=-1,fsdp=2 --mesh-outer data=2,fsdp=2 on 4 processes of 2 devices: fsdp keeps spanning 2
     processes and data spans what is left (1 of 2 processes); 3 processes are refused (fsdp's 2 do not divide

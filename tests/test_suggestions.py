@@ -62,6 +62,7 @@ CASES = [
     ["--mesh", "context=2,sequence=4", "--attention", "usp", "--set", "num_heads=6", "--set", "num_kv_heads=2"],
     ["--mesh", "stage=-1"],
     ["--mesh", "stage=8", "--microbatches", "4"],  # 4 layers: the whole mesh suggested, stage=4,fsdp=2
+    ["--mesh", "stage=8"],  # the same with one microbatch: the suggestion brings --microbatches 4 along
     ["--mesh", "stage=8", "--set", "num_layers=6", "--microbatches", "4"],  # 6 layers: stage=4, not 6
     ["--mesh", "data=4,context=2", "--context-shares", "2,1"],  # the length already split: the mesh is kept
     ["--context-shares", "2,1"],

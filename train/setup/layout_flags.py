@@ -180,9 +180,10 @@ def _checked_stages(sizes: dict[str, int], num_layers: int, microbatches: int) -
         good = max(d for d in range(1, num_layers + 1) if stages % d == 0)
         fsdp = sizes.get(ax.FSDP, 1)
         fixed = {**sizes, ax.STAGE: good, ax.FSDP: fsdp if fsdp == -1 else fsdp * (stages // good)}
+        more = f" --microbatches {good}" if 1 < good and microbatches < good else ""  # a microbatch per stage
         raise ValueError(
             f"--mesh {format_mesh(sizes)}: the model has {num_layers} layers, fewer than the {stages} stages; use "
-            f"--mesh {format_mesh(fixed)} (or more layers, --set num_layers={stages})"
+            f"--mesh {format_mesh(fixed)}{more} (or more layers, --set num_layers={stages})"
         )
     return stages
 

@@ -14,7 +14,8 @@ from train.setup import strategy_setup
 from train.setup.auto_plan import apply_plan
 from train.setup.calibrate import resolve_context_shares, resolve_counts
 from train.setup.checks import check_simulated_devices, validate
-from train.setup.config import RunConfig, resolve_mesh
+from train.setup.config import RunConfig
+from train.setup.mesh_fit import resolve_mesh_or_suggest
 
 
 def prepare(config: RunConfig, devices, log):
@@ -26,7 +27,7 @@ def prepare(config: RunConfig, devices, log):
     """
     config = apply_plan(config, devices, log)
     check_simulated_devices(config.parallelism.mesh_shape, devices, config.cluster.cpu_devices)
-    config = resolve_mesh(config, len(devices))
+    config = resolve_mesh_or_suggest(config, len(devices))
     tokenizer = load_tokenizer(config.data.tokenizer, config.data.eod_token)
     validate(config, len(devices), tokenizer)
     config = fit.resolve_budget(config, devices)
