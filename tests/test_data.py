@@ -321,7 +321,7 @@ def test_a_manifest_of_another_tokenizer_and_a_damaged_shard_are_refused(prepare
     _, out = prepared
     hf = load_tokenizer(str(make_hf_tokenizer(tmp_path / "tokenizer.json")))
     with pytest.raises(
-        ValueError, match="prepared with the tokenizer bytes .* pass --tokenizer bytes or prepare again"
+        ValueError, match="prepared with the tokenizer bytes .* pass --tokenizer bytes, or prepare again"
     ):
         check_source(str(out), hf)
     import shutil

@@ -35,7 +35,7 @@ def read_manifest(folder: Path, tokenizer, flag: str = "--data") -> dict:
         hint = "" if saved["name"] == "bytes" else f" {saved['name']}"
         raise ValueError(
             f"{flag} {folder}: prepared with the tokenizer {saved['name']} ({saved['fingerprint']}), but this run "
-            f"uses {tokenizer.name} ({tokenizer.fingerprint}); pass --tokenizer{hint or ' bytes'} or prepare again"
+            f"uses {tokenizer.name} ({tokenizer.fingerprint}); pass --tokenizer{hint or ' bytes'}, or prepare again"
         )
     problems = shard_problems(folder, manifest)
     if problems:

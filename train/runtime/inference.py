@@ -199,11 +199,17 @@ def load_model(args, par) -> LoadedModel:
     hf_config = hf.read_hf_config(folder)
     config = hf.config_from_hf(hf_config, str(folder / hf.CONFIG_FILE), dtype=args.dtype)
     layout = StateLayout(config, par)
-    tokenizer_file = Path(args.tokenizer) if args.tokenizer else folder / hf.TOKENIZER_FILE
-    if not tokenizer_file.is_file():
-        raise ValueError(f"{folder}: no {hf.TOKENIZER_FILE}; pass --tokenizer FILE")
     eos, bos = hf.token_id(hf_config.get("eos_token_id")), hf.token_id(hf_config.get("bos_token_id"))
-    tokenizer = HFTokenizer(tokenizer_file, hf.eod_token(folder, tokenizer_file))
+    if args.tokenizer in ("bytes", ""):  # as training spells it: UTF-8 bytes (a prepared folder may say so)
+        tokenizer, tokenizer_file = load_tokenizer(args.tokenizer), "bytes"
+    else:
+        tokenizer_file = Path(args.tokenizer) if args.tokenizer else folder / hf.TOKENIZER_FILE
+        if not tokenizer_file.is_file():
+            where = (
+                f"--tokenizer {args.tokenizer}: no such file" if args.tokenizer else f"{folder}: no {hf.TOKENIZER_FILE}"
+            )
+            raise ValueError(f"{where}; pass --tokenizer FILE (a tokenizer.json) or --tokenizer bytes")
+        tokenizer = HFTokenizer(tokenizer_file, hf.eod_token(folder, tokenizer_file))
     if tokenizer.vocab_size > config.vocab_size:
         raise ValueError(
             f"--tokenizer {tokenizer_file}: {tokenizer.vocab_size} tokens, more than the model's "
