@@ -10,6 +10,7 @@ import os
 import sys
 from pathlib import Path
 
+from checkpoints import library_log
 from checkpoints.manager import CheckpointFailure, open_resumable
 from train.launcher.distributed import initialize, setup_devices
 from train.launcher.output import close_output_filters
@@ -88,6 +89,7 @@ def _run_prepared(config: RunConfig, tokenizer, processes: str, log) -> int:
 
     folder, ckpt, latest = Path(config.checkpoint.run_dir) / "checkpoints", None, None
     if not config.loop.dry_run:
+        library_log.capture(config.checkpoint.run_dir, jax.process_index())  # Orbax's threads: to a file
         ckpt, latest = open_resumable(
             folder,
             config.checkpoint.keep,
