@@ -430,3 +430,33 @@ def test_sigterm_before_the_training_loop_ends_a_process_at_once():
     )
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=clean_env(), capture_output=True, text=True)
     assert done.returncode == -signal.SIGTERM, done.stdout + done.stderr
+
+
+def test_a_process_whose_launcher_is_gone_says_so_in_one_line(monkeypatch):
+    """Under train.launch the kernel signals a training process when its launcher dies (PR_SET_PDEATHSIG);
+    the process answers with one line naming the launcher and how to go on (before: killed without a word)."""
+    from train.launcher import orphan
+
+    said = []
+    monkeypatch.setenv(orphan.LAUNCHER_ENV, str(os.getppid()))  # our parent plays the launcher: alive
+    previous = signal.getsignal(orphan.PARENT_GONE_SIGNAL)
+    try:
+        assert orphan.watch_launcher(lambda: "the newest checkpoint is step 5 in R", said.append) == os.getppid()
+        time.sleep(2 * orphan.POLL_SECONDS)
+        assert said == []  # the launcher lives: nothing said
+        os.kill(os.getpid(), orphan.PARENT_GONE_SIGNAL)  # what the kernel sends when it dies
+        time.sleep(0.1)
+        assert said == [
+            f"the launcher (pid {os.getppid()}) that started this process is gone (killed?), so this process stops; "
+            "the newest checkpoint is step 5 in R; start python -m train.launch again with the same flags and --resume"
+        ]
+        # The parent changes (the launcher died while the main thread was blocked): the watch thread says it.
+        said.clear()
+        monkeypatch.setenv(orphan.LAUNCHER_ENV, str(os.getppid() + 1))
+        orphan.watch_launcher(lambda: "no checkpoint in R yet", said.append)
+        time.sleep(0.1)
+        assert len(said) == 1 and said[0].startswith(f"the launcher (pid {os.getppid() + 1}) that started")
+    finally:
+        signal.signal(orphan.PARENT_GONE_SIGNAL, previous)
+    monkeypatch.delenv(orphan.LAUNCHER_ENV)
+    assert orphan.watch_launcher(lambda: "", said.append) is None  # not started by a launcher
