@@ -460,3 +460,39 @@ def test_a_process_whose_launcher_is_gone_says_so_in_one_line(monkeypatch):
         signal.signal(orphan.PARENT_GONE_SIGNAL, previous)
     monkeypatch.delenv(orphan.LAUNCHER_ENV)
     assert orphan.watch_launcher(lambda: "", said.append) is None  # not started by a launcher
+
+
+@pytest.mark.slow
+def test_killing_the_launcher_leaves_processes_that_say_why_they_stop(corpus, cache, tmp_path):
+    """kill -9 of the launcher: each training process prints one line naming the launcher and the newest
+    checkpoint, and ends; the run lock it left names the launcher, and the next start reclaims it."""
+    import subprocess
+
+    from _procs import clean_env
+
+    run_dir, log = tmp_path / "run", tmp_path / "launch.log"
+    argv = ["--local-processes", "2", *common(corpus, cache, steps=400), "--run-dir", str(run_dir)]
+    with open(log, "w") as out:
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "train.launch", *argv], cwd=ROOT, env=clean_env(), stdout=out, stderr=out
+        )
+    try:
+        deadline = time.monotonic() + 240
+        while not re.search(r"^step\s+3/400", log.read_text(), re.M):
+            assert launcher.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.5)
+        assert json.loads((run_dir / "run.lock").read_text())["launcher_pid"] == launcher.pid
+        launcher.kill()
+        launcher.wait()
+        deadline = time.monotonic() + 60
+        while log.read_text().count("that started this process is gone") < 2 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        # Usually both say it; JAX's runtime may abort one first (it sees the service's socket close within
+        # milliseconds, and prints its own lines), so at least one line, and both processes gone.
+        gone = [line for line in log.read_text().splitlines() if "that started this process is gone" in line]
+        assert 1 <= len(gone) <= 2, log.read_text()
+        assert gone[0].startswith(f"error: the launcher (pid {launcher.pid})") and "--resume" in gone[0]
+        assert "the newest checkpoint is step " in gone[0] or "no checkpoint in " in gone[0]
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
