@@ -5,11 +5,17 @@ save that fails on a full disk logs the same error with a full traceback from ev
 (hundreds of lines) before the run's own one-line error. `capture` sends the logger's records, at every
 level and with their tracebacks, to ``RUN_DIR/library.log`` (``library-P.log`` for process P > 0) and no
 longer to the terminal; `note` is the clause a handled failure's message ends with, saying where they are.
+
+After a failed save, TensorStore's completion callbacks still try to reach the event loop Orbax has closed;
+each raises ``RuntimeError('Event loop is closed')``, which the C++ caller hands to `sys.excepthook` (a bare
+traceback on stderr). While captured, those go to the same file; any other exception reaches the hook that
+was installed.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 
 LOGGERS = ("absl",)
@@ -43,7 +49,16 @@ def capture(run_dir: str | Path, process_index: int = 0) -> Path:
         logger = logging.getLogger(name)
         logger.addHandler(handler)
         logger.propagate = False
-    _state.update(handler=handler, path=path)
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        if isinstance(value, RuntimeError) and str(value) == "Event loop is closed":
+            logging.getLogger(LOGGERS[0]).error("a callback after its event loop closed", exc_info=(kind, value, tb))
+            return
+        previous(kind, value, tb)
+
+    sys.excepthook = hook
+    _state.update(handler=handler, path=path, hook=(previous, hook))
     return path
 
 
@@ -51,6 +66,9 @@ def release() -> None:
     """Undoes `capture` (records reach the terminal again)."""
     handler = _state.pop("handler", None)
     _state.pop("path", None)
+    previous, hook = _state.pop("hook", (None, None))
+    if sys.excepthook is hook:
+        sys.excepthook = previous
     if handler is None:
         return
     for name in LOGGERS:
