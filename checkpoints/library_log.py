@@ -7,9 +7,9 @@ level and with their tracebacks, to ``RUN_DIR/library.log`` (``library-P.log`` f
 longer to the terminal; `note` is the clause a handled failure's message ends with, saying where they are.
 
 After a failed save, TensorStore's completion callbacks still try to reach the event loop Orbax has closed;
-each raises ``RuntimeError('Event loop is closed')``, which the C++ caller hands to `sys.excepthook` (a bare
-traceback on stderr). While captured, those go to the same file; any other exception reaches the hook that
-was installed.
+each raises ``RuntimeError('Event loop is closed')``, which the C++ caller reports as unraisable
+(`sys.unraisablehook`, a bare traceback on stderr). While captured, those go to the same file; any other
+exception reaches the hook that was installed.
 """
 
 from __future__ import annotations
@@ -49,15 +49,19 @@ def capture(run_dir: str | Path, process_index: int = 0) -> Path:
         logger = logging.getLogger(name)
         logger.addHandler(handler)
         logger.propagate = False
-    previous = sys.excepthook
+    previous = sys.unraisablehook
 
-    def hook(kind, value, tb):
+    def hook(unraisable):
+        value = unraisable.exc_value
         if isinstance(value, RuntimeError) and str(value) == "Event loop is closed":
-            logging.getLogger(LOGGERS[0]).error("a callback after its event loop closed", exc_info=(kind, value, tb))
+            logging.getLogger(LOGGERS[0]).error(
+                "a callback after its event loop closed",
+                exc_info=(unraisable.exc_type, value, unraisable.exc_traceback),
+            )
             return
-        previous(kind, value, tb)
+        previous(unraisable)
 
-    sys.excepthook = hook
+    sys.unraisablehook = hook
     _state.update(handler=handler, path=path, hook=(previous, hook))
     return path
 
@@ -67,8 +71,8 @@ def release() -> None:
     handler = _state.pop("handler", None)
     _state.pop("path", None)
     previous, hook = _state.pop("hook", (None, None))
-    if sys.excepthook is hook:
-        sys.excepthook = previous
+    if sys.unraisablehook is hook:
+        sys.unraisablehook = previous
     if handler is None:
         return
     for name in LOGGERS:
