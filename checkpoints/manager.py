@@ -38,6 +38,7 @@ from typing import Any
 
 import orbax.checkpoint as ocp
 
+from checkpoints import library_log
 from checkpoints.meta import RunMeta
 from checkpoints.names import META, STATE
 from checkpoints.verify import latest_verified_step, saved_steps, set_aside, set_aside_later, verify_step
@@ -245,7 +246,9 @@ class CheckpointManager:
         try:
             self.close()
         except Exception as e:
-            raise CheckpointFailure(f"finishing the checkpoints in {self.directory} failed: {e}") from e
+            raise CheckpointFailure(
+                f"finishing the checkpoints in {self.directory} failed: {e}{library_log.note()}"
+            ) from e
 
     def _resolve(self, step: int | None) -> int:
         if step is None:
@@ -284,7 +287,7 @@ class LoopCheckpoints:
             self.manager.save(step, state, self.meta.at(step, samples, iterator).to_json())
         except Exception as e:  # any failure to start a save ends the run with it
             raise CheckpointFailure(
-                f"saving the checkpoint of step {step} in {self.manager.directory} failed: {e}"
+                f"saving the checkpoint of step {step} in {self.manager.directory} failed: {e}{library_log.note()}"
             ) from e
 
     def check(self) -> None:
@@ -292,7 +295,7 @@ class LoopCheckpoints:
         try:
             self.manager.check_for_errors()
         except Exception as e:  # the background save's own error, raised here at once
-            raise CheckpointFailure(f"a checkpoint save failed, so training stopped: {e}") from e
+            raise CheckpointFailure(f"a checkpoint save failed, so training stopped: {e}{library_log.note()}") from e
 
     def set_aside(self, step: int, why: str, log) -> None:
         """Waits for the pending saves, then renames ``step``'s folder, if this run saved one, to
@@ -317,7 +320,9 @@ class LoopCheckpoints:
             self.manager.wait()
             self.manager.check_for_errors()
         except Exception as e:
-            raise CheckpointFailure(f"the checkpoint of step {step} could not be written: {e}") from e
+            raise CheckpointFailure(
+                f"the checkpoint of step {step} could not be written: {e}{library_log.note()}"
+            ) from e
 
 
 def open_resumable(directory, keep: int, explicit: int | None, config, tokenizer, log, discard_later: bool = False):
