@@ -163,6 +163,11 @@ def test_bad_adapter_fields_are_refused_naming_their_flags():
         get_config("test").replace(lora_targets="q")
     with raises_as_cli(ConfigError, r"--lora-alpha 0.0: must be a finite number > 0"):
         get_config("test").replace(lora_rank=4, lora_alpha=0.0, lora_targets="q")
+    width = get_config("test").embed_dim  # a rank past the width used to allocate until memory ran out
+    with raises_as_cli(ConfigError, rf"--lora-rank 100000: above the model width {width} .* e.g. --lora-rank 16$"):
+        get_config("test").replace(lora_rank=100000, lora_targets="q")
+    assert get_config("test").replace(lora_rank=16, lora_targets="q").lora_rank == 16
+    assert get_config("test").replace(lora_rank=width, lora_targets="q").lora_rank == width
 
 
 @pytest.mark.parametrize("config", [DENSE, MOE], ids=["dense", "moe"])
