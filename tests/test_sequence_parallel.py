@@ -1,0 +1,141 @@
+"""Sequence parallelism beside tensor parallelism (the ``tp_sp`` and ``fsdp_tp_sp`` rules): the compiled step's
+collectives per block, and training steps against the flat one-device float32 reference."""
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+from test_pipeline import _batch as pipeline_batch
+from test_pipeline_1f1b import assert_close
+
+from models.config import get_config
+from sharding import axes as ax
+from sharding import hlo
+from sharding import pipeline as pl
+from sharding.mesh import make_mesh, parse_mesh
+from sharding.parallel import Accumulation, Parallelism
+from sharding.rules import get_rules
+from train.runtime.optimizer import OptimizerConfig
+from train.runtime.step import Trainer
+
+LAYERS, BATCH, LENGTH, STEPS = 2, 8, 32, 6
+
+
+def _config(*overrides):
+    return get_config("test", [f"num_layers={LAYERS}", *overrides])
+
+
+def _optimizer():
+    # eps 1e-3: AdamW's first update is about lr * sign(g) with the default eps, which turns float32 rounding
+    # of a near-zero gradient entry into a whole step (test_pipeline_1f1b's `_steps_config` says more).
+    return OptimizerConfig(eps=1e-3, warmup=0, decay_steps=10)
+
+
+def _trainer(config, mesh_spec, rules, strategy=None, devices=None):
+    n = 8 if devices is None else len(devices)
+    mesh = make_mesh(parse_mesh(mesh_spec, n), devices)
+    return Trainer(config, _optimizer(), Parallelism.of(mesh, rules, strategy))
+
+
+def _steps(trainer, steps=STEPS):
+    """Losses of ``steps`` optimizer steps and the parameters after them (canonical layer order)."""
+    state = trainer.init_state(0)
+    step = trainer.train_step(BATCH, LENGTH)
+    losses = []
+    for seed in range(steps):
+        state, metrics = step(state, pipeline_batch(BATCH, LENGTH, seed, unmasked=0.9), trainer.signals(False))
+        losses.append(float(metrics["loss"]))
+    params = jax.tree.map(np.asarray, state["params"])
+    if trainer.storage is not None:
+        params["layers"] = jax.tree.map(
+            lambda w: np.asarray(pl.relayout(w, trainer.storage, None, trainer.config.num_layers)), params["layers"]
+        )
+    return losses, params
+
+
+@functools.cache
+def _reference():
+    """The flat model on one device in float32: losses over `STEPS` steps, parameters after them."""
+    return _steps(_trainer(_config(), "data=1", "dp", devices=jax.devices()[:1]))
+
+
+def test_the_sp_presets_split_the_residual_stream_over_tensor_and_nothing_else():
+    for base, sp in (("tp", "tp_sp"), ("fsdp_tp", "fsdp_tp_sp")):
+        plain, split = get_rules(base), get_rules(sp)
+        assert not plain.sequence_parallel and split.sequence_parallel
+        assert split.mesh_axes(ax.ACT_LENGTH) == (ax.CONTEXT, ax.SEQUENCE, ax.TENSOR)
+        assert plain.mesh_axes(ax.ACT_LENGTH) == plain.mesh_axes(ax.LENGTH) == split.mesh_axes(ax.LENGTH)
+        assert {k: v for k, v in split.table if k != ax.ACT_LENGTH} == {
+            k: v for k, v in plain.table if k != ax.ACT_LENGTH
+        }
+
+
+@pytest.mark.parametrize(
+    "mesh_spec, strategy",
+    [
+        ("data=4,tensor=2", None),
+        ("data=2,tensor=2,stage=2", "1f1b"),
+    ],
+)
+def test_sp_training_steps_match_the_one_device_reference(mesh_spec, strategy):
+    """Losses over 6 steps (1e-5 relative) and the parameters after them (1e-5 of each array's largest
+    magnitude) equal the one-device float32 run's, on data=4,tensor=2 and on a 1F1B pipeline over
+    data=2,tensor=2,stage=2 (one layer per stage, two microbatches)."""
+    ref_losses, ref_params = _reference()
+    if strategy is not None:
+        layout, _ = pl.plan_layout(LAYERS, 2, 1, None)
+        strategy = pl.PipelinePlan(layout, 2, schedule=strategy)
+    trainer = _trainer(_config(), mesh_spec, "tp_sp", strategy)
+    assert trainer.par.rules.sequence_parallel
+    losses, params = _steps(trainer)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_close(params, ref_params)
+    assert ref_losses[-1] < ref_losses[0]  # six steps of training, not six evaluations of one state
+
+
+def _activation_collectives(trainer):
+    """``{op: arrays}``: all-gathers and all-reduces of the compiled step whose result is one microbatch's whole
+    ``[batch/data, length, embed]`` float32 activations, counted per array (a combined collective's tuple
+    holds several) and per execution."""
+    text = trainer.compile_train_step(BATCH, LENGTH).as_text()
+    whole = f"f32[{BATCH // trainer.par.mesh_shape[ax.DATA]},{LENGTH},{trainer.config.embed_dim}]"
+    results = {}
+    for line in text.splitlines():
+        name, sep, rest = line.strip().removeprefix("ROOT ").partition(" = ")
+        if sep:
+            results[name.lstrip("%")] = rest.split(" all-")[0]
+    counts = {}
+    for c in hlo.collectives(text):
+        if c.op in ("all-gather", "all-reduce"):
+            counts[c.op] = counts.get(c.op, 0) + c.executions * results[c.name].count(whole)
+    return counts
+
+
+def test_sp_turns_each_blocks_all_reduce_into_an_all_gather_and_a_reduce_scatter():
+    """On data=4,tensor=2 (2 layers, float32): without sequence parallelism every block ends in an all-reduce
+    of its ``[batch/data, length, embed]`` output over tensor, forward and (for its input gradient) backward,
+    and nothing is all-gathered. With it each block's input is all-gathered along the length before it
+    (forward, and again in the backward pass, the transpose of the reduce-scatter after it): 2 blocks x 2
+    passes per layer, plus the loss's input (forward) and the embedding's gradient (backward). XLA's CPU
+    backend lowers a reduce-scatter to an all-reduce of the whole array and a slice, so the all-reduces keep
+    their count here (a GPU compile shows reduce-scatters, priced as such by the cost model)."""
+    config = _config()
+    plain = _activation_collectives(_trainer(config, "data=4,tensor=2", "tp"))
+    split = _activation_collectives(_trainer(config, "data=4,tensor=2", "tp_sp"))
+    per_layer = 2 * 2  # attention and MLP, forward and backward
+    assert plain.get("all-gather", 0) == 0
+    assert split["all-gather"] == per_layer * LAYERS + 2
+    assert split["all-reduce"] == plain["all-reduce"]
+
+
+def test_a_mixture_of_experts_with_expert_beside_tensor_trains_alike_with_sp():
+    """moe-test (a dense layer, then mixtures of experts with a shared expert) on expert=2,tensor=2,data=2:
+    with the residual stream split over tensor the experts read their tokens whole along the length (the
+    partitioner gathers them before the layer's map) and two steps give the losses and parameters of the same
+    mesh without sequence parallelism (1e-5)."""
+    config = get_config("moe-test")
+    ref_losses, ref_params = _steps(_trainer(config, "data=2,expert=2,tensor=2", "tp"), steps=2)
+    losses, params = _steps(_trainer(config, "data=2,expert=2,tensor=2", "tp_sp"), steps=2)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_close(params, ref_params)
