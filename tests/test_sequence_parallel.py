@@ -14,7 +14,7 @@ from sharding import axes as ax
 from sharding import hlo
 from sharding import pipeline as pl
 from sharding.mesh import make_mesh, parse_mesh
-from sharding.parallel import Accumulation, Parallelism
+from sharding.parallel import Parallelism
 from sharding.rules import get_rules
 from train.runtime.optimizer import OptimizerConfig
 from train.runtime.step import Trainer
