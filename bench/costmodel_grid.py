@@ -46,6 +46,9 @@ GRID = [
     # A larger vocabulary: the loss runs vocabulary-parallel (sharding.vocab picks it).
     ("test+vocab_size=4096", "fsdp=8", "fsdp_tp", 16, 64, 1, "none"),
     ("test+vocab_size=4096", "fsdp=8", "fsdp_tp", 16, 64, 2, "none"),
+    # Sequence parallelism: the residual stream split over tensor, each block's all-reduce an all-gather and a
+    # reduce-scatter (an all-reduce and a slice on CPU).
+    ("test", "data=2,fsdp=2,tensor=2", "fsdp_tp_sp", 16, 64, 1, "none"),
 ]
 
 #: Reported by the bench, not asserted: context parallelism by the partitioner on reference

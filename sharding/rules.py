@@ -101,6 +101,12 @@ class Rules:
         """Whether the residual stream's length is split over ``tensor`` (sequence parallelism)."""
         return ax.TENSOR in self.mesh_axes(ax.ACT_LENGTH)
 
+    def sequence_split(self, mesh_shape: Mapping[str, int]) -> int:
+        """Devices the residual stream's length (``act_length``) is split over beyond the blocks' ``length``:
+        ``tensor``'s size under sequence parallelism, else 1 (``mesh_shape``: mesh axis -> size)."""
+        block = self.mesh_axes(ax.LENGTH)
+        return math.prod(mesh_shape.get(a, 1) for a in self.mesh_axes(ax.ACT_LENGTH) if a not in block)
+
     def as_dict(self) -> dict[str, list[str]]:
         """JSON-friendly form, for reports and checkpoint metadata."""
         return {name: list(mesh_axes) for name, mesh_axes in self.table}

@@ -139,3 +139,23 @@ def test_a_mixture_of_experts_with_expert_beside_tensor_trains_alike_with_sp():
     losses, params = _steps(_trainer(config, "data=2,expert=2,tensor=2", "tp_sp"), steps=2)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert_close(params, ref_params)
+
+
+def test_the_cost_model_prices_the_split_residual_stream_as_compiled():
+    """What ``remat="dots"`` saves per layer on data=2,tensor=4 with ``tp_sp``, as the compiler allocates it (the
+    step's temporaries grow with each layer by its saved activations and its float32 gradient), to the byte:
+    512 tokens a device x 416 float32 elements: q (128 / 4 over heads), k and v (128: 2 KV heads stay whole on 4
+    devices), gate and up (768 / 4), and the block input and the attention's output projection (256 / 4: the
+    residual stream's, split along the length). Without sequence parallelism the same layout prices those two
+    whole: 3/4 x 256 x 512 x 4 bytes more per layer."""
+    from costmodel_grid import compiled_figures, predicted
+
+    two, four = (("test+num_layers=" + str(n), "data=2,tensor=4", "tp_sp", 16, 64, 1, "dots") for n in (2, 4))
+    per_layer = (compiled_figures(four)["temp"] - compiled_figures(two)["temp"]) / 2
+    grown = [
+        getattr(predicted(four).memory, f) - getattr(predicted(two).memory, f) for f in ("activations", "gradients")
+    ]
+    assert per_layer == pytest.approx(sum(grown) / 2, rel=1e-3), (per_layer, grown)
+    assert grown[0] / 2 == 512 * (128 / 4 + 128 + 768 / 4 + 256 / 4) * 4
+    plain = [predicted((case[0], case[1], "tp", *case[3:])).memory.activations for case in (two, four)]
+    assert (plain[1] - plain[0]) / 2 - grown[0] / 2 == 512 * 256 * 3 / 4 * 4

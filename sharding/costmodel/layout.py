@@ -348,9 +348,12 @@ def _model_splits(model: ModelDescription, rules: Rules, mesh_items: tuple) -> d
 
 
 def _axis_split(model: ModelDescription, logical: str | None, rules: Rules, mesh: Mapping[str, int]) -> int:
-    """How many ways the rules split the model's logical axis ``logical`` (1 for None)."""
+    """How many ways the rules split the model's logical axis ``logical`` (1 for None; ``act_length``: the
+    residual stream's split beyond the per-device tokens', `sharding.rules.Rules.sequence_split`)."""
     if logical is None:
         return 1
+    if logical == ax.ACT_LENGTH:
+        return rules.sequence_split(mesh)
     return math.prod(mesh[a] for a in _model_splits(model, rules, tuple(mesh.items()))[logical])
 
 
