@@ -94,10 +94,11 @@ def _meshes(model: ModelDescription, cluster: _Cluster, options: PlanOptions) ->
 
 
 def _rules_for(model: ModelDescription, mesh: Mapping[str, int], options: PlanOptions) -> list[str]:
-    """Presets that differ on this mesh: ``fsdp*`` only with ``fsdp`` > 1, ``*tp`` only with ``tensor`` > 1."""
+    """Presets that differ on this mesh: ``fsdp*`` only with ``fsdp`` > 1, ``*tp`` and ``*tp_sp`` (sequence
+    parallelism) only with ``tensor`` > 1."""
     out = []
     for name in options.rules:
-        wants_fsdp, wants_tp = name.startswith("fsdp"), name.endswith("tp")
+        wants_fsdp, wants_tp = name.startswith("fsdp"), "tp" in name.split("_")
         zero = mesh[ax.FSDP] * mesh.get(ax.EXPERT, 1)  # the weights' embed goes over fsdp and expert
         if wants_fsdp != (zero > 1) or wants_tp != (mesh[ax.TENSOR] > 1):
             continue
@@ -360,6 +361,8 @@ def _uneven_fits(mesh: Mapping[str, int], rules: str, attention: AttentionTraits
     if any(mesh.get(a, 1) > 1 for a in (ax.STAGE, ax.EXPERT, *ax.LENGTH_MESH_AXES)):
         return False
     if mesh[ax.TENSOR] > 1 and attention.under_shard_map:
+        return False
+    if rules.endswith("_sp"):  # the uneven step's traffic is priced without sequence parallelism
         return False
     return not (mesh[ax.TENSOR] > 1 and mesh[ax.FSDP] > 1 and rules in ("fsdp", "fsdp_tp"))
 
