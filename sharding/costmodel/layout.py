@@ -39,7 +39,7 @@ class Layout:
 
     Attributes:
       mesh: Mesh axis -> size over ``data, stage, fsdp, context, sequence, tensor`` (missing axes are 1).
-      rules: Rules preset name (``dp``, ``fsdp``, ``tp``, ``fsdp_tp``) or a `Rules` table.
+      rules: Rules preset name (``dp``, ``fsdp``, ``tp``, ``fsdp_tp``, ``tp_sp``, ``fsdp_tp_sp``) or a `Rules` table.
       microbatches: M, gradient-accumulation steps per global batch (pipeline microbatches when
         ``stage > 1``).
       remat: ``none``, ``dots`` or ``full`` (`models.config.REMAT_POLICIES`).
