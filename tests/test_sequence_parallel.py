@@ -192,3 +192,13 @@ def test_the_planner_tries_the_sp_rules_where_tensor_splits_and_prices_them_no_w
     norms = [c for c in cost["tp_sp"].comms if "norm" in c.what]
     assert norms and wire(cost["tp_sp"].comms) <= wire(cost["tp"].comms) + wire(norms)
     assert cost["tp_sp"].memory.activations < cost["tp"].memory.activations
+
+
+def test_a_plan_with_sp_renders_as_the_flags_that_rebuild_it():
+    """The planner's and the dry run's flags name the preset itself (``--rules tp_sp``), with no ``--rule``
+    overrides, also for a pipeline, whose own ``layers -> stage`` the pipeline flags add."""
+    from train.setup.flags import rules_flags
+
+    for name in ("tp_sp", "fsdp_tp_sp"):
+        assert rules_flags(get_rules(name), False) == (name, [])
+        assert rules_flags(pl.pipeline_rules(get_rules(name)), True) == (name, [])
