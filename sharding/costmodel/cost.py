@@ -244,7 +244,9 @@ def _pipeline_cost(
     comms += _pipeline_weight_comms(layout, rules, placed, pipe, model)
     comms += _stage_comms(model, layout, s, pipe, head)
     tensor = _tensor_comms(model, layout, rules, layer, recomputes=pipe.recomputes, with_logits=False)
-    comms += sequence_parallel_comms(tensor, model, layout, rules, layer, backend, with_edges=False)
+    comms += sequence_parallel_comms(
+        tensor, model, layout, rules, layer, backend, with_edges=False, recomputes=pipe.recomputes
+    )
     comms += _length_comms(model, layout, rules, layer, backend)
     comms = tuple(c for c in comms if c.group > 1 and c.count > 0)
     arguments = memory.state + memory.batch + _INT_BYTES * 4 + _INT_BYTES

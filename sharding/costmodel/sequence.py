@@ -46,6 +46,7 @@ def sequence_parallel_comms(
     s: _Shape,
     backend: str,
     with_edges: bool = True,
+    recomputes: float = 0.0,
 ) -> list[Comm]:
     """``comms`` (a step's collectives priced without sequence parallelism) as the ``_sp`` rules run them.
 
@@ -58,6 +59,8 @@ def sequence_parallel_comms(
       backend: ``gpu`` (reduce-scatters) or ``cpu`` (XLA:CPU's all-reduce and slice).
       with_edges: Whether the step's loss input and embedding output are priced here (False inside pipeline
         stages, whose head and entry are priced with the pipeline).
+      recomputes: Forward passes of each layer a pipeline's backward pass adds (`_Pipe.recomputes`): each
+        gathers its blocks' inputs again.
 
     Returns:
       The collectives: the changed all-reduces, then the added all-gathers and scale-gradient all-reduces.
@@ -66,18 +69,16 @@ def sequence_parallel_comms(
     if t <= 1:
         return comms
     out = []
-    forward_blocks = 0.0
     for c in comms:
         if c.kind == "all-reduce" and c.what in _SCATTERED and c.axes == (ax.TENSOR,):
-            if c.what == ROW_PARALLEL:
-                forward_blocks += c.count  # one block ends in each row-parallel product (recomputations too)
             if backend != "cpu":
                 c = dataclasses.replace(c, kind="reduce-scatter", result_bytes=c.result_bytes / t)
         out.append(c)
     n = s.layers * s.micro
+    # one block ends in each row-parallel product; a recomputed layer gathers every block's input again (even
+    # where it need not redo the product: `remat="dots"` keeps the products' outputs, not their gathered inputs)
     blocks = sum(1 for p in model.products if _tensor_split(model, p.in_axes, rules, layout.mesh))
-    if layout.remat == "dots":  # the products' outputs are kept, the gathered inputs recomputed
-        forward_blocks += blocks * n
+    forward_blocks = blocks * n * (1 + (layout.remat != "none") + recomputes)
     whole = s.tok * model.hidden * s.act_bytes  # one microbatch's [tokens, embed] on this device, gathered
     out.append(Comm("all-gather", (ax.TENSOR,), t, whole, forward_blocks, "block inputs along the length", False))
     out.append(Comm("all-gather", (ax.TENSOR,), t, whole, blocks * n, "block output gradients along the length", False))
