@@ -15,6 +15,8 @@ import dataclasses
 import functools
 import math
 
+import jax
+
 from models.attention import resolve_context_layout
 from models.config import get_config
 from sharding import costmodel as cm
@@ -181,19 +183,22 @@ def _strategy(case, config, mesh):
 
 
 @functools.cache
-def compiled_figures(case) -> dict:
-    """The compiler's figures for one case (compiled once per process).
+def compiled_figures(case, optimizer_sharding: str = "replicated") -> dict:
+    """The compiler's figures for one case (compiled once per process), its optimizer state laid out as
+    ``optimizer_sharding`` says (`sharding.parallel.Parallelism.optimizer_sharding`).
 
     Returns:
       ``flops`` (``cost_analysis``: each loop body once), ``dot_flops`` (products with trip counts
       folded in; ``dot_outside`` and ``dot_branches`` its parts outside and inside conditionals), ``arguments`` and ``temp`` (bytes, ``memory_analysis``), ``collectives`` (kind ->
-      per-device result bytes per step), ``rematerializations`` (the partitioner's warnings while compiling).
+      per-device result bytes per step), ``rematerializations`` (the partitioner's warnings while compiling),
+      ``state_bytes`` (``params`` and ``opt_state``: bytes of one device's blocks of those arguments, their
+      scalars, the optimizer's step counts, left out).
     """
     model, mesh_spec, rules, batch, seq, micro, remat = case[:7]
     config, mesh = config_of(model, remat), parse_mesh(mesh_spec, 8)
     layout = _context_layout(config, mesh)
     par = Parallelism.of(make_mesh(mesh), get_rules(rules), _strategy(case, config, mesh), context_layout=layout)
-    par = par.replace(context_shares=shares_of(case))
+    par = par.replace(context_shares=shares_of(case), optimizer_sharding=optimizer_sharding)
     trainer = Trainer(config, OptimizerConfig(), par)
     positions = par.positions(seq)  # uneven shares: the padded length the loop runs
     compiled, log = xla_log_while(lambda: trainer.compile_train_step(batch, positions))
@@ -211,7 +216,14 @@ def compiled_figures(case) -> dict:
         "temp": float(memory.temp_size_in_bytes),
         "collectives": cm.collective_bytes(hlo.collectives(text)),
         "rematerializations": log.count("Involuntary full rematerialization"),
+        "state_bytes": {part: block_bytes(trainer.abstract_state()[part]) for part in ("params", "opt_state")},
     }
+
+
+def block_bytes(tree) -> float:
+    """Bytes of one device's blocks of the arrays (not the scalars) of a tree of sharded `jax.ShapeDtypeStruct`s."""
+    leaves = [x for x in jax.tree.leaves(tree) if x.ndim]
+    return float(sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in leaves))
 
 
 def xla_log_while(fn):
@@ -233,7 +245,7 @@ def xla_log_while(fn):
         return result, log.read().decode(errors="replace")
 
 
-def predicted(case) -> cm.Cost:
+def predicted(case, optimizer_sharding: str = "replicated") -> cm.Cost:
     """The cost model's prediction for one case (CPU backend); a pipeline with every slot of every
     step priced (``skip_empty=False``), as the compiled program's loop trip counts say."""
     model, mesh_spec, rules, batch, seq, micro, remat = case[:7]
@@ -243,6 +255,13 @@ def predicted(case) -> cm.Cost:
     if isinstance(strategy, PipelinePlan):  # the compiled plan's streamed edges, every slot priced
         fields = {"stream_edges": strategy.streams_head}
         strategy, table = dataclasses.replace(strategy, skip_empty=False), pipeline_rules(table)
-    par = Parallelism(mesh, table, strategy, _context_layout(config, mesh), context_shares=shares_of(case))
+    par = Parallelism(
+        mesh,
+        table,
+        strategy,
+        _context_layout(config, mesh),
+        context_shares=shares_of(case),
+        optimizer_sharding=optimizer_sharding,
+    )
     layout = cm.layout_of(par, config, **fields)  # the run's layout, as the cost model sees it
     return cm.estimate(config, batch, seq, layout, backend="cpu")

@@ -1,39 +1,68 @@
-"""The cost model's clock against published training runs: every row of ``shared/published/README.md``
-priced at the layout its authors ran.
+"""The cost model's clock against published training runs: every row of a rows file priced at the layout its
+authors ran, through ``python -m train.plan --layout``'s own path.
 
 Run::
 
-    python bench/published.py                      # the table, markdown, on stdout
-    python bench/published.py --out table.md       # also written to a file
-    python bench/published.py --rows megatron-39b,titan-8b-128
-    python bench/published.py --top-three --rows megatron-39.1b   # the planner's own three best per row
+    python bench/published.py                               # ../shared/published/rows.csv, markdown tables
+    python bench/published.py --rows FILE.csv --json        # [{"name", "predicted_step_s", "published_step_s", "fits"}]
+    python bench/published.py --only megatron-sc21-1.7b,zero3-175b-384
+    python bench/published.py --only ptdp-175b-384 --top-three   # the planner's own three best per row
 
-Rows (facts from the papers; the README beside the figures gives the sources):
+The rows file has the columns of ``shared/published/README.md`` (`COLUMNS`); a missing column, a value that is
+not a number where one is needed or an unknown ``gpu`` stops the script with one line naming the file, the row
+and the column (`read_rows`). The default is ``../shared/published/rows.csv`` beside the repository.
 
-* Megatron-LM, Narayanan et al., SC'21 (arXiv 2104.04473), Table 1: GPT models of 1.7B-1T parameters on 32-3,072
-  A100 80 GB (DGX A100 hosts of 8, 8 x 200 Gb/s InfiniBand each), activation recomputation on, sequence 2,048,
-  vocabulary 51,200. The published step time is the paper's FLOP count (their eq. 3, recomputation included),
-  ``F = 96 B s l h^2 (1 + s/(6h) + V/(16 l h))``, over the GPUs' measured FLOP/s. meshwork's SwiGLU MLP of
-  ``8h/3`` (rounded to a multiple of 8) does the FLOPs of their ``4h`` GELU MLP. Layout: ``tensor`` = TP,
-  ``stage`` = PP, ``data`` the rest, rules ``tp`` (``dp`` without TP); pipelined rows run 1F1B with microbatches
-  of one sequence (M = batch / data) and ``--remat none``: meshwork's pipeline already recomputes each layer in
-  its backward pass, which is Megatron's activation recomputation (``--remat full`` would recompute twice).
-  Table 1 gives neither the interleaving's chunk count nor the microbatch size of the rows without a pipeline:
-  pipelines are priced without interleaving (2 chunks price within 1% of it: the bubble halves, the stage
-  sends double), the others at the fewest microbatches that fit, with ``--remat full``. Attention
-  ``reference`` (2021's fused softmax keeps the scores, and eq. 3 counts the whole score matrix).
-* torchtitan ``docs/performance.md`` (2024-12): Llama 3.1 8B, sequence 8,192, local batch 2, FSDP over 8 and
-  128 H100 SXM 96 GB (Grand Teton: 8 x 400 Gb/s RoCE per host), selective activation checkpointing (remat
-  ``dots``), flash attention, without ``torch.compile``. Step time = local batch x sequence / tokens/s per GPU.
+How each column maps onto meshwork (`row_layout`; meshwork's closest feature where it lacks the run's own):
 
-Each row is priced by ``python -m train.plan``'s own path (`train.plan.given_layout`, then
-`sharding.planner.evaluate`): the layout column is what ``python -m train.plan --layout`` takes.
+* Shape: ``layers``, ``hidden``, ``heads``, ``kv_heads``, ``head_dim``, ``vocab`` as they are. meshwork's MLP is
+  SwiGLU (three ``hidden x mlp`` matrices): a ``gelu`` or ``relu2`` (squared ReLU) MLP of two ``hidden x mlp``
+  matrices is priced as SwiGLU of ``2 mlp / 3`` (rounded to a multiple of 8), the same matrix FLOPs; their
+  elementwise work differs a little.
+* ``gpu``: ``a100-80gb`` -> ``a100_80gb``, ``h100-sxm-80gb`` -> ``h100_sxm``, ``h100-sxm-96gb-500w`` ->
+  ``h100_sxm`` with 96 GiB (the 500 W power limit, which lowers the clock under load, is not priced: those rows
+  are priced as a 700 W part's). Hosts of ``gpus_per_host``, ``network_gbps_per_host`` Gb/s each.
+* ``tp`` -> ``tensor``, ``pp`` -> ``stage``, ``cp`` -> ``sequence`` (with ring attention), ``dp`` -> ``data``;
+  ``dp`` ``FSDP N`` (and ``FSDP+DP``, split not stated: all of it) -> ``fsdp``, rules ``fsdp`` (``fsdp_tp``
+  with ``tp``), else rules ``tp`` (``dp`` without ``tp``). ``ep`` must be 1 (no row uses experts).
+* ``gbs``/``mbs``: with a pipeline ``--microbatches gbs / (dp x mbs)`` per data-parallel rank. Without one,
+  ``--microbatches 1``: Megatron, NeMo, torchtitan and MaxText accumulate gradients locally and reduce them
+  once per step, while meshwork's accumulation loop reduces them after every microbatch (the partitioner puts
+  the reduction inside the loop), so the published run's traffic is meshwork's at one microbatch; its
+  products are then ``gbs / dp`` sequences tall instead of ``mbs`` (a few percent faster by the tile model)
+  and its activation memory is the whole local batch's, so ``fits`` may read no for a run that fits.
+* ``pp`` > 1: ``--pipeline-schedule 1f1b`` (``1f1b-fused`` with ``vp``), ``vp`` -> ``--pipeline-repeats`` (at most
+  ``layers / pp``: meshwork gives every chunk a layer, where NeMo's reduced-depth proxies leave some empty), priced
+  with Megatron-LM's own clock (``--pipeline-clock fused``: bubble ``(S-1)/(M v)``); the pipeline's backward pass
+  recomputes each layer, which is Megatron's full recomputation, so ``--remat none`` there.
+* ``recompute``: ``full`` -> ``--remat full``, ``selective`` -> ``--remat dots``, else ``none``.
+* ``sp`` (Megatron's sequence parallelism) and ``dist_opt`` (the distributed optimizer): not features of this
+  branch. ``sp`` is priced as plain tensor parallelism (the same bytes: an all-reduce is a reduce-scatter plus
+  an all-gather; the activation memory is not split); ``dist_opt`` as replicated optimizer state on the
+  ``data`` axis (the same gradient traffic as its reduce-scatter + all-gather; the memory is not split, so
+  such rows may not fit).
+* What the run overlaps beyond meshwork's program (`row_overlaps`, ``train.plan --overlap-axes``): rows whose
+  note says their communication was overlapped (the Megatron-LM README's: ``--overlap-grad-reduce
+  --overlap-param-gather --tp-comm-overlap``) and NeMo's recipes (the DGX-benchmark rows: NeMo's performance
+  recipes turn on tensor-parallel communication overlap, overlapped gradient reduction and parameter gathers
+  with the distributed optimizer, and overlapped pipeline sends with interleaving; assumed, the rows do not
+  say) hide ``tensor``, ``data`` and ``stage`` collectives behind compute; the others (Megatron SC'21 of 2021,
+  MegaScale's Megatron-LM baseline, Llama 3, torchtitan, MaxText, PaxML) are priced as meshwork runs them.
+* Attention: ``reference`` for Megatron SC'21 rows (2021, before FlashAttention), ``flash`` for the others.
+* ``precision`` other than bf16 (the torchtitan 70B Float8 row) is priced in bf16 and left out of the targets.
+
+Validation (`family_table`): rows grouped by model family (the ``model`` column without its size); the clock
+derives no constant from any row (every figure is a datasheet's or a published benchmark's,
+`sharding.devices.kinds`), so leaving a family out changes nothing and its error is the family's own.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import dataclasses
+import json
+import re
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -45,295 +74,377 @@ from models.config import get_config  # noqa: E402
 from models.spec import describe  # noqa: E402
 from sharding import devices, planner  # noqa: E402
 from sharding.devices.kinds import GIB  # noqa: E402
-from train.plan import given_layout  # noqa: E402
+from train.plan import given_layout, plan_flags  # noqa: E402
 
-MEGATRON_VOCAB, MEGATRON_SEQ = 51200, 2048
-DGX_A100_NETWORK = "1600Gbps"  # 8 x 200 Gb/s HDR InfiniBand per DGX A100
-GRAND_TETON_NETWORK = 3200e9 / 8  # 8 x 400 Gb/s RoCE per host, bytes/s
+DEFAULT_ROWS = Path(__file__).resolve().parents[1] / ".." / "shared" / "published" / "rows.csv"
 
-# (params B, heads, hidden, layers, TP, PP, GPUs, batch, TFLOP/s per GPU): Narayanan et al. (SC'21), Table 1.
-MEGATRON_TABLE_1 = [
-    (1.7, 24, 2304, 24, 1, 1, 32, 512, 137),
-    (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
-    (7.5, 32, 4096, 36, 4, 1, 128, 512, 142),
-    (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
-    (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138),
-    (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
-    (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148),
-    (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
-    (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
-    (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
-]
-
-# (GPUs, local batch, tokens/s per GPU without torch.compile, memory GiB as torchtitan reports it):
-# torchtitan docs/performance.md (2025-01 revision, runs of 2024-12), Tables 1 and 3, Llama 3.1 8B.
-TORCHTITAN_8B = [(8, 2, 5762, 82.4), (128, 2, 5605, 67.0)]
-LLAMA_31_8B = (
-    "vocab_size=128256",
-    "num_layers=32",
-    "embed_dim=4096",
-    "mlp_dim=14336",
-    "num_heads=32",
-    "num_kv_heads=8",
-    "head_dim=128",
-    "rope_theta=500000",
-)
-TITAN_SEQ = 8192
+COLUMNS = (
+    "name,source,model,layers,hidden,mlp,mlp_kind,heads,kv_heads,head_dim,vocab,seq,gpu,gpus,gpus_per_host,"
+    "network_gbps_per_host,gbs,mbs,tp,pp,cp,vp,ep,dp,sp,dist_opt,recompute,precision,published_step_s,"
+    "published_note"
+).split(",")
+_INTS = ("layers", "hidden", "mlp", "heads", "kv_heads", "head_dim", "vocab", "seq", "gpus", "gpus_per_host")
+_INTS += ("gbs",)
+_OPTIONAL_INTS = ("mbs", "tp", "pp", "cp", "vp", "ep")  # blank, n/a or NA: 1 (mbs: Megatron's default)
+_FLOATS = ("network_gbps_per_host", "published_step_s")
+#: The ``gpu`` column's kinds: (meshwork kind, memory GiB override or None).
+GPUS = {"a100-80gb": ("a100_80gb", None), "h100-sxm-80gb": ("h100_sxm", None), "h100-sxm-96gb-500w": ("h100_sxm", 96)}
+MLP_KINDS = ("swiglu", "gelu", "relu2")
 
 
 @dataclasses.dataclass(frozen=True)
 class Row:
-    """One published run.
+    """One published run, read from a rows file (`read_rows`): the columns of `COLUMNS`, numbers parsed.
 
     Attributes:
-      name: Short id, e.g. ``megatron-39b``.
-      model: The `sharding.modeldesc.ModelDescription`.
-      inventory: The cluster (`sharding.devices.Inventory`).
-      batch: Global batch, sequences.
-      seq_len: Tokens per sequence.
-      layouts: ``--layout`` strings to try, first that fits wins (one for most rows).
-      published_seconds: The measured step time, seconds.
-      source: Where the figures come from.
-      one_f_one_b_clock: How its 1F1B pipeline ran (`sharding.planner.PIPELINE_CLOCKS`): Megatron-LM's
-        ``fused`` (each stage on its own), not meshwork's ``lockstep``.
-      published_memory: Device memory the run used, bytes, where the source gives it (torchtitan's reading,
-        GiB in its table); None where it does not.
+      values: Column -> value (ints for `_INTS` and `_OPTIONAL_INTS`, floats for `_FLOATS`, else text).
+      line: The row's line in its file (1 is the header).
     """
 
-    name: str
-    model: object
-    inventory: devices.Inventory
-    batch: int
-    seq_len: int
-    layouts: tuple[str, ...]
-    published_seconds: float
-    source: str
-    one_f_one_b_clock: str = "lockstep"
-    published_memory: float | None = None
+    values: dict
+    line: int
+
+    def __getattr__(self, key):
+        try:
+            return self.__dict__["values"][key]
+        except KeyError:
+            raise AttributeError(key) from None
+
+    @property
+    def bf16(self) -> bool:
+        return str(self.values["precision"]).strip().lower().startswith("bf16")
+
+    @property
+    def family(self) -> str:
+        """The model family: the ``model`` column without its size (``Llama 3.1 8B`` -> ``Llama 3.1``)."""
+        return re.sub(r"\s+[\d.]+[BT]\b.*$", "", self.values["model"]).strip()
 
 
-def megatron_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:
-    """FLOPs of one iteration with full recomputation, Narayanan et al. (SC'21), eq. 3."""
-    return 96 * batch * seq * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
+def _fail(path, line: int, name: str, column: str, text: str):
+    raise ValueError(f"{path}: row {line} ({name or 'unnamed'}), column {column}: {text}")
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+def read_rows(path: str | Path) -> list[Row]:
+    """The rows of a file in ``rows.csv``'s format.
 
-
-def megatron_rows() -> list[Row]:
+    Raises:
+      ValueError: One line naming the file, the row (its line, its name) and the column: a missing column, a
+        number that does not parse or is not positive, an unknown ``gpu`` or ``mlp_kind``, a ``dp`` that is
+        neither a number nor ``FSDP N``/``FSDP+DP``; or a file that cannot be read.
+    """
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read ({e.strerror}); pass --rows FILE.csv") from None
+    reader = csv.DictReader(text.splitlines())
+    missing = [c for c in COLUMNS if c not in (reader.fieldnames or ())]
+    if missing:
+        raise ValueError(f"{path}: row 1 (header), column {missing[0]}: missing (columns: {', '.join(COLUMNS)})")
     rows = []
-    for params, heads, hidden, layers, tp, pp, gpus, batch, tflops in MEGATRON_TABLE_1:
-        mlp = round(8 * hidden / 3 / 8) * 8
-        model = describe(
-            get_config(
-                "7b",
-                [
-                    f"vocab_size={MEGATRON_VOCAB}",
-                    f"num_layers={layers}",
-                    f"embed_dim={hidden}",
-                    f"mlp_dim={mlp}",
-                    f"num_heads={heads}",
-                    f"num_kv_heads={heads}",
-                    f"head_dim={hidden // heads}",
-                ],
-            )
-        )
-        inventory = devices.parse_cluster(f"a100:8x{gpus // 8}@{DGX_A100_NETWORK}")
-        data = gpus // (tp * pp)
-        mesh = f"data={data}" + (f",stage={pp}" if pp > 1 else "") + (f",tensor={tp}" if tp > 1 else "")
-        rules = "tp" if tp > 1 else "dp"
-        common = f"--mesh {mesh} --rules {rules} --attention reference --dtype bfloat16"
-        if pp > 1:  # the pipeline recomputes each layer in its backward pass: that is Megatron's recomputation
-            layouts = (f"{common} --remat none --microbatches {batch // data} --pipeline-schedule 1f1b",)
-        else:
-            layouts = tuple(f"{common} --remat full --microbatches {m}" for m in _divisors(batch // data))
-        seconds = megatron_flops(batch, MEGATRON_SEQ, layers, hidden, MEGATRON_VOCAB) / (gpus * tflops * 1e12)
-        name = f"megatron-{params:g}b"
-        rows.append(
-            Row(
-                name,
-                model,
-                inventory,
-                batch,
-                MEGATRON_SEQ,
-                layouts,
-                seconds,
-                f"Narayanan et al. SC'21 Table 1: {tflops} TFLOP/s per GPU",
-                "fused",
-            )
-        )
+    for line, raw in enumerate(reader, start=2):
+        name = (raw.get("name") or "").strip()
+        values = {k: (v or "").strip() for k, v in raw.items() if k in COLUMNS}
+        for col in _INTS + _OPTIONAL_INTS:
+            v = values[col]
+            if col in _OPTIONAL_INTS and v.lower() in ("", "n/a", "na"):
+                values[col] = 1
+                continue
+            try:
+                values[col] = int(v)
+            except ValueError:
+                _fail(path, line, name, col, f"{v!r} is not a whole number")
+            if values[col] <= 0:
+                _fail(path, line, name, col, f"{v!r} must be positive")
+        for col in _FLOATS:
+            v = values[col]
+            try:
+                values[col] = float(v)
+            except ValueError:
+                _fail(path, line, name, col, f"{v!r} is not a number")
+            if not values[col] > 0:
+                _fail(path, line, name, col, f"{v!r} must be positive")
+        if values["gpu"] not in GPUS:
+            _fail(path, line, name, "gpu", f"unknown gpu {values['gpu']!r}; known: {', '.join(GPUS)}")
+        if values["mlp_kind"] not in MLP_KINDS:
+            _fail(path, line, name, "mlp_kind", f"{values['mlp_kind']!r}; known: {', '.join(MLP_KINDS)}")
+        dp = values["dp"]
+        if not (dp.isdigit() or re.fullmatch(r"FSDP( \d+|\+DP.*)", dp)):
+            _fail(path, line, name, "dp", f"{dp!r}: give a number, FSDP N or FSDP+DP")
+        if values["ep"] != 1:
+            _fail(path, line, name, "ep", f"{values['ep']}: expert parallelism is not priced here (dense rows only)")
+        if values["gpus"] % values["gpus_per_host"]:
+            _fail(path, line, name, "gpus", f"{values['gpus']} is not whole hosts of {values['gpus_per_host']}")
+        rows.append(Row(values, line))
     return rows
 
 
-def torchtitan_rows() -> list[Row]:
-    h100_96 = dataclasses.replace(
-        devices.get_kind("h100"), name="h100_96gb", label="NVIDIA H100 SXM 96GB HBM2e", memory_bytes=96 * GIB
-    )
-    model = describe(get_config("7b", LLAMA_31_8B))
-    rows = []
-    for gpus, local, tps, gib in TORCHTITAN_8B:
-        hosts = tuple(devices.Host(h100_96, 8, f"host{i}") for i in range(gpus // 8))
-        inventory = devices.Inventory(hosts, GRAND_TETON_NETWORK)
-        layout = f"--mesh fsdp={gpus} --rules fsdp --remat dots --attention flash --dtype bfloat16 --microbatches 1"
-        rows.append(
-            Row(
-                f"titan-8b-{gpus}",
-                model,
-                inventory,
-                gpus * local,
-                TITAN_SEQ,
-                (layout,),
-                local * TITAN_SEQ / tps,
-                f"torchtitan docs/performance.md: {tps:,} tokens/s per GPU, {gib} GiB",
-                published_memory=gib * 2**30,
-            )
-        )
-    return rows
-
-
-def published_rows() -> list[Row]:
-    """Every row of ``shared/published/README.md``, Megatron first."""
-    return megatron_rows() + torchtitan_rows()
-
-
-def price(row: Row, options: planner.PlanOptions) -> tuple[planner.Plan | None, str]:
-    """``(plan, layout)``: the first of the row's layouts that fits (else the last priced), as
-    ``python -m train.plan --layout`` prices it."""
-    defaults = argparse.Namespace(dtype=options.dtype, attention="flash", batch=row.batch)
-    options = dataclasses.replace(options, one_f_one_b_clock=row.one_f_one_b_clock)
-    best, used = None, ""
-    for text in row.layouts:
-        layout, counts = given_layout(text, row.model.num_layers, row.inventory.num_devices, defaults)
-        plan_ = planner.evaluate(row.model, row.inventory, row.batch, row.seq_len, layout, counts, options)
-        if plan_ is None:
-            continue
-        best, used = plan_, text
-        if plan_.fits:
-            break
-    return best, used
-
-
-def _parts(p: planner.Plan) -> str:
-    parts = p.parts
-    return (
-        f"compute {parts['compute']:.2f}, overlappable {parts['overlapped_comm']:.2f} (not hidden "
-        f"{parts['overlap_exposed']:.2f}, contention {parts['contention']:.2f}), exposed "
-        f"{parts['exposed_comm']:.2f}, optimizer {parts['optimizer']:.3f}, bubble {parts['bubble']:.2f}"
-    )
-
-
-def _memory(p: planner.Plan) -> str:
-    """The predicted memory of the largest kind's device, GB, by part (`sharding.costmodel.Memory` fields),
-    against its usable limit (`sharding.planner.MEMORY_FRACTION` of the device)."""
-    kind = max(p.memory, key=p.memory.get)
-    parts = p.memory_parts.get(kind, {})
-    names = (("parameters", "params"), ("gradients", "grads"), ("optimizer", "adam"), ("activations", "saved"))
-    names += (("logits", "logits"), ("gathered", "gathered"))
-    shown = ", ".join(f"{short} {parts[name] / 1e9:.1f}" for name, short in names if parts.get(name))
-    return f"{p.memory[kind] / 1e9:.1f} of {p.memory_limit[kind] / 1e9:.1f} ({shown})"
-
-
-def table(rows: Sequence[Row], options: planner.PlanOptions, log=print) -> list[str]:
-    """Markdown lines: row, published step time, predicted, ratio, fits, the predicted memory (GB, largest
-    kind, by part, against its usable limit) beside the published one where the source gives it, the predicted
-    breakdown (seconds) and the seconds the pricing took."""
-    lines = [
-        "| row | layout (`--layout`) | published s | predicted s | predicted / published | fits | "
-        "predicted memory GB (parts) | published memory GB | predicted breakdown (s) | priced in s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+def row_model(row: Row):
+    """The row's shape as a meshwork model description (module docstring: a two-matrix MLP as SwiGLU of
+    ``2 mlp / 3``)."""
+    mlp = row.mlp if row.mlp_kind == "swiglu" else round(2 * row.mlp / 3 / 8) * 8
+    sets = [
+        f"vocab_size={row.vocab}",
+        f"num_layers={row.layers}",
+        f"embed_dim={row.hidden}",
+        f"mlp_dim={mlp}",
+        f"num_heads={row.heads}",
+        f"num_kv_heads={row.kv_heads}",
+        f"head_dim={row.head_dim}",
     ]
-    for row in rows:
-        t0 = time.perf_counter()
-        p, text = price(row, options)
-        seconds = time.perf_counter() - t0
-        if p is None:
-            lines.append(
-                f"| {row.name} | {row.layouts[0]} | {row.published_seconds:.2f} | - | - | - | - | - | batch does "
-                f"not split | {seconds:.1f} |"
-            )
+    return describe(get_config("7b", sets))
+
+
+def row_inventory(row: Row) -> devices.Inventory:
+    """The row's cluster: ``gpus / gpus_per_host`` hosts of its kind, ``network_gbps_per_host`` each."""
+    name, gib = GPUS[row.gpu]
+    kind = devices.get_kind(name)
+    if gib is not None:
+        kind = dataclasses.replace(kind, name=f"{name}_{gib}gb", memory_bytes=gib * GIB)
+    hosts = tuple(devices.Host(kind, row.gpus_per_host, f"host{i}") for i in range(row.gpus // row.gpus_per_host))
+    return devices.Inventory(hosts, row.network_gbps_per_host * 1e9 / 8)
+
+
+def row_overlaps(row: Row) -> tuple[str, ...]:
+    """The mesh axes whose collectives the row's run hid behind compute beyond meshwork's program (module
+    docstring): its note says so, or it ran a NeMo recipe."""
+    if "overlapped" in row.published_note or "NeMo" in row.published_note:
+        return ("tensor", "data", "stage")
+    return ()
+
+
+def row_layout(row: Row) -> tuple[str, str]:
+    """``(--layout flags, pipeline clock)`` of the row (module docstring's mapping)."""
+    model_split = row.tp * row.pp * row.cp
+    fsdp = row.dp.startswith("FSDP")
+    if fsdp:
+        shard = row.gpus // model_split
+        fsdp_size = int(row.dp.split()[1]) if re.fullmatch(r"FSDP \d+", row.dp) else shard
+        data = shard // fsdp_size
+    else:
+        data, fsdp_size = int(row.dp), 1
+    mesh = [("data", data), ("stage", row.pp), ("fsdp", fsdp_size), ("sequence", row.cp), ("tensor", row.tp)]
+    text = ",".join(f"{a}={n}" for a, n in mesh if n > 1 or a == "data")
+    rules = ("fsdp_tp" if row.tp > 1 else "fsdp") if fsdp else ("tp" if row.tp > 1 else "dp")
+    micro = row.gbs // (data * fsdp_size * row.mbs) if row.pp > 1 else 1
+    attention = "reference" if "SC'21" in row.source else ("ring" if row.cp > 1 else "flash")
+    remat = {"full": "full", "selective": "dots"}.get(row.recompute.split(" ")[0].lower(), "none")
+    flags = f"--mesh {text} --rules {rules} --microbatches {micro} --attention {attention} --dtype bfloat16"
+    clock = "lockstep"
+    if row.pp > 1:
+        repeats = min(row.vp, row.layers // row.pp)
+        schedule = "1f1b-fused" if repeats > 1 else "1f1b"
+        flags += f" --pipeline-schedule {schedule} --remat none"
+        if repeats > 1:
+            flags += f" --pipeline-repeats {repeats}"
+        clock = "fused"
+    else:
+        flags += f" --remat {remat}"
+    return flags, clock
+
+
+@dataclasses.dataclass(frozen=True)
+class Priced:
+    """One row priced: the row, its layout, the plan (None: the layout did not price), the seconds it took."""
+
+    row: Row
+    layout: str
+    plan: planner.Plan | None
+    error: str = ""
+    seconds: float = 0.0
+
+    @property
+    def ratio(self) -> float | None:
+        return None if self.plan is None else self.plan.step_time / self.row.published_step_s
+
+
+def price(row: Row) -> Priced:
+    """The row priced at its layout as ``python -m train.plan --layout`` prices it (with its pipeline clock)."""
+    t0 = time.perf_counter()
+    flags, clock = row_layout(row)
+    model, inventory = row_model(row), row_inventory(row)
+    options = planner.PlanOptions(dtype="bfloat16", one_f_one_b_clock=clock, overlaps=row_overlaps(row))
+    defaults = argparse.Namespace(dtype="bfloat16", attention="flash", batch=row.gbs)
+    try:
+        layout, counts = given_layout(flags, model.num_layers, inventory.num_devices, defaults)
+        plan_ = planner.evaluate(model, inventory, row.gbs, row.seq, layout, counts, options)
+    except ValueError as e:
+        return Priced(row, flags, None, str(e).splitlines()[0], time.perf_counter() - t0)
+    return Priced(row, flags, plan_, "" if plan_ else "the batch does not split", time.perf_counter() - t0)
+
+
+def biggest_terms(p: planner.Plan, n: int = 3) -> str:
+    """The ``n`` largest parts of the step (seconds): compute, exposed collectives, bubble, ..."""
+    parts = {
+        "compute": p.parts["compute"],
+        "exposed comm": p.parts["exposed_comm"],
+        "unhidden overlap": p.parts["overlap_exposed"],
+        "contention": p.parts["contention"],
+        "optimizer": p.parts["optimizer"],
+        "bubble": p.parts["bubble"],
+    }
+    top = sorted(parts.items(), key=lambda kv: -kv[1])[:n]
+    return ", ".join(f"{k} {v:.2f}" for k, v in top if v > 0)
+
+
+def row_table(priced: Sequence[Priced]) -> list[str]:
+    """Markdown: every row with its predicted and published step, ratio, fit and biggest terms."""
+    lines = [
+        "| row | gpus | layout (`--layout`) | published s | predicted s | ratio | fits | biggest terms (s) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for p in priced:
+        r = p.row
+        short = p.layout.replace(" --dtype bfloat16", "")
+        if p.plan is None:
+            lines.append(f"| {r.name} | {r.gpus} | `{short}` | {r.published_step_s:.3g} | - | - | - | {p.error} |")
             continue
-        short = text.replace(" --dtype bfloat16", "")  # every row's
-        published_gb = f"{row.published_memory / 1e9:.1f}" if row.published_memory else "-"
-        line = (
-            f"| {row.name} | `{short}` | {row.published_seconds:.2f} | {p.step_time:.2f} | "
-            f"{p.step_time / row.published_seconds:.2f} | {'yes' if p.fits else 'no'} | {_memory(p)} | "
-            f"{published_gb} | {_parts(p)} | {seconds:.1f} |"
+        mark = "" if r.bf16 else f" ({r.precision}: not comparable)"
+        lines.append(
+            f"| {r.name}{mark} | {r.gpus} | `{short}` | {r.published_step_s:.3g} | {p.plan.step_time:.3g} | "
+            f"{p.ratio:.2f} | {'yes' if p.plan.fits else 'no'} | {biggest_terms(p.plan)} |"
         )
-        lines.append(line)
-        log(line)
     return lines
 
 
-def published_family(p: planner.Plan) -> bool:
-    """Whether a plan is of Megatron-LM's published family for its large rows: ``tensor`` 8 with a pipeline."""
-    return p.layout.mesh.get("tensor", 1) == 8 and p.layout.mesh.get("stage", 1) > 1
+def _summary(ratios: Sequence[float]) -> tuple[float, float, float, float]:
+    """``(median |ratio - 1|, worst ratio, lowest, highest)``."""
+    worst = max(ratios, key=lambda x: abs(x - 1))
+    return statistics.median(abs(x - 1) for x in ratios), worst, min(ratios), max(ratios)
 
 
-def top_three(rows: Sequence[Row], options: planner.PlanOptions, log=print) -> list[str]:
-    """Markdown lines: for each row, the planner's three best plans (``train.plan``'s search with the row's
-    1F1B clock), whether one is of the published family (`published_family`), the family's best fitting plan
-    and its rank among the search's (up to 500 listed), the published layout's predicted step time, and the
-    seconds the search took."""
-    from train.plan import plan_flags
-
+def family_table(priced: Sequence[Priced]) -> list[str]:
+    """Markdown: leave-one-family-out. Each family's rows priced with constants derived without them: the
+    clock derives none from rows, so that is its own price; median |ratio - 1|, worst, range, rows in
+    0.75-1.33."""
     lines = [
-        "| row | published s | published layout predicted s | planner's three best (predicted s) | "
-        "published family among them | best of the family (rank, predicted s) | planned in s |",
+        "| family left out | bf16 rows | median abs(ratio-1) | worst ratio | lowest | highest | within 0.75-1.33 |",
         "|---|---|---|---|---|---|---|",
     ]
-    for row in rows:
-        opts = dataclasses.replace(options, one_f_one_b_clock=row.one_f_one_b_clock)
-        given, _ = price(row, opts)
-        t0 = time.perf_counter()
-        plans = planner.plan(row.model, row.inventory, row.batch, row.seq_len, opts, top=500)
-        seconds = time.perf_counter() - t0
-        shown = "; ".join(
-            f"`{plan_flags(p).replace(' --dtype bfloat16', '')}` {p.step_time:.2f}{'' if p.fits else ' (over memory)'}"
-            for p in plans[:3]
+    families: dict[str, list[float]] = {}
+    for p in priced:
+        if p.ratio is not None and p.row.bf16:
+            families.setdefault(p.row.family, []).append(p.ratio)
+    for family, ratios in families.items():
+        med, worst, lo, hi = _summary(ratios)
+        inside = sum(0.75 <= x <= 1.33 for x in ratios)
+        lines.append(
+            f"| {family} | {len(ratios)} | {med:.3f} | {worst:.2f} | {lo:.2f} | {hi:.2f} | {inside}/{len(ratios)} |"
         )
-        family = "yes" if any(published_family(p) and p.fits for p in plans[:3]) else "no"
-        ranked = [(i, p) for i, p in enumerate(plans, 1) if published_family(p) and p.fits]
-        best_family = (
-            f"{ranked[0][0]}: `{plan_flags(ranked[0][1]).replace(' --dtype bfloat16', '')}` {ranked[0][1].step_time:.2f}"
-            if ranked
-            else f"none fitting in the first {len(plans)}"
-        )
-        line = (
-            f"| {row.name} | {row.published_seconds:.2f} | {given.step_time if given else float('nan'):.2f} | "
-            f"{shown} | {family} | {best_family} | {seconds:.0f} |"
-        )
-        lines.append(line)
-        log(line)
     return lines
+
+
+def summary_lines(priced: Sequence[Priced]) -> list[str]:
+    """The targets: bf16 rows' median |ratio - 1|, worst ratio, rows within 0.80-1.25; rows not priced."""
+    ratios = [p.ratio for p in priced if p.ratio is not None and p.row.bf16]
+    unpriced = [p.row.name for p in priced if p.plan is None]
+    out = []
+    if ratios:
+        med, worst, lo, hi = _summary(ratios)
+        inside = sum(0.80 <= x <= 1.25 for x in ratios)
+        out.append(
+            f"bf16 rows priced: {len(ratios)}; median |ratio - 1| {med:.3f}; worst ratio {worst:.2f} "
+            f"(range {lo:.2f}-{hi:.2f}); within 0.80-1.25: {inside}/{len(ratios)}"
+        )
+    if unpriced:
+        out.append(f"not priced: {', '.join(unpriced)}")
+    return out
+
+
+def top_three(priced: Sequence[Priced]) -> list[str]:
+    """Markdown: for each row, the planner's three best plans (``train.plan``'s search with the row's clock and
+    overlaps) beside the published layout's predicted step time."""
+    lines = [
+        "| row | published s | published layout predicted s | planner's three best (predicted s) |",
+        "|---|---|---|---|",
+    ]
+    for p in priced:
+        _, clock = row_layout(p.row)
+        options = planner.PlanOptions(dtype="bfloat16", one_f_one_b_clock=clock, overlaps=row_overlaps(p.row))
+        plans = planner.plan(row_model(p.row), row_inventory(p.row), p.row.gbs, p.row.seq, options, top=3)
+        shown = "; ".join(
+            f"`{plan_flags(x).replace(' --dtype bfloat16', '')}` {x.step_time:.3g}{'' if x.fits else ' (over memory)'}"
+            for x in plans
+        )
+        given = f"{p.plan.step_time:.3g}" if p.plan else "-"
+        lines.append(f"| {p.row.name} | {p.row.published_step_s:.3g} | {given} | {shown} |")
+    return lines
+
+
+def speed_ratio(rows: Sequence[Row]) -> str:
+    """The A100/H100 step-time ratio the clock gives a 7B step: the first 7B H100 row without a pipeline (MaxText's
+    Llama 2 7B on one node) priced as is and on A100 80 GB hosts of the same network; beside it the range the
+    rows' own per-GPU throughputs imply (their published FLOP/s per GPU of 1.7-7.5B runs, A100 against H100)."""
+    h100 = [r for r in rows if r.gpu.startswith("h100") and r.pp == 1 and 6 <= _params(r) <= 8 and r.bf16]
+    if not h100:
+        return ""
+    row = h100[0]
+    a100 = Row(dict(row.values, gpu="a100-80gb", name=row.name + "-on-a100"), row.line)
+    fast, slow = price(row), price(a100)
+    if fast.plan is None or slow.plan is None:
+        return ""
+    return f"{row.name}: A100 / H100 step time {slow.plan.step_time / fast.plan.step_time:.2f}"
+
+
+def _params(row: Row) -> float:
+    """Billions of parameters of the row's layers (``12 h^2`` per layer with a 4h two-matrix MLP, its matrices
+    otherwise)."""
+    mats = 3 if row.mlp_kind == "swiglu" else 2
+    attention = row.hidden * (row.heads + 2 * row.kv_heads) * row.head_dim + row.heads * row.head_dim * row.hidden
+    return row.layers * (attention + mats * row.hidden * row.mlp) / 1e9
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", default=None, help="comma-separated row names (default: all)")
     parser.add_argument(
-        "--efficiency", type=float, default=None, help="override the fraction of peak FLOP/s (default: the planner's)"
+        "--rows", default=None, help="a rows file in rows.csv's format (default: ../shared/published/rows.csv)"
     )
-    parser.add_argument("--out", default=None, help="also write the markdown table to this file")
+    parser.add_argument("--only", default=None, help="comma-separated row names to price (default: all)")
+    parser.add_argument("--json", action="store_true", help="print a JSON list instead of the tables")
     parser.add_argument(
-        "--top-three",
-        action="store_true",
-        help="instead of pricing the published layouts, search each row and list the planner's three best",
+        "--top-three", action="store_true", help="also search each row and list the planner's three best plans"
     )
     args = parser.parse_args(argv)
-    rows = published_rows()
-    if args.rows:
-        wanted = set(args.rows.split(","))
+    path = Path(args.rows) if args.rows else DEFAULT_ROWS.resolve()
+    if args.rows is None and not path.exists():
+        print(f"error: no rows file at {path}; pass --rows FILE.csv", file=sys.stderr)
+        return 2
+    try:
+        rows = read_rows(path)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.only:
+        wanted = set(args.only.split(","))
+        unknown = sorted(wanted - {r.name for r in rows})
+        if unknown:
+            print(f"error: --only {unknown[0]}: no such row in {path}", file=sys.stderr)
+            return 2
         rows = [r for r in rows if r.name in wanted]
-    options = planner.PlanOptions(dtype="bfloat16")
-    if args.efficiency is not None:
-        options = dataclasses.replace(options, efficiency=args.efficiency)
-    make = top_three if args.top_three else table
-    lines = make(rows, options, log=lambda line: print(line, file=sys.stderr, flush=True))
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    priced = [price(r) for r in rows]
+    if args.json:
+        out = [
+            {
+                "name": p.row.name,
+                "predicted_step_s": None if p.plan is None else p.plan.step_time,
+                "published_step_s": p.row.published_step_s,
+                "fits": None if p.plan is None else p.plan.fits,
+            }
+            for p in priced
+        ]
+        print(json.dumps(out, indent=1))
+        return 0
+    print("\n".join(row_table(priced)))
+    print()
+    print("\n".join(family_table(priced)))
+    print()
+    print("\n".join(summary_lines(priced)))
+    if args.top_three:
+        print()
+        print("\n".join(top_three(priced)))
+    ratio = speed_ratio(rows)
+    if ratio:
+        print(ratio)
+    print(f"\npriced {len(priced)} rows in {sum(p.seconds for p in priced):.1f} s")
     return 0
 
 

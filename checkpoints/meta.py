@@ -15,6 +15,7 @@ from typing import Any
 
 from models.config import ModelConfig, config_differences
 from sharding.errors import ConfigError, Field, FieldText, Override, Part
+from sharding.parallel import REPLICATED
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +35,9 @@ class RunMeta:
       schedule: The learning-rate schedule's flags: ``steps``, ``decay_steps``, ``warmup`` (steps) and
         ``lr``, and the optimizer's: ``optimizer``, ``schedule``, ``beta1``, ``beta2``, ``eps`` (absent in
         checkpoints saved before they were recorded: AdamW, cosine); None in checkpoints saved before any was.
+      optimizer_sharding: Where the saved parameters and optimizer moments were laid out
+        (`sharding.parallel.Parallelism.optimizer_sharding`: ``replicated``, or ``data``, split over it); for
+        the record: a checkpoint stores the values, whatever the layout, and restores onto either.
       jax_version: The JAX that saved it.
       saved_at: Local time of the save, ISO 8601.
       step: The step, once saved.
@@ -47,6 +51,7 @@ class RunMeta:
     tokenizer: dict[str, Any]
     pipeline: dict[str, Any] | None = None
     schedule: dict[str, Any] | None = None
+    optimizer_sharding: str = REPLICATED
     jax_version: str = ""
     saved_at: str = ""
     step: int | None = None
@@ -62,6 +67,7 @@ class RunMeta:
         tokenizer,
         pipeline: dict[str, Any] | None,
         schedule: dict[str, Any] | None = None,
+        optimizer_sharding: str = REPLICATED,
     ) -> RunMeta:
         """The metadata of a run about to train (the data position and step are set at each save)."""
         import jax
@@ -80,6 +86,7 @@ class RunMeta:
             },
             pipeline=pipeline,
             schedule=None if schedule is None else dict(schedule),
+            optimizer_sharding=optimizer_sharding,
             jax_version=jax.__version__,
             saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         )

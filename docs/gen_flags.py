@@ -24,6 +24,7 @@ COMMANDS = (
     "train.generate",
     "train.evaluate",
     "train.hf",
+    "train.dpo",
     "train.data.prepare",
     "checkpoints.inspect",
 )

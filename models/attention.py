@@ -39,6 +39,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models import attention_registry as registry
+from models import lora
 from models.attention_kernels import head_split, wrapper
 from models.attention_reference import reference_attention
 from models.config import ModelConfig
@@ -284,6 +285,8 @@ class Attention(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         make_params(self, rngs, attention_params(config))
         self.config = config
+        if config.lora_rank:
+            self.lora_scale = lora.scale(config)
 
     def __call__(
         self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, par: Parallelism
@@ -312,9 +315,9 @@ class Attention(nnx.Module):
           par: the run's layout.
         """
         cfg, dtype = self.config, x.dtype
-        q = jnp.einsum("BTD,DNH->BTNH", x, self.q[...].astype(dtype))
-        k = jnp.einsum("BSD,DKH->BSKH", x, self.k[...].astype(dtype))
-        v = jnp.einsum("BSD,DKH->BSKH", x, self.v[...].astype(dtype))
+        q = jnp.einsum("BTD,DNH->BTNH", x, lora.weight(self, "q").astype(dtype))
+        k = jnp.einsum("BSD,DKH->BSKH", x, lora.weight(self, "k").astype(dtype))
+        v = jnp.einsum("BSD,DKH->BSKH", x, lora.weight(self, "v").astype(dtype))
         if cfg.qkv_bias:
             q = q + self.q_bias[...].astype(dtype)
             k = k + self.k_bias[...].astype(dtype)
@@ -368,5 +371,5 @@ class Attention(nnx.Module):
     def project_out(self, out: jax.Array, par: Parallelism) -> jax.Array:
         """Attention output ``[B, T, N, H]`` -> ``[B, T, D]`` (same dtype), laid out by ``par``."""
         out = par.constrain(out, (ax.BATCH, ax.LENGTH, ax.HEADS, ax.HEAD_DIM))
-        y = jnp.einsum("BTNH,NHD->BTD", out, self.o[...].astype(out.dtype))
+        y = jnp.einsum("BTNH,NHD->BTD", out, lora.weight(self, "o").astype(out.dtype))
         return par.constrain(y, (ax.BATCH, ax.ACT_LENGTH, ax.ACT_EMBED))

@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec
 
 from models import attention_registry as registry
 from models.attention_reference import jax_dot_product_attention, reference_attention
+from models.kernels.cudnn_attention import cudnn_attention
 from models.kernels.flash_attention import flash_attention
 from models.kernels.ring_attention import ring_attention
 from models.kernels.ulysses_attention import ulysses_attention
@@ -421,6 +422,25 @@ def run_dot_product(q, k, v, segment_ids, *, causal: bool, layout: str, par: Par
     as `attend`."""
     del layout, par
     return jax_dot_product_attention(q, k, v, segment_ids, causal=causal)
+
+
+@_wraps("cudnn")
+def run_cudnn(q, k, v, segment_ids, *, causal: bool, layout: str, par: Parallelism):
+    """cuDNN's fused attention (`models.kernels.cudnn_attention`) per device under `jax.shard_map`, batch and
+    heads split as for `sharded_flash_attention`, the length whole (natural order, checked by `attend`).
+    Shapes as `attend`; bfloat16 (the record's dtypes, checked by `models.config.ModelConfig.validate`).
+
+    Raises:
+      ValueError: As `models.kernels.cudnn_attention.cudnn_attention` or `head_split`.
+      RuntimeError: From JAX, when traced where cuDNN is not installed (entry points refuse it first:
+        `models.attention_registry.AttentionKernel.platforms`).
+    """
+    del layout
+
+    def per_device(q, k, v, segment_ids, _):
+        return cudnn_attention(q, k, v, segment_ids, causal=causal)
+
+    return _sharded(per_device, q, k, v, segment_ids, impl="cudnn", par=par)
 
 
 def wrapper(record: registry.AttentionKernel) -> Callable:

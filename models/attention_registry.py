@@ -40,6 +40,11 @@ class AttentionKernel:
       layouts: The context layouts it accepts (`sharding.parallel.CONTIGUOUS` is natural order;
         `sharding.parallel.ZIGZAG` the balanced causal layout of ring attention).
       auto_layout: The layout ``--context-layout auto`` picks for it when the length is split (P > 1).
+      platforms: The platforms it runs on (``cuda``: NVIDIA GPUs), checked against the devices at start-up;
+        empty: every platform (the Pallas kernels run interpreted on CPU).
+      dtypes: The compute dtypes (``ModelConfig.dtype``) it takes; empty: every one.
+      head_dim_multiple: ``head_dim`` must be a multiple of it.
+      max_head_dim: The largest ``head_dim`` it takes; 0: no limit.
 
     Raises:
       ValueError: On an ``auto_layout`` it does not accept.
@@ -49,6 +54,10 @@ class AttentionKernel:
     summary: str
     layouts: tuple[str, ...] = (CONTIGUOUS,)
     auto_layout: str = CONTIGUOUS
+    platforms: tuple[str, ...] = ()
+    dtypes: tuple[str, ...] = ()
+    head_dim_multiple: int = 1
+    max_head_dim: int = 0
 
     def __post_init__(self):
         if self.auto_layout not in self.layouts:
@@ -136,6 +145,25 @@ KERNELS: tuple[AttentionKernel, ...] = (
         # reference attention with more memory, so the planner need not try it.
         AttentionTraits("dot_product", materialises_scores=True, saves_scores=True, backward_scores=4, searched=False),
         "jax.nn.dot_product_attention (JAX's own implementation, a baseline for flash); GSPMD partitions it",
+    ),
+    AttentionKernel(
+        # cuDNN's fused flash attention: no score matrix, the causally masked tiles skipped, a fused backward
+        # (FlashAttention-2's five products, recomputing the scores). NVIDIA GPUs and 16-bit inputs only, so the
+        # planner does not try it; run per device under shard_map like flash (batch and heads split).
+        AttentionTraits(
+            "cudnn",
+            materialises_scores=False,
+            key_fraction=0.5,
+            training_factor=3.5,
+            under_shard_map=True,
+            searched=False,
+        ),
+        "cuDNN's fused flash attention through jax.nn.dot_product_attention(implementation='cudnn'); NVIDIA "
+        "GPUs, bfloat16; per device under shard_map",
+        platforms=("cuda",),
+        dtypes=("bfloat16",),
+        head_dim_multiple=8,
+        max_head_dim=256,
     ),
 )
 """Every kernel, in the order ``--attention`` lists them and the planner tries them (flash before

@@ -36,6 +36,10 @@ REMAT_POLICIES = ("none", "full", "dots")
 LOGITS_IMPLS = ("auto", "gathered", "vocab_parallel")  # sharding.vocab.OUTPUT_IMPLS
 ROPE_TYPES = ("default", "llama3")
 ROUTERS = ("softmax", "sigmoid")
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+"""The projections low-rank adapters may target (`models.lora`): attention's four, the SwiGLU's three."""
+LORA_SUFFIXES = ("_lora_a", "_lora_b")
+"""A target weight ``W``'s adapter factors are the parameters ``W_lora_a`` and ``W_lora_b`` beside it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +107,11 @@ class ModelConfig:
       capacity_factor: 0: dropless (every token reaches its k experts). Else each expert takes at most
         ``ceil(capacity_factor * tokens * k / E)`` of the tokens one device routes; the rest are dropped
         (their routed output is zero) and counted.
+      lora_rank: r of the low-rank adapters (`models.lora`, Hu et al. 2021); 0: none. With adapters only
+        they are trained; every other parameter is frozen.
+      lora_alpha: the adapters' scale numerator: a target weight acts as ``W + (lora_alpha / lora_rank) * A @ B``.
+      lora_targets: comma-separated projections that get adapters, of `models.lora.TARGETS`
+        (``q,k,v,o,gate,up,down``; ``gate,up,down`` include a mixture of experts' routed and shared experts).
     """
 
     vocab_size: int
@@ -139,6 +148,9 @@ class ModelConfig:
     router_aux_coef: float = 0.01
     router_z_coef: float = 0.0
     capacity_factor: float = 0.0
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_targets: str = ""
 
     ARCHITECTURE_FIELDS = (
         "vocab_size",
@@ -167,6 +179,9 @@ class ModelConfig:
         "router",
         "norm_topk",
         "routed_scale",
+        "lora_rank",
+        "lora_alpha",
+        "lora_targets",
     )
 
     def __post_init__(self):
@@ -222,8 +237,66 @@ class ModelConfig:
                     f": choose one of {', '.join(allowed)}; e.g. ",
                     Override(name, next(iter(allowed))),
                 )
-
+        self._validate_attention()
         self._validate_moe()
+        self._validate_lora()
+
+    def _validate_lora(self) -> None:
+        """The adapter fields (`models.lora`), each refused naming its field."""
+        if self.lora_rank < 0:
+            raise ConfigError(
+                Field("lora_rank", self.lora_rank), ": must be >= 0 (0: no adapters), e.g. ", Field("lora_rank", 16)
+            )
+        if not self.lora_rank:
+            if self.lora_targets:
+                raise ConfigError(
+                    Field("lora_targets", self.lora_targets),
+                    " needs adapters of some rank, e.g. ",
+                    Field("lora_rank", 16),
+                )
+            return
+        if not (math.isfinite(self.lora_alpha) and self.lora_alpha > 0):
+            raise ConfigError(
+                Field("lora_alpha", self.lora_alpha), ": must be a finite number > 0, e.g. ", Field("lora_alpha", 16)
+            )
+        names = [t.strip() for t in self.lora_targets.split(",") if t.strip()]
+        bad = [t for t in names if t not in LORA_TARGETS]
+        if bad or not names or len(set(names)) != len(names):
+            raise ConfigError(
+                Field("lora_targets", self.lora_targets or "''"),
+                f": a comma-separated list of distinct projections of {','.join(LORA_TARGETS)}, e.g. ",
+                Field("lora_targets", "q,v"),
+            )
+
+    def _validate_attention(self) -> None:
+        """What the attention kernel's record (`models.attention_registry.AttentionKernel`) says it takes: the
+        compute dtype and head_dim, each refused naming its field and a value that works."""
+        record = attention_registry.kernel(self.attention)
+        if record.dtypes and self.dtype not in record.dtypes:
+            raise ConfigError(
+                Field("attention", record.name),
+                f" takes {' or '.join(record.dtypes)} only, not ",
+                Field("dtype", self.dtype),
+                "; use ",
+                Field("attention", "flash"),
+                ", or ",
+                Field("dtype", record.dtypes[0]),
+                " where it runs",
+            )
+        limit = record.max_head_dim or self.head_dim
+        if self.head_dim % record.head_dim_multiple or self.head_dim > limit:
+            good = min(limit, -(-self.head_dim // record.head_dim_multiple) * record.head_dim_multiple)
+            raise ConfigError(
+                Field("attention", record.name),
+                f" takes a head_dim that is a multiple of {record.head_dim_multiple}"
+                + (f" and at most {record.max_head_dim}" if record.max_head_dim else "")
+                + ", not ",
+                Override("head_dim", self.head_dim),
+                "; use ",
+                Field("attention", "flash"),
+                ", or ",
+                Override("head_dim", good),
+            )
 
     def _validate_moe(self) -> None:
         """The mixture-of-experts fields (`models.moe`), each refused naming its field (an `Override`)."""

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from models import lora
 from models.config import ModelConfig
 from models.spec import embed_params, mlp_params, norm_params
 from sharding import axes as ax
@@ -185,17 +186,20 @@ def rotary_embedding(x: jax.Array, positions: jax.Array, theta: float, freqs=Non
 class MLP(nnx.Module):
     """SwiGLU feed-forward (Shazeer, 2020): ``down(silu(x @ gate) * (x @ up))``.
 
-    Weights ``gate, up: [embed, mlp]``, ``down: [mlp, embed]``.
+    Weights ``gate, up: [embed, mlp]``, ``down: [mlp, embed]``; with ``config``'s adapters, their factors
+    (`models.lora`), added to the weights they adapt as the layer computes.
     """
 
-    def __init__(self, embed_dim: int, mlp_dim: int, *, rngs: nnx.Rngs):
-        make_params(self, rngs, mlp_params(embed_dim, mlp_dim))
+    def __init__(self, embed_dim: int, mlp_dim: int, *, rngs: nnx.Rngs, config: ModelConfig | None = None):
+        make_params(self, rngs, mlp_params(embed_dim, mlp_dim, config))
+        if config is not None and config.lora_rank:
+            self.lora_scale = lora.scale(config)
 
     def __call__(self, x: jax.Array, par: Parallelism) -> jax.Array:
         """``[batch, length, embed]`` -> ``[batch, length, embed]`` in x's dtype."""
         dtype = x.dtype
-        gate = jnp.einsum("BTD,DF->BTF", x, self.gate[...].astype(dtype))
-        up = jnp.einsum("BTD,DF->BTF", x, self.up[...].astype(dtype))
+        gate = jnp.einsum("BTD,DF->BTF", x, lora.weight(self, "gate").astype(dtype))
+        up = jnp.einsum("BTD,DF->BTF", x, lora.weight(self, "up").astype(dtype))
         hidden = par.constrain(jax.nn.silu(gate) * up, (ax.BATCH, ax.LENGTH, ax.MLP))
-        out = jnp.einsum("BTF,FD->BTD", hidden, self.down[...].astype(dtype))
+        out = jnp.einsum("BTF,FD->BTD", hidden, lora.weight(self, "down").astype(dtype))
         return par.constrain(out, (ax.BATCH, ax.ACT_LENGTH, ax.ACT_EMBED))

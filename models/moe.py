@@ -58,6 +58,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from models import lora
 from models.config import ModelConfig
 from models.layers import MLP, make_params
 from models.spec import moe_params
@@ -257,8 +258,10 @@ class MoE(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.config = config
         make_params(self, rngs, tuple(p for p in moe_params(config) if "/" not in p.path))
+        if config.lora_rank:
+            self.lora_scale = lora.scale(config)
         if config.shared_experts:
-            self.shared = MLP(config.embed_dim, config.shared_experts * config.expert_dim, rngs=rngs)
+            self.shared = MLP(config.embed_dim, config.shared_experts * config.expert_dim, rngs=rngs, config=config)
 
     def __call__(
         self, x: jax.Array, par: Parallelism, stats_axes: tuple[str, ...] = ()
@@ -284,7 +287,8 @@ class MoE(nnx.Module):
             config.num_experts,
             stats_axes,
         )
-        routed, keep = _routed(x, experts, weights, self.gate[...], self.up[...], self.down[...], config, par)
+        gate, up, down = (lora.weight(self, n) for n in ("gate", "up", "down"))
+        routed, keep = _routed(x, experts, weights, gate, up, down, config, par)
         stats["dropped"] = jnp.sum(1.0 - keep.astype(jnp.float32))
         out = routed
         if config.shared_experts:

@@ -20,6 +20,7 @@ import functools
 
 from models.attention_registry import KERNELS
 from models.config import ModelConfig
+from models.lora import adapter_params
 from sharding import axes as ax
 from sharding.modeldesc import AttentionGeometry, ExpertGeometry, ModelDescription, Param, Product, Term
 
@@ -48,14 +49,16 @@ def norm_params(dim: int) -> tuple[Param, ...]:
     return (Param("scale", (dim,), (ax.EMBED,), role="scale", init="ones"),)
 
 
-def mlp_params(embed_dim: int, mlp_dim: int) -> tuple[Param, ...]:
-    """`models.layers.MLP` (SwiGLU): ``gate, up [embed, mlp]``, ``down [mlp, embed]``."""
+def mlp_params(embed_dim: int, mlp_dim: int, config: ModelConfig | None = None) -> tuple[Param, ...]:
+    """`models.layers.MLP` (SwiGLU): ``gate, up [embed, mlp]``, ``down [mlp, embed]``; with ``config``'s
+    adapters, their factors after them (`models.lora.adapter_params`)."""
     d, f = embed_dim, mlp_dim
-    return (
+    weights = (
         Param("gate", (d, f), (ax.EMBED, ax.MLP)),
         Param("up", (d, f), (ax.EMBED, ax.MLP)),
         Param("down", (f, d), (ax.MLP, ax.EMBED)),
     )
+    return weights + (adapter_params(weights, config) if config is not None else ())
 
 
 def moe_params(config: ModelConfig) -> tuple[Param, ...]:
@@ -75,9 +78,10 @@ def moe_params(config: ModelConfig) -> tuple[Param, ...]:
         Param("up", (e, d, f), (ax.EXPERT, ax.EXPERT_EMBED, ax.MLP), fan_in=d),
         Param("down", (e, f, d), (ax.EXPERT, ax.MLP, ax.EXPERT_EMBED), fan_in=f),
     )
+    routed += adapter_params(routed, config)
     if not config.shared_experts:
         return routed
-    return routed + tuple(p.under("shared") for p in mlp_params(d, config.shared_experts * f))
+    return routed + tuple(p.under("shared") for p in mlp_params(d, config.shared_experts * f, config))
 
 
 def attention_params(config: ModelConfig) -> tuple[Param, ...]:
@@ -103,7 +107,7 @@ def attention_params(config: ModelConfig) -> tuple[Param, ...]:
             Param("q_norm", (h,), (ax.HEAD_DIM,), role="scale", init="ones"),
             Param("k_norm", (h,), (ax.HEAD_DIM,), role="scale", init="ones"),
         )
-    return weights
+    return weights + adapter_params(weights, config)
 
 
 def block_params(config: ModelConfig, moe: bool = False) -> tuple[Param, ...]:
@@ -114,7 +118,7 @@ def block_params(config: ModelConfig, moe: bool = False) -> tuple[Param, ...]:
         ("attention_norm", norm_params(d)),
         ("attention", attention_params(config)),
         ("mlp_norm", norm_params(d)),
-        ("moe", moe_params(config)) if moe else ("mlp", mlp_params(d, config.mlp_dim)),
+        ("moe", moe_params(config)) if moe else ("mlp", mlp_params(d, config.mlp_dim, config)),
     )
     return tuple(p.under(prefix) for prefix, table in parts for p in table)
 

@@ -62,7 +62,7 @@ class Block(nnx.Module):
         if moe:
             self.moe = MoE(config, rngs=rngs)
         else:
-            self.mlp = MLP(config.embed_dim, config.mlp_dim, rngs=rngs)
+            self.mlp = MLP(config.embed_dim, config.mlp_dim, rngs=rngs, config=config)
 
     def __call__(
         self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None, par: Parallelism

@@ -58,6 +58,7 @@ LAYERS = "layers"
 # EXPERT (above): the experts dimension of mixture-of-experts weights.
 EXPERT_EMBED = "expert_embed"  # the embed dimension of the experts' weights (MaxText's ``embed_no_exp``)
 ROUTER_EXPERTS = "router_experts"  # the router's experts dimension: whole on every device (no rule maps it)
+LORA_RANK = "lora_rank"  # a low-rank adapter's rank dimension (`models.lora`): whole on every device (no rule maps it)
 
 # Logical axes of activations.
 BATCH = "batch"
@@ -80,4 +81,5 @@ LOGICAL_AXES: tuple[str, ...] = (
     EXPERT_EMBED,
     ROUTER_EXPERTS,
     ACT_LENGTH,
+    LORA_RANK,
 )

@@ -399,3 +399,42 @@ def branch_collectives(hlo_text: str, mesh, stage_axis: str = "stage") -> list[B
             spans = None if groups is None else max((len({int(stage_of[d]) for d in g}) for g in groups), default=1)
             result.append(BranchCollective(base, name, spans, base != "collective-permute" and spans == 1))
     return result
+
+
+_LAYOUT = re.compile(r"\{[^{}]*\}|/\*.*?\*/")
+_GROUP_ATTRS = re.compile(r"\b(?:replica_groups|source_target_pairs|device_ids)=(.*?)(?=, [a-z_]+=|$)")
+
+
+def _groups_text(rest: str) -> str:
+    """A collective's device groups as text: `device_groups` where it reads them, else the attributes as
+    written (a form it does not read, e.g. a mesh with device ids)."""
+    groups = device_groups(rest)
+    if groups is not None:
+        return str(groups).replace(" ", "")
+    return ";".join(_GROUP_ATTRS.findall(rest))
+
+
+def collective_schedule(hlo_text: str) -> list[str]:
+    """The collectives of a compiled module in the order they are issued, one line each: kind, result type
+    (dtypes and shapes, layouts dropped) and device groups, e.g. ``all-gather f32[8,128] groups=[[0,1],[2,3]]``.
+
+    Two processes of one SPMD program must issue the same collectives in the same order, or the
+    collectives wait on each other for ever; comparing these lines between processes finds the first one
+    that differs. The order is the module's: computations as the text lists them (callees before their
+    callers), instructions within each in the order of the schedule (a compiled module is scheduled).
+    Instruction names and channel ids are left out: they are numbering, not behaviour.
+
+    Args:
+      hlo_text: ``compiled.as_text()`` of a `jax.stages.Compiled`.
+    """
+    instructions, _, _ = _parse(hlo_text)
+    lines = []
+    for items in instructions.values():
+        for _, type_text, op, rest in items:
+            base = op[: -len("-start")] if op.endswith("-start") else op
+            if base not in COLLECTIVE_OPS:
+                continue
+            groups = _groups_text(rest)
+            shape = " ".join(_LAYOUT.sub("", type_text).split())
+            lines.append(f"{base} {shape} groups={groups}")
+    return lines

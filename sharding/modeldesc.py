@@ -45,10 +45,11 @@ __all__ = [
     "held_copies",
 ]
 
-ROLES = ("weight", "scale", "bias", "embedding", "output")
+ROLES = ("weight", "scale", "bias", "embedding", "output", "adapter")
 """Parameter roles: ``weight`` (of a matrix product inside the layers), ``scale`` (a norm's), ``bias`` (added
 to a product's output), ``embedding`` (a lookup table ``[rows, width]``), ``output`` (the output
-projection's weight)."""
+projection's weight), ``adapter`` (a low-rank adapter's factor, `models.lora`: where a model has them,
+only they are trained and the rest is frozen)."""
 
 KEPT = ("input", "dot")
 """Which remat policies keep an activation term: ``input`` (the layer's input: kept by every policy,

@@ -12,7 +12,10 @@
   (``contiguous`` or ``zigzag``, `models.kernels.ring_attention`);
 * ``context_shares``: uneven sequence shards for devices of unequal speed (``--context-shares``): the
   real tokens of a sequence each device of the ring holds, inside equal-shaped padded blocks
-  (`models.kernels.ring_attention.uneven_zigzag_layout`); None when every device holds its even share.
+  (`models.kernels.ring_attention.uneven_zigzag_layout`); None when every device holds its even share;
+* ``optimizer_sharding``: ``data`` splits the float32 parameters the optimizer updates and its moments over
+  ``data`` (a distributed optimizer, ZeRO stage 1: `sharding.zero`); ``replicated`` (the default) keeps them
+  whole on every ``data`` rank.
 
 The command line builds one (``train.setup.cli``), the planner returns one (`sharding.planner`), and
 `train.setup.flags.parallelism_flags` renders any of them as the ``python -m train.train`` flags that reproduce it.
@@ -42,6 +45,10 @@ CONTIGUOUS = "contiguous"
 ZIGZAG = "zigzag"
 CONTEXT_LAYOUTS = ("auto", CONTIGUOUS, ZIGZAG)
 """Values of ``--context-layout``; ``auto`` is resolved once the mesh is known."""
+REPLICATED = "replicated"
+OPTIMIZER_SHARDINGS = (REPLICATED, ax.DATA)
+"""Values of ``Parallelism.optimizer_sharding``: ``replicated`` (every ``data`` rank holds the whole float32
+parameters and optimizer state) or ``data`` (ZeRO stage 1, `sharding.zero`: split over ``data``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +153,13 @@ class Parallelism:
       context_shares: Real tokens per sequence on each device of the ring (the length's devices in
         ring order; even ints summing to the sequence length), ``"auto"`` until measured at start-up,
         or None (even shards).
+      optimizer_sharding: One of `OPTIMIZER_SHARDINGS`: where the train state's float32 parameters and
+        optimizer moments live (`sharding.zero`); the forward and backward see the parameters laid out by
+        ``rules`` either way.
+
+    Raises:
+      ConfigError: An unknown ``context_layout`` or ``optimizer_sharding``, or ``optimizer_sharding`` ``data``
+        with the uneven step (`UnevenBatch` lays its parameters out inside its own map).
     """
 
     mesh_shape: Mapping[str, int]
@@ -156,12 +170,29 @@ class Parallelism:
     mesh: Any = None
     manual: frozenset[str] = frozenset()
     context_shares: tuple[int, ...] | str | None = None
+    optimizer_sharding: str = REPLICATED
 
     def __post_init__(self):
         object.__setattr__(self, "mesh_shape", _full_shape(self.mesh_shape))
         if self.context_layout not in CONTEXT_LAYOUTS:
             raise ConfigError(
                 Field("context_layout", repr(self.context_layout)), f": choose one of {', '.join(CONTEXT_LAYOUTS)}"
+            )
+        if self.optimizer_sharding not in OPTIMIZER_SHARDINGS:
+            raise ConfigError(
+                Field("optimizer_sharding", self.optimizer_sharding),
+                ": choose one of ",
+                ", ".join(OPTIMIZER_SHARDINGS),
+                ", e.g. ",
+                Field("optimizer_sharding", ax.DATA),
+            )
+        if self.optimizer_sharding == ax.DATA and self.strategy.uneven:
+            raise ConfigError(
+                Field("optimizer_sharding", ax.DATA),
+                ": the uneven data-parallel step (",
+                Field("hetero_batch"),
+                ") gathers and reduces its parameters itself; use ",
+                Field("optimizer_sharding", REPLICATED),
             )
 
     # Construction ----------------------------------------------------------------------------
@@ -440,7 +471,9 @@ __all__ = [
     "Accumulation",
     "CONTEXT_LAYOUTS",
     "CONTIGUOUS",
+    "OPTIMIZER_SHARDINGS",
     "Parallelism",
+    "REPLICATED",
     "Strategy",
     "UNSHARDED",
     "UnevenBatch",

@@ -12,14 +12,18 @@ from models.attention import layout_shards
 from models.attention_kernels import wrapper
 from models.attention_reference import reference_attention
 from models.config import ModelConfig, get_config
+from models.kernels.cudnn_attention import DTYPES, HEAD_DIM_MULTIPLE, MAX_HEAD_DIM, cudnn_attention
 from models.kernels.ring_attention import zigzag_permutation
 from sharding import costmodel as cm
+from sharding.errors import ConfigError
 from sharding.mesh import make_mesh, parse_mesh
 from sharding.modeldesc import AttentionTraits
 from sharding.parallel import CONTIGUOUS, UNSHARDED, ZIGZAG, Parallelism
 from sharding.rules import get_rules
 
-CASES = [(record, layout) for record in registry.KERNELS for layout in record.layouts]
+RUN_HERE = [record for record in registry.KERNELS if not record.platforms or "cpu" in record.platforms]
+"""The kernels that run on this CPU (cuDNN's needs an NVIDIA GPU: `tests/test_cuda_lowering.py` lowers it)."""
+CASES = [(record, layout) for record in RUN_HERE for layout in record.layouts]
 
 
 def _inputs(length=32, batch=2, heads=8, kv_heads=4, head_dim=16):
@@ -71,13 +75,34 @@ def test_score_counts_that_do_not_fit_the_kernel_are_refused(counts):
         AttentionTraits("x", **counts)
 
 
+def test_cudnn_record_states_what_its_kernel_takes():
+    """The record's limits (data, read by config validation) are the kernel's (which checks them itself), and a
+    model outside them is refused naming the field and a value that is accepted."""
+    record = registry.kernel("cudnn")
+    assert record.dtypes == ("bfloat16",) and set(record.dtypes) <= set(DTYPES)
+    assert (record.head_dim_multiple, record.max_head_dim) == (HEAD_DIM_MULTIPLE, MAX_HEAD_DIM)
+    with pytest.raises(
+        ConfigError,
+        match="attention=cudnn takes bfloat16 only, not dtype=float32; use attention=flash, or dtype=bfloat16 where",
+    ):
+        get_config("test", ["attention=cudnn"])
+    with pytest.raises(
+        ConfigError, match="multiple of 8 and at most 256, not head_dim=36; use attention=flash, or head_dim=40"
+    ):
+        get_config("test", ["attention=cudnn", "dtype=bfloat16", "head_dim=36"])
+    get_config("test", ["attention=cudnn", "dtype=bfloat16", "head_dim=40"])
+    q = jnp.zeros((1, 8, 2, 16), jnp.float32)
+    with pytest.raises(ValueError, match="cuDNN attention takes float16 or bfloat16 inputs, got float32"):
+        cudnn_attention(q, q, q)
+
+
 def test_names_are_unique_and_the_defaults_name_a_record():
     assert len(set(registry.names())) == len(registry.KERNELS)
     assert registry.kernel(ModelConfig.attention).name == "reference"
     assert all(CONTIGUOUS in record.layouts for record in registry.KERNELS)  # natural order: every kernel
 
 
-@pytest.mark.parametrize("record", registry.KERNELS, ids=lambda r: r.name)
+@pytest.mark.parametrize("record", RUN_HERE, ids=lambda r: r.name)
 def test_wrapper_on_one_device_matches_the_reference(record):
     q, k, v, _, segments = _inputs()
     got = wrapper(record)(q, k, v, segments, causal=True, layout=CONTIGUOUS, par=UNSHARDED)

@@ -69,6 +69,12 @@ def parquet_file(folder):
 # and {name} placeholders call the builders above with it.
 CASES = [
     (["--lr", "nan"], "--lr nan: must be a finite number", None),
+    (
+        ["--attention", "cudnn"],
+        "--attention cudnn takes bfloat16 only, not --dtype float32; use --attention flash, or --dtype bfloat16",
+        None,
+    ),
+    (["--attention", "cudnn", "--dtype", "bfloat16"], "--attention cudnn runs on cuda devices only", None),
     (["--lr", "inf"], "--lr inf: must be a finite number", None),
     (["--lr", "-1"], "--lr -1.0: must be positive", None),
     (["--weight-decay", "nan"], "--weight-decay nan: must be a finite number", None),
@@ -154,6 +160,12 @@ CASES = [
         "--logits vocab_parallel does not apply here: pipeline stages (a stage axis) run the output projection "
         "with its weight gathered; use --logits auto or gathered (or drop stage from --mesh)",
         "fsdp",
+    ),
+    (["--lora-rank", "4", "--lora-targets", "q,x"], "--lora-targets q,x: a comma-separated list", None),
+    (
+        ["--mesh", "data=8", "--hetero-batch", "1,1,1,1,1,1,1,1", "--lora-rank", "4"],
+        "--lora-rank 4 trains adapters with even batches only; drop --hetero-batch",
+        None,
     ),
 ]
 

@@ -1,6 +1,8 @@
 """The cost model's clock: collectives as NCCL runs them, FSDP gathers in the compute dtype, and the fitted
 efficiency per device kind. No devices and no compiles: the clock prices descriptions."""
 
+import argparse
+import dataclasses
 import math
 
 import pytest
@@ -8,7 +10,8 @@ import pytest
 from models.config import get_config
 from models.spec import describe
 from sharding import costmodel as cm
-from sharding import devices
+from sharding import devices, planner
+from train.plan import build_parser, given_layout, options_from
 
 A100 = devices.get_kind("a100")
 
@@ -94,27 +97,109 @@ def test_fsdp_gathers_move_the_compute_dtype_on_gpu():
     assert sum(c.total_bytes for c in f32.comms if c.what.startswith("gather layers")) == pytest.approx(gathers("cpu"))
 
 
-def test_fitted_efficiency_is_data_with_its_source():
-    """A100 and H100 carry the efficiency fitted on published runs (bench/published.py), with the runs named;
-    the clock then prices products at it and elementwise work at the memory bandwidth. ``--efficiency`` (an
-    explicit figure) and kinds without a fit keep one efficiency for all the step's work."""
-    for name in ("a100_80gb", "h100_sxm"):
+def test_measured_fractions_are_data_with_their_source():
+    """A100 and H100 carry their SMs and the matmul and attention fractions measured by published benchmarks
+    (not fitted to training runs), with the benchmark named; ``--efficiency`` still prices all the step's work
+    at one figure; a kind without a measurement gets the stated defaults."""
+    for name, sms in (("a100_80gb", 108), ("h100_sxm", 132)):
         kind = devices.get_kind(name)
-        value, source = devices.FITTED_EFFICIENCY[name]
-        assert kind.matmul_efficiency == value and kind.efficiency_source == source and "bench/published.py" in source
-    fitted, given = _hw(), _hw(0.5)
-    assert fitted.efficiency == A100.matmul_efficiency and fitted.elementwise_bytes == cm.ELEMENTWISE_BYTES_PER_FLOP
+        assert kind.sm_count == sms and kind.gemm_fraction == devices.GEMM_BENCHMARKS[name][0]
+        assert "mamf" in kind.efficiency_source.lower() and "FlashAttention" in kind.efficiency_source
+    shapes, given = _hw(), _hw(0.5)
+    assert shapes.efficiency is None and shapes.elementwise_bytes == cm.ELEMENTWISE_BYTES_PER_FLOP
+    assert shapes.sm_count == 108 and shapes.gemm_fraction == 0.859 and shapes.gemm_tile == (256, 128)
     assert given.efficiency == 0.5 and given.elementwise_bytes is None
-    unfitted = cm.hardware_for(devices.get_kind("l40s"), 8, 50e9)
-    assert unfitted.efficiency == cm.DEFAULT_EFFICIENCY and unfitted.elementwise_bytes is None
-    model = describe(get_config("test"))
-    cost = cm.estimate(model, 16, 64, cm.Layout({"data": 8}, "dp", 1, "none", attention="flash", dtype="bfloat16"))
-    links = cm.link_classes({"data": 8}, 8)
-    f = cost.flops
-    assert cm.step_time(cost, fitted, links).compute == pytest.approx(
-        (f.matmul + f.optimizer) / (A100.peak_bf16_flops * fitted.efficiency)
-        + f.elementwise * cm.ELEMENTWISE_BYTES_PER_FLOP / A100.memory_bandwidth
+    l40s = cm.hardware_for(devices.get_kind("l40s"), 8, 50e9)
+    assert l40s.gemm_fraction == devices.kinds.DEFAULT_GEMM_FRACTION and l40s.sm_count == 142
+    with pytest.raises(ValueError, match="gemm_fraction"):
+        devices.DeviceKind("x", "x", 1e12, 1e9, 1e9, 1e9, "test", gemm_fraction=1.5)
+
+
+def test_a_gemm_by_hand():
+    """An [8192, 8192] x [8192, 8192] product on an H100 SXM: tiles of 128 x 256 make 64 x 32 = 2,048 tiles,
+    ceil(2048 / 132) = 16 waves of 2 x 128 x 256 x 8192 FLOPs per SM at 989.5e12 x 0.801 / 132 FLOP/s, plus one
+    launch; the same product one row taller pays a 65th row of tiles (tile quantisation); a thin one (m = 16)
+    has 32 tiles, k split 4 ways over the idle SMs, and is memory-bound: its bytes at 90% of 3.35 TB/s."""
+    hw = cm.hardware_for(devices.get_kind("h100"), 8, 400e9)
+    assert hw.gemm_tile == (128, 256) and hw.sm_count == 132
+    per_sm = 1979e12 / 2 * 0.801 / 132  # the datasheet's 1,979 with sparsity, halved
+    big = cm.Gemm(8192, 8192, 8192, 1)
+    expected = 16 * 2 * 128 * 256 * 8192 / per_sm + cm.GEMM_LAUNCH_SECONDS
+    assert cm.gemm_seconds(big, hw) == pytest.approx(expected, rel=1e-12)
+    taller = cm.Gemm(8193, 8192, 8192, 1)  # 65 x 32 = 2,080 tiles: still 16 waves (2,112 slots)
+    assert cm.gemm_seconds(taller, hw) == pytest.approx(expected, rel=1e-12)
+    much_taller = cm.Gemm(8192 + 128 * 3, 8192, 8192, 1)  # 67 x 32 = 2,144 tiles: a 17th wave
+    assert cm.gemm_seconds(much_taller, hw) == pytest.approx(
+        17 * 2 * 128 * 256 * 8192 / per_sm + cm.GEMM_LAUNCH_SECONDS, rel=1e-12
     )
-    assert cm.step_time(cost, given, links).compute == pytest.approx(f.total / (A100.peak_bf16_flops * 0.5))
-    with pytest.raises(ValueError, match="matmul_efficiency"):
-        devices.DeviceKind("x", "x", 1e12, 1e9, 1e9, 1e9, "test", matmul_efficiency=1.5)
+    thin = cm.Gemm(16, 8192, 8192, 1)
+    assert 2 * 128 * 256 * 8192 / 4 / per_sm < 2 * 8192 * 8192 / (3.35e12 * 0.9)  # split-K: memory-bound
+    memory = 2 * (16 * 8192 + 8192 * 8192 + 16 * 8192) / (3.35e12 * 0.9)
+    assert cm.gemm_seconds(thin, hw) == pytest.approx(memory + cm.GEMM_LAUNCH_SECONDS, rel=1e-12)
+
+
+def test_compute_is_the_sum_of_its_products():
+    """The step's compute from the shapes: its products one by one (`Cost.gemms`, which cover the weight
+    products' FLOPs exactly), the flash kernel's FLOPs at the kind's attention fraction, the elementwise work at
+    2 bytes a FLOP over 90% of the memory bandwidth."""
+    model = describe(get_config("test"))
+    layout = cm.Layout({"data": 8}, "dp", 1, "none", attention="flash", dtype="bfloat16")
+    cost = cm.estimate(model, 16, 64, layout)
+    f, hw = cost.flops, _hw()
+    covered = sum(g.flops * g.count for g in cost.gemms)
+    assert covered == pytest.approx(f.layers + f.logits)  # flash attention's products are the kernel's
+    expected = (
+        sum(cm.gemm_seconds(g, hw) * g.count for g in cost.gemms)
+        + f.attention / (A100.peak_bf16_flops * 0.58)
+        + f.elementwise * 2 / (A100.memory_bandwidth * 0.9)
+    )
+    links = cm.link_classes({"data": 8}, 8)
+    assert cm.step_time(cost, hw, links).compute == pytest.approx(expected)
+    assert cm.step_time(cost, _hw(0.5), links).compute == pytest.approx(f.total / (A100.peak_bf16_flops * 0.5))
+    full = cm.estimate(model, 16, 64, dataclasses.replace(layout, remat="full", attention="reference"))
+    assert sum(g.flops * g.count for g in full.gemms) == pytest.approx(full.flops.matmul)
+
+
+def test_a_zero3_layer_gather_at_1536_ranks_by_hand():
+    """FSDP/ZeRO-3 over 1,536 A100 (192 DGX hosts, 8 x 200 Gb/s each) gathers a 175B layer (1.81e9 bf16
+    parameters, 3.6 GB) from pieces of 1/1,536 per rank (2.4 MB): one ring through the 8 ranks of each host,
+    leaving each host once on its 8 NICs (200 GB/s), 1,535 steps of which 191 cross hosts."""
+    hw = cm.hardware_for(A100, 8, 1600e9 / 8)
+    layer = 1.81e9 * 2
+    gather = cm.Comm("all-gather", ("fsdp",), 1536, layer, 1, "x")
+    lat = cm.NCCL_LATENCY
+    expected = lat["base"] + (1535 - 191) * lat["ring_nvlink"] + 191 * lat["ring_net"] + layer * 1535 / 1536 / 200e9
+    assert cm.comm_seconds(gather, hw, {"fsdp": "inter"}, {"fsdp": 8}) == pytest.approx(expected, rel=1e-12)
+    assert 0.018 < layer / 200e9 < 0.0182 and 0.0063 < expected - layer * 1535 / 1536 / 200e9 < 0.0065
+
+
+def _priced(layout_flags, options, batch=64):
+    """``python -m train.plan --layout`` on 8 H100 with the ``test`` model (4 layers), via its own parser."""
+    model = describe(get_config("test"))
+    inventory = devices.parse_cluster("h100:8")
+    defaults = argparse.Namespace(dtype="bfloat16", attention="flash", batch=batch)
+    layout, counts = given_layout(layout_flags, model.num_layers, 8, defaults)
+    return planner.evaluate(model, inventory, batch, 64, layout, counts, options)
+
+
+def test_megatron_clock_and_published_overlaps_from_train_plan_flags():
+    """``--pipeline-clock fused`` prices interleaved 1F1B as Megatron-LM runs it, the slowest stage's busy time
+    times ``1 + (S - 1) / (M v)``; ``--overlap-axes tensor`` moves the tensor all-reduces off the critical path
+    (they hide behind the compute, with its contention)."""
+    args = build_parser().parse_args(
+        ["--cluster", "h100:8", "--batch", "64", "--seq-len", "64", "--pipeline-clock", "fused"]
+        + ["--overlap-axes", "tensor"]
+    )
+    options = options_from(args)
+    assert options.one_f_one_b_clock == "fused" and options.overlaps == ("tensor",)
+    flags = "--mesh data=2,stage=2,tensor=2 --rules tp --microbatches 8 --pipeline-schedule 1f1b-fused"
+    flags += " --pipeline-repeats 2"
+    fused = _priced(flags, planner.PlanOptions(one_f_one_b_clock="fused"))
+    busy = fused.step_time - fused.parts["optimizer"]
+    assert fused.parts["bubble"] == pytest.approx(busy - busy / (1 + (2 - 1) / (8 * 2)))
+    plain = _priced("--mesh data=4,tensor=2 --rules tp", planner.PlanOptions())
+    hidden = _priced("--mesh data=4,tensor=2 --rules tp", planner.PlanOptions(overlaps=("tensor",)))
+    assert plain.parts["exposed_comm"] > 0 and hidden.parts["exposed_comm"] < plain.parts["exposed_comm"]
+    assert hidden.parts["overlapped_comm"] == pytest.approx(
+        plain.parts["overlapped_comm"] + plain.parts["exposed_comm"] - hidden.parts["exposed_comm"]
+    )

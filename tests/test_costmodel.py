@@ -35,6 +35,7 @@ from models import attention_registry as registry
 from models.config import get_config
 from models.spec import describe
 from sharding import costmodel as cm
+from sharding.costmodel.pipeline import weight_cut_bytes
 from sharding.mesh import parse_mesh
 from sharding.pipeline.layout import PipelinePlan, bubble_fraction, plan_layout
 from sharding.rules import get_rules
@@ -247,15 +248,16 @@ def test_vocab_parallel_cases_take_the_vocab_parallel_loss():
 def test_pipeline_prices_the_layer_applications_the_schedule_runs():
     """Skipping empty slots and bubble steps: the layers' FLOPs scale with
     `PipelinePlan.layer_applications` (M x the stage's layers) against every slot of every step of the
-    unpadded storage's working copy (K' = 4 slots: the layout's 3 rounded up to a multiple of fsdp = 2);
-    what runs outside the pipeline and the collectives do not change."""
+    working copy's 3 slots (the unpadded storage's K' = 4, the layout's 3 rounded up to a multiple of fsdp = 2,
+    less the padded slot, dropped after the gather); what runs outside the pipeline and the collectives do not
+    change."""
     from sharding.pipeline.storage import StageStorage
 
     config = get_config("test", ["num_layers=8"])
     stages, _ = plan_layout(8, 4, 1, (3, 3, 1, 1))
     plan = PipelinePlan(stages, 4)
     assert StageStorage(stages, 2).placement.chunk_slots == 4
-    every = (plan.steps * 4,) * 4
+    every = (plan.steps * 3,) * 4
     skipped = plan.layer_applications()
     kw = dict(stage_layers=(3, 3, 1, 1))
     for stage, layers in ((0, 3), (2, 1)):
@@ -531,11 +533,12 @@ def test_pipeline_in_flight_bytes_are_what_the_step_holds_at_its_peak(attention,
 
 def test_zero_bubble_keeps_a_cut_for_every_slot_position_of_a_chunk_pass():
     """Zero bubble's ring of cuts (`sharding.pipeline.program.cut_ring`) holds each chunk pass's `positions`:
-    the 1B on stage=2,fsdp=4 with 9,7 layers runs, gathering once, a 12-slot working copy (K' rounded up so the
-    4 fsdp devices divide it) and, per microbatch, 3 blocks of 4 positions (12 for 9 layers, 3 of them empty):
-    both rings are 12 positions deep, so the modes differ in the saved inputs (3 ring entries of 12 slot
-    inputs against 3 blocks' inputs) and in the stage inputs (per microbatch stage 0 embeds each microbatch:
-    none of the 8 held, nor their cotangents); the compiled rings are ``[1, 12, 1, 2048, ...]`` in both modes."""
+    the 1B on stage=2,fsdp=4 with 9,7 layers runs, gathering once, the 9 slots of its working copy (gathered
+    as K' = 12, rounded up so the 4 fsdp devices divide it, the 3 padded slots dropped) and, per microbatch, 3
+    blocks of 4 positions (12 for 9 layers, 3 of them empty): the rings of cuts are 9 and 12 positions deep, and
+    the modes differ in the saved inputs (the ring's entries of 9 slot inputs against 3 blocks' inputs) and in
+    the stage inputs (per microbatch stage 0 embeds each microbatch: none of the 8 held, nor their
+    cotangents)."""
     config = get_config("1b")
 
     def activations(gather):
@@ -549,10 +552,12 @@ def test_zero_bubble_keeps_a_cut_for_every_slot_position_of_a_chunk_pass():
         )
         return cm.estimate(config, 32, 2048, layout, backend="cpu").memory.activations
 
-    ring = cm.tick_table("zb", 2, 8, 1).slots
+    table = cm.tick_table("zb", 2, 8, 1)
     one_input = 2048 * config.embed_dim * 4  # one row of 2,048 tokens, float32
-    # and, gathering once, the 8 microbatches' stage inputs and their cotangents (streamed, stage 0 embeds each)
-    fewer = ring * (12 - 3) * one_input + 2 * 8 * one_input
+    cut = weight_cut_bytes(describe(config), get_rules("fsdp"), {"stage": 2, "fsdp": 4, "tensor": 1}, 4, 2048)
+    # and, gathering once, the 8 microbatches' stage inputs and their cotangents (streamed, stage 0 embeds each),
+    # less the 3 positions of each cut the per-microbatch gather's blocks run past the 9 layers
+    fewer = table.slots * (9 - 3) * one_input + 2 * 8 * one_input - table.saved_slots * 3 * cut
     assert activations("once") - activations("microbatch") == pytest.approx(fewer, rel=1e-12)
 
 

@@ -113,6 +113,7 @@ def test_two_processes_train_and_resume_with_the_losses_of_one(runs):
     assert re.search(r"^step\s+8/8 ", p0, re.M)
     assert not re.search(r"^step\s+\d+/", p1, re.M)  # only process 0 prints
     assert "axes crossing processes: data (over 2)" in p0
+    assert re.search(r"^collectives: the 2 processes compiled the same \d+ collectives", p0, re.M)  # before step 1
     assert "[Gloo]" not in p0 + p1  # gloo's connection lines are filtered out (train.launcher.output.LineFilter)
 
 

@@ -250,6 +250,7 @@ def _toy(mesh_spec, num_layers, stage_layers, repeats, microbatches, batch=16, d
         ("stage=2,data=2,fsdp=2", 8, None, 2, 4, True),  # even circular with data parallelism
         ("stage=4,tensor=2", 7, (4, 1, 1, 1), 1, 4, True),  # no fsdp: rows over stage only, three moved
         ("stage=2,fsdp=4", 7, (5, 2), 1, 4, True),  # a row moved to another g (no spare row at its own)
+        ("stage=2,fsdp=4", 4, None, 2, 4, True),  # circular, K = 1 of K' = 2: the real slots all-reduced
         ("stage=4,fsdp=2", 12, (5, 3, 2, 2), 2, 4, False),  # the padded [stage, slot, ...] layout still runs
         ("stage=2,data=2,fsdp=2", 8, None, 2, 4, False),
     ],
@@ -813,14 +814,18 @@ def test_bad_pipeline_input_fails_before_compiling_with_the_flag_named(tmp_path,
     assert code == 2 and message in err, err
 
 
-@pytest.mark.parametrize(("schedule", "gather"), [("gpipe", "once"), ("1f1b", "once"), ("zb", "microbatch")])
-def test_a_bfloat16_pipeline_compiles(schedule, gather):
+@pytest.mark.parametrize(
+    ("schedule", "gather", "stage_layers"),
+    [("gpipe", "once", "3,1"), ("1f1b", "once", "3,1"), ("zb", "microbatch", "3,1"), ("1f1b", "once", "2,1")],
+)
+def test_a_bfloat16_pipeline_compiles(schedule, gather, stage_layers):
     """XLA's CPU compiler aborted on the bfloat16 sum over ``stage`` of the pipeline's outputs and of its
     inputs' cotangents (``AllReducePromotion``: "Invalid binary instruction opcode copy"); the pipeline sums
     them in float32 (exact: one stage's are nonzero). It aborted the same way on the per-microbatch gather's
     bfloat16 reduce-scatter of each layer's gradient, which now reduces in the float32 of the sums (zero
     bubble: both the input- and the weight-gradient passes). In a subprocess: the abort would end the test
-    session."""
+    session. Two layers a stage over fsdp=4 pad the working copy to 4 slots: its two real ones are assembled by
+    an all-reduce, of bfloat16 bit patterns (`sharding.pipeline.padding.sum_owned`)."""
     import subprocess
     import sys
 
@@ -832,7 +837,9 @@ def test_a_bfloat16_pipeline_compiles(schedule, gather):
         "--mesh",
         "stage=2,fsdp=4",
         "--stage-layers",
-        "3,1",
+        stage_layers,
+        "--set",
+        f"num_layers={sum(map(int, stage_layers.split(',')))}",
         "--microbatches",
         "4",
         "--batch-size",

@@ -261,6 +261,7 @@ def _toy(
         ("stage=4,data=2", 6, None, 5, 1),  # default split 2,2,1,1 with data parallelism, M not a multiple of S
         ("stage=4,fsdp=2", 12, (5, 3, 2, 2), 4, 2),  # interleaved, uneven chunks 3+2,2+1,1+1,1+1
         ("stage=2,data=2,fsdp=2", 12, None, 4, 3),  # interleaved, 3 chunks per stage, data parallelism
+        ("stage=2,fsdp=4", 3, (2, 1), 2, 1),  # K = 2 of K' = 4 slots: the copy and its sums all-reduced
     ],
 )
 def test_1f1b_matches_the_sequential_stack(mesh_spec, num_layers, stage_layers, microbatches, repeats):

@@ -77,6 +77,9 @@ CASES = [
     ["--mesh", "stage=2,fsdp=4", "--microbatches", "2", "--hetero-batch", "auto"],
     ["--model", "7b", "--set", "num_layers=256", "--mesh", "fsdp=8", "--dry-run"],  # over any host's memory
     ["--model", "moe-test", "--mesh", "stage=2,fsdp=4", "--microbatches", "2"],  # a dense first layer
+    ["--attention", "cudnn"],  # float32: flash (bfloat16 would be refused next on this CPU)
+    ["--attention", "cudnn", "--dtype", "bfloat16"],  # cuDNN on CPU devices
+    ["--attention", "cudnn", "--dtype", "bfloat16", "--set", "head_dim=36"],
     ["--plan", "auto"],  # CPU devices have no figures to plan with: --simulate-cluster
     ["--model", "moe-test", "--set", "num_experts=6", "--mesh", "expert=4,fsdp=2"],  # the whole mesh: 8 devices
     ["--pipeline-schedule", "circular", "--mesh", "stage=4,fsdp=2", "--microbatches", "4"],  # 1 layer a stage

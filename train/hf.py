@@ -12,6 +12,7 @@ wires it to run folders (it needs the model and the optimizer state, which ``che
 Examples:
     python -m train.hf import tests/fixtures/hf/llama_gqa --run-dir runs/gqa --mesh fsdp=4,tensor=2 --cpu-devices 8
     python -m train.hf export runs/gqa --out exported/gqa --dtype bfloat16 --max-shard-size 2GB
+    python -m train.hf export runs/lora --out exported/adapters    # a run with adapters: a PEFT folder
 """
 
 from __future__ import annotations
@@ -57,6 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--out", required=True, metavar="DIR", help="the folder to write (new or empty)")
     exp.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="tensor dtype")
     exp.add_argument("--max-shard-size", default="5GB", metavar="SIZE", help="bytes per safetensors file, e.g. 2GB")
+    exp.add_argument(
+        "--merge-lora",
+        action="store_true",
+        help="a run with low-rank adapters: write the model with W + (alpha/r) * A @ B folded in; without it such a "
+        "run is written as a PEFT adapter folder (adapter_config.json, adapter_model.safetensors)",
+    )
     add_device_args(exp)
     return p
 
@@ -113,7 +120,8 @@ def _import_onto(args, config, tokenizer, par) -> None:
 
 def export_run(args) -> int:
     """``export``: a checkpoint's parameters, canonical layout, written as a Hugging Face folder."""
-    from checkpoints import hf  # slow: ml_dtypes
+    from checkpoints import hf, peft  # slow: ml_dtypes
+    from models import lora  # slow: jax
     from train.setup.parser import parse_bytes  # slow: jax
 
     try:
@@ -126,6 +134,14 @@ def export_run(args) -> int:
     par = setup(args)
     t0 = time.perf_counter()
     config, params, meta, step = restore_params(args.run_dir, args.step, par)
+    if args.merge_lora and not config.lora_rank:
+        raise ValueError(f"--merge-lora: {args.run_dir} has no low-rank adapters; export it without --merge-lora")
+    if config.lora_rank and not args.merge_lora:
+        files = peft.save_adapters(out, config, params, meta.preset.removeprefix("hf:"))
+        print(f"exported the adapters of step {step} of {args.run_dir} to {out} (PEFT, {len(files)} files)")
+        return 0
+    if config.lora_rank:
+        config, params = lora.merged(config, params)
     name = meta.tokenizer.get("name")
     with tempfile.TemporaryDirectory() as scratch:
         if name in (None, "", "bytes"):  # the bytes tokenizer, written as an equivalent tokenizer.json

@@ -40,7 +40,8 @@ from models.attention import check_context_shares
 from models.config import PRESETS, get_config
 from models.spec import describe
 from sharding import costmodel as cm
-from sharding import planner
+from sharding import devices, planner
+from sharding.axes import MESH_AXES
 from sharding.devices import inventory_from_flag
 from sharding.mesh import format_mesh, parse_mesh
 from sharding.modeldesc import ModelDescription
@@ -70,9 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--efficiency",
         type=float,
         default=None,
-        help="fraction of peak FLOP/s the step's work reaches, for every kind; default: each kind's "
-        "matrix-product figure fitted on published runs (sharding.devices.FITTED_EFFICIENCY, elementwise "
-        "work at the memory bandwidth), else 0.5",
+        help="fraction of peak FLOP/s the step's work reaches, for every kind; default: priced from the "
+        "shapes (each matrix product's tiles and waves at the kind's measured matmul ceiling, "
+        "sharding.devices.GEMM_BENCHMARKS; elementwise work at the memory bandwidth)",
     )
     p.add_argument("--no-pipeline", action="store_true", help="leave stage=1 (no pipeline parallelism)")
     p.add_argument(
@@ -95,6 +96,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="price this layout instead of searching: python -m train.train's layout flags in one string, "
         'e.g. --layout "--mesh data=2,stage=4,tensor=8 --rules tp --microbatches 16 --pipeline-schedule '
         '1f1b --remat full"; --remat, --attention and --dtype default to none, flash and --dtype',
+    )
+    p.add_argument(
+        "--pipeline-clock",
+        default="lockstep",
+        choices=planner.PIPELINE_CLOCKS,
+        help="how a 1F1B pipeline's step is clocked: lockstep, meshwork's schedules as they run (each tick as "
+        "long as its busiest stage); fused, each stage on its own as Megatron-LM runs 1F1B, bubble "
+        "(S-1)/(M v) with v the interleaved chunks (--pipeline-repeats): to price a published Megatron layout",
+    )
+    p.add_argument(
+        "--overlap-axes",
+        default="",
+        metavar="AXES",
+        help="mesh axes (comma-separated: tensor, stage, data, ...) whose collectives the priced run hides behind "
+        "compute although meshwork's program waits on them, e.g. --overlap-axes tensor,data,stage for "
+        "Megatron-core's --tp-comm-overlap --overlap-grad-reduce and overlapped pipeline sends",
     )
     p.add_argument(
         "--json",
@@ -143,18 +160,33 @@ def options_from(args) -> planner.PlanOptions:
         hetero=not args.no_hetero,
         sequence=args.sequence,
         efficiency=args.efficiency,
+        one_f_one_b_clock=args.pipeline_clock,
+        overlaps=overlap_axes(args.overlap_axes),
     )
+
+
+def overlap_axes(text: str) -> tuple[str, ...]:
+    """``--overlap-axes`` as mesh axis names.
+
+    Raises:
+      ValueError: On a name that is not a mesh axis, naming the flag and the axes.
+    """
+    names = tuple(a.strip() for a in text.split(",") if a.strip())
+    unknown = [a for a in names if a not in MESH_AXES]
+    if unknown:
+        raise ValueError(f"--overlap-axes {text}: {unknown[0]!r} is not a mesh axis; e.g. --overlap-axes tensor,data")
+    return names
 
 
 def efficiency_note(inventory, options) -> str:
-    """``efficiency 50% of peak`` (``--efficiency``), or each kind's: ``efficiency a100_80gb 70%, ...``."""
+    """``efficiency 50% of peak`` (``--efficiency``), or the clock's own: ``compute from the shapes (matmul
+    ceiling a100_80gb 86%, ...)`` (`sharding.devices.GEMM_BENCHMARKS`)."""
     if options.efficiency is not None:
         return f"efficiency {options.efficiency:.0%} of peak"
-    return (
-        "efficiency "
-        + ", ".join(f"{k.name} {k.matmul_efficiency or cm.DEFAULT_EFFICIENCY:.0%}" for k in inventory.kinds_present)
-        + " of peak"
+    ceilings = ", ".join(
+        f"{k.name} {k.gemm_fraction or devices.kinds.DEFAULT_GEMM_FRACTION:.0%}" for k in inventory.kinds_present
     )
+    return f"compute from the shapes (matmul ceiling {ceilings} of peak)"
 
 
 def idle_warnings(plans: Sequence[planner.Plan]) -> list[str]:
@@ -284,7 +316,7 @@ def given_layout(text: str, num_layers: int, num_devices: int, defaults: argpars
             f"--layout: {', '.join(foreign)} is not a layout flag; give it to train.plan itself, or "
             f"leave it out (layout flags: --mesh, --rules, --rule, --microbatches, --stage-layers, "
             f"--pipeline-schedule, --pipeline-repeats, --pipeline-gather, --hetero-batch, --context-shares, --remat, --attention, "
-            f"--dtype)"
+            f"--dtype, --optimizer-sharding)"
         )
     try:
         par = parallelism_from_args(args, num_layers)

@@ -1,5 +1,6 @@
-"""Pallas and shard_map kernels. Import nothing from the rest of meshwork."""
+"""Pallas and shard_map kernels, and the wrapper of cuDNN's fused attention. Import nothing from the rest of meshwork."""
 
+from .cudnn_attention import cudnn_attention
 from .flash_attention import (
     flash_attention,
     flash_attention_backward,
@@ -13,6 +14,7 @@ from .usp_attention import usp_attention
 
 __all__ = [
     "BlockSizes",
+    "cudnn_attention",
     "flash_attention",
     "flash_attention_backward",
     "flash_attention_forward",

@@ -16,7 +16,7 @@ the kernels read this layout directly (no transposes). Grouped-query attention m
 head n to key/value head n // G in the BlockSpec index maps, so keys and values are never
 repeated in memory.
 
-Where it runs: with `interpret=True` (the default on a CPU backend) through the Pallas
+Where it runs: with `interpret=True` (the default when lowered for CPU) through the Pallas
 interpreter; otherwise lowered with Pallas's Triton GPU backend, requested explicitly with
 `jax.experimental.pallas.triton.CompilerParams` (jax >= 0.10 otherwise picks Mosaic GPU for a
 plain `pl.pallas_call`; jax 0.12 warns that the Triton backend is deprecated). The kernels
@@ -125,8 +125,6 @@ def _prepare(
     head_dim = q.shape[-1]
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(head_dim)
-    if interpret is None:
-        interpret = jax.default_backend() == "cpu"
     has_segments = q_segment_ids is not None
     cfg = _make_config(
         q,
@@ -185,8 +183,9 @@ def flash_attention(
       sm_scale: score scale; default 1 / sqrt(head_dim).
       block_sizes: tile sizes, default `BlockSizes.default_for(q.dtype)`. Lengths need not be
         multiples: inputs are padded inside and the padding is masked and sliced off.
-      interpret: run the Pallas interpreter; None means True on a CPU default backend, else
-        False (Triton GPU lowering).
+      interpret: run the Pallas interpreter; None chooses by the platform the call is lowered for
+        (the interpreter on CPU, Triton elsewhere), not by the default backend, so a CUDA lowering made
+        on a CPU-only machine carries the Triton kernels.
 
     Returns:
       `[batch, q_length, heads, head_dim]` in q's dtype (float32 accumulation). A query row

@@ -103,7 +103,7 @@ class _Config:
     block_kv_dq: int
     block_q_dkv: int
     block_kv_dkv: int
-    interpret: bool
+    interpret: bool | None  # None: by the platform lowered for (`flash_kernels._pallas_call`).
     count_tiles: bool = False  # Debug: also return the number of tiles each program computed.
     # Valid lengths given at run time (`[2]` int32: real query rows, real keys): rows and keys at or past
     # them are padding, masked in every tile, and tiles holding only padding are not computed.
@@ -206,7 +206,7 @@ def _make_config(
         kv_padded=_round_up(kv_length, max(kb.values())),
         groups=q.shape[2] // k.shape[2],
         has_segments=has_segments,
-        interpret=bool(interpret),
+        interpret=None if interpret is None else bool(interpret),
         count_tiles=count_tiles,
         has_lengths=has_lengths,
         **qb,

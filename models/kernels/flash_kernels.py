@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pallas_triton
 
 from .flash_blocks import _MAX_FLOOR, _Config
 
@@ -349,22 +350,35 @@ def _struct(shape, dtype, like) -> jax.ShapeDtypeStruct:
 
 
 def _pallas_call(kernel, cfg: _Config, *, grid, in_specs, out_specs, out_shape, name, tile):
-    """pallas_call with the Triton GPU backend requested explicitly when not interpreting."""
-    kwargs: dict[str, Any] = {}
-    if not cfg.interpret:
-        from jax.experimental.pallas import triton as pallas_triton  # GPU only.
+    """pallas_call with the Triton GPU backend requested explicitly when not interpreting.
 
-        kwargs["compiler_params"] = pallas_triton.CompilerParams(num_warps=4 if tile <= 64 * 64 else 8, num_stages=2)
-    return pl.pallas_call(
-        functools.partial(kernel, cfg=cfg),
-        grid=grid,
-        in_specs=in_specs,
-        out_specs=out_specs,
-        out_shape=out_shape,
-        interpret=cfg.interpret,
-        name=name,
-        **kwargs,
-    )
+    ``cfg.interpret`` None chooses by the platform the call is lowered for (`jax.lax.platform_dependent`):
+    the interpreter on CPU, Triton elsewhere. So a CUDA lowering made on a CPU-only machine
+    (``jax.export.export(..., platforms=["cuda"])``) carries the Triton kernels, not the interpreter, and
+    only the chosen branch is lowered.
+    """
+
+    def build(interpret: bool):
+        kwargs: dict[str, Any] = {}
+        if not interpret:
+            kwargs["compiler_params"] = pallas_triton.CompilerParams(
+                num_warps=4 if tile <= 64 * 64 else 8, num_stages=2
+            )
+        return pl.pallas_call(
+            functools.partial(kernel, cfg=cfg),
+            grid=grid,
+            in_specs=in_specs,
+            out_specs=out_specs,
+            out_shape=out_shape,
+            interpret=interpret,
+            name=name,
+            **kwargs,
+        )
+
+    if cfg.interpret is not None:
+        return build(cfg.interpret)
+    interpreted, compiled = build(True), build(False)
+    return lambda *args: jax.lax.platform_dependent(*args, cpu=interpreted, default=compiled)
 
 
 def _count_spec_and_shape(cfg: _Config, grid, block_index):

@@ -21,8 +21,10 @@ predicts for one device; it knows nothing model-specific beyond the description:
   1F1B pipelines over the unpadded stage storage, the head on 1/S of the rows (the shapes and memory; the
   collectives).
 * `sharding.costmodel.cost`: `Cost`, `device_cost` and `estimate`, which add the parts up.
-* `sharding.costmodel.time`: **step time** (`step_time`): compute at ``efficiency x`` peak, the
-  optimizer's memory traffic, each collective by an alpha-beta model of its link class.
+* `sharding.costmodel.gemm` and `sharding.costmodel.time`: **step time** (`step_time`): each matrix product
+  from its shapes (`gemm_seconds`: tiles in waves over the SMs, or the memory bandwidth), a flash kernel's
+  products at its measured fraction of peak, elementwise work and the optimizer's traffic at the memory
+  bandwidth, each collective by an alpha-beta model of its link class.
 
 Checked against the compiler (``tests/test_costmodel.py``, ``bench/costmodel.py``): on CPU,
 `Cost.counted_flops` against ``compiled.cost_analysis()["flops"]``, which counts the body of each
@@ -39,6 +41,7 @@ Units: FLOPs, bytes, seconds, FLOP/s, bytes/s. The package imports nothing of th
 from sharding.costmodel.collectives import BACKENDS, Comm, collective_bytes, host_shares, link_classes
 from sharding.costmodel.cost import Cost, device_cost, estimate
 from sharding.costmodel.flops import ELEMENTWISE_BACKWARD_FACTOR, OPTIMIZER_FLOPS_PER_PARAM, Flops
+from sharding.costmodel.gemm import GEMM_LAUNCH_SECONDS, Gemm, gemm_seconds, step_gemms
 from sharding.costmodel.layout import (
     Layout,
     attention_of,
@@ -52,10 +55,12 @@ from sharding.costmodel.pipeline import tick_table
 from sharding.costmodel.time import (
     DEFAULT_EFFICIENCY,
     ELEMENTWISE_BYTES_PER_FLOP,
+    MEMORY_FRACTION,
     NCCL_LATENCY,
     Hardware,
     StepTime,
     comm_seconds,
+    compute_seconds,
     hardware_for,
     step_time,
 )
@@ -65,11 +70,14 @@ __all__ = [
     "DEFAULT_EFFICIENCY",
     "ELEMENTWISE_BACKWARD_FACTOR",
     "ELEMENTWISE_BYTES_PER_FLOP",
+    "GEMM_LAUNCH_SECONDS",
+    "MEMORY_FRACTION",
     "NCCL_LATENCY",
     "OPTIMIZER_FLOPS_PER_PARAM",
     "Comm",
     "Cost",
     "Flops",
+    "Gemm",
     "Hardware",
     "Layout",
     "Memory",
@@ -77,6 +85,8 @@ __all__ = [
     "attention_of",
     "collective_bytes",
     "comm_seconds",
+    "compute_seconds",
+    "gemm_seconds",
     "describe_model",
     "device_cost",
     "estimate",
@@ -85,6 +95,7 @@ __all__ = [
     "layout_of",
     "link_classes",
     "ring_tokens",
+    "step_gemms",
     "step_time",
     "tick_table",
     "unpriced_attention",

@@ -17,10 +17,12 @@ from typing import Any
 from sharding import axes as ax
 from sharding.costmodel.collectives import BACKENDS, Comm
 from sharding.costmodel.flops import OPTIMIZER_FLOPS_PER_PARAM, Flops, _flops, _per_token_flops
+from sharding.costmodel.gemm import Gemm, attention_gemms, step_gemms
 from sharding.costmodel.layout import (
     _DTYPE_BYTES,
     _INT_BYTES,
     Layout,
+    _model_splits,
     _place_cached,
     _Placed,
     _Shape,
@@ -38,6 +40,7 @@ from sharding.costmodel.pipeline_comms import (
     _stage_comms,
 )
 from sharding.costmodel.sequence import sequence_parallel_comms
+from sharding.costmodel.zero import with_zero
 from sharding.errors import ConfigError, Field
 from sharding.modeldesc import ModelDescription
 from sharding.parallel import ZIGZAG
@@ -58,6 +61,9 @@ class Cost:
       tokens: Token positions this device computes per step (with uneven context shares, padding included).
       layers: Layers this device computes per microbatch (its stage's share).
       argument_bytes: Bytes of the compiled step's arguments on this device (state, batch, signals).
+      gemms: The step's matrix products by shape (`sharding.costmodel.gemm.step_gemms`, and the reference
+        attention's score and value products, `attention_gemms`), which the clock prices one by one; the
+        matrix-product FLOPs they leave out (a fused attention kernel's) are priced at its own rate.
     """
 
     flops: Flops
@@ -67,6 +73,7 @@ class Cost:
     tokens: float
     layers: int
     argument_bytes: float
+    gemms: tuple[Gemm, ...] = ()
 
     @property
     def matmul_flops(self) -> float:
@@ -150,8 +157,36 @@ def device_cost(
     comms = tuple(
         c for c in _comms(model, layout, rules, placed, shape, backend, batch_rows) if c.group > 1 and c.count > 0
     )
+    (flops, counted), memory, comms = _with_zero(layout, rules, placed, shape, flops, memory, comms, backend, counted)
     arguments = memory.state + memory.batch + _INT_BYTES * 4 + _INT_BYTES  # + step, rng, count, signals
-    return Cost(flops, counted, memory, comms, shape.tok * shape.micro, shape.layers, arguments)
+    runs = shape.layers * shape.micro
+    gemms = _gemms(model, layout, rules, shape, runs, 0.0, shape.tok, shape.micro)
+    return Cost(flops, counted, memory, comms, shape.tok * shape.micro, shape.layers, arguments, gemms)
+
+
+def _gemms(
+    model: ModelDescription,
+    layout: Layout,
+    rules: Rules,
+    s: _Shape,
+    runs: float,
+    recomputes: float,
+    head_tokens: float,
+    head_runs: float,
+) -> tuple[Gemm, ...]:
+    """The step's products by shape (`step_gemms`, `attention_gemms`): ``runs`` layer executions of ``s.tok``
+    tokens, each product's forward run again by the remat policy (``full``: the recomputed products; ``dots``
+    the attention products only) and ``recomputes`` more times (a pipeline's backward pass)."""
+    mesh = layout.mesh
+    splits = _model_splits(model, rules, tuple(mesh.items()))
+    full = 1.0 if layout.remat == "full" else 0.0
+    passes = {True: 1.0 + full + recomputes, False: 1.0}
+    gemms = step_gemms(model, splits, mesh, s.tok, runs, passes, head_tokens, head_runs)
+    kernel = attention_of(model, layout)
+    if kernel.materialises_scores and not kernel.under_shard_map:
+        again = (1.0 if layout.remat in ("full", "dots") else 0.0) + recomputes
+        gemms += attention_gemms(model, splits, mesh, s, runs, again)
+    return gemms
 
 
 def _context_share(
@@ -249,5 +284,14 @@ def _pipeline_cost(
     )
     comms += _length_comms(model, layout, rules, layer, backend)
     comms = tuple(c for c in comms if c.group > 1 and c.count > 0)
+    (flops, counted), memory, comms = _with_zero(layout, rules, placed, s, flops, memory, comms, backend, counted)
     arguments = memory.state + memory.batch + _INT_BYTES * 4 + _INT_BYTES
-    return Cost(flops, counted, memory, comms, s.tok * s.micro, s.layers, arguments)
+    gemms = _gemms(model, layout, rules, s, pipe.applications, pipe.recomputes, head.tok, head_runs)
+    return Cost(flops, counted, memory, comms, s.tok * s.micro, s.layers, arguments, gemms)
+
+
+def _with_zero(layout, rules, placed, s, flops, memory, comms, backend, counted):
+    """``((flops, counted), memory, comms)`` re-priced for the distributed optimizer (`sharding.costmodel.zero`):
+    the counted FLOPs follow its optimizer update."""
+    new, memory, comms = with_zero(layout, rules, placed, s, flops, memory, comms, backend)
+    return (new, counted + new.optimizer - flops.optimizer), memory, tuple(comms)

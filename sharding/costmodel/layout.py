@@ -22,7 +22,7 @@ from sharding import axes as ax
 from sharding.balance import tokens_for_speeds
 from sharding.errors import ConfigError, Field
 from sharding.modeldesc import AttentionTraits, ModelDescription, Param
-from sharding.parallel import CONTIGUOUS, ZIGZAG, Parallelism
+from sharding.parallel import CONTIGUOUS, OPTIMIZER_SHARDINGS, REPLICATED, ZIGZAG, Parallelism
 from sharding.pipeline.layout import GATHERS, SCHEDULES, Schedule
 from sharding.rules import Rules, get_rules, logical_to_spec
 from sharding.vocab import OUTPUT_IMPLS
@@ -81,6 +81,8 @@ class Layout:
         either the real tokens of a sequence (even ints summing to the length the layout is priced at) or
         relative shares (turned into tokens by `sharding.balance.tokens_for_speeds`); None: even shards.
         Every device runs a padded block of ``max`` share tokens (`ring_tokens`).
+      optimizer_sharding: ``replicated`` or ``data`` (`sharding.parallel.Parallelism.optimizer_sharding`): with
+        ``data``, the float32 parameters and moments split over ``data`` too (`sharding.costmodel.zero`).
 
     Raises:
       ValueError: On an unknown axis, a size below 1, or an unknown remat/dtype/logits.
@@ -102,6 +104,7 @@ class Layout:
     stream_edges: bool | None = None
     context_layout: str = ZIGZAG
     context_shares: tuple[float, ...] | None = None
+    optimizer_sharding: str = REPLICATED
 
     def __post_init__(self) -> None:
         full = {a: 1 for a in ax.MESH_AXES}
@@ -121,6 +124,7 @@ class Layout:
             ("pipeline_gather", GATHERS),
             ("pipeline_schedule", SCHEDULES),
             ("context_layout", (CONTIGUOUS, ZIGZAG)),
+            ("optimizer_sharding", OPTIMIZER_SHARDINGS),
         ):
             if getattr(self, field) not in allowed:
                 raise ConfigError(Field(field, repr(getattr(self, field))), f": choose one of {', '.join(allowed)}")
@@ -270,6 +274,7 @@ def layout_of(par: Parallelism, config: Any = None, **fields: Any) -> Layout:
         values.update(context_layout=par.context_layout)
     if isinstance(par.context_shares, tuple):  # "auto" until measured at start-up: priced even
         values.update(context_shares=par.context_shares)
+    values.update(optimizer_sharding=par.optimizer_sharding)
     values.update(fields)
     return Layout(dict(par.mesh_shape), par.rules, **values)
 

@@ -205,7 +205,11 @@ def _memory(
         one_layer = sum(p.local * p.factor(ax.FSDP) for p in placed.values() if p.param.per_layer)
         gathered = 2 * one_layer * _fsdp_gather_bytes(layout, backend)  # as the gather moves them
     batch = _BATCH_FIELDS * s.rows * s.micro * s.seq / layout.length_split * _INT_BYTES
-    grads = params
+    trained = params
+    if any(p.param.role == "adapter" for p in placed.values()):  # low-rank adapters: only they have gradients
+        trained = sum(p.local * p.param.copies(s.slots) for p in placed.values() if p.param.role == "adapter")
+        trained *= _PARAM_BYTES  # and optimizer state; the frozen base has neither (models.lora)
+    grads = trained
     if layout.uneven_batch:  # whole parameters and a whole gradient accumulator during the loop
         whole = (
             sum(p.param.size / p.factor(ax.TENSOR) * (s.slots if p.param.per_layer else 1) for p in placed.values())
@@ -216,7 +220,7 @@ def _memory(
     return Memory(
         parameters=params,
         gradients=grads,
-        optimizer=2 * params,
+        optimizer=2 * trained,
         activations=saved,
         logits=logits,
         gathered=gathered,

@@ -5,7 +5,8 @@ main builds it.
   rows (`sharding.costmodel.memory._held_params`); per step each stage's working copy of ``R*K'`` slots
   is assembled in the compute dtype (`_gather_bytes`) from the rows other devices store for it (one
   ppermute per distance that moves any), a pick of this device's ``R*K'/G`` slots and one all-gather
-  over the storage's group axes; the gradients go back the same way
+  over the storage's group axes, of which the ``R*K`` slots holding layers are kept (or, padded to at least
+  twice those, only they are all-reduced: `_Pipe.all_reduced`); the gradients go back the same way
   (`sharding.costmodel.pipeline_comms._pipeline_weight_comms`);
 * the layers applied `_Pipe.applications` times per step to one microbatch's rows; activations moved by
   two ppermutes per pipeline step (GPipe/circular: ``R*M + S - 1`` steps, one each way; 1F1B:
@@ -89,6 +90,12 @@ class _Pipe:
       span: the devices of a stage each stored row's features are split over (``gather`` ``microbatch``:
         `sharding.pipeline.storage.feature_devices`; each slot's layer gathered on its own,
         `sharding.pipeline.weights.Streamed.per_slot`); 1 otherwise.
+      real: ``R * K``, the working copy's slots that hold layers (the layout's ``K`` per chunk, before the
+        rounding to ``K'``); ``gather`` ``once`` keeps only these after the gather, runs and saves inputs for
+        them (`sharding.pipeline.weights.Weights.gather`); 0: ``working``.
+      all_reduced: the copy is assembled and its float32 gradient sums reduced by all-reduces of the ``real``
+        slots over the storage's group axes, not an all-gather and a reduce-scatter of the ``working`` slots
+        (`sharding.pipeline.weights.Weights.all_reduced`: where ``2K <= K'``).
     """
 
     stages: int
@@ -107,6 +114,19 @@ class _Pipe:
     span: int = 1
     streams: bool = False
     traffic: PipelineTraffic | None = None
+    real: int = 0
+    all_reduced: bool = False
+
+    @property
+    def held(self) -> int:
+        """Slots of the working copy the step holds and runs (``gather`` ``once``): ``R * K`` (`real`)."""
+        return self.real or self.working
+
+    @property
+    def sums(self) -> int:
+        """Slots of the float32 gradient sums (``gather`` ``once``): ``R * K`` where they are all-reduced
+        (`all_reduced`), else the padded ``R * K'``."""
+        return self.held if self.all_reduced else self.working
 
     @property
     def segment(self) -> int:
@@ -158,6 +178,8 @@ class _Pipe:
         """n, blocks of ``G`` slots one chunk pass gathers with ``gather`` ``microbatch``
         (`sharding.pipeline.weights.Streamed.blocks`)."""
         k, g = self.chunk_slots, self.segment
+        if self.gather != "microbatch":  # the working copy's padded slots are dropped after the gather
+            k = self.held // self.repeats
         return max(-(-(r + 1) * k // g) - (r * k) // g for r in range(self.repeats))
 
     @property
@@ -198,7 +220,7 @@ class _Pipe:
     def saved_inputs(self) -> int:
         """Activations kept for the backward pass: per chunk pass, its ``K'`` slot inputs (`block_inputs`: its
         ``n`` block inputs, `blocks`); GPipe/circular for every step, 1F1B for each entry of the ring."""
-        return (self.ring or self.steps) * (self.blocks if self.block_inputs else self.chunk_slots)
+        return (self.ring or self.steps) * (self.blocks if self.block_inputs else self.positions)
 
 
 def _pipeline_of(model: ModelDescription, layout: Layout, rules: Rules, s: _Shape) -> _Pipe:
@@ -209,7 +231,8 @@ def _pipeline_of(model: ModelDescription, layout: Layout, rules: Rules, s: _Shap
     split = math.prod(mesh[a] for a in _storage_axes(model, rules, mesh))
     # whole rows over the G devices (gathered once), or each row's features over them (per microbatch)
     groups, span = (1, split) if layout.pipeline_gather == "microbatch" else (split, 1)
-    chunk = -(-s.slots // repeats)  # K' (`Placement.chunk_slots`): K rounded up so that G divides R*K'
+    real = -(-s.slots // repeats)  # K, the layout's slots per chunk
+    chunk = real  # K' (`Placement.chunk_slots`): K rounded up so that G divides R*K'
     while (repeats * chunk) % groups:
         chunk += 1
     schedule = layout.pipeline_schedule
@@ -235,6 +258,8 @@ def _pipeline_of(model: ModelDescription, layout: Layout, rules: Rules, s: _Shap
         traffic=_traffic(
             schedule, stages, s.micro, repeats, layout.pipeline_gather, layout.skip_empty, _streams_edges(layout)
         ),
+        real=repeats * real,
+        all_reduced=layout.pipeline_gather == "once" and groups > 1 and 2 * real <= chunk,
     )
 
 
@@ -371,7 +396,7 @@ def _pipeline_memory(
     whole_layer = sum(p.local * _batch_factor(p, layout.mesh) for p in placed.values() if p.param.per_layer)
     # once: the working copy's R*K' slots and their sums, which replace the q stored rows' gradients
     own = -(-model.num_layers // (pipe.stages * pipe.groups))
-    held, received, sums = pipe.working, 0, pipe.working - own
+    held, received, sums = pipe.held, 0, pipe.sums - own
     # microbatch: one layer in the compute dtype and the sums of the received rows (split over span); no whole
     # layer's float32 gradient: `Streamed.backward` reduce-scatters each leaf's gradient into the sums as the
     # slot's backward produces it (at the peak, inside the attention's backward, the MLP's are already done)

@@ -338,6 +338,7 @@ def _pipeline_weight_comms(
             pipe.recomputes,
             pipe.traffic.count(ALL_GATHER, BATCH, WORKING_COPY),
             pipe.traffic.count(REDUCE_SCATTER, BATCH, WORKING_COPY),
+            pipe.held if pipe.all_reduced else 0,
         )
     )
 
@@ -358,6 +359,7 @@ def _pipeline_weight_comms_cached(
     recomputes: float = 1.0,
     copy_gathers: int = 1,
     copy_reductions: int = 1,
+    whole_sums: int = 0,
 ) -> tuple[Comm, ...]:
     """The stage's layer weights: the working copy assembled once per step, the gradients returned once, the
     stored rows moved once per step. With ``gather`` ``microbatch`` the storage splits each row's features
@@ -375,7 +377,9 @@ def _pipeline_weight_comms_cached(
     over the batch axes that do not store rows. A parameter split over ``tensor`` (an axis the program leaves
     to the partitioner, `_auto_factor`) is gathered and reduced whole over it, with two gathers over
     ``tensor`` the partitioner adds: the device's rows before each gather (compute dtype) and the float32
-    gradient sums before each reduction.
+    gradient sums before each reduction. ``whole_sums``: 0, or the ``R*K`` slots that are all-reduced over
+    the group axes instead, the copy (compute dtype) and its float32 sums
+    (`sharding.pipeline.weights.Weights.all_reduced`: a working copy padded to at least twice its layers).
     """
     mesh = dict(mesh_items)
     placed = _place_cached(model, rules, mesh_items)
@@ -445,26 +449,29 @@ def _pipeline_weight_comms_cached(
             whole = local * groups_n * row * t  # the gathered rows, whole over tensor
             comms += [
                 Comm(
-                    "all-gather",
+                    "all-reduce" if whole_sums else "all-gather",
                     groups,
                     groups_n,
-                    whole * gather_bytes,
+                    (whole_sums * row * t if whole_sums else whole) * gather_bytes,
                     copy_gathers,
                     f"gather {what} (working copy)",
                     False,
                 ),
                 Comm(
-                    "reduce-scatter",
+                    "all-reduce" if whole_sums else "reduce-scatter",
                     groups,
                     groups_n,
-                    local * row * t * _PARAM_BYTES,
+                    (whole_sums or local) * row * t * _PARAM_BYTES,
                     copy_reductions,
                     f"gradient of {what}",
                     False,
                 ),
             ]
-            shard = local * row * t * gather_bytes
-            comms += _partitioner_gathers(p, "working copy", shard, whole, copy_gathers, copy_reductions, False, False)
+            shard, summed = (
+                (whole_sums or local) * row * t * gather_bytes,
+                (whole_sums * row * t if whole_sums else whole),
+            )
+            comms += _partitioner_gathers(p, "working copy", shard, summed, copy_gathers, copy_reductions, False, False)
         if rest:
             comms.append(
                 Comm(

@@ -1,10 +1,11 @@
 """The clock: predicted seconds of one step on one device (`step_time`).
 
-Compute: the matrix products at ``efficiency x`` the device's peak FLOP/s, and the elementwise work either
-at the same rate (one efficiency for all the step's work: ``--efficiency``, or a kind without a fitted
-figure) or, for a kind with a figure fitted on published runs (`sharding.devices.FITTED_EFFICIENCY`), at
-the device's memory bandwidth (`ELEMENTWISE_BYTES_PER_FLOP`), a roofline. The optimizer's memory traffic at
-the memory bandwidth. Each collective by an alpha-beta model of its link class (within a host or across
+Compute, from the shapes (`compute_seconds`): each matrix product of the step by its ``m, n, k`` on the
+kind (`sharding.costmodel.gemm.gemm_seconds`: tiles in waves over the SMs at the kind's measured matmul
+ceiling, or its memory bandwidth when its arithmetic intensity is low), a fused attention kernel's products at
+its measured fraction of peak (`Hardware.attention_fraction`), the elementwise work at the memory bandwidth
+(`ELEMENTWISE_BYTES_PER_FLOP`); nothing in it is fitted to training runs. ``--efficiency`` instead prices
+all the step's work at one fraction of peak. The optimizer's memory traffic at the memory bandwidth. Each collective by an alpha-beta model of its link class (within a host or across
 hosts, `sharding.costmodel.collectives.link_classes`): ring algorithms (`Comm.wire_bytes`, `Comm.steps`),
 Thakur, Rabenseifner and Gropp (IJHPCA 2005), section 4, with the latencies and the ring/tree choice of
 NCCL's own model (`NCCL_LATENCY`, `comm_seconds`). `Hardware` holds what one device and its links can do;
@@ -23,13 +24,19 @@ from typing import Any
 
 from sharding.costmodel.collectives import Comm
 from sharding.costmodel.cost import Cost
+from sharding.costmodel.gemm import gemm_seconds
+from sharding.devices import kinds
 
 #: Bytes of device memory an elementwise FLOP (as XLA counts them: 1 per element per op) moves: one
 #: bfloat16 element read or written. Elementwise work is memory-bound (norms, activations, softmax, rotary,
 #: the loss: about one FLOP per element loaded), so the clock prices it at the memory bandwidth, not at the
-#: matrix units' peak; with it one matmul efficiency per kind fits runs from 1.7B to 1T parameters, whose
-#: elementwise share falls as the hidden size grows (bench/published.py: 1.5 to 3 bytes fit about as well).
+#: matrix units' peak (a roofline: an H100 does 295 FLOPs per byte of HBM traffic at peak).
 ELEMENTWISE_BYTES_PER_FLOP = 2.0
+
+#: Fraction of the datasheet's HBM bandwidth that streaming kernels (copies, elementwise ops, the optimizer)
+#: reach: device-to-device copies measure about 90% of it on A100 and H100 (NVIDIA's nvbandwidth and
+#: BabelStream-style copy benchmarks; the HBM's refresh and page turns take the rest).
+MEMORY_FRACTION = 0.9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +52,14 @@ class Hardware:
         bandwidth over its devices).
       intra_latency: Seconds per ring step inside a host (alpha).
       inter_latency: Seconds per ring step across hosts (alpha).
-      efficiency: Fraction of peak the matrix products reach (MFU of a well-tuned step).
+      efficiency: None: the step priced from its shapes (`compute_seconds`); a number: all the step's work at
+        that fraction of peak (``--efficiency``).
+      sm_count: Streaming multiprocessors (a product's waves of tiles).
+      gemm_tile: ``(tile_m, tile_n)`` of the kind's large bf16 products (cuBLAS's: 256 x 128 on A100,
+        128 x 256 on H100 by its kernel names; one thread block per SM).
+      gemm_fraction: Fraction of peak the best large product reaches (`sharding.devices.GEMM_BENCHMARKS`).
+      attention_fraction: Fraction of peak a flash attention kernel reaches, forward and backward.
+      memory_fraction: Fraction of ``memory_bandwidth`` streaming kernels reach (`MEMORY_FRACTION`).
       base_latency: Seconds every collective call pays once (launch and synchronisation).
       tree_intra_latency: Seconds per tree level inside a host (all-reduce by tree).
       tree_inter_latency: Seconds per tree level across hosts.
@@ -66,12 +80,17 @@ class Hardware:
     inter_bandwidth: float
     intra_latency: float = 5e-6
     inter_latency: float = 15e-6
-    efficiency: float = 0.5
+    efficiency: float | None = 0.5
     base_latency: float = 0.0
     tree_intra_latency: float | None = None
     tree_inter_latency: float | None = None
     elementwise_bytes: float | None = None
     overlap_slowdown: float = 0.0
+    sm_count: int = 108
+    gemm_tile: tuple[int, int] = (128, 256)
+    gemm_fraction: float = 0.8
+    attention_fraction: float = 0.55
+    memory_fraction: float = 1.0
 
 
 #: NCCL's latency model (seconds), Simple protocol: ``src/graph/tuning.cc``, ``ncclTopoTuneModel`` (NVIDIA/nccl,
@@ -101,7 +120,8 @@ OVERLAP_SLOWDOWN = 0.18
 #: Intra-host links at or above this one-way bandwidth are NVLink (bytes/s): PCIe Gen5 x16 is 64e9.
 _NVLINK_FROM = 100e9
 
-#: Fraction of peak FLOP/s assumed for a kind without a fitted figure (`sharding.devices.FITTED_EFFICIENCY`).
+#: Fraction of peak FLOP/s of ``--efficiency`` in reports where none is given (the clock itself prices the
+#: shapes: `compute_seconds`).
 DEFAULT_EFFICIENCY = 0.5
 
 
@@ -114,9 +134,10 @@ def hardware_for(
 ) -> Hardware:
     """`Hardware` from a `sharding.devices.DeviceKind` and its host.
 
-    Efficiency: ``efficiency`` when given (``--efficiency``: that fraction of peak for all the step's work),
-    else the kind's fitted ``matmul_efficiency`` for the products with the elementwise work at the memory
-    bandwidth (`ELEMENTWISE_BYTES_PER_FLOP`; the two were fitted together), else `DEFAULT_EFFICIENCY` for all.
+    Compute: from the shapes (`compute_seconds`) with the kind's SMs, measured matmul and attention fractions
+    (`sharding.devices.GEMM_BENCHMARKS`, `ATTENTION_BENCHMARKS`; `sharding.devices.kinds.DEFAULT_GEMM_FRACTION`
+    and its neighbours where a kind has none); ``efficiency`` when given (``--efficiency``) prices all the
+    step's work at that fraction of peak instead.
 
     Latencies: NCCL's model (`NCCL_LATENCY`), NVLink or PCIe by the kind's intra-host bandwidth.
 
@@ -131,8 +152,8 @@ def hardware_for(
             f"describe the cluster (the run's cluster or simulate_cluster) with a known kind, e.g. h100:8"
         )
     link = "nvlink" if kind.intra_host_bandwidth >= _NVLINK_FROM else "pcie"
-    fitted = getattr(kind, "matmul_efficiency", None)
     fp32 = dtype == "float32" and not getattr(kind, "bfloat16", True) and getattr(kind, "peak_fp32_flops", None)
+    hopper = kind.peak_bf16_flops > 500e12  # Hopper's cuBLAS kernels tile 128 x 256, Ampere's 256 x 128
     return Hardware(
         peak_flops=kind.peak_fp32_flops if fp32 else kind.peak_bf16_flops,
         memory_bytes=kind.memory_bytes,
@@ -141,13 +162,43 @@ def hardware_for(
         inter_bandwidth=inter_host_bandwidth / max(devices_per_host, 1),
         intra_latency=NCCL_LATENCY[f"ring_{link}"],
         inter_latency=NCCL_LATENCY["ring_net"],
-        efficiency=efficiency or fitted or DEFAULT_EFFICIENCY,
-        elementwise_bytes=ELEMENTWISE_BYTES_PER_FLOP if efficiency is None and fitted else None,
+        efficiency=efficiency,
+        elementwise_bytes=ELEMENTWISE_BYTES_PER_FLOP if efficiency is None else None,
         base_latency=NCCL_LATENCY["base"],
         tree_intra_latency=NCCL_LATENCY[f"tree_{link}"],
         tree_inter_latency=NCCL_LATENCY["tree_net"],
         overlap_slowdown=OVERLAP_SLOWDOWN,
+        sm_count=getattr(kind, "sm_count", None) or kinds.DEFAULT_SM_COUNT,
+        gemm_tile=(128, 256) if hopper else (256, 128),
+        gemm_fraction=getattr(kind, "gemm_fraction", None) or kinds.DEFAULT_GEMM_FRACTION,
+        attention_fraction=getattr(kind, "attention_fraction", None) or kinds.DEFAULT_ATTENTION_FRACTION,
+        memory_fraction=MEMORY_FRACTION,
     )
+
+
+def compute_seconds(cost: Cost, hw: Hardware) -> float:
+    """Seconds of the step's computation on one device.
+
+    With ``hw.efficiency`` set: all the step's FLOPs at that fraction of ``hw.peak_flops``. Otherwise from the
+    shapes: the products of ``cost.gemms`` one by one (`sharding.costmodel.gemm.gemm_seconds`); the
+    matrix-product FLOPs they leave out (a fused attention kernel's score and value products) at
+    ``attention_fraction`` of peak; the elementwise work at ``elementwise_bytes`` per FLOP over
+    ``memory_bandwidth x memory_fraction`` (the optimizer's arithmetic is fused into its memory traffic,
+    `StepTime.optimizer`). A `Cost` without its products (``gemms`` empty, one built by hand) has its weight
+    products priced at ``gemm_fraction`` of peak.
+    """
+    flops = cost.flops
+    if hw.efficiency is not None:
+        return flops.total / (hw.peak_flops * hw.efficiency)
+    products = sum(gemm_seconds(g, hw) * g.count for g in cost.gemms)
+    covered = sum(g.flops * g.count for g in cost.gemms)
+    fused = max(flops.matmul - covered, 0.0)
+    if not cost.gemms:  # a `Cost` without its shapes: the weight products at the kind's matmul ceiling
+        fused = flops.attention
+        products = (flops.matmul - flops.attention) / (hw.peak_flops * hw.gemm_fraction)
+    bandwidth = hw.memory_bandwidth * hw.memory_fraction
+    elementwise = flops.elementwise * (hw.elementwise_bytes or ELEMENTWISE_BYTES_PER_FLOP)
+    return products + fused / (hw.peak_flops * hw.attention_fraction) + elementwise / bandwidth
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,8 +206,7 @@ class StepTime:
     """Predicted seconds of one step on one device.
 
     Attributes:
-      compute: Matrix products at ``efficiency x peak``, and elementwise work there too or at the memory
-        bandwidth (`Hardware.elementwise_bytes`).
+      compute: The step's products, attention and elementwise work (`compute_seconds`).
       optimizer: The update's memory traffic (read gradient, parameter, moments; write them).
       exposed_comm: Collectives on the critical path (tensor, sequence, stage).
       overlapped_comm: Collectives that can overlap compute (weight gathers, gradient reductions), all of them.
@@ -287,8 +337,23 @@ def overlap(
     return exposed + spill, slowdown * (hidden - spill)
 
 
-def step_time(cost: Cost, hw: Hardware, links: Mapping[str, str], shares: Mapping[str, int] | None = None) -> StepTime:
+def step_time(
+    cost: Cost,
+    hw: Hardware,
+    links: Mapping[str, str],
+    shares: Mapping[str, int] | None = None,
+    overlaps: tuple[str, ...] = (),
+) -> StepTime:
     """Step time of one device from its `Cost`.
+
+    What overlaps with what: weight gathers and gradient reductions (`Comm.overlappable`) run beside the
+    compute (`overlap`); tensor-parallel activations, pipeline sends and the reductions a pipeline runs after
+    its loop wait on the compute and the compute on them, as meshwork's program runs them. ``overlaps`` names
+    mesh axes whose critical-path collectives a run hides as well (a published run's own program:
+    Megatron-core's ``--tp-comm-overlap`` splits each tensor-parallel product into chunks whose all-gather or
+    reduce-scatter runs beside the next chunk's product; ``--overlap-grad-reduce`` starts each bucket's
+    reduction as its gradients are ready; its interleaved 1F1B posts the stage sends beside the next
+    microbatch's compute): those are priced as hidden behind the compute, with its contention.
 
     Args:
       cost: From `estimate` or `device_cost` (``backend="gpu"``).
@@ -296,24 +361,19 @@ def step_time(cost: Cost, hw: Hardware, links: Mapping[str, str], shares: Mappin
       links: Mesh axis -> ``intra``/``inter`` (`link_classes`).
       shares: Mesh axis -> positions inside one host (`host_shares`), for collectives across hosts
         (`comm_seconds`); None: one device per host.
+      overlaps: Mesh axes whose collectives the run overlaps with compute although meshwork's program does not.
 
     Returns:
       The `StepTime` (seconds).
     """
-    flops = cost.flops
-    if hw.elementwise_bytes is None:
-        compute = flops.total / (hw.peak_flops * hw.efficiency)
-    else:  # a roofline: products at the fitted efficiency, elementwise work at the memory bandwidth
-        compute = (flops.matmul + flops.optimizer) / (
-            hw.peak_flops * hw.efficiency
-        ) + flops.elementwise * hw.elementwise_bytes / hw.memory_bandwidth
-    optimizer = 7 * cost.memory.parameters / hw.memory_bandwidth  # read 4 arrays, write 3
+    compute = compute_seconds(cost, hw)
+    optimizer = 7 * cost.memory.parameters / (hw.memory_bandwidth * hw.memory_fraction)  # read 4, write 3
     exposed = overlapped = gathers = reductions = 0.0
     by_kind: dict[str, float] = {}
     for c in cost.comms:
         seconds = comm_seconds(c, hw, links, shares)
         by_kind[c.kind] = by_kind.get(c.kind, 0.0) + seconds
-        if not c.overlappable:
+        if not c.overlappable and not any(a in overlaps for a in c.axes):
             exposed += seconds
             continue
         overlapped += seconds

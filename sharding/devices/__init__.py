@@ -27,9 +27,11 @@ from sharding.devices.detect import (
 from sharding.devices.inventory import Host, Inventory
 from sharding.devices.kinds import (
     ALIASES,
+    ATTENTION_BENCHMARKS,
     DEFAULT_INTER_HOST_BANDWIDTH,
-    FITTED_EFFICIENCY,
+    GEMM_BENCHMARKS,
     KINDS,
+    SM_COUNTS,
     DeviceKind,
     get_kind,
     kind_from_device_kind_string,
@@ -47,7 +49,9 @@ from sharding.devices.spec import (
 
 __all__ = [
     "DEFAULT_INTER_HOST_BANDWIDTH",
-    "FITTED_EFFICIENCY",
+    "ATTENTION_BENCHMARKS",
+    "GEMM_BENCHMARKS",
+    "SM_COUNTS",
     "KINDS",
     "ALIASES",
     "DeviceKind",

@@ -68,10 +68,14 @@ class DeviceKind:
         intra_host_bandwidth: Bytes/s this device can send to peers on its host, one
             direction (NVLink or PCIe, see ``source``); ``None`` when unknown.
         source: Where the figures come from (document title and URL).
-        matmul_efficiency: Fraction of ``peak_bf16_flops`` a training step's matrix products reach,
-            fitted on published runs of this kind (`FITTED_EFFICIENCY`); ``None`` where no run was fitted
-            (the cost model then assumes `sharding.costmodel.DEFAULT_EFFICIENCY`).
-        efficiency_source: The runs ``matmul_efficiency`` was fitted on.
+        sm_count: Streaming multiprocessors (the waves of a matrix product's tiles,
+            `sharding.costmodel.gemm`); ``None`` when unknown (the clock assumes `DEFAULT_SM_COUNT`).
+        gemm_fraction: Fraction of ``peak_bf16_flops`` the best-shaped large bf16 matrix product reaches on
+            this kind, measured (`GEMM_BENCHMARKS`); ``None`` where no measurement is cited (the clock assumes
+            `DEFAULT_GEMM_FRACTION`).
+        attention_fraction: Fraction of ``peak_bf16_flops`` a fused (flash) attention kernel's forward and
+            backward reach, measured (`ATTENTION_BENCHMARKS`); ``None``: `DEFAULT_ATTENTION_FRACTION`.
+        efficiency_source: Where ``gemm_fraction`` and ``attention_fraction`` come from.
         peak_fp32_flops: Without bfloat16 (``bfloat16`` False): the float32 peak, FLOP/s, the planner's clock
             for it (planned in float32, the dtype the kind has and the model runs); None where not needed.
         bfloat16: Whether the kind computes in bfloat16 at ``peak_bf16_flops`` (False for V100, whose
@@ -88,7 +92,9 @@ class DeviceKind:
     memory_bandwidth: float | None
     intra_host_bandwidth: float | None
     source: str
-    matmul_efficiency: float | None = None
+    sm_count: int | None = None
+    gemm_fraction: float | None = None
+    attention_fraction: float | None = None
     efficiency_source: str = ""
     peak_fp32_flops: float | None = None
     bfloat16: bool = True
@@ -100,10 +106,12 @@ class DeviceKind:
             value = getattr(self, field)
             if value is not None and not _is_positive_number(value):
                 raise ValueError(f"DeviceKind {self.name!r}: {field} must be a positive number or None, got {value!r}")
-        if self.matmul_efficiency is not None and not 0 < self.matmul_efficiency <= 1:
-            raise ValueError(
-                f"DeviceKind {self.name!r}: matmul_efficiency must be in (0, 1], got {self.matmul_efficiency!r}"
-            )
+        for field in ("gemm_fraction", "attention_fraction"):
+            value = getattr(self, field)
+            if value is not None and not 0 < value <= 1:
+                raise ValueError(f"DeviceKind {self.name!r}: {field} must be in (0, 1], got {value!r}")
+        if self.sm_count is not None and not _is_positive_int(self.sm_count):
+            raise ValueError(f"DeviceKind {self.name!r}: sm_count must be a positive integer, got {self.sm_count!r}")
 
     @property
     def is_known(self) -> bool:
@@ -262,39 +270,85 @@ _TABLE = (
     ),
 )
 
-_MEGATRON_TABLE_1 = (
-    "Narayanan et al., Efficient large-scale language model training on GPU clusters using Megatron-LM "
-    "(SC'21, arXiv 2104.04473), Table 1: ten GPT runs of 1.7B-1T parameters on 32-3,072 A100 80GB, priced at "
-    "their layouts by bench/published.py (bench/RESULTS.md)"
+#: Streaming multiprocessors per kind (the whitepapers' full-product counts): A100 108 (NVIDIA A100 Tensor
+#: Core GPU Architecture whitepaper, 2020, "108 SMs"), H100 SXM5 132 and H100 PCIe 114 (NVIDIA H100 Tensor
+#: Core GPU Architecture whitepaper, 2022, Table 3), H200 132 (the same GH100 die), L40S 142 and RTX 4090 128
+#: (NVIDIA Ada GPU Architecture whitepaper, appendix A), A10G 80 (GA102 as AWS ships it), V100 80 (NVIDIA
+#: Tesla V100 GPU Architecture whitepaper, 2017).
+SM_COUNTS: Mapping[str, int] = {
+    "h200_sxm": 132,
+    "h100_sxm": 132,
+    "h100_pcie": 114,
+    "a100_80gb": 108,
+    "a100_40gb": 108,
+    "a100_80gb_pcie": 108,
+    "a100_40gb_pcie": 108,
+    "l40s": 142,
+    "a10g": 80,
+    "v100_sxm2_32gb": 80,
+    "rtx4090": 128,
+}
+
+_MAMF = (
+    "Maximum Achievable Matmul FLOPS table, S. Bekman, ml-engineering, compute/accelerator/README.md "
+    "(mamf-finder.py, bf16, best of a shape sweep): A100 SXM 267.9 of 312 TFLOP/s (85.9%), A100 PCIe 256.4 "
+    "(82.2%), H100 SXM 792.1 of 989 (80.1%), GH200 821.0 (83.0%)"
 )
-_TORCHTITAN_8B = (
-    "torchtitan docs/performance.md (pytorch/torchtitan, 2024-12): Llama 3.1 8B, FSDP over 8 and 128 H100 SXM "
-    "96GB at a 500 W power limit, without torch.compile, priced at their layouts by bench/published.py "
-    "(bench/RESULTS.md)"
+_FLASH_A100 = (
+    "Dao, FlashAttention-2 (arXiv 2307.08691), Fig. 4-6: forward + backward on A100 80GB, head width 128, "
+    "causal, sequence 2k-16k: about 165-200 TFLOP/s (53-64% of 312)"
+)
+_FLASH_H100 = (
+    "Shah et al., FlashAttention-3 (arXiv 2407.08608), section 4.1: forward up to 740 TFLOP/s (75% of an H100 "
+    "SXM5's 989) and backward 1.5-1.75x FlashAttention-2's (about 450-550 TFLOP/s at head width 128); forward "
+    "+ backward (backward 2.5x the forward's products) about 550 TFLOP/s, 55%; cuDNN's fused attention, "
+    "which NeMo and JAX use on Hopper, is of the same class"
 )
 
-#: Kind name -> (matmul efficiency, the runs it was fitted on): the one constant per kind that holds the cost
-#: model's clock against published step times (bench/published.py), every other term being a datasheet or
-#: NCCL figure, with the elementwise work at the memory bandwidth (`sharding.costmodel.ELEMENTWISE_BYTES_PER_FLOP`).
-#: A100 variants share the SXM4 80GB fit (one chip; Megatron-LM's runs, fused kernels, no FlashAttention). The
-#: H100 figure is of a part held to 500 W running PyTorch eager (torchtitan's rows without torch.compile):
-#: a lower bound for a 700 W H100 SXM, whose compiled runs torchtitan reports 16% faster. To add a kind's
-#: figure: price its published runs in bench/published.py and pick the value that centres their ratios.
-FITTED_EFFICIENCY: Mapping[str, tuple[float, str]] = {
-    "a100_80gb": (0.70, _MEGATRON_TABLE_1),
-    "a100_40gb": (0.70, _MEGATRON_TABLE_1),
-    "h100_sxm": (0.33, _TORCHTITAN_8B),
+#: Kind name -> (fraction of the bf16 peak the best large matrix product reaches, source): measured matmul
+#: ceilings, not fitted to training runs. Where the tile and wave quantisation of a real step's products
+#: (`sharding.costmodel.gemm`) cost more, the clock charges it on top.
+GEMM_BENCHMARKS: Mapping[str, tuple[float, str]] = {
+    "a100_80gb": (0.859, _MAMF),
+    "a100_40gb": (0.859, _MAMF),
+    "a100_80gb_pcie": (0.822, _MAMF),
+    "a100_40gb_pcie": (0.822, _MAMF),
+    "h100_sxm": (0.801, _MAMF),
+    "h200_sxm": (0.830, _MAMF + "; H200 taken as the GH200's (the same GH100 die and HBM3e)"),
 }
+
+#: Kind name -> (fraction of the bf16 peak a flash attention kernel's forward + backward reaches, source).
+ATTENTION_BENCHMARKS: Mapping[str, tuple[float, str]] = {
+    "a100_80gb": (0.58, _FLASH_A100),
+    "a100_40gb": (0.58, _FLASH_A100),
+    "h100_sxm": (0.55, _FLASH_H100),
+    "h200_sxm": (0.55, _FLASH_H100 + "; H200 taken as the H100's (same die)"),
+}
+
+#: Assumed where a kind has no measurement cited: the fraction of peak a large matmul reaches (the low end
+#: of the measured ceilings above), a flash attention kernel's (FlashAttention-2's on A100), and the SMs.
+DEFAULT_GEMM_FRACTION = 0.80
+DEFAULT_ATTENTION_FRACTION = 0.55
+DEFAULT_SM_COUNT = 108
+
+
+def _measured(kind: DeviceKind) -> DeviceKind:
+    """``kind`` with its SM count and measured fractions (`SM_COUNTS`, `GEMM_BENCHMARKS`,
+    `ATTENTION_BENCHMARKS`)."""
+    gemm = GEMM_BENCHMARKS.get(kind.name)
+    attention = ATTENTION_BENCHMARKS.get(kind.name)
+    sources = "; ".join(x[1] for x in (gemm, attention) if x)
+    return dataclasses.replace(
+        kind,
+        sm_count=SM_COUNTS.get(kind.name),
+        gemm_fraction=gemm[0] if gemm else None,
+        attention_fraction=attention[0] if attention else None,
+        efficiency_source=sources,
+    )
+
 
 #: Canonical name -> DeviceKind.
-KINDS: Mapping[str, DeviceKind] = {
-    k.name: dataclasses.replace(
-        k, matmul_efficiency=FITTED_EFFICIENCY[k.name][0], efficiency_source=FITTED_EFFICIENCY[k.name][1]
-    )
-    if k.name in FITTED_EFFICIENCY
-    else k
-    for k in _TABLE
-}
+KINDS: Mapping[str, DeviceKind] = {k.name: _measured(k) for k in _TABLE}
 
 #: Extra names -> canonical name (already normalised: lower case, ``_`` for ``-``).
 ALIASES: Mapping[str, str] = {

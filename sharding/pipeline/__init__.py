@@ -16,6 +16,7 @@ own modules.
 * `buffers`: the loop's buffers: microbatches, slot-sized reads and writes, one slot's forward and backward;
 * `weights`: the stage's layer weights gathered for a pass and their gradients reduced (once per step, or
   per chunk pass);
+* `padding`: a working copy padded for its storage's devices, its real slots moved by all-reduces;
 * `split`: a layer's traced backward cut into zero bubble's input-gradient and weight-gradient passes;
 * `schedule`: the GPipe and circular schedules with their hand-written backward pass (`run_pipeline`);
 * `onef1b`: the 1F1B schedules (zero bubble too), loss and backward pass in one loop (`run_pipeline_loss`).

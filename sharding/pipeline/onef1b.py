@@ -470,7 +470,7 @@ def _loss_program(
             # Varying over the batch axes (and stage), so that differentiating adds no reduction inside the loop.
             params = to_varying(weights.gather(stacked, plan.layout.repeats), vary)
             if train:
-                grads = to_varying(jax.tree.map(lambda p, w: jnp.zeros(p.shape, w.dtype), params, stacked), vary)
+                grads = to_varying(weights.sums_zeros(params, stacked), vary)
         if train:
             head_grads = head_weights.zeros_over_stage(hp)
         loop = _TickLoop(

@@ -298,7 +298,7 @@ def _pipeline_program(layer_fn, plan: PipelinePlan, par, weights: Weights, remat
             return weights.finish(grads, stacked), g_xs, jax.tree.map(lambda _: None, extras)
         # Varying over the batch axes, so that differentiating a layer adds no reduction inside the loop.
         params = to_varying(kept, weights.summed)
-        zeros = jax.tree.map(lambda p, w: jnp.zeros(p.shape, w.dtype), params, stacked)
+        zeros = weights.sums_zeros(params, stacked)
         grads, g_xs = bound(_pipeline_backward, params, extras, saved, g_outputs, to_varying(zeros, vary), **cotangent)
         return weights.reduce(grads, stacked), g_xs, jax.tree.map(lambda _: None, extras)
 

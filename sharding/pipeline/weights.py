@@ -38,6 +38,7 @@ from sharding.pipeline.buffers import (
     index_tree,
     put_cut,
 )
+from sharding.pipeline.padding import own_slots, sum_owned
 from sharding.pipeline.split import LayerSplit
 from sharding.pipeline.storage import StageStorage
 
@@ -94,7 +95,8 @@ class Weights:
     span: int = 1
 
     def gather(self, stacked, repeats: int):
-        """This device's blocks -> its stage's whole ``[R, K, ...]`` weights in the compute dtype.
+        """This device's blocks -> its stage's whole ``[R, K, ...]`` weights in the compute dtype (``K``: the
+        layout's slots per chunk; the storage's ``K'`` padded slots, which no layer fills, are dropped).
 
         Padded: one all-gather per leaf over its split batch axes. Unpadded: the rows stored for other
         devices move (one ``ppermute`` per distance that moves any), each device picks its slots' rows
@@ -104,10 +106,54 @@ class Weights:
         def one(w, spec):
             if jnp.issubdtype(w.dtype, jnp.floating):
                 w = w.astype(self.dtype)
+            if self.all_reduced:  # the R*K real slots summed over the group axes, each from its one owner
+                return sum_owned(self._own_slots(self._mine(w), repeats, back=False), self.groups)
             w = self._take_slots(w, spec) if self.storage is not None else gather_shards(w, spec)
-            return w.reshape(repeats, w.shape[1] // repeats, *w.shape[2:])
+            w = w.reshape(repeats, w.shape[1] // repeats, *w.shape[2:])
+            return w if self.storage is None else w[:, : self.storage.layout.chunk_slots]
 
         return jax.tree.map(one, stacked, self.specs)
+
+    @property
+    def all_reduced(self) -> bool:
+        """Whether the working copy is assembled, and its gradient sums reduced, by all-reduces of the layout's
+        ``R*K`` real slots over the group axes (`gather`, `reduce`), rather than an all-gather and a
+        reduce-scatter of the padded ``R*K'``.
+
+        The storage's ``G`` devices must divide ``R*K'``, so a stage with fewer layers than ``G`` pads its copy
+        (e.g. 8 layers over ``fsdp=64``: ``K' = 64``, eight times the stage). The padded slots are never
+        computed, so the step always keeps the copy and saves slot inputs for ``K`` slots only (`gather`); the
+        all-reduces also keep the padding out of the collectives' buffers (the gathered copy and the float32
+        sums) where they move fewer bytes: ``K' >= 2K`` (ring all-reduce ``2(G-1)/G * R*K`` slots per device,
+        all-gather or reduce-scatter ``(G-1)/G * R*K'``). Exact: each real slot has one owner, the others add
+        zeros.
+        """
+        if self.storage is None or not self.groups:
+            return False
+        return 2 * self.storage.layout.chunk_slots <= self.storage.placement.chunk_slots
+
+    def sums_zeros(self, params, stacked):
+        """Zero gradient sums for the working copy ``params`` (leaves ``[R, K, ...]``, from `gather`), in the
+        stored blocks' dtype: ``[R, K, ...]``, or ``[R, K', ...]`` where `reduce` reduce-scatters the padded
+        copy (`all_reduced` False)."""
+        width = None
+        if self.storage is not None and not self.all_reduced:
+            width = self.storage.placement.chunk_slots
+
+        def one(p, w):
+            return jnp.zeros((p.shape[0], width or p.shape[1], *p.shape[2:]), w.dtype)
+
+        return jax.tree.map(one, params, stacked)
+
+    def _mine(self, w):
+        """``[q, ...]`` stored rows -> ``[W, ...]`` this device's working-copy slots ``w*G + g`` in the compute
+        dtype (the zero row for an empty one)."""
+        stage, g = self._where()
+        return jnp.take(self._local_rows(self._compute(w)), jnp.asarray(self._slot_rows())[stage, g], axis=0)
+
+    def _own_slots(self, x, repeats: int, back: bool = True):
+        """`sharding.pipeline.padding.own_slots` for this device (``g`` along the group axes)."""
+        return own_slots(x, self.storage, repeats, self._where()[1], back)
 
     def _compute(self, w):
         """``w`` in the compute dtype where it is floating point."""
@@ -201,10 +247,14 @@ class Weights:
         return rows
 
     def reduce(self, grads, stacked):
-        """Whole ``[R, K, ...]`` per-device gradient sums -> the blocks' gradients, summed over ``summed``
-        (reduce-scatter over the split axes, all-reduce over the rest), in the blocks' dtype."""
+        """Whole per-device gradient sums (`sums_zeros`: ``[R, K, ...]`` or ``[R, K', ...]``) -> the blocks'
+        gradients, summed over ``summed`` (reduce-scatter over the split axes, or with `all_reduced` an
+        all-reduce over the group axes; all-reduce over the rest), in the blocks' dtype."""
 
         def one(g, w, spec):
+            if self.all_reduced:  # the real slots all-reduced over the group axes, each device's picked
+                own = self._own_slots(jax.lax.psum(g, self.groups), g.shape[0])
+                return self._psum_rest(self._rows_of(own), spec).astype(w.dtype)
             g = g.reshape(1, g.shape[0] * g.shape[1], *g.shape[2:])
             if self.storage is None:
                 return reduce_shards(g, spec, self.summed).astype(w.dtype)

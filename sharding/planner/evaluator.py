@@ -78,12 +78,13 @@ class PlanOptions:
         one is priced at every pipeline layout beside GPipe's, and the fastest that fits wins.
       sequence: Whether to try ``sequence > 1``.
       hetero: Whether to try uneven data parallelism.
-      efficiency: Fraction of peak FLOP/s the step reaches (`sharding.costmodel.Hardware`); None: each
-        kind's fitted figure (`sharding.devices.DeviceKind.matmul_efficiency`, else
-        `sharding.costmodel.DEFAULT_EFFICIENCY`).
+      efficiency: Fraction of peak FLOP/s all the step's work reaches (`sharding.costmodel.Hardware`); None: the
+        step priced from its shapes (`sharding.costmodel.compute_seconds`, the kinds' measured matmul ceilings).
       backend: Collective lowering (`sharding.costmodel.BACKENDS`).
       one_f_one_b_clock: How a 1F1B pipeline's time is priced (`PIPELINE_CLOCKS`): ``lockstep``, what
         meshwork's tick tables run, or ``fused``, 1F1B as Megatron-LM executes it.
+      overlaps: Mesh axes whose critical-path collectives the priced run hides behind compute (a published
+        run's own overlaps, `sharding.costmodel.step_time`); () for meshwork's own program.
 
     Raises:
       ValueError: On an unknown ``one_f_one_b_clock``.
@@ -103,6 +104,7 @@ class PlanOptions:
     efficiency: float | None = None
     backend: str = "gpu"
     one_f_one_b_clock: str = "lockstep"
+    overlaps: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.one_f_one_b_clock not in PIPELINE_CLOCKS:
@@ -177,6 +179,7 @@ class Plan:
             lay.pipeline_gather,
             self.counts,
             lay.context_shares,
+            lay.optimizer_sharding,
         )
 
     def parallelism(self) -> Parallelism:
@@ -202,7 +205,9 @@ class Plan:
             strategy = Accumulation(lay.microbatches)
         context_layout = lay.context_layout if lay.length_split > 1 else CONTIGUOUS
         shares = None if lay.context_shares is None else tuple(int(n) for n in lay.context_shares)
-        return Parallelism(lay.mesh, rules, strategy, context_layout, context_shares=shares)
+        return Parallelism(
+            lay.mesh, rules, strategy, context_layout, context_shares=shares, optimizer_sharding=lay.optimizer_sharding
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -373,7 +378,7 @@ class _Evaluator:
         return self._shares[key]
 
     def time(self, cost: cm.Cost, kind, mesh) -> cm.StepTime:
-        return cm.step_time(cost, self.hardware[kind.name], self.links(mesh), self.shares(mesh))
+        return cm.step_time(cost, self.hardware[kind.name], self.links(mesh), self.shares(mesh), self.options.overlaps)
 
     def finish(
         self,

@@ -28,6 +28,7 @@ from sharding.costmodel.context import context_groups
 from sharding.errors import ConfigError, Field, FieldText
 from sharding.mesh import format_mesh
 from sharding.modeldesc import AttentionTraits, ModelDescription
+from sharding.parallel import REPLICATED
 from sharding.pipeline.layout import parse_schedule, plan_layout
 from sharding.planner.evaluator import Plan, PlanOptions, _Cluster, _Evaluator
 from sharding.splits import largest_remainder, min_max_assign
@@ -376,8 +377,7 @@ def _price(ev: _Evaluator, layout: cm.Layout, tag: str) -> Plan | None:
     not fit, with the weights gathered per microbatch under each of those (`_memory_savers`); the fastest
     fitting of those and of the first fitting GPipe plan wins."""
     last, fitting = None, []
-    for remat in ev.options.remats:
-        lay = dataclasses.replace(layout, remat=remat)
+    for lay in _state_variants(layout, ev.options.remats, tag):
         if tag == "pipeline":
             plan_ = _stage_split(ev, lay)
         elif tag == "uneven":
@@ -398,6 +398,17 @@ def _price(ev: _Evaluator, layout: cm.Layout, tag: str) -> Plan | None:
             break
         last = plan_
     return min(fitting, key=lambda p: p.step_time) if fitting else last
+
+
+def _state_variants(layout: cm.Layout, remats: Iterable[str], tag: str) -> Iterator[cm.Layout]:
+    """``layout`` under each remat policy, cheapest first, each first with the optimizer state replicated, then
+    (``data`` > 1, not the uneven step, which lays its parameters out itself) split over ``data``
+    (`sharding.zero`): it saves the state's memory for no compute and about the same traffic, so it is tried
+    before the next, costlier recompute; the first that fits ends the search (`_price`)."""
+    shardings = [REPLICATED] + ([ax.DATA] if layout.mesh[ax.DATA] > 1 and tag != "uneven" else [])
+    for remat in remats:
+        for sharding in shardings:
+            yield dataclasses.replace(layout, remat=remat, optimizer_sharding=sharding)
 
 
 def _one_f_one_b(ev: _Evaluator, gpipe: Plan) -> list[Plan | None]:
@@ -595,8 +606,8 @@ def brute_force(
     return _best_fitting(
         plan_
         for layout, tag in _candidates(ev)
-        for remat in ev.options.remats
-        for plan_ in every(dataclasses.replace(layout, remat=remat), tag)
+        for variant in _state_variants(layout, ev.options.remats, tag)
+        for plan_ in every(variant, tag)
     )
 
 

@@ -12,6 +12,10 @@ batch, ``compiled.memory_analysis()``), its temporaries (`sharding.costmodel.Mem
 
 from __future__ import annotations
 
+import math
+
+import jax
+
 from sharding import costmodel as cm
 from sharding import hlo
 from train.setup import strategy_setup
@@ -67,6 +71,7 @@ def cost_model_lines(trainer, compiled, batch: int, seq_len: int) -> list[str]:
             _mib(cost.argument_bytes),
             _mib(memory.argument_size_in_bytes) if memory is not None else "n/a",
         ),
+        *_state_rows(trainer, cost),
         ("temporaries", _mib(cost.memory.in_flight), _mib(memory.temp_size_in_bytes) if memory is not None else "n/a"),
     ]
     predicted, actual = cm.collective_bytes(cost.comms), cm.collective_bytes(hlo.collectives(text))
@@ -96,3 +101,20 @@ def cpu_only_bytes(trainer, batch: int, seq_len: int) -> float:
     except ValueError:
         return 0.0
     return cost.memory.cpu_only
+
+
+def _state_rows(trainer, cost) -> list[tuple[str, str, str]]:
+    """The state's two parts as rows of the cost model's table: the float32 parameters and the optimizer's
+    arrays, the cost model's against the blocks of the compiled step's arguments one device holds (as the state's
+    shardings lay them out, with ``--optimizer-sharding data`` split over ``data`` too; scalars left out)."""
+    state = trainer.state_layout.abstract_state()
+
+    def held(tree) -> float:
+        return float(
+            sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree) if x.ndim)
+        )
+
+    return [
+        ("  of which parameters", _mib(cost.memory.parameters), _mib(held(state["params"]))),
+        ("  of which optimizer state", _mib(cost.memory.optimizer), _mib(held(state["opt_state"]))),
+    ]

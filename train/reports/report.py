@@ -496,7 +496,7 @@ def layout_text(meta) -> str:
 
 
 def resume_lines(run, trainer, meta, step: int, seconds: float) -> list[str]:
-    """What a resume restored: the step and meshes, a re-laid stage layout, a changed learning-rate schedule
+    """What a resume restored: the step and meshes, a re-laid stage layout or optimizer sharding, a changed learning-rate schedule
     or batch shape, an ``--init-from`` left unread."""
     lines = [
         f"resumed step {step} (saved on mesh {format_mesh(meta.mesh)}) onto mesh "
@@ -506,6 +506,11 @@ def resume_lines(run, trainer, meta, step: int, seconds: float) -> list[str]:
         lines.append(
             f"re-laid the layer stacks from stage layout {layout_text(meta.pipeline)} to "
             f"{layout_text(trainer.state_layout.layout_meta())}"
+        )
+    if meta.optimizer_sharding != trainer.par.optimizer_sharding:
+        lines.append(
+            f"re-laid the parameters and optimizer state from --optimizer-sharding {meta.optimizer_sharding} to "
+            f"--optimizer-sharding {trainer.par.optimizer_sharding}"
         )
     for change in (
         meta.schedule_change(run.schedule, step),

@@ -353,6 +353,7 @@ def train_loop(
     log: Callable[[str], None],
     stop: StopFlag,
     check_compiled: Callable[[Any], str] | None = None,
+    compiler_options: dict[str, Any] | None = None,
 ) -> tuple[dict, dict[str, Any]]:
     """Runs training from ``state`` (its ``step`` says where to start) to ``options.steps``.
 
@@ -361,7 +362,8 @@ def train_loop(
     ``save(state, step, samples, iterator)`` (starts an asynchronous save) and ``check()`` (raises a failed save's
     error); ``stop`` is a `StopFlag`, whose request reaches every process through the next step's ``stop``
     metric, so all stop after the same step and save it; ``check_compiled`` gets the compiled step before
-    it runs and returns a line to log (`train.reports.fit.check_compiled` raises for a step that cannot fit).
+    it runs and returns a line to log (`train.reports.fit.check_compiled` raises for a step that cannot fit);
+    ``compiler_options`` are XLA options the step is compiled with (`train.runtime.agreement.mixed_kind_options`).
 
     Returns:
       ``(state, summary)``: the final step and samples, held-out losses, the signal that stopped the run
@@ -384,7 +386,7 @@ def train_loop(
         return state, run.summary
     B = options.global_batch
     batch = run.next_batch()
-    compiled = _compile(trainer, state, batch, options, log, check_compiled)
+    compiled = _compile(trainer, state, batch, options, log, check_compiled, compiler_options)
     run.batches.take_wait()  # the first batch's wait is start-up, not a step's
     run.evaluate(state, start)  # the starting point of the run's held-out curve (also after a resume)
     bar = _progress(options, start)
@@ -422,12 +424,14 @@ def train_loop(
     return state, run.summary
 
 
-def _compile(trainer, state, batch, options: LoopOptions, log, check_compiled):
-    """The compiled train step, checked (``check_compiled``) before it runs."""
+def _compile(trainer, state, batch, options: LoopOptions, log, check_compiled, compiler_options=None):
+    """The compiled train step (with XLA's ``compiler_options``), checked (``check_compiled``) before it runs."""
     log("compiling the train step ...")  # the run's start-up ends here (a long compilation is not a hang)
     t0 = time.perf_counter()
     compiled = (
-        trainer.train_step(options.global_batch, options.seq_len).lower(state, batch, trainer.signals(False)).compile()
+        trainer.train_step(options.global_batch, options.seq_len)
+        .lower(state, batch, trainer.signals(False))
+        .compile(compiler_options or None)
     )
     log(f"compiled the train step in {time.perf_counter() - t0:.1f} s")
     if check_compiled is not None:

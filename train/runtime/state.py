@@ -29,6 +29,7 @@ import optax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from models.config import ModelConfig
+from models.lora import trainable, with_trainable
 from models.transformer import abstract_model, init_params
 from sharding import axes as ax
 from sharding.parallel import Parallelism
@@ -42,6 +43,7 @@ from sharding.pipeline.storage import (
     storage_spec,
 )
 from sharding.rules import tree_shardings
+from sharding.zero import master_spec
 from train.runtime.optimizer import GuardedUpdate, OptimizerConfig
 
 
@@ -67,7 +69,10 @@ class StateLayout:
       update: The step's `train.runtime.optimizer.GuardedUpdate` (the optimizer, skipped on a non-finite step).
       tx: The `optax.GradientTransformation` whose state ``opt_state`` is (``update.tx``).
       state_params, param_shardings, report, state_shardings: The parameters as the state holds them (in
-        ``storage``), their shardings, the `sharding.rules.ShardingReport`, and the whole state's shardings.
+        ``storage``), their shardings in the forward and backward, the `sharding.rules.ShardingReport`, and the
+        whole state's shardings. With ``par.optimizer_sharding`` ``data`` (ZeRO stage 1, `sharding.zero`) the
+        state's parameters and optimizer moments are also split over ``data`` (``state_shardings["params"]``
+        differs from ``param_shardings``); the step gathers the parameters to ``param_shardings`` first.
 
     Raises:
       ValueError: A ``par`` not bound to a mesh, or a pipeline whose stage count is not the mesh's.
@@ -96,7 +101,10 @@ class StateLayout:
                 par.pipeline.gather,
             )
         )
-        self.update = GuardedUpdate(OptimizerConfig() if optimizer is None else optimizer, self.param_names)
+        # with adapters only they are trained: the optimizer and its state cover them alone (`models.lora`)
+        self.update = GuardedUpdate(
+            OptimizerConfig() if optimizer is None else optimizer, trainable(config, self.param_names)
+        )
         self.tx = self.update.tx
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
         self.state_params, self.param_shardings, self.report, self.state_shardings = self._layout_state(self.storage)
@@ -119,14 +127,26 @@ class StateLayout:
         param_shardings, report = tree_shardings(params, param_names, self.mesh, self.rules)
         if isinstance(layout, StageStorage) or self.storage is not None:
             param_shardings, report = self._storage_shardings(layout, param_shardings, report)
-        opt_shardings = self._optimizer_shardings(params, param_shardings)
+        master = self._master_shardings(params, param_shardings)
+        opt_shardings = self._optimizer_shardings(trainable(self.config, params), trainable(self.config, master))
         state_shardings = {
             "step": self.replicated,
-            "params": param_shardings,
+            "params": master,
             "opt_state": opt_shardings,
             "rng": self.replicated,
         }
         return params, param_shardings, report, state_shardings
+
+    def _master_shardings(self, params, param_shardings):
+        """The shardings the state keeps its float32 parameters in: ``param_shardings`` (the layout the forward
+        and backward see), or with ``optimizer_sharding`` ``data`` each also split over ``data``
+        (`sharding.zero.master_spec`; the optimizer state follows them, `_optimizer_shardings`)."""
+        if self.par.optimizer_sharding != ax.DATA:
+            return param_shardings
+        shape = self.par.mesh_shape
+        return jax.tree.map(
+            lambda p, s: NamedSharding(self.mesh, master_spec(p.shape, s.spec, shape)), params, param_shardings
+        )
 
     def _optimizer_shardings(self, params, param_shardings):
         """The optimizer state's shardings, derived from the parameters' by optax's own init.
@@ -232,7 +252,7 @@ class StateLayout:
         return {
             "step": jnp.zeros((), jnp.int32),
             "params": params,
-            "opt_state": self.tx.init(params),
+            "opt_state": self.tx.init(trainable(self.config, params)),
             "rng": jax.random.key_data(jax.random.fold_in(key, 1)),
         }
 
@@ -259,8 +279,22 @@ class StateLayout:
           The state, laid out for this run (`relayout_state` from the canonical layout for a pipeline).
         """
         canonical = self.state_shardings if self.storage is None else self._layout_state(None)[3]
+        params = self._with_adapters(params, seed, canonical["params"])
         fn = jax.jit(lambda p, s: self._fresh(p, jax.random.key(s)), out_shardings=canonical, donate_argnums=0)
         return self.relayout_state(fn(params, jnp.asarray(seed, jnp.int32)), None)
+
+    def _with_adapters(self, params: dict, seed: int, shardings: dict) -> dict:
+        """``params`` with the adapter factors they lack (imported base weights) freshly initialised as
+        `init_state` makes them for ``seed`` (``B`` zero: the model starts as the imported one); unchanged
+        without adapters or when they are present."""
+        if not self.config.lora_rank or trainable(self.config, params):
+            return params
+
+        def adapters(seed):
+            return trainable(self.config, init_params(self.config, jax.random.fold_in(jax.random.key(seed), 0)))
+
+        fresh = jax.jit(adapters, out_shardings=trainable(self.config, shardings))(jnp.asarray(seed, jnp.int32))
+        return with_trainable(self.config, params, fresh)
 
     def layout_meta(self) -> dict | None:
         """This run's storage for checkpoint metadata (None: canonical ``[layers, ...]`` stacks)."""
@@ -279,8 +313,8 @@ class StateLayout:
             self.tx,
             _moves_with_rows,
             state["opt_state"],
-            is_layer,
-            state["params"],
+            trainable(self.config, is_layer),
+            trainable(self.config, state["params"]),
             transform_non_params=lambda _: False,
         )
         leaves, treedef = jax.tree.flatten(state)

@@ -19,6 +19,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from models.config import ModelConfig
+from models.lora import trainable, with_trainable
 from models.moe import router_objective
 from models.transformer import loss_sums, loss_terms, pipelined_loss_stats
 from sharding import axes as ax
@@ -185,9 +186,18 @@ class Trainer:
         ``inputs``: values of the strategy's step inputs by name (absent: their defaults). A mixture of experts
         under a strategy that reports statistics adds ``moe_aux``, ``moe_z`` (token means), ``moe_dropped``,
         ``moe_max_load`` (`max_load`; not under a pipeline, whose stages sum the layers' loads) and
-        ``moe_expert_share`` (`expert_share`)."""
+        ``moe_expert_share`` (`expert_share`). With adapters (`models.lora`) the gradients are the factors'
+        alone (`models.lora.trainable`'s tree): the rest enters the loss as a constant."""
+        config = self.config
+
+        def of_trainable(loss_fn):  # the loss as a function of the trained part, the rest held fixed
+            return lambda part, b, par=None: loss_fn(with_trainable(config, params, part), b, par)
+
+        part = trainable(config, params)
         if self.config.is_moe and self.strategy.reports_stats:
-            loss_sum, weight, grads, metrics = self.strategy.gradients(self.loss_and_stats, params, batch, inputs or {})
+            loss_sum, weight, grads, metrics = self.strategy.gradients(
+                of_trainable(self.loss_and_stats), part, batch, inputs or {}
+            )
             metrics = dict(metrics)
             if "moe_load" in metrics:
                 load = metrics.pop("moe_load")
@@ -196,11 +206,20 @@ class Trainer:
                 load = metrics.pop("moe_load_total")[None]
             metrics["moe_expert_share"] = expert_share(load)
             return loss_sum, weight, grads, metrics
-        return self.strategy.gradients(self.loss_sums, params, batch, inputs or {})
+        return self.strategy.gradients(of_trainable(self.loss_sums), part, batch, inputs or {})
+
+    def compute_params(self, params):
+        """The state's parameters laid out for the forward and backward (inside jit): as they are, or with
+        ``optimizer_sharding`` ``data`` gathered over ``data`` from the state's slices (`sharding.zero`); the
+        gradients taken with respect to them are laid back out as the slices in `apply_gradients`, which XLA
+        turns into a reduce-scatter."""
+        if self.par.optimizer_sharding != ax.DATA:
+            return params
+        return jax.lax.with_sharding_constraint(params, self.state_layout.param_shardings)
 
     def _step(self, state, batch, signals):
         inputs = {i.name: signals[i.name] for i in self.step_inputs}
-        loss_sum, weight, grads, extra = self.gradients(state["params"], batch, inputs)
+        loss_sum, weight, grads, extra = self.gradients(self.compute_params(state["params"]), batch, inputs)
         new_state, metrics = self.apply_gradients(state, loss_sum, weight, grads, signals["stop"])
         return new_state, {**metrics, **extra}
 
@@ -211,7 +230,7 @@ class Trainer:
           state: ``{"step", "params", "opt_state", "rng"}``.
           loss_sum: float32 scalar, the summed token loss (nats).
           weight: float32 scalar, the summed loss mask (tokens).
-          grads: Gradients of ``loss_sum``, shaped as the params.
+          grads: Gradients of ``loss_sum``, shaped as the trained parameters (`models.lora.trainable`).
           signals: The ``[num_devices]`` int32 stop-signal vector (`signals`'s ``stop``).
 
         A non-finite loss or gradient leaves parameters and optimizer state as they were, bit for bit
@@ -224,13 +243,17 @@ class Trainer:
         denom = jnp.maximum(weight, 1.0)
         # laid out as the parameters before the conditional, so that no resharding collective lands inside it
         grads = jax.lax.with_sharding_constraint(
-            jax.tree.map(lambda g: g / denom, grads), self.state_layout.state_shardings["params"]
+            jax.tree.map(lambda g: g / denom, grads),
+            trainable(self.config, self.state_layout.state_shardings["params"]),
         )
         grad_norm = (
             optax.tree.norm(grads) if hasattr(getattr(optax, "tree", None), "norm") else optax.global_norm(grads)
         )
         finite = jnp.isfinite(loss_sum) & jnp.isfinite(grad_norm)
-        params, opt_state = self.state_layout.update(grads, state["opt_state"], state["params"], finite)
+        part, opt_state = self.state_layout.update(
+            grads, state["opt_state"], trainable(self.config, state["params"]), finite
+        )
+        params = with_trainable(self.config, state["params"], part)
         metrics = {
             "loss": loss_sum / denom,
             "grad_norm": grad_norm,
@@ -294,8 +317,8 @@ class Trainer:
                 )
             else:
                 self._jitted[key] = jax.jit(
-                    self.loss_sums,
-                    in_shardings=(self.state_layout.param_shardings, batch),
+                    lambda params, batch: self.loss_sums(self.compute_params(params), batch),
+                    in_shardings=(self.state_layout.state_shardings["params"], batch),
                     out_shardings=(self.replicated, self.replicated),
                 )
         return self._jitted[key]
@@ -317,17 +340,21 @@ class Trainer:
         """The jitted ``(params, batch) -> (loss_sum, weight_sum)``."""
         return self._jit("eval", global_batch, seq_len)
 
-    def compile_train_step(self, global_batch: int, seq_len: int):
-        """Ahead-of-time compiled train step from abstract shapes (no allocation)."""
+    def abstract_train_args(self, global_batch: int, seq_len: int) -> tuple[dict, dict, dict]:
+        """The train step's arguments ``(state, batch, signals)`` as `jax.ShapeDtypeStruct`s with their
+        shardings (no allocation): what `train_step` is lowered with, for this machine's compiler
+        (`compile_train_step`) or exported for another platform (``jax.export.export(train_step(...),
+        platforms=["cuda"])(*args)``, lowering only)."""
         signals = {
             "stop": jax.ShapeDtypeStruct((self.mesh.devices.size,), jnp.int32, sharding=self.signal_sharding()["stop"])
         }
         signals.update((i.name, i.abstract()) for i in self.step_inputs)
-        return (
-            self.train_step(global_batch, seq_len)
-            .lower(self.state_layout.abstract_state(), self.abstract_batch(global_batch, seq_len), signals)
-            .compile()
-        )
+        return self.state_layout.abstract_state(), self.abstract_batch(global_batch, seq_len), signals
+
+    def compile_train_step(self, global_batch: int, seq_len: int):
+        """Ahead-of-time compiled train step from abstract shapes (no allocation)."""
+        args = self.abstract_train_args(global_batch, seq_len)
+        return self.train_step(global_batch, seq_len).lower(*args).compile()
 
 
 def param_bytes(tree) -> int:

@@ -16,6 +16,7 @@ from models.attention import layout_shards
 from train.data import context_permutation, load_dataset
 from train.launcher.peers import any_process, sync_processes
 from train.reports import fit, report
+from train.runtime import agreement
 from train.runtime.inference import fresh_state
 from train.runtime.loop import DivergedLossError, LoopOptions, MetricsWriter, StopFlag, train_loop
 from train.setup.config import RunConfig
@@ -109,8 +110,10 @@ def train(config: RunConfig, trainer, ckpt, latest, tokenizer, dataset, log) -> 
             tokenizer,
             trainer.state_layout.layout_meta(),
             config.schedule,
+            trainer.par.optimizer_sharding,
         )
         checkpoints = LoopCheckpoints(ckpt, meta)
+        kinds = _device_kinds(config, log)
         try:
             state, summary = train_loop(
                 trainer=trainer,
@@ -123,7 +126,8 @@ def train(config: RunConfig, trainer, ckpt, latest, tokenizer, dataset, log) -> 
                 writer=writer,
                 log=log,
                 stop=stop,
-                check_compiled=lambda compiled: fit.check_compiled(config, compiled),
+                check_compiled=lambda compiled: _check_compiled(config, compiled, kinds),
+                compiler_options=agreement.mixed_kind_options(kinds),
             )
         except DivergedLossError as e:  # the parameters of step N-1 gave step N's loss: not a state to keep
             if e.step - 1 > (latest or 0):
@@ -136,6 +140,42 @@ def train(config: RunConfig, trainer, ckpt, latest, tokenizer, dataset, log) -> 
     for line in report.summary_lines(summary, ckpt.directory, time.perf_counter() - t0):
         log(line)
     return 0
+
+
+def _device_kinds(config: RunConfig, log) -> list[str]:
+    """Every process's device kind (one process: its own); a job of several kinds is compiled with
+    `train.runtime.agreement.MIXED_KIND_OPTIONS`, which the log names."""
+    import jax
+
+    kind = jax.local_devices()[0].device_kind
+    if jax.process_count() == 1:
+        return [kind]
+    timeout = config.cluster.distributed().timeout
+    kinds = agreement.exchange_kinds(agreement.client(), jax.process_index(), jax.process_count(), kind, timeout)
+    if options := agreement.mixed_kind_options(kinds):
+        log(
+            f"device kinds {', '.join(sorted(set(kinds)))}: compiling with {', '.join(f'{k}={v}' for k, v in options.items())}"
+        )
+    return kinds
+
+
+def _check_compiled(config: RunConfig, compiled, kinds: list[str]) -> str:
+    """The fit of the compiled step (`train.reports.fit.check_compiled`) and, with several processes, their
+    agreement on its collectives (`train.runtime.agreement.check_same_collectives`), before the first step."""
+    import jax
+
+    line = fit.check_compiled(config, compiled)
+    if jax.process_count() == 1:
+        return line
+    agreed = agreement.check_same_collectives(
+        compiled.as_text(),
+        client=agreement.client(),
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+        kinds=kinds,
+        timeout_s=config.cluster.distributed().timeout,
+    )
+    return f"{line}\n{agreed}"
 
 
 def start_state(config: RunConfig, trainer, ckpt, latest, log):

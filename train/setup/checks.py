@@ -10,11 +10,13 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from models import attention_registry
 from models.attention import check_context_parallel
 from models.config import ModelConfig
 from sharding import axes as ax
+from sharding.errors import ConfigError, Field
 from sharding.mesh import format_mesh
-from sharding.parallel import Parallelism
+from sharding.parallel import Parallelism, UnevenBatch
 from sharding.vocab import choose_for_batch
 from train.data import check_source, default_cache_dir
 from train.setup import strategy_setup
@@ -46,6 +48,7 @@ def validate(run: RunConfig, num_devices: int, tokenizer=None) -> None:
     check_strategy(run)
     check_model_sharding(model, par)
     check_experts(model, par)
+    check_adapters(model, par)
 
     check_context_parallel(model, par, run.data.seq_len)
     check_logits(run)
@@ -78,6 +81,29 @@ def check_simulated_devices(mesh_sizes, devices, cpu_devices: int | None) -> Non
         f"--mesh {format_mesh(mesh_sizes)} needs {needed} devices, JAX sees {len(devices)} CPU device(s); "
         f"simulate them, e.g. --cpu-devices {needed}"
     )
+
+
+def device_platform(device) -> str:
+    """The platform a device compiles for, as `models.attention_registry.AttentionKernel.platforms` names it:
+    ``cuda`` (NVIDIA), ``rocm`` (AMD), or JAX's platform name (``cpu``, ``tpu``)."""
+    if device.platform != "gpu":
+        return device.platform
+    return "rocm" if "rocm" in str(getattr(device.client, "platform_version", "")).lower() else "cuda"
+
+
+def check_attention_platform(attention: str, devices) -> None:
+    """The attention kernel runs on the devices' platform (its record's ``platforms``; cuDNN's on NVIDIA GPUs).
+
+    Raises:
+      ValueError: Naming ``--attention``, the platform the devices are, and a kernel that runs there.
+    """
+    record = attention_registry.kernel(attention)
+    found = sorted({device_platform(d) for d in devices})
+    if record.platforms and set(found) - set(record.platforms):
+        raise ValueError(
+            f"--attention {attention} runs on {' or '.join(record.platforms)} devices only, and these are "
+            f"{', '.join(found)}; use --attention flash"
+        )
 
 
 def check_run_dir(run_dir: str, resume: bool, can_resume: bool = True) -> None:
@@ -163,6 +189,22 @@ def check_strategy(run: RunConfig) -> None:
         tensor; uneven counts on a mesh or rules they do not support, or that do not divide the batch.
     """
     strategy_setup.check_run(run)
+
+
+def check_adapters(config: ModelConfig, par: Parallelism) -> None:
+    """Low-rank adapters (`models.lora`) against the strategy: the uneven step differentiates inside a
+    manual map whose inputs are the trained parameters, so the frozen base has no place there.
+
+    Raises:
+      ConfigError: ``lora_rank`` with uneven batches (``hetero_batch``), suggesting even ones.
+    """
+    if config.lora_rank and isinstance(par.strategy, UnevenBatch):
+        raise ConfigError(
+            Field("lora_rank", config.lora_rank),
+            " trains adapters with even batches only; drop ",
+            Field("hetero_batch"),
+            " (every device runs the same microbatches), or train without adapters",
+        )
 
 
 def check_model_sharding(config: ModelConfig, par: Parallelism) -> None:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from checkpoints import hf
-from models.config import get_config
+from models.config import LORA_TARGETS, get_config
 from sharding.devices import inventory_from_flag, parse_cluster
 from sharding.mesh import parse_axis_sizes
 from train.runtime.divergence import parse_max_loss
@@ -80,6 +80,7 @@ def from_args(args: argparse.Namespace) -> RunConfig:
         )
         if v
     }
+    execution.update(_lora_fields(args))
     model, preset, tokenizer, eod = _model_and_tokenizer(args, execution)
     decay = args.steps if args.decay_steps is None else args.decay_steps
     optimizer = OptimizerConfig(
@@ -144,6 +145,20 @@ def from_args(args: argparse.Namespace) -> RunConfig:
             external_coordinator=args.external_coordinator,
         ),
     )
+
+
+def _lora_fields(args) -> dict:
+    """The adapter fields of ``--lora-rank/--lora-alpha/--lora-targets`` (`models.lora`): all seven
+    projections when ``--lora-rank`` comes without targets; none given, none set."""
+    fields = {}
+    if args.lora_rank is not None:
+        fields["lora_rank"] = args.lora_rank
+        fields["lora_targets"] = ",".join(LORA_TARGETS) if args.lora_rank else ""
+    if args.lora_alpha is not None:
+        fields["lora_alpha"] = args.lora_alpha
+    if args.lora_targets is not None:
+        fields["lora_targets"] = args.lora_targets
+    return fields
 
 
 def _model_and_tokenizer(args, execution: dict) -> tuple:

@@ -39,6 +39,7 @@ FLAGS: dict[str, str] = {
     "attention": "--attention",
     "context_layout": "--context-layout",
     "context_shares": "--context-shares",
+    "optimizer_sharding": "--optimizer-sharding",
     "logits": "--logits",
     # execution
     "remat": "--remat",
@@ -73,6 +74,11 @@ FLAGS: dict[str, str] = {
     "top_p": "--top-p",
     "max_new_tokens": "--max-new-tokens",
     "prompt": "--prompt",
+    # low-rank adapters (models.lora)
+    "lora_rank": "--lora-rank",
+    "lora_alpha": "--lora-alpha",
+    "lora_targets": "--lora-targets",
+    "dpo_beta": "--dpo-beta",
 }
 """Configuration field -> the flag that sets it. A field's value follows its flag after a space."""
 

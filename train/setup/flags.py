@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from sharding import axes as ax
 from sharding.mesh import format_mesh
-from sharding.parallel import CONTIGUOUS, Parallelism
+from sharding.parallel import CONTIGUOUS, REPLICATED, Parallelism
 from sharding.rules import DEFAULT_PRESET, PRESETS, Rules
 from train.setup import strategy_setup
 
@@ -42,6 +42,8 @@ def parallelism_flags(par: Parallelism) -> list[str]:
     if par.context_shares is not None:
         shares = par.context_shares
         out += ["--context-shares", shares if isinstance(shares, str) else ",".join(map(str, shares))]
+    if par.optimizer_sharding != REPLICATED:
+        out += ["--optimizer-sharding", par.optimizer_sharding]
     return out
 
 

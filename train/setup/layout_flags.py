@@ -44,10 +44,12 @@ CONTEXT_FLAGS = ("context_layout", "context_shares")
 """The order and shares of the length over the context-parallel ring."""
 CLUSTER_FLAGS = ("cluster", "simulate_cluster")
 """Which devices the layout is for: ``--plan auto`` and ``--hetero-batch kinds`` read their kinds from them."""
+OPTIMIZER_SHARDING_FLAGS = ("optimizer_sharding",)
+"""Where the optimizer's float32 state lives (`sharding.zero`)."""
 EXECUTION_FLAGS = ("remat", "attention", "dtype", "logits")
 """How the model runs on the layout (not part of a `Parallelism`, but priced with it)."""
 
-LAYOUT_FLAGS = (*MESH_FLAGS, "microbatches", *PIPELINE_FLAGS, *UNEVEN_FLAGS, *CONTEXT_FLAGS)
+LAYOUT_FLAGS = (*MESH_FLAGS, "microbatches", *PIPELINE_FLAGS, *UNEVEN_FLAGS, *CONTEXT_FLAGS, *OPTIMIZER_SHARDING_FLAGS)
 """Every flag `parallelism_from_args` reads into the run's `Parallelism`."""
 RECORDED_LAYOUT_FLAGS = (
     *MESH_FLAGS,
@@ -57,6 +59,7 @@ RECORDED_LAYOUT_FLAGS = (
     *UNEVEN_FLAGS,
     *CONTEXT_FLAGS,
     *CLUSTER_FLAGS,
+    *OPTIMIZER_SHARDING_FLAGS,
 )
 """The layout as a whole in the run record (`train.setup.configfile`): a command line that names one of them
 re-lays the run (resume onto another mesh), and the record's are not taken (its stage split or counts would not
@@ -64,7 +67,7 @@ fit the new mesh). ``--plan`` and the cluster flags belong to it: ``--plan auto`
 read the kinds from them."""
 PRICED_FLAGS = frozenset((*LAYOUT_FLAGS, *EXECUTION_FLAGS))
 """The flags ``python -m train.plan --layout`` takes: the layout and its execution."""
-PLANNED_FLAGS = ("mesh", "rules", "microbatches", "remat", *PIPELINE_FLAGS)
+PLANNED_FLAGS = ("mesh", "rules", "microbatches", "remat", *PIPELINE_FLAGS, *OPTIMIZER_SHARDING_FLAGS)
 """The flags whose values ``--plan auto`` chooses (`train.setup.auto_plan.apply_plan` replaces them): given with it, they
 would be dropped without a word, so they are refused (`_check_planned`)."""
 
@@ -83,7 +86,15 @@ def parallelism_from_args(args, num_layers: int) -> Parallelism:
     if strategy.pipeline is not None:
         rules = pipeline_rules(rules)
     shares = parse_context_shares(getattr(args, "context_shares", None), args.seq_len)
-    return Parallelism(sizes, rules, strategy, args.context_layout, outer, context_shares=shares)
+    return Parallelism(
+        sizes,
+        rules,
+        strategy,
+        args.context_layout,
+        outer,
+        context_shares=shares,
+        optimizer_sharding=args.optimizer_sharding,
+    )
 
 
 CONTEXT_SHARES_EXAMPLE = "--context-shares 2,1"

@@ -12,7 +12,7 @@ import math
 from checkpoints.argparser import Parser
 from models import attention_registry
 from models.config import DTYPES, LOGITS_IMPLS, PRESETS, REMAT_POLICIES
-from sharding.parallel import CONTEXT_LAYOUTS
+from sharding.parallel import CONTEXT_LAYOUTS, OPTIMIZER_SHARDINGS, REPLICATED
 from sharding.pipeline import (
     GATHERS,
     SCHEDULES,
@@ -62,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     _pipeline_flags(p)
     _hetero_flags(p)
     _optimizer_flags(p)
+    _lora_flags(p)
     _run_flags(p)
     return p
 
@@ -93,6 +94,15 @@ def _mesh_flags(p) -> None:
         metavar="AXIS=N,...",
         help="how much of each axis spans processes (slow links), e.g. data=2; the rest stays inside a "
         "process; default: tensor, then sequence, then fsdp stay inside a process",
+    )
+    g.add_argument(
+        "--optimizer-sharding",
+        default=REPLICATED,
+        choices=OPTIMIZER_SHARDINGS,
+        help="where the float32 parameters the optimizer updates and its moments live: replicated on every data "
+        "rank, or data, a distributed optimizer (ZeRO stage 1): split over the data axis, gradients "
+        "reduce-scattered and the new parameters all-gathered each step, for about the same traffic as the "
+        "all-reduce; it cuts the state's memory by the data size (see docs/sharding.md)",
     )
     g.add_argument(
         "--cpu-devices",
@@ -196,6 +206,32 @@ def _model_flags(p) -> None:
         "ring holds real tokens of every sequence in proportion to its share, inside equal-shaped padded blocks "
         "whose padding the kernels skip; auto: shares from the devices' measured speeds (timed as --hetero-batch "
         "auto times them), or one relative share per ring device, e.g. 2,1; default: even shards",
+    )
+
+
+def _lora_flags(p) -> None:
+    g = p.add_argument_group("low-rank adapters (docs/post-training.md)")
+    g.add_argument(
+        "--lora-rank",
+        type=int,
+        default=None,
+        metavar="R",
+        help="train low-rank adapters of rank R on --lora-targets and freeze every other weight (Hu et al. "
+        "2021); default: none (full fine-tuning)",
+    )
+    g.add_argument(
+        "--lora-alpha",
+        type=float,
+        default=None,
+        metavar="A",
+        help="the adapters' scale numerator: a target computes with W + (A / R) * A_lora @ B_lora; default 16",
+    )
+    g.add_argument(
+        "--lora-targets",
+        default=None,
+        metavar="q,k,v,o,gate,up,down",
+        help="the projections that get adapters (gate,up,down include a mixture of experts' experts); "
+        "default with --lora-rank: all seven",
     )
 
 

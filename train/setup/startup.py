@@ -13,7 +13,7 @@ from train.runtime import step
 from train.setup import strategy_setup
 from train.setup.auto_plan import apply_plan
 from train.setup.calibrate import resolve_context_shares, resolve_counts
-from train.setup.checks import check_simulated_devices, validate
+from train.setup.checks import check_attention_platform, check_simulated_devices, validate
 from train.setup.config import RunConfig, resolve_mesh
 
 
@@ -26,6 +26,7 @@ def prepare(config: RunConfig, devices, log):
     """
     config = apply_plan(config, devices, log)
     check_simulated_devices(config.parallelism.mesh_shape, devices, config.cluster.cpu_devices)
+    check_attention_platform(config.model.attention, devices)
     config = resolve_mesh(config, len(devices))
     tokenizer = load_tokenizer(config.data.tokenizer, config.data.eod_token)
     validate(config, len(devices), tokenizer)

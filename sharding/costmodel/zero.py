@@ -1,0 +1,124 @@
+"""The distributed optimizer over ``data`` (ZeRO stage 1) priced: the state's share and the collectives it changes.
+
+With ``Layout.optimizer_sharding == "data"`` (`sharding.zero`: Rajbhandari et al., SC'20, stage 1) each
+float32 parameter and its two moments live split over ``data`` as well as the rules split them, by the same
+choice of dimension the train state makes (`sharding.zero.master_dim`), read here on one layer's slice of a
+per-layer parameter (the stacked layer dimension is never the largest in practice). The forward and backward
+see the parameters as the rules lay them out, so gradients, activations and the tensor- and
+length-parallel collectives are unchanged; what changes (`zero_comms`):
+
+* each gradient's all-reduce over ``data`` becomes a reduce-scatter over ``data`` (result: the ``1/data``
+  slice), and the new parameters come back by an all-gather over ``data`` (result: the rules' block), priced
+  once per step each (XLA may place the gathers per layer inside the scanned stack: the same bytes in all; a
+  ring all-reduce is the two, so the bytes on the links are the same). Priced only where the all-reduce is
+  over ``data`` alone: a gradient all-reduced over ``data`` and ``fsdp`` together (a weight ``fsdp`` does not
+  split) keeps its all-reduce and gets the reduce-scatter besides, an over-count on GPU;
+* on XLA:CPU, which lowers a reduce-scatter to an all-reduce of the whole array and a slice
+  (`sharding.costmodel.partitioner`), the gradient's all-reduce stays and the all-gather is added.
+
+Units: elements (`master_split`: a divisor), bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from sharding import axes as ax
+from sharding.costmodel.collectives import Comm
+from sharding.costmodel.layout import _PARAM_BYTES, Layout, _Placed, _Shape
+from sharding.rules import Rules, logical_to_spec
+from sharding.zero import data_split
+
+
+def zero_on(layout: Layout) -> bool:
+    """Whether the layout splits its optimizer state over a ``data`` axis of more than one device."""
+    return layout.optimizer_sharding == ax.DATA and layout.mesh[ax.DATA] > 1
+
+
+def master_split(p: _Placed, rules: Rules, mesh) -> int:
+    """How many ways ``data`` splits parameter ``p``'s float32 master copy and moments (1 or ``data``):
+    `sharding.zero.data_split` of one layer's slice under the rules."""
+    spec, _ = logical_to_spec(p.param.axes, rules, p.param.shape, mesh)
+    return data_split(p.param.shape, spec, mesh)
+
+
+def zero_comms(
+    layout: Layout, rules: Rules, placed: dict[str, _Placed], s: _Shape, backend: str, scale: float = 1.0
+) -> list[Comm]:
+    """The collectives the distributed optimizer adds to a step (the gradients' reduce-scatter on GPU
+    replaces their all-reduce over ``data``: `replaced_all_reduce` says which to drop).
+
+    Args:
+      layout: The layout (``optimizer_sharding`` ``data``).
+      rules: Its rules table.
+      placed: The parameters under the mesh and rules.
+      s: The step's shape (``s.slots``: layers per device).
+      backend: ``gpu`` (reduce-scatter and all-gather) or ``cpu`` (all-gather; the reduce-scatter is an
+        all-reduce there, already priced).
+      scale: The state's bytes of the parameters over what ``placed`` says (1 without stages; with them the
+        stage's share of the storage, `with_zero`).
+
+    Returns:
+      One all-gather per parameter split over ``data`` (and on GPU one reduce-scatter), once per step.
+    """
+    if not zero_on(layout):
+        return []
+    mesh, d = layout.mesh, layout.mesh[ax.DATA]
+    comms = []
+    for p in placed.values():
+        if master_split(p, rules, mesh) <= 1:
+            continue
+        block = p.local * p.param.copies(s.slots) * _PARAM_BYTES * scale
+        what = f"{p.param.path} (distributed optimizer)"
+        if backend == "gpu":
+            comms.append(Comm("reduce-scatter", (ax.DATA,), d, block / d, 1, "gradient slice of " + what))
+        comms.append(Comm("all-gather", (ax.DATA,), d, block, 1, "parameters of " + what))
+    return comms
+
+
+def replaced_all_reduce(layout: Layout, rules: Rules, comm: Comm, placed: dict[str, _Placed], backend: str) -> bool:
+    """Whether ``comm`` is a gradient's all-reduce over ``data`` alone that the distributed optimizer's
+    reduce-scatter replaces: on GPU every such all-reduce of a parameter split over ``data``; on XLA:CPU only
+    the second all-reduce a parameter split over ``fsdp`` takes, of its ``fsdp`` shard over ``data``
+    (``... (over data)``: the whole gradient's all-reduce over the batch axes, the CPU form of the
+    reduce-scatter, now yields the ``data`` slice directly; not with pipeline stages, whose compiled step keeps
+    it: ``data=4,stage=2`` in ``bench/RESULTS.md``)."""
+    if not zero_on(layout) or comm.kind != "all-reduce" or tuple(comm.axes) != (ax.DATA,):
+        return False
+    if backend != "gpu" and (layout.mesh[ax.STAGE] > 1 or not comm.what.endswith(" (over data)")):
+        return False
+    path = comm.what.removeprefix("gradient of ").removesuffix(" (over data)")
+    p = placed.get(path)
+    return p is not None and master_split(p, rules, layout.mesh) > 1
+
+
+def with_zero(layout: Layout, rules: Rules, placed: dict[str, _Placed], s: _Shape, flops, memory, comms, backend: str):
+    """``(flops, memory, comms)`` of a step priced replicated, re-priced for the distributed optimizer (the
+    same values when ``layout`` keeps it replicated).
+
+    The parameters and the two moments the state holds take each parameter's master share (`master_split`;
+    with a pipeline, the replicated storage's bytes scaled by the share the same parameters take without
+    stages), the optimizer update runs on them, and the collectives change as `zero_comms` says. Gradients,
+    activations, logits and gathered weights keep their replicated prices: the forward and backward see the
+    parameters as the rules lay them out.
+
+    Args:
+      layout, rules, placed, s: As the cost model's other terms take them.
+      flops: The `sharding.costmodel.flops.Flops` priced replicated.
+      memory: The `sharding.costmodel.memory.Memory` priced replicated.
+      comms: The collectives (`Comm`) priced replicated.
+      backend: ``gpu`` or ``cpu``.
+    """
+    if not zero_on(layout):
+        return flops, memory, comms
+    full = sum(p.local * p.param.copies(s.slots) for p in placed.values())
+    share = sum(p.local * p.param.copies(s.slots) / master_split(p, rules, layout.mesh) for p in placed.values())
+    ratio, scale = (share / full, memory.parameters / (full * _PARAM_BYTES)) if full else (1.0, 1.0)
+    added = zero_comms(layout, rules, placed, s, backend, scale)
+    memory = dataclasses.replace(memory, parameters=memory.parameters * ratio, optimizer=memory.optimizer * ratio)
+    flops = dataclasses.replace(flops, optimizer=flops.optimizer * ratio)
+    kept = [c for c in comms if not replaced_all_reduce(layout, rules, c, placed, backend)]
+    return flops, memory, (*kept, *added)
+
+
+__all__ = ["master_split", "replaced_all_reduce", "with_zero", "zero_comms", "zero_on"]

@@ -1,0 +1,96 @@
+"""A distributed optimizer over ``data``: where its float32 parameters and moments live (ZeRO stage 1).
+
+Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models" (SC'20), stage 1
+(P_os); Megatron-LM's ``--use-distributed-optimizer``; MaxText's ``shard_optimizer_over_data``. With
+``Parallelism.optimizer_sharding == "data"`` the train state keeps each float32 parameter (the master copy
+the optimizer updates) and its optimizer moments split over the ``data`` axis as well as the rules split
+them: its *master spec* is its rules' `PartitionSpec` with ``data`` added to one dimension (`master_spec`).
+The step gathers the parameters to their rules' layout (replicated over ``data``) before the forward and
+backward, and lays the summed gradients out as the master spec before the update, so XLA's partitioner
+emits a reduce-scatter of the gradients in place of their all-reduce and an all-gather of the parameters;
+each ``data`` rank updates its own slice. The bytes every step moves over ``data`` are the same as the
+all-reduce's (a ring all-reduce is a reduce-scatter then an all-gather); the state takes ``1/data`` of the
+memory it took.
+
+Which dimension: the one whose block on a device is largest among those ``data`` divides (the first of
+equals), so the slices stay contiguous blocks of whole rows where they can; an array no dimension of which
+``data`` divides stays replicated over ``data`` (a norm scale of an odd width). The cost model reads the same
+choice (`data_split`), so its prices and the compiled state agree array by array.
+
+Units: elements (shapes), devices (axis sizes). Imports nothing of the project outside `sharding`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+from sharding import axes as ax
+
+
+def _entry_axes(entry) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def master_dim(shape: Sequence[int], spec: Sequence, mesh_shape: Mapping[str, int]) -> int | None:
+    """The dimension of an array that ``data`` splits in its master spec, or None (it stays replicated).
+
+    Args:
+      shape: The array's global shape, e.g. ``[layers, embed, mlp]``.
+      spec: Its `PartitionSpec` (or a sequence of entries) under the rules; shorter than ``shape`` where
+        trailing dimensions are unsplit.
+      mesh_shape: Mesh axis -> size.
+
+    Returns:
+      The index of the dimension whose per-device block is largest among those ``data`` divides (the first of
+      equals); None when ``data`` is 1, the spec already uses ``data``, or no dimension divides.
+    """
+    data = mesh_shape.get(ax.DATA, 1)
+    entries = [_entry_axes(spec[d] if d < len(spec) else None) for d in range(len(shape))]
+    if data <= 1 or any(ax.DATA in e for e in entries):
+        return None
+    best, best_size = None, 0
+    for d, (size, names) in enumerate(zip(shape, entries)):
+        split = math.prod(mesh_shape.get(a, 1) for a in names)
+        if size % split:
+            continue
+        local = size // split
+        if local % data == 0 and local > best_size:
+            best, best_size = d, local
+    return best
+
+
+def master_spec(shape: Sequence[int], spec, mesh_shape: Mapping[str, int]):
+    """The `PartitionSpec` of an array's float32 master copy and moments: ``spec`` with ``data`` added
+    (innermost: each device's slice is a block of the block the rules give it, so gathering over ``data``
+    alone rebuilds that block without moving data between the other axes' devices) to the dimension
+    `master_dim` picks; ``spec`` itself where it picks none.
+
+    Args:
+      shape: The array's global shape.
+      spec: Its `jax.sharding.PartitionSpec` under the rules (the layout the forward and backward see).
+      mesh_shape: Mesh axis -> size.
+
+    Returns:
+      A `jax.sharding.PartitionSpec`, trailing unsplit dimensions dropped as the rules write them.
+    """
+    from jax.sharding import PartitionSpec
+
+    dim = master_dim(shape, spec, mesh_shape)
+    if dim is None:
+        return spec
+    entries = [spec[d] if d < len(spec) else None for d in range(len(shape))]
+    names = (*_entry_axes(entries[dim]), ax.DATA)
+    entries[dim] = names[0] if len(names) == 1 else names
+    while entries and entries[-1] is None:
+        entries.pop()
+    return PartitionSpec(*entries)
+
+
+def data_split(shape: Sequence[int], spec, mesh_shape: Mapping[str, int]) -> int:
+    """How many ways ``data`` splits an array's master copy: ``data`` where `master_dim` picks a dimension,
+    else 1 (what the cost model divides a parameter's and its moments' bytes by)."""
+    return 1 if master_dim(shape, spec, mesh_shape) is None else mesh_shape.get(ax.DATA, 1)
+
+
+__all__ = ["data_split", "master_dim", "master_spec"]

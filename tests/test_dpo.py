@@ -1,0 +1,116 @@
+"""DPO (`train.runtime.dpo`, `train.data.preference`): the step's loss, metrics and adapter gradients on a sharded
+mesh equal a plain computation on one device (each reply run alone, the reference the base weights, the loss
+``log(1 + exp(-margin))``); pairs are laid out side by side with the chat template's assistant mask; DPO
+without adapters is refused naming the flag."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _cli_errors import raises_as_cli
+from test_chat import fixture
+from test_lora import DENSE, _plain_merge, _random_factors
+
+from models import lora
+from models.transformer import abstract_model, apply, init_params
+from sharding.errors import ConfigError
+from sharding.mesh import make_mesh, parse_mesh
+from sharding.parallel import UNSHARDED, Parallelism
+from sharding.rules import get_rules
+from train.data.chat import load_chat_template
+from train.data.preference import load_pairs
+from train.data.prepare import chat_tokens
+from train.runtime.dpo import DPOTrainer, check_dpo
+from train.runtime.optimizer import OptimizerConfig
+
+BETA, HALF, PAIRS = 0.5, 8, 8
+
+
+def _pairs(seed=0):
+    """Rows ``[chosen | rejected]`` of random tokens; each side's reply is its last 3-5 targets."""
+    rng = np.random.default_rng(seed)
+    fields = {k: [] for k in ("tokens", "targets", "loss_mask", "positions", "segment_ids")}
+    for _ in range(PAIRS):
+        for segment in (1, 2):
+            ids = rng.integers(0, DENSE.vocab_size, HALF + 1)
+            mask = np.zeros(HALF, np.float32)
+            mask[HALF - rng.integers(3, 6) :] = 1.0
+            fields["tokens"].append(ids[:-1])
+            fields["targets"].append(ids[1:])
+            fields["loss_mask"].append(mask)
+            fields["positions"].append(np.arange(HALF))
+            fields["segment_ids"].append(np.full(HALF, segment))
+    dtypes = {"loss_mask": np.float32}
+    return {k: np.stack(v).reshape(PAIRS, 2 * HALF).astype(dtypes.get(k, np.int32)) for k, v in fields.items()}
+
+
+def _plain(config, params, rows):
+    """One device: ``(loss_sum, margins, grads)`` of the summed DPO loss, each reply run as its own sequence."""
+    base = config.replace(lora_rank=0, lora_targets="")
+    graphdef = abstract_model(base)[0]
+    halves = {k: v.reshape(2 * PAIRS, HALF) for k, v in rows.items()}  # chosen, rejected, chosen, ...
+
+    def reply_logps(weights):
+        logits = apply(graphdef, weights, halves["tokens"], par=UNSHARDED)
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        picked = jnp.take_along_axis(logp, halves["targets"][..., None], axis=-1)[..., 0]
+        sums = jnp.sum(picked * halves["loss_mask"], axis=1)
+        return sums[0::2], sums[1::2]
+
+    reference = reply_logps(_base(params))
+
+    def loss(part):
+        chosen, rejected = reply_logps(_plain_merge(lora.with_trainable(config, params, part), lora.scale(config)))
+        margins = BETA * ((chosen - reference[0]) - (rejected - reference[1]))
+        return jnp.sum(jnp.log1p(jnp.exp(-margins))), margins
+
+    (total, margins), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(lora.trainable(config, params))
+    return total, margins, grads
+
+
+def _base(tree):
+    return {k: _base(v) if isinstance(v, dict) else v for k, v in tree.items() if not lora.is_adapter(k)}
+
+
+def test_dpo_loss_metrics_and_gradients_on_a_mesh_equal_the_plain_computation():
+    params = _random_factors(DENSE, init_params(DENSE, jax.random.key(0)))
+    rows = _pairs()
+    want_loss, margins, want_grads = _plain(DENSE, params, rows)
+    par = Parallelism.of(make_mesh(parse_mesh("data=2,fsdp=4", 8)), get_rules("fsdp"))
+    trainer = DPOTrainer(DENSE, OptimizerConfig(decay_steps=8, warmup=1), par, BETA)
+    placed = jax.device_put(params, trainer.param_shardings)
+    batch = jax.device_put({k: jnp.asarray(v) for k, v in rows.items()}, trainer.batch_sharding(PAIRS, 2 * HALF))
+    loss_sum, pairs, grads, metrics = jax.jit(lambda p, b: trainer.gradients(p, b))(placed, batch)
+    np.testing.assert_allclose(float(loss_sum), float(want_loss), rtol=1e-5)
+    assert float(pairs) == PAIRS
+    np.testing.assert_allclose(float(metrics["reward_margin"]), float(jnp.mean(margins)), rtol=1e-5, atol=1e-6)
+    assert float(metrics["reward_accuracy"]) == float(jnp.mean(margins > 0))
+    for got, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5)
+
+
+def test_pairs_are_laid_out_side_by_side_with_the_assistant_mask(tmp_path):
+    tokenizer, _ = fixture("chatml")
+    record = {"prompt": "Name a colour.", "chosen": "Blue.", "rejected": "I will not."}
+    (tmp_path / "p.jsonl").write_text(json.dumps(record) + "\n")
+    rows = load_pairs(tmp_path / "p.jsonl", tokenizer, half=64, heldout=0.0)["train"]
+    template, messages = load_chat_template(tokenizer), [{"role": "user", "content": record["prompt"]}]
+    for side, reply in enumerate((record["chosen"], record["rejected"])):
+        ids, mask = chat_tokens(messages + [{"role": "assistant", "content": reply}], template, tokenizer, "test")
+        n, cut = len(ids) - 1, slice(side * 64, side * 64 + 64)
+        np.testing.assert_array_equal(rows["tokens"][0, cut][:n], ids[:-1])
+        np.testing.assert_array_equal(rows["targets"][0, cut][:n], ids[1:])
+        np.testing.assert_array_equal(rows["loss_mask"][0, cut][:n], np.asarray(mask[1:], np.float32))
+        assert rows["loss_mask"][0, cut][n:].sum() == 0 and rows["loss_mask"][0, cut].sum() > 0
+        np.testing.assert_array_equal(rows["positions"][0, cut], np.arange(64))
+        assert set(rows["segment_ids"][0, cut]) == {side + 1}
+
+
+@pytest.mark.parametrize("beta", [0.0, float("nan")])
+def test_dpo_without_adapters_or_with_a_bad_beta_is_refused_naming_the_flag(beta):
+    with raises_as_cli(ConfigError, r"add --lora-rank 16"):
+        check_dpo(DENSE.replace(lora_rank=0, lora_targets=""), 0.1)
+    with raises_as_cli(ConfigError, r"--dpo-beta .*: must be a finite number > 0, e.g. --dpo-beta 0.1"):
+        check_dpo(DENSE, beta)

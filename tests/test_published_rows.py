@@ -1,0 +1,117 @@
+"""bench/published.py's rows file: the reader's one-line errors (file, row, column), the mapping of a row onto a
+meshwork layout, and one row priced by hand against the clock's own terms. No devices, no compiles."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parents[1] / "bench" / "published.py"
+_SPEC = importlib.util.spec_from_file_location("bench_published", _PATH)
+published = importlib.util.module_from_spec(_SPEC)
+sys.modules["bench_published"] = published  # its dataclasses look their module up there
+_SPEC.loader.exec_module(published)
+
+_ROW = {
+    "name": "sc21-1.7b",
+    "source": "Narayanan et al. SC'21 Table 1",
+    "model": "GPT 1.7B",
+    "layers": "24",
+    "hidden": "2304",
+    "mlp": "9216",
+    "mlp_kind": "gelu",
+    "heads": "24",
+    "kv_heads": "24",
+    "head_dim": "96",
+    "vocab": "51200",
+    "seq": "2048",
+    "gpu": "a100-80gb",
+    "gpus": "32",
+    "gpus_per_host": "8",
+    "network_gbps_per_host": "1600",
+    "gbs": "512",
+    "mbs": "1",
+    "tp": "1",
+    "pp": "1",
+    "cp": "1",
+    "vp": "",
+    "ep": "1",
+    "dp": "32",
+    "sp": "off",
+    "dist_opt": "off",
+    "recompute": "full",
+    "precision": "bf16/fp16",
+    "published_step_s": "3.528",
+    "published_note": "137 TFLOP/s per GPU",
+}
+
+
+def _write(tmp_path, rows, columns=None):
+    columns = columns or published.COLUMNS
+    lines = [",".join(columns)] + [",".join(r.get(c, "") for c in columns) for r in rows]
+    path = tmp_path / "rows.csv"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_a_good_row_reads_and_maps_onto_a_layout(tmp_path):
+    """Numbers parsed, a blank ``vp`` is 1; the GELU MLP of 9,216 becomes SwiGLU of 6,144 (the same FLOPs), the
+    layout data parallel over 32 at one microbatch (gradients reduced once, as Megatron does) with full remat
+    and the reference attention (SC'21 ran before FlashAttention)."""
+    (row,) = published.read_rows(_write(tmp_path, [_ROW]))
+    assert row.layers == 24 and row.vp == 1 and row.published_step_s == 3.528 and row.family == "GPT"
+    assert 6144 in {s for p in published.row_model(row).products for s in p.weight.shape}
+    flags, clock = published.row_layout(row)
+    assert flags == ("--mesh data=32 --rules dp --microbatches 1 --attention reference --dtype bfloat16 --remat full")
+    assert clock == "lockstep" and published.row_overlaps(row) == ()
+    piped = dict(_ROW, tp="8", pp="4", vp="2", dp="1", gpus="32", published_note="DP/TP/PP communication overlapped")
+    (row,) = published.read_rows(_write(tmp_path, [piped]))
+    flags, clock = published.row_layout(row)
+    assert "--mesh data=1,stage=4,tensor=8 --rules tp --microbatches 512" in flags
+    assert "--pipeline-schedule 1f1b-fused --remat none --pipeline-repeats 2" in flags and clock == "fused"
+    assert published.row_overlaps(row) == ("tensor", "data", "stage")
+
+
+@pytest.mark.parametrize(
+    "change, column, words",
+    [
+        ({"layers": "24.5"}, "layers", "'24.5' is not a whole number"),
+        ({"published_step_s": "fast"}, "published_step_s", "'fast' is not a number"),
+        ({"gpu": "b200"}, "gpu", "unknown gpu 'b200'"),
+        ({"gpus": "0"}, "gpus", "must be positive"),
+        ({"dp": "lots"}, "dp", "give a number, FSDP N or FSDP+DP"),
+        ({"mlp_kind": "swish"}, "mlp_kind", "'swish'"),
+    ],
+)
+def test_a_bad_value_names_file_row_and_column(tmp_path, change, column, words):
+    path = _write(tmp_path, [_ROW, dict(_ROW, name="bad", **change)])
+    with pytest.raises(ValueError) as e:
+        published.read_rows(path)
+    text = str(e.value)
+    assert "\n" not in text and text.startswith(f"{path}: row 3 (bad), column {column}: ") and words in text
+
+
+def test_a_missing_column_and_a_missing_file(tmp_path, capsys):
+    path = _write(tmp_path, [_ROW], [c for c in published.COLUMNS if c != "gbs"])
+    with pytest.raises(ValueError, match=r"rows\.csv: row 1 \(header\), column gbs: missing"):
+        published.read_rows(path)
+    assert published.main(["--rows", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "column gbs: missing" in err
+    assert published.main(["--rows", str(tmp_path / "none.csv")]) == 2
+    assert "none.csv: cannot read" in capsys.readouterr().err
+
+
+def test_json_prices_a_row_as_train_plan_does(tmp_path, capsys):
+    """``--json`` gives name, predicted and published step and fits; the prediction is `planner.evaluate`'s at
+    the row's layout (the same path as ``python -m train.plan --layout``)."""
+    path = _write(tmp_path, [_ROW])
+    assert published.main(["--rows", str(path), "--json"]) == 0
+    (out,) = json.loads(capsys.readouterr().out)
+    assert set(out) == {"name", "predicted_step_s", "published_step_s", "fits"}
+    (row,) = published.read_rows(path)
+    priced = published.price(row)
+    assert out["predicted_step_s"] == pytest.approx(priced.plan.step_time) and out["published_step_s"] == 3.528
+    assert out["fits"] is priced.plan.fits
