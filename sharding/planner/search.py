@@ -476,12 +476,12 @@ def over_memory(p: Plan) -> float:
 
 def _diverse(plans: list[Plan], top: int) -> list[Plan]:
     """The best plan of each distinct (mesh, rules, uneven counts or not, uneven shares or not) first, then the
-    rest."""
+    rest; a preset and its sequence-parallel variant (``tp``, ``tp_sp``) count as one rules."""
     seen, first, rest = set(), [], []
     for p in plans:
         key = (
             format_mesh(p.layout.mesh),
-            p.layout.rules_name,
+            p.layout.rules_name.removesuffix("_sp"),
             p.counts is not None,
             p.layout.context_shares is not None,
         )
