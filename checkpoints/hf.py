@@ -28,7 +28,7 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, so safetensors' 
 import numpy as np
 
 from checkpoints.hf_families import MODEL_TYPES, TensorMap, check_exportable, family, read_block, tensor_maps
-from models.config import ModelConfig, moe_placement
+from models.config import PRESETS, ModelConfig, config_differences, moe_placement, parse_overrides
 from sharding.errors import ConfigError, Field, Override, with_context
 
 ARCHITECTURES = (
@@ -266,8 +266,6 @@ def init_config(folder: str | Path, preset: str | None = None, overrides: Sequen
       ValueError: as `read_hf_config` and `config_from_hf`; a ``--model`` or ``--set`` whose architecture
         differs from the folder's, naming the field, both values and the remedy.
     """
-    from models.config import PRESETS, config_differences, parse_overrides
-
     where = str(Path(folder) / CONFIG_FILE)
     base = config_from_hf(read_hf_config(folder), where)
     sets = parse_overrides(overrides)

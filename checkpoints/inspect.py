@@ -6,7 +6,9 @@ and rules it was saved from, the data position, and each array's shape, dtype
 and bytes. Reads metadata only unless ``--deep``, which also reads every
 chunk of every array of every step (`checkpoints.verify.read_problems`) and
 names each array, chunk and data file that does not decode; no device is
-used either way. Every failure ends in one ``error:`` line and exit status 2.
+used either way. Exit status: 0 when every step reads completely, 1 when the
+report lists a damaged step (so a script's ``--deep`` check fails on damage),
+2 when nothing can be reported (one ``error:`` line).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from pathlib import Path
 import numpy as np
 
 from checkpoints.argparser import Parser
+from checkpoints.verify import CheckpointDamaged, saved_steps, verify_step
+from sharding.mesh import format_mesh
 from sharding.pipeline.storage import StageStorage, layout_from_meta
 
 
@@ -76,9 +80,6 @@ def describe(directory: str | Path, step: int | None = None, deep: bool = False)
         every step) does not read completely.
     """
     import orbax.checkpoint as ocp
-
-    from checkpoints.verify import CheckpointDamaged, saved_steps, verify_step
-    from sharding.mesh import format_mesh
 
     root = _resolve_dir(Path(directory).absolute())  # Orbax refuses relative paths
     if not root.is_dir():
@@ -164,6 +165,7 @@ def stage_layout_line(pipeline: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Prints the report; returns 0 (every step reads), 1 (a step is damaged) or 2 (no report: one error line)."""
     args = build_parser().parse_args(argv)
     try:
         lines = describe(args.directory, args.step, args.deep)
@@ -173,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for line in lines:
         print(line)
-    return 0
+    return 1 if "(damaged)" in lines[0] else 0  # the first line marks each damaged step
 
 
 if __name__ == "__main__":

@@ -69,7 +69,9 @@ class RunLock:
         atexit.register(self.release)
 
     @classmethod
-    def acquire(cls, run_dir: str | Path, log: Callable[[str], None], break_lock: bool = False) -> RunLock:
+    def acquire(
+        cls, run_dir: str | Path, log: Callable[[str], None], break_lock: bool = False, launcher: int | None = None
+    ) -> RunLock:
         """Takes ``RUN_DIR/run.lock`` (creating the folder), reclaiming a stale lock with one line.
 
         Args:
@@ -77,6 +79,8 @@ class RunLock:
           log: called with the line saying a stale lock was reclaimed or a lock broken (a
             `sharding.errors.FieldText`: it names ``run_dir``).
           break_lock: take over a lock whose owner runs on another host (``--break-lock``).
+          launcher: the pid of the launcher that started this process, recorded as ``launcher_pid`` and named
+            in a refusal (the launcher is what to stop), or None.
 
         Returns:
           The held `RunLock`.
@@ -94,6 +98,7 @@ class RunLock:
             "pid": pid,
             "started": _start_time(pid),
             "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            **({} if launcher is None else {"launcher_pid": launcher}),
         }
         try:
             folder.mkdir(parents=True, exist_ok=True)
@@ -115,6 +120,8 @@ class RunLock:
                     )
                 continue
             who = f"pid {held.get('pid')} on host {held.get('host')} (since {held.get('since')})"
+            if held.get("launcher_pid") is not None:
+                who += f", started by the launcher pid {held['launcher_pid']}"
             if held.get("host") == host:
                 if held["pid"] != pid and not _alive(held["pid"], held.get("started")):
                     _remove_if_same(path, held)

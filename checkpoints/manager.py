@@ -38,7 +38,12 @@ from typing import Any
 
 import orbax.checkpoint as ocp
 
+from checkpoints import library_log
+from checkpoints.meta import RunMeta
+from checkpoints.names import META, STATE
+from checkpoints.verify import latest_verified_step, saved_steps, set_aside, set_aside_later, verify_step
 from sharding.errors import ConfigError, Field, FieldText
+from sharding.pipeline.storage import layout_from_meta
 
 
 class _ReadOnlyNotices(logging.Filter):
@@ -52,9 +57,6 @@ class _ReadOnlyNotices(logging.Filter):
 
 
 logging.getLogger("absl").addFilter(_ReadOnlyNotices())
-
-STATE = "state"
-META = "meta"
 
 # Test hooks, unset in real runs: seconds every asynchronous save waits before it may be committed, so that
 # tests can kill a process in the middle of a save; or a file whose appearance lets the saves commit (at most
@@ -159,7 +161,6 @@ class CheckpointManager:
           checkpoints.verify.CheckpointDamaged: (a ValueError) when the
             explicit step is missing or damaged, or no step reads completely.
         """
-        from checkpoints.verify import latest_verified_step
 
         return latest_verified_step(self.directory, explicit, field)
 
@@ -245,7 +246,9 @@ class CheckpointManager:
         try:
             self.close()
         except Exception as e:
-            raise CheckpointFailure(f"finishing the checkpoints in {self.directory} failed: {e}") from e
+            raise CheckpointFailure(
+                f"finishing the checkpoints in {self.directory} failed: {e}{library_log.note()}"
+            ) from e
 
     def _resolve(self, step: int | None) -> int:
         if step is None:
@@ -284,7 +287,7 @@ class LoopCheckpoints:
             self.manager.save(step, state, self.meta.at(step, samples, iterator).to_json())
         except Exception as e:  # any failure to start a save ends the run with it
             raise CheckpointFailure(
-                f"saving the checkpoint of step {step} in {self.manager.directory} failed: {e}"
+                f"saving the checkpoint of step {step} in {self.manager.directory} failed: {e}{library_log.note()}"
             ) from e
 
     def check(self) -> None:
@@ -292,7 +295,7 @@ class LoopCheckpoints:
         try:
             self.manager.check_for_errors()
         except Exception as e:  # the background save's own error, raised here at once
-            raise CheckpointFailure(f"a checkpoint save failed, so training stopped: {e}") from e
+            raise CheckpointFailure(f"a checkpoint save failed, so training stopped: {e}{library_log.note()}") from e
 
     def set_aside(self, step: int, why: str, log) -> None:
         """Waits for the pending saves, then renames ``step``'s folder, if this run saved one, to
@@ -306,7 +309,6 @@ class LoopCheckpoints:
             return
         if step not in self.manager.all_steps():
             return
-        from checkpoints.verify import set_aside
 
         moved = set_aside(self.manager.directory, step, why)
         if moved is not None:
@@ -318,7 +320,9 @@ class LoopCheckpoints:
             self.manager.wait()
             self.manager.check_for_errors()
         except Exception as e:
-            raise CheckpointFailure(f"the checkpoint of step {step} could not be written: {e}") from e
+            raise CheckpointFailure(
+                f"the checkpoint of step {step} could not be written: {e}{library_log.note()}"
+            ) from e
 
 
 def open_resumable(directory, keep: int, explicit: int | None, config, tokenizer, log, discard_later: bool = False):
@@ -338,8 +342,6 @@ def open_resumable(directory, keep: int, explicit: int | None, config, tokenizer
         reads completely, or a checkpoint saved with another model, tokenizer or vocabulary; each naming
         what to do.
     """
-    from checkpoints.meta import RunMeta
-    from checkpoints.verify import latest_verified_step, set_aside_later
 
     # Chosen, and damaged steps set aside, before Orbax lists the steps: its retention counts every step it lists.
     choice = latest_verified_step(directory, explicit)
@@ -371,7 +373,6 @@ def set_aside_damaged(directory, choice, log) -> list[Path]:
     Returns:
       The new folders.
     """
-    from checkpoints.verify import saved_steps, set_aside, verify_step
 
     root, moved = Path(directory), []
     for step in saved_steps(root):
@@ -414,8 +415,6 @@ def restore_state(manager: CheckpointManager, target, step: int | None = None):
       ValueError: A saved layout with another number of layers than the model.
       FileNotFoundError: No checkpoint.
     """
-    from checkpoints.meta import RunMeta
-    from sharding.pipeline.storage import layout_from_meta
 
     meta = RunMeta.from_json(manager.read_meta(step))
     src = layout_from_meta(meta.pipeline)

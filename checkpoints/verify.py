@@ -54,7 +54,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from checkpoints.manager import META, STATE
+from checkpoints.names import META, STATE
 from sharding.errors import ConfigError, Field, FieldText
 
 _ARRAY_TYPES = ("jax.Array", "np.ndarray", "scalar")  # Orbax value types stored as zarr arrays

@@ -384,7 +384,8 @@ class ModelConfig:
         """The model as the cost model sees it (`models.spec.describe`, a
         `sharding.modeldesc.ModelDescription`): parameters, products, work and
         activations per token, from the tables that build the modules."""
-        from models.spec import describe  # models.spec imports this module
+        # slow: models.spec imports JAX (through models.lora), this module does not; and it imports this module
+        from models.spec import describe
 
         return describe(self)
 

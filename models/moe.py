@@ -449,11 +449,9 @@ def _routed(x, experts, weights, gate, up, down, config: ModelConfig, par: Paral
     place = _Placement(expert_axes, gather_axes, sum_axes, mlp_axes, sizes, config.num_experts // split)
     weights_in = PartitionSpec(spec_entry(in_spec, 0), None, spec_entry(in_spec, 2))
     weights_out = PartitionSpec(spec_entry(in_spec, 0), spec_entry(in_spec, 2), None)
-    chosen = dispatch.expert_dispatch(config.capacity_factor, config.experts_per_token, split)
-    if chosen.fixed_buffers and gather_axes != expert_axes:
-        # Experts split over an axis that does not split the tokens: there a device's buffers would hold the
-        # same tokens as its peers'; the ring's gather and sum handle that split.
-        chosen = dispatch.RING
+    chosen = dispatch.expert_dispatch(
+        config.capacity_factor, config.experts_per_token, split, splits_tokens=gather_axes == expert_axes
+    )
     run_dispatch = _DISPATCHERS[chosen.name]
 
     def local(x, experts, weights, gate, up, down):

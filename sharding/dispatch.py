@@ -66,20 +66,26 @@ DISPATCHES: tuple[ExpertDispatch, ...] = (LOCAL, RING, ALL_TO_ALL)
 """Every dispatch; `models.moe` checks on import that it can run each."""
 
 
-def expert_dispatch(capacity_factor: float, experts_per_token: int, expert_split: int) -> ExpertDispatch:
+def expert_dispatch(
+    capacity_factor: float, experts_per_token: int, expert_split: int, *, splits_tokens: bool = True
+) -> ExpertDispatch:
     """The dispatch a mixture of experts uses over ``expert_split`` devices.
 
     Without expert parallelism (``expert_split`` 1) the layer is `LOCAL`. Dropless routing uses `RING`.
-    With a capacity `ALL_TO_ALL` is chosen where it moves less than the ring, i.e. when ``cf * k < E_p``.
-    Both give the same sums (the same copies are dropped).
+    With a capacity `ALL_TO_ALL` is chosen where it moves less than the ring, i.e. when ``cf * k < E_p``,
+    and only where every axis that splits the experts also splits the tokens: over an axis that does not, a
+    device's fixed buffers would hold the same tokens as its peers', and the ring's gather and sum handle that
+    split. Both give the same sums (the same copies are dropped).
 
     Args:
       capacity_factor: 0 for dropless routing, else the capacity factor cf.
       experts_per_token: k.
       expert_split: E_p, the devices that split the experts.
+      splits_tokens: Whether every mesh axis that splits the experts also splits the tokens (the batch or
+        the length); False sends a capacity-bound layer through `RING` too.
     """
     if expert_split <= 1:
         return LOCAL
-    if capacity_factor and capacity_factor * experts_per_token < expert_split:
+    if splits_tokens and capacity_factor and capacity_factor * experts_per_token < expert_split:
         return ALL_TO_ALL
     return RING

@@ -39,7 +39,7 @@ def parse_axis_sizes(spec: str, *, field: str = "mesh", allow_fill: bool = True)
     """Parses ``AXIS=SIZE,...`` into sizes in mesh order, without resolving ``-1``.
 
     Args:
-      spec: e.g. ``"data=2,fsdp=-1,tensor=2"``. Empty means no axis given.
+      spec: e.g. ``"data=2,fsdp=-1,tensor=2"``; spaces around items are ignored, empty items are not.
       field: the configuration field the errors name (``mesh``, or ``mesh_outer``).
       allow_fill: whether one size may be ``-1``.
 
@@ -48,16 +48,19 @@ def parse_axis_sizes(spec: str, *, field: str = "mesh", allow_fill: bool = True)
       order; the axis given as ``-1``, if any, keeps ``-1``.
 
     Raises:
-      ConfigError: an unknown or reserved axis, an axis given twice, a size
+      ConfigError: an empty spec or an empty item (two commas in a row, a comma at an end: a typing slip
+        rather than a choice, so never read as "the default"), an unknown or reserved axis, an axis given twice, a size
         that is not an integer, zero, negative other than ``-1``, or a second
         ``-1``. The message names the field, the item and shows a valid example.
     """
     sizes = {axis: 1 for axis in MESH_AXES}
     seen: set[str] = set()
     fill_axis = None
+    if not spec.strip():
+        raise _field_error(field, spec, "is empty; give at least one axis")
     for item in (part.strip() for part in spec.split(",")):
         if not item:
-            continue
+            raise _field_error(field, spec, "has an empty item (two commas in a row, or one at an end)")
         name, sep, value = item.partition("=")
         name = name.strip()
         if not sep:

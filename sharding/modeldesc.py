@@ -144,7 +144,7 @@ class Product:
       groups: 1 for a plain product. For a grouped product (`jax.lax.ragged_dot`, each row multiplied by
         one of the weight's ``groups`` slices along its ``expert`` dimension), the slices: a backend that
         lowers it densely multiplies every row by all of them, ``groups`` times the FLOPs ``share`` counts
-        (`sharding.costmodel.flops.DENSE_GROUPED_BACKENDS`).
+        (`sharding.costmodel.experts.DENSE_GROUPED_BACKENDS`).
     """
 
     weight: Param
@@ -195,9 +195,10 @@ class ExpertGeometry:
         stages split differently), the rule ``train.setup.checks.check_experts`` enforces on a run."""
         return self.layers == num_layers and not self.capacity_factor
 
-    def dispatch(self, expert_split: int) -> ExpertDispatch:
-        """The dispatch over ``expert_split`` devices (`sharding.dispatch.expert_dispatch`)."""
-        return expert_dispatch(self.capacity_factor, self.experts_per_token, expert_split)
+    def dispatch(self, expert_split: int, *, splits_tokens: bool = True) -> ExpertDispatch:
+        """The dispatch over ``expert_split`` devices, ``splits_tokens`` saying whether the axes that split the
+        experts split the tokens too (`sharding.dispatch.expert_dispatch`)."""
+        return expert_dispatch(self.capacity_factor, self.experts_per_token, expert_split, splits_tokens=splits_tokens)
 
     def copies_held(self, expert_split: int) -> int:
         """Routed copies a device computes per token of its own: ``k`` without the ring; with it

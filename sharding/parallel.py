@@ -34,12 +34,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Union
+from typing import Any
 
 from sharding import axes as ax
 from sharding.errors import ConfigError, Field
 from sharding.mesh import format_mesh
+from sharding.pipeline.layout import PipelinePlan, pipeline_rules
 from sharding.rules import DEFAULT_PRESET, AxisNames, Rules, get_rules, logical_to_spec
+from sharding.varying import to_varying, varying_axes  # noqa: F401  (their home; re-exported here)
 
 CONTIGUOUS = "contiguous"
 ZIGZAG = "zigzag"
@@ -120,10 +122,7 @@ class UnevenBatch:
         return self.microbatches if self.counts is None else max(1, self.total // groups)
 
 
-if TYPE_CHECKING:
-    from sharding.pipeline.layout import PipelinePlan
-
-Strategy = Union[Accumulation, "PipelinePlan", UnevenBatch]
+Strategy = Accumulation | PipelinePlan | UnevenBatch
 """A strategy value: ``pipeline`` (the plan itself for a pipeline, else None), ``microbatches`` and
 ``mean_microbatches(groups)``; what the step does with it is `train.strategies`'."""
 
@@ -210,8 +209,6 @@ class Parallelism:
 
         A pipeline strategy adds ``layers -> stage`` to the rules (`sharding.pipeline.pipeline_rules`).
         """
-        from sharding.pipeline.layout import pipeline_rules
-
         rules = get_rules(rules) if isinstance(rules, str) else rules
         strategy = Accumulation() if strategy is None else strategy
         if strategy.pipeline is not None:
@@ -334,39 +331,6 @@ class Parallelism:
         return jax.lax.with_sharding_constraint(x, self.sharding(names, x.shape))
 
     # Flags -------------------------------------------------------------------------------------
-
-
-def to_varying(tree, axes: str | Sequence[str]):
-    """Marks each leaf device-varying over ``axes`` (inside `jax.shard_map`), where it is not already.
-
-    `jax.grad` with respect to a value that is invariant over a manual axis (replicated, or just
-    gathered) adds a ``psum`` over that axis in the backward pass; inside a loop whose trip count
-    differs per device that collective would deadlock, and inside any loop it runs once per trip.
-    Cast first, the gradient stays per device and is reduced once, after the loop (docs/conventions.md, JAX pitfalls).
-    """
-    import jax
-
-    axes = (axes,) if isinstance(axes, str) else tuple(axes)
-
-    def cast(x):
-        vma = varying_axes(x)
-        missing = tuple(a for a in axes if a not in vma)
-        if not missing:
-            return x
-        return jax.lax.pcast(x, missing, to="varying")
-
-    return jax.tree.map(cast, tree)
-
-
-def varying_axes(x) -> frozenset[str]:
-    """The manual mesh axes an array varies over (inside `jax.shard_map`; empty outside one)."""
-    import jax
-
-    aval = jax.typeof(x)
-    vma = getattr(aval, "vma", None)
-    if vma is None:
-        vma = getattr(getattr(aval, "mat", None), "varying", frozenset())
-    return frozenset(vma)
 
 
 def spec_axes(entry) -> tuple[str, ...]:

@@ -68,6 +68,8 @@ def parquet_file(folder):
 # (flags, expected message, text the message must NOT contain); "{tmp}" is the test's folder, "{corpus}" the corpus,
 # and {name} placeholders call the builders above with it.
 CASES = [
+    (["--mesh", "data=2,,fsdp=4"], "--mesh 'data=2,,fsdp=4': has an empty item", None),
+    (["--mesh", ""], "--mesh '': is empty; give at least one axis (example: --mesh data=2,fsdp=-1,tensor=2)", None),
     (["--lr", "nan"], "--lr nan: must be a finite number", None),
     (
         ["--attention", "cudnn"],

@@ -177,3 +177,27 @@ def test_bad_chat_lines_and_missing_jinja2_are_refused(tmp_path, monkeypatch):
             load_chat_template(ByteTokenizer())
     finally:
         chat._environment.cache_clear()
+
+
+def test_chat_data_without_assistant_text_is_refused_and_partial_drops_are_counted(tmp_path, capsys):
+    path = tmp_path / "noassist.jsonl"
+    user_only = [{"role": "user", "content": f"hello {i}"} for i in range(3)]
+    path.write_text("".join(json.dumps({"messages": [m]}) + "\n" for m in user_only))
+    with pytest.raises(ValueError, match=r"noassist.jsonl: none of its 3 conversations has an assistant turn"):
+        prepare([str(path)], tmp_path / "p", ByteTokenizer(), workers=1, **QUIET)
+    # Training reads the same preparation: the same line before any device work.
+    from train.data.prepare import main as prepare_main
+
+    assert prepare_main(["prepare", str(path), "--out", str(tmp_path / "cli"), "--workers", "1", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: SRC {path}: none of its 3 conversations")
+    conversations = write_chat(tmp_path / "some.jsonl", n=12)
+    with (tmp_path / "some.jsonl").open("a") as f:
+        f.write(json.dumps({"messages": user_only[:1]}) + "\n")
+        f.write(json.dumps({"messages": user_only[1:]}) + "\n")
+    lines = []
+    manifest = prepare(
+        [str(tmp_path / "some.jsonl")], tmp_path / "q", ByteTokenizer(), workers=1, log=lines.append, progress=False
+    )
+    assert manifest["dropped_docs"] == 2 and manifest["train_docs"] + manifest["heldout_docs"] == len(conversations)
+    assert "dropped 2 of 14 conversations with no assistant text (no token to train on)" in lines

@@ -41,6 +41,8 @@ def test_the_command_line_overrides_the_file_and_both_spellings_work(tmp_path):
             'stage-layers = [3, 1]: expected one value for --stage-layers, e.g. stage-layers = "3,1"',
         ),
         ("lr = \n", "not a TOML file"),
+        ("seq-len = 64\nseq_len = 128\n", "keys 'seq-len' and 'seq_len' are the same flag --seq-len; keep one"),
+        ('config = "other.toml"\n', "key 'config': a config file cannot name another"),
     ],
 )
 def test_a_bad_file_is_refused_in_one_line_naming_the_key(tmp_path, capsys, text, message):
@@ -82,9 +84,9 @@ def test_a_resume_from_the_run_folder_alone_reads_model_and_layout(tmp_path, cor
 
 
 def test_a_resume_takes_the_model_and_layout_from_the_record_each_group_whole(tmp_path):
-    """How this invocation runs (checkpoint interval, steps) is never taken from the record; a command line
-    that names a layout flag re-lays the run, so none of the record's layout flags (a stage split that would
-    not fit the new mesh) are taken; the model's flags likewise."""
+    """Every recorded setting is taken unless the command line names it; a command line that names a layout
+    flag re-lays the run, so none of the record's layout flags (a stage split that would not fit the new mesh)
+    are taken; the model's flags likewise."""
     from train.setup import configfile
 
     run = tmp_path / "run"
@@ -99,7 +101,7 @@ def test_a_resume_takes_the_model_and_layout_from_the_record_each_group_whole(tm
 
     alone = parsed()
     assert (alone.model, alone.mesh, alone.stage_layers, alone.seq_len) == ("test", "stage=2,fsdp=4", "4,2", 64)
-    assert alone.set == ["num_layers=6"] and alone.ckpt_every == parser.get_default("ckpt_every")
+    assert alone.set == ["num_layers=6"] and alone.ckpt_every == 1
     moved = parsed("--mesh", "fsdp=8")
     assert (moved.mesh, moved.stage_layers, moved.model, moved.seq_len) == ("fsdp=8", None, "test", 64)
     restated = parsed("--model", "small")
@@ -124,3 +126,32 @@ def test_a_resume_of_a_planned_run_takes_the_cluster_it_was_planned_for(tmp_path
     assert (alone.plan, alone.simulate_cluster) == ("auto", "h100:4,a100:4")
     moved = parsed("--mesh", "fsdp=8")  # a new layout: the record's plan and cluster are not taken either
     assert (moved.plan, moved.simulate_cluster, moved.mesh) == (None, None, "fsdp=8")
+
+
+def test_a_resume_restores_how_the_run_ran_unless_named_and_the_record_keeps_its_history(tmp_path):
+    """A run resumed on 1 device checkpointing every 50 steps, and its config.json lost the original."""
+    from train.setup import configfile
+
+    run = tmp_path / "run"
+    run.mkdir()
+    recorded = {"model": "test", "cpu_devices": 8, "ckpt_every": 5, "log_every": 3, "eval_every": 7, "steps": 20,
+                "data_cache": "/c", "no_progress": True, "process_id": 1, "num_processes": 2}  # fmt: skip
+    first = {"command": ["--cpu-devices", "8"], "flags": recorded}
+    (run / configfile.RECORD).write_text(json.dumps(first))
+    parser = build_parser()
+    argv = ["--resume", "--run-dir", str(run), "--log-every", "1"]
+    args = parser.parse_args(configfile.expand(argv, parser))
+    assert (args.cpu_devices, args.ckpt_every, args.eval_every, args.steps) == (8, 5, 7, 20)
+    assert (args.data_cache, args.no_progress, args.log_every) == ("/c", True, 1)
+    assert (args.process_id, args.num_processes) == (None, None)  # which process this is: never the record's
+    configfile.write_record(str(run), configfile.record_of(argv, args))
+    record = json.loads((run / configfile.RECORD).read_text())
+    assert record["command"] == argv and record["flags"]["log_every"] == 1
+    assert record["history"][0] == first  # a record from before histories: its run opens the list
+    assert record["history"][1]["command"] == argv and record["history"][1]["changed"]["log_every"] == [3, 1]
+    assert "ckpt_every" not in record["history"][1]["changed"]
+    args = parser.parse_args(configfile.expand(["--resume", "--run-dir", str(run), "--steps", "30"], parser))
+    assert args.log_every == 1  # the next resume continues from the latest settings
+    configfile.write_record(str(run), configfile.record_of(["--steps", "30"], args))
+    history = json.loads((run / configfile.RECORD).read_text())["history"]
+    assert len(history) == 3 and history[2]["changed"]["steps"] == [20, 30]

@@ -636,6 +636,17 @@ def test_ring_and_ulysses_are_priced_as_flash_without_a_length_split_and_with_th
         cm.estimate(model, 16, 64, cm.Layout({"fsdp": 4, "context": 2}, "fsdp", attention="reference"))
 
 
+def test_an_unpriced_context_split_names_the_registry_kernels_that_split_the_length():
+    model = describe(get_config("test"))
+    splitting = [k.traits.name for k in registry.KERNELS if k.traits.splits_length]
+    assert splitting == ["ring", "ulysses", "usp"]  # the registry's, read by the reason rather than copied
+    with pytest.raises(ValueError, match=r"the attentions that split the length \(ring, ulysses, usp\) only"):
+        cm.estimate(model, 16, 64, cm.Layout({"fsdp": 4, "context": 2}, "fsdp", attention="flash"))
+    flash, ring = model.attention_kernel("flash"), model.attention_kernel("ring")
+    assert cm.unpriced_attention(flash, {"context": 2}, [flash, ring]).endswith("split the length (ring) only")
+    assert cm.unpriced_attention(ring, {"context": 2}, [flash, ring]) is None
+
+
 @pytest.mark.parametrize("case", CONTEXT_GRID[-1:], ids=_id)
 def test_a_split_length_is_priced_as_the_compiled_step_runs(case):
     """USP attention over ``context`` x ``sequence`` (its all-to-all and its ring: the exchanges of the

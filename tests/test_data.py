@@ -321,7 +321,7 @@ def test_a_manifest_of_another_tokenizer_and_a_damaged_shard_are_refused(prepare
     _, out = prepared
     hf = load_tokenizer(str(make_hf_tokenizer(tmp_path / "tokenizer.json")))
     with pytest.raises(
-        ValueError, match="prepared with the tokenizer bytes .* pass --tokenizer bytes or prepare again"
+        ValueError, match="prepared with the tokenizer bytes .* pass --tokenizer bytes, or prepare again"
     ):
         check_source(str(out), hf)
     import shutil
@@ -333,10 +333,40 @@ def test_a_manifest_of_another_tokenizer_and_a_damaged_shard_are_refused(prepare
         read_manifest(damaged, ByteTokenizer())
     shutil.copy(out / "train-00002.lengths.npy", damaged / "train-00002.lengths.npy")
     (damaged / "train-00002.array_record").write_bytes(b"\0" * 64)
+    # A folder prepared before checksums were written: the damage shows when a step reads the record.
+    manifest = json.loads((damaged / "manifest.json").read_text())
+    for shard in manifest["shards"]:
+        shard.pop("train_crc32"), shard.pop("heldout_crc32")
+    (damaged / "manifest.json").write_text(json.dumps(manifest))
     ds = load_dataset(str(damaged), ByteTokenizer(), 32, 4, seed=0, log=lambda _: None)
     with pytest.raises(ValueError, match="train-00002.array_record"):
         for s in range(0, ds.train.num_windows, 4):
             ds.train_rows(s, range(4))
+
+
+def test_flipped_bytes_in_a_shard_are_found_when_the_folder_is_opened_and_by_verify(prepared, tmp_path, capsys):
+    import shutil
+
+    _, out = prepared
+    damaged = tmp_path / "d"
+    shutil.copytree(out, damaged)
+    assert prepare_main(["verify", str(damaged)]) == 0
+    assert "intact (token counts and CRC-32s)" in capsys.readouterr().out
+    for name in ("heldout-00001.array_record", "train-00003.array_record"):
+        raw = bytearray((damaged / name).read_bytes())
+        raw[len(raw) // 2] ^= 0xFF  # one flipped byte, same size: the lengths still agree
+        (damaged / name).write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match=r"shard heldout-00001.array_record is damaged \(CRC-32 .*delete the folder"):
+        load_dataset(str(damaged), ByteTokenizer(), 32, 4, seed=0, log=lambda _: None)
+    assert prepare_main(["verify", str(damaged)]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert [line.split(": shard ")[1].split()[0] for line in err[:2]] == [
+        "heldout-00001.array_record",
+        "train-00003.array_record",
+    ]
+    assert err[2].startswith("2 of ") and len(err) == 3
+    assert prepare_main(["verify", str(tmp_path)]) == 2
+    assert "not a prepared folder" in capsys.readouterr().err
 
 
 def test_single_document_holds_out_its_tail(tmp_path):

@@ -456,6 +456,17 @@ def test_inventory_from_flag(tmp_path):
         dv.inventory_from_flag("b200:8")
 
 
+def test_a_binary_cluster_file_names_the_field_and_the_file(tmp_path):
+    from sharding.errors import ConfigError
+
+    path = tmp_path / "binary.bin"
+    path.write_bytes(bytes([0xD0, 0x80, 0xFF]) * 10)
+    with pytest.raises(ConfigError) as e:
+        dv.inventory_from_flag(str(path))
+    assert [p.name for p in e.value.parts if hasattr(p, "name")] == ["cluster"]
+    assert str(e.value).startswith(f"cluster={path}: not a text file (byte 2 is 0xff, not UTF-8)")
+
+
 # --- Detection and simulation -------------------------------------------------------------
 
 

@@ -5,7 +5,7 @@ import pytest
 
 from models import attention_registry as registry
 from sharding import dispatch, exchange
-from sharding.modeldesc import AttentionTraits
+from sharding.modeldesc import AttentionTraits, ExpertGeometry
 
 
 @pytest.mark.parametrize(
@@ -21,6 +21,16 @@ from sharding.modeldesc import AttentionTraits
 )
 def test_expert_dispatch_chooses_by_capacity_and_split(capacity_factor, experts_per_token, split, want):
     assert dispatch.expert_dispatch(capacity_factor, experts_per_token, split) is want
+
+
+def test_experts_split_over_an_axis_that_does_not_split_the_tokens_take_the_ring():
+    """cf * k = 2.5 < 8 would choose the fixed buffers, but a device's buffers would repeat its peers' tokens
+    over such an axis: the model and the cost model read the ring from the one rule."""
+    assert dispatch.expert_dispatch(1.25, 2, 8, splits_tokens=False) is dispatch.RING
+    geometry = ExpertGeometry(layers=2, num_experts=16, experts_per_token=2, capacity_factor=1.25)
+    assert geometry.dispatch(8) is dispatch.ALL_TO_ALL
+    assert geometry.dispatch(8, splits_tokens=False) is dispatch.RING
+    assert geometry.dispatch(1, splits_tokens=False) is dispatch.LOCAL
 
 
 def test_dispatch_records_say_what_the_model_cost_model_and_report_read():

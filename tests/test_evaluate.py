@@ -93,3 +93,28 @@ def test_cli_bad_flag_is_one_line(capsys):
     assert main(["--hf", str(FIXTURES / "qwen2"), "--seq-len", "0"]) == 2
     err = capsys.readouterr().err
     assert err == "error: --seq-len 0: must be positive, e.g. 16\n"
+
+
+def test_an_evaluation_that_cannot_fit_is_refused_before_reading_data_and_its_suggestion_runs(
+    corpus, tmp_path, capsys, monkeypatch
+):
+    import train.evaluate as ev
+    from train.data.tokenizer import HFTokenizer
+    from train.reports.fit import step_peak
+    from train.runtime.inference import LoadedModel
+
+    config, graphdef, params, par = load(FIXTURES / "llama_tied", "fsdp=8")
+    model = LoadedModel(config, graphdef, params, HFTokenizer(FIXTURES / "llama_tied" / "tokenizer.json"), 0, None)
+    monkeypatch.setattr(ev, "device_memory", lambda devices: (None, "unknown"))
+    peaks = {t: step_peak(ev.compile_fitting(model, par, 4, t)) for t in (16, 32)}
+    assert peaks[32] > peaks[16]  # the test's premise: a shorter sequence needs less
+    monkeypatch.setattr(ev, "device_memory", lambda devices: (peaks[16], "a test budget"))
+    base = ["--hf", str(FIXTURES / "llama_tied"), "--mesh", "fsdp=8", "--batch-size", "4", "--heldout", "0.5"]
+    base += ["--data", str(tmp_path / "missing")]  # never read: the refusal comes first
+    assert ev.main([*base, "--seq-len", "64"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: --seq-len 64 x --batch-size 4: evaluation cannot fit")
+    assert "use --seq-len 16 (its peak is" in err and "more than the" in err and "of a test budget" in err
+    base[-1] = str(corpus)
+    assert ev.main([*base, "--seq-len", "16", "--data-cache", str(tmp_path / "cache"), "--batches", "1"]) == 0
+    assert "held-out loss" in capsys.readouterr().out

@@ -118,6 +118,11 @@ def test_a_failed_asynchronous_save_stops_training_at_once(tmp_path, corpus, cac
     assert "error:" in text and "checkpoint" in text
     last = max(int(m) for m in re.findall(r"^step\s+(\d+)/1000", text, re.M))
     assert last <= 5, "training went on after the failed save"
+    # A handled failure prints its own lines only: Orbax's threads' tracebacks go to the run folder's log.
+    after = text.split(re.findall(r"^step\s+\d+/1000.*$", text, re.M)[-1])[1].strip().splitlines()
+    assert 1 <= len(after) <= 5 and "Traceback" not in text, text
+    assert f"Orbax's own messages are in {run_dir / 'library.log'}" in text
+    assert "Traceback" in (run_dir / "library.log").read_text()
 
 
 def test_nonfinite_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(tmp_path, corpus, cache, capsys):

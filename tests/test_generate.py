@@ -161,3 +161,80 @@ def test_cli_bad_flags_end_in_one_line(capsys, flags, message):
     assert main(["--hf", str(FIXTURES / "llama_tied"), "--prompt", "x", *flags]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and err.count("\n") == 1
+
+
+def test_an_empty_prompt_file_is_named(capsys, tmp_path):
+    from train.generate import main
+
+    (tmp_path / "empty.txt").write_text("\n  \n")
+    assert main(["--hf", str(FIXTURES / "llama_tied"), "--prompt-file", str(tmp_path / "empty.txt")]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err
+        == f"error: --prompt-file {tmp_path / 'empty.txt'}: the file has no prompt (it is empty or blank); write one a line\n"
+    )
+
+
+def test_too_many_new_tokens_are_refused_before_the_cache_and_the_suggestion_passes(capsys, gqa, monkeypatch):
+    import train.generate as gen
+    from train.data.tokenizer import HFTokenizer
+    from train.runtime.inference import LoadedModel
+
+    assert gen.main(["--hf", str(FIXTURES / "llama_gqa"), "--prompt", "hi", "--max-new-tokens", "100000000"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "exceed the model's 256 positions (max_position_embeddings)" in err
+    suggested = int(err.split("use --max-new-tokens ")[1])
+    config, graphdef, params, par, _ = gqa
+    tokenizer = HFTokenizer(FIXTURES / "llama_gqa" / "tokenizer.json")
+    model = LoadedModel(config, graphdef, params, tokenizer, tokenizer.eod_id, None)
+    prompts = gen.prompt_ids(model, ["hi"], special_tokens=True)
+    gen.check_length(model, par, prompts, suggested)  # accepted by the same check
+    with pytest.raises(ValueError, match="exceed the model's 256 positions"):
+        gen.check_length(model, par, prompts, suggested + 1)
+    # Memory: a budget that holds the parameters and a cache of 100 positions (by hand: k and v, float32,
+    # [layers, 1, S, kv_heads, head_dim] per device on data=2,tensor=4: one row and 2 kv heads split over neither).
+    weights = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(params))
+    per_position = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4
+    monkeypatch.setattr(gen, "device_memory", lambda devices: (weights + 100 * per_position, "a test budget"))
+    with pytest.raises(ValueError, match=r"--max-new-tokens 200: generation cannot fit: .* of a test budget") as e:
+        gen.check_length(model, par, prompts, 200)
+    fits = int(str(e.value).split("use --max-new-tokens ")[1])
+    assert fits == 100 - len(prompts[0])
+    gen.check_length(model, par, prompts, fits)
+    with pytest.raises(ValueError, match="generation cannot fit"):
+        gen.check_length(model, par, prompts, fits + 1)
+
+
+def test_prompts_start_with_bos_only_when_the_tokenizer_adds_it(tmp_path):
+    """transformers' fast tokenizer adds what its post-processor adds (add_special_tokens=True), and
+    tokenizer_config.json's add_bos_token overrides it; config.json's bos_token_id alone adds nothing."""
+    import json
+    import shutil
+
+    from tokenizers import Tokenizer, processors
+
+    from train.data.tokenizer import HFTokenizer
+    from train.generate import prompt_ids
+    from train.runtime.inference import LoadedModel
+
+    folder = tmp_path / "m"
+    shutil.copytree(FIXTURES / "llama_gqa", folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "bos_token_id": 1}))
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    bos, texts = tok.id_to_token(1), ["def main(", "x = 1"]
+    plain = [tok.encode(t, add_special_tokens=False).ids for t in texts]
+
+    def ids():
+        tokenizer = HFTokenizer(folder / "tokenizer.json")
+        return prompt_ids(LoadedModel(None, None, None, tokenizer, 0, 1), texts, special_tokens=True)
+
+    assert ids() == plain  # no post-processor, no add_bos_token: no BOS, whatever config.json says
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": bos, "add_bos_token": True}))
+    assert ids() == [[1, *p] for p in plain]
+    tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, 1)])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": bos}))
+    assert ids() == [[1, *p] for p in plain]  # the post-processor's BOS
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": bos, "add_bos_token": False}))
+    assert ids() == plain

@@ -125,7 +125,7 @@ def test_the_jax_free_check_catches_a_jax_import(tmp_path):
     assert result.returncode != 0 and "import of jax halted" in result.stderr
 
 
-# One way inside train/ too: the module-level imports of train/ form no circle, and a function-local import of
+# One way inside each package too: the module-level imports of a package form no circle, and a function-local import of
 # ours says why it is not at the top (an optional dependency, or a module slow to import).
 TRAIN = ROOT / "train"
 LOCAL_IMPORT_REASONS = ("# optional:", "# slow:")
@@ -252,7 +252,13 @@ def test_train_imports_form_no_circle():
     assert import_cycles(import_graph(TRAIN)) == []
 
 
-@pytest.mark.parametrize("path", sorted(TRAIN.rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT)))
+# The other packages too: a package's circles stay inside it (the one-way rules above forbid the rest).
+@pytest.mark.parametrize("package", [p for p in PACKAGES if p != "train"])
+def test_package_imports_form_no_circle(package):
+    assert import_cycles(import_graph(ROOT / package)) == []
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_function_local_imports_say_why(path):
     assert local_imports_without_reason(path) == []
 

@@ -226,6 +226,19 @@ def test_the_layout_is_chosen_for_the_processes_left(corpus):
     assert refusals[0].startswith("1 process: --mesh 'data=2,fsdp=2': the sizes multiply to 4 but JAX sees 2"), refusals
 
 
+def test_a_mesh_refusal_names_a_mesh_the_same_checks_accept(corpus):
+    """3 processes of 4 devices, --mesh fsdp=8, batch 16: the example was fsdp=6,tensor=2, which batch 16 (and
+    the test model's widths) then refused; the example is now found by trying shapes through the same checks."""
+    flags = ["--model", "test", "--cpu-devices", "4", "--mesh", "fsdp=8", "--batch-size", "16"]
+    config = cli.parse([*flags, "--data", str(corpus), "--dry-run"])
+    count, _, refusals = choose(config, 3, 3)
+    assert count == 0 and "(example: --mesh " in refusals[0], refusals
+    mesh, _, batch = refusals[0].split("(example: --mesh ")[1].rstrip(")").partition(" with --batch-size ")
+    fixed = [*flags[:-4], "--mesh", mesh, "--batch-size", batch or "16"]
+    count, chosen, refusals = choose(cli.parse([*fixed, "--data", str(corpus), "--dry-run"]), 3, 3)
+    assert (count, chosen, refusals) == (3, mesh, [])
+
+
 def test_mesh_outer_is_re_derived_for_the_processes_left(corpus):
     """--mesh data=-1,fsdp=2 --mesh-outer data=2,fsdp=2 on 4 processes of 2 devices: fsdp keeps spanning 2
     processes and data spans what is left (1 of 2 processes); 3 processes are refused (fsdp's 2 do not divide
@@ -417,3 +430,69 @@ def test_sigterm_before_the_training_loop_ends_a_process_at_once():
     )
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=clean_env(), capture_output=True, text=True)
     assert done.returncode == -signal.SIGTERM, done.stdout + done.stderr
+
+
+def test_a_process_whose_launcher_is_gone_says_so_in_one_line(monkeypatch):
+    """Under train.launch the kernel signals a training process when its launcher dies (PR_SET_PDEATHSIG);
+    the process answers with one line naming the launcher and how to go on (before: killed without a word)."""
+    from train.launcher import orphan
+
+    said = []
+    monkeypatch.setenv(orphan.LAUNCHER_ENV, str(os.getppid()))  # our parent plays the launcher: alive
+    previous = signal.getsignal(orphan.PARENT_GONE_SIGNAL)
+    try:
+        assert orphan.watch_launcher(lambda: "the newest checkpoint is step 5 in R", said.append) == os.getppid()
+        time.sleep(2 * orphan.POLL_SECONDS)
+        assert said == []  # the launcher lives: nothing said
+        os.kill(os.getpid(), orphan.PARENT_GONE_SIGNAL)  # what the kernel sends when it dies
+        time.sleep(0.1)
+        assert said == [
+            f"the launcher (pid {os.getppid()}) that started this process is gone (killed?), so this process stops; "
+            "the newest checkpoint is step 5 in R; start python -m train.launch again with the same flags and --resume"
+        ]
+        # The parent changes (the launcher died while the main thread was blocked): the watch thread says it.
+        said.clear()
+        monkeypatch.setenv(orphan.LAUNCHER_ENV, str(os.getppid() + 1))
+        orphan.watch_launcher(lambda: "no checkpoint in R yet", said.append)
+        time.sleep(0.1)
+        assert len(said) == 1 and said[0].startswith(f"the launcher (pid {os.getppid() + 1}) that started")
+    finally:
+        signal.signal(orphan.PARENT_GONE_SIGNAL, previous)
+    monkeypatch.delenv(orphan.LAUNCHER_ENV)
+    assert orphan.watch_launcher(lambda: "", said.append) is None  # not started by a launcher
+
+
+@pytest.mark.slow
+def test_killing_the_launcher_leaves_processes_that_say_why_they_stop(corpus, cache, tmp_path):
+    """kill -9 of the launcher: each training process prints one line naming the launcher and the newest
+    checkpoint, and ends; the run lock it left names the launcher, and the next start reclaims it."""
+    import subprocess
+
+    from _procs import clean_env
+
+    run_dir, log = tmp_path / "run", tmp_path / "launch.log"
+    argv = ["--local-processes", "2", *common(corpus, cache, steps=400), "--run-dir", str(run_dir)]
+    with open(log, "w") as out:
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "train.launch", *argv], cwd=ROOT, env=clean_env(), stdout=out, stderr=out
+        )
+    try:
+        deadline = time.monotonic() + 240
+        while not re.search(r"^step\s+3/400", log.read_text(), re.M):
+            assert launcher.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.5)
+        assert json.loads((run_dir / "run.lock").read_text())["launcher_pid"] == launcher.pid
+        launcher.kill()
+        launcher.wait()
+        deadline = time.monotonic() + 60
+        while log.read_text().count("that started this process is gone") < 2 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        # Usually both say it; JAX's runtime may abort one first (it sees the service's socket close within
+        # milliseconds, and prints its own lines), so at least one line, and both processes gone.
+        gone = [line for line in log.read_text().splitlines() if "that started this process is gone" in line]
+        assert 1 <= len(gone) <= 2, log.read_text()
+        assert gone[0].startswith(f"error: the launcher (pid {launcher.pid})") and "--resume" in gone[0]
+        assert "the newest checkpoint is step " in gone[0] or "no checkpoint in " in gone[0]
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()

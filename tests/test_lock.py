@@ -93,3 +93,13 @@ def test_release_leaves_a_lock_that_is_no_longer_ours(tmp_path):
     plant(tmp_path, host="elsewhere", pid=7)  # broken and taken over by another run meanwhile
     lock.release()
     assert json.loads((tmp_path / LOCK_FILE).read_text())["host"] == "elsewhere"
+
+
+def test_a_lock_taken_under_the_launcher_names_it(tmp_path):
+    """A run started by train.launch records the launcher's pid: the process to stop is the launcher."""
+    with RunLock.acquire(tmp_path / "run", print, launcher=4242):
+        assert json.loads((tmp_path / "run" / LOCK_FILE).read_text())["launcher_pid"] == 4242
+        with pytest.raises(RunFolderLocked) as refused:
+            RunLock.acquire(tmp_path / "run", print)
+    assert f"pid {os.getpid()} on host {HOST} (since " in render(refused.value)
+    assert "), started by the launcher pid 4242; wait for it to end" in render(refused.value)

@@ -713,6 +713,9 @@ def test_dry_run_reports_bubble_layers_padding_and_branch_collectives(capsys):
     assert "collectives inside skipped-slot branches:" in out and "all among devices of one stage" in out
     assert "final norm, output projection and loss: rows split over fsdp+stage, 1 of the batch's 8 per device" in out
     assert "compute per device per step:" in out
+    # compiled once, at start-up's check: the dry run's line reports that time, not the cache's near-zero
+    startup = float(out.split("compiled the train step in ")[1].split(" s")[0])
+    assert f"compiled one train step (batch 8 x 32) in {startup:.1f} s (at start-up, above;" in out
 
 
 def test_a_checkpoint_resumes_across_stage_layouts_with_the_same_next_loss(tmp_path, corpus, cache):

@@ -162,3 +162,11 @@ def test_a_plot_format_matplotlib_cannot_write_is_refused_before_the_search(tmp_
         captured.err
         == f"error: --plot {tmp_path}/plan.txt: matplotlib does not write .txt files; e.g. --plot {tmp_path}/plan.png\n"
     )
+
+
+def test_a_binary_cluster_file_is_one_line_naming_the_flag_and_file(tmp_path, capsys):
+    path = tmp_path / "binary.bin"
+    path.write_bytes(bytes([0xD0, 0xFF]) * 50)
+    assert plan_main(["--cluster", str(path), "--batch", "16", "--seq-len", "128", "--model", "test"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: --cluster {path}: not a text file (byte 0 is 0xd0")

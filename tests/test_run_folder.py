@@ -205,7 +205,8 @@ def test_flipped_bytes_in_an_array_data_file_fall_back_to_the_older_step(copy, c
         line,
     ), line
     assert line.endswith(f"set it aside as {aside} (not resumed from, not counted by --keep); resuming from step 2")
-    assert "resumed step 2" in captured.out and steps_saved(copy) == [1, 2, 4]
+    # the resume keeps the run's --ckpt-every 1 (from its record): step 3 is trained and saved again
+    assert "resumed step 2" in captured.out and steps_saved(copy) == [1, 2, 3, 4]
     assert (aside / damaged.relative_to(state.parent)).read_bytes() == data  # kept as it was
 
 

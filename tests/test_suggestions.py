@@ -62,6 +62,7 @@ CASES = [
     ["--mesh", "context=2,sequence=4", "--attention", "usp", "--set", "num_heads=6", "--set", "num_kv_heads=2"],
     ["--mesh", "stage=-1"],
     ["--mesh", "stage=8", "--microbatches", "4"],  # 4 layers: the whole mesh suggested, stage=4,fsdp=2
+    ["--mesh", "stage=8"],  # the same with one microbatch: the suggestion brings --microbatches 4 along
     ["--mesh", "stage=8", "--set", "num_layers=6", "--microbatches", "4"],  # 6 layers: stage=4, not 6
     ["--mesh", "data=4,context=2", "--context-shares", "2,1"],  # the length already split: the mesh is kept
     ["--context-shares", "2,1"],
@@ -113,3 +114,39 @@ def test_the_suggestion_reader_reads_each_form():
         "y=2",
         "--resume",
     ]
+
+
+INFERENCE_CASES = [
+    ("evaluate", ["--data", "{prepared_bytes}"]),  # prepared with bytes: "pass --tokenizer bytes"
+    ("generate", ["--max-new-tokens", "100000000"]),  # beyond the 256 positions
+    ("generate", ["--mesh", "stage=2,tensor=4"]),  # no pipeline in generation: the stage's devices to fsdp
+]
+
+
+@pytest.mark.parametrize("entry, flags", INFERENCE_CASES, ids=[f"{c[0]} {' '.join(c[1])}" for c in INFERENCE_CASES])
+def test_the_suggestions_of_evaluate_and_generate_are_accepted(tmp_path, capsys, entry, flags):
+    """The same round trip through the other entry points' own main (exit 2 and one line, then exit 0)."""
+    from test_hf import FIXTURES
+
+    from train import evaluate, generate
+    from train.data.prepare import prepare as prepare_data
+    from train.data.tokenizer import ByteTokenizer
+
+    if "{prepared_bytes}" in flags:
+        (tmp_path / "src").mkdir()
+        for i in range(8):
+            (tmp_path / "src" / f"{i}.txt").write_text(f"document {i} of some text " * 20)
+        quiet = dict(workers=1, heldout=0.5, log=lambda _: None, progress=False)
+        prepare_data([str(tmp_path / "src")], tmp_path / "p", ByteTokenizer(), **quiet)
+        flags = [str(tmp_path / "p") if f == "{prepared_bytes}" else f for f in flags]
+    main = {"evaluate": evaluate.main, "generate": generate.main}[entry]
+    base = ["--hf", str(FIXTURES / "llama_gqa")]
+    base += ["--seq-len", "16", "--batch-size", "2", "--batches", "1"] if entry == "evaluate" else ["--prompt", "hi"]
+    argv = applied(base, flags)
+    assert main(argv) == 2
+    message = capsys.readouterr().err.strip()
+    assert message.count("\n") == 0, message
+    fixed = applied(argv, suggested(message))
+    if entry == "generate":  # a suggested length is accepted by the checks; generating it all is not needed here
+        fixed = applied(fixed, ["--max-new-tokens", "2"]) if "--max-new-tokens" not in flags else fixed
+    assert main(fixed) == 0, f"{message}\n-> {shlex.join(fixed)}\n-> {capsys.readouterr().err}"

@@ -85,3 +85,19 @@ def test_a_dash_value_is_joined_to_its_flag_only():
     args = parser.parse_args(["--stage-layers", "-1,5", "--dry-run", "--", "-x"])
     assert (args.stage_layers, args.dry_run, args.rest) == ("-1,5", True, ["-x"])
     assert parser.parse_args(["--stage-layers=-2"]).stage_layers == "-2"
+
+
+def test_help_lists_every_mesh_axis_and_points_only_to_docs_that_exist(capsys):
+    import re
+    from pathlib import Path
+
+    from sharding.axes import MESH_AXES
+
+    with pytest.raises(SystemExit):
+        train.main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert f"mesh axes ({', '.join(MESH_AXES)})" in out and "expert" in MESH_AXES
+    assert "README:" not in out
+    pages = set(re.findall(r"docs/[\w-]+\.md", out))
+    root = Path(__file__).resolve().parents[1]
+    assert pages and all((root / page).is_file() for page in pages), pages

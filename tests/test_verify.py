@@ -191,7 +191,7 @@ def test_inspect_marks_damaged_steps_and_never_tracebacks(copy, capsys):
     data_file_of(copy / "2" / "state", "w").unlink()
     leftover = copy / "3.orbax-checkpoint-tmp-1"  # a save in progress: inspect must not remove it
     leftover.mkdir()
-    assert inspect_cli.main([str(copy)]) == 0
+    assert inspect_cli.main([str(copy)]) == 1  # a damaged step: a script's check fails
     out = capsys.readouterr().out
     assert f"checkpoints in {copy}: steps 1, 2 (damaged)" in out
     assert "step 2 in" in out and "is missing (chunks of array" in out and "'w'" in out
@@ -452,7 +452,7 @@ def test_inspect_deep_reports_damaged_data_that_the_plain_listing_cannot_see(cop
     assert inspect_cli.main([str(copy)]) == 0
     out = capsys.readouterr().out
     assert f"checkpoints in {copy}: steps 1, 2; array data not read (--deep reads it)" in out
-    assert inspect_cli.main([str(copy), "--deep"]) == 0
+    assert inspect_cli.main([str(copy), "--deep"]) == 1  # the report is printed, the exit status says damage
     out = capsys.readouterr().out
     assert f"checkpoints in {copy}: steps 1, 2 (damaged); every array read" in out
     assert f"in data file {damaged} does not decode" in out and "\nstep 1:\n" in out

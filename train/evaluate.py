@@ -21,9 +21,14 @@ import argparse
 import math
 import sys
 
+import numpy as np
+
 from checkpoints.argparser import Parser
 from sharding import axes as ax
-from train.data import load_dataset, model_inputs, to_global_arrays
+from sharding.devices import device_memory
+from train.data import FIELDS, load_dataset, model_inputs, to_global_arrays
+from train.reports.fit import check_peak, step_peak
+from train.reports.units import human_bytes
 from train.runtime.inference import add_device_args, add_source_args, load_model, run_main, setup
 
 
@@ -57,7 +62,70 @@ def _check(args) -> None:
         raise ValueError(f"--batches {args.batches}: must be >= 0 (0: the whole held-out split)")
 
 
-def evaluate(model, par, dataset, batch_size: int, seq_len: int, batches: int, source: int = 0) -> tuple[float, int]:
+def loss_function(model, par, batch_size: int, seq_len: int):
+    """``(sums, sharding)``: the jitted ``(params, batch) -> (loss_sum, weight)`` of ``[batch_size, seq_len]``
+    batches (`models.transformer.loss_sums`) and the batch fields' sharding."""
+    import jax
+
+    from models.transformer import loss_sums  # slow: jax
+
+    sharding = par.sharding((ax.BATCH, ax.LENGTH), (batch_size, seq_len))
+
+    @jax.jit
+    def sums(params, batch):
+        return loss_sums(model.graphdef, params, *model_inputs(batch), par=par)
+
+    return sums, sharding
+
+
+def compile_fitting(model, par, batch_size: int, seq_len: int):
+    """The loss function compiled for ``[batch_size, seq_len]`` batches, checked to fit the devices' memory
+    before any batch is read (`train.reports.fit.check_peak` on the compiled memory analysis, as training's
+    step). When it does not fit, the error suggests the longest halving of ``--seq-len`` that does (tried by
+    compiling it).
+
+    Raises:
+      ValueError: The compiled peak exceeds the device's memory, naming ``--seq-len`` and ``--batch-size``.
+    """
+    import jax
+
+    budget, source = device_memory(jax.local_devices())
+
+    def compiled(length):
+        sums, sharding = loss_function(model, par, batch_size, length)
+        abstract = {
+            f: jax.ShapeDtypeStruct(
+                (batch_size, length), np.float32 if f == "loss_mask" else np.int32, sharding=sharding
+            )
+            for f in FIELDS
+        }
+        return sums.lower(model.params, abstract).compile()
+
+    chosen = compiled(seq_len)
+    peak = step_peak(chosen)
+    if peak is None or budget is None or peak <= budget:
+        return chosen
+    length, remedy = seq_len // 2, "use a smaller --seq-len or --batch-size, or more devices"
+    while length >= 16:
+        smaller = step_peak(compiled(length))
+        if smaller is not None and smaller <= budget:
+            remedy = f"use --seq-len {length} (its peak is {human_bytes(smaller)}) or a smaller --batch-size"
+            break
+        length //= 2
+    check_peak(
+        peak,
+        budget,
+        source,
+        ("evaluation", f"--seq-len {seq_len} x --batch-size {batch_size}: evaluation"),
+        "compiled memory_analysis",
+        remedy,
+    )
+    return chosen
+
+
+def evaluate(
+    model, par, dataset, batch_size: int, seq_len: int, batches: int, source: int = 0, sums=None
+) -> tuple[float, int]:
     """Mean held-out cross-entropy (nats per token) of ``source`` (of a mixture) and the number of tokens it
     covers.
 
@@ -67,22 +135,10 @@ def evaluate(model, par, dataset, batch_size: int, seq_len: int, batches: int, s
       dataset: a `train.data.Dataset` whose ``global_batch`` is ``batch_size``.
       batch_size, seq_len: B and T.
       batches: held-out batches to evaluate, each of B windows in order.
+      sums: the loss function (`loss_function`, or `compile_fitting`'s); None builds it.
     """
-    import jax
-
-    from models.transformer import loss_sums  # slow: jax
-
-    sharding = par.sharding((ax.BATCH, ax.LENGTH), (batch_size, seq_len))
-
-    @jax.jit
-    def sums(params, batch):
-        return loss_sums(
-            model.graphdef,
-            params,
-            *model_inputs(batch),
-            par=par,
-        )
-
+    jitted, sharding = loss_function(model, par, batch_size, seq_len)
+    sums = sums or jitted
     total = count = 0.0
     for b in range(batches):
         batch = to_global_arrays(lambda rows, b=b: dataset.eval_rows(b, rows, source), batch_size, seq_len, sharding)
@@ -97,6 +153,7 @@ def run(args) -> int:
     _check(args)
     par = setup(args)
     model = load_model(args, par)
+    sums = compile_fitting(model, par, args.batch_size, args.seq_len)  # before the data is read or prepared
     dataset = load_dataset(
         args.data,
         model.tokenizer,
@@ -118,7 +175,7 @@ def run(args) -> int:
                 f"{max(source.heldout.num_windows, 1)} or more --heldout"
             )
         batches = args.batches or whole
-        loss, tokens = evaluate(model, par, dataset, args.batch_size, args.seq_len, batches, k)
+        loss, tokens = evaluate(model, par, dataset, args.batch_size, args.seq_len, batches, k, sums)
         print(
             f"held-out loss{name} {loss:.4f} nats/token, perplexity {math.exp(loss):.3f} over {tokens} tokens "
             f"({batches} batches of {args.batch_size} x {args.seq_len}; --data {source.path if name else args.data})"

@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 
 from checkpoints.argparser import Parser
+from sharding.devices import device_memory
+from train.reports.fit import check_peak
 from train.runtime.inference import add_device_args, add_source_args, load_model, run_main, setup
 
 
@@ -69,10 +71,66 @@ def read_prompts(args) -> list[str]:
                 f"--prompt-file {name}: not UTF-8 text (byte {e.start} is 0x{e.object[e.start]:02x}); give a text "
                 "file of prompts, one a line"
             ) from None
-        prompts += [line for line in text.splitlines() if line.strip()]
+        lines = [line for line in text.splitlines() if line.strip()]
+        if not lines:
+            raise ValueError(f"--prompt-file {name}: the file has no prompt (it is empty or blank); write one a line")
+        prompts += lines
     if not prompts:
         raise ValueError("give --prompt TEXT or --prompt-file FILE")
     return prompts
+
+
+def prompt_ids(model, texts: list[str], special_tokens: bool) -> list[list[int]]:
+    """The prompts' token ids. With ``special_tokens`` (a Hugging Face folder), as transformers tokenizes them
+    (`train.data.tokenizer.HFTokenizer.encode_prompts`: the tokenizer decides whether a BOS goes in front);
+    else (a meshwork run, trained without one) the plain tokens."""
+    if special_tokens:
+        return model.tokenizer.encode_prompts(texts)
+    return [[int(t) for t in ids] for ids in model.tokenizer.encode_batch([t.encode("utf-8") for t in texts])]
+
+
+def check_length(model, par, prompts: list[list[int]], max_new_tokens: int) -> None:
+    """Refuses, before the key/value cache is allocated, a generation longer than the model's positions
+    (``max_position_embeddings``) or whose parameters and cache cannot fit one device's memory
+    (`train.reports.fit.check_peak`; the cache's bytes per device from its sharding, activations not
+    counted, so a lower bound). Each refusal suggests the ``--max-new-tokens`` that passes both checks.
+
+    Raises:
+      ValueError: naming ``--max-new-tokens``, the figures and what fits.
+    """
+    import jax
+    import numpy as np
+
+    from models.generation import CACHE_NAMES, cache_shape  # slow: jax
+
+    width, limit = max(len(p) for p in prompts), model.config.max_positions
+    if width + max_new_tokens > limit:
+        fix = (
+            f"use --max-new-tokens {limit - width}"
+            if limit > width
+            else f"use prompts shorter than {limit} tokens (the longest has {width})"
+        )
+        raise ValueError(
+            f"--max-new-tokens {max_new_tokens}: the longest prompt's {width} tokens + {max_new_tokens} new ones "
+            f"exceed the model's {limit} positions (max_position_embeddings); {fix}"
+        )
+    budget, source = device_memory(jax.local_devices())
+    params = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(model.params))
+    one = cache_shape(model.config, len(prompts), 1)
+    shard = par.sharding(CACHE_NAMES, one).shard_shape(one) if par.is_sharded else one
+    per_position = 2 * int(np.prod(shard)) * np.dtype(model.config.dtype).itemsize
+    need = params + per_position * (width + max_new_tokens)
+    if budget is not None and need > budget:
+        room = (budget - params) // per_position - width
+        fix = f"use --max-new-tokens {room}" if room > 0 else "use fewer prompts, a smaller model or more devices"
+        check_peak(
+            need,
+            budget,
+            source,
+            ("generation", f"--max-new-tokens {max_new_tokens}: generation"),
+            "estimated: parameters + key/value cache, activations not counted",
+            fix,
+        )
 
 
 class _Stream:
@@ -101,15 +159,8 @@ def run(args) -> int:
     texts = read_prompts(args)
     par = setup(args)
     model = load_model(args, par)
-    prompts = [[int(t) for t in ids] for ids in model.tokenizer.encode_batch([t.encode("utf-8") for t in texts])]
-    if model.bos_id is not None:
-        prompts = [p if p[:1] == [model.bos_id] else [model.bos_id] + p for p in prompts]
-    longest = max(len(p) for p in prompts) + args.max_new_tokens
-    if longest > model.config.max_positions:
-        print(
-            f"note: {longest} positions exceed the model's max_position_embeddings {model.config.max_positions}",
-            file=sys.stderr,
-        )
+    prompts = prompt_ids(model, texts, special_tokens=args.hf is not None)
+    check_length(model, par, prompts, args.max_new_tokens)
     generator = Generator(model.config, model.graphdef, model.params, par)
     stream = _Stream(model.tokenizer, sys.stdout) if len(prompts) == 1 and sys.stdout.isatty() else None
     if stream is not None:

@@ -10,10 +10,13 @@ import os
 import sys
 from pathlib import Path
 
+from checkpoints import library_log
 from checkpoints.manager import CheckpointFailure, open_resumable
+from checkpoints.verify import saved_steps
 from train.launcher.distributed import initialize, setup_devices
+from train.launcher.orphan import watch_launcher
 from train.launcher.output import close_output_filters
-from train.launcher.peers import watch_peers
+from train.launcher.peers import exit_lost, watch_peers
 from train.reports import report
 from train.runtime import training
 from train.runtime.loop import NonFiniteLossError
@@ -65,6 +68,8 @@ there is no step to finish and save."""
 
 def run(config: RunConfig) -> int:
     """Checks ``config`` against the machine, then trains (or dry-runs); returns the exit code."""
+    folder = Path(config.checkpoint.run_dir) / "checkpoints"
+    watch_launcher(lambda: newest_note(folder), exit_lost)  # under train.launch: its death, in words
     setup_devices(config.cluster.cpu_devices)
     processes = initialize(config.cluster.distributed())
     import jax
@@ -83,11 +88,19 @@ def run(config: RunConfig) -> int:
             lock.release()
 
 
+def newest_note(folder: Path) -> str:
+    """The newest step saved under ``folder``, in words, read from the folder's listing alone (no checkpoint is
+    read: the line must be out before JAX's own abort); the resume verifies it."""
+    steps = saved_steps(folder)
+    return f"the newest checkpoint is step {steps[-1]} in {folder}" if steps else f"no checkpoint in {folder} yet"
+
+
 def _run_prepared(config: RunConfig, tokenizer, processes: str, log) -> int:
     import jax
 
     folder, ckpt, latest = Path(config.checkpoint.run_dir) / "checkpoints", None, None
     if not config.loop.dry_run:
+        library_log.capture(config.checkpoint.run_dir, jax.process_index())  # Orbax's threads: to a file
         ckpt, latest = open_resumable(
             folder,
             config.checkpoint.keep,

@@ -31,6 +31,7 @@ import math
 
 from sharding import axes as ax
 from sharding.costmodel.context import context_groups
+from sharding.costmodel.experts import DENSE_GROUPED_BACKENDS, batched_experts
 from sharding.costmodel.layout import (
     Layout,
     _axis_split,
@@ -56,15 +57,6 @@ from sharding.rules import Rules
 #: ``test`` model on ``data=8`` with 8, 16 and 32 tokens per device and subtracting the
 #: per-token part gives 34.9 (bench/costmodel.py prints it). We use 35.
 OPTIMIZER_FLOPS_PER_PARAM = 35.0
-
-#: Backends whose compiled step runs a grouped product (`jax.lax.ragged_dot`, a mixture of experts' expert
-#: products) densely: jax's default lowering of ``ragged_dot_general`` (``_ragged_dot_general_impl``, what
-#: XLA:CPU gets) spreads the rows over a masked ``[groups, rows, in]`` array and multiplies it by every
-#: group's weights in one dot, so each row costs every expert's product (`sharding.modeldesc.Product.groups`
-#: times the routed share); seen in the compiled HLO of ``moe-test`` with and without pipeline stages. On GPU
-#: jax lowers it to a Pallas Triton kernel or XLA's ragged-dot instruction, which compute the groups' rows
-#: only (priced so; not checked on a GPU here).
-DENSE_GROUPED_BACKENDS = ("cpu",)
 
 #: The backward pass does about twice the forward's elementwise work (the model's elementwise terms,
 #: `sharding.modeldesc.ModelDescription.layer_elementwise`, are of the forward pass).
@@ -119,7 +111,7 @@ def _per_token_flops(
     costs every group's product per row on `DENSE_GROUPED_BACKENDS`."""
     mesh = layout.mesh
     compute_axes = tuple(a for a in mesh if a not in ax.BATCH_MESH_AXES)  # gathered axes do not split work
-    dense_groups = backend in DENSE_GROUPED_BACKENDS and not _batched_experts(model, layout)
+    dense_groups = backend in DENSE_GROUPED_BACKENDS and not batched_experts(model, layout)
     groups_held = 1.0  # every row against every group: under the ring, min(k, E_local) / k of the k per token
     if dense_groups and model.experts is not None:
         groups_held = _copies_held(model, mesh) / (model.experts.experts_per_token * _ring_split(mesh))
@@ -164,13 +156,6 @@ def _per_token_flops(
         "logits": 3.0 * logits_fwd,
         "elem_loss": (1.0 + ELEMENTWISE_BACKWARD_FACTOR) * _per_token(model, "loss_elementwise", rules, mesh, 0.0),
     }
-
-
-def _batched_experts(model: ModelDescription, layout: Layout) -> bool:
-    """Whether the experts' products run as batched products over fixed buffers (the all-to-all dispatch with
-    a capacity, `models.moe`, outside pipeline stages) rather than grouped ones (`jax.lax.ragged_dot`)."""
-    experts = model.experts
-    return experts is not None and layout.mesh[ax.STAGE] == 1 and experts.dispatch(layout.mesh[ax.EXPERT]).fixed_buffers
 
 
 def _busiest_ring_share(kernel: AttentionTraits, layout: Layout) -> float:

@@ -197,7 +197,9 @@ def ring_tokens(layout: Layout, seq_len: int) -> tuple[int, ...] | None:
     return tokens_for_speeds(seq_len, shares)
 
 
-def unpriced_attention(kernel: AttentionTraits, mesh: Mapping[str, int]) -> str | None:
+def unpriced_attention(
+    kernel: AttentionTraits, mesh: Mapping[str, int], kernels: Sequence[AttentionTraits] = ()
+) -> str | None:
     """Why the cost model cannot price attention ``kernel`` on ``mesh``, or None when it can.
 
     A kernel that splits the length (ring, all-to-all or USP attention, its ``context_exchange``) is
@@ -209,12 +211,15 @@ def unpriced_attention(kernel: AttentionTraits, mesh: Mapping[str, int]) -> str 
     Args:
       kernel: The attention's traits (`sharding.modeldesc.ModelDescription.attention_kernel`).
       mesh: Mesh axis -> size (missing axes are 1).
+      kernels: The model's kernels (`sharding.modeldesc.ModelDescription.attention_kernels`): the reason names
+        those that split the length, the ones that would be priced.
     """
     context = mesh.get(ax.CONTEXT, 1)
     if context > 1 and not kernel.splits_length:
+        splitting = ", ".join(k.name for k in kernels if k.splits_length)
         return (
             f"attention {kernel.name!r} over context={context}: the cost model prices the context axis for the "
-            f"attentions that split the length (ring, ulysses, usp) only"
+            f"attentions that split the length{f' ({splitting})' if splitting else ''} only"
         )
     return None
 
@@ -227,7 +232,7 @@ def attention_of(model: ModelDescription, layout: Layout) -> AttentionTraits:
         layout's mesh (`unpriced_attention`); each names the attention.
     """
     kernel = model.attention_kernel(layout.attention)
-    reason = unpriced_attention(kernel, layout.mesh)
+    reason = unpriced_attention(kernel, layout.mesh, model.attention_kernels)
     if reason:
         raise ValueError(reason)
     return kernel

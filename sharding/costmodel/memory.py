@@ -16,6 +16,7 @@ import functools
 import math
 
 from sharding import axes as ax
+from sharding.costmodel.experts import DENSE_GROUPED_BACKENDS, batched_experts
 from sharding.costmodel.layout import (
     _BATCH_FIELDS,
     _INT_BYTES,
@@ -129,16 +130,14 @@ def _held_pipeline_params(model: ModelDescription, rules: Rules, mesh_items: tup
 
 def _grouped_cpu_bytes(model: ModelDescription, layout: Layout, rules: Rules, s: _Shape, backend: str) -> float:
     """What XLA:CPU alone holds for a mixture of experts' grouped products (`jax.lax.ragged_dot`), bytes; 0 on
-    other backends. Its dense lowering (`sharding.costmodel.flops.DENSE_GROUPED_BACKENDS`) builds masked float32
+    other backends. Its dense lowering (`sharding.costmodel.experts.DENSE_GROUPED_BACKENDS`) builds masked float32
     ``[E_local, rows, D]`` and ``[E_local, rows, F]`` operands in a layer's backward pass (three of the first and
     one of the second live at its peak: the rows, the output's cotangent and a relayout, and the hidden's); and
     with a bfloat16 step it upcasts the saved routed activations (the ``per_copy`` terms) to float32 copies for
     its dots, every layer's at once before the backward loop. Read from the buffer assignment of
     ``qwen3-30b-a3b`` on ``expert=8`` (2 layers, E 16 and 128, 8 x 256, bfloat16)."""
-    from sharding.costmodel.flops import DENSE_GROUPED_BACKENDS, _batched_experts  # flops imports this module
-
     experts = model.experts
-    if experts is None or backend not in DENSE_GROUPED_BACKENDS or _batched_experts(model, layout):
+    if experts is None or backend not in DENSE_GROUPED_BACKENDS or batched_experts(model, layout):
         return 0.0
     mesh = layout.mesh
     rows = s.tok * _copies_held(model, mesh)  # routed copies one layer computes here

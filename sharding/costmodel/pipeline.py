@@ -48,7 +48,7 @@ from sharding.costmodel.layout import (
 from sharding.costmodel.memory import Memory, _attention_scores, _memory
 from sharding.modeldesc import ModelDescription
 from sharding.pipeline.layout import Schedule, parse_schedule, plan_layout
-from sharding.pipeline.storage import storage_axes
+from sharding.pipeline.storage import StageStorage, storage_axes
 from sharding.pipeline.traffic import ALL_GATHER, BATCH, LAYERS, PipelineTraffic
 from sharding.rules import Rules
 
@@ -295,8 +295,6 @@ def _moved_rows(
 ) -> tuple[int, ...]:
     """`_Pipe.moved` from the storage's placement (`Placement.sends`), cached apart from the microbatches and
     schedule it does not depend on. A split the run refuses (a planner's trial) moves no stored rows."""
-    from sharding.pipeline.storage import StageStorage
-
     try:
         placement = StageStorage(plan_layout(num_layers, stages, repeats, stage_layers)[0], groups).placement
     except ValueError:

@@ -32,6 +32,7 @@ from sharding.devices.kinds import (
     _normalise,
     get_kind,
 )
+from sharding.errors import ConfigError, Field
 
 # --- Parsing -----------------------------------------------------------------------
 
@@ -203,8 +204,15 @@ def load_inventory(path: str | os.PathLike) -> Inventory:
 
 
 def _read_document(path: str) -> Any:
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(
+            f"{path}: not a text file (byte {err.start} is {raw[err.start]:#04x}, not UTF-8); give a JSON or YAML "
+            f"inventory, e.g. {_FILE_EXAMPLE}, or a cluster spec such as h100:8"
+        ) from None
     if path.lower().endswith((".yaml", ".yml")):
         try:
             import yaml  # lazy: pyyaml is optional
@@ -400,7 +408,12 @@ def inventory_from_flag(value: str, inter_host_bandwidth: float | None = None) -
         ImportError, ValueError: As :func:`load_inventory` and :func:`parse_cluster`.
     """
     if os.path.isfile(value):
-        return load_inventory(value)
+        try:
+            return load_inventory(value)
+        except ValueError as err:  # name the field the file came from (the messages start with the path)
+            text = str(err)
+            text = text[len(value) + 2 :] if text.startswith(f"{value}: ") else text
+            raise ConfigError(Field("cluster", value), f": {text}") from None
     if value.strip().lower().endswith((".json", ".yaml", ".yml")):
         raise FileNotFoundError(f"inventory file not found: {value!r}")
     return parse_cluster(value, inter_host_bandwidth)

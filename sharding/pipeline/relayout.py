@@ -13,9 +13,9 @@ from __future__ import annotations
 import numpy as np
 
 from sharding import axes as ax
-from sharding.parallel import to_varying
 from sharding.pipeline.layout import StageLayout
 from sharding.pipeline.storage import StageStorage, stack_table
+from sharding.varying import to_varying
 
 Layout = StageLayout | StageStorage | None
 

@@ -5,7 +5,8 @@ processes tokenize one unit each into one shard. A shard is two ArrayRecord file
 ``heldout-NNNNN`` (documents split by `train.data.corpus.is_heldout`), whose records are a document's tokens
 cut into pieces of at most `RECORD_TOKENS` (the last piece of a document ends with the end-of-document token),
 with a ``.lengths.npy`` of the records' token counts beside each, and a ``shard-NNNNN.json`` written last
-(atomically) that marks the shard complete. ``plan.json`` is written first and ``manifest.json`` last:
+(atomically) that marks the shard complete and holds each file's CRC-32 (checked when a run opens the folder
+and by ``python -m train.data verify DIR``: a damaged file is named before any record of it is read). ``plan.json`` is written first and ``manifest.json`` last:
 
 * a rerun on the same sources, tokenizer and settings finds the manifest and reuses the folder;
 * an interrupted run finds the plan and tokenizes only the shards without their ``.json``;
@@ -36,6 +37,7 @@ import numpy as np
 from checkpoints.argparser import Parser
 from train.data.chat import load_chat_template
 from train.data.corpus import SOURCE_HINT, Unit, corpus_files, is_heldout, jsonl_kind, plan_units, unit_documents
+from train.data.integrity import SPLITS, file_crc32, shard_name, verify_command
 from train.data.tokenizer import load_tokenizer
 from train.setup.flagnames import render
 from train.setup.folders import check_writable
@@ -47,7 +49,6 @@ DEFAULT_SHARD_MB = 16
 # its per-token encodings (ids, offsets, strings: tens of bytes a token) from holding a worker's memory high.
 ENCODE_BATCH_DOCS = 256
 ENCODE_BATCH_BYTES = 1 << 20
-SPLITS = ("train", "heldout")
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -141,11 +142,8 @@ class _ShardWriter:
         with tmp.open("wb") as f:
             np.save(f, np.asarray(self.lengths, np.uint32))
         os.replace(tmp, lengths)
+        self.crc32 = file_crc32(self.tmp)
         os.replace(self.tmp, self.path)
-
-
-def shard_name(split: str, index: int) -> str:
-    return f"{split}-{index:05d}.array_record"
 
 
 def _prepare_unit(job) -> dict:
@@ -165,10 +163,13 @@ def _prepare_unit(job) -> dict:
             writers[split].add(np.concatenate([ids.astype(dtype), eod]))
         pending.clear()
 
-    pending_bytes = 0
+    pending_bytes = dropped = 0
     for doc in unit_documents(unit, text_field, flag):
         if doc.messages is not None:
             ids, mask = chat_tokens(doc.messages, template, tokenizer, f"{flag} {doc.name}")
+            if not mask.any():  # nothing to learn: it would only dilute the loss's denominator with zero
+                dropped += 1
+                continue
             split = "heldout" if is_heldout(doc.name, seed, heldout) else "train"
             writers[split].add(np.concatenate([ids.astype(dtype), eod]), np.append(mask, False))
             continue
@@ -178,12 +179,31 @@ def _prepare_unit(job) -> dict:
             flush()
             pending_bytes = 0
     flush()
-    counts = {"index": index, "bytes": unit.nbytes}
+    counts = {"index": index, "bytes": unit.nbytes, "dropped_docs": dropped}
     for split, writer in writers.items():
         writer.close()
         counts[f"{split}_docs"], counts[f"{split}_tokens"] = writer.docs, writer.tokens
+        counts[f"{split}_crc32"] = writer.crc32
     _atomic_json(out / f"shard-{index:05d}.json", counts)
     return counts
+
+
+def check_trainable(specs: list[str], flag: str, totals: dict, dropped: int, log) -> None:
+    """Refuses chat data none of whose conversations has a token to train on (no assistant turn, or only
+    empty ones), naming the sources; says how many were dropped when only some lack one.
+
+    Raises:
+      ValueError: every conversation was dropped.
+    """
+    if not dropped:
+        return
+    kept = totals["train_docs"] + totals["heldout_docs"]
+    if kept == 0:
+        raise ValueError(
+            f"{flag} {' '.join(specs)}: none of its {dropped} conversations has an assistant turn with text, so "
+            'there is no token to train on; give conversations with a {"role": "assistant", "content": "..."} message'
+        )
+    log(f"dropped {dropped} of {dropped + kept} conversations with no assistant text (no token to train on)")
 
 
 def chat_tokens(messages: list[dict], template, tokenizer, where: str) -> tuple[np.ndarray, np.ndarray]:
@@ -331,6 +351,7 @@ def _prepare(specs, out, tokenizer, workers, seed, heldout, text_field, shard_mb
         bar.close()
     shards = [done[i] for i in range(len(units))]
     totals = {f"{s}_{k}": sum(c[f"{s}_{k}"] for c in shards) for s in SPLITS for k in ("docs", "tokens")}
+    check_trainable(specs, flag, totals, sum(c.get("dropped_docs", 0) for c in shards), log)
     if totals["train_docs"] + totals["heldout_docs"] == 0:
         raise ValueError(
             f"{flag} {' '.join(specs)}: no document with text in {len(sources)} file(s) (field '{text_field}'); "
@@ -355,6 +376,7 @@ def _prepare(specs, out, tokenizer, workers, seed, heldout, text_field, shard_mb
         "sources": sources,
         "shards": shards,
         **totals,
+        "dropped_docs": sum(c.get("dropped_docs", 0) for c in shards),
     }
     _atomic_json(manifest_path, manifest)
     elapsed = time.perf_counter() - t0
@@ -411,14 +433,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the held-out split (training's --seed)")
     p.add_argument("--shard-mb", type=float, default=DEFAULT_SHARD_MB, help="input megabytes per shard")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    v = commands.add_parser("verify", help="check a prepared folder's shards against their token counts and CRC-32s")
+    v.add_argument("folder", metavar="DIR", help="a folder written by prepare")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The ``prepare`` command; a refused input is one line on stderr and exit status 2, Ctrl-C one line and
+    """The ``prepare`` and ``verify`` commands (`train.data.integrity.verify_command`); a refused input is one line on stderr and exit status 2, Ctrl-C one line and
     exit status 130 (the shards already written are kept: the same command resumes)."""
     args = build_parser().parse_args(argv)
-
+    if args.command == "verify":
+        return verify_command(args.folder)
     try:
         if args.workers is not None and args.workers < 1:
             raise ValueError(f"--workers {args.workers}: must be at least 1, e.g. --workers 2")

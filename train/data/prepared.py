@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 
 from train.data.corpus import default_cache_dir
-from train.data.prepare import SPLITS, preparation_key, prepare, shard_name
+from train.data.integrity import REPREPARE, shard_name, shard_problems
+from train.data.prepare import preparation_key, prepare
 
 
 def is_prepared(spec: str) -> bool:
@@ -34,21 +35,11 @@ def read_manifest(folder: Path, tokenizer, flag: str = "--data") -> dict:
         hint = "" if saved["name"] == "bytes" else f" {saved['name']}"
         raise ValueError(
             f"{flag} {folder}: prepared with the tokenizer {saved['name']} ({saved['fingerprint']}), but this run "
-            f"uses {tokenizer.name} ({tokenizer.fingerprint}); pass --tokenizer{hint or ' bytes'} or prepare again"
+            f"uses {tokenizer.name} ({tokenizer.fingerprint}); pass --tokenizer{hint or ' bytes'}, or prepare again"
         )
-    for shard in manifest["shards"]:
-        for split in SPLITS:
-            path = folder / shard_name(split, shard["index"])
-            lengths = path.with_suffix(".lengths.npy")
-            try:
-                total = int(np.load(lengths).sum(dtype=np.int64)) if path.is_file() else -1
-            except (OSError, ValueError):
-                total = -1
-            if total != shard[f"{split}_tokens"]:
-                raise ValueError(
-                    f"{flag} {folder}: shard {path.name} is missing or damaged ({lengths.name} does not hold "
-                    f"{shard[f'{split}_tokens']} tokens); prepare the folder again"
-                )
+    problems = shard_problems(folder, manifest)
+    if problems:
+        raise ValueError(f"{flag} {folder}: {problems[0]}; {REPREPARE}")
     return manifest
 
 

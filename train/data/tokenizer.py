@@ -8,6 +8,7 @@ separates packed documents), ``encode_batch``, ``encode_offsets``, ``decode`` an
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -28,6 +29,10 @@ class ByteTokenizer:
     def encode_batch(self, docs: Sequence[bytes]) -> list[np.ndarray]:
         """UTF-8 encoded documents -> uint32 token arrays (without the EOD token)."""
         return [np.frombuffer(doc, dtype=np.uint8).astype(np.uint32) for doc in docs]
+
+    def encode_prompts(self, texts: Sequence[str]) -> list[list[int]]:
+        """Prompts' UTF-8 bytes as token ids (no special tokens: this tokenizer has none to add)."""
+        return [list(text.encode("utf-8")) for text in texts]
 
     def encode_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
         """``(ids, starts)``: uint32 tokens of ``text`` and the index of the character each token starts in."""
@@ -120,6 +125,33 @@ class HFTokenizer:
         texts = [doc.decode("utf-8", errors="replace") for doc in docs]
         encodings = self._tokenizer.encode_batch(texts, add_special_tokens=False)
         return [np.asarray(e.ids, dtype=np.uint32) for e in encodings]
+
+    def encode_prompts(self, texts: Sequence[str]) -> list[list[int]]:
+        """Prompts tokenized as transformers' fast tokenizers do by default (``tokenizer(text)``, that is
+        ``add_special_tokens=True``): the ``tokenizer.json`` post-processor adds its special tokens (a
+        beginning-of-sequence token, or none), and ``add_bos_token`` of a ``tokenizer_config.json`` beside the
+        file, when set, adds or removes its ``bos_token`` in front (as ``LlamaTokenizerFast`` rebuilds its
+        post-processor from it). So a model folder whose ``config.json`` names a ``bos_token_id`` that its
+        tokenizer does not add gets no BOS, as in transformers."""
+        ids = [list(e.ids) for e in self._tokenizer.encode_batch(list(texts), add_special_tokens=True)]
+        add, bos = self._bos_setting()
+        if add is None or bos is None:
+            return ids
+        if add:
+            return [p if p[:1] == [bos] else [bos, *p] for p in ids]
+        return [p[1:] if p[:1] == [bos] else p for p in ids]
+
+    def _bos_setting(self) -> tuple[bool | None, int | None]:
+        """``(add_bos_token, bos id)`` of the ``tokenizer_config.json`` beside the file (None: not set)."""
+        config_path = Path(self.name).with_name("tokenizer_config.json")
+        try:
+            config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        except (OSError, ValueError) as e:
+            raise ValueError(f"--tokenizer {self.name}: {config_path} is not JSON ({e})") from None
+        add, token = config.get("add_bos_token"), config.get("bos_token")
+        token = token.get("content") if isinstance(token, dict) else token
+        bos = self._tokenizer.token_to_id(token) if isinstance(token, str) else None
+        return (add if isinstance(add, bool) else None), bos
 
     def encode_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
         """``(ids, starts)``: uint32 tokens of ``text`` (special tokens written in it included, as transformers

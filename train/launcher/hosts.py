@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import signal
 from collections.abc import Mapping
+
+from train.launcher.orphan import PARENT_GONE_SIGNAL
 
 POLL = 0.2
 """Seconds between looks at the training processes."""
@@ -157,10 +158,12 @@ def child_env(env: Mapping[str, str]) -> dict[str, str]:
 
 
 def die_with_parent() -> None:
-    """In a child before exec: SIGKILL it when the launcher dies (Linux ``PR_SET_PDEATHSIG``; elsewhere nothing)."""
+    """In a child before exec: signal it when the launcher dies (Linux ``PR_SET_PDEATHSIG``; elsewhere nothing),
+    with `train.launcher.orphan.PARENT_GONE_SIGNAL`, which the training process answers with one line and exits
+    (`train.launcher.orphan.watch_launcher`) instead of being killed without a word."""
     try:
         import ctypes
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, PARENT_GONE_SIGNAL)
     except (OSError, AttributeError):
         pass

@@ -64,7 +64,7 @@ class PeerWatch:
         self.interval = min(1.0, self.grace / 5)
         self._client = client
         self._note = checkpoint_note
-        self._lost = lost or _exit_lost
+        self._lost = lost or exit_lost
         self._stop = threading.Event()
         now = time.monotonic()
         self._seen = {p: (None, now) for p in range(num_processes) if p != process_id}  # peer -> (beat, when it moved)
@@ -146,7 +146,7 @@ class PeerWatch:
         return None
 
 
-def _exit_lost(message: str) -> None:
+def exit_lost(message: str) -> None:
     """Prints ``error: MESSAGE`` and leaves at once: no shutdown barrier, no stack trace."""
     print(f"error: {message}", file=sys.stderr)
     sys.stdout.flush()

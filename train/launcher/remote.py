@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 from train.launcher.command import LaunchConfig
 from train.launcher.hosts import POLL, child_env, die_with_parent
+from train.launcher.orphan import LAUNCHER_ENV
 
 HELLO_TIMEOUT = 30.0
 """Seconds host 0 waits for a connecting launcher's first line."""
@@ -233,7 +234,8 @@ def follow(launch: LaunchConfig, timeout: float, log: Callable[[str], None]) -> 
                 message = json.loads(line)
                 if message["op"] == "start":
                     extra = {k: v for k, v in message.get("env", {}).items() if k not in env}
-                    child = subprocess.Popen(message["command"], env=env | extra, preexec_fn=die_with_parent)
+                    own = {LAUNCHER_ENV: str(os.getpid())}  # this host's launcher is the one its children watch
+                    child = subprocess.Popen(message["command"], env=env | extra | own, preexec_fn=die_with_parent)
                     children[message["slot"]] = child
                     index = message["command"][message["command"].index("--process-id") + 1]
                     count = message["command"][message["command"].index("--num-processes") + 1]

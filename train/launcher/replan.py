@@ -11,8 +11,8 @@ from sharding.mesh import format_mesh, split_outer_inner
 from train.data.tokenizer import load_tokenizer
 from train.reports import fit
 from train.setup.checks import validate
-from train.setup.config import resolve_mesh
 from train.setup.flagnames import render
+from train.setup.mesh_fit import resolve_mesh_or_suggest
 
 
 def mesh_text(shape: dict[str, int]) -> str:
@@ -65,7 +65,7 @@ def layout_for(config, processes: int, total: int | None = None) -> str:
     if config.cluster.cpu_devices is None:
         return "resolved by the processes"
     devices = processes * config.cluster.cpu_devices
-    resolved = resolve_mesh(config, devices)
+    resolved = resolve_mesh_or_suggest(config, devices)
     tokenizer = load_tokenizer(config.data.tokenizer, config.data.eod_token)
     validate(resolved, devices, tokenizer)
     fit.check_estimate(resolved)

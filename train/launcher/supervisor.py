@@ -20,6 +20,7 @@ from sharding.mesh import format_mesh
 from train.launcher.command import LaunchConfig, strip_flags
 from train.launcher.distributed import start_service
 from train.launcher.hosts import POLL, child_env, die_with_parent
+from train.launcher.orphan import LAUNCHER_ENV
 from train.launcher.remote import RemoteHost
 from train.launcher.replan import choose, layout_for, outer_for
 from train.setup.flagnames import render
@@ -230,6 +231,7 @@ class Launcher:
         port = free_port()
         service = start_service(port, len(slots), self.config.cluster.dist_timeout)
         env = self.cache_env() | child_env(os.environ)  # a variable this environment sets stays
+        env[LAUNCHER_ENV] = str(os.getpid())  # the children say so if this launcher dies
         argv = self.process_argv(len(slots), restart)
         children = []
         for index, slot in enumerate(slots):

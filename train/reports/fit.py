@@ -91,16 +91,40 @@ def check_compiled(run, compiled) -> str:
     Raises:
       ValueError: When the peak exceeds the memory, naming both figures and the remedies that apply.
     """
-    budget, source = run.cluster.device_memory, run.cluster.device_memory_source
-    peak = step_peak(compiled)
+    return check_peak(
+        step_peak(compiled),
+        run.cluster.device_memory,
+        run.cluster.device_memory_source,
+        ("the step", "the train step"),
+        "compiled memory_analysis: arguments + outputs - aliased + temporaries",
+        f"try {remedies(run)}",
+    )
+
+
+def check_peak(
+    peak: int | None, budget: int | None, source: str, what: tuple[str, str], basis: str, remedy: str
+) -> str:
+    """The one fit verdict of every entry point (training's step, evaluation's loss, generation's cache): a
+    per-device peak (bytes) against the device's memory (bytes, from ``source``).
+
+    Args:
+      what: ``(short, long)`` names of what is measured (``("the step", "the train step")``).
+      basis: how ``peak`` was found (compiled memory analysis, an estimate).
+      remedy: what lowers it, in flags the command accepts.
+
+    Returns:
+      One line: ``fit: ...`` (fits, or not checked and why).
+
+    Raises:
+      ValueError: The peak exceeds the memory, naming both figures, ``basis`` and ``remedy``.
+    """
     if peak is None or budget is None:
         return f"fit: not checked ({'no memory analysis on this backend' if peak is None else source})"
     if peak <= budget:
-        return f"fit: the step's peak {human_bytes(peak)} per device fits the {human_bytes(budget)} of {source} ({peak / budget:.0%})"
+        return f"fit: {what[0]}'s peak {human_bytes(peak)} per device fits the {human_bytes(budget)} of {source} ({peak / budget:.0%})"
     raise ValueError(
-        f"the train step cannot fit: its peak is {human_bytes(peak)} per device (compiled memory_analysis: "
-        f"arguments + outputs - aliased + temporaries), more than the {human_bytes(budget)} of {source}; "
-        f"try {remedies(run)}"
+        f"{what[1]} cannot fit: its peak is {human_bytes(peak)} per device ({basis}), more than the "
+        f"{human_bytes(budget)} of {source}; {remedy}"
     )
 
 

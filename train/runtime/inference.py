@@ -182,7 +182,8 @@ def load_model(args, par) -> LoadedModel:
     (`load_run`).
 
     The end-of-document token is ``config.json``'s ``eos_token_id`` (else the tokenizer's);
-    ``bos_token_id``, when set, is put in front of prompts.
+    ``bos_token_id`` is kept as ``bos_id``; whether prompts start with it is the tokenizer's choice
+    (`train.data.tokenizer.HFTokenizer.encode_prompts`), as in transformers.
 
     Raises:
       ValueError: as `checkpoints.hf`; a missing tokenizer; a tokenizer larger than the vocabulary.
@@ -198,11 +199,17 @@ def load_model(args, par) -> LoadedModel:
     hf_config = hf.read_hf_config(folder)
     config = hf.config_from_hf(hf_config, str(folder / hf.CONFIG_FILE), dtype=args.dtype)
     layout = StateLayout(config, par)
-    tokenizer_file = Path(args.tokenizer) if args.tokenizer else folder / hf.TOKENIZER_FILE
-    if not tokenizer_file.is_file():
-        raise ValueError(f"{folder}: no {hf.TOKENIZER_FILE}; pass --tokenizer FILE")
     eos, bos = hf.token_id(hf_config.get("eos_token_id")), hf.token_id(hf_config.get("bos_token_id"))
-    tokenizer = HFTokenizer(tokenizer_file, hf.eod_token(folder, tokenizer_file))
+    if args.tokenizer in ("bytes", ""):  # as training spells it: UTF-8 bytes (a prepared folder may say so)
+        tokenizer, tokenizer_file = load_tokenizer(args.tokenizer), "bytes"
+    else:
+        tokenizer_file = Path(args.tokenizer) if args.tokenizer else folder / hf.TOKENIZER_FILE
+        if not tokenizer_file.is_file():
+            where = (
+                f"--tokenizer {args.tokenizer}: no such file" if args.tokenizer else f"{folder}: no {hf.TOKENIZER_FILE}"
+            )
+            raise ValueError(f"{where}; pass --tokenizer FILE (a tokenizer.json) or --tokenizer bytes")
+        tokenizer = HFTokenizer(tokenizer_file, hf.eod_token(folder, tokenizer_file))
     if tokenizer.vocab_size > config.vocab_size:
         raise ValueError(
             f"--tokenizer {tokenizer_file}: {tokenizer.vocab_size} tokens, more than the model's "

@@ -98,6 +98,8 @@ class Trainer:
       strategy: The `train.strategies.GradientStrategy`; its step inputs (`GradientStrategy.step_inputs`)
         are inputs of the step beside ``stop`` (`signals`).
       schedule: The learning rate by update count (`train.runtime.optimizer.learning_rate_schedule`).
+      startup_compile_seconds: Seconds the start-up check took to compile this step (None: not compiled
+        there); a dry run's compilation then comes from the cache and reports this figure.
 
     Raises:
       ValueError: A strategy that does not fit the mesh (`train.strategies.make_strategy`), or as
@@ -113,6 +115,7 @@ class Trainer:
         self.strategy = strategies.make_strategy(par, self.state_layout)
         self.step_inputs = self.strategy.step_inputs()
         self._jitted: dict[tuple, Any] = {}
+        self.startup_compile_seconds: float | None = None
 
     def __getattr__(self, name: str):
         if name in _LAYOUT_ATTRIBUTES:

@@ -14,6 +14,7 @@ from checkpoints.meta import RunMeta
 from checkpoints.verify import restore_falling_back
 from models.attention import layout_shards
 from train.data import context_permutation, load_dataset
+from train.launcher.orphan import launcher_pid
 from train.launcher.peers import any_process, sync_processes
 from train.reports import fit, report
 from train.runtime import agreement
@@ -35,7 +36,8 @@ def hold_run_folder(run_dir: str, break_lock: bool, process_index: int, log):
     lock, error = None, None
     if process_index == 0:
         try:
-            lock = RunLock.acquire(run_dir, lambda line: log(render(line)), break_lock)  # its notes name fields
+            # its notes name fields; under train.launch the lock also names the launcher, the process to stop
+            lock = RunLock.acquire(run_dir, lambda line: log(render(line)), break_lock, launcher_pid())
         except ValueError as e:
             error = e
     if any_process(error is not None):  # the other processes stop with process 0, not at its first collective

@@ -8,10 +8,16 @@ flags placed before the command line's, so argparse checks them exactly as typed
 command line overrides the file (a repeatable one adds to its list).
 
 Every run (process 0) writes ``RUN_DIR/config.json`` atomically: the command line as typed and every flag's
-resolved value. ``--resume --run-dir R`` reads from that record, when no ``--config`` is given, the flags that say what
-the checkpoints hold and how they are laid out and fed (`RESUMED`: the model, tokenizer, data, layout and
-optimizer), so a resume needs none of them repeated; how this invocation runs (steps, checkpoint and
-evaluation intervals, processes, devices) comes from its own command line and the defaults.
+resolved value. ``--resume --run-dir R`` reads from that record, when no ``--config`` is given, every setting
+of the run (the model, tokenizer, data, layout and optimizer, and also its steps, devices, checkpoint,
+evaluation and log intervals) but what the command line names, so ``--resume --run-dir R`` alone continues
+the run as it was started. The model's flags (`MODEL_FLAGS`) and the layout's
+(`train.setup.layout_flags.RECORDED_LAYOUT_FLAGS`) are each taken whole or not at all; the flags of
+`NOT_RECORDED` and those the launcher gives each process (`PER_PROCESS`) are never taken.
+
+A resume's record keeps the run's history: ``history`` lists the first command line with its flags, then
+each later invocation's command line and the flags it changed (``{"flag": [before, after]}``); ``command``
+and ``flags`` are the latest (what the next resume reads).
 """
 
 from __future__ import annotations
@@ -32,13 +38,9 @@ NOT_RECORDED = ("config", "resume", "resume_step", "discard_later", "break_lock"
 """Flags a resume from the record does not take from it: they say what this invocation does."""
 MODEL_FLAGS = ("model", "set", "init_from")
 """The model as a whole: a command line that names one of them restates the model, and the record's are not taken."""
-RESUMED = (
-    *MODEL_FLAGS, *RECORDED_LAYOUT_FLAGS, "dtype", "remat", "attention", "logits", "tokenizer", "eod_token", "data",
-    "heldout", "seq_len", "batch_size", "seed", "optimizer", "beta1", "beta2", "eps", "lr", "schedule", "warmup",
-    "decay_steps", "weight_decay", "grad_clip", "skip_nonfinite", "max_loss",
-)  # fmt: skip
-"""What a resume takes from the run record (flag destinations): the model, its data, its layout and optimizer,
-each group whole (`MODEL_FLAGS`, `train.setup.layout_flags.RECORDED_LAYOUT_FLAGS`) unless the command line names one of its flags."""
+PER_PROCESS = ("coordinator", "num_processes", "process_id", "external_coordinator", "run_dir")
+"""Flags that say which process of which job this is: a resume takes them from its own command line (the launcher
+gives them), never from the record."""
 
 
 def _actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
@@ -52,9 +54,20 @@ def to_argv(values: dict, parser: argparse.ArgumentParser, source: str) -> list[
     Raises:
       ValueError: A key that is no flag, or a value of the wrong kind, naming ``source`` and the key.
     """
-    actions, argv = _actions(parser), []
+    actions, argv, seen = _actions(parser), [], {}
     for key, value in values.items():
         dest = key.replace("-", "_")
+        if dest in seen:
+            raise ValueError(
+                f"--config {source}: keys {seen[dest]!r} and {key!r} are the same flag --{dest.replace('_', '-')}; "
+                f"keep one of them"
+            )
+        seen[dest] = key
+        if dest == "config":
+            raise ValueError(
+                f"--config {source}: key {key!r}: a config file cannot name another; copy that file's keys into "
+                f"this one"
+            )
         action = actions.get(dest)
         if action is None or dest == "help":
             raise ValueError(
@@ -124,11 +137,11 @@ def expand(argv: Sequence[str], parser: argparse.ArgumentParser) -> list[str]:
     record = Path(known.run_dir) / RECORD if known.run_dir else None
     if known.resume and record is not None and record.is_file():
         named = _named_dests(argv, parser)
-        taken = [
-            d for d in RESUMED
-            if d not in named and not any(named & set(group) and d in group for group in (MODEL_FLAGS, RECORDED_LAYOUT_FLAGS))
-        ]  # fmt: skip
-        flags = {k: v for k, v in read_file(str(record)).items() if k.replace("-", "_") in taken}
+        skipped = {*NOT_RECORDED, *PER_PROCESS, *named}
+        for group in (MODEL_FLAGS, RECORDED_LAYOUT_FLAGS):
+            if named & set(group):
+                skipped |= set(group)
+        flags = {k: v for k, v in read_file(str(record)).items() if k.replace("-", "_") not in skipped}
         return to_argv(flags, parser, str(record)) + list(argv)
     return list(argv)
 
@@ -140,9 +153,29 @@ def record_of(argv: Sequence[str], args: argparse.Namespace) -> dict:
     return {"command": list(argv), "flags": json.loads(json.dumps(flags, default=str))}
 
 
+def with_history(previous: dict | None, record: dict) -> dict:
+    """``record`` (`record_of`) with the run's ``history`` (see the module docstring): ``previous`` (the
+    record already in the folder, None for a new run) extended by this invocation's command line and the flags
+    it changed."""
+    if not isinstance(previous, dict) or not isinstance(previous.get("flags"), dict):
+        return {**record, "history": [{"command": record["command"], "flags": record["flags"]}]}
+    before, after = previous["flags"], record["flags"]
+    changed = {k: [before.get(k), after.get(k)] for k in sorted({*before, *after}) if before.get(k) != after.get(k)}
+    history = previous.get("history")
+    if not isinstance(history, list):  # a record written before histories were kept: its run opens the list
+        history = [{"command": previous.get("command"), "flags": before}]
+    return {**record, "history": [*history, {"command": record["command"], "changed": changed}]}
+
+
 def write_record(run_dir: str, record: dict) -> Path:
-    """Writes ``record`` (`record_of`) to ``RUN_DIR/config.json`` atomically (a temporary file renamed over it)."""
+    """Writes ``record`` (`record_of`) to ``RUN_DIR/config.json`` atomically (a temporary file renamed over it),
+    keeping the history of the record it replaces (`with_history`)."""
     path = Path(run_dir) / RECORD
+    try:
+        previous = json.loads(path.read_text()) if path.is_file() else None
+    except (OSError, ValueError):
+        previous = None  # an unreadable record: this run's starts the history again
+    record = with_history(previous, record)
     tmp = path.with_name(f".{RECORD}.{os.getpid()}")
     tmp.write_text(json.dumps(record, indent=1) + "\n")
     os.replace(tmp, path)

@@ -79,7 +79,7 @@ def parallelism_from_args(args, num_layers: int) -> Parallelism:
       ValueError: A malformed ``--mesh``/``--mesh-outer``/``--rule``/``--stage-layers``/``--hetero-batch``,
         pipeline flags without a stage axis, or flags of two strategies at once; naming the flags.
     """
-    sizes = parse_axis_sizes(args.mesh if args.mesh.strip() else "fsdp=-1")
+    sizes = parse_axis_sizes(args.mesh)
     outer = parse_axis_sizes(args.mesh_outer, field="mesh_outer", allow_fill=False) if args.mesh_outer else None
     rules = get_rules(args.rules, args.rule)
     strategy = strategy_from_args(args, sizes, num_layers)
@@ -191,9 +191,10 @@ def _checked_stages(sizes: dict[str, int], num_layers: int, microbatches: int) -
         good = max(d for d in range(1, num_layers + 1) if stages % d == 0)
         fsdp = sizes.get(ax.FSDP, 1)
         fixed = {**sizes, ax.STAGE: good, ax.FSDP: fsdp if fsdp == -1 else fsdp * (stages // good)}
+        more = f" --microbatches {good}" if 1 < good and microbatches < good else ""  # a microbatch per stage
         raise ValueError(
             f"--mesh {format_mesh(sizes)}: the model has {num_layers} layers, fewer than the {stages} stages; use "
-            f"--mesh {format_mesh(fixed)} (or more layers, --set num_layers={stages})"
+            f"--mesh {format_mesh(fixed)}{more} (or more layers, --set num_layers={stages})"
         )
     return stages
 

@@ -12,6 +12,7 @@ import math
 from checkpoints.argparser import Parser
 from models import attention_registry
 from models.config import DTYPES, LOGITS_IMPLS, PRESETS, REMAT_POLICIES
+from sharding.axes import MESH_AXES
 from sharding.parallel import CONTEXT_LAYOUTS, OPTIMIZER_SHARDINGS, REPLICATED
 from sharding.pipeline import (
     GATHERS,
@@ -72,14 +73,14 @@ def _mesh_flags(p) -> None:
     g.add_argument(
         "--mesh",
         default="fsdp=-1",
-        help="mesh axes and sizes, e.g. data=2,fsdp=-1,tensor=2; "
-        "one -1 takes the remaining devices; axes left out have size 1",
+        help=f"mesh axes ({', '.join(MESH_AXES)}) and sizes, e.g. data=2,fsdp=-1,tensor=2; "
+        "one -1 takes the remaining devices; axes left out have size 1 (docs/sharding.md)",
     )
     g.add_argument(
         "--rules",
         default=DEFAULT_PRESET,
         choices=sorted(RULE_PRESETS),
-        help="logical-to-mesh rules preset (see README: Sharding rules)",
+        help="logical-to-mesh rules preset (docs/sharding.md: Sharding rules)",
     )
     g.add_argument(
         "--rule",
@@ -326,7 +327,7 @@ def _pipeline_flags(p) -> None:
 
 
 def _hetero_flags(p) -> None:
-    g = p.add_argument_group("heterogeneous clusters (README: Heterogeneous clusters)")
+    g = p.add_argument_group("heterogeneous clusters (docs/heterogeneous.md)")
     g.add_argument(
         "--cluster",
         default=None,

@@ -14,7 +14,8 @@ from train.setup import strategy_setup
 from train.setup.auto_plan import apply_plan
 from train.setup.calibrate import resolve_context_shares, resolve_counts
 from train.setup.checks import check_attention_platform, check_simulated_devices, validate
-from train.setup.config import RunConfig, resolve_mesh
+from train.setup.config import RunConfig
+from train.setup.mesh_fit import resolve_mesh_or_suggest
 
 
 def prepare(config: RunConfig, devices, log):
@@ -27,7 +28,7 @@ def prepare(config: RunConfig, devices, log):
     config = apply_plan(config, devices, log)
     check_simulated_devices(config.parallelism.mesh_shape, devices, config.cluster.cpu_devices)
     check_attention_platform(config.model.attention, devices)
-    config = resolve_mesh(config, len(devices))
+    config = resolve_mesh_or_suggest(config, len(devices))
     tokenizer = load_tokenizer(config.data.tokenizer, config.data.eod_token)
     validate(config, len(devices), tokenizer)
     config = fit.resolve_budget(config, devices)
@@ -57,11 +58,14 @@ def build_trainer(config: RunConfig, log):
         log(f"compiling the train step ({checked_for}) ...")
         t0 = time.perf_counter()
         compiled = trainer.compile_train_step(config.data.batch_size, trainer.par.positions(config.data.seq_len))
-        log(f"compiled the train step in {time.perf_counter() - t0:.1f} s (later compilations of it are cached)")
+        seconds = time.perf_counter() - t0
+        log(f"compiled the train step in {seconds:.1f} s (later compilations of it are cached)")
         checked, note = strategy_setup.check_compiled(trainer.par, compiled.as_text())
         if note:
             notes.append(note)
             trainer = step.Trainer(config.model, config.optimizer, checked)
+        else:  # the dry run's compilation of the same step then comes from the cache: it reports this one's time
+            trainer.startup_compile_seconds = seconds
     for line in report.startup(config, trainer, speeds, notes):
         log(line)
     return trainer
