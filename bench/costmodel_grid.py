@@ -48,6 +48,9 @@ GRID = [
     # A larger vocabulary: the loss runs vocabulary-parallel (sharding.vocab picks it).
     ("test+vocab_size=4096", "fsdp=8", "fsdp_tp", 16, 64, 1, "none"),
     ("test+vocab_size=4096", "fsdp=8", "fsdp_tp", 16, 64, 2, "none"),
+    # Sequence parallelism: the residual stream split over tensor, each block's all-reduce an all-gather and a
+    # reduce-scatter (an all-reduce and a slice on CPU).
+    ("test", "data=2,fsdp=2,tensor=2", "fsdp_tp_sp", 16, 64, 1, "none"),
 ]
 
 #: Reported by the bench, not asserted: context parallelism by the partitioner on reference
@@ -79,6 +82,8 @@ PIPELINE_GRID = [
     # tensor inside the stages, its weights gathered once or per microbatch (an eleventh field, ``--pipeline-gather``)
     ("test", "stage=2,fsdp=2,tensor=2", "fsdp_tp", 16, 32, 4, "none", (3, 1), 1, "1f1b-fused"),
     ("test", "stage=2,fsdp=2,tensor=2", "fsdp_tp", 16, 32, 4, "none", (3, 1), 1, "zb", "microbatch"),
+    # and with sequence parallelism: the residual stream, and the sends between stages, split over tensor too
+    ("test", "stage=2,data=2,tensor=2", "tp_sp", 16, 32, 4, "none", (3, 1), 1, "1f1b"),
     # The weights gathered per microbatch (an eleventh field): a chunk pass runs blocks of G = 4 slot
     # positions (2 or 3 layers, the rest empty), and recomputes each block's other inputs in the backward.
     ("test", "stage=2,fsdp=4", "fsdp", 16, 32, 4, "none", None, 1, "1f1b", "microbatch"),

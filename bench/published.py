@@ -35,11 +35,10 @@ How each column maps onto meshwork (`row_layout`; meshwork's closest feature whe
   with Megatron-LM's own clock (``--pipeline-clock fused``: bubble ``(S-1)/(M v)``); the pipeline's backward pass
   recomputes each layer, which is Megatron's full recomputation, so ``--remat none`` there.
 * ``recompute``: ``full`` -> ``--remat full``, ``selective`` -> ``--remat dots``, else ``none``.
-* ``sp`` (Megatron's sequence parallelism) and ``dist_opt`` (the distributed optimizer): not features of this
-  branch. ``sp`` is priced as plain tensor parallelism (the same bytes: an all-reduce is a reduce-scatter plus
-  an all-gather; the activation memory is not split); ``dist_opt`` as replicated optimizer state on the
-  ``data`` axis (the same gradient traffic as its reduce-scatter + all-gather; the memory is not split, so
-  such rows may not fit).
+* ``sp`` (Megatron's sequence parallelism) ``on`` with ``tp`` > 1 -> the rules' sequence-parallel variant
+  (``tp_sp``, ``fsdp_tp_sp``); ``dist_opt`` ``on ...`` with ``data`` > 1 -> ``--optimizer-sharding data``
+  (ZeRO stage 1 over ``data``; its gradient reduce-scatter plus parameter all-gather moves the all-reduce's
+  bytes). ``dist_opt`` ``FSDP``/``ZeRO-3`` rows are already priced as ``fsdp``.
 * What the run overlaps beyond meshwork's program (`row_overlaps`, ``train.plan --overlap-axes``): rows whose
   note says their communication was overlapped (the Megatron-LM README's: ``--overlap-grad-reduce
   --overlap-param-gather --tp-comm-overlap``) and NeMo's recipes (the DGX-benchmark rows: NeMo's performance
@@ -212,6 +211,11 @@ def row_overlaps(row: Row) -> tuple[str, ...]:
     return ()
 
 
+def _on(value) -> bool:
+    """A CSV on/off cell (``on``, ``on (distributed_fused_adam)``) read as switched on."""
+    return str(value or "").strip().lower().startswith("on")
+
+
 def row_layout(row: Row) -> tuple[str, str]:
     """``(--layout flags, pipeline clock)`` of the row (module docstring's mapping)."""
     model_split = row.tp * row.pp * row.cp
@@ -225,10 +229,14 @@ def row_layout(row: Row) -> tuple[str, str]:
     mesh = [("data", data), ("stage", row.pp), ("fsdp", fsdp_size), ("sequence", row.cp), ("tensor", row.tp)]
     text = ",".join(f"{a}={n}" for a, n in mesh if n > 1 or a == "data")
     rules = ("fsdp_tp" if row.tp > 1 else "fsdp") if fsdp else ("tp" if row.tp > 1 else "dp")
+    if row.tp > 1 and _on(row.sp):
+        rules += "_sp"
     micro = row.gbs // (data * fsdp_size * row.mbs) if row.pp > 1 else 1
     attention = "reference" if "SC'21" in row.source else ("ring" if row.cp > 1 else "flash")
     remat = {"full": "full", "selective": "dots"}.get(row.recompute.split(" ")[0].lower(), "none")
     flags = f"--mesh {text} --rules {rules} --microbatches {micro} --attention {attention} --dtype bfloat16"
+    if data > 1 and _on(row.dist_opt):
+        flags += " --optimizer-sharding data"
     clock = "lockstep"
     if row.pp > 1:
         repeats = min(row.vp, row.layers // row.pp)

@@ -372,4 +372,4 @@ class Attention(nnx.Module):
         """Attention output ``[B, T, N, H]`` -> ``[B, T, D]`` (same dtype), laid out by ``par``."""
         out = par.constrain(out, (ax.BATCH, ax.LENGTH, ax.HEADS, ax.HEAD_DIM))
         y = jnp.einsum("BTNH,NHD->BTD", out, lora.weight(self, "o").astype(out.dtype))
-        return par.constrain(y, (ax.BATCH, ax.LENGTH, ax.ACT_EMBED))
+        return par.constrain(y, (ax.BATCH, ax.ACT_LENGTH, ax.ACT_EMBED))

@@ -88,7 +88,11 @@ class Embed(nnx.Module):
         elif par.pipeline is not None and any(par.auto_shape[a] > 1 for a in par.rules.mesh_axes(ax.EMBED)):
             table = par.constrain(table, (ax.VOCAB, ax.EMBED))  # as the rules split it, not as stored over stage
         x = jnp.take(table, tokens, axis=0).astype(dtype)
-        return par.constrain(x, (ax.BATCH, ax.LENGTH, ax.ACT_EMBED))
+        # Looked up with the block's length first: under sequence parallelism the lookup's partial sums over a
+        # split vocabulary are then summed and scattered along the length (a reduce-scatter), rather than
+        # regrouped through the batch axes.
+        x = par.constrain(x, (ax.BATCH, ax.LENGTH, ax.ACT_EMBED))
+        return par.constrain(x, (ax.BATCH, ax.ACT_LENGTH, ax.ACT_EMBED))
 
     def attend(self, x: jax.Array) -> jax.Array:
         """``[batch, length, embed]`` -> logits ``[batch, length, vocab]``."""
@@ -198,4 +202,4 @@ class MLP(nnx.Module):
         up = jnp.einsum("BTD,DF->BTF", x, lora.weight(self, "up").astype(dtype))
         hidden = par.constrain(jax.nn.silu(gate) * up, (ax.BATCH, ax.LENGTH, ax.MLP))
         out = jnp.einsum("BTF,FD->BTD", hidden, lora.weight(self, "down").astype(dtype))
-        return par.constrain(out, (ax.BATCH, ax.LENGTH, ax.ACT_EMBED))
+        return par.constrain(out, (ax.BATCH, ax.ACT_LENGTH, ax.ACT_EMBED))

@@ -293,7 +293,7 @@ class MoE(nnx.Module):
         out = routed
         if config.shared_experts:
             out = out + self.shared(x, par)
-        return par.constrain(out, (ax.BATCH, ax.LENGTH, ax.ACT_EMBED)), stats
+        return par.constrain(out, (ax.BATCH, ax.ACT_LENGTH, ax.ACT_EMBED)), stats
 
 
 def _group(x, experts, weights, gate, up, down, config: ModelConfig, first=0, gather_axes=(), sum_axes=()):

@@ -172,18 +172,26 @@ def _activations(config: ModelConfig) -> tuple[Term, ...]:
     The score products have batch dimensions (batch, heads) and a Pallas kernel is no product, so the attention
     output is recomputed; down's output feeds only the residual add, whose gradient reads no primal, so it is no
     residual. Checked against the compiled step's temporaries per layer (``tests/test_costmodel.py``).
+
+    The terms named ``act_length`` live in the residual stream, outside the attention and MLP blocks: under
+    sequence parallelism they take 1/``tensor`` of their memory (Korthikanti et al., 2022, section 4.2.2). Read
+    from the compiled step: ``test`` on ``data=2,tensor=4`` (1,024 tokens a device, float32) saves 387 float32
+    elements per token and layer less with the ``tp_sp`` rules than with ``tp``, 4 ``d`` x 3/4 (the block input,
+    the attention's output projection, reduce-scattered, and the two norms' float32 copies), and with
+    ``remat="dots"`` 192, 2 ``d`` x 3/4 (the two of them it keeps); the norm outputs the products read are
+    gathered whole along the length, and saved so.
     """
     d, f, n, k, h = config.embed_dim, config.mlp_dim, config.num_heads, config.num_kv_heads, config.head_dim
     moe = config.num_moe_layers / config.num_layers if config.is_moe else 0.0
     return (
-        Term(d, kept=("input",), what="block input"),
-        Term(d, kept=("dot",), what="attention output projection"),
+        Term(d, ax.ACT_LENGTH, kept=("input",), what="block input"),
+        Term(d, ax.ACT_LENGTH, kept=("dot",), what="attention output projection"),
         Term(4 * d, what="norm outputs and residual branches"),
         Term(n * h, ax.HEADS, kept=("dot",), what="queries (the q product's output)"),
         Term(n * h, ax.HEADS, what="the attention output (not a product without batch dimensions)"),
         Term(2 * k * h, ax.KV_HEADS, kept=("dot",), what="keys and values (the k and v products' outputs)"),
         Term(2 * k * h, ax.KV_HEADS, what="the rotated keys and the values as attention takes them"),
-        Term(2 * d, bytes=4, what="float32 copies inside the two RMSNorms"),
+        Term(2 * d, ax.ACT_LENGTH, bytes=4, what="float32 copies inside the two RMSNorms"),
         Term(n, ax.HEADS, per_key=True, bytes=4, what="float32 softmax of the scores"),
         Term(1, per_key=True, bytes=1, what="the boolean mask"),
     ) + tuple(

@@ -82,13 +82,13 @@ class Block(nnx.Module):
         """``[batch, length, embed]`` -> (same shape and dtype, the mixture of experts' float32 scalars
         ``aux``, ``z``, ``dropped`` (`models.moe.MoE`), empty for a dense block). ``stats_axes``: as
         `models.moe.MoE`."""
-        x = x + self.attention(self.attention_norm(x), positions, segment_ids, par)
+        x = x + self.attention(_block_input(self.attention_norm(x), par), positions, segment_ids, par)
         stats = {}
         if hasattr(self, "moe"):
-            y, stats = self.moe(self.mlp_norm(x), par, stats_axes)
+            y, stats = self.moe(_block_input(self.mlp_norm(x), par), par, stats_axes)
         else:
-            y = self.mlp(self.mlp_norm(x), par)
-        return par.constrain(x + y, (ax.BATCH, ax.LENGTH, ax.ACT_EMBED)), stats
+            y = self.mlp(_block_input(self.mlp_norm(x), par), par)
+        return par.constrain(x + y, (ax.BATCH, ax.ACT_LENGTH, ax.ACT_EMBED)), stats
 
     def extend(self, x: jax.Array, positions: jax.Array, k_cache: jax.Array, v_cache: jax.Array, par: Parallelism):
         """`__call__` for new tokens over a key/value cache (`models.attention.Attention.extend`).
@@ -98,7 +98,15 @@ class Block(nnx.Module):
         y, k_cache, v_cache = self.attention.extend(self.attention_norm(x), positions, k_cache, v_cache, par)
         x = x + y
         x = x + (self.moe(self.mlp_norm(x), par)[0] if hasattr(self, "moe") else self.mlp(self.mlp_norm(x), par))
-        return par.constrain(x, (ax.BATCH, ax.LENGTH, ax.ACT_EMBED)), k_cache, v_cache
+        return par.constrain(x, (ax.BATCH, ax.ACT_LENGTH, ax.ACT_EMBED)), k_cache, v_cache
+
+
+def _block_input(h: jax.Array, par: Parallelism) -> jax.Array:
+    """A normalised residual ``[batch, length, embed]`` laid out as the attention or MLP block reads it: its
+    length split as the block's (``length``), not as the residual stream's (``act_length``). Under sequence
+    parallelism this is where the partitioner all-gathers the length over ``tensor`` (Korthikanti et al.,
+    2022, section 4.2.2); elsewhere the two names split alike and this changes nothing."""
+    return par.constrain(h, (ax.BATCH, ax.LENGTH, ax.ACT_EMBED))
 
 
 def _make_stack(config: ModelConfig, moe: bool, keys: jax.Array) -> Block:
@@ -293,7 +301,7 @@ class Transformer(nnx.Module):
         impl = self.config.logits
 
         def head(head_par, head_params, h, targets, weights):
-            names = (ax.BATCH, ax.LENGTH, ax.ACT_EMBED)
+            names = (ax.BATCH, ax.ACT_LENGTH, ax.ACT_EMBED)
             x = head_par.constrain(nnx.merge(norm_def, head_params["norm"])(head_par.constrain(h, names)), names)
             return output_loss_sums(
                 x, head_params["weight"], targets, weights, impl=impl, vocab_last=vocab_last, par=head_par
@@ -394,7 +402,7 @@ class Transformer(nnx.Module):
         x = self.embed(tokens, _dtype(self.config.dtype), par)
         x, stats = self.run_layers_with_stats(x, positions, segment_ids, par)
         head = head_parallelism(par)
-        names = (ax.BATCH, ax.LENGTH, ax.ACT_EMBED)
+        names = (ax.BATCH, ax.ACT_LENGTH, ax.ACT_EMBED)
         return head.constrain(self.final_norm(head.constrain(x, names)), names), stats
 
     def extend(

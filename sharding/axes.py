@@ -23,7 +23,10 @@ split over ``fsdp`` and ``expert`` (ZeRO-3 over all the devices of the batch; Ma
 
 Activations use their own name where their rule must differ from the
 weights' (``act_embed``: the embedding dimension of an activation stays whole
-while the weights' ``embed`` is split over ``fsdp``).
+while the weights' ``embed`` is split over ``fsdp``). ``act_length`` is the length of the residual
+stream between the attention and MLP blocks (the embedding output, the norms' inputs, the residual adds,
+the loss's input), ``length`` the length inside those blocks: the two differ under sequence parallelism
+(Korthikanti et al., 2022), where ``act_length`` is split over ``tensor`` as well.
 """
 
 # Mesh axes, outermost (slowest links) to innermost (fastest links).
@@ -61,6 +64,7 @@ LORA_RANK = "lora_rank"  # a low-rank adapter's rank dimension (`models.lora`): 
 BATCH = "batch"
 LENGTH = "length"
 ACT_EMBED = "act_embed"
+ACT_LENGTH = "act_length"  # the residual stream's length outside attention and MLP (sequence parallelism)
 
 LOGICAL_AXES: tuple[str, ...] = (
     BATCH,
@@ -76,5 +80,6 @@ LOGICAL_AXES: tuple[str, ...] = (
     EXPERT,
     EXPERT_EMBED,
     ROUTER_EXPERTS,
+    ACT_LENGTH,
     LORA_RANK,
 )

@@ -2,22 +2,30 @@
 
 Model code names each array dimension with a logical axis (`sharding.axes`);
 a `Rules` table maps each logical axis to zero or more mesh axes. The tables
-are data: four presets and ``--rule NAME=AXIS[+AXIS]`` overrides.
+are data: six presets and ``--rule NAME=AXIS[+AXIS]`` overrides.
 
-=========  ==================================================================
-preset     what it shards
-=========  ==================================================================
-dp         the batch over ``data`` and ``fsdp``; parameters replicated
-fsdp       dp + parameters' ``embed`` dimension over ``fsdp`` and ``expert`` (ZeRO-3 style; the
-           experts' weights' ``expert_embed`` over ``fsdp`` only)
-tp         dp + ``heads``, ``kv_heads``, ``mlp``, ``vocab`` over ``tensor``
-           (Megatron-LM style column/row splits)
-fsdp_tp    fsdp and tp together (the default)
-=========  ==================================================================
+==========  ==================================================================
+preset      what it shards
+==========  ==================================================================
+dp          the batch over ``data`` and ``fsdp``; parameters replicated
+fsdp        dp + parameters' ``embed`` dimension over ``fsdp`` and ``expert`` (ZeRO-3 style; the
+            experts' weights' ``expert_embed`` over ``fsdp`` only)
+tp          dp + ``heads``, ``kv_heads``, ``mlp``, ``vocab`` over ``tensor``
+            (Megatron-LM style column/row splits)
+fsdp_tp     fsdp and tp together (the default)
+tp_sp       tp + sequence parallelism: the residual stream's ``act_length`` over ``tensor`` too
+fsdp_tp_sp  fsdp_tp + sequence parallelism
+==========  ==================================================================
 
 In every preset the activations' ``length`` goes over ``context`` and ``sequence``
-(context parallelism; ``context`` outer), and a mixture of experts' ``expert`` dimension over ``expert``,
-which also splits the batch (the batch over ``data``, ``fsdp`` and ``expert``).
+(context parallelism; ``context`` outer), and so does the residual stream's ``act_length`` (the length
+outside the attention and MLP blocks); the ``_sp`` presets split ``act_length`` over ``tensor`` as well,
+inside the context split (Korthikanti et al., 2022, "Reducing Activation Recomputation in Large
+Transformer Models", section 4.2.2: Megatron-LM's sequence parallelism). The norms, residual adds, the
+embedding output and the loss's input then take 1/``tensor`` of their memory, and each block's
+all-reduce over ``tensor`` becomes an all-gather before the block and a reduce-scatter after it, which
+XLA's SPMD partitioner places from the two names' shardings. A mixture of experts' ``expert`` dimension
+goes over ``expert``, which also splits the batch (the batch over ``data``, ``fsdp`` and ``expert``).
 
 Rules are checked per array: two logical axes of one array that land on the
 same mesh axis raise an error naming both. A dimension that a mesh axis does
@@ -38,7 +46,12 @@ from sharding.errors import ConfigError, Field
 AxisNames = tuple[str | None, ...]
 """Logical names of an array's dimensions, one per dimension (None: unnamed)."""
 
-_BATCH_RULES = {ax.BATCH: (ax.DATA, ax.FSDP, ax.EXPERT), ax.LENGTH: ax.LENGTH_MESH_AXES, ax.EXPERT: (ax.EXPERT,)}
+_BATCH_RULES = {
+    ax.BATCH: (ax.DATA, ax.FSDP, ax.EXPERT),
+    ax.LENGTH: ax.LENGTH_MESH_AXES,
+    ax.ACT_LENGTH: ax.LENGTH_MESH_AXES,
+    ax.EXPERT: (ax.EXPERT,),
+}
 # The weights' embed over every batch axis that may split it (ZeRO-3): fsdp, and expert for the weights
 # outside the experts; the experts' own embed over fsdp only (their experts dimension holds expert).
 _FSDP_RULES = {ax.EMBED: (ax.FSDP, ax.EXPERT), ax.EXPERT_EMBED: (ax.FSDP,)}
@@ -48,13 +61,19 @@ _TP_RULES = {
     ax.MLP: (ax.TENSOR,),
     ax.VOCAB: (ax.TENSOR,),
 }
+# Sequence parallelism: the residual stream's length over the context axes, then tensor (innermost).
+_SP_RULES = {ax.ACT_LENGTH: (*ax.LENGTH_MESH_AXES, ax.TENSOR)}
 
 PRESETS: dict[str, dict[str, tuple[str, ...]]] = {
     "dp": dict(_BATCH_RULES),
     "fsdp": {**_BATCH_RULES, **_FSDP_RULES},
     "tp": {**_BATCH_RULES, **_TP_RULES},
     "fsdp_tp": {**_BATCH_RULES, **_FSDP_RULES, **_TP_RULES},
+    "tp_sp": {**_BATCH_RULES, **_TP_RULES, **_SP_RULES},
+    "fsdp_tp_sp": {**_BATCH_RULES, **_FSDP_RULES, **_TP_RULES, **_SP_RULES},
 }
+SEQUENCE_PARALLEL_PRESETS: dict[str, str] = {"tp": "tp_sp", "fsdp_tp": "fsdp_tp_sp"}
+"""Each tensor-parallel preset and its sequence-parallel variant (the planner tries both)."""
 DEFAULT_PRESET = "fsdp_tp"
 
 
@@ -77,6 +96,17 @@ class Rules:
             return ()
         return dict(self.table).get(logical, ())
 
+    @property
+    def sequence_parallel(self) -> bool:
+        """Whether the residual stream's length is split over ``tensor`` (sequence parallelism)."""
+        return ax.TENSOR in self.mesh_axes(ax.ACT_LENGTH)
+
+    def sequence_split(self, mesh_shape: Mapping[str, int]) -> int:
+        """Devices the residual stream's length (``act_length``) is split over beyond the blocks' ``length``:
+        ``tensor``'s size under sequence parallelism, else 1 (``mesh_shape``: mesh axis -> size)."""
+        block = self.mesh_axes(ax.LENGTH)
+        return math.prod(mesh_shape.get(a, 1) for a in self.mesh_axes(ax.ACT_LENGTH) if a not in block)
+
     def as_dict(self) -> dict[str, list[str]]:
         """JSON-friendly form, for reports and checkpoint metadata."""
         return {name: list(mesh_axes) for name, mesh_axes in self.table}
@@ -95,7 +125,7 @@ def get_rules(preset: str = DEFAULT_PRESET, overrides: Iterable[str] = ()) -> Ru
     """Builds rules from a preset name and ``--rule`` overrides.
 
     Args:
-      preset: one of `PRESETS` (``dp``, ``fsdp``, ``tp``, ``fsdp_tp``).
+      preset: one of `PRESETS` (``dp``, ``fsdp``, ``tp``, ``fsdp_tp``, ``tp_sp``, ``fsdp_tp_sp``).
       overrides: strings ``NAME=AXIS[+AXIS]``; ``NAME=none`` or ``NAME=``
         replicates that logical axis.
 

@@ -39,6 +39,7 @@ from sharding.costmodel.pipeline_comms import (
     _pipeline_weight_comms,
     _stage_comms,
 )
+from sharding.costmodel.sequence import sequence_parallel_comms
 from sharding.costmodel.zero import with_zero
 from sharding.errors import ConfigError, Field
 from sharding.modeldesc import ModelDescription
@@ -277,7 +278,10 @@ def _pipeline_cost(
     comms += _pipeline_embedding_comms(model, layout, placed, embed, pipe)
     comms += _pipeline_weight_comms(layout, rules, placed, pipe, model)
     comms += _stage_comms(model, layout, s, pipe, head)
-    comms += _tensor_comms(model, layout, rules, layer, recomputes=pipe.recomputes, with_logits=False)
+    tensor = _tensor_comms(model, layout, rules, layer, recomputes=pipe.recomputes, with_logits=False)
+    comms += sequence_parallel_comms(
+        tensor, model, layout, rules, layer, backend, with_edges=False, recomputes=pipe.recomputes
+    )
     comms += _length_comms(model, layout, rules, layer, backend)
     comms = tuple(c for c in comms if c.group > 1 and c.count > 0)
     (flops, counted), memory, comms = _with_zero(layout, rules, placed, s, flops, memory, comms, backend, counted)

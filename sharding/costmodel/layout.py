@@ -39,7 +39,7 @@ class Layout:
 
     Attributes:
       mesh: Mesh axis -> size over ``data, stage, fsdp, context, sequence, tensor`` (missing axes are 1).
-      rules: Rules preset name (``dp``, ``fsdp``, ``tp``, ``fsdp_tp``) or a `Rules` table.
+      rules: Rules preset name (``dp``, ``fsdp``, ``tp``, ``fsdp_tp``, ``tp_sp``, ``fsdp_tp_sp``) or a `Rules` table.
       microbatches: M, gradient-accumulation steps per global batch (pipeline microbatches when
         ``stage > 1``).
       remat: ``none``, ``dots`` or ``full`` (`models.config.REMAT_POLICIES`).
@@ -358,9 +358,12 @@ def _model_splits(model: ModelDescription, rules: Rules, mesh_items: tuple) -> d
 
 
 def _axis_split(model: ModelDescription, logical: str | None, rules: Rules, mesh: Mapping[str, int]) -> int:
-    """How many ways the rules split the model's logical axis ``logical`` (1 for None)."""
+    """How many ways the rules split the model's logical axis ``logical`` (1 for None; ``act_length``: the
+    residual stream's split beyond the per-device tokens', `sharding.rules.Rules.sequence_split`)."""
     if logical is None:
         return 1
+    if logical == ax.ACT_LENGTH:
+        return rules.sequence_split(mesh)
     return math.prod(mesh[a] for a in _model_splits(model, rules, tuple(mesh.items()))[logical])
 
 

@@ -37,6 +37,7 @@ from sharding.costmodel.layout import (
     _tensor_split,
     attention_of,
 )
+from sharding.costmodel.sequence import sequence_parallel_comms
 from sharding.modeldesc import ModelDescription
 from sharding.rules import Rules
 from sharding.vocab import VocabSplit, choose_output
@@ -59,7 +60,7 @@ def _comms(
     for part_layout, part in _zero_groups(model, layout, rules, placed):
         comms += _weight_gathers(part_layout, part, s, split, backend)
         comms += _gradient_reductions(part_layout, part, s, backend, split)
-    comms += _tensor_comms(model, layout, rules, s, split)
+    comms += sequence_parallel_comms(_tensor_comms(model, layout, rules, s, split), model, layout, rules, s, backend)
     comms += _vocab_parallel_comms(model, layout, placed, s, split)
     if embedding:
         comms += _embedding_comms(model, *_zero_groups(model, layout, rules, placed)[0], s)

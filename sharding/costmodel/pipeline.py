@@ -409,7 +409,7 @@ def _pipeline_memory(
     # per token of a microbatch: every microbatch's stage input, and their cotangent, which the backward fills
     # in one microbatch at a time and the embedding's backward reads after the loop (none of either where stage
     # 0 embeds each microbatch itself)
-    inputs = 0 if _head_streamed(pipe) else 2 * s.micro * model.hidden * s.act_bytes
+    inputs = 0 if _head_streamed(pipe) else 2 * s.micro * model.hidden * s.act_bytes / rules.sequence_split(layout.mesh)
     head_weights = 0.0
     # A layer's backward working set and the head step's never peak together: GPipe/circular run the head
     # between the forward and backward loops, the 1F1B family in its own phase of a tick, before the tick's

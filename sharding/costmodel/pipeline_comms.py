@@ -498,12 +498,14 @@ def _stage_comms(model: ModelDescription, layout: Layout, s: _Shape, pipe: _Pipe
     (`head_parallelism`). Where a stage's R head rows hold some of the microbatches but not all (1 < M/R < S:
     the rows are split over ``stage`` along both the microbatches and their rows, `to_microbatches` being
     strided), the partitioner gathers the cotangent in two steps, the first of R/M of the whole (seen on
-    ``stage=4,fsdp=2`` with M/R = 2)."""
+    ``stage=4,fsdp=2`` with M/R = 2). Under sequence parallelism the ppermuted rows are split along the length
+    over ``tensor`` too (seen on ``stage=2,data=2,tensor=2``, 1F1B: half the bytes)."""
     stages = layout.mesh[ax.STAGE]
     act = s.tok * model.hidden * s.act_bytes
     traffic = pipe.traffic
     sends = traffic.count(PERMUTE, STAGE)  # both ways, every loop trip
-    comms = [Comm("collective-permute", (ax.STAGE,), stages, act, sends, "stage activations", False)]
+    sent = act / layout.rules_table().sequence_split(layout.mesh)  # the residual stream: 1/tensor under SP
+    comms = [Comm("collective-permute", (ax.STAGE,), stages, sent, sends, "stage activations", False)]
     summed = traffic.count(ALL_REDUCE, STAGE, OUTPUTS) + traffic.count(ALL_REDUCE, STAGE, INPUT_COTANGENTS)
     if pipe.one_f_one_b:  # the inputs' cotangent, summed over stage (they were made stage-varying), if any
         if summed:

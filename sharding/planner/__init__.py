@@ -5,8 +5,8 @@ kinds, the network), the global batch and the sequence length, `plan` searches
 
 * the mesh: ``data``, ``stage``, ``fsdp``, ``sequence``, ``tensor`` sizes whose product is the
   device count; each ``tensor`` (and ``sequence``) group inside one host, hence one kind;
-* the rules preset (``dp``, ``fsdp``, ``tp``, ``fsdp_tp``), the attention implementation,
-  microbatches and the remat policy;
+* the rules preset (``dp``, ``fsdp``, ``tp``, ``fsdp_tp``, and for dense models ``tp_sp``, ``fsdp_tp_sp``),
+  the attention implementation, microbatches and the remat policy;
 * per-kind batch shares (uneven data parallelism, `train.strategies.uneven`): each device runs a number of
   microbatches proportional to its kind's speed, then refined on the cost model;
 * stage splits (pipeline): layers per stage proportional to the speed of the kind that holds the

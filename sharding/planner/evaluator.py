@@ -90,7 +90,7 @@ class PlanOptions:
       ValueError: On an unknown ``one_f_one_b_clock``.
     """
 
-    rules: tuple[str, ...] = ("dp", "fsdp", "tp", "fsdp_tp")
+    rules: tuple[str, ...] = ("dp", "fsdp", "tp", "fsdp_tp", "tp_sp", "fsdp_tp_sp")
     remats: tuple[str, ...] = ("none", "dots", "full")
     attentions: tuple[str, ...] | None = None
     dtype: str = "bfloat16"

@@ -95,14 +95,18 @@ def _meshes(model: ModelDescription, cluster: _Cluster, options: PlanOptions) ->
 
 
 def _rules_for(model: ModelDescription, mesh: Mapping[str, int], options: PlanOptions) -> list[str]:
-    """Presets that differ on this mesh: ``fsdp*`` only with ``fsdp`` > 1, ``*tp`` only with ``tensor`` > 1."""
+    """Presets that differ on this mesh: ``fsdp*`` only with ``fsdp`` > 1, ``*tp`` and ``*tp_sp`` (sequence
+    parallelism) only with ``tensor`` > 1; the ``_sp`` ones for dense models (a mixture of experts runs with
+    them, but its layers' collectives under them are not checked against the compiler)."""
     out = []
     for name in options.rules:
-        wants_fsdp, wants_tp = name.startswith("fsdp"), name.endswith("tp")
+        wants_fsdp, wants_tp = name.startswith("fsdp"), "tp" in name.split("_")
         zero = mesh[ax.FSDP] * mesh.get(ax.EXPERT, 1)  # the weights' embed goes over fsdp and expert
         if wants_fsdp != (zero > 1) or wants_tp != (mesh[ax.TENSOR] > 1):
             continue
         if wants_fsdp and model.axis_sizes[ax.EMBED] % zero:
+            continue
+        if name.endswith("_sp") and model.experts is not None:  # a MoE layer's traffic with it is unchecked
             continue
         out.append(name)
     return out
@@ -362,6 +366,8 @@ def _uneven_fits(mesh: Mapping[str, int], rules: str, attention: AttentionTraits
         return False
     if mesh[ax.TENSOR] > 1 and attention.under_shard_map:
         return False
+    if rules.endswith("_sp"):  # the uneven step's traffic is priced without sequence parallelism
+        return False
     return not (mesh[ax.TENSOR] > 1 and mesh[ax.FSDP] > 1 and rules in ("fsdp", "fsdp_tp"))
 
 
@@ -470,12 +476,12 @@ def over_memory(p: Plan) -> float:
 
 def _diverse(plans: list[Plan], top: int) -> list[Plan]:
     """The best plan of each distinct (mesh, rules, uneven counts or not, uneven shares or not) first, then the
-    rest."""
+    rest; a preset and its sequence-parallel variant (``tp``, ``tp_sp``) count as one rules."""
     seen, first, rest = set(), [], []
     for p in plans:
         key = (
             format_mesh(p.layout.mesh),
-            p.layout.rules_name,
+            p.layout.rules_name.removesuffix("_sp"),
             p.counts is not None,
             p.layout.context_shares is not None,
         )

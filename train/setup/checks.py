@@ -305,7 +305,7 @@ def _vocab_parallel_remedy(par: Parallelism) -> str:
     if par.mesh_shape.get(ax.STAGE, 1) > 1:  # no mesh with stages has it: an fsdp axis would not help
         return " (or drop stage from --mesh)"
     remedies = []
-    if par.rules.name.split("+")[0] not in ("fsdp", "fsdp_tp"):
+    if par.rules.name.split("+")[0] not in ("fsdp", "fsdp_tp", "fsdp_tp_sp"):
         remedies.append("--rules fsdp_tp")
     n = par.num_devices
     example = {ax.FSDP: n // 2, ax.TENSOR: 2} if n >= 4 and n % 2 == 0 else {ax.FSDP: n}

@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m train.train",
         description=DESCRIPTION,
         formatter_class=_HelpFormatter,
-        epilog="Logical axes: batch, length, embed, mlp, heads, kv_heads, head_dim, vocab, layers, act_embed. "
+        epilog="Logical axes: batch, length, embed, mlp, heads, kv_heads, head_dim, vocab, layers, act_embed, act_length. "
         "Mesh axes: data, stage, fsdp, context, sequence, tensor.",
     )
     _mesh_flags(p)
