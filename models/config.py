@@ -259,6 +259,12 @@ class ModelConfig:
             raise ConfigError(
                 Field("lora_alpha", self.lora_alpha), ": must be a finite number > 0, e.g. ", Field("lora_alpha", 16)
             )
+        if self.lora_rank > self.embed_dim:  # every target has embed_dim on one side: A @ B gains no rank past it
+            raise ConfigError(
+                Field("lora_rank", self.lora_rank),
+                f": above the model width {self.embed_dim} (embed_dim) an adapter gains no rank, only memory, e.g. ",
+                Field("lora_rank", min(16, self.embed_dim)),
+            )
         names = [t.strip() for t in self.lora_targets.split(",") if t.strip()]
         bad = [t for t in names if t not in LORA_TARGETS]
         if bad or not names or len(set(names)) != len(names):

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import shlex
 from pathlib import Path
 
 import pytest
+
+from train.plan import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -147,3 +150,32 @@ def test_architecture_map_names_every_module():
         listed = {_stem(name) for name in entries.get(package, set())}
         missing += [f"{package}/{name}" for name in sorted(names) if _stem(name) not in listed]
     assert not missing, f"README.md's architecture map lacks: {', '.join(missing)}"
+
+
+def _plan_commands_with_layout() -> list[tuple[str, str]]:
+    """(page, command) of every ``python -m train.plan`` command of the docs that prices a given ``--layout "..."``
+    (fenced lines with their ``\\`` continuations joined, inline code spans even across a line break); those
+    with ``...`` elided are left out."""
+    found = []
+    for page in PAGES:
+        text = page.read_text(encoding="utf-8")
+        spans = [m.group(0)[1:-1] for m in re.finditer(r"(?<!`)`[^`]+`(?!`)", _FENCE.sub("", text))]
+        for block in _FENCE.finditer(text):
+            spans += block.group(0).replace("\\\n", " ").splitlines()
+        for span in spans:
+            command = " ".join(span.split())
+            if command.startswith("python -m train.plan ") and '--layout "' in command and "..." not in command:
+                found.append((page.name, command))
+    return found
+
+
+def test_plan_layout_commands_in_the_docs_parse():
+    """A documented ``python -m train.plan ... --layout`` command carries what the planner requires
+    (``--cluster``, ``--batch``, ``--seq-len``): one that lacked them failed for a reader copying it."""
+    commands = _plan_commands_with_layout()
+    assert any("--optimizer-sharding data" in c for _, c in commands)
+    for page, command in commands:
+        try:
+            build_parser().parse_args(shlex.split(command)[3:])
+        except SystemExit:
+            pytest.fail(f"{page}: {command!r} does not parse")

@@ -19,6 +19,7 @@ from sharding.errors import ConfigError
 from sharding.mesh import make_mesh, parse_mesh
 from sharding.parallel import UNSHARDED, Parallelism
 from sharding.rules import get_rules
+from train import dpo as dpo_cli
 from train.data.chat import load_chat_template
 from train.data.preference import load_pairs
 from train.data.prepare import chat_tokens
@@ -114,3 +115,54 @@ def test_dpo_without_adapters_or_with_a_bad_beta_is_refused_naming_the_flag(beta
         check_dpo(DENSE.replace(lora_rank=0, lora_targets=""), 0.1)
     with raises_as_cli(ConfigError, r"--dpo-beta .*: must be a finite number > 0, e.g. --dpo-beta 0.1"):
         check_dpo(DENSE, beta)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--eval-every", "0"], "--eval-every 0: must be >= 1, e.g. --eval-every 10"),  # was a ZeroDivisionError
+        (["--batch-size", "0"], "--batch-size 0: must be >= 1, e.g. --batch-size 8"),
+        (["--lora-rank", "0"], "--lora-rank 0: must be >= 1, e.g. --lora-rank 16"),
+        (["--steps", "-1"], "--steps -1: must be >= 0, e.g. --steps 100"),
+        (["--heldout", "1.5"], "--heldout 1.5: must be a fraction > 0 and < 1, e.g. --heldout 0.2"),
+        (["--data", "missing.jsonl"], "--data missing.jsonl: no such file"),
+    ],
+)
+def test_bad_dpo_flags_are_refused_in_one_line_before_any_work(flags, message, tmp_path, capsys):
+    """Each bad count or fraction ends as one ``error:`` line naming the flag (exit 2), before the model or
+    the data is read; the value each suggests passes the same check."""
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("")
+    base = ["--init-from", "tests/fixtures/hf/missing", "--data", str(pairs)]
+    assert dpo_cli.main([*base, *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {message}") and "\n" not in err
+    if "e.g. " in message:
+        suggested = message.split("e.g. ")[1].split()
+        dpo_cli.check_args(dpo_cli.build_parser().parse_args([*base, *suggested]))
+
+
+class _Saved:
+    """A run folder's checkpoint manager, as far as `check_resumable` reads it."""
+
+    def __init__(self, config):
+        self.meta = {"model": config.architecture(), "preset": "hf:fixture"}
+
+    def latest_step(self):
+        return 3
+
+    def read_meta(self, step):
+        return self.meta
+
+
+def test_dpo_resume_with_other_adapters_names_the_flags_to_resume_with():
+    """A resume whose adapters differ from the checkpoint's is refused naming the adapter flags with their
+    saved values (it used to fail inside the checkpoint library on the factors' shapes)."""
+    saved = _Saved(DENSE)
+    dpo_cli.check_resumable(saved, DENSE, "runs/dpo")  # the same adapters continue
+    with pytest.raises(
+        ValueError,
+        match=r"^--run-dir runs/dpo: its step 3 holds other adapters: --lora-rank "
+        r"\(saved 4, now 8\); resume with --lora-rank 4, or use another --run-dir$",
+    ):
+        dpo_cli.check_resumable(saved, DENSE.replace(lora_rank=8), "runs/dpo")

@@ -19,6 +19,7 @@ from sharding.rules import get_rules
 from train.data import FIELDS
 from train.runtime.optimizer import OptimizerConfig
 from train.runtime.step import Trainer
+from train.setup import cli
 
 ALL = "q,k,v,o,gate,up,down"
 SMALL = {"vocab_size": 256, "num_layers": 2, "embed_dim": 64, "mlp_dim": 128, "head_dim": 16}
@@ -162,6 +163,11 @@ def test_bad_adapter_fields_are_refused_naming_their_flags():
         get_config("test").replace(lora_targets="q")
     with raises_as_cli(ConfigError, r"--lora-alpha 0.0: must be a finite number > 0"):
         get_config("test").replace(lora_rank=4, lora_alpha=0.0, lora_targets="q")
+    width = get_config("test").embed_dim  # a rank past the width used to allocate until memory ran out
+    with raises_as_cli(ConfigError, rf"--lora-rank 100000: above the model width {width} .* e.g. --lora-rank 16$"):
+        get_config("test").replace(lora_rank=100000, lora_targets="q")
+    assert get_config("test").replace(lora_rank=16, lora_targets="q").lora_rank == 16
+    assert get_config("test").replace(lora_rank=width, lora_targets="q").lora_rank == width
 
 
 @pytest.mark.parametrize("config", [DENSE, MOE], ids=["dense", "moe"])
@@ -189,3 +195,17 @@ def test_the_cost_model_prices_gradients_and_optimizer_state_for_the_factors_alo
     assert lora_cost.memory.parameters == pytest.approx(full.memory.parameters + factors, rel=1e-12)
     assert lora_cost.memory.gradients == pytest.approx(factors, rel=1e-12)
     assert lora_cost.memory.optimizer == pytest.approx(2 * factors, rel=1e-12)
+
+
+def test_lora_alpha_without_adapters_is_refused_and_its_suggestion_accepted():
+    """``--lora-alpha`` alone would be ignored (no adapters to scale): refused naming it, as ``--lora-targets``
+    is; the command line it suggests parses, and ``lora_rank`` through ``--set`` counts as adapters."""
+    with pytest.raises(
+        ValueError, match=r"^--lora-alpha 8.0 needs adapters of some rank, e.g. --lora-rank 16 --lora-alpha 8 "
+    ):
+        cli.parse(["--model", "test", "--lora-alpha", "8"])
+    with pytest.raises(ValueError, match=r"^--lora-alpha -3.0 needs adapters .* --lora-rank 16 --lora-alpha 16 "):
+        cli.parse(["--model", "test", "--lora-alpha", "-3"])
+    assert cli.parse(["--model", "test", "--lora-rank", "16", "--lora-alpha", "8"]).model.lora_alpha == 8.0
+    model = cli.parse(["--model", "test", "--set", "lora_rank=4", "--set", "lora_targets=q", "--lora-alpha", "8"]).model
+    assert (model.lora_rank, model.lora_alpha) == (4, 8.0)

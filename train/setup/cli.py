@@ -82,6 +82,7 @@ def from_args(args: argparse.Namespace) -> RunConfig:
     }
     execution.update(_lora_fields(args))
     model, preset, tokenizer, eod = _model_and_tokenizer(args, execution)
+    _check_lora_alpha(args, model)
     decay = args.steps if args.decay_steps is None else args.decay_steps
     optimizer = OptimizerConfig(
         lr=args.lr,
@@ -159,6 +160,21 @@ def _lora_fields(args) -> dict:
     if args.lora_targets is not None:
         fields["lora_targets"] = args.lora_targets
     return fields
+
+
+def _check_lora_alpha(args, model) -> None:
+    """``--lora-alpha`` scales adapters: given for a model without any (no ``--lora-rank``, nor ``lora_rank``
+    through ``--set``) it would be silently ignored, so it is refused, as ``--lora-targets`` is.
+
+    Raises:
+      ValueError: Naming ``--lora-alpha`` and a command line that is accepted.
+    """
+    if args.lora_alpha is not None and not model.lora_rank:
+        alpha = args.lora_alpha if args.lora_alpha > 0 and args.lora_alpha < float("inf") else 16
+        raise ValueError(
+            f"--lora-alpha {args.lora_alpha} needs adapters of some rank, e.g. --lora-rank 16 --lora-alpha {alpha:g}"
+            " (or leave --lora-alpha out)"
+        )
 
 
 def _model_and_tokenizer(args, execution: dict) -> tuple:
