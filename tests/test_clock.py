@@ -11,7 +11,7 @@ from models.config import get_config
 from models.spec import describe
 from sharding import costmodel as cm
 from sharding import devices, planner
-from train.plan import build_parser, given_layout, options_from
+from train.plan import build_parser, given_layout, options_from, overlap_axes
 
 A100 = devices.get_kind("a100")
 
@@ -203,3 +203,18 @@ def test_megatron_clock_and_published_overlaps_from_train_plan_flags():
     assert hidden.parts["overlapped_comm"] == pytest.approx(
         plain.parts["overlapped_comm"] + plain.parts["exposed_comm"] - hidden.parts["exposed_comm"]
     )
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("", "names no axis"),
+        ("tensor,", "an empty item"),
+        ("tensor,tensor", "tensor is named twice"),
+        ("tensor,foo", "'foo' is not a mesh axis"),
+    ],
+)
+def test_overlap_axes_refuses_an_empty_repeated_or_unknown_axis_and_its_example_is_accepted(text, says):
+    with pytest.raises(ValueError, match=f"--overlap-axes .*{says}.*e.g. --overlap-axes tensor,data"):
+        overlap_axes(text)
+    assert overlap_axes("tensor,data") == ("tensor", "data")

@@ -171,10 +171,17 @@ def overlap_axes(text: str) -> tuple[str, ...]:
     Raises:
       ValueError: On a name that is not a mesh axis, naming the flag and the axes.
     """
-    names = tuple(a.strip() for a in text.split(",") if a.strip())
+    names = tuple(a.strip() for a in text.split(","))
+    example = "e.g. --overlap-axes tensor,data"
+    if not any(names):
+        raise ValueError(f"--overlap-axes {text!r}: names no axis; {example}, or leave the flag out")
     unknown = [a for a in names if a not in MESH_AXES]
     if unknown:
-        raise ValueError(f"--overlap-axes {text}: {unknown[0]!r} is not a mesh axis; e.g. --overlap-axes tensor,data")
+        what = "an empty item" if not unknown[0] else f"{unknown[0]!r} is not a mesh axis"
+        raise ValueError(f"--overlap-axes {text}: {what}; {example}")
+    repeated = [a for i, a in enumerate(names) if a in names[:i]]
+    if repeated:
+        raise ValueError(f"--overlap-axes {text}: {repeated[0]} is named twice; {example}")
     return names
 
 
