@@ -249,7 +249,7 @@ def test_stage_split_matches_the_best_of_all_splits(mesh):
     layout = cm.Layout(
         mesh, "fsdp" if mesh.get("fsdp", 1) > 1 else "dp", 8, "none", attention="flash", dtype="bfloat16"
     )
-    chosen = planner._stage_split(ev, layout)
+    chosen = planner.stage_split(ev, layout)
     every = [
         ev.uniform(dataclasses.replace(layout, stage_layers=split))
         for split in planner._compositions(16, mesh["stage"], 10**6)
@@ -263,7 +263,7 @@ def test_stage_split_is_proportional_to_speed():
     layout = cm.Layout({"stage": 2}, "dp", 8, "full", attention="flash", dtype="bfloat16")
     model = _described(32000, 32, 2048, 5632, 16, 16, 128)
     ev = planner._Evaluator(model, inventory, 64, 2048, planner.PlanOptions())
-    plan_ = planner._stage_split(ev, layout)
+    plan_ = planner.stage_split(ev, layout)
     fast, slow = plan_.stage_layers
     assert fast + slow == 32 and 2.3 <= fast / slow <= 3.7
 

@@ -20,6 +20,7 @@ import numpy as np
 
 from sharding import axes as ax
 from sharding import costmodel as cm
+from sharding.costmodel.pipeline import stored_rows_moved
 from sharding.errors import ConfigError, Field
 from sharding.mesh import format_mesh, grid_positions
 from sharding.parallel import CONTIGUOUS, Accumulation, Parallelism, UnevenBatch
@@ -527,9 +528,10 @@ class _Evaluator:
     def stage_cost(self, layout: cm.Layout, kind, rows: float, layers: int, slots: int):
         """``(cost, time)`` of a stage device holding ``slots`` layers and computing ``layers``
         (memoized: a split's stages share them)."""
-        # Not keyed by the whole split: the stored rows a stage receives by ppermute (`cm.device_cost`) are
-        # those of the first split priced with these layers and slots (keying by the split made the search
-        # ~6x slower; the rows moved are one ppermute per step, small beside the working copy's gather).
+        # Keyed by the stored rows the split moves by ppermute (`stored_rows_moved`), not by the whole split
+        # (which made the search ~6x slower): with the layers and slots, the only part of the cost the rest
+        # of the split changes; keyed by layers and slots alone, a split was priced with the rows of the first
+        # split priced before it, so its price depended on the order of the search.
         # The cost does not depend on the kind (only its time does): one cost serves every kind of a stage.
         key = (
             tuple(layout.mesh.items()),
@@ -544,6 +546,7 @@ class _Evaluator:
             rows,
             layers,
             slots,
+            stored_rows_moved(self.model, layout),
         )
         if key not in self._stage_costs:
             self._stage_costs[key] = (
