@@ -128,8 +128,9 @@ def stage_split(ev: _Evaluator, layout: cm.Layout) -> Plan | None:
     On a cluster of one kind, the even split (`sharding.pipeline.layout.plan_layout`'s, the first stages
     taking the rest). Else each set of stage kinds gets a line of its priced stage time (the stage's slowest
     kind, `_Evaluator.stage_cost`, at the even split's layers and one more: the clock's speed of that kind on
-    that work); the min-max split on those lines (at least ``pipeline_repeats`` layers a stage) is the start;
-    then moves of 1 or 2 layers from any stage to any other, the best first, while the exact predicted step
+    that work); the min-max split on those lines (at least ``pipeline_repeats`` layers a stage), and the same
+    with the largest stage capped at each size down to the even split's (every stage's working copy holds
+    the largest stage), priced exactly, give the start; then moves of 1 or 2 layers from any stage to any other, the best first, while the exact predicted step
     (`_Evaluator.uniform`: bubble, tick table, working copy of the largest stage, memory) improves (fitting
     first, then faster). The pipeline's time is not a min-max of independent stages, so the result is a local
     optimum of that neighbourhood, which tests hold against every split on small cases.
@@ -152,7 +153,6 @@ def stage_split(ev: _Evaluator, layout: cm.Layout) -> Plan | None:
             return max(ev.stage_cost(layout, by_name[name], rows, n, n)[1].total for name in names)
 
         lines[names] = _affine(seconds, layers // stages)
-    split = min_max_assign(layers, [repeats] * stages, lambda i, n: (lines[sets[i]][0] + lines[sets[i]][1] * n, n))
     priced: dict[tuple[int, ...], Plan | None] = {}
 
     def price(candidate: tuple[int, ...]) -> Plan | None:
@@ -160,8 +160,23 @@ def stage_split(ev: _Evaluator, layout: cm.Layout) -> Plan | None:
             priced[candidate] = ev.uniform(dataclasses.replace(layout, stage_layers=candidate))
         return priced[candidate]
 
-    split = tuple(split)
+    def on_lines(cap: int | None) -> tuple[int, ...] | None:
+        split = min_max_assign(
+            layers,
+            [repeats] * stages,
+            lambda i, n: (lines[sets[i]][0] + lines[sets[i]][1] * n, n),
+            None if cap is None else [cap] * stages,
+        )
+        return None if split is None else tuple(split)
+
+    # Every stage's working copy holds the largest stage's layers, which the lines do not see: the min-max
+    # split on the lines is also tried with each smaller cap on the largest stage, down to the even split's.
+    split = on_lines(None)
     best = price(split)
+    for cap in range(max(split) - 1, -(-layers // stages) - 1, -1):
+        capped = on_lines(cap)
+        if capped is not None and _better(price(capped), best):
+            split, best = capped, price(capped)
     while True:
         moves = []
         for i in range(stages):
