@@ -122,15 +122,22 @@ def _better(candidate: Plan | None, best: Plan | None) -> bool:
     return best is None or (candidate.fits, -candidate.step_time) > (best.fits, -best.step_time)
 
 
-def stage_split(ev: _Evaluator, layout: cm.Layout) -> Plan | None:
+#: Up to this many stages the split's local search moves layers between any two stages; past it only between
+#: the first and last stage, the slowest and fastest by their lines and the largest and smallest (each move is
+#: an exact price, a 1F1B tick table at thousands of devices takes 0.1 s, and the pairs grow as S^2).
+FULL_NEIGHBOURHOOD = 4
+
+
+def stage_split(ev: _Evaluator, layout: cm.Layout, start: tuple[int, ...] | None = None) -> Plan | None:
     """Layers per stage for ``layout``'s schedule and gather mode, or None where the run refuses them.
 
     On a cluster of one kind, the even split (`sharding.pipeline.layout.plan_layout`'s, the first stages
     taking the rest). Else each set of stage kinds gets a line of its priced stage time (the stage's slowest
     kind, `_Evaluator.stage_cost`, at the even split's layers and one more: the clock's speed of that kind on
     that work); the min-max split on those lines (at least ``pipeline_repeats`` layers a stage), and the same
-    with the largest stage capped at each size down to the even split's (every stage's working copy holds
-    the largest stage), priced exactly, give the start; then moves of 1 or 2 layers from any stage to any other, the best first, while the exact predicted step
+    with the largest stage capped one layer tighter at a time while that improves (every stage's working copy
+    holds the largest stage), and ``start`` where given (another schedule's split), priced exactly, give the
+    start; then moves of 1 or 2 layers from any stage to any other, the best first, while the exact predicted step
     (`_Evaluator.uniform`: bubble, tick table, working copy of the largest stage, memory) improves (fitting
     first, then faster). The pipeline's time is not a min-max of independent stages, so the result is a local
     optimum of that neighbourhood, which tests hold against every split on small cases.
@@ -141,9 +148,9 @@ def stage_split(ev: _Evaluator, layout: cm.Layout) -> Plan | None:
         cm.tick_table(layout.pipeline_schedule, stages, layout.microbatches, repeats)
     except ValueError:
         return None
-    if len(ev.cluster.kinds) == 1 or layers < repeats * stages:
-        return ev.uniform(dataclasses.replace(layout, stage_layers=even_split(layers, stages)))
     sets = [tuple(k.name for k in kinds) for kinds in ev.stage_kind_sets(mesh)]
+    if len(set(sets)) == 1 or layers < repeats * stages:
+        return ev.uniform(dataclasses.replace(layout, stage_layers=even_split(layers, stages)))
     by_name = {k.name: k for kinds in ev.stage_kind_sets(mesh) for k in kinds}
     rows = ev.batch / (layout.batch_split * layout.microbatches)
     lines = {}
@@ -175,12 +182,24 @@ def stage_split(ev: _Evaluator, layout: cm.Layout) -> Plan | None:
     best = price(split)
     for cap in range(max(split) - 1, -(-layers // stages) - 1, -1):
         capped = on_lines(cap)
-        if capped is not None and _better(price(capped), best):
-            split, best = capped, price(capped)
+        if capped is None or not _better(price(capped), best):
+            break  # a tighter cap only moves more layers onto the slower stages
+        split, best = capped, price(capped)
+    if start is not None and _better(price(start), best):
+        split, best = start, price(start)
     while True:
+        ends = range(stages)
+        if stages > FULL_NEIGHBOURHOOD:
+            line = [lines[sets[i]][0] + lines[sets[i]][1] * split[i] for i in range(stages)]
+            picks = (
+                0,
+                stages - 1,
+                *(f(range(stages), key=k) for f in (min, max) for k in (line.__getitem__, split.__getitem__)),
+            )
+            ends = sorted(set(picks))
         moves = []
-        for i in range(stages):
-            for j in range(stages):
+        for i in ends:
+            for j in ends:
                 for n in (1, 2):
                     if i != j and split[i] - n >= repeats:
                         trial = list(split)
@@ -199,7 +218,8 @@ def stage_split(ev: _Evaluator, layout: cm.Layout) -> Plan | None:
 
 def pipeline_plans(ev: _Evaluator, layout: cm.Layout) -> list[Plan]:
     """A pipeline skeleton's plans: under GPipe (circular with repeats) and each 1F1B-family schedule
-    `PlanOptions.schedules` allows, each with its own stage split (`stage_split`); where a schedule's best
+    `PlanOptions.schedules` allows, each with its own stage split (`stage_split`, also tried from the first
+    schedule's split); where a schedule's best
     split does not fit with the weights gathered once, also with the stage's weights gathered per microbatch
     (``pipeline_gather``: a gather per chunk pass, priced in `sharding.costmodel.pipeline`). Schedules the
     run refuses (zero bubble with repeats, interleaved 1F1B with M not a multiple of S) are left out."""
@@ -207,14 +227,15 @@ def pipeline_plans(ev: _Evaluator, layout: cm.Layout) -> list[Plan]:
         [layout.pipeline_schedule]
         + [s for s in map(parse_schedule, ev.options.schedules) if s.one_f_one_b and s != layout.pipeline_schedule]
     )
-    out = []
+    out, start = [], None
     for schedule in schedules:
-        once = stage_split(ev, dataclasses.replace(layout, pipeline_schedule=schedule))
+        once = stage_split(ev, dataclasses.replace(layout, pipeline_schedule=schedule), start)
         if once is not None:
             out.append(once)
+            start = start or once.stage_layers
         if once is None or not once.fits:
             streamed = stage_split(
-                ev, dataclasses.replace(layout, pipeline_schedule=schedule, pipeline_gather="microbatch")
+                ev, dataclasses.replace(layout, pipeline_schedule=schedule, pipeline_gather="microbatch"), start
             )
             if streamed is not None:
                 out.append(streamed)
