@@ -29,7 +29,7 @@ from sharding.modeldesc import AttentionTraits, ModelDescription
 from sharding.pipeline.layout import parse_schedule, plan_layout
 from sharding.planner import shares
 from sharding.planner.evaluator import Plan, PlanOptions, _Cluster, _Evaluator
-from sharding.splits import spread
+from sharding.splits import even_split, spread
 
 
 def _factorizations(n: int, parts: int) -> Iterator[tuple[int, ...]]:
@@ -396,7 +396,7 @@ def brute_force(
     """The best fitting plan by exhaustive search (for tests) over the space `plan` searches: every mesh,
     rules, attention, microbatches and remat; for uneven data parallelism every split of the microbatches
     between the kinds (`_kind_counts`); for a pipeline, under GPipe and each 1F1B-family schedule, every
-    stage split (compositions of the layers into ``stage`` parts of at least 1, when there are at most
+    stage split where the stages hold different kinds (else the even one, as the search) (compositions of the layers into ``stage`` parts of at least 1, when there are at most
     ``max_splits`` of them), and where that schedule's best split does not fit with the weights gathered
     once, every split with the per-microbatch gather. Splits are compared by their clock and fit
     (`_Evaluator.pipeline_seconds`, the figures `_Evaluator.uniform` gives), so only the best fitting split
@@ -407,7 +407,10 @@ def brute_force(
         """The fastest fitting split of ``layout`` (the first of equals), and whether any split was priced."""
         best: tuple[float, cm.Layout] | None = None
         priced = False
-        for split in _compositions(ev.model.num_layers, layout.mesh[ax.STAGE], max_splits):
+        splits = _compositions(ev.model.num_layers, layout.mesh[ax.STAGE], max_splits)
+        if len(set(ev.stage_kind_sets(layout.mesh))) == 1:  # every stage alike: the search keeps them even
+            splits = [even_split(ev.model.num_layers, layout.mesh[ax.STAGE])]
+        for split in splits:
             staged = dataclasses.replace(layout, stage_layers=split)
             clocked = ev.pipeline_seconds(staged)
             if clocked is None:

@@ -131,7 +131,7 @@ FULL_NEIGHBOURHOOD = 4
 def stage_split(ev: _Evaluator, layout: cm.Layout, start: tuple[int, ...] | None = None) -> Plan | None:
     """Layers per stage for ``layout``'s schedule and gather mode, or None where the run refuses them.
 
-    On a cluster of one kind, the even split (`sharding.pipeline.layout.plan_layout`'s, the first stages
+    Where every stage holds the same kinds, the even split (`sharding.pipeline.layout.plan_layout`'s, the first stages
     taking the rest). Else each set of stage kinds gets a line of its priced stage time (the stage's slowest
     kind, `_Evaluator.stage_cost`, at the even split's layers and one more: the clock's speed of that kind on
     that work); the min-max split on those lines (at least ``pipeline_repeats`` layers a stage), and the same
