@@ -285,6 +285,7 @@ class _Evaluator:
         self._rank[order] = np.arange(len(order))
         self._by_rank = [self.cluster.kinds[i] for i in order]
         self._stage_costs: dict[tuple, tuple] = {}
+        self._uneven_classes: dict[tuple, tuple] = {}
         searched = tuple(k.name for k in self.model.attention_kernels if k.searched)
         self.attentions = searched if options.attentions is None else options.attentions
         for name in self.attentions:  # an unknown name is refused before the search, naming it
@@ -574,16 +575,20 @@ class _Evaluator:
         for kind, count in zip(kinds, counts):
             key = (kind.name, count)
             if key not in by_class:
-                cost = cm.device_cost(
-                    self.model,
-                    layout,
-                    seq_len=self.seq,
-                    rows=rows,
-                    microbatches=count,
-                    backend=self.options.backend,
-                    batch_rows=self.batch,
-                )
-                by_class[key] = (kind.name, cost, self.time(cost, kind, mesh))
+                # memoised per layout, rows, kind and count: a search prices many count vectors of one layout
+                memo = (repr(layout), rows, kind.name, count)
+                if memo not in self._uneven_classes:
+                    cost = cm.device_cost(
+                        self.model,
+                        layout,
+                        seq_len=self.seq,
+                        rows=rows,
+                        microbatches=count,
+                        backend=self.options.backend,
+                        batch_rows=self.batch,
+                    )
+                    self._uneven_classes[memo] = (kind.name, cost, self.time(cost, kind, mesh))
+                by_class[key] = self._uneven_classes[memo]
         plan_ = self.finish(layout, tuple(counts), rows, list(by_class.values()), idle=self.idle_kinds(mesh, counts))
         per_kind: dict[str, set[int]] = {}
         for kind, count in zip(kinds, counts):
