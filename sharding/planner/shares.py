@@ -243,10 +243,10 @@ def pipeline_plans(ev: _Evaluator, layout: cm.Layout) -> list[Plan]:
 
 
 #: Where uneven sequence shards are tried between even shards (0) and shares proportional to the ring
-#: positions' speeds on the clock (1), and past them. Every device runs padded blocks of the largest share,
+#: positions' speeds on the clock (1). Every device runs padded blocks of the largest share,
 #: so the projections and the MLP grow on every device as the shares spread while only attention shrinks on
 #: the slow ones: the best shares lie between the two, nearer proportional the more of the step attention is.
-SHARE_STEPS = (0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0, 1.25)
+SHARE_STEPS = (0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0)
 
 
 def context_shares(ev: _Evaluator, layout: cm.Layout) -> Plan | None:
@@ -285,7 +285,7 @@ def context_shares(ev: _Evaluator, layout: cm.Layout) -> Plan | None:
         if best_t is None:
             break
         step /= 2
-        for t in (best_t - step, best_t + step):
+        for t in (best_t - step, min(best_t + step, 1.0)):
             if _better(at(t), best):
                 best_t, best = t, at(t)
     if best is None or (even.fits and not best.fits) or best.step_time >= even.step_time:
