@@ -91,3 +91,108 @@ def min_max_assign(
         if cap is None or out[i] < cap[i]:
             heapq.heappush(heap, (cost(i, out[i] + 1), i))
     return out
+
+
+def min_max_classes(
+    total: int,
+    groups: Sequence[int],
+    seconds: Callable[[int, int], float],
+    start: Sequence[int] | None = None,
+) -> list[int]:
+    """``total`` units over classes of identical bins, minimizing the slowest bin's time: the exact optimum.
+
+    Class ``k`` has ``groups[k]`` bins; it holds ``t_k`` units spread as evenly as they go (its fullest bin
+    ``ceil(t_k / groups[k])``, which an uneven spread would only raise), and its time is
+    ``seconds(k, ceil(t_k / groups[k]))``. The answer minimizes ``max_k`` of those over every ``t`` summing to
+    ``total``. What it relies on: each ``seconds(k, .)`` is nondecreasing (more units never take less time;
+    ``inf`` may mark a count that is not allowed, e.g. over memory, as long as larger counts are not allowed
+    either). Nothing else (no convexity, no affine or unimodal shape): from ``start``, with ``tau`` the
+    current slowest time, every class takes the most units its bins can hold below ``tau`` (a monotone
+    search from its current count); if those hold fewer than ``total`` units, no split beats ``tau`` and the
+    current one is optimal (the certificate); else the excess is taken back from the slowest classes and
+    ``tau`` has strictly dropped. A good ``start`` (e.g. from each class's priced speed) makes this a few
+    evaluations; each ``seconds(k, n)`` is asked once per ``(k, n)``.
+
+    Args:
+      total: Units to share (>= 0).
+      groups: Bins per class (each >= 1).
+      seconds: ``seconds(k, n)``: the time of one bin of class ``k`` holding ``n`` units.
+      start: Units per class to start from (summing to ``total``); None: in proportion to ``groups``.
+
+    Returns:
+      Units per class, summing to ``total``.
+
+    Raises:
+      ValueError: On no class, a class without bins, a negative ``total``, or a ``start`` that does not sum
+        to ``total``.
+    """
+    if not groups or any(g < 1 for g in groups) or total < 0:
+        raise ValueError(f"cannot share {total} units over classes of {list(groups)} bins")
+    t = list(largest_remainder(total, [float(g) for g in groups]) if start is None else start)
+    if sum(t) != total or any(n < 0 for n in t):
+        raise ValueError(f"start {list(t)} does not share {total} units")
+    memo: dict[tuple[int, int], float] = {}
+
+    def time(k: int, n: int) -> float:
+        if (k, n) not in memo:
+            memo[(k, n)] = seconds(k, n)
+        return memo[(k, n)]
+
+    def level(k: int, units: int) -> int:
+        return -(-units // groups[k])
+
+    def most_below(k: int, tau: float, near: int) -> int:
+        """The largest count whose time is below ``tau`` (-1: none), searched from ``near``."""
+        top = level(k, total)
+        if time(k, 0) >= tau:
+            return -1
+        lo, hi = 0, top + 1  # time(lo) < tau; hi: past the end or time(hi) >= tau
+        near = min(max(near, 0), top)
+        if time(k, near) < tau:
+            lo, step = near, 1
+            while lo + step <= top and time(k, lo + step) < tau:
+                lo, step = lo + step, 2 * step
+            hi = min(lo + step, top + 1)
+        else:
+            hi, step = near, 1
+            while hi - step > 0 and time(k, hi - step) >= tau:
+                hi, step = hi - step, 2 * step
+            lo = max(hi - step, 0)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if time(k, mid) < tau:
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+    while True:
+        levels = [level(k, n) for k, n in enumerate(t)]
+        tau = max(time(k, n) for k, n in enumerate(levels))
+        most = [most_below(k, tau, n) for k, n in enumerate(levels)]
+        if min(most) < 0 or sum(g * m for g, m in zip(groups, most)) < total:
+            return t
+        t = [g * m for g, m in zip(groups, most)]
+        excess = sum(t) - total
+        while excess:  # take units back from the class whose fullest bin is slowest
+            k = max((k for k in range(len(t)) if t[k]), key=lambda k: time(k, level(k, t[k])))
+            drop = min(excess, t[k] - groups[k] * (level(k, t[k]) - 1))
+            t[k] -= drop
+            excess -= drop
+
+
+def spread(units: Sequence[int], classes: Sequence[int]) -> list[int]:
+    """Per-bin units from per-class ``units``: the bins of class ``k`` are the positions ``i`` with
+    ``classes[i] == k``, in order; the first of them take one more where ``units[k]`` does not divide evenly.
+
+    Raises:
+      ValueError: On a class with units and no bin.
+    """
+    out = [0] * len(classes)
+    for k, n in enumerate(units):
+        members = [i for i, c in enumerate(classes) if c == k]
+        if n and not members:
+            raise ValueError(f"class {k} has {n} units and no bin")
+        for i, share in zip(members, even_split(n, len(members)) if members else ()):
+            out[i] = share
+    return out

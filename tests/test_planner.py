@@ -162,7 +162,8 @@ def test_uneven_shares_with_tensor_inside_each_group_for_a_7b_model():
     best = planner.plan(model, inventory, 64, 2048, options)[0]
     mesh = best.layout.mesh
     assert best.counts is not None and mesh["tensor"] > 1 and best.fits
-    assert len(best.counts) == mesh["data"] * mesh["fsdp"] and sum(best.counts) == 16
+    assert len(best.counts) == mesh["data"] * mesh["fsdp"]
+    assert sum(best.counts) == mesh["data"] * mesh["fsdp"] * best.layout.microbatches
     fast, slow = best.counts[: len(best.counts) // 2], best.counts[len(best.counts) // 2 :]
     assert min(fast) > max(slow)  # the fast host's groups run more microbatches
     uniform = planner.uniform_baseline(model, inventory, 64, 2048, options)
@@ -254,7 +255,7 @@ def test_stage_split_matches_the_best_of_all_splits(mesh):
     layout = cm.Layout(
         mesh, "fsdp" if mesh.get("fsdp", 1) > 1 else "dp", 8, "none", attention="flash", dtype="bfloat16"
     )
-    chosen = planner._stage_split(ev, layout)
+    chosen = planner.stage_split(ev, layout)
     every = [
         ev.uniform(dataclasses.replace(layout, stage_layers=split))
         for split in planner._compositions(16, mesh["stage"], 10**6)
@@ -268,7 +269,7 @@ def test_stage_split_is_proportional_to_speed():
     layout = cm.Layout({"stage": 2}, "dp", 8, "full", attention="flash", dtype="bfloat16")
     model = _described(32000, 32, 2048, 5632, 16, 16, 128)
     ev = planner._Evaluator(model, inventory, 64, 2048, planner.PlanOptions())
-    plan_ = planner._stage_split(ev, layout)
+    plan_ = planner.stage_split(ev, layout)
     fast, slow = plan_.stage_layers
     assert fast + slow == 32 and 2.3 <= fast / slow <= 3.7
 
@@ -536,8 +537,7 @@ def test_each_1f1b_schedule_is_priced_from_its_tick_table_and_the_fastest_fittin
     1F1B (``M + 2 (S - 1)`` ticks of a forward and a backward) beats lockstep; zero bubble's stage cost is fused
     1F1B's (its weight gradient reuses what the input gradient kept), its ticks price its forward, input
     gradient and weight gradient at 1/4, 1/2 and 1/4 of that chunk time, and the deferred weight gradients
-    make it the fastest. The search prices every one beside each GPipe plan (`_one_f_one_b`)."""
-    from sharding.planner import search
+    make it the fastest. The search prices every one beside each GPipe plan (`pipeline_plans`)."""
 
     model = _described(32000, 8, 1024, 4096, 16, 16, 64)
     inventory = devices.parse_cluster("a100:4x2")
@@ -566,30 +566,33 @@ def test_each_1f1b_schedule_is_priced_from_its_tick_table_and_the_fastest_fittin
     # deferred out of the ticks where the first stages' B passes form the critical path
     assert priced["zb"].parts["compute"] == pytest.approx(priced["1f1b-fused"].parts["compute"], rel=1e-9)
     assert priced["zb"].step_time < priced["1f1b-fused"].step_time
-    family = search._one_f_one_b(ev, ev.uniform(base))  # what the search prices beside each GPipe plan
-    assert [p.step_time for p in family] == [priced[n].step_time for n in ("1f1b", "1f1b-fused", "zb")]
+    family = planner.shares.pipeline_plans(ev, base)  # what the search prices: each schedule with its split
+    by = {p.layout.pipeline_schedule: p for p in family if p.layout.pipeline_gather == "once"}
+    assert [by[n].step_time for n in ("1f1b", "1f1b-fused", "zb")] == [
+        priced[n].step_time for n in ("1f1b", "1f1b-fused", "zb")
+    ]
 
 
 def test_the_per_microbatch_gather_is_priced_under_gpipe_and_each_1f1b_schedule_where_gpipe_does_not_fit():
     """16 layers on ``stage=4,fsdp=2`` (4 per stage, blocks of G = 2): where GPipe does not fit, the search
-    prices ``pipeline_gather`` ``microbatch`` under GPipe, 1F1B, fused 1F1B and zero bubble (`_memory_savers`).
+    prices ``pipeline_gather`` ``microbatch`` under GPipe, 1F1B, fused 1F1B and zero bubble (`pipeline_plans`).
     Each holds less than its gather-once twin (one block, not the 4-slot working copy and its sums) and
     all-gathers more; zero bubble's weight-gradient pass reads no weight, so it all-gathers what fused 1F1B
     does, in both modes. A plan that fits adds none."""
-    from sharding.planner import search
 
     model = _described(32000, 16, 1024, 4096, 16, 16, 64)
     ev = planner._Evaluator(model, devices.parse_cluster("a100:4x2"), 64, 1024, planner.PlanOptions())
     base = cm.Layout(
         {"fsdp": 2, "stage": 4}, "fsdp", 8, "none", stage_layers=(4, 4, 4, 4), attention="flash", dtype="bfloat16"
     )
-    gpipe = ev.uniform(base)
-    assert search._memory_savers(ev, dataclasses.replace(gpipe, fits=True)) == []
-    once = {p.layout.pipeline_schedule: p for p in [gpipe, *search._one_f_one_b(ev, gpipe)]}
-    streamed = search._memory_savers(ev, dataclasses.replace(gpipe, fits=False))
-    assert [(p.layout.pipeline_schedule, p.layout.pipeline_gather) for p in streamed] == [
-        (name, "microbatch") for name in ("gpipe", "1f1b", "1f1b-fused", "zb")
-    ]
+    names = ("gpipe", "1f1b", "1f1b-fused", "zb")
+    searched = planner.shares.pipeline_plans(ev, base)
+    once = {p.layout.pipeline_schedule: p for p in searched if p.layout.pipeline_gather == "once"}
+    # the per-microbatch gather is searched exactly where gathering once does not fit
+    assert {p.layout.pipeline_schedule for p in searched if p.layout.pipeline_gather == "microbatch"} == {
+        n for n in names if not once[n].fits
+    }
+    streamed = [ev.uniform(dataclasses.replace(base, pipeline_schedule=n, pipeline_gather="microbatch")) for n in names]
     for p in streamed:
         twin = once[p.layout.pipeline_schedule]
         held = sum(p.memory_parts["a100_80gb"].values())

@@ -519,3 +519,13 @@ def _activation_splits(model: ModelDescription, rules: Rules, mesh_items: tuple)
 def _batch_factor(p: _Placed, mesh: Mapping[str, int]) -> int:
     """How many ways the batch axes (``data``, ``fsdp``) split a parameter."""
     return p.factor(*(a for a in ax.BATCH_MESH_AXES if mesh[a] > 1))
+
+
+def stored_rows_moved(model: ModelDescription, layout: Layout) -> tuple[int, ...]:
+    """Rows each device sends per ppermute of the pipeline's layer storage under ``layout``'s stage split
+    (`_Pipe.moved`): the one part of a stage device's cost that depends on the whole split rather than its own
+    layers and the largest stage's, so a cache of stage costs keyed by those two must also key by this."""
+    rules = layout.rules_table()
+    split = math.prod(layout.mesh[a] for a in _storage_axes(model, rules, layout.mesh))
+    groups = 1 if layout.pipeline_gather == "microbatch" else split
+    return _moved_rows(model.num_layers, layout.mesh[ax.STAGE], layout.pipeline_repeats, layout.stage_layers, groups)

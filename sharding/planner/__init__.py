@@ -7,11 +7,11 @@ kinds, the network), the global batch and the sequence length, `plan` searches
   device count; each ``tensor`` (and ``sequence``) group inside one host, hence one kind;
 * the rules preset (``dp``, ``fsdp``, ``tp``, ``fsdp_tp``, and for dense models ``tp_sp``, ``fsdp_tp_sp``),
   the attention implementation, microbatches and the remat policy;
-* per-kind batch shares (uneven data parallelism, `train.strategies.uneven`): each device runs a number of
-  microbatches proportional to its kind's speed, then refined on the cost model;
-* stage splits (pipeline): layers per stage proportional to the speed of the kind that holds the
-  stage, then moved one at a time while that lowers the predicted step time, within each kind's
-  memory;
+* per-kind batch shares (uneven data parallelism, `train.strategies.uneven`): started where the kinds'
+  priced times meet, then the cost model's exact optimum over the split (`sharding.planner.shares`);
+* stage splits (pipeline), per schedule: started from the min-max split on each stage's priced time per
+  layer, then moved 1 or 2 layers between any two stages while that lowers the predicted step time,
+  fitting memory first;
 
 predicts each layout's step time with `sharding.costmodel` (the slowest device paces the step;
 a pipeline adds its bubble ``(S-1)/(R*M+S-1)``), rejects layouts that do not fit a device's memory
@@ -19,12 +19,14 @@ a pipeline adds its bubble ``(S-1)/(R*M+S-1)``), rejects layouts that do not fit
 
 The search is the systematic part of Metis (Um et al., USENIX ATC'24: enumerate device groups and
 parallelism, prune by memory, price with a cost model) and FlashFlex (Yan et al., 2024), with the
-proportional work split of HAP (Zhang et al., EuroSys'24) and AMP (Li et al., NeurIPS'22) instead of
-their integer programs: shares and splits are derived, not enumerated, which keeps a plan under
-a second; `brute_force` enumerates them all, for tests.
+work split of HAP (Zhang et al., EuroSys'24) and AMP (Li et al., NeurIPS'22) by each kind's speed, here
+the speed the cost model prices for that kind's work, refined on exact prices instead of their integer
+programs: shares and splits are searched from a good start, not enumerated; `brute_force` enumerates
+them all, for tests.
 
 Modules: `sharding.planner.evaluator` (`PlanOptions`, `Plan`, pricing one layout on the cluster),
-`sharding.planner.search` (the search space and the searches), `sharding.planner.report` (the table
+`sharding.planner.search` (the search space, the search and brute force), `sharding.planner.shares` (the
+uneven splits: counts, stage layers, sequence shares), `sharding.planner.report` (the table
 of plans, why each lost).
 
 The package imports jax only (through `sharding.costmodel`), never the model.
@@ -44,7 +46,6 @@ from sharding.planner.search import (  # noqa: F401
     _compositions,
     _meshes,
     _microbatch_options,
-    _stage_split,
     brute_force,
     evaluate,
     no_plan_reason,
@@ -52,6 +53,7 @@ from sharding.planner.search import (  # noqa: F401
     plan,
     uniform_baseline,
 )
+from sharding.planner.shares import context_shares, stage_split, uneven_counts  # noqa: F401
 
 __all__ = [
     "MEMORY_FRACTION",

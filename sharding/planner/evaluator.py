@@ -20,6 +20,7 @@ import numpy as np
 
 from sharding import axes as ax
 from sharding import costmodel as cm
+from sharding.costmodel.pipeline import stored_rows_moved
 from sharding.errors import ConfigError, Field
 from sharding.mesh import format_mesh, grid_positions
 from sharding.parallel import CONTIGUOUS, Accumulation, Parallelism, UnevenBatch
@@ -289,6 +290,7 @@ class _Evaluator:
         self._rank[order] = np.arange(len(order))
         self._by_rank = [self.cluster.kinds[i] for i in order]
         self._stage_costs: dict[tuple, tuple] = {}
+        self._uneven_classes: dict[tuple, tuple] = {}
         searched = tuple(k.name for k in self.model.attention_kernels if k.searched)
         self.attentions = searched if options.attentions is None else options.attentions
         for name in self.attentions:  # an unknown name is refused before the search, naming it
@@ -532,9 +534,10 @@ class _Evaluator:
     def stage_cost(self, layout: cm.Layout, kind, rows: float, layers: int, slots: int):
         """``(cost, time)`` of a stage device holding ``slots`` layers and computing ``layers``
         (memoized: a split's stages share them)."""
-        # Not keyed by the whole split: the stored rows a stage receives by ppermute (`cm.device_cost`) are
-        # those of the first split priced with these layers and slots (keying by the split made the search
-        # ~6x slower; the rows moved are one ppermute per step, small beside the working copy's gather).
+        # Keyed by the stored rows the split moves by ppermute (`stored_rows_moved`), not by the whole split
+        # (which made the search ~6x slower): with the layers and slots, the only part of the cost the rest
+        # of the split changes; keyed by layers and slots alone, a split was priced with the rows of the first
+        # split priced before it, so its price depended on the order of the search.
         # The cost does not depend on the kind (only its time does): one cost serves every kind of a stage.
         key = (
             tuple(layout.mesh.items()),
@@ -549,6 +552,7 @@ class _Evaluator:
             rows,
             layers,
             slots,
+            stored_rows_moved(self.model, layout),
         )
         if key not in self._stage_costs:
             self._stage_costs[key] = (
@@ -576,16 +580,20 @@ class _Evaluator:
         for kind, count in zip(kinds, counts):
             key = (kind.name, count)
             if key not in by_class:
-                cost = cm.device_cost(
-                    self.model,
-                    layout,
-                    seq_len=self.seq,
-                    rows=rows,
-                    microbatches=count,
-                    backend=self.options.backend,
-                    batch_rows=self.batch,
-                )
-                by_class[key] = (kind.name, cost, self.time(cost, kind, mesh))
+                # memoised per layout, rows, kind and count: a search prices many count vectors of one layout
+                memo = (repr(layout), rows, kind.name, count)
+                if memo not in self._uneven_classes:
+                    cost = cm.device_cost(
+                        self.model,
+                        layout,
+                        seq_len=self.seq,
+                        rows=rows,
+                        microbatches=count,
+                        backend=self.options.backend,
+                        batch_rows=self.batch,
+                    )
+                    self._uneven_classes[memo] = (kind.name, cost, self.time(cost, kind, mesh))
+                by_class[key] = self._uneven_classes[memo]
         plan_ = self.finish(layout, tuple(counts), rows, list(by_class.values()), idle=self.idle_kinds(mesh, counts))
         per_kind: dict[str, set[int]] = {}
         for kind, count in zip(kinds, counts):

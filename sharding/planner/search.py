@@ -2,12 +2,11 @@
 
 `plan` walks the search space (`_candidates`: meshes whose ``tensor`` and ``sequence`` groups stay
 inside a host, rules presets, attentions, microbatches, pipeline repeats and schedules), fills in
-the remat policy (cheapest that fits first), the per-kind batch shares (uneven data parallelism,
-`_uneven_counts`), the stage splits (`_stage_split`) and, for ring attention over a length split across
-device kinds, uneven sequence shards (`_context_shares`), and prices each on an `_Evaluator`
-(`sharding.planner.evaluator`). Shares and splits are derived from affine fits of each kind's time,
-grouped by kind (two evaluations per kind, not per device), not enumerated; `brute_force`
-enumerates them all, for tests. `uniform_baseline` is the best plan with the same work on every
+the remat policy (cheapest that fits first), the per-kind batch shares (uneven data parallelism), the
+stage splits per pipeline schedule and, for ring attention over a length split across device kinds,
+uneven sequence shards (all three in `sharding.planner.shares`: started from each kind's priced time,
+refined on exact prices), and prices each on an `_Evaluator` (`sharding.planner.evaluator`);
+`brute_force` enumerates every split of the same space, for tests. `uniform_baseline` is the best plan with the same work on every
 device, `evaluate` prices one given layout, `no_plan_reason` says why no plan came back.
 
 Imports nothing of the project outside `sharding`, never the model.
@@ -23,15 +22,15 @@ from typing import Any
 
 from sharding import axes as ax
 from sharding import costmodel as cm
-from sharding.balance import tokens_for_speeds
 from sharding.costmodel.context import context_groups
 from sharding.errors import ConfigError, Field, FieldText
 from sharding.mesh import format_mesh
 from sharding.modeldesc import AttentionTraits, ModelDescription
 from sharding.parallel import REPLICATED
 from sharding.pipeline.layout import parse_schedule, plan_layout
+from sharding.planner import shares
 from sharding.planner.evaluator import Plan, PlanOptions, _Cluster, _Evaluator
-from sharding.splits import largest_remainder, min_max_assign
+from sharding.splits import even_split, spread
 
 
 def _factorizations(n: int, parts: int) -> Iterator[tuple[int, ...]]:
@@ -132,101 +131,6 @@ def _best_fitting(plans: Iterable[Plan | None]) -> Plan | None:
     return min((p for p in plans if p is not None and p.fits), key=lambda p: p.step_time, default=None)
 
 
-def _affine(seconds_at, near: int) -> tuple[float, float]:
-    """``(a, b)`` of ``seconds(n) ~ a + b n`` around ``n = near``, from ``near`` and ``near + 1``.
-
-    Compute grows linearly with microbatches and layers; the optimizer and traffic that overlaps
-    compute are constant, so the time is piecewise affine and is fitted where the answer lies."""
-    n = max(near, 1)
-    at, after = seconds_at(n), seconds_at(n + 1)
-    return at - (after - at) * n, after - at
-
-
-def _uneven_counts(ev: _Evaluator, layout: cm.Layout, total: int, rows: float) -> Plan:
-    """Counts per device: each kind's step time is affine in its microbatches (two evaluations per
-    kind), so the min-max greedy on the affine times gives the counts; they start from the share
-    proportional to speed (largest remainder) rounded down. One exact evaluation prices them."""
-    kinds = ev.batch_kinds(layout.mesh)
-    share = largest_remainder(total, [k.peak_bf16_flops for k in kinds])
-    lines = {}
-    for i, kind in enumerate(kinds):
-        if kind.name in lines:
-            continue
-
-        def seconds(n, kind=kind):
-            cost = cm.device_cost(
-                ev.model,
-                layout,
-                seq_len=ev.seq,
-                rows=rows,
-                microbatches=n,
-                backend=ev.options.backend,
-                batch_rows=ev.batch,
-            )
-            return ev.time(cost, kind, layout.mesh).total
-
-        lines[kind.name] = _affine(seconds, share[i])
-    start = [max(c - 1, 0) for c in share]
-    counts = min_max_assign(total, start, lambda i, n: (lines[kinds[i].name][0] + lines[kinds[i].name][1] * n, n))
-    return ev.uneven(layout, counts, rows)
-
-
-def _stage_split(ev: _Evaluator, layout: cm.Layout) -> Plan | None:
-    """Layers per stage: the even split where every stage holds the same kinds; else each stage's time is
-    affine in its layers (two memoised stage costs per set of stage kinds), so the min-max greedy gives
-    the split (at least one layer each), starting from the split proportional to the stage kinds' speed
-    rounded down; then moves of 1 or 2 layers from the slowest and from the largest stage, while the
-    exact predicted time drops."""
-    mesh = layout.mesh
-    sets = [tuple(k.name for k in kinds) for kinds in ev.stage_kind_sets(mesh)]
-    by_name = {k.name: k for kinds in ev.stage_kind_sets(mesh) for k in kinds}
-    per = layout.batch_split * layout.microbatches
-    rows = ev.batch / per
-    layers = ev.model.num_layers
-    share = largest_remainder(layers, [k.peak_bf16_flops for k in ev.stage_kinds(mesh)], minimum=1)
-    if len(set(sets)) == 1:  # every stage alike: equal lines, whose min-max split is the even one
-        return ev.uniform(dataclasses.replace(layout, stage_layers=tuple(share)))
-    lines = {}
-    for i, names in enumerate(sets):
-        if names in lines:
-            continue
-
-        def seconds(n, names=names):  # a stage is as fast as its slowest kind
-            return max(ev.stage_cost(layout, by_name[name], rows, n, n)[1].total for name in names)
-
-        lines[names] = _affine(seconds, share[i])
-    start = [max(c - 1, 1) for c in share]
-    split = min_max_assign(layers, start, lambda i, n: (lines[sets[i]][0] + lines[sets[i]][1] * n, n))
-    best = ev.uniform(dataclasses.replace(layout, stage_layers=tuple(split)))
-
-    def line(i):
-        return lines[sets[i]][0] + lines[sets[i]][1] * split[i]
-
-    # Moves of 1 or 2 layers while the exact time drops, from the slowest stage (by the lines) and from
-    # the largest, to any stage: what the lines miss (every stage's working copy has the largest stage's
-    # slots, rounded up to a multiple of the storage's devices per stage, and the stored rows a stage
-    # receives) can favour a move towards an even split that a single layer does not show. Not when every
-    # stage holds the same kinds (returned above, the split as even as it goes): a move then only raises the
-    # largest stage (and every stage's working copy) or permutes equal stages.
-    for _ in range(layers):
-        improved = False
-        sources = dict.fromkeys((max(range(len(split)), key=line), max(range(len(split)), key=lambda i: split[i])))
-        moves = [(i, j, n) for i in sources for n in (1, 2) for j in range(len(split)) if j != i and split[i] > n]
-        for i, j, n in moves:
-            trial = list(split)
-            trial[i] -= n
-            trial[j] += n
-            candidate = ev.uniform(dataclasses.replace(layout, stage_layers=tuple(trial)))
-            if candidate is not None and (
-                best is None or (candidate.fits, -candidate.step_time) > (best.fits, -best.step_time)
-            ):
-                split, best, improved = trial, candidate, True
-                break
-        if not improved:
-            break
-    return best
-
-
 def _candidates(ev: _Evaluator) -> Iterator[tuple[cm.Layout, str]]:
     """The search space, the one loop every search walks: each mesh, rules preset, attention and
     layout skeleton (`_layouts`), tagged ``uniform``, ``uneven``, ``context`` (uneven sequence shards) or ``pipeline``."""
@@ -322,37 +226,6 @@ def _shares_fit(ev: _Evaluator, mesh: Mapping[str, int], attention: AttentionTra
     return len({k.name for k in ev.ring_kinds(mesh)}) > 1
 
 
-#: Where uneven sequence shards are tried between even shards (0) and shares proportional to the ring
-#: positions' peak FLOP/s (1). Every device runs padded blocks of the largest share, so the projections and
-#: the MLP grow on every device as the shares spread while only attention shrinks on the slow ones: the best
-#: shares lie between the two, nearer proportional the more of the step attention is.
-SHARE_STEPS = (0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0)
-
-
-def _context_shares(ev: _Evaluator, layout: cm.Layout) -> Plan | None:
-    """The fastest uneven sequence shards for ``layout`` (ring attention over device kinds of unequal speed),
-    or None when none beats even shards. Ring position r gets real tokens in proportion to
-    ``1 + t (speed_r / slowest - 1)`` for each ``t`` of `SHARE_STEPS` (`sharding.balance.tokens_for_speeds`:
-    whole zigzag chunk pairs), each priced exactly (`_Evaluator.uniform`)."""
-    even = ev.uniform(layout)
-    if even is None:
-        return None
-    speeds = [k.peak_bf16_flops for k in ev.ring_kinds(layout.mesh)]
-    slowest = min(speeds)
-    best, tried = None, set()
-    for t in SHARE_STEPS:
-        tokens = tokens_for_speeds(ev.seq, [1 + t * (s / slowest - 1) for s in speeds])
-        if tokens in tried or len(set(tokens)) == 1:
-            continue
-        tried.add(tokens)
-        priced = ev.uniform(dataclasses.replace(layout, context_shares=tokens))
-        if priced is not None and (best is None or (priced.fits, -priced.step_time) > (best.fits, -best.step_time)):
-            best = priced
-    if best is None or (even.fits and not best.fits) or best.step_time >= even.step_time:
-        return None
-    return best
-
-
 def _uneven_fits(mesh: Mapping[str, int], rules: str, attention: AttentionTraits) -> bool:
     """Whether the uneven step (`train.strategies.UnevenGradients`) runs this layout as the cost model
     prices it: meshes over ``data``, ``fsdp`` and ``tensor`` (tensor inside each data-parallel group, one
@@ -372,27 +245,28 @@ def _uneven_fits(mesh: Mapping[str, int], rules: str, attention: AttentionTraits
 
 
 def _price(ev: _Evaluator, layout: cm.Layout, tag: str) -> Plan | None:
-    """The cheapest remat policy that fits (policies are tried cheapest first). A pipeline whose GPipe
-    plan is also priced under each 1F1B-family schedule at the same split (`_one_f_one_b`) and, where it does
-    not fit, with the weights gathered per microbatch under each of those (`_memory_savers`); the fastest
-    fitting of those and of the first fitting GPipe plan wins."""
+    """The cheapest remat policy that fits (policies are tried cheapest first). A pipeline is priced under
+    GPipe and each 1F1B-family schedule, each with its own stage split, and with the weights gathered per
+    microbatch where gathering once does not fit (`sharding.planner.shares.pipeline_plans`); heavier remat
+    policies are tried until GPipe gathering once fits, and the fastest fitting plan of all of them wins."""
     last, fitting = None, []
     for lay in _state_variants(layout, ev.options.remats, tag):
         if tag == "pipeline":
-            plan_ = _stage_split(ev, lay)
-        elif tag == "uneven":
-            n_batch = lay.batch_split
-            total = n_batch * lay.microbatches
-            plan_ = _uneven_counts(ev, lay, total, ev.batch / total)
+            plans = shares.pipeline_plans(ev, lay)
+            fitting += [one for one in plans if one.fits]
+            if any(one.fits and one.layout.pipeline_schedule == lay.pipeline_schedule for one in plans):
+                break
+            last = min(plans, key=over_memory, default=last)
+            continue
+        if tag == "uneven":
+            total = lay.batch_split * lay.microbatches
+            plan_ = shares.uneven_counts(ev, lay, total, ev.batch / total)
         elif tag == "context":
-            plan_ = _context_shares(ev, lay)
+            plan_ = shares.context_shares(ev, lay)
         else:
             plan_ = ev.uniform(lay)
         if plan_ is None:
             continue
-        if tag == "pipeline":
-            variants = _one_f_one_b(ev, plan_) + _memory_savers(ev, plan_)
-            fitting += [one for one in variants if one is not None and one.fits]
         if plan_.fits:
             fitting.append(plan_)
             break
@@ -409,29 +283,6 @@ def _state_variants(layout: cm.Layout, remats: Iterable[str], tag: str) -> Itera
     for remat in remats:
         for sharding in shardings:
             yield dataclasses.replace(layout, remat=remat, optimizer_sharding=sharding)
-
-
-def _one_f_one_b(ev: _Evaluator, gpipe: Plan) -> list[Plan | None]:
-    """``gpipe``'s layout under each 1F1B-family schedule `PlanOptions.schedules` allows (``1f1b``,
-    ``1f1b-fused``, ``zb``), priced from their tick tables (`_Evaluator._pipeline`); None where the run
-    refuses the schedule (zero bubble with repeats, interleaved 1F1B with M not a multiple of S)."""
-    return [
-        ev.uniform(dataclasses.replace(gpipe.layout, pipeline_schedule=schedule))
-        for schedule in map(parse_schedule, ev.options.schedules)
-        if schedule.one_f_one_b
-    ]
-
-
-def _memory_savers(ev: _Evaluator, gpipe: Plan) -> list[Plan | None]:
-    """``gpipe``'s layout with the stage's weights gathered per microbatch (``pipeline_gather``: a gather per
-    chunk pass, priced in `sharding.costmodel.pipeline`), under GPipe and each 1F1B-family schedule
-    (`_one_f_one_b`), when GPipe with the weights gathered once does not fit; None where the run refuses it."""
-    if gpipe.fits:
-        return []
-    streamed = ev.uniform(dataclasses.replace(gpipe.layout, pipeline_gather="microbatch"))
-    if streamed is None:
-        return []
-    return [streamed, *_one_f_one_b(ev, streamed)]
 
 
 def plan(
@@ -559,49 +410,53 @@ def evaluate(
 def brute_force(
     model: Any, inventory, global_batch: int, seq_len: int, options: PlanOptions | None = None, max_splits: int = 20000
 ) -> Plan | None:
-    """The best fitting plan by exhaustive search (for tests): every mesh, rules, attention,
-    microbatches and remat, every per-kind count vector for uneven data parallelism, and every
-    stage split (compositions of the layers into ``stage`` parts of at least 1, when there are at
-    most ``max_splits`` of them; each also under the 1F1B-family schedules, `_one_f_one_b`, and where GPipe
-    does not fit with the per-microbatch gather, `_memory_savers`). GPipe's splits are compared by their
-    seconds and fit (`_Evaluator.pipeline_seconds`, the figures `_Evaluator.uniform` gives), so only the best
-    fitting split of a layout, and those the other schedules start from, become `Plan`s; with GPipe the only
-    schedule, the per-microbatch gather's splits are compared the same way (the best fitting one, the first
-    of equals, becomes a `Plan`: the plan `_memory_savers` would have given the search)."""
+    """The best fitting plan by exhaustive search (for tests) over the space `plan` searches: every mesh,
+    rules, attention, microbatches and remat; for uneven data parallelism every split of the microbatches
+    between the kinds (`_kind_counts`); for a pipeline, under GPipe and each 1F1B-family schedule, every
+    stage split where the stages hold different kinds (else the even one, as the search) (compositions of the layers into ``stage`` parts of at least 1, when there are at most
+    ``max_splits`` of them), and where that schedule's best split does not fit with the weights gathered
+    once, every split with the per-microbatch gather. Splits are compared by their clock and fit
+    (`_Evaluator.pipeline_seconds`, the figures `_Evaluator.uniform` gives), so only the best fitting split
+    of each becomes a `Plan`."""
     ev = _Evaluator(model, inventory, global_batch, seq_len, options or PlanOptions())
+
+    def best_split(layout: cm.Layout) -> tuple[cm.Layout | None, bool]:
+        """The fastest fitting split of ``layout`` (the first of equals), and whether any split was priced."""
+        best: tuple[float, cm.Layout] | None = None
+        priced = False
+        splits = _compositions(ev.model.num_layers, layout.mesh[ax.STAGE], max_splits)
+        if len(set(ev.stage_kind_sets(layout.mesh))) == 1:  # every stage alike: the search keeps them even
+            splits = [even_split(ev.model.num_layers, layout.mesh[ax.STAGE])]
+        for split in splits:
+            staged = dataclasses.replace(layout, stage_layers=split)
+            clocked = ev.pipeline_seconds(staged)
+            if clocked is None:
+                continue
+            priced = True
+            if clocked[1] and (best is None or clocked[0] < best[0]):
+                best = (clocked[0], staged)
+        return (None if best is None else best[1]), priced
 
     def every(layout: cm.Layout, tag: str) -> Iterator[Plan | None]:
         if tag == "uniform":
             yield ev.uniform(layout)
         elif tag == "context":
-            yield _context_shares(ev, layout)
+            yield shares.context_shares(ev, layout)
         elif tag == "uneven":
             for counts in _kind_counts(ev, layout):
                 yield ev.uneven(layout, counts, global_batch / sum(counts))
-        else:  # GPipe's best fitting split by its clock alone, a Plan only where more schedules derive from it
-            more = any(parse_schedule(name).one_f_one_b for name in ev.options.schedules)
-            best: tuple[float, cm.Layout] | None = None
-            streamed: tuple[float, cm.Layout] | None = None  # GPipe gathering per microbatch (more is False)
-            for split in _compositions(ev.model.num_layers, layout.mesh[ax.STAGE], max_splits):
-                staged = dataclasses.replace(layout, stage_layers=split)
-                clocked = ev.pipeline_seconds(staged)
-                if clocked is None:
-                    continue
-                seconds, fits = clocked
-                if fits and (best is None or seconds < best[0]):
-                    best = (seconds, staged)
-                if more:
-                    gpipe = ev.uniform(staged)
-                    yield from _one_f_one_b(ev, gpipe)
-                    yield from _memory_savers(ev, gpipe)
-                elif not fits:  # `_memory_savers`' one plan, compared by its clock as GPipe's splits are
-                    saver = dataclasses.replace(staged, pipeline_gather="microbatch")
-                    clocked = ev.pipeline_seconds(saver)
-                    if clocked is not None and clocked[1] and (streamed is None or clocked[0] < streamed[0]):
-                        streamed = (clocked[0], saver)
-            for chosen in (streamed, best):
-                if chosen is not None:
-                    yield ev.uniform(chosen[1])
+        else:
+            schedules = [layout.pipeline_schedule] + [
+                s for s in map(parse_schedule, ev.options.schedules) if s.one_f_one_b and s != layout.pipeline_schedule
+            ]
+            for schedule in dict.fromkeys(schedules):
+                once, priced = best_split(dataclasses.replace(layout, pipeline_schedule=schedule))
+                if once is None and priced:
+                    once, _ = best_split(
+                        dataclasses.replace(layout, pipeline_schedule=schedule, pipeline_gather="microbatch")
+                    )
+                if once is not None:
+                    yield ev.uniform(once)
 
     return _best_fitting(
         plan_
@@ -612,26 +467,25 @@ def brute_force(
 
 
 def _kind_counts(ev: _Evaluator, layout: cm.Layout) -> Iterator[list[int]]:
-    """Every assignment of one count per kind whose total is the batch's microbatches."""
+    """Every split of the batch's microbatches between the kinds, each kind's spread over its data-parallel
+    groups as evenly as they go (the first groups one more), as `sharding.planner.shares.uneven_counts` gives
+    them: for counts that take no less time when they grow, every per-group split is no faster than one
+    of these."""
     kinds = [k.name for k in ev.batch_kinds(layout.mesh)]
-    names = sorted(set(kinds))
-    per = {n: kinds.count(n) for n in names}
+    names = list(dict.fromkeys(kinds))
+    classes = [names.index(k) for k in kinds]
     total = layout.batch_split * layout.microbatches
 
     def rec(i, left):
         if i == len(names) - 1:
-            if left % per[names[i]] == 0:
-                yield [left // per[names[i]]]
+            yield [left]
             return
-        for c in range(0, left // per[names[i]] + 1):
-            for rest in rec(i + 1, left - c * per[names[i]]):
+        for c in range(left + 1):
+            for rest in rec(i + 1, left - c):
                 yield [c] + rest
 
-    for combo in rec(0, total):
-        if sum(combo) == 0:
-            continue
-        by = dict(zip(names, combo))
-        yield [by[k] for k in kinds]
+    for units in rec(0, total):
+        yield spread(units, classes)
 
 
 def _compositions(total: int, parts: int, limit: int) -> Iterator[tuple[int, ...]]:
