@@ -455,7 +455,7 @@ def _head_weight_bytes(placed: dict[str, _Placed], pipe: _Pipe) -> tuple[float, 
     """Bytes of the 1F1B family's head weights (final norm, output projection) and, streamed, its entry's
     (the embedding table) on a stage device: ``(held, head_step, entry_step)``, what the tick loop holds
     throughout, what only a head step adds and what only an entry step (a stage-0 microbatch's lookup or its
-    backward) adds.
+    backward) adds. "Whole" is whole over the batch axes (`_gathered_block`): still split over ``tensor``.
 
     Gathered once: the whole head weights, gathered before the tick loop, and their whole float32 gradient
     sums, both held through it (the embedding runs before and after the loop). Streamed (`_head_streamed`):
@@ -466,12 +466,20 @@ def _head_weight_bytes(placed: dict[str, _Placed], pipe: _Pipe) -> tuple[float, 
     1,000 MiB under a layer's working set, so the head and the table cost their 250 MiB sums each: `bench/
     RESULTS.md`, "The 1F1B head gathered per microbatch" and the entry's section after it.)"""
     head = [p for p in placed.values() if not p.param.per_layer and p.param.role != "embedding"]
-    whole = sum(p.param.size for p in head) * _PARAM_BYTES
+    whole = sum(_gathered_block(p) for p in head) * _PARAM_BYTES
     if not _head_streamed(pipe):
         return 2 * whole, 0.0, 0.0
     table = [p for p in placed.values() if p.param.role == "embedding"]
-    sums = sum(p.param.size / _head_split(p)[1] for p in head + table) * _PARAM_BYTES
-    return sums, 2 * whole, 2 * sum(p.param.size for p in table) * _PARAM_BYTES
+    sums = sum(_gathered_block(p) / _head_split(p)[1] for p in head + table) * _PARAM_BYTES
+    return sums, 2 * whole, 2 * sum(_gathered_block(p) for p in table) * _PARAM_BYTES
+
+
+def _gathered_block(p: _Placed) -> float:
+    """Elements of a head or entry weight once gathered inside the stage program: whole over the batch axes the
+    program is manual over (`sharding.pipeline.program.manual_axes`), still split over the others (``tensor``,
+    ``sequence``), which the partitioner keeps splitting inside it (a ``[D, V]`` output projection over
+    ``tensor=8``: ``[D, V/8]`` per device)."""
+    return p.local * p.factor(*ax.BATCH_MESH_AXES)
 
 
 def weight_cut_bytes(
