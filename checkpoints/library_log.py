@@ -83,6 +83,11 @@ def release() -> None:
 
 
 def note() -> str:
-    """``"; Orbax's own messages are in PATH"`` while captured, else empty (for the end of an error)."""
+    """``"; Orbax's own messages are in PATH"`` while captured and once something was written there, else empty
+    (for the end of an error: a failure Orbax's threads did not report on points to no file)."""
     path = _state.get("path")
-    return "" if path is None else f"; Orbax's own messages are in {path}"
+    handler = _state.get("handler")
+    if handler is not None:
+        handler.flush()
+    written = path is not None and path.exists() and path.stat().st_size > 0
+    return f"; Orbax's own messages are in {path}" if written else ""

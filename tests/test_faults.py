@@ -121,8 +121,14 @@ def test_a_failed_asynchronous_save_stops_training_at_once(tmp_path, corpus, cac
     # A handled failure prints its own lines only: Orbax's threads' tracebacks go to the run folder's log.
     after = text.split(re.findall(r"^step\s+\d+/1000.*$", text, re.M)[-1])[1].strip().splitlines()
     assert 1 <= len(after) <= 5 and "Traceback" not in text, text
-    assert f"Orbax's own messages are in {run_dir / 'library.log'}" in text
-    assert "Traceback" in (run_dir / "library.log").read_text()
+    # Whether Orbax's threads report the failure depends on where the save was when the folder went away: when
+    # they do, their text is in the log and the error points to it; when not, it points to no file.
+    library = run_dir / "library.log"
+    if library.exists() and library.stat().st_size:
+        assert f"Orbax's own messages are in {library}" in text
+        assert "Traceback" in library.read_text()
+    else:
+        assert "library.log" not in text, text
 
 
 def test_nonfinite_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(tmp_path, corpus, cache, capsys):

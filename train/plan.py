@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--overlap-axes",
-        default="",
+        default=None,
         metavar="AXES",
         help="mesh axes (comma-separated: tensor, stage, data, ...) whose collectives the priced run hides behind "
         "compute although meshwork's program waits on them, e.g. --overlap-axes tensor,data,stage for "
@@ -161,7 +161,7 @@ def options_from(args) -> planner.PlanOptions:
         sequence=args.sequence,
         efficiency=args.efficiency,
         one_f_one_b_clock=args.pipeline_clock,
-        overlaps=overlap_axes(args.overlap_axes),
+        overlaps=() if args.overlap_axes is None else overlap_axes(args.overlap_axes),
     )
 
 
