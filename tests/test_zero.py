@@ -12,6 +12,7 @@ import jax
 import numpy as np
 import pytest
 from costmodel_grid import block_bytes, compiled_figures, predicted
+from test_pipeline import _batch as packed_batch
 
 from checkpoints.manager import CheckpointManager, restore_state
 from checkpoints.meta import RunMeta
@@ -50,19 +51,7 @@ def _trainer(mesh_spec: str, devices: int = 8, optimizer_sharding: str = "data",
 
 def _batch(seed: int) -> dict:
     """A packed batch of ``[BATCH, LENGTH]`` (documents of ~20 tokens, three quarters of positions counted)."""
-    rng = np.random.default_rng(seed)
-    tokens = rng.integers(0, 512, (BATCH, LENGTH)).astype(np.int32)
-    segments = np.cumsum(rng.random((BATCH, LENGTH)) < 0.05, axis=1).astype(np.int32)
-    starts = np.concatenate([np.ones((BATCH, 1), bool), segments[:, 1:] != segments[:, :-1]], axis=1)
-    index = np.arange(LENGTH)[None].repeat(BATCH, 0)
-    positions = (index - np.maximum.accumulate(np.where(starts, index, 0), axis=1)).astype(np.int32)
-    return {
-        "tokens": tokens,
-        "targets": np.roll(tokens, -1, 1),
-        "positions": positions,
-        "segment_ids": segments,
-        "loss_mask": (rng.random((BATCH, LENGTH)) < 0.75).astype(np.float32),
-    }
+    return packed_batch(BATCH, LENGTH, seed, unmasked=0.75)
 
 
 def _canonical(trainer, state) -> dict:
