@@ -572,28 +572,32 @@ class _Evaluator:
             times[kind.name] = self.time(cost, kind, layout.mesh)
         return cost, times[kind.name]
 
+    def uneven_class(self, layout: cm.Layout, rows: float, kind, count: int) -> tuple:
+        """``(kind name, cost, time)`` of a device of ``kind`` running ``count`` microbatches of ``rows`` rows under
+        the uneven step, memoised per layout, rows, kind and count: a search prices many count vectors of one
+        layout (`uneven`, `sharding.planner.shares`)."""
+        memo = (repr(layout), rows, kind.name, count)
+        if memo not in self._uneven_classes:
+            cost = cm.device_cost(
+                self.model,
+                layout,
+                seq_len=self.seq,
+                rows=rows,
+                microbatches=count,
+                backend=self.options.backend,
+                batch_rows=self.batch,
+            )
+            self._uneven_classes[memo] = (kind.name, cost, self.time(cost, kind, layout.mesh))
+        return self._uneven_classes[memo]
+
     def uneven(self, layout: cm.Layout, counts: Sequence[int], rows: float) -> Plan:
         """Uneven data parallelism: device ``i`` along data x fsdp runs ``counts[i]`` microbatches."""
         mesh = layout.mesh
         kinds = self.batch_kinds(mesh)
         by_class: dict[tuple[str, int], tuple] = {}
         for kind, count in zip(kinds, counts):
-            key = (kind.name, count)
-            if key not in by_class:
-                # memoised per layout, rows, kind and count: a search prices many count vectors of one layout
-                memo = (repr(layout), rows, kind.name, count)
-                if memo not in self._uneven_classes:
-                    cost = cm.device_cost(
-                        self.model,
-                        layout,
-                        seq_len=self.seq,
-                        rows=rows,
-                        microbatches=count,
-                        backend=self.options.backend,
-                        batch_rows=self.batch,
-                    )
-                    self._uneven_classes[memo] = (kind.name, cost, self.time(cost, kind, mesh))
-                by_class[key] = self._uneven_classes[memo]
+            if (kind.name, count) not in by_class:
+                by_class[kind.name, count] = self.uneven_class(layout, rows, kind, count)
         plan_ = self.finish(layout, tuple(counts), rows, list(by_class.values()), idle=self.idle_kinds(mesh, counts))
         per_kind: dict[str, set[int]] = {}
         for kind, count in zip(kinds, counts):

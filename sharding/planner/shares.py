@@ -64,7 +64,7 @@ def _line_start(total: int, groups: list[int], lines: list[tuple[float, float]])
 def uneven_counts(ev: _Evaluator, layout: cm.Layout, total: int, rows: float) -> Plan:
     """Microbatches per data-parallel group (uneven data parallelism), the cost model's optimum.
 
-    Each kind's time for ``n`` microbatches per group is priced exactly (`cm.device_cost` with
+    Each kind's time for ``n`` microbatches per group is priced exactly (`_Evaluator.uneven_class`, `cm.device_cost` with
     ``microbatches=n`` on the kind's hardware; memoised per kind and count); a count whose memory does not fit
     the kind counts as infinitely slow. The start is where the kinds' priced lines (fitted at the even share,
     `_affine`) meet; `sharding.splits.min_max_classes` then finds the exact optimum over how many
@@ -91,17 +91,9 @@ def uneven_counts(ev: _Evaluator, layout: cm.Layout, total: int, rows: float) ->
     def exact(k: int, n: int) -> tuple[float, bool]:
         key = (names[k], n)
         if key not in priced:
-            cost = cm.device_cost(
-                ev.model,
-                layout,
-                seq_len=ev.seq,
-                rows=rows,
-                microbatches=n,
-                backend=ev.options.backend,
-                batch_rows=ev.batch,
-            )
             kind = by_name[names[k]]
-            priced[key] = (ev.time(cost, kind, layout.mesh).total, cost.memory.total <= ev.limit[kind.name])
+            _, cost, time = ev.uneven_class(layout, rows, kind, n)
+            priced[key] = (time.total, cost.memory.total <= ev.limit[kind.name])
         return priced[key]
 
     near = max(total // len(kinds), 1)
