@@ -25,11 +25,14 @@ from sharding.parallel import Accumulation, Parallelism
 from sharding.planner import search
 from sharding.rules import get_rules
 from sharding.zero import master_spec
+from train import train
+from train.launcher.replan import choose
 from train.runtime.optimizer import OptimizerConfig
 from train.runtime.step import Trainer
 from train.setup.cli import parse
 from train.setup.flagnames import render
 from train.setup.flags import parallelism_flags
+from train.setup.startup import prepare
 
 STEPS, BATCH, LENGTH, LAYERS = 6, 8, 32, 2
 # Full-size updates from the first step. AdamW's eps at 1e-3 (as the other multi-step exactness tests take it):
@@ -223,3 +226,57 @@ def test_the_planner_tries_the_split_state_before_the_next_recompute():
     assert [v.optimizer_sharding for v in search._state_variants(layout, ("none",), "uneven")] == ["replicated"]
     alone = cm.Layout({"fsdp": 8}, "fsdp_tp")
     assert [v.optimizer_sharding for v in search._state_variants(alone, ("none",), "uniform")] == ["replicated"]
+
+
+# A mesh without a data axis ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "mesh, shown, works",
+    [
+        ("fsdp=8", "fsdp=8", "data=2,fsdp=4"),
+        ("data=1,fsdp=-1", "fsdp=-1", "data=2,fsdp=-1"),
+        ("stage=2,tensor=4", "stage=2,tensor=4", None),
+    ],
+)
+def test_a_mesh_whose_data_axis_is_one_is_refused_naming_what_works(
+    tmp_path, corpus, cache, capsys, monkeypatch, mesh, shown, works
+):
+    """``--optimizer-sharding data`` where the user's ``--mesh`` gives ``data`` as 1 (or leaves it out) would keep
+    the state whole without a word: one line naming both flags and what works, before any device work; each
+    suggestion gets past every start-up check (to the model's construction, stubbed here)."""
+
+    def model_built(*_):
+        raise RuntimeError("the model was built")
+
+    monkeypatch.setattr(train, "build_trainer", model_built)
+    argv = ["--model", "test", "--seq-len", "32", "--batch-size", "16", "--no-progress", "--data", str(corpus)]
+    argv += ["--data-cache", str(cache), "--run-dir", str(tmp_path / "r"), "--microbatches", "2"]
+    argv += ["--optimizer-sharding", "data"]
+    assert train.main([*argv, "--mesh", mesh]) == 2
+    example = f"a mesh with one, e.g. --mesh {works}, or " if works else ""
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: --optimizer-sharding data on --mesh {shown}: the mesh has no data axis to split the optimizer "
+        f"state over; use {example}--optimizer-sharding replicated"
+    ]
+    fixes = [["--mesh", mesh, "--optimizer-sharding", "replicated"]] + ([["--mesh", works]] if works else [])
+    for fix in fixes:
+        assert train.main([*argv, *fix]) == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1] == "error: the model was built", fix
+
+
+def test_an_elastic_restart_down_to_one_data_rank_goes_on_with_a_note(corpus):
+    """``--mesh data=-1`` leaves the data size to the devices: the elastic launcher's replan
+    (`train.launcher.replan.choose`) accepts 2 processes and then 1 (data=1) with the split state asked for,
+    and the one process's start-up says in a note that the state stays whole."""
+    flags = ["--model", "test", "--cpu-devices", "1", "--mesh", "data=-1", "--batch-size", "6"]
+    config = parse([*flags, "--optimizer-sharding", "data", "--data", str(corpus), "--dry-run"])
+    assert choose(config, 2, 1) == (2, "data=2", [])
+    assert choose(config, 1, 1) == (1, "data=1", [])
+    lines = []
+    resolved, _ = prepare(config, jax.devices()[:1], lines.append)
+    assert resolved.parallelism.mesh_shape["data"] == 1
+    assert lines == [
+        "note: --mesh resolves to data=1, whose data axis is one device, so --optimizer-sharding data keeps the "
+        "optimizer state whole (as replicated)"
+    ]

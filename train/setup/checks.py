@@ -60,6 +60,27 @@ def validate(run: RunConfig, num_devices: int, tokenizer=None) -> None:
     check_data(run, tokenizer, read=not run.loop.dry_run)
 
 
+def optimizer_sharding_note(par: Parallelism) -> str | None:
+    """A note when ``--optimizer-sharding data`` has nothing to split over: the ``-1`` axis of ``--mesh`` resolved
+    ``data`` to one device (one process of an elastic job after a restart on fewer processes,
+    `train.launcher.replan`). The run goes on with the state whole on its one ``data`` rank, as ``replicated``
+    keeps it; a ``data`` axis given as 1 is refused before this (`train.setup.layout_flags.check_optimizer_sharding`).
+
+    Args:
+      par: The run's `Parallelism`, its mesh resolved.
+
+    Returns:
+      The note's line, or None when the state is split (or not asked to be).
+    """
+    if par.optimizer_sharding != ax.DATA or par.mesh_shape[ax.DATA] > 1:
+        return None
+    mesh = format_mesh(par.mesh_shape).replace("single device", "data=1")
+    return (
+        f"note: --mesh resolves to {mesh}, whose data axis is one device, so "
+        "--optimizer-sharding data keeps the optimizer state whole (as replicated)"
+    )
+
+
 def check_simulated_devices(mesh_sizes, devices, cpu_devices: int | None) -> None:
     """A ``--mesh`` of fixed sizes that needs more devices than the CPU devices JAX sees, without
     ``--cpu-devices``: the remedy is simulating them (a smaller mesh, what `sharding.mesh.parse_mesh` would

@@ -77,12 +77,14 @@ def parallelism_from_args(args, num_layers: int) -> Parallelism:
 
     Raises:
       ValueError: A malformed ``--mesh``/``--mesh-outer``/``--rule``/``--stage-layers``/``--hetero-batch``,
-        pipeline flags without a stage axis, or flags of two strategies at once; naming the flags.
+        pipeline flags without a stage axis, flags of two strategies at once, or ``--optimizer-sharding data``
+        on a mesh without a ``data`` axis (`check_optimizer_sharding`); naming the flags.
     """
     sizes = parse_axis_sizes(args.mesh)
     outer = parse_axis_sizes(args.mesh_outer, field="mesh_outer", allow_fill=False) if args.mesh_outer else None
     rules = get_rules(args.rules, args.rule)
     strategy = strategy_from_args(args, sizes, num_layers)
+    check_optimizer_sharding(args.optimizer_sharding, sizes)
     if strategy.pipeline is not None:
         rules = pipeline_rules(rules)
     shares = parse_context_shares(getattr(args, "context_shares", None), args.seq_len)
@@ -95,6 +97,44 @@ def parallelism_from_args(args, num_layers: int) -> Parallelism:
         context_shares=shares,
         optimizer_sharding=args.optimizer_sharding,
     )
+
+
+def check_optimizer_sharding(optimizer_sharding: str, sizes: dict[str, int]) -> None:
+    """``--optimizer-sharding data`` on a ``--mesh`` whose ``data`` axis is given as 1 (or left out) is refused:
+    there is nothing to split the optimizer state over, and the run would keep it whole without a word.
+
+    Checked on the mesh as the user typed it, before the ``-1`` axis is resolved: ``data=-1`` passes, since the
+    devices decide its size, and an elastic restart on fewer processes (`train.launcher.replan`), which only
+    resizes that axis, may resolve it to 1; start-up then logs a note instead
+    (`train.setup.checks.optimizer_sharding_note`).
+
+    Args:
+      optimizer_sharding: ``--optimizer-sharding``.
+      sizes: ``--mesh`` as axis sizes (one may be ``-1``), every axis present.
+
+    Raises:
+      ValueError: Naming both flags, a mesh with a ``data`` axis (where one can be made from the ``-1`` axis
+        or an even ``fsdp``), and ``--optimizer-sharding replicated``.
+    """
+    if optimizer_sharding != ax.DATA or sizes[ax.DATA] != 1:
+        return
+    given = format_mesh(sizes).replace("single device", "data=1")
+    example = _with_data(sizes)
+    works = f"a mesh with one, e.g. --mesh {format_mesh(example)}, or " if example else ""
+    raise ValueError(
+        f"--optimizer-sharding data on --mesh {given}: the mesh has no data axis to split the optimizer state "
+        f"over; use {works}--optimizer-sharding replicated"
+    )
+
+
+def _with_data(sizes: dict[str, int]) -> dict[str, int] | None:
+    """``sizes`` with a ``data`` axis of 2 made beside the ``-1`` axis, or taken from an even ``fsdp`` (the same
+    data-parallel rows, so the batch still divides); None when neither exists."""
+    if -1 in sizes.values():
+        return {**sizes, ax.DATA: 2}
+    if sizes[ax.FSDP] % 2 == 0:
+        return {**sizes, ax.DATA: 2, ax.FSDP: sizes[ax.FSDP] // 2}
+    return None
 
 
 CONTEXT_SHARES_EXAMPLE = "--context-shares 2,1"

@@ -13,7 +13,7 @@ from train.runtime import step
 from train.setup import strategy_setup
 from train.setup.auto_plan import apply_plan
 from train.setup.calibrate import resolve_context_shares, resolve_counts
-from train.setup.checks import check_attention_platform, check_simulated_devices, validate
+from train.setup.checks import check_attention_platform, check_simulated_devices, optimizer_sharding_note, validate
 from train.setup.config import RunConfig
 from train.setup.mesh_fit import resolve_mesh_or_suggest
 
@@ -29,6 +29,8 @@ def prepare(config: RunConfig, devices, log):
     check_simulated_devices(config.parallelism.mesh_shape, devices, config.cluster.cpu_devices)
     check_attention_platform(config.model.attention, devices)
     config = resolve_mesh_or_suggest(config, len(devices))
+    if (note := optimizer_sharding_note(config.parallelism)) is not None:  # an elastic restart's data=-1 on fewer
+        log(note)
     tokenizer = load_tokenizer(config.data.tokenizer, config.data.eod_token)
     validate(config, len(devices), tokenizer)
     config = fit.resolve_budget(config, devices)
