@@ -76,6 +76,8 @@ class Collective:
       result_bytes: bytes of its per-device result (for ``-start`` forms,
         of the output buffer).
       executions: times it runs per call of the program (loop trips folded in).
+      dtype: the element type of its result as HLO writes it (``bf16``, ``f32``; of the output buffer for
+        ``-start`` forms, the first array's for a tuple), "" when it has none.
     """
 
     op: str
@@ -83,6 +85,7 @@ class Collective:
     computation: str
     result_bytes: int
     executions: int
+    dtype: str = ""
 
     @property
     def total_bytes(self) -> int:
@@ -109,6 +112,13 @@ def _result_bytes(op: str, type_text: str) -> int:
     if op.endswith("-start") and op != "all-reduce-start" and len(sizes) >= 2:
         return sizes[1]  # (operand, output, ...) tuples of async starts
     return sum(sizes)
+
+
+def _result_dtype(op: str, type_text: str) -> str:
+    types = [dtype for dtype, _ in _ARRAY.findall(type_text) if dtype in _DTYPE_BYTES]
+    if not types:
+        return ""
+    return types[1] if op.endswith("-start") and op != "all-reduce-start" and len(types) >= 2 else types[0]
 
 
 def _parse(hlo_text: str):
@@ -171,9 +181,61 @@ def collectives(hlo_text: str) -> list[Collective]:
             if base not in COLLECTIVE_OPS:
                 continue
             found.append(
-                Collective(base, name, computation, _result_bytes(op, type_text), max(times.get(computation, 0), 1))
+                Collective(
+                    base,
+                    name,
+                    computation,
+                    _result_bytes(op, type_text),
+                    max(times.get(computation, 0), 1),
+                    _result_dtype(op, type_text),
+                )
             )
     return found
+
+
+BEFORE_CPU_UPCAST = "float-normalization-bf16"
+"""The XLA:CPU pass that rewrites bfloat16 collectives (and other ops the CPU runs in float32) to float32,
+after the SPMD partitioner: the program before it holds the collectives as a GPU backend, which keeps them
+bfloat16, receives them."""
+
+
+def text_before_pass(lowered, pass_name: str = BEFORE_CPU_UPCAST) -> str:
+    """The HLO module of ``lowered`` as it stands just before XLA's pass ``pass_name`` (compiled once more for it).
+
+    On XLA:CPU, ``compiled.as_text()`` shows bfloat16 collectives upcast to float32 by `BEFORE_CPU_UPCAST`; the
+    module before that pass is the partitioned program with its collectives in the dtypes the program moves
+    (what `collectives` then reads as a GPU compile would emit them). XLA writes it to a temporary folder
+    (``xla_dump_to`` with ``xla_dump_hlo_pass_re``); the persistent compilation cache is off meanwhile, since a
+    compilation it serves runs no pass and writes nothing.
+
+    Args:
+      lowered: A `jax.stages.Lowered` (``jax.jit(f).lower(*args)``).
+      pass_name: The HLO pass to read the module before.
+
+    Returns:
+      The module's HLO text.
+
+    Raises:
+      RuntimeError: XLA ran no pass of that name (another backend, or an XLA that renamed it).
+    """
+    import glob
+    import os
+    import tempfile
+
+    import jax
+
+    cached = jax.config.jax_enable_compilation_cache
+    with tempfile.TemporaryDirectory() as folder:
+        jax.config.update("jax_enable_compilation_cache", False)
+        try:
+            lowered.compile(compiler_options={"xla_dump_to": folder, "xla_dump_hlo_pass_re": re.escape(pass_name)})
+        finally:
+            jax.config.update("jax_enable_compilation_cache", cached)
+        found = sorted(glob.glob(os.path.join(folder, f"*.before_{pass_name}.txt")))
+        if not found:
+            raise RuntimeError(f"XLA ran no pass {pass_name!r} compiling this program")
+        with open(found[0], encoding="utf-8") as f:
+            return f.read()
 
 
 def summarize(found: list[Collective]) -> dict[str, tuple[int, int]]:

@@ -87,10 +87,57 @@ def master_spec(shape: Sequence[int], spec, mesh_shape: Mapping[str, int]):
     return PartitionSpec(*entries)
 
 
+def gather_params(params, master_shardings, shardings, compute_dtype):
+    """The parameters gathered from their master slices to the layout the forward and backward see (inside jit).
+
+    Where the compute dtype is narrower than a parameter's (bfloat16 compute, float32 masters), each slice is
+    rounded to the compute dtype *before* the gather and widened back after it, so the all-gather over ``data``
+    moves the compute dtype's bytes (half of float32's) and the forward sees the parameter as the compute dtype
+    rounds it: Megatron-LM's distributed optimizer (its bf16 model parameters all-gathered after the sharded
+    float32 update; Korthikanti et al. 2022, Megatron-LM's ``--use-distributed-optimizer`` with ``--bf16``).
+    Widened back, the parameters and so their gradients keep their own dtype: the gradients are summed and
+    reduce-scattered in float32 as without the rounding. A weight the model casts to the compute dtype
+    before its product (every matrix) computes the same values either way; one it uses in float32 (a norm's
+    scale, a router) sees its value rounded. A compute dtype as wide as the parameter (float32) gathers them
+    as they are.
+
+    Args:
+      params: The parameters as the state holds them (a pytree of arrays, the master slices).
+      master_shardings: Their shardings in the state (`master_spec`): the rounded slices are held to them, or
+        the partitioner, propagating the gathered layout back through the rounding, gathers the float32
+        slices and rounds after.
+      shardings: The rules' shardings of the same tree (replicated over ``data``).
+      compute_dtype: The model's compute dtype (``jnp.bfloat16``, ``jnp.float32``).
+
+    Returns:
+      The tree laid out as ``shardings``, each array of its own dtype.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    def narrowed(p):
+        low = jnp.issubdtype(p.dtype, jnp.floating) and jnp.dtype(compute_dtype).itemsize < p.dtype.itemsize
+        return p.astype(compute_dtype) if low else p
+
+    narrow = jax.lax.with_sharding_constraint(jax.tree.map(narrowed, params), master_shardings)
+    moved = jax.lax.with_sharding_constraint(narrow, shardings)
+    return jax.tree.map(lambda g, p: g.astype(p.dtype), moved, params)
+
+
+def gather_dtype(param_dtype, compute_dtype):
+    """The dtype `gather_params` moves a parameter of ``param_dtype`` in: ``compute_dtype`` where it is
+    narrower (a floating parameter), else ``param_dtype`` (what the cost model prices the all-gather's bytes by)."""
+    import numpy as np
+
+    param_dtype, compute_dtype = np.dtype(param_dtype), np.dtype(compute_dtype)
+    narrower = compute_dtype.itemsize < param_dtype.itemsize and np.issubdtype(param_dtype, np.floating)
+    return compute_dtype if narrower else param_dtype
+
+
 def data_split(shape: Sequence[int], spec, mesh_shape: Mapping[str, int]) -> int:
     """How many ways ``data`` splits an array's master copy: ``data`` where `master_dim` picks a dimension,
     else 1 (what the cost model divides a parameter's and its moments' bytes by)."""
     return 1 if master_dim(shape, spec, mesh_shape) is None else mesh_shape.get(ax.DATA, 1)
 
 
-__all__ = ["data_split", "master_dim", "master_spec"]
+__all__ = ["data_split", "gather_dtype", "gather_params", "master_dim", "master_spec"]

@@ -243,7 +243,8 @@ def _fsdp_gather_bytes(layout: Layout, backend: str) -> int:
     casts each float32 weight to the compute dtype where it is used; the cast is elementwise, so it runs on
     the shard, and the partitioner gathers at the use, the product's operand, which is the cast's result
     (torchtitan's FSDP2 gathers in ``param_dtype`` bfloat16 the same way). XLA's CPU backend upcasts
-    bfloat16 collectives, so on CPU float32."""
+    bfloat16 collectives, so on CPU float32. The distributed optimizer's gather of the parameters over ``data``
+    moves the same (`sharding.costmodel.zero.zero_comms`: the slices are rounded to the compute dtype before it)."""
     return _DTYPE_BYTES[layout.dtype] if backend == "gpu" else _PARAM_BYTES
 
 

@@ -10,11 +10,15 @@ length-parallel collectives are unchanged; what changes (`zero_comms`):
 * each gradient's all-reduce over ``data`` becomes a reduce-scatter over ``data`` (result: the ``1/data``
   slice), and the new parameters come back by an all-gather over ``data`` (result: the rules' block), priced
   once per step each (XLA may place the gathers per layer inside the scanned stack: the same bytes in all; a
-  ring all-reduce is the two, so the bytes on the links are the same). Priced only where the all-reduce is
+  ring all-reduce is the two, so the bytes on the links are the same). The gradients move in float32; the
+  parameters in the compute dtype where it is narrower (`sharding.zero.gather_params` rounds the slices to
+  bfloat16 before the gather, as Megatron-LM gathers its bf16 parameters), so with bfloat16 the gather moves
+  half the all-reduce's second half. Priced only where the all-reduce is
   over ``data`` alone: a gradient all-reduced over ``data`` and ``fsdp`` together (a weight ``fsdp`` does not
   split) keeps its all-reduce and gets the reduce-scatter besides, an over-count on GPU;
 * on XLA:CPU, which lowers a reduce-scatter to an all-reduce of the whole array and a slice
-  (`sharding.costmodel.partitioner`), the gradient's all-reduce stays and the all-gather is added.
+  (`sharding.costmodel.partitioner`), the gradient's all-reduce stays and the all-gather is added, in float32
+  whatever the compute dtype (XLA:CPU upcasts bfloat16 collectives: `sharding.costmodel.partitioner._fsdp_gather_bytes`).
 
 Units: elements (`master_split`: a divisor), bytes.
 """
@@ -26,6 +30,7 @@ import dataclasses
 from sharding import axes as ax
 from sharding.costmodel.collectives import Comm
 from sharding.costmodel.layout import _PARAM_BYTES, Layout, _Placed, _Shape
+from sharding.costmodel.partitioner import _fsdp_gather_bytes
 from sharding.rules import Rules, logical_to_spec
 from sharding.zero import data_split
 
@@ -59,20 +64,25 @@ def zero_comms(
         stage's share of the storage, `with_zero`).
 
     Returns:
-      One all-gather per parameter split over ``data`` (and on GPU one reduce-scatter), once per step.
+      One all-gather per parameter split over ``data`` (and on GPU one reduce-scatter), once per step: the
+      gradient's slice in float32, the parameters in the dtype the gather moves (`_fsdp_gather_bytes`: the
+      compute dtype on GPU, float32 on CPU).
     """
     if not zero_on(layout):
         return []
     mesh, d = layout.mesh, layout.mesh[ax.DATA]
+    gathered = _fsdp_gather_bytes(layout, backend)
     comms = []
     for p in placed.values():
         if master_split(p, rules, mesh) <= 1:
             continue
-        block = p.local * p.param.copies(s.slots) * _PARAM_BYTES * scale
+        block = p.local * p.param.copies(s.slots) * scale
         what = f"{p.param.path} (distributed optimizer)"
         if backend == "gpu":
-            comms.append(Comm("reduce-scatter", (ax.DATA,), d, block / d, 1, "gradient slice of " + what))
-        comms.append(Comm("all-gather", (ax.DATA,), d, block, 1, "parameters of " + what))
+            comms.append(
+                Comm("reduce-scatter", (ax.DATA,), d, block * _PARAM_BYTES / d, 1, "gradient slice of " + what)
+            )
+        comms.append(Comm("all-gather", (ax.DATA,), d, block * gathered, 1, "parameters of " + what))
     return comms
 
 

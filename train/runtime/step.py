@@ -21,9 +21,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 from models.config import ModelConfig
 from models.lora import trainable, with_trainable
 from models.moe import router_objective
+from models.spec import describe
 from models.transformer import loss_sums, loss_terms, pipelined_loss_stats
 from sharding import axes as ax
 from sharding.parallel import Parallelism
+from sharding.zero import gather_params
 from train import strategies
 from train.data import FIELDS, model_inputs
 from train.runtime.optimizer import OptimizerConfig, learning_rate_schedule
@@ -215,14 +217,40 @@ class Trainer:
         """The state's parameters laid out for the forward and backward (inside jit): as they are, or with
         ``optimizer_sharding`` ``data`` gathered over ``data`` from the state's slices (`sharding.zero`); the
         gradients taken with respect to them are laid back out as the slices in `apply_gradients`, which XLA
-        turns into a reduce-scatter."""
+        turns into a reduce-scatter. With a compute dtype narrower than the parameters (bfloat16) the slices
+        are gathered in it and widened back (`sharding.zero.gather_params`): half the gather's bytes, the
+        forward seeing each parameter as the compute dtype rounds it."""
         if self.par.optimizer_sharding != ax.DATA:
             return params
-        return jax.lax.with_sharding_constraint(params, self.state_layout.param_shardings)
+        layout = self.state_layout
+        return gather_params(
+            params, layout.state_shardings["params"], layout.param_shardings, jnp.dtype(self.config.dtype)
+        )
+
+    def _looked_up_gradients_whole(self, grads):
+        """With ``optimizer_sharding`` ``data``, the gradient of each table the model looks rows up in (role
+        ``embedding``, `models.spec`) summed as the rules lay the table out before `apply_gradients` lays it out
+        as its master slice (inside jit). Otherwise the partitioner, propagating the slice back into the
+        scatter-add that forms the gradient, gathers every token's row of the cotangent and the token ids over
+        ``data`` to scatter into its slice: ``[batch, length, embed]`` float32 per device, far more bytes than
+        the table's gradient at any real batch. The other gradients are left to the partitioner, which
+        reduce-scatters them straight to their slices (over ``fsdp`` and ``data`` at once where both split
+        them)."""
+        if self.par.optimizer_sharding != ax.DATA:
+            return grads
+        tables = {p.path for p in describe(self.config).params if p.role == "embedding"}
+        shardings = trainable(self.config, self.state_layout.param_shardings)
+
+        def place(path, grad, sharding):
+            name = "/".join(str(getattr(k, "key", k)) for k in path)
+            return jax.lax.with_sharding_constraint(grad, sharding) if name in tables else grad
+
+        return jax.tree_util.tree_map_with_path(place, grads, shardings)
 
     def _step(self, state, batch, signals):
         inputs = {i.name: signals[i.name] for i in self.step_inputs}
         loss_sum, weight, grads, extra = self.gradients(self.compute_params(state["params"]), batch, inputs)
+        grads = self._looked_up_gradients_whole(grads)
         new_state, metrics = self.apply_gradients(state, loss_sum, weight, grads, signals["stop"])
         return new_state, {**metrics, **extra}
 
