@@ -17,6 +17,11 @@ equals), so the slices stay contiguous blocks of whole rows where they can; an a
 ``data`` divides stays replicated over ``data`` (a norm scale of an odd width). The cost model reads the same
 choice (`data_split`), so its prices and the compiled state agree array by array.
 
+Such an array is not padded to a split (Megatron-LM's distributed optimizer splits one flat, padded buffer of
+all parameters instead, so any ``data`` divides it): a ``data`` of 48 over Megatron's shapes (widths of powers of
+two times 3 at most) leaves most of the state whole. Start-up (``--dry-run`` too) and the cost model's lines
+name each array left whole (`not_split_lines`), so it is never silent.
+
 Units: elements (shapes), devices (axis sizes). Imports nothing of the project outside `sharding`.
 """
 
@@ -134,10 +139,31 @@ def gather_dtype(param_dtype, compute_dtype):
     return compute_dtype if narrower else param_dtype
 
 
+def not_split_lines(arrays: Sequence[tuple[str, Sequence[int], Sequence]], mesh_shape: Mapping[str, int]) -> list[str]:
+    """Lines naming the arrays the distributed optimizer leaves whole over ``data`` (`master_dim` None while
+    ``data`` > 1): a header, one line per array, none when every array is split (or ``data`` is 1).
+
+    Args:
+      arrays: ``(path, shape, spec)`` per array: its name, global shape and `PartitionSpec` under the rules.
+      mesh_shape: Mesh axis -> size.
+    """
+    data = mesh_shape.get(ax.DATA, 1)
+    whole = [
+        (path, tuple(shape)) for path, shape, spec in arrays if data > 1 and master_dim(shape, spec, mesh_shape) is None
+    ]
+    if not whole:
+        return []
+    return [
+        f"distributed optimizer: not split over data={data} (no dimension's block divides by {data}; float32 copy "
+        f"and moments whole on every data rank): {len(whole)} of {len(arrays)} arrays",
+        *(f"  not split: {path} {shape}" for path, shape in whole),
+    ]
+
+
 def data_split(shape: Sequence[int], spec, mesh_shape: Mapping[str, int]) -> int:
     """How many ways ``data`` splits an array's master copy: ``data`` where `master_dim` picks a dimension,
     else 1 (what the cost model divides a parameter's and its moments' bytes by)."""
     return 1 if master_dim(shape, spec, mesh_shape) is None else mesh_shape.get(ax.DATA, 1)
 
 
-__all__ = ["data_split", "gather_dtype", "gather_params", "master_dim", "master_spec"]
+__all__ = ["data_split", "gather_dtype", "gather_params", "master_dim", "master_spec", "not_split_lines"]

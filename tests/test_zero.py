@@ -22,6 +22,7 @@ from models.config import get_config
 from sharding import costmodel as cm
 from sharding import hlo
 from sharding import pipeline as pl
+from sharding.costmodel import zero as cm_zero
 from sharding.errors import ConfigError
 from sharding.mesh import make_mesh, parse_mesh
 from sharding.parallel import Accumulation, Parallelism
@@ -381,3 +382,27 @@ def test_an_elastic_restart_down_to_one_data_rank_goes_on_with_a_note(corpus):
         "note: --mesh resolves to data=1, whose data axis is one device, so --optimizer-sharding data keeps the "
         "optimizer state whole (as replicated)"
     ]
+
+
+# Arrays data does not divide ------------------------------------------------------------------------------
+
+
+def test_an_array_data_does_not_divide_is_named_as_not_split_by_start_up_and_the_cost_model():
+    """``data=8`` over an embedding width of 100: the norm scales ``[100]`` have no dimension 8 divides, so their
+    float32 copies and moments stay whole; the start-up report (printed by ``--dry-run`` too) and the cost
+    model's lines name each of them, and only them, rather than leaving them whole without a word."""
+    from train.reports.report import startup
+    from train.setup.config import resolve_mesh
+
+    flags = ["--model", "test", "--set", "embed_dim=100", "--set", f"num_layers={LAYERS}", "--mesh", "data=8"]
+    run = resolve_mesh(parse([*flags, "--optimizer-sharding", "data", "--batch-size", "8"]), 8)
+    trainer = Trainer(run.model, OPTIMIZER, run.parallelism.on(make_mesh(run.parallelism.mesh_shape)))
+    lines = startup(run, trainer)
+    header = [line for line in lines if line.startswith("distributed optimizer: not split over data=8")]
+    named = sorted(line.split()[2] for line in lines if line.startswith("  not split: "))
+    assert len(header) == 1 and header[0].endswith(f"{len(named)} of 12 arrays"), lines
+    assert named == ["final_norm/scale", "layers/attention_norm/scale", "layers/mlp_norm/scale"]
+    priced = cm_zero.not_split(trainer.config, cm.layout_of(trainer.par, trainer.config))
+    assert sorted(line.split()[2] for line in priced[1:]) == named
+    replicated = resolve_mesh(parse([*flags, "--batch-size", "8"]), 8)
+    assert cm_zero.not_split(replicated.model, cm.layout_of(replicated.parallelism, replicated.model)) == []

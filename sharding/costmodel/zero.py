@@ -29,10 +29,10 @@ import dataclasses
 
 from sharding import axes as ax
 from sharding.costmodel.collectives import Comm
-from sharding.costmodel.layout import _PARAM_BYTES, Layout, _Placed, _Shape
+from sharding.costmodel.layout import _PARAM_BYTES, Layout, _place_cached, _Placed, _Shape, describe_model
 from sharding.costmodel.partitioner import _fsdp_gather_bytes
 from sharding.rules import Rules, logical_to_spec
-from sharding.zero import data_split
+from sharding.zero import data_split, not_split_lines
 
 
 def zero_on(layout: Layout) -> bool:
@@ -45,6 +45,26 @@ def master_split(p: _Placed, rules: Rules, mesh) -> int:
     `sharding.zero.data_split` of one layer's slice under the rules."""
     spec, _ = logical_to_spec(p.param.axes, rules, p.param.shape, mesh)
     return data_split(p.param.shape, spec, mesh)
+
+
+def not_split(model, layout: Layout) -> list[str]:
+    """The parameters the distributed optimizer leaves whole over ``data`` as the cost model prices them (each
+    at its full bytes in ``parameters`` and ``optimizer``): `sharding.zero.not_split_lines` of one layer's slice
+    of each; none when the layout keeps the state replicated or every parameter is split.
+
+    Args:
+      model: The model's `ModelDescription` (or an object with ``describe()``).
+      layout: The layout.
+    """
+    if not zero_on(layout):
+        return []
+    rules = layout.rules_table()
+    placed = _place_cached(describe_model(model), rules, tuple(layout.mesh.items()))
+    arrays = [
+        (p.param.path, p.param.shape, logical_to_spec(p.param.axes, rules, p.param.shape, layout.mesh)[0])
+        for p in placed.values()
+    ]
+    return not_split_lines(arrays, layout.mesh)
 
 
 def zero_comms(
@@ -131,4 +151,4 @@ def with_zero(layout: Layout, rules: Rules, placed: dict[str, _Placed], s: _Shap
     return flops, memory, (*kept, *added)
 
 
-__all__ = ["master_split", "replaced_all_reduce", "with_zero", "zero_comms", "zero_on"]
+__all__ = ["master_split", "not_split", "replaced_all_reduce", "with_zero", "zero_comms", "zero_on"]

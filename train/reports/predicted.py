@@ -18,6 +18,7 @@ import jax
 
 from sharding import costmodel as cm
 from sharding import hlo
+from sharding.costmodel.zero import not_split
 from train.setup import strategy_setup
 from train.setup.flagnames import render
 
@@ -88,6 +89,7 @@ def cost_model_lines(trainer, compiled, batch: int, seq_len: int) -> list[str]:
             f"grouped products lowered densely, float32 copies of bfloat16 activations): on a GPU about "
             f"{_mib(cost.memory.in_flight - cost.memory.cpu_only)}"
         )
+    lines += not_split(trainer.config, cm.layout_of(trainer.par, trainer.config))
     return lines + strategy_setup.cost_notes(trainer.par)
 
 
