@@ -102,8 +102,9 @@ def _mesh_flags(p) -> None:
         choices=OPTIMIZER_SHARDINGS,
         help="where the float32 parameters the optimizer updates and its moments live: replicated on every data "
         "rank, or data, a distributed optimizer (ZeRO stage 1): split over the data axis, gradients "
-        "reduce-scattered and the new parameters all-gathered each step, for about the same traffic as the "
-        "all-reduce; it cuts the state's memory by the data size (see docs/sharding.md)",
+        "reduce-scattered and the new parameters all-gathered each step (in the compute dtype: bfloat16 halves "
+        "the gather), for about the same traffic as the all-reduce; it cuts the state's memory by the data size; "
+        "needs a data axis in --mesh (see docs/sharding.md)",
     )
     g.add_argument(
         "--cpu-devices",
