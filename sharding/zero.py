@@ -98,8 +98,9 @@ def gather_params(params, master_shardings, shardings, compute_dtype):
     Where the compute dtype is narrower than a parameter's (bfloat16 compute, float32 masters), each slice is
     rounded to the compute dtype *before* the gather and widened back after it, so the all-gather over ``data``
     moves the compute dtype's bytes (half of float32's) and the forward sees the parameter as the compute dtype
-    rounds it: Megatron-LM's distributed optimizer (its bf16 model parameters all-gathered after the sharded
-    float32 update; Korthikanti et al. 2022, Megatron-LM's ``--use-distributed-optimizer`` with ``--bf16``).
+    rounds it, as Megatron-LM's distributed optimizer does (``--use-distributed-optimizer`` with ``--bf16``; its
+    documentation: float32 main parameters and moments split over data-parallel ranks, the updated bf16
+    parameters all-gathered).
     Widened back, the parameters and so their gradients keep their own dtype: the gradients are summed and
     reduce-scattered in float32 as without the rounding. A weight the model casts to the compute dtype
     before its product (every matrix) computes the same values either way; one it uses in float32 (a norm's
@@ -129,16 +130,6 @@ def gather_params(params, master_shardings, shardings, compute_dtype):
     return jax.tree.map(lambda g, p: g.astype(p.dtype), moved, params)
 
 
-def gather_dtype(param_dtype, compute_dtype):
-    """The dtype `gather_params` moves a parameter of ``param_dtype`` in: ``compute_dtype`` where it is
-    narrower (a floating parameter), else ``param_dtype`` (what the cost model prices the all-gather's bytes by)."""
-    import numpy as np
-
-    param_dtype, compute_dtype = np.dtype(param_dtype), np.dtype(compute_dtype)
-    narrower = compute_dtype.itemsize < param_dtype.itemsize and np.issubdtype(param_dtype, np.floating)
-    return compute_dtype if narrower else param_dtype
-
-
 def not_split_lines(arrays: Sequence[tuple[str, Sequence[int], Sequence]], mesh_shape: Mapping[str, int]) -> list[str]:
     """Lines naming the arrays the distributed optimizer leaves whole over ``data`` (`master_dim` None while
     ``data`` > 1): a header, one line per array, none when every array is split (or ``data`` is 1).
@@ -166,4 +157,4 @@ def data_split(shape: Sequence[int], spec, mesh_shape: Mapping[str, int]) -> int
     return 1 if master_dim(shape, spec, mesh_shape) is None else mesh_shape.get(ax.DATA, 1)
 
 
-__all__ = ["data_split", "gather_dtype", "gather_params", "master_dim", "master_spec", "not_split_lines"]
+__all__ = ["data_split", "gather_params", "master_dim", "master_spec", "not_split_lines"]
