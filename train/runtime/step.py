@@ -25,6 +25,7 @@ from models.spec import describe
 from models.transformer import loss_sums, loss_terms, pipelined_loss_stats
 from sharding import axes as ax
 from sharding.parallel import Parallelism
+from sharding.rules import path_str
 from sharding.zero import gather_params
 from train import strategies
 from train.data import FIELDS, model_inputs
@@ -232,8 +233,8 @@ class Trainer:
         ``embedding``, `models.spec`) summed as the rules lay the table out before `apply_gradients` lays it out
         as its master slice (inside jit). Otherwise the partitioner, propagating the slice back into the
         scatter-add that forms the gradient, gathers every token's row of the cotangent and the token ids over
-        ``data`` to scatter into its slice: ``[batch, length, embed]`` float32 per device, far more bytes than
-        the table's gradient at any real batch. The other gradients are left to the partitioner, which
+        ``data`` to scatter into its slice: ``[batch, length, embed]`` float32 per device, more bytes than the
+        table's gradient once the batch's tokens outnumber the vocabulary. The other gradients are left to the partitioner, which
         reduce-scatters them straight to their slices (over ``fsdp`` and ``data`` at once where both split
         them)."""
         if self.par.optimizer_sharding != ax.DATA:
@@ -242,8 +243,7 @@ class Trainer:
         shardings = trainable(self.config, self.state_layout.param_shardings)
 
         def place(path, grad, sharding):
-            name = "/".join(str(getattr(k, "key", k)) for k in path)
-            return jax.lax.with_sharding_constraint(grad, sharding) if name in tables else grad
+            return jax.lax.with_sharding_constraint(grad, sharding) if path_str(path) in tables else grad
 
         return jax.tree_util.tree_map_with_path(place, grads, shardings)
 
