@@ -468,8 +468,8 @@ def check_base(meta: RunMeta, folder: str | None, directory) -> str:
       The folder to read the base from.
 
     Raises:
-      ValueError: One line naming the folder, the recorded one and what to pass: the folder is missing, or
-        its weights differ from the recorded ones.
+      sharding.errors.ConfigError: One line naming the folder, the recorded one and what to pass (the
+        ``init_from`` field): the folder is missing, or its weights differ from the recorded ones.
     """
     from checkpoints import hf  # slow: ml_dtypes
 
@@ -479,14 +479,17 @@ def check_base(meta: RunMeta, folder: str | None, directory) -> str:
         f"the checkpoint of step {meta.step} in {directory} keeps only adapters, trained on the base model {recorded}"
     )
     if not Path(folder).is_dir():
-        raise ValueError(
-            f"{where}; {folder} is not a folder: put that model back there, or pass --init-from with the folder "
-            "it is in now"
+        raise ConfigError(
+            f"{where}; {folder} is not a folder: put that model back there, or pass ",
+            Field("init_from"),
+            " with the folder it is in now",
         )
     digest = hf.weights_digest(folder)
     if digest != meta.base["sha256"]:
-        raise ValueError(
+        raise ConfigError(
             f"{where} (weights sha256 {meta.base['sha256'][:16]}...); {folder} holds other weights "
-            f"(sha256 {digest[:16]}...): pass --init-from with the folder of the model the run started from"
+            f"(sha256 {digest[:16]}...): pass ",
+            Field("init_from"),
+            " with the folder of the model the run started from",
         )
     return folder

@@ -8,6 +8,7 @@ import shutil
 import jax
 import numpy as np
 import pytest
+from _cli_errors import raises_as_cli
 from test_hf import FIXTURES, rewrite_tensors
 from test_hf_runs import common, metrics
 
@@ -15,6 +16,7 @@ from checkpoints import hf
 from checkpoints.manager import CheckpointManager, check_base
 from checkpoints.meta import RunMeta
 from models.lora import is_adapter
+from sharding.errors import ConfigError
 from train import train
 
 ADAPTERS = ["--lora-rank", "2", "--lora-alpha", "4"]
@@ -110,8 +112,8 @@ def test_a_base_folder_with_other_weights_is_refused_naming_it(runs, tmp_path, c
 def test_a_missing_base_folder_is_refused_naming_it(runs, tmp_path):
     root, _, _, base = runs
     meta = RunMeta.from_json({"step": 2, "base": {"folder": str(tmp_path / "gone"), "sha256": "0" * 64}})
-    with pytest.raises(
-        ValueError, match=rf"^the checkpoint .* base model {tmp_path / 'gone'}; .* is not a folder: put"
+    with raises_as_cli(
+        ConfigError, rf"^the checkpoint .* base model {tmp_path / 'gone'}; .* is not a folder: put .* pass --init-from "
     ):
         check_base(meta, None, root / "two" / "checkpoints")
     assert check_base(
