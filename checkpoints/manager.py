@@ -271,10 +271,13 @@ class LoopCheckpoints:
     Args:
       manager: The `CheckpointManager`.
       meta: The run's `checkpoints.meta.RunMeta`; each save records its step and data position.
+      kept: What of a state a save writes (``state -> state``, e.g.
+        `train.runtime.state.StateLayout.adapters_state` where ``meta.base`` is set); None: all of it.
     """
 
-    def __init__(self, manager: CheckpointManager, meta):
+    def __init__(self, manager: CheckpointManager, meta, kept=None):
         self.manager, self.meta = manager, meta
+        self.kept = (lambda state: state) if kept is None else kept
 
     def save(self, state, step: int, samples: int, iterator: dict | None = None) -> None:
         """Starts saving ``state`` as ``step`` after ``samples`` sequences, with the input pipeline's
@@ -284,7 +287,7 @@ class LoopCheckpoints:
           CheckpointFailure: When the save cannot start (its error, with the step and folder).
         """
         try:
-            self.manager.save(step, state, self.meta.at(step, samples, iterator).to_json())
+            self.manager.save(step, self.kept(state), self.meta.at(step, samples, iterator).to_json())
         except Exception as e:  # any failure to start a save ends the run with it
             raise CheckpointFailure(
                 f"saving the checkpoint of step {step} in {self.manager.directory} failed: {e}{library_log.note()}"
@@ -394,12 +397,15 @@ def set_aside_damaged(directory, choice, log) -> list[Path]:
     return moved
 
 
-def restore_state(manager: CheckpointManager, target, step: int | None = None):
+def restore_state(manager: CheckpointManager, target, step: int | None = None, base_folder: str | None = None):
     """Restores a checkpoint onto a state layout's mesh and storage.
 
     Reads the saved stage layout from the checkpoint's metadata (``pipeline``; absent or None: canonical),
     restores onto targets in that layout with the current mesh's shardings (every device reads only its
-    slice), then re-lays the stacked layer axis on device.
+    slice), then re-lays the stacked layer axis on device. A checkpoint whose base is by reference
+    (`checkpoints.meta.RunMeta.base`: low-rank adapters on an imported model) holds the adapters' state
+    alone: the base is read from its folder onto the mesh (`checkpoints.hf.load_params`) once the folder's
+    weights are checked to be the ones the adapters were trained on (`check_base`).
 
     Args:
       manager: The `CheckpointManager`.
@@ -407,12 +413,15 @@ def restore_state(manager: CheckpointManager, target, step: int | None = None):
         ``abstract_state(layout)`` and ``relayout_state(state, layout)``; not imported here, since
         checkpoints import nothing of train).
       step: The step (default: latest).
+      base_folder: Where the base is now (``--init-from``), for a checkpoint whose base is by reference;
+        None: the folder it records.
 
     Returns:
       ``(state, meta)``: the state in the target's layout and the `checkpoints.meta.RunMeta`.
 
     Raises:
-      ValueError: A saved layout with another number of layers than the model.
+      ValueError: A saved layout with another number of layers than the model; a base folder that is
+        missing or holds other weights (`check_base`).
       FileNotFoundError: No checkpoint.
     """
 
@@ -423,5 +432,64 @@ def restore_state(manager: CheckpointManager, target, step: int | None = None):
             f"the checkpoint's stage layout {src.describe()} has {src.num_layers} layers; the model "
             f"has {target.config.num_layers}"
         )
-    state, _ = manager.restore(target.abstract_state(src), step)
-    return target.relayout_state(state, src), meta
+    if meta.base is None:
+        state, _ = manager.restore(target.abstract_state(src), step)
+        return target.relayout_state(state, src), meta
+    from checkpoints import hf  # slow: ml_dtypes
+
+    folder = check_base(meta, base_folder, manager.directory)
+    state, _ = manager.restore(target.abstract_state(src, adapters_only=True), step)
+    state = target.relayout_state(state, src)
+    return target.with_base(state, hf.load_params(folder, target.config, target.param_targets())), meta
+
+
+def base_reference(folder: str | Path) -> dict[str, str]:
+    """`checkpoints.meta.RunMeta.base` for adapters trained on the model in ``folder``: the folder and
+    `checkpoints.hf.weights_digest` of its weights.
+
+    Raises:
+      ValueError: As `checkpoints.hf.weight_files`.
+    """
+    from checkpoints import hf  # slow: ml_dtypes
+
+    return {"folder": str(folder), "sha256": hf.weights_digest(folder)}
+
+
+def check_base(meta: RunMeta, folder: str | None, directory) -> str:
+    """The base folder of a checkpoint whose base is by reference, checked to hold the weights its adapters
+    were trained on (`checkpoints.hf.weights_digest` equal to the recorded one).
+
+    Args:
+      meta: The checkpoint's metadata (``base`` set).
+      folder: Where the base is now, or None for the recorded folder.
+      directory: The checkpoints' folder (for the message).
+
+    Returns:
+      The folder to read the base from.
+
+    Raises:
+      sharding.errors.ConfigError: One line naming the folder, the recorded one and what to pass (the
+        ``init_from`` field): the folder is missing, or its weights differ from the recorded ones.
+    """
+    from checkpoints import hf  # slow: ml_dtypes
+
+    recorded = meta.base["folder"]
+    folder = recorded if folder is None else str(folder)
+    where = (
+        f"the checkpoint of step {meta.step} in {directory} keeps only adapters, trained on the base model {recorded}"
+    )
+    if not Path(folder).is_dir():
+        raise ConfigError(
+            f"{where}; {folder} is not a folder: put that model back there, or pass ",
+            Field("init_from"),
+            " with the folder it is in now",
+        )
+    digest = hf.weights_digest(folder)
+    if digest != meta.base["sha256"]:
+        raise ConfigError(
+            f"{where} (weights sha256 {meta.base['sha256'][:16]}...); {folder} holds other weights "
+            f"(sha256 {digest[:16]}...): pass ",
+            Field("init_from"),
+            " with the folder of the model the run started from",
+        )
+    return folder

@@ -38,6 +38,11 @@ class RunMeta:
       optimizer_sharding: Where the saved parameters and optimizer moments were laid out
         (`sharding.parallel.Parallelism.optimizer_sharding`: ``replicated``, or ``data``, split over it); for
         the record: a checkpoint stores the values, whatever the layout, and restores onto either.
+      base: With low-rank adapters on an imported model, the frozen base's source: ``{"folder": the
+        ``--init-from`` folder, "sha256": `checkpoints.hf.weights_digest` of its weights}``; the checkpoint's
+        state then holds the adapters' parameters alone (and their optimizer state), and a restore reads the
+        base from the folder after checking its digest (`checkpoints.manager.restore_state`). None: the state
+        holds every parameter.
       jax_version: The JAX that saved it.
       saved_at: Local time of the save, ISO 8601.
       step: The step, once saved.
@@ -52,6 +57,7 @@ class RunMeta:
     pipeline: dict[str, Any] | None = None
     schedule: dict[str, Any] | None = None
     optimizer_sharding: str = REPLICATED
+    base: dict[str, str] | None = None
     jax_version: str = ""
     saved_at: str = ""
     step: int | None = None
@@ -68,6 +74,7 @@ class RunMeta:
         pipeline: dict[str, Any] | None,
         schedule: dict[str, Any] | None = None,
         optimizer_sharding: str = REPLICATED,
+        base: dict[str, str] | None = None,
     ) -> RunMeta:
         """The metadata of a run about to train (the data position and step are set at each save)."""
         import jax
@@ -87,6 +94,7 @@ class RunMeta:
             pipeline=pipeline,
             schedule=None if schedule is None else dict(schedule),
             optimizer_sharding=optimizer_sharding,
+            base=None if base is None else dict(base),
             jax_version=jax.__version__,
             saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         )

@@ -112,6 +112,8 @@ class ModelConfig:
       lora_alpha: the adapters' scale numerator: a target weight acts as ``W + (lora_alpha / lora_rank) * A @ B``.
       lora_targets: comma-separated projections that get adapters, of `models.lora.TARGETS`
         (``q,k,v,o,gate,up,down``; ``gate,up,down`` include a mixture of experts' routed and shared experts).
+      lora_base_dtype: with adapters, the dtype the frozen base's parameters are held in, ``float32`` or
+        ``bfloat16`` (half the bytes; each layer widens them as it computes); the factors stay float32.
     """
 
     vocab_size: int
@@ -151,6 +153,7 @@ class ModelConfig:
     lora_rank: int = 0
     lora_alpha: float = 16.0
     lora_targets: str = ""
+    lora_base_dtype: str = "float32"
 
     ARCHITECTURE_FIELDS = (
         "vocab_size",
@@ -229,6 +232,7 @@ class ModelConfig:
             ("logits", LOGITS_IMPLS),
             ("rope_type", ROPE_TYPES),
             ("router", ROUTERS),
+            ("lora_base_dtype", DTYPES),
         )
         for name, allowed in checks:
             if getattr(self, name) not in allowed:
@@ -248,6 +252,12 @@ class ModelConfig:
                 Field("lora_rank", self.lora_rank), ": must be >= 0 (0: no adapters), e.g. ", Field("lora_rank", 16)
             )
         if not self.lora_rank:
+            if self.lora_base_dtype != "float32":
+                raise ConfigError(
+                    Field("lora_base_dtype", self.lora_base_dtype),
+                    " needs adapters (without them every parameter is trained, in float32); add ",
+                    Field("lora_rank", 16),
+                )
             if self.lora_targets:
                 raise ConfigError(
                     Field("lora_targets", self.lora_targets),

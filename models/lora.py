@@ -116,6 +116,28 @@ def weight(module: Any, name: str) -> jax.Array:
     return adapted(w, a[...], getattr(module, name + B_SUFFIX)[...], name, module.lora_scale)
 
 
+def held_in_dtype(config: ModelConfig, tree: dict) -> dict:
+    """A parameter tree (arrays or `jax.ShapeDtypeStruct`s) with the frozen base in the dtype the model holds it
+    in (``lora_base_dtype``: float32, or bfloat16 to halve its bytes); the factors, and every parameter of a
+    model without adapters, as they are (float32). Layers widen a weight to the compute dtype as they use it
+    (`weight`, and each layer's ``astype``), so a bfloat16 base computes as its values widened to float32."""
+    if not config.lora_rank or config.lora_base_dtype == "float32":
+        return tree
+    dtype = jnp.dtype(config.lora_base_dtype)
+
+    def cast(key, x):
+        if is_adapter(key):
+            return x
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(x.shape, dtype, sharding=x.sharding)
+        return x.astype(dtype)
+
+    def walk(node):
+        return {k: walk(v) if isinstance(v, dict) else cast(str(k), v) for k, v in node.items()}
+
+    return walk(tree)
+
+
 def is_adapter(key: str) -> bool:
     """Whether a parameter tree key names an adapter factor."""
     return key.endswith(A_SUFFIX) or key.endswith(B_SUFFIX)

@@ -271,6 +271,7 @@ def describe(config: ModelConfig) -> ModelDescription:
         activations=_activations(config),
         attention_kernels=tuple(k.traits for k in KERNELS),
         inactive_params=_inactive_params(config),
+        frozen_bytes=2 if config.lora_rank and config.lora_base_dtype == "bfloat16" else 4,
         experts=ExpertGeometry(
             config.num_moe_layers, config.num_experts, config.experts_per_token, config.capacity_factor
         )

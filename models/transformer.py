@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from models import lora
 from models.attention import Attention
 from models.config import ModelConfig
 from models.layers import MLP, Embed, RMSNorm, make_params
@@ -598,7 +599,8 @@ def abstract_model(config: ModelConfig):
 
     Returns:
       graphdef: the model's `nnx.GraphDef`, for `apply`.
-      abstract_params: nested dict of `jax.ShapeDtypeStruct` (float32).
+      abstract_params: nested dict of `jax.ShapeDtypeStruct` (float32; with adapters and ``lora_base_dtype``
+        bfloat16, the frozen base bfloat16: `models.lora.held_in_dtype`).
       names: the same nested dict with each parameter's logical axis names.
     """
     model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
@@ -611,7 +613,7 @@ def abstract_model(config: ModelConfig):
                 target = target.setdefault(str(key), {})
             target[str(path[-1])] = tuple(node.get_metadata()["logical_axes"])
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), to_pure_dict(state))
-    return graphdef, abstract, names
+    return graphdef, lora.held_in_dtype(config, abstract), names
 
 
 def init_params(config: ModelConfig, key: jax.Array, layer_table=None) -> dict[str, Any]:
@@ -628,12 +630,13 @@ def init_params(config: ModelConfig, key: jax.Array, layer_table=None) -> dict[s
         empty rows zero. Only those rows are built, never the canonical stack.
 
     Returns:
-      Nested dict of float32 arrays; ``layers/...`` stacked ``[num_layers, ...]``
+      Nested dict of float32 arrays (the frozen base in ``lora_base_dtype``: `models.lora.held_in_dtype`);
+      ``layers/...`` stacked ``[num_layers, ...]``
       or, with ``layer_table``, ``[*layer_table.shape, ...]``.
     """
     if layer_table is None:
         model = Transformer(config, rngs=nnx.Rngs(params=key))
-        return to_pure_dict(nnx.state(model, nnx.Param))
+        return lora.held_in_dtype(config, to_pure_dict(nnx.state(model, nnx.Param)))
     table = np.asarray(layer_table)
     model = Transformer(config, rngs=nnx.Rngs(params=key), layer_order=table.reshape(-1))
     params = to_pure_dict(nnx.state(model, nnx.Param))
@@ -644,7 +647,7 @@ def init_params(config: ModelConfig, key: jax.Array, layer_table=None) -> dict[s
         return jnp.where(filled.reshape(*table.shape, *([1] * (w.ndim - table.ndim))), w, jnp.zeros((), w.dtype))
 
     params["layers"] = jax.tree.map(lay_out, params["layers"])
-    return params
+    return lora.held_in_dtype(config, params)
 
 
 def apply(graphdef, params: dict[str, Any], tokens, positions=None, segment_ids=None, *, par: Parallelism) -> jax.Array:

@@ -364,6 +364,8 @@ class ModelDescription:
       experts: The mixture of experts' routing (None: a dense model).
       inactive_params: Parameters a token does not use (a mixture of experts' routed experts it is not
         sent to: ``(E - k) / E`` of them); 0 for a dense model.
+      frozen_bytes: Bytes per element of the parameters held but not trained where the model has adapters
+        (role ``adapter``: the frozen base, `models.lora`): 4 (float32) or 2 (bfloat16).
 
     Raises:
       ValueError: When two parameters give one logical axis other than ``mlp`` different sizes.
@@ -381,6 +383,7 @@ class ModelDescription:
     attention_kernels: tuple[AttentionTraits, ...] = ()
     inactive_params: int = 0
     experts: ExpertGeometry | None = None
+    frozen_bytes: int = 4
 
     def __post_init__(self):
         self.axis_sizes  # noqa: B018 (validates)

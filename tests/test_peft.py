@@ -2,8 +2,11 @@
 names, shapes and config, and ``W + (lora_alpha / r) * lora_B @ lora_A`` of its tensors (the formula ``peft``
 computes) is the merged export's weight; the merged export read back computes the adapted model's logits.
 
-``peft`` itself (and torch) is not installed here: the format is checked against its documented key names
-and formula, on a dense fixture and a mixture of experts (per-expert modules)."""
+``peft`` itself (and torch) is not installed here. Its formula is checked against its documented key names,
+on a dense fixture and a mixture of experts (per-expert modules); and ``peft`` run once on a committed
+adapter folder that meshwork wrote (tests/fixtures/hf/llama_gqa_lora, made by
+tests/fixtures/hf/make_peft_fixture.py in a throw-away virtualenv) left its logits there, which meshwork's
+logits must equal: with the adapters, and from the merged export read back."""
 
 import json
 
@@ -19,9 +22,15 @@ from models.config import LORA_TARGETS
 from models.transformer import abstract_model, apply
 from sharding.parallel import UNSHARDED
 
+PEFT_FIXTURE = FIXTURES / "llama_gqa_lora"
+"""A PEFT adapter folder meshwork wrote (`write_peft_fixture`) and ``peft``'s logits for it (``reference.npz``)."""
+PEFT_RANK, PEFT_ALPHA = 2, 3.0
+"""Its rank and alpha: ``alpha / r`` = 1.5, neither 1 nor ``alpha``, so a scaling by either shows."""
+
 
 def _adapted(name, rank=2, alpha=4.0):
-    """``(config, params)``: the fixture's weights with random factors on every projection, on the host."""
+    """``(config, params)``: the fixture's weights with random factors on every projection (both nonzero, drawn
+    from a fixed seed: the same values on every run), on the host."""
     base_config, _, params, _ = load(FIXTURES / name, "fsdp=8")
     config = base_config.replace(lora_rank=rank, lora_alpha=alpha, lora_targets=",".join(LORA_TARGETS))
     part = lora.trainable(config, abstract_model(config)[1])
@@ -69,3 +78,73 @@ def test_the_merged_export_computes_the_adapted_models_logits(tmp_path):
     want = jax.jit(lambda p: apply(abstract_model(config)[0], p, tokens, par=UNSHARDED))(params)
     got = jax.jit(lambda p: apply(graphdef, p, tokens, par=UNSHARDED))(jax.device_get(again))
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
+
+
+def write_peft_fixture(folder=PEFT_FIXTURE):
+    """Writes meshwork's PEFT export of `_adapted` ("llama_gqa", rank `PEFT_RANK`, alpha `PEFT_ALPHA`) to
+    ``folder`` (``adapter_config.json``, ``adapter_model.safetensors``), as ``train.hf export`` does; run by
+    tests/fixtures/hf/make_peft_fixture.py before ``peft`` computes its logits for it.
+
+    Returns:
+      ``(config, params)`` of the adapted model, on the host.
+    """
+    config, params = _adapted("llama_gqa", PEFT_RANK, PEFT_ALPHA)
+    peft.save_adapters(folder, config, params, "tests/fixtures/hf/llama_gqa")
+    return config, params
+
+
+@pytest.fixture(scope="module")
+def peft_case(tmp_path_factory):
+    """``(config, params, written folder, peft's reference)``: meshwork's adapted model, its adapter folder
+    written afresh, and the logits ``peft`` computed from the committed folder."""
+    folder = tmp_path_factory.mktemp("adapters")
+    config, params = write_peft_fixture(folder)
+    return config, params, folder, np.load(PEFT_FIXTURE / "reference.npz")
+
+
+def _assert_logits_equal(got, want):
+    """1e-4 relative to the logits' scale (their largest magnitude), as tests/test_hf.py compares with
+    transformers: elementwise ratios of near-zero logits say nothing."""
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+def test_the_committed_adapter_folder_is_meshworks_export(peft_case):
+    """``peft``'s logits below are of the committed folder: it must be what meshwork writes today."""
+    _, _, folder, _ = peft_case
+    assert json.loads((folder / peft.CONFIG_FILE).read_text()) == json.loads(
+        (PEFT_FIXTURE / peft.CONFIG_FILE).read_text()
+    )
+    fresh, committed = load_file(str(folder / peft.WEIGHTS_FILE)), load_file(str(PEFT_FIXTURE / peft.WEIGHTS_FILE))
+    assert fresh.keys() == committed.keys()
+    for key in fresh:
+        np.testing.assert_array_equal(fresh[key], committed[key], err_msg=key)
+
+
+def test_adapted_logits_equal_peft_loading_meshworks_adapters(peft_case):
+    """meshwork's logits with its adapters equal ``PeftModel.from_pretrained(base, folder)``'s (1e-4 of the
+    logits' scale), and the adapters matter: the base model's logits are far from them.
+
+    Checked to fail by breaking it once each: with the factors' product scaled by ``alpha`` instead of
+    ``alpha / r`` in `models.lora.scale` (this test and the merged one off by 9.0 at worst, on logits of
+    scale 7.5); and with ``lora_A``'s input dimensions flattened in the reverse order in
+    `checkpoints.peft.adapter_tensors` (the attention output's ``[heads, head_dim]`` head_dim-major) and the
+    fixture remade with that export and ``peft``: off by 7.0.
+    """
+    config, params, _, ref = peft_case
+    tokens = ref["tokens"]
+    got = jax.jit(lambda p: apply(abstract_model(config)[0], p, tokens, par=UNSHARDED))(params)
+    _assert_logits_equal(got, ref["adapted"])
+    base = reference("llama_gqa")
+    np.testing.assert_array_equal(base["tokens"], tokens)
+    assert np.abs(base["logits"] - ref["adapted"]).max() > 100 * 1e-4 * np.abs(ref["adapted"]).max()
+
+
+def test_merged_export_read_back_equals_peft_merge_and_unload(peft_case, tmp_path):
+    """``train.hf export --merge-lora``'s folder (`models.lora.merged`, then `checkpoints.hf.save_params`,
+    float32) read back computes ``peft``'s ``merge_and_unload()`` model's logits (1e-4 of their scale)."""
+    config, params, _, ref = peft_case
+    merged_config, merged = lora.merged(config, params)
+    hf.save_params(tmp_path / "merged", merged_config, merged)
+    _, graphdef, again, _ = load(tmp_path / "merged", "fsdp=8")
+    got = jax.jit(lambda p: apply(graphdef, p, ref["tokens"], par=UNSHARDED))(jax.device_get(again))
+    _assert_logits_equal(got, ref["merged"])

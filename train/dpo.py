@@ -101,7 +101,7 @@ def check_resumable(manager, config, run_dir: str) -> None:
 def run(args) -> int:
     """Trains; prints one line per evaluation and the held-out accuracy before and after."""
     from checkpoints import hf  # slow: ml_dtypes
-    from checkpoints.manager import CheckpointManager, restore_state  # slow: orbax
+    from checkpoints.manager import CheckpointManager, base_reference, restore_state  # slow: orbax
     from train.data.preference import load_pairs  # slow: tokenizers
     from train.runtime.dpo import DPOTrainer, check_dpo  # slow: jax
     from train.runtime.optimizer import OptimizerConfig  # slow: optax
@@ -125,12 +125,19 @@ def run(args) -> int:
     trainer = DPOTrainer(config, optimizer, par, args.dpo_beta)
     layout = trainer.state_layout
     meta = RunMeta.create(
-        config, f"hf:{args.init_from}", par.mesh_shape, layout.rules, {"seed": args.seed}, tokenizer, None
+        config,
+        f"hf:{args.init_from}",
+        par.mesh_shape,
+        layout.rules,
+        {"seed": args.seed},
+        tokenizer,
+        None,
+        base=base_reference(args.init_from),  # the checkpoint keeps the adapters, the base by reference
     )
     manager = CheckpointManager(Path(args.run_dir) / "checkpoints", async_save=False) if args.run_dir else None
     if manager is not None and manager.latest_step() is not None:
         check_resumable(manager, config, args.run_dir)
-        state, _ = restore_state(manager, layout)
+        state, _ = restore_state(manager, layout, base_folder=args.init_from)
     else:
         state = layout.state_from_params(hf.load_params(args.init_from, config, layout.param_targets()), args.seed)
     import jax
@@ -167,7 +174,7 @@ def run(args) -> int:
             )
             after = evaluate(step)
     if manager is not None and args.steps > first:
-        manager.save(args.steps, state, meta.at(args.steps, args.steps * b).to_json())
+        manager.save(args.steps, layout.adapters_state(state), meta.at(args.steps, args.steps * b).to_json())
         manager.wait()
         manager.close()
     if args.steps > first:

@@ -180,6 +180,9 @@ def _memory(
     backend: str = "gpu",
 ) -> Memory:
     params = _held_params(model, layout, rules, placed, s) * _PARAM_BYTES
+    adapters = sum(p.local * p.param.copies(s.slots) for p in placed.values() if p.param.role == "adapter")
+    if adapters and model.frozen_bytes != _PARAM_BYTES:  # a frozen base held in bfloat16 (models.lora)
+        params = adapters * _PARAM_BYTES + (params / _PARAM_BYTES - adapters) * model.frozen_bytes
     mesh = layout.mesh
     # a layer's probabilities count where autodiff saves them, and one layer's backward holds its attention's
     # score-sized arrays beyond what it saved
@@ -205,9 +208,8 @@ def _memory(
         gathered = 2 * one_layer * _fsdp_gather_bytes(layout, backend)  # as the gather moves them
     batch = _BATCH_FIELDS * s.rows * s.micro * s.seq / layout.length_split * _INT_BYTES
     trained = params
-    if any(p.param.role == "adapter" for p in placed.values()):  # low-rank adapters: only they have gradients
-        trained = sum(p.local * p.param.copies(s.slots) for p in placed.values() if p.param.role == "adapter")
-        trained *= _PARAM_BYTES  # and optimizer state; the frozen base has neither (models.lora)
+    if adapters:  # low-rank adapters: only they have gradients
+        trained = adapters * _PARAM_BYTES  # and optimizer state; the frozen base has neither (models.lora)
     grads = trained
     if layout.uneven_batch:  # whole parameters and a whole gradient accumulator during the loop
         whole = (

@@ -528,7 +528,12 @@ def resume_lines(run, trainer, meta, step: int, seconds: float) -> list[str]:
     ):
         if change:
             lines.append(render(change))
-    if run.checkpoint.init_from:
+    if meta.base is not None:
+        lines.append(
+            f"the checkpoint holds the adapters; their frozen base was read from {run.checkpoint.init_from or meta.base['folder']} "
+            f"(its weights' sha256 {meta.base['sha256'][:16]}... as recorded)"
+        )
+    elif run.checkpoint.init_from:
         lines.append(
             f"note: resuming the checkpoint of step {step}, so --init-from {run.checkpoint.init_from} "
             "is not read (the checkpoint wins)"

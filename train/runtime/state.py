@@ -218,20 +218,50 @@ class StateLayout:
         """The state's parameters' `PartitionSpec`s (a tree shaped as the params)."""
         return jax.tree.map(lambda s: s.spec, self.param_shardings)
 
-    def abstract_state(self, layout: StageLayout | StageStorage | None | str = "run") -> dict:
+    def abstract_state(
+        self, layout: StageLayout | StageStorage | None | str = "run", adapters_only: bool = False
+    ) -> dict:
         """The state as `jax.ShapeDtypeStruct`s carrying their shardings (restore targets).
 
         Args:
           layout: The layout of the layer stacks: this run's (default), or another (None: canonical),
             e.g. a checkpoint's before re-laying; its stage dimension is split over this mesh's ``stage``
             axis where it divides, else left whole along it.
+          adapters_only: The state a checkpoint keeps when its base is by reference (`adapters_state`).
         """
         if layout == "run" or layout == self.storage:
             shardings, layout = self.state_shardings, self.storage
         else:
             shardings = self._layout_state(layout)[3]
         shapes = jax.eval_shape(lambda seed: self._init_fn(seed, layout), jax.ShapeDtypeStruct((), jnp.int32))
-        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
+        out = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
+        return self.adapters_state(out) if adapters_only else out
+
+    def adapters_state(self, state: dict) -> dict:
+        """What a checkpoint keeps of a state whose frozen base is stored by reference (the run's
+        `checkpoints.meta.RunMeta.base`): the state with its parameters cut to the adapter factors
+        (`models.lora.trainable`); the optimizer state covers them alone already. The same arrays, no copy.
+
+        Raises:
+          ValueError: A model without adapters (its parameters are all trained: none is by reference).
+        """
+        if not self.config.lora_rank:
+            raise ValueError("only a model with low-rank adapters keeps its base by reference")
+        return {**state, "params": trainable(self.config, state["params"])}
+
+    def with_base(self, state: dict, base: dict) -> dict:
+        """``state`` (`adapters_state`'s, in this run's layout) with the frozen base put back.
+
+        Args:
+          state: The adapters' state, re-laid to this run's storage (`relayout_state`).
+          base: The base's parameters in the canonical layout on `param_targets`' shardings (no factors:
+            `checkpoints.hf.load_params` of the run's base folder); donated to the re-lay.
+
+        Returns:
+          The whole state, laid out for this run.
+        """
+        base = self.relayout_state({"params": base}, None)["params"]
+        return {**state, "params": with_trainable(self.config, base, state["params"])}
 
     def param_targets(self) -> dict:
         """The parameters in the canonical ``[layers, ...]`` layout as `jax.ShapeDtypeStruct`s carrying this
@@ -303,23 +333,28 @@ class StateLayout:
     def relayout_state(self, state: dict, src: StageLayout | StageStorage | None) -> dict:
         """Re-lays the layer stacks of ``state`` (params and optimizer state) from ``src`` to this run's storage.
 
+        ``state`` may hold part of the state (some of its keys; some of the parameters, nested as they are:
+        `adapters_state`'s, or ``{"params": base}``); the rest is neither needed nor returned.
+
         Only the stacked layer arrays move, on device under `jax.jit` with this run's shardings as
         ``out_shardings``, each device receiving the rows of its stage; no array is gathered on one device.
         """
         if src == self.storage:
             return state
         is_layer = {key: jax.tree.map(lambda _: key == "layers", value) for key, value in self.abstract_params.items()}
-        opt = optax.tree_map_params(
-            self.tx,
-            _moves_with_rows,
-            state["opt_state"],
-            trainable(self.config, is_layer),
-            trainable(self.config, state["params"]),
-            transform_non_params=lambda _: False,
-        )
+        mask = {"step": False, "params": _like(is_layer, state["params"]), "rng": False}
+        if "opt_state" in state:
+            mask["opt_state"] = optax.tree_map_params(
+                self.tx,
+                _moves_with_rows,
+                state["opt_state"],
+                trainable(self.config, is_layer),
+                trainable(self.config, state["params"]),
+                transform_non_params=lambda _: False,
+            )
         leaves, treedef = jax.tree.flatten(state)
-        moving = treedef.flatten_up_to({"step": False, "params": is_layer, "opt_state": opt, "rng": False})
-        targets = jax.tree.leaves(self.state_shardings)
+        moving = treedef.flatten_up_to({key: mask[key] for key in state})
+        targets = jax.tree.leaves(_like(self.state_shardings, state))
         picked = [i for i, layer in enumerate(moving) if layer]
         fn = jax.jit(
             lambda xs: relayout_on_mesh(xs, src, self.storage, self.config.num_layers, self.mesh),
@@ -328,6 +363,13 @@ class StateLayout:
         for i, moved in zip(picked, fn([leaves[i] for i in picked]), strict=True):
             leaves[i] = moved
         return treedef.unflatten(leaves)
+
+
+def _like(full, part):
+    """The part of ``full`` with the nested dict keys of ``part`` (below its dicts, ``full``'s subtrees whole)."""
+    if isinstance(part, dict) and isinstance(full, dict):
+        return {key: _like(full[key], value) for key, value in part.items()}
+    return full
 
 
 def _moves_with_rows(leaf, layer: bool, param) -> bool:

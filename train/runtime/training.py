@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from checkpoints.lock import RunFolderLocked, RunLock
-from checkpoints.manager import LoopCheckpoints, restore_state
+from checkpoints.manager import LoopCheckpoints, base_reference, restore_state
 from checkpoints.meta import RunMeta
 from checkpoints.verify import restore_falling_back
 from models.attention import layout_shards
@@ -97,6 +97,9 @@ def train(config: RunConfig, trainer, ckpt, latest, tokenizer, dataset, log) -> 
             config.loop.trackers,
             None if config.record is None else config.record["flags"],
         )
+        # adapters on an imported model: checkpoints keep the adapters, the base by reference to its folder
+        by_reference = config.model.lora_rank and config.checkpoint.init_from is not None
+        base = base_reference(config.checkpoint.init_from) if by_reference else None
         meta = RunMeta.create(
             config.model,
             config.preset,
@@ -113,8 +116,9 @@ def train(config: RunConfig, trainer, ckpt, latest, tokenizer, dataset, log) -> 
             trainer.state_layout.layout_meta(),
             config.schedule,
             trainer.par.optimizer_sharding,
+            base,
         )
-        checkpoints = LoopCheckpoints(ckpt, meta)
+        checkpoints = LoopCheckpoints(ckpt, meta, None if base is None else trainer.state_layout.adapters_state)
         kinds = _device_kinds(config, log)
         try:
             state, summary = train_loop(
@@ -194,7 +198,7 @@ def start_state(config: RunConfig, trainer, ckpt, latest, log):
     (state, meta), latest = restore_falling_back(
         ckpt.directory,
         latest,
-        lambda step: restore_state(ckpt, trainer.state_layout, step),
+        lambda step: restore_state(ckpt, trainer.state_layout, step, config.checkpoint.init_from),
         lambda line: log(render(line)),  # its notes name fields
         explicit=config.checkpoint.resume_step is not None,
         any_failed=any_process,

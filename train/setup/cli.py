@@ -159,6 +159,8 @@ def _lora_fields(args) -> dict:
         fields["lora_alpha"] = args.lora_alpha
     if args.lora_targets is not None:
         fields["lora_targets"] = args.lora_targets
+    if args.lora_base_dtype is not None:
+        fields["lora_base_dtype"] = args.lora_base_dtype
     return fields
 
 

@@ -78,6 +78,7 @@ FLAGS: dict[str, str] = {
     "lora_rank": "--lora-rank",
     "lora_alpha": "--lora-alpha",
     "lora_targets": "--lora-targets",
+    "lora_base_dtype": "--lora-base-dtype",
     "dpo_beta": "--dpo-beta",
 }
 """Configuration field -> the flag that sets it. A field's value follows its flag after a space."""

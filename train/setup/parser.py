@@ -235,6 +235,13 @@ def _lora_flags(p) -> None:
         help="the projections that get adapters (gate,up,down include a mixture of experts' experts); "
         "default with --lora-rank: all seven",
     )
+    g.add_argument(
+        "--lora-base-dtype",
+        default=None,
+        choices=DTYPES,
+        help="with --lora-rank: hold the frozen base in bfloat16 (half its memory; each layer widens it to "
+        "--dtype as it computes) or float32 (default); the adapters stay float32",
+    )
 
 
 def _data_flags(p) -> None:
