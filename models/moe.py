@@ -73,6 +73,7 @@ __all__ = [
     "capacity_keep",
     "capacity_slots",
     "expert_outputs",
+    "layer_dispatch",
     "route",
     "router_losses",
     "router_objective",
@@ -422,6 +423,53 @@ if _missing:  # a dispatch the cost model may choose but nothing here performs f
 del _missing
 
 
+def _layout(config: ModelConfig, par: Parallelism, x_shape) -> tuple[PartitionSpec, PartitionSpec, _Placement]:
+    """The specs of the activations ``[B, T, D]`` (of ``x_shape``) and of the experts' ``gate, up [E, D, F]``
+    under ``par`` (a mesh bound, no axis manual), and where a device's share sits (`_Placement`).
+
+    Raises:
+      ValueError: When the rules split the activations' embed over an axis that splits the experts or their
+        ``mlp``.
+    """
+    sizes = par.auto_shape
+    x_spec = par.spec((ax.BATCH, ax.LENGTH, ax.ACT_EMBED), x_shape)
+    in_spec = par.spec((ax.EXPERT, ax.EXPERT_EMBED, ax.MLP), (config.num_experts, config.embed_dim, config.expert_dim))
+    expert_axes = spec_axes(spec_entry(in_spec, 0))
+    batch_axes = set(spec_axes(spec_entry(x_spec, 0))) | set(spec_axes(spec_entry(x_spec, 1)))
+    mlp_axes = spec_axes(spec_entry(in_spec, 2))
+    if set(spec_axes(spec_entry(x_spec, 2))) & set(expert_axes + mlp_axes):
+        raise ValueError("the rules split the activations' embed over an axis that splits the experts or their mlp")
+    gather_axes = tuple(a for a in expert_axes if a in batch_axes)
+    sum_axes = tuple(a for a in expert_axes if a not in batch_axes) + mlp_axes
+    split = math.prod(sizes[a] for a in expert_axes)
+    return x_spec, in_spec, _Placement(expert_axes, gather_axes, sum_axes, mlp_axes, sizes, config.num_experts // split)
+
+
+def _chosen(config: ModelConfig, place: _Placement) -> dispatch.ExpertDispatch:
+    """The dispatch over ``place``: the fixed buffers only where every axis that splits the experts also splits
+    the tokens (`sharding.dispatch.expert_dispatch`)."""
+    split = math.prod(place.sizes[a] for a in place.expert_axes)
+    return dispatch.expert_dispatch(
+        config.capacity_factor, config.experts_per_token, split, splits_tokens=place.gather_axes == place.expert_axes
+    )
+
+
+def layer_dispatch(config: ModelConfig, par: Parallelism, tokens_shape: tuple[int, int]) -> dispatch.ExpertDispatch:
+    """The dispatch (`sharding.dispatch`) that the layer runs under ``par`` on activations of ``tokens_shape``
+    ``[batch, length]`` (sequences and positions one call of the layer sees): `sharding.dispatch.LOCAL` on one
+    device or inside another `jax.shard_map`; else the record `_routed` chooses for that shape, the ring
+    where an axis that splits the experts does not split those tokens (a batch it does not divide, or rules
+    that keep the batch whole over it). The run report reads it.
+
+    Raises:
+      ValueError: As `_layout`.
+    """
+    if not par.is_sharded or par.manual:
+        return dispatch.LOCAL
+    _, _, place = _layout(config, par, (*tokens_shape, config.embed_dim))
+    return _chosen(config, place)
+
+
 def _routed(x, experts, weights, gate, up, down, config: ModelConfig, par: Parallelism):
     """The routed experts' output ``[B, T, D]`` and the capacity mask ``[B, T, K]``, laid out by ``par``.
 
@@ -434,25 +482,11 @@ def _routed(x, experts, weights, gate, up, down, config: ModelConfig, par: Paral
     """
     if not par.is_sharded or par.manual:
         return _group(x, experts, weights, gate, up, down, config)
-    sizes = par.auto_shape
-    x_spec = par.spec((ax.BATCH, ax.LENGTH, ax.ACT_EMBED), x.shape)
+    x_spec, in_spec, place = _layout(config, par, x.shape)
     route_spec = par.spec((ax.BATCH, ax.LENGTH, None), experts.shape)
-    in_spec = par.spec((ax.EXPERT, ax.EXPERT_EMBED, ax.MLP), gate.shape)
-    expert_axes = spec_axes(spec_entry(in_spec, 0))
-    batch_axes = set(spec_axes(spec_entry(x_spec, 0))) | set(spec_axes(spec_entry(x_spec, 1)))
-    mlp_axes = spec_axes(spec_entry(in_spec, 2))
-    if set(spec_axes(spec_entry(x_spec, 2))) & set(expert_axes + mlp_axes):
-        raise ValueError("the rules split the activations' embed over an axis that splits the experts or their mlp")
-    gather_axes = tuple(a for a in expert_axes if a in batch_axes)
-    sum_axes = tuple(a for a in expert_axes if a not in batch_axes) + mlp_axes
-    split = math.prod(sizes[a] for a in expert_axes)
-    place = _Placement(expert_axes, gather_axes, sum_axes, mlp_axes, sizes, config.num_experts // split)
     weights_in = PartitionSpec(spec_entry(in_spec, 0), None, spec_entry(in_spec, 2))
     weights_out = PartitionSpec(spec_entry(in_spec, 0), spec_entry(in_spec, 2), None)
-    chosen = dispatch.expert_dispatch(
-        config.capacity_factor, config.experts_per_token, split, splits_tokens=gather_axes == expert_axes
-    )
-    run_dispatch = _DISPATCHERS[chosen.name]
+    run_dispatch = _DISPATCHERS[_chosen(config, place).name]
 
     def local(x, experts, weights, gate, up, down):
         return run_dispatch(x, experts, weights, gate, up, down, config, place)

@@ -29,7 +29,7 @@ class ExpertDispatch:
 
     Attributes:
       name: What it is called (reports, messages).
-      report: The run report's phrase for it; ``{capacity_factor}`` is filled in (`describe`).
+      report: The run report's phrase for it; ``{routing}`` is filled in (`describe`).
       collectives: The HLO collectives it issues over ``expert`` (empty: none).
       gathers_tokens: Whether each device receives every token of the devices that split the experts and
         computes all of their copies its experts can receive (the ring); False: a device computes the copies
@@ -45,20 +45,22 @@ class ExpertDispatch:
     fixed_buffers: bool = False
 
     def describe(self, capacity_factor: float) -> str:
-        """The run report's phrase, e.g. ``all-to-all over expert (capacity factor 1.25)``."""
-        return self.report.format(capacity_factor=capacity_factor)
+        """The run report's phrase, e.g. ``all-to-all over expert (capacity factor 1.25)``; the ring says
+        ``dropless`` only without a capacity (with one it drops the copies the all-to-all would)."""
+        routing = f"capacity factor {capacity_factor:g}" if capacity_factor else "dropless"
+        return self.report.format(routing=routing)
 
 
 LOCAL = ExpertDispatch("local", "local (no expert parallelism)")
 RING = ExpertDispatch(
     "ring",
-    "all-gather / reduce-scatter over expert (dropless)",
+    "all-gather / reduce-scatter over expert ({routing})",
     collectives=("all-gather", "reduce-scatter"),
     gathers_tokens=True,
 )
 ALL_TO_ALL = ExpertDispatch(
     "all_to_all",
-    "all-to-all over expert (capacity factor {capacity_factor:g})",
+    "all-to-all over expert ({routing})",
     collectives=("all-to-all",),
     fixed_buffers=True,
 )

@@ -37,6 +37,7 @@ def test_dispatch_records_say_what_the_model_cost_model_and_report_read():
     assert [d.name for d in dispatch.DISPATCHES] == ["local", "ring", "all_to_all"]
     assert dispatch.LOCAL.describe(0.0) == "local (no expert parallelism)"
     assert dispatch.RING.describe(0.0) == "all-gather / reduce-scatter over expert (dropless)"
+    assert dispatch.RING.describe(1.0) == "all-gather / reduce-scatter over expert (capacity factor 1)"
     assert dispatch.ALL_TO_ALL.describe(1.25) == "all-to-all over expert (capacity factor 1.25)"
     assert not dispatch.LOCAL.collectives
     assert dispatch.RING.gathers_tokens and not dispatch.RING.fixed_buffers
