@@ -42,7 +42,7 @@ device sends each expert a buffer of fixed size, so a plain `jax.lax.all_to_all`
 the combine (GShard's dispatch): ``2 * cf * N * K * D * (E_p - 1) / E_p`` elements per device and layer
 against the ring's ``2 * (E_p - 1) * N * D``; it is used where it moves less (``cf * K < E_p``,
 `sharding.dispatch.expert_dispatch`) and drops the same copies as the ring. Each dispatch is a record of
-`sharding.dispatch`; the function that performs it here is bound to it by ``_dispatches``. The expert weights may also
+`sharding.dispatch`, which holds the function here that performs it (bound by ``_dispatches``). The expert weights may also
 be split over ``fsdp`` (their ``expert_embed``, gathered by the partitioner before the map) and
 ``tensor`` (their ``mlp``, Megatron-style: partial outputs summed over ``tensor``).
 """
@@ -64,6 +64,7 @@ from models.layers import MLP, make_params
 from models.spec import moe_params
 from sharding import axes as ax
 from sharding import dispatch
+from sharding.bound import require_bound
 from sharding.modeldesc import held_copies
 from sharding.parallel import Parallelism, spec_axes, spec_entry, to_varying, varying_axes
 
@@ -382,19 +383,18 @@ class _Placement:
     local_experts: int
 
 
-_DISPATCHERS: dict[str, Callable] = {}
-"""Dispatch name -> the function that performs it on one device, ``(x [B, T, D], experts [B, T, K],
-weights [B, T, K], gate, up, down, config, place: _Placement) -> (out [B, T, D], keep [B, T, K] bool)``."""
-
-
 def _dispatches(*records: dispatch.ExpertDispatch) -> Callable[[Callable], Callable]:
-    """Binds the decorated function to ``records`` (`sharding.dispatch`) as what performs them."""
+    """Binds the decorated function to ``records`` (`sharding.dispatch`) as what performs them on one device,
+    ``(x [B, T, D], experts [B, T, K], weights [B, T, K], gate, up, down, config, place: _Placement) ->
+    (out [B, T, D], keep [B, T, K] bool)``; each record then holds it (``record.run``).
+
+    Raises:
+      ValueError: When a record already has one (`sharding.bound.BindsRun.bind`).
+    """
 
     def bind(run: Callable) -> Callable:
         for record in records:
-            if record.name in _DISPATCHERS:
-                raise ValueError(f"expert dispatch {record.name}: two functions perform it")
-            _DISPATCHERS[record.name] = run
+            record.bind(run)
         return run
 
     return bind
@@ -417,10 +417,7 @@ def _exchanged(x, experts, weights, gate, up, down, config: ModelConfig, place: 
     return _all_to_all_group(x, experts, weights, gate, up, down, config, place.expert_axes, place.mlp_axes)
 
 
-_missing = [record.name for record in dispatch.DISPATCHES if record.name not in _DISPATCHERS]
-if _missing:  # a dispatch the cost model may choose but nothing here performs fails on import
-    raise LookupError(f"expert dispatch {', '.join(_missing)}: no function in models.moe performs it")
-del _missing
+require_bound(dispatch.DISPATCHES)
 
 
 def _layout(config: ModelConfig, par: Parallelism, x_shape) -> tuple[PartitionSpec, PartitionSpec, _Placement]:
@@ -486,7 +483,7 @@ def _routed(x, experts, weights, gate, up, down, config: ModelConfig, par: Paral
     route_spec = par.spec((ax.BATCH, ax.LENGTH, None), experts.shape)
     weights_in = PartitionSpec(spec_entry(in_spec, 0), None, spec_entry(in_spec, 2))
     weights_out = PartitionSpec(spec_entry(in_spec, 0), spec_entry(in_spec, 2), None)
-    run_dispatch = _DISPATCHERS[_chosen(config, place).name]
+    run_dispatch = _chosen(config, place).run
 
     def local(x, experts, weights, gate, up, down):
         return run_dispatch(x, experts, weights, gate, up, down, config, place)

@@ -1,6 +1,6 @@
 """How a mixture of experts' tokens reach the devices of their experts: one `ExpertDispatch` record each.
 
-The model (`models.moe`, which binds the function that performs each dispatch), the cost model
+The model (`models.moe`, which binds to each record the function that performs it), the cost model
 (`sharding.costmodel`: its collectives, the rows its experts compute, whether its products run over
 fixed buffers) and the run report read the record that `expert_dispatch` chooses; none of them
 compares a dispatch's name.
@@ -13,19 +13,25 @@ compares a dispatch's name.
   rows, so a plain all-to-all carries the dispatch and the combine (GShard, Lepikhin et al., 2020):
   ``2 cf N k D (E_p - 1) / E_p`` elements per device and layer.
 
-This module imports nothing of the project and no JAX.
+This module imports no JAX and nothing of the project but `sharding.bound`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from sharding.bound import BindsRun
+
 __all__ = ["ALL_TO_ALL", "DISPATCHES", "LOCAL", "RING", "ExpertDispatch", "expert_dispatch"]
 
 
 @dataclasses.dataclass(frozen=True)
-class ExpertDispatch:
+class ExpertDispatch(BindsRun):
     """One way of sending routed tokens to their experts and their outputs back.
+
+    It holds the function that performs it on one device once `models.moe` has bound it
+    (`sharding.bound.BindsRun`: ``record.run``, ``(x [B, T, D], experts [B, T, K], weights [B, T, K], gate, up,
+    down, config, place) -> (out [B, T, D], keep [B, T, K] bool)``).
 
     Attributes:
       name: What it is called (reports, messages).
@@ -37,6 +43,9 @@ class ExpertDispatch:
       fixed_buffers: Whether the experts run as batched products over fixed buffers of ``C`` rows per expert
         (`jax.lax.all_to_all` needs equal blocks) rather than grouped products (`jax.lax.ragged_dot`).
     """
+
+    what = "expert dispatch"
+    bound_in = "models.moe"
 
     name: str
     report: str
