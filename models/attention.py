@@ -40,7 +40,7 @@ from flax import nnx
 
 from models import attention_registry as registry
 from models import lora
-from models.attention_kernels import head_split, wrapper
+from models.attention_kernels import head_split  # also binds every record's wrapper (`record.run`)
 from models.attention_reference import reference_attention
 from models.config import ModelConfig
 from models.kernels.ulysses_attention import check_ulysses_heads
@@ -270,7 +270,7 @@ def attend(impl: str, q, k, v, segment_ids, *, causal: bool = True, layout: str 
             ", or ",
             Field("context_layout", "contiguous"),
         )
-    return wrapper(record)(q, k, v, segment_ids, causal=causal, layout=layout, par=par)
+    return record.run(q, k, v, segment_ids, causal=causal, layout=layout, par=par)
 
 
 class Attention(nnx.Module):

@@ -2,8 +2,8 @@
 
 Every record of `models.attention_registry.KERNELS` has one wrapper here, ``run_<name>(q [B, T, N, H],
 k [B, S, K, H], v, segment_ids [B, T] | None, *, causal, layout, par) -> [B, T, N, H]`` in q's dtype, bound
-to the record by ``@_wraps("<name>")``; `wrapper` returns it (`models.attention.attend` runs it), and
-importing this module fails on a record without one.
+to the record by ``@_wraps("<name>")``, after which the record holds it (``record.run``, which
+`models.attention.attend` runs; `wrapper` returns it), and importing this module fails on a record without one.
 
 The kernels GSPMD cannot partition (a Pallas call, a collective schedule) run per device under
 `jax.shard_map` through ``_sharded``, with specs from the rules: batch as ``batch`` is split, heads as
@@ -29,32 +29,23 @@ from models.kernels.ring_attention import ring_attention
 from models.kernels.ulysses_attention import ulysses_attention
 from models.kernels.usp_attention import usp_attention
 from sharding import axes as ax
+from sharding.bound import require_bound
 from sharding.errors import ConfigError, Field
 from sharding.parallel import Parallelism
 from sharding.rules import Rules, logical_to_spec
 
 # The records' wrappers ---------------------------------------------------------
 
-_WRAPPERS: dict[str, Callable] = {}
-"""Kernel name -> the function that runs it, ``(q, k, v, segment_ids, *, causal, layout, par) -> out``."""
-
 
 def _wraps(name: str) -> Callable[[Callable], Callable]:
-    """Binds the decorated function to the record of kernel ``name`` as the wrapper `attend` runs.
+    """Binds the decorated function, ``(q, k, v, segment_ids, *, causal, layout, par) -> out``, to the record of
+    kernel ``name`` as the wrapper `attend` runs; the record holds it (`sharding.bound.BindsRun`).
 
     Raises:
       ValueError: On a name the registry does not know (`models.attention_registry.kernel`), or a kernel
         already bound.
     """
-    record = registry.kernel(name)
-
-    def bind(run: Callable) -> Callable:
-        if record.name in _WRAPPERS:
-            raise ValueError(f"attention {record.name}: two wrappers run it")
-        _WRAPPERS[record.name] = run
-        return run
-
-    return bind
+    return registry.kernel(name).bind
 
 
 # Sharded attention under shard_map ---------------------------------------------
@@ -444,17 +435,13 @@ def run_cudnn(q, k, v, segment_ids, *, causal: bool, layout: str, par: Paralleli
 
 
 def wrapper(record: registry.AttentionKernel) -> Callable:
-    """The function that runs ``record``'s kernel: the wrapper bound to it by `_wraps`.
+    """The function that runs ``record``'s kernel: the wrapper bound to it by `_wraps`, which it holds
+    (``record.run``; for callers that import this module to have the wrappers bound).
 
     Raises:
       LookupError: When no wrapper is bound to it (checked for every record when this module is imported).
     """
-    run = _WRAPPERS.get(record.name)
-    if run is None:
-        raise LookupError(f"attention {record.name}: no wrapper in models.attention_kernels runs it")
-    return run
+    return record.run
 
 
-for _record in registry.KERNELS:  # a record without a wrapper fails here, not at a run's first step
-    wrapper(_record)
-del _record
+require_bound(registry.KERNELS)

@@ -9,13 +9,13 @@ No module chooses by a kernel's name.
 Adding a kernel: its file under ``models/kernels/`` (importing nothing of ours), one record in
 `KERNELS`, and its wrapper in `models.attention_kernels`, ``run_<name>`` with the signature ``(q [B, T, N, H],
 k [B, S, K, H], v, segment_ids [B, T] | None, *, causal, layout, par) -> [B, T, N, H]`` in q's dtype,
-bound to the record by the decorator ``@_wraps("<name>")`` (most are a few lines around
+bound to the record by the decorator ``@_wraps("<name>")``, after which the record holds it (most are a few lines around
 `models.attention_kernels`' ``_sharded``, which runs a per-device kernel under ``shard_map`` with specs from
 the rules).
 
 This module holds data only and imports no JAX, so that `models.config` and `models.spec` (which
 read it) stay free of JAX; the wrappers, which need JAX, are bound to the records where they are
-defined, and `models.attention_kernels` checks on import that every record has one.
+defined (`sharding.bound.BindsRun`), and `models.attention_kernels` checks on import that every record has one.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 
 from sharding import exchange
+from sharding.bound import BindsRun
 from sharding.modeldesc import AttentionTraits
 from sharding.parallel import CONTIGUOUS, ZIGZAG
 
@@ -30,8 +31,9 @@ __all__ = ["KERNELS", "AttentionKernel", "accepting", "kernel", "names"]
 
 
 @dataclasses.dataclass(frozen=True)
-class AttentionKernel:
-    """One attention implementation.
+class AttentionKernel(BindsRun):
+    """One attention implementation, holding its wrapper once `models.attention_kernels` has bound it
+    (`sharding.bound.BindsRun`: ``record.run``, ``(q, k, v, segment_ids, *, causal, layout, par) -> out``).
 
     Attributes:
       traits: What it costs and how it splits (`sharding.modeldesc.AttentionTraits`); its ``name`` is
@@ -49,6 +51,9 @@ class AttentionKernel:
     Raises:
       ValueError: On an ``auto_layout`` it does not accept.
     """
+
+    what = "attention"
+    bound_in = "models.attention_kernels"
 
     traits: AttentionTraits
     summary: str

@@ -42,7 +42,7 @@ device sends each expert a buffer of fixed size, so a plain `jax.lax.all_to_all`
 the combine (GShard's dispatch): ``2 * cf * N * K * D * (E_p - 1) / E_p`` elements per device and layer
 against the ring's ``2 * (E_p - 1) * N * D``; it is used where it moves less (``cf * K < E_p``,
 `sharding.dispatch.expert_dispatch`) and drops the same copies as the ring. Each dispatch is a record of
-`sharding.dispatch`; the function that performs it here is bound to it by ``_dispatches``. The expert weights may also
+`sharding.dispatch`, which holds the function here that performs it (bound by ``_dispatches``). The expert weights may also
 be split over ``fsdp`` (their ``expert_embed``, gathered by the partitioner before the map) and
 ``tensor`` (their ``mlp``, Megatron-style: partial outputs summed over ``tensor``).
 """
@@ -64,6 +64,7 @@ from models.layers import MLP, make_params
 from models.spec import moe_params
 from sharding import axes as ax
 from sharding import dispatch
+from sharding.bound import require_bound
 from sharding.modeldesc import held_copies
 from sharding.parallel import Parallelism, spec_axes, spec_entry, to_varying, varying_axes
 
@@ -73,6 +74,7 @@ __all__ = [
     "capacity_keep",
     "capacity_slots",
     "expert_outputs",
+    "layer_dispatch",
     "route",
     "router_losses",
     "router_objective",
@@ -381,19 +383,18 @@ class _Placement:
     local_experts: int
 
 
-_DISPATCHERS: dict[str, Callable] = {}
-"""Dispatch name -> the function that performs it on one device, ``(x [B, T, D], experts [B, T, K],
-weights [B, T, K], gate, up, down, config, place: _Placement) -> (out [B, T, D], keep [B, T, K] bool)``."""
-
-
 def _dispatches(*records: dispatch.ExpertDispatch) -> Callable[[Callable], Callable]:
-    """Binds the decorated function to ``records`` (`sharding.dispatch`) as what performs them."""
+    """Binds the decorated function to ``records`` (`sharding.dispatch`) as what performs them on one device,
+    ``(x [B, T, D], experts [B, T, K], weights [B, T, K], gate, up, down, config, place: _Placement) ->
+    (out [B, T, D], keep [B, T, K] bool)``; each record then holds it (``record.run``).
+
+    Raises:
+      ValueError: When a record already has one (`sharding.bound.BindsRun.bind`).
+    """
 
     def bind(run: Callable) -> Callable:
         for record in records:
-            if record.name in _DISPATCHERS:
-                raise ValueError(f"expert dispatch {record.name}: two functions perform it")
-            _DISPATCHERS[record.name] = run
+            record.bind(run)
         return run
 
     return bind
@@ -416,10 +417,54 @@ def _exchanged(x, experts, weights, gate, up, down, config: ModelConfig, place: 
     return _all_to_all_group(x, experts, weights, gate, up, down, config, place.expert_axes, place.mlp_axes)
 
 
-_missing = [record.name for record in dispatch.DISPATCHES if record.name not in _DISPATCHERS]
-if _missing:  # a dispatch the cost model may choose but nothing here performs fails on import
-    raise LookupError(f"expert dispatch {', '.join(_missing)}: no function in models.moe performs it")
-del _missing
+require_bound(dispatch.DISPATCHES)
+
+
+def _layout(config: ModelConfig, par: Parallelism, x_shape) -> tuple[PartitionSpec, PartitionSpec, _Placement]:
+    """The specs of the activations ``[B, T, D]`` (of ``x_shape``) and of the experts' ``gate, up [E, D, F]``
+    under ``par`` (a mesh bound, no axis manual), and where a device's share sits (`_Placement`).
+
+    Raises:
+      ValueError: When the rules split the activations' embed over an axis that splits the experts or their
+        ``mlp``.
+    """
+    sizes = par.auto_shape
+    x_spec = par.spec((ax.BATCH, ax.LENGTH, ax.ACT_EMBED), x_shape)
+    in_spec = par.spec((ax.EXPERT, ax.EXPERT_EMBED, ax.MLP), (config.num_experts, config.embed_dim, config.expert_dim))
+    expert_axes = spec_axes(spec_entry(in_spec, 0))
+    batch_axes = set(spec_axes(spec_entry(x_spec, 0))) | set(spec_axes(spec_entry(x_spec, 1)))
+    mlp_axes = spec_axes(spec_entry(in_spec, 2))
+    if set(spec_axes(spec_entry(x_spec, 2))) & set(expert_axes + mlp_axes):
+        raise ValueError("the rules split the activations' embed over an axis that splits the experts or their mlp")
+    gather_axes = tuple(a for a in expert_axes if a in batch_axes)
+    sum_axes = tuple(a for a in expert_axes if a not in batch_axes) + mlp_axes
+    split = math.prod(sizes[a] for a in expert_axes)
+    return x_spec, in_spec, _Placement(expert_axes, gather_axes, sum_axes, mlp_axes, sizes, config.num_experts // split)
+
+
+def _chosen(config: ModelConfig, place: _Placement) -> dispatch.ExpertDispatch:
+    """The dispatch over ``place``: the fixed buffers only where every axis that splits the experts also splits
+    the tokens (`sharding.dispatch.expert_dispatch`)."""
+    split = math.prod(place.sizes[a] for a in place.expert_axes)
+    return dispatch.expert_dispatch(
+        config.capacity_factor, config.experts_per_token, split, splits_tokens=place.gather_axes == place.expert_axes
+    )
+
+
+def layer_dispatch(config: ModelConfig, par: Parallelism, tokens_shape: tuple[int, int]) -> dispatch.ExpertDispatch:
+    """The dispatch (`sharding.dispatch`) that the layer runs under ``par`` on activations of ``tokens_shape``
+    ``[batch, length]`` (sequences and positions one call of the layer sees): `sharding.dispatch.LOCAL` on one
+    device or inside another `jax.shard_map`; else the record `_routed` chooses for that shape, the ring
+    where an axis that splits the experts does not split those tokens (a batch it does not divide, or rules
+    that keep the batch whole over it). The run report reads it.
+
+    Raises:
+      ValueError: As `_layout`.
+    """
+    if not par.is_sharded or par.manual:
+        return dispatch.LOCAL
+    _, _, place = _layout(config, par, (*tokens_shape, config.embed_dim))
+    return _chosen(config, place)
 
 
 def _routed(x, experts, weights, gate, up, down, config: ModelConfig, par: Parallelism):
@@ -434,25 +479,11 @@ def _routed(x, experts, weights, gate, up, down, config: ModelConfig, par: Paral
     """
     if not par.is_sharded or par.manual:
         return _group(x, experts, weights, gate, up, down, config)
-    sizes = par.auto_shape
-    x_spec = par.spec((ax.BATCH, ax.LENGTH, ax.ACT_EMBED), x.shape)
+    x_spec, in_spec, place = _layout(config, par, x.shape)
     route_spec = par.spec((ax.BATCH, ax.LENGTH, None), experts.shape)
-    in_spec = par.spec((ax.EXPERT, ax.EXPERT_EMBED, ax.MLP), gate.shape)
-    expert_axes = spec_axes(spec_entry(in_spec, 0))
-    batch_axes = set(spec_axes(spec_entry(x_spec, 0))) | set(spec_axes(spec_entry(x_spec, 1)))
-    mlp_axes = spec_axes(spec_entry(in_spec, 2))
-    if set(spec_axes(spec_entry(x_spec, 2))) & set(expert_axes + mlp_axes):
-        raise ValueError("the rules split the activations' embed over an axis that splits the experts or their mlp")
-    gather_axes = tuple(a for a in expert_axes if a in batch_axes)
-    sum_axes = tuple(a for a in expert_axes if a not in batch_axes) + mlp_axes
-    split = math.prod(sizes[a] for a in expert_axes)
-    place = _Placement(expert_axes, gather_axes, sum_axes, mlp_axes, sizes, config.num_experts // split)
     weights_in = PartitionSpec(spec_entry(in_spec, 0), None, spec_entry(in_spec, 2))
     weights_out = PartitionSpec(spec_entry(in_spec, 0), spec_entry(in_spec, 2), None)
-    chosen = dispatch.expert_dispatch(
-        config.capacity_factor, config.experts_per_token, split, splits_tokens=gather_axes == expert_axes
-    )
-    run_dispatch = _DISPATCHERS[chosen.name]
+    run_dispatch = _chosen(config, place).run
 
     def local(x, experts, weights, gate, up, down):
         return run_dispatch(x, experts, weights, gate, up, down, config, place)

@@ -1,6 +1,6 @@
 """How a mixture of experts' tokens reach the devices of their experts: one `ExpertDispatch` record each.
 
-The model (`models.moe`, which binds the function that performs each dispatch), the cost model
+The model (`models.moe`, which binds to each record the function that performs it), the cost model
 (`sharding.costmodel`: its collectives, the rows its experts compute, whether its products run over
 fixed buffers) and the run report read the record that `expert_dispatch` chooses; none of them
 compares a dispatch's name.
@@ -13,23 +13,29 @@ compares a dispatch's name.
   rows, so a plain all-to-all carries the dispatch and the combine (GShard, Lepikhin et al., 2020):
   ``2 cf N k D (E_p - 1) / E_p`` elements per device and layer.
 
-This module imports nothing of the project and no JAX.
+This module imports no JAX and nothing of the project but `sharding.bound`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from sharding.bound import BindsRun
+
 __all__ = ["ALL_TO_ALL", "DISPATCHES", "LOCAL", "RING", "ExpertDispatch", "expert_dispatch"]
 
 
 @dataclasses.dataclass(frozen=True)
-class ExpertDispatch:
+class ExpertDispatch(BindsRun):
     """One way of sending routed tokens to their experts and their outputs back.
+
+    It holds the function that performs it on one device once `models.moe` has bound it
+    (`sharding.bound.BindsRun`: ``record.run``, ``(x [B, T, D], experts [B, T, K], weights [B, T, K], gate, up,
+    down, config, place) -> (out [B, T, D], keep [B, T, K] bool)``).
 
     Attributes:
       name: What it is called (reports, messages).
-      report: The run report's phrase for it; ``{capacity_factor}`` is filled in (`describe`).
+      report: The run report's phrase for it; ``{routing}`` is filled in (`describe`).
       collectives: The HLO collectives it issues over ``expert`` (empty: none).
       gathers_tokens: Whether each device receives every token of the devices that split the experts and
         computes all of their copies its experts can receive (the ring); False: a device computes the copies
@@ -38,6 +44,9 @@ class ExpertDispatch:
         (`jax.lax.all_to_all` needs equal blocks) rather than grouped products (`jax.lax.ragged_dot`).
     """
 
+    what = "expert dispatch"
+    bound_in = "models.moe"
+
     name: str
     report: str
     collectives: tuple[str, ...] = ()
@@ -45,20 +54,22 @@ class ExpertDispatch:
     fixed_buffers: bool = False
 
     def describe(self, capacity_factor: float) -> str:
-        """The run report's phrase, e.g. ``all-to-all over expert (capacity factor 1.25)``."""
-        return self.report.format(capacity_factor=capacity_factor)
+        """The run report's phrase, e.g. ``all-to-all over expert (capacity factor 1.25)``; the ring says
+        ``dropless`` only without a capacity (with one it drops the copies the all-to-all would)."""
+        routing = f"capacity factor {capacity_factor:g}" if capacity_factor else "dropless"
+        return self.report.format(routing=routing)
 
 
 LOCAL = ExpertDispatch("local", "local (no expert parallelism)")
 RING = ExpertDispatch(
     "ring",
-    "all-gather / reduce-scatter over expert (dropless)",
+    "all-gather / reduce-scatter over expert ({routing})",
     collectives=("all-gather", "reduce-scatter"),
     gathers_tokens=True,
 )
 ALL_TO_ALL = ExpertDispatch(
     "all_to_all",
-    "all-to-all over expert (capacity factor {capacity_factor:g})",
+    "all-to-all over expert ({routing})",
     collectives=("all-to-all",),
     fixed_buffers=True,
 )

@@ -1,10 +1,13 @@
 """The records of the MoE expert dispatches (`sharding.dispatch`) and the context exchanges (`sharding.exchange`):
 which one a layout gets, and what the model, the cost model and the report read of it. No devices needed."""
 
+import dataclasses
+
 import pytest
 
 from models import attention_registry as registry
 from sharding import dispatch, exchange
+from sharding.bound import require_bound
 from sharding.modeldesc import AttentionTraits, ExpertGeometry
 
 
@@ -37,6 +40,7 @@ def test_dispatch_records_say_what_the_model_cost_model_and_report_read():
     assert [d.name for d in dispatch.DISPATCHES] == ["local", "ring", "all_to_all"]
     assert dispatch.LOCAL.describe(0.0) == "local (no expert parallelism)"
     assert dispatch.RING.describe(0.0) == "all-gather / reduce-scatter over expert (dropless)"
+    assert dispatch.RING.describe(1.0) == "all-gather / reduce-scatter over expert (capacity factor 1)"
     assert dispatch.ALL_TO_ALL.describe(1.25) == "all-to-all over expert (capacity factor 1.25)"
     assert not dispatch.LOCAL.collectives
     assert dispatch.RING.gathers_tokens and not dispatch.RING.fixed_buffers
@@ -79,3 +83,26 @@ def test_attention_records_read_their_exchange():
 def test_an_unknown_context_exchange_is_refused_naming_the_known_ones():
     with pytest.raises(ValueError, match="context exchange 'rung': choose one of ring, all_to_all, usp"):
         AttentionTraits("x", materialises_scores=False, context_exchange="rung")
+
+
+def test_the_records_hold_the_functions_that_perform_them():
+    """Every dispatch and attention record holds the function the model bound to it (no lookup by name); a
+    second binding is refused, and a record nothing performs names itself and where its function belongs."""
+    from models import attention_kernels, moe
+
+    assert dispatch.LOCAL.run is dispatch.RING.run is moe._gathered
+    assert dispatch.ALL_TO_ALL.run is moe._exchanged
+    assert registry.kernel("ring").run is attention_kernels.run_ring
+    assert all(attention_kernels.wrapper(record) is record.run for record in registry.KERNELS)
+    assert len({record.run for record in registry.KERNELS}) == len(registry.KERNELS)
+    with pytest.raises(ValueError, match="expert dispatch ring: two functions perform it"):
+        dispatch.RING.bind(moe._exchanged)
+    assert dispatch.RING.run is moe._gathered
+    unbound = dispatch.ExpertDispatch("new", "new")
+    assert unbound == dispatch.ExpertDispatch("new", "new")
+    with pytest.raises(LookupError, match="expert dispatch new: no function in models.moe performs it"):
+        require_bound([unbound])
+    spare = dataclasses.replace(registry.kernel("flash"))
+    assert spare == registry.kernel("flash")  # the function takes no part in the record's value
+    with pytest.raises(LookupError, match="attention flash: no function in models.attention_kernels performs it"):
+        require_bound([spare])

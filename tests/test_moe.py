@@ -11,10 +11,15 @@ import pytest
 from flax import nnx
 
 from models.config import get_config
-from models.moe import MoE, capacity_keep, route, router_losses
+from models.moe import MoE, capacity_keep, layer_dispatch, route, router_losses
 from models.transformer import Transformer, abstract_model
+from sharding import dispatch
 from sharding.mesh import make_mesh, parse_mesh
 from sharding.parallel import UNSHARDED, Parallelism
+from sharding.rules import get_rules
+from train.reports.report import expert_dispatch_of
+from train.setup import cli
+from train.setup.config import resolve_mesh
 from train.setup.flagnames import render
 
 CONFIG = get_config("moe-test")
@@ -207,6 +212,45 @@ def test_all_to_all_dispatch_with_a_capacity_equals_one_device_per_group():
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
     assert "all-to-all" in compiled.as_text()
+
+
+@pytest.mark.parametrize(
+    "overrides, rows, want",
+    [
+        ((), 8, dispatch.ALL_TO_ALL),  # cf * k = 2 < expert=4, the batch split over fsdp and expert
+        (("batch=data+fsdp",), 8, dispatch.RING),  # rules that keep the tokens whole over expert
+        ((), 2, dispatch.RING),  # 2 rows: fsdp=2 splits them, expert does not
+    ],
+)
+def test_layer_dispatch_is_the_one_the_layer_compiles(overrides, rows, want):
+    """The record `layer_dispatch` names (what the run report prints) is the one the layer runs: the
+    all-to-all in its compiled forward exactly when it says so."""
+    config = CONFIG.replace(capacity_factor=1.0)
+    par = Parallelism.of(make_mesh(parse_mesh("expert=4,fsdp=2", 8)), get_rules("fsdp_tp", overrides))
+    assert layer_dispatch(config, par, (rows, 8)) is want
+    assert layer_dispatch(config, UNSHARDED, (rows, 8)) is dispatch.LOCAL
+    graphdef, state = nnx.split(MoE(config, rngs=nnx.Rngs(0)))
+    x = jnp.ones((rows, 8, D), jnp.float32)
+    hlo = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x, par)[0]).lower(state, x).compile().as_text()
+    assert ("all-to-all" in hlo) == (want is dispatch.ALL_TO_ALL)
+    assert "all-gather" in hlo or want is dispatch.ALL_TO_ALL
+
+
+def test_the_report_prints_the_dispatch_the_run_compiles():
+    """The start-up line's dispatch follows the rules and the microbatch (rules keeping the batch whole over
+    ``expert`` take the ring, as the layer does) and is local inside pipeline stages, as the cost model
+    prices it."""
+    base = ["--model", "moe-test", "--batch-size", "16", "--seq-len", "8", "--set"]
+    cases = (
+        (["capacity_factor=1", "--mesh", "expert=4,fsdp=2"], dispatch.ALL_TO_ALL),
+        (["capacity_factor=1", "--mesh", "expert=4,fsdp=2", "--rule", "batch=data+fsdp"], dispatch.RING),
+        (["capacity_factor=1", "--mesh", "expert=4,fsdp=2", "--microbatches", "4"], dispatch.RING),  # 4 rows
+        (["capacity_factor=0", "--mesh", "stage=2,expert=4"], dispatch.LOCAL),
+    )
+    for args, want in cases:
+        run = resolve_mesh(cli.parse(base + args), 8)
+        par = run.parallelism.on(make_mesh(run.parallelism.mesh_shape))
+        assert expert_dispatch_of(run, par) is want, args
 
 
 def test_expert_meshes_split_every_weight_over_all_devices():

@@ -82,3 +82,19 @@ def test_the_loops_edges_and_the_working_copy_run_once_a_step(schedule, gather, 
     assert traffic.count(tr.ALL_GATHER, tr.BATCH, tr.WORKING_COPY) == copies
     assert traffic.count(tr.REDUCE_SCATTER, tr.BATCH, tr.WORKING_COPY) == copies
     assert all(not t.in_loop for t in traffic.transfers if t.what in (tr.OUTPUTS, tr.INPUT_COTANGENTS, tr.WORKING_COPY))
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("gather", ["once", "microbatch"])
+@pytest.mark.parametrize("skip_empty", [True, False])
+def test_the_stage_programs_gather_where_the_description_says(schedule, gather, skip_empty):
+    """The stage programs choose their layers' gathers (per chunk pass or once) and the 1F1B head's (in the loop
+    or once) from the description: per pass exactly with ``--pipeline-gather microbatch``, the head in the loop
+    exactly where the plan streams it (the 1F1B family gathering per microbatch and skipping idle slots)."""
+    layout, _ = pl.plan_layout(8, 4, _repeats(schedule))
+    plan = pl.PipelinePlan(layout, 8, schedule=schedule, gather=gather, skip_empty=skip_empty)
+    for train in (True, False):
+        traffic = tr.PipelineTraffic.of_plan(plan, train)
+        assert traffic.streams_layers == (gather == "microbatch")
+        assert traffic.streams_head == plan.streams_head
+    assert plan.streams_head == (pl.Schedule(schedule).one_f_one_b and gather == "microbatch" and skip_empty)

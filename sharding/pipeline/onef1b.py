@@ -435,8 +435,9 @@ def _loss_program(
     entry_params, inputs) -> h``) ``xs`` are its inputs and the first virtual stage computes each microbatch's
     input from them (`Entry`); else ``entry_params`` is None and ``xs`` the first stage's inputs."""
     summed = weights.summed
-    streamed = plan.gather == "microbatch"
-    head_weights = HeadWeights(head_specs, summed, plan.streams_head, head_stage_dims)
+    traffic = PipelineTraffic.of_plan(plan)  # where the layers and the head are gathered
+    streamed = traffic.streams_layers
+    head_weights = HeadWeights(head_specs, summed, traffic.streams_head, head_stage_dims)
     entry_weights = None if entry_fn is None else HeadWeights(entry_specs, summed, True, entry_stage_dims)
 
     def run(stacked, head_params, entry_params, xs, extras, head_inputs, train: bool):
@@ -586,7 +587,8 @@ def run_pipeline_loss(
         over.
     """
     plan = par.pipeline
-    streams_entry = entry_fn is not None and plan is not None and plan.streams_head
+    streams_head = plan is not None and plan.one_f_one_b and PipelineTraffic.of_plan(plan).streams_head
+    streams_entry = entry_fn is not None and streams_head
     if entry_fn is not None and not streams_entry:  # the entry runs first, on the whole batch, as a layer would
         x = entry_fn(par, entry_params, x)
     if plan is None or not plan.one_f_one_b:
@@ -611,7 +613,7 @@ def run_pipeline_loss(
         entry_params = None
     head_inputs = jax.tree.map(lambda e: to_microbatches(e, plan.microbatches), tuple(head_inputs))
     head_in, head_dims = head_specs, None
-    if plan.streams_head:
+    if streams_head:
         head_in, head_dims = over_stage_specs(head_params, head_names, head_specs, par, setup)
     entry_in, entry_dims = entry_specs, None
     if streams_entry:

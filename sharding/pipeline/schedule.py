@@ -270,7 +270,7 @@ def _pipeline_program(layer_fn, plan: PipelinePlan, par, weights: Weights, remat
 
     forward_args = {"objective_axes": vary, "objective_size": objective} if objective else {}
 
-    streamed = plan.gather == "microbatch"
+    streamed = PipelineTraffic.of_plan(plan).streams_layers  # each chunk pass gathers its layers
 
     def params_of(stacked):
         return weights.stream(stacked, repeats) if streamed else weights.gather(stacked, repeats)

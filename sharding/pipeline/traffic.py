@@ -3,7 +3,8 @@
 What one stage device's program (`sharding.pipeline.schedule` for GPipe and circular, `sharding.pipeline.onef1b`
 for the 1F1B family) sends between stages and gathers per step, counted from the schedule's loop: GPipe's
 ``R*M + S - 1`` steps per pass, or the ticks of the 1F1B family's table (`sharding.pipeline.layout.Schedule`).
-The stage programs run their loops for `PipelineTraffic.trips` trips and check that they issue what it lists;
+The stage programs run their loops for `PipelineTraffic.trips` trips, send what `PipelineTraffic.sends` lists and
+gather their layers and head as it says (`PipelineTraffic.streams_layers`, `PipelineTraffic.streams_head`);
 the cost model (`sharding.costmodel.pipeline_comms`) prices what it lists, with the byte sizes of its layout.
 So a schedule whose table changes moves both together.
 
@@ -167,6 +168,20 @@ class PipelineTraffic:
             for t in self.transfers
             if t.kind == kind and t.over == over and (what is None or t.what == what or t.what.startswith(what + ","))
         )
+
+    @property
+    def streams_layers(self) -> bool:
+        """Whether each chunk pass gathers its own layers (`LAYERS`, ``--pipeline-gather microbatch``) rather than
+        reading a working copy gathered once before the loop (`WORKING_COPY`): what the stage programs read to
+        choose `sharding.pipeline.weights.Weights.stream` or `sharding.pipeline.weights.Weights.gather`."""
+        return any(t.kind == ALL_GATHER and t.what.startswith(LAYERS + ",") for t in self.transfers)
+
+    @property
+    def streams_head(self) -> bool:
+        """Whether the head's weights (the 1F1B family's, and its entry's) are gathered inside the loop (`HEAD`
+        issued per tick and per head step) rather than once before it: what the 1F1B stage program reads to
+        hold them (`sharding.pipeline.edges.HeadWeights`) and to run the entry per microbatch."""
+        return any(t.what == HEAD and t.in_loop for t in self.transfers)
 
     def sends(self) -> tuple[Transfer, ...]:
         """The ``ppermute`` s over ``stage`` every loop trip issues, in order: when training the cotangents (up the

@@ -10,9 +10,10 @@ import jax
 import numpy as np
 
 from models import attention_registry
+from models.moe import layer_dispatch
 from sharding import axes as ax
 from sharding import hlo
-from sharding.dispatch import expert_dispatch
+from sharding.dispatch import LOCAL, ExpertDispatch
 from sharding.hlo import branch_collectives
 from sharding.mesh import crossing_axes, format_mesh
 from sharding.parallel import spec_axes, spec_entry
@@ -28,8 +29,9 @@ from train.setup import strategy_setup
 from train.setup.flagnames import render
 
 
-def startup_lines(config, preset: str, mesh, rules, report, num_params_built: int) -> list[str]:
-    """The summary printed before training or a dry run."""
+def startup_lines(config, preset: str, mesh, rules, report, num_params_built: int, dispatch=LOCAL) -> list[str]:
+    """The summary printed before training or a dry run; ``dispatch`` is the mixture of experts' record
+    (`sharding.dispatch`, `expert_dispatch_of`)."""
     lines = [
         f"model {preset}: {num_params_built:,} parameters ({human_count(num_params_built)}; "
         f"formula {config.num_params:,}), dtype {config.dtype}, remat {config.remat}, attention {config.attention}",
@@ -44,7 +46,7 @@ def startup_lines(config, preset: str, mesh, rules, report, num_params_built: in
             f"mixture of experts: {config.num_moe_layers} of {config.num_layers} layers, {config.num_experts} experts "
             f"(top-{config.experts_per_token}), {config.num_experts // split} per device over expert={split}; "
             f"{active:,} active parameters per token ({human_count(active)}); dispatch: "
-            + expert_dispatch(config.capacity_factor, config.experts_per_token, split).describe(config.capacity_factor)
+            + dispatch.describe(config.capacity_factor)
         )
     crossing = crossing_axes(mesh)
     if crossing:
@@ -433,6 +435,18 @@ def split_note(trainer) -> str | None:
     return render(note) if note is not None and layout == plan.layout else None
 
 
+def expert_dispatch_of(run, par) -> ExpertDispatch:
+    """The mixture of experts' dispatch (`sharding.dispatch`) as the model runs it on one microbatch:
+    `sharding.dispatch.LOCAL` inside pipeline stages (each stage device runs every expert, as the cost model
+    prices it); else `models.moe.layer_dispatch`, which takes the ring where the axes that split the experts
+    keep the tokens whole (``splits_tokens`` of `sharding.dispatch.expert_dispatch`: rules that leave
+    ``expert`` out of the batch's, which the cost model, pricing the batch over ``expert``, does not read).
+    `sharding.dispatch.LOCAL` for a dense model."""
+    if not run.model.is_moe or par.pipeline is not None:
+        return LOCAL
+    return layer_dispatch(run.model, par, (run.microbatch_rows, par.positions(run.data.seq_len)))
+
+
 def startup(run, trainer, speeds=None, notes=()) -> list[str]:
     """Every line printed before training or a dry run."""
     lines = []
@@ -444,9 +458,10 @@ def startup(run, trainer, speeds=None, notes=()) -> list[str]:
         )
     lines += strategy_setup.summary_lines(run, par, speeds)
     built = sum(x.size for x in jax.tree.leaves(trainer.state_layout.abstract_params))
-    lines += startup_lines(model, run.preset, trainer.mesh, trainer.rules, trainer.state_layout.report, built)
+    report = trainer.state_layout.report
+    lines += startup_lines(model, run.preset, trainer.mesh, trainer.rules, report, built, expert_dispatch_of(run, par))
     if par.optimizer_sharding == ax.DATA:  # the arrays the distributed optimizer leaves whole, by name
-        rows = trainer.state_layout.report.rows
+        rows = report.rows
         lines += not_split_lines([(path, shape, spec) for path, shape, _, _, spec, _ in rows], par.mesh_shape)
     lines.append(logits_line(run))
     lines += [f"note: {note}" for note in notes]
