@@ -113,8 +113,8 @@ NCCL_LATENCY = {
 #: while it runs (one thread block per channel; measured with Nsight Systems beside a one-wave GEMM, NVIDIA
 #: developer forum, "Compute-communication overlap causes severe GEMM performance degradation because of tail
 #: effect", 2025), so the products beside it run on about 18% fewer SMs, and share the memory bandwidth the
-#: collective's copies use. Checked on the published rows (bench/published.py, bench/RESULTS.md): every row
-#: stays within its band with the kinds' fitted efficiencies.
+#: collective's copies use. Not derived from the published rows; their ratios with it are in bench/RESULTS.md
+#: (bench/published.py).
 OVERLAP_SLOWDOWN = 0.18
 
 #: Intra-host links at or above this one-way bandwidth are NVLink (bytes/s): PCIe Gen5 x16 is 64e9.
