@@ -218,3 +218,25 @@ def test_overlap_axes_refuses_an_empty_repeated_or_unknown_axis_and_its_example_
     with pytest.raises(ValueError, match=f"--overlap-axes .*{says}.*e.g. --overlap-axes tensor,data"):
         overlap_axes(text)
     assert overlap_axes("tensor,data") == ("tensor", "data")
+
+
+def test_a_kept_memo_gives_the_same_step_time_to_the_bit():
+    """The planner keeps each collective's and product shape's seconds per kind and mesh (`step_time`'s
+    ``memo``): a stage's costs priced with one memo, in either order, equal the memo-free figures exactly
+    (the search's ranking must not move by a rounding)."""
+    model = describe(get_config("test"))
+    mesh = {"data": 2, "stage": 2, "fsdp": 2, "tensor": 2}
+    layout = cm.Layout(mesh, "fsdp_tp", 4, "none", attention="flash", dtype="bfloat16", stage_layers=(1, 1))
+    costs = [
+        cm.device_cost(model, layout, seq_len=64, rows=2.0, layers=1, slots=1),
+        cm.device_cost(model, dataclasses.replace(layout, remat="full"), seq_len=64, rows=4.0, layers=1, slots=1),
+    ]
+    hw, links, shares = _hw(), cm.link_classes(mesh, 4), cm.host_shares(mesh, 4)
+    plain = [cm.step_time(c, hw, links, shares) for c in costs]
+    memo: dict = {}
+    kept = [cm.step_time(c, hw, links, shares, memo=memo) for c in costs]
+    again = [cm.step_time(c, hw, links, shares, memo=memo) for c in reversed(costs)][::-1]
+    assert memo  # the memo holds the shapes' seconds
+    assert any(c.count > 1 for c in costs[0].comms)
+    for p, k, a in zip(plain, kept, again):
+        assert dataclasses.asdict(p) == dataclasses.asdict(k) == dataclasses.asdict(a)

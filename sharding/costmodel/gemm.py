@@ -22,6 +22,7 @@ Units: elements, FLOPs, seconds.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -129,24 +130,37 @@ def step_gemms(
       The products (`Gemm`), with their executions per step.
     """
     out: list[Gemm] = []
-    for p in model.products:
-        a = math.prod(_compute_split(splits, mesh, x) for x in p.in_axes)
-        b = math.prod(_compute_split(splits, mesh, x) for x in p.out_axes)
-        k_in, n_out = p.in_size / a, p.out_size / b
-        rows = tokens * p.share
-        name = p.weight.path
-        out.append(Gemm(rows, n_out, k_in, layer_runs * forward_passes[p.recomputed], f"{name} forward"))
+    products, (v, h) = _local_shapes(model, splits, mesh)
+    for k_in, n_out, share, recomputed, name in products:
+        rows = tokens * share
+        out.append(Gemm(rows, n_out, k_in, layer_runs * forward_passes[recomputed], f"{name} forward"))
         out.append(Gemm(rows, k_in, n_out, layer_runs, f"{name} input gradient"))
         out.append(Gemm(k_in, n_out, rows, layer_runs, f"{name} weight gradient"))
-    logits = model.logits
-    b = math.prod(_compute_split(splits, mesh, x) for x in logits.out_axes)
     if head_runs > 0:
-        v = logits.out_size / b
-        h = logits.in_size
         out.append(Gemm(head_tokens, v, h, head_runs, "logits forward"))
         out.append(Gemm(head_tokens, h, v, head_runs, "logits input gradient"))
         out.append(Gemm(h, v, head_tokens, head_runs, "logits weight gradient"))
     return tuple(g for g in out if g.count > 0)
+
+
+def _local_shapes(model: Any, splits: Mapping[str, tuple[str, ...]], mesh: Mapping[str, int]) -> tuple:
+    """``(products, (v, h))``: each product's local ``(in / a, out / b, share, recomputed, path)`` and the output
+    projection's local vocabulary and width, kept per model, splits and mesh (`_shapes_of`): a search prices
+    thousands of costs of one layout that differ only in tokens and executions."""
+    return _shapes_of(model, tuple((k, tuple(v)) for k, v in splits.items()), tuple(mesh.items()))
+
+
+@functools.lru_cache(maxsize=4096)
+def _shapes_of(model: Any, split_items: tuple, mesh_items: tuple) -> tuple:
+    splits, mesh = dict(split_items), dict(mesh_items)
+    products = []
+    for p in model.products:
+        a = math.prod(_compute_split(splits, mesh, x) for x in p.in_axes)
+        b = math.prod(_compute_split(splits, mesh, x) for x in p.out_axes)
+        products.append((p.in_size / a, p.out_size / b, p.share, p.recomputed, p.weight.path))
+    logits = model.logits
+    b = math.prod(_compute_split(splits, mesh, x) for x in logits.out_axes)
+    return tuple(products), (logits.out_size / b, logits.in_size)
 
 
 def attention_gemms(

@@ -495,7 +495,14 @@ def weight_cut_bytes(
     dtype, on one device (split as the activations are: over ``tensor``, not the batch axes); per layer each
     norm scale's float32 cotangent, ``sum(dy * x_hat)``, which the input-gradient pass computes itself (it is
     no product; keeping it instead of its token-sized operands shrinks the cut)."""
-    splits = _activation_splits(model, rules, tuple(mesh.items()))
+    products, norms = _cut_elements(model, rules, tuple(mesh.items()))
+    return tokens * products * act_bytes + norms * _PARAM_BYTES
+
+
+@functools.lru_cache(maxsize=4096)
+def _cut_elements(model: ModelDescription, rules: Rules, mesh_items: tuple) -> tuple[float, float]:
+    """``(elements per token, norm-scale elements)`` of one layer's cut on one device (`weight_cut_bytes`)."""
+    splits = _activation_splits(model, rules, mesh_items)
 
     def size(axes, shape) -> float:
         return math.prod(shape) / math.prod(splits.get(a, 1) for a in axes)
@@ -514,7 +521,7 @@ def weight_cut_bytes(
         previous = inputs
         products += p.share * size(outputs, shape_out)
     norms = sum(size(p.axes, p.shape) for p in model.params if p.per_layer and p.role == "scale")
-    return tokens * products * act_bytes + norms * _PARAM_BYTES
+    return products, norms
 
 
 @functools.lru_cache(maxsize=4096)

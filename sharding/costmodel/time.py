@@ -113,8 +113,8 @@ NCCL_LATENCY = {
 #: while it runs (one thread block per channel; measured with Nsight Systems beside a one-wave GEMM, NVIDIA
 #: developer forum, "Compute-communication overlap causes severe GEMM performance degradation because of tail
 #: effect", 2025), so the products beside it run on about 18% fewer SMs, and share the memory bandwidth the
-#: collective's copies use. Checked on the published rows (bench/published.py, bench/RESULTS.md): every row
-#: stays within its band with the kinds' fitted efficiencies.
+#: collective's copies use. Not derived from the published rows; their ratios with it are in bench/RESULTS.md
+#: (bench/published.py).
 OVERLAP_SLOWDOWN = 0.18
 
 #: Intra-host links at or above this one-way bandwidth are NVLink (bytes/s): PCIe Gen5 x16 is 64e9.
@@ -176,7 +176,7 @@ def hardware_for(
     )
 
 
-def compute_seconds(cost: Cost, hw: Hardware) -> float:
+def compute_seconds(cost: Cost, hw: Hardware, memo: dict | None = None) -> float:
     """Seconds of the step's computation on one device.
 
     With ``hw.efficiency`` set: all the step's FLOPs at that fraction of ``hw.peak_flops``. Otherwise from the
@@ -186,11 +186,17 @@ def compute_seconds(cost: Cost, hw: Hardware) -> float:
     ``memory_bandwidth x memory_fraction`` (the optimizer's arithmetic is fused into its memory traffic,
     `StepTime.optimizer`). A `Cost` without its products (``gemms`` empty, one built by hand) has its weight
     products priced at ``gemm_fraction`` of peak.
+
+    ``memo``: a dict the caller keeps for one ``hw`` (`step_time`'s), holding each product shape's seconds so a
+    search that prices many costs of the same shapes computes each once; the sum is the same either way.
     """
     flops = cost.flops
     if hw.efficiency is not None:
         return flops.total / (hw.peak_flops * hw.efficiency)
-    products = sum(gemm_seconds(g, hw) * g.count for g in cost.gemms)
+    if memo is None:
+        products = sum(gemm_seconds(g, hw) * g.count for g in cost.gemms)
+    else:
+        products = sum(_memoised(memo, ("gemm", g.m, g.n, g.k), gemm_seconds, g, hw) * g.count for g in cost.gemms)
     covered = sum(g.flops * g.count for g in cost.gemms)
     fused = max(flops.matmul - covered, 0.0)
     if not cost.gemms:  # a `Cost` without its shapes: the weight products at the kind's matmul ceiling
@@ -261,19 +267,27 @@ def comm_seconds(comm: Comm, hw: Hardware, links: Mapping[str, str], shares: Map
     Returns:
       Seconds per step (``comm.count`` executions).
     """
+    return comm.count * _execution_seconds(comm, hw, links, shares)
+
+
+def _execution_seconds(
+    comm: Comm, hw: Hardware, links: Mapping[str, str], shares: Mapping[str, int] | None = None
+) -> float:
+    """Seconds of one execution of ``comm`` (`comm_seconds` over ``comm.count``): it depends on the collective's
+    kind, axes, group and bytes only, never its count, so a step's repeated collectives share it."""
     n = comm.group
     if n <= 1:
         return 0.0
     inter = any(links.get(a) == "inter" for a in comm.axes)
     if not inter:
         alpha = hw.base_latency + comm.steps() * hw.intra_latency
-        return comm.count * (alpha + comm.wire_bytes() / hw.intra_bandwidth)
+        return alpha + comm.wire_bytes() / hw.intra_bandwidth
     local = math.prod(shares.get(a, 1) for a in comm.axes) if shares else 1
     local = max(1, min(local, n))
     hosts = max(n // local, 1)
     bandwidth = hw.inter_bandwidth
     if comm.kind == "collective-permute":
-        return comm.count * (hw.base_latency + hw.inter_latency + comm.wire_bytes() / bandwidth)
+        return hw.base_latency + hw.inter_latency + comm.wire_bytes() / bandwidth
     if comm.kind != "all-to-all":  # a ring through the host's g ranks: the host's network over its groups
         bandwidth = min(bandwidth * local, hw.intra_bandwidth)
     crossing = (2 if comm.kind == "all-reduce" else 1) * (hosts - 1)
@@ -282,7 +296,15 @@ def comm_seconds(comm: Comm, hw: Hardware, links: Mapping[str, str], shares: Map
     if comm.kind == "all-reduce" and hw.tree_inter_latency is not None:
         tree = 2 * ((local - 1) * hw.tree_intra_latency + math.log2(hosts) * hw.tree_inter_latency)
         seconds = min(seconds, tree + 2 * comm.result_bytes / bandwidth)
-    return comm.count * seconds
+    return seconds
+
+
+def _memoised(memo: dict, key: tuple, fn, *args) -> float:
+    """``memo[key]``, computed by ``fn(*args)`` the first time."""
+    value = memo.get(key)
+    if value is None:
+        value = memo[key] = fn(*args)
+    return value
 
 
 def overlap(
@@ -343,6 +365,7 @@ def step_time(
     links: Mapping[str, str],
     shares: Mapping[str, int] | None = None,
     overlaps: tuple[str, ...] = (),
+    memo: dict | None = None,
 ) -> StepTime:
     """Step time of one device from its `Cost`.
 
@@ -362,16 +385,23 @@ def step_time(
       shares: Mesh axis -> positions inside one host (`host_shares`), for collectives across hosts
         (`comm_seconds`); None: one device per host.
       overlaps: Mesh axes whose collectives the run overlaps with compute although meshwork's program does not.
+      memo: None, or a dict the caller keeps for one ``(hw, links, shares)``: the seconds of one execution of
+        each collective (by kind, axes, group and bytes) and of each product shape, computed once for a search
+        that prices many costs of one mesh on one kind. The figures are the same with or without it.
 
     Returns:
       The `StepTime` (seconds).
     """
-    compute = compute_seconds(cost, hw)
+    compute = compute_seconds(cost, hw, memo)
     optimizer = 7 * cost.memory.parameters / (hw.memory_bandwidth * hw.memory_fraction)  # read 4, write 3
     exposed = overlapped = gathers = reductions = 0.0
     by_kind: dict[str, float] = {}
     for c in cost.comms:
-        seconds = comm_seconds(c, hw, links, shares)
+        if memo is None:
+            seconds = comm_seconds(c, hw, links, shares)
+        else:
+            key = (c.kind, c.axes, c.group, c.result_bytes)
+            seconds = c.count * _memoised(memo, key, _execution_seconds, c, hw, links, shares)
         by_kind[c.kind] = by_kind.get(c.kind, 0.0) + seconds
         if not c.overlappable and not any(a in overlaps for a in c.axes):
             exposed += seconds

@@ -12,6 +12,7 @@ Imports nothing of the project outside `sharding`, never the model.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -51,6 +52,9 @@ TICK_SHARES = {
 #: their inputs arrive, ``(1 + (S - 1) / (R M))`` of the slowest stage's busy time (Narayanan et al., SC'21,
 #: section 2.2: the bubble is ``(S - 1) / (R M)`` of the ideal time, R the interleaved chunks per stage).
 PIPELINE_CLOCKS = ("lockstep", "fused")
+
+#: Stage costs kept whole (with their collectives and products) for another kind's time, most recent first.
+_STAGE_FULL = 256
 
 
 def _within_batch_group(mesh: Mapping[str, int]) -> tuple[int, ...]:
@@ -290,6 +294,8 @@ class _Evaluator:
         self._rank[order] = np.arange(len(order))
         self._by_rank = [self.cluster.kinds[i] for i in order]
         self._stage_costs: dict[tuple, tuple] = {}
+        self._stage_full: collections.OrderedDict[tuple, cm.Cost] = collections.OrderedDict()
+        self._clock_memo: dict[tuple, dict] = {}
         self._uneven_classes: dict[tuple, tuple] = {}
         searched = tuple(k.name for k in self.model.attention_kernels if k.searched)
         self.attentions = searched if options.attentions is None else options.attentions
@@ -380,7 +386,12 @@ class _Evaluator:
         return self._shares[key]
 
     def time(self, cost: cm.Cost, kind, mesh) -> cm.StepTime:
-        return cm.step_time(cost, self.hardware[kind.name], self.links(mesh), self.shares(mesh), self.options.overlaps)
+        """``cost``'s `cm.StepTime` on a device of ``kind`` in ``mesh``; each collective's and product shape's
+        seconds are kept per kind and mesh (`cm.step_time`'s ``memo``), the same figures computed once."""
+        memo = self._clock_memo.setdefault((kind.name, tuple(mesh.items())), {})
+        return cm.step_time(
+            cost, self.hardware[kind.name], self.links(mesh), self.shares(mesh), self.options.overlaps, memo
+        )
 
     def finish(
         self,
@@ -554,23 +565,26 @@ class _Evaluator:
             slots,
             stored_rows_moved(self.model, layout),
         )
+        # The cache keeps each cost without its collectives and products (what the plan reads of it: FLOPs and
+        # memory), and the whole cost of the last `_STAGE_FULL` keys for another kind's time; one evicted is
+        # priced again (the same figures): whole costs of every split the search prices took gigabytes.
         if key not in self._stage_costs:
-            self._stage_costs[key] = (
-                cm.device_cost(
-                    self.model,
-                    layout,
-                    seq_len=self.seq,
-                    rows=rows,
-                    layers=layers,
-                    slots=slots,
-                    backend=self.options.backend,
-                ),
-                {},
-            )
+            full = self._stage_full[key] = self._stage_device_cost(layout, rows, layers, slots)
+            self._stage_costs[key] = (dataclasses.replace(full, comms=(), gemms=()), {})
+            if len(self._stage_full) > _STAGE_FULL:
+                self._stage_full.popitem(last=False)
         cost, times = self._stage_costs[key]
         if kind.name not in times:
-            times[kind.name] = self.time(cost, kind, layout.mesh)
+            full = self._stage_full.get(key)
+            if full is None:
+                full = self._stage_device_cost(layout, rows, layers, slots)
+            times[kind.name] = self.time(full, kind, layout.mesh)
         return cost, times[kind.name]
+
+    def _stage_device_cost(self, layout: cm.Layout, rows: float, layers: int, slots: int) -> cm.Cost:
+        return cm.device_cost(
+            self.model, layout, seq_len=self.seq, rows=rows, layers=layers, slots=slots, backend=self.options.backend
+        )
 
     def uneven_class(self, layout: cm.Layout, rows: float, kind, count: int) -> tuple:
         """``(kind name, cost, time)`` of a device of ``kind`` running ``count`` microbatches of ``rows`` rows under
