@@ -1,0 +1,38 @@
+"""``--remat none|dots|full`` inside pipeline stages: every schedule trains as the flat model does.
+
+A stage keeps each layer's residuals from its forward tick (``none``: all of them; ``dots``: the products'
+outputs, the rest recomputed) or only each layer's input (``full``: the layer recomputed in the backward), as
+`sharding.pipeline.program.keeps` says. ``none`` is the model's default, so the six-step comparisons of
+tests/test_pipeline_1f1b.py and tests/test_pipeline_zb.py run it for every schedule; here the other two choices
+run the same comparison (`_assert_steps_match_the_flat_model`: the flat one-device-layout float32 model's
+losses over 6 steps and its parameters after the first, computed once for the module).
+"""
+
+import pytest
+from test_pipeline_1f1b import (
+    STEPS_LAYERS,
+    STEPS_MESH,
+    STEPS_MICROBATCHES,
+    STEPS_SPLIT,
+    _assert_steps_match_the_flat_model,
+    _plan,
+)
+
+from models.config import get_config
+
+#: (schedule, repeats): lockstep GPipe, circular (GPipe with 2 chunks per stage), 1F1B, interleaved fused 1F1B
+#: (2 chunks per stage) and zero bubble, on the uneven split 4,2 with fsdp.
+SCHEDULES = [("gpipe", 1), ("gpipe", 2), ("1f1b", 1), ("1f1b-fused", 2), ("zb", 1)]
+
+
+def test_the_model_default_is_no_remat_which_the_schedules_step_tests_run():
+    assert get_config("test", [f"num_layers={STEPS_LAYERS}"]).remat == "none"
+
+
+@pytest.mark.parametrize("remat", ["dots", "full"])
+@pytest.mark.parametrize("schedule, repeats", SCHEDULES)
+def test_every_schedule_trains_as_the_flat_model_under_each_remat_choice(schedule, repeats, remat):
+    """Losses over 6 steps (1e-5 relative) and the parameters after the first (1e-5) equal the flat model's."""
+    plan = _plan(STEPS_LAYERS, STEPS_MESH, STEPS_SPLIT, STEPS_MICROBATCHES, schedule, repeats)
+    assert plan.layout.repeats == repeats
+    _assert_steps_match_the_flat_model(plan, remat, loss_rtol=1e-5)
