@@ -36,3 +36,27 @@ def test_every_schedule_trains_as_the_flat_model_under_each_remat_choice(schedul
     plan = _plan(STEPS_LAYERS, STEPS_MESH, STEPS_SPLIT, STEPS_MICROBATCHES, schedule, repeats)
     assert plan.layout.repeats == repeats
     _assert_steps_match_the_flat_model(plan, remat, loss_rtol=1e-5)
+
+
+def remat_case(remat: str):
+    """1F1B on ``stage=2,fsdp=4`` (split 3,1, 4 microbatches of 4 sequences of 32 tokens) with ``remat``, as
+    `costmodel_grid` cases are written (shared with tests/test_activation_memory.py)."""
+    return ("test", "stage=2,fsdp=4", "fsdp", 16, 32, 4, remat, (3, 1), 1, "1f1b")
+
+
+def test_the_choice_orders_the_compiled_temporaries_and_only_full_recomputes_the_products():
+    """The compiled step (8 simulated CPU devices; ``memory_analysis`` and the HLO's products with trip counts
+    folded in, both deterministic): ``none`` holds more temporaries than ``dots``, which holds more than
+    ``full``; ``full`` runs each layer's forward products again in the backward and ``none`` does not, by the
+    priced difference (within 10%), and ``dots`` runs the products as ``none`` does (it recomputes only the
+    attention's, whose batch dimensions the policy does not save)."""
+    from costmodel_grid import compiled_figures, predicted
+
+    figures = {r: compiled_figures(remat_case(r)) for r in ("none", "dots", "full")}
+    temp = {r: f["temp"] for r, f in figures.items()}
+    assert temp["none"] > temp["dots"] > temp["full"], temp
+    dots = {r: f["dot_flops"] for r, f in figures.items()}
+    assert dots["full"] > dots["dots"] >= dots["none"], dots
+    compiled = dots["full"] - dots["none"]
+    priced = predicted(remat_case("full")).matmul_flops - predicted(remat_case("none")).matmul_flops
+    assert abs(priced - compiled) <= 0.10 * compiled, (priced, compiled)

@@ -53,7 +53,7 @@ from sharding.pipeline.buffers import (
     slot_params,
     to_microbatches,
 )
-from sharding.pipeline.layout import PipelinePlan, StageLayout
+from sharding.pipeline.layout import PipelinePlan, StageLayout, keeps  # noqa: F401  (re-exported)
 from sharding.pipeline.split import LayerSplit
 from sharding.pipeline.storage import StageStorage, feature_devices, storage_axes, storage_for, storage_spec
 from sharding.pipeline.weights import Streamed, Weights
@@ -150,16 +150,6 @@ def kept_ring(layer_fn, params, like, extras, entries: int):
     slots = jax.tree.leaves(params)[0].shape[1]
     zeros = [jnp.zeros((entries, slots, *shape), dtype) for shape, dtype in split.kept_avals]
     return tuple(to_varying(zeros, tuple(sorted(varying_axes(like)))))
-
-
-def keeps(recompute: bool, streamed: bool, objective: bool) -> bool:
-    """Whether a stage keeps its layers' residuals from the forward tick (``--remat none``/``dots``: not
-    ``recompute``) rather than each slot's input alone. A `Streamed` working copy (``streamed``:
-    ``--pipeline-gather microbatch``) and a layer with an ``objective`` (a mixture of experts' router) recompute
-    each layer whatever the choice: the first gathers each block of weights again for its backward, which then
-    runs the layer too, and the second's objective cotangent joins the layer's only where it is
-    differentiated."""
-    return not recompute and not streamed and not objective
 
 
 def chunk_backward(layer_fn, params, r, inputs, extras, count, g, grads, skip_empty: bool, kept=None):

@@ -11,7 +11,9 @@ the stage's own layer count`` (bubble steps count 0), forward and backward.
 Backward pass. `_pipeline_program` is a `jax.custom_vjp`: its forward keeps
 each slot's input, its backward runs the steps in reverse, sends cotangents
 up the ring and differentiates each layer with `jax.vjp` (recomputing it, as
-``--remat full`` would; the model's remat policy applies inside the layer).
+``--remat full`` does; with ``recompute`` False, ``--remat none`` or ``dots``, the forward also keeps each
+slot's residuals under the policy and the backward differentiates the layer on them,
+`sharding.pipeline.split.LayerSplit.forward_pass`).
 Left to autodiff, the conditionals would save a slice of the stage's
 parameters per step as residuals, a copy of them per pipeline step.
 
