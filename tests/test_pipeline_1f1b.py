@@ -545,8 +545,9 @@ def _compiled_gradients(
     block_inputs=True,
     head_streamed=True,
     entry_streamed=True,
+    remat="none",
 ):
-    """The compiled gradient step of a test model, compiled once per arguments (the tests share it);
+    """The compiled gradient step of a test model under ``remat``, compiled once per arguments (the tests share it);
     ``block_inputs`` False: with ``gather`` ``microbatch``, each slot's input saved, as before the ring kept block
     inputs only (`Streamed.block_inputs`); ``head_streamed`` False: with ``gather`` ``microbatch``, the 1F1B
     family's head weights gathered once, as before the head step gathered them (`HeadWeights`);
@@ -559,7 +560,7 @@ def _compiled_gradients(
     from sharding.pipeline import onef1b
     from sharding.pipeline.weights import Weights
 
-    config = get_config("test", [f"num_layers={num_layers}"])
+    config = get_config("test", [f"num_layers={num_layers}", f"remat={remat}"])
     plan = _plan(num_layers, mesh_spec, stage_layers, microbatches, schedule, gather=gather)
     trainer = _trainer(config, mesh_spec, plan)
     params = jax.tree.map(

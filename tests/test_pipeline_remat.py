@@ -60,3 +60,37 @@ def test_the_choice_orders_the_compiled_temporaries_and_only_full_recomputes_the
     compiled = dots["full"] - dots["none"]
     priced = predicted(remat_case("full")).matmul_flops - predicted(remat_case("none")).matmul_flops
     assert abs(priced - compiled) <= 0.10 * compiled, (priced, compiled)
+
+
+def test_the_cost_model_trades_memory_for_recompute_across_the_choice():
+    """The 7B on ``stage=4,fsdp=2`` (1F1B, 16 microbatches of 4 sequences of 4,096 tokens, bfloat16, flash): the
+    priced activations shrink from ``none`` to ``dots`` to ``full`` and the priced FLOPs grow, by the layer's
+    recomputed forward (``full``: the whole forward once; ``dots``: the attention's; ``none``: nothing), as the
+    planner's cheapest-that-fits search over the choice reads them (`sharding.planner.search._state_variants`)."""
+    from sharding import costmodel as cm
+    from sharding.pipeline.layout import Schedule
+
+    config = get_config("7b", ["dtype=bfloat16", "attention=flash"])
+    costs = {
+        r: cm.estimate(
+            config,
+            64,
+            4096,
+            cm.Layout(
+                {"stage": 4, "fsdp": 2},
+                "fsdp_tp",
+                16,
+                remat=r,
+                pipeline_schedule=Schedule.ONE_F_ONE_B,
+                attention="flash",
+                dtype="bfloat16",
+            ),
+        )
+        for r in ("none", "dots", "full")
+    }
+    saved = {r: c.memory.activations for r, c in costs.items()}
+    assert saved["none"] > saved["dots"] > saved["full"], saved
+    recompute = {r: c.flops.recompute for r, c in costs.items()}
+    assert recompute["none"] == 0 < recompute["dots"] < recompute["full"], recompute
+    totals = {r: c.flops.total for r, c in costs.items()}
+    assert totals["none"] < totals["dots"] < totals["full"], totals

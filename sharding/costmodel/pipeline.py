@@ -407,9 +407,9 @@ def _pipeline_memory(
     base = _memory(model, layout, rules, placed, s)
     keys, scores = _attention_scores(model, layout, rules, s)
     per_layer = _per_token(model, "activations", rules, layout.mesh, keys, s.act_bytes)
+    # one layer's backward working set: its recomputed activations, or where the stage keeps them (`_Pipe.keeps`)
+    # the cotangents of as many values, which the head step's logits never peak with
     saved, working = _saved_per_slot(model, layout, rules, keys, s, pipe), per_layer
-    if pipe.keeps and layout.remat == "none":  # nothing recomputed: the backward reads what the forward kept
-        working = 0.0
     whole_layer = sum(p.local * _batch_factor(p, layout.mesh) for p in placed.values() if p.param.per_layer)
     # once: the working copy's R*K' slots and their sums, which replace the q stored rows' gradients
     own = -(-model.num_layers // (pipe.stages * pipe.groups))
