@@ -274,6 +274,7 @@ class Transformer(nnx.Module):
             par,
             names=_logical_names(stacked),
             remat_policy=policy,
+            recompute=self.config.remat == "full",
         )
         return x
 
@@ -322,6 +323,7 @@ class Transformer(nnx.Module):
             names=_logical_names(stacked),
             head_names=head_names,
             remat_policy=_REMAT_POLICIES.get(self.config.remat),
+            recompute=self.config.remat == "full",
             objective=_pipeline_objective_size(self.config) if moe else 0,
             entry_fn=entry,
             entry_params=embed_state,

@@ -464,11 +464,12 @@ def test_the_per_microbatch_gather_over_data_and_fsdp_has_the_unpipelined_loss_a
 STEPS_LAYERS, STEPS_MESH, STEPS_SPLIT, STEPS_MICROBATCHES = 6, "stage=2,fsdp=4", (4, 2), 2
 
 
-def _steps_config():
+def _steps_config(remat="none"):
     from models.config import get_config
     from train.runtime.optimizer import OptimizerConfig
 
-    return get_config("test", [f"num_layers={STEPS_LAYERS}"]), OptimizerConfig(eps=1e-3, warmup=0, decay_steps=10)
+    config = get_config("test", [f"num_layers={STEPS_LAYERS}", f"remat={remat}"])
+    return config, OptimizerConfig(eps=1e-3, warmup=0, decay_steps=10)
 
 
 @functools.lru_cache(maxsize=1)
@@ -505,13 +506,14 @@ def test_fused_1f1b_training_steps_match_the_unpipelined_model(repeats):
     _assert_steps_match_the_flat_model(plan)
 
 
-def _assert_steps_match_the_flat_model(plan):
-    """Losses over 6 steps within 1e-4 and the parameters after the first within 1e-5 of `_flat_steps`."""
+def _assert_steps_match_the_flat_model(plan, remat="none", loss_rtol=1e-4):
+    """Losses over 6 steps within ``loss_rtol`` and the parameters after the first within 1e-5 of `_flat_steps`
+    (the flat model without remat), the pipelined model run with ``remat``."""
     init, ref_losses, ref_params = _flat_steps()
-    config, optimizer = _steps_config()
+    config, optimizer = _steps_config(remat)
     batches = [_batch(8, 32, seed) for seed in range(6)]
     losses, params = _steps(_trainer(config, STEPS_MESH, plan, optimizer), batches)
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-4)
+    np.testing.assert_allclose(losses, ref_losses, rtol=loss_rtol)
     assert_close(params, ref_params)
     moved = max(float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(ref_params), jax.tree.leaves(init)))
     assert moved > 1e-3  # the step moved the parameters far beyond the tolerance
@@ -543,8 +545,9 @@ def _compiled_gradients(
     block_inputs=True,
     head_streamed=True,
     entry_streamed=True,
+    remat="none",
 ):
-    """The compiled gradient step of a test model, compiled once per arguments (the tests share it);
+    """The compiled gradient step of a test model under ``remat``, compiled once per arguments (the tests share it);
     ``block_inputs`` False: with ``gather`` ``microbatch``, each slot's input saved, as before the ring kept block
     inputs only (`Streamed.block_inputs`); ``head_streamed`` False: with ``gather`` ``microbatch``, the 1F1B
     family's head weights gathered once, as before the head step gathered them (`HeadWeights`);
@@ -557,7 +560,7 @@ def _compiled_gradients(
     from sharding.pipeline import onef1b
     from sharding.pipeline.weights import Weights
 
-    config = get_config("test", [f"num_layers={num_layers}"])
+    config = get_config("test", [f"num_layers={num_layers}", f"remat={remat}"])
     plan = _plan(num_layers, mesh_spec, stage_layers, microbatches, schedule, gather=gather)
     trainer = _trainer(config, mesh_spec, plan)
     params = jax.tree.map(

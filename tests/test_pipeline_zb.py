@@ -199,7 +199,8 @@ def test_zero_bubble_model_with_tensor_parallelism_has_the_loss_and_gradients_of
 
 
 def test_zero_bubble_holds_fused_1f1b_temporaries_plus_its_priced_ring_and_no_transfer_sits_in_a_conditional():
-    """The compiled gradient step at M = 16 on 2 stages (memory analysis: deterministic): zero bubble keeps fused
+    """The compiled gradient step at M = 16 on 2 stages under ``--remat full`` (memory analysis: deterministic;
+    each layer recomputed from its input, where B's cut is what the ring adds): zero bubble keeps fused
     1F1B's ring of chunk inputs (3 entries) and adds its second ring, one entry of what an input-gradient pass
     keeps for its weight-gradient pass (every product's input and output cotangent: 16 activations per layer
     here, and the norm scales' cotangents), so its temporaries exceed fused 1F1B's by that ring as the cost
@@ -208,9 +209,9 @@ def test_zero_bubble_holds_fused_1f1b_temporaries_plus_its_priced_ring_and_no_tr
     from models.config import get_config
     from sharding import costmodel as cm
 
-    _, gpipe = _compiled_gradients("gpipe")
-    _, fused = _compiled_gradients("1f1b-fused")
-    trainer, zb = _compiled_gradients("zb")
+    _, gpipe = _compiled_gradients("gpipe", remat="full")
+    _, fused = _compiled_gradients("1f1b-fused", remat="full")
+    trainer, zb = _compiled_gradients("zb", remat="full")
     table = trainer.par.pipeline.tick_table()
     assert table.slots == 3 and table.saved_slots == 1
     temps = {
@@ -219,8 +220,10 @@ def test_zero_bubble_holds_fused_1f1b_temporaries_plus_its_priced_ring_and_no_tr
 
     def activations(ticks):  # the tick table's name: "fused" is --pipeline-schedule 1f1b-fused
         schedule = {"fused": "1f1b-fused"}.get(ticks, ticks)
-        layout = cm.Layout({"stage": 2, "fsdp": 4}, "fsdp_tp", 16, stage_layers=(3, 1), pipeline_schedule=schedule)
-        return cm.estimate(get_config("test"), 64, 256, layout, backend="cpu").memory.activations
+        layout = cm.Layout(
+            {"stage": 2, "fsdp": 4}, "fsdp_tp", 16, remat="full", stage_layers=(3, 1), pipeline_schedule=schedule
+        )
+        return cm.estimate(get_config("test", remat="full"), 64, 256, layout, backend="cpu").memory.activations
 
     ring = activations("zb") - activations("fused")
     # the excess is the ring less at most one layer's cut (the input-gradient pass writes a layer's cut into the

@@ -46,9 +46,11 @@ class Memory:
       gradients: float32 gradients (the accumulator when microbatching).
       optimizer: AdamW's two float32 moments.
       activations: Saved for the backward pass under the remat policy (one microbatch's); with
-        pipeline stages, the saved slot inputs (GPipe/circular: every slot of every step; 1F1B: its
-        ring of at most about S microbatches' chunk inputs), every microbatch's stage input and its
-        cotangent, and one layer's activations (the backward pass recomputes each layer).
+        pipeline stages, what each saved slot keeps (GPipe/circular: every slot of every step; 1F1B: its
+        ring of at most about S microbatches' chunks) under the remat policy (``full``: its input, the
+        backward recomputing the layer; ``none``: the layer's activations; ``dots``: its input and the
+        products' outputs; `sharding.costmodel.pipeline._saved_per_slot`), every microbatch's stage input and
+        its cotangent, and one layer's backward working set (its activations where it recomputes).
       logits: float32 logits and their gradient for one microbatch (with pipeline stages: one run of
         the head's rows, beyond a layer's backward working set, which they never peak with; so often 0).
       gathered: FSDP-gathered weights of one layer in flight (two buffers), in the dtype the gather moves

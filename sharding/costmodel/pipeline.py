@@ -47,7 +47,7 @@ from sharding.costmodel.layout import (
 )
 from sharding.costmodel.memory import Memory, _attention_scores, _memory
 from sharding.modeldesc import ModelDescription
-from sharding.pipeline.layout import Schedule, parse_schedule, plan_layout
+from sharding.pipeline.layout import Schedule, keeps, parse_schedule, plan_layout
 from sharding.pipeline.storage import StageStorage, storage_axes
 from sharding.pipeline.traffic import ALL_GATHER, BATCH, LAYERS, PipelineTraffic
 from sharding.rules import Rules
@@ -96,6 +96,12 @@ class _Pipe:
       all_reduced: the copy is assembled and its float32 gradient sums reduced by all-reduces of the ``real``
         slots over the storage's group axes, not an all-gather and a reduce-scatter of the ``working`` slots
         (`sharding.pipeline.weights.Weights.all_reduced`: where ``2K <= K'``).
+      keeps: the stage keeps each layer's residuals from its forward tick (`sharding.pipeline.layout.keeps`:
+        ``--remat none`` or ``dots``), so its backward recomputes no layer; else it keeps each slot's input and
+        recomputes the layer there.
+      full: ``--remat full``: the layer recomputed in the backward is the full policy's one recomputation
+        (the backward's `jax.vjp` of the checkpointed layer drops its unused forward as dead code), which
+        `sharding.costmodel.flops` already counts.
     """
 
     stages: int
@@ -116,6 +122,8 @@ class _Pipe:
     traffic: PipelineTraffic | None = None
     real: int = 0
     all_reduced: bool = False
+    keeps: bool = False
+    full: bool = False
 
     @property
     def held(self) -> int:
@@ -160,14 +168,20 @@ class _Pipe:
         """Forward passes of each layer the backward pass adds (`sharding.pipeline.program.chunk_backward`
         recomputes it once; zero bubble's `chunk_backward_input` once, its weight-gradient pass none), plus
         ``(G - 1) / G`` where the ring keeps block inputs only (`block_inputs`: the backward recomputes a
-        block's other slot inputs)."""
-        return self.backward_gathers + ((self.segment - 1) / self.segment if self.block_inputs else 0.0)
+        block's other slot inputs); none where the stage `keeps` its layers' residuals (what the remat policy
+        recomputes inside a layer is the policy's, `sharding.costmodel.flops`)."""
+        if self.keeps:
+            return 0.0
+        again = 0 if self.full else self.backward_gathers
+        return again + ((self.segment - 1) / self.segment if self.block_inputs else 0.0)
 
     @property
     def counted_recomputes(self) -> float:
         """`recomputes` as ``cost_analysis`` counts them (each loop body once): the loop that recomputes a block's
         other slot inputs (`block_inputs`) has one layer's forward in its body, counted once whole."""
-        return self.backward_gathers + (1.0 if self.block_inputs else 0.0)
+        if self.keeps:
+            return 0.0
+        return (0 if self.full else self.backward_gathers) + (1.0 if self.block_inputs else 0.0)
 
     @property
     def one_f_one_b(self) -> bool:
@@ -260,6 +274,8 @@ def _pipeline_of(model: ModelDescription, layout: Layout, rules: Rules, s: _Shap
         ),
         real=repeats * real,
         all_reduced=layout.pipeline_gather == "once" and groups > 1 and 2 * real <= chunk,
+        keeps=keeps(layout.remat == "full", layout.pipeline_gather == "microbatch", model.experts is not None),
+        full=layout.remat == "full",
     )
 
 
@@ -379,8 +395,9 @@ def _pipeline_memory(
     """Bytes of a stage device: the stored rows' state; in flight, the gathered working copy of the stage's
     slots (`_gather_bytes`) and their float32 gradient sums in place of the stored rows' gradients, which the
     sums become after the loop (``gather`` ``microbatch``: the slot's gathered layer, the rows received from
-    other devices, and the float32 sums of the device's own and received rows), the saved slot inputs
-    (`_Pipe.saved_inputs`), every microbatch's stage input and its cotangent (none where stage 0 embeds each
+    other devices, and the float32 sums of the device's own and received rows), what each saved slot keeps
+    (`_Pipe.saved_inputs` of them, `_saved_per_slot`: its input, or with `_Pipe.keeps` the layer's residuals
+    under the remat policy), every microbatch's stage input and its cotangent (none where stage 0 embeds each
     microbatch, `_head_streamed`), the largest of a layer's backward working set (its activations with the
     backward's score temporaries and, with ``gather`` ``microbatch``, the slot's gathered layer), the head
     step's (the head's logits for one run's rows and, with the head streamed, its gathered weights and their
@@ -393,8 +410,10 @@ def _pipeline_memory(
     temporaries: what is live at the peak")."""
     base = _memory(model, layout, rules, placed, s)
     keys, scores = _attention_scores(model, layout, rules, s)
-    saved_input = _per_token(model, "activations", rules, layout.mesh, keys, s.act_bytes, ("input",))
     per_layer = _per_token(model, "activations", rules, layout.mesh, keys, s.act_bytes)
+    # one layer's backward working set: its recomputed activations, or where the stage keeps them (`_Pipe.keeps`)
+    # the cotangents of as many values, which the head step's logits never peak with
+    saved, working = _saved_per_slot(model, layout, rules, keys, s, pipe), per_layer
     whole_layer = sum(p.local * _batch_factor(p, layout.mesh) for p in placed.values() if p.param.per_layer)
     # once: the working copy's R*K' slots and their sums, which replace the q stored rows' gradients
     own = -(-model.num_layers // (pipe.stages * pipe.groups))
@@ -419,7 +438,7 @@ def _pipeline_memory(
     # between the forward and backward loops, the 1F1B family in its own phase of a tick, before the tick's
     # backward pass (XLA's live ranges: no logits at the backward's peak). The step holds the larger of them.
     streamed = held * whole_layer * _gather_bytes(layout) if pipe.gather == "microbatch" else 0.0
-    backward = s.tok * (per_layer + scores) + streamed
+    backward = s.tok * (working + scores) + streamed
     logits = base.logits * head.tok / s.tok
     if pipe.one_f_one_b:
         head_weights, head_step, entry_step = _head_weight_bytes(placed, pipe)
@@ -427,10 +446,19 @@ def _pipeline_memory(
     return dataclasses.replace(
         base,
         gradients=base.gradients + sums * whole_layer * _PARAM_BYTES,
-        activations=s.tok * (pipe.saved_inputs * saved_input + per_layer + scores + inputs) + kept,
+        activations=s.tok * (pipe.saved_inputs * saved + working + scores + inputs) + kept,
         logits=max(0.0, logits - backward),  # the head step's working set beyond the layer's
         gathered=(held + received) * whole_layer * _gather_bytes(layout) + head_weights,
     )
+
+
+def _saved_per_slot(model: ModelDescription, layout: Layout, rules: Rules, keys: float, s: _Shape, pipe: _Pipe):
+    """Bytes per token of one microbatch a stage keeps per saved slot from its forward to its backward: the
+    slot's input where it recomputes the layer (``--remat full``, or `_Pipe.keeps` False); with
+    `_Pipe.keeps`, the layer's residuals as an unpipelined layer saves them under the policy (``none``: all
+    of them; ``dots``: the input and the products' outputs; `sharding.costmodel.memory._memory`)."""
+    kept = None if pipe.keeps and layout.remat == "none" else ("input", "dot") if pipe.keeps else ("input",)
+    return _per_token(model, "activations", rules, layout.mesh, keys, s.act_bytes, kept)
 
 
 def _streams_edges(layout: Layout) -> bool:

@@ -556,6 +556,17 @@ def check_microbatches(
     raise ConfigError(Field("microbatches", microbatches), ": ", *why, "; use ", *hint)
 
 
+def keeps(recompute: bool, streamed: bool, objective: bool) -> bool:
+    """Whether a stage keeps its layers' residuals from the forward tick (``--remat none``/``dots``: not
+    ``recompute``) rather than each slot's input alone. A streamed working copy (``streamed``:
+    ``--pipeline-gather microbatch``, `sharding.pipeline.weights.Streamed`) and a layer with an ``objective`` (a
+    mixture of experts' router) recompute
+    each layer whatever the choice: the first gathers each block of weights again for its backward, which then
+    runs the layer too, and the second's objective cotangent joins the layer's only where it is
+    differentiated."""
+    return not recompute and not streamed and not objective
+
+
 def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
     """Idle fraction of a pipeline pass, ``(S-1) / (R*M + S-1)``.
 

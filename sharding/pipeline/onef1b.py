@@ -85,6 +85,8 @@ from sharding.pipeline.program import (
     chunk_backward_weight,
     chunk_forward,
     cut_ring,
+    keeps,
+    kept_ring,
     manual_axes,
     slot_positions,
     stage_varying,
@@ -104,6 +106,8 @@ class _Carry(NamedTuple):
       buffer: ``[slots, P, microbatch, ...]`` the ring of chunk inputs (`Ticks.slots` entries).
       waiting: ``[cotangent_slots, microbatch, ...]`` output cotangents waiting for their backward.
       kept: zero bubble's ring of cuts (`sharding.pipeline.program.cut_ring`); ``()`` otherwise.
+      residuals: where the stage keeps its layers' residuals (`_TickLoop.keep`), their ring
+        (`sharding.pipeline.program.kept_ring`, entries as ``buffer``'s); ``()`` otherwise.
       grads, head_grads: the layer and head weights' gradient sums.
       g_xs: the cotangent of the first stage's inputs (with an `Entry`, its weights' gradient sums).
       loss, weight: float32 sums of the head steps run (and the layers' objectives).
@@ -116,6 +120,7 @@ class _Carry(NamedTuple):
     buffer: Any
     waiting: Any
     kept: Any
+    residuals: Any
     grads: Any
     head_grads: Any
     g_xs: Any
@@ -206,6 +211,8 @@ class _TickLoop:
       objective_axes: None, or the axes the layers' objective varies over (as ``layer`` above).
       objective_size: the size of the layers' objective (1 without one).
       entry: None, or the `Entry` the first virtual stage computes its input with, per microbatch.
+      keep: keep each slot's residuals from the forward tick for its backward (`sharding.pipeline.program.keeps`)
+        instead of recomputing the layer there.
     """
 
     layer: Callable
@@ -223,6 +230,7 @@ class _TickLoop:
     objective_axes: tuple[str, ...] | None = None
     objective_size: int = 1
     entry: Entry | None = None
+    keep: bool = False
 
     def run(self, grads, head_grads):
         """All ticks of one stage.
@@ -274,6 +282,10 @@ class _TickLoop:
         if train and table.split:  # the saved ring: per entry, each slot position's cut (`sharding.pipeline.split`)
             like = to_varying(zero_h, vary)
             kept = cut_ring(self.back_layer, self.params, like, index_tree(self.extras, 0), ticks.saved_slots)
+        residuals = ()
+        if train and self.keep:
+            like = to_varying(zero_h, vary)
+            residuals = kept_ring(self.layer, self.params, like, index_tree(self.extras, 0), ticks.slots)
         zero = to_varying(jnp.zeros((), jnp.float32), vary)
         g_xs = None
         if train:
@@ -282,7 +294,8 @@ class _TickLoop:
                 if self.entry is None
                 else self.entry.weights.zeros_over_stage(self.entry.params)
             )
-        init = to_varying((zero_h, zero_h if train else None, buffer, waiting, kept, grads, head_grads, g_xs), vary)
+        init = (zero_h, zero_h if train else None, buffer, waiting, kept, residuals, grads, head_grads, g_xs)
+        init = to_varying(init, vary)
         stats = None
         if self.objective_axes is not None:
             stats = to_varying(jnp.zeros((self.objective_size - 1,), jnp.float32), self.objective_axes)
@@ -353,6 +366,7 @@ class _TickLoop:
             self.train,
             self.objective_axes,
             self.objective_size,
+            self.keep,
         )
         loss, stats = carry.loss, carry.stats
         if self.objective_axes is not None:  # the layers' objectives join the loss sum, their statistics the stats
@@ -376,7 +390,10 @@ class _TickLoop:
         gradient where the table gives one). Returns the carry and the chunk input's cotangent, which `tick`
         sends up the ring."""
         stage, counts, skip = table.stage, table.counts, self.plan.skip_empty
-        buffer = store(carry.buffer, (fwd.slot,), fwd.inputs, fwd.forward)
+        inputs, residuals = fwd.inputs if self.keep else (fwd.inputs, carry.residuals)
+        buffer = store(carry.buffer, (fwd.slot,), inputs, fwd.forward)
+        if self.keep:  # the residuals beside the inputs, in the same entry
+            residuals = tuple(store(b, (fwd.slot,), v, fwd.forward) for b, v in zip(carry.residuals, residuals))
         head_grads = jax.tree.map(jnp.add, carry.head_grads, fwd.g_hp)
         arrive = row["cotangent_arrive"]
         waiting = store(carry.waiting, (jnp.maximum(arrive, 0),), carry.g_received, arrive >= 0)
@@ -387,11 +404,12 @@ class _TickLoop:
         backward = backward == BACKWARD
         c = row["cotangent_slot"]
         args = (RingEntry(buffer, slot), index_tree(self.extras, mb), jnp.where(backward, counts[r], 0))
+        held = tuple(RingEntry(b, slot) for b in residuals) if self.keep else None
         kept, grads = carry.kept, carry.grads
         if table.split:  # zero bubble: B now, its cut into the saved ring; W from there at the tick the table gives
             g = index_leaf(waiting, c)
             g_in, kept = chunk_backward_input(
-                self.back_layer, self.params, r, *args, g, kept, row["backward_saved"], skip
+                self.back_layer, self.params, r, *args, g, kept, row["backward_saved"], skip, held
             )
             w_r = row["weight_chunk"]
             grads = chunk_backward_weight(
@@ -407,9 +425,19 @@ class _TickLoop:
                 skip,
             )
         else:
-            g_in, grads = chunk_backward(self.back_layer, self.params, r, *args, index_leaf(waiting, c), grads, skip)
+            g_in, grads = chunk_backward(
+                self.back_layer, self.params, r, *args, index_leaf(waiting, c), grads, skip, held
+            )
         g_xs = first_cotangent(backward & (stage == 0) & (r == 0), mb, g_in, carry.g_xs, fwd.entry_blocks)
-        carry = carry._replace(buffer=buffer, waiting=waiting, kept=kept, grads=grads, head_grads=head_grads, g_xs=g_xs)
+        carry = carry._replace(
+            buffer=buffer,
+            waiting=waiting,
+            kept=kept,
+            residuals=residuals,
+            grads=grads,
+            head_grads=head_grads,
+            g_xs=g_xs,
+        )
         return carry, g_in
 
 
@@ -426,6 +454,7 @@ def _loss_program(
     entry_specs=None,
     head_stage_dims=None,
     entry_stage_dims=None,
+    recompute: bool = True,
 ):
     """``f(stacked [1, slots, ...], head_params, entry_params, xs, extras, head_inputs) -> (loss_sum,
     weight_sum, applied, stats)`` for one stage (this device's partial sums), a `jax.custom_vjp` whose forward
@@ -433,7 +462,9 @@ def _loss_program(
     part of ``loss_sum``, differentiated with it, and ``stats`` the sums of their other entries
     (`run_pipeline_loss`; None without ``objective``; not differentiated). With ``entry_fn`` (``(par,
     entry_params, inputs) -> h``) ``xs`` are its inputs and the first virtual stage computes each microbatch's
-    input from them (`Entry`); else ``entry_params`` is None and ``xs`` the first stage's inputs."""
+    input from them (`Entry`); else ``entry_params`` is None and ``xs`` the first stage's inputs. Not
+    ``recompute``, each slot's residuals are kept from its forward tick for its backward
+    (`sharding.pipeline.program.keeps`)."""
     summed = weights.summed
     traffic = PipelineTraffic.of_plan(plan)  # where the layers and the head are gathered
     streamed = traffic.streams_layers
@@ -490,6 +521,7 @@ def _loss_program(
             axes,
             max(objective, 1),
             entry,
+            keeps(recompute, streamed, bool(objective)),
         )
         return loop.run(grads, head_grads)
 
@@ -540,6 +572,7 @@ def run_pipeline_loss(
     entry_fn: Callable[..., Any] | None = None,
     entry_params=None,
     entry_names=None,
+    recompute: bool = True,
 ):
     """The summed loss of a stacked layer function run as a pipeline, after an optional entry (the token
     embedding) and followed by an output head.
@@ -566,7 +599,7 @@ def run_pipeline_loss(
       par: the run's `sharding.parallel.Parallelism` (strategy a `PipelinePlan`), bound to a mesh.
       names: logical names of ``stacked``'s leaves, as `run_pipeline`.
       head_names: logical names of ``head_params``' leaves (a tree of tuples shaped as them); None: replicated.
-      remat_policy: as `run_pipeline`.
+      remat_policy, recompute: as `run_pipeline`.
       objective: 0, or the size of the layers' objective (as `run_pipeline`; ``layer_fn`` then returns ``(h,
         objective)``, float32 ``[objective]``): entry 0 summed over layers, microbatches and devices into
         ``loss_sum``, the others summed likewise into ``stats``.
@@ -593,7 +626,15 @@ def run_pipeline_loss(
         x = entry_fn(par, entry_params, x)
     if plan is None or not plan.one_f_one_b:
         out = run_pipeline(
-            layer_fn, stacked, x, extras, par, names=names, remat_policy=remat_policy, objective=objective
+            layer_fn,
+            stacked,
+            x,
+            extras,
+            par,
+            names=names,
+            remat_policy=remat_policy,
+            objective=objective,
+            recompute=recompute,
         )
         y, applied = out[:2]
         loss, weight = head_fn(head_parallelism(par), head_params, y, *head_inputs)
@@ -631,6 +672,7 @@ def run_pipeline_loss(
         entry_specs,
         head_dims,
         entry_dims,
+        recompute,
     )
     vary = (ax.STAGE, *weights.summed)
 

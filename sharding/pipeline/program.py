@@ -53,14 +53,24 @@ from sharding.pipeline.buffers import (
     slot_params,
     to_microbatches,
 )
-from sharding.pipeline.layout import PipelinePlan, StageLayout
+from sharding.pipeline.layout import PipelinePlan, StageLayout, keeps  # noqa: F401  (re-exported)
 from sharding.pipeline.split import LayerSplit
 from sharding.pipeline.storage import StageStorage, feature_devices, storage_axes, storage_for, storage_spec
 from sharding.pipeline.weights import Streamed, Weights
 
 
 def chunk_forward(
-    layer_fn, params, r, h, extras, count, skip_empty: bool, save: bool, objective_axes=None, objective_size: int = 1
+    layer_fn,
+    params,
+    r,
+    h,
+    extras,
+    count,
+    skip_empty: bool,
+    save: bool,
+    objective_axes=None,
+    objective_size: int = 1,
+    keep: bool = False,
 ):
     """Applies the first ``count`` of chunk ``r``'s ``K`` layers to ``h``; the other slots do nothing.
 
@@ -75,6 +85,8 @@ def chunk_forward(
       skip_empty: run each slot under a `jax.lax.cond` (slots past ``count``
         are not computed); False computes every slot and selects.
       save: also return each slot's input (for the backward pass).
+      keep: with ``save``, also each slot's residuals, so that the backward recomputes none of the forward
+        (`sharding.pipeline.split.LayerSplit.forward_pass`; ``--remat none``/``dots``, `keeps`).
       objective_axes: None, or the layer returns ``(h, objective)`` (float32 ``[objective_size]``, this
         device's partial sums) and the objectives of the slots computed are summed, varying over these manual
         axes.
@@ -82,7 +94,8 @@ def chunk_forward(
     Returns:
       ``(h, applied, inputs)``: the activations, the layers computed (int32; with ``objective_axes``,
       ``(count, objective)``) and, when ``save``, ``[P, microbatch, ...]`` slot inputs (else None), ``P`` =
-      `slot_positions`.
+      `slot_positions`; with ``keep``, ``inputs`` is ``(inputs, kept)``, ``kept`` the tuple of each residual
+      ``[P, ...]`` (`LayerSplit.kept_avals`).
     """
     applied = to_varying(jnp.zeros((), jnp.int32), ax.STAGE)
     if objective_axes is not None:
@@ -90,6 +103,8 @@ def chunk_forward(
     if isinstance(params, Streamed):
         return params.forward(layer_fn, r, h, applied, extras, count, skip_empty, save)
     slots = jax.tree.leaves(params)[0].shape[1]
+    if keep and save:
+        return _chunk_forward_kept(layer_fn, params, r, h, applied, extras, count, skip_empty, slots)
 
     def body(carry, k):
         h, applied = carry
@@ -100,7 +115,44 @@ def chunk_forward(
     return h, applied, inputs
 
 
-def chunk_backward(layer_fn, params, r, inputs, extras, count, g, grads, skip_empty: bool):
+def _chunk_forward_kept(layer_fn, params, r, h, applied, extras, count, skip_empty: bool, slots: int):
+    """`chunk_forward` keeping each slot's input and residuals (``keep``): ``(h, applied, (inputs, kept))``."""
+
+    def body(carry, k):
+        h, applied = carry
+        w = slot_params(params, r, k)
+        split = LayerSplit.trace(layer_fn, w, h, h, extras)
+
+        def run(h, applied):
+            y, kept = split.forward_pass(w, h, extras)
+            return y, applied + 1, kept
+
+        def idle(h, applied):
+            return h, applied, split.kept_zeros(h)
+
+        on = k < count
+        if skip_empty:
+            y, applied, kept = jax.lax.cond(on, run, idle, h, applied)
+        else:
+            y, counted, kept = run(h, applied)
+            y, applied = jnp.where(on, y, h), counted
+        return (y, applied), (h, kept)
+
+    (h, applied), saved = jax.lax.scan(body, (h, applied), jnp.arange(slots))
+    return h, applied, saved
+
+
+def kept_ring(layer_fn, params, like, extras, entries: int):
+    """The ring of kept residuals (`chunk_forward` with ``keep``): per residual of a layer
+    (`LayerSplit.kept_avals`), zeros ``[entries, K, ...]`` typed as ``like`` (a slot input ``[microbatch, ...]``)
+    varies; ``params`` the working copy ``[R, K, ...]``."""
+    split = LayerSplit.trace(layer_fn, slot_params(params, 0, 0), like, like, extras)
+    slots = jax.tree.leaves(params)[0].shape[1]
+    zeros = [jnp.zeros((entries, slots, *shape), dtype) for shape, dtype in split.kept_avals]
+    return tuple(to_varying(zeros, tuple(sorted(varying_axes(like)))))
+
+
+def chunk_backward(layer_fn, params, r, inputs, extras, count, g, grads, skip_empty: bool, kept=None):
     """The backward pass of `chunk_forward`: slots in reverse, each layer recomputed from its saved input.
 
     Args:
@@ -108,6 +160,8 @@ def chunk_backward(layer_fn, params, r, inputs, extras, count, g, grads, skip_em
       g: cotangent of the chunk's output.
       grads: accumulated parameter cotangents, leaves ``[R, K, ...]`` (or, with a `Streamed` ``params``,
         its reduce-scattered accumulators, `Streamed.zeros`).
+      kept: None, or the tuple of `RingEntry` s of the residuals the forward kept (`chunk_forward`'s ``keep``):
+        each layer is then differentiated on them, not recomputed (`LayerSplit.backward_pass`).
       (others as `chunk_forward`)
 
     Returns:
@@ -122,7 +176,19 @@ def chunk_backward(layer_fn, params, r, inputs, extras, count, g, grads, skip_em
         g, grads = carry
         add = lambda grads, dw: add_slot(grads, r, k, dw)  # noqa: E731
         slot = lambda: slot_params(params, r, k)  # noqa: E731
-        return backward_slot(layer_fn, slot, inputs[k], extras, k < count, g, grads, add, skip_empty), None
+        if kept is None:
+            return backward_slot(layer_fn, slot, inputs[k], extras, k < count, g, grads, add, skip_empty), None
+        x, w = inputs[k], slot()
+        split = LayerSplit.trace(layer_fn, w, x, g, extras)
+
+        def back(g, grads):
+            dw, dx = split.backward_pass(w, x, tuple(e[k] for e in kept), g, extras)
+            return dx, add(grads, dw)
+
+        if skip_empty:
+            return jax.lax.cond(k < count, back, lambda g, grads: (g, grads), g, grads), None
+        dx, summed = back(g, grads)
+        return (jnp.where(k < count, dx, g), jax.tree.map(lambda a, b: jnp.where(k < count, a, b), summed, grads)), None
 
     (g, grads), _ = jax.lax.scan(body, (g, grads), jnp.arange(slots), reverse=True)
     return g, grads
@@ -136,7 +202,7 @@ def slot_positions(params) -> int:
     return jax.tree.leaves(params)[0].shape[1]
 
 
-def chunk_backward_input(layer_fn, params, r, inputs, extras, count, g, kept, entry, skip_empty: bool):
+def chunk_backward_input(layer_fn, params, r, inputs, extras, count, g, kept, entry, skip_empty: bool, residuals=None):
     """The input-gradient half of `chunk_backward` (zero bubble's B pass): slots in reverse, each layer
     recomputed from its saved input and differentiated, keeping what the weight gradient needs.
 
@@ -151,6 +217,8 @@ def chunk_backward_input(layer_fn, params, r, inputs, extras, count, g, kept, en
       g: ``[microbatch, ...]`` cotangent of the chunk's output.
       kept: the saved ring, a tuple of ``[E, K, ...]`` arrays (`cut_ring`).
       entry: int32 scalar, the ring entry this pass writes (slots not run leave it as it was).
+      residuals: None, or the `RingEntry` s of the residuals the forward kept (as `chunk_backward`'s ``kept``):
+        B then runs on them instead of recomputing the layer.
       (others as `chunk_forward`)
 
     Returns:
@@ -167,7 +235,8 @@ def chunk_backward_input(layer_fn, params, r, inputs, extras, count, g, kept, en
         cut = LayerSplit.trace(layer_fn, slot_params(params, r, k), x, g, extras)
 
         def back(g, kept):
-            dx, saved = cut.input_pass(slot_params(params, r, k), x, g, extras)
+            held = None if residuals is None else tuple(e[k] for e in residuals)
+            dx, saved = cut.input_pass(slot_params(params, r, k), x, g, extras, held)
             return dx, put_cut(kept, entry, k, saved, k < count)
 
         if skip_empty:

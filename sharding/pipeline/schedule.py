@@ -11,7 +11,9 @@ the stage's own layer count`` (bubble steps count 0), forward and backward.
 Backward pass. `_pipeline_program` is a `jax.custom_vjp`: its forward keeps
 each slot's input, its backward runs the steps in reverse, sends cotangents
 up the ring and differentiates each layer with `jax.vjp` (recomputing it, as
-``--remat full`` would; the model's remat policy applies inside the layer).
+``--remat full`` does; with ``recompute`` False, ``--remat none`` or ``dots``, the forward also keeps each
+slot's residuals under the policy and the backward differentiates the layer on them,
+`sharding.pipeline.split.LayerSplit.forward_pass`).
 Left to autodiff, the conditionals would save a slice of the stage's
 parameters per step as residuals, a copy of them per pipeline step.
 
@@ -71,7 +73,15 @@ from sharding.pipeline.buffers import (
     write,
 )
 from sharding.pipeline.layout import PipelinePlan
-from sharding.pipeline.program import Setup, chunk_backward, chunk_forward, manual_axes, stage_varying, sum_over_stages
+from sharding.pipeline.program import (
+    Setup,
+    chunk_backward,
+    chunk_forward,
+    keeps,
+    manual_axes,
+    stage_varying,
+    sum_over_stages,
+)
 from sharding.pipeline.traffic import PipelineTraffic
 from sharding.pipeline.weights import Weights
 
@@ -103,7 +113,15 @@ class _Schedule:
 
 
 def _pipeline_forward(
-    layer_fn, plan: PipelinePlan, params, xs, extras, save: bool, objective_axes=None, objective_size: int = 1
+    layer_fn,
+    plan: PipelinePlan,
+    params,
+    xs,
+    extras,
+    save: bool,
+    objective_axes=None,
+    objective_size: int = 1,
+    keep: bool = False,
 ):
     """All ``R*M + S - 1`` steps of one stage, forward.
 
@@ -112,6 +130,7 @@ def _pipeline_forward(
       xs: ``[M, microbatch, ...]`` all microbatches (stage-varying).
       extras: ``[M, microbatch, ...]`` side inputs.
       save: return the slot inputs of every step (for `_pipeline_backward`).
+      keep: with ``save``, also each slot's residuals (`program.chunk_forward`'s ``keep``).
       objective_axes: None, or the layer returns ``(h, objective)`` (float32 ``[objective_size]``) and the
         objectives are summed (`program.chunk_forward`).
 
@@ -119,7 +138,8 @@ def _pipeline_forward(
       ``(outputs, applied, objective, saved)``: ``[M, microbatch, ...]`` (the outputs on
       the last stage, zeros elsewhere), this device's layer applications
       (int32), its summed objective (float32 ``[objective_size]``; None without ``objective_axes``) and, when
-      ``save``, ``[steps, K, microbatch, ...]`` slot inputs.
+      ``save``, ``[steps, K, microbatch, ...]`` slot inputs (with ``keep``, ``(inputs, kept)``, each residual
+      ``[steps, K, ...]``).
     """
     layout = plan.layout
     stages, repeats = layout.stages, layout.repeats
@@ -147,6 +167,7 @@ def _pipeline_forward(
             save,
             objective_axes,
             objective_size,
+            keep,
         )
         if objective_axes is not None:
             done, part = done
@@ -174,7 +195,7 @@ def _pipeline_forward(
     return outputs, applied, objective, saved
 
 
-def _pipeline_backward(layer_fn, plan: PipelinePlan, params, extras, saved, g_outputs, grads):
+def _pipeline_backward(layer_fn, plan: PipelinePlan, params, extras, saved, g_outputs, grads, keep: bool = False):
     """The backward pass of `_pipeline_forward`: steps in reverse, cotangents sent up the ring.
 
     Each step undoes the forward step: the cotangent of what this stage sent
@@ -186,6 +207,7 @@ def _pipeline_backward(layer_fn, plan: PipelinePlan, params, extras, saved, g_ou
 
     Args:
       grads: zero gradient accumulators shaped as ``params`` ``[R, K, ...]`` (in the parameters' dtype).
+      keep: ``saved`` also holds each slot's residuals (`_pipeline_forward`'s ``keep``): no layer is recomputed.
 
     Returns:
       ``(grads, g_xs)``: this device's cotangents of the stage's parameters
@@ -211,8 +233,19 @@ def _pipeline_backward(layer_fn, plan: PipelinePlan, params, extras, saved, g_ou
         wrote = valid & (stage == stages - 1) & (r == repeats - 1)
         g_out = g_out + jnp.where(wrote, index_leaf(g_outputs, mb), 0).astype(g_out.dtype)
         count = jnp.where(valid, counts[r], 0)
+        inputs, kept = saved if keep else (saved, None)
+        kept = None if kept is None else tuple(RingEntry(a, t) for a in kept)
         g_in, grads = chunk_backward(
-            layer_fn, params, r, RingEntry(saved, t), index_tree(extras, mb), count, g_out, grads, plan.skip_empty
+            layer_fn,
+            params,
+            r,
+            RingEntry(inputs, t),
+            index_tree(extras, mb),
+            count,
+            g_out,
+            grads,
+            plan.skip_empty,
+            kept,
         )
         first = valid & (stage == 0)
         if repeats > 1:
@@ -229,7 +262,9 @@ def _pipeline_backward(layer_fn, plan: PipelinePlan, params, extras, saved, g_ou
     return grads, g_xs
 
 
-def _pipeline_program(layer_fn, plan: PipelinePlan, par, weights: Weights, remat_policy=None, objective: int = 0):
+def _pipeline_program(
+    layer_fn, plan: PipelinePlan, par, weights: Weights, remat_policy=None, objective: int = 0, recompute: bool = True
+):
     """``f(stacked [1, slots, ...], xs, extras) -> (outputs, applied, objective)`` for one stage, with its own
     backward pass (``objective``: this device's summed layer objectives, float32 ``[objective]``, or None
     without one: see `run_pipeline`).
@@ -245,7 +280,10 @@ def _pipeline_program(layer_fn, plan: PipelinePlan, par, weights: Weights, remat
     (a copy of them per pipeline step), where this saves only each slot's
     input activations, as ``--remat full`` does for an unpipelined stack.
     Every layer is recomputed once in the backward pass (with
-    ``remat_policy`` applied inside it) and differentiated by `jax.vjp`.
+    ``remat_policy`` applied inside it) and differentiated by `jax.vjp`. Not ``recompute`` (``--remat none`` or
+    ``dots``), the forward pass also keeps each slot's residuals under ``remat_policy`` (all of them without
+    one; the products' outputs under ``dots``) and the backward pass differentiates each layer on them,
+    recomputing only what the policy did not save (`program.keeps`, `sharding.pipeline.split.LayerSplit`).
 
     The layers get ``par``'s variant for the stage program (``stage`` and the
     batch axes manual, `sharding.parallel.Parallelism.inside`), made while
@@ -271,6 +309,7 @@ def _pipeline_program(layer_fn, plan: PipelinePlan, par, weights: Weights, remat
     forward_args = {"objective_axes": vary, "objective_size": objective} if objective else {}
 
     streamed = PipelineTraffic.of_plan(plan).streams_layers  # each chunk pass gathers its layers
+    keep = keeps(recompute, streamed, bool(objective))
 
     def params_of(stacked):
         return weights.stream(stacked, repeats) if streamed else weights.gather(stacked, repeats)
@@ -282,7 +321,9 @@ def _pipeline_program(layer_fn, plan: PipelinePlan, par, weights: Weights, remat
 
     def forward(stacked, xs, extras):
         params = params_of(stacked)
-        outputs, applied, summed, saved = bound(_pipeline_forward, params, xs, extras, True, **forward_args)
+        outputs, applied, summed, saved = bound(
+            _pipeline_forward, params, xs, extras, True, **forward_args, **({"keep": True} if keep else {})
+        )
         # Once: the forward pass's gathered copy is the backward pass's (gathered once per step); per
         # microbatch, only the rows received from other devices are kept and each pass gathers again.
         kept = params.received if streamed else params
@@ -299,7 +340,9 @@ def _pipeline_program(layer_fn, plan: PipelinePlan, par, weights: Weights, remat
         # Varying over the batch axes, so that differentiating a layer adds no reduction inside the loop.
         params = to_varying(kept, weights.summed)
         zeros = weights.sums_zeros(params, stacked)
-        grads, g_xs = bound(_pipeline_backward, params, extras, saved, g_outputs, to_varying(zeros, vary), **cotangent)
+        grads, g_xs = bound(
+            _pipeline_backward, params, extras, saved, g_outputs, to_varying(zeros, vary), keep=keep, **cotangent
+        )
         return weights.reduce(grads, stacked), g_xs, jax.tree.map(lambda _: None, extras)
 
     program.defvjp(forward, backward)
@@ -307,7 +350,17 @@ def _pipeline_program(layer_fn, plan: PipelinePlan, par, weights: Weights, remat
 
 
 def _stage_program(
-    stacked, xs, extras, *, layer_fn, plan: PipelinePlan, par, weights: Weights, remat_policy=None, objective: int = 0
+    stacked,
+    xs,
+    extras,
+    *,
+    layer_fn,
+    plan: PipelinePlan,
+    par,
+    weights: Weights,
+    remat_policy=None,
+    objective: int = 0,
+    recompute: bool = True,
 ):
     """One stage's program (inside shard_map, manual over ``stage`` and the batch axes).
 
@@ -323,7 +376,7 @@ def _stage_program(
       (float32 ``[objective]``; else None).
     """
     xs, extras = stage_varying(xs), to_varying(extras, ax.STAGE)
-    program = _pipeline_program(layer_fn, plan, par, weights, remat_policy, objective)
+    program = _pipeline_program(layer_fn, plan, par, weights, remat_policy, objective, recompute)
     outputs, applied, summed = program(stacked, xs, extras)
     if objective:
         summed = jax.lax.psum(summed, (ax.STAGE, *weights.summed))
@@ -340,6 +393,7 @@ def run_pipeline(
     names=None,
     remat_policy=None,
     objective: int = 0,
+    recompute: bool = True,
 ):
     """Runs a stacked layer function as a pipeline over the ``stage`` mesh axis.
 
@@ -367,8 +421,12 @@ def run_pipeline(
         tuples shaped as ``stacked``), from which the leaves' split over ``data``/``fsdp`` follows;
         None: every leaf is split over ``stage`` only.
       remat_policy: a `jax.checkpoint` policy for each layer's own backward
-        pass (None: none). The pipeline always saves only each layer's input
-        and recomputes the layer in the backward pass (`_pipeline_program`).
+        pass (None: none).
+      recompute: save only each layer's input and recompute the layer in the backward pass (``--remat full``);
+        False keeps each layer's residuals under ``remat_policy`` from the forward pass (``--remat none``: all
+        of them, ``dots``: the products' outputs), so the backward pass recomputes only what the policy did not
+        keep (`_pipeline_program`; ``--pipeline-gather microbatch`` and layers with an objective recompute
+        whatever it says, `sharding.pipeline.program.keeps`).
       objective: 0, or the layers have an objective of this many entries: ``layer_fn`` is ``(par,
         layer_params, h, *extras, batch_axes) -> (h, objective)``, ``objective`` float32 ``[objective]`` (this
         device's part of it) and ``batch_axes`` the manual axes that split the microbatch's rows (over which a
@@ -402,6 +460,7 @@ def run_pipeline(
             weights=weights,
             remat_policy=remat_policy,
             objective=objective,
+            recompute=recompute,
         ),
         mesh=par.mesh,
         in_specs=(setup.stacked_specs, setup.data, jax.tree.map(lambda _: setup.data, setup.extras)),

@@ -26,6 +26,16 @@ whatever program calls them (a `jax.lax.scan`, a `jax.lax.cond`, a `jax.shard_ma
 function again with placeholders of the same types (tracing is deterministic) and checks that its cut has
 the shapes and dtypes of what it was given.
 
+Kept residuals (``--remat none`` and ``dots`` in a pipeline stage). The same traced program, with the layer's
+output added, also splits the other way: into the forward equations whose results the backward reads (those
+that depend on the layer's input and not on the output's cotangent, outside any differentiated
+`jax.checkpoint` region) and the rest. The forward tick runs the former (`LayerSplit.forward_pass`) and keeps
+the values the rest reads (`LayerSplit.kept_avals`, the layer's residuals, Korthikanti et al. 2022 section 4);
+the backward tick runs the rest on them (`LayerSplit.backward_pass`, or B with ``kept``), recomputing nothing
+of the forward but what a checkpoint policy chose not to save (the body of the checkpoint's backward, which
+the rule leaves there: ``dots`` keeps the products' outputs and recomputes the elementwise work between
+them) and what depends on the weights or side inputs alone (casts, rotary tables).
+
 Bytes the cut holds per token of a dense transformer layer (one entry per distinct value): the inputs of the
 products (the normalised input shared by q, k, v; the attention output; the normalised input shared by the
 gate and up projections; the gated activation) and their output cotangents (q, k, v, attention projection,
@@ -75,6 +85,7 @@ class _Node:
     inputs: tuple
     outputs: tuple[int, ...]
     ctx: Any
+    recomputed: bool = False  # inside a differentiated checkpoint region (its forward is run again there)
 
 
 def _is_literal(atom) -> bool:
@@ -82,7 +93,12 @@ def _is_literal(atom) -> bool:
     return isinstance(atom, jex_core.Literal)
 
 
-def _flatten(jaxpr, consts, args, nodes: list, counter: list, avals: dict) -> list:
+#: Checkpoint primitives: equations inlined from their bodies are marked `_Node.recomputed` (a differentiated
+#: checkpoint's region is its backward's recomputation), which the kept-residual split leaves in the backward.
+_CHECKPOINTS = frozenset({"remat2", "checkpoint"})
+
+
+def _flatten(jaxpr, consts, args, nodes: list, counter: list, avals: dict, recomputed: bool = False) -> list:
     """Appends the equations of ``jaxpr`` (an open jaxpr) to ``nodes`` with `_INLINED` calls inlined.
 
     Args:
@@ -92,6 +108,7 @@ def _flatten(jaxpr, consts, args, nodes: list, counter: list, avals: dict) -> li
       nodes: the flat program so far.
       counter: a one-element list, the next free value id.
       avals: value id -> abstract value, filled in for every result.
+      recomputed: mark the equations `_Node.recomputed` (inside a checkpoint region).
 
     Returns:
       The operands of its outputs.
@@ -114,7 +131,8 @@ def _flatten(jaxpr, consts, args, nodes: list, counter: list, avals: dict) -> li
         if sub is not None:
             inner, inner_consts = (sub.jaxpr, [_Const(c) for c in sub.consts]) if hasattr(sub, "consts") else (sub, [])
             if len(inner.invars) == len(operands):
-                outs = _flatten(inner, inner_consts, operands, nodes, counter, avals)
+                inside = recomputed or eqn.primitive.name in _CHECKPOINTS
+                outs = _flatten(inner, inner_consts, operands, nodes, counter, avals, inside)
                 for var, atom in zip(eqn.outvars, outs):
                     env[var] = atom
                 continue
@@ -124,7 +142,9 @@ def _flatten(jaxpr, consts, args, nodes: list, counter: list, avals: dict) -> li
             env[var] = counter[0]
             avals[counter[0]] = var.aval
             counter[0] += 1
-        nodes.append(_Node(eqn.primitive, eqn.params, tuple(operands), tuple(ids), getattr(eqn, "ctx", None)))
+        nodes.append(
+            _Node(eqn.primitive, eqn.params, tuple(operands), tuple(ids), getattr(eqn, "ctx", None), recomputed)
+        )
     return [read(a) for a in jaxpr.outvars]
 
 
@@ -163,6 +183,12 @@ class LayerSplit:
       b_nodes, w_nodes: indices into ``nodes`` of the two passes.
       cut: value ids W reads that B (or a non-weight input) provides, in a fixed order: what B saves.
       cut_avals: their abstract values (shape, dtype).
+      y: operand of the layer's output.
+      kept: indices into ``nodes`` the forward tick runs where residuals are kept (module docstring): the
+        equations of B or W that depend on ``h``, not on ``g``, and are no checkpoint region's.
+      forward_nodes: what the forward tick runs then: ``kept`` and what they and the output need.
+      kept_cut: value ids that ``kept`` make and the backward reads (or B hands to W), in a fixed order.
+      kept_avals: their abstract values (shape, dtype): one slot's residuals.
     """
 
     nodes: tuple
@@ -175,6 +201,11 @@ class LayerSplit:
     w_nodes: tuple[int, ...]
     cut: tuple[int, ...]
     cut_avals: tuple
+    y: Any = None
+    kept: tuple[int, ...] = ()
+    forward_nodes: tuple[int, ...] = ()
+    kept_cut: tuple[int, ...] = ()
+    kept_avals: tuple = ()
 
     @classmethod
     def trace(cls, layer, params, h, g, extras) -> LayerSplit:
@@ -193,9 +224,9 @@ class LayerSplit:
         def pure(leaves, h, g, extra_leaves):
             w = jax.tree.unflatten(tree, leaves)
             e = jax.tree.unflatten(extra_tree, extra_leaves)
-            _, vjp = jax.vjp(lambda w, h: layer(w, h, *e), w, h)
+            y, vjp = jax.vjp(lambda w, h: layer(w, h, *e), w, h)
             dw, dh = vjp(g)
-            return jax.tree.leaves(dw), dh
+            return jax.tree.leaves(dw), dh, y
 
         closed = jax.make_jaxpr(pure)(leaves, h, g, extra_leaves)
         jaxpr = closed.jaxpr
@@ -203,7 +234,7 @@ class LayerSplit:
         counter, nodes = [n_in], []
         avals = {i: var.aval for i, var in enumerate(jaxpr.invars)}
         outs = _flatten(jaxpr, [_Const(c) for c in closed.consts], list(range(n_in)), nodes, counter, avals)
-        dw, dx = tuple(outs[: len(leaves)]), outs[len(leaves)]
+        dw, dx, y = tuple(outs[: len(leaves)]), outs[len(leaves)], outs[len(leaves) + 1]
         producer = {i: k for k, node in enumerate(nodes) for i in node.outputs}
         g_id = len(leaves) + 1
         # values that depend on the output's cotangent, and values that depend on the activations (the input or
@@ -240,6 +271,7 @@ class LayerSplit:
             cut_less = _cut(nodes, w_less, dw, weight_inputs)
             if _bytes(cut_less, avals) < _bytes(cut, avals):
                 b, w, cut = b_more, w_less, cut_less
+        kept, forward_nodes, kept_cut = _kept(nodes, b | w, len(leaves), tangent, cut, [dx, *dw], y, needed)
         return cls(
             tuple(nodes),
             tuple(range(n_in)),
@@ -251,6 +283,11 @@ class LayerSplit:
             tuple(sorted(w)),
             tuple(cut),
             tuple((tuple(avals[i].shape), avals[i].dtype) for i in cut),
+            y,
+            kept,
+            forward_nodes,
+            kept_cut,
+            tuple((tuple(avals[i].shape), avals[i].dtype) for i in kept_cut),
         )
 
     @property
@@ -276,13 +313,14 @@ class LayerSplit:
             else:
                 env[node.outputs[0]] = out
 
-    def input_pass(self, params, h, g, extras):
+    def input_pass(self, params, h, g, extras, kept=None):
         """B: ``(dh, saved)``, the input's cotangent ``[microbatch, ...]`` and the tuple of cut values W needs
         (each cast varying over the manual axes ``h`` or ``g`` vary over, as `zeros` makes them, so that a
-        conditional's branches and a ring of them take them alike)."""
+        conditional's branches and a ring of them take them alike). With ``kept`` (the residuals
+        `forward_pass` kept), B runs on them instead of recomputing the forward."""
         args = [*jax.tree.leaves(params), h, g, *jax.tree.leaves(tuple(extras))]
         env = dict(zip(self.inputs, args))
-        self._run(self.b_nodes, env)
+        self._run(self._on_kept(self.b_nodes, env, kept), env)
         read = lambda a: a.val if isinstance(a, _Const) else env[a]  # noqa: E731
         axes = _joint_axes(h, g)
         saved = [jax.lax.convert_element_type(env[i], dtype) for i, (_, dtype) in zip(self.cut, self.cut_avals)]
@@ -301,6 +339,45 @@ class LayerSplit:
         env.update(zip(self.cut, saved))
         self._run(self.w_nodes, env)
         read = lambda a: a.val if isinstance(a, _Const) else env[a]  # noqa: E731
+        return self._weights_cotangent(read, params)
+
+    def _on_kept(self, which, env: dict, kept) -> tuple[int, ...]:
+        """The nodes of ``which`` still to run once ``kept`` (None: nothing kept) is in ``env``.
+
+        Raises:
+          AssertionError: ``kept`` not shaped as this split's `kept_avals` (the two ticks traced other programs).
+        """
+        if kept is None:
+            return which
+        got = tuple((tuple(x.shape), x.dtype) for x in kept)
+        if got != self.kept_avals:
+            raise AssertionError(f"the backward traced other kept residuals: {got} != {self.kept_avals}")
+        env.update(zip(self.kept_cut, kept))
+        skip = set(self.kept)
+        return tuple(k for k in which if k not in skip)
+
+    def forward_pass(self, params, h, extras):
+        """The forward tick's part of the layer where residuals are kept: ``(y, kept)``, the layer's output
+        ``[microbatch, ...]`` and the tuple of residuals ``kept_avals`` (cast varying as ``h``, as
+        `kept_zeros` makes them)."""
+        env = dict(zip(self.inputs, [*jax.tree.leaves(params), h]))
+        env.update(zip(self.inputs[self.n_params + 2 :], jax.tree.leaves(tuple(extras))))
+        self._run(self.forward_nodes, env)
+        read = lambda a: a.val if isinstance(a, _Const) else env[a]  # noqa: E731
+        kept = [jax.lax.convert_element_type(env[i], dtype) for i, (_, dtype) in zip(self.kept_cut, self.kept_avals)]
+        return read(self.y), tuple(to_varying(kept, _joint_axes(h, h)))
+
+    def backward_pass(self, params, h, kept, g, extras):
+        """The backward tick's part where residuals are kept: ``(dw, dh)``, the weights' cotangents (a tree
+        shaped as ``params``) and the input's ``[microbatch, ...]``, from ``kept`` (`forward_pass`'s) with no
+        recomputation of the forward but a checkpoint region's (raises `_on_kept`'s AssertionError)."""
+        args = [*jax.tree.leaves(params), h, g, *jax.tree.leaves(tuple(extras))]
+        env = dict(zip(self.inputs, args))
+        self._run(self._on_kept(tuple(sorted({*self.b_nodes, *self.w_nodes})), env, kept), env)
+        read = lambda a: a.val if isinstance(a, _Const) else env[a]  # noqa: E731
+        return self._weights_cotangent(read, params), read(self.dx)
+
+    def _weights_cotangent(self, read, params):
         leaves = []
         for a, p in zip(self.dw, jax.tree.leaves(params)):
             d = read(a)
@@ -309,6 +386,17 @@ class LayerSplit:
             leaves.append(d)
         return jax.tree.unflatten(self.params_tree, leaves)
 
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes of one layer's kept residuals (`kept_avals`)."""
+        import numpy as np
+
+        return sum(int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in self.kept_avals)
+
+    def kept_zeros(self, h):
+        """Zeros shaped as the kept residuals (an idle slot's), typed as `forward_pass` types them for ``h``."""
+        return tuple(to_varying([jax.numpy.zeros(shape, dtype) for shape, dtype in self.kept_avals], _joint_axes(h, h)))
+
     def zeros(self, h, g):
         """Zeros shaped as the cut (an idle pass's ``saved``), typed as `input_pass` types it for ``h``, ``g``."""
         return tuple(to_varying([jax.numpy.zeros(shape, dtype) for shape, dtype in self.cut_avals], _joint_axes(h, g)))
@@ -316,6 +404,31 @@ class LayerSplit:
 
 #: Primitives of the weight-gradient products: what W is for (Qi et al., section 2: ``dw = x^T dy``).
 _PRODUCTS = frozenset({"dot_general", "ragged_dot", "ragged_dot_general", "conv_general_dilated"})
+
+
+def _kept(nodes, backward: set[int], n_params: int, tangent: set[int], cut, outs, y, needed):
+    """``(kept, forward_nodes, kept_cut)`` of `LayerSplit` (see its attributes): the nodes of ``backward`` (B and
+    W) that depend on the layer's input (value id ``n_params``), not on the output's cotangent (``tangent``),
+    and are no checkpoint region's; what the forward tick runs; what they hand the backward, in order."""
+    h_dep = {n_params}
+    for node in nodes:
+        if any(isinstance(a, int) and a in h_dep for a in node.inputs):
+            h_dep.update(node.outputs)
+    kept = {
+        k
+        for k in backward
+        if h_dep.intersection(nodes[k].outputs)
+        and not tangent.intersection(nodes[k].outputs)
+        and not nodes[k].recomputed
+    }
+    made = {i: k for k in kept for i in nodes[k].outputs}
+    kept_cut: list[int] = []
+    reads = [a for k in sorted(backward - kept) for a in nodes[k].inputs] + list(cut) + list(outs)
+    for a in reads:
+        if isinstance(a, int) and a in made and a not in kept_cut:
+            kept_cut.append(a)
+    forward = needed([y, *kept_cut])
+    return tuple(sorted(kept)), tuple(sorted(forward)), tuple(kept_cut)
 
 
 def _cut(nodes, w, dw, weight_inputs) -> list[int]:

@@ -629,3 +629,9 @@ class _Evaluator:
         busy = holds[np.asarray(counts) > 0].any(axis=0)
         order = self.kinds_in(mesh)
         return [k.name for k in order if holds[:, kinds.index(k)].any() and not busy[kinds.index(k)]]
+
+
+def over_memory(p: Plan) -> float:
+    """How far a plan is over memory: the largest of its kinds' predicted bytes over their usable bytes
+    (1.0 or less fits)."""
+    return max(p.memory[k] / p.memory_limit[k] for k in p.memory)

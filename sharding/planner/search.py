@@ -29,7 +29,7 @@ from sharding.modeldesc import AttentionTraits, ModelDescription
 from sharding.parallel import REPLICATED
 from sharding.pipeline.layout import parse_schedule, plan_layout
 from sharding.planner import shares
-from sharding.planner.evaluator import Plan, PlanOptions, _Cluster, _Evaluator
+from sharding.planner.evaluator import Plan, PlanOptions, _Cluster, _Evaluator, over_memory
 from sharding.splits import even_split, spread
 
 
@@ -248,14 +248,20 @@ def _price(ev: _Evaluator, layout: cm.Layout, tag: str) -> Plan | None:
     """The cheapest remat policy that fits (policies are tried cheapest first). A pipeline is priced under
     GPipe and each 1F1B-family schedule, each with its own stage split, and with the weights gathered per
     microbatch where gathering once does not fit (`sharding.planner.shares.pipeline_plans`); heavier remat
-    policies are tried until GPipe gathering once fits, and the fastest fitting plan of all of them wins."""
-    last, fitting = None, []
+    policies are tried until GPipe gathering once fits, and the fastest fitting plan of all of them wins. Inside
+    stages the choice trades memory for compute both ways (``none`` keeps each layer's residuals per in-flight
+    microbatch, ``full`` recomputes the layer: `sharding.pipeline.layout.keeps`), and a heavier policy may buy a
+    faster split or schedule, so a pipeline tries every policy, each until one of its optimizer-state layouts
+    fits."""
+    last, fitting, done = None, [], set()
     for lay in _state_variants(layout, ev.options.remats, tag):
         if tag == "pipeline":
+            if lay.remat in done:
+                continue
             plans = shares.pipeline_plans(ev, lay)
             fitting += [one for one in plans if one.fits]
             if any(one.fits and one.layout.pipeline_schedule == lay.pipeline_schedule for one in plans):
-                break
+                done.add(lay.remat)
             last = min(plans, key=over_memory, default=last)
             continue
         if tag == "uneven":
@@ -317,12 +323,6 @@ def plan(
     fitting = sorted((p for p in found.values() if p.fits), key=lambda p: p.step_time)
     closest = sorted((p for p in found.values() if not p.fits), key=lambda p: (over_memory(p), p.step_time))
     return (_diverse(fitting, top) + _diverse(closest, top))[:top]
-
-
-def over_memory(p: Plan) -> float:
-    """How far a plan is over memory: the largest of its kinds' predicted bytes over their usable bytes
-    (1.0 or less fits)."""
-    return max(p.memory[k] / p.memory_limit[k] for k in p.memory)
 
 
 def _diverse(plans: list[Plan], top: int) -> list[Plan]:

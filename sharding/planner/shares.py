@@ -179,6 +179,11 @@ def stage_split(ev: _Evaluator, layout: cm.Layout, start: tuple[int, ...] | None
         split, best = capped, price(capped)
     if start is not None and _better(price(start), best):
         split, best = start, price(start)
+    # and the even split: where the stages keep their layers' residuals (`sharding.pipeline.layout.keeps`) the
+    # faster splits may all be over memory, and the moves below, faster first among those, never reach it
+    even = tuple(even_split(layers, stages))
+    if _better(price(even), best):
+        split, best = even, price(even)
     while True:
         ends = range(stages)
         if stages > FULL_NEIGHBOURHOOD:

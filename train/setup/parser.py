@@ -173,7 +173,8 @@ def _model_flags(p) -> None:
         "--remat",
         default=None,
         choices=REMAT_POLICIES,
-        help="rematerialisation policy per block; default: the preset's (none)",
+        help="rematerialisation policy per block, inside pipeline stages too (none keeps each layer's residuals, "
+        "dots the products' outputs, full only its input); default: the preset's (none)",
     )
     splitting = " or ".join(k.name for k in attention_registry.KERNELS if k.traits.splits_length)
     g.add_argument(

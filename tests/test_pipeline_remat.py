@@ -1,0 +1,96 @@
+"""``--remat none|dots|full`` inside pipeline stages: every schedule trains as the flat model does.
+
+A stage keeps each layer's residuals from its forward tick (``none``: all of them; ``dots``: the products'
+outputs, the rest recomputed) or only each layer's input (``full``: the layer recomputed in the backward), as
+`sharding.pipeline.program.keeps` says. ``none`` is the model's default, so the six-step comparisons of
+tests/test_pipeline_1f1b.py and tests/test_pipeline_zb.py run it for every schedule; here the other two choices
+run the same comparison (`_assert_steps_match_the_flat_model`: the flat one-device-layout float32 model's
+losses over 6 steps and its parameters after the first, computed once for the module).
+"""
+
+import pytest
+from test_pipeline_1f1b import (
+    STEPS_LAYERS,
+    STEPS_MESH,
+    STEPS_MICROBATCHES,
+    STEPS_SPLIT,
+    _assert_steps_match_the_flat_model,
+    _plan,
+)
+
+from models.config import get_config
+
+#: (schedule, repeats): lockstep GPipe, circular (GPipe with 2 chunks per stage), 1F1B, interleaved fused 1F1B
+#: (2 chunks per stage) and zero bubble, on the uneven split 4,2 with fsdp.
+SCHEDULES = [("gpipe", 1), ("gpipe", 2), ("1f1b", 1), ("1f1b-fused", 2), ("zb", 1)]
+
+
+def test_the_model_default_is_no_remat_which_the_schedules_step_tests_run():
+    assert get_config("test", [f"num_layers={STEPS_LAYERS}"]).remat == "none"
+
+
+@pytest.mark.parametrize("remat", ["dots", "full"])
+@pytest.mark.parametrize("schedule, repeats", SCHEDULES)
+def test_every_schedule_trains_as_the_flat_model_under_each_remat_choice(schedule, repeats, remat):
+    """Losses over 6 steps (1e-5 relative) and the parameters after the first (1e-5) equal the flat model's."""
+    plan = _plan(STEPS_LAYERS, STEPS_MESH, STEPS_SPLIT, STEPS_MICROBATCHES, schedule, repeats)
+    assert plan.layout.repeats == repeats
+    _assert_steps_match_the_flat_model(plan, remat, loss_rtol=1e-5)
+
+
+def remat_case(remat: str):
+    """1F1B on ``stage=2,fsdp=4`` (split 3,1, 4 microbatches of 4 sequences of 32 tokens) with ``remat``, as
+    `costmodel_grid` cases are written (shared with tests/test_activation_memory.py)."""
+    return ("test", "stage=2,fsdp=4", "fsdp", 16, 32, 4, remat, (3, 1), 1, "1f1b")
+
+
+def test_the_choice_orders_the_compiled_temporaries_and_only_full_recomputes_the_products():
+    """The compiled step (8 simulated CPU devices; ``memory_analysis`` and the HLO's products with trip counts
+    folded in, both deterministic): ``none`` holds more temporaries than ``dots``, which holds more than
+    ``full``; ``full`` runs each layer's forward products again in the backward and ``none`` does not, by the
+    priced difference (within 10%), and ``dots`` runs the products as ``none`` does (it recomputes only the
+    attention's, whose batch dimensions the policy does not save)."""
+    from costmodel_grid import compiled_figures, predicted
+
+    figures = {r: compiled_figures(remat_case(r)) for r in ("none", "dots", "full")}
+    temp = {r: f["temp"] for r, f in figures.items()}
+    assert temp["none"] > temp["dots"] > temp["full"], temp
+    dots = {r: f["dot_flops"] for r, f in figures.items()}
+    assert dots["full"] > dots["dots"] >= dots["none"], dots
+    compiled = dots["full"] - dots["none"]
+    priced = predicted(remat_case("full")).matmul_flops - predicted(remat_case("none")).matmul_flops
+    assert abs(priced - compiled) <= 0.10 * compiled, (priced, compiled)
+
+
+def test_the_cost_model_trades_memory_for_recompute_across_the_choice():
+    """The 7B on ``stage=4,fsdp=2`` (1F1B, 16 microbatches of 4 sequences of 4,096 tokens, bfloat16, flash): the
+    priced activations shrink from ``none`` to ``dots`` to ``full`` and the priced FLOPs grow, by the layer's
+    recomputed forward (``full``: the whole forward once; ``dots``: the attention's; ``none``: nothing), as the
+    planner's cheapest-that-fits search over the choice reads them (`sharding.planner.search._state_variants`)."""
+    from sharding import costmodel as cm
+    from sharding.pipeline.layout import Schedule
+
+    config = get_config("7b", ["dtype=bfloat16", "attention=flash"])
+    costs = {
+        r: cm.estimate(
+            config,
+            64,
+            4096,
+            cm.Layout(
+                {"stage": 4, "fsdp": 2},
+                "fsdp_tp",
+                16,
+                remat=r,
+                pipeline_schedule=Schedule.ONE_F_ONE_B,
+                attention="flash",
+                dtype="bfloat16",
+            ),
+        )
+        for r in ("none", "dots", "full")
+    }
+    saved = {r: c.memory.activations for r, c in costs.items()}
+    assert saved["none"] > saved["dots"] > saved["full"], saved
+    recompute = {r: c.flops.recompute for r, c in costs.items()}
+    assert recompute["none"] == 0 < recompute["dots"] < recompute["full"], recompute
+    totals = {r: c.flops.total for r, c in costs.items()}
+    assert totals["none"] < totals["dots"] < totals["full"], totals
