@@ -437,26 +437,6 @@ def weight_files(folder: str | Path) -> dict[str, Path]:
     raise ValueError(f"{folder}: no {SINGLE_FILE} or {INDEX_FILE}")
 
 
-def weights_digest(folder: str | Path) -> str:
-    """A fingerprint of a folder's weights: SHA-256 over its safetensors files, each file's name and the
-    SHA-256 of its bytes, in name order (the index and ``config.json`` left out: the tensors are the base).
-
-    It reads every byte (seconds per 10 GB at disk speed): a run whose checkpoints keep only adapters records
-    it at the start and compares it on restore, so a folder whose weights changed is not silently used as the
-    base of adapters trained on other weights.
-
-    Raises:
-      ValueError: As `weight_files`.
-    """
-    import hashlib
-
-    out = hashlib.sha256()
-    for path in sorted(set(weight_files(folder).values())):
-        with open(path, "rb") as f:
-            out.update(path.name.encode() + b"\0" + hashlib.file_digest(f, "sha256").digest())
-    return out.hexdigest()
-
-
 class _Files:
     """Open safetensors files, one handle each, for the callbacks of one import."""
 

@@ -445,19 +445,19 @@ def restore_state(manager: CheckpointManager, target, step: int | None = None, b
 
 def base_reference(folder: str | Path) -> dict[str, str]:
     """`checkpoints.meta.RunMeta.base` for adapters trained on the model in ``folder``: the folder and
-    `checkpoints.hf.weights_digest` of its weights.
+    `checkpoints.peft.weights_digest` of its weights.
 
     Raises:
       ValueError: As `checkpoints.hf.weight_files`.
     """
-    from checkpoints import hf  # slow: ml_dtypes
+    from checkpoints import peft  # slow: ml_dtypes
 
-    return {"folder": str(folder), "sha256": hf.weights_digest(folder)}
+    return {"folder": str(folder), "sha256": peft.weights_digest(folder)}
 
 
 def check_base(meta: RunMeta, folder: str | None, directory) -> str:
     """The base folder of a checkpoint whose base is by reference, checked to hold the weights its adapters
-    were trained on (`checkpoints.hf.weights_digest` equal to the recorded one).
+    were trained on (`checkpoints.peft.weights_digest` equal to the recorded one).
 
     Args:
       meta: The checkpoint's metadata (``base`` set).
@@ -471,7 +471,7 @@ def check_base(meta: RunMeta, folder: str | None, directory) -> str:
       sharding.errors.ConfigError: One line naming the folder, the recorded one and what to pass (the
         ``init_from`` field): the folder is missing, or its weights differ from the recorded ones.
     """
-    from checkpoints import hf  # slow: ml_dtypes
+    from checkpoints import peft  # slow: ml_dtypes
 
     recorded = meta.base["folder"]
     folder = recorded if folder is None else str(folder)
@@ -484,7 +484,7 @@ def check_base(meta: RunMeta, folder: str | None, directory) -> str:
             Field("init_from"),
             " with the folder it is in now",
         )
-    digest = hf.weights_digest(folder)
+    digest = peft.weights_digest(folder)
     if digest != meta.base["sha256"]:
         raise ConfigError(
             f"{where} (weights sha256 {meta.base['sha256'][:16]}...); {folder} holds other weights "

@@ -39,7 +39,7 @@ class RunMeta:
         (`sharding.parallel.Parallelism.optimizer_sharding`: ``replicated``, or ``data``, split over it); for
         the record: a checkpoint stores the values, whatever the layout, and restores onto either.
       base: With low-rank adapters on an imported model, the frozen base's source: ``{"folder": the
-        ``--init-from`` folder, "sha256": `checkpoints.hf.weights_digest` of its weights}``; the checkpoint's
+        ``--init-from`` folder, "sha256": `checkpoints.peft.weights_digest` of its weights}``; the checkpoint's
         state then holds the adapters' parameters alone (and their optimizer state), and a restore reads the
         base from the folder after checking its digest (`checkpoints.manager.restore_state`). None: the state
         holds every parameter.

@@ -15,12 +15,14 @@ dimensions in that order, flattened and transposed, and ``lora_B`` likewise of `
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from checkpoints import hf
 from checkpoints.hf import _host_value
 from checkpoints.hf_families import TensorMap, tensor_maps
 from models.config import LORA_SUFFIXES, ModelConfig
@@ -124,3 +126,21 @@ def save_adapters(
     save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
     (folder / CONFIG_FILE).write_text(json.dumps(adapter_config(config, tensors, base_model), indent=2) + "\n")
     return [folder / CONFIG_FILE, folder / WEIGHTS_FILE]
+
+
+def weights_digest(folder: str | Path) -> str:
+    """A fingerprint of a folder's weights: SHA-256 over its safetensors files, each file's name and the
+    SHA-256 of its bytes, in name order (the index and ``config.json`` left out: the tensors are the base).
+
+    It reads every byte (seconds per 10 GB at disk speed): a run whose checkpoints keep only adapters records
+    it at the start and compares it on restore, so a folder whose weights changed is not silently used as the
+    base of adapters trained on other weights.
+
+    Raises:
+      ValueError: As `checkpoints.hf.weight_files`.
+    """
+    out = hashlib.sha256()
+    for path in sorted(set(hf.weight_files(folder).values())):
+        with open(path, "rb") as f:
+            out.update(path.name.encode() + b"\0" + hashlib.file_digest(f, "sha256").digest())
+    return out.hexdigest()

@@ -12,7 +12,7 @@ from _cli_errors import raises_as_cli
 from test_hf import FIXTURES, rewrite_tensors
 from test_hf_runs import common, metrics
 
-from checkpoints import hf
+from checkpoints import peft
 from checkpoints.manager import CheckpointManager, check_base
 from checkpoints.meta import RunMeta
 from models.lora import is_adapter
@@ -69,7 +69,7 @@ def test_the_checkpoint_holds_the_adapters_and_the_base_by_reference(runs):
         saved = manager.state_metadata(2)
     finally:
         manager.close()
-    assert meta.base == {"folder": str(base), "sha256": hf.weights_digest(base)}
+    assert meta.base == {"folder": str(base), "sha256": peft.weights_digest(base)}
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(saved["params"])[0]]
     assert paths and all(is_adapter(p.rsplit("'", 2)[-2]) for p in paths), paths
     assert len(paths) == 2 * 7  # A and B of the seven projections (each a [layers, ...] stack)
@@ -104,8 +104,8 @@ def test_a_base_folder_with_other_weights_is_refused_naming_it(runs, tmp_path, c
     assert "\n" not in err, err
     assert err.startswith(
         f"error: the checkpoint of step 2 in {run_dir / 'checkpoints'} keeps only adapters, trained on the base "
-        f"model {base} (weights sha256 {hf.weights_digest(base)[:16]}...); {other} holds other weights (sha256 "
-        f"{hf.weights_digest(other)[:16]}...): pass --init-from with the folder of the model the run started from"
+        f"model {base} (weights sha256 {peft.weights_digest(base)[:16]}...); {other} holds other weights (sha256 "
+        f"{peft.weights_digest(other)[:16]}...): pass --init-from with the folder of the model the run started from"
     ), err
 
 
@@ -117,7 +117,7 @@ def test_a_missing_base_folder_is_refused_naming_it(runs, tmp_path):
     ):
         check_base(meta, None, root / "two" / "checkpoints")
     assert check_base(
-        RunMeta.from_json({"step": 2, "base": {"folder": str(base), "sha256": hf.weights_digest(base)}}), None, "x"
+        RunMeta.from_json({"step": 2, "base": {"folder": str(base), "sha256": peft.weights_digest(base)}}), None, "x"
     ) == str(base)
 
 

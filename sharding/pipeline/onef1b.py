@@ -61,7 +61,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from sharding import axes as ax
@@ -80,6 +79,7 @@ from sharding.pipeline.edges import Entry, HeadWeights, edge_specs, over_stage_s
 from sharding.pipeline.layout import PipelinePlan, head_parallelism
 from sharding.pipeline.program import (
     Setup,
+    StageTable,
     chunk_backward,
     chunk_backward_input,
     chunk_backward_weight,
@@ -89,6 +89,7 @@ from sharding.pipeline.program import (
     kept_ring,
     manual_axes,
     slot_positions,
+    stage_rings,
     stage_varying,
 )
 from sharding.pipeline.schedule import run_pipeline
@@ -128,50 +129,6 @@ class _Carry(NamedTuple):
     weight: Any
     applied: Any
     stats: Any
-
-
-@dataclasses.dataclass(frozen=True)
-class _StageTable:
-    """This stage's column of each of the tick table's columns (traced: the stage is the ``stage`` index).
-
-    Attributes:
-      stage: int32 scalar, this device's stage.
-      columns: the tick table's columns by name (`Ticks.columns`; lockstep's forward and backward columns are
-        one array, read once).
-      tables: ``[ticks]`` int32, this stage's entry of each distinct column, by the column's ``id``.
-      counts: ``[R]`` int32, this stage's layers in each chunk.
-    """
-
-    stage: Any
-    columns: dict
-    tables: dict
-    counts: Any
-
-    @classmethod
-    def of(cls, ticks, layout) -> _StageTable:
-        """This stage's columns of ``ticks`` and its chunk sizes from ``layout`` (a `StageLayout`)."""
-        stage = jax.lax.axis_index(ax.STAGE)
-        columns = ticks.columns()
-        tables = {}
-        for column in columns.values():
-            tables.setdefault(id(column), jnp.asarray(column)[:, stage])
-        counts = jnp.asarray(np.asarray(layout.chunks, np.int32))[:, stage]
-        return cls(stage, columns, tables, counts)
-
-    @property
-    def split(self) -> bool:
-        """Zero bubble: the backward split into input-gradient (B) and weight-gradient (W) passes."""
-        return "weight" in self.columns
-
-    def row(self, t) -> dict:
-        """Tick ``t``'s entry (int32 scalars) of every column, by name."""
-        read = {}
-        return {name: read.setdefault(id(c), self.tables[id(c)][t]) for name, c in self.columns.items()}
-
-
-def _rings(stages: int) -> tuple[list, list]:
-    """The ``ppermute`` pairs of the stage ring: forward (stage ``s`` to ``s + 1``, the last to 0) and back."""
-    return [(s, (s + 1) % stages) for s in range(stages)], [((s + 1) % stages, s) for s in range(stages)]
 
 
 class _Forwarded(NamedTuple):
@@ -248,7 +205,7 @@ class _TickLoop:
         """
         ticks = self.plan.tick_table()
         traffic = PipelineTraffic.of_plan(self.plan, self.train)  # what each tick sends, and how many ticks
-        table = _StageTable.of(ticks, self.plan.layout)
+        table = StageTable.of(ticks, self.plan.layout)
         first = self._first_stage()
         init = self._init(ticks, table, first[2], grads, head_grads)
         tick = functools.partial(self.tick, table, first, traffic.sends())
@@ -270,7 +227,7 @@ class _TickLoop:
             return first_input, first_cotangent, jnp.zeros_like(xs[0])
         return (*self.entry.steps(self.xs, self.vary), jnp.zeros(self.entry.h.shape, self.entry.h.dtype))
 
-    def _init(self, ticks, table: _StageTable, zero_h, grads, head_grads) -> _Carry:
+    def _init(self, ticks, table: StageTable, zero_h, grads, head_grads) -> _Carry:
         """The loop's first carry: empty rings sized by the tick table, zero sums."""
         train, vary = self.train, self.vary
         # K from the working copy, not the layout: the unpadded storage rounds a chunk's slots up to its gather
@@ -326,7 +283,7 @@ class _TickLoop:
             return jax.lax.cond(on, run, idle, h, inputs)
         return jax.tree.map(lambda a: jnp.where(on, a, jnp.zeros((), a.dtype)), run(h, inputs))
 
-    def tick(self, table: _StageTable, first, sends, carry: _Carry, t):
+    def tick(self, table: StageTable, first, sends, carry: _Carry, t):
         """Tick ``t`` of this stage: the forward (with the head on the last virtual stage), then, when ``train``,
         the backward; then the tick's ``ppermute`` s, outside every conditional, as the step's traffic lists
         them (``sends``, `sharding.pipeline.traffic.PipelineTraffic.sends`: the input's cotangent up the ring,
@@ -336,13 +293,13 @@ class _TickLoop:
         sent = {ACTIVATIONS: forwarded.h}
         if self.train:
             carry, sent[COTANGENTS] = self._backward(table, first[1], carry, row, forwarded)
-        down, up = _rings(self.plan.layout.stages)
+        down, up = stage_rings(self.plan.layout.stages)
         received = {
             s.what: jax.lax.ppermute(sent[s.what], ax.STAGE, up if s.what == COTANGENTS else down) for s in sends
         }
         return carry._replace(received=received[ACTIVATIONS], g_received=received.get(COTANGENTS)), None
 
-    def _forward(self, table: _StageTable, first_input, carry: _Carry, row, t):
+    def _forward(self, table: StageTable, first_input, carry: _Carry, row, t):
         """The tick's forward: the received activations stored, the chunk run on its input, the head on the last
         virtual stage. Returns the carry with the sums added and the `_Forwarded` values the backward reads."""
         layout, stage = self.plan.layout, table.stage
@@ -384,7 +341,7 @@ class _TickLoop:
         )
         return carry, _Forwarded(h, inputs, forward, exit_, slot, g_h, g_hp, entry_blocks)
 
-    def _backward(self, table: _StageTable, first_cotangent, carry: _Carry, row, fwd: _Forwarded):
+    def _backward(self, table: StageTable, first_cotangent, carry: _Carry, row, fwd: _Forwarded):
         """The tick's backward, after its forward and head: the chunk's inputs and the head's cotangent stored,
         the received cotangent stored, the chunk's backward (zero bubble: its input gradient, and a weight
         gradient where the table gives one). Returns the carry and the chunk input's cotangent, which `tick`

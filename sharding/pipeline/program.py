@@ -32,6 +32,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from sharding import axes as ax
@@ -465,3 +466,47 @@ def check_split(specs, summed, par, rows: int, batch, skip_first: bool = True) -
                 " x data x fsdp), or ",
                 Field("rule", "batch=data+fsdp"),
             )
+
+
+@dataclasses.dataclass(frozen=True)
+class StageTable:
+    """This stage's column of each of the tick table's columns (traced: the stage is the ``stage`` index).
+
+    Attributes:
+      stage: int32 scalar, this device's stage.
+      columns: the tick table's columns by name (`Ticks.columns`; lockstep's forward and backward columns are
+        one array, read once).
+      tables: ``[ticks]`` int32, this stage's entry of each distinct column, by the column's ``id``.
+      counts: ``[R]`` int32, this stage's layers in each chunk.
+    """
+
+    stage: Any
+    columns: dict
+    tables: dict
+    counts: Any
+
+    @classmethod
+    def of(cls, ticks, layout) -> StageTable:
+        """This stage's columns of ``ticks`` and its chunk sizes from ``layout`` (a `StageLayout`)."""
+        stage = jax.lax.axis_index(ax.STAGE)
+        columns = ticks.columns()
+        tables = {}
+        for column in columns.values():
+            tables.setdefault(id(column), jnp.asarray(column)[:, stage])
+        counts = jnp.asarray(np.asarray(layout.chunks, np.int32))[:, stage]
+        return cls(stage, columns, tables, counts)
+
+    @property
+    def split(self) -> bool:
+        """Zero bubble: the backward split into input-gradient (B) and weight-gradient (W) passes."""
+        return "weight" in self.columns
+
+    def row(self, t) -> dict:
+        """Tick ``t``'s entry (int32 scalars) of every column, by name."""
+        read = {}
+        return {name: read.setdefault(id(c), self.tables[id(c)][t]) for name, c in self.columns.items()}
+
+
+def stage_rings(stages: int) -> tuple[list, list]:
+    """The ``ppermute`` pairs of the stage ring: forward (stage ``s`` to ``s + 1``, the last to 0) and back."""
+    return [(s, (s + 1) % stages) for s in range(stages)], [((s + 1) % stages, s) for s in range(stages)]
