@@ -109,6 +109,22 @@ def test_pairs_are_laid_out_side_by_side_with_the_assistant_mask(tmp_path):
         assert set(rows["segment_ids"][0, cut]) == {side + 1}
 
 
+def test_pairs_too_long_name_a_seq_len_that_fits_every_pair(tmp_path):
+    """Sides over --seq-len are refused once for the file, naming the longest (a later line than the first
+    too long) and a --seq-len that loads the whole file (it named the first line's length, refused next)."""
+    tokenizer, _ = fixture("chatml")
+    records = [{"prompt": "count", "chosen": " ".join(map(str, range(n))), "rejected": "no"} for n in (8, 30, 20)]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    with pytest.raises(ValueError, match=r"p\.jsonl:2: the longest side, \d+ tokens, does not fit --seq-len 16; "):
+        load_pairs(tmp_path / "p.jsonl", tokenizer, half=16, heldout=0.0)
+    with pytest.raises(ValueError) as refused:
+        load_pairs(tmp_path / "p.jsonl", tokenizer, half=16, heldout=0.0)
+    fits = int(str(refused.value).split("e.g. --seq-len ")[1])
+    assert len(load_pairs(tmp_path / "p.jsonl", tokenizer, half=fits, heldout=0.0)["train"]["tokens"]) == 3
+    with pytest.raises(ValueError, match=f"p\\.jsonl:2: .*e\\.g\\. --seq-len {fits}$"):
+        load_pairs(tmp_path / "p.jsonl", tokenizer, half=fits - 1, heldout=0.0)  # the least that fits
+
+
 @pytest.mark.parametrize("beta", [0.0, float("nan")])
 def test_dpo_without_adapters_or_with_a_bad_beta_is_refused_naming_the_flag(beta):
     with raises_as_cli(ConfigError, r"add --lora-rank 16"):
