@@ -83,6 +83,12 @@ def test_a_good_row_reads_and_maps_onto_a_layout(tmp_path):
         ({"gpus": "0"}, "gpus", "must be positive"),
         ({"dp": "lots"}, "dp", "give a number, FSDP N or FSDP+DP"),
         ({"mlp_kind": "swish"}, "mlp_kind", "'swish'"),
+        (
+            {"kv_heads": "7"},
+            "heads",
+            "heads or kv_heads to values where it is, e.g. kv_heads=24",
+        ),  # was a traceback in price
+        ({"mlp": "4"}, "mlp", "mlp=0: must be a positive integer"),  # a GELU MLP of 4: SwiGLU of 0
     ],
 )
 def test_a_bad_value_names_file_row_and_column(tmp_path, change, column, words):
