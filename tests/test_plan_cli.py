@@ -115,6 +115,9 @@ def test_a_homogeneous_cluster_is_searched_once(capsys, monkeypatch):
             "--set first_dense_layers=0 --set moe_every=1",
         ),
         (["--model", "test"], "--mesh stage=2,fsdp=4 --microbatches 2 --stage-layers auto", "--stage-layers 2,2"),
+        # an expert axis on a dense model, or one the experts do not divide: train.train refuses both
+        (["--model", "test"], "--mesh expert=4,fsdp=2", "--mesh data=4,fsdp=2"),
+        (["--model", "moe-test", "--set", "num_experts=6"], "--mesh expert=4,fsdp=2", "--mesh fsdp=4,expert=2"),
     ],
 )
 def test_a_layout_train_train_would_refuse_is_refused_with_a_remedy_that_prices(capsys, model, layout, remedy):
@@ -126,6 +129,8 @@ def test_a_layout_train_train_would_refuse_is_refused_with_a_remedy_that_prices(
     assert f"e.g. {remedy}," in err or err.rstrip().endswith(f"e.g. {remedy}"), err
     if remedy.startswith("--set"):
         argv, fixed = argv + remedy.split(), layout
+    elif remedy.startswith("--mesh"):
+        fixed = remedy
     else:
         fixed = layout.replace("--stage-layers auto", remedy)
     assert _json(capsys, argv + ["--layout", fixed])["fits"]
