@@ -186,12 +186,16 @@ class RunMeta:
             # The adapters' fields have flags of their own (and an override of lora_rank alone leaves no
             # targets); an imported model's architecture comes from its folder, which refuses overrides.
             imported = self.preset.startswith(HF_PRESET)
+            # saved without adapters: the adapters' fields are left out (an empty --lora-targets cannot be typed)
+            plain = diff.get("lora_rank", (None,))[0] == 0
             sets = [
                 part
                 for k, (a, _) in diff.items()
-                if k in LORA_FIELDS or not imported
+                if (k in LORA_FIELDS and not plain) or (k not in LORA_FIELDS and not imported)
                 for part in (" ", Field(k, a) if k in LORA_FIELDS else Override(k, a))
             ]
+            if plain:
+                sets += [", leaving out", *(part for k in diff if k in LORA_FIELDS for part in (" ", Field(k)))]
             model = (
                 Field("init_from", self.preset.removeprefix(HF_PRESET)) if imported else Field("preset", self.preset)
             )

@@ -159,8 +159,9 @@ def test_the_suggestions_of_evaluate_and_generate_are_accepted(tmp_path, capsys,
         (["--init-from", "{llama}", "--lora-rank", "8"], ["--init-from", "{llama}", "--lora-rank", "4"]),
         (["--init-from", "{llama}", "--lora-rank", "8"], ["--init-from", "{tied}", "--lora-rank", "8"]),
         (["--model", "test", "--lora-rank", "8"], ["--model", "test", "--set", "num_layers=2", "--lora-rank", "2"]),
+        (["--model", "test"], ["--model", "test", "--lora-rank", "4", "--lora-targets", "q,v"]),
     ],
-    ids=["imported, another rank", "imported, another folder", "preset, another rank and depth"],
+    ids=["imported, another rank", "imported, another folder", "preset, another rank and depth", "adapters added"],
 )
 def test_the_resume_checks_suggestion_is_accepted(tmp_path, corpus, cache, saved, now):
     """A resume refused for another model suggests flags that the command accepts and that rebuild the saved
@@ -183,6 +184,11 @@ def test_the_resume_checks_suggestion_is_accepted(tmp_path, corpus, cache, saved
     with pytest.raises(ValueError) as refused:
         meta.check_compatible(cli.parse(argv).model, no_tokenizer, step=2)
     message = render(refused.value)
-    fixed = applied(argv, re.search(r"resume with (--.*?), or use another", message).group(1).split())
+    flags = re.search(r"resume with (--.*?), or use another", message).group(1)
+    flags, _, dropped = flags.partition(", leaving out ")
+    fixed = applied(argv, flags.split())
+    for flag in dropped.split():  # each with its value
+        at = fixed.index(flag)
+        del fixed[at : at + 2]
     assert refusal(fixed) is None, f"{message}\n-> {shlex.join(fixed)}\n-> {refusal(fixed)}"
     meta.check_compatible(cli.parse(fixed).model, no_tokenizer, step=2)  # the saved model again
