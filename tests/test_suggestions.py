@@ -71,6 +71,10 @@ CASES = [
     ["--microbatches", "3", "--mesh", "stage=2,fsdp=4"],
     ["--mesh", "stage=2,fsdp=4", "--microbatches", "4", "--batch-size", "6"],
     ["--pipeline-repeats", "2", "--mesh", "stage=2,fsdp=4", "--microbatches", "2"],
+    ["--pipeline-schedule", "zb"],  # no stage axis: the mesh suggested brings the microbatches its stages need
+    ["--pipeline-gather", "microbatch"],
+    ["--stage-layers", "1,3"],
+    ["--pipeline-repeats", "2", "--pipeline-schedule", "1f1b"],
     ["--rebalance-every", "5"],
     ["--resume-step", "3"],
     ["--hetero-max-share", "4"],
