@@ -73,7 +73,9 @@ def test_json_fields_are_present_and_typed(capsys):
     [
         ("--mesh data=3", "--mesh 'data=3': the sizes multiply to 3 but the cluster has 8 devices"),  # not JAX's
         ("--mesh fsdp=8 --rulez tp", "--rulez"),
-        ("--mesh fsdp=8 --steps 3", "--steps"),
+        ("--mesh fsdp=8 --steps 3", "--steps is not a layout flag; leave --steps out ("),  # train.plan has none
+        ("--mesh fsdp=8 --lora-rank 8", "leave --lora-rank out ("),  # was: give it to train.plan, which refused it
+        ("--mesh fsdp=8 --seq-len 64", "give --seq-len to train.plan itself ("),
         ("--mesh fsdp=8 --hetero-batch auto", "--hetero-batch"),
         ("--mesh fsdp=8 --microbatches 'unclosed", "--layout"),
         # the pipeline's microbatches, checked as train.train checks them: the value named splits --batch 32

@@ -321,9 +321,19 @@ def given_layout(text: str, num_layers: int, num_devices: int, defaults: argpars
         if k not in PRICED_FLAGS and v != parser.get_default(k)
     )
     if foreign:
+        # only the flags train.plan has can be given to it; the others (--lora-rank, --steps, ...) price nothing
+        own = {o for action in build_parser()._actions for o in action.option_strings}
+        given, left = [f for f in foreign if f in own], [f for f in foreign if f not in own]
+        remedy = "; ".join(
+            part
+            for part in (
+                f"give {', '.join(given)} to train.plan itself" if given else "",
+                f"leave {', '.join(left)} out" if left else "",
+            )
+            if part
+        )
         raise ValueError(
-            f"--layout: {', '.join(foreign)} is not a layout flag; give it to train.plan itself, or "
-            f"leave it out (layout flags: --mesh, --rules, --rule, --microbatches, --stage-layers, "
+            f"--layout: {', '.join(foreign)} is not a layout flag; {remedy} (layout flags: --mesh, --rules, --rule, --microbatches, --stage-layers, "
             f"--pipeline-schedule, --pipeline-repeats, --pipeline-gather, --hetero-batch, --context-shares, --remat, --attention, "
             f"--dtype, --optimizer-sharding)"
         )
