@@ -134,9 +134,11 @@ def read_rows(path: str | Path) -> list[Row]:
         of ``kv_heads``, ...); or a file that cannot be read.
     """
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8-sig")  # a spreadsheet's byte-order mark is not a column's
     except OSError as e:
         raise ValueError(f"{path}: cannot read ({e.strerror}); pass --rows FILE.csv") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (byte {e.start}); pass --rows FILE.csv") from None
     reader = csv.DictReader(text.splitlines())
     missing = [c for c in COLUMNS if c not in (reader.fieldnames or ())]
     if missing:
