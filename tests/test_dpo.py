@@ -125,6 +125,34 @@ def test_pairs_too_long_name_a_seq_len_that_fits_every_pair(tmp_path):
         load_pairs(tmp_path / "p.jsonl", tokenizer, half=fits - 1, heldout=0.0)  # the least that fits
 
 
+class _PastTheChecks(Exception):
+    """Raised in place of the device set-up: the command line passed every check before it."""
+
+
+@pytest.mark.parametrize("lines, remedy", [(3, "e.g. --batch-size "), (0, "give more pairs, or another --heldout")])
+def test_too_few_pairs_for_the_batch_suggest_a_batch_that_is_accepted(tmp_path, capsys, monkeypatch, lines, remedy):
+    """Fewer pairs on a side than --batch-size: the suggested batch is the smaller side's count, which the same
+    check then accepts (it was always --batch-size 2: the refused value itself for 2, and any for an empty file)."""
+
+    def past(_args):
+        raise _PastTheChecks
+
+    monkeypatch.setattr(dpo_cli, "setup", past)
+    pairs = tmp_path / "p.jsonl"
+    record = {"prompt": "count", "chosen": "1 2", "rejected": "no"}
+    pairs.write_text("".join(json.dumps(record) + "\n" for _ in range(lines)))
+    argv = ["--init-from", "tests/fixtures/hf/llama_gqa", "--data", str(pairs), "--run-dir", str(tmp_path / "r")]
+    argv += ["--heldout", "0.5", "--seq-len", "32", "--batch-size", "8"]
+    assert dpo_cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "fewer" in err and remedy in err, err
+    if lines:
+        fewest = int(err.split("e.g. --batch-size ")[1])
+        assert 1 <= fewest < lines
+        with pytest.raises(_PastTheChecks):
+            dpo_cli.main([*argv, "--batch-size", str(fewest)])
+
+
 @pytest.mark.parametrize("beta", [0.0, float("nan")])
 def test_dpo_without_adapters_or_with_a_bad_beta_is_refused_naming_the_flag(beta):
     with raises_as_cli(ConfigError, r"add --lora-rank 16"):
