@@ -4,6 +4,7 @@ mesh equal a plain computation on one device (each reply run alone, the referenc
 without adapters is refused naming the flag."""
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -123,6 +124,24 @@ def test_pairs_too_long_name_a_seq_len_that_fits_every_pair(tmp_path):
     assert len(load_pairs(tmp_path / "p.jsonl", tokenizer, half=fits, heldout=0.0)["train"]["tokens"]) == 3
     with pytest.raises(ValueError, match=f"p\\.jsonl:2: .*e\\.g\\. --seq-len {fits}$"):
         load_pairs(tmp_path / "p.jsonl", tokenizer, half=fits - 1, heldout=0.0)  # the least that fits
+
+
+@pytest.mark.parametrize(
+    "record, words",
+    [
+        ({"prompt": 3, "chosen": "a", "rejected": "b"}, "'prompt' must be a string or a list of chat messages"),
+        ({"prompt": ["hi"], "chosen": "a", "rejected": "b"}, "'prompt' must be a string or a list of chat messages"),
+        ([1, 2], "not a JSON object"),
+    ],
+)
+def test_a_malformed_pair_names_its_line(tmp_path, record, words):
+    """A prompt that is neither text nor messages, or a line that is not an object, is one error naming the
+    line (a number as the prompt was a TypeError out of the command)."""
+    tokenizer, _ = fixture("chatml")
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "x", "chosen": "a", "rejected": "b"}) + "\n")
+    (tmp_path / "p.jsonl").write_text((tmp_path / "p.jsonl").read_text() + json.dumps(record) + "\n")
+    with pytest.raises(ValueError, match=rf"p\.jsonl:2: {re.escape(words)}"):
+        load_pairs(tmp_path / "p.jsonl", tokenizer, half=64, heldout=0.0)
 
 
 class _PastTheChecks(Exception):

@@ -40,10 +40,18 @@ def _side(ids: np.ndarray, mask: np.ndarray, half: int, segment: int) -> dict[st
 
 
 def _messages(record: dict, where: str) -> tuple[list[dict], str, str]:
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: not a JSON object; a preference record is {{'prompt', 'chosen', 'rejected'}}")
     for key in ("prompt", "chosen", "rejected"):
         if key not in record:
             raise ValueError(f"{where}: no {key!r}; a preference record is {{'prompt', 'chosen', 'rejected'}}")
     prompt = record["prompt"]
+    if not (
+        isinstance(prompt, str)
+        or isinstance(prompt, list)
+        and all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in prompt)
+    ):
+        raise ValueError(f"{where}: 'prompt' must be a string or a list of chat messages {{'role', 'content'}}")
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
     if not all(isinstance(record[k], str) for k in ("chosen", "rejected")):
         raise ValueError(f"{where}: 'chosen' and 'rejected' must be strings (the two assistant replies)")
