@@ -73,6 +73,7 @@ from models.config import get_config  # noqa: E402
 from models.spec import describe  # noqa: E402
 from sharding import devices, planner  # noqa: E402
 from sharding.devices.kinds import GIB  # noqa: E402
+from sharding.errors import ConfigError, Field  # noqa: E402
 from train.plan import given_layout, plan_flags  # noqa: E402
 
 DEFAULT_ROWS = Path(__file__).resolve().parents[1] / ".." / "shared" / "published" / "rows.csv"
@@ -129,12 +130,15 @@ def read_rows(path: str | Path) -> list[Row]:
     Raises:
       ValueError: One line naming the file, the row (its line, its name) and the column: a missing column, a
         number that does not parse or is not positive, an unknown ``gpu`` or ``mlp_kind``, a ``dp`` that is
-        neither a number nor ``FSDP N``/``FSDP+DP``; or a file that cannot be read.
+        neither a number nor ``FSDP N``/``FSDP+DP``, a model shape the model refuses (``heads`` not a multiple
+        of ``kv_heads``, ...); or a file that cannot be read.
     """
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8-sig")  # a spreadsheet's byte-order mark is not a column's
     except OSError as e:
         raise ValueError(f"{path}: cannot read ({e.strerror}); pass --rows FILE.csv") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (byte {e.start}); pass --rows FILE.csv") from None
     reader = csv.DictReader(text.splitlines())
     missing = [c for c in COLUMNS if c not in (reader.fieldnames or ())]
     if missing:
@@ -173,8 +177,33 @@ def read_rows(path: str | Path) -> list[Row]:
             _fail(path, line, name, "ep", f"{values['ep']}: expert parallelism is not priced here (dense rows only)")
         if values["gpus"] % values["gpus_per_host"]:
             _fail(path, line, name, "gpus", f"{values['gpus']} is not whole hosts of {values['gpus_per_host']}")
-        rows.append(Row(values, line))
+        row = Row(values, line)
+        try:  # a shape the model refuses (heads not a multiple of kv_heads, ...), named by the row's columns
+            row_model(row)
+        except ConfigError as e:
+            fields = e.fields()
+            column = _MODEL_COLUMNS.get(fields[0].name, fields[0].name) if fields else "model"
+            _fail(path, line, name, column, e.render(_as_column))
+        rows.append(row)
     return rows
+
+
+_MODEL_COLUMNS = {
+    "vocab_size": "vocab",
+    "num_layers": "layers",
+    "embed_dim": "hidden",
+    "mlp_dim": "mlp",
+    "num_heads": "heads",
+    "num_kv_heads": "kv_heads",
+    "head_dim": "head_dim",
+}
+"""The model field `row_model` sets -> the column it is read from."""
+
+
+def _as_column(field: Field) -> str:
+    """A model field in a refusal, as the rows file names it: ``kv_heads=24``."""
+    column = _MODEL_COLUMNS.get(field.name, field.name)
+    return column if field.value is None else f"{column}={field.value}"
 
 
 def row_model(row: Row):

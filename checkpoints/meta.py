@@ -17,6 +17,11 @@ from models.config import ModelConfig, config_differences
 from sharding.errors import ConfigError, Field, FieldText, Override, Part
 from sharding.parallel import REPLICATED
 
+HF_PRESET = "hf:"
+"""The prefix of a run's recorded preset when its model was imported: ``hf:`` + the ``--init-from`` folder."""
+LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_targets", "lora_base_dtype")
+"""The model's fields that set its low-rank adapters, each set by a flag of its own (``--lora-rank`` ...)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class RunMeta:
@@ -178,10 +183,25 @@ class RunMeta:
         diff = config_differences(self.model, config)
         if diff:
             fields = ", ".join(f"{k} (saved {a!r}, now {b!r})" for k, (a, b) in diff.items())
-            sets = [part for k, (a, _) in diff.items() for part in (" ", Override(k, a))]
+            # The adapters' fields have flags of their own (and an override of lora_rank alone leaves no
+            # targets); an imported model's architecture comes from its folder, which refuses overrides.
+            imported = self.preset.startswith(HF_PRESET)
+            # saved without adapters: the adapters' fields are left out (an empty --lora-targets cannot be typed)
+            plain = diff.get("lora_rank", (None,))[0] == 0
+            sets = [
+                part
+                for k, (a, _) in diff.items()
+                if (k in LORA_FIELDS and not plain) or (k not in LORA_FIELDS and not imported)
+                for part in (" ", Field(k, a) if k in LORA_FIELDS else Override(k, a))
+            ]
+            if plain:
+                sets += [", leaving out", *(part for k in diff if k in LORA_FIELDS for part in (" ", Field(k)))]
+            model = (
+                Field("init_from", self.preset.removeprefix(HF_PRESET)) if imported else Field("preset", self.preset)
+            )
             raise ConfigError(
                 f"the checkpoint at step {step} was saved with a different model: {fields}; resume with ",
-                Field("preset", self.preset),
+                model,
                 *sets,
                 ", or use another ",
                 Field("run_dir"),

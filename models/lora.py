@@ -179,7 +179,8 @@ def with_trainable(config: ModelConfig, tree: dict, part: dict) -> dict:
 
 def merged(config: ModelConfig, params: dict) -> tuple[ModelConfig, dict]:
     """The model without adapters whose weights are the adapted ones: ``(config, params)`` with each target
-    ``W + scale * A @ B`` (float32) and the factors removed, every stack dimension (layers, experts) kept.
+    ``W + scale * A @ B`` (float32) and the factors removed, every stack dimension (layers, experts) kept;
+    the config names no adapter field (a base held in bfloat16 included: without adapters none is).
 
     Args:
       config: A model with adapters.
@@ -197,4 +198,4 @@ def merged(config: ModelConfig, params: dict) -> tuple[ModelConfig, dict]:
                 out[key] = value if a is None else adapted(value, a, node[key + B_SUFFIX], key, factor)
         return out
 
-    return config.replace(lora_rank=0, lora_targets=""), fold(params)
+    return config.replace(lora_rank=0, lora_targets="", lora_base_dtype="float32"), fold(params)

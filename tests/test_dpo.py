@@ -4,6 +4,7 @@ mesh equal a plain computation on one device (each reply run alone, the referenc
 without adapters is refused naming the flag."""
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -107,6 +108,68 @@ def test_pairs_are_laid_out_side_by_side_with_the_assistant_mask(tmp_path):
         assert rows["loss_mask"][0, cut][n:].sum() == 0 and rows["loss_mask"][0, cut].sum() > 0
         np.testing.assert_array_equal(rows["positions"][0, cut], np.arange(64))
         assert set(rows["segment_ids"][0, cut]) == {side + 1}
+
+
+def test_pairs_too_long_name_a_seq_len_that_fits_every_pair(tmp_path):
+    """Sides over --seq-len are refused once for the file, naming the longest (a later line than the first
+    too long) and a --seq-len that loads the whole file (it named the first line's length, refused next)."""
+    tokenizer, _ = fixture("chatml")
+    records = [{"prompt": "count", "chosen": " ".join(map(str, range(n))), "rejected": "no"} for n in (8, 30, 20)]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    with pytest.raises(ValueError, match=r"p\.jsonl:2: the longest side, \d+ tokens, does not fit --seq-len 16; "):
+        load_pairs(tmp_path / "p.jsonl", tokenizer, half=16, heldout=0.0)
+    with pytest.raises(ValueError) as refused:
+        load_pairs(tmp_path / "p.jsonl", tokenizer, half=16, heldout=0.0)
+    fits = int(str(refused.value).split("e.g. --seq-len ")[1])
+    assert len(load_pairs(tmp_path / "p.jsonl", tokenizer, half=fits, heldout=0.0)["train"]["tokens"]) == 3
+    with pytest.raises(ValueError, match=f"p\\.jsonl:2: .*e\\.g\\. --seq-len {fits}$"):
+        load_pairs(tmp_path / "p.jsonl", tokenizer, half=fits - 1, heldout=0.0)  # the least that fits
+
+
+@pytest.mark.parametrize(
+    "record, words",
+    [
+        ({"prompt": 3, "chosen": "a", "rejected": "b"}, "'prompt' must be a string or a list of chat messages"),
+        ({"prompt": ["hi"], "chosen": "a", "rejected": "b"}, "'prompt' must be a string or a list of chat messages"),
+        ([1, 2], "not a JSON object"),
+    ],
+)
+def test_a_malformed_pair_names_its_line(tmp_path, record, words):
+    """A prompt that is neither text nor messages, or a line that is not an object, is one error naming the
+    line (a number as the prompt was a TypeError out of the command)."""
+    tokenizer, _ = fixture("chatml")
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "x", "chosen": "a", "rejected": "b"}) + "\n")
+    (tmp_path / "p.jsonl").write_text((tmp_path / "p.jsonl").read_text() + json.dumps(record) + "\n")
+    with pytest.raises(ValueError, match=rf"p\.jsonl:2: {re.escape(words)}"):
+        load_pairs(tmp_path / "p.jsonl", tokenizer, half=64, heldout=0.0)
+
+
+class _PastTheChecks(Exception):
+    """Raised in place of the device set-up: the command line passed every check before it."""
+
+
+@pytest.mark.parametrize("lines, remedy", [(3, "e.g. --batch-size "), (0, "give more pairs, or another --heldout")])
+def test_too_few_pairs_for_the_batch_suggest_a_batch_that_is_accepted(tmp_path, capsys, monkeypatch, lines, remedy):
+    """Fewer pairs on a side than --batch-size: the suggested batch is the smaller side's count, which the same
+    check then accepts (it was always --batch-size 2: the refused value itself for 2, and any for an empty file)."""
+
+    def past(_args):
+        raise _PastTheChecks
+
+    monkeypatch.setattr(dpo_cli, "setup", past)
+    pairs = tmp_path / "p.jsonl"
+    record = {"prompt": "count", "chosen": "1 2", "rejected": "no"}
+    pairs.write_text("".join(json.dumps(record) + "\n" for _ in range(lines)))
+    argv = ["--init-from", "tests/fixtures/hf/llama_gqa", "--data", str(pairs), "--run-dir", str(tmp_path / "r")]
+    argv += ["--heldout", "0.5", "--seq-len", "32", "--batch-size", "8"]
+    assert dpo_cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "fewer" in err and remedy in err, err
+    if lines:
+        fewest = int(err.split("e.g. --batch-size ")[1])
+        assert 1 <= fewest < lines
+        with pytest.raises(_PastTheChecks):
+            dpo_cli.main([*argv, "--batch-size", str(fewest)])
 
 
 @pytest.mark.parametrize("beta", [0.0, float("nan")])

@@ -148,3 +148,17 @@ def test_merged_export_read_back_equals_peft_merge_and_unload(peft_case, tmp_pat
     _, graphdef, again, _ = load(tmp_path / "merged", "fsdp=8")
     got = jax.jit(lambda p: apply(graphdef, p, ref["tokens"], par=UNSHARDED))(jax.device_get(again))
     _assert_logits_equal(got, ref["merged"])
+
+
+def test_a_bfloat16_base_merges_into_a_model_without_adapters():
+    """``--merge-lora`` of a run whose base was held in bfloat16: the merged model is a plain one (no adapter
+    field left, so it validates: a bfloat16 base without adapters is refused), its weights the float32-base
+    merge of the same bfloat16-rounded base."""
+    config, params = _adapted("llama_gqa")
+    held = config.replace(lora_base_dtype="bfloat16")
+    narrow = lora.held_in_dtype(held, params)
+    widened = jax.tree.map(lambda x: np.asarray(x, np.float32), narrow)
+    merged_config, merged = lora.merged(held, narrow)
+    want_config, want = lora.merged(config, widened)
+    assert merged_config == want_config and merged_config.lora_base_dtype == "float32"
+    jax.tree.map(lambda g, w: np.testing.assert_allclose(np.float32(g), w, rtol=0, atol=1e-6), merged, want)

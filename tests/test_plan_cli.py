@@ -73,7 +73,9 @@ def test_json_fields_are_present_and_typed(capsys):
     [
         ("--mesh data=3", "--mesh 'data=3': the sizes multiply to 3 but the cluster has 8 devices"),  # not JAX's
         ("--mesh fsdp=8 --rulez tp", "--rulez"),
-        ("--mesh fsdp=8 --steps 3", "--steps"),
+        ("--mesh fsdp=8 --steps 3", "--steps is not a layout flag; leave --steps out ("),  # train.plan has none
+        ("--mesh fsdp=8 --lora-rank 8", "leave --lora-rank out ("),  # was: give it to train.plan, which refused it
+        ("--mesh fsdp=8 --seq-len 64", "give --seq-len to train.plan itself ("),
         ("--mesh fsdp=8 --hetero-batch auto", "--hetero-batch"),
         ("--mesh fsdp=8 --microbatches 'unclosed", "--layout"),
         # the pipeline's microbatches, checked as train.train checks them: the value named splits --batch 32
@@ -115,6 +117,9 @@ def test_a_homogeneous_cluster_is_searched_once(capsys, monkeypatch):
             "--set first_dense_layers=0 --set moe_every=1",
         ),
         (["--model", "test"], "--mesh stage=2,fsdp=4 --microbatches 2 --stage-layers auto", "--stage-layers 2,2"),
+        # an expert axis on a dense model, or one the experts do not divide: train.train refuses both
+        (["--model", "test"], "--mesh expert=4,fsdp=2", "--mesh data=4,fsdp=2"),
+        (["--model", "moe-test", "--set", "num_experts=6"], "--mesh expert=4,fsdp=2", "--mesh fsdp=4,expert=2"),
     ],
 )
 def test_a_layout_train_train_would_refuse_is_refused_with_a_remedy_that_prices(capsys, model, layout, remedy):
@@ -126,6 +131,8 @@ def test_a_layout_train_train_would_refuse_is_refused_with_a_remedy_that_prices(
     assert f"e.g. {remedy}," in err or err.rstrip().endswith(f"e.g. {remedy}"), err
     if remedy.startswith("--set"):
         argv, fixed = argv + remedy.split(), layout
+    elif remedy.startswith("--mesh"):
+        fixed = remedy
     else:
         fixed = layout.replace("--stage-layers auto", remedy)
     assert _json(capsys, argv + ["--layout", fixed])["fits"]

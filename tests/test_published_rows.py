@@ -83,6 +83,12 @@ def test_a_good_row_reads_and_maps_onto_a_layout(tmp_path):
         ({"gpus": "0"}, "gpus", "must be positive"),
         ({"dp": "lots"}, "dp", "give a number, FSDP N or FSDP+DP"),
         ({"mlp_kind": "swish"}, "mlp_kind", "'swish'"),
+        (
+            {"kv_heads": "7"},
+            "heads",
+            "heads or kv_heads to values where it is, e.g. kv_heads=24",
+        ),  # was a traceback in price
+        ({"mlp": "4"}, "mlp", "mlp=0: must be a positive integer"),  # a GELU MLP of 4: SwiGLU of 0
     ],
 )
 def test_a_bad_value_names_file_row_and_column(tmp_path, change, column, words):
@@ -115,3 +121,17 @@ def test_json_prices_a_row_as_train_plan_does(tmp_path, capsys):
     priced = published.price(row)
     assert out["predicted_step_s"] == pytest.approx(priced.plan.step_time) and out["published_step_s"] == 3.528
     assert out["fits"] is priced.plan.fits
+
+
+def test_a_binary_file_is_named_and_a_byte_order_mark_is_read(tmp_path, capsys):
+    """A rows file that is not UTF-8 is one line naming it (it was the codec's message alone); a spreadsheet's
+    UTF-8 byte-order mark before the header reads as the same rows (it hid the name column)."""
+    binary = tmp_path / "rows.bin"
+    binary.write_bytes(b"name,\xd0\xff\xfe\n")
+    assert published.main(["--rows", str(binary)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: {binary}: not UTF-8 text (byte 5); pass --rows FILE.csv\n", err
+    path = _write(tmp_path, [_ROW])
+    marked = tmp_path / "marked.csv"
+    marked.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    assert [r.values for r in published.read_rows(marked)] == [r.values for r in published.read_rows(path)]

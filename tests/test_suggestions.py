@@ -7,6 +7,7 @@ flags' values), and runs the same parse and checks (`train.setup.cli.parse`, `tr
 
 import re
 import shlex
+from types import SimpleNamespace
 
 import jax
 import pytest
@@ -70,6 +71,10 @@ CASES = [
     ["--microbatches", "3", "--mesh", "stage=2,fsdp=4"],
     ["--mesh", "stage=2,fsdp=4", "--microbatches", "4", "--batch-size", "6"],
     ["--pipeline-repeats", "2", "--mesh", "stage=2,fsdp=4", "--microbatches", "2"],
+    ["--pipeline-schedule", "zb"],  # no stage axis: the mesh suggested brings the microbatches its stages need
+    ["--pipeline-gather", "microbatch"],
+    ["--stage-layers", "1,3"],
+    ["--pipeline-repeats", "2", "--pipeline-schedule", "1f1b"],
     ["--rebalance-every", "5"],
     ["--resume-step", "3"],
     ["--hetero-max-share", "4"],
@@ -150,3 +155,44 @@ def test_the_suggestions_of_evaluate_and_generate_are_accepted(tmp_path, capsys,
     if entry == "generate":  # a suggested length is accepted by the checks; generating it all is not needed here
         fixed = applied(fixed, ["--max-new-tokens", "2"]) if "--max-new-tokens" not in flags else fixed
     assert main(fixed) == 0, f"{message}\n-> {shlex.join(fixed)}\n-> {capsys.readouterr().err}"
+
+
+@pytest.mark.parametrize(
+    "saved, now",
+    [
+        (["--init-from", "{llama}", "--lora-rank", "8"], ["--init-from", "{llama}", "--lora-rank", "4"]),
+        (["--init-from", "{llama}", "--lora-rank", "8"], ["--init-from", "{tied}", "--lora-rank", "8"]),
+        (["--model", "test", "--lora-rank", "8"], ["--model", "test", "--set", "num_layers=2", "--lora-rank", "2"]),
+        (["--model", "test"], ["--model", "test", "--lora-rank", "4", "--lora-targets", "q,v"]),
+    ],
+    ids=["imported, another rank", "imported, another folder", "preset, another rank and depth", "adapters added"],
+)
+def test_the_resume_checks_suggestion_is_accepted(tmp_path, corpus, cache, saved, now):
+    """A resume refused for another model suggests flags that the command accepts and that rebuild the saved
+    model: an imported model's folder as --init-from (not a --model it refuses), adapters by their own flags."""
+    from test_hf import FIXTURES
+
+    from checkpoints.meta import RunMeta
+
+    no_tokenizer = SimpleNamespace(name="", fingerprint="", vocab_size=0)  # the metadata records none to compare
+    folders = {"{llama}": str(FIXTURES / "llama_gqa"), "{tied}": str(FIXTURES / "llama_tied")}
+    base = ["--seq-len", "16", "--batch-size", "8", "--steps", "2", "--data", str(corpus), "--data-cache", str(cache)]
+    base += ["--run-dir", str(tmp_path / "r")]
+
+    def config(flags):
+        return cli.parse([*base, *(folders.get(f, f) for f in flags)])
+
+    first = config(saved)
+    meta = RunMeta(first.model.to_dict(), first.preset, {}, {}, {}, {})
+    argv = [*base, *(folders.get(f, f) for f in now)]
+    with pytest.raises(ValueError) as refused:
+        meta.check_compatible(cli.parse(argv).model, no_tokenizer, step=2)
+    message = render(refused.value)
+    flags = re.search(r"resume with (--.*?), or use another", message).group(1)
+    flags, _, dropped = flags.partition(", leaving out ")
+    fixed = applied(argv, flags.split())
+    for flag in dropped.split():  # each with its value
+        at = fixed.index(flag)
+        del fixed[at : at + 2]
+    assert refusal(fixed) is None, f"{message}\n-> {shlex.join(fixed)}\n-> {refusal(fixed)}"
+    meta.check_compatible(cli.parse(fixed).model, no_tokenizer, step=2)  # the saved model again

@@ -117,9 +117,14 @@ def run(args) -> int:
     tokenizer = HFTokenizer(tokenizer_file, hf.eod_token(args.init_from, tokenizer_file))
     pairs = load_pairs(args.data, tokenizer, args.seq_len, args.seed, args.heldout)
     b, length = args.batch_size, 2 * args.seq_len
-    for split in ("train", "heldout"):
-        if len(pairs[split].get("tokens", ())) < b:
-            raise ValueError(f"--data {args.data}: fewer {split} pairs than --batch-size {b}; e.g. --batch-size 2")
+    counts = {split: len(pairs[split].get("tokens", ())) for split in ("train", "heldout")}
+    split, fewest = min(counts.items(), key=lambda item: item[1])
+    if fewest < b:  # both batches are --batch-size pairs: the smaller split bounds it
+        remedy = f"e.g. --batch-size {fewest}" if fewest else "give more pairs, or another --heldout"
+        raise ValueError(
+            f"--data {args.data}: {counts['train']} train and {counts['heldout']} held-out pairs, fewer {split} "
+            f"pairs than --batch-size {b}; {remedy}"
+        )
     par = setup(args)
     optimizer = OptimizerConfig(lr=args.lr, warmup=args.warmup, decay_steps=max(args.steps, args.warmup + 1))
     trainer = DPOTrainer(config, optimizer, par, args.dpo_beta)

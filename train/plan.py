@@ -39,6 +39,7 @@ from models import attention_registry
 from models.attention import check_context_shares
 from models.config import PRESETS, get_config
 from models.spec import describe
+from sharding import axes as ax
 from sharding import costmodel as cm
 from sharding import devices, planner
 from sharding.axes import MESH_AXES
@@ -304,7 +305,8 @@ def given_layout(text: str, num_layers: int, num_devices: int, defaults: argpars
         a mesh that does not cover the devices, ``--hetero-batch auto``/``kinds``, ``--stage-layers auto`` or
         ``--context-shares auto`` (give the counts or shares), pipeline microbatches that --batch or the
         stages refuse (`sharding.pipeline.check_microbatches`), pipeline stages on a mixture of experts with
-        dense layers or a capacity, or a value the cost model does not price.
+        dense layers or a capacity, an expert axis on a dense model or one that does not divide its experts,
+        or a value the cost model does not price.
     """
     try:
         tokens = shlex.split(text)
@@ -319,9 +321,19 @@ def given_layout(text: str, num_layers: int, num_devices: int, defaults: argpars
         if k not in PRICED_FLAGS and v != parser.get_default(k)
     )
     if foreign:
+        # only the flags train.plan has can be given to it; the others (--lora-rank, --steps, ...) price nothing
+        own = {o for action in build_parser()._actions for o in action.option_strings}
+        given, left = [f for f in foreign if f in own], [f for f in foreign if f not in own]
+        remedy = "; ".join(
+            part
+            for part in (
+                f"give {', '.join(given)} to train.plan itself" if given else "",
+                f"leave {', '.join(left)} out" if left else "",
+            )
+            if part
+        )
         raise ValueError(
-            f"--layout: {', '.join(foreign)} is not a layout flag; give it to train.plan itself, or "
-            f"leave it out (layout flags: --mesh, --rules, --rule, --microbatches, --stage-layers, "
+            f"--layout: {', '.join(foreign)} is not a layout flag; {remedy} (layout flags: --mesh, --rules, --rule, --microbatches, --stage-layers, "
             f"--pipeline-schedule, --pipeline-repeats, --pipeline-gather, --hetero-batch, --context-shares, --remat, --attention, "
             f"--dtype, --optimizer-sharding)"
         )
@@ -349,6 +361,17 @@ def given_layout(text: str, num_layers: int, num_devices: int, defaults: argpars
             f"dropless ({experts.layers} of the {num_layers} layers here, capacity_factor="
             f"{experts.capacity_factor:g}); e.g. {' '.join(sets)}, or drop stage from --mesh"
         )
+    expert = mesh.get(ax.EXPERT, 1)
+    if expert > 1 and (experts is None or experts.num_experts % expert):
+        # as train.train refuses it (`train.setup.checks.check_experts`): the devices left over to data or fsdp
+        if experts is None:
+            good, why = 1, "needs a mixture-of-experts model (this --model is dense)"
+            fixed = {**mesh, ax.EXPERT: 1, ax.DATA: mesh.get(ax.DATA, 1) * expert}
+        else:
+            good = max(d for d in range(1, expert + 1) if experts.num_experts % d == 0 and expert % d == 0)
+            why = f"does not divide num_experts={experts.num_experts}"
+            fixed = {**mesh, ax.EXPERT: good, ax.FSDP: mesh.get(ax.FSDP, 1) * (expert // good)}
+        raise ValueError(f"--layout: --mesh {args.mesh}: expert={expert} {why}; e.g. --mesh {format_mesh(fixed)}")
     if par.context_shares == "auto":
         raise ValueError(
             "--layout: --context-shares auto is measured at run time; give one relative share per ring device, "

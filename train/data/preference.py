@@ -40,10 +40,18 @@ def _side(ids: np.ndarray, mask: np.ndarray, half: int, segment: int) -> dict[st
 
 
 def _messages(record: dict, where: str) -> tuple[list[dict], str, str]:
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: not a JSON object; a preference record is {{'prompt', 'chosen', 'rejected'}}")
     for key in ("prompt", "chosen", "rejected"):
         if key not in record:
             raise ValueError(f"{where}: no {key!r}; a preference record is {{'prompt', 'chosen', 'rejected'}}")
     prompt = record["prompt"]
+    if not (
+        isinstance(prompt, str)
+        or isinstance(prompt, list)
+        and all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in prompt)
+    ):
+        raise ValueError(f"{where}: 'prompt' must be a string or a list of chat messages {{'role', 'content'}}")
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
     if not all(isinstance(record[k], str) for k in ("chosen", "rejected")):
         raise ValueError(f"{where}: 'chosen' and 'rejected' must be strings (the two assistant replies)")
@@ -63,12 +71,13 @@ def load_pairs(path: str | Path, tokenizer, half: int, seed: int = 0, heldout: f
       ``{"train": fields, "heldout": fields}``, each field ``[pairs, 2 * half]`` (module docstring).
 
     Raises:
-      ValueError: A line that is not a preference record, or a side longer than ``half + 1`` tokens, naming
-        the line and ``--seq-len`` that fits.
+      ValueError: A line that is not a preference record; or sides longer than ``half + 1`` tokens, naming
+        the longest one's line and the ``--seq-len`` that fits every side of the file.
     """
     path = Path(path)
     template = load_chat_template(tokenizer)
     rows: dict[str, list] = {"train": [], "heldout": []}
+    longest = None  # (tokens a side needs, where) of the longest side over --seq-len: one refusal for the file
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
             continue
@@ -82,10 +91,19 @@ def load_pairs(path: str | Path, tokenizer, half: int, seed: int = 0, heldout: f
         for segment, reply in ((1, chosen), (2, rejected)):
             ids, mask = chat_tokens(messages + [{"role": "assistant", "content": reply}], template, tokenizer, where)
             if len(ids) - 1 > half:
-                raise ValueError(f"{where}: {len(ids)} tokens do not fit --seq-len {half}; e.g. --seq-len {len(ids)}")
+                if longest is None or len(ids) - 1 > longest[0]:
+                    longest = (len(ids) - 1, where)
+                continue
             sides.append(_side(np.asarray(ids), np.asarray(mask, np.float32), half, segment))
+        if longest is not None:
+            continue
         split = "heldout" if is_heldout(f"{path.name}@{number}", seed, heldout) else "train"
         rows[split].append({k: np.concatenate([sides[0][k], sides[1][k]]) for k in sides[0]})
+    if longest is not None:  # a side's inputs are its tokens but the last: n tokens need --seq-len n - 1
+        need, where = longest
+        raise ValueError(
+            f"{where}: the longest side, {need + 1} tokens, does not fit --seq-len {half}; e.g. --seq-len {need}"
+        )
     return {
         split: {k: np.stack([r[k] for r in found]) for k in found[0]} if found else {} for split, found in rows.items()
     }

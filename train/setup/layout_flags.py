@@ -264,7 +264,7 @@ def _refuse_pipeline_flags(args) -> None:
     """Pipeline flags without a stage axis are refused, naming the first.
 
     Raises:
-      ValueError: Naming the flag and a mesh with a stage axis.
+      ValueError: Naming the flag and a mesh with a stage axis (with the microbatches its stages need).
     """
     schedule = args.pipeline_schedule != "gpipe"
     given = [
@@ -278,7 +278,13 @@ def _refuse_pipeline_flags(args) -> None:
         if on
     ]
     if given:
-        raise ValueError(f"{given[0]} needs a pipeline: add a stage axis to --mesh, e.g. --mesh stage=2,fsdp=-1")
+        # the stages --stage-layers lists (else 2), and a microbatch in flight on each: the mesh alone would
+        # be refused next for its one microbatch
+        stages = len(args.stage_layers.split(",")) if args.stage_layers not in (None, "auto") else 2
+        more = f" --microbatches {stages}" if (args.microbatches or 1) < stages else ""
+        raise ValueError(
+            f"{given[0]} needs a pipeline: add a stage axis to --mesh, e.g. --mesh stage={stages},fsdp=-1{more}"
+        )
 
 
 def pipeline_plan(args, stages: int, num_layers: int) -> PipelinePlan:
