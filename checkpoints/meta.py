@@ -21,6 +21,11 @@ HF_PRESET = "hf:"
 """The prefix of a run's recorded preset when its model was imported: ``hf:`` + the ``--init-from`` folder."""
 LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_targets", "lora_base_dtype")
 """The model's fields that set its low-rank adapters, each set by a flag of its own (``--lora-rank`` ...)."""
+NEXT_TOKEN = "next-token"
+"""The objective of a run of ``train.train``: next-token prediction (pretraining or supervised fine-tuning)."""
+DPO = "dpo"
+"""The objective of a run of ``train.dpo``: direct preference optimisation against a frozen reference."""
+_COMMANDS = {NEXT_TOKEN: "python -m train.train", DPO: "python -m train.dpo"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +68,7 @@ class RunMeta:
     schedule: dict[str, Any] | None = None
     optimizer_sharding: str = REPLICATED
     base: dict[str, str] | None = None
+    objective: str = NEXT_TOKEN
     jax_version: str = ""
     saved_at: str = ""
     step: int | None = None
@@ -80,6 +86,7 @@ class RunMeta:
         schedule: dict[str, Any] | None = None,
         optimizer_sharding: str = REPLICATED,
         base: dict[str, str] | None = None,
+        objective: str = NEXT_TOKEN,
     ) -> RunMeta:
         """The metadata of a run about to train (the data position and step are set at each save)."""
         import jax
@@ -100,6 +107,7 @@ class RunMeta:
             schedule=None if schedule is None else dict(schedule),
             optimizer_sharding=optimizer_sharding,
             base=None if base is None else dict(base),
+            objective=objective,
             jax_version=jax.__version__,
             saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         )
@@ -127,6 +135,8 @@ class RunMeta:
         for name in ("model", "mesh", "rules", "data", "tokenizer"):
             known.setdefault(name, {})
         known.setdefault("preset", "?")
+        # Saved before the objective was recorded: train.dpo's runs recorded only the seed as their data.
+        known.setdefault("objective", DPO if set(known["data"]) == {"seed"} else NEXT_TOKEN)
         return cls(**known)
 
     def model_config(self, **changes) -> ModelConfig:
@@ -173,13 +183,28 @@ class RunMeta:
             f" (the data read on from the {self.samples:,} sequences consumed; tokens per step change)",
         )
 
-    def check_compatible(self, config: ModelConfig, tokenizer, step: int) -> None:
-        """Refuses a checkpoint saved with another model, tokenizer or vocabulary.
+    def check_compatible(self, config: ModelConfig, tokenizer, step: int, objective: str = NEXT_TOKEN) -> None:
+        """Refuses a checkpoint saved with another objective, model, tokenizer or vocabulary.
+
+        Another objective is refused first: continuing a DPO run as next-token training (or the other way
+        round) would carry on its step count in the same folder, and checkpoint retention would delete the
+        other run's steps.
+
+        Args:
+          tokenizer: This run's tokenizer, or None to leave the tokenizer unchecked.
+          objective: This run's (`NEXT_TOKEN` or `DPO`).
 
         Raises:
           ConfigError: Naming the differing fields, their saved and current values, and the fields to resume
-            with.
+            with; or the checkpoint's objective, the command that continues it and another run folder.
         """
+        if self.objective != objective:
+            raise ConfigError(
+                f"the checkpoint at step {step} is from a {self.objective} run ({_COMMANDS.get(self.objective)}); "
+                f"continuing it as {objective} would carry on its steps and retention would delete them: resume "
+                f"it with {_COMMANDS.get(self.objective)}, or use another ",
+                Field("run_dir"),
+            )
         diff = config_differences(self.model, config)
         if diff:
             fields = ", ".join(f"{k} (saved {a!r}, now {b!r})" for k, (a, b) in diff.items())
@@ -207,6 +232,8 @@ class RunMeta:
                 Field("run_dir"),
             )
         saved = self.tokenizer
+        if tokenizer is None:  # a caller that checks the tokenizer itself (train.dpo reads the base's)
+            return
         if saved.get("vocab_size") not in (None, tokenizer.vocab_size):
             raise ConfigError(
                 f"the checkpoint at step {step} was trained on a vocabulary of {saved['vocab_size']} "

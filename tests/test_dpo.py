@@ -14,6 +14,7 @@ from _cli_errors import raises_as_cli
 from test_chat import fixture
 from test_lora import DENSE, _plain_merge, _random_factors
 
+from checkpoints.meta import DPO, NEXT_TOKEN, RunMeta
 from models import lora
 from models.transformer import abstract_model, apply, init_params
 from sharding.errors import ConfigError
@@ -209,7 +210,7 @@ class _Saved:
     """A run folder's checkpoint manager, as far as `check_resumable` reads it."""
 
     def __init__(self, config):
-        self.meta = {"model": config.architecture(), "preset": "hf:fixture"}
+        self.meta = {"model": config.architecture(), "preset": "hf:fixture", "objective": "dpo"}
 
     def latest_step(self):
         return 3
@@ -229,3 +230,20 @@ def test_dpo_resume_with_other_adapters_names_the_flags_to_resume_with():
         r"\(saved 4, now 8\); resume with --lora-rank 4, or use another --run-dir$",
     ):
         dpo_cli.check_resumable(saved, DENSE.replace(lora_rank=8), "runs/dpo")
+
+
+def test_dpo_and_next_token_runs_do_not_continue_each_other():
+    """A run folder of the other command is refused naming the command that continues it and --run-dir:
+    continuing it would carry on its step count, and retention deleted the other run's steps. Checkpoints
+    saved before the objective was recorded are told apart by their data record (DPO's holds the seed only)."""
+    trained = _Saved(DENSE)
+    trained.meta = {**trained.meta, "objective": None, "data": {"spec": "corpus", "seq_len": 64, "seed": 0}}
+    del trained.meta["objective"]
+    assert RunMeta.from_json(trained.meta).objective == NEXT_TOKEN
+    with raises_as_cli(ConfigError, r"from a next-token run \(python -m train.train\).*use another --run-dir$"):
+        dpo_cli.check_resumable(trained, DENSE, "runs/sft")
+    old_dpo = {"model": DENSE.architecture(), "preset": "hf:fixture", "data": {"seed": 0}}
+    assert RunMeta.from_json(old_dpo).objective == DPO
+    with raises_as_cli(ConfigError, r"from a dpo run \(python -m train.dpo\).*use another --run-dir$"):
+        RunMeta.from_json(old_dpo).check_compatible(DENSE, None, 3)  # as train.train --resume checks it
+    RunMeta.from_json(old_dpo).check_compatible(DENSE, None, 3, DPO)  # train.dpo continues it

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from checkpoints.argparser import Parser
-from checkpoints.meta import RunMeta
+from checkpoints.meta import DPO, RunMeta
 from models.config import LORA_TARGETS, config_differences
 from sharding.mesh import parse_axis_sizes
 from train.data.tokenizer import HFTokenizer
@@ -85,6 +85,8 @@ def check_resumable(manager, config, run_dir: str) -> None:
     """
     step = manager.latest_step()
     saved = RunMeta.from_json(manager.read_meta(step))
+    if saved.objective != DPO:
+        saved.check_compatible(config, None, step, DPO)  # refused: another objective (a train.train run)
     diff = config_differences(saved.model, config)
     if not diff:
         return
@@ -95,7 +97,7 @@ def check_resumable(manager, config, run_dir: str) -> None:
             f"--run-dir {run_dir}: its step {step} holds other adapters: {changed}; resume with {again}, "
             "or use another --run-dir"
         )
-    saved.check_compatible(config, None, step)
+    saved.check_compatible(config, None, step, DPO)
 
 
 def run(args) -> int:
@@ -138,6 +140,7 @@ def run(args) -> int:
         tokenizer,
         None,
         base=base_reference(args.init_from),  # the checkpoint keeps the adapters, the base by reference
+        objective=DPO,
     )
     manager = CheckpointManager(Path(args.run_dir) / "checkpoints", async_save=False) if args.run_dir else None
     if manager is not None and manager.latest_step() is not None:
