@@ -201,20 +201,7 @@ def _toy(mesh_spec, num_layers, stage_layers, repeats, microbatches, batch=16, d
     rules = pl.pipeline_rules(RULES)
     layout, _ = pl.plan_layout(num_layers, mesh.shape["stage"], repeats, stage_layers)
     plan = pl.PipelinePlan(layout, microbatches)
-    rng = np.random.default_rng(0)
-    w = {
-        "a": rng.normal(size=(num_layers, dim, dim)).astype(np.float32) / 4,
-        "b": rng.normal(size=(num_layers, dim)).astype(np.float32),
-    }
-    x = rng.normal(size=(batch, dim)).astype(np.float32)
-    position = jnp.asarray(rng.integers(0, 9, size=(batch,)), jnp.int32)
-
-    def reference(w, x):
-        h = x
-        for layer in range(num_layers):
-            h = _toy_layer(UNSHARDED, jax.tree.map(lambda a: a[layer], w), h, position)
-        return jnp.sum(h**2)
-
+    (w, x, position), (ref_loss, ref_grads) = _toy_reference(num_layers, batch, dim)
     names = {"a": ("layers", None, "embed"), "b": ("layers", None)}
     par = Parallelism.of(mesh, rules, plan)
 
@@ -235,9 +222,30 @@ def _toy(mesh_spec, num_layers, stage_layers, repeats, microbatches, batch=16, d
     staged = jax.tree.map(lambda a: pl.relayout(jnp.asarray(a), None, store, num_layers), w)
     staged = jax.device_put(staged, {k: NamedSharding(mesh, spec) for k, spec in specs.items()})
     (loss, applied), grads = jax.jit(jax.value_and_grad(pipelined, argnums=(0, 1), has_aux=True))(staged, x)
-    ref_loss, ref_grads = jax.jit(jax.value_and_grad(reference, argnums=(0, 1)))(w, x)
     grads = (jax.tree.map(lambda g: pl.relayout(g, store, None, num_layers), grads[0]), grads[1])
     return plan, (loss, grads, applied), (ref_loss, ref_grads)
+
+
+@functools.cache
+def _toy_reference(num_layers, batch, dim):
+    """The toy's inputs (weights ``{"a": [layers, dim, dim], "b": [layers, dim]}``, ``x`` [batch, dim],
+    positions [batch]; float32 from seed 0) and the sequential stack's loss and gradients on one device: they
+    depend on the sizes only, so the pipelines of every mesh and split compare with one computation."""
+    rng = np.random.default_rng(0)
+    w = {
+        "a": rng.normal(size=(num_layers, dim, dim)).astype(np.float32) / 4,
+        "b": rng.normal(size=(num_layers, dim)).astype(np.float32),
+    }
+    x = rng.normal(size=(batch, dim)).astype(np.float32)
+    position = jnp.asarray(rng.integers(0, 9, size=(batch,)), jnp.int32)
+
+    def reference(w, x):
+        h = x
+        for layer in range(num_layers):
+            h = _toy_layer(UNSHARDED, jax.tree.map(lambda a: a[layer], w), h, position)
+        return jnp.sum(h**2)
+
+    return (w, x, position), jax.jit(jax.value_and_grad(reference, argnums=(0, 1)))(w, x)
 
 
 @pytest.mark.parametrize(
@@ -344,13 +352,21 @@ def _batch(batch, length, seed=0, unmasked=1.0):
     }
 
 
-def _loss_and_grads(trainer, batch):
+def _loss_and_grads(trainer, batch, compiled=None):
+    """Loss and gradients (layers in canonical order) of ``trainer``'s model at its initial parameters;
+    ``compiled``: the gradient step already compiled for ``trainer`` at ``batch``'s shapes, run instead of
+    compiling the same program again."""
     state = trainer.init_state(0)
+    if compiled is not None:
+        shapes = trainer.abstract_batch(*batch["tokens"].shape)
+        batch = {k: jax.device_put(v, shapes[k].sharding) for k, v in batch.items()}
+        (loss, _), grads = compiled(state["params"], batch)
+    else:
 
-    def fn(params, batch):
-        return jax.value_and_grad(trainer.loss_sums, has_aux=True)(params, batch)
+        def fn(params, batch):
+            return jax.value_and_grad(trainer.loss_sums, has_aux=True)(params, batch)
 
-    (loss, _), grads = jax.jit(fn)(state["params"], batch)
+        (loss, _), grads = jax.jit(fn)(state["params"], batch)
     layers = jax.tree.map(lambda g: pl.relayout(g, trainer.storage, None, trainer.config.num_layers), grads["layers"])
     return float(loss), {**grads, "layers": layers}
 
@@ -373,13 +389,25 @@ def _trainer(config, mesh_spec, plan=None, microbatches=1):
 def test_the_pipelined_model_has_the_loss_and_gradients_of_the_unpipelined_one(
     num_layers, mesh_spec, stage_layers, repeats, microbatches
 ):
-    config = get_config("test", [f"num_layers={num_layers}"])
     ref_loss, ref_grads = _flat_loss_and_grads(num_layers)
-    layout, _ = pl.plan_layout(num_layers, int(mesh_spec.split(",")[0].split("=")[1]), repeats, stage_layers)
-    trainer = _trainer(config, mesh_spec, pl.PipelinePlan(layout, microbatches))
-    loss, grads = _loss_and_grads(trainer, _batch(8, 32))
+    trainer, compiled = _compiled_gradients(num_layers, mesh_spec, stage_layers, repeats, microbatches, 8, 32)
+    loss, grads = _loss_and_grads(trainer, _batch(8, 32), compiled)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     assert_close(grads, ref_grads)
+
+
+@functools.cache
+def _compiled_gradients(num_layers, mesh_spec, stage_layers, repeats, microbatches, batch, length):
+    """The pipelined test model's trainer and its gradient step (``loss_sums`` and its gradients), compiled
+    once for a ``[batch, length]`` batch and shared by the tests that run it or read its compiled program."""
+    config = get_config("test", [f"num_layers={num_layers}"])
+    layout, _ = pl.plan_layout(num_layers, parse_mesh(mesh_spec, 8)["stage"], repeats, stage_layers)
+    trainer = _trainer(config, mesh_spec, pl.PipelinePlan(layout, microbatches))
+    params = jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), trainer.state_params, trainer.param_shardings
+    )
+    grad_fn = jax.jit(lambda p, b: jax.value_and_grad(trainer.loss_sums, has_aux=True)(p, b))
+    return trainer, grad_fn.lower(params, trainer.abstract_batch(batch, length)).compile()
 
 
 @functools.cache
@@ -419,14 +447,14 @@ def test_attention_kernels_inside_stages_match_the_flat_reference_attention(atte
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), trainer.state_params, trainer.param_shardings
     )
     grad_fn = jax.jit(lambda p, b: jax.value_and_grad(trainer.loss_sums, has_aux=True)(p, b))
-    checked, note = checked_pipeline(
-        trainer.par, grad_fn.lower(params, trainer.abstract_batch(8, 32)).compile().as_text()
-    )
+    compiled = grad_fn.lower(params, trainer.abstract_batch(8, 32)).compile()
+    checked, note = checked_pipeline(trainer.par, compiled.as_text())
     assert (note is not None) == (attention == "ring"), note
     if note:
         assert "collective-permute" in note and not checked.pipeline.skip_empty
-        trainer = Trainer(trainer.config, OptimizerConfig(), checked)
-    loss, grads = _loss_and_grads(trainer, batch)
+        trainer, compiled = Trainer(trainer.config, OptimizerConfig(), checked), None
+    # the checked program is the one run where the check kept the plan: not compiled a second time
+    loss, grads = _loss_and_grads(trainer, batch, compiled)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     assert_close(grads, ref_grads)
 
@@ -509,24 +537,18 @@ def test_the_head_runs_on_a_stages_share_of_the_rows_not_on_every_stage(monkeypa
     import sharding.pipeline.onef1b
 
     config = get_config("test", ["num_layers=4"])
-    layout, _ = pl.plan_layout(4, 2, 1, (3, 1))
     batch, length = 8, 32
 
-    def flops():
-        trainer = _trainer(config, "stage=2,fsdp=4", pl.PipelinePlan(layout, 2))
-        params = jax.tree.map(
-            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-            trainer.state_params,
-            trainer.param_shardings,
-        )
-        grad_fn = jax.jit(lambda p, b: jax.value_and_grad(trainer.loss_sums, has_aux=True)(p, b))
-        analysis = grad_fn.lower(params, trainer.abstract_batch(batch, length)).compile().cost_analysis()
+    def flops(compiled):
+        analysis = compiled.cost_analysis()
         return float((analysis[0] if isinstance(analysis, (list, tuple)) else analysis)["flops"])
 
-    split = flops()
+    # the step as the rules build it: the one the loss-and-gradients test runs (compiled once for both)
+    split = flops(_compiled_gradients(4, "stage=2,fsdp=4", (3, 1), 1, 2, batch, length)[1])
     monkeypatch.setattr(models.transformer, "head_parallelism", lambda par: par)
     monkeypatch.setattr(sharding.pipeline.onef1b, "head_parallelism", lambda par: par)  # the loss's head
-    replicated = flops()
+    # not through the cache: the patched head is another program
+    replicated = flops(_compiled_gradients.__wrapped__(4, "stage=2,fsdp=4", (3, 1), 1, 2, batch, length)[1])
     rows = batch // 4  # per device over fsdp=4, before the split over stage=2
     head = 3 * 2 * rows * length * config.embed_dim * config.vocab_size  # logits forward, and both backward products
     assert replicated - split == pytest.approx(head / 2, rel=0.05), (replicated, split, head)

@@ -200,22 +200,7 @@ def _toy(
         schedule=schedule,
         gather=gather,
     )
-    rng = np.random.default_rng(0)
-    w = {
-        "a": rng.normal(size=(num_layers, dim, dim)).astype(np.float32) / 4,
-        "b": rng.normal(size=(num_layers, dim)).astype(np.float32),
-    }
-    hp = {"v": rng.normal(size=(dim, 3)).astype(np.float32), "c": rng.normal(size=(3,)).astype(np.float32)}
-    x = rng.normal(size=(batch, dim)).astype(np.float32)
-    position = jnp.asarray(rng.integers(0, 9, size=(batch,)), jnp.int32)
-    target = jnp.asarray(rng.normal(size=(batch,)), jnp.float32)
-    mask = jnp.asarray(rng.random(batch) < 0.8, jnp.float32)
-
-    def reference(w, hp, x):
-        h = x
-        for layer in range(num_layers):
-            h = _toy_layer(UNSHARDED, jax.tree.map(lambda a: a[layer], w), h, position)
-        return _toy_head(UNSHARDED, hp, h, target, mask)
+    (w, hp, x, position, target, mask), (ref_loss, ref_weight), ref_grads = _toy_reference(num_layers, batch, dim)
 
     def pipelined(w, hp, x):
         loss, weight, applied = run_pipeline_loss(
@@ -240,9 +225,6 @@ def _toy(
     grad_fn = jax.jit(jax.value_and_grad(pipelined, argnums=(0, 1, 2), has_aux=True))
     (loss, (weight, applied)), grads = grad_fn(staged, hp_dev, x)
     forward_only = jax.jit(pipelined)(staged, hp_dev, x)
-    (ref_loss, ref_weight), ref_grads = jax.jit(jax.value_and_grad(reference, argnums=(0, 1, 2), has_aux=True))(
-        w, hp, x
-    )
     grads = (jax.tree.map(lambda g: pl.relayout(g, layout, None, num_layers), grads[0]), *grads[1:])
     return (
         plan,
@@ -251,6 +233,33 @@ def _toy(
         grad_fn,
         (staged, hp_dev, x),
     )
+
+
+@functools.cache
+def _toy_reference(num_layers, batch, dim):
+    """The toy's inputs (float32 from seed 0: weights ``{"a": [layers, dim, dim], "b": [layers, dim]}``, head
+    ``{"v": [dim, 3], "c": [3]}``, ``x`` [batch, dim], positions, targets and mask [batch]) and the sequential
+    stack's ``(loss, weight)`` and gradients on one device: they depend on the sizes only, so every schedule,
+    mesh and split of those sizes compares with one computation."""
+    rng = np.random.default_rng(0)
+    w = {
+        "a": rng.normal(size=(num_layers, dim, dim)).astype(np.float32) / 4,
+        "b": rng.normal(size=(num_layers, dim)).astype(np.float32),
+    }
+    hp = {"v": rng.normal(size=(dim, 3)).astype(np.float32), "c": rng.normal(size=(3,)).astype(np.float32)}
+    x = rng.normal(size=(batch, dim)).astype(np.float32)
+    position = jnp.asarray(rng.integers(0, 9, size=(batch,)), jnp.int32)
+    target = jnp.asarray(rng.normal(size=(batch,)), jnp.float32)
+    mask = jnp.asarray(rng.random(batch) < 0.8, jnp.float32)
+
+    def reference(w, hp, x):
+        h = x
+        for layer in range(num_layers):
+            h = _toy_layer(UNSHARDED, jax.tree.map(lambda a: a[layer], w), h, position)
+        return _toy_head(UNSHARDED, hp, h, target, mask)
+
+    grad = jax.jit(jax.value_and_grad(reference, argnums=(0, 1, 2), has_aux=True))
+    return (w, hp, x, position, target, mask), *grad(w, hp, x)
 
 
 @pytest.mark.parametrize(
