@@ -202,6 +202,56 @@ def _activations(config: ModelConfig) -> tuple[Term, ...]:
     )
 
 
+def _residuals(config: ModelConfig) -> tuple[Term, ...]:
+    """What ``jax.vjp`` of one dense block saves per token, residual by residual as its jaxpr holds them (bytes
+    None: the compute dtype): what a pipeline stage keeps from a layer's forward tick to its backward
+    (`sharding.pipeline.split.LayerSplit.kept_avals`), where each residual is an array of its own; the
+    whole-step program's fusions recompute some of them (`_activations`, the unpipelined count).
+
+    ``dots`` keeps the block input and the outputs of q, k, v, o, gate and up; ``none`` keeps the input and:
+
+    - each RMSNorm (`models.layers.rms_norm`): its float32 input (the block input itself where the compute
+      dtype is float32; after attention, the residual stream ``h + o``, which is why o's output is no
+      residual under ``none``), its float32 normalised input (for the scale's gradient), two float32
+      scalars per token (the reciprocal root and the mean's gradient factor) and its output as the products
+      read it;
+    - the attention (`models.attention_reference.reference_attention`, whose custom backward recomputes the
+      probabilities: the split runs that recomputation on the forward tick, as it reads no cotangent): the
+      rotated queries and keys and the values (the shapes of the q, k, v products' outputs), the float32
+      exponentials of the scores ``[heads, keys]`` (and, below float32, as the value product reads them),
+      and its output ``[heads * head_dim]`` twice, in float32 as the normalisation gives it and as the o
+      product reads it;
+      with ``qk_norm``, each of those norms' float32 input and normalised input and two scalars per head;
+    - the SwiGLU: gate and up, sigmoid(gate), its derivative factor, silu(gate) and the hidden: six ``[F]``.
+
+    Read from the traced split of ``test`` (``D`` 128, ``F`` 384, 4 heads of 32, 2 kv heads; one sequence of
+    32 tokens a device): ``none`` 459,264 bytes in float32 (3,588 elements per token) and 295,424 bytes in
+    bfloat16, ``dots`` 147,456 bytes in float32 (1,152 per token), each to the byte."""
+    d, f, n, k, h = config.embed_dim, config.mlp_dim, config.num_heads, config.num_kv_heads, config.head_dim
+    low = config.dtype != "float32"
+    none = ("none",)
+    terms = [
+        Term(d, ax.ACT_LENGTH, kept=("input",), what="block input"),
+        Term(d, ax.ACT_LENGTH, kept=("dot",), what="attention output projection (dots)"),
+        Term(n * h, ax.HEADS, kept=("dot", "none"), what="queries (the q product's; none: rotated)"),
+        Term(2 * k * h, ax.KV_HEADS, kept=("dot", "none"), what="keys and values (none: the keys rotated)"),
+        Term(2 * f, ax.MLP, kept=("dot", "none"), what="gate and up (the products' outputs)"),
+        Term(4 * f, ax.MLP, kept=none, what="sigmoid(gate), its derivative factor, silu(gate), the hidden"),
+        Term(n * h, ax.HEADS, kept=none, what="the attention output (the o product's input)"),
+        Term(n, ax.HEADS, per_key=True, bytes=4, kept=none, what="float32 exp(scores)"),
+        Term(n * h, ax.HEADS, bytes=4, kept=none, what="the attention output in float32 (the normalisation's)"),
+        Term(2 * d, kept=none, what="the two RMSNorms' outputs"),
+        Term(2 * d, ax.ACT_LENGTH, bytes=4, kept=none, what="the two RMSNorms' float32 normalised inputs"),
+        Term((2 if low else 1) * d, ax.ACT_LENGTH, bytes=4, kept=none, what="the RMSNorms' float32 inputs"),
+        Term(4, ax.ACT_LENGTH, bytes=4, kept=none, what="the RMSNorms' two float32 scalars per token"),
+    ]
+    if low:
+        terms.append(Term(n, ax.HEADS, per_key=True, kept=none, what="exp(scores) as the value product reads it"))
+    if config.qk_norm:
+        terms.append(Term(2 * (n + k) * (h + 1), ax.HEADS, bytes=4, kept=none, what="query/key RMSNorms'"))
+    return tuple(terms)
+
+
 def _swiglu_activations(f: int) -> tuple[Term, ...]:
     """A SwiGLU of width ``f``'s saved activations per token (`_activations`)."""
     return (
@@ -269,6 +319,7 @@ def describe(config: ModelConfig) -> ModelDescription:
         layer_elementwise=_layer_elementwise(config),
         loss_elementwise=_loss_elementwise(config),
         activations=_activations(config),
+        residuals=() if config.is_moe else _residuals(config),
         attention_kernels=tuple(k.traits for k in KERNELS),
         inactive_params=_inactive_params(config),
         frozen_bytes=2 if config.lora_rank and config.lora_base_dtype == "bfloat16" else 4,

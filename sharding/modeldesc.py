@@ -51,10 +51,12 @@ to a product's output), ``embedding`` (a lookup table ``[rows, width]``), ``outp
 projection's weight), ``adapter`` (a low-rank adapter's factor, `models.lora`: where a model has them,
 only they are trained and the rest is frozen)."""
 
-KEPT = ("input", "dot")
+KEPT = ("input", "dot", "none")
 """Which remat policies keep an activation term: ``input`` (the layer's input: kept by every policy,
 and the only thing a pipeline stage keeps per microbatch), ``dot`` (a matrix product's output: kept
-by ``dots``); a term with neither is kept only without remat."""
+by ``dots``); a term with neither is kept only without remat. ``none`` marks, in
+`ModelDescription.residuals` only, what ``--remat none`` keeps (there a ``dot`` term need not be one of
+them: the attention's output projection is kept by ``dots`` alone)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -361,6 +363,10 @@ class ModelDescription:
         them: one per element per arithmetic op).
       loss_elementwise: Elementwise FLOPs per token of the loss's forward pass.
       activations: Activations one layer saves per token for the backward pass without remat.
+      residuals: The residuals ``jax.vjp`` of one dense layer saves per token, each one as its jaxpr holds it
+        (a pipeline stage keeps them from its forward tick, `sharding.pipeline.split.LayerSplit`; the
+        whole-step program's fusions drop some of them, which `activations` leaves out); tagged ``input``,
+        ``dot`` and ``none`` (`KEPT`). Empty: as `activations`.
       experts: The mixture of experts' routing (None: a dense model).
       inactive_params: Parameters a token does not use (a mixture of experts' routed experts it is not
         sent to: ``(E - k) / E`` of them); 0 for a dense model.
@@ -380,6 +386,7 @@ class ModelDescription:
     layer_elementwise: tuple[Term, ...] = ()
     loss_elementwise: tuple[Term, ...] = ()
     activations: tuple[Term, ...] = ()
+    residuals: tuple[Term, ...] = ()
     attention_kernels: tuple[AttentionTraits, ...] = ()
     inactive_params: int = 0
     experts: ExpertGeometry | None = None

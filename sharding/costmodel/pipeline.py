@@ -44,6 +44,7 @@ from sharding.costmodel.layout import (
     _place_cached,
     _Placed,
     _Shape,
+    attention_of,
 )
 from sharding.costmodel.memory import Memory, _attention_scores, _memory
 from sharding.modeldesc import ModelDescription
@@ -397,10 +398,10 @@ def _pipeline_memory(
     sums become after the loop (``gather`` ``microbatch``: the slot's gathered layer, the rows received from
     other devices, and the float32 sums of the device's own and received rows), what each saved slot keeps
     (`_Pipe.saved_inputs` of them, `_saved_per_slot`: its input, or with `_Pipe.keeps` the layer's residuals
-    under the remat policy), every microbatch's stage input and its cotangent (none where stage 0 embeds each
-    microbatch, `_head_streamed`), the largest of a layer's backward working set (its activations with the
-    backward's score temporaries and, with ``gather`` ``microbatch``, the slot's gathered layer), the head
-    step's (the head's logits for one run's rows and, with the head streamed, its gathered weights and their
+    under the remat policy, and one chunk pass's fresh residuals beside them), every microbatch's stage input
+    and its cotangent (none where stage 0 embeds each microbatch, `_head_streamed`), the largest of a layer's
+    backward working set (its activations with the backward's score temporaries and, with ``gather``
+    ``microbatch``, the slot's gathered layer), the head step's (the head's logits for one run's rows and, with the head streamed, its gathered weights and their
     whole gradient) and the streamed entry's (the gathered table and its whole gradient), which are never live
     together, and, for the 1F1B family, the head's (and a streamed entry's) weights held through the loop
     (`_head_weight_bytes`).
@@ -427,6 +428,12 @@ def _pipeline_memory(
     # zero bubble: its ring of cuts holds every slot position of a chunk pass (`Streamed.positions` with the
     # per-microbatch gather: `n * B`, past the chunk's K' layers where B does not divide K'; else K')
     kept = pipe.kept * pipe.positions * weight_cut_bytes(model, rules, layout.mesh, s.act_bytes, s.tok)
+    # where the stage keeps residuals, a chunk pass's scan stacks its slots' fresh residuals, beside the ring
+    # they are then written into: one chunk's (`positions` slots) beyond their inputs, live at the peak of the
+    # compiled step of every schedule (`bench/remat_stages.py`)
+    if pipe.keeps:
+        slot_input = _per_token(model, "activations", rules, layout.mesh, keys, s.act_bytes, ("input",))
+        kept += pipe.positions * (saved - slot_input) * s.tok
     # The recomputed layer's backward (`chunk_backward`'s `jax.vjp`) holds, beside what the layer saves, its
     # attention's score-sized float32 arrays at once (`_attention_scores`: two for the reference attention)
     # per token of a microbatch: every microbatch's stage input, and their cotangent, which the backward fills
@@ -456,9 +463,20 @@ def _saved_per_slot(model: ModelDescription, layout: Layout, rules: Rules, keys:
     """Bytes per token of one microbatch a stage keeps per saved slot from its forward to its backward: the
     slot's input where it recomputes the layer (``--remat full``, or `_Pipe.keeps` False); with
     `_Pipe.keeps`, the layer's residuals as an unpipelined layer saves them under the policy (``none``: all
-    of them; ``dots``: the input and the products' outputs; `sharding.costmodel.memory._memory`)."""
-    kept = None if pipe.keeps and layout.remat == "none" else ("input", "dot") if pipe.keeps else ("input",)
-    return _per_token(model, "activations", rules, layout.mesh, keys, s.act_bytes, kept)
+    of them; ``dots``: the input and the products' outputs), each an array of its own in the stage's ring:
+    `ModelDescription.residuals` where the model lists them (else its `activations`, as
+    `sharding.costmodel.memory._memory` prices an unpipelined layer)."""
+    if not pipe.keeps:
+        return _per_token(model, "activations", rules, layout.mesh, keys, s.act_bytes, ("input",))
+    if not model.residuals:
+        kept = None if layout.remat == "none" else ("input", "dot")
+        return _per_token(model, "activations", rules, layout.mesh, keys, s.act_bytes, kept)
+    # the split runs on the forward tick whatever of the backward reads no cotangent: a custom backward's
+    # recomputed probabilities too (the reference attention's), so wherever the scores are materialised, the
+    # ring keeps score-sized arrays
+    keys = s.seq if attention_of(model, layout).materialises_scores else 0.0
+    kept = ("input", "none") if layout.remat == "none" else ("input", "dot")
+    return _per_token(model, "residuals", rules, layout.mesh, keys, s.act_bytes, kept)
 
 
 def _streams_edges(layout: Layout) -> bool:
