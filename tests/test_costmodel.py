@@ -409,7 +409,8 @@ def test_pipeline_weights_gathered_per_microbatch_cost_a_layer_per_slot(one_f_on
     layer = sum(p.size for p in describe(config).params if p.per_layer) * 4  # one layer, float32, whole
 
     def cost(gather):
-        layout = _seven_b_pipeline(pipeline_schedule=schedule, pipeline_gather=gather)
+        # remat full: the stage saves slot inputs and recomputes each layer (none/dots keep residuals instead)
+        layout = _seven_b_pipeline(pipeline_schedule=schedule, pipeline_gather=gather, remat="full")
         return cm.estimate(config, 32, 2048, layout, backend="cpu")
 
     def layer_bytes(c, kind):
@@ -499,7 +500,9 @@ def test_pipeline_in_flight_bytes_are_what_the_step_holds_at_its_peak(attention,
     config = get_config("7b")
     d, f, tokens = config.embed_dim, config.mlp_dim, 2048  # one row of a microbatch per device
     layer = (4 * d * d + 3 * d * f + 2 * d) * 4  # one layer's weights, float32, whole: 772.03 MiB
-    layout = _seven_b_pipeline(pipeline_schedule=_one_f_one_b(one_f_one_b), pipeline_gather=gather, attention=attention)
+    layout = _seven_b_pipeline(  # remat full: slot inputs saved, each layer recomputed (the dry run's)
+        pipeline_schedule=_one_f_one_b(one_f_one_b), pipeline_gather=gather, attention=attention, remat="full"
+    )
     memory = cm.estimate(config, 32, 2048, layout, backend="cpu").memory
     # A layer's activations per token (models/spec.py: block input, attention output, 4 norm/residual, q, attention
     # output, k and v twice, 2 float32 norm copies, 3 MLP), and where the scores are materialised the score-sized
@@ -550,6 +553,7 @@ def test_zero_bubble_keeps_a_cut_for_every_slot_position_of_a_chunk_pass():
             stage_layers=(9, 7),
             pipeline_schedule="zb",
             pipeline_gather=gather,
+            remat="full",  # slot inputs saved (none/dots keep each slot's residuals instead)
         )
         return cm.estimate(config, 32, 2048, layout, backend="cpu").memory.activations
 

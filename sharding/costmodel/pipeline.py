@@ -177,6 +177,16 @@ class _Pipe:
         return again + ((self.segment - 1) / self.segment if self.block_inputs else 0.0)
 
     @property
+    def regathers(self) -> float:
+        """Passes of the backward that gather each slot's layer again (``gather`` ``microbatch``): its own
+        gathers and the block inputs' recomputation, whatever the remat policy (`recomputes` leaves the full
+        policy's recomputation to `sharding.costmodel.flops`, but its backward still reads the layer's
+        weights); none where the stage `keeps` its layers' residuals."""
+        if self.keeps:
+            return 0.0
+        return self.backward_gathers + ((self.segment - 1) / self.segment if self.block_inputs else 0.0)
+
+    @property
     def counted_recomputes(self) -> float:
         """`recomputes` as ``cost_analysis`` counts them (each loop body once): the loop that recomputes a block's
         other slot inputs (`block_inputs`) has one layer's forward in its body, counted once whole."""

@@ -335,7 +335,7 @@ def _pipeline_weight_comms(
             pipe.gather,
             pipe.span,
             pipe.passes * pipe.slot_runs,
-            pipe.recomputes,
+            pipe.regathers,
             pipe.traffic.count(ALL_GATHER, BATCH, WORKING_COPY),
             pipe.traffic.count(REDUCE_SCATTER, BATCH, WORKING_COPY),
             pipe.held if pipe.all_reduced else 0,
@@ -365,7 +365,7 @@ def _pipeline_weight_comms_cached(
     stored rows moved once per step. With ``gather`` ``microbatch`` the storage splits each row's features
     (``span`` > 1, ``groups_n`` 1): each slot's layer all-gathered over the feature axes where a pass runs
     it (``slot_passes``: slots one kind of pass runs per step), by the forward pass, each backward pass and
-    the backward's recomputation of the block inputs (``recomputes``: `_Pipe.recomputes`, the backward's
+    the backward's recomputation of the block inputs (``recomputes``: `_Pipe.regathers`, the backward's
     gathers plus ``(B - 1)/B``), and its gradient reduce-scattered once per slot: one collective of each
     kind per dimension the storage splits (`_feature_hops`).
 
