@@ -251,17 +251,16 @@ def _price(ev: _Evaluator, layout: cm.Layout, tag: str) -> Plan | None:
     policies are tried until GPipe gathering once fits, and the fastest fitting plan of all of them wins. Inside
     stages the choice trades memory for compute both ways (``none`` keeps each layer's residuals per in-flight
     microbatch, ``full`` recomputes the layer: `sharding.pipeline.layout.keeps`), and a heavier policy may buy a
-    faster split or schedule, so a pipeline tries every policy, each until one of its optimizer-state layouts
-    fits."""
-    last, fitting, done = None, [], set()
+    faster split or schedule, so a pipeline tries every policy under both optimizer-state layouts. Either
+    way both layouts are priced at a policy (the split state gathers parameters in the compute dtype, so it can
+    be the faster one, not only the smaller)."""
+    last, fitting, fit_remat = None, [], None
     for lay in _state_variants(layout, ev.options.remats, tag):
+        if fit_remat is not None and lay.remat != fit_remat:  # a lighter recompute already fits
+            break
         if tag == "pipeline":
-            if lay.remat in done:
-                continue
             plans = shares.pipeline_plans(ev, lay)
             fitting += [one for one in plans if one.fits]
-            if any(one.fits and one.layout.pipeline_schedule == lay.pipeline_schedule for one in plans):
-                done.add(lay.remat)
             last = min(plans, key=over_memory, default=last)
             continue
         if tag == "uneven":
@@ -273,9 +272,10 @@ def _price(ev: _Evaluator, layout: cm.Layout, tag: str) -> Plan | None:
             plan_ = ev.uniform(lay)
         if plan_ is None:
             continue
-        if plan_.fits:
+        if plan_.fits:  # the other optimizer-state layout at this recompute is still priced: it may be faster
             fitting.append(plan_)
-            break
+            fit_remat = lay.remat
+            continue
         last = plan_
     return min(fitting, key=lambda p: p.step_time) if fitting else last
 
@@ -283,8 +283,9 @@ def _price(ev: _Evaluator, layout: cm.Layout, tag: str) -> Plan | None:
 def _state_variants(layout: cm.Layout, remats: Iterable[str], tag: str) -> Iterator[cm.Layout]:
     """``layout`` under each remat policy, cheapest first, each first with the optimizer state replicated, then
     (``data`` > 1, not the uneven step, which lays its parameters out itself) split over ``data``
-    (`sharding.zero`): it saves the state's memory for no compute and about the same traffic, so it is tried
-    before the next, costlier recompute; the first that fits ends the search (`_price`)."""
+    (`sharding.zero`): it saves the state's memory for no compute and about the same traffic (less where the
+    compute dtype is narrower), so it is tried before the next, costlier recompute; `_price` keeps the faster
+    of the two that fit at the lightest recompute that fits."""
     shardings = [REPLICATED] + ([ax.DATA] if layout.mesh[ax.DATA] > 1 and tag != "uneven" else [])
     for remat in remats:
         for sharding in shardings:
