@@ -173,63 +173,62 @@ def _place_preferring(
     devices = stages * groups
     width = work.shape[1] // groups
     q = -(-layout.num_layers // devices)
-    held = [[column[s][g][:q] for g in range(groups)] for s in range(stages)]
-    received = [[[] for _ in range(groups)] for _ in range(stages)]  # (src stage, src g, its local row, layer)
-    # the source of each moved row, as arrays over the (stage, g) devices: the largest of (travels `prefer`,
-    # spare rows, -distance), the first in (stage, g) order among equals
-    count = np.array([[len(held[s][g]) for g in range(groups)] for s in range(stages)], dtype=np.int64)
-    ring = np.arange(devices, dtype=np.int64).reshape(stages, groups)
-    other_stage, g_of = np.arange(stages)[:, None], np.arange(groups)[None, :]
-    big = devices + q + 1
-    for s in range(stages):
-        for g in range(groups):
-            here = s * groups + g
-            for layer in column[s][g][q:]:
-                distance = (here - ring) % devices
-                spare = count < q
-                same = spare & (g_of == g) & (other_stage != s)
-                pool = same if same.any() else spare
-                key = (distance == prefer) * big * big + (q - count) * big + (devices - distance)
-                o, h = divmod(int(np.where(pool, key, -1).argmax()), groups)
-                received[s][g].append((o, h, len(held[o][h]), layer))
-                held[o][h].append(layer)
-                count[o, h] += 1
-    row_table = np.full((stages, groups, q), -1, np.int32)
-    for s in range(stages):
-        for g in range(groups):
-            row_table[s, g, : len(held[s][g])] = held[s][g]
+    # per device p = s*G + g (the ring index), flat: its stored layers and how many
+    held = [column[p // groups][p % groups][:q] for p in range(devices)]
+    count = [len(rows) for rows in held]
+    received: list[list[tuple[int, int, int]]] = [[] for _ in range(devices)]  # (source p, its local row, layer)
+    for here in range(devices):
+        s, g = divmod(here, groups)
+        moved = column[s][g][q:]
+        if not moved:
+            continue
+        # the source of each moved row: of the devices with spare rows (those at the same g on other stages
+        # where there are any), the largest (travels `prefer`, spare rows, -distance); distances differ, so
+        # the largest is unique
+        distance = [(here - p) % devices for p in range(devices)]
+        rank = [(d == prefer, -d) for d in distance]
+        same = [p for p in range(g, devices, groups) if p != here]
+        for layer in moved:
+            pool = [p for p in same if count[p] < q] or [p for p in range(devices) if count[p] < q]
+            source = max(pool, key=lambda p: (rank[p][0], -count[p], rank[p][1]))
+            received[here].append((source, count[source], layer))
+            held[source].append(layer)
+            count[source] += 1
+    row_table = np.full((devices, q), -1, np.int32)
+    for p, rows in enumerate(held):
+        row_table[p, : len(rows)] = rows
     sends: list[np.ndarray | None] = []
-    offsets: dict[tuple[int, int, int], int] = {}  # (dst stage, dst g, layer) -> row of its receive buffer
+    offsets: dict[tuple[int, int], int] = {}  # (destination p, layer) -> row of its receive buffer
     total = 0
     # the moved rows by distance, then by source, in (destination, receive order): one pass over them
-    by_distance: dict[int, dict[tuple[int, int], list]] = {}
-    for s in range(stages):
-        for g in range(groups):
-            for o, h, local, layer in received[s][g]:
-                d = (s * groups + g - o * groups - h) % devices
-                by_distance.setdefault(d, {}).setdefault((o, h), []).append((local, layer, s, g))
+    by_distance: dict[int, dict[int, list]] = {}
+    for here in range(devices):
+        for source, local, layer in received[here]:
+            by_distance.setdefault((here - source) % devices, {}).setdefault(source, []).append((local, layer, here))
     for d in range(devices):
         moves = by_distance.get(d, {})
         cap = max((len(v) for v in moves.values()), default=0)
         if d == 0 or cap == 0:
             sends.append(None)
             continue
-        send = np.zeros((stages, groups, cap), np.int32)
-        for (o, h), items in moves.items():
-            for j, (local, layer, s, g) in enumerate(items):
-                send[o, h, j] = local
-                offsets[(s, g, layer)] = total + j
-        sends.append(send)
+        send = np.zeros((devices, cap), np.int32)
+        for source, items in moves.items():
+            for j, (local, layer, here) in enumerate(items):
+                send[source, j] = local
+                offsets[(here, layer)] = total + j
+        sends.append(send.reshape(stages, groups, cap))
         total += cap
-    local_index = np.full((stages, groups, width), -1, np.int32)
-    for s in range(stages):
-        for g in range(groups):
-            where = {layer: j for j, layer in enumerate(column[s][g][:q])}
-            where.update({layer: q + offsets[(s, g, layer)] for _, _, _, layer in received[s][g]})
-            for w in range(width):
-                layer = int(work[s, w * groups + g])
-                if layer >= 0:
-                    local_index[s, g, w] = where[layer]
+    local_index = np.full((devices, width), -1, np.int32)
+    table = work.tolist()
+    for here in range(devices):
+        s, g = divmod(here, groups)
+        where = {layer: j for j, layer in enumerate(column[s][g][:q])}
+        where.update({layer: q + offsets[(here, layer)] for _, _, layer in received[here]})
+        for w in range(width):
+            layer = table[s][w * groups + g]
+            if layer >= 0:
+                local_index[here, w] = where[layer]
+    local_index = local_index.reshape(stages, groups, width)
     return Placement(q, work.shape[1] // layout.repeats, row_table.reshape(-1), tuple(sends), total, local_index)
 
 
