@@ -23,7 +23,7 @@ BASE = [
     "1",
     "--no-progress",
     "--eval-batches",
-    "1",
+    "0",
     "--warmup",
     "1",
 ]

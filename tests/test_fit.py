@@ -21,7 +21,7 @@ BASE = [
     "2",
     "--no-progress",
     "--eval-batches",
-    "1",
+    "0",
 ]
 
 

@@ -616,7 +616,7 @@ def test_training_with_auto_rebalancing_writes_counts_and_speeds(tmp_path, capsy
             "--eval-every",
             "0",
             "--eval-batches",
-            "1",
+            "0",
             "--log-every",
             "1",
             "--run-dir",

@@ -59,7 +59,7 @@ def common(corpus, cache, steps=STEPS) -> list[str]:
         "--eval-every",
         "0",
         "--eval-batches",
-        "1",
+        "0",
         "--log-every",
         "1",
         "--ckpt-every",

@@ -48,7 +48,7 @@ COMMON = [
     "2",
     "--no-progress",
     "--eval-batches",
-    "1",
+    "0",
 ]
 
 
@@ -185,7 +185,7 @@ def test_two_processes_with_uneven_counts_match_one_process(layout, tmp_path, co
         "--eval-every",
         "0",
         "--eval-batches",
-        "1",
+        "0",
         "--log-every",
         "1",
         "--ckpt-every",

@@ -687,7 +687,7 @@ SMALL = [
     "8",
     "--no-progress",
     "--eval-batches",
-    "1",
+    "0",
     "--log-every",
     "1",
     "--warmup",

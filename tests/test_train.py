@@ -18,6 +18,7 @@ from train import train
 from train.runtime.optimizer import OptimizerConfig
 from train.runtime.step import Trainer
 
+# No held-out evaluation (its step is compiled only where a test reads held-out losses: --eval-batches 1).
 SMALL = [
     "--model",
     "test",
@@ -29,7 +30,7 @@ SMALL = [
     "1",
     "--no-progress",
     "--eval-batches",
-    "1",
+    "0",
 ]
 
 
@@ -63,7 +64,8 @@ def restore_params(run_dir, mesh_spec, step=None):
 
 def test_a_short_run_lowers_the_held_out_loss(tmp_path, corpus, cache):
     run_dir = tmp_path / "run"
-    assert run(["--steps", "40", "--eval-every", "0", "--lr", "3e-3", "--run-dir", str(run_dir)], corpus, cache) == 0
+    args = ["--steps", "40", "--eval-every", "0", "--eval-batches", "1", "--lr", "3e-3", "--run-dir", str(run_dir)]
+    assert run(args, corpus, cache) == 0
     held_out = metrics(run_dir, "eval/loss")
     assert sorted(held_out) == [0, 40]
     assert held_out[40] < 0.7 * held_out[0]
@@ -91,6 +93,7 @@ def test_resume_gives_the_same_losses_and_parameters(straight_and_resumed):
     a, b, _ = straight_and_resumed
     losses_a, losses_b = metrics(a), metrics(b)
     assert sorted(losses_b) == list(range(1, 9))
+    assert not metrics(a, "eval/loss") and not metrics(b, "eval/loss")  # --eval-batches 0: never evaluated
     np.testing.assert_allclose([losses_b[s] for s in range(1, 9)], [losses_a[s] for s in range(1, 9)], rtol=1e-6)
     state_a, meta_a = restore_params(a, "fsdp=8")
     state_b, meta_b = restore_params(b, "fsdp=8")

@@ -48,7 +48,7 @@ class LoopOptions:
         shares), for the tokens counted; None: ``seq_len``.
       log_every: steps between log lines.
       eval_every: steps between held-out evaluations (0: only first and last).
-      eval_batches: held-out batches per evaluation.
+      eval_batches: held-out batches per evaluation (0: none; the evaluation step is never compiled).
       ckpt_every: steps between checkpoints (0: only the last).
       flops_per_token: model FLOPs per trained token (for MFU).
       peak_flops: summed peak FLOP/s of all devices, or None when unknown.
@@ -469,7 +469,9 @@ class _Run:
 
     def evaluate(self, state, step: int) -> None:
         """The held-out loss; of a mixture, each source's (``eval/loss_NAME``) and their mean weighted as the
-        training tokens are (``eval/loss``)."""
+        training tokens are (``eval/loss``). None with ``eval_batches`` 0."""
+        if not self.options.eval_batches:
+            return
         sources = self.dataset.sources
         losses = [
             evaluate(self.eval_fn, state["params"], self.dataset, self.options, self.sharding, k)

@@ -205,14 +205,13 @@ def _check_counts(args) -> None:
         "microbatches",
         "steps",
         "log-every",
-        "eval-batches",
         "cpu-devices",
         "pipeline-repeats",
     ):
         value = getattr(args, name.replace("-", "_"))
         if value is not None and value <= 0:
             raise ValueError(f"--{name} {value}: must be a positive integer")
-    for name in ("ckpt-every", "eval-every", "skip-nonfinite"):
+    for name in ("ckpt-every", "eval-every", "eval-batches", "skip-nonfinite"):
         value = getattr(args, name.replace("-", "_"))
         if value < 0:
             raise ValueError(f"--{name} {value}: must be >= 0")

@@ -488,7 +488,9 @@ def _run_flags(p) -> None:
     g.add_argument("--ckpt-every", type=int, default=50, help="steps between checkpoints (0: only at the end)")
     g.add_argument("--keep", type=int, default=3, help="checkpoints to keep")
     g.add_argument("--eval-every", type=int, default=50, help="steps between held-out evaluations (0: first/last)")
-    g.add_argument("--eval-batches", type=int, default=4, help="held-out batches per evaluation")
+    g.add_argument(
+        "--eval-batches", type=int, default=4, help="held-out batches per evaluation (0: no held-out evaluation)"
+    )
     g.add_argument("--log-every", type=int, default=10, help="steps between log lines")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g.add_argument(
