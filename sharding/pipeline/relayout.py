@@ -10,6 +10,8 @@ than its own rows, its result and one message.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from sharding import axes as ax
@@ -36,24 +38,39 @@ def relayout(x, src: Layout, dst: Layout, num_layers: int):
 
     Returns:
       The array in ``dst``'s layout; empty slots and rows are zero. Call it under
-      `jax.jit` with the target shardings as ``out_shardings``.
+      `jax.jit` with the target shardings as ``out_shardings``; called outside one (on gradients, in tests) it
+      compiles one program per shape, not one per array operation.
     """
     import jax.numpy as jnp
 
     if src == dst:
         return x
     lead = stack_table(src, num_layers).ndim
-    rows = x.reshape(-1, *x.shape[lead:])
     position = np.zeros(num_layers, np.int32)
     src_rows = layout_rows(src, num_layers)
     position[src_rows[src_rows >= 0]] = np.nonzero(src_rows >= 0)[0]
     table = stack_table(dst, num_layers)
     take = np.where(table >= 0, position[np.maximum(table, 0)], 0)
-    y = jnp.take(rows, jnp.asarray(take.reshape(-1)), axis=0).reshape(*table.shape, *x.shape[lead:])
-    if (table < 0).any():
-        mask = jnp.asarray(table >= 0).reshape(*table.shape, *([1] * (x.ndim - lead)))
-        y = jnp.where(mask, y, jnp.zeros((), y.dtype))
-    return y
+    keep = jnp.asarray(table >= 0) if (table < 0).any() else None
+    return _take_rows()(x, jnp.asarray(take.reshape(-1)), keep, table.shape, lead)
+
+
+@functools.cache
+def _take_rows():
+    """`relayout`'s gather as one jitted function ``(x, take, keep, shape, lead) -> y``: the rows ``take``
+    (``[prod(shape)]`` int32) of ``x`` with its ``lead`` stack dimensions flattened, reshaped to ``shape``, and
+    zero where ``keep`` (bool ``[*shape]``, or None: everywhere kept) is False."""
+    import jax
+    import jax.numpy as jnp
+
+    def take_rows(x, take, keep, shape, lead):
+        rest = x.shape[lead:]
+        y = jnp.take(x.reshape(-1, *rest), take, axis=0).reshape(*shape, *rest)
+        if keep is None:
+            return y
+        return jnp.where(keep.reshape(*shape, *([1] * len(rest))), y, jnp.zeros((), y.dtype))
+
+    return jax.jit(take_rows, static_argnums=(3, 4))
 
 
 def _stage_table(dst, num_layers: int, stages: int) -> np.ndarray:
