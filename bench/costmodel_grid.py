@@ -194,13 +194,7 @@ def compiled_figures(case, optimizer_sharding: str = "replicated") -> dict:
       ``state_bytes`` (``params`` and ``opt_state``: bytes of one device's blocks of those arguments, their
       scalars, the optimizer's step counts, left out).
     """
-    model, mesh_spec, rules, batch, seq, micro, remat = case[:7]
-    config, mesh = config_of(model, remat), parse_mesh(mesh_spec, 8)
-    layout = _context_layout(config, mesh)
-    par = Parallelism.of(make_mesh(mesh), get_rules(rules), _strategy(case, config, mesh), context_layout=layout)
-    par = par.replace(context_shares=shares_of(case), optimizer_sharding=optimizer_sharding)
-    trainer = Trainer(config, OptimizerConfig(), par)
-    positions = par.positions(seq)  # uneven shares: the padded length the loop runs
+    trainer, batch, positions = _trainer(case, optimizer_sharding)
     compiled, log = xla_log_while(lambda: trainer.compile_train_step(batch, positions))
     analysis = compiled.cost_analysis()
     analysis = analysis[0] if isinstance(analysis, list) else analysis
@@ -218,6 +212,42 @@ def compiled_figures(case, optimizer_sharding: str = "replicated") -> dict:
         "rematerializations": log.count("Involuntary full rematerialization"),
         "state_bytes": {part: block_bytes(trainer.abstract_state()[part]) for part in ("params", "opt_state")},
     }
+
+
+def _trainer(case, optimizer_sharding: str = "replicated"):
+    """``(trainer, global batch, positions)``: the case's `Trainer` and its step's batch and (padded) length."""
+    model, mesh_spec, rules, batch, seq, micro, remat = case[:7]
+    config, mesh = config_of(model, remat), parse_mesh(mesh_spec, 8)
+    layout = _context_layout(config, mesh)
+    par = Parallelism.of(make_mesh(mesh), get_rules(rules), _strategy(case, config, mesh), context_layout=layout)
+    par = par.replace(context_shares=shares_of(case), optimizer_sharding=optimizer_sharding)
+    return Trainer(config, OptimizerConfig(), par), batch, par.positions(seq)  # uneven shares: the padded length
+
+
+@functools.cache
+def compiled_loop_peak(case) -> tuple[float, float]:
+    """``(temp, loop peak)``: bytes of the compiled step's temporaries (``memory_analysis``) and of those
+    occupied at their peak inside its loops (`hlo_live.loop_peak`: XLA's buffer assignment and live ranges,
+    dumped as text while compiling into a temporary folder, removed after): a pipeline's peak over its ticks,
+    without the working copy's gather before the tick loop. The step compiles with the persistent
+    compilation cache off (a cached executable dumps nothing)."""
+    import shutil
+    import tempfile
+
+    from hlo_live import loop_peak
+
+    trainer, batch, positions = _trainer(case)
+    folder = tempfile.mkdtemp(prefix="meshwork-hlo-dump-")
+    cached = jax.config.jax_enable_compilation_cache
+    try:
+        jax.config.update("jax_enable_compilation_cache", False)
+        lowered = trainer.train_step(batch, positions).lower(*trainer.abstract_train_args(batch, positions))
+        options = {"xla_dump_to": folder, "xla_dump_hlo_as_text": True, "xla_dump_hlo_module_re": "jit__step"}
+        compiled = lowered.compile(options)
+        return float(compiled.memory_analysis().temp_size_in_bytes), float(loop_peak(folder))
+    finally:
+        jax.config.update("jax_enable_compilation_cache", cached)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def block_bytes(tree) -> float:

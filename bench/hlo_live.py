@@ -5,10 +5,13 @@ Run a step (e.g. a ``--dry-run``) with ``XLA_FLAGS="--xla_dump_to=DIR --xla_dump
 (default ``jit__step``) it reads the temporaries' allocation (the largest one that is neither a parameter
 nor the output) from ``*-buffer-assignment.txt`` (each value's offset and size) and each value's live
 range from ``*-live-range.txt`` (positions in the scheduled sequence), and prints the allocation's size,
-the largest sum of the values live at one position (the live peak; the allocation is larger by what the
-heap packing leaves unused), the values of at least ``MIN_MIB`` (default 512) MiB live there, and every
-value of that size with its live range: e.g. how many score-sized ``[heads, T, S]`` float32 arrays an
-attention backward holds at once (`bench/RESULTS.md`, "The reference attention's backward").
+the most bytes occupied at one position (the live peak: the union of the live values' ranges of the
+allocation, so that values sharing one buffer, a loop's carried value and its phis, count once; the
+allocation is larger by what the heap packing leaves unused), the values of at least ``MIN_MIB`` (default
+512) MiB live there, and every value of that size with its live range: e.g. how many score-sized
+``[heads, T, S]`` float32 arrays an attention backward holds at once (`bench/RESULTS.md`, "The reference
+attention's backward"). `loop_peak` is the peak over the positions inside loops (a pipeline's tick loop),
+apart from what the step does before and after them (gathering the working copy, the optimizer update).
 
 Units: MiB. Reads text dumps only; imports nothing of ours.
 """
@@ -33,22 +36,85 @@ def temp_values(dump: str, module: str) -> tuple[int, dict[str, tuple[int, int, 
     section = ranges_text.split("BufferLiveRange:")[1].split("Live ranges at")[0]
     ranges = {m[1]: (int(m[2]), int(m[3])) for m in re.finditer(r"^\s+(\S+):(\d+)-(\d+)$", section, re.M)}
     held = {}
-    for name, nbytes, offset, shape in re.findall(r"<\d+ (\S+) @0> \(size=(\d+),offset=(\d+)\): (\S+)", values):
+    # a loop's carried values are phis, listed as ``<id name (phi) @0>``: in the loop body's positions they are
+    # what holds the carry (a pipeline's rings)
+    for name, nbytes, offset, shape in re.findall(
+        r"<\d+ (\S+)(?: \(phi\))? @0> \(size=(\d+),offset=(\d+)\): (\S+)", values
+    ):
         key = name if "{" in name else name + "{}"
         if key in ranges:
             held[key] = (int(nbytes), int(offset), shape, *ranges[key])
     return int(size), held
 
 
+def occupied(held: dict[str, tuple[int, int, str, int, int]]) -> list[int]:
+    """Bytes of the allocation occupied at each position: the union of the live values' ``[offset, offset +
+    bytes)`` (values aliasing one buffer, a loop's carry and its phis, overlap there and count once)."""
+    end = max(last for *_, last in held.values()) + 1
+    spans: list[list[tuple[int, int]]] = [[] for _ in range(end)]
+    for nbytes, offset, _, first, last in held.values():
+        for t in range(first, last + 1):
+            spans[t].append((offset, offset + nbytes))
+    out = []
+    for here in spans:
+        total, reach = 0, 0
+        for start, stop in sorted(here):
+            total += max(0, stop - max(start, reach))
+            reach = max(reach, stop)
+        out.append(total)
+    return out
+
+
+def loop_positions(dump: str, module: str) -> set[int]:
+    """Positions of the scheduled sequence (``*-live-range.txt``) whose instruction runs inside a loop: in a
+    while loop's body or condition, or in a computation one of those calls (a conditional's branches)."""
+    text = open(glob.glob(f"{dump}/*{module}*cpu_after_optimizations.txt")[0]).read()
+    computation_of, calls, loops = {}, {}, set()
+    name = None
+    for line in text.splitlines():
+        head = re.match(r"^(?:ENTRY )?%?(\S+) \(.*\{$", line)
+        if head:
+            name = head[1]
+            calls[name] = set()
+            continue
+        inst = re.match(r"^\s+(?:ROOT )?%?(\S+) = ", line)
+        if inst and name:
+            computation_of[inst[1]] = name
+            called = re.findall(
+                r"(?:body|condition|to_apply|branch_computations|true_computation|"
+                r"false_computation|calls)=\{?%?([^,}\s]+(?:, %[^,}\s]+)*)",
+                line,
+            )
+            for group in called:
+                calls[name].update(c.lstrip("%") for c in group.split(", "))
+            loops.update(re.findall(r"(?:body|condition)=%?([^,}\s]+)", line))
+    inside, todo = set(), list(loops)
+    while todo:
+        c = todo.pop()
+        if c not in inside:
+            inside.add(c)
+            todo.extend(calls.get(c, ()))
+    ranges_text = open(glob.glob(f"{dump}/*{module}*-live-range.txt")[0]).read()
+    sequence = ranges_text.split("BufferLiveRange:")[0]
+    return {int(m[1]) for m in re.finditer(r"^\s+(\d+):(\S+)$", sequence, re.M) if computation_of.get(m[2]) in inside}
+
+
+def loop_peak(dump: str, module: str = "jit__step") -> int:
+    """The most bytes of the temporaries' allocation occupied at one position inside a loop (`occupied`,
+    `loop_positions`): a pipeline step's peak over its ticks, apart from the working copy's gather before the
+    tick loop and the optimizer's update after it."""
+    _, held = temp_values(dump, module)
+    live, inside = occupied(held), loop_positions(dump, module)
+    return max(live[t] for t in inside if t < len(live))
+
+
 def main(dump: str, module: str = "jit__step", min_mib: float = 512) -> None:
     size, held = temp_values(dump, module)
-    end = max(last for *_, last in held.values()) + 1
-    live = [0] * end
-    for nbytes, _, _, first, last in held.values():
-        for t in range(first, last + 1):
-            live[t] += nbytes
+    live = occupied(held)
+    end = len(live)
     peak = max(range(end), key=live.__getitem__)
     print(f"temporaries allocated: {size / MIB:,.0f} MiB; live peak {live[peak] / MIB:,.0f} MiB at position {peak}")
+    print(f"inside loops: live peak {loop_peak(dump, module) / MIB:,.2f} MiB")
     big = [(k, v) for k, v in held.items() if v[0] >= min_mib * MIB]
     print(f"values of at least {min_mib:g} MiB live at the peak:")
     for name, (nbytes, _, shape, first, last) in big:

@@ -208,19 +208,26 @@ def _residuals(config: ModelConfig) -> tuple[Term, ...]:
     (`sharding.pipeline.split.LayerSplit.kept_avals`), where each residual is an array of its own; the
     whole-step program's fusions recompute some of them (`_activations`, the unpipelined count).
 
-    ``dots`` keeps the block input and the outputs of q, k, v, o, gate and up; ``none`` keeps the input and:
+    ``dots`` keeps the block input and the outputs of q, k, v, o, gate and up; ``none`` keeps the input and
+    (the tags ``none-*`` name what only some kernels or compute dtypes keep: `sharding.costmodel.pipeline.
+    residual_tags` selects them for a layout):
 
     - each RMSNorm (`models.layers.rms_norm`): its float32 input (the block input itself where the compute
-      dtype is float32; after attention, the residual stream ``h + o``, which is why o's output is no
-      residual under ``none``), its float32 normalised input (for the scale's gradient), two float32
+      dtype is float32, else a float32 copy, ``none-low``; after attention, the residual stream ``h + o``,
+      which is why o's output is no residual under ``none``), its float32 normalised input (for the scale's gradient), two float32
       scalars per token (the reciprocal root and the mean's gradient factor) and its output as the products
       read it;
     - the attention (`models.attention_reference.reference_attention`, whose custom backward recomputes the
       probabilities: the split runs that recomputation on the forward tick, as it reads no cotangent): the
       rotated queries and keys and the values (the shapes of the q, k, v products' outputs), the float32
-      exponentials of the scores ``[heads, keys]`` (and, below float32, as the value product reads them),
-      and its output ``[heads * head_dim]`` twice, in float32 as the normalisation gives it and as the o
-      product reads it;
+      exponentials of the scores ``[heads, keys]`` (and, below float32, as the value product reads them,
+      ``none-low``),
+      and its output ``[heads * head_dim]`` twice, in float32 as the normalisation gives it (tagged
+      ``none-scores``: a kernel that materialises the scores) and as the o product reads it; a tiled kernel
+      (flash, tagged ``none-tiled``) keeps no scores but its own residuals, its float32 log-sum-exp
+      ``[heads]`` and its output as it accumulates it, in float32 (below float32 an array beside the output
+      the o product reads, ``none-tiled-low``; in float32 that one) (`models.kernels.flash_attention`'s residuals; the traced
+      split of ``test`` with ``attention=flash``, 2 x 128 tokens, float32 and bfloat16, to the byte);
       with ``qk_norm``, each of those norms' float32 input and normalised input and two scalars per head;
     - the SwiGLU: gate and up, sigmoid(gate), its derivative factor, silu(gate) and the hidden: six ``[F]``.
 
@@ -228,7 +235,6 @@ def _residuals(config: ModelConfig) -> tuple[Term, ...]:
     32 tokens a device): ``none`` 459,264 bytes in float32 (3,588 elements per token) and 295,424 bytes in
     bfloat16, ``dots`` 147,456 bytes in float32 (1,152 per token), each to the byte."""
     d, f, n, k, h = config.embed_dim, config.mlp_dim, config.num_heads, config.num_kv_heads, config.head_dim
-    low = config.dtype != "float32"
     none = ("none",)
     terms = [
         Term(d, ax.ACT_LENGTH, kept=("input",), what="block input"),
@@ -239,14 +245,23 @@ def _residuals(config: ModelConfig) -> tuple[Term, ...]:
         Term(4 * f, ax.MLP, kept=none, what="sigmoid(gate), its derivative factor, silu(gate), the hidden"),
         Term(n * h, ax.HEADS, kept=none, what="the attention output (the o product's input)"),
         Term(n, ax.HEADS, per_key=True, bytes=4, kept=none, what="float32 exp(scores)"),
-        Term(n * h, ax.HEADS, bytes=4, kept=none, what="the attention output in float32 (the normalisation's)"),
+        Term(
+            n * h,
+            ax.HEADS,
+            bytes=4,
+            kept=("none-scores",),
+            what="the attention output in float32 (the normalisation's)",
+        ),
+        Term(n, ax.HEADS, bytes=4, kept=("none-tiled",), what="a tiled kernel's float32 log-sum-exp per head"),
         Term(2 * d, kept=none, what="the two RMSNorms' outputs"),
         Term(2 * d, ax.ACT_LENGTH, bytes=4, kept=none, what="the two RMSNorms' float32 normalised inputs"),
-        Term((2 if low else 1) * d, ax.ACT_LENGTH, bytes=4, kept=none, what="the RMSNorms' float32 inputs"),
+        Term(d, ax.ACT_LENGTH, bytes=4, kept=none, what="norm 2's float32 input (the residual stream h + o)"),
         Term(4, ax.ACT_LENGTH, bytes=4, kept=none, what="the RMSNorms' two float32 scalars per token"),
+        # below float32 (the compute dtype's, which the cost model takes from the layout)
+        Term(d, ax.ACT_LENGTH, bytes=4, kept=("none-low",), what="norm 1's float32 input (else the block input)"),
+        Term(n, ax.HEADS, per_key=True, kept=("none-low",), what="exp(scores) as the value product reads it"),
+        Term(n * h, ax.HEADS, bytes=4, kept=("none-tiled-low",), what="a tiled kernel's float32 output"),
     ]
-    if low:
-        terms.append(Term(n, ax.HEADS, per_key=True, kept=none, what="exp(scores) as the value product reads it"))
     if config.qk_norm:
         terms.append(Term(2 * (n + k) * (h + 1), ax.HEADS, bytes=4, kept=none, what="query/key RMSNorms'"))
     return tuple(terms)

@@ -439,8 +439,11 @@ def _pipeline_memory(
     # per-microbatch gather: `n * B`, past the chunk's K' layers where B does not divide K'; else K')
     kept = pipe.kept * pipe.positions * weight_cut_bytes(model, rules, layout.mesh, s.act_bytes, s.tok)
     # where the stage keeps residuals, a chunk pass's scan stacks its slots' fresh residuals, beside the ring
-    # they are then written into: one chunk's (`positions` slots) beyond their inputs, live at the peak of the
-    # compiled step of every schedule (`bench/remat_stages.py`)
+    # they are then written into: one chunk's (`positions` slots) beyond their inputs, whatever the schedule
+    # (each forward tick runs one whole chunk pass). XLA's live ranges (`bench/hlo_live.py` `loop_peak`): the
+    # forward chunk pass is the tick loop's peak on GPipe and zero bubble, holding the ring and all K' fresh
+    # slots; on 1F1B a backward pass (the slot's weights sliced out of the working copy) tops it by 0.6%
+    # (`bench/remat_stages.py`, `tests/test_pipeline_remat.py`)
     if pipe.keeps:
         slot_input = _per_token(model, "activations", rules, layout.mesh, keys, s.act_bytes, ("input",))
         kept += pipe.positions * (saved - slot_input) * s.tok
@@ -484,9 +487,24 @@ def _saved_per_slot(model: ModelDescription, layout: Layout, rules: Rules, keys:
     # the split runs on the forward tick whatever of the backward reads no cotangent: a custom backward's
     # recomputed probabilities too (the reference attention's), so wherever the scores are materialised, the
     # ring keeps score-sized arrays
-    keys = s.seq if attention_of(model, layout).materialises_scores else 0.0
-    kept = ("input", "none") if layout.remat == "none" else ("input", "dot")
+    scores = attention_of(model, layout).materialises_scores
+    keys = s.seq if scores else 0.0
+    kept = residual_tags(layout.remat, scores, s.act_bytes < 4)
     return _per_token(model, "residuals", rules, layout.mesh, keys, s.act_bytes, kept)
+
+
+def residual_tags(remat: str, materialises_scores: bool, low: bool) -> tuple[str, ...]:
+    """The tags of the `ModelDescription.residuals` terms a stage keeps per slot under ``remat`` (``none`` or
+    ``dots``; `models.spec._residuals` lists them): ``dots`` the block input and the products' outputs;
+    ``none`` all the layer's, with the attention's own (an attention that materialises the scores, the
+    reference: its float32 output, ``none-scores``; a tiled kernel, flash: its log-sum-exp, ``none-tiled``)
+    and, where the compute dtype is below float32 (``low``: the layout's, not the description's), the
+    float32 copies and low-precision casts that only then are arrays of their own (``none-low``, and a tiled
+    kernel's float32 output, ``none-tiled-low``)."""
+    if remat != "none":
+        return ("input", "dot")
+    own = ("none-scores",) if materialises_scores else ("none-tiled",) + (("none-tiled-low",) if low else ())
+    return ("input", "none", *own) + (("none-low",) if low else ())
 
 
 def _streams_edges(layout: Layout) -> bool:
