@@ -16,6 +16,7 @@ from test_lora import DENSE, _plain_merge, _random_factors
 
 from checkpoints.meta import DPO, NEXT_TOKEN, RunMeta
 from models import lora
+from models.config import LORA_TARGETS
 from models.transformer import abstract_model, apply, init_params
 from sharding.errors import ConfigError
 from sharding.mesh import make_mesh, parse_mesh
@@ -207,7 +208,7 @@ def test_bad_dpo_flags_are_refused_in_one_line_before_any_work(flags, message, t
 
 
 class _Saved:
-    """A run folder's checkpoint manager, as far as `check_resumable` reads it."""
+    """A run folder's checkpoint manager, as far as train.dpo reads it before restoring."""
 
     def __init__(self, config):
         self.meta = {"model": config.architecture(), "preset": "hf:fixture", "objective": "dpo"}
@@ -219,17 +220,51 @@ class _Saved:
         return self.meta
 
 
+def _check_resumable(manager, config, run_dir):
+    """train.dpo's check of the run folder's newest checkpoint (`checkpoints.meta.RunMeta.check_compatible`)."""
+    step = manager.latest_step()
+    RunMeta.from_json(manager.read_meta(step)).check_compatible(config, None, step, DPO, run_dir)
+
+
 def test_dpo_resume_with_other_adapters_names_the_flags_to_resume_with():
     """A resume whose adapters differ from the checkpoint's is refused naming the adapter flags with their
     saved values (it used to fail inside the checkpoint library on the factors' shapes)."""
     saved = _Saved(DENSE)
-    dpo_cli.check_resumable(saved, DENSE, "runs/dpo")  # the same adapters continue
-    with pytest.raises(
+    _check_resumable(saved, DENSE, "runs/dpo")  # the same adapters continue
+    with raises_as_cli(
         ValueError,
         match=r"^--run-dir runs/dpo: its step 3 holds other adapters: --lora-rank "
         r"\(saved 4, now 8\); resume with --lora-rank 4, or use another --run-dir$",
     ):
-        dpo_cli.check_resumable(saved, DENSE.replace(lora_rank=8), "runs/dpo")
+        _check_resumable(saved, DENSE.replace(lora_rank=8), "runs/dpo")
+
+
+def test_dpo_resume_with_other_adapters_is_refused_in_one_line_by_the_command(tmp_path, capsys, monkeypatch):
+    """train.dpo checks its run folder's newest checkpoint before restoring it, with the one check every
+    resume makes (`checkpoints.meta.RunMeta.check_compatible`): other adapters are named with their flags."""
+    from checkpoints import hf
+    from checkpoints import manager as checkpoints_manager
+
+    base = "tests/fixtures/hf/llama_gqa"
+    saved = _Saved(hf.init_config(base, lora_rank=4, lora_alpha=16.0, lora_targets=",".join(LORA_TARGETS)))
+
+    def refuse_restore(*args, **kwargs):
+        raise AssertionError("restored a checkpoint whose adapters differ")
+
+    monkeypatch.setattr(checkpoints_manager, "CheckpointManager", lambda *args, **kwargs: saved)
+    monkeypatch.setattr(checkpoints_manager, "restore_state", refuse_restore)
+    pairs = tmp_path / "p.jsonl"
+    record = {"prompt": "count", "chosen": "1 2", "rejected": "no"}
+    pairs.write_text("".join(json.dumps(record) + "\n" for _ in range(8)))
+    run_dir = tmp_path / "r"
+    argv = ["--init-from", base, "--data", str(pairs), "--run-dir", str(run_dir), "--cpu-devices", "8"]
+    argv += ["--heldout", "0.5", "--seq-len", "32", "--batch-size", "2", "--lora-rank", "8"]
+    assert dpo_cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"error: --run-dir {run_dir}: its step 3 holds other adapters: --lora-rank (saved 4, now 8); resume with "
+        "--lora-rank 4, or use another --run-dir"
+    )
 
 
 def test_dpo_and_next_token_runs_do_not_continue_each_other():
@@ -241,7 +276,7 @@ def test_dpo_and_next_token_runs_do_not_continue_each_other():
     del trained.meta["objective"]
     assert RunMeta.from_json(trained.meta).objective == NEXT_TOKEN
     with raises_as_cli(ConfigError, r"from a next-token run \(python -m train.train\).*use another --run-dir$"):
-        dpo_cli.check_resumable(trained, DENSE, "runs/sft")
+        _check_resumable(trained, DENSE, "runs/sft")
     old_dpo = {"model": DENSE.architecture(), "preset": "hf:fixture", "data": {"seed": 0}}
     assert RunMeta.from_json(old_dpo).objective == DPO
     with raises_as_cli(ConfigError, r"from a dpo run \(python -m train.dpo\).*use another --run-dir$"):

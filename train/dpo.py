@@ -21,7 +21,7 @@ import numpy as np
 
 from checkpoints.argparser import Parser
 from checkpoints.meta import DPO, RunMeta
-from models.config import LORA_TARGETS, config_differences
+from models.config import LORA_TARGETS
 from sharding.mesh import parse_axis_sizes
 from train.data.tokenizer import HFTokenizer
 from train.runtime.inference import add_device_args, run_main, setup
@@ -49,10 +49,6 @@ def build_parser():
     return p
 
 
-ADAPTER_FLAGS = {"lora_rank": "--lora-rank", "lora_alpha": "--lora-alpha", "lora_targets": "--lora-targets"}
-"""The adapter fields this command sets, by flag (a resume must repeat the run's)."""
-
-
 def check_args(args) -> None:
     """The counts and fractions in range, before the data or any device is touched.
 
@@ -73,31 +69,6 @@ def check_args(args) -> None:
         raise ValueError(f"--heldout {args.heldout}: must be a fraction > 0 and < 1, e.g. --heldout 0.2")
     if not Path(args.data).is_file():
         raise ValueError(f"--data {args.data}: no such file; give a JSONL file of prompt/chosen/rejected pairs")
-
-
-def check_resumable(manager, config, run_dir: str) -> None:
-    """Refuses to continue a run whose newest checkpoint holds other adapters (or another model) than this
-    command builds: restoring it would fail on the factors' shapes.
-
-    Raises:
-      ValueError: Naming ``--run-dir`` and the adapter flags (with their saved values) to resume with.
-      sharding.errors.ConfigError: Another base model (`checkpoints.meta.RunMeta.check_compatible`'s fields).
-    """
-    step = manager.latest_step()
-    saved = RunMeta.from_json(manager.read_meta(step))
-    if saved.objective != DPO:
-        saved.check_compatible(config, None, step, DPO)  # refused: another objective (a train.train run)
-    diff = config_differences(saved.model, config)
-    if not diff:
-        return
-    if set(diff) <= set(ADAPTER_FLAGS):
-        changed = ", ".join(f"{ADAPTER_FLAGS[k]} (saved {a}, now {b})" for k, (a, b) in diff.items())
-        again = " ".join(f"{ADAPTER_FLAGS[k]} {a}" for k, (a, _) in diff.items())
-        raise ValueError(
-            f"--run-dir {run_dir}: its step {step} holds other adapters: {changed}; resume with {again}, "
-            "or use another --run-dir"
-        )
-    saved.check_compatible(config, None, step, DPO)
 
 
 def run(args) -> int:
@@ -144,7 +115,8 @@ def run(args) -> int:
     )
     manager = CheckpointManager(Path(args.run_dir) / "checkpoints", async_save=False) if args.run_dir else None
     if manager is not None and manager.latest_step() is not None:
-        check_resumable(manager, config, args.run_dir)
+        step = manager.latest_step()  # other adapters (or model, or objective) are refused before restoring
+        RunMeta.from_json(manager.read_meta(step)).check_compatible(config, None, step, DPO, args.run_dir)
         state, _ = restore_state(manager, layout, base_folder=args.init_from)
     else:
         state = layout.state_from_params(hf.load_params(args.init_from, config, layout.param_targets()), args.seed)
