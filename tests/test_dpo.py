@@ -174,6 +174,44 @@ def test_too_few_pairs_for_the_batch_suggest_a_batch_that_is_accepted(tmp_path, 
             dpo_cli.main([*argv, "--batch-size", str(fewest)])
 
 
+def test_dpo_holds_the_frozen_base_in_the_dtype_lora_base_dtype_names(tmp_path, capsys, monkeypatch):
+    """train.dpo had no --lora-base-dtype (train.train has it, from the same definition): the base stayed
+    float32. With bfloat16 the model's field is set, and a short run trains and evaluates on it."""
+    from train.runtime import dpo as dpo_runtime
+
+    seen, held = [], set()
+    checked, make_step = dpo_runtime.check_dpo, dpo_runtime.DPOTrainer.train_step
+
+    def train_step(trainer, *args):
+        step = make_step(trainer, *args)
+
+        def recorded(state, *rest):  # the parameters the step is given: the base's dtype, the factors'
+            held.update((lora.is_adapter(k), str(x.dtype)) for k, x in _flat(state["params"]).items())
+            return step(state, *rest)
+
+        return recorded
+
+    monkeypatch.setattr(dpo_runtime, "check_dpo", lambda config, beta: (seen.append(config), checked(config, beta)))
+    monkeypatch.setattr(dpo_runtime.DPOTrainer, "train_step", train_step)
+    pairs = tmp_path / "p.jsonl"
+    record = {"prompt": "count", "chosen": "1 2", "rejected": "no"}
+    pairs.write_text("".join(json.dumps(record) + "\n" for _ in range(8)))
+    argv = ["--init-from", "tests/fixtures/hf/llama_gqa", "--data", str(pairs), "--cpu-devices", "8"]
+    argv += ["--heldout", "0.5", "--seq-len", "48", "--batch-size", "2", "--steps", "1", "--lora-rank", "2"]
+    assert dpo_cli.main([*argv, "--lora-base-dtype", "bfloat16"]) == 0, capsys.readouterr().err
+    assert "held-out preference accuracy" in capsys.readouterr().out
+    assert dpo_cli.build_parser().parse_args(argv).lora_base_dtype is None  # not given: the field's float32
+    assert seen and {c.lora_base_dtype for c in seen} == {"bfloat16"}
+    assert held == {(False, "bfloat16"), (True, "float32")}
+
+
+def _flat(tree, prefix=""):
+    """A nested dict of arrays as ``{"a/b/c": array}``."""
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    return {k: v for name, sub in tree.items() for k, v in _flat(sub, f"{prefix}/{name}" if prefix else name).items()}
+
+
 @pytest.mark.parametrize("beta", [0.0, float("nan")])
 def test_dpo_without_adapters_or_with_a_bad_beta_is_refused_naming_the_flag(beta):
     with raises_as_cli(ConfigError, r"add --lora-rank 16"):

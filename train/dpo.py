@@ -25,6 +25,7 @@ from models.config import LORA_TARGETS
 from sharding.mesh import parse_axis_sizes
 from train.data.tokenizer import HFTokenizer
 from train.runtime.inference import add_device_args, run_main, setup
+from train.setup.flagnames import add_lora_base_dtype
 
 
 def build_parser():
@@ -35,6 +36,7 @@ def build_parser():
     p.add_argument("--lora-rank", type=int, default=16, metavar="R", help="the adapters' rank")
     p.add_argument("--lora-alpha", type=float, default=16.0, metavar="A", help="the adapters' scale numerator")
     p.add_argument("--lora-targets", default=",".join(LORA_TARGETS), metavar="LIST", help="projections adapted")
+    add_lora_base_dtype(p)
     p.add_argument("--dpo-beta", type=float, default=0.1, metavar="BETA", help="DPO's beta (pull to the reference)")
     p.add_argument("--seq-len", type=int, default=64, help="tokens of one reply's side (a row holds two)")
     p.add_argument("--batch-size", type=int, default=8, help="pairs per step")
@@ -83,7 +85,11 @@ def run(args) -> int:
     if parse_axis_sizes(args.mesh).get("stage", 1) > 1:
         raise ValueError(f"--mesh {args.mesh}: DPO runs without pipeline stages; put those devices on fsdp")
     config = hf.init_config(
-        args.init_from, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, lora_targets=args.lora_targets
+        args.init_from,
+        lora_rank=args.lora_rank,
+        lora_alpha=args.lora_alpha,
+        lora_targets=args.lora_targets,
+        **({"lora_base_dtype": args.lora_base_dtype} if args.lora_base_dtype else {}),
     )
     check_dpo(config, args.dpo_beta)
     tokenizer_file = Path(args.tokenizer or Path(args.init_from) / hf.TOKENIZER_FILE)
