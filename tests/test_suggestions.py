@@ -88,6 +88,15 @@ CASES = [
     ["--attention", "cudnn", "--dtype", "bfloat16", "--set", "head_dim=36"],
     ["--plan", "auto"],  # CPU devices have no figures to plan with: --simulate-cluster
     ["--model", "moe-test", "--set", "num_experts=6", "--mesh", "expert=4,fsdp=2"],  # the whole mesh: 8 devices
+    ["--mesh", "expert=2,fsdp=4"],  # a dense model: the expert axis's devices to data
+    ["--batch-size", "0"],  # a count below 1: its default
+    ["--seq-len", "0"],
+    ["--microbatches", "0"],
+    ["--eval-batches", "0"],
+    ["--log-every", "0"],
+    ["--steps", "0"],
+    ["--cpu-devices", "0"],
+    ["--pipeline-repeats", "0", "--mesh", "stage=2,fsdp=4", "--microbatches", "2"],
     ["--pipeline-schedule", "circular", "--mesh", "stage=4,fsdp=2", "--microbatches", "4"],  # 1 layer a stage
     ["--model", "moe-test", "--set", "first_dense_layers=0", "--set", "capacity_factor=1.25"]
     + ["--mesh", "stage=2,fsdp=4", "--microbatches", "2"],
