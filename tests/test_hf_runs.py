@@ -255,6 +255,20 @@ def test_init_from_a_missing_folder_is_one_line(tmp_path, capsys):
     assert "no such folder" in err and len(err.splitlines()) == 1
 
 
+def test_init_from_a_file_is_named_a_file_with_the_folder_it_is_in(capsys):
+    """A model's config.json or weights given as --init-from were refused as "no such folder", though they exist;
+    the message says it is a file and names the model folder it is in, which is accepted."""
+    folder = FIXTURES / "llama_gqa"
+    for name in ("config.json", "model.safetensors"):
+        assert train.main(["--init-from", str(folder / name), "--dry-run"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == (
+            f"error: {folder / name}: a file, not a folder; give a Hugging Face model folder (config.json and "
+            f"*.safetensors), e.g. the one it is in, {folder}"
+        )
+    assert cli.parse(["--init-from", err.rsplit(", ", 1)[1]]).model.num_layers  # the folder named is accepted
+
+
 def test_init_from_pickled_weights_is_refused_before_the_data_is_read(tmp_path, capsys):
     from test_hf import copy_fixture
 
