@@ -155,7 +155,7 @@ def test_too_few_pairs_for_the_batch_suggest_a_batch_that_is_accepted(tmp_path, 
     """Fewer pairs on a side than --batch-size: the suggested batch is the smaller side's count, which the same
     check then accepts (it was always --batch-size 2: the refused value itself for 2, and any for an empty file)."""
 
-    def past(_args):
+    def past(*_args):
         raise _PastTheChecks
 
     monkeypatch.setattr(dpo_cli, "setup", past)

@@ -304,6 +304,18 @@ def imported(tmp_path_factory):
     return run_dir
 
 
+def test_export_onto_pipeline_stages_is_refused_as_export_with_a_mesh_that_exports(imported, tmp_path, capsys):
+    """train.hf export --mesh stage=2,... was refused for "generation and evaluation"; it names export, and the
+    mesh it suggests exports."""
+    from train import hf as hf_cli
+
+    argv = ["export", str(imported), "--out", str(tmp_path / "out"), "--cpu-devices", "8"]
+    assert hf_cli.main([*argv, "--mesh", "stage=2,fsdp=4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "error: --mesh stage=2,fsdp=4: export runs without pipeline stages; e.g. --mesh fsdp=8"
+    assert hf_cli.main([*argv, "--mesh", err.rsplit("--mesh ", 1)[1]]) == 0
+
+
 def test_import_then_export_of_a_run_folder_is_bit_exact(imported, tmp_path):
     import ml_dtypes  # noqa: F401  (bfloat16 for numpy)
     import numpy as np

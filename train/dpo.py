@@ -104,7 +104,7 @@ def run(args) -> int:
             f"--data {args.data}: {counts['train']} train and {counts['heldout']} held-out pairs, fewer {split} "
             f"pairs than --batch-size {b}; {remedy}"
         )
-    par = setup(args)
+    par = setup(args, "DPO")
     optimizer = OptimizerConfig(lr=args.lr, warmup=args.warmup, decay_steps=max(args.steps, args.warmup + 1))
     trainer = DPOTrainer(config, optimizer, par, args.dpo_beta)
     layout = trainer.state_layout

@@ -81,8 +81,12 @@ def add_source_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def setup(args) -> Any:
+def setup(args, task: str) -> Any:
     """Applies ``--cpu-devices``, builds the mesh and rules; returns the run's `Parallelism`.
+
+    Args:
+      args: The command's namespace (`add_device_args`'s flags).
+      task: What the command does, as a stage axis's refusal names it (``generation``, ``export``).
 
     Raises:
       ValueError: a ``--mesh`` that does not fit the devices, a stage axis, or bad rules.
@@ -98,9 +102,7 @@ def setup(args) -> Any:
     shape = parse_mesh(args.mesh, jax.device_count())
     if shape.get("stage", 1) > 1:  # the stage's devices go to fsdp: the same devices
         flat = {**shape, "stage": 1, "fsdp": shape.get("fsdp", 1) * shape["stage"]}
-        raise ValueError(
-            f"--mesh {args.mesh}: generation and evaluation run without pipeline stages; e.g. --mesh {format_mesh(flat)}"
-        )
+        raise ValueError(f"--mesh {args.mesh}: {task} runs without pipeline stages; e.g. --mesh {format_mesh(flat)}")
     return Parallelism.of(make_mesh(shape), get_rules(args.rules, args.rule))
 
 
