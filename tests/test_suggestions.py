@@ -5,6 +5,7 @@ VALUE``); the test takes the flags the message suggests, puts them into the comm
 flags' values), and runs the same parse and checks (`train.setup.cli.parse`, `train.train.prepare`) again: they must pass.
 """
 
+import json
 import re
 import shlex
 from types import SimpleNamespace
@@ -111,6 +112,29 @@ def test_the_suggested_flags_are_accepted(tmp_path, corpus, cache, flags):
     assert message is not None, f"accepted: {argv}"
     fixed = applied(argv, suggested(message))
     assert refusal(fixed) is None, f"{message}\n-> {shlex.join(fixed[len(BASE) :])}\n-> {refusal(fixed)}"
+
+
+def test_a_resume_with_another_model_is_named_a_different_model_before_its_layout(tmp_path, corpus, cache):
+    """``--model moe-test --resume`` on a ``--model test`` run saved on a pipeline was refused for the pipeline
+    (moe-test's dense first layer) before the checkpoint was compared: the different model is named first, and
+    the model it says to resume with is accepted."""
+    from checkpoints.meta import RunMeta
+    from train.data.tokenizer import load_tokenizer
+
+    run_dir = tmp_path / "r"
+    base = [*BASE, "--data", str(corpus), "--data-cache", str(cache), "--run-dir", str(run_dir)]
+    saved = cli.parse(applied(base, ["--mesh", "stage=2,fsdp=2,data=2", "--microbatches", "2"]))
+    tokenizer = load_tokenizer(saved.data.tokenizer, saved.data.eod_token)
+    par = saved.parallelism
+    meta = RunMeta.create(saved.model, "test", par.mesh_shape, par.rules, {}, tokenizer, None).at(2, 16)
+    (run_dir / "checkpoints" / "2" / "meta").mkdir(parents=True)
+    (run_dir / "checkpoints" / "2" / "meta" / "metadata").write_text(json.dumps(meta.to_json()))
+    argv = applied(base, ["--mesh", "stage=2,fsdp=2,data=2", "--microbatches", "2"])
+    argv = applied(argv, ["--model", "moe-test", "--resume"])
+    message = refusal(argv)
+    assert message.startswith("the checkpoint at step 2 was saved with a different model: "), message
+    fixed = applied(argv, shlex.split(message.split("; resume with ")[1].split(", or use another")[0]))
+    assert "moe-test" not in fixed and refusal(fixed) is None, fixed
 
 
 def test_the_suggestion_reader_reads_each_form():

@@ -7,10 +7,14 @@ names the flag, its value and one that works.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from pathlib import Path
 
+from checkpoints.meta import RunMeta
+from checkpoints.names import META
+from checkpoints.verify import saved_steps
 from models import attention_registry
 from models.attention import check_context_parallel
 from models.config import ModelConfig
@@ -47,6 +51,7 @@ def validate(run: RunConfig, num_devices: int, tokenizer=None) -> None:
         raise ValueError(f"--mesh needs {par.num_devices} devices, JAX sees {num_devices}")
     if not run.loop.dry_run:
         check_run_dir(run.checkpoint.run_dir, run.checkpoint.resume)
+        check_resumed_model(run, tokenizer)  # another model is named as such, not refused for its layout
     check_batch(run)
     check_strategy(run)
     check_model_sharding(model, par)
@@ -151,6 +156,33 @@ def check_run_dir(run_dir: str, resume: bool, can_resume: bool = True) -> None:
             f"--run-dir {folder} already holds checkpoints (latest step {saved[-1]}); {remedy} another --run-dir "
             f"(nothing was overwritten)"
         )
+
+
+def check_resumed_model(run: RunConfig, tokenizer) -> None:
+    """With ``--resume``, the run's model against the checkpoint it continues, before the checks of the layout:
+    a ``--model`` other than the run's is refused as a different model (`checkpoints.meta.RunMeta.check_compatible`,
+    naming the model to resume with), not for a mesh or strategy that only the other model refuses.
+
+    The step is ``--resume-step`` or the newest saved; its metadata is read as JSON without opening the
+    checkpoint. A step whose metadata does not read is left to the resume itself, which chooses the newest step
+    that verifies and names the damaged ones (`checkpoints.manager.open_resumable`), then checks that one again.
+
+    Raises:
+      sharding.errors.ConfigError: As `checkpoints.meta.RunMeta.check_compatible`.
+    """
+    if not run.checkpoint.resume:
+        return
+    directory = Path(run.checkpoint.run_dir) / "checkpoints"
+    steps = saved_steps(directory)
+    step = run.checkpoint.resume_step if run.checkpoint.resume_step is not None else (steps[-1] if steps else None)
+    if step is None:
+        return
+    try:
+        saved = json.loads((directory / str(step) / META / "metadata").read_text())
+    except (OSError, ValueError):
+        return
+    if isinstance(saved, dict):
+        RunMeta.from_json(saved).check_compatible(run.model, tokenizer, step)
 
 
 def check_data(run: RunConfig, tokenizer, read: bool = True) -> None:
