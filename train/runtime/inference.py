@@ -91,9 +91,7 @@ def setup(args, task: str) -> Any:
     Raises:
       ValueError: a ``--mesh`` that does not fit the devices, a stage axis, or bad rules.
     """
-    if args.cpu_devices is not None and args.cpu_devices <= 0:
-        raise ValueError(f"--cpu-devices {args.cpu_devices}: must be positive, e.g. 8")
-    setup_devices(args.cpu_devices)
+    setup_devices(args.cpu_devices)  # a count out of bounds refused (`train.launcher.distributed.check_cpu_devices`)
     import jax
 
     from train.setup.checks import check_simulated_devices  # slow: jax
