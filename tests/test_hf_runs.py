@@ -421,3 +421,17 @@ def test_export_takes_the_run_folder_as_run_or_as_run_dir(tmp_path, capsys):
         f"error: export: {n} run folder{s}; give one, e.g. python -m train.hf export runs/a --out hf/a"
         for n, s in (("no", ""), ("two", "s"))
     ]
+
+
+def test_a_file_given_for_a_run_or_export_folder_is_named_a_file(tmp_path, capsys):
+    """A file as the run folder or as --out was refused as "no checkpoints/ folder" or "not an empty folder"."""
+    from train import hf as hf_cli
+
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("x")
+    assert hf_cli.main(["export", str(a_file), "--out", str(tmp_path / "o")]) == 2
+    assert hf_cli.main(["export", str(tmp_path / "run"), "--out", str(a_file)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: --run-dir {a_file}: a file, not a folder; give a folder written by train.train or train.hf import",
+        f"error: --out {a_file}: a file; give a new folder",
+    ]

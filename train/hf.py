@@ -130,7 +130,7 @@ def export_run(args) -> int:
         raise ValueError(f"--max-shard-size {e}") from None
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ValueError(f"--out {out}: not an empty folder; give a new folder")
+        raise ValueError(f"--out {out}: {'a file' if out.is_file() else 'not an empty folder'}; give a new folder")
     par = setup(args, "export")
     t0 = time.perf_counter()
     config, params, meta, step = restore_params(args.run_dir, args.step, par)

@@ -126,9 +126,8 @@ def read_run(run_dir: str | Path, step: int | None = None):
 
     folder = Path(run_dir) / "checkpoints"
     if not folder.is_dir():
-        raise ValueError(
-            f"--run-dir {run_dir}: no checkpoints/ folder; give a folder written by train.train or train.hf import"
-        )
+        what = "a file, not a folder" if Path(run_dir).is_file() else "no checkpoints/ folder"
+        raise ValueError(f"--run-dir {run_dir}: {what}; give a folder written by train.train or train.hf import")
     manager = CheckpointManager(folder, async_save=False, read_only=True)  # a live run's save in progress stays
     try:
         chosen = manager.resume_choice(step, "step").step
