@@ -68,9 +68,15 @@ def read_hf_config(folder: str | Path) -> dict[str, Any]:
     """The parsed ``config.json`` of a model folder.
 
     Raises:
-      ValueError: no such folder, a meshwork run folder, no ``config.json`` or not JSON (one line naming the path).
+      ValueError: a file or no such folder, a meshwork run folder, no ``config.json`` or not JSON (one line
+        naming the path; a file inside a model folder suggests that folder).
     """
     folder = Path(folder)
+    if folder.is_file():  # config.json or a weights file given for its folder
+        inside = f", e.g. the one it is in, {folder.parent}" if (folder.parent / CONFIG_FILE).is_file() else ""
+        raise ValueError(
+            f"{folder}: a file, not a folder; give a Hugging Face model folder (config.json and *.safetensors){inside}"
+        )
     if not folder.is_dir():
         raise ValueError(f"{folder}: no such folder; give a Hugging Face model folder (config.json and *.safetensors)")
     if (folder / "checkpoints").is_dir():  # its config.json is the run's record, which reads as no architecture

@@ -75,13 +75,17 @@ def describe(directory: str | Path, step: int | None = None, deep: bool = False)
     or removed (no Orbax manager is opened, so a save in progress is left alone).
 
     Raises:
-      FileNotFoundError: when the folder does not exist or holds no checkpoint.
+      FileNotFoundError: when the folder does not exist (or is a file) or holds no checkpoint.
       checkpoints.verify.CheckpointDamaged: when ``step`` (or, without it,
         every step) does not read completely.
     """
     import orbax.checkpoint as ocp
 
     root = _resolve_dir(Path(directory).absolute())  # Orbax refuses relative paths
+    if root.is_file():  # a file of a checkpoint (its metadata, say) given for its run
+        run = next((str(p) for p in Path(directory).parents if (p / "checkpoints").is_dir()), None)
+        inside = f", e.g. the run it is in, {run}" if run else ""
+        raise FileNotFoundError(f"{directory}: a file, not a folder; give a run folder (with checkpoints/){inside}")
     if not root.is_dir():
         raise FileNotFoundError(f"{directory}: no such folder")
     steps = saved_steps(root)

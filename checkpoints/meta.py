@@ -183,16 +183,21 @@ class RunMeta:
             f" (the data read on from the {self.samples:,} sequences consumed; tokens per step change)",
         )
 
-    def check_compatible(self, config: ModelConfig, tokenizer, step: int, objective: str = NEXT_TOKEN) -> None:
+    def check_compatible(
+        self, config: ModelConfig, tokenizer, step: int, objective: str = NEXT_TOKEN, run_dir: str | None = None
+    ) -> None:
         """Refuses a checkpoint saved with another objective, model, tokenizer or vocabulary.
 
         Another objective is refused first: continuing a DPO run as next-token training (or the other way
         round) would carry on its step count in the same folder, and checkpoint retention would delete the
-        other run's steps.
+        other run's steps. A DPO run's checkpoint holds its adapters only, the base by reference: adapters of
+        another rank, scale or targets are refused naming just those fields (restoring them would fail on the
+        factors' shapes).
 
         Args:
           tokenizer: This run's tokenizer, or None to leave the tokenizer unchecked.
           objective: This run's (`NEXT_TOKEN` or `DPO`).
+          run_dir: The run folder, named when a DPO run's adapters differ (None: named without a value).
 
         Raises:
           ConfigError: Naming the differing fields, their saved and current values, and the fields to resume
@@ -206,6 +211,22 @@ class RunMeta:
                 Field("run_dir"),
             )
         diff = config_differences(self.model, config)
+        if diff and objective == DPO and set(diff) <= set(LORA_FIELDS):
+            changed = [
+                p
+                for i, (k, (a, b)) in enumerate(diff.items())
+                for p in (", " * bool(i), Field(k), f" (saved {a}, now {b})")
+            ]
+            again = [p for i, (k, (a, _)) in enumerate(diff.items()) for p in (" " * bool(i), Field(k, a))]
+            raise ConfigError(
+                Field("run_dir", run_dir),
+                f": its step {step} holds other adapters: ",
+                *changed,
+                "; resume with ",
+                *again,
+                ", or use another ",
+                Field("run_dir"),
+            )
         if diff:
             fields = ", ".join(f"{k} (saved {a!r}, now {b!r})" for k, (a, b) in diff.items())
             # The adapters' fields have flags of their own (and an override of lora_rank alone leaves no

@@ -134,13 +134,29 @@ def weights_digest(folder: str | Path) -> str:
 
     It reads every byte (seconds per 10 GB at disk speed): a run whose checkpoints keep only adapters records
     it at the start and compares it on restore, so a folder whose weights changed is not silently used as the
-    base of adapters trained on other weights.
+    base of adapters trained on other weights. A resume does both on one folder, so the digest is kept for the
+    process, keyed by each file's path, size, inode and modification and change times: a file rewritten or
+    replaced since is read again.
 
     Raises:
       ValueError: As `checkpoints.hf.weight_files`.
     """
-    out = hashlib.sha256()
-    for path in sorted(set(hf.weight_files(folder).values())):
-        with open(path, "rb") as f:
-            out.update(path.name.encode() + b"\0" + hashlib.file_digest(f, "sha256").digest())
-    return out.hexdigest()
+    paths = sorted(set(hf.weight_files(folder).values()))
+    key = tuple((str(p.resolve()), *_stamp(p)) for p in paths)
+    if key not in _DIGESTS:
+        out = hashlib.sha256()
+        for path in paths:
+            with open(path, "rb") as f:
+                out.update(path.name.encode() + b"\0" + hashlib.file_digest(f, "sha256").digest())
+        _DIGESTS[key] = out.hexdigest()
+    return _DIGESTS[key]
+
+
+_DIGESTS: dict[tuple, str] = {}
+"""`weights_digest` of each set of files hashed in this process, by the files' paths and `_stamp`s."""
+
+
+def _stamp(path: Path) -> tuple[int, int, int, int]:
+    """What changes when a file is rewritten or replaced: size, inode, modification and change times (ns)."""
+    st = path.stat()
+    return st.st_size, st.st_ino, st.st_mtime_ns, st.st_ctime_ns

@@ -338,12 +338,16 @@ def describe(config: ModelConfig) -> ModelDescription:
         attention_kernels=tuple(k.traits for k in KERNELS),
         inactive_params=_inactive_params(config),
         frozen_bytes=2 if config.lora_rank and config.lora_base_dtype == "bfloat16" else 4,
-        experts=ExpertGeometry(
-            config.num_moe_layers, config.num_experts, config.experts_per_token, config.capacity_factor
-        )
-        if config.is_moe
-        else None,
+        experts=expert_geometry(config),
     )
+
+
+def expert_geometry(config: ModelConfig) -> ExpertGeometry | None:
+    """The routing of ``config``'s mixture of experts as the cost model and the layout checks read it
+    (`sharding.modeldesc.ExpertGeometry`), or None for a dense model."""
+    if not config.is_moe:
+        return None
+    return ExpertGeometry(config.num_moe_layers, config.num_experts, config.experts_per_token, config.capacity_factor)
 
 
 def _feed_forward_products(config: ModelConfig, by_path: dict[str, Param]) -> list[Product]:

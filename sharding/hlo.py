@@ -375,9 +375,19 @@ _BRANCH_ONLY = re.compile(r"\b(?:true_computation|false_computation)=%?([\w.\-]+
 _GROUPS_LIST = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
-# jax >= 0.12: ``replica_groups=mesh['data'=1,'stage'=2,...] {'sequence'}``: one group per index of the
-# other axes, the devices along the named ones (device ids in the mesh's row-major order).
-_GROUPS_NAMED = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+# XLA's mesh-axes replica groups (`MeshAxesReplicaGroupList::ToString`, xla/hlo/ir/replica_group.cc): a mesh,
+# then the axes each group spans in braces. jax >= 0.12 prints ``mesh['data'=1,'stage'=2,...] {'sequence'}``
+# (an iota mesh: device ids in row-major order); XLA's own tests print ``@mesh<a=2,b=4> {a}`` and, for a mesh
+# of another device order, ``@mesh<a=2,b=4>(devices=[2,4]<=[4,2]T(1,0)) {a}`` (an iota tile assignment) or
+# ``@mesh<ooo=10>(devices=[10]8,3,7,...) {ooo}`` (the ids listed). An axis in the braces may be a sub-axis,
+# ``b:(1)2``: the size-2 factor of ``b`` with 1 element before it (`AxisRef::ToString`,
+# xla/hlo/ir/mesh_and_axis.cc). A mesh printed with ``, device_ids=(...)`` is not read (None).
+_GROUPS_NAMED = re.compile(
+    r"replica_groups=(?:mesh\[([^\]]*)\]|@mesh<([^>]*)>"
+    r"(?:\(devices=(\[[\d,]+\](?:<=\[[\d,]+\](?:T\([\d,]+\))?|[\d,]+))\))?)\s*\{([^}]*)\}"
+)
+_MESH_AXIS = re.compile(r"'?(\w+)'?=(\d+)")
+_GROUP_AXIS = re.compile(r"'?(\w+)'?(?::\((\d+)\)(\d+))?")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -417,17 +427,74 @@ def device_groups(rest: str) -> list[list[int]] | None:
         return ids.reshape(shape).tolist()
     named = _GROUPS_NAMED.search(rest)
     if named:
-        axes = re.findall(r"'(\w+)'=(\d+)", named.group(1))
-        over = re.findall(r"'(\w+)'", named.group(2))
+        axes = _MESH_AXIS.findall(named.group(1) or named.group(2))
         names, sizes = [a for a, _ in axes], [int(n) for _, n in axes]
-        ids = np.arange(math.prod(sizes)).reshape(sizes)
-        inner = [names.index(a) for a in over]
-        ids = ids.transpose([d for d in range(len(names)) if d not in inner] + inner)
-        return ids.reshape(-1, math.prod(sizes[d] for d in inner)).tolist()
+        over = [
+            (a, int(pre) if pre else None, int(n) if n else None) for a, pre, n in _GROUP_AXIS.findall(named.group(4))
+        ]
+        if any(a not in names for a, _, _ in over):
+            return None
+        return _mesh_axes_groups(sizes, names, _tile_devices(named.group(3), sizes), over)
     pairs = _PAIRS.search(rest)
     if pairs:
         return [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", pairs.group(1))]
     return None
+
+
+def _tile_devices(text: str | None, sizes: list[int]) -> np.ndarray:
+    """The device ids of a mesh of ``sizes``: row-major (None), an iota tile assignment
+    ``[dims]<=[reshape]T(perm)``, or ``[dims]id,id,...`` listed."""
+    if text is None:
+        return np.arange(math.prod(sizes)).reshape(sizes)
+    dims, _, tail = text[1:].partition("]")
+    if not tail.startswith("<="):
+        return np.array([int(d) for d in tail.split(",")]).reshape(sizes)
+    iota = re.fullmatch(r"<=\[([\d,]+)\](?:T\(([\d,]+)\))?", tail)
+    reshape = [int(d) for d in iota.group(1).split(",")]
+    ids = np.arange(math.prod(reshape)).reshape(reshape)
+    if iota.group(2):
+        ids = ids.transpose([int(d) for d in iota.group(2).split(",")])
+    return ids.reshape(sizes)
+
+
+def _mesh_axes_groups(sizes, names, devices, over) -> list[list[int]]:
+    """The groups of mesh-axes replica groups, as XLA expands them
+    (`MeshAxesReplicaGroupList::flattened_replica_groups`): each mesh axis that ``over`` names is reshaped into
+    its factors (a sub-axis ``(pre)size`` of an axis of ``n`` devices: ``[pre, size, n / (pre * size)]``; several
+    sub-axes of one axis: its factors in order, gaps between them as factors of their own), the factors the
+    groups span are moved last in the order ``over`` names them, and the devices are read in consecutive runs
+    of the group size.
+
+    Args:
+      sizes, names: The mesh's axes.
+      devices: Its device ids, shaped ``sizes``.
+      over: ``(name, pre, size)`` per axis of the groups; ``pre`` and ``size`` None for a whole axis.
+    """
+    dims, where = [], {}  # where: (name, pre) -> the factor's position in dims
+    for name, n in zip(names, sizes):
+        refs = sorted(((pre, size) for a, pre, size in over if a == name), key=lambda r: r[0] or 0)
+        if not refs:
+            dims.append(n)
+        elif refs[0][0] is None:
+            where[name, None] = len(dims)
+            dims.append(n)
+        elif len(refs) == 1:
+            pre, size = refs[0]
+            where[name, pre] = len(dims) + 1
+            dims += [pre, size, n // (pre * size)]
+        else:
+            before = 1
+            for pre, size in refs:
+                if pre != before:
+                    dims.append(pre // before)
+                where[name, pre] = len(dims)
+                dims.append(size)
+                before = pre * size
+            if before != n:
+                dims.append(n // before)
+    inner = [where[a, pre] for a, pre, _ in over]
+    ids = devices.reshape(dims).transpose([d for d in range(len(dims)) if d not in inner] + inner)
+    return ids.reshape(-1, math.prod(dims[d] for d in inner)).tolist()
 
 
 def branch_collectives(hlo_text: str, mesh, stage_axis: str = "stage") -> list[BranchCollective]:

@@ -16,6 +16,7 @@ from test_lora import DENSE, _plain_merge, _random_factors
 
 from checkpoints.meta import DPO, NEXT_TOKEN, RunMeta
 from models import lora
+from models.config import LORA_TARGETS
 from models.transformer import abstract_model, apply, init_params
 from sharding.errors import ConfigError
 from sharding.mesh import make_mesh, parse_mesh
@@ -154,7 +155,7 @@ def test_too_few_pairs_for_the_batch_suggest_a_batch_that_is_accepted(tmp_path, 
     """Fewer pairs on a side than --batch-size: the suggested batch is the smaller side's count, which the same
     check then accepts (it was always --batch-size 2: the refused value itself for 2, and any for an empty file)."""
 
-    def past(_args):
+    def past(*_args):
         raise _PastTheChecks
 
     monkeypatch.setattr(dpo_cli, "setup", past)
@@ -171,6 +172,44 @@ def test_too_few_pairs_for_the_batch_suggest_a_batch_that_is_accepted(tmp_path, 
         assert 1 <= fewest < lines
         with pytest.raises(_PastTheChecks):
             dpo_cli.main([*argv, "--batch-size", str(fewest)])
+
+
+def test_dpo_holds_the_frozen_base_in_the_dtype_lora_base_dtype_names(tmp_path, capsys, monkeypatch):
+    """train.dpo had no --lora-base-dtype (train.train has it, from the same definition): the base stayed
+    float32. With bfloat16 the model's field is set, and a short run trains and evaluates on it."""
+    from train.runtime import dpo as dpo_runtime
+
+    seen, held = [], set()
+    checked, make_step = dpo_runtime.check_dpo, dpo_runtime.DPOTrainer.train_step
+
+    def train_step(trainer, *args):
+        step = make_step(trainer, *args)
+
+        def recorded(state, *rest):  # the parameters the step is given: the base's dtype, the factors'
+            held.update((lora.is_adapter(k), str(x.dtype)) for k, x in _flat(state["params"]).items())
+            return step(state, *rest)
+
+        return recorded
+
+    monkeypatch.setattr(dpo_runtime, "check_dpo", lambda config, beta: (seen.append(config), checked(config, beta)))
+    monkeypatch.setattr(dpo_runtime.DPOTrainer, "train_step", train_step)
+    pairs = tmp_path / "p.jsonl"
+    record = {"prompt": "count", "chosen": "1 2", "rejected": "no"}
+    pairs.write_text("".join(json.dumps(record) + "\n" for _ in range(8)))
+    argv = ["--init-from", "tests/fixtures/hf/llama_gqa", "--data", str(pairs), "--cpu-devices", "8"]
+    argv += ["--heldout", "0.5", "--seq-len", "48", "--batch-size", "2", "--steps", "1", "--lora-rank", "2"]
+    assert dpo_cli.main([*argv, "--lora-base-dtype", "bfloat16"]) == 0, capsys.readouterr().err
+    assert "held-out preference accuracy" in capsys.readouterr().out
+    assert dpo_cli.build_parser().parse_args(argv).lora_base_dtype is None  # not given: the field's float32
+    assert seen and {c.lora_base_dtype for c in seen} == {"bfloat16"}
+    assert held == {(False, "bfloat16"), (True, "float32")}
+
+
+def _flat(tree, prefix=""):
+    """A nested dict of arrays as ``{"a/b/c": array}``."""
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    return {k: v for name, sub in tree.items() for k, v in _flat(sub, f"{prefix}/{name}" if prefix else name).items()}
 
 
 @pytest.mark.parametrize("beta", [0.0, float("nan")])
@@ -207,7 +246,7 @@ def test_bad_dpo_flags_are_refused_in_one_line_before_any_work(flags, message, t
 
 
 class _Saved:
-    """A run folder's checkpoint manager, as far as `check_resumable` reads it."""
+    """A run folder's checkpoint manager, as far as train.dpo reads it before restoring."""
 
     def __init__(self, config):
         self.meta = {"model": config.architecture(), "preset": "hf:fixture", "objective": "dpo"}
@@ -219,17 +258,51 @@ class _Saved:
         return self.meta
 
 
+def _check_resumable(manager, config, run_dir):
+    """train.dpo's check of the run folder's newest checkpoint (`checkpoints.meta.RunMeta.check_compatible`)."""
+    step = manager.latest_step()
+    RunMeta.from_json(manager.read_meta(step)).check_compatible(config, None, step, DPO, run_dir)
+
+
 def test_dpo_resume_with_other_adapters_names_the_flags_to_resume_with():
     """A resume whose adapters differ from the checkpoint's is refused naming the adapter flags with their
     saved values (it used to fail inside the checkpoint library on the factors' shapes)."""
     saved = _Saved(DENSE)
-    dpo_cli.check_resumable(saved, DENSE, "runs/dpo")  # the same adapters continue
-    with pytest.raises(
+    _check_resumable(saved, DENSE, "runs/dpo")  # the same adapters continue
+    with raises_as_cli(
         ValueError,
         match=r"^--run-dir runs/dpo: its step 3 holds other adapters: --lora-rank "
         r"\(saved 4, now 8\); resume with --lora-rank 4, or use another --run-dir$",
     ):
-        dpo_cli.check_resumable(saved, DENSE.replace(lora_rank=8), "runs/dpo")
+        _check_resumable(saved, DENSE.replace(lora_rank=8), "runs/dpo")
+
+
+def test_dpo_resume_with_other_adapters_is_refused_in_one_line_by_the_command(tmp_path, capsys, monkeypatch):
+    """train.dpo checks its run folder's newest checkpoint before restoring it, with the one check every
+    resume makes (`checkpoints.meta.RunMeta.check_compatible`): other adapters are named with their flags."""
+    from checkpoints import hf
+    from checkpoints import manager as checkpoints_manager
+
+    base = "tests/fixtures/hf/llama_gqa"
+    saved = _Saved(hf.init_config(base, lora_rank=4, lora_alpha=16.0, lora_targets=",".join(LORA_TARGETS)))
+
+    def refuse_restore(*args, **kwargs):
+        raise AssertionError("restored a checkpoint whose adapters differ")
+
+    monkeypatch.setattr(checkpoints_manager, "CheckpointManager", lambda *args, **kwargs: saved)
+    monkeypatch.setattr(checkpoints_manager, "restore_state", refuse_restore)
+    pairs = tmp_path / "p.jsonl"
+    record = {"prompt": "count", "chosen": "1 2", "rejected": "no"}
+    pairs.write_text("".join(json.dumps(record) + "\n" for _ in range(8)))
+    run_dir = tmp_path / "r"
+    argv = ["--init-from", base, "--data", str(pairs), "--run-dir", str(run_dir), "--cpu-devices", "8"]
+    argv += ["--heldout", "0.5", "--seq-len", "32", "--batch-size", "2", "--lora-rank", "8"]
+    assert dpo_cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"error: --run-dir {run_dir}: its step 3 holds other adapters: --lora-rank (saved 4, now 8); resume with "
+        "--lora-rank 4, or use another --run-dir"
+    )
 
 
 def test_dpo_and_next_token_runs_do_not_continue_each_other():
@@ -241,7 +314,7 @@ def test_dpo_and_next_token_runs_do_not_continue_each_other():
     del trained.meta["objective"]
     assert RunMeta.from_json(trained.meta).objective == NEXT_TOKEN
     with raises_as_cli(ConfigError, r"from a next-token run \(python -m train.train\).*use another --run-dir$"):
-        dpo_cli.check_resumable(trained, DENSE, "runs/sft")
+        _check_resumable(trained, DENSE, "runs/sft")
     old_dpo = {"model": DENSE.architecture(), "preset": "hf:fixture", "data": {"seed": 0}}
     assert RunMeta.from_json(old_dpo).objective == DPO
     with raises_as_cli(ConfigError, r"from a dpo run \(python -m train.dpo\).*use another --run-dir$"):

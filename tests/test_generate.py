@@ -151,8 +151,12 @@ def test_cli_prints_the_greedy_continuation(capsys, tmp_path):
         (["--top-k", "-1"], "--top-k -1: must be >= 0"),
         (["--max-new-tokens", "0"], "--max-new-tokens 0: must be positive"),
         (["--mesh", "data=3"], "--mesh"),
-        (["--mesh", "stage=2,tensor=4"], "run without pipeline stages; e.g. --mesh fsdp=2,tensor=4"),
+        (
+            ["--mesh", "stage=2,tensor=4"],
+            "--mesh stage=2,tensor=4: generation runs without pipeline stages; e.g. --mesh fsdp=2,tensor=4",
+        ),
         (["--prompt-file", "/nonexistent"], "--prompt-file /nonexistent: no such file"),
+        (["--cpu-devices", "0"], "--cpu-devices 0: must be positive, e.g. --cpu-devices 8"),
     ],
 )
 def test_cli_bad_flags_end_in_one_line(capsys, flags, message):

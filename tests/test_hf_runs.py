@@ -255,6 +255,20 @@ def test_init_from_a_missing_folder_is_one_line(tmp_path, capsys):
     assert "no such folder" in err and len(err.splitlines()) == 1
 
 
+def test_init_from_a_file_is_named_a_file_with_the_folder_it_is_in(capsys):
+    """A model's config.json or weights given as --init-from were refused as "no such folder", though they exist;
+    the message says it is a file and names the model folder it is in, which is accepted."""
+    folder = FIXTURES / "llama_gqa"
+    for name in ("config.json", "model.safetensors"):
+        assert train.main(["--init-from", str(folder / name), "--dry-run"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == (
+            f"error: {folder / name}: a file, not a folder; give a Hugging Face model folder (config.json and "
+            f"*.safetensors), e.g. the one it is in, {folder}"
+        )
+    assert cli.parse(["--init-from", err.rsplit(", ", 1)[1]]).model.num_layers  # the folder named is accepted
+
+
 def test_init_from_pickled_weights_is_refused_before_the_data_is_read(tmp_path, capsys):
     from test_hf import copy_fixture
 
@@ -288,6 +302,18 @@ def imported(tmp_path_factory):
         == 0
     )
     return run_dir
+
+
+def test_export_onto_pipeline_stages_is_refused_as_export_with_a_mesh_that_exports(imported, tmp_path, capsys):
+    """train.hf export --mesh stage=2,... was refused for "generation and evaluation"; it names export, and the
+    mesh it suggests exports."""
+    from train import hf as hf_cli
+
+    argv = ["export", str(imported), "--out", str(tmp_path / "out"), "--cpu-devices", "8"]
+    assert hf_cli.main([*argv, "--mesh", "stage=2,fsdp=4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "error: --mesh stage=2,fsdp=4: export runs without pipeline stages; e.g. --mesh fsdp=8"
+    assert hf_cli.main([*argv, "--mesh", err.rsplit("--mesh ", 1)[1]]) == 0
 
 
 def test_import_then_export_of_a_run_folder_is_bit_exact(imported, tmp_path):
@@ -394,4 +420,18 @@ def test_export_takes_the_run_folder_as_run_or_as_run_dir(tmp_path, capsys):
     assert errs[1:] == [
         f"error: export: {n} run folder{s}; give one, e.g. python -m train.hf export runs/a --out hf/a"
         for n, s in (("no", ""), ("two", "s"))
+    ]
+
+
+def test_a_file_given_for_a_run_or_export_folder_is_named_a_file(tmp_path, capsys):
+    """A file as the run folder or as --out was refused as "no checkpoints/ folder" or "not an empty folder"."""
+    from train import hf as hf_cli
+
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("x")
+    assert hf_cli.main(["export", str(a_file), "--out", str(tmp_path / "o")]) == 2
+    assert hf_cli.main(["export", str(tmp_path / "run"), "--out", str(a_file)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: --run-dir {a_file}: a file, not a folder; give a folder written by train.train or train.hf import",
+        f"error: --out {a_file}: a file; give a new folder",
     ]

@@ -2,6 +2,7 @@
 by reference to its folder (`checkpoints.meta.RunMeta.base`): what a checkpoint holds, a resume onto another
 layout continuing the run as an uninterrupted one does, and a base folder whose weights changed refused."""
 
+import hashlib
 import json
 import shutil
 
@@ -76,15 +77,19 @@ def test_the_checkpoint_holds_the_adapters_and_the_base_by_reference(runs):
     assert "opt_state" in saved and "step" in saved
 
 
-def test_a_resume_reads_the_base_from_its_folder_and_continues_as_uninterrupted(runs, tmp_path):
+def test_a_resume_reads_the_base_from_its_folder_and_continues_as_uninterrupted(runs, tmp_path, monkeypatch):
     """Resumed onto a pipeline (stage=2: the adapters' state and the base re-laid into its storage) with the base
     moved to another folder (passed as ``--init-from``): step 3's loss is the uninterrupted run's (1e-4, the
-    pipeline's microbatched sums, as tests/test_hf_runs.py compares a pipeline's first step)."""
+    pipeline's microbatched sums, as tests/test_hf_runs.py compares a pipeline's first step). The base's weights
+    are read for their digest once (the new checkpoint's record and the check of the restored one share it)."""
     root, corpus, cache, base = runs
     run_dir, moved = tmp_path / "two", tmp_path / "moved"
     shutil.copytree(root / "two", run_dir)
     shutil.copytree(base, moved)
+    hashed, file_digest = [], hashlib.file_digest
+    monkeypatch.setattr(hashlib, "file_digest", lambda f, *args: (hashed.append(f.name), file_digest(f, *args))[1])
     assert _run(corpus, cache, moved, run_dir, 3, "--mesh", "stage=2,fsdp=4", "--microbatches", "2", "--resume") == 0
+    assert hashed == [str(moved / "model.safetensors")]
     resumed, straight = metrics(run_dir, "train/loss"), metrics(root / "straight", "train/loss")
     assert resumed[3] == pytest.approx(straight[3], rel=1e-4)
     assert resumed[2] == straight[2]  # the first two steps' records, kept

@@ -162,3 +162,22 @@ def test_a_bfloat16_base_merges_into_a_model_without_adapters():
     want_config, want = lora.merged(config, widened)
     assert merged_config == want_config and merged_config.lora_base_dtype == "float32"
     jax.tree.map(lambda g, w: np.testing.assert_allclose(np.float32(g), w, rtol=0, atol=1e-6), merged, want)
+
+
+def test_a_folder_s_weights_digest_is_read_once_until_a_file_changes(tmp_path, monkeypatch):
+    """A resume of adapters on a base by reference records the base's digest and checks the restored one's:
+    the folder's bytes are read once a process, and again when a file is rewritten (another digest)."""
+    import hashlib
+    import shutil
+
+    from test_hf import rewrite_tensors
+
+    base = tmp_path / "base"
+    shutil.copytree(FIXTURES / "llama_gqa", base)
+    hashed, file_digest = [], hashlib.file_digest
+    monkeypatch.setattr(hashlib, "file_digest", lambda f, *args: (hashed.append(f.name), file_digest(f, *args))[1])
+    first = peft.weights_digest(base)
+    assert peft.weights_digest(base) == first and peft.weights_digest(str(base)) == first
+    assert hashed == [str(base / "model.safetensors")]
+    rewrite_tensors(base, lambda t: t.update({"lm_head.weight": np.zeros_like(t["lm_head.weight"])}))
+    assert peft.weights_digest(base) != first and len(hashed) == 2

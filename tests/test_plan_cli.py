@@ -138,6 +138,33 @@ def test_a_layout_train_train_would_refuse_is_refused_with_a_remedy_that_prices(
     assert _json(capsys, argv + ["--layout", fixed])["fits"]
 
 
+@pytest.mark.parametrize(
+    "model, overrides, mesh",
+    [("test", [], "fsdp=2,expert=4"), ("moe-test", ["num_experts=6"], "fsdp=2,expert=4")],
+)
+def test_an_expert_axis_is_refused_by_train_plan_in_train_train_s_words(capsys, model, overrides, mesh):
+    """train.plan --layout kept a second copy of train.train's expert-axis check, with its own wording and
+    remedy for a dense model; both now make the one check (`train.setup.checks.check_expert_axis`)."""
+    from models.config import get_config
+    from sharding.mesh import parse_mesh
+    from sharding.parallel import Parallelism
+    from sharding.rules import get_rules
+    from train.setup.checks import check_experts
+
+    sets = [part for o in overrides for part in ("--set", o)]
+    assert (
+        plan_main(SEARCH + ["--model", model, *sets, "--cluster", "h100:4,a100:4", "--layout", f"--mesh {mesh}"]) == 2
+    )
+    with pytest.raises(ValueError) as refused:
+        check_experts(get_config(model, overrides), Parallelism(parse_mesh(mesh, 8), get_rules("fsdp")))
+    assert capsys.readouterr().err.strip() == f"error: --layout: {refused.value}"
+    par = Parallelism(parse_mesh(mesh, 8), get_rules("fsdp"))
+    if model == "test":  # the models it names are accepted on this mesh
+        assert "(--model moe-test, or --set num_experts=4)" in str(refused.value)
+        check_experts(get_config("moe-test"), par)
+        check_experts(get_config("test", ["num_experts=4"]), par)
+
+
 def test_a_kind_without_figures_is_named_with_the_figures_it_lacks(tmp_path, capsys):
     """The planner said a kind's figures 'are unknown; ... give them in a cluster file' to a cluster file that
     gave some of them; it names the ones missing and where they go."""

@@ -5,6 +5,7 @@ VALUE``); the test takes the flags the message suggests, puts them into the comm
 flags' values), and runs the same parse and checks (`train.setup.cli.parse`, `train.train.prepare`) again: they must pass.
 """
 
+import json
 import re
 import shlex
 from types import SimpleNamespace
@@ -88,6 +89,14 @@ CASES = [
     ["--attention", "cudnn", "--dtype", "bfloat16", "--set", "head_dim=36"],
     ["--plan", "auto"],  # CPU devices have no figures to plan with: --simulate-cluster
     ["--model", "moe-test", "--set", "num_experts=6", "--mesh", "expert=4,fsdp=2"],  # the whole mesh: 8 devices
+    ["--mesh", "expert=2,fsdp=4"],  # a dense model: the expert axis's devices to data
+    ["--batch-size", "0"],  # a count below 1: its default
+    ["--seq-len", "0"],
+    ["--microbatches", "0"],
+    ["--log-every", "0"],
+    ["--steps", "0"],
+    ["--cpu-devices", "0"],
+    ["--pipeline-repeats", "0", "--mesh", "stage=2,fsdp=4", "--microbatches", "2"],
     ["--pipeline-schedule", "circular", "--mesh", "stage=4,fsdp=2", "--microbatches", "4"],  # 1 layer a stage
     ["--model", "moe-test", "--set", "first_dense_layers=0", "--set", "capacity_factor=1.25"]
     + ["--mesh", "stage=2,fsdp=4", "--microbatches", "2"],
@@ -102,6 +111,29 @@ def test_the_suggested_flags_are_accepted(tmp_path, corpus, cache, flags):
     assert message is not None, f"accepted: {argv}"
     fixed = applied(argv, suggested(message))
     assert refusal(fixed) is None, f"{message}\n-> {shlex.join(fixed[len(BASE) :])}\n-> {refusal(fixed)}"
+
+
+def test_a_resume_with_another_model_is_named_a_different_model_before_its_layout(tmp_path, corpus, cache):
+    """``--model moe-test --resume`` on a ``--model test`` run saved on a pipeline was refused for the pipeline
+    (moe-test's dense first layer) before the checkpoint was compared: the different model is named first, and
+    the model it says to resume with is accepted."""
+    from checkpoints.meta import RunMeta
+    from train.data.tokenizer import load_tokenizer
+
+    run_dir = tmp_path / "r"
+    base = [*BASE, "--data", str(corpus), "--data-cache", str(cache), "--run-dir", str(run_dir)]
+    saved = cli.parse(applied(base, ["--mesh", "stage=2,fsdp=2,data=2", "--microbatches", "2"]))
+    tokenizer = load_tokenizer(saved.data.tokenizer, saved.data.eod_token)
+    par = saved.parallelism
+    meta = RunMeta.create(saved.model, "test", par.mesh_shape, par.rules, {}, tokenizer, None).at(2, 16)
+    (run_dir / "checkpoints" / "2" / "meta").mkdir(parents=True)
+    (run_dir / "checkpoints" / "2" / "meta" / "metadata").write_text(json.dumps(meta.to_json()))
+    argv = applied(base, ["--mesh", "stage=2,fsdp=2,data=2", "--microbatches", "2"])
+    argv = applied(argv, ["--model", "moe-test", "--resume"])
+    message = refusal(argv)
+    assert message.startswith("the checkpoint at step 2 was saved with a different model: "), message
+    fixed = applied(argv, shlex.split(message.split("; resume with ")[1].split(", or use another")[0]))
+    assert "moe-test" not in fixed and refusal(fixed) is None, fixed
 
 
 def test_the_suggestion_reader_reads_each_form():

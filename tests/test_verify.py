@@ -305,6 +305,18 @@ def test_inspect_accepts_a_relative_run_folder(copy, capsys, monkeypatch):
     assert "\nstep 1:\n" in capsys.readouterr().out
 
 
+def test_inspect_names_a_file_a_file_with_the_run_it_is_in(copy, capsys):
+    """A file of a checkpoint given for its run was refused as "no such folder", though it exists."""
+    meta = copy / "1" / "meta" / "metadata"
+    assert inspect_cli.main([str(meta)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert (
+        err
+        == f"error: {meta}: a file, not a folder; give a run folder (with checkpoints/), e.g. the run it is in, {copy.parent}"
+    )
+    assert inspect_cli.main([err.rsplit(", ", 1)[1]]) == 0
+
+
 # Damaged array contents: what the index walk cannot see, the deep read and the restore do ----------
 
 

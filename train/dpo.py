@@ -21,10 +21,11 @@ import numpy as np
 
 from checkpoints.argparser import Parser
 from checkpoints.meta import DPO, RunMeta
-from models.config import LORA_TARGETS, config_differences
+from models.config import LORA_TARGETS
 from sharding.mesh import parse_axis_sizes
 from train.data.tokenizer import HFTokenizer
 from train.runtime.inference import add_device_args, run_main, setup
+from train.setup.flagnames import add_lora_base_dtype
 
 
 def build_parser():
@@ -35,6 +36,7 @@ def build_parser():
     p.add_argument("--lora-rank", type=int, default=16, metavar="R", help="the adapters' rank")
     p.add_argument("--lora-alpha", type=float, default=16.0, metavar="A", help="the adapters' scale numerator")
     p.add_argument("--lora-targets", default=",".join(LORA_TARGETS), metavar="LIST", help="projections adapted")
+    add_lora_base_dtype(p)
     p.add_argument("--dpo-beta", type=float, default=0.1, metavar="BETA", help="DPO's beta (pull to the reference)")
     p.add_argument("--seq-len", type=int, default=64, help="tokens of one reply's side (a row holds two)")
     p.add_argument("--batch-size", type=int, default=8, help="pairs per step")
@@ -47,10 +49,6 @@ def build_parser():
     p.add_argument("--run-dir", default=None, metavar="RUN", help="checkpoint the adapters here; resume from it")
     add_device_args(p, "fsdp=-1")
     return p
-
-
-ADAPTER_FLAGS = {"lora_rank": "--lora-rank", "lora_alpha": "--lora-alpha", "lora_targets": "--lora-targets"}
-"""The adapter fields this command sets, by flag (a resume must repeat the run's)."""
 
 
 def check_args(args) -> None:
@@ -75,31 +73,6 @@ def check_args(args) -> None:
         raise ValueError(f"--data {args.data}: no such file; give a JSONL file of prompt/chosen/rejected pairs")
 
 
-def check_resumable(manager, config, run_dir: str) -> None:
-    """Refuses to continue a run whose newest checkpoint holds other adapters (or another model) than this
-    command builds: restoring it would fail on the factors' shapes.
-
-    Raises:
-      ValueError: Naming ``--run-dir`` and the adapter flags (with their saved values) to resume with.
-      sharding.errors.ConfigError: Another base model (`checkpoints.meta.RunMeta.check_compatible`'s fields).
-    """
-    step = manager.latest_step()
-    saved = RunMeta.from_json(manager.read_meta(step))
-    if saved.objective != DPO:
-        saved.check_compatible(config, None, step, DPO)  # refused: another objective (a train.train run)
-    diff = config_differences(saved.model, config)
-    if not diff:
-        return
-    if set(diff) <= set(ADAPTER_FLAGS):
-        changed = ", ".join(f"{ADAPTER_FLAGS[k]} (saved {a}, now {b})" for k, (a, b) in diff.items())
-        again = " ".join(f"{ADAPTER_FLAGS[k]} {a}" for k, (a, _) in diff.items())
-        raise ValueError(
-            f"--run-dir {run_dir}: its step {step} holds other adapters: {changed}; resume with {again}, "
-            "or use another --run-dir"
-        )
-    saved.check_compatible(config, None, step, DPO)
-
-
 def run(args) -> int:
     """Trains; prints one line per evaluation and the held-out accuracy before and after."""
     from checkpoints import hf  # slow: ml_dtypes
@@ -112,7 +85,11 @@ def run(args) -> int:
     if parse_axis_sizes(args.mesh).get("stage", 1) > 1:
         raise ValueError(f"--mesh {args.mesh}: DPO runs without pipeline stages; put those devices on fsdp")
     config = hf.init_config(
-        args.init_from, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, lora_targets=args.lora_targets
+        args.init_from,
+        lora_rank=args.lora_rank,
+        lora_alpha=args.lora_alpha,
+        lora_targets=args.lora_targets,
+        **({"lora_base_dtype": args.lora_base_dtype} if args.lora_base_dtype else {}),
     )
     check_dpo(config, args.dpo_beta)
     tokenizer_file = Path(args.tokenizer or Path(args.init_from) / hf.TOKENIZER_FILE)
@@ -127,7 +104,7 @@ def run(args) -> int:
             f"--data {args.data}: {counts['train']} train and {counts['heldout']} held-out pairs, fewer {split} "
             f"pairs than --batch-size {b}; {remedy}"
         )
-    par = setup(args)
+    par = setup(args, "DPO")
     optimizer = OptimizerConfig(lr=args.lr, warmup=args.warmup, decay_steps=max(args.steps, args.warmup + 1))
     trainer = DPOTrainer(config, optimizer, par, args.dpo_beta)
     layout = trainer.state_layout
@@ -144,7 +121,8 @@ def run(args) -> int:
     )
     manager = CheckpointManager(Path(args.run_dir) / "checkpoints", async_save=False) if args.run_dir else None
     if manager is not None and manager.latest_step() is not None:
-        check_resumable(manager, config, args.run_dir)
+        step = manager.latest_step()  # other adapters (or model, or objective) are refused before restoring
+        RunMeta.from_json(manager.read_meta(step)).check_compatible(config, None, step, DPO, args.run_dir)
         state, _ = restore_state(manager, layout, base_folder=args.init_from)
     else:
         state = layout.state_from_params(hf.load_params(args.init_from, config, layout.param_targets()), args.seed)

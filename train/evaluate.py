@@ -151,7 +151,7 @@ def evaluate(
 def run(args) -> int:
 
     _check(args)
-    par = setup(args)
+    par = setup(args, "evaluation")
     model = load_model(args, par)
     sums = compile_fitting(model, par, args.batch_size, args.seq_len)  # before the data is read or prepared
     dataset = load_dataset(

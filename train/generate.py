@@ -157,7 +157,7 @@ def run(args) -> int:
     if args.max_new_tokens <= 0:
         raise ValueError(f"--max-new-tokens {args.max_new_tokens}: must be positive, e.g. 64")
     texts = read_prompts(args)
-    par = setup(args)
+    par = setup(args, "generation")
     model = load_model(args, par)
     prompts = prompt_ids(model, texts, special_tokens=args.hf is not None)
     check_length(model, par, prompts, args.max_new_tokens)

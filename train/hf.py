@@ -79,7 +79,7 @@ def import_folder(args) -> int:
         raise ValueError(f"{args.path}: no {hf.TOKENIZER_FILE}; pass --tokenizer FILE")
     tokenizer = HFTokenizer(tokenizer_file, hf.eod_token(args.path, tokenizer_file))
     check_run_dir(args.run_dir, resume=False, can_resume=False)  # import writes step 0: never onto a run
-    par = setup(args)
+    par = setup(args, "import")
     import jax
 
     from train.runtime.training import hold_run_folder  # slow: orbax
@@ -130,8 +130,8 @@ def export_run(args) -> int:
         raise ValueError(f"--max-shard-size {e}") from None
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ValueError(f"--out {out}: not an empty folder; give a new folder")
-    par = setup(args)
+        raise ValueError(f"--out {out}: {'a file' if out.is_file() else 'not an empty folder'}; give a new folder")
+    par = setup(args, "export")
     t0 = time.perf_counter()
     config, params, meta, step = restore_params(args.run_dir, args.step, par)
     if args.merge_lora and not config.lora_rank:

@@ -38,7 +38,6 @@ from models import attention_registry
 from models.attention import check_context_shares
 from models.config import PRESETS, get_config
 from models.spec import describe
-from sharding import axes as ax
 from sharding import costmodel as cm
 from sharding import devices, planner
 from sharding.axes import MESH_AXES
@@ -47,6 +46,7 @@ from sharding.mesh import format_mesh, parse_mesh
 from sharding.modeldesc import ModelDescription
 from sharding.pipeline import check_microbatches, example_split
 from train.reports.plot import plot, pyplot_for
+from train.setup.checks import check_expert_axis
 from train.setup.flagnames import render
 from train.setup.flags import parallelism_flags
 from train.setup.layout_flags import PRICED_FLAGS, parallelism_from_args
@@ -293,7 +293,8 @@ def given_layout(text: str, num_layers: int, num_devices: int, defaults: argpars
         ``--dtype`` and ``--attention`` where the layout gives none
         (``any`` attention: ``flash``); remat defaults to ``none``.
       experts: The model's `sharding.modeldesc.ExpertGeometry` (None: a dense model): a pipeline must be able
-        to run its mixture (`ExpertGeometry.pipelined`), as ``train.train`` checks (`train.setup.checks.check_experts`).
+        to run its mixture (`ExpertGeometry.pipelined`), as ``train.train`` checks (`train.setup.checks.check_experts`),
+        and an ``expert`` axis must split it (`train.setup.checks.check_expert_axis`).
 
     Returns:
       The layout, and the per-device microbatch counts of ``--hetero-batch COUNTS`` (data x fsdp, data major)
@@ -360,17 +361,10 @@ def given_layout(text: str, num_layers: int, num_devices: int, defaults: argpars
             f"dropless ({experts.layers} of the {num_layers} layers here, capacity_factor="
             f"{experts.capacity_factor:g}); e.g. {' '.join(sets)}, or drop stage from --mesh"
         )
-    expert = mesh.get(ax.EXPERT, 1)
-    if expert > 1 and (experts is None or experts.num_experts % expert):
-        # as train.train refuses it (`train.setup.checks.check_experts`): the devices left over to data or fsdp
-        if experts is None:
-            good, why = 1, "needs a mixture-of-experts model (this --model is dense)"
-            fixed = {**mesh, ax.EXPERT: 1, ax.DATA: mesh.get(ax.DATA, 1) * expert}
-        else:
-            good = max(d for d in range(1, expert + 1) if experts.num_experts % d == 0 and expert % d == 0)
-            why = f"does not divide num_experts={experts.num_experts}"
-            fixed = {**mesh, ax.EXPERT: good, ax.FSDP: mesh.get(ax.FSDP, 1) * (expert // good)}
-        raise ValueError(f"--layout: --mesh {args.mesh}: expert={expert} {why}; e.g. --mesh {format_mesh(fixed)}")
+    try:  # as train.train refuses it
+        check_expert_axis(experts, mesh, args.mesh)
+    except ValueError as e:
+        raise ValueError(f"--layout: {e}") from None
     if par.context_shares == "auto":
         raise ValueError(
             "--layout: --context-shares auto is measured at run time; give one relative share per ring device, "

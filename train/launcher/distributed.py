@@ -348,7 +348,7 @@ def check_cpu_devices(count: int, available: int | None = None) -> None:
       ValueError: naming ``--cpu-devices``, the bound and a count that works.
     """
     if count <= 0:
-        raise ValueError(f"--cpu-devices {count}: must be positive, e.g. 8")
+        raise ValueError(f"--cpu-devices {count}: must be positive, e.g. --cpu-devices 8")
     if available is None:
         available = _available_memory()
     limit = MAX_CPU_DEVICES if available is None else min(MAX_CPU_DEVICES, available // MIN_CPU_DEVICE_SHARE)

@@ -81,15 +81,17 @@ def add_source_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def setup(args) -> Any:
+def setup(args, task: str) -> Any:
     """Applies ``--cpu-devices``, builds the mesh and rules; returns the run's `Parallelism`.
+
+    Args:
+      args: The command's namespace (`add_device_args`'s flags).
+      task: What the command does, as a stage axis's refusal names it (``generation``, ``export``).
 
     Raises:
       ValueError: a ``--mesh`` that does not fit the devices, a stage axis, or bad rules.
     """
-    if args.cpu_devices is not None and args.cpu_devices <= 0:
-        raise ValueError(f"--cpu-devices {args.cpu_devices}: must be positive, e.g. 8")
-    setup_devices(args.cpu_devices)
+    setup_devices(args.cpu_devices)  # a count out of bounds refused (`train.launcher.distributed.check_cpu_devices`)
     import jax
 
     from train.setup.checks import check_simulated_devices  # slow: jax
@@ -98,9 +100,7 @@ def setup(args) -> Any:
     shape = parse_mesh(args.mesh, jax.device_count())
     if shape.get("stage", 1) > 1:  # the stage's devices go to fsdp: the same devices
         flat = {**shape, "stage": 1, "fsdp": shape.get("fsdp", 1) * shape["stage"]}
-        raise ValueError(
-            f"--mesh {args.mesh}: generation and evaluation run without pipeline stages; e.g. --mesh {format_mesh(flat)}"
-        )
+        raise ValueError(f"--mesh {args.mesh}: {task} runs without pipeline stages; e.g. --mesh {format_mesh(flat)}")
     return Parallelism.of(make_mesh(shape), get_rules(args.rules, args.rule))
 
 
@@ -126,9 +126,8 @@ def read_run(run_dir: str | Path, step: int | None = None):
 
     folder = Path(run_dir) / "checkpoints"
     if not folder.is_dir():
-        raise ValueError(
-            f"--run-dir {run_dir}: no checkpoints/ folder; give a folder written by train.train or train.hf import"
-        )
+        what = "a file, not a folder" if Path(run_dir).is_file() else "no checkpoints/ folder"
+        raise ValueError(f"--run-dir {run_dir}: {what}; give a folder written by train.train or train.hf import")
     manager = CheckpointManager(folder, async_save=False, read_only=True)  # a live run's save in progress stays
     try:
         chosen = manager.resume_choice(step, "step").step

@@ -7,15 +7,22 @@ names the flag, its value and one that works.
 
 from __future__ import annotations
 
+import json
 import math
+from collections.abc import Mapping
 from pathlib import Path
 
+from checkpoints.meta import RunMeta
+from checkpoints.names import META
+from checkpoints.verify import saved_steps
 from models import attention_registry
 from models.attention import check_context_parallel
 from models.config import ModelConfig
+from models.spec import expert_geometry
 from sharding import axes as ax
 from sharding.errors import ConfigError, Field
 from sharding.mesh import format_mesh
+from sharding.modeldesc import ExpertGeometry
 from sharding.parallel import Parallelism, UnevenBatch
 from sharding.vocab import choose_for_batch
 from train.data import check_source, default_cache_dir
@@ -44,6 +51,7 @@ def validate(run: RunConfig, num_devices: int, tokenizer=None) -> None:
         raise ValueError(f"--mesh needs {par.num_devices} devices, JAX sees {num_devices}")
     if not run.loop.dry_run:
         check_run_dir(run.checkpoint.run_dir, run.checkpoint.resume)
+        check_resumed_model(run, tokenizer)  # another model is named as such, not refused for its layout
     check_batch(run)
     check_strategy(run)
     check_model_sharding(model, par)
@@ -148,6 +156,33 @@ def check_run_dir(run_dir: str, resume: bool, can_resume: bool = True) -> None:
             f"--run-dir {folder} already holds checkpoints (latest step {saved[-1]}); {remedy} another --run-dir "
             f"(nothing was overwritten)"
         )
+
+
+def check_resumed_model(run: RunConfig, tokenizer) -> None:
+    """With ``--resume``, the run's model against the checkpoint it continues, before the checks of the layout:
+    a ``--model`` other than the run's is refused as a different model (`checkpoints.meta.RunMeta.check_compatible`,
+    naming the model to resume with), not for a mesh or strategy that only the other model refuses.
+
+    The step is ``--resume-step`` or the newest saved; its metadata is read as JSON without opening the
+    checkpoint. A step whose metadata does not read is left to the resume itself, which chooses the newest step
+    that verifies and names the damaged ones (`checkpoints.manager.open_resumable`), then checks that one again.
+
+    Raises:
+      sharding.errors.ConfigError: As `checkpoints.meta.RunMeta.check_compatible`.
+    """
+    if not run.checkpoint.resume:
+        return
+    directory = Path(run.checkpoint.run_dir) / "checkpoints"
+    steps = saved_steps(directory)
+    step = run.checkpoint.resume_step if run.checkpoint.resume_step is not None else (steps[-1] if steps else None)
+    if step is None:
+        return
+    try:
+        saved = json.loads((directory / str(step) / META / "metadata").read_text())
+    except (OSError, ValueError):
+        return
+    if isinstance(saved, dict):
+        RunMeta.from_json(saved).check_compatible(run.model, tokenizer, step)
 
 
 def check_data(run: RunConfig, tokenizer, read: bool = True) -> None:
@@ -268,7 +303,6 @@ def check_experts(config: ModelConfig, par: Parallelism) -> None:
       ValueError: ``expert`` > 1 with a dense model; an ``expert`` size that does not divide
         ``num_experts``; pipeline stages with dense layers in a mixture of experts, or with a capacity.
     """
-    experts = par.mesh_shape[ax.EXPERT]
     if config.is_moe and par.pipeline is not None:
         if config.first_dense_layers or config.moe_every != 1:
             raise ValueError(
@@ -282,19 +316,40 @@ def check_experts(config: ModelConfig, par: Parallelism) -> None:
                 f"other copies than the unpipelined model (it counts one device's rows, which the stages split "
                 f"differently); e.g. --set capacity_factor=0 (dropless), or drop stage from --mesh"
             )
-    if experts == 1:
+    check_expert_axis(expert_geometry(config), par.mesh_shape, _mesh_flag(par))
+
+
+def check_expert_axis(experts: ExpertGeometry | None, mesh_shape: Mapping[str, int], mesh_text: str) -> None:
+    """The ``expert`` mesh axis against a model's mixture of experts, as ``train.train`` (`check_experts`) and
+    ``train.plan --layout`` (`train.plan.given_layout`) both refuse it: it splits the routed experts, so a
+    dense model has nothing for it to split, and its size must divide ``num_experts``.
+
+    Args:
+      experts: The model's routing (`models.spec.expert_geometry`); None for a dense model.
+      mesh_shape: The resolved mesh, axis -> size.
+      mesh_text: ``--mesh`` as the message shows it.
+
+    Raises:
+      ValueError: One line naming ``--mesh``: ``expert`` > 1 on a dense model (with a mixture-of-experts
+        model to use, or the mesh with those devices on ``data``), or an ``expert`` size that does not divide
+        ``num_experts`` (with the mesh whose largest ``expert`` size divides both, the rest on ``fsdp``).
+    """
+    expert = mesh_shape.get(ax.EXPERT, 1)
+    if expert == 1:
         return
-    if not config.is_moe:
+    if experts is None:
+        # the devices left over go to data: the same devices, each rank a replica of the dense model
+        fixed = {**mesh_shape, ax.EXPERT: 1, ax.DATA: mesh_shape.get(ax.DATA, 1) * expert}
         raise ValueError(
-            f"--mesh {_mesh_flag(par)}: expert={experts} needs a mixture-of-experts model (--model moe-test, or "
-            f"--set num_experts={experts}); or drop expert from --mesh"
+            f"--mesh {mesh_text}: expert={expert} needs a mixture-of-experts model (--model moe-test, or "
+            f"--set num_experts={expert}); or move its devices to data, e.g. --mesh {format_mesh(fixed)}"
         )
-    if config.num_experts % experts:
-        good = max(d for d in range(1, experts + 1) if config.num_experts % d == 0 and experts % d == 0)
+    if experts.num_experts % expert:
+        good = max(d for d in range(1, expert + 1) if experts.num_experts % d == 0 and expert % d == 0)
         # the devices left over go to fsdp: the same devices, and the same product for the batch and embed rules
-        fixed = {**par.mesh_shape, ax.EXPERT: good, ax.FSDP: par.mesh_shape.get(ax.FSDP, 1) * (experts // good)}
+        fixed = {**mesh_shape, ax.EXPERT: good, ax.FSDP: mesh_shape.get(ax.FSDP, 1) * (expert // good)}
         raise ValueError(
-            f"--mesh {_mesh_flag(par)}: expert={experts} does not divide num_experts={config.num_experts}; "
+            f"--mesh {mesh_text}: expert={expert} does not divide num_experts={experts.num_experts}; "
             f"e.g. --mesh {format_mesh(fixed)}"
         )
 

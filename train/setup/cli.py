@@ -199,18 +199,21 @@ def _model_and_tokenizer(args, execution: dict) -> tuple:
 
 
 def _check_counts(args) -> None:
-    for name in (
-        "seq-len",
-        "batch-size",
-        "microbatches",
-        "steps",
-        "log-every",
-        "cpu-devices",
-        "pipeline-repeats",
+    """The counts in range, each refused naming its flag and an accepted value: its default, or for a flag
+    without one (``--cpu-devices``, ``--pipeline-repeats``) the common value."""
+    for name, example in (
+        ("seq-len", None),
+        ("batch-size", None),
+        ("microbatches", None),
+        ("steps", None),
+        ("log-every", None),
+        ("cpu-devices", 8),
+        ("pipeline-repeats", 1),
     ):
         value = getattr(args, name.replace("-", "_"))
         if value is not None and value <= 0:
-            raise ValueError(f"--{name} {value}: must be a positive integer")
+            example = example or build_parser().get_default(name.replace("-", "_"))
+            raise ValueError(f"--{name} {value}: must be a positive integer, e.g. --{name} {example}")
     for name in ("ckpt-every", "eval-every", "eval-batches", "skip-nonfinite"):
         value = getattr(args, name.replace("-", "_"))
         if value < 0:

@@ -9,6 +9,7 @@ each field written as the flag that sets it (``--stage-layers 5,3``, ``--mesh st
 
 from __future__ import annotations
 
+from models.config import DTYPES
 from sharding.errors import ConfigError, Field, FieldText, Override
 
 OVERRIDE_FLAG = "--set"
@@ -82,6 +83,19 @@ FLAGS: dict[str, str] = {
     "dpo_beta": "--dpo-beta",
 }
 """Configuration field -> the flag that sets it. A field's value follows its flag after a space."""
+
+
+def add_lora_base_dtype(group) -> None:
+    """``--lora-base-dtype`` (the ``lora_base_dtype`` field, `models.config.ModelConfig`), defined once for the
+    commands that train adapters (``train.train``, ``train.dpo``); None when not given (the field's default,
+    float32)."""
+    group.add_argument(
+        FLAGS["lora_base_dtype"],
+        default=None,
+        choices=DTYPES,
+        help="with --lora-rank: hold the frozen base in bfloat16 (half its memory; each layer widens it to "
+        "the compute dtype as it computes) or float32 (default); the adapters stay float32",
+    )
 
 
 def flag_text(field: Field) -> str:

@@ -26,6 +26,7 @@ from train.setup.config import (
     DEFAULT_REBALANCE,
     DEFAULT_RUN_DIR,
 )
+from train.setup.flagnames import add_lora_base_dtype
 
 DEFAULT_MODEL = "small"
 """``--model`` when neither it nor ``--init-from`` is given."""
@@ -236,13 +237,7 @@ def _lora_flags(p) -> None:
         help="the projections that get adapters (gate,up,down include a mixture of experts' experts); "
         "default with --lora-rank: all seven",
     )
-    g.add_argument(
-        "--lora-base-dtype",
-        default=None,
-        choices=DTYPES,
-        help="with --lora-rank: hold the frozen base in bfloat16 (half its memory; each layer widens it to "
-        "--dtype as it computes) or float32 (default); the adapters stay float32",
-    )
+    add_lora_base_dtype(g)
 
 
 def _data_flags(p) -> None:
