@@ -193,6 +193,26 @@ def test_fsdp_overlap_exposes_the_loops_first_gather_and_last_reduction():
     assert st.contention == pytest.approx(0.18 * st.compute, rel=1e-6)
 
 
+def test_hidden_traffic_on_two_links_spills_only_what_the_busier_link_carries_beyond_the_compute():
+    """A host's NVLink and its network adapters are separate wires: overlappable traffic inside the host and
+    across hosts run at once, so what is left beyond the compute is the busier class's excess, not the sum's.
+    By hand with no loop traffic (``overlap``'s other collectives only), ``slowdown`` 0.18: 0.6 s inside and
+    0.7 s across hosts beside 1 s of compute hide entirely (one link, 1.3 s, would spill 0.3 s); 1.4 s across
+    hosts spills 0.4 s; one class given alone is the one-link rule."""
+    from sharding.costmodel.time import overlap
+
+    model = describe(get_config("test"))
+    layout = cm.Layout({"fsdp": 8}, "fsdp", 1, "none", attention="flash", dtype="bfloat16")
+    cost = cm.device_cost(model, layout, seq_len=256, rows=4)
+    both = {"intra": (0.0, 0.6), "inter": (0.0, 0.7)}
+    assert overlap(cost, 1.0, 0.0, 0.0, 1.3, 0.18, both) == pytest.approx((0.0, 0.18 * 1.3), rel=1e-12)
+    assert overlap(cost, 1.0, 0.0, 0.0, 1.3, 0.18) == pytest.approx((0.3, 0.18 * 1.0), rel=1e-12)
+    busy = {"intra": (0.0, 0.6), "inter": (0.0, 1.4)}
+    assert overlap(cost, 1.0, 0.0, 0.0, 2.0, 0.18, busy) == pytest.approx((0.4, 0.18 * 1.6), rel=1e-12)
+    one = {"intra": (0.0, 1.3)}
+    assert overlap(cost, 1.0, 0.0, 0.0, 1.3, 0.18, one) == overlap(cost, 1.0, 0.0, 0.0, 1.3, 0.18)
+
+
 def test_model_flops_per_token_is_palm_count():
     """PaLM's count (Appendix B), ``6 * (P - V*D) + 12 * L * N * H * T``, from the config's fields by
     hand; `ModelConfig.flops_per_token` is the description's (one implementation)."""

@@ -616,13 +616,15 @@ def test_the_per_microbatch_gather_is_priced_under_gpipe_and_each_1f1b_schedule_
 
 
 def test_a_kind_given_no_work_is_said_so_with_the_memory_it_holds(capsys):
-    """32 H100 + 32 A100, batch 128 x 2048, no pipeline, at one efficiency for both kinds (the clock before the
-    fit): the best plan gives every A100 0 microbatches; the report says so, with what they still hold."""
+    """32 H100 + 32 A10G (70 of the H100's 989 TFLOP/s), batch 128 x 2048, no pipeline, at one efficiency for
+    both kinds (the clock before the fit): the best plan gives every A10G 0 microbatches; the report says so,
+    with what they still hold. (With A100s beside the H100s the clock gives them a quarter of the work since
+    traffic inside and across hosts hides behind the compute at once: not a kind left idle.)"""
     argv = [
         "--model",
         "7b",
         "--cluster",
-        "h100:8x4,a100:8x4",
+        "h100:8x4,a10g:8x4",
         "--batch",
         "128",
         "--seq-len",
@@ -635,17 +637,17 @@ def test_a_kind_given_no_work_is_said_so_with_the_memory_it_holds(capsys):
     ]
     assert plan_main(argv) == 0
     out = capsys.readouterr().out
-    assert "warning: the a100_80gb devices get no microbatches" in out and "70.5 GB each" in out
+    assert "warning: the a10g devices get no microbatches" in out and "21.6 GB each" in out
     assert "the best listed plan that gives every kind work is #" in out
     best = planner.plan(
         describe(get_config("7b")),
-        devices.parse_cluster("h100:8x4,a100:8x4"),
+        devices.parse_cluster("h100:8x4,a10g:8x4"),
         128,
         2048,
         planner.PlanOptions(pipeline=False, efficiency=0.5),
         top=1,
     )[0]
-    assert best.idle_kinds == ("a100_80gb",) and set(best.counts[len(best.counts) // 2 :]) == {0}
+    assert best.idle_kinds == ("a10g",) and set(best.counts[len(best.counts) // 2 :]) == {0}
 
 
 def test_plans_round_trip_through_layout_of():

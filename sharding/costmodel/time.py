@@ -308,7 +308,13 @@ def _memoised(memo: dict, key: tuple, fn, *args) -> float:
 
 
 def overlap(
-    cost: Cost, compute: float, loop_gathers: float, loop_reductions: float, other: float, slowdown: float
+    cost: Cost,
+    compute: float,
+    loop_gathers: float,
+    loop_reductions: float,
+    other: float,
+    slowdown: float,
+    by_link: Mapping[str, tuple[float, float]] | None = None,
 ) -> tuple[float, float]:
     """``(exposed, contention)``: how much of the overlappable traffic no compute hides, and the compute the
     hidden part costs, in seconds.
@@ -331,6 +337,12 @@ def overlap(
     left over is exposed too. The hidden part slows the compute beside it by ``slowdown`` of its length
     (`OVERLAP_SLOWDOWN`: NCCL's kernels occupy some of the SMs and memory bandwidth the products use).
 
+    Traffic on different links runs at once: a host's NVLink and its network adapters are separate wires, and
+    collectives of different groups (a tensor-parallel all-reduce inside the host, a data-parallel reduction
+    across hosts) run as separate NCCL kernels on their own streams, each at its own link's speed. So the
+    traffic left over beyond the compute is what the busiest link class carries beyond it, not the sum of
+    both classes' (``by_link``; the loop's exposed part shared between the classes as their loop traffic is).
+
     Args:
       cost: The device's `Cost` (its FLOPs split forward and backward).
       compute: Seconds of compute of the step.
@@ -338,6 +350,9 @@ def overlap(
       loop_reductions: Seconds of the loop's gradient reductions.
       other: Seconds of the other overlappable collectives.
       slowdown: Fraction of its own length a hidden collective adds to the compute beside it.
+      by_link: Link class (``intra``, ``inter``; `link_classes`) -> ``(loop seconds, other seconds)`` of its
+        overlappable collectives, which sum to ``loop_gathers + loop_reductions`` and ``other``; None: one class
+        carries all of it.
     """
     exposed = 0.0
     if loop_gathers or loop_reductions:
@@ -355,7 +370,12 @@ def overlap(
         exposed = g + r + (executions - 1) * (max(0.0, g - forward) + max(0.0, g_back + r - backward))
         exposed = min(exposed, loop_gathers + loop_reductions)
     hidden = loop_gathers + loop_reductions + other - exposed
-    spill = max(0.0, hidden - compute)
+    loop = loop_gathers + loop_reductions
+    if by_link:  # each class's hidden traffic: its own, less its share of the loop's exposed part
+        busiest = max(ld + od - (exposed * ld / loop if loop else 0.0) for ld, od in by_link.values())
+    else:
+        busiest = hidden
+    spill = max(0.0, busiest - compute)
     return exposed + spill, slowdown * (hidden - spill)
 
 
@@ -396,6 +416,7 @@ def step_time(
     optimizer = 7 * cost.memory.parameters / (hw.memory_bandwidth * hw.memory_fraction)  # read 4, write 3
     exposed = overlapped = gathers = reductions = 0.0
     by_kind: dict[str, float] = {}
+    by_link: dict[str, tuple[float, float]] = {}  # link class -> (loop, other) overlappable seconds
     for c in cost.comms:
         if memo is None:
             seconds = comm_seconds(c, hw, links, shares)
@@ -407,11 +428,14 @@ def step_time(
             exposed += seconds
             continue
         overlapped += seconds
+        link = "inter" if any(links.get(a) == "inter" for a in c.axes) else "intra"
+        in_loop, outside = by_link.get(link, (0.0, 0.0))
+        by_link[link] = (in_loop + seconds, outside) if c.layer_loop else (in_loop, outside + seconds)
         if c.layer_loop and c.kind == "all-gather":
             gathers += seconds
         elif c.layer_loop:
             reductions += seconds
     other = overlapped - gathers - reductions
-    unhidden, contention = overlap(cost, compute, gathers, reductions, other, hw.overlap_slowdown)
+    unhidden, contention = overlap(cost, compute, gathers, reductions, other, hw.overlap_slowdown, by_link)
     total = compute + unhidden + contention + exposed + optimizer
     return StepTime(compute, optimizer, exposed, overlapped, total, by_kind, unhidden, contention)
