@@ -6,8 +6,12 @@
   ``outer``, how much of each axis spans processes (``--mesh-outer``);
 * ``rules``: the logical-to-mesh rules (`sharding.rules`);
 * ``strategy``: how the step computes its gradients, one of `Accumulation` (microbatches summed
-  in a loop), `sharding.pipeline.PipelinePlan` (the layer stack split over ``stage``) or
-  `UnevenBatch` (each data-parallel group along ``data`` x ``fsdp`` runs its own number of microbatches);
+  in a loop) or `UnevenBatch` (each data-parallel group along ``data`` x ``fsdp`` runs its own number of
+  microbatches);
+* ``pipeline``: the model's execution mode over ``stage``, a `sharding.pipeline.PipelinePlan` (the layer stack
+  split over the stages, its M microbatches flowing inside one forward and backward pass), or None (the
+  layers run in order on every device); a pipelined layout computes its gradients in that one pass
+  (``strategy`` one pass of `Accumulation`);
 * ``context_layout``: how tokens lie along the length when it is split over ``sequence``
   (``contiguous`` or ``zigzag``, `models.kernels.ring_attention`);
 * ``context_shares``: uneven sequence shards for devices of unequal speed (``--context-shares``): the
@@ -143,7 +147,7 @@ class Parallelism:
     Attributes:
       mesh_shape: Axis -> size over all of `sharding.axes.MESH_AXES` (missing axes are 1).
       rules: Logical-to-mesh rules (with ``layers -> stage`` for a pipeline).
-      strategy: `Accumulation`, `sharding.pipeline.PipelinePlan` or `UnevenBatch`.
+      strategy: `Accumulation` or `UnevenBatch`: how the step computes its gradients.
       context_layout: ``contiguous`` or ``zigzag`` (``auto`` until the mesh is resolved).
       outer: Axis -> the part of it that spans processes, or None (the default split).
       mesh: The `jax.sharding.Mesh` (or, inside `jax.shard_map`, the abstract mesh) once bound; None
@@ -155,10 +159,13 @@ class Parallelism:
       optimizer_sharding: One of `OPTIMIZER_SHARDINGS`: where the train state's float32 parameters and
         optimizer moments live (`sharding.zero`); the forward and backward see the parameters laid out by
         ``rules`` either way.
+      pipeline: The `sharding.pipeline.PipelinePlan` the model runs its layer stack with over ``stage``, or
+        None (no pipeline); its rules carry ``layers -> stage`` (`sharding.pipeline.pipeline_rules`).
 
     Raises:
-      ConfigError: An unknown ``context_layout`` or ``optimizer_sharding``, or ``optimizer_sharding`` ``data``
-        with the uneven step (`UnevenBatch` lays its parameters out inside its own map).
+      ConfigError: An unknown ``context_layout`` or ``optimizer_sharding``, ``optimizer_sharding`` ``data``
+        with the uneven step (`UnevenBatch` lays its parameters out inside its own map), or a ``pipeline``
+        beside a ``strategy`` other than one pass of accumulation (the pipeline runs its own microbatches).
     """
 
     mesh_shape: Mapping[str, int]
@@ -170,9 +177,21 @@ class Parallelism:
     manual: frozenset[str] = frozenset()
     context_shares: tuple[int, ...] | str | None = None
     optimizer_sharding: str = REPLICATED
+    pipeline: PipelinePlan | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "mesh_shape", _full_shape(self.mesh_shape))
+        if isinstance(self.strategy, PipelinePlan):  # the old form, a plan as the strategy: for the transition only
+            object.__setattr__(self, "pipeline", self.strategy)
+            object.__setattr__(self, "strategy", Accumulation())
+        if self.pipeline is not None and self.strategy != Accumulation():
+            raise ConfigError(
+                Field("strategy", type(self.strategy).__name__),
+                " with a pipeline: a pipelined model runs its ",
+                Field("microbatches", self.pipeline.microbatches),
+                " inside one forward and backward pass; use one pass of accumulation, ",
+                Field("strategy", "Accumulation(1)"),
+            )
         if self.context_layout not in CONTEXT_LAYOUTS:
             raise ConfigError(
                 Field("context_layout", repr(self.context_layout)), f": choose one of {', '.join(CONTEXT_LAYOUTS)}"
@@ -203,17 +222,20 @@ class Parallelism:
         rules: Rules | str = DEFAULT_PRESET,
         strategy: Strategy | None = None,
         context_layout: str = CONTIGUOUS,
+        pipeline: PipelinePlan | None = None,
     ) -> Parallelism:
         """A value bound to ``mesh`` (tests and scripts): its shape, ``rules`` (a preset name or `Rules`),
-        ``strategy`` (default no accumulation) and ``context_layout``.
+        ``strategy`` (default no accumulation), ``context_layout`` and ``pipeline`` (default none).
 
-        A pipeline strategy adds ``layers -> stage`` to the rules (`sharding.pipeline.pipeline_rules`).
+        A pipeline adds ``layers -> stage`` to the rules (`sharding.pipeline.pipeline_rules`).
+
+        Raises:
+          ConfigError: As the constructor.
         """
         rules = get_rules(rules) if isinstance(rules, str) else rules
         strategy = Accumulation() if strategy is None else strategy
-        if strategy.pipeline is not None:
-            rules = pipeline_rules(rules)
-        return cls(dict(mesh.shape), rules, strategy, context_layout, mesh=mesh)
+        par = cls(dict(mesh.shape), rules, strategy, context_layout, mesh=mesh, pipeline=pipeline)
+        return par.replace(rules=pipeline_rules(rules)) if par.pipeline is not None else par
 
     def on(self, mesh) -> Parallelism:
         """This layout bound to a device mesh of its shape.
@@ -285,14 +307,11 @@ class Parallelism:
         return self.padded_length or seq_len
 
     @property
-    def pipeline(self) -> PipelinePlan | None:
-        """The pipeline plan when the strategy is one, else None."""
-        return self.strategy.pipeline
-
-    @property
     def microbatches(self) -> int:
-        """The strategy's microbatches: accumulation steps, pipeline microbatches, or uneven microbatches
-        per device on average."""
+        """Microbatches per step: the pipeline's (which flow inside its one pass), else the strategy's
+        (accumulation steps, or uneven microbatches per device on average)."""
+        if self.pipeline is not None:
+            return self.pipeline.microbatches
         return self.strategy.mean_microbatches(self.data_parallel)
 
     def spec(self, names: AxisNames, shape: Sequence[int] | None = None):

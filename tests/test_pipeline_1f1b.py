@@ -910,10 +910,10 @@ def test_the_fused_1f1b_plan_round_trips_through_its_flags_and_is_reported(repea
 
     argv = ["--model", "test", "--mesh", "stage=2,fsdp=4", "--microbatches", "4", "--pipeline-schedule", "1f1b-fused"]
     run = parse(argv + (["--pipeline-repeats", str(repeats)] if repeats > 1 else []))
-    plan = run.parallelism.strategy
+    plan = run.parallelism.pipeline
     assert plan.one_f_one_b and plan.schedule == "1f1b-fused" and plan.layout.repeats == repeats
     again = parse(["--model", "test", *parallelism_flags(run.parallelism)])
-    assert again.parallelism.strategy == plan
+    assert again.parallelism.pipeline == plan
     ticks = 4 * repeats + (repeats + 1) * 2 - 2
     assert (
         f"one loop of {ticks} ticks, each a chunk's forward and a chunk's backward per stage"
@@ -927,13 +927,13 @@ def test_the_gather_mode_round_trips_through_its_flags_and_is_reported(schedule)
     from train.setup.flags import parallelism_flags
 
     argv = ["--model", "test", "--mesh", "stage=2,fsdp=4", "--microbatches", "4", "--pipeline-schedule", schedule]
-    assert parse(argv).parallelism.strategy.gather == "once"
+    assert parse(argv).parallelism.pipeline.gather == "once"
     run = parse([*argv, "--pipeline-gather", "microbatch"])
-    plan = run.parallelism.strategy
+    plan = run.parallelism.pipeline
     assert plan.gather == "microbatch" and plan.schedule == schedule
     assert "--pipeline-gather" in parallelism_flags(run.parallelism)
     again = parse(["--model", "test", *parallelism_flags(run.parallelism)])
-    assert again.parallelism.strategy == plan
+    assert again.parallelism.pipeline == plan
 
 
 def test_dry_run_reports_the_gather_mode(capsys):
@@ -977,10 +977,10 @@ def test_the_1f1b_plan_round_trips_through_its_flags(repeats):
 
     argv = ["--model", "test", "--mesh", "stage=2,fsdp=4", "--microbatches", "4", "--pipeline-schedule", "1f1b"]
     run = parse(argv + (["--pipeline-repeats", str(repeats)] if repeats > 1 else []))
-    plan = run.parallelism.strategy
+    plan = run.parallelism.pipeline
     assert plan.one_f_one_b and plan.schedule == "1f1b" and plan.layout.repeats == repeats
     again = parse(["--model", "test", *parallelism_flags(run.parallelism)])
-    assert again.parallelism.strategy == plan
+    assert again.parallelism.pipeline == plan
 
 
 @pytest.mark.parametrize("schedule", ONE_F_ONE_B)

@@ -12,7 +12,7 @@ import pytest
 from models.config import get_config
 from sharding.balance import layers_for_speeds
 from sharding.mesh import make_mesh, parse_mesh
-from sharding.parallel import Accumulation, Parallelism
+from sharding.parallel import Parallelism
 from sharding.pipeline import PipelinePlan, pipeline_rules, plan_layout
 from sharding.rules import get_rules
 from train.runtime.optimizer import OptimizerConfig
@@ -70,7 +70,7 @@ def _pipelined(mesh_spec="stage=2,data=4", layers=4):
     layout, _ = plan_layout(layers, 2)
     plan = PipelinePlan(layout, 4, measure_stages=True)
     par = Parallelism.of(mesh, pipeline_rules(get_rules("fsdp")), plan)
-    probe = Trainer(config, OptimizerConfig(warmup=0, decay_steps=10), par.replace(strategy=Accumulation()))
+    probe = Trainer(config, OptimizerConfig(warmup=0, decay_steps=10), par.replace(pipeline=None))
     return config, par, probe
 
 

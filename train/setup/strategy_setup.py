@@ -46,7 +46,7 @@ def check_even_batch(run: RunConfig) -> None:
       ValueError: A ``--batch-size`` that ``--microbatches`` or data x fsdp does not divide.
     """
     par, batch = run.parallelism, run.data.batch_size
-    dp, m = par.data_parallel, par.strategy.microbatches
+    dp, m = par.data_parallel, par.microbatches
     if batch % m:
         raise ValueError(
             f"--batch-size {batch} is not divisible by --microbatches {m}; "
@@ -126,7 +126,7 @@ def measured(run: RunConfig, par: Parallelism, log) -> Parallelism:
         return par
     if plan is not None and plan.layout.repeats == 1 and len(set(plan.layout.stage_layers)) > 1:
         log("--plan auto: the stage split from speeds measured at start-up (as --stage-layers auto)")
-        return par.replace(strategy=dataclasses.replace(plan, measure_stages=True))
+        return par.replace(pipeline=dataclasses.replace(plan, measure_stages=True))
     return par
 
 
@@ -263,7 +263,7 @@ def check_compiled(par: Parallelism, compiled_text: str) -> tuple[Parallelism, s
         f"pipeline: the partitioner put {counts} ({names}) inside skipped layer slots, where stages that skip "
         f"them would leave others waiting; this run computes every slot instead (empty slots cost compute too)"
     )
-    return par.replace(strategy=dataclasses.replace(plan, skip_empty=False)), note
+    return par.replace(pipeline=dataclasses.replace(plan, skip_empty=False)), note
 
 
 __all__ = [
