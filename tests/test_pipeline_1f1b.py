@@ -211,7 +211,7 @@ def _toy(
             x,
             (position,),
             (target, mask),
-            Parallelism.of(mesh, rules, plan),
+            Parallelism.of(mesh, rules, pipeline=plan),
             names={"a": ("layers", None, "embed"), "b": ("layers", None)},
             head_names={"v": ("embed", None), "c": (None,)},
         )
@@ -361,12 +361,14 @@ def _batch(batch, length, seed=0):
     return pipeline_batch(batch, length, seed, unmasked=0.9)
 
 
-def _trainer(config, mesh_spec, strategy, optimizer=None):
+def _trainer(config, mesh_spec, plan, optimizer=None):
     from train.runtime.optimizer import OptimizerConfig
     from train.runtime.step import Trainer
 
     return Trainer(
-        config, optimizer or OptimizerConfig(), Parallelism.of(make_mesh(parse_mesh(mesh_spec, 8)), RULES, strategy)
+        config,
+        optimizer or OptimizerConfig(),
+        Parallelism.of(make_mesh(parse_mesh(mesh_spec, 8)), RULES, pipeline=plan),
     )
 
 
@@ -422,10 +424,9 @@ def flat_loss_and_grads(num_layers, tied=False):
     projection is the token embedding) loss and gradients on ``_batch(8, 32)``: computed once per layer count
     and shared by every test comparing a pipeline with it."""
     from models.config import get_config
-    from sharding.parallel import Accumulation
 
     config = get_config("test", [f"num_layers={num_layers}", f"tie_embeddings={tied}"])
-    return _loss_and_grads(_trainer(config, "fsdp=8", Accumulation(1)), _batch(8, 32))
+    return _loss_and_grads(_trainer(config, "fsdp=8", None), _batch(8, 32))
 
 
 CASES = [
@@ -484,10 +485,8 @@ def _steps_config(remat="none"):
 @functools.lru_cache(maxsize=1)
 def _flat_steps():
     """The flat model's initial parameters, losses over 6 steps and parameters after the first (computed once)."""
-    from sharding.parallel import Accumulation
-
     config, optimizer = _steps_config()
-    flat = _trainer(config, "fsdp=8", Accumulation(1), optimizer)
+    flat = _trainer(config, "fsdp=8", None, optimizer)
     init = jax.tree.map(np.asarray, flat.init_state(0)["params"])
     return init, *_steps(flat, [_batch(8, 32, seed) for seed in range(6)])
 
