@@ -69,8 +69,6 @@ class Accumulation:
     microbatches: int = 1
 
     name = "accumulation"
-    pipeline = None
-    """Not a pipeline (`Parallelism.pipeline`)."""
     uneven = False
     """Every data-parallel group runs the same microbatches."""
 
@@ -112,8 +110,6 @@ class UnevenBatch:
     name = "uneven"
     uneven = True
     """Each data-parallel group runs its own count of microbatches (the uneven step)."""
-    pipeline = None
-    """Not a pipeline (`Parallelism.pipeline`)."""
 
     @property
     def total(self) -> int | None:
@@ -126,9 +122,10 @@ class UnevenBatch:
         return self.microbatches if self.counts is None else max(1, self.total // groups)
 
 
-Strategy = Accumulation | PipelinePlan | UnevenBatch
-"""A strategy value: ``pipeline`` (the plan itself for a pipeline, else None), ``microbatches`` and
-``mean_microbatches(groups)``; what the step does with it is `train.strategies`'."""
+Strategy = Accumulation | UnevenBatch
+"""A strategy value, how the step computes its gradients: ``name``, ``uneven``, ``microbatches`` and
+``mean_microbatches(groups)``; what the step does with it is `train.strategies`'. A pipeline is not one: it is
+the model's execution mode, `Parallelism.pipeline`."""
 
 
 def _full_shape(shape: Mapping[str, int]) -> dict[str, int]:
@@ -166,6 +163,7 @@ class Parallelism:
       ConfigError: An unknown ``context_layout`` or ``optimizer_sharding``, ``optimizer_sharding`` ``data``
         with the uneven step (`UnevenBatch` lays its parameters out inside its own map), or a ``pipeline``
         beside a ``strategy`` other than one pass of accumulation (the pipeline runs its own microbatches).
+      TypeError: A `sharding.pipeline.PipelinePlan` given as ``strategy`` (it belongs in ``pipeline``).
     """
 
     mesh_shape: Mapping[str, int]
@@ -181,9 +179,10 @@ class Parallelism:
 
     def __post_init__(self):
         object.__setattr__(self, "mesh_shape", _full_shape(self.mesh_shape))
-        if isinstance(self.strategy, PipelinePlan):  # the old form, a plan as the strategy: for the transition only
-            object.__setattr__(self, "pipeline", self.strategy)
-            object.__setattr__(self, "strategy", Accumulation())
+        if isinstance(self.strategy, PipelinePlan):
+            raise TypeError(
+                "Parallelism: a PipelinePlan is the model's execution mode, not a strategy; pass it as pipeline="
+            )
         if self.pipeline is not None and self.strategy != Accumulation():
             raise ConfigError(
                 Field("strategy", type(self.strategy).__name__),
@@ -234,8 +233,9 @@ class Parallelism:
         """
         rules = get_rules(rules) if isinstance(rules, str) else rules
         strategy = Accumulation() if strategy is None else strategy
-        par = cls(dict(mesh.shape), rules, strategy, context_layout, mesh=mesh, pipeline=pipeline)
-        return par.replace(rules=pipeline_rules(rules)) if par.pipeline is not None else par
+        if pipeline is not None:
+            rules = pipeline_rules(rules)
+        return cls(dict(mesh.shape), rules, strategy, context_layout, mesh=mesh, pipeline=pipeline)
 
     def on(self, mesh) -> Parallelism:
         """This layout bound to a device mesh of its shape.

@@ -8,12 +8,12 @@ planned layout turned into one measured at start-up (`measured`), the value as f
 `cost_notes`), the start-up report's line (`summary_lines`) and the check of the compiled step
 (`compiled_check`, `check_compiled`).
 
-Each function matches on the value in the run's `sharding.parallel.Parallelism`: `Accumulation` (the
-batch in microbatches summed in a loop), `UnevenBatch` (each data-parallel group runs its own count of
-microbatches) or a `sharding.pipeline.PipelinePlan`. A pipeline is the model's execution mode, not a way
-of computing gradients: the model runs its layer stack as a pipeline over ``stage`` inside one forward and
-backward pass (`models.transformer`), so what a pipeline adds here is what its layout needs checked,
-priced and said.
+Each function matches on the values in the run's `sharding.parallel.Parallelism`: its strategy,
+`Accumulation` (the batch in microbatches summed in a loop) or `UnevenBatch` (each data-parallel group runs
+its own count of microbatches), and its ``pipeline``, a `sharding.pipeline.PipelinePlan` or None. A pipeline
+is the model's execution mode, not a way of computing gradients: the model runs its layer stack as a
+pipeline over ``stage`` inside one forward and backward pass (`models.transformer`), beside one pass of
+accumulation, so what a pipeline adds here is what its layout needs checked, priced and said.
 """
 
 from __future__ import annotations
