@@ -168,13 +168,14 @@ def _context_layout(config, mesh) -> str:
     return resolve_context_layout("auto", config.attention, shards)
 
 
-def _strategy(case, config, mesh):
-    """Accumulation, or for a pipeline case its `PipelinePlan` (skipping empty slots, as runs do)."""
+def _strategy(case, config, mesh) -> tuple[Accumulation, PipelinePlan | None]:
+    """``(strategy, pipeline)``: accumulation over the case's microbatches, or for a pipeline case one pass
+    beside its `PipelinePlan` (skipping empty slots, as runs do)."""
     if len(case) <= 8:
-        return Accumulation(case[5])
+        return Accumulation(case[5]), None
     stages, _ = plan_layout(config.num_layers, mesh["stage"], case[8], case[7])
     schedule = schedule_of(case)
-    return PipelinePlan(
+    return Accumulation(), PipelinePlan(
         stages,
         case[5],
         schedule=schedule,
@@ -219,7 +220,8 @@ def _trainer(case, optimizer_sharding: str = "replicated"):
     model, mesh_spec, rules, batch, seq, micro, remat = case[:7]
     config, mesh = config_of(model, remat), parse_mesh(mesh_spec, 8)
     layout = _context_layout(config, mesh)
-    par = Parallelism.of(make_mesh(mesh), get_rules(rules), _strategy(case, config, mesh), context_layout=layout)
+    strategy, plan = _strategy(case, config, mesh)
+    par = Parallelism.of(make_mesh(mesh), get_rules(rules), strategy, context_layout=layout, pipeline=plan)
     par = par.replace(context_shares=shares_of(case), optimizer_sharding=optimizer_sharding)
     return Trainer(config, OptimizerConfig(), par), batch, par.positions(seq)  # uneven shares: the padded length
 
@@ -280,11 +282,11 @@ def predicted(case, optimizer_sharding: str = "replicated") -> cm.Cost:
     step priced (``skip_empty=False``), as the compiled program's loop trip counts say."""
     model, mesh_spec, rules, batch, seq, micro, remat = case[:7]
     config, mesh = config_of(model, remat), parse_mesh(mesh_spec, 8)
-    strategy, table = _strategy(case, config, mesh), get_rules(rules)
+    (strategy, plan), table = _strategy(case, config, mesh), get_rules(rules)
     fields = {}
-    if isinstance(strategy, PipelinePlan):  # the compiled plan's streamed edges, every slot priced
-        fields = {"stream_edges": strategy.streams_head}
-        strategy, table = dataclasses.replace(strategy, skip_empty=False), pipeline_rules(table)
+    if plan is not None:  # the compiled plan's streamed edges, every slot priced
+        fields = {"stream_edges": plan.streams_head}
+        plan, table = dataclasses.replace(plan, skip_empty=False), pipeline_rules(table)
     par = Parallelism(
         mesh,
         table,
@@ -292,6 +294,7 @@ def predicted(case, optimizer_sharding: str = "replicated") -> cm.Cost:
         _context_layout(config, mesh),
         context_shares=shares_of(case),
         optimizer_sharding=optimizer_sharding,
+        pipeline=plan,
     )
     layout = cm.layout_of(par, config, **fields)  # the run's layout, as the cost model sees it
     return cm.estimate(config, batch, seq, layout, backend="cpu")

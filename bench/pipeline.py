@@ -67,7 +67,7 @@ def gradient_temporaries(schedule: str, gather: str = "once") -> str:
 
     layout, _ = pl.plan_layout(32, 4, 1, (10, 10, 6, 6))
     plan = pl.PipelinePlan(layout, 16, schedule=schedule, gather=gather)
-    par = Parallelism.of(make_mesh(parse_mesh("stage=4,fsdp=2", 8)), get_rules("fsdp_tp"), plan)
+    par = Parallelism.of(make_mesh(parse_mesh("stage=4,fsdp=2", 8)), get_rules("fsdp_tp"), pipeline=plan)
     trainer = Trainer(get_config("7b"), OptimizerConfig(), par)
     params = jax.tree.map(
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), trainer.state_params, trainer.param_shardings

@@ -8,7 +8,7 @@ parameter carries a leading ``layers`` dimension (its logical names gain
 grow with depth. Rematerialisation wraps the scanned block.
 
 Every call takes the run's `sharding.parallel.Parallelism` (``par``; default
-one device) and hands it to each layer. When its strategy is a pipeline (a
+one device) and hands it to each layer. When it runs the model as a pipeline (a
 ``stage`` mesh axis larger than one), the stacked parameters are in the
 pipeline layout ``[stage, slot, ...]`` instead (`init_params` with
 ``layer_table``) and `Transformer.run_layers` hands the per-layer function and
@@ -192,7 +192,7 @@ class Transformer(nnx.Module):
     ) -> jax.Array:
         """Runs the stacked blocks over ``x [batch, length, embed]``.
 
-        Scanned in order; when ``par``'s strategy is a pipeline, run as a
+        Scanned in order; when ``par`` has a pipeline (``par.pipeline``), run as a
         pipeline over the stages instead (parameters in the plan's layout).
         """
         return self.run_layers_with_stats(x, positions, segment_ids, par)[0]
@@ -343,7 +343,7 @@ class Transformer(nnx.Module):
 
         Args:
           tokens, targets, weights, positions, segment_ids: as `loss_sums`.
-          par: the run's layout, whose strategy is a pipeline plan.
+          par: the run's layout, whose ``pipeline`` is set.
 
         Returns:
           ``(loss_sum, weight_sum, stats)``: the summed objective (router losses included) and tokens,

@@ -6,8 +6,12 @@
   ``outer``, how much of each axis spans processes (``--mesh-outer``);
 * ``rules``: the logical-to-mesh rules (`sharding.rules`);
 * ``strategy``: how the step computes its gradients, one of `Accumulation` (microbatches summed
-  in a loop), `sharding.pipeline.PipelinePlan` (the layer stack split over ``stage``) or
-  `UnevenBatch` (each data-parallel group along ``data`` x ``fsdp`` runs its own number of microbatches);
+  in a loop) or `UnevenBatch` (each data-parallel group along ``data`` x ``fsdp`` runs its own number of
+  microbatches);
+* ``pipeline``: the model's execution mode over ``stage``, a `sharding.pipeline.PipelinePlan` (the layer stack
+  split over the stages, its M microbatches flowing inside one forward and backward pass), or None (the
+  layers run in order on every device); a pipelined layout computes its gradients in that one pass
+  (``strategy`` one pass of `Accumulation`);
 * ``context_layout``: how tokens lie along the length when it is split over ``sequence``
   (``contiguous`` or ``zigzag``, `models.kernels.ring_attention`);
 * ``context_shares``: uneven sequence shards for devices of unequal speed (``--context-shares``): the
@@ -65,8 +69,6 @@ class Accumulation:
     microbatches: int = 1
 
     name = "accumulation"
-    pipeline = None
-    """Not a pipeline (`Parallelism.pipeline`)."""
     uneven = False
     """Every data-parallel group runs the same microbatches."""
 
@@ -108,8 +110,6 @@ class UnevenBatch:
     name = "uneven"
     uneven = True
     """Each data-parallel group runs its own count of microbatches (the uneven step)."""
-    pipeline = None
-    """Not a pipeline (`Parallelism.pipeline`)."""
 
     @property
     def total(self) -> int | None:
@@ -122,9 +122,10 @@ class UnevenBatch:
         return self.microbatches if self.counts is None else max(1, self.total // groups)
 
 
-Strategy = Accumulation | PipelinePlan | UnevenBatch
-"""A strategy value: ``pipeline`` (the plan itself for a pipeline, else None), ``microbatches`` and
-``mean_microbatches(groups)``; what the step does with it is `train.strategies`'."""
+Strategy = Accumulation | UnevenBatch
+"""A strategy value, how the step computes its gradients: ``name``, ``uneven``, ``microbatches`` and
+``mean_microbatches(groups)``; what the step does with it is `train.strategies`'. A pipeline is not one: it is
+the model's execution mode, `Parallelism.pipeline`."""
 
 
 def _full_shape(shape: Mapping[str, int]) -> dict[str, int]:
@@ -143,7 +144,7 @@ class Parallelism:
     Attributes:
       mesh_shape: Axis -> size over all of `sharding.axes.MESH_AXES` (missing axes are 1).
       rules: Logical-to-mesh rules (with ``layers -> stage`` for a pipeline).
-      strategy: `Accumulation`, `sharding.pipeline.PipelinePlan` or `UnevenBatch`.
+      strategy: `Accumulation` or `UnevenBatch`: how the step computes its gradients.
       context_layout: ``contiguous`` or ``zigzag`` (``auto`` until the mesh is resolved).
       outer: Axis -> the part of it that spans processes, or None (the default split).
       mesh: The `jax.sharding.Mesh` (or, inside `jax.shard_map`, the abstract mesh) once bound; None
@@ -155,10 +156,14 @@ class Parallelism:
       optimizer_sharding: One of `OPTIMIZER_SHARDINGS`: where the train state's float32 parameters and
         optimizer moments live (`sharding.zero`); the forward and backward see the parameters laid out by
         ``rules`` either way.
+      pipeline: The `sharding.pipeline.PipelinePlan` the model runs its layer stack with over ``stage``, or
+        None (no pipeline); its rules carry ``layers -> stage`` (`sharding.pipeline.pipeline_rules`).
 
     Raises:
-      ConfigError: An unknown ``context_layout`` or ``optimizer_sharding``, or ``optimizer_sharding`` ``data``
-        with the uneven step (`UnevenBatch` lays its parameters out inside its own map).
+      ConfigError: An unknown ``context_layout`` or ``optimizer_sharding``, ``optimizer_sharding`` ``data``
+        with the uneven step (`UnevenBatch` lays its parameters out inside its own map), or a ``pipeline``
+        beside a ``strategy`` other than one pass of accumulation (the pipeline runs its own microbatches).
+      TypeError: A `sharding.pipeline.PipelinePlan` given as ``strategy`` (it belongs in ``pipeline``).
     """
 
     mesh_shape: Mapping[str, int]
@@ -170,9 +175,22 @@ class Parallelism:
     manual: frozenset[str] = frozenset()
     context_shares: tuple[int, ...] | str | None = None
     optimizer_sharding: str = REPLICATED
+    pipeline: PipelinePlan | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "mesh_shape", _full_shape(self.mesh_shape))
+        if isinstance(self.strategy, PipelinePlan):
+            raise TypeError(
+                "Parallelism: a PipelinePlan is the model's execution mode, not a strategy; pass it as pipeline="
+            )
+        if self.pipeline is not None and self.strategy != Accumulation():
+            raise ConfigError(
+                Field("strategy", type(self.strategy).__name__),
+                " with a pipeline: a pipelined model runs its ",
+                Field("microbatches", self.pipeline.microbatches),
+                " inside one forward and backward pass; use one pass of accumulation, ",
+                Field("strategy", "Accumulation(1)"),
+            )
         if self.context_layout not in CONTEXT_LAYOUTS:
             raise ConfigError(
                 Field("context_layout", repr(self.context_layout)), f": choose one of {', '.join(CONTEXT_LAYOUTS)}"
@@ -203,17 +221,21 @@ class Parallelism:
         rules: Rules | str = DEFAULT_PRESET,
         strategy: Strategy | None = None,
         context_layout: str = CONTIGUOUS,
+        pipeline: PipelinePlan | None = None,
     ) -> Parallelism:
         """A value bound to ``mesh`` (tests and scripts): its shape, ``rules`` (a preset name or `Rules`),
-        ``strategy`` (default no accumulation) and ``context_layout``.
+        ``strategy`` (default no accumulation), ``context_layout`` and ``pipeline`` (default none).
 
-        A pipeline strategy adds ``layers -> stage`` to the rules (`sharding.pipeline.pipeline_rules`).
+        A pipeline adds ``layers -> stage`` to the rules (`sharding.pipeline.pipeline_rules`).
+
+        Raises:
+          ConfigError: As the constructor.
         """
         rules = get_rules(rules) if isinstance(rules, str) else rules
         strategy = Accumulation() if strategy is None else strategy
-        if strategy.pipeline is not None:
+        if pipeline is not None:
             rules = pipeline_rules(rules)
-        return cls(dict(mesh.shape), rules, strategy, context_layout, mesh=mesh)
+        return cls(dict(mesh.shape), rules, strategy, context_layout, mesh=mesh, pipeline=pipeline)
 
     def on(self, mesh) -> Parallelism:
         """This layout bound to a device mesh of its shape.
@@ -285,14 +307,11 @@ class Parallelism:
         return self.padded_length or seq_len
 
     @property
-    def pipeline(self) -> PipelinePlan | None:
-        """The pipeline plan when the strategy is one, else None."""
-        return self.strategy.pipeline
-
-    @property
     def microbatches(self) -> int:
-        """The strategy's microbatches: accumulation steps, pipeline microbatches, or uneven microbatches
-        per device on average."""
+        """Microbatches per step: the pipeline's (which flow inside its one pass), else the strategy's
+        (accumulation steps, or uneven microbatches per device on average)."""
+        if self.pipeline is not None:
+            return self.pipeline.microbatches
         return self.strategy.mean_microbatches(self.data_parallel)
 
     def spec(self, names: AxisNames, shape: Sequence[int] | None = None):

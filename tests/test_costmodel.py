@@ -602,7 +602,9 @@ def test_pipeline_state_bytes_are_the_unpadded_storage(stage_layers, mesh_spec):
     mesh = parse_mesh(mesh_spec, 8)
     layout, _ = plan_layout(sum(stage_layers), mesh["stage"], 1, stage_layers)
     trainer = Trainer(
-        config, OptimizerConfig(), Parallelism.of(make_mesh(mesh), get_rules("fsdp_tp"), pl.PipelinePlan(layout, 4))
+        config,
+        OptimizerConfig(),
+        Parallelism.of(make_mesh(mesh), get_rules("fsdp_tp"), pipeline=pl.PipelinePlan(layout, 4)),
     )
     cost = cm.estimate(config, 16, 32, cm.Layout(mesh, "fsdp_tp", 4, "none", stage_layers=stage_layers), backend="cpu")
     state = report.device_state_bytes(trainer.abstract_state())
@@ -624,7 +626,9 @@ def test_layout_of_reads_a_parallelism_strategy_by_strategy():
     assert uneven.uneven_batch and uneven.microbatches == 2 and uneven.remat == "none"
     stages, _ = plan_layout(8, 2, 2, (5, 3))
     plan = dataclasses.replace(PipelinePlan(stages, 4, schedule="1f1b"), skip_empty=False)
-    piped = cm.layout_of(Parallelism({"stage": 2, "fsdp": 4}, get_rules("fsdp"), plan), config, dtype="bfloat16")
+    piped = cm.layout_of(
+        Parallelism({"stage": 2, "fsdp": 4}, get_rules("fsdp"), pipeline=plan), config, dtype="bfloat16"
+    )
     assert (
         piped.stage_layers,
         piped.pipeline_repeats,

@@ -102,7 +102,7 @@ def _lowered(config_key: tuple, mesh_spec: str, rules: str, plan_key: tuple = ()
     repeats)`` picks the strategy (else one pass of accumulation). One lowering per configuration."""
     config = get_config(config_key[0], list(config_key[1:]))
     mesh = make_mesh(parse_mesh(mesh_spec, 8))
-    batch = BATCH
+    batch, plan = BATCH, None
     if not plan_key:
         strategy = Accumulation(1)
     elif plan_key[0] == "uneven":
@@ -110,8 +110,8 @@ def _lowered(config_key: tuple, mesh_spec: str, rules: str, plan_key: tuple = ()
     else:
         _, schedule, gather, repeats = plan_key
         layout, _ = pl.plan_layout(config.num_layers, mesh.shape["stage"], repeats)
-        strategy = pl.PipelinePlan(layout, mesh.shape["stage"], schedule=schedule, gather=gather)
-    trainer = Trainer(config, OptimizerConfig(), Parallelism.of(mesh, rules, strategy))
+        strategy, plan = Accumulation(1), pl.PipelinePlan(layout, mesh.shape["stage"], schedule=schedule, gather=gather)
+    trainer = Trainer(config, OptimizerConfig(), Parallelism.of(mesh, rules, strategy, pipeline=plan))
     step = trainer.train_step(batch, SEQ)
     return _export(step, platform, trainer.abstract_train_args(batch, SEQ), cudnn=config.attention == "cudnn")
 

@@ -315,7 +315,7 @@ PIPELINE_MOE = CONFIG.replace(num_layers=4, first_dense_layers=0, router_aux_coe
 """An all-MoE model for pipeline stages, its router losses weighted so that they move loss and gradients."""
 
 
-def _moe_gradients(mesh_spec, strategy):
+def _moe_gradients(mesh_spec, strategy=None, pipeline=None):
     """``(loss_sum, weight_sum, grads, metrics)`` of `PIPELINE_MOE`'s step on ``_batch(8, 32)`` (grads in
     canonical layer order; metrics the router statistics)."""
     from test_pipeline_1f1b import _batch
@@ -325,7 +325,7 @@ def _moe_gradients(mesh_spec, strategy):
     from train.runtime.optimizer import OptimizerConfig
     from train.runtime.step import Trainer
 
-    par = Parallelism.of(make_mesh(parse_mesh(mesh_spec, 8)), get_rules("fsdp"), strategy)
+    par = Parallelism.of(make_mesh(parse_mesh(mesh_spec, 8)), get_rules("fsdp"), strategy, pipeline=pipeline)
     trainer = Trainer(PIPELINE_MOE, OptimizerConfig(), par)
     loss, weight, grads, metrics = jax.jit(trainer.gradients)(trainer.init_state(0)["params"], _batch(8, 32))
     if trainer.storage is not None:
@@ -363,7 +363,7 @@ def test_moe_pipeline_has_the_loss_and_gradients_of_accumulation(accumulated_moe
 
     ref_loss, ref_weight, ref_grads, ref_metrics = accumulated_moe
     plan = _plan(PIPELINE_MOE.num_layers, mesh_spec, (3, 1), 2, schedule, gather=gather)
-    loss, weight, grads, metrics = _moe_gradients(mesh_spec, plan)
+    loss, weight, grads, metrics = _moe_gradients(mesh_spec, pipeline=plan)
     assert weight == ref_weight
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     assert_close(grads, ref_grads)

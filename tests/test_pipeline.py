@@ -203,7 +203,7 @@ def _toy(mesh_spec, num_layers, stage_layers, repeats, microbatches, batch=16, d
     plan = pl.PipelinePlan(layout, microbatches)
     (w, x, position), (ref_loss, ref_grads) = _toy_reference(num_layers, batch, dim)
     names = {"a": ("layers", None, "embed"), "b": ("layers", None)}
-    par = Parallelism.of(mesh, rules, plan)
+    par = Parallelism.of(mesh, rules, pipeline=plan)
 
     def pipelined(w, x):
         y, applied = run_pipeline(_toy_layer, w, x, (position,), par, names=names)
@@ -375,7 +375,7 @@ def _trainer(config, mesh_spec, plan=None, microbatches=1):
     return Trainer(
         config,
         OptimizerConfig(),
-        Parallelism.of(make_mesh(parse_mesh(mesh_spec, 8)), RULES, plan or Accumulation(microbatches)),
+        Parallelism.of(make_mesh(parse_mesh(mesh_spec, 8)), RULES, Accumulation(microbatches), pipeline=plan),
     )
 
 
@@ -567,7 +567,7 @@ def test_the_reports_head_line_says_where_the_head_runs_also_for_rows_nothing_sp
     from types import SimpleNamespace
 
     layout, _ = pl.plan_layout(4, 2)
-    par = Parallelism(parse_mesh(mesh, 8), get_rules("fsdp_tp"), pl.PipelinePlan(layout, batch))
+    par = Parallelism(parse_mesh(mesh, 8), get_rules("fsdp_tp"), pipeline=pl.PipelinePlan(layout, batch))
     assert where in report.head_line(SimpleNamespace(par=par), batch)
 
 
@@ -917,7 +917,7 @@ def test_collectives_in_skipped_slots_are_one_short_note_and_every_slot_computed
     found = [BranchCollective("collective-permute", f"ppermute.{i}", None, False) for i in range(19)]
     monkeypatch.setattr(strategy, "branch_collectives", lambda text, mesh: found)
     layout, _ = pl.plan_layout(4, 2)
-    par = Parallelism(parse_mesh("stage=2,fsdp=4", 8), get_rules("fsdp_tp"), pl.PipelinePlan(layout, 2))
+    par = Parallelism(parse_mesh("stage=2,fsdp=4", 8), get_rules("fsdp_tp"), pipeline=pl.PipelinePlan(layout, 2))
     checked, note = strategy.check_compiled(par, "")
     assert not checked.pipeline.skip_empty
     assert note.startswith(

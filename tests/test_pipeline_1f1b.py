@@ -211,7 +211,7 @@ def _toy(
             x,
             (position,),
             (target, mask),
-            Parallelism.of(mesh, rules, plan),
+            Parallelism.of(mesh, rules, pipeline=plan),
             names={"a": ("layers", None, "embed"), "b": ("layers", None)},
             head_names={"v": ("embed", None), "c": (None,)},
         )
@@ -361,12 +361,14 @@ def _batch(batch, length, seed=0):
     return pipeline_batch(batch, length, seed, unmasked=0.9)
 
 
-def _trainer(config, mesh_spec, strategy, optimizer=None):
+def _trainer(config, mesh_spec, plan, optimizer=None):
     from train.runtime.optimizer import OptimizerConfig
     from train.runtime.step import Trainer
 
     return Trainer(
-        config, optimizer or OptimizerConfig(), Parallelism.of(make_mesh(parse_mesh(mesh_spec, 8)), RULES, strategy)
+        config,
+        optimizer or OptimizerConfig(),
+        Parallelism.of(make_mesh(parse_mesh(mesh_spec, 8)), RULES, pipeline=plan),
     )
 
 
@@ -422,10 +424,9 @@ def flat_loss_and_grads(num_layers, tied=False):
     projection is the token embedding) loss and gradients on ``_batch(8, 32)``: computed once per layer count
     and shared by every test comparing a pipeline with it."""
     from models.config import get_config
-    from sharding.parallel import Accumulation
 
     config = get_config("test", [f"num_layers={num_layers}", f"tie_embeddings={tied}"])
-    return _loss_and_grads(_trainer(config, "fsdp=8", Accumulation(1)), _batch(8, 32))
+    return _loss_and_grads(_trainer(config, "fsdp=8", None), _batch(8, 32))
 
 
 CASES = [
@@ -484,10 +485,8 @@ def _steps_config(remat="none"):
 @functools.lru_cache(maxsize=1)
 def _flat_steps():
     """The flat model's initial parameters, losses over 6 steps and parameters after the first (computed once)."""
-    from sharding.parallel import Accumulation
-
     config, optimizer = _steps_config()
-    flat = _trainer(config, "fsdp=8", Accumulation(1), optimizer)
+    flat = _trainer(config, "fsdp=8", None, optimizer)
     init = jax.tree.map(np.asarray, flat.init_state(0)["params"])
     return init, *_steps(flat, [_batch(8, 32, seed) for seed in range(6)])
 
@@ -910,10 +909,10 @@ def test_the_fused_1f1b_plan_round_trips_through_its_flags_and_is_reported(repea
 
     argv = ["--model", "test", "--mesh", "stage=2,fsdp=4", "--microbatches", "4", "--pipeline-schedule", "1f1b-fused"]
     run = parse(argv + (["--pipeline-repeats", str(repeats)] if repeats > 1 else []))
-    plan = run.parallelism.strategy
+    plan = run.parallelism.pipeline
     assert plan.one_f_one_b and plan.schedule == "1f1b-fused" and plan.layout.repeats == repeats
     again = parse(["--model", "test", *parallelism_flags(run.parallelism)])
-    assert again.parallelism.strategy == plan
+    assert again.parallelism.pipeline == plan
     ticks = 4 * repeats + (repeats + 1) * 2 - 2
     assert (
         f"one loop of {ticks} ticks, each a chunk's forward and a chunk's backward per stage"
@@ -927,13 +926,13 @@ def test_the_gather_mode_round_trips_through_its_flags_and_is_reported(schedule)
     from train.setup.flags import parallelism_flags
 
     argv = ["--model", "test", "--mesh", "stage=2,fsdp=4", "--microbatches", "4", "--pipeline-schedule", schedule]
-    assert parse(argv).parallelism.strategy.gather == "once"
+    assert parse(argv).parallelism.pipeline.gather == "once"
     run = parse([*argv, "--pipeline-gather", "microbatch"])
-    plan = run.parallelism.strategy
+    plan = run.parallelism.pipeline
     assert plan.gather == "microbatch" and plan.schedule == schedule
     assert "--pipeline-gather" in parallelism_flags(run.parallelism)
     again = parse(["--model", "test", *parallelism_flags(run.parallelism)])
-    assert again.parallelism.strategy == plan
+    assert again.parallelism.pipeline == plan
 
 
 def test_dry_run_reports_the_gather_mode(capsys):
@@ -977,10 +976,10 @@ def test_the_1f1b_plan_round_trips_through_its_flags(repeats):
 
     argv = ["--model", "test", "--mesh", "stage=2,fsdp=4", "--microbatches", "4", "--pipeline-schedule", "1f1b"]
     run = parse(argv + (["--pipeline-repeats", str(repeats)] if repeats > 1 else []))
-    plan = run.parallelism.strategy
+    plan = run.parallelism.pipeline
     assert plan.one_f_one_b and plan.schedule == "1f1b" and plan.layout.repeats == repeats
     again = parse(["--model", "test", *parallelism_flags(run.parallelism)])
-    assert again.parallelism.strategy == plan
+    assert again.parallelism.pipeline == plan
 
 
 @pytest.mark.parametrize("schedule", ONE_F_ONE_B)

@@ -246,9 +246,9 @@ def test_the_zero_bubble_plan_round_trips_through_its_flags_and_is_reported(caps
     from train.setup.flags import parallelism_flags
 
     run = parse(["--model", "test", "--mesh", "stage=2,fsdp=4", "--microbatches", "4", "--pipeline-schedule", "zb"])
-    plan = run.parallelism.strategy
+    plan = run.parallelism.pipeline
     assert plan.one_f_one_b and plan.schedule == "zb"
-    assert parse(["--model", "test", *parallelism_flags(run.parallelism)]).parallelism.strategy == plan
+    assert parse(["--model", "test", *parallelism_flags(run.parallelism)]).parallelism.pipeline == plan
     assert "one loop of 6 ticks, each a forward, an input gradient and a weight gradient" in schedule_memory_line(plan)
     argv = ["--model", "test", "--mesh", "stage=2,fsdp=4", "--microbatches", "4", "--batch-size", "8", "--dry-run"]
     code = train.main([*argv, "--pipeline-schedule", "zb", "--pipeline-repeats", "2"])

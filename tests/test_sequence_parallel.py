@@ -33,10 +33,10 @@ def _optimizer():
     return OptimizerConfig(eps=1e-3, warmup=0, decay_steps=10)
 
 
-def _trainer(config, mesh_spec, rules, strategy=None, devices=None):
+def _trainer(config, mesh_spec, rules, pipeline=None, devices=None):
     n = 8 if devices is None else len(devices)
     mesh = make_mesh(parse_mesh(mesh_spec, n), devices)
-    return Trainer(config, _optimizer(), Parallelism.of(mesh, rules, strategy))
+    return Trainer(config, _optimizer(), Parallelism.of(mesh, rules, pipeline=pipeline))
 
 
 def _steps(trainer, steps=STEPS):
@@ -84,10 +84,11 @@ def test_sp_training_steps_match_the_one_device_reference(mesh_spec, strategy):
     magnitude) equal the one-device float32 run's, on data=4,tensor=2 and on a 1F1B pipeline over
     data=2,tensor=2,stage=2 (one layer per stage, two microbatches)."""
     ref_losses, ref_params = _reference()
+    plan = None
     if strategy is not None:
         layout, _ = pl.plan_layout(LAYERS, 2, 1, None)
-        strategy = pl.PipelinePlan(layout, 2, schedule=strategy)
-    trainer = _trainer(_config(), mesh_spec, "tp_sp", strategy)
+        plan = pl.PipelinePlan(layout, 2, schedule=strategy)
+    trainer = _trainer(_config(), mesh_spec, "tp_sp", plan)
     assert trainer.par.rules.sequence_parallel
     losses, params = _steps(trainer)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)

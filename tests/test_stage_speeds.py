@@ -12,7 +12,7 @@ import pytest
 from models.config import get_config
 from sharding.balance import layers_for_speeds
 from sharding.mesh import make_mesh, parse_mesh
-from sharding.parallel import Accumulation, Parallelism
+from sharding.parallel import Parallelism
 from sharding.pipeline import PipelinePlan, pipeline_rules, plan_layout
 from sharding.rules import get_rules
 from train.runtime.optimizer import OptimizerConfig
@@ -69,8 +69,8 @@ def _pipelined(mesh_spec="stage=2,data=4", layers=4):
     mesh = make_mesh(parse_mesh(mesh_spec, 8))
     layout, _ = plan_layout(layers, 2)
     plan = PipelinePlan(layout, 4, measure_stages=True)
-    par = Parallelism.of(mesh, pipeline_rules(get_rules("fsdp")), plan)
-    probe = Trainer(config, OptimizerConfig(warmup=0, decay_steps=10), par.replace(strategy=Accumulation()))
+    par = Parallelism.of(mesh, pipeline_rules(get_rules("fsdp")), pipeline=plan)
+    probe = Trainer(config, OptimizerConfig(warmup=0, decay_steps=10), par.replace(pipeline=None))
     return config, par, probe
 
 
@@ -165,8 +165,8 @@ def test_plan_auto_on_real_devices_measures_its_shares():
     assert (out.counts, out.speeds, out.microbatches, out.rebalance_every) == (None, "measured", 3, 10)
     assert measured(uneven, simulated, notes.append) is uneven
     _, par, _ = _pipelined(layers=8)
-    uneven_stages = par.replace(strategy=PipelinePlan(plan_layout(8, 2, 1, (6, 2))[0], 4))
+    uneven_stages = par.replace(pipeline=PipelinePlan(plan_layout(8, 2, 1, (6, 2))[0], 4))
     assert measured(uneven_stages, real, notes.append).pipeline.measure_stages
-    even = par.replace(strategy=PipelinePlan(plan_layout(8, 2)[0], 4))
+    even = par.replace(pipeline=PipelinePlan(plan_layout(8, 2)[0], 4))
     assert not measured(even, real, notes.append).pipeline.measure_stages
     assert len(notes) == 2 and "--stage-layers auto" in notes[1]

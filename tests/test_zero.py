@@ -25,7 +25,7 @@ from sharding import pipeline as pl
 from sharding.costmodel import zero as cm_zero
 from sharding.errors import ConfigError
 from sharding.mesh import make_mesh, parse_mesh
-from sharding.parallel import Accumulation, Parallelism
+from sharding.parallel import Parallelism
 from sharding.planner import search
 from sharding.rules import get_rules
 from sharding.zero import master_spec
@@ -57,10 +57,10 @@ def _trainer(
     """A trainer of ``preset`` (``LAYERS`` layers, ``sets`` further ``--set`` overrides) on ``mesh_spec``."""
     mesh = parse_mesh(mesh_spec, devices)
     config = get_config(preset, [f"num_layers={LAYERS}", *sets])
-    strategy = Accumulation()
+    plan = None
     if mesh.get("stage", 1) > 1:
-        strategy = pl.PipelinePlan(pl.plan_layout(LAYERS, mesh["stage"])[0], microbatches)
-    par = Parallelism.of(make_mesh(mesh, jax.devices()[:devices]), get_rules("fsdp_tp"), strategy)
+        plan = pl.PipelinePlan(pl.plan_layout(LAYERS, mesh["stage"])[0], microbatches)
+    par = Parallelism.of(make_mesh(mesh, jax.devices()[:devices]), get_rules("fsdp_tp"), pipeline=plan)
     return Trainer(config, OPTIMIZER, par.replace(optimizer_sharding=optimizer_sharding))
 
 

@@ -242,12 +242,12 @@ def layout_of(par: Parallelism, config: Any = None, **fields: Any) -> Layout:
     """The `Layout` the cost model prices for a run's `sharding.parallel.Parallelism`: the one way from a
     run's layout to the cost model's (the planner's plans, the benches and ``--dry-run`` use it).
 
-    The mesh and rules are the run's; the strategy gives the rest: `Accumulation` its microbatches,
+    The mesh and rules are the run's; the strategy and pipeline give the rest: `Accumulation` its microbatches,
     `UnevenBatch` the uneven step (``uneven_batch``, microbatches the per-device average), uneven context
     shares their real tokens per ring device (``context_shares``; ``auto`` before it is measured prices even
-    shards), a
-    `sharding.pipeline.PipelinePlan` its stage split, repeats, microbatches, schedule (``pipeline_schedule``),
-    gather mode (``pipeline_gather``) and ``skip_empty``.
+    shards), a pipeline (`sharding.parallel.Parallelism.pipeline`, a `sharding.pipeline.PipelinePlan`) its
+    stage split, repeats, microbatches, schedule (``pipeline_schedule``), gather mode (``pipeline_gather``)
+    and ``skip_empty``.
 
     Args:
       par: The run's parallelism (bound to a mesh or not).

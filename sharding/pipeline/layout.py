@@ -394,7 +394,8 @@ def _largest_divisor_at_most(n: int, limit: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class PipelinePlan:
-    """A layout and the number of microbatches that flow through it.
+    """A layout and the number of microbatches that flow through it: the model's execution mode over ``stage``
+    (`sharding.parallel.Parallelism.pipeline`), not a gradient strategy.
 
     Attributes:
       layout: the `StageLayout`.
@@ -430,22 +431,10 @@ class PipelinePlan:
     measure_stages: bool = False
     gather: str = "once"
 
-    uneven = False
-    """Every data-parallel group runs all M microbatches (`sharding.parallel.UnevenBatch` is the uneven step)."""
-
     def __post_init__(self):
         object.__setattr__(self, "schedule", parse_schedule(self.schedule).for_repeats(self.layout.repeats))
         if self.gather not in GATHERS:
             raise ValueError(f"PipelinePlan: gather {self.gather!r}; expected one of {', '.join(GATHERS)}")
-
-    @property
-    def pipeline(self) -> PipelinePlan:
-        """This plan: the strategy is a pipeline (`sharding.parallel.Parallelism.pipeline`; None for the others)."""
-        return self
-
-    def mean_microbatches(self, groups: int) -> int:
-        """M: every data-parallel group runs all of them (`sharding.parallel.Parallelism.microbatches`)."""
-        return self.microbatches
 
     @property
     def one_f_one_b(self) -> bool:
@@ -621,7 +610,7 @@ def head_parallelism(par):
       par: The run's `sharding.parallel.Parallelism`.
 
     Returns:
-      ``par`` with ``batch -> (its axes..., stage)`` when its strategy is a pipeline over ``stage`` > 1
+      ``par`` with ``batch -> (its axes..., stage)`` when it has a pipeline over ``stage`` > 1
       (``constrain`` leaves ``stage`` out where it does not divide the rows), else ``par`` itself.
     """
     if par.pipeline is None or par.mesh_shape.get(ax.STAGE, 1) <= 1 or ax.STAGE in par.rules.mesh_axes(ax.BATCH):

@@ -553,7 +553,7 @@ def run_pipeline_loss(
         ``entry_fn``, the entry's inputs (int32 tokens ``[batch, length]``).
       extras: side inputs ``[batch, ...]`` of every layer (None entries pass through).
       head_inputs: side inputs ``[batch, ...]`` of the head (targets int32, loss weights float32).
-      par: the run's `sharding.parallel.Parallelism` (strategy a `PipelinePlan`), bound to a mesh.
+      par: the run's `sharding.parallel.Parallelism` (its ``pipeline`` a `PipelinePlan`), bound to a mesh.
       names: logical names of ``stacked``'s leaves, as `run_pipeline`.
       head_names: logical names of ``head_params``' leaves (a tree of tuples shaped as them); None: replicated.
       remat_policy, recompute: as `run_pipeline`.

@@ -380,7 +380,7 @@ class Setup:
         """Checks the inputs and builds the specs (arguments as `run_pipeline`; raises its ValueErrors)."""
         plan = par.pipeline
         if plan is None:
-            raise ValueError("run_pipeline needs a Parallelism whose strategy is a PipelinePlan")
+            raise ValueError("run_pipeline needs a Parallelism with a pipeline (Parallelism.pipeline a PipelinePlan)")
         if par.mesh is None:
             raise ValueError("run_pipeline needs a Parallelism bound to a mesh (Parallelism.on(mesh))")
         layout, m = plan.layout, plan.microbatches

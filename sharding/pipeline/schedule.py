@@ -416,7 +416,7 @@ def run_pipeline(
       extras: side inputs ``[batch, ...]`` each layer also gets (positions,
         segment ids; None entries pass through as None).
       par: the run's `sharding.parallel.Parallelism`, bound to a mesh, whose
-        strategy is the `PipelinePlan` (layout and microbatch count).
+        ``pipeline`` is the `PipelinePlan` (layout and microbatch count).
       names: the canonical logical names ``(layers, ...)`` of each leaf of ``stacked`` (a tree of
         tuples shaped as ``stacked``), from which the leaves' split over ``data``/``fsdp`` follows;
         None: every leaf is split over ``stage`` only.

@@ -188,30 +188,37 @@ class Plan:
         )
 
     def parallelism(self) -> Parallelism:
-        """The plan as the run's `sharding.parallel.Parallelism` (not bound to a mesh): its mesh, rules
-        and strategy: `UnevenBatch` with the counts, a `PipelinePlan` of the stage split, or
-        `Accumulation` over the microbatches; uneven sequence shards as their real tokens per ring device."""
+        """The plan as the run's `sharding.parallel.Parallelism` (not bound to a mesh): its mesh, rules,
+        strategy (`UnevenBatch` with the counts, else `Accumulation`: over the microbatches, or one pass beside a
+        pipeline) and pipeline (a `PipelinePlan` of the stage split over ``stage`` > 1); uneven sequence shards
+        as their real tokens per ring device."""
         lay = self.layout
-        rules = lay.rules_table()
+        rules, plan = lay.rules_table(), None
         if self.counts is not None:
             strategy = UnevenBatch(
                 counts=tuple(self.counts), microbatches=lay.microbatches, kind_counts=self.kind_counts
             )
         elif lay.mesh[ax.STAGE] > 1:
             stages, _ = plan_layout(sum(lay.stage_layers), lay.mesh[ax.STAGE], lay.pipeline_repeats, lay.stage_layers)
-            strategy = PipelinePlan(
+            plan = PipelinePlan(
                 stages,
                 lay.microbatches,
                 schedule=lay.pipeline_schedule,
                 gather=lay.pipeline_gather,
             )
-            rules = pipeline_rules(rules)
+            strategy, rules = Accumulation(), pipeline_rules(rules)
         else:
             strategy = Accumulation(lay.microbatches)
         context_layout = lay.context_layout if lay.length_split > 1 else CONTIGUOUS
         shares = None if lay.context_shares is None else tuple(int(n) for n in lay.context_shares)
         return Parallelism(
-            lay.mesh, rules, strategy, context_layout, context_shares=shares, optimizer_sharding=lay.optimizer_sharding
+            lay.mesh,
+            rules,
+            strategy,
+            context_layout,
+            context_shares=shares,
+            optimizer_sharding=lay.optimizer_sharding,
+            pipeline=plan,
         )
 
 

@@ -138,7 +138,7 @@ def remedies(run) -> str:
     if fsdp < n:
         found.append(f"more fsdp (e.g. --mesh fsdp={n})")
     rows = run.microbatch_rows
-    m = par.strategy.microbatches
+    m = par.pipeline.microbatches if par.pipeline is not None else par.strategy.microbatches  # --microbatches
     if rows % 2 == 0 and rows // 2 >= par.data_parallel:
         found.append(f"--microbatches {m * 2}")
     if data.batch_size // 2 >= par.data_parallel * m:

@@ -291,7 +291,7 @@ def calibrate_stages(
     """Times every device on one microbatch of the whole model and splits the layers over the stages.
 
     Args:
-      par: The run's layout bound to a mesh, strategy a gpipe `PipelinePlan` with ``measure_stages``.
+      par: The run's layout bound to a mesh, its pipeline a gpipe `PipelinePlan` with ``measure_stages``.
       loss_fn, abstract_params: A flat (unpipelined) model's, as `local_work` takes them.
       microbatch_rows, seq_len: One pipeline microbatch's rows per device and ``--seq-len``.
       fixed_layers: `head_layers` of the model.
@@ -301,7 +301,7 @@ def calibrate_stages(
       ``(par, calibration)``: ``par`` with the measured split (``measure_stages`` off), and the timings.
     """
     plan = par.pipeline
-    fn, args_on = local_work(par.replace(strategy=Accumulation()), loss_fn, abstract_params, microbatch_rows, seq_len)
+    fn, args_on = local_work(par.replace(pipeline=None), loss_fn, abstract_params, microbatch_rows, seq_len)
     local = sorted(jax.local_devices(), key=lambda d: d.id)
     table = gather_table(timer(fn, args_on, local, together=local[0].platform == "cpu"))
     seconds = tuple(max(grid_seconds(devices, table)) for devices in stage_devices(par.mesh))
@@ -309,7 +309,7 @@ def calibrate_stages(
     split = layers_for_speeds(layers, [t / (layers + fixed_layers) for t in seconds], fixed_layers)
     layout, _ = plan_layout(layers, len(seconds), 1, split)
     new = dataclasses.replace(plan, layout=layout, measure_stages=False)
-    return par.replace(strategy=new), StageCalibration(seconds, fixed_layers, split)
+    return par.replace(pipeline=new), StageCalibration(seconds, fixed_layers, split)
 
 
 def resolve_counts(config, par: Parallelism, log) -> tuple[Parallelism, list[float] | None]:
@@ -351,7 +351,7 @@ def resolve_measured(config, par: Parallelism, log) -> Parallelism:
 
 def resolve_stages(config, par: Parallelism, log) -> Parallelism:
     """``--stage-layers auto``: a flat probe trainer's local work timed per device, then the split."""
-    probe = step.Trainer(config.model, config.optimizer, par.replace(strategy=Accumulation()))
+    probe = step.Trainer(config.model, config.optimizer, par.replace(pipeline=None))
     rows = config.data.batch_size // (par.pipeline.microbatches * par.data_parallel)
     # The head runs on 1/S of the rows on every stage (`sharding.pipeline.head_parallelism`): its share per stage.
     fixed = head_layers(config.model, config.data.seq_len) / par.pipeline.layout.stages
@@ -434,7 +434,9 @@ def resolve_context_shares(config, par: Parallelism, log) -> Parallelism:
     unchanged otherwise."""
     if par.context_shares != "auto":
         return par
-    probe = step.Trainer(config.model, config.optimizer, par.replace(strategy=Accumulation(), context_shares=None))
+    probe = step.Trainer(
+        config.model, config.optimizer, par.replace(strategy=Accumulation(), pipeline=None, context_shares=None)
+    )
     rows = max(1, config.data.batch_size // (par.data_parallel * par.microbatches))
     par, calibration = calibrate_context(
         par, probe.loss_sums, probe.state_layout.abstract_params, rows, config.data.seq_len

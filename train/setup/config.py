@@ -163,11 +163,11 @@ class RunConfig:
     @property
     def microbatch_rows(self) -> int:
         """Sequences per microbatch of the strategy (the global batch over all microbatches)."""
-        strategy = self.parallelism.strategy
-        total = getattr(strategy, "total", None)
+        par = self.parallelism
+        total = getattr(par.strategy, "total", None)
         if total:
             return self.data.batch_size // total
-        return self.data.batch_size // strategy.microbatches
+        return self.data.batch_size // par.microbatches
 
 
 def resolve_mesh(run: RunConfig, num_devices: int) -> RunConfig:

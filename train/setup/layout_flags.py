@@ -1,11 +1,11 @@
-"""The layout's flags into a `sharding.parallel.Parallelism`: the mesh, the rules, the strategy value and the
-context layout.
+"""The layout's flags into a `sharding.parallel.Parallelism`: the mesh, the rules, the strategy value, the
+pipeline and the context layout.
 
 The one home of the layout's flags: `LAYOUT_FLAGS` and its named parts (the pipeline's, the uneven
 strategy's, the context layout's, the cluster's), from which the command line's other lists derive (the
 flags ``--plan auto`` chooses, the flags ``python -m train.plan --layout`` prices, the group a resume
 takes from the run record as a whole). `strategy_from_args` is the one place that builds the strategy
-value from them.
+value and the pipeline from them.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from sharding import axes as ax
 from sharding.balance import tokens_for_speeds
 from sharding.devices import get_kind
 from sharding.mesh import format_mesh, parse_axis_sizes
-from sharding.parallel import Accumulation, Parallelism, UnevenBatch
+from sharding.parallel import Accumulation, Parallelism, Strategy, UnevenBatch
 from sharding.pipeline import (
     PipelinePlan,
     Schedule,
@@ -83,9 +83,9 @@ def parallelism_from_args(args, num_layers: int) -> Parallelism:
     sizes = parse_axis_sizes(args.mesh)
     outer = parse_axis_sizes(args.mesh_outer, field="mesh_outer", allow_fill=False) if args.mesh_outer else None
     rules = get_rules(args.rules, args.rule)
-    strategy = strategy_from_args(args, sizes, num_layers)
+    strategy, plan = strategy_from_args(args, sizes, num_layers)
     check_optimizer_sharding(args.optimizer_sharding, sizes)
-    if strategy.pipeline is not None:
+    if plan is not None:
         rules = pipeline_rules(rules)
     shares = parse_context_shares(getattr(args, "context_shares", None), args.seq_len)
     return Parallelism(
@@ -96,6 +96,7 @@ def parallelism_from_args(args, num_layers: int) -> Parallelism:
         outer,
         context_shares=shares,
         optimizer_sharding=args.optimizer_sharding,
+        pipeline=plan,
     )
 
 
@@ -187,15 +188,19 @@ def _check_planned(args) -> None:
             )
 
 
-def strategy_from_args(args, sizes: dict[str, int], num_layers: int):
-    """The strategy value of the flags, built here and nowhere else: a stage axis over 1 runs the model as a
-    pipeline (`pipeline_plan`), ``--hetero-batch`` gives each data-parallel group its own count
-    (`uneven_from_args`), and otherwise ``--microbatches`` accumulate (`sharding.parallel.Accumulation`).
+def strategy_from_args(args, sizes: dict[str, int], num_layers: int) -> tuple[Strategy, PipelinePlan | None]:
+    """The strategy value and the pipeline of the flags, built here and nowhere else: a stage axis over 1 runs
+    the model as a pipeline (`pipeline_plan`) whose gradients come from one pass (`sharding.parallel.Accumulation`
+    of 1), ``--hetero-batch`` gives each data-parallel group its own count (`uneven_from_args`), and otherwise
+    ``--microbatches`` accumulate (`sharding.parallel.Accumulation`).
 
     Args:
       args: The parsed ``python -m train.train`` flags.
       sizes: ``--mesh`` as axis sizes (one may be ``-1``).
       num_layers: The model's layers (for the stage split).
+
+    Returns:
+      ``(strategy, pipeline)``: the `sharding.parallel.Parallelism` fields; ``pipeline`` None without a stage axis.
 
     Raises:
       ValueError: A flag ``--plan auto`` chooses itself, a stage axis of ``-1`` or over the layers, flags of
@@ -211,9 +216,9 @@ def strategy_from_args(args, sizes: dict[str, int], num_layers: int):
                 f"--hetero-batch supports meshes over data, fsdp and tensor only; --mesh splits "
                 f"stage={stages}. Use e.g. --mesh data=-1 --rules dp, or --hetero-batch off"
             )
-        return pipeline_plan(args, stages, num_layers)
+        return Accumulation(), pipeline_plan(args, stages, num_layers)
     _refuse_pipeline_flags(args)
-    return uneven if uneven is not None else Accumulation(args.microbatches)
+    return (uneven if uneven is not None else Accumulation(args.microbatches)), None
 
 
 def _checked_stages(sizes: dict[str, int], num_layers: int, microbatches: int) -> int:

@@ -276,7 +276,7 @@ def _data_flags(p) -> None:
         type=int,
         default=1,
         metavar="M",
-        help="microbatches per step; what they are depends on the gradient strategy: without a stage "
+        help="microbatches per step; what they are depends on the layout: without a stage "
         "axis or --hetero-batch, gradient-accumulation steps (the batch in M strided microbatches); with "
         "--mesh stage=N (N > 1), the pipeline's microbatches (at least N); with --hetero-batch auto or "
         "kinds, the microbatches each device runs on average (M x data x fsdp in all)",

@@ -8,12 +8,12 @@ planned layout turned into one measured at start-up (`measured`), the value as f
 `cost_notes`), the start-up report's line (`summary_lines`) and the check of the compiled step
 (`compiled_check`, `check_compiled`).
 
-Each function matches on the value in the run's `sharding.parallel.Parallelism`: `Accumulation` (the
-batch in microbatches summed in a loop), `UnevenBatch` (each data-parallel group runs its own count of
-microbatches) or a `sharding.pipeline.PipelinePlan`. A pipeline is the model's execution mode, not a way
-of computing gradients: the model runs its layer stack as a pipeline over ``stage`` inside one forward and
-backward pass (`models.transformer`), so what a pipeline adds here is what its layout needs checked,
-priced and said.
+Each function matches on the values in the run's `sharding.parallel.Parallelism`: its strategy,
+`Accumulation` (the batch in microbatches summed in a loop) or `UnevenBatch` (each data-parallel group runs
+its own count of microbatches), and its ``pipeline``, a `sharding.pipeline.PipelinePlan` or None. A pipeline
+is the model's execution mode, not a way of computing gradients: the model runs its layer stack as a
+pipeline over ``stage`` inside one forward and backward pass (`models.transformer`), beside one pass of
+accumulation, so what a pipeline adds here is what its layout needs checked, priced and said.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def check_even_batch(run: RunConfig) -> None:
       ValueError: A ``--batch-size`` that ``--microbatches`` or data x fsdp does not divide.
     """
     par, batch = run.parallelism, run.data.batch_size
-    dp, m = par.data_parallel, par.strategy.microbatches
+    dp, m = par.data_parallel, par.microbatches
     if batch % m:
         raise ValueError(
             f"--batch-size {batch} is not divisible by --microbatches {m}; "
@@ -126,7 +126,7 @@ def measured(run: RunConfig, par: Parallelism, log) -> Parallelism:
         return par
     if plan is not None and plan.layout.repeats == 1 and len(set(plan.layout.stage_layers)) > 1:
         log("--plan auto: the stage split from speeds measured at start-up (as --stage-layers auto)")
-        return par.replace(strategy=dataclasses.replace(plan, measure_stages=True))
+        return par.replace(pipeline=dataclasses.replace(plan, measure_stages=True))
     return par
 
 
@@ -263,7 +263,7 @@ def check_compiled(par: Parallelism, compiled_text: str) -> tuple[Parallelism, s
         f"pipeline: the partitioner put {counts} ({names}) inside skipped layer slots, where stages that skip "
         f"them would leave others waiting; this run computes every slot instead (empty slots cost compute too)"
     )
-    return par.replace(strategy=dataclasses.replace(plan, skip_empty=False)), note
+    return par.replace(pipeline=dataclasses.replace(plan, skip_empty=False)), note
 
 
 __all__ = [

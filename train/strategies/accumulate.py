@@ -14,13 +14,13 @@ class AccumulatedGradients(GradientStrategy):
 
     Row ``r`` of the batch goes to microbatch ``r % M``, so each device's share of a microbatch stays on it;
     the gradients are summed over a `jax.lax.scan`. With a pipeline in ``par`` (`Parallelism.pipeline`) the
-    model runs the pipeline's microbatches itself inside one forward and backward pass, so the whole batch
-    is one pass here.
+    model runs the pipeline's microbatches itself inside one forward and backward pass, and the layout's
+    strategy is one pass (`Parallelism` refuses any other beside a pipeline), so the whole batch is one pass here.
     """
 
     def __init__(self, par, layout=None):
         super().__init__(par, layout)
-        self.microbatches = 1 if par.pipeline is not None else par.strategy.microbatches
+        self.microbatches = par.strategy.microbatches
 
     reports_stats = True
 
