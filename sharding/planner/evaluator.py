@@ -53,6 +53,9 @@ TICK_SHARES = {
 #: section 2.2: the bubble is ``(S - 1) / (R M)`` of the ideal time, R the interleaved chunks per stage).
 PIPELINE_CLOCKS = ("lockstep", "fused")
 
+#: The `cm.Layout` fields a stage's cost base depends on: all but the mesh (keyed by its items) and the split.
+_STAGE_KEY_FIELDS = tuple(f.name for f in dataclasses.fields(cm.Layout) if f.name not in ("mesh", "stage_layers"))
+
 #: Stage costs' bases kept whole (with their collectives and products) for another kind's time, most recent last.
 _STAGE_FULL = 256
 
@@ -553,20 +556,9 @@ class _Evaluator:
         sums with the moved rows' transfers (`cm.comm_totals`), which `cm.device_cost` lists last, so each
         figure is the whole cost's to the bit. The cost does not depend on the kind (only its time does): one
         serves every kind of a stage."""
-        key = (
-            tuple(layout.mesh.items()),
-            layout.rules_name,
-            layout.microbatches,
-            layout.remat,
-            layout.pipeline_repeats,
-            layout.pipeline_schedule,
-            layout.pipeline_gather,
-            layout.attention,
-            layout.dtype,
-            rows,
-            layers,
-            slots,
-        )
+        # Every field of the layout but the split (the optimizer state's layout among them: keyed without it, a
+        # split state's stage was priced as the replicated one's, or the other way round, whichever came first)
+        key = (tuple(layout.mesh.items()), *(getattr(layout, f) for f in _STAGE_KEY_FIELDS), rows, layers, slots)
         entry = self._stage_bases.get(key)
         if entry is None:
             base = self._stage_base(key, layout, rows, layers, slots)
