@@ -197,4 +197,3 @@ def test_a_stage_cost_priced_from_its_base_is_the_whole_cost_to_the_bit(gather):
                     assert time == ev.time(whole, kind, layout.mesh), (split, s, kind.name)
                     checked += 1
     assert checked > 1600
-
