@@ -39,7 +39,7 @@ Units: FLOPs, bytes, seconds, FLOP/s, bytes/s. The package imports nothing of th
 """
 
 from sharding.costmodel.collectives import BACKENDS, Comm, collective_bytes, host_shares, link_classes
-from sharding.costmodel.cost import Cost, device_cost, estimate
+from sharding.costmodel.cost import Cost, StageBase, device_cost, estimate, stage_cost_base
 from sharding.costmodel.flops import ELEMENTWISE_BACKWARD_FACTOR, OPTIMIZER_FLOPS_PER_PARAM, Flops
 from sharding.costmodel.gemm import GEMM_LAUNCH_SECONDS, Gemm, gemm_seconds, step_gemms
 from sharding.costmodel.layout import (
@@ -57,12 +57,15 @@ from sharding.costmodel.time import (
     ELEMENTWISE_BYTES_PER_FLOP,
     MEMORY_FRACTION,
     NCCL_LATENCY,
+    CommTotals,
     Hardware,
     StepTime,
     comm_seconds,
+    comm_totals,
     compute_seconds,
     hardware_for,
     step_time,
+    step_time_from,
 )
 
 __all__ = [
@@ -75,16 +78,19 @@ __all__ = [
     "NCCL_LATENCY",
     "OPTIMIZER_FLOPS_PER_PARAM",
     "Comm",
+    "CommTotals",
     "Cost",
     "Flops",
     "Gemm",
     "Hardware",
     "Layout",
     "Memory",
+    "StageBase",
     "StepTime",
     "attention_of",
     "collective_bytes",
     "comm_seconds",
+    "comm_totals",
     "compute_seconds",
     "gemm_seconds",
     "describe_model",
@@ -96,7 +102,9 @@ __all__ = [
     "link_classes",
     "ring_tokens",
     "step_gemms",
+    "stage_cost_base",
     "step_time",
+    "step_time_from",
     "tick_table",
     "unpriced_attention",
 ]

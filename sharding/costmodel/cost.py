@@ -32,12 +32,20 @@ from sharding.costmodel.layout import (
 )
 from sharding.costmodel.memory import Memory, _held_params, _memory
 from sharding.costmodel.partitioner import _comms, _length_comms, _tensor_comms
-from sharding.costmodel.pipeline import _Pipe, _pipeline_memory, _pipeline_of, _pipeline_outside
+from sharding.costmodel.pipeline import (
+    Received,
+    _gather_bytes,
+    _Pipe,
+    _pipeline_memory,
+    _pipeline_of,
+    _pipeline_outside,
+)
 from sharding.costmodel.pipeline_comms import (
     _pipeline_embedding_comms,
     _pipeline_head_comms,
     _pipeline_weight_comms,
     _stage_comms,
+    _stored_row_comms_cached,
 )
 from sharding.costmodel.sequence import sequence_parallel_comms
 from sharding.costmodel.zero import with_zero
@@ -131,27 +139,12 @@ def device_cost(
         raise ValueError(f"backend {backend!r}: choose one of {', '.join(BACKENDS)}")
     model = describe_model(model)
     mesh = layout.mesh
-    if layers is None:
-        stages = plan_layout(model.num_layers, mesh[ax.STAGE], layout.pipeline_repeats, layout.stage_layers)[0]
-        layers = max(stages.stage_layers)
-        slots = stages.slots if slots is None else slots
-    positions, keys, real = _context_share(model, layout, seq_len, ring_position)
-    shape = _Shape(
-        rows=rows,
-        seq=positions,
-        tok=rows * positions / layout.length_split,
-        micro=layout.microbatches if microbatches is None else microbatches,
-        layers=layers,
-        slots=layers if slots is None else slots,
-        act_bytes=_DTYPE_BYTES[layout.dtype],
-        keys=keys,
-        real=real,
-    )
+    shape = _shape_of(model, layout, seq_len, rows, microbatches, layers, slots, ring_position)
     rules = layout.rules_table()
     placed = _place_cached(model, rules, tuple(mesh.items()))
     if mesh[ax.STAGE] > 1:
         pipe = _pipeline_of(model, layout, rules, shape)
-        return _pipeline_cost(model, layout, rules, placed, shape, pipe, backend, batch_rows)
+        return _pipeline_cost(model, layout, rules, placed, shape, pipe, backend, batch_rows).with_moved(pipe.moved)
     flops, counted = _flops(model, layout, rules, placed, shape, backend)
     memory = _memory(model, layout, rules, placed, shape, backend)
     comms = tuple(
@@ -162,6 +155,75 @@ def device_cost(
     runs = shape.layers * shape.micro
     gemms = _gemms(model, layout, rules, shape, runs, 0.0, shape.tok, shape.micro)
     return Cost(flops, counted, memory, comms, shape.tok * shape.micro, shape.layers, arguments, gemms)
+
+
+def stage_cost_base(
+    model: ModelDescription | Any,
+    layout: Layout,
+    *,
+    seq_len: int,
+    rows: float,
+    layers: int,
+    slots: int,
+    backend: str = "gpu",
+    batch_rows: float | None = None,
+) -> StageBase:
+    """A pipeline stage device's cost apart from the stored rows the whole stage split moves (`StageBase`), for
+    a search that prices many splits: ``stage_cost_base(...).with_moved(moved)`` is `device_cost` of any
+    split of ``layout`` in which the device computes ``layers`` layers, the largest stage holds ``slots``, and
+    the storage moves ``moved`` rows per ppermute (`sharding.costmodel.pipeline.stored_rows_moved`), to the
+    bit: `device_cost` adds them up the same way. ``layout.stage_layers`` is not read.
+
+    Args:
+      model, layout, seq_len, rows, layers, slots, backend, batch_rows: As `device_cost` takes them
+        (``layout`` with ``stage`` > 1).
+
+    Returns:
+      The `StageBase`.
+
+    Raises:
+      ValueError: As `device_cost`; a layout without pipeline stages.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend {backend!r}: choose one of {', '.join(BACKENDS)}")
+    if layout.mesh[ax.STAGE] <= 1:
+        raise ValueError(f"stage_cost_base prices pipeline stages; the mesh has stage={layout.mesh[ax.STAGE]}")
+    model = describe_model(model)
+    shape = _shape_of(model, layout, seq_len, rows, None, layers, slots, None)
+    rules = layout.rules_table()
+    placed = _place_cached(model, rules, tuple(layout.mesh.items()))
+    pipe = _pipeline_of(model, dataclasses.replace(layout, stage_layers=None), rules, shape)
+    return _pipeline_cost(model, layout, rules, placed, shape, pipe, backend, batch_rows)
+
+
+def _shape_of(
+    model: ModelDescription,
+    layout: Layout,
+    seq_len: int,
+    rows: float,
+    microbatches: int | None,
+    layers: int | None,
+    slots: int | None,
+    ring_position: int | None,
+) -> _Shape:
+    """`device_cost`'s step shape of one device (its arguments as it documents them)."""
+    mesh = layout.mesh
+    if layers is None:
+        stages = plan_layout(model.num_layers, mesh[ax.STAGE], layout.pipeline_repeats, layout.stage_layers)[0]
+        layers = max(stages.stage_layers)
+        slots = stages.slots if slots is None else slots
+    positions, keys, real = _context_share(model, layout, seq_len, ring_position)
+    return _Shape(
+        rows=rows,
+        seq=positions,
+        tok=rows * positions / layout.length_split,
+        micro=layout.microbatches if microbatches is None else microbatches,
+        layers=layers,
+        slots=layers if slots is None else slots,
+        act_bytes=_DTYPE_BYTES[layout.dtype],
+        keys=keys,
+        real=real,
+    )
 
 
 def _gemms(
@@ -250,8 +312,9 @@ def _pipeline_cost(
     pipe: _Pipe,
     backend: str,
     batch_rows: float | None,
-) -> Cost:
-    """The `Cost` of one stage device (the terms of `sharding.costmodel.pipeline`)."""
+) -> StageBase:
+    """The cost of one stage device (the terms of `sharding.costmodel.pipeline`) apart from the stored rows
+    ``pipe``'s split moves (`StageBase`: ``pipe.moved`` is not read)."""
     layer = dataclasses.replace(s, micro=1, layers=pipe.applications)  # one microbatch's rows per application
     embed, head, head_runs = _pipeline_outside(s, pipe)
     unit = _per_token_flops(model, layout, rules, placed, s, recomputes=pipe.recomputes, backend=backend)
@@ -273,7 +336,7 @@ def _pipeline_cost(
             model, layout, rules, placed, s, recomputes=pipe.counted_recomputes, backend=backend
         )
     counted = s.tok * counted_unit["counted_layer"] + head.tok * (unit["logits"] + unit["elem_loss"]) + optimizer
-    memory = _pipeline_memory(model, layout, rules, placed, s, pipe, head)
+    memory, received = _pipeline_memory(model, layout, rules, placed, s, pipe, head)
     comms = _pipeline_head_comms(model, layout, rules, head, pipe, backend, batch_rows)
     comms += _pipeline_embedding_comms(model, layout, placed, embed, pipe)
     comms += _pipeline_weight_comms(layout, rules, placed, pipe, model)
@@ -287,7 +350,38 @@ def _pipeline_cost(
     (flops, counted), memory, comms = _with_zero(layout, rules, placed, s, flops, memory, comms, backend, counted)
     arguments = memory.state + memory.batch + _INT_BYTES * 4 + _INT_BYTES
     gemms = _gemms(model, layout, rules, s, pipe.applications, pipe.recomputes, head.tok, head_runs)
-    return Cost(flops, counted, memory, comms, s.tok * s.micro, s.layers, arguments, gemms)
+    rows = (model, rules, tuple(layout.mesh.items()), _gather_bytes(layout), pipe.groups)
+    return StageBase(Cost(flops, counted, memory, comms, s.tok * s.micro, s.layers, arguments, gemms), rows, received)
+
+
+@dataclasses.dataclass(frozen=True)
+class StageBase:
+    """A pipeline stage device's cost apart from what the rest of the stage split changes: the stored rows the
+    storage moves to their stages (`sharding.costmodel.pipeline._Pipe.moved`), which add their ppermutes (last,
+    after every other collective) and, with the per-microbatch gather, the received rows' memory
+    (`sharding.costmodel.pipeline.Received`). Everything else of a stage's cost depends only on its own layers
+    and the largest stage's, so a search over splits prices it once (`stage_cost_base`).
+
+    Attributes:
+      cost: The `Cost` of a split that moves no stored rows.
+      rows: What the stored rows' collectives are priced from (model, rules, mesh items, bytes per gathered
+        element, storage groups: `sharding.costmodel.pipeline_comms._stored_row_comms_cached`).
+      received: With ``gather`` ``microbatch``, the received rows' memory (`Received`); else None.
+    """
+
+    cost: Cost
+    rows: tuple
+    received: Received | None
+
+    def moved_comms(self, moved: tuple[int, ...]) -> tuple[Comm, ...]:
+        """The collectives a split that moves ``moved`` rows per ppermute adds, after ``cost.comms``."""
+        return tuple(c for c in _stored_row_comms_cached(*self.rows, moved) if c.group > 1 and c.count > 0)
+
+    def with_moved(self, moved: tuple[int, ...]) -> Cost:
+        """The whole `Cost` of a split that moves ``moved`` rows per ppermute (`stored_rows_moved`)."""
+        comms = self.moved_comms(moved)
+        memory = self.cost.memory if self.received is None else self.received.memory(self.cost.memory, moved)
+        return dataclasses.replace(self.cost, comms=self.cost.comms + comms, memory=memory)
 
 
 def _with_zero(layout, rules, placed, s, flops, memory, comms, backend, counted):

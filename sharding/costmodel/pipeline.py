@@ -402,8 +402,9 @@ def _pipeline_memory(
     s: _Shape,
     pipe: _Pipe,
     head: _Shape,
-) -> Memory:
-    """Bytes of a stage device: the stored rows' state; in flight, the gathered working copy of the stage's
+) -> tuple[Memory, Received | None]:
+    """``(memory, received)``: bytes of a stage device, and for ``gather`` ``microbatch`` what the rows it
+    receives add (`Received`; ``memory`` is then that of a split that moves none). Bytes of a stage device: the stored rows' state; in flight, the gathered working copy of the stage's
     slots (`_gather_bytes`) and their float32 gradient sums in place of the stored rows' gradients, which the
     sums become after the loop (``gather`` ``microbatch``: the slot's gathered layer, the rows received from
     other devices, and the float32 sums of the device's own and received rows), what each saved slot keeps
@@ -428,13 +429,13 @@ def _pipeline_memory(
     whole_layer = sum(p.local * _batch_factor(p, layout.mesh) for p in placed.values() if p.param.per_layer)
     # once: the working copy's R*K' slots and their sums, which replace the q stored rows' gradients
     own = -(-model.num_layers // (pipe.stages * pipe.groups))
-    held, received, sums = pipe.held, 0, pipe.sums - own
-    # microbatch: one layer in the compute dtype and the sums of the received rows (split over span); no whole
-    # layer's float32 gradient: `Streamed.backward` reduce-scatters each leaf's gradient into the sums as the
-    # slot's backward produces it (at the peak, inside the attention's backward, the MLP's are already done)
+    held, sums = pipe.held, pipe.sums - own
+    # microbatch: one layer in the compute dtype and the sums of the received rows (split over span, `Received`,
+    # the one part that depends on the whole split); no whole layer's float32 gradient: `Streamed.backward`
+    # reduce-scatters each leaf's gradient into the sums as the slot's backward produces it (at the peak, inside
+    # the attention's backward, the MLP's are already done)
     if pipe.gather == "microbatch":
-        held, received = pipe.groups, sum(pipe.moved) / pipe.span
-        sums = received
+        held, sums = pipe.groups, 0
     # zero bubble: its ring of cuts holds every slot position of a chunk pass (`Streamed.positions` with the
     # per-microbatch gather: `n * B`, past the chunk's K' layers where B does not divide K'; else K')
     kept = pipe.kept * pipe.positions * weight_cut_bytes(model, rules, layout.mesh, s.act_bytes, s.tok)
@@ -463,13 +464,49 @@ def _pipeline_memory(
     if pipe.one_f_one_b:
         head_weights, head_step, entry_step = _head_weight_bytes(placed, pipe)
         logits = max(logits + head_step, entry_step)
-    return dataclasses.replace(
+    memory = dataclasses.replace(
         base,
         gradients=base.gradients + sums * whole_layer * _PARAM_BYTES,
         activations=s.tok * (pipe.saved_inputs * saved + working + scores + inputs) + kept,
         logits=max(0.0, logits - backward),  # the head step's working set beyond the layer's
-        gathered=(held + received) * whole_layer * _gather_bytes(layout) + head_weights,
+        gathered=held * whole_layer * _gather_bytes(layout) + head_weights,
     )
+    if pipe.gather != "microbatch":
+        return memory, None
+    received = Received(base.gradients, held, whole_layer, _gather_bytes(layout), head_weights, pipe.span)
+    return received.memory(memory, ()), received
+
+
+@dataclasses.dataclass(frozen=True)
+class Received:
+    """The part of a stage device's memory that depends on the whole stage split (``gather`` ``microbatch``):
+    the stored rows it receives from other devices (`_Pipe.moved`, split over ``span``) are held in the compute
+    dtype beside its ``held`` rows, and their float32 gradient sums beside the gradients (`_pipeline_memory`).
+
+    Attributes:
+      gradients: Bytes of the gradients without the received rows' sums.
+      held: Rows of the device's own storage it holds gathered.
+      whole_layer: Elements of one layer's parameters on the device (over ``tensor``, whole over the batch axes).
+      gather_bytes: Bytes per element of the gathered rows (`_gather_bytes`).
+      head_weights: Bytes of the 1F1B head's (and a streamed entry's) weights held through the loop.
+      span: The devices each stored row's features are split over.
+    """
+
+    gradients: float
+    held: int
+    whole_layer: float
+    gather_bytes: int
+    head_weights: float
+    span: int
+
+    def memory(self, memory: Memory, moved: tuple[int, ...]) -> Memory:
+        """``memory`` with the gradients and gathered weights of a split that moves ``moved`` rows per ppermute."""
+        received = sum(moved) / self.span
+        return dataclasses.replace(
+            memory,
+            gradients=self.gradients + received * self.whole_layer * _PARAM_BYTES,
+            gathered=(self.held + received) * self.whole_layer * self.gather_bytes + self.head_weights,
+        )
 
 
 def _saved_per_slot(model: ModelDescription, layout: Layout, rules: Rules, keys: float, s: _Shape, pipe: _Pipe):

@@ -331,7 +331,6 @@ def _pipeline_weight_comms(
             pipe.stages,
             pipe.working,
             pipe.groups,
-            pipe.moved,
             pipe.gather,
             pipe.span,
             pipe.passes * pipe.slot_runs,
@@ -352,7 +351,6 @@ def _pipeline_weight_comms_cached(
     stages: int,
     working: int,
     groups_n: int,
-    moved: tuple[int, ...],
     gather: str = "once",
     span: int = 1,
     slot_passes: float = 0.0,
@@ -361,8 +359,9 @@ def _pipeline_weight_comms_cached(
     copy_reductions: int = 1,
     whole_sums: int = 0,
 ) -> tuple[Comm, ...]:
-    """The stage's layer weights: the working copy assembled once per step, the gradients returned once, the
-    stored rows moved once per step. With ``gather`` ``microbatch`` the storage splits each row's features
+    """The stage's layer weights: the working copy assembled once per step, the gradients returned once (the
+    stored rows moved to their stage once per step: `stored_row_comms`, the part that depends on the whole
+    split). With ``gather`` ``microbatch`` the storage splits each row's features
     (``span`` > 1, ``groups_n`` 1): each slot's layer all-gathered over the feature axes where a pass runs
     it (``slot_passes``: slots one kind of pass runs per step), by the forward pass, each backward pass and
     the backward's recomputation of the block inputs (``recomputes``: `_Pipe.regathers`, the backward's
@@ -370,8 +369,7 @@ def _pipeline_weight_comms_cached(
     kind per dimension the storage splits (`_feature_hops`).
 
     Explicit collectives of the stage program (`jax.shard_map`, so both backends emit them as written;
-    `sharding.pipeline.weights.Weights`), per layer parameter: the rows stored for other devices sent
-    by one ppermute per distance (compute dtype) and their gradients sent back (float32); this device's
+    `sharding.pipeline.weights.Weights`), per layer parameter: this device's
     ``R*K'/G`` slots all-gathered over the storage's group axes into the ``R*K'`` slots (compute dtype)
     and their float32 gradient sums reduce-scattered back; the ``q`` stored rows' gradients all-reduced
     over the batch axes that do not store rows. A parameter split over ``tensor`` (an axis the program leaves
@@ -388,34 +386,12 @@ def _pipeline_weight_comms_cached(
     groups = axes if groups_n > 1 else ()
     rest = tuple(a for a in summed if a not in axes)  # the rows' gradients are reduce-scattered over the others
     q = -(-model.num_layers // (stages * groups_n))
-    devices = (ax.STAGE, *groups)
     comms = []
     for p in placed.values():
         if not p.param.per_layer:
             continue
         row, what = p.local * p.factor(*groups), p.param.path  # one stored row's elements on a device
         t = _auto_factor(p)  # the gathers and reductions below run on rows whole over tensor
-        for rows in moved:
-            comms.append(
-                Comm(
-                    "collective-permute",
-                    devices,
-                    2,
-                    rows * row * gather_bytes,
-                    1,
-                    f"stored rows of {what} to their stage",
-                )
-            )
-            comms.append(
-                Comm(
-                    "collective-permute",
-                    devices,
-                    2,
-                    rows * row * _PARAM_BYTES,
-                    1,
-                    f"gradient of {what} back to its row",
-                )
-            )
         if span > 1 and gather == "microbatch":
             runs = (1 + recomputes) * slot_passes
             shard = p.local * t  # this device's share of one layer, whole over tensor
@@ -482,6 +458,53 @@ def _pipeline_weight_comms_cached(
                     1,
                     f"gradient of {what} (stored rows)",
                     False,  # after the loop, as Megatron-LM's data-parallel all-reduce after the pipeline flush
+                )
+            )
+    return tuple(comms)
+
+
+@functools.lru_cache(maxsize=16384)
+def _stored_row_comms_cached(
+    model: ModelDescription,
+    rules: Rules,
+    mesh_items: tuple,
+    gather_bytes: int,
+    groups_n: int,
+    moved: tuple[int, ...],
+) -> tuple[Comm, ...]:
+    """The stored rows moved to their stage once per step, the one part of a stage device's collectives that
+    depends on the whole stage split rather than its own layers and the largest stage's (`_Pipe.moved`: rows
+    each device sends per ppermute, one entry per distance that moves any). Explicit collectives of the stage
+    program (`sharding.pipeline.weights.Weights`), per layer parameter and distance: the rows stored for other
+    devices sent by one ppermute over ``stage`` and the storage's group axes (compute dtype) and their
+    gradients sent back (float32)."""
+    mesh = dict(mesh_items)
+    groups = _storage_axes(model, rules, mesh) if groups_n > 1 else ()
+    devices = (ax.STAGE, *groups)
+    comms = []
+    for p in _place_cached(model, rules, mesh_items).values():
+        if not p.param.per_layer:
+            continue
+        row, what = p.local * p.factor(*groups), p.param.path  # one stored row's elements on a device
+        for rows in moved:
+            comms.append(
+                Comm(
+                    "collective-permute",
+                    devices,
+                    2,
+                    rows * row * gather_bytes,
+                    1,
+                    f"stored rows of {what} to their stage",
+                )
+            )
+            comms.append(
+                Comm(
+                    "collective-permute",
+                    devices,
+                    2,
+                    rows * row * _PARAM_BYTES,
+                    1,
+                    f"gradient of {what} back to its row",
                 )
             )
     return tuple(comms)

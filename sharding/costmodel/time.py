@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sharding.costmodel.collectives import Comm
@@ -315,6 +315,7 @@ def overlap(
     other: float,
     slowdown: float,
     by_link: Mapping[str, tuple[float, float]] | None = None,
+    runs: tuple[float, float] | None = None,
 ) -> tuple[float, float]:
     """``(exposed, contention)``: how much of the overlappable traffic no compute hides, and the compute the
     hidden part costs, in seconds.
@@ -353,11 +354,16 @@ def overlap(
       by_link: Link class (``intra``, ``inter``; `link_classes`) -> ``(loop seconds, other seconds)`` of its
         overlappable collectives, which sum to ``loop_gathers + loop_reductions`` and ``other``; None: one class
         carries all of it.
+      runs: The most executions of one layer-loop gather and of one layer-loop reduction (`CommTotals`); None:
+        read from ``cost.comms``.
     """
     exposed = 0.0
     if loop_gathers or loop_reductions:
-        n_g = max((c.count for c in cost.comms if c.layer_loop and c.kind == "all-gather"), default=0)
-        n_r = max((c.count for c in cost.comms if c.layer_loop and c.kind != "all-gather"), default=0)
+        if runs is None:
+            n_g = max((c.count for c in cost.comms if c.layer_loop and c.kind == "all-gather"), default=0)
+            n_r = max((c.count for c in cost.comms if c.layer_loop and c.kind != "all-gather"), default=0)
+        else:
+            n_g, n_r = runs
         executions = max(n_r or n_g / 2, 1)
         flops = cost.flops
         in_loop = flops.layers + flops.attention
@@ -412,12 +418,59 @@ def step_time(
     Returns:
       The `StepTime` (seconds).
     """
-    compute = compute_seconds(cost, hw, memo)
-    optimizer = 7 * cost.memory.parameters / (hw.memory_bandwidth * hw.memory_fraction)  # read 4, write 3
-    exposed = overlapped = gathers = reductions = 0.0
-    by_kind: dict[str, float] = {}
-    by_link: dict[str, tuple[float, float]] = {}  # link class -> (loop, other) overlappable seconds
-    for c in cost.comms:
+    totals = comm_totals(cost.comms, hw, links, shares, overlaps, memo)
+    return step_time_from(cost, hw, compute_seconds(cost, hw, memo), totals)
+
+
+@dataclasses.dataclass(frozen=True)
+class CommTotals:
+    """The running sums `step_time` keeps over a cost's collectives, in their order (`comm_totals`): seconds
+    on the critical path, overlappable, of those the layer loop's gathers and its reductions, and per kind;
+    the overlappable seconds per link class, in the loop and outside it (`overlap`'s ``by_link``); and the
+    most executions of one layer-loop gather and of one layer-loop reduction (`overlap`'s ``runs``).
+    Carried from one list of collectives into the next, they sum every collective in the same order as one
+    list of both would, to the bit."""
+
+    exposed: float = 0.0
+    overlapped: float = 0.0
+    gathers: float = 0.0
+    reductions: float = 0.0
+    by_kind: tuple[tuple[str, float], ...] = ()
+    by_link: tuple[tuple[str, tuple[float, float]], ...] = ()
+    gather_runs: float = 0
+    reduction_runs: float = 0
+
+
+def comm_totals(
+    comms: Sequence[Comm],
+    hw: Hardware,
+    links: Mapping[str, str],
+    shares: Mapping[str, int] | None = None,
+    overlaps: tuple[str, ...] = (),
+    memo: dict | None = None,
+    start: CommTotals | None = None,
+) -> CommTotals:
+    """``start`` (None: nothing yet) with ``comms`` added one by one, as `step_time` sums a cost's collectives.
+
+    Args:
+      comms: The collectives (`Comm`), in the cost's order.
+      hw, links, shares, overlaps, memo: As `step_time` takes them.
+      start: The totals of the collectives before ``comms`` (a stage's split-independent part, to which a
+        pipeline split's stored-row transfers are added: `sharding.costmodel.pipeline.StageBase`).
+
+    Returns:
+      The `CommTotals` (seconds).
+    """
+    start = start or CommTotals()
+    exposed, overlapped, gathers, reductions = start.exposed, start.overlapped, start.gathers, start.reductions
+    by_kind: dict[str, float] = dict(start.by_kind)
+    by_link: dict[str, tuple[float, float]] = dict(start.by_link)  # link class -> (loop, other) seconds
+    gather_runs, reduction_runs = start.gather_runs, start.reduction_runs
+    for c in comms:
+        if c.layer_loop and c.kind == "all-gather":
+            gather_runs = max(gather_runs, c.count)
+        elif c.layer_loop:
+            reduction_runs = max(reduction_runs, c.count)
         if memo is None:
             seconds = comm_seconds(c, hw, links, shares)
         else:
@@ -435,7 +488,39 @@ def step_time(
             gathers += seconds
         elif c.layer_loop:
             reductions += seconds
-    other = overlapped - gathers - reductions
-    unhidden, contention = overlap(cost, compute, gathers, reductions, other, hw.overlap_slowdown, by_link)
-    total = compute + unhidden + contention + exposed + optimizer
-    return StepTime(compute, optimizer, exposed, overlapped, total, by_kind, unhidden, contention)
+    return CommTotals(
+        exposed,
+        overlapped,
+        gathers,
+        reductions,
+        tuple(by_kind.items()),
+        tuple(by_link.items()),
+        gather_runs,
+        reduction_runs,
+    )
+
+
+def step_time_from(cost: Cost, hw: Hardware, compute: float, totals: CommTotals) -> StepTime:
+    """`step_time` from its parts: ``cost``'s compute seconds (`compute_seconds`) and the totals of its
+    collectives (`comm_totals`). Of ``cost`` it reads the parameters' bytes (the optimizer) and the FLOPs
+    (`overlap`), never its collectives: a cost kept without them gives the same figures.
+
+    Returns:
+      The `StepTime` (seconds).
+    """
+    optimizer = 7 * cost.memory.parameters / (hw.memory_bandwidth * hw.memory_fraction)  # read 4, write 3
+    other = totals.overlapped - totals.gathers - totals.reductions
+    unhidden, contention = overlap(
+        cost,
+        compute,
+        totals.gathers,
+        totals.reductions,
+        other,
+        hw.overlap_slowdown,
+        dict(totals.by_link),
+        (totals.gather_runs, totals.reduction_runs),
+    )
+    total = compute + unhidden + contention + totals.exposed + optimizer
+    return StepTime(
+        compute, optimizer, totals.exposed, totals.overlapped, total, dict(totals.by_kind), unhidden, contention
+    )

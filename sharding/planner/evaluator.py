@@ -53,7 +53,10 @@ TICK_SHARES = {
 #: section 2.2: the bubble is ``(S - 1) / (R M)`` of the ideal time, R the interleaved chunks per stage).
 PIPELINE_CLOCKS = ("lockstep", "fused")
 
-#: Stage costs kept whole (with their collectives and products) for another kind's time, most recent first.
+#: The `cm.Layout` fields a stage's cost base depends on: all but the mesh (keyed by its items) and the split.
+_STAGE_KEY_FIELDS = tuple(f.name for f in dataclasses.fields(cm.Layout) if f.name not in ("mesh", "stage_layers"))
+
+#: Stage costs' bases kept whole (with their collectives and products) for another kind's time, most recent last.
 _STAGE_FULL = 256
 
 
@@ -300,8 +303,9 @@ class _Evaluator:
         self._rank = np.empty(len(order), dtype=np.int32)
         self._rank[order] = np.arange(len(order))
         self._by_rank = [self.cluster.kinds[i] for i in order]
-        self._stage_costs: dict[tuple, tuple] = {}
-        self._stage_full: collections.OrderedDict[tuple, cm.Cost] = collections.OrderedDict()
+        # per stage: its base without the moved rows (`stage_cost`), its clock per kind, its costs per moved rows
+        self._stage_bases: dict[tuple, tuple] = {}
+        self._stage_full: collections.OrderedDict[tuple, cm.StageBase] = collections.OrderedDict()
         self._clock_memo: dict[tuple, dict] = {}
         self._uneven_classes: dict[tuple, tuple] = {}
         searched = tuple(k.name for k in self.model.attention_kernels if k.searched)
@@ -550,48 +554,58 @@ class _Evaluator:
         return devices, busy + max(st.optimizer for _, _, st in devices)
 
     def stage_cost(self, layout: cm.Layout, kind, rows: float, layers: int, slots: int):
-        """``(cost, time)`` of a stage device holding ``slots`` layers and computing ``layers``
-        (memoized: a split's stages share them)."""
-        # Keyed by the stored rows the split moves by ppermute (`stored_rows_moved`), not by the whole split
-        # (which made the search ~6x slower): with the layers and slots, the only part of the cost the rest
-        # of the split changes; keyed by layers and slots alone, a split was priced with the rows of the first
-        # split priced before it, so its price depended on the order of the search.
-        # The cost does not depend on the kind (only its time does): one cost serves every kind of a stage.
-        key = (
-            tuple(layout.mesh.items()),
-            layout.rules_name,
-            layout.microbatches,
-            layout.remat,
-            layout.pipeline_repeats,
-            layout.pipeline_schedule,
-            layout.pipeline_gather,
-            layout.attention,
-            layout.dtype,
-            rows,
-            layers,
-            slots,
-            stored_rows_moved(self.model, layout),
-        )
-        # The cache keeps each cost without its collectives and products (what the plan reads of it: FLOPs and
-        # memory), and the whole cost of the last `_STAGE_FULL` keys for another kind's time; one evicted is
-        # priced again (the same figures): whole costs of every split the search prices took gigabytes.
-        if key not in self._stage_costs:
-            full = self._stage_full[key] = self._stage_device_cost(layout, rows, layers, slots)
-            self._stage_costs[key] = (dataclasses.replace(full, comms=(), gemms=()), {})
-            if len(self._stage_full) > _STAGE_FULL:
-                self._stage_full.popitem(last=False)
-        cost, times = self._stage_costs[key]
+        """``(cost, time)`` of a stage device holding ``slots`` layers and computing ``layers``, the cost without
+        its collectives and products (what the plan reads of it: FLOPs and memory).
+
+        A split changes a stage device's cost only through the stored rows it moves (`stored_rows_moved`):
+        the rest is priced once per stage (`cm.stage_cost_base`, whatever the other stages hold) and the
+        moved rows' terms added to it (`cm.StageBase.with_moved`); the time continues the base's collective
+        sums with the moved rows' transfers (`cm.comm_totals`), which `cm.device_cost` lists last, so each
+        figure is the whole cost's to the bit. The cost does not depend on the kind (only its time does): one
+        serves every kind of a stage."""
+        # Every field of the layout but the split (the optimizer state's layout among them: keyed without it, a
+        # split state's stage was priced as the replicated one's, or the other way round, whichever came first)
+        key = (tuple(layout.mesh.items()), *(getattr(layout, f) for f in _STAGE_KEY_FIELDS), rows, layers, slots)
+        entry = self._stage_bases.get(key)
+        if entry is None:
+            base = self._stage_base(key, layout, rows, layers, slots)
+            light = dataclasses.replace(base, cost=dataclasses.replace(base.cost, comms=(), gemms=()))
+            entry = self._stage_bases[key] = (light, {}, {})
+        light, clock, by_moved = entry
+        moved = stored_rows_moved(self.model, layout)
+        if moved not in by_moved:
+            by_moved[moved] = (dataclasses.replace(light.with_moved(moved), comms=()), {})
+        cost, times = by_moved[moved]
         if kind.name not in times:
-            full = self._stage_full.get(key)
-            if full is None:
-                full = self._stage_device_cost(layout, rows, layers, slots)
-            times[kind.name] = self.time(full, kind, layout.mesh)
+            memo = self._clock_memo.setdefault((kind.name, tuple(layout.mesh.items())), {})
+            hw, links, shares = self.hardware[kind.name], self.links(layout.mesh), self.shares(layout.mesh)
+            if kind.name not in clock:
+                full = self._stage_full.get(key) or self._stage_base(key, layout, rows, layers, slots)
+                clock[kind.name] = (
+                    cm.compute_seconds(full.cost, hw, memo),
+                    cm.comm_totals(full.cost.comms, hw, links, shares, self.options.overlaps, memo),
+                )
+            compute, totals = clock[kind.name]
+            totals = cm.comm_totals(light.moved_comms(moved), hw, links, shares, self.options.overlaps, memo, totals)
+            times[kind.name] = cm.step_time_from(cost, hw, compute, totals)
         return cost, times[kind.name]
 
-    def _stage_device_cost(self, layout: cm.Layout, rows: float, layers: int, slots: int) -> cm.Cost:
-        return cm.device_cost(
-            self.model, layout, seq_len=self.seq, rows=rows, layers=layers, slots=slots, backend=self.options.backend
+    def _stage_base(self, key: tuple, layout: cm.Layout, rows: float, layers: int, slots: int) -> cm.StageBase:
+        """`cm.stage_cost_base` of a stage, kept whole (collectives and products) for the last `_STAGE_FULL` keys
+        (another kind's time); one evicted is priced again (the same figures)."""
+        base = cm.stage_cost_base(
+            self.model,
+            layout,
+            seq_len=self.seq,
+            rows=rows,
+            layers=layers,
+            slots=slots,
+            backend=self.options.backend,
         )
+        self._stage_full[key] = base
+        if len(self._stage_full) > _STAGE_FULL:
+            self._stage_full.popitem(last=False)
+        return base
 
     def uneven_class(self, layout: cm.Layout, rows: float, kind, count: int) -> tuple:
         """``(kind name, cost, time)`` of a device of ``kind`` running ``count`` microbatches of ``rows`` rows under
