@@ -151,10 +151,26 @@ def not_split_lines(arrays: Sequence[tuple[str, Sequence[int], Sequence]], mesh_
     ]
 
 
+def split_line(arrays: Sequence[tuple[str, Sequence[int], Sequence]], mesh_shape: Mapping[str, int]) -> str:
+    """The line saying the optimizer state is split over ``data`` (start-up and ``--dry-run`` print it where the
+    distributed optimizer is on): the ``data`` size and how many arrays `master_dim` splits.
+
+    Args:
+      arrays: ``(path, shape, spec)`` per array, as `not_split_lines` takes them.
+      mesh_shape: Mesh axis -> size.
+    """
+    data = mesh_shape.get(ax.DATA, 1)
+    split = sum(data > 1 and master_dim(shape, spec, mesh_shape) is not None for _, shape, spec in arrays)
+    return (
+        f"optimizer state: split over data={data} (distributed optimizer, ZeRO stage 1): the float32 parameters "
+        f"and moments of {split} of {len(arrays)} arrays, each gathered over data for the forward"
+    )
+
+
 def data_split(shape: Sequence[int], spec, mesh_shape: Mapping[str, int]) -> int:
     """How many ways ``data`` splits an array's master copy: ``data`` where `master_dim` picks a dimension,
     else 1 (what the cost model divides a parameter's and its moments' bytes by)."""
     return 1 if master_dim(shape, spec, mesh_shape) is None else mesh_shape.get(ax.DATA, 1)
 
 
-__all__ = ["data_split", "gather_params", "master_dim", "master_spec", "not_split_lines"]
+__all__ = ["data_split", "gather_params", "master_dim", "master_spec", "not_split_lines", "split_line"]

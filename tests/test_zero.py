@@ -207,6 +207,9 @@ def test_master_spec_adds_data_innermost_to_the_largest_block_it_divides():
 ZERO_CASES = [  # costmodel_grid's cases: (model, mesh, rules, batch, seq_len, microbatches, remat)
     ("test", "data=4,tensor=2", "fsdp_tp", 16, 64, 1, "none"),
     ("test", "data=2,fsdp=2,tensor=2", "fsdp_tp", 16, 64, 1, "none"),
+    # fsdp splits the MLP and output weights on one dimension and data lands on another: XLA:CPU sums their
+    # gradients over fsdp, then over data, each of the whole gradient (`sharding.costmodel.zero.cpu_two_step`)
+    ("test", "data=4,fsdp=2", "fsdp_tp", 16, 64, 1, "none"),
 ]
 
 
@@ -406,3 +409,20 @@ def test_an_array_data_does_not_divide_is_named_as_not_split_by_start_up_and_the
     assert sorted(line.split()[2] for line in priced[1:]) == named
     replicated = resolve_mesh(parse([*flags, "--batch-size", "8"]), 8)
     assert cm_zero.not_split(replicated.model, cm.layout_of(replicated.parallelism, replicated.model)) == []
+
+
+def test_the_start_up_report_says_the_optimizer_state_is_split_over_data_exactly_when_it_is():
+    """Start-up (and ``--dry-run``) print one ``optimizer state: split over data=4`` line, counting the arrays
+    split (all 12 of the test model's on ``data=4,fsdp=2``), with ``--optimizer-sharding data``; none without."""
+    from train.reports.report import startup
+    from train.setup.config import resolve_mesh
+
+    flags = ["--model", "test", "--set", f"num_layers={LAYERS}", "--mesh", "data=4,fsdp=2", "--batch-size", "16"]
+    for extra, want in (([], []), (["--optimizer-sharding", "data"], [12])):
+        run = resolve_mesh(parse([*flags, *extra]), 8)
+        trainer = Trainer(run.model, OPTIMIZER, run.parallelism.on(make_mesh(run.parallelism.mesh_shape)))
+        found = [line for line in startup(run, trainer) if line.startswith("optimizer state:")]
+        assert len(found) == len(want), found
+        for line, split in zip(found, want):
+            assert line.startswith("optimizer state: split over data=4 (distributed optimizer")
+            assert f"moments of {split} of 12 arrays" in line, line

@@ -19,6 +19,11 @@ length-parallel collectives are unchanged; what changes (`zero_comms`):
 * on XLA:CPU, which lowers a reduce-scatter to an all-reduce of the whole array and a slice
   (`sharding.costmodel.partitioner`), the gradient's all-reduce stays and the all-gather is added, in float32
   whatever the compute dtype (XLA:CPU upcasts bfloat16 collectives: `sharding.costmodel.partitioner._fsdp_gather_bytes`).
+  A matrix's gradient split over ``fsdp`` whose master slice puts ``data`` on a dimension no axis splits yet
+  (not the one ``fsdp`` splits: an MLP weight's ``mlp``, the output projection's ``vocab``, on ``data=4,fsdp=2``)
+  is laid out over two dimensions, one axis each, and the partitioner sums it axis by axis: an all-reduce of the
+  whole gradient over ``fsdp``, then of its result, whole again, over ``data`` (`cpu_two_step`; read in the
+  partitioned program, ``bench/RESULTS.md``), in place of the one all-reduce over both.
 
 Units: elements (`master_split`: a divisor), bytes.
 """
@@ -32,7 +37,7 @@ from sharding.costmodel.collectives import Comm
 from sharding.costmodel.layout import _PARAM_BYTES, Layout, _place_cached, _Placed, _Shape, describe_model
 from sharding.costmodel.partitioner import _fsdp_gather_bytes
 from sharding.rules import Rules, logical_to_spec
-from sharding.zero import data_split, not_split_lines
+from sharding.zero import _entry_axes, data_split, master_dim, not_split_lines
 
 
 def zero_on(layout: Layout) -> bool:
@@ -65,6 +70,40 @@ def not_split(model, layout: Layout) -> list[str]:
         for p in placed.values()
     ]
     return not_split_lines(arrays, layout.mesh)
+
+
+def cpu_two_step(p: _Placed, rules: Rules, mesh) -> bool:
+    """Whether XLA:CPU sums matrix ``p``'s gradient over ``data`` and ``fsdp`` in two all-reduces of the whole
+    gradient (over ``fsdp``, then ``data``) rather than one over both: ``fsdp`` splits one dimension of one
+    layer's slice and `sharding.zero.master_dim` puts ``data`` on another that no axis splits (module docstring).
+    Not the embedding table, whose gradient is a scatter the partitioner sums over both axes at once.
+
+    Args:
+      p: A parameter under the mesh and rules (one layer's slice of a per-layer parameter).
+      rules: The rules table.
+      mesh: Mesh axis -> size (``data`` > 1: the distributed optimizer on).
+    """
+    if not p.param.matmul or mesh[ax.FSDP] <= 1:
+        return False
+    spec, _ = logical_to_spec(p.param.axes, rules, p.param.shape, mesh)
+    dim = master_dim(p.param.shape, spec, mesh)
+    entries = [_entry_axes(spec[d] if d < len(spec) else None) for d in range(len(p.param.shape))]
+    return dim is not None and not entries[dim] and any(ax.FSDP in e for e in entries)
+
+
+def _cpu_gradient_sums(layout: Layout, rules: Rules, comm: Comm, placed: dict[str, _Placed]) -> list[Comm]:
+    """``comm`` as XLA:CPU runs it under the distributed optimizer: a gradient's all-reduce over ``data`` and
+    ``fsdp`` split in two where `cpu_two_step` says, each of the whole gradient; else ``[comm]``."""
+    if comm.kind != "all-reduce" or not {ax.DATA, ax.FSDP} <= set(comm.axes):
+        return [comm]
+    p = placed.get(comm.what.removeprefix("gradient of "))
+    if p is None or not comm.what.startswith("gradient of ") or not cpu_two_step(p, rules, layout.mesh):
+        return [comm]
+    rest = tuple(a for a in comm.axes if a != ax.FSDP)
+    return [
+        dataclasses.replace(comm, axes=(ax.FSDP,), group=layout.mesh[ax.FSDP], what=comm.what + " (over fsdp)"),
+        dataclasses.replace(comm, axes=rest, group=comm.group // layout.mesh[ax.FSDP], what=comm.what + " (then data)"),
+    ]
 
 
 def zero_comms(
@@ -148,7 +187,9 @@ def with_zero(layout: Layout, rules: Rules, placed: dict[str, _Placed], s: _Shap
     memory = dataclasses.replace(memory, parameters=memory.parameters * ratio, optimizer=memory.optimizer * ratio)
     flops = dataclasses.replace(flops, optimizer=flops.optimizer * ratio)
     kept = [c for c in comms if not replaced_all_reduce(layout, rules, c, placed, backend)]
+    if backend != "gpu":
+        kept = [part for c in kept for part in _cpu_gradient_sums(layout, rules, c, placed)]
     return flops, memory, (*kept, *added)
 
 
-__all__ = ["master_split", "not_split", "replaced_all_reduce", "with_zero", "zero_comms", "zero_on"]
+__all__ = ["cpu_two_step", "master_split", "not_split", "replaced_all_reduce", "with_zero", "zero_comms", "zero_on"]

@@ -21,7 +21,7 @@ from sharding.pipeline import head_parallelism, plan_layout
 from sharding.pipeline.layout import Schedule
 from sharding.pipeline.storage import feature_devices, layout_from_meta
 from sharding.vocab import choose_for_batch, output_traffic, tokens_per_device, vocab_split
-from sharding.zero import not_split_lines
+from sharding.zero import not_split_lines, split_line
 from train.reports.fit import check_compiled, step_peak
 from train.reports.predicted import cost_model_lines, cpu_only_bytes
 from train.reports.units import human_bytes, human_count
@@ -460,9 +460,9 @@ def startup(run, trainer, speeds=None, notes=()) -> list[str]:
     built = sum(x.size for x in jax.tree.leaves(trainer.state_layout.abstract_params))
     report = trainer.state_layout.report
     lines += startup_lines(model, run.preset, trainer.mesh, trainer.rules, report, built, expert_dispatch_of(run, par))
-    if par.optimizer_sharding == ax.DATA:  # the arrays the distributed optimizer leaves whole, by name
-        rows = report.rows
-        lines += not_split_lines([(path, shape, spec) for path, shape, _, _, spec, _ in rows], par.mesh_shape)
+    if par.optimizer_sharding == ax.DATA:  # the state's split over data, then the arrays it leaves whole, by name
+        arrays = [(path, shape, spec) for path, shape, _, _, spec, _ in report.rows]
+        lines += [split_line(arrays, par.mesh_shape), *not_split_lines(arrays, par.mesh_shape)]
     lines.append(logits_line(run))
     lines += [f"note: {note}" for note in notes]
     if par.pipeline is not None:
