@@ -161,8 +161,9 @@ class Parallelism:
 
     Raises:
       ConfigError: An unknown ``context_layout`` or ``optimizer_sharding``, ``optimizer_sharding`` ``data``
-        with the uneven step (`UnevenBatch` lays its parameters out inside its own map), or a ``pipeline``
-        beside a ``strategy`` other than one pass of accumulation (the pipeline runs its own microbatches).
+        with the uneven step (`UnevenBatch` lays its parameters out inside its own map).
+      ValueError: A ``pipeline`` beside a ``strategy`` other than one pass of accumulation (the pipeline runs
+        its own microbatches; the command line's checks refuse this before a `Parallelism` is built).
       TypeError: A `sharding.pipeline.PipelinePlan` given as ``strategy`` (it belongs in ``pipeline``).
     """
 
@@ -184,12 +185,12 @@ class Parallelism:
                 "Parallelism: a PipelinePlan is the model's execution mode, not a strategy; pass it as pipeline="
             )
         if self.pipeline is not None and self.strategy != Accumulation():
-            raise ConfigError(
-                Field("strategy", type(self.strategy).__name__),
-                " with a pipeline: a pipelined model runs its ",
-                Field("microbatches", self.pipeline.microbatches),
-                " inside one forward and backward pass; use one pass of accumulation, ",
-                Field("strategy", "Accumulation(1)"),
+            # Not reachable from the command line (its checks refuse the combination first): a programming error,
+            # so a ValueError naming the dataclass fields rather than a ConfigError the CLI turns into flags.
+            raise ValueError(
+                f"Parallelism: strategy {self.strategy!r} beside a pipeline; a pipelined model runs its "
+                f"{self.pipeline.microbatches} microbatches inside one forward and backward pass: pass "
+                "strategy=Accumulation(1)"
             )
         if self.context_layout not in CONTEXT_LAYOUTS:
             raise ConfigError(

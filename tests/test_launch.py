@@ -376,8 +376,8 @@ def test_a_process_lost_during_a_save_restarts_from_the_newest_verified_step(ref
     (folder / "30").rename(folder / "30.orbax-checkpoint-tmp-1764662400000000")
     (folder / "28" / "state" / "manifest.ocdbt").unlink()
     config = cli.parse(
-        ["--model", "test", "--cpu-devices", "1", "--mesh", "data=-1", "--batch-size", "6", "--data", str(corpus)]
-        + ["--run-dir", str(tmp_path / "run"), "--resume"]
+        ["--model", "test", "--set", "num_layers=1", "--seq-len", "32", "--cpu-devices", "1", "--mesh", "data=-1"]
+        + ["--batch-size", "6", "--data", str(corpus), "--run-dir", str(tmp_path / "run"), "--resume"]
     )
     lines = []
     launcher = VerifyingLauncher([[None, -9], [0]], LaunchConfig(2), [], config, log=lines.append)
