@@ -49,9 +49,8 @@ be split over ``fsdp`` (their ``expert_embed``, gathered by the partitioner befo
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -61,12 +60,13 @@ from jax.sharding import PartitionSpec
 from models import lora
 from models.config import ModelConfig
 from models.layers import MLP, make_params
-from models.spec import moe_params
+from models.spec import expert_geometry, moe_params
 from sharding import axes as ax
 from sharding import dispatch
 from sharding.bound import require_bound
+from sharding.expert_placement import ExpertPlacement, expert_placement
 from sharding.modeldesc import held_copies
-from sharding.parallel import Parallelism, spec_axes, spec_entry, to_varying, varying_axes
+from sharding.parallel import Parallelism, spec_entry, to_varying, varying_axes
 
 __all__ = [
     "MoE",
@@ -361,31 +361,9 @@ def _all_to_all_group(x, experts, weights, gate, up, down, config: ModelConfig, 
     return y.reshape(b, t, d), keep.reshape(b, t, k)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Placement:
-    """Where one device's share of the layer sits on the mesh, inside `_routed`'s `jax.shard_map`.
-
-    Attributes:
-      expert_axes: The mesh axes that split the experts.
-      gather_axes: Those of them that also split the tokens (the ring gathers the tokens over them).
-      sum_axes: The mesh axes the partial outputs are summed over: those of ``expert_axes`` that do not
-        split the tokens, then ``mlp_axes``.
-      mlp_axes: The mesh axes that split the experts' ``mlp``.
-      sizes: Mesh axis -> size (the axes automatic here).
-      local_experts: Experts per device, E / E_p.
-    """
-
-    expert_axes: tuple[str, ...]
-    gather_axes: tuple[str, ...]
-    sum_axes: tuple[str, ...]
-    mlp_axes: tuple[str, ...]
-    sizes: Mapping[str, int]
-    local_experts: int
-
-
 def _dispatches(*records: dispatch.ExpertDispatch) -> Callable[[Callable], Callable]:
     """Binds the decorated function to ``records`` (`sharding.dispatch`) as what performs them on one device,
-    ``(x [B, T, D], experts [B, T, K], weights [B, T, K], gate, up, down, config, place: _Placement) ->
+    ``(x [B, T, D], experts [B, T, K], weights [B, T, K], gate, up, down, config, place) ->
     (out [B, T, D], keep [B, T, K] bool)``; each record then holds it (``record.run``).
 
     Raises:
@@ -401,7 +379,7 @@ def _dispatches(*records: dispatch.ExpertDispatch) -> Callable[[Callable], Calla
 
 
 @_dispatches(dispatch.LOCAL, dispatch.RING)
-def _gathered(x, experts, weights, gate, up, down, config: ModelConfig, place: _Placement):
+def _gathered(x, experts, weights, gate, up, down, config: ModelConfig, place: ExpertPlacement):
     """`_group` over ``place``: the tokens gathered over ``place.gather_axes`` (none without expert parallelism),
     this device's experts numbered from its index along ``place.expert_axes``."""
     index = jnp.zeros((), jnp.int32)
@@ -412,7 +390,7 @@ def _gathered(x, experts, weights, gate, up, down, config: ModelConfig, place: _
 
 
 @_dispatches(dispatch.ALL_TO_ALL)
-def _exchanged(x, experts, weights, gate, up, down, config: ModelConfig, place: _Placement):
+def _exchanged(x, experts, weights, gate, up, down, config: ModelConfig, place: ExpertPlacement):
     """`_all_to_all_group` over ``place.expert_axes``, the partial outputs summed over ``place.mlp_axes``."""
     return _all_to_all_group(x, experts, weights, gate, up, down, config, place.expert_axes, place.mlp_axes)
 
@@ -420,35 +398,18 @@ def _exchanged(x, experts, weights, gate, up, down, config: ModelConfig, place: 
 require_bound(dispatch.DISPATCHES)
 
 
-def _layout(config: ModelConfig, par: Parallelism, x_shape) -> tuple[PartitionSpec, PartitionSpec, _Placement]:
+def _layout(config: ModelConfig, par: Parallelism, x_shape) -> tuple[PartitionSpec, PartitionSpec, ExpertPlacement]:
     """The specs of the activations ``[B, T, D]`` (of ``x_shape``) and of the experts' ``gate, up [E, D, F]``
-    under ``par`` (a mesh bound, no axis manual), and where a device's share sits (`_Placement`).
+    under ``par`` (a mesh bound, no axis manual), and where a device's share sits
+    (`sharding.expert_placement.expert_placement`, the decision the cost model reads too).
 
     Raises:
       ValueError: When the rules split the activations' embed over an axis that splits the experts or their
         ``mlp``.
     """
-    sizes = par.auto_shape
     x_spec = par.spec((ax.BATCH, ax.LENGTH, ax.ACT_EMBED), x_shape)
     in_spec = par.spec((ax.EXPERT, ax.EXPERT_EMBED, ax.MLP), (config.num_experts, config.embed_dim, config.expert_dim))
-    expert_axes = spec_axes(spec_entry(in_spec, 0))
-    batch_axes = set(spec_axes(spec_entry(x_spec, 0))) | set(spec_axes(spec_entry(x_spec, 1)))
-    mlp_axes = spec_axes(spec_entry(in_spec, 2))
-    if set(spec_axes(spec_entry(x_spec, 2))) & set(expert_axes + mlp_axes):
-        raise ValueError("the rules split the activations' embed over an axis that splits the experts or their mlp")
-    gather_axes = tuple(a for a in expert_axes if a in batch_axes)
-    sum_axes = tuple(a for a in expert_axes if a not in batch_axes) + mlp_axes
-    split = math.prod(sizes[a] for a in expert_axes)
-    return x_spec, in_spec, _Placement(expert_axes, gather_axes, sum_axes, mlp_axes, sizes, config.num_experts // split)
-
-
-def _chosen(config: ModelConfig, place: _Placement) -> dispatch.ExpertDispatch:
-    """The dispatch over ``place``: the fixed buffers only where every axis that splits the experts also splits
-    the tokens (`sharding.dispatch.expert_dispatch`)."""
-    split = math.prod(place.sizes[a] for a in place.expert_axes)
-    return dispatch.expert_dispatch(
-        config.capacity_factor, config.experts_per_token, split, splits_tokens=place.gather_axes == place.expert_axes
-    )
+    return x_spec, in_spec, expert_placement(expert_geometry(config), par.rules, par.auto_shape, tuple(x_shape[:2]))
 
 
 def layer_dispatch(config: ModelConfig, par: Parallelism, tokens_shape: tuple[int, int]) -> dispatch.ExpertDispatch:
@@ -456,15 +417,15 @@ def layer_dispatch(config: ModelConfig, par: Parallelism, tokens_shape: tuple[in
     ``[batch, length]`` (sequences and positions one call of the layer sees): `sharding.dispatch.LOCAL` on one
     device or inside another `jax.shard_map`; else the record `_routed` chooses for that shape, the ring
     where an axis that splits the experts does not split those tokens (a batch it does not divide, or rules
-    that keep the batch whole over it). The run report reads it.
+    that keep the batch whole over it): `sharding.expert_placement.expert_placement`'s, which the cost model
+    reads too. The run report reads it.
 
     Raises:
       ValueError: As `_layout`.
     """
     if not par.is_sharded or par.manual:
         return dispatch.LOCAL
-    _, _, place = _layout(config, par, (*tokens_shape, config.embed_dim))
-    return _chosen(config, place)
+    return expert_placement(expert_geometry(config), par.rules, par.auto_shape, tuple(tokens_shape)).dispatch
 
 
 def _routed(x, experts, weights, gate, up, down, config: ModelConfig, par: Parallelism):
@@ -483,7 +444,7 @@ def _routed(x, experts, weights, gate, up, down, config: ModelConfig, par: Paral
     route_spec = par.spec((ax.BATCH, ax.LENGTH, None), experts.shape)
     weights_in = PartitionSpec(spec_entry(in_spec, 0), None, spec_entry(in_spec, 2))
     weights_out = PartitionSpec(spec_entry(in_spec, 0), spec_entry(in_spec, 2), None)
-    run_dispatch = _chosen(config, place).run
+    run_dispatch = place.dispatch.run
 
     def local(x, experts, weights, gate, up, down):
         return run_dispatch(x, experts, weights, gate, up, down, config, place)

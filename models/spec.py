@@ -280,7 +280,7 @@ def _moe_activations(config: ModelConfig) -> tuple[Term, ...]:
     (a product without batch dimensions: kept by ``remat="dots"``) and probabilities, the shared experts'
     SwiGLU, and for each routed copy the device computes (``per_copy``: ``K`` per token without expert
     parallelism, ``E_p * min(K, E / E_p)`` per token of its own under the ring, whose gathered rows are
-    mostly other devices' experts', `sharding.modeldesc.ExpertGeometry.copies_held`) its row ``[D]``, the
+    mostly other devices' experts', `sharding.expert_placement.ExpertPlacement.copies_held`) its row ``[D]``, the
     grouped products' gate and up outputs ``[F]`` (`jax.lax.ragged_dot` is no ``dot_general``: ``dots``
     does not keep them), silu's intermediates, the hidden and the hidden scaled by the combine weight (the
     down product's input): seven ``[F]``, as the bfloat16 step of ``qwen3-30b-a3b`` keeps them (its buffer
@@ -347,7 +347,14 @@ def expert_geometry(config: ModelConfig) -> ExpertGeometry | None:
     (`sharding.modeldesc.ExpertGeometry`), or None for a dense model."""
     if not config.is_moe:
         return None
-    return ExpertGeometry(config.num_moe_layers, config.num_experts, config.experts_per_token, config.capacity_factor)
+    return ExpertGeometry(
+        config.num_moe_layers,
+        config.num_experts,
+        config.experts_per_token,
+        config.capacity_factor,
+        config.embed_dim,
+        config.expert_dim,
+    )
 
 
 def _feed_forward_products(config: ModelConfig, by_path: dict[str, Param]) -> list[Product]:

@@ -184,12 +184,18 @@ class ExpertGeometry:
       experts_per_token: k.
       capacity_factor: 0 for dropless routing; else each expert takes at most
         ``ceil(capacity_factor * tokens * k / E)`` of one device's routed copies.
+      embed_dim: D of the routed weights ``[E, D, F]`` (0: unknown, the rules' axes taken as dividing it).
+      expert_dim: F, one routed expert's hidden width (0: unknown, likewise).
+
+    Where the layer sits on a mesh, and so its dispatch, is `sharding.expert_placement.expert_placement`'s.
     """
 
     layers: int
     num_experts: int
     experts_per_token: int
     capacity_factor: float = 0.0
+    embed_dim: int = 0
+    expert_dim: int = 0
 
     def pipelined(self, num_layers: int) -> bool:
         """Whether pipeline stages may run the mixture of a model of ``num_layers`` layers: every layer one
@@ -199,17 +205,9 @@ class ExpertGeometry:
 
     def dispatch(self, expert_split: int, *, splits_tokens: bool = True) -> ExpertDispatch:
         """The dispatch over ``expert_split`` devices, ``splits_tokens`` saying whether the axes that split the
-        experts split the tokens too (`sharding.dispatch.expert_dispatch`)."""
+        experts split the tokens too (`sharding.dispatch.expert_dispatch`); a layout's placement
+        (`sharding.expert_placement.expert_placement`) says both."""
         return expert_dispatch(self.capacity_factor, self.experts_per_token, expert_split, splits_tokens=splits_tokens)
-
-    def copies_held(self, expert_split: int) -> int:
-        """Routed copies a device computes per token of its own: ``k`` without the ring; with it
-        (``expert_split`` = E_p devices gathering their tokens), every gathered token's copies its ``E / E_p``
-        experts can receive (`held_copies` of E_p tokens), ``E_p * min(k, E / E_p)``, most of them for other
-        devices' experts (rows a GPU's fixed shapes hold too, dropless)."""
-        if not self.dispatch(expert_split).gathers_tokens:
-            return self.experts_per_token
-        return held_copies(expert_split, self.experts_per_token, self.num_experts // expert_split)
 
 
 def held_copies(tokens: int, experts_per_token: int, local_experts: int) -> int:
@@ -331,7 +329,7 @@ class Term:
       bytes: For activations: bytes per element; None: the compute dtype's.
       kept: For activations: the `KEPT` tags of the remat policies that keep it.
       per_copy: For activations: an amount per routed copy of a mixture of experts that the device computes
-        (`ExpertGeometry.copies_held` per token), not per token.
+        (`sharding.expert_placement.ExpertPlacement.copies_held` per token), not per token.
       what: What it is (for reports).
     """
 

@@ -4,8 +4,7 @@ memory estimate, so what both read sits below both."""
 
 from __future__ import annotations
 
-from sharding import axes as ax
-from sharding.costmodel.layout import Layout
+from sharding.costmodel.layout import Layout, expert_placement_of
 from sharding.modeldesc import ModelDescription
 
 #: Backends whose compiled step runs a grouped product (`jax.lax.ragged_dot`, a mixture of experts' expert
@@ -20,7 +19,9 @@ DENSE_GROUPED_BACKENDS = ("cpu",)
 
 def batched_experts(model: ModelDescription, layout: Layout) -> bool:
     """Whether the experts' products run as batched products over fixed buffers (the all-to-all dispatch with
-    a capacity, `models.moe`, outside pipeline stages) rather than grouped ones (`jax.lax.ragged_dot`).
+    a capacity, `models.moe`, outside pipeline stages) rather than grouped ones (`jax.lax.ragged_dot`): the
+    dispatch of the model's placement under the layout's rules (`sharding.costmodel.layout.expert_placement_of`).
     False for a model without experts."""
-    experts = model.experts
-    return experts is not None and layout.mesh[ax.STAGE] == 1 and experts.dispatch(layout.mesh[ax.EXPERT]).fixed_buffers
+    if model.experts is None:
+        return False
+    return expert_placement_of(model, layout.rules_table(), layout.mesh).dispatch.fixed_buffers

@@ -38,9 +38,9 @@ from sharding.costmodel.layout import (
     _copies_held,
     _per_token,
     _Placed,
-    _ring_split,
     _Shape,
     attention_of,
+    expert_placement_of,
 )
 from sharding.costmodel.memory import _held_params
 from sharding.modeldesc import AttentionTraits, ModelDescription, Product
@@ -114,7 +114,8 @@ def _per_token_flops(
     dense_groups = backend in DENSE_GROUPED_BACKENDS and not batched_experts(model, layout)
     groups_held = 1.0  # every row against every group: under the ring, min(k, E_local) / k of the k per token
     if dense_groups and model.experts is not None:
-        groups_held = _copies_held(model, mesh) / (model.experts.experts_per_token * _ring_split(mesh))
+        split = expert_placement_of(model, rules, mesh).split
+        groups_held = _copies_held(model, rules, mesh) / (model.experts.experts_per_token * split)
 
     def forward(product: Product) -> float:
         groups = product.groups * groups_held if dense_groups and product.groups > 1 else 1

@@ -21,6 +21,7 @@ from typing import Any
 from sharding import axes as ax
 from sharding.balance import tokens_for_speeds
 from sharding.errors import ConfigError, Field
+from sharding.expert_placement import ExpertPlacement, expert_placement
 from sharding.modeldesc import AttentionTraits, ModelDescription, Param
 from sharding.parallel import CONTIGUOUS, OPTIMIZER_SHARDINGS, REPLICATED, ZIGZAG, Parallelism
 from sharding.pipeline.layout import GATHERS, SCHEDULES, Schedule
@@ -406,26 +407,43 @@ def _per_token_cached(
             continue
         amount = t.amount * (keys if t.per_key else 1.0) / _axis_split(model, t.axis, rules, mesh)
         if t.per_copy:
-            amount *= _copies_held(model, mesh)
+            amount *= _copies_held(model, rules, mesh)
         if act_bytes is not None:
             amount *= t.bytes or act_bytes
         total += amount
     return total
 
 
-def _copies_held(model: ModelDescription, mesh: Mapping[str, int]) -> int:
+def _copies_held(model: ModelDescription, rules: Rules, mesh: Mapping[str, int]) -> int:
     """A mixture of experts' routed copies one device computes per token of its own
-    (`sharding.modeldesc.ExpertGeometry.copies_held`); inside pipeline stages the layer runs locally."""
+    (`sharding.expert_placement.ExpertPlacement.copies_held` of `expert_placement_of`); 0 for a dense model."""
     experts = model.experts
     if experts is None:
         return 0
-    return experts.copies_held(_ring_split(mesh))
+    return expert_placement_of(model, rules, mesh).copies_held(experts.experts_per_token)
 
 
-def _ring_split(mesh: Mapping[str, int]) -> int:
-    """The devices a mixture of experts' layer splits its experts over and dispatches to: ``expert``, or 1
-    inside pipeline stages (each stage device computes all the experts, `models.moe`)."""
-    return mesh.get(ax.EXPERT, 1) if mesh.get(ax.STAGE, 1) == 1 else 1
+def expert_placement_of(
+    model: ModelDescription, rules: Rules, mesh: Mapping[str, int], tokens: tuple[int, int] | None = None
+) -> ExpertPlacement:
+    """Where the model's mixture of experts sits on ``mesh`` under ``rules`` and which dispatch it runs, as the
+    model decides it (`sharding.expert_placement.expert_placement`): inside pipeline stages (``stage`` > 1) the
+    layer runs locally, each stage device computing every expert (`models.moe` inside the pipeline's map).
+
+    Args:
+      model: A description with experts (``model.experts`` not None).
+      rules: The rules table.
+      mesh: Mesh axis -> size.
+      tokens: ``[batch, length]`` of one call of the layer (a microbatch's sequences and positions, whole over
+        the mesh); None takes the rules' axes as dividing them (what `Layout`'s checks of the batch ensure).
+    """
+    return _expert_placement_cached(model.experts, rules, tuple(mesh.items()), tokens)
+
+
+@functools.lru_cache(maxsize=4096)
+def _expert_placement_cached(experts, rules: Rules, mesh_items: tuple, tokens) -> ExpertPlacement:
+    mesh = dict(mesh_items)
+    return expert_placement(experts, rules, mesh if mesh.get(ax.STAGE, 1) == 1 else {}, tokens)
 
 
 @dataclasses.dataclass(frozen=True)

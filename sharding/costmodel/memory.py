@@ -27,9 +27,9 @@ from sharding.costmodel.layout import (
     _per_token,
     _place_cached,
     _Placed,
-    _ring_split,
     _Shape,
     attention_of,
+    expert_placement_of,
 )
 from sharding.costmodel.partitioner import _fsdp_gather_bytes
 from sharding.modeldesc import ModelDescription
@@ -142,8 +142,8 @@ def _grouped_cpu_bytes(model: ModelDescription, layout: Layout, rules: Rules, s:
     if experts is None or backend not in DENSE_GROUPED_BACKENDS or batched_experts(model, layout):
         return 0.0
     mesh = layout.mesh
-    rows = s.tok * _copies_held(model, mesh)  # routed copies one layer computes here
-    local = experts.num_experts // _ring_split(mesh)
+    rows = s.tok * _copies_held(model, rules, mesh)  # routed copies one layer computes here
+    local = expert_placement_of(model, rules, mesh).local_experts
     f = next(  # one expert's hidden width, split over tensor
         size for p in model.products if p.groups > 1 for a, size in zip(p.weight.axes, p.weight.shape) if a == ax.MLP
     ) / _axis_split(model, ax.MLP, rules, mesh)

@@ -36,6 +36,7 @@ from sharding.costmodel.layout import (
     _Shape,
     _tensor_split,
     attention_of,
+    expert_placement_of,
 )
 from sharding.costmodel.sequence import sequence_parallel_comms
 from sharding.modeldesc import ModelDescription
@@ -65,7 +66,7 @@ def _comms(
     if embedding:
         comms += _embedding_comms(model, *_zero_groups(model, layout, rules, placed)[0], s)
     comms += _length_comms(model, layout, rules, s, backend)
-    comms += _expert_comms(model, layout, s)
+    comms += _expert_comms(model, layout, rules, s)
     return comms
 
 
@@ -90,41 +91,68 @@ def _zero_groups(
     return [(merged, others), (layout, experts)]
 
 
-def _expert_comms(model: ModelDescription, layout: Layout, s: _Shape) -> list[Comm]:
-    """The mixture of experts' dispatch over ``expert`` (`models.moe`). With a capacity where it moves less
-    (`sharding.dispatch.ALL_TO_ALL`), two all-to-alls of the ``[E * C, D]`` buffer per MoE layer and
-    microbatch forward (dispatch, combine) and two backward. Otherwise the ring (`sharding.dispatch.RING`): per
-    MoE layer and
-    microbatch the forward all-gathers the tokens ``[tok * E_p, D]`` with their routing (k int32 experts
-    and k float32 weights per token) and reduce-scatters the partial outputs back to ``[tok, D]``; the
-    backward is the transpose (an all-gather of the output gradients, a reduce-scatter of the token and
-    weight gradients); full remat runs the forward's again."""
-    moe, ep = model.experts, layout.mesh[ax.EXPERT]
-    if moe is None or not moe.dispatch(ep).collectives:
+def _expert_comms(model: ModelDescription, layout: Layout, rules: Rules, s: _Shape) -> list[Comm]:
+    """The mixture of experts' dispatch (`models.moe`) over the placement the model decides for a microbatch's
+    tokens (`sharding.costmodel.layout.expert_placement_of`), per MoE layer and microbatch:
+
+    * fixed buffers (`sharding.dispatch.ALL_TO_ALL`): two all-to-alls of the ``[E * C, D]`` buffer over the
+      axes that split the experts forward (dispatch, combine) and two backward;
+    * the ring (`sharding.dispatch.RING`) over the axes that split the experts and the tokens (G devices): the
+      forward all-gathers the tokens ``[tok * G, D]`` with their routing (k int32 experts and k float32 weights
+      per token) and reduce-scatters the partial outputs back to ``[tok, D]``; the backward is the transpose (an
+      all-gather of the output gradients, a reduce-scatter of the token and weight gradients);
+    * over the axes that split the experts but not the tokens (rules that keep the batch whole over them, or a
+      batch they do not divide), where every device holds the same tokens: the partial outputs all-reduced
+      ``[tok, D]`` forward, and the gradients of the tokens and of the combine weights (``[tok, D]`` and
+      ``[tok, k]`` float32, one all-reduce as compiled) backward.
+
+    Full remat runs the forward's again. ``tok`` is the layer's tokens on a device, the microbatch's over the
+    devices that split them under the rules (more than ``s.tok`` where the rules keep the batch whole over an
+    axis the rest of the cost model takes as splitting it)."""
+    moe = model.experts
+    if moe is None:
         return []
+    rows = s.rows * layout.batch_split  # a microbatch's sequences, whole over the mesh
+    place = expert_placement_of(model, rules, layout.mesh, (int(rows), s.seq) if rows == int(rows) else None)
+    if not place.dispatch.collectives:
+        return []
+    tok = s.tok * layout.batch_split * layout.length_split / place.token_split
     n = moe.layers * s.micro
     forward = n * (1 + (layout.remat == "full"))
-    if moe.dispatch(ep).fixed_buffers:  # fixed buffers [E * C, D], there and back, each way
-        rows = moe.num_experts * math.ceil(moe.capacity_factor * s.tok * moe.experts_per_token / moe.num_experts)
+    tokens = tok * model.hidden * s.act_bytes
+    routing = tok * moe.experts_per_token * 4
+    if place.dispatch.fixed_buffers:  # fixed buffers [E * C, D], there and back, each way
+        rows = moe.num_experts * math.ceil(moe.capacity_factor * tok * moe.experts_per_token / moe.num_experts)
         buffer = rows * model.hidden * s.act_bytes
-        return [Comm("all-to-all", (ax.EXPERT,), ep, buffer, 2 * (forward + n), "MoE dispatch and combine", False)]
-    tokens = s.tok * model.hidden * s.act_bytes
-    routing = s.tok * moe.experts_per_token * 4
-    axes = (ax.EXPERT,)
-    return [
-        Comm(
-            "all-gather",
-            axes,
-            ep,
-            ep * tokens,
-            forward + n,
-            "MoE tokens to the expert devices (and output grads)",
-            False,
-        ),
-        Comm("reduce-scatter", axes, ep, tokens, forward + n, "MoE partial outputs back (and token grads)", False),
-        Comm("all-gather", axes, ep, ep * routing, 2 * forward, "MoE routing (experts, weights)", False),
-        Comm("reduce-scatter", axes, ep, routing, n, "MoE combine-weight gradients", False),
-    ]
+        what = "MoE dispatch and combine"
+        return [Comm("all-to-all", place.expert_axes, place.split, buffer, 2 * (forward + n), what, False)]
+    comms = []
+    axes, g = place.gather_axes, place.gather_split
+    if g > 1:
+        comms += [
+            Comm(
+                "all-gather",
+                axes,
+                g,
+                g * tokens,
+                forward + n,
+                "MoE tokens to the expert devices (and output grads)",
+                False,
+            ),
+            Comm("reduce-scatter", axes, g, tokens, forward + n, "MoE partial outputs back (and token grads)", False),
+            Comm("all-gather", axes, g, g * routing, 2 * forward, "MoE routing (experts, weights)", False),
+            Comm("reduce-scatter", axes, g, routing, n, "MoE combine-weight gradients", False),
+        ]
+    summed = place.summed_expert_axes
+    if summed:
+        group = math.prod(layout.mesh[a] for a in summed)
+        comms += [
+            Comm(
+                "all-reduce", summed, group, tokens, forward, "MoE partial outputs summed (tokens whole there)", False
+            ),
+            Comm("all-reduce", summed, group, tokens + routing, n, "MoE token and combine-weight gradients", False),
+        ]
+    return comms
 
 
 def _uneven_comms(

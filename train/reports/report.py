@@ -439,8 +439,8 @@ def expert_dispatch_of(run, par) -> ExpertDispatch:
     """The mixture of experts' dispatch (`sharding.dispatch`) as the model runs it on one microbatch:
     `sharding.dispatch.LOCAL` inside pipeline stages (each stage device runs every expert, as the cost model
     prices it); else `models.moe.layer_dispatch`, which takes the ring where the axes that split the experts
-    keep the tokens whole (``splits_tokens`` of `sharding.dispatch.expert_dispatch`: rules that leave
-    ``expert`` out of the batch's, which the cost model, pricing the batch over ``expert``, does not read).
+    keep the tokens whole (rules that leave ``expert`` out of the batch's, a batch it does not divide): the
+    placement of `sharding.expert_placement.expert_placement`, which the cost model prices too.
     `sharding.dispatch.LOCAL` for a dense model."""
     if not run.model.is_moe or par.pipeline is not None:
         return LOCAL
