@@ -128,3 +128,17 @@ def test_a_step_that_keeps_the_batch_whole_over_expert_is_priced_its_all_reduces
         priced["all-reduce"],
         compiled["all-reduce"],
     )
+
+
+def test_experts_split_over_a_compute_axis_are_priced_their_products_once():
+    """Experts split over ``tensor`` (an axis that divides the work, not the batch): XLA:CPU's dense grouped
+    products run each device's 4 experts on its own tokens' rows, and the priced products are the compiled
+    step's within 10% (the weights' split over ``tensor`` divides them once, not again as an expert split)."""
+    from train.runtime.optimizer import OptimizerConfig
+    from train.runtime.step import Trainer
+
+    config, shape, rules = _case(EXPERTS_OVER_TENSOR, "fsdp=4,tensor=2", 0.0)
+    cost, _ = _moe_comms(config, shape, rules, 16)
+    trainer = Trainer(config, OptimizerConfig(), Parallelism.of(make_mesh(shape), rules, Accumulation(1)))
+    compiled = hlo.dot_flops(trainer.compile_train_step(16, SEQ).as_text())
+    assert abs(cost.matmul_flops - compiled) <= TOLERANCE * compiled, (cost.matmul_flops, compiled)

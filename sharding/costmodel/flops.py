@@ -114,8 +114,11 @@ def _per_token_flops(
     dense_groups = backend in DENSE_GROUPED_BACKENDS and not batched_experts(model, layout)
     groups_held = 1.0  # every row against every group: under the ring, min(k, E_local) / k of the k per token
     if dense_groups and model.experts is not None:
-        split = expert_placement_of(model, rules, mesh).split
-        groups_held = _copies_held(model, rules, mesh) / (model.experts.experts_per_token * split)
+        # a device's rows meet its E / E_p experts: the split over compute axes already divides the weight's
+        # size below, the split over batch axes (which do not divide the work) is divided here
+        place = expert_placement_of(model, rules, mesh)
+        batch_split = math.prod(place.sizes[a] for a in place.expert_axes if a not in compute_axes)
+        groups_held = _copies_held(model, rules, mesh) / (model.experts.experts_per_token * batch_split)
 
     def forward(product: Product) -> float:
         groups = product.groups * groups_held if dense_groups and product.groups > 1 else 1
