@@ -227,16 +227,16 @@ def _trainer(case, optimizer_sharding: str = "replicated"):
 
 
 @functools.cache
-def compiled_loop_peak(case) -> tuple[float, float]:
-    """``(temp, loop peak)``: bytes of the compiled step's temporaries (``memory_analysis``) and of those
-    occupied at their peak inside its loops (`hlo_live.loop_peak`: XLA's buffer assignment and live ranges,
-    dumped as text while compiling into a temporary folder, removed after): a pipeline's peak over its ticks,
-    without the working copy's gather before the tick loop. The step compiles with the persistent
-    compilation cache off (a cached executable dumps nothing)."""
+def compiled_loop_peak(case) -> tuple[float, float, float]:
+    """``(temp, loop peak, before the loop)``: bytes of the compiled step's temporaries (``memory_analysis``), of
+    those occupied at their peak inside its loops and at their peak before its first loop (`hlo_live.phase_peaks`:
+    XLA's buffer assignment and live ranges, dumped as text while compiling into a temporary folder, removed
+    after): a pipeline's peak over its ticks, and while it gathers its working copy before the tick loop. The
+    step compiles with the persistent compilation cache off (a cached executable dumps nothing)."""
     import shutil
     import tempfile
 
-    from hlo_live import loop_peak
+    from hlo_live import phase_peaks
 
     trainer, batch, positions = _trainer(case)
     folder = tempfile.mkdtemp(prefix="meshwork-hlo-dump-")
@@ -246,7 +246,8 @@ def compiled_loop_peak(case) -> tuple[float, float]:
         lowered = trainer.train_step(batch, positions).lower(*trainer.abstract_train_args(batch, positions))
         options = {"xla_dump_to": folder, "xla_dump_hlo_as_text": True, "xla_dump_hlo_module_re": "jit__step"}
         compiled = lowered.compile(options)
-        return float(compiled.memory_analysis().temp_size_in_bytes), float(loop_peak(folder))
+        before, inside = phase_peaks(folder)
+        return float(compiled.memory_analysis().temp_size_in_bytes), float(inside), float(before)
     finally:
         jax.config.update("jax_enable_compilation_cache", cached)
         shutil.rmtree(folder, ignore_errors=True)

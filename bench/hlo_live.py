@@ -11,7 +11,8 @@ allocation is larger by what the heap packing leaves unused), the values of at l
 512) MiB live there, and every value of that size with its live range: e.g. how many score-sized
 ``[heads, T, S]`` float32 arrays an attention backward holds at once (`bench/RESULTS.md`, "The reference
 attention's backward"). `loop_peak` is the peak over the positions inside loops (a pipeline's tick loop),
-apart from what the step does before and after them (gathering the working copy, the optimizer update).
+apart from what the step does before and after them (gathering the working copy, the optimizer update);
+`phase_peaks` gives it with the peak before the first loop.
 
 Units: MiB. Reads text dumps only; imports nothing of ours.
 """
@@ -103,9 +104,17 @@ def loop_peak(dump: str, module: str = "jit__step") -> int:
     """The most bytes of the temporaries' allocation occupied at one position inside a loop (`occupied`,
     `loop_positions`): a pipeline step's peak over its ticks, apart from the working copy's gather before the
     tick loop and the optimizer's update after it."""
+    return phase_peaks(dump, module)[1]
+
+
+def phase_peaks(dump: str, module: str = "jit__step") -> tuple[int, int]:
+    """``(before, inside)``: the most bytes of the temporaries' allocation occupied at one position before the
+    first position inside a loop (a pipeline step gathering its working copy, zeroing its rings and gradient
+    sums), and at one position inside a loop (`loop_peak`). Bytes."""
     _, held = temp_values(dump, module)
     live, inside = occupied(held), loop_positions(dump, module)
-    return max(live[t] for t in inside if t < len(live))
+    first = min(inside)
+    return max(live[:first], default=0), max(live[t] for t in inside if t < len(live))
 
 
 def main(dump: str, module: str = "jit__step", min_mib: float = 512) -> None:
@@ -114,7 +123,8 @@ def main(dump: str, module: str = "jit__step", min_mib: float = 512) -> None:
     end = len(live)
     peak = max(range(end), key=live.__getitem__)
     print(f"temporaries allocated: {size / MIB:,.0f} MiB; live peak {live[peak] / MIB:,.0f} MiB at position {peak}")
-    print(f"inside loops: live peak {loop_peak(dump, module) / MIB:,.2f} MiB")
+    before, inside = phase_peaks(dump, module)
+    print(f"before the first loop: live peak {before / MIB:,.2f} MiB; inside loops: {inside / MIB:,.2f} MiB")
     big = [(k, v) for k, v in held.items() if v[0] >= min_mib * MIB]
     print(f"values of at least {min_mib:g} MiB live at the peak:")
     for name, (nbytes, _, shape, first, last) in big:

@@ -2,10 +2,11 @@
 
 For one pipelined layout per schedule (the test model on ``stage=2,fsdp=4``, split 3,1, 16 sequences of 32
 tokens in 4 microbatches), prints per choice the compiled step's temporaries (``memory_analysis``), their
-peak inside the step's loops (`costmodel_grid.compiled_loop_peak`: XLA's buffer assignment and live ranges,
-without the working copy's gather before the tick loop) and products' FLOPs (the HLO's, trip counts folded
-in) beside the cost model's in-flight bytes and matmul FLOPs, and each choice's growth over ``full`` of the
-temporaries, of the loop's peak and of the price. Run from the repository root::
+peak before the tick loop (the working copy's gather) and inside the step's loops
+(`costmodel_grid.compiled_loop_peak`: XLA's buffer assignment and live ranges) beside the cost model's
+in-flight bytes (``Memory.in_flight``: the larger of its two phases, ``gradients + before_loop`` and
+``Memory.in_loop``) and its error, and the products' FLOPs (the HLO's, trip counts folded in, against the
+priced matmul FLOPs). Run from the repository root::
 
     PYTHONPATH=$PWD python bench/remat_stages.py
 """
@@ -32,26 +33,24 @@ def case(remat: str, schedule: str):
 def main() -> None:
     mb = 1e6
     print(
-        "| schedule | remat | compiled temp (MB) | loop peak (MB) | priced in flight (MB) | growth over full: temp / "
-        "loop peak / priced (MB) | products' GFLOP, compiled / priced |"
+        "| schedule | remat | compiled temp (MB) | priced in flight (MB) | error | before the loop, compiled / "
+        "priced (MB) | loop peak, compiled / priced (MB) | growth over full, compiled / priced (MB) | "
+        "products' GFLOP, compiled / priced |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for schedule in ("gpipe", "1f1b", "zb"):
-        rows = {
-            r: (
-                compiled_figures(case(r, schedule)),
-                compiled_loop_peak(case(r, schedule))[1],
-                predicted(case(r, schedule)),
-            )
-            for r in REMATS
-        }
-        full_c, full_l, full_p = rows["full"][0]["temp"], rows["full"][1], rows["full"][2].memory.in_flight
-        for r, (c, loop, p) in rows.items():
-            grown = f"{(c['temp'] - full_c) / mb:.2f} / {(loop - full_l) / mb:.2f} / {(p.memory.in_flight - full_p) / mb:.2f}"
-            flops = f"{c['dot_flops'] / 1e9:.3f} / {p.matmul_flops / 1e9:.3f}"
+        rows = {}
+        for r in REMATS:
+            temp, loop, before = compiled_loop_peak(case(r, schedule))
+            rows[r] = (temp, loop, before, compiled_figures(case(r, schedule)), predicted(case(r, schedule)))
+        full_c, full_p = rows["full"][0], rows["full"][4].memory.in_flight
+        for r, (temp, loop, before, c, p) in rows.items():
+            m = p.memory
             print(
-                f"| {schedule} | {r} | {c['temp'] / mb:.2f} | {loop / mb:.2f} | {p.memory.in_flight / mb:.2f} | {grown} "
-                f"| {flops} |"
+                f"| {schedule} | {r} | {temp / mb:.2f} | {m.in_flight / mb:.2f} | {(m.in_flight - temp) / temp:+.1%} "
+                f"| {before / mb:.2f} / {(m.gradients + m.before_loop) / mb:.2f} | {loop / mb:.2f} / "
+                f"{m.in_loop / mb:.2f} | {(temp - full_c) / mb:.2f} / {(m.in_flight - full_p) / mb:.2f} "
+                f"| {c['dot_flops'] / 1e9:.3f} / {p.matmul_flops / 1e9:.3f} |"
             )
 
 

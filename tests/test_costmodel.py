@@ -477,17 +477,19 @@ def test_pipeline_weights_gathered_per_microbatch_cost_a_layer_per_slot(one_f_on
     ring = cm.tick_table(schedule, 4, 16, 1).slots if one_f_one_b else 16 + 4 - 1
     act = 2048 * config.embed_dim * 4  # one slot input: one row of a microbatch per device, float32
     # streamed, the 1F1B family also holds none of the M microbatches' stage inputs nor their cotangents (stage 0
-    # embeds each one)
-    assert saved == pytest.approx(ring * (10 - 5) * act + 2 * 16 * act * one_f_one_b, rel=1e-9)
+    # embeds each one); gathering once, a layer's pass holds its slot's weights sliced out of the working copy
+    # (streamed, the gathered layer is in `gathered`)
+    assert saved == pytest.approx(ring * (10 - 5) * act + 2 * 16 * act * one_f_one_b + layer, rel=1e-9)
 
 
 @pytest.mark.parametrize("gather", ["once", "microbatch"])
 def test_the_1f1b_heads_gathered_copy_counts_per_microbatch_only_above_a_layers_working_set(gather):
     """The 7B on stage=4,fsdp=2 (10,10,6,6), 1F1B, its vocabulary grown by 16,000 entries (the output projection
     by ``d`` = 4096 x 16,000 float32, 250 MiB; no layer changes). Gathered once, the held head grows by its
-    whole copy and whole sums, ``2 d``, and at 128k-144k entries, where one row's logits (2,000-2,250 MiB) exceed
-    a layer's backward working set (1,738 MiB with the reference attention's two score-sized arrays), by the
-    logits' 250 MiB more. Per microbatch, by the sums of its fsdp half, ``d / 2`` (and the streamed embedding
+    whole copy and whole sums, ``2 d``, and at 128k-144k entries, where one row's logits and the head's
+    gradient product (2,000-2,250 MiB and as much) exceed a layer's backward working set (2,510 MiB: 1,738 with
+    the reference attention's two score-sized arrays and the slot's weights sliced out of the working copy),
+    by the logits' 250 MiB and the product's ``d`` more; at 32k-48k entries (1,000-1,500 MiB) they do not. Per microbatch, by the sums of its fsdp half, ``d / 2`` (and the streamed embedding
     table's as much), while the whole copy and gradient it holds during a head step, with the step's logits
     (1,500-2,250 MiB at 32k-48k entries), stay under a layer's backward working set (2,510 MiB with its gathered
     layer); at 128k-144k entries (6,000-6,750 MiB) they exceed it, and the peak grows by ``2 d`` and the logits'
@@ -502,7 +504,7 @@ def test_the_1f1b_heads_gathered_copy_counts_per_microbatch_only_above_a_layers_
     below, above = gathered(48000) - gathered(32000), gathered(144000) - gathered(128000)
     logits = 2048 * 16000 * 4 * 2  # one microbatch row's float32 logits and their gradient
     if gather == "once":
-        assert below == pytest.approx(2 * d, rel=1e-9) and above == pytest.approx(2 * d + logits, rel=1e-9)
+        assert below == pytest.approx(2 * d, rel=1e-9) and above == pytest.approx(3 * d + logits, rel=1e-9)
     else:
         # the sums of the fsdp halves of the output projection and of the table (the streamed entry), d / 2 each
         assert below == pytest.approx(d, rel=1e-9) and above == pytest.approx(d + 2 * d + logits, rel=1e-9)
@@ -530,20 +532,21 @@ def test_pipeline_in_flight_bytes_are_what_the_step_holds_at_its_peak(attention,
     # test_attention_registry.py: the reference attention's probabilities and dp), each with its boolean mask.
     scores = (32 * 2048 * 4 + 2048) * registry.kernel(attention).traits.backward_scores
     activations = tokens * ((14 * d + 3 * f) * 4 + scores)
-    backward = activations + layer * (gather == "microbatch")  # and the slot's gathered layer (float32 compute)
+    # and the slot's layer (float32 compute): gathered per microbatch, or sliced out of the working copy
+    backward = activations + layer
     # GPipe: the head after the loop on 1/S of the device's 16 rows; 1F1B: one microbatch's row per tick
     logits = (1 if one_f_one_b else 4) * tokens * config.vocab_size * 4 * 2  # float32 logits and their gradient
     # the 1F1B head gathered per microbatch: its whole copy and whole gradient, float32, during the head step
     head = (d * config.vocab_size + d) * 4
     logits += 2 * head * (one_f_one_b and gather == "microbatch")
+    # the 1F1B head gathered once: its weights' gradient product, whole (float32 compute), during the head step
+    logits += head * (one_f_one_b and gather == "once")
     assert memory.logits == pytest.approx(max(0.0, logits - backward), rel=1e-12)
-    # with flash attention a layer's working set (706 MiB; 1,478 MiB with its gathered layer) falls under GPipe's
-    # logits of 4 rows (2,000 MiB) and, just, under the streamed 1F1B head step (1,500 MiB), not under 1F1B's
-    # logits of one row (500 MiB) beside a head gathered once; with the reference attention's (1,738 MiB; 2,510
-    # MiB) only under GPipe's logits gathering once
-    peaks = (attention == "flash" and not (one_f_one_b and gather == "once")) or (
-        attention == "reference" and not one_f_one_b and gather == "once"
-    )
+    # with flash attention a layer's working set (1,478 MiB with the slot's layer) falls under GPipe's logits of 4
+    # rows (2,000 MiB) and, just, under the streamed 1F1B head step (1,500 MiB), not under 1F1B's head step
+    # gathering once (1,000 MiB: one row's logits and the head's gradient product); with the reference
+    # attention's (2,510 MiB) under none
+    peaks = attention == "flash" and not (one_f_one_b and gather == "once")
     assert (memory.logits > 0) == peaks
     # gradient sums beyond the stored rows' gradients: the working copy's 10 slots in place of the 4 stored rows,
     # or the 2 received half rows (each leaf of the gathered layer is reduce-scattered as its backward yields it)
@@ -552,7 +555,9 @@ def test_pipeline_in_flight_bytes_are_what_the_step_holds_at_its_peak(attention,
     # slot (block) inputs; every microbatch's stage input and its cotangent, but for the 1F1B family's streamed
     # entry (stage 0 embeds each microbatch itself)
     saved = ring * (10 if gather == "once" else 5) + 2 * 16 * (not (one_f_one_b and gather == "microbatch"))
-    assert memory.activations == pytest.approx(tokens * saved * d * 4 + activations, rel=1e-12)
+    assert memory.activations == pytest.approx(
+        tokens * saved * d * 4 + activations + layer * (gather == "once"), rel=1e-12
+    )
 
 
 def test_zero_bubble_keeps_a_cut_for_every_slot_position_of_a_chunk_pass():
@@ -581,8 +586,11 @@ def test_zero_bubble_keeps_a_cut_for_every_slot_position_of_a_chunk_pass():
     one_input = 2048 * config.embed_dim * 4  # one row of 2,048 tokens, float32
     cut = weight_cut_bytes(describe(config), get_rules("fsdp"), {"stage": 2, "fsdp": 4, "tensor": 1}, 4, 2048)
     # and, gathering once, the 8 microbatches' stage inputs and their cotangents (streamed, stage 0 embeds each),
-    # less the 3 positions of each cut the per-microbatch gather's blocks run past the 9 layers
-    fewer = table.slots * (9 - 3) * one_input + 2 * 8 * one_input - table.saved_slots * 3 * cut
+    # less the 3 positions of each cut the per-microbatch gather's blocks run past the 9 layers; and, gathering
+    # once, the slot's weights sliced out of the working copy beside a layer's pass (per microbatch, the gathered
+    # layer is in `gathered`)
+    layer = sum(p.size for p in describe(config).params if p.per_layer) * 4
+    fewer = table.slots * (9 - 3) * one_input + 2 * 8 * one_input - table.saved_slots * 3 * cut + layer
     assert activations("once") - activations("microbatch") == pytest.approx(fewer, rel=1e-12)
 
 

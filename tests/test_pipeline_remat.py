@@ -96,55 +96,46 @@ def test_the_cost_model_trades_memory_for_recompute_across_the_choice():
     assert totals["none"] < totals["dots"] < totals["full"], totals
 
 
-@pytest.mark.parametrize(
-    "schedule, remats",
-    [("gpipe", ("none", "dots")), ("1f1b", ("none",))],  # 1F1B's compiles are the test above's (cached)
-)
-def test_the_priced_growth_over_full_is_the_compiled_steps(schedule, remats):
-    """What keeping residuals adds over ``--remat full``, priced (``Memory.in_flight``) against the compiled
-    step's temporaries (``memory_analysis``, 8 simulated CPU devices, deterministic), within 10%: the ring's
-    residuals per slot as the layer's split keeps them (`models.spec._residuals`) and one chunk pass's fresh
-    ones beside the ring. `bench/remat_stages.py`'s cases (its table in bench/RESULTS.md has all three
-    schedules; ``dots`` on 1F1B and zero bubble is checked against the tick loop's peak, the test below)."""
-    from costmodel_grid import compiled_figures, predicted
-    from remat_stages import case
-
-    full_compiled = compiled_figures(case("full", schedule))["temp"]
-    full_priced = predicted(case("full", schedule)).memory.in_flight
-    for remat in remats:
-        compiled = compiled_figures(case(remat, schedule))["temp"] - full_compiled
-        priced = predicted(case(remat, schedule)).memory.in_flight - full_priced
-        assert abs(priced - compiled) <= 0.10 * compiled, (remat, priced, compiled)
-
-
-@pytest.mark.parametrize("schedule, remats", [("1f1b", ("dots",)), ("zb", ("none", "dots"))])
-def test_the_priced_residuals_are_what_the_tick_loop_holds_at_its_peak(schedule, remats):
-    """What keeping residuals adds over ``--remat full`` inside the tick loop, priced (``Memory.in_flight``)
-    against the compiled step's (8 simulated CPU devices, deterministic), within 10%: the growth of the
-    temporaries' peak over the positions inside the step's loops (XLA's buffer assignment and live ranges,
-    `costmodel_grid.compiled_loop_peak`), where the ring of kept residuals and a chunk pass's ``K'`` fresh ones
-    (`sharding.costmodel.pipeline._pipeline_memory`) are live, on every schedule.
-
-    A step that keeps residuals peaks inside the loop (its loop peak within 1% of its temporaries); ``full``
-    peaks before it, at the working copy's gather (above its loop peak), which the price, a sum of parts
-    rather than the larger of the gather and the loop, does not separate: so the growth of the whole
-    temporaries is smaller than the loop's by that margin, and the price stays on the safe side of it (not
-    under it; within 10% of it too for ``none`` on zero bubble)."""
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb"])
+@pytest.mark.parametrize("remat", ["none", "dots", "full"])
+def test_the_priced_temporaries_are_the_compiled_steps_whole_and_by_phase(schedule, remat):
+    """The priced in-flight bytes (``Memory.in_flight``) against the compiled step's temporaries
+    (``memory_analysis``, 8 simulated CPU devices, deterministic), within 10%, for every schedule and remat
+    choice of `bench/remat_stages.py`; and each of the step's two phases against XLA's live ranges
+    (`costmodel_grid.compiled_loop_peak`), within 10% too: before the tick loop (``gradients + before_loop``:
+    the working copy's gathered rows and a slice of them, the zeroed rings, cotangents and gradient sums,
+    the head's weights; `sharding.costmodel.pipeline._before_loop`) and inside it (``Memory.in_loop``: the
+    ring of kept residuals or slot inputs, a chunk pass's fresh residuals, a slot's weights sliced out of
+    the working copy, a layer's backward). The priced phase that peaks is the compiled step's: the one before
+    the loop for ``full``, the loop for the choices that keep residuals."""
     from costmodel_grid import compiled_loop_peak, predicted
     from remat_stages import case
 
-    full_temp, full_loop = compiled_loop_peak(case("full", schedule))
+    temp, loop, before = compiled_loop_peak(case(remat, schedule))
+    memory = predicted(case(remat, schedule)).memory
+    assert abs(memory.in_flight - temp) <= 0.10 * temp, (memory.in_flight, temp)
+    priced_before = memory.gradients + memory.before_loop
+    assert abs(priced_before - before) <= 0.10 * before, (priced_before, before)
+    assert abs(memory.in_loop - loop) <= 0.10 * loop, (memory.in_loop, loop)
+    assert (before > loop) == (remat == "full") == (priced_before > memory.in_loop), (before, loop, memory)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb"])
+def test_the_priced_growth_over_full_is_the_compiled_steps(schedule):
+    """What keeping residuals adds over ``--remat full``, priced (``Memory.in_flight``) against the compiled
+    step's temporaries (``memory_analysis``, 8 simulated CPU devices, deterministic), within 10%, for
+    ``none`` and ``dots`` on every schedule: the ring's residuals per slot as the layer's split keeps them
+    (`models.spec._residuals`) and one chunk pass's fresh ones beside the ring, in the tick loop, against
+    ``full``'s step, which peaks before its loop, gathering the working copy (the test above)."""
+    from costmodel_grid import compiled_loop_peak, predicted
+    from remat_stages import case
+
+    full_compiled = compiled_loop_peak(case("full", schedule))[0]
     full_priced = predicted(case("full", schedule)).memory.in_flight
-    assert full_loop < full_temp, (full_loop, full_temp)
-    for remat in remats:
-        temp, loop = compiled_loop_peak(case(remat, schedule))
-        assert loop >= 0.99 * temp, (remat, loop, temp)
+    for remat in ("none", "dots"):
+        compiled = compiled_loop_peak(case(remat, schedule))[0] - full_compiled
         priced = predicted(case(remat, schedule)).memory.in_flight - full_priced
-        compiled = loop - full_loop
         assert abs(priced - compiled) <= 0.10 * compiled, (remat, priced, compiled)
-        assert priced >= temp - full_temp, (remat, priced, temp - full_temp)
-        if remat == "none":
-            assert abs(priced - (temp - full_temp)) <= 0.10 * (temp - full_temp), (priced, temp - full_temp)
 
 
 @pytest.mark.parametrize(

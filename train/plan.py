@@ -465,11 +465,17 @@ def breakdown(p: planner.Plan) -> list[str]:
     lines.append("memory per device:")
     for kind, used in p.memory.items():
         limit = p.memory_limit[kind]
-        parts = p.memory_parts.get(kind, {})
+        parts = dict(p.memory_parts.get(kind, {}))
+        before = parts.pop("before_loop", 0.0)  # a pipeline's phase before its tick loop, beside the gradients
         lines.append(
             f"  {kind:<20} {used / 1e9:8.1f} GB of {limit / 1e9:.1f} GB usable"
             + ("" if used <= limit else f"  over by {(used - limit) / 1e9:.1f} GB")
             + (": " + ", ".join(f"{name} {b / 1e9:.1f}" for name, b in parts.items() if b) if parts else "")
+            + (
+                f"; before the tick loop {before / 1e9:.1f} beside the gradients (the larger phase counts)"
+                if before
+                else ""
+            )
         )
     lines.append("fits" if p.fits else f"does not fit: {planner.why_lost(p, p).removeprefix('does not fit: ')}")
     return lines

@@ -59,6 +59,16 @@ class Memory:
       batch: The step's input batch on this device.
       cpu_only: Of ``activations``, what only XLA:CPU allocates (`_grouped_cpu_bytes`: a mixture of experts'
         grouped products lowered densely, float32 copies of bfloat16 activations); 0 on other backends.
+      before_loop: With pipeline stages gathering their working copy once (``gather`` ``once``), everything
+        but ``gradients`` the step holds while it gathers the working copy before the tick loop
+        (`sharding.costmodel.pipeline._pipeline_memory`: the gathered rows, a slice of them, the zeroed rings
+        and cotangents, the head's weights); 0 otherwise.
+
+    Phases: ``gradients`` (and the float32 gradient sums a pipeline zeroes before its gather) are live
+    through the whole step; ``activations``, ``logits`` and ``gathered`` are the loop's (the layers' passes;
+    without a pipeline, the whole step's); ``before_loop`` is the phase before a pipeline's tick loop, which
+    never peaks with the loop's: some of its bytes (the rings, the head's weights) are also counted in
+    ``activations`` and ``gathered``, so the parts do not add up to `in_flight` where it is nonzero.
     """
 
     parameters: float
@@ -69,6 +79,7 @@ class Memory:
     gathered: float
     batch: float
     cpu_only: float = 0.0
+    before_loop: float = 0.0
 
     @property
     def state(self) -> float:
@@ -81,20 +92,20 @@ class Memory:
         saved activations, logits and gathered weights, to compare with the compiler's
         ``temp_size_in_bytes``. The optimizer update adds nothing: it writes the donated moments and
         parameters in place, element by element (the train step computes it inside its finite-step
-        conditional)."""
+        conditional). A pipeline's step holds the larger of its two phases (`before_loop` and the tick
+        loop's parts) beside the gradients, which both hold."""
+        return max(self.in_loop, self.gradients + self.before_loop)
+
+    @property
+    def in_loop(self) -> float:
+        """`in_flight`'s loop phase (a pipeline's tick loop; without one, the whole step): the gradients,
+        saved activations, logits and gathered weights."""
         return self.gradients + self.activations + self.logits + self.gathered
 
     @property
     def total(self) -> float:
-        return (
-            self.parameters
-            + self.gradients
-            + self.optimizer
-            + self.activations
-            + self.logits
-            + self.gathered
-            + self.batch
-        )
+        """Bytes on the device at the step's peak: the arguments (state and batch) and `in_flight`."""
+        return self.parameters + self.optimizer + self.batch + self.in_flight
 
 
 def _held_params(model: ModelDescription, layout: Layout, rules: Rules, placed: dict[str, _Placed], s: _Shape) -> float:

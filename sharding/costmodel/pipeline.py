@@ -404,22 +404,29 @@ def _pipeline_memory(
     head: _Shape,
 ) -> tuple[Memory, Received | None]:
     """``(memory, received)``: bytes of a stage device, and for ``gather`` ``microbatch`` what the rows it
-    receives add (`Received`; ``memory`` is then that of a split that moves none). Bytes of a stage device: the stored rows' state; in flight, the gathered working copy of the stage's
-    slots (`_gather_bytes`) and their float32 gradient sums in place of the stored rows' gradients, which the
-    sums become after the loop (``gather`` ``microbatch``: the slot's gathered layer, the rows received from
-    other devices, and the float32 sums of the device's own and received rows), what each saved slot keeps
-    (`_Pipe.saved_inputs` of them, `_saved_per_slot`: its input, or with `_Pipe.keeps` the layer's residuals
-    under the remat policy, and one chunk pass's fresh residuals beside them), every microbatch's stage input
-    and its cotangent (none where stage 0 embeds each microbatch, `_head_streamed`), the largest of a layer's
-    backward working set (its activations with the backward's score temporaries and, with ``gather``
-    ``microbatch``, the slot's gathered layer), the head step's (the head's logits for one run's rows and, with the head streamed, its gathered weights and their
-    whole gradient) and the streamed entry's (the gathered table and its whole gradient), which are never live
-    together, and, for the 1F1B family, the head's (and a streamed entry's) weights held through the loop
-    (`_head_weight_bytes`).
+    receives add (`Received`; ``memory`` is then that of a split that moves none).
+
+    Bytes of a stage device, by phase. Through the whole step (``gradients``): the stored rows' state and the
+    float32 gradient sums of the working copy's slots in place of the stored rows' gradients, which the sums
+    become after the loop (``gather`` ``microbatch``: the float32 sums of the device's own and received rows).
+    The tick loop (``gathered``, ``activations``, ``logits``): the gathered working copy of the stage's slots
+    (`_gather_bytes`; ``gather`` ``microbatch``: the slot's gathered layer and the rows received from other
+    devices); what each saved slot keeps (`_Pipe.saved_inputs` of them, `_saved_per_slot`: its input, or with
+    `_Pipe.keeps` the layer's residuals under the remat policy, and one chunk pass's fresh residuals beside
+    them); every microbatch's stage input and its cotangent (none where stage 0 embeds each microbatch,
+    `_head_streamed`); the largest of a layer's backward working set (its activations with the backward's
+    score temporaries and the slot's weights: with ``gather`` ``once`` sliced out of the working copy, with
+    ``microbatch`` its gathered layer), the head step's (the head's logits for one run's rows and, with the
+    head streamed, its gathered weights and their whole gradient) and the streamed entry's (the gathered
+    table and its whole gradient), which are never live together; and, for the 1F1B family, the head's (and a
+    streamed entry's) weights held through the loop (`_head_weight_bytes`). Before the loop (``gather``
+    ``once``, ``before_loop``, `_before_loop`): the working copy's gathered rows and a slice of them, the
+    loop's zeroed rings and cotangents, the head's weights. `Memory.in_flight` takes the larger phase.
 
     Checked against the compiled step's temporaries (``temp_size_in_bytes``) and XLA's live ranges on the
     7B dry run (`bench/RESULTS.md`, "Per-microbatch pipeline temporaries" and "The per-microbatch
-    temporaries: what is live at the peak")."""
+    temporaries: what is live at the peak") and on the test model's nine remat cases (`bench/remat_stages.py`,
+    `tests/test_pipeline_remat.py`)."""
     base = _memory(model, layout, rules, placed, s)
     keys, scores = _attention_scores(model, layout, rules, s)
     per_layer = _per_token(model, "activations", rules, layout.mesh, keys, s.act_bytes)
@@ -439,6 +446,7 @@ def _pipeline_memory(
     # zero bubble: its ring of cuts holds every slot position of a chunk pass (`Streamed.positions` with the
     # per-microbatch gather: `n * B`, past the chunk's K' layers where B does not divide K'; else K')
     kept = pipe.kept * pipe.positions * weight_cut_bytes(model, rules, layout.mesh, s.act_bytes, s.tok)
+    rings = s.tok * pipe.saved_inputs * saved + kept  # the loop's carried rings, zeroed before it
     # where the stage keeps residuals, a chunk pass's scan stacks its slots' fresh residuals, beside the ring
     # they are then written into: one chunk's (`positions` slots) beyond their inputs, whatever the schedule
     # (each forward tick runs one whole chunk pass). XLA's live ranges (`bench/hlo_live.py` `loop_peak`): the
@@ -458,23 +466,46 @@ def _pipeline_memory(
     # A layer's backward working set and the head step's never peak together: GPipe/circular run the head
     # between the forward and backward loops, the 1F1B family in its own phase of a tick, before the tick's
     # backward pass (XLA's live ranges: no logits at the backward's peak). The step holds the larger of them.
+    # beside a layer's pass, its weights: with ``gather`` ``microbatch`` the gathered block (in `gathered`), else
+    # one slot's weights sliced out of the working copy (XLA's live ranges, `bench/hlo_live.py`: the scan's
+    # dynamic slices, live through the layer's backward, at the tick loop's peak on every schedule)
     streamed = held * whole_layer * _gather_bytes(layout) if pipe.gather == "microbatch" else 0.0
-    backward = s.tok * (working + scores) + streamed
+    sliced = 0.0 if pipe.gather == "microbatch" else whole_layer * _gather_bytes(layout)
+    backward = s.tok * (working + scores) + streamed + sliced
     logits = base.logits * head.tok / s.tok
     if pipe.one_f_one_b:
-        head_weights, head_step, entry_step = _head_weight_bytes(placed, pipe)
+        head_weights, head_step, entry_step = _head_weight_bytes(placed, pipe, s.act_bytes)
         logits = max(logits + head_step, entry_step)
     memory = dataclasses.replace(
         base,
         gradients=base.gradients + sums * whole_layer * _PARAM_BYTES,
-        activations=s.tok * (pipe.saved_inputs * saved + working + scores + inputs) + kept,
+        activations=s.tok * (pipe.saved_inputs * saved + working + scores + inputs) + kept + sliced,
         logits=max(0.0, logits - backward),  # the head step's working set beyond the layer's
         gathered=held * whole_layer * _gather_bytes(layout) + head_weights,
     )
     if pipe.gather != "microbatch":
-        return memory, None
+        before = _before_loop(placed, layout, pipe, whole_layer, rings + s.tok * inputs / 2) + head_weights
+        return dataclasses.replace(memory, before_loop=before), None
     received = Received(base.gradients, held, whole_layer, _gather_bytes(layout), head_weights, pipe.span)
     return received.memory(memory, ()), received
+
+
+def _before_loop(placed: dict[str, _Placed], layout: Layout, pipe: _Pipe, whole_layer: float, carried: float) -> float:
+    """Bytes a stage device holds beyond its gradients while it gathers its working copy before the tick loop
+    (``gather`` ``once``; `Memory.before_loop`), but the head's weights: the gathered rows of every working-copy
+    slot (``R * K'``, in the gather's dtype; `sharding.pipeline.weights` all-gathers each weight's rows whole),
+    and where the stage runs fewer slots than that (``R * K``, the padded slots dropped) one weight's rows
+    sliced out of them beside them (the largest, which XLA slices first, once every gather is done), and
+    ``carried``, the rings and cotangents the loop carries, which it zeroes before (the gradient sums too, in
+    `Memory.gradients`).
+
+    Read from XLA's buffer assignment and live ranges of the compiled step (`bench/hlo_live.py`, the test
+    model on ``stage=2,fsdp=4`` under GPipe, 1F1B and zero bubble, `bench/remat_stages.py`): ``--remat full``
+    peaks there (its tick loop holds less), the steps that keep residuals in their loop."""
+    layer = [p.local * _batch_factor(p, layout.mesh) for p in placed.values() if p.param.per_layer]
+    rows = pipe.working * whole_layer
+    sliced = pipe.held * max(layer) if pipe.held < pipe.working else 0.0
+    return (rows + sliced) * _gather_bytes(layout) + carried
 
 
 @dataclasses.dataclass(frozen=True)
@@ -566,14 +597,17 @@ def _head_split(p: _Placed) -> tuple[tuple[str, ...], int]:
     return axes, p.factor(*axes)
 
 
-def _head_weight_bytes(placed: dict[str, _Placed], pipe: _Pipe) -> tuple[float, float, float]:
+def _head_weight_bytes(placed: dict[str, _Placed], pipe: _Pipe, act_bytes: int) -> tuple[float, float, float]:
     """Bytes of the 1F1B family's head weights (final norm, output projection) and, streamed, its entry's
     (the embedding table) on a stage device: ``(held, head_step, entry_step)``, what the tick loop holds
     throughout, what only a head step adds and what only an entry step (a stage-0 microbatch's lookup or its
     backward) adds. "Whole" is whole over the batch axes (`_gathered_block`): still split over ``tensor``.
 
     Gathered once: the whole head weights, gathered before the tick loop, and their whole float32 gradient
-    sums, both held through it (the embedding runs before and after the loop). Streamed (`_head_streamed`):
+    sums, both held through it (the embedding runs before and after the loop); a head step adds the product
+    that computes its weights' gradient, a whole gradient in the compute dtype (``act_bytes`` per element)
+    that it then adds into the sums (XLA's live ranges, `bench/hlo_live.py`, float32 on CPU: the head step
+    peaks with it, its logits and their cotangent). Streamed (`_head_streamed`):
     the float32 gradient sums of this device's ``1/f`` shards of the head's weights and of the table held
     through the loop; each one's gathered copy and one whole gradient only while its step runs, beside no
     layer (the head step beside its logits), so they join that step's working set, which adds to the
@@ -582,8 +616,8 @@ def _head_weight_bytes(placed: dict[str, _Placed], pipe: _Pipe) -> tuple[float, 
     RESULTS.md`, "The 1F1B head gathered per microbatch" and the entry's section after it.)"""
     head = [p for p in placed.values() if not p.param.per_layer and p.param.role != "embedding"]
     whole = sum(_gathered_block(p) for p in head) * _PARAM_BYTES
-    if not _head_streamed(pipe):
-        return 2 * whole, 0.0, 0.0
+    if not _head_streamed(pipe):  # the head step's own: its weights' gradient product, before the sums take it
+        return 2 * whole, whole / _PARAM_BYTES * act_bytes, 0.0
     table = [p for p in placed.values() if p.param.role == "embedding"]
     sums = sum(_gathered_block(p) / _head_split(p)[1] for p in head + table) * _PARAM_BYTES
     return sums, 2 * whole, 2 * sum(_gathered_block(p) for p in table) * _PARAM_BYTES

@@ -89,6 +89,11 @@ def cost_model_lines(trainer, compiled, batch: int, seq_len: int) -> list[str]:
             f"grouped products lowered densely, float32 copies of bfloat16 activations): on a GPU about "
             f"{_mib(cost.memory.in_flight - cost.memory.cpu_only)}"
         )
+    if cost.memory.before_loop:
+        lines.append(
+            f"  the predicted temporaries are the larger of two phases: {_mib(cost.memory.in_loop)} in the tick loop, "
+            f"{_mib(cost.memory.gradients + cost.memory.before_loop)} before it (gathering the working copy)"
+        )
     lines += not_split(trainer.config, cm.layout_of(trainer.par, trainer.config))
     return lines + strategy_setup.cost_notes(trainer.par)
 
