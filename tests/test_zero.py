@@ -210,6 +210,12 @@ ZERO_CASES = [  # costmodel_grid's cases: (model, mesh, rules, batch, seq_len, m
     # fsdp splits the MLP and output weights on one dimension and data lands on another: XLA:CPU sums their
     # gradients over fsdp, then over data, each of the whole gradient (`sharding.costmodel.zero.cpu_two_step`)
     ("test", "data=4,fsdp=2", "fsdp_tp", 16, 64, 1, "none"),
+    # pipelines (GPipe, 2 microbatches, even stages): the embedding looked up vocabulary-parallel over
+    # tensor x stage, never gathered (`sharding.costmodel.pipeline_comms._vocabulary_over_stage`), and the head's
+    # gradients summed whole over data x stage once, their slice's all-reduce over data gone
+    # (`sharding.costmodel.zero.replaced_all_reduce`)
+    ("test", "data=4,stage=2", "fsdp_tp", 16, 64, 2, "none", None, 1),
+    ("test", "data=2,tensor=2,stage=2", "fsdp_tp", 16, 64, 2, "none", None, 1),
 ]
 
 

@@ -218,6 +218,13 @@ def idle_warnings(plans: Sequence[planner.Plan]) -> list[str]:
     return lines
 
 
+def _state_words(p: planner.Plan) -> str:
+    """How plan ``p`` lays out its optimizer state, in words: ``replicated`` or ``split over data=N``."""
+    if p.layout.optimizer_sharding == "replicated":
+        return "replicated"
+    return f"split over {p.layout.optimizer_sharding}={p.layout.mesh[p.layout.optimizer_sharding]}"
+
+
 def report(model, inventory, args, options) -> tuple[list[str], list[planner.Plan]]:
     """The printed lines and the plans.
 
@@ -254,7 +261,8 @@ def report(model, inventory, args, options) -> tuple[list[str], list[planner.Pla
         lines += [
             "",
             f"same work on every device (best such plan: {format_mesh(base.layout.mesh)}, rules "
-            f"{base.layout.rules_name}, {base.layout.microbatches} microbatches, remat {base.layout.remat}): "
+            f"{base.layout.rules_name}, {base.layout.microbatches} microbatches, remat {base.layout.remat}, "
+            f"optimizer state {_state_words(base)}): "
             f"{base.step_time:.3f} s/step; the chosen plan is {base.step_time / best.step_time:.2f}x faster",
         ]
     if not best.fits:

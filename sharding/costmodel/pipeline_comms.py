@@ -81,11 +81,8 @@ def _pipeline_embedding_comms(
     16 x 2,048 tokens a device against 32,000 entries), the table's ``[V, D/f]`` shard by a
     collective-permute to the devices whose tokens it serves, and its gradient back the same way, with
     no all-to-all (`_lookup_moves_rows`).
-    A table split over ``tensor`` (``vocab``) with neither ``fsdp`` nor ``data`` on the mesh: stored with its
-    vocabulary over ``tensor`` x ``stage`` and read as stored (`models.layers.Embed` constrains it only where
-    ``embed`` is split), so the lookup runs vocabulary-parallel over all t S devices: the whole batch's rows
-    (float32) all-reduced over them, the gradient scattered into each device's slice with no collective
-    (seen on ``stage=2,tensor=4``; folding ``stage`` into ``fsdp`` priced an all-to-all the step does not have).
+    A table no ``fsdp`` splits (none on the mesh), its vocabulary split over ``tensor`` or the batch over
+    ``data``: read as stored, vocabulary-parallel over ``tensor`` x ``stage`` (`_vocabulary_over_stage`).
     Other splits: priced as without stages on the mesh with ``stage`` folded into ``fsdp``
     (`_embedding_comms`), not checked against the compiler. On a mixture of experts' mesh the table's
     ``embed`` is split over ``fsdp`` and ``expert``, adjacent in the mesh: priced as one ``fsdp`` of their
@@ -103,10 +100,8 @@ def _pipeline_embedding_comms(
     table = placed[embedding.path]
     (v, d), stages = table.param.shape, mesh[ax.STAGE]
     t, f = _table_split(table)
-    if mesh[ax.DATA] <= 1 and mesh[ax.FSDP] <= 1 and t > 1:
-        group = t * stages  # the vocabulary stored over tensor x stage, read as stored
-        rows = embed.tok * d * _PARAM_BYTES
-        return [Comm("all-reduce", (ax.TENSOR, ax.STAGE), group, rows, 1, "embedding: vocabulary-parallel rows", False)]
+    if mesh[ax.FSDP] <= 1 and (t > 1 or mesh[ax.DATA] > 1):
+        return _vocabulary_over_stage(model, layout, table, embed, t)
     if mesh[ax.DATA] > 1 or mesh[ax.FSDP] <= 1 or (t, f) != (1, mesh[ax.FSDP]):
         flat, flat_placed = _stage_folded(model, layout, layout.rules_table())
         return _embedding_comms(model, flat, flat_placed, embed)
@@ -123,6 +118,35 @@ def _pipeline_embedding_comms(
         Comm("collective-permute", (ax.STAGE,), 2, tokens, 1, "embedding: tokens"),
         Comm("all-to-all", (ax.FSDP,), f, rows, 2, "embedding: rows to batch layout and back"),
     ]
+
+
+def _vocabulary_over_stage(
+    model: ModelDescription, layout: Layout, table: _Placed, embed: _Shape, t: int
+) -> list[Comm]:
+    """The lookup from a table stored with its vocabulary over ``tensor`` x ``stage`` (no ``fsdp`` on the mesh)
+    and read as stored (`models.layers.Embed` constrains it only where ``embed`` is split): the partitioner runs
+    it vocabulary-parallel over all ``t S`` devices, each looking up the rows its ``[V/(t S), D]`` slice holds and
+    all-reducing the device's whole batch's rows (``[rows, T, D]``, float32) over them once per step; the
+    gradient is scattered into each device's slice and, with ``data``, that slice all-reduced over ``data``
+    (the table is never gathered). Seen on ``stage=2,tensor=4`` (no ``data``: no gradient collective; folding
+    ``stage`` into ``fsdp`` priced an all-to-all the step does not have), and on ``data=4,stage=2`` and
+    ``data=2,tensor=2,stage=2`` (folding priced the table gathered over ``stage`` and its whole gradient
+    all-reduced over ``data`` x ``stage``: ``bench/RESULTS.md``). The partitioner's choice, not the backend's.
+
+    The slice's gradient is priced here only where the folded head's rules split the table
+    (`sharding.costmodel.partitioner._gradient_reductions` then leaves it to the lookup's prices); with rules
+    that split it nowhere (``dp``) the head's reductions already carry a gradient of the table.
+    """
+    mesh = layout.mesh
+    (v, d), stages = table.param.shape, mesh[ax.STAGE]
+    axes = tuple(a for a in (ax.TENSOR, ax.STAGE) if mesh[a] > 1)
+    rows = embed.tok * d * _PARAM_BYTES
+    comms = [Comm("all-reduce", axes, t * stages, rows, 1, "embedding: vocabulary-parallel rows", False)]
+    _, flat_placed = _stage_folded(model, layout, layout.rules_table())
+    if mesh[ax.DATA] > 1 and _table_split(flat_placed[table.param.path]) != (1, 1):
+        shard = v / (t * stages) * d * _PARAM_BYTES
+        comms.append(Comm("all-reduce", (ax.DATA,), mesh[ax.DATA], shard, 1, f"gradient of {table.param.path}"))
+    return comms
 
 
 def _lookup_moves_rows(tokens: float, vocab: int) -> bool:

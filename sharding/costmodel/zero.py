@@ -150,11 +150,13 @@ def replaced_all_reduce(layout: Layout, rules: Rules, comm: Comm, placed: dict[s
     reduce-scatter replaces: on GPU every such all-reduce of a parameter split over ``data``; on XLA:CPU only
     the second all-reduce a parameter split over ``fsdp`` takes, of its ``fsdp`` shard over ``data``
     (``... (over data)``: the whole gradient's all-reduce over the batch axes, the CPU form of the
-    reduce-scatter, now yields the ``data`` slice directly; not with pipeline stages, whose compiled step keeps
-    it: ``data=4,stage=2`` in ``bench/RESULTS.md``)."""
+    reduce-scatter, now yields the ``data`` slice directly; with pipeline stages too, where the head's output
+    projection and final norm, stored over ``stage``, are summed whole over ``data`` x ``stage`` once and their
+    slice's second all-reduce over ``data`` goes: read on ``data=4,stage=2`` and ``data=2,tensor=2,stage=2``,
+    ``bench/RESULTS.md``; the layers' stored rows, all-reduced over ``data`` alone, keep theirs)."""
     if not zero_on(layout) or comm.kind != "all-reduce" or tuple(comm.axes) != (ax.DATA,):
         return False
-    if backend != "gpu" and (layout.mesh[ax.STAGE] > 1 or not comm.what.endswith(" (over data)")):
+    if backend != "gpu" and not comm.what.endswith(" (over data)"):
         return False
     path = comm.what.removeprefix("gradient of ").removesuffix(" (over data)")
     p = placed.get(path)

@@ -343,9 +343,34 @@ def _diverse(plans: list[Plan], top: int) -> list[Plan]:
 
 
 def uniform_baseline(
-    model: Any, inventory, global_batch: int, seq_len: int, options: PlanOptions | None = None
+    model: Any,
+    inventory,
+    global_batch: int,
+    seq_len: int,
+    options: PlanOptions | None = None,
+    optimizer_sharding: str | None = None,
 ) -> Plan | None:
-    """The best plan where every device does the same work (no uneven shares, even stages)."""
+    """The best plan where every device does the same work (no uneven shares, even stages): the plan a user
+    would otherwise run, against which the planner reports its gain.
+
+    Each layout is priced under every remat policy and both optimizer-state layouts (replicated, and split over
+    ``data`` where ``data`` > 1: `sharding.zero`, which every equal-work step runs), as `_price` tries them, so
+    the baseline is not a plan slower than one the user could pick. ``optimizer_sharding`` pins one of them:
+    the baseline at the uneven step's own state layout (replicated: it lays its parameters out itself), for
+    measuring what uneven work alone gains.
+
+    Args:
+      model, inventory, global_batch, seq_len, options: As `plan` takes them (``options.hetero`` is ignored).
+      optimizer_sharding: ``replicated`` or ``data`` to price that layout only; None (the default): the faster.
+
+    Returns:
+      The fastest fitting plan, or None when none fits.
+
+    Raises:
+      ValueError: On an ``optimizer_sharding`` other than those.
+    """
+    if optimizer_sharding not in (None, REPLICATED, ax.DATA):
+        raise ValueError(f"optimizer_sharding must be {REPLICATED!r}, {ax.DATA!r} or None (got {optimizer_sharding!r})")
     options = dataclasses.replace(options or PlanOptions(), hetero=False)
     ev = _Evaluator(model, inventory, global_batch, seq_len, options)
 
@@ -355,10 +380,15 @@ def uniform_baseline(
         stages, _ = plan_layout(ev.model.num_layers, layout.mesh[ax.STAGE])
         return dataclasses.replace(layout, stage_layers=stages.stage_layers)
 
+    def states(layout: cm.Layout) -> list[str]:
+        both = [REPLICATED] + ([ax.DATA] if layout.mesh[ax.DATA] > 1 else [])
+        return [z for z in both if optimizer_sharding in (None, z)]
+
     return _best_fitting(
-        ev.uniform(even(dataclasses.replace(layout, remat=remat), tag))
+        ev.uniform(even(dataclasses.replace(layout, remat=remat, optimizer_sharding=z), tag))
         for layout, tag in _candidates(ev)
         for remat in options.remats
+        for z in states(layout)
     )
 
 
