@@ -93,15 +93,28 @@ def _pipeline_variants(ev):
             yield from search._state_variants(layout, ev.options.remats, tag)
 
 
-@pytest.mark.parametrize(
-    "case", ["mixed kinds, pipeline with remat full wins", "one kind, pipeline with remat full wins"]
-)
+FLOOR_CASES = {
+    "mixed kinds, one per host": (MODEL, CASES["mixed kinds, pipeline with remat full wins"][0], 16, 2048, OPTIONS),
+    "one kind, one per host": (MODEL, CASES["one kind, pipeline with remat full wins"][0], 16, 2048, OPTIONS),
+    # hosts of 4: tensor parallelism (and sequence parallelism) inside the stages
+    "mixed kinds, tensor inside stages": (
+        _described(32000, 12, 768, 2048, 12, 12, 64),
+        _inventory(4, 4, 4, 2.0),
+        64,
+        1024,
+        planner.PlanOptions(attentions=("flash",), max_microbatches=4, rules=("tp", "tp_sp", "fsdp_tp_sp")),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FLOOR_CASES))
 def test_schedule_floors_are_below_every_pipeline_plan(case):
     """Every plan `shares.pipeline_plans` prices (every schedule, split, gather) takes at least its schedule's
     floor, and every stage device of every split the split search priced computes at least its layers times
-    the per-layer floor; the floors are not vacuous (the tightest above 30% of its plan)."""
-    inventory, _ = CASES[case]
-    ev = _Evaluator(MODEL, inventory, 16, 2048, OPTIONS)
+    the per-layer floor and spends at least its layers times the per-layer collectives' floor on the critical
+    path; the floors are not vacuous (the tightest above 30% of its plan)."""
+    model, inventory, batch, seq, options = FLOOR_CASES[case]
+    ev = _Evaluator(model, inventory, batch, seq, options)
     checked, tightest = 0, 0.0
     for lay in _pipeline_variants(ev):
         floors = prune.schedule_floors(ev, lay)
@@ -112,18 +125,22 @@ def test_schedule_floors_are_below_every_pipeline_plan(case):
             checked += 1
     assert checked > 100 and tightest > 0.3
     # the stage devices themselves: compute at least n layers' floor, on each kind
-    stages = 0
+    stages = tensor = 0
     for key, (_, _, by_moved) in ev._stage_bases.items():
         items, fields, rows, layers = key[0], key[1:-3], key[-3], key[-2]
         layout = cm.Layout(dict(items), **dict(zip(_STAGE_KEY_FIELDS, fields)))
-        flops, gemms = cm.stage_floor(MODEL, layout, seq_len=2048, rows=rows)
+        flops, gemms, comms = cm.stage_floor(model, layout, seq_len=seq, rows=rows)
         for _, times in by_moved.values():
             for kind_name, st in times.items():
-                floor = cm.compute_floor(flops, gemms, ev.hardware[kind_name])
-                assert st.compute >= layers * floor * (1 - prune.SLACK), (key, kind_name)
-                assert st.total - st.optimizer >= st.compute
+                hw = ev.hardware[kind_name]
+                compute = cm.compute_floor(flops, gemms, hw)
+                exposed = cm.comm_totals(comms, hw, ev.links(layout.mesh), ev.shares(layout.mesh)).exposed
+                assert st.compute >= layers * compute * (1 - prune.SLACK), (key, kind_name)
+                assert st.exposed_comm >= layers * exposed * (1 - prune.SLACK), (key, kind_name)
+                assert st.total - st.optimizer >= st.compute + st.exposed_comm
+                tensor += bool(comms)
                 stages += 1
-    assert stages > 100
+    assert stages > 100 and (tensor > 10) == ("tensor" in case)  # the collectives' floor is checked too
 
 
 def test_a_floor_above_the_plans_would_change_the_answer(monkeypatch):

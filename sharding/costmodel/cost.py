@@ -198,7 +198,7 @@ def stage_cost_base(
 
 def stage_floor(
     model: ModelDescription | Any, layout: Layout, *, seq_len: int, rows: float, backend: str = "gpu"
-) -> tuple[Flops, tuple[Gemm, ...]]:
+) -> tuple[Flops, tuple[Gemm, ...], tuple[Comm, ...]]:
     """The work a pipeline stage device of ``layout`` does for each layer it computes, whatever its schedule,
     weight gather and stage split: a lower bound for a search to prune layouts by (`sharding.planner.prune`).
 
@@ -208,7 +208,11 @@ def stage_floor(
     >= M`` times (``M n`` with empty slots skipped, else every slot position of every loop trip: at least the
     ``R M`` chunk passes of ``n / R`` layers each) with at least these forward passes, and adds the head, the
     pipeline's recomputation and the optimizer: its FLOPs exceed ``n`` times these field by field, and its
-    products hold these shapes at least ``n`` times as often. ``layout.pipeline_schedule``,
+    products hold these shapes at least ``n`` times as often. On ``gpu`` the same holds of the tensor- and
+    sequence-parallel collectives of those applications (`_tensor_comms`, `sequence_parallel_comms`: one
+    all-reduce or gather per block, layer and microbatch, more where a pass recomputes the block), which
+    `_pipeline_cost` lists with the same bytes (on ``cpu`` the distributed optimizer's re-pricing may rewrite a
+    step's collectives: none are given). ``layout.pipeline_schedule``,
     ``pipeline_gather``, ``stage_layers`` and ``optimizer_sharding`` are not read (the last changes only the
     optimizer's FLOPs, `sharding.costmodel.zero.with_zero`).
 
@@ -216,7 +220,8 @@ def stage_floor(
       model, layout, seq_len, rows, backend: As `stage_cost_base` takes them (``layout`` with ``stage`` > 1).
 
     Returns:
-      ``(flops, gemms)``: per layer, the `Flops` (``logits`` and ``optimizer`` 0) and the products (`Gemm`).
+      ``(flops, gemms, comms)``: per layer, the `Flops` (``logits`` and ``optimizer`` 0), the products (`Gemm`)
+      and the collectives (`Comm`).
 
     Raises:
       ValueError: A layout without pipeline stages.
@@ -237,7 +242,13 @@ def stage_floor(
         elementwise=tokens * unit["elem_layer"],
         optimizer=0.0,
     )
-    return flops, _gemms(model, layout, rules, shape, shape.micro, 0.0, 0.0, 0.0)
+    comms: tuple[Comm, ...] = ()
+    if backend == "gpu":
+        layer = dataclasses.replace(shape, micro=1, layers=shape.micro)  # `_pipeline_cost`'s ``layer`` per layer
+        tensor = _tensor_comms(model, layout, rules, layer, with_logits=False)
+        parts = sequence_parallel_comms(tensor, model, layout, rules, layer, backend, with_edges=False)
+        comms = tuple(c for c in parts if c.group > 1 and c.count > 0)
+    return flops, _gemms(model, layout, rules, shape, shape.micro, 0.0, 0.0, 0.0), comms
 
 
 def _shape_of(

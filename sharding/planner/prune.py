@@ -19,8 +19,10 @@ Why `pipeline_floor` is below every such plan's step time. A pipeline's step (`_
 its busy time plus the largest optimizer time; the busy time is at least the busiest stage device's own work
 (GPipe divides it by one less the bubble; the fused 1F1B clock multiplies it by more than one; the lockstep tick
 clock sums each tick's busiest stage, at least one stage's ``R M`` chunk passes, whose op shares sum to one);
-a device's time is its compute and non-negative further terms (`cm.step_time_from`); its compute is at least
-``n`` times `cm.compute_floor` of `cm.stage_floor`'s per-layer work for its ``n`` layers, on its kind. So the step
+a device's time is its compute, its critical-path collectives and non-negative further terms
+(`cm.step_time_from`); its compute is at least ``n`` times `cm.compute_floor` of `cm.stage_floor`'s per-layer
+work for its ``n`` layers, on its kind, and its critical-path collectives at least ``n`` times the exposed
+seconds (`cm.comm_totals`) of `cm.stage_floor`'s per-layer tensor- and sequence-parallel ones. So the step
 is at least the busiest stage's ``n_s a_s`` (``a_s`` the slowest of stage ``s``'s kinds per layer), and over
 every split at least the least such maximum (`sharding.splits.min_max_assign`, exact for costs linear in the
 layers). `SLACK` covers the rounding between these sums. Tests hold each figure against the priced ones and
@@ -53,8 +55,9 @@ def schedule_floors(ev: _Evaluator, layout: cm.Layout) -> dict[Schedule, float]:
     policy and optimizer-state layout) under each schedule `shares.pipeline_plans` prices it under, whatever the
     weight gather and stage split (module docstring); a schedule the run refuses is left out.
 
-    Each stage's busiest device computes at least ``n_s a_s`` seconds (``n_s`` its layers, ``a_s`` the slowest of
-    its kinds' `cm.compute_floor` per layer), and the clock grows with each stage's
+    Each stage's busiest device takes at least ``n_s a_s`` seconds (``n_s`` its layers, ``a_s`` the slowest of
+    its kinds' `cm.compute_floor` per layer and its critical-path collectives per layer, `cm.stage_floor`), and
+    the clock grows with each stage's
     (`_Evaluator.pipeline_busy`). Where every stage holds the same kinds the split is the even one
     (`shares.stage_split`): the clock of those stage floors. Else the split is searched: the least over splits of
     the busiest stage's floor (`sharding.splits.min_max_assign`), with GPipe's bubble and the fused clock's
@@ -73,14 +76,17 @@ def schedule_floors(ev: _Evaluator, layout: cm.Layout) -> dict[Schedule, float]:
     per = layout.batch_split * layout.microbatches
     if ev.batch % per:
         return {}
-    flops, gemms = cm.stage_floor(ev.model, layout, seq_len=ev.seq, rows=ev.batch / per, backend=ev.options.backend)
+    flops, gemms, comms = cm.stage_floor(
+        ev.model, layout, seq_len=ev.seq, rows=ev.batch / per, backend=ev.options.backend
+    )
     sets = ev.stage_kind_sets(mesh)
     per_layer: dict[str, float] = {}
     for kinds in sets:
         for kind in kinds:
             if kind.name not in per_layer:
-                hw = ev.hardware[kind.name]
-                per_layer[kind.name] = cm.compute_floor(flops, gemms, hw, ev.clock_memo(kind, mesh))
+                hw, memo = ev.hardware[kind.name], ev.clock_memo(kind, mesh)
+                exposed = cm.comm_totals(comms, hw, ev.links(mesh), ev.shares(mesh), ev.options.overlaps, memo).exposed
+                per_layer[kind.name] = cm.compute_floor(flops, gemms, hw, memo) + exposed
     a = [max(per_layer[k.name] for k in kinds) for kinds in sets]
     layers = ev.model.num_layers
     if shares.same_stages(ev, mesh):
