@@ -10,12 +10,13 @@ already hold a fitting plan no slower than ``c`` seconds (`Cutoff.seconds`). The
 slower than ``c`` comes after those ``top`` groups, and a plan slower than ``c`` is never its own group's best
 where that group has one no slower. Adding, dropping or replacing such plans leaves the answer as it was, to
 the bit. A pipeline layout under one remat policy and optimizer-state layout (one call of
-`sharding.planner.shares.pipeline_plans`: every schedule, split and gather) is skipped when its floor exceeds
-``c``: every plan it could give is slower than ``c``. ``c`` only falls as plans are found, and a layout's plans
+`sharding.planner.shares.pipeline_plans`: every schedule, split and gather) is skipped when its floor under every
+schedule exceeds ``c``, and so is each schedule of it whose floor does where no other schedule's split starts from
+that one's (`shares.pipeline_plans`): every plan they could give is slower than ``c``. ``c`` only falls as plans are found, and a layout's plans
 stand for their group only while they are what the search keeps (`Cutoff.offer`), so a plan the prune changed is
 never one that sets ``c``.
 
-Why `pipeline_floor` is below every such plan's step time. A pipeline's step (`_Evaluator._pipeline_clock`) is
+Why the floors (`schedule_floors`) are below every such plan's step time. A pipeline's step (`_Evaluator._pipeline_clock`) is
 its busy time plus the largest optimizer time; the busy time is at least the busiest stage device's own work
 (GPipe divides it by one less the bubble; the fused 1F1B clock multiplies it by more than one; the lockstep tick
 clock sums each tick's busiest stage, at least one stage's ``R M`` chunk passes, whose op shares sum to one);
@@ -25,7 +26,8 @@ work for its ``n`` layers, on its kind, and its critical-path collectives at lea
 seconds (`cm.comm_totals`) of `cm.stage_floor`'s per-layer tensor- and sequence-parallel ones. So the step
 is at least the busiest stage's ``n_s a_s`` (``a_s`` the slowest of stage ``s``'s kinds per layer), and over
 every split at least the least such maximum (`sharding.splits.min_max_assign`, exact for costs linear in the
-layers). `SLACK` covers the rounding between these sums. Tests hold each figure against the priced ones and
+layers). Where every stage holds the same kinds the split is the even one, and each schedule's clock of those
+stage floors is a floor too (it grows with every stage's busy time, `_Evaluator.pipeline_busy`). `SLACK` covers the rounding between these sums. Tests hold each figure against the priced ones and
 the pruned search against the exhaustive one.
 
 Imports nothing of the project outside `sharding`, never the model.
