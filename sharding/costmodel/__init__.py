@@ -39,7 +39,7 @@ Units: FLOPs, bytes, seconds, FLOP/s, bytes/s. The package imports nothing of th
 """
 
 from sharding.costmodel.collectives import BACKENDS, Comm, collective_bytes, host_shares, link_classes
-from sharding.costmodel.cost import Cost, StageBase, device_cost, estimate, stage_cost_base
+from sharding.costmodel.cost import Cost, StageBase, device_cost, estimate, stage_cost_base, stage_floor
 from sharding.costmodel.flops import ELEMENTWISE_BACKWARD_FACTOR, OPTIMIZER_FLOPS_PER_PARAM, Flops
 from sharding.costmodel.gemm import GEMM_LAUNCH_SECONDS, Gemm, gemm_seconds, step_gemms
 from sharding.costmodel.layout import (
@@ -62,6 +62,7 @@ from sharding.costmodel.time import (
     StepTime,
     comm_seconds,
     comm_totals,
+    compute_floor,
     compute_seconds,
     hardware_for,
     step_time,
@@ -91,6 +92,7 @@ __all__ = [
     "collective_bytes",
     "comm_seconds",
     "comm_totals",
+    "compute_floor",
     "compute_seconds",
     "gemm_seconds",
     "describe_model",
@@ -103,6 +105,7 @@ __all__ = [
     "ring_tokens",
     "step_gemms",
     "stage_cost_base",
+    "stage_floor",
     "step_time",
     "step_time_from",
     "tick_table",

@@ -196,6 +196,61 @@ def stage_cost_base(
     return _pipeline_cost(model, layout, rules, placed, shape, pipe, backend, batch_rows)
 
 
+def stage_floor(
+    model: ModelDescription | Any, layout: Layout, *, seq_len: int, rows: float, backend: str = "gpu"
+) -> tuple[Flops, tuple[Gemm, ...], tuple[Comm, ...]]:
+    """The work a pipeline stage device of ``layout`` does for each layer it computes, whatever its schedule,
+    weight gather and stage split: a lower bound for a search to prune layouts by (`sharding.planner.prune`).
+
+    One layer's ``M`` forward and backward applications on one microbatch's tokens, with the remat policy's own
+    recomputation (`_per_token_flops` and `_gemms` with no pipeline recomputation, no head, no embedding, no
+    optimizer). A stage device computing ``n`` layers (`_pipeline_cost`) runs each layer ``applications / n
+    >= M`` times (``M n`` with empty slots skipped, else every slot position of every loop trip: at least the
+    ``R M`` chunk passes of ``n / R`` layers each) with at least these forward passes, and adds the head, the
+    pipeline's recomputation and the optimizer: its FLOPs exceed ``n`` times these field by field, and its
+    products hold these shapes at least ``n`` times as often. On ``gpu`` the same holds of the tensor- and
+    sequence-parallel collectives of those applications (`_tensor_comms`, `sequence_parallel_comms`: one
+    all-reduce or gather per block, layer and microbatch, more where a pass recomputes the block), which
+    `_pipeline_cost` lists with the same bytes (on ``cpu`` the distributed optimizer's re-pricing may rewrite a
+    step's collectives: none are given). ``layout.pipeline_schedule``,
+    ``pipeline_gather``, ``stage_layers`` and ``optimizer_sharding`` are not read (the last changes only the
+    optimizer's FLOPs, `sharding.costmodel.zero.with_zero`).
+
+    Args:
+      model, layout, seq_len, rows, backend: As `stage_cost_base` takes them (``layout`` with ``stage`` > 1).
+
+    Returns:
+      ``(flops, gemms, comms)``: per layer, the `Flops` (``logits`` and ``optimizer`` 0), the products (`Gemm`)
+      and the collectives (`Comm`).
+
+    Raises:
+      ValueError: A layout without pipeline stages.
+    """
+    if layout.mesh[ax.STAGE] <= 1:
+        raise ValueError(f"stage_floor prices pipeline stages; the mesh has stage={layout.mesh[ax.STAGE]}")
+    model = describe_model(model)
+    shape = _shape_of(model, layout, seq_len, rows, None, 1, 1, None)
+    rules = layout.rules_table()
+    placed = _place_cached(model, rules, tuple(layout.mesh.items()))
+    unit = _per_token_flops(model, layout, rules, placed, shape, recomputes=0, backend=backend)
+    tokens = shape.tok * shape.micro  # one layer's M applications (`_pipeline_cost`'s ``inside`` per layer)
+    flops = Flops(
+        layers=tokens * unit["layers"],
+        attention=tokens * unit["attention"],
+        logits=0.0,
+        recompute=tokens * unit["recompute"],
+        elementwise=tokens * unit["elem_layer"],
+        optimizer=0.0,
+    )
+    comms: tuple[Comm, ...] = ()
+    if backend == "gpu":
+        layer = dataclasses.replace(shape, micro=1, layers=shape.micro)  # `_pipeline_cost`'s ``layer`` per layer
+        tensor = _tensor_comms(model, layout, rules, layer, with_logits=False)
+        parts = sequence_parallel_comms(tensor, model, layout, rules, layer, backend, with_edges=False)
+        comms = tuple(c for c in parts if c.group > 1 and c.count > 0)
+    return flops, _gemms(model, layout, rules, shape, shape.micro, 0.0, 0.0, 0.0), comms
+
+
 def _shape_of(
     model: ModelDescription,
     layout: Layout,

@@ -24,7 +24,8 @@ from typing import Any
 
 from sharding.costmodel.collectives import Comm
 from sharding.costmodel.cost import Cost
-from sharding.costmodel.gemm import gemm_seconds
+from sharding.costmodel.flops import Flops
+from sharding.costmodel.gemm import Gemm, gemm_seconds
 from sharding.devices import kinds
 
 #: Bytes of device memory an elementwise FLOP (as XLA counts them: 1 per element per op) moves: one
@@ -205,6 +206,35 @@ def compute_seconds(cost: Cost, hw: Hardware, memo: dict | None = None) -> float
     bandwidth = hw.memory_bandwidth * hw.memory_fraction
     elementwise = flops.elementwise * (hw.elementwise_bytes or ELEMENTWISE_BYTES_PER_FLOP)
     return products + fused / (hw.peak_flops * hw.attention_fraction) + elementwise / bandwidth
+
+
+def compute_floor(flops: Flops, gemms: Sequence[Gemm], hw: Hardware, memo: dict | None = None) -> float:
+    """A lower bound on `compute_seconds` of any `Cost` whose FLOPs are at least ``flops`` field by field and
+    whose products hold each of ``gemms``' shapes at least as often (`sharding.costmodel.cost.stage_floor`'s
+    work, times the layers a stage computes).
+
+    `compute_seconds`' own terms, each no larger: with ``hw.efficiency`` all the FLOPs at that fraction of
+    peak; else the products one by one (`gemm_seconds`, positive per execution) and the elementwise work at
+    the memory bandwidth, leaving out the products no `Gemm` covers (a fused kernel's, priced at
+    ``attention_fraction``: whether a cost's FLOPs exceed its products' by more than these is not known here).
+
+    Args:
+      flops: The FLOPs (`Flops`).
+      gemms: The products (`Gemm`).
+      hw: The device (`Hardware`).
+      memo: As `compute_seconds` takes it (the same figures with or without).
+
+    Returns:
+      Seconds.
+    """
+    if hw.efficiency is not None:
+        return flops.total / (hw.peak_flops * hw.efficiency)
+    if memo is None:
+        products = sum(gemm_seconds(g, hw) * g.count for g in gemms)
+    else:
+        products = sum(_memoised(memo, ("gemm", g.m, g.n, g.k), gemm_seconds, g, hw) * g.count for g in gemms)
+    elementwise = flops.elementwise * (hw.elementwise_bytes or ELEMENTWISE_BYTES_PER_FLOP)
+    return products + elementwise / (hw.memory_bandwidth * hw.memory_fraction)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,8 +26,9 @@ them all, for tests.
 
 Modules: `sharding.planner.evaluator` (`PlanOptions`, `Plan`, pricing one layout on the cluster),
 `sharding.planner.search` (the search space, the search and brute force), `sharding.planner.shares` (the
-uneven splits: counts, stage layers, sequence shares), `sharding.planner.report` (the table
-of plans, why each lost).
+uneven splits: counts, stage layers, sequence shares), `sharding.planner.prune` (skipping pipeline variants
+whose lower bound on the step time cannot reach the answer, which stays the exhaustive search's to the bit),
+`sharding.planner.report` (the table of plans, why each lost).
 
 The package imports jax only (through `sharding.costmodel`), never the model.
 """

@@ -396,10 +396,15 @@ class _Evaluator:
             self._shares[key] = cm.host_shares(mesh, self.cluster.per_host)
         return self._shares[key]
 
+    def clock_memo(self, kind, mesh) -> dict:
+        """The seconds of each collective and product shape priced so far on ``kind`` in ``mesh`` (`cm.step_time`'s
+        ``memo``)."""
+        return self._clock_memo.setdefault((kind.name, tuple(mesh.items())), {})
+
     def time(self, cost: cm.Cost, kind, mesh) -> cm.StepTime:
         """``cost``'s `cm.StepTime` on a device of ``kind`` in ``mesh``; each collective's and product shape's
         seconds are kept per kind and mesh (`cm.step_time`'s ``memo``), the same figures computed once."""
-        memo = self._clock_memo.setdefault((kind.name, tuple(mesh.items())), {})
+        memo = self.clock_memo(kind, mesh)
         return cm.step_time(
             cost, self.hardware[kind.name], self.links(mesh), self.shares(mesh), self.options.overlaps, memo
         )
@@ -537,21 +542,28 @@ class _Evaluator:
         except ValueError:
             return None
         slots = max(stages)
-        devices, chunk = [], [0.0] * mesh[ax.STAGE]
+        devices, busiest = [], [0.0] * mesh[ax.STAGE]
         for s, kinds in enumerate(self.stage_kind_sets(mesh)):
             for kind in kinds:  # every kind a stage holds: its memory limit and its speed
                 cost, st = self.stage_cost(layout, kind, rows, stages[s], slots)
                 devices.append((f"{kind.name}/stage{s}", cost, st))
-                chunk[s] = max(chunk[s], (st.total - st.optimizer) / (r * m))  # one chunk's forward + backward
-        busy = max(st.total - st.optimizer for _, _, st in devices)  # the slowest stage's R*M chunks
+                busiest[s] = max(busiest[s], st.total - st.optimizer)  # its R*M chunks' forward + backward
+        return devices, self.pipeline_busy(layout, table, busiest) + max(st.optimizer for _, _, st in devices)
+
+    def pipeline_busy(self, layout: cm.Layout, table, busiest: Sequence[float]) -> float:
+        """A pipeline's seconds before its optimizer (`_pipeline_clock`), from ``busiest``: ``[stage]`` seconds of
+        each stage's slowest device less its optimizer's (its ``R*M`` chunks, forward and backward). GPipe/circular:
+        the slowest stage's over one less the bubble; the fused 1F1B clock: times ``1 + (S - 1) / (R M)``; the
+        lockstep one: the tick table's (``table``, `cm.tick_table`) sum of each tick's busiest stage. Each grows
+        with every entry of ``busiest`` (`sharding.planner.prune` relies on it)."""
+        m, r, stages = layout.microbatches, layout.pipeline_repeats, layout.mesh[ax.STAGE]
+        busy = max(busiest)  # the slowest stage's R*M chunks
         if layout.pipeline_schedule.one_f_one_b and self.options.one_f_one_b_clock == "fused":
-            busy *= 1 + (mesh[ax.STAGE] - 1) / (r * m)
-        elif layout.pipeline_schedule.one_f_one_b:
-            shares = TICK_SHARES[layout.pipeline_schedule]
-            busy = tick_time(table, *([share * c for c in chunk] for share in shares))
-        else:
-            busy /= 1.0 - bubble_fraction(mesh[ax.STAGE], m, r)
-        return devices, busy + max(st.optimizer for _, _, st in devices)
+            return busy * (1 + (stages - 1) / (r * m))
+        if layout.pipeline_schedule.one_f_one_b:
+            chunk = [b / (r * m) for b in busiest]  # one chunk's forward + backward
+            return tick_time(table, *([share * c for c in chunk] for share in TICK_SHARES[layout.pipeline_schedule]))
+        return busy / (1.0 - bubble_fraction(stages, m, r))
 
     def stage_cost(self, layout: cm.Layout, kind, rows: float, layers: int, slots: int):
         """``(cost, time)`` of a stage device holding ``slots`` layers and computing ``layers``, the cost without
@@ -577,7 +589,7 @@ class _Evaluator:
             by_moved[moved] = (dataclasses.replace(light.with_moved(moved), comms=()), {})
         cost, times = by_moved[moved]
         if kind.name not in times:
-            memo = self._clock_memo.setdefault((kind.name, tuple(layout.mesh.items())), {})
+            memo = self.clock_memo(kind, layout.mesh)
             hw, links, shares = self.hardware[kind.name], self.links(layout.mesh), self.shares(layout.mesh)
             if kind.name not in clock:
                 full = self._stage_full.get(key) or self._stage_base(key, layout, rows, layers, slots)

@@ -2,10 +2,13 @@
 
 `plan` walks the search space (`_candidates`: meshes whose ``tensor`` and ``sequence`` groups stay
 inside a host, rules presets, attentions, microbatches, pipeline repeats and schedules), fills in
-the remat policy (cheapest that fits first), the per-kind batch shares (uneven data parallelism), the
+the remat policy (without stages the cheapest that fits; a pipeline every policy under both optimizer-state
+layouts), the per-kind batch shares (uneven data parallelism), the
 stage splits per pipeline schedule and, for ring attention over a length split across device kinds,
 uneven sequence shards (all three in `sharding.planner.shares`: started from each kind's priced time,
-refined on exact prices), and prices each on an `_Evaluator` (`sharding.planner.evaluator`);
+refined on exact prices), and prices each on an `_Evaluator` (`sharding.planner.evaluator`): the layouts
+without stages first, then the pipelines lowest floor first, skipping a pipeline variant or schedule whose floor
+cannot reach the answer (`sharding.planner.prune`; the answer is the exhaustive search's to the bit);
 `brute_force` enumerates every split of the same space, for tests. `uniform_baseline` is the best plan with the same work on every
 device, `evaluate` prices one given layout, `no_plan_reason` says why no plan came back.
 
@@ -30,6 +33,7 @@ from sharding.parallel import REPLICATED
 from sharding.pipeline.layout import parse_schedule, plan_layout
 from sharding.planner import shares
 from sharding.planner.evaluator import Plan, PlanOptions, _Cluster, _Evaluator, over_memory
+from sharding.planner.prune import Cutoff, pipeline_floor, schedule_floors
 from sharding.splits import even_split, spread
 
 
@@ -244,7 +248,7 @@ def _uneven_fits(mesh: Mapping[str, int], rules: str, attention: AttentionTraits
     return not (mesh[ax.TENSOR] > 1 and mesh[ax.FSDP] > 1 and rules in ("fsdp", "fsdp_tp"))
 
 
-def _price(ev: _Evaluator, layout: cm.Layout, tag: str) -> Plan | None:
+def _price(ev: _Evaluator, layout: cm.Layout, tag: str, cutoff: Cutoff | None = None) -> Plan | None:
     """The cheapest remat policy that fits (policies are tried cheapest first). A pipeline is priced under
     GPipe and each 1F1B-family schedule, each with its own stage split, and with the weights gathered per
     microbatch where gathering once does not fit (`sharding.planner.shares.pipeline_plans`); heavier remat
@@ -253,14 +257,28 @@ def _price(ev: _Evaluator, layout: cm.Layout, tag: str) -> Plan | None:
     microbatch, ``full`` recomputes the layer: `sharding.pipeline.layout.keeps`), and a heavier policy may buy a
     faster split or schedule, so a pipeline tries every policy under both optimizer-state layouts. Either
     way both layouts are priced at a policy (the split state gathers parameters in the compute dtype, so it can
-    be the faster one, not only the smaller)."""
+    be the faster one, not only the smaller).
+
+    With a ``cutoff`` (`sharding.planner.prune.Cutoff`), a pipeline variant whose floor under every schedule
+    (`sharding.planner.prune.schedule_floors`) is above it is skipped, and so is each schedule whose floor is
+    (where `shares.pipeline_plans` allows): none of their plans could enter `plan`'s answer, and the plan kept here then changes only where it is slower than the cutoff or does not fit, which
+    leaves the answer as it is. Each fitting plan priced here is offered to it (what is kept is no slower, in
+    the same group)."""
     last, fitting, fit_remat = None, [], None
     for lay in _state_variants(layout, ev.options.remats, tag):
         if fit_remat is not None and lay.remat != fit_remat:  # a lighter recompute already fits
             break
         if tag == "pipeline":
-            plans = shares.pipeline_plans(ev, lay)
+            skip = None
+            if cutoff is not None:
+                floors = schedule_floors(ev, lay)
+                if cutoff.prunes(min(floors.values(), default=math.inf)):
+                    continue
+                skip = lambda schedule, floors=floors: cutoff.prunes(floors.get(schedule, math.inf))  # noqa: E731
+            plans = shares.pipeline_plans(ev, lay, skip)
             fitting += [one for one in plans if one.fits]
+            for one in plans if cutoff is not None else ():
+                cutoff.offer(one)
             last = min(plans, key=over_memory, default=last)
             continue
         if tag == "uneven":
@@ -293,7 +311,14 @@ def _state_variants(layout: cm.Layout, remats: Iterable[str], tag: str) -> Itera
 
 
 def plan(
-    model: Any, inventory, global_batch: int, seq_len: int, options: PlanOptions | None = None, top: int = 5
+    model: Any,
+    inventory,
+    global_batch: int,
+    seq_len: int,
+    options: PlanOptions | None = None,
+    top: int = 5,
+    *,
+    _exhaustive: bool = False,
 ) -> list[Plan]:
     """The best layouts of one training step, fastest first.
 
@@ -304,6 +329,12 @@ def plan(
       seq_len: T, tokens per sequence.
       options: The search space (`PlanOptions`).
       top: How many plans to return (the best of each mesh and rules, then the rest).
+      _exhaustive: Price every pipeline variant (for tests that hold the pruned search to it).
+
+    The layouts without stages are priced first, then the pipelines, lowest floor first
+    (`sharding.planner.prune.pipeline_floor`); a pipeline variant whose floor is above the slowest of the
+    ``top`` answers so far (`sharding.planner.prune.Cutoff`) is skipped, which changes no plan returned (the
+    module's proof; the plans are kept in the search space's order, so ties fall as without the prune).
 
     Returns:
       Plans that fit memory, fastest first, then (where fewer than ``top`` fit) those that do not, least
@@ -316,27 +347,51 @@ def plan(
     if top < 1:
         raise ValueError(f"top must be at least 1 (got {top}), e.g. top=8")
     ev = _Evaluator(model, inventory, global_batch, seq_len, options or PlanOptions())
-    found: dict[tuple, Plan] = {}
-    for layout, tag in _candidates(ev):
-        priced = _price(ev, layout, tag)
-        if priced is not None:
-            found[priced.key()] = priced
+    candidates = list(_candidates(ev))
+    cutoff = None if _exhaustive else Cutoff(top, _group)
+    priced: list[Plan | None] = [None] * len(candidates)
+    for i in range(len(candidates)) if cutoff is None else _search_order(ev, candidates):
+        priced[i] = _price(ev, *candidates[i], cutoff)
+        if cutoff is not None:
+            cutoff.offer(priced[i])
+    # in the search space's order: plans of different skeletons never share a key (their mesh, rules, attention,
+    # microbatches, repeats, stages, counts or shares differ), and equal step times sort as they were found
+    found: dict[tuple, Plan] = {p.key(): p for p in priced if p is not None}
     fitting = sorted((p for p in found.values() if p.fits), key=lambda p: p.step_time)
     closest = sorted((p for p in found.values() if not p.fits), key=lambda p: (over_memory(p), p.step_time))
     return (_diverse(fitting, top) + _diverse(closest, top))[:top]
 
 
+def _search_order(ev: _Evaluator, candidates: Sequence[tuple[cm.Layout, str]]) -> list[int]:
+    """The order `plan` prices ``candidates`` in (indices): the layouts without stages as they come (cheap, and
+    they set a cutoff), then the pipelines by the floor of their first variant (`pipeline_floor`), lowest first,
+    so that fast plans lower the cutoff early."""
+    flat = [i for i, (_, tag) in enumerate(candidates) if tag != "pipeline"]
+    first = ev.options.remats[0]
+    floors = [
+        (pipeline_floor(ev, dataclasses.replace(layout, remat=first)), i)
+        for i, (layout, tag) in enumerate(candidates)
+        if tag == "pipeline"
+    ]
+    return flat + [i for _, i in sorted(floors)]
+
+
+def _group(p: Plan) -> tuple:
+    """What `_diverse` shows one plan of first: its mesh, rules (a preset and its sequence-parallel variant,
+    ``tp`` and ``tp_sp``, count as one), uneven counts or not, uneven shares or not."""
+    return (
+        format_mesh(p.layout.mesh),
+        p.layout.rules_name.removesuffix("_sp"),
+        p.counts is not None,
+        p.layout.context_shares is not None,
+    )
+
+
 def _diverse(plans: list[Plan], top: int) -> list[Plan]:
-    """The best plan of each distinct (mesh, rules, uneven counts or not, uneven shares or not) first, then the
-    rest; a preset and its sequence-parallel variant (``tp``, ``tp_sp``) count as one rules."""
+    """The best plan of each group (`_group`) first, then the rest."""
     seen, first, rest = set(), [], []
     for p in plans:
-        key = (
-            format_mesh(p.layout.mesh),
-            p.layout.rules_name.removesuffix("_sp"),
-            p.counts is not None,
-            p.layout.context_shares is not None,
-        )
+        key = _group(p)
         (rest if key in seen else first).append(p)
         seen.add(key)
     return (first + rest)[:top]

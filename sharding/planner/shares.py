@@ -22,11 +22,12 @@ Imports nothing of the project outside `sharding`, never the model.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 from sharding import axes as ax
 from sharding import costmodel as cm
 from sharding.balance import tokens_for_speeds
-from sharding.pipeline.layout import parse_schedule
+from sharding.pipeline.layout import Schedule, parse_schedule
 from sharding.planner.evaluator import Plan, _Evaluator
 from sharding.splits import even_split, largest_remainder, min_max_assign, min_max_classes, spread
 
@@ -114,6 +115,11 @@ def _better(candidate: Plan | None, best: Plan | None) -> bool:
     return best is None or (candidate.fits, -candidate.step_time) > (best.fits, -best.step_time)
 
 
+def same_stages(ev: _Evaluator, mesh) -> bool:
+    """Whether every stage of ``mesh`` holds the same device kinds (`stage_split` then keeps the split even)."""
+    return len({tuple(k.name for k in kinds) for kinds in ev.stage_kind_sets(mesh)}) == 1
+
+
 #: Up to this many stages the split's local search moves layers between any two stages; past it only between
 #: the first and last stage, the slowest and fastest by their lines and the largest and smallest (each move is
 #: an exact price, a 1F1B tick table at thousands of devices takes 0.1 s, and the pairs grow as S^2).
@@ -141,7 +147,7 @@ def stage_split(ev: _Evaluator, layout: cm.Layout, start: tuple[int, ...] | None
     except ValueError:
         return None
     sets = [tuple(k.name for k in kinds) for kinds in ev.stage_kind_sets(mesh)]
-    if len(set(sets)) == 1 or layers < repeats * stages:
+    if same_stages(ev, mesh) or layers < repeats * stages:
         return ev.uniform(dataclasses.replace(layout, stage_layers=even_split(layers, stages)))
     by_name = {k.name: k for kinds in ev.stage_kind_sets(mesh) for k in kinds}
     rows = ev.batch / (layout.batch_split * layout.microbatches)
@@ -213,19 +219,30 @@ def stage_split(ev: _Evaluator, layout: cm.Layout, start: tuple[int, ...] | None
         split, best = chosen, priced[chosen]
 
 
-def pipeline_plans(ev: _Evaluator, layout: cm.Layout) -> list[Plan]:
-    """A pipeline skeleton's plans: under GPipe (circular with repeats) and each 1F1B-family schedule
-    `PlanOptions.schedules` allows, each with its own stage split (`stage_split`, also tried from the first
-    schedule's split); where a schedule's best
+def pipeline_schedules(ev: _Evaluator, layout: cm.Layout) -> list[Schedule]:
+    """The schedules a pipeline skeleton is priced under, in order: its own (GPipe, circular with repeats), then
+    each 1F1B-family one `PlanOptions.schedules` allows."""
+    return list(
+        dict.fromkeys(
+            [layout.pipeline_schedule]
+            + [s for s in map(parse_schedule, ev.options.schedules) if s.one_f_one_b and s != layout.pipeline_schedule]
+        )
+    )
+
+
+def pipeline_plans(ev: _Evaluator, layout: cm.Layout, skip: Callable[[Schedule], bool] | None = None) -> list[Plan]:
+    """A pipeline skeleton's plans: under each of its schedules (`pipeline_schedules`), each with its own stage
+    split (`stage_split`, also tried from the first schedule's split); where a schedule's best
     split does not fit with the weights gathered once, also with the stage's weights gathered per microbatch
     (``pipeline_gather``: a gather per chunk pass, priced in `sharding.costmodel.pipeline`). Schedules the
-    run refuses (zero bubble with repeats, interleaved 1F1B with M not a multiple of S) are left out."""
-    schedules = dict.fromkeys(
-        [layout.pipeline_schedule]
-        + [s for s in map(parse_schedule, ev.options.schedules) if s.one_f_one_b and s != layout.pipeline_schedule]
-    )
+    run refuses (zero bubble with repeats, interleaved 1F1B with M not a multiple of S) are left out, and so is a
+    schedule ``skip`` names (a search's prune, `sharding.planner.prune`) where that changes no other schedule's
+    plans: once a split to start from is set, or where every stage holds the same kinds (the split is even)."""
+    same = same_stages(ev, layout.mesh)
     out, start = [], None
-    for schedule in schedules:
+    for schedule in pipeline_schedules(ev, layout):
+        if skip is not None and (start is not None or same) and skip(schedule):
+            continue
         once = stage_split(ev, dataclasses.replace(layout, pipeline_schedule=schedule), start)
         if once is not None:
             out.append(once)
