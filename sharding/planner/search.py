@@ -30,7 +30,7 @@ from sharding.errors import ConfigError, Field, FieldText
 from sharding.mesh import format_mesh
 from sharding.modeldesc import AttentionTraits, ModelDescription
 from sharding.parallel import REPLICATED
-from sharding.pipeline.layout import parse_schedule, plan_layout
+from sharding.pipeline.layout import plan_layout
 from sharding.planner import shares
 from sharding.planner.evaluator import Plan, PlanOptions, _Cluster, _Evaluator, over_memory
 from sharding.planner.prune import Cutoff, pipeline_floor, schedule_floors
@@ -532,10 +532,7 @@ def brute_force(
             for counts in _kind_counts(ev, layout):
                 yield ev.uneven(layout, counts, global_batch / sum(counts))
         else:
-            schedules = [layout.pipeline_schedule] + [
-                s for s in map(parse_schedule, ev.options.schedules) if s.one_f_one_b and s != layout.pipeline_schedule
-            ]
-            for schedule in dict.fromkeys(schedules):
+            for schedule in shares.pipeline_schedules(ev, layout):
                 once, priced = best_split(dataclasses.replace(layout, pipeline_schedule=schedule))
                 if once is None and priced:
                     once, _ = best_split(
