@@ -75,6 +75,7 @@ __all__ = [
     "capacity_slots",
     "expert_outputs",
     "layer_dispatch",
+    "layer_placement",
     "route",
     "router_losses",
     "router_objective",
@@ -423,9 +424,21 @@ def layer_dispatch(config: ModelConfig, par: Parallelism, tokens_shape: tuple[in
     Raises:
       ValueError: As `_layout`.
     """
+    placement = layer_placement(config, par, tokens_shape)
+    return dispatch.LOCAL if placement is None else placement.dispatch
+
+
+def layer_placement(config: ModelConfig, par: Parallelism, tokens_shape: tuple[int, int]) -> ExpertPlacement | None:
+    """Where the layer's share sits under ``par`` on activations of ``tokens_shape`` ``[batch, length]``
+    (`sharding.expert_placement.expert_placement`); None on one device or inside another `jax.shard_map` (the
+    layer runs locally, `layer_dispatch`).
+
+    Raises:
+      ValueError: As `_layout`.
+    """
     if not par.is_sharded or par.manual:
-        return dispatch.LOCAL
-    return expert_placement(expert_geometry(config), par.rules, par.auto_shape, tuple(tokens_shape)).dispatch
+        return None
+    return expert_placement(expert_geometry(config), par.rules, par.auto_shape, tuple(tokens_shape))
 
 
 def _routed(x, experts, weights, gate, up, down, config: ModelConfig, par: Parallelism):

@@ -93,6 +93,19 @@ class ExpertPlacement:
         """Experts per device, E / E_p."""
         return self.num_experts // self.split
 
+    def describe(self, capacity_factor: float) -> str:
+        """The run report's phrase for the collectives the layer issues, e.g. ``all-to-all over expert (capacity
+        factor 1.25)``: the dispatch's own (`sharding.dispatch.ExpertDispatch.describe`), except that the ring
+        names what it does over each axis: it gathers the tokens over ``gather_axes`` only, and over the axes
+        that split the experts but not the tokens every device already holds them, so the partial outputs are
+        summed there (an all-reduce in the compiled layer, forward and backward)."""
+        if self.dispatch.name != "ring" or self.splits_tokens:
+            return self.dispatch.describe(capacity_factor)
+        routing = f"capacity factor {capacity_factor:g}" if capacity_factor else "dropless"
+        parts = [f"all-gather / reduce-scatter over {'+'.join(self.gather_axes)}"] if self.gather_axes else []
+        parts.append(f"all-reduce over {'+'.join(self.summed_expert_axes)} (partial outputs summed)")
+        return f"{'; '.join(parts)} ({routing})"
+
     def copies_held(self, experts_per_token: int) -> int:
         """Routed copies a device computes per token of its own: ``k`` over fixed buffers; else every token it
         holds after the gather (``gather_split`` of its own) brings the copies its ``E / E_p`` experts can receive,

@@ -66,6 +66,10 @@ def test_the_cost_model_prices_the_dispatch_the_layer_runs(overrides, mesh, rows
     assert place.dispatch is want
     _, _, runs = moe._layout(config, par, (rows, SEQ, config.embed_dim))  # what the layer's map is laid out by
     assert (place.expert_axes, place.gather_axes, place.sum_axes) == (runs.expert_axes, runs.gather_axes, runs.sum_axes)
+    phrase = place.describe(cf)  # the run report's dispatch: it names the collectives of each axis
+    assert ("all-reduce over " in phrase) == (not place.splits_tokens), phrase
+    assert ("all-gather / reduce-scatter" in phrase) == (want is dispatch.RING and bool(place.gather_axes)), phrase
+    assert ("all-to-all" in phrase) == (want is dispatch.ALL_TO_ALL), phrase
     if rows % 8:
         return  # a batch the mesh's batch axes do not divide: a run refuses it, the cost model does not price it
     layout = cm.layout_of(Parallelism(shape, rules, Accumulation(1)), config)
@@ -142,3 +146,24 @@ def test_experts_split_over_a_compute_axis_are_priced_their_products_once():
     trainer = Trainer(config, OptimizerConfig(), Parallelism.of(make_mesh(shape), rules, Accumulation(1)))
     compiled = hlo.dot_flops(trainer.compile_train_step(16, SEQ).as_text())
     assert abs(cost.matmul_flops - compiled) <= TOLERANCE * compiled, (cost.matmul_flops, compiled)
+
+
+def test_the_start_up_line_names_the_all_reduce_where_the_ring_gathers_nothing():
+    """Rules that keep the batch whole over ``expert``: the ring gathers no tokens, the partial outputs are
+    all-reduced over ``expert`` (the compiled layer's collectives, above), and the run report says so instead of
+    the ring's all-gather / reduce-scatter."""
+    from train.reports.report import expert_placement_of as report_placement
+    from train.reports.report import startup_lines
+    from train.setup import cli
+    from train.setup.config import resolve_mesh
+
+    base = ["--model", "moe-test", "--batch-size", "16", "--seq-len", "8", "--set", "capacity_factor=1"]
+    run = resolve_mesh(cli.parse(base + ["--mesh", "expert=4,fsdp=2", "--rule", "batch=data+fsdp"]), 8)
+    mesh = make_mesh(run.parallelism.mesh_shape)
+    par = run.parallelism.on(mesh)
+    place = report_placement(run, par)
+    assert place.dispatch is dispatch.RING and place.gather_axes == ()
+    report = type("Report", (), {"format_replicated": lambda self: "replicated: none"})()
+    lines = startup_lines(run.model, "moe-test", mesh, par.rules, report, 1, place)
+    (line,) = [x for x in lines if x.startswith("mixture of experts")]
+    assert line.endswith("dispatch: all-reduce over expert (partial outputs summed) (capacity factor 1)"), line

@@ -10,10 +10,11 @@ import jax
 import numpy as np
 
 from models import attention_registry
-from models.moe import layer_dispatch
+from models.moe import layer_placement
 from sharding import axes as ax
 from sharding import hlo
 from sharding.dispatch import LOCAL, ExpertDispatch
+from sharding.expert_placement import ExpertPlacement
 from sharding.hlo import branch_collectives
 from sharding.mesh import crossing_axes, format_mesh
 from sharding.parallel import spec_axes, spec_entry
@@ -29,9 +30,11 @@ from train.setup import strategy_setup
 from train.setup.flagnames import render
 
 
-def startup_lines(config, preset: str, mesh, rules, report, num_params_built: int, dispatch=LOCAL) -> list[str]:
-    """The summary printed before training or a dry run; ``dispatch`` is the mixture of experts' record
-    (`sharding.dispatch`, `expert_dispatch_of`)."""
+def startup_lines(
+    config, preset: str, mesh, rules, report, num_params_built: int, placement: ExpertPlacement | None = None
+) -> list[str]:
+    """The summary printed before training or a dry run; ``placement`` is the mixture of experts' layer's
+    (`expert_placement_of`; None: local, no expert parallelism), whose phrase names its collectives."""
     lines = [
         f"model {preset}: {num_params_built:,} parameters ({human_count(num_params_built)}; "
         f"formula {config.num_params:,}), dtype {config.dtype}, remat {config.remat}, attention {config.attention}",
@@ -46,7 +49,7 @@ def startup_lines(config, preset: str, mesh, rules, report, num_params_built: in
             f"mixture of experts: {config.num_moe_layers} of {config.num_layers} layers, {config.num_experts} experts "
             f"(top-{config.experts_per_token}), {config.num_experts // split} per device over expert={split}; "
             f"{active:,} active parameters per token ({human_count(active)}); dispatch: "
-            + dispatch.describe(config.capacity_factor)
+            + (LOCAL if placement is None else placement).describe(config.capacity_factor)
         )
     crossing = crossing_axes(mesh)
     if crossing:
@@ -442,9 +445,17 @@ def expert_dispatch_of(run, par) -> ExpertDispatch:
     keep the tokens whole (rules that leave ``expert`` out of the batch's, a batch it does not divide): the
     placement of `sharding.expert_placement.expert_placement`, which the cost model prices too.
     `sharding.dispatch.LOCAL` for a dense model."""
+    placement = expert_placement_of(run, par)
+    return LOCAL if placement is None else placement.dispatch
+
+
+def expert_placement_of(run, par) -> ExpertPlacement | None:
+    """The mixture of experts' layer placement on one microbatch (`models.moe.layer_placement`), whose
+    dispatch is `expert_dispatch_of`'s; None where the layer runs locally (a dense model, pipeline stages, one
+    device)."""
     if not run.model.is_moe or par.pipeline is not None:
-        return LOCAL
-    return layer_dispatch(run.model, par, (run.microbatch_rows, par.positions(run.data.seq_len)))
+        return None
+    return layer_placement(run.model, par, (run.microbatch_rows, par.positions(run.data.seq_len)))
 
 
 def startup(run, trainer, speeds=None, notes=()) -> list[str]:
@@ -459,7 +470,7 @@ def startup(run, trainer, speeds=None, notes=()) -> list[str]:
     lines += strategy_setup.summary_lines(run, par, speeds)
     built = sum(x.size for x in jax.tree.leaves(trainer.state_layout.abstract_params))
     report = trainer.state_layout.report
-    lines += startup_lines(model, run.preset, trainer.mesh, trainer.rules, report, built, expert_dispatch_of(run, par))
+    lines += startup_lines(model, run.preset, trainer.mesh, trainer.rules, report, built, expert_placement_of(run, par))
     if par.optimizer_sharding == ax.DATA:  # the state's split over data, then the arrays it leaves whole, by name
         arrays = [(path, shape, spec) for path, shape, _, _, spec, _ in report.rows]
         lines += [split_line(arrays, par.mesh_shape), *not_split_lines(arrays, par.mesh_shape)]
