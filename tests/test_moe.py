@@ -1,6 +1,7 @@
 """Mixture of experts: the router, dropless grouped products against a dense loop over experts, capacity
 drops, expert parallelism against one device, placement of MoE layers, training end to end."""
 
+import functools
 import json
 import math
 
@@ -131,6 +132,33 @@ def test_capacity_drops_the_overflow_and_counts_it():
     assert out.shape == x.shape and bool(jnp.all(jnp.isfinite(out)))
 
 
+def _probed_step(graphdef, rows):
+    """``(state, x, par) -> ((loss, (y, stats)), (d state, d x))`` of the layer on ``rows`` rows: its outputs
+    against a fixed probe plus its router losses, so every output entry and both losses reach the gradients."""
+    probe = jnp.cos(jnp.arange(rows * 4 * D, dtype=jnp.float32)).reshape(rows, 4, D)
+
+    def loss(state, x, par):
+        y, stats = nnx.merge(graphdef, state)(x, par)
+        return jnp.sum(y * probe) + stats["aux"] + stats["z"], (y, stats)
+
+    return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
+
+
+@pytest.fixture(scope="module")
+def one_device_probed(layer_and_input):
+    """``rows -> `_probed_step` on one device`` for the first ``rows`` rows, computed once per row count: the
+    meshes compared with the same rows share it (its outputs are only read)."""
+    layer, x = layer_and_input
+    graphdef, state = nnx.split(layer)
+
+    @functools.cache
+    def reference(rows):
+        step = _probed_step(graphdef, rows)
+        return jax.jit(lambda s, x: step(s, x, UNSHARDED))(state, x[:rows])
+
+    return reference
+
+
 @pytest.mark.parametrize(
     "mesh_spec, rows",
     [
@@ -142,7 +170,7 @@ def test_capacity_drops_the_overflow_and_counts_it():
         ("fsdp=8", 2),
     ],
 )
-def test_expert_parallel_layer_equals_one_device(layer_and_input, mesh_spec, rows):
+def test_expert_parallel_layer_equals_one_device(layer_and_input, one_device_probed, mesh_spec, rows):
     """Outputs, router losses and the gradients of every parameter and of the input equal one device's.
     With fewer rows than the batch axes (evaluation, generation, the layer and `Trainer` APIs) the tokens
     stay whole over the axes that do not divide them: on ``expert=4,fsdp=2`` 4 rows are split over
@@ -152,15 +180,9 @@ def test_expert_parallel_layer_equals_one_device(layer_and_input, mesh_spec, row
     layer, x = layer_and_input
     x = x[:rows]
     graphdef, state = nnx.split(layer)
-    probe = jnp.cos(jnp.arange(x.size, dtype=jnp.float32)).reshape(x.shape)
-
-    def loss(state, x, par):
-        y, stats = nnx.merge(graphdef, state)(x, par)
-        return jnp.sum(y * probe) + stats["aux"] + stats["z"], (y, stats)
-
+    step = _probed_step(graphdef, rows)
     par = Parallelism.of(make_mesh(parse_mesh(mesh_spec, 8)))
-    step = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
-    want = jax.jit(lambda s, x: step(s, x, UNSHARDED))(state, x)
+    want = one_device_probed(rows)
     compiled = jax.jit(lambda s, x: step(s, x, par)).lower(state, x).compile()
     got = compiled(state, x)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):

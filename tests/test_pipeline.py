@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _cached import cached
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -410,7 +411,7 @@ def _compiled_gradients(num_layers, mesh_spec, stage_layers, repeats, microbatch
     return trainer, grad_fn.lower(params, trainer.abstract_batch(batch, length)).compile()
 
 
-@functools.cache
+@cached
 def _flat_loss_and_grads(num_layers=4):
     """The unpipelined test model's (``num_layers`` layers) loss and gradients on ``_batch(8, 32)`` (computed
     once per layer count and module)."""
@@ -571,6 +572,12 @@ def test_the_reports_head_line_says_where_the_head_runs_also_for_rows_nothing_sp
     assert where in report.head_line(SimpleNamespace(par=par), batch)
 
 
+@functools.cache
+def _canonical_init_params():
+    """The 6-layer test model's parameters in canonical order from key 3 (both layouts compare with it; only read)."""
+    return jax.jit(lambda k: init_params(get_config("test", ["num_layers=6"]), k))(jax.random.key(3))
+
+
 @pytest.mark.parametrize("unpadded", [True, False])
 def test_initial_parameters_do_not_depend_on_the_layout(unpadded):
     config = get_config("test", ["num_layers=6"])
@@ -578,7 +585,7 @@ def test_initial_parameters_do_not_depend_on_the_layout(unpadded):
     layout = StageStorage(layout, 2) if unpadded else layout
     key = jax.random.key(3)
     staged = jax.jit(lambda k: init_params(config, k, stack_table(layout, 6)))(key)
-    canonical = jax.jit(lambda k: init_params(config, k))(key)
+    canonical = _canonical_init_params()
     relaid = jax.tree.map(lambda x: pl.relayout(x, None, layout, 6), canonical["layers"])
     for a, b in zip(jax.tree.leaves(staged["layers"]), jax.tree.leaves(relaid), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _cached import cached
 from _cli_errors import raises_as_cli
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -418,7 +419,7 @@ def _loss_and_grads(trainer, batch):
     return float(loss), grads
 
 
-@functools.cache
+@cached
 def flat_loss_and_grads(num_layers, tied=False):
     """The unpipelined test model's (``num_layers`` layers, ``fsdp=8``, one microbatch; ``tied``: the output
     projection is the token embedding) loss and gradients on ``_batch(8, 32)``: computed once per layer count
@@ -539,8 +540,7 @@ def test_training_steps_with_the_weights_gathered_per_microbatch_match_the_unpip
     _assert_steps_match_the_flat_model(plan)
 
 
-@functools.cache
-@functools.cache
+@cached
 def _compiled_gradients(
     schedule,
     num_layers=4,
