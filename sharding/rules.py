@@ -36,6 +36,7 @@ than padded.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -209,8 +210,25 @@ def logical_to_spec(
       ValueError: when ``shape`` and ``names`` differ in length, or two
         logical axes of the array map to the same mesh axis (naming both).
     """
+    spec, dropped = _logical_to_spec(
+        tuple(names),
+        rules,
+        None if shape is None else tuple(int(n) for n in shape),
+        None if mesh_shape is None else tuple(sorted(mesh_shape.items())),
+    )
+    return spec, list(dropped)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _logical_to_spec(
+    names: tuple, rules: Rules, shape: tuple[int, ...] | None, mesh_items: tuple[tuple[str, int], ...] | None
+):
+    """`logical_to_spec` on hashable arguments, memoised (the planner prices the same arrays under the same
+    rules and meshes hundreds of thousands of times); ``dropped`` as a tuple, so a caller cannot change what
+    the cache holds. Errors are raised, not cached."""
     from jax.sharding import PartitionSpec
 
+    mesh_shape = None if mesh_items is None else dict(mesh_items)
     if shape is not None and len(shape) != len(names):
         raise ValueError(f"logical names {names} have {len(names)} entries for an array of shape {tuple(shape)}")
     owner: dict[str, str] = {}
@@ -240,7 +258,7 @@ def logical_to_spec(
         entries.append(None if not kept else kept[0] if len(kept) == 1 else tuple(kept))
     while entries and entries[-1] is None:
         entries.pop()
-    return PartitionSpec(*entries), dropped
+    return PartitionSpec(*entries), tuple(dropped)
 
 
 @dataclasses.dataclass

@@ -27,6 +27,7 @@ Units: elements (shapes), devices (axis sizes). Imports nothing of the project o
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 
@@ -50,6 +51,14 @@ def master_dim(shape: Sequence[int], spec: Sequence, mesh_shape: Mapping[str, in
       The index of the dimension whose per-device block is largest among those ``data`` divides (the first of
       equals); None when ``data`` is 1, the spec already uses ``data``, or no dimension divides.
     """
+    return _master_dim(tuple(shape), tuple(spec), tuple(sorted(mesh_shape.items())))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _master_dim(shape: tuple[int, ...], spec: tuple, mesh_items: tuple[tuple[str, int], ...]) -> int | None:
+    """`master_dim` on hashable arguments, memoised: the planner asks it of every array of every stage cost
+    (hundreds of thousands of calls for a few thousand distinct arrays and meshes)."""
+    mesh_shape = dict(mesh_items)
     data = mesh_shape.get(ax.DATA, 1)
     entries = [_entry_axes(spec[d] if d < len(spec) else None) for d in range(len(shape))]
     if data <= 1 or any(ax.DATA in e for e in entries):
