@@ -51,7 +51,8 @@ def master_dim(shape: Sequence[int], spec: Sequence, mesh_shape: Mapping[str, in
       The index of the dimension whose per-device block is largest among those ``data`` divides (the first of
       equals); None when ``data`` is 1, the spec already uses ``data``, or no dimension divides.
     """
-    return _master_dim(tuple(shape), tuple(spec), tuple(sorted(mesh_shape.items())))
+    entries = tuple(tuple(e) if isinstance(e, list) else e for e in spec)  # a sequence of entries may hold lists
+    return _master_dim(tuple(shape), entries, tuple(sorted(mesh_shape.items())))
 
 
 @functools.lru_cache(maxsize=1 << 16)
