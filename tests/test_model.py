@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _cli_errors import raises_as_cli
+from _codegen import compile_default
 
 from models.attention_reference import attention_mask, reference_attention
 from models.config import PRESETS, get_config, parse_overrides
@@ -245,7 +246,8 @@ def test_remat_policies_give_the_same_gradients(model):
     def grads(remat):
         graphdef, _, _ = abstract_model(CONFIG.replace(remat=remat))
         loss = lambda p: jnp.mean(apply(graphdef, p, tokens, positions, segment_ids, par=UNSHARDED) ** 2)
-        return jax.jit(jax.grad(loss))(params)
+        # float32 rounding of a default build: the recomputed and the saved forward round alike there
+        return compile_default(jax.grad(loss), params)
 
     base = grads("none")
     for policy in ("full", "dots"):
