@@ -299,7 +299,9 @@ def stage_fixed_comms(
     return sends + tuple(c for c in stored if not replaced_all_reduce(layout, rules, c, placed, backend))
 
 
-@functools.lru_cache(maxsize=16384)
+# Keyed by a skeleton's schedule and gather: the 16,384-H100 7B plan asks for about 24,000 keys, those of the
+# replicated optimizer state first (the search's order), then the split state's, which share them.
+@functools.lru_cache(maxsize=65536)
 def _stage_fixed_cached(
     model: ModelDescription, mesh_items: tuple, fields: tuple, seq_len: int, rows: float
 ) -> tuple[tuple[Comm, ...], tuple[Comm, ...]]:
