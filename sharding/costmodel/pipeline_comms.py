@@ -298,7 +298,8 @@ def _feature_hops(
 
 
 #: The mesh axes the stage program leaves to the partitioner (`sharding.pipeline.program.manual_axes` is manual
-#: over ``stage`` and the batch axes): a layer weight split over one of them is gathered whole there.
+#: over ``stage`` and every axis that may split a batch, whatever the rules): a layer weight split over one of
+#: them is gathered whole there.
 _AUTO_AXES: tuple[str, ...] = tuple(a for a in ax.MESH_AXES if a != ax.STAGE and a not in ax.BATCH_MESH_AXES)
 
 
@@ -485,7 +486,9 @@ def stored_row_sums(
     the loop: on the critical path, whatever the schedule and split (a stage device stores ``q = ceil(L / (S
     G))`` rows, ``groups_n`` = G: 1 with the per-microbatch gather). None where every batch axis stores rows."""
     mesh = dict(mesh_items)
-    summed = tuple(a for a in ax.BATCH_MESH_AXES if mesh[a] > 1)
+    # the gradients are summed over the axes the rules split the microbatches over, of those the program is
+    # manual over (`sharding.pipeline.program.run_pipeline`'s ``summed``)
+    summed = tuple(a for a in rules.batch_axes(mesh) if a in ax.BATCH_MESH_AXES)
     axes = _storage_axes(model, rules, mesh)
     groups = axes if groups_n > 1 else ()
     rest = tuple(a for a in summed if a not in axes)  # the rows' gradients are reduce-scattered over the others
