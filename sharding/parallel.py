@@ -286,8 +286,9 @@ class Parallelism:
 
     @property
     def data_parallel(self) -> int:
-        """Devices the batch is split over: ``data`` x ``fsdp``."""
-        return math.prod(self.mesh_shape[a] for a in ax.BATCH_MESH_AXES)
+        """Devices the batch is split over: the mesh axes the rules map ``batch`` to (`Rules.batch_split`;
+        ``data`` x ``fsdp`` x ``expert`` under every preset), as `length_shards` reads ``length``'s."""
+        return self.rules.batch_split(self.mesh_shape)
 
     @property
     def length_shards(self) -> int:

@@ -108,6 +108,18 @@ class Rules:
         block = self.mesh_axes(ax.LENGTH)
         return math.prod(mesh_shape.get(a, 1) for a in self.mesh_axes(ax.ACT_LENGTH) if a not in block)
 
+    def batch_axes(self, mesh_shape: Mapping[str, int]) -> tuple[str, ...]:
+        """The mesh axes of size > 1 a step's batch is split over: ``batch``'s rule, in its order
+        (``mesh_shape``: mesh axis -> size, missing axes 1). Under every preset these are the mesh's
+        ``data``, ``fsdp`` and ``expert`` (`sharding.axes.BATCH_MESH_AXES`); an override such as
+        ``--rule batch=data+fsdp`` keeps the batch whole over ``expert``."""
+        return tuple(a for a in self.mesh_axes(ax.BATCH) if mesh_shape.get(a, 1) > 1)
+
+    def batch_split(self, mesh_shape: Mapping[str, int]) -> int:
+        """Devices a step's batch is split over: the product of `batch_axes`' sizes (>= 1). The rows of a
+        batch the product does not divide are checked elsewhere (`logical_to_spec` drops such an axis)."""
+        return math.prod(mesh_shape[a] for a in self.batch_axes(mesh_shape))
+
     def as_dict(self) -> dict[str, list[str]]:
         """JSON-friendly form, for reports and checkpoint metadata."""
         return {name: list(mesh_axes) for name, mesh_axes in self.table}

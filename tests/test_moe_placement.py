@@ -116,22 +116,46 @@ def test_a_layers_priced_dispatch_is_its_compiled_one(overrides, mesh, cf):
         assert abs(got - want) <= TOLERANCE * want if want else got == 0, (kind, got, want)
 
 
-def test_a_step_that_keeps_the_batch_whole_over_expert_is_priced_its_all_reduces():
-    """The whole train step on rules that keep the batch whole over ``expert``: its all-reduces (the gradients'
-    and the dispatch's partial sums) are the cost model's within 10%. Before the one placement the cost model
-    priced 530,176 bytes against 796,796 compiled (the dispatch as all-to-alls); now 796,416."""
+@pytest.fixture(scope="module")
+def keep_batch_step():
+    """``(config, mesh shape, rules, compiled)``: the whole train step of 16 x 32 tokens compiled on
+    ``expert=4,fsdp=2`` under rules that keep the batch whole over ``expert`` (``--rule batch=data+fsdp``)."""
     from train.runtime.optimizer import OptimizerConfig
     from train.runtime.step import Trainer
 
     config, shape, rules = _case(KEEP_BATCH, "expert=4,fsdp=2", 1.0)
-    cost, _ = _moe_comms(config, shape, rules, 16)
     trainer = Trainer(config, OptimizerConfig(), Parallelism.of(make_mesh(shape), rules, Accumulation(1)))
-    compiled = cm.collective_bytes(hlo.collectives(trainer.compile_train_step(16, SEQ).as_text()))
+    return config, shape, rules, trainer.compile_train_step(16, SEQ)
+
+
+def test_a_step_that_keeps_the_batch_whole_over_expert_is_priced_its_all_reduces(keep_batch_step):
+    """The whole train step on rules that keep the batch whole over ``expert``: its all-reduces (the gradients'
+    and the dispatch's partial sums) are the cost model's within 10%. Before the one placement the cost model
+    priced 530,176 bytes against 796,796 compiled (the dispatch as all-to-alls); now 796,416."""
+    config, shape, rules, step = keep_batch_step
+    cost, _ = _moe_comms(config, shape, rules, 16)
+    compiled = cm.collective_bytes(hlo.collectives(step.as_text()))
     priced = cm.collective_bytes(cost.comms)
     assert abs(priced["all-reduce"] - compiled["all-reduce"]) <= TOLERANCE * compiled["all-reduce"], (
         priced["all-reduce"],
         compiled["all-reduce"],
     )
+
+
+def test_a_step_that_keeps_the_batch_whole_over_expert_is_priced_its_tokens_and_products(keep_batch_step):
+    """Rules that split the batch over ``data`` and ``fsdp`` only, on ``expert=4,fsdp=2``: the compiled step
+    takes 16 / 2 = 8 of the 16 sequences on each device (its ``tokens`` input), and the cost model prices that
+    many tokens per device and the compiled matrix-product FLOPs within 10%. Before the batch split was read
+    from the rules (`sharding.rules.Rules.batch_split`) the cost model split the batch over data x fsdp x
+    expert = 8 devices: a quarter of the tokens, and about a quarter of the compiled products."""
+    config, shape, rules, step = keep_batch_step
+    cost, _ = _moe_comms(config, shape, rules, 16)
+    batch_shardings = step.input_shardings[0][1]  # the train step's arguments: (state, batch, signals)
+    rows, positions = batch_shardings["tokens"].shard_shape((16, SEQ))
+    assert (rows, positions) == (8, SEQ)
+    assert cost.tokens == rows * positions, (cost.tokens, rows * positions)
+    compiled = hlo.dot_flops(step.as_text())
+    assert abs(cost.matmul_flops - compiled) <= TOLERANCE * compiled, (cost.matmul_flops, compiled)
 
 
 def test_experts_split_over_a_compute_axis_are_priced_their_products_once():

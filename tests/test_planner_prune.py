@@ -4,6 +4,7 @@ prunes by against every plan and stage device the search prices.
 No devices are needed: the planner prices layouts with the cost model.
 """
 
+import collections
 import dataclasses
 
 import pytest
@@ -124,23 +125,61 @@ def test_schedule_floors_are_below_every_pipeline_plan(case):
             tightest = max(tightest, floor / one.step_time)
             checked += 1
     assert checked > 100 and tightest > 0.3
-    # the stage devices themselves: compute at least n layers' floor, on each kind
-    stages = tensor = 0
+    # the stage devices themselves: compute at least n layers' floor, on each kind; critical-path collectives at
+    # least n layers' and the fixed ones, which every device lists (its whole cost, moved rows included)
+    stages = tensor = sends = stored = 0
     for key, (_, _, by_moved) in ev._stage_bases.items():
-        items, fields, rows, layers = key[0], key[1:-3], key[-3], key[-2]
+        items, fields, rows, layers, slots = key[0], key[1:-3], key[-3], key[-2], key[-1]
         layout = cm.Layout(dict(items), **dict(zip(_STAGE_KEY_FIELDS, fields)))
         flops, gemms, comms = cm.stage_floor(model, layout, seq_len=seq, rows=rows)
-        for _, times in by_moved.values():
+        fixed = cm.stage_fixed_comms(model, layout, seq_len=seq, rows=rows)
+        base = cm.stage_cost_base(model, layout, seq_len=seq, rows=rows, layers=layers, slots=slots)
+        links, shares_ = ev.links(layout.mesh), ev.shares(layout.mesh)
+        for moved, (_, times) in by_moved.items():
+            listed = collections.Counter(map(_signature, base.with_moved(moved).comms))
+            assert not collections.Counter(map(_signature, fixed)) - listed, key  # each one the device lists
             for kind_name, st in times.items():
                 hw = ev.hardware[kind_name]
                 compute = cm.compute_floor(flops, gemms, hw)
-                exposed = cm.comm_totals(comms, hw, ev.links(layout.mesh), ev.shares(layout.mesh)).exposed
+                exposed = cm.comm_totals(comms, hw, links, shares_).exposed
+                edges = cm.comm_totals(fixed, hw, links, shares_).exposed
                 assert st.compute >= layers * compute * (1 - prune.SLACK), (key, kind_name)
-                assert st.exposed_comm >= layers * exposed * (1 - prune.SLACK), (key, kind_name)
+                assert st.exposed_comm >= (layers * exposed + edges) * (1 - prune.SLACK), (key, kind_name)
                 assert st.total - st.optimizer >= st.compute + st.exposed_comm
                 tensor += bool(comms)
                 stages += 1
+        sends += any(ax.STAGE in c.axes for c in fixed)
+        stored += any(ax.STAGE not in c.axes for c in fixed)
     assert stages > 100 and (tensor > 10) == ("tensor" in case)  # the collectives' floor is checked too
+    assert sends > 10 and stored > 10  # and both kinds of fixed collectives
+
+
+def _signature(c: cm.Comm) -> tuple:
+    """What prices a collective (`cm.comm_totals`): its kind, axes, group, bytes, count and whether it overlaps."""
+    return (c.kind, c.axes, c.group, c.result_bytes, c.count, c.overlappable, c.layer_loop)
+
+
+def test_stage_fixed_comms_take_the_gather_and_optimizer_state_into_account():
+    """The fixed collectives follow the weight gather (the stored rows: ``ceil(L / S)`` of them with the
+    per-microbatch gather, ``ceil(L / (S G))`` gathering once) and are kept under the distributed optimizer (as
+    `sharding.costmodel.zero.replaced_all_reduce` keeps them); none on ``cpu``; a layout without stages is
+    refused."""
+    model = _described(32000, 12, 768, 2048, 12, 12, 64)  # 12 layers: ceil(12 / 8) = 2 rows over fsdp=4, or 6
+    layout = cm.Layout({ax.DATA: 2, ax.STAGE: 2, ax.FSDP: 4}, "fsdp", 4, "none", dtype="bfloat16")
+    kwargs = dict(seq_len=1024, rows=1.0)
+
+    def stored(lay):
+        return [c for c in cm.stage_fixed_comms(model, lay, **kwargs) if ax.STAGE not in c.axes]
+
+    once, streamed = stored(layout), stored(dataclasses.replace(layout, pipeline_gather="microbatch"))
+    assert once and len(once) == len(streamed)
+    assert {c.axes for c in once} == {(ax.DATA,)} and all(not c.overlappable for c in once)
+    assert [4 * c.result_bytes for c in streamed] == [3 * c.result_bytes for c in once]  # 6 rows, 2 rows of 4
+    # the distributed optimizer's reduce-scatter replaces other gradients' all-reduce over data, not these
+    assert stored(dataclasses.replace(layout, optimizer_sharding=ax.DATA)) == once
+    assert cm.stage_fixed_comms(model, layout, backend="cpu", **kwargs) == ()
+    with pytest.raises(ValueError, match="stage=1"):
+        cm.stage_fixed_comms(model, dataclasses.replace(layout, mesh={ax.DATA: 4, ax.FSDP: 4}), **kwargs)
 
 
 def test_a_floor_above_the_plans_would_change_the_answer(monkeypatch):

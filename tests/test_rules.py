@@ -9,7 +9,7 @@ from jax.sharding import PartitionSpec as P
 from sharding import axes as ax
 from sharding.mesh import make_mesh, parse_mesh
 from sharding.parallel import UNSHARDED, Parallelism
-from sharding.rules import get_rules, logical_to_spec, tree_shardings
+from sharding.rules import PRESETS, get_rules, logical_to_spec, tree_shardings
 
 
 @pytest.mark.parametrize(
@@ -112,3 +112,40 @@ def test_constrain_is_identity_without_rules_and_shards_with_them():
 def test_constrain_checks_rank():
     with pytest.raises(ValueError, match="rank 2"):
         UNSHARDED.constrain(jnp.zeros((2, 2)), (ax.BATCH,))
+
+
+# A mesh with every axis that may split a batch > 1 (and tensor, which none of the presets' batch rules name).
+EVERY_BATCH_AXIS = {ax.DATA: 2, ax.FSDP: 2, ax.EXPERT: 2, ax.TENSOR: 2}
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_every_preset_splits_the_batch_over_every_batch_axis(preset):
+    """Under each preset (and its pipeline variant) the devices the batch is split over, read from the rules
+    (`Rules.batch_split`: the cost model's `Layout.batch_split`, the run's `Parallelism.data_parallel`), are the
+    mesh's ``data`` x ``fsdp`` x ``expert``, what every place read from `sharding.axes.BATCH_MESH_AXES`
+    before; and those are the axes a batch's spec is split over."""
+    from sharding import costmodel as cm
+    from sharding.pipeline.layout import pipeline_rules
+
+    mesh = dict.fromkeys(ax.MESH_AXES, 1) | EVERY_BATCH_AXIS
+    for rules in (get_rules(preset), pipeline_rules(get_rules(preset))):
+        assert set(rules.batch_axes(mesh)) == set(ax.BATCH_MESH_AXES), rules.name
+        assert rules.batch_split(mesh) == 8
+        assert Parallelism(mesh, rules).data_parallel == 8
+        assert cm.Layout(mesh, rules).batch_split == 8
+        spec, _ = logical_to_spec((ax.BATCH,), rules, (16,), mesh)
+        assert set(spec[0]) == set(ax.BATCH_MESH_AXES)
+    assert cm.Layout(mesh, preset).batch_split == 8
+
+
+def test_a_batch_rule_override_sets_the_batch_split():
+    """``--rule batch=data+fsdp`` on ``expert=4,fsdp=2``: the batch is split over ``fsdp`` alone (``data`` is
+    1), 2 devices, not the 8 of ``data`` x ``fsdp`` x ``expert`` that both the cost model and the run took
+    before; ``batch=none`` keeps it whole (1)."""
+    from sharding import costmodel as cm
+
+    mesh = parse_mesh("expert=4,fsdp=2", 8)
+    rules = get_rules("fsdp_tp", ["batch=data+fsdp"])
+    assert rules.batch_axes(mesh) == (ax.FSDP,)
+    assert rules.batch_split(mesh) == Parallelism(mesh, rules).data_parallel == cm.Layout(mesh, rules).batch_split == 2
+    assert get_rules("fsdp_tp", ["batch=none"]).batch_split(mesh) == 1

@@ -39,7 +39,15 @@ Units: FLOPs, bytes, seconds, FLOP/s, bytes/s. The package imports nothing of th
 """
 
 from sharding.costmodel.collectives import BACKENDS, Comm, collective_bytes, host_shares, link_classes
-from sharding.costmodel.cost import Cost, StageBase, device_cost, estimate, stage_cost_base, stage_floor
+from sharding.costmodel.cost import (
+    Cost,
+    StageBase,
+    device_cost,
+    estimate,
+    stage_cost_base,
+    stage_fixed_comms,
+    stage_floor,
+)
 from sharding.costmodel.flops import ELEMENTWISE_BACKWARD_FACTOR, OPTIMIZER_FLOPS_PER_PARAM, Flops
 from sharding.costmodel.gemm import GEMM_LAUNCH_SECONDS, Gemm, gemm_seconds, step_gemms
 from sharding.costmodel.layout import (
@@ -105,6 +113,7 @@ __all__ = [
     "ring_tokens",
     "step_gemms",
     "stage_cost_base",
+    "stage_fixed_comms",
     "stage_floor",
     "step_time",
     "step_time_from",

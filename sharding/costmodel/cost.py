@@ -12,6 +12,7 @@ Units: FLOPs, bytes, tokens.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 from sharding import axes as ax
@@ -46,9 +47,10 @@ from sharding.costmodel.pipeline_comms import (
     _pipeline_weight_comms,
     _stage_comms,
     _stored_row_comms_cached,
+    stored_row_sums,
 )
 from sharding.costmodel.sequence import sequence_parallel_comms
-from sharding.costmodel.zero import with_zero
+from sharding.costmodel.zero import replaced_all_reduce, with_zero, zero_on
 from sharding.errors import ConfigError, Field
 from sharding.modeldesc import ModelDescription
 from sharding.parallel import ZIGZAG
@@ -249,6 +251,73 @@ def stage_floor(
         parts = sequence_parallel_comms(tensor, model, layout, rules, layer, backend, with_edges=False)
         comms = tuple(c for c in parts if c.group > 1 and c.count > 0)
     return flops, _gemms(model, layout, rules, shape, shape.micro, 0.0, 0.0, 0.0), comms
+
+
+#: The `Layout` fields `stage_fixed_comms`' cache leaves out of its key (the remat policy only sets which layers
+#: a stage recomputes, `sharding.costmodel.pipeline._Pipe.keeps`, none of whose terms these collectives read).
+_FIXED_FREE = ("mesh", "remat", "stage_layers", "optimizer_sharding")
+_LAYOUT_FIELDS = tuple(f.name for f in dataclasses.fields(Layout))
+
+
+def stage_fixed_comms(
+    model: ModelDescription | Any, layout: Layout, *, seq_len: int, rows: float, backend: str = "gpu"
+) -> tuple[Comm, ...]:
+    """Collectives every stage device of ``layout`` lists, on the critical path, whatever its stage split, its own
+    layers and the largest stage's: a lower bound for a search to prune layouts by (`sharding.planner.prune`),
+    beside `stage_floor`'s per-layer work.
+
+    They are `_pipeline_cost`'s under ``layout``'s own schedule and weight gather, as it lists them: the
+    activations between stages (`sharding.costmodel.pipeline_comms._stage_comms`: read from one microbatch's rows,
+    the whole batch's and the schedule's traffic, never from a stage's layers or slots or the remat policy) and
+    each layer parameter's stored rows' gradient all-reduce after the loop
+    (`sharding.costmodel.pipeline_comms.stored_row_sums`: ``ceil(L / (S G))`` rows, G the storage's devices),
+    less those the distributed optimizer replaces (`sharding.costmodel.zero.replaced_all_reduce`). On ``cpu``,
+    whose distributed optimizer may rewrite a step's gradient sums, none are given.
+
+    Args:
+      model, layout, seq_len, rows, backend: As `stage_cost_base` takes them (``layout`` with ``stage`` > 1;
+        its ``stage_layers`` and ``remat`` are not read).
+
+    Returns:
+      The collectives (`Comm`), each one that the stage device's cost lists with the same kind, axes, group,
+      bytes and count.
+
+    Raises:
+      ValueError: A layout without pipeline stages.
+    """
+    if layout.mesh[ax.STAGE] <= 1:
+        raise ValueError(f"stage_fixed_comms prices pipeline stages; the mesh has stage={layout.mesh[ax.STAGE]}")
+    if backend != "gpu":
+        return ()
+    model = describe_model(model)
+    fields = tuple((f, getattr(layout, f)) for f in _LAYOUT_FIELDS if f not in _FIXED_FREE)
+    sends, stored = _stage_fixed_cached(model, tuple(layout.mesh.items()), fields, seq_len, rows)
+    if not zero_on(layout):
+        return sends + stored
+    rules = layout.rules_table()
+    placed = _place_cached(model, rules, tuple(layout.mesh.items()))
+    return sends + tuple(c for c in stored if not replaced_all_reduce(layout, rules, c, placed, backend))
+
+
+# Keyed by a skeleton's schedule and gather: the 16,384-H100 7B plan asks for about 24,000 keys, those of the
+# replicated optimizer state first (the search's order), then the split state's, which share them.
+@functools.lru_cache(maxsize=65536)
+def _stage_fixed_cached(
+    model: ModelDescription, mesh_items: tuple, fields: tuple, seq_len: int, rows: float
+) -> tuple[tuple[Comm, ...], tuple[Comm, ...]]:
+    """`stage_fixed_comms` before the distributed optimizer: ``(stage sends, stored rows' sums)``, as
+    `_pipeline_cost` lists them (its filter of empty groups and counts applied)."""
+    layout = Layout(dict(mesh_items), **dict(fields))
+    shape = _shape_of(model, layout, seq_len, rows, None, 1, 1, None)
+    rules = layout.rules_table()
+    pipe = _pipeline_of(model, layout, rules, shape)
+    _, head, _ = _pipeline_outside(shape, pipe)
+    stored = [c for _, c in stored_row_sums(model, rules, mesh_items, pipe.stages, pipe.groups)]
+
+    def kept(comms) -> tuple[Comm, ...]:
+        return tuple(c for c in comms if c.group > 1 and c.count > 0 and not c.overlappable)
+
+    return kept(_stage_comms(model, layout, shape, pipe, head)), kept(stored)
 
 
 def _shape_of(

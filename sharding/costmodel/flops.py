@@ -110,7 +110,11 @@ def _per_token_flops(
     the weight-gradient products alone, from what its input-gradient pass kept). ``backend``: a grouped product
     costs every group's product per row on `DENSE_GROUPED_BACKENDS`."""
     mesh = layout.mesh
-    compute_axes = tuple(a for a in mesh if a not in ax.BATCH_MESH_AXES)  # gathered axes do not split work
+    # Axes that may split a batch, not the rules' batch axes: a weight split over one is gathered before its
+    # product (FSDP), so it does not split the work, even where the rules keep the batch whole over it (the
+    # compiled step of ``--rule batch=data+fsdp`` on ``expert=4,fsdp=2`` gathers over ``expert``: 1.046 GFLOP
+    # compiled, 1.038 priced; tests/test_moe_placement.py).
+    compute_axes = tuple(a for a in mesh if a not in ax.BATCH_MESH_AXES)
     dense_groups = backend in DENSE_GROUPED_BACKENDS and not batched_experts(model, layout)
     groups_held = 1.0  # every row against every group: under the ring, min(k, E_local) / k of the k per token
     if dense_groups and model.experts is not None:

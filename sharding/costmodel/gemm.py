@@ -90,7 +90,8 @@ def gemm_seconds(g: Gemm, hw: Any, dtype_bytes: int = 2) -> float:
 
 
 def _compute_split(splits: Mapping[str, tuple[str, ...]], mesh: Mapping[str, int], logical: str | None) -> int:
-    """How many ways the work of a logical axis is split (weights gathered over batch axes do not split it)."""
+    """How many ways the work of a logical axis is split (weights gathered over the axes that may split a batch
+    do not split it, whatever the rules map ``batch`` to: `sharding.costmodel.flops._per_token_flops`)."""
     if logical is None:
         return 1
     return math.prod(mesh[a] for a in splits.get(logical, ()) if a not in ax.BATCH_MESH_AXES)

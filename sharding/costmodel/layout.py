@@ -156,8 +156,9 @@ class Layout:
 
     @property
     def batch_split(self) -> int:
-        """Devices the batch is split over (``data`` x ``fsdp`` x ``expert``)."""
-        return math.prod(self.mesh[a] for a in ax.BATCH_MESH_AXES)
+        """Devices the batch is split over: the mesh axes the rules map ``batch`` to (`Rules.batch_split`;
+        ``data`` x ``fsdp`` x ``expert`` under every preset)."""
+        return self.rules_table().batch_split(self.mesh)
 
     def rules_table(self) -> Rules:
         return self.rules if isinstance(self.rules, Rules) else _preset(self.rules)

@@ -107,8 +107,8 @@ def _expert_comms(model: ModelDescription, layout: Layout, rules: Rules, s: _Sha
       ``[tok, k]`` float32, one all-reduce as compiled) backward.
 
     Full remat runs the forward's again. ``tok`` is the layer's tokens on a device, the microbatch's over the
-    devices that split them under the rules (more than ``s.tok`` where the rules keep the batch whole over an
-    axis the rest of the cost model takes as splitting it)."""
+    devices that split them under the rules (the placement's ``token_split``; ``s.tok`` where those are the
+    batch's and the length's axes)."""
     moe = model.experts
     if moe is None:
         return []

@@ -671,8 +671,9 @@ def _cut_elements(model: ModelDescription, rules: Rules, mesh_items: tuple) -> t
 
 @functools.lru_cache(maxsize=4096)
 def _activation_splits(model: ModelDescription, rules: Rules, mesh_items: tuple) -> dict[str, int]:
-    """Per logical axis, how many ways an activation's dimension is split: the rules' mesh axes but the batch
-    axes (which split the weights, not the activations' features)."""
+    """Per logical axis, how many ways an activation's dimension is split: the rules' mesh axes but those that
+    may split a batch (which split the weights, gathered before their products, not the activations' features;
+    `sharding.costmodel.flops._per_token_flops`)."""
     mesh = dict(mesh_items)
     return {
         name: math.prod(mesh[a] for a in axes if a not in ax.BATCH_MESH_AXES)
@@ -681,7 +682,8 @@ def _activation_splits(model: ModelDescription, rules: Rules, mesh_items: tuple)
 
 
 def _batch_factor(p: _Placed, mesh: Mapping[str, int]) -> int:
-    """How many ways the batch axes (``data``, ``fsdp``) split a parameter."""
+    """How many ways the axes that may split a batch (``data``, ``fsdp``, ``expert``) split a parameter: the
+    stage program is manual over all of them whatever the rules map ``batch`` to (`_gathered_block`)."""
     return p.factor(*(a for a in ax.BATCH_MESH_AXES if mesh[a] > 1))
 
 

@@ -298,7 +298,8 @@ def _feature_hops(
 
 
 #: The mesh axes the stage program leaves to the partitioner (`sharding.pipeline.program.manual_axes` is manual
-#: over ``stage`` and the batch axes): a layer weight split over one of them is gathered whole there.
+#: over ``stage`` and every axis that may split a batch, whatever the rules): a layer weight split over one of
+#: them is gathered whole there.
 _AUTO_AXES: tuple[str, ...] = tuple(a for a in ax.MESH_AXES if a != ax.STAGE and a not in ax.BATCH_MESH_AXES)
 
 
@@ -405,11 +406,9 @@ def _pipeline_weight_comms_cached(
     """
     mesh = dict(mesh_items)
     placed = _place_cached(model, rules, mesh_items)
-    summed = tuple(a for a in ax.BATCH_MESH_AXES if mesh[a] > 1)
     axes = _storage_axes(model, rules, mesh)
     groups = axes if groups_n > 1 else ()
-    rest = tuple(a for a in summed if a not in axes)  # the rows' gradients are reduce-scattered over the others
-    q = -(-model.num_layers // (stages * groups_n))
+    sums = dict(stored_row_sums(model, rules, mesh_items, stages, groups_n))
     comms = []
     for p in placed.values():
         if not p.param.per_layer:
@@ -472,19 +471,46 @@ def _pipeline_weight_comms_cached(
                 (whole_sums * row * t if whole_sums else whole),
             )
             comms += _partitioner_gathers(p, "working copy", shard, summed, copy_gathers, copy_reductions, False, False)
-        if rest:
-            comms.append(
-                Comm(
-                    "all-reduce",
-                    rest,
-                    math.prod(mesh[a] for a in rest),
-                    q * row * _PARAM_BYTES,
-                    1,
-                    f"gradient of {what} (stored rows)",
-                    False,  # after the loop, as Megatron-LM's data-parallel all-reduce after the pipeline flush
-                )
-            )
+        if what in sums:
+            comms.append(sums[what])
     return tuple(comms)
+
+
+@functools.lru_cache(maxsize=16384)
+def stored_row_sums(
+    model: ModelDescription, rules: Rules, mesh_items: tuple, stages: int, groups_n: int
+) -> tuple[tuple[str, Comm], ...]:
+    """``((path, comm), ...)``: per layer parameter, in the model's order, the all-reduce of its ``q`` stored rows'
+    float32 gradients over the batch axes that store no rows (`_pipeline_weight_comms_cached` lists each after
+    that parameter's other collectives; the rows' gradients are reduce-scattered over the storage's axes), after
+    the loop: on the critical path, whatever the schedule and split (a stage device stores ``q = ceil(L / (S
+    G))`` rows, ``groups_n`` = G: 1 with the per-microbatch gather). None where every batch axis stores rows."""
+    mesh = dict(mesh_items)
+    # the gradients are summed over the axes the rules split the microbatches over, of those the program is
+    # manual over (`sharding.pipeline.program.run_pipeline`'s ``summed``)
+    summed = tuple(a for a in rules.batch_axes(mesh) if a in ax.BATCH_MESH_AXES)
+    axes = _storage_axes(model, rules, mesh)
+    groups = axes if groups_n > 1 else ()
+    rest = tuple(a for a in summed if a not in axes)  # the rows' gradients are reduce-scattered over the others
+    if not rest:
+        return ()
+    q = -(-model.num_layers // (stages * groups_n))
+    out = []
+    for p in _place_cached(model, rules, mesh_items).values():
+        if not p.param.per_layer:
+            continue
+        row, what = p.local * p.factor(*groups), p.param.path  # one stored row's elements on a device
+        comm = Comm(
+            "all-reduce",
+            rest,
+            math.prod(mesh[a] for a in rest),
+            q * row * _PARAM_BYTES,
+            1,
+            f"gradient of {what} (stored rows)",
+            False,  # after the loop, as Megatron-LM's data-parallel all-reduce after the pipeline flush
+        )
+        out.append((what, comm))
+    return tuple(out)
 
 
 @functools.lru_cache(maxsize=16384)

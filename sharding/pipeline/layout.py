@@ -503,7 +503,8 @@ def check_microbatches(
       microbatches: M (``--microbatches``).
       stages: S.
       batch_size: the global batch (``--batch-size``).
-      data_parallel: the mesh's ``data x fsdp x expert``; each microbatch must split over it.
+      data_parallel: the devices the rules split the batch over (`sharding.parallel.Parallelism.data_parallel`:
+        ``data x fsdp x expert`` under every preset); each microbatch must split over it.
       interleaved_repeats: R of interleaved 1F1B (``--pipeline-repeats`` with a 1F1B schedule), whose
         order moves microbatches in groups of S (Narayanan et al., SC'21, section 2.2), so M must be a
         multiple of S; 1 for every other schedule.

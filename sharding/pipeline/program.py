@@ -308,7 +308,9 @@ def cut_ring(layer_fn, params, like, extras, entries: int):
 
 
 def manual_axes(par) -> tuple[str, ...]:
-    """The axes the stage program is manual over: ``stage`` and the batch axes (``data``, ``fsdp``)."""
+    """The axes the stage program is manual over: ``stage`` and every axis that may split a batch (``data``,
+    ``fsdp``, ``expert``), whatever the rules map ``batch`` to: the gradients are summed over the rules' own
+    (``summed`` in `run_pipeline`), and a parameter split over one of the others is refused (`check_split`)."""
     names = getattr(par.mesh, "axis_names", ())
     return tuple(a for a in (ax.STAGE, *ax.BATCH_MESH_AXES) if a in names)
 
@@ -406,12 +408,8 @@ class Setup:
                 missing = "+".join(a for a in groups if a not in summed)
                 raise ConfigError(
                     f"pipeline: layer parameters are split over {missing} but microbatches of {xs.shape[1]} rows "
-                    "are not; use ",
-                    Field("batch_size"),
-                    " a multiple of ",
-                    Field("microbatches"),
-                    " x data x fsdp, or ",
-                    Field("rule", "batch=data+fsdp"),
+                    "are not; ",
+                    *_split_fixes(par, groups),
                 )
             specs = [
                 only_axes(
@@ -458,14 +456,20 @@ def check_split(specs, summed, par, rows: int, batch, skip_first: bool = True) -
             axes = "+".join(sorted(unsummed))
             raise ConfigError(
                 f"pipeline: a parameter is split over {axes} but microbatches of {rows} rows "
-                f"are not (the rule batch -> {'+'.join(spec_axes(batch)) or 'none'}); use a batch whose "
-                f"microbatches split over {axes} too (",
-                Field("batch_size"),
-                " a multiple of ",
-                Field("microbatches"),
-                " x data x fsdp), or ",
-                Field("rule", "batch=data+fsdp"),
+                f"are not (the rule batch -> {'+'.join(spec_axes(batch)) or 'none'}); ",
+                *_split_fixes(par, sorted(unsummed)),
             )
+
+
+def _split_fixes(par, axes) -> tuple:
+    """What a refusal of parameters split over ``axes`` (manual axes the microbatches are not split over)
+    suggests: a ``batch`` rule that adds the axes it lacks, or, where it has them all (a batch they do not
+    divide, so the split was dropped), a batch the microbatches x those axes divide."""
+    rule = par.rules.mesh_axes(ax.BATCH)
+    wider = (*rule, *(a for a in axes if a not in rule))
+    if wider != rule:
+        return ("split the batch over them too: ", Field("rule", "batch=" + "+".join(wider)))
+    return ("use ", Field("batch_size"), " a multiple of ", Field("microbatches"), " x " + " x ".join(rule))
 
 
 @dataclasses.dataclass(frozen=True)

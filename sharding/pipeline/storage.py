@@ -261,7 +261,9 @@ def storage_axes(
 
 
 def _batch_axes_used(names, rules, mesh_shape: Mapping[str, int]) -> tuple[str, ...]:
-    """The batch mesh axes of size > 1 the rules map some layer parameter's non-layer dimension to."""
+    """The mesh axes of size > 1 that may split a batch (the stage program's manual axes besides ``stage``)
+    the rules map some layer parameter's non-layer dimension to; the program refuses one the rules do not
+    split the microbatches over (`sharding.pipeline.program.check_split`)."""
     used = {a for leaf in names for n in leaf[1:] for a in rules.mesh_axes(n)}
     return tuple(a for a in ax.BATCH_MESH_AXES if a in used and mesh_shape.get(a, 1) > 1)
 

@@ -308,6 +308,7 @@ class _Evaluator:
         self._stage_full: collections.OrderedDict[tuple, cm.StageBase] = collections.OrderedDict()
         self._clock_memo: dict[tuple, dict] = {}
         self._uneven_classes: dict[tuple, tuple] = {}
+        self.floor_memo: dict[tuple, dict[str, float]] = {}  # `sharding.planner.prune`'s floors per kind
         searched = tuple(k.name for k in self.model.attention_kernels if k.searched)
         self.attentions = searched if options.attentions is None else options.attentions
         for name in self.attentions:  # an unknown name is refused before the search, naming it

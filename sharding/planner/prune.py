@@ -22,13 +22,21 @@ its busy time plus the largest optimizer time; the busy time is at least the bus
 clock sums each tick's busiest stage, at least one stage's ``R M`` chunk passes, whose op shares sum to one);
 a device's time is its compute, its critical-path collectives and non-negative further terms
 (`cm.step_time_from`); its compute is at least ``n`` times `cm.compute_floor` of `cm.stage_floor`'s per-layer
-work for its ``n`` layers, on its kind, and its critical-path collectives at least ``n`` times the exposed
-seconds (`cm.comm_totals`) of `cm.stage_floor`'s per-layer tensor- and sequence-parallel ones. So the step
-is at least the busiest stage's ``n_s a_s`` (``a_s`` the slowest of stage ``s``'s kinds per layer), and over
-every split at least the least such maximum (`sharding.splits.min_max_assign`, exact for costs linear in the
-layers). Where every stage holds the same kinds the split is the even one, and each schedule's clock of those
-stage floors is a floor too (it grows with every stage's busy time, `_Evaluator.pipeline_busy`). `SLACK` covers the rounding between these sums. Tests hold each figure against the priced ones and
-the pruned search against the exhaustive one.
+work for its ``n`` layers, on its kind, and its critical-path collectives (a sum of non-negative seconds, one per
+collective its cost lists, `cm.comm_totals`) at least those of two disjoint parts of that list: ``n`` times
+`cm.stage_floor`'s per-layer tensor- and sequence-parallel ones, and the ones every stage device of the layout
+lists whatever the split, its own layers and the largest stage's (`cm.stage_fixed_comms`: the sends between
+stages under the schedule, and each layer parameter's stored rows' gradient all-reduce over the batch axes that
+store no rows, after the loop, which the distributed optimizer's reduce-scatter replaces only where
+`sharding.costmodel.zero.replaced_all_reduce` says), of which the floor takes the least over the weight
+gathers, either of which a plan may use. So a device of kind ``k`` with ``n`` layers is busy at least
+``n a_k + b_k``, the step at least the busiest stage's ``max_k (n_s a_k + b_k)`` over its kinds, and over every
+split at least the least such maximum (`sharding.splits.min_max_assign`, exact for stage costs that grow with
+the layers: it takes the ``L`` smallest of the stages' increments). Where every stage holds the same kinds the
+split is the even one, and each schedule's clock of those stage floors is a floor too (it grows with every
+stage's busy time, `_Evaluator.pipeline_busy`). `SLACK` covers the rounding between these sums. Tests hold each
+figure against the priced ones, each stage device's collectives against `cm.stage_fixed_comms`, and the pruned
+search against the exhaustive one.
 
 Imports nothing of the project outside `sharding`, never the model.
 """
@@ -42,7 +50,7 @@ from collections.abc import Callable, Hashable
 
 from sharding import axes as ax
 from sharding import costmodel as cm
-from sharding.pipeline.layout import Schedule
+from sharding.pipeline.layout import GATHERS, Schedule
 from sharding.planner import shares
 from sharding.planner.evaluator import Plan, _Evaluator
 from sharding.splits import even_split, min_max_assign
@@ -57,14 +65,15 @@ def schedule_floors(ev: _Evaluator, layout: cm.Layout) -> dict[Schedule, float]:
     policy and optimizer-state layout) under each schedule `shares.pipeline_plans` prices it under, whatever the
     weight gather and stage split (module docstring); a schedule the run refuses is left out.
 
-    Each stage's busiest device takes at least ``n_s a_s`` seconds (``n_s`` its layers, ``a_s`` the slowest of
-    its kinds' `cm.compute_floor` per layer and its critical-path collectives per layer, `cm.stage_floor`), and
-    the clock grows with each stage's
-    (`_Evaluator.pipeline_busy`). Where every stage holds the same kinds the split is the even one
+    A device of kind ``k`` computing ``n`` layers takes at least ``n a_k + b_k`` seconds before its optimizer:
+    ``a_k`` its `cm.compute_floor` per layer and its critical-path collectives per layer (`cm.stage_floor`),
+    ``b_k`` its critical-path seconds of the collectives every stage device lists under the schedule, the least
+    over the weight gathers (`fixed_seconds`). A stage takes the most of its kinds', and the clock grows with each
+    stage's (`_Evaluator.pipeline_busy`). Where every stage holds the same kinds the split is the even one
     (`shares.stage_split`): the clock of those stage floors. Else the split is searched: the least over splits of
-    the busiest stage's floor (`sharding.splits.min_max_assign`), with GPipe's bubble and the fused clock's
-    factor (both scale the busiest stage), without the lockstep clock's (it sums over ticks, which a split may
-    balance differently).
+    the busiest stage's floor (`sharding.splits.min_max_assign`, exact for floors that grow with the layers),
+    with GPipe's bubble and the fused clock's factor (both scale the busiest stage), without the lockstep clock's
+    (it sums over ticks, which a split may balance differently).
 
     Args:
       ev: The evaluator.
@@ -78,24 +87,11 @@ def schedule_floors(ev: _Evaluator, layout: cm.Layout) -> dict[Schedule, float]:
     per = layout.batch_split * layout.microbatches
     if ev.batch % per:
         return {}
-    flops, gemms, comms = cm.stage_floor(
-        ev.model, layout, seq_len=ev.seq, rows=ev.batch / per, backend=ev.options.backend
-    )
+    rows = ev.batch / per
     sets = ev.stage_kind_sets(mesh)
-    per_layer: dict[str, float] = {}
-    for kinds in sets:
-        for kind in kinds:
-            if kind.name not in per_layer:
-                hw, memo = ev.hardware[kind.name], ev.clock_memo(kind, mesh)
-                exposed = cm.comm_totals(comms, hw, ev.links(mesh), ev.shares(mesh), ev.options.overlaps, memo).exposed
-                per_layer[kind.name] = cm.compute_floor(flops, gemms, hw, memo) + exposed
-    a = [max(per_layer[k.name] for k in kinds) for kinds in sets]
-    layers = ev.model.num_layers
-    if shares.same_stages(ev, mesh):
-        busiest = [n * a[0] for n in even_split(layers, stages)]
-    else:
-        split = min_max_assign(layers, [0] * stages, lambda i, n: n * a[i])
-        busiest = [max(n * a_s for n, a_s in zip(split, a))] * stages
+    per_layer = _per_layer(ev, layout, rows)
+    names = [tuple(k.name for k in kinds) for kinds in sets]
+    layers, same = ev.model.num_layers, shares.same_stages(ev, mesh)
     out = {}
     for schedule in shares.pipeline_schedules(ev, layout):
         try:
@@ -103,11 +99,72 @@ def schedule_floors(ev: _Evaluator, layout: cm.Layout) -> dict[Schedule, float]:
         except ValueError:
             continue
         clocked = dataclasses.replace(layout, pipeline_schedule=schedule)
-        if schedule.one_f_one_b and ev.options.one_f_one_b_clock == "lockstep" and not shares.same_stages(ev, mesh):
+        fixed = fixed_seconds(ev, clocked, rows)
+
+        def floor(i: int, n: int, fixed=fixed) -> float:  # stage i's busiest device holding n layers
+            return max(n * per_layer[k] + fixed[k] for k in names[i])
+
+        if same:
+            busiest = [floor(0, n) for n in even_split(layers, stages)]
+        else:
+            split = min_max_assign(layers, [0] * stages, floor)
+            busiest = [max(floor(i, n) for i, n in enumerate(split))] * stages
+        if schedule.one_f_one_b and ev.options.one_f_one_b_clock == "lockstep" and not same:
             out[schedule] = busiest[0]
         else:
             out[schedule] = ev.pipeline_busy(clocked, table, busiest)
     return {schedule: (1.0 - SLACK) * seconds for schedule, seconds in out.items()}
+
+
+def _per_layer(ev: _Evaluator, layout: cm.Layout, rows: float) -> dict[str, float]:
+    """Kind name -> ``a_k``: `cm.compute_floor` of `cm.stage_floor`'s per-layer work and the critical-path seconds
+    of its per-layer collectives, on each kind of the mesh; memoised on ``ev`` (`cm.stage_floor` reads neither the
+    schedule, the gather nor the optimizer state's layout)."""
+    mesh = layout.mesh
+    key = ("layer", tuple(mesh.items()), *(getattr(layout, f) for f in _LAYER_FIELDS), rows)
+    out = ev.floor_memo.get(key)
+    if out is None:
+        flops, gemms, comms = cm.stage_floor(ev.model, layout, seq_len=ev.seq, rows=rows, backend=ev.options.backend)
+        out = {}
+        for kind in {k.name: k for kinds in ev.stage_kind_sets(mesh) for k in kinds}.values():
+            hw, memo = ev.hardware[kind.name], ev.clock_memo(kind, mesh)
+            exposed = cm.comm_totals(comms, hw, ev.links(mesh), ev.shares(mesh), ev.options.overlaps, memo).exposed
+            out[kind.name] = cm.compute_floor(flops, gemms, hw, memo) + exposed
+        ev.floor_memo[key] = out
+    return out
+
+
+def fixed_seconds(ev: _Evaluator, layout: cm.Layout, rows: float) -> dict[str, float]:
+    """Kind name -> ``b_k``: the least, over the weight gathers (`sharding.pipeline.layout.GATHERS`), of the
+    critical-path seconds (`cm.comm_totals`) of `cm.stage_fixed_comms` of ``layout`` under its schedule: what every
+    stage device of that kind spends on the sends between stages and its stored rows' gradient sums, whatever
+    the split; memoised on ``ev`` (`cm.stage_fixed_comms` does not read the remat policy)."""
+    mesh = layout.mesh
+    key = ("fixed", tuple(mesh.items()), *(getattr(layout, f) for f in _FIXED_FIELDS), rows)
+    out = ev.floor_memo.get(key)
+    if out is None:
+        kinds = {k.name: k for kinds in ev.stage_kind_sets(mesh) for k in kinds}
+        out = dict.fromkeys(kinds, math.inf)
+        for gather in GATHERS:
+            comms = cm.stage_fixed_comms(
+                ev.model,
+                dataclasses.replace(layout, pipeline_gather=gather),
+                seq_len=ev.seq,
+                rows=rows,
+                backend=ev.options.backend,
+            )
+            for name, kind in kinds.items():
+                hw, memo = ev.hardware[name], ev.clock_memo(kind, mesh)
+                totals = cm.comm_totals(comms, hw, ev.links(mesh), ev.shares(mesh), ev.options.overlaps, memo)
+                out[name] = min(out[name], totals.exposed)
+        ev.floor_memo[key] = out
+    return out
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(cm.Layout) if f.name not in ("mesh", "stage_layers"))
+#: The `cm.Layout` fields `_per_layer` and `fixed_seconds` key their memos by, besides the mesh.
+_LAYER_FIELDS = tuple(f for f in _FIELDS if f not in ("pipeline_schedule", "pipeline_gather", "optimizer_sharding"))
+_FIXED_FIELDS = tuple(f for f in _FIELDS if f not in ("pipeline_gather", "remat"))
 
 
 def pipeline_floor(ev: _Evaluator, layout: cm.Layout) -> float:

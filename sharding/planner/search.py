@@ -34,6 +34,7 @@ from sharding.pipeline.layout import plan_layout
 from sharding.planner import shares
 from sharding.planner.evaluator import Plan, PlanOptions, _Cluster, _Evaluator, over_memory
 from sharding.planner.prune import Cutoff, pipeline_floor, schedule_floors
+from sharding.rules import get_rules
 from sharding.splits import even_split, spread
 
 
@@ -194,7 +195,7 @@ def _splits_heads_evenly(model: ModelDescription, kernel: AttentionTraits, mesh:
 def _layouts(ev: _Evaluator, mesh: dict[str, int], rules: str, attention: str) -> Iterator[tuple[cm.Layout, str]]:
     """Layout skeletons for a mesh (remat and split filled in later), tagged uniform/uneven/context/pipeline."""
     opts, model = ev.options, ev.model
-    n_batch = mesh[ax.DATA] * mesh[ax.FSDP] * mesh.get(ax.EXPERT, 1)
+    n_batch = get_rules(rules).batch_split(mesh)
     if ev.batch % n_batch:
         return
     per_device = ev.batch // n_batch
@@ -597,7 +598,8 @@ def no_plan_reason(
     """
     options = options or PlanOptions()
     ev = _Evaluator(model, inventory, global_batch, seq_len, options)
-    splits = sorted({m[ax.DATA] * m[ax.FSDP] * m.get(ax.EXPERT, 1) for m in _meshes(ev.model, ev.cluster, options)})
+    meshes = list(_meshes(ev.model, ev.cluster, options))
+    splits = sorted({get_rules(r).batch_split(m) for m in meshes for r in options.rules})
     if splits and not any(True for _ in _candidates(ev)):
         for batch in range(
             global_batch + 1, global_batch + 2 * max(splits) * max(options.max_microbatches or 64, 1) + 1

@@ -40,10 +40,11 @@ def _good_batch(value: int, multiple: int) -> int:
 
 
 def check_even_batch(run: RunConfig) -> None:
-    """The batch cut into the strategy's M microbatches, each split over data x fsdp.
+    """The batch cut into the strategy's M microbatches, each split over the mesh axes the rules map ``batch``
+    to (``data`` x ``fsdp`` x ``expert`` under every preset: `Parallelism.data_parallel`).
 
     Raises:
-      ValueError: A ``--batch-size`` that ``--microbatches`` or data x fsdp does not divide.
+      ValueError: A ``--batch-size`` that ``--microbatches`` or the batch's devices do not divide.
     """
     par, batch = run.parallelism, run.data.batch_size
     dp, m = par.data_parallel, par.microbatches
@@ -55,7 +56,8 @@ def check_even_batch(run: RunConfig) -> None:
     if (batch // m) % dp:
         raise ValueError(
             f"--batch-size {batch} / --microbatches {m} = {batch // m} sequences per microbatch, not divisible "
-            f"by the data-parallel size data x fsdp x expert = {dp} of --mesh {format_mesh(par.mesh_shape)}; "
+            f"by the data-parallel size {' x '.join(par.rules.mesh_axes(ax.BATCH)) or 'none'} = {dp} of "
+            f"--mesh {format_mesh(par.mesh_shape)}; "
             f"e.g. --batch-size {_good_batch(batch, m * dp)}"
         )
 

@@ -83,6 +83,7 @@ class UnevenGradients(GradientStrategy):
         self.counts = tuple(strategy.counts)
         self.capacity = strategy.capacity or default_capacity(sum(self.counts), len(self.counts), self.counts)
         self.param_specs = param_specs
+        # every batch axis of the mesh, the rules' batch axes too (`check_uneven` refuses rules that differ)
         self.batch_axes = tuple(a for a in ax.BATCH_MESH_AXES if par.mesh_shape[a] > 1)
         # The map is manual over the batch axes only; tensor stays automatic (GSPMD partitions each layer).
         self.manual = tuple(a for a in ax.BATCH_MESH_AXES if a in par.mesh.axis_names)
@@ -359,7 +360,7 @@ def check_uneven(par: Parallelism, param_names, abstract_params, global_batch: i
 
     Raises:
       ValueError: A mesh that splits ``stage`` or ``sequence``; rules that split a parameter over another
-        axis; counts given per device that differ inside a tensor group, or any other number of counts than
+        axis, or the batch over other axes than every batch axis of the mesh (the step splits it so); counts given per device that differ inside a tensor group, or any other number of counts than
         the data-parallel groups along ``data`` x ``fsdp``; a batch that the counts' microbatches do not
         divide. Each names the flag and a value that works.
     """
@@ -371,6 +372,14 @@ def check_uneven(par: Parallelism, param_names, abstract_params, global_batch: i
         raise ValueError(
             f"--hetero-batch supports meshes over data, fsdp and tensor only; --mesh splits "
             f"{', '.join(others)}. Use e.g. --mesh data={groups} --rules dp, or --hetero-batch off"
+        )
+    # the step's map is manual over every batch axis of the mesh and splits the rows over all of them
+    every = tuple(a for a in ax.BATCH_MESH_AXES if par.mesh_shape[a] > 1)
+    if set(par.rules.batch_axes(par.mesh_shape)) != set(every):
+        ruled = "+".join(par.rules.mesh_axes(ax.BATCH)) or "none"
+        raise ValueError(
+            f"--hetero-batch splits the batch over every batch axis of the mesh ({'+'.join(every)}); "
+            f"--rule batch={ruled} does not. Use --rule batch={'+'.join(every) or 'none'}, or --hetero-batch off"
         )
     for names, leaf in zip(
         jax.tree.leaves(param_names, is_leaf=lambda x: isinstance(x, tuple)),
