@@ -10,6 +10,8 @@ other. A check whose bound was set on a default build compiles its programs with
 
 import os
 
+import jax
+
 #: Compiler options (`jax.stages.Lowered.compile`) that restore the default emitter where the suite turned it
 #: off; empty where it did not (a JAX whose XLA no longer has the flag).
 DEFAULT_CODEGEN: dict[str, bool] = (
@@ -21,6 +23,4 @@ DEFAULT_CODEGEN: dict[str, bool] = (
 
 def compile_default(fn, *args):
     """``jax.jit(fn)`` compiled for ``args`` with a default build's code generation, called on them."""
-    import jax
-
     return jax.jit(fn).lower(*args).compile(DEFAULT_CODEGEN)(*args)

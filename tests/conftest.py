@@ -34,14 +34,15 @@ _TEST_XLA_FLAGS = (
     "--xla_llvm_disable_expensive_passes=true",
 )
 # A flag a JAX release no longer knows stops the process at start-up (XLA refuses unknown flags), so this one
-# is tried in a child first, once per session (xdist workers inherit the result through XLA_FLAGS).
+# is tried in a child first, once per session: xdist workers inherit the controller's XLA_FLAGS, which hold the
+# flag exactly where the child accepted it, so they do not try again.
 _OPTIONAL_XLA_FLAGS = ("--xla_cpu_use_fusion_emitters=false",)
 _flags = os.environ.get("XLA_FLAGS", "")
 for _flag in _TEST_XLA_FLAGS:
     if _flag.split("=")[0] not in _flags:
         _flags = f"{_flags} {_flag}".strip()
 for _flag in _OPTIONAL_XLA_FLAGS:
-    if _flag.split("=")[0] not in _flags and _xla_accepts(_flag):
+    if _flag.split("=")[0] not in _flags and "PYTEST_XDIST_WORKER" not in os.environ and _xla_accepts(_flag):
         _flags = f"{_flags} {_flag}".strip()
 os.environ["XLA_FLAGS"] = _flags
 os.environ.setdefault("JAX_PLATFORMS", "cpu")

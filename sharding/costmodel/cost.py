@@ -253,8 +253,10 @@ def stage_floor(
     return flops, _gemms(model, layout, rules, shape, shape.micro, 0.0, 0.0, 0.0), comms
 
 
-#: The `Layout` fields `stage_fixed_comms`' cache leaves out of its key (the remat policy only sets which layers
-#: a stage recomputes, `sharding.costmodel.pipeline._Pipe.keeps`, none of whose terms these collectives read).
+#: The `Layout` fields `stage_fixed_comms`' cache leaves out of its key: the mesh (keyed as its items), the
+#: optimizer state's layout (applied after the cache), the stage split (not read) and the remat policy (it only
+#: sets which layers a stage recomputes, `sharding.costmodel.pipeline._Pipe.keeps`, which these collectives
+#: do not read).
 _FIXED_FREE = ("mesh", "remat", "stage_layers", "optimizer_sharding")
 _LAYOUT_FIELDS = tuple(f.name for f in dataclasses.fields(Layout))
 
