@@ -117,12 +117,13 @@ def test_measured_fractions_are_data_with_their_source():
 
 def test_a_gemm_by_hand():
     """An [8192, 8192] x [8192, 8192] product on an H100 SXM: tiles of 128 x 256 make 64 x 32 = 2,048 tiles,
-    ceil(2048 / 132) = 16 waves of 2 x 128 x 256 x 8192 FLOPs per SM at 989.5e12 x 0.801 / 132 FLOP/s, plus one
-    launch; the same product one row taller pays a 65th row of tiles (tile quantisation); a thin one (m = 16)
+    ceil(2048 / 132) = 16 waves of 2 x 128 x 256 x 8192 FLOPs per SM at 989.5e12 x 0.801 x 0.887 / 132 FLOP/s
+    (the burst ceiling at the clock a GH100 holds under sustained load), plus one launch; the same product one row taller pays a 65th row of tiles (tile quantisation); a thin one (m = 16)
     has 32 tiles, k split 4 ways over the idle SMs, and is memory-bound: its bytes at 90% of 3.35 TB/s."""
     hw = cm.hardware_for(devices.get_kind("h100"), 8, 400e9)
     assert hw.gemm_tile == (128, 256) and hw.sm_count == 132
-    per_sm = 1979e12 / 2 * 0.801 / 132  # the datasheet's 1,979 with sparsity, halved
+    assert hw.sustained_clock == 0.887
+    per_sm = 1979e12 / 2 * 0.801 * 0.887 / 132  # the datasheet's 1,979 with sparsity, halved
     big = cm.Gemm(8192, 8192, 8192, 1)
     expected = 16 * 2 * 128 * 256 * 8192 / per_sm + cm.GEMM_LAUNCH_SECONDS
     assert cm.gemm_seconds(big, hw) == pytest.approx(expected, rel=1e-12)
@@ -136,6 +137,40 @@ def test_a_gemm_by_hand():
     assert 2 * 128 * 256 * 8192 / 4 / per_sm < 2 * 8192 * 8192 / (3.35e12 * 0.9)  # split-K: memory-bound
     memory = 2 * (16 * 8192 + 8192 * 8192 + 16 * 8192) / (3.35e12 * 0.9)
     assert cm.gemm_seconds(thin, hw) == pytest.approx(memory + cm.GEMM_LAUNCH_SECONDS, rel=1e-12)
+
+
+def test_the_sustained_clock_slows_tensor_core_work_and_nothing_else():
+    """An H100's products and fused attention run at 0.887 of their burst rate (the clock under sustained load,
+    measured: `sharding.devices.SUSTAINED_CLOCK`); its elementwise work, priced at the memory bandwidth, and its
+    collectives do not change. A100 has no such measurement: its burst figures stand (clock 1)."""
+    h100 = devices.get_kind("h100")
+    assert h100.sustained_clock == devices.SUSTAINED_CLOCK["h100_sxm"][0] == 0.887
+    assert "MSMF" in h100.efficiency_source and A100.sustained_clock is None
+    assert _hw().sustained_clock == devices.kinds.DEFAULT_SUSTAINED_CLOCK == 1.0
+    model = describe(get_config("test"))
+    layout = cm.Layout({"data": 8}, "dp", 1, "none", attention="flash", dtype="bfloat16")
+    cost = cm.estimate(model, 16, 64, layout)
+    sustained = cm.hardware_for(h100, 8, 400e9)
+    burst = dataclasses.replace(sustained, sustained_clock=1.0)
+    f = cost.flops
+    elementwise = f.elementwise * 2 / (h100.memory_bandwidth * 0.9)
+    tensor_sustained = cm.compute_seconds(cost, sustained) - elementwise
+    tensor_burst = cm.compute_seconds(cost, burst) - elementwise
+    launches = sum(g.count for g in cost.gemms) * cm.GEMM_LAUNCH_SECONDS
+    big = cm.Gemm(8192, 8192, 8192, 1)  # compute-bound: scales by 1 / 0.887 exactly, but its launch
+    assert cm.gemm_seconds(big, sustained) - cm.GEMM_LAUNCH_SECONDS == pytest.approx(
+        (cm.gemm_seconds(big, burst) - cm.GEMM_LAUNCH_SECONDS) / 0.887, rel=1e-12
+    )
+    thin = cm.Gemm(16, 8192, 8192, 1)  # memory-bound either way: the clock does not move it
+    assert cm.gemm_seconds(thin, sustained) == cm.gemm_seconds(thin, burst)
+    assert tensor_sustained > tensor_burst
+    assert tensor_sustained - launches <= (tensor_burst - launches) / 0.887 * (1 + 1e-9)
+    flash = f.attention / (h100.peak_bf16_flops * 0.55 * 0.887)  # the fused kernel at the same clock
+    products = sum(cm.gemm_seconds(g, sustained) * g.count for g in cost.gemms)
+    assert tensor_sustained == pytest.approx(products + flash, rel=1e-12)
+    links = cm.link_classes({"data": 8}, 8)
+    a, b = cm.step_time(cost, sustained, links), cm.step_time(cost, burst, links)
+    assert a.exposed_comm == b.exposed_comm and a.optimizer == b.optimizer
 
 
 def test_compute_is_the_sum_of_its_products():

@@ -186,14 +186,18 @@ def overlap_axes(text: str) -> tuple[str, ...]:
 
 
 def efficiency_note(inventory, options) -> str:
-    """``efficiency 50% of peak`` (``--efficiency``), or the clock's own: ``compute from the shapes (matmul
-    ceiling a100_80gb 86%, ...)`` (`sharding.devices.GEMM_BENCHMARKS`)."""
+    """``efficiency 50% of peak`` (``--efficiency``), or the clock's own: ``compute from the shapes (sustained
+    matmul ceiling a100_80gb 86%, h100_sxm 71%, ...)``: each kind's best measured matmul times the clock it holds
+    under sustained load (`sharding.devices.GEMM_BENCHMARKS`, `sharding.devices.SUSTAINED_CLOCK`)."""
     if options.efficiency is not None:
         return f"efficiency {options.efficiency:.0%} of peak"
+    kinds = devices.kinds
     ceilings = ", ".join(
-        f"{k.name} {k.gemm_fraction or devices.kinds.DEFAULT_GEMM_FRACTION:.0%}" for k in inventory.kinds_present
+        f"{k.name} "
+        f"{(k.gemm_fraction or kinds.DEFAULT_GEMM_FRACTION) * (k.sustained_clock or kinds.DEFAULT_SUSTAINED_CLOCK):.0%}"
+        for k in inventory.kinds_present
     )
-    return f"compute from the shapes (matmul ceiling {ceilings} of peak)"
+    return f"compute from the shapes (sustained matmul ceiling {ceilings} of peak)"
 
 
 def idle_warnings(plans: Sequence[planner.Plan]) -> list[str]:

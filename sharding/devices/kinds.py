@@ -75,7 +75,10 @@ class DeviceKind:
             `DEFAULT_GEMM_FRACTION`).
         attention_fraction: Fraction of ``peak_bf16_flops`` a fused (flash) attention kernel's forward and
             backward reach, measured (`ATTENTION_BENCHMARKS`); ``None``: `DEFAULT_ATTENTION_FRACTION`.
-        efficiency_source: Where ``gemm_fraction`` and ``attention_fraction`` come from.
+        sustained_clock: Fraction of the burst rate above (``gemm_fraction``, ``attention_fraction``: short
+            benchmarks at the boost clock) the tensor cores hold under sustained full load, where the power
+            limit lowers the clock (`SUSTAINED_CLOCK`); ``None``: `DEFAULT_SUSTAINED_CLOCK` (no measurement).
+        efficiency_source: Where ``gemm_fraction``, ``attention_fraction`` and ``sustained_clock`` come from.
         peak_fp32_flops: Without bfloat16 (``bfloat16`` False): the float32 peak, FLOP/s, the planner's clock
             for it (planned in float32, the dtype the kind has and the model runs); None where not needed.
         bfloat16: Whether the kind computes in bfloat16 at ``peak_bf16_flops`` (False for V100, whose
@@ -95,6 +98,7 @@ class DeviceKind:
     sm_count: int | None = None
     gemm_fraction: float | None = None
     attention_fraction: float | None = None
+    sustained_clock: float | None = None
     efficiency_source: str = ""
     peak_fp32_flops: float | None = None
     bfloat16: bool = True
@@ -106,7 +110,7 @@ class DeviceKind:
             value = getattr(self, field)
             if value is not None and not _is_positive_number(value):
                 raise ValueError(f"DeviceKind {self.name!r}: {field} must be a positive number or None, got {value!r}")
-        for field in ("gemm_fraction", "attention_fraction"):
+        for field in ("gemm_fraction", "attention_fraction", "sustained_clock"):
             value = getattr(self, field)
             if value is not None and not 0 < value <= 1:
                 raise ValueError(f"DeviceKind {self.name!r}: {field} must be in (0, 1], got {value!r}")
@@ -325,24 +329,50 @@ ATTENTION_BENCHMARKS: Mapping[str, tuple[float, str]] = {
     "h200_sxm": (0.55, _FLASH_H100 + "; H200 taken as the H100's (same die)"),
 }
 
+_MSMF_H200 = (
+    "S. Bekman, ml-engineering, compute/accelerator/benchmarks/README.md, mamf-finder.py's two headlines: "
+    "MAMF (the best burst at the boost clock, the figures above) and MSMF (the rate a shape holds over a 4 s "
+    "window once the clock has settled under full load). H200 bf16, all 8 GPUs of a node computing at once "
+    "(n=40): MSMF 755.5 against MAMF 852.1 TFLOP/s, 0.887 (settled clock 1,850-1,938 MHz against the 1,980 MHz "
+    "boost); one GPU with idle siblings 744.8 / 848.4, 0.878; an earlier protocol of the same benchmark "
+    "698.6 / 823.9, 0.848; H100 taken as the H200's (the same GH100 die at the same 700 W limit)"
+)
+
+#: Kind name -> (fraction of its burst matmul rate a kind's tensor cores hold under sustained full load,
+#: source). A training step keeps the tensor cores busy for seconds; a 700 W GH100 then runs at the clock its
+#: power limit allows, below the boost clock the short benchmarks behind `GEMM_BENCHMARKS` and
+#: `ATTENTION_BENCHMARKS` ran at. The clock applies to every tensor-core kernel (products and fused
+#: attention alike); memory-bound work (elementwise, the optimizer) is priced at the memory bandwidth and
+#: does not take it. Measured, not fitted to training runs; the published figures span 0.848-0.951
+#: (docs/costmodel.md gives the clock's error over that span).
+SUSTAINED_CLOCK: Mapping[str, tuple[float, str]] = {
+    "h100_sxm": (0.887, _MSMF_H200),
+    "h200_sxm": (0.887, _MSMF_H200),
+}
+
 #: Assumed where a kind has no measurement cited: the fraction of peak a large matmul reaches (the low end
-#: of the measured ceilings above), a flash attention kernel's (FlashAttention-2's on A100), and the SMs.
+#: of the measured ceilings above), a flash attention kernel's (FlashAttention-2's on A100), the SMs, and a
+#: clock that holds its burst rate under sustained load (no power-limit measurement: the A100s' published
+#: runs come within a few percent without one, bench/RESULTS.md).
 DEFAULT_GEMM_FRACTION = 0.80
 DEFAULT_ATTENTION_FRACTION = 0.55
+DEFAULT_SUSTAINED_CLOCK = 1.0
 DEFAULT_SM_COUNT = 108
 
 
 def _measured(kind: DeviceKind) -> DeviceKind:
     """``kind`` with its SM count and measured fractions (`SM_COUNTS`, `GEMM_BENCHMARKS`,
-    `ATTENTION_BENCHMARKS`)."""
+    `ATTENTION_BENCHMARKS`, `SUSTAINED_CLOCK`)."""
     gemm = GEMM_BENCHMARKS.get(kind.name)
     attention = ATTENTION_BENCHMARKS.get(kind.name)
-    sources = "; ".join(x[1] for x in (gemm, attention) if x)
+    clock = SUSTAINED_CLOCK.get(kind.name)
+    sources = "; ".join(dict.fromkeys(x[1] for x in (gemm, attention, clock) if x))
     return dataclasses.replace(
         kind,
         sm_count=SM_COUNTS.get(kind.name),
         gemm_fraction=gemm[0] if gemm else None,
         attention_fraction=attention[0] if attention else None,
+        sustained_clock=clock[0] if clock else None,
         efficiency_source=sources,
     )
 
