@@ -73,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="fraction of peak FLOP/s the step's work reaches, for every kind; default: priced from the "
         "shapes (each matrix product's tiles and waves at the kind's measured matmul ceiling, "
-        "sharding.devices.GEMM_BENCHMARKS; elementwise work at the memory bandwidth)",
+        "sharding.devices.GEMM_BENCHMARKS, at the clock it holds under sustained load, SUSTAINED_CLOCK; "
+        "elementwise work at the memory bandwidth)",
     )
     p.add_argument("--no-pipeline", action="store_true", help="leave stage=1 (no pipeline parallelism)")
     p.add_argument(

@@ -141,8 +141,8 @@ def hardware_for(
     """`Hardware` from a `sharding.devices.DeviceKind` and its host.
 
     Compute: from the shapes (`compute_seconds`) with the kind's SMs, measured matmul and attention fractions
-    (`sharding.devices.GEMM_BENCHMARKS`, `ATTENTION_BENCHMARKS`; `sharding.devices.kinds.DEFAULT_GEMM_FRACTION`
-    and its neighbours where a kind has none); ``efficiency`` when given (``--efficiency``) prices all the
+    and sustained clock (`sharding.devices.GEMM_BENCHMARKS`, `ATTENTION_BENCHMARKS`, `SUSTAINED_CLOCK`;
+    `sharding.devices.kinds.DEFAULT_GEMM_FRACTION` and its neighbours where a kind has none); ``efficiency`` when given (``--efficiency``) prices all the
     step's work at that fraction of peak instead.
 
     Latencies: NCCL's model (`NCCL_LATENCY`), NVLink or PCIe by the kind's intra-host bandwidth.
