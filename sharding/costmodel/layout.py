@@ -151,8 +151,9 @@ class Layout:
 
     @property
     def length_split(self) -> int:
-        """Devices each sequence's tokens are split over (``context`` x ``sequence``)."""
-        return math.prod(self.mesh[a] for a in ax.LENGTH_MESH_AXES)
+        """Devices each sequence's tokens are split over: the mesh axes the rules map ``length`` to
+        (`Rules.length_split`; ``context`` x ``sequence`` under every preset)."""
+        return self.rules_table().length_split(self.mesh)
 
     @property
     def batch_split(self) -> int:
@@ -276,8 +277,7 @@ def layout_of(par: Parallelism, config: Any = None, **fields: Any) -> Layout:
         )
     else:
         values.update(microbatches=par.microbatches, uneven_batch=par.strategy.uneven)
-    split = math.prod(par.mesh_shape.get(a, 1) for a in ax.LENGTH_MESH_AXES) > 1
-    if split and par.context_layout in (CONTIGUOUS, ZIGZAG):  # "auto" until the mesh is resolved
+    if par.length_shards > 1 and par.context_layout in (CONTIGUOUS, ZIGZAG):  # "auto" until the mesh is resolved
         values.update(context_layout=par.context_layout)
     if isinstance(par.context_shares, tuple):  # "auto" until measured at start-up: priced even
         values.update(context_shares=par.context_shares)
