@@ -21,7 +21,6 @@ from models.attention import resolve_context_layout
 from models.config import get_config
 from sharding import costmodel as cm
 from sharding import hlo
-from sharding.axes import LENGTH_MESH_AXES
 from sharding.mesh import make_mesh, parse_mesh
 from sharding.parallel import Accumulation, Parallelism
 from sharding.pipeline.layout import PipelinePlan, pipeline_rules, plan_layout
@@ -162,10 +161,9 @@ def shares_of(case) -> tuple[int, ...] | None:
     return tuple(case[7]) if len(case) == 8 else None
 
 
-def _context_layout(config, mesh) -> str:
-    """The tokens' layout along the length that ``--context-layout auto`` gives the run."""
-    shards = math.prod(mesh.get(a, 1) for a in LENGTH_MESH_AXES)
-    return resolve_context_layout("auto", config.attention, shards)
+def _context_layout(config, mesh, rules) -> str:
+    """The tokens' layout along the length that ``--context-layout auto`` gives the run under ``rules``."""
+    return resolve_context_layout("auto", config.attention, rules.length_split(mesh))
 
 
 def _strategy(case, config, mesh) -> tuple[Accumulation, PipelinePlan | None]:
@@ -219,7 +217,7 @@ def _trainer(case, optimizer_sharding: str = "replicated"):
     """``(trainer, global batch, positions)``: the case's `Trainer` and its step's batch and (padded) length."""
     model, mesh_spec, rules, batch, seq, micro, remat = case[:7]
     config, mesh = config_of(model, remat), parse_mesh(mesh_spec, 8)
-    layout = _context_layout(config, mesh)
+    layout = _context_layout(config, mesh, get_rules(rules))
     strategy, plan = _strategy(case, config, mesh)
     par = Parallelism.of(make_mesh(mesh), get_rules(rules), strategy, context_layout=layout, pipeline=plan)
     par = par.replace(context_shares=shares_of(case), optimizer_sharding=optimizer_sharding)
@@ -292,7 +290,7 @@ def predicted(case, optimizer_sharding: str = "replicated") -> cm.Cost:
         mesh,
         table,
         strategy,
-        _context_layout(config, mesh),
+        _context_layout(config, mesh, table),
         context_shares=shares_of(case),
         optimizer_sharding=optimizer_sharding,
         pipeline=plan,

@@ -11,15 +11,13 @@ the attention registry and the model (`models.attention_registry`, `models.atten
   others (``context``, across hosts) (Fang & Zhao, 2024).
 * `NONE`: a kernel that keeps the length whole exchanges nothing.
 
-This module imports nothing of the project but `sharding.axes`, and no JAX.
+This module imports nothing of the project, and no JAX.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
-
-from sharding import axes as ax
+from collections.abc import Mapping, Sequence
 
 __all__ = ["ALL_TO_ALL", "EXCHANGES", "NONE", "RING", "USP", "ContextExchange", "context_exchange"]
 
@@ -43,20 +41,26 @@ class ContextExchange:
     all_to_all: bool
     takes_shares: bool = False
 
-    def groups(self, mesh: Mapping[str, int]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    def groups(self, mesh: Mapping[str, int], length_axes: Sequence[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """The mesh axes of its ring and of its all-to-all on ``mesh`` (mesh axis -> size, missing ones 1).
 
-        A ring passes blocks around every device of the length (``context`` x ``sequence``, one ring); an
-        all-to-all trades heads over all of them; both together run the all-to-all over the innermost length
-        axis and the ring over the others. Axes of size 1 are left out.
+        A ring passes blocks around every device of the length (``length_axes``, one ring); an all-to-all
+        trades heads over all of them; both together run the all-to-all over the innermost length axis (the
+        rule's last, as the kernel does, `models.attention_kernels.run_usp`) and the ring over the others.
+        Axes of size 1 are left out.
+
+        Args:
+          mesh: Mesh axis -> size (missing axes are 1).
+          length_axes: The mesh axes the rules map ``length`` to, outermost first, sizes 1 included
+            (`sharding.rules.Rules.mesh_axes`): ``context`` and ``sequence`` under every preset.
 
         Returns:
           ``(ring_axes, all_to_all_axes)``; both empty for `NONE`.
         """
-        split = tuple(a for a in ax.LENGTH_MESH_AXES if mesh.get(a, 1) > 1)
+        split = tuple(a for a in length_axes if mesh.get(a, 1) > 1)
         if self.ring and self.all_to_all:
-            inner = ax.LENGTH_MESH_AXES[-1]
-            return tuple(a for a in split if a != inner), tuple(a for a in split if a == inner)
+            inner = tuple(length_axes[-1:])
+            return tuple(a for a in split if a not in inner), tuple(a for a in split if a in inner)
         if self.ring:
             return split, ()
         if self.all_to_all:

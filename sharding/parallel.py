@@ -292,8 +292,8 @@ class Parallelism:
 
     @property
     def length_shards(self) -> int:
-        """P: devices the activations' ``length`` is split over (its rule's mesh axes)."""
-        return math.prod(self.mesh_shape[a] for a in self.rules.mesh_axes(ax.LENGTH))
+        """P: devices the activations' ``length`` is split over (its rule's mesh axes, `Rules.length_split`)."""
+        return self.rules.length_split(self.mesh_shape)
 
     @property
     def padded_length(self) -> int | None:

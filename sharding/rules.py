@@ -120,6 +120,18 @@ class Rules:
         batch the product does not divide are checked elsewhere (`logical_to_spec` drops such an axis)."""
         return math.prod(mesh_shape[a] for a in self.batch_axes(mesh_shape))
 
+    def length_axes(self, mesh_shape: Mapping[str, int]) -> tuple[str, ...]:
+        """The mesh axes of size > 1 a sequence's length is split over inside the attention and MLP blocks:
+        ``length``'s rule, in its order, outermost first (``mesh_shape``: mesh axis -> size, missing axes 1).
+        Under every preset these are the mesh's ``context`` and ``sequence`` (`sharding.axes.LENGTH_MESH_AXES`);
+        an override such as ``--rule length=none`` keeps the length whole over ``sequence``."""
+        return tuple(a for a in self.mesh_axes(ax.LENGTH) if mesh_shape.get(a, 1) > 1)
+
+    def length_split(self, mesh_shape: Mapping[str, int]) -> int:
+        """Devices a sequence's length is split over: the product of `length_axes`' sizes (>= 1), what the
+        cost model prices a device's tokens from and the run's `sharding.parallel.Parallelism.length_shards`."""
+        return math.prod(mesh_shape[a] for a in self.length_axes(mesh_shape))
+
     def as_dict(self) -> dict[str, list[str]]:
         """JSON-friendly form, for reports and checkpoint metadata."""
         return {name: list(mesh_axes) for name, mesh_axes in self.table}

@@ -50,18 +50,23 @@ def test_dispatch_records_say_what_the_model_cost_model_and_report_read():
 
 
 @pytest.mark.parametrize(
-    "record, want",
+    "record, want, swapped",
     [
-        (exchange.RING, (("context", "sequence"), ())),
-        (exchange.ALL_TO_ALL, ((), ("context", "sequence"))),
-        (exchange.USP, (("context",), ("sequence",))),
-        (exchange.NONE, ((), ())),
+        (exchange.RING, (("context", "sequence"), ()), (("sequence", "context"), ())),
+        (exchange.ALL_TO_ALL, ((), ("context", "sequence")), ((), ("sequence", "context"))),
+        (exchange.USP, (("context",), ("sequence",)), (("sequence",), ("context",))),
+        (exchange.NONE, ((), ()), ((), ())),
     ],
     ids=lambda x: getattr(x, "name", "") or None,
 )
-def test_context_exchange_groups_the_length_axes(record, want):
-    assert record.groups({"fsdp": 2, "context": 2, "sequence": 4}) == want
-    ring, all_to_all = record.groups({"fsdp": 8, "context": 1, "sequence": 4})  # size-1 axes left out
+def test_context_exchange_groups_the_length_axes(record, want, swapped):
+    """The ring and all-to-all axes of each exchange over the length rule's axes (every preset's: ``context``
+    outer, ``sequence`` inner); with the rule's order swapped, USP's all-to-all runs over its last axis
+    (``context``), as its kernel does (`models.attention_kernels.run_usp`)."""
+    length, mesh = ("context", "sequence"), {"fsdp": 2, "context": 2, "sequence": 4}
+    assert record.groups(mesh, length) == want
+    assert record.groups(mesh, length[::-1]) == swapped
+    ring, all_to_all = record.groups({"fsdp": 8, "context": 1, "sequence": 4}, length)  # size-1 axes left out
     assert "context" not in ring + all_to_all
 
 

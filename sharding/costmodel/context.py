@@ -21,27 +21,31 @@ size, a collective-permute's block), the quantity the test compares with the com
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from sharding.modeldesc import AttentionTraits
 
 
-def context_groups(traits: AttentionTraits, mesh: Mapping[str, int]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def context_groups(
+    traits: AttentionTraits, mesh: Mapping[str, int], length_axes: Sequence[str]
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The mesh axes of the ring and of the all-to-all of a context-parallel kernel on ``mesh``.
 
-    Ring attention passes blocks around every device of the length (``context`` x ``sequence``, one
-    ring); all-to-all attention trades heads over all of them; USP runs the all-to-all over the
-    innermost length axis (``sequence``, inside a host) and the ring over the others (``context``)
-    (`sharding.exchange.ContextExchange.groups`). Axes of size 1 are left out.
+    Ring attention passes blocks around every device of the length (``length_axes``: ``context`` x
+    ``sequence`` under every preset, one ring); all-to-all attention trades heads over all of them; USP
+    runs the all-to-all over the innermost length axis (``sequence``, inside a host) and the ring over the
+    others (``context``) (`sharding.exchange.ContextExchange.groups`). Axes of size 1 are left out.
 
     Args:
       traits: The kernel's (its ``context_exchange``).
       mesh: Mesh axis -> size (missing axes are 1).
+      length_axes: The mesh axes the rules map ``length`` to, outermost first
+        (``rules.mesh_axes(sharding.axes.LENGTH)``), as the kernel's `jax.shard_map` reads them.
 
     Returns:
       ``(ring_axes, all_to_all_axes)``; both empty for a kernel that does not split the length.
     """
-    return traits.exchange.groups(mesh)
+    return traits.exchange.groups(mesh, length_axes)
 
 
 def context_traffic(

@@ -177,7 +177,7 @@ def _busiest_ring_share(kernel: AttentionTraits, layout: Layout) -> float:
     """
     if layout.context_layout != CONTIGUOUS or kernel.key_fraction >= 1:
         return 1.0
-    ring_axes, _ = context_groups(kernel, layout.mesh)
+    ring_axes, _ = context_groups(kernel, layout.mesh, layout.rules_table().mesh_axes(ax.LENGTH))
     ring = math.prod(layout.mesh[a] for a in ring_axes)
     return (2 * ring - 1) / ring
 

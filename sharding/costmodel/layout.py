@@ -151,8 +151,9 @@ class Layout:
 
     @property
     def length_split(self) -> int:
-        """Devices each sequence's tokens are split over (``context`` x ``sequence``)."""
-        return math.prod(self.mesh[a] for a in ax.LENGTH_MESH_AXES)
+        """Devices each sequence's tokens are split over: the mesh axes the rules map ``length`` to
+        (`Rules.length_split`; ``context`` x ``sequence`` under every preset)."""
+        return self.rules_table().length_split(self.mesh)
 
     @property
     def batch_split(self) -> int:
@@ -200,7 +201,10 @@ def ring_tokens(layout: Layout, seq_len: int) -> tuple[int, ...] | None:
 
 
 def unpriced_attention(
-    kernel: AttentionTraits, mesh: Mapping[str, int], kernels: Sequence[AttentionTraits] = ()
+    kernel: AttentionTraits,
+    mesh: Mapping[str, int],
+    kernels: Sequence[AttentionTraits] = (),
+    length_axes: Sequence[str] = ax.LENGTH_MESH_AXES,
 ) -> str | None:
     """Why the cost model cannot price attention ``kernel`` on ``mesh``, or None when it can.
 
@@ -215,8 +219,10 @@ def unpriced_attention(
       mesh: Mesh axis -> size (missing axes are 1).
       kernels: The model's kernels (`sharding.modeldesc.ModelDescription.attention_kernels`): the reason names
         those that split the length, the ones that would be priced.
+      length_axes: The mesh axes the rules map ``length`` to (`sharding.rules.Rules.mesh_axes`); the default is
+        every preset's: a ``context`` axis outside them splits no sequence and is priced as any other.
     """
-    context = mesh.get(ax.CONTEXT, 1)
+    context = mesh.get(ax.CONTEXT, 1) if ax.CONTEXT in length_axes else 1
     if context > 1 and not kernel.splits_length:
         splitting = ", ".join(k.name for k in kernels if k.splits_length)
         return (
@@ -234,7 +240,7 @@ def attention_of(model: ModelDescription, layout: Layout) -> AttentionTraits:
         layout's mesh (`unpriced_attention`); each names the attention.
     """
     kernel = model.attention_kernel(layout.attention)
-    reason = unpriced_attention(kernel, layout.mesh, model.attention_kernels)
+    reason = unpriced_attention(kernel, layout.mesh, model.attention_kernels, layout.rules_table().mesh_axes(ax.LENGTH))
     if reason:
         raise ValueError(reason)
     return kernel
@@ -276,8 +282,7 @@ def layout_of(par: Parallelism, config: Any = None, **fields: Any) -> Layout:
         )
     else:
         values.update(microbatches=par.microbatches, uneven_batch=par.strategy.uneven)
-    split = math.prod(par.mesh_shape.get(a, 1) for a in ax.LENGTH_MESH_AXES) > 1
-    if split and par.context_layout in (CONTIGUOUS, ZIGZAG):  # "auto" until the mesh is resolved
+    if par.length_shards > 1 and par.context_layout in (CONTIGUOUS, ZIGZAG):  # "auto" until the mesh is resolved
         values.update(context_layout=par.context_layout)
     if isinstance(par.context_shares, tuple):  # "auto" until measured at start-up: priced even
         values.update(context_shares=par.context_shares)

@@ -260,7 +260,8 @@ def _vocab_parallel_comms(
         comms.append(
             Comm("all-reduce", split.vocab_axes, t, s.tok * d * 4, m, "loss: input gradient over tensor", False)
         )
-    rest, n = _axes(mesh, *(a for a in (ax.DATA, *ax.LENGTH_MESH_AXES) if a not in slices))
+    length = layout.rules_table().length_axes(mesh)
+    rest, n = _axes(mesh, *(a for a in (ax.DATA, *length) if a not in slices))
     if n > 1:
         comms.append(Comm("all-reduce", rest, n, shard, m, f"gradient of {weight.param.path}"))
     return comms
@@ -353,7 +354,7 @@ def _gradient_reductions(
     """
     mesh = layout.mesh
     all_axes, all_n = _axes(mesh, ax.DATA, ax.FSDP, ax.EXPERT)  # the batch's devices
-    length_axes, length_n = _axes(mesh, *ax.LENGTH_MESH_AXES)  # the length's
+    length_axes, length_n = _axes(mesh, *layout.rules_table().length_axes(mesh))  # the length's
     if all_n * length_n <= 1:
         return []
     comms = []
@@ -519,7 +520,7 @@ def _context_comms(model: ModelDescription, layout: Layout, rules: Rules, s: _Sh
     (`_fsdp_gather_bytes`)."""
     kernel = model.attention_kernel(layout.attention)
     mesh = layout.mesh
-    ring_axes, a2a_axes = context_groups(kernel, mesh)
+    ring_axes, a2a_axes = context_groups(kernel, mesh, rules.mesh_axes(ax.LENGTH))
     ring, inner = math.prod(mesh[a] for a in ring_axes), math.prod(mesh[a] for a in a2a_axes)
     if ring * inner <= 1:
         return []
@@ -561,20 +562,22 @@ def _context_comms(model: ModelDescription, layout: Layout, rules: Rules, s: _Sh
 
 
 def _sequence_comms(model: ModelDescription, layout: Layout, rules: Rules, s: _Shape, backend: str) -> list[Comm]:
-    """Context parallelism over ``sequence`` as the partitioner does it for reference attention:
-    keys and values gathered over ``sequence`` before the score product (forward, and again in the
-    backward pass), their gradients reduce-scattered back (CPU: all-reduced whole)."""
+    """Context parallelism over the length's axes (``sequence``: a kernel that keeps the length whole is not
+    priced over ``context``, `sharding.costmodel.layout.unpriced_attention`) as the partitioner does it for
+    reference attention: keys and values gathered over them before the score product (forward, and again in
+    the backward pass), their gradients reduce-scattered back (CPU: all-reduced whole). A rule that keeps
+    the length whole (``--rule length=none``) gathers nothing."""
     mesh = layout.mesh
-    n = mesh[ax.SEQUENCE]
+    axes, n = _axes(mesh, *rules.length_axes(mesh))
     if n <= 1:
         return []
     geometry = model.attention
     kv = _axis_split(model, geometry.kv_axis, rules, mesh)
     one = s.tok * n * geometry.num_kv_heads / kv * geometry.head_dim * s.act_bytes  # k or v, gathered
     count = s.layers * s.micro
-    comms = [Comm("all-gather", (ax.SEQUENCE,), n, one, 4 * count, "keys and values", False)]
+    comms = [Comm("all-gather", axes, n, one, 4 * count, "keys and values", False)]
     if backend == "gpu":
-        comms.append(Comm("reduce-scatter", (ax.SEQUENCE,), n, 2 * one / n, count, "key and value gradients", False))
+        comms.append(Comm("reduce-scatter", axes, n, 2 * one / n, count, "key and value gradients", False))
     else:
-        comms.append(Comm("all-reduce", (ax.SEQUENCE,), n, 2 * one, count, "key and value gradients", False))
+        comms.append(Comm("all-reduce", axes, n, 2 * one, count, "key and value gradients", False))
     return comms

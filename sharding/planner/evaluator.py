@@ -61,7 +61,12 @@ _STAGE_FULL = 256
 
 
 def _within_batch_group(mesh: Mapping[str, int]) -> tuple[int, ...]:
-    """The positions in ``mesh`` of the axes inside one data-parallel group (all but ``data`` and ``fsdp``)."""
+    """The positions in ``mesh`` of the axes inside one data-parallel group (all but ``data`` and ``fsdp``).
+
+    Fixed rather than the rules' `Rules.batch_axes`: only the uneven step has groups of its own, and it splits
+    the rows over every batch axis of a mesh without ``expert`` (`train.strategies.uneven.check_uneven` refuses
+    a ``batch`` rule that does not), so its groups are the ``data`` x ``fsdp`` positions under any rules it runs.
+    """
     return tuple(i for i, name in enumerate(mesh) if name not in (ax.DATA, ax.FSDP))
 
 
@@ -356,23 +361,25 @@ class _Evaluator:
         """The slowest kind (by peak FLOP/s, then name) of each stage."""
         return [min(kinds, key=lambda k: (k.peak_bf16_flops, k.name)) for kinds in self.stage_kind_sets(mesh)]
 
-    def ring_kind_sets(self, mesh) -> list[tuple[Any, ...]]:
-        """The distinct device kinds at each position along the length's split (``context`` x ``sequence``,
-        context major: the ring's order), over every other axis (sorted by name)."""
+    def ring_kind_sets(self, mesh, length_axes: Sequence[str]) -> list[tuple[Any, ...]]:
+        """The distinct device kinds at each position along the length's split (``length_axes``, the rules'
+        `sharding.rules.Rules.length_axes`: ``context`` x ``sequence`` under every preset; the first major,
+        the ring's order), over every other axis (sorted by name)."""
 
         def make():
             names = list(mesh)
-            ring = [names.index(a) for a in ax.LENGTH_MESH_AXES]
+            ring = [names.index(a) for a in length_axes]
             grid = np.moveaxis(self.grid(mesh), ring, list(range(len(ring))))
             rows = grid.reshape(int(np.prod(grid.shape[: len(ring)])), -1)
             kinds = self.cluster.kinds
             return tuple(tuple(sorted((kinds[i] for i in np.unique(row)), key=lambda k: k.name)) for row in rows)
 
-        return list(self._per_mesh("ring", mesh, make))
+        return list(self._per_mesh(("ring", *length_axes), mesh, make))
 
-    def ring_kinds(self, mesh) -> list[Any]:
-        """The slowest kind (by peak FLOP/s, then name) at each position along the length's split (ring order)."""
-        return [min(kinds, key=self._speed) for kinds in self.ring_kind_sets(mesh)]
+    def ring_kinds(self, mesh, length_axes: Sequence[str]) -> list[Any]:
+        """The slowest kind (by peak FLOP/s, then name) at each position along the length's split (``length_axes``,
+        ring order)."""
+        return [min(kinds, key=self._speed) for kinds in self.ring_kind_sets(mesh, length_axes)]
 
     def kinds_in(self, mesh) -> list[Any]:
         """The kinds on the mesh, in order of first appearance along it."""
@@ -488,7 +495,7 @@ class _Evaluator:
         same padded blocks, so memory is alike; attention is what differs."""
         mesh, tokens = layout.mesh, cm.ring_tokens(layout, self.seq)
         devices, seen = [], set()
-        for position, kinds in enumerate(self.ring_kind_sets(mesh)):
+        for position, kinds in enumerate(self.ring_kind_sets(mesh, layout.rules_table().length_axes(mesh))):
             for kind in kinds:
                 if (kind.name, tokens[position]) in seen:
                     continue

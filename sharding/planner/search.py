@@ -152,7 +152,7 @@ def _attentions_for(ev: _Evaluator, mesh: Mapping[str, int]) -> tuple[str, ...]:
     the partitioner runs (reference) over ``sequence`` alone; a kernel needing the length whole under its
     own ``shard_map`` (flash) would gather it, which is not context parallelism, and is left out."""
     model = ev.model
-    if math.prod(mesh[a] for a in ax.LENGTH_MESH_AXES) <= 1:
+    if math.prod(mesh[a] for a in ax.LENGTH_MESH_AXES) <= 1:  # the search's presets all map length to these
         return tuple(ev.attentions)
     names = list(ev.attentions)
     if ev.options.attentions is None:
@@ -186,7 +186,7 @@ def _canonical_split(kernel: AttentionTraits, mesh: Mapping[str, int], ev: _Eval
 def _splits_heads_evenly(model: ModelDescription, kernel: AttentionTraits, mesh: Mapping[str, int]) -> bool:
     """Whether a context-parallel kernel's all-to-all divides the query heads of a ``tensor`` shard (KV heads
     are repeated as needed, `sharding.costmodel.context`); a ring needs nothing of the heads."""
-    _, a2a_axes = context_groups(kernel, mesh)
+    _, a2a_axes = context_groups(kernel, mesh, ax.LENGTH_MESH_AXES)  # every preset's length axes (per mesh)
     inner = math.prod(mesh[a] for a in a2a_axes)
     heads = model.attention.num_heads // max(1, mesh[ax.TENSOR])
     return inner <= 1 or (heads % inner == 0 and heads >= inner)
@@ -216,19 +216,20 @@ def _layouts(ev: _Evaluator, mesh: dict[str, int], rules: str, attention: str) -
             )
             if uneven_ok:
                 yield dataclasses.replace(base, uneven_batch=True), "uneven"
-            if opts.hetero and _shares_fit(ev, mesh, model.attention_kernel(attention)):
+            if opts.hetero and _shares_fit(ev, mesh, rules, model.attention_kernel(attention)):
                 yield base, "context"
 
 
-def _shares_fit(ev: _Evaluator, mesh: Mapping[str, int], attention: AttentionTraits) -> bool:
+def _shares_fit(ev: _Evaluator, mesh: Mapping[str, int], rules: str, attention: AttentionTraits) -> bool:
     """Whether uneven sequence shards (``--context-shares``) are worth pricing: ring attention (the kernel
     that skips padding; the layout is zigzag) over a length split whose ring positions are paced by
     different device kinds, without pipeline stages, on an even length (zigzag chunk pairs)."""
     if not attention.exchange.takes_shares or mesh[ax.STAGE] > 1 or ev.seq % 2:
         return False
-    if math.prod(mesh[a] for a in ax.LENGTH_MESH_AXES) <= 1:
+    length_axes = get_rules(rules).length_axes(mesh)
+    if not length_axes:
         return False
-    return len({k.name for k in ev.ring_kinds(mesh)}) > 1
+    return len({k.name for k in ev.ring_kinds(mesh, length_axes)}) > 1
 
 
 def _uneven_fits(mesh: Mapping[str, int], rules: str, attention: AttentionTraits) -> bool:
@@ -240,6 +241,7 @@ def _uneven_fits(mesh: Mapping[str, int], rules: str, attention: AttentionTraits
     out: parameters split over ``fsdp`` and ``tensor`` at once (``fsdp``/``fsdp_tp`` rules with both axes
     > 1), which the step runs exactly but whose parameter gathers the partitioner lays out with extra
     traffic the model does not count (tests/test_hetero.py)."""
+    # the uneven step's meshes, whatever the rules (`train.strategies.uneven.check_uneven`): no length axis
     if any(mesh.get(a, 1) > 1 for a in (ax.STAGE, ax.EXPERT, *ax.LENGTH_MESH_AXES)):
         return False
     if mesh[ax.TENSOR] > 1 and attention.under_shard_map:

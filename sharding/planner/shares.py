@@ -274,11 +274,12 @@ def context_shares(ev: _Evaluator, layout: cm.Layout) -> Plan | None:
     if even is None:
         return None
     mesh = layout.mesh
+    ring_kinds = ev.ring_kinds(mesh, layout.rules_table().length_axes(mesh))
     seconds = {}
-    for kind in {k.name: k for k in ev.ring_kinds(mesh)}.values():
+    for kind in {k.name: k for k in ring_kinds}.values():
         cost = cm.device_cost(ev.model, layout, seq_len=ev.seq, rows=even.microbatch_rows, backend=ev.options.backend)
         seconds[kind.name] = ev.time(cost, kind, mesh).total
-    speeds = [1.0 / seconds[k.name] for k in ev.ring_kinds(mesh)]
+    speeds = [1.0 / seconds[k.name] for k in ring_kinds]
     slowest = min(speeds)
     priced: dict[tuple[int, ...], Plan | None] = {}
 

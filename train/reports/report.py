@@ -363,9 +363,10 @@ def head_line(trainer, batch: int) -> str:
             f"  final norm, output projection and loss: rows split over {'+'.join(axes)}, {rows} of the batch's "
             f"{batch} per device (1/{stages} of each stage computing them all)"
         )
+    split = " x ".join((*par.rules.batch_axes(par.mesh_shape), ax.STAGE))  # the rows' axes, the rules' batch's
     return (
         f"  final norm, output projection and loss: computed by every stage (batch {batch} not divisible by "
-        f"data x fsdp x stage = {par.data_parallel * stages})"
+        f"{split} = {par.data_parallel * stages})"
     )
 
 
