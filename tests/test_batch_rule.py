@@ -8,6 +8,7 @@ import re
 import pytest
 
 from sharding import axes as ax
+from sharding import costmodel as cm
 from sharding.mesh import parse_mesh
 from sharding.parallel import Parallelism, UnevenBatch
 from sharding.rules import get_rules
@@ -22,19 +23,40 @@ def _rows(block: str) -> dict[str, tuple[float, float]]:
     return {m[1]: (float(m[2]), float(m[3])) for m in found}
 
 
-def test_a_dry_run_splits_the_batch_over_the_rules_axes(capsys):
+def test_a_dry_run_splits_the_batch_over_the_rules_axes(capsys, monkeypatch):
     """A batch of 2 on ``expert=4,fsdp=2`` under ``--rule batch=data+fsdp``: the rules split it over ``fsdp``
     only (1 sequence per device), so the run takes it (it refused it before, as not divisible by data x fsdp x
     expert = 8) and its dry run prices the compiled step's matrix products within 10% (0.032 GFLOP priced,
-    0.033 compiled); a batch of 3 is refused naming the rules' split, data x fsdp = 2."""
-    from train import train
+    0.033 compiled); a batch of 3 is refused naming the rules' split, data x fsdp = 2.
 
+    The embedding lookup's all-to-all and collective-permute (the step's only ones) within 10% of the compiled
+    step's, in bytes (`sharding.costmodel.embedding._embedding_kept_batch`): 2 KiB each. Priced with ``expert``
+    folded into ``fsdp`` (the batch then split over both), they were an all-to-all of 16 KiB and no permute."""
+    from sharding import hlo
+    from train import train
+    from train.reports import report
+
+    seen = []
+
+    def priced_beside(trainer, compiled, batch, seq_len):
+        seen.append((trainer, compiled, batch, seq_len))
+        return lines(trainer, compiled, batch, seq_len)
+
+    lines = report.cost_model_lines
+    monkeypatch.setattr(report, "cost_model_lines", priced_beside)
     assert train.main([*MOE, *KEEP_BATCH, "--batch-size", "2"]) == 0
     out = capsys.readouterr().out
     assert "compiled one train step (batch 2 x 32)" in out
     rows = _rows(out[out.index("cost model (sharding.costmodel") :])
     predicted, compiled = rows["matrix-product FLOPs"]
     assert abs(predicted - compiled) <= 0.10 * compiled, (predicted, compiled)
+
+    (trainer, program, batch, seq_len), *_ = seen
+    cost = cm.estimate(trainer.config, batch, seq_len, cm.layout_of(trainer.par, trainer.config), backend="cpu")
+    priced, found = cm.collective_bytes(cost.comms), cm.collective_bytes(hlo.collectives(program.as_text()))
+    for kind in ("all-to-all", "collective-permute"):
+        assert found[kind] == 2048, (kind, found[kind])
+        assert abs(priced.get(kind, 0.0) - found[kind]) <= 0.10 * found[kind], (kind, priced.get(kind), found[kind])
 
     assert train.main([*MOE, *KEEP_BATCH, "--batch-size", "3"]) == 2
     err = capsys.readouterr().err
@@ -76,3 +98,34 @@ def test_the_uneven_step_refuses_a_batch_rule_it_does_not_follow(mesh, overrides
     with pytest.raises(ValueError, match=r"--rule batch=data does not\. Use --rule batch=data\+fsdp"):
         check_uneven(par, [], [])
     assert par.rules.batch_axes(par.mesh_shape) == (ax.DATA,)
+
+
+@pytest.mark.parametrize(
+    "batch, micro, compiled",
+    [
+        (8, 1, {"all-gather": 296, "all-to-all": 64, "collective-permute": 80}),
+        (16, 2, {"all-gather": 560, "all-to-all": 128, "collective-permute": 144}),
+    ],
+)
+def test_the_embedding_moves_its_table_once_the_batch_groups_tokens_outnumber_it(batch, micro, compiled):
+    """``moe-test`` on ``expert=4,fsdp=2`` under ``--rule batch=data+fsdp``, 256 tokens a sequence (no
+    compilation): 4 x 256 tokens a device (a microbatch), 2,048 over the ``fsdp`` pair against 512 table entries,
+    so the lookup gathers the ``[512, 64/8]`` table shard over ``fsdp`` once a step (permuted into that order
+    first) and its rows over ``expert``, and sends the rows' gradient back by an all-to-all over ``fsdp`` and a
+    collective-permute. The KiB per step of the embedding's collectives, as the compiled step moved them on jax
+    0.10 (its ``jit(_take)`` instructions; 16 x 256 in 2 microbatches: the table's gather hoisted out of the
+    loop); priced with ``expert`` folded into ``fsdp``, an all-to-all of 256 KiB there and back per microbatch
+    (0.50 MiB at 8 x 256 against 0.06 compiled) and no permute."""
+    from models.config import get_config
+    from sharding.mesh import make_mesh
+    from sharding.parallel import Accumulation
+
+    config = get_config("moe-test")
+    par = Parallelism.of(make_mesh(parse_mesh("expert=4,fsdp=2", 8)), get_rules("fsdp_tp", ["batch=data+fsdp"]))
+    par = par.replace(strategy=Accumulation(microbatches=micro))
+    cost = cm.estimate(config, batch, 256, cm.layout_of(par, config), backend="cpu")
+    lookup = [c for c in cost.comms if c.what.startswith(("embedding", "gradient of embed/embedding"))]
+    priced = {kind: total / 2**10 for kind, total in cm.collective_bytes(lookup).items()}
+    assert set(priced) == set(compiled), priced
+    for kind, want in compiled.items():
+        assert abs(priced[kind] - want) <= 0.10 * want, (kind, priced[kind], want)
