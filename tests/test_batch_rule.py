@@ -23,40 +23,19 @@ def _rows(block: str) -> dict[str, tuple[float, float]]:
     return {m[1]: (float(m[2]), float(m[3])) for m in found}
 
 
-def test_a_dry_run_splits_the_batch_over_the_rules_axes(capsys, monkeypatch):
+def test_a_dry_run_splits_the_batch_over_the_rules_axes(capsys):
     """A batch of 2 on ``expert=4,fsdp=2`` under ``--rule batch=data+fsdp``: the rules split it over ``fsdp``
     only (1 sequence per device), so the run takes it (it refused it before, as not divisible by data x fsdp x
     expert = 8) and its dry run prices the compiled step's matrix products within 10% (0.032 GFLOP priced,
-    0.033 compiled); a batch of 3 is refused naming the rules' split, data x fsdp = 2.
-
-    The embedding lookup's all-to-all and collective-permute (the step's only ones) within 10% of the compiled
-    step's, in bytes (`sharding.costmodel.embedding._embedding_kept_batch`): 2 KiB each. Priced with ``expert``
-    folded into ``fsdp`` (the batch then split over both), they were an all-to-all of 16 KiB and no permute."""
-    from sharding import hlo
+    0.033 compiled); a batch of 3 is refused naming the rules' split, data x fsdp = 2."""
     from train import train
-    from train.reports import report
 
-    seen = []
-
-    def priced_beside(trainer, compiled, batch, seq_len):
-        seen.append((trainer, compiled, batch, seq_len))
-        return lines(trainer, compiled, batch, seq_len)
-
-    lines = report.cost_model_lines
-    monkeypatch.setattr(report, "cost_model_lines", priced_beside)
     assert train.main([*MOE, *KEEP_BATCH, "--batch-size", "2"]) == 0
     out = capsys.readouterr().out
     assert "compiled one train step (batch 2 x 32)" in out
     rows = _rows(out[out.index("cost model (sharding.costmodel") :])
     predicted, compiled = rows["matrix-product FLOPs"]
     assert abs(predicted - compiled) <= 0.10 * compiled, (predicted, compiled)
-
-    (trainer, program, batch, seq_len), *_ = seen
-    cost = cm.estimate(trainer.config, batch, seq_len, cm.layout_of(trainer.par, trainer.config), backend="cpu")
-    priced, found = cm.collective_bytes(cost.comms), cm.collective_bytes(hlo.collectives(program.as_text()))
-    for kind in ("all-to-all", "collective-permute"):
-        assert found[kind] == 2048, (kind, found[kind])
-        assert abs(priced.get(kind, 0.0) - found[kind]) <= 0.10 * found[kind], (kind, priced.get(kind), found[kind])
 
     assert train.main([*MOE, *KEEP_BATCH, "--batch-size", "3"]) == 2
     err = capsys.readouterr().err
