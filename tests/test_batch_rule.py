@@ -80,27 +80,31 @@ def test_the_uneven_step_refuses_a_batch_rule_it_does_not_follow(mesh, overrides
 
 
 @pytest.mark.parametrize(
-    "batch, micro, compiled",
+    "rule, batch, micro, compiled",
     [
-        (8, 1, {"all-gather": 296, "all-to-all": 64, "collective-permute": 80}),
-        (16, 2, {"all-gather": 560, "all-to-all": 128, "collective-permute": 144}),
+        ("batch=data+fsdp", 8, 1, {"all-gather": 296, "all-to-all": 64, "collective-permute": 80}),
+        ("batch=data+fsdp", 16, 2, {"all-gather": 560, "all-to-all": 128, "collective-permute": 144}),
+        ("batch=data+expert", 8, 1, {"all-gather": 136, "all-to-all": 128}),
+        ("batch=data+expert", 16, 2, {"all-gather": 272, "all-to-all": 256}),
     ],
 )
-def test_the_embedding_moves_its_table_once_the_batch_groups_tokens_outnumber_it(batch, micro, compiled):
-    """``moe-test`` on ``expert=4,fsdp=2`` under ``--rule batch=data+fsdp``, 256 tokens a sequence (no
-    compilation): 4 x 256 tokens a device (a microbatch), 2,048 over the ``fsdp`` pair against 512 table entries,
-    so the lookup gathers the ``[512, 64/8]`` table shard over ``fsdp`` once a step (permuted into that order
-    first) and its rows over ``expert``, and sends the rows' gradient back by an all-to-all over ``fsdp`` and a
-    collective-permute. The KiB per step of the embedding's collectives, as the compiled step moved them on jax
-    0.10 (its ``jit(_take)`` instructions; 16 x 256 in 2 microbatches: the table's gather hoisted out of the
-    loop); priced with ``expert`` folded into ``fsdp``, an all-to-all of 256 KiB there and back per microbatch
-    (0.50 MiB at 8 x 256 against 0.06 compiled) and no permute."""
+def test_the_embedding_lookup_under_a_batch_kept_whole_over_some_table_axes(rule, batch, micro, compiled):
+    """``moe-test`` on ``expert=4,fsdp=2`` (the table's ``embed`` over ``fsdp`` x ``expert``), 256 tokens a
+    sequence, no compilation: the KiB per step of the embedding lookup's collectives, as the compiled step moved
+    them on jax 0.10 (its ``jit(_take)`` instructions). Under ``batch=data+fsdp``, 4 x 256 tokens a device (a
+    microbatch), 2,048 over the ``fsdp`` pair against 512 table entries: the ``[512, 64/8]`` shard permuted
+    and gathered over ``fsdp`` once a step (hoisted out of the microbatch loop), the rows gathered over
+    ``expert``, their gradient back by an all-to-all over ``fsdp`` and a collective-permute. Under
+    ``batch=data+expert``, 2 x 256 tokens a device: the tokens gathered over ``expert``, the rows moved by an
+    all-to-all over ``fsdp`` and gathered over it, their gradient back by an all-to-all. Priced with ``expert``
+    folded into ``fsdp``, both were an all-to-all of the device's whole rows there and back (0.50 MiB at 8 x 256
+    under ``batch=data+fsdp`` against 0.06 compiled; 0.25 against 0.12 under ``batch=data+expert``)."""
     from models.config import get_config
     from sharding.mesh import make_mesh
     from sharding.parallel import Accumulation
 
     config = get_config("moe-test")
-    par = Parallelism.of(make_mesh(parse_mesh("expert=4,fsdp=2", 8)), get_rules("fsdp_tp", ["batch=data+fsdp"]))
+    par = Parallelism.of(make_mesh(parse_mesh("expert=4,fsdp=2", 8)), get_rules("fsdp_tp", [rule]))
     par = par.replace(strategy=Accumulation(microbatches=micro))
     cost = cm.estimate(config, batch, 256, cm.layout_of(par, config), backend="cpu")
     lookup = [c for c in cost.comms if c.what.startswith(("embedding", "gradient of embed/embedding"))]

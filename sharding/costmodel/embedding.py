@@ -51,8 +51,8 @@ def _embedding_comms(
       ``tensor`` when the vocabulary is split, and the table's gradient all-reduced over the batch axes per
       microbatch (`_embedding_gathered`).
 
-    * f only, with the batch whole over the trailing axes of those that split ``embed`` (``--rule
-      batch=data+fsdp`` on an ``expert`` mesh): `_embedding_kept_batch`.
+    * f only, with the batch split over some of the axes that split ``embed`` and kept whole over the others
+      (``--rule batch=data+fsdp`` or ``batch=data+expert`` on an ``expert`` mesh): `_embedding_kept_batch`.
 
     jax 0.12's partitioner (`_partitioner`) always takes (a) for f only, reducing the [V, D/f]
     gradient shard over ``data``, and in the t-and-f cases without ``data`` sends row gradients
@@ -72,9 +72,9 @@ def _embedding_comms(
     if lookup_gathers_table(rules, run.mesh, v, d, round(s.rows * run.batch_split)):
         return _embedding_gathered(table, mesh, s, t, f)
     split = tuple(a for a in _split_axes(ax.EMBED, d, rules, tuple(run.mesh.items())) if run.mesh[a] > 1)
-    b = len([a for a in split if a in batch])
-    if t <= 1 and 0 < b < len(split) and set(split[:b]) == set(batch):
-        return _embedding_kept_batch(table, run.mesh, s, split[:b], split[b:])
+    shared, kept = tuple(a for a in split if a in batch), tuple(a for a in split if a not in batch)
+    if t <= 1 and kept and shared and set(shared) == set(batch) and split in ((*shared, *kept), (*kept, *shared)):
+        return _embedding_kept_batch(table, run.mesh, s, split, kept)
     if t <= 1:
         return _embedding_fsdp(table, mesh, s, f)
     if f <= 1:
@@ -117,40 +117,50 @@ def _kept_batch_moves_rows(tokens: float, vocab: int) -> bool:
 
 
 def _embedding_kept_batch(
-    table: _Placed, mesh: Mapping[str, int], s: _Shape, batch: tuple[str, ...], kept: tuple[str, ...]
+    table: _Placed, mesh: Mapping[str, int], s: _Shape, split: tuple[str, ...], kept: tuple[str, ...]
 ) -> list[Comm]:
-    """The lookup from a table whose ``embed`` is split over ``batch`` + ``kept`` (f devices) while the rules
-    split the batch over the leading ``batch`` axes only (b devices) and keep it whole over the ``kept`` ones
-    (``--rule batch=data+fsdp`` on ``expert=4,fsdp=2``: ``embed`` over ``fsdp`` x ``expert``, the batch over
-    ``fsdp``), as jax 0.10 emits it. Priced on the run's mesh: folding ``expert`` into ``fsdp`` (the weights'
-    ZeRO-3 pricing) would split the batch over both, an all-to-all of the device's whole rows over f devices
-    there and back (8x to 16x the compiled bytes).
+    """The lookup from a table whose ``embed`` is split over the ``split`` axes (f devices) while the rules split
+    the batch over some of them (b devices, ``batch``) and keep it whole over the others (``kept``, k = f / b),
+    as jax 0.10 emits it; ``batch`` either the leading or the trailing axes of ``split``. Priced on the run's
+    mesh: folding ``expert`` into ``fsdp`` (the weights' ZeRO-3 pricing) would split the batch over both, an
+    all-to-all of the device's whole rows over f devices there and back (2x to 16x the compiled bytes).
 
-    The device's ``[tok, D]`` rows come from the b devices' tokens (``tok b``, gathered over ``batch``), in one
-    of two ways, as the partitioner chooses (`_kept_batch_moves_rows`): the rows, looked up from the local
-    ``[V, D/f]`` shard as ``[tok b, D/f]`` and all-gathered over all f devices (the partitioner's "involuntary
-    full rematerialization": each keeps its batch's part); or the table, its shard permuted into the batch
-    axes' order and gathered over them once per step, ``[V, D b/f]``, the ``[tok, D b/f]`` rows looked up
-    and all-gathered over ``kept``. Backward, either way: the rows' gradient sent to the table's layout,
-    ``[tok b, D/f]``, by an all-to-all over ``batch`` and a collective-permute, then scattered into the shard
-    (no reduction). Seen on ``moe-test`` from 2 x 32 to 2 x 384 (the rows) and from 2 x 480 to 16 x 256, and
-    16 x 256 in 2 microbatches (the table: its gather hoisted out of the microbatch loop); with the batch whole over the leading axes (``--rule batch=data+expert``) the
-    partitioner lowers it otherwise, not priced here (`_embedding_fsdp`'s).
+    Either way the b devices' tokens (``tok b``) are all-gathered over ``batch`` and the rows' gradient goes
+    back to the table's layout as ``[tok b, D/f]`` (float32), scattered into the shard with no reduction.
+
+    * The batch over the leading axes (``--rule batch=data+fsdp`` on ``expert=4,fsdp=2``: ``embed`` over
+      ``fsdp`` x ``expert``): the rows come one of two ways, as the partitioner chooses
+      (`_kept_batch_moves_rows`): the rows, looked up from the local ``[V, D/f]`` shard as ``[tok b, D/f]`` and
+      all-gathered over all f devices (the partitioner's "involuntary full rematerialization": each keeps its
+      batch's part); or the table, its shard permuted into the batch axes' order and gathered over them once
+      per step, ``[V, D b/f]``, the ``[tok, D b/f]`` rows looked up and all-gathered over ``kept``. The
+      gradient goes back by an all-to-all over ``batch`` and a collective-permute. Seen on ``moe-test`` from
+      2 x 32 to 2 x 384 (the rows) and from 2 x 480 to 16 x 256 and 16 x 256 in 2 microbatches (the table: its
+      gather hoisted out of the microbatch loop).
+    * The batch over the trailing axes (``--rule batch=data+expert``): the ``[tok b, D/f]`` rows looked up
+      locally go to ``[tok, D/k]`` by an all-to-all over ``kept`` and are all-gathered over it to ``[tok, D]``;
+      the gradient goes back by an all-to-all over ``kept``. Seen on ``moe-test`` at 4 x 32, 8 x 256 and
+      16 x 256 in 2 microbatches.
     """
     (v, d), m, path = table.param.shape, s.micro, table.param.path
-    b, k = math.prod(mesh[a] for a in batch), math.prod(mesh[a] for a in kept)
-    f, every, tokens = b * k, (*batch, *kept), s.tok * b
+    batch = tuple(a for a in split if a not in kept)
+    f, b, k = (math.prod(mesh[a] for a in axes) for axes in (split, batch, kept))
+    tokens = s.tok * b
     back = tokens * d / f * 4  # float32: the lookup reads the float32 table
-    comms = [
-        Comm("all-gather", batch, b, tokens * _INT_BYTES, m, "embedding: tokens"),
-        Comm("all-to-all", batch, b, back, m, f"gradient of {path}: rows to the table layout"),
-        Comm("collective-permute", every, 2, back, m, f"gradient of {path}: rows to the table layout"),
-    ]
+    grad = f"gradient of {path}: rows to the table layout"
+    comms = [Comm("all-gather", batch, b, tokens * _INT_BYTES, m, "embedding: tokens")]
+    if split[: len(batch)] != batch:
+        return comms + [
+            Comm("all-to-all", kept, k, back, m, "embedding: rows to batch layout"),
+            Comm("all-gather", kept, k, s.tok * d * 4, m, "embedding: rows"),
+            Comm("all-to-all", kept, k, back, m, grad),
+        ]
+    comms += [Comm("all-to-all", batch, b, back, m, grad), Comm("collective-permute", split, 2, back, m, grad)]
     if _kept_batch_moves_rows(tokens, v):
-        return comms + [Comm("all-gather", every, f, tokens * d * 4, m, "embedding: rows (the batch group's)")]
+        return comms + [Comm("all-gather", split, f, tokens * d * 4, m, "embedding: rows (the batch group's)")]
     shard = v * d / f * 4
     return comms + [
-        Comm("collective-permute", every, 2, shard, 1, "embedding: table shard into the batch axes' order"),
+        Comm("collective-permute", split, 2, shard, 1, "embedding: table shard into the batch axes' order"),
         Comm("all-gather", batch, b, shard * b, 1, "embedding: table over the batch axes"),
         Comm("all-gather", kept, k, s.tok * d * 4, m, "embedding: rows to batch layout"),
     ]
