@@ -109,8 +109,8 @@ def _embedding_gathered(table: _Placed, mesh: Mapping[str, int], s: _Shape, t: i
 
 def _kept_batch_moves_rows(tokens: float, vocab: int) -> bool:
     """Whether the lookup of `_embedding_kept_batch` moves the rows of the batch group's ``tokens`` rather than
-    the table: seen on ``moe-test`` (512 entries) with the rows at 512, 576 and 768 tokens over ``fsdp=2`` and
-    the table at 960, 1,024 and 2,048 over ``fsdp=2`` and 1,024 and 2,048 over ``fsdp=4``. The partitioner's
+    the table: seen on ``moe-test`` (512 entries) with the rows from 64 to 768 tokens over ``fsdp=2`` (8
+    samples) and the table from 960 to 4,096 over ``fsdp=2`` and at 1,024 and 2,048 over ``fsdp=4``. The partitioner's
     rule is not known; the boundary priced, 1.5 ``vocab``, is the one between those samples (an assumption
     for other vocabularies)."""
     return 2 * tokens <= 3 * vocab
