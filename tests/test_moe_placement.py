@@ -158,6 +158,23 @@ def test_a_step_that_keeps_the_batch_whole_over_expert_is_priced_its_tokens_and_
     assert abs(cost.matmul_flops - compiled) <= TOLERANCE * compiled, (cost.matmul_flops, compiled)
 
 
+def test_a_step_that_keeps_the_batch_whole_over_expert_is_priced_its_embedding_lookup(keep_batch_step):
+    """The same step's all-to-all and collective-permute, the embedding lookup's alone (the dispatch here is
+    all-reduces): the table's ``embed`` is split over ``fsdp`` x ``expert`` (8), the batch over ``fsdp`` only,
+    so the looked-up rows' gradient ``[8 x 32 tokens x 2, 64 / 8]`` float32 goes back to the table's layout by
+    one all-to-all over ``fsdp`` and one collective-permute, 16 KiB each, within 10% of the compiled bytes
+    (`sharding.costmodel.embedding._embedding_kept_batch`). Priced with ``expert`` folded into ``fsdp`` (the
+    batch split over all 8), they were an all-to-all of the device's whole rows there and back, 128 KiB, and
+    no permute."""
+    config, shape, rules, step = keep_batch_step
+    cost, _ = _moe_comms(config, shape, rules, 16)
+    compiled = cm.collective_bytes(hlo.collectives(step.as_text()))
+    priced = cm.collective_bytes(cost.comms)
+    for kind in ("all-to-all", "collective-permute"):
+        assert compiled[kind] == 8 * SEQ * 2 * 64 / 8 * 4, (kind, compiled[kind])
+        assert abs(priced.get(kind, 0.0) - compiled[kind]) <= TOLERANCE * compiled[kind], (kind, priced.get(kind))
+
+
 def test_experts_split_over_a_compute_axis_are_priced_their_products_once():
     """Experts split over ``tensor`` (an axis that divides the work, not the batch): XLA:CPU's dense grouped
     products run each device's 4 experts on its own tokens' rows, and the priced products are the compiled

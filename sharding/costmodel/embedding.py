@@ -10,11 +10,12 @@ Units: bytes, executions per step.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 from sharding import axes as ax
 from sharding.costmodel.collectives import Comm, _axes, _partitioner
-from sharding.costmodel.layout import _INT_BYTES, Layout, _Placed, _Shape
+from sharding.costmodel.layout import _INT_BYTES, Layout, _Placed, _Shape, _split_axes
 from sharding.modeldesc import ModelDescription
 from sharding.vocab import lookup_gathers_table
 
@@ -23,9 +24,13 @@ def _table_split(p: _Placed) -> tuple[int, int]:
     return p.factor(ax.TENSOR), p.factor(ax.FSDP)
 
 
-def _embedding_comms(model: ModelDescription, layout: Layout, placed: dict[str, _Placed], s: _Shape) -> list[Comm]:
+def _embedding_comms(
+    model: ModelDescription, layout: Layout, placed: dict[str, _Placed], s: _Shape, unfolded: Layout | None = None
+) -> list[Comm]:
     """The token embedding lookup (a gather from the [V, D] table, the ``embedding`` parameter), as the
-    partitioner lowers it.
+    partitioner lowers it. ``layout`` may fold ``expert`` into ``fsdp`` (`sharding.costmodel.partitioner.
+    _zero_groups`); ``unfolded`` is then the run's own layout (None: ``layout`` is), whose rules say which of
+    the table's axes the batch is split over.
 
     By how the rules split the table (``vocab`` over ``tensor``: t, ``embed`` over ``fsdp``: f):
 
@@ -46,6 +51,9 @@ def _embedding_comms(model: ModelDescription, layout: Layout, placed: dict[str, 
       ``tensor`` when the vocabulary is split, and the table's gradient all-reduced over the batch axes per
       microbatch (`_embedding_gathered`).
 
+    * f only, with the batch split over some of the axes that split ``embed`` and kept whole over the others
+      (``--rule batch=data+fsdp`` or ``batch=data+expert`` on an ``expert`` mesh): `_embedding_kept_batch`.
+
     jax 0.12's partitioner (`_partitioner`) always takes (a) for f only, reducing the [V, D/f]
     gradient shard over ``data``, and in the t-and-f cases without ``data`` sends row gradients
     back with a collective-permute instead of a second all-to-all.
@@ -59,8 +67,14 @@ def _embedding_comms(model: ModelDescription, layout: Layout, placed: dict[str, 
     if f <= 1 and t <= 1:
         return []
     v, d = table.param.shape
-    if lookup_gathers_table(layout.rules_table(), mesh, v, d, round(s.rows * layout.batch_split)):
+    run = unfolded or layout
+    rules, batch = run.rules_table(), run.rules_table().batch_axes(run.mesh)
+    if lookup_gathers_table(rules, run.mesh, v, d, round(s.rows * run.batch_split)):
         return _embedding_gathered(table, mesh, s, t, f)
+    split = tuple(a for a in _split_axes(ax.EMBED, d, rules, tuple(run.mesh.items())) if run.mesh[a] > 1)
+    shared, kept = tuple(a for a in split if a in batch), tuple(a for a in split if a not in batch)
+    if t <= 1 and kept and shared and set(shared) == set(batch) and split in ((*shared, *kept), (*kept, *shared)):
+        return _embedding_kept_batch(table, run.mesh, s, split, kept)
     if t <= 1:
         return _embedding_fsdp(table, mesh, s, f)
     if f <= 1:
@@ -91,6 +105,65 @@ def _embedding_gathered(table: _Placed, mesh: Mapping[str, int], s: _Shape, t: i
                 Comm("all-reduce", (ax.TENSOR,), t, s.tok * _INT_BYTES, 1, "cross-entropy: target logits", False)
             )
     return comms + [Comm("all-reduce", batch_axes, batch_n, shard, m, grad)]
+
+
+def _kept_batch_moves_rows(tokens: float, vocab: int) -> bool:
+    """Whether the lookup of `_embedding_kept_batch` moves the rows of the batch group's ``tokens`` rather than
+    the table: seen on ``moe-test`` (512 entries) with the rows from 64 to 768 tokens over ``fsdp=2`` (8
+    samples) and the table from 960 to 4,096 over ``fsdp=2`` and at 1,024 and 2,048 over ``fsdp=4``. The partitioner's
+    rule is not known; the boundary priced, 1.5 ``vocab``, is the one between those samples (an assumption
+    for other vocabularies)."""
+    return 2 * tokens <= 3 * vocab
+
+
+def _embedding_kept_batch(
+    table: _Placed, mesh: Mapping[str, int], s: _Shape, split: tuple[str, ...], kept: tuple[str, ...]
+) -> list[Comm]:
+    """The lookup from a table whose ``embed`` is split over the ``split`` axes (f devices) while the rules split
+    the batch over some of them (b devices, ``batch``) and keep it whole over the others (``kept``, k = f / b),
+    as jax 0.10 emits it; ``batch`` either the leading or the trailing axes of ``split``. Priced on the run's
+    mesh: folding ``expert`` into ``fsdp`` (the weights' ZeRO-3 pricing) would split the batch over both, an
+    all-to-all of the device's whole rows over f devices there and back (2x to 16x the compiled bytes).
+
+    Either way the b devices' tokens (``tok b``) are all-gathered over ``batch`` and the rows' gradient goes
+    back to the table's layout as ``[tok b, D/f]`` (float32), scattered into the shard with no reduction.
+
+    * The batch over the leading axes (``--rule batch=data+fsdp`` on ``expert=4,fsdp=2``: ``embed`` over
+      ``fsdp`` x ``expert``): the rows come one of two ways, as the partitioner chooses
+      (`_kept_batch_moves_rows`): the rows, looked up from the local ``[V, D/f]`` shard as ``[tok b, D/f]`` and
+      all-gathered over all f devices (the partitioner's "involuntary full rematerialization": each keeps its
+      batch's part); or the table, its shard permuted into the batch axes' order and gathered over them once
+      per step, ``[V, D b/f]``, the ``[tok, D b/f]`` rows looked up and all-gathered over ``kept``. The
+      gradient goes back by an all-to-all over ``batch`` and a collective-permute. Seen on ``moe-test`` from
+      2 x 32 to 2 x 384 (the rows) and from 2 x 480 to 16 x 256 and 16 x 256 in 2 microbatches (the table: its
+      gather hoisted out of the microbatch loop).
+    * The batch over the trailing axes (``--rule batch=data+expert``): the ``[tok b, D/f]`` rows looked up
+      locally go to ``[tok, D/k]`` by an all-to-all over ``kept`` and are all-gathered over it to ``[tok, D]``;
+      the gradient goes back by an all-to-all over ``kept``. Seen on ``moe-test`` at 4 x 32, 8 x 256 and
+      16 x 256 in 2 microbatches.
+    """
+    (v, d), m, path = table.param.shape, s.micro, table.param.path
+    batch = tuple(a for a in split if a not in kept)
+    f, b, k = (math.prod(mesh[a] for a in axes) for axes in (split, batch, kept))
+    tokens = s.tok * b
+    back = tokens * d / f * 4  # float32: the lookup reads the float32 table
+    grad = f"gradient of {path}: rows to the table layout"
+    comms = [Comm("all-gather", batch, b, tokens * _INT_BYTES, m, "embedding: tokens")]
+    if split[: len(batch)] != batch:
+        return comms + [
+            Comm("all-to-all", kept, k, back, m, "embedding: rows to batch layout"),
+            Comm("all-gather", kept, k, s.tok * d * 4, m, "embedding: rows"),
+            Comm("all-to-all", kept, k, back, m, grad),
+        ]
+    comms += [Comm("all-to-all", batch, b, back, m, grad), Comm("collective-permute", split, 2, back, m, grad)]
+    if _kept_batch_moves_rows(tokens, v):
+        return comms + [Comm("all-gather", split, f, tokens * d * 4, m, "embedding: rows (the batch group's)")]
+    shard = v * d / f * 4
+    return comms + [
+        Comm("collective-permute", split, 2, shard, 1, "embedding: table shard into the batch axes' order"),
+        Comm("all-gather", batch, b, shard * b, 1, "embedding: table over the batch axes"),
+        Comm("all-gather", kept, k, s.tok * d * 4, m, "embedding: rows to batch layout"),
+    ]
 
 
 def _embedding_fsdp(table: _Placed, mesh: Mapping[str, int], s: _Shape, f: int) -> list[Comm]:

@@ -64,7 +64,7 @@ def _comms(
     comms += sequence_parallel_comms(_tensor_comms(model, layout, rules, s, split), model, layout, rules, s, backend)
     comms += _vocab_parallel_comms(model, layout, placed, s, split)
     if embedding:
-        comms += _embedding_comms(model, *_zero_groups(model, layout, rules, placed)[0], s)
+        comms += _embedding_comms(model, *_zero_groups(model, layout, rules, placed)[0], s, layout)
     comms += _length_comms(model, layout, rules, s, backend)
     comms += _expert_comms(model, layout, rules, s)
     return comms

@@ -209,7 +209,9 @@ def _pipeline_head_comms_cached(
     table's too, gathered and reduce-scattered alike on stage 0 (`sharding.pipeline.edges.Entry`).
 
     GPipe/circular: the head runs under `head_parallelism` outside the pipeline, as the step without
-    stages on the mesh with ``stage`` folded into ``fsdp`` prices it (`_comms`, the head's rows). 1F1B:
+    stages on the mesh with ``stage`` folded into ``fsdp`` prices it (`_comms`, the head's rows); weights stored
+    over ``stage`` alone gathered over it, or, for the output projection where the rules keep the batch whole
+    over a batch axis, moved onto that axis and gathered there (`_head_free_axis`). 1F1B:
     its weights are gathered explicitly (`sharding.pipeline.edges.HeadWeights`), each over ``stage`` (to
     ``1/f`` of it, once per step) and over the ``f`` devices of the batch axes its rules split it over
     (``fsdp``, and ``expert`` for a mixture of experts' mesh, `_head_split`) to whole, its gradients
@@ -228,23 +230,22 @@ def _pipeline_head_comms_cached(
             model, flat, rules, flat_placed, dataclasses.replace(head, slots=0), backend, batch_rows, embedding=False
         )
         # (its layer terms count 0: no layers on that shape)
+        mesh, stages = layout.mesh, layout.mesh[ax.STAGE]
+        free = _head_free_axis(rules, mesh)
         for p in flat_placed.values():  # stored over ``stage`` alone (rules without fsdp): gathered over it
             if p.param.per_layer or p.param.role == "embedding" or p.factor(ax.FSDP) > 1:
                 continue
-            spec = spread_over_stage(
-                logical_to_spec(p.param.axes, rules, p.param.shape, layout.mesh)[0], p.param.shape, layout.mesh
-            )
-            if any(ax.STAGE in ((e,) if isinstance(e, str) else e or ()) for e in spec):
-                comms.append(
-                    Comm(
-                        "all-gather",
-                        (ax.STAGE,),
-                        layout.mesh[ax.STAGE],
-                        p.local * _PARAM_BYTES,
-                        1 if p.param.role == "output" else 2,
-                        f"gather {p.param.path} over stage",
-                    )
-                )
+            spec = spread_over_stage(logical_to_spec(p.param.axes, rules, p.param.shape, mesh)[0], p.param.shape, mesh)
+            if not any(ax.STAGE in ((e,) if isinstance(e, str) else e or ()) for e in spec):
+                continue
+            output, whole, what = p.param.role == "output", p.local * _PARAM_BYTES, p.param.path
+            if output and free:  # its stored shard moved onto ``free`` and back (`_head_free_axis`), gathered there
+                comms += [
+                    Comm("collective-permute", (ax.STAGE, free), 2, whole / stages, 1, f"{what}: shard onto {free}"),
+                    Comm("collective-permute", (ax.STAGE, free), 2, whole / stages, 1, f"gradient of {what} back"),
+                ]
+            over = (free,) if output and free else (ax.STAGE,)
+            comms.append(Comm("all-gather", over, stages, whole, 1 if output else 2, f"gather {what} over {over[0]}"))
         return tuple(comms)
     mesh, comms = layout.mesh, []
     stages = mesh[ax.STAGE]
@@ -277,6 +278,19 @@ def _pipeline_head_comms_cached(
                 Comm("all-gather", auto, t, whole, runs, f"gradient sums of {what} over {over}"),
             ]
     return tuple(comms)
+
+
+def _head_free_axis(rules: Rules, mesh: Mapping[str, int]) -> str | None:
+    """The batch axis of the mesh (``data``, ``fsdp``, ``expert``) that the rules keep the batch whole over, of
+    ``stage``'s size, or None. GPipe/circular's head splits its rows over the rules' batch axes and ``stage``
+    (`sharding.pipeline.layout.head_parallelism`), leaving that axis free; the output projection, stored with
+    its vocabulary over ``stage`` (`spread_over_stage`), is then moved by the partitioner onto the free axis (a
+    collective-permute of the ``[D, V/S]`` shard, its gradient back the same way) and gathered over it. Seen on
+    ``data=2,stage=2,fsdp=2`` under ``--rules dp`` with ``--rule batch=data`` (free ``fsdp``) and
+    ``--rule batch=fsdp`` (free ``data``; there the embedding table's shard moves too, not priced here)."""
+    kept = rules.batch_axes(mesh)
+    free = [a for a in ax.BATCH_MESH_AXES if mesh.get(a, 1) > 1 and a not in kept]
+    return free[0] if len(free) == 1 and mesh[free[0]] == mesh[ax.STAGE] else None
 
 
 def _feature_hops(
