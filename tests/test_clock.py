@@ -117,13 +117,13 @@ def test_measured_fractions_are_data_with_their_source():
 
 def test_a_gemm_by_hand():
     """An [8192, 8192] x [8192, 8192] product on an H100 SXM: tiles of 128 x 256 make 64 x 32 = 2,048 tiles,
-    ceil(2048 / 132) = 16 waves of 2 x 128 x 256 x 8192 FLOPs per SM at 989.5e12 x 0.801 x 0.887 / 132 FLOP/s
+    ceil(2048 / 132) = 16 waves of 2 x 128 x 256 x 8192 FLOPs per SM at 989.5e12 x 0.861 x 0.887 / 132 FLOP/s
     (the burst ceiling at the clock a GH100 holds under sustained load), plus one launch; the same product one row taller pays a 65th row of tiles (tile quantisation); a thin one (m = 16)
     has 32 tiles, k split 4 ways over the idle SMs, and is memory-bound: its bytes at 90% of 3.35 TB/s."""
     hw = cm.hardware_for(devices.get_kind("h100"), 8, 400e9)
     assert hw.gemm_tile == (128, 256) and hw.sm_count == 132
-    assert hw.sustained_clock == 0.887
-    per_sm = 1979e12 / 2 * 0.801 * 0.887 / 132  # the datasheet's 1,979 with sparsity, halved
+    assert hw.sustained_fraction == 0.887
+    per_sm = 1979e12 / 2 * 0.861 * 0.887 / 132  # the datasheet's 1,979 with sparsity, halved
     big = cm.Gemm(8192, 8192, 8192, 1)
     expected = 16 * 2 * 128 * 256 * 8192 / per_sm + cm.GEMM_LAUNCH_SECONDS
     assert cm.gemm_seconds(big, hw) == pytest.approx(expected, rel=1e-12)
@@ -139,19 +139,23 @@ def test_a_gemm_by_hand():
     assert cm.gemm_seconds(thin, hw) == pytest.approx(memory + cm.GEMM_LAUNCH_SECONDS, rel=1e-12)
 
 
-def test_the_sustained_clock_slows_tensor_core_work_and_nothing_else():
-    """An H100's products and fused attention run at 0.887 of their burst rate (the clock under sustained load,
-    measured: `sharding.devices.SUSTAINED_CLOCK`); its elementwise work, priced at the memory bandwidth, and its
-    collectives do not change. A100 has no such measurement: its burst figures stand (clock 1)."""
+def test_the_sustained_fraction_slows_tensor_core_work_and_nothing_else():
+    """An H100's products and fused attention run at 0.887 of their burst rate (what a GH100 holds under
+    sustained load, measured: `sharding.devices.SUSTAINED_FRACTION`); its elementwise work, priced at the
+    memory bandwidth, and its collectives do not change. A100 has no such measurement: its burst figures stand
+    (fraction 1)."""
     h100 = devices.get_kind("h100")
-    assert h100.sustained_clock == devices.SUSTAINED_CLOCK["h100_sxm"][0] == 0.887
-    assert "MSMF" in h100.efficiency_source and A100.sustained_clock is None
-    assert _hw().sustained_clock == devices.kinds.DEFAULT_SUSTAINED_CLOCK == 1.0
+    assert h100.sustained_fraction == devices.SUSTAINED_FRACTION["h100_sxm"][0] == 0.887
+    assert "MSMF" in h100.efficiency_source and A100.sustained_fraction is None
+    # burst and sustained from one run: their product is the measured sustained rate, MSMF 755.5 of 989.5
+    assert h100.gemm_fraction * h100.sustained_fraction == pytest.approx(755.5 / 989.5, rel=1e-3)
+    assert devices.get_kind("h100_pcie").sustained_fraction == 0.887  # the same die: an upper bound
+    assert _hw().sustained_fraction == devices.kinds.DEFAULT_SUSTAINED_FRACTION == 1.0
     model = describe(get_config("test"))
     layout = cm.Layout({"data": 8}, "dp", 1, "none", attention="flash", dtype="bfloat16")
     cost = cm.estimate(model, 16, 64, layout)
     sustained = cm.hardware_for(h100, 8, 400e9)
-    burst = dataclasses.replace(sustained, sustained_clock=1.0)
+    burst = dataclasses.replace(sustained, sustained_fraction=1.0)
     f = cost.flops
     elementwise = f.elementwise * 2 / (h100.memory_bandwidth * 0.9)
     tensor_sustained = cm.compute_seconds(cost, sustained) - elementwise

@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="fraction of peak FLOP/s the step's work reaches, for every kind; default: priced from the "
         "shapes (each matrix product's tiles and waves at the kind's measured matmul ceiling, "
-        "sharding.devices.GEMM_BENCHMARKS, at the clock it holds under sustained load, SUSTAINED_CLOCK; "
+        "sharding.devices.GEMM_BENCHMARKS, times what it holds under sustained load, SUSTAINED_FRACTION; "
         "elementwise work at the memory bandwidth)",
     )
     p.add_argument("--no-pipeline", action="store_true", help="leave stage=1 (no pipeline parallelism)")
@@ -188,14 +188,14 @@ def overlap_axes(text: str) -> tuple[str, ...]:
 
 def efficiency_note(inventory, options) -> str:
     """``efficiency 50% of peak`` (``--efficiency``), or the clock's own: ``compute from the shapes (sustained
-    matmul ceiling a100_80gb 86%, h100_sxm 71%, ...)``: each kind's best measured matmul times the clock it holds
-    under sustained load (`sharding.devices.GEMM_BENCHMARKS`, `sharding.devices.SUSTAINED_CLOCK`)."""
+    matmul ceiling a100_80gb 86%, h100_sxm 76%, ...)``: each kind's best measured matmul burst times the fraction
+    of it held under sustained load (`sharding.devices.GEMM_BENCHMARKS`, `sharding.devices.SUSTAINED_FRACTION`)."""
     if options.efficiency is not None:
         return f"efficiency {options.efficiency:.0%} of peak"
     kinds = devices.kinds
     ceilings = ", ".join(
         f"{k.name} "
-        f"{(k.gemm_fraction or kinds.DEFAULT_GEMM_FRACTION) * (k.sustained_clock or kinds.DEFAULT_SUSTAINED_CLOCK):.0%}"
+        f"{(k.gemm_fraction or kinds.DEFAULT_GEMM_FRACTION) * (k.sustained_fraction or kinds.DEFAULT_SUSTAINED_FRACTION):.0%}"
         for k in inventory.kinds_present
     )
     return f"compute from the shapes (sustained matmul ceiling {ceilings} of peak)"

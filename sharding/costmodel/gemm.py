@@ -11,7 +11,7 @@ and the last wave costs a whole wave even when it holds one tile (wave quantisat
 share of the kind's tensor-core peak times the fraction large, well-shaped products reach on it
 (`Hardware.gemm_fraction`: the best measured matmul over the datasheet peak, a burst at the boost clock)
 times the fraction of that rate its tensor cores hold once a step's sustained load has brought the clock
-down to what the power limit allows (`Hardware.sustained_clock`). A product whose arithmetic
+down to what the power limit allows (`Hardware.sustained_fraction`, a measured ratio of throughputs). A product whose arithmetic
 intensity (FLOPs per byte of ``A``, ``B`` and ``C`` in the compute dtype) is below the device's
 FLOP/s-to-bandwidth ratio waits on HBM instead: its time is the larger of the two (a roofline, Williams,
 Waterman and Patterson, CACM 2009). A product with fewer tiles than SMs has its ``k`` split over the idle SMs
@@ -71,12 +71,12 @@ def gemm_seconds(g: Gemm, hw: Any, dtype_bytes: int = 2) -> float:
     """Seconds of one execution of ``g`` on the device ``hw`` (`sharding.costmodel.Hardware`).
 
     ``max(compute, memory) + GEMM_LAUNCH_SECONDS`` where compute is the waves of whole tiles at each SM's
-    share of ``peak_flops x gemm_fraction x sustained_clock`` and memory the bytes of ``A``, ``B`` and ``C``
+    share of ``peak_flops x gemm_fraction x sustained_fraction`` and memory the bytes of ``A``, ``B`` and ``C``
     (``dtype_bytes`` each) at ``memory_bandwidth x memory_fraction`` (module docstring).
 
     Example (a hand check, tests/test_clock.py): an ``[8192, 8192] x [8192, 8192]`` bfloat16 product on an
     H100 SXM (132 SMs, tiles of 128 x 256): ``64 x 32 = 2,048`` tiles, 16 waves (15.5 rounded up), each
-    ``2 x 128 x 256 x 8192`` FLOPs per SM at ``989e12 x 0.801 x 0.887 / 132`` FLOP/s.
+    ``2 x 128 x 256 x 8192`` FLOPs per SM at ``989e12 x 0.861 x 0.887 / 132`` FLOP/s.
     """
     if g.m <= 0 or g.n <= 0 or g.k <= 0:
         return 0.0
@@ -85,7 +85,7 @@ def gemm_seconds(g: Gemm, hw: Any, dtype_bytes: int = 2) -> float:
     waves = math.ceil(tiles / hw.sm_count)
     # fewer tiles than SMs: the library splits k over the idle SMs (split-K), in slices of at least SPLIT_K_MIN
     split = max(1, min(hw.sm_count // tiles, int(g.k // SPLIT_K_MIN))) if tiles < hw.sm_count else 1
-    per_sm = hw.peak_flops * hw.gemm_fraction * hw.sustained_clock / hw.sm_count
+    per_sm = hw.peak_flops * hw.gemm_fraction * hw.sustained_fraction / hw.sm_count
     compute = waves * 2.0 * tile_m * tile_n * (g.k / split) / per_sm
     memory = dtype_bytes * (g.m * g.k + g.k * g.n + g.m * g.n) / (hw.memory_bandwidth * hw.memory_fraction)
     return max(compute, memory) + GEMM_LAUNCH_SECONDS

@@ -3,8 +3,8 @@
 Compute, from the shapes (`compute_seconds`): each matrix product of the step by its ``m, n, k`` on the
 kind (`sharding.costmodel.gemm.gemm_seconds`: tiles in waves over the SMs at the kind's measured matmul
 ceiling, or its memory bandwidth when its arithmetic intensity is low), a fused attention kernel's products at
-its measured fraction of peak (`Hardware.attention_fraction`), both at the clock the tensor cores hold under
-sustained load (`Hardware.sustained_clock`), the elementwise work at the memory bandwidth
+its measured fraction of peak (`Hardware.attention_fraction`), both at the fraction of those burst rates the
+tensor cores hold under sustained load (`Hardware.sustained_fraction`), the elementwise work at the memory bandwidth
 (`ELEMENTWISE_BYTES_PER_FLOP`); nothing in it is fitted to training runs. ``--efficiency`` instead prices
 all the step's work at one fraction of peak. The optimizer's memory traffic at the memory bandwidth. Each collective by an alpha-beta model of its link class (within a host or across
 hosts, `sharding.costmodel.collectives.link_classes`): ring algorithms (`Comm.wire_bytes`, `Comm.steps`),
@@ -61,8 +61,8 @@ class Hardware:
         128 x 256 on H100 by its kernel names; one thread block per SM).
       gemm_fraction: Fraction of peak the best large product reaches (`sharding.devices.GEMM_BENCHMARKS`).
       attention_fraction: Fraction of peak a flash attention kernel reaches, forward and backward.
-      sustained_clock: Fraction of those burst rates the tensor cores hold under a step's sustained load (the
-        power limit's clock, `sharding.devices.SUSTAINED_CLOCK`); scales the products and the fused
+      sustained_fraction: Fraction of those burst rates the tensor cores hold under a step's sustained load (the
+        power limit's clock, `sharding.devices.SUSTAINED_FRACTION`); scales the products and the fused
         attention, not the memory-bound work.
       memory_fraction: Fraction of ``memory_bandwidth`` streaming kernels reach (`MEMORY_FRACTION`).
       base_latency: Seconds every collective call pays once (launch and synchronisation).
@@ -95,7 +95,7 @@ class Hardware:
     gemm_tile: tuple[int, int] = (128, 256)
     gemm_fraction: float = 0.8
     attention_fraction: float = 0.55
-    sustained_clock: float = 1.0
+    sustained_fraction: float = 1.0
     memory_fraction: float = 1.0
 
 
@@ -141,7 +141,7 @@ def hardware_for(
     """`Hardware` from a `sharding.devices.DeviceKind` and its host.
 
     Compute: from the shapes (`compute_seconds`) with the kind's SMs, measured matmul and attention fractions
-    and sustained clock (`sharding.devices.GEMM_BENCHMARKS`, `ATTENTION_BENCHMARKS`, `SUSTAINED_CLOCK`;
+    and sustained fraction (`sharding.devices.GEMM_BENCHMARKS`, `ATTENTION_BENCHMARKS`, `SUSTAINED_FRACTION`;
     `sharding.devices.kinds.DEFAULT_GEMM_FRACTION` and its neighbours where a kind has none); ``efficiency`` when given (``--efficiency``) prices all the
     step's work at that fraction of peak instead.
 
@@ -178,7 +178,7 @@ def hardware_for(
         gemm_tile=(128, 256) if hopper else (256, 128),
         gemm_fraction=getattr(kind, "gemm_fraction", None) or kinds.DEFAULT_GEMM_FRACTION,
         attention_fraction=getattr(kind, "attention_fraction", None) or kinds.DEFAULT_ATTENTION_FRACTION,
-        sustained_clock=getattr(kind, "sustained_clock", None) or kinds.DEFAULT_SUSTAINED_CLOCK,
+        sustained_fraction=getattr(kind, "sustained_fraction", None) or kinds.DEFAULT_SUSTAINED_FRACTION,
         memory_fraction=MEMORY_FRACTION,
     )
 
@@ -189,7 +189,7 @@ def compute_seconds(cost: Cost, hw: Hardware, memo: dict | None = None) -> float
     With ``hw.efficiency`` set: all the step's FLOPs at that fraction of ``hw.peak_flops``. Otherwise from the
     shapes: the products of ``cost.gemms`` one by one (`sharding.costmodel.gemm.gemm_seconds`); the
     matrix-product FLOPs they leave out (a fused attention kernel's score and value products) at
-    ``attention_fraction`` of peak, both at ``sustained_clock`` of their burst rate; the elementwise work at
+    ``attention_fraction`` of peak, both at ``sustained_fraction`` of their burst rate; the elementwise work at
     ``elementwise_bytes`` per FLOP over
     ``memory_bandwidth x memory_fraction`` (the optimizer's arithmetic is fused into its memory traffic,
     `StepTime.optimizer`). A `Cost` without its products (``gemms`` empty, one built by hand) has its weight
@@ -209,10 +209,10 @@ def compute_seconds(cost: Cost, hw: Hardware, memo: dict | None = None) -> float
     fused = max(flops.matmul - covered, 0.0)
     if not cost.gemms:  # a `Cost` without its shapes: the weight products at the kind's matmul ceiling
         fused = flops.attention
-        products = (flops.matmul - flops.attention) / (hw.peak_flops * hw.gemm_fraction * hw.sustained_clock)
+        products = (flops.matmul - flops.attention) / (hw.peak_flops * hw.gemm_fraction * hw.sustained_fraction)
     bandwidth = hw.memory_bandwidth * hw.memory_fraction
     elementwise = flops.elementwise * (hw.elementwise_bytes or ELEMENTWISE_BYTES_PER_FLOP)
-    attention = hw.peak_flops * hw.attention_fraction * hw.sustained_clock
+    attention = hw.peak_flops * hw.attention_fraction * hw.sustained_fraction
     return products + fused / attention + elementwise / bandwidth
 
 

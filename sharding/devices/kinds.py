@@ -75,10 +75,11 @@ class DeviceKind:
             `DEFAULT_GEMM_FRACTION`).
         attention_fraction: Fraction of ``peak_bf16_flops`` a fused (flash) attention kernel's forward and
             backward reach, measured (`ATTENTION_BENCHMARKS`); ``None``: `DEFAULT_ATTENTION_FRACTION`.
-        sustained_clock: Fraction of the burst rate above (``gemm_fraction``, ``attention_fraction``: short
+        sustained_fraction: Fraction of the burst rates above (``gemm_fraction``, ``attention_fraction``:
             benchmarks at the boost clock) the tensor cores hold under sustained full load, where the power
-            limit lowers the clock (`SUSTAINED_CLOCK`); ``None``: `DEFAULT_SUSTAINED_CLOCK` (no measurement).
-        efficiency_source: Where ``gemm_fraction``, ``attention_fraction`` and ``sustained_clock`` come from.
+            limit lowers the clock (`SUSTAINED_FRACTION`, a ratio of measured throughputs);
+            ``None``: `DEFAULT_SUSTAINED_FRACTION` (no measurement).
+        efficiency_source: Where ``gemm_fraction``, ``attention_fraction`` and ``sustained_fraction`` come from.
         peak_fp32_flops: Without bfloat16 (``bfloat16`` False): the float32 peak, FLOP/s, the planner's clock
             for it (planned in float32, the dtype the kind has and the model runs); None where not needed.
         bfloat16: Whether the kind computes in bfloat16 at ``peak_bf16_flops`` (False for V100, whose
@@ -98,7 +99,7 @@ class DeviceKind:
     sm_count: int | None = None
     gemm_fraction: float | None = None
     attention_fraction: float | None = None
-    sustained_clock: float | None = None
+    sustained_fraction: float | None = None
     efficiency_source: str = ""
     peak_fp32_flops: float | None = None
     bfloat16: bool = True
@@ -110,7 +111,7 @@ class DeviceKind:
             value = getattr(self, field)
             if value is not None and not _is_positive_number(value):
                 raise ValueError(f"DeviceKind {self.name!r}: {field} must be a positive number or None, got {value!r}")
-        for field in ("gemm_fraction", "attention_fraction", "sustained_clock"):
+        for field in ("gemm_fraction", "attention_fraction", "sustained_fraction"):
             value = getattr(self, field)
             if value is not None and not 0 < value <= 1:
                 raise ValueError(f"DeviceKind {self.name!r}: {field} must be in (0, 1], got {value!r}")
@@ -309,16 +310,27 @@ _FLASH_H100 = (
     "which NeMo and JAX use on Hopper, is of the same class"
 )
 
-#: Kind name -> (fraction of the bf16 peak the best large matrix product reaches, source): measured matmul
-#: ceilings, not fitted to training runs. Where the tile and wave quantisation of a real step's products
-#: (`sharding.costmodel.gemm`) cost more, the clock charges it on top.
+_MAMF_BURST = (
+    "S. Bekman, ml-engineering, compute/accelerator/benchmarks/README.md, mamf-finder.py's MAMF measured as a "
+    "burst at the boost clock after an idle gap (the median of a shape's 5 fastest iterations): H200 bf16, "
+    "all 8 GPUs of a node, 852.1 of 989.5 TFLOP/s (86.1%); H100 SXM taken as the H200's (the same GH100 die at "
+    "the same clocks and 700 W; the table above's H100 SXM 792.1-794.5 is its older protocol, a mean of 100 "
+    "iterations after 50 of warm-up, partly at the clock the power limit settles to, so it is not combined "
+    "with the sustained fraction below)"
+)
+
+#: Kind name -> (fraction of the bf16 peak the best large matrix product reaches in a short burst, source):
+#: measured matmul ceilings, not fitted to training runs. Where the tile and wave quantisation of a real
+#: step's products (`sharding.costmodel.gemm`) cost more, the clock charges it on top; where the kind holds
+#: less under sustained load, `SUSTAINED_FRACTION` says how much less (measured in the same run as the burst
+#: for GH100 kinds).
 GEMM_BENCHMARKS: Mapping[str, tuple[float, str]] = {
     "a100_80gb": (0.859, _MAMF),
     "a100_40gb": (0.859, _MAMF),
     "a100_80gb_pcie": (0.822, _MAMF),
     "a100_40gb_pcie": (0.822, _MAMF),
-    "h100_sxm": (0.801, _MAMF),
-    "h200_sxm": (0.830, _MAMF + "; H200 taken as the GH200's (the same GH100 die and HBM3e)"),
+    "h100_sxm": (0.861, _MAMF_BURST),
+    "h200_sxm": (0.861, _MAMF_BURST),
 }
 
 #: Kind name -> (fraction of the bf16 peak a flash attention kernel's forward + backward reaches, source).
@@ -330,49 +342,53 @@ ATTENTION_BENCHMARKS: Mapping[str, tuple[float, str]] = {
 }
 
 _MSMF_H200 = (
-    "S. Bekman, ml-engineering, compute/accelerator/benchmarks/README.md, mamf-finder.py's two headlines: "
-    "MAMF (the best burst at the boost clock, the figures above) and MSMF (the rate a shape holds over a 4 s "
-    "window once the clock has settled under full load). H200 bf16, all 8 GPUs of a node computing at once "
-    "(n=40): MSMF 755.5 against MAMF 852.1 TFLOP/s, 0.887 (settled clock 1,850-1,938 MHz against the 1,980 MHz "
-    "boost); one GPU with idle siblings 744.8 / 848.4, 0.878; an earlier protocol of the same benchmark "
-    "698.6 / 823.9, 0.848; H100 taken as the H200's (the same GH100 die at the same 700 W limit)"
+    "S. Bekman, ml-engineering, compute/accelerator/benchmarks/README.md, mamf-finder.py's two headlines from "
+    "one run: MAMF (the best burst at the boost clock, `GEMM_BENCHMARKS`) and MSMF (the best rate a shape holds "
+    "over a 4 s window once the clock has settled under full load). H200 bf16, all 8 GPUs of a node computing "
+    "at once (n=40): MSMF 755.5 against MAMF 852.1 TFLOP/s, 0.887; one GPU with idle siblings 744.8 / 848.4, "
+    "0.878; an earlier protocol of the same benchmark 698.6 / 823.9, 0.848. A ratio of throughputs, not of "
+    "clocks: the settled clock (1,850-1,938 MHz against the 1,980 MHz boost) is part of it, and the shape that "
+    "holds best at the power limit is not the one that bursts best. H100 SXM taken as the H200's (the same "
+    "GH100 die at the same 700 W limit); H100 PCIe (the same die at 350 W, its datasheet peak at its own "
+    "1,755 MHz boost) likewise, an upper bound: a lower power limit settles no higher"
 )
 
-#: Kind name -> (fraction of its burst matmul rate a kind's tensor cores hold under sustained full load,
-#: source). A training step keeps the tensor cores busy for seconds; a 700 W GH100 then runs at the clock its
-#: power limit allows, below the boost clock the short benchmarks behind `GEMM_BENCHMARKS` and
-#: `ATTENTION_BENCHMARKS` ran at. The clock applies to every tensor-core kernel (products and fused
-#: attention alike); memory-bound work (elementwise, the optimizer) is priced at the memory bandwidth and
-#: does not take it. Measured, not fitted to training runs; the published figures span 0.848-0.951
-#: (docs/costmodel.md gives the clock's error over that span).
-SUSTAINED_CLOCK: Mapping[str, tuple[float, str]] = {
+#: Kind name -> (fraction of its burst matmul rate (`GEMM_BENCHMARKS`) a kind's tensor cores hold under
+#: sustained full load, source). A training step keeps the tensor cores busy for seconds; a GH100 then runs at
+#: the clock its power limit allows, below the boost clock the bursts ran at. The fraction applies to every
+#: tensor-core kernel (products and fused attention alike; `ATTENTION_BENCHMARKS`' figure is a benchmark's
+#: too); memory-bound work (elementwise, the optimizer) is priced at the memory bandwidth and does not take
+#: it. Measured, not fitted to training runs; the published figures span 0.848-0.951 (bench/RESULTS.md gives
+#: the clock's error over that span).
+SUSTAINED_FRACTION: Mapping[str, tuple[float, str]] = {
     "h100_sxm": (0.887, _MSMF_H200),
     "h200_sxm": (0.887, _MSMF_H200),
+    "h100_pcie": (0.887, _MSMF_H200),
 }
 
 #: Assumed where a kind has no measurement cited: the fraction of peak a large matmul reaches (the low end
-#: of the measured ceilings above), a flash attention kernel's (FlashAttention-2's on A100), the SMs, and a
-#: clock that holds its burst rate under sustained load (no power-limit measurement: the A100s' published
-#: runs come within a few percent without one, bench/RESULTS.md).
+#: of the measured ceilings above), a flash attention kernel's (FlashAttention-2's on A100), the SMs, and no
+#: loss under sustained load (no measurement for A100: its SC'21 rows without pipelines read 0.94-1.04
+#: without one, its pipelined and ZeRO-3 rows 0.39-0.86, bench/RESULTS.md).
 DEFAULT_GEMM_FRACTION = 0.80
 DEFAULT_ATTENTION_FRACTION = 0.55
-DEFAULT_SUSTAINED_CLOCK = 1.0
+DEFAULT_SUSTAINED_FRACTION = 1.0
 DEFAULT_SM_COUNT = 108
 
 
 def _measured(kind: DeviceKind) -> DeviceKind:
     """``kind`` with its SM count and measured fractions (`SM_COUNTS`, `GEMM_BENCHMARKS`,
-    `ATTENTION_BENCHMARKS`, `SUSTAINED_CLOCK`)."""
+    `ATTENTION_BENCHMARKS`, `SUSTAINED_FRACTION`)."""
     gemm = GEMM_BENCHMARKS.get(kind.name)
     attention = ATTENTION_BENCHMARKS.get(kind.name)
-    clock = SUSTAINED_CLOCK.get(kind.name)
-    sources = "; ".join(dict.fromkeys(x[1] for x in (gemm, attention, clock) if x))
+    sustained = SUSTAINED_FRACTION.get(kind.name)
+    sources = "; ".join(dict.fromkeys(x[1] for x in (gemm, attention, sustained) if x))
     return dataclasses.replace(
         kind,
         sm_count=SM_COUNTS.get(kind.name),
         gemm_fraction=gemm[0] if gemm else None,
         attention_fraction=attention[0] if attention else None,
-        sustained_clock=clock[0] if clock else None,
+        sustained_fraction=sustained[0] if sustained else None,
         efficiency_source=sources,
     )
 
