@@ -60,6 +60,7 @@ import argparse
 import csv
 import dataclasses
 import json
+import math
 import re
 import statistics
 import sys
@@ -143,9 +144,12 @@ def read_rows(path: str | Path) -> list[Row]:
     missing = [c for c in COLUMNS if c not in (reader.fieldnames or ())]
     if missing:
         raise ValueError(f"{path}: row 1 (header), column {missing[0]}: missing (columns: {', '.join(COLUMNS)})")
-    rows = []
+    rows: list[Row] = []
+    seen: dict[str, int] = {}
     for line, raw in enumerate(reader, start=2):
         name = (raw.get("name") or "").strip()
+        if not name:
+            _fail(path, line, name, "name", "empty; give each row a name (bench/published.py --only takes them)")
         values = {k: (v or "").strip() for k, v in raw.items() if k in COLUMNS}
         for col in _INTS + _OPTIONAL_INTS:
             v = values[col]
@@ -164,8 +168,8 @@ def read_rows(path: str | Path) -> list[Row]:
                 values[col] = float(v)
             except ValueError:
                 _fail(path, line, name, col, f"{v!r} is not a number")
-            if not values[col] > 0:
-                _fail(path, line, name, col, f"{v!r} must be positive")
+            if not 0 < values[col] < math.inf:
+                _fail(path, line, name, col, f"{v!r} must be a positive finite number")
         if values["gpu"] not in GPUS:
             _fail(path, line, name, "gpu", f"unknown gpu {values['gpu']!r}; known: {', '.join(GPUS)}")
         if values["mlp_kind"] not in MLP_KINDS:
@@ -177,6 +181,10 @@ def read_rows(path: str | Path) -> list[Row]:
             _fail(path, line, name, "ep", f"{values['ep']}: expert parallelism is not priced here (dense rows only)")
         if values["gpus"] % values["gpus_per_host"]:
             _fail(path, line, name, "gpus", f"{values['gpus']} is not whole hosts of {values['gpus_per_host']}")
+        _check_sizes(path, line, name, values)
+        if name in seen:
+            _fail(path, line, name, "name", f"{name!r} is also row {seen[name]}'s name; give each row its own")
+        seen[name] = line
         row = Row(values, line)
         try:  # a shape the model refuses (heads not a multiple of kv_heads, ...), named by the row's columns
             row_model(row)
@@ -185,7 +193,38 @@ def read_rows(path: str | Path) -> list[Row]:
             column = _MODEL_COLUMNS.get(fields[0].name, fields[0].name) if fields else "model"
             _fail(path, line, name, column, e.render(_as_column))
         rows.append(row)
+    if not rows:
+        raise ValueError(f"{path}: no rows after the header; add one row per published run")
     return rows
+
+
+def _check_sizes(path, line: int, name: str, values: dict) -> None:
+    """The row's parallel sizes against its GPUs and batch, in the file's own columns: ``tp x pp x cp`` divides
+    ``gpus``; a numeric ``dp`` is the rest of them, an ``FSDP N`` divides it; ``gbs`` splits into
+    microbatches of ``mbs`` over the data-parallel ranks.
+
+    Raises:
+      ValueError: One line naming the file, the row and the column (`_fail`).
+    """
+    model = values["tp"] * values["pp"] * values["cp"]
+    if values["gpus"] % model:
+        _fail(path, line, name, "gpus", f"{values['gpus']} is not a multiple of tp x pp x cp = {model}")
+    ranks = values["gpus"] // model
+    dp = values["dp"]
+    if dp.isdigit() and int(dp) != ranks:
+        _fail(path, line, name, "dp", f"{dp}: gpus / (tp x pp x cp) = {values['gpus']} / {model} = {ranks}")
+    fsdp = re.fullmatch(r"FSDP (\d+)", dp)
+    if fsdp and ranks % int(fsdp.group(1)):
+        _fail(path, line, name, "dp", f"{dp!r}: FSDP N must divide gpus / (tp x pp x cp) = {ranks}")
+    if values["gbs"] % (ranks * values["mbs"]):
+        _fail(
+            path,
+            line,
+            name,
+            "gbs",
+            f"{values['gbs']} does not split into microbatches of mbs={values['mbs']} over {ranks} data-parallel "
+            f"ranks (gpus / (tp x pp x cp)); a multiple of {ranks * values['mbs']} does",
+        )
 
 
 _MODEL_COLUMNS = {
@@ -408,8 +447,8 @@ def top_three(priced: Sequence[Priced]) -> list[str]:
 
 
 def speed_ratio(rows: Sequence[Row]) -> str:
-    """The A100/H100 step-time ratio the clock gives a 7B step: the first 7B H100 row without a pipeline (MaxText's
-    Llama 2 7B on one node) priced as is and on A100 80 GB hosts of the same network; beside it the range the
+    """The A100/H100 step-time ratio the clock gives a 7B step: the first 6-8B H100 bf16 row without a pipeline
+    (in rows.csv, Megatron-core's 7.1B on 96 H100) priced as is and on A100 80 GB hosts of the same network; beside it the range the
     rows' own per-GPU throughputs imply (their published FLOP/s per GPU of 1.7-7.5B runs, A100 against H100)."""
     h100 = [r for r in rows if r.gpu.startswith("h100") and r.pp == 1 and 6 <= _params(r) <= 8 and r.bf16]
     if not h100:
@@ -433,7 +472,11 @@ def _params(row: Row) -> float:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--rows", default=None, help="a rows file in rows.csv's format (default: ../shared/published/rows.csv)"
+        "--rows",
+        default=None,
+        help="a rows file in rows.csv's format (one published run a row; the columns are COLUMNS, described in "
+        f"the README beside the shared rows file); default: {DEFAULT_ROWS.resolve()}, the shared folder beside "
+        "the repository",
     )
     parser.add_argument("--only", default=None, help="comma-separated row names to price (default: all)")
     parser.add_argument("--json", action="store_true", help="print a JSON list instead of the tables")
@@ -443,7 +486,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     path = Path(args.rows) if args.rows else DEFAULT_ROWS.resolve()
     if args.rows is None and not path.exists():
-        print(f"error: no rows file at {path}; pass --rows FILE.csv", file=sys.stderr)
+        print(
+            f"error: no rows file at {path} (the published rows live in the shared folder beside the repository, "
+            "shared/published/rows.csv); pass --rows FILE.csv",
+            file=sys.stderr,
+        )
+        return 2
+    if args.json and args.top_three:
+        print("error: --top-three adds a table to the text report; leave out --json or --top-three", file=sys.stderr)
         return 2
     try:
         rows = read_rows(path)
@@ -451,10 +501,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.only:
-        wanted = set(args.only.split(","))
+        wanted = {n.strip() for n in args.only.split(",") if n.strip()}
         unknown = sorted(wanted - {r.name for r in rows})
-        if unknown:
-            print(f"error: --only {unknown[0]}: no such row in {path}", file=sys.stderr)
+        if unknown or not wanted:
+            names = ", ".join(r.name for r in rows[:3])
+            print(
+                f"error: --only {args.only!r}: no such row in {path}; e.g. --only {rows[0].name} (rows: {names}, ...)",
+                file=sys.stderr,
+            )
             return 2
         rows = [r for r in rows if r.name in wanted]
     priced = [price(r) for r in rows]

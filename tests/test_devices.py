@@ -253,6 +253,7 @@ def test_parse_bandwidth_errors(text):
         ("h100", ["item 'h100'", "expected KIND:COUNT", "h100:8,a100:8"]),
         ("h100:8,,a100:8", ["item ''", "expected KIND:COUNT"]),
         ("h100:8x0", ["host repeat must be a positive integer", "h100:8x2"]),
+        ("h100:8x", ["host repeat must be a positive integer", "''"]),  # was read as h100:8
         ("h100:8@400", ["bad bandwidth '400'", "400Gbps"]),
     ],
 )

@@ -89,14 +89,40 @@ def test_a_good_row_reads_and_maps_onto_a_layout(tmp_path):
             "heads or kv_heads to values where it is, e.g. kv_heads=24",
         ),  # was a traceback in price
         ({"mlp": "4"}, "mlp", "mlp=0: must be a positive integer"),  # a GELU MLP of 4: SwiGLU of 0
+        ({"published_step_s": "inf"}, "published_step_s", "must be a positive finite number"),
+        ({"tp": "3"}, "gpus", "32 is not a multiple of tp x pp x cp = 3"),
+        ({"dp": "16"}, "dp", "16: gpus / (tp x pp x cp) = 32 / 1 = 32"),
+        ({"dp": "FSDP 5"}, "dp", "FSDP N must divide gpus / (tp x pp x cp) = 32"),
+        ({"gbs": "48"}, "gbs", "48 does not split into microbatches of mbs=1 over 32 data-parallel ranks"),
+        ({"name": "sc21-1.7b"}, "name", "'sc21-1.7b' is also row 2's name"),
     ],
 )
 def test_a_bad_value_names_file_row_and_column(tmp_path, change, column, words):
-    path = _write(tmp_path, [_ROW, dict(_ROW, name="bad", **change)])
+    path = _write(tmp_path, [_ROW, {**_ROW, "name": "bad", **change}])
     with pytest.raises(ValueError) as e:
         published.read_rows(path)
     text = str(e.value)
-    assert "\n" not in text and text.startswith(f"{path}: row 3 (bad), column {column}: ") and words in text
+    name = change.get("name", "bad")
+    assert "\n" not in text and text.startswith(f"{path}: row 3 ({name}), column {column}: ") and words in text
+
+
+def test_an_empty_file_an_unnamed_row_and_the_flags_that_do_not_go_together(tmp_path, capsys):
+    """A header alone, a row without a name, ``--only`` with spaces or an unknown name, and ``--json`` with
+    ``--top-three`` each get one line and exit 2; the suggestion ``--only`` gives is accepted."""
+    empty = _write(tmp_path, [])
+    with pytest.raises(ValueError, match=r"rows\.csv: no rows after the header"):
+        published.read_rows(empty)
+    unnamed = _write(tmp_path, [_ROW, dict(_ROW, name="")])
+    with pytest.raises(ValueError, match=r"row 3 \(unnamed\), column name: empty"):
+        published.read_rows(unnamed)
+    path = _write(tmp_path, [_ROW, dict(_ROW, name="other")])
+    assert published.main(["--rows", str(path), "--json", "--top-three"]) == 2
+    assert "leave out --json or --top-three" in capsys.readouterr().err
+    assert published.main(["--rows", str(path), "--only", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "e.g. --only sc21-1.7b" in err
+    assert published.main(["--rows", str(path), "--json", "--only", " sc21-1.7b , other "]) == 0
+    assert [r["name"] for r in json.loads(capsys.readouterr().out)] == ["sc21-1.7b", "other"]
 
 
 def test_a_missing_column_and_a_missing_file(tmp_path, capsys):

@@ -129,9 +129,9 @@ def _parse_item(item: str, spec: str) -> tuple[DeviceKind, int, int]:
         kind = get_kind(name)
     except ValueError as err:
         raise ValueError(f"{where}: {err}") from None
-    count_part, _, repeat_part = count_text.strip().lower().partition("x")
+    count_part, times, repeat_part = count_text.strip().lower().partition("x")
     count = _positive_int(count_part, f"{where}: device count", "h100:8")
-    repeat = _positive_int(repeat_part, f"{where}: host repeat", "h100:8x2") if repeat_part else 1
+    repeat = _positive_int(repeat_part, f"{where}: host repeat", "h100:8x2") if times else 1
     return kind, count, repeat
 
 
