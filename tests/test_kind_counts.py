@@ -48,9 +48,18 @@ def test_kind_counts_resolve_per_group_and_name_a_missing_kind():
     ]
     only = par.replace(strategy=UnevenBatch(None, "given", 1, kind_counts=(("h100_sxm", 3),)))
     with pytest.raises(
-        ValueError, match="no count for the a100_80gb devices of this mesh; e.g. --hetero-batch h100_sxm=3,a100_80gb=1"
+        ValueError, match="no count for the a100_80gb devices; e.g. --hetero-batch h100_sxm=3,a100_80gb=1"
     ):
         strategies.resolve_uneven(only, mesh, simulated)
+    extra = par.replace(  # a kind this mesh does not hold was dropped without a word
+        strategy=UnevenBatch(None, "given", 1, kind_counts=(("h100_sxm", 3), ("a100_80gb", 1), ("a10g", 2)))
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"no a10g devices here \(its kinds: h100_sxm, a100_80gb\); e\.g\. "
+        r"--hetero-batch h100_sxm=3,a100_80gb=1$",
+    ):
+        strategies.resolve_uneven(extra, mesh, simulated)
     with pytest.raises(ValueError, match="--simulate-cluster"):
         strategies.group_kinds(mesh, None)  # CPU devices: kind unknown
 
@@ -64,6 +73,8 @@ def test_kind_counts_price_as_the_per_group_counts():
     assert by_kind.kind_counts == (("h100_sxm", 3), ("a100_80gb", 1))
     with raises_as_cli(ValueError, match="--hetero-batch h100_sxm=3,a100_80gb=1"):
         planner.evaluate(MODEL, inventory, 64, 256, layout, {"h100_sxm": 3})
+    with raises_as_cli(ValueError, match="no a10g devices here .* e.g. --hetero-batch h100_sxm=3,a100_80gb=1"):
+        planner.evaluate(MODEL, inventory, 64, 256, layout, {"h100_sxm": 3, "a100_80gb": 1, "a10g": 2})
 
 
 def test_a_kind_without_bfloat16_is_planned_in_float32_at_its_float32_peak():

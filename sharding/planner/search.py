@@ -29,7 +29,7 @@ from sharding.costmodel.context import context_groups
 from sharding.errors import ConfigError, Field, FieldText
 from sharding.mesh import format_mesh
 from sharding.modeldesc import AttentionTraits, ModelDescription
-from sharding.parallel import REPLICATED
+from sharding.parallel import REPLICATED, counts_of_kinds
 from sharding.pipeline.layout import plan_layout
 from sharding.planner import shares
 from sharding.planner.evaluator import Plan, PlanOptions, _Cluster, _Evaluator, over_memory
@@ -479,15 +479,11 @@ def evaluate(
     ev = _Evaluator(model, inventory, global_batch, seq_len, options or PlanOptions())
     if isinstance(counts, Mapping):
         kinds = [k.name for k in ev.batch_kinds(layout.mesh)]
-        missing = sorted(set(kinds) - set(counts))
-        if missing:
-            shown = ",".join(f"{k}={counts.get(k, 1)}" for k in dict.fromkeys([*counts, *missing]))
-            raise ConfigError(
-                Field("hetero_batch"),
-                f": no count for the {', '.join(missing)} devices; e.g. ",
-                Field("hetero_batch", shown),
-            )
-        counts = [counts[k] for k in kinds]
+        resolved, problem = counts_of_kinds(counts, kinds)
+        if problem:
+            what, _, shown = problem.partition("; e.g. ")
+            raise ConfigError(Field("hetero_batch"), f": {what}; e.g. ", Field("hetero_batch", shown))
+        counts = list(resolved)
     if layout.mesh[ax.STAGE] > 1 and layout.stage_layers is None:
         stages, _ = plan_layout(ev.model.num_layers, layout.mesh[ax.STAGE], layout.pipeline_repeats)
         layout = dataclasses.replace(layout, stage_layers=stages.stage_layers)

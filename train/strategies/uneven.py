@@ -21,7 +21,15 @@ from jax.sharding import NamedSharding, PartitionSpec
 from sharding import axes as ax
 from sharding.balance import Rebalancer as Balance
 from sharding.balance import counts_for_speeds, default_capacity
-from sharding.parallel import Parallelism, gather_shards, only_axes, reduce_shards, spec_axes, to_varying
+from sharding.parallel import (
+    Parallelism,
+    counts_of_kinds,
+    gather_shards,
+    only_axes,
+    reduce_shards,
+    spec_axes,
+    to_varying,
+)
 from sharding.rules import logical_to_spec
 from sharding.splits import largest_remainder
 from train.data import FIELDS
@@ -309,16 +317,11 @@ def resolve_uneven(par: Parallelism, mesh, simulated=None) -> tuple[Parallelism,
     if strategy.counts is not None:
         return par, None
     if strategy.kind_counts is not None:
-        by_kind = dict(strategy.kind_counts)
         kinds = group_kinds(mesh, simulated)
-        missing = sorted(set(kinds) - set(by_kind))
-        if missing:
-            shown = ",".join(f"{k}={by_kind.get(k, 1)}" for k in dict.fromkeys([*by_kind, *missing]))
-            raise ValueError(
-                f"--hetero-batch {','.join(f'{k}={n}' for k, n in strategy.kind_counts)}: no count for the "
-                f"{', '.join(missing)} devices of this mesh; e.g. --hetero-batch {shown}"
-            )
-        counts = tuple(by_kind[k] for k in kinds)
+        counts, problem = counts_of_kinds(dict(strategy.kind_counts), kinds)
+        if problem:
+            given = ",".join(f"{k}={n}" for k, n in strategy.kind_counts)
+            raise ValueError(f"--hetero-batch {given}: {problem.replace('; e.g. ', '; e.g. --hetero-batch ')}")
         if not any(counts):
             raise ValueError(
                 f"--hetero-batch {','.join(f'{k}={n}' for k, n in strategy.kind_counts)}: every data-parallel "
