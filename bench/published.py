@@ -261,10 +261,17 @@ def row_model(row: Row):
     return describe(get_config("7b", sets))
 
 
-def row_inventory(row: Row) -> devices.Inventory:
-    """The row's cluster: ``gpus / gpus_per_host`` hosts of its kind, ``network_gbps_per_host`` each."""
+def row_inventory(row: Row, sustained: float | None = None) -> devices.Inventory:
+    """The row's cluster: ``gpus / gpus_per_host`` hosts of its kind, ``network_gbps_per_host`` each.
+
+    ``sustained``: the fraction of its burst matmul rate a kind with a measured one
+    (`sharding.devices.SUSTAINED_FRACTION`: the H100 rows) holds under load, in place of the measured figure
+    (``--sustained-fraction``); None keeps the measurement.
+    """
     name, gib = GPUS[row.gpu]
     kind = devices.get_kind(name)
+    if sustained is not None and kind.sustained_fraction is not None:
+        kind = dataclasses.replace(kind, sustained_fraction=sustained)
     if gib is not None:
         kind = dataclasses.replace(kind, name=f"{name}_{gib}gb", memory_bytes=gib * GIB)
     hosts = tuple(devices.Host(kind, row.gpus_per_host, f"host{i}") for i in range(row.gpus // row.gpus_per_host))
@@ -333,11 +340,11 @@ class Priced:
         return None if self.plan is None else self.plan.step_time / self.row.published_step_s
 
 
-def price(row: Row) -> Priced:
+def price(row: Row, sustained: float | None = None) -> Priced:
     """The row priced at its layout as ``python -m train.plan --layout`` prices it (with its pipeline clock)."""
     t0 = time.perf_counter()
     flags, clock = row_layout(row)
-    model, inventory = row_model(row), row_inventory(row)
+    model, inventory = row_model(row), row_inventory(row, sustained)
     options = planner.PlanOptions(dtype="bfloat16", one_f_one_b_clock=clock, overlaps=row_overlaps(row))
     defaults = argparse.Namespace(dtype="bfloat16", attention="flash", batch=row.gbs)
     try:
@@ -426,7 +433,7 @@ def summary_lines(priced: Sequence[Priced]) -> list[str]:
     return out
 
 
-def top_three(priced: Sequence[Priced]) -> list[str]:
+def top_three(priced: Sequence[Priced], sustained: float | None = None) -> list[str]:
     """Markdown: for each row, the planner's three best plans (``train.plan``'s search with the row's clock and
     overlaps) beside the published layout's predicted step time."""
     lines = [
@@ -436,7 +443,7 @@ def top_three(priced: Sequence[Priced]) -> list[str]:
     for p in priced:
         _, clock = row_layout(p.row)
         options = planner.PlanOptions(dtype="bfloat16", one_f_one_b_clock=clock, overlaps=row_overlaps(p.row))
-        plans = planner.plan(row_model(p.row), row_inventory(p.row), p.row.gbs, p.row.seq, options, top=3)
+        plans = planner.plan(row_model(p.row), row_inventory(p.row, sustained), p.row.gbs, p.row.seq, options, top=3)
         shown = "; ".join(
             f"`{plan_flags(x).replace(' --dtype bfloat16', '')}` {x.step_time:.3g}{'' if x.fits else ' (over memory)'}"
             for x in plans
@@ -446,7 +453,7 @@ def top_three(priced: Sequence[Priced]) -> list[str]:
     return lines
 
 
-def speed_ratio(rows: Sequence[Row]) -> str:
+def speed_ratio(rows: Sequence[Row], sustained: float | None = None) -> str:
     """The A100/H100 step-time ratio the clock gives a 7B step: the first 6-8B H100 bf16 row without a pipeline
     (in rows.csv, Megatron-core's 7.1B on 96 H100) priced as is and on A100 80 GB hosts of the same network; beside it the range the
     rows' own per-GPU throughputs imply (their published FLOP/s per GPU of 1.7-7.5B runs, A100 against H100)."""
@@ -455,7 +462,7 @@ def speed_ratio(rows: Sequence[Row]) -> str:
         return ""
     row = h100[0]
     a100 = Row(dict(row.values, gpu="a100-80gb", name=row.name + "-on-a100"), row.line)
-    fast, slow = price(row), price(a100)
+    fast, slow = price(row, sustained), price(a100, sustained)
     if fast.plan is None or slow.plan is None:
         return ""
     return f"{row.name}: A100 / H100 step time {slow.plan.step_time / fast.plan.step_time:.2f}"
@@ -483,7 +490,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--top-three", action="store_true", help="also search each row and list the planner's three best plans"
     )
+    parser.add_argument(
+        "--sustained-fraction",
+        type=float,
+        default=None,
+        metavar="F",
+        help="price the kinds with a measured sustained rate (H100, H200) at F of their burst matmul rate instead "
+        "of the measurement (sharding.devices.SUSTAINED_FRACTION, 0.887), to see how the figures move over the "
+        "published span, e.g. 0.848 or 0.951; a fraction in (0, 1]",
+    )
     args = parser.parse_args(argv)
+    if args.sustained_fraction is not None and not 0 < args.sustained_fraction <= 1:
+        print(
+            f"error: --sustained-fraction {args.sustained_fraction}: a fraction in (0, 1], e.g. 0.848", file=sys.stderr
+        )
+        return 2
     path = Path(args.rows) if args.rows else DEFAULT_ROWS.resolve()
     if args.rows is None and not path.exists():
         print(
@@ -511,7 +532,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             return 2
         rows = [r for r in rows if r.name in wanted]
-    priced = [price(r) for r in rows]
+    priced = [price(r, args.sustained_fraction) for r in rows]
     if args.json:
         out = [
             {
@@ -531,8 +552,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("\n".join(summary_lines(priced)))
     if args.top_three:
         print()
-        print("\n".join(top_three(priced)))
-    ratio = speed_ratio(rows)
+        print("\n".join(top_three(priced, args.sustained_fraction)))
+    ratio = speed_ratio(rows, args.sustained_fraction)
     if ratio:
         print(ratio)
     print(f"\npriced {len(priced)} rows in {sum(p.seconds for p in priced):.1f} s")

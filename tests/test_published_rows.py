@@ -161,3 +161,21 @@ def test_a_binary_file_is_named_and_a_byte_order_mark_is_read(tmp_path, capsys):
     marked = tmp_path / "marked.csv"
     marked.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
     assert [r.values for r in published.read_rows(marked)] == [r.values for r in published.read_rows(path)]
+
+
+def test_the_sustained_fraction_can_be_set_for_the_measured_kinds_only(tmp_path, capsys):
+    """``--sustained-fraction F`` prices an H100 row at F of its burst matmul rate in place of the measured
+    0.887 (the default is the measurement to the bit), leaves an A100 row (no measurement) as it is, and refuses
+    a value outside (0, 1] in one line whose example is accepted."""
+    h100 = dict(_ROW, name="h100", gpu="h100-sxm-80gb", source="a run with flash attention")
+    path = _write(tmp_path, [_ROW, h100])
+    a100_row, h100_row = published.read_rows(path)
+    measured = published.price(h100_row).plan
+    assert published.price(h100_row, 0.887).plan.step_time == measured.step_time
+    slower = published.price(h100_row, 0.5).plan
+    assert slower.parts["compute"] > measured.parts["compute"] * 1.5  # the products and attention dominate it
+    assert published.price(a100_row, 0.5).plan.step_time == published.price(a100_row).plan.step_time
+    assert published.main(["--rows", str(path), "--sustained-fraction", "1.5"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "e.g. 0.848" in err
+    assert published.main(["--rows", str(path), "--json", "--sustained-fraction", "0.848"]) == 0
