@@ -100,6 +100,11 @@ class ConfigError(ValueError):
         return tuple(part for part in self.parts if isinstance(part, Field))
 
 
+class MissingFileError(ConfigError, FileNotFoundError):
+    """A configuration field names a file that does not exist: a `ConfigError` (its message names the
+    field, so a command line names its flag) that is also the `FileNotFoundError` callers catch."""
+
+
 class FieldText(str):
     """A line that is not an error (a note, a hint) but names fields as a `ConfigError` does.
 

@@ -229,13 +229,16 @@ def test_parse_cluster_repeat_and_bandwidth():
         ("3.2Tb/s", 400e9),
         ("100 Mbps", 12.5e6),
         ("1e2Gbps", 12.5e9),
+        ("400gbps", 50e9),  # a lower-case prefix that means nothing else
+        ("3.2tb/s", 400e9),
+        ("50gB/s", 50e9),
     ],
 )
 def test_parse_bandwidth(text, bytes_per_s):
     assert dv.parse_bandwidth(text) == pytest.approx(bytes_per_s)
 
 
-@pytest.mark.parametrize("text", ["400", "400 Gbit", "-5Gbps", "0GB/s", "fast", "400gbps/s"])
+@pytest.mark.parametrize("text", ["400", "400 Gbit", "-5Gbps", "0GB/s", "fast", "400gbps/s", "400mbps"])
 def test_parse_bandwidth_errors(text):
     with pytest.raises(ValueError, match="expected a positive number and a unit.*400Gbps"):
         dv.parse_bandwidth(text)
@@ -255,6 +258,10 @@ def test_parse_bandwidth_errors(text):
         ("h100:8x0", ["host repeat must be a positive integer", "h100:8x2"]),
         ("h100:8x", ["host repeat must be a positive integer", "''"]),  # was read as h100:8
         ("h100:8@400", ["bad bandwidth '400'", "400Gbps"]),
+        # one bandwidth per item: was "bad bandwidth '400Gbps,a100:8@100Gbps'"
+        ("h100:8@400Gbps,a100:8@100Gbps", ["one @BANDWIDTH, at the end, for all hosts", "h100:8,a100:8@400Gbps"]),
+        ("h100:8@400Gbps@100Gbps", ["one @BANDWIDTH", "cluster=h100:8@400Gbps"]),
+        ("h100:8,a100:8@400mbps", ["bad bandwidth '400mbps'", "a prefix k, M, G or T"]),  # m is milli
     ],
 )
 def test_parse_cluster_errors(spec, fragments):

@@ -32,13 +32,15 @@ from sharding.devices.kinds import (
     _normalise,
     get_kind,
 )
-from sharding.errors import ConfigError, Field
+from sharding.errors import ConfigError, Field, MissingFileError
 
 # --- Parsing -----------------------------------------------------------------------
 
 _CLUSTER_EXAMPLE = "h100:8,a100:8@400Gbps"
-_BANDWIDTH_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKMGT])(b|B)(?:ps|/s)\s*$")
-_PREFIX = {"k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
+_BANDWIDTH_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKMGgTt])(b|B)(?:ps|/s)\s*$")
+# Decimal prefixes; a lower-case g or t reads as G or T (``400gbps``: neither letter means anything smaller),
+# but m stays refused: it is milli, not mega. The case of b/B is the unit itself (bits or bytes).
+_PREFIX = {"k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "g": 1e9, "T": 1e12, "t": 1e12}
 
 
 def parse_bandwidth(text: str) -> float:
@@ -46,7 +48,8 @@ def parse_bandwidth(text: str) -> float:
 
     A lower-case ``b`` means bits, an upper-case ``B`` bytes: ``"400Gbps"`` and
     ``"400Gb/s"`` give 50e9, ``"50GB/s"`` and ``"50GBps"`` give 50e9. Prefixes k, M,
-    G, T are decimal.
+    G, T are decimal; ``k``/``K``, ``g``/``G`` and ``t``/``T`` are read alike
+    (``"400gbps"`` is ``"400Gbps"``), ``M`` only upper-case (``m`` would be milli).
 
     Args:
         text: E.g. ``"400Gbps"``, ``"3.2Tb/s"``, ``"50GB/s"``.
@@ -61,20 +64,21 @@ def parse_bandwidth(text: str) -> float:
     value = float(match.group(1)) if match else 0.0
     if not match or value <= 0:
         raise ValueError(
-            f"bad bandwidth {text!r}: expected a positive number and a unit, e.g. "
-            "'400Gbps' (gigabits/s) or '50GB/s' (gigabytes/s)"
+            f"bad bandwidth {text!r}: expected a positive number and a unit (a prefix k, M, G or T, then b "
+            "for bits or B for bytes, then ps or /s), e.g. '400Gbps' (gigabits/s) or '50GB/s' (gigabytes/s)"
         )
     per_second = value * _PREFIX[match.group(2)]
     return per_second / 8 if match.group(3) == "b" else per_second
 
 
-def parse_cluster(spec: str, inter_host_bandwidth: float | None = None) -> Inventory:
+def parse_cluster(spec: str, inter_host_bandwidth: float | None = None, field: str = "cluster") -> Inventory:
     """Parses a cluster spec into an inventory, one host per item.
 
     Grammar: ``ITEM[,ITEM...][@BANDWIDTH]`` where ``ITEM`` is ``KIND:COUNT`` (one host
     of COUNT devices) or ``KIND:COUNTxHOSTS`` (HOSTS such hosts), ``KIND`` any name
     :func:`get_kind` accepts, and ``BANDWIDTH`` the per-host inter-host bandwidth with
-    units (see :func:`parse_bandwidth`). Hosts are named ``host0``, ``host1``, ...
+    units (see :func:`parse_bandwidth`): one, at the end, for every host (the cost model
+    prices one inter-host link speed). Hosts are named ``host0``, ``host1``, ...
 
     Examples: ``"h100:8,a100:8"``, ``"h100:8x4@3200Gbps"``, ``"4090:2"``.
 
@@ -82,66 +86,77 @@ def parse_cluster(spec: str, inter_host_bandwidth: float | None = None) -> Inven
         spec: The spec.
         inter_host_bandwidth: Bytes/s per host; used when the spec has no ``@`` part.
             Defaults to :data:`DEFAULT_INTER_HOST_BANDWIDTH`.
+        field: The configuration field the spec came from (``cluster``,
+            ``simulate_cluster``), named in errors so a command line can name its flag.
 
     Returns:
         The inventory.
 
     Raises:
-        ValueError: On an empty spec, a malformed item, an unknown kind (the message
-            lists the known kinds), a count or host repeat <= 0, a bad bandwidth, or a
-            bandwidth given both in the spec and as an argument. Messages name the bad
-            item and show a valid example.
+        ConfigError: On an empty spec, a malformed item, an unknown kind (the message
+            lists the known kinds), a count or host repeat <= 0, a bad bandwidth, a
+            bandwidth per item (more than one ``@``), or a bandwidth given both in the
+            spec and as an argument. Messages name ``field`` with the spec and show a
+            valid example.
     """
-    body, bandwidth = _split_bandwidth(spec, inter_host_bandwidth)
+    body, bandwidth = _split_bandwidth(spec, inter_host_bandwidth, field)
     hosts: list[Host] = []
     for item in body.split(","):
-        kind, count, repeat = _parse_item(item, spec)
+        kind, count, repeat = _parse_item(item, spec, field)
         for _ in range(repeat):
             hosts.append(Host(kind=kind, count=count, name=f"host{len(hosts)}"))
     return Inventory(hosts=tuple(hosts), inter_host_bandwidth=bandwidth)
 
 
-def _split_bandwidth(spec: str, inter_host_bandwidth: float | None) -> tuple[str, float]:
+def _split_bandwidth(spec: str, inter_host_bandwidth: float | None, field: str) -> tuple[str, float]:
+    example = Field(field, _CLUSTER_EXAMPLE)
     if not isinstance(spec, str) or not spec.strip():
-        raise ValueError(f"empty cluster spec {spec!r}; expected e.g. {_CLUSTER_EXAMPLE!r}")
+        raise ConfigError(Field(field, repr(spec)), ": empty cluster spec; expected e.g. ", example)
     body, at, bw_text = spec.partition("@")
     if not at:
         if inter_host_bandwidth is None:
             return body, DEFAULT_INTER_HOST_BANDWIDTH
         return body, inter_host_bandwidth
+    if "@" in bw_text or "," in bw_text:
+        one = ",".join(item.partition("@")[0].strip() for item in spec.split(","))
+        raise ConfigError(
+            Field(field, repr(spec)),
+            ": the spec takes one @BANDWIDTH, at the end, for all hosts (not one per item); e.g. ",
+            Field(field, f"{one}@{bw_text.partition(',')[0].partition('@')[0].strip() or '400Gbps'}"),
+        )
     if inter_host_bandwidth is not None:
-        raise ValueError(
-            f"cluster spec {spec!r} gives a bandwidth after '@' and inter_host_bandwidth was "
-            "also passed; give one of them"
+        raise ConfigError(
+            Field(field, repr(spec)),
+            ": gives a bandwidth after '@' and inter_host_bandwidth was also passed; give one of them",
         )
     try:
         return body, parse_bandwidth(bw_text)
     except ValueError as err:
-        raise ValueError(f"cluster spec {spec!r}: {err}; e.g. {_CLUSTER_EXAMPLE!r}") from None
+        raise ConfigError(Field(field, repr(spec)), f": {err}; e.g. ", example) from None
 
 
-def _parse_item(item: str, spec: str) -> tuple[DeviceKind, int, int]:
-    where = f"cluster spec {spec!r}, item {item.strip()!r}"
+def _parse_item(item: str, spec: str, field: str) -> tuple[DeviceKind, int, int]:
+    where = (Field(field, repr(spec)), f", item {item.strip()!r}")
     name, colon, count_text = item.strip().partition(":")
     if not name or not colon:
-        raise ValueError(f"{where}: expected KIND:COUNT, e.g. {_CLUSTER_EXAMPLE!r}")
+        raise ConfigError(*where, ": expected KIND:COUNT, e.g. ", Field(field, _CLUSTER_EXAMPLE))
     try:
         kind = get_kind(name)
     except ValueError as err:
-        raise ValueError(f"{where}: {err}") from None
+        raise ConfigError(*where, f": {err}") from None
     count_part, times, repeat_part = count_text.strip().lower().partition("x")
-    count = _positive_int(count_part, f"{where}: device count", "h100:8")
-    repeat = _positive_int(repeat_part, f"{where}: host repeat", "h100:8x2") if times else 1
+    count = _positive_int(count_part, where, "device count", "h100:8")
+    repeat = _positive_int(repeat_part, where, "host repeat", "h100:8x2") if times else 1
     return kind, count, repeat
 
 
-def _positive_int(text: str, what: str, example: str) -> int:
+def _positive_int(text: str, where: tuple, what: str, example: str) -> int:
     try:
         value = int(text.strip())
     except ValueError:
         value = None
     if value is None or value <= 0:
-        raise ValueError(f"{what} must be a positive integer, got {text.strip()!r}; e.g. {example!r}")
+        raise ConfigError(*where, f": {what} must be a positive integer, got {text.strip()!r}; e.g. {example!r}")
     return value
 
 
@@ -403,8 +418,9 @@ def inventory_from_flag(value: str, inter_host_bandwidth: float | None = None) -
         The inventory.
 
     Raises:
-        FileNotFoundError: When the value names a ``.json``/``.yaml``/``.yml`` file
-            that does not exist.
+        MissingFileError: When the value names a ``.json``/``.yaml``/``.yml`` file
+            that does not exist (a `FileNotFoundError` naming the ``cluster`` field, with
+            the inline form as the remedy).
         ImportError, ValueError: As :func:`load_inventory` and :func:`parse_cluster`.
     """
     if os.path.isfile(value):
@@ -415,5 +431,9 @@ def inventory_from_flag(value: str, inter_host_bandwidth: float | None = None) -
             text = text[len(value) + 2 :] if text.startswith(f"{value}: ") else text
             raise ConfigError(Field("cluster", value), f": {text}") from None
     if value.strip().lower().endswith((".json", ".yaml", ".yml")):
-        raise FileNotFoundError(f"inventory file not found: {value!r}")
+        raise MissingFileError(
+            Field("cluster", value),
+            ": no such inventory file; give an existing JSON/YAML file, or the cluster inline, e.g. ",
+            Field("cluster", "h100:8"),
+        )
     return parse_cluster(value, inter_host_bandwidth)

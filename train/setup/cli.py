@@ -240,7 +240,7 @@ def _check_counts(args) -> None:
     if args.cluster:
         inventory_from_flag(args.cluster)
     if args.simulate_cluster:
-        parse_cluster(args.simulate_cluster)
+        parse_cluster(args.simulate_cluster, field="simulate_cluster")
 
 
 # Largest --seed: the parameters' PRNG key is made from an int32.

@@ -20,6 +20,7 @@ FLAGS: dict[str, str] = {
     "mesh": "--mesh",
     "mesh_outer": "--mesh-outer",
     "cluster": "--cluster",
+    "simulate_cluster": "--simulate-cluster",
     # sharding rules
     "rules": "--rules",
     "rule": "--rule",
