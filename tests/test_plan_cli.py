@@ -204,3 +204,69 @@ def test_a_binary_cluster_file_is_one_line_naming_the_flag_and_file(tmp_path, ca
     assert plan_main(["--cluster", str(path), "--batch", "16", "--seq-len", "128", "--model", "test"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"error: --cluster {path}: not a text file (byte 0 is 0xd0")
+
+
+@pytest.mark.parametrize(
+    "layout, names, fixed",
+    [
+        # no flags: was priced as train.train's default layout, silently
+        ("", "--layout '': gives no layout flags; e.g. --layout \"--mesh fsdp=8\"", "--mesh fsdp=8"),
+        ("   ", 'gives no layout flags; e.g. --layout "--mesh fsdp=8"', "--mesh fsdp=8"),
+        # counts below 1, named by their flags as train.train names them (was the cost model's field names)
+        (
+            "--mesh fsdp=8 --microbatches 0",
+            "--layout: --microbatches 0: must be a positive integer, e.g. --microbatches 1",
+            "--mesh fsdp=8 --microbatches 1",
+        ),
+        (  # circular needs 2 chunks or more: the example is the schedule's own default
+            "--mesh stage=2,fsdp=4 --pipeline-schedule circular --pipeline-repeats 0 --microbatches 2",
+            "--layout: --pipeline-repeats 0: must be a positive integer, e.g. --pipeline-repeats 2",
+            "--mesh stage=2,fsdp=4 --pipeline-schedule circular --pipeline-repeats 2 --microbatches 2",
+        ),
+    ],
+)
+def test_an_empty_layout_or_a_zero_count_is_refused_with_a_layout_that_prices(capsys, layout, names, fixed):
+    argv = SEARCH + ["--cluster", "h100:4,a100:4"]
+    assert plan_main(argv + ["--layout", layout]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and names in err, err
+    assert _json(capsys, argv + ["--layout", fixed])["fits"]
+
+
+@pytest.mark.parametrize(
+    "cluster, names, fixed",
+    [
+        # one bandwidth per item was read as the first item's bandwidth "400Gbps,a100:4@100Gbps"
+        (
+            "h100:4@400Gbps,a100:4@100Gbps",
+            "error: --cluster 'h100:4@400Gbps,a100:4@100Gbps': the spec takes one @BANDWIDTH, at the end, for all "
+            "hosts (not one per item); e.g. --cluster h100:4,a100:4@400Gbps\n",
+            "h100:4,a100:4@400Gbps",
+        ),
+        # a missing file named neither the flag nor the inline form
+        (
+            "cluster.yaml",
+            "error: --cluster cluster.yaml: no such inventory file; give an existing JSON/YAML file, or the "
+            "cluster inline, e.g. --cluster h100:8\n",
+            "h100:8",
+        ),
+    ],
+)
+def test_a_bad_cluster_is_one_line_naming_the_flag_with_a_spec_that_plans(
+    tmp_path, monkeypatch, capsys, cluster, names, fixed
+):
+    monkeypatch.chdir(tmp_path)  # no cluster.yaml here
+    assert plan_main(SEARCH + ["--cluster", cluster]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == names
+    assert _json(capsys, SEARCH + ["--cluster", fixed])["plans"]
+
+
+def test_help_shows_real_defaults_only():
+    """``(default: None)`` was printed after required flags and after help that states its default in words."""
+    from train.plan import build_parser
+
+    text = " ".join(build_parser().format_help().split())  # argparse wraps at the terminal's width
+    assert "(default: None)" not in text
+    assert "plans to list (default: 8)" in text and "model preset (models.config) (default: 7b)" in text
+    assert "how a 1F1B pipeline" in text and "(default: lockstep)" in text

@@ -97,6 +97,9 @@ CASES = [
     ["--steps", "0"],
     ["--cpu-devices", "0"],
     ["--pipeline-repeats", "0", "--mesh", "stage=2,fsdp=4", "--microbatches", "2"],
+    # circular needs 2 chunks or more: the example was 1, which circular refuses
+    ["--pipeline-repeats", "0", "--pipeline-schedule", "circular", "--mesh", "stage=2,fsdp=4", "--microbatches", "2"],
+    ["--simulate-cluster", "h100:4@400Gbps,a100:4@100Gbps"],  # one bandwidth for all hosts, named by its flag
     ["--pipeline-schedule", "circular", "--mesh", "stage=4,fsdp=2", "--microbatches", "4"],  # 1 layer a stage
     ["--model", "moe-test", "--set", "first_dense_layers=0", "--set", "capacity_factor=1.25"]
     + ["--mesh", "stage=2,fsdp=4", "--microbatches", "2"],

@@ -49,7 +49,8 @@ from train.reports.plot import plot, pyplot_for
 from train.setup.checks import check_expert_axis
 from train.setup.flagnames import render
 from train.setup.flags import parallelism_flags
-from train.setup.layout_flags import PRICED_FLAGS, parallelism_from_args
+from train.setup.layout_flags import LAYOUT_COUNTS, PRICED_FLAGS, parallelism_from_args
+from train.setup.parser import HelpFormatter, check_positive_counts
 from train.setup.parser import build_parser as build_train_parser
 
 
@@ -57,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = Parser(
         prog="python -m train.plan",
         description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--model", default="7b", choices=sorted(PRESETS), help="model preset (models.config)")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override a model field")
@@ -314,7 +315,8 @@ def given_layout(text: str, num_layers: int, num_devices: int, defaults: argpars
       or None.
 
     Raises:
-      ValueError: One line naming ``--layout``: an unknown or malformed flag, a flag that is not a layout's,
+      ValueError: One line naming ``--layout``: no flags at all, an unknown or malformed flag, a count
+        ``--microbatches``/``--pipeline-repeats`` below 1 (`train.setup.parser.check_positive_counts`), a flag that is not a layout's,
         a mesh that does not cover the devices, ``--hetero-batch auto``/``kinds``, ``--stage-layers auto`` or
         ``--context-shares auto`` (give the counts or shares), pipeline microbatches that --batch or the
         stages refuse (`sharding.pipeline.check_microbatches`), pipeline stages on a mixture of experts with
@@ -325,6 +327,11 @@ def given_layout(text: str, num_layers: int, num_devices: int, defaults: argpars
         tokens = shlex.split(text)
     except ValueError as e:
         raise ValueError(f"--layout {text!r}: {e}") from None
+    if not tokens:  # no flags would price train.train's default layout, which nobody asked for
+        raise ValueError(
+            f'--layout {text!r}: gives no layout flags; e.g. --layout "--mesh fsdp={num_devices}" (every device '
+            "of the cluster), or leave --layout out to search"
+        )
     parser = build_train_parser()
     parser.__class__ = _OneLineParser
     args = parser.parse_args(tokens)
@@ -351,6 +358,7 @@ def given_layout(text: str, num_layers: int, num_devices: int, defaults: argpars
             f"--dtype, --optimizer-sharding)"
         )
     try:
+        check_positive_counts(args, LAYOUT_COUNTS)  # as train.train refuses them, before a Layout names its fields
         par = parallelism_from_args(args, num_layers)
         mesh = parse_mesh(args.mesh, num_devices, seen_by="the cluster has")
         # train.train checks these with the run (`train.setup.strategy_setup.check_run_batch`)

@@ -140,10 +140,9 @@ class Layout:
                     f"({self.length_split}), not all 0, e.g. {tuple([1] * max(self.length_split, 2))}"
                 )
             object.__setattr__(self, "context_shares", shares)
-        if self.microbatches < 1 or self.pipeline_repeats < 1:
-            raise ValueError(
-                f"microbatches and pipeline_repeats must be >= 1, got {self.microbatches} and {self.pipeline_repeats}"
-            )
+        for field in ("microbatches", "pipeline_repeats"):  # fields a command line names by their flags
+            if getattr(self, field) < 1:
+                raise ConfigError(Field(field, getattr(self, field)), ": must be >= 1, e.g. ", Field(field, 1))
 
     @property
     def num_devices(self) -> int:

@@ -28,8 +28,8 @@ from train.setup.config import (
     LoopConfig,
     RunConfig,
 )
-from train.setup.layout_flags import parallelism_from_args
-from train.setup.parser import DEFAULT_MODEL, build_parser
+from train.setup.layout_flags import LAYOUT_COUNTS, parallelism_from_args
+from train.setup.parser import DEFAULT_MODEL, build_parser, check_positive_counts
 
 # argv -> RunConfig ---------------------------------------------------------------------------------
 
@@ -201,19 +201,10 @@ def _model_and_tokenizer(args, execution: dict) -> tuple:
 def _check_counts(args) -> None:
     """The counts in range, each refused naming its flag and an accepted value: its default, or for a flag
     without one (``--cpu-devices``, ``--pipeline-repeats``) the common value."""
-    for name, example in (
-        ("seq-len", None),
-        ("batch-size", None),
-        ("microbatches", None),
-        ("steps", None),
-        ("log-every", None),
-        ("cpu-devices", 8),
-        ("pipeline-repeats", 1),
-    ):
-        value = getattr(args, name.replace("-", "_"))
-        if value is not None and value <= 0:
-            example = example or build_parser().get_default(name.replace("-", "_"))
-            raise ValueError(f"--{name} {value}: must be a positive integer, e.g. --{name} {example}")
+    check_positive_counts(
+        args, (("seq-len", None), ("batch-size", None), ("steps", None), ("log-every", None), ("cpu-devices", 8))
+    )
+    check_positive_counts(args, LAYOUT_COUNTS)
     for name in ("ckpt-every", "eval-every", "eval-batches", "skip-nonfinite"):
         value = getattr(args, name.replace("-", "_"))
         if value < 0:

@@ -38,6 +38,17 @@ MESH_FLAGS = ("mesh", "rules", "rule", "mesh_outer")
 """The mesh, the rules over it, and the mesh's split into hosts."""
 PIPELINE_FLAGS = ("stage_layers", "pipeline_schedule", "pipeline_repeats", "pipeline_gather")
 """A pipeline's plan over the ``stage`` axis (`pipeline_plan`)."""
+
+
+def default_repeats(args) -> int:
+    """``--pipeline-repeats`` when it is not given: 2 chunks per stage for ``--pipeline-schedule circular``
+    (which needs 2 or more), 1 for every other schedule."""
+    return 2 if parse_schedule(args.pipeline_schedule) is Schedule.CIRCULAR else 1
+
+
+LAYOUT_COUNTS = (("microbatches", None), ("pipeline-repeats", default_repeats))
+"""The layout's count flags, each with the example a refusal gives (None: the flag's default; a function
+of the arguments: the value that fits them), for `train.setup.parser.check_positive_counts`."""
 UNEVEN_FLAGS = ("hetero_batch", "hetero_max_share", "rebalance_every")
 """The uneven strategy's counts per data-parallel group (`uneven_from_args`)."""
 CONTEXT_FLAGS = ("context_layout", "context_shares")
@@ -302,7 +313,7 @@ def pipeline_plan(args, stages: int, num_layers: int) -> PipelinePlan:
     schedule = parse_schedule(args.pipeline_schedule)
     circular = schedule is Schedule.CIRCULAR
     one_f_one_b = schedule.one_f_one_b
-    repeats = args.pipeline_repeats or (2 if circular else 1)
+    repeats = args.pipeline_repeats or default_repeats(args)
     if one_f_one_b and repeats < 1:
         raise ValueError(f"--pipeline-repeats {repeats}: must be at least 1 (1f1b; more is interleaved 1F1B)")
     if not circular and not one_f_one_b and repeats != 1:

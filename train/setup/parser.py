@@ -38,8 +38,10 @@ DESCRIPTION = (
 )
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows a flag's default only where it has one and the help does not already say it."""
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a flag's default only where it has one and the help does not already say it (no
+    ``(default: None)`` after a required flag or one whose help states its default in words); the help of
+    ``python -m train.train`` and ``python -m train.plan``."""
 
     def _get_help_string(self, action):
         text = action.help or ""
@@ -53,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = Parser(
         prog="python -m train.train",
         description=DESCRIPTION,
-        formatter_class=_HelpFormatter,
+        formatter_class=HelpFormatter,
         epilog="Logical axes: batch, length, embed, mlp, heads, kv_heads, head_dim, vocab, layers, act_embed, act_length. "
         "Mesh axes: data, stage, fsdp, context, sequence, tensor.",
     )
@@ -548,3 +550,21 @@ def parse_bytes(text: str, flag: str = "--device-memory", example: str = "80GiB"
     if not (value > 0 and math.isfinite(value)):
         raise argparse.ArgumentTypeError(f"{text!r}: expected bytes > 0, e.g. {flag} {example}")
     return int(value)
+
+
+def check_positive_counts(args: argparse.Namespace, flags) -> None:
+    """Each count flag in ``flags`` (``(name, example)`` pairs, ``name`` as typed without ``--``; ``example`` a
+    value, a function of ``args`` that gives one, or None for the flag's default) None or > 0.
+
+    One check for every command that reads these flags (``train.train`` and ``python -m train.plan
+    --layout``), run before the values reach a layout, so the refusal names the flag rather than a field.
+
+    Raises:
+      ValueError: ``--NAME VALUE: must be a positive integer, e.g. --NAME EXAMPLE``.
+    """
+    for name, example in flags:
+        value = getattr(args, name.replace("-", "_"))
+        if value is not None and value <= 0:
+            example = example(args) if callable(example) else example
+            example = example or build_parser().get_default(name.replace("-", "_"))
+            raise ValueError(f"--{name} {value}: must be a positive integer, e.g. --{name} {example}")
