@@ -184,6 +184,8 @@ def _uneven_comms(
         )
     else:
         in_loop = []
+    # fixed, not the rules': the step's map splits the rows over every batch axis, and check_uneven refuses a rule
+    # that leaves one out (train.strategies.uneven)
     batch_axes, batch_n = _axes(mesh, ax.DATA, ax.FSDP)
     comms = []
     if batch_rows:
@@ -228,8 +230,9 @@ def _vocab_parallel_comms(
     targets, the activations' gradient reduce-scattered back (a reduce-scatter on both backends: it
     is written as one). Over the slices (group and ``tensor``): the softmax max, sum, target logit
     and the loss gradient of each group token (``[f x tokens]`` float32 each). Over ``tensor``: the
-    local rows' input gradient. Over the token axes the weight is whole along (``data``): its
-    gradient, the local shard.
+    local rows' input gradient. Over the token axes the weight is whole along (the rules' batch and length
+    axes outside the slices: ``data`` under every preset): its gradient, the local shard; none over an axis the
+    batch is kept whole over (``--rule batch=fsdp`` on a ``data`` mesh).
     """
     if split is None:
         return []
@@ -260,8 +263,9 @@ def _vocab_parallel_comms(
         comms.append(
             Comm("all-reduce", split.vocab_axes, t, s.tok * d * 4, m, "loss: input gradient over tensor", False)
         )
-    length = layout.rules_table().length_axes(mesh)
-    rest, n = _axes(mesh, *(a for a in (ax.DATA, *length) if a not in slices))
+    rules = layout.rules_table()
+    tokens = (*rules.batch_axes(mesh), *rules.length_axes(mesh))
+    rest, n = _axes(mesh, *(a for a in tokens if a not in slices))
     if n > 1:
         comms.append(Comm("all-reduce", rest, n, shard, m, f"gradient of {weight.param.path}"))
     return comms
@@ -348,12 +352,15 @@ def _gradient_reductions(
     an all-reduce of the shard over ``data``. CPU: the reduce-scatter is lowered to an all-reduce
     of the whole gradient over ``data`` x ``fsdp``, followed, when both are split, by an all-reduce
     of the shard over ``data`` (what XLA CPU emits). Weights not split over ``fsdp``: one all-reduce
-    over the batch axes. A split length (``context``, ``sequence``) is summed by an all-reduce of the
-    shard of its own over the length axes (the partitioner emits one per group of axes; checked on CPU
-    with ``data`` and with ``fsdp``: the Llama-3-8B USP dry run of ``bench/RESULTS.md``).
+    over the batch axes. The batch axes are the rules' (`sharding.rules.Rules.batch_axes`): an axis the
+    batch is kept whole over sums nothing, and weights split over ``fsdp`` while the batch is kept whole
+    over it are reduced as unsplit ones (the device's shard, over the other batch axes). A split length
+    (``context``, ``sequence``) is summed by an all-reduce of the shard of its own over the length axes
+    (the partitioner emits one per group of axes; checked on CPU with ``data`` and with ``fsdp``: the
+    Llama-3-8B USP dry run of ``bench/RESULTS.md``).
     """
     mesh = layout.mesh
-    all_axes, all_n = _axes(mesh, ax.DATA, ax.FSDP, ax.EXPERT)  # the batch's devices
+    all_axes, all_n = _axes(mesh, *layout.rules_table().batch_axes(mesh))  # the batch's devices, as ruled
     length_axes, length_n = _axes(mesh, *layout.rules_table().length_axes(mesh))  # the length's
     if all_n * length_n <= 1:
         return []
@@ -380,14 +387,14 @@ def _gradient_reductions(
             )
         if batch_n <= 1:
             continue
-        if n_f <= 1:
+        if n_f <= 1 or ax.FSDP not in batch_axes:
             comms.append(Comm("all-reduce", batch_axes, batch_n, local, count, what, layer_loop=loop))
             continue
         if backend == "gpu":
             comms.append(Comm("reduce-scatter", (ax.FSDP,), n_f, local, count, what, layer_loop=loop))
         else:
             comms.append(Comm("all-reduce", batch_axes, batch_n, local * n_f, count, what, layer_loop=loop))
-        if mesh[ax.DATA] > 1 and (backend == "gpu" or not p.param.per_layer or p.param.matmul):
+        if ax.DATA in batch_axes and (backend == "gpu" or not p.param.per_layer or p.param.matmul):
             comms.append(
                 Comm("all-reduce", (ax.DATA,), mesh[ax.DATA], local, count, what + " (over data)", layer_loop=loop)
             )
