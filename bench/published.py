@@ -454,9 +454,9 @@ def top_three(priced: Sequence[Priced], sustained: float | None = None) -> list[
 
 
 def speed_ratio(rows: Sequence[Row], sustained: float | None = None) -> str:
-    """The A100/H100 step-time ratio the clock gives a 7B step: the first 6-8B H100 bf16 row without a pipeline
-    (in rows.csv, Megatron-core's 7.1B on 96 H100) priced as is and on A100 80 GB hosts of the same network; beside it the range the
-    rows' own per-GPU throughputs imply (their published FLOP/s per GPU of 1.7-7.5B runs, A100 against H100)."""
+    """The A100/H100 step-time ratio the clock gives a 7B step, one line: the first 6-8B H100 bf16 row without a
+    pipeline (in rows.csv, Megatron-core's 7.1B on 96 H100) priced as is and on A100 80 GB hosts of the same
+    network (empty when there is no such row or either does not price)."""
     h100 = [r for r in rows if r.gpu.startswith("h100") and r.pp == 1 and 6 <= _params(r) <= 8 and r.bf16]
     if not h100:
         return ""

@@ -122,22 +122,23 @@ class UnevenBatch:
         return self.microbatches if self.counts is None else max(1, self.total // groups)
 
 
-def counts_of_kinds(by_kind: Mapping[str, int], kinds: Sequence[str]) -> tuple[tuple[int, ...], str]:
+def counts_of_kinds(by_kind: Mapping[str, int], kinds: Sequence[str]) -> tuple[tuple[int, ...], str, str]:
     """Per-kind counts (``--hetero-batch h100_sxm=25,a100_80gb=7``) read for data-parallel groups whose
-    (slowest) kinds are ``kinds``: ``(counts, problem)``, ``problem`` empty when every group's kind has a count
-    and every kind named is one of ``kinds``; else what is wrong and counts that would do, for the caller's
-    one-line refusal (it names its own flag or field), e.g. ``no count for the a100_80gb devices; e.g.
-    h100_sxm=25,a100_80gb=1``. The runtime (`train.strategies.uneven`) and the planner read them alike.
+    (slowest) kinds are ``kinds``: ``(counts, problem, example)``. ``problem`` is empty when every group's kind
+    has a count and every kind named is one of ``kinds``; else it says what is wrong (``no count for the
+    a100_80gb devices``) and ``example`` gives counts that would do (``h100_sxm=25,a100_80gb=1``), for the
+    caller's one-line refusal, which names its own flag or field. The runtime (`train.strategies.uneven`) and
+    the planner read them alike.
     """
     present = list(dict.fromkeys(kinds))
     missing = [k for k in present if k not in by_kind]
     absent = [k for k in by_kind if k not in present]
-    shown = ",".join(f"{k}={by_kind.get(k, 1)}" for k in present)
+    example = ",".join(f"{k}={by_kind.get(k, 1)}" for k in present)
     if missing:
-        return (), f"no count for the {', '.join(missing)} devices; e.g. {shown}"
+        return (), f"no count for the {', '.join(missing)} devices", example
     if absent:
-        return (), f"no {', '.join(absent)} devices here (its kinds: {', '.join(present)}); e.g. {shown}"
-    return tuple(by_kind[k] for k in kinds), ""
+        return (), f"no {', '.join(absent)} devices here (its kinds: {', '.join(present)})", example
+    return tuple(by_kind[k] for k in kinds), "", ""
 
 
 Strategy = Accumulation | UnevenBatch

@@ -68,7 +68,8 @@ def _embedding_comms(
         return []
     v, d = table.param.shape
     run = unfolded or layout
-    rules, batch = run.rules_table(), run.rules_table().batch_axes(run.mesh)
+    rules = run.rules_table()
+    batch = rules.batch_axes(run.mesh)
     if lookup_gathers_table(rules, run.mesh, v, d, round(s.rows * run.batch_split)):
         return _embedding_gathered(table, mesh, s, t, f)
     split = tuple(a for a in _split_axes(ax.EMBED, d, rules, tuple(run.mesh.items())) if run.mesh[a] > 1)

@@ -11,9 +11,9 @@ and the last wave costs a whole wave even when it holds one tile (wave quantisat
 share of the kind's tensor-core peak times the fraction large, well-shaped products reach on it
 (`Hardware.gemm_fraction`: the best measured matmul over the datasheet peak, a burst at the boost clock)
 times the fraction of that rate its tensor cores hold once a step's sustained load has brought the clock
-down to what the power limit allows (`Hardware.sustained_fraction`, a measured ratio of throughputs). A product whose arithmetic
-intensity (FLOPs per byte of ``A``, ``B`` and ``C`` in the compute dtype) is below the device's
-FLOP/s-to-bandwidth ratio waits on HBM instead: its time is the larger of the two (a roofline, Williams,
+down to what the power limit allows (`Hardware.sustained_fraction`, a measured ratio of throughputs). A
+product whose arithmetic intensity (FLOPs per byte of ``A``, ``B`` and ``C`` in the compute dtype) is below
+the device's FLOP/s-to-bandwidth ratio waits on HBM instead: its time is the larger of the two (a roofline, Williams,
 Waterman and Patterson, CACM 2009). A product with fewer tiles than SMs has its ``k`` split over the idle SMs
 (split-K, CUTLASS's ``GemmSplitKParallel`` and cuBLAS's heuristics for such shapes), in slices of at least
 `SPLIT_K_MIN`. Every product also pays one kernel launch (`GEMM_LAUNCH_SECONDS`).

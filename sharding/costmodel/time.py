@@ -4,8 +4,8 @@ Compute, from the shapes (`compute_seconds`): each matrix product of the step by
 kind (`sharding.costmodel.gemm.gemm_seconds`: tiles in waves over the SMs at the kind's measured matmul
 ceiling, or its memory bandwidth when its arithmetic intensity is low), a fused attention kernel's products at
 its measured fraction of peak (`Hardware.attention_fraction`), both at the fraction of those burst rates the
-tensor cores hold under sustained load (`Hardware.sustained_fraction`), the elementwise work at the memory bandwidth
-(`ELEMENTWISE_BYTES_PER_FLOP`); nothing in it is fitted to training runs. ``--efficiency`` instead prices
+tensor cores hold under sustained load (`Hardware.sustained_fraction`), the elementwise work at the memory
+bandwidth (`ELEMENTWISE_BYTES_PER_FLOP`); nothing in it is fitted to training runs. ``--efficiency`` instead prices
 all the step's work at one fraction of peak. The optimizer's memory traffic at the memory bandwidth. Each collective by an alpha-beta model of its link class (within a host or across
 hosts, `sharding.costmodel.collectives.link_classes`): ring algorithms (`Comm.wire_bytes`, `Comm.steps`),
 Thakur, Rabenseifner and Gropp (IJHPCA 2005), section 4, with the latencies and the ring/tree choice of
@@ -142,8 +142,8 @@ def hardware_for(
 
     Compute: from the shapes (`compute_seconds`) with the kind's SMs, measured matmul and attention fractions
     and sustained fraction (`sharding.devices.GEMM_BENCHMARKS`, `ATTENTION_BENCHMARKS`, `SUSTAINED_FRACTION`;
-    `sharding.devices.kinds.DEFAULT_GEMM_FRACTION` and its neighbours where a kind has none); ``efficiency`` when given (``--efficiency``) prices all the
-    step's work at that fraction of peak instead.
+    `sharding.devices.kinds.DEFAULT_GEMM_FRACTION` and its neighbours where a kind has none); ``efficiency``
+    when given (``--efficiency``) prices all the step's work at that fraction of peak instead.
 
     Latencies: NCCL's model (`NCCL_LATENCY`), NVLink or PCIe by the kind's intra-host bandwidth.
 

@@ -479,10 +479,9 @@ def evaluate(
     ev = _Evaluator(model, inventory, global_batch, seq_len, options or PlanOptions())
     if isinstance(counts, Mapping):
         kinds = [k.name for k in ev.batch_kinds(layout.mesh)]
-        resolved, problem = counts_of_kinds(counts, kinds)
+        resolved, problem, example = counts_of_kinds(counts, kinds)
         if problem:
-            what, _, shown = problem.partition("; e.g. ")
-            raise ConfigError(Field("hetero_batch"), f": {what}; e.g. ", Field("hetero_batch", shown))
+            raise ConfigError(Field("hetero_batch"), f": {problem}; e.g. ", Field("hetero_batch", example))
         counts = list(resolved)
     if layout.mesh[ax.STAGE] > 1 and layout.stage_layers is None:
         stages, _ = plan_layout(ev.model.num_layers, layout.mesh[ax.STAGE], layout.pipeline_repeats)

@@ -318,10 +318,10 @@ def resolve_uneven(par: Parallelism, mesh, simulated=None) -> tuple[Parallelism,
         return par, None
     if strategy.kind_counts is not None:
         kinds = group_kinds(mesh, simulated)
-        counts, problem = counts_of_kinds(dict(strategy.kind_counts), kinds)
+        counts, problem, example = counts_of_kinds(dict(strategy.kind_counts), kinds)
         if problem:
             given = ",".join(f"{k}={n}" for k, n in strategy.kind_counts)
-            raise ValueError(f"--hetero-batch {given}: {problem.replace('; e.g. ', '; e.g. --hetero-batch ')}")
+            raise ValueError(f"--hetero-batch {given}: {problem}; e.g. --hetero-batch {example}")
         if not any(counts):
             raise ValueError(
                 f"--hetero-batch {','.join(f'{k}={n}' for k, n in strategy.kind_counts)}: every data-parallel "
