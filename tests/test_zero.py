@@ -216,6 +216,10 @@ ZERO_CASES = [  # costmodel_grid's cases: (model, mesh, rules, batch, seq_len, m
     # (`sharding.costmodel.zero.replaced_all_reduce`)
     ("test", "data=4,stage=2", "fsdp_tp", 16, 64, 2, "none", None, 1),
     ("test", "data=2,tensor=2,stage=2", "fsdp_tp", 16, 64, 2, "none", None, 1),
+    # 8 layers of width 100 on data=8: the norms' and MLP's slices have no dimension 8 divides, their [8, ...]
+    # stacks do, and the state splits them along the layers (`sharding.costmodel.zero.held_array`; priced on
+    # one layer's slice, they were whole: parameters and moments 2.3x the compiled, no all-gather of them)
+    ("test+num_layers=8+embed_dim=100+mlp_dim=100", "data=8", "dp", 16, 64, 1, "none"),
 ]
 
 

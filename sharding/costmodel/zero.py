@@ -2,8 +2,11 @@
 
 With ``Layout.optimizer_sharding == "data"`` (`sharding.zero`: Rajbhandari et al., SC'20, stage 1) each
 float32 parameter and its two moments live split over ``data`` as well as the rules split them, by the same
-choice of dimension the train state makes (`sharding.zero.master_dim`), read here on one layer's slice of a
-per-layer parameter (the stacked layer dimension is never the largest in practice). The forward and backward
+choice of dimension the train state makes (`sharding.zero.master_dim`), read on the array the state holds
+(`held_array`): without pipeline stages a per-layer parameter is one ``[layers, ...]`` stack (the scanned layer
+loop's), so a model whose layer count ``data`` divides and whose other dimensions it does not (48 layers of width
+7,168 on ``data=48``) has its state split along the layers, as the run splits it; with stages, one layer's slice
+(the stored rows are laid out apart, `sharding.pipeline.storage`). The forward and backward
 see the parameters as the rules lay them out, so gradients, activations and the tensor- and
 length-parallel collectives are unchanged; what changes (`zero_comms`):
 
@@ -45,11 +48,37 @@ def zero_on(layout: Layout) -> bool:
     return layout.optimizer_sharding == ax.DATA and layout.mesh[ax.DATA] > 1
 
 
-def master_split(p: _Placed, rules: Rules, mesh) -> int:
+def held_array(p: _Placed, rules: Rules, mesh, layers: int | None = None) -> tuple[tuple[int, ...], object]:
+    """``(shape, PartitionSpec)`` of the array the train state holds for parameter ``p``, on which the distributed
+    optimizer picks its dimension (`sharding.zero.master_dim`).
+
+    Args:
+      p: A parameter under the mesh and rules.
+      rules: The rules table.
+      mesh: Mesh axis -> size.
+      layers: Without pipeline stages, the layers the model runs: a per-layer parameter is then held as its stack,
+        ``[p.param.copies(layers), *slice]`` with the logical axis ``layers`` in front (the scanned loop's
+        parameters, as ``--dry-run`` lists them). None (with stages, or a parameter outside the layers): one
+        layer's slice, ``p.param.shape``.
+    """
+    shape, names = tuple(p.param.shape), tuple(p.param.axes)
+    if layers is not None and p.param.per_layer:
+        shape, names = (p.param.copies(layers), *shape), (ax.LAYERS, *names)
+    spec, _ = logical_to_spec(names, rules, shape, mesh)
+    return shape, spec
+
+
+def stack_layers(layout: Layout, s: _Shape) -> int | None:
+    """The ``layers`` `held_array` takes for a step of shape ``s``: its layer slots without pipeline stages, None
+    with them."""
+    return s.slots if layout.mesh[ax.STAGE] == 1 else None
+
+
+def master_split(p: _Placed, rules: Rules, mesh, layers: int | None = None) -> int:
     """How many ways ``data`` splits parameter ``p``'s float32 master copy and moments (1 or ``data``):
-    `sharding.zero.data_split` of one layer's slice under the rules."""
-    spec, _ = logical_to_spec(p.param.axes, rules, p.param.shape, mesh)
-    return data_split(p.param.shape, spec, mesh)
+    `sharding.zero.data_split` of the array the state holds (`held_array`, ``layers`` as it takes them)."""
+    shape, spec = held_array(p, rules, mesh, layers)
+    return data_split(shape, spec, mesh)
 
 
 def not_split(model, layout: Layout) -> list[str]:
@@ -63,16 +92,14 @@ def not_split(model, layout: Layout) -> list[str]:
     """
     if not zero_on(layout):
         return []
-    rules = layout.rules_table()
-    placed = _place_cached(describe_model(model), rules, tuple(layout.mesh.items()))
-    arrays = [
-        (p.param.path, p.param.shape, logical_to_spec(p.param.axes, rules, p.param.shape, layout.mesh)[0])
-        for p in placed.values()
-    ]
+    rules, desc = layout.rules_table(), describe_model(model)
+    placed = _place_cached(desc, rules, tuple(layout.mesh.items()))
+    layers = desc.num_layers if layout.mesh[ax.STAGE] == 1 else None
+    arrays = [(p.param.path, *held_array(p, rules, layout.mesh, layers)) for p in placed.values()]
     return not_split_lines(arrays, layout.mesh)
 
 
-def cpu_two_step(p: _Placed, rules: Rules, mesh) -> bool:
+def cpu_two_step(p: _Placed, rules: Rules, mesh, layers: int | None = None) -> bool:
     """Whether XLA:CPU sums matrix ``p``'s gradient over ``data`` and ``fsdp`` in two all-reduces of the whole
     gradient (over ``fsdp``, then ``data``) rather than one over both: ``fsdp`` splits one dimension of one
     layer's slice and `sharding.zero.master_dim` puts ``data`` on another that no axis splits (module docstring).
@@ -82,22 +109,25 @@ def cpu_two_step(p: _Placed, rules: Rules, mesh) -> bool:
       p: A parameter under the mesh and rules (one layer's slice of a per-layer parameter).
       rules: The rules table.
       mesh: Mesh axis -> size (``data`` > 1: the distributed optimizer on).
+      layers: As `held_array` takes them.
     """
     if not p.param.matmul or mesh[ax.FSDP] <= 1:
         return False
-    spec, _ = logical_to_spec(p.param.axes, rules, p.param.shape, mesh)
-    dim = master_dim(p.param.shape, spec, mesh)
-    entries = [_entry_axes(spec[d] if d < len(spec) else None) for d in range(len(p.param.shape))]
+    shape, spec = held_array(p, rules, mesh, layers)
+    dim = master_dim(shape, spec, mesh)
+    entries = [_entry_axes(spec[d] if d < len(spec) else None) for d in range(len(shape))]
     return dim is not None and not entries[dim] and any(ax.FSDP in e for e in entries)
 
 
-def _cpu_gradient_sums(layout: Layout, rules: Rules, comm: Comm, placed: dict[str, _Placed]) -> list[Comm]:
+def _cpu_gradient_sums(
+    layout: Layout, rules: Rules, comm: Comm, placed: dict[str, _Placed], layers: int | None
+) -> list[Comm]:
     """``comm`` as XLA:CPU runs it under the distributed optimizer: a gradient's all-reduce over ``data`` and
     ``fsdp`` split in two where `cpu_two_step` says, each of the whole gradient; else ``[comm]``."""
     if comm.kind != "all-reduce" or not {ax.DATA, ax.FSDP} <= set(comm.axes):
         return [comm]
     p = placed.get(comm.what.removeprefix("gradient of "))
-    if p is None or not comm.what.startswith("gradient of ") or not cpu_two_step(p, rules, layout.mesh):
+    if p is None or not comm.what.startswith("gradient of ") or not cpu_two_step(p, rules, layout.mesh, layers):
         return [comm]
     rest = tuple(a for a in comm.axes if a != ax.FSDP)
     return [
@@ -129,11 +159,11 @@ def zero_comms(
     """
     if not zero_on(layout):
         return []
-    mesh, d = layout.mesh, layout.mesh[ax.DATA]
+    mesh, d, layers = layout.mesh, layout.mesh[ax.DATA], stack_layers(layout, s)
     gathered = _fsdp_gather_bytes(layout, backend)
     comms = []
     for p in placed.values():
-        if master_split(p, rules, mesh) <= 1:
+        if master_split(p, rules, mesh, layers) <= 1:
             continue
         block = p.local * p.param.copies(s.slots) * scale
         what = f"{p.param.path} (distributed optimizer)"
@@ -145,7 +175,9 @@ def zero_comms(
     return comms
 
 
-def replaced_all_reduce(layout: Layout, rules: Rules, comm: Comm, placed: dict[str, _Placed], backend: str) -> bool:
+def replaced_all_reduce(
+    layout: Layout, rules: Rules, comm: Comm, placed: dict[str, _Placed], backend: str, layers: int | None = None
+) -> bool:
     """Whether ``comm`` is a gradient's all-reduce over ``data`` alone that the distributed optimizer's
     reduce-scatter replaces: on GPU every such all-reduce of a parameter split over ``data``; on XLA:CPU only
     the second all-reduce a parameter split over ``fsdp`` takes, of its ``fsdp`` shard over ``data``
@@ -153,14 +185,15 @@ def replaced_all_reduce(layout: Layout, rules: Rules, comm: Comm, placed: dict[s
     reduce-scatter, now yields the ``data`` slice directly; with pipeline stages too, where the head's output
     projection and final norm, stored over ``stage``, are summed whole over ``data`` x ``stage`` once and their
     slice's second all-reduce over ``data`` goes: read on ``data=4,stage=2`` and ``data=2,tensor=2,stage=2``,
-    ``bench/RESULTS.md``; the layers' stored rows, all-reduced over ``data`` alone, keep theirs)."""
+    ``bench/RESULTS.md``; the layers' stored rows, all-reduced over ``data`` alone, keep theirs). ``layers`` as
+    `held_array` takes them."""
     if not zero_on(layout) or comm.kind != "all-reduce" or tuple(comm.axes) != (ax.DATA,):
         return False
     if backend != "gpu" and not comm.what.endswith(" (over data)"):
         return False
     path = comm.what.removeprefix("gradient of ").removesuffix(" (over data)")
     p = placed.get(path)
-    return p is not None and master_split(p, rules, layout.mesh) > 1
+    return p is not None and master_split(p, rules, layout.mesh, layers) > 1
 
 
 def with_zero(layout: Layout, rules: Rules, placed: dict[str, _Placed], s: _Shape, flops, memory, comms, backend: str):
@@ -182,16 +215,29 @@ def with_zero(layout: Layout, rules: Rules, placed: dict[str, _Placed], s: _Shap
     """
     if not zero_on(layout):
         return flops, memory, comms
+    layers = stack_layers(layout, s)
     full = sum(p.local * p.param.copies(s.slots) for p in placed.values())
-    share = sum(p.local * p.param.copies(s.slots) / master_split(p, rules, layout.mesh) for p in placed.values())
+    share = sum(
+        p.local * p.param.copies(s.slots) / master_split(p, rules, layout.mesh, layers) for p in placed.values()
+    )
     ratio, scale = (share / full, memory.parameters / (full * _PARAM_BYTES)) if full else (1.0, 1.0)
     added = zero_comms(layout, rules, placed, s, backend, scale)
     memory = dataclasses.replace(memory, parameters=memory.parameters * ratio, optimizer=memory.optimizer * ratio)
     flops = dataclasses.replace(flops, optimizer=flops.optimizer * ratio)
-    kept = [c for c in comms if not replaced_all_reduce(layout, rules, c, placed, backend)]
+    kept = [c for c in comms if not replaced_all_reduce(layout, rules, c, placed, backend, layers)]
     if backend != "gpu":
-        kept = [part for c in kept for part in _cpu_gradient_sums(layout, rules, c, placed)]
+        kept = [part for c in kept for part in _cpu_gradient_sums(layout, rules, c, placed, layers)]
     return flops, memory, (*kept, *added)
 
 
-__all__ = ["cpu_two_step", "master_split", "not_split", "replaced_all_reduce", "with_zero", "zero_comms", "zero_on"]
+__all__ = [
+    "cpu_two_step",
+    "held_array",
+    "master_split",
+    "stack_layers",
+    "not_split",
+    "replaced_all_reduce",
+    "with_zero",
+    "zero_comms",
+    "zero_on",
+]
