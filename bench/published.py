@@ -38,7 +38,12 @@ How each column maps onto meshwork (`row_layout`; meshwork's closest feature whe
 * ``sp`` (Megatron's sequence parallelism) ``on`` with ``tp`` > 1 -> the rules' sequence-parallel variant
   (``tp_sp``, ``fsdp_tp_sp``); ``dist_opt`` ``on ...`` with ``data`` > 1 -> ``--optimizer-sharding data``
   (ZeRO stage 1 over ``data``; its gradient reduce-scatter plus parameter all-gather moves the all-reduce's
-  bytes). ``dist_opt`` ``FSDP``/``ZeRO-3`` rows are already priced as ``fsdp``.
+  bytes), and so does a run that overlapped its parameter gathers (`row_overlaps` hides ``data``): Megatron-LM
+  refuses ``--overlap-param-gather`` without ``--use-distributed-optimizer`` (``megatron/training/arguments.py``),
+  so the Megatron-LM README's rows and NeMo's recipes ran it whatever their ``dist_opt`` cell says. meshwork
+  splits an array's state only along a dimension ``data`` divides (`sharding.zero.master_dim`; Megatron-LM pads
+  one flat buffer instead), so an array it cannot split keeps its all-reduce and whole state, as meshwork would
+  run it. ``dist_opt`` ``FSDP``/``ZeRO-3`` rows are already priced as ``fsdp``.
 * What the run overlaps beyond meshwork's program (`row_overlaps`, ``train.plan --overlap-axes``): rows whose
   note says their communication was overlapped (the Megatron-LM README's: ``--overlap-grad-reduce
   --overlap-param-gather --tp-comm-overlap``) and NeMo's recipes (the DGX-benchmark rows: NeMo's performance
@@ -72,6 +77,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models.config import get_config  # noqa: E402
 from models.spec import describe  # noqa: E402
+from sharding import axes as ax  # noqa: E402
 from sharding import devices, planner  # noqa: E402
 from sharding.devices.kinds import GIB  # noqa: E402
 from sharding.errors import ConfigError, Field  # noqa: E402
@@ -310,7 +316,7 @@ def row_layout(row: Row) -> tuple[str, str]:
     attention = "reference" if "SC'21" in row.source else ("ring" if row.cp > 1 else "flash")
     remat = {"full": "full", "selective": "dots"}.get(row.recompute.split(" ")[0].lower(), "none")
     flags = f"--mesh {text} --rules {rules} --microbatches {micro} --attention {attention} --dtype bfloat16"
-    if data > 1 and _on(row.dist_opt):
+    if data > 1 and (_on(row.dist_opt) or ax.DATA in row_overlaps(row)):
         flags += " --optimizer-sharding data"
     clock = "lockstep"
     if row.pp > 1:

@@ -74,6 +74,20 @@ def test_a_good_row_reads_and_maps_onto_a_layout(tmp_path):
     assert published.row_overlaps(row) == ("tensor", "data", "stage")
 
 
+def test_a_run_that_overlapped_its_parameter_gathers_is_priced_with_the_distributed_optimizer(tmp_path):
+    """Megatron-LM refuses ``--overlap-param-gather`` without its distributed optimizer, so a row whose note says
+    its data-parallel communication was overlapped maps onto ``--optimizer-sharding data`` with its ``dist_opt``
+    cell blank, as one whose cell says ``on`` does; a row with neither keeps the state replicated."""
+    cases = [
+        (dict(_ROW, dist_opt="", published_note="DP/TP/PP communication overlapped"), True),
+        (dict(_ROW, dist_opt="on (fused Adam)"), True),
+        (dict(_ROW, dist_opt=""), False),
+    ]
+    for values, zero in cases:
+        (row,) = published.read_rows(_write(tmp_path, [values]))
+        assert ("--optimizer-sharding data" in published.row_layout(row)[0]) == zero, values
+
+
 @pytest.mark.parametrize(
     "change, column, words",
     [
