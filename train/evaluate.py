@@ -36,7 +36,6 @@ def build_parser() -> argparse.ArgumentParser:
     p = Parser(
         prog="python -m train.evaluate",
         description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add_source_args(p)
     g = p.add_argument_group("data")

@@ -50,15 +50,14 @@ from train.setup.checks import check_expert_axis
 from train.setup.flagnames import render
 from train.setup.flags import parallelism_flags
 from train.setup.layout_flags import LAYOUT_COUNTS, PRICED_FLAGS, parallelism_from_args
-from train.setup.parser import HelpFormatter, check_positive_counts
 from train.setup.parser import build_parser as build_train_parser
+from train.setup.parser import check_positive_counts
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(
         prog="python -m train.plan",
         description=__doc__.split("\n\n")[0],
-        formatter_class=HelpFormatter,
     )
     p.add_argument("--model", default="7b", choices=sorted(PRESETS), help="model preset (models.config)")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override a model field")
