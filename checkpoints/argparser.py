@@ -26,7 +26,24 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows a flag's default only where it has one and the help does not already say it: no
     ``(default: None)`` after a required flag or one whose help states its default in words, no
     ``(default: False)`` after a switch, no ``(default: [])`` after a repeatable flag. `Parser`'s formatter,
-    so the help of every entry point."""
+    so the help of every entry point.
+
+    A description's or epilog's line that starts with two spaces (an example command) is printed whole, not
+    wrapped, so it can be copied onto a command line; the other lines are wrapped as argparse wraps them."""
+
+    def _fill_text(self, text, width, indent):
+        blocks, prose = [], []
+        for line in text.splitlines():
+            if not line.startswith("  "):
+                prose.append(line)
+                continue
+            if prose:
+                blocks.append(super()._fill_text("\n".join(prose), width, indent))
+                prose = []
+            blocks.append(indent + line)
+        if prose:
+            blocks.append(super()._fill_text("\n".join(prose), width, indent))
+        return "\n".join(blocks)
 
     def _get_help_string(self, action):
         text = action.help or ""
