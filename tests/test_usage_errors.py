@@ -167,3 +167,26 @@ def test_help_shows_real_defaults_and_never_none(module, main, build, argv, caps
             none = action.default is None or action.default is False or action.default is argparse.SUPPRESS
             if action.option_strings and not none and action.default != []:
                 assert "default" in formatter._get_help_string(action), (p.prog, action.option_strings)
+
+
+@pytest.mark.parametrize("command", ["evaluate", "generate", "hf import", "dpo", "train"])
+def test_a_tokenizer_file_that_does_not_load_is_one_line(command, tmp_path, capsys):
+    """A ``--tokenizer`` that is not a tokenizer.json ended in a traceback (``Exception: expected value at line 1
+    column 1``) from looking up the end-of-document token before the tokenizer was loaded; each command now
+    prints the loader's one line naming the flag."""
+    folder = Path(__file__).resolve().parent / "fixtures" / "hf" / "llama_gqa"
+    junk = tmp_path / "tokenizer.json"
+    junk.write_text("junk")
+    argv = {
+        "evaluate": (evaluate.main, ["--hf", str(folder)]),
+        "generate": (generate.main, ["--hf", str(folder), "--prompt", "hi"]),
+        "hf import": (hf.main, ["import", str(folder), "--run-dir", str(tmp_path / "run")]),
+        "dpo": (dpo.main, ["--init-from", str(folder), "--data", str(junk)]),
+        "train": (train.main, ["--init-from", str(folder), "--dry-run", "--cpu-devices", "8"]),
+    }
+    main, flags = argv[command]
+    assert main([*flags, "--tokenizer", str(junk)]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err.startswith(f"error: --tokenizer {junk}: cannot load it as a tokenizer.json (") and err.count("\n") == 1
+    ), err
