@@ -26,11 +26,10 @@ import numpy as np
 from checkpoints.argparser import Parser
 from sharding import axes as ax
 from sharding.devices import device_memory
-from train.data import FIELDS, load_dataset, model_inputs, to_global_arrays
+from train.data import FIELDS, check_data_cache, load_dataset, model_inputs, to_global_arrays
 from train.reports.fit import check_peak, step_peak
 from train.reports.units import human_bytes
 from train.runtime.inference import add_device_args, add_source_args, load_model, run_main, setup
-from train.setup.folders import check_data_cache
 
 
 def build_parser() -> argparse.ArgumentParser:

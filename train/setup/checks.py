@@ -25,11 +25,11 @@ from sharding.mesh import format_mesh
 from sharding.modeldesc import ExpertGeometry
 from sharding.parallel import Parallelism, UnevenBatch
 from sharding.vocab import choose_for_batch
-from train.data import check_source
+from train.data import check_data_cache, check_source
 from train.setup import strategy_setup
 from train.setup.config import RunConfig
 from train.setup.flagnames import render
-from train.setup.folders import check_data_cache, check_writable
+from train.setup.folders import check_writable
 
 # Model dimensions the presets split; a mesh axis that cannot split them is a configuration error.
 _SPLIT_DIMS = (("embed_dim", "embed"), ("mlp_dim", "mlp"), ("num_heads", "heads"), ("vocab_size", "vocab"))

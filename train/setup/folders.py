@@ -26,18 +26,3 @@ def check_writable(folder: Path, flag: str) -> None:
         probe.unlink()
     except OSError as e:
         raise ValueError(f"{flag} {folder}: cannot write there ({e.strerror}); choose a writable folder") from None
-
-
-def check_data_cache(cache_dir: str | None) -> None:
-    """The token cache a raw ``--data`` is prepared into is writable: ``--data-cache``, else the default
-    (`train.data.default_cache_dir`); train.train and train.evaluate check it before any device work.
-
-    Raises:
-      ValueError: As `check_writable`, naming ``--data-cache`` (and the default when it was not given).
-    """
-    from train.data.corpus import default_cache_dir  # train.data's preparation imports this module
-
-    cache = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
-    check_writable(
-        cache, "--data-cache" if cache_dir else "--data-cache (default $MESHWORK_CACHE or ~/.cache/meshwork)"
-    )
