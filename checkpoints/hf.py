@@ -313,7 +313,8 @@ def eod_token(folder: str | Path, tokenizer: str | Path | None = None) -> str | 
       tokenizer: the ``tokenizer.json`` to look the id up in (default: the folder's).
 
     Returns:
-      The token's text, or None when ``config.json`` sets no ``eos_token_id`` or there is no tokenizer.
+      The token's text, or None when ``config.json`` sets no ``eos_token_id``, there is no tokenizer or it does
+      not load (the caller's load of it, `train.data.tokenizer.HFTokenizer`, says why in one line).
     """
     eos = token_id(read_hf_config(folder).get("eos_token_id"))
     path = Path(tokenizer) if tokenizer is not None else Path(folder) / TOKENIZER_FILE
@@ -321,7 +322,10 @@ def eod_token(folder: str | Path, tokenizer: str | Path | None = None) -> str | 
         return None
     from tokenizers import Tokenizer
 
-    return Tokenizer.from_file(str(path)).id_to_token(eos)
+    try:
+        return Tokenizer.from_file(str(path)).id_to_token(eos)
+    except Exception:  # the library raises its own exception types (not JSON, not a tokenizer)
+        return None
 
 
 def token_id(value) -> int | None:

@@ -91,6 +91,15 @@ def _help(action: argparse.Action, prog: str) -> str:
     return text
 
 
+def _epilog(text: str) -> list[str]:
+    """The epilog as paragraphs, its example commands (lines that start with two spaces, which ``--help``
+    prints whole) in a code block."""
+    prose = " ".join(line for line in text.splitlines() if not line.startswith("  "))
+    commands = [line.strip() for line in text.splitlines() if line.startswith("  ")]
+    lines = ["", " ".join(prose.split())] if prose.strip() else []
+    return lines + (["", "```", *commands, "```"] if commands else [])
+
+
 def _subparsers(parser: argparse.ArgumentParser) -> list[argparse._SubParsersAction]:
     return [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
 
@@ -124,7 +133,7 @@ def _section(parser: argparse.ArgumentParser, level: int, groups: tuple[str, ...
         lines += ["", " ".join(parser.description.split())]
     lines += _tables(parser, groups)
     if parser.epilog:
-        lines += ["", " ".join(parser.epilog.split())]
+        lines += _epilog(parser.epilog)
     for sub in _subparsers(parser):
         helps = {a.dest: a.help for a in sub._choices_actions}
         for name, child in sub.choices.items():

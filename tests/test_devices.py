@@ -253,6 +253,7 @@ def test_parse_bandwidth_errors(text):
         ("h100:0", ["item 'h100:0'", "device count must be a positive integer", "'0'"]),
         ("h100:-2", ["device count", "'-2'"]),
         ("h100:eight", ["device count", "'eight'", "h100:8"]),
+        ("h100:x", ["device count", "got 'x'", "h100:8"]),  # was "got ''": the count split at its x
         ("h100", ["item 'h100'", "expected KIND:COUNT", "h100:8,a100:8"]),
         ("h100:8,,a100:8", ["item ''", "expected KIND:COUNT"]),
         ("h100:8x0", ["host repeat must be a positive integer", "h100:8x2"]),
@@ -445,6 +446,20 @@ def test_load_inventory_yaml(tmp_path):
         ("rtx4090", 2, "desk"),
     ]
     assert inv.inter_host_bandwidth == 25e9
+
+
+def test_bad_yaml_is_one_line_with_its_place(tmp_path):
+    """pyyaml's message spans four lines with a caret under the spot; the error is one line naming the file, the
+    line and column, the problem and a file that loads."""
+    pytest.importorskip("yaml")
+    path = _write(tmp_path, "c.yaml", "hosts: [\n")
+    with pytest.raises(ValueError) as info:
+        dv.load_inventory(path)
+    message = str(info.value)
+    assert "\n" not in message, message
+    assert message.startswith(f"{path}: not valid YAML at line 2, column 1: expected the node content"), message
+    example = message.split("; e.g. ", 1)[1]
+    assert dv.load_inventory(_write(tmp_path, "ok.yaml", example)).num_devices == 8
 
 
 def test_yaml_without_pyyaml_says_what_to_do(tmp_path, monkeypatch):

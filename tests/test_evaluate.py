@@ -95,6 +95,22 @@ def test_cli_bad_flag_is_one_line(capsys):
     assert err == "error: --seq-len 0: must be positive, e.g. 16\n"
 
 
+def test_an_unwritable_data_cache_is_named_before_the_model_is_read(capsys, tmp_path, monkeypatch):
+    """``--data-cache`` under a file ended in "[Errno 20] Not a directory: '.../prepared'" after the model was
+    read and compiled, naming no flag; it is checked first, as train.train checks it."""
+    import train.evaluate as ev
+
+    monkeypatch.setattr(ev, "load_model", lambda *a: pytest.fail("the model was read before the cache was checked"))
+    (tmp_path / "a-file").write_text("not a folder")
+    cache = tmp_path / "a-file" / "cache"
+    assert ev.main(["--hf", str(FIXTURES / "llama_tied"), "--data-cache", str(cache)]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err
+        == f"error: --data-cache {cache}: cannot write there ({tmp_path / 'a-file'} is a file, not a folder); choose a folder\n"
+    )
+
+
 def test_an_evaluation_that_cannot_fit_is_refused_before_reading_data_and_its_suggestion_runs(
     corpus, tmp_path, capsys, monkeypatch
 ):

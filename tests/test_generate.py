@@ -156,6 +156,7 @@ def test_cli_prints_the_greedy_continuation(capsys, tmp_path):
             "--mesh stage=2,tensor=4: generation runs without pipeline stages; e.g. --mesh fsdp=2,tensor=4",
         ),
         (["--prompt-file", "/nonexistent"], "--prompt-file /nonexistent: no such file"),
+        (["--prompt-file", str(FIXTURES)], f"--prompt-file {FIXTURES}: a folder; give a text file of prompts"),
         (["--cpu-devices", "0"], "--cpu-devices 0: must be positive, e.g. --cpu-devices 8"),
     ],
 )

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from _cli_errors import raises_as_cli
 
-from models.config import ModelConfig
+from models.config import ModelConfig, get_config
 from models.spec import describe
 from sharding import costmodel as cm
 from sharding import devices, planner
@@ -97,3 +97,37 @@ def test_pipeline_rows_say_which_kind_holds_which_stage():
     p = planner.evaluate(MODEL, inventory, 64, 256, layout)
     assert p.stage_kinds == ("h100_sxm", "a100_80gb")
     assert "on h100_sxm 0, a100_80gb 1" in "\n".join(planner.format_table([p]))
+
+
+def test_why_a_plan_lost_names_its_own_split_and_what_is_wrong_with_it():
+    """A row with the best plan's split lost for another reason, yet was told its slow kind "gets more work than
+    its speed warrants" beside that very split (7b on h100:8x4,a100:8x4: data=2,fsdp=32 against fsdp=64, both
+    h100_sxm=23,a100_80gb=9, the data axis's hidden all-reduce slowing the compute). The reason now names the
+    row's own split and says whether that split or something else is what costs it."""
+    model = describe(get_config("1b"))
+    inventory = devices.parse_cluster("h100:4,a100:4")
+
+    def priced(mesh, counts):
+        layout = cm.Layout(mesh, "fsdp", 8, "dots", attention="flash", dtype="bfloat16", uneven_batch=True)
+        return planner.evaluate(model, inventory, 256, 4096, layout, counts)
+
+    best = priced({"data": 2, "fsdp": 4}, {"h100_sxm": 12, "a100_80gb": 4})
+    same_split = priced({"data": 4, "fsdp": 2}, {"h100_sxm": 12, "a100_80gb": 4})
+    other_split = priced({"data": 2, "fsdp": 4}, {"h100_sxm": 13, "a100_80gb": 3})
+    assert best.step_time < same_split.step_time and best.step_time < other_split.step_time
+    assert planner.why_lost(same_split, best) == (
+        "+0%: uneven h100_sxm=12,a100_80gb=4 shares the work as #1 does, "
+        "but hidden all-reduce traffic slows h100_sxm's compute"
+    )
+    assert planner.why_lost(other_split, best) == (
+        "+8%: h100_sxm gets more work than its speed warrants under uneven h100_sxm=13,a100_80gb=3"
+    )
+    # the search: the runners-up split as the best does (3:1) over twice its microbatches
+    options = planner.PlanOptions(pipeline=False, attentions=("flash",))
+    plans = planner.plan(model, inventory, 256, 4096, options, top=3)
+    rows = planner.format_table(plans)[2:]
+    assert rows[0].endswith("| best") and "uneven h100_sxm=6,a100_80gb=2" in rows[0], rows
+    for row in rows[1:]:
+        assert row.endswith(
+            "uneven h100_sxm=12,a100_80gb=4 shares the work as #1 does, but h100_sxm's compute takes 1% longer with M 8"
+        ), rows

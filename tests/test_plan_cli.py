@@ -270,3 +270,25 @@ def test_help_shows_real_defaults_only():
     assert "(default: None)" not in text
     assert "plans to list (default: 8)" in text and "model preset (models.config) (default: 7b)" in text
     assert "how a 1F1B pipeline" in text and "(default: lockstep)" in text
+
+
+def test_the_help_layout_example_prices_on_the_help_cluster(capsys):
+    """``--help``'s ``--layout`` example named a 64-device mesh (data=2,stage=4,tensor=8) while its cluster
+    example has 16 devices, so copying both was refused. The example command ``--help`` prints runs as printed,
+    and the flag's own help names the layout and the cluster of that command."""
+    import re
+    import shlex
+
+    from train.plan import build_parser
+
+    text = build_parser().format_help()
+    commands = [line.strip() for line in text.splitlines() if line.startswith("  python -m train.plan ")]
+    priced = [c for c in commands if "--layout" in c]
+    assert len(priced) == 1, text
+    argv = shlex.split(priced[0])[3:]
+    assert plan_main(argv) == 0
+    out = capsys.readouterr().out
+    assert "step " in out and "does not fit" not in out, out
+    flat = " ".join(text.split())  # argparse wraps the flag's help
+    layout, cluster = argv[argv.index("--layout") + 1], argv[argv.index("--cluster") + 1]
+    assert re.search(f'e.g. --layout "{re.escape(layout)}" on --cluster {re.escape(cluster)}', flat), flat

@@ -1,11 +1,17 @@
 """Usage errors of every entry point: exit 2 and one ``error:`` line, argparse's usage block only for ``--help``
 and a bare invocation (where the usage is what the user is after)."""
 
+import argparse
+from pathlib import Path
+
 import pytest
 
 from checkpoints import inspect
-from checkpoints.argparser import Parser
-from train import evaluate, generate, hf, launch, plan, train
+from checkpoints.argparser import HelpFormatter, Parser
+from train import dpo, evaluate, generate, hf, launch, plan, train
+from train.data import prepare
+from train.launcher import command
+from train.setup import parser as setup_parser
 
 # (entry point's main, argv, text the one line must contain)
 CASES = [
@@ -101,3 +107,86 @@ def test_help_lists_every_mesh_axis_and_points_only_to_docs_that_exist(capsys):
     pages = set(re.findall(r"docs/[\w-]+\.md", out))
     root = Path(__file__).resolve().parents[1]
     assert pages and all((root / page).is_file() for page in pages), pages
+
+
+# every command under train/ and checkpoints/: (module run by python -m, its main, its parser's builder, argv
+# before --help)
+HELP_COMMANDS = [
+    ("train.train", train.main, setup_parser.build_parser, []),
+    ("train.launch", launch.main, command.build_parser, []),
+    ("train.plan", plan.main, plan.build_parser, []),
+    ("train.generate", generate.main, generate.build_parser, []),
+    ("train.evaluate", evaluate.main, evaluate.build_parser, []),
+    ("train.hf", hf.main, hf.build_parser, ["import"]),
+    ("train.hf", hf.main, hf.build_parser, ["export"]),
+    ("train.dpo", dpo.main, dpo.build_parser, []),
+    ("train.data", prepare.main, prepare.build_parser, ["prepare"]),
+    ("train.data", prepare.main, prepare.build_parser, ["verify"]),
+    ("checkpoints.inspect", inspect.main, inspect.build_parser, []),
+]
+
+
+def _parsers(parser):
+    """``parser`` and its sub-commands' parsers."""
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                yield from _parsers(child)
+
+
+def test_every_command_is_in_the_help_list():
+    """A module run as ``python -m`` (one with a ``__main__`` block) under train/ or checkpoints/ is in
+    `HELP_COMMANDS`, so the help test below covers it."""
+    root = Path(__file__).resolve().parents[1]
+    found = set()
+    for package in ("train", "checkpoints"):
+        for path in (root / package).rglob("*.py"):
+            if '__name__ == "__main__"' in path.read_text(encoding="utf-8"):
+                found.add(".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__main__"))
+    assert found == {c[0] for c in HELP_COMMANDS}
+
+
+@pytest.mark.parametrize(
+    "module, main, build, argv", HELP_COMMANDS, ids=[" ".join([c[0], *c[3], "--help"]) for c in HELP_COMMANDS]
+)
+def test_help_shows_real_defaults_and_never_none(module, main, build, argv, capsys):
+    """``--help`` exits 0 and prints no ``(default: None)`` (nor ``[]`` or ``False``); every parser, sub-commands
+    included, formats with `HelpFormatter`, so each optional flag with a real default shows it (argparse's
+    ``(default: X)`` or the help's own words)."""
+    with pytest.raises(SystemExit) as exit_:
+        main([*argv, "--help"])
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0 and out.startswith(" ".join(["usage: python -m", module, *argv])), out
+    for empty in ("(default: None)", "(default: [])", "(default: False)"):
+        assert empty not in out, out
+    for p in _parsers(build()):
+        formatter = p._get_formatter()
+        assert isinstance(formatter, HelpFormatter), p.prog
+        for action in p._actions:
+            none = action.default is None or action.default is False or action.default is argparse.SUPPRESS
+            if action.option_strings and not none and action.default != []:
+                assert "default" in formatter._get_help_string(action), (p.prog, action.option_strings)
+
+
+@pytest.mark.parametrize("command", ["evaluate", "generate", "hf import", "dpo", "train"])
+def test_a_tokenizer_file_that_does_not_load_is_one_line(command, tmp_path, capsys):
+    """A ``--tokenizer`` that is not a tokenizer.json ended in a traceback (``Exception: expected value at line 1
+    column 1``) from looking up the end-of-document token before the tokenizer was loaded; each command now
+    prints the loader's one line naming the flag."""
+    folder = Path(__file__).resolve().parent / "fixtures" / "hf" / "llama_gqa"
+    junk = tmp_path / "tokenizer.json"
+    junk.write_text("junk")
+    argv = {
+        "evaluate": (evaluate.main, ["--hf", str(folder)]),
+        "generate": (generate.main, ["--hf", str(folder), "--prompt", "hi"]),
+        "hf import": (hf.main, ["import", str(folder), "--run-dir", str(tmp_path / "run")]),
+        "dpo": (dpo.main, ["--init-from", str(folder), "--data", str(junk)]),
+        "train": (train.main, ["--init-from", str(folder), "--dry-run", "--cpu-devices", "8"]),
+    }
+    main, flags = argv[command]
+    assert main([*flags, "--tokenizer", str(junk)]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err.startswith(f"error: --tokenizer {junk}: cannot load it as a tokenizer.json (") and err.count("\n") == 1
+    ), err

@@ -26,7 +26,7 @@ import numpy as np
 from checkpoints.argparser import Parser
 from sharding import axes as ax
 from sharding.devices import device_memory
-from train.data import FIELDS, load_dataset, model_inputs, to_global_arrays
+from train.data import FIELDS, check_data_cache, load_dataset, model_inputs, to_global_arrays
 from train.reports.fit import check_peak, step_peak
 from train.reports.units import human_bytes
 from train.runtime.inference import add_device_args, add_source_args, load_model, run_main, setup
@@ -36,7 +36,6 @@ def build_parser() -> argparse.ArgumentParser:
     p = Parser(
         prog="python -m train.evaluate",
         description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add_source_args(p)
     g = p.add_argument_group("data")
@@ -49,7 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
     g.add_argument("--batch-size", type=int, default=16, help="sequences per batch")
     g.add_argument("--batches", type=int, default=0, help="batches to evaluate (0: every whole batch of the split)")
-    g.add_argument("--data-cache", default=None, help="tokenized-corpus cache folder (default ~/.cache/meshwork)")
+    g.add_argument(
+        "--data-cache",
+        default=None,
+        help="tokenized-corpus cache folder (default $MESHWORK_CACHE or ~/.cache/meshwork)",
+    )
     add_device_args(p)
     return p
 
@@ -151,6 +154,7 @@ def evaluate(
 def run(args) -> int:
 
     _check(args)
+    check_data_cache(args.data_cache)  # before the model is read and compiled
     par = setup(args, "evaluation")
     model = load_model(args, par)
     sums = compile_fitting(model, par, args.batch_size, args.seq_len)  # before the data is read or prepared

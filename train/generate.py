@@ -31,7 +31,6 @@ def build_parser() -> argparse.ArgumentParser:
     p = Parser(
         prog="python -m train.generate",
         description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add_source_args(p)
     g = p.add_argument_group("prompts and sampling")
@@ -62,8 +61,10 @@ def read_prompts(args) -> list[str]:
     prompts = list(args.prompt)
     for name in args.prompt_file:
         path = Path(name)
+        if path.is_dir():
+            raise ValueError(f"--prompt-file {name}: a folder; give a text file of prompts, one a line")
         if not path.is_file():
-            raise ValueError(f"--prompt-file {name}: no such file")
+            raise ValueError(f"--prompt-file {name}: no such file; give a text file of prompts, one a line")
         try:
             text = path.read_text(encoding="utf-8")
         except UnicodeDecodeError as e:

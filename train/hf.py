@@ -32,11 +32,7 @@ from train.runtime.inference import add_device_args, restore_params, run_main, s
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="python -m train.hf", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
-    imp = sub.add_parser(
-        "import",
-        help="a Hugging Face folder -> step 0 of a run folder",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+    imp = sub.add_parser("import", help="a Hugging Face folder -> step 0 of a run folder")
     imp.add_argument("path", metavar="PATH", help="the Hugging Face model folder")
     imp.add_argument("--run-dir", required=True, metavar="RUN", help="the run folder to write (no checkpoints yet)")
     imp.add_argument("--tokenizer", default=None, metavar="FILE", help="default: the folder's tokenizer.json")
@@ -45,11 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--break-lock", action="store_true", help="take over the run folder's lock held by a run on another host"
     )
     add_device_args(imp)
-    exp = sub.add_parser(
-        "export",
-        help="a run folder's checkpoint -> a Hugging Face folder",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+    exp = sub.add_parser("export", help="a run folder's checkpoint -> a Hugging Face folder")
     exp.add_argument("run", nargs="?", default=None, metavar="RUN", help="the run folder")
     exp.add_argument(
         "--run-dir", default=None, metavar="RUN", help="the run folder, as import, generate and evaluate name it"

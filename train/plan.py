@@ -50,19 +50,29 @@ from train.setup.checks import check_expert_axis
 from train.setup.flagnames import render
 from train.setup.flags import parallelism_flags
 from train.setup.layout_flags import LAYOUT_COUNTS, PRICED_FLAGS, parallelism_from_args
-from train.setup.parser import HelpFormatter, check_positive_counts
 from train.setup.parser import build_parser as build_train_parser
+from train.setup.parser import check_positive_counts
+
+EXAMPLE_CLUSTER = "h100:8,a100:8"
+"""The cluster of ``--help``'s examples: 16 devices, two kinds."""
+
+EXAMPLE_LAYOUT = "--mesh data=2,stage=2,tensor=4 --rules tp --microbatches 64 --pipeline-schedule 1f1b --remat full"
+"""``--help``'s ``--layout``: its mesh's sizes multiply to `EXAMPLE_CLUSTER`'s 16 devices, and it fits 7b at the
+example's 1024 x 4096 tokens (62 GB of the 73 usable per device)."""
+
+EXAMPLE = f"python -m train.plan --model 7b --cluster {EXAMPLE_CLUSTER} --batch 1024 --seq-len 4096"
+"""``--help``'s search example; with ``--layout`` it prices `EXAMPLE_LAYOUT` instead."""
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(
         prog="python -m train.plan",
         description=__doc__.split("\n\n")[0],
-        formatter_class=HelpFormatter,
+        epilog=f'Examples (search, then price one layout):\n  {EXAMPLE}\n  {EXAMPLE} --layout "{EXAMPLE_LAYOUT}"',
     )
     p.add_argument("--model", default="7b", choices=sorted(PRESETS), help="model preset (models.config)")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override a model field")
-    p.add_argument("--cluster", required=True, help="cluster spec (h100:8,a100:8[@400Gbps]) or a JSON/YAML file")
+    p.add_argument("--cluster", required=True, help=f"cluster spec ({EXAMPLE_CLUSTER}[@400Gbps]) or a JSON/YAML file")
     p.add_argument("--batch", type=int, required=True, help="global batch, sequences")
     p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
     p.add_argument("--top", type=int, default=8, help="plans to list")
@@ -96,8 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar='"FLAGS"',
         help="price this layout instead of searching: python -m train.train's layout flags in one string, "
-        'e.g. --layout "--mesh data=2,stage=4,tensor=8 --rules tp --microbatches 16 --pipeline-schedule '
-        '1f1b --remat full"; --remat, --attention and --dtype default to none, flash and --dtype',
+        f'e.g. --layout "{EXAMPLE_LAYOUT}" on --cluster {EXAMPLE_CLUSTER} (the mesh\'s sizes multiply to the '
+        "cluster's devices); --remat, --attention and --dtype default to none, flash and --dtype",
     )
     p.add_argument(
         "--pipeline-clock",

@@ -145,7 +145,7 @@ def _parse_item(item: str, spec: str, field: str) -> tuple[DeviceKind, int, int]
     except ValueError as err:
         raise ConfigError(*where, f": {err}") from None
     count_part, times, repeat_part = count_text.strip().lower().partition("x")
-    count = _positive_int(count_part, where, "device count", "h100:8")
+    count = _positive_int(count_part or count_text.strip(), where, "device count", "h100:8")  # 'h100:x' names x
     repeat = _positive_int(repeat_part, where, "host repeat", "h100:8x2") if times else 1
     return kind, count, repeat
 
@@ -238,7 +238,10 @@ def _read_document(path: str) -> Any:
         try:
             return yaml.safe_load(text)
         except yaml.YAMLError as err:
-            raise ValueError(f"{path}: not valid YAML: {err}") from None
+            mark = getattr(err, "problem_mark", None)  # yaml's own text spans lines, with a caret under the spot
+            at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+            raise ValueError(f"{path}: not valid YAML{at}: {problem}; e.g. {_FILE_EXAMPLE}") from None
     try:
         return json.loads(text)
     except json.JSONDecodeError as err:

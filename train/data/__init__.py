@@ -7,12 +7,14 @@ template and marks the assistant spans; `train.data.tokenizer` loads UTF-8 bytes
 from train.data.corpus import Document, corpus_files, default_cache_dir, read_documents
 from train.data.packing import FIELDS, context_permutation, model_inputs, pack_windows, permute_length
 from train.data.pipeline import Dataset, TrainBatches, check_source, load_dataset, local_rows, to_global_arrays
+from train.data.prepared import check_data_cache
 
 __all__ = [
     "FIELDS",
     "Dataset",
     "Document",
     "TrainBatches",
+    "check_data_cache",
     "check_source",
     "context_permutation",
     "corpus_files",

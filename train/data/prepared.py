@@ -13,6 +13,7 @@ import numpy as np
 from train.data.corpus import default_cache_dir
 from train.data.integrity import REPREPARE, shard_name, shard_problems
 from train.data.prepare import preparation_key, prepare
+from train.setup.folders import check_writable
 
 
 def is_prepared(spec: str) -> bool:
@@ -160,6 +161,19 @@ def open_prepared(folder: Path, tokenizer, flag: str = "--data") -> tuple[TokenS
         train = TokenStream(folder, split, manifest, 0, cut)
         held = TokenStream(folder, split, manifest, cut)
     return train, held, manifest
+
+
+def check_data_cache(cache_dir: str | None) -> None:
+    """The token cache a raw ``--data`` is prepared into is writable: ``--data-cache``, else the default
+    (`train.data.corpus.default_cache_dir`); train.train and train.evaluate check it before any device work.
+
+    Raises:
+      ValueError: As `check_writable`, naming ``--data-cache`` (and the default when it was not given).
+    """
+    cache = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    check_writable(
+        cache, "--data-cache" if cache_dir else "--data-cache (default $MESHWORK_CACHE or ~/.cache/meshwork)"
+    )
 
 
 def prepared_folder(

@@ -183,5 +183,8 @@ def tokenizer_of(saved: dict):
     if saved.get("eod_id") is not None and Path(name).is_file():
         from tokenizers import Tokenizer
 
-        eod = Tokenizer.from_file(str(name)).id_to_token(int(saved["eod_id"]))
+        try:
+            eod = Tokenizer.from_file(str(name)).id_to_token(int(saved["eod_id"]))
+        except Exception:  # not a tokenizer (any more): HFTokenizer below says so in one line
+            eod = None
     return HFTokenizer(name, eod)

@@ -25,7 +25,7 @@ from sharding.mesh import format_mesh
 from sharding.modeldesc import ExpertGeometry
 from sharding.parallel import Parallelism, UnevenBatch
 from sharding.vocab import choose_for_batch
-from train.data import check_source, default_cache_dir
+from train.data import check_data_cache, check_source
 from train.setup import strategy_setup
 from train.setup.config import RunConfig
 from train.setup.flagnames import render
@@ -203,10 +203,7 @@ def check_data(run: RunConfig, tokenizer, read: bool = True) -> None:
     check_source(
         data.spec, tokenizer, data.text_field
     )  # a missing, empty, binary or mismatched corpus fails before device work
-    cache = Path(data.cache_dir).expanduser() if data.cache_dir else default_cache_dir()
-    check_writable(
-        cache, "--data-cache" if data.cache_dir else "--data-cache (default $MESHWORK_CACHE or ~/.cache/meshwork)"
-    )
+    check_data_cache(data.cache_dir)
 
 
 def _mesh_flag(par: Parallelism) -> str:

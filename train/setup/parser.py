@@ -38,24 +38,11 @@ DESCRIPTION = (
 )
 
 
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows a flag's default only where it has one and the help does not already say it (no
-    ``(default: None)`` after a required flag or one whose help states its default in words); the help of
-    ``python -m train.train`` and ``python -m train.plan``."""
-
-    def _get_help_string(self, action):
-        text = action.help or ""
-        if action.default is None or action.default is False or "default" in text:
-            return text
-        return super()._get_help_string(action)
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The parser of every ``python -m train.train`` flag."""
     p = Parser(
         prog="python -m train.train",
         description=DESCRIPTION,
-        formatter_class=HelpFormatter,
         epilog="Logical axes: batch, length, embed, mlp, heads, kv_heads, head_dim, vocab, layers, act_embed, act_length. "
         "Mesh axes: data, stage, fsdp, context, sequence, tensor.",
     )
