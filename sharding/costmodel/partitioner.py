@@ -39,7 +39,7 @@ from sharding.costmodel.layout import (
     expert_placement_of,
 )
 from sharding.costmodel.sequence import sequence_parallel_comms
-from sharding.costmodel.stream import forward_only_gathers, stream_comms, stream_split_axes
+from sharding.costmodel.stream import forward_only_gathers, shared_gathers, stream_comms, stream_split_axes
 from sharding.modeldesc import ModelDescription
 from sharding.rules import Rules
 from sharding.vocab import VocabSplit, choose_output
@@ -59,12 +59,13 @@ def _comms(
         return _uneven_comms(model, layout, rules, placed, s, batch_rows)
     comms: list[Comm] = []
     split = _output_split(model, layout, rules, s)
+    # the residual stream's split is the run's (on its own mesh: folding expert into fsdp would merge an axis
+    # the batch is split over with one it is kept whole over)
+    once, stream = forward_only_gathers(model, layout, placed), stream_split_axes(layout, placed)[1] > 1
     for part_layout, part in _zero_groups(model, layout, rules, placed):
-        once = forward_only_gathers(model, part_layout, part)
-        stream = stream_split_axes(part_layout, part)[1] > 1
         comms += _weight_gathers(part_layout, part, s, split, backend, once, stream)
         comms += _gradient_reductions(part_layout, part, s, backend, split)
-    comms += stream_comms(model, *_zero_groups(model, layout, rules, placed)[0], s, backend)
+    comms += stream_comms(model, layout, placed, s, backend) + shared_gathers(model, layout, placed, s, backend)
     comms += sequence_parallel_comms(_tensor_comms(model, layout, rules, s, split), model, layout, rules, s, backend)
     comms += _vocab_parallel_comms(model, layout, placed, s, split)
     if embedding:
@@ -319,9 +320,9 @@ def _weight_gathers(
         result = p.local * n * _fsdp_gather_bytes(layout, backend)
         if p.param.per_layer:
             count = (1 if p.param.path in forward_only else 2) * p.param.copies(s.layers) * s.micro
-            if ax.EXPERT in p.param.axes and layout.remat == "none":
+            if ax.EXPERT in p.param.axes and layout.remat == "none" and not split_stream:
                 # the experts' weights are gathered before the dispatch's map, whose input the backward
-                # keeps (no remat): one gather per layer and microbatch
+                # keeps (no remat): one gather per layer and microbatch; with the stream split, again backward
                 count //= 2
         elif p.param.role == "output":
             regather = mesh[ax.TENSOR] > 1 and (mesh[ax.DATA] > 1 or s.micro > 1)

@@ -47,13 +47,21 @@ def _norm_scales(placed: dict[str, _Placed]) -> list[_Placed]:
 def stream_split_axes(layout: Layout, placed: dict[str, _Placed]) -> tuple[tuple[str, ...], int]:
     """``(axes, devices)``: the mesh axes that split the norm scales' ``embed`` but neither the batch nor the
     length under the layout's rules (``fsdp`` under ``--rule batch=data`` with ``fsdp_tp``), over which the
-    partitioner splits the residual stream; ``((), 1)`` where there are none (every preset)."""
+    partitioner splits the residual stream; ``((), 1)`` where there are none (every preset).
+
+    Only where those axes lead the scales' split: gathering a scale ``[D/f]`` over the trailing axes, which the
+    batch is split over, leaves it one block of the leading ones. Where they trail (``--rule batch=data+fsdp``
+    on ``expert=4,fsdp=2``, ``embed`` over ``fsdp`` x ``expert``) the partitioner gathers the scales whole, as
+    under a preset, and the stream stays whole (seen on ``moe-test`` at 64 x 32)."""
     scales = _norm_scales(placed)
     if not scales:
         return (), 1
     rules, mesh = layout.rules_table(), layout.mesh
     tokens = (*rules.batch_axes(mesh), *rules.length_axes(mesh))
-    axes = tuple(a for a in scales[0].split if scales[0].factor(a) > 1 and a not in tokens)
+    split = tuple(a for a in scales[0].split if scales[0].factor(a) > 1)
+    axes = tuple(a for a in split if a not in tokens)
+    if split[: len(axes)] != axes:
+        return (), 1
     return axes, math.prod(mesh[a] for a in axes)
 
 
@@ -63,11 +71,18 @@ def forward_only_gathers(model: ModelDescription, layout: Layout, placed: dict[s
     experts whose ``embed`` their product contracts. Empty where the stream is whole."""
     if stream_split_axes(layout, placed)[1] <= 1 or layout.remat == "full":
         return frozenset()
+    contracting = {_in_stack(p.weight.path) for p in model.products if ax.EMBED in p.in_axes}
     return frozenset(
-        p.weight.path
-        for p in model.products
-        if p.weight.per_layer and ax.EXPERT not in p.weight.axes and ax.EMBED in p.in_axes
+        path
+        for path, p in placed.items()
+        if p.param.per_layer and ax.EXPERT not in p.param.axes and _in_stack(path) in contracting
     )
+
+
+def _in_stack(path: str) -> str:
+    """A layer weight's path inside its stack: ``attention/q`` for ``layers/attention/q`` and for
+    ``dense_layers/attention/q`` (a mixture's dense layers, whose products the description gives once)."""
+    return path.split("/", 1)[-1]
 
 
 def stream_comms(model: ModelDescription, layout: Layout, placed: dict[str, _Placed], s: _Shape, backend: str):
@@ -88,3 +103,35 @@ def stream_comms(model: ModelDescription, layout: Layout, placed: dict[str, _Pla
         Comm("all-gather", axes, n, s.tok * model.hidden * width, gathers * s.micro, "residual stream (embed split)"),
         Comm("all-reduce", axes, n, s.tok * 4, sums * s.micro, "RMSNorm sums of squares (embed split)", False),
     ]
+
+
+def _shared_axes(layout: Layout, p: _Placed) -> tuple[tuple[str, ...], int]:
+    """The axes of ``p``'s split that the batch is split over under the layout's rules, and their devices."""
+    batch = layout.rules_table().batch_axes(layout.mesh)
+    axes = tuple(a for a in p.split if p.factor(a) > 1 and a in batch)
+    return axes, p.factor(*axes)
+
+
+def shared_gathers(model: ModelDescription, layout: Layout, placed: dict[str, _Placed], s: _Shape, backend: str):
+    """Where the stream is split (`stream_split_axes`) over some of the weights' axes and the batch over the
+    others (``--rule batch=data+expert`` on ``expert=4,fsdp=2``: ``embed`` over ``fsdp`` x ``expert``, the
+    stream over ``fsdp``), what brings a weight to the stream's split rather than whole: each norm scale
+    gathered over the batch's axes before its multiply, forward and backward, and each weight of
+    `forward_only_gathers` gathered over them for its backward products (``[D/f_stream, ...]``), per layer and
+    microbatch. Seen on ``moe-test`` at 64 x 32 (``f32[32]`` scales and ``f32[32,4,16]`` query projections
+    gathered over ``expert``). Empty where the stream is whole or the batch shares no axis with the weights."""
+    if stream_split_axes(layout, placed)[1] <= 1:
+        return []
+    width = _DTYPE_BYTES[layout.dtype] if backend == "gpu" else _PARAM_BYTES
+    once = forward_only_gathers(model, layout, placed)
+    comms = []
+    for p in placed.values():
+        axes, n = _shared_axes(layout, p)
+        scale = p in _norm_scales(placed)
+        if n <= 1 or not (scale or p.param.path in once):
+            continue
+        runs = p.param.copies(s.layers) * s.micro if p.param.per_layer else 1
+        count = 2 * runs if scale else runs
+        what = f"gather {p.param.path} to the stream's split" + ("" if scale else " (backward)")
+        comms.append(Comm("all-gather", axes, n, p.local * n * width, count, what, layer_loop=p.param.per_layer))
+    return comms
