@@ -9,7 +9,7 @@ on CPU (the ``test`` model: ``f32[8,64,128]`` gathers over ``fsdp``):
 
 * each RMSNorm sums its squares over the split (an all-reduce of ``[tokens]`` float32, forward, backward, and
   again where full remat recomputes it) and multiplies by its scale's shard, so its output is gathered whole
-  for the products that contract ``embed`` (the scales themselves are never gathered);
+  for the products that contract ``embed`` (the scales are never gathered over the stream's axes);
 * the residual sums inside a layer (all but its last) are gathered;
 * backward, the stream's cotangent is gathered at the block output's constraint and at each of the
   cotangent sums of a norm's input: two per norm;
@@ -19,12 +19,18 @@ on CPU (the ``test`` model: ``f32[8,64,128]`` gathers over ``fsdp``):
   before its forward product only: its backward products take the stream's ``embed`` split as it is (the
   input gradient comes out split, the weight gradient from the split saved input). Those whose ``embed`` is
   the output (the attention output and down projections) are gathered again backward, and under full remat
-  every weight is (`sharding.costmodel.partitioner._weight_gathers`).
+  every weight is (`sharding.costmodel.partitioner._weight_gathers`); under ``dots`` the norms' outputs are
+  gathered again backward and the layer input once more forward;
+* where the weights are also split over axes the batch is split over (``--rule batch=data+expert`` on
+  ``expert=4,fsdp=2``: ``embed`` over ``fsdp`` x ``expert``, the stream over ``fsdp``), the scales and the
+  backward copies of the weights above are gathered over those to the stream's split (`shared_gathers`), and
+  a mixture's experts are gathered again backward.
 
 Per layer of ``test`` (two norms) that is 3 stream gathers forward and 4 backward, 2 and 2 all-reduces: seen at
 16 x 64 on ``data=2,fsdp=4`` with and without 2 microbatches, under full remat, on ``data=4,fsdp=2`` and on
-``data=2,fsdp=2,tensor=2``. The gathers move the activations' dtype on GPU, float32 on CPU (XLA:CPU upcasts
-bfloat16 collectives), an assumption on GPU.
+``data=2,fsdp=2,tensor=2``, and on ``moe-test`` under ``batch=data+expert`` at 64 x 32 and 16 x 64 (its
+dense layer and two mixture layers: 25 stream gathers). The gathers move the activations' dtype on GPU,
+float32 on CPU (XLA:CPU upcasts bfloat16 collectives), an assumption on GPU.
 
 Units: bytes, executions per step.
 """
@@ -85,7 +91,9 @@ def _in_stack(path: str) -> str:
     return path.split("/", 1)[-1]
 
 
-def stream_comms(model: ModelDescription, layout: Layout, placed: dict[str, _Placed], s: _Shape, backend: str):
+def stream_comms(
+    model: ModelDescription, layout: Layout, placed: dict[str, _Placed], s: _Shape, backend: str
+) -> list[Comm]:
     """The collectives of a residual stream split along ``embed`` (see the module docstring) per step: the
     stream's gathers ``[tokens, D]`` and the norms' sums of squares ``[tokens]`` float32 over
     `stream_split_axes`. Empty where the stream is whole."""
@@ -112,7 +120,9 @@ def _shared_axes(layout: Layout, p: _Placed) -> tuple[tuple[str, ...], int]:
     return axes, p.factor(*axes)
 
 
-def shared_gathers(model: ModelDescription, layout: Layout, placed: dict[str, _Placed], s: _Shape, backend: str):
+def shared_gathers(
+    model: ModelDescription, layout: Layout, placed: dict[str, _Placed], s: _Shape, backend: str
+) -> list[Comm]:
     """Where the stream is split (`stream_split_axes`) over some of the weights' axes and the batch over the
     others (``--rule batch=data+expert`` on ``expert=4,fsdp=2``: ``embed`` over ``fsdp`` x ``expert``, the
     stream over ``fsdp``), what brings a weight to the stream's split rather than whole: each norm scale
@@ -123,11 +133,11 @@ def shared_gathers(model: ModelDescription, layout: Layout, placed: dict[str, _P
     if stream_split_axes(layout, placed)[1] <= 1:
         return []
     width = _DTYPE_BYTES[layout.dtype] if backend == "gpu" else _PARAM_BYTES
-    once = forward_only_gathers(model, layout, placed)
+    once, scales = forward_only_gathers(model, layout, placed), _norm_scales(placed)
     comms = []
     for p in placed.values():
         axes, n = _shared_axes(layout, p)
-        scale = p in _norm_scales(placed)
+        scale = p in scales
         if n <= 1 or not (scale or p.param.path in once):
             continue
         runs = p.param.copies(s.layers) * s.micro if p.param.per_layer else 1
