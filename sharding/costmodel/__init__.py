@@ -16,7 +16,9 @@ predicts for one device; it knows nothing model-specific beyond the description:
 * `sharding.costmodel.collectives`: one **collective** (`Comm`), its ring algorithm's bytes and
   steps, and the link hierarchy (`link_classes`).
 * `sharding.costmodel.partitioner` and `sharding.costmodel.embedding`: every collective the
-  partitioner emits for a step without stages (the embedding lookup case by case, per jax version).
+  partitioner emits for a step without stages (the embedding lookup case by case, per jax version);
+  `sharding.costmodel.stream`: the residual stream split along ``embed`` where the rules keep the batch
+  whole over an axis that splits the weights (``--rule batch=data`` with ``fsdp``).
 * `sharding.costmodel.pipeline` and `sharding.costmodel.pipeline_comms`: the same for GPipe, circular and
   1F1B pipelines over the unpadded stage storage, the head on 1/S of the rows (the shapes and memory; the
   collectives).

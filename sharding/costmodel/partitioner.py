@@ -39,6 +39,7 @@ from sharding.costmodel.layout import (
     expert_placement_of,
 )
 from sharding.costmodel.sequence import sequence_parallel_comms
+from sharding.costmodel.stream import forward_only_gathers, shared_gathers, stream_comms, stream_split_axes
 from sharding.modeldesc import ModelDescription
 from sharding.rules import Rules
 from sharding.vocab import VocabSplit, choose_output
@@ -58,9 +59,13 @@ def _comms(
         return _uneven_comms(model, layout, rules, placed, s, batch_rows)
     comms: list[Comm] = []
     split = _output_split(model, layout, rules, s)
+    # the residual stream's split is the run's (on its own mesh: folding expert into fsdp would merge an axis
+    # the batch is split over with one it is kept whole over)
+    once, stream = forward_only_gathers(model, layout, placed), stream_split_axes(layout, placed)[1] > 1
     for part_layout, part in _zero_groups(model, layout, rules, placed):
-        comms += _weight_gathers(part_layout, part, s, split, backend)
+        comms += _weight_gathers(part_layout, part, s, split, backend, once, stream)
         comms += _gradient_reductions(part_layout, part, s, backend, split)
+    comms += stream_comms(model, layout, placed, s, backend) + shared_gathers(model, layout, placed, s, backend)
     comms += sequence_parallel_comms(_tensor_comms(model, layout, rules, s, split), model, layout, rules, s, backend)
     comms += _vocab_parallel_comms(model, layout, placed, s, split)
     if embedding:
@@ -282,7 +287,13 @@ def _fsdp_gather_bytes(layout: Layout, backend: str) -> int:
 
 
 def _weight_gathers(
-    layout: Layout, placed: dict[str, _Placed], s: _Shape, split: VocabSplit | None = None, backend: str = "gpu"
+    layout: Layout,
+    placed: dict[str, _Placed],
+    s: _Shape,
+    split: VocabSplit | None = None,
+    backend: str = "gpu",
+    forward_only: frozenset[str] = frozenset(),
+    split_stream: bool = False,
 ) -> list[Comm]:
     """FSDP: each weight split over ``fsdp`` is gathered before use, again in the backward pass.
 
@@ -294,6 +305,9 @@ def _weight_gathers(
     a second time in the backward pass when ``tensor`` is split and so is ``data`` or the batch
     (microbatches). The
     embedding table is handled in `_embedding_comms`. KV projections left whole on ``tensor``: `_kv_weight_moves`.
+    Where the rules keep the batch whole over ``fsdp`` and the residual stream is split along ``embed`` instead
+    (``split_stream``, `sharding.costmodel.stream`): the norm scales are not gathered, and the weights in
+    ``forward_only`` are gathered for their forward product only.
     """
     mesh = layout.mesh
     comms = []
@@ -301,12 +315,14 @@ def _weight_gathers(
         n = p.factor(ax.FSDP)
         if n <= 1 or p.param.role == "embedding" or (split is not None and p.param.role == "output"):
             continue
+        if split_stream and p.param.role == "scale" and p.param.axes == (ax.EMBED,):
+            continue
         result = p.local * n * _fsdp_gather_bytes(layout, backend)
         if p.param.per_layer:
-            count = 2 * p.param.copies(s.layers) * s.micro
-            if ax.EXPERT in p.param.axes and layout.remat == "none":
+            count = (1 if p.param.path in forward_only else 2) * p.param.copies(s.layers) * s.micro
+            if ax.EXPERT in p.param.axes and layout.remat == "none" and not split_stream:
                 # the experts' weights are gathered before the dispatch's map, whose input the backward
-                # keeps (no remat): one gather per layer and microbatch
+                # keeps (no remat): one gather per layer and microbatch; with the stream split, again backward
                 count //= 2
         elif p.param.role == "output":
             regather = mesh[ax.TENSOR] > 1 and (mesh[ax.DATA] > 1 or s.micro > 1)
