@@ -184,7 +184,7 @@ def _router_gathers(model: ModelDescription, layout: Layout, rules: Rules, s: _S
         return []
     n = moe.layers * s.micro * (1 + (layout.remat in ("full", "dots")))
     whole = s.tok * split_b * split_l * moe.num_experts * 4  # a microbatch's scores, float32
-    what = "MoE router scores gathered for top_k"
+    what = "router scores gathered whole for top_k (MoE)"
     comms = [Comm("all-gather", batch or length, split_b if batch else split_l, whole, n, what, False)]
     if batch and length:
         comms.append(Comm("all-gather", length, split_l, whole / split_b, n, what, False))
