@@ -113,14 +113,14 @@ def _expert_comms(model: ModelDescription, layout: Layout, rules: Rules, s: _Sha
 
     Full remat runs the forward's again. ``tok`` is the layer's tokens on a device, the microbatch's over the
     devices that split them under the rules (the placement's ``token_split``; ``s.tok`` where those are the
-    batch's and the length's axes)."""
+    batch's and the length's axes). The router's scores gathered before ``top_k``: `_router_gathers`."""
     moe = model.experts
     if moe is None:
         return []
     rows = s.rows * layout.batch_split  # a microbatch's sequences, whole over the mesh
     place = expert_placement_of(model, rules, layout.mesh, (int(rows), s.seq) if rows == int(rows) else None)
     if not place.dispatch.collectives:
-        return []
+        return _router_gathers(model, layout, rules, s)
     tok = s.tok * layout.batch_split * layout.length_split / place.token_split
     n = moe.layers * s.micro
     forward = n * (1 + (layout.remat == "full"))
@@ -130,8 +130,9 @@ def _expert_comms(model: ModelDescription, layout: Layout, rules: Rules, s: _Sha
         rows = moe.num_experts * math.ceil(moe.capacity_factor * tok * moe.experts_per_token / moe.num_experts)
         buffer = rows * model.hidden * s.act_bytes
         what = "MoE dispatch and combine"
-        return [Comm("all-to-all", place.expert_axes, place.split, buffer, 2 * (forward + n), what, False)]
-    comms = []
+        comms = [Comm("all-to-all", place.expert_axes, place.split, buffer, 2 * (forward + n), what, False)]
+        return comms + _router_gathers(model, layout, rules, s)
+    comms = _router_gathers(model, layout, rules, s)
     axes, g = place.gather_axes, place.gather_split
     if g > 1:
         comms += [
@@ -157,6 +158,36 @@ def _expert_comms(model: ModelDescription, layout: Layout, rules: Rules, s: _Sha
             ),
             Comm("all-reduce", summed, group, tokens + routing, n, "MoE token and combine-weight gradients", False),
         ]
+    return comms
+
+
+def _router_gathers(model: ModelDescription, layout: Layout, rules: Rules, s: _Shape) -> list[Comm]:
+    """The router's float32 scores ``[B, T, E]`` gathered whole before ``top_k`` (`models.moe.route`), per
+    MoE layer and microbatch, in every dispatch (the local one too): XLA's SPMD partitioner has no split
+    ``top_k`` (the ``topk`` instruction, XLA:CPU's ``TopK`` custom call), so it replicates the operand over
+    every axis that splits it, runs ``top_k`` on the microbatch's every token and slices its own back. The
+    scores are split as the tokens are, over the rules' batch and length axes (not over ``tensor``, nor by
+    sequence parallelism's split of the stream): one all-gather to ``[B, T, E]``, two where both split them
+    (over the length axes to the device's rows first, ``[B / batch, T, E]``, then over the batch axes).
+    Forward only (the backward scatters the chosen entries' cotangents on the split), again where remat
+    recomputes it: ``full``, and ``dots`` (``top_k``'s output is not a product's). A standalone ``top_k`` on
+    a batch split over 8 devices compiles the same gather on jax 0.10.2; seen in ``moe-test``'s step on
+    ``expert=4,fsdp=2``, ``data=2,expert=4``, ``expert=2,fsdp=2,tensor=2``, ``fsdp=8``, ``sequence=2,expert=4``,
+    under ``batch=data+fsdp`` and ``batch=data+expert``, in 2 microbatches and under each remat policy.
+    Not inside pipeline stages (the layer runs locally in the stage's map, and the head's shape,
+    ``s.layers == 0``, has no layers) nor in the uneven step (manual over its batch axes): there the scores are
+    whole where ``top_k`` reads them."""
+    moe, mesh = model.experts, layout.mesh
+    batch, length = rules.batch_axes(mesh), rules.length_axes(mesh)
+    split_b, split_l = math.prod(mesh[a] for a in batch), math.prod(mesh[a] for a in length)
+    if moe is None or s.layers == 0 or split_b * split_l == 1:
+        return []
+    n = moe.layers * s.micro * (1 + (layout.remat in ("full", "dots")))
+    whole = s.tok * split_b * split_l * moe.num_experts * 4  # a microbatch's scores, float32
+    what = "router scores gathered whole for top_k (MoE)"
+    comms = [Comm("all-gather", batch or length, split_b if batch else split_l, whole, n, what, False)]
+    if batch and length:
+        comms.append(Comm("all-gather", length, split_l, whole / split_b, n, what, False))
     return comms
 
 
@@ -319,7 +350,10 @@ def _weight_gathers(
             continue
         result = p.local * n * _fsdp_gather_bytes(layout, backend)
         if p.param.per_layer:
-            count = (1 if p.param.path in forward_only else 2) * p.param.copies(s.layers) * s.micro
+            # a mixture's stack of one dense layer runs outside a layer loop, so the partitioner hoists its
+            # gathers out of the microbatch loop: once a pass per step (moe-test in 2 microbatches)
+            hoisted = p.param.stack == 1 and s.layers >= 1
+            count = (1 if p.param.path in forward_only else 2) * p.param.copies(s.layers) * (1 if hoisted else s.micro)
             if ax.EXPERT in p.param.axes and layout.remat == "none" and not split_stream:
                 # the experts' weights are gathered before the dispatch's map, whose input the backward
                 # keeps (no remat): one gather per layer and microbatch; with the stream split, again backward
