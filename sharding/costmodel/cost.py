@@ -50,6 +50,7 @@ from sharding.costmodel.pipeline_comms import (
     stored_row_sums,
 )
 from sharding.costmodel.sequence import sequence_parallel_comms
+from sharding.costmodel.stream import backward_split, head_backward_split
 from sharding.costmodel.zero import replaced_all_reduce, with_zero, zero_on
 from sharding.errors import ConfigError, Field
 from sharding.modeldesc import ModelDescription
@@ -364,12 +365,15 @@ def _gemms(
 ) -> tuple[Gemm, ...]:
     """The step's products by shape (`step_gemms`, `attention_gemms`): ``runs`` layer executions of ``s.tok``
     tokens, each product's forward run again by the remat policy (``full``: the recomputed products; ``dots``
-    the attention products only) and ``recomputes`` more times (a pipeline's backward pass)."""
+    the attention products only) and ``recomputes`` more times (a pipeline's backward pass); the backward
+    products on a residual stream split along ``embed`` take its split (`sharding.costmodel.stream.backward_split`)."""
     mesh = layout.mesh
     splits = _model_splits(model, rules, tuple(mesh.items()))
     full = 1.0 if layout.remat == "full" else 0.0
     passes = {True: 1.0 + full + recomputes, False: 1.0}
-    gemms = step_gemms(model, splits, mesh, s.tok, runs, passes, head_tokens, head_runs)
+    placed = _place_cached(model, rules, tuple(mesh.items()))
+    stream, head = backward_split(layout, placed), head_backward_split(model, layout, placed)
+    gemms = step_gemms(model, splits, mesh, s.tok, runs, passes, head_tokens, head_runs, stream, head)
     kernel = attention_of(model, layout)
     if kernel.materialises_scores and not kernel.under_shard_map:
         again = (1.0 if layout.remat in ("full", "dots") else 0.0) + recomputes

@@ -43,6 +43,7 @@ from sharding.costmodel.layout import (
     expert_placement_of,
 )
 from sharding.costmodel.memory import _held_params
+from sharding.costmodel.stream import backward_split, gradient_shares, head_backward_split
 from sharding.modeldesc import AttentionTraits, ModelDescription, Product
 from sharding.parallel import CONTIGUOUS
 from sharding.rules import Rules
@@ -129,6 +130,10 @@ def _per_token_flops(
         return 2.0 * product.share * groups * product.weight.size / placed[product.weight.path].factor(*compute_axes)
 
     layer_fwd = sum(forward(p) for p in model.products)
+    # backward: the input and the weight gradient, each as much as the forward, less where the residual stream
+    # is split along embed (`sharding.costmodel.stream.gradient_shares`)
+    stream = backward_split(layout, placed)
+    layer_bwd = sum(forward(p) * sum(gradient_shares(p, stream)) for p in model.products)
     # Full remat recomputes the block's forward except the products whose output no gradient
     # needs (XLA drops them as dead code); "dots" saves the weight products and recomputes the
     # attention products (they have batch dimensions).
@@ -145,23 +150,24 @@ def _per_token_flops(
     logits_fwd = (
         2.0 * logits.in_size * logits.out_size / math.prod(_axis_split(model, a, rules, mesh) for a in logits.out_axes)
     )
+    logits_bwd = logits_fwd * sum(gradient_shares(logits, head_backward_split(model, layout, placed), head=True))
     recompute = {"none": 0.0, "full": kept_fwd + attn_fwd, "dots": attn_fwd}[layout.remat]
     recompute += recomputes * (kept_fwd + attn_fwd)
     passes = 1.0 + ELEMENTWISE_BACKWARD_FACTOR + (1.0 if layout.remat != "none" else 0.0)
     elem_layer = passes * _per_token(model, "layer_elementwise", rules, mesh, s.seq if whole else 0.0)
-    layer = 3.0 * layer_fwd + attn_total + recompute + elem_layer
+    layer = layer_fwd + layer_bwd + attn_total + recompute + elem_layer
     if kernel.under_shard_map:
         # A Pallas kernel's products are invisible to cost_analysis: on CPU its interpreter's grid is a loop
         # whose body (one tile) is counted once; on GPU it is a custom call, counted as nothing.
         attn_recomputed = {"none": 0.0, "full": attn_fwd, "dots": attn_fwd}[layout.remat] + recomputes * attn_fwd
         layer -= attn_total + attn_recomputed
     return {
-        "layers": 3.0 * layer_fwd,
+        "layers": layer_fwd + layer_bwd,
         "attention": attn_total,
         "recompute": recompute,
         "elem_layer": elem_layer,
         "counted_layer": layer,
-        "logits": 3.0 * logits_fwd,
+        "logits": logits_fwd + logits_bwd,
         "elem_loss": (1.0 + ELEMENTWISE_BACKWARD_FACTOR) * _per_token(model, "loss_elementwise", rules, mesh, 0.0),
     }
 

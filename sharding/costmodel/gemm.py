@@ -30,6 +30,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from sharding import axes as ax
+from sharding.costmodel.stream import gradient_shares
 
 #: Seconds every product costs beyond its work: the kernel's launch and its prologue/epilogue (a thread block
 #: loads its first tiles before the tensor cores start, and writes its results after they stop). About 5
@@ -108,6 +109,8 @@ def step_gemms(
     forward_passes: Mapping[bool, float],
     head_tokens: float,
     head_runs: float,
+    stream: int = 1,
+    head_stream: int = 1,
 ) -> tuple[Gemm, ...]:
     """The weight products of one device's step: forward, input gradient and weight gradient of each of the
     model's products (`sharding.modeldesc.Product`), and of the output projection.
@@ -115,7 +118,11 @@ def step_gemms(
     Shapes per execution, for a product of a weight ``[in, out]`` split ``in / a`` and ``out / b`` by the
     layout's non-batch axes: forward ``[t, in/a] x [in/a, out/b]``; input gradient ``[t, out/b] x
     [out/b, in/a]``; weight gradient ``[in/a, t] x [t, out/b]`` (the tokens ``t`` contracted: a product with
-    few tokens per microbatch is a thin-``k`` product there). A mixture of experts' product (``share`` < 1)
+    few tokens per microbatch is a thin-``k`` product there). Where the residual stream is split ``n`` ways
+    along ``embed`` (``stream``) the backward products take the split
+    (`sharding.costmodel.stream.gradient_shares`): the weight gradient is ``[in/(a n), t] x [t, out/b]``
+    (``embed`` the input) or ``[in/a, t] x [t, out/(b n)]`` (the output), and a product that contracts ``embed``
+    has its input gradient ``[t, out/b] x [out/b, in/(a n)]``. A mixture of experts' product (``share`` < 1)
     runs on ``share x t`` rows per execution (the routed tokens, as if balanced).
 
     Args:
@@ -128,42 +135,52 @@ def step_gemms(
         flag (1 without remat; 2 where the backward pass recomputes them).
       head_tokens: Tokens of one execution of the output projection.
       head_runs: Executions of the output projection per step.
+      stream: The devices the residual stream is split over along ``embed``
+        (`sharding.costmodel.stream.backward_split`); 1 where it is whole.
+      head_stream: The same for the output projection's weight gradient
+        (`sharding.costmodel.stream.head_backward_split`).
 
     Returns:
       The products (`Gemm`), with their executions per step.
     """
     out: list[Gemm] = []
-    products, (v, h) = _local_shapes(model, splits, mesh)
-    for k_in, n_out, share, recomputed, name in products:
+    products, (v, h, head_share) = _local_shapes(model, splits, mesh, stream, head_stream)
+    for k_in, n_out, share, recomputed, name, (d_in, w_in, w_out) in products:
         rows = tokens * share
         out.append(Gemm(rows, n_out, k_in, layer_runs * forward_passes[recomputed], f"{name} forward"))
-        out.append(Gemm(rows, k_in, n_out, layer_runs, f"{name} input gradient"))
-        out.append(Gemm(k_in, n_out, rows, layer_runs, f"{name} weight gradient"))
+        out.append(Gemm(rows, k_in * d_in, n_out, layer_runs, f"{name} input gradient"))
+        out.append(Gemm(k_in * w_in, n_out * w_out, rows, layer_runs, f"{name} weight gradient"))
     if head_runs > 0:
         out.append(Gemm(head_tokens, v, h, head_runs, "logits forward"))
         out.append(Gemm(head_tokens, h, v, head_runs, "logits input gradient"))
-        out.append(Gemm(h, v, head_tokens, head_runs, "logits weight gradient"))
+        out.append(Gemm(h * head_share, v, head_tokens, head_runs, "logits weight gradient"))
     return tuple(g for g in out if g.count > 0)
 
 
-def _local_shapes(model: Any, splits: Mapping[str, tuple[str, ...]], mesh: Mapping[str, int]) -> tuple:
-    """``(products, (v, h))``: each product's local ``(in / a, out / b, share, recomputed, path)`` and the output
-    projection's local vocabulary and width, kept per model, splits and mesh (`_shapes_of`): a search prices
-    thousands of costs of one layout that differ only in tokens and executions."""
-    return _shapes_of(model, tuple((k, tuple(v)) for k, v in splits.items()), tuple(mesh.items()))
+def _local_shapes(
+    model: Any, splits: Mapping[str, tuple[str, ...]], mesh: Mapping[str, int], stream: int = 1, head_stream: int = 1
+) -> tuple:
+    """``(products, (v, h, head))``: each product's local ``(in / a, out / b, share, recomputed, path, shares)``
+    (``shares``: the input gradient's ``in`` share, the weight gradient's ``in`` and ``out`` shares on a stream
+    split ``stream`` ways), the output projection's local vocabulary and width and its weight gradient's width
+    share (``head_stream``), kept per model, splits, mesh and stream (`_shapes_of`): a search prices thousands
+    of costs of one layout that differ only in tokens and executions."""
+    return _shapes_of(model, tuple((k, tuple(v)) for k, v in splits.items()), tuple(mesh.items()), stream, head_stream)
 
 
 @functools.lru_cache(maxsize=4096)
-def _shapes_of(model: Any, split_items: tuple, mesh_items: tuple) -> tuple:
+def _shapes_of(model: Any, split_items: tuple, mesh_items: tuple, stream: int, head_stream: int) -> tuple:
     splits, mesh = dict(split_items), dict(mesh_items)
     products = []
     for p in model.products:
         a = math.prod(_compute_split(splits, mesh, x) for x in p.in_axes)
         b = math.prod(_compute_split(splits, mesh, x) for x in p.out_axes)
-        products.append((p.in_size / a, p.out_size / b, p.share, p.recomputed, p.weight.path))
+        d_in, w = gradient_shares(p, stream)
+        w_in, w_out = (w, 1.0) if ax.EMBED in p.in_axes else (1.0, w)
+        products.append((p.in_size / a, p.out_size / b, p.share, p.recomputed, p.weight.path, (d_in, w_in, w_out)))
     logits = model.logits
     b = math.prod(_compute_split(splits, mesh, x) for x in logits.out_axes)
-    return tuple(products), (logits.out_size / b, logits.in_size)
+    return tuple(products), (logits.out_size / b, logits.in_size, gradient_shares(logits, head_stream, head=True)[1])
 
 
 def attention_gemms(

@@ -26,6 +26,12 @@ on CPU (the ``test`` model: ``f32[8,64,128]`` gathers over ``fsdp``):
   backward copies of the weights above are gathered over those to the stream's split (`shared_gathers`), and
   a mixture's experts are gathered again backward.
 
+* the backward products take the stream's split (`gradient_shares`): each layer product's weight gradient
+  (``[D/f, F]`` from the split saved input, ``[F, D/f]`` from the split cotangent) and the input gradient of
+  those contracting ``embed`` (``[t, D/f]``), a quarter of their work on ``fsdp=4`` (2.82 GFLOP priced against
+  2.85 compiled at 16 x 64 on ``data=2,fsdp=4``, 4.23 priced whole); the output projection's weight gradient
+  too where its weight shares no axis with the batch (`head_backward_split`). Not inside pipeline stages.
+
 Per layer of ``test`` (two norms) that is 3 stream gathers forward and 4 backward, 2 and 2 all-reduces: seen at
 16 x 64 on ``data=2,fsdp=4`` with and without 2 microbatches, under full remat, on ``data=4,fsdp=2`` and on
 ``data=2,fsdp=2,tensor=2``, and on ``moe-test`` under ``batch=data+expert`` at 64 x 32 and 16 x 64 (its
@@ -42,7 +48,7 @@ import math
 from sharding import axes as ax
 from sharding.costmodel.collectives import Comm
 from sharding.costmodel.layout import _DTYPE_BYTES, _PARAM_BYTES, Layout, _Placed, _Shape
-from sharding.modeldesc import ModelDescription
+from sharding.modeldesc import ModelDescription, Product
 
 
 def _norm_scales(placed: dict[str, _Placed]) -> list[_Placed]:
@@ -83,6 +89,44 @@ def forward_only_gathers(model: ModelDescription, layout: Layout, placed: dict[s
         for path, p in placed.items()
         if p.param.per_layer and ax.EXPERT not in p.param.axes and _in_stack(path) in contracting
     )
+
+
+def backward_split(layout: Layout, placed: dict[str, _Placed]) -> int:
+    """The devices the residual stream is split over (`stream_split_axes`) where that splits backward products
+    (`gradient_shares`): outside pipeline stages (whose map runs each layer on its own); 1 elsewhere."""
+    if layout.mesh[ax.STAGE] > 1:
+        return 1
+    return stream_split_axes(layout, placed)[1]
+
+
+def head_backward_split(model: ModelDescription, layout: Layout, placed: dict[str, _Placed]) -> int:
+    """`backward_split` for the output projection's weight gradient: the stream's devices where its weight
+    shares no axis with the batch (``test`` on ``data=2,fsdp=4``: ``f32[4096,32]``, the weight's own shard); 1
+    where it does (``moe-test`` under ``--rule batch=data+expert`` on ``expert=4,fsdp=2``, ``unembed`` split over
+    ``fsdp`` x ``expert``: ``f32[512,64]`` whole, the gradient summed over ``expert`` after)."""
+    n = backward_split(layout, placed)
+    if n <= 1 or _shared_axes(layout, placed[model.logits.weight.path])[1] > 1:
+        return 1
+    return n
+
+
+def gradient_shares(product: Product, n: int, head: bool = False) -> tuple[float, float]:
+    """``(input gradient, weight gradient)``: the share of each backward product of ``product`` one device
+    computes of what it would on a whole stream, where the stream is split ``n`` ways along ``embed``
+    (`backward_split`). As jax 0.10 compiles ``test`` under ``--rule batch=data`` (16 x 64 on
+    ``data=2,fsdp=4``, with and without full remat or ``dots``, in 2 microbatches; ``data=4,fsdp=2``;
+    ``data=2,fsdp=2,tensor=2``): the weight gradient of every product with ``embed`` on either side comes out
+    split along ``embed`` (``[D/n, F]`` from the split saved input, ``[F, D/n]`` from the split cotangent); the
+    input gradient of a product that contracts ``embed`` (q, k, v, gate, up) comes out split too ``[t, D/n]``,
+    while one whose output is ``embed`` (the attention output, down) and the output projection (``head``: the
+    final norm's output and its cotangent are gathered; ``n`` from `head_backward_split`) take the gathered
+    cotangent and the gathered weight.
+    The experts' products are left whole (not examined). ``(1, 1)`` where ``n`` is 1."""
+    axes = (*product.in_axes, *product.out_axes)
+    if n <= 1 or ax.EMBED not in axes or ax.EXPERT in axes:
+        return 1.0, 1.0
+    contracts = ax.EMBED in product.in_axes and not head
+    return (1.0 / n if contracts else 1.0), 1.0 / n
 
 
 def _in_stack(path: str) -> str:
