@@ -164,11 +164,12 @@ def _expert_comms(model: ModelDescription, layout: Layout, rules: Rules, s: _Sha
 
 def _routed_rows(model: ModelDescription, layout: Layout, rules: Rules, s: _Shape) -> float:
     """Rows of a device's grouped expert products per MoE layer and microbatch: its own tokens (``tok`` as in
-    `_expert_comms`) times the routed copies it computes of each (`ExpertPlacement.copies_held`: ``k``
-    without expert parallelism, ``gather_split * min(k, E / E_p)`` under the ring)."""
+    `_expert_comms`; ``s.tok`` inside pipeline stages, where the layer runs on the stage's own) times the routed
+    copies it computes of each (`ExpertPlacement.copies_held`: ``k`` without expert parallelism,
+    ``gather_split * min(k, E / E_p)`` under the ring)."""
     rows = s.rows * layout.batch_split
     place = expert_placement_of(model, rules, layout.mesh, (int(rows), s.seq) if rows == int(rows) else None)
-    tok = s.tok * layout.batch_split * layout.length_split / place.token_split
+    tok = s.tok * layout.batch_split * layout.length_split / place.token_split if place.token_axes else s.tok
     return tok * place.copies_held(model.experts.experts_per_token)
 
 
