@@ -486,8 +486,10 @@ def _tensor_comms(
 
     A mixture of experts: each product in the layers that run it (`_stack_share`: the dense layers' MLP, the
     MoE layers' experts, the attention in every layer); the routed experts' down projection ends in partial
-    sums of the combined ``[tokens, D]`` (not ``[tokens, E * D]``), and their gate and up projections' input
-    gradients are partial sums over the routed copies' rows (`_routed_rows`), as compiled.
+    sums of the combined ``[tokens, D]`` (not ``[tokens, E * D]``; the layer's map sums them after the combine),
+    of the copies' ``[rows, D]`` inside pipeline stages (the partitioner sums them before it), and their gate
+    and up projections' input gradients are partial sums over the routed copies' rows (`_routed_rows`), as
+    compiled.
     """
     mesh = layout.mesh
     if mesh[ax.TENSOR] <= 1:
@@ -497,12 +499,15 @@ def _tensor_comms(
     backward: dict[float, float] = {}
     for product in model.products:
         share = _stack_share(model, product.weight, s.layers)
-        rows, out_size = s.tok, product.out_size
-        if product.groups > 1:  # the routed experts: partial sums of the combined [tokens, D], their copies' rows
+        rows = outputs = s.tok
+        out_size = product.out_size
+        if product.groups > 1:  # the routed experts: partial sums of [rows, D], their copies' rows backward
             out_size //= product.groups
             rows = _routed_rows(model, layout, rules, s)
+            if mesh.get(ax.STAGE, 1) > 1:  # inside a stage the partitioner sums the copies' outputs
+                outputs = rows
         if _tensor_split(model, product.in_axes, rules, mesh):
-            out = s.tok * out_size * s.act_bytes
+            out = outputs * out_size * s.act_bytes
             recomputed = ((layout.remat == "full") + recomputes) * product.recomputed
             forward[out] = forward.get(out, 0) + (1 + recomputed) * share
         if _tensor_split(model, product.out_axes, rules, mesh):
