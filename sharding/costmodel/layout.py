@@ -373,6 +373,17 @@ def _axis_split(model: ModelDescription, logical: str | None, rules: Rules, mesh
     return math.prod(mesh[a] for a in _model_splits(model, rules, tuple(mesh.items()))[logical])
 
 
+def _stack_share(model: ModelDescription, param: Param, layers: int) -> float:
+    """The fraction of ``layers`` layers that run ``param``'s product: 1 (the int) for a stack over every
+    layer; for a mixture, the layers of the stacks that hold it (its dense layers' MLP, its MoE layers'
+    experts; the attention both stacks hold: every layer), as `sharding.modeldesc.Param.copies` counts them."""
+    if param.stack is None or not layers:
+        return 1
+    name = param.path.split("/", 1)[-1]  # the path inside one layer
+    held = sum(q.copies(layers) for q in model.params if q.per_layer and q.path.split("/", 1)[-1] == name)
+    return min(held, layers) / layers
+
+
 def _tensor_split(model: ModelDescription, axes: Sequence[str], rules: Rules, mesh: Mapping[str, int]) -> bool:
     """Whether any of the model's logical ``axes`` is split over ``tensor`` (an unnamed one never is)."""
     splits = _model_splits(model, rules, tuple(mesh.items()))

@@ -34,6 +34,7 @@ from sharding.costmodel.layout import (
     _place_cached,
     _Placed,
     _Shape,
+    _stack_share,
     _tensor_split,
     attention_of,
     expert_placement_of,
@@ -159,6 +160,17 @@ def _expert_comms(model: ModelDescription, layout: Layout, rules: Rules, s: _Sha
             Comm("all-reduce", summed, group, tokens + routing, n, "MoE token and combine-weight gradients", False),
         ]
     return comms
+
+
+def _routed_rows(model: ModelDescription, layout: Layout, rules: Rules, s: _Shape) -> float:
+    """Rows of a device's grouped expert products per MoE layer and microbatch: its own tokens (``tok`` as in
+    `_expert_comms`; ``s.tok`` inside pipeline stages, where the layer runs on the stage's own) times the routed
+    copies it computes of each (`ExpertPlacement.copies_held`: ``k`` without expert parallelism,
+    ``gather_split * min(k, E / E_p)`` under the ring)."""
+    rows = s.rows * layout.batch_split
+    place = expert_placement_of(model, rules, layout.mesh, (int(rows), s.seq) if rows == int(rows) else None)
+    tok = s.tok * layout.batch_split * layout.length_split / place.token_split if place.token_axes else s.tok
+    return tok * place.copies_held(model.experts.experts_per_token)
 
 
 def _router_gathers(model: ModelDescription, layout: Layout, rules: Rules, s: _Shape) -> list[Comm]:
@@ -471,21 +483,36 @@ def _tensor_comms(
     values' cotangents too (`_kv_cotangent_comms`). The logits: the cross-entropy's max and sum over the split vocabulary
     ([tokens] float32 each) and the input gradient of the output projection (with the
     vocabulary-parallel loss, `_vocab_parallel_comms` instead), unless ``with_logits`` is False.
+
+    A mixture of experts: each product in the layers that run it (`_stack_share`: the dense layers' MLP, the
+    MoE layers' experts, the attention in every layer); the routed experts' down projection ends in partial
+    sums of the combined ``[tokens, D]`` (not ``[tokens, E * D]``; the layer's map sums them after the combine),
+    of the copies' ``[rows, D]`` inside pipeline stages (the partitioner sums them before it), and their gate
+    and up projections' input gradients are partial sums over the routed copies' rows (`_routed_rows`), as
+    compiled.
     """
     mesh = layout.mesh
     if mesh[ax.TENSOR] <= 1:
         return []
     t, n = mesh[ax.TENSOR], s.layers * s.micro
-    forward: dict[float, int] = {}  # bytes of one all-reduce -> executions per layer and microbatch
-    backward: dict[float, int] = {}
+    forward: dict[float, float] = {}  # bytes of one all-reduce -> executions per layer and microbatch
+    backward: dict[float, float] = {}
     for product in model.products:
+        share = _stack_share(model, product.weight, s.layers)
+        rows = outputs = s.tok
+        out_size = product.out_size
+        if product.groups > 1:  # the routed experts: partial sums of [rows, D], their copies' rows backward
+            out_size //= product.groups
+            rows = _routed_rows(model, layout, rules, s)
+            if mesh.get(ax.STAGE, 1) > 1:  # inside a stage the partitioner sums the copies' outputs
+                outputs = rows
         if _tensor_split(model, product.in_axes, rules, mesh):
-            out = s.tok * product.out_size * s.act_bytes
+            out = outputs * out_size * s.act_bytes
             recomputed = ((layout.remat == "full") + recomputes) * product.recomputed
-            forward[out] = forward.get(out, 0) + 1 + recomputed
+            forward[out] = forward.get(out, 0) + (1 + recomputed) * share
         if _tensor_split(model, product.out_axes, rules, mesh):
-            grad = s.tok * product.in_size * s.act_bytes
-            backward[grad] = backward.get(grad, 0) + 1
+            grad = rows * product.in_size * s.act_bytes
+            backward[grad] = backward.get(grad, 0) + share
     comms = [
         Comm("all-reduce", (ax.TENSOR,), t, b, c * n, "row-parallel outputs (forward)", False)
         for b, c in forward.items()

@@ -15,7 +15,11 @@ gathered inputs), the row-parallel outputs and column-parallel input gradients t
 `sharding.costmodel.partitioner._tensor_comms` prices as all-reduces reduce-scattered instead, and two
 ``[embed]`` float32 all-reduces (the norms' scale gradients); per microbatch, an all-gather of the loss's
 input (the output projection reads the whole length), one of the embedding output's gradient, and the final
-norm's scale gradient. XLA's CPU backend lowers a reduce-scatter to an all-reduce of the whole array and a
+norm's scale gradient. A mixture of experts (`_blocks`): a MoE layer's block input is gathered once (the
+router, the shared experts and the dispatch's map read the one copy), its output gradient once for each of the
+shared experts' and the routed experts' down projections (2 gathers forward, 3 backward per MoE layer, 2 and 2
+per dense layer: ``moe-test`` on ``fsdp=4,tensor=2``, ``data=2,tensor=4`` and ``expert=2,tensor=2,fsdp=2``);
+each stack's blocks counted in its own layers. XLA's CPU backend lowers a reduce-scatter to an all-reduce of the whole array and a
 slice, so for ``backend="cpu"`` the all-reduces stay as they are.
 
 Units: bytes, executions per step.
@@ -27,7 +31,7 @@ import dataclasses
 
 from sharding import axes as ax
 from sharding.costmodel.collectives import Comm
-from sharding.costmodel.layout import Layout, _Shape, _tensor_split
+from sharding.costmodel.layout import Layout, _Shape, _stack_share, _tensor_split
 from sharding.modeldesc import ModelDescription
 from sharding.rules import Rules
 
@@ -75,19 +79,43 @@ def sequence_parallel_comms(
                 c = dataclasses.replace(c, kind="reduce-scatter", result_bytes=c.result_bytes / t)
         out.append(c)
     n = s.layers * s.micro
-    # one block ends in each row-parallel product; a recomputed layer gathers every block's input again (even
-    # where it need not redo the product: `remat="dots"` keeps the products' outputs, not their gathered inputs)
-    blocks = sum(1 for p in model.products if _tensor_split(model, p.in_axes, rules, layout.mesh))
-    forward_blocks = blocks * n * (1 + (layout.remat != "none") + recomputes)
+    forward, backward = _blocks(model, layout, rules, s.layers)
+    # a recomputed layer gathers every block's input again (even where it need not redo the product:
+    # `remat="dots"` keeps the products' outputs, not their gathered inputs)
+    forward_blocks = forward * n * (1 + (layout.remat != "none") + recomputes)
     whole = s.tok * model.hidden * s.act_bytes  # one microbatch's [tokens, embed] on this device, gathered
     out.append(Comm("all-gather", (ax.TENSOR,), t, whole, forward_blocks, "block inputs along the length", False))
-    out.append(Comm("all-gather", (ax.TENSOR,), t, whole, blocks * n, "block output gradients along the length", False))
+    out.append(
+        Comm("all-gather", (ax.TENSOR,), t, whole, backward * n, "block output gradients along the length", False)
+    )
     scale = model.hidden * 4  # a norm's float32 scale
     out.append(Comm("all-reduce", (ax.TENSOR,), t, scale, 2 * n, "norm scale gradients (split tokens)", False))
     if with_edges:
         out.append(Comm("all-gather", (ax.TENSOR,), t, whole, 2 * s.micro, "loss input; embedding gradient", False))
         out.append(Comm("all-reduce", (ax.TENSOR,), t, scale, s.micro, "final norm scale gradient", False))
     return out
+
+
+def _blocks(model: ModelDescription, layout: Layout, rules: Rules, layers: int) -> tuple[float, float]:
+    """``(forward, backward)``: the all-gathers of ``[tokens, embed]`` along the length per layer, on average
+    over ``layers`` layers (a mixture's dense layers and MoE layers are two stacks: `_stack_share`).
+
+    Forward, one per block: each block's input is gathered once, read by every product of the block. Backward,
+    one per row-parallel product (the block output's gradient gathered for each product that reads it): a
+    mixture's routed experts, whose output the shared experts' sums into one block, gather it apart from the
+    shared experts' down projection (the dispatch's map reads it in its own layout), 3 per MoE layer
+    (attention, shared, routed) and 2 per dense layer, as the compiled step runs them.
+    """
+    rows = [p for p in model.products if _tensor_split(model, p.in_axes, rules, layout.mesh)]
+    # the modules that hold a plain row-parallel product one level down (``layers/moe`` for ``layers/moe/shared/down``)
+    shared = {p.weight.path.rsplit("/", 2)[0] for p in rows if p.groups == 1}
+    forward = backward = 0
+    for p in rows:
+        share = _stack_share(model, p.weight, layers)
+        backward += share
+        if p.groups == 1 or p.weight.path.rsplit("/", 1)[0] not in shared:
+            forward += share  # a routed product in a block of shared experts adds no block
+    return forward, backward
 
 
 __all__ = ["sequence_parallel_comms"]
