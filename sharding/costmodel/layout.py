@@ -373,14 +373,30 @@ def _axis_split(model: ModelDescription, logical: str | None, rules: Rules, mesh
     return math.prod(mesh[a] for a in _model_splits(model, rules, tuple(mesh.items()))[logical])
 
 
+def _fsdp_gather_bytes(layout: Layout, backend: str) -> int:
+    """Bytes per element of an FSDP weight gather of the (GSPMD) step: on GPU the compute dtype. The model
+    casts each float32 weight to the compute dtype where it is used; the cast is elementwise, so it runs on
+    the shard, and the partitioner gathers at the use, the product's operand, which is the cast's result
+    (torchtitan's FSDP2 gathers in ``param_dtype`` bfloat16 the same way). XLA's CPU backend upcasts
+    bfloat16 collectives, so on CPU float32. The distributed optimizer's gather of the parameters over ``data``
+    moves the same (`sharding.costmodel.zero.zero_comms`: the slices are rounded to the compute dtype before it)."""
+    return _DTYPE_BYTES[layout.dtype] if backend == "gpu" else _PARAM_BYTES
+
+
+def _in_stack(path: str) -> str:
+    """A layer weight's path inside its stack: ``attention/q`` for ``layers/attention/q`` and for
+    ``dense_layers/attention/q`` (a mixture's dense layers, whose products the description gives once)."""
+    return path.split("/", 1)[-1]
+
+
 def _stack_share(model: ModelDescription, param: Param, layers: int) -> float:
     """The fraction of ``layers`` layers that run ``param``'s product: 1 (the int) for a stack over every
     layer; for a mixture, the layers of the stacks that hold it (its dense layers' MLP, its MoE layers'
     experts; the attention both stacks hold: every layer), as `sharding.modeldesc.Param.copies` counts them."""
     if param.stack is None or not layers:
         return 1
-    name = param.path.split("/", 1)[-1]  # the path inside one layer
-    held = sum(q.copies(layers) for q in model.params if q.per_layer and q.path.split("/", 1)[-1] == name)
+    name = _in_stack(param.path)
+    held = sum(q.copies(layers) for q in model.params if q.per_layer and _in_stack(q.path) == name)
     return min(held, layers) / layers
 
 

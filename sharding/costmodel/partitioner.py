@@ -26,11 +26,11 @@ from sharding.costmodel.context import context_groups, context_traffic
 from sharding.costmodel.embedding import _embedding_comms, _table_split
 from sharding.costmodel.layout import (
     _BATCH_FIELDS,
-    _DTYPE_BYTES,
     _INT_BYTES,
     _PARAM_BYTES,
     Layout,
     _axis_split,
+    _fsdp_gather_bytes,
     _place_cached,
     _Placed,
     _Shape,
@@ -317,16 +317,6 @@ def _vocab_parallel_comms(
     if n > 1:
         comms.append(Comm("all-reduce", rest, n, shard, m, f"gradient of {weight.param.path}"))
     return comms
-
-
-def _fsdp_gather_bytes(layout: Layout, backend: str) -> int:
-    """Bytes per element of an FSDP weight gather of the (GSPMD) step: on GPU the compute dtype. The model
-    casts each float32 weight to the compute dtype where it is used; the cast is elementwise, so it runs on
-    the shard, and the partitioner gathers at the use, the product's operand, which is the cast's result
-    (torchtitan's FSDP2 gathers in ``param_dtype`` bfloat16 the same way). XLA's CPU backend upcasts
-    bfloat16 collectives, so on CPU float32. The distributed optimizer's gather of the parameters over ``data``
-    moves the same (`sharding.costmodel.zero.zero_comms`: the slices are rounded to the compute dtype before it)."""
-    return _DTYPE_BYTES[layout.dtype] if backend == "gpu" else _PARAM_BYTES
 
 
 def _weight_gathers(

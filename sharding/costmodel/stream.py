@@ -47,7 +47,7 @@ import math
 
 from sharding import axes as ax
 from sharding.costmodel.collectives import Comm
-from sharding.costmodel.layout import _DTYPE_BYTES, _PARAM_BYTES, Layout, _Placed, _Shape
+from sharding.costmodel.layout import Layout, _fsdp_gather_bytes, _in_stack, _Placed, _Shape
 from sharding.modeldesc import ModelDescription, Product
 
 
@@ -129,12 +129,6 @@ def gradient_shares(product: Product, n: int, head: bool = False) -> tuple[float
     return (1.0 / n if contracts else 1.0), 1.0 / n
 
 
-def _in_stack(path: str) -> str:
-    """A layer weight's path inside its stack: ``attention/q`` for ``layers/attention/q`` and for
-    ``dense_layers/attention/q`` (a mixture's dense layers, whose products the description gives once)."""
-    return path.split("/", 1)[-1]
-
-
 def stream_comms(
     model: ModelDescription, layout: Layout, placed: dict[str, _Placed], s: _Shape, backend: str
 ) -> list[Comm]:
@@ -148,7 +142,7 @@ def stream_comms(
     final = sum(1 for p in _norm_scales(placed) if not p.param.per_layer)
     again = layout.remat != "none"  # the norms' outputs are no products: dots recomputes them too
     marked = s.layers if layout.remat == "dots" else 0  # the layer input, gathered where dots saves it
-    width = _DTYPE_BYTES[layout.dtype] if backend == "gpu" else _PARAM_BYTES
+    width = _fsdp_gather_bytes(layout, backend)
     gathers = (2 * norms - s.layers) + 2 * norms + again * norms + marked + 4 * final
     sums = (2 + again) * norms + final
     return [
@@ -176,7 +170,7 @@ def shared_gathers(
     gathered over ``expert``). Empty where the stream is whole or the batch shares no axis with the weights."""
     if stream_split_axes(layout, placed)[1] <= 1:
         return []
-    width = _DTYPE_BYTES[layout.dtype] if backend == "gpu" else _PARAM_BYTES
+    width = _fsdp_gather_bytes(layout, backend)
     once, scales = forward_only_gathers(model, layout, placed), _norm_scales(placed)
     comms = []
     for p in placed.values():

@@ -68,10 +68,10 @@ def held_array(p: _Placed, rules: Rules, mesh, layers: int | None = None) -> tup
     return shape, spec
 
 
-def stack_layers(layout: Layout, s: _Shape) -> int | None:
-    """The ``layers`` `held_array` takes for a step of shape ``s``: its layer slots without pipeline stages, None
-    with them."""
-    return s.slots if layout.mesh[ax.STAGE] == 1 else None
+def stack_layers(layout: Layout, layers: int) -> int | None:
+    """The ``layers`` `held_array` takes for a model running ``layers`` layers (a step's ``_Shape.slots``):
+    ``layers`` without pipeline stages, None with them."""
+    return layers if layout.mesh[ax.STAGE] == 1 else None
 
 
 def master_split(p: _Placed, rules: Rules, mesh, layers: int | None = None) -> int:
@@ -94,7 +94,7 @@ def not_split(model, layout: Layout) -> list[str]:
         return []
     rules, desc = layout.rules_table(), describe_model(model)
     placed = _place_cached(desc, rules, tuple(layout.mesh.items()))
-    layers = desc.num_layers if layout.mesh[ax.STAGE] == 1 else None
+    layers = stack_layers(layout, desc.num_layers)
     arrays = [(p.param.path, *held_array(p, rules, layout.mesh, layers)) for p in placed.values()]
     return not_split_lines(arrays, layout.mesh)
 
@@ -159,7 +159,7 @@ def zero_comms(
     """
     if not zero_on(layout):
         return []
-    mesh, d, layers = layout.mesh, layout.mesh[ax.DATA], stack_layers(layout, s)
+    mesh, d, layers = layout.mesh, layout.mesh[ax.DATA], stack_layers(layout, s.slots)
     gathered = _fsdp_gather_bytes(layout, backend)
     comms = []
     for p in placed.values():
@@ -215,7 +215,7 @@ def with_zero(layout: Layout, rules: Rules, placed: dict[str, _Placed], s: _Shap
     """
     if not zero_on(layout):
         return flops, memory, comms
-    layers = stack_layers(layout, s)
+    layers = stack_layers(layout, s.slots)
     full = sum(p.local * p.param.copies(s.slots) for p in placed.values())
     share = sum(
         p.local * p.param.copies(s.slots) / master_split(p, rules, layout.mesh, layers) for p in placed.values()
