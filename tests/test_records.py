@@ -1,6 +1,7 @@
 """Records stay true: metrics after a resume, TensorBoard purge, the schedule, state bytes; the optional
 experiment trackers (--wandb, --mlflow) get TensorBoard's scalars, and a missing one is named at parse time."""
 
+import itertools
 import json
 import math
 import shutil
@@ -18,6 +19,7 @@ from sharding.parallel import Parallelism
 from sharding.rules import get_rules
 from train import train
 from train.reports import report
+from train.runtime import loop
 from train.runtime.loop import MetricsWriter, truncate_metrics
 from train.runtime.optimizer import OptimizerConfig, learning_rate_schedule
 from train.runtime.step import Trainer
@@ -92,7 +94,9 @@ def tensorboard_events(folder):
     return events
 
 
-def test_a_resumed_writer_purges_later_tensorboard_events_and_writes_no_duplicates(tmp_path):
+@pytest.mark.parametrize("serial", [0, 9])  # 9: the two writers' serials cross a digit (9, 10)
+def test_a_resumed_writer_purges_later_tensorboard_events_and_writes_no_duplicates(tmp_path, monkeypatch, serial):
+    monkeypatch.setattr(loop, "_WRITER_SERIAL", itertools.count(serial))
     first = MetricsWriter(tmp_path, enabled=True)
     for step in range(0, 7):
         first.write(step, {"loss": 1.0}, prefix="eval" if step in (0, 4) else "train")

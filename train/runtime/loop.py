@@ -202,7 +202,9 @@ class MetricsWriter:
             self._tb = SummaryWriter(
                 str(run_dir / "tensorboard"),
                 purge_step=self.start_step + 1,
-                filename_suffix=f".{os.getpid()}.{next(_WRITER_SERIAL)}",
+                # zero-padded: TensorBoard reads a folder's files in name order, and a resumed run's purge mark
+                # must come after the run it purges (".9" sorts after ".10")
+                filename_suffix=f".{os.getpid()}.{next(_WRITER_SERIAL):06d}",
             )
         except ImportError:
             print("note: tensorboardX is not installed; TensorBoard logs are off", file=sys.stderr)
